@@ -1,0 +1,3 @@
+from graphmode.cli import main
+
+main()

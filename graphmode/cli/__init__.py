@@ -1,0 +1,3 @@
+from graphmode.cli.app import app, main
+
+__all__ = ["app", "main"]

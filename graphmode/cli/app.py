@@ -1,0 +1,73 @@
+"""The `graphmode` command. Each sub-command lives in its own module and registers itself
+on `app` (or adds a sub-typer); this module only assembles them and maps errors to exit codes.
+
+Exit codes: 0 ok, 1 refused (constraint counter-example, numerics mismatch), 2 malformed
+input (field-level error). A traceback reaching the user is a bug.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import typer
+from rich.console import Console
+
+from graphmode.errors import GraphmodeError
+
+app = typer.Typer(name="graphmode", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False,
+                  help="Graph-mode compiler and runtime for inference, driven by a verified recipe.")
+console = Console()
+
+
+@app.callback()
+def _root() -> None:
+    """Graph-mode compiler and runtime for inference, driven by a verified recipe."""
+err_console = Console(stderr=True)
+
+# Sub-command modules, in help order. A module missing here is simply not offered yet.
+COMMAND_MODULES = ["recipe_cmd", "targets_cmd", "compile_cmd", "plan_cmd", "run_cmd", "verify_cmd",
+                   "cache_cmd", "bench_cmd", "profile_cmd", "serve_cmd", "demo_cmd"]
+
+
+def _register() -> None:
+    for mod in COMMAND_MODULES:
+        try:
+            importlib.import_module(f"graphmode.cli.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name != f"graphmode.cli.{mod}":
+                raise
+
+
+def fail(err: GraphmodeError, as_json: bool = False) -> None:
+    """Print a GraphmodeError for a human (or as JSON) and exit with its code."""
+    if as_json:
+        print(json.dumps(err.to_dict(), indent=2))
+    else:
+        err_console.print(f"[bold red]error:[/] {type(err).__name__}", highlight=False)
+        err_console.print(err.render(), markup=False, highlight=False)
+    raise SystemExit(err.exit_code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _register()
+    as_json = "--json" in (argv if argv is not None else sys.argv[1:])
+    try:
+        app(args=argv)  # standalone: usage errors print and exit 2 inside typer
+    except GraphmodeError as e:
+        fail(e, as_json)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        raise SystemExit(130)
+
+
+@app.command("version")
+def version_cmd() -> None:
+    """Print graphmode, torch and python versions."""
+    import platform
+
+    import torch
+
+    import graphmode
+    console.print(f"graphmode {graphmode.__version__}  torch {torch.__version__}  python {platform.python_version()}")

@@ -1,0 +1,72 @@
+"""Declarations of every pass: what it requires, provides and invalidates.
+
+This is data, not code, so the recipe's semantic layer can check a pass order without
+importing the passes themselves. A property a pass *requires* must be provided by an
+earlier pass and not invalidated in between. `memory_plan` must come last: every pass
+that rewrites the graph invalidates it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    name: str
+    summary: str
+    requires: frozenset[str] = field(default_factory=frozenset)
+    provides: frozenset[str] = field(default_factory=frozenset)
+    invalidates: frozenset[str] = field(default_factory=frozenset)
+
+
+def _info(name, summary, requires=(), provides=(), invalidates=("memory_planned",)):
+    return PassInfo(name, summary, frozenset(requires), frozenset(provides), frozenset(invalidates))
+
+
+PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
+    _info("canonicalize", "remove identity/no-op reshapes and casts, merge transpose and reshape chains",
+          provides=("canonical",)),
+    _info("constant_fold", "evaluate constant subgraphs; fold batch-norm into conv/linear; pre-transpose weights",
+          provides=("folded",)),
+    _info("cse", "merge nodes that compute the same value", provides=("cse",)),
+    _info("dce", "remove nodes whose results are never used", provides=("dce",)),
+    _info("layout", "eliminate transposes and pick target-preferred layouts",
+          requires=("canonical",), provides=("layout",), invalidates=("memory_planned", "fused")),
+    _info("fuse", "group elementwise/reduction chains, GEMM epilogues and attention blocks",
+          requires=("canonical",), provides=("fused",)),
+    _info("memory_plan", "liveness over the schedule and arena offsets for every value",
+          provides=("memory_planned",), invalidates=()),
+]}
+
+# Named pipelines a recipe can refer to with `optimize.preset`.
+PRESETS: dict[str, list[str]] = {
+    "none": ["memory_plan"],
+    "default": ["canonicalize", "constant_fold", "cse", "dce", "layout", "fuse", "dce", "memory_plan"],
+    "no_fusion": ["canonicalize", "constant_fold", "cse", "dce", "layout", "dce", "memory_plan"],
+}
+
+FINAL_REQUIREMENTS = frozenset({"memory_planned"})
+
+
+def check_order(names: list[str]) -> list[tuple[int, str]]:
+    """Return (index, message) for every problem in a pass list; empty means valid."""
+    problems: list[tuple[int, str]] = []
+    have: set[str] = set()
+    for i, name in enumerate(names):
+        info = PASS_INFOS.get(name)
+        if info is None:
+            problems.append((i, f"unknown pass {name!r}; known passes: {', '.join(sorted(PASS_INFOS))}"))
+            continue
+        missing = info.requires - have
+        if missing:
+            providers = sorted({p.name for p in PASS_INFOS.values() if p.provides & missing})
+            problems.append((i, f"pass {name!r} requires {', '.join(sorted(missing))}, "
+                                f"which no earlier pass provides (or a later one invalidated); "
+                                f"put {' or '.join(providers)} before it"))
+        have -= info.invalidates
+        have |= info.provides
+    missing = FINAL_REQUIREMENTS - have
+    if names and missing:
+        problems.append((len(names) - 1, "the pipeline must end with 'memory_plan' "
+                                         "(every rewriting pass invalidates the memory plan)"))
+    return problems
