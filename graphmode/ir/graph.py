@@ -1,0 +1,179 @@
+"""The graph: immutable nodes over named, typed values, plus constant data.
+
+`Node` is frozen; a pass builds a new node list (or a new Graph via `clone`). Facts a pass
+computes (liveness, offsets...) live in side maps, not on nodes.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from graphmode.errors import IRError
+from graphmode.ir.types import TensorType, Value
+
+_NAME_RE = re.compile(r"[^A-Za-z0-9_.]")
+
+
+def clean_name(name: str) -> str:
+    """A value name that prints and parses: letters, digits, '_' and '.'."""
+    n = _NAME_RE.sub("_", name)
+    return n if n and not n[0].isdigit() else f"v{n}"
+
+
+@dataclass(frozen=True, eq=True)
+class Node:
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    body: "Graph | None" = None   # fused nodes: the region they replace
+
+    __hash__ = object.__hash__
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return self.attrs.get(key, default)
+
+    def with_(self, **changes) -> "Node":
+        d = {"op": self.op, "inputs": self.inputs, "outputs": self.outputs,
+             "attrs": self.attrs, "body": self.body}
+        d.update(changes)
+        d["inputs"] = tuple(d["inputs"])
+        d["outputs"] = tuple(d["outputs"])
+        return Node(**d)
+
+
+@dataclass
+class Graph:
+    """A model (or a fused region). `values` holds every value's type and role."""
+
+    name: str
+    values: dict[str, Value] = field(default_factory=dict)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    dims: dict[str, tuple[int, int]] = field(default_factory=dict)  # dim -> (min, max)
+
+    # ---- construction -------------------------------------------------------------
+    def add_value(self, name: str, type: TensorType, role: str = "intermediate") -> str:
+        if name in self.values:
+            raise IRError(f"value %{name} defined twice", where=f"graph @{self.name}",
+                          fix="give every value a unique name (use Graph.fresh_name)")
+        self.values[name] = Value(name, type, role)
+        return name
+
+    def add_input(self, name: str, type: TensorType) -> str:
+        self.add_value(name, type, "input")
+        self.inputs.append(name)
+        return name
+
+    def add_constant(self, name: str, tensor: torch.Tensor, role: str = "param") -> str:
+        self.add_value(name, TensorType.of(tensor), role)
+        self.constants[name] = tensor
+        return name
+
+    def fresh_name(self, hint: str = "v") -> str:
+        base = clean_name(hint)
+        if base not in self.values:
+            return base
+        i = 1
+        while f"{base}_{i}" in self.values:
+            i += 1
+        return f"{base}_{i}"
+
+    def add_node(self, op: str, inputs, out_types: list[TensorType], attrs=None, *,
+                 names: list[str] | None = None, body: "Graph | None" = None) -> list[str]:
+        names = names or [self.fresh_name(op) for _ in out_types]
+        outs = [self.add_value(self.fresh_name(n) if n in self.values else n, t) for n, t in zip(names, out_types)]
+        self.nodes.append(Node(op, tuple(inputs), tuple(outs), dict(attrs or {}), body))
+        return outs
+
+    # ---- queries --------------------------------------------------------------------
+    def type_of(self, name: str) -> TensorType:
+        try:
+            return self.values[name].type
+        except KeyError:
+            raise IRError(f"unknown value %{name}", where=f"graph @{self.name}") from None
+
+    def producers(self) -> dict[str, Node]:
+        return {o: n for n in self.nodes for o in n.outputs}
+
+    def users(self) -> dict[str, list[Node]]:
+        out: dict[str, list[Node]] = {v: [] for v in self.values}
+        for n in self.nodes:
+            for i in n.inputs:
+                out.setdefault(i, []).append(n)
+        return out
+
+    def is_constant(self, name: str) -> bool:
+        return name in self.constants
+
+    def iter_nodes(self, recursive: bool = False) -> Iterator[Node]:
+        for n in self.nodes:
+            yield n
+            if recursive and n.body is not None:
+                yield from n.body.iter_nodes(True)
+
+    def op_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            counts[n.op] = counts.get(n.op, 0) + 1
+        return dict(sorted(counts.items()))
+
+    # ---- copies, hashing, equality ------------------------------------------------------
+    def clone(self, *, nodes: list[Node] | None = None) -> "Graph":
+        return Graph(self.name, dict(self.values), list(self.inputs), list(self.outputs),
+                     list(self.nodes if nodes is None else nodes), dict(self.constants), dict(self.dims))
+
+    def prune_values(self) -> "Graph":
+        """Drop values (and constants) that no node, input or output mentions."""
+        used = set(self.inputs) | set(self.outputs)
+        for n in self.nodes:
+            used.update(n.inputs)
+            used.update(n.outputs)
+        self.values = {k: v for k, v in self.values.items() if k in used}
+        self.constants = {k: v for k, v in self.constants.items() if k in used}
+        return self
+
+    def text(self) -> str:
+        from graphmode.ir.printer import print_graph
+        return print_graph(self)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def structural_hash(self) -> str:
+        """sha256 over the printed IR and every constant's bytes: stable across runs."""
+        h = hashlib.sha256(self.text().encode())
+        for name in sorted(self.constants):
+            h.update(name.encode())
+            h.update(constant_digest(self.constants[name]).encode())
+        return h.hexdigest()[:16]
+
+    def equals(self, other: "Graph") -> bool:
+        if self.text() != other.text() or set(self.constants) != set(other.constants):
+            return False
+        return all(torch.equal(self.constants[k], other.constants[k]) for k in self.constants)
+
+
+_DIGESTS: dict[tuple, str] = {}
+
+
+def constant_digest(t: torch.Tensor) -> str:
+    key = (id(t), t._version, t.data_ptr(), tuple(t.shape), str(t.dtype))
+    d = _DIGESTS.get(key)
+    if d is None:
+        data = t.detach().contiguous().cpu()
+        if data.dtype == torch.bfloat16:
+            data = data.view(torch.int16)
+        h = hashlib.sha256(str((str(data.dtype), tuple(data.shape))).encode())
+        h.update(data.numpy().tobytes())
+        d = h.hexdigest()[:16]
+        if len(_DIGESTS) > 100_000:
+            _DIGESTS.clear()
+        _DIGESTS[key] = d
+    return d

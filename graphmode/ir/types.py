@@ -1,0 +1,181 @@
+"""Value types: dtype, shape with symbolic dims, layout, role.
+
+A dim is either an int or a sympy expression over the recipe's dim symbols (`batch`,
+`seq`, `seq*12`...). Expressions are kept canonical (sympy-simplified) so that two equal
+shapes print, hash and compare the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterable, Mapping, Union
+
+import sympy
+import torch
+
+from graphmode.errors import IRError
+
+DTYPES: dict[str, torch.dtype] = {
+    "f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+    "i64": torch.int64, "i32": torch.int32, "i16": torch.int16, "i8": torch.int8,
+    "u8": torch.uint8, "bool": torch.bool,
+}
+TORCH_TO_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = frozenset({"f64", "f32", "f16", "bf16"})
+ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+
+ROLES = ("input", "param", "const", "intermediate", "output")
+LAYOUTS = ("row_major", "nchw", "nhwc", "packed")
+
+Dim = Union[int, sympy.Expr]
+
+
+@lru_cache(maxsize=4096)
+def _parse_dim_text(text: str) -> Dim:
+    try:
+        expr = sympy.sympify(text, locals={n: sympy.Symbol(n, integer=True, positive=True)
+                                           for n in _symbol_names(text)})
+    except (sympy.SympifyError, SyntaxError, TypeError) as e:
+        raise IRError(f"cannot parse dim expression {text!r}: {e}",
+                      fix="use an int or an expression over dim names, e.g. 'seq*12'") from None
+    return normalize_dim(expr)
+
+
+def _symbol_names(text: str) -> list[str]:
+    import re
+    funcs = {"Max", "Min", "floor", "ceiling", "Mod", "FloorDiv", "CeilDiv"}
+    return [t for t in re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text) if t not in funcs]
+
+
+def sym(name: str) -> sympy.Symbol:
+    """The symbol for a recipe dim; all dims are positive integers."""
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+def normalize_dim(d) -> Dim:
+    if isinstance(d, bool):
+        raise IRError("a dim cannot be a bool", value=d)
+    if isinstance(d, int):
+        return d
+    if isinstance(d, str):
+        return _parse_dim_text(d.strip())
+    if isinstance(d, sympy.Basic):
+        e = sympy.expand(d) if not d.is_Symbol else d
+        if e.is_Integer:
+            return int(e)
+        # make every free symbol an integer positive symbol, so equal expressions compare equal
+        subs = {s: sym(s.name) for s in e.free_symbols if s != sym(s.name)}
+        return e.xreplace(subs) if subs else e
+    try:  # torch.SymInt / numpy ints
+        return int(d)
+    except (TypeError, ValueError):
+        raise IRError(f"unsupported dim {d!r} of type {type(d).__name__}") from None
+
+
+def dim_str(d: Dim) -> str:
+    return str(d) if isinstance(d, int) else sympy.sstr(d).replace(" ", "")
+
+
+def eval_dim(d: Dim, env: Mapping[str, int]) -> int:
+    if isinstance(d, int):
+        return d
+    missing = [s.name for s in d.free_symbols if s.name not in env]
+    if missing:
+        raise IRError(f"dim {dim_str(d)} needs values for {missing}", fix="bind every recipe dim")
+    v = sympy.sympify(d.xreplace({s: sympy.Integer(env[s.name]) for s in d.free_symbols}))
+    if not v.is_Integer:
+        v = sympy.simplify(v)
+        if not v.is_Integer:
+            raise IRError(f"dim {dim_str(d)} is not an integer at {dict(env)}: {v}")
+    return int(v)
+
+
+def dims_equal(a: Dim, b: Dim) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def dim_symbols(dims: Iterable[Dim]) -> set[str]:
+    out: set[str] = set()
+    for d in dims:
+        if not isinstance(d, int):
+            out |= {s.name for s in d.free_symbols}
+    return out
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """dtype + shape (ints and symbolic expressions) + layout."""
+
+    dtype: str
+    shape: tuple[Dim, ...]
+    layout: str = "row_major"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise IRError(f"unknown dtype {self.dtype!r}", fix=f"one of {', '.join(DTYPES)}")
+        if self.layout not in LAYOUTS:
+            raise IRError(f"unknown layout {self.layout!r}", fix=f"one of {', '.join(LAYOUTS)}")
+        object.__setattr__(self, "shape", tuple(normalize_dim(d) for d in self.shape))
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_static(self) -> bool:
+        return all(isinstance(d, int) for d in self.shape)
+
+    def numel(self) -> Dim:
+        n: sympy.Expr | int = 1
+        for d in self.shape:
+            n = n * d
+        return normalize_dim(n)
+
+    def nbytes(self) -> Dim:
+        return normalize_dim(self.numel() * ITEMSIZE[self.dtype])
+
+    def concrete(self, env: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(eval_dim(d, env) for d in self.shape)
+
+    def specialize(self, env: Mapping[str, int]) -> "TensorType":
+        return TensorType(self.dtype, self.concrete(env), self.layout)
+
+    def with_shape(self, shape) -> "TensorType":
+        return TensorType(self.dtype, tuple(shape), self.layout)
+
+    def with_dtype(self, dtype: str) -> "TensorType":
+        return TensorType(dtype, self.shape, self.layout)
+
+    def text(self) -> str:
+        dims = ",".join(dim_str(d) for d in self.shape)
+        lay = "" if self.layout == "row_major" else f"@{self.layout}"
+        return f"{self.dtype}[{dims}]{lay}"
+
+    def to_json(self) -> dict:
+        d = {"dtype": self.dtype, "shape": [d if isinstance(d, int) else dim_str(d) for d in self.shape]}
+        if self.layout != "row_major":
+            d["layout"] = self.layout
+        return d
+
+    @staticmethod
+    def from_json(d: Mapping) -> "TensorType":
+        return TensorType(d["dtype"], tuple(d["shape"]), d.get("layout", "row_major"))
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorType":
+        if t.dtype not in TORCH_TO_DTYPE:
+            raise IRError(f"unsupported tensor dtype {t.dtype}", fix=f"one of {', '.join(DTYPES)}")
+        return TensorType(TORCH_TO_DTYPE[t.dtype], tuple(t.shape))
+
+
+@dataclass(frozen=True)
+class Value:
+    name: str
+    type: TensorType
+    role: str = "intermediate"
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise IRError(f"unknown role {self.role!r} for %{self.name}", fix=f"one of {', '.join(ROLES)}")
