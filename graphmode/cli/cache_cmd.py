@@ -1,0 +1,97 @@
+"""`graphmode cache ls|clear|prune|explain`: the on-disk plan cache."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from graphmode.cli.app import app, console
+from graphmode.errors import GraphmodeError
+
+cache_app = typer.Typer(help="Inspect and manage the artifact cache.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+CacheDir = typer.Option(None, "--cache-dir", envvar="GRAPHMODE_CACHE_DIR", help="default ~/.cache/graphmode")
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", text.lower())
+    if not m:
+        raise GraphmodeError(f"cannot parse size {text!r}", where="--max-size", fix="e.g. 500MB, 2GiB, 1048576")
+    unit = (m[2] or "b").rstrip("b").rstrip("i")
+    return int(float(m[1]) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit])
+
+
+def _cache(cache_dir: Optional[Path]):
+    from graphmode.runtime.cache import ArtifactCache
+    return ArtifactCache(cache_dir)
+
+
+@cache_app.command("ls")
+def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(False, "--json")) -> None:
+    """List cached plans with their key fields and sizes."""
+    entries = _cache(cache_dir).entries()
+    if as_json:
+        print(json.dumps([{"digest": e.digest, "key": e.key, "bytes": e.size, "last_used": e.last_used}
+                          for e in entries], indent=1))
+        return
+    t = Table(title=f"{len(entries)} cached plans")
+    for c in ("digest", "graph", "recipe", "target", "bucket", "versions", "KiB", "last used"):
+        t.add_column(c)
+    for e in entries:
+        k = e.key
+        t.add_row(e.digest[:12], k.get("graph_hash", "?"), k.get("recipe_hash", "?"), k.get("target", "?"),
+                  k.get("bucket", "?"), f"gm {k.get('graphmode', '?')} / torch {k.get('torch', '?')}",
+                  f"{e.size / 1024:.1f}", time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)))
+    console.print(t)
+
+
+@cache_app.command("clear")
+def cache_clear(cache_dir: Optional[Path] = CacheDir) -> None:
+    """Remove every cached plan."""
+    console.print(f"removed {_cache(cache_dir).clear()} entries")
+
+
+@cache_app.command("prune")
+def cache_prune(max_size: str = typer.Option(..., "--max-size", help="e.g. 200MB"),
+                cache_dir: Optional[Path] = CacheDir) -> None:
+    """Remove least-recently-used plans until the cache fits --max-size."""
+    removed = _cache(cache_dir).prune(parse_size(max_size))
+    console.print(f"removed {len(removed)} entries ({sum(e.size for e in removed) / 1024:.1f} KiB)")
+
+
+@cache_app.command("explain")
+def cache_explain(
+    model: str = typer.Option(..., "--model"),
+    recipe: str = typer.Option(..., "--recipe"),
+    bucket: Optional[str] = typer.Option(None, "--bucket", help="e.g. 1x128 (default: first bucket)"),
+    target: str = typer.Option("host", "--target"),
+    cache_dir: Optional[Path] = CacheDir,
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Say whether a lookup hits, and if not which key field differs from the nearest entry."""
+    from graphmode.cli.run_cmd import parse_shape
+    from graphmode.compiler import capture, optimize
+    from graphmode.recipe import load_recipe
+    from graphmode.runtime.cache import make_key
+
+    rec = load_recipe(recipe)
+    env = parse_shape(bucket, list(rec.dims)) if bucket else dict(rec.buckets()[0])
+    graph0, _, _ = capture(model, rec)
+    graph, _ = optimize(graph0, rec, None, buckets=[])
+    key = make_key(graph.structural_hash(), rec.hash(), target, env)
+    res = _cache(cache_dir).explain(key)
+    res["key"] = key
+    if as_json:
+        print(json.dumps(res, indent=1))
+        return
+    if res["result"] == "hit":
+        console.print(f"hit: entry {res['digest']}")
+    else:
+        console.print(f"miss: {res['reason']}")
+        for k, v in res.get("differs", {}).items():
+            console.print(f"  {k}: cached {v['nearest_entry']!r}, wanted {v['wanted']!r}")

@@ -1,0 +1,154 @@
+"""`graphmode compile`: capture + passes + memory plans + proof, printed as a compile report."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from graphmode.cli.app import app, console
+
+
+def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_dir: Optional[Path] = None,
+                 dump_before: Optional[str] = None, dump_after: Optional[str] = None, plan_buckets: bool = True):
+    """Run the pipeline up to memory plans; returns (report, optimized graph, recipe, source)."""
+    from graphmode.compile_report import BucketMemory, CompileReport, model_facts
+    from graphmode.compiler import _target, capture, optimize
+    from graphmode.plan.memory import activation_peak_expr, plan_memory
+    from graphmode.recipe import load_recipe, validate
+    from graphmode.recipe.targets import pick_target
+
+    secs: dict[str, float] = {}
+    recipe = load_recipe(recipe_path)
+    tgt = _target(target) if target else pick_target(recipe, None)
+    t0 = time.perf_counter()
+    graph0, cap, src = capture(model, recipe)
+    secs["capture"] = time.perf_counter() - t0
+
+    def sel(v):
+        return () if not v else ("all" if v == "all" else {s.strip() for s in v.split(",")})
+    t0 = time.perf_counter()
+    graph, opt = optimize(graph0, recipe, tgt, buckets=[], dump_dir=dump_dir or Path("graphmode-ir-dumps"),
+                          dump_before=sel(dump_before), dump_after=sel(dump_after))
+    secs["passes"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    memory = []
+    if plan_buckets:
+        for env in recipe.buckets():
+            mp = plan_memory(graph, env, reuse=recipe.optimize.memory_reuse,
+                             alias_groups=[list(g) for g in recipe.alias_groups])
+            memory.append(BucketMemory(dict(env), mp.arena_bytes, mp.lower_bound_bytes))
+    act = activation_peak_expr(graph)
+    secs["memory_plan"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    validation = validate(recipe, tgt, model_facts(graph, act))
+    secs["verify"] = time.perf_counter() - t0
+    fused = [{"kind": n.attrs.get("kind"), "ops": [m.op for m in n.body.nodes], "outputs": list(n.outputs)}
+             for n in graph.nodes if n.op == "fused"]
+    rep = CompileReport(src.name, recipe.name, recipe.hash(), getattr(tgt, "name", str(tgt)),
+                        graph.structural_hash(), cap, opt.passes, len(graph0.nodes), len(graph.nodes), fused,
+                        memory, str(act), validation, secs)
+    rep.dump_files = opt.dump_files  # type: ignore[attr-defined]
+    return rep, graph, recipe, src
+
+
+def print_report(rep, *, max_buckets: int = 12) -> None:
+    cap = rep.capture
+    console.print(f"[bold]graphmode compile[/] model [cyan]{rep.model}[/] recipe [cyan]{rep.recipe_name}[/] "
+                  f"#{rep.recipe_hash} target [cyan]{rep.target}[/] graph #{rep.graph_hash}")
+    console.print(f"capture: {cap.source}, {sum(cap.aten_ops.values())} source ops "
+                  f"({len(cap.aten_ops)} kinds) -> {rep.nodes_captured} IR nodes in {rep.seconds['capture']:.1f}s")
+    if cap.fallbacks:
+        t = Table(title=f"fallbacks (graph breaks): {sum(f.count for f in cap.fallbacks)}")
+        for c in ("op", "count", "reason", "source location"):
+            t.add_column(c)
+        for f in cap.fallbacks:
+            t.add_row(f.target, str(f.count), f.reason, f.loc)
+        console.print(t)
+    else:
+        console.print("fallbacks: none (the whole model runs as one graph)")
+    t = Table(title="passes")
+    for c in ("#", "pass", "nodes before", "nodes after", "ms", "stats"):
+        t.add_column(c, justify="right" if c in ("#", "nodes before", "nodes after", "ms") else "left")
+    for i, p in enumerate(rep.passes.passes):
+        stats = ", ".join(f"{k}={v}" for k, v in p.stats.items() if not isinstance(v, (dict, list)))
+        t.add_row(str(i), p.name, str(p.nodes_before), str(p.nodes_after), f"{p.seconds * 1e3:.1f}", stats[:80])
+    console.print(t)
+    if rep.fused_groups:
+        kinds: dict[str, int] = {}
+        for g in rep.fused_groups:
+            kinds[g["kind"]] = kinds.get(g["kind"], 0) + 1
+        console.print(f"fused groups: {len(rep.fused_groups)} ("
+                      + ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())) + ")")
+        shown: dict[str, int] = {}
+        for g in rep.fused_groups:
+            sig = f"{g['kind']}: {' + '.join(g['ops'])}"
+            shown[sig] = shown.get(sig, 0) + 1
+        for sig, n in sorted(shown.items(), key=lambda kv: -kv[1])[:10]:
+            console.print(f"  {n:3d} x {sig}")
+    if rep.memory:
+        t = Table(title=f"memory plan ({len(rep.memory)} buckets)")
+        for c in ("bucket", "arena MiB", "lower bound MiB", "arena / bound"):
+            t.add_column(c, justify="right")
+        mem = rep.memory if len(rep.memory) <= max_buckets else rep.memory[:max_buckets // 2] + rep.memory[-max_buckets // 2:]
+        for m in mem:
+            t.add_row(",".join(f"{k}={v}" for k, v in m.bucket.items()), f"{m.arena_bytes / 2**20:.2f}",
+                      f"{m.lower_bound_bytes / 2**20:.2f}", f"{m.ratio:.3f}")
+        console.print(t)
+        worst = max(rep.memory, key=lambda m: m.ratio)
+        console.print(f"worst arena / lower bound: {worst.ratio:.3f} at {worst.bucket}")
+    v = rep.validation
+    console.print(f"verdict: [bold]{v.verdict}[/]")
+    for p in v.proofs:
+        console.print(f"  {p.name}: {p.status} — {p.message}", markup=False)
+    console.print(f"time: " + ", ".join(f"{k} {s:.2f}s" for k, s in rep.seconds.items()))
+
+
+@app.command("compile")
+def compile_cmd(
+    model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | package.module:function"),
+    recipe: str = typer.Option(..., "--recipe", help="recipe YAML"),
+    target: Optional[str] = typer.Option(None, "--target", help="target name (default: the recipe's first)"),
+    emit_ir: bool = typer.Option(False, "--emit-ir", help="print the optimised IR"),
+    dump_ir_before: Optional[str] = typer.Option(None, "--dump-ir-before", help="PASS[,PASS] or all"),
+    dump_ir_after: Optional[str] = typer.Option(None, "--dump-ir-after", help="PASS[,PASS] or all"),
+    dump_dir: Path = typer.Option(Path("graphmode-ir-dumps"), "--dump-dir", help="where IR dumps go"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="capture, optimise and prove; build no kernels"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
+) -> None:
+    """Compile a model with a recipe and print the compile report."""
+    rep, graph, recipe_obj, src = build_report(model, recipe, target, dump_dir=dump_dir,
+                                               dump_before=dump_ir_before, dump_after=dump_ir_after)
+    built = None
+    if not dry_run:
+        from graphmode.runtime.build import build_plan, kernel_provider
+        t0 = time.perf_counter()
+        env = recipe_obj.buckets()[0]
+        plan = build_plan(graph, recipe_obj, env)
+        from graphmode.backends.cpu.executor import CpuExecutable
+        exe = CpuExecutable(plan, graph.constants, kernels=kernel_provider())
+        built = {"bucket": env, "instructions": len(plan.instructions), "generated_kernels": exe.generated,
+                 "seconds": round(time.perf_counter() - t0, 3)}
+        rep.seconds["first_plan"] = time.perf_counter() - t0
+    if as_json:
+        d = rep.to_json()
+        d["first_plan"] = built
+        d["dump_files"] = [str(p) for p in getattr(rep, "dump_files", [])]
+        if emit_ir:
+            d["ir"] = graph.text()
+        print(json.dumps(d, indent=2, default=str))
+    else:
+        print_report(rep)
+        if built:
+            console.print(f"plan for bucket {built['bucket']}: {built['instructions']} instructions, "
+                          f"{built['generated_kernels']} generated kernels, built in {built['seconds']:.2f}s")
+        files = getattr(rep, "dump_files", [])
+        if files:
+            console.print(f"IR dumps: {len(files)} files under {files[0].parent}")
+        if emit_ir:
+            console.print(graph.text(), markup=False, highlight=False)
+    verdict = rep.validation.verdict
+    raise typer.Exit(0 if rep.validation.ok else (1 if verdict in ("refuted", "unproved", "invalid") else 2))

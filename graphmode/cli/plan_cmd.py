@@ -1,0 +1,41 @@
+"""`graphmode plan show`: the execution plan of one bucket, readable or as JSON."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from graphmode.cli.app import app, console
+from graphmode.errors import GraphmodeError
+
+plan_app = typer.Typer(help="Inspect execution plans.", no_args_is_help=True)
+app.add_typer(plan_app, name="plan")
+
+
+@plan_app.command("show")
+def plan_show(
+    model: str = typer.Option(..., "--model"),
+    recipe: str = typer.Option(..., "--recipe"),
+    shape: Optional[str] = typer.Option(None, "--bucket", help="e.g. 1x128 or batch=1,seq=128 (default: first bucket)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Print the ordered instructions, arena offsets and sizes of one bucket's plan."""
+    from graphmode.cli.run_cmd import parse_shape
+    from graphmode.compiler import capture, optimize
+    from graphmode.recipe import load_recipe
+    from graphmode.runtime.build import build_plan
+
+    rec = load_recipe(recipe)
+    env = parse_shape(shape, list(rec.dims)) if shape else dict(rec.buckets()[0])
+    bucket = rec.bucket_for(env)
+    if bucket is None:
+        raise GraphmodeError(f"shape {env} is outside the recipe's dims", where="--bucket",
+                             fix=f"buckets: {rec.dim_buckets()}")
+    graph0, cap, src = capture(model, rec)
+    graph, _ = optimize(graph0, rec, None, buckets=[])
+    plan = build_plan(graph, rec, bucket)
+    if as_json:
+        print(json.dumps(plan.to_json(), indent=1))
+    else:
+        console.print(plan.text(), markup=False, highlight=False)

@@ -1,0 +1,82 @@
+"""The compile report: what capture, each pass and the memory planner did, and the proof."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from graphmode.ir.graph import Graph
+from graphmode.ir.ops import flops_of
+from graphmode.ir.types import normalize_dim
+
+
+def symbolic_flops(graph: Graph) -> sympy.Expr:
+    """Total FLOPs as an expression over the dims (flops_of works on symbolic shapes)."""
+    total: Any = 0
+    for n in graph.iter_nodes():
+        nodes = n.body.nodes if n.op == "fused" else [n]
+        scope = n.body if n.op == "fused" else graph
+        for m in nodes:
+            ins = [scope.values[i].type.shape for i in m.inputs]
+            outs = [scope.values[o].type.shape for o in m.outputs]
+            try:
+                total = total + flops_of(m.op, ins, outs, m.attrs)
+            except TypeError:
+                continue
+    return normalize_dim(total) if not isinstance(total, int) else total
+
+
+def model_facts(graph: Graph, activation_expr) -> Any:
+    """The compiler's terms for the recipe's Z3 proof: real weights, planner's activation peak."""
+    from graphmode.recipe import ModelFacts
+    weights = sum(t.numel() * t.element_size() for t in graph.constants.values())
+    n_ops = sum(1 for n in graph.nodes if n.op != "reshape")
+    return ModelFacts(weights_bytes=int(weights), activation_bytes=activation_expr,
+                      flops=symbolic_flops(graph), n_ops=n_ops, source="compiler")
+
+
+@dataclass
+class BucketMemory:
+    bucket: dict[str, int]
+    arena_bytes: int
+    lower_bound_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.arena_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
+
+
+@dataclass
+class CompileReport:
+    model: str
+    recipe_name: str
+    recipe_hash: str
+    target: str
+    graph_hash: str
+    capture: Any
+    passes: Any
+    nodes_captured: int
+    nodes_optimized: int
+    fused_groups: list[dict] = field(default_factory=list)
+    memory: list[BucketMemory] = field(default_factory=list)
+    activation_expr: str = ""
+    validation: Any = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        v = self.validation
+        return {
+            "model": self.model, "recipe": self.recipe_name, "recipe_hash": self.recipe_hash,
+            "target": self.target, "graph_hash": self.graph_hash,
+            "capture": self.capture.to_json() if self.capture else None,
+            "passes": self.passes.to_json() if self.passes else [],
+            "nodes": {"captured": self.nodes_captured, "optimized": self.nodes_optimized},
+            "fused_groups": self.fused_groups,
+            "memory": [{"bucket": m.bucket, "arena_bytes": m.arena_bytes, "lower_bound_bytes": m.lower_bound_bytes,
+                        "ratio": round(m.ratio, 4)} for m in self.memory],
+            "activation_peak_bytes_expr": self.activation_expr,
+            "verdict": v.verdict if v is not None else None,
+            "proofs": [p.to_dict() for p in (v.proofs if v else [])],
+            "seconds": {k: round(s, 3) for k, s in self.seconds.items()},
+        }

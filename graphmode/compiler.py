@@ -1,0 +1,185 @@
+"""The pipeline as functions: capture -> optimize -> (plan per bucket) -> CompiledModel.
+
+    graph, cap = graphmode.capture("minilm", recipe)
+    graph, report = graphmode.optimize(graph, recipe, target)
+    model = graphmode.compile("minilm", recipe)          # callable like the module
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from graphmode.capture.torch_import import CaptureReport, import_torch
+from graphmode.errors import CaptureError, GraphmodeError, RecipeError
+from graphmode.ir.graph import Graph
+from graphmode.recipe import Recipe, load_recipe
+
+
+@dataclass
+class ModelSource:
+    """What capture needs: a module with named example inputs, or an ONNX file."""
+
+    name: str
+    module: torch.nn.Module | None = None
+    example_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    input_dims: dict[str, list] = field(default_factory=dict)
+    output_names: list[str] = field(default_factory=list)
+    onnx_path: Path | None = None
+    bundle: Any = None   # graphmode.capture.zoo.ModelBundle when built-in
+
+    def make_inputs(self, env: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
+        if self.bundle is not None:
+            return self.bundle.make_inputs(env, seed=seed)
+        from graphmode.verify.numerics import random_inputs
+        raise CaptureError("no input generator for this model", fix="use a built-in model or pass inputs")
+
+
+def as_recipe(recipe: Recipe | str | Path) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return recipe
+    return load_recipe(recipe)
+
+
+def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
+    """A built-in name / ONNX path / 'pkg.mod:fn' spec / nn.Module / ModelBundle -> ModelSource."""
+    from graphmode.capture.zoo import ModelBundle
+    if isinstance(model, ModelSource):
+        return model
+    if isinstance(model, str):
+        from graphmode.capture.spec import resolve_model_spec
+        model = resolve_model_spec(model)
+    if isinstance(model, ModelBundle):
+        dims = {i.name: list(i.shape) for i in recipe.inputs}
+        missing = [n for n in model.input_names if n not in dims]
+        if missing:
+            raise RecipeError(f"the model takes inputs {missing} that the recipe does not declare",
+                              where="inputs", fix=f"declare every model input: {model.input_names}")
+        examples = {k: v for k, v in model.example_inputs.items()}
+        return ModelSource(model.name, model.module, examples, {k: dims[k] for k in model.input_names},
+                           list(model.output_names), bundle=model)
+    if isinstance(model, torch.nn.Module):
+        examples = example_inputs_from_recipe(recipe)
+        return ModelSource(type(model).__name__.lower(), model.eval(), examples,
+                           {i.name: list(i.shape) for i in recipe.inputs})
+    onnx_path = getattr(model, "path", None)
+    if onnx_path is not None and str(onnx_path).endswith(".onnx"):
+        return ModelSource(Path(onnx_path).stem, onnx_path=Path(onnx_path),
+                           input_dims={i.name: list(i.shape) for i in recipe.inputs})
+    raise CaptureError(f"cannot compile a {type(model).__name__}",
+                       fix="pass an nn.Module, a built-in name (minilm, gpt2, resnet18), an .onnx path "
+                           "or 'package.module:function'")
+
+
+def example_inputs_from_recipe(recipe: Recipe) -> dict[str, torch.Tensor]:
+    from graphmode.capture.torch_import import example_sizes
+    from graphmode.ir.types import DTYPES
+    sizes = example_sizes({d: recipe.dim_range(d) for d in recipe.dims})
+    out = {}
+    for spec in recipe.inputs:
+        shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
+        dt = DTYPES[spec.dtype]
+        out[spec.name] = torch.randn(shape).to(dt) if dt.is_floating_point else torch.ones(shape, dtype=dt)
+    return out
+
+
+def capture(model: Any, recipe: Recipe | str | Path) -> tuple[Graph, CaptureReport, ModelSource]:
+    """Model -> IR graph with the recipe's dynamic dims and capture include/exclude lists."""
+    recipe = as_recipe(recipe)
+    src = resolve_model(model, recipe)
+    dims = {d: recipe.dim_range(d) for d in recipe.dims}
+    if src.onnx_path is not None:
+        from graphmode.capture.onnx_import import import_onnx
+        g, rep = import_onnx(src.onnx_path, dims=dims, input_dims=src.input_dims, name=src.name,
+                             include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops)
+        return g, rep, src
+    g, rep = import_torch(src.module, src.example_inputs, src.input_dims, dims, name=src.name,
+                          include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops,
+                          output_names=src.output_names)
+    return g, rep, src
+
+
+@dataclass
+class OptimizeReport:
+    passes: Any                     # PassReport
+    memory: Any = None              # MemoryPlanSet (per-bucket plans + symbolic activation peak)
+    dump_files: list[Path] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def fused_groups(self, graph: Graph) -> list[dict]:
+        return [{"outputs": list(n.outputs), "kind": n.attrs.get("kind"), "ops": [m.op for m in n.body.nodes]}
+                for n in graph.nodes if n.op == "fused"]
+
+
+def pass_context(recipe: Recipe, target: Any = None, buckets: Sequence[dict] | None = None):
+    from graphmode.passes import PassContext
+    fusion = recipe.optimize.fusion
+    return PassContext(
+        options={"fuse": {"enabled": fusion.enabled, "patterns": list(fusion.patterns), "min_ops": fusion.min_ops,
+                          "max_ops": fusion.max_ops},
+                 "memory_plan": {"reuse": recipe.optimize.memory_reuse,
+                                 "alias_groups": [list(g) for g in recipe.alias_groups]}},
+        buckets=list(buckets) if buckets is not None else recipe.buckets(),
+        target=target)
+
+
+def optimize(graph: Graph, recipe: Recipe | str | Path, target: Any = None, *,
+             buckets: Sequence[dict] | None = None, dump_dir: str | Path | None = None,
+             dump_before: Sequence[str] | str = (), dump_after: Sequence[str] | str = (),
+             keep_snapshots: bool = False) -> tuple[Graph, OptimizeReport]:
+    """Run the recipe's pass pipeline (verifier after every pass)."""
+    from graphmode.passes import DumpIR, KeepSnapshots, PassManager
+    recipe = as_recipe(recipe)
+    ctx = pass_context(recipe, target, buckets)
+    dump = None
+    if dump_dir is not None and (dump_before or dump_after):
+        norm = (lambda s: s if s == "all" else set(s))  # noqa: E731
+        dump = DumpIR(dump_dir, norm(dump_before), norm(dump_after))
+        ctx.instruments.append(dump)
+    snaps = KeepSnapshots() if keep_snapshots else None
+    if snaps:
+        ctx.instruments.append(snaps)
+    t0 = time.perf_counter()
+    out, report = PassManager(recipe.pipeline(), ctx).run(graph)
+    rep = OptimizeReport(report, ctx.analyses.get("memory_plan"), dump.files if dump else [],
+                         time.perf_counter() - t0)
+    if snaps:
+        rep.snapshots = snaps.snapshots  # type: ignore[attr-defined]
+    return out, rep
+
+
+def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mode: str | None = None,
+            cache_dir: str | Path | None = None, threads: int | None = None, warmup: bool = False,
+            progress: bool = False):
+    """Capture, optimise and wrap a model; plans are built per bucket on first use (or warm-up)."""
+    from graphmode.runtime.compiled import CompiledModel
+    recipe = as_recipe(recipe)
+    tgt = _target(target)
+    mode = mode or recipe.exe_mode
+    if mode == "eager":
+        src = resolve_model(model, recipe)
+        return CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir, threads=threads)
+    graph0, cap, src = capture(model, recipe)
+    if cap.fallbacks and mode == "graph":
+        lst = ", ".join(f"{f.target} x{f.count} at {f.loc}" for f in cap.fallbacks)
+        raise GraphmodeError(f"the graph has {sum(f.count for f in cap.fallbacks)} fallback op(s) ({lst}) "
+                             f"but exe_mode is 'graph'", where="exe_mode", value=mode,
+                             fix="set exe_mode: hybrid to run them as eager islands, or remove them from "
+                                 "capture.exclude_ops")
+    graph, opt = optimize(graph0, recipe, tgt, buckets=[])
+    cm = CompiledModel(src, recipe, tgt, graph0, graph, (cap, opt), mode=mode, cache_dir=cache_dir,
+                       threads=threads)
+    if warmup:
+        cm.warmup(progress=progress)
+    return cm
+
+
+def _target(target: Any):
+    from graphmode.targets import get_target
+    from graphmode.targets.schema import Target
+    if target is None or isinstance(target, Target):
+        return target
+    return get_target(target)

@@ -1,0 +1,169 @@
+"""ExecutionPlan: the compiled form of one shape bucket.
+
+An ordered list of instructions over arena slots and constants, with the arena size. It is
+plain data (JSON round-trip) so it can be cached, shown (`graphmode plan show`) and handed
+to any backend; the backend decides how each instruction runs (generated kernel, ATen op).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from graphmode.errors import PlanError
+from graphmode.ir.graph import Graph, Node
+from graphmode.ir.ops import OPS, flops_of
+from graphmode.ir.printer import format_attrs
+from graphmode.ir.types import ITEMSIZE
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a value lives: an arena byte offset, or a named constant."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int | None = None     # arena byte offset
+    const: str | None = None      # constant name
+
+    @property
+    def nbytes(self) -> int:
+        n = ITEMSIZE[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+    def text(self) -> str:
+        ty = f"{self.dtype}[{','.join(map(str, self.shape))}]"
+        return f"const:{self.const} {ty}" if self.const is not None else f"arena+{self.offset} {ty}"
+
+    def to_json(self) -> dict:
+        d = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.const is not None:
+            d["const"] = self.const
+        else:
+            d["offset"] = self.offset
+        return d
+
+    @staticmethod
+    def from_json(d: Mapping) -> "Slot":
+        return Slot(d["dtype"], tuple(d["shape"]), d.get("offset"), d.get("const"))
+
+
+@dataclass
+class Instruction:
+    kind: str                 # view | aten | kernel | fallback
+    op: str                   # core op name, or fused kind
+    inputs: list[str]         # value names (resolved through ExecutionPlan.slots)
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    node_index: int = -1      # index of the IR node it came from (for profiling/bisection)
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ExecutionPlan:
+    graph_name: str
+    graph_hash: str
+    env: dict[str, int]
+    arena_bytes: int
+    lower_bound_bytes: int
+    slots: dict[str, Slot]
+    instructions: list[Instruction]
+    inputs: list[str]
+    outputs: list[str]
+    constants: list[str]
+    body_graphs: dict[int, Node] = field(default_factory=dict, repr=False)  # node_index -> fused node (in-memory)
+
+    @property
+    def bucket_key(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in sorted(self.env.items()))
+
+    def to_json(self) -> dict:
+        return {"graph": self.graph_name, "graph_hash": self.graph_hash, "env": self.env,
+                "arena_bytes": self.arena_bytes, "lower_bound_bytes": self.lower_bound_bytes,
+                "slots": {k: v.to_json() for k, v in self.slots.items()},
+                "instructions": [i.to_json() for i in self.instructions],
+                "inputs": self.inputs, "outputs": self.outputs, "constants": self.constants}
+
+    @staticmethod
+    def from_json(d: Mapping) -> "ExecutionPlan":
+        return ExecutionPlan(d["graph"], d["graph_hash"], dict(d["env"]), d["arena_bytes"], d["lower_bound_bytes"],
+                             {k: Slot.from_json(v) for k, v in d["slots"].items()},
+                             [Instruction(**i) for i in d["instructions"]], list(d["inputs"]), list(d["outputs"]),
+                             list(d["constants"]))
+
+    def text(self) -> str:
+        lines = [f"plan @{self.graph_name} bucket {self.bucket_key}  arena {self.arena_bytes / 2**20:.2f} MiB "
+                 f"(lower bound {self.lower_bound_bytes / 2**20:.2f} MiB)  {len(self.instructions)} instructions"]
+        for name in self.inputs:
+            lines.append(f"  input  %{name}: {self.slots[name].text()}")
+        for idx, ins in enumerate(self.instructions):
+            outs = ", ".join(f"%{o}@{self.slots[o].offset}" for o in ins.outputs)
+            args = ", ".join(f"%{i}" for i in ins.inputs)
+            attrs = {k: v for k, v in ins.attrs.items() if k not in ("source",)}
+            a = f" {format_attrs(attrs)}" if attrs else ""
+            lines.append(f"  {idx:4d} {ins.kind:8s} {outs} = {ins.op}({args}){a}   "
+                         f"[{ins.flops / 1e6:.2f} MFLOP, {ins.bytes / 1e6:.2f} MB]")
+        for name in self.outputs:
+            lines.append(f"  output %{name}: {self.slots[name].text()}")
+        return "\n".join(lines)
+
+
+def _node_kind(n: Node, plan_alias: Mapping[str, str]) -> str:
+    spec = OPS[n.op]
+    if n.op == "fused":
+        return "kernel"
+    if n.op == "fallback":
+        return "fallback"
+    if spec.view and plan_alias.get(n.outputs[0]) == n.inputs[0]:
+        return "view"
+    return "aten"
+
+
+def lower(graph: Graph, memory_plan, order: list[int] | None = None) -> ExecutionPlan:
+    """Turn an optimised graph + its memory plan for one bucket into an ExecutionPlan."""
+    env = dict(memory_plan.env)
+    slots: dict[str, Slot] = {}
+    for name, v in graph.values.items():
+        if name in graph.constants:
+            t = graph.constants[name]
+            slots[name] = Slot(v.type.dtype, tuple(t.shape), const=name)
+            continue
+        if name not in memory_plan.offsets:
+            continue
+        slots[name] = Slot(v.type.dtype, v.type.concrete(env), offset=memory_plan.offsets[name])
+    order = order if order is not None else list(memory_plan.order)
+    alias = getattr(memory_plan, "alias_of", {}) or {}
+    instructions: list[Instruction] = []
+    bodies: dict[int, Node] = {}
+    for idx in order:
+        n = graph.nodes[idx]
+        for v in (*n.inputs, *n.outputs):
+            if v not in slots:
+                raise PlanError(f"value %{v} has no slot in the memory plan", where=f"node #{idx} {n.op}",
+                                fix="run the memory_plan pass after the last graph rewrite")
+        in_shapes = [slots[i].shape for i in n.inputs]
+        out_shapes = [slots[o].shape for o in n.outputs]
+        kind = _node_kind(n, alias)
+        if n.op == "fused":
+            flops = sum(flops_of(m.op, [n.body.values[i].type.concrete(env) for i in m.inputs],
+                                 [n.body.values[o].type.concrete(env) for o in m.outputs], m.attrs)
+                        for m in n.body.nodes)
+            op = n.attrs.get("kind", "fused")
+            bodies[idx] = n
+        else:
+            flops = flops_of(n.op, in_shapes, out_shapes, n.attrs)
+            op = n.op
+        nbytes = sum(slots[v].nbytes for v in (*n.inputs, *n.outputs)) if kind != "view" else 0
+        attrs = dict(n.attrs)
+        if n.op == "fused":
+            attrs = {k: v for k, v in attrs.items()}
+            attrs["body_ops"] = [m.op for m in n.body.nodes]
+        instructions.append(Instruction(kind, op, list(n.inputs), list(n.outputs), attrs, idx, flops, nbytes))
+    return ExecutionPlan(graph.name, graph.structural_hash(), env, memory_plan.arena_bytes,
+                         memory_plan.lower_bound_bytes, slots, instructions, list(graph.inputs),
+                         list(graph.outputs), sorted(graph.constants), bodies)

@@ -1,0 +1,240 @@
+"""CompiledModel: callable like the original module, runs plans per shape bucket.
+
+Per call: bind inputs -> find the smallest admissible bucket -> pad -> run that bucket's
+executable -> slice outputs back -> rebuild the module's output structure. A shape outside
+the contract raises ContractViolation (or runs eagerly when `on_violation: eager`). Every
+compile, fallback and violation is an event counted in `events` and logged.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+from graphmode.errors import ContractViolation
+from graphmode.ir.graph import Graph
+
+log = logging.getLogger("graphmode.runtime")
+
+
+class CompiledModel:
+    def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
+                 *, mode: str = "graph", cache_dir=None, threads: int | None = None):
+        self.source = source
+        self.recipe = recipe
+        self.target = target
+        self.captured_graph = captured
+        self.graph = graph
+        self.capture_report, self.optimize_report = reports if reports else (None, None)
+        self.mode = mode
+        self.cache_dir = cache_dir
+        self.threads = threads
+        self.events: Counter[str] = Counter()
+        self.event_log: list[dict] = []
+        self._executables: dict[str, Any] = {}
+        self._compile_lock = threading.Lock()
+        self.input_names = [i.name for i in recipe.inputs]
+        self.pad_values = {i.name: i.pad_value for i in recipe.inputs}
+        self._dim_axes = {i.name: [(ax, d) for ax, d in enumerate(i.shape) if isinstance(d, str)]
+                          for i in recipe.inputs}
+        self._out_spec = None
+        if self.capture_report is not None and getattr(self.capture_report, "out_spec", None):
+            try:
+                self._out_spec = pytree.treespec_loads(self.capture_report.out_spec)
+            except Exception:  # noqa: BLE001 - fall back to a tuple of outputs
+                self._out_spec = None
+        self._signature = None
+        if source.module is not None:
+            try:
+                self._signature = inspect.signature(source.module.forward)
+            except (TypeError, ValueError):
+                self._signature = None
+
+    # ---- events ----------------------------------------------------------------------------
+    def _event(self, kind: str, **info: Any) -> None:
+        self.events[kind] += 1
+        rec = {"event": kind, "time": time.time(), **info}
+        self.event_log.append(rec)
+        if len(self.event_log) > 10_000:
+            del self.event_log[:5_000]
+        log.info("graphmode event %s %s", kind, info)
+
+    # ---- inputs ----------------------------------------------------------------------------
+    def bind_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        if self._signature is not None:
+            try:
+                bound = self._signature.bind_partial(*args, **kwargs)
+                named = dict(bound.arguments)
+            except TypeError as e:
+                raise ContractViolation(f"arguments do not match the model's signature: {e}",
+                                        fix=f"call with {', '.join(self.input_names)}") from None
+        else:
+            if len(args) > len(self.input_names):
+                raise ContractViolation(f"got {len(args)} positional inputs, the recipe declares "
+                                        f"{len(self.input_names)}", fix=f"inputs: {', '.join(self.input_names)}")
+            named = dict(zip(self.input_names, args))
+            named.update(kwargs)
+        unknown = [k for k in named if k not in self.input_names]
+        if unknown:
+            raise ContractViolation(f"unknown inputs {unknown}", where="inputs",
+                                    fix=f"the recipe declares {', '.join(self.input_names)}")
+        missing = [k for k in self.input_names if k not in named]
+        if missing:
+            raise ContractViolation(f"missing inputs {missing}", where="inputs",
+                                    fix=f"pass every declared input: {', '.join(self.input_names)}")
+        out = {}
+        for spec in self.recipe.inputs:
+            t = named[spec.name]
+            if not isinstance(t, torch.Tensor):
+                raise ContractViolation(f"input {spec.name!r} must be a tensor", where=f"inputs.{spec.name}",
+                                        value=type(t).__name__)
+            from graphmode.ir.types import DTYPES
+            if t.dtype != DTYPES[spec.dtype]:
+                raise ContractViolation(f"input {spec.name!r} has dtype {t.dtype}, the recipe declares {spec.dtype}",
+                                        where=f"inputs.{spec.name}.dtype", fix=f"convert it: x.to({DTYPES[spec.dtype]})")
+            if t.dim() != len(spec.shape):
+                raise ContractViolation(f"input {spec.name!r} has rank {t.dim()}, the recipe declares "
+                                        f"{spec.shape}", where=f"inputs.{spec.name}.shape", value=tuple(t.shape))
+            out[spec.name] = t
+        return out
+
+    def shape_of(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        dims: dict[str, int] = {}
+        for spec in self.recipe.inputs:
+            t = inputs[spec.name]
+            for ax, d in enumerate(spec.shape):
+                size = int(t.shape[ax])
+                if isinstance(d, int):
+                    if size != d:
+                        raise ContractViolation(f"input {spec.name!r} axis {ax} must be {d}",
+                                                where=f"inputs.{spec.name}.shape[{ax}]", value=size)
+                elif dims.setdefault(d, size) != size:
+                    raise ContractViolation(f"dim {d!r} is {dims[d]} in one input but {size} in {spec.name!r}",
+                                            where=f"inputs.{spec.name}.shape[{ax}]", value=size,
+                                            fix="inputs sharing a dim must agree on its size")
+        return dims
+
+    def bucket_for(self, dims: Mapping[str, int]) -> dict[str, int] | None:
+        return self.recipe.bucket_for(dict(dims))
+
+    def _violation(self, dims: Mapping[str, int]) -> ContractViolation:
+        for d, v in dims.items():
+            lo, hi = self.recipe.dim_range(d)
+            if not lo <= v <= hi:
+                return ContractViolation(f"dim {d!r} = {v} is outside the recipe's range [{lo}, {hi}]",
+                                         where=f"dims.{d}", value=v,
+                                         fix=f"send {d} within [{lo}, {hi}], widen dims.{d} in the recipe, "
+                                             f"or set on_violation: eager")
+        return ContractViolation(f"no bucket holds shape {dict(dims)}", where="dims", value=dict(dims),
+                                 fix="add a bucket that covers it")
+
+    # ---- plans -----------------------------------------------------------------------------
+    @staticmethod
+    def bucket_key(env: Mapping[str, int]) -> str:
+        return ",".join(f"{k}={v}" for k, v in sorted(env.items()))
+
+    def executable(self, env: Mapping[str, int]):
+        key = self.bucket_key(env)
+        exe = self._executables.get(key)
+        if exe is not None:
+            return exe
+        with self._compile_lock:
+            exe = self._executables.get(key)
+            if exe is None:
+                t0 = time.perf_counter()
+                from graphmode.runtime.build import build_executable
+                exe, cached = build_executable(self, dict(env))
+                self._executables[key] = exe
+                self._event("compile" if not cached else "cache_hit", bucket=key,
+                            seconds=round(time.perf_counter() - t0, 3))
+        return exe
+
+    def warmup(self, progress: bool = False) -> None:
+        """Build every bucket's plan now (a progress bar with `progress`)."""
+        buckets = self.recipe.buckets()
+        if progress:
+            from rich.progress import Progress
+            with Progress() as bar:
+                task = bar.add_task("warm-up: compiling buckets", total=len(buckets))
+                for env in buckets:
+                    self.executable(env)
+                    bar.advance(task)
+        else:
+            for env in buckets:
+                self.executable(env)
+
+    # ---- calling ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inputs = self.bind_inputs(args, kwargs)
+        self.events["calls"] += 1
+        if self.mode == "eager":
+            return self._eager(inputs)
+        dims = self.shape_of(inputs)
+        bucket = self.bucket_for(dims)
+        if bucket is None:
+            err = self._violation(dims)
+            self._event("violation", kind="shape", dims=dict(dims))
+            if self.recipe.on_violation == "eager":
+                self._event("fallback", reason="shape outside contract", dims=dict(dims))
+                return self._eager(inputs)
+            raise err
+        padded = self._pad(inputs, bucket)
+        exe = self.executable(bucket)
+        outs = exe.run(padded)
+        flat = [self._unpad(outs[name], name, dims, bucket) for name in self.graph.outputs]
+        self.last_bucket = bucket
+        if self._out_spec is not None:
+            try:
+                return pytree.tree_unflatten(flat, self._out_spec)
+            except Exception:  # noqa: BLE001 - structure mismatch: return the flat tuple
+                pass
+        return flat[0] if len(flat) == 1 else tuple(flat)
+
+    def _eager(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+        if self.source.module is None:
+            raise ContractViolation("eager execution needs the original torch module (this model came from ONNX)",
+                                    fix="keep requests inside the recipe's dims")
+        with torch.inference_mode():
+            return self.source.module(**inputs)
+
+    def _pad(self, inputs: Mapping[str, torch.Tensor], bucket: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in inputs.items():
+            pads: list[int] = []
+            need = False
+            for ax in reversed(range(t.dim())):
+                extra = 0
+                for a, d in self._dim_axes[name]:
+                    if a == ax:
+                        extra = bucket[d] - int(t.shape[ax])
+                pads += [0, extra]
+                need |= extra > 0
+            if need:
+                t = F.pad(t, pads, value=self.pad_values[name])
+            out[name] = t
+        return out
+
+    def _unpad(self, t: torch.Tensor, name: str, dims: Mapping[str, int], bucket: Mapping[str, int]) -> torch.Tensor:
+        ty = self.graph.values[name].type
+        idx = []
+        sliced = False
+        for ax, d in enumerate(ty.shape):
+            if not isinstance(d, int) and d.is_Symbol and d.name in dims and dims[d.name] != bucket[d.name]:
+                idx.append(slice(0, dims[d.name]))
+                sliced = True
+            else:
+                idx.append(slice(None))
+        return t[tuple(idx)].contiguous() if sliced else t
+
+    def metrics(self) -> dict[str, Any]:
+        ops = self.events["calls"]
+        bad = self.events["violation"] + self.events["fallback"]
+        return {"events": dict(self.events), "health_score": 1.0 - bad / ops if ops else 1.0,
+                "buckets_compiled": sorted(self._executables)}

@@ -1,0 +1,146 @@
+"""Graph vs eager numerics, and bisection of a mismatch to the first diverging node and the
+pass that introduced it.
+
+Value names survive passes (passes rename nothing they keep), so the reference interpreter's
+values on the captured graph can be compared name by name with any later graph's values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from graphmode.ir.graph import Graph
+from graphmode.ir.interpreter import interpret
+from graphmode.verify.numerics import TOLERANCE, rel_l2
+
+
+@dataclass
+class OutputCheck:
+    name: str
+    dtype: str
+    rel_l2: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_l2 <= self.tolerance
+
+
+@dataclass
+class BucketCheck:
+    bucket: dict[str, int]
+    outputs: list[OutputCheck]
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for o in self.outputs)
+
+
+@dataclass
+class Divergence:
+    pass_name: str | None            # the first pass after which the graph disagrees with eager
+    node: str | None                 # "%value = op(...)" of the first diverging node
+    op: str | None
+    rel_l2: float
+    stage: str                       # "pass" | "plan" | "capture"
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        where = f"first diverging node {self.node}" if self.node else "no single node isolated"
+        if self.stage == "pass":
+            return f"introduced by pass {self.pass_name!r}: {where} (rel L2 {self.rel_l2:.2e})"
+        if self.stage == "plan":
+            return f"introduced by the backend plan (all passes match): {where} (rel L2 {self.rel_l2:.2e})"
+        return f"the captured graph already differs from eager: {where} (rel L2 {self.rel_l2:.2e})"
+
+
+def tolerance_for(dtype: str, compute: str = "f32") -> float:
+    return max(TOLERANCE.get(dtype, 1e-5), TOLERANCE.get(compute, 1e-5))
+
+
+def compare_outputs(names: list[str], got: list[torch.Tensor], want: list[torch.Tensor],
+                    compute: str = "f32") -> list[OutputCheck]:
+    out = []
+    for n, g, w in zip(names, got, want):
+        dt = str(w.dtype).replace("torch.", "")
+        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}.get(dt, dt)
+        out.append(OutputCheck(n, short, rel_l2(g, w), tolerance_for(short, compute)))
+    return out
+
+
+def _first_bad_node(reference: Graph, ref_vals: Mapping[str, torch.Tensor], candidate: Graph,
+                    cand_vals: Mapping[str, torch.Tensor], tol: float) -> tuple[str | None, str | None, float]:
+    """The first node of `candidate` (in order) whose output differs from the same-named
+    reference value; fused nodes are checked through their outputs."""
+    for n in candidate.nodes:
+        for o in n.outputs:
+            if o in ref_vals and o in cand_vals and torch.is_floating_point(ref_vals[o]):
+                e = rel_l2(cand_vals[o], ref_vals[o])
+                if e > tol:
+                    args = ", ".join(f"%{i}" for i in n.inputs)
+                    return f"%{o} = {n.op}({args})", n.op if n.op != "fused" else f"fused[{n.attrs.get('kind')}]", e
+    return None, None, 0.0
+
+
+def bisect(snapshots: list[tuple[str, Graph]], inputs: Mapping[str, torch.Tensor],
+           eager_outputs: list[torch.Tensor], tol: float = 1e-5) -> Divergence | None:
+    """Find the first pass snapshot whose outputs leave tolerance, then its first bad node."""
+    base_name, base = snapshots[0]
+    base_vals = interpret(base, inputs, keep_all=True)
+    base_out = [base_vals[o] for o in base.outputs]
+    worst = max(rel_l2(a, b) for a, b in zip(base_out, eager_outputs))
+    if worst > tol:
+        return Divergence(None, None, None, worst, "capture")
+    prev_vals = base_vals
+    prev_graph = base
+    for name, g in snapshots[1:]:
+        vals = interpret(g, inputs, keep_all=True)
+        err = max(rel_l2(vals[o], e) for o, e in zip(g.outputs, eager_outputs))
+        if err > tol:
+            node, op, e = _first_bad_node(prev_graph, prev_vals, g, vals, tol)
+            return Divergence(name, node, op, err, "pass", {"node_rel_l2": e})
+        prev_vals, prev_graph = vals, g
+    return None
+
+
+def bisect_plan(graph: Graph, executable, inputs: Mapping[str, torch.Tensor], tol: float = 1e-5) -> Divergence:
+    """All passes agree: run the plan step by step and compare each slot with the interpreter."""
+    ref = interpret(graph, inputs, keep_all=True)
+    exe = executable
+    with torch.inference_mode():
+        for name in exe.plan.inputs:
+            exe.views[name].copy_(inputs[name])
+        steps = iter(zip(exe.steps, exe.step_names))
+        for ins in exe.plan.instructions:
+            if ins.kind != "view":
+                step, _ = next(steps)
+                step()
+            for o in ins.outputs:
+                if o in ref and torch.is_floating_point(ref[o]):
+                    e = rel_l2(exe.views[o], ref[o])
+                    if e > tol:
+                        args = ", ".join(f"%{i}" for i in ins.inputs)
+                        return Divergence(None, f"%{o} = {ins.op}({args})", ins.op, e, "plan",
+                                          {"instruction": ins.kind})
+    return Divergence(None, None, None, 0.0, "plan")
+
+
+# ops whose numerics are most sensitive to low precision: the first candidates for an fp32 override
+SENSITIVE = ("softmax", "layer_norm", "sdpa", "log_softmax", "sum", "mean", "exp", "pow")
+
+
+def propose_fix(recipe, divergence: Divergence) -> dict[str, Any] | None:
+    """A recipe change that removes the divergence: an fp32 override for the diverging op when
+    compute precision is reduced, else dropping the pass that introduced it."""
+    compute = recipe.precision.compute
+    if divergence.op and compute != "f32":
+        op = divergence.op.split("[")[0]
+        if op == "fused":
+            op = "softmax"
+        return {"precision": {"overrides": {**dict(recipe.precision.overrides), op: "f32"}}}
+    if divergence.pass_name:
+        passes = [p for p in recipe.pipeline() if p != divergence.pass_name]
+        return {"optimize": {"passes": passes, "preset": None}}
+    return None

@@ -1,0 +1,41 @@
+"""Numeric comparison helpers shared by tests, `graphmode verify` and the benchmark."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from graphmode.ir.graph import Graph
+from graphmode.ir.types import DTYPES
+
+# relative L2 error bounds by dtype (fp32: the project's contract)
+TOLERANCE = {"f64": 1e-10, "f32": 1e-5, "bf16": 2e-2, "f16": 5e-3}
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a = actual.detach().double()
+    e = expected.detach().double()
+    if a.shape != e.shape:
+        return float("inf")
+    if not torch.is_floating_point(expected):
+        return 0.0 if torch.equal(a, e) else 1.0
+    den = e.norm().item()
+    num = (a - e).norm().item()
+    return num / den if den > 0 else num
+
+
+def random_inputs(g: Graph, env: Mapping[str, int], seed: int = 0, int_high: int = 2) -> dict[str, torch.Tensor]:
+    """Random tensors for a graph's inputs at concrete dims (ints drawn from [0, int_high))."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in g.inputs:
+        ty = g.values[name].type
+        shape = ty.concrete(env)
+        dt = DTYPES[ty.dtype]
+        if dt.is_floating_point:
+            out[name] = torch.randn(shape, generator=gen, dtype=torch.float32).to(dt)
+        elif dt == torch.bool:
+            out[name] = torch.randint(0, 2, shape, generator=gen).bool()
+        else:
+            out[name] = torch.randint(0, int_high, shape, generator=gen, dtype=dt)
+    return out

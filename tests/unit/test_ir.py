@@ -1,0 +1,170 @@
+"""IR core: text/JSON round trips, stable hashing, verifier, interpreter vs eager, op docs."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphmode.errors import ContractViolation, IRError
+from graphmode.ir import (Graph, TensorType, graph_from_json, graph_to_json, interpret, load_graph, parse_graph,
+                          save_graph, verify_graph)
+from graphmode.ir.graph import Node
+from graphmode.verify.numerics import rel_l2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small_graph() -> Graph:
+    torch.manual_seed(0)
+    g = Graph("small", dims={"batch": (1, 8), "seq": (2, 64)})
+    g.add_input("x", TensorType("f32", ("batch", "seq", 8)))
+    g.add_input("mask", TensorType("bool", ("batch", "seq")))
+    g.add_constant("w", torch.randn(4, 8))
+    g.add_constant("b", torch.randn(4))
+    g.add_constant("half", torch.tensor(0.5), role="const")
+    y, = g.add_node("linear", ["x", "w", "b"], [TensorType("f32", ("batch", "seq", 4))])
+    z, = g.add_node("gelu", [y], [TensorType("f32", ("batch", "seq", 4))], {"approximate": "tanh"})
+    s, = g.add_node("mul", [z, "half"], [TensorType("f32", ("batch", "seq", 4))])
+    r, = g.add_node("reshape", [s], [TensorType("f32", ("batch*seq", 4))], {"shape": [-1, 4]})
+    m, = g.add_node("reshape", ["mask"], [TensorType("bool", ("batch*seq", 1))], {"shape": ["batch*seq", 1]})
+    out, = g.add_node("where", [m, r, "half"], [TensorType("f32", ("batch*seq", 4))])
+    g.outputs = [out]
+    return g
+
+
+def test_text_round_trip_is_identical():
+    g = small_graph()
+    verify_graph(g)
+    text = g.text()
+    g2 = parse_graph(text, g.constants)
+    assert g2.text() == text
+    assert g2.equals(g)
+    assert g2.structural_hash() == g.structural_hash()
+
+
+def test_text_form_is_readable_and_typed():
+    text = small_graph().text()
+    assert "graph @small(%x: f32[batch,seq,8], %mask: bool[batch,seq]) -> (%where) {" in text
+    assert '%gelu: f32[batch,seq,4] = gelu(%linear) {"approximate": "tanh"}' in text
+    assert "%reshape: f32[batch*seq,4] = reshape(%mul)" in text
+    assert "const %half: f32[] = 0.5" in text
+
+
+def test_json_and_file_round_trip(tmp_path):
+    g = small_graph()
+    g2 = graph_from_json(graph_to_json(g), g.constants)
+    assert g2.equals(g)
+    save_graph(g, tmp_path / "g")
+    assert load_graph(tmp_path / "g").equals(g)
+
+
+def test_corrupt_constant_file_is_detected(tmp_path):
+    g = small_graph()
+    g.add_constant("big", torch.randn(64))
+    save_graph(g, tmp_path / "g")
+    other = Graph("o")
+    other.add_constant("big", torch.zeros(64))
+    from safetensors.torch import save_file
+    save_file({"big": torch.zeros(64), "w": g.constants["w"]}, str(tmp_path / "g.safetensors"))
+    with pytest.raises(IRError, match="digest"):
+        load_graph(tmp_path / "g")
+
+
+def test_fused_body_round_trips():
+    g = small_graph()
+    body = Graph("small.gelu")
+    body.add_input("linear", g.type_of("linear"))
+    body.add_input("half", g.type_of("half"))
+    body.add_node("gelu", ["linear"], [g.type_of("gelu")], {"approximate": "tanh"}, names=["gelu"])
+    body.add_node("mul", ["gelu", "half"], [g.type_of("mul")], names=["mul"])
+    body.outputs = ["mul"]
+    nodes = [g.nodes[0], Node("fused", ("linear", "half"), ("mul",), {"kind": "elementwise"}, body)] + g.nodes[3:]
+    f = g.clone(nodes=nodes)
+    del f.values["gelu"]
+    verify_graph(f)
+    text = f.text()
+    assert '= fused(%linear, %half) {"kind": "elementwise"} {' in text
+    f2 = parse_graph(text, f.constants)
+    assert f2.text() == text
+    x = {"x": torch.randn(2, 5, 8), "mask": torch.rand(2, 5) > 0.5}
+    assert rel_l2(interpret(f2, x)["where"], interpret(g, x)["where"]) == 0.0
+
+
+def test_verifier_names_the_broken_node():
+    g = small_graph()
+    bad = g.clone(nodes=[g.nodes[1], g.nodes[0]] + g.nodes[2:])
+    with pytest.raises(IRError, match="used before it is defined"):
+        verify_graph(bad)
+    g2 = small_graph()
+    g2.values["gelu"] = g2.values["gelu"].__class__("gelu", TensorType("f32", ("batch", "seq", 5)))
+    with pytest.raises(IRError, match=r"node #1 gelu .*declared type"):
+        verify_graph(g2)
+    with pytest.raises(IRError, match="unknown op"):
+        verify_graph(small_graph().clone(nodes=[Node("gelux", ("x",), ("linear",))]))
+
+
+def test_parser_reports_line_numbers():
+    text = small_graph().text().replace("= gelu(%linear)", "= gelu(%linear) {bad json")
+    with pytest.raises(IRError) as e:
+        parse_graph(text, small_graph().constants)
+    assert e.value.line is not None
+
+
+def test_interpreter_binds_dims_and_rejects_bad_shapes():
+    g = small_graph()
+    out = interpret(g, {"x": torch.randn(3, 7, 8), "mask": torch.ones(3, 7, dtype=torch.bool)})
+    assert out["where"].shape == (21, 4)
+    with pytest.raises(ContractViolation, match="dim 'seq' is 7"):
+        interpret(g, {"x": torch.randn(3, 7, 8), "mask": torch.ones(3, 6, dtype=torch.bool)})
+    with pytest.raises(ContractViolation, match="missing input"):
+        interpret(g, {"x": torch.randn(3, 7, 8)})
+
+
+@pytest.mark.parametrize("name,shapes", [
+    ("minilm", [{"batch": 1, "seq": 16}, {"batch": 3, "seq": 37}]),
+    ("gpt2", [{"batch": 1, "seq": 16}, {"batch": 2, "seq": 9}]),
+    ("resnet18", [{"batch": 1}, {"batch": 2}]),
+])
+def test_captured_models_match_eager_without_fallback(captured, bundle, name, shapes):
+    g, report = captured(name)
+    assert report.fallbacks == []
+    verify_graph(g)
+    b = bundle(name)
+    for env in shapes:
+        inputs = b.make_inputs(env, seed=1)
+        with torch.inference_mode():
+            ref = b.module(**inputs)
+        ref = ref[0] if isinstance(ref, (tuple, list)) else ref
+        got = interpret(g, inputs)[g.outputs[0]]
+        assert rel_l2(got, ref) < 1e-5, (name, env)
+
+
+def test_excluded_op_becomes_a_counted_fallback_with_location(bundle):
+    from graphmode.capture.torch_import import import_torch
+    b = bundle("resnet18")
+    g, rep = import_torch(b.module, b.example_inputs, b.input_dims, {"batch": (1, 4)}, name="r",
+                          exclude_ops=["max_pool2d"])
+    assert [(f.target, f.count) for f in rep.fallbacks] == [("aten.max_pool2d.default", 1)]
+    assert ".py:" in rep.fallbacks[0].loc  # file:line of the model code that called it
+    assert sum(1 for n in g.nodes if n.op == "fallback") == 1
+    x = b.make_inputs({"batch": 2}, seed=0)
+    with torch.inference_mode():
+        ref = b.module(**x)[0]
+    assert rel_l2(interpret(g, x)[g.outputs[0]], ref) < 1e-5
+
+
+def test_graph_hash_is_stable_across_processes(captured):
+    g, _ = captured("resnet18")
+    code = ("import sys; sys.path.insert(0, 'tests'); from conftest import _captured; "
+            "print(_captured('resnet18')[0].structural_hash())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == g.structural_hash()
+
+
+def test_op_docs_are_current():
+    from graphmode.ir.opdoc import render
+    assert (ROOT / "docs" / "ops.md").read_text() == render(), "run: python -m graphmode.ir.opdoc > docs/ops.md"
