@@ -23,12 +23,48 @@ def _bundle(name: str):
     return build(name)
 
 
+CAPTURE_CACHE = os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "graphmode-captures")
+
+
 @functools.lru_cache(maxsize=None)
 def _captured(name: str):
-    from graphmode.capture.torch_import import import_torch
-    b = _bundle(name)
-    return import_torch(b.module, b.example_inputs, b.input_dims, MODEL_DIMS[name], name=name,
-                        output_names=b.output_names)
+    """Capture once per machine: the IR (save_graph) and report are cached on disk keyed by
+    model, dims and torch/graphmode source, so pytest-xdist workers and reruns share it."""
+    import fcntl
+    import hashlib
+    import json
+    import pathlib
+
+    import torch
+
+    from graphmode.capture.torch_import import CaptureReport, Fallback, import_torch
+    from graphmode.ir import load_graph, save_graph
+
+    src = pathlib.Path(__file__).resolve().parents[1] / "graphmode"
+    h = hashlib.sha256(repr((name, MODEL_DIMS[name], torch.__version__)).encode())
+    for f in sorted([src / "capture" / "zoo.py", src / "capture" / "torch_import.py"] + list((src / "ir").glob("*.py"))):
+        h.update(f.read_bytes())
+    d = pathlib.Path(CAPTURE_CACHE) / f"{name}-{h.hexdigest()[:16]}"
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (d / "report.json").exists():
+            try:
+                rep = json.loads((d / "report.json").read_text())
+                report = CaptureReport(rep["source"], rep["seconds"], rep["aten_ops"],
+                                       [Fallback(**f) for f in rep["fallbacks"]], rep.get("out_spec"),
+                                       rep["output_names"])
+                return load_graph(d / "graph"), report
+            except Exception:  # noqa: BLE001 - a broken cache entry is simply recaptured
+                pass
+        b = _bundle(name)
+        g, report = import_torch(b.module, b.example_inputs, b.input_dims, MODEL_DIMS[name], name=name,
+                                 output_names=b.output_names)
+        save_graph(g, d / "graph")
+        rep = report.to_json()
+        rep["out_spec"] = report.out_spec
+        (d / "report.json").write_text(json.dumps(rep))
+        return g, report
 
 
 @pytest.fixture(scope="session")

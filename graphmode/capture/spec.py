@@ -1,0 +1,433 @@
+"""Resolve a model spec string into something capture can consume.
+
+Accepted specs (tried in this order):
+
+1. a built-in name: ``minilm``, ``gpt2``, ``resnet18`` (case-insensitive; aliases such as
+   ``all-MiniLM-L6-v2``, ``gpt-2``, ``resnet-18``) -> :class:`~graphmode.capture.zoo.ModelBundle`;
+2. a path to an ``.onnx`` file -> :class:`OnnxModelSpec` (path + input/output names,
+   symbolic shapes and dtypes read from the graph; weights are not loaded);
+3. ``package.module:function`` or ``path/to/file.py:function``: the function is called
+   with no arguments and must return a ``ModelBundle``, ``(module, example_inputs)`` or
+   ``(module, example_inputs, input_dims)`` -> ``ModelBundle``.
+
+Every failure is a :class:`graphmode.errors.CaptureError` naming the spec, what was
+tried and the fix.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+import keyword
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphmode.capture import zoo
+from graphmode.capture.zoo import ModelBundle
+from graphmode.errors import CaptureError
+
+__all__ = ["resolve_model_spec", "OnnxModelSpec", "OnnxTensorSpec", "load_onnx_spec",
+           "bundle_from_module", "describe_spec_forms"]
+
+
+# ---------------------------------------------------------------------------- ONNX spec
+
+
+@dataclass
+class OnnxTensorSpec:
+    name: str
+    shape: list[str | int | None]   # dim_param (str), dim_value (int) or None (unknown)
+    dtype: str                      # torch dtype name: "float32", "int64", "bool", ...
+
+
+@dataclass
+class OnnxModelSpec:
+    """An ONNX model file as seen from its graph signature (weights not loaded)."""
+
+    path: Path
+    inputs: list[OnnxTensorSpec]
+    outputs: list[OnnxTensorSpec]
+    opset: int | None = None
+    producer: str = ""
+    ir_version: int | None = None
+    name: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.outputs]
+
+    @property
+    def input_dims(self) -> dict[str, list[str | int]]:
+        """Symbolic shapes like ModelBundle.input_dims; unknown dims become ``<input>_d<i>``."""
+        return {t.name: [d if d is not None else f"{t.name}_d{i}" for i, d in enumerate(t.shape)]
+                for t in self.inputs}
+
+    @property
+    def input_dtypes(self) -> dict[str, torch.dtype]:
+        return {t.name: getattr(torch, t.dtype) for t in self.inputs}
+
+    @property
+    def dim_names(self) -> list[str]:
+        out: list[str] = []
+        for dims in self.input_dims.values():
+            for d in dims:
+                if isinstance(d, str) and d not in out:
+                    out.append(d)
+        return out
+
+    def make_inputs(self, shape: dict[str, int], seed: int = 0, *, int_high: int = 1000
+                    ) -> dict[str, torch.Tensor]:
+        """Random inputs: floats randn; ints in ``[0, int_high)`` except names containing
+        ``mask`` (ones) or ``type`` (zeros); bools True."""
+        g = torch.Generator().manual_seed(seed)
+        out = {}
+        for t in self.inputs:
+            shp = []
+            for d in self.input_dims[t.name]:
+                if isinstance(d, int):
+                    shp.append(d)
+                elif d in shape:
+                    shp.append(int(shape[d]))
+                else:
+                    raise CaptureError(f"no value for dim {d!r}", where=f"onnx model {self.path}",
+                                       value=dict(shape), fix=f"give every dim: {self.dim_names}")
+            dt = getattr(torch, t.dtype)
+            if dt == torch.bool:
+                out[t.name] = torch.ones(shp, dtype=dt)
+            elif dt.is_floating_point:
+                out[t.name] = torch.randn(shp, generator=g).to(dt)
+            elif "mask" in t.name:
+                out[t.name] = torch.ones(shp, dtype=dt)
+            elif "type" in t.name:
+                out[t.name] = torch.zeros(shp, dtype=dt)
+            else:
+                out[t.name] = torch.randint(0, int_high, shp, generator=g, dtype=dt)
+        return out
+
+
+def _onnx_dtype_name(elem_type: int) -> str:
+    import onnx
+    import numpy as np
+
+    try:
+        np_dt = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+    except Exception:  # noqa: BLE001 - e.g. bfloat16 / float8 types without numpy dtype
+        return onnx.TensorProto.DataType.Name(elem_type).lower()
+    name = np.dtype(np_dt).name
+    return {"bool": "bool"}.get(name, name)
+
+
+def _tensor_spec(vi: Any) -> OnnxTensorSpec:
+    tt = vi.type.tensor_type
+    shape: list[str | int | None] = []
+    if tt.HasField("shape"):
+        for d in tt.shape.dim:
+            if d.HasField("dim_param") and d.dim_param:
+                shape.append(d.dim_param)
+            elif d.HasField("dim_value"):
+                shape.append(int(d.dim_value))
+            else:
+                shape.append(None)
+    return OnnxTensorSpec(vi.name, shape, _onnx_dtype_name(tt.elem_type))
+
+
+def load_onnx_spec(path: str | os.PathLike, *, spec: str | None = None) -> OnnxModelSpec:
+    """Read an ONNX file's signature (no weights). Raises CaptureError if it is not ONNX."""
+    import onnx
+
+    p = Path(path)
+    label = spec if spec is not None else str(path)
+    if not p.exists():
+        raise CaptureError("ONNX file not found", where=f"model spec {label!r}",
+                           value=str(p.resolve()),
+                           fix="check the path (relative paths are resolved from the current "
+                               f"directory {Path.cwd()})")
+    if not p.is_file():
+        raise CaptureError("ONNX path is not a file", where=f"model spec {label!r}",
+                           value=str(p.resolve()), fix="give the path of the .onnx file itself")
+    try:
+        m = onnx.load(str(p), load_external_data=False)
+    except Exception as e:  # noqa: BLE001 - protobuf DecodeError and friends
+        raise CaptureError(f"not a readable ONNX model: {type(e).__name__}: {e}",
+                           where=f"model spec {label!r}", value=str(p),
+                           fix="re-export the model (e.g. `graphmode` export / torch.onnx.export)"
+                           ) from e
+    if not m.graph.node and not m.graph.input:
+        raise CaptureError("ONNX file holds an empty graph", where=f"model spec {label!r}",
+                           value=str(p), fix="re-export the model")
+    inits = {i.name for i in m.graph.initializer}
+    opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
+    return OnnxModelSpec(
+        path=p.resolve(), inputs=[_tensor_spec(i) for i in m.graph.input if i.name not in inits],
+        outputs=[_tensor_spec(o) for o in m.graph.output], opset=opset,
+        producer=f"{m.producer_name} {m.producer_version}".strip(), ir_version=m.ir_version,
+        name=p.stem)
+
+
+# ------------------------------------------------------------------ user module -> bundle
+
+
+def _input_names_for(module: nn.Module, n: int) -> list[str]:
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params[:n]]
+    return names + [f"input_{i}" for i in range(len(names), n)]
+
+
+def _make_wrapper(model: nn.Module, names: list[str], positional: bool) -> nn.Module:
+    """An OutputFlattener subclass whose forward has exactly ``names`` as parameters, so
+    torch.export / ONNX export see named inputs."""
+    bad = [n for n in names if not n.isidentifier() or keyword.iskeyword(n)]
+    if bad:
+        raise CaptureError(f"input names must be Python identifiers: {bad}",
+                           where="example_inputs", fix="rename those inputs")
+    call = (f"self.model({', '.join(names)})" if positional else
+            f"self.model({', '.join(f'{n}={n}' for n in names)})")
+    src = (f"def forward(self, {', '.join(names)}):\n"
+           f"    return self._flat({call})\n")
+    ns: dict[str, Any] = {}
+    exec(compile(src, f"<graphmode wrapper {type(model).__name__}>", "exec"), ns)  # noqa: S102
+
+    def _flat(self: Any, out: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(t for _, t in zoo._flatten_output(out))
+
+    cls = type(f"Flat{type(model).__name__}", (zoo.OutputFlattener,),
+               {"forward": ns["forward"], "_flat": _flat})
+    return cls(model)
+
+
+def bundle_from_module(module: nn.Module, example_inputs: Any,
+                       input_dims: dict[str, list[str | int]] | None = None, *,
+                       name: str | None = None, output_names: list[str] | None = None,
+                       source: str = "") -> ModelBundle:
+    """Wrap a user ``nn.Module`` + example inputs (dict, tuple/list or one tensor) into a
+    ModelBundle. ``input_dims`` defaults to the example's static shapes. The module is put
+    in eval mode and run once to learn its outputs."""
+    where = f"model spec {source!r}" if source else "model"
+    if not isinstance(module, nn.Module):
+        raise CaptureError("expected an nn.Module", where=where, value=type(module).__name__,
+                           fix="return (module, example_inputs) with module an nn.Module")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if isinstance(example_inputs, dict):
+        positional = False
+        ex = dict(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        positional = True
+        ex = dict(zip(_input_names_for(module, len(example_inputs)), example_inputs))
+    else:
+        raise CaptureError("example_inputs must be a dict of tensors, a tuple of tensors or a "
+                           "tensor", where=where, value=type(example_inputs).__name__,
+                           fix="return (module, {'x': torch.randn(...)})")
+    non_t = [k for k, v in ex.items() if not isinstance(v, torch.Tensor)]
+    if non_t:
+        raise CaptureError(f"example inputs {non_t} are not tensors", where=where,
+                           fix="pass only tensors (bake other arguments into the module)")
+    if not ex:
+        raise CaptureError("no example inputs", where=where, fix="give at least one tensor")
+    module.eval()
+    wrapper = _make_wrapper(module, list(ex), positional).eval()
+    dims = {k: list(v.shape) for k, v in ex.items()} if input_dims is None else {
+        k: list(v) for k, v in input_dims.items()}
+    if set(dims) != set(ex):
+        raise CaptureError("input_dims names differ from the example inputs", where=where,
+                           value=sorted(dims), fix=f"give dims for exactly {list(ex)}")
+    dims = {k: dims[k] for k in ex}
+    try:
+        with torch.inference_mode():
+            raw = module(*ex.values()) if positional else module(**ex)
+    except Exception as e:  # noqa: BLE001
+        call = "module(*example_inputs)" if positional else "module(**example_inputs)"
+        raise CaptureError(f"running the model on its example inputs failed: "
+                           f"{type(e).__name__}: {e}", where=where, value=list(ex),
+                           fix=f"check that {call} runs eagerly (dict keys must be forward's "
+                               "parameter names)") from e
+    try:
+        flat = zoo._flatten_output(raw)
+    except TypeError as e:
+        raise CaptureError(f"the model's output is not made of tensors: {e}", where=where,
+                           fix="make forward return a tensor, tuple or dict of tensors") from e
+    if not flat:
+        raise CaptureError("the model returned no tensors", where=where,
+                           fix="make forward return at least one tensor")
+    outs = output_names or [n for n, _ in flat]
+    if len(outs) != len(flat):
+        raise CaptureError(f"{len(outs)} output names for {len(flat)} outputs", where=where,
+                           value=outs)
+    bundle = ModelBundle(name=name or type(module).__name__.lower(), module=wrapper,
+                         example_inputs=ex, input_dims=dims, output_names=list(outs),
+                         source=source, raw_module=module)
+    bundle.shape_of(ex)  # validates dims against the example
+    return bundle
+
+
+# -------------------------------------------------------------------------------- resolve
+
+
+def describe_spec_forms() -> str:
+    return (f"a built-in name ({', '.join(zoo.builtin_names())}), a path to an .onnx file, "
+            "or 'package.module:function' / 'path/to/file.py:function' returning "
+            "(module, example_inputs) or a ModelBundle")
+
+
+def _import_callable(spec: str) -> tuple[Any, str]:
+    mod_part, _, fn_part = spec.rpartition(":")
+    if not mod_part or not fn_part:
+        raise CaptureError("malformed 'module:function' spec", where=f"model spec {spec!r}",
+                           fix="write it as package.module:function, e.g. mypkg.models:build")
+    if mod_part.endswith(".py"):
+        file = Path(mod_part)
+        if not file.is_file():
+            raise CaptureError("Python file not found", where=f"model spec {spec!r}",
+                               value=str(file.resolve()), fix="check the path")
+        modname = f"_graphmode_user_{abs(hash(str(file.resolve())))}"
+        try:
+            ispec = importlib.util.spec_from_file_location(modname, file)
+            assert ispec is not None and ispec.loader is not None
+            mod = importlib.util.module_from_spec(ispec)
+            sys.modules[modname] = mod
+            ispec.loader.exec_module(mod)
+        except Exception as e:  # noqa: BLE001
+            sys.modules.pop(modname, None)
+            raise CaptureError(f"importing {file} failed: {type(e).__name__}: {e}",
+                               where=f"model spec {spec!r}",
+                               fix=f"fix the error in {file} (run `python {file}` to see it)"
+                               ) from e
+    else:
+        if not all(p.isidentifier() for p in mod_part.split(".")):
+            raise CaptureError(f"{mod_part!r} is not a Python module path",
+                               where=f"model spec {spec!r}",
+                               fix="write it as package.module:function")
+        try:
+            mod = importlib.import_module(mod_part)
+        except ModuleNotFoundError as e:
+            raise CaptureError(f"cannot import module {mod_part!r}: {e}",
+                               where=f"model spec {spec!r}",
+                               fix=f"make {e.name or mod_part!r} importable (install it or add its "
+                                   "folder to PYTHONPATH), or use path/to/file.py:function"
+                               ) from e
+        except Exception as e:  # noqa: BLE001 - the module raised while importing
+            raise CaptureError(f"importing module {mod_part!r} raised {type(e).__name__}: {e}",
+                               where=f"model spec {spec!r}",
+                               fix=f"fix the error raised while importing {mod_part}") from e
+    obj: Any = mod
+    for attr in fn_part.split("."):
+        if not hasattr(obj, attr):
+            avail = sorted(n for n, v in vars(mod).items()
+                           if callable(v) and not n.startswith("_")
+                           and getattr(v, "__module__", None) == mod.__name__)
+            near = difflib.get_close_matches(fn_part, avail, n=3)
+            hint = f"did you mean {near}? " if near else ""
+            raise CaptureError(f"module {mod_part!r} has no attribute {fn_part!r}",
+                               where=f"model spec {spec!r}",
+                               fix=f"{hint}callables defined there: {avail[:20]}")
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise CaptureError(f"{fn_part!r} in {mod_part!r} is not callable",
+                           where=f"model spec {spec!r}", value=type(obj).__name__,
+                           fix="point at a function returning (module, example_inputs)")
+    return obj, fn_part
+
+
+def _from_callable(spec: str) -> ModelBundle:
+    fn, fn_name = _import_callable(spec)
+    try:
+        ret = fn()
+    except Exception as e:  # noqa: BLE001
+        raise CaptureError(f"calling {fn_name}() raised {type(e).__name__}: {e}",
+                           where=f"model spec {spec!r}",
+                           fix=f"make {fn_name}() runnable with no arguments") from e
+    expected = ("a ModelBundle, (module, example_inputs) or (module, example_inputs, "
+                "input_dims)")
+    if isinstance(ret, ModelBundle):
+        if not ret.source:
+            ret.source = f"callable:{spec}"
+        return ret
+    if isinstance(ret, nn.Module):
+        raise CaptureError(f"{fn_name}() returned a bare nn.Module without example inputs",
+                           where=f"model spec {spec!r}",
+                           fix=f"return (module, example_inputs) from {fn_name}()")
+    if not isinstance(ret, (tuple, list)) or len(ret) not in (2, 3):
+        raise CaptureError(f"{fn_name}() returned {type(ret).__name__}, expected {expected}",
+                           where=f"model spec {spec!r}", fix=f"return {expected}")
+    module, ex = ret[0], ret[1]
+    dims = ret[2] if len(ret) == 3 else None
+    if not isinstance(module, nn.Module):
+        raise CaptureError(f"{fn_name}() returned {type(module).__name__} as the module, "
+                           f"expected an nn.Module", where=f"model spec {spec!r}",
+                           fix=f"return {expected}")
+    if dims is not None and not isinstance(dims, dict):
+        raise CaptureError("input_dims must be a dict {input name: [dims]}",
+                           where=f"model spec {spec!r}", value=type(dims).__name__)
+    name = fn_name.split(".")[-1]
+    for pre in ("build_", "make_", "get_", "create_"):
+        if name.startswith(pre) and len(name) > len(pre):
+            name = name[len(pre):]
+    return bundle_from_module(module, ex, dims, name=name, source=f"callable:{spec}")
+
+
+def resolve_model_spec(spec: str | os.PathLike, *, seed: int = 0, **build_kwargs: Any
+                       ) -> ModelBundle | OnnxModelSpec:
+    """Turn a model spec into a ModelBundle (built-in or callable) or an OnnxModelSpec.
+
+    ``seed`` and ``build_kwargs`` go to the built-in builder (e.g.
+    ``resolve_model_spec("gpt2", attn_implementation="eager")``).
+    """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str):
+        raise CaptureError("model spec must be a string", where="model spec",
+                           value=type(spec).__name__, fix=f"give {describe_spec_forms()}")
+    s = spec.strip()
+    if not s:
+        raise CaptureError("empty model spec", where="model spec",
+                           fix=f"give {describe_spec_forms()}")
+    key = zoo.ALIASES.get(s.lower(), s.lower())
+    if key in zoo.BUILTINS:
+        return zoo.build(key, seed, **build_kwargs)
+    if build_kwargs:
+        raise CaptureError(f"build options {sorted(build_kwargs)} only apply to built-in models",
+                           where=f"model spec {spec!r}")
+    if s.lower().endswith(".onnx"):
+        return load_onnx_spec(s, spec=spec)
+    p = Path(s)
+    # "module:function" (a Windows drive letter "C:\\..." is not one)
+    if ":" in s and not (len(s) > 2 and s[1] == ":" and s[2] in "\\/"):
+        return _from_callable(s)
+    if p.exists():
+        if p.is_file():
+            if p.suffix == ".py":
+                raise CaptureError("a Python file needs the function to call",
+                                   where=f"model spec {spec!r}", value=str(p.resolve()),
+                                   fix=f"write '{s}:function' where function() returns "
+                                       "(module, example_inputs) or a ModelBundle")
+            raise CaptureError(f"unsupported model file type {p.suffix or '(none)'!r}",
+                               where=f"model spec {spec!r}", value=str(p.resolve()),
+                               fix="give an .onnx file, or a 'module:function' that loads this "
+                                   "file and returns (module, example_inputs)")
+        raise CaptureError("model spec is a directory", where=f"model spec {spec!r}",
+                           value=str(p.resolve()),
+                           fix="point at the .onnx file inside it, or use a built-in name")
+    near = difflib.get_close_matches(s.lower(), zoo.builtin_names() + list(zoo.ALIASES), n=1)
+    hint = f"did you mean {zoo.ALIASES.get(near[0], near[0])!r}? " if near else ""
+    tried = ("not a built-in name, not an existing file, not an .onnx path and not a "
+             "'module:function'")
+    if s.endswith(".py"):
+        hint += f"to load a model from a Python file write '{s}:function'; "
+    raise CaptureError(f"unknown model {s!r}: {tried}", where=f"model spec {spec!r}",
+                       fix=f"{hint}use {describe_spec_forms()}")
