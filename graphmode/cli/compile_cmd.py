@@ -41,7 +41,8 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
             mp = plan_memory(graph, env, reuse=recipe.optimize.memory_reuse,
                              alias_groups=[list(g) for g in recipe.alias_groups])
             memory.append(BucketMemory(dict(env), mp.arena_bytes, mp.lower_bound_bytes))
-    act = activation_peak_expr(graph)
+    act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
+                               alias_groups=[list(g) for g in recipe.alias_groups])
     secs["memory_plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     validation = validate(recipe, tgt, model_facts(graph, act))
