@@ -1,0 +1,475 @@
+"""The `fuse` pass: golden IR per pattern on hand-built graphs, the rewrite's invariants
+(no cycles, visible values stay outputs, option limits), numerics before/after, and the
+groups it finds on the captured MiniLM, GPT-2 and ResNet-18."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from graphmode.errors import PassError
+from graphmode.ir import interpret, parse_graph, verify_graph
+from graphmode.ir.graph import Graph
+from graphmode.passes import PASSES, PassContext
+from graphmode.verify.numerics import TOLERANCE, random_inputs, rel_l2
+
+ENVS = [{"batch": 1, "seq": 3}, {"batch": 3, "seq": 7}]
+
+
+def fuse(g: Graph, **opts):
+    r = PASSES["fuse"](g, PassContext(options={"fuse": opts}))
+    verify_graph(r.graph)
+    return r
+
+
+def assert_same_numerics(before: Graph, after: Graph, envs=ENVS, inputs=None) -> None:
+    for k, env in enumerate(envs):
+        ins = inputs(env, k) if inputs else random_inputs(before, env, seed=k)
+        want = interpret(before, ins)
+        got = interpret(after, ins)
+        assert list(got) == list(want)
+        for name in want:
+            err = rel_l2(got[name], want[name])
+            assert err < TOLERANCE["f32"], f"{name} at {env}: rel L2 {err}"
+
+
+def fused_nodes(g: Graph):
+    return [n for n in g.nodes if n.op == "fused"]
+
+
+def top_ops(g: Graph) -> collections.Counter:
+    return collections.Counter(n.op for n in g.nodes)
+
+
+# ------------------------------------------------------------------------ hand-built graphs
+
+# GPT-2's tanh GELU as torch.export writes it, behind a broadcast bias add
+TANH_GELU = """
+graph @tanh_gelu(%x: f32[batch,seq,8], %b: f32[8]) -> (%r) {
+  dims batch=1..4 seq=1..16
+  const %c1: f32[] = 0.5
+  const %c2: f32[] = 3.0
+  const %c3: f32[] = 0.044715
+  const %c4: f32[] = 0.7978845834732056
+  const %c5: f32[] = 1.0
+  %h: f32[batch,seq,8] = add(%x, %b)
+  %m1: f32[batch,seq,8] = mul(%h, %c1)
+  %p: f32[batch,seq,8] = pow(%h, %c2)
+  %m2: f32[batch,seq,8] = mul(%p, %c3)
+  %a1: f32[batch,seq,8] = add(%h, %m2)
+  %m3: f32[batch,seq,8] = mul(%a1, %c4)
+  %t: f32[batch,seq,8] = tanh(%m3)
+  %a2: f32[batch,seq,8] = add(%t, %c5)
+  %g: f32[batch,seq,8] = mul(%m1, %a2)
+  %r: f32[batch*seq,8] = reshape(%g) {"shape": ["batch*seq", 8]}
+  return %r
+}
+"""
+
+# linear -> bias -> gelu -> residual add; a second linear whose result is also returned
+# (its relu must not be fused: the GEMM result has a user outside the epilogue)
+GEMM_LINEAR = """
+graph @gemm_linear(%x: f32[batch,8], %w: f32[8,8], %b: f32[8], %w2: f32[8,8]) -> (%y, %z, %u) {
+  dims batch=1..4 seq=1..16
+  %l: f32[batch,8] = linear(%x, %w)
+  %lb: f32[batch,8] = add(%l, %b)
+  %g: f32[batch,8] = gelu(%lb) {"approximate": "none"}
+  %y: f32[batch,8] = add(%g, %x)
+  %z: f32[batch,8] = linear(%y, %w2, %b)
+  %u: f32[batch,8] = relu(%z)
+  return %y, %z, %u
+}
+"""
+
+# ResNet's basic-block tail (conv -> bn -> add(identity) -> relu) and its stem (conv -> bn -> relu)
+GEMM_CONV = """
+graph @gemm_conv(%x: f32[batch,4,5,5], %w1: f32[4,4,3,3], %w2: f32[4,4,3,3]) -> (%out) {
+  dims batch=1..4 seq=1..16
+  param %bn_w: f32[4] = [1.0, 0.5, 2.0, 1.5]
+  param %bn_b: f32[4] = [0.1, -0.2, 0.0, 0.3]
+  param %bn_m: f32[4] = [0.0, 0.5, -0.5, 0.25]
+  param %bn_v: f32[4] = [1.0, 2.0, 0.5, 1.5]
+  %c1: f32[batch,4,5,5] = conv2d(%x, %w1) {"padding": [1, 1]}
+  %n1: f32[batch,4,5,5] = batch_norm(%c1, %bn_w, %bn_b, %bn_m, %bn_v) {"eps": 1e-05}
+  %r1: f32[batch,4,5,5] = relu(%n1)
+  %c2: f32[batch,4,5,5] = conv2d(%r1, %w2) {"padding": [1, 1]}
+  %n2: f32[batch,4,5,5] = batch_norm(%c2, %bn_w, %bn_b, %bn_m, %bn_v) {"eps": 1e-05}
+  %s: f32[batch,4,5,5] = add(%n2, %x)
+  %out: f32[batch,4,5,5] = relu(%s)
+  return %out
+}
+"""
+
+# scale -> mask -> softmax -> scale: a softmax with prologue and epilogue (no matmul: not attention)
+REDUCTION_SOFTMAX = """
+graph @reduction_softmax(%s: f32[batch,2,seq,seq], %mask: f32[batch,1,1,seq]) -> (%y) {
+  dims batch=1..4 seq=1..16
+  const %scale: f32[] = 0.125
+  const %two: f32[] = 2.0
+  %a: f32[batch,2,seq,seq] = mul(%s, %scale)
+  %b: f32[batch,2,seq,seq] = add(%a, %mask)
+  %p: f32[batch,2,seq,seq] = softmax(%b) {"dim": -1}
+  %y: f32[batch,2,seq,seq] = mul(%p, %two)
+  return %y
+}
+"""
+
+# RMSNorm: a keepdim mean over the last dim whose result is broadcast back over the row
+REDUCTION_RMSNORM = """
+graph @reduction_rmsnorm(%x: f32[batch,seq,8], %w: f32[8]) -> (%y) {
+  dims batch=1..4 seq=1..16
+  const %two: f32[] = 2.0
+  const %eps: f32[] = 1e-06
+  %sq: f32[batch,seq,8] = pow(%x, %two)
+  %ms: f32[batch,seq,1] = mean(%sq) {"dims": [-1], "keepdim": true}
+  %me: f32[batch,seq,1] = add(%ms, %eps)
+  %rs: f32[batch,seq,1] = rsqrt(%me)
+  %xn: f32[batch,seq,8] = mul(%x, %rs)
+  %y: f32[batch,seq,8] = mul(%xn, %w)
+  return %y
+}
+"""
+
+# GPT-2's pre-LN residual stream: the residual sum feeds the norm AND the next residual add,
+# so it stays an output of the norm group
+NORM_RESIDUAL = """
+graph @norm_residual(%x: f32[batch,seq,8], %h: f32[batch,seq,8], %g: f32[8], %b: f32[8], %w: f32[8,8]) -> (%r2) {
+  dims batch=1..4 seq=1..16
+  %hc: f32[batch,seq,8] = identity(%h)
+  %r: f32[batch,seq,8] = add(%x, %hc)
+  %ln: f32[batch,seq,8] = layer_norm(%r, %g, %b) {"eps": 1e-05, "normalized_rank": 1}
+  %y: f32[batch,seq,8] = linear(%ln, %w, %b)
+  %r2: f32[batch,seq,8] = add(%r, %y)
+  return %r2
+}
+"""
+
+# eager attention as HF/ONNX write it: k transposed by a permute, divided by sqrt(d), additive mask
+ATTENTION_MASKED = """
+graph @attention_masked(%q: f32[batch,2,seq,4], %k: f32[batch,2,seq,4], %v: f32[batch,2,seq,4], %mask: f32[batch,1,1,seq]) -> (%o) {
+  dims batch=1..4 seq=1..16
+  const %sqrt_d: f32[] = 2.0
+  %kt: f32[batch,2,4,seq] = permute(%k) {"perm": [0, 1, 3, 2]}
+  %s: f32[batch,2,seq,seq] = matmul(%q, %kt)
+  %sd: f32[batch,2,seq,seq] = div(%s, %sqrt_d)
+  %sm: f32[batch,2,seq,seq] = add(%sd, %mask)
+  %p: f32[batch,2,seq,seq] = softmax(%sm) {"dim": -1}
+  %a: f32[batch,2,seq,4] = matmul(%p, %v)
+  %t: f32[batch,seq,2,4] = permute(%a) {"perm": [0, 2, 1, 3]}
+  %o: f32[batch,seq,8] = reshape(%t) {"shape": ["batch", "seq", 8]}
+  return %o
+}
+"""
+
+# k^T arrives already transposed (a permute back is inserted), scale on the left of the mul,
+# causal mask as where(mask, s, -inf); an existing sdpa node is kept as is
+ATTENTION_CAUSAL = """
+graph @attention_causal(%q: f32[batch,seq,4], %kt: f32[batch,4,seq], %v: f32[batch,seq,4]) -> (%o, %o2) {
+  dims batch=1..4 seq=1..16
+  const %scale: f32[] = 0.25
+  const %ninf: f32[] = "-inf"
+  %i: i64[seq] = arange() {"dtype": "i64", "end": "seq", "start": 0, "step": 1}
+  %rows: i64[seq,1] = reshape(%i) {"shape": ["seq", 1]}
+  %cols: i64[1,seq] = reshape(%i) {"shape": [1, "seq"]}
+  %causal: bool[seq,seq] = le(%cols, %rows)
+  %s: f32[batch,seq,seq] = matmul(%q, %kt)
+  %ss: f32[batch,seq,seq] = mul(%scale, %s)
+  %sm: f32[batch,seq,seq] = where(%causal, %ss, %ninf)
+  %p: f32[batch,seq,seq] = softmax(%sm) {"dim": 2}
+  %pc: f32[batch,seq,seq] = identity(%p)
+  %o: f32[batch,seq,4] = matmul(%pc, %v)
+  %o2: f32[batch,seq,4] = sdpa(%q, %v, %v) {"is_causal": false, "scale": 0.5}
+  return %o, %o2
+}
+"""
+
+# the attention probabilities are returned too: the block cannot become one sdpa op, and the
+# softmax is fused with its scale prologue instead
+ATTENTION_PROBS_USED = """
+graph @attention_probs_used(%q: f32[batch,seq,4], %k: f32[batch,seq,4], %v: f32[batch,seq,4]) -> (%o, %p) {
+  dims batch=1..4 seq=1..16
+  const %scale: f32[] = 0.5
+  %kt: f32[batch,4,seq] = permute(%k) {"perm": [0, 2, 1]}
+  %s: f32[batch,seq,seq] = matmul(%q, %kt)
+  %ss: f32[batch,seq,seq] = mul(%s, %scale)
+  %p: f32[batch,seq,seq] = softmax(%ss) {"dim": -1}
+  %o: f32[batch,seq,4] = matmul(%p, %v)
+  return %o, %p
+}
+"""
+
+CHAIN5 = """
+graph @chain5(%x: f32[batch,seq]) -> (%e) {
+  dims batch=1..4 seq=1..16
+  %a: f32[batch,seq] = neg(%x)
+  %b: f32[batch,seq] = exp(%a)
+  %c: f32[batch,seq] = tanh(%b)
+  %d: f32[batch,seq] = abs(%c)
+  %e: f32[batch,seq] = sigmoid(%d)
+  return %e
+}
+"""
+
+# %e -> %d directly and through a reshape round trip: fusing %e with %d would swallow the path
+# through the reshapes and need it both before and after the group (a cycle)
+DIAMOND = """
+graph @diamond(%x: f32[batch,seq]) -> (%y) {
+  dims batch=1..4 seq=1..16
+  %n: f32[batch,seq] = neg(%x)
+  %e: f32[batch,seq] = exp(%n)
+  %f: f32[batch*seq] = reshape(%e) {"shape": ["batch*seq"]}
+  %back: f32[batch,seq] = reshape(%f) {"shape": ["batch", "seq"]}
+  %d: f32[batch,seq] = add(%e, %back)
+  %y: f32[batch,seq] = tanh(%d)
+  return %y
+}
+"""
+
+# values used outside the group (%a by a non-fusable reduction, %b as a graph output) stay
+# outputs of the fused node; a different-shape op (%row) is not pulled in
+OUTPUT_KEPT = """
+graph @output_kept(%x: f32[batch,seq], %s: f32[seq]) -> (%b, %c, %total) {
+  dims batch=1..4 seq=1..16
+  %a: f32[batch,seq] = exp(%x)
+  %b: f32[batch,seq] = neg(%a)
+  %row: f32[seq] = mul(%s, %s)
+  %c: f32[batch,seq] = add(%b, %row)
+  %total: f32[seq] = sum(%a) {"dims": [0]}
+  return %b, %c, %total
+}
+"""
+
+# (case name, IR text, fuse options)
+CASES = [
+    ("elementwise_tanh_gelu", TANH_GELU, {}),
+    ("gemm_epilogue_linear", GEMM_LINEAR, {}),
+    ("gemm_epilogue_conv", GEMM_CONV, {}),
+    ("elementwise_only_patterns", GEMM_LINEAR, {"patterns": ["elementwise"]}),
+    ("reduction_softmax", REDUCTION_SOFTMAX, {}),
+    ("reduction_rmsnorm", REDUCTION_RMSNORM, {}),
+    ("norm_residual", NORM_RESIDUAL, {}),
+    ("attention_masked", ATTENTION_MASKED, {}),
+    ("attention_causal", ATTENTION_CAUSAL, {}),
+    ("attention_probs_used", ATTENTION_PROBS_USED, {}),
+    ("max_ops_2", CHAIN5, {"max_ops": 2}),
+    ("diamond", DIAMOND, {}),
+    ("output_kept", OUTPUT_KEPT, {}),
+]
+
+
+@pytest.mark.parametrize("name,text,opts", CASES, ids=[c[0] for c in CASES])
+def test_golden(name, text, opts, golden):
+    g = parse_graph(text)
+    verify_graph(g)
+    before = g.text()
+    r = fuse(g, **opts)
+    assert g.text() == before, "fuse mutated its input graph"
+    golden(f"fuse/{name}", r.graph.text())
+    # the text form is an API: the fused graph parses back to itself
+    assert parse_graph(r.graph.text(), r.graph.constants).text() == r.graph.text()
+
+
+@pytest.mark.parametrize("name,text,opts", CASES, ids=[c[0] for c in CASES])
+def test_numerics_preserved(name, text, opts):
+    g = parse_graph(text)
+    assert_same_numerics(g, fuse(g, **opts).graph)
+
+
+def test_tanh_gelu_is_one_group():
+    r = fuse(parse_graph(TANH_GELU))
+    (node,) = fused_nodes(r.graph)
+    assert node.attrs == {"kind": "elementwise", "pattern": "add+mul+pow+mul+add+mul+tanh+add+mul"}
+    assert node.outputs == ("g",) and node.body.inputs == list(node.inputs)
+    assert r.stats == {"groups": 1, "by_kind": {"elementwise": 1}, "ops_fused": 9, "largest_group": 9,
+                       "attention_rewrites": 0}
+    # internal values vanish from the outer graph, constants the body reads are node inputs
+    assert "m1" not in r.graph.values and "c1" in node.inputs and "c1" in r.graph.constants
+
+
+def test_gemm_epilogue_needs_single_use_result():
+    r = fuse(parse_graph(GEMM_LINEAR))
+    kinds = [(n.attrs["kind"], n.attrs["pattern"], n.outputs) for n in fused_nodes(r.graph)]
+    assert kinds == [("gemm_epilogue", "linear+add+gelu+add", ("y",))]
+    assert [n.op for n in r.graph.nodes] == ["fused", "linear", "relu"]
+
+
+def test_conv_epilogues():
+    r = fuse(parse_graph(GEMM_CONV))
+    assert [n.attrs["pattern"] for n in fused_nodes(r.graph)] == ["conv2d+batch_norm+relu",
+                                                                  "conv2d+batch_norm+add+relu"]
+    assert all(n.body.nodes[0].op == "conv2d" for n in fused_nodes(r.graph))
+
+
+def test_norm_keeps_residual_as_output():
+    r = fuse(parse_graph(NORM_RESIDUAL))
+    norm, epi = fused_nodes(r.graph)
+    assert norm.attrs["kind"] == "norm" and norm.outputs == ("r", "ln")
+    assert norm.attrs["pattern"] == "identity+add+layer_norm"
+    assert epi.attrs == {"kind": "gemm_epilogue", "pattern": "linear+add"} and "r" in epi.inputs
+
+
+def test_attention_becomes_sdpa():
+    r = fuse(parse_graph(ATTENTION_MASKED))
+    sd = [n for n in r.graph.nodes if n.op == "sdpa"]
+    assert len(sd) == 1 and sd[0].inputs == ("q", "k", "v", "mask") and sd[0].outputs == ("a",)
+    assert sd[0].attrs["scale"] == 0.5
+    assert top_ops(r.graph) == {"sdpa": 1, "permute": 1, "reshape": 1}
+    assert not {"kt", "s", "sd", "sm", "p", "sqrt_d"} & set(r.graph.values)
+    assert r.stats["attention_rewrites"] == 1
+
+
+def test_attention_causal_where_mask_and_transposed_key():
+    r = fuse(parse_graph(ATTENTION_CAUSAL))
+    sd = [n for n in r.graph.nodes if n.op == "sdpa"]
+    assert len(sd) == 2
+    new, kept = sorted(sd, key=lambda n: n.outputs[0])
+    assert kept.inputs == ("q", "v", "v") and kept.attrs == {"is_causal": False, "scale": 0.5}
+    assert new.inputs[0] == "q" and new.inputs[2:] == ("v", "causal") and new.attrs["scale"] == 0.25
+    k = new.inputs[1]
+    (perm,) = [n for n in r.graph.nodes if n.outputs == (k,)]
+    assert perm.op == "permute" and perm.inputs == ("kt",) and perm.attrs == {"perm": [0, 2, 1]}
+    assert r.graph.values[k].type.text() == "f32[batch,seq,4]"
+
+
+def test_attention_not_rewritten_when_probs_are_used():
+    r = fuse(parse_graph(ATTENTION_PROBS_USED))
+    assert "sdpa" not in top_ops(r.graph) and r.stats["attention_rewrites"] == 0
+    (node,) = fused_nodes(r.graph)
+    assert node.attrs == {"kind": "reduction", "pattern": "mul+softmax"} and node.outputs == ("p",)
+
+
+def test_max_and_min_ops():
+    g = parse_graph(CHAIN5)
+    r = fuse(g, max_ops=2)
+    assert [n.attrs["pattern"] for n in fused_nodes(r.graph)] == ["neg+exp", "tanh+abs"]
+    assert r.stats["largest_group"] == 2
+    assert [n.op for n in r.graph.nodes] == ["fused", "fused", "sigmoid"]
+    assert fuse(g, max_ops=5).stats["largest_group"] == 5
+    r = fuse(g, min_ops=6, max_ops=16)
+    assert not r.modified and r.graph.text() == g.text()
+    # a group of two under min_ops=3 stays unfused, the larger one does not
+    r = fuse(parse_graph(GEMM_CONV), min_ops=4)
+    assert [n.attrs["pattern"] for n in fused_nodes(r.graph)] == ["conv2d+batch_norm+add+relu"]
+
+
+def test_diamond_does_not_create_a_cycle():
+    r = fuse(parse_graph(DIAMOND))
+    groups = [set(n.body.values) - set(n.inputs) for n in fused_nodes(r.graph)]
+    assert groups == [{"n", "e"}, {"d", "y"}]
+    assert [n.op for n in r.graph.nodes] == ["fused", "reshape", "reshape", "fused"]
+
+
+def test_values_used_outside_stay_outputs():
+    r = fuse(parse_graph(OUTPUT_KEPT))
+    (node,) = fused_nodes(r.graph)
+    assert node.attrs["pattern"] == "exp+neg+add" and node.outputs == ("a", "b", "c")
+    assert "row" not in node.body.values or "row" in node.inputs
+    assert r.graph.outputs == ["b", "c", "total"]
+
+
+@pytest.mark.parametrize("opts", [{"enabled": False}, {"patterns": []}])
+def test_disabled(opts):
+    g = parse_graph(GEMM_LINEAR)
+    r = fuse(g, **opts)
+    assert not r.modified and r.graph.text() == g.text() and r.stats["groups"] == 0
+
+
+def test_pattern_selection():
+    g = parse_graph(ATTENTION_MASKED)
+    assert top_ops(fuse(g, patterns=["elementwise", "reduction"]).graph)["matmul"] == 2
+    r = fuse(parse_graph(GEMM_CONV), patterns=["elementwise"])
+    assert [n.attrs["pattern"] for n in fused_nodes(r.graph)] == ["add+relu"]
+
+
+def test_idempotent():
+    for _, text, opts in CASES:
+        once = fuse(parse_graph(text), **opts).graph
+        twice = fuse(once, **opts)
+        assert not twice.modified and twice.graph.text() == once.text()
+
+
+@pytest.mark.parametrize("opts,where", [
+    ({"patterns": ["elementwise", "loops"]}, "optimize.fuse.patterns"),
+    ({"patterns": "elementwise"}, "optimize.fuse.patterns"),
+    ({"patterns": None}, "optimize.fuse.patterns"),
+    ({"min_ops": 0}, "optimize.fuse.min_ops"),
+    ({"max_ops": "8"}, "optimize.fuse.max_ops"),
+    ({"min_ops": 5, "max_ops": 3}, "optimize.fuse.min_ops"),
+    ({"enabled": "yes"}, "optimize.fuse.enabled"),
+    ({"max_op": 3}, "optimize.fuse"),
+])
+def test_bad_options(opts, where):
+    with pytest.raises(PassError) as e:
+        fuse(parse_graph(CHAIN5), **opts)
+    assert e.value.where == where
+
+
+# ------------------------------------------------------------------------------ real models
+
+PREPASSES = ("canonicalize", "constant_fold", "dce")
+BUCKETS = {"minilm": [{"batch": 1, "seq": 9}, {"batch": 2, "seq": 5}],
+           "gpt2": [{"batch": 1, "seq": 9}, {"batch": 2, "seq": 5}],
+           "resnet18": [{"batch": 1}, {"batch": 2}]}
+
+
+def _prepared(captured, name: str) -> Graph:
+    """The capture after whichever cleanup passes exist (they never mutate their input)."""
+    g, _ = captured(name)
+    ctx = PassContext()
+    for p in PREPASSES:
+        if p in PASSES:
+            g = PASSES[p](g, ctx).graph
+    return g
+
+
+def _groups(g: Graph) -> list:
+    return [(n.attrs["kind"], n.attrs["pattern"].split("+")) for n in fused_nodes(g)]
+
+
+@pytest.fixture(scope="module")
+def fused_models(captured):
+    out = {}
+    for name in BUCKETS:
+        g = _prepared(captured, name)
+        text = g.text()
+        r = fuse(g)
+        assert g.text() == text
+        out[name] = (g, r)
+    return out
+
+
+def test_minilm_groups(fused_models, bundle):
+    g, r = fused_models["minilm"]
+    assert r.stats["by_kind"]["norm"] == 13
+    groups = _groups(r.graph)
+    # every erf-GELU rides on its linear, every layer norm is fused with its residual/embedding add
+    assert [p for k, p in groups if "gelu" in p] == [["linear", "gelu"]] * 6
+    assert top_ops(r.graph)["gelu"] == 0 and top_ops(r.graph)["layer_norm"] == 0
+    assert all("add" in p for k, p in groups if k == "norm")
+    assert_same_numerics(g, r.graph, BUCKETS["minilm"], lambda env, k: bundle("minilm").make_inputs(env, seed=k))
+
+
+def test_gpt2_groups(fused_models, bundle):
+    g, r = fused_models["gpt2"]
+    groups = _groups(r.graph)
+    gelu = ["mul", "pow", "mul", "add", "mul", "tanh", "add", "mul"]
+    tanh_groups = [p for k, p in groups if "tanh" in p]
+    assert len(tanh_groups) == 12 and all("+".join(gelu) in "+".join(p) for p in tanh_groups)
+    for op in ("tanh", "pow", "mul", "layer_norm"):
+        assert top_ops(r.graph)[op] == 0, op
+    norms = [p for k, p in groups if k == "norm"]
+    assert len(norms) == 25 and all("add" in p for p in norms)
+    # the pre-LN residual sum is both the norm's input and the next residual's operand
+    assert sum(len(n.outputs) == 2 for n in fused_nodes(r.graph) if n.attrs["kind"] == "norm") >= 24
+    assert_same_numerics(g, r.graph, BUCKETS["gpt2"], lambda env, k: bundle("gpt2").make_inputs(env, seed=k))
+
+
+def test_resnet18_groups(fused_models, bundle):
+    g, r = fused_models["resnet18"]
+    groups = _groups(r.graph)
+    assert top_ops(r.graph)["relu"] == 0 and top_ops(r.graph)["add"] == 0
+    assert all(k == "gemm_epilogue" and p[0] == "conv2d" for k, p in groups)
+    assert sum(p[-2:] == ["add", "relu"] for _, p in groups) == 8        # one per basic block
+    assert sum(p[-1] == "relu" for _, p in groups) == 17                  # stem + 2 per block
+    assert_same_numerics(g, r.graph, BUCKETS["resnet18"],
+                         lambda env, k: bundle("resnet18").make_inputs(env, seed=k))
