@@ -1,0 +1,180 @@
+"""`graphmode recipe validate|show|diff`.
+
+Exit codes: 0 valid; 1 refused (a constraint has a counter-example, or could not be
+proved); 2 malformed (field-level errors, unknown target).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+import yaml
+from rich import box
+from rich.table import Table
+
+from graphmode.cli.app import app, console, err_console, fail
+from graphmode.errors import ConstraintError, GraphmodeError, RecipeErrors
+
+recipe_app = typer.Typer(name="recipe", no_args_is_help=True, add_completion=False,
+                         help="Validate, show and diff recipes (the verified deployment contract).")
+app.add_typer(recipe_app, name="recipe")
+
+_TARGET_HELP = ("target name (registry), target YAML file, or inline spec name; "
+                "default: the recipe's first target, else host")
+
+
+def _host_cache() -> Path:
+    root = os.environ.get("GRAPHMODE_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "graphmode") / "targets"
+
+
+def _target(recipe: Any, ref: Optional[str]):
+    from graphmode.recipe.targets import pick_target
+    return pick_target(recipe, ref, cache_dir=_host_cache())
+
+
+def _table(title: str, *cols: str) -> Table:
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for c in cols:
+        t.add_column(c, overflow="fold")
+    return t
+
+
+def _fmt_buckets(vals: list[int], limit: int = 12) -> str:
+    if len(vals) <= limit:
+        return ", ".join(map(str, vals))
+    return ", ".join(map(str, vals[:limit // 2])) + f", ... ({len(vals)} total) ..., " + \
+        ", ".join(map(str, vals[-2:]))
+
+
+def _bucket_table(dims: dict) -> Table:
+    t = _table("buckets", "dim", "range", "buckets", "count", "worst padding")
+    for d, s in dims.items():
+        at = f" at {d}={s.worst_value}" if s.worst_value is not None else ""
+        t.add_row(d, f"{s.lo}..{s.hi}" + (f" step {s.step}" if s.step > 1 else ""), _fmt_buckets(s.buckets),
+                  str(len(s.buckets)), f"{float(s.worst_padding):.3f}{at}")
+    return t
+
+
+def _print_report(rep) -> None:
+    head = _table(f"recipe {rep.recipe.name}", "field", "value")
+    head.add_row("source", str(rep.recipe.source or "-"))
+    head.add_row("hash", rep.hash)
+    head.add_row("target", f"{rep.target.name} ({rep.target.kind}, {rep.target.arch})")
+    style = {"valid": "green", "malformed": "red", "refused": "red", "unproved": "yellow"}[rep.verdict]
+    head.add_row("verdict", f"[bold {style}]{rep.verdict}[/]")
+    if rep.dims:
+        head.add_row("plans", f"{rep.plans} (warm-up compiles one per bucket)")
+    if rep.model:
+        head.add_row("model facts", rep.model.facts_source)
+    console.print(head)
+    layers = _table("verification", "layer", "status", "time", "summary")
+    for layer in rep.layers:
+        layers.add_row(layer.name, layer.status, f"{layer.seconds * 1e3:.0f} ms", layer.summary)
+    console.print(layers)
+    if rep.dims:
+        console.print(_bucket_table(rep.dims))
+    if rep.proofs:
+        proofs = _table("proofs (Z3, every admissible shape)", "property", "status", "time", "result")
+        for p in rep.proofs:
+            st = {"proved": "green", "refuted": "red", "unproved": "yellow"}.get(p.status, "white")
+            proofs.add_row(p.name, f"[{st}]{p.status}[/]", f"{p.seconds * 1e3:.0f} ms", p.message)
+        console.print(proofs)
+    if rep.requires:
+        req = _table("requires", "package", "constraint", "found", "status")
+        for r in rep.requires:
+            req.add_row(r.key, r.constraint, r.found or "-", r.status + (f" ({r.reason})" if r.reason else ""))
+        console.print(req)
+    for n in rep.notes:
+        console.print(f"note: {n}", markup=False, highlight=False)
+    for w in rep.warnings:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+
+
+@recipe_app.command("validate")
+def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
+                 target: Optional[str] = typer.Option(None, "--target", "-t", help=_TARGET_HELP),
+                 as_json: bool = typer.Option(False, "--json", help="print JSON"),
+                 timeout_ms: int = typer.Option(5000, "--timeout-ms", help="Z3 timeout per proof")) -> None:
+    """Check a recipe in three layers (schema, semantics, Z3 proofs): exit 0 valid, 1 refused, 2 malformed."""
+    from graphmode.recipe import load_recipe, validate
+    try:
+        recipe = load_recipe(path)
+        rep = validate(recipe, _target(recipe, target), timeout_ms=timeout_ms)
+        if rep.errors:
+            raise RecipeErrors(rep.errors)
+        if as_json:
+            print(json.dumps(rep.to_dict(), indent=2, default=str))
+        else:
+            _print_report(rep)
+        try:
+            rep.raise_for_errors()
+        except ConstraintError as e:
+            if not as_json:
+                err_console.print(f"[bold red]refused:[/] {type(e).__name__}", highlight=False)
+                err_console.print(e.render(), markup=False, highlight=False, soft_wrap=True)
+            raise SystemExit(e.exit_code)
+    except GraphmodeError as e:
+        fail(e, as_json)
+
+
+@recipe_app.command("show")
+def show_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
+             target: Optional[str] = typer.Option(None, "--target", "-t", help=_TARGET_HELP),
+             as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """The recipe resolved on the target, its hash, buckets with worst-case padding and the plan count."""
+    from graphmode.recipe import load_recipe, resolve
+    from graphmode.recipe.buckets import dim_synthesis
+    try:
+        recipe = load_recipe(path)
+        tgt = _target(recipe, target)
+        resolved = resolve(recipe, tgt)
+        per_dim = resolved.dim_buckets()          # RecipeError if a synthesis is infeasible
+        dims = {d: dim_synthesis(s) for d, s in resolved.dims.items()}
+        data = resolved.model_dump(mode="json", exclude_none=True)
+        if as_json:
+            print(json.dumps({"name": resolved.name, "hash": resolved.hash(), "target": tgt.name,
+                              "recipe": data, "plans": resolved.plans_count(),
+                              "buckets": {d: {"values": per_dim[d], "worst_padding": float(s.worst_padding),
+                                              "worst_padding_at": s.worst_value} for d, s in dims.items()},
+                              "notes": resolved.notes}, indent=2))
+            return
+        console.print(f"# {resolved.name}  hash {resolved.hash()}  resolved on {tgt.name}", markup=False,
+                      highlight=False, soft_wrap=True)
+        console.print(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100).rstrip(),
+                      markup=False, highlight=False, soft_wrap=True)
+        console.print(_bucket_table(dims))
+        console.print(f"plans: {resolved.plans_count()} (one per bucket; warm-up compiles all of them)",
+                      highlight=False)
+        for n in resolved.notes:
+            console.print(f"note: {n}", markup=False, highlight=False)
+    except GraphmodeError as e:
+        fail(e, as_json)
+
+
+@recipe_app.command("diff")
+def diff_cmd(a: Path = typer.Argument(..., help="old recipe"), b: Path = typer.Argument(..., help="new recipe"),
+             as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """Field paths that differ between two recipes, with old and new values."""
+    from graphmode.recipe import diff_recipes, load_recipe
+    try:
+        ra, rb = load_recipe(a), load_recipe(b)
+        changes = diff_recipes(ra, rb)
+        if as_json:
+            print(json.dumps({"a": {"path": str(a), "hash": ra.hash()}, "b": {"path": str(b), "hash": rb.hash()},
+                              "changes": [c.to_dict() for c in changes]}, indent=2, default=str))
+            return
+        console.print(f"{a}: {ra.hash()}\n{b}: {rb.hash()}", markup=False, highlight=False)
+        if not changes:
+            console.print("no differences")
+            return
+        t = _table(f"{len(changes)} change(s)", "field", "change", "old", "new")
+        for c in changes:
+            t.add_row(c.path, c.kind, "" if c.kind == "added" else json.dumps(c.old, default=str),
+                      "" if c.kind == "removed" else json.dumps(c.new, default=str))
+        console.print(t)
+    except GraphmodeError as e:
+        fail(e, as_json)

@@ -1,0 +1,366 @@
+"""Layer 3 of verification: Z3 proofs over every admissible shape.
+
+For each property, Z3 searches for an admissible shape that breaks it. `unsat` means the
+property holds for every admissible shape (proved); `sat` gives a counter-example, which
+is re-checked by evaluating the sympy expressions exactly (refuted); `unknown`/timeout is
+"unproved" and never counts as valid.
+
+Admissible shapes: each dim ranges over its bucket values (explicit, synthesised, or the
+step grid of a range) because the runtime pads a request up to its bucket, and memory and
+latency are those of the padded bucket. Bucket cover/padding proofs range over every
+request value in [min, max].
+
+Memory model (bytes):  weights + activations(dims) + workspace(dims) + kv_cache(dims)
+Latency model (s):     max(flops / peak_flops[compute dtype], bytes_moved / bandwidth)
+                       + n_ops * launch_overhead          (roofline, from the Target)
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Optional
+
+import sympy
+import z3
+
+from graphmode.recipe import smt
+from graphmode.recipe.buckets import Synthesis, dim_range, dim_synthesis
+from graphmode.recipe.facts import MB, ModelFacts, estimate_facts, kv_cache_bytes, kv_params
+from graphmode.recipe.schema import Recipe
+
+DEFAULT_TIMEOUT_MS = 5000
+ENUMERATE_LIMIT = 20_000
+
+
+@dataclass
+class Proof:
+    """Outcome of one property. status: proved | refuted | unproved | skipped."""
+    name: str
+    status: str
+    message: str
+    counterexample: Optional[dict[str, int]] = None
+    seconds: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "message": self.message,
+                "counterexample": self.counterexample, "seconds": round(self.seconds, 4),
+                "detail": self.detail}
+
+
+@dataclass
+class SlaBound:
+    path: str                          # "sla" or "sla.per_bucket[i]"
+    which: str                         # "p50" | "p99"
+    bound_ms: float
+    select: dict[str, tuple[int, int]]  # dim -> inclusive range of *bucket values* the bound applies to
+    requests: dict[str, tuple[int, int]] = field(default_factory=dict)  # the request ranges declared
+
+
+@dataclass
+class ConstraintModel:
+    """Everything the proofs need, as sympy expressions over the dim symbols."""
+    domains: dict[str, list[int]]
+    memory_terms: dict[str, Any]
+    budget_bytes: Optional[int]
+    budget_source: str
+    flops: Optional[Any] = None
+    bytes_moved: Optional[Any] = None
+    n_ops: Any = 0
+    peak_flops: Optional[Fraction] = None       # FLOP/s in the compute dtype
+    bandwidth: Optional[Fraction] = None        # bytes/s
+    launch_overhead_s: Fraction = Fraction(0)
+    compute_dtype: str = "f32"
+    sla: list[SlaBound] = field(default_factory=list)
+    kv_pages: Optional[tuple[str, int, int]] = None     # (seq dim, page_size, max_pages_per_seq)
+    facts_source: str = ""
+
+    @property
+    def memory_bytes(self) -> Any:
+        return sum(self.memory_terms.values())
+
+    def latency_s(self) -> Optional[Any]:
+        if self.flops is None or not self.peak_flops or not self.bandwidth:
+            return None
+        r = lambda f: sympy.Rational(f.numerator, f.denominator)  # noqa: E731
+        moved = self.bytes_moved if self.bytes_moved is not None else self.memory_bytes
+        return (sympy.Max(sympy.sympify(self.flops) / r(self.peak_flops), sympy.sympify(moved) / r(self.bandwidth))
+                + sympy.sympify(self.n_ops) * r(self.launch_overhead_s))
+
+
+def _frac(x: float) -> Fraction:
+    return Fraction(str(x))
+
+
+def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None = None) -> ConstraintModel:
+    """Assemble the memory and latency models of a resolved recipe on `target`.
+
+    `facts=None` uses `estimate_facts(recipe)`; the KV-cache term always comes from the recipe.
+    """
+    facts = facts or estimate_facts(recipe)
+    terms: dict[str, Any] = {"weights": sympy.Integer(int(facts.weights_bytes)),
+                             "activations": sympy.sympify(facts.activation_bytes)}
+    if sympy.sympify(facts.workspace_bytes) != 0:
+        terms["workspace"] = sympy.sympify(facts.workspace_bytes)
+    kv = kv_params(recipe)
+    if kv is not None:
+        terms["kv_cache"] = kv_cache_bytes(recipe)
+    budget = recipe.memory.budget_mb
+    if isinstance(budget, (int, float)):
+        budget_bytes, src = int(Fraction(str(budget)) * MB), f"{budget:g} MB budget"
+    else:
+        budget_bytes, src = int(target.memory_bytes), f"target {target.name!r} memory"
+    cm = ConstraintModel(domains=recipe.dim_buckets(), memory_terms=terms, budget_bytes=budget_bytes,
+                         budget_source=src, flops=facts.flops, bytes_moved=facts.bytes_moved,
+                         n_ops=facts.n_ops or 0, compute_dtype=recipe.precision.compute,
+                         facts_source=facts.source)
+    peak = target.peak(recipe.precision.compute)
+    cm.peak_flops = _frac(peak) if peak else None
+    cm.bandwidth = _frac(target.memory_bandwidth_gbps) * 10**9
+    cm.launch_overhead_s = _frac(target.launch_overhead_us) / 10**6
+    if recipe.sla is not None:
+        entries = [("sla", recipe.sla.p50_ms, recipe.sla.p99_ms, {}, {})]
+        for i, b in enumerate(recipe.sla.per_bucket):
+            sel = {}
+            for d, v in b.match.items():      # requests in [lo, hi] land in buckets lo..bucket(hi)
+                lo, hi = (v, v) if isinstance(v, int) else (v[0], v[1])
+                sel[d] = (lo, min([x for x in cm.domains.get(d, []) if x >= hi], default=hi))
+            entries.append((f"sla.per_bucket[{i}]", b.p50_ms, b.p99_ms, sel,
+                            {d: ((v, v) if isinstance(v, int) else tuple(v)) for d, v in b.match.items()}))
+        for path, p50, p99, sel, req in entries:
+            # the cost model predicts a typical run: it must meet p50 (or p99 when no p50 is given)
+            if p50 is not None:
+                cm.sla.append(SlaBound(path, "p50", float(p50), sel, req))
+            elif p99 is not None:
+                cm.sla.append(SlaBound(path, "p99", float(p99), sel, req))
+    if kv is not None and isinstance(kv["max_pages_per_seq"], int):
+        cm.kv_pages = (kv["seq_dim"], kv["page_size"], kv["max_pages_per_seq"])
+    return cm
+
+
+# ---- Z3 plumbing ----------------------------------------------------------------------------
+
+def _domain(var: z3.ArithRef, values: list[int]) -> z3.BoolRef:
+    """var is one of `values`; long arithmetic progressions (step grids) as a range."""
+    vals = sorted(set(values))
+    if len(vals) > 16:
+        step = vals[1] - vals[0]
+        body = vals if all(b - a == step for a, b in zip(vals, vals[1:])) else vals[:-1]
+        if all(b - a == step for a, b in zip(body, body[1:])):
+            rng = z3.And(var >= body[0], var <= body[-1], (var - body[0]) % step == 0)
+            return rng if body is vals else z3.Or(rng, var == vals[-1])
+    return z3.Or([var == v for v in vals])
+
+
+def _solve(constraints: list[z3.BoolRef], variables: dict[str, z3.ArithRef], timeout_ms: int):
+    s = z3.Solver()
+    s.set("timeout", int(timeout_ms))
+    s.add(*constraints)
+    r = s.check()
+    if r == z3.sat:
+        m = s.model()
+        return "sat", {k: m.eval(v, model_completion=True).as_long() for k, v in variables.items()}
+    if r == z3.unsat:
+        return "unsat", None
+    return "unknown", s.reason_unknown() or "unknown"
+
+
+def _fmt_shape(ce: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in ce.items())
+
+
+def _mb(x) -> str:
+    return f"{float(x) / MB:.1f} MB"
+
+
+def _vars(cm: ConstraintModel) -> dict[str, z3.ArithRef]:
+    return {d: z3.Int(d) for d in cm.domains}
+
+
+def _worst(expr, domains: dict[str, list[int]], select: dict[str, tuple[int, int]] | None = None):
+    """Max of expr over the finite domain by enumeration (for reporting headroom), or None."""
+    names = list(domains)
+    doms = [[v for v in domains[d] if not select or d not in select or select[d][0] <= v <= select[d][1]]
+            for d in names]
+    n = 1
+    for d in doms:
+        n *= len(d)
+    if n == 0 or n > ENUMERATE_LIMIT:
+        return None
+    syms = [sympy.Symbol(d) for d in names]
+    e = sympy.sympify(expr).xreplace({s: sympy.Symbol(str(s)) for s in sympy.sympify(expr).free_symbols})
+    f = sympy.lambdify(syms, e, modules="math")
+    best, at = None, None
+    for combo in itertools.product(*doms):
+        v = float(f(*combo))
+        if best is None or v > best:
+            best, at = v, dict(zip(names, combo))
+    return best, at
+
+
+# ---- the proofs -------------------------------------------------------------------------------
+
+def prove_memory(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> Proof:
+    t0 = time.perf_counter()
+    v = _vars(cm)
+    total = cm.memory_bytes
+    try:
+        z, d = smt.to_z3(total, v)
+    except smt.SmtError as e:
+        return Proof("memory", "unproved", f"unproved: {e}", seconds=time.perf_counter() - t0)
+    budget = cm.budget_bytes
+    status, res = _solve([_domain(v[k], vals) for k, vals in cm.domains.items()] + [z > budget * d], v, timeout_ms)
+    dt = time.perf_counter() - t0
+    if status == "sat":
+        ce = res
+        parts = {k: smt.evaluate(e, ce) for k, e in cm.memory_terms.items()}
+        need = sum(parts.values())
+        if not need > budget:
+            raise AssertionError(f"internal: Z3 memory counter-example {ce} does not reproduce ({need} <= {budget})")
+        breakdown = " + ".join(f"{k} {_mb(x)}" for k, x in parts.items())
+        msg = f"{_fmt_shape(ce)}: needs {_mb(need)} > {budget / MB:g} MB budget ({breakdown})"
+        return Proof("memory", "refuted", msg, ce, dt,
+                     {"needed_bytes": int(need), "budget_bytes": budget,
+                      "terms": {k: float(x) for k, x in parts.items()}})
+    if status == "unknown":
+        return Proof("memory", "unproved", f"unproved ({res})", seconds=dt)
+    worst = _worst(total, cm.domains)
+    detail = {"budget_bytes": budget}
+    msg = f"fits {cm.budget_source} for every bucket"
+    if worst:
+        detail.update(worst_bytes=worst[0], worst_at=worst[1])
+        msg += f" (worst {_mb(worst[0])} at {_fmt_shape(worst[1])})"
+    return Proof("memory", "proved", msg, seconds=time.perf_counter() - t0, detail=detail)
+
+
+def _latency_breakdown(cm: ConstraintModel, ce: dict[str, int]) -> str:
+    fl = smt.evaluate(cm.flops, ce)
+    moved = smt.evaluate(cm.bytes_moved if cm.bytes_moved is not None else cm.memory_bytes, ce)
+    n = smt.evaluate(cm.n_ops, ce)
+    c = float(fl) / float(cm.peak_flops) * 1e3
+    m = float(moved) / float(cm.bandwidth) * 1e3
+    return (f"compute {float(fl) / 1e9:.2f} GFLOP at {float(cm.peak_flops) / 1e9:.1f} GFLOP/s {cm.compute_dtype} "
+            f"= {c:.2f} ms, memory {float(moved) / 1e9:.3f} GB at {float(cm.bandwidth) / 1e9:.1f} GB/s = {m:.2f} ms, "
+            f"{int(n)} launches x {float(cm.launch_overhead_s) * 1e6:g} us")
+
+
+def prove_latency(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> list[Proof]:
+    out: list[Proof] = []
+    lat = cm.latency_s()
+    for b in cm.sla:
+        name = f"{b.path}.{b.which}_ms"
+        t0 = time.perf_counter()
+        if lat is None:
+            why = ("no FLOP count: declare model.gflops_per_item or a transformer model section, "
+                   "or pass ModelFacts from the compiler") if cm.flops is None else \
+                f"target has no peak FLOP/s for {cm.compute_dtype}"
+            out.append(Proof(name, "unproved", f"unproved: {why}"))
+            continue
+        v = _vars(cm)
+        thr = sympy.Rational(str(b.bound_ms)) / 1000
+        try:
+            z, d = smt.to_z3(lat - thr, v)
+        except smt.SmtError as e:
+            out.append(Proof(name, "unproved", f"unproved: {e}", seconds=time.perf_counter() - t0))
+            continue
+        cons = [_domain(v[k], vals) for k, vals in cm.domains.items()]
+        cons += [z3.And(v[k] >= lo, v[k] <= hi) for k, (lo, hi) in b.select.items() if k in v]
+        status, res = _solve(cons + [z > 0], v, timeout_ms)
+        dt = time.perf_counter() - t0
+        scope = "" if not b.requests else " for requests " + ", ".join(
+            f"{k}={lo}" if lo == hi else f"{k} in [{lo}, {hi}]" for k, (lo, hi) in b.requests.items())
+        if status == "sat":
+            ce = res
+            pred = smt.evaluate(lat, ce)
+            if not pred > thr:
+                raise AssertionError(f"internal: Z3 latency counter-example {ce} does not reproduce")
+            msg = (f"{_fmt_shape(ce)}: predicted {float(pred) * 1e3:.2f} ms > {b.which} {b.bound_ms:g} ms{scope} "
+                   f"({_latency_breakdown(cm, ce)})")
+            out.append(Proof(name, "refuted", msg, ce, dt, {"predicted_ms": float(pred) * 1e3,
+                                                              "bound_ms": b.bound_ms}))
+        elif status == "unknown":
+            out.append(Proof(name, "unproved", f"unproved ({res})", seconds=dt))
+        else:
+            worst = _worst(lat, cm.domains, b.select)
+            msg = f"predicted latency <= {b.which} {b.bound_ms:g} ms{scope}"
+            detail: dict[str, Any] = {"bound_ms": b.bound_ms}
+            if worst:
+                msg += f" (worst {worst[0] * 1e3:.2f} ms at {_fmt_shape(worst[1])})"
+                detail.update(worst_ms=worst[0] * 1e3, worst_at=worst[1])
+            out.append(Proof(name, "proved", msg, seconds=time.perf_counter() - t0, detail=detail))
+    return out
+
+
+def prove_kv_pages(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> Proof | None:
+    if cm.kv_pages is None:
+        return None
+    seq, page, max_pages = cm.kv_pages
+    t0 = time.perf_counter()
+    s = z3.Int(seq)
+    pages = -((-s) / page)
+    status, res = _solve([_domain(s, cm.domains[seq]), pages > max_pages], {seq: s}, timeout_ms)
+    dt = time.perf_counter() - t0
+    if status == "sat":
+        need = -(-res[seq] // page)
+        assert need > max_pages
+        return Proof("memory.kv_cache.max_pages_per_seq", "refuted",
+                     f"{seq}={res[seq]}: needs {need} pages of {page} tokens > max_pages_per_seq {max_pages}",
+                     res, dt, {"pages": need})
+    if status == "unknown":
+        return Proof("memory.kv_cache.max_pages_per_seq", "unproved", f"unproved ({res})", seconds=dt)
+    top = max(cm.domains[seq])
+    return Proof("memory.kv_cache.max_pages_per_seq", "proved",
+                 f"every {seq} fits in {max_pages} pages (longest {top} needs {-(-top // page)})", seconds=dt)
+
+
+def prove_cover(dim: str, lo: int, hi: int, buckets: list[int], max_padding: float | Fraction | None,
+                timeout_ms: int = DEFAULT_TIMEOUT_MS) -> Proof:
+    """Prove every request value in [lo, hi] has a bucket, padded with ratio <= max_padding."""
+    t0 = time.perf_counter()
+    name = f"dims.{dim}.buckets"
+    v = z3.Int(dim)
+    chosen: z3.ArithRef = z3.IntVal(-1)
+    for b in sorted(set(buckets), reverse=True):          # smallest bucket >= v
+        chosen = z3.If(v <= b, z3.IntVal(b), chosen)
+    bad = chosen == -1
+    p = Fraction(0)
+    if max_padding is not None:
+        p = Fraction(str(max_padding)) if not isinstance(max_padding, Fraction) else max_padding
+        bad = z3.Or(bad, (chosen - v) * p.denominator > p.numerator * chosen)
+    status, res = _solve([v >= lo, v <= hi, bad], {dim: v}, timeout_ms)
+    dt = time.perf_counter() - t0
+    bound = f", padding <= {float(p):.4g}" if max_padding is not None else ""
+    if status == "sat":
+        x = res[dim]
+        above = [b for b in sorted(buckets) if b >= x]
+        if not above:
+            return Proof(name, "refuted", f"{dim}={x}: no bucket holds it (largest {max(buckets)})", res, dt)
+        b = above[0]
+        pad = Fraction(b - x, b)
+        assert pad > p
+        return Proof(name, "refuted", f"{dim}={x}: padded to {b}, padding {float(pad):.4f} > {float(p):.4g}",
+                     res, dt, {"bucket": b, "padding": float(pad)})
+    if status == "unknown":
+        return Proof(name, "unproved", f"unproved ({res})", seconds=dt)
+    return Proof(name, "proved", f"every {dim} in [{lo}, {hi}] has a bucket{bound}", seconds=dt)
+
+
+def prove_all(recipe: Recipe, target: Any, facts: ModelFacts | None = None,
+              timeout_ms: int = DEFAULT_TIMEOUT_MS) -> tuple[ConstraintModel, list[Proof]]:
+    """Every layer-3 proof for a resolved, semantically valid recipe."""
+    proofs: list[Proof] = []
+    for name, spec in recipe.dims.items():
+        s: Synthesis = dim_synthesis(spec)
+        lo, hi = dim_range(spec)
+        bound = spec.max_padding if spec.max_padding is not None else (
+            s.worst_padding if spec.max_buckets is not None else None)
+        proofs.append(prove_cover(name, lo, hi, s.buckets, bound, timeout_ms))
+    cm = build_constraint_model(recipe, target, facts)
+    kv = prove_kv_pages(cm, timeout_ms)
+    if kv is not None:
+        proofs.append(kv)
+    proofs.append(prove_memory(cm, timeout_ms))
+    proofs.extend(prove_latency(cm, timeout_ms))
+    return cm, proofs

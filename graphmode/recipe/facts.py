@@ -1,0 +1,148 @@
+"""What the constraint layer knows about a model: `ModelFacts`.
+
+The proofs need, as expressions over the recipe's dim symbols (sympy Symbols named like
+the dims; assumptions do not matter, names do):
+  weights_bytes     constant bytes of parameters/constants resident during a run
+  activation_bytes  peak bytes of activations (the planner's arena size) per shape
+  flops, bytes_moved, n_ops   for the roofline latency model (optional)
+
+The compiler passes exact facts (the memory planner's arena-size expression, summed
+FLOPs/bytes of the plan, the instruction count). Without a compiled model,
+`estimate_facts(recipe)` derives crude ones from the recipe's `model` section. The KV
+cache is always added from `memory.kv_cache` (`kv_cache_bytes`), never from the facts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import sympy
+
+from graphmode.recipe.schema import DTYPE_SIZES, Recipe
+
+MB = 2**20
+Expr = Union[sympy.Expr, int]
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Model-side terms of the memory and latency models (see module doc)."""
+    weights_bytes: int
+    activation_bytes: Expr
+    flops: Optional[Expr] = None
+    bytes_moved: Optional[Expr] = None
+    n_ops: Optional[Expr] = None
+    workspace_bytes: Expr = 0
+    source: str = "compiler"
+    notes: list[str] = field(default_factory=list)
+
+
+def dim_symbol(name: str) -> sympy.Symbol:
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+def dim_symbols(recipe: Recipe) -> dict[str, sympy.Symbol]:
+    return {d: dim_symbol(d) for d in recipe.dims}
+
+
+def _mb(x: float) -> int:
+    return int(round(x * MB))
+
+
+def kv_params(recipe: Recipe) -> dict[str, object] | None:
+    """layers/kv_heads/head_dim/dtype of the KV cache, filled from `model` where omitted.
+
+    None when there is no kv_cache; missing entries are None (semantics reports them).
+    """
+    kv = recipe.memory.kv_cache
+    if kv is None:
+        return None
+    m = recipe.model
+    head_dim = kv.head_dim or (m.head_dim if m else None)
+    if head_dim is None and m and m.hidden and m.heads:
+        head_dim = m.hidden // m.heads
+    return {"layers": kv.layers or (m.layers if m else None),
+            "kv_heads": kv.kv_heads or (m.kv_heads or m.heads if m else None),
+            "head_dim": head_dim,
+            "dtype": kv.dtype or recipe.precision.compute,
+            "page_size": kv.page_size, "max_pages_per_seq": kv.max_pages_per_seq,
+            "batch_dim": kv.batch_dim, "seq_dim": kv.seq_dim}
+
+
+def kv_page_bytes(recipe: Recipe) -> int:
+    p = kv_params(recipe)
+    return 2 * p["layers"] * p["kv_heads"] * p["head_dim"] * DTYPE_SIZES[p["dtype"]] * p["page_size"]
+
+
+def kv_cache_bytes(recipe: Recipe) -> Expr:
+    """K and V pages for every sequence: batch * ceil(seq / page_size) * page bytes."""
+    p = kv_params(recipe)
+    if p is None:
+        return 0
+    sym = dim_symbols(recipe)
+    b = sym.get(p["batch_dim"], 1)
+    s = sym[p["seq_dim"]]
+    return kv_page_bytes(recipe) * b * sympy.ceiling(s / p["page_size"])
+
+
+def _input_elems(recipe: Recipe, sym: dict[str, sympy.Symbol]) -> list[tuple[Expr, int]]:
+    out = []
+    for inp in recipe.inputs:
+        n: Expr = 1
+        for e in inp.shape:
+            n = n * (sym[e] if isinstance(e, str) else e)
+        out.append((n, DTYPE_SIZES[inp.dtype]))
+    return out
+
+
+def estimate_facts(recipe: Recipe) -> ModelFacts:
+    """Crude facts from the recipe's `model` section (and inputs) when no compiled model exists."""
+    m = recipe.model
+    sym = dim_symbols(recipe)
+    cb = DTYPE_SIZES[recipe.precision.compute]
+    fused = recipe.optimize.fusion.enabled and "fuse" in recipe.pipeline()
+    b = sym.get(m.batch_dim, 1) if m else sym.get("batch", 1)
+    notes: list[str] = []
+
+    weights = 0
+    if m and m.weights_mb:
+        weights = _mb(m.weights_mb)
+    elif m and m.params_m:
+        weights = int(round(m.params_m * 1e6)) * cb
+    elif m and m.layers and m.hidden:
+        weights = (12 * m.layers * m.hidden**2 + (m.vocab or 0) * m.hidden) * cb
+    else:
+        notes.append("no model.weights_mb/params_m: weights counted as 0 MB")
+
+    if m and m.kind in ("encoder", "decoder") and m.hidden and m.layers and m.seq_dim in sym:
+        s = sym[m.seq_dim]
+        h, n_layers = m.hidden, m.layers
+        heads = m.heads or max(1, h // 64)
+        inter = m.intermediate or 4 * h
+        per_layer = b * s * (4 * h + inter) + 2 * b * heads * s**2          # elements live in one layer
+        act = cb * per_layer
+        flops = 2 * 12 * n_layers * h**2 * b * s + 4 * n_layers * b * s**2 * h
+        if m.kind == "decoder" and m.vocab:
+            act = act + cb * b * s * m.vocab                                  # logits
+            flops = flops + 2 * b * s * m.vocab * h
+        moved = weights + 2 * n_layers * act
+        n_ops = m.n_ops or n_layers * (12 if fused else 24) + 4
+        src = f"transformer estimate from model ({m.kind}, {n_layers} layers, hidden {h})"
+        return ModelFacts(weights, sympy.expand(act), sympy.expand(flops), sympy.expand(moved), n_ops,
+                          source=src, notes=notes)
+
+    if m and m.activation_mb_per_item:
+        act = _mb(m.activation_mb_per_item) * b
+        src = "per-item estimate from model.activation_mb_per_item"
+    else:
+        factor = sympy.Rational(str(m.activation_factor)) if m else 8
+        act = sum(factor * n * max(cb, size) for n, size in _input_elems(recipe, sym))
+        act = sympy.ceiling(act) if not sympy.sympify(act).is_integer else act
+        src = f"crude estimate: {factor} x input bytes (declare model.* or pass ModelFacts for better)"
+    flops = int(round(m.gflops_per_item * 1e9)) * b if m and m.gflops_per_item else None
+    moved = weights + 2 * act
+    n_ops = (m.n_ops if m and m.n_ops else (m.layers * (2 if fused else 4) + 2 if m and m.layers else 64))
+    if flops is None:
+        notes.append("no FLOP count (model.gflops_per_item or a transformer model section): "
+                     "latency cannot be predicted")
+    return ModelFacts(weights, sympy.expand(act), flops, sympy.expand(moved), n_ops, source=src, notes=notes)

@@ -1,0 +1,418 @@
+"""Recipe schema version 1 (pydantic, strict, unknown keys rejected).
+
+Layer 1 of verification: types, per-field ranges, power-of-two alignment, known names.
+Cross-field rules (min <= max, dims declared, pass order...) live in `semantics.py`,
+and the for-every-shape proofs in `constraints.py`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag,
+                      field_validator)
+
+from graphmode.recipe import symbolic
+from graphmode.targets.schema import Target
+
+SCHEMA_VERSION = 1
+
+DTYPE_SIZES: dict[str, int] = {"f64": 8, "f32": 4, "tf32": 4, "f16": 2, "bf16": 2, "fp8_e4m3": 1,
+                               "fp8_e5m2": 1, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "bool": 1}
+FLOAT_DTYPES = ("f64", "f32", "tf32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2")
+DTYPE_ALIASES = {"float64": "f64", "fp64": "f64", "double": "f64", "float32": "f32", "fp32": "f32",
+                 "float": "f32", "float16": "f16", "fp16": "f16", "half": "f16", "bfloat16": "bf16",
+                 "fp8": "fp8_e4m3", "int64": "i64", "long": "i64", "int32": "i32", "int": "i32",
+                 "int16": "i16", "int8": "i8", "uint8": "u8"}
+FUSION_PATTERNS = ("elementwise", "reduction", "gemm_epilogue", "attention")   # = passes/fuse.py PATTERNS
+REQUIRE_KEYS = ("torch", "python", "graphmode", "driver", "cuda")
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_OPNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+# ---- scalar types with teaching messages -------------------------------------------------
+
+def _dtype(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a dtype name, one of: {', '.join(DTYPE_SIZES)}")
+    v = DTYPE_ALIASES.get(v.strip().lower(), v.strip().lower())
+    if v not in DTYPE_SIZES:
+        raise ValueError(f"unknown dtype; valid: {', '.join(DTYPE_SIZES)} "
+                         f"(aliases: {', '.join(sorted(DTYPE_ALIASES))})")
+    return v
+
+
+def _float_dtype(v: Any) -> str:
+    v = _dtype(v)
+    if v not in FLOAT_DTYPES:
+        raise ValueError(f"expected a floating-point dtype, one of: {', '.join(FLOAT_DTYPES)}")
+    return v
+
+
+def _pattern(rx: re.Pattern, what: str):
+    def check(v: Any) -> str:
+        if not isinstance(v, str) or not rx.match(v):
+            raise ValueError(f"expected {what}")
+        return v
+    return check
+
+
+def _number(kind: type | None, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
+            symbolic_ok: bool = False):
+    """A number (int or float per `kind`; None keeps the type), optionally a `${...}` expression."""
+    def check(v: Any) -> Any:
+        if symbolic_ok and symbolic.is_symbolic(v):
+            try:
+                symbolic.parse(v)
+            except symbolic.SymbolicError as e:
+                raise ValueError(str(e)) from None
+            return v.strip()
+        alt = " or a ${target...} expression" if symbolic_ok else ""
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+            raise ValueError(f"expected {'an integer' if kind is int else 'a number'}{alt}")
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError("expected a finite number")
+        if gt is not None and not v > gt:
+            raise ValueError(f"must be > {gt}")
+        if ge is not None and not v >= ge:
+            raise ValueError(f"must be >= {ge}")
+        if lt is not None and not v < lt:
+            raise ValueError(f"must be < {lt}")
+        return v if kind is None else kind(v)
+    return check
+
+
+def _pow2(v: Any) -> int:
+    v = _number(int, ge=1)(v)
+    if v & (v - 1):
+        lo = 1 << (v.bit_length() - 1)
+        raise ValueError(f"must be a power of two (nearest: {lo} or {lo * 2})")
+    return v
+
+
+def _shape_entry(v: Any) -> int | str:
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+        return v
+    if isinstance(v, str) and _IDENT.match(v):
+        return v
+    raise ValueError("expected a dim name (identifier declared under `dims`) or a positive integer")
+
+
+def _out_axis(v: Any) -> int | str:
+    if v == "*":
+        return v
+    try:
+        return _shape_entry(v)
+    except ValueError:
+        raise ValueError("expected a dim name (sliced back), a positive integer (fixed), "
+                         "or '*' (any extent, not sliced)") from None
+
+
+def _bank(v: Any) -> int | str:
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return v
+    if isinstance(v, str) and _IDENT.match(v):
+        return v
+    raise ValueError("expected a bank group name of the target (e.g. high_bandwidth) or a bank id >= 0")
+
+
+def _specifier(v: Any) -> str:
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = f">={v}"
+    if not isinstance(v, str):
+        raise ValueError("expected a version constraint string like '>=2.13,<2.14'")
+    try:
+        SpecifierSet(v)
+    except InvalidSpecifier:
+        raise ValueError("invalid version constraint; write e.g. '>=2.13,<2.14' or '==3.11.*'") from None
+    return v
+
+
+def _select(v: Any) -> int | list[int]:
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+        return v
+    if (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                    and x >= 1 for x in v)):
+        return v
+    raise ValueError("expected a dim value (positive int) or an inclusive range [lo, hi]")
+
+
+def _version(v: Any) -> int:
+    if v != SCHEMA_VERSION or isinstance(v, bool):
+        raise ValueError(f"unsupported recipe version; this graphmode reads version {SCHEMA_VERSION}")
+    return SCHEMA_VERSION
+
+
+DType = Annotated[str, BeforeValidator(_dtype)]
+FloatDType = Annotated[str, BeforeValidator(_float_dtype)]
+Ident = Annotated[str, BeforeValidator(_pattern(_IDENT, "an identifier (letters, digits, _)"))]
+OpName = Annotated[str, BeforeValidator(_pattern(_OPNAME, "an op name (letters, digits, _ and .)"))]
+PosInt = Annotated[int, BeforeValidator(_number(int, ge=1))]
+NonNegInt = Annotated[int, BeforeValidator(_number(int, ge=0))]
+PosFloat = Annotated[float, BeforeValidator(_number(float, gt=0))]
+SymPosFloat = Annotated[Any, BeforeValidator(_number(float, gt=0, symbolic_ok=True))]
+SymPosInt = Annotated[Any, BeforeValidator(_number(int, ge=1, symbolic_ok=True))]
+Ratio = Annotated[float, BeforeValidator(_number(float, ge=0, lt=1))]
+Pow2 = Annotated[int, BeforeValidator(_pow2)]
+Number = Annotated[Any, BeforeValidator(_number(None))]      # int stays int, float stays float
+ShapeEntry = Annotated[Any, BeforeValidator(_shape_entry)]
+OutAxis = Annotated[Any, BeforeValidator(_out_axis)]
+BankRef = Annotated[Any, BeforeValidator(_bank)]
+Specifier = Annotated[str, BeforeValidator(_specifier)]
+Selector = Annotated[Any, BeforeValidator(_select)]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# ---- field groups ---------------------------------------------------------------------------
+
+class InputSpec(_Spec):
+    """One model input: `shape` entries are dim names (declared under `dims`) or fixed ints."""
+    name: Ident
+    dtype: DType
+    shape: list[ShapeEntry] = Field(min_length=1)
+    pad_value: Number = 0
+
+
+class DimSpec(_Spec):
+    """A symbolic dim. Exactly one way of naming its buckets:
+    explicit `buckets`; or `min`/`max` (+`step`) synthesised with `max_padding`/`max_buckets`;
+    or `min`/`max`/`step` alone, where every grid value min, min+step, ..., max is a bucket."""
+    min: Optional[PosInt] = None
+    max: Optional[PosInt] = None
+    step: PosInt = 1
+    buckets: Optional[list[PosInt]] = None
+    max_padding: Optional[Ratio] = None
+    max_buckets: Optional[PosInt] = None
+
+
+class CaptureSpec(_Spec):
+    include_ops: list[OpName] = []
+    exclude_ops: list[OpName] = []
+
+
+class FusionSpec(_Spec):
+    enabled: bool = True
+    patterns: list[Literal[FUSION_PATTERNS]] = list(FUSION_PATTERNS)  # type: ignore[valid-type]
+    min_ops: PosInt = 2
+    max_ops: PosInt = 32
+
+
+class OptimizeSpec(_Spec):
+    preset: Optional[str] = None
+    passes: Optional[list[str]] = None
+    fusion: FusionSpec = FusionSpec()
+    memory_reuse: bool = True
+
+    def pipeline(self) -> list[str]:
+        from graphmode.passes.registry import PRESETS
+        if self.passes is not None:
+            return list(self.passes)
+        return list(PRESETS.get(self.preset or "default", []))
+
+
+class PrecisionSpec(_Spec):
+    compute: FloatDType = "f32"
+    accumulate: Optional[FloatDType] = None
+    overrides: dict[OpName, FloatDType] = {}
+
+    def accumulate_dtype(self) -> str:
+        if self.accumulate:
+            return self.accumulate
+        return self.compute if self.compute in ("f32", "f64") else "f32"
+
+
+class KVCacheSpec(_Spec):
+    """Paged KV cache: each sequence holds ceil(seq / page_size) pages of page_size tokens."""
+    page_size: Pow2 = 16
+    max_pages_per_seq: SymPosInt
+    dtype: Optional[FloatDType] = None
+    layers: Optional[PosInt] = None
+    kv_heads: Optional[PosInt] = None
+    head_dim: Optional[PosInt] = None
+    batch_dim: Ident = "batch"
+    seq_dim: Ident = "seq"
+
+
+class MemorySpec(_Spec):
+    budget_mb: Optional[SymPosFloat] = None
+    kv_cache: Optional[KVCacheSpec] = None
+    bank_affinity: list[BankRef] = []
+
+
+class SlaBucket(_Spec):
+    match: dict[Ident, Selector] = Field(min_length=1)
+    p50_ms: Optional[SymPosFloat] = None
+    p99_ms: Optional[SymPosFloat] = None
+
+
+class SlaSpec(_Spec):
+    p50_ms: Optional[SymPosFloat] = None
+    p99_ms: Optional[SymPosFloat] = None
+    per_bucket: list[SlaBucket] = []
+
+
+class Requires(_Spec):
+    torch: Optional[Specifier] = None
+    python: Optional[Specifier] = None
+    graphmode: Optional[Specifier] = None
+    driver: Optional[Specifier] = None
+    cuda: Optional[Specifier] = None
+
+
+class ModelSpec(_Spec):
+    """What is known about the model without compiling it; feeds the crude cost model."""
+    kind: Literal["encoder", "decoder", "cnn", "generic"] = "generic"
+    params_m: Optional[PosFloat] = None
+    weights_mb: Optional[PosFloat] = None
+    layers: Optional[PosInt] = None
+    hidden: Optional[PosInt] = None
+    heads: Optional[PosInt] = None
+    kv_heads: Optional[PosInt] = None
+    head_dim: Optional[PosInt] = None
+    intermediate: Optional[PosInt] = None
+    vocab: Optional[PosInt] = None
+    gflops_per_item: Optional[PosFloat] = None
+    activation_mb_per_item: Optional[PosFloat] = None
+    activation_factor: PosFloat = 8.0
+    n_ops: Optional[PosInt] = None
+    batch_dim: Ident = "batch"
+    seq_dim: Ident = "seq"
+
+
+def _inline_target(v: Any) -> Any:
+    """Inline target specs go through the registry's checks (units like '80 GiB' allowed)."""
+    if isinstance(v, dict):
+        from graphmode.errors import TargetError
+        from graphmode.targets.registry import target_from_dict
+        try:
+            return target_from_dict(v, source="inline target")
+        except TargetError as e:
+            raise ValueError(e.render().replace("\n  fix:", "; fix:")) from None
+    return v
+
+
+def _target_tag(v: Any) -> str:
+    return "target-name" if isinstance(v, str) else "target-spec"
+
+
+TargetRef = Annotated[Annotated[str, Tag("target-name")]
+                      | Annotated[Target, BeforeValidator(_inline_target), Tag("target-spec")],
+                      Discriminator(_target_tag)]
+
+
+def _dim_before(v: Any) -> Any:
+    if isinstance(v, int) and not isinstance(v, bool):   # `beam: 4` is a fixed dim
+        return {"buckets": [v], "min": v}
+    return v
+
+
+# ---- the recipe -----------------------------------------------------------------------------
+
+class Recipe(_Spec):
+    """A typed, versioned contract. Build with `load_recipe(...)` to get field-level errors."""
+
+    version: Annotated[int, BeforeValidator(_version)]
+    name: Annotated[str, BeforeValidator(_pattern(_NAME, "a name of letters, digits, _ . -"))]
+    description: str = ""
+    model: Optional[ModelSpec] = None
+    inputs: list[InputSpec] = Field(min_length=1)
+    outputs: dict[Ident, list[OutAxis]] = {}
+    dims: dict[Ident, Annotated[DimSpec, BeforeValidator(_dim_before)]] = Field(min_length=1)
+    exe_mode: Literal["eager", "graph", "hybrid"] = "graph"
+    on_violation: Literal["error", "eager"] = "error"
+    capture: CaptureSpec = CaptureSpec()
+    optimize: OptimizeSpec = OptimizeSpec()
+    precision: PrecisionSpec = PrecisionSpec()
+    memory: MemorySpec = MemorySpec()
+    sla: Optional[SlaSpec] = None
+    targets: list[TargetRef] = []
+    alias_groups: list[list[Ident]] = []
+    replayable: bool = True
+    requires: Requires = Requires()
+
+    _lines: dict[str, int] = PrivateAttr(default_factory=dict)
+    _source: Optional[str] = PrivateAttr(default=None)
+    _resolved_on: Optional[str] = PrivateAttr(default=None)
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @field_validator("inputs")
+    @classmethod
+    def _unique_inputs(cls, v: list[InputSpec]) -> list[InputSpec]:
+        seen = [i.name for i in v]
+        dup = sorted({n for n in seen if seen.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate input name(s): {', '.join(dup)}")
+        return v
+
+    def __eq__(self, other: object) -> bool:       # content equality: where it was loaded from is not content
+        return isinstance(other, Recipe) and self.model_dump() == other.model_dump()
+
+    def __hash__(self) -> int:
+        return hash(self.hash())
+
+    # -- convenience views (implemented in sibling modules) --
+    def line_of(self, path: str) -> int | None:
+        """YAML line of `path` (or its nearest ancestor) when loaded from YAML."""
+        while path:
+            if path in self._lines:
+                return self._lines[path]
+            cut = max(path.rfind("."), path.rfind("["))
+            path = path[:cut] if cut > 0 else ""
+        return self._lines.get("", None)
+
+    @property
+    def source(self) -> str | None:
+        return self._source
+
+    @property
+    def resolved_on(self) -> str | None:
+        """Name of the target the symbolic values were resolved against, if any."""
+        return self._resolved_on
+
+    @property
+    def notes(self) -> list[str]:
+        """What resolution did (e.g. bank names -> ids, or why an affinity does not apply)."""
+        return list(self._notes)
+
+    def hash(self) -> str:
+        from graphmode.recipe.diff import recipe_hash
+        return recipe_hash(self)
+
+    def pipeline(self) -> list[str]:
+        return self.optimize.pipeline()
+
+    def dim_buckets(self) -> dict[str, list[int]]:
+        from graphmode.recipe.buckets import dim_buckets
+        return dim_buckets(self)
+
+    def buckets(self) -> list[dict[str, int]]:
+        """Every bucket: the cross product of each dim's bucket values (one plan each)."""
+        from graphmode.recipe.buckets import cross_product
+        return cross_product(self.dim_buckets())
+
+    def plans_count(self) -> int:
+        n = 1
+        for vals in self.dim_buckets().values():
+            n *= len(vals)
+        return n
+
+    def bucket_for(self, shape: dict[str, int]) -> dict[str, int] | None:
+        """Smallest admissible bucket holding a request's dim values, or None if outside the contract."""
+        from graphmode.recipe.buckets import bucket_for
+        return bucket_for(self, shape)
+
+    def dim_range(self, dim: str) -> tuple[int, int]:
+        """Inclusive range of request values admissible for `dim`."""
+        from graphmode.recipe.buckets import dim_range
+        return dim_range(self.dims[dim])
+
+    def is_symbolic(self) -> bool:
+        """True when some value still needs a target (`${...}` or bank names)."""
+        from graphmode.recipe.resolve import has_symbolic
+        return has_symbolic(self)

@@ -1,0 +1,365 @@
+"""Layer 2 of verification: cross-field consistency of a recipe (and against a target).
+
+Every problem is a RecipeError with the field path, value, YAML line and fix. Warnings
+are things that are legal but probably not meant (fusion enabled without a `fuse` pass).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from graphmode.errors import RecipeError
+from graphmode.recipe.buckets import dim_range, dim_synthesis
+from graphmode.recipe.facts import kv_params
+from graphmode.recipe.schema import DTYPE_SIZES, Recipe
+
+MAX_DIM = 2**31 - 1
+
+
+# ---- environment for `requires` ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Environment:
+    """Versions `requires` is checked against. None = not present on this machine."""
+    python: str
+    torch: Optional[str] = None
+    graphmode: Optional[str] = None
+    driver: Optional[str] = None
+    cuda: Optional[str] = None
+
+
+def detect_environment() -> Environment:
+    """Probe versions without importing torch (metadata + files only)."""
+    import graphmode
+    try:
+        torch_v = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_v = None
+    cuda = None
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec and spec.origin:
+            text = (Path(spec.origin).parent / "version.py").read_text()
+            m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([\d.]+)['\"]", text, re.M)
+            cuda = m.group(1) if m else None
+    except (OSError, ImportError, ValueError):
+        pass
+    driver = None
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+        m = re.search(r"Kernel Module\s+([\d.]+)", text)
+        driver = m.group(1) if m else None
+    except OSError:
+        pass
+    return Environment(platform.python_version(), torch_v, graphmode.__version__, driver, cuda)
+
+
+@dataclass(frozen=True)
+class RequireCheck:
+    key: str
+    constraint: str
+    found: Optional[str]
+    status: str          # "ok" | "failed" | "n/a"
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "constraint": self.constraint, "found": self.found,
+                "status": self.status, "reason": self.reason}
+
+
+def check_requires(recipe: Recipe, env: Environment, target: Any = None) -> list[RequireCheck]:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+    out = []
+    for key, spec in recipe.requires.model_dump().items():
+        if spec is None:
+            continue
+        found = getattr(env, key)
+        if key in ("driver", "cuda") and (found is None or (target is not None and target.kind == "cpu")):
+            why = f"target {target.name!r} is a CPU" if target is not None and target.kind == "cpu" \
+                else f"no {key} on this machine"
+            out.append(RequireCheck(key, spec, found, "n/a", f"not applicable: {why}"))
+            continue
+        if found is None:
+            out.append(RequireCheck(key, spec, None, "failed", f"{key} is not installed"))
+            continue
+        try:
+            ok = SpecifierSet(spec).contains(Version(found), prereleases=True)
+        except InvalidVersion:
+            ok = False
+        out.append(RequireCheck(key, spec, found, "ok" if ok else "failed",
+                                "" if ok else f"{key} {found} does not satisfy {spec}"))
+    return out
+
+
+# ---- the checks -------------------------------------------------------------------------------
+
+@dataclass
+class SemanticResult:
+    errors: list[RecipeError] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    requires: list[RequireCheck] = field(default_factory=list)
+
+
+class _Checker:
+    def __init__(self, recipe: Recipe, target: Any):
+        self.r = recipe
+        self.t = target
+        self.errors: list[RecipeError] = []
+        self.warnings: list[str] = []
+
+    def err(self, path: str, msg: str, value: Any = None, fix: str | None = None) -> None:
+        self.errors.append(RecipeError(msg, where=path, value=value, line=self.r.line_of(path), fix=fix))
+
+    def warn(self, path: str, msg: str) -> None:
+        line = self.r.line_of(path)
+        self.warnings.append(f"{path}{f', line {line}' if line else ''}: {msg}")
+
+    # -- dims & shapes --
+    def dims(self) -> None:
+        for name, d in self.r.dims.items():
+            p = f"dims.{name}"
+            if d.buckets:
+                b = d.buckets
+                if b != sorted(set(b)):
+                    self.err(f"{p}.buckets", "buckets must be sorted ascending and unique", b,
+                             fix=f"buckets: {sorted(set(b))}")
+                lo, hi = dim_range(d)
+                for i, x in enumerate(b):
+                    if x < lo:
+                        self.err(f"{p}.buckets[{i}]", f"bucket below min {lo}", x, fix=f"buckets >= {lo}")
+                    if d.max is not None and x > d.max:
+                        self.err(f"{p}.buckets[{i}]", f"bucket above max {d.max}", x, fix=f"buckets <= {d.max}")
+                    if d.step > 1 and x % d.step:
+                        self.err(f"{p}.buckets[{i}]", f"bucket not a multiple of step {d.step}", x)
+                if d.max is not None and d.max > max(b):
+                    self.err(f"{p}.max", f"values {max(b) + 1}..{d.max} are above the largest bucket "
+                                         f"{max(b)} and would have no bucket", d.max,
+                             fix=f"add bucket {d.max} or set max: {max(b)}")
+                if d.max_buckets is not None and len(set(b)) > d.max_buckets:
+                    self.err(f"{p}.max_buckets", f"{len(set(b))} explicit buckets exceed max_buckets",
+                             d.max_buckets)
+                continue
+            if d.min is None or d.max is None:
+                missing = "min" if d.min is None else "max"
+                self.err(f"{p}.{missing}", f"a range dim needs both min and max (or explicit buckets)",
+                         fix=f"add `{missing}:` or `buckets: [...]`")
+                continue
+            if d.min > d.max:
+                self.err(f"{p}.max", f"max is below min {d.min}", d.max, fix=f"set max >= {d.min}")
+                continue
+            if d.max > MAX_DIM:
+                self.err(f"{p}.max", f"max above {MAX_DIM}", d.max)
+                continue
+            if d.max % d.step:
+                lo_, hi_ = (d.max // d.step) * d.step, -(-d.max // d.step) * d.step
+                self.err(f"{p}.max", f"max is not a multiple of step {d.step} (buckets are step-aligned)",
+                         d.max, fix=f"max: {hi_}" + (f" or {lo_}" if lo_ >= d.min else ""))
+                continue
+            try:
+                s = dim_synthesis(d)
+            except RecipeError as e:
+                self.err(p, e.message, fix=e.fix)
+                continue
+            if not s.feasible:
+                fixes = []
+                if s.min_buckets_for_padding is not None:
+                    fixes.append(f"max_buckets: {s.min_buckets_for_padding}")
+                if s.min_padding_for_buckets is not None:
+                    fixes.append(f"max_padding: {s.min_padding_for_buckets}")
+                self.err(f"{p}.max_padding", s.explain(), d.max_padding,
+                         fix=" or ".join(fixes) or "relax max_padding or use a smaller step")
+
+    def inputs(self) -> None:
+        used: set[str] = set()
+        for i, inp in enumerate(self.r.inputs):
+            for j, e in enumerate(inp.shape):
+                if isinstance(e, str):
+                    used.add(e)
+                    if e not in self.r.dims:
+                        self.err(f"inputs[{i}].shape[{j}]", f"dim {e!r} is not declared under dims", e,
+                                 fix=f"declare dims.{e} or use one of: {', '.join(self.r.dims)}")
+            pv = inp.pad_value
+            if inp.dtype not in ("f64", "f32", "tf32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2"):
+                if float(pv) != int(pv) or (inp.dtype == "bool" and pv not in (0, 1)):
+                    self.err(f"inputs[{i}].pad_value", f"pad value does not fit dtype {inp.dtype}", pv,
+                             fix="an integer (0 or 1 for bool)")
+        for name in self.r.dims:
+            if name not in used:
+                self.err(f"dims.{name}", f"dim {name!r} is declared but no input uses it", name,
+                         fix="remove it or use it in an input shape")
+        for name, axes in self.r.outputs.items():
+            for j, a in enumerate(axes):
+                if isinstance(a, str) and a != "*" and a not in self.r.dims:
+                    self.err(f"outputs.{name}[{j}]", f"dim {a!r} is not declared under dims", a,
+                             fix=f"one of: {', '.join(self.r.dims)}, an int, or '*'")
+
+    def capture(self) -> None:
+        c = self.r.capture
+        for i, op in enumerate(c.exclude_ops):
+            if op in c.include_ops:
+                self.err(f"capture.exclude_ops[{i}]", "op is both included and excluded", op)
+        if c.exclude_ops and self.r.exe_mode == "graph":
+            self.err("capture.exclude_ops", "excluded ops run as eager islands, which exe_mode 'graph' "
+                                            "does not allow", c.exclude_ops, fix="set exe_mode: hybrid")
+
+    def optimize(self) -> None:
+        from graphmode.passes.registry import PRESETS, check_order
+        o = self.r.optimize
+        if o.preset is not None and o.passes is not None:
+            self.err("optimize.preset", "give either a preset or a pass list, not both", o.preset,
+                     fix="remove `preset` or `passes`")
+        if o.preset is not None and o.preset not in PRESETS:
+            self.err("optimize.preset", "unknown preset", o.preset, fix=f"one of: {', '.join(PRESETS)}")
+        if o.passes is not None:
+            if not o.passes:
+                self.err("optimize.passes", "empty pass list", [], fix="use `preset: none` for the minimal pipeline")
+            for i, msg in check_order(o.passes):
+                self.err(f"optimize.passes[{i}]", msg, o.passes[i])
+        f = o.fusion
+        if f.min_ops > f.max_ops:
+            self.err("optimize.fusion.max_ops", f"max_ops is below min_ops {f.min_ops}", f.max_ops,
+                     fix=f"max_ops >= {f.min_ops}")
+        pipeline = self.r.pipeline()
+        if f.enabled and "fuse" not in pipeline and (o.passes is not None or o.preset in PRESETS):
+            self.warn("optimize.fusion.enabled", "fusion is enabled but the pipeline has no 'fuse' pass")
+        if not f.enabled and "fuse" in pipeline:
+            self.warn("optimize.fusion.enabled", "fusion is disabled: the 'fuse' pass will do nothing")
+
+    def precision(self) -> None:
+        p = self.r.precision
+        acc = p.accumulate_dtype()
+        if DTYPE_SIZES[acc] < DTYPE_SIZES[p.compute]:
+            self.err("precision.accumulate", f"accumulating in {acc} is narrower than compute {p.compute}", acc,
+                     fix=f"accumulate: {p.compute} or wider")
+        if self.t is None:
+            return
+        supported = ", ".join(self.t.dtypes)
+        checks = [("precision.compute", p.compute)]
+        if p.accumulate:
+            checks.append(("precision.accumulate", p.accumulate))
+        checks += [(f"precision.overrides.{op}", dt) for op, dt in p.overrides.items()]
+        for path, dt in checks:
+            if not self.t.supports_dtype(dt):
+                self.err(path, f"target {self.t.name!r} does not compute in {dt}", dt, fix=f"one of: {supported}")
+
+    def memory(self) -> None:
+        m = self.r.memory
+        if self.t is not None and isinstance(m.budget_mb, (int, float)):
+            cap = self.t.memory_bytes / 2**20
+            if m.budget_mb > cap:
+                self.err("memory.budget_mb", f"budget exceeds target {self.t.name!r} memory of {cap:.0f} MB",
+                         m.budget_mb, fix=f"budget_mb <= {cap:.0f}")
+        kv = kv_params(self.r)
+        if kv is not None:
+            for k in ("layers", "kv_heads", "head_dim"):
+                if kv[k] is None:
+                    self.err(f"memory.kv_cache.{k}", f"KV cache {k} unknown",
+                             fix=f"set memory.kv_cache.{k} (or model.{k})")
+            for k in ("batch_dim", "seq_dim"):
+                if kv[k] not in self.r.dims and not (k == "batch_dim" and kv[k] == "batch"):
+                    self.err(f"memory.kv_cache.{k}", f"dim {kv[k]!r} is not declared under dims", kv[k],
+                             fix=f"one of: {', '.join(self.r.dims)}")
+
+    def model(self) -> None:
+        m = self.r.model
+        if m is None:
+            return
+        if m.kind in ("encoder", "decoder"):
+            if m.seq_dim not in self.r.dims:
+                self.err("model.seq_dim", f"dim {m.seq_dim!r} is not declared under dims", m.seq_dim,
+                         fix=f"one of: {', '.join(self.r.dims)}")
+            if not (m.hidden and m.layers):
+                self.warn("model", f"kind {m.kind} without hidden/layers: using the generic estimate")
+        if m.hidden and m.heads and m.hidden % m.heads:
+            self.err("model.heads", f"hidden {m.hidden} is not divisible by heads", m.heads)
+
+    def sla(self) -> None:
+        s = self.r.sla
+        if s is None:
+            return
+        entries = [("sla", s.p50_ms, s.p99_ms)] + [(f"sla.per_bucket[{i}]", b.p50_ms, b.p99_ms)
+                                                   for i, b in enumerate(s.per_bucket)]
+        for path, p50, p99 in entries:
+            if p50 is None and p99 is None and path != "sla":
+                self.err(path, "no p50_ms or p99_ms given", fix="add p50_ms and/or p99_ms")
+            if isinstance(p50, (int, float)) and isinstance(p99, (int, float)) and p50 > p99:
+                self.err(f"{path}.p50_ms", f"p50 above p99 ({p99} ms)", p50, fix=f"p50_ms <= {p99}")
+        for i, b in enumerate(s.per_bucket):
+            for dim, sel in b.match.items():
+                path = f"sla.per_bucket[{i}].match.{dim}"
+                if dim not in self.r.dims:
+                    self.err(path, f"dim {dim!r} is not declared under dims", dim,
+                             fix=f"one of: {', '.join(self.r.dims)}")
+                    continue
+                lo, hi = dim_range(self.r.dims[dim])
+                a, z = (sel, sel) if isinstance(sel, int) else sel
+                if a > z:
+                    self.err(path, "range [lo, hi] has lo > hi", sel)
+                elif z < lo or a > hi:
+                    self.err(path, f"selects nothing: dim {dim} ranges over [{lo}, {hi}]", sel)
+
+    def targets(self) -> None:
+        names = []
+        for i, t in enumerate(self.r.targets):
+            names.append(t if isinstance(t, str) else t.name)
+        for i, n in enumerate(names):
+            if names.index(n) != i:
+                self.err(f"targets[{i}]", "duplicate target", n)
+        try:
+            from graphmode.targets.registry import HOST, get_target
+        except ImportError:
+            return
+        from graphmode.errors import TargetError
+        for i, t in enumerate(self.r.targets):
+            if isinstance(t, str) and t.strip().lower() != HOST and t not in names[:i]:
+                try:
+                    get_target(t)
+                except TargetError as e:
+                    self.err(f"targets[{i}]", "unknown target", t, fix=e.fix)
+
+    def aliases(self) -> None:
+        names = {i.name for i in self.r.inputs} | set(self.r.outputs)
+        owner: dict[str, int] = {}
+        for g, group in enumerate(self.r.alias_groups):
+            if len(group) < 2:
+                self.err(f"alias_groups[{g}]", "an alias group needs at least two names", group)
+            for j, n in enumerate(group):
+                if n not in names:
+                    self.err(f"alias_groups[{g}][{j}]", "not a declared input or output", n,
+                             fix=f"one of: {', '.join(sorted(names))}")
+                if n in owner and owner[n] != g:
+                    self.err(f"alias_groups[{g}][{j}]", f"already in alias group {owner[n]}", n,
+                             fix="merge the two groups")
+                owner.setdefault(n, g)
+
+    def misc(self) -> None:
+        if self.r.replayable and self.r.exe_mode == "eager":
+            self.warn("replayable", "replayable has no effect with exe_mode eager")
+        if self.r.model and self.r.model.weights_mb and self.r.model.params_m:
+            self.warn("model.weights_mb", "both weights_mb and params_m given: weights_mb is used for memory")
+
+    def run(self) -> None:
+        for check in (self.dims, self.inputs, self.capture, self.optimize, self.precision, self.memory,
+                      self.model, self.sla, self.targets, self.aliases, self.misc):
+            check()
+
+
+def check_semantics(recipe: Recipe, target: Any = None, env: Environment | None = None) -> SemanticResult:
+    """All layer-2 problems of `recipe` (target-dependent ones only when `target` is given)."""
+    c = _Checker(recipe, target)
+    c.run()
+    res = SemanticResult(sorted(c.errors, key=lambda e: e.line or 0), c.warnings)
+    res.requires = check_requires(recipe, env or detect_environment(), target)
+    for rc in res.requires:
+        if rc.status == "failed":
+            path = f"requires.{rc.key}"
+            res.errors.append(RecipeError(f"requirement not met: {rc.reason}", where=path, value=rc.constraint,
+                                          line=recipe.line_of(path), fix=f"install a {rc.key} matching "
+                                                                         f"{rc.constraint} or relax the constraint"))
+    return res

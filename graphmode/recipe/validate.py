@@ -1,0 +1,146 @@
+"""`validate(recipe, target, model_facts)`: the three verification layers, one report."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from graphmode.errors import ConstraintError, RecipeError, RecipeErrors
+from graphmode.recipe.buckets import Synthesis, dim_synthesis
+from graphmode.recipe.constraints import DEFAULT_TIMEOUT_MS, ConstraintModel, Proof, prove_all
+from graphmode.recipe.facts import ModelFacts
+from graphmode.recipe.schema import Recipe
+from graphmode.recipe.semantics import Environment, RequireCheck, check_semantics
+from graphmode.recipe.targets import pick_target
+
+
+@dataclass
+class LayerResult:
+    name: str                    # schema | semantics | constraints
+    status: str                  # ok | failed | refuted | unproved | skipped
+    seconds: float = 0.0
+    summary: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "seconds": round(self.seconds, 4),
+                "summary": self.summary}
+
+
+@dataclass
+class ValidationReport:
+    """What each layer found. `verdict`: valid | malformed | refused | unproved."""
+    recipe: Recipe
+    target: Any
+    layers: list[LayerResult] = field(default_factory=list)
+    errors: list[RecipeError] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    requires: list[RequireCheck] = field(default_factory=list)
+    proofs: list[Proof] = field(default_factory=list)
+    dims: dict[str, Synthesis] = field(default_factory=dict)
+    model: Optional[ConstraintModel] = None
+    hash: str = ""
+
+    @property
+    def verdict(self) -> str:
+        if self.errors:
+            return "malformed"
+        if any(p.status == "refuted" for p in self.proofs):
+            return "refused"
+        if any(p.status == "unproved" for p in self.proofs):
+            return "unproved"
+        return "valid"
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "valid"
+
+    @property
+    def plans(self) -> int:
+        n = 1
+        for s in self.dims.values():
+            n *= len(s.buckets)
+        return n
+
+    def counterexample(self) -> Optional[Proof]:
+        for p in self.proofs:
+            if p.status in ("refuted", "unproved"):
+                return p
+        return None
+
+    def raise_for_errors(self) -> None:
+        """RecipeErrors (exit 2) for field errors; ConstraintError (exit 1) when refused or unproved."""
+        if self.errors:
+            raise RecipeErrors(self.errors)
+        bad = [p for p in self.proofs if p.status in ("refuted", "unproved")]
+        if bad:
+            first = bad[0]
+            msg = "; ".join(f"{p.name}: {p.message}" for p in bad)
+            fix = None
+            if first.name == "memory":
+                fix = "raise memory.budget_mb, shrink the largest buckets, or lower precision"
+            elif first.name.startswith("sla"):
+                fix = "relax the SLA, shrink the largest buckets, or pick a faster target"
+            elif first.status == "unproved":
+                fix = "raise the proof timeout or simplify the recipe; an unproved recipe is not loaded"
+            raise ConstraintError(f"recipe {'refused' if first.status == 'refuted' else 'unproved'}: {msg}",
+                                  counterexample=first.counterexample, where=first.name,
+                                  line=self.recipe.line_of(first.name.split(".p50")[0].split(".p99")[0]), fix=fix)
+
+    def to_dict(self) -> dict[str, Any]:
+        t = self.target
+        return {
+            "name": self.recipe.name, "hash": self.hash, "verdict": self.verdict,
+            "target": getattr(t, "name", None), "source": self.recipe.source,
+            "layers": [x.to_dict() for x in self.layers],
+            "errors": [e.to_dict() for e in self.errors],
+            "warnings": self.warnings, "notes": self.notes,
+            "requires": [r.to_dict() for r in self.requires],
+            "proofs": [p.to_dict() for p in self.proofs],
+            "buckets": {d: {"values": s.buckets, "worst_padding": float(s.worst_padding),
+                            "worst_padding_at": s.worst_value} for d, s in self.dims.items()},
+            "plans": self.plans if self.dims else None,
+            "facts_source": self.model.facts_source if self.model else None,
+        }
+
+
+def validate(recipe: Recipe, target: Any = None, model_facts: ModelFacts | None = None, *,
+             env: Environment | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> ValidationReport:
+    """Run semantics and the Z3 proofs of a loaded recipe on `target` (default: the recipe's
+    first target, else `host`). Symbolic values are resolved on the target first.
+
+    Never raises for recipe problems: inspect `report.verdict` or call `report.raise_for_errors()`.
+    Raises TargetError when the target cannot be found.
+    """
+    report = ValidationReport(recipe, None, [LayerResult("schema", "ok", 0.0, "types, ranges, known keys")])
+    tgt = pick_target(recipe, target)
+    report.target = tgt
+    t0 = time.perf_counter()
+    try:
+        from graphmode.recipe.resolve import resolve
+        resolved = resolve(recipe, tgt)
+    except RecipeErrors as e:
+        report.errors = list(e.errors)
+        report.layers.append(LayerResult("semantics", "failed", time.perf_counter() - t0,
+                                         f"{len(e.errors)} value(s) do not resolve on {tgt.name!r}"))
+        report.layers.append(LayerResult("constraints", "skipped", 0.0, "semantic errors"))
+        report.hash = recipe.hash()
+        return report
+    report.recipe = resolved
+    report.notes = resolved.notes
+    report.hash = resolved.hash()
+    sem = check_semantics(resolved, tgt, env)
+    report.errors, report.warnings, report.requires = sem.errors, sem.warnings, sem.requires
+    report.layers.append(LayerResult("semantics", "failed" if sem.errors else "ok", time.perf_counter() - t0,
+                                     f"{len(sem.errors)} error(s), {len(sem.warnings)} warning(s)"))
+    if sem.errors:
+        report.layers.append(LayerResult("constraints", "skipped", 0.0, "semantic errors"))
+        return report
+    report.dims = {d: dim_synthesis(s) for d, s in resolved.dims.items()}
+    t0 = time.perf_counter()
+    report.model, report.proofs = prove_all(resolved, tgt, model_facts, timeout_ms)
+    status = {"valid": "ok", "refused": "refuted", "unproved": "unproved"}[report.verdict]
+    counts = {s: sum(p.status == s for p in report.proofs) for s in ("proved", "refuted", "unproved")}
+    report.layers.append(LayerResult("constraints", status, time.perf_counter() - t0,
+                                     ", ".join(f"{n} {s}" for s, n in counts.items() if n)))
+    return report
