@@ -58,13 +58,13 @@ class CompiledModel:
                 self._signature = None
 
     # ---- events ----------------------------------------------------------------------------
-    def _event(self, kind: str, **info: Any) -> None:
-        self.events[kind] += 1
-        rec = {"event": kind, "time": time.time(), **info}
+    def _event(self, event: str, **info: Any) -> None:
+        self.events[event] += 1
+        rec = {"event": event, "time": time.time(), **info}
         self.event_log.append(rec)
         if len(self.event_log) > 10_000:
             del self.event_log[:5_000]
-        log.info("graphmode event %s %s", kind, info)
+        log.info("graphmode event %s %s", event, info)
 
     # ---- inputs ----------------------------------------------------------------------------
     def bind_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -180,6 +180,7 @@ class CompiledModel:
         bucket = self.bucket_for(dims)
         if bucket is None:
             err = self._violation(dims)
+            self.events["violated_calls"] += 1
             self._event("violation", kind="shape", dims=dict(dims))
             if self.recipe.on_violation == "eager":
                 self._event("fallback", reason="shape outside contract", dims=dict(dims))
@@ -235,6 +236,6 @@ class CompiledModel:
 
     def metrics(self) -> dict[str, Any]:
         ops = self.events["calls"]
-        bad = self.events["violation"] + self.events["fallback"]
+        bad = self.events["violated_calls"]
         return {"events": dict(self.events), "health_score": 1.0 - bad / ops if ops else 1.0,
                 "buckets_compiled": sorted(self._executables)}
