@@ -120,6 +120,8 @@ def pass_context(recipe: Recipe, target: Any = None, buckets: Sequence[dict] | N
     return PassContext(
         options={"fuse": {"enabled": fusion.enabled, "patterns": list(fusion.patterns), "min_ops": fusion.min_ops,
                           "max_ops": fusion.max_ops},
+                 "precision": {"compute": recipe.precision.compute,
+                               "overrides": dict(recipe.precision.overrides)},
                  "memory_plan": {"reuse": recipe.optimize.memory_reuse,
                                  "alias_groups": [list(g) for g in recipe.alias_groups]}},
         buckets=list(buckets) if buckets is not None else recipe.buckets(),

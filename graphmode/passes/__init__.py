@@ -6,7 +6,7 @@ from graphmode.passes.manager import DumpIR, KeepSnapshots, PassManager, PassRep
 from graphmode.passes.registry import PASS_INFOS, PRESETS, check_order
 
 # one module per pass; a module not written yet is skipped (PassManager reports it)
-for _mod in ("canonicalize", "constant_fold", "cse", "dce", "layout", "fuse", "memory_plan"):
+for _mod in ("canonicalize", "precision", "constant_fold", "cse", "dce", "layout", "fuse", "memory_plan"):
     try:
         importlib.import_module(f"graphmode.passes.{_mod}")
     except ModuleNotFoundError as _e:

@@ -26,6 +26,8 @@ def _info(name, summary, requires=(), provides=(), invalidates=("memory_planned"
 PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
     _info("canonicalize", "remove identity/no-op reshapes and casts, merge transpose and reshape chains",
           provides=("canonical",)),
+    _info("precision", "run float ops in the recipe's compute dtype (per-op overrides); outputs keep their dtype",
+          provides=("precision",)),
     _info("constant_fold", "evaluate constant subgraphs; fold batch-norm into conv/linear; pre-transpose weights",
           provides=("folded",)),
     _info("cse", "merge nodes that compute the same value", provides=("cse",)),
@@ -41,8 +43,8 @@ PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
 # Named pipelines a recipe can refer to with `optimize.preset`.
 PRESETS: dict[str, list[str]] = {
     "none": ["memory_plan"],
-    "default": ["canonicalize", "constant_fold", "cse", "dce", "layout", "fuse", "dce", "memory_plan"],
-    "no_fusion": ["canonicalize", "constant_fold", "cse", "dce", "layout", "dce", "memory_plan"],
+    "default": ["canonicalize", "precision", "constant_fold", "cse", "dce", "layout", "fuse", "dce", "memory_plan"],
+    "no_fusion": ["canonicalize", "precision", "constant_fold", "cse", "dce", "layout", "dce", "memory_plan"],
 }
 
 FINAL_REQUIREMENTS = frozenset({"memory_planned"})
