@@ -34,8 +34,20 @@ class ModelSource:
     def make_inputs(self, env: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
         if self.bundle is not None:
             return self.bundle.make_inputs(env, seed=seed)
-        from graphmode.verify.numerics import random_inputs
-        raise CaptureError("no input generator for this model", fix="use a built-in model or pass inputs")
+        raise CaptureError("no input generator for this model", where=f"model {self.name}",
+                           fix="use a built-in model, an .onnx file or a ModelBundle (it has make_inputs)")
+
+    def reference(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The ground truth outputs: eager PyTorch, or ONNX Runtime for an ONNX model."""
+        if self.module is not None:
+            with torch.inference_mode():
+                out = self.module(**inputs)
+            return list(out) if isinstance(out, (tuple, list)) else [out]
+        import onnxruntime as ort
+        if getattr(self, "_ort", None) is None:
+            self._ort = ort.InferenceSession(str(self.onnx_path), providers=["CPUExecutionProvider"])
+        res = self._ort.run(None, {k: v.numpy() for k, v in inputs.items()})
+        return [torch.from_numpy(r) for r in res]
 
 
 def as_recipe(recipe: Recipe | str | Path) -> Recipe:
@@ -58,7 +70,8 @@ def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
         if missing:
             raise RecipeError(f"the model takes inputs {missing} that the recipe does not declare",
                               where="inputs", fix=f"declare every model input: {model.input_names}")
-        examples = {k: v for k, v in model.example_inputs.items()}
+        from graphmode.capture.torch_import import example_sizes
+        examples = model.make_inputs(example_sizes({d: recipe.dim_range(d) for d in recipe.dims}), seed=0)
         return ModelSource(model.name, model.module, examples, {k: dims[k] for k in model.input_names},
                            list(model.output_names), bundle=model)
     if isinstance(model, torch.nn.Module):
@@ -68,7 +81,8 @@ def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
     onnx_path = getattr(model, "path", None)
     if onnx_path is not None and str(onnx_path).endswith(".onnx"):
         return ModelSource(Path(onnx_path).stem, onnx_path=Path(onnx_path),
-                           input_dims={i.name: list(i.shape) for i in recipe.inputs})
+                           input_dims={i.name: list(i.shape) for i in recipe.inputs},
+                           output_names=list(getattr(model, "output_names", [])), bundle=model)
     raise CaptureError(f"cannot compile a {type(model).__name__}",
                        fix="pass an nn.Module, a built-in name (minilm, gpt2, resnet18), an .onnx path "
                            "or 'package.module:function'")

@@ -594,7 +594,7 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
     tdims = {}
     for name, (lo, hi) in dims.items():
         if hi > lo:
-            tdims[name] = Dim(clean_name(name), min=max(lo, 2), max=hi)
+            tdims[name] = Dim(clean_name(name), min=lo, max=hi)  # examples are >= 2: no 0/1 specialisation
     dynamic = {}
     for inp in example_inputs:
         names = input_dims.get(inp, [])

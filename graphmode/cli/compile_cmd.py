@@ -152,4 +152,4 @@ def compile_cmd(
         if emit_ir:
             console.print(graph.text(), markup=False, highlight=False)
     verdict = rep.validation.verdict
-    raise typer.Exit(0 if rep.validation.ok else (1 if verdict in ("refuted", "unproved", "invalid") else 2))
+    raise typer.Exit(0 if rep.validation.ok else (1 if verdict in ("refused", "unproved") else 2))

@@ -56,19 +56,17 @@ def run_cmd(
     inputs = cm.source.make_inputs(env, seed=0)
     with torch.inference_mode():
         out = cm(**inputs)
-        ref = cm.source.module(**inputs)
+    refs = cm.source.reference(inputs)
     outs = out if isinstance(out, (tuple, list)) else [out]
-    refs = ref if isinstance(ref, (tuple, list)) else [ref]
     rows = []
     for i, (o, r) in enumerate(zip(outs, refs)):
         rows.append({"output": i, "shape": list(o.shape), "dtype": str(o.dtype).replace("torch.", ""),
                      "mean": float(o.float().mean()), "std": float(o.float().std()) if o.numel() > 1 else 0.0,
                      "rel_l2_vs_eager": rel_l2(o, r)})
     t_graph = median(time_ms(lambda: cm(**inputs), iters=iters))
-    with torch.inference_mode():
-        t_eager = median(time_ms(lambda: cm.source.module(**inputs), iters=iters))
+    t_eager = median(time_ms(lambda: cm.source.reference(inputs), iters=iters))
     result = {"model": model, "mode": cm.mode, "shape": env, "bucket": getattr(cm, "last_bucket", None),
-              "outputs": rows, "median_ms": {"graphmode": t_graph, "eager": t_eager},
+              "outputs": rows, "median_ms": {"graphmode": t_graph, "eager" if cm.source.module is not None else "onnxruntime": t_eager},
               "speedup_vs_eager": t_eager / t_graph if t_graph else None}
     if metrics:
         result["metrics"] = cm.metrics()

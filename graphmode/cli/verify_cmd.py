@@ -49,7 +49,7 @@ def verify_cmd(
     from graphmode.compiler import capture, optimize
     from graphmode.recipe import load_recipe
     from graphmode.runtime.compiled import CompiledModel
-    from graphmode.verify.bisect import bisect, bisect_plan, compare_outputs, propose_fix, tolerance_for
+    from graphmode.verify.bisect import bisect, bisect_plan, compare_outputs, propose_fix
 
     rec = load_recipe(recipe)
     graph0, cap, src = capture(model, rec)
@@ -62,9 +62,7 @@ def verify_cmd(
     failure = None
     for env in buckets:
         inputs = src.make_inputs(env, seed=seed)
-        with torch.inference_mode():
-            ref = src.module(**inputs)
-        refs = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+        refs = src.reference(inputs)
         exe = cm.executable(env)
         got = exe.run(inputs)
         checks = compare_outputs(list(graph.outputs), [got[o] for o in graph.outputs], refs, rec.precision.compute)

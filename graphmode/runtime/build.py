@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphmode.backends.cpu.executor import CpuExecutable, KernelProvider
+from graphmode.backends.cpu.executor import CpuExecutable, KernelProvider  # noqa: F401 - re-exported
 from graphmode.plan.execution import ExecutionPlan, lower
 from graphmode.runtime.cache import ArtifactCache, make_key
 
@@ -23,10 +23,7 @@ def attach_bodies(plan: ExecutionPlan, graph) -> ExecutionPlan:
 
 
 def kernel_provider(cache_dir=None, threads: int | None = None) -> KernelProvider:
-    try:
-        from graphmode.backends.cpu.kernels import GeneratedKernels
-    except ImportError:
-        return KernelProvider()
+    from graphmode.backends.cpu.provider import GeneratedKernels
     return GeneratedKernels(cache_dir=cache_dir, threads=threads)
 
 

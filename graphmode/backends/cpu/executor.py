@@ -31,10 +31,13 @@ _UNARY_OUT = {"exp": torch.exp, "tanh": torch.tanh, "sqrt": torch.sqrt, "rsqrt":
 
 
 class KernelProvider:
-    """Builds generated kernels for a plan's fused instructions. The default provides none
-    (every fused group runs through reference ops); backends/cpu/kernels plugs in codegen."""
+    """Builds steps for a plan's fused instructions. The default provides none (every fused
+    group runs through reference ops); backends/cpu/provider.py plugs in generated kernels."""
 
-    def build(self, plan: ExecutionPlan) -> dict[int, Callable]:
+    report: dict = {}
+
+    def build(self, plan: ExecutionPlan, views: Mapping[str, torch.Tensor],
+              constants: Mapping[str, torch.Tensor]) -> dict[int, Callable[[], None]]:
         return {}
 
 
@@ -54,7 +57,9 @@ class CpuExecutable:
                 raw = self.arena[slot.offset: slot.offset + slot.nbytes]
                 self.views[name] = raw.view(DTYPES[slot.dtype]).view(slot.shape)
         t0 = time.perf_counter()
-        self.kernel_fns = (kernels or KernelProvider()).build(plan)
+        provider = kernels or KernelProvider()
+        self.kernel_fns = provider.build(plan, self.views, self.consts)
+        self.kernel_report = dict(getattr(provider, "report", {}))
         self.kernel_build_s = time.perf_counter() - t0
         self.steps: list[Callable[[], None]] = []
         self.step_names: list[str] = []
@@ -85,55 +90,7 @@ class CpuExecutable:
             return _ref_step(lambda: run_node(node, ins_t, env), outs)
         if ins.kind == "fallback":
             return _ref_step(lambda: run_fallback(ins_t, a, env), outs)
-        y = outs[0]
-        op = ins.op
-        if op == "linear":
-            x, w = ins_t[0], ins_t[1]
-            k, n = w.shape[1], w.shape[0]
-            x2, y2, wt = x.view(-1, k), y.view(-1, n), w.t()
-            if len(ins_t) > 2:
-                b = ins_t[2]
-                return lambda: torch.addmm(b, x2, wt, out=y2)
-            return lambda: torch.mm(x2, wt, out=y2)
-        if op == "matmul":
-            x, w = ins_t
-            if x.dim() == 3 and w.dim() == 3 and x.shape[0] == w.shape[0]:
-                return lambda: torch.bmm(x, w, out=y)
-            return lambda: torch.matmul(x, w, out=y)
-        if op in _BINARY_OUT and y.dtype == torch.result_type(*ins_t):
-            f, x0, x1 = _BINARY_OUT[op], ins_t[0], ins_t[1]
-            return lambda: f(x0, x1, out=y)
-        if op == "relu":
-            x0 = ins_t[0]
-            return lambda: torch.clamp_min(x0, 0, out=y)
-        if op in _UNARY_OUT and _UNARY_OUT[op] is not None:
-            f, x0 = _UNARY_OUT[op], ins_t[0]
-            return lambda: f(x0, out=y)
-        if op == "embedding":
-            w, idx = ins_t
-            y2, flat = y.view(-1, w.shape[1]), idx.view(-1)
-            return lambda: torch.index_select(w, 0, flat, out=y2)
-        if op == "softmax" and y.dtype == ins_t[0].dtype:
-            x0, dim = ins_t[0], a["dim"]
-            return lambda: torch._softmax(x0, dim, False, out=y)
-        if op == "gelu":
-            x0, approx = ins_t[0], a.get("approximate", "none")
-            return lambda: torch._C._nn.gelu(x0, approximate=approx, out=y)
-        if op == "conv2d":
-            x0, w = ins_t[0], ins_t[1]
-            b = ins_t[2] if len(ins_t) > 2 else None
-            s, p, d = _pair(a.get("stride", 1)), _pair(a.get("padding", 0)), _pair(a.get("dilation", 1))
-            g = a.get("groups", 1)
-            conv = torch.ops.aten.convolution.out
-            return lambda: conv(x0, w, b, s, p, d, False, [0, 0], g, out=y)
-        if op == "permute":
-            x0, perm = ins_t[0], a["perm"]
-            return lambda: y.copy_(x0.permute(perm))
-        if op == "reshape":
-            x0 = ins_t[0]
-            return lambda: y.copy_(x0.reshape(y.shape))
-        spec = get_op(op)
-        return _ref_step(lambda: spec.ref(ins_t, a, env), outs)
+        return aten_step(ins.op, ins_t, outs, a, env)
 
     # ---- running -------------------------------------------------------------------------
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -158,6 +115,59 @@ class CpuExecutable:
                     step()
                     times[i].append(time.perf_counter() - t0)
         return [(n, statistics.median(t)) for n, t in zip(self.step_names, times)]
+
+
+def aten_step(op: str, ins_t: list[torch.Tensor], outs: list[torch.Tensor], a: Mapping, env: Mapping[str, int]
+              ) -> Callable[[], None]:
+    """A closure running core op `op` into preallocated `outs` (ATen out= variants where they exist)."""
+    y = outs[0]
+    if op == "linear":
+        x, w = ins_t[0], ins_t[1]
+        k, n = w.shape[1], w.shape[0]
+        x2, y2, wt = x.view(-1, k), y.view(-1, n), w.t()
+        if len(ins_t) > 2:
+            b = ins_t[2]
+            return lambda: torch.addmm(b, x2, wt, out=y2)
+        return lambda: torch.mm(x2, wt, out=y2)
+    if op == "matmul":
+        x, w = ins_t
+        if x.dim() == 3 and w.dim() == 3 and x.shape[0] == w.shape[0]:
+            return lambda: torch.bmm(x, w, out=y)
+        return lambda: torch.matmul(x, w, out=y)
+    if op in _BINARY_OUT and y.dtype == torch.result_type(*ins_t):
+        f, x0, x1 = _BINARY_OUT[op], ins_t[0], ins_t[1]
+        return lambda: f(x0, x1, out=y)
+    if op == "relu":
+        x0 = ins_t[0]
+        return lambda: torch.clamp_min(x0, 0, out=y)
+    if op in _UNARY_OUT and _UNARY_OUT[op] is not None:
+        f, x0 = _UNARY_OUT[op], ins_t[0]
+        return lambda: f(x0, out=y)
+    if op == "embedding":
+        w, idx = ins_t
+        y2, flat = y.view(-1, w.shape[1]), idx.view(-1)
+        return lambda: torch.index_select(w, 0, flat, out=y2)
+    if op == "softmax" and y.dtype == ins_t[0].dtype:
+        x0, dim = ins_t[0], a["dim"]
+        return lambda: torch._softmax(x0, dim, False, out=y)
+    if op == "gelu":
+        x0, approx = ins_t[0], a.get("approximate", "none")
+        return lambda: torch._C._nn.gelu(x0, approximate=approx, out=y)
+    if op == "conv2d":
+        x0, w = ins_t[0], ins_t[1]
+        b = ins_t[2] if len(ins_t) > 2 else None
+        s, p, d = _pair(a.get("stride", 1)), _pair(a.get("padding", 0)), _pair(a.get("dilation", 1))
+        g = a.get("groups", 1)
+        conv = torch.ops.aten.convolution.out
+        return lambda: conv(x0, w, b, s, p, d, False, [0, 0], g, out=y)
+    if op == "permute":
+        x0, perm = ins_t[0], a["perm"]
+        return lambda: y.copy_(x0.permute(perm))
+    if op == "reshape":
+        x0 = ins_t[0]
+        return lambda: y.copy_(x0.reshape(y.shape))
+    spec = get_op(op)
+    return _ref_step(lambda: spec.ref(ins_t, a, env), outs)
 
 
 def _pair(v):

@@ -1,0 +1,411 @@
+"""Compile generated kernels into shared libraries, content-addressed on disk.
+
+One library per plan: `build_many` puts every distinct kernel of a plan in one translation
+unit (g++ start-up costs ~0.3 s per invocation, more than a small kernel's compile), split
+into parts compiled in parallel when there are many. The file name is sha256(source +
+flags + compiler identity, which includes what -march=native expands to on this host), so
+a cache shared between machines never hands out a library built for another CPU. Files are
+written to a temporary name and `os.replace`d, with a sidecar sha256 of the library checked
+before dlopen: a truncated or foreign file is rebuilt, never loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from graphmode.backends.cpu.codegen import KernelSource, translation_unit
+from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary
+from graphmode.errors import BackendError
+
+log = logging.getLogger("graphmode.backends.cpu")
+
+CANDIDATES = ("c++", "g++", "clang++")
+DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
+                 "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-fvisibility=hidden", "-std=c++17")
+PART_MIN = 4            # kernels per part before a library is split for parallel compilation
+COMPILE_TIMEOUT_S = 300
+
+_PROBE_SRC = """
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+extern "C" __attribute__((visibility("default"))) int gm_probe(float* x, int n) {
+  #pragma omp parallel for
+  for (int i = 0; i < n; ++i) x[i] = x[i] * 2.0f + 1.0f;
+  #pragma omp simd
+  for (int i = 0; i < n; ++i) x[i] += 1.0f;
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+"""
+
+_WARNED: set[str] = set()
+_PROBES: dict[tuple, tuple[str, ...] | None] = {}
+_LOADED: dict[str, tuple[CompiledLibrary, tuple | None]] = {}
+_LOCK = threading.Lock()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(msg)
+
+
+def _run(cmd: Sequence[str], cwd: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+class KernelBuilder:
+    """Finds a C++ compiler, compiles kernels into cached shared libraries, loads them.
+
+    `compiler`: a name or path; when given it is the only one tried. `flags`: the full flag
+    list (default `DEFAULT_FLAGS`); `-march=native` and `-fopenmp` are dropped (the latter
+    replaced by `-fopenmp-simd`) when the compiler rejects them. `threads`: OpenMP threads
+    for every library this builder loads (None = the OpenMP default). `jobs`: parallel
+    compiler processes for one library.
+    """
+
+    def __init__(self, cache_dir: Path | str, compiler: str | None = None,
+                 flags: Sequence[str] | None = None, *, threads: int | None = None, jobs: int | None = None):
+        self.cache_dir = Path(cache_dir)
+        self.requested = compiler
+        self.base_flags = tuple(DEFAULT_FLAGS if flags is None else flags)
+        self.threads = threads
+        self.jobs = max(1, jobs or os.cpu_count() or 1)
+        self.stats = {"compiles": 0, "cache_hits": 0, "rebuilds": 0, "compile_s": 0.0}
+        self.failures: dict[str, str] = {}   # symbol -> compiler error (build_many(strict=False))
+        self._detected = False
+        self._cxx: str | None = None
+        self._version = ""
+        self._flags: tuple[str, ...] = ()
+        self._identity = ""
+        self._why = ""
+        self._lock = threading.Lock()
+
+    # ---- compiler detection ---------------------------------------------------------------
+    def compiler_available(self) -> bool:
+        self._detect()
+        return self._cxx is not None
+
+    @property
+    def compiler(self) -> str | None:
+        self._detect()
+        return self._cxx
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        self._detect()
+        return self._flags
+
+    @property
+    def unavailable_reason(self) -> str:
+        self._detect()
+        return self._why
+
+    def _detect(self) -> None:
+        if self._detected:
+            return
+        with self._lock:
+            if self._detected:
+                return
+            names = [self.requested] if self.requested else list(CANDIDATES)
+            tried = []
+            for name in names:
+                path = shutil.which(name) if os.sep not in name else (name if os.access(name, os.X_OK) else None)
+                tried.append(name)
+                if path is None:
+                    continue
+                try:
+                    ver = _run([path, "--version"], timeout=20)
+                except (OSError, subprocess.SubprocessError):
+                    continue
+                if ver.returncode != 0:
+                    continue
+                version = (ver.stdout.strip().splitlines() or ["?"])[0]
+                flags = self._probe(path, version)
+                if flags is None:
+                    continue
+                self._cxx, self._version, self._flags = path, version, flags
+                break
+            if self._cxx is None:
+                self._why = (f"no working C++ compiler (tried {', '.join(tried)}); fused groups run with "
+                             f"the ATen/reference ops instead of generated kernels")
+                _warn_once(f"nocxx:{','.join(tried)}",
+                           self._why + " - install g++ (or pass compiler=...) for the generated kernels")
+            else:
+                native = ""
+                if "-march=native" in self._flags:
+                    try:  # what -march=native means on this host goes into every cache key
+                        out = _run([self._cxx, "-march=native", "-###", "-E", "-x", "c++", os.devnull], timeout=20)
+                        native = " ".join(ln for ln in out.stderr.splitlines() if "march" in ln)
+                    except (OSError, subprocess.SubprocessError):
+                        native = "unknown-native"
+                self._identity = json.dumps([os.path.realpath(self._cxx), self._version, list(self._flags), native])
+            self._detected = True
+
+    def _probe(self, cxx: str, version: str) -> tuple[str, ...] | None:
+        """The working subset of the requested flags (cached per process and on disk)."""
+        key = (cxx, version, self.base_flags)
+        if key in _PROBES:
+            return _PROBES[key]
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        record = self.cache_dir / f"probe-{digest}.json"
+        try:
+            flags = json.loads(record.read_text())
+            if isinstance(flags, list):
+                _PROBES[key] = tuple(flags)
+                return _PROBES[key]
+        except (OSError, ValueError):
+            pass
+        candidates = [tuple(self.base_flags)]
+        f = list(self.base_flags)
+        if "-march=native" in f:
+            f = [x for x in f if x != "-march=native"]
+            candidates.append(tuple(f))
+        if "-fopenmp" in f:
+            candidates.append(tuple("-fopenmp-simd" if x == "-fopenmp" else x for x in f))
+            candidates.append(tuple(x for x in f if x != "-fopenmp"))
+        result = None
+        with tempfile.TemporaryDirectory(prefix="gm-probe-") as tmp:
+            src = Path(tmp) / "probe.cpp"
+            src.write_text(_PROBE_SRC)
+            for cand in candidates:
+                try:
+                    out = _run([cxx, *cand, *self._shared(cand), str(src), "-o", str(Path(tmp) / "probe.so")],
+                               timeout=120)
+                except (OSError, subprocess.SubprocessError):
+                    continue
+                if out.returncode == 0:
+                    result = cand
+                    break
+        if result is not None and result != tuple(self.base_flags):
+            dropped = [x for x in self.base_flags if x not in result]
+            _warn_once(f"flags:{cxx}:{dropped}", f"{cxx} rejects {' '.join(dropped)}; generated kernels are "
+                       f"compiled without {'it' if len(dropped) == 1 else 'them'} (slower)")
+        _PROBES[key] = result
+        if result is not None:
+            try:
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+                _atomic_write(record, json.dumps(list(result)).encode())
+            except OSError:
+                pass
+        return result
+
+    @staticmethod
+    def _shared(flags: Sequence[str]) -> list[str]:
+        return [] if "-shared" in flags else ["-shared", "-fPIC"]
+
+    def _require(self) -> None:
+        if not self.compiler_available():
+            raise BackendError(self._why, fix="install g++/clang++ or pass KernelBuilder(compiler=...); "
+                                              "the executor falls back to ATen for these groups")
+
+    # ---- building ---------------------------------------------------------------------------
+    def build(self, source: KernelSource) -> CompiledKernel:
+        return self.build_many([source])[source.symbol]
+
+    def build_many(self, sources: Iterable[KernelSource], *, strict: bool = True) -> dict[str, CompiledKernel]:
+        """Compile every distinct kernel into one library (or load it from the cache);
+        symbol -> kernel.
+
+        With `strict=False` a kernel the compiler rejects (a generator bug) does not sink the
+        whole plan: it is left out of the result, its error recorded in `self.failures`, and
+        the others are built; the executor runs the missing groups with the reference ops."""
+        self._require()
+        uniq: dict[str, KernelSource] = {}
+        for s in sources:
+            uniq.setdefault(s.symbol, s)
+        if not uniq:
+            return {}
+        tu = translation_unit(uniq.values())
+        key = hashlib.sha256((tu + "\0" + self._identity).encode()).hexdigest()[:32]
+        try:
+            lib = self._library(key, [uniq[k] for k in sorted(uniq)], tu)
+        except BackendError:
+            if strict or len(uniq) == 1:
+                raise
+            bad = self._syntax_failures(list(uniq.values()))
+            if not bad:
+                raise
+            for sym, err in bad.items():
+                log.warning("kernel %s does not compile; its group falls back: %s", sym, err[:500])
+            self.failures.update(bad)
+            return self.build_many([s for k, s in uniq.items() if k not in bad], strict=True)
+        return {sym: CompiledKernel(src, lib) for sym, src in uniq.items()}
+
+    def _syntax_failures(self, sources: list[KernelSource]) -> dict[str, str]:
+        """Which kernels the compiler rejects on their own (`-fsyntax-only`, in parallel)."""
+        bad: dict[str, str] = {}
+        tmp = Path(tempfile.mkdtemp(prefix=".check-", dir=self.cache_dir))
+        try:
+            for start in range(0, len(sources), self.jobs):
+                procs = []
+                for s in sources[start:start + self.jobs]:
+                    src = tmp / f"{s.symbol}.cpp"
+                    src.write_text(s.translation_unit())
+                    procs.append((s, subprocess.Popen([self._cxx, *[f for f in self._flags if f != "-shared"],
+                                                       "-fsyntax-only", str(src)], stdout=subprocess.PIPE,
+                                                      stderr=subprocess.PIPE, text=True)))
+                for s, p in procs:
+                    _out, err = p.communicate(timeout=COMPILE_TIMEOUT_S)
+                    if p.returncode != 0:
+                        bad[s.symbol] = err
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return bad
+
+    def library_path(self, sources: Iterable[KernelSource]) -> Path:
+        """Where the library for these kernels lives (whether or not it is built)."""
+        self._require()
+        uniq = {s.symbol: s for s in sources}
+        tu = translation_unit(uniq.values())
+        return self.cache_dir / f"{hashlib.sha256((tu + chr(0) + self._identity).encode()).hexdigest()[:32]}.so"
+
+    def _library(self, key: str, sources: list[KernelSource], tu: str) -> CompiledLibrary:
+        path = self.cache_dir / f"{key}.so"
+        with _LOCK:
+            lib, sig = _LOADED.get(str(path), (None, None))
+        if lib is not None and _signature(path) == sig:   # loaded here, file untouched since
+            self.stats["cache_hits"] += 1
+            self._threads(lib)
+            return lib
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            if _verify(path):
+                try:
+                    lib = self._load(path)
+                    self.stats["cache_hits"] += 1
+                    return lib
+                except OSError as e:
+                    log.warning("cached kernel library %s does not load (%s); rebuilding", path, e)
+            else:
+                log.warning("cached kernel library %s is corrupt (checksum mismatch); rebuilding", path)
+            self.stats["rebuilds"] += 1
+        try:
+            self._compile(key, path, sources, tu)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise BackendError(f"cannot build the kernel library: {e}", where=str(path)) from None
+        try:
+            return self._load(path)
+        except OSError as e:
+            raise BackendError(f"freshly built kernel library does not load: {e}", where=str(path)) from None
+
+    def _threads(self, lib: CompiledLibrary) -> None:
+        if self.threads is not None:
+            lib.set_threads(self.threads)
+
+    def _load(self, path: Path) -> CompiledLibrary:
+        lib = CompiledLibrary(path, threads=self.threads)
+        with _LOCK:
+            _LOADED[str(path)] = (lib, _signature(path))
+        return lib
+
+    def _compile(self, key: str, path: Path, sources: list[KernelSource], tu: str) -> None:
+        t0 = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".build-{key[:8]}-", dir=self.cache_dir))
+        try:
+            out = tmp / "lib.so"
+            nparts = min(self.jobs, len(sources) // PART_MIN)
+            if nparts <= 1:
+                src = tmp / "kernels.cpp"
+                src.write_text(tu)
+                self._check(_run([self._cxx, *self._flags, *self._shared(self._flags), str(src), "-o", str(out),
+                                  "-lm"], timeout=COMPILE_TIMEOUT_S), src, key)
+            else:
+                parts: list[list[KernelSource]] = [[] for _ in range(nparts)]
+                sizes = [0] * nparts
+                for s in sorted(sources, key=lambda s: -len(s.source)):
+                    k = sizes.index(min(sizes))
+                    parts[k].append(s)
+                    sizes[k] += len(s.source)
+                cflags = [f for f in self._flags if f != "-shared"]
+                procs = []
+                for k, part in enumerate(parts):
+                    src = tmp / f"part{k}.cpp"
+                    src.write_text(translation_unit(part, defs=(k == 0)))
+                    obj = tmp / f"part{k}.o"
+                    procs.append((src, subprocess.Popen([self._cxx, *cflags, "-fPIC", "-c", str(src), "-o", str(obj)],
+                                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+                for src, p in procs:
+                    try:
+                        so, se = p.communicate(timeout=COMPILE_TIMEOUT_S)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        so, se = p.communicate()
+                    self._check(subprocess.CompletedProcess(p.args, p.returncode, so, se), src, key)
+                objs = [str(tmp / f"part{k}.o") for k in range(nparts)]
+                self._check(_run([self._cxx, *self._flags, *self._shared(self._flags), *objs, "-o", str(out),
+                                  "-lm"], timeout=COMPILE_TIMEOUT_S), tmp / "part0.cpp", key)
+            data = out.read_bytes()
+            os.replace(out, path)
+            _atomic_write(path.with_suffix(".so.sha256"), hashlib.sha256(data).hexdigest().encode())
+            _atomic_write(path.with_suffix(".cpp"), tu.encode())
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dt = time.perf_counter() - t0
+        self.stats["compiles"] += 1
+        self.stats["compile_s"] += dt
+        log.info("compiled %d kernels into %s in %.2f s", len(sources), path.name, dt)
+
+    def _check(self, res: subprocess.CompletedProcess, src: Path, key: str) -> None:
+        if res.returncode == 0:
+            return
+        keep = self.cache_dir / f"failed-{key[:16]}.cpp"
+        try:
+            shutil.copyfile(src, keep)
+        except OSError:
+            keep = src
+        raise BackendError(f"C++ compilation failed ({self._cxx}): {(res.stderr or res.stdout)[-3000:]}",
+                           where=str(keep), fix="this is a code generator bug; the group falls back to ATen")
+
+
+def _signature(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _verify(path: Path) -> bool:
+    side = path.with_suffix(".so.sha256")
+    try:
+        want = side.read_text().strip()
+        return hashlib.sha256(path.read_bytes()).hexdigest() == want
+    except OSError:
+        return False
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def compiler_available(compiler: str | None = None, cache_dir: Path | str | None = None) -> bool:
+    """Whether generated kernels can be built here (probes once per process)."""
+    cache = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "graphmode-probe"
+    return KernelBuilder(cache, compiler).compiler_available()
+
+
+__all__ = ["KernelBuilder", "compiler_available", "DEFAULT_FLAGS"]

@@ -1,0 +1,145 @@
+"""Loaded kernels: a shared library per plan (ctypes), one callable per generated kernel.
+
+Kernels take raw addresses (arena offsets resolved by the executor), so calling one costs a
+ctypes call and nothing else; ctypes releases the GIL for the call. `bind` pre-packs the
+addresses of a plan step whose buffers never move, which halves that cost again.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.errors import BackendError
+from graphmode.ir.types import DTYPES
+
+
+class CompiledLibrary:
+    """One dlopen'ed shared library; owns the OpenMP thread count of its kernels."""
+
+    def __init__(self, path: Path, *, threads: int | None = None):
+        self.path = Path(path)
+        self.cdll = ctypes.CDLL(str(self.path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        self._set = self.cdll.gm_set_threads
+        self._set.argtypes = [ctypes.c_int]
+        self._set.restype = None
+        self._get = self.cdll.gm_get_threads
+        self._get.argtypes = []
+        self._get.restype = ctypes.c_int
+        if threads is not None:
+            self.set_threads(threads)
+
+    def set_threads(self, n: int) -> None:
+        """OpenMP threads for this library's parallel loops (0 = the OpenMP default). Applies to
+        calls from any Python thread (it is a `num_threads` clause, not a per-thread ICV)."""
+        self._set(int(n))
+
+    @property
+    def threads(self) -> int:
+        return int(self._get())
+
+    def function(self, symbol: str, nargs: int):
+        try:
+            fn = getattr(self.cdll, symbol)
+            packed = getattr(self.cdll, symbol + "_packed")
+        except AttributeError:
+            raise BackendError(f"symbol {symbol} missing from {self.path}",
+                               fix="delete the cached library; it will be rebuilt") from None
+        fn.argtypes = [ctypes.c_void_p] * nargs
+        fn.restype = None
+        packed.argtypes = [ctypes.c_void_p]
+        packed.restype = None
+        return fn, packed
+
+
+class _Bound:
+    """A kernel with its argument addresses fixed: `bound()` runs it."""
+
+    __slots__ = ("_packed", "_arr")
+
+    def __init__(self, packed, arr):
+        self._packed = packed
+        self._arr = arr
+
+    def __call__(self) -> None:
+        self._packed(self._arr)
+
+
+class CompiledKernel:
+    """`kernel(ptrs)` runs the kernel on buffer addresses ordered as `kernel.args`."""
+
+    def __init__(self, source: KernelSource, library: CompiledLibrary):
+        self.source = source
+        self.library = library
+        self.symbol = source.symbol
+        self.args = source.args
+        self.nargs = len(source.args)
+        self._fn, self._packed = library.function(source.symbol, self.nargs)
+
+    def __call__(self, ptrs: Sequence[int]) -> None:
+        if len(ptrs) != self.nargs:
+            raise BackendError(f"kernel {self.symbol} takes {self.nargs} buffers ({', '.join(self.args)})",
+                               value=len(ptrs))
+        self._fn(*ptrs)
+
+    def bind(self, ptrs: Sequence[int]) -> Callable[[], None]:
+        if len(ptrs) != self.nargs:
+            raise BackendError(f"kernel {self.symbol} takes {self.nargs} buffers", value=len(ptrs))
+        return _Bound(self._packed, (ctypes.c_void_p * self.nargs)(*ptrs))
+
+    def set_threads(self, n: int) -> None:
+        self.library.set_threads(n)
+
+    def __repr__(self) -> str:
+        return f"CompiledKernel({self.symbol}, {', '.join(self.args)})"
+
+
+def run_with_tensors(kernel: CompiledKernel, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                     out: Mapping[str, torch.Tensor] | None = None, *,
+                     source: KernelSource | None = None) -> dict[str, torch.Tensor]:
+    """Run on torch tensors (tests, debugging): inputs by name (or in `source.inputs` order),
+    outputs allocated unless given in `out` (an `out` tensor may be an input: in-place).
+
+    Identical groups share one compiled kernel (same symbol); pass the group's own
+    `source` to address its buffers by its value names."""
+    src = source or kernel.source
+    if src.symbol != kernel.symbol:
+        raise BackendError(f"source {src.symbol} does not belong to kernel {kernel.symbol}")
+    if not isinstance(tensors, Mapping):
+        tensors = dict(zip(src.inputs, tensors))
+    keep: list[torch.Tensor] = []
+    ptrs: list[int] = []
+    for name in src.inputs:
+        if name not in tensors:
+            raise BackendError(f"missing input {name!r}", fix=f"pass {', '.join(src.inputs)}")
+        t = _checked(name, tensors[name], src, copy_ok=True)
+        keep.append(t)
+        ptrs.append(t.data_ptr())
+    outs: dict[str, torch.Tensor] = {}
+    for name in src.outputs:
+        ty = src.types[name]
+        t = (out or {}).get(name)
+        if t is None:
+            t = torch.empty(tuple(int(d) for d in ty.shape), dtype=DTYPES[ty.dtype])
+        t = _checked(name, t, src, copy_ok=False)
+        outs[name] = t
+        ptrs.append(t.data_ptr())
+    kernel(ptrs)
+    return outs
+
+
+def _checked(name: str, t: torch.Tensor, src: KernelSource, *, copy_ok: bool) -> torch.Tensor:
+    ty = src.types[name]
+    shape = tuple(int(d) for d in ty.shape)
+    if t.device.type != "cpu" or tuple(t.shape) != shape or t.dtype != DTYPES[ty.dtype]:
+        raise BackendError(f"%{name} must be a cpu {ty.text()} tensor", where=f"kernel {src.symbol}",
+                           value=(str(t.device), tuple(t.shape), str(t.dtype)))
+    if not t.is_contiguous():
+        if not copy_ok:
+            raise BackendError(f"output %{name} must be contiguous", where=f"kernel {src.symbol}")
+        t = t.contiguous()
+    return t

@@ -1,0 +1,91 @@
+"""`graphmode bench`: graphmode vs eager PyTorch, torch.compile, ONNX Runtime and OpenVINO,
+side by side on the same inputs and threads. See bench/README.md."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from rich.console import Console
+
+from graphmode.cli.app import app, err_console
+from graphmode.cli.app import console as _console
+
+# piped output (CI logs, `| tee`) gets rich's 80 columns by default: too narrow for these tables
+console = _console if _console.is_terminal else Console(width=170)
+
+
+def default_out_dir() -> Path:
+    repo_bench = Path(__file__).resolve().parents[2] / "bench"
+    return (repo_bench if repo_bench.is_dir() else Path.cwd() / "bench") / "results"
+
+
+def _cache_root(opt: Optional[Path]) -> Path:
+    if opt is not None:
+        return opt
+    env = os.environ.get("GRAPHMODE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "graphmode"
+
+
+@app.command("bench")
+def bench_cmd(
+    model: Optional[List[str]] = typer.Option(None, "--model", help="minilm | gpt2 | resnet18 | package.module:function "
+                                              "(repeatable; default: the three built-ins)"),
+    shape: Optional[List[str]] = typer.Option(None, "--shape", help="first-input shape, e.g. 1x128 or 8x3x224x224 "
+                                              "(repeatable; default: each model's standard shapes)"),
+    engines: Optional[str] = typer.Option(None, "--engines", help="comma list of eager,torch_compile,onnxruntime,"
+                                          "openvino,graphmode (default: all)"),
+    with_: Optional[List[str]] = typer.Option(None, "--with", help="extra torch.compile variant: max-autotune, "
+                                              "freezing, max-autotune+freezing (slow to compile)"),
+    iters: int = typer.Option(20, "--iters", min=1, help="timed interleaved rounds per shape"),
+    warmup: int = typer.Option(2, "--warmup", min=1, help="untimed calls per engine before timing"),
+    budget_s: float = typer.Option(90.0, "--budget-s", help="per shape: stop rounds after this many seconds "
+                                   "(at least 5 rounds)"),
+    threads: int = typer.Option(2, "--threads", min=1, help="intra-op threads for every engine"),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="graphmode recipe (default: one with buckets "
+                                          "exactly at the benchmarked shapes)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="results folder (default bench/results)"),
+    name: Optional[str] = typer.Option(None, "--name", help="file stem of the results (default bench, or quick)"),
+    quick: bool = typer.Option(False, "--quick", help="one shape per model, 3 rounds; exit 1 unless every engine "
+                               "ran and matched eager (never a timing check)"),
+    tol: float = typer.Option(1e-4, "--tol", help="relative L2 vs eager that counts as matching"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="graphmode artifact cache (default: a fresh "
+                                             "temporary one, so setup_s is a cold compile)"),
+    as_json: bool = typer.Option(False, "--json", help="print the rows as JSON on stdout"),
+) -> None:
+    """Benchmark graphmode against the alternatives; writes JSON, Markdown and a PNG chart."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from graphmode.bench.harness import BenchConfig, parse_engines, run_bench
+    from graphmode.bench.models import DEFAULT_MODELS, load_cases
+    from graphmode.bench.report import rich_table, write_results
+    from graphmode.targets import get_target
+
+    eng = parse_engines(engines, with_ or [])
+    cfg = BenchConfig(engines=eng, threads=threads, iters=3 if quick else iters, min_iters=3 if quick else 5,
+                      warmup=1 if quick else warmup, budget_s=budget_s, tol=tol,
+                      recipe=str(recipe) if recipe else None, cache_dir=cache_dir,
+                      onnx_cache_dir=_cache_root(None) / "onnx")
+    log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
+    cases = load_cases(model or DEFAULT_MODELS, shape or [], quick=quick)
+    target = get_target("host", cache_dir=_cache_root(None) / "targets")
+    res = run_bench(cases, cfg, log=log, target=target)
+    paths = write_results(res, out or default_out_dir(), name or ("quick" if quick else "bench"))
+    if as_json:
+        print(json.dumps(res.rows, indent=1, default=str))
+    else:
+        table, notes = rich_table(res)
+        console.print(table)
+        for n in notes:
+            console.print(f"  {n}", markup=False, highlight=False)
+        console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
+    if quick:
+        bad = res.quick_failures()
+        if bad:
+            for b in bad:
+                err_console.print(f"quick check failed: {b}", markup=False, highlight=False)
+            raise SystemExit(1)
+        if not as_json:
+            console.print("quick check: every engine ran and matched eager")

@@ -1,0 +1,203 @@
+"""`graphmode profile`: per-instruction timing of a compiled plan, the executor's overhead next
+to eager PyTorch's dispatch cost, and calibration of the `host` cost model.
+
+Calibration files: <cache root>/calibration/<target>.json (the fitted Calibration) and
+<target>.samples.json beside it (every profiled bucket, so one calibration covers every
+model profiled on the machine). Cache root: --cache-dir, else $GRAPHMODE_CACHE_DIR, else
+~/.cache/graphmode; --calibration PATH overrides the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich import box
+from rich.table import Table
+
+from rich.console import Console
+
+from graphmode.cli.app import app, err_console
+from graphmode.cli.app import console as _console
+
+# piped output (CI logs, `| tee`) gets rich's 80 columns by default: too narrow for these tables
+console = _console if _console.is_terminal else Console(width=170)
+
+
+def _root(opt: Optional[Path]) -> Path:
+    if opt is not None:
+        return opt
+    env = os.environ.get("GRAPHMODE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "graphmode"
+
+
+def _pct(e: Optional[float]) -> str:
+    return "-" if e is None else f"{e * 100:+.0f}%"
+
+
+def _ms(s: Optional[float]) -> str:
+    if s is None:
+        return "-"
+    ms = s * 1e3
+    return f"{ms:.3f}" if ms < 1 else (f"{ms:.2f}" if ms < 100 else f"{ms:.1f}")
+
+
+def _shapes(s) -> str:
+    ins = ", ".join("x".join(map(str, x)) or "scalar" for x in s.in_shapes[:3]) + (" …" if len(s.in_shapes) > 3 else "")
+    outs = ", ".join("x".join(map(str, x)) for x in s.out_shapes)
+    return f"{ins} -> {outs}"
+
+
+def print_profile(prof, top: int) -> None:
+    b = ",".join(f"{k}={v}" for k, v in prof.bucket.items())
+    console.print(f"\n[bold]{prof.model}[/] bucket {b}: {prof.n_steps} steps, {prof.threads} thread(s), "
+                  f"median of {prof.runs} runs", highlight=False)
+    line = (f"  plan run {_ms(prof.run_s)} ms = steps {_ms(prof.steps_sum_s)} ms + executor {_ms(prof.gap_s)} ms "
+            f"(input copies {_ms(prof.copy_in_s)}, output clones {_ms(prof.clone_out_s)})")
+    if prof.call_s is not None:
+        line += f"; CompiledModel call {_ms(prof.call_s)} ms"
+    if prof.eager_s is not None:
+        line += f"; eager {_ms(prof.eager_s)} ms"
+    console.print(line, highlight=False)
+    t = Table(title=f"top {top} instructions by time", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              padding=(0, 1))
+    for c in ("#", "instruction", "shapes (in -> out)", "ms", "share", "GFLOP/s", "GB/s", "roofline ms", "bound",
+              "of roof"):
+        t.add_column(c, justify="left" if c in ("instruction", "shapes (in -> out)", "bound") else "right",
+                     overflow="fold")
+    for s in prof.top(top):
+        body = f" [{'+'.join(s.body_ops)}]" if s.body_ops else ""
+        t.add_row(str(s.index), s.name + body, _shapes(s), _ms(s.time_s), f"{s.share * 100:.1f}%",
+                  "-" if s.gflops is None else f"{s.gflops:.1f}", "-" if s.gbps is None else f"{s.gbps:.1f}",
+                  _ms(s.roofline_s), s.bound, "-" if s.roofline_frac is None else f"{s.roofline_frac * 100:.0f}%")
+    console.print(t)
+    k = Table(title="time by instruction kind", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              padding=(0, 1))
+    for c in ("kind:op", "count", "ms", "share", "GFLOP/s", "roofline ms"):
+        k.add_column(c, justify="left" if c == "kind:op" else "right")
+    for a in prof.by_kind():
+        gf = a["flops"] / a["time_s"] / 1e9 if a["time_s"] > 0 and a["flops"] else None
+        k.add_row(a["name"], str(a["count"]), _ms(a["time_s"]), f"{a['share'] * 100:.1f}%",
+                  "-" if gf is None else f"{gf:.1f}", _ms(a["roofline_s"]))
+    console.print(k)
+    floor = prof.dispatch_floor_us()
+    console.print(f"  executor overhead: {prof.gap_per_instruction_us:.1f} µs per instruction (run - steps) / "
+                  f"{prof.n_steps}; {prof.executor_overhead_us:.1f} µs without input copies and output clones"
+                  + (f"; dispatch floor of a step with no work {floor:.1f} µs" if floor is not None else ""),
+                  highlight=False)
+    if prof.dispatch_us is not None:
+        est = f", {prof.eager_ops} ATen ops per eager forward ≈ {prof.eager_ops * prof.dispatch_us / 1e3:.2f} ms " \
+              f"of dispatch" if prof.eager_ops else ""
+        console.print(f"  eager PyTorch dispatch: {prof.dispatch_us:.1f} µs per tiny torch.add "
+                      f"({prof.dispatch_out_us:.1f} µs with out=){est}; graphmode: {prof.n_steps} steps",
+                      highlight=False)
+    for n in prof.notes:
+        console.print(f"  note: {n}", highlight=False, markup=False)
+
+
+def print_predictions(rows, cal, path: Optional[Path], saved: bool) -> None:
+    t = Table(title="predicted vs measured plan latency per bucket (err = predicted / measured - 1)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    prev = any(r.previous_s is not None for r in rows)
+    cols = ["model", "bucket", "measured ms", "roofline ms", "err", "calibrated ms", "err", "leave-model-out err",
+            "recipe model err", "recipe model cal. err"]
+    if prev:
+        cols.append("previous cal. err")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("model", "bucket") else "right")
+    for r in rows:
+        cells = [r.model, ",".join(f"{k}={v}" for k, v in r.bucket.items()), _ms(r.measured_s), _ms(r.roofline_s),
+                 _pct(r.err(r.roofline_s, r.measured_s)), _ms(r.calibrated_s), _pct(r.err(r.calibrated_s, r.measured_s)),
+                 _pct(r.err(r.loo_s, r.measured_s)), _pct(r.err(r.recipe_model_s, r.measured_s)),
+                 _pct(r.err(r.recipe_model_cal_s, r.measured_s))]
+        if prev:
+            cells.append(_pct(r.err(r.previous_s, r.measured_s)))
+        t.add_row(*cells)
+    console.print(t)
+    eff = ", ".join(f"{k} {v:.3g}" for k, v in sorted(cal.op_efficiency.items()))
+    console.print(f"  calibration ({'saved to ' + str(path) if saved else 'fitted now, not saved: --calibrate saves'}"
+                  f"): overhead {cal.overhead_us} µs/instruction, efficiency {eff}, default "
+                  f"{cal.default_efficiency:.3g}, whole-model {cal.model_efficiency}", highlight=False)
+
+
+@app.command("profile")
+def profile_cmd(
+    model: List[str] = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | package.module:function "
+                                    "(repeatable)"),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="recipe (default: buckets exactly at the shapes)"),
+    shape: Optional[List[str]] = typer.Option(None, "--shape", help="first-input shape, e.g. 1x128 (repeatable; "
+                                              "default: the model's benchmark shapes)"),
+    runs: int = typer.Option(20, "--runs", min=1, help="timed runs (median per instruction)"),
+    threads: int = typer.Option(2, "--threads", min=1),
+    top: int = typer.Option(15, "--top", min=1, help="instructions to list"),
+    calibrate: bool = typer.Option(False, "--calibrate", help="add these measurements to the target's samples, "
+                                   "refit and save its calibration"),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="calibration JSON (default "
+                                               "<cache>/calibration/host.json)"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="cache root (default $GRAPHMODE_CACHE_DIR "
+                                             "or ~/.cache/graphmode)"),
+    no_eager: bool = typer.Option(False, "--no-eager", help="skip the eager timing and dispatch measurements"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Time every instruction of a compiled plan; calibrate the host cost model from it."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    import graphmode
+    from graphmode.bench.models import auto_recipe, capture_ready, load_cases
+    from graphmode.bench.profile import (SampleStore, fit_calibration, prediction_table, profile_bucket, within)
+    from graphmode.errors import GraphmodeError, TargetError
+    from graphmode.recipe import load_recipe
+    from graphmode.targets import get_target
+    from graphmode.targets.cost import Calibration
+
+    root = _root(cache_dir)
+    torch.set_num_threads(threads)
+    target = get_target("host", cache_dir=root / "targets")
+    cal_path = calibration or Calibration.default_path(target.name, root)
+    log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
+    profiles = []
+    with tempfile.TemporaryDirectory(prefix="graphmode-profile-") as tmp:
+        for case in load_cases(model, shape or []):
+            rec = load_recipe(recipe if recipe is not None else auto_recipe(case.bundle, case.envs))
+            log(f"compiling {case.name} ...")
+            cm = graphmode.compile(capture_ready(case.bundle, rec), rec, "host", cache_dir=tmp, threads=threads)
+            for env in case.envs:
+                bucket = rec.bucket_for(env)
+                if bucket is None:
+                    raise GraphmodeError(f"shape {env} is outside the recipe's dims", where="--shape",
+                                         value=env, fix=f"the recipe's buckets: {rec.dim_buckets()}")
+                log(f"profiling {case.name} {bucket} ...")
+                profiles.append(profile_bucket(cm, rec, bucket, target, runs=runs, model=case.name,
+                                               threads=threads, eager=not no_eager))
+    previous = None
+    if cal_path.is_file():
+        try:
+            previous = Calibration.load(cal_path)
+        except TargetError as e:
+            log(f"ignoring the unreadable calibration {cal_path}: {e}")
+    store = SampleStore(SampleStore.path_for(cal_path), target.name)
+    if calibrate:
+        for p in profiles:
+            store.add(p)
+        cal = fit_calibration(target, store.buckets.values())
+        cal.save(cal_path)
+        store.save()
+        buckets = store.buckets
+    else:
+        buckets = {p.key: p.samples() for p in profiles}
+        cal = previous if previous is not None else fit_calibration(target, buckets.values())
+    rows = prediction_table(target, buckets, cal, previous if calibrate else None)
+    if as_json:
+        print(json.dumps({"target": target.name, "profiles": [p.to_json(top) for p in profiles],
+                          "calibration": cal.model_dump(), "calibration_path": str(cal_path), "saved": calibrate,
+                          "predictions": [r.to_json() for r in rows], "calibrated_within_25pct": within(rows)},
+                         indent=1, default=str))
+        return
+    for p in profiles:
+        print_profile(p, top)
+    console.print()
+    print_predictions(rows, cal, cal_path, calibrate)

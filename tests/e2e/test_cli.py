@@ -1,0 +1,133 @@
+"""The CLI end to end on a real model: compile report, plan show, run, verify with bisection
+and --fix, cache explain; bad input gives exit 2 and no traceback."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from graphmode.cli.app import _register, app
+
+ROOT = Path(__file__).resolve().parents[2]
+RESNET = str(ROOT / "examples" / "recipes" / "resnet18_cpu.yaml")
+runner = CliRunner()
+_register()
+
+
+def small_recipe(tmp_path: Path, **over) -> str:
+    r = {"version": 1, "name": "resnet-cli", "targets": ["host"],
+         "inputs": [{"name": "pixel_values", "dtype": "f32", "shape": ["batch", 3, 224, 224]}],
+         "dims": {"batch": {"buckets": [1, 2]}}, "memory": {"budget_mb": 512}}
+    r.update(over)
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(r))
+    return str(p)
+
+
+def invoke(*args: str):
+    res = runner.invoke(app, list(args))
+    assert "Traceback" not in (res.output or ""), res.output
+    return res
+
+
+def test_compile_report_json(tmp_path):
+    res = invoke("compile", "--model", "resnet18", "--recipe", small_recipe(tmp_path), "--json",
+                 "--dump-ir-after", "fuse", "--dump-dir", str(tmp_path / "dumps"))
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["capture"]["fallbacks"] == []
+    assert [p["name"] for p in rep["passes"]][-1] == "memory_plan"
+    assert {g["kind"] for g in rep["fused_groups"]} == {"gemm_epilogue"}
+    assert all(m["arena_bytes"] <= 1.1 * m["lower_bound_bytes"] for m in rep["memory"])
+    assert rep["verdict"] == "valid"
+    assert any(p["name"] == "memory" and p["status"] == "proved" for p in rep["proofs"])
+    assert rep["dump_files"] and "fused" not in Path(rep["dump_files"][0]).name
+    assert "fused(" in Path(rep["dump_files"][0]).read_text()
+
+
+def test_compile_refutes_budget_with_counterexample(tmp_path):
+    res = invoke("compile", "--model", "resnet18", "--recipe",
+                 small_recipe(tmp_path, memory={"budget_mb": 50}), "--dry-run")
+    assert res.exit_code == 1, res.output
+    assert "refuted" in res.output and "batch=2" in res.output
+
+
+def test_plan_show_and_run(tmp_path):
+    rec = small_recipe(tmp_path)
+    res = invoke("plan", "show", "--model", "resnet18", "--recipe", rec, "--bucket", "2")
+    assert res.exit_code == 0, res.output
+    assert "plan @resnet18 bucket batch=2" in res.output and "arena" in res.output
+    res = invoke("run", "--model", "resnet18", "--recipe", rec, "--shape", "2", "--iters", "2", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["bucket"] == {"batch": 2} and out["outputs"][0]["rel_l2_vs_eager"] < 1e-5
+
+
+def test_verify_passes_on_a_correct_pipeline(tmp_path):
+    res = invoke("verify", "--model", "resnet18", "--recipe", small_recipe(tmp_path), "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["ok"] and len(d["buckets"]) == 2
+
+
+def test_verify_bisects_a_broken_pass_and_proposes_a_fix(tmp_path, monkeypatch):
+    """A deliberately wrong `layout` pass (changes relu to sigmoid) must be named, with the node."""
+    import graphmode.passes.base as base
+    from graphmode.passes.base import PassResult
+
+    real = base.PASSES["layout"]
+
+    def broken(graph, ctx):
+        res = real(graph, ctx)
+        nodes = list(res.graph.nodes)
+        for i, n in enumerate(nodes):
+            if n.op == "relu":
+                nodes[i] = n.with_(op="sigmoid")
+                break
+        return PassResult(res.graph.clone(nodes=nodes), True, res.stats)
+    monkeypatch.setitem(base.PASSES, "layout", broken)
+    rec = small_recipe(tmp_path)
+    res = invoke("verify", "--model", "resnet18", "--recipe", rec, "--fix", "--json", "--max-buckets", "1")
+    assert res.exit_code == 1, res.output
+    d = json.loads(res.output)
+    f = d["failure"]
+    assert f["stage"] == "pass" and f["pass"] == "layout"
+    assert f["op"] == "sigmoid" and f["node"].startswith("%relu")
+    assert "layout" not in f["fix"]["optimize"]["passes"]
+    assert "-  preset" in f["diff"] or "+  passes" in f["diff"]
+
+
+def test_cache_explain_after_run(tmp_path):
+    rec = small_recipe(tmp_path)
+    cache = tmp_path / "cache"
+    import graphmode
+    from graphmode.capture.zoo import build
+    cm = graphmode.compile(build("resnet18"), rec, cache_dir=cache)
+    cm.executable({"batch": 1})
+    res = invoke("cache", "explain", "--model", "resnet18", "--recipe", rec, "--bucket", "2",
+                 "--cache-dir", str(cache), "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["result"] == "miss" and list(d["differs"]) == ["bucket"]
+    res = invoke("cache", "ls", "--cache-dir", str(cache), "--json")
+    assert len(json.loads(res.output)) == 1
+    assert invoke("cache", "prune", "--max-size", "0B", "--cache-dir", str(cache)).exit_code == 0
+    assert json.loads(invoke("cache", "ls", "--cache-dir", str(cache), "--json").output) == []
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["compile", "--model", "nosuchmodel", "--recipe", RESNET], "nosuchmodel"),
+    (["compile", "--model", "resnet18", "--recipe", "/nonexistent.yaml"], "nonexistent"),
+    (["run", "--model", "resnet18", "--recipe", RESNET, "--shape", "9"], "outside"),
+    (["run", "--model", "resnet18", "--recipe", RESNET, "--shape", "1x2x3"], "--shape"),
+])
+def test_bad_input_exits_2_without_traceback(args, needle):
+    out = subprocess.run([sys.executable, "-m", "graphmode", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and needle in (out.stdout + out.stderr)
