@@ -102,7 +102,7 @@ def test_show_lists_buckets_and_plans():
 
 def test_show_infeasible_synthesis_is_exit_2(tmp_path):
     p = tmp_path / "r.yaml"
-    p.write_text((EX / "minilm_cpu.yaml").read_text().replace("max_padding: 0.5", "max_padding: 0.1"))
+    p.write_text((EX / "minilm_cpu.yaml").read_text().replace("max_padding: 0.25", "max_padding: 0.1"))
     res = run("show", p, "--target", CPU)
     assert res.exit_code == 2 and "max_buckets" in res.output
 
