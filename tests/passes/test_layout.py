@@ -2,30 +2,17 @@
 interpreter equivalence on two buckets."""
 from __future__ import annotations
 
+from harness import check_pass
+
 import torch
 
 from graphmode.ir import interpret, parse_graph, verify_graph
 from graphmode.passes import PASSES, PassContext
-from graphmode.verify.numerics import random_inputs, rel_l2
-
-BUCKETS = ({"b": 1, "s": 3}, {"b": 2, "s": 5})
 
 
-def run_case(golden, case, text, *, constants=None, buckets=BUCKETS, ctx=None):
-    g = parse_graph(text, constants)
-    verify_graph(g)
-    before = g.structural_hash()
-    res = PASSES["layout"](g, ctx or PassContext())
-    assert g.structural_hash() == before, "the pass mutated its input graph"
-    verify_graph(res.graph)
-    assert res.graph.outputs == g.outputs
-    golden(f"layout/{case}", res.graph.text())
-    for seed, env in enumerate(buckets):
-        inputs = random_inputs(g, env, seed)
-        want, got = interpret(g, inputs), interpret(res.graph, inputs)
-        for name in g.outputs:
-            assert rel_l2(got[name], want[name]) < 1e-5, (case, env, name)
-    return res
+
+def run_case(golden, case, text, **kw):
+    return check_pass("layout", golden, case, text, **kw)
 
 
 def test_matmul_of_transposed_constant_becomes_linear(golden):
