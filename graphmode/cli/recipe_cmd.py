@@ -98,12 +98,16 @@ def _print_report(rep) -> None:
 def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
                  target: Optional[str] = typer.Option(None, "--target", "-t", help=_TARGET_HELP),
                  as_json: bool = typer.Option(False, "--json", help="print JSON"),
-                 timeout_ms: int = typer.Option(5000, "--timeout-ms", help="Z3 timeout per proof")) -> None:
+                 timeout_ms: int = typer.Option(5000, "--timeout-ms", help="Z3 timeout per proof"),
+                 model: Optional[str] = typer.Option(None, "--model", help="prove with this model's real weights "
+                                                     "and memory plan (minilm | gpt2 | resnet18 | .onnx | mod:fn)")
+                 ) -> None:
     """Check a recipe in three layers (schema, semantics, Z3 proofs): exit 0 valid, 1 refused, 2 malformed."""
     from graphmode.recipe import load_recipe, validate
     try:
         recipe = load_recipe(path)
-        rep = validate(recipe, _target(recipe, target), timeout_ms=timeout_ms)
+        facts = _model_facts(model, recipe) if model else None
+        rep = validate(recipe, _target(recipe, target), facts, timeout_ms=timeout_ms)
         if rep.errors:
             raise RecipeErrors(rep.errors)
         if as_json:
@@ -119,6 +123,18 @@ def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
             raise SystemExit(e.exit_code)
     except GraphmodeError as e:
         fail(e, as_json)
+
+
+def _model_facts(model: str, recipe):
+    """Capture + optimise the model: exact weight bytes and the planner's activation peak."""
+    from graphmode.compile_report import model_facts
+    from graphmode.compiler import capture, optimize
+    from graphmode.plan.memory import activation_peak_expr
+    graph0, _, _ = capture(model, recipe)
+    graph, _ = optimize(graph0, recipe, None, buckets=[])
+    act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
+                               alias_groups=[list(g) for g in recipe.alias_groups])
+    return model_facts(graph, act)
 
 
 @recipe_app.command("show")

@@ -37,6 +37,7 @@ def run_cmd(
     iters: int = typer.Option(10, "--iters"),
     threads: Optional[int] = typer.Option(None, "--threads"),
     metrics: bool = typer.Option(False, "--metrics", help="print the runtime contract metrics"),
+    warmup: bool = typer.Option(False, "--warmup", help="build every bucket's plan first (progress bar)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Run sample inputs through the compiled model and compare with eager PyTorch."""
@@ -51,6 +52,8 @@ def run_cmd(
         torch.set_num_threads(threads)
     rec = load_recipe(recipe)
     cm = gm_compile(model, rec, mode=mode, threads=threads)
+    if warmup and cm.mode != "eager":
+        cm.warmup(progress=not as_json)
     dims = list(rec.dims)
     env = parse_shape(shape, dims) if shape else dict(rec.buckets()[0])
     inputs = cm.source.make_inputs(env, seed=0)

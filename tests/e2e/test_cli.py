@@ -131,3 +131,15 @@ def test_bad_input_exits_2_without_traceback(args, needle):
                          timeout=600)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and needle in (out.stdout + out.stderr)
+
+
+def test_recipe_validate_with_model_uses_the_real_plan(tmp_path):
+    rec = small_recipe(tmp_path, memory={"budget_mb": 50})
+    res = invoke("recipe", "validate", rec, "--model", "resnet18", "--json")
+    assert res.exit_code == 1, res.output
+    proofs = {p["name"]: p for p in json.loads(res.output)["proofs"]}
+    mem = proofs["memory"]
+    assert mem["status"] == "refuted" and mem["counterexample"] == {"batch": 2}
+    # the crude (model-free) estimate differs from the planner's exact numbers
+    crude = json.loads(invoke("recipe", "validate", rec, "--json").output)
+    assert {p["name"]: p for p in crude["proofs"]}["memory"]["message"] != mem["message"]
