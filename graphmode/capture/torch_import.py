@@ -7,7 +7,6 @@ fails on GPT-2 (see shared/NOTES.md). Every ATen op either maps to a core IR op 
 """
 from __future__ import annotations
 
-import math
 import operator
 import time
 from dataclasses import dataclass, field

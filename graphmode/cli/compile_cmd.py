@@ -105,7 +105,7 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
     console.print(f"verdict: [bold]{v.verdict}[/]")
     for p in v.proofs:
         console.print(f"  {p.name}: {p.status} — {p.message}", markup=False)
-    console.print(f"time: " + ", ".join(f"{k} {s:.2f}s" for k, s in rep.seconds.items()))
+    console.print("time: " + ", ".join(f"{k} {s:.2f}s" for k, s in rep.seconds.items()))
 
 
 @app.command("compile")

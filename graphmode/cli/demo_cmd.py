@@ -33,7 +33,6 @@ def demo_cmd(
     """Compile and run the real all-MiniLM-L6-v2 with the shipped recipe."""
     from graphmode.capture.zoo import build, sentence_embeddings
     from graphmode.cli.compile_cmd import build_report, print_report
-    from graphmode.compiler import ModelSource
     from graphmode.runtime.compiled import CompiledModel
     from graphmode.runtime.timing import median, time_ms
     from graphmode.verify.numerics import rel_l2

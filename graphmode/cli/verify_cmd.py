@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Optional
 
-import torch
 import typer
 import yaml
 from rich.table import Table

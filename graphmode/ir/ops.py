@@ -8,7 +8,7 @@ recipe dims; the interpreter evaluates it in the current dim environment. See do
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import sympy

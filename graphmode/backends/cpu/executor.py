@@ -13,7 +13,6 @@ import time
 from typing import Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from graphmode.errors import BackendError
 from graphmode.ir.fallback import run_fallback

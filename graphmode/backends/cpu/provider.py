@@ -113,7 +113,7 @@ _SHAPE_ATTRS = ("shape", "end")
 
 def specialize(node, env: Mapping[str, int]):
     """The fused node with every symbolic dim (attributes and body types) evaluated at `env`."""
-    from graphmode.ir.types import dim_str, eval_dim, normalize_dim
+    from graphmode.ir.types import eval_dim, normalize_dim
     body = node.body.clone()
     body.values = {k: v.__class__(k, v.type.specialize(env), v.role) for k, v in body.values.items()}
     nodes = []
