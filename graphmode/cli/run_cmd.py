@@ -54,6 +54,9 @@ def run_cmd(
     cm = gm_compile(model, rec, mode=mode, threads=threads)
     if warmup and cm.mode != "eager":
         cm.warmup(progress=not as_json)
+    if metrics:   # the contract monitor times and counts every call (same as the server's)
+        from graphmode.monitor import monitored
+        cm = monitored(cm)
     dims = list(rec.dims)
     env = parse_shape(shape, dims) if shape else dict(rec.buckets()[0])
     inputs = cm.source.make_inputs(env, seed=0)

@@ -84,6 +84,8 @@ def serve_cmd(
                   f"{server.recipe.plans_count()} bucket(s) before ready)", highlight=False)
     try:
         uv.run(sockets=[sock])
+    except KeyboardInterrupt:      # uvicorn shut down gracefully, then re-raised the Ctrl-C
+        pass
     finally:
         sock.close()
     if failure:

@@ -38,6 +38,7 @@ class CompiledModel:
         self.threads = threads
         self.events: Counter[str] = Counter()
         self.event_log: list[dict] = []
+        self.monitor = None   # graphmode.monitor.ContractMonitor (monitor.attach): sees every event
         self._executables: dict[str, Any] = {}
         self._compile_lock = threading.Lock()
         self.input_names = [i.name for i in recipe.inputs]
@@ -65,6 +66,8 @@ class CompiledModel:
         if len(self.event_log) > 10_000:
             del self.event_log[:5_000]
         log.info("graphmode event %s %s", event, info)
+        if self.monitor is not None:
+            self.monitor.on_event(event, rec)
 
     # ---- inputs ----------------------------------------------------------------------------
     def bind_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -237,5 +240,8 @@ class CompiledModel:
     def metrics(self) -> dict[str, Any]:
         ops = self.events["calls"]
         bad = self.events["violated_calls"]
-        return {"events": dict(self.events), "health_score": 1.0 - bad / ops if ops else 1.0,
-                "buckets_compiled": sorted(self._executables)}
+        out = {"events": dict(self.events), "health_score": 1.0 - bad / ops if ops else 1.0,
+               "buckets_compiled": sorted(self._executables)}
+        if self.monitor is not None:
+            out["contract"] = self.monitor.snapshot()
+        return out

@@ -1,0 +1,77 @@
+"""Prometheus metric families of one server or model, in their own `CollectorRegistry`.
+
+Never the global registry: two servers (or two tests) in one process each get their own
+families. Every series carries the recipe `version` (content hash) and `target`; per-plan
+series also carry `bucket` (`batch=4,seq=32`; `none` when the request never reached a
+plan, `eager` for an eager fallback).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+VIOLATION_KINDS = ("shape", "input", "memory", "latency", "fallback")
+
+L = ("version", "target")
+
+
+class PromMetrics:
+    """The metric families (see graphmode/serve/README.md for the list)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("graphmode_requests", "Inference requests by outcome "
+                                "(ok, contract = refused by the recipe's contract, error = server fault)",
+                                L + ("bucket", "status"), registry=r)
+        self.latency = Histogram("graphmode_request_latency_seconds", "Server-side latency of a successful "
+                                 "request, arrival to result (queueing and batching included)",
+                                 L + ("bucket",), buckets=LATENCY_BUCKETS, registry=r)
+        self.model_latency = Histogram("graphmode_model_latency_seconds", "One model call (one batch)",
+                                       L + ("bucket",), buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_requests = Histogram("graphmode_batch_requests", "Requests merged into one model call",
+                                        L + ("bucket",), buckets=BATCH_BUCKETS, registry=r)
+        self.compiles = Counter("graphmode_compile_events", "Plan builds per bucket "
+                                "(event = compile, or cache_hit when the plan came from the artifact cache)",
+                                L + ("bucket", "event"), registry=r)
+        self.fallbacks = Counter("graphmode_fallback_events", "Eager fallbacks taken", L + ("bucket", "reason"),
+                                 registry=r)
+        self.violations = Counter("graphmode_contract_violations", "Contract violations by kind: shape (dims "
+                                  "outside the recipe), input (names, dtypes, ranks, fixed dims), memory (plan "
+                                  "over budget), latency (request over its SLA p99), fallback (eager fallback "
+                                  "taken)", L + ("bucket", "kind"), registry=r)
+        self.operations = Counter("graphmode_operations", "Operations checked against the contract "
+                                  "(requests + bucket plans)", L, registry=r)
+        self.violated_operations = Counter("graphmode_violated_operations", "Operations with at least one "
+                                           "contract violation", L, registry=r)
+        self.health = Gauge("graphmode_health_score", "1 - violated operations / operations", L, registry=r)
+        self.arena_bytes = Gauge("graphmode_arena_bytes", "Activation arena of a bucket's plan", L + ("bucket",),
+                                 registry=r)
+        self.weights_bytes = Gauge("graphmode_weights_bytes", "Constant (weight) bytes of the compiled graph", L,
+                                   registry=r)
+        self.memory_budget = Gauge("graphmode_memory_budget_bytes", "The recipe's memory budget (weights + "
+                                   "activations)", L, registry=r)
+        self.drift = Counter("graphmode_sla_drift_events", "Sustained SLA drift detected by the probe",
+                             L + ("sla", "quantile"), registry=r)
+        self.renegotiations = Counter("graphmode_renegotiations", "What a drift event led to (renegotiated, "
+                                      "rate_limited, no_variant, busy)", L + ("outcome",), registry=r)
+        self.reloads = Counter("graphmode_recipe_reloads", "Recipe loads (outcome = swapped, refused, failed, "
+                               "busy, unchanged; origin = api, variant, initial)", ("target", "origin", "outcome"),
+                               registry=r)
+        self.recipe_active = Gauge("graphmode_recipe_active", "1 for the recipe version now serving",
+                                   L + ("name", "origin"), registry=r)
+        self.ready = Gauge("graphmode_ready", "1 once every bucket of the active recipe is warm", ("target",),
+                           registry=r)
+        self.queue_depth = Gauge("graphmode_queue_depth", "Requests waiting to be batched", ("target",), registry=r)
+        self.bad_requests = Counter("graphmode_bad_requests", "Requests refused before the contract was checked "
+                                    "(malformed body, too large, unsupported media type, not ready)",
+                                    ("target", "reason"), registry=r)
+
+    def text(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,590 @@
+"""ModelServer: deployments of one model, dynamic batching, hot reload and renegotiation.
+
+A *deployment* is one validated recipe version compiled and warmed up: its CompiledModel,
+its ContractMonitor (Prometheus series labelled with its version) and its SLA probe. The
+server serves the *active* deployment; a request is checked against the deployment that
+was active when it arrived and runs on that deployment's plans, even if a newer one has
+been swapped in meanwhile, so a swap never fails or drops a request.
+
+Loading a recipe (at start, `PUT /v1/recipe`, or a renegotiation to a `--variant`):
+  1. schema + semantics (`load_recipe`, `validate`): field errors refuse it at once;
+  2. constraints, proved with the running model's facts (its real weights, activation
+     peak and FLOPs) so the refusal (counter-example) is answered synchronously;
+  3. in the background: compile, re-prove with the new graph's own facts, warm up every
+     bucket, check every plan against the memory budget, then swap atomically.
+A recipe refused at any step leaves the running one untouched.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.utils._pytree as pytree
+
+from graphmode.errors import ConstraintError, ContractViolation, GraphmodeError, RecipeError
+from graphmode.monitor import (ContractMonitor, DriftEvent, PromMetrics, Renegotiator, SlaDriftProbe, TokenBucket,
+                               bucket_label)
+from graphmode.serve.batching import Batcher, Pending, merge, split
+from graphmode.serve.errors import NotReady, ReloadBusy, RequestTimeout
+
+log = logging.getLogger("graphmode.serve")
+MB = 2**20
+
+
+@dataclass
+class ServeConfig:
+    """Server options (the CLI flags of `graphmode serve`)."""
+    target: Any = None                 # default: the recipe's first target, else host
+    cache_dir: Any = None
+    threads: int | None = None
+    batch_window_ms: float = 5.0
+    max_batch: int | None = None       # rows per model call (default: the largest admissible batch)
+    max_body_mb: float = 16.0
+    request_timeout_s: float = 60.0
+    sla_window_s: float = 10.0
+    sla_step_s: float | None = None
+    sla_margin: float = 0.2
+    sla_windows: int = 3
+    sla_min_samples: int = 10
+    renegotiate_burst: int = 1
+    renegotiate_interval_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        checks = [("batch_window_ms", self.batch_window_ms >= 0), ("max_body_mb", self.max_body_mb > 0),
+                  ("request_timeout_s", self.request_timeout_s > 0),
+                  ("max_batch", self.max_batch is None or self.max_batch >= 1),
+                  ("renegotiate_interval_s", self.renegotiate_interval_s > 0),
+                  ("renegotiate_burst", self.renegotiate_burst >= 1)]
+        for name, ok in checks:
+            if not ok:
+                raise GraphmodeError("invalid server option", where=f"--{name.replace('_', '-')}",
+                                     value=getattr(self, name))
+        SlaDriftProbe(window_s=self.sla_window_s, step_s=self.sla_step_s, margin=self.sla_margin,
+                      consecutive=self.sla_windows, min_samples=self.sla_min_samples)   # checks the probe options
+
+
+def _facts_key(recipe: Any) -> tuple:
+    """Recipes with equal keys compile the model to graphs with the same weights and FLOPs."""
+    return (tuple((i.name, i.dtype, tuple(i.shape)) for i in recipe.inputs), tuple(sorted(recipe.dims)),
+            recipe.precision.compute, recipe.exe_mode == "eager")
+
+
+class Deployment:
+    """One recipe version, compiled and monitored."""
+
+    def __init__(self, recipe: Any, cm: Any, monitor: ContractMonitor, *, origin: str, facts: Any,
+                 max_batch: int | None):
+        self.recipe = recipe
+        self.version = recipe.hash()
+        self.name = recipe.name
+        self.cm = cm
+        self.monitor = monitor
+        self.origin = origin
+        self.facts = facts
+        self.facts_key = _facts_key(recipe)
+        self.created = time.time()
+        self.buckets = recipe.buckets()
+        self.warmed = 0
+        self.dtypes = {i.name: i.dtype for i in recipe.inputs}
+        bd = recipe.model.batch_dim if recipe.model is not None else "batch"
+        batchable = bd in recipe.dims and all(bd in i.shape for i in recipe.inputs)
+        self.batch_dim = bd if batchable else None
+        self.max_rows = 1
+        if self.batch_dim is not None:
+            self.max_rows = recipe.dim_range(bd)[1]
+            if max_batch is not None:
+                self.max_rows = max(1, min(self.max_rows, max_batch))
+        g = cm.graph
+        src_names = list(getattr(cm.source, "output_names", []) or [])
+        if g is not None:
+            self.output_names = src_names if len(src_names) == len(g.outputs) else list(g.outputs)
+            self.output_axes = [[_axis_name(d) for d in g.values[o].type.shape] for o in g.outputs]
+        else:
+            self.output_names = src_names or list(recipe.outputs)
+            self.output_axes = [[d if isinstance(d, str) and d != "*" else None for d in recipe.outputs.get(n, [])]
+                                for n in self.output_names]
+
+    def describe(self) -> dict[str, Any]:
+        return {"version": self.version, "name": self.name, "origin": self.origin,
+                "created": self.created, "buckets": len(self.buckets), "warmed": self.warmed}
+
+    # ---- requests ----------------------------------------------------------------------------
+    def prepare(self, inputs: Mapping[str, torch.Tensor]) -> Pending:
+        """Check a request against this recipe's contract; a refusal is counted, then raised."""
+        cm = self.cm
+        try:
+            bound = cm.bind_inputs((), dict(inputs))
+            dims = cm.shape_of(bound)
+        except ContractViolation as e:
+            e.kind = "shape" if ".shape" in (e.where or "") else "input"
+            self.monitor.refused(e.kind)
+            raise
+        rows = dims.get(self.batch_dim, 1) if self.batch_dim else 1
+        if cm.mode == "eager":
+            return Pending(self, bound, dims, rows, alone=self.batch_dim is None)
+        if cm.bucket_for(dims) is None:
+            if self.recipe.on_violation == "eager" and cm.source.module is not None:
+                return Pending(self, bound, dims, rows, alone=True)   # the runtime counts it
+            self.monitor.refused("shape")
+            raise outside_contract(self.recipe, dims)
+        if rows > self.max_rows:
+            self.monitor.refused("shape")
+            raise ContractViolation(f"{self.batch_dim} = {rows} is more than the server's --max-batch "
+                                    f"{self.max_rows}", where=f"dims.{self.batch_dim}", value=rows,
+                                    fix=f"split the request into parts of at most {self.max_rows} rows")
+        return Pending(self, bound, dims, rows, alone=self.batch_dim is None)
+
+    def flatten(self, out: Any) -> list[torch.Tensor]:
+        return [t for t in pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+    def names_for(self, n: int) -> list[str]:
+        return self.output_names if len(self.output_names) == n else [f"output_{i}" for i in range(n)]
+
+
+def _axis_name(d: Any) -> str | None:
+    return d.name if getattr(d, "is_Symbol", False) else None
+
+
+def outside_contract(recipe: Any, dims: Mapping[str, int]) -> ContractViolation:
+    for d, v in dims.items():
+        lo, hi = recipe.dim_range(d)
+        if not lo <= v <= hi:
+            return ContractViolation(f"dim {d!r} = {v} is outside the recipe's range [{lo}, {hi}]",
+                                     where=f"dims.{d}", value=v, fix=f"send {d} within [{lo}, {hi}]")
+    return ContractViolation(f"no bucket holds shape {dict(dims)}", where="dims", value=dict(dims),
+                             fix="send a shape the recipe's buckets cover")
+
+
+class ReloadTicket:
+    """One background load of a recipe; `wait()` blocks until it swapped or failed."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, version: str, name: str, origin: str, previous: str | None, reason: str = ""):
+        self.id = next(self._ids)
+        self.version, self.name, self.origin, self.previous, self.reason = version, name, origin, previous, reason
+        self.state = "compiling"
+        self.error: GraphmodeError | None = None
+        self.started = time.time()
+        self.finished: float | None = None
+        self.progress = (0, 0)
+        self._done = threading.Event()
+
+    def finish(self, state: str, error: GraphmodeError | None = None) -> None:
+        self.state, self.error, self.finished = state, error, time.time()
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "state": self.state, "version": self.version, "name": self.name,
+                "origin": self.origin, "previous": self.previous, "reason": self.reason,
+                "started": self.started, "finished": self.finished,
+                "warmed": self.progress[0], "buckets": self.progress[1],
+                "error": error_dict(self.error) if self.error is not None else None}
+
+
+def error_dict(e: BaseException) -> dict[str, Any]:
+    if isinstance(e, GraphmodeError):
+        d = e.to_dict()
+        if isinstance(e, ConstraintError):
+            d["counterexample"] = e.counterexample
+            proofs = getattr(e, "proofs", None)
+            if proofs:
+                d["proofs"] = proofs
+        if isinstance(e, ContractViolation):
+            d["kind"] = e.kind
+        return d
+    return {"error": type(e).__name__, "message": str(e)}
+
+
+class ModelServer:
+    """Owns the deployments; the HTTP app (graphmode.serve.app) is a thin layer over it."""
+
+    def __init__(self, model: Any, recipe: Any, *, variants: list[Any] = (), config: ServeConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_state: Callable[[str, GraphmodeError | None], None] | None = None):
+        from graphmode.recipe import load_recipe
+        from graphmode.recipe.targets import pick_target
+        self.config = config or ServeConfig()
+        self.clock = clock
+        self.on_state = on_state
+        self.metrics = PromMetrics()
+        first = load_recipe(recipe)
+        self.target = pick_target(first, self.config.target)
+        self.target_name = getattr(self.target, "name", str(self.target))
+        self.model = self._resolve_model(model)
+        self.recipe = self._checked(first, "recipe")
+        self.variants = [self._checked(load_recipe(v), f"variant[{i}]") for i, v in enumerate(variants)]
+        self.active: Deployment | None = None
+        self.state = "starting"          # starting -> warming -> ready | failed
+        self.error: GraphmodeError | None = None
+        self.started = time.time()
+        self.history: list[dict[str, Any]] = []
+        self.reload: ReloadTicket | None = None
+        self._reload_lock = threading.Lock()
+        self._swap_lock = threading.Lock()
+        self.renegotiator = Renegotiator(
+            self.variants, self._renegotiate,
+            bucket=TokenBucket(self.config.renegotiate_burst, 1.0 / self.config.renegotiate_interval_s, clock=clock))
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphmode-infer")
+        self.batcher: Batcher | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._ticker: asyncio.Task | None = None
+        self.metrics.ready.labels(self.target_name).set(0)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.config.max_body_mb * MB)
+
+    # ---- loading ------------------------------------------------------------------------------
+    @staticmethod
+    def _resolve_model(model: Any) -> Any:
+        if isinstance(model, str):
+            from graphmode.capture.spec import resolve_model_spec
+            return resolve_model_spec(model)     # built once, reused by every reload
+        return model
+
+    def _checked(self, recipe: Any, what: str) -> Any:
+        """Schema and semantics now (field errors refuse it before anything compiles)."""
+        from graphmode.errors import RecipeErrors
+        from graphmode.recipe import validate
+        report = validate(recipe, self.target)
+        if report.errors:
+            for e in report.errors:
+                e.where = f"{what}: {e.where}" if e.where else what
+            raise RecipeErrors(report.errors)
+        try:
+            self.fits_model(report.recipe)
+        except RecipeError as e:
+            e.where = f"{what}: {e.where}" if e.where else what
+            raise
+        return report.recipe
+
+    def _facts(self, cm: Any) -> Any:
+        if cm.graph is None:
+            return None
+        from graphmode.compile_report import model_facts
+        from graphmode.plan.memory import activation_peak_expr
+        r = cm.recipe
+        act = activation_peak_expr(cm.graph, reuse=r.optimize.memory_reuse,
+                                   alias_groups=[list(g) for g in r.alias_groups])
+        return model_facts(cm.graph, act)
+
+    def _prove(self, recipe: Any, facts: Any) -> Any:
+        from graphmode.recipe import validate
+        report = validate(recipe, self.target, facts)
+        if not report.ok:
+            try:
+                report.raise_for_errors()
+            except ConstraintError as e:
+                e.proofs = [p.to_dict() for p in report.proofs]  # type: ignore[attr-defined]
+                raise
+        return report
+
+    def fits_model(self, recipe: Any) -> None:
+        """The recipe must declare the model's inputs, with the model's rank and fixed dims
+        (checked now, so the answer to PUT says it instead of a failed background compile)."""
+        from graphmode.compiler import resolve_model
+        resolve_model(self.model, recipe)                  # names (RecipeError)
+        dims = getattr(self.model, "input_dims", None)
+        if not isinstance(dims, dict):
+            return
+        for spec in recipe.inputs:
+            want = dims.get(spec.name)
+            if want is None:
+                continue
+            fixed_ok = len(want) == len(spec.shape) and all(
+                not isinstance(w, int) or not isinstance(g, int) or w == g for w, g in zip(want, spec.shape))
+            if not fixed_ok:
+                raise RecipeError(f"input {spec.name!r} has shape {list(spec.shape)} in the recipe but "
+                                  f"{list(want)} in the model", where=f"inputs.{spec.name}.shape",
+                                  line=recipe.line_of("inputs"), fix=f"declare shape {list(want)}")
+
+    def precheck(self, recipe: Any) -> Any:
+        """Layers 1-3 with the running model's facts; raises RecipeErrors / ConstraintError."""
+        self.fits_model(recipe)
+        dep = self.active
+        facts = dep.facts if dep is not None and _facts_key(recipe) == dep.facts_key else None
+        return self._prove(recipe, facts).recipe
+
+    def _build(self, recipe: Any, origin: str, ticket: ReloadTicket | None = None) -> Deployment:
+        """Compile, prove with the new graph's facts, warm up every bucket, check memory."""
+        from graphmode.compiler import compile as gm_compile
+        t0 = time.perf_counter()
+        cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir, threads=self.config.threads)
+        facts = self._facts(cm)
+        recipe = self._prove(recipe, facts).recipe
+        cfg = self.config
+        probe = SlaDriftProbe(window_s=cfg.sla_window_s, step_s=cfg.sla_step_s, margin=cfg.sla_margin,
+                              consecutive=cfg.sla_windows, min_samples=cfg.sla_min_samples, clock=self.clock)
+        mon = ContractMonitor(recipe, version=recipe.hash(), target=self.target_name, metrics=self.metrics,
+                              probe=probe)
+        cm.monitor = mon
+        dep = Deployment(recipe, cm, mon, origin=origin, facts=facts, max_batch=cfg.max_batch)
+        if cm.mode != "eager":
+            for i, env in enumerate(dep.buckets):
+                cm.executable(env)
+                dep.warmed = i + 1
+                if ticket is not None:
+                    ticket.progress = (i + 1, len(dep.buckets))
+            over = mon.check_memory(cm, dep.buckets)
+            if over:
+                log.warning("recipe %s: plans over the memory budget in buckets %s", dep.version, over)
+        log.info("recipe %s (%s) compiled and warm: %d bucket(s) in %.1fs", recipe.name, dep.version,
+                 len(dep.buckets), time.perf_counter() - t0)
+        return dep
+
+    def _activate(self, dep: Deployment) -> None:
+        with self._swap_lock:
+            old, self.active = self.active, dep
+        dep.monitor.on_drift(lambda ev, d=dep: self._on_drift(d, ev))
+        m = self.metrics
+        if old is not None:
+            m.recipe_active.labels(old.version, self.target_name, old.name, old.origin).set(0)
+        m.recipe_active.labels(dep.version, self.target_name, dep.name, dep.origin).set(1)
+        m.ready.labels(self.target_name).set(1)
+        self.history.append({"time": time.time(), "version": dep.version, "name": dep.name, "origin": dep.origin,
+                             "previous": old.version if old is not None else None})
+        del self.history[:-100]
+
+    def _set_state(self, state: str, error: GraphmodeError | None = None) -> None:
+        self.state, self.error = state, error
+        if self.on_state is not None:
+            try:
+                self.on_state(state, error)
+            except Exception:  # noqa: BLE001 - a callback must not break the server
+                log.exception("on_state callback failed")
+
+    def _initial_deploy(self) -> None:
+        self._set_state("warming")
+        try:
+            dep = self._build(self.recipe, "initial")
+            for i, v in enumerate(self.variants):
+                try:
+                    self._prove(v, dep.facts if _facts_key(v) == dep.facts_key else None)
+                except GraphmodeError as e:
+                    e.where = f"variant[{i}]: {e.where}" if e.where else f"variant[{i}]"
+                    raise
+            self._activate(dep)
+            self.metrics.reloads.labels(self.target_name, "initial", "swapped").inc()
+            self._set_state("ready")
+        except GraphmodeError as e:
+            log.error("cannot load the recipe: %s", e)
+            self.metrics.reloads.labels(self.target_name, "initial", _outcome(e)).inc()
+            self._set_state("failed", e)
+        except Exception as e:  # noqa: BLE001 - reported, not raised, from a thread
+            log.exception("cannot load the recipe")
+            self._set_state("failed", GraphmodeError(f"{type(e).__name__}: {e}", where="startup"))
+
+    # ---- hot reload ---------------------------------------------------------------------------
+    def request_reload(self, recipe: Any, origin: str = "api") -> ReloadTicket | None:
+        """Validate now (raises with the reasons), then compile, warm up and swap in the
+        background. Returns the ticket, or None when that version is already serving."""
+        from graphmode.recipe import load_recipe
+        if self.active is None:
+            raise NotReady("the server is still loading its first recipe", fix="retry when /readyz answers 200")
+        try:
+            recipe = self.precheck(self._checked(load_recipe(recipe), "recipe"))
+        except GraphmodeError as e:
+            self.metrics.reloads.labels(self.target_name, origin, _outcome(e)).inc()
+            raise
+        if recipe.hash() == self.active.version:
+            self.metrics.reloads.labels(self.target_name, origin, "unchanged").inc()
+            return None
+        ticket = self._start_reload(recipe, origin)
+        if ticket is None:
+            busy = self.reload
+            self.metrics.reloads.labels(self.target_name, origin, "busy").inc()
+            raise ReloadBusy(f"recipe {busy.version if busy else '?'} is still loading", where="recipe",
+                             fix="wait until GET /v1/recipe shows reload.state != compiling, then retry")
+        return ticket
+
+    def _start_reload(self, recipe: Any, origin: str, reason: str = "") -> ReloadTicket | None:
+        with self._reload_lock:
+            if self.reload is not None and self.reload.state == "compiling":
+                return None
+            ticket = ReloadTicket(recipe.hash(), recipe.name, origin,
+                                  self.active.version if self.active else None, reason)
+            self.reload = ticket
+        threading.Thread(target=self._reload_worker, args=(recipe, ticket), daemon=True,
+                         name=f"graphmode-reload-{ticket.id}").start()
+        return ticket
+
+    def _reload_worker(self, recipe: Any, ticket: ReloadTicket) -> None:
+        try:
+            dep = self._build(recipe, ticket.origin, ticket)
+            self._activate(dep)
+            self.metrics.reloads.labels(self.target_name, _origin_label(ticket.origin), "swapped").inc()
+            log.info("swapped to recipe %s (%s), was %s", dep.name, dep.version, ticket.previous)
+            ticket.finish("swapped")
+        except GraphmodeError as e:
+            log.error("recipe %s not loaded: %s", ticket.version, e)
+            self.metrics.reloads.labels(self.target_name, _origin_label(ticket.origin), _outcome(e)).inc()
+            ticket.finish("failed", e)
+        except Exception as e:  # noqa: BLE001 - reported on the ticket, the old recipe keeps serving
+            log.exception("recipe %s not loaded", ticket.version)
+            self.metrics.reloads.labels(self.target_name, _origin_label(ticket.origin), "failed").inc()
+            ticket.finish("failed", GraphmodeError(f"{type(e).__name__}: {e}", where="reload"))
+
+    # ---- drift -> renegotiation ---------------------------------------------------------------
+    def _on_drift(self, dep: Deployment, ev: DriftEvent) -> None:
+        if dep is not self.active:
+            return                      # late samples of a retired version
+        outcome = self.renegotiator.on_drift(ev)
+        self.metrics.renegotiations.labels(dep.version, self.target_name, outcome).inc()
+        log.warning("SLA drift on %s: %s -> %s", dep.version, ev.describe(), outcome)
+
+    def _renegotiate(self, index: int, variant: Any, ev: DriftEvent) -> bool:
+        return self._start_reload(variant, f"variant[{index}]", reason=ev.describe()) is not None
+
+    # ---- serving ------------------------------------------------------------------------------
+    def current(self) -> Deployment:
+        dep = self.active
+        if dep is None:
+            if self.state == "failed":
+                raise NotReady(f"the recipe could not be loaded: {self.error.message if self.error else '?'}",
+                               where="startup")
+            raise NotReady("warming up: compiling the recipe's buckets", fix="retry when /readyz answers 200")
+        return dep
+
+    async def infer(self, dep: Deployment, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        p = dep.prepare(inputs)
+        assert self.loop is not None and self.batcher is not None, "start() the server first"
+        p.future = self.loop.create_future()
+        self.batcher.submit(p)
+        try:
+            return await asyncio.wait_for(p.future, self.config.request_timeout_s)
+        except asyncio.TimeoutError:
+            dep.monitor.request_status("timeout")
+            raise RequestTimeout(f"no answer within {self.config.request_timeout_s:g} s", where="request",
+                                 fix="raise --request-timeout-s or lower the load") from None
+
+    def _max_rows(self, dep: Deployment) -> int:
+        return dep.max_rows
+
+    def _run_batch(self, batch: list[Pending]) -> list[Any]:
+        """Worker thread: one model call for the batch; a failing batch is retried request
+        by request so one bad request cannot fail its neighbours."""
+        try:
+            return self._execute(batch)
+        except Exception as e:  # noqa: BLE001
+            if len(batch) > 1:
+                log.warning("batch of %d failed (%s: %s); running its requests one by one", len(batch),
+                            type(e).__name__, e)
+                return [r for p in batch for r in self._run_batch([p])]
+            dep = batch[0].deployment
+            if isinstance(e, ContractViolation):
+                dep.monitor.request_status("contract")
+            else:
+                log.exception("request failed")
+                dep.monitor.request_status("error")
+            return [e]
+
+    def _execute(self, batch: list[Pending]) -> list[dict[str, Any]]:
+        dep = batch[0].deployment
+        cm = dep.cm
+        if len(batch) > 1:
+            inputs, dims = merge(batch, dep.recipe.inputs, dep.batch_dim)
+        else:
+            inputs, dims = batch[0].inputs, batch[0].dims
+        bucket = cm.bucket_for(dims) if cm.mode != "eager" else None
+        if bucket is None and len(batch) > 1 and cm.mode != "eager":
+            raise ContractViolation(f"no bucket holds the merged batch {dims}")   # retried one by one
+        t0 = time.perf_counter()
+        with dep.monitor.collect() as kinds:
+            try:
+                with torch.inference_mode():
+                    out = cm(**inputs)
+            except ContractViolation:
+                dep.monitor.record_operation(kinds or {"shape"})
+                raise
+        dt = time.perf_counter() - t0
+        label = "eager" if bucket is None or "fallback" in kinds else bucket_label(bucket)
+        flat = dep.flatten(out)
+        parts = split(flat, dep.output_axes, batch, dep.batch_dim) if len(batch) > 1 else [flat]
+        dep.monitor.model_call(dt, label, len(batch))
+        done = time.perf_counter()
+        results = []
+        rows = dims.get(dep.batch_dim, 1) if dep.batch_dim else 1
+        for p, outs in zip(batch, parts):
+            latency = done - p.arrived
+            dep.monitor.observe_request(latency, label, p.dims, kinds)
+            results.append({"outputs": dict(zip(dep.names_for(len(outs)), outs)),
+                            "bucket": bucket, "recipe_version": dep.version, "recipe_name": dep.name,
+                            "batch": {"requests": len(batch), "rows": rows}, "request_dims": p.dims,
+                            "latency_ms": round(latency * 1e3, 3), "model_ms": round(dt * 1e3, 3)})
+        return results
+
+    # ---- lifecycle (called from the ASGI lifespan, on the server's event loop) -----------------
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        depth = self.metrics.queue_depth.labels(self.target_name)
+        self.batcher = Batcher(self._run_batch, self._max_rows, window_s=self.config.batch_window_ms / 1e3,
+                               executor=self.executor, on_depth=depth.set)
+        self.batcher.start()
+        self._ticker = self.loop.create_task(self._tick_loop(), name="graphmode-sla-ticker")
+        threading.Thread(target=self._initial_deploy, daemon=True, name="graphmode-warmup").start()
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self.batcher is not None:
+            await self.batcher.stop()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _tick_loop(self) -> None:
+        step = self.config.sla_step_s or self.config.sla_window_s
+        period = min(1.0, max(0.05, step / 4))
+        while True:
+            await asyncio.sleep(period)
+            dep = self.active
+            if dep is None:
+                continue
+            try:
+                await self.loop.run_in_executor(None, dep.monitor.tick)  # drift handlers may compile-start
+            except Exception:  # noqa: BLE001 - the ticker must survive
+                log.exception("SLA probe tick failed")
+
+    # ---- views --------------------------------------------------------------------------------
+    def readiness(self) -> dict[str, Any]:
+        dep = self.active
+        out: dict[str, Any] = {"state": self.state, "target": self.target_name}
+        if dep is not None:
+            out.update(version=dep.version, name=dep.name, buckets=len(dep.buckets))
+        if self.error is not None:
+            out["error"] = error_dict(self.error)
+        return out
+
+    def recipe_view(self) -> dict[str, Any]:
+        dep = self.active
+        out: dict[str, Any] = {"state": self.state, "target": self.target_name,
+                               "reload": self.reload.to_dict() if self.reload is not None else {"state": "idle"},
+                               "variants": [{"index": i, "name": v.name, "version": v.hash(),
+                                             "used": i <= self.renegotiator.position}
+                                            for i, v in enumerate(self.variants)],
+                               "renegotiation": {"position": self.renegotiator.position,
+                                                 "tokens": round(self.renegotiator.bucket.tokens, 3),
+                                                 "history": self.renegotiator.history[-10:]},
+                               "history": self.history[-20:]}
+        if dep is not None:
+            out.update(version=dep.version, name=dep.name, origin=dep.origin,
+                       buckets=dep.buckets, health_score=dep.monitor.health_score,
+                       recipe=dep.recipe.model_dump(mode="json", exclude_none=True))
+        return out
+
+
+def _outcome(e: BaseException) -> str:
+    return "refused" if isinstance(e, (RecipeError, ConstraintError)) else "failed"
+
+
+def _origin_label(origin: str) -> str:
+    return "variant" if origin.startswith("variant") else origin

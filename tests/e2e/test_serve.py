@@ -1,0 +1,532 @@
+"""End to end: the real HTTP server (uvicorn on a free loopback port, in a thread) over a
+small ResNet-18 (64x64) and, once, MiniLM. Concurrent clients, dynamic batching checked
+against eager per request, a hot recipe swap under load with zero failed requests, refused
+recipes, malformed requests that all get 4xx, /metrics checked against what was sent, SLA
+drift renegotiating to a variant, and `graphmode serve` as a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from graphmode.recipe import load_recipe
+from graphmode.serve import ModelServer, ServeConfig, ServerThread
+from graphmode.serve.batching import Pending, merge, split
+from graphmode.verify.numerics import rel_l2
+
+ROOT = Path(__file__).resolve().parents[2]
+IMG = 64
+
+
+def resnet_recipe(name: str = "resnet-a", buckets=(1, 2, 4), **over) -> dict:
+    r = {"version": 1, "name": name,
+         "inputs": [{"name": "pixel_values", "dtype": "f32", "shape": ["batch", 3, IMG, IMG]}],
+         "dims": {"batch": {"buckets": list(buckets)}}, "exe_mode": "graph", "targets": ["host"],
+         "sla": {"p99_ms": 5000}}
+    r.update(over)
+    return r
+
+
+def version_of(r: dict) -> str:
+    return load_recipe(r).hash()
+
+
+@pytest.fixture(scope="module")
+def small_resnet():
+    from graphmode.capture.zoo import build
+    return build("resnet18", image_size=IMG)
+
+
+@pytest.fixture(scope="module")
+def served(small_resnet, tmp_path_factory):
+    cfg = ServeConfig(batch_window_ms=30, max_body_mb=1, cache_dir=tmp_path_factory.mktemp("serve-cache"))
+    server = ModelServer(small_resnet, resnet_recipe(), config=cfg)
+    running = ServerThread(server).start()
+    try:
+        running.wait_ready(120)
+        with httpx.Client(base_url=running.url, timeout=60) as client:
+            yield SimpleNamespace(server=server, url=running.url, client=client, bundle=small_resnet)
+    finally:
+        running.stop()
+
+
+def eager(bundle, x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return bundle.module(pixel_values=x)[0]
+
+
+def image(batch: int, seed: int, bundle) -> torch.Tensor:
+    return bundle.make_inputs({"batch": batch}, seed=seed)["pixel_values"]
+
+
+def post_json(client, x: torch.Tensor, **kw) -> httpx.Response:
+    return client.post("/v1/infer", json={"inputs": {"pixel_values": x.tolist()}}, **kw)
+
+
+def post_st(client, tensors: dict, **headers) -> httpx.Response:
+    return client.post("/v1/infer", content=st_save(tensors),
+                       headers={"content-type": "application/octet-stream", **headers})
+
+
+def scrape(client) -> dict[tuple[str, tuple], float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(metrics: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in metrics.items()
+               if n == name and all(dict(ls).get(k) == w for k, w in labels.items()))
+
+
+def current_version(client) -> str:
+    return client.get("/v1/recipe").json()["version"]
+
+
+# ---- batching primitives (no server) ---------------------------------------------------------------
+
+def test_merge_pads_with_recipe_values_masks_with_zero_and_split_cuts_back():
+    rec = load_recipe({"version": 1, "name": "tok",
+                       "inputs": [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 7},
+                                  {"name": "attention_mask", "dtype": "i64", "shape": ["batch", "seq"],
+                                   "pad_value": 1}],
+                       "dims": {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [4, 8]}}})
+    a = Pending(None, {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)},
+                {"batch": 1, "seq": 3}, 1)
+    b = Pending(None, {"input_ids": torch.arange(10).reshape(2, 5),
+                       "attention_mask": torch.ones(2, 5, dtype=torch.long)},
+                {"batch": 2, "seq": 5}, 2)
+    inputs, dims = merge([a, b], rec.inputs, "batch")
+    assert dims == {"batch": 3, "seq": 5}
+    assert inputs["input_ids"].tolist()[0] == [1, 2, 3, 7, 7]            # the recipe's pad value
+    assert inputs["attention_mask"].tolist()[0] == [1, 1, 1, 0, 0]       # masks always pad with 0
+    assert inputs["input_ids"][1:].equal(torch.arange(10).reshape(2, 5))
+    hidden = torch.arange(3 * 5 * 2).reshape(3, 5, 2)
+    pooled = torch.arange(3 * 4).reshape(3, 4)
+    parts = split([hidden, pooled], [["batch", "seq", None], ["batch", None]], [a, b], "batch")
+    assert parts[0][0].equal(hidden[:1, :3]) and parts[0][1].equal(pooled[:1])
+    assert parts[1][0].equal(hidden[1:, :5]) and parts[1][1].equal(pooled[1:])
+
+
+# ---- inference ---------------------------------------------------------------------------------------
+
+def test_health_readiness_and_recipe_endpoints(served):
+    c = served.client
+    assert c.get("/healthz").json()["status"] == "live"
+    ready = c.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    view = c.get("/v1/recipe").json()
+    assert view["version"] == ready.json()["version"] == served.server.active.version
+    assert view["recipe"]["name"] == view["name"] and view["buckets"]
+    assert load_recipe(view["recipe"]).hash() == view["version"]        # GET's recipe round-trips
+
+
+def test_json_and_safetensors_answers_match_eager(served):
+    c, b = served.client, served.bundle
+    x = image(2, 1, b)
+    r = post_json(c, x)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["bucket"] == {"batch": 2} and body["recipe_version"] == current_version(c)
+    assert body["shapes"] == {"logits": [2, 1000]} and body["dtypes"] == {"logits": "f32"}
+    assert rel_l2(torch.tensor(body["outputs"]["logits"]), eager(b, x)) < 1e-5
+
+    x3 = image(3, 2, b)                                   # padded up to bucket 4, sliced back
+    r = post_st(c, {"pixel_values": x3})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    assert json.loads(r.headers["x-graphmode-bucket"]) == {"batch": 4}
+    out = st_load(r.content)["logits"]
+    assert out.shape == (3, 1000) and rel_l2(out, eager(b, x3)) < 1e-5
+
+    r = post_st(c, {"pixel_values": x3}, accept="application/json")   # binary in, JSON out
+    assert r.status_code == 200 and r.json()["shapes"]["logits"] == [3, 1000]
+
+    flat = {"inputs": {"pixel_values": {"data": x.flatten().tolist(), "shape": list(x.shape), "dtype": "float32"}}}
+    r = c.post("/v1/infer", json=flat)                    # the object form: flat data + shape
+    assert r.status_code == 200 and rel_l2(torch.tensor(r.json()["outputs"]["logits"]), eager(b, x)) < 1e-5
+
+
+def test_concurrent_requests_are_batched_and_split_back_per_request(served):
+    c, b = served.client, served.bundle
+    xs = [image(1 + i % 2, 100 + i, b) for i in range(4)]      # 1, 2, 1, 2 rows
+    merged = False
+    for attempt in range(3):
+        gate = threading.Barrier(len(xs))
+        res: list = [None] * len(xs)
+
+        def go(i: int) -> None:
+            with httpx.Client(base_url=served.url, timeout=60) as cl:
+                gate.wait()
+                res[i] = post_st(cl, {"pixel_values": xs[i]}, accept="application/json").json()
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for x, r in zip(xs, res):
+            assert rel_l2(torch.tensor(r["outputs"]["logits"]), eager(b, x)) < 1e-5
+            assert r["batch"]["rows"] <= 4 and r["bucket"]["batch"] >= r["batch"]["rows"]
+        merged = any(r["batch"]["requests"] >= 2 for r in res)
+        if merged:
+            break
+    assert merged, "no two requests were batched within the 30 ms window"
+
+
+# ---- bad requests -------------------------------------------------------------------------------------
+
+def test_malformed_requests_all_get_4xx_and_are_counted(served):
+    c, b = served.client, served.bundle
+    before = scrape(c)
+    ok = image(1, 3, b)
+    big = json.dumps({"inputs": {"pixel_values": image(8, 4, b).tolist()}}).encode()   # > 1 MB
+    assert len(big) > 2**20
+    cases = [
+        ("malformed json", dict(content=b'{"inputs": [1,', headers={"content-type": "application/json"}), 400, None),
+        ("not an object", dict(json=[1, 2]), 400, None),
+        ("no inputs key", dict(json={"pixel": 1}), 400, None),
+        ("deep nesting", dict(content=b"[" * 200_000, headers={"content-type": "application/json"}), 400, None),
+        ("unknown name", dict(json={"inputs": {"pixels": ok.tolist()}}), 422, "input"),
+        ("missing input", dict(json={"inputs": {}}), 422, "input"),
+        ("strings", dict(json={"inputs": {"pixel_values": [["a"]]}}), 422, "input"),
+        ("booleans for floats", dict(json={"inputs": {"pixel_values": [[[[True]]]]}}), 422, "input"),
+        ("ragged", dict(json={"inputs": {"pixel_values": [[1.0, 2.0], [3.0]]}}), 422, "input"),
+        ("wrong rank", dict(json={"inputs": {"pixel_values": [[1.0, 2.0]]}}), 422, "shape"),
+        ("wrong image size", dict(content=st_save({"pixel_values": torch.zeros(1, 3, 32, 32)}),
+                                  headers={"content-type": "application/octet-stream"}), 422, "shape"),
+        ("batch above the contract", dict(content=st_save({"pixel_values": torch.zeros(5, 3, IMG, IMG)}),
+                                          headers={"content-type": "application/octet-stream"}), 422, "shape"),
+        ("empty batch", dict(content=st_save({"pixel_values": torch.zeros(0, 3, IMG, IMG)}),
+                             headers={"content-type": "application/octet-stream"}), 422, "shape"),
+        ("wrong dtype", dict(content=st_save({"pixel_values": ok.double()}),
+                             headers={"content-type": "application/octet-stream"}), 422, "input"),
+        ("garbage safetensors", dict(content=b"\x00\x01garbage", headers={"content-type": "application/octet-stream"}),
+         400, None),
+        ("empty body", dict(content=b"", headers={"content-type": "application/octet-stream"}), 400, None),
+        ("media type", dict(content=b"hello", headers={"content-type": "text/plain"}), 415, None),
+        ("too large", dict(content=big, headers={"content-type": "application/json"}), 413, None),
+    ]
+    for what, kw, status, _ in cases:
+        r = c.post("/v1/infer", **kw)
+        assert r.status_code == status, (what, r.status_code, r.text[:300])
+        body = r.json()
+        assert body["error"] and body["message"], what
+    assert c.get("/v1/infer").status_code == 405
+    assert c.get("/nope").status_code == 404 and "endpoints" in c.get("/nope").json()["fix"]
+    r = post_st(c, {"pixel_values": image(5, 5, b)})
+    assert "outside the recipe's range [1, 4]" in r.json()["message"] and r.json()["where"] == "dims.batch"
+
+    r = post_json(c, ok)                                  # the worker is alive and well
+    assert r.status_code == 200
+    after = scrape(c)
+    v = current_version(c)
+    for kind in ("shape", "input"):
+        sent = sum(1 for _, _, _, k in cases if k == kind) + (kind == "shape")
+        got = (total(after, "graphmode_contract_violations_total", version=v, kind=kind)
+               - total(before, "graphmode_contract_violations_total", version=v, kind=kind))
+        assert got == sent, kind
+    refused = sum(1 for _, _, s, _ in cases if s == 422) + 1
+    assert (total(after, "graphmode_requests_total", version=v, status="contract")
+            - total(before, "graphmode_requests_total", version=v, status="contract")) == refused
+    assert (total(after, "graphmode_bad_requests_total") - total(before, "graphmode_bad_requests_total")
+            == sum(1 for _, _, s, _ in cases if s != 422))
+    assert total(after, "graphmode_bad_requests_total", reason="too_large") >= 1
+    health = total(after, "graphmode_health_score", version=v)
+    ops = total(after, "graphmode_operations_total", version=v)
+    bad = total(after, "graphmode_violated_operations_total", version=v)
+    assert 0 < health < 1 and health == pytest.approx(1 - bad / ops)
+
+
+def test_refused_recipes_leave_the_running_one_untouched(served):
+    c = served.client
+    v = current_version(c)
+    r = c.put("/v1/recipe", json=resnet_recipe("tiny-budget", memory={"budget_mb": 1}))
+    assert r.status_code == 422
+    body = r.json()
+    assert body["error"] == "ConstraintError" and body["counterexample"] and "MB" in body["message"]
+    assert any(p["status"] == "refuted" for p in body["proofs"])
+    r = c.put("/v1/recipe", content=b"version: 1\nname: x\ninputs: [\n", headers={"content-type": "application/yaml"})
+    assert r.status_code == 422 and r.json()["line"] is not None and "YAML" in r.json()["message"]
+    bad_key = resnet_recipe("typo")
+    bad_key["dimz"] = bad_key.pop("dims")
+    r = c.put("/v1/recipe", json=bad_key)
+    assert r.status_code == 422 and r.json()["error"] == "RecipeErrors"
+    assert any(e["where"].endswith("dimz") for e in r.json()["errors"])
+    wrong_model = resnet_recipe("wrong-size")
+    wrong_model["inputs"][0]["shape"] = ["batch", 3, 224, 224]
+    r = c.put("/v1/recipe", json=wrong_model)
+    assert r.status_code == 422 and "inputs.pixel_values.shape" in r.json()["where"]
+    r = c.put("/v1/recipe", content=b"\x00", headers={"content-type": "image/png"})
+    assert r.status_code == 415
+    r = c.put("/v1/recipe", json=c.get("/v1/recipe").json())     # the running recipe again
+    assert r.status_code == 200 and r.json()["status"] == "unchanged"
+    assert current_version(c) == v
+    assert post_json(c, image(1, 6, served.bundle)).json()["recipe_version"] == v
+
+
+def test_hot_swap_under_concurrent_load_fails_no_request(served):
+    c, b = served.client, served.bundle
+    old = current_version(c)
+    new_recipe = resnet_recipe("resnet-b", buckets=(1, 2, 4, 8), sla={"p99_ms": 4000})
+    new = version_of(new_recipe)
+    before = scrape(c)
+    xs = [image(1 + i % 2, 200 + i, b) for i in range(4)]
+    stop = threading.Event()
+    results: list[tuple[float, int, str | None, str]] = []    # (start time, status, version, error)
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        rng = random.Random(k)
+        with httpx.Client(base_url=served.url, timeout=60) as cl:
+            while not stop.is_set():
+                x = xs[rng.randrange(len(xs))]
+                t0 = time.monotonic()
+                try:
+                    r = post_st(cl, {"pixel_values": x}) if rng.random() < 0.5 else post_json(cl, x)
+                    ver = (r.headers.get("x-graphmode-recipe-version") if r.headers["content-type"].startswith(
+                        "application/octet") else r.json().get("recipe_version"))
+                    rec = (t0, r.status_code, ver, "" if r.status_code == 200 else r.text[:200])
+                except Exception as e:  # noqa: BLE001 - a transport failure is a failed request too
+                    rec = (t0, -1, None, repr(e))
+                with lock:
+                    results.append(rec)
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(results) < 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = c.put("/v1/recipe", json=new_recipe)                   # accepted: compiles in the background
+    assert r.status_code == 202, r.text
+    assert r.json()["version"] == new and r.json()["previous"] == old
+    busy = c.put("/v1/recipe", json=resnet_recipe("resnet-c", buckets=(1, 2)))
+    assert busy.status_code == 409 and "still loading" in busy.json()["message"]
+    while c.get("/v1/recipe").json()["reload"]["state"] == "compiling" and time.monotonic() < deadline + 60:
+        time.sleep(0.05)
+    swapped_at = time.monotonic()
+    view = c.get("/v1/recipe").json()
+    assert view["reload"]["state"] == "swapped" and view["version"] == new
+    n_before_swap = len(results)
+    while len(results) < n_before_swap + 12 and time.monotonic() < swapped_at + 30:
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+
+    failures = [r for r in results if r[1] != 200]
+    assert failures == [], failures[:5]
+    versions = {r[2] for r in results}
+    assert versions == {old, new}
+    assert all(r[2] == new for r in results if r[0] > swapped_at + 0.5)   # new requests run on the new plans
+
+    after = scrape(c)
+    for ver in (old, new):
+        sent = sum(1 for r in results if r[2] == ver)
+        counted = (total(after, "graphmode_requests_total", version=ver, status="ok")
+                   - total(before, "graphmode_requests_total", version=ver, status="ok"))
+        assert counted == sent, ver
+        hist = (total(after, "graphmode_request_latency_seconds_count", version=ver)
+                - total(before, "graphmode_request_latency_seconds_count", version=ver))
+        assert hist == sent
+    compiled = total(after, "graphmode_compile_events_total", version=new)
+    assert compiled == 4                                         # every bucket warmed before the swap
+    assert total(after, "graphmode_recipe_active", version=new) == 1
+    assert total(after, "graphmode_recipe_active", version=old) == 0
+    assert total(after, "graphmode_recipe_reloads_total", origin="api", outcome="swapped") == 1
+    assert total(after, "graphmode_recipe_reloads_total", origin="api", outcome="busy") >= 1
+    cm = served.server.active.cm
+    for env in cm.recipe.buckets():                              # arena gauges = the plans' arenas
+        label = ",".join(f"{k}={v}" for k, v in sorted(env.items()))
+        assert total(after, "graphmode_arena_bytes", version=new, bucket=label) == cm.executable(env).plan.arena_bytes
+    assert cm.metrics()["contract"]["version"] == new            # the same numbers in-process
+    assert cm.metrics()["contract"]["requests"]["ok"] == sum(1 for r in results if r[2] == new)
+    r = post_st(c, {"pixel_values": image(7, 7, b)})            # the new recipe's bigger bucket
+    assert r.status_code == 200 and json.loads(r.headers["x-graphmode-bucket"]) == {"batch": 8}
+
+
+# ---- a small custom module: eager fallback outside the contract ------------------------------------------
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def test_on_violation_eager_serves_outside_the_contract_and_counts_the_fallback(tmp_path):
+    torch.manual_seed(0)
+    mlp = MLP().eval()
+    rec = {"version": 1, "name": "mlp", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}],
+           "dims": {"batch": {"buckets": [1, 2, 4]}}, "on_violation": "eager", "targets": ["host"]}
+    server = ModelServer(mlp, rec, config=ServeConfig(batch_window_ms=0, cache_dir=tmp_path))
+    with ServerThread(server) as running:
+        running.wait_ready(120)
+        with httpx.Client(base_url=running.url, timeout=60) as c:
+            x = torch.randn(6, 8)                         # batch 6 > 4: no plan, runs eagerly
+            r = c.post("/v1/infer", json={"inputs": {"x": x.tolist()}})
+            assert r.status_code == 200 and r.json()["bucket"] is None
+            (out,) = r.json()["outputs"].values()
+            assert rel_l2(torch.tensor(out), mlp(x)) < 1e-5
+            r = c.post("/v1/infer", json={"inputs": {"x": torch.randn(3, 8).tolist()}})
+            assert r.status_code == 200 and r.json()["bucket"] == {"batch": 4}
+            m = scrape(c)
+    v = version_of(rec)
+    assert total(m, "graphmode_fallback_events_total", version=v, bucket="eager") == 1
+    assert total(m, "graphmode_contract_violations_total", version=v, kind="fallback") == 1
+    assert total(m, "graphmode_contract_violations_total", version=v, kind="shape") == 1
+    assert total(m, "graphmode_requests_total", version=v, bucket="eager", status="ok") == 1
+    assert total(m, "graphmode_requests_total", version=v, bucket="batch=4", status="ok") == 1
+    ops = total(m, "graphmode_operations_total", version=v)          # 2 requests + 3 bucket plans
+    assert ops == 5 and total(m, "graphmode_health_score", version=v) == pytest.approx(1 - 1 / 5)
+
+
+# ---- SLA drift -> renegotiation ------------------------------------------------------------------------
+
+def test_sustained_sla_drift_renegotiates_to_the_next_variant_once(small_resnet, tmp_path):
+    # the cost model proves 5 ms for batch <= 2; the 40 ms batching window alone breaks it
+    tight = resnet_recipe("resnet-tight", buckets=(1, 2), sla={"p99_ms": 5})
+    relaxed = resnet_recipe("resnet-relaxed", buckets=(1, 2), sla={"p99_ms": 5000})
+    cfg = ServeConfig(batch_window_ms=40, cache_dir=tmp_path, sla_window_s=0.4, sla_windows=2, sla_min_samples=3,
+                      sla_margin=0.2, renegotiate_interval_s=3600)
+    server = ModelServer(small_resnet, tight, variants=[relaxed], config=cfg)
+    with ServerThread(server) as running:
+        with httpx.Client(base_url=running.url, timeout=60) as c:
+            if server.state != "ready":                  # compiling: live, not ready, infer says retry
+                assert c.get("/healthz").status_code == 200
+                early = post_st(c, {"pixel_values": image(1, 0, small_resnet)})
+                assert early.status_code in (503, 200)
+                if early.status_code == 503:
+                    assert early.headers["retry-after"] and "warming up" in early.json()["message"]
+            running.wait_ready(120)
+            view = c.get("/v1/recipe").json()
+            assert view["version"] == version_of(tight)
+            assert view["variants"] == [{"index": 0, "name": "resnet-relaxed", "version": version_of(relaxed),
+                                         "used": False}]
+            x = image(1, 9, small_resnet)
+            deadline = time.monotonic() + 40
+            while c.get("/v1/recipe").json()["version"] != version_of(relaxed):
+                assert time.monotonic() < deadline, c.get("/v1/recipe").json()
+                assert post_st(c, {"pixel_values": x}).status_code == 200
+            for _ in range(10):                              # more slow requests: no further switch
+                assert post_st(c, {"pixel_values": x}).status_code == 200
+            m = scrape(c)
+            view = c.get("/v1/recipe").json()
+    tight_v = version_of(tight)
+    assert total(m, "graphmode_sla_drift_events_total", version=tight_v, quantile="p99") >= 1
+    assert total(m, "graphmode_renegotiations_total", version=tight_v, outcome="renegotiated") == 1
+    assert total(m, "graphmode_renegotiations_total", outcome="renegotiated") == 1
+    assert total(m, "graphmode_contract_violations_total", version=tight_v, kind="latency") >= 3
+    assert total(m, "graphmode_health_score", version=tight_v) < 1
+    assert total(m, "graphmode_recipe_reloads_total", origin="variant", outcome="swapped") == 1
+    assert view["origin"] == "variant[0]" and view["variants"][0]["used"]
+    assert view["renegotiation"]["history"][0]["outcome"] == "renegotiated"
+
+
+# ---- MiniLM: different sequence lengths batched together ----------------------------------------------
+
+def test_minilm_requests_of_different_lengths_batch_and_match_eager(bundle, tmp_path):
+    b = bundle("minilm")
+    rec = {"version": 1, "name": "minilm-serve",
+           "inputs": [{"name": n, "dtype": "i64", "shape": ["batch", "seq"]}
+                      for n in ("input_ids", "attention_mask", "token_type_ids")],
+           "dims": {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [8, 16]}}, "targets": ["host"]}
+    server = ModelServer(b, rec, config=ServeConfig(batch_window_ms=300, cache_dir=tmp_path))
+    reqs = [b.make_inputs({"batch": 1, "seq": 5}, seed=1), b.make_inputs({"batch": 2, "seq": 12}, seed=2)]
+    with ServerThread(server) as running:
+        running.wait_ready(120)
+        res: list = [None, None]
+
+        def go(i: int) -> None:
+            with httpx.Client(base_url=running.url, timeout=60) as cl:
+                res[i] = cl.post("/v1/infer", json={"inputs": {k: v.tolist() for k, v in reqs[i].items()}}).json()
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert res[0]["batch"] == {"requests": 2, "rows": 3} and res[0]["bucket"] == {"batch": 4, "seq": 16}
+    for inputs, r in zip(reqs, res):
+        with torch.inference_mode():
+            ref = b.module(**inputs)
+        seq = inputs["input_ids"].shape[1]
+        assert r["shapes"] == {"last_hidden_state": [inputs["input_ids"].shape[0], seq, 384],
+                               "pooler_output": [inputs["input_ids"].shape[0], 384]}
+        assert rel_l2(torch.tensor(r["outputs"]["last_hidden_state"]), ref[0]) < 1e-4
+        assert rel_l2(torch.tensor(r["outputs"]["pooler_output"]), ref[1]) < 1e-4
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+
+def test_graphmode_serve_command(tmp_path):
+    (tmp_path / "models.py").write_text("from graphmode.capture.zoo import build\n\n\ndef small():\n"
+                                        f"    return build('resnet18', image_size={IMG})\n")
+    import yaml
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(resnet_recipe("resnet-cli")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", f"{tmp_path}/models.py:small",
+                             "--recipe", str(tmp_path / "r.yaml"), "--port", "0", "--cache-dir", str(tmp_path / "c"),
+                             "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        url = None
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            m = re.search(r"http://127\.0\.0\.1:(\d+)", "".join(lines))
+            url = m and f"http://127.0.0.1:{m.group(1)}"
+            time.sleep(0.05)
+        assert url, "".join(lines)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            while c.get("/readyz").status_code != 200:
+                assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+                time.sleep(0.1)
+            x = torch.randn(2, 3, IMG, IMG)
+            r = post_json(c, x)
+            assert r.status_code == 200 and r.json()["shapes"] == {"logits": [2, 1000]}
+            assert "graphmode_requests_total" in c.get("/metrics").text
+        assert "ready" in "".join(lines)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait(10)
+    assert rc == 0, "".join(lines)
+
+
+def test_graphmode_serve_refuses_a_bad_recipe_before_listening(tmp_path):
+    bad = resnet_recipe("bad")
+    bad["dims"]["batch"]["bucketz"] = [1]
+    import yaml
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(bad))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "graphmode", "serve", "--model", "resnet18", "--recipe",
+                        str(tmp_path / "r.yaml"), "--port", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "bucketz" in p.stderr and "Traceback" not in p.stderr
