@@ -130,8 +130,10 @@ def compile_cmd(
         env = recipe_obj.buckets()[0]
         plan = build_plan(graph, recipe_obj, env)
         from graphmode.backends.cpu.executor import CpuExecutable
-        exe = CpuExecutable(plan, graph.constants, kernels=kernel_provider())
+        exe = CpuExecutable(plan, graph.constants, kernels=kernel_provider(),
+                            tactics=recipe_obj.codegen.kernel_selection)
         built = {"bucket": env, "instructions": len(plan.instructions), "generated_kernels": exe.generated,
+                 "kernel_fallbacks": exe.kernel_report.get("fallbacks", {}), "tactics": exe.tactics_report,
                  "seconds": round(time.perf_counter() - t0, 3)}
         rep.seconds["first_plan"] = time.perf_counter() - t0
     if as_json:
@@ -144,8 +146,13 @@ def compile_cmd(
     else:
         print_report(rep)
         if built:
+            from graphmode.backends.cpu.tactics import report_lines
             console.print(f"plan for bucket {built['bucket']}: {built['instructions']} instructions, "
                           f"{built['generated_kernels']} generated kernels, built in {built['seconds']:.2f}s")
+            for group, why in built["kernel_fallbacks"].items():
+                console.print(f"  reference path for {group}: {why}", markup=False)
+            for line in report_lines(built["tactics"]):
+                console.print(line, markup=False, highlight=False)
         files = getattr(rep, "dump_files", [])
         if files:
             console.print(f"IR dumps: {len(files)} files under {files[0].parent}")

@@ -216,6 +216,12 @@ class OptimizeSpec(_Spec):
         return list(PRESETS.get(self.preset or "default", []))
 
 
+class CodegenSpec(_Spec):
+    """How backends choose kernels: `latency_first` and `throughput_first` time the candidate
+    GEMM kernels once per shape (results kept in a timing cache); `heuristic` never times."""
+    kernel_selection: Literal["latency_first", "throughput_first", "heuristic"] = "latency_first"
+
+
 class PrecisionSpec(_Spec):
     compute: FloatDType = "f32"
     accumulate: Optional[FloatDType] = None
@@ -328,6 +334,7 @@ class Recipe(_Spec):
     on_violation: Literal["error", "eager"] = "error"
     capture: CaptureSpec = CaptureSpec()
     optimize: OptimizeSpec = OptimizeSpec()
+    codegen: CodegenSpec = CodegenSpec()
     precision: PrecisionSpec = PrecisionSpec()
     memory: MemorySpec = MemorySpec()
     sla: Optional[SlaSpec] = None

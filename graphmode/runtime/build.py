@@ -52,5 +52,6 @@ def build_executable(cm, env: dict[str, int]) -> tuple[Any, bool]:
         if cache is not None:
             cache.put(key, plan.to_json())
     kdir = (cache.root / "kernels") if cache is not None else None
-    exe = CpuExecutable(plan, cm.graph.constants, kernels=kernel_provider(kdir, cm.threads), threads=cm.threads)
+    exe = CpuExecutable(plan, cm.graph.constants, kernels=kernel_provider(kdir, cm.threads), threads=cm.threads,
+                        tactics=cm.recipe.codegen.kernel_selection)
     return exe, cached

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -40,9 +41,23 @@ class KernelProvider:
         return {}
 
 
+_ACTIVE = threading.local()
+
+
+def active_tactics():
+    """The GEMM tactics context of the executable being bound on this thread (or None)."""
+    return getattr(_ACTIVE, "ctx", None)
+
+
 class CpuExecutable:
+    """`tactics`: GEMM tactic selection for linear/matmul (backends/cpu/tactics.py). None =
+    on when the kernel provider builds generated kernels (a compiler is there), with the
+    timing cache next to the provider's kernel cache; a policy name (`latency_first`,
+    `throughput_first`, `heuristic`) = the same with that policy; a `TacticsContext` = that
+    one; False = off (ATen runs every GEMM). `tactics_report` says what won per GEMM shape."""
+
     def __init__(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
-                 kernels: KernelProvider | None = None, threads: int | None = None):
+                 kernels: KernelProvider | None = None, threads: int | None = None, tactics=None):
         self.plan = plan
         self.threads = threads
         self.lock = threading.Lock()   # one arena: runs on one executable are serialised
@@ -57,17 +72,35 @@ class CpuExecutable:
                 self.views[name] = raw.view(DTYPES[slot.dtype]).view(slot.shape)
         t0 = time.perf_counter()
         provider = kernels or KernelProvider()
-        self.kernel_fns = provider.build(plan, self.views, self.consts)
-        self.kernel_report = dict(getattr(provider, "report", {}))
-        self.kernel_build_s = time.perf_counter() - t0
-        self.steps: list[Callable[[], None]] = []
-        self.step_names: list[str] = []
-        self.generated = 0
-        for ins in plan.instructions:
-            fn = self._bind(ins)
-            if fn is not None:
-                self.steps.append(fn)
-                self.step_names.append(f"{ins.kind}:{ins.op}")
+        self.tactics = _tactics_context(tactics, provider, threads, self.consts)
+        prev = active_tactics()
+        _ACTIVE.ctx = self.tactics
+        try:
+            self.kernel_fns = provider.build(plan, self.views, self.consts)
+            self.kernel_report = dict(getattr(provider, "report", {}))
+            self.kernel_build_s = time.perf_counter() - t0
+            self.steps: list[Callable[[], None]] = []
+            self.step_names: list[str] = []
+            self.generated = 0
+            for ins in plan.instructions:
+                fn = self._bind(ins)
+                if fn is not None:
+                    self.steps.append(fn)
+                    self.step_names.append(f"{ins.kind}:{ins.op}")
+        finally:
+            _ACTIVE.ctx = prev
+        self.tactics_report: dict = {}
+        self.tactics_s = 0.0
+        if self.tactics is not None:
+            t1 = time.perf_counter()
+            try:
+                self.tactics.finalize()
+            except Exception as e:  # noqa: BLE001 - tuning is an optimisation: every step still runs ATen
+                log.warning("GEMM tactic selection failed; ATen runs every GEMM: %s", e)
+                self.tactics_report["error"] = str(e)
+            self.tactics_s = time.perf_counter() - t1
+            self.tactics_report.update(self.tactics.report())
+            self.tactics_report["seconds"] = round(self.tactics_s, 3)
 
     # ---- binding -------------------------------------------------------------------------
     def _bind(self, ins: Instruction) -> Callable[[], None] | None:
@@ -116,23 +149,21 @@ class CpuExecutable:
         return [(n, statistics.median(t)) for n, t in zip(self.step_names, times)]
 
 
-def aten_step(op: str, ins_t: list[torch.Tensor], outs: list[torch.Tensor], a: Mapping, env: Mapping[str, int]
-              ) -> Callable[[], None]:
-    """A closure running core op `op` into preallocated `outs` (ATen out= variants where they exist)."""
+def aten_step(op: str, ins_t: list[torch.Tensor], outs: list[torch.Tensor], a: Mapping, env: Mapping[str, int],
+              tactics=None) -> Callable[[], None]:
+    """A closure running core op `op` into preallocated `outs` (ATen out= variants where they exist).
+
+    `linear` / `matmul` go through GEMM tactic selection (backends/cpu/tactics.py) when a
+    tactics context is given or active (`CpuExecutable` activates its own while it binds,
+    which also covers the GEMMs of generated gemm_epilogue groups); else ATen."""
     y = outs[0]
-    if op == "linear":
-        x, w = ins_t[0], ins_t[1]
-        k, n = w.shape[1], w.shape[0]
-        x2, y2, wt = x.view(-1, k), y.view(-1, n), w.t()
-        if len(ins_t) > 2:
-            b = ins_t[2]
-            return lambda: torch.addmm(b, x2, wt, out=y2)
-        return lambda: torch.mm(x2, wt, out=y2)
-    if op == "matmul":
-        x, w = ins_t
-        if x.dim() == 3 and w.dim() == 3 and x.shape[0] == w.shape[0]:
-            return lambda: torch.bmm(x, w, out=y)
-        return lambda: torch.matmul(x, w, out=y)
+    if op in ("linear", "matmul"):
+        fn = _gemm_closure(op, ins_t, y)
+        ctx = tactics if tactics is not None else active_tactics()
+        if ctx is None:
+            return fn
+        from graphmode.backends.cpu.tactics import select_gemm
+        return select_gemm(ctx, op, ins_t, outs, a, env, default=fn)
     if op in _BINARY_OUT and y.dtype == torch.result_type(*ins_t):
         f, x0, x1 = _BINARY_OUT[op], ins_t[0], ins_t[1]
         return lambda: f(x0, x1, out=y)
@@ -167,6 +198,50 @@ def aten_step(op: str, ins_t: list[torch.Tensor], outs: list[torch.Tensor], a: M
         return lambda: y.copy_(x0.reshape(y.shape))
     spec = get_op(op)
     return _ref_step(lambda: spec.ref(ins_t, a, env), outs)
+
+
+def _gemm_closure(op: str, ins_t: list[torch.Tensor], y: torch.Tensor) -> Callable[[], None]:
+    """The ATen GEMM step (what runs without tactics, and the `aten` tactic)."""
+    if op == "linear":
+        x, w = ins_t[0], ins_t[1]
+        k, n = w.shape[1], w.shape[0]
+        x2, y2, wt = x.view(-1, k), y.view(-1, n), w.t()
+        if len(ins_t) > 2:
+            b = ins_t[2]
+            return lambda: torch.addmm(b, x2, wt, out=y2)
+        return lambda: torch.mm(x2, wt, out=y2)
+    x, w = ins_t
+    if x.dim() == 3 and w.dim() == 3 and x.shape[0] == w.shape[0]:
+        return lambda: torch.bmm(x, w, out=y)
+    return lambda: torch.matmul(x, w, out=y)
+
+
+def _tactics_context(tactics, provider: KernelProvider, threads: int | None, consts: Mapping[str, torch.Tensor]):
+    """The executable's GEMM tactics context (see CpuExecutable), or None when tactics are off."""
+    if tactics is False:
+        return None
+    from graphmode.backends.cpu.tactics import POLICIES, TacticsContext
+    if isinstance(tactics, TacticsContext):
+        ctx = tactics
+    else:
+        builder = getattr(provider, "builder", None)
+        if tactics is None and builder is None:
+            return None          # a provider without generated kernels: plain ATen, as before
+        policy = tactics if isinstance(tactics, str) else "latency_first"
+        if policy not in POLICIES:
+            raise BackendError(f"unknown GEMM tactic policy {policy!r}", value=policy,
+                               fix=f"one of {', '.join(POLICIES)}, or tactics=False")
+        if builder is None:
+            from graphmode.backends.cpu.provider import builder_for
+            builder = builder_for(None, threads)
+        try:
+            if not builder.compiler_available():
+                return None
+        except Exception:  # noqa: BLE001
+            return None
+        ctx = TacticsContext(Path(builder.cache_dir).parent / "tactics", threads, policy=policy, builder=builder)
+    ctx.add_constants(consts)
+    return ctx
 
 
 def _pair(v):

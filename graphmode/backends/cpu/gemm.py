@@ -1,0 +1,433 @@
+"""Generated fp32 GEMM kernels: register-blocked FMA micro-kernels over pre-packed weights.
+
+Why not ATen: at batch 1 the GEMMs of a transformer are skinny (M = 16 rows against a
+768x3072 weight) and the BLAS path reaches a fraction of peak there, mostly because it packs
+the weight again on every call and splits the work badly over two threads. Here the weight
+is a constant: it is packed ONCE, when the plan is built, into the panel layout the
+micro-kernel streams, and every size is baked into the kernel as a constant.
+
+Layout and loops (BLIS-style, with the B panels packed ahead of time):
+
+- `C[m, n] = sum_k A[m, k] * B[k, n] (+ bias[n])`, A row-major [M, K] (`lda = K`), C
+  row-major [M, N]. B is either *packed* (constant weights: panels of NR columns,
+  `packed[jp][k][r] = B[k, jp*NR + r]`, zero-padded to a multiple of NR) or *row-major*
+  [K, N] (a runtime operand of a batched matmul; the last panel is read with masked loads).
+- micro-kernel: an MR x NR tile of C held in vector registers for a whole K block; per k
+  it loads NR/VL vectors of B and broadcasts MR values of A (one FMA per register).
+- loops: m-blocks of MC rows (A block in L2) / N panels / K blocks of KC (B panel slice in
+  L1) / MR tiles. The parallel loop is over (batch, m-block, panel chunk) tasks, chunks
+  sized so that every thread gets the same number of tasks: at batch 1 each thread streams
+  its own half of the weight. It is an OpenMP loop (`par="omp"`: the same libgomp thread
+  team torch's own ops use, so the two never compete for the CPUs; a separate
+  caller-participating pool was tried and lost for exactly that reason) or no loop at all
+  (`par="serial"`, which wins on a machine whose other CPUs are busy); GEMMs under
+  PAR_FLOPS always run serially.
+- bias is the accumulator's initial value (no extra pass over C).
+
+ISA: AVX-512 (VL 16) or AVX2+FMA (VL 8) intrinsics, each behind `#if` on the compiler's own
+macros, so a kernel compiled for a host without that ISA falls back to the portable C
+micro-kernel (correct, slow) instead of failing to build; the tactic timing then never
+picks it. `<immintrin.h>` is included with its `mm_malloc.h` guard pre-defined, since that
+header's `<stdlib.h>` would clash with the prelude's own malloc/free declarations.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.errors import BackendError
+from graphmode.ir.types import TensorType
+
+VL = {"avx512": 16, "avx2": 8, "portable": 8}
+ISAS = tuple(VL)
+REGISTERS = {"avx512": 32, "avx2": 16, "portable": 16}
+PARS = ("omp", "serial")
+PAR_FLOPS = 1 << 20      # below ~1 MFLOP a GEMM runs on one thread: a fork/join costs a few us
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One blocking of the generated kernel. `kc` / `mc` of 0 mean "the whole K / M"."""
+
+    isa: str
+    mr: int
+    nr: int
+    kc: int = 0
+    mc: int = 0
+    split: int = 1     # tasks per thread: 1 = one static share each; >1 = finer tasks, dynamic schedule
+    par: str = "omp"   # omp: an OpenMP parallel loop over the tasks; serial: the calling thread only
+
+    def __post_init__(self):
+        if self.isa not in VL:
+            raise BackendError(f"unknown GEMM ISA {self.isa!r}", value=self.isa, fix=f"one of {', '.join(ISAS)}")
+        if self.mr < 1 or self.nr < 1 or self.nr % VL[self.isa]:
+            raise BackendError(f"bad GEMM tile {self.mr}x{self.nr} for {self.isa}", value=(self.mr, self.nr),
+                               fix=f"nr must be a multiple of {VL[self.isa]}")
+        if self.mc and self.mc % self.mr:
+            raise BackendError(f"mc={self.mc} is not a multiple of mr={self.mr}", value=self.mc)
+        if self.par not in PARS:
+            raise BackendError(f"unknown GEMM parallel runtime {self.par!r}", value=self.par,
+                               fix=f"one of {', '.join(PARS)}")
+
+    @property
+    def name(self) -> str:
+        s = f"_s{self.split}" if self.split > 1 else ""
+        s += f"_{self.par}" if self.par != "omp" else ""
+        return f"{self.isa}_{self.mr}x{self.nr}_k{self.kc or 'all'}_m{self.mc or 'all'}{s}"
+
+    @property
+    def registers(self) -> int:
+        """Vector registers the micro-kernel needs: accumulators, B vectors, one broadcast."""
+        nv = self.nr // VL[self.isa]
+        return self.mr * nv + nv + 1
+
+    @staticmethod
+    def parse(name: str) -> "GemmConfig":
+        isa, tile, k, m, *rest = name.split("_")
+        mr, nr = tile.split("x")
+        kc, mc = k[1:], m[1:]
+        split = next((int(r[1:]) for r in rest if r[:1] == "s" and r[1:].isdigit()), 1)
+        par = next((r for r in rest if r in PARS), "omp")
+        return GemmConfig(isa, int(mr), int(nr), 0 if kc == "all" else int(kc), 0 if mc == "all" else int(mc),
+                          split, par)
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """One GEMM shape as the executor sees it. `batch` GEMMs of [m, k] @ [k, n]; `b_packed`:
+    B is a constant packed at plan build (linear weights, constant matmul operands);
+    `b_batched`: B has its own matrix per batch entry (else one B for every entry)."""
+
+    op: str            # linear | matmul
+    batch: int
+    m: int
+    n: int
+    k: int
+    bias: bool = False
+    b_packed: bool = True
+    b_batched: bool = False
+    dtype: str = "f32"
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.batch * self.m * self.n * self.k
+
+    @property
+    def text(self) -> str:
+        b = f"{self.batch}x" if self.batch > 1 else ""
+        extra = "+bias" if self.bias else ""
+        layout = "packed" if self.b_packed else ("B batched" if self.b_batched else "B shared")
+        return f"{self.op} {b}{self.m}x{self.n}x{self.k}{extra} {self.dtype} ({layout})"
+
+    def key(self) -> dict:
+        return {"op": self.op, "batch": self.batch, "m": self.m, "n": self.n, "k": self.k, "bias": self.bias,
+                "b_packed": self.b_packed, "b_batched": self.b_batched, "dtype": self.dtype}
+
+
+# ------------------------------------------------------------------------------------ packing
+
+def packed_numel(n: int, k: int, nr: int) -> int:
+    return math.ceil(n / nr) * nr * k
+
+
+def pack_b(w: torch.Tensor, nr: int, *, transposed: bool) -> torch.Tensor:
+    """Constant B in the micro-kernel's panel layout [ceil(N/nr), K, nr], zero-padded.
+
+    `transposed=True`: `w` is a linear weight [N, K] (B = w^T); else `w` is B itself [K, N]."""
+    if w.dim() != 2:
+        raise BackendError("only 2-D GEMM operands can be packed", value=tuple(w.shape))
+    wn = w if transposed else w.t()
+    n, k = wn.shape
+    npan = math.ceil(n / nr)
+    buf = torch.zeros(npan * nr, k, dtype=w.dtype)
+    buf[:n] = wn
+    return buf.view(npan, nr, k).transpose(1, 2).contiguous()
+
+
+def unpack_b(packed: torch.Tensor, n: int, *, transposed: bool) -> torch.Tensor:
+    """Inverse of `pack_b` (tests, debugging)."""
+    npan, k, nr = packed.shape
+    wn = packed.transpose(1, 2).reshape(npan * nr, k)[:n]
+    return wn.contiguous() if transposed else wn.t().contiguous()
+
+
+# ------------------------------------------------------------------------------- generation
+
+_COMMON = r"""
+#ifndef GM_GEMM_COMMON_H
+#define GM_GEMM_COMMON_H
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifndef _MM_MALLOC_H_INCLUDED
+#define _MM_MALLOC_H_INCLUDED
+#endif
+#ifndef __MM_MALLOC_H
+#define __MM_MALLOC_H
+#endif
+#include <immintrin.h>
+#endif
+#define GM_UNROLL _Pragma("GCC unroll 64")
+
+
+// Portable micro-kernel: an MR x (NV*8) tile, LAST valid columns in the last group of 8.
+// Plain loops with constant bounds; the compiler vectorises the column loop.
+template <int MR, int NV, int LAST, bool MASKB>
+GM_INLINE void gm_gemm_ukr_c(long kc, const float* __restrict a, long lda, const float* __restrict b, long ldb,
+                             float* __restrict c, long ldc, const float* __restrict bias, bool first) {
+  constexpr int NC = (NV - 1) * 8 + LAST;       // valid columns
+  constexpr int NB = MASKB ? NC : NV * 8;       // columns of B that may be read
+  float acc[MR][NV * 8];
+  GM_UNROLL for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV * 8; ++j)
+      acc[i][j] = first ? ((bias && j < NC) ? bias[j] : 0.0f) : (j < NC ? c[i * ldc + j] : 0.0f);
+  for (long k = 0; k < kc; ++k) {
+    float bv[NV * 8];
+    for (int j = 0; j < NV * 8; ++j) bv[j] = j < NB ? b[k * ldb + j] : 0.0f;
+    GM_UNROLL for (int i = 0; i < MR; ++i) {
+      const float av = a[i * lda + k];
+      #pragma omp simd
+      for (int j = 0; j < NV * 8; ++j) acc[i][j] = GM_FMA(av, bv[j], acc[i][j]);
+    }
+  }
+  GM_UNROLL for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) c[i * ldc + j] = acc[i][j];
+}
+
+#if defined(__AVX512F__)
+// AVX-512 micro-kernel: MR x NV vectors of 16; LAST valid lanes in the last vector.
+template <int MR, int NV, int LAST, bool MASKB>
+GM_INLINE void gm_gemm_ukr_avx512(long kc, const float* __restrict a, long lda, const float* __restrict b, long ldb,
+                                  float* __restrict c, long ldc, const float* __restrict bias, bool first) {
+  const __mmask16 lm = (__mmask16)((1u << LAST) - 1u);
+  __m512 acc[MR][NV];
+  if (first) {
+    GM_UNROLL for (int v = 0; v < NV; ++v) {
+      __m512 x = _mm512_setzero_ps();
+      if (bias) x = (v == NV - 1 && LAST < 16) ? _mm512_maskz_loadu_ps(lm, bias + 16 * v) : _mm512_loadu_ps(bias + 16 * v);
+      GM_UNROLL for (int i = 0; i < MR; ++i) acc[i][v] = x;
+    }
+  } else {
+    GM_UNROLL for (int i = 0; i < MR; ++i)
+      GM_UNROLL for (int v = 0; v < NV; ++v)
+        acc[i][v] = (v == NV - 1 && LAST < 16) ? _mm512_maskz_loadu_ps(lm, c + i * ldc + 16 * v)
+                                               : _mm512_loadu_ps(c + i * ldc + 16 * v);
+  }
+  for (long k = 0; k < kc; ++k) {
+    __m512 bv[NV];
+    GM_UNROLL for (int v = 0; v < NV; ++v)
+      bv[v] = (MASKB && v == NV - 1 && LAST < 16) ? _mm512_maskz_loadu_ps(lm, b + k * ldb + 16 * v)
+                                                  : _mm512_loadu_ps(b + k * ldb + 16 * v);
+    GM_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
+      GM_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
+    }
+  }
+  GM_UNROLL for (int i = 0; i < MR; ++i)
+    GM_UNROLL for (int v = 0; v < NV; ++v) {
+      if (v == NV - 1 && LAST < 16) _mm512_mask_storeu_ps(c + i * ldc + 16 * v, lm, acc[i][v]);
+      else _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
+    }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+GM_INLINE __m256i gm_gemm_mask8(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// AVX2 micro-kernel: MR x NV vectors of 8; LAST valid lanes in the last vector.
+template <int MR, int NV, int LAST, bool MASKB>
+GM_INLINE void gm_gemm_ukr_avx2(long kc, const float* __restrict a, long lda, const float* __restrict b, long ldb,
+                                float* __restrict c, long ldc, const float* __restrict bias, bool first) {
+  const __m256i lm = gm_gemm_mask8(LAST);
+  __m256 acc[MR][NV];
+  if (first) {
+    GM_UNROLL for (int v = 0; v < NV; ++v) {
+      __m256 x = _mm256_setzero_ps();
+      if (bias) x = (v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(bias + 8 * v, lm) : _mm256_loadu_ps(bias + 8 * v);
+      GM_UNROLL for (int i = 0; i < MR; ++i) acc[i][v] = x;
+    }
+  } else {
+    GM_UNROLL for (int i = 0; i < MR; ++i)
+      GM_UNROLL for (int v = 0; v < NV; ++v)
+        acc[i][v] = (v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(c + i * ldc + 8 * v, lm)
+                                              : _mm256_loadu_ps(c + i * ldc + 8 * v);
+  }
+  for (long k = 0; k < kc; ++k) {
+    __m256 bv[NV];
+    GM_UNROLL for (int v = 0; v < NV; ++v)
+      bv[v] = (MASKB && v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(b + k * ldb + 8 * v, lm)
+                                                 : _mm256_loadu_ps(b + k * ldb + 8 * v);
+    GM_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + i * lda + k);
+      GM_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
+    }
+  }
+  GM_UNROLL for (int i = 0; i < MR; ++i)
+    GM_UNROLL for (int v = 0; v < NV; ++v) {
+      if (v == NV - 1 && LAST < 8) _mm256_maskstore_ps(c + i * ldc + 8 * v, lm, acc[i][v]);
+      else _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
+    }
+}
+#endif
+#endif  // GM_GEMM_COMMON_H
+"""
+
+_GUARD = {"avx512": "defined(__AVX512F__)", "avx2": "defined(__AVX2__) && defined(__FMA__)"}
+
+
+def _ukr_call(isa: str, rows: int, cols: int, maskb: bool, args: str) -> str:
+    """A call of the micro-kernel for a `rows` x `cols` tile (cols <= nr)."""
+    vl = VL[isa]
+    nv = math.ceil(cols / vl)
+    last = cols - (nv - 1) * vl
+    mb = "true" if (maskb and last < vl) else "false"
+    if isa == "portable":
+        return f"gm_gemm_ukr_c<{rows}, {nv}, {last}, {mb}>({args});"
+    return f"gm_gemm_ukr_{isa}<{rows}, {nv}, {last}, {mb}>({args});"
+
+
+def _tiles(isa: str, cfg: GemmConfig, p: GemmProblem, rem_m: int, rem_n: int, indent: str) -> list[str]:
+    """The M-tile loop of one (panel, K block): full MR tiles then the remainder rows, for a
+    full or the partial last panel."""
+    maskb = not p.b_packed
+    args = "kc, a + i * K + pc, K, bp, LDB, cp + i * N, N, bb, pc == 0"
+    out: list[str] = []
+
+    def calls(cols: int) -> list[str]:
+        body = [f"{indent}for (; i + {cfg.mr} <= m1; i += {cfg.mr}) " + _ukr_call(isa, cfg.mr, cols, maskb, args)]
+        if rem_m:
+            body.append(f"{indent}if (i < m1) " + _ukr_call(isa, rem_m, cols, maskb, args))
+        return body
+
+    if rem_n:
+        out.append(f"{indent}if (jp == NP - 1) {{")
+        out += ["  " + ln for ln in calls(rem_n)]
+        out.append(f"{indent}}} else {{")
+        out += ["  " + ln for ln in calls(cfg.nr)]
+        out.append(f"{indent}}}")
+    else:
+        out += calls(cfg.nr)
+    return out
+
+
+def chunks_for(units: int, panels: int, threads: int) -> int:
+    """Panel chunks per (batch, m-block) unit so that the task count is a multiple of
+    `threads` (every thread gets the same work) where there are enough panels."""
+    if threads <= 1:
+        return 1
+    return max(1, min(panels, threads // math.gcd(units, threads)))
+
+
+def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource:
+    """The kernel for problem `p` with blocking `cfg`: `symbol(a, b[, bias], c)` over raw
+    buffers (b packed by `pack_b(..., cfg.nr)` when `p.b_packed`)."""
+    if p.dtype != "f32":
+        raise BackendError(f"generated GEMM supports f32 only, not {p.dtype}", where=p.text,
+                           fix="the ATen tactic runs other dtypes")
+    if cfg.registers > REGISTERS[cfg.isa] and cfg.isa != "portable":
+        raise BackendError(f"tile {cfg.mr}x{cfg.nr} needs {cfg.registers} vector registers, {cfg.isa} has "
+                           f"{REGISTERS[cfg.isa]}", value=cfg.name, fix="use a smaller tile")
+    M, N, K = p.m, p.n, p.k
+    kc = min(cfg.kc or K, K)
+    mc = min(cfg.mc or M, M)
+    mc = max(cfg.mr, mc - mc % cfg.mr) if mc < M else M
+    npan = math.ceil(N / cfg.nr)
+    mb = math.ceil(M / mc)
+    if cfg.par == "serial":
+        threads = 1
+    units = p.batch * mb
+    nch = chunks_for(units, npan, threads)
+    if threads > 1 and cfg.split > 1:
+        nch = max(1, min(npan, nch * cfg.split))
+    tasks = p.batch * mb * nch
+    rem_m = (M - (mb - 1) * mc) % cfg.mr
+    rem_n = N % cfg.nr
+    sa, sc = M * K, M * N
+    sb = (npan * cfg.nr * K if p.b_packed else K * N) if p.b_batched else 0
+    ldb = cfg.nr if p.b_packed else N
+    b_off = "jp * (K * NR) + pc * NR" if p.b_packed else "pc * N + jp * NR"
+    par = threads != 1 and tasks > 1 and p.flops >= PAR_FLOPS
+    inputs = ("a", "b", "bias") if p.bias else ("a", "b")
+    params = ", ".join(f"void* p{i}" for i in range(len(inputs) + 1))
+    lines = [
+        "namespace {",
+        "struct @SYM@_args { const float* A; const float* B; const float* bias; float* C; };",
+        f"constexpr long @SYM@_tasks = {tasks};",
+        "void @SYM@_task(const void* ctx, long t) {",
+        "  const @SYM@_args* g = (const @SYM@_args*)ctx;",
+        "  const float* bias = g->bias;",
+        f"  constexpr long M = {M}, N = {N}, K = {K}, KC = {kc}, MC = {mc}, NR = {cfg.nr}, NP = {npan};",
+        f"  constexpr long MB = {mb}, NCH = {nch}, LDB = {ldb};",
+        "  (void)NR; (void)MB;",
+        "  const long bt = t / (MB * NCH), ib = (t / NCH) % MB, ch = t % NCH;",
+        "  const long p0 = ch * NP / NCH, p1 = (ch + 1) * NP / NCH;",
+        f"  const float* a = g->A + bt * {sa}L;",
+        f"  const float* b = g->B + bt * {sb}L;",
+        f"  float* c = g->C + bt * {sc}L;",
+        "  const long m0 = ib * MC, m1 = (m0 + MC < M) ? m0 + MC : M;",
+        "  for (long jp = p0; jp < p1; ++jp) {",
+        "    float* cp = c + jp * NR;",
+        "    const float* bb = bias ? bias + jp * NR : nullptr;",
+        "    for (long pc = 0; pc < K; pc += KC) {",
+        "      const long kc = (K - pc < KC) ? K - pc : KC;",
+        f"      const float* bp = b + {b_off};",
+        "      long i = m0;",
+    ]
+    body = _tiles(cfg.isa, cfg, p, rem_m, rem_n, " " * 6)
+    if cfg.isa in _GUARD:
+        lines.append(f"#if {_GUARD[cfg.isa]}")
+        lines += body
+        lines.append("#else")
+        lines += _tiles("portable", GemmConfig("portable", cfg.mr, cfg.nr, cfg.kc, cfg.mc, cfg.split, cfg.par), p,
+                        rem_m, rem_n, " " * 6)
+        lines.append("#endif")
+    else:
+        lines += body
+    lines += ["    }", "  }", "}", "}  // namespace", "",
+              f"GM_EXPORT void @SYM@({params}) {{",
+              f"  const @SYM@_args g = {{(const float*)p0, (const float*)p1, "
+              f"{'(const float*)p2' if p.bias else 'nullptr'}, (float*)p{len(inputs)}}};"]
+    omp = ["  #pragma omp parallel for schedule(" + ("dynamic, 1" if cfg.split > 1 else "static")
+           + ") num_threads(gm_nt())",
+           "  for (long t = 0; t < @SYM@_tasks; ++t) @SYM@_task(&g, t);"]
+    serial = ["  for (long t = 0; t < @SYM@_tasks; ++t) @SYM@_task(&g, t);"]
+    lines += omp if par else serial
+    lines.append("}")
+    call = ", ".join(f"p[{i}]" for i in range(len(inputs) + 1))
+    lines.append(f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({call}); }}")
+    text = _COMMON + "\n".join(lines) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    symbol = f"gm_gemm_{digest}"
+    types = _types(p, cfg)
+    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=inputs, outputs=("c",),
+                        types=types, kind="gemm", parallel=par, pattern=f"{p.text} [{cfg.name}]")
+
+
+def _types(p: GemmProblem, cfg: GemmConfig) -> Mapping[str, TensorType]:
+    bshape = ((p.batch if p.b_batched else 1) * packed_numel(p.n, p.k, cfg.nr),) if p.b_packed else \
+        ((p.batch, p.k, p.n) if p.b_batched else (p.k, p.n))
+    t = {"a": TensorType("f32", (p.batch, p.m, p.k)), "b": TensorType("f32", bshape),
+         "c": TensorType("f32", (p.batch, p.m, p.n))}
+    if p.bias:
+        t["bias"] = TensorType("f32", (p.n,))
+    return t
+
+
+def host_isas(simd: Iterable[str]) -> list[str]:
+    """The generated-kernel ISAs this host runs, best first (always ends with portable)."""
+    s = set(simd)
+    out = []
+    if "avx512f" in s:
+        out.append("avx512")
+    if "avx2" in s and "fma" in s:
+        out.append("avx2")
+    out.append("portable")
+    return out
+
+
+__all__ = ["GemmConfig", "GemmProblem", "generate_gemm", "pack_b", "unpack_b", "packed_numel", "host_isas",
+           "chunks_for", "VL", "ISAS", "PAR_FLOPS"]

@@ -1,0 +1,824 @@
+"""GEMM tactic selection: for every GEMM shape of a plan, ATen or a generated kernel.
+
+Candidates per shape are ATen (`torch.addmm` / `bmm` / `matmul` into the output slot, what
+the executor runs without tactics) and the generated micro-kernels of `gemm.py` in a few
+tile/blocking configurations for the host's best ISA. Each candidate must first match
+ATen on random data (fp32 rel L2 < 1e-5) or it is rejected; the survivors are timed at the
+plan's thread count (interleaved round-robin samples, median; see TacticsContext) and the
+policy picks one:
+
+- `latency_first` (default): the smallest median time;
+- `throughput_first`: the most GFLOP/s at the plan's thread count. A plan runs one request
+  at a time on all its threads, so for a fixed shape this is the same argmax as
+  latency_first; the name is kept so the recipe's `codegen.kernel_selection` maps 1:1;
+- `heuristic`: no timing: the first generated configuration for the ISA (the one that
+  measured best on skinny transformer GEMMs), ATen for non-f32 or without a compiler.
+
+Timings are persisted in a timing cache, one JSON file per key under `cache_dir` (keyed by
+the target identity with its SIMD flags, the compiler and its flags, thread count, op,
+shape, dtype, whether weights are timed cold, and the candidate set including a hash of
+every generated kernel's source), so the next plan build with those shapes does no timing.
+
+Plans bind their steps first and tune afterwards: `select_gemm` hands the executor a
+`GemmStep` that runs ATen until `TacticsContext.finalize()` has compiled every candidate of
+the plan in one library (one compiler run), tuned the new shapes and switched each step to
+its winner. Constant weights are packed once there, for the winner only, and the packed
+copy lives in the context (which the executable keeps).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm, host_isas, pack_b
+from graphmode.errors import BackendError
+
+log = logging.getLogger("graphmode.cpu.tactics")
+
+POLICIES = ("latency_first", "throughput_first", "heuristic")
+CACHE_VERSION = 1
+ATEN = "aten"
+TOLERANCE_F32 = 1e-5
+NOISY = 1.5        # median/min of the timing samples above which a measurement counts as noisy
+
+# generated configurations per ISA, best-first for the heuristic (measured on the 16-row
+# GEMMs of MiniLM / GPT-2 and 128-row ones, Zen 4, 1 and 2 threads)
+# (the `serial` variants run on the calling thread only: on a shared machine whose other CPU
+# is busy, an OpenMP region over a 30-100 us GEMM can wait out its second thread's
+# preemption; the timing decides whether that happens here)
+CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
+    "avx512": (GemmConfig("avx512", 8, 32), GemmConfig("avx512", 8, 32, par="serial"),
+               GemmConfig("avx512", 8, 48, 256), GemmConfig("avx512", 8, 48, 256, par="serial"),
+               GemmConfig("avx512", 6, 64, 256), GemmConfig("avx512", 12, 32, 256, 96)),
+    "avx2": (GemmConfig("avx2", 6, 16), GemmConfig("avx2", 6, 16, par="serial"), GemmConfig("avx2", 4, 24, 256),
+             GemmConfig("avx2", 6, 16, 256, 72)),
+    "portable": (GemmConfig("portable", 4, 16, 256), GemmConfig("portable", 4, 16, 256, par="serial")),
+}
+
+
+@dataclass
+class Selection:
+    """What tactic selection decided for one GEMM shape (one row of the compile report)."""
+
+    problem: GemmProblem
+    winner: str
+    policy: str
+    timings_s: dict[str, float] = field(default_factory=dict)   # the statistic the policy compared, seconds
+    rejected: dict[str, str] = field(default_factory=dict)      # candidate -> why it may not win
+    from_cache: bool = False
+    timed: bool = False
+    tune_s: float = 0.0
+    uses: int = 0                                               # plan steps with this shape
+    noisy: bool = False                                         # timed while the machine was busy
+    medians_s: dict[str, float] = field(default_factory=dict)   # median seconds per candidate (for reports)
+
+    @property
+    def config(self) -> GemmConfig | None:
+        return None if self.winner == ATEN else GemmConfig.parse(self.winner)
+
+    @property
+    def speedup_vs_aten(self) -> float | None:
+        t, a = self.timings_s.get(self.winner), self.timings_s.get(ATEN)
+        return a / t if t and a else None
+
+    @property
+    def margin_vs_runner_up(self) -> float | None:
+        """Runner-up median / winner median (>= 1 under latency_first)."""
+        t = self.timings_s.get(self.winner)
+        others = [v for k, v in self.timings_s.items() if k != self.winner]
+        return min(others) / t if t and others else None
+
+    def gflops(self, name: str | None = None) -> float | None:
+        t = self.timings_s.get(name or self.winner)
+        return self.problem.flops / t / 1e9 if t else None
+
+    def to_json(self) -> dict:
+        return {"gemm": self.problem.text, "shape": self.problem.key(), "winner": self.winner,
+                "policy": self.policy, "uses": self.uses, "from_cache": self.from_cache, "timed": self.timed,
+                "timings_us": {k: round(v * 1e6, 2) for k, v in sorted(self.timings_s.items(), key=lambda kv: kv[1])},
+                "medians_us": {k: round(v * 1e6, 2) for k, v in sorted(self.medians_s.items(), key=lambda kv: kv[1])},
+                "gflops": round(self.gflops() or 0.0, 2) or None,
+                "speedup_vs_aten": _r(self.speedup_vs_aten), "margin_vs_runner_up": _r(self.margin_vs_runner_up),
+                "rejected": dict(self.rejected), "tune_s": round(self.tune_s, 3), "noisy": self.noisy}
+
+    def text(self) -> str:
+        s = f"{self.problem.text}: {self.winner}"
+        if self.speedup_vs_aten is not None and self.winner != ATEN:
+            s += f" ({self.speedup_vs_aten:.2f}x vs aten"
+            g = self.gflops()
+            s += f", {g:.1f} GFLOP/s)" if g else ")"
+        elif self.winner == ATEN and self.margin_vs_runner_up:
+            s += f" ({self.margin_vs_runner_up:.2f}x faster than the best generated kernel)"
+        if self.from_cache:
+            s += " [timing cache]"
+        return s
+
+
+def _r(x: float | None) -> float | None:
+    return round(x, 3) if x is not None else None
+
+
+class GemmStep:
+    """A plan step for one GEMM. Runs `fn`: ATen until tuning switches it to the winner."""
+
+    __slots__ = ("fn", "default", "problem", "a", "b", "bias", "c", "keep", "tactic")
+
+    def __init__(self, default: Callable[[], None], problem: GemmProblem, a, b, bias, c):
+        self.fn = self.default = default
+        self.problem = problem
+        self.a, self.b, self.bias, self.c = a, b, bias, c
+        self.keep: tuple = ()
+        self.tactic = ATEN
+
+    def __call__(self) -> None:
+        self.fn()
+
+
+# ------------------------------------------------------------------------------ the problem
+
+def problem_of(op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+               constant_ptrs: Mapping[int, Any] | set[int] | None = None) -> GemmProblem | None:
+    """The GEMM an executor step computes, or None when only ATen can run it (non-f32,
+    non-contiguous buffers, broadcast batch dims, a linear weight that is not a constant)."""
+    y = outs[0]
+    tensors = list(ins_t) + [y]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        return None
+    consts = constant_ptrs or ()
+    if op == "linear":
+        x, w = ins_t[0], ins_t[1]
+        if w.dim() != 2 or x.dim() < 1 or w.data_ptr() not in consts:
+            return None
+        n, k = w.shape
+        if x.shape[-1] != k or k == 0 or n == 0 or x.numel() == 0 or y.numel() != x.numel() // k * n:
+            return None
+        if len(ins_t) > 2 and (ins_t[2].dim() != 1 or ins_t[2].shape[0] != n):
+            return None
+        return GemmProblem("linear", 1, x.numel() // k, n, k, bias=len(ins_t) > 2, b_packed=True)
+    if op == "matmul" and len(ins_t) == 2:
+        x, w = ins_t
+        if x.dim() < 2 or w.dim() < 2:
+            return None
+        k, n = w.shape[-2], w.shape[-1]
+        if x.shape[-1] != k or 0 in (k, n) or x.numel() == 0:
+            return None
+        if w.dim() == 2:
+            m = x.numel() // k
+            if y.numel() != m * n:
+                return None
+            return GemmProblem("matmul", 1, m, n, k, b_packed=w.data_ptr() in consts)
+        if x.dim() == w.dim() and x.shape[:-2] == w.shape[:-2]:
+            batch = math.prod(x.shape[:-2])
+            m = x.shape[-2]
+            if tuple(y.shape) != tuple(x.shape[:-1]) + (n,):
+                return None
+            return GemmProblem("matmul", batch, m, n, k, b_packed=False, b_batched=True)
+    return None
+
+
+# ------------------------------------------------------------------------------- the context
+
+class TacticsContext:
+    """Tactic selection for the GEMMs of one executable (and its timing cache).
+
+    `cache_dir`: the timing cache folder (None: no persistence). `threads`: the plan's thread
+    count (kernels are built for it and timed with it). `simd`/`target`: the ISA flags the
+    candidates are drawn from (default: the `host` target). `builder`: the KernelBuilder
+    (default: the shared one for the default kernel folder and `threads`). `cold`: time
+    constant weights rotated through more copies than the LLC holds (weights of a model
+    larger than the cache are not cache-resident when the plan runs); None = decide at
+    `finalize()`: cold when the plan's GEMM weights together exceed the LLC. `configs`: override the
+    generated configurations (ISA -> list). Timing: at least `reps` samples per candidate,
+    each of >= `sample_s` seconds of back-to-back calls, and more samples (up to 8x `reps`)
+    until `budget_s` per candidate; `statistic` is what the policy compares: `median`
+    (default) or `min` of the samples. The median is deliberate: on a shared machine a
+    2-thread call whose second thread is preempted waits out a scheduler time slice (4-8 ms
+    here, against 20-500 us of work); a candidate that suffers that in most samples should
+    lose to the serial one, which the fastest sample would hide. Both are reported. A timing
+    taken while the machine was that busy (median/min of the samples above NOISY for most
+    candidates) is cached as `noisy` and measured again by the next `retune_noisy` plan
+    builds, so one load spike does not decide a shape for good.
+    """
+
+    def __init__(self, cache_dir: str | Path | None, threads: int | None = None, *, policy: str = "latency_first",
+                 target: Any = None, simd: Sequence[str] | None = None, builder: Any = None,
+                 cold: bool | None = None, llc_bytes: int | None = None, reps: int = 5,
+                 configs: Mapping[str, Sequence[GemmConfig]] | None = None, tolerance: float = TOLERANCE_F32,
+                 statistic: str = "median", sample_s: float = 5e-4, budget_s: float = 0.01,
+                 retune_noisy: int = 2, seed: int = 0):
+        if policy not in POLICIES:
+            raise BackendError(f"unknown kernel selection policy {policy!r}", where="codegen.kernel_selection",
+                               value=policy, fix=f"one of {', '.join(POLICIES)}")
+        if statistic not in _STATS:
+            raise BackendError(f"unknown timing statistic {statistic!r}", value=statistic, fix="min or median")
+        self.statistic = statistic
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.threads = int(threads or torch.get_num_threads())
+        self.policy = policy
+        self._target, self._simd, self._llc = target, simd, llc_bytes
+        self._builder = builder
+        self.cold = cold        # None: decided at finalize (the plan's GEMM weights exceed the LLC)
+        self.reps = max(1, int(reps))
+        self.sample_s = float(sample_s)
+        self.budget_s = float(budget_s)
+        self.retune_noisy = int(retune_noisy)
+        self.tolerance = tolerance
+        self.seed = seed
+        self.configs = {k: tuple(v) for k, v in (configs or CONFIGS).items()}
+        self.constant_ptrs: set[int] = set()
+        self.steps: list[GemmStep] = []
+        self._pending: list[GemmStep] = []
+        self.selections: list[Selection] = []
+        self.packed: dict[tuple, _Packed] = {}   # the winners' packed weights this context keeps alive
+        self._scratch: dict[tuple, Any] = {}      # packs and references while one plan is tuned
+        self.stats = {"timed_shapes": 0, "timing_runs": 0, "cache_hits": 0, "cache_misses": 0, "checks": 0,
+                      "rejected": 0, "tune_s": 0.0, "build_s": 0.0}
+        self.failures: dict[str, str] = {}
+
+    # ---- setup -----------------------------------------------------------------------------
+    def _resolve(self) -> None:
+        """The host target is read only when there is a GEMM to tune (its first read costs ~1 s)."""
+        if self._simd is not None and self._llc is not None:
+            return
+        if self._target is None:
+            from graphmode.targets import get_target
+            self._target = get_target("host")
+        if self._simd is None:
+            self._simd = list(self._target.simd)
+        if self._llc is None:
+            self._llc = int(self._target.llc_bytes or 32 << 20)
+
+    @property
+    def simd(self) -> list[str]:
+        self._resolve()
+        return sorted(self._simd)
+
+    @property
+    def llc_bytes(self) -> int:
+        self._resolve()
+        return int(self._llc)
+
+    @property
+    def target_id(self) -> str:
+        return _target_identity(self._target, self.simd)
+
+    @property
+    def builder(self):
+        if self._builder is None:
+            from graphmode.backends.cpu.provider import builder_for
+            self._builder = builder_for(None, self.threads)
+        return self._builder
+
+    def add_constants(self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> None:
+        """Declare the plan's constant tensors: only these may be packed ahead of time."""
+        vals = tensors.values() if isinstance(tensors, Mapping) else tensors
+        self.constant_ptrs.update(t.data_ptr() for t in vals)
+
+    def generated_available(self) -> bool:
+        try:
+            return bool(self.builder.compiler_available())
+        except Exception:  # noqa: BLE001 - a broken toolchain only means "ATen only"
+            return False
+
+    def candidates(self, p: GemmProblem) -> list[str]:
+        """Candidate names for a problem: ATen, then the host ISA's generated configurations."""
+        out = [ATEN]
+        if p.dtype != "f32" or not self.generated_available():
+            return out
+        isa = host_isas(self.simd)[0]
+        for cfg in self.configs.get(isa, ()):
+            if cfg.registers > _registers(isa, self.simd) and isa != "portable":
+                continue
+            # blockings this shape does not feel are the same kernel: keep one of them
+            one = self.threads == 1 or p.flops < PAR_FLOPS
+            eff = GemmConfig(cfg.isa, cfg.mr, cfg.nr, cfg.kc if cfg.kc < p.k else 0,
+                             cfg.mc if cfg.mc < p.m else 0, cfg.split if p.n > cfg.nr and not one else 1,
+                             "serial" if one else cfg.par)
+            if eff.name not in out:
+                out.append(eff.name)
+        return out
+
+    # ---- the executor's side ---------------------------------------------------------------
+    def request(self, op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                default: Callable[[], None]) -> Callable[[], None]:
+        """A step for this GEMM: a `GemmStep` tuned at `finalize()`, or `default` when only ATen
+        can run it."""
+        p = problem_of(op, ins_t, outs, self.constant_ptrs)
+        if p is None:
+            return default
+        bias = ins_t[2] if op == "linear" and len(ins_t) > 2 else None
+        step = GemmStep(default, p, ins_t[0], ins_t[1], bias, outs[0])
+        self.steps.append(step)
+        self._pending.append(step)
+        return step
+
+    def finalize(self) -> list[Selection]:
+        """Tune every distinct GEMM shape requested since the last call and switch each of
+        those steps to its winner; returns the new selections."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        by_problem: dict[GemmProblem, list[GemmStep]] = {}
+        for s in pending:
+            by_problem.setdefault(s.problem, []).append(s)
+        if self.cold is None:
+            weights = {(s.b.data_ptr(), s.b.numel()) for s in pending if s.problem.b_packed}
+            self.cold = sum(n for _, n in weights) * 4 > self.llc_bytes
+        new: list[Selection] = []
+        kernels = self._build({p: self._sources(p, self.candidates(p)) for p in by_problem})
+        try:
+            for p, steps in by_problem.items():
+                sel = self._select(p, steps[0], kernels)
+                sel.uses = len(steps)
+                self.selections.append(sel)
+                new.append(sel)
+                for s in steps:
+                    self._bind(s, sel, kernels)
+                self._scratch.clear()
+        finally:
+            self._scratch.clear()
+        return new
+
+    def select(self, p: GemmProblem, *, b: torch.Tensor | None = None) -> Selection:
+        """Tune one problem on its own (no executor): B is `b` or random. For tests/tools."""
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        if b is None:
+            if p.op == "linear":
+                b = torch.randn(p.n, p.k, generator=gen)
+            elif p.b_batched:
+                b = torch.randn(p.batch, p.k, p.n, generator=gen)
+            else:
+                b = torch.randn(p.k, p.n, generator=gen)
+        a = torch.randn(p.batch, p.m, p.k, generator=gen)
+        c = torch.empty(p.batch, p.m, p.n)
+        bias = torch.randn(p.n, generator=gen) if p.bias else None
+        if p.b_packed:
+            self.constant_ptrs.add(b.data_ptr())
+        op_ins = [a if p.batch > 1 else a.view(p.m, p.k), b] + ([bias] if bias is not None else [])
+        out = c if p.batch > 1 else c.view(p.m, p.n)
+        step = GemmStep(aten_fn(p.op, op_ins, out), p, op_ins[0], b, bias, out)
+        if self.cold is None:
+            self.cold = b.numel() * 4 > self.llc_bytes if p.b_packed else False
+        kernels = self._build({p: self._sources(p, self.candidates(p))})
+        try:
+            sel = self._select(p, step, kernels)
+        finally:
+            self._scratch.clear()
+        sel.uses = 1
+        self.selections.append(sel)
+        return sel
+
+    # ---- compilation -------------------------------------------------------------------------
+    def _sources(self, p: GemmProblem, names: Sequence[str]) -> dict[str, Any]:
+        out = {}
+        for name in names:
+            if name == ATEN:
+                continue
+            try:
+                out[name] = generate_gemm(p, GemmConfig.parse(name), self.threads)
+            except BackendError as e:
+                out[name] = e
+        return out
+
+    def _build(self, sources: Mapping[GemmProblem, Mapping[str, Any]]) -> dict[tuple[GemmProblem, str], Any]:
+        """Compile the candidates into one library; (problem, name) -> kernel or the error text.
+        Under the heuristic policy only the candidates it could pick are built."""
+        t0 = time.perf_counter()
+        want: dict[tuple[GemmProblem, str], Any] = {}
+        for p, per in sources.items():
+            names = list(per)
+            if self.policy == "heuristic":
+                names = names[:1]
+            for name in names:
+                want[(p, name)] = per[name]
+        srcs = [s for s in want.values() if not isinstance(s, Exception)]
+        built: dict[str, Any] = {}
+        if srcs:
+            try:
+                built = self.builder.build_many(srcs, strict=False)
+            except BackendError as e:
+                log.warning("generated GEMM kernels do not build; ATen runs every GEMM: %s", e.message)
+                built = {}
+                self.failures["*"] = e.message
+        out: dict[tuple[GemmProblem, str], Any] = {}
+        for key, s in want.items():
+            if isinstance(s, Exception):
+                out[key] = str(s)
+            elif s.symbol in built:
+                out[key] = (built[s.symbol], s)
+            else:
+                out[key] = getattr(self.builder, "failures", {}).get(s.symbol) or self.failures.get("*", "not built")
+        self.stats["build_s"] += time.perf_counter() - t0
+        return out
+
+    # ---- selection -----------------------------------------------------------------------------
+    def cache_key(self, p: GemmProblem, names: Sequence[str], kernels: Mapping) -> dict:
+        srcs = {}
+        for n in names:
+            k = kernels.get((p, n))
+            srcs[n] = k[1].symbol if isinstance(k, tuple) else None
+        return {"version": CACHE_VERSION, "target": self.target_id, "compiler": self._compiler_id(),
+                "threads": self.threads, "cold": self.cold, "statistic": self.statistic, **p.key(),
+                "candidates": srcs}
+
+    def _compiler_id(self) -> str:
+        try:
+            b = self.builder
+            return f"{b.compiler} {' '.join(b.flags)}" if b.compiler_available() else "none"
+        except Exception:  # noqa: BLE001
+            return "none"
+
+    def _select(self, p: GemmProblem, step: GemmStep, kernels: Mapping) -> Selection:
+        t0 = time.perf_counter()
+        names = self.candidates(p)
+        if self.policy == "heuristic":
+            sel = self._heuristic(p, names, step, kernels)
+            sel.tune_s = time.perf_counter() - t0
+            return sel
+        key = self.cache_key(p, names, kernels)
+        cached = self._cache_get(key)
+        tries = 1
+        if cached is not None and cached["noisy"] and cached["tries"] <= self.retune_noisy:
+            log.info("timing cache entry for %s was measured on a busy machine; measuring again", p.text)
+            tries = cached["tries"] + 1
+            cached = None
+        if cached is not None:
+            sel = Selection(p, ATEN, self.policy, dict(cached["timings_s"]), dict(cached["rejected"]),
+                            from_cache=True, medians_s=dict(cached["medians_s"]), noisy=cached["noisy"])
+            sel.winner = self._pick(p, sel.timings_s)
+            # a stale cache must not hand out a wrong kernel: the winner is checked again (one run)
+            if sel.winner == ATEN or self._check(p, sel.winner, step, kernels) is None:
+                self.stats["cache_hits"] += 1
+                sel.tune_s = time.perf_counter() - t0
+                return sel
+            log.warning("timing cache entry for %s names %s, which now fails its check; tuning again",
+                        p.text, sel.winner)
+        self.stats["cache_misses"] += 1
+        sel = Selection(p, ATEN, self.policy, timed=True)
+        for name in names[1:]:
+            err = self._check(p, name, step, kernels)
+            if err is not None:
+                sel.rejected[name] = err[:500]
+                self.stats["rejected"] += 1
+        keep: list = []   # the timing buffers live until the timing is done
+        samples = self._time(self._timing_fns(p, names, step, kernels, sel.rejected, keep))
+        del keep
+        sel.timings_s = {n: _STATS[self.statistic](v) for n, v in samples.items()}
+        sel.medians_s = {n: statistics.median(v) for n, v in samples.items()}
+        self.stats["timed_shapes"] += 1
+        sel.winner = self._pick(p, sel.timings_s)
+        mins = {n: min(v) for n, v in samples.items() if v}
+        ratios = sorted(sel.medians_s[n] / mins[n] for n in mins if mins[n] > 0)
+        sel.noisy = bool(ratios) and ratios[len(ratios) // 2] > NOISY
+        self._cache_put(key, {"timings_s": sel.timings_s, "medians_s": sel.medians_s, "rejected": sel.rejected,
+                              "noisy": sel.noisy, "tries": tries})
+        sel.tune_s = time.perf_counter() - t0
+        self.stats["tune_s"] += sel.tune_s
+        return sel
+
+    def _pick(self, p: GemmProblem, timings: Mapping[str, float]) -> str:
+        if not timings:
+            return ATEN
+        if self.policy == "throughput_first":
+            return max(timings, key=lambda n: (p.flops / timings[n], n == ATEN))
+        return min(timings, key=lambda n: (timings[n], n != ATEN))
+
+    def _heuristic(self, p: GemmProblem, names: Sequence[str], step: GemmStep, kernels: Mapping) -> Selection:
+        sel = Selection(p, ATEN, "heuristic")
+        for name in names[1:2]:          # the first generated configuration, if any
+            k = kernels.get((p, name))
+            err = self._check(p, name, step, kernels) if isinstance(k, tuple) else f"does not build: {k}"
+            if err is None:
+                sel.winner = name
+            else:
+                sel.rejected[name] = err
+        return sel
+
+    # ---- correctness ----------------------------------------------------------------------------
+    def _operands(self, p: GemmProblem, step: GemmStep):
+        """Random A (and B when it is not a constant), the real weight and bias otherwise."""
+        gen = torch.Generator().manual_seed(self.seed)
+        a = torch.randn(p.batch, p.m, p.k, generator=gen)
+        b = step.b if p.b_packed else torch.randn(_b_shape(p), generator=gen)
+        bias = step.bias
+        return a, b, bias
+
+    def _reference(self, p: GemmProblem, a, b, bias) -> torch.Tensor:
+        c = torch.empty(p.batch, p.m, p.n)
+        aten_fn(p.op, _op_inputs(p, a, b, bias), _op_output(p, c))()
+        return c
+
+    def _check(self, p: GemmProblem, name: str, step: GemmStep, kernels: Mapping) -> str | None:
+        """None when candidate `name` matches ATen on random data, else why not."""
+        from graphmode.verify.numerics import rel_l2
+        k = kernels.get((p, name))
+        if not isinstance(k, tuple):
+            return f"does not build: {k}"
+        self.stats["checks"] += 1
+        memo = ("reference", p, step.b.data_ptr())    # one ATen run per shape, shared by the candidates
+        if memo not in self._scratch:
+            a, b, bias = self._operands(p, step)
+            self._scratch[memo] = (a, b, bias, self._reference(p, a, b, bias))
+        a, b, bias, ref = self._scratch[memo]
+        cfg = GemmConfig.parse(name)
+        bk = self._pack(b, p, cfg.nr) if p.b_packed else b.contiguous()
+        c = torch.full((p.batch, p.m, p.n), float("nan"))
+        try:
+            k[0]([a.data_ptr(), bk.data_ptr()] + ([bias.data_ptr()] if p.bias else []) + [c.data_ptr()])
+        except Exception as e:  # noqa: BLE001
+            return f"raised {type(e).__name__}: {e}"
+        err = rel_l2(c, ref)
+        if not err < self.tolerance:
+            return f"rel L2 {err:.2e} vs ATen exceeds {self.tolerance:.0e}"
+        return None
+
+    def _pack(self, w: torch.Tensor, p: GemmProblem, nr: int) -> torch.Tensor:
+        """`w` packed for panels of `nr` (memoised while one plan is tuned: the checks, the
+        timing and the winner's binding share one packing per weight and panel width)."""
+        key = (w.data_ptr(), tuple(w.shape), nr, p.op)
+        got = self._scratch.get(key)
+        if got is None:
+            got = self._scratch[key] = pack_b(w, nr, transposed=(p.op == "linear"))
+        return got
+
+    # ---- timing -----------------------------------------------------------------------------------
+    def _timing_fns(self, p: GemmProblem, names: Sequence[str], step: GemmStep, kernels: Mapping,
+                    rejected: Mapping[str, str], keep: list) -> dict[str, Callable[[], None]]:
+        """One closure per candidate that may win (checked already). With `cold`, every call
+        reads its weight from the next of enough copies to stream 2x the LLC between two uses
+        of one copy. Timing is data-independent, so all candidates share one set of copies
+        (each reads it in its own layout: ATen as [N, K], a kernel as its panels); only the
+        first copy holds the real weight in every layout's place."""
+        gen = torch.Generator().manual_seed(self.seed + 2)
+        a = torch.randn(p.batch, p.m, p.k, generator=gen)
+        c = torch.empty(p.batch, p.m, p.n)
+        keep += [a, c]
+        bias = step.bias
+        extra = [bias.data_ptr()] if p.bias else []
+        live = [n for n in names if n != ATEN and n not in rejected]
+        fns: dict[str, Callable[[], None]] = {}
+        if not p.b_packed:
+            b = torch.randn(_b_shape(p), generator=gen)
+            keep.append(b)
+            fns[ATEN] = aten_fn(p.op, _op_inputs(p, a, b, bias), _op_output(p, c))
+            for name in live:
+                fns[name] = kernels[(p, name)][0].bind([a.data_ptr(), b.data_ptr(), *extra, c.data_ptr()])
+            return fns
+        packs = {GemmConfig.parse(n).nr: self._pack(step.b, p, GemmConfig.parse(n).nr) for n in live}
+        copies = 1
+        if self.cold:
+            copies = max(1, math.ceil(2 * self.llc_bytes / max(step.b.numel() * 4, 1)))
+        slots: list[torch.Tensor] = []
+        if copies > 1:
+            width = max([step.b.numel()] + [t.numel() for t in packs.values()])
+            pool = torch.empty(copies - 1, width)
+            src = next(iter(packs.values()), step.b).reshape(-1)
+            pool[:, :src.numel()].copy_(src.unsqueeze(0).expand(copies - 1, src.numel()))
+            pool[:, src.numel():].zero_()
+            keep.append(pool)
+            slots = list(pool.unbind(0))
+        wshape = tuple(step.b.shape)
+        bs = [step.b] + [t[:step.b.numel()].view(wshape) for t in slots]
+        fns[ATEN] = _rotate([aten_fn(p.op, _op_inputs(p, a, b, bias), _op_output(p, c)) for b in bs])
+        for name in live:
+            kern = kernels[(p, name)][0]
+            bks = [packs[GemmConfig.parse(name).nr]] + slots
+            fns[name] = _rotate([kern.bind([a.data_ptr(), bk.data_ptr(), *extra, c.data_ptr()]) for bk in bks])
+        return fns
+
+    def _time(self, fns: Mapping[str, Callable[[], None]]) -> dict[str, list[float]]:
+        """Seconds per call of each closure, one list of samples each: a warm-up call, then
+        interleaved round-robin samples (see the class doc for their count and length), the
+        start candidate rotating so that drift of a shared machine hits every candidate alike."""
+        names = list(fns)
+        inner: dict[str, int] = {}
+        longest = 0.0
+        for n in names:
+            fns[n]()
+            t0 = time.perf_counter()
+            fns[n]()
+            dt = max(time.perf_counter() - t0, 1e-7)
+            inner[n] = max(1, min(1000, int(self.sample_s / dt)))
+            longest = max(longest, dt * inner[n])
+        reps = max(self.reps, min(8 * self.reps, int(self.budget_s / max(longest, 1e-6))))
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        with torch.inference_mode():
+            for r in range(reps):
+                for j in range(len(names)):
+                    n = names[(r + j) % len(names)]
+                    f, calls = fns[n], inner[n]
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        f()
+                    samples[n].append((time.perf_counter() - t0) / calls)
+                    self.stats["timing_runs"] += 1
+        return samples
+
+    # ---- binding ----------------------------------------------------------------------------------
+    def _bind(self, step: GemmStep, sel: Selection, kernels: Mapping) -> None:
+        if sel.winner == ATEN:
+            step.fn, step.tactic = step.default, ATEN
+            return
+        k = kernels.get((step.problem, sel.winner))
+        if not isinstance(k, tuple):   # cannot happen after a passing check; stay correct anyway
+            step.fn, step.tactic = step.default, ATEN
+            return
+        p = step.problem
+        cfg = GemmConfig.parse(sel.winner)
+        if p.b_packed:
+            bk = self._packed_weight(step.b, p, cfg.nr)
+        else:
+            bk = step.b
+        extra = [step.bias] if p.bias else []
+        bufs = [step.a, bk, *extra, step.c]
+        step.keep = tuple(bufs)
+        step.fn = k[0].bind([t.data_ptr() for t in bufs])
+        step.tactic = sel.winner
+
+    def _packed_weight(self, w: torch.Tensor, p: GemmProblem, nr: int) -> torch.Tensor:
+        """The winner's packed copy of constant `w`, shared process-wide: the executables of
+        one model's buckets (same constants) hold one copy, not one each."""
+        key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w._version, nr, p.op)
+        holder = self.packed.get(key)
+        if holder is None:
+            holder = _PACKED.get(key)
+        if holder is None:
+            t = self._scratch.pop(key[:2] + (nr, p.op), None)
+            holder = _Packed(w, t if t is not None else self._pack(w, p, nr))
+            _PACKED[key] = holder
+        self.packed[key] = holder
+        return holder.t
+
+    # ---- the timing cache ---------------------------------------------------------------------------
+    def _cache_path(self, key: Mapping) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        return self.cache_dir / f"gemm-{digest}.json"
+
+    def _cache_get(self, key: Mapping) -> dict | None:
+        path = self._cache_path(key)
+        if path is None:
+            return None
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(d, dict) or d.get("key") != json.loads(json.dumps(key)):
+            return None
+        t, r = d.get("timings_s"), d.get("rejected", {})
+        if not isinstance(t, dict) or not isinstance(r, dict):
+            return None
+        if not all(isinstance(v, (int, float)) for v in t.values()):
+            return None
+        med = d.get("medians_s") if isinstance(d.get("medians_s"), dict) else {}
+        return {"timings_s": {k: float(v) for k, v in t.items()}, "rejected": {k: str(v) for k, v in r.items()},
+                "medians_s": {k: float(v) for k, v in med.items() if isinstance(v, (int, float))},
+                "noisy": bool(d.get("noisy", False)), "tries": int(d.get("tries", 1) or 1)}
+
+    def _cache_put(self, key: Mapping, entry: Mapping) -> None:
+        path = self._cache_path(key)
+        if path is None:
+            return
+        data = {"key": key, **entry, "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "reps": self.reps}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("cannot write the GEMM timing cache %s: %s", path, e)
+
+    # ---- reporting ------------------------------------------------------------------------------
+    def report(self) -> dict:
+        return {"policy": self.policy, "threads": self.threads, "cold_weights": self.cold,
+                "gemms": [s.to_json() for s in self.selections], "stats": dict(self.stats),
+                "packed_bytes": sum(h.t.numel() * h.t.element_size() for h in self.packed.values()),
+                "steps": {"total": len(self.steps),
+                          "generated": sum(1 for s in self.steps if s.tactic != ATEN)}}
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+class _Packed:
+    """A packed weight and its source. Holding the source keeps its address from being
+    reused by another tensor while the packed copy is findable under that address."""
+
+    __slots__ = ("__weakref__", "src", "t")
+
+    def __init__(self, src: torch.Tensor, t: torch.Tensor):
+        self.src, self.t = src, t
+
+
+_PACKED: "weakref.WeakValueDictionary[tuple, _Packed]" = weakref.WeakValueDictionary()
+
+
+_STATS: dict[str, Callable[[list[float]], float]] = {"min": min, "median": statistics.median}
+
+
+def report_lines(report: Mapping[str, Any]) -> list[str]:
+    """Human lines for a `TacticsContext.report()` (what the compile report prints)."""
+    if not report:
+        return []
+    st = report.get("steps", {})
+    lines = [f"GEMM tactics ({report.get('policy')}, {report.get('threads')} threads): "
+             f"{st.get('generated', 0)}/{st.get('total', 0)} GEMM steps on generated kernels, "
+             f"tuning {report.get('seconds', 0.0):.2f}s"]
+    for g in report.get("gemms", []):
+        s = f"  {g['gemm']} x{g['uses']}: {g['winner']}"
+        if g.get("speedup_vs_aten") and g["winner"] != ATEN:
+            s += f", {g['speedup_vs_aten']:.2f}x vs aten"
+        if g.get("gflops"):
+            s += f", {g['gflops']:.1f} GFLOP/s"
+        if g.get("margin_vs_runner_up"):
+            s += f", {g['margin_vs_runner_up']:.2f}x vs runner-up"
+        if g.get("from_cache"):
+            s += " (timing cache)"
+        if g.get("rejected"):
+            s += f"; rejected: {', '.join(sorted(g['rejected']))}"
+        lines.append(s)
+    if report.get("error"):
+        lines.append(f"  tuning failed, ATen runs every GEMM: {report['error']}")
+    return lines
+
+
+def _rotate(calls: list[Callable[[], None]]) -> Callable[[], None]:
+    if len(calls) == 1:
+        return calls[0]
+    it = [0]
+
+    def f() -> None:
+        i = it[0]
+        it[0] = (i + 1) % len(calls)
+        calls[i]()
+    return f
+
+
+def _b_shape(p: GemmProblem) -> tuple[int, ...]:
+    """A runtime B as the kernel sees it (leading batch dims flattened)."""
+    return (p.batch, p.k, p.n) if p.b_batched else (p.k, p.n)
+
+
+def _op_inputs(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, bias) -> list[torch.Tensor]:
+    x = a if p.op == "matmul" and p.batch > 1 else a.view(p.batch * p.m, p.k)
+    return [x, b] + ([bias] if bias is not None else [])
+
+
+def _op_output(p: GemmProblem, c: torch.Tensor) -> torch.Tensor:
+    return c if p.op == "matmul" and p.batch > 1 else c.view(p.batch * p.m, p.n)
+
+
+def aten_fn(op: str, ins_t: Sequence[torch.Tensor], y: torch.Tensor) -> Callable[[], None]:
+    """The ATen closure the executor runs for linear / matmul (the `aten` tactic)."""
+    from graphmode.backends.cpu.executor import _gemm_closure
+    return _gemm_closure(op, list(ins_t), y)
+
+
+def _registers(isa: str, simd: Sequence[str]) -> int:
+    # AVX2 code compiled for an AVX-512 host may use all 32 registers (EVEX encodings)
+    if isa == "avx2" and "avx512vl" in simd:
+        return 32
+    return {"avx512": 32, "avx2": 16}.get(isa, 1 << 30)
+
+
+def _target_identity(target: Any, simd: Sequence[str]) -> str:
+    if target is None:
+        return "simd:" + ",".join(simd)
+    cpu = {}
+    try:
+        cpu = dict((target.groups or {}).get("cpu", {}))
+    except Exception:  # noqa: BLE001
+        cpu = {}
+    parts = [getattr(target, "name", "?"), getattr(target, "arch", "?"), str(cpu.get("model_name", "")),
+             str(cpu.get("family", "")), str(cpu.get("model", "")), str(getattr(target, "compute_units", "")),
+             "simd:" + ",".join(simd)]
+    return "|".join(parts)
+
+
+def select_gemm(ctx: TacticsContext | None, op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                attrs: Mapping, env: Mapping[str, int], default: Callable[[], None]) -> Callable[[], None]:
+    """The executor's entry point for `linear` / `matmul`: `default` (the ATen closure) when
+    there is no tactics context or the GEMM is not one the generated kernels cover, else a
+    step that the context tunes and switches at `finalize()`."""
+    if ctx is None:
+        return default
+    return ctx.request(op, ins_t, outs, default)
+
+
+__all__ = ["TacticsContext", "Selection", "GemmStep", "select_gemm", "problem_of", "aten_fn", "report_lines",
+           "POLICIES", "CONFIGS", "ATEN"]
