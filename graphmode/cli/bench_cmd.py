@@ -42,6 +42,8 @@ def bench_cmd(
                                               "freezing, max-autotune+freezing (slow to compile)"),
     iters: int = typer.Option(20, "--iters", min=1, help="timed interleaved rounds per shape"),
     warmup: int = typer.Option(2, "--warmup", min=1, help="untimed calls per engine before timing"),
+    rewarm: int = typer.Option(2, "--rewarm", min=0, help="untimed calls per engine before each timed call "
+                               "(absorbs the switch from the previous engine)"),
     budget_s: float = typer.Option(90.0, "--budget-s", help="per shape: stop rounds after this many seconds "
                                    "(at least 5 rounds)"),
     threads: int = typer.Option(2, "--threads", min=1, help="intra-op threads for every engine"),
@@ -65,7 +67,7 @@ def bench_cmd(
 
     eng = parse_engines(engines, with_ or [])
     cfg = BenchConfig(engines=eng, threads=threads, iters=3 if quick else iters, min_iters=3 if quick else 5,
-                      warmup=1 if quick else warmup, budget_s=budget_s, tol=tol,
+                      warmup=1 if quick else warmup, rewarm=0 if quick else rewarm, budget_s=budget_s, tol=tol,
                       recipe=str(recipe) if recipe else None, cache_dir=cache_dir,
                       onnx_cache_dir=_cache_root(None) / "onnx")
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)

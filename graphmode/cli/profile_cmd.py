@@ -53,8 +53,9 @@ def _shapes(s) -> str:
 
 def print_profile(prof, top: int) -> None:
     b = ",".join(f"{k}={v}" for k, v in prof.bucket.items())
+    load = f", machine load {prof.loadavg[0]:.2f}" if prof.loadavg else ""
     console.print(f"\n[bold]{prof.model}[/] bucket {b}: {prof.n_steps} steps, {prof.threads} thread(s), "
-                  f"median of {prof.runs} runs", highlight=False)
+                  f"median of {prof.runs} runs{load}", highlight=False)
     line = (f"  plan run {_ms(prof.run_s)} ms = steps {_ms(prof.steps_sum_s)} ms + executor {_ms(prof.gap_s)} ms "
             f"(input copies {_ms(prof.copy_in_s)}, output clones {_ms(prof.clone_out_s)})")
     if prof.call_s is not None:
@@ -94,6 +95,10 @@ def print_profile(prof, top: int) -> None:
         console.print(f"  eager PyTorch dispatch: {prof.dispatch_us:.1f} µs per tiny torch.add "
                       f"({prof.dispatch_out_us:.1f} µs with out=){est}; graphmode: {prof.n_steps} steps",
                       highlight=False)
+    if prof.noisy:
+        console.print(f"  [yellow]warning:[/] the run totals spread {prof.spread:.2f}x (p90 / median): other work "
+                      f"disturbed this measurement; profile it again on a quiet machine before calibrating",
+                      highlight=False)
     for n in prof.notes:
         console.print(f"  note: {n}", highlight=False, markup=False)
 
@@ -109,7 +114,8 @@ def print_predictions(rows, cal, path: Optional[Path], saved: bool) -> None:
     for c in cols:
         t.add_column(c, justify="left" if c in ("model", "bucket") else "right")
     for r in rows:
-        cells = [r.model, ",".join(f"{k}={v}" for k, v in r.bucket.items()), _ms(r.measured_s), _ms(r.roofline_s),
+        bucket = ",".join(f"{k}={v}" for k, v in r.bucket.items()) + (" (noisy)" if r.noisy else "")
+        cells = [r.model, bucket, _ms(r.measured_s), _ms(r.roofline_s),
                  _pct(r.err(r.roofline_s, r.measured_s)), _ms(r.calibrated_s), _pct(r.err(r.calibrated_s, r.measured_s)),
                  _pct(r.err(r.loo_s, r.measured_s)), _pct(r.err(r.recipe_model_s, r.measured_s)),
                  _pct(r.err(r.recipe_model_cal_s, r.measured_s))]
@@ -117,7 +123,9 @@ def print_predictions(rows, cal, path: Optional[Path], saved: bool) -> None:
             cells.append(_pct(r.err(r.previous_s, r.measured_s)))
         t.add_row(*cells)
     console.print(t)
-    eff = ", ".join(f"{k} {v:.3g}" for k, v in sorted(cal.op_efficiency.items()))
+    eff = ", ".join(f"{k} {v:.3g}" for k, v in sorted(cal.op_efficiency.items()) if "|" not in k)
+    refined = sum("|" in k for k in cal.op_efficiency)
+    eff += f" (+{refined} refined keys in the file)" if refined else ""
     console.print(f"  calibration ({'saved to ' + str(path) if saved else 'fitted now, not saved: --calibrate saves'}"
                   f"): overhead {cal.overhead_us} µs/instruction, efficiency {eff}, default "
                   f"{cal.default_efficiency:.3g}, whole-model {cal.model_efficiency}", highlight=False)
@@ -147,7 +155,7 @@ def profile_cmd(
     import torch
 
     import graphmode
-    from graphmode.bench.models import auto_recipe, capture_ready, load_cases
+    from graphmode.bench.models import auto_recipe, load_cases
     from graphmode.bench.profile import (SampleStore, fit_calibration, prediction_table, profile_bucket, within)
     from graphmode.errors import GraphmodeError, TargetError
     from graphmode.recipe import load_recipe
@@ -164,7 +172,7 @@ def profile_cmd(
         for case in load_cases(model, shape or []):
             rec = load_recipe(recipe if recipe is not None else auto_recipe(case.bundle, case.envs))
             log(f"compiling {case.name} ...")
-            cm = graphmode.compile(capture_ready(case.bundle, rec), rec, "host", cache_dir=tmp, threads=threads)
+            cm = graphmode.compile(case.bundle, rec, "host", cache_dir=tmp, threads=threads)
             for env in case.envs:
                 bucket = rec.bucket_for(env)
                 if bucket is None:

@@ -94,10 +94,13 @@ def _frac(x: float) -> Fraction:
     return Fraction(str(x))
 
 
-def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None = None) -> ConstraintModel:
+def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None = None, *,
+                           calibration: Any = None) -> ConstraintModel:
     """Assemble the memory and latency models of a resolved recipe on `target`.
 
     `facts=None` uses `estimate_facts(recipe)`; the KV-cache term always comes from the recipe.
+    `calibration` (a `graphmode.targets.cost.Calibration` of `target`) corrects the roofline
+    latency with measured efficiency and per-instruction overhead (`apply_calibration`).
     """
     facts = facts or estimate_facts(recipe)
     terms: dict[str, Any] = {"weights": sympy.Integer(int(facts.weights_bytes)),
@@ -137,6 +140,26 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
                 cm.sla.append(SlaBound(path, "p99", float(p99), sel, req))
     if kv is not None and isinstance(kv["max_pages_per_seq"], int):
         cm.kv_pages = (kv["seq_dim"], kv["page_size"], kv["max_pages_per_seq"])
+    return apply_calibration(cm, target, calibration)
+
+
+def apply_calibration(cm: ConstraintModel, target: Any, calibration: Any) -> ConstraintModel:
+    """Latency with a measured calibration: the whole-model roofline divided by the fitted
+    `model_efficiency` (else `default_efficiency`) and the fitted per-instruction overhead.
+    Scaling peak and bandwidth by the efficiency is the same as dividing max(...) by it."""
+    if calibration is None:
+        return cm
+    if calibration.target != getattr(target, "name", None):
+        from graphmode.errors import TargetError
+        raise TargetError("calibration belongs to another target", where="calibration.target",
+                          value=calibration.target, fix=f"use the calibration of {getattr(target, 'name', target)!r}")
+    eff = _frac(calibration.model_efficiency or calibration.default_efficiency)
+    if cm.peak_flops:
+        cm.peak_flops = cm.peak_flops * eff
+    if cm.bandwidth:
+        cm.bandwidth = cm.bandwidth * eff
+    if calibration.overhead_us is not None:
+        cm.launch_overhead_s = _frac(calibration.overhead_us) / 10**6
     return cm
 
 
@@ -348,8 +371,10 @@ def prove_cover(dim: str, lo: int, hi: int, buckets: list[int], max_padding: flo
 
 
 def prove_all(recipe: Recipe, target: Any, facts: ModelFacts | None = None,
-              timeout_ms: int = DEFAULT_TIMEOUT_MS) -> tuple[ConstraintModel, list[Proof]]:
-    """Every layer-3 proof for a resolved, semantically valid recipe."""
+              timeout_ms: int = DEFAULT_TIMEOUT_MS, *, calibration: Any = None
+              ) -> tuple[ConstraintModel, list[Proof]]:
+    """Every layer-3 proof for a resolved, semantically valid recipe (`calibration`: see
+    `build_constraint_model`)."""
     proofs: list[Proof] = []
     for name, spec in recipe.dims.items():
         s: Synthesis = dim_synthesis(spec)
@@ -357,7 +382,7 @@ def prove_all(recipe: Recipe, target: Any, facts: ModelFacts | None = None,
         bound = spec.max_padding if spec.max_padding is not None else (
             s.worst_padding if spec.max_buckets is not None else None)
         proofs.append(prove_cover(name, lo, hi, s.buckets, bound, timeout_ms))
-    cm = build_constraint_model(recipe, target, facts)
+    cm = build_constraint_model(recipe, target, facts, calibration=calibration)
     kv = prove_kv_pages(cm, timeout_ms)
     if kv is not None:
         proofs.append(kv)

@@ -83,8 +83,10 @@ class Calibration(BaseModel):
     """Per-target corrections fitted from measurements (one JSON file per target).
 
     `op_efficiency[kind]` is the achieved fraction of the roofline time for that op kind
-    (may exceed 1 when e.g. data stays in cache); `default_efficiency` covers other kinds;
-    `overhead_us` replaces the target's per-instruction `launch_overhead_us` when set."""
+    (may exceed 1 when e.g. data stays in cache; refined kinds use `|`, see `efficiency`);
+    `default_efficiency` covers other kinds;
+    `overhead_us` replaces the target's per-instruction `launch_overhead_us` when set;
+    `model_efficiency` scales a whole-model roofline (see `graphmode.recipe.constraints`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -92,12 +94,22 @@ class Calibration(BaseModel):
     op_efficiency: dict[str, float] = {}
     default_efficiency: float = Field(default=1.0, gt=0)
     overhead_us: float | None = Field(default=None, ge=0)
+    # whole-model roofline efficiency, for predictors that only know a model's total FLOPs and
+    # bytes (the recipe's Z3 latency model): max(flops/peak, bytes/bw) / model_efficiency + n * overhead
+    model_efficiency: float | None = Field(default=None, gt=0)
     samples: int = Field(default=0, ge=0)
     created: str = ""
     note: str = ""
 
     def efficiency(self, kind: str | None) -> float:
-        return self.op_efficiency.get(kind, self.default_efficiency) if kind else self.default_efficiency
+        """Kinds may be refined with `|` (`gemm|ai4-16|small`): the most specific key present
+        wins (`gemm|ai4-16|small`, then `gemm|ai4-16`, then `gemm`), else `default_efficiency`."""
+        key = kind
+        while key:
+            if key in self.op_efficiency:
+                return self.op_efficiency[key]
+            key = key.rpartition("|")[0]
+        return self.default_efficiency
 
     def overhead_seconds(self, target: Target) -> float:
         us = self.overhead_us if self.overhead_us is not None else target.launch_overhead_us

@@ -1,0 +1,310 @@
+"""The benchmark loop: every engine on the same inputs, same threads, interleaved rounds.
+
+Per (model, shape):
+1. set up every engine (timed, with its peak RSS), each failure recorded with its reason;
+2. warm-up calls; the outputs of the last one are compared with eager (relative L2);
+3. `iters` rounds; in each round every engine runs `rewarm` untimed calls and then one timed
+   call, starting one engine later each round (rotation), so slow drift of the machine
+   (other jobs, thermal, frequency) lands on every engine alike; a per-shape time budget
+   may end the rounds early (never below `min_iters`). The untimed calls matter: right
+   after another engine ran, a call is slower (its thread pool went to sleep, the other
+   engine's allocations and threads changed the caches and heap) — measured on 2 cores,
+   eager MiniLM (1,128) took 25 ms alone, 31-53 ms when timed right after ONNX Runtime or
+   torch.compile, 29 ms among four engines with one untimed call and 23 ms with two (every
+   engine then matched its time when benchmarked alone). The timed call is therefore the
+   warm, steady-state latency of an engine serving back-to-back requests;
+4. median, p90, ratios vs eager and vs the best engine that is not graphmode.
+
+Only the rows are data; nothing here asserts on timings.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from graphmode.bench.engines import ENGINE_NAMES, Engine, EngineUnavailable, ModelShared, make_engine
+from graphmode.bench.machine import PeakRss, machine_meta
+from graphmode.bench.models import PRETTY, ModelCase
+from graphmode.errors import GraphmodeError
+
+NUMERICS_TOL = 1e-4      # relative L2 vs eager counted as "matched" (fp32 engines reorder sums)
+
+
+@dataclass
+class BenchConfig:
+    engines: list[tuple[str, str | None]] = field(default_factory=lambda: [(e, None) for e in ENGINE_NAMES])
+    threads: int = 2
+    iters: int = 20
+    min_iters: int = 5
+    warmup: int = 2
+    rewarm: int = 2                  # untimed calls before each timed call in a round (see module doc)
+    budget_s: float = 90.0           # per shape: stop the rounds after this much timed wall time
+    seed: int = 0
+    tol: float = NUMERICS_TOL
+    recipe: Any = None               # a recipe path for graphmode (else one at the shapes)
+    cache_dir: Any = None            # graphmode artifact cache (None: fresh temp dir per model)
+    onnx_cache_dir: Any = None       # ONNX export cache (None: ~/.cache/graphmode/onnx)
+
+
+def parse_engines(text: str | None, extra: Sequence[str] = ()) -> list[tuple[str, str | None]]:
+    """`eager,onnxruntime,graphmode` (+ `--with max-autotune` adds torch_compile[max-autotune])."""
+    names = [e.strip() for e in (text.split(",") if text else ENGINE_NAMES) if e.strip()]
+    out: list[tuple[str, str | None]] = []
+    for n in names:
+        base, _, var = n.partition("[")
+        var = var.rstrip("]") or None
+        if base not in ENGINE_NAMES:
+            raise GraphmodeError(f"unknown engine {base!r}", where="--engines", value=text,
+                                 fix=f"choose from {', '.join(ENGINE_NAMES)}")
+        out.append((base, var))
+    for w in extra:
+        from graphmode.bench.engines import TORCH_COMPILE_VARIANTS
+        if w not in TORCH_COMPILE_VARIANTS or w == "default":
+            raise GraphmodeError(f"unknown --with {w!r}", where="--with",
+                                 fix=f"one of {', '.join(v for v in TORCH_COMPILE_VARIANTS if v != 'default')}")
+        out.append(("torch_compile", w))
+    seen, uniq = set(), []
+    for e in out:
+        if e not in seen:
+            seen.add(e)
+            uniq.append(e)
+    return uniq
+
+
+def _reason(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    msg = lines[0] if lines else ""
+    return f"{type(e).__name__}: {msg}"[:400] if not isinstance(e, EngineUnavailable) else msg
+
+
+def _rel_l2(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """Max over outputs of ||got - ref|| / ||ref|| (float64); inf on a count/shape mismatch."""
+    if len(got) != len(ref):
+        return math.inf
+    worst = 0.0
+    for g, r in zip(got, ref):
+        g = g.detach().to(torch.float64).reshape(-1) if g.shape == r.shape else None
+        if g is None:
+            return math.inf
+        r = r.detach().to(torch.float64).reshape(-1)
+        den = float(r.norm())
+        num = float((g - r).norm())
+        err = num / den if den else num
+        if not math.isfinite(err):
+            return math.inf
+        worst = max(worst, err)
+    return worst
+
+
+def _p90(xs: list[float]) -> float:
+    s = sorted(xs)
+    if not s:
+        return math.nan
+    k = 0.9 * (len(s) - 1)
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class _Slot:
+    engine: Engine
+    row: dict[str, Any]
+    times: list[float] = field(default_factory=list)
+    ok: bool = True
+
+
+def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: BenchConfig,
+                log: Callable[[str], None] = lambda s: None) -> list[dict[str, Any]]:
+    bundle = case.bundle
+    inputs = bundle.make_inputs(env, seed=cfg.seed)
+    shape = case.shape_of(env)
+    with torch.inference_mode():
+        ref = [t.clone() for t in bundle.run(inputs)]
+    if any(name == "torch_compile" for name, _ in cfg.engines):
+        import torch._dynamo as dynamo
+        dynamo.reset()    # earlier cases' compiles would count against the recompile limit
+    slots: list[_Slot] = []
+    for name, variant in cfg.engines:
+        eng = make_engine(name, variant)
+        row = {"model": case.name, "model_name": PRETTY.get(case.name, case.name), "shape": shape,
+               "dims": dict(env), "engine": name, "variant": variant or "default", "label": eng.label,
+               "status": "ok", "reason": None, "skipped": False, "threads": cfg.threads}
+        slot = _Slot(eng, row)
+        slots.append(slot)
+        log(f"  setup {eng.label} ...")
+        t0 = time.perf_counter()
+        try:
+            with PeakRss() as mem:
+                eng.setup(shared, env, inputs)
+                eng()                                  # first call: lazy compiles happen here
+            row["setup_s"] = round(time.perf_counter() - t0 + eng.extra_s, 3)
+            row["setup_detail"] = eng.setup_detail
+            row["peak_rss_mb"] = None if mem.delta_mb is None else round(mem.delta_mb, 1)
+            row["rss_exact"] = mem.exact
+        except Exception as e:  # noqa: BLE001 - a failing engine is a result, not a crash
+            _fail(slot, e, time.perf_counter() - t0)
+            log(f"  {eng.label} failed: {row['reason']}")
+    live = [s for s in slots if s.ok]
+    for _ in range(max(cfg.warmup - 1, 0)):
+        for s in live:
+            _guard(s, lambda: s.engine())
+    for s in [s for s in live if s.ok]:
+        def check(s=s):
+            with PeakRss() as mem:
+                raw = s.engine()
+            s.row["run_peak_rss_mb"] = None if mem.delta_mb is None else round(mem.delta_mb, 1)
+            err = _rel_l2(s.engine.outputs(raw), ref)
+            s.row["rel_l2_err"] = err if math.isfinite(err) else None
+            s.row["numerics_ok"] = bool(math.isfinite(err) and err <= cfg.tol)
+        _guard(s, check)
+    live = [s for s in slots if s.ok]
+    start = time.perf_counter()
+    rounds = 0
+    for r in range(cfg.iters):
+        order = live[r % len(live):] + live[:r % len(live)] if live else []
+        for s in order:
+            if not s.ok:
+                continue
+            try:
+                for _ in range(cfg.rewarm):     # untimed: absorbs the switch from the previous engine
+                    s.engine()
+                t0 = time.perf_counter()
+                s.engine()
+                dt = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001
+                _fail(s, e)
+                continue
+            s.times.append(dt * 1e3)
+        rounds += 1
+        if rounds >= cfg.min_iters and time.perf_counter() - start > cfg.budget_s:
+            break
+    for s in slots:
+        s.engine.close()
+        if s.ok and s.times:
+            s.row.update(median_ms=round(statistics.median(s.times), 4), p90_ms=round(_p90(s.times), 4),
+                         mean_ms=round(statistics.fmean(s.times), 4), min_ms=round(min(s.times), 4),
+                         iters=len(s.times))
+        elif s.ok:
+            s.ok = False
+            s.row.update(status="failed", reason="no timed run (iters = 0)")
+    rows = [s.row for s in slots]
+    _ratios(rows)
+    gc.collect()
+    return rows
+
+
+def _fail(slot: _Slot, e: BaseException, setup_s: float | None = None) -> None:
+    slot.ok = False
+    slot.row["status"] = "failed"
+    slot.row["reason"] = _reason(e)
+    slot.row["skipped"] = isinstance(e, EngineUnavailable)
+    if setup_s is not None:
+        slot.row["setup_s"] = round(setup_s, 3)
+        slot.row["setup_detail"] = slot.engine.setup_detail
+    slot.engine.close()
+
+
+def _guard(slot: _Slot, fn: Callable[[], Any]) -> None:
+    if not slot.ok:
+        return
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        _fail(slot, e)
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """ratio_vs_eager = median / eager median (< 1: faster than eager); speedup = the inverse;
+    ratio_vs_best_other = median / the fastest ok engine other than graphmode."""
+    keys = ("median_ms", "p90_ms", "mean_ms", "min_ms", "iters", "ratio_vs_eager", "speedup_vs_eager",
+            "ratio_vs_best_other", "best_other_engine", "rel_l2_err", "numerics_ok", "setup_s", "setup_detail",
+            "peak_rss_mb", "run_peak_rss_mb", "rss_exact")
+    for r in rows:
+        for k in keys:
+            r.setdefault(k, None)
+    ok = [r for r in rows if r["status"] == "ok" and r["median_ms"]]
+    eager = next((r for r in ok if r["engine"] == "eager"), None)
+    others = [r for r in ok if r["engine"] != "graphmode"]
+    best = min(others, key=lambda r: r["median_ms"]) if others else None
+    for r in ok:
+        if eager:
+            r["ratio_vs_eager"] = round(r["median_ms"] / eager["median_ms"], 4)
+            r["speedup_vs_eager"] = round(eager["median_ms"] / r["median_ms"], 4)
+        if best:
+            r["ratio_vs_best_other"] = round(r["median_ms"] / best["median_ms"], 4)
+            r["best_other_engine"] = best["label"]
+
+
+@dataclass
+class BenchResult:
+    rows: list[dict[str, Any]]
+    meta: dict[str, Any]
+
+    def quick_failures(self) -> list[str]:
+        """Why a --quick run fails: an engine that did not run (not counting 'not installed')
+        or whose outputs do not match eager. Never a timing."""
+        bad = []
+        for r in self.rows:
+            where = f"{r['model']} {'x'.join(map(str, r['shape']))} {r['label']}"
+            if r["status"] != "ok":
+                if not r["skipped"]:
+                    bad.append(f"{where}: failed: {r['reason']}")
+            elif not r["numerics_ok"]:
+                bad.append(f"{where}: rel L2 vs eager {r['rel_l2_err']} > {r.get('tol', NUMERICS_TOL):g}")
+        return bad
+
+
+def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str], None] = lambda s: None,
+              target: Any = None) -> BenchResult:
+    """Run every case; torch's intra-op threads are set to cfg.threads for the run and restored."""
+    from graphmode.bench.machine import load_average
+    load_start = load_average()
+    prev = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    try:
+        for case in cases:
+            shared = ModelShared(case.bundle, case.envs, cfg.threads, recipe=cfg.recipe, cache_dir=cfg.cache_dir,
+                                 onnx_cache_dir=cfg.onnx_cache_dir)
+            try:
+                for env in case.envs:
+                    log(f"{case.name} {'x'.join(map(str, case.shape_of(env)))}")
+                    for r in bench_shape(case, shared, env, cfg, log):
+                        r["tol"] = cfg.tol
+                        rows.append(r)
+            finally:
+                tmp = shared.store.get("tmp")
+                shared.store.clear()
+                if tmp is not None:
+                    tmp.cleanup()
+                gc.collect()
+    finally:
+        torch.set_num_threads(prev)
+    meta = machine_meta(cfg.threads, target)
+    meta.update(
+        loadavg_start=load_start,
+        wall_s=round(time.perf_counter() - t_start, 1),
+        models=[{"model": c.name, "spec": c.spec, "load_s": round(c.load_s, 3), "shapes": [c.shape_of(e) for e in c.envs],
+                 "source": getattr(c.bundle, "source", "")} for c in cases],
+        engines=[make_engine(n, v).label for n, v in cfg.engines],
+        method={"warmup": cfg.warmup, "rewarm": cfg.rewarm, "iters": cfg.iters, "min_iters": cfg.min_iters, "budget_s_per_shape": cfg.budget_s,
+                "rounds": "interleaved round-robin, rotated start each round; per engine and round "
+                          f"{cfg.rewarm} untimed call(s) then 1 timed call", "seed": cfg.seed,
+                "numerics_tol": cfg.tol,
+                "ratio_vs_eager": "median_ms / eager median_ms (< 1 is faster than eager)",
+                "ratio_vs_best_other": "median_ms / fastest ok non-graphmode engine's median_ms",
+                "setup_s": "engine setup + first call; shared per-model work (graphmode capture+passes, ONNX "
+                           "export time from its cache record) is charged to every shape",
+                "peak_rss_mb": "peak resident MB added during setup + first call over the RSS before it "
+                               "(VmHWM reset via /proc/self/clear_refs); model-level work is in the first "
+                               "shape's row",
+                "run_peak_rss_mb": "peak resident MB one warm call adds over the RSS before it"},
+        recipe=str(cfg.recipe) if cfg.recipe is not None else "auto: buckets exactly at the benchmarked shapes")
+    return BenchResult(rows, meta)
