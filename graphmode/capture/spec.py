@@ -80,12 +80,7 @@ class OnnxModelSpec:
 
     @property
     def dim_names(self) -> list[str]:
-        out: list[str] = []
-        for dims in self.input_dims.values():
-            for d in dims:
-                if isinstance(d, str) and d not in out:
-                    out.append(d)
-        return out
+        return zoo.dim_names_of(self.input_dims)
 
     def make_inputs(self, shape: dict[str, int], seed: int = 0, *, int_high: int = 1000
                     ) -> dict[str, torch.Tensor]:

@@ -78,6 +78,16 @@ def _quiet_transformers() -> Iterator[None]:
 # ----------------------------------------------------------------------------- bundle
 
 
+def dim_names_of(input_dims: dict[str, list]) -> list[str]:
+    """Symbolic dim names in order of first appearance over the inputs."""
+    out: list[str] = []
+    for dims in input_dims.values():
+        for d in dims:
+            if isinstance(d, str) and d not in out:
+                out.append(d)
+    return out
+
+
 @dataclass
 class ModelBundle:
     """A model ready for capture: module + inputs + their symbolic shapes.
@@ -107,13 +117,7 @@ class ModelBundle:
 
     @property
     def dim_names(self) -> list[str]:
-        """Symbolic dim names in order of first appearance over the inputs."""
-        out: list[str] = []
-        for dims in self.input_dims.values():
-            for d in dims:
-                if isinstance(d, str) and d not in out:
-                    out.append(d)
-        return out
+        return dim_names_of(self.input_dims)
 
     def example_shape(self) -> dict[str, int]:
         """The dim values of ``example_inputs``."""
