@@ -461,7 +461,7 @@ def fit_calibration(target: Any, buckets: Iterable[Mapping[str, Any]], note: str
     eff = {k: _round(num[k] / den[k]) for k in sorted(num) if den[k] > 0}
     cal = Calibration(target=target.name, op_efficiency=eff,
                       default_efficiency=_round(tot_r / tot_t) if tot_t > 0 else 1.0,
-                      overhead_us=round(gap * 1e6, 3), samples=n,
+                      overhead_us=round(gap * 1e6, 3), samples=n, **Calibration.reference_of(target),
                       created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                       note=note or f"fitted by graphmode profile from {len(buckets)} bucket(s): "
                                    + ", ".join(sorted(f"{bk['model']} {_bk(bk['bucket'])}" for bk in buckets)))
@@ -488,13 +488,23 @@ def _bk(bucket: Mapping[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(bucket.items()))
 
 
+def reference_target(target: Any, calibration: Calibration | None) -> Any:
+    """`target` with the peak and bandwidth `calibration` was fitted against (the host probe
+    measures bandwidth again when its key changes, and under load it reads lower)."""
+    if calibration is None or not (calibration.reference_bandwidth_gbps or calibration.reference_peak_flops):
+        return target
+    return target.model_copy(update={"memory_bandwidth_gbps": calibration.bandwidth_gbps(target),
+                                     "peak_flops": {**target.peak_flops, **calibration.reference_peak_flops}})
+
+
 def predict_bucket(target: Any, sample: Mapping[str, Any], calibration: Calibration | None) -> float:
     """End-to-end seconds of a profiled bucket's plan through the cost model."""
+    tgt = reference_target(target, calibration)
     ops = []
     for st in sample["steps"]:
         k, f, b, _, shape = _step(st)
-        ops.append(OpCost(kind=cost_key(target, k, f, b, shape), flops=f, bytes_moved=b))
-    return predict_seconds(target, ops, calibration=calibration).total_s
+        ops.append(OpCost(kind=cost_key(tgt, k, f, b, shape), flops=f, bytes_moved=b))
+    return predict_seconds(tgt, ops, calibration=calibration).total_s
 
 
 def predict_recipe_model(target: Any, sample: Mapping[str, Any], calibration: Calibration | None) -> float | None:

@@ -103,7 +103,7 @@ def print_profile(prof, top: int) -> None:
         console.print(f"  note: {n}", highlight=False, markup=False)
 
 
-def print_predictions(rows, cal, path: Optional[Path], saved: bool) -> None:
+def print_predictions(rows, cal, source: str) -> None:
     t = Table(title="predicted vs measured plan latency per bucket (err = predicted / measured - 1)",
               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     prev = any(r.previous_s is not None for r in rows)
@@ -126,15 +126,14 @@ def print_predictions(rows, cal, path: Optional[Path], saved: bool) -> None:
     eff = ", ".join(f"{k} {v:.3g}" for k, v in sorted(cal.op_efficiency.items()) if "|" not in k)
     refined = sum("|" in k for k in cal.op_efficiency)
     eff += f" (+{refined} refined keys in the file)" if refined else ""
-    console.print(f"  calibration ({'saved to ' + str(path) if saved else 'fitted now, not saved: --calibrate saves'}"
-                  f"): overhead {cal.overhead_us} µs/instruction, efficiency {eff}, default "
+    console.print(f"  calibration ({source}): overhead {cal.overhead_us} µs/instruction, efficiency {eff}, default "
                   f"{cal.default_efficiency:.3g}, whole-model {cal.model_efficiency}", highlight=False)
 
 
 @app.command("profile")
 def profile_cmd(
-    model: List[str] = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | package.module:function "
-                                    "(repeatable)"),
+    model: Optional[List[str]] = typer.Option(None, "--model", help="minilm | gpt2 | resnet18 | "
+                                              "package.module:function (repeatable)"),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="recipe (default: buckets exactly at the shapes)"),
     shape: Optional[List[str]] = typer.Option(None, "--shape", help="first-input shape, e.g. 1x128 (repeatable; "
                                               "default: the model's benchmark shapes)"),
@@ -148,6 +147,8 @@ def profile_cmd(
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="cache root (default $GRAPHMODE_CACHE_DIR "
                                              "or ~/.cache/graphmode)"),
     no_eager: bool = typer.Option(False, "--no-eager", help="skip the eager timing and dispatch measurements"),
+    refit: bool = typer.Option(False, "--refit", help="refit and save the calibration from the stored samples "
+                               "(after a host re-probe or a cost-model change); with no --model nothing is measured"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Time every instruction of a compiled plan; calibrate the host cost model from it."""
@@ -162,6 +163,9 @@ def profile_cmd(
     from graphmode.targets import get_target
     from graphmode.targets.cost import Calibration
 
+    if not model and not refit:
+        raise GraphmodeError("nothing to profile", where="--model",
+                             fix="give --model NAME (repeatable), or --refit to refit the stored calibration")
     root = _root(cache_dir)
     torch.set_num_threads(threads)
     target = get_target("host", cache_dir=root / "targets")
@@ -169,7 +173,7 @@ def profile_cmd(
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
     profiles = []
     with tempfile.TemporaryDirectory(prefix="graphmode-profile-") as tmp:
-        for case in load_cases(model, shape or []):
+        for case in load_cases(model or [], shape or []) if model else []:
             rec = load_recipe(recipe if recipe is not None else auto_recipe(case.bundle, case.envs))
             log(f"compiling {case.name} ...")
             cm = graphmode.compile(case.bundle, rec, "host", cache_dir=tmp, threads=threads)
@@ -188,9 +192,13 @@ def profile_cmd(
         except TargetError as e:
             log(f"ignoring the unreadable calibration {cal_path}: {e}")
     store = SampleStore(SampleStore.path_for(cal_path), target.name)
+    calibrate = calibrate or refit
     if calibrate:
         for p in profiles:
             store.add(p)
+        if not store.buckets:
+            raise GraphmodeError("no stored samples to refit from", where=str(store.path),
+                                 fix="profile with --calibrate first")
         cal = fit_calibration(target, store.buckets.values())
         cal.save(cal_path)
         store.save()
@@ -198,6 +206,8 @@ def profile_cmd(
     else:
         buckets = {p.key: p.samples() for p in profiles}
         cal = previous if previous is not None else fit_calibration(target, buckets.values())
+    source = (f"saved to {cal_path}" if calibrate else f"loaded from {cal_path}" if previous is not None
+              else "fitted on these buckets only, not saved: --calibrate saves it")
     rows = prediction_table(target, buckets, cal, previous if calibrate else None)
     if as_json:
         print(json.dumps({"target": target.name, "profiles": [p.to_json(top) for p in profiles],
@@ -208,4 +218,4 @@ def profile_cmd(
     for p in profiles:
         print_profile(p, top)
     console.print()
-    print_predictions(rows, cal, cal_path, calibrate)
+    print_predictions(rows, cal, source)

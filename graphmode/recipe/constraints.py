@@ -144,8 +144,9 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
 
 
 def apply_calibration(cm: ConstraintModel, target: Any, calibration: Any) -> ConstraintModel:
-    """Latency with a measured calibration: the whole-model roofline divided by the fitted
-    `model_efficiency` (else `default_efficiency`) and the fitted per-instruction overhead.
+    """Latency with a measured calibration: the whole-model roofline (on the peak and bandwidth
+    the calibration was fitted against, when it records them) divided by the fitted
+    `model_efficiency` (else `default_efficiency`), plus the fitted per-instruction overhead.
     Scaling peak and bandwidth by the efficiency is the same as dividing max(...) by it."""
     if calibration is None:
         return cm
@@ -154,10 +155,10 @@ def apply_calibration(cm: ConstraintModel, target: Any, calibration: Any) -> Con
         raise TargetError("calibration belongs to another target", where="calibration.target",
                           value=calibration.target, fix=f"use the calibration of {getattr(target, 'name', target)!r}")
     eff = _frac(calibration.model_efficiency or calibration.default_efficiency)
-    if cm.peak_flops:
-        cm.peak_flops = cm.peak_flops * eff
+    if cm.peak_flops:   # the roofline the calibration was fitted against, scaled by its efficiency
+        cm.peak_flops = _frac(calibration.peak(target, cm.compute_dtype)) * eff
     if cm.bandwidth:
-        cm.bandwidth = cm.bandwidth * eff
+        cm.bandwidth = _frac(calibration.bandwidth_gbps(target)) * 10**9 * eff
     if calibration.overhead_us is not None:
         cm.launch_overhead_s = _frac(calibration.overhead_us) / 10**6
     return cm

@@ -97,6 +97,10 @@ class Calibration(BaseModel):
     # whole-model roofline efficiency, for predictors that only know a model's total FLOPs and
     # bytes (the recipe's Z3 latency model): max(flops/peak, bytes/bw) / model_efficiency + n * overhead
     model_efficiency: float | None = Field(default=None, gt=0)
+    # the roofline the efficiencies were fitted against (a re-probed `host` may measure another
+    # bandwidth under load); predictions with this calibration use these instead of the target's
+    reference_peak_flops: dict[str, float] = {}
+    reference_bandwidth_gbps: float | None = Field(default=None, gt=0)
     samples: int = Field(default=0, ge=0)
     created: str = ""
     note: str = ""
@@ -110,6 +114,18 @@ class Calibration(BaseModel):
                 return self.op_efficiency[key]
             key = key.rpartition("|")[0]
         return self.default_efficiency
+
+    @staticmethod
+    def reference_of(target: Target) -> dict:
+        """The fields that pin a calibration to `target`'s current roofline numbers."""
+        return {"reference_peak_flops": dict(target.peak_flops),
+                "reference_bandwidth_gbps": target.memory_bandwidth_gbps}
+
+    def peak(self, target: Target, dtype: str) -> float:
+        return self.reference_peak_flops.get(dtype) or target.peak(dtype)
+
+    def bandwidth_gbps(self, target: Target) -> float:
+        return self.reference_bandwidth_gbps or target.memory_bandwidth_gbps
 
     def overhead_seconds(self, target: Target) -> float:
         us = self.overhead_us if self.overhead_us is not None else target.launch_overhead_us
@@ -165,13 +181,15 @@ class Calibration(BaseModel):
                 ratios.setdefault(op.kind, []).append(roof / (measured_s - over))
         eff = {k: round(statistics.median(v), 4) for k, v in ratios.items()}
         return cls(target=target.name, op_efficiency=eff, overhead_us=overhead_us, samples=n,
-                   created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), note=note)
+                   created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), note=note,
+                   **cls.reference_of(target))
 
 
-def _roofline(target: Target, op: OpCost) -> tuple[float, float, float]:
-    peak = target.peak(op.dtype)
+def _roofline(target: Target, op: OpCost, calibration: Calibration | None = None) -> tuple[float, float, float]:
+    peak = calibration.peak(target, op.dtype) if calibration else target.peak(op.dtype)
+    bw = calibration.bandwidth_gbps(target) if calibration else target.memory_bandwidth_gbps
     compute = op.flops / peak if op.flops > 0 else 0.0
-    memory = op.bytes_moved / (target.memory_bandwidth_gbps * 1e9) if op.bytes_moved > 0 else 0.0
+    memory = op.bytes_moved / (bw * 1e9) if op.bytes_moved > 0 else 0.0
     return compute, memory, max(compute, memory)
 
 
@@ -187,7 +205,7 @@ def predict_op(target: Target, op: OpCost, calibration: Calibration | None = Non
     if op.flops < 0 or op.bytes_moved < 0:
         raise TargetError("negative work", where=f"op {op.name or op.kind}",
                           value=(op.flops, op.bytes_moved), fix="flops and bytes_moved must be >= 0")
-    compute, memory, roof = _roofline(target, op)
+    compute, memory, roof = _roofline(target, op, calibration)
     eff = calibration.efficiency(op.kind) if calibration else 1.0
     over = calibration.overhead_seconds(target) if calibration else target.launch_overhead_us * 1e-6
     work = roof / eff

@@ -281,3 +281,35 @@ def test_profile_cli_calibrates_and_saves(cli, tmp_path):
     assert res.exit_code == 0, res.output
     assert "top 15 instructions" in res.output and "predicted vs measured" in res.output
     assert "executor overhead" in res.output
+    before = json.loads(cal.read_text())
+    res = cli("profile", "--refit", "--threads", "1", "--calibration", str(cal), "--json")   # nothing measured
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    assert d["profiles"] == [] and len(d["predictions"]) == 1 and d["saved"]
+    assert json.loads(cal.read_text())["op_efficiency"] == before["op_efficiency"]
+    from graphmode.cli.app import main
+    with pytest.raises(SystemExit) as e:                                       # neither --model nor --refit
+        main(["profile", "--calibration", str(cal)])
+    assert e.value.code == 2
+
+
+def test_calibration_keeps_the_roofline_it_was_fitted_against():
+    """The host probe may measure another bandwidth later: a calibration predicts with the
+    peak and bandwidth it was fitted on, so its predictions do not move."""
+    from graphmode.bench.profile import fit_calibration, predict_bucket
+    from graphmode.recipe.constraints import ConstraintModel, apply_calibration
+    from graphmode.targets import get_target
+    t = get_target("cpu_avx2")
+    steps = [["elementwise", 1e6, 8e7, 2e-2], ["gemm", 2e9, 1e7, 3e-2]]
+    sample = {"model": "m", "bucket": {"batch": 1}, "run_s": 5e-2, "gap_s": 0.0, "n_steps": 2, "steps": steps,
+              "facts": {"flops": 2e9, "bytes": 9e7, "n_ops": 2}}
+    cal = fit_calibration(t, [sample])
+    assert cal.reference_bandwidth_gbps == t.memory_bandwidth_gbps and cal.reference_peak_flops == t.peak_flops
+    slower = t.model_copy(update={"memory_bandwidth_gbps": t.memory_bandwidth_gbps / 2})
+    assert predict_bucket(slower, sample, cal) == pytest.approx(predict_bucket(t, sample, cal))
+    assert predict_bucket(t, sample, cal) == pytest.approx(5e-2, rel=1e-3)
+    cm = ConstraintModel(domains={}, memory_terms={"x": 9 * 10**7}, budget_bytes=None, budget_source="",
+                         flops=2 * 10**9, bytes_moved=9 * 10**7, n_ops=2, peak_flops=Fraction(1),
+                         bandwidth=Fraction(1), compute_dtype="f32")
+    cm = apply_calibration(cm, slower, cal)
+    assert float(cm.bandwidth) == pytest.approx(t.memory_bandwidth_gbps * 1e9 * cal.model_efficiency)
