@@ -100,14 +100,20 @@ def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
                  as_json: bool = typer.Option(False, "--json", help="print JSON"),
                  timeout_ms: int = typer.Option(5000, "--timeout-ms", help="Z3 timeout per proof"),
                  model: Optional[str] = typer.Option(None, "--model", help="prove with this model's real weights "
-                                                     "and memory plan (minilm | gpt2 | resnet18 | .onnx | mod:fn)")
+                                                     "and memory plan (minilm | gpt2 | resnet18 | .onnx | mod:fn)"),
+                 calibration: Optional[Path] = typer.Option(None, "--calibration", help="cost-model calibration "
+                                                            "JSON (from `graphmode profile --calibrate`) for the SLA proof")
                  ) -> None:
     """Check a recipe in three layers (schema, semantics, Z3 proofs): exit 0 valid, 1 refused, 2 malformed."""
     from graphmode.recipe import load_recipe, validate
     try:
         recipe = load_recipe(path)
         facts = _model_facts(model, recipe) if model else None
-        rep = validate(recipe, _target(recipe, target), facts, timeout_ms=timeout_ms)
+        cal = None
+        if calibration is not None:
+            from graphmode.targets.cost import Calibration
+            cal = Calibration.load(calibration)
+        rep = validate(recipe, _target(recipe, target), facts, timeout_ms=timeout_ms, calibration=cal)
         if rep.errors:
             raise RecipeErrors(rep.errors)
         if as_json:

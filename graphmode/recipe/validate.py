@@ -105,7 +105,8 @@ class ValidationReport:
 
 
 def validate(recipe: Recipe, target: Any = None, model_facts: ModelFacts | None = None, *,
-             env: Environment | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> ValidationReport:
+             env: Environment | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS,
+             calibration: Any = None) -> ValidationReport:
     """Run semantics and the Z3 proofs of a loaded recipe on `target` (default: the recipe's
     first target, else `host`). Symbolic values are resolved on the target first.
 
@@ -138,7 +139,7 @@ def validate(recipe: Recipe, target: Any = None, model_facts: ModelFacts | None 
         return report
     report.dims = {d: dim_synthesis(s) for d, s in resolved.dims.items()}
     t0 = time.perf_counter()
-    report.model, report.proofs = prove_all(resolved, tgt, model_facts, timeout_ms)
+    report.model, report.proofs = prove_all(resolved, tgt, model_facts, timeout_ms, calibration=calibration)
     status = {"valid": "ok", "refused": "refuted", "unproved": "unproved"}[report.verdict]
     counts = {s: sum(p.status == s for p in report.proofs) for s in ("proved", "refuted", "unproved")}
     report.layers.append(LayerResult("constraints", status, time.perf_counter() - t0,

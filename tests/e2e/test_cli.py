@@ -143,3 +143,17 @@ def test_recipe_validate_with_model_uses_the_real_plan(tmp_path):
     # the crude (model-free) estimate differs from the planner's exact numbers
     crude = json.loads(invoke("recipe", "validate", rec, "--json").output)
     assert {p["name"]: p for p in crude["proofs"]}["memory"]["message"] != mem["message"]
+
+
+def test_recipe_validate_uses_a_calibration_file(tmp_path):
+    from graphmode.targets.cost import Calibration
+    cal = Calibration(target="host", default_efficiency=0.05, model_efficiency=0.05)
+    path = tmp_path / "cal.json"
+    cal.save(path)
+
+    def sla_messages(*extra):
+        res = invoke("recipe", "validate", RESNET, "--json", *extra)
+        return res.exit_code, [p["message"] for p in json.loads(res.output)["proofs"] if p["name"].startswith("sla")]
+    rc0, plain = sla_messages()
+    rc1, calibrated = sla_messages("--calibration", str(path))
+    assert rc0 == 0 and plain != calibrated       # a 5% efficiency makes every prediction slower
