@@ -201,6 +201,11 @@ def _concrete_types(node: Node, types: Mapping[str, TensorType], where: str) -> 
     return vt
 
 
+def same_footprint(a: TensorType, b: TensorType) -> bool:
+    """An output may take over an input's buffer only if shape and element size agree."""
+    return tuple(a.shape) == tuple(b.shape) and ITEMSIZE[a.dtype] == ITEMSIZE[b.dtype]
+
+
 def generate(node: Node, types: Mapping[str, TensorType], *,
              constants: Mapping[str, torch.Tensor] | None = None) -> KernelSource:
     """C++ for one fused group at concrete shapes.
@@ -733,9 +738,7 @@ class _ElementwiseGen(_Gen):
         for o, k in writes.items():
             ok = []
             for i in inputs:
-                if tuple(self.vt[i].shape) != tuple(self.vt[o].shape):
-                    continue
-                if ITEMSIZE[self.vt[i].dtype] != ITEMSIZE[self.vt[o].dtype]:
+                if not same_footprint(self.vt[i], self.vt[o]):
                     continue
                 if any(i in nest_reads[m] for m in range(k + 1, len(nest_reads))):
                     continue
@@ -1061,9 +1064,7 @@ class _RowGen(_Gen):
             view = self.padded(o, self.space_of(o))
             ok = []
             for i in inputs:
-                if tuple(self.vt[i].shape) != tuple(self.vt[o].shape):
-                    continue
-                if ITEMSIZE[self.vt[i].dtype] != ITEMSIZE[self.vt[o].dtype]:
+                if not same_footprint(self.vt[i], self.vt[o]):
                     continue
                 rd = self.reads.get(i, set())
                 if all(p == -1 or (p <= wpass and v == view) for p, v in rd):
