@@ -133,7 +133,9 @@ def test_cache_hit_and_corrupt_entry_rebuilt(small_resnet, tmp_path):
     ref = _first(cm1(**x))
     assert cm1.events["compile"] == 1
     cm2 = graphmode.compile(small_resnet, rec, cache_dir=tmp_path)
-    assert rel_l2(_first(cm2(**x)), ref) == 0.0
+    # the same plan; not necessarily bit-identical: each executable re-reads the timing cache, and a
+    # shape timed on a busy machine is timed again, so it may pick another (equally checked) tactic
+    assert rel_l2(_first(cm2(**x)), ref) < 1e-5
     assert cm2.events["cache_hit"] == 1 and cm2.events["compile"] == 0
     cache = ArtifactCache(tmp_path)
     entry = next(e for e in cache.entries() if e.key["bucket"] == "batch=2")
@@ -142,12 +144,12 @@ def test_cache_hit_and_corrupt_entry_rebuilt(small_resnet, tmp_path):
     data["arena_bytes"] = 1      # a plausible-looking but wrong plan: the checksum must catch it
     plan.write_text(json.dumps(data))
     cm3 = graphmode.compile(small_resnet, rec, cache_dir=tmp_path)
-    assert rel_l2(_first(cm3(**x)), ref) == 0.0
+    assert rel_l2(_first(cm3(**x)), ref) < 1e-5
     assert cm3.events["compile"] == 1
     assert any(e["event"] == "corrupt" for e in cm3.cache_events)
     (next(e for e in ArtifactCache(tmp_path).entries() if e.key["bucket"] == "batch=2").path / "plan.json").write_text("{")
     cm4 = graphmode.compile(small_resnet, rec, cache_dir=tmp_path)
-    assert rel_l2(_first(cm4(**x)), ref) == 0.0
+    assert rel_l2(_first(cm4(**x)), ref) < 1e-5
 
 
 def test_cache_explain_names_the_differing_field(small_resnet, tmp_path):

@@ -86,7 +86,8 @@ class CpuExecutable:
                 fn = self._bind(ins)
                 if fn is not None:
                     self.steps.append(fn)
-                    self.step_names.append(f"{ins.kind}:{ins.op}")
+                    kind = "native" if ins.kind == "aten" and ins.node_index in self.kernel_fns else ins.kind
+                    self.step_names.append(f"{kind}:{ins.op}")
         finally:
             _ACTIVE.ctx = prev
         self.tactics_report: dict = {}
@@ -122,6 +123,10 @@ class CpuExecutable:
             return _ref_step(lambda: run_node(node, ins_t, env), outs)
         if ins.kind == "fallback":
             return _ref_step(lambda: run_fallback(ins_t, a, env), outs)
+        native = self.kernel_fns.get(ins.node_index)
+        if native is not None:     # a generated kernel for this single op (backends/cpu/native.py)
+            self.generated += 1
+            return native
         return aten_step(ins.op, ins_t, outs, a, env)
 
     # ---- running -------------------------------------------------------------------------
@@ -189,7 +194,12 @@ def aten_step(op: str, ins_t: list[torch.Tensor], outs: list[torch.Tensor], a: M
         s, p, d = _pair(a.get("stride", 1)), _pair(a.get("padding", 0)), _pair(a.get("dilation", 1))
         g = a.get("groups", 1)
         conv = torch.ops.aten.convolution.out
-        return lambda: conv(x0, w, b, s, p, d, False, [0, 0], g, out=y)
+        fn = lambda: conv(x0, w, b, s, p, d, False, [0, 0], g, out=y)  # noqa: E731
+        ctx = tactics if tactics is not None else active_tactics()
+        if ctx is None:
+            return fn
+        from graphmode.backends.cpu.tactics import select_conv
+        return select_conv(ctx, ins_t, outs, a, default=fn)
     if op == "permute":
         x0, perm = ins_t[0], a["perm"]
         return lambda: y.copy_(x0.permute(perm))

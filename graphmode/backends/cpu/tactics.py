@@ -1,4 +1,8 @@
-"""GEMM tactic selection: for every GEMM shape of a plan, ATen or a generated kernel.
+"""GEMM and conv tactic selection: for every GEMM / conv shape of a plan, ATen or a generated kernel.
+
+Convolutions (3x3 stride-1, fp32, constant weight) have ATen and generated Winograd kernels
+(winograd.py: F(4x4) and F(2x2), each over two GEMM blockings) as candidates, checked, timed,
+cached and bound exactly like the GEMMs below; every other conv stays ATen without timing.
 
 Candidates per shape are ATen (`torch.addmm` / `bmm` / `matmul` into the output slot, what
 the executor runs without tactics) and the generated micro-kernels of `gemm.py` in a few
@@ -44,6 +48,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm, host_isas, pack_b
+from graphmode.backends.cpu.winograd import (ConvProblem, WinogradConfig, conv_problem_of, gemm_problem,
+                                             generate_winograd, transform_weight, workspace_numel)
 from graphmode.errors import BackendError
 
 log = logging.getLogger("graphmode.cpu.tactics")
@@ -52,6 +58,7 @@ POLICIES = ("latency_first", "throughput_first", "heuristic")
 CACHE_VERSION = 1
 ATEN = "aten"
 TOLERANCE_F32 = 1e-5
+WINOGRAD_TILES = (4, 2)   # F(4x4, 3x3) first: 4x fewer multiplies; F(2x2) for small images / many channels
 NOISY = 1.5        # median/min of the timing samples above which a measurement counts as noisy
 
 # generated configurations per ISA, best-first for the heuristic (measured on the 16-row
@@ -86,8 +93,10 @@ class Selection:
     medians_s: dict[str, float] = field(default_factory=dict)   # median seconds per candidate (for reports)
 
     @property
-    def config(self) -> GemmConfig | None:
-        return None if self.winner == ATEN else GemmConfig.parse(self.winner)
+    def config(self) -> GemmConfig | WinogradConfig | None:
+        if self.winner == ATEN:
+            return None
+        return WinogradConfig.parse(self.winner) if self.winner.startswith("wino") else GemmConfig.parse(self.winner)
 
     @property
     def speedup_vs_aten(self) -> float | None:
@@ -140,6 +149,23 @@ class GemmStep:
         self.fn = self.default = default
         self.problem = problem
         self.a, self.b, self.bias, self.c = a, b, bias, c
+        self.keep: tuple = ()
+        self.tactic = ATEN
+
+    def __call__(self) -> None:
+        self.fn()
+
+
+class ConvStep:
+    """A plan step for one conv2d: ATen until tuning switches it to a Winograd kernel. `b` is
+    the (constant) weight, named like GemmStep's so the context treats both alike."""
+
+    __slots__ = ("fn", "default", "problem", "a", "b", "bias", "c", "keep", "tactic")
+
+    def __init__(self, default: Callable[[], None], problem: ConvProblem, x, w, bias, y):
+        self.fn = self.default = default
+        self.problem = problem
+        self.a, self.b, self.bias, self.c = x, w, bias, y
         self.keep: tuple = ()
         self.tactic = ATEN
 
@@ -244,6 +270,7 @@ class TacticsContext:
         self.selections: list[Selection] = []
         self.packed: dict[tuple, _Packed] = {}   # the winners' packed weights this context keeps alive
         self._scratch: dict[tuple, Any] = {}      # packs and references while one plan is tuned
+        self._workspaces: dict[tuple, torch.Tensor] = {}   # Winograd scratch of the bound conv steps
         self.stats = {"timed_shapes": 0, "timing_runs": 0, "cache_hits": 0, "cache_misses": 0, "checks": 0,
                       "rejected": 0, "tune_s": 0.0, "build_s": 0.0}
         self.failures: dict[str, str] = {}
@@ -298,6 +325,8 @@ class TacticsContext:
         out = [ATEN]
         if p.dtype != "f32" or not self.generated_available():
             return out
+        if isinstance(p, ConvProblem):
+            return out + self._conv_candidates(p)
         isa = host_isas(self.simd)[0]
         for cfg in self.configs.get(isa, ()):
             if cfg.registers > _registers(isa, self.simd) and isa != "portable":
@@ -311,6 +340,26 @@ class TacticsContext:
                 out.append(eff.name)
         return out
 
+    def _conv_candidates(self, p: ConvProblem) -> list[str]:
+        """Winograd F(4x4) and F(2x2) over the first two GEMM blockings of the host ISA (the
+        transforms do not depend on the blocking; the batched GEMM does)."""
+        if not p.winograd_ok:
+            return []
+        isa = host_isas(self.simd)[0]
+        cfgs = [c for c in self.configs.get(isa, ()) if c.par == "omp"
+                and (c.registers <= _registers(isa, self.simd) or isa == "portable")][:2]
+        out: list[str] = []
+        for m in WINOGRAD_TILES:
+            g = gemm_problem(p, m)
+            one = self.threads == 1 or g.flops < PAR_FLOPS
+            for cfg in cfgs:
+                eff = GemmConfig(cfg.isa, cfg.mr, cfg.nr, cfg.kc if cfg.kc < g.k else 0, cfg.mc if cfg.mc < g.m else 0,
+                                 cfg.split if g.n > cfg.nr and not one else 1, "serial" if one else cfg.par)
+                name = WinogradConfig(m, eff).name
+                if name not in out:
+                    out.append(name)
+        return out
+
     # ---- the executor's side ---------------------------------------------------------------
     def request(self, op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                 default: Callable[[], None]) -> Callable[[], None]:
@@ -321,6 +370,19 @@ class TacticsContext:
             return default
         bias = ins_t[2] if op == "linear" and len(ins_t) > 2 else None
         step = GemmStep(default, p, ins_t[0], ins_t[1], bias, outs[0])
+        self.steps.append(step)
+        self._pending.append(step)
+        return step
+
+    def request_conv(self, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
+                     default: Callable[[], None]) -> Callable[[], None]:
+        """A step for this conv2d: a `ConvStep` tuned at `finalize()`, or `default` when no
+        generated kernel covers it (then it stays ATen without any timing)."""
+        p = conv_problem_of(ins_t, outs, attrs, self.constant_ptrs)
+        if p is None or not p.winograd_ok:
+            return default
+        bias = ins_t[2] if len(ins_t) > 2 else None
+        step = ConvStep(default, p, ins_t[0], ins_t[1], bias, outs[0])
         self.steps.append(step)
         self._pending.append(step)
         return step
@@ -388,7 +450,10 @@ class TacticsContext:
             if name == ATEN:
                 continue
             try:
-                out[name] = generate_gemm(p, GemmConfig.parse(name), self.threads)
+                if isinstance(p, ConvProblem):
+                    out[name] = generate_winograd(p, WinogradConfig.parse(name), self.threads)
+                else:
+                    out[name] = generate_gemm(p, GemmConfig.parse(name), self.threads)
             except BackendError as e:
                 out[name] = e
         return out
@@ -528,6 +593,8 @@ class TacticsContext:
         if not isinstance(k, tuple):
             return f"does not build: {k}"
         self.stats["checks"] += 1
+        if isinstance(p, ConvProblem):
+            return self._check_conv(p, name, step, k[0])
         memo = ("reference", p, step.b.data_ptr())    # one ATen run per shape, shared by the candidates
         if memo not in self._scratch:
             a, b, bias = self._operands(p, step)
@@ -562,6 +629,8 @@ class TacticsContext:
         of one copy. Timing is data-independent, so all candidates share one set of copies
         (each reads it in its own layout: ATen as [N, K], a kernel as its panels); only the
         first copy holds the real weight in every layout's place."""
+        if isinstance(p, ConvProblem):
+            return self._conv_timing_fns(p, names, step, kernels, rejected, keep)
         gen = torch.Generator().manual_seed(self.seed + 2)
         a = torch.randn(p.batch, p.m, p.k, generator=gen)
         c = torch.empty(p.batch, p.m, p.n)
@@ -637,6 +706,9 @@ class TacticsContext:
             step.fn, step.tactic = step.default, ATEN
             return
         p = step.problem
+        if isinstance(p, ConvProblem):
+            self._bind_conv(step, sel.winner, k[0])
+            return
         cfg = GemmConfig.parse(sel.winner)
         if p.b_packed:
             bk = self._packed_weight(step.b, p, cfg.nr)
@@ -661,6 +733,91 @@ class TacticsContext:
             _PACKED[key] = holder
         self.packed[key] = holder
         return holder.t
+
+    # ---- convolutions ----------------------------------------------------------------------------
+    def _conv_weight(self, w: torch.Tensor, cfg: WinogradConfig) -> torch.Tensor:
+        """The Winograd-transformed, packed weight (memoised while one plan is tuned)."""
+        key = ("wino", w.data_ptr(), tuple(w.shape), w._version, cfg.m, cfg.gemm.nr)
+        got = self._scratch.get(key)
+        if got is None:
+            got = self._scratch[key] = transform_weight(w, cfg.m, cfg.gemm.nr)
+        return got
+
+    def _conv_args(self, step: ConvStep, cfg: WinogradConfig, x, u, ws, y) -> list[int]:
+        extra = [step.bias.data_ptr()] if step.problem.bias else []
+        return [x.data_ptr(), u.data_ptr(), *extra, ws.data_ptr(), y.data_ptr()]
+
+    def _check_conv(self, p: ConvProblem, name: str, step: ConvStep, kernel) -> str | None:
+        from graphmode.verify.numerics import rel_l2
+        memo = ("reference", p, step.b.data_ptr())
+        if memo not in self._scratch:
+            gen = torch.Generator().manual_seed(self.seed)
+            x = torch.randn(p.n, p.cin, p.h, p.w, generator=gen)
+            ref = torch.empty(p.n, p.cout, p.ho, p.wo)
+            _conv_aten(p, x, step.b, step.bias, ref)()
+            self._scratch[memo] = (x, ref)
+        x, ref = self._scratch[memo]
+        cfg = WinogradConfig.parse(name)
+        u = self._conv_weight(step.b, cfg)
+        ws = torch.zeros(workspace_numel(p, cfg))
+        y = torch.full((p.n, p.cout, p.ho, p.wo), float("nan"))
+        try:
+            kernel(self._conv_args(step, cfg, x, u, ws, y))
+        except Exception as e:  # noqa: BLE001
+            return f"raised {type(e).__name__}: {e}"
+        err = rel_l2(y, ref)
+        if not err < self.tolerance:
+            return f"rel L2 {err:.2e} vs ATen exceeds {self.tolerance:.0e}"
+        return None
+
+    def _conv_timing_fns(self, p: ConvProblem, names: Sequence[str], step: ConvStep, kernels: Mapping,
+                         rejected: Mapping[str, str], keep: list) -> dict[str, Callable[[], None]]:
+        """As for GEMMs; with `cold`, each candidate rotates over copies of ITS weight (the
+        Winograd weights are 16/9 or 4x the direct ones, which is the point of timing cold)."""
+        gen = torch.Generator().manual_seed(self.seed + 2)
+        x = torch.randn(p.n, p.cin, p.h, p.w, generator=gen)
+        y = torch.empty(p.n, p.cout, p.ho, p.wo)
+        keep += [x, y]
+
+        def copies_of(t: torch.Tensor) -> list[torch.Tensor]:
+            n = max(1, math.ceil(2 * self.llc_bytes / max(t.numel() * 4, 1))) if self.cold else 1
+            out = [t] + [t.clone() for _ in range(n - 1)]
+            keep.extend(out[1:])
+            return out
+
+        fns: dict[str, Callable[[], None]] = {
+            ATEN: _rotate([_conv_aten(p, x, w, step.bias, y) for w in copies_of(step.b)])}
+        for name in names:
+            if name == ATEN or name in rejected:
+                continue
+            cfg = WinogradConfig.parse(name)
+            kern = kernels[(p, name)][0]
+            ws = torch.zeros(workspace_numel(p, cfg))
+            keep.append(ws)
+            fns[name] = _rotate([kern.bind(self._conv_args(step, cfg, x, u, ws, y))
+                                 for u in copies_of(self._conv_weight(step.b, cfg))])
+        return fns
+
+    def _bind_conv(self, step: ConvStep, winner: str, kernel) -> None:
+        cfg = WinogradConfig.parse(winner)
+        p = step.problem
+        key = ("wino", step.b.data_ptr(), tuple(step.b.shape), step.b._version, cfg.m, cfg.gemm.nr)
+        holder = self.packed.get(key) or _PACKED.get(key)
+        if holder is None:
+            t = self._scratch.pop(key, None)
+            holder = _Packed(step.b, t if t is not None else transform_weight(step.b, cfg.m, cfg.gemm.nr))
+            _PACKED[key] = holder
+        self.packed[key] = holder
+        # one workspace per (shape, tile) in this context: steps of one executable never overlap, and a
+        # shape's zero padding border is only ever left zero by the kernels of that same shape
+        ws_key = ("ws", p, cfg.m)
+        ws = self._workspaces.get(ws_key)
+        if ws is None:
+            ws = self._workspaces[ws_key] = torch.zeros(workspace_numel(p, cfg))
+        bufs = [step.a, holder.t] + ([step.bias] if p.bias else []) + [ws, step.c]
+        step.keep = tuple(bufs)
+        step.fn = kernel.bind([t.data_ptr() for t in bufs])
+        step.tactic = winner
 
     # ---- the timing cache ---------------------------------------------------------------------------
     def _cache_path(self, key: Mapping) -> Path | None:
@@ -737,7 +894,7 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
         return []
     st = report.get("steps", {})
     lines = [f"GEMM tactics ({report.get('policy')}, {report.get('threads')} threads): "
-             f"{st.get('generated', 0)}/{st.get('total', 0)} GEMM steps on generated kernels, "
+             f"{st.get('generated', 0)}/{st.get('total', 0)} GEMM/conv steps on generated kernels, "
              f"tuning {report.get('seconds', 0.0):.2f}s"]
     for g in report.get("gemms", []):
         s = f"  {g['gemm']} x{g['uses']}: {g['winner']}"
@@ -783,6 +940,13 @@ def _op_output(p: GemmProblem, c: torch.Tensor) -> torch.Tensor:
     return c if p.op == "matmul" and p.batch > 1 else c.view(p.batch * p.m, p.n)
 
 
+def _conv_aten(p: ConvProblem, x: torch.Tensor, w: torch.Tensor, bias, y: torch.Tensor) -> Callable[[], None]:
+    """The ATen closure the executor runs for conv2d (the `aten` tactic)."""
+    conv = torch.ops.aten.convolution.out
+    s, pad, d, g = list(p.stride), list(p.padding), list(p.dilation), p.groups
+    return lambda: conv(x, w, bias, s, pad, d, False, [0, 0], g, out=y)
+
+
 def aten_fn(op: str, ins_t: Sequence[torch.Tensor], y: torch.Tensor) -> Callable[[], None]:
     """The ATen closure the executor runs for linear / matmul (the `aten` tactic)."""
     from graphmode.backends.cpu.executor import _gemm_closure
@@ -820,5 +984,13 @@ def select_gemm(ctx: TacticsContext | None, op: str, ins_t: Sequence[torch.Tenso
     return ctx.request(op, ins_t, outs, default)
 
 
-__all__ = ["TacticsContext", "Selection", "GemmStep", "select_gemm", "problem_of", "aten_fn", "report_lines",
+def select_conv(ctx: TacticsContext | None, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                attrs: Mapping, default: Callable[[], None]) -> Callable[[], None]:
+    """The executor's entry point for `conv2d` (see `select_gemm`)."""
+    if ctx is None:
+        return default
+    return ctx.request_conv(ins_t, outs, attrs, default)
+
+
+__all__ = ["TacticsContext", "Selection", "GemmStep", "ConvStep", "select_gemm", "select_conv", "problem_of", "aten_fn", "report_lines",
            "POLICIES", "CONFIGS", "ATEN"]

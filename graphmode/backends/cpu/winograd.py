@@ -1,0 +1,400 @@
+"""Generated Winograd convolution for 3x3 stride-1 conv2d (fp32, NCHW).
+
+Why: a 3x3 convolution computed directly costs 9 multiply-adds per input channel and output
+pixel. Winograd's minimal filtering F(m x m, 3 x 3) computes an m x m output tile from an
+(m+2) x (m+2) input patch with (m+2)^2 multiplies per channel pair instead of 9 m^2: 2.25x
+fewer for F(2x2), 4x fewer for F(4x4). ResNet-18's 3x3 stride-1 convolutions are ~80% of its
+FLOPs and already run near the FMA peak directly, so only fewer FLOPs make them faster.
+
+The algorithm as four phases of one kernel (Lavin & Gray, 2015), with T = N * ceil(Ho/m) *
+ceil(Wo/m) tiles, alpha = m + 2, channels padded to multiples of 16 (CP, COP):
+
+1. NCHW input -> zero-padded NHWC scratch (channels innermost, so that 16 channels are one
+   vector and the patch of a tile needs no bounds checks: the border stays zero);
+2. input transform V[xi][t][c] = (B^T d B)[xi] per tile and channel vector;
+3. alpha^2 independent GEMMs M[xi] = V[xi] @ U[xi] ([T, CP] @ [CP, COP]) on the generated
+   micro-kernel of gemm.py, U being the transformed weight G g G^T, computed once at bind
+   time in float64 and packed into the micro-kernel's panels like any constant weight;
+4. output transform y = A^T M A (+ bias), written back to NCHW (partial edge tiles masked).
+
+The transforms are straight-line code generated from the matrices below over GCC vector
+types of 16 floats, which the compiler lowers to the host's widest ISA (AVX-512, 2x AVX2,
+or scalar code), so one generator serves every host. Numerics: F(2x2) loses nothing
+measurable; F(4x4)'s transforms amplify rounding by a small factor (rel L2 ~1e-6 vs direct
+fp32 on random data) and tactic selection checks every candidate against ATen before it
+may win. The workspace (padded input, V, M) belongs to the plan step.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from fractions import Fraction as Fr
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
+from graphmode.errors import BackendError
+from graphmode.ir.types import TensorType
+
+VEC = 16          # channels per vector of the transforms (GCC vector type; split on narrower ISAs)
+TILES = (2, 4)    # supported output tile sizes m of F(m x m, 3 x 3)
+
+# F(m, 3) matrices: B^T (alpha x alpha), G (alpha x 3), A^T (m x alpha); points 0, +-1, +-2, inf
+_MATRICES: dict[int, tuple[list[list[Fr]], list[list[Fr]], list[list[Fr]]]] = {
+    2: ([[Fr(1), Fr(0), Fr(-1), Fr(0)],
+         [Fr(0), Fr(1), Fr(1), Fr(0)],
+         [Fr(0), Fr(-1), Fr(1), Fr(0)],
+         [Fr(0), Fr(1), Fr(0), Fr(-1)]],
+        [[Fr(1), Fr(0), Fr(0)],
+         [Fr(1, 2), Fr(1, 2), Fr(1, 2)],
+         [Fr(1, 2), Fr(-1, 2), Fr(1, 2)],
+         [Fr(0), Fr(0), Fr(1)]],
+        [[Fr(1), Fr(1), Fr(1), Fr(0)],
+         [Fr(0), Fr(1), Fr(-1), Fr(-1)]]),
+    4: ([[Fr(4), Fr(0), Fr(-5), Fr(0), Fr(1), Fr(0)],
+         [Fr(0), Fr(-4), Fr(-4), Fr(1), Fr(1), Fr(0)],
+         [Fr(0), Fr(4), Fr(-4), Fr(-1), Fr(1), Fr(0)],
+         [Fr(0), Fr(-2), Fr(-1), Fr(2), Fr(1), Fr(0)],
+         [Fr(0), Fr(2), Fr(-1), Fr(-2), Fr(1), Fr(0)],
+         [Fr(0), Fr(4), Fr(0), Fr(-5), Fr(0), Fr(1)]],
+        [[Fr(1, 4), Fr(0), Fr(0)],
+         [Fr(-1, 6), Fr(-1, 6), Fr(-1, 6)],
+         [Fr(-1, 6), Fr(1, 6), Fr(-1, 6)],
+         [Fr(1, 24), Fr(1, 12), Fr(1, 6)],
+         [Fr(1, 24), Fr(-1, 12), Fr(1, 6)],
+         [Fr(0), Fr(0), Fr(1)]],
+        [[Fr(1), Fr(1), Fr(1), Fr(1), Fr(1), Fr(0)],
+         [Fr(0), Fr(1), Fr(-1), Fr(2), Fr(-2), Fr(0)],
+         [Fr(0), Fr(1), Fr(1), Fr(4), Fr(4), Fr(0)],
+         [Fr(0), Fr(1), Fr(-1), Fr(8), Fr(-8), Fr(1)]]),
+}
+
+
+@dataclass(frozen=True)
+class ConvProblem:
+    """One conv2d instance as the executor sees it (NCHW, fp32, constant weight)."""
+
+    n: int
+    cin: int
+    h: int
+    w: int
+    cout: int
+    kh: int
+    kw: int
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+    bias: bool = False
+    dtype: str = "f32"
+    op: str = "conv2d"
+
+    @property
+    def ho(self) -> int:
+        return (self.h + 2 * self.padding[0] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
+
+    @property
+    def wo(self) -> int:
+        return (self.w + 2 * self.padding[1] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
+
+    @property
+    def flops(self) -> float:
+        """Direct-convolution FLOPs (what the GFLOP/s of every candidate are quoted against)."""
+        return 2.0 * self.n * self.cout * self.ho * self.wo * self.cin // self.groups * self.kh * self.kw
+
+    @property
+    def text(self) -> str:
+        s = f"s{self.stride[0]}" if self.stride[0] == self.stride[1] else f"s{self.stride[0]}x{self.stride[1]}"
+        p = f"p{self.padding[0]}" if self.padding[0] == self.padding[1] else f"p{self.padding[0]}x{self.padding[1]}"
+        extra = "+bias" if self.bias else ""
+        return (f"conv2d {self.n}x{self.cin}x{self.h}x{self.w} * {self.cout}x{self.cin // self.groups}x{self.kh}x"
+                f"{self.kw} {s} {p}{extra} {self.dtype}")
+
+    def key(self) -> dict:
+        return {"op": self.op, "n": self.n, "cin": self.cin, "h": self.h, "w": self.w, "cout": self.cout,
+                "kh": self.kh, "kw": self.kw, "stride": list(self.stride), "padding": list(self.padding),
+                "dilation": list(self.dilation), "groups": self.groups, "bias": self.bias, "dtype": self.dtype}
+
+    @property
+    def b_packed(self) -> bool:
+        """The weight is a constant transformed ahead of time (what GemmProblem calls packed)."""
+        return True
+
+    @property
+    def winograd_ok(self) -> bool:
+        return (self.kh, self.kw) == (3, 3) and self.stride == (1, 1) and self.dilation == (1, 1) \
+            and self.groups == 1 and self.dtype == "f32" and self.ho > 0 and self.wo > 0 \
+            and max(self.padding) <= 2
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v[0]), int(v[1])) if isinstance(v, (list, tuple)) else (int(v), int(v))
+
+
+def conv_problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
+                    constant_ptrs: Mapping[int, Any] | set[int] | None = None) -> ConvProblem | None:
+    """The conv a step computes, or None when only ATen can run it (non-f32, non-contiguous,
+    a weight that is not a constant, not 4-d)."""
+    x, wt, y = ins_t[0], ins_t[1], outs[0]
+    tensors = list(ins_t) + [y]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        return None
+    if x.dim() != 4 or wt.dim() != 4 or wt.data_ptr() not in (constant_ptrs or ()):
+        return None
+    groups = int(attrs.get("groups", 1) or 1)
+    p = ConvProblem(x.shape[0], x.shape[1], x.shape[2], x.shape[3], wt.shape[0], wt.shape[2], wt.shape[3],
+                    _pair(attrs.get("stride", 1)), _pair(attrs.get("padding", 0)), _pair(attrs.get("dilation", 1)),
+                    groups, bias=len(ins_t) > 2 and ins_t[2] is not None)
+    if tuple(y.shape) != (p.n, p.cout, p.ho, p.wo) or wt.shape[1] * groups != p.cin:
+        return None
+    return p
+
+
+# ------------------------------------------------------------------------------ configuration
+
+@dataclass(frozen=True)
+class WinogradConfig:
+    """A Winograd candidate: the output tile m and the blocking of its batched GEMM."""
+
+    m: int
+    gemm: GemmConfig
+
+    def __post_init__(self):
+        if self.m not in TILES:
+            raise BackendError(f"unsupported Winograd tile F({self.m}x{self.m}, 3x3)", value=self.m,
+                               fix=f"one of {TILES}")
+
+    @property
+    def name(self) -> str:
+        return f"wino{self.m}_{self.gemm.name}"
+
+    @staticmethod
+    def parse(name: str) -> "WinogradConfig":
+        head, _, rest = name.partition("_")
+        if not head.startswith("wino") or not head[4:].isdigit():
+            raise BackendError(f"not a Winograd candidate name: {name!r}", value=name)
+        return WinogradConfig(int(head[4:]), GemmConfig.parse(rest))
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    m: int
+    alpha: int
+    th: int
+    tw: int
+    t: int
+    cp: int
+    cop: int
+    hp: int
+    wp: int
+
+    def sizes(self, n: int) -> tuple[int, int, int]:
+        """Floats of the padded input, V and M."""
+        a2 = self.alpha * self.alpha
+        return n * self.hp * self.wp * self.cp, a2 * self.t * self.cp, a2 * self.t * self.cop
+
+
+def geometry(p: ConvProblem, m: int) -> _Geometry:
+    alpha = m + 2
+    th, tw = math.ceil(p.ho / m), math.ceil(p.wo / m)
+    cp, cop = math.ceil(p.cin / VEC) * VEC, math.ceil(p.cout / VEC) * VEC
+    return _Geometry(m, alpha, th, tw, p.n * th * tw, cp, cop, th * m + 2, tw * m + 2)
+
+
+def workspace_numel(p: ConvProblem, cfg: WinogradConfig) -> int:
+    g = geometry(p, cfg.m)
+    return sum(g.sizes(p.n))
+
+
+def gemm_problem(p: ConvProblem, m: int) -> GemmProblem:
+    g = geometry(p, m)
+    return GemmProblem("matmul", g.alpha * g.alpha, g.t, g.cop, g.cp, b_packed=True, b_batched=True)
+
+
+# ------------------------------------------------------------------------------ the weights
+
+def transform_weight(w: torch.Tensor, m: int, nr: int) -> torch.Tensor:
+    """U = G g G^T per (out, in) channel pair, computed in float64, laid out [alpha^2, CP, COP]
+    (zero-padded channels) and packed per tile position for panels of `nr` columns."""
+    if w.dim() != 4 or tuple(w.shape[2:]) != (3, 3):
+        raise BackendError("Winograd needs a 3x3 conv weight", value=tuple(w.shape))
+    _, gm, _ = _MATRICES[m]
+    alpha = m + 2
+    cout, cin = w.shape[0], w.shape[1]
+    cp, cop = math.ceil(cin / VEC) * VEC, math.ceil(cout / VEC) * VEC
+    g = torch.tensor([[float(v) for v in row] for row in gm], dtype=torch.float64)
+    u = g @ w.to(torch.float64) @ g.t()                         # [cout, cin, alpha, alpha]
+    u = u.permute(2, 3, 1, 0).reshape(alpha * alpha, cin, cout)  # [xi, cin, cout]
+    full = torch.zeros(alpha * alpha, cp, cop, dtype=torch.float32)
+    full[:, :cin, :cout] = u.to(torch.float32)
+    return torch.cat([pack_b(full[i], nr, transposed=False).reshape(-1) for i in range(alpha * alpha)])
+
+
+def transformed_numel(p: ConvProblem, m: int, nr: int) -> int:
+    g = geometry(p, m)
+    return g.alpha * g.alpha * packed_numel(g.cop, g.cp, nr)
+
+
+# ------------------------------------------------------------------------------ generation
+
+_COMMON = r"""
+#ifndef GM_WINO_COMMON_H
+#define GM_WINO_COMMON_H
+typedef float gm_v16 __attribute__((vector_size(64)));
+typedef float gm_v16u __attribute__((vector_size(64), aligned(4)));
+GM_INLINE gm_v16 gm_ld16(const float* p) { return *(const gm_v16u*)p; }
+GM_INLINE void gm_st16(float* p, gm_v16 v) { *(gm_v16u*)p = v; }
+#endif
+"""
+
+
+def _lin(coefs: Sequence[Fr], terms: Sequence[str]) -> str:
+    """sum_i coefs[i] * terms[i] as C, skipping zeros and multiplies by +-1."""
+    out: list[str] = []
+    for c, t in zip(coefs, terms):
+        if c == 0:
+            continue
+        mag = abs(c)
+        mul = t if mag == 1 else f"{t} * {float(mag)!r}f"
+        if not out:
+            out.append(mul if c > 0 else f"-({mul})")
+        else:
+            out.append(f"{'+' if c > 0 else '-'} {mul}")
+    return " ".join(out) if out else "gm_v16{}"
+
+
+def _transform(mat: Sequence[Sequence[Fr]], src: str, dst: str, n_in: int) -> list[str]:
+    """dst = mat @ src @ mat^T over a 2-D array of vectors `src[n_in][n_in]` (straight-line)."""
+    rows = len(mat)
+    lines = [f"gm_v16 {dst}_t[{rows}][{n_in}];", f"gm_v16 {dst}[{rows}][{rows}];"]
+    for i in range(rows):
+        for c in range(n_in):
+            lines.append(f"{dst}_t[{i}][{c}] = {_lin(mat[i], [f'{src}[{r}][{c}]' for r in range(n_in)])};")
+    for i in range(rows):
+        for j in range(rows):
+            lines.append(f"{dst}[{i}][{j}] = {_lin(mat[j], [f'{dst}_t[{i}][{c}]' for c in range(n_in)])};")
+    return lines
+
+
+def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> KernelSource:
+    """`symbol(x, u, [bias,] ws, y)`: u from `transform_weight(w, cfg.m, cfg.gemm.nr)`, ws a
+    zero-initialised float workspace of `workspace_numel(p, cfg)` (its padding must stay zero)."""
+    if not p.winograd_ok:
+        raise BackendError(f"Winograd F(mx3) covers 3x3 stride-1 undilated ungrouped f32 convs, not {p.text}",
+                           where=p.text, fix="the ATen tactic runs it")
+    g = geometry(p, cfg.m)
+    bt, _, at = _MATRICES[cfg.m]
+    gp = gemm_problem(p, cfg.m)
+    gsrc = generate_gemm(gp, cfg.gemm, threads)
+    gemm_text = gsrc.source.replace(gsrc.symbol, "@SYM@_g")
+    xp_n, v_n, _ = g.sizes(p.n)
+    a = g.alpha
+    par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
+    in_tr = _transform(bt, "d", "v", a)
+    out_tr = _transform(at, "q", "o", a)
+    lines = [
+        "namespace {",
+        f"constexpr long @SYM@_N = {p.n}, @SYM@_C = {p.cin}, @SYM@_H = {p.h}, @SYM@_W = {p.w}, "
+        f"@SYM@_CO = {p.cout}, @SYM@_HO = {p.ho}, @SYM@_WO = {p.wo};",
+        f"constexpr long @SYM@_PH = {p.padding[0]}, @SYM@_PW = {p.padding[1]}, @SYM@_TH = {g.th}, "
+        f"@SYM@_TW = {g.tw}, @SYM@_T = {g.t};",
+        f"constexpr long @SYM@_CP = {g.cp}, @SYM@_COP = {g.cop}, @SYM@_HP = {g.hp}, @SYM@_WP = {g.wp};",
+        # 1. NCHW -> zero-padded NHWC, 16x16 blocks through a stack tile
+        "void @SYM@_pack(const float* __restrict x, float* __restrict xp) {",
+        f"  {par}",
+        "  for (long r = 0; r < @SYM@_N * @SYM@_H; ++r) {",
+        "    const long n = r / @SYM@_H, iy = r % @SYM@_H;",
+        "    const float* xs = x + (n * @SYM@_C * @SYM@_H + iy) * @SYM@_W;",
+        "    float* xd = xp + ((n * @SYM@_HP + iy + @SYM@_PH) * @SYM@_WP + @SYM@_PW) * @SYM@_CP;",
+        "    for (long c0 = 0; c0 < @SYM@_C; c0 += 16) {",
+        "      const long cn = @SYM@_C - c0 < 16 ? @SYM@_C - c0 : 16;",
+        "      for (long x0 = 0; x0 < @SYM@_W; x0 += 16) {",
+        "        const long xn = @SYM@_W - x0 < 16 ? @SYM@_W - x0 : 16;",
+        "        float tile[16][16];",
+        "        for (long c = 0; c < cn; ++c)",
+        "          for (long i = 0; i < xn; ++i) tile[i][c] = xs[(c0 + c) * @SYM@_H * @SYM@_W + x0 + i];",
+        "        for (long i = 0; i < xn; ++i)",
+        "          for (long c = 0; c < cn; ++c) xd[(x0 + i) * @SYM@_CP + c0 + c] = tile[i][c];",
+        "      }",
+        "    }",
+        "  }",
+        "}",
+        # 2. input transform
+        "void @SYM@_in(const float* __restrict xp, float* __restrict V) {",
+        f"  {par}",
+        "  for (long t = 0; t < @SYM@_T; ++t) {",
+        "    const long n = t / (@SYM@_TH * @SYM@_TW), ty = (t / @SYM@_TW) % @SYM@_TH, tx = t % @SYM@_TW;",
+        f"    const float* base = xp + ((n * @SYM@_HP + ty * {g.m}) * @SYM@_WP + tx * {g.m}) * @SYM@_CP;",
+        "    for (long cv = 0; cv < @SYM@_CP; cv += 16) {",
+        f"      gm_v16 d[{a}][{a}];",
+        f"      for (int r = 0; r < {a}; ++r)",
+        f"        for (int c = 0; c < {a}; ++c) d[r][c] = gm_ld16(base + (r * @SYM@_WP + c) * @SYM@_CP + cv);",
+        *("      " + ln for ln in in_tr),
+        f"      for (int i = 0; i < {a}; ++i)",
+        f"        for (int j = 0; j < {a}; ++j) gm_st16(V + ((i * {a} + j) * @SYM@_T + t) * @SYM@_CP + cv, v[i][j]);",
+        "    }",
+        "  }",
+        "}",
+        # 4. output transform (+ bias) back to NCHW
+        "void @SYM@_out(const float* __restrict M, const float* __restrict bias, float* __restrict y) {",
+        f"  {par}",
+        "  for (long t = 0; t < @SYM@_T; ++t) {",
+        "    const long n = t / (@SYM@_TH * @SYM@_TW), ty = (t / @SYM@_TW) % @SYM@_TH, tx = t % @SYM@_TW;",
+        f"    const long vi = @SYM@_HO - ty * {g.m} < {g.m} ? @SYM@_HO - ty * {g.m} : {g.m};",
+        f"    const long vj = @SYM@_WO - tx * {g.m} < {g.m} ? @SYM@_WO - tx * {g.m} : {g.m};",
+        "    for (long cv = 0; cv < @SYM@_COP; cv += 16) {",
+        f"      gm_v16 q[{a}][{a}];",
+        f"      for (int r = 0; r < {a}; ++r)",
+        f"        for (int c = 0; c < {a}; ++c) q[r][c] = gm_ld16(M + ((r * {a} + c) * @SYM@_T + t) * @SYM@_COP + cv);",
+        *("      " + ln for ln in out_tr),
+        "      const long cn = @SYM@_CO - cv < 16 ? @SYM@_CO - cv : 16;",
+        "      float bb[16];",
+        "      for (int l = 0; l < 16; ++l) bb[l] = (bias && l < cn) ? bias[cv + l] : 0.0f;",
+        "      const gm_v16 bv = gm_ld16(bb);",
+        f"      float buf[{g.m * g.m}][16];",
+        f"      for (int i = 0; i < {g.m}; ++i)",
+        f"        for (int j = 0; j < {g.m}; ++j) gm_st16(buf[i * {g.m} + j], o[i][j] + bv);",
+        "      for (long l = 0; l < cn; ++l) {",
+        f"        float* yo = y + ((n * @SYM@_CO + cv + l) * @SYM@_HO + ty * {g.m}) * @SYM@_WO + tx * {g.m};",
+        "        for (long i = 0; i < vi; ++i)",
+        f"          for (long j = 0; j < vj; ++j) yo[i * @SYM@_WO + j] = buf[i * {g.m} + j][l];",
+        "      }",
+        "    }",
+        "  }",
+        "}",
+        "}  // namespace",
+    ]
+    inputs = ("x", "u", "bias", "ws") if p.bias else ("x", "u", "ws")
+    params = ", ".join(f"void* p{i}" for i in range(len(inputs) + 1))
+    bias = "(const float*)p2" if p.bias else "nullptr"
+    ws = f"p{len(inputs) - 1}"
+    lines += [
+        f"GM_EXPORT void @SYM@({params}) {{",
+        f"  float* xp = (float*){ws};",
+        f"  float* V = xp + {xp_n}L;",
+        f"  float* M = V + {v_n}L;",
+        "  @SYM@_pack((const float*)p0, xp);",
+        "  @SYM@_in(xp, V);",
+        "  @SYM@_g(V, p1, M);",
+        f"  @SYM@_out(M, {bias}, (float*)p{len(inputs)});",
+        "}",
+        f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({', '.join(f'p[{i}]' for i in range(len(inputs) + 1))}); }}",
+    ]
+    text = gemm_text + _COMMON + "\n".join(lines) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    symbol = f"gm_wino_{digest}"
+    types = {"x": TensorType("f32", (p.n, p.cin, p.h, p.w)),
+             "u": TensorType("f32", (transformed_numel(p, cfg.m, cfg.gemm.nr),)),
+             "ws": TensorType("f32", (workspace_numel(p, cfg),)),
+             "y": TensorType("f32", (p.n, p.cout, p.ho, p.wo))}
+    if p.bias:
+        types["bias"] = TensorType("f32", (p.cout,))
+    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=inputs, outputs=("y",),
+                        types=types, kind="winograd", parallel=threads != 1, pattern=f"{p.text} [{cfg.name}]")
+
+
+__all__ = ["ConvProblem", "WinogradConfig", "conv_problem_of", "generate_winograd", "transform_weight",
+           "workspace_numel", "transformed_numel", "gemm_problem", "geometry", "TILES"]
