@@ -1,4 +1,5 @@
-"""Generated kernels for a plan's fused instructions, bound to fixed arena addresses.
+"""Generated kernels for a plan's fused instructions (and the single ops of native.py),
+bound to fixed arena addresses.
 
 All kernels of one plan go into one shared library (one compiler run, cached by content).
 A group the generator cannot express (BackendError), or one the compiler rejects, keeps the
@@ -15,6 +16,7 @@ import torch
 from graphmode.backends.cpu.build import KernelBuilder
 from graphmode.backends.cpu.codegen import KernelSource, generate
 from graphmode.backends.cpu.executor import KernelProvider, aten_step
+from graphmode.backends.cpu.native import native_ops, native_source
 from graphmode.errors import BackendError
 from graphmode.ir.types import DTYPES, TensorType
 from graphmode.plan.execution import ExecutionPlan
@@ -46,7 +48,18 @@ class GeneratedKernels(KernelProvider):
             return {}
         sources: dict[int, KernelSource] = {}
         special = {}
+        natives = native_ops()
         for ins in plan.instructions:
+            if ins.kind == "aten" and ins.op in natives:
+                try:
+                    ks = native_source(ins.op, [views[i] for i in ins.inputs], [views[o] for o in ins.outputs],
+                                       ins.attrs, plan.env, ins.inputs, ins.outputs)
+                except BackendError as e:
+                    self.report["fallbacks"][f"%{ins.outputs[0]}"] = e.message
+                    continue
+                if ks is not None:
+                    sources[ins.node_index] = ks
+                continue
             if ins.kind != "kernel":
                 continue
             node = special[ins.node_index] = specialize(plan.body_graphs[ins.node_index], plan.env)
@@ -63,12 +76,15 @@ class GeneratedKernels(KernelProvider):
         steps: dict[int, Callable[[], None]] = {}
         for idx, ks in sources.items():
             k = kernels.get(ks.symbol)
-            node = special[idx]
             if k is None:
-                self.report["fallbacks"][f"%{node.outputs[0]}"] = self.builder.failures.get(ks.symbol, "not built")
+                self.report["fallbacks"][f"%{ks.outputs[0]}"] = self.builder.failures.get(ks.symbol, "not built")
                 continue
-            steps[idx] = self._bind(ks, k, node, views, plan.env)
-            self.report["generated"] += 1
+            if idx in special:
+                steps[idx] = self._bind(ks, k, special[idx], views, plan.env)
+                self.report["generated"] += 1
+            else:
+                steps[idx] = k.bind([views[a].data_ptr() for a in ks.args])
+                self.report["native"] = self.report.get("native", 0) + 1
         return steps
 
     def _bind(self, ks: KernelSource, kernel, node, views, env) -> Callable[[], None]:
