@@ -1,9 +1,10 @@
-"""Generated Winograd convolution (graphmode/backends/cpu/winograd.py) and its tactic selection.
+"""Generated convolutions (backends/cpu/winograd.py, im2col.py) and their tactic selection.
 
-Numerics of F(2x2) and F(4x4) against ATen's direct convolution on awkward shapes (padding
-0/1/2, edge tiles, channel counts that are not multiples of the vector width, batch > 1),
-the weight transform, the conv tactics of TacticsContext (check, timing cache, binding) and
-the executor path on a small CNN. Nothing here asserts on a timing.
+Numerics of Winograd F(2x2) and F(4x4) and of im2col GEMMs against ATen's direct convolution
+on awkward shapes (padding 0/1/2, strides, dilation, 1x1 and 7x7 kernels, edge tiles, channel
+counts that are not multiples of the vector width, batch > 1), the weight transform, the conv
+tactics of TacticsContext (check, timing cache, binding) and the executor path on a small
+CNN. Nothing here asserts on a timing.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import torch
 
 from graphmode.backends.cpu.build import KernelBuilder
 from graphmode.backends.cpu.gemm import GemmConfig
+from graphmode.backends.cpu.conv import ConvProblem, conv_config, conv_problem_of
+from graphmode.backends.cpu.im2col import Im2colConfig, prepared_numel
 from graphmode.backends.cpu.tactics import ATEN, ConvStep, TacticsContext
-from graphmode.backends.cpu.winograd import (ConvProblem, WinogradConfig, conv_problem_of, generate_winograd,
-                                             transform_weight, transformed_numel, workspace_numel)
+from graphmode.backends.cpu.winograd import (WinogradConfig, generate_winograd, transform_weight,
+                                             transformed_numel, workspace_numel)
 from graphmode.errors import BackendError
 from graphmode.verify.numerics import rel_l2
 
@@ -78,6 +81,44 @@ def test_winograd_matches_direct_conv(built, shape):
             assert err < (1e-6 if cfg.m == 2 else 5e-6), (p.text, cfg.name, err)
 
 
+# (n, cin, h, w, cout, k, stride, padding, dilation, bias)
+IM2COL = [
+    (1, 3, 23, 20, 16, 7, 2, 3, 1, True),     # a ResNet-like stem
+    (2, 16, 9, 9, 24, 3, 2, 1, 1, False),     # stride 2, odd size
+    (1, 20, 8, 8, 33, 1, 2, 0, 1, True),      # 1x1 downsample
+    (2, 18, 7, 6, 10, 1, 1, 0, 1, True),      # 1x1 stride 1: no patch matrix
+    (1, 8, 10, 10, 8, 3, 1, 2, 2, True),      # dilated
+    (1, 5, 6, 7, 9, 3, 1, 1, 1, False),
+]
+IM2COL_CFGS = [Im2colConfig(GemmConfig("avx512", 8, 32)), Im2colConfig(GemmConfig("avx2", 6, 16, 16, 12, par="serial"))]
+
+
+def _im2col_problem(n, cin, h, w, cout, k, s, pad, d, bias) -> ConvProblem:
+    return ConvProblem(n, cin, h, w, cout, k, k, (s, s), (pad, pad), (d, d), bias=bias)
+
+
+@needs_cxx
+def test_im2col_matches_direct_conv(tmp_path):
+    builder = KernelBuilder(tmp_path / "k", threads=2)
+    cases = [(s, cfg, cfg.generate(_im2col_problem(*s), 2)) for s in IM2COL for cfg in IM2COL_CFGS]
+    kernels = builder.build_many([c[2] for c in cases])
+    for shape, cfg, src in cases:
+        n, cin, h, w, cout, k, st, pad, d, has_bias = shape
+        g = torch.Generator().manual_seed(sum(shape))
+        x = torch.randn(n, cin, h, w, generator=g)
+        wt = torch.randn(cout, cin, k, k, generator=g)
+        bias = torch.randn(cout, generator=g) if has_bias else None
+        ref = torch.nn.functional.conv2d(x, wt, bias, stride=st, padding=pad, dilation=d)
+        p = _im2col_problem(*shape)
+        wp = cfg.prepare_weight(wt)
+        assert wp.numel() == prepared_numel(p, cfg.gemm.nr) and (p.ho, p.wo) == tuple(ref.shape[2:])
+        ws = torch.zeros(cfg.workspace_numel(p))
+        for _ in range(2):
+            y = torch.full_like(ref, float("nan"))
+            kernels[src.symbol]([t.data_ptr() for t in [x, wp] + ([bias] if has_bias else []) + [ws, y]])
+            assert rel_l2(y, ref) < 1e-6, (p.text, cfg.name, rel_l2(y, ref))
+
+
 def test_problem_and_names():
     x, w, y = torch.zeros(1, 8, 10, 10), torch.zeros(16, 8, 3, 3), torch.zeros(1, 16, 10, 10)
     attrs = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
@@ -87,11 +128,13 @@ def test_problem_and_names():
     assert p.flops == 2 * 16 * 100 * 8 * 9
     assert "conv2d 1x8x10x10 * 16x8x3x3 s1 p1" in p.text
     s2 = ConvProblem(1, 8, 10, 10, 16, 3, 3, (2, 2), (1, 1))
-    assert not s2.winograd_ok
+    assert not s2.winograd_ok and IM2COL_CFGS[0].applies(s2) and not CFGS[0].applies(s2)
     with pytest.raises(BackendError, match="3x3 stride-1"):
         generate_winograd(s2, CFGS[0], 2)
-    for cfg in CFGS:
-        assert WinogradConfig.parse(cfg.name) == cfg
+    for cfg in CFGS + IM2COL_CFGS:
+        assert conv_config(cfg.name) == cfg
+    with pytest.raises(BackendError):
+        conv_config("avx2_6x16_kall_mall")
     with pytest.raises(BackendError):
         WinogradConfig(3, GemmConfig("avx2", 6, 16))
     with pytest.raises(BackendError):
@@ -142,8 +185,7 @@ def test_conv_tactics_select_check_cache_and_bind(tmp_path):
     step = _conv_step(ctx, x, w, b, y, attrs)
     assert isinstance(step, ConvStep)
     names = ctx.candidates(step.problem)
-    assert names[0] == ATEN and any(n.startswith("wino4_") for n in names) and any(n.startswith("wino2_")
-                                                                                   for n in names)
+    assert names[0] == ATEN and {n.split("_")[0] for n in names[1:]} == {"wino4", "wino2", "im2col"}
     (sel,) = ctx.finalize()
     assert not sel.rejected and set(sel.timings_s) == set(names) and sel.winner in names
     assert ctx.cold is True
@@ -171,14 +213,20 @@ def test_conv_tactics_select_check_cache_and_bind(tmp_path):
 
 
 @needs_cxx
-def test_conv_tactics_leave_other_convs_to_aten(tmp_path):
+def test_conv_tactics_strided_and_grouped(tmp_path):
     ctx = _ctx(tmp_path)
     x, w, b = torch.randn(1, 8, 9, 9), torch.randn(8, 8, 3, 3), torch.randn(8)
     y = torch.empty(1, 8, 5, 5)
-    default = _conv_step(ctx, x, w, b, y, {"stride": [2, 2], "padding": [1, 1], "dilation": [1, 1], "groups": 1})
-    assert not isinstance(default, ConvStep) and ctx.finalize() == []
-    default()
+    step = _conv_step(ctx, x, w, b, y, {"stride": [2, 2], "padding": [1, 1], "dilation": [1, 1], "groups": 1})
+    assert isinstance(step, ConvStep)
+    assert [n.split("_")[0] for n in ctx.candidates(step.problem)[1:]] == ["im2col"] * 2   # no Winograd at stride 2
+    ctx.finalize()
+    step()
     assert rel_l2(y, torch.nn.functional.conv2d(x, w, b, stride=2, padding=1)) < 1e-6
+    wg = torch.randn(8, 4, 3, 3)                      # grouped: ATen without timing
+    default = _conv_step(ctx, x, wg, b, torch.empty(1, 8, 9, 9),
+                         {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 2})
+    assert not isinstance(default, ConvStep) and ctx.finalize() == []
 
 
 class _Cnn(torch.nn.Module):
@@ -216,4 +264,4 @@ def test_executor_runs_winograd_convs_matching_eager(tmp_path):
         assert rel_l2(cm(x), ref) < 1e-5
         rep = cm.executable({"batch": batch}).tactics_report
         convs = [g for g in rep["gemms"] if g["shape"]["op"] == "conv2d"]
-        assert len(convs) == 2 and all(g["shape"]["stride"] == [1, 1] for g in convs), rep["gemms"]
+        assert len(convs) == 3 and {tuple(g["shape"]["stride"]) for g in convs} == {(1, 1), (2, 2)}, rep["gemms"]

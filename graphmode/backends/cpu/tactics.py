@@ -1,8 +1,9 @@
 """GEMM and conv tactic selection: for every GEMM / conv shape of a plan, ATen or a generated kernel.
 
-Convolutions (3x3 stride-1, fp32, constant weight) have ATen and generated Winograd kernels
-(winograd.py: F(4x4) and F(2x2), each over two GEMM blockings) as candidates, checked, timed,
-cached and bound exactly like the GEMMs below; every other conv stays ATen without timing.
+Convolutions (ungrouped, fp32, constant weight) have ATen, generated Winograd kernels for
+3x3 stride 1 (winograd.py: F(4x4) and F(2x2)) and generated im2col GEMMs (im2col.py) as
+candidates, each over two GEMM blockings, checked, timed, cached and bound exactly like the
+GEMMs below; grouped convs stay ATen without timing.
 
 Candidates per shape are ATen (`torch.addmm` / `bmm` / `matmul` into the output slot, what
 the executor runs without tactics) and the generated micro-kernels of `gemm.py` in a few
@@ -48,8 +49,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm, host_isas, pack_b
-from graphmode.backends.cpu.winograd import (ConvProblem, WinogradConfig, conv_problem_of, gemm_problem,
-                                             generate_winograd, transform_weight, workspace_numel)
+from graphmode.backends.cpu.conv import ConvConfig, ConvProblem, conv_config, conv_problem_of
+from graphmode.backends.cpu.im2col import Im2colConfig
+from graphmode.backends.cpu.im2col import gemm_problem as im2col_gemm
+from graphmode.backends.cpu.winograd import WinogradConfig
+from graphmode.backends.cpu.winograd import gemm_problem as winograd_gemm
 from graphmode.errors import BackendError
 
 log = logging.getLogger("graphmode.cpu.tactics")
@@ -93,10 +97,10 @@ class Selection:
     medians_s: dict[str, float] = field(default_factory=dict)   # median seconds per candidate (for reports)
 
     @property
-    def config(self) -> GemmConfig | WinogradConfig | None:
+    def config(self) -> GemmConfig | ConvConfig | None:
         if self.winner == ATEN:
             return None
-        return WinogradConfig.parse(self.winner) if self.winner.startswith("wino") else GemmConfig.parse(self.winner)
+        return conv_config(self.winner) if isinstance(self.problem, ConvProblem) else GemmConfig.parse(self.winner)
 
     @property
     def speedup_vs_aten(self) -> float | None:
@@ -341,23 +345,26 @@ class TacticsContext:
         return out
 
     def _conv_candidates(self, p: ConvProblem) -> list[str]:
-        """Winograd F(4x4) and F(2x2) over the first two GEMM blockings of the host ISA (the
-        transforms do not depend on the blocking; the batched GEMM does)."""
-        if not p.winograd_ok:
-            return []
+        """Winograd F(4x4) and F(2x2) (3x3 stride 1), then im2col, each over the first two
+        parallel GEMM blockings of the host ISA (the transforms do not depend on the
+        blocking; their GEMM does)."""
         isa = host_isas(self.simd)[0]
         cfgs = [c for c in self.configs.get(isa, ()) if c.par == "omp"
                 and (c.registers <= _registers(isa, self.simd) or isa == "portable")][:2]
         out: list[str] = []
-        for m in WINOGRAD_TILES:
-            g = gemm_problem(p, m)
+
+        def add(make: Callable[[GemmConfig], ConvConfig], g: GemmProblem) -> None:
             one = self.threads == 1 or g.flops < PAR_FLOPS
             for cfg in cfgs:
                 eff = GemmConfig(cfg.isa, cfg.mr, cfg.nr, cfg.kc if cfg.kc < g.k else 0, cfg.mc if cfg.mc < g.m else 0,
                                  cfg.split if g.n > cfg.nr and not one else 1, "serial" if one else cfg.par)
-                name = WinogradConfig(m, eff).name
-                if name not in out:
-                    out.append(name)
+                c = make(eff)
+                if c.applies(p) and c.name not in out:
+                    out.append(c.name)
+        if p.winograd_ok:
+            for m in WINOGRAD_TILES:
+                add(lambda e, m=m: WinogradConfig(m, e), winograd_gemm(p, m))
+        add(Im2colConfig, im2col_gemm(p))
         return out
 
     # ---- the executor's side ---------------------------------------------------------------
@@ -379,7 +386,7 @@ class TacticsContext:
         """A step for this conv2d: a `ConvStep` tuned at `finalize()`, or `default` when no
         generated kernel covers it (then it stays ATen without any timing)."""
         p = conv_problem_of(ins_t, outs, attrs, self.constant_ptrs)
-        if p is None or not p.winograd_ok:
+        if p is None or p.groups != 1:
             return default
         bias = ins_t[2] if len(ins_t) > 2 else None
         step = ConvStep(default, p, ins_t[0], ins_t[1], bias, outs[0])
@@ -451,7 +458,7 @@ class TacticsContext:
                 continue
             try:
                 if isinstance(p, ConvProblem):
-                    out[name] = generate_winograd(p, WinogradConfig.parse(name), self.threads)
+                    out[name] = conv_config(name).generate(p, self.threads)
                 else:
                     out[name] = generate_gemm(p, GemmConfig.parse(name), self.threads)
             except BackendError as e:
@@ -735,15 +742,15 @@ class TacticsContext:
         return holder.t
 
     # ---- convolutions ----------------------------------------------------------------------------
-    def _conv_weight(self, w: torch.Tensor, cfg: WinogradConfig) -> torch.Tensor:
-        """The Winograd-transformed, packed weight (memoised while one plan is tuned)."""
-        key = ("wino", w.data_ptr(), tuple(w.shape), w._version, cfg.m, cfg.gemm.nr)
+    def _conv_weight(self, w: torch.Tensor, cfg: ConvConfig) -> torch.Tensor:
+        """The candidate's transformed/packed weight (memoised while one plan is tuned)."""
+        key = (w.data_ptr(), tuple(w.shape), w._version) + cfg.weight_key()
         got = self._scratch.get(key)
         if got is None:
-            got = self._scratch[key] = transform_weight(w, cfg.m, cfg.gemm.nr)
+            got = self._scratch[key] = cfg.prepare_weight(w)
         return got
 
-    def _conv_args(self, step: ConvStep, cfg: WinogradConfig, x, u, ws, y) -> list[int]:
+    def _conv_args(self, step: ConvStep, cfg: ConvConfig, x, u, ws, y) -> list[int]:
         extra = [step.bias.data_ptr()] if step.problem.bias else []
         return [x.data_ptr(), u.data_ptr(), *extra, ws.data_ptr(), y.data_ptr()]
 
@@ -757,9 +764,9 @@ class TacticsContext:
             _conv_aten(p, x, step.b, step.bias, ref)()
             self._scratch[memo] = (x, ref)
         x, ref = self._scratch[memo]
-        cfg = WinogradConfig.parse(name)
+        cfg = conv_config(name)
         u = self._conv_weight(step.b, cfg)
-        ws = torch.zeros(workspace_numel(p, cfg))
+        ws = torch.zeros(cfg.workspace_numel(p))
         y = torch.full((p.n, p.cout, p.ho, p.wo), float("nan"))
         try:
             kernel(self._conv_args(step, cfg, x, u, ws, y))
@@ -790,30 +797,30 @@ class TacticsContext:
         for name in names:
             if name == ATEN or name in rejected:
                 continue
-            cfg = WinogradConfig.parse(name)
+            cfg = conv_config(name)
             kern = kernels[(p, name)][0]
-            ws = torch.zeros(workspace_numel(p, cfg))
+            ws = torch.zeros(cfg.workspace_numel(p))
             keep.append(ws)
             fns[name] = _rotate([kern.bind(self._conv_args(step, cfg, x, u, ws, y))
                                  for u in copies_of(self._conv_weight(step.b, cfg))])
         return fns
 
     def _bind_conv(self, step: ConvStep, winner: str, kernel) -> None:
-        cfg = WinogradConfig.parse(winner)
+        cfg = conv_config(winner)
         p = step.problem
-        key = ("wino", step.b.data_ptr(), tuple(step.b.shape), step.b._version, cfg.m, cfg.gemm.nr)
+        key = (step.b.data_ptr(), tuple(step.b.shape), step.b._version) + cfg.weight_key()
         holder = self.packed.get(key) or _PACKED.get(key)
         if holder is None:
             t = self._scratch.pop(key, None)
-            holder = _Packed(step.b, t if t is not None else transform_weight(step.b, cfg.m, cfg.gemm.nr))
+            holder = _Packed(step.b, t if t is not None else cfg.prepare_weight(step.b))
             _PACKED[key] = holder
         self.packed[key] = holder
-        # one workspace per (shape, tile) in this context: steps of one executable never overlap, and a
-        # shape's zero padding border is only ever left zero by the kernels of that same shape
-        ws_key = ("ws", p, cfg.m)
+        # one workspace per (shape, candidate kind) in this context: steps of one executable never
+        # overlap, and a shape's zero padding border is only ever left zero by kernels of that shape
+        ws_key = ("ws", p) + cfg.weight_key()[:2]
         ws = self._workspaces.get(ws_key)
         if ws is None:
-            ws = self._workspaces[ws_key] = torch.zeros(workspace_numel(p, cfg))
+            ws = self._workspaces[ws_key] = torch.zeros(cfg.workspace_numel(p))
         bufs = [step.a, holder.t] + ([step.bias] if p.bias else []) + [ws, step.c]
         step.keep = tuple(bufs)
         step.fn = kernel.bind([t.data_ptr() for t in bufs])

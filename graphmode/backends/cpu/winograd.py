@@ -30,11 +30,12 @@ import hashlib
 import math
 from dataclasses import dataclass
 from fractions import Fraction as Fr
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import torch
 
 from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.backends.cpu.conv import ConvProblem, nhwc_pack_lines
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
@@ -73,86 +74,6 @@ _MATRICES: dict[int, tuple[list[list[Fr]], list[list[Fr]], list[list[Fr]]]] = {
 }
 
 
-@dataclass(frozen=True)
-class ConvProblem:
-    """One conv2d instance as the executor sees it (NCHW, fp32, constant weight)."""
-
-    n: int
-    cin: int
-    h: int
-    w: int
-    cout: int
-    kh: int
-    kw: int
-    stride: tuple[int, int]
-    padding: tuple[int, int]
-    dilation: tuple[int, int] = (1, 1)
-    groups: int = 1
-    bias: bool = False
-    dtype: str = "f32"
-    op: str = "conv2d"
-
-    @property
-    def ho(self) -> int:
-        return (self.h + 2 * self.padding[0] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
-
-    @property
-    def wo(self) -> int:
-        return (self.w + 2 * self.padding[1] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
-
-    @property
-    def flops(self) -> float:
-        """Direct-convolution FLOPs (what the GFLOP/s of every candidate are quoted against)."""
-        return 2.0 * self.n * self.cout * self.ho * self.wo * self.cin // self.groups * self.kh * self.kw
-
-    @property
-    def text(self) -> str:
-        s = f"s{self.stride[0]}" if self.stride[0] == self.stride[1] else f"s{self.stride[0]}x{self.stride[1]}"
-        p = f"p{self.padding[0]}" if self.padding[0] == self.padding[1] else f"p{self.padding[0]}x{self.padding[1]}"
-        extra = "+bias" if self.bias else ""
-        return (f"conv2d {self.n}x{self.cin}x{self.h}x{self.w} * {self.cout}x{self.cin // self.groups}x{self.kh}x"
-                f"{self.kw} {s} {p}{extra} {self.dtype}")
-
-    def key(self) -> dict:
-        return {"op": self.op, "n": self.n, "cin": self.cin, "h": self.h, "w": self.w, "cout": self.cout,
-                "kh": self.kh, "kw": self.kw, "stride": list(self.stride), "padding": list(self.padding),
-                "dilation": list(self.dilation), "groups": self.groups, "bias": self.bias, "dtype": self.dtype}
-
-    @property
-    def b_packed(self) -> bool:
-        """The weight is a constant transformed ahead of time (what GemmProblem calls packed)."""
-        return True
-
-    @property
-    def winograd_ok(self) -> bool:
-        return (self.kh, self.kw) == (3, 3) and self.stride == (1, 1) and self.dilation == (1, 1) \
-            and self.groups == 1 and self.dtype == "f32" and self.ho > 0 and self.wo > 0 \
-            and max(self.padding) <= 2
-
-
-def _pair(v) -> tuple[int, int]:
-    return (int(v[0]), int(v[1])) if isinstance(v, (list, tuple)) else (int(v), int(v))
-
-
-def conv_problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
-                    constant_ptrs: Mapping[int, Any] | set[int] | None = None) -> ConvProblem | None:
-    """The conv a step computes, or None when only ATen can run it (non-f32, non-contiguous,
-    a weight that is not a constant, not 4-d)."""
-    x, wt, y = ins_t[0], ins_t[1], outs[0]
-    tensors = list(ins_t) + [y]
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
-        return None
-    if x.dim() != 4 or wt.dim() != 4 or wt.data_ptr() not in (constant_ptrs or ()):
-        return None
-    groups = int(attrs.get("groups", 1) or 1)
-    p = ConvProblem(x.shape[0], x.shape[1], x.shape[2], x.shape[3], wt.shape[0], wt.shape[2], wt.shape[3],
-                    _pair(attrs.get("stride", 1)), _pair(attrs.get("padding", 0)), _pair(attrs.get("dilation", 1)),
-                    groups, bias=len(ins_t) > 2 and ins_t[2] is not None)
-    if tuple(y.shape) != (p.n, p.cout, p.ho, p.wo) or wt.shape[1] * groups != p.cin:
-        return None
-    return p
-
-
 # ------------------------------------------------------------------------------ configuration
 
 @dataclass(frozen=True)
@@ -170,6 +91,21 @@ class WinogradConfig:
     @property
     def name(self) -> str:
         return f"wino{self.m}_{self.gemm.name}"
+
+    def applies(self, p: ConvProblem) -> bool:
+        return p.winograd_ok
+
+    def prepare_weight(self, w: torch.Tensor) -> torch.Tensor:
+        return transform_weight(w, self.m, self.gemm.nr)
+
+    def weight_key(self) -> tuple:
+        return ("wino", self.m, self.gemm.nr)
+
+    def workspace_numel(self, p: ConvProblem) -> int:
+        return workspace_numel(p, self)
+
+    def generate(self, p: ConvProblem, threads: int) -> KernelSource:
+        return generate_winograd(p, self, threads)
 
     @staticmethod
     def parse(name: str) -> "WinogradConfig":
@@ -302,26 +238,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         f"constexpr long @SYM@_PH = {p.padding[0]}, @SYM@_PW = {p.padding[1]}, @SYM@_TH = {g.th}, "
         f"@SYM@_TW = {g.tw}, @SYM@_T = {g.t};",
         f"constexpr long @SYM@_CP = {g.cp}, @SYM@_COP = {g.cop}, @SYM@_HP = {g.hp}, @SYM@_WP = {g.wp};",
-        # 1. NCHW -> zero-padded NHWC, 16x16 blocks through a stack tile
-        "void @SYM@_pack(const float* __restrict x, float* __restrict xp) {",
-        f"  {par}",
-        "  for (long r = 0; r < @SYM@_N * @SYM@_H; ++r) {",
-        "    const long n = r / @SYM@_H, iy = r % @SYM@_H;",
-        "    const float* xs = x + (n * @SYM@_C * @SYM@_H + iy) * @SYM@_W;",
-        "    float* xd = xp + ((n * @SYM@_HP + iy + @SYM@_PH) * @SYM@_WP + @SYM@_PW) * @SYM@_CP;",
-        "    for (long c0 = 0; c0 < @SYM@_C; c0 += 16) {",
-        "      const long cn = @SYM@_C - c0 < 16 ? @SYM@_C - c0 : 16;",
-        "      for (long x0 = 0; x0 < @SYM@_W; x0 += 16) {",
-        "        const long xn = @SYM@_W - x0 < 16 ? @SYM@_W - x0 : 16;",
-        "        float tile[16][16];",
-        "        for (long c = 0; c < cn; ++c)",
-        "          for (long i = 0; i < xn; ++i) tile[i][c] = xs[(c0 + c) * @SYM@_H * @SYM@_W + x0 + i];",
-        "        for (long i = 0; i < xn; ++i)",
-        "          for (long c = 0; c < cn; ++c) xd[(x0 + i) * @SYM@_CP + c0 + c] = tile[i][c];",
-        "      }",
-        "    }",
-        "  }",
-        "}",
+        *nhwc_pack_lines(p, g.cp, g.hp, g.wp, par),
         # 2. input transform
         "void @SYM@_in(const float* __restrict xp, float* __restrict V) {",
         f"  {par}",
@@ -396,5 +313,5 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
                         types=types, kind="winograd", parallel=threads != 1, pattern=f"{p.text} [{cfg.name}]")
 
 
-__all__ = ["ConvProblem", "WinogradConfig", "conv_problem_of", "generate_winograd", "transform_weight",
+__all__ = ["WinogradConfig", "generate_winograd", "transform_weight",
            "workspace_numel", "transformed_numel", "gemm_problem", "geometry", "TILES"]

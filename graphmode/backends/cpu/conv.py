@@ -1,0 +1,159 @@
+"""Convolutions for the generated-kernel tactics: the problem, and pieces the kernels share.
+
+A conv2d step is a `ConvProblem` (NCHW, fp32, constant weight); its candidates are ATen and
+the generated kernels of winograd.py (3x3 stride 1: fewer multiplies) and im2col.py (any
+ungrouped conv: a patch matrix times the packed weight on the GEMM micro-kernel). Every
+candidate is a `ConvConfig`: it names itself, prepares the weight once (transformed and/or
+packed), says how much zeroed workspace a step needs and generates its kernel
+`symbol(x, w', [bias,] ws, y)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol, Sequence
+
+import torch
+
+from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.errors import BackendError
+
+
+@dataclass(frozen=True)
+class ConvProblem:
+    """One conv2d instance as the executor sees it (NCHW, fp32, constant weight)."""
+
+    n: int
+    cin: int
+    h: int
+    w: int
+    cout: int
+    kh: int
+    kw: int
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+    bias: bool = False
+    dtype: str = "f32"
+    op: str = "conv2d"
+
+    @property
+    def ho(self) -> int:
+        return (self.h + 2 * self.padding[0] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
+
+    @property
+    def wo(self) -> int:
+        return (self.w + 2 * self.padding[1] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
+
+    @property
+    def flops(self) -> float:
+        """Direct-convolution FLOPs (what the GFLOP/s of every candidate are quoted against)."""
+        return 2.0 * self.n * self.cout * self.ho * self.wo * self.cin // self.groups * self.kh * self.kw
+
+    @property
+    def text(self) -> str:
+        s = f"s{self.stride[0]}" if self.stride[0] == self.stride[1] else f"s{self.stride[0]}x{self.stride[1]}"
+        p = f"p{self.padding[0]}" if self.padding[0] == self.padding[1] else f"p{self.padding[0]}x{self.padding[1]}"
+        extra = "+bias" if self.bias else ""
+        return (f"conv2d {self.n}x{self.cin}x{self.h}x{self.w} * {self.cout}x{self.cin // self.groups}x{self.kh}x"
+                f"{self.kw} {s} {p}{extra} {self.dtype}")
+
+    def key(self) -> dict:
+        return {"op": self.op, "n": self.n, "cin": self.cin, "h": self.h, "w": self.w, "cout": self.cout,
+                "kh": self.kh, "kw": self.kw, "stride": list(self.stride), "padding": list(self.padding),
+                "dilation": list(self.dilation), "groups": self.groups, "bias": self.bias, "dtype": self.dtype}
+
+    @property
+    def b_packed(self) -> bool:
+        """The weight is a constant transformed ahead of time (what GemmProblem calls packed)."""
+        return True
+
+    @property
+    def winograd_ok(self) -> bool:
+        return (self.kh, self.kw) == (3, 3) and self.stride == (1, 1) and self.dilation == (1, 1) \
+            and self.groups == 1 and self.dtype == "f32" and self.ho > 0 and self.wo > 0 \
+            and max(self.padding) <= 2
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v[0]), int(v[1])) if isinstance(v, (list, tuple)) else (int(v), int(v))
+
+
+def conv_problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
+                    constant_ptrs: Mapping[int, Any] | set[int] | None = None) -> ConvProblem | None:
+    """The conv a step computes, or None when only ATen can run it (non-f32, non-contiguous,
+    a weight that is not a constant, not 4-d)."""
+    x, wt, y = ins_t[0], ins_t[1], outs[0]
+    tensors = list(ins_t) + [y]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        return None
+    if x.dim() != 4 or wt.dim() != 4 or wt.data_ptr() not in (constant_ptrs or ()):
+        return None
+    groups = int(attrs.get("groups", 1) or 1)
+    p = ConvProblem(x.shape[0], x.shape[1], x.shape[2], x.shape[3], wt.shape[0], wt.shape[2], wt.shape[3],
+                    _pair(attrs.get("stride", 1)), _pair(attrs.get("padding", 0)), _pair(attrs.get("dilation", 1)),
+                    groups, bias=len(ins_t) > 2 and ins_t[2] is not None)
+    if tuple(y.shape) != (p.n, p.cout, p.ho, p.wo) or wt.shape[1] * groups != p.cin:
+        return None
+    return p
+
+
+class ConvConfig(Protocol):
+    """What tactics.py needs of a generated conv candidate."""
+
+    @property
+    def name(self) -> str: ...
+
+    def applies(self, p: ConvProblem) -> bool: ...
+
+    def prepare_weight(self, w: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_key(self) -> tuple: ...
+
+    def workspace_numel(self, p: ConvProblem) -> int: ...
+
+    def generate(self, p: ConvProblem, threads: int) -> KernelSource: ...
+
+
+def conv_config(name: str) -> ConvConfig:
+    """The candidate a name denotes (`wino4_<gemm>`, `wino2_<gemm>`, `im2col_<gemm>`)."""
+    if name.startswith("wino"):
+        from graphmode.backends.cpu.winograd import WinogradConfig
+        return WinogradConfig.parse(name)
+    if name.startswith("im2col_"):
+        from graphmode.backends.cpu.im2col import Im2colConfig
+        return Im2colConfig.parse(name)
+    raise BackendError(f"not a generated conv candidate: {name!r}", value=name,
+                       fix="wino<m>_<gemm config> or im2col_<gemm config>")
+
+
+def nhwc_pack_lines(p: ConvProblem, cp: int, hp: int, wp: int, par: str) -> list[str]:
+    """C++ for `@SYM@_pack(x, xp)`: NCHW input -> zero-padded NHWC [N][hp][wp][cp] (the
+    padding border and channels >= C are never written, so a zeroed workspace keeps them
+    zero), through 16x16 stack tiles so that both sides are read/written in runs."""
+    ph, pw = p.padding
+    return [
+        "void @SYM@_pack(const float* __restrict x, float* __restrict xp) {",
+        f"  constexpr long N = {p.n}, C = {p.cin}, H = {p.h}, W = {p.w}, CP = {cp}, HP = {hp}, WP = {wp};",
+        f"  {par}",
+        "  for (long r = 0; r < N * H; ++r) {",
+        "    const long n = r / H, iy = r % H;",
+        "    const float* xs = x + (n * C * H + iy) * W;",
+        f"    float* xd = xp + ((n * HP + iy + {ph}) * WP + {pw}) * CP;",
+        "    for (long c0 = 0; c0 < C; c0 += 16) {",
+        "      const long cn = C - c0 < 16 ? C - c0 : 16;",
+        "      for (long x0 = 0; x0 < W; x0 += 16) {",
+        "        const long xn = W - x0 < 16 ? W - x0 : 16;",
+        "        float tile[16][16];",
+        "        for (long c = 0; c < cn; ++c)",
+        "          for (long i = 0; i < xn; ++i) tile[i][c] = xs[(c0 + c) * H * W + x0 + i];",
+        "        for (long i = 0; i < xn; ++i)",
+        "          for (long c = 0; c < cn; ++c) xd[(x0 + i) * CP + c0 + c] = tile[i][c];",
+        "      }",
+        "    }",
+        "  }",
+        "}",
+    ]
+
+
+__all__ = ["ConvProblem", "ConvConfig", "conv_problem_of", "conv_config", "nhwc_pack_lines"]
