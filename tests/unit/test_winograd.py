@@ -219,7 +219,7 @@ def test_conv_tactics_strided_and_grouped(tmp_path):
     y = torch.empty(1, 8, 5, 5)
     step = _conv_step(ctx, x, w, b, y, {"stride": [2, 2], "padding": [1, 1], "dilation": [1, 1], "groups": 1})
     assert isinstance(step, ConvStep)
-    assert [n.split("_")[0] for n in ctx.candidates(step.problem)[1:]] == ["im2col"] * 2   # no Winograd at stride 2
+    assert [n.split("_")[0] for n in ctx.candidates(step.problem)[1:]] == ["im2col"]   # no Winograd at stride 2
     ctx.finalize()
     step()
     assert rel_l2(y, torch.nn.functional.conv2d(x, w, b, stride=2, padding=1)) < 1e-6

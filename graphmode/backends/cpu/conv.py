@@ -15,6 +15,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.backends.cpu.epilogue import Epilogue, conv_load
 from graphmode.errors import BackendError
 
 
@@ -36,6 +37,7 @@ class ConvProblem:
     bias: bool = False
     dtype: str = "f32"
     op: str = "conv2d"
+    epi: Epilogue | None = None     # an elementwise epilogue applied in the output stage (epilogue.py)
 
     @property
     def ho(self) -> int:
@@ -55,13 +57,15 @@ class ConvProblem:
         s = f"s{self.stride[0]}" if self.stride[0] == self.stride[1] else f"s{self.stride[0]}x{self.stride[1]}"
         p = f"p{self.padding[0]}" if self.padding[0] == self.padding[1] else f"p{self.padding[0]}x{self.padding[1]}"
         extra = "+bias" if self.bias else ""
+        extra += f"+{self.epi.text}" if self.epi is not None else ""
         return (f"conv2d {self.n}x{self.cin}x{self.h}x{self.w} * {self.cout}x{self.cin // self.groups}x{self.kh}x"
                 f"{self.kw} {s} {p}{extra} {self.dtype}")
 
     def key(self) -> dict:
         return {"op": self.op, "n": self.n, "cin": self.cin, "h": self.h, "w": self.w, "cout": self.cout,
                 "kh": self.kh, "kw": self.kw, "stride": list(self.stride), "padding": list(self.padding),
-                "dilation": list(self.dilation), "groups": self.groups, "bias": self.bias, "dtype": self.dtype}
+                "dilation": list(self.dilation), "groups": self.groups, "bias": self.bias, "dtype": self.dtype,
+                **({"epilogue": self.epi.digest, "epilogue_kinds": list(self.epi.kinds)} if self.epi else {})}
 
     @property
     def b_packed(self) -> bool:
@@ -156,4 +160,27 @@ def nhwc_pack_lines(p: ConvProblem, cp: int, hp: int, wp: int, par: str) -> list
     ]
 
 
-__all__ = ["ConvProblem", "ConvConfig", "conv_problem_of", "conv_config", "nhwc_pack_lines"]
+def epilogue_store(p: ConvProblem, dst: str, acc: str, indent: str) -> list[str]:
+    """C++ storing one output element `acc` to `dst` through the problem's epilogue (if any);
+    `idx` (flat NCHW index) and `co` (channel) must be in scope, operands are `e<k>`."""
+    if p.epi is None:
+        return [f"{indent}{dst} = {acc};"]
+    loads = [conv_load(k, i) for i, k in enumerate(p.epi.kinds)]
+    return [f"{indent}{{", *p.epi.render(acc, loads, indent + "  "), f"{indent}  {dst} = res;", f"{indent}}}"]
+
+
+def epilogue_types(p: ConvProblem) -> dict:
+    from graphmode.ir.types import TensorType
+    shapes = {"full": (p.n, p.cout, p.ho, p.wo), "chan": (p.cout,), "scalar": (1,)}
+    return {f"e{i}": TensorType("f32", shapes[k]) for i, k in enumerate(p.epi.kinds if p.epi is not None else ())}
+
+
+def epilogue_params(p: ConvProblem) -> tuple[str, str, tuple[str, ...]]:
+    """(parameter list, argument list, input names) of the epilogue operands of a conv kernel."""
+    n = len(p.epi.kinds) if p.epi is not None else 0
+    return ("".join(f", const float* __restrict e{i}" for i in range(n)), "".join(f", e{i}" for i in range(n)),
+            tuple(f"e{i}" for i in range(n)))
+
+
+__all__ = ["ConvProblem", "ConvConfig", "conv_problem_of", "conv_config", "nhwc_pack_lines", "epilogue_store", "epilogue_types",
+           "epilogue_params"]

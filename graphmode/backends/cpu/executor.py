@@ -155,12 +155,14 @@ class CpuExecutable:
 
 
 def aten_step(op: str, ins_t: list[torch.Tensor], outs: list[torch.Tensor], a: Mapping, env: Mapping[str, int],
-              tactics=None) -> Callable[[], None]:
+              tactics=None, epilogue=None) -> Callable[[], None]:
     """A closure running core op `op` into preallocated `outs` (ATen out= variants where they exist).
 
-    `linear` / `matmul` go through GEMM tactic selection (backends/cpu/tactics.py) when a
+    `linear` / `matmul` / `conv2d` go through tactic selection (backends/cpu/tactics.py) when a
     tactics context is given or active (`CpuExecutable` activates its own while it binds,
-    which also covers the GEMMs of generated gemm_epilogue groups); else ATen."""
+    which also covers the GEMMs of generated gemm_epilogue groups); else ATen. `epilogue`
+    (a tactics.FusedEpilogue) is offered to the selected step: one that takes it has
+    `fused_epilogue` set and runs the epilogue itself."""
     y = outs[0]
     if op in ("linear", "matmul"):
         fn = _gemm_closure(op, ins_t, y)
@@ -168,7 +170,7 @@ def aten_step(op: str, ins_t: list[torch.Tensor], outs: list[torch.Tensor], a: M
         if ctx is None:
             return fn
         from graphmode.backends.cpu.tactics import select_gemm
-        return select_gemm(ctx, op, ins_t, outs, a, env, default=fn)
+        return select_gemm(ctx, op, ins_t, outs, a, env, default=fn, epilogue=epilogue)
     if op in _BINARY_OUT and y.dtype == torch.result_type(*ins_t):
         f, x0, x1 = _BINARY_OUT[op], ins_t[0], ins_t[1]
         return lambda: f(x0, x1, out=y)
@@ -199,7 +201,7 @@ def aten_step(op: str, ins_t: list[torch.Tensor], outs: list[torch.Tensor], a: M
         if ctx is None:
             return fn
         from graphmode.backends.cpu.tactics import select_conv
-        return select_conv(ctx, ins_t, outs, a, default=fn)
+        return select_conv(ctx, ins_t, outs, a, default=fn, epilogue=epilogue)
     if op == "permute":
         x0, perm = ins_t[0], a["perm"]
         return lambda: y.copy_(x0.permute(perm))

@@ -40,6 +40,7 @@ from typing import Iterable, Mapping
 import torch
 
 from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.backends.cpu.epilogue import Epilogue, gemm_load
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
 
@@ -112,6 +113,8 @@ class GemmProblem:
     b_packed: bool = True
     b_batched: bool = False
     dtype: str = "f32"
+    epi: Epilogue | None = None     # an elementwise epilogue applied at the store (epilogue.py)
+    c_aliases_operand: bool = False  # C shares memory with an epilogue operand (an in-place residual add)
 
     @property
     def flops(self) -> float:
@@ -121,12 +124,17 @@ class GemmProblem:
     def text(self) -> str:
         b = f"{self.batch}x" if self.batch > 1 else ""
         extra = "+bias" if self.bias else ""
+        extra += f"+{self.epi.text}" if self.epi is not None else ""
         layout = "packed" if self.b_packed else ("B batched" if self.b_batched else "B shared")
         return f"{self.op} {b}{self.m}x{self.n}x{self.k}{extra} {self.dtype} ({layout})"
 
     def key(self) -> dict:
-        return {"op": self.op, "batch": self.batch, "m": self.m, "n": self.n, "k": self.k, "bias": self.bias,
-                "b_packed": self.b_packed, "b_batched": self.b_batched, "dtype": self.dtype}
+        k = {"op": self.op, "batch": self.batch, "m": self.m, "n": self.n, "k": self.k, "bias": self.bias,
+             "b_packed": self.b_packed, "b_batched": self.b_batched, "dtype": self.dtype}
+        if self.epi is not None:
+            k.update(epilogue=self.epi.digest, epilogue_kinds=list(self.epi.kinds),
+                     c_aliases_operand=self.c_aliases_operand)
+        return k
 
 
 # ------------------------------------------------------------------------------------ packing
@@ -292,15 +300,25 @@ def _ukr_call(isa: str, rows: int, cols: int, maskb: bool, args: str) -> str:
 
 def _tiles(isa: str, cfg: GemmConfig, p: GemmProblem, rem_m: int, rem_n: int, indent: str) -> list[str]:
     """The M-tile loop of one (panel, K block): full MR tiles then the remainder rows, for a
-    full or the partial last panel."""
+    full or the partial last panel. With an epilogue the last K block stores the tile into
+    a stack tile (after loading the partial sums there) and the epilogue writes C from it."""
     maskb = not p.b_packed
     args = "kc, a + i * K + pc, K, bp, LDB, cp + i * N, N, bb, pc == 0"
+    targs = "kc, a + i * K + pc, K, bp, LDB, tile, NR, bb, pc == 0"
     out: list[str] = []
 
+    def one(rows: int, cols: int) -> str:
+        if p.epi is None:
+            return _ukr_call(isa, rows, cols, maskb, args)
+        return ("{ if (pc + kc < K) " + _ukr_call(isa, rows, cols, maskb, args)
+                + f" else {{ if (pc > 0) @SYM@_load(cp + i * N, tile, {rows}, {cols}); "
+                + _ukr_call(isa, rows, cols, maskb, targs)
+                + f" @SYM@_epi(g, tile, cp + i * N, i, jp * NR, {rows}, {cols}); }} }}")
+
     def calls(cols: int) -> list[str]:
-        body = [f"{indent}for (; i + {cfg.mr} <= m1; i += {cfg.mr}) " + _ukr_call(isa, cfg.mr, cols, maskb, args)]
+        body = [f"{indent}for (; i + {cfg.mr} <= m1; i += {cfg.mr}) " + one(cfg.mr, cols)]
         if rem_m:
-            body.append(f"{indent}if (i < m1) " + _ukr_call(isa, rem_m, cols, maskb, args))
+            body.append(f"{indent}if (i < m1) " + one(rem_m, cols))
         return body
 
     if rem_n:
@@ -332,7 +350,13 @@ def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource
         raise BackendError(f"tile {cfg.mr}x{cfg.nr} needs {cfg.registers} vector registers, {cfg.isa} has "
                            f"{REGISTERS[cfg.isa]}", value=cfg.name, fix="use a smaller tile")
     M, N, K = p.m, p.n, p.k
+    if p.epi is not None and p.batch != 1:
+        raise BackendError("a fused epilogue needs a single (unbatched) GEMM", where=p.text,
+                           fix="the epilogue runs as its own kernel")
     kc = min(cfg.kc or K, K)
+    if p.epi is not None and p.c_aliases_operand and kc < K:
+        raise BackendError("C aliases an epilogue operand: K blocks would overwrite it with partial sums",
+                           where=p.text, value=cfg.name, fix="a configuration with the whole K in one block")
     mc = min(cfg.mc or M, M)
     mc = max(cfg.mr, mc - mc % cfg.mr) if mc < M else M
     npan = math.ceil(N / cfg.nr)
@@ -351,12 +375,18 @@ def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource
     ldb = cfg.nr if p.b_packed else N
     b_off = "jp * (K * NR) + pc * NR" if p.b_packed else "pc * N + jp * NR"
     par = threads != 1 and tasks > 1 and p.flops >= PAR_FLOPS
-    inputs = ("a", "b", "bias") if p.bias else ("a", "b")
+    n_epi = len(p.epi.kinds) if p.epi is not None else 0
+    inputs = ("a", "b") + (("bias",) if p.bias else ()) + tuple(f"e{i}" for i in range(n_epi))
     params = ", ".join(f"void* p{i}" for i in range(len(inputs) + 1))
     lines = [
         "namespace {",
-        "struct @SYM@_args { const float* A; const float* B; const float* bias; float* C; };",
+        "struct @SYM@_args { const float* A; const float* B; const float* bias; float* C; "
+        + "".join(f"const float* e{i}; " for i in range(n_epi)) + "};",
         f"constexpr long @SYM@_tasks = {tasks};",
+    ]
+    if p.epi is not None:
+        lines += _epilogue_fns(p, cfg)
+    lines += [
         "void @SYM@_task(const void* ctx, long t) {",
         "  const @SYM@_args* g = (const @SYM@_args*)ctx;",
         "  const float* bias = g->bias;",
@@ -369,6 +399,7 @@ def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource
         f"  const float* b = g->B + bt * {sb}L;",
         f"  float* c = g->C + bt * {sc}L;",
         "  const long m0 = ib * MC, m1 = (m0 + MC < M) ? m0 + MC : M;",
+        *([f"  alignas(64) float tile[{cfg.mr * cfg.nr}];"] if p.epi is not None else []),
         "  for (long jp = p0; jp < p1; ++jp) {",
         "    float* cp = c + jp * NR;",
         "    const float* bb = bias ? bias + jp * NR : nullptr;",
@@ -390,7 +421,8 @@ def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource
     lines += ["    }", "  }", "}", "}  // namespace", "",
               f"GM_EXPORT void @SYM@({params}) {{",
               f"  const @SYM@_args g = {{(const float*)p0, (const float*)p1, "
-              f"{'(const float*)p2' if p.bias else 'nullptr'}, (float*)p{len(inputs)}}};"]
+              f"{'(const float*)p2' if p.bias else 'nullptr'}, (float*)p{len(inputs)}"
+              + "".join(f", (const float*)p{len(inputs) - n_epi + i}" for i in range(n_epi)) + "};"]
     omp = ["  #pragma omp parallel for schedule(" + ("dynamic, 1" if cfg.split > 1 else "static")
            + ") num_threads(gm_nt())",
            "  for (long t = 0; t < @SYM@_tasks; ++t) @SYM@_task(&g, t);"]
@@ -407,6 +439,31 @@ def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource
                         types=types, kind="gemm", parallel=par, pattern=f"{p.text} [{cfg.name}]")
 
 
+def _epilogue_fns(p: GemmProblem, cfg: GemmConfig) -> list[str]:
+    """`@SYM@_load` (C tile -> stack tile: the partial sums of the earlier K blocks) and
+    `@SYM@_epi` (stack tile -> C through the epilogue, operands read at (row, col))."""
+    loads = [gemm_load(k, i, p.n) for i, k in enumerate(p.epi.kinds)]
+    return [
+        f"GM_INLINE void @SYM@_load(const float* c, float* tile, long rows, long cols) {{",
+        "  for (long r = 0; r < rows; ++r)",
+        f"    for (long j = 0; j < cols; ++j) tile[r * {cfg.nr} + j] = c[r * {p.n}L + j];",
+        "}",
+        "GM_INLINE void @SYM@_epi(const @SYM@_args* g, const float* __restrict tile, float* c, long r0, long c0, "
+        "long rows, long cols) {",
+        "  for (long r = 0; r < rows; ++r) {",
+        "    const long row = r0 + r;",
+        "    #pragma omp simd",
+        "    for (long j = 0; j < cols; ++j) {",
+        "      const long col = c0 + j;",
+        "      (void)row; (void)col;",
+        *p.epi.render(f"tile[r * {cfg.nr} + j]", loads, "      "),
+        f"      c[r * {p.n}L + j] = res;",
+        "    }",
+        "  }",
+        "}",
+    ]
+
+
 def _types(p: GemmProblem, cfg: GemmConfig) -> Mapping[str, TensorType]:
     bshape = ((p.batch if p.b_batched else 1) * packed_numel(p.n, p.k, cfg.nr),) if p.b_packed else \
         ((p.batch, p.k, p.n) if p.b_batched else (p.k, p.n))
@@ -414,6 +471,8 @@ def _types(p: GemmProblem, cfg: GemmConfig) -> Mapping[str, TensorType]:
          "c": TensorType("f32", (p.batch, p.m, p.n))}
     if p.bias:
         t["bias"] = TensorType("f32", (p.n,))
+    for i, k in enumerate(p.epi.kinds if p.epi is not None else ()):
+        t[f"e{i}"] = TensorType("f32", {"full": (p.m, p.n), "last": (p.n,), "scalar": (1,)}[k])
     return t
 
 

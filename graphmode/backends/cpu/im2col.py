@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from graphmode.backends.cpu.codegen import KernelSource
-from graphmode.backends.cpu.conv import ConvProblem, nhwc_pack_lines
+from graphmode.backends.cpu.conv import ConvProblem, epilogue_params, epilogue_store, epilogue_types, nhwc_pack_lines
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
@@ -97,6 +97,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
     hw = p.ho * p.wo
     par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
     (sy, sx), (dy, dx) = p.stride, p.dilation
+    eparams, _, enames = epilogue_params(p)
     lines = ["namespace {", *nhwc_pack_lines(p, p.cin, hp, wp, par)]
     if not _direct(p):
         lines += [
@@ -119,7 +120,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         ]
     lines += [
         # NHWC GEMM result -> NCHW output
-        "void @SYM@_unpack(const float* __restrict cb, float* __restrict y) {",
+        f"void @SYM@_unpack(const float* __restrict cb, float* y{eparams}) {{",
         f"  constexpr long HW = {hw}, CO = {p.cout};",
         f"  {par}",
         f"  for (long r = 0; r < {p.n} * ((HW + 15) / 16); ++r) {{",
@@ -131,14 +132,19 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         "      for (long i = 0; i < pn; ++i)",
         "        for (long c = 0; c < cn; ++c) tile[c][i] = cb[(n * HW + p0 + i) * CO + c0 + c];",
         "      for (long c = 0; c < cn; ++c)",
-        "        for (long i = 0; i < pn; ++i) y[(n * CO + c0 + c) * HW + p0 + i] = tile[c][i];",
+        "        for (long i = 0; i < pn; ++i) {",
+        "          const long co = c0 + c, idx = (n * CO + co) * HW + p0 + i;",
+        "          (void)co;",
+        *epilogue_store(p, "y[idx]", "tile[c][i]", "          "),
+        "        }",
         "    }",
         "  }",
         "}",
         "}  // namespace",
     ]
-    inputs = ("x", "w", "bias", "ws") if p.bias else ("x", "w", "ws")
+    inputs = ("x", "w") + (("bias",) if p.bias else ()) + enames + ("ws",)
     params = ", ".join(f"void* p{i}" for i in range(len(inputs) + 1))
+    eargs = "".join(f", (const float*)p{len(inputs) - 1 - len(enames) + i}" for i in range(len(enames)))
     ws = f"p{len(inputs) - 1}"
     a_ptr = "xp" if _direct(p) else "col"
     lines += [
@@ -149,7 +155,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         "  @SYM@_pack((const float*)p0, xp);",
         *([] if _direct(p) else ["  @SYM@_cols(xp, col);"]),
         f"  @SYM@_g({a_ptr}, p1, {'p2, ' if p.bias else ''}cb);",
-        f"  @SYM@_unpack(cb, (float*)p{len(inputs)});",
+        f"  @SYM@_unpack(cb, (float*)p{len(inputs)}{eargs});",
         "}",
         f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({', '.join(f'p[{i}]' for i in range(len(inputs) + 1))}); }}",
     ]
@@ -159,6 +165,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
              "ws": TensorType("f32", (cfg.workspace_numel(p),)), "y": TensorType("f32", (p.n, p.cout, p.ho, p.wo))}
     if p.bias:
         types["bias"] = TensorType("f32", (p.cout,))
+    types.update(epilogue_types(p))
     return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=inputs, outputs=("y",),
                         types=types, kind="im2col", parallel=threads != 1, pattern=f"{p.text} [{cfg.name}]")
 

@@ -42,7 +42,7 @@ import statistics
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -50,6 +50,7 @@ import torch
 
 from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm, host_isas, pack_b
 from graphmode.backends.cpu.conv import ConvConfig, ConvProblem, conv_config, conv_problem_of
+from graphmode.backends.cpu.epilogue import Epilogue
 from graphmode.backends.cpu.im2col import Im2colConfig
 from graphmode.backends.cpu.im2col import gemm_problem as im2col_gemm
 from graphmode.backends.cpu.winograd import WinogradConfig
@@ -144,37 +145,56 @@ def _r(x: float | None) -> float | None:
     return round(x, 3) if x is not None else None
 
 
+@dataclass
+class FusedEpilogue:
+    """An epilogue offered to a GEMM/conv step (backends/cpu/provider.py): the generated
+    candidates apply `epi` at their store and write `out`; ATen runs its GEMM and then `run`
+    (the group's own epilogue kernel over the GEMM buffer)."""
+
+    epi: Epilogue
+    operands: list[torch.Tensor]
+    out: torch.Tensor
+    run: Callable[[], None]
+
+
 class GemmStep:
-    """A plan step for one GEMM. Runs `fn`: ATen until tuning switches it to the winner."""
+    """A plan step for one GEMM. Runs `fn`: ATen until tuning switches it to the winner.
+    With a fused epilogue `c` is the group's output, `ops` the epilogue operands, and the
+    ATen default runs the GEMM and then the epilogue kernel."""
 
-    __slots__ = ("fn", "default", "problem", "a", "b", "bias", "c", "keep", "tactic")
+    __slots__ = ("fn", "default", "problem", "a", "b", "bias", "c", "keep", "tactic", "ops", "epilogue_run")
 
-    def __init__(self, default: Callable[[], None], problem: GemmProblem, a, b, bias, c):
-        self.fn = self.default = default
+    def __init__(self, default: Callable[[], None], problem: GemmProblem, a, b, bias, c,
+                 fused: FusedEpilogue | None = None):
         self.problem = problem
         self.a, self.b, self.bias, self.c = a, b, bias, c
         self.keep: tuple = ()
         self.tactic = ATEN
+        self.ops: list[torch.Tensor] = list(fused.operands) if fused is not None else []
+        self.epilogue_run = fused.run if fused is not None else None
+        if fused is not None:
+            run = fused.run
+
+            def default_then_epilogue() -> None:
+                default()
+                run()
+            self.fn = self.default = default_then_epilogue
+        else:
+            self.fn = self.default = default
+
+    @property
+    def fused_epilogue(self) -> bool:
+        return self.epilogue_run is not None
 
     def __call__(self) -> None:
         self.fn()
 
 
-class ConvStep:
-    """A plan step for one conv2d: ATen until tuning switches it to a Winograd kernel. `b` is
-    the (constant) weight, named like GemmStep's so the context treats both alike."""
+class ConvStep(GemmStep):
+    """A plan step for one conv2d (a `ConvProblem`; `a` the input, `b` the constant weight,
+    `c` the output): ATen until tuning switches it to a generated kernel."""
 
-    __slots__ = ("fn", "default", "problem", "a", "b", "bias", "c", "keep", "tactic")
-
-    def __init__(self, default: Callable[[], None], problem: ConvProblem, x, w, bias, y):
-        self.fn = self.default = default
-        self.problem = problem
-        self.a, self.b, self.bias, self.c = x, w, bias, y
-        self.keep: tuple = ()
-        self.tactic = ATEN
-
-    def __call__(self) -> None:
-        self.fn()
+    __slots__ = ()
 
 
 # ------------------------------------------------------------------------------ the problem
@@ -340,56 +360,71 @@ class TacticsContext:
             eff = GemmConfig(cfg.isa, cfg.mr, cfg.nr, cfg.kc if cfg.kc < p.k else 0,
                              cfg.mc if cfg.mc < p.m else 0, cfg.split if p.n > cfg.nr and not one else 1,
                              "serial" if one else cfg.par)
+            if p.epi is not None and p.c_aliases_operand and eff.kc:
+                continue      # partial sums in C would overwrite the operand it shares memory with
             if eff.name not in out:
                 out.append(eff.name)
         return out
 
     def _conv_candidates(self, p: ConvProblem) -> list[str]:
-        """Winograd F(4x4) and F(2x2) (3x3 stride 1), then im2col, each over the first two
-        parallel GEMM blockings of the host ISA (the transforms do not depend on the
-        blocking; their GEMM does)."""
+        """Winograd F(4x4) (over the first two parallel GEMM blockings of the host ISA) and
+        F(2x2) for 3x3 stride 1, then im2col (first blocking each): every candidate is a
+        compiled kernel, and compile time counts."""
         isa = host_isas(self.simd)[0]
         cfgs = [c for c in self.configs.get(isa, ()) if c.par == "omp"
                 and (c.registers <= _registers(isa, self.simd) or isa == "portable")][:2]
         out: list[str] = []
 
-        def add(make: Callable[[GemmConfig], ConvConfig], g: GemmProblem) -> None:
+        def add(make: Callable[[GemmConfig], ConvConfig], g: GemmProblem, n_cfgs: int) -> None:
             one = self.threads == 1 or g.flops < PAR_FLOPS
-            for cfg in cfgs:
+            for cfg in cfgs[:n_cfgs]:
                 eff = GemmConfig(cfg.isa, cfg.mr, cfg.nr, cfg.kc if cfg.kc < g.k else 0, cfg.mc if cfg.mc < g.m else 0,
                                  cfg.split if g.n > cfg.nr and not one else 1, "serial" if one else cfg.par)
                 c = make(eff)
                 if c.applies(p) and c.name not in out:
                     out.append(c.name)
         if p.winograd_ok:
-            for m in WINOGRAD_TILES:
-                add(lambda e, m=m: WinogradConfig(m, e), winograd_gemm(p, m))
-        add(Im2colConfig, im2col_gemm(p))
+            for m in WINOGRAD_TILES:     # F(4x4) is the usual winner: two blockings for it, one for F(2x2)
+                add(lambda e, m=m: WinogradConfig(m, e), winograd_gemm(p, m), 2 if m == 4 else 1)
+        add(Im2colConfig, im2col_gemm(p), 1)
         return out
 
     # ---- the executor's side ---------------------------------------------------------------
     def request(self, op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                default: Callable[[], None]) -> Callable[[], None]:
+                default: Callable[[], None], epilogue: FusedEpilogue | None = None) -> Callable[[], None]:
         """A step for this GEMM: a `GemmStep` tuned at `finalize()`, or `default` when only ATen
-        can run it."""
+        can run it. With `epilogue`, a step that takes it has `fused_epilogue` set (it then
+        runs the epilogue too); one that cannot comes back without it."""
         p = problem_of(op, ins_t, outs, self.constant_ptrs)
         if p is None:
             return default
         bias = ins_t[2] if op == "linear" and len(ins_t) > 2 else None
-        step = GemmStep(default, p, ins_t[0], ins_t[1], bias, outs[0])
+        c = outs[0]
+        if epilogue is not None and _fusable(p.batch == 1, p.m * p.n, epilogue):
+            p = replace(p, epi=epilogue.epi, c_aliases_operand=_overlaps(epilogue.out, epilogue.operands))
+            c = epilogue.out
+        else:
+            epilogue = None
+        step = GemmStep(default, p, ins_t[0], ins_t[1], bias, c, epilogue)
         self.steps.append(step)
         self._pending.append(step)
         return step
 
     def request_conv(self, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
-                     default: Callable[[], None]) -> Callable[[], None]:
+                     default: Callable[[], None], epilogue: FusedEpilogue | None = None) -> Callable[[], None]:
         """A step for this conv2d: a `ConvStep` tuned at `finalize()`, or `default` when no
         generated kernel covers it (then it stays ATen without any timing)."""
         p = conv_problem_of(ins_t, outs, attrs, self.constant_ptrs)
         if p is None or p.groups != 1:
             return default
         bias = ins_t[2] if len(ins_t) > 2 else None
-        step = ConvStep(default, p, ins_t[0], ins_t[1], bias, outs[0])
+        c = outs[0]
+        if epilogue is not None and _fusable(True, c.numel(), epilogue):
+            p = replace(p, epi=epilogue.epi)     # conv kernels read each operand element before writing it
+            c = epilogue.out
+        else:
+            epilogue = None
+        step = ConvStep(default, p, ins_t[0], ins_t[1], bias, c, epilogue)
         self.steps.append(step)
         self._pending.append(step)
         return step
@@ -610,14 +645,30 @@ class TacticsContext:
         cfg = GemmConfig.parse(name)
         bk = self._pack(b, p, cfg.nr) if p.b_packed else b.contiguous()
         c = torch.full((p.batch, p.m, p.n), float("nan"))
+        ops: list[torch.Tensor] = []
+        if p.epi is not None:
+            ops, ref = self._epilogue_reference(p, step, ref)
         try:
-            k[0]([a.data_ptr(), bk.data_ptr()] + ([bias.data_ptr()] if p.bias else []) + [c.data_ptr()])
+            k[0]([a.data_ptr(), bk.data_ptr()] + ([bias.data_ptr()] if p.bias else []) + [t.data_ptr() for t in ops]
+                 + [c.data_ptr()])
         except Exception as e:  # noqa: BLE001
             return f"raised {type(e).__name__}: {e}"
         err = rel_l2(c, ref)
         if not err < self.tolerance:
             return f"rel L2 {err:.2e} vs ATen exceeds {self.tolerance:.0e}"
         return None
+
+    def _epilogue_reference(self, p, step, acc: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Random epilogue operands (the plan's buffers hold whatever ran last) and the
+        reference epilogue over the reference GEMM/conv result `acc`."""
+        memo = ("epilogue", p, step.b.data_ptr())
+        if memo not in self._scratch:
+            gen = torch.Generator().manual_seed(self.seed + 3)
+            ops = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
+            with torch.inference_mode():
+                ref = p.epi.reference(acc.reshape(step.c.shape), ops)
+            self._scratch[memo] = (ops, ref.reshape(acc.shape).contiguous())
+        return self._scratch[memo]
 
     def _pack(self, w: torch.Tensor, p: GemmProblem, nr: int) -> torch.Tensor:
         """`w` packed for panels of `nr` (memoised while one plan is tuned: the checks, the
@@ -644,12 +695,18 @@ class TacticsContext:
         keep += [a, c]
         bias = step.bias
         extra = [bias.data_ptr()] if p.bias else []
+        if p.epi is not None:       # operands of the same shapes; ATen's time includes the epilogue kernel
+            ops = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
+            keep += ops
+            extra = extra + [t.data_ptr() for t in ops]
         live = [n for n in names if n != ATEN and n not in rejected]
         fns: dict[str, Callable[[], None]] = {}
         if not p.b_packed:
             b = torch.randn(_b_shape(p), generator=gen)
             keep.append(b)
             fns[ATEN] = aten_fn(p.op, _op_inputs(p, a, b, bias), _op_output(p, c))
+            if step.epilogue_run is not None:
+                fns[ATEN] = _then(fns[ATEN], step.epilogue_run)
             for name in live:
                 fns[name] = kernels[(p, name)][0].bind([a.data_ptr(), b.data_ptr(), *extra, c.data_ptr()])
             return fns
@@ -669,6 +726,8 @@ class TacticsContext:
         wshape = tuple(step.b.shape)
         bs = [step.b] + [t[:step.b.numel()].view(wshape) for t in slots]
         fns[ATEN] = _rotate([aten_fn(p.op, _op_inputs(p, a, b, bias), _op_output(p, c)) for b in bs])
+        if step.epilogue_run is not None:
+            fns[ATEN] = _then(fns[ATEN], step.epilogue_run)
         for name in live:
             kern = kernels[(p, name)][0]
             bks = [packs[GemmConfig.parse(name).nr]] + slots
@@ -722,7 +781,7 @@ class TacticsContext:
         else:
             bk = step.b
         extra = [step.bias] if p.bias else []
-        bufs = [step.a, bk, *extra, step.c]
+        bufs = [step.a, bk, *extra, *step.ops, step.c]
         step.keep = tuple(bufs)
         step.fn = k[0].bind([t.data_ptr() for t in bufs])
         step.tactic = sel.winner
@@ -750,9 +809,9 @@ class TacticsContext:
             got = self._scratch[key] = cfg.prepare_weight(w)
         return got
 
-    def _conv_args(self, step: ConvStep, cfg: ConvConfig, x, u, ws, y) -> list[int]:
+    def _conv_args(self, step: ConvStep, cfg: ConvConfig, x, u, ws, y, ops=()) -> list[int]:
         extra = [step.bias.data_ptr()] if step.problem.bias else []
-        return [x.data_ptr(), u.data_ptr(), *extra, ws.data_ptr(), y.data_ptr()]
+        return [x.data_ptr(), u.data_ptr(), *extra, *(t.data_ptr() for t in ops), ws.data_ptr(), y.data_ptr()]
 
     def _check_conv(self, p: ConvProblem, name: str, step: ConvStep, kernel) -> str | None:
         from graphmode.verify.numerics import rel_l2
@@ -764,12 +823,15 @@ class TacticsContext:
             _conv_aten(p, x, step.b, step.bias, ref)()
             self._scratch[memo] = (x, ref)
         x, ref = self._scratch[memo]
+        ops: list[torch.Tensor] = []
+        if p.epi is not None:
+            ops, ref = self._epilogue_reference(p, step, ref)
         cfg = conv_config(name)
         u = self._conv_weight(step.b, cfg)
         ws = torch.zeros(cfg.workspace_numel(p))
         y = torch.full((p.n, p.cout, p.ho, p.wo), float("nan"))
         try:
-            kernel(self._conv_args(step, cfg, x, u, ws, y))
+            kernel(self._conv_args(step, cfg, x, u, ws, y, ops))
         except Exception as e:  # noqa: BLE001
             return f"raised {type(e).__name__}: {e}"
         err = rel_l2(y, ref)
@@ -794,6 +856,11 @@ class TacticsContext:
 
         fns: dict[str, Callable[[], None]] = {
             ATEN: _rotate([_conv_aten(p, x, w, step.bias, y) for w in copies_of(step.b)])}
+        ops: list[torch.Tensor] = []
+        if step.epilogue_run is not None:     # ATen's time includes the group's epilogue kernel
+            fns[ATEN] = _then(fns[ATEN], step.epilogue_run)
+            ops = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
+            keep += ops
         for name in names:
             if name == ATEN or name in rejected:
                 continue
@@ -801,7 +868,7 @@ class TacticsContext:
             kern = kernels[(p, name)][0]
             ws = torch.zeros(cfg.workspace_numel(p))
             keep.append(ws)
-            fns[name] = _rotate([kern.bind(self._conv_args(step, cfg, x, u, ws, y))
+            fns[name] = _rotate([kern.bind(self._conv_args(step, cfg, x, u, ws, y, ops))
                                  for u in copies_of(self._conv_weight(step.b, cfg))])
         return fns
 
@@ -821,7 +888,7 @@ class TacticsContext:
         ws = self._workspaces.get(ws_key)
         if ws is None:
             ws = self._workspaces[ws_key] = torch.zeros(cfg.workspace_numel(p))
-        bufs = [step.a, holder.t] + ([step.bias] if p.bias else []) + [ws, step.c]
+        bufs = [step.a, holder.t] + ([step.bias] if p.bias else []) + list(step.ops) + [ws, step.c]
         step.keep = tuple(bufs)
         step.fn = kernel.bind([t.data_ptr() for t in bufs])
         step.tactic = winner
@@ -921,6 +988,24 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _then(f: Callable[[], None], g: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        f()
+        g()
+    return both
+
+
+def _fusable(shape_ok: bool, numel: int, fused: FusedEpilogue) -> bool:
+    out = fused.out
+    return (shape_ok and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in fused.operands))
+
+
+def _overlaps(out: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
+    lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+    return any(t.data_ptr() < hi and lo < t.data_ptr() + t.numel() * t.element_size() for t in others)
+
+
 def _rotate(calls: list[Callable[[], None]]) -> Callable[[], None]:
     if len(calls) == 1:
         return calls[0]
@@ -982,22 +1067,23 @@ def _target_identity(target: Any, simd: Sequence[str]) -> str:
 
 
 def select_gemm(ctx: TacticsContext | None, op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                attrs: Mapping, env: Mapping[str, int], default: Callable[[], None]) -> Callable[[], None]:
+                attrs: Mapping, env: Mapping[str, int], default: Callable[[], None],
+                epilogue: FusedEpilogue | None = None) -> Callable[[], None]:
     """The executor's entry point for `linear` / `matmul`: `default` (the ATen closure) when
     there is no tactics context or the GEMM is not one the generated kernels cover, else a
     step that the context tunes and switches at `finalize()`."""
     if ctx is None:
         return default
-    return ctx.request(op, ins_t, outs, default)
+    return ctx.request(op, ins_t, outs, default, epilogue)
 
 
 def select_conv(ctx: TacticsContext | None, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                attrs: Mapping, default: Callable[[], None]) -> Callable[[], None]:
+                attrs: Mapping, default: Callable[[], None], epilogue: FusedEpilogue | None = None) -> Callable[[], None]:
     """The executor's entry point for `conv2d` (see `select_gemm`)."""
     if ctx is None:
         return default
-    return ctx.request_conv(ins_t, outs, attrs, default)
+    return ctx.request_conv(ins_t, outs, attrs, default, epilogue)
 
 
-__all__ = ["TacticsContext", "Selection", "GemmStep", "ConvStep", "select_gemm", "select_conv", "problem_of", "aten_fn", "report_lines",
+__all__ = ["TacticsContext", "Selection", "GemmStep", "ConvStep", "FusedEpilogue", "select_gemm", "select_conv", "problem_of", "aten_fn", "report_lines",
            "POLICIES", "CONFIGS", "ATEN"]

@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from graphmode.backends.cpu.codegen import KernelSource
-from graphmode.backends.cpu.conv import ConvProblem, nhwc_pack_lines
+from graphmode.backends.cpu.conv import ConvProblem, epilogue_params, epilogue_store, epilogue_types, nhwc_pack_lines
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
@@ -229,6 +229,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
     xp_n, v_n, _ = g.sizes(p.n)
     a = g.alpha
     par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
+    eparams, _, enames = epilogue_params(p)
     in_tr = _transform(bt, "d", "v", a)
     out_tr = _transform(at, "q", "o", a)
     lines = [
@@ -256,7 +257,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         "  }",
         "}",
         # 4. output transform (+ bias) back to NCHW
-        "void @SYM@_out(const float* __restrict M, const float* __restrict bias, float* __restrict y) {",
+        f"void @SYM@_out(const float* __restrict M, const float* __restrict bias, float* y{eparams}) {{",
         f"  {par}",
         "  for (long t = 0; t < @SYM@_T; ++t) {",
         "    const long n = t / (@SYM@_TH * @SYM@_TW), ty = (t / @SYM@_TW) % @SYM@_TH, tx = t % @SYM@_TW;",
@@ -275,18 +276,24 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         f"      for (int i = 0; i < {g.m}; ++i)",
         f"        for (int j = 0; j < {g.m}; ++j) gm_st16(buf[i * {g.m} + j], o[i][j] + bv);",
         "      for (long l = 0; l < cn; ++l) {",
-        f"        float* yo = y + ((n * @SYM@_CO + cv + l) * @SYM@_HO + ty * {g.m}) * @SYM@_WO + tx * {g.m};",
+        "        const long co = cv + l;",
+        f"        const long y0 = ((n * @SYM@_CO + co) * @SYM@_HO + ty * {g.m}) * @SYM@_WO + tx * {g.m};",
+        "        (void)co;",
         "        for (long i = 0; i < vi; ++i)",
-        f"          for (long j = 0; j < vj; ++j) yo[i * @SYM@_WO + j] = buf[i * {g.m} + j][l];",
+        "          for (long j = 0; j < vj; ++j) {",
+        "            const long idx = y0 + i * @SYM@_WO + j;",
+        *epilogue_store(p, "y[idx]", f"buf[i * {g.m} + j][l]", "            "),
+        "          }",
         "      }",
         "    }",
         "  }",
         "}",
         "}  // namespace",
     ]
-    inputs = ("x", "u", "bias", "ws") if p.bias else ("x", "u", "ws")
+    inputs = ("x", "u") + (("bias",) if p.bias else ()) + enames + ("ws",)
     params = ", ".join(f"void* p{i}" for i in range(len(inputs) + 1))
     bias = "(const float*)p2" if p.bias else "nullptr"
+    eargs = "".join(f", (const float*)p{len(inputs) - 1 - len(enames) + i}" for i in range(len(enames)))
     ws = f"p{len(inputs) - 1}"
     lines += [
         f"GM_EXPORT void @SYM@({params}) {{",
@@ -296,7 +303,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         "  @SYM@_pack((const float*)p0, xp);",
         "  @SYM@_in(xp, V);",
         "  @SYM@_g(V, p1, M);",
-        f"  @SYM@_out(M, {bias}, (float*)p{len(inputs)});",
+        f"  @SYM@_out(M, {bias}, (float*)p{len(inputs)}{eargs});",
         "}",
         f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({', '.join(f'p[{i}]' for i in range(len(inputs) + 1))}); }}",
     ]
@@ -309,6 +316,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
              "y": TensorType("f32", (p.n, p.cout, p.ho, p.wo))}
     if p.bias:
         types["bias"] = TensorType("f32", (p.cout,))
+    types.update(epilogue_types(p))
     return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=inputs, outputs=("y",),
                         types=types, kind="winograd", parallel=threads != 1, pattern=f"{p.text} [{cfg.name}]")
 
