@@ -24,7 +24,7 @@ NativeGenerator = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], Mapp
                             Sequence[str], Sequence[str]], "KernelSource | None"]
 
 NATIVE: dict[str, NativeGenerator] = {}
-_MODULES: tuple[str, ...] = ("pool",)
+_MODULES: tuple[str, ...] = ("pool", "attention")
 _loaded = False
 
 

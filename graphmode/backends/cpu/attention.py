@@ -1,0 +1,622 @@
+"""Generated fused scaled-dot-product attention (`sdpa`) for the CPU executor.
+
+Why: at the sizes of a small encoder ([1, 12, 128, 32]) ATen's CPU flash kernel reaches about
+a quarter of the roofline here: it packs and re-blocks for long sequences and runs its own
+thread split. With every size baked in, one pass per query block does all of the work with
+the scores in L1. What the built-in models pass: MiniLM a bool padding mask materialised as
+[B, 1, S, S]; GPT-2 a bool causal-and-padding mask [B, 1, S, S] with is_causal False (ATen then
+computes every masked score; the key-extent scan below recovers the causal structure).
+
+Semantics are exactly `F.scaled_dot_product_attention` as the IR op's reference calls it:
+`softmax(q k^T * scale + mask) v` over q [*, Sq, D], k [*, Sk, D], v [*, Sk, E] with the same
+leading dims (at most two: batch, heads); the mask is bool (True = attend) or f32 (added),
+broadcast to [B, H, Sq, Sk] from the right; `is_causal` keeps key j for query i iff j <= i
+(top-left aligned, combined with a mask when both are given, as torch does); a row with no
+attended key (all False, or all -inf) is 0, as torch returns; a NaN score anywhere in a row
+makes that row NaN (a bool mask is applied as torch's dispatcher applies it, by adding 0 or
+-inf, so a masked NaN or +inf score still poisons its row, as in torch's flash kernel; torch
+itself differs between its kernels only on such non-finite inputs). One deliberate difference:
+keys after the last key any row of a query block attends are never read, so a non-finite
+value in, say, a padded key's K or V does not reach the output (in torch it would).
+Anything else (other dtypes, broadcast q/k/v batch dims, a mask that does not broadcast to
+the scores, dropout, huge sizes) returns None and ATen runs the op.
+
+Loops: a task is one (batch, head, query block of QB rows); tasks are split statically over
+an OpenMP team (`num_threads(gm_nt())`) so each thread takes whole heads in order and packs
+each head's K^T [D, Sk] (zero-padded to a multiple of 16 keys) once into its own scratch.
+Per task:
+
+1. key extent: the block's rows only attend keys below `kend` (the causal diagonal, and the
+   last attended key of each mask row, found by a backward scan), so causal and right-padded
+   masks skip the dead columns of both GEMMs;
+2. S = (Q K^T) * scale for the block: a register-blocked micro-kernel (MR query rows x NV
+   vectors of keys, Q broadcast from its row-major rows, K^T rows as vectors);
+3. per row, two passes over S (a block's rows fit in L1 up to Sk ~ 256): mask + max, then
+   exp(s - max) + sum in 16 partial sums (a plain `omp simd reduction(+)` ends every row in 16
+   dependent scalar adds); rows whose max is -inf (fully masked) become 0 (NaN if a score
+   was NaN); 1/sum is kept per row (the scale is applied when S is stored). The exponential is the prelude's polynomial
+   (`gm_expf_nc`, same ~1 ulp as `gm_expf`) with arguments below -87 set to exactly 0:
+   `s - max <= 0`, so that only drops weights under 1.7e-38 of the row's largest one (masked
+   keys, -inf, give 0 as in torch), and saves `gm_expf`'s clamps and two-step scaling, whose
+   only purpose is the subnormal range (~8% of the kernel);
+4. O = (P V) * (1/sum): a second micro-kernel (MR rows x up to 3 vectors of E, P broadcast,
+   V rows as vectors, masked loads/stores on an E tail).
+
+Micro-kernels are templates over a vector-traits struct: AVX-512 (16 lanes), AVX2+FMA (8) and
+a portable C struct (8), each behind `#if` on the compiler's own macros as in gemm.py, so a
+kernel built for a host without AVX-512 takes the next path instead of failing to build.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.backends.cpu.native import register_native
+from graphmode.ir.types import TORCH_TO_DTYPE, TensorType
+
+MAX_SK = 16384          # per-thread scratch is (D + QB) x Sk floats; beyond, ATen's online softmax
+MAX_HEAD_DIM = 256
+PAR_FLOPS = 1 << 18     # below this the call runs on the calling thread: [1,12,16,32] (0.4 MFLOP) already gains
+SK_ALIGN = 16           # K^T and score rows are padded to whole 16-float vectors (any ISA)
+
+
+@dataclass(frozen=True)
+class AttnTiles:
+    """Register blocking for one ISA: QK tile `qk_mr` rows x `qk_nv` vectors of keys; PV tile
+    `pv_mr` rows x at most `pv_nv` vectors of the value dim (E is split into balanced chunks)."""
+
+    vl: int
+    qk_mr: int
+    qk_nv: int
+    pv_mr: int
+    pv_nv: int
+
+
+# AVX-512: 32 registers (24 accumulators + the B vectors; the broadcast folds into the FMA);
+# AVX2 and portable: 16 registers, as gemm.py's tiles for the same ISAs.
+TILES = {"avx512": AttnTiles(16, 8, 2, 8, 3), "avx2": AttnTiles(8, 6, 2, 6, 2), "portable": AttnTiles(8, 4, 2, 4, 2)}
+_GUARD = {"avx512": "defined(__AVX512F__)", "avx2": "defined(__AVX2__) && defined(__FMA__)"}
+_TRAITS = {"avx512": "gm_attn_v512", "avx2": "gm_attn_v256", "portable": "gm_attn_vc"}
+
+
+@dataclass(frozen=True)
+class AttnProblem:
+    """One sdpa instance with every size fixed. `mask`: "" (none), "bool" or "f32";
+    `mstrides`: the mask's element strides over (batch, head, query, key), 0 where broadcast."""
+
+    b: int
+    h: int
+    sq: int
+    sk: int
+    d: int
+    e: int
+    scale: float
+    causal: bool
+    mask: str = ""
+    mstrides: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.b * self.h * self.sq * self.sk * (self.d + self.e)
+
+    @property
+    def text(self) -> str:
+        m = f" mask {self.mask} strides {list(self.mstrides)}" if self.mask else ""
+        c = " causal" if self.causal else ""
+        return f"sdpa [{self.b},{self.h}] q {self.sq}x{self.d} kv {self.sk}x{self.e}{c}{m} scale {self.scale!r}"
+
+
+# ------------------------------------------------------------------------------ C++ common
+
+_COMMON = r"""
+#ifndef GM_ATTN_COMMON_H
+#define GM_ATTN_COMMON_H
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifndef _MM_MALLOC_H_INCLUDED
+#define _MM_MALLOC_H_INCLUDED
+#endif
+#ifndef __MM_MALLOC_H
+#define __MM_MALLOC_H
+#endif
+#include <immintrin.h>
+#endif
+#define GM_ATTN_UNROLL _Pragma("GCC unroll 64")
+#define GM_ATTN_FI __attribute__((always_inline)) inline
+
+// Vector traits: L lanes; loadn/storen touch only the first N lanes (the E tail of V / O).
+#if defined(__AVX512F__)
+struct gm_attn_v512 {
+  typedef __m512 V;
+  static constexpr int L = 16;
+  static GM_ATTN_FI V zero() { return _mm512_setzero_ps(); }
+  static GM_ATTN_FI V set1(float x) { return _mm512_set1_ps(x); }
+  static GM_ATTN_FI V load(const float* p) { return _mm512_loadu_ps(p); }
+  template <int N> static GM_ATTN_FI V loadn(const float* p) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << N) - 1u), p);
+  }
+  static GM_ATTN_FI V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static GM_ATTN_FI V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static GM_ATTN_FI void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  template <int N> static GM_ATTN_FI void storen(float* p, V x) {
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << N) - 1u), x);
+  }
+  // dst[c][r] = src[r][c] for a 16 x 16 block (unpack / shuffle / lane-permute stages)
+  static GM_ATTN_FI void tblock(const float* __restrict src, long lds, float* __restrict dst, long ldd) {
+    __m512 r[16], t[16];
+    GM_ATTN_UNROLL for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+    GM_ATTN_UNROLL for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    GM_ATTN_UNROLL for (int i = 0; i < 4; ++i) {
+      r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+      r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+      r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+      r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    GM_ATTN_UNROLL for (int i = 0; i < 4; ++i) {
+      t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+      t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+      t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+      t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    GM_ATTN_UNROLL for (int i = 0; i < 8; ++i) {
+      _mm512_storeu_ps(dst + i * ldd, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
+      _mm512_storeu_ps(dst + (8 + i) * ldd, _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
+    }
+  }
+};
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+struct gm_attn_v256 {
+  typedef __m256 V;
+  static constexpr int L = 8;
+  template <int N> static GM_ATTN_FI __m256i lanes() {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(N), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static GM_ATTN_FI V zero() { return _mm256_setzero_ps(); }
+  static GM_ATTN_FI V set1(float x) { return _mm256_set1_ps(x); }
+  static GM_ATTN_FI V load(const float* p) { return _mm256_loadu_ps(p); }
+  template <int N> static GM_ATTN_FI V loadn(const float* p) { return _mm256_maskload_ps(p, lanes<N>()); }
+  static GM_ATTN_FI V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static GM_ATTN_FI V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static GM_ATTN_FI void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  template <int N> static GM_ATTN_FI void storen(float* p, V x) { _mm256_maskstore_ps(p, lanes<N>(), x); }
+  // dst[c][r] = src[r][c] for an 8 x 8 block
+  static GM_ATTN_FI void tblock(const float* __restrict src, long lds, float* __restrict dst, long ldd) {
+    __m256 r[8], t[8];
+    GM_ATTN_UNROLL for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+    GM_ATTN_UNROLL for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    GM_ATTN_UNROLL for (int i = 0; i < 2; ++i) {
+      r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+      r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+      r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+      r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    GM_ATTN_UNROLL for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+      _mm256_storeu_ps(dst + (4 + i) * ldd, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+    }
+  }
+};
+#endif
+// Portable C: 8 lanes as a struct of floats (the compiler vectorises what it can).
+struct gm_attn_vc {
+  struct V { float x[8]; };
+  static constexpr int L = 8;
+  static GM_ATTN_FI V zero() { V r; for (int l = 0; l < 8; ++l) r.x[l] = 0.0f; return r; }
+  static GM_ATTN_FI V set1(float a) { V r; for (int l = 0; l < 8; ++l) r.x[l] = a; return r; }
+  static GM_ATTN_FI V load(const float* p) { V r; for (int l = 0; l < 8; ++l) r.x[l] = p[l]; return r; }
+  template <int N> static GM_ATTN_FI V loadn(const float* p) {
+    V r; for (int l = 0; l < 8; ++l) r.x[l] = l < N ? p[l] : 0.0f; return r;
+  }
+  static GM_ATTN_FI V fma(V a, V b, V c) {
+    V r; for (int l = 0; l < 8; ++l) r.x[l] = GM_FMA(a.x[l], b.x[l], c.x[l]); return r;
+  }
+  static GM_ATTN_FI V mul(V a, V b) { V r; for (int l = 0; l < 8; ++l) r.x[l] = a.x[l] * b.x[l]; return r; }
+  static GM_ATTN_FI void store(float* p, V a) { for (int l = 0; l < 8; ++l) p[l] = a.x[l]; }
+  template <int N> static GM_ATTN_FI void storen(float* p, V a) { for (int l = 0; l < N; ++l) p[l] = a.x[l]; }
+  static GM_ATTN_FI void tblock(const float* __restrict src, long lds, float* __restrict dst, long ldd) {
+    for (int c = 0; c < 8; ++c)
+      for (int r = 0; r < 8; ++r) dst[c * ldd + r] = src[r * lds + c];
+  }
+};
+
+// S[MR x NV*L] = (A[MR x kd] * B[kd x NV*L]) * scale: A rows broadcast (Q, row-major), B rows as
+// vectors (K^T, padded to whole vectors, so no masking).
+template <class T, int MR, int NV>
+GM_INLINE void gm_attn_qk(long kd, const float* __restrict a, long lda, const float* __restrict b, long ldb,
+                          float* __restrict c, long ldc, float scale) {
+  typename T::V acc[MR][NV];
+  GM_ATTN_UNROLL for (int i = 0; i < MR; ++i)
+    GM_ATTN_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = T::zero();
+  for (long d = 0; d < kd; ++d) {
+    typename T::V bv[NV];
+    GM_ATTN_UNROLL for (int v = 0; v < NV; ++v) bv[v] = T::load(b + d * ldb + v * T::L);
+    GM_ATTN_UNROLL for (int i = 0; i < MR; ++i) {
+      const typename T::V av = T::set1(a[i * lda + d]);
+      GM_ATTN_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = T::fma(av, bv[v], acc[i][v]);
+    }
+  }
+  const typename T::V sc = T::set1(scale);
+  GM_ATTN_UNROLL for (int i = 0; i < MR; ++i)
+    GM_ATTN_UNROLL for (int v = 0; v < NV; ++v) T::store(c + i * ldc + v * T::L, T::mul(acc[i][v], sc));
+}
+
+// O[MR x ((NV-1)*L + LAST)] = (P[MR x kj] * V[kj x ...]) * r[i]: P broadcast, V rows as vectors
+// (the last vector masked to LAST lanes: V and O rows end there).
+template <class T, int MR, int NV, int LAST>
+GM_INLINE void gm_attn_pv(long kj, const float* __restrict p, long ldp, const float* __restrict v, long ldv,
+                          const float* __restrict r, float* __restrict o, long ldo) {
+  typename T::V acc[MR][NV];
+  GM_ATTN_UNROLL for (int i = 0; i < MR; ++i)
+    GM_ATTN_UNROLL for (int u = 0; u < NV; ++u) acc[i][u] = T::zero();
+  for (long j = 0; j < kj; ++j) {
+    typename T::V vv[NV];
+    GM_ATTN_UNROLL for (int u = 0; u < NV; ++u)
+      vv[u] = (u == NV - 1 && LAST < T::L) ? T::template loadn<LAST>(v + j * ldv + u * T::L)
+                                           : T::load(v + j * ldv + u * T::L);
+    GM_ATTN_UNROLL for (int i = 0; i < MR; ++i) {
+      const typename T::V pv = T::set1(p[i * ldp + j]);
+      GM_ATTN_UNROLL for (int u = 0; u < NV; ++u) acc[i][u] = T::fma(pv, vv[u], acc[i][u]);
+    }
+  }
+  GM_ATTN_UNROLL for (int i = 0; i < MR; ++i) {
+    const typename T::V ri = T::set1(r[i]);
+    GM_ATTN_UNROLL for (int u = 0; u < NV; ++u) {
+      if (u == NV - 1 && LAST < T::L) T::template storen<LAST>(o + i * ldo + u * T::L, T::mul(acc[i][u], ri));
+      else T::store(o + i * ldo + u * T::L, T::mul(acc[i][u], ri));
+    }
+  }
+}
+
+// K^T [d][ldt] from K [sk][d] (row-major): whole L x L blocks in registers, the edges scalar.
+template <class T>
+GM_INLINE void gm_attn_transpose(const float* __restrict k, long sk, long d, float* __restrict kt, long ldt) {
+  constexpr long L = T::L;
+  const long sk0 = sk - sk % L, d0 = d - d % L;
+  for (long j = 0; j < sk0; j += L) {
+    for (long c = 0; c < d0; c += L) T::tblock(k + j * d + c, d, kt + c * ldt + j, ldt);
+    for (long c = d0; c < d; ++c)
+      for (long jj = j; jj < j + L; ++jj) kt[c * ldt + jj] = k[jj * d + c];
+  }
+  for (long c = 0; c < d; ++c)
+    for (long jj = sk0; jj < sk; ++jj) kt[c * ldt + jj] = k[jj * d + c];
+}
+#endif  // GM_ATTN_COMMON_H
+"""
+
+
+# ------------------------------------------------------------------------------ generation
+
+def _f32_literal(x: float) -> str:
+    """A C float literal of exactly float32(x) (hex: no decimal round trip)."""
+    return float(torch.tensor(x, dtype=torch.float32).item()).hex() + "f"
+
+
+def _chunks(nvec: int, most: int) -> list[int]:
+    """`nvec` vectors split into the fewest chunks of at most `most`, sizes as even as possible."""
+    n = math.ceil(nvec / most)
+    return [nvec // n + (1 if i < nvec % n else 0) for i in range(n)]
+
+
+def _isa_section(isa: str, p: AttnProblem, qb: int) -> list[str]:
+    """`@SYM@_qk` / `@SYM@_pv` for one ISA: the tile loops with their remainder tiles as
+    `switch`es over compile-time sizes (the vectors of the key tail, which depends on the mask
+    at run time; the rows left over in a full and in the last query block, known here)."""
+    t = TILES[isa]
+    tr = _TRAITS[isa]
+    L = t.vl
+    block_rows = {qb, p.sq - (math.ceil(p.sq / qb) - 1) * qb}
+
+    def rests(mr: int) -> list[int]:
+        return sorted({n % mr for n in block_rows} - {0})
+    out = [f"constexpr long VL = {L};",
+           f"typedef {tr} VT;",
+           "GM_INLINE void @SYM@_qk(const float* __restrict q, const float* __restrict kt, float* __restrict s,",
+           "                        long nrows, long nvec) {",
+           "  long i = 0;"]
+
+    def qk_rows(mr: int, indent: str) -> list[str]:
+        args = f"D, q + i * D, D, kt + jv * {L}, SKP, s + i * SKP + jv * {L}, SKP, SCALE"
+        body = [f"{indent}long jv = 0;",
+                f"{indent}for (; jv + {t.qk_nv} <= nvec; jv += {t.qk_nv}) gm_attn_qk<{tr}, {mr}, {t.qk_nv}>({args});"]
+        if t.qk_nv > 1:
+            body.append(f"{indent}switch (nvec - jv) {{")
+            for nv in range(1, t.qk_nv):
+                body.append(f"{indent}  case {nv}: gm_attn_qk<{tr}, {mr}, {nv}>({args}); break;")
+            body.append(f"{indent}  default: break;")
+            body.append(f"{indent}}}")
+        return body
+
+    out.append(f"  for (; i + {t.qk_mr} <= nrows; i += {t.qk_mr}) {{")
+    out += qk_rows(t.qk_mr, "    ")
+    out.append("  }")
+    if rests(t.qk_mr):
+        out.append("  switch (nrows - i) {")
+        for mr in rests(t.qk_mr):
+            out.append(f"    case {mr}: {{")
+            out += qk_rows(mr, "      ")
+            out.append("      break; }")
+        out.append("    default: break;")
+        out.append("  }")
+    out.append("}")
+
+    # PV: E in balanced chunks of at most pv_nv vectors; the last chunk may end in a partial vector
+    out += ["GM_INLINE void @SYM@_pv(const float* __restrict pm, const float* __restrict v, const float* __restrict r,",
+            "                        float* __restrict o, long nrows, long kj) {"]
+    nvec = math.ceil(p.e / L)
+    e0 = 0
+    for ci, nv in enumerate(_chunks(nvec, t.pv_nv)):
+        cols = min(nv * L, p.e - e0)
+        last = cols - (nv - 1) * L
+        args = f"kj, pm + i * SKP, SKP, v + {e0}, E, r + i, o + i * E + {e0}, E"
+        out.append("  {")
+        out.append("    long i = 0;")
+        out.append(f"    for (; i + {t.pv_mr} <= nrows; i += {t.pv_mr}) "
+                   f"gm_attn_pv<{tr}, {t.pv_mr}, {nv}, {last}>({args});")
+        if rests(t.pv_mr):
+            out.append("    switch (nrows - i) {")
+            for mr in rests(t.pv_mr):
+                out.append(f"      case {mr}: gm_attn_pv<{tr}, {mr}, {nv}, {last}>({args}); break;")
+            out.append("      default: break;")
+            out.append("    }")
+        out.append("  }")
+        e0 += cols
+    out.append("}")
+    return out
+
+
+def query_block(p: AttnProblem) -> int:
+    """Rows per task: 32 (the scores of a block stay in L1 up to Sk ~ 256), halved while that
+    leaves fewer than 8 tasks to split over the threads."""
+    qb = min(32, p.sq)
+    while qb > 8 and p.b * p.h * math.ceil(p.sq / qb) < 8:
+        qb //= 2
+    return qb
+
+
+def generate_attention(p: AttnProblem, *, parallel: bool | None = None) -> str:
+    """The kernel text (with the `@SYM@` placeholder) for problem `p`:
+    `@SYM@(q, k, v[, mask], out)` over contiguous buffers."""
+    qb = query_block(p)
+    nqb = math.ceil(p.sq / qb)
+    skp = math.ceil(p.sk / SK_ALIGN) * SK_ALIGN
+    tasks = p.b * p.h * nqb
+    par = (p.flops >= PAR_FLOPS and tasks > 1) if parallel is None else (parallel and tasks > 1)
+    mtype = {"": "uint8_t", "bool": "uint8_t", "f32": "float"}[p.mask]
+    msb, msh, msi, msj = p.mstrides
+    # everything per instance lives in its own namespace: several attention kernels share a TU
+    lines = ["namespace @SYM@_ns {",
+             f"constexpr long H = {p.h}, SQ = {p.sq}, SK = {p.sk}, D = {p.d}, E = {p.e};",
+             f"constexpr long QB = {qb}, NQB = {nqb}, SKP = {skp}, TASKS = {tasks};",
+             f"constexpr long MSB = {msb}, MSH = {msh}, MSI = {msi}, MSJ = {msj};",
+             f"constexpr float SCALE = {_f32_literal(p.scale)};",
+             f"constexpr int MASK = {dict(zip(('', 'bool', 'f32'), range(3)))[p.mask]};  // 0 none, 1 bool, 2 additive f32",
+             f"constexpr bool CAUSAL = {'true' if p.causal else 'false'};",
+             f"typedef {mtype} mask_t;"]
+    for isa in ("avx512", "avx2"):
+        lines.append(("#if " if isa == "avx512" else "#elif ") + _GUARD[isa])
+        lines += _isa_section(isa, p, qb)
+    lines.append("#else")
+    lines += _isa_section("portable", p, qb)
+    lines.append("#endif")
+    lines += [
+        "",
+        "// keys this row attends lie below the returned index (0: none)",
+        "GM_INLINE long row_extent(const mask_t* __restrict m, long kend) {",
+        "  if (MASK == 0) return kend;",
+        "  if (MSJ == 0) return (MASK == 1 ? m[0] != 0 : m[0] != -GM_INF) ? kend : 0;",
+        "  long j = kend;",
+        "  if (MASK == 1) {",
+        "    while (j >= 8) {",
+        "      __UINT64_TYPE__ w; __builtin_memcpy(&w, (const uint8_t*)m + j - 8, 8);",
+        "      if (w) break;",
+        "      j -= 8;",
+        "    }",
+        "    while (j > 0 && !m[j - 1]) --j;",
+        "  } else {",
+        "    while (j > 0 && m[j - 1] == -GM_INF) --j;",
+        "  }",
+        "  return j;",
+        "}",
+        "",
+        "// one (batch, head, query block): kt holds this head's K^T when *cached == bh",
+        "void task(const float* __restrict q, const float* __restrict k, const float* __restrict v,",
+        "          const mask_t* __restrict m, float* __restrict o, long t, float* __restrict kt,",
+        "          float* __restrict s, float* __restrict rs, long* cached) {",
+        "  (void)m;",
+        "  const long bh = t / NQB, i0 = (t % NQB) * QB;",
+        "  const long nrows = SQ - i0 < QB ? SQ - i0 : QB;",
+        "  const float* qp = q + (bh * SQ + i0) * D;",
+        "  const float* vp = v + bh * SK * E;",
+        "  float* op = o + (bh * SQ + i0) * E;",
+        "  const mask_t* mp = m ? m + (bh / H) * MSB + (bh % H) * MSH + i0 * MSI : (const mask_t*)0;",
+        "  long kend = SK;",
+        "  if (CAUSAL) kend = i0 + nrows < SK ? i0 + nrows : SK;",
+        "  if (MASK != 0) {",
+        "    long ext = 0;",
+        "    const long rows = MSI == 0 ? 1 : nrows;",
+        "    for (long r = 0; r < rows && ext < kend; ++r) {",
+        "      const long x = row_extent(mp + r * MSI, kend);",
+        "      ext = x > ext ? x : ext;",
+        "    }",
+        "    kend = ext;",
+        "  }",
+        "  if (kend == 0) {   // no row of the block attends any key: torch returns zeros",
+        "    for (long x = 0; x < nrows * E; ++x) op[x] = 0.0f;",
+        "    return;",
+        "  }",
+        "  if (*cached != bh) {",
+        "    gm_attn_transpose<VT>(k + bh * SK * D, SK, D, kt, SKP);",
+        "    *cached = bh;",
+        "  }",
+        "  const long nvec = (kend + VL - 1) / VL;",
+        "  @SYM@_qk(qp, kt, s, nrows, nvec);",
+        "  const long kend16 = (kend + 15) & ~15L;   // score rows are padded to SKP, a multiple of 16",
+        "  for (long r = 0; r < nrows; ++r) {",
+        "    float* __restrict sr = s + r * SKP;",
+        "    const mask_t* __restrict mr = mp + r * MSI;",
+        "    const long i = i0 + r;",
+        "    (void)mr; (void)i;",
+        "    float mx = -GM_INF;",
+        "    #pragma omp simd reduction(max:mx)",
+        "    for (long j = 0; j < kend; ++j) {",
+        "      float x = sr[j];",
+        "      if (MASK == 1) x = x + (mr[j * MSJ] ? 0.0f : -GM_INF);   // as torch: a masked NaN stays NaN",
+        "      if (MASK == 2) x = x + (float)mr[j * MSJ];",
+        "      if (CAUSAL) x = j <= i ? x : -GM_INF;",
+        "      sr[j] = x;",
+        "      mx = mx > x ? mx : x;",
+        "    }",
+        "    if (!(mx > -GM_INF)) {   // no attended key (or only NaN scores): 0 like torch, NaN if a NaN",
+        "      bool nan = false;",
+        "      for (long j = 0; j < kend; ++j) { nan |= sr[j] != sr[j]; sr[j] = 0.0f; }",
+        "      rs[r] = nan ? GM_NAN : 0.0f;",
+        "      continue;",
+        "    }",
+        "    // 16 partial sums and a tree at the end: an `omp simd reduction(+)` ends in a chain of",
+        "    // 16 dependent scalar adds per row (no reassociation without -ffast-math)",
+        "    for (long j = kend; j < kend16; ++j) sr[j] = -GM_INF;",
+        "    float part[16];",
+        "    for (int l = 0; l < 16; ++l) part[l] = 0.0f;",
+        "    for (long j0 = 0; j0 < kend16; j0 += 16) {",
+        "      #pragma omp simd",
+        "      for (int l = 0; l < 16; ++l) {",
+        "        const float x = sr[j0 + l] - mx;",
+        "        const float e = x < -87.0f ? 0.0f : gm_expf_nc(x);",
+        "        sr[j0 + l] = e;",
+        "        part[l] += e;",
+        "      }",
+        "    }",
+        "    for (int w = 8; w > 0; w >>= 1)",
+        "      for (int l = 0; l < w; ++l) part[l] += part[l + w];",
+        "    rs[r] = 1.0f / part[0];",
+        "  }",
+        "  @SYM@_pv(s, vp, rs, op, nrows, kend);",
+        "}",
+        "}  // namespace @SYM@_ns",
+        "",
+    ]
+    text = "\n".join(lines)
+    nargs = 5 if p.mask else 4
+    params = ", ".join(f"void* p{i}" for i in range(nargs))
+    mask_arg = "(const @SYM@_ns::mask_t*)p3" if p.mask else "(const @SYM@_ns::mask_t*)0"
+    out_arg = f"(float*)p{nargs - 1}"
+    scratch = "(D * SKP + QB * SKP + QB) * sizeof(float) + 64"   # K^T, the block's scores, 1/sum; + alignment
+    body = [
+        f"GM_EXPORT void @SYM@({params}) {{",
+        "  using namespace @SYM@_ns;",
+        "  const float* q = (const float*)p0; const float* k = (const float*)p1; const float* v = (const float*)p2;",
+        f"  const mask_t* m = {mask_arg};",
+        f"  float* o = {out_arg};",
+    ]
+    region = [
+        f"    char* raw = (char*)malloc({scratch});",
+        "    float* kt = (float*)(((size_t)raw + 63) & ~(size_t)63);",
+        "    float* s = kt + D * SKP;",
+        "    float* rs = s + QB * SKP;",
+        "    for (long c = 0; c < D; ++c)",
+        "      for (long j = SK; j < SKP; ++j) kt[c * SKP + j] = 0.0f;",
+        "    long cached = -1;",
+    ]
+    if par:
+        body += ["  #pragma omp parallel num_threads(gm_nt())", "  {"] + region + [
+            "    #pragma omp for schedule(static)",
+            "    for (long t = 0; t < TASKS; ++t) task(q, k, v, m, o, t, kt, s, rs, &cached);",
+            "    free(raw);",
+            "  }"]
+    else:
+        body += ["  {"] + region + [
+            "    for (long t = 0; t < TASKS; ++t) task(q, k, v, m, o, t, kt, s, rs, &cached);",
+            "    free(raw);",
+            "  }"]
+    body.append("}")
+    call = ", ".join(f"p[{i}]" for i in range(nargs))
+    body.append(f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({call}); }}")
+    return _COMMON + text + "\n".join(body) + "\n"
+
+
+def problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping) -> AttnProblem | None:
+    """The fixed-size problem of one sdpa instruction, or None where the kernel does not
+    cover it (ATen runs the op)."""
+    if len(ins_t) not in (3, 4) or len(outs) != 1:
+        return None
+    if any(bool(v) for k, v in attrs.items() if k not in ("is_causal", "scale")):
+        return None                                   # dropout, gqa, ...: not this kernel's semantics
+    q, k, v = ins_t[:3]
+    o = outs[0]
+    mask = ins_t[3] if len(ins_t) == 4 else None
+    if any(t.dtype != torch.float32 for t in (q, k, v, o)):
+        return None
+    r = q.dim()
+    if r < 2 or r > 4 or k.dim() != r or v.dim() != r:
+        return None
+    lead = tuple(q.shape[:-2])
+    if tuple(k.shape[:-2]) != lead or tuple(v.shape[:-2]) != lead:
+        return None                                   # broadcast / grouped k, v
+    sq, d = q.shape[-2:]
+    sk, e = v.shape[-2:]
+    if k.shape[-1] != d or k.shape[-2] != sk or tuple(o.shape) != lead + (sq, e):
+        return None
+    if min(sq, sk, d, e) < 1 or sk > MAX_SK or max(d, e) > MAX_HEAD_DIM:
+        return None
+    b, h = ((1, 1) + lead)[-2:]
+    kind, strides = "", (0, 0, 0, 0)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            kind = "bool"
+        elif mask.dtype == torch.float32:
+            kind = "f32"
+        else:
+            return None
+        if mask.dim() > r:
+            return None                               # the result would broadcast beyond q
+        mshape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+        full = (b, h, sq, sk)
+        if any(m not in (1, f) for m, f in zip(mshape, full)):
+            return None
+        st, acc = [0, 0, 0, 0], 1
+        for ax in (3, 2, 1, 0):
+            st[ax] = acc if mshape[ax] > 1 else 0
+            acc *= mshape[ax]
+        strides = tuple(st)
+    scale = attrs.get("scale")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        return None
+    return AttnProblem(b, h, sq, sk, d, e, scale, bool(attrs.get("is_causal", False)), kind, strides)
+
+
+def attention_source(p: AttnProblem, inputs: Sequence[str], outputs: Sequence[str],
+                     types: Mapping[str, TensorType], *, parallel: bool | None = None) -> KernelSource:
+    """The KernelSource of problem `p` over the buffers `inputs` (q, k, v[, mask]) / `outputs`."""
+    text = generate_attention(p, parallel=parallel)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    symbol = f"gm_attn_{digest}"
+    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=tuple(inputs),
+                        outputs=tuple(outputs), types=dict(types), kind="attention",
+                        parallel="#pragma omp parallel" in text, pattern=p.text)
+
+
+@register_native("sdpa")
+def sdpa_native(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
+                env: Mapping[str, int], inputs: Sequence[str], outputs: Sequence[str]) -> KernelSource | None:
+    p = problem_of(ins_t, outs, attrs)
+    if p is None:
+        return None
+    types = {n: TensorType(TORCH_TO_DTYPE[t.dtype], tuple(t.shape))
+             for n, t in zip(list(inputs) + list(outputs), list(ins_t) + list(outs))}
+    return attention_source(p, inputs, outputs, types)
+
+
+__all__ = ["TILES", "AttnProblem", "AttnTiles", "attention_source", "generate_attention", "problem_of",
+           "query_block", "sdpa_native"]
