@@ -91,12 +91,14 @@ class KernelSource:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     types: Mapping[str, TensorType]
-    kind: str                                  # elementwise | rowwise
+    kind: str                                  # elementwise | rowwise | gemm | winograd | im2col | native
     may_alias: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     parallel: bool = False
     gemm: Node | None = None
     folded: tuple[str, ...] = ()
     pattern: str = ""
+    status: str = ""   # set: the library exports `symbol_status()` (invalid input elements since the
+                       # last call, then reset); a bound step raises this message when it is non-zero
 
     @property
     def args(self) -> tuple[str, ...]:

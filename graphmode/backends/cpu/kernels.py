@@ -69,6 +69,24 @@ class _Bound:
         self._packed(self._arr)
 
 
+class _CheckedBound(_Bound):
+    """A bound kernel that validates its input data (an index in range): after each call it
+    reads and resets the kernel's count of invalid elements and raises if there were any."""
+
+    __slots__ = ("_status", "_source")
+
+    def __init__(self, packed, arr, status, source: KernelSource):
+        super().__init__(packed, arr)
+        self._status, self._source = status, source
+
+    def __call__(self) -> None:
+        self._packed(self._arr)
+        bad = self._status()
+        if bad:
+            raise BackendError(f"{self._source.status} ({bad} invalid)", where=self._source.pattern,
+                               value=bad, fix="check the model inputs (an index or id outside its table)")
+
+
 class CompiledKernel:
     """`kernel(ptrs)` runs the kernel on buffer addresses ordered as `kernel.args`."""
 
@@ -79,17 +97,30 @@ class CompiledKernel:
         self.args = source.args
         self.nargs = len(source.args)
         self._fn, self._packed = library.function(source.symbol, self.nargs)
+        self._status = None
+        if source.status:
+            self._status = getattr(library.cdll, source.symbol + "_status")
+            self._status.argtypes = []
+            self._status.restype = ctypes.c_long
 
     def __call__(self, ptrs: Sequence[int]) -> None:
         if len(ptrs) != self.nargs:
             raise BackendError(f"kernel {self.symbol} takes {self.nargs} buffers ({', '.join(self.args)})",
                                value=len(ptrs))
         self._fn(*ptrs)
+        if self._status is not None:
+            bad = self._status()
+            if bad:
+                raise BackendError(f"{self.source.status} ({bad} invalid)", where=self.source.pattern, value=bad,
+                                   fix="check the model inputs (an index or id outside its table)")
 
     def bind(self, ptrs: Sequence[int]) -> Callable[[], None]:
         if len(ptrs) != self.nargs:
             raise BackendError(f"kernel {self.symbol} takes {self.nargs} buffers", value=len(ptrs))
-        return _Bound(self._packed, (ctypes.c_void_p * self.nargs)(*ptrs))
+        arr = (ctypes.c_void_p * self.nargs)(*ptrs)
+        if self._status is not None:
+            return _CheckedBound(self._packed, arr, self._status, self.source)
+        return _Bound(self._packed, arr)
 
     def set_threads(self, n: int) -> None:
         self.library.set_threads(n)
