@@ -153,3 +153,34 @@ def test_conv_epilogues_fused_and_match_eager(tmp_path):
         texts = [g["gemm"] for g in exe.tactics_report["gemms"]]
         assert any("+bias+relu" in t for t in texts) and any("+bias+add+relu" in t for t in texts), texts
         assert exe.kernel_report.get("fused_epilogues", 0) >= 2
+
+
+class _NewGelu(torch.nn.Module):
+    """GPT-2's MLP activation: its scalars are graph constants, which must become literals
+    (a runtime `powf(x, c)` would keep the tile loop scalar)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 96)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
+@needs_cxx
+def test_scalar_constants_are_inlined(tmp_path):
+    torch.manual_seed(3)
+    m = _NewGelu().eval()
+    cm = graphmode.compile(m, _recipe("newgelu", ["batch", 32], {"batch": {"buckets": [8]}}), cache_dir=tmp_path,
+                           threads=2)
+    (node,) = _groups(cm, {"batch": 8})
+    epi = tile_epilogue(node, {}, constants=cm.graph.constants)
+    assert epi is not None and epi.kinds == () and not any("powf" in s for s in epi.stmts), epi.stmts
+    x = torch.randn(8, 32)
+    with torch.inference_mode():
+        assert rel_l2(cm(x), m(x)) < 1e-5
+    exe = cm.executable({"batch": 8})
+    assert exe.kernel_report.get("fused_epilogues") == 1
+    (g,) = exe.tactics_report["gemms"]
+    assert g["shape"]["epilogue_kinds"] == [] and g["shape"]["epilogue"] == epi.digest   # the plan inlined them too

@@ -40,12 +40,14 @@ class GeneratedKernels(KernelProvider):
     def __init__(self, cache_dir: Path | str | None = None, threads: int | None = None):
         self.builder = builder_for(Path(cache_dir) if cache_dir else None, threads)
         self.report: dict = {"generated": 0, "fallbacks": {}, "scratch_bytes": 0}
+        self._constants: Mapping[str, torch.Tensor] = {}
 
     def build(self, plan: ExecutionPlan, views: Mapping[str, torch.Tensor],
               constants: Mapping[str, torch.Tensor]) -> dict[int, Callable[[], None]]:
         if not self.builder.compiler_available():
             self.report["fallbacks"]["*"] = f"no C++ compiler: {self.builder.unavailable_reason}"
             return {}
+        self._constants = constants
         sources: dict[int, KernelSource] = {}
         special = {}
         natives = native_ops()
@@ -135,7 +137,7 @@ class GeneratedKernels(KernelProvider):
         from graphmode.backends.cpu.epilogue import tile_epilogue
         from graphmode.backends.cpu.tactics import FusedEpilogue
         types = {v: TensorType(_dt(views[v]), tuple(views[v].shape)) for v in node.inputs if v in views}
-        epi = tile_epilogue(node, types)
+        epi = tile_epilogue(node, types, constants=self._constants)
         if epi is None or epi.result not in views or any(o not in views for o in epi.operands):
             return None
         run_later = kernel.bind([buffers[a].data_ptr() for a in ks.args])
