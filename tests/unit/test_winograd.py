@@ -39,7 +39,10 @@ SHAPES = [
 ]
 CFGS = [WinogradConfig(2, GemmConfig("avx512", 8, 32)), WinogradConfig(4, GemmConfig("avx512", 8, 32)),
         WinogradConfig(4, GemmConfig("avx2", 6, 16, 16, 0, par="serial")),
-        WinogradConfig(2, GemmConfig("portable", 4, 16))]
+        WinogradConfig(2, GemmConfig("portable", 4, 16)),
+        # tile-blocked: blocks of 8 / 6 tiles over 2 threads (partial last blocks, 1-block images)
+        WinogradConfig(4, GemmConfig("avx512", 8, 32, par="serial"), 8, 2),
+        WinogradConfig(2, GemmConfig("avx2", 6, 16, par="serial"), 6, 2)]
 
 
 def _problem(n, cin, h, w, cout, pad, bias) -> ConvProblem:
@@ -185,7 +188,7 @@ def test_conv_tactics_select_check_cache_and_bind(tmp_path):
     step = _conv_step(ctx, x, w, b, y, attrs)
     assert isinstance(step, ConvStep)
     names = ctx.candidates(step.problem)
-    assert names[0] == ATEN and {n.split("_")[0] for n in names[1:]} == {"wino4", "wino2", "im2col"}
+    assert names[0] == ATEN and {n.split("_")[0] for n in names[1:]} >= {"wino4", "wino2", "im2col"}
     (sel,) = ctx.finalize()
     assert not sel.rejected and set(sel.timings_s) == set(names) and sel.winner in names
     assert ctx.cold is True

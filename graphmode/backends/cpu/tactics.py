@@ -53,7 +53,7 @@ from graphmode.backends.cpu.conv import ConvConfig, ConvProblem, conv_config, co
 from graphmode.backends.cpu.epilogue import Epilogue
 from graphmode.backends.cpu.im2col import Im2colConfig
 from graphmode.backends.cpu.im2col import gemm_problem as im2col_gemm
-from graphmode.backends.cpu.winograd import WinogradConfig
+from graphmode.backends.cpu.winograd import WinogradConfig, chunk_for, geometry
 from graphmode.backends.cpu.winograd import gemm_problem as winograd_gemm
 from graphmode.errors import BackendError
 
@@ -367,26 +367,31 @@ class TacticsContext:
         return out
 
     def _conv_candidates(self, p: ConvProblem) -> list[str]:
-        """Winograd F(4x4) (over the first two parallel GEMM blockings of the host ISA) and
-        F(2x2) for 3x3 stride 1, then im2col (first blocking each): every candidate is a
-        compiled kernel, and compile time counts."""
+        """For 3x3 stride 1: Winograd F(4x4) and F(2x2), each as whole-image passes (GEMMs
+        parallel over tile positions) and tile-blocked (when there are blocks for every
+        thread); then im2col for any ungrouped conv. One GEMM blocking each (the host ISA's
+        first): every candidate is a compiled kernel, and compile time counts."""
         isa = host_isas(self.simd)[0]
         cfgs = [c for c in self.configs.get(isa, ()) if c.par == "omp"
-                and (c.registers <= _registers(isa, self.simd) or isa == "portable")][:2]
+                and (c.registers <= _registers(isa, self.simd) or isa == "portable")]
+        if not cfgs:
+            return []
+        base = cfgs[0]
         out: list[str] = []
 
-        def add(make: Callable[[GemmConfig], ConvConfig], g: GemmProblem, n_cfgs: int) -> None:
-            one = self.threads == 1 or g.flops < PAR_FLOPS
-            for cfg in cfgs[:n_cfgs]:
-                eff = GemmConfig(cfg.isa, cfg.mr, cfg.nr, cfg.kc if cfg.kc < g.k else 0, cfg.mc if cfg.mc < g.m else 0,
-                                 cfg.split if g.n > cfg.nr and not one else 1, "serial" if one else cfg.par)
-                c = make(eff)
-                if c.applies(p) and c.name not in out:
-                    out.append(c.name)
+        def fit(g: GemmProblem, serial: bool = False) -> GemmConfig:
+            one = serial or self.threads == 1 or g.flops < PAR_FLOPS
+            return GemmConfig(base.isa, base.mr, base.nr, base.kc if base.kc < g.k else 0,
+                              base.mc if base.mc < g.m else 0, base.split if g.n > base.nr and not one else 1,
+                              "serial" if one else base.par)
         if p.winograd_ok:
-            for m in WINOGRAD_TILES:     # F(4x4) is the usual winner: two blockings for it, one for F(2x2)
-                add(lambda e, m=m: WinogradConfig(m, e), winograd_gemm(p, m), 2 if m == 4 else 1)
-        add(Im2colConfig, im2col_gemm(p), 1)
+            for m in WINOGRAD_TILES:
+                out.append(WinogradConfig(m, fit(winograd_gemm(p, m))).name)
+                chunk = chunk_for(p, m, base.mr)
+                if self.threads > 1 and geometry(p, m).t >= chunk * self.threads:
+                    out.append(WinogradConfig(m, fit(winograd_gemm(p, m, chunk), serial=True), chunk,
+                                              self.threads).name)
+        out.append(Im2colConfig(fit(im2col_gemm(p))).name)
         return out
 
     # ---- the executor's side ---------------------------------------------------------------
@@ -884,7 +889,7 @@ class TacticsContext:
         self.packed[key] = holder
         # one workspace per (shape, candidate kind) in this context: steps of one executable never
         # overlap, and a shape's zero padding border is only ever left zero by kernels of that shape
-        ws_key = ("ws", p) + cfg.weight_key()[:2]
+        ws_key = ("ws", p, cfg.name)
         ws = self._workspaces.get(ws_key)
         if ws is None:
             ws = self._workspaces[ws_key] = torch.zeros(cfg.workspace_numel(p))

@@ -82,15 +82,21 @@ class WinogradConfig:
 
     m: int
     gemm: GemmConfig
+    chunk: int = 0     # > 0: tiles per block of the tile-blocked schedule (see generate_winograd)
+    nt: int = 1        # the tile-blocked schedule's threads (one scratch block each)
 
     def __post_init__(self):
         if self.m not in TILES:
             raise BackendError(f"unsupported Winograd tile F({self.m}x{self.m}, 3x3)", value=self.m,
                                fix=f"one of {TILES}")
+        if self.chunk and (self.chunk % self.gemm.mr or self.nt < 1 or self.gemm.par != "serial"):
+            raise BackendError(f"bad tile-blocked Winograd: {self.chunk} tiles, {self.nt} threads, {self.gemm.name}",
+                               value=self.chunk, fix="a chunk that is a multiple of mr, a serial GEMM blocking")
 
     @property
     def name(self) -> str:
-        return f"wino{self.m}_{self.gemm.name}"
+        c = f"c{self.chunk}x{self.nt}" if self.chunk else ""
+        return f"wino{self.m}{c}_{self.gemm.name}"
 
     def applies(self, p: ConvProblem) -> bool:
         return p.winograd_ok
@@ -109,10 +115,12 @@ class WinogradConfig:
 
     @staticmethod
     def parse(name: str) -> "WinogradConfig":
+        import re
         head, _, rest = name.partition("_")
-        if not head.startswith("wino") or not head[4:].isdigit():
+        mt = re.fullmatch(r"wino(\d+)(?:c(\d+)x(\d+))?", head)
+        if mt is None:
             raise BackendError(f"not a Winograd candidate name: {name!r}", value=name)
-        return WinogradConfig(int(head[4:]), GemmConfig.parse(rest))
+        return WinogradConfig(int(mt.group(1)), GemmConfig.parse(rest), int(mt.group(2) or 0), int(mt.group(3) or 1))
 
 
 @dataclass(frozen=True)
@@ -142,12 +150,24 @@ def geometry(p: ConvProblem, m: int) -> _Geometry:
 
 def workspace_numel(p: ConvProblem, cfg: WinogradConfig) -> int:
     g = geometry(p, cfg.m)
-    return sum(g.sizes(p.n))
+    xp, v, mm = g.sizes(p.n)
+    if cfg.chunk:          # per thread: V and M of one block of tiles
+        a2 = g.alpha * g.alpha
+        return xp + cfg.nt * a2 * cfg.chunk * (g.cp + g.cop)
+    return xp + v + mm
 
 
-def gemm_problem(p: ConvProblem, m: int) -> GemmProblem:
+def gemm_problem(p: ConvProblem, m: int, chunk: int = 0) -> GemmProblem:
     g = geometry(p, m)
-    return GemmProblem("matmul", g.alpha * g.alpha, g.t, g.cop, g.cp, b_packed=True, b_batched=True)
+    return GemmProblem("matmul", g.alpha * g.alpha, chunk or g.t, g.cop, g.cp, b_packed=True, b_batched=True)
+
+
+def chunk_for(p: ConvProblem, m: int, mr: int, l2_bytes: int = 512 << 10) -> int:
+    """Tiles per block so that one block's V and M (alpha^2 x tiles x (CP + COP) floats) stay
+    in about half of a core's L2; a multiple of the micro-kernel's rows."""
+    g = geometry(p, m)
+    per_tile = g.alpha * g.alpha * (g.cp + g.cop) * 4
+    return max(mr, (l2_bytes // per_tile) // mr * mr)
 
 
 # ------------------------------------------------------------------------------ the weights
@@ -179,6 +199,10 @@ def transformed_numel(p: ConvProblem, m: int, nr: int) -> int:
 _COMMON = r"""
 #ifndef GM_WINO_COMMON_H
 #define GM_WINO_COMMON_H
+#ifdef _OPENMP
+extern "C" int omp_get_thread_num(void);
+extern "C" int omp_get_num_threads(void);
+#endif
 typedef float gm_v16 __attribute__((vector_size(64)));
 typedef float gm_v16u __attribute__((vector_size(64), aligned(4)));
 GM_INLINE gm_v16 gm_ld16(const float* p) { return *(const gm_v16u*)p; }
@@ -215,6 +239,34 @@ def _transform(mat: Sequence[Sequence[Fr]], src: str, dst: str, n_in: int) -> li
     return lines
 
 
+def _blocked_body(cfg: WinogradConfig, g: _Geometry, bias: str, iy: int, eargs: str) -> list[str]:
+    """The tile-blocked schedule: each thread takes blocks of `chunk` tiles and runs input
+    transform, the alpha^2 GEMMs (serial) and output transform on its own V/M block, which
+    stays in its L2, instead of three passes over whole-image V and M buffers. The last
+    block's rows past T compute on stale V rows and are never stored."""
+    a2 = g.alpha * g.alpha
+    per = a2 * cfg.chunk * (g.cp + g.cop)
+    return [
+        f"  constexpr long NB = (@SYM@_T + {cfg.chunk} - 1) / {cfg.chunk};",
+        f"  #pragma omp parallel num_threads({cfg.nt})",
+        "  {",
+        "#ifdef _OPENMP",
+        "    const long me = omp_get_thread_num(), nt = omp_get_num_threads();",
+        "#else",
+        "    const long me = 0, nt = 1;",
+        "#endif",
+        f"    float* Vb = V + me * {per}L;",
+        f"    float* Mb = Vb + {a2 * cfg.chunk * g.cp}L;",
+        "    for (long b = me; b < NB; b += nt) {",
+        f"      const long t0 = b * {cfg.chunk}, t1 = t0 + {cfg.chunk} < @SYM@_T ? t0 + {cfg.chunk} : @SYM@_T;",
+        "      @SYM@_in(xp, Vb, t0, t1);",
+        "      @SYM@_g(Vb, p1, Mb);",
+        f"      @SYM@_out(Mb, {bias}, (float*)p{iy}, t0, t1{eargs});",
+        "    }",
+        "  }",
+    ]
+
+
 def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> KernelSource:
     """`symbol(x, u, [bias,] ws, y)`: u from `transform_weight(w, cfg.m, cfg.gemm.nr)`, ws a
     zero-initialised float workspace of `workspace_numel(p, cfg)` (its padding must stay zero)."""
@@ -223,12 +275,15 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
                            where=p.text, fix="the ATen tactic runs it")
     g = geometry(p, cfg.m)
     bt, _, at = _MATRICES[cfg.m]
-    gp = gemm_problem(p, cfg.m)
-    gsrc = generate_gemm(gp, cfg.gemm, threads)
+    chunked = cfg.chunk > 0
+    gp = gemm_problem(p, cfg.m, cfg.chunk)
+    gsrc = generate_gemm(gp, cfg.gemm, 1 if chunked else threads)
     gemm_text = gsrc.source.replace(gsrc.symbol, "@SYM@_g")
     xp_n, v_n, _ = g.sizes(p.n)
     a = g.alpha
     par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
+    stage_par = "" if chunked else par          # blocks are the parallel loop of the tile-blocked schedule
+    stride = cfg.chunk if chunked else g.t       # rows of one tile position's V / M
     eparams, _, enames = epilogue_params(p)
     in_tr = _transform(bt, "d", "v", a)
     out_tr = _transform(at, "q", "o", a)
@@ -237,13 +292,13 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         f"constexpr long @SYM@_N = {p.n}, @SYM@_C = {p.cin}, @SYM@_H = {p.h}, @SYM@_W = {p.w}, "
         f"@SYM@_CO = {p.cout}, @SYM@_HO = {p.ho}, @SYM@_WO = {p.wo};",
         f"constexpr long @SYM@_PH = {p.padding[0]}, @SYM@_PW = {p.padding[1]}, @SYM@_TH = {g.th}, "
-        f"@SYM@_TW = {g.tw}, @SYM@_T = {g.t};",
+        f"@SYM@_TW = {g.tw}, @SYM@_T = {g.t}, @SYM@_S = {stride};",
         f"constexpr long @SYM@_CP = {g.cp}, @SYM@_COP = {g.cop}, @SYM@_HP = {g.hp}, @SYM@_WP = {g.wp};",
         *nhwc_pack_lines(p, g.cp, g.hp, g.wp, par),
-        # 2. input transform
-        "void @SYM@_in(const float* __restrict xp, float* __restrict V) {",
-        f"  {par}",
-        "  for (long t = 0; t < @SYM@_T; ++t) {",
+        # 2. input transform of tiles [t0, t1) into V rows t - t0
+        "void @SYM@_in(const float* __restrict xp, float* __restrict V, long t0, long t1) {",
+        f"  {stage_par}",
+        "  for (long t = t0; t < t1; ++t) {",
         "    const long n = t / (@SYM@_TH * @SYM@_TW), ty = (t / @SYM@_TW) % @SYM@_TH, tx = t % @SYM@_TW;",
         f"    const float* base = xp + ((n * @SYM@_HP + ty * {g.m}) * @SYM@_WP + tx * {g.m}) * @SYM@_CP;",
         "    for (long cv = 0; cv < @SYM@_CP; cv += 16) {",
@@ -252,21 +307,22 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         f"        for (int c = 0; c < {a}; ++c) d[r][c] = gm_ld16(base + (r * @SYM@_WP + c) * @SYM@_CP + cv);",
         *("      " + ln for ln in in_tr),
         f"      for (int i = 0; i < {a}; ++i)",
-        f"        for (int j = 0; j < {a}; ++j) gm_st16(V + ((i * {a} + j) * @SYM@_T + t) * @SYM@_CP + cv, v[i][j]);",
+        f"        for (int j = 0; j < {a}; ++j) gm_st16(V + ((i * {a} + j) * @SYM@_S + t - t0) * @SYM@_CP + cv, v[i][j]);",
         "    }",
         "  }",
         "}",
-        # 4. output transform (+ bias) back to NCHW
-        f"void @SYM@_out(const float* __restrict M, const float* __restrict bias, float* y{eparams}) {{",
-        f"  {par}",
-        "  for (long t = 0; t < @SYM@_T; ++t) {",
+        # 4. output transform (+ bias, epilogue) of tiles [t0, t1) back to NCHW
+        f"void @SYM@_out(const float* __restrict M, const float* __restrict bias, float* y, long t0, long t1"
+        f"{eparams}) {{",
+        f"  {stage_par}",
+        "  for (long t = t0; t < t1; ++t) {",
         "    const long n = t / (@SYM@_TH * @SYM@_TW), ty = (t / @SYM@_TW) % @SYM@_TH, tx = t % @SYM@_TW;",
         f"    const long vi = @SYM@_HO - ty * {g.m} < {g.m} ? @SYM@_HO - ty * {g.m} : {g.m};",
         f"    const long vj = @SYM@_WO - tx * {g.m} < {g.m} ? @SYM@_WO - tx * {g.m} : {g.m};",
         "    for (long cv = 0; cv < @SYM@_COP; cv += 16) {",
         f"      gm_v16 q[{a}][{a}];",
         f"      for (int r = 0; r < {a}; ++r)",
-        f"        for (int c = 0; c < {a}; ++c) q[r][c] = gm_ld16(M + ((r * {a} + c) * @SYM@_T + t) * @SYM@_COP + cv);",
+        f"        for (int c = 0; c < {a}; ++c) q[r][c] = gm_ld16(M + ((r * {a} + c) * @SYM@_S + t - t0) * @SYM@_COP + cv);",
         *("      " + ln for ln in out_tr),
         "      const long cn = @SYM@_CO - cv < 16 ? @SYM@_CO - cv : 16;",
         "      float bb[16];",
@@ -299,11 +355,12 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         f"GM_EXPORT void @SYM@({params}) {{",
         f"  float* xp = (float*){ws};",
         f"  float* V = xp + {xp_n}L;",
-        f"  float* M = V + {v_n}L;",
+        *([] if chunked else [f"  float* M = V + {v_n}L;"]),
         "  @SYM@_pack((const float*)p0, xp);",
-        "  @SYM@_in(xp, V);",
-        "  @SYM@_g(V, p1, M);",
-        f"  @SYM@_out(M, {bias}, (float*)p{len(inputs)}{eargs});",
+        *(_blocked_body(cfg, g, bias, len(inputs), eargs) if chunked else [
+            "  @SYM@_in(xp, V, 0, @SYM@_T);",
+            "  @SYM@_g(V, p1, M);",
+            f"  @SYM@_out(M, {bias}, (float*)p{len(inputs)}, 0, @SYM@_T{eargs});"]),
         "}",
         f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({', '.join(f'p[{i}]' for i in range(len(inputs) + 1))}); }}",
     ]
