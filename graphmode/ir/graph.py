@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -160,12 +161,15 @@ class Graph:
         return all(torch.equal(self.constants[k], other.constants[k]) for k in self.constants)
 
 
-_DIGESTS: dict[tuple, str] = {}
+_DIGESTS: dict[tuple, tuple] = {}   # key -> (weakref to the tensor, digest)
 
 
 def constant_digest(t: torch.Tensor) -> str:
     key = (id(t), t._version, t.data_ptr(), tuple(t.shape), str(t.dtype))
-    d = _DIGESTS.get(key)
+    hit = _DIGESTS.get(key)
+    # the entry must belong to this very tensor: a freed tensor's id and address are reused
+    # by new tensors, whose contents (and digest) differ
+    d = hit[1] if hit is not None and hit[0]() is t else None
     if d is None:
         data = t.detach().contiguous().cpu()
         if data.dtype == torch.bfloat16:
@@ -175,5 +179,5 @@ def constant_digest(t: torch.Tensor) -> str:
         d = h.hexdigest()[:16]
         if len(_DIGESTS) > 100_000:
             _DIGESTS.clear()
-        _DIGESTS[key] = d
+        _DIGESTS[key] = (weakref.ref(t), d)
     return d
