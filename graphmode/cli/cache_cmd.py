@@ -1,4 +1,4 @@
-"""`graphmode cache ls|clear|prune|explain`: the on-disk plan cache."""
+"""`graphmode cache ls|clear|prune|explain`: the on-disk plan cache (and the tactic timing cache)."""
 from __future__ import annotations
 
 import json
@@ -51,9 +51,18 @@ def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(
 
 
 @cache_app.command("clear")
-def cache_clear(cache_dir: Optional[Path] = CacheDir) -> None:
-    """Remove every cached plan."""
-    console.print(f"removed {_cache(cache_dir).clear()} entries")
+def cache_clear(cache_dir: Optional[Path] = CacheDir,
+                timings: bool = typer.Option(False, "--timings", help="also remove the GEMM/conv timing cache "
+                                             "(<cache>/tactics): the next compile times every shape again, e.g. "
+                                             "after timings were taken on a busy machine")) -> None:
+    """Remove every cached plan (and with --timings the tactic timing cache)."""
+    cache = _cache(cache_dir)
+    console.print(f"removed {cache.clear()} entries")
+    if timings:
+        files = sorted((Path(cache.root) / "tactics").glob("gemm-*.json"))
+        for f in files:
+            f.unlink(missing_ok=True)
+        console.print(f"removed {len(files)} timing-cache entries")
 
 
 @cache_app.command("prune")

@@ -118,6 +118,10 @@ def test_cache_explain_after_run(tmp_path):
     assert len(json.loads(res.output)) == 1
     assert invoke("cache", "prune", "--max-size", "0B", "--cache-dir", str(cache)).exit_code == 0
     assert json.loads(invoke("cache", "ls", "--cache-dir", str(cache), "--json").output) == []
+    timings = list((cache / "tactics").glob("gemm-*.json"))
+    res = invoke("cache", "clear", "--timings", "--cache-dir", str(cache))
+    assert res.exit_code == 0 and f"removed {len(timings)} timing-cache entries" in res.output, res.output
+    assert timings and not list((cache / "tactics").glob("gemm-*.json"))
 
 
 @pytest.mark.parametrize("args,needle", [
