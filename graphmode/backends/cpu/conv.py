@@ -175,12 +175,35 @@ def epilogue_types(p: ConvProblem) -> dict:
     return {f"e{i}": TensorType("f32", shapes[k]) for i, k in enumerate(p.epi.kinds if p.epi is not None else ())}
 
 
-def epilogue_params(p: ConvProblem) -> tuple[str, str, tuple[str, ...]]:
-    """(parameter list, argument list, input names) of the epilogue operands of a conv kernel."""
+@dataclass(frozen=True)
+class KernelAbi:
+    """The exported signature every conv kernel shares, `symbol(x, w', [bias,] e0.., ws, y)`,
+    and the C fragments its body needs to address those arguments."""
+
+    inputs: tuple[str, ...]   # KernelSource.inputs (y is the only output)
+    params: str               # the exported function's parameter list
+    bias: str                 # the bias pointer expression (or nullptr)
+    ws: str                   # the workspace parameter
+    out: str                  # the output pointer expression
+    stage_params: str         # ", const float* e0, ..." for the stage that applies the epilogue
+    stage_args: str           # ", (const float*)pK, ..." to pass the epilogue operands to that stage
+
+    @property
+    def packed_entry(self) -> str:
+        """`symbol_packed(void** p)`, the entry a bound step calls."""
+        args = ", ".join(f"p[{i}]" for i in range(len(self.inputs) + 1))
+        return f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({args}); }}"
+
+
+def kernel_abi(p: ConvProblem, weight: str) -> KernelAbi:
     n = len(p.epi.kinds) if p.epi is not None else 0
-    return ("".join(f", const float* __restrict e{i}" for i in range(n)), "".join(f", e{i}" for i in range(n)),
-            tuple(f"e{i}" for i in range(n)))
+    inputs = ("x", weight) + (("bias",) if p.bias else ()) + tuple(f"e{i}" for i in range(n)) + ("ws",)
+    first = len(inputs) - 1 - n
+    return KernelAbi(inputs, ", ".join(f"void* p{i}" for i in range(len(inputs) + 1)),
+                     "(const float*)p2" if p.bias else "nullptr", f"p{len(inputs) - 1}", f"(float*)p{len(inputs)}",
+                     "".join(f", const float* __restrict e{i}" for i in range(n)),
+                     "".join(f", (const float*)p{first + i}" for i in range(n)))
 
 
 __all__ = ["ConvProblem", "ConvConfig", "conv_problem_of", "conv_config", "nhwc_pack_lines", "epilogue_store", "epilogue_types",
-           "epilogue_params"]
+           "KernelAbi", "kernel_abi"]

@@ -168,13 +168,12 @@ def tile_epilogue(node: Node, types: Mapping[str, TensorType], *,
 
 def gemm_load(kind: str, k: int, ncols: int) -> str:
     """Operand k at (row, col) of a [M, N] GEMM output (`row`, `col` in scope)."""
-    return {"full": f"g->e{k}[row * {ncols}L + col]", "last": f"g->e{k}[col]", "scalar": f"g->e{k}[0]",
-            "chan": "<chan operand of a GEMM>"}[kind]
+    return {"full": f"g->e{k}[row * {ncols}L + col]", "last": f"g->e{k}[col]", "scalar": f"g->e{k}[0]"}[kind]
 
 
 def conv_load(kind: str, k: int) -> str:
     """Operand k at an NCHW output element (`idx` flat index, `co` channel in scope)."""
-    return {"full": f"e{k}[idx]", "chan": f"e{k}[co]", "scalar": f"e{k}[0]", "last": "<last operand of a conv>"}[kind]
+    return {"full": f"e{k}[idx]", "chan": f"e{k}[co]", "scalar": f"e{k}[0]"}[kind]
 
 
 __all__ = ["Epilogue", "tile_epilogue", "gemm_load", "conv_load", "KINDS"]

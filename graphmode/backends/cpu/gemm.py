@@ -444,7 +444,7 @@ def _epilogue_fns(p: GemmProblem, cfg: GemmConfig) -> list[str]:
     `@SYM@_epi` (stack tile -> C through the epilogue, operands read at (row, col))."""
     loads = [gemm_load(k, i, p.n) for i, k in enumerate(p.epi.kinds)]
     return [
-        f"GM_INLINE void @SYM@_load(const float* c, float* tile, long rows, long cols) {{",
+        "GM_INLINE void @SYM@_load(const float* c, float* tile, long rows, long cols) {",
         "  for (long r = 0; r < rows; ++r)",
         f"    for (long j = 0; j < cols; ++j) tile[r * {cfg.nr} + j] = c[r * {p.n}L + j];",
         "}",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from graphmode.backends.cpu.codegen import KernelSource
-from graphmode.backends.cpu.conv import ConvProblem, epilogue_params, epilogue_store, epilogue_types, nhwc_pack_lines
+from graphmode.backends.cpu.conv import ConvProblem, epilogue_store, epilogue_types, kernel_abi, nhwc_pack_lines
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
@@ -97,7 +97,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
     hw = p.ho * p.wo
     par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
     (sy, sx), (dy, dx) = p.stride, p.dilation
-    eparams, _, enames = epilogue_params(p)
+    abi = kernel_abi(p, "w")
     lines = ["namespace {", *nhwc_pack_lines(p, p.cin, hp, wp, par)]
     if not _direct(p):
         lines += [
@@ -120,7 +120,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         ]
     lines += [
         # NHWC GEMM result -> NCHW output
-        f"void @SYM@_unpack(const float* __restrict cb, float* y{eparams}) {{",
+        f"void @SYM@_unpack(const float* __restrict cb, float* y{abi.stage_params}) {{",
         f"  constexpr long HW = {hw}, CO = {p.cout};",
         f"  {par}",
         f"  for (long r = 0; r < {p.n} * ((HW + 15) / 16); ++r) {{",
@@ -142,22 +142,18 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         "}",
         "}  // namespace",
     ]
-    inputs = ("x", "w") + (("bias",) if p.bias else ()) + enames + ("ws",)
-    params = ", ".join(f"void* p{i}" for i in range(len(inputs) + 1))
-    eargs = "".join(f", (const float*)p{len(inputs) - 1 - len(enames) + i}" for i in range(len(enames)))
-    ws = f"p{len(inputs) - 1}"
     a_ptr = "xp" if _direct(p) else "col"
     lines += [
-        f"GM_EXPORT void @SYM@({params}) {{",
-        f"  float* xp = (float*){ws};",
+        f"GM_EXPORT void @SYM@({abi.params}) {{",
+        f"  float* xp = (float*){abi.ws};",
         f"  float* col = xp + {xp_n}L;",
         f"  float* cb = col + {col_n}L;",
         "  @SYM@_pack((const float*)p0, xp);",
         *([] if _direct(p) else ["  @SYM@_cols(xp, col);"]),
         f"  @SYM@_g({a_ptr}, p1, {'p2, ' if p.bias else ''}cb);",
-        f"  @SYM@_unpack(cb, (float*)p{len(inputs)}{eargs});",
+        f"  @SYM@_unpack(cb, {abi.out}{abi.stage_args});",
         "}",
-        f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({', '.join(f'p[{i}]' for i in range(len(inputs) + 1))}); }}",
+        abi.packed_entry,
     ]
     text = gemm_text + "\n".join(lines) + "\n"
     symbol = f"gm_im2col_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
@@ -166,7 +162,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
     if p.bias:
         types["bias"] = TensorType("f32", (p.cout,))
     types.update(epilogue_types(p))
-    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=inputs, outputs=("y",),
+    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=abi.inputs, outputs=("y",),
                         types=types, kind="im2col", parallel=threads != 1, pattern=f"{p.text} [{cfg.name}]")
 
 

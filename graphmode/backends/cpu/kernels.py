@@ -81,10 +81,13 @@ class _CheckedBound(_Bound):
 
     def __call__(self) -> None:
         self._packed(self._arr)
-        bad = self._status()
-        if bad:
-            raise BackendError(f"{self._source.status} ({bad} invalid)", where=self._source.pattern,
-                               value=bad, fix="check the model inputs (an index or id outside its table)")
+        _raise_if_invalid(self._status(), self._source)
+
+
+def _raise_if_invalid(bad: int, source: KernelSource) -> None:
+    if bad:
+        raise BackendError(f"{source.status} ({bad} invalid)", where=source.pattern, value=bad,
+                           fix="check the model inputs (an index or id outside its table)")
 
 
 class CompiledKernel:
@@ -109,10 +112,7 @@ class CompiledKernel:
                                value=len(ptrs))
         self._fn(*ptrs)
         if self._status is not None:
-            bad = self._status()
-            if bad:
-                raise BackendError(f"{self.source.status} ({bad} invalid)", where=self.source.pattern, value=bad,
-                                   fix="check the model inputs (an index or id outside its table)")
+            _raise_if_invalid(self._status(), self.source)
 
     def bind(self, ptrs: Sequence[int]) -> Callable[[], None]:
         if len(ptrs) != self.nargs:

@@ -92,7 +92,6 @@ class GeneratedKernels(KernelProvider):
     def _bind(self, ks: KernelSource, kernel, node, views, env) -> Callable[[], None]:
         buffers = dict(views)
         gemm_step = None
-        fused = None
         if ks.gemm is not None:
             g = ks.gemm
             gemm_out = g.outputs[0]
@@ -113,35 +112,33 @@ class GeneratedKernels(KernelProvider):
             buffers[gemm_out] = buf
             gemm_in = [views[i].view(node.body.values[i].type.concrete(env)) if i in node.body.values
                        else views[i] for i in g.inputs]
-            fused = self._fused_epilogue(node, views, buffers, ks, kernel)
-            gemm_step = aten_step(g.op, gemm_in, [buf], g.attrs, env, epilogue=fused)
-        ptrs = [buffers[a].data_ptr() for a in ks.args]
-        run = kernel.bind(ptrs)
+        run = kernel.bind([buffers[a].data_ptr() for a in ks.args])
         keep = [buffers[a] for a in ks.args]   # scratch buffers live as long as the step
-
+        if ks.gemm is not None:
+            fused = self._fused_epilogue(node, views, run)
+            gemm_step = aten_step(g.op, gemm_in, [buf], g.attrs, env, epilogue=fused)
         if gemm_step is None:
             return run
         if getattr(gemm_step, "fused_epilogue", False):
             self.report["fused_epilogues"] = self.report.get("fused_epilogues", 0) + 1
-            gemm_step.keep = tuple(gemm_step.keep) + tuple(keep)
-            return gemm_step
+            return gemm_step     # its ATen default (and so its scratch buffer) lives on the step
 
         def step(_keep=keep) -> None:
             gemm_step()
             run()
         return step
 
-    def _fused_epilogue(self, node, views, buffers, ks: KernelSource, kernel):
+    def _fused_epilogue(self, node, views, run: Callable[[], None]):
         """The group's epilogue offered to its GEMM/conv step (tactics.FusedEpilogue), or None
-        when it is not one a generated GEMM can apply at its store (epilogue.py)."""
+        when it is not one a generated GEMM can apply at its store (epilogue.py). `run` is the
+        group's own epilogue kernel, which the step's ATen path runs after its GEMM."""
         from graphmode.backends.cpu.epilogue import tile_epilogue
         from graphmode.backends.cpu.tactics import FusedEpilogue
         types = {v: TensorType(_dt(views[v]), tuple(views[v].shape)) for v in node.inputs if v in views}
         epi = tile_epilogue(node, types, constants=self._constants)
         if epi is None or epi.result not in views or any(o not in views for o in epi.operands):
             return None
-        run_later = kernel.bind([buffers[a].data_ptr() for a in ks.args])
-        return FusedEpilogue(epi, [views[o] for o in epi.operands], views[epi.result], run_later)
+        return FusedEpilogue(epi, [views[o] for o in epi.operands], views[epi.result], run)
 
 
 _SHAPE_ATTRS = ("shape", "end")

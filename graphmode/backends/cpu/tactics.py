@@ -405,12 +405,14 @@ class TacticsContext:
             return default
         bias = ins_t[2] if op == "linear" and len(ins_t) > 2 else None
         c = outs[0]
-        if epilogue is not None and _fusable(p.batch == 1, p.m * p.n, epilogue):
+        if epilogue is not None and p.batch == 1 and _fusable(p.m * p.n, epilogue):
             p = replace(p, epi=epilogue.epi, c_aliases_operand=_overlaps(epilogue.out, epilogue.operands))
             c = epilogue.out
         else:
             epilogue = None
-        step = GemmStep(default, p, ins_t[0], ins_t[1], bias, c, epilogue)
+        return self._enqueue(GemmStep(default, p, ins_t[0], ins_t[1], bias, c, epilogue))
+
+    def _enqueue(self, step: GemmStep) -> GemmStep:
         self.steps.append(step)
         self._pending.append(step)
         return step
@@ -424,15 +426,12 @@ class TacticsContext:
             return default
         bias = ins_t[2] if len(ins_t) > 2 else None
         c = outs[0]
-        if epilogue is not None and _fusable(True, c.numel(), epilogue):
+        if epilogue is not None and _fusable(c.numel(), epilogue):
             p = replace(p, epi=epilogue.epi)     # conv kernels read each operand element before writing it
             c = epilogue.out
         else:
             epilogue = None
-        step = ConvStep(default, p, ins_t[0], ins_t[1], bias, c, epilogue)
-        self.steps.append(step)
-        self._pending.append(step)
-        return step
+        return self._enqueue(ConvStep(default, p, ins_t[0], ins_t[1], bias, c, epilogue))
 
     def finalize(self) -> list[Selection]:
         """Tune every distinct GEMM shape requested since the last call and switch each of
@@ -1000,9 +999,9 @@ def _then(f: Callable[[], None], g: Callable[[], None]) -> Callable[[], None]:
     return both
 
 
-def _fusable(shape_ok: bool, numel: int, fused: FusedEpilogue) -> bool:
+def _fusable(numel: int, fused: FusedEpilogue) -> bool:
     out = fused.out
-    return (shape_ok and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel
+    return (out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in fused.operands))
 
 

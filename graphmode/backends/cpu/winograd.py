@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from graphmode.backends.cpu.codegen import KernelSource
-from graphmode.backends.cpu.conv import ConvProblem, epilogue_params, epilogue_store, epilogue_types, nhwc_pack_lines
+from graphmode.backends.cpu.conv import ConvProblem, KernelAbi, epilogue_store, epilogue_types, kernel_abi, nhwc_pack_lines
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
@@ -239,7 +239,7 @@ def _transform(mat: Sequence[Sequence[Fr]], src: str, dst: str, n_in: int) -> li
     return lines
 
 
-def _blocked_body(cfg: WinogradConfig, g: _Geometry, bias: str, iy: int, eargs: str) -> list[str]:
+def _blocked_body(cfg: WinogradConfig, g: _Geometry, abi: KernelAbi) -> list[str]:
     """The tile-blocked schedule: each thread takes blocks of `chunk` tiles and runs input
     transform, the alpha^2 GEMMs (serial) and output transform on its own V/M block, which
     stays in its L2, instead of three passes over whole-image V and M buffers. The last
@@ -261,7 +261,7 @@ def _blocked_body(cfg: WinogradConfig, g: _Geometry, bias: str, iy: int, eargs: 
         f"      const long t0 = b * {cfg.chunk}, t1 = t0 + {cfg.chunk} < @SYM@_T ? t0 + {cfg.chunk} : @SYM@_T;",
         "      @SYM@_in(xp, Vb, t0, t1);",
         "      @SYM@_g(Vb, p1, Mb);",
-        f"      @SYM@_out(Mb, {bias}, (float*)p{iy}, t0, t1{eargs});",
+        f"      @SYM@_out(Mb, {abi.bias}, {abi.out}, t0, t1{abi.stage_args});",
         "    }",
         "  }",
     ]
@@ -284,7 +284,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
     par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
     stage_par = "" if chunked else par          # blocks are the parallel loop of the tile-blocked schedule
     stride = cfg.chunk if chunked else g.t       # rows of one tile position's V / M
-    eparams, _, enames = epilogue_params(p)
+    abi = kernel_abi(p, "u")
     in_tr = _transform(bt, "d", "v", a)
     out_tr = _transform(at, "q", "o", a)
     lines = [
@@ -313,7 +313,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         "}",
         # 4. output transform (+ bias, epilogue) of tiles [t0, t1) back to NCHW
         f"void @SYM@_out(const float* __restrict M, const float* __restrict bias, float* y, long t0, long t1"
-        f"{eparams}) {{",
+        f"{abi.stage_params}) {{",
         f"  {stage_par}",
         "  for (long t = t0; t < t1; ++t) {",
         "    const long n = t / (@SYM@_TH * @SYM@_TW), ty = (t / @SYM@_TW) % @SYM@_TH, tx = t % @SYM@_TW;",
@@ -346,23 +346,18 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         "}",
         "}  // namespace",
     ]
-    inputs = ("x", "u") + (("bias",) if p.bias else ()) + enames + ("ws",)
-    params = ", ".join(f"void* p{i}" for i in range(len(inputs) + 1))
-    bias = "(const float*)p2" if p.bias else "nullptr"
-    eargs = "".join(f", (const float*)p{len(inputs) - 1 - len(enames) + i}" for i in range(len(enames)))
-    ws = f"p{len(inputs) - 1}"
     lines += [
-        f"GM_EXPORT void @SYM@({params}) {{",
-        f"  float* xp = (float*){ws};",
+        f"GM_EXPORT void @SYM@({abi.params}) {{",
+        f"  float* xp = (float*){abi.ws};",
         f"  float* V = xp + {xp_n}L;",
         *([] if chunked else [f"  float* M = V + {v_n}L;"]),
         "  @SYM@_pack((const float*)p0, xp);",
-        *(_blocked_body(cfg, g, bias, len(inputs), eargs) if chunked else [
+        *(_blocked_body(cfg, g, abi) if chunked else [
             "  @SYM@_in(xp, V, 0, @SYM@_T);",
             "  @SYM@_g(V, p1, M);",
-            f"  @SYM@_out(M, {bias}, (float*)p{len(inputs)}, 0, @SYM@_T{eargs});"]),
+            f"  @SYM@_out(M, {abi.bias}, {abi.out}, 0, @SYM@_T{abi.stage_args});"]),
         "}",
-        f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({', '.join(f'p[{i}]' for i in range(len(inputs) + 1))}); }}",
+        abi.packed_entry,
     ]
     text = gemm_text + _COMMON + "\n".join(lines) + "\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -374,7 +369,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
     if p.bias:
         types["bias"] = TensorType("f32", (p.cout,))
     types.update(epilogue_types(p))
-    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=inputs, outputs=("y",),
+    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=abi.inputs, outputs=("y",),
                         types=types, kind="winograd", parallel=threads != 1, pattern=f"{p.text} [{cfg.name}]")
 
 

@@ -38,31 +38,9 @@ GM_INLINE float gm_bits_f32(int32_t i) { float f; __builtin_memcpy(&f, &i, 4); r
 #define GM_FMA(a, b, c) ((a) * (b) + (c))
 #endif
 
-// e^x, Cephes-style: x = n*ln2 + r, |r| <= ln2/2, degree-7 polynomial; 2^n applied in two
-// halves so results down to the subnormal range and overflow to inf come out right. ~1 ulp.
-// NaN propagates through the clamps (comparisons with NaN are false).
-GM_INLINE float gm_expf(float x) {
-  float xc = x < -104.0f ? -104.0f : x;
-  xc = xc > 89.0f ? 89.0f : xc;
-  float n = GM_FMA(xc, 1.44269504088896341f, 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = GM_FMA(n, -0.693359375f, xc);
-  r = GM_FMA(n, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = GM_FMA(p, r, 1.3981999507e-3f);
-  p = GM_FMA(p, r, 8.3334519073e-3f);
-  p = GM_FMA(p, r, 4.1665795894e-2f);
-  p = GM_FMA(p, r, 1.6666665459e-1f);
-  p = GM_FMA(p, r, 5.0000001201e-1f);
-  p = GM_FMA(p, r * r, r) + 1.0f;
-  int32_t ni = (int32_t)n;
-  int32_t n1 = ni >> 1;
-  int32_t n2 = ni - n1;
-  return (p * gm_bits_f32((n1 + 127) << 23)) * gm_bits_f32((n2 + 127) << 23);
-}
-
-// e^x for x in [-87, 88] only (no clamping: callers bound the argument); NaN propagates.
-GM_INLINE float gm_expf_nc(float x) {
-  float n = GM_FMA(x, 1.44269504088896341f, 12582912.0f) - 12582912.0f;
+// Cephes-style e^x core: x = n*ln2 + r, |r| <= ln2/2; returns e^r (degree-7 polynomial), n in *n_out
+GM_INLINE float gm_exp_reduced(float x, float* n_out) {
+  float n = GM_FMA(x, 1.44269504088896341f, 12582912.0f) - 12582912.0f;  // round to nearest
   float r = GM_FMA(n, -0.693359375f, x);
   r = GM_FMA(n, 2.12194440e-4f, r);
   float p = 1.9875691500e-4f;
@@ -71,7 +49,27 @@ GM_INLINE float gm_expf_nc(float x) {
   p = GM_FMA(p, r, 4.1665795894e-2f);
   p = GM_FMA(p, r, 1.6666665459e-1f);
   p = GM_FMA(p, r, 5.0000001201e-1f);
-  p = GM_FMA(p, r * r, r) + 1.0f;
+  *n_out = n;
+  return GM_FMA(p, r * r, r) + 1.0f;
+}
+
+// e^x: 2^n applied in two halves so results down to the subnormal range and overflow to inf
+// come out right. ~1 ulp. NaN propagates through the clamps (comparisons with NaN are false).
+GM_INLINE float gm_expf(float x) {
+  float xc = x < -104.0f ? -104.0f : x;
+  xc = xc > 89.0f ? 89.0f : xc;
+  float n;
+  const float p = gm_exp_reduced(xc, &n);
+  int32_t ni = (int32_t)n;
+  int32_t n1 = ni >> 1;
+  int32_t n2 = ni - n1;
+  return (p * gm_bits_f32((n1 + 127) << 23)) * gm_bits_f32((n2 + 127) << 23);
+}
+
+// e^x for x in [-87, 88] only (no clamping: callers bound the argument); NaN propagates.
+GM_INLINE float gm_expf_nc(float x) {
+  float n;
+  const float p = gm_exp_reduced(x, &n);
   return p * gm_bits_f32(((int32_t)n + 127) << 23);
 }
 
