@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from graphmode.cli.app import app, console
-from graphmode.errors import GraphmodeError
+from graphmode.errors import CacheError, GraphmodeError
 
 cache_app = typer.Typer(help="Inspect and manage the artifact cache.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
@@ -44,6 +44,9 @@ def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(
         t.add_column(c)
     for e in entries:
         k = e.key
+        if "corrupt" in k:     # removed and rebuilt by the next lookup, or by clear/prune
+            t.add_row(e.digest[:12], f"corrupt: {k['corrupt']}", "", "", "", "", f"{e.size / 1024:.1f}", "")
+            continue
         t.add_row(e.digest[:12], k.get("graph_hash", "?"), k.get("recipe_hash", "?"), k.get("target", "?"),
                   k.get("bucket", "?"), f"gm {k.get('graphmode', '?')} / torch {k.get('torch', '?')}",
                   f"{e.size / 1024:.1f}", time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)))
@@ -60,8 +63,12 @@ def cache_clear(cache_dir: Optional[Path] = CacheDir,
     console.print(f"removed {cache.clear()} entries")
     if timings:
         files = sorted((Path(cache.root) / "tactics").glob("gemm-*.json"))
-        for f in files:
-            f.unlink(missing_ok=True)
+        try:
+            for f in files:
+                f.unlink(missing_ok=True)
+        except OSError as e:
+            raise CacheError(f"cannot remove the timing cache: {e}", where="--timings",
+                             fix="check the permissions of <cache>/tactics") from None
         console.print(f"removed {len(files)} timing-cache entries")
 
 

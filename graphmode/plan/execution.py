@@ -3,17 +3,22 @@
 An ordered list of instructions over arena slots and constants, with the arena size. It is
 plain data (JSON round-trip) so it can be cached, shown (`graphmode plan show`) and handed
 to any backend; the backend decides how each instruction runs (generated kernel, ATen op).
+A plan read back from the artifact cache is never trusted as it is: `load_plan` re-derives it
+from the graph and keeps only the arena offsets, after checking them as a memory plan.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from graphmode.errors import PlanError
 from graphmode.ir.graph import Graph, Node
 from graphmode.ir.ops import OPS, flops_of
 from graphmode.ir.printer import format_attrs
 from graphmode.ir.types import ITEMSIZE
+from graphmode.plan.liveness import analyze_liveness
+from graphmode.plan.memory import MemoryPlan, bucket_key
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class ExecutionPlan:
     outputs: list[str]
     constants: list[str]
     body_graphs: dict[int, Node] = field(default_factory=dict, repr=False)  # node_index -> fused node (in-memory)
+    built_for: dict[str, str] = field(default_factory=dict)   # the cache key it was built under (if any)
 
     @property
     def bucket_key(self) -> str:
@@ -87,14 +93,15 @@ class ExecutionPlan:
                 "arena_bytes": self.arena_bytes, "lower_bound_bytes": self.lower_bound_bytes,
                 "slots": {k: v.to_json() for k, v in self.slots.items()},
                 "instructions": [i.to_json() for i in self.instructions],
-                "inputs": self.inputs, "outputs": self.outputs, "constants": self.constants}
+                "inputs": self.inputs, "outputs": self.outputs, "constants": self.constants,
+                "built_for": dict(self.built_for)}
 
     @staticmethod
     def from_json(d: Mapping) -> "ExecutionPlan":
         return ExecutionPlan(d["graph"], d["graph_hash"], dict(d["env"]), d["arena_bytes"], d["lower_bound_bytes"],
                              {k: Slot.from_json(v) for k, v in d["slots"].items()},
                              [Instruction(**i) for i in d["instructions"]], list(d["inputs"]), list(d["outputs"]),
-                             list(d["constants"]))
+                             list(d["constants"]), built_for=dict(d.get("built_for", {})))
 
     def text(self) -> str:
         lines = [f"plan @{self.graph_name} bucket {self.bucket_key}  arena {self.arena_bytes / 2**20:.2f} MiB "
@@ -124,8 +131,10 @@ def _node_kind(n: Node, plan_alias: Mapping[str, str]) -> str:
     return "aten"
 
 
-def lower(graph: Graph, memory_plan, order: list[int] | None = None) -> ExecutionPlan:
-    """Turn an optimised graph + its memory plan for one bucket into an ExecutionPlan."""
+def lower(graph: Graph, memory_plan, order: list[int] | None = None, *,
+          graph_hash: str | None = None) -> ExecutionPlan:
+    """Turn an optimised graph + its memory plan for one bucket into an ExecutionPlan.
+    `graph_hash`: graph.structural_hash() when the caller has it (it costs a print of the graph)."""
     env = dict(memory_plan.env)
     slots: dict[str, Slot] = {}
     for name, v in graph.values.items():
@@ -164,6 +173,91 @@ def lower(graph: Graph, memory_plan, order: list[int] | None = None) -> Executio
             attrs = {k: v for k, v in attrs.items()}
             attrs["body_ops"] = [m.op for m in n.body.nodes]
         instructions.append(Instruction(kind, op, list(n.inputs), list(n.outputs), attrs, idx, flops, nbytes))
-    return ExecutionPlan(graph.name, graph.structural_hash(), env, memory_plan.arena_bytes,
+    return ExecutionPlan(graph.name, graph_hash or graph.structural_hash(), env, memory_plan.arena_bytes,
                          memory_plan.lower_bound_bytes, slots, instructions, list(graph.inputs),
                          list(graph.outputs), sorted(graph.constants), bodies)
+
+
+def load_plan(data: Any, graph: Graph, env: Mapping[str, int], *, built_for: Mapping[str, str],
+              reuse: bool = True, alias_groups: Sequence[Sequence[str]] = ()) -> ExecutionPlan:
+    """The plan for `graph` at `env` that a cached plan JSON describes, or PlanError.
+
+    A cache entry can be swapped, edited or stale however good its checksum looks, so nothing
+    in it is used as read: the instruction order must be a schedule of `graph`, the arena
+    offsets must pass `MemoryPlan.check` under the liveness that order implies (inside the
+    arena, aligned, no two live buffers overlapping, in-place writes safe), and the JSON must
+    equal what `lower` makes of the graph with those offsets, `built_for` included. The plan
+    returned is that lowering, so a field the comparison missed could not reach the executor.
+    `reuse` / `alias_groups`: the recipe's, as the plan was built with."""
+    where = f"cached plan @{graph.name} {bucket_key(env)}"
+    if not isinstance(data, Mapping):
+        raise PlanError(f"the plan is a JSON {type(data).__name__}, not an object", where=where)
+    if data.get("built_for") != dict(built_for):
+        raise PlanError("the plan was built for another key (copied from another entry?)", where=where,
+                        value={k: v for k, v in _as_dict(data.get("built_for")).items()
+                               if built_for.get(k) != v} or data.get("built_for"))
+    instructions = data.get("instructions")
+    if not isinstance(instructions, list) or not all(isinstance(i, Mapping) for i in instructions):
+        raise PlanError("the plan has no instruction list", where=where)
+    order = [i.get("node_index") for i in instructions]
+    if not all(_is_int(i) for i in order):
+        raise PlanError("an instruction has no integer node_index", where=where)
+    env = {k: int(v) for k, v in env.items()}
+    groups = [list(g) for g in alias_groups]
+    liv = analyze_liveness(graph, order, reuse=reuse, alias_groups=groups)   # order: a schedule of graph
+    slots = _as_dict(data.get("slots"))
+    offsets: dict[str, int] = {}
+    for v in liv.values:
+        off = _as_dict(slots.get(v)).get("offset")
+        if not _is_int(off):
+            raise PlanError(f"%{v} has no integer arena offset", where=where, value=off)
+        offsets[v] = off
+    arena = data.get("arena_bytes")
+    if not _is_int(arena):
+        raise PlanError("arena_bytes is not an integer", where=where, value=arena)
+    types = {v: graph.values[v].type for v in liv.values}
+    size_of = {v: Slot(t.dtype, t.concrete(env)).nbytes for v, t in types.items()}
+    mp = MemoryPlan(graph.name, env, list(order), offsets, size_of, dict(liv.alias_of),
+                    {v: (liv.first[v], liv.last[v]) for v in liv.values}, arena,
+                    max(liv.live_steps(size_of), default=0), reuse=reuse, alias_kind=dict(liv.alias_kind),
+                    shared_slots=[list(s) for s in liv.slots], alias_groups=groups,
+                    honoured_groups=[list(g) for g in liv.honoured], notes=list(liv.notes))
+    mp.check()      # what the graph part of check() looks at is derived here, not read from the cache
+    used = max((b["offset"] + b["size"] for b in mp.buffers().values() if b["size"] > 0), default=0)
+    if arena != used:      # the planner's arena ends exactly where its last buffer does
+        raise PlanError(f"arena_bytes is {arena} but the buffers end at byte {used}", where=where)
+    plan = lower(graph, mp, graph_hash=built_for.get("graph_hash"))
+    plan.built_for = dict(built_for)
+    want = json.dumps(plan.to_json(), sort_keys=True)   # text: a NaN attribute equals itself
+    try:
+        got = json.dumps(data, sort_keys=True)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise PlanError(f"the plan is not plain JSON: {e}", where=where) from None
+    if want != got:
+        at = _first_difference(json.loads(want), json.loads(got))
+        raise PlanError(f"the plan differs from the graph's lowering at {at}", where=where)
+    return plan
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _as_dict(x: Any) -> Mapping:
+    return x if isinstance(x, Mapping) else {}
+
+
+def _first_difference(want: Mapping, got: Mapping) -> str:
+    for k in sorted(set(want) | set(got)):
+        a, b = want.get(k), got.get(k)
+        if a == b:
+            continue
+        if isinstance(a, list) and isinstance(b, list):
+            for i, (x, y) in enumerate(zip(a, b)):
+                if x != y:
+                    return f"{k}[{i}]"
+            return f"{k} (length {len(b)}, expected {len(a)})"
+        if isinstance(a, dict) and isinstance(b, dict):
+            return f"{k}.{next(n for n in sorted(set(a) | set(b)) if a.get(n) != b.get(n))}"
+        return k
+    return "?"

@@ -1,19 +1,30 @@
 """Build one bucket's executable: memory plan -> ExecutionPlan -> backend executable,
-through the artifact cache (a hit skips planning and lowering)."""
+through the artifact cache (a hit skips planning).
+
+A cached plan is used only after `load_plan` has re-derived and checked it against the graph
+and the key it was looked up under; one that fails is a `corrupt` cache event, removed and
+rebuilt. A cache folder that cannot be read or written is one warning, and the model then
+runs uncached (kernels in a private temporary folder): a cache is never a reason to fail.
+"""
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from graphmode.backends.cpu.executor import CpuExecutable, KernelProvider  # noqa: F401 - re-exported
-from graphmode.plan.execution import ExecutionPlan, lower
-from graphmode.runtime.cache import ArtifactCache, make_key
+from graphmode.errors import CacheError, PlanError
+from graphmode.plan.execution import ExecutionPlan, load_plan, lower
+from graphmode.runtime.cache import ArtifactCache, default_cache_dir, make_key
+
+_SCRATCH: list[tempfile.TemporaryDirectory] = []
 
 
-def build_plan(graph, recipe, env: dict[str, int]) -> ExecutionPlan:
+def build_plan(graph, recipe, env: dict[str, int], *, graph_hash: str | None = None) -> ExecutionPlan:
     from graphmode.plan.memory import plan_memory
     mp = plan_memory(graph, env, reuse=recipe.optimize.memory_reuse,
                      alias_groups=[list(g) for g in recipe.alias_groups])
-    return lower(graph, mp)
+    return lower(graph, mp, graph_hash=graph_hash)
 
 
 def attach_bodies(plan: ExecutionPlan, graph) -> ExecutionPlan:
@@ -33,25 +44,59 @@ def cache_key(cm, env: dict[str, int]) -> dict[str, str]:
     return make_key(cm._graph_hash, cm.recipe.hash(), getattr(cm.target, "name", "host"), env)
 
 
+def _open_cache(cm) -> ArtifactCache | None:
+    """The model's cache, or None when it is off (cache_dir=False) or unusable (said once)."""
+    if cm.cache_dir is False or getattr(cm, "_cache_unusable", None):
+        return None
+    cache = ArtifactCache(cm.cache_dir)
+    why = cache.unusable()
+    if why is not None:
+        cm._cache_unusable = why
+        cm.cache_events = getattr(cm, "cache_events", []) + cache.events
+        return None
+    return cache
+
+
+def _scratch_dir() -> Path:
+    """This process's kernel folder while the cache is unusable (removed at exit)."""
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="graphmode-uncached-"))
+    return Path(_SCRATCH[0].name) / "kernels"
+
+
 def build_executable(cm, env: dict[str, int]) -> tuple[Any, bool]:
     """(executable, came_from_cache)."""
-    cache = ArtifactCache(cm.cache_dir) if cm.cache_dir is not False else None
+    cache = _open_cache(cm)
     plan = None
+    key = cache_key(cm, env)
+    recipe = cm.recipe
     if cache is not None:
-        key = cache_key(cm, env)
         data = cache.get(key)
-        cm.cache_events = getattr(cm, "cache_events", []) + cache.events
         if data is not None:
             try:
-                plan = attach_bodies(ExecutionPlan.from_json(data), cm.graph)
-            except (KeyError, IndexError, TypeError, ValueError):
-                plan = None
+                plan = load_plan(data, cm.graph, env, built_for=key, reuse=recipe.optimize.memory_reuse,
+                                 alias_groups=[list(g) for g in recipe.alias_groups])
+            except PlanError as e:
+                cache.invalidate(key, ": ".join(x for x in (e.where, e.message) if x))
     cached = plan is not None
     if plan is None:
-        plan = build_plan(cm.graph, cm.recipe, env)
+        plan = build_plan(cm.graph, recipe, env, graph_hash=cm._graph_hash)
+        plan.built_for = key
         if cache is not None:
-            cache.put(key, plan.to_json())
-    kdir = (cache.root / "kernels") if cache is not None else None
-    exe = CpuExecutable(plan, cm.graph.constants, kernels=kernel_provider(kdir, cm.threads), threads=cm.threads,
-                        tactics=cm.recipe.codegen.kernel_selection)
+            try:
+                cache.put(key, plan.to_json())
+            except CacheError as e:
+                cache.report("unwritable", path=str(cache.plans), reason=e.message)
+    if cache is not None:
+        kdir = cache.kernels
+    elif cm.cache_dir is False:
+        kdir = default_cache_dir() / "kernels"
+    else:
+        kdir = _scratch_dir()
+    provider = kernel_provider(kdir, cm.threads)
+    seen = len(provider.builder.events)
+    exe = CpuExecutable(plan, cm.graph.constants, kernels=provider, threads=cm.threads,
+                        tactics=recipe.codegen.kernel_selection)
+    events = (cache.events if cache is not None else []) + provider.builder.events[seen:]
+    cm.cache_events = getattr(cm, "cache_events", []) + events
     return exe, cached

@@ -2,9 +2,12 @@
 
 Key fields: graph hash, recipe hash, target, bucket, graphmode and torch versions. An entry is
 a folder `<root>/plans/<digest>/` holding `plan.json` and `meta.json` (the key fields and the
-sha256 of every file). Writes go to a temporary folder renamed into place (atomic); a read
-verifies checksums and key, and a corrupt or stale entry is reported, removed and rebuilt —
-never loaded.
+sha256 of plan.json); kernel libraries live in `<root>/kernels` (backends/cpu/build.py).
+Writes go to a temporary folder renamed into place (atomic). A read checks meta.json's shape,
+key and checksum; anything else found there (a file or link in place of the folder, JSON of
+the wrong shape) is a `corrupt` event and the entry is removed, never loaded. The checksum
+only catches accidents: whoever loads a plan checks it against its key and graph
+(plan/execution.py `load_plan`) and calls `invalidate` when it fails.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from graphmode.errors import CacheError
 
 log = logging.getLogger("graphmode.cache")
 KEY_FIELDS = ("graph_hash", "recipe_hash", "target", "bucket", "graphmode", "torch")
+PLAN_FILE = "plan.json"
+_WARN = ("corrupt", "unusable", "unwritable")
 
 
 def default_cache_dir() -> Path:
@@ -46,6 +51,33 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def meta_problem(meta: Any) -> str | None:
+    """Why `meta` (a parsed meta.json) is not one this cache wrote, or None."""
+    if not isinstance(meta, dict):
+        return f"meta.json holds a JSON {type(meta).__name__}, not an object"
+    key, files = meta.get("key"), meta.get("files")
+    if not isinstance(key, dict) or any(not isinstance(key.get(k), str) for k in KEY_FIELDS):
+        return f"meta.json's key must map each of {', '.join(KEY_FIELDS)} to a string"
+    if not isinstance(files, dict) or set(files) != {PLAN_FILE} or not isinstance(files[PLAN_FILE], str):
+        return f"meta.json's files must be {{{PLAN_FILE!r}: sha256}}"
+    created = meta.get("created", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        return "meta.json's created is not a number"
+    return None
+
+
+def _remove(path: Path) -> bool:
+    """Remove a file, link or folder tree (whatever sits at `path`); whether it is gone."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            shutil.rmtree(path)
+    except OSError:
+        pass
+    return not os.path.lexists(path)
+
+
 @dataclass
 class Entry:
     digest: str
@@ -60,77 +92,125 @@ class ArtifactCache:
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
         self.plans = self.root / "plans"
+        self.kernels = self.root / "kernels"
         self.events: list[dict[str, Any]] = []
 
-    def _event(self, kind: str, **info: Any) -> None:
+    def report(self, kind: str, **info: Any) -> None:
+        """Record a cache event (a warning for corrupt entries and an unusable cache)."""
         self.events.append({"event": kind, **info})
-        (log.warning if kind == "corrupt" else log.info)("cache %s %s", kind, info)
+        (log.warning if kind in _WARN else log.info)("cache %s %s", kind, info)
+
+    def unusable(self) -> str | None:
+        """Why this cache cannot be read and written (reported once), or None when it can."""
+        try:
+            for d in (self.plans, self.kernels):
+                d.mkdir(parents=True, exist_ok=True)
+                os.listdir(d)
+                fd, probe = tempfile.mkstemp(prefix=".probe-", dir=d)
+                os.close(fd)
+                os.unlink(probe)
+        except OSError as e:
+            why = f"cannot use the cache folder {self.root}: {e}"
+            self.report("unusable", path=str(self.root), reason=why,
+                        fix="fix its permissions or pass another cache_dir; running uncached meanwhile")
+            return why
+        return None
 
     # ---- read / write --------------------------------------------------------------------
     def get(self, key: Mapping[str, str]) -> dict | None:
         """The cached plan JSON for `key`, or None (miss, or a corrupt entry now removed)."""
         d = self.plans / key_digest(key)
-        if not d.exists():
-            self._event("miss", key=dict(key))
+        if not os.path.lexists(d):
+            self.report("miss", key=dict(key))
             return None
         try:
+            if d.is_symlink() or not d.is_dir():
+                raise CacheError("the entry is not a folder")
             meta = json.loads((d / "meta.json").read_text())
-            if {k: meta["key"].get(k) for k in KEY_FIELDS} != {k: key[k] for k in KEY_FIELDS}:
+            why = meta_problem(meta)
+            if why is not None:
+                raise CacheError(why)
+            if {k: meta["key"][k] for k in KEY_FIELDS} != {k: key[k] for k in KEY_FIELDS}:
                 raise CacheError("entry key does not match its folder (stale or tampered)")
-            for name, digest in meta["files"].items():
-                if _sha(d / name) != digest:
-                    raise CacheError(f"checksum mismatch in {name}")
-            plan = json.loads((d / "plan.json").read_text())
-        except (OSError, ValueError, KeyError, CacheError) as e:
-            self._event("corrupt", path=str(d), reason=str(e))
-            shutil.rmtree(d, ignore_errors=True)
+            if _sha(d / PLAN_FILE) != meta["files"][PLAN_FILE]:
+                raise CacheError(f"checksum mismatch in {PLAN_FILE}")
+            plan = json.loads((d / PLAN_FILE).read_text())
+            if not isinstance(plan, dict):
+                raise CacheError(f"{PLAN_FILE} holds a JSON {type(plan).__name__}, not an object")
+        except (OSError, ValueError, RecursionError, CacheError) as e:
+            self.invalidate(key, e.message if isinstance(e, CacheError) else f"{type(e).__name__}: {e}")
             return None
         try:
             os.utime(d / "meta.json")
         except OSError:
             pass
-        self._event("hit", key=dict(key))
+        self.report("hit", key=dict(key))
         return plan
 
+    def invalidate(self, key: Mapping[str, str], reason: str) -> None:
+        """Report the entry for `key` corrupt and remove it, so the next put rebuilds it."""
+        d = self.plans / key_digest(key)
+        self.report("corrupt", path=str(d), reason=reason, removed=_remove(d))
+
     def put(self, key: Mapping[str, str], plan_json: Mapping[str, Any]) -> Path:
-        self.plans.mkdir(parents=True, exist_ok=True)
         final = self.plans / key_digest(key)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.plans))
         try:
-            (tmp / "plan.json").write_text(json.dumps(plan_json))
-            meta = {"key": dict(key), "files": {"plan.json": _sha(tmp / "plan.json")}, "created": time.time()}
+            self.plans.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.plans))
+        except OSError as e:
+            raise CacheError(f"cannot write cache entry under {self.plans}: {e}",
+                             fix="check permissions/disk space or pass another cache dir") from None
+        try:
+            (tmp / PLAN_FILE).write_text(json.dumps(plan_json))
+            meta = {"key": dict(key), "files": {PLAN_FILE: _sha(tmp / PLAN_FILE)}, "created": time.time()}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            if final.exists():
-                shutil.rmtree(final, ignore_errors=True)
+            _remove(final)
             os.replace(tmp, final)
         except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
             raise CacheError(f"cannot write cache entry under {self.plans}: {e}",
                              fix="check permissions/disk space or pass another cache dir") from None
         return final
 
     # ---- management ------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
+        """Every entry, a damaged one with key {"corrupt": why} (so prune and clear see it)."""
+        if not os.path.lexists(self.plans):
+            return []
+        try:
+            names = sorted(os.listdir(self.plans))
+        except OSError as e:
+            raise CacheError(f"cannot list the cache folder {self.plans}: {e}", where="cache_dir",
+                             fix="fix its permissions, or pass another --cache-dir") from None
         out = []
-        if not self.plans.exists():
-            return out
-        for d in sorted(self.plans.iterdir()):
-            if d.name.startswith(".tmp-") or not d.is_dir():
+        for name in names:
+            if name.startswith((".tmp-", ".probe-")):
                 continue
-            size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            d = self.plans / name
+            size, created, used = _size(d), 0.0, 0.0
             try:
+                if d.is_symlink() or not d.is_dir():
+                    raise CacheError("not a folder")
                 meta = json.loads((d / "meta.json").read_text())
-                key = meta["key"]
-                created = meta.get("created", 0.0)
+                why = meta_problem(meta)
+                if why is not None:
+                    raise CacheError(why)
+                key = {k: str(v) for k, v in meta["key"].items()}
+                created = float(meta.get("created", 0.0))
                 used = (d / "meta.json").stat().st_mtime
-            except (OSError, ValueError, KeyError):
-                key, created, used = {"corrupt": "unreadable meta.json"}, 0.0, 0.0
-            out.append(Entry(d.name, d, key, size, created, used))
+            except (OSError, ValueError, RecursionError, CacheError) as e:
+                key = {"corrupt": e.message if isinstance(e, CacheError) else f"unreadable meta.json ({e})"}
+            out.append(Entry(name, d, key, size, created, used))
         return out
 
     def clear(self) -> int:
-        n = len(self.entries())
-        shutil.rmtree(self.plans, ignore_errors=True)
+        """Remove every entry (whatever is in the way, even a file in place of the folder)."""
+        try:
+            n = len(self.entries())
+        except CacheError:
+            n = 0
+        if not _remove(self.plans):
+            raise CacheError(f"could not remove {self.plans}", where="cache_dir", fix="check its permissions")
         return n
 
     def prune(self, max_bytes: int) -> list[Entry]:
@@ -141,9 +221,9 @@ class ArtifactCache:
         for e in entries:
             if total <= max_bytes:
                 break
-            shutil.rmtree(e.path, ignore_errors=True)
-            total -= e.size
-            removed.append(e)
+            if _remove(e.path):
+                total -= e.size
+                removed.append(e)
         return removed
 
     def explain(self, key: Mapping[str, str]) -> dict[str, Any]:
@@ -163,3 +243,13 @@ class ArtifactCache:
         return {"result": "miss", "nearest": near.digest, "differs": differs,
                 "reason": "; ".join(f"{k} differs ({v['nearest_entry']} cached, {v['wanted']} wanted)"
                                     for k, v in differs.items())}
+
+
+def _size(path: Path) -> int:
+    """Bytes under `path` (a file or folder; what cannot be read counts 0)."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            return path.lstat().st_size
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    except OSError:
+        return 0

@@ -5,8 +5,14 @@ unit (g++ start-up costs ~0.3 s per invocation, more than a small kernel's compi
 into parts compiled in parallel when there are many. The file name is sha256(source +
 flags + compiler identity, which includes what -march=native expands to on this host), so
 a cache shared between machines never hands out a library built for another CPU. Files are
-written to a temporary name and `os.replace`d, with a sidecar sha256 of the library checked
-before dlopen: a truncated or foreign file is rebuilt, never loaded.
+written to a temporary name and `os.replace`d.
+
+A cached library this process did not build is loaded only after `library_problem` finds
+nothing wrong: its sidecar sha256 matches (accidents), it is a complete ELF shared object for
+this machine (every segment and section inside the file: mapping a truncated one dies of
+SIGBUS), it carries the build key it was compiled under (a library copied over another entry,
+checksum and all, lacks it), and a short-lived subprocess loads it. A library that fails is
+a `corrupt` event in `events` and is rebuilt from source.
 """
 from __future__ import annotations
 
@@ -15,12 +21,15 @@ import json
 import logging
 import os
 import shutil
+import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from graphmode.backends.cpu.codegen import KernelSource, translation_unit
 from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary
@@ -33,6 +42,9 @@ DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-c
                  "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-fvisibility=hidden", "-std=c++17")
 PART_MIN = 4            # kernels per part before a library is split for parallel compilation
 COMPILE_TIMEOUT_S = 300
+TRIAL_LOAD_TIMEOUT_S = 120
+KEY_MARK = "graphmode-kernel-library:"   # + the build key, a string constant in every library we build
+_TRIAL_LOAD = "import ctypes, sys\nctypes.CDLL(sys.argv[1]).gm_get_threads()\n"
 
 _PROBE_SRC = """
 #ifdef _OPENMP
@@ -86,6 +98,7 @@ class KernelBuilder:
         self.jobs = max(1, jobs or os.cpu_count() or 1)
         self.stats = {"compiles": 0, "cache_hits": 0, "rebuilds": 0, "compile_s": 0.0}
         self.failures: dict[str, str] = {}   # symbol -> compiler error (build_many(strict=False))
+        self.events: list[dict[str, Any]] = []   # {"event": "corrupt", "path", "reason"} per rejected library
         self._detected = False
         self._cxx: str | None = None
         self._version = ""
@@ -162,12 +175,13 @@ class KernelBuilder:
             return _PROBES[key]
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         record = self.cache_dir / f"probe-{digest}.json"
+        allowed = set(self.base_flags) | {"-fopenmp-simd"}
         try:
             flags = json.loads(record.read_text())
-            if isinstance(flags, list):
+            if isinstance(flags, list) and all(isinstance(f, str) and f in allowed for f in flags):
                 _PROBES[key] = tuple(flags)
                 return _PROBES[key]
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             pass
         candidates = [tuple(self.base_flags)]
         f = list(self.base_flags)
@@ -281,19 +295,18 @@ class KernelBuilder:
             self.stats["cache_hits"] += 1
             self._threads(lib)
             return lib
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            if _verify(path):
+        if os.path.lexists(path):
+            why = library_problem(path, key)
+            if why is None:
                 try:
                     lib = self._load(path)
                     self.stats["cache_hits"] += 1
                     return lib
                 except OSError as e:
-                    log.warning("cached kernel library %s does not load (%s); rebuilding", path, e)
-            else:
-                log.warning("cached kernel library %s is corrupt (checksum mismatch); rebuilding", path)
-            self.stats["rebuilds"] += 1
+                    why = f"it does not load: {e}"
+            self._corrupt(path, why)
         try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
             self._compile(key, path, sources, tu)
         except (OSError, subprocess.SubprocessError) as e:
             raise BackendError(f"cannot build the kernel library: {e}", where=str(path)) from None
@@ -301,6 +314,14 @@ class KernelBuilder:
             return self._load(path)
         except OSError as e:
             raise BackendError(f"freshly built kernel library does not load: {e}", where=str(path)) from None
+
+    def _corrupt(self, path: Path, why: str) -> None:
+        log.warning("cached kernel library %s is corrupt (%s); rebuilding it", path, why)
+        self.events.append({"event": "corrupt", "path": str(path), "reason": why})
+        self.stats["rebuilds"] += 1
+        for p in (path, path.with_suffix(".so.sha256")):   # the rebuild's os.replace cannot replace a folder
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
 
     def _threads(self, lib: CompiledLibrary) -> None:
         if self.threads is not None:
@@ -318,9 +339,10 @@ class KernelBuilder:
         try:
             out = tmp / "lib.so"
             nparts = min(self.jobs, len(sources) // PART_MIN)
+            mark = _key_mark(key)
             if nparts <= 1:
                 src = tmp / "kernels.cpp"
-                src.write_text(tu)
+                src.write_text(tu + mark)
                 self._check(_run([self._cxx, *self._flags, *self._shared(self._flags), str(src), "-o", str(out),
                                   "-lm"], timeout=COMPILE_TIMEOUT_S), src, key)
             else:
@@ -334,7 +356,7 @@ class KernelBuilder:
                 procs = []
                 for k, part in enumerate(parts):
                     src = tmp / f"part{k}.cpp"
-                    src.write_text(translation_unit(part, defs=(k == 0)))
+                    src.write_text(translation_unit(part, defs=(k == 0)) + (mark if k == 0 else ""))
                     obj = tmp / f"part{k}.o"
                     procs.append((src, subprocess.Popen([self._cxx, *cflags, "-fPIC", "-c", str(src), "-o", str(obj)],
                                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
@@ -379,13 +401,96 @@ def _signature(path: Path) -> tuple | None:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _verify(path: Path) -> bool:
-    side = path.with_suffix(".so.sha256")
+def _key_mark(key: str) -> str:
+    """C++ defining the build key as a string in the library (what `library_problem` looks for)."""
+    return (f'\nextern "C" __attribute__((visibility("default"), used)) '
+            f'const char gm_build_key[] = "{KEY_MARK}{key}";\n')
+
+
+def library_problem(path: Path, key: str) -> str | None:
+    """Why the cached library at `path` must not be loaded for build key `key`, or None."""
     try:
-        want = side.read_text().strip()
-        return hashlib.sha256(path.read_bytes()).hexdigest() == want
+        if path.is_symlink() or not path.is_file():
+            return "not a regular file"
+        data = path.read_bytes()
+        want = path.with_suffix(".so.sha256").read_text().strip()
+    except OSError as e:
+        return f"unreadable: {e}"
+    if hashlib.sha256(data).hexdigest() != want:
+        return "checksum mismatch"
+    why = elf_problem(data)
+    if why is not None:
+        return why
+    if (KEY_MARK + key).encode() not in data:
+        return "it was not built from this source (build key missing)"
+    try:
+        res = subprocess.run([sys.executable, "-I", "-c", _TRIAL_LOAD, str(path)], capture_output=True,
+                             text=True, timeout=TRIAL_LOAD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"a trial load could not run: {e}"
+    if res.returncode != 0:
+        how = f"signal {-res.returncode}" if res.returncode < 0 else f"exit {res.returncode}"
+        return f"a trial load in a subprocess failed ({how}): {res.stderr.strip()[-300:]}"
+    return None
+
+
+@lru_cache(maxsize=1)
+def _host_elf() -> tuple[int, int, int] | None:
+    """(class, byte order, machine) of this Python's executable; None where it is not ELF."""
+    try:
+        with open(os.path.realpath(sys.executable), "rb") as f:
+            head = f.read(20)
     except OSError:
-        return False
+        return None
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    return head[4], head[5], struct.unpack_from("<H" if head[5] == 1 else ">H", head, 18)[0]
+
+
+def elf_problem(data: bytes) -> str | None:
+    """Why `data` is not a complete ELF shared object for this machine, or None (also None on a
+    host whose executables are not ELF: the trial load is the check there)."""
+    host = _host_elf()
+    if host is None:
+        return None
+    if len(data) < 52 or data[:4] != b"\x7fELF":
+        return "not an ELF file"
+    if (data[4], data[5]) != host[:2]:
+        return "an ELF file for another word size or byte order"
+    e = "<" if data[5] == 1 else ">"
+    wide = data[4] == 2
+    try:
+        e_type, machine = struct.unpack_from(e + "HH", data, 16)
+        phoff, shoff = struct.unpack_from(e + ("QQ" if wide else "II"), data, 32 if wide else 28)
+        phent, phnum, shent, shnum = struct.unpack_from(e + "HHHH", data, 54 if wide else 42)
+        if e_type != 3:
+            return "not a shared object"
+        if machine != host[2]:
+            return f"built for ELF machine {machine}, this host is {host[2]}"
+        if phnum == 0 or phent < (56 if wide else 32) or phoff + phnum * phent > len(data):
+            return "its program header table lies outside the file (truncated)"
+        if shnum and (shent < (64 if wide else 40) or shoff + shnum * shent > len(data)):
+            return "its section header table lies outside the file (truncated)"
+        for i in range(phnum):
+            at = phoff + i * phent
+            if wide:
+                p_type, _, p_off, _, _, p_filesz = struct.unpack_from(e + "IIQQQQ", data, at)
+            else:
+                p_type, p_off, _, _, p_filesz = struct.unpack_from(e + "IIIII", data, at)
+            if p_off + p_filesz > len(data):
+                return f"segment {i} (type {p_type}) ends at byte {p_off + p_filesz}, past the end of the " \
+                       f"{len(data)}-byte file (truncated)"
+        for i in range(shnum):
+            at = shoff + i * shent
+            if wide:
+                _, sh_type, _, _, sh_off, sh_size = struct.unpack_from(e + "IIQQQQ", data, at)
+            else:
+                _, sh_type, _, _, sh_off, sh_size = struct.unpack_from(e + "IIIIII", data, at)
+            if sh_type != 8 and sh_off + sh_size > len(data):     # 8: SHT_NOBITS (.bss), no file bytes
+                return f"section {i} ends at byte {sh_off + sh_size}, past the end of the file (truncated)"
+    except struct.error as err:
+        return f"malformed ELF headers: {err}"
+    return None
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -408,4 +513,4 @@ def compiler_available(compiler: str | None = None, cache_dir: Path | str | None
     return KernelBuilder(cache, compiler).compiler_available()
 
 
-__all__ = ["KernelBuilder", "compiler_available", "DEFAULT_FLAGS"]
+__all__ = ["KernelBuilder", "compiler_available", "DEFAULT_FLAGS", "library_problem", "elf_problem"]

@@ -1,0 +1,193 @@
+"""ArtifactCache on real folders: damaged entries of every shape are reported, removed and
+rewritable; an unusable cache folder is one `unusable` event, never an exception; the
+management commands (`cache ls/prune/clear`) see damaged entries instead of crashing."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from graphmode.cli.app import _register, app
+from graphmode.errors import CacheError
+from graphmode.runtime.cache import ArtifactCache, key_digest, make_key
+
+KEY = make_key("g" * 16, "r" * 16, "host", {"batch": 2})
+OTHER = make_key("g" * 16, "r" * 16, "host", {"batch": 4})
+PLAN = {"graph": "t", "built_for": KEY, "instructions": []}
+runner = CliRunner()
+_register()
+
+
+@pytest.fixture
+def cache(tmp_path) -> ArtifactCache:
+    c = ArtifactCache(tmp_path / "cache")
+    c.put(KEY, PLAN)
+    c.put(OTHER, PLAN)
+    return c
+
+
+def kinds(c: ArtifactCache) -> list[str]:
+    return [e["event"] for e in c.events]
+
+
+def test_round_trip_hits(cache):
+    assert cache.get(KEY) == PLAN and kinds(cache) == ["hit"]
+    assert {e.key["bucket"] for e in cache.entries()} == {"batch=2", "batch=4"}
+
+
+META = {
+    "list": "[]",
+    "string": '"meta"',
+    "null": "null",
+    "no_key": '{"files": {"plan.json": "0"}}',
+    "key_list": '{"key": [], "files": {"plan.json": "0"}}',
+    "key_int_field": None,                       # built below: a real key with one field an int
+    "files_list": None,
+    "files_extra": None,                         # a second file, e.g. a path outside the entry
+    "created_str": None,
+    "not_json": "{",
+    "deeply_nested": "[" * 100_000 + "]" * 100_000,
+    "binary": b"\xff\xfe\x00garbage",
+}
+
+
+def _meta_text(name: str, real: dict) -> str | bytes:
+    if META[name] is not None:
+        return META[name]
+    m = json.loads(json.dumps(real))
+    if name == "key_int_field":
+        m["key"]["bucket"] = 2
+    elif name == "files_list":
+        m["files"] = list(m["files"])
+    elif name == "files_extra":
+        m["files"]["../../outside.txt"] = "0"
+    elif name == "created_str":
+        m["created"] = "yesterday"
+    return json.dumps(m)
+
+
+@pytest.mark.parametrize("name", sorted(META))
+def test_malformed_meta_is_corrupt_removed_and_rewritable(cache, name):
+    d = cache.plans / key_digest(KEY)
+    text = _meta_text(name, json.loads((d / "meta.json").read_text()))
+    (d / "meta.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    listed = {e.digest: e.key for e in cache.entries()}
+    assert "corrupt" in listed[key_digest(KEY)]          # ls shows it instead of crashing
+    assert cache.get(KEY) is None
+    assert kinds(cache) == ["corrupt"] and cache.events[0]["removed"] and not d.exists()
+    cache.put(KEY, PLAN)
+    assert cache.get(KEY) == PLAN
+
+
+@pytest.mark.parametrize("plan", ["[]", '"x"', "{", "null"])
+def test_plan_json_not_an_object_is_corrupt(cache, plan):
+    d = cache.plans / key_digest(KEY)
+    (d / "plan.json").write_text(plan)
+    meta = json.loads((d / "meta.json").read_text())
+    meta["files"]["plan.json"] = hashlib.sha256(plan.encode()).hexdigest()
+    (d / "meta.json").write_text(json.dumps(meta))
+    assert cache.get(KEY) is None and kinds(cache) == ["corrupt"]
+
+
+def test_entry_of_another_key_is_corrupt(cache):
+    d, other = cache.plans / key_digest(KEY), cache.plans / key_digest(OTHER)
+    (d / "meta.json").write_text((other / "meta.json").read_text())
+    assert cache.get(KEY) is None and "key does not match" in cache.events[0]["reason"]
+
+
+def test_entry_replaced_by_a_file(cache):
+    d = cache.plans / key_digest(KEY)
+    for f in d.iterdir():
+        f.unlink()
+    d.rmdir()
+    d.write_text("x")
+    assert [e.key for e in cache.entries() if e.digest == d.name] == [{"corrupt": "not a folder"}]
+    assert cache.get(KEY) is None and not d.exists()
+    d.write_text("x")
+    cache.put(KEY, PLAN)                      # put replaces a file in its way too
+    assert cache.get(KEY) == PLAN
+
+
+def test_entry_replaced_by_a_link_is_removed_not_followed(cache, tmp_path):
+    d = cache.plans / key_digest(KEY)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    for f in d.iterdir():
+        f.unlink()
+    d.rmdir()
+    d.symlink_to(outside, target_is_directory=True)
+    assert cache.get(KEY) is None and not os.path.lexists(d)
+    assert (outside / "keep.txt").read_text() == "mine"
+
+
+def test_prune_and_clear_remove_damaged_entries(cache):
+    d = cache.plans / key_digest(KEY)
+    (d / "meta.json").write_text("[]")
+    stray = cache.plans / "stray"
+    stray.write_text("x" * 1000)
+    assert len(cache.entries()) == 3
+    removed = cache.prune(0)
+    assert len(removed) == 3 and cache.entries() == []
+    cache.put(KEY, PLAN)
+    stray.write_text("x")
+    assert cache.clear() == 2 and not cache.plans.exists()
+
+
+def test_unusable_cache_root_is_one_event(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for root in (blocker, blocker / "below"):
+        c = ArtifactCache(root)
+        why = c.unusable()
+        assert why is not None and str(root) in why
+        assert kinds(c) == ["unusable"]
+    assert ArtifactCache(tmp_path / "fine").unusable() is None
+
+
+def test_plans_folder_replaced_by_a_file(tmp_path):
+    c = ArtifactCache(tmp_path)
+    c.plans.write_text("x")
+    assert c.unusable() is not None
+    with pytest.raises(CacheError, match="cannot list"):
+        c.entries()
+    c.clear()
+    assert not c.plans.exists() and c.unusable() is None
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores folder permissions")
+def test_read_only_and_unreadable_cache(tmp_path):
+    c = ArtifactCache(tmp_path / "c")
+    c.put(KEY, PLAN)
+    c.kernels.mkdir()
+    try:
+        c.plans.chmod(0o555)
+        assert c.unusable() is not None
+        with pytest.raises(CacheError):
+            c.put(OTHER, PLAN)
+        c.plans.chmod(0o000)
+        with pytest.raises(CacheError, match="cannot list"):
+            c.entries()
+    finally:
+        c.plans.chmod(0o755)
+
+
+def test_cli_cache_ls_shows_damage_and_prune_clears_it(cache):
+    (cache.plans / key_digest(KEY) / "meta.json").write_text('{"key": 1}')
+    res = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache.root)])
+    assert res.exit_code == 0 and "corrupt" in res.output, res.output
+    res = runner.invoke(app, ["cache", "ls", "--json", "--cache-dir", str(cache.root)])
+    assert res.exit_code == 0 and len(json.loads(res.output)) == 2
+    res = runner.invoke(app, ["cache", "prune", "--max-size", "0", "--cache-dir", str(cache.root)])
+    assert res.exit_code == 0 and "removed 2 entries" in res.output
+
+
+def test_cli_cache_ls_on_a_broken_cache_folder_is_a_typed_error_and_clear_fixes_it(tmp_path):
+    (tmp_path / "plans").write_text("x")
+    res = runner.invoke(app, ["cache", "ls", "--cache-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "cannot list" in res.output and "Traceback" not in res.output, res.output
+    res = runner.invoke(app, ["cache", "clear", "--cache-dir", str(tmp_path)])
+    assert res.exit_code == 0 and not (tmp_path / "plans").exists(), res.output
