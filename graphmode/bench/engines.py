@@ -65,6 +65,11 @@ class Engine:
     def outputs(self, raw: Any) -> list[torch.Tensor]:
         return flat_tensors(raw)
 
+    def execution(self) -> dict[str, Any] | None:
+        """How the calls since setup ran, for an engine that may not run what its name says
+        (graphmode's eager fallback); None: it always runs itself."""
+        return None
+
     def close(self) -> None:
         self.call = None
 
@@ -262,7 +267,8 @@ def graphmode_model(shared: ModelShared):
 
 
 class GraphmodeEngine(Engine):
-    """graphmode graph mode: the CompiledModel called like the module (bind, bucket, run, slice)."""
+    """graphmode: the CompiledModel called like the module (bind, bucket, run, slice). A recipe
+    with exe_mode eager is benchmarked too, and reported as the eager fallback it is."""
 
     name = "graphmode"
 
@@ -272,19 +278,37 @@ class GraphmodeEngine(Engine):
         if bucket is None:
             raise RuntimeError(f"shape {env} is outside the recipe's dims {rec.dim_buckets()}")
         t0 = time.perf_counter()
-        exe = cm.executable(bucket)
+        exe = cm.executable(bucket) if cm.mode != "eager" else None     # eager mode has no plans
         build_s = time.perf_counter() - t0
         self.extra_s = 0.0 if now else compile_s
         self.setup_detail = {"compile_s": round(compile_s, 3), "compile_shared_by_shapes": len(shared.envs),
-                             "bucket": dict(bucket), "padded": dict(bucket) != dict(env),
-                             "bucket_build_s": round(build_s, 3), "steps": len(exe.steps),
+                             "bucket": dict(bucket), "padded": dict(bucket) != dict(env), "exe_mode": cm.mode,
+                             "bucket_build_s": round(build_s, 3), "steps": len(exe.steps) if exe else 0,
                              "generated_kernels": getattr(exe, "generated", 0),
                              "recipe": rec.name}
         self.bucket = dict(bucket)
+        self._cm = cm
+        self._calls0, self._fallbacks0 = cm.events["calls"], cm.events["fallback"]
 
         def call():
             return cm(**inputs)
         self.call = call
+
+    def execution(self) -> dict[str, Any]:
+        """From the CompiledModel's own events: calls that ran eager PyTorch (exe_mode eager, or
+        a fallback outside the contract) and the eager islands of a hybrid graph."""
+        cm = self._cm
+        calls = cm.events["calls"] - self._calls0
+        eager = calls if cm.mode == "eager" else cm.events["fallback"] - self._fallbacks0
+        islands = [] if cm.mode == "eager" or cm.graph is None else [n for n in cm.graph.nodes if n.op == "fallback"]
+        reason = (getattr(cm, "last_path", None) or {}).get("reason") or ("exe_mode eager" if cm.mode == "eager"
+                                                                           else "fallback event")
+        return {"mode": cm.mode, "calls": calls, "eager_calls": eager, "eager_reason": reason if eager else None,
+                "eager_islands": len(islands), "island_ops": sorted({str(n.attrs.get("target")) for n in islands})}
+
+    def close(self):
+        self.call = None
+        self._cm = None
 
 
 ENGINES: dict[str, type[Engine]] = {"eager": EagerEngine, "torch_compile": TorchCompileEngine,

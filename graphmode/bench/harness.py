@@ -13,7 +13,11 @@ Per (model, shape):
    torch.compile, 29 ms among four engines with one untimed call and 23 ms with two (every
    engine then matched its time when benchmarked alone). The timed call is therefore the
    warm, steady-state latency of an engine serving back-to-back requests;
-4. median, p90, ratios vs eager and vs the best engine that is not graphmode.
+4. median, p90, ratios vs eager and vs the best engine that is not graphmode;
+5. the conditions of each engine's timed calls (load average per round, the process's CPU
+   seconds per wall second, the spread of its rounds) and how graphmode ran (its eager
+   fallbacks and islands) become flags on the row (quality.py), so a number the machine
+   made is never shown as a result without saying so.
 
 Only the rows are data; nothing here asserts on timings.
 """
@@ -31,6 +35,7 @@ import torch
 from graphmode.bench.engines import ENGINE_NAMES, Engine, EngineUnavailable, ModelShared, make_engine
 from graphmode.bench.machine import PeakRss, machine_meta
 from graphmode.bench.models import PRETTY, ModelCase
+from graphmode.bench.quality import LEGEND, QUICK_NOTE, Conditions, Probe, judge, warning_lines
 from graphmode.errors import GraphmodeError
 
 NUMERICS_TOL = 1e-4      # relative L2 vs eager counted as "matched" (fp32 engines reorder sums)
@@ -50,6 +55,7 @@ class BenchConfig:
     recipe: Any = None               # a recipe path for graphmode (else one at the shapes)
     cache_dir: Any = None            # graphmode artifact cache (None: fresh temp dir per model)
     onnx_cache_dir: Any = None       # ONNX export cache (None: ~/.cache/graphmode/onnx)
+    quick: bool = False              # a smoke run: rows are flagged `quick`, never read as timings
 
 
 def parse_engines(text: str | None, extra: Sequence[str] = ()) -> list[tuple[str, str | None]]:
@@ -117,10 +123,12 @@ class _Slot:
     row: dict[str, Any]
     times: list[float] = field(default_factory=list)
     ok: bool = True
+    cond: Conditions = field(default_factory=Conditions)
 
 
 def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: BenchConfig,
-                log: Callable[[str], None] = lambda s: None) -> list[dict[str, Any]]:
+                log: Callable[[str], None] = lambda s: None, probe: Probe | None = None) -> list[dict[str, Any]]:
+    probe = probe or Probe()
     bundle = case.bundle
     inputs = bundle.make_inputs(env, seed=cfg.seed)
     shape = case.shape_of(env)
@@ -168,35 +176,59 @@ def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: 
     rounds = 0
     for r in range(cfg.iters):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
+        load = probe.load1()
         for s in order:
             if not s.ok:
                 continue
             try:
                 for _ in range(cfg.rewarm):     # untimed: absorbs the switch from the previous engine
                     s.engine()
+                c0 = probe.cpu_time()
                 t0 = time.perf_counter()
                 s.engine()
                 dt = time.perf_counter() - t0
+                c1 = probe.cpu_time()
             except Exception as e:  # noqa: BLE001
                 _fail(s, e)
                 continue
             s.times.append(dt * 1e3)
+            s.cond.cpu_s += c1 - c0
+            s.cond.wall_s += dt
+            if load is not None:
+                s.cond.loads.append(load)
         rounds += 1
         if rounds >= cfg.min_iters and time.perf_counter() - start > cfg.budget_s:
             break
     for s in slots:
+        if s.ok:
+            s.row.update(_execution(s.engine.execution()))
         s.engine.close()
         if s.ok and s.times:
-            s.row.update(median_ms=round(statistics.median(s.times), 4), p90_ms=round(_p90(s.times), 4),
+            med = statistics.median(s.times)
+            s.row.update(median_ms=round(med, 4), p90_ms=round(_p90(s.times), 4),
                          mean_ms=round(statistics.fmean(s.times), 4), min_ms=round(min(s.times), 4),
-                         iters=len(s.times))
+                         iters=len(s.times), rounds_ms=[round(t, 4) for t in s.times],
+                         spread=round(_p90(s.times) / med, 3) if med > 0 else None, **s.cond.to_row())
         elif s.ok:
             s.ok = False
             s.row.update(status="failed", reason="no timed run (iters = 0)")
     rows = [s.row for s in slots]
     _ratios(rows)
+    judge(rows, probe.cores, quick=cfg.quick)
+    if any(r.get("flags") for r in rows) and not cfg.quick:
+        log(f"  flagged: {', '.join(r['label'] + ' (' + ','.join(r['flags']) + ')' for r in rows if r.get('flags'))}")
     gc.collect()
     return rows
+
+
+def _execution(info: dict[str, Any] | None) -> dict[str, Any]:
+    """Row fields for how an engine ran: `eager_fallback` says on how many calls, and why,
+    graphmode ran eager PyTorch (then its time is not graph-mode time), `eager_islands` how
+    many ops of a hybrid graph ran eagerly."""
+    if info is None:
+        return {}
+    fb = f"{info['eager_calls']}/{info['calls']} calls ({info['eager_reason']})" if info["eager_calls"] else None
+    return {"execution": info, "eager_fallback": fb, "eager_islands": info["eager_islands"]}
 
 
 def _fail(slot: _Slot, e: BaseException, setup_s: float | None = None) -> None:
@@ -221,14 +253,17 @@ def _guard(slot: _Slot, fn: Callable[[], Any]) -> None:
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
     """ratio_vs_eager = median / eager median (< 1: faster than eager); speedup = the inverse;
-    ratio_vs_best_other = median / the fastest ok engine other than graphmode."""
+    ratio_vs_best_other = median / the fastest ok engine other than graphmode. Rows that ran
+    an eager fallback get none."""
     keys = ("median_ms", "p90_ms", "mean_ms", "min_ms", "iters", "ratio_vs_eager", "speedup_vs_eager",
             "ratio_vs_best_other", "best_other_engine", "rel_l2_err", "numerics_ok", "setup_s", "setup_detail",
-            "peak_rss_mb", "run_peak_rss_mb", "rss_exact")
+            "peak_rss_mb", "run_peak_rss_mb", "rss_exact", "rounds_ms", "spread", "load_max", "cpu_per_wall",
+            "eager_fallback", "eager_islands")
     for r in rows:
         for k in keys:
             r.setdefault(k, None)
-    ok = [r for r in rows if r["status"] == "ok" and r["median_ms"]]
+    # a graphmode row that ran eager PyTorch has no ratios: its time is not graph-mode speed
+    ok = [r for r in rows if r["status"] == "ok" and r["median_ms"] and not r["eager_fallback"]]
     eager = next((r for r in ok if r["engine"] == "eager"), None)
     others = [r for r in ok if r["engine"] != "graphmode"]
     best = min(others, key=lambda r: r["median_ms"]) if others else None
@@ -261,10 +296,10 @@ class BenchResult:
 
 
 def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str], None] = lambda s: None,
-              target: Any = None) -> BenchResult:
+              target: Any = None, probe: Probe | None = None) -> BenchResult:
     """Run every case; torch's intra-op threads are set to cfg.threads for the run and restored."""
-    from graphmode.bench.machine import load_average
-    load_start = load_average()
+    probe = probe or Probe()
+    load_start = probe.loadavg()
     prev = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     rows: list[dict[str, Any]] = []
@@ -276,7 +311,7 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
             try:
                 for env in case.envs:
                     log(f"{case.name} {'x'.join(map(str, case.shape_of(env)))}")
-                    for r in bench_shape(case, shared, env, cfg, log):
+                    for r in bench_shape(case, shared, env, cfg, log, probe):
                         r["tol"] = cfg.tol
                         rows.append(r)
             finally:
@@ -290,6 +325,9 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
     meta = machine_meta(cfg.threads, target)
     meta.update(
         loadavg_start=load_start,
+        quick=cfg.quick, usable_cores=probe.cores,
+        loadavg_max=max((r["load_max"] for r in rows if r.get("load_max") is not None), default=None),
+        warnings=([QUICK_NOTE] if cfg.quick else []) + warning_lines(rows, cfg.quick),
         wall_s=round(time.perf_counter() - t_start, 1),
         models=[{"model": c.name, "spec": c.spec, "load_s": round(c.load_s, 3), "shapes": [c.shape_of(e) for e in c.envs],
                  "source": getattr(c.bundle, "source", "")} for c in cases],
@@ -305,6 +343,10 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
                 "peak_rss_mb": "peak resident MB added during setup + first call over the RSS before it "
                                "(VmHWM reset via /proc/self/clear_refs); model-level work is in the first "
                                "shape's row",
-                "run_peak_rss_mb": "peak resident MB one warm call adds over the RSS before it"},
+                "run_peak_rss_mb": "peak resident MB one warm call adds over the RSS before it",
+                "flags": dict(LEGEND),
+                "conditions": "per row: load_max = highest 1-minute load average sampled at the start of "
+                              "its rounds; cpu_per_wall = process CPU seconds / wall seconds over its timed "
+                              "calls; spread = p90 / median of its rounds (rounds_ms)"},
         recipe=str(cfg.recipe) if cfg.recipe is not None else "auto: buckets exactly at the benchmarked shapes")
     return BenchResult(rows, meta)

@@ -16,6 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from graphmode.targets.host import load_average, usable_cores
+
 _STATUS = Path("/proc/self/status")
 _CLEAR = Path("/proc/self/clear_refs")
 
@@ -96,14 +98,6 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def load_average() -> list[float] | None:
-    """1/5/15-minute load averages: other work on the machine inflates every timing."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def machine_meta(threads: int, target: Any = None) -> dict[str, Any]:
     """Date, CPU model, SIMD flags, cores, thread count and library versions."""
     import torch
@@ -113,6 +107,7 @@ def machine_meta(threads: int, target: Any = None) -> dict[str, Any]:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu_model": _cpu_model(),
         "cores": os.cpu_count(),
+        "usable_cores": usable_cores(),
         "threads": threads,
         "python": platform.python_version(),
         "platform": platform.platform(),

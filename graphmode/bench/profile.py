@@ -345,7 +345,7 @@ def facts_at(cm: Any, recipe: Any, target: Any, env: Mapping[str, int]) -> dict[
 def profile_bucket(cm: Any, recipe: Any, env: Mapping[str, int], target: Any, *, runs: int = 20,
                    model: str = "model", threads: int = 1, eager: bool = True, seed: int = 0) -> BucketProfile:
     """Profile the bucket `env` of a CompiledModel; eager and dispatch numbers next to it."""
-    from graphmode.bench.machine import load_average
+    from graphmode.targets.host import load_average
     env = dict(env)
     exe = cm.executable(env)
     inputs = cm.source.make_inputs(env, seed=seed)

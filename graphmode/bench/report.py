@@ -1,5 +1,9 @@
 """Benchmark output: a rich table, `<name>.json` (the rows, a plain list), `<name>.meta.json`
-(machine, versions, method), `<name>.md` and `<name>.png` (speed-up vs eager per shape)."""
+(machine, versions, method), `<name>.md` and `<name>.png` (speed-up vs eager per shape).
+
+Every view shows the rows' flags (quality.py) next to their numbers: a flagged ratio is
+hatched in the chart and footnoted in the table, an eager-fallback row has no ratio and no
+bar, and a `--quick` run charts numerics, not ratios (its timings are not measurements)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from graphmode.bench.harness import BenchResult
+from graphmode.bench.quality import LEGEND, QUICK_NOTE, RATIO_CAP, doubtful_ratio
 
 
 def _ms(v: Any) -> str:
@@ -27,8 +32,12 @@ def _shape(r: dict) -> str:
 
 
 COLUMNS = ("model", "shape", "engine", "status", "median ms", "p90 ms", "vs eager", "vs best other",
-           "rel L2", "setup s", "peak RSS MB")
-SHORT = ("model", "shape", "engine", "status", "median", "p90", "/eager", "/best", "relL2", "setup", "RSS")
+           "rel L2", "setup s", "peak RSS MB", "flags")
+SHORT = ("model", "shape", "engine", "status", "median", "p90", "/eager", "/best", "relL2", "setup", "RSS", "flags")
+
+
+def _label(r: dict) -> str:
+    return f"{r['label']} (eager fallback)" if r.get("eager_fallback") else r["label"]
 
 
 def _status(r: dict, full: bool) -> str:
@@ -39,24 +48,36 @@ def _status(r: dict, full: bool) -> str:
 
 def _cells(r: dict, full: bool = True) -> list[str]:
     status = _status(r, full)
-    return [r["model"], _shape(r), r["label"], status, _ms(r.get("median_ms")), _ms(r.get("p90_ms")),
+    return [r["model"], _shape(r), _label(r), status, _ms(r.get("median_ms")), _ms(r.get("p90_ms")),
             _x(r.get("ratio_vs_eager")), _x(r.get("ratio_vs_best_other")), _err(r.get("rel_l2_err")),
             "-" if r.get("setup_s") is None else f"{r['setup_s']:.1f}",
-            "-" if r.get("peak_rss_mb") is None else f"{r['peak_rss_mb']:.0f}"]
+            "-" if r.get("peak_rss_mb") is None else f"{r['peak_rss_mb']:.0f}", ",".join(r.get("flags") or ())]
+
+
+def _legend(res: BenchResult) -> list[str]:
+    """`code: meaning` for each flag that some row carries."""
+    used = {f for r in res.rows for f in r.get("flags") or ()}
+    return [f"{code}: {text}" for code, text in LEGEND.items() if code in used]
+
 
 
 def rich_table(res: BenchResult):
     from rich import box
     from rich.table import Table
     m = res.meta
-    t = Table(title=f"graphmode bench — {m['cpu_model']}, {m['threads']} thread(s), {m['date']}",
-              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
-              caption="ms = median / p90 latency; /eager, /best = median over eager's and over the fastest "
-                      "non-graphmode engine's (< 1 is faster); setup s; RSS = peak MB added by setup",
-              caption_justify="left")
+    title = f"graphmode bench — {m['cpu_model']}, {m['threads']} thread(s), {m['date']}"
+    if m.get("quick"):
+        title += f"\n{QUICK_NOTE}"
+    caption = ("ms = median / p90 latency; /eager, /best = median over eager's and over the fastest "
+               "non-graphmode engine's (< 1 is faster); setup s; RSS = peak MB added by setup")
+    legend = _legend(res)
+    if legend:
+        caption += "\nflags: " + "; ".join(legend)
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+              caption=caption, caption_justify="left")
     for c in SHORT:
-        t.add_column(c, justify="right" if c not in ("model", "shape", "engine", "status") else "left",
-                     no_wrap=c not in ("engine",))
+        t.add_column(c, justify="right" if c not in ("model", "shape", "engine", "status", "flags") else "left",
+                     no_wrap=c not in ("engine", "flags"))
     prev = None
     notes = []
     for r in res.rows:
@@ -67,6 +88,8 @@ def rich_table(res: BenchResult):
         cells = _cells(r, full=False)
         cells[1] = "x".join(map(str, r["shape"]))
         style = "dim" if r["status"] != "ok" else ("bold" if r["engine"] == "graphmode" else None)
+        if r.get("flags") and r["status"] == "ok" and not m.get("quick"):
+            style = "yellow" if style is None else f"{style} yellow"
         t.add_row(*cells, style=style)
         if r["status"] != "ok":
             notes.append(f"{r['model']} {cells[1]} {r['label']}: {r['reason']}")
@@ -76,10 +99,14 @@ def rich_table(res: BenchResult):
 def markdown(res: BenchResult) -> str:
     m = res.meta
     v = m["versions"]
-    lines = [f"# graphmode benchmark ({m['date']})", "",
+    head = [f"# graphmode smoke run, --quick ({m['date']})", "", f"**Not a measurement.** {QUICK_NOTE}; run "
+            "`graphmode bench` without `--quick` for numbers.", ""] if m.get("quick") else \
+        [f"# graphmode benchmark ({m['date']})", ""]
+    lines = head + [
              f"- CPU: {m['cpu_model']}, {m['cores']} core(s), SIMD: {' '.join(m.get('simd') or []) or 'n/a'}",
              f"- threads: {m['threads']} for every engine; wall time {m.get('wall_s', '?')} s; load average "
-             f"(1/5/15 min) at start {m.get('loadavg_start')}, at end {m.get('loadavg_end')}",
+             f"(1/5/15 min) at start {m.get('loadavg_start')}, at end {m.get('loadavg_end')}, highest 1-min "
+             f"during the timed rounds {m.get('loadavg_max')} ({m.get('usable_cores', m['cores'])} usable core(s))",
              "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items() if x) +
              ("; openvino not installed" if not v.get("openvino") else ""),
              f"- method: {m['method']['warmup']} warm-up call(s), up to {m['method']['iters']} interleaved "
@@ -92,10 +119,16 @@ def markdown(res: BenchResult) -> str:
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in res.rows:
         cells = _cells(r)
-        if r["engine"] == "graphmode" and r["status"] == "ok":
+        if r["engine"] == "graphmode" and r["status"] == "ok" and not r.get("eager_fallback"):
             cells[2] = f"**{cells[2]}**"
             cells[4] = f"**{cells[4]}**"
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    legend = _legend(res)
+    if legend:
+        lines += ["", "Flags (a flagged number is shown, but is not a clean measurement):", ""]
+        lines += [f"- `{x.split(':', 1)[0]}`:{x.split(':', 1)[1]}" for x in legend]
+    if m.get("warnings"):
+        lines += ["", "Notes on flagged rows:", ""] + [f"- {w}" for w in m["warnings"]]
     lines += ["", "Peak RSS: resident MB added at the peak of the engine's setup + first call for that shape, "
               "over what the process held before (model-level work such as graphmode's capture or the ONNX "
               "export is in the first shape's row). Setup: engine setup + first call; graphmode's compile and "
@@ -103,54 +136,96 @@ def markdown(res: BenchResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bars(res: BenchResult) -> list[dict[str, Any]]:
+    """What the chart draws, per row: `value` (speed-up vs eager, or under --quick the rel L2
+    vs eager) and `kind`: `bar`, `flagged` (hatched, see its flags), `capped` (beyond the
+    RATIO_CAP sanity bound: drawn at the bound, labelled as such), or no bar with a reason:
+    `eager fallback`, `failed`, `not installed`."""
+    quick = bool(res.meta.get("quick"))
+    out = []
+    for r in res.rows:
+        b = {"model": r["model"], "shape": tuple(r["shape"]), "label": r["label"], "value": None, "kind": None}
+        if r["status"] != "ok":
+            b["kind"] = "not installed" if r.get("skipped") else "failed"
+        elif quick:
+            b.update(value=r.get("rel_l2_err"), kind="bar" if r.get("numerics_ok") else "flagged")
+        elif r.get("eager_fallback"):
+            b["kind"] = "eager fallback"
+        elif r.get("speedup_vs_eager"):
+            x = r["speedup_vs_eager"]
+            if x > RATIO_CAP:
+                b.update(value=RATIO_CAP, kind="capped")
+            else:
+                b.update(value=x, kind="flagged" if doubtful_ratio(r) else "bar")
+        else:
+            b["kind"] = "no ratio"
+        out.append(b)
+    return out
+
+
 def chart(res: BenchResult, path: Path) -> Path | None:
-    """Grouped bars: speed-up vs eager per (model, shape) and engine; failed engines marked."""
+    """Grouped bars per (model, shape) and engine: speed-up vs eager, flagged ones hatched and
+    implausible ones cut at the sanity bound; under --quick the numerics, not the timings."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    quick = bool(res.meta.get("quick"))
+    specs = bars(res)
     groups: list[tuple[str, tuple]] = []
-    for r in res.rows:
-        k = (r["model"], tuple(r["shape"]))
-        if k not in groups:
-            groups.append(k)
-    labels = []
-    for r in res.rows:
-        if r["label"] not in labels:
-            labels.append(r["label"])
+    labels: list[str] = []
+    for b in specs:
+        if (b["model"], b["shape"]) not in groups:
+            groups.append((b["model"], b["shape"]))
+        if b["label"] not in labels:
+            labels.append(b["label"])
     if not groups or not labels:
         return None
     fig, ax = plt.subplots(figsize=(max(6.5, 1.7 * len(groups) + 2.5), 5.0))
     width = 0.8 / len(labels)
-    by = {(r["model"], tuple(r["shape"]), r["label"]): r for r in res.rows}
     palette = plt.get_cmap("tab10").colors
+    floor = 1e-12                       # rel L2 of eager against itself is 0: drawn at the floor
     top = 1.0
+    any_flagged = False
     for j, lab in enumerate(labels):
-        xs, ys = [], []
         color = palette[j % len(palette)]
-        for i, (model, shape) in enumerate(groups):
-            r = by.get((model, shape, lab))
-            x = i - 0.4 + width * (j + 0.5)
-            if r is None:
+        drawn = False
+        for b in (b for b in specs if b["label"] == lab):
+            x = groups.index((b["model"], b["shape"])) - 0.4 + width * (j + 0.5)
+            if b["value"] is None:
+                ax.text(x, floor if quick else 0.02, f"{lab}: {b['kind']}", rotation=90, ha="center", va="bottom",
+                        fontsize=7, color="gray")
                 continue
-            if r["status"] == "ok" and r.get("speedup_vs_eager"):
-                xs.append(x)
-                ys.append(r["speedup_vs_eager"])
-            else:
-                ax.text(x, 0.02, f"{lab}: " + ("not installed" if r.get("skipped") else "failed"), rotation=90,
-                        ha="center", va="bottom", fontsize=7, color="gray")
-        if ys:
-            top = max(top, max(ys))
-            bars = ax.bar(xs, ys, width, label=lab, color=color)
-            if len(groups) * len(labels) <= 40:
-                ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"{m}\n({','.join(map(str, s))})" for m, s in groups], fontsize=8)
-    ax.set_ylabel("speed-up vs eager (eager median / engine median)")
-    ax.set_ylim(0, top * 1.18 if math.isfinite(top) else 2)
+            v = max(b["value"], floor) if quick else b["value"]
+            hatch = "//" if b["kind"] in ("flagged", "capped") else None
+            any_flagged |= hatch is not None
+            bar = ax.bar([x], [v], width, label=None if drawn else lab, color=color, hatch=hatch,
+                         edgecolor="black" if hatch else color, linewidth=0.5)
+            drawn = True
+            top = max(top, v)
+            if len(specs) <= 40:
+                text = (f"> {RATIO_CAP:g}?" if b["kind"] == "capped" else
+                        f"{b['value']:.0e}" if quick else f"{b['value']:.2f}" + ("!" if hatch else ""))
+                ax.bar_label(bar, labels=[text], fontsize=6, padding=1)
     m = res.meta
-    ax.set_title(f"{m['cpu_model']}, {m['threads']} thread(s), median latency, {m['date'][:10]}", fontsize=9)
+    if quick:
+        tol = next((r.get("tol") for r in res.rows if r.get("tol")), None)
+        if tol:
+            ax.axhline(tol, color="red", linewidth=0.8, linestyle="--")
+        ax.set_yscale("log")
+        ax.set_ylabel("rel L2 vs eager (below the red line: matches)")
+        ax.set_title(f"--quick smoke run: numerics only; its timings are not measurements ({m['date'][:10]})",
+                     fontsize=9)
+    else:
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_ylabel("speed-up vs eager (eager median / engine median)")
+        ax.set_ylim(0, top * 1.18 if math.isfinite(top) else 2)
+        title = f"{m['cpu_model']}, {m['threads']} thread(s), median latency, {m['date'][:10]}"
+        if any_flagged:
+            title += f"\nhatched, '!': flagged (load, spread, ...; see the .md); '> {RATIO_CAP:g}?': beyond the sanity bound"
+        ax.set_title(title, fontsize=9)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{g}\n({','.join(map(str, s))})" for g, s in groups], fontsize=8)
     ax.legend(fontsize=8, ncol=min(len(labels), 5), loc="upper center", bbox_to_anchor=(0.5, -0.14),
               frameon=False)
     fig.tight_layout()

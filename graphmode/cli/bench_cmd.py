@@ -51,8 +51,8 @@ def bench_cmd(
                                           "exactly at the benchmarked shapes)"),
     out: Optional[Path] = typer.Option(None, "--out", help="results folder (default bench/results)"),
     name: Optional[str] = typer.Option(None, "--name", help="file stem of the results (default bench, or quick)"),
-    quick: bool = typer.Option(False, "--quick", help="one shape per model, 3 rounds; exit 1 unless every engine "
-                               "ran and matched eager (never a timing check)"),
+    quick: bool = typer.Option(False, "--quick", help="smoke run: one shape per model, 3 rounds; exit 1 unless "
+                               "every engine ran and matched eager (its timings are not measurements)"),
     tol: float = typer.Option(1e-4, "--tol", help="relative L2 vs eager that counts as matching"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="graphmode artifact cache (default: a fresh "
                                              "temporary one, so setup_s is a cold compile)"),
@@ -69,7 +69,7 @@ def bench_cmd(
     cfg = BenchConfig(engines=eng, threads=threads, iters=3 if quick else iters, min_iters=3 if quick else 5,
                       warmup=1 if quick else warmup, rewarm=0 if quick else rewarm, budget_s=budget_s, tol=tol,
                       recipe=str(recipe) if recipe else None, cache_dir=cache_dir,
-                      onnx_cache_dir=_cache_root(None) / "onnx")
+                      onnx_cache_dir=_cache_root(None) / "onnx", quick=quick)
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
     cases = load_cases(model or DEFAULT_MODELS, shape or [], quick=quick)
     target = get_target("host", cache_dir=_cache_root(None) / "targets")
@@ -83,6 +83,8 @@ def bench_cmd(
         for n in notes:
             console.print(f"  {n}", markup=False, highlight=False)
         console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
+    for w in res.meta.get("warnings", []):      # stderr: --json keeps stdout to the rows
+        err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)
     if quick:
         bad = res.quick_failures()
         if bad:

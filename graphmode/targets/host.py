@@ -34,6 +34,22 @@ PROBE_VERSION = 1
 CACHE_FILE = "host.json"
 
 
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages: other work on the machine inflates every timing."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask; a container may allow fewer than the host has)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class HostProbeWarning(UserWarning):
     """The host probe cache was unreadable or unwritable; the probe ran again / was not saved."""
 

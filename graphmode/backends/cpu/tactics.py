@@ -65,6 +65,8 @@ ATEN = "aten"
 TOLERANCE_F32 = 1e-5
 WINOGRAD_TILES = (4, 2)   # F(4x4, 3x3) first: 4x fewer multiplies; F(2x2) for small images / many channels
 NOISY = 1.5        # median/min of the timing samples above which a measurement counts as noisy
+MARGIN_CAP = 20.0  # a margin between two candidates of one shape beyond this is shown as "> 20x", suspect
+CALIBRATION_CALLS = 3   # back-to-back calls whose fastest sets a candidate's calls per sample
 
 # generated configurations per ISA, best-first for the heuristic (measured on the 16-row
 # GEMMs of MiniLM / GPT-2 and 128-row ones, Zen 4, 1 and 2 threads)
@@ -96,6 +98,9 @@ class Selection:
     uses: int = 0                                               # plan steps with this shape
     noisy: bool = False                                         # timed while the machine was busy
     medians_s: dict[str, float] = field(default_factory=dict)   # median seconds per candidate (for reports)
+    mins_s: dict[str, float] = field(default_factory=dict)      # fastest sample per candidate (its spread)
+    load: float | None = None                                   # 1-minute load average when it was timed
+    cores: int | None = None                                    # CPUs this process could use then
 
     @property
     def config(self) -> GemmConfig | ConvConfig | None:
@@ -105,40 +110,125 @@ class Selection:
 
     @property
     def speedup_vs_aten(self) -> float | None:
+        """ATen's time / the winner's, as measured (see `margin` before printing it)."""
         t, a = self.timings_s.get(self.winner), self.timings_s.get(ATEN)
         return a / t if t and a else None
 
     @property
+    def runner_up(self) -> str | None:
+        others = {k: v for k, v in self.timings_s.items() if k != self.winner}
+        return min(others, key=others.get) if others else None
+
+    @property
     def margin_vs_runner_up(self) -> float | None:
-        """Runner-up median / winner median (>= 1 under latency_first)."""
+        """Runner-up median / winner median (>= 1 under latency_first), as measured."""
+        t, r = self.timings_s.get(self.winner), self.runner_up
+        return self.timings_s[r] / t if t and r else None
+
+    def margin(self, slower: str | None) -> Margin | None:
+        """How much faster the winner timed than candidate `slower`, with the reasons to doubt it:
+        a ratio of two numbers is only as good as the worse of them."""
         t = self.timings_s.get(self.winner)
-        others = [v for k, v in self.timings_s.items() if k != self.winner]
-        return min(others) / t if t and others else None
+        a = self.timings_s.get(slower) if slower else None
+        if not t or not a or slower == self.winner:
+            return None
+        return Margin(a / t, tuple(timing_doubts(self, (slower, self.winner))))
 
     def gflops(self, name: str | None = None) -> float | None:
         t = self.timings_s.get(name or self.winner)
         return self.problem.flops / t / 1e9 if t else None
 
     def to_json(self) -> dict:
+        vs_aten = self.margin(ATEN) if self.winner != ATEN else None
+        vs_next = self.margin(self.runner_up)
         return {"gemm": self.problem.text, "shape": self.problem.key(), "winner": self.winner,
                 "policy": self.policy, "uses": self.uses, "from_cache": self.from_cache, "timed": self.timed,
                 "timings_us": {k: round(v * 1e6, 2) for k, v in sorted(self.timings_s.items(), key=lambda kv: kv[1])},
                 "medians_us": {k: round(v * 1e6, 2) for k, v in sorted(self.medians_s.items(), key=lambda kv: kv[1])},
+                "mins_us": {k: round(v * 1e6, 2) for k, v in sorted(self.mins_s.items(), key=lambda kv: kv[1])},
                 "gflops": round(self.gflops() or 0.0, 2) or None,
-                "speedup_vs_aten": _r(self.speedup_vs_aten), "margin_vs_runner_up": _r(self.margin_vs_runner_up),
+                "speedup_vs_aten": _r(vs_aten.value) if vs_aten else None,
+                "margin_vs_runner_up": _r(vs_next.value) if vs_next else None,
+                "margins": {k: m.to_json() for k, m in (("aten", vs_aten), ("runner_up", vs_next)) if m},
+                "runner_up": self.runner_up, "load": self.load, "cores": self.cores,
                 "rejected": dict(self.rejected), "tune_s": round(self.tune_s, 3), "noisy": self.noisy}
 
     def text(self) -> str:
         s = f"{self.problem.text}: {self.winner}"
-        if self.speedup_vs_aten is not None and self.winner != ATEN:
-            s += f" ({self.speedup_vs_aten:.2f}x vs aten"
+        vs_aten = self.margin(ATEN)
+        vs_next = self.margin(self.runner_up)
+        if vs_aten is not None:
+            s += f" ({vs_aten.text('aten')}"
             g = self.gflops()
             s += f", {g:.1f} GFLOP/s)" if g else ")"
-        elif self.winner == ATEN and self.margin_vs_runner_up:
-            s += f" ({self.margin_vs_runner_up:.2f}x faster than the best generated kernel)"
+        elif self.winner == ATEN and vs_next is not None:
+            s += f" ({vs_next.text('the best generated kernel')})"
         if self.from_cache:
             s += " [timing cache]"
         return s
+
+
+@dataclass(frozen=True)
+class Margin:
+    """The winner's time against another candidate's, as the compile report states it: beyond
+    MARGIN_CAP it is shown as "> 20x, baseline suspect" (two kernels of one shape, both
+    checked against ATen, do not differ 1000-fold; a baseline that waited out the scheduler
+    does), and any doubt about either timing is said next to it."""
+
+    measured: float
+    suspect: tuple[str, ...] = ()
+
+    @property
+    def capped(self) -> bool:
+        return self.measured > MARGIN_CAP
+
+    @property
+    def value(self) -> float:
+        return min(self.measured, MARGIN_CAP)
+
+    def to_json(self) -> dict:
+        return {"measured": _r(self.measured), "shown": _r(self.value), "capped": self.capped,
+                "suspect": list(self.suspect)}
+
+    def text(self, against: str) -> str:
+        return margin_text(self.to_json(), against)
+
+
+def margin_text(m: Mapping[str, Any], against: str) -> str:
+    """`1.52x vs aten`, `1.52x vs aten (suspect: ...)` or `> 20x vs aten, baseline suspect (...)`."""
+    why = "; ".join(m.get("suspect") or ())
+    if m.get("capped"):
+        return f"> {MARGIN_CAP:g}x vs {against}, baseline suspect" + (f" ({why})" if why else "")
+    return f"{m['measured']:.2f}x vs {against}" + (f" (suspect: {why})" if why else "")
+
+
+def timing_doubts(sel: Selection, names: Sequence[str]) -> list[str]:
+    """Why the timings of `names` in `sel` may not be measurements of the kernels: their samples
+    disagree (median/min above NOISY: some waited out another process's time slice), the
+    machine's load exceeded its cores while they were taken, or the entry was marked noisy."""
+    out = []
+    for n in dict.fromkeys(names):
+        med, lo = sel.medians_s.get(n), sel.mins_s.get(n)
+        if med and lo and med / lo > NOISY:
+            out.append(f"{n} samples {_us(lo)}..{_us(med)} (median/min {med / lo:.1f})")
+    if sel.load is not None and sel.cores and sel.load > sel.cores:
+        out.append(f"timed at load {sel.load:.1f} on {sel.cores} cores")
+    elif sel.noisy and not out:
+        out.append("timed while the machine was busy")
+    return out
+
+
+def _us(s: float) -> str:
+    us = s * 1e6
+    return f"{us / 1e3:.3g} ms" if us >= 1e3 else f"{us:.3g} us"
+
+
+def _machine_load() -> tuple[float | None, int]:
+    """(1-minute load average, CPUs this process may use): timings taken with more runnable
+    threads than CPUs measure the scheduler, not the kernel."""
+    from graphmode.targets.host import load_average, usable_cores
+    load = load_average()
+    return (load[0] if load else None), usable_cores()
 
 
 def _r(x: float | None) -> float | None:
@@ -568,7 +658,8 @@ class TacticsContext:
             cached = None
         if cached is not None:
             sel = Selection(p, ATEN, self.policy, dict(cached["timings_s"]), dict(cached["rejected"]),
-                            from_cache=True, medians_s=dict(cached["medians_s"]), noisy=cached["noisy"])
+                            from_cache=True, medians_s=dict(cached["medians_s"]), noisy=cached["noisy"],
+                            mins_s=dict(cached["mins_s"]), load=cached["load"], cores=cached["cores"])
             sel.winner = self._pick(p, sel.timings_s)
             # a stale cache must not hand out a wrong kernel: the winner is checked again (one run)
             if sel.winner == ATEN or self._check(p, sel.winner, step, kernels) is None:
@@ -587,15 +678,19 @@ class TacticsContext:
         keep: list = []   # the timing buffers live until the timing is done
         samples = self._time(self._timing_fns(p, names, step, kernels, sel.rejected, keep))
         del keep
+        sel.load, sel.cores = _machine_load()
         sel.timings_s = {n: _STATS[self.statistic](v) for n, v in samples.items()}
         sel.medians_s = {n: statistics.median(v) for n, v in samples.items()}
         self.stats["timed_shapes"] += 1
         sel.winner = self._pick(p, sel.timings_s)
-        mins = {n: min(v) for n, v in samples.items() if v}
+        mins = sel.mins_s = {n: min(v) for n, v in samples.items() if v}
         ratios = sorted(sel.medians_s[n] / mins[n] for n in mins if mins[n] > 0)
-        sel.noisy = bool(ratios) and ratios[len(ratios) // 2] > NOISY
+        # noisy (measured again by the next builds): most candidates' samples disagree, or the ATen
+        # baseline's alone do (every margin is stated against it), or the machine was overloaded
+        sel.noisy = bool(ratios) and ratios[len(ratios) // 2] > NOISY or bool(timing_doubts(sel, (ATEN,)))
         self._cache_put(key, {"timings_s": sel.timings_s, "medians_s": sel.medians_s, "rejected": sel.rejected,
-                              "noisy": sel.noisy, "tries": tries})
+                              "noisy": sel.noisy, "tries": tries, "mins_s": sel.mins_s, "load": sel.load,
+                              "cores": sel.cores})
         sel.tune_s = time.perf_counter() - t0
         self.stats["tune_s"] += sel.tune_s
         return sel
@@ -741,15 +836,21 @@ class TacticsContext:
     def _time(self, fns: Mapping[str, Callable[[], None]]) -> dict[str, list[float]]:
         """Seconds per call of each closure, one list of samples each: a warm-up call, then
         interleaved round-robin samples (see the class doc for their count and length), the
-        start candidate rotating so that drift of a shared machine hits every candidate alike."""
+        start candidate rotating so that drift of a shared machine hits every candidate alike.
+        The calls per sample come from the fastest of CALIBRATION_CALLS back-to-back calls:
+        from one call, a candidate whose call happened to wait out a time slice (a 2-thread
+        ATen GEMM of 8 KFLOP took 15 ms at load 5 on 2 cores) got samples of one call each,
+        against 1000-call samples of the others, and a "36892x vs aten" margin."""
         names = list(fns)
         inner: dict[str, int] = {}
         longest = 0.0
         for n in names:
             fns[n]()
-            t0 = time.perf_counter()
-            fns[n]()
-            dt = max(time.perf_counter() - t0, 1e-7)
+            dt = math.inf
+            for _ in range(CALIBRATION_CALLS):
+                t0 = time.perf_counter()
+                fns[n]()
+                dt = min(dt, max(time.perf_counter() - t0, 1e-7))
             inner[n] = max(1, min(1000, int(self.sample_s / dt)))
             longest = max(longest, dt * inner[n])
         reps = max(self.reps, min(8 * self.reps, int(self.budget_s / max(longest, 1e-6))))
@@ -920,8 +1021,13 @@ class TacticsContext:
         if not all(isinstance(v, (int, float)) for v in t.values()):
             return None
         med = d.get("medians_s") if isinstance(d.get("medians_s"), dict) else {}
+        lo = d.get("mins_s") if isinstance(d.get("mins_s"), dict) else {}
+        load, cores = d.get("load"), d.get("cores")
         return {"timings_s": {k: float(v) for k, v in t.items()}, "rejected": {k: str(v) for k, v in r.items()},
                 "medians_s": {k: float(v) for k, v in med.items() if isinstance(v, (int, float))},
+                "mins_s": {k: float(v) for k, v in lo.items() if isinstance(v, (int, float))},
+                "load": float(load) if isinstance(load, (int, float)) else None,
+                "cores": int(cores) if isinstance(cores, int) else None,
                 "noisy": bool(d.get("noisy", False)), "tries": int(d.get("tries", 1) or 1)}
 
     def _cache_put(self, key: Mapping, entry: Mapping) -> None:
@@ -976,12 +1082,13 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
              f"tuning {report.get('seconds', 0.0):.2f}s"]
     for g in report.get("gemms", []):
         s = f"  {g['gemm']} x{g['uses']}: {g['winner']}"
-        if g.get("speedup_vs_aten") and g["winner"] != ATEN:
-            s += f", {g['speedup_vs_aten']:.2f}x vs aten"
+        margins = g.get("margins") or {}
+        if g["winner"] != ATEN and (margins.get("aten") or g.get("speedup_vs_aten")):
+            s += ", " + margin_text(margins.get("aten") or _bare_margin(g["speedup_vs_aten"]), "aten")
         if g.get("gflops"):
             s += f", {g['gflops']:.1f} GFLOP/s"
-        if g.get("margin_vs_runner_up"):
-            s += f", {g['margin_vs_runner_up']:.2f}x vs runner-up"
+        if margins.get("runner_up") or g.get("margin_vs_runner_up"):
+            s += ", " + margin_text(margins.get("runner_up") or _bare_margin(g["margin_vs_runner_up"]), "runner-up")
         if g.get("from_cache"):
             s += " (timing cache)"
         if g.get("rejected"):
@@ -990,6 +1097,11 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
     if report.get("error"):
         lines.append(f"  tuning failed, ATen runs every GEMM: {report['error']}")
     return lines
+
+
+def _bare_margin(measured: float) -> dict:
+    """A margin from a report written before margins carried their doubts: capped all the same."""
+    return Margin(float(measured)).to_json()
 
 
 def _then(f: Callable[[], None], g: Callable[[], None]) -> Callable[[], None]:
@@ -1090,4 +1202,5 @@ def select_conv(ctx: TacticsContext | None, ins_t: Sequence[torch.Tensor], outs:
 
 
 __all__ = ["TacticsContext", "Selection", "GemmStep", "ConvStep", "FusedEpilogue", "select_gemm", "select_conv", "problem_of", "aten_fn", "report_lines",
+           "Margin", "margin_text", "timing_doubts", "MARGIN_CAP",
            "POLICIES", "CONFIGS", "ATEN"]

@@ -1,0 +1,144 @@
+"""Benchmark rows say when they are not measurements: load above the cores, a starved
+process, rounds that disagree, implausible ratios, eager fallbacks, --quick. The machine's
+state is fed in through `Probe` (a load average and a CPU clock the test controls) or as
+synthetic rows; nothing here asserts on how fast anything ran."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from graphmode.bench import harness
+from graphmode.bench.harness import BenchResult
+from graphmode.bench.models import ModelCase
+from graphmode.bench.quality import RATIO_CAP, Probe, judge, warning_lines
+from graphmode.bench.report import bars, markdown, rich_table
+
+TINY = f"{Path(__file__).resolve().parent / 'test_bench.py'}:tiny_mlp"
+QUIET = Probe(loadavg=lambda: [0.1, 0.1, 0.1], cores=2)
+
+
+def _row(engine: str, median: float, **kw) -> dict:
+    r = {"model": "m", "model_name": "m", "shape": [1, 16], "engine": engine, "label": engine, "status": "ok",
+         "reason": None, "skipped": False, "threads": 2, "median_ms": median, "p90_ms": median, "spread": 1.05,
+         "load_max": 0.5, "cpu_per_wall": 1.9, "eager_fallback": None, "eager_islands": 0, "rel_l2_err": 0.0,
+         "numerics_ok": True}
+    r.update(kw)
+    return r
+
+
+def _judged(rows: list[dict], cores: int = 2, quick: bool = False) -> dict[str, dict]:
+    harness._ratios(rows)
+    judge(rows, cores, quick=quick)
+    return {r["label"]: r for r in rows}
+
+
+def _result(rows: list[dict], **meta) -> BenchResult:
+    m = {"date": "2026-12-01T00:00:00+00:00", "cpu_model": "cpu", "cores": 2, "usable_cores": 2, "threads": 2,
+         "versions": {"torch": "x"}, "method": {"warmup": 1, "iters": 3, "min_iters": 3, "budget_s_per_shape": 1.0,
+                                                 "rewarm": 0}, "warnings": warning_lines(rows, meta.get("quick"))}
+    m.update(meta)
+    return BenchResult(rows, m)
+
+
+def test_clean_rows_carry_no_flags():
+    by = _judged([_row("eager", 10.0), _row("onnxruntime", 6.0), _row("graphmode", 5.0)])
+    assert all(r["flags"] == [] and r["notes"] == [] for r in by.values())
+    assert by["graphmode"]["speedup_vs_eager"] == pytest.approx(2.0)
+    assert [b["kind"] for b in bars(_result(list(by.values())))] == ["bar"] * 3
+
+
+def test_the_176x_row_is_flagged_and_not_charted_as_a_measurement():
+    """The issue's case: under load, graphmode charted 176x over eager with no warning."""
+    rows = [_row("eager", 176.0, load_max=5.6, spread=2.4), _row("onnxruntime", 90.0, load_max=5.6),
+            _row("graphmode", 1.0, load_max=5.6)]
+    by = _judged(rows)
+    g = by["graphmode"]
+    assert {"load", "ratio", "gap", "baseline"} <= set(g["flags"])
+    assert "beyond the 20x sanity bound" in " ".join(g["notes"]) and "5.60 on 2" in " ".join(g["notes"])
+    assert set(by["eager"]["flags"]) == {"load", "spread"}
+    chart = {b["label"]: b for b in bars(_result(rows))}
+    assert chart["graphmode"]["kind"] == "capped" and chart["graphmode"]["value"] == RATIO_CAP
+    assert chart["onnxruntime"]["kind"] == "flagged"          # its ratio leans on a flagged eager
+    warn = warning_lines(rows)
+    assert len(warn) == 3 and warn[2].startswith("m 1x16 graphmode: ")
+    md = markdown(_result(rows))
+    assert "| **graphmode** | ok | **1.00** |" in md and md.count("| load,ratio,gap,baseline |") == 1
+    assert "- `ratio`: more than 20x" in md and "Notes on flagged rows" in md
+    table, _ = rich_table(_result(rows))
+    assert "flags" in [c.header for c in table.columns]
+
+
+@pytest.mark.parametrize("kw, flag", [({"load_max": 2.5}, "load"), ({"threads": 4}, "load"),
+                                      ({"cpu_per_wall": 0.4}, "starved"), ({"spread": 1.8}, "spread")])
+def test_each_timing_condition_flags_its_row(kw, flag):
+    by = _judged([_row("eager", 10.0), _row("graphmode", 8.0, **kw)])
+    assert by["graphmode"]["flags"] == [flag] and by["eager"]["flags"] == []
+    assert _judged([_row("eager", 10.0), _row("graphmode", 8.0, **kw)], cores=8)["graphmode"]["flags"] == (
+        [] if flag == "load" else [flag])           # on 8 cores neither load 2.5 nor 4 threads is too many
+
+
+def test_eager_fallback_row_has_no_ratio_and_no_bar():
+    rows = [_row("eager", 10.0), _row("graphmode", 10.1, eager_fallback="20/20 calls (shape outside contract)")]
+    by = _judged(rows)
+    g = by["graphmode"]
+    assert g["flags"] == ["fallback"] and g["ratio_vs_eager"] is None and g["speedup_vs_eager"] is None
+    assert "not graph-mode speed" in g["notes"][0]
+    assert bars(_result(rows))[1]["kind"] == "eager fallback"
+    md = markdown(_result(rows))
+    assert "| graphmode (eager fallback) |" in md and "**graphmode" not in md
+
+
+def test_quick_rows_say_they_are_not_measurements():
+    rows = [_row("eager", 10.0, load_max=7.0), _row("graphmode", 0.05, rel_l2_err=3e-8)]
+    by = _judged(rows, quick=True)
+    assert "quick" in by["graphmode"]["flags"] and "ratio" in by["graphmode"]["flags"]
+    assert warning_lines(rows, quick=True) == []              # timing flags of a smoke run are not warned about
+    res = _result(rows, quick=True)
+    assert [(b["kind"], b["value"]) for b in bars(res)] == [("bar", 0.0), ("bar", 3e-8)]   # numerics, not ratios
+    assert "**Not a measurement.**" in markdown(res)
+    table, _ = rich_table(res)
+    assert "timings are not measurements" in str(table.title)
+
+
+def test_hybrid_islands_are_named_but_keep_their_ratio():
+    rows = [_row("eager", 10.0), _row("graphmode", 6.0, eager_islands=1,
+                                      execution={"mode": "hybrid", "island_ops": ["aten.gelu.default"]})]
+    g = _judged(rows)["graphmode"]
+    assert g["flags"] == ["islands"] and g["notes"] == ["islands: hybrid: 1 op(s) ran as eager islands "
+                                                        "(aten.gelu.default)"]
+    assert g["speedup_vs_eager"] == pytest.approx(10 / 6, rel=1e-3) and bars(_result(rows))[1]["kind"] == "bar"
+
+
+def test_harness_flags_rows_from_an_injected_busy_machine():
+    """The real harness on the tiny model with a probe that reports load 9 on 2 cores and a
+    CPU clock that never moves (the process got no CPU): every row is flagged."""
+    from graphmode.capture.spec import resolve_model_spec
+    case = ModelCase(TINY, "tiny", resolve_model_spec(TINY), [{"batch": 2}])
+    cfg = harness.BenchConfig(engines=[("eager", None)], threads=1, iters=4, min_iters=4, warmup=1, rewarm=0)
+    busy = Probe(loadavg=lambda: [9.0, 8.0, 7.0], cpu_time=lambda: 1.0, cores=2)
+    (row,) = harness.run_bench([case], cfg, probe=busy).rows
+    assert row["load_max"] == 9.0 and row["cpu_per_wall"] == 0.0 and len(row["rounds_ms"]) == 4
+    assert {"load", "starved"} <= set(row["flags"])
+    res = harness.run_bench([case], cfg, probe=QUIET)
+    (row,) = res.rows
+    assert row["load_max"] == pytest.approx(0.1) and "load" not in row["flags"] and "starved" not in row["flags"]
+    assert res.meta["usable_cores"] == 2 and res.meta["loadavg_start"] == [0.1, 0.1, 0.1]
+
+
+def test_graphmode_in_eager_mode_is_reported_as_a_fallback(tmp_path):
+    """A recipe with exe_mode eager: graphmode's CompiledModel runs PyTorch, and its row says so
+    (from the model's own events) instead of showing that time as graph-mode speed."""
+    from graphmode.capture.spec import resolve_model_spec
+    recipe = tmp_path / "eager.yaml"
+    recipe.write_text("version: 1\nname: tiny-eager\nexe_mode: eager\ninputs: [{name: x, dtype: f32, shape: "
+                      "[batch, 32]}]\ndims: {batch: {buckets: [4]}}\n")
+    case = ModelCase(TINY, "tiny", resolve_model_spec(TINY), [{"batch": 4}])
+    cfg = harness.BenchConfig(engines=[("eager", None), ("graphmode", None)], threads=1, iters=3, min_iters=3,
+                              warmup=1, rewarm=0, recipe=str(recipe), cache_dir=tmp_path / "cache")
+    res = harness.run_bench([case], cfg, probe=QUIET)
+    g = res.rows[1]
+    assert g["status"] == "ok" and g["numerics_ok"]
+    assert g["eager_fallback"] == "5/5 calls (exe_mode eager)" and g["execution"]["mode"] == "eager"
+    assert g["flags"] == ["fallback"] and g["ratio_vs_eager"] is None and g["ratio_vs_best_other"] is None
+    assert any("graphmode: fallback" in w for w in res.meta["warnings"])
