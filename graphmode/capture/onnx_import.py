@@ -1,4 +1,4 @@
-"""ONNX -> IR: load, check, translate every node into the core op set.
+"""ONNX -> IR: load, validate, translate every node into the core op set.
 
 Why the importer evaluates shape code itself: exported ONNX graphs compute every
 reshape/expand target at run time (`Shape -> Gather -> Unsqueeze -> Concat -> Reshape`),
@@ -21,6 +21,10 @@ tied `wte.T` initializer is recognised and shared), a following `Add(bias)` is f
 into it, `Gather` on a constant 2-d table becomes `embedding`, `Identity`/`Dropout` and
 no-op reshapes/expands disappear. Activation chains (the exporter's erf-GELU) are kept
 as elementwise ops for the fusion pass.
+
+Before any node is translated, `onnx_validate.validate_onnx` refuses a malformed model
+(onnx.checker, strict shape inference, attribute ranges, graph signature): the handlers
+below may trust attribute values and types.
 
 Limitations (each raises CaptureError naming the file, node and fix):
 ops outside `supported_onnx_ops()` (all are listed with counts and node names before
@@ -49,6 +53,8 @@ import numpy as np
 import sympy
 import torch
 
+from graphmode.capture.onnx_validate import MAX_OPSET, MIN_OPSET, node_where, validate_onnx
+from graphmode.capture.onnx_validate import ONNX_DTYPES as _ONNX_DTYPES
 from graphmode.capture.torch_import import CaptureReport, Fallback
 from graphmode.errors import CaptureError, IRError
 from graphmode.ir.graph import Graph, clean_name
@@ -57,13 +63,10 @@ from graphmode.ir.types import DTYPES, Dim, TensorType, dim_str, dims_equal, nor
 
 __all__ = ["import_onnx", "OnnxCaptureReport", "supported_onnx_ops", "MIN_OPSET", "MAX_OPSET"]
 
-MIN_OPSET, MAX_OPSET = 11, 22
 KNOWN_LIMIT = 4096          # tensors up to this many elements are tracked as known values
 BIG_END = 2 ** 62           # the IR's "to the end" slice bound
 DEFAULT_RANGE = (1, 4096)   # dim range when neither `dims` nor the zoo defaults name the dim
 
-_ONNX_DTYPES = {1: "f32", 2: "u8", 3: "i8", 5: "i16", 6: "i32", 7: "i64", 9: "bool", 10: "f16",
-                11: "f64", 16: "bf16"}
 _INT_DTYPES = frozenset({"u8", "i8", "i16", "i32", "i64"})
 _FLOAT_DTYPES = frozenset({"f16", "bf16", "f32", "f64"})
 
@@ -364,10 +367,9 @@ class _Importer:
 
     # ---- errors --------------------------------------------------------------------------
     def where(self) -> str:
-        n = self.node
-        if n is None:
+        if self.node is None:
             return f"onnx {self.label}"
-        return f"onnx {self.label} node #{self.node_idx} {n.op_type} {n.name or n.output[0]!r}"
+        return node_where(self.label, self.node_idx, self.node)
 
     def fail(self, msg: str, fix: str | None = None, value: Any = None) -> CaptureError:
         return CaptureError(msg, where=self.where(), value=value,
@@ -511,7 +513,9 @@ class _Importer:
         try:
             otype = spec.infer(types, attrs)[0]
         except IRError as e:
-            raise self.fail(f"{op}: {e.message}", fix=e.fix) from None
+            raise self.fail(e.message if e.message.startswith(f"{op}:") else f"{op}: {e.message}",
+                            fix=e.fix or "the node's inputs do not fit together for the recipe's dims: fix the "
+                                         "shapes named above in the model (or the dims in the recipe)") from None
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise self.fail(f"{op}: cannot infer the output type ({type(e).__name__}: {e})") from None
         name = self.g.fresh_name(_vname(out or hint or op))
@@ -603,15 +607,9 @@ class _Importer:
         if unknown:
             raise CaptureError(f"input_dims names input(s) {unknown} that the ONNX model does not have",
                                where=f"onnx {self.label}", fix=f"the model's inputs are {names}")
-        for vi in onnx_inputs:
-            if not vi.type.HasField("tensor_type"):
-                raise CaptureError(f"input {vi.name!r} is not a tensor", where=f"onnx {self.label}",
-                                   fix="only tensor inputs are supported")
+        for vi in onnx_inputs:   # validate_onnx checked: tensor types with a graphmode dtype
             tt = vi.type.tensor_type
-            dtype = _ONNX_DTYPES.get(tt.elem_type)
-            if dtype is None:
-                raise CaptureError(f"input {vi.name!r} has unsupported element type {tt.elem_type}",
-                                   where=f"onnx {self.label}", fix=f"use one of {sorted(set(_ONNX_DTYPES.values()))}")
+            dtype = _ONNX_DTYPES[tt.elem_type]
             want = self.input_dims.get(vi.name)
             dims_p = list(tt.shape.dim) if tt.HasField("shape") else None
             if dims_p is None and want is None:
@@ -734,9 +732,6 @@ class _Importer:
         return self.g
 
     def _init_tensor(self, init, numpy_helper) -> torch.Tensor:
-        if init.data_type not in _ONNX_DTYPES:
-            raise CaptureError(f"initializer {init.name!r} has unsupported element type {init.data_type}",
-                               where=f"onnx {self.label}", fix="convert it to f32/f16/bf16/int/bool")
         try:
             return _to_tensor(numpy_helper.to_array(init), init.data_type)
         except CaptureError:
@@ -1805,72 +1800,6 @@ def _load(path_or_model, label: str):
                                "keep external-data files next to the .onnx file") from None
 
 
-def _check(model, label: str):
-    """onnx.checker on a weightless view of the model.
-
-    Serialising a GPT-2 sized model for the checker costs seconds; the checker's value is in
-    the graph structure (schemas, attributes, topological order, types), so large
-    initializers are presented to it as typed graph inputs instead. Their data is validated
-    when it is read (numpy_helper.to_array raises on a size mismatch).
-    """
-    import onnx
-    from onnx import helper
-    gp = model.graph
-    small, big = [], []
-    for init in gp.initializer:
-        (big if math.prod(init.dims) > KNOWN_LIMIT else small).append(init)
-    light_graph = helper.make_graph(
-        list(gp.node), gp.name or "main", list(gp.input) + [
-            helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in big
-            if i.name not in {v.name for v in gp.input}],
-        list(gp.output), initializer=small, value_info=list(gp.value_info))
-    light = helper.make_model(light_graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    light.functions.extend(model.functions)
-    try:
-        onnx.checker.check_model(light)
-    except Exception as e:  # noqa: BLE001 - onnx.checker.ValidationError and friends
-        _raise_invalid(e, label)
-    return light
-
-
-def _inferred_value_info(light) -> list:
-    """ONNX's own shape inference on the weightless model: an independent source of
-    dtypes/ranks/static dims to cross-check the importer's types against (best effort)."""
-    import onnx
-    try:
-        inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False)
-    except Exception:  # noqa: BLE001 - inference is only a cross-check
-        return []
-    return list(inferred.graph.value_info)
-
-
-def _raise_invalid(e: Exception, label: str):
-    text = " ".join(ln.strip() for ln in str(e).strip().splitlines() if ln.strip()) or type(e).__name__
-    if len(text) > 500:
-        text = text[:500] + "..."
-    raise CaptureError(f"ONNX model fails onnx.checker: {text}", where=f"onnx {label}",
-                       fix="re-export the model; if it was edited by hand, fix the node named above") from None
-
-
-def _unsupported(model, label: str) -> None:
-    bad: dict[str, list[str]] = defaultdict(list)
-    for i, n in enumerate(model.graph.node):
-        key = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
-        if n.domain not in ("", "ai.onnx") or n.op_type not in _HANDLERS:
-            bad[key].append(n.name or f"#{i} -> {n.output[0] if n.output else '?'}")
-    if bad:
-        parts = []
-        for op, names in sorted(bad.items()):
-            shown = ", ".join(names[:5]) + (f", ... {len(names) - 5} more" if len(names) > 5 else "")
-            parts.append(f"{op} x{len(names)} ({shown})")
-        raise CaptureError(f"ONNX model uses {sum(len(v) for v in bad.values())} node(s) of "
-                           f"{len(bad)} op type(s) graphmode cannot import: " + "; ".join(parts),
-                           where=f"onnx {label}", value=sorted(bad),
-                           fix="ONNX models have no eager fallback: re-export without these ops (another opset or "
-                               "exporter), replace them in the model, or compile the PyTorch module instead "
-                               "(import_torch keeps unsupported ATen ops as fallback nodes)")
-
-
 def make_onnx_excluder(include_ops: Sequence[str] = (), exclude_ops: Sequence[str] = ()) -> Callable[[str, str], bool]:
     """An ONNX node is excluded when its op type ('Softmax'), lower-cased type ('softmax') or the core
     op it lowers to ('softmax', 'layer_norm') is excluded (or missing from a non-empty include list)."""
@@ -1904,17 +1833,10 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
     is_path = isinstance(path_or_model, (str, os.PathLike))
     label = str(path_or_model) if is_path else (name or "<in-memory model>")
     model = _load(path_or_model, label)
-    light = _check(model, label)
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    if opset is None or not MIN_OPSET <= opset <= MAX_OPSET:
-        raise CaptureError(f"ONNX opset {opset} is not supported (graphmode imports opsets {MIN_OPSET}..{MAX_OPSET})",
-                           where=f"onnx {label}", value=opset,
-                           fix="re-export with torch.onnx.export(..., opset_version=17) or convert with "
-                               "onnx.version_converter.convert_version(model, 17)")
-    _unsupported(model, label)
+    opset, inferred = validate_onnx(model, label, supported_onnx_ops())
     gname = name or (Path(str(path_or_model)).stem if is_path else (model.graph.name or "onnx_model"))
     imp = _Importer(model, label, gname, dims, input_dims, make_onnx_excluder(include_ops, exclude_ops))
-    imp.extra_value_info = _inferred_value_info(light) if check_types else []
+    imp.extra_value_info = inferred if check_types else []
     g = imp.run()
     ops = Counter(n.op_type for n in model.graph.node)
     report = OnnxCaptureReport(source="onnx", seconds=time.perf_counter() - t0, aten_ops=dict(sorted(ops.items())),

@@ -142,6 +142,8 @@ def load_onnx_spec(path: str | os.PathLike, *, spec: str | None = None) -> OnnxM
     """Read an ONNX file's signature (no weights). Raises CaptureError if it is not ONNX."""
     import onnx
 
+    from graphmode.capture.onnx_validate import check_signature
+
     p = Path(path)
     label = spec if spec is not None else str(path)
     if not p.exists():
@@ -162,6 +164,8 @@ def load_onnx_spec(path: str | os.PathLike, *, spec: str | None = None) -> OnnxM
     if not m.graph.node and not m.graph.input:
         raise CaptureError("ONNX file holds an empty graph", where=f"model spec {label!r}",
                            value=str(p), fix="re-export the model")
+    # the spec feeds make_inputs / input_dtypes: refuse here what they could not bind
+    check_signature(m, f"model spec {label!r}")
     inits = {i.name for i in m.graph.initializer}
     opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
     return OnnxModelSpec(
