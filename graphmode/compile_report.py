@@ -63,6 +63,7 @@ class CompileReport:
     activation_expr: str = ""
     validation: Any = None
     seconds: dict[str, float] = field(default_factory=dict)
+    contract: Any = None            # graphmode.verdict.Verdict: mismatches, fallbacks, padding per dim
 
     def to_json(self) -> dict:
         v = self.validation
@@ -78,5 +79,6 @@ class CompileReport:
             "activation_peak_bytes_expr": self.activation_expr,
             "verdict": v.verdict if v is not None else None,
             "proofs": [p.to_dict() for p in (v.proofs if v else [])],
+            "contract": self.contract.to_json() if self.contract is not None else None,
             "seconds": {k: round(s, 3) for k, s in self.seconds.items()},
         }

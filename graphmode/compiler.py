@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from graphmode.capture.torch_import import CaptureReport, import_torch
-from graphmode.errors import CaptureError, GraphmodeError, RecipeError
+from graphmode.errors import CaptureError, RecipeError
 from graphmode.ir.graph import Graph
 from graphmode.recipe import Recipe, load_recipe
 
@@ -44,9 +44,15 @@ class ModelSource:
                 out = self.module(**inputs)
             return list(out) if isinstance(out, (tuple, list)) else [out]
         import onnxruntime as ort
-        if getattr(self, "_ort", None) is None:
-            self._ort = ort.InferenceSession(str(self.onnx_path), providers=["CPUExecutionProvider"])
-        res = self._ort.run(None, {k: v.numpy() for k, v in inputs.items()})
+        try:
+            if getattr(self, "_ort", None) is None:
+                self._ort = ort.InferenceSession(str(self.onnx_path), providers=["CPUExecutionProvider"])
+            res = self._ort.run(None, {k: v.numpy() for k, v in inputs.items()})
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+            raise CaptureError(f"ONNX Runtime cannot run this model for reference: {type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+                               where=f"model {self.onnx_path}",
+                               fix="check the model with onnx.checker and onnxruntime directly") from None
         return [torch.from_numpy(r) for r in res]
 
 
@@ -70,6 +76,15 @@ def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
         if missing:
             raise RecipeError(f"the model takes inputs {missing} that the recipe does not declare",
                               where="inputs", fix=f"declare every model input: {model.input_names}")
+        from graphmode.verdict import ContractRefused, example_mismatches
+        issues = example_mismatches(recipe, model.example_inputs, model.input_dims)
+        if issues:
+            raise ContractRefused(issues)
+        if model.input_maker is None and {k: dims[k] for k in model.input_names} != model.input_dims:
+            # the recipe's shapes are the contract: sample inputs (run, verify) follow them,
+            # not the static shapes of the example the model was handed with
+            import dataclasses
+            model = dataclasses.replace(model, input_dims={k: dims[k] for k in model.input_names})
         from graphmode.capture.torch_import import example_sizes
         examples = model.make_inputs(example_sizes({d: recipe.dim_range(d) for d in recipe.dims}), seed=0)
         return ModelSource(model.name, model.module, examples, {k: dims[k] for k in model.input_names},
@@ -98,6 +113,14 @@ def example_inputs_from_recipe(recipe: Recipe) -> dict[str, torch.Tensor]:
         dt = DTYPES[spec.dtype]
         out[spec.name] = torch.randn(shape).to(dt) if dt.is_floating_point else torch.ones(shape, dtype=dt)
     return out
+
+
+def checked_capture(model: Any, recipe: Recipe | str | Path, mode: str | None = None):
+    """capture() plus the verdict every entry point shares: (graph, report, source, verdict)."""
+    from graphmode.verdict import decide
+    recipe = as_recipe(recipe)
+    graph, rep, src = capture(model, recipe)
+    return graph, rep, src, decide(recipe, graph, rep, src, mode or recipe.exe_mode)
 
 
 def capture(model: Any, recipe: Recipe | str | Path) -> tuple[Graph, CaptureReport, ModelSource]:
@@ -178,16 +201,11 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
     if mode == "eager":
         src = resolve_model(model, recipe)
         return CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir, threads=threads)
-    graph0, cap, src = capture(model, recipe)
-    if cap.fallbacks and mode == "graph":
-        lst = ", ".join(f"{f.target} x{f.count} at {f.loc}" for f in cap.fallbacks)
-        raise GraphmodeError(f"the graph has {sum(f.count for f in cap.fallbacks)} fallback op(s) ({lst}) "
-                             f"but exe_mode is 'graph'", where="exe_mode", value=mode,
-                             fix="set exe_mode: hybrid to run them as eager islands, or remove them from "
-                                 "capture.exclude_ops")
+    graph0, cap, src, verdict = checked_capture(model, recipe, mode)
+    verdict.raise_for_refusal()
     graph, opt = optimize(graph0, recipe, tgt, buckets=[])
     cm = CompiledModel(src, recipe, tgt, graph0, graph, (cap, opt), mode=mode, cache_dir=cache_dir,
-                       threads=threads)
+                       threads=threads, verdict=verdict)
     if warmup:
         cm.warmup(progress=progress)
     return cm

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -27,6 +28,7 @@ class Fallback:
     reason: str
     loc: str
     count: int = 1
+    excluded: bool = False     # the recipe's capture settings asked for it (vs. no lowering exists)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class CaptureReport:
     fallbacks: list[Fallback] = field(default_factory=list)
     out_spec: str | None = None          # pytree spec of the module's outputs (treespec_dumps)
     output_names: list[str] = field(default_factory=list)
+    locs: dict[str, str] = field(default_factory=dict)   # IR value -> the model source line that made it
 
     def to_json(self) -> dict:
         return {"source": self.source, "seconds": round(self.seconds, 3), "aten_ops": self.aten_ops,
@@ -76,6 +79,7 @@ class _Importer:
         self.subs: dict[sympy.Symbol, sympy.Expr] = {}
         self.fallbacks: dict[tuple[str, str], Fallback] = {}
         self.aten_ops: dict[str, int] = {}
+        self.locs: dict[str, str] = {}
         self._const_cache: dict[tuple, str] = {}
 
     # ---- symbols ---------------------------------------------------------------------
@@ -164,7 +168,7 @@ class _Importer:
         self.aten_ops[tname] = self.aten_ops.get(tname, 0) + 1
         short = tname.split(".")[1] if tname.startswith("aten.") else tname
         if self.excluded(tname, short):
-            self._fallback(node, "excluded by recipe capture settings")
+            self._fallback(node, "excluded by recipe capture settings", excluded=True)
             return
         try:
             handled = self._aten(node, tname, short)
@@ -188,7 +192,7 @@ class _Importer:
         r = fn(*[sympy.sympify(a) if not isinstance(a, (int, float)) else a for a in args])
         self.env[node] = normalize_dim(r) if isinstance(r, (sympy.Basic, int)) else r
 
-    def _fallback(self, node: torch.fx.Node, reason: str) -> None:
+    def _fallback(self, node: torch.fx.Node, reason: str, excluded: bool = False) -> None:
         ins: list[str] = []
 
         def enc(a):
@@ -229,7 +233,7 @@ class _Importer:
         if key in self.fallbacks:
             self.fallbacks[key].count += 1
         else:
-            self.fallbacks[key] = Fallback(str(node.target), reason, loc)
+            self.fallbacks[key] = Fallback(str(node.target), reason, loc, excluded=excluded)
 
     def _aten(self, node: torch.fx.Node, tname: str, short: str) -> bool:  # noqa: C901 - one table
         a, kw = node.args, node.kwargs
@@ -535,7 +539,13 @@ class _Importer:
                 else:
                     raise CaptureError(f"unsupported placeholder {n.name}")
             elif n.op == "call_function":
+                first = len(self.g.nodes)
                 self.translate(n)
+                if len(self.g.nodes) > first:
+                    loc = _source_loc(n)
+                    for made in self.g.nodes[first:]:
+                        for o in made.outputs:
+                            self.locs[o] = loc
             elif n.op == "output":
                 outs = []
                 for o in pytree.tree_leaves(n.args[0]):
@@ -563,14 +573,26 @@ class _Importer:
         return [n.name for n in user_inputs]
 
 
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
 def _source_loc(node: torch.fx.Node) -> str:
+    """The innermost frame of the model's own code (not torch's internals) that made `node`."""
     trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
-    if lines:
-        return lines[-1].replace('File "', "").replace('", line ', ":").split(",")[0]
+    frames = []
+    for ln in trace.strip().splitlines():
+        ln = ln.strip()
+        if ln.startswith('File "'):
+            path, _, rest = ln[len('File "'):].partition('", line ')
+            frames.append((path, rest.split(",")[0]))
+    own = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+    if own or frames:
+        path, line = (own or frames)[-1]
+        return f"{path}:{line}"
     stack = node.meta.get("nn_module_stack")
     if stack:
-        return list(stack.values())[-1][0] if isinstance(list(stack.values())[-1], tuple) else str(stack)
+        last = list(stack.values())[-1]
+        return last[0] if isinstance(last, tuple) else str(stack)
     return node.name
 
 
@@ -598,6 +620,10 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
     for inp in example_inputs:
         names = input_dims.get(inp, [])
         dynamic[inp] = {i: tdims[d] for i, d in enumerate(names) if isinstance(d, str) and d in tdims} or None
+    import logging
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)     # a failing export logs a traceback there; the CaptureError says it
     try:
         with torch.no_grad():
             ep = torch.export.export(module, (), dict(example_inputs), dynamic_shapes=dynamic, strict=False)
@@ -607,6 +633,8 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
         raise CaptureError(f"torch.export failed: {type(e).__name__}: {msg[0] if msg else ''}",
                            fix="check the recipe's dims against the model (a dim the model specialises must "
                                "be static in the recipe), or exclude the offending op") from e
+    finally:
+        fake_log.setLevel(level)
     return ep
 
 
@@ -631,7 +659,8 @@ def import_torch(module: torch.nn.Module, example_inputs: Mapping[str, torch.Ten
     g.prune_values()
     report = CaptureReport(source="torch.export", seconds=time.perf_counter() - t0,
                            aten_ops=dict(sorted(imp.aten_ops.items())),
-                           fallbacks=sorted(imp.fallbacks.values(), key=lambda f: (f.target, f.loc)))
+                           fallbacks=sorted(imp.fallbacks.values(), key=lambda f: (f.target, f.loc)),
+                           locs=imp.locs)
     try:
         report.out_spec = pytree.treespec_dumps(ep.call_spec.out_spec)
     except Exception:  # noqa: BLE001 - optional metadata

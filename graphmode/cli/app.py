@@ -8,14 +8,30 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from graphmode.errors import GraphmodeError
 
-app = typer.Typer(name="graphmode", no_args_is_help=True, add_completion=False,
+
+class _Commands(TyperGroup):
+    """Maps a GraphmodeError from any sub-command to its message and exit code, so the command
+    behaves the same under `main()`, `python -m graphmode` and a test's CliRunner."""
+
+    def parse_args(self, ctx, args):
+        self._json = "--json" in args
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except GraphmodeError as e:
+            fail(e, getattr(self, "_json", False))
+
+
+app = typer.Typer(name="graphmode", no_args_is_help=True, add_completion=False, cls=_Commands,
                   pretty_exceptions_enable=False,
                   help="Graph-mode compiler and runtime for inference, driven by a verified recipe.")
 console = Console()
@@ -51,12 +67,13 @@ def fail(err: GraphmodeError, as_json: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import warnings
+    # torch.export's own deprecation noise is not the user's concern
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
     _register()
-    as_json = "--json" in (argv if argv is not None else sys.argv[1:])
     try:
-        app(args=argv)  # standalone: usage errors print and exit 2 inside typer
-    except GraphmodeError as e:
-        fail(e, as_json)
+        app(args=argv)  # standalone: usage errors print and exit 2 inside typer; _Commands maps ours
     except KeyboardInterrupt:
         err_console.print("interrupted")
         raise SystemExit(130)

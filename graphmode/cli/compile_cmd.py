@@ -16,7 +16,7 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
                  dump_before: Optional[str] = None, dump_after: Optional[str] = None, plan_buckets: bool = True):
     """Run the pipeline up to memory plans; returns (report, optimized graph, recipe, source)."""
     from graphmode.compile_report import BucketMemory, CompileReport, model_facts
-    from graphmode.compiler import _target, capture, optimize
+    from graphmode.compiler import _target, checked_capture, optimize
     from graphmode.plan.memory import activation_peak_expr, plan_memory
     from graphmode.recipe import load_recipe, validate
     from graphmode.recipe.targets import pick_target
@@ -25,8 +25,13 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
     recipe = load_recipe(recipe_path)
     tgt = _target(target) if target else pick_target(recipe, None)
     t0 = time.perf_counter()
-    graph0, cap, src = capture(model, recipe)
+    graph0, cap, src, contract = checked_capture(model, recipe)
     secs["capture"] = time.perf_counter() - t0
+    if not contract.ok:     # stop before passes: the recipe does not hold for this model
+        rep = CompileReport(src.name, recipe.name, recipe.hash(), getattr(tgt, "name", str(tgt)),
+                            graph0.structural_hash(), cap, None, len(graph0.nodes), len(graph0.nodes),
+                            seconds=secs, contract=contract)
+        return rep, graph0, recipe, src
 
     def sel(v):
         return () if not v else ("all" if v == "all" else {s.strip() for s in v.split(",")})
@@ -51,9 +56,24 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
              for n in graph.nodes if n.op == "fused"]
     rep = CompileReport(src.name, recipe.name, recipe.hash(), getattr(tgt, "name", str(tgt)),
                         graph.structural_hash(), cap, opt.passes, len(graph0.nodes), len(graph.nodes), fused,
-                        memory, str(act), validation, secs)
+                        memory, str(act), validation, secs, contract)
     rep.dump_files = opt.dump_files  # type: ignore[attr-defined]
     return rep, graph, recipe, src
+
+
+def print_contract(contract) -> None:
+    """The verdict shared with run/verify/serve: padding per dim, refusals, restrictions."""
+    if contract.padding is not None:
+        for d, v in contract.padding.dims.items():
+            color = {"safe": "green", "unsafe": "red", "not padded": "dim"}[v.status]
+            note = " — requests off a bucket value run eagerly" if d in contract.exact_dims else ""
+            console.print(f"padding {d}: [{color}]{v.status}[/]{note}")
+            for f in v.findings:
+                console.print(f"  {f.describe()}", markup=False, highlight=False)
+    for issue in contract.restrictions:
+        console.print(f"[yellow]restricted[/] {issue.render()}", highlight=False)
+    for issue in contract.refusals:
+        console.print(f"[red]refused[/] {issue.render()}", highlight=False)
 
 
 def print_report(rep, *, max_buckets: int = 12) -> None:
@@ -71,6 +91,10 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
         console.print(t)
     else:
         console.print("fallbacks: none (the whole model runs as one graph)")
+    if rep.contract is not None:
+        print_contract(rep.contract)
+    if rep.passes is None:
+        return
     t = Table(title="passes")
     for c in ("#", "pass", "nodes before", "nodes after", "ms", "stats"):
         t.add_column(c, justify="right" if c in ("#", "nodes before", "nodes after", "ms") else "left")
@@ -123,6 +147,13 @@ def compile_cmd(
     """Compile a model with a recipe and print the compile report."""
     rep, graph, recipe_obj, src = build_report(model, recipe, target, dump_dir=dump_dir,
                                                dump_before=dump_ir_before, dump_after=dump_ir_after)
+    if not rep.contract.ok:
+        if as_json:
+            print(json.dumps(rep.to_json(), indent=2, default=str))
+        else:
+            print_report(rep)
+        from graphmode.verdict import ContractRefused
+        raise typer.Exit(ContractRefused(rep.contract.refusals).exit_code)
     built = None
     if not dry_run:
         from graphmode.runtime.build import build_plan, kernel_provider

@@ -5,6 +5,7 @@ import json
 from typing import Optional
 
 import torch
+import torch.utils._pytree as pytree
 import typer
 from rich.table import Table
 
@@ -13,19 +14,58 @@ from graphmode.errors import GraphmodeError
 
 
 def parse_shape(text: str, dims: list[str]) -> dict[str, int]:
-    """'batch=2,seq=16' or '2x16' (in the recipe's dim order) -> {dim: value}."""
+    """'batch=2,seq=16' or '2x16' (in the recipe's dim order) -> {dim: value}, every dim given once."""
     text = text.strip()
+    example = f"{'x'.join(['2'] * len(dims))} or {','.join(f'{d}=2' for d in dims)}"
     try:
         if "=" in text:
-            return {k.strip(): int(v) for k, v in (p.split("=") for p in text.split(","))}
-        vals = [int(v) for v in text.lower().split("x")]
+            pairs = [p.split("=") for p in text.split(",")]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError
+            names = [k.strip() for k, _ in pairs]
+            vals = [int(v.strip()) for _, v in pairs]
+        else:
+            names, vals = list(dims), [int(v) for v in text.lower().split("x")]
     except ValueError:
-        raise GraphmodeError(f"cannot parse shape {text!r}", where="--shape",
-                             fix=f"write e.g. {'x'.join(['2'] * len(dims))} or "
-                                 f"{','.join(f'{d}=2' for d in dims)}") from None
-    if len(vals) != len(dims):
-        raise GraphmodeError(f"shape {text!r} has {len(vals)} values, the recipe has dims {dims}", where="--shape")
-    return dict(zip(dims, vals))
+        raise GraphmodeError(f"cannot parse shape {text!r}", where="--shape", fix=f"write e.g. {example}") from None
+    unknown = [n for n in names if n not in dims]
+    if unknown:
+        raise GraphmodeError(f"unknown dim(s) {unknown}", where="--shape", value=text,
+                             fix=f"the recipe's dims are {dims}")
+    if len(vals) != len(dims) or len(set(names)) != len(names):
+        raise GraphmodeError(f"shape {text!r} must give each of the recipe's dims {dims} exactly once",
+                             where="--shape", fix=f"write e.g. {example}")
+    bad = {n: v for n, v in zip(names, vals) if v < 1}
+    if bad:
+        raise GraphmodeError("dims must be positive", where="--shape", value=bad, fix=f"write e.g. {example}")
+    return dict(zip(names, vals))
+
+
+MAX_EAGER_INPUT_BYTES = 2**32    # a request outside the contract still has to fit in memory to run eagerly
+
+
+def check_request(rec, env: dict[str, int]) -> None:
+    """Refuse before allocating anything: outside the contract, or too large to run eagerly."""
+    from graphmode.errors import ContractViolation
+    from graphmode.recipe.schema import DTYPE_SIZES
+    if rec.bucket_for(env) is not None:
+        return
+    if rec.on_violation != "eager":
+        bad = [f"{d}={v} outside [{lo}, {hi}]" for d, v in env.items() for lo, hi in [rec.dim_range(d)]
+               if not lo <= v <= hi]
+        raise ContractViolation(f"request {env} is outside the recipe's contract ({'; '.join(bad) or 'no bucket'})",
+                                where="--shape", value=env,
+                                fix="send a shape inside dims, or set on_violation: eager to run it in eager PyTorch")
+    total = 0
+    for spec in rec.inputs:
+        n = 1
+        for d in spec.shape:
+            n *= env[d] if isinstance(d, str) else d
+        total += n * DTYPE_SIZES[spec.dtype]
+    if total > MAX_EAGER_INPUT_BYTES:
+        raise ContractViolation(f"request {env} is outside the contract and its inputs alone would take "
+                                f"{total / 2**30:.1f} GiB", where="--shape", value=env,
+                                fix="send a smaller shape")
 
 
 @app.command("run")
@@ -44,6 +84,7 @@ def run_cmd(
     from graphmode.compiler import compile as gm_compile
     from graphmode.recipe import load_recipe
     from graphmode.runtime.timing import median, time_ms
+    from graphmode.verify.bisect import tolerance_for
     from graphmode.verify.numerics import rel_l2
 
     if mode not in (None, "eager", "graph", "hybrid"):
@@ -51,43 +92,62 @@ def run_cmd(
     if threads:
         torch.set_num_threads(threads)
     rec = load_recipe(recipe)
+    env = parse_shape(shape, list(rec.dims)) if shape else dict(rec.buckets()[0])
+    check_request(rec, env)      # before compiling or allocating anything
     cm = gm_compile(model, rec, mode=mode, threads=threads)
     if warmup and cm.mode != "eager":
         cm.warmup(progress=not as_json)
     if metrics:   # the contract monitor times and counts every call (same as the server's)
         from graphmode.monitor import monitored
         cm = monitored(cm)
-    dims = list(rec.dims)
-    env = parse_shape(shape, dims) if shape else dict(rec.buckets()[0])
     inputs = cm.source.make_inputs(env, seed=0)
     with torch.inference_mode():
         out = cm(**inputs)
+    path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
     refs = cm.source.reference(inputs)
-    outs = out if isinstance(out, (tuple, list)) else [out]
+    outs = pytree.tree_leaves(out)
+    tol = tolerance_for(rec.precision.compute, rec.precision.compute)
     rows = []
     for i, (o, r) in enumerate(zip(outs, refs)):
         rows.append({"output": i, "shape": list(o.shape), "dtype": str(o.dtype).replace("torch.", ""),
-                     "mean": float(o.float().mean()), "std": float(o.float().std()) if o.numel() > 1 else 0.0,
+                     "mean": float(o.float().mean()) if o.numel() else 0.0,
+                     "std": float(o.float().std()) if o.numel() > 1 else 0.0,
                      "rel_l2_vs_eager": rel_l2(o, r)})
+    numerics_ok = len(outs) == len(refs) and all(r["rel_l2_vs_eager"] <= tol for r in rows)
+    ran_graph = path.get("path") == "graph"
     t_graph = median(time_ms(lambda: cm(**inputs), iters=iters))
     t_eager = median(time_ms(lambda: cm.source.reference(inputs), iters=iters))
-    result = {"model": model, "mode": cm.mode, "shape": env, "bucket": getattr(cm, "last_bucket", None),
-              "outputs": rows, "median_ms": {"graphmode": t_graph, "eager" if cm.source.module is not None else "onnxruntime": t_eager},
-              "speedup_vs_eager": t_eager / t_graph if t_graph else None}
+    ref_name = "eager" if cm.source.module is not None else "onnxruntime"
+    result = {"model": model, "mode": cm.mode, "shape": env, "bucket": path.get("bucket"), "path": path,
+              "outputs": rows, "tolerance": tol, "numerics_ok": numerics_ok,
+              "median_ms": {"graphmode" if ran_graph else "graphmode (eager fallback)": t_graph, ref_name: t_eager},
+              "speedup_vs_eager": (t_eager / t_graph if t_graph else None) if ran_graph else None}
     if metrics:
         result["metrics"] = cm.metrics()
     if as_json:
         print(json.dumps(result, indent=2))
-        return
-    console.print(f"[bold]{model}[/] mode {cm.mode}, request {env} -> bucket {result['bucket']}")
-    t = Table()
-    for c in ("output", "shape", "dtype", "mean", "std", "rel L2 vs eager"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(str(r["output"]), str(r["shape"]), r["dtype"], f"{r['mean']:.4g}", f"{r['std']:.4g}",
-                  f"{r['rel_l2_vs_eager']:.2e}")
-    console.print(t)
-    console.print(f"median latency: graphmode {t_graph:.2f} ms, eager {t_eager:.2f} ms "
-                  f"(graphmode / eager = {t_graph / t_eager:.2f}x)")
-    if metrics:
-        console.print(f"metrics: {json.dumps(result['metrics'])}")
+    else:
+        if ran_graph:
+            console.print(f"[bold]{model}[/] mode {cm.mode}, request {env} -> bucket {result['bucket']}")
+        else:
+            console.print(f"[bold]{model}[/] mode {cm.mode}, request {env} [yellow]ran in eager PyTorch[/]: "
+                          f"{path.get('reason', 'exe_mode eager')}", highlight=False)
+        t = Table()
+        for c in ("output", "shape", "dtype", "mean", "std", "rel L2 vs eager"):
+            t.add_column(c)
+        for r in rows:
+            t.add_row(str(r["output"]), str(r["shape"]), r["dtype"], f"{r['mean']:.4g}", f"{r['std']:.4g}",
+                      f"{r['rel_l2_vs_eager']:.2e}")
+        console.print(t)
+        if ran_graph:
+            console.print(f"median latency: graphmode {t_graph:.2f} ms, {ref_name} {t_eager:.2f} ms "
+                          f"(graphmode / {ref_name} = {t_graph / t_eager:.2f}x)")
+        else:
+            console.print(f"median latency: {t_graph:.2f} ms through the eager fallback ({ref_name} alone "
+                          f"{t_eager:.2f} ms); no graph-mode time to report for this request")
+        if metrics:
+            console.print(f"metrics: {json.dumps(result['metrics'])}")
+        if not numerics_ok:
+            console.print(f"[red]numerics check failed[/]: an output differs from {ref_name} by more than "
+                          f"rel L2 {tol:.0e}; run `graphmode verify` to find where")
+    raise typer.Exit(0 if numerics_ok else 1)

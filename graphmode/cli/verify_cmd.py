@@ -35,6 +35,32 @@ def recipe_diff_text(path: str, change: dict) -> str:
     return "".join(difflib.unified_diff(a, b, fromfile=path, tofile=f"{path} (fixed)"))
 
 
+def inside_shape(rec, env: dict[str, int]) -> dict[str, int] | None:
+    """The smallest request that maps to bucket `env`: padded along every dim that can be."""
+    per_dim = rec.dim_buckets()
+    out = {}
+    for d, v in env.items():
+        lo, _ = rec.dim_range(d)
+        below = [b for b in per_dim[d] if b < v]
+        out[d] = max(lo, (max(below) + 1) if below else lo)
+    return None if out == env else out
+
+
+def verify_cases(rec, buckets: list[dict[str, int]]) -> list[tuple[dict[str, int], dict[str, int]]]:
+    """(request shape, bucket) pairs: each bucket filled exactly, a shape strictly inside it (the
+    padding path), and the smallest admissible shape."""
+    cases = []
+    for env in buckets:
+        cases.append((dict(env), dict(env)))
+        inside = inside_shape(rec, env)
+        if inside is not None:
+            cases.append((inside, dict(env)))
+    smallest = {d: rec.dim_range(d)[0] for d in rec.dims}
+    if all((smallest, rec.bucket_for(smallest)) != c for c in cases) and rec.bucket_for(smallest) is not None:
+        cases.append((smallest, rec.bucket_for(smallest)))
+    return cases
+
+
 @app.command("verify")
 def verify_cmd(
     model: str = typer.Option(..., "--model"),
@@ -44,59 +70,81 @@ def verify_cmd(
     fix: bool = typer.Option(False, "--fix", help="propose the recipe change that removes a mismatch"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Check graph mode against eager PyTorch in every bucket (fp32: rel L2 < 1e-5)."""
-    from graphmode.compiler import capture, optimize
+    """Check graph mode against eager PyTorch in every bucket, filled exactly and padded
+    (fp32: rel L2 < 1e-5); on a mismatch, bisect to the pass and node that introduced it."""
+    import torch.utils._pytree as pytree
+
+    from graphmode.compiler import checked_capture, optimize
     from graphmode.recipe import load_recipe
     from graphmode.runtime.compiled import CompiledModel
     from graphmode.verify.bisect import bisect, bisect_plan, compare_outputs, propose_fix
 
     rec = load_recipe(recipe)
-    graph0, cap, src = capture(model, rec)
+    mode = "graph" if rec.exe_mode == "eager" else rec.exe_mode
+    graph0, cap, src, contract = checked_capture(model, rec, mode)
+    contract.raise_for_refusal()
     graph, opt = optimize(graph0, rec, None, buckets=[], keep_snapshots=True)
-    cm = CompiledModel(src, rec, None, graph0, graph, (cap, opt), mode="hybrid" if cap.fallbacks else "graph")
+    cm = CompiledModel(src, rec, None, graph0, graph, (cap, opt), mode=mode, verdict=contract)
     buckets = rec.buckets()
     if max_buckets:
         buckets = buckets[:max_buckets]
     results = []
     failure = None
-    for env in buckets:
-        inputs = src.make_inputs(env, seed=seed)
+    for shape, env in verify_cases(rec, buckets):
+        inputs = src.make_inputs(shape, seed=seed)
         refs = src.reference(inputs)
-        exe = cm.executable(env)
-        got = exe.run(inputs)
-        checks = compare_outputs(list(graph.outputs), [got[o] for o in graph.outputs], refs, rec.precision.compute)
-        ok = all(c.ok for c in checks)
-        results.append({"bucket": env, "ok": ok,
+        if shape == env:     # the plan itself, so a mismatch can be bisected to a pass or an instruction
+            exe = cm.executable(env)
+            got_map = exe.run(inputs)
+            got = [got_map[o] for o in graph.outputs]
+            path = "graph"
+        else:                # through the runtime: pad, run the bucket's plan, slice back
+            got = pytree.tree_leaves(cm(**inputs))
+            path = cm.last_path.get("path", "graph")
+        checks = compare_outputs(list(graph.outputs), got, refs, rec.precision.compute)
+        ok = len(got) == len(refs) and all(c.ok for c in checks)
+        results.append({"shape": shape, "bucket": env, "path": path, "ok": ok,
                         "outputs": [{"name": c.name, "rel_l2": c.rel_l2, "tolerance": c.tolerance} for c in checks]})
         if not ok and failure is None:
-            tol = max(c.tolerance for c in checks)
-            div = bisect(opt.snapshots, inputs, refs, tol)
-            if div is None:
-                div = bisect_plan(graph, exe, inputs, tol)
-            failure = {"bucket": env, "divergence": div}
+            if shape == env:
+                tol = max(c.tolerance for c in checks)
+                div = bisect(opt.snapshots, inputs, refs, tol)
+                if div is None:
+                    div = bisect_plan(graph, exe, inputs, tol)
+            else:
+                from graphmode.verify.bisect import Divergence
+                div = Divergence(None, None, None, max(c.rel_l2 for c in checks), "padding",
+                                 {"shape": shape, "bucket": env})
+            failure = {"bucket": env, "shape": shape, "divergence": div}
     if failure and fix:
         change = propose_fix(rec, failure["divergence"])
         failure["fix"] = change
         failure["diff"] = recipe_diff_text(recipe, change) if change else ""
     ok = failure is None
     if as_json:
-        d = {"model": model, "recipe": rec.name, "ok": ok, "buckets": results}
+        d = {"model": model, "recipe": rec.name, "ok": ok, "cases": results, "contract": contract.to_json()}
         if failure:
             dv = failure["divergence"]
-            d["failure"] = {"bucket": failure["bucket"], "stage": dv.stage, "pass": dv.pass_name, "node": dv.node,
-                            "op": dv.op, "rel_l2": dv.rel_l2, "fix": failure.get("fix"), "diff": failure.get("diff")}
+            d["failure"] = {"bucket": failure["bucket"], "shape": failure["shape"], "stage": dv.stage,
+                            "pass": dv.pass_name, "node": dv.node, "op": dv.op, "rel_l2": dv.rel_l2,
+                            "fix": failure.get("fix"), "diff": failure.get("diff")}
         print(json.dumps(d, indent=2, default=str))
     else:
-        t = Table(title=f"graph vs eager: {model} with {rec.name} ({len(results)} buckets)")
-        for c in ("bucket", "worst rel L2", "tolerance", "ok"):
+        from graphmode.cli.compile_cmd import print_contract
+        print_contract(contract)
+        t = Table(title=f"graph vs eager: {model} with {rec.name} ({len(buckets)} buckets, {len(results)} shapes)")
+        for c in ("request", "bucket", "path", "worst rel L2", "tolerance", "ok"):
             t.add_column(c)
         for r in results:
-            worst = max(r["outputs"], key=lambda o: o["rel_l2"])
-            t.add_row(",".join(f"{k}={v}" for k, v in r["bucket"].items()), f"{worst['rel_l2']:.2e}",
+            worst = max(r["outputs"], key=lambda o: o["rel_l2"]) if r["outputs"] else {"rel_l2": float("inf"),
+                                                                                     "tolerance": 0.0}
+            t.add_row(",".join(f"{k}={v}" for k, v in r["shape"].items()),
+                      ",".join(f"{k}={v}" for k, v in r["bucket"].items()), r["path"], f"{worst['rel_l2']:.2e}",
                       f"{worst['tolerance']:.0e}", "yes" if r["ok"] else "[red]NO[/]")
         console.print(t)
         if failure:
-            console.print(f"[red]mismatch[/] at bucket {failure['bucket']}: {failure['divergence'].describe()}")
+            console.print(f"[red]mismatch[/] at request {failure['shape']} (bucket {failure['bucket']}): "
+                          f"{failure['divergence'].describe()}")
             if fix:
                 if failure.get("diff"):
                     console.print("proposed recipe change:")
@@ -104,5 +152,6 @@ def verify_cmd(
                 else:
                     console.print("no recipe change is known to remove it; this is a graphmode bug — report it")
         else:
-            console.print("all buckets match eager within tolerance")
+            console.print("all shapes match eager within tolerance (every bucket filled, padded, and the "
+                          "smallest admissible shape)")
     raise typer.Exit(0 if ok else 1)

@@ -20,13 +20,14 @@ import torch.utils._pytree as pytree
 
 from graphmode.errors import ContractViolation
 from graphmode.ir.graph import Graph
+from graphmode.ir.types import eval_dim
 
 log = logging.getLogger("graphmode.runtime")
 
 
 class CompiledModel:
     def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
-                 *, mode: str = "graph", cache_dir=None, threads: int | None = None):
+                 *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None):
         self.source = source
         self.recipe = recipe
         self.target = target
@@ -36,6 +37,10 @@ class CompiledModel:
         self.mode = mode
         self.cache_dir = cache_dir
         self.threads = threads
+        self.verdict = verdict
+        # dims the verdict found unsafe to pad (on_violation: eager): off-bucket values run eagerly
+        self.exact_dims = list(getattr(verdict, "exact_dims", []) or [])
+        self.last_path: dict[str, Any] = {}      # how the last call ran: graph, or eager and why
         self.events: Counter[str] = Counter()
         self.event_log: list[dict] = []
         self.monitor = None   # graphmode.monitor.ContractMonitor (monitor.attach): sees every event
@@ -178,15 +183,25 @@ class CompiledModel:
         inputs = self.bind_inputs(args, kwargs)
         self.events["calls"] += 1
         if self.mode == "eager":
+            self.last_path = {"path": "eager", "reason": "exe_mode eager"}
             return self._eager(inputs)
         dims = self.shape_of(inputs)
         bucket = self.bucket_for(dims)
-        if bucket is None:
-            err = self._violation(dims)
+        unsafe = [d for d in self.exact_dims if bucket is not None and dims[d] != bucket[d]]
+        if bucket is None or unsafe:
+            if bucket is None:
+                err, kind, reason = self._violation(dims), "shape", "shape outside contract"
+            else:
+                d = unsafe[0]
+                reason = f"padding {d} from {dims[d]} to {bucket[d]} is unsafe for this model"
+                err, kind = ContractViolation(reason, where=f"dims.{d}", value=dims[d],
+                                              fix=f"send {d} equal to a bucket value {self.recipe.dim_buckets()[d]}"
+                                                  ", or see the compile report's padding verdict"), "padding"
             self.events["violated_calls"] += 1
-            self._event("violation", kind="shape", dims=dict(dims))
+            self._event("violation", kind=kind, dims=dict(dims))
             if self.recipe.on_violation == "eager":
-                self._event("fallback", reason="shape outside contract", dims=dict(dims))
+                self._event("fallback", reason=reason, dims=dict(dims))
+                self.last_path = {"path": "eager", "reason": reason}
                 return self._eager(inputs)
             raise err
         padded = self._pad(inputs, bucket)
@@ -194,6 +209,7 @@ class CompiledModel:
         outs = exe.run(padded)
         flat = [self._unpad(outs[name], name, dims, bucket) for name in self.graph.outputs]
         self.last_bucket = bucket
+        self.last_path = {"path": "graph", "bucket": dict(bucket)}
         if self._out_spec is not None:
             try:
                 return pytree.tree_unflatten(flat, self._out_spec)
@@ -226,12 +242,17 @@ class CompiledModel:
         return out
 
     def _unpad(self, t: torch.Tensor, name: str, dims: Mapping[str, int], bucket: Mapping[str, int]) -> torch.Tensor:
+        """Slice every axis whose extent depends on a padded dim back to its extent at the real dims
+        (the padding analysis proved such axes hold the real positions first)."""
+        if dict(dims) == dict(bucket):
+            return t
         ty = self.graph.values[name].type
         idx = []
         sliced = False
-        for ax, d in enumerate(ty.shape):
-            if not isinstance(d, int) and d.is_Symbol and d.name in dims and dims[d.name] != bucket[d.name]:
-                idx.append(slice(0, dims[d.name]))
+        for d in ty.shape:
+            real = d if isinstance(d, int) else eval_dim(d, dims)
+            if real != (d if isinstance(d, int) else eval_dim(d, bucket)):
+                idx.append(slice(0, real))
                 sliced = True
             else:
                 idx.append(slice(None))

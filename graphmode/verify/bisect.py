@@ -44,13 +44,16 @@ class Divergence:
     node: str | None                 # "%value = op(...)" of the first diverging node
     op: str | None
     rel_l2: float
-    stage: str                       # "pass" | "plan" | "capture"
+    stage: str                       # "pass" | "plan" | "capture" | "padding"
     detail: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         where = f"first diverging node {self.node}" if self.node else "no single node isolated"
         if self.stage == "pass":
             return f"introduced by pass {self.pass_name!r}: {where} (rel L2 {self.rel_l2:.2e})"
+        if self.stage == "padding":
+            return (f"a padded request differs from eager (rel L2 {self.rel_l2:.2e}) although the bucket itself "
+                    "matches: padding changes this model's outputs")
         if self.stage == "plan":
             return f"introduced by the backend plan (all passes match): {where} (rel L2 {self.rel_l2:.2e})"
         return f"the captured graph already differs from eager: {where} (rel L2 {self.rel_l2:.2e})"

@@ -72,7 +72,7 @@ def test_verify_passes_on_a_correct_pipeline(tmp_path):
     res = invoke("verify", "--model", "resnet18", "--recipe", small_recipe(tmp_path), "--json")
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
-    assert d["ok"] and len(d["buckets"]) == 2
+    assert d["ok"] and [c["shape"] for c in d["cases"]] == [{"batch": 1}, {"batch": 2}]
 
 
 def test_verify_bisects_a_broken_pass_and_proposes_a_fix(tmp_path, monkeypatch):

@@ -1,0 +1,1 @@
+"""Static analyses over the IR that feed the contract (they prove, they do not transform)."""

@@ -1,0 +1,241 @@
+"""The one decision every entry point reaches about a captured model under a recipe.
+
+`compile`, `verify`, `run`, `serve`, `recipe validate --model` and the Python API all call
+`decide()` on the captured graph, so they refuse (or accept) the same models for the same
+reasons: recipe/model mismatches, ops that cannot run in the requested exe_mode, and
+padding that could change a real output. A refusal names the field or op, the value, the
+model source line and the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from graphmode.analysis.padding import PaddingReport, analyze_padding
+from graphmode.errors import GraphmodeError
+from graphmode.ir.graph import Graph
+from graphmode.ir.types import dim_str
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One reason to refuse (or restrict) a compilation."""
+
+    kind: str          # mismatch | fallback | padding
+    message: str
+    where: str
+    value: Any = None
+    fix: str = ""
+    loc: str | None = None
+
+    def render(self) -> str:
+        head = f"{self.where}: {self.message}"
+        if self.value is not None:
+            head += f" (got {self.value!r})"
+        if self.loc:
+            head += f"\n  at {self.loc}"
+        return head + (f"\n  fix: {self.fix}" if self.fix else "")
+
+
+class ContractRefused(GraphmodeError):
+    """The recipe and the captured model together cannot keep the contract."""
+
+    def __init__(self, issues: Sequence[Issue]):
+        self.issues = list(issues)
+        # a recipe that does not describe the model is malformed input (2); an unsafe model is refused (1)
+        self.exit_code = 2 if any(i.kind == "mismatch" for i in self.issues) else 1
+        first = self.issues[0]
+        super().__init__(f"{len(self.issues)} reason(s) to refuse this recipe for this model",
+                         where=first.where, fix=first.fix or None)
+
+    def render(self) -> str:
+        return "\n".join(i.render() for i in getattr(self, "issues", [])) or self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": "ContractRefused", "issues": [i.__dict__ for i in self.issues]}
+
+
+@dataclass
+class Verdict:
+    mode: str
+    refusals: list[Issue] = field(default_factory=list)
+    restrictions: list[Issue] = field(default_factory=list)   # accepted, with requests steered to eager
+    padding: PaddingReport | None = None
+    exact_dims: list[str] = field(default_factory=list)       # never padded: off-bucket values run eagerly
+
+    @property
+    def ok(self) -> bool:
+        return not self.refusals
+
+    def raise_for_refusal(self) -> None:
+        if self.refusals:
+            raise ContractRefused(self.refusals)
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.padding is not None:
+            for d, v in self.padding.dims.items():
+                note = " (requests off a bucket value run eagerly)" if d in self.exact_dims else ""
+                out.append(f"padding {d}: {v.status}{note}")
+        out += [f"refused: {i.render()}" for i in self.refusals]
+        out += [f"restricted: {i.render()}" for i in self.restrictions]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "mode": self.mode, "refusals": [i.__dict__ for i in self.refusals],
+                "restrictions": [i.__dict__ for i in self.restrictions], "exact_dims": self.exact_dims,
+                "padding": self.padding.to_json() if self.padding else None}
+
+
+def padded_dims(recipe: Any) -> list[str]:
+    """Dims along which some admissible request is padded up to a larger bucket."""
+    out = []
+    for d, vals in recipe.dim_buckets().items():
+        lo, hi = recipe.dim_range(d)
+        if len({v for v in vals if lo <= v <= hi}) < hi - lo + 1:
+            out.append(d)
+    return out
+
+
+def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, mode: str) -> Verdict:
+    """Check the captured `graph` against the recipe for running in `mode`."""
+    v = Verdict(mode)
+    if mode == "eager" or graph is None:
+        return v
+    v.refusals += _mismatches(recipe, graph, capture_report)
+    v.refusals += _fallbacks(capture_report, mode)
+    if v.refusals:      # a model the recipe does not describe is not analysed further
+        return v
+    pads = padded_dims(recipe)
+    v.padding = analyze_padding(graph, {i.name: i.pad_value for i in recipe.inputs}, pads,
+                                locs=getattr(capture_report, "locs", {}) or {})
+    for d in v.padding.unsafe_dims:
+        findings = v.padding.dims[d].findings
+        first = findings[0]
+        lo, hi = recipe.dim_range(d)
+        where = f"dims.{d}"
+        msg = (f"padding {d} up to its bucket can change the outputs: {first.op} -> %{first.value}: {first.reason}"
+               + (f" (and {len(findings) - 1} more place(s))" if len(findings) > 1 else ""))
+        if recipe.on_violation == "eager":
+            v.exact_dims.append(d)
+            v.restrictions.append(Issue("padding", msg, where, loc=first.loc,
+                                        fix=f"requests whose {d} is not a bucket value run in eager PyTorch "
+                                            "(on_violation: eager); declare a mask or exact buckets to avoid it"))
+            continue
+        masks = [i.name for i in recipe.inputs if getattr(i, "role", "data") == "attention_mask"]
+        fixes = [f"give dims.{d} exact buckets (every admissible value a bucket: {hi - lo + 1} plan(s) for "
+                 f"[{lo}, {hi}]) so {d} is never padded"]
+        if not masks:
+            fixes.append(f"if the model takes a mask over {d}, declare it (inputs[].role: attention_mask, "
+                         "pad_value: 0) and make sure the model uses it where it reduces over the padding")
+        fixes.append(f"set on_violation: eager so requests that would need padding on {d} run in eager PyTorch")
+        v.refusals.append(Issue("padding", msg, where, loc=first.loc, fix="; or ".join(fixes)))
+    return v
+
+
+# ---------------------------------------------------------------------------------- checks
+
+
+def _mismatches(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
+    issues: list[Issue] = []
+    declared = [i.name for i in recipe.inputs]
+    model_inputs = list(graph.inputs)
+    for i, spec in enumerate(recipe.inputs):
+        where = f"inputs[{i}]"
+        if spec.name not in graph.values or spec.name not in model_inputs:
+            issues.append(Issue("mismatch", f"the model has no input {spec.name!r}", f"{where}.name", spec.name,
+                                fix=f"the model's inputs are {model_inputs}"))
+            continue
+        ty = graph.values[spec.name].type
+        if ty.dtype != spec.dtype:
+            issues.append(Issue("mismatch", f"input {spec.name!r} is {ty.dtype} in the model, the recipe declares "
+                                            f"{spec.dtype}", f"{where}.dtype", spec.dtype,
+                                fix=f"set dtype: {ty.dtype} (or export the model with {spec.dtype} inputs)"))
+        if len(ty.shape) != len(spec.shape):
+            issues.append(Issue("mismatch", f"input {spec.name!r} has rank {len(ty.shape)} in the model "
+                                            f"({ty.text()}), the recipe declares {list(spec.shape)}",
+                                f"{where}.shape", list(spec.shape), fix="declare one entry per axis"))
+            continue
+        for ax, (want, got) in enumerate(zip(spec.shape, ty.shape)):
+            if isinstance(want, int):
+                if not isinstance(got, int) or got != want:
+                    issues.append(Issue("mismatch", f"input {spec.name!r} axis {ax} is {dim_str(got)} in the model, "
+                                                    f"the recipe fixes it at {want}", f"{where}.shape[{ax}]", want,
+                                        fix=f"use {dim_str(got)} there"))
+            elif isinstance(got, int):
+                lo, hi = recipe.dim_range(want)
+                if not lo == hi == got:
+                    issues.append(Issue("mismatch", f"input {spec.name!r} axis {ax} is fixed at {got} in the model, "
+                                                    f"but dim {want!r} ranges over [{lo}, {hi}]",
+                                        f"{where}.shape[{ax}]", want, fix=f"use {got} there, or export the model "
+                                                                          f"with a dynamic axis {ax}"))
+    extra = [n for n in model_inputs if n not in declared]
+    if extra:
+        issues.append(Issue("mismatch", f"the model takes inputs {extra} that the recipe does not declare", "inputs",
+                            fix=f"declare every model input: {model_inputs}"))
+    names = list(getattr(cap, "output_names", None) or graph.outputs)
+    by_name = dict(zip(names, graph.outputs))
+    for name, axes in recipe.outputs.items():
+        where = f"outputs.{name}"
+        if name not in by_name:
+            issues.append(Issue("mismatch", f"the model has no output {name!r}", where, name,
+                                fix=f"the model's outputs are {names}"))
+            continue
+        ty = graph.values[by_name[name]].type
+        if len(axes) != len(ty.shape):
+            issues.append(Issue("mismatch", f"output {name!r} has rank {len(ty.shape)} in the model ({ty.text()}), "
+                                            f"the recipe declares {list(axes)}", where, list(axes),
+                                fix=f"declare {len(ty.shape)} axes: " + str([dim_str(d) for d in ty.shape])))
+            continue
+        for ax, (want, got) in enumerate(zip(axes, ty.shape)):
+            if want == "*":
+                continue
+            ok = (got == want) if isinstance(want, int) else (not isinstance(got, int) and dim_str(got) == want)
+            if not ok:
+                issues.append(Issue("mismatch", f"output {name!r} axis {ax} is {dim_str(got)} in the model, the recipe "
+                                                f"declares {want}", f"{where}[{ax}]", want,
+                                    fix=f"use {dim_str(got)!r} there (or '*' for an axis that is not sliced back)"))
+    return issues
+
+
+def example_mismatches(recipe: Any, example_inputs: dict[str, Any], input_dims: dict[str, list]) -> list[Issue]:
+    """Before capture: the recipe against the inputs the model was handed with, so a wrong dtype
+    or fixed size is named as a recipe field instead of surfacing as an export failure."""
+    from graphmode.ir.types import TORCH_TO_DTYPE
+    issues = []
+    for i, spec in enumerate(recipe.inputs):
+        t = example_inputs.get(spec.name)
+        if t is None:
+            continue
+        where = f"inputs[{i}]"
+        got = TORCH_TO_DTYPE.get(t.dtype, str(t.dtype))
+        if got != spec.dtype:
+            issues.append(Issue("mismatch", f"the model's example input {spec.name!r} is {got}, the recipe declares "
+                                            f"{spec.dtype}", f"{where}.dtype", spec.dtype, fix=f"set dtype: {got}"))
+        if t.dim() != len(spec.shape):
+            issues.append(Issue("mismatch", f"the model's example input {spec.name!r} has shape {list(t.shape)}, "
+                                            f"the recipe declares rank {len(spec.shape)}: {list(spec.shape)}",
+                                f"{where}.shape", list(spec.shape), fix=f"declare {t.dim()} axes"))
+            continue
+        declared = input_dims.get(spec.name, [])
+        for ax, want in enumerate(spec.shape):
+            if isinstance(want, int) and int(t.shape[ax]) != want and (
+                    ax >= len(declared) or isinstance(declared[ax], int)):
+                issues.append(Issue("mismatch", f"input {spec.name!r} axis {ax} is {int(t.shape[ax])} in the model, "
+                                                f"the recipe fixes it at {want}", f"{where}.shape[{ax}]", want,
+                                    fix=f"use {int(t.shape[ax])} there, or a dim name if it varies"))
+    return issues
+
+
+def _fallbacks(cap: Any, mode: str) -> list[Issue]:
+    if mode != "graph" or cap is None:
+        return []
+    out = []
+    for f in cap.fallbacks:
+        excluded = getattr(f, "excluded", False)
+        fix = ("remove it from capture.exclude_ops, or set exe_mode: hybrid to run it as an eager island"
+               if excluded else
+               "set exe_mode: hybrid to run it as an eager island (graphmode has no lowering for it yet)")
+        out.append(Issue("fallback", f"op {f.target} (x{f.count}) cannot run in exe_mode 'graph': {f.reason}",
+                         "exe_mode", mode, fix=fix, loc=f.loc))
+    return out

@@ -1,0 +1,63 @@
+"""Tiny models for contract tests, loadable as `path/to/tiny_models.py:function` model specs."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class _Pool(nn.Module):
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.emb, self.lin, self.masked = nn.Embedding(50, 16), nn.Linear(16, 8), masked
+
+    def forward(self, ids, mask):
+        h = self.lin(self.emb(ids))
+        if not self.masked:
+            return h.mean(1)                       # padding along seq changes the mean
+        m = mask[..., None].float()
+        return (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+
+class _Glu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return F.glu(self.lin(x), dim=-1)         # aten.glu has no graphmode lowering
+
+
+def _pool(masked: bool):
+    torch.manual_seed(0)
+    ex = {"ids": torch.randint(0, 50, (2, 8)), "mask": torch.ones(2, 8, dtype=torch.long)}
+    return _Pool(masked).eval(), ex, {"ids": ["batch", "seq"], "mask": ["batch", "seq"]}
+
+
+def mean_pool():
+    return _pool(False)
+
+
+def masked_mean_pool():
+    return _pool(True)
+
+
+def glu():
+    torch.manual_seed(0)
+    return _Glu().eval(), (torch.randn(4, 8),)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval(), (torch.randn(4, 16),)
+
+
+def recipe(name: str, inputs: list[dict], dims: dict, **over) -> dict:
+    r = {"version": 1, "name": name, "inputs": inputs, "dims": dims, "codegen": {"kernel_selection": "heuristic"}}
+    r.update(over)
+    return r
+
+
+POOL_INPUTS = [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"]},
+               {"name": "mask", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0}]
+POOL_DIMS = {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [4, 8], "min": 2}}

@@ -1,0 +1,194 @@
+"""Padding safety: per-rule cases on hand-written IR, and a soundness check on real captures —
+every model the analysis calls safe gives eager's answer when padded, and the unsafe ones
+really do change (so the check can fail)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from graphmode.analysis.padding import analyze_padding
+from graphmode.ir import interpret, parse_graph
+from graphmode.verify.numerics import rel_l2
+
+
+def verdict(text: str, pads=("b", "s"), pad_values=None, constants=None):
+    g = parse_graph(text, constants)
+    return analyze_padding(g, pad_values or {"x": 0.5, "m": 0}, pads)
+
+
+def status(rep, dim: str) -> str:
+    return rep.dims[dim].status
+
+
+HEAD = 'graph @t(%x: f32[b,s,4], %m: i64[b,s]) -> (%y) {\n  dims b=1..4 s=2..16\n'
+
+
+def ir(*lines: str, out_type: str = "") -> str:
+    return HEAD + "".join(f"  {ln}\n" for ln in lines) + "  return %y\n}"
+
+
+@pytest.mark.parametrize("body,want", [
+    # reductions over the padded axis
+    (['%y: f32[b,4] = sum(%x) {"dims": [1]}'], "unsafe"),
+    (['%y: f32[b,4] = mean(%x) {"dims": [1]}'], "unsafe"),
+    (['%y: f32[b,4] = amax(%x) {"dims": [1]}'], "unsafe"),
+    (['%y: f32[b,s,4] = softmax(%x) {"dim": 1}'], "unsafe"),
+    (['%y: f32[b,s,4] = layer_norm(%x) {"normalized_rank": 2}'], "unsafe"),
+    # reductions elsewhere, prefix scans and reading real positions only
+    (['%y: f32[b,s] = mean(%x) {"dims": [2]}'], "safe"),
+    (['%y: f32[b,s,4] = cumsum(%x) {"dim": 1}'], "safe"),
+    (['%y: f32[b,1,4] = slice(%x) {"dim": 1, "start": 0, "end": 2, "step": 1}'], "safe"),
+    (['%y: f32[b,1,4] = slice(%x) {"dim": 1, "start": 0, "end": 3, "step": 1}'], "unsafe"),   # s may be 2
+    (['%y: f32[b,1,4] = slice(%x) {"dim": 1, "start": -1, "end": 4611686018427387904, "step": 1}'], "unsafe"),
+    (['%y: f32[b,s-1,4] = slice(%x) {"dim": 1, "start": 1, "end": 4611686018427387904, "step": 1}'], "safe"),
+    # a masked sum: the mask's padded positions are the pad value 0
+    (['%mf: f32[b,s] = cast(%m) {"dtype": "f32"}', '%m3: f32[b,s,1] = reshape(%mf) {"shape": ["b", "s", 1]}',
+      '%xm: f32[b,s,4] = mul(%x, %m3)', '%y: f32[b,4] = sum(%xm) {"dims": [1]}'], "safe"),
+    # contraction over the padded axis needs zeros
+    (['%xt: f32[b,4,s] = permute(%x) {"perm": [0, 2, 1]}', '%y: f32[b,4,4] = matmul(%xt, %x)'], "unsafe"),
+    # reshapes that merge and split the padded axes back
+    (['%f: f32[b*s,4] = reshape(%x) {"shape": ["b*s", 4]}', '%y: f32[b,s,4] = reshape(%f) {"shape": ["b", "s", 4]}'],
+     "safe"),
+    (['%f: f32[b*s*4] = reshape(%x) {"shape": ["b*s*4"]}', '%y: f32[b,s*4] = reshape(%f) {"shape": ["b", "s*4"]}'],
+     "unsafe"),     # the output axis holds padding in the middle: it cannot be sliced back
+    # concatenating along the padded axis puts padding in the middle
+    (['%y: f32[b,2*s,4] = concat(%x, %x) {"dim": 1}'], "unsafe"),
+])
+def test_rules(body, want):
+    rep = verdict(ir(*body))
+    assert status(rep, "s") == want, rep.lines()
+    assert status(rep, "b") == "safe", rep.lines()
+
+
+def test_additive_mask_makes_softmax_over_keys_safe():
+    text = ir('%xt: f32[b,4,s] = permute(%x) {"perm": [0, 2, 1]}',
+              '%sc: f32[b,s,s] = matmul(%x, %xt)',
+              '%mf: f32[b,s] = cast(%m) {"dtype": "f32"}',
+              '%inv: f32[b,s] = sub(%one, %mf)',
+              '%neg: f32[b,s] = mul(%inv, %min)',
+              '%neg3: f32[b,1,s] = reshape(%neg) {"shape": ["b", 1, "s"]}',
+              '%sm: f32[b,s,s] = add(%sc, %neg3)',
+              '%p: f32[b,s,s] = softmax(%sm) {"dim": -1}',
+              '%y: f32[b,s,4] = matmul(%p, %x)')
+    text = text.replace("{\n  dims", "{\n  dims").replace(
+        "dims b=1..4 s=2..16\n", "dims b=1..4 s=2..16\n  const %one: f32[] = 1.0\n  const %min: f32[] = -3.4028234663852886e+38\n")
+    consts = {"one": torch.tensor(1.0), "min": torch.tensor(torch.finfo(torch.float32).min)}
+    assert status(verdict(text, constants=consts), "s") == "safe"
+    unmasked = text.replace("%sm: f32[b,s,s] = add(%sc, %neg3)", "%sm: f32[b,s,s] = add(%sc, %sc)")
+    rep = verdict(unmasked, constants=consts)
+    assert status(rep, "s") == "unsafe" and rep.dims["s"].findings[0].op == "softmax"
+
+
+def test_sdpa_needs_a_mask_covering_the_keys_or_causal_attention():
+    def text(mask: str, causal: str) -> str:
+        return ('graph @t(%q: f32[b,2,s,8], %m: bool[b,s]) -> (%y) {\n  dims b=1..4 s=2..16\n'
+                '  %m4: bool[b,1,1,s] = reshape(%m) {"shape": ["b", 1, 1, "s"]}\n'
+                f'  %y: f32[b,2,s,8] = sdpa(%q, %q, %q{mask}) {{"is_causal": {causal}, "scale": 0.5}}\n'
+                '  return %y\n}')
+    assert status(verdict(text(", %m4", "false")), "s") == "safe"
+    assert status(verdict(text("", "true")), "s") == "safe"
+    rep = verdict(text("", "false"))
+    assert status(rep, "s") == "unsafe" and "no mask covers" in rep.dims["s"].findings[0].reason
+    # a mask padded with True (attend) does not cover the padding
+    assert status(verdict(text(", %m4", "false"), pad_values={"m": True}), "s") == "unsafe"
+
+
+def test_unpadded_dims_are_not_analysed():
+    rep = verdict(ir('%y: f32[b,4] = mean(%x) {"dims": [1]}'), pads=("b",))
+    assert status(rep, "s") == "not padded" and rep.safe
+
+
+# ---------------------------------------------------------------------------------- real captures
+
+
+class Pool(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.lin, self.kind = nn.Embedding(50, 16), nn.Linear(16, 16), kind
+
+    def forward(self, ids, mask):
+        h = self.lin(self.emb(ids))
+        k = self.kind
+        if k == "mean":
+            return h.mean(1)
+        if k == "softmax_pool":
+            return (torch.softmax(h[..., 0], 1)[..., None] * h).sum(1)
+        if k == "cumsum_last":
+            return h.cumsum(1)[:, -1]
+        if k == "masked_mean":
+            m = mask[..., None].float()
+            return (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        if k == "eager_attention":        # BERT's eager path: additive finfo.min mask
+            sc = h @ h.transpose(1, 2) / 4.0 + (1.0 - mask[:, None, :].float()) * torch.finfo(torch.float32).min
+            return torch.softmax(sc, -1) @ h
+        if k == "masked_fill_attention":
+            sc = (h @ h.transpose(1, 2)).masked_fill(~mask[:, None, :].bool(), float("-inf"))
+            return torch.softmax(sc, -1) @ h
+        if k == "causal":
+            q = h.view(h.shape[0], h.shape[1], 2, 8).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(h.shape)
+        if k == "first_token":
+            return h[:, 0]
+        raise ValueError(k)
+
+
+SAFE = ["masked_mean", "eager_attention", "masked_fill_attention", "causal", "first_token"]
+UNSAFE = ["mean", "softmax_pool", "cumsum_last"]
+RECIPE = {"version": 1, "name": "pad", "dims": {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [8, 16], "min": 2}},
+          "inputs": [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0},
+                     {"name": "mask", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0}]}
+
+
+def _capture(kind: str):
+    import graphmode
+    from graphmode.capture.spec import bundle_from_module
+    ex = {"ids": torch.randint(0, 50, (2, 8)), "mask": torch.ones(2, 8, dtype=torch.long)}
+    b = bundle_from_module(Pool(kind).eval(), ex, {"ids": ["batch", "seq"], "mask": ["batch", "seq"]})
+    g, rep, _ = graphmode.capture(b, RECIPE)
+    return b, g, rep
+
+
+def _padded_error(b, g, real=(3, 5), bucket=(4, 8)) -> float:
+    """Worst rel L2 between eager on the real request and the captured graph on its padded form."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 50, real, generator=gen)
+    mask = torch.ones(real, dtype=torch.long)
+    mask[0, -2:] = 0                      # a real request with its own masked tail
+    want = b.module(ids=ids, mask=mask)
+    pad = (0, bucket[1] - real[1], 0, bucket[0] - real[0])
+    got = interpret(g, {"ids": F.pad(ids, pad, value=0), "mask": F.pad(mask, pad, value=0)})
+    worst = 0.0
+    for w, o in zip(want, g.outputs):
+        t = got[o][tuple(slice(0, n) for n in w.shape)]
+        worst = max(worst, rel_l2(t, w))
+    return worst
+
+
+@pytest.mark.parametrize("kind", SAFE + UNSAFE)
+def test_verdict_matches_what_padding_does(kind):
+    b, g, rep = _capture(kind)
+    pr = analyze_padding(g, {"ids": 0, "mask": 0}, ["batch", "seq"], locs=rep.locs)
+    err = _padded_error(b, g)
+    if kind in SAFE:
+        assert pr.safe, pr.lines()
+        assert err < 1e-5, (kind, err)
+    else:
+        assert pr.unsafe_dims == ["seq"], pr.lines()
+        f = pr.dims["seq"].findings[0]
+        assert f.loc and f.loc.endswith(".py:" + f.loc.rsplit(":", 1)[1]) and "test_padding_analysis.py" in f.loc
+        assert err > 1e-3, (kind, err)       # the refusal is not a false alarm
+
+
+@pytest.mark.parametrize("name", ["minilm", "gpt2"])
+def test_builtin_transformers_are_safe_to_pad(captured, name):
+    g, rep = captured(name)
+    pad_values = {"input_ids": 0, "attention_mask": 0, "token_type_ids": 0}
+    pr = analyze_padding(g, pad_values, ["batch", "seq"])
+    assert pr.safe, pr.lines()
+    # without the mask's zero padding the same models are refused: the mask is what makes it safe
+    if name == "minilm":
+        pr = analyze_padding(g, {**pad_values, "attention_mask": 1}, ["batch", "seq"])
+        assert pr.unsafe_dims == ["seq"], pr.lines()
