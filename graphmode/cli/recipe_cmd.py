@@ -98,7 +98,8 @@ def _print_report(rep) -> None:
 def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
                  target: Optional[str] = typer.Option(None, "--target", "-t", help=_TARGET_HELP),
                  as_json: bool = typer.Option(False, "--json", help="print JSON"),
-                 timeout_ms: int = typer.Option(5000, "--timeout-ms", help="Z3 timeout per proof"),
+                 timeout_ms: int = typer.Option(5000, "--timeout-ms", min=1,
+                                                help="Z3 timeout per proof (all proofs share a few times this)"),
                  model: Optional[str] = typer.Option(None, "--model", help="prove with this model's real weights "
                                                      "and memory plan (minilm | gpt2 | resnet18 | .onnx | mod:fn)"),
                  calibration: Optional[Path] = typer.Option(None, "--calibration", help="cost-model calibration "

@@ -11,6 +11,10 @@ i.e. b <= v / (1 - p). Greedy is optimal for this interval cover (each step cove
 most), so its count is the smallest feasible `max_buckets` for that padding; the
 smallest feasible padding for a bucket count is found by bisection over p.
 The bound is then proved by Z3 for every admissible value (`constraints.prove_cover`).
+
+Bounded work: a dim has at most `MAX_BUCKETS` buckets however they are named; greedy runs in
+integers and steps over a run of consecutive aligned buckets at once, so a range up to
+`MAX_DIM` synthesises in about a second at most, whatever `max_buckets` says.
 """
 from __future__ import annotations
 
@@ -22,12 +26,13 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Optional
 
 from graphmode.errors import RecipeError
+from graphmode.recipe.schema import MAX_BUCKETS
 
 if TYPE_CHECKING:
     from graphmode.recipe.schema import DimSpec, Recipe
 
-MAX_GREEDY_STEPS = 100_000
-MAX_GRID = 65_536            # buckets of one range dim without synthesis
+# The most plans (buckets of the cross product) a recipe may ask for: validation refuses more
+# (`count_plans`), and `cross_product` (warm-up, serve, verify) never builds more.
 MAX_PLANS = 1_000_000
 
 
@@ -57,7 +62,8 @@ class Synthesis:
         if self.min_buckets_for_padding is not None:
             parts.append(f"padding {self.max_padding} needs max_buckets >= {self.min_buckets_for_padding}")
         if self.min_padding_for_buckets is not None:
-            parts.append(f"{self.max_buckets} bucket(s) need max_padding >= {self.min_padding_for_buckets}")
+            k = min(self.max_buckets or MAX_BUCKETS, MAX_BUCKETS)
+            parts.append(f"{k} bucket(s) need max_padding >= {self.min_padding_for_buckets}")
         return "; ".join(parts)
 
 
@@ -77,20 +83,45 @@ def grid(lo: int, hi: int, step: int) -> list[int]:
     return out
 
 
+def _consecutive_end(m: int, step: int, num: int, den: int) -> int:
+    """Largest m' >= m - 1 such that, for every m'' in [m, m'], the bucket after m''*step is
+    (m''+1)*step; from v = m''*step + 1 greedy's b = floor(v*den/(den-num)) stays below
+    (m''+2)*step exactly while m''*step*num < 2*step*(den-num) - den."""
+    if num == 0:
+        return 1 << 62
+    return -(-(2 * step * (den - num) - den) // (step * num)) - 1
+
+
 def greedy(lo: int, hi: int, step: int, padding: Fraction,
-           limit: int = MAX_GREEDY_STEPS) -> tuple[list[int] | None, int | None]:
+           limit: int = MAX_BUCKETS) -> tuple[list[int] | None, int | None]:
     """Fewest step-aligned buckets covering [lo, hi] with padding <= `padding`.
 
-    Returns (buckets, None); (None, None) if more than `limit` are needed; (None, v) if no
-    aligned bucket can hold value v within the bound at all.
+    Returns (buckets, None); (None, None) if more than `limit` (at most MAX_BUCKETS) are
+    needed; (None, v) if no aligned bucket can hold value v within the bound at all.
     """
+    limit = min(limit, MAX_BUCKETS)
+    p = _frac(padding)
+    num, den = p.numerator, p.denominator
     out: list[int] = []
-    v = lo
+    v, jump = lo, True
     while v <= hi:
-        b = hi if padding >= 1 else min(hi, _down(int(v / (1 - padding)), step))
+        if out and jump:          # after the first bucket: a run of consecutive aligned buckets, taken at
+            jump = False          # once; the run's condition only weakens with m, so it is checked once
+            m = (v - 1) // step
+            end = min(_consecutive_end(m, step, num, den), hi // step - 1)
+            if end >= m:
+                b = (m + 1) * step
+                if (b - v) * den > num * b:          # the padding of a forced bucket falls with m
+                    return None, v
+                if len(out) + end - m + 1 > limit:
+                    return None, None
+                out.extend(range(b, (end + 1) * step + 1, step))
+                v = (end + 1) * step + 1
+                continue
+        b = hi if num >= den else min(hi, _down(v * den // (den - num), step))
         if b < v:
             b = min(hi, _up(v, step))
-            if Fraction(b - v, b) > padding:
+            if (b - v) * den > num * b:
                 return None, v
         out.append(b)
         if len(out) > limit:
@@ -101,16 +132,32 @@ def greedy(lo: int, hi: int, step: int, padding: Fraction,
 
 def worst_padding(buckets: list[int], lo: int, hi: int, step: int = 1) -> tuple[Fraction, Optional[int]]:
     """Worst (bucket - v)/bucket over request values v in [lo, hi] (v above the last bucket ignored)."""
-    worst, at = Fraction(0), None
+    wn, wd, at = 0, 1, None
     prev = lo - 1
     for b in sorted(set(buckets)):
         v = max(prev + 1, lo)
-        if v <= min(b, hi):
-            p = Fraction(b - v, b)
-            if p > worst or at is None:
-                worst, at = p, v
+        if v <= min(b, hi) and (at is None or (b - v) * wd > wn * b):
+            wn, wd, at = b - v, b, v
         prev = max(prev, b)
-    return worst, at
+    return Fraction(wn, wd), at
+
+
+def runs(values: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted unique `values` as maximal arithmetic progressions (first, spacing, last), so a
+    step grid of 65536 buckets is one term of a Z3 formula, not 65536."""
+    vals = sorted(set(values))
+    out: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(vals):
+        if i + 1 == len(vals):
+            out.append((vals[i], 1, vals[i]))
+            break
+        d, j = vals[i + 1] - vals[i], i + 1
+        while j + 1 < len(vals) and vals[j + 1] - vals[j] == d:
+            j += 1
+        out.append((vals[i], d, vals[j]))
+        i = j + 1
+    return out
 
 
 def _frac(p: float) -> Fraction:
@@ -119,6 +166,7 @@ def _frac(p: float) -> Fraction:
 
 def min_padding_for(lo: int, hi: int, step: int, k: int) -> tuple[Fraction, list[int]]:
     """Smallest padding bound achievable with at most k aligned buckets (bisection, 1e-9)."""
+    k = min(k, MAX_BUCKETS)
     zero, _ = greedy(lo, hi, step, Fraction(0), limit=k)
     if zero is not None:
         return Fraction(0), zero
@@ -160,9 +208,10 @@ def synthesize_buckets(lo: int, hi: int, *, max_padding: float | None = None, ma
                           fix=f"use max {_down(hi, step) or step} or {_up(hi, step)}")
     if max_padding is None and max_buckets is None:
         n = (hi - _up(lo, step)) // step + 1
-        if n > MAX_GRID:
+        if n > MAX_BUCKETS:
             raise RecipeError(f"range [{lo}, {hi}] step {step} has {n} bucket values (one plan each), "
-                              f"more than {MAX_GRID}", fix="give buckets, a larger step, or max_padding to synthesise")
+                              f"more than {MAX_BUCKETS}",
+                              fix="give buckets, a larger step, or max_padding to synthesise")
         b = grid(lo, hi, step)
         w, at = worst_padding(b, lo, hi, step)
         return Synthesis(lo, hi, step, b, w, at, True)
@@ -171,8 +220,7 @@ def synthesize_buckets(lo: int, hi: int, *, max_padding: float | None = None, ma
         _, at = worst_padding(b, lo, hi, step)
         return Synthesis(lo, hi, step, b, w, at, True, None, max_buckets, len(b), _round_up(w))
     p = _frac(max_padding)
-    limit = max_buckets if max_buckets is not None else MAX_GREEDY_STEPS
-    b, impossible_at = greedy(lo, hi, step, p, limit=limit)
+    b, impossible_at = greedy(lo, hi, step, p, limit=max_buckets if max_buckets is not None else MAX_BUCKETS)
     if b is not None:
         w, at = worst_padding(b, lo, hi, step)
         return Synthesis(lo, hi, step, b, w, at, True, max_padding, max_buckets, len(b))
@@ -185,6 +233,8 @@ def synthesize_buckets(lo: int, hi: int, *, max_padding: float | None = None, ma
     else:
         full, _ = greedy(lo, hi, step, p)
         need = len(full) if full is not None else None
+        if full is None:
+            notes.append(f"padding {max_padding} needs more than {MAX_BUCKETS} buckets, the most one dim may have")
     min_p = None
     if max_buckets is not None:
         w, _ = min_padding_for(lo, hi, step, max_buckets)
@@ -218,6 +268,8 @@ def dim_synthesis(spec: "DimSpec") -> Synthesis:
 
 
 def dim_buckets(recipe: "Recipe") -> dict[str, list[int]]:
+    """Each dim's buckets; RecipeError for an infeasible synthesis or, as soon as the dims so
+    far make more than MAX_PLANS plans, before synthesising the rest."""
     out: dict[str, list[int]] = {}
     for name, spec in recipe.dims.items():
         s = dim_synthesis(spec)
@@ -225,16 +277,25 @@ def dim_buckets(recipe: "Recipe") -> dict[str, list[int]]:
             raise RecipeError(s.explain(), where=f"dims.{name}", line=recipe.line_of(f"dims.{name}"),
                               fix="raise max_buckets or max_padding")
         out[name] = s.buckets
+        count_plans(out)
     return out
 
 
-def cross_product(per_dim: dict[str, list[int]]) -> list[dict[str, int]]:
+def count_plans(per_dim: dict[str, list[int]]) -> int:
+    """Plans of the cross product; RecipeError above MAX_PLANS (the one limit validate and
+    warm-up share)."""
     n = 1
     for v in per_dim.values():
         n *= len(v)
     if n > MAX_PLANS:
-        raise RecipeError(f"{n} buckets (plans) in the cross product, more than {MAX_PLANS}",
-                          fix="use fewer buckets per dim (max_padding synthesis)")
+        counts = " x ".join(f"{len(v)} ({d})" for d, v in per_dim.items())
+        raise RecipeError(f"{n} buckets (plans) in the cross product {counts}, more than {MAX_PLANS}",
+                          where="dims", value=n, fix="use fewer buckets per dim (max_padding synthesis, a larger step)")
+    return n
+
+
+def cross_product(per_dim: dict[str, list[int]]) -> list[dict[str, int]]:
+    count_plans(per_dim)
     names = list(per_dim)
     return [dict(zip(names, combo)) for combo in itertools.product(*(per_dim[d] for d in names))]
 

@@ -16,6 +16,7 @@ Latency model (s):     max(flops / peak_flops[compute dtype], bytes_moved / band
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -26,12 +27,14 @@ import sympy
 import z3
 
 from graphmode.recipe import smt
-from graphmode.recipe.buckets import Synthesis, dim_range, dim_synthesis
+from graphmode.recipe.buckets import Synthesis, dim_range, dim_synthesis, runs, worst_padding
 from graphmode.recipe.facts import MB, ModelFacts, estimate_facts, kv_cache_bytes, kv_params
 from graphmode.recipe.schema import Recipe
 
 DEFAULT_TIMEOUT_MS = 5000
+BUDGET_PROOFS = 3            # all proofs of one recipe share BUDGET_PROOFS x the per-proof timeout
 ENUMERATE_LIMIT = 20_000
+EXACT_RUNS = 64              # bucket runs a Z3 formula lists one by one; more: see _solve, prove_cover
 
 
 @dataclass
@@ -48,6 +51,16 @@ class Proof:
         return {"name": self.name, "status": self.status, "message": self.message,
                 "counterexample": self.counterexample, "seconds": round(self.seconds, 4),
                 "detail": self.detail}
+
+
+@dataclass
+class Budget:
+    """Time all proofs of one recipe share: each Z3 call gets min(timeout, what is left)."""
+    total_ms: float
+    t0: float = field(default_factory=time.perf_counter)
+
+    def left_ms(self, timeout_ms: float) -> int:
+        return int(min(timeout_ms, self.total_ms - (time.perf_counter() - self.t0) * 1000))
 
 
 @dataclass
@@ -129,7 +142,9 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
             sel = {}
             for d, v in b.match.items():      # requests in [lo, hi] land in buckets lo..bucket(hi)
                 lo, hi = (v, v) if isinstance(v, int) else (v[0], v[1])
-                sel[d] = (lo, min([x for x in cm.domains.get(d, []) if x >= hi], default=hi))
+                dom = cm.domains.get(d, [])
+                at = bisect.bisect_left(dom, hi)
+                sel[d] = (lo, dom[at] if at < len(dom) else hi)
             entries.append((f"sla.per_bucket[{i}]", b.p50_ms, b.p99_ms, sel,
                             {d: ((v, v) if isinstance(v, int) else tuple(v)) for d, v in b.match.items()}))
         for path, p50, p99, sel, req in entries:
@@ -167,28 +182,62 @@ def apply_calibration(cm: ConstraintModel, target: Any, calibration: Any) -> Con
 # ---- Z3 plumbing ----------------------------------------------------------------------------
 
 def _domain(var: z3.ArithRef, values: list[int]) -> z3.BoolRef:
-    """var is one of `values`; long arithmetic progressions (step grids) as a range."""
-    vals = sorted(set(values))
-    if len(vals) > 16:
-        step = vals[1] - vals[0]
-        body = vals if all(b - a == step for a, b in zip(vals, vals[1:])) else vals[:-1]
-        if all(b - a == step for a, b in zip(body, body[1:])):
-            rng = z3.And(var >= body[0], var <= body[-1], (var - body[0]) % step == 0)
-            return rng if body is vals else z3.Or(rng, var == vals[-1])
-    return z3.Or([var == v for v in vals])
+    """var is one of `values`: one term per arithmetic run (a step grid is a single range)."""
+    terms = []
+    for first, d, last in runs(values):
+        if first == last:
+            terms.append(var == first)
+        elif last - first == d:
+            terms += [var == first, var == last]
+        else:
+            terms.append(z3.And(var >= first, var <= last, (var - first) % d == 0))
+    return z3.Or(terms)
 
 
-def _solve(constraints: list[z3.BoolRef], variables: dict[str, z3.ArithRef], timeout_ms: int):
+def _refine(var: z3.ArithRef, rs: list[tuple[int, int, int]], firsts: list[int], x: int) -> z3.BoolRef | None:
+    """A constraint excluding `x` and the values around it that are no bucket either (the gap
+    between two runs, or a run's off-grid values), or None when x is a bucket."""
+    first, d, last = rs[bisect.bisect_right(firsts, x) - 1]
+    if x > last:                                           # between two runs: exclude the gap
+        return z3.Or(var <= last, var >= firsts[bisect.bisect_right(firsts, x)])
+    if (x - first) % d:                                    # inside a run, off its grid
+        return z3.Implies(z3.And(var >= first, var <= last), (var - first) % d == 0)
+    return None
+
+
+def _solve(constraints: list[z3.BoolRef], variables: dict[str, z3.ArithRef], timeout_ms: int,
+           domains: dict[str, list[int]] | None = None):
+    """Satisfy `constraints` with each variable in its domain of bucket values. A small domain
+    is listed exactly (one term per run); a large one starts as its interval hull and is refined
+    only where Z3's model falls between buckets (CEGAR), since a Z3 disjunction of thousands of
+    runs does not finish. -> ("sat", values) | ("unsat", None) | ("unknown", reason)."""
     s = z3.Solver()
-    s.set("timeout", int(timeout_ms))
     s.add(*constraints)
-    r = s.check()
-    if r == z3.sat:
+    large: dict[str, tuple[list, list[int]]] = {}
+    for k, vals in (domains or {}).items():
+        rs = runs(vals)
+        if len(rs) <= EXACT_RUNS:
+            s.add(_domain(variables[k], vals))
+        else:
+            s.add(variables[k] >= rs[0][0], variables[k] <= rs[-1][2])
+            large[k] = (rs, [r[0] for r in rs])
+    end = time.perf_counter() + timeout_ms / 1000
+    while True:
+        left = int((end - time.perf_counter()) * 1000)
+        if left <= 0:
+            return "unknown", "timeout"
+        s.set("timeout", left)
+        r = s.check()
+        if r == z3.unsat:
+            return "unsat", None
+        if r != z3.sat:
+            return "unknown", s.reason_unknown() or "unknown"
         m = s.model()
-        return "sat", {k: m.eval(v, model_completion=True).as_long() for k, v in variables.items()}
-    if r == z3.unsat:
-        return "unsat", None
-    return "unknown", s.reason_unknown() or "unknown"
+        ce = {k: m.eval(v, model_completion=True).as_long() for k, v in variables.items()}
+        cuts = [c for k, (rs, firsts) in large.items() if (c := _refine(variables[k], rs, firsts, ce[k])) is not None]
+        if not cuts:
+            return "sat", ce
+        s.add(*cuts)
 
 
 def _fmt_shape(ce: dict[str, int]) -> str:
@@ -203,25 +252,29 @@ def _vars(cm: ConstraintModel) -> dict[str, z3.ArithRef]:
     return {d: z3.Int(d) for d in cm.domains}
 
 
-def _worst(expr, domains: dict[str, list[int]], select: dict[str, tuple[int, int]] | None = None):
-    """Max of expr over the finite domain by enumeration (for reporting headroom), or None."""
+def _table(expr, domains: dict[str, list[int]]) -> list[tuple[float, dict[str, int]]] | None:
+    """expr at every bucket, largest first (for reporting headroom), or None past ENUMERATE_LIMIT
+    buckets; built once per expression, however many SLA entries read it."""
     names = list(domains)
-    doms = [[v for v in domains[d] if not select or d not in select or select[d][0] <= v <= select[d][1]]
-            for d in names]
     n = 1
-    for d in doms:
-        n *= len(d)
+    for d in names:
+        n *= len(domains[d])
     if n == 0 or n > ENUMERATE_LIMIT:
         return None
     syms = [sympy.Symbol(d) for d in names]
     e = sympy.sympify(expr).xreplace({s: sympy.Symbol(str(s)) for s in sympy.sympify(expr).free_symbols})
     f = sympy.lambdify(syms, e, modules="math")
-    best, at = None, None
-    for combo in itertools.product(*doms):
-        v = float(f(*combo))
-        if best is None or v > best:
-            best, at = v, dict(zip(names, combo))
-    return best, at
+    rows = [(float(f(*combo)), combo) for combo in itertools.product(*(domains[d] for d in names))]
+    rows.sort(key=lambda r: -r[0])
+    return [(v, dict(zip(names, combo))) for v, combo in rows]
+
+
+def _worst(table, select: dict[str, tuple[int, int]] | None = None) -> tuple[float, dict[str, int]] | None:
+    """The largest row of `table` whose dims lie in `select`, or None."""
+    for v, at in table or []:
+        if not select or all(lo <= at[d] <= hi for d, (lo, hi) in select.items() if d in at):
+            return v, at
+    return None
 
 
 # ---- the proofs -------------------------------------------------------------------------------
@@ -235,7 +288,7 @@ def prove_memory(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> P
     except smt.SmtError as e:
         return Proof("memory", "unproved", f"unproved: {e}", seconds=time.perf_counter() - t0)
     budget = cm.budget_bytes
-    status, res = _solve([_domain(v[k], vals) for k, vals in cm.domains.items()] + [z > budget * d], v, timeout_ms)
+    status, res = _solve([z > budget * d], v, timeout_ms, cm.domains)
     dt = time.perf_counter() - t0
     if status == "sat":
         ce = res
@@ -250,7 +303,7 @@ def prove_memory(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> P
                       "terms": {k: float(x) for k, x in parts.items()}})
     if status == "unknown":
         return Proof("memory", "unproved", f"unproved ({res})", seconds=dt)
-    worst = _worst(total, cm.domains)
+    worst = _worst(_table(total, cm.domains))
     detail = {"budget_bytes": budget}
     msg = f"fits {cm.budget_source} for every bucket"
     if worst:
@@ -270,12 +323,24 @@ def _latency_breakdown(cm: ConstraintModel, ce: dict[str, int]) -> str:
             f"{int(n)} launches x {float(cm.launch_overhead_s) * 1e6:g} us")
 
 
-def prove_latency(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> list[Proof]:
+def _spent(name: str, budget: Budget) -> Proof:
+    return Proof(name, "unproved", f"unproved: the recipe's proof time budget ({budget.total_ms / 1000:g} s) is "
+                                   f"spent before this proof", detail={"budget_ms": budget.total_ms})
+
+
+def prove_latency(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS,
+                  budget: Budget | None = None) -> list[Proof]:
     out: list[Proof] = []
     lat = cm.latency_s()
+    budget = budget or Budget(BUDGET_PROOFS * timeout_ms)
+    table = _table(lat, cm.domains) if lat is not None and cm.sla else None
     for b in cm.sla:
         name = f"{b.path}.{b.which}_ms"
         t0 = time.perf_counter()
+        left = budget.left_ms(timeout_ms)
+        if left <= 0 and lat is not None:
+            out.append(_spent(name, budget))
+            continue
         if lat is None:
             why = ("no FLOP count: declare model.gflops_per_item or a transformer model section, "
                    "or pass ModelFacts from the compiler") if cm.flops is None else \
@@ -289,9 +354,8 @@ def prove_latency(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> 
         except smt.SmtError as e:
             out.append(Proof(name, "unproved", f"unproved: {e}", seconds=time.perf_counter() - t0))
             continue
-        cons = [_domain(v[k], vals) for k, vals in cm.domains.items()]
-        cons += [z3.And(v[k] >= lo, v[k] <= hi) for k, (lo, hi) in b.select.items() if k in v]
-        status, res = _solve(cons + [z > 0], v, timeout_ms)
+        cons = [z3.And(v[k] >= lo, v[k] <= hi) for k, (lo, hi) in b.select.items() if k in v]
+        status, res = _solve(cons + [z > 0], v, left, cm.domains)
         dt = time.perf_counter() - t0
         scope = "" if not b.requests else " for requests " + ", ".join(
             f"{k}={lo}" if lo == hi else f"{k} in [{lo}, {hi}]" for k, (lo, hi) in b.requests.items())
@@ -307,7 +371,7 @@ def prove_latency(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> 
         elif status == "unknown":
             out.append(Proof(name, "unproved", f"unproved ({res})", seconds=dt))
         else:
-            worst = _worst(lat, cm.domains, b.select)
+            worst = _worst(table, b.select)
             msg = f"predicted latency <= {b.which} {b.bound_ms:g} ms{scope}"
             detail: dict[str, Any] = {"bound_ms": b.bound_ms}
             if worst:
@@ -324,7 +388,7 @@ def prove_kv_pages(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) ->
     t0 = time.perf_counter()
     s = z3.Int(seq)
     pages = -((-s) / page)
-    status, res = _solve([_domain(s, cm.domains[seq]), pages > max_pages], {seq: s}, timeout_ms)
+    status, res = _solve([pages > max_pages], {seq: s}, timeout_ms, {seq: cm.domains[seq]})
     dt = time.perf_counter() - t0
     if status == "sat":
         need = -(-res[seq] // page)
@@ -339,21 +403,57 @@ def prove_kv_pages(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) ->
                  f"every {seq} fits in {max_pages} pages (longest {top} needs {-(-top // page)})", seconds=dt)
 
 
+def _cover_breaks(v: z3.ArithRef, buckets: list[int], p: Fraction | None) -> z3.BoolRef:
+    """v has no bucket, or its bucket (the smallest >= v) pads it by more than p. One pair of
+    terms per arithmetic run of buckets: in a run (first, d, last), v in (first, last] pads to
+    first + d * ceil((v - first) / d), and v in (previous bucket, first] pads to first."""
+    bad = [v > max(buckets)]
+    if p is None:
+        return z3.Or(bad)
+    num, den = p.numerator, p.denominator
+
+    def over(chosen: Any) -> z3.BoolRef:
+        return (chosen - v) * den > num * chosen
+    prev = None
+    for first, d, last in runs(buckets):
+        below = v <= first if prev is None else z3.And(v > prev, v <= first)
+        bad.append(z3.And(below, over(z3.IntVal(first))))
+        if last > first:
+            bad.append(z3.And(v > first, v <= last, over(first + d * ((v - first + d - 1) / d))))
+        prev = last
+    return z3.Or(bad)
+
+
+def _cover_exact(lo: int, hi: int, buckets: list[int], p: Fraction | None) -> tuple[str, Any]:
+    """The cover property checked gap by gap in exact integers: within (previous bucket, b] the
+    padding is largest at the gap's first value, so these values are all that can break it."""
+    if hi > max(buckets):
+        return "sat", max(buckets) + 1
+    if p is not None:
+        w, at = worst_padding(buckets, lo, hi)
+        if w > p:
+            return "sat", at
+    return "unsat", None
+
+
 def prove_cover(dim: str, lo: int, hi: int, buckets: list[int], max_padding: float | Fraction | None,
                 timeout_ms: int = DEFAULT_TIMEOUT_MS) -> Proof:
-    """Prove every request value in [lo, hi] has a bucket, padded with ratio <= max_padding."""
+    """Prove every request value in [lo, hi] has a bucket, padded with ratio <= max_padding:
+    by Z3 over up to EXACT_RUNS runs of buckets, by the exact gap check beyond (a Z3 formula
+    of thousands of runs does not finish; the gap check is linear and just as complete)."""
     t0 = time.perf_counter()
     name = f"dims.{dim}.buckets"
     v = z3.Int(dim)
-    chosen: z3.ArithRef = z3.IntVal(-1)
-    for b in sorted(set(buckets), reverse=True):          # smallest bucket >= v
-        chosen = z3.If(v <= b, z3.IntVal(b), chosen)
-    bad = chosen == -1
     p = Fraction(0)
     if max_padding is not None:
         p = Fraction(str(max_padding)) if not isinstance(max_padding, Fraction) else max_padding
-        bad = z3.Or(bad, (chosen - v) * p.denominator > p.numerator * chosen)
-    status, res = _solve([v >= lo, v <= hi, bad], {dim: v}, timeout_ms)
+    how = ""
+    if len(runs(buckets)) <= EXACT_RUNS:
+        status, res = _solve([v >= lo, v <= hi, _cover_breaks(v, buckets, p if max_padding is not None else None)],
+                             {dim: v}, timeout_ms)
+    else:
+        status, x = _cover_exact(lo, hi, buckets, p if max_padding is not None else None)
+        res, how = ({dim: x} if status == "sat" else None), f" (exact check of {len(set(buckets))} bucket gaps)"
     dt = time.perf_counter() - t0
     bound = f", padding <= {float(p):.4g}" if max_padding is not None else ""
     if status == "sat":
@@ -368,25 +468,30 @@ def prove_cover(dim: str, lo: int, hi: int, buckets: list[int], max_padding: flo
                      res, dt, {"bucket": b, "padding": float(pad)})
     if status == "unknown":
         return Proof(name, "unproved", f"unproved ({res})", seconds=dt)
-    return Proof(name, "proved", f"every {dim} in [{lo}, {hi}] has a bucket{bound}", seconds=dt)
+    return Proof(name, "proved", f"every {dim} in [{lo}, {hi}] has a bucket{bound}{how}", seconds=dt)
 
 
 def prove_all(recipe: Recipe, target: Any, facts: ModelFacts | None = None,
               timeout_ms: int = DEFAULT_TIMEOUT_MS, *, calibration: Any = None
               ) -> tuple[ConstraintModel, list[Proof]]:
     """Every layer-3 proof for a resolved, semantically valid recipe (`calibration`: see
-    `build_constraint_model`)."""
+    `build_constraint_model`). All of them share BUDGET_PROOFS x `timeout_ms`: a proof that
+    finds the budget spent is "unproved", so validation ends in bounded time."""
+    budget = Budget(BUDGET_PROOFS * timeout_ms)
     proofs: list[Proof] = []
+
+    def run(name: str, prove, *args) -> Proof:
+        left = budget.left_ms(timeout_ms)
+        return prove(*args, left) if left > 0 else _spent(name, budget)
     for name, spec in recipe.dims.items():
         s: Synthesis = dim_synthesis(spec)
         lo, hi = dim_range(spec)
         bound = spec.max_padding if spec.max_padding is not None else (
             s.worst_padding if spec.max_buckets is not None else None)
-        proofs.append(prove_cover(name, lo, hi, s.buckets, bound, timeout_ms))
+        proofs.append(run(f"dims.{name}.buckets", prove_cover, name, lo, hi, s.buckets, bound))
     cm = build_constraint_model(recipe, target, facts, calibration=calibration)
-    kv = prove_kv_pages(cm, timeout_ms)
-    if kv is not None:
-        proofs.append(kv)
-    proofs.append(prove_memory(cm, timeout_ms))
-    proofs.extend(prove_latency(cm, timeout_ms))
+    if cm.kv_pages is not None:
+        proofs.append(run("memory.kv_cache.max_pages_per_seq", prove_kv_pages, cm))
+    proofs.append(run("memory", prove_memory, cm))
+    proofs.extend(prove_latency(cm, timeout_ms, budget))
     return cm, proofs

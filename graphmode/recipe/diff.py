@@ -6,16 +6,24 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from graphmode.recipe.schema import Recipe
+from graphmode.recipe.schema import InputSpec, Recipe
 
 HASH_CHARS = 16
 _MISSING = object()
 
 
 def canonical_json(recipe: Recipe) -> str:
-    """Canonical JSON of the recipe (defaults included, keys sorted, no whitespace)."""
-    return json.dumps(recipe.model_dump(mode="json"), sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=False, allow_nan=False)
+    """Canonical JSON of the recipe (defaults included, keys sorted, no whitespace).
+
+    Input fields added after recipes were first hashed (`InputSpec.HASH_OMIT_DEFAULTS`) are
+    left out while at their default, so a recipe that does not use them keeps its stamp."""
+    data = recipe.model_dump(mode="json")
+    fields = InputSpec.model_fields
+    for inp in data["inputs"]:
+        for k in InputSpec.HASH_OMIT_DEFAULTS:
+            if inp.get(k) == fields[k].default:
+                del inp[k]
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def recipe_hash(recipe: Recipe) -> str:

@@ -85,14 +85,28 @@ def kv_cache_bytes(recipe: Recipe) -> Expr:
     return kv_page_bytes(recipe) * b * sympy.ceiling(s / p["page_size"])
 
 
+def _elems(axes: list, sym: dict[str, sympy.Symbol]) -> Expr:
+    n: Expr = 1
+    for e in axes:
+        if isinstance(e, int):
+            n = n * e
+        elif e in sym:                     # "*" (any extent) counts as 1: a lower bound
+            n = n * sym[e]
+    return n
+
+
 def _input_elems(recipe: Recipe, sym: dict[str, sympy.Symbol]) -> list[tuple[Expr, int]]:
-    out = []
-    for inp in recipe.inputs:
-        n: Expr = 1
-        for e in inp.shape:
-            n = n * (sym[e] if isinstance(e, str) else e)
-        out.append((n, DTYPE_SIZES[inp.dtype]))
-    return out
+    return [(_elems(inp.shape, sym), DTYPE_SIZES[inp.dtype]) for inp in recipe.inputs]
+
+
+def io_floor(recipe: Recipe, sym: dict[str, sympy.Symbol]) -> Expr:
+    """Bytes any run holds at once whatever the model: all padded inputs (live at the start), or
+    all declared outputs in the compute dtype (live at the end). The estimates below model the
+    layers, not the tensors the recipe declares, so a fixed extent of 10**9 would slip past them."""
+    cb = DTYPE_SIZES[recipe.precision.compute]
+    ins = sympy.Add(*[n * size for n, size in _input_elems(recipe, sym)])       # Add(*...): sum() is quadratic
+    outs = sympy.Add(*[_elems(axes, sym) * cb for axes in recipe.outputs.values()])
+    return sympy.Max(sympy.expand(ins), sympy.expand(outs)) if recipe.outputs else sympy.expand(ins)
 
 
 def estimate_facts(recipe: Recipe) -> ModelFacts:
@@ -125,10 +139,11 @@ def estimate_facts(recipe: Recipe) -> ModelFacts:
         if m.kind == "decoder" and m.vocab:
             act = act + cb * b * s * m.vocab                                  # logits
             flops = flops + 2 * b * s * m.vocab * h
+        act = sympy.Max(sympy.expand(act), io_floor(recipe, sym))
         moved = weights + 2 * n_layers * act
         n_ops = m.n_ops or n_layers * (12 if fused else 24) + 4
         src = f"transformer estimate from model ({m.kind}, {n_layers} layers, hidden {h})"
-        return ModelFacts(weights, sympy.expand(act), sympy.expand(flops), sympy.expand(moved), n_ops,
+        return ModelFacts(weights, act, sympy.expand(flops), sympy.expand(moved), n_ops,
                           source=src, notes=notes)
 
     if m and m.activation_mb_per_item:
@@ -136,13 +151,14 @@ def estimate_facts(recipe: Recipe) -> ModelFacts:
         src = "per-item estimate from model.activation_mb_per_item"
     else:
         factor = sympy.Rational(str(m.activation_factor)) if m else 8
-        act = sum(factor * n * max(cb, size) for n, size in _input_elems(recipe, sym))
+        act = sympy.Add(*[factor * n * max(cb, size) for n, size in _input_elems(recipe, sym)])
         act = sympy.ceiling(act) if not sympy.sympify(act).is_integer else act
         src = f"crude estimate: {factor} x input bytes (declare model.* or pass ModelFacts for better)"
+    act = sympy.Max(sympy.expand(act), io_floor(recipe, sym))
     flops = int(round(m.gflops_per_item * 1e9)) * b if m and m.gflops_per_item else None
     moved = weights + 2 * act
     n_ops = (m.n_ops if m and m.n_ops else (m.layers * (2 if fused else 4) + 2 if m and m.layers else 64))
     if flops is None:
         notes.append("no FLOP count (model.gflops_per_item or a transformer model section): "
                      "latency cannot be predicted")
-    return ModelFacts(weights, sympy.expand(act), flops, sympy.expand(moved), n_ops, source=src, notes=notes)
+    return ModelFacts(weights, act, flops, sympy.expand(moved), n_ops, source=src, notes=notes)

@@ -17,10 +17,12 @@ from pydantic import BaseModel, ValidationError
 
 from graphmode.errors import RecipeError, RecipeErrors
 from graphmode.recipe.schema import Recipe
+from graphmode.targets.units import short_value as _short
 
-MAX_BYTES = 1 << 20          # a recipe is a small file
+MAX_BYTES = 256 << 10        # a recipe is a small file (the shipped ones are ~2 KB); parsing is bounded by it
 MAX_NODES = 50_000           # guards against alias bombs
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)     # libyaml: the pure-Python one takes seconds
 
 
 # ---- paths ----------------------------------------------------------------------------------
@@ -29,11 +31,6 @@ def join(path: str, part: Any) -> str:
     if isinstance(part, int) and not isinstance(part, bool):
         return f"{path}[{part}]"
     return f"{path}.{part}" if path else str(part)
-
-
-def _short(value: Any, limit: int = 80) -> Any:
-    r = repr(value)
-    return value if len(r) <= limit else r[:limit] + "..."
 
 
 # ---- YAML -----------------------------------------------------------------------------------
@@ -108,10 +105,11 @@ def parse_yaml(text: str | bytes, source: str | None = None) -> tuple[Any, dict[
             raise RecipeError(f"recipe is not UTF-8 text (byte {e.start})", where=where, line=1,
                               fix="save the recipe as UTF-8") from None
     if len(text) > MAX_BYTES:
-        raise RecipeError(f"recipe larger than {MAX_BYTES} bytes", where=where, line=1)
+        raise RecipeError(f"recipe larger than {MAX_BYTES} bytes", where=where, line=1,
+                          fix="write long bucket lists as a range with max_padding, not value by value")
     loader = None
     try:
-        loader = yaml.SafeLoader(text)
+        loader = _LOADER(text)
         node = loader.get_single_node()
         if node is None:
             raise RecipeError("empty recipe", where=where, line=1,
@@ -128,7 +126,9 @@ def parse_yaml(text: str | bytes, source: str | None = None) -> tuple[Any, dict[
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark is not None else None
         problem = " ".join(str(x) for x in (e.context, e.problem) if x) or str(e)
-        fix = "indent with spaces, not tabs" if "'\\t'" in problem or "tab" in problem else \
+        at = text.splitlines()[line - 1] if line and line <= len(text.splitlines()) else ""
+        tab = "'\\t'" in problem or "tab" in problem or "\t" in at[: len(at) - len(at.lstrip())]
+        fix = "indent with spaces, not tabs" if tab else \
             "check the YAML syntax (indentation, colons, quotes) at that line"
         raise RecipeError(f"YAML syntax error: {problem}", where=where, line=line, fix=fix) from None
     except yaml.reader.ReaderError as e:
@@ -139,6 +139,9 @@ def parse_yaml(text: str | bytes, source: str | None = None) -> tuple[Any, dict[
         raise RecipeError(f"YAML error: {e}", where=where, line=1, fix="check the YAML syntax") from None
     except RecursionError:
         raise RecipeError("YAML nested too deeply", where=where, line=1) from None
+    except ValueError as e:                 # PyYAML's int(): more than 4300 digits
+        raise RecipeError(f"YAML value cannot be read: {str(e)[:120]}", where=where, line=1,
+                          fix="write numbers within the documented ranges (examples/recipes/README.md)") from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -255,6 +258,8 @@ def map_validation_error(exc: ValidationError, data: Any, lines: dict[str, int],
         if "; valid: " in msg and fix is None:
             msg, fix = msg.split("; valid: ", 1)
             fix = "valid: " + fix
+        elif "; fix: " in msg and fix is None:
+            msg, fix = msg.split("; fix: ", 1)
         key = (path, msg)
         if key in seen:
             continue

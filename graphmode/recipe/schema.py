@@ -6,8 +6,9 @@ and the for-every-shape proofs in `constraints.py`.
 """
 from __future__ import annotations
 
+import math
 import re
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag,
                       field_validator)
@@ -27,9 +28,34 @@ DTYPE_ALIASES = {"float64": "f64", "fp64": "f64", "double": "f64", "float32": "f
 FUSION_PATTERNS = ("elementwise", "reduction", "gemm_epilogue", "attention")   # = passes/fuse.py PATTERNS
 REQUIRE_KEYS = ("torch", "python", "graphmode", "driver", "cuda")
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_OPNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+# Finite representable ranges of the float dtypes, and significand bits (integers up to
+# 2**bits are exact): a pad value outside them would be written as inf or rounded.
+FLOAT_LIMITS: dict[str, tuple[float, int]] = {
+    "f64": (1.7976931348623157e308, 53), "f32": (3.4028234663852886e38, 24), "tf32": (3.4028234663852886e38, 24),
+    "f16": (65504.0, 11), "bf16": (3.3895313892515355e38, 8), "fp8_e4m3": (448.0, 4), "fp8_e5m2": (57344.0, 3)}
+INT_LIMITS: dict[str, tuple[int, int]] = {
+    "i64": (-2**63, 2**63 - 1), "i32": (-2**31, 2**31 - 1), "i16": (-2**15, 2**15 - 1), "i8": (-128, 127),
+    "u8": (0, 255), "bool": (0, 1)}
+
+# ---- documented ranges (examples/recipes/README.md); each keeps the proofs' arithmetic exact and fast
+MAX_DIM = 2**31 - 1          # a dim value, bucket or fixed extent: tensor extents are int32 in kernels
+MAX_RANK = 8                 # input/output rank, as ONNX runtimes, TensorRT and cuDNN descriptors allow
+MAX_BUCKETS = 65_536         # buckets of one dim (explicit, synthesised or a step grid); one plan each
+MAX_INPUTS = 256
+MAX_DIMS = 64                # symbolic dims: each is a variable of every proof, with a cover proof of its own
+MAX_LIST = 256               # ops, passes, alias groups, bank ids: hand-written lists
+MAX_SLA_ENTRIES = 64         # sla.per_bucket: each entry is one Z3 proof
+MAX_TARGETS = 16
+MAX_NAME_CHARS = 128         # the recipe name is a file name and a metric label
+MAX_MB = 2.0**30             # 1 PiB: budgets and weights larger than any machine's memory
+MAX_PARAMS_M = 1e7           # 10 trillion parameters
+MAX_GFLOPS = 1e9             # 1 EFLOP per batch item
+MAX_MS = 86_400_000.0        # one day: latency bounds
+MAX_FACTOR = 1e6             # activation_factor (x input bytes)
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")        # matched with fullmatch: `$` accepts a trailing newline
+_OPNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
 # ---- scalar types with teaching messages -------------------------------------------------
@@ -51,17 +77,26 @@ def _float_dtype(v: Any) -> str:
     return v
 
 
-def _pattern(rx: re.Pattern, what: str):
+def _pattern(rx: re.Pattern, what: str, max_chars: int | None = None):
     def check(v: Any) -> str:
-        if not isinstance(v, str) or not rx.match(v):
-            raise ValueError(f"expected {what}")
+        if not isinstance(v, str) or not rx.fullmatch(v):
+            raise ValueError(f"expected {what}; fix: use only those characters (no spaces, newlines or unicode)")
+        if max_chars is not None and len(v) > max_chars:
+            raise ValueError(f"longer than {max_chars} characters; fix: shorten it")
         return v
     return check
 
 
+def _fmt(x: float) -> str:
+    if isinstance(x, int):
+        return str(x)
+    return str(int(x)) if x.is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
 def _number(kind: type | None, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
-            symbolic_ok: bool = False):
-    """A number (int or float per `kind`; None keeps the type), optionally a `${...}` expression."""
+            le: float | None = None, why: str = "", symbolic_ok: bool = False):
+    """A number (int or float per `kind`; None keeps the type), optionally a `${...}` expression.
+    The range is checked before any conversion, so 10**400 is an error, not an OverflowError."""
     def check(v: Any) -> Any:
         if symbolic_ok and symbolic.is_symbolic(v):
             try:
@@ -72,32 +107,58 @@ def _number(kind: type | None, *, gt: float | None = None, ge: float | None = No
         alt = " or a ${target...} expression" if symbolic_ok else ""
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
             raise ValueError(f"expected {'an integer' if kind is int else 'a number'}{alt}")
-        if v != v or v in (float("inf"), float("-inf")):
-            raise ValueError("expected a finite number")
-        if gt is not None and not v > gt:
-            raise ValueError(f"must be > {gt}")
-        if ge is not None and not v >= ge:
-            raise ValueError(f"must be >= {ge}")
-        if lt is not None and not v < lt:
-            raise ValueError(f"must be < {lt}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("expected a finite number; fix: write a number (not .inf or .nan)")
+        bounds = [f"> {_fmt(gt)}" if gt is not None else "", f">= {_fmt(ge)}" if ge is not None else "",
+                  f"< {_fmt(lt)}" if lt is not None else "", f"<= {_fmt(le)}" if le is not None else ""]
+        if ((gt is not None and not v > gt) or (ge is not None and not v >= ge) or (lt is not None and not v < lt)
+                or (le is not None and not v <= le)):
+            rng = " and ".join(b for b in bounds if b)
+            raise ValueError(f"out of range: must be {rng}" + (f" ({why})" if why else "")
+                             + f"; fix: use a value {rng}")
         return v if kind is None else kind(v)
     return check
 
 
 def _pow2(v: Any) -> int:
-    v = _number(int, ge=1)(v)
+    v = _number(int, ge=1, le=MAX_DIM)(v)
     if v & (v - 1):
         lo = 1 << (v.bit_length() - 1)
         raise ValueError(f"must be a power of two (nearest: {lo} or {lo * 2})")
     return v
 
 
+def _extent(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_DIM
+
+
 def _shape_entry(v: Any) -> int | str:
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+    if _extent(v):
         return v
-    if isinstance(v, str) and _IDENT.match(v):
+    if isinstance(v, str) and _IDENT.fullmatch(v):
         return v
+    if isinstance(v, int) and not isinstance(v, bool) and v > MAX_DIM:
+        raise ValueError(f"fixed extent above {MAX_DIM} (tensor extents are int32 in kernels); "
+                         f"fix: use an extent <= {MAX_DIM}")
     raise ValueError("expected a dim name (identifier declared under `dims`) or a positive integer")
+
+
+def _bounded_list(n: int, why: str):
+    """At most `n` entries (longer lists would make validation slow for no use)."""
+    def check(v: Any) -> Any:
+        if isinstance(v, (list, dict)) and len(v) > n:
+            raise ValueError(f"{len(v)} entries, at most {n} allowed ({why}); fix: shorten the list")
+        return v
+    return check
+
+
+def _pad_value(v: Any) -> int | float:
+    """A fill value: booleans become 0/1; its fit in the input's dtype is checked in semantics."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int) and abs(v) > FLOAT_LIMITS["f64"][0]:
+        raise ValueError("no dtype holds this value; fix: a value in the input dtype's range")
+    return _number(None)(v)
 
 
 def _out_axis(v: Any) -> int | str:
@@ -111,9 +172,9 @@ def _out_axis(v: Any) -> int | str:
 
 
 def _bank(v: Any) -> int | str:
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_DIM:
         return v
-    if isinstance(v, str) and _IDENT.match(v):
+    if isinstance(v, str) and _IDENT.fullmatch(v):
         return v
     raise ValueError("expected a bank group name of the target (e.g. high_bandwidth) or a bank id >= 0")
 
@@ -132,12 +193,9 @@ def _specifier(v: Any) -> str:
 
 
 def _select(v: Any) -> int | list[int]:
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+    if _extent(v) or (isinstance(v, list) and len(v) == 2 and all(_extent(x) for x in v)):
         return v
-    if (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                    and x >= 1 for x in v)):
-        return v
-    raise ValueError("expected a dim value (positive int) or an inclusive range [lo, hi]")
+    raise ValueError(f"expected a dim value (an int in [1, {MAX_DIM}]) or an inclusive range [lo, hi]")
 
 
 def _version(v: Any) -> int:
@@ -150,14 +208,15 @@ DType = Annotated[str, BeforeValidator(_dtype)]
 FloatDType = Annotated[str, BeforeValidator(_float_dtype)]
 Ident = Annotated[str, BeforeValidator(_pattern(_IDENT, "an identifier (letters, digits, _)"))]
 OpName = Annotated[str, BeforeValidator(_pattern(_OPNAME, "an op name (letters, digits, _ and .)"))]
-PosInt = Annotated[int, BeforeValidator(_number(int, ge=1))]
-NonNegInt = Annotated[int, BeforeValidator(_number(int, ge=0))]
-PosFloat = Annotated[float, BeforeValidator(_number(float, gt=0))]
-SymPosFloat = Annotated[Any, BeforeValidator(_number(float, gt=0, symbolic_ok=True))]
-SymPosInt = Annotated[Any, BeforeValidator(_number(int, ge=1, symbolic_ok=True))]
+PosInt = Annotated[int, BeforeValidator(_number(int, ge=1, le=MAX_DIM, why="int32"))]
+NonNegInt = Annotated[int, BeforeValidator(_number(int, ge=0, le=MAX_DIM, why="int32"))]
+SymPosInt = Annotated[Any, BeforeValidator(_number(int, ge=1, le=MAX_DIM, why="int32", symbolic_ok=True))]
+SymMB = Annotated[Any, BeforeValidator(_number(float, gt=0, le=MAX_MB, why="1 PiB", symbolic_ok=True))]
+SymMs = Annotated[Any, BeforeValidator(_number(float, gt=0, le=MAX_MS, why="one day", symbolic_ok=True))]
+Megabytes = Annotated[float, BeforeValidator(_number(float, gt=0, le=MAX_MB, why="1 PiB"))]
 Ratio = Annotated[float, BeforeValidator(_number(float, ge=0, lt=1))]
 Pow2 = Annotated[int, BeforeValidator(_pow2)]
-Number = Annotated[Any, BeforeValidator(_number(None))]      # int stays int, float stays float
+PadValue = Annotated[Any, BeforeValidator(_pad_value)]      # int stays int, float stays float
 ShapeEntry = Annotated[Any, BeforeValidator(_shape_entry)]
 OutAxis = Annotated[Any, BeforeValidator(_out_axis)]
 BankRef = Annotated[Any, BeforeValidator(_bank)]
@@ -171,12 +230,34 @@ class _Spec(BaseModel):
 
 # ---- field groups ---------------------------------------------------------------------------
 
+def _limited(n: int, why: str) -> Any:
+    return BeforeValidator(_bounded_list(n, why))
+
+
 class InputSpec(_Spec):
-    """One model input: `shape` entries are dim names (declared under `dims`) or fixed ints."""
+    """One model input: `shape` entries are dim names (declared under `dims`) or fixed ints.
+
+    `role: attention_mask` marks a mask whose padded positions must read "masked out"
+    (`pad_value` 0) along `mask_for` (default: every symbolic dim of the shape after axis 0,
+    the batch axis); the padding-safety analysis relies on it."""
     name: Ident
     dtype: DType
-    shape: list[ShapeEntry] = Field(min_length=1)
-    pad_value: Number = 0
+    shape: Annotated[list[ShapeEntry], _limited(MAX_RANK, f"rank at most {MAX_RANK}, as ONNX runtimes, "
+                                                          "TensorRT and cuDNN allow")] = Field(min_length=1)
+    pad_value: PadValue = 0
+    role: Literal["data", "attention_mask"] = "data"
+    mask_for: list[Ident] = []
+
+    # added after recipes were first hashed: left out of the hash at their default (diff.canonical_json)
+    HASH_OMIT_DEFAULTS: ClassVar[tuple[str, ...]] = ("role", "mask_for")
+
+    def masked_dims(self) -> list[str]:
+        """Dims whose padded positions this mask covers ([] unless role is attention_mask)."""
+        if self.role != "attention_mask":
+            return []
+        if self.mask_for:
+            return list(self.mask_for)
+        return list(dict.fromkeys(e for e in self.shape[1:] if isinstance(e, str)))
 
 
 class DimSpec(_Spec):
@@ -186,14 +267,17 @@ class DimSpec(_Spec):
     min: Optional[PosInt] = None
     max: Optional[PosInt] = None
     step: PosInt = 1
-    buckets: Optional[list[PosInt]] = None
+    buckets: Optional[Annotated[list[PosInt], _limited(MAX_BUCKETS, "one plan per bucket")]] = None
     max_padding: Optional[Ratio] = None
     max_buckets: Optional[PosInt] = None
 
 
+OpList = Annotated[list[OpName], _limited(MAX_LIST, "a hand-written op list")]
+
+
 class CaptureSpec(_Spec):
-    include_ops: list[OpName] = []
-    exclude_ops: list[OpName] = []
+    include_ops: OpList = []
+    exclude_ops: OpList = []
 
 
 class FusionSpec(_Spec):
@@ -205,7 +289,7 @@ class FusionSpec(_Spec):
 
 class OptimizeSpec(_Spec):
     preset: Optional[str] = None
-    passes: Optional[list[str]] = None
+    passes: Optional[Annotated[list[str], _limited(MAX_LIST, "a pass pipeline")]] = None
     fusion: FusionSpec = FusionSpec()
     memory_reuse: bool = True
 
@@ -225,7 +309,7 @@ class CodegenSpec(_Spec):
 class PrecisionSpec(_Spec):
     compute: FloatDType = "f32"
     accumulate: Optional[FloatDType] = None
-    overrides: dict[OpName, FloatDType] = {}
+    overrides: Annotated[dict[OpName, FloatDType], _limited(MAX_LIST, "per-op overrides")] = {}
 
     def accumulate_dtype(self) -> str:
         if self.accumulate:
@@ -246,21 +330,22 @@ class KVCacheSpec(_Spec):
 
 
 class MemorySpec(_Spec):
-    budget_mb: Optional[SymPosFloat] = None
+    budget_mb: Optional[SymMB] = None
     kv_cache: Optional[KVCacheSpec] = None
-    bank_affinity: list[BankRef] = []
+    bank_affinity: Annotated[list[BankRef], _limited(MAX_LIST, "memory bank names")] = []
 
 
 class SlaBucket(_Spec):
     match: dict[Ident, Selector] = Field(min_length=1)
-    p50_ms: Optional[SymPosFloat] = None
-    p99_ms: Optional[SymPosFloat] = None
+    p50_ms: Optional[SymMs] = None
+    p99_ms: Optional[SymMs] = None
 
 
 class SlaSpec(_Spec):
-    p50_ms: Optional[SymPosFloat] = None
-    p99_ms: Optional[SymPosFloat] = None
-    per_bucket: list[SlaBucket] = []
+    p50_ms: Optional[SymMs] = None
+    p99_ms: Optional[SymMs] = None
+    per_bucket: Annotated[list[SlaBucket], _limited(MAX_SLA_ENTRIES, "each entry is one Z3 proof; "
+                                                                     "match ranges, not single buckets")] = []
 
 
 class Requires(_Spec):
@@ -274,8 +359,9 @@ class Requires(_Spec):
 class ModelSpec(_Spec):
     """What is known about the model without compiling it; feeds the crude cost model."""
     kind: Literal["encoder", "decoder", "cnn", "generic"] = "generic"
-    params_m: Optional[PosFloat] = None
-    weights_mb: Optional[PosFloat] = None
+    params_m: Optional[Annotated[float, BeforeValidator(_number(float, gt=0, le=MAX_PARAMS_M,
+                                                                why="10 trillion parameters"))]] = None
+    weights_mb: Optional[Megabytes] = None
     layers: Optional[PosInt] = None
     hidden: Optional[PosInt] = None
     heads: Optional[PosInt] = None
@@ -283,9 +369,10 @@ class ModelSpec(_Spec):
     head_dim: Optional[PosInt] = None
     intermediate: Optional[PosInt] = None
     vocab: Optional[PosInt] = None
-    gflops_per_item: Optional[PosFloat] = None
-    activation_mb_per_item: Optional[PosFloat] = None
-    activation_factor: PosFloat = 8.0
+    gflops_per_item: Optional[Annotated[float, BeforeValidator(_number(float, gt=0, le=MAX_GFLOPS,
+                                                                       why="1 EFLOP per item"))]] = None
+    activation_mb_per_item: Optional[Megabytes] = None
+    activation_factor: Annotated[float, BeforeValidator(_number(float, gt=0, le=MAX_FACTOR))] = 8.0
     n_ops: Optional[PosInt] = None
     batch_dim: Ident = "batch"
     seq_dim: Ident = "seq"
@@ -324,12 +411,14 @@ class Recipe(_Spec):
     """A typed, versioned contract. Build with `load_recipe(...)` to get field-level errors."""
 
     version: Annotated[int, BeforeValidator(_version)]
-    name: Annotated[str, BeforeValidator(_pattern(_NAME, "a name of letters, digits, _ . -"))]
+    name: Annotated[str, BeforeValidator(_pattern(_NAME, "a name of letters, digits, _ . -", MAX_NAME_CHARS))]
     description: str = ""
     model: Optional[ModelSpec] = None
-    inputs: list[InputSpec] = Field(min_length=1)
-    outputs: dict[Ident, list[OutAxis]] = {}
-    dims: dict[Ident, Annotated[DimSpec, BeforeValidator(_dim_before)]] = Field(min_length=1)
+    inputs: Annotated[list[InputSpec], _limited(MAX_INPUTS, "model inputs")] = Field(min_length=1)
+    outputs: Annotated[dict[Ident, Annotated[list[OutAxis], _limited(MAX_RANK, f"rank at most {MAX_RANK}")]],
+                       _limited(MAX_INPUTS, "model outputs")] = {}
+    dims: Annotated[dict[Ident, Annotated[DimSpec, BeforeValidator(_dim_before)]],
+                    _limited(MAX_DIMS, "each dim is a variable of every proof")] = Field(min_length=1)
     exe_mode: Literal["eager", "graph", "hybrid"] = "graph"
     on_violation: Literal["error", "eager"] = "error"
     capture: CaptureSpec = CaptureSpec()
@@ -338,8 +427,9 @@ class Recipe(_Spec):
     precision: PrecisionSpec = PrecisionSpec()
     memory: MemorySpec = MemorySpec()
     sla: Optional[SlaSpec] = None
-    targets: list[TargetRef] = []
-    alias_groups: list[list[Ident]] = []
+    targets: Annotated[list[TargetRef], _limited(MAX_TARGETS, "targets to check against")] = []
+    alias_groups: Annotated[list[Annotated[list[Ident], _limited(MAX_LIST, "one alias group")]],
+                            _limited(MAX_LIST, "alias groups")] = []
     replayable: bool = True
     requires: Requires = Requires()
 

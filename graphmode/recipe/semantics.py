@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from graphmode.errors import RecipeError
-from graphmode.recipe.buckets import dim_range, dim_synthesis
+from graphmode.recipe.buckets import count_plans, dim_range, dim_synthesis
 from graphmode.recipe.facts import kv_params
-from graphmode.recipe.schema import DTYPE_SIZES, Recipe
-
-MAX_DIM = 2**31 - 1
+from graphmode.recipe.schema import DTYPE_SIZES, FLOAT_LIMITS, INT_LIMITS, Recipe
 
 
 # ---- environment for `requires` ------------------------------------------------------------
@@ -120,23 +118,33 @@ class _Checker:
         line = self.r.line_of(path)
         self.warnings.append(f"{path}{f', line {line}' if line else ''}: {msg}")
 
+    def err_first(self, path: str, bad: list[int], values: list[Any], msg: str, fix: str | None = None) -> None:
+        """One error for the first of the offending list entries `bad` (and how many more)."""
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            self.err(f"{path}[{bad[0]}]", msg + more, values[bad[0]], fix=fix)
+
     # -- dims & shapes --
     def dims(self) -> None:
+        per_dim: dict[str, list[int]] = {}
         for name, d in self.r.dims.items():
             p = f"dims.{name}"
             if d.buckets:
                 b = d.buckets
                 if b != sorted(set(b)):
-                    self.err(f"{p}.buckets", "buckets must be sorted ascending and unique", b,
-                             fix=f"buckets: {sorted(set(b))}")
+                    shown = sorted(set(b)) if len(b) <= 32 else "sorted(set(...))"
+                    self.err(f"{p}.buckets", "buckets must be sorted ascending and unique", _brief(b),
+                             fix=f"buckets: {shown}")
                 lo, hi = dim_range(d)
-                for i, x in enumerate(b):
-                    if x < lo:
-                        self.err(f"{p}.buckets[{i}]", f"bucket below min {lo}", x, fix=f"buckets >= {lo}")
-                    if d.max is not None and x > d.max:
-                        self.err(f"{p}.buckets[{i}]", f"bucket above max {d.max}", x, fix=f"buckets <= {d.max}")
-                    if d.step > 1 and x % d.step:
-                        self.err(f"{p}.buckets[{i}]", f"bucket not a multiple of step {d.step}", x)
+                idx = range(len(b))
+                self.err_first(f"{p}.buckets", [i for i in idx if b[i] < lo], b, f"bucket below min {lo}",
+                               fix=f"buckets >= {lo}")
+                if d.max is not None:
+                    self.err_first(f"{p}.buckets", [i for i in idx if b[i] > d.max], b, f"bucket above max {d.max}",
+                                   fix=f"buckets <= {d.max}")
+                if d.step > 1:
+                    self.err_first(f"{p}.buckets", [i for i in idx if b[i] % d.step], b,
+                                   f"bucket not a multiple of step {d.step}")
                 if d.max is not None and d.max > max(b):
                     self.err(f"{p}.max", f"values {max(b) + 1}..{d.max} are above the largest bucket "
                                          f"{max(b)} and would have no bucket", d.max,
@@ -144,6 +152,8 @@ class _Checker:
                 if d.max_buckets is not None and len(set(b)) > d.max_buckets:
                     self.err(f"{p}.max_buckets", f"{len(set(b))} explicit buckets exceed max_buckets",
                              d.max_buckets)
+                if not self.plans(per_dim, name, dim_synthesis(d).buckets):
+                    return
                 continue
             if d.min is None or d.max is None:
                 missing = "min" if d.min is None else "max"
@@ -152,9 +162,6 @@ class _Checker:
                 continue
             if d.min > d.max:
                 self.err(f"{p}.max", f"max is below min {d.min}", d.max, fix=f"set max >= {d.min}")
-                continue
-            if d.max > MAX_DIM:
-                self.err(f"{p}.max", f"max above {MAX_DIM}", d.max)
                 continue
             if d.max % d.step:
                 lo_, hi_ = (d.max // d.step) * d.step, -(-d.max // d.step) * d.step
@@ -174,6 +181,19 @@ class _Checker:
                     fixes.append(f"max_padding: {s.min_padding_for_buckets}")
                 self.err(f"{p}.max_padding", s.explain(), d.max_padding,
                          fix=" or ".join(fixes) or "relax max_padding or use a smaller step")
+            elif not self.plans(per_dim, name, s.buckets):
+                return
+
+    def plans(self, per_dim: dict[str, list[int]], name: str, buckets: list[int]) -> bool:
+        """Add a dim's buckets to the plan count; False (and an error) once it passes MAX_PLANS,
+        so the remaining dims are not synthesised for nothing."""
+        per_dim[name] = buckets
+        try:
+            count_plans(per_dim)
+        except RecipeError as e:
+            self.err(e.where or "dims", e.message, e.value, fix=e.fix)
+            return False
+        return True
 
     def inputs(self) -> None:
         used: set[str] = set()
@@ -184,11 +204,11 @@ class _Checker:
                     if e not in self.r.dims:
                         self.err(f"inputs[{i}].shape[{j}]", f"dim {e!r} is not declared under dims", e,
                                  fix=f"declare dims.{e} or use one of: {', '.join(self.r.dims)}")
-            pv = inp.pad_value
-            if inp.dtype not in ("f64", "f32", "tf32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2"):
-                if float(pv) != int(pv) or (inp.dtype == "bool" and pv not in (0, 1)):
-                    self.err(f"inputs[{i}].pad_value", f"pad value does not fit dtype {inp.dtype}", pv,
-                             fix="an integer (0 or 1 for bool)")
+            bad = _pad_problem(inp.dtype, inp.pad_value)
+            if bad is not None:
+                self.err(f"inputs[{i}].pad_value", f"pad value does not fit dtype {inp.dtype}: {bad[0]}",
+                         inp.pad_value, fix=bad[1])
+            self.mask(i, inp)
         for name in self.r.dims:
             if name not in used:
                 self.err(f"dims.{name}", f"dim {name!r} is declared but no input uses it", name,
@@ -199,10 +219,35 @@ class _Checker:
                     self.err(f"outputs.{name}[{j}]", f"dim {a!r} is not declared under dims", a,
                              fix=f"one of: {', '.join(self.r.dims)}, an int, or '*'")
 
+    def mask(self, i: int, inp: Any) -> None:
+        """An attention mask names the padded dims it covers, and pads with 0 (masked out)."""
+        p = f"inputs[{i}]"
+        if inp.mask_for and inp.role != "attention_mask":
+            self.err(f"{p}.mask_for", f"mask_for is only meaningful on an attention_mask input (role is "
+                                      f"{inp.role!r})", inp.mask_for,
+                     fix="set `role: attention_mask` or remove mask_for")
+            return
+        if inp.role != "attention_mask":
+            return
+        sym = [e for e in inp.shape if isinstance(e, str)]
+        for j, d in enumerate(inp.mask_for):
+            if d not in sym:
+                self.err(f"{p}.mask_for[{j}]", f"{d!r} is not a dim of input {inp.name!r} (shape {inp.shape})", d,
+                         fix=f"one of: {', '.join(dict.fromkeys(sym)) or '(no symbolic dims)'}")
+            elif d in inp.mask_for[:j]:
+                self.err(f"{p}.mask_for[{j}]", f"{d!r} listed twice", d, fix="list each dim once")
+        if inp.pad_value != 0:
+            self.err(f"{p}.pad_value", "an attention_mask input must pad with 0 (False), so padded positions "
+                                       "are masked out", inp.pad_value, fix="pad_value: 0")
+        if not inp.masked_dims():
+            self.warn(f"{p}.role", f"attention_mask {inp.name!r} covers no symbolic dim (axis 0 is the batch): "
+                                   "padding never reaches it")
+
     def capture(self) -> None:
         c = self.r.capture
+        included = set(c.include_ops)
         for i, op in enumerate(c.exclude_ops):
-            if op in c.include_ops:
+            if op in included:
                 self.err(f"capture.exclude_ops[{i}]", "op is both included and excluded", op)
         if c.exclude_ops and self.r.exe_mode == "graph":
             self.err("capture.exclude_ops", "excluded ops run as eager islands, which exe_mode 'graph' "
@@ -305,11 +350,10 @@ class _Checker:
                     self.err(path, f"selects nothing: dim {dim} ranges over [{lo}, {hi}]", sel)
 
     def targets(self) -> None:
-        names = []
-        for i, t in enumerate(self.r.targets):
-            names.append(t if isinstance(t, str) else t.name)
+        names = [t if isinstance(t, str) else t.name for t in self.r.targets]
+        first: dict[str, int] = {}
         for i, n in enumerate(names):
-            if names.index(n) != i:
+            if first.setdefault(n, i) != i:
                 self.err(f"targets[{i}]", "duplicate target", n)
         try:
             from graphmode.targets.registry import HOST, get_target
@@ -317,7 +361,7 @@ class _Checker:
             return
         from graphmode.errors import TargetError
         for i, t in enumerate(self.r.targets):
-            if isinstance(t, str) and t.strip().lower() != HOST and t not in names[:i]:
+            if isinstance(t, str) and t.strip().lower() != HOST and first[t] == i:
                 try:
                     get_target(t)
                 except TargetError as e:
@@ -348,6 +392,33 @@ class _Checker:
         for check in (self.dims, self.inputs, self.capture, self.optimize, self.precision, self.memory,
                       self.model, self.sla, self.targets, self.aliases, self.misc):
             check()
+
+
+def _brief(values: list[Any], n: int = 32) -> Any:
+    return values if len(values) <= n else f"[{', '.join(map(str, values[:n]))}, ...] ({len(values)} entries)"
+
+
+def _pad_problem(dtype: str, v: int | float) -> tuple[str, str] | None:
+    """(why, fix) when `v` is not exactly a value of `dtype`; None when it is."""
+    if dtype in INT_LIMITS:
+        lo, hi = INT_LIMITS[dtype]
+        fix = "0 or 1 (false or true)" if dtype == "bool" else f"an integer in [{lo}, {hi}]"
+        if isinstance(v, float) and not v.is_integer():
+            return f"{dtype} holds integers only", fix
+        if not lo <= v <= hi:
+            return f"outside [{lo}, {hi}]", fix
+        return None
+    top, bits = FLOAT_LIMITS[dtype]
+    if not abs(v) <= top:
+        return f"outside its finite range +-{top:g}", f"a value within +-{top:g}"
+    if isinstance(v, int) or v.is_integer():
+        n = abs(int(v))
+        if n and (n >> ((n & -n).bit_length() - 1)).bit_length() > bits:   # more significant bits than it keeps
+            ulp = 1 << (n.bit_length() - bits)
+            below, sign = n // ulp * ulp, -1 if v < 0 else 1
+            return (f"{dtype} keeps {bits} significant bits, so it would be rounded",
+                    f"an exactly representable value such as {sign * below} or {sign * (below + ulp)}")
+    return None
 
 
 def check_semantics(recipe: Recipe, target: Any = None, env: Environment | None = None) -> SemanticResult:

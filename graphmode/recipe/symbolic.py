@@ -4,7 +4,7 @@ A recipe value written as `${ expr }` is resolved against the chosen target at l
 so one recipe serves several chips. `expr` is a tiny arithmetic language, parsed with
 `ast` and walked over a whitelist (never `eval`):
 
-    numbers, + - * / // % and ** (constant integer exponent), unary -, parentheses,
+    numbers, + - * / // % and ** (constant integer exponent in [-64, 64]), unary -, (...),
     min(a, b, ...), max(a, b, ...), floor(x), ceil(x), round(x), abs(x),
     target.<field>                numeric Target fields (memory_bytes, compute_units, ...)
     target.memory_mb / memory_gb  derived sizes (MB = 2**20 bytes)
@@ -12,6 +12,9 @@ so one recipe serves several chips. `expr` is a tiny arithmetic language, parsed
     target.groups.<group>.<name>.<field>   a number in one of the target's named groups,
                                   `<name>` may be an entry's alias (e.g.
                                   target.groups.memory_banks.high_bandwidth.bandwidth_gbps)
+
+Bounded so that any text evaluates at once: at most 200 characters, 100 syntax nodes and
+32 levels of nesting; every constant and intermediate result within +-1e100.
 
 `memory.bank_affinity: [high_bandwidth]` names entries (or aliases) of the target's
 `groups.memory_banks`; they resolve to the union of the entries' `ids`.
@@ -23,8 +26,14 @@ import math
 import re
 from typing import Any
 
-SYM_RE = re.compile(r"^\$\{(.*)\}$", re.S)
+SYM_RE = re.compile(r"\$\{(.*)\}", re.S)       # used with fullmatch: `$` would accept a trailing newline
 MAX_EXPR_CHARS = 200
+MAX_EXPR_NODES = 100
+MAX_EXPR_DEPTH = 32
+# Every constant and intermediate result stays within this magnitude, so the next + - * / of
+# two of them is still a finite float (and an int of a few hundred bits); `**` is refused
+# *before* it is computed when its result would exceed it (9**64**64 would never finish).
+MAX_MAGNITUDE = 1e100
 
 NUMERIC_FIELDS = ("compute_units", "vector_width_bits", "registers_per_core", "l1_bytes", "l2_bytes",
                   "llc_bytes", "memory_bytes", "memory_bandwidth_gbps", "launch_overhead_us")
@@ -43,12 +52,12 @@ class SymbolicError(ValueError):
 
 
 def is_symbolic(value: Any) -> bool:
-    return isinstance(value, str) and SYM_RE.match(value.strip()) is not None
+    return isinstance(value, str) and SYM_RE.fullmatch(value.strip()) is not None
 
 
 def parse(text: str) -> ast.Expression:
     """Parse and statically check a `${...}` expression; raises SymbolicError."""
-    m = SYM_RE.match(text.strip())
+    m = SYM_RE.fullmatch(text.strip())
     if not m:
         raise SymbolicError("not a ${...} expression")
     body = m.group(1).strip()
@@ -60,6 +69,10 @@ def parse(text: str) -> ast.Expression:
         tree = ast.parse(body, mode="eval")
     except SyntaxError as e:
         raise SymbolicError(f"syntax error in ${{{body}}}: {e.msg}") from None
+    except (ValueError, RecursionError, MemoryError):      # NUL bytes; nesting the parser refuses
+        raise SymbolicError(f"cannot parse ${{{body}}}") from None
+    if sum(1 for _ in ast.walk(tree)) > MAX_EXPR_NODES:
+        raise SymbolicError(f"expression has more than {MAX_EXPR_NODES} syntax nodes; simplify it")
     _check(tree.body, 0)
     return tree
 
@@ -87,13 +100,17 @@ def _check_ref(parts: list[str]) -> None:
 
 
 def _check(node: ast.AST, depth: int) -> None:
-    if depth > 32:
-        raise SymbolicError("expression nested too deeply")
+    if depth > MAX_EXPR_DEPTH:
+        raise SymbolicError(f"expression nested more than {MAX_EXPR_DEPTH} levels deep")
     if isinstance(node, ast.Constant):
         if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
             raise SymbolicError(f"only numbers are allowed as constants, not {node.value!r}")
+        if not abs(node.value) <= MAX_MAGNITUDE:      # also inf (1e999) and nan
+            raise SymbolicError(f"constant {node.value!r} is outside +-{MAX_MAGNITUDE:g}")
     elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
         r = node.right
+        if isinstance(r, ast.UnaryOp) and isinstance(r.op, (ast.USub, ast.UAdd)):   # `-2` parses as -(2)
+            r = r.operand
         if not (isinstance(r, ast.Constant) and type(r.value) is int and abs(r.value) <= 64):
             raise SymbolicError("the exponent of ** must be an integer constant in [-64, 64]")
         _check(node.left, depth + 1)
@@ -156,35 +173,49 @@ def _lookup(parts: list[str], target: Any) -> float:
     return v
 
 
+def _bounded(v: float, what: str) -> float:
+    if not abs(v) <= MAX_MAGNITUDE:                  # nan compares False too
+        raise SymbolicError(f"{what} is {v:.3g}, outside +-{MAX_MAGNITUDE:g}" if math.isfinite(v) else
+                            f"{what} is {v}")
+    return v
+
+
+def _pow(a: float, b: int) -> float:
+    """a ** b, refused before computing when |result| would exceed MAX_MAGNITUDE."""
+    if a == 0 and b < 0:
+        raise SymbolicError("division by zero (0 raised to a negative power)")
+    if a != 0 and b * math.log10(abs(a)) > math.log10(MAX_MAGNITUDE):
+        raise SymbolicError(f"{float(a):.3g} ** {b} would be above {MAX_MAGNITUDE:g}")
+    return a ** b
+
+
 def _eval(node: ast.AST, target: Any) -> float:
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.BinOp):
         a, b = _eval(node.left, target), _eval(node.right, target)
         try:
-            return _BINOPS[type(node.op)](a, b)
+            v = _pow(a, b) if isinstance(node.op, ast.Pow) else _BINOPS[type(node.op)](a, b)
         except ZeroDivisionError:
             raise SymbolicError("division by zero") from None
+        return _bounded(v, "an intermediate result")
     if isinstance(node, ast.UnaryOp):
         v = _eval(node.operand, target)
         return -v if isinstance(node.op, ast.USub) else v
     if isinstance(node, ast.Call):
-        return FUNCS[node.func.id](*[_eval(a, target) for a in node.args])
-    return _lookup(_attr_path(node), target)
+        return _bounded(FUNCS[node.func.id](*[_eval(a, target) for a in node.args]), f"{node.func.id}(...)")
+    return _bounded(_lookup(_attr_path(node), target), ".".join(_attr_path(node)))
 
 
 def evaluate(text: str, target: Any) -> float:
     """Value of a `${...}` expression on `target`; raises SymbolicError."""
     tree = parse(text)
     try:
-        v = _eval(tree.body, target)
+        return _eval(tree.body, target)
     except (OverflowError, ValueError, TypeError) as e:
         if isinstance(e, SymbolicError):
             raise
         raise SymbolicError(f"cannot evaluate: {e}") from None
-    if not math.isfinite(v):
-        raise SymbolicError(f"expression evaluates to {v}")
-    return v
 
 
 def resolve_banks(names: list[str | int], target: Any) -> tuple[list[int] | None, list[tuple[int, str]]]:

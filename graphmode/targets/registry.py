@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, get_args
@@ -27,12 +28,24 @@ from pydantic import ValidationError
 
 from graphmode.errors import TargetError
 from graphmode.targets.schema import DTypeName, Target
-from graphmode.targets.units import normalize_target_dict
+from graphmode.targets.units import normalize_target_dict, short_value
 
 HOST = "host"
 KNOWN_DTYPES: tuple[str, ...] = get_args(DTypeName)
 # Groups every shipped target declares (and `host` builds); recipes may rely on them.
 REQUIRED_GROUPS = ("memory_banks", "compute_classes")
+# Sane upper bounds (beyond any chip) keep the recipe proofs' arithmetic finite and exact.
+MAX_BYTES = 2**60                 # 1 EiB
+MAX_GBPS = 1e7                    # 10 PB/s
+MAX_FLOPS = 1e21                  # 1 ZFLOP/s
+MAX_COUNT = 2**24                 # compute units, vector bits, registers
+MAX_OVERHEAD_US = 1e6             # one second per launch
+_LIMITS = {"compute_units": (MAX_COUNT, "a count"), "vector_width_bits": (MAX_COUNT, "a count"),
+           "registers_per_core": (MAX_COUNT, "a count"), "l1_bytes": (MAX_BYTES, "1 EiB"),
+           "l2_bytes": (MAX_BYTES, "1 EiB"), "llc_bytes": (MAX_BYTES, "1 EiB"), "memory_bytes": (MAX_BYTES, "1 EiB"),
+           "memory_bandwidth_gbps": (MAX_GBPS, "10 PB/s"), "launch_overhead_us": (MAX_OVERHEAD_US, "one second")}
+# A target name is a registry key, a file name and a metric label (fullmatch: `$` accepts "\n").
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 # Other spellings people use for shipped targets.
 ALIASES = {"a100": "a100_sxm", "a100_sxm4": "a100_sxm", "h100": "h100_sxm", "h100_sxm5": "h100_sxm",
            "h200_sxm": "h200", "mi250x_gcd": "mi250", "gfx90a": "mi250", "ascend910b": "ascend_910b",
@@ -159,7 +172,7 @@ def _raise_errors(errs: list[tuple[tuple, Any, str, str]], source: str, text: st
     if len(errs) > 1:
         others = ", ".join(".".join(str(p) for p in e[0]) or "(top level)" for e in errs[1:6])
         msg += f" [+{len(errs) - 1} more error(s): {others}]"
-    raise TargetError(msg, where=f"{source}: {dotted}", value=value, fix=fix, line=_line_of(text, path))
+    raise TargetError(msg, where=f"{source}: {dotted}", value=short_value(value), fix=fix, line=_line_of(text, path))
 
 
 def _build(data: dict[str, Any], *, source: str, text: str | None) -> Target:
@@ -199,6 +212,15 @@ def _build(data: dict[str, Any], *, source: str, text: str | None) -> Target:
 def check_target(t: Target) -> list[tuple[tuple, Any, str, str]]:
     """Consistency rules beyond the schema, as (field path, value, message, fix) tuples."""
     out: list[tuple[tuple, Any, str, str]] = []
+    if not _NAME.fullmatch(t.name):
+        out.append((("name",), t.name, "a target name is letters, digits, _ . - (at most 128)",
+                    "rename it, e.g. my_chip"))
+    for f, (top, what) in _LIMITS.items():
+        v = getattr(t, f)
+        if not (isinstance(v, (int, float)) and 0 <= v <= top):      # also inf and nan
+            out.append(((f,), v, f"out of range: must be finite and <= {top:g} ({what})",
+                        f"write a real value for {f}" + ("; sizes may be written like '80 GiB'" if "bytes" in f
+                                                         else "")))
     for i, dt in enumerate(t.dtypes):
         if dt not in KNOWN_DTYPES:
             near = difflib.get_close_matches(dt, KNOWN_DTYPES, n=1)
@@ -214,8 +236,8 @@ def check_target(t: Target) -> list[tuple[tuple, Any, str, str]]:
             near = difflib.get_close_matches(dt, KNOWN_DTYPES, n=1)
             out.append((("peak_flops", dt), dt, "unknown dtype",
                         (f"did you mean {near[0]!r}? " if near else "") + f"known: {', '.join(KNOWN_DTYPES)}"))
-        elif not isinstance(v, (int, float)) or v <= 0:
-            out.append((("peak_flops", dt), v, "peak must be a positive FLOP/s",
+        elif not isinstance(v, (int, float)) or not 0 < v <= MAX_FLOPS:
+            out.append((("peak_flops", dt), v, f"peak must be a positive FLOP/s <= {MAX_FLOPS:g}",
                         "write e.g. 19.5e12 or '19.5 TFLOPS'"))
         elif dt not in t.dtypes:
             out.append((("peak_flops", dt), dt, "peak given for a dtype not listed in dtypes",
@@ -243,13 +265,19 @@ def check_target(t: Target) -> list[tuple[tuple, Any, str, str]]:
             if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
                 out.append((("groups", g, name, "aliases"), aliases, "aliases must be a list of names",
                             "write aliases: [name1, name2]"))
-            for k, v in entry.get("peak_flops", {}).items():
-                if k not in KNOWN_DTYPES or not isinstance(v, (int, float)) or v <= 0:
+            peaks = entry.get("peak_flops", {})
+            if not isinstance(peaks, dict):
+                out.append((("groups", g, name, "peak_flops"), peaks, "peak_flops must map dtypes to rates",
+                            "write peak_flops: {f16: '100 TFLOPS'}"))
+                peaks = {}
+            for k, v in peaks.items():
+                if k not in KNOWN_DTYPES or not isinstance(v, (int, float)) or not 0 < v <= MAX_FLOPS:
                     out.append((("groups", g, name, "peak_flops", k), v, "bad peak (unknown dtype or not positive)",
                                 "use a known dtype and a positive rate like '100 TFLOPS'"))
-            for k in ("bytes", "bandwidth_gbps"):
-                if k in entry and (not isinstance(entry[k], (int, float)) or entry[k] <= 0):
-                    out.append((("groups", g, name, k), entry[k], f"{k} must be positive",
+            for k, top in (("bytes", MAX_BYTES), ("bandwidth_gbps", MAX_GBPS)):
+                v = entry.get(k, 1)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= top:
+                    out.append((("groups", g, name, k), v, f"{k} must be positive and <= {top:g}",
                                 "write a positive number (sizes may be written like '80 GiB')"))
     return out
 

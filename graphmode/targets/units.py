@@ -7,11 +7,12 @@ with its field path.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 _NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
-_QTY = re.compile(rf"^\s*{_NUM}\s*([A-Za-z/]*)\s*$")
+_QTY = re.compile(rf"\s*{_NUM}\s*([A-Za-z/]*)\s*")      # fullmatch
 
 BYTE_UNITS = {"": 1, "b": 1,
               "k": 1024, "kb": 1000, "kib": 1024,
@@ -25,6 +26,19 @@ _FLOP_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 _FLOP_UNIT = re.compile(r"^([kmgtp]?)(?:flops?|flop/s|ops|op/s|iops)?$")
 
 
+def short_value(value: Any, limit: int = 80) -> Any:
+    """`value` as an error shows it: itself if short, else its repr cut to `limit` characters.
+    An int too long for repr (over 4300 digits) is shown by its size, a structure nested too
+    deeply for repr by its type, instead of raising."""
+    try:
+        r = repr(value)
+    except (ValueError, RecursionError):
+        if isinstance(value, int):
+            return f"<an integer of {value.bit_length()} bits>"
+        return f"<a {type(value).__name__} nested too deeply to show>"
+    return value if len(r) <= limit else r[:limit] + "..."
+
+
 class UnitError(ValueError):
     """A quantity string that could not be read; carries the accepted forms as `fix`."""
 
@@ -36,14 +50,25 @@ class UnitError(ValueError):
 def _split(value: Any, what: str, fix: str) -> tuple[float, str]:
     if isinstance(value, bool):
         raise UnitError(f"{what} must be a number, not a boolean", fix)
-    if isinstance(value, (int, float)):
-        return float(value), ""
-    if not isinstance(value, str):
+    if not isinstance(value, (int, float, str)):
         raise UnitError(f"{what} must be a number or a string with a unit", fix)
-    m = _QTY.match(value)
-    if not m:
+    m = _QTY.fullmatch(value) if isinstance(value, str) else None
+    if isinstance(value, str) and not m:
         raise UnitError(f"cannot read {what}", fix)
-    return float(m.group(1)), m.group(2).lower()
+    try:
+        num = float(m.group(1)) if m else float(value)
+    except OverflowError:                     # an int beyond float range
+        num = math.inf
+    if not math.isfinite(num):
+        raise UnitError(f"{what} is not a finite number", fix)
+    return num, m.group(2).lower() if m else ""
+
+
+def _scaled(num: float, scale: float, what: str, fix: str) -> float:
+    x = num * scale
+    if not math.isfinite(x):
+        raise UnitError(f"{what} is beyond any finite number", fix)
+    return x
 
 
 def parse_bytes(value: Any) -> int:
@@ -52,7 +77,7 @@ def parse_bytes(value: Any) -> int:
     num, unit = _split(value, "size", fix)
     if unit not in BYTE_UNITS:
         raise UnitError(f"unknown size unit {unit!r}", fix)
-    return int(round(num * BYTE_UNITS[unit]))
+    return int(round(_scaled(num, BYTE_UNITS[unit], "size", fix)))
 
 
 def parse_bandwidth_gbps(value: Any) -> float:
@@ -61,7 +86,7 @@ def parse_bandwidth_gbps(value: Any) -> float:
     num, unit = _split(value, "bandwidth", fix)
     if unit not in BANDWIDTH_UNITS:
         raise UnitError(f"unknown bandwidth unit {unit!r}", fix)
-    return num * BANDWIDTH_UNITS[unit]
+    return _scaled(num, BANDWIDTH_UNITS[unit], "bandwidth", fix)
 
 
 def parse_flops(value: Any) -> float:
@@ -71,7 +96,7 @@ def parse_flops(value: Any) -> float:
     m = _FLOP_UNIT.match(unit)
     if not m:
         raise UnitError(f"unknown rate unit {unit!r}", fix)
-    return num * _FLOP_PREFIX[m.group(1)]
+    return _scaled(num, _FLOP_PREFIX[m.group(1)], "peak rate", fix)
 
 
 def _conv(parse, value: Any, path: str, errors: list) -> Any:

@@ -162,7 +162,7 @@ def test_sla_without_flops_is_unproved_not_valid():
 
 
 def test_timeout_reports_unproved(monkeypatch):
-    monkeypatch.setattr(C, "_solve", lambda cons, vars, timeout_ms: ("unknown", "timeout"))
+    monkeypatch.setattr(C, "_solve", lambda cons, vars, timeout_ms, domains=None: ("unknown", "timeout"))
     rep = validate(load_recipe(ROOT / "examples/recipes/resnet18_cpu.yaml"), CPU)
     assert {p.status for p in rep.proofs} == {"unproved"}
     assert all("unproved (timeout)" in p.message for p in rep.proofs)
