@@ -190,6 +190,43 @@ def optimize(graph: Graph, recipe: Recipe | str | Path, target: Any = None, *,
     return out, rep
 
 
+def prove(recipe: Recipe, target: Any, graph: Graph):
+    """The recipe's three verification layers with the compiled graph's own facts (real weights,
+    the memory planner's activation peak, FLOPs): the same proof `graphmode compile` prints."""
+    from graphmode.compile_report import model_facts
+    from graphmode.plan.memory import activation_peak_expr
+    from graphmode.recipe import validate
+    act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
+                               alias_groups=[list(g) for g in recipe.alias_groups])
+    return validate(recipe, target, model_facts(graph, act))
+
+
+@dataclass
+class Lowered:
+    """A model checked and optimised under a recipe: what every entry point builds plans from."""
+
+    source: ModelSource
+    captured: Graph
+    capture_report: CaptureReport
+    verdict: Any                  # graphmode.verdict.Verdict
+    graph: Graph
+    optimize_report: OptimizeReport
+    proof: Any                    # graphmode.recipe.ValidationReport with the graph's own facts
+
+
+def lower_model(model: Any, recipe: Recipe | str | Path, target: Any = None, *, mode: str | None = None,
+                keep_snapshots: bool = False) -> Lowered:
+    """capture -> verdict -> passes -> proof, refusing (typed errors) at the first that fails:
+    the one path compile, verify, run, serve and `plan show` share."""
+    recipe = as_recipe(recipe)
+    graph0, cap, src, verdict = checked_capture(model, recipe, mode)
+    verdict.raise_for_refusal()
+    graph, opt = optimize(graph0, recipe, target, buckets=[], keep_snapshots=keep_snapshots)
+    proof = prove(recipe, target, graph)
+    proof.raise_for_errors()      # a recipe that is not proved is never loaded
+    return Lowered(src, graph0, cap, verdict, graph, opt, proof)
+
+
 def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mode: str | None = None,
             cache_dir: str | Path | None = None, threads: int | None = None, warmup: bool = False,
             progress: bool = False):
@@ -201,11 +238,9 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
     if mode == "eager":
         src = resolve_model(model, recipe)
         return CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir, threads=threads)
-    graph0, cap, src, verdict = checked_capture(model, recipe, mode)
-    verdict.raise_for_refusal()
-    graph, opt = optimize(graph0, recipe, tgt, buckets=[])
-    cm = CompiledModel(src, recipe, tgt, graph0, graph, (cap, opt), mode=mode, cache_dir=cache_dir,
-                       threads=threads, verdict=verdict)
+    low = lower_model(model, recipe, tgt, mode=mode)
+    cm = CompiledModel(low.source, recipe, tgt, low.captured, low.graph, (low.capture_report, low.optimize_report),
+                       mode=mode, cache_dir=cache_dir, threads=threads, verdict=low.verdict)
     if warmup:
         cm.warmup(progress=progress)
     return cm

@@ -8,6 +8,24 @@ from __future__ import annotations
 from typing import Any
 
 
+def short_value(value: Any, limit: int = 80) -> Any:
+    """`value` as an error shows it: itself if short, else its repr cut to `limit` characters.
+    An int too long for repr (over 4300 digits) is shown by its size, a structure nested too
+    deeply for repr by its type, instead of raising."""
+    try:
+        r = repr(value)
+    except (ValueError, RecursionError):
+        if isinstance(value, int):
+            return f"<an integer of {value.bit_length()} bits>"
+        return f"<a {type(value).__name__} nested too deeply to show>"
+    return value if len(r) <= limit else r[:limit] + "..."
+
+
+def _shown(value: Any) -> str:
+    v = short_value(value)
+    return v if isinstance(v, str) and v is not value else repr(v)
+
+
 class GraphmodeError(Exception):
     """Base class. `exit_code` is what the CLI exits with (2 = malformed input)."""
 
@@ -32,14 +50,14 @@ class GraphmodeError(Exception):
         if loc:
             head = f"{': '.join([', '.join(loc)])}: {head}"
         if self.value is not None:
-            head += f" (got {self.value!r})"
+            head += f" (got {_shown(self.value)})"
         if self.fix:
             head += f"\n  fix: {self.fix}"
         return head
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": type(self).__name__, "message": self.message, "where": self.where,
-                "value": repr(self.value) if self.value is not None else None,
+                "value": _shown(self.value) if self.value is not None else None,
                 "line": self.line, "fix": self.fix}
 
 

@@ -91,14 +91,13 @@ def cache_explain(
 ) -> None:
     """Say whether a lookup hits, and if not which key field differs from the nearest entry."""
     from graphmode.cli.run_cmd import parse_shape
-    from graphmode.compiler import capture, optimize
+    from graphmode.compiler import lower_model
     from graphmode.recipe import load_recipe
     from graphmode.runtime.cache import make_key
 
     rec = load_recipe(recipe)
     env = parse_shape(bucket, list(rec.dims)) if bucket else dict(rec.buckets()[0])
-    graph0, _, _ = capture(model, rec)
-    graph, _ = optimize(graph0, rec, None, buckets=[])
+    graph = lower_model(model, rec).graph
     key = make_key(graph.structural_hash(), rec.hash(), target, env)
     res = _cache(cache_dir).explain(key)
     res["key"] = key

@@ -10,19 +10,36 @@ import typer
 from rich.table import Table
 
 from graphmode.cli.app import app, console
+from graphmode.errors import GraphmodeError
+
+
+def dump_selection(text: Optional[str], flag: str, pipeline: list[str]):
+    """`--dump-ir-before/after` value -> () | "all" | {pass names}, refusing names not in the pipeline."""
+    if not text:
+        return ()
+    if text == "all":
+        return "all"
+    names = {s.strip() for s in text.split(",")}
+    unknown = sorted(names - set(pipeline))
+    if unknown:
+        raise GraphmodeError(f"no pass {', '.join(unknown)} in this recipe's pipeline", where=flag, value=text,
+                             fix=f"one of: {', '.join(pipeline)}, or all")
+    return names
 
 
 def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_dir: Optional[Path] = None,
                  dump_before: Optional[str] = None, dump_after: Optional[str] = None, plan_buckets: bool = True):
     """Run the pipeline up to memory plans; returns (report, optimized graph, recipe, source)."""
-    from graphmode.compile_report import BucketMemory, CompileReport, model_facts
-    from graphmode.compiler import _target, checked_capture, optimize
+    from graphmode.compile_report import BucketMemory, CompileReport
+    from graphmode.compiler import _target, checked_capture, optimize, prove
     from graphmode.plan.memory import activation_peak_expr, plan_memory
-    from graphmode.recipe import load_recipe, validate
+    from graphmode.recipe import load_recipe
     from graphmode.recipe.targets import pick_target
 
     secs: dict[str, float] = {}
     recipe = load_recipe(recipe_path)
+    before = dump_selection(dump_before, "--dump-ir-before", recipe.pipeline())
+    after = dump_selection(dump_after, "--dump-ir-after", recipe.pipeline())
     tgt = _target(target) if target else pick_target(recipe, None)
     t0 = time.perf_counter()
     graph0, cap, src, contract = checked_capture(model, recipe)
@@ -33,11 +50,9 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
                             seconds=secs, contract=contract)
         return rep, graph0, recipe, src
 
-    def sel(v):
-        return () if not v else ("all" if v == "all" else {s.strip() for s in v.split(",")})
     t0 = time.perf_counter()
     graph, opt = optimize(graph0, recipe, tgt, buckets=[], dump_dir=dump_dir or Path("graphmode-ir-dumps"),
-                          dump_before=sel(dump_before), dump_after=sel(dump_after))
+                          dump_before=before, dump_after=after)
     secs["passes"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     memory = []
@@ -50,7 +65,7 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
                                alias_groups=[list(g) for g in recipe.alias_groups])
     secs["memory_plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    validation = validate(recipe, tgt, model_facts(graph, act))
+    validation = prove(recipe, tgt, graph)
     secs["verify"] = time.perf_counter() - t0
     fused = [{"kind": n.attrs.get("kind"), "ops": [m.op for m in n.body.nodes], "outputs": list(n.outputs)}
              for n in graph.nodes if n.op == "fused"]

@@ -22,7 +22,7 @@ def plan_show(
 ) -> None:
     """Print the ordered instructions, arena offsets and sizes of one bucket's plan."""
     from graphmode.cli.run_cmd import parse_shape
-    from graphmode.compiler import checked_capture, optimize
+    from graphmode.compiler import lower_model
     from graphmode.recipe import load_recipe
     from graphmode.runtime.build import build_plan
 
@@ -32,10 +32,7 @@ def plan_show(
     if bucket is None:
         raise GraphmodeError(f"shape {env} is outside the recipe's dims", where="--bucket",
                              fix=f"buckets: {rec.dim_buckets()}")
-    graph0, cap, src, contract = checked_capture(model, rec)
-    contract.raise_for_refusal()
-    graph, _ = optimize(graph0, rec, None, buckets=[])
-    plan = build_plan(graph, rec, bucket)
+    plan = build_plan(lower_model(model, rec).graph, rec, bucket)
     if as_json:
         print(json.dumps(plan.to_json(), indent=1))
     else:

@@ -133,11 +133,13 @@ def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
 
 
 def _model_facts(model: str, recipe):
-    """Capture + optimise the model: exact weight bytes and the planner's activation peak."""
+    """Capture + optimise the model: exact weight bytes and the planner's activation peak. The
+    model must pass the same verdict as compile (mismatches, fallbacks, padding) first."""
     from graphmode.compile_report import model_facts
-    from graphmode.compiler import capture, optimize
+    from graphmode.compiler import checked_capture, optimize
     from graphmode.plan.memory import activation_peak_expr
-    graph0, _, _ = capture(model, recipe)
+    graph0, _, _, verdict = checked_capture(model, recipe)
+    verdict.raise_for_refusal()
     graph, _ = optimize(graph0, recipe, None, buckets=[])
     act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
                                alias_groups=[list(g) for g in recipe.alias_groups])

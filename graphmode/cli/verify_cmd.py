@@ -74,17 +74,16 @@ def verify_cmd(
     (fp32: rel L2 < 1e-5); on a mismatch, bisect to the pass and node that introduced it."""
     import torch.utils._pytree as pytree
 
-    from graphmode.compiler import checked_capture, optimize
+    from graphmode.compiler import lower_model
     from graphmode.recipe import load_recipe
     from graphmode.runtime.compiled import CompiledModel
     from graphmode.verify.bisect import bisect, bisect_plan, compare_outputs, propose_fix
 
     rec = load_recipe(recipe)
     mode = "graph" if rec.exe_mode == "eager" else rec.exe_mode
-    graph0, cap, src, contract = checked_capture(model, rec, mode)
-    contract.raise_for_refusal()
-    graph, opt = optimize(graph0, rec, None, buckets=[], keep_snapshots=True)
-    cm = CompiledModel(src, rec, None, graph0, graph, (cap, opt), mode=mode, verdict=contract)
+    low = lower_model(model, rec, mode=mode, keep_snapshots=True)
+    src, graph, opt, contract = low.source, low.graph, low.optimize_report, low.verdict
+    cm = CompiledModel(src, rec, None, low.captured, graph, (low.capture_report, opt), mode=mode, verdict=contract)
     buckets = rec.buckets()
     if max_buckets:
         buckets = buckets[:max_buckets]

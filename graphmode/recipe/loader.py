@@ -16,8 +16,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from graphmode.errors import RecipeError, RecipeErrors
+from graphmode.errors import short_value as _short
 from graphmode.recipe.schema import Recipe
-from graphmode.targets.units import short_value as _short
 
 MAX_BYTES = 256 << 10        # a recipe is a small file (the shipped ones are ~2 KB); parsing is bounded by it
 MAX_NODES = 50_000           # guards against alias bombs

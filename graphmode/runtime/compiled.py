@@ -158,8 +158,12 @@ class CompiledModel:
             if exe is None:
                 t0 = time.perf_counter()
                 from graphmode.runtime.build import build_executable
+                seen = len(getattr(self, "cache_events", []))
                 exe, cached = build_executable(self, dict(env))
                 self._executables[key] = exe
+                for ev in getattr(self, "cache_events", [])[seen:]:    # damage the cache found and repaired
+                    if ev.get("event") in ("corrupt", "unusable", "unwritable"):
+                        self._event(f"cache_{ev['event']}", bucket=key, **{k: v for k, v in ev.items() if k != "event"})
                 self._event("compile" if not cached else "cache_hit", bucket=key,
                             seconds=round(time.perf_counter() - t0, 3))
         return exe
@@ -193,8 +197,9 @@ class CompiledModel:
                 err, kind, reason = self._violation(dims), "shape", "shape outside contract"
             else:
                 d = unsafe[0]
-                reason = f"padding {d} from {dims[d]} to {bucket[d]} is unsafe for this model"
-                err, kind = ContractViolation(reason, where=f"dims.{d}", value=dims[d],
+                reason = f"unsafe padding on {d}"     # bounded: it labels a Prometheus series
+                err, kind = ContractViolation(f"padding {d} from {dims[d]} to {bucket[d]} is unsafe for this model",
+                                              where=f"dims.{d}", value=dims[d],
                                               fix=f"send {d} equal to a bucket value {self.recipe.dim_buckets()[d]}"
                                                   ", or see the compile report's padding verdict"), "padding"
             self.events["violated_calls"] += 1

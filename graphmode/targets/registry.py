@@ -26,9 +26,9 @@ from typing import Any, get_args
 import yaml
 from pydantic import ValidationError
 
-from graphmode.errors import TargetError
+from graphmode.errors import TargetError, short_value
 from graphmode.targets.schema import DTypeName, Target
-from graphmode.targets.units import normalize_target_dict, short_value
+from graphmode.targets.units import normalize_target_dict
 
 HOST = "host"
 KNOWN_DTYPES: tuple[str, ...] = get_args(DTypeName)

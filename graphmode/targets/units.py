@@ -26,19 +26,6 @@ _FLOP_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 _FLOP_UNIT = re.compile(r"^([kmgtp]?)(?:flops?|flop/s|ops|op/s|iops)?$")
 
 
-def short_value(value: Any, limit: int = 80) -> Any:
-    """`value` as an error shows it: itself if short, else its repr cut to `limit` characters.
-    An int too long for repr (over 4300 digits) is shown by its size, a structure nested too
-    deeply for repr by its type, instead of raising."""
-    try:
-        r = repr(value)
-    except (ValueError, RecursionError):
-        if isinstance(value, int):
-            return f"<an integer of {value.bit_length()} bits>"
-        return f"<a {type(value).__name__} nested too deeply to show>"
-    return value if len(r) <= limit else r[:limit] + "..."
-
-
 class UnitError(ValueError):
     """A quantity string that could not be read; carries the accepted forms as `fix`."""
 

@@ -179,3 +179,11 @@ def test_run_exits_1_when_numerics_fail(tmp_path, monkeypatch):
     res = invoke("run", "--model", f"{TINY}:mlp", "--recipe", write(tmp_path, r), "--iters", "1",
                  "--shape", "2")
     assert res.exit_code == 1 and "numerics check failed" in res.output, res.output
+
+
+def test_recipe_validate_with_the_model_reaches_the_same_verdict(tmp_path):
+    path = write(tmp_path, recipe("mean", POOL_INPUTS, POOL_DIMS))
+    res = invoke("recipe", "validate", path, "--model", f"{TINY}:mean_pool")
+    assert res.exit_code == 1 and "dims.seq" in res.output and "mean" in res.output, res.output
+    res = invoke("recipe", "validate", path, "--model", f"{TINY}:masked_mean_pool")
+    assert res.exit_code == 0, res.output

@@ -1,0 +1,120 @@
+"""Every CLI command over broken recipes, model specs, ONNX files and arguments: each one ends
+with a graphmode error (exit 1 or 2) that names what is wrong — never a traceback."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from graphmode.cli.app import _register, app
+
+from tiny_models import recipe
+
+_register()
+runner = CliRunner()
+TINY = str(Path(__file__).with_name("tiny_models.py"))
+MLP = recipe("mlp", [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}], {"batch": {"buckets": [1, 2]}})
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("broken")
+    f = {
+        "good": d / "good.yaml", "malformed_yaml": d / "malformed.yaml", "empty": d / "empty.yaml",
+        "wrong_type": d / "wrong_type.yaml", "unknown_key": d / "unknown_key.yaml", "binary": d / "binary.yaml",
+        "list": d / "list.yaml", "huge": d / "huge.yaml", "broken_py": d / "broken_model.py",
+        "raising_py": d / "raising_model.py", "bad_onnx": d / "bad.onnx", "dir": d / "adir",
+    }
+    f["good"].write_text(yaml.safe_dump(MLP))
+    f["malformed_yaml"].write_text("version: 1\nname: [unclosed\n")
+    f["empty"].write_text("")
+    f["wrong_type"].write_text(yaml.safe_dump({**MLP, "version": "one"}))
+    f["unknown_key"].write_text(yaml.safe_dump({**MLP, "speed": "fast"}))
+    f["binary"].write_bytes(bytes(range(256)) * 4)
+    f["list"].write_text("- 1\n- 2\n")
+    f["huge"].write_text(yaml.safe_dump({**MLP, "memory": {"budget_mb": "${((9**64)**64)**64}"}}))
+    f["broken_py"].write_text("def model(:\n")
+    f["raising_py"].write_text("def model():\n    raise RuntimeError('boom')\n\ndef wrong():\n    return 42\n")
+    f["bad_onnx"].write_bytes(b"\x08\x07not really onnx" * 10)
+    f["dir"].mkdir()
+    return {k: str(v) for k, v in f.items()}
+
+
+def run(args: list[str]):
+    res = runner.invoke(app, args)
+    out = res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), f"{args}: {res.exception!r}\n{out}"
+    assert "Traceback" not in out, f"{args}:\n{out}"
+    return res, out
+
+
+RECIPE_CASES = ["malformed_yaml", "empty", "wrong_type", "unknown_key", "binary", "list", "huge", "dir", "missing"]
+
+
+@pytest.mark.parametrize("case", RECIPE_CASES)
+@pytest.mark.parametrize("cmd", [["recipe", "validate"], ["recipe", "show"], ["compile", "--model", "MODEL",
+                                                                            "--recipe"],
+                                 ["run", "--model", "MODEL", "--recipe"], ["verify", "--model", "MODEL", "--recipe"],
+                                 ["plan", "show", "--model", "MODEL", "--recipe"],
+                                 ["cache", "explain", "--model", "MODEL", "--recipe"],
+                                 ["serve", "--model", "MODEL", "--recipe"], ["demo", "--recipe"]])
+def test_broken_recipes(files, cmd, case):
+    path = files.get(case, "/nonexistent/recipe.yaml")
+    args = [a.replace("MODEL", f"{TINY}:mlp") for a in cmd] + [path]
+    res, out = run(args)
+    assert res.exit_code in (1, 2), (args, res.exit_code, out)
+    if case not in ("huge",):
+        assert res.exit_code == 2, (args, out)
+
+
+MODEL_CASES = {
+    "unknown": ("nosuchmodel", "nosuchmodel"),
+    "syntax_error": ("{broken_py}:model", "broken_model.py"),
+    "missing_function": ("{raising_py}:nothing", "nothing"),
+    "raises": ("{raising_py}:model", "boom"),
+    "wrong_return": ("{raising_py}:wrong", "int"),
+    "bad_onnx": ("{bad_onnx}", "ONNX"),
+    "directory": ("{dir}", "directory"),
+    "missing_py": ("/nonexistent/m.py:model", "not found"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+@pytest.mark.parametrize("cmd", [["compile"], ["run"], ["verify"], ["plan", "show"], ["cache", "explain"],
+                                 ["recipe", "validate", "RECIPE", "--model"], ["serve"], ["profile"], ["bench"]])
+def test_broken_models(files, cmd, case):
+    spec, needle = MODEL_CASES[case]
+    spec = spec.format(**files)
+    if cmd[0] == "recipe":
+        args = ["recipe", "validate", files["good"], "--model", spec]
+    elif cmd[0] in ("profile", "bench"):
+        args = cmd + ["--model", spec, "--shape", "1x16"]
+    else:
+        args = cmd + ["--model", spec, "--recipe", files["good"]]
+    res, out = run(args)
+    assert res.exit_code == 2, (args, out)
+    assert needle.lower() in out.lower(), (args, out)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--model", "MLP", "--recipe", "GOOD", "--shape", "0"], "positive"),
+    (["run", "--model", "MLP", "--recipe", "GOOD", "--shape", "x"], "--shape"),
+    (["run", "--model", "MLP", "--recipe", "GOOD", "--mode", "turbo"], "--mode"),
+    (["run", "--model", "MLP", "--recipe", "GOOD", "--iters", "-3"], "iters"),
+    (["plan", "show", "--model", "MLP", "--recipe", "GOOD", "--bucket", "99"], "outside"),
+    (["compile", "--model", "MLP", "--recipe", "GOOD", "--target", "nosuchchip"], "nosuchchip"),
+    (["compile", "--model", "MLP", "--recipe", "GOOD", "--dump-ir-after", "nosuchpass"], "nosuchpass"),
+    (["cache", "prune", "--max-size", "lots"], "--max-size"),
+    (["targets", "show", "nosuchchip"], "nosuchchip"),
+    (["recipe", "diff", "GOOD", "/nonexistent.yaml"], "nonexistent"),
+    (["serve", "--model", "MLP", "--recipe", "GOOD", "--port", "-5"], "port"),
+    (["serve", "--model", "MLP", "--recipe", "GOOD", "--batch-window-ms", "-1"], "batch-window"),
+    (["bench", "--model", "MLP", "--shape", "axb"], "shape"),
+])
+def test_bad_arguments(files, args, needle):
+    args = [a.replace("MLP", f"{TINY}:mlp").replace("GOOD", files["good"]) for a in args]
+    res, out = run(args)
+    assert res.exit_code == 2, (args, out)
+    assert needle.lower() in out.lower(), (args, out)
