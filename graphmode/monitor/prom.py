@@ -72,6 +72,21 @@ class PromMetrics:
                                     "(malformed body, too large, unsupported media type, not ready)",
                                     ("target", "reason"), registry=r)
 
+    def forget(self, version: str) -> None:
+        """Drop every series of recipe `version` (retired long ago), so a server that swaps
+        recipes for months does not export, or keep in memory, one set of series per swap."""
+        for fam in (self.requests, self.latency, self.model_latency, self.batch_requests, self.compiles,
+                    self.fallbacks, self.violations, self.operations, self.violated_operations, self.health,
+                    self.arena_bytes, self.weights_bytes, self.memory_budget, self.drift, self.renegotiations,
+                    self.recipe_active):
+            if hasattr(fam, "remove_by_labels"):            # prometheus_client >= 0.22
+                fam.remove_by_labels({"version": version})
+                continue
+            series = {tuple(s.labels.values()) for m in fam.collect() for s in m.samples
+                      if s.labels.get("version") == version and "le" not in s.labels}
+            for values in series:                           # sample labels are in label-name order
+                fam.remove(*values)
+
     def text(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)

@@ -7,11 +7,21 @@
         httpx.post(running.url + "/v1/infer", json={"inputs": {...}})
 
 `graphmode serve --model SPEC --recipe PATH` is the command-line form; the endpoints and
-formats are in graphmode/serve/README.md.
+formats are in graphmode/serve/README.md. Exports load lazily: the recipe sandbox's worker
+(`python -m graphmode.serve.sandbox`) imports this package and must not pay for torch.
 """
-from graphmode.serve.app import ServerThread, create_app
-from graphmode.serve.errors import BadRequest, NotReady, ReloadBusy, RequestTimeout, ServeError
-from graphmode.serve.server import Deployment, ModelServer, ReloadTicket, ServeConfig
+_API = {"ServerThread": "graphmode.serve.app", "create_app": "graphmode.serve.app",
+        "ModelServer": "graphmode.serve.server", "ServeConfig": "graphmode.serve.server",
+        "Deployment": "graphmode.serve.server", "ReloadTicket": "graphmode.serve.server",
+        "ServeError": "graphmode.serve.errors", "BadRequest": "graphmode.serve.errors",
+        "Unauthorized": "graphmode.serve.errors", "NotReady": "graphmode.serve.errors",
+        "ReloadBusy": "graphmode.serve.errors", "RequestTimeout": "graphmode.serve.errors"}
 
-__all__ = ["ModelServer", "ServeConfig", "ServerThread", "create_app", "Deployment", "ReloadTicket", "ServeError",
-           "BadRequest", "NotReady", "ReloadBusy", "RequestTimeout"]
+__all__ = list(_API)
+
+
+def __getattr__(name):
+    if name in _API:
+        import importlib
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'graphmode.serve' has no attribute {name!r}")

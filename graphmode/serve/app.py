@@ -1,91 +1,219 @@
 """The HTTP layer (Starlette): routes over a ModelServer, errors as JSON, uvicorn runners.
 
-Every failure answers JSON `{"error": <type>, "message", "where", "value", "fix", ...}`
-with a 4xx for the client's mistakes (400 malformed body, 413 too large, 415 media type,
-422 contract / recipe refused, 409 reload busy) and 503 / 504 for not ready / timeout.
-A 500 means a server bug; it is logged and the worker keeps serving.
+Every failure answers strict JSON `{"error": <type>, "message", "where", "value", "fix", ...}`
+with a 4xx for the client's mistakes (400 malformed body or query, 401 no admin token,
+408 headers or body too slow, 413 too large, 415 media type, 422 contract / recipe refused,
+409 reload busy) and 503 / 504 for not ready / timeout. A 500 means a server bug; it is
+logged and the worker keeps serving.
+
+Slow clients cannot hold the server: the headers must arrive within `header_timeout_s`
+(checked in the HTTP protocol, `_GuardedH11`), the body within `body_timeout_s`, and a
+Content-Length over the limit is answered 413 before any of the body is read.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
+import hmac
+import ipaddress
 import logging
 import socket
 import threading
 import time
 from typing import Any, AsyncIterator
 
+import h11
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from graphmode.errors import ConstraintError, ContractViolation, GraphmodeError, RecipeError
-from graphmode.serve.codec import (answer_kind, body_kind, decode_json, decode_safetensors, encode_json,
+from graphmode.errors import ContractViolation, GraphmodeError
+from graphmode.serve.codec import (answer_kind, body_kind, clip, decode_json, decode_safetensors, dumps, encode_json,
                                    encode_safetensors, media_type)
-from graphmode.serve.errors import BadRequest, ServeError
-from graphmode.serve.server import ModelServer, error_dict
+from graphmode.serve.errors import BadRequest, NotReady, ServeError, Unauthorized, error_dict, http_status
+from graphmode.serve.server import ModelServer, ServeConfig
 
 log = logging.getLogger("graphmode.serve")
 MB = 2**20
 RECIPE_MAX_BYTES = 1 << 20
+MAX_WAIT_S = 3600.0
+DRAIN_MAX_BYTES = 64 * MB     # an oversized body up to this is read and dropped so the client sees the 413
+YAML_TYPES = ("", "application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain",
+              "application/x-www-form-urlencoded")       # (curl --data-binary's default)
+WAIT_VALUES = {"": False, "0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}
+CLOSE = {"Connection": "close"}
 
 
-def error_response(e: BaseException) -> JSONResponse:
-    if isinstance(e, ServeError):
-        status = e.status
-    elif isinstance(e, (ContractViolation, RecipeError, ConstraintError)):
-        status = 422
-    elif isinstance(e, GraphmodeError):
-        status = 500
-    else:
-        status = 500
-    body = error_dict(e)
+class JSONAnswer(Response):
+    """A JSON answer written by `codec.dumps`: always strict JSON, whatever the content."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content)
+
+
+def error_response(e: BaseException) -> Response:
+    status = http_status(e)
+    try:
+        body = error_dict(e)
+    except ValueError:                    # a value too long to print
+        body = {"error": type(e).__name__, "message": getattr(e, "message", "")[:500]}
     body["status"] = status
-    headers = {"Retry-After": "1"} if status == 503 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    headers = dict(getattr(e, "headers", None) or {})
+    if status == 503:
+        headers["Retry-After"] = "1"
+    if status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="graphmode"'
+    return JSONAnswer(body, status_code=status, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, at most `limit` bytes (413 beyond; the rest is drained, up to a bound, so
-    the client reads the answer instead of a reset connection)."""
-    too_big = BadRequest(f"body larger than {limit / MB:g} MB", status=413, reason="too_large", where="body",
-                         fix="send less per request, or raise --max-body-mb")
+# ---- request bodies -------------------------------------------------------------------------
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, at most `limit` bytes, within `timeout_s` (408 beyond, connection closed).
+    A body over the limit gets 413: at once, from its Content-Length, when that is over
+    DRAIN_MAX_BYTES (connection closed); else after reading and dropping the rest, so a
+    client that writes the whole body before reading sees the 413, not a reset."""
+    deadline = time.monotonic() + timeout_s
     stream = request.stream().__aiter__()
+
+    def too_big(drained: bool) -> BadRequest:
+        return BadRequest(f"body larger than {limit / MB:g} MB", status=413, reason="too_large", where="body",
+                          fix="send less per request, or raise --max-body-mb", headers=None if drained else CLOSE)
+
     cl = request.headers.get("content-length")
     if cl is not None:
-        try:
-            n = int(cl)
-        except ValueError:
-            raise BadRequest("Content-Length is not a number", where="Content-Length", value=cl) from None
+        if not cl.strip().isdigit():
+            raise BadRequest("Content-Length is not a number", where="Content-Length", value=clip(cl), headers=CLOSE)
+        n = int(cl)
         if n > limit:
-            await _drain(stream, 4 * limit + 16 * MB)
-            raise too_big
+            raise too_big(n <= max(DRAIN_MAX_BYTES, limit) and await _drain(stream, n, deadline))
     chunks, total = [], 0
-    async for chunk in stream:
+    while True:
+        chunk = await _next_chunk(stream, deadline, timeout_s)
+        if chunk is None:
+            return b"".join(chunks)
         total += len(chunk)
         if total > limit:
-            await _drain(stream, 4 * limit + 16 * MB)
-            raise too_big
+            raise too_big(await _drain(stream, DRAIN_MAX_BYTES - total, deadline))
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
-async def _drain(stream: Any, cap: int) -> None:
+async def _next_chunk(stream: Any, deadline: float, timeout_s: float) -> bytes | None:
+    try:
+        return await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
+    except StopAsyncIteration:
+        return None
+    except asyncio.TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {timeout_s:g} s", status=408,
+                         reason="timeout", where="body", headers=CLOSE,
+                         fix="send the whole body promptly (or raise --body-timeout-s)") from None
+
+
+async def _drain(stream: Any, cap: int, deadline: float) -> bool:
+    """Read and drop the rest of the body; False when it is longer than `cap` or too slow."""
     seen = 0
-    with contextlib.suppress(ClientDisconnect, StopAsyncIteration):
-        async for chunk in stream:
+    with contextlib.suppress(ClientDisconnect):
+        while True:
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return True
+            except asyncio.TimeoutError:
+                return False
             seen += len(chunk)
             if seen > cap:
-                break
+                return False
+    return False
 
+
+# ---- access control ---------------------------------------------------------------------------
+
+def authorize(request: Request, token: str | None) -> None:
+    """State-changing endpoints need `Authorization: Bearer <admin token>` when one is set."""
+    if token is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise Unauthorized("this endpoint changes the server: it needs the admin token", where="Authorization",
+                           fix="send the header `Authorization: Bearer <token>` with the server's admin token")
+
+
+def is_loopback(host: str) -> bool:
+    h = host.strip().strip("[]")
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(h, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
+
+
+def check_exposure(host: str, config: ServeConfig) -> None:
+    """Refuse to listen beyond loopback when anyone who can connect could swap the recipe."""
+    if config.admin_token is None and not config.insecure_no_auth and not is_loopback(host):
+        raise GraphmodeError(f"refusing to listen on {host!r} without an admin token: anyone who can reach it could "
+                             "replace the serving recipe", where="--host", value=host,
+                             fix="set GRAPHMODE_ADMIN_TOKEN (or --admin-token), listen on 127.0.0.1, or pass "
+                                 "--insecure-no-auth on a network you trust")
+
+
+# ---- PUT /v1/recipe options -------------------------------------------------------------------
+
+def reload_options(request: Request) -> tuple[bool, float]:
+    """(wait, timeout) from the query; anything else is refused before any side effect."""
+    q = request.query_params
+    unknown = sorted(set(q.keys()) - {"wait", "timeout"})
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s) {[clip(k, 40) for k in unknown[:5]]}", where="query",
+                         fix="PUT /v1/recipe takes ?wait=1 and &timeout=SECONDS")
+    for k in ("wait", "timeout"):
+        if len(q.getlist(k)) > 1:
+            raise BadRequest(f"query parameter {k!r} given more than once", where=f"query.{k}")
+    wait = q.get("wait", "").strip().lower()
+    if wait not in WAIT_VALUES:
+        raise BadRequest("'wait' must be 1/0, true/false or yes/no", where="query.wait", value=clip(wait, 40))
+    timeout = 600.0
+    if "timeout" in q:
+        raw = q["timeout"]
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = float("nan")
+        if not 0 < timeout <= MAX_WAIT_S:              # also refuses nan and inf
+            raise BadRequest(f"'timeout' must be a number of seconds in (0, {MAX_WAIT_S:g}]", where="query.timeout",
+                             value=clip(raw, 40), fix="e.g. ?wait=1&timeout=300")
+    return WAIT_VALUES[wait], timeout
+
+
+def recipe_kind(content_type: str | None) -> str:
+    mt = media_type(content_type)
+    if mt in ("application/json", "text/json") or mt.endswith("+json"):
+        return "json"
+    if mt in YAML_TYPES:
+        return "yaml"
+    raise BadRequest(f"unsupported content type {clip(mt)!r} for a recipe", status=415,
+                     reason="unsupported_media_type", where="Content-Type",
+                     fix="send application/yaml or application/json")
+
+
+# ---- the app ------------------------------------------------------------------------------------
 
 def create_app(server: ModelServer) -> Starlette:
     metrics = server.metrics
+    cfg = server.config
 
-    def bad(e: ServeError, dep: Any = None) -> JSONResponse:
+    def bad(e: ServeError, dep: Any = None) -> Response:
         if e.status == 422 and dep is not None:
             dep.monitor.refused("input")
         elif e.status != 422:
@@ -97,7 +225,7 @@ def create_app(server: ModelServer) -> Starlette:
         try:
             dep = server.current()
             kind = body_kind(request.headers.get("content-type"))
-            body = await read_body(request, server.max_body_bytes)
+            body = await read_body(request, server.max_body_bytes, cfg.body_timeout_s)
             decode = decode_json if kind == "json" else decode_safetensors
             inputs = await run_in_threadpool(decode, body, dep.dtypes)
             result = await server.infer(dep, inputs)
@@ -106,7 +234,7 @@ def create_app(server: ModelServer) -> Starlette:
             data = await run_in_threadpool(encode_safetensors, result)
             return Response(data, media_type="application/octet-stream",
                             headers={"X-Graphmode-Recipe-Version": result["recipe_version"],
-                                     "X-Graphmode-Bucket": json.dumps(result["bucket"])})
+                                     "X-Graphmode-Bucket": dumps(result["bucket"]).decode()})
         except ClientDisconnect:
             return Response(status_code=400)
         except ServeError as e:
@@ -122,7 +250,7 @@ def create_app(server: ModelServer) -> Starlette:
                 "uptime_s": round(time.time() - server.started, 3)}
         if server.error is not None:
             body["error"] = error_dict(server.error)
-        return JSONResponse(body, status_code=503 if server.state == "failed" else 200)
+        return JSONAnswer(body, status_code=503 if server.state == "failed" else 200)
 
     async def readyz(request: Request) -> Response:
         view = server.readiness()
@@ -130,7 +258,7 @@ def create_app(server: ModelServer) -> Starlette:
         view["status"] = "ready" if ready else "not ready"
         if not ready and server.state == "warming" and server.active is None:
             view["progress"] = "compiling and warming up the recipe's buckets"
-        return JSONResponse(view, status_code=200 if ready else 503)
+        return JSONAnswer(view, status_code=200 if ready else 503)
 
     async def metrics_endpoint(request: Request) -> Response:
         if server.batcher is not None:
@@ -138,44 +266,36 @@ def create_app(server: ModelServer) -> Starlette:
         return Response(metrics.text(), media_type=metrics.content_type)
 
     async def get_recipe(request: Request) -> Response:
-        return JSONResponse(server.recipe_view())
+        return JSONAnswer(server.recipe_view())
 
     async def put_recipe(request: Request) -> Response:
         try:
-            body = await read_body(request, RECIPE_MAX_BYTES)
+            authorize(request, cfg.admin_token)
+            wait, timeout = reload_options(request)
+            kind = recipe_kind(request.headers.get("content-type"))
+            body = await read_body(request, RECIPE_MAX_BYTES, cfg.body_timeout_s)
             if not body.strip():
                 raise BadRequest("empty recipe", status=422, reason="recipe", where="body",
                                  fix="send the recipe as YAML or JSON")
-            mt = media_type(request.headers.get("content-type"))
-            if mt in ("application/json", "text/json") or mt.endswith("+json"):
-                try:
-                    source: Any = json.loads(body)
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-                    raise BadRequest(f"malformed JSON recipe: {e}", status=422, reason="recipe", where="body",
-                                     fix="send a JSON object (or YAML with Content-Type: application/yaml)") from None
-                if isinstance(source, dict) and isinstance(source.get("recipe"), dict):
-                    source = source["recipe"]          # accept GET /v1/recipe's answer as is
-            elif mt in ("", "application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain",
-                        "application/x-www-form-urlencoded"):        # curl --data-binary's default
-                source = bytes(body)
-            else:
-                raise BadRequest(f"unsupported content type {mt!r} for a recipe", status=415,
-                                 reason="unsupported_media_type", where="Content-Type",
-                                 fix="send application/yaml or application/json")
-            ticket = await run_in_threadpool(server.request_reload, source, "api")
+            if server.active is None:
+                raise NotReady("the server is still loading its first recipe", fix="retry when /readyz answers 200")
+            recipe = await run_in_threadpool(server.check_recipe, body, kind)
+            ticket = await run_in_threadpool(server.request_reload, recipe, "api")
             if ticket is None:
-                return JSONResponse({"status": "unchanged", "version": server.active.version})
-            wait = request.query_params.get("wait", "").lower() in ("1", "true", "yes")
+                return JSONAnswer({"status": "unchanged", "version": server.active.version})
             if not wait:
-                return JSONResponse({"status": "accepted", **ticket.to_dict()}, status_code=202,
-                                    headers={"Location": "/v1/recipe"})
-            timeout = float(request.query_params.get("timeout", "600"))
-            finished = await run_in_threadpool(ticket.wait, timeout)
-            if not finished:
-                return JSONResponse({"status": "compiling", **ticket.to_dict()}, status_code=202)
+                return JSONAnswer({"status": "accepted", **ticket.to_dict()}, status_code=202,
+                                  headers={"Location": "/v1/recipe"})
+            if not await ticket.wait_async(timeout, give_up=lambda: server.stopping):
+                if server.stopping:
+                    raise NotReady("the server is shutting down before the new recipe is warm", where="recipe",
+                                   fix="send the recipe to the server that replaces this one")
+                return JSONAnswer({"status": "compiling", **ticket.to_dict()}, status_code=202)
             if ticket.state == "swapped":
-                return JSONResponse({"status": "swapped", **ticket.to_dict()})
+                return JSONAnswer({"status": "swapped", **ticket.to_dict()})
             return error_response(ticket.error or GraphmodeError("reload failed"))
+        except ClientDisconnect:
+            return Response(status_code=400)
         except ServeError as e:
             if e.status != 422:
                 metrics.bad_requests.labels(server.target_name, e.reason).inc()
@@ -187,9 +307,9 @@ def create_app(server: ModelServer) -> Starlette:
             return error_response(e)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        return JSONResponse({"error": "HTTPError", "message": exc.detail, "status": exc.status_code,
-                             "fix": "endpoints: POST /v1/infer, GET|PUT /v1/recipe, GET /healthz, /readyz, /metrics"},
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONAnswer({"error": "HTTPError", "message": exc.detail, "status": exc.status_code,
+                           "fix": "endpoints: POST /v1/infer, GET|PUT /v1/recipe, GET /healthz, /readyz, /metrics"},
+                          status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error", exc_info=exc)
@@ -215,6 +335,71 @@ def create_app(server: ModelServer) -> Starlette:
     return app
 
 
+# ---- uvicorn ---------------------------------------------------------------------------------
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on a request's headers: from a connection's
+    first moment (or a request's first byte on a kept-alive one) to its last header line.
+    uvicorn itself only times out idle kept-alive connections, so a client that sends half
+    a request line would otherwise hold its connection forever."""
+
+    header_timeout_s = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    def _watch_headers(self) -> None:
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            self._stop_header_timer()
+        elif self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return
+        body = dumps({"error": "RequestTimeout", "message": f"the request headers did not arrive within "
+                      f"{self.header_timeout_s:g} s", "where": "headers", "status": 408,
+                      "fix": "send the whole request promptly (or raise --header-timeout-s)"})
+        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+
+def uvicorn_server(app: Starlette, *, log_level: str = "warning") -> Any:
+    import uvicorn
+
+    server: ModelServer = app.state.server
+
+    class Server(uvicorn.Server):
+        """Tells the ModelServer when shutdown begins (before uvicorn waits for open requests),
+        so a request waiting on a recipe check or a compile answers instead of being cancelled."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            server.begin_stop()
+            await super().shutdown(sockets=sockets)
+
+    protocol = type("GuardedH11", (_GuardedH11,), {"header_timeout_s": server.config.header_timeout_s})
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, http=protocol,
+                            timeout_graceful_shutdown=5)
+    return Server(config)
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket (port 0 picks a free one); BadRequest-free errors for the CLI."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -222,26 +407,21 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         sock.close()
-        raise GraphmodeError(f"cannot listen on {host}:{port}: {e.strerror}", where="--host/--port",
+        raise GraphmodeError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}",
+                             where="--host/--port",
                              value=f"{host}:{port}", fix="pick a free port (or 0 for any)") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
 
-def uvicorn_server(app: Starlette, *, log_level: str = "warning") -> Any:
-    import uvicorn
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
-                            timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
-
-
 class ServerThread:
     """Run a ModelServer's app on uvicorn in a background thread (tests, notebooks)."""
 
     def __init__(self, server: ModelServer, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        check_exposure(host, server.config)
         self.server = server
         self.app = create_app(server)
         self.sock = bind(host, port)
@@ -261,7 +441,7 @@ class ServerThread:
             time.sleep(0.01)
         return self
 
-    def wait_ready(self, timeout: float = 300.0) -> "ServerThread":
+    def wait_ready(self, timeout: float = 600.0) -> "ServerThread":
         t0 = time.monotonic()
         while self.server.state != "ready":
             if self.server.state == "failed":
@@ -271,11 +451,12 @@ class ServerThread:
             time.sleep(0.02)
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         self.uvicorn.should_exit = True
         self.thread.join(timeout)
         with contextlib.suppress(OSError):
             self.sock.close()
+        self.server.join_background(timeout)        # an abandoned build ends at its next step
 
     def __enter__(self) -> "ServerThread":
         return self.start()

@@ -2,9 +2,10 @@
 
 A batch holds requests of one deployment (recipe version), in arrival order, whose batch
 rows sum to at most the largest admissible batch. `merge` pads every request to the
-batch's common size on the other dims (with the recipe's pad values; attention masks
-with 0, so padded positions stay masked out) and concatenates along the batch dim; the
-CompiledModel then pads that up to the smallest bucket that holds it. `split` cuts the
+batch's common size on the other dims (with the recipe's pad values, the same padding the
+compile verdict proved safe; dims it found unsafe are never merged across sizes) and
+concatenates along the batch dim; the CompiledModel then pads that up to the smallest
+bucket that holds it. `split` cuts the
 outputs back per request: its rows on the batch axis, its own extent on every other
 sliced dim.
 
@@ -36,11 +37,6 @@ class Pending:
     future: asyncio.Future | None = None
 
 
-def pad_value(name: str, recipe_value: Any) -> Any:
-    """Attention masks pad with 0 whatever the recipe says, so padding is never attended to."""
-    return 0 if "attention_mask" in name else recipe_value
-
-
 def merge(batch: Sequence[Pending], specs: Sequence[Any], batch_dim: str) -> tuple[dict[str, torch.Tensor],
                                                                                  dict[str, int]]:
     """Concatenate requests along `batch_dim`, padding other dims to the largest request.
@@ -70,7 +66,7 @@ def merge(batch: Sequence[Pending], specs: Sequence[Any], batch_dim: str) -> tup
                         extra = dims[d] - int(t.shape[ax])
                 pads += [0, extra]
                 need |= extra > 0
-            parts.append(F.pad(t, pads, value=pad_value(spec.name, spec.pad_value)) if need else t)
+            parts.append(F.pad(t, pads, value=spec.pad_value) if need else t)
         merged[spec.name] = torch.cat(parts, dim=cat_axis)
     return merged, dims
 
@@ -104,7 +100,12 @@ def split(outputs: Sequence[torch.Tensor], axes: Sequence[Sequence[str | None]],
 
 
 def compatible(a: Pending, b: Pending) -> bool:
-    return a.deployment is b.deployment and not a.alone and not b.alone
+    """Requests batch together on one deployment, and never by padding a dim the padding
+    analysis found unsafe (the compile verdict's exact dims: those must match exactly)."""
+    if a.deployment is not b.deployment or a.alone or b.alone:
+        return False
+    exact = getattr(getattr(a.deployment, "cm", None), "exact_dims", ())
+    return all(a.dims.get(d) == b.dims.get(d) for d in exact)
 
 
 class Batcher:
@@ -186,23 +187,26 @@ class Batcher:
         return batch
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            batch = await self._collect()
-            live = [p for p in batch if p.future is None or not p.future.done()]
-            if self.on_depth:
-                self.on_depth(self.depth())
-            if not live:
+            await self._run_one(await self._collect())
+
+    async def _run_one(self, batch: list[Pending]) -> None:
+        """Run one batch and answer its requests. Its own frame: once it returns nothing here
+        refers to the batch, so a retired deployment is not kept alive by the last batch it ran."""
+        live = [p for p in batch if p.future is None or not p.future.done()]
+        if self.on_depth:
+            self.on_depth(self.depth())
+        if not live:
+            return
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self.executor, self.run, live)
+        except Exception as e:  # noqa: BLE001 - the worker must survive anything
+            results = [e] * len(live)
+        self.batches += 1
+        for p, r in zip(live, results):
+            if p.future is None or p.future.done():
                 continue
-            try:
-                results = await loop.run_in_executor(self.executor, self.run, live)
-            except Exception as e:  # noqa: BLE001 - the worker must survive anything
-                results = [e] * len(live)
-            self.batches += 1
-            for p, r in zip(live, results):
-                if p.future is None or p.future.done():
-                    continue
-                if isinstance(r, BaseException):
-                    p.future.set_exception(r)
-                else:
-                    p.future.set_result(r)
+            if isinstance(r, BaseException):
+                p.future.set_exception(r)
+            else:
+                p.future.set_result(r)

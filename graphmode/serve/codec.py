@@ -1,20 +1,26 @@
-"""Request and response bodies of `POST /v1/infer`.
+"""Request and response bodies of `POST /v1/infer`, and the JSON every answer is written in.
 
 Two encodings:
 
 * JSON (`application/json`): `{"inputs": {"name": <nested list>, ...}}`; a value may also be
   `{"data": <flat or nested list>, "shape": [..], "dtype": "f32"}` (dtype optional, must
-  match the recipe). Numbers are converted to the recipe's dtype: integer inputs refuse
-  fractional numbers, float inputs refuse booleans, bool inputs take only true/false.
+  match the recipe). Numbers are converted to the recipe's dtype: integer inputs take only
+  whole JSON numbers within the dtype's range, float inputs take numbers but not booleans,
+  bool inputs take only true/false. Non-finite values (`NaN`, `Infinity`, or a number the
+  dtype cannot hold, such as 1e308 for f32) are refused, naming the input and the index.
 * safetensors (`application/octet-stream` or `application/vnd.safetensors`): one tensor
-  per input, named like the recipe's inputs, dtypes exactly the recipe's.
+  per input, named like the recipe's inputs, dtypes exactly the recipe's, finite values.
 
 The answer uses the request's encoding unless `Accept` asks for the other one
-(`application/json` / `application/octet-stream`). Bad bodies raise `BadRequest`, which the
-app turns into a 4xx with a JSON body; nothing here raises anything else.
+(`application/json` / `application/octet-stream`). Every JSON answer is strict JSON
+(RFC 8259, `dumps`): a non-finite output value is written as the string `"NaN"`,
+`"Infinity"` or `"-Infinity"` (the protobuf JSON mapping's spelling); safetensors answers
+carry such values bit-exact. Bad bodies raise `BadRequest`, which the app turns into a 4xx
+with a JSON body; nothing here raises anything else.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from typing import Any, Mapping
@@ -27,6 +33,10 @@ JSON_TYPES = ("application/json", "text/json")
 BINARY_TYPES = ("application/octet-stream", "application/vnd.safetensors")
 INT_RANGE = {torch.int64: (-2**63, 2**63 - 1), torch.int32: (-2**31, 2**31 - 1),
              torch.int16: (-2**15, 2**15 - 1), torch.int8: (-128, 127), torch.uint8: (0, 255)}
+MAX_RANK = 16
+NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+JSON_KINDS = {str: "strings", type(None): "null", dict: "objects", bool: "booleans", float: "fractional numbers",
+              int: "integers"}
 
 
 def media_type(content_type: str | None) -> str:
@@ -42,7 +52,7 @@ def body_kind(content_type: str | None) -> str:
         return "json"
     if mt in BINARY_TYPES:
         return "safetensors"
-    raise BadRequest(f"unsupported content type {mt!r}", status=415, reason="unsupported_media_type",
+    raise BadRequest(f"unsupported content type {clip(mt)!r}", status=415, reason="unsupported_media_type",
                      where="Content-Type", fix="send application/json or application/octet-stream "
                                                "(safetensors bytes)")
 
@@ -52,6 +62,42 @@ def answer_kind(request_kind: str, accept: str | None) -> str:
     if request_kind == "json":
         return "safetensors" if any(t in acc for t in BINARY_TYPES) and "json" not in acc else "json"
     return "json" if "application/json" in acc and "octet-stream" not in acc else "safetensors"
+
+
+def clip(s: Any, limit: int = 80) -> str:
+    """A client-supplied string as an error message quotes it: at most `limit` characters."""
+    s = str(s)
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+# ---- strict JSON out ----------------------------------------------------------------------------
+
+def dumps(doc: Any) -> bytes:
+    """`doc` as strict JSON: non-finite floats become "NaN" / "Infinity" / "-Infinity", and
+    anything else JSON cannot hold becomes a string, so an answer is never invalid JSON."""
+    try:
+        return json.dumps(doc, allow_nan=False, separators=(",", ":"), default=_as_text).encode()
+    except ValueError:                       # a non-finite float, or an int too long to print
+        return json.dumps(_strict(doc), allow_nan=False, separators=(",", ":"), default=_as_text).encode()
+
+
+def _strict(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return NON_FINITE[repr(v)]
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 14_000:
+        return f"<an integer of {v.bit_length()} bits>"
+    if isinstance(v, dict):
+        return {str(k): _strict(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_strict(x) for x in v]
+    return v
+
+
+def _as_text(o: Any) -> str:
+    try:
+        return str(o)
+    except Exception:  # noqa: BLE001 - an error answer must still be written
+        return f"<{type(o).__name__}>"
 
 
 # ---- decoding -------------------------------------------------------------------------------
@@ -64,17 +110,81 @@ def _torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _shape_of_nested(value: Any, name: str) -> None:
-    """Reject ragged / non-numeric nesting with a message that says where."""
-    if isinstance(value, list):
-        if value and isinstance(value[0], list):
-            n = len(value[0])
-            for i, row in enumerate(value):
-                if not isinstance(row, list) or len(row) != n:
-                    got = len(row) if isinstance(row, list) else type(row).__name__
-                    raise BadRequest(f"input {name!r} is ragged: row {i} has {got} entries, row 0 has {n}",
-                                     status=422, reason="input", where=f"inputs.{name}",
-                                     fix="send a rectangular nested list")
+def _dtype_label(dtype: torch.dtype) -> str:
+    from graphmode.ir.types import TORCH_TO_DTYPE
+    return TORCH_TO_DTYPE.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _refuse(name: str, message: str, *, where: str = "", **kw: Any) -> BadRequest:
+    return BadRequest(f"input {clip(name)!r} {message}", status=422, reason="input",
+                      where=f"inputs.{clip(name)}{where}", **kw)
+
+
+def _scan(value: list, name: str) -> tuple[list[int], set[type]]:
+    """The shape of a rectangular nested list and the types of its leaves, level by level
+    (C-speed `map`s, no recursion); refuses ragged nesting, saying at which depth."""
+    shape: list[int] = []
+    level: list[Any] = [value]
+    while True:
+        kinds = set(map(type, level))
+        if list not in kinds:
+            return shape, kinds
+        if len(kinds) > 1:
+            raise _refuse(name, f"mixes lists and numbers at depth {len(shape)}",
+                          fix="send a rectangular nested list")
+        lengths = set(map(len, level))
+        if len(lengths) > 1:
+            raise _refuse(name, f"is ragged: rows at depth {len(shape)} have {sorted(lengths)[:4]} entries",
+                          fix="send a rectangular nested list")
+        shape.append(lengths.pop())
+        if len(shape) > MAX_RANK:
+            raise _refuse(name, f"is nested more than {MAX_RANK} deep", fix="send a tensor of lower rank")
+        level = list(itertools.chain.from_iterable(level))
+        if not level:
+            return shape, set()
+
+
+def _kinds(kinds: set[type]) -> str:
+    return ", ".join(sorted(JSON_KINDS.get(k, k.__name__) for k in kinds))
+
+
+def _first_bad(ok: torch.Tensor) -> list[int]:
+    return [int(i) for i in (~ok).nonzero()[0].tolist()]
+
+
+def _floats(name: str, value: list, dtype: torch.dtype) -> torch.Tensor:
+    try:
+        wide = torch.tensor(value, dtype=torch.float64)
+    except (OverflowError, RuntimeError, ValueError):
+        raise _refuse(name, "holds a number too large for a float", fix="send finite numbers") from None
+    finite = torch.isfinite(wide)
+    if not bool(finite.all()):
+        at = _first_bad(finite)
+        bad = float(wide[tuple(at)])
+        raise _refuse(name, f"holds {NON_FINITE[repr(bad)]} at index {at}; only finite numbers are accepted",
+                      fix="send finite numbers (replace NaN/Infinity before sending)")
+    t = wide.to(dtype)
+    fits = torch.isfinite(t)
+    if not bool(fits.all()):
+        at = _first_bad(fits)
+        raise _refuse(name, f"holds {float(wide[tuple(at)])!r} at index {at}, outside the range of "
+                            f"{_dtype_label(dtype)} (largest {torch.finfo(dtype).max:.4g})",
+                      fix=f"send values within +-{torch.finfo(dtype).max:.4g}")
+    return t
+
+
+def _ints(name: str, value: list, dtype: torch.dtype) -> torch.Tensor:
+    lo, hi = INT_RANGE.get(dtype, INT_RANGE[torch.int64])
+    label = _dtype_label(dtype)
+    try:
+        t = torch.tensor(value, dtype=torch.int64)
+    except (OverflowError, RuntimeError, ValueError):
+        raise _refuse(name, f"has values outside {label} [{lo}, {hi}]", fix=f"send integers within [{lo}, {hi}]") \
+            from None
+    if t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
+        raise _refuse(name, f"has values outside {label} [{lo}, {hi}]", value=(int(t.min()), int(t.max())),
+                      fix=f"send integers within [{lo}, {hi}]")
+    return t.to(dtype)
 
 
 def _json_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -82,61 +192,47 @@ def _json_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(value, dict):
         extra = sorted(set(value) - {"data", "shape", "dtype"})
         if extra or "data" not in value:
-            raise BadRequest(f"input {name!r} as an object needs a 'data' key (and optionally 'shape', 'dtype')",
-                             status=422, reason="input", where=f"inputs.{name}",
-                             value=extra or sorted(value), fix='send {"data": [...], "shape": [...]} or a nested list')
+            raise _refuse(name, "as an object needs a 'data' key (and optionally 'shape', 'dtype')",
+                          value=[clip(k) for k in (extra or sorted(value))[:10]],
+                          fix='send {"data": [...], "shape": [...]} or a nested list')
         if "dtype" in value:
-            from graphmode.ir.types import TORCH_TO_DTYPE
-            want = TORCH_TO_DTYPE.get(dtype, str(dtype))
             from graphmode.recipe.schema import DTYPE_ALIASES
-            got = value["dtype"]
-            got_n = DTYPE_ALIASES.get(str(got).lower(), str(got).lower())
-            if got_n != want:
-                raise BadRequest(f"input {name!r} has dtype {got!r}, the recipe declares {want}", status=422,
-                                 reason="input", where=f"inputs.{name}.dtype", value=got,
-                                 fix=f"send {want} values (or leave dtype out)")
+            want = _dtype_label(dtype)
+            got = clip(value["dtype"])
+            if DTYPE_ALIASES.get(got.lower(), got.lower()) != want:
+                raise _refuse(name, f"has dtype {got!r}, the recipe declares {want}", where=".dtype",
+                              fix=f"send {want} values (or leave dtype out)")
         shape = value.get("shape")
-        if shape is not None and (not isinstance(shape, list)
-                                  or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                             for s in shape)):
-            raise BadRequest(f"input {name!r}: 'shape' must be a list of non-negative integers", status=422,
-                             reason="input", where=f"inputs.{name}.shape", value=shape)
+        if shape is not None and (not isinstance(shape, list) or len(shape) > MAX_RANK
+                                  or not all(type(s) is int and s >= 0 for s in shape)):
+            raise _refuse(name, f"'shape' must be a list of at most {MAX_RANK} non-negative integers",
+                          where=".shape", value=clip(shape))
         value = value["data"]
     if not isinstance(value, list):
-        raise BadRequest(f"input {name!r} must be a (nested) list of numbers", status=422, reason="input",
-                         where=f"inputs.{name}", value=type(value).__name__)
-    _shape_of_nested(value, name)
-    try:
-        t = torch.tensor(value)
-    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
-        raise BadRequest(f"input {name!r} is not a rectangular array of numbers: {e}", status=422,
-                         reason="input", where=f"inputs.{name}",
-                         fix="send a nested list of numbers with equal-length rows") from None
-    if t.numel() == 0:
-        pass                                  # empty: nothing to check; the shape check refuses it
-    elif dtype == torch.bool:
-        if t.dtype != torch.bool:
-            raise BadRequest(f"input {name!r} is bool: send true/false", status=422, reason="input",
-                             where=f"inputs.{name}.dtype", value=str(t.dtype).replace("torch.", ""))
+        raise _refuse(name, "must be a (nested) list of numbers", value=type(value).__name__)
+    _, kinds = _scan(value, name)
+    if dtype == torch.bool:
+        if kinds - {bool}:
+            raise _refuse(name, f"is bool: send true/false; got {_kinds(kinds - {bool})}", where=".dtype")
+        t = torch.tensor(value, dtype=torch.bool)
     elif not dtype.is_floating_point:
-        if t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise BadRequest(f"input {name!r} holds integers ({str(dtype).replace('torch.', '')}); got "
-                             f"{'booleans' if t.dtype == torch.bool else 'fractional numbers'}", status=422,
-                             reason="input", where=f"inputs.{name}.dtype",
-                             fix="send whole numbers (no decimal point)")
-        lo, hi = INT_RANGE.get(dtype, (None, None))
-        if lo is not None and t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
-            raise BadRequest(f"input {name!r} has values outside {str(dtype).replace('torch.', '')} "
-                             f"[{lo}, {hi}]", status=422, reason="input", where=f"inputs.{name}",
-                             value=(int(t.min()), int(t.max())))
-    elif t.dtype == torch.bool:
-        raise BadRequest(f"input {name!r} holds floats; got booleans", status=422, reason="input",
-                         where=f"inputs.{name}.dtype")
-    t = t.to(dtype)
+        if kinds - {int}:
+            got = _kinds(kinds - {int})
+            raise _refuse(name, f"holds integers ({_dtype_label(dtype)}); got {got}", where=".dtype",
+                          fix="send whole numbers (no decimal point)")
+        t = _ints(name, value, dtype)
+    else:
+        if bool in kinds:
+            raise _refuse(name, "holds floats; got booleans", where=".dtype", fix="send numbers, not true/false")
+        if kinds - {int, float}:
+            raise _refuse(name, f"holds {_kinds(kinds - {int, float})}; send numbers",
+                          fix="send a nested list of numbers")
+        t = _floats(name, value, dtype)
     if shape is not None:
-        if math.prod(shape) != t.numel():
-            raise BadRequest(f"input {name!r}: 'shape' {shape} needs {math.prod(shape)} values, got {t.numel()}",
-                             status=422, reason="input", where=f"inputs.{name}.shape", value=shape)
+        need = math.prod(shape)
+        if need != t.numel():
+            raise _refuse(name, f"'shape' needs {need if need < 2**63 else 'more than 2**63'} values, "
+                                f"got {t.numel()}", where=".shape", value=clip(shape))
         t = t.reshape(shape)
     return t
 
@@ -153,15 +249,18 @@ def decode_json(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torch.Tenso
         raise BadRequest("the body is not UTF-8 text", reason="malformed_json", where="body") from None
     except RecursionError:
         raise BadRequest("JSON nested too deeply", reason="malformed_json", where="body") from None
+    except ValueError as e:                   # an integer literal of more than 4300 digits
+        raise BadRequest(f"malformed JSON: {clip(e, 120)}", reason="malformed_json", where="body",
+                         fix="send numbers of at most a few dozen digits") from None
     if not isinstance(doc, dict) or "inputs" not in doc:
         raise BadRequest("the JSON body must be an object with an 'inputs' object",
                          reason="malformed_body", where="body",
-                         value=sorted(doc)[:10] if isinstance(doc, dict) else type(doc).__name__,
+                         value=[clip(k) for k in sorted(doc)[:10]] if isinstance(doc, dict) else type(doc).__name__,
                          fix='send {"inputs": {"name": [[...]], ...}}')
     extra = sorted(set(doc) - {"inputs"})
     if extra:
-        raise BadRequest(f"unknown top-level key(s) {extra}", reason="malformed_body", where="body",
-                         fix="the body holds only 'inputs'")
+        raise BadRequest(f"unknown top-level key(s) {[clip(k) for k in extra[:10]]}", reason="malformed_body",
+                         where="body", fix="the body holds only 'inputs'")
     inputs = doc["inputs"]
     if not isinstance(inputs, dict):
         raise BadRequest("'inputs' must be an object mapping input names to tensors",
@@ -169,8 +268,7 @@ def decode_json(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torch.Tenso
     out = {}
     for name, value in inputs.items():
         if name not in dtypes:
-            raise BadRequest(f"unknown input {name!r}", status=422, reason="input", where=f"inputs.{name}",
-                             fix=f"the recipe declares {', '.join(dtypes)}")
+            raise _refuse(name, "is not an input of the recipe", fix=f"the recipe declares {', '.join(dtypes)}")
         out[name] = _json_tensor(name, value, _torch_dtype(dtypes[name]))
     return out
 
@@ -183,18 +281,22 @@ def decode_safetensors(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torc
                          fix="send safetensors bytes (safetensors.torch.save({...}))")
     try:
         tensors = load(body)
-    except (SafetensorError, ValueError, RuntimeError, OSError) as e:
-        raise BadRequest(f"not a safetensors buffer: {e}", reason="malformed_body", where="body",
+    except (SafetensorError, ValueError, RuntimeError, OSError, TypeError, OverflowError) as e:
+        raise BadRequest(f"not a safetensors buffer: {clip(e, 200)}", reason="malformed_body", where="body",
                          fix="send the bytes of safetensors.torch.save({name: tensor, ...})") from None
     for name, t in tensors.items():
         if name not in dtypes:
-            raise BadRequest(f"unknown input {name!r}", status=422, reason="input", where=f"inputs.{name}",
-                             fix=f"the recipe declares {', '.join(dtypes)}")
+            raise _refuse(name, "is not an input of the recipe", fix=f"the recipe declares {', '.join(dtypes)}")
         want = _torch_dtype(dtypes[name])
         if t.dtype != want:
-            raise BadRequest(f"input {name!r} has dtype {str(t.dtype).replace('torch.', '')}, the recipe "
-                             f"declares {dtypes[name]}", status=422, reason="input",
-                             where=f"inputs.{name}.dtype", fix=f"convert it: x.to({want})")
+            raise _refuse(name, f"has dtype {_dtype_label(t.dtype)}, the recipe declares {dtypes[name]}",
+                          where=".dtype", fix=f"convert it: x.to({want})")
+        if t.dtype.is_floating_point and t.numel():
+            finite = torch.isfinite(t)
+            if not bool(finite.all()):
+                at = _first_bad(finite)
+                raise _refuse(name, f"holds {NON_FINITE[repr(float(t[tuple(at)]))]} at index {at}; only finite "
+                                    "numbers are accepted", fix="send finite numbers")
     return dict(tensors)
 
 
@@ -210,19 +312,14 @@ def encode_json(result: Mapping[str, Any]) -> bytes:
     outs = result["outputs"]
     doc = {"outputs": {k: _jsonable(v) for k, v in outs.items()},
            "shapes": {k: list(v.shape) for k, v in outs.items()},
-           "dtypes": {k: _dtype_name(v.dtype) for k, v in outs.items()},
+           "dtypes": {k: _dtype_label(v.dtype) for k, v in outs.items()},
            **{k: v for k, v in result.items() if k != "outputs"}}
-    return json.dumps(doc, allow_nan=True, separators=(",", ":")).encode()
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    from graphmode.ir.types import TORCH_TO_DTYPE
-    return TORCH_TO_DTYPE.get(dt, str(dt).replace("torch.", ""))
+    return dumps(doc)
 
 
 def encode_safetensors(result: Mapping[str, Any]) -> bytes:
     """Outputs as safetensors; the rest of the answer in its `__metadata__` (JSON strings)."""
     from safetensors.torch import save
     tensors = {k: v.detach().contiguous().clone() for k, v in result["outputs"].items()}
-    meta = {k: json.dumps(v) for k, v in result.items() if k != "outputs"}
+    meta = {k: dumps(v).decode() for k, v in result.items() if k != "outputs"}
     return save(tensors, metadata=meta)

@@ -7,22 +7,33 @@ was active when it arrived and runs on that deployment's plans, even if a newer 
 been swapped in meanwhile, so a swap never fails or drops a request.
 
 Loading a recipe (at start, `PUT /v1/recipe`, or a renegotiation to a `--variant`):
+  0. (`PUT /v1/recipe` only) the recipe text is parsed, resolved and validated in the
+     recipe sandbox (sandbox.py), a worker process with CPU, memory and time limits: what
+     the client wrote is never evaluated in the server process;
   1. schema + semantics (`load_recipe`, `validate`): field errors refuse it at once;
   2. constraints, proved with the running model's facts (its real weights, activation
      peak and FLOPs) so the refusal (counter-example) is answered synchronously;
   3. in the background: compile, re-prove with the new graph's own facts, warm up every
      bucket, check every plan against the memory budget, then swap atomically.
 A recipe refused at any step leaves the running one untouched.
+
+A retired deployment is released once its last in-flight request has finished: nothing
+the server keeps (history, tickets, errors, metrics, the batcher) refers to it, and the
+Prometheus series of versions retired long ago are dropped (`RETIRED_SERIES_KEPT`).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
+import math
 import threading
 import time
+import weakref
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -32,10 +43,13 @@ from graphmode.errors import ConstraintError, ContractViolation, GraphmodeError,
 from graphmode.monitor import (ContractMonitor, DriftEvent, PromMetrics, Renegotiator, SlaDriftProbe, TokenBucket,
                                bucket_label)
 from graphmode.serve.batching import Batcher, Pending, merge, split
-from graphmode.serve.errors import NotReady, ReloadBusy, RequestTimeout
+from graphmode.serve.errors import NotReady, ReloadBusy, RequestTimeout, ServerFault, detach, error_dict
+from graphmode.serve.sandbox import RecipeSandbox, checked
 
 log = logging.getLogger("graphmode.serve")
 MB = 2**20
+RETIRED_SERIES_KEPT = 4      # retired versions whose Prometheus series stay exported
+MIN_TOKEN_CHARS = 16
 
 
 @dataclass
@@ -55,19 +69,43 @@ class ServeConfig:
     sla_min_samples: int = 10
     renegotiate_burst: int = 1
     renegotiate_interval_s: float = 300.0
+    admin_token: str | None = field(default=None, repr=False)   # Bearer token for state-changing endpoints
+    insecure_no_auth: bool = False     # allow a non-loopback address without admin_token
+    header_timeout_s: float = 10.0     # a request's headers must arrive within this
+    body_timeout_s: float = 60.0       # ... and its body within this
+    recipe_check_cpu_s: float = 10.0   # CPU seconds the recipe sandbox may spend on one PUT
+    recipe_check_memory_mb: float = 1024.0
+    max_plans: int = 1024              # buckets (plans) a recipe may ask for
 
     def __post_init__(self) -> None:
-        checks = [("batch_window_ms", self.batch_window_ms >= 0), ("max_body_mb", self.max_body_mb > 0),
-                  ("request_timeout_s", self.request_timeout_s > 0),
+        checks = [("batch_window_ms", _finite(self.batch_window_ms) and self.batch_window_ms >= 0),
+                  ("max_body_mb", _finite(self.max_body_mb) and self.max_body_mb > 0),
+                  ("request_timeout_s", _finite(self.request_timeout_s) and self.request_timeout_s > 0),
                   ("max_batch", self.max_batch is None or self.max_batch >= 1),
-                  ("renegotiate_interval_s", self.renegotiate_interval_s > 0),
-                  ("renegotiate_burst", self.renegotiate_burst >= 1)]
+                  ("renegotiate_interval_s", _finite(self.renegotiate_interval_s) and self.renegotiate_interval_s > 0),
+                  ("renegotiate_burst", self.renegotiate_burst >= 1),
+                  ("header_timeout_s", _finite(self.header_timeout_s) and self.header_timeout_s > 0),
+                  ("body_timeout_s", _finite(self.body_timeout_s) and self.body_timeout_s > 0),
+                  ("recipe_check_cpu_s", _finite(self.recipe_check_cpu_s) and self.recipe_check_cpu_s >= 1),
+                  ("recipe_check_memory_mb",
+                   _finite(self.recipe_check_memory_mb) and self.recipe_check_memory_mb >= 64),
+                  ("max_plans", self.max_plans >= 1)]
         for name, ok in checks:
             if not ok:
                 raise GraphmodeError("invalid server option", where=f"--{name.replace('_', '-')}",
                                      value=getattr(self, name))
+        tok = self.admin_token
+        if tok is not None and (len(tok) < MIN_TOKEN_CHARS or not tok.isascii() or not tok.isprintable()
+                                or any(c.isspace() for c in tok)):
+            raise GraphmodeError(f"the admin token must be at least {MIN_TOKEN_CHARS} printable ASCII characters "
+                                 "without spaces", where="--admin-token / GRAPHMODE_ADMIN_TOKEN",
+                                 fix="generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
         SlaDriftProbe(window_s=self.sla_window_s, step_s=self.sla_step_s, margin=self.sla_margin,
                       consecutive=self.sla_windows, min_samples=self.sla_min_samples)   # checks the probe options
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _facts_key(recipe: Any) -> tuple:
@@ -171,18 +209,29 @@ class ReloadTicket:
         self.id = next(self._ids)
         self.version, self.name, self.origin, self.previous, self.reason = version, name, origin, previous, reason
         self.state = "compiling"
-        self.error: GraphmodeError | None = None
+        self.error: BaseException | None = None
         self.started = time.time()
         self.finished: float | None = None
         self.progress = (0, 0)
         self._done = threading.Event()
 
-    def finish(self, state: str, error: GraphmodeError | None = None) -> None:
-        self.state, self.error, self.finished = state, error, time.time()
+    def finish(self, state: str, error: BaseException | None = None) -> None:
+        self.state, self.error, self.finished = state, detach(error) if error is not None else None, time.time()
         self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
+
+    async def wait_async(self, timeout: float, give_up: Callable[[], bool] = lambda: False) -> bool:
+        """`wait` for the event loop: polls, so no worker thread is held for the whole wait;
+        False past `timeout` or as soon as `give_up()` (the server is stopping)."""
+        deadline = time.monotonic() + timeout
+        while not self._done.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or give_up():
+                return False
+            await asyncio.sleep(min(0.05, left))
+        return True
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "state": self.state, "version": self.version, "name": self.name,
@@ -190,20 +239,6 @@ class ReloadTicket:
                 "started": self.started, "finished": self.finished,
                 "warmed": self.progress[0], "buckets": self.progress[1],
                 "error": error_dict(self.error) if self.error is not None else None}
-
-
-def error_dict(e: BaseException) -> dict[str, Any]:
-    if isinstance(e, GraphmodeError):
-        d = e.to_dict()
-        if isinstance(e, ConstraintError):
-            d["counterexample"] = e.counterexample
-            proofs = getattr(e, "proofs", None)
-            if proofs:
-                d["proofs"] = proofs
-        if isinstance(e, ContractViolation):
-            d["kind"] = e.kind
-        return d
-    return {"error": type(e).__name__, "message": str(e)}
 
 
 class ModelServer:
@@ -231,11 +266,17 @@ class ModelServer:
         self.history: list[dict[str, Any]] = []
         self.reload: ReloadTicket | None = None
         self._reload_lock = threading.Lock()
+        self._prove_lock = threading.Lock()   # Z3's default context is not thread-safe: one prover at a time
         self._swap_lock = threading.Lock()
         self.renegotiator = Renegotiator(
             self.variants, self._renegotiate,
             bucket=TokenBucket(self.config.renegotiate_burst, 1.0 / self.config.renegotiate_interval_s, clock=clock))
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphmode-infer")
+        self.sandbox = RecipeSandbox(self.target, cpu_s=self.config.recipe_check_cpu_s,
+                                     memory_mb=self.config.recipe_check_memory_mb, max_plans=self.config.max_plans)
+        self._retired: deque[str] = deque()
+        self.stopping = False
+        self._background: list[threading.Thread] = []
         self.batcher: Batcher | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ticker: asyncio.Task | None = None
@@ -254,20 +295,14 @@ class ModelServer:
         return model
 
     def _checked(self, recipe: Any, what: str) -> Any:
-        """Schema and semantics now (field errors refuse it before anything compiles)."""
-        from graphmode.errors import RecipeErrors
-        from graphmode.recipe import validate
-        report = validate(recipe, self.target)
-        if report.errors:
-            for e in report.errors:
-                e.where = f"{what}: {e.where}" if e.where else what
-            raise RecipeErrors(report.errors)
+        """Schema, semantics and the plan bound now (field errors refuse it before anything compiles)."""
+        recipe = checked(recipe, self.target, what, self.config.max_plans)
         try:
-            self.fits_model(report.recipe)
+            self.fits_model(recipe)
         except RecipeError as e:
             e.where = f"{what}: {e.where}" if e.where else what
             raise
-        return report.recipe
+        return recipe
 
     def _facts(self, cm: Any) -> Any:
         if cm.graph is None:
@@ -321,6 +356,7 @@ class ModelServer:
         from graphmode.compiler import compile as gm_compile
         t0 = time.perf_counter()
         cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir, threads=self.config.threads)
+        self._unless_stopping()
         facts = self._facts(cm)
         recipe = self._prove(recipe, facts).recipe
         cfg = self.config
@@ -332,6 +368,7 @@ class ModelServer:
         dep = Deployment(recipe, cm, mon, origin=origin, facts=facts, max_batch=cfg.max_batch)
         if cm.mode != "eager":
             for i, env in enumerate(dep.buckets):
+                self._unless_stopping()
                 cm.executable(env)
                 dep.warmed = i + 1
                 if ticket is not None:
@@ -343,10 +380,33 @@ class ModelServer:
                  len(dep.buckets), time.perf_counter() - t0)
         return dep
 
+    def _unless_stopping(self) -> None:
+        """Between the steps of a build: a stopping server abandons it (its thread ends soon)."""
+        if self.stopping:
+            raise NotReady("the server is shutting down", where="reload")
+
+    def _spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
+        """Run a build on a daemon thread (a shutdown does not wait for it), kept for `join_background`."""
+        self._background = [t for t in self._background if t.is_alive()]
+        t = threading.Thread(target=target, args=args, daemon=True, name=name)
+        self._background.append(t)
+        t.start()
+
+    def join_background(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the builds still running; True when none is left. A build
+        cut off by the interpreter's exit while in native code can abort the process, so the
+        CLI ends with `os._exit` when this is False."""
+        deadline = time.monotonic() + timeout
+        for t in list(self._background):
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._background)
+
     def _activate(self, dep: Deployment) -> None:
         with self._swap_lock:
             old, self.active = self.active, dep
-        dep.monitor.on_drift(lambda ev, d=dep: self._on_drift(d, ev))
+        if dep.version in self._retired:             # a version swapped back in keeps its series
+            self._retired.remove(dep.version)
+        dep.monitor.on_drift(functools.partial(self._on_drift, weakref.ref(dep)))   # no cycle through dep
         m = self.metrics
         if old is not None:
             m.recipe_active.labels(old.version, self.target_name, old.name, old.origin).set(0)
@@ -355,9 +415,22 @@ class ModelServer:
         self.history.append({"time": time.time(), "version": dep.version, "name": dep.name, "origin": dep.origin,
                              "previous": old.version if old is not None else None})
         del self.history[:-100]
+        if old is not None and old.version != dep.version:
+            self._retire(old.version)
+
+    def _retire(self, version: str) -> None:
+        """Keep the series of the last RETIRED_SERIES_KEPT retired versions (a dashboard
+        still sees the swap), drop older ones: /metrics must not grow with every swap."""
+        if version in self._retired:
+            self._retired.remove(version)
+        self._retired.append(version)
+        while len(self._retired) > RETIRED_SERIES_KEPT:
+            gone = self._retired.popleft()
+            if self.active is None or gone != self.active.version:
+                self.metrics.forget(gone)
 
     def _set_state(self, state: str, error: GraphmodeError | None = None) -> None:
-        self.state, self.error = state, error
+        self.state, self.error = state, detach(error) if error is not None else None
         if self.on_state is not None:
             try:
                 self.on_state(state, error)
@@ -367,77 +440,107 @@ class ModelServer:
     def _initial_deploy(self) -> None:
         self._set_state("warming")
         try:
-            dep = self._build(self.recipe, "initial")
-            for i, v in enumerate(self.variants):
-                try:
-                    self._prove(v, dep.facts if _facts_key(v) == dep.facts_key else None)
-                except GraphmodeError as e:
-                    e.where = f"variant[{i}]: {e.where}" if e.where else f"variant[{i}]"
-                    raise
+            with self._prove_lock:
+                dep = self._build(self.recipe, "initial")
+                for i, v in enumerate(self.variants):
+                    try:
+                        self._prove(v, dep.facts if _facts_key(v) == dep.facts_key else None)
+                    except GraphmodeError as e:
+                        e.where = f"variant[{i}]: {e.where}" if e.where else f"variant[{i}]"
+                        raise
             self._activate(dep)
             self.metrics.reloads.labels(self.target_name, "initial", "swapped").inc()
             self._set_state("ready")
+            self.sandbox.prewarm()           # the first PUT /v1/recipe need not wait for its imports
         except GraphmodeError as e:
+            if self.stopping:
+                log.info("stopped while loading the recipe")
+                return
             log.error("cannot load the recipe: %s", e)
             self.metrics.reloads.labels(self.target_name, "initial", _outcome(e)).inc()
             self._set_state("failed", e)
         except Exception as e:  # noqa: BLE001 - reported, not raised, from a thread
             log.exception("cannot load the recipe")
-            self._set_state("failed", GraphmodeError(f"{type(e).__name__}: {e}", where="startup"))
+            self._set_state("failed", ServerFault(f"{type(e).__name__}: {e}", where="startup"))
 
     # ---- hot reload ---------------------------------------------------------------------------
+    def check_recipe(self, body: bytes, kind: str, origin: str = "api") -> Any:
+        """Untrusted recipe text (`kind` "json" or "yaml") -> its resolved Recipe, checked in the
+        sandbox; a refusal is counted and raised (RecipeRefused). Blocks: call it off the loop."""
+        try:
+            return self.sandbox.check(body, kind)
+        except RecipeError:
+            if self.stopping:
+                raise NotReady("the server is shutting down", where="recipe",
+                               fix="send the recipe to the server that replaces this one") from None
+            self.metrics.reloads.labels(self.target_name, origin, "refused").inc()
+            raise
+
     def request_reload(self, recipe: Any, origin: str = "api") -> ReloadTicket | None:
         """Validate now (raises with the reasons), then compile, warm up and swap in the
         background. Returns the ticket, or None when that version is already serving."""
         from graphmode.recipe import load_recipe
         if self.active is None:
             raise NotReady("the server is still loading its first recipe", fix="retry when /readyz answers 200")
+        # proofs share Z3's (thread-unsafe) context with a compile: none while one compiles
+        if self._compiling() or not self._prove_lock.acquire(timeout=self.config.request_timeout_s):
+            raise self._busy(origin)
         try:
-            recipe = self.precheck(self._checked(load_recipe(recipe), "recipe"))
-        except GraphmodeError as e:
-            self.metrics.reloads.labels(self.target_name, origin, _outcome(e)).inc()
-            raise
-        if recipe.hash() == self.active.version:
-            self.metrics.reloads.labels(self.target_name, origin, "unchanged").inc()
-            return None
-        ticket = self._start_reload(recipe, origin)
+            try:
+                recipe = self.precheck(self._checked(load_recipe(recipe), "recipe"))
+            except GraphmodeError as e:
+                self.metrics.reloads.labels(self.target_name, origin, _outcome(e)).inc()
+                raise
+            if recipe.hash() == self.active.version:
+                self.metrics.reloads.labels(self.target_name, origin, "unchanged").inc()
+                return None
+            ticket = self._start_reload(recipe, origin)
+        finally:
+            self._prove_lock.release()
         if ticket is None:
-            busy = self.reload
-            self.metrics.reloads.labels(self.target_name, origin, "busy").inc()
-            raise ReloadBusy(f"recipe {busy.version if busy else '?'} is still loading", where="recipe",
-                             fix="wait until GET /v1/recipe shows reload.state != compiling, then retry")
+            raise self._busy(origin)
         return ticket
+
+    def _compiling(self) -> bool:
+        return self.reload is not None and self.reload.state == "compiling"
+
+    def _busy(self, origin: str) -> ReloadBusy:
+        busy = self.reload
+        self.metrics.reloads.labels(self.target_name, origin, "busy").inc()
+        return ReloadBusy(f"recipe {busy.version if busy else '?'} is still loading", where="recipe",
+                          fix="wait until GET /v1/recipe shows reload.state != compiling, then retry")
 
     def _start_reload(self, recipe: Any, origin: str, reason: str = "") -> ReloadTicket | None:
         with self._reload_lock:
-            if self.reload is not None and self.reload.state == "compiling":
+            if self._compiling():
                 return None
             ticket = ReloadTicket(recipe.hash(), recipe.name, origin,
                                   self.active.version if self.active else None, reason)
             self.reload = ticket
-        threading.Thread(target=self._reload_worker, args=(recipe, ticket), daemon=True,
-                         name=f"graphmode-reload-{ticket.id}").start()
+        self._spawn(self._reload_worker, recipe, ticket, name=f"graphmode-reload-{ticket.id}")
         return ticket
 
     def _reload_worker(self, recipe: Any, ticket: ReloadTicket) -> None:
         try:
-            dep = self._build(recipe, ticket.origin, ticket)
+            with self._prove_lock:
+                dep = self._build(recipe, ticket.origin, ticket)
             self._activate(dep)
             self.metrics.reloads.labels(self.target_name, _origin_label(ticket.origin), "swapped").inc()
             log.info("swapped to recipe %s (%s), was %s", dep.name, dep.version, ticket.previous)
             ticket.finish("swapped")
         except GraphmodeError as e:
-            log.error("recipe %s not loaded: %s", ticket.version, e)
+            (log.info if self.stopping else log.error)("recipe %s not loaded: %s", ticket.version, e)
             self.metrics.reloads.labels(self.target_name, _origin_label(ticket.origin), _outcome(e)).inc()
             ticket.finish("failed", e)
         except Exception as e:  # noqa: BLE001 - reported on the ticket, the old recipe keeps serving
             log.exception("recipe %s not loaded", ticket.version)
             self.metrics.reloads.labels(self.target_name, _origin_label(ticket.origin), "failed").inc()
-            ticket.finish("failed", GraphmodeError(f"{type(e).__name__}: {e}", where="reload"))
+            ticket.finish("failed", ServerFault(f"{type(e).__name__}: {e}", where="reload"))
 
     # ---- drift -> renegotiation ---------------------------------------------------------------
-    def _on_drift(self, dep: Deployment, ev: DriftEvent) -> None:
-        if dep is not self.active:
+    def _on_drift(self, ref: "weakref.ref[Deployment]", ev: DriftEvent) -> None:
+        dep = ref()
+        if dep is None or dep is not self.active:
             return                      # late samples of a retired version
         outcome = self.renegotiator.on_drift(ev)
         self.metrics.renegotiations.labels(dep.version, self.target_name, outcome).inc()
@@ -532,9 +635,16 @@ class ModelServer:
                                executor=self.executor, on_depth=depth.set)
         self.batcher.start()
         self._ticker = self.loop.create_task(self._tick_loop(), name="graphmode-sla-ticker")
-        threading.Thread(target=self._initial_deploy, daemon=True, name="graphmode-warmup").start()
+        self._spawn(self._initial_deploy, name="graphmode-warmup")
+
+    def begin_stop(self) -> None:
+        """Shutdown has begun: a recipe being checked, or a `PUT ?wait=1` waiting on a compile,
+        answers now (503) instead of holding the shutdown up until it is cancelled."""
+        self.stopping = True
+        self.sandbox.close()
 
     async def stop(self) -> None:
+        self.begin_stop()
         if self._ticker is not None:
             self._ticker.cancel()
         if self.batcher is not None:
@@ -546,13 +656,17 @@ class ModelServer:
         period = min(1.0, max(0.05, step / 4))
         while True:
             await asyncio.sleep(period)
-            dep = self.active
-            if dep is None:
-                continue
-            try:
-                await self.loop.run_in_executor(None, dep.monitor.tick)  # drift handlers may compile-start
-            except Exception:  # noqa: BLE001 - the ticker must survive
-                log.exception("SLA probe tick failed")
+            await self._tick()
+
+    async def _tick(self) -> None:
+        """One probe tick (its own frame: the deployment it ticked is not held while sleeping)."""
+        monitor = self.active.monitor if self.active is not None else None
+        if monitor is None:
+            return
+        try:
+            await self.loop.run_in_executor(None, monitor.tick)  # drift handlers may compile-start
+        except Exception:  # noqa: BLE001 - the ticker must survive
+            log.exception("SLA probe tick failed")
 
     # ---- views --------------------------------------------------------------------------------
     def readiness(self) -> dict[str, Any]:
