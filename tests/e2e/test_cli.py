@@ -22,7 +22,8 @@ _register()
 def small_recipe(tmp_path: Path, **over) -> str:
     r = {"version": 1, "name": "resnet-cli", "targets": ["host"],
          "inputs": [{"name": "pixel_values", "dtype": "f32", "shape": ["batch", 3, 224, 224]}],
-         "dims": {"batch": {"buckets": [1, 2]}}, "memory": {"budget_mb": 512}}
+         "dims": {"batch": {"buckets": [1, 2]}}, "memory": {"budget_mb": 512},
+         "codegen": {"kernel_selection": "heuristic"}}     # tactics are timed in their own tests
     r.update(over)
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump(r))
@@ -103,7 +104,7 @@ def test_verify_bisects_a_broken_pass_and_proposes_a_fix(tmp_path, monkeypatch):
 
 
 def test_cache_explain_after_run(tmp_path):
-    rec = small_recipe(tmp_path)
+    rec = small_recipe(tmp_path, codegen={"kernel_selection": "latency_first"})   # fills the timing cache
     cache = tmp_path / "cache"
     import graphmode
     from graphmode.capture.zoo import build
