@@ -129,7 +129,7 @@ def capture(model: Any, recipe: Recipe | str | Path) -> tuple[Graph, CaptureRepo
     src = resolve_model(model, recipe)
     dims = {d: recipe.dim_range(d) for d in recipe.dims}
     if src.onnx_path is not None:
-        from graphmode.capture.onnx_import import import_onnx
+        from graphmode.capture.onnx import import_onnx
         g, rep = import_onnx(src.onnx_path, dims=dims, input_dims=src.input_dims, name=src.name,
                              include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops)
         return g, rep, src

@@ -113,6 +113,9 @@ class State:
     # value == sum of coeff * (index along axis): an arange, or a flattened index built from them
     affine: tuple[tuple[int, Any], ...] | None = None
     taint: dict[str, Finding] = field(default_factory=dict)
+    lower: float | None = None                 # no real element is smaller (bools count as 0/1)
+    bound: str | None = None                   # every real element indexes a real position of this dim
+    offset: str | None = None                  # affine index plus a term bounded like `bound` (b*seq + argmax)
 
     def real_content(self) -> Content:
         """This value seen from the padded positions of an axis it does not pad."""
@@ -443,7 +446,8 @@ class _Analyzer:
         if t.numel() == 1:
             v = t.reshape(()).item()
             uniform = bool(v) if t.dtype == torch.bool else float(v) if t.is_floating_point() else int(v)
-        return State(tuple(plain(e) for e in t.shape), uniform=uniform)
+        lower = float(t.min()) if 0 < t.numel() and not t.is_complex() else None
+        return State(tuple(plain(e) for e in t.shape), uniform=uniform, lower=lower)
 
     def check_gaps(self, n: Node, out: str, s: State) -> None:
         """Conservative net under every rule: an axis whose extent mentions a padded dim that no
@@ -481,7 +485,8 @@ class _Analyzer:
                 c = _unary(op, const(s.uniform), a)
                 uniform = c.value if c.kind == "const" else _UNKNOWN
             keep = op == "identity" or (op == "cast" and a.get("dtype") in ("i64", "i32"))
-            return [State(axes, uniform, s.affine if keep else None)]
+            return [State(axes, uniform, s.affine if keep else None, lower=self.unary_lower(op, a, s),
+                          bound=s.bound if keep else None, offset=s.offset if keep else None)]
         if kind == "elementwise":
             return [self.elementwise(n, ins)]
         if op in ("sum", "mean", "amax", "amin"):
@@ -512,27 +517,44 @@ class _Analyzer:
             s = ins[0]
             perm = list(a["perm"])
             affine = tuple((perm.index(ax), c) for ax, c in s.affine) if s.affine else None
-            return [State(tuple(s.axes[p] for p in perm), s.uniform, affine)]
+            return [State(tuple(s.axes[p] for p in perm), s.uniform, affine, bound=s.bound, offset=s.offset)]
         if op == "expand":
             return [self.expand(ins[0], out_shape)]
         if op == "slice":
             return [self.slice(n, ins[0], out_shape, taint)]
         if op == "concat":
             return [self.concat(n, ins, out_shape)]
-        if op in ("embedding", "index_select", "index"):
+        if op in ("embedding", "index_select", "index", "gather"):
             return [self.gather(n, ins, out_shape, taint)]
+        if op in ("argmax", "argmin"):
+            return [self.argreduce(n, ins[0], taint)]
+        if op in ("pad", "roll"):
+            return [self.shift(n, ins[0], out_shape, taint)]
         if op in ("triu", "tril"):
             return [self.triangle(n, ins[0])]
         if op == "full":
             v = a["value"]
             v = bool(v) if a.get("dtype") == "bool" else v
-            return [State(self.from_type(out_shape, const(v)), uniform=v)]
+            return [State(self.from_type(out_shape, const(v)), uniform=v,
+                          lower=float(v) if isinstance(v, (int, float)) else None)]
         if op == "arange":
             return [self.arange(a, out_shape)]
         # an op without a rule: conservative
         for s in ins:
             self.taint(taint, n, s.axes, f"no padding rule for {op} over padded dim {{dim}}")
         return [State(self.from_type(self.shape(o))) for o in n.outputs]
+
+    @staticmethod
+    def unary_lower(op: str, a: Mapping[str, Any], s: State) -> float | None:
+        """A lower bound on real values, kept where an op keeps it (argmax over a padded axis
+        is safe when the padding is at most the smallest real value)."""
+        if op in ("relu", "abs", "exp", "sigmoid", "sqrt", "logical_not"):
+            return 0.0
+        if op == "clamp" and a.get("min") is not None:
+            return float(a["min"]) if s.lower is None else max(float(a["min"]), s.lower)
+        if op in ("identity", "cast"):
+            return s.lower
+        return None
 
     def garbage(self, axes: Iterable[Axis]) -> tuple[Axis, ...]:
         return tuple(Axis(tuple(Factor(f.extent, f.dim, GARBAGE if f.dim else f.content, f.prefix)
@@ -606,7 +628,24 @@ class _Analyzer:
         if all(s.uniform is not _UNKNOWN for s in ins):
             c = self.combine(n, [const(s.uniform) for s in ins])
             uniform = c.value if c.kind == "const" else _UNKNOWN
-        return State(tuple(axes), uniform, self.affine_of(n.op, ins, rank))
+        lower = None
+        if self.types[n.outputs[0]].dtype == "bool":
+            lower = 0.0
+        elif n.op in ("add", "mul", "maximum") and all(x.lower is not None for x in ins) and (
+                n.op != "mul" or all(x.lower >= 0 for x in ins)):
+            lower = {"add": ins[0].lower + ins[1].lower, "mul": 0.0,
+                     "maximum": max(ins[0].lower, ins[1].lower)}[n.op]
+        affine, offset = self.affine_of(n.op, ins, rank), None
+        if affine is None and n.op == "add":      # flat index into a merged axis: b * seq + (a bounded seq index)
+            for a_, b_ in ((ins[0], ins[1]), (ins[1], ins[0])):
+                if a_.affine is not None and a_.offset is None and b_.bound is not None and b_.affine is None:
+                    lead = rank - len(a_.axes)
+                    affine, offset = tuple(sorted((ax + lead, c) for ax, c in a_.affine)), b_.bound
+        elif affine is not None and n.op in ("add", "sub", "mul"):
+            offset = next((x.offset for x in ins if x.offset), None) if n.op != "mul" else None
+            if n.op == "mul" and any(x.offset for x in ins):
+                affine = None
+        return State(tuple(axes), uniform, affine, lower=lower, offset=offset)
 
     @staticmethod
     def affine_of(op: str, ins: list[State], rank: int) -> tuple[tuple[int, Any], ...] | None:
@@ -815,7 +854,7 @@ class _Analyzer:
                     break
                 moved[hits[0]] = c
             affine = tuple(sorted(moved.items())) if moved else None
-        return State(tuple(axes), x.uniform, affine)
+        return State(tuple(axes), x.uniform, affine, bound=x.bound, offset=x.offset)
 
     def expand(self, x: State, out_shape: Sequence[Dim]) -> State:
         lead = len(out_shape) - len(x.axes)
@@ -827,7 +866,7 @@ class _Analyzer:
             else:
                 axes.append(self.fresh_axis(e, _padded_view(x.real_content())))
         affine = tuple((ax + lead, c) for ax, c in x.affine) if x.affine else None
-        return State(tuple(axes), x.uniform, affine)
+        return State(tuple(axes), x.uniform, affine, bound=x.bound, offset=x.offset)
 
     def slice(self, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str, Finding]) -> State:
         a = n.attrs
@@ -882,6 +921,13 @@ class _Analyzer:
             self.taint(taint, n, table.axes, "embedding table padded along {dim}")
             return State(self.garbage(ids.axes) + (plain(out_shape[-1]),))
         x = ins[0]
+        if op == "gather":           # out[..i..] = x[.. idx[..i..] ..] along dim; other axes line up 1:1
+            dim = norm_axis(n.attrs["dim"], len(x.axes))
+            idx = ins[1]
+            for f in x.axes[dim].padded:
+                if idx.bound != f.dim:
+                    taint.setdefault(f.dim, self.finding(f.dim, n, f"data-dependent gather over padded dim {f.dim}"))
+            return State(self.garbage(idx.axes))
         if op == "index_select":
             dim = norm_axis(n.attrs["dim"], len(x.axes))
             idx = ins[1]
@@ -898,6 +944,8 @@ class _Analyzer:
             if not data_ax.padded:
                 continue
             reads = self.unflatten(data_ax, s)
+            if reads is None and data_ax.single is not None and s.bound == data_ax.single.dim:
+                continue              # the index only names real positions (e.g. an argmax over them)
             if reads is None:
                 first = data_ax.padded[0].dim
                 taint.setdefault(first, self.finding(first, n, f"data-dependent gather over padded dim {first}"))
@@ -937,6 +985,42 @@ class _Analyzer:
             axes = [ax if ax is not None else self.fresh_axis(out_shape[i], GARBAGE) for i, ax in enumerate(axes)]
         return State(tuple(axes))
 
+    def argreduce(self, n: Node, x: State, taint: dict[str, Finding]) -> State:
+        """argmax/argmin along a padded axis are safe when the padding can never win: argmax over
+        padding no larger than any real value (ties resolve to the first, real, index)."""
+        dim = norm_axis(n.attrs["dim"], len(x.axes))
+        ax = x.axes[dim]
+        bound = None
+        for f in ax.padded:
+            ok = (n.op == "argmax" and f.prefix and ax.single is f and x.lower is not None and
+                  ((f.content.kind == "const" and isinstance(f.content.value, (int, float))
+                    and float(f.content.value) <= x.lower) or _neg_huge(f.content)))
+            if ok:
+                bound = f.dim
+            else:
+                taint.setdefault(f.dim, self.finding(f.dim, n, f"{n.op} over padded dim {f.dim} could pick a "
+                                                               "padded position"))
+        axes = [a for i, a in enumerate(self.garbage(x.axes)) if i != dim]
+        if n.attrs.get("keepdim"):
+            axes.insert(dim, plain(1))
+        return State(tuple(axes), lower=0.0, bound=bound)
+
+    def shift(self, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str, Finding]) -> State:
+        """pad / roll move positions along their axes: on a padded axis that breaks the prefix
+        layout (roll) or appends after the padding (pad); other axes are untouched."""
+        rank = len(x.axes)
+        if n.op == "roll":
+            moved = {norm_axis(d, rank) for d in n.attrs["dims"]}
+        else:
+            pads = list(n.attrs["pads"])
+            moved = {rank - 1 - i for i in range(len(pads) // 2) if pads[2 * i] or pads[2 * i + 1]}
+        axes = list(x.axes)
+        for i in moved:
+            if axes[i].padded:
+                self.taint(taint, n, [axes[i]], f"{n.op} along padded dim {{dim}} moves the padding")
+            axes[i] = self.fresh_axis(out_shape[i], GARBAGE)
+        return State(tuple(axes), lower=x.lower if n.op == "roll" else None)
+
     @staticmethod
     def unflatten(data_ax: Axis, idx: State) -> dict[int, Content] | None:
         """When index `idx` reads data axis `data_ax` at exactly the positions its own axes name
@@ -948,6 +1032,11 @@ class _Analyzer:
         factors = [f for f in data_ax.factors if not _is_one(f.extent)]
         out: dict[int, Content] = {}
         stride: Dim = 1
+        if idx.offset is not None:    # the bounded term reads real positions of the innermost factor only
+            if not factors or factors[-1].dim != idx.offset or not factors[-1].prefix:
+                return None
+            stride = factors[-1].extent
+            factors = factors[:-1]
         for f in reversed(factors):
             hits = [ax for ax, c in coeffs.items() if _eq(c, stride)]
             if len(hits) != 1:
@@ -991,9 +1080,10 @@ class _Analyzer:
         d = next((p for p in self.padded if not isinstance(end, int) and _eq(end, sympy.Symbol(
             p, integer=True, positive=True))), None)
         if d is not None and start_d == 0 and step == 1:
-            return State((Axis((Factor(e, d, Content("ge_real", d), True),)),), affine=((0, 1),))
+            return State((Axis((Factor(e, d, Content("ge_real", d), True),)),), affine=((0, 1),), lower=0.0)
         affine = ((0, 1),) if start_d == 0 and step == 1 else None
-        return State((self.fresh_axis(e, GARBAGE),), affine=affine)
+        lower = float(start_d) if isinstance(start_d, int) and step > 0 else None
+        return State((self.fresh_axis(e, GARBAGE),), affine=affine, lower=lower)
 
 
 def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: Iterable[str], *,

@@ -22,6 +22,7 @@ import inspect
 import keyword
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,17 @@ def load_onnx_spec(path: str | os.PathLike, *, spec: str | None = None) -> OnnxM
 # ------------------------------------------------------------------ user module -> bundle
 
 
+class GraphmodeNotice(UserWarning):
+    """Something graphmode did on the user's behalf that they may want to make explicit."""
+
+
+def _forward_params(module: nn.Module) -> list[str]:
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
 def _input_names_for(module: nn.Module, n: int) -> list[str]:
     try:
         params = [p for p in inspect.signature(module.forward).parameters.values()
@@ -188,15 +200,16 @@ def _input_names_for(module: nn.Module, n: int) -> list[str]:
     return names + [f"input_{i}" for i in range(len(names), n)]
 
 
-def _make_wrapper(model: nn.Module, names: list[str], positional: bool) -> nn.Module:
+def _make_wrapper(model: nn.Module, names: list[str], positional: bool,
+                  call_kwargs: dict[str, Any] | None = None) -> nn.Module:
     """An OutputFlattener subclass whose forward has exactly ``names`` as parameters, so
-    torch.export / ONNX export see named inputs."""
+    torch.export / ONNX export see named inputs; `call_kwargs` are passed on every call."""
     bad = [n for n in names if not n.isidentifier() or keyword.iskeyword(n)]
     if bad:
         raise CaptureError(f"input names must be Python identifiers: {bad}",
                            where="example_inputs", fix="rename those inputs")
-    call = (f"self.model({', '.join(names)})" if positional else
-            f"self.model({', '.join(f'{n}={n}' for n in names)})")
+    call = (f"self.model({', '.join(names)}, **self.call_kwargs)" if positional else
+            f"self.model({', '.join(f'{n}={n}' for n in names)}, **self.call_kwargs)")
     src = (f"def forward(self, {', '.join(names)}):\n"
            f"    return self._flat({call})\n")
     ns: dict[str, Any] = {}
@@ -207,7 +220,7 @@ def _make_wrapper(model: nn.Module, names: list[str], positional: bool) -> nn.Mo
 
     cls = type(f"Flat{type(model).__name__}", (zoo.OutputFlattener,),
                {"forward": ns["forward"], "_flat": _flat})
-    return cls(model)
+    return cls(model, call_kwargs=call_kwargs)
 
 
 def bundle_from_module(module: nn.Module, example_inputs: Any,
@@ -240,7 +253,6 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
     if not ex:
         raise CaptureError("no example inputs", where=where, fix="give at least one tensor")
     module.eval()
-    wrapper = _make_wrapper(module, list(ex), positional).eval()
     dims = {k: list(v.shape) for k, v in ex.items()} if input_dims is None else {
         k: list(v) for k, v in input_dims.items()}
     if set(dims) != set(ex):
@@ -256,6 +268,18 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
                            f"{type(e).__name__}: {e}", where=where, value=list(ex),
                            fix=f"check that {call} runs eagerly (dict keys must be forward's "
                                "parameter names)") from e
+    caches = zoo.cache_outputs(raw)
+    call_kwargs: dict[str, Any] = {}
+    if caches:
+        # an encoder-style capture does not need the KV cache the model also returns: drop it,
+        # and ask the model not to build it when it can be told so
+        takes = "use_cache" in _forward_params(module)
+        if takes:
+            call_kwargs["use_cache"] = False
+        warnings.warn(GraphmodeNotice(
+            f"{type(module).__name__} also returns a key/value cache ({', '.join(caches)}); graphmode drops it "
+            f"and compiles the forward pass{' with use_cache=False' if takes else ''}. Set config.use_cache=False "
+            "(or pass use_cache=False) to silence this."), stacklevel=2)
     try:
         flat = zoo._flatten_output(raw)
     except TypeError as e:
@@ -268,6 +292,7 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
     if len(outs) != len(flat):
         raise CaptureError(f"{len(outs)} output names for {len(flat)} outputs", where=where,
                            value=outs)
+    wrapper = _make_wrapper(module, list(ex), positional, call_kwargs).eval()
     bundle = ModelBundle(name=name or type(module).__name__.lower(), module=wrapper,
                          example_inputs=ex, input_dims=dims, output_names=list(outs),
                          source=source, raw_module=module)

@@ -2,8 +2,9 @@
 
 `run_decompositions(decomp_table={})` keeps high-level ATen ops (linear, layer_norm,
 scaled_dot_product_attention) — better fusion units, and the default core-ATen table
-fails on GPT-2 (see shared/NOTES.md). Every ATen op either maps to a core IR op through
-`_TRANSLATE` or becomes an explicit `fallback` node listed in the capture report.
+fails on GPT-2 (see shared/NOTES.md). Every ATen op either maps to core IR ops through a
+converter (`graphmode/capture/aten.py`) or becomes an explicit `fallback` node listed in the
+capture report with the model's source line.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 
+from graphmode.capture.aten import convert
 from graphmode.errors import CaptureError
 from graphmode.ir.graph import Graph, clean_name
 from graphmode.ir.types import TORCH_TO_DTYPE, TensorType, dim_str, normalize_dim, sym
@@ -49,22 +51,6 @@ class CaptureReport:
 _SKIP = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
          "aten.sym_constrain_range_for_size.default", "aten.sym_constrain_range.default",
          "aten._assert_async.msg"}
-_IDENTITY = {"aten.clone.default", "aten.contiguous.default", "aten.alias.default", "aten.detach.default",
-             "aten.lift_fresh_copy.default", "aten.dropout.default", "aten.feature_dropout.default",
-             "aten._to_copy.default_same", "aten.native_dropout.default"}
-_VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.unsqueeze.default",
-          "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.flatten.using_ints",
-          "aten.unflatten.int", "aten.view_as.default"}
-_UNARY = {"aten.neg.default": "neg", "aten.exp.default": "exp", "aten.log.default": "log",
-          "aten.sqrt.default": "sqrt", "aten.rsqrt.default": "rsqrt", "aten.reciprocal.default": "reciprocal",
-          "aten.abs.default": "abs", "aten.tanh.default": "tanh", "aten.sigmoid.default": "sigmoid",
-          "aten.relu.default": "relu", "aten.relu_.default": "relu", "aten.erf.default": "erf",
-          "aten.sin.default": "sin", "aten.cos.default": "cos", "aten.silu.default": "silu",
-          "aten.logical_not.default": "logical_not", "aten.bitwise_not.default": "logical_not"}
-_BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow", "maximum": "maximum",
-           "minimum": "minimum", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
-           "logical_and": "logical_and", "logical_or": "logical_or", "bitwise_and": "logical_and",
-           "bitwise_or": "logical_or", "__and__": "logical_and", "__or__": "logical_or"}
 
 
 class _Importer:
@@ -109,8 +95,10 @@ class _Importer:
             return r
         return int(v)
 
-    def dim_attr(self, v):
-        d = self.dim(v)
+    def attr_dim(self, v):
+        """A size (SymInt, int or IR dim) as an attribute value: an int or a dim expression string."""
+        d = v if isinstance(v, sympy.Basic) else self.dim(v)
+        d = normalize_dim(d)
         return d if isinstance(d, int) else dim_str(d)
 
     def ttype(self, val: torch.Tensor) -> TensorType:
@@ -170,11 +158,7 @@ class _Importer:
         if self.excluded(tname, short):
             self._fallback(node, "excluded by recipe capture settings", excluded=True)
             return
-        try:
-            handled = self._aten(node, tname, short)
-        except CaptureError:
-            raise
-        if not handled:
+        if not convert(self, node, tname):
             self._fallback(node, "no graphmode lowering for this op")
 
     def _sym_op(self, node: torch.fx.Node) -> None:
@@ -234,284 +218,6 @@ class _Importer:
             self.fallbacks[key].count += 1
         else:
             self.fallbacks[key] = Fallback(str(node.target), reason, loc, excluded=excluded)
-
-    def _aten(self, node: torch.fx.Node, tname: str, short: str) -> bool:  # noqa: C901 - one table
-        a, kw = node.args, node.kwargs
-        x = lambda i: self.operand(a[i])  # noqa: E731
-        val = node.meta.get("val")
-        if tname in _IDENTITY or tname in ("aten.dropout.default",):
-            self.emit(node, "identity", [x(0)])
-            return True
-        if tname in _VIEWS:
-            self.emit(node, "reshape", [x(0)], {"shape": [self.dim_attr(s) for s in val.shape]})
-            return True
-        if tname in _UNARY:
-            self.emit(node, _UNARY[tname], [x(0)])
-            return True
-        if short in _BINARY or short.rstrip("_") in _BINARY:
-            op = _BINARY[short] if short in _BINARY else _BINARY[short.rstrip("_")]
-            if short.startswith("div") and (kw.get("rounding_mode") or (len(a) > 2 and a[2])):
-                return False
-            lhs, rhs = x(0), x(1)
-            alpha = kw.get("alpha", 1)
-            if alpha != 1 and op in ("add", "sub"):
-                rhs, = self.g.add_node("mul", [rhs, self.const(alpha)],
-                                       [TensorType(self.g.type_of(rhs).dtype, self.g.type_of(rhs).shape)])
-            self.emit(node, op, [lhs, rhs])
-            return True
-        if short == "rsub":
-            self.emit(node, "sub", [x(1), x(0)])
-            return True
-        if short in ("gelu",):
-            self.emit(node, "gelu", [x(0)], {"approximate": kw.get("approximate", a[1] if len(a) > 1 else "none")})
-            return True
-        if tname in ("aten.softmax.int", "aten._softmax.default", "aten._safe_softmax.default"):
-            self.emit(node, "softmax", [x(0)], {"dim": int(a[1])})
-            return True
-        if tname in ("aten.log_softmax.int", "aten._log_softmax.default"):
-            self.emit(node, "log_softmax", [x(0)], {"dim": int(a[1])})
-            return True
-        if tname in ("aten.linear.default",):
-            ins = [x(0), x(1)] + ([x(2)] if len(a) > 2 and a[2] is not None else [])
-            self.emit(node, "linear", ins)
-            return True
-        if tname == "aten.addmm.default":
-            bias, inp, w = x(0), x(1), x(2)
-            wt = self.g.type_of(w)
-            w_t, = self.g.add_node("permute", [w], [wt.with_shape((wt.shape[1], wt.shape[0]))], {"perm": [1, 0]})
-            self.emit(node, "linear", [inp, w_t, bias])
-            return True
-        if tname in ("aten.mm.default", "aten.bmm.default", "aten.matmul.default"):
-            self.emit(node, "matmul", [x(0), x(1)])
-            return True
-        if tname == "aten.layer_norm.default":
-            ins = [x(0)] + [self.operand(t) for t in a[2:4] if t is not None]
-            eps = a[4] if len(a) > 4 else kw.get("eps", 1e-5)
-            self.emit(node, "layer_norm", ins, {"normalized_rank": len(a[1]), "eps": float(eps)})
-            return True
-        if tname == "aten.native_layer_norm.default":
-            ins = [x(0)] + [self.operand(t) for t in a[2:4] if t is not None]
-            out, = self.g.add_node("layer_norm", ins, [self.ttype(val[0])],
-                                   {"normalized_rank": len(a[1]), "eps": float(a[4])}, names=[clean_name(node.name)])
-            self.env[node] = (out, None, None)
-            return True
-        if tname == "aten.scaled_dot_product_attention.default":
-            mask = kw.get("attn_mask", a[3] if len(a) > 3 else None)
-            if kw.get("dropout_p", a[4] if len(a) > 4 else 0.0):
-                return False
-            ins = [x(0), x(1), x(2)] + ([self.operand(mask)] if mask is not None else [])
-            attrs = {"is_causal": bool(kw.get("is_causal", a[5] if len(a) > 5 else False))}
-            scale = kw.get("scale", a[6] if len(a) > 6 else None)
-            if scale is not None:
-                attrs["scale"] = float(scale)
-            self.emit(node, "sdpa", ins, attrs)
-            return True
-        if tname == "aten.embedding.default":
-            self.emit(node, "embedding", [x(0), x(1)])
-            return True
-        if tname in ("aten.permute.default",):
-            self.emit(node, "permute", [x(0)], {"perm": [int(p) % len(val.shape) for p in a[1]]})
-            return True
-        if tname in ("aten.transpose.int", "aten.t.default"):
-            rank = len(val.shape)
-            d0, d1 = (a[1], a[2]) if len(a) > 2 else (0, 1)
-            perm = list(range(rank))
-            perm[d0 % rank], perm[d1 % rank] = perm[d1 % rank], perm[d0 % rank]
-            self.emit(node, "permute", [x(0)], {"perm": perm})
-            return True
-        if tname in ("aten.expand.default",):
-            self.emit(node, "expand", [x(0)], {"shape": [self.dim_attr(s) for s in val.shape]})
-            return True
-        if tname == "aten.slice.Tensor":
-            dim = a[1] if len(a) > 1 else 0
-            start = a[2] if len(a) > 2 and a[2] is not None else 0
-            end = a[3] if len(a) > 3 and a[3] is not None else 2 ** 62
-            step = a[4] if len(a) > 4 else 1
-            start_d = self.dim(start)
-            if not isinstance(start_d, int):
-                return False
-            end_d = self.dim(end) if not (isinstance(end, int) and end >= 2 ** 62) else 2 ** 62
-            self.emit(node, "slice", [x(0)], {"dim": int(dim) % len(val.shape), "start": start_d,
-                                                "end": end_d if isinstance(end_d, int) else dim_str(end_d),
-                                                "step": int(step)})
-            return True
-        if tname == "aten.select.int":
-            src = x(0)
-            st = self.g.type_of(src)
-            dim = int(a[1]) % st.rank
-            idx = self.dim(a[2])
-            if not isinstance(idx, int):
-                return False
-            shape = list(st.shape)
-            shape[dim] = 1
-            if idx < 0:
-                idx_end = idx + 1 if idx != -1 else 2 ** 62
-            else:
-                idx_end = idx + 1
-            s, = self.g.add_node("slice", [src], [st.with_shape(shape)],
-                                 {"dim": dim, "start": idx, "end": idx_end, "step": 1})
-            self.emit(node, "reshape", [s], {"shape": [self.dim_attr(v) for v in val.shape]})
-            return True
-        if tname in ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"):
-            src = x(0)
-            st = self.g.type_of(src)
-            dim = int(kw.get("dim", a[2] if len(a) > 2 else 0)) % st.rank
-            outs, start = [], 0
-            for i, piece in enumerate(val):
-                length = self.dim(piece.shape[dim])
-                if not isinstance(length, int):
-                    return False
-                o, = self.g.add_node("slice", [src], [self.ttype(piece)],
-                                     {"dim": dim, "start": start, "end": start + length, "step": 1},
-                                     names=[clean_name(f"{node.name}_{i}")])
-                outs.append(o)
-                start += length
-            self.env[node] = tuple(outs)
-            return True
-        if tname == "aten.cat.default":
-            ins = [self.operand(t) for t in a[0]]
-            self.emit(node, "concat", ins, {"dim": int(a[1] if len(a) > 1 else kw.get("dim", 0)) % len(val.shape)})
-            return True
-        if tname in ("aten.where.self",):
-            self.emit(node, "where", [x(0), x(1), x(2)])
-            return True
-        if tname in ("aten.masked_fill.Scalar", "aten.masked_fill.Tensor"):
-            src = x(0)
-            fill = self.const(a[2], self.g.type_of(src).dtype) if not isinstance(a[2], torch.fx.Node) else x(2)
-            self.emit(node, "where", [x(1), fill, src])
-            return True
-        if tname in ("aten.to.dtype", "aten._to_copy.default", "aten.to.dtype_layout", "aten.type_as.default"):
-            dt = TORCH_TO_DTYPE[val.dtype]
-            self.emit(node, "cast", [x(0)], {"dtype": dt})
-            return True
-        if tname in ("aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default", "aten.amin.default"):
-            op = {"mean": "mean", "sum": "sum", "amax": "amax", "amin": "amin"}[short]
-            dims = a[1] if len(a) > 1 else kw.get("dim")
-            rank = len(self.g.type_of(x(0)).shape)
-            dims = list(range(rank)) if dims is None else [int(d) % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-            keep = bool(a[2] if len(a) > 2 else kw.get("keepdim", False))
-            if kw.get("dtype") is not None:
-                return False
-            self.emit(node, op, [x(0)], {"dims": dims, "keepdim": keep})
-            return True
-        if tname in ("aten.arange.default", "aten.arange.start", "aten.arange.start_step"):
-            nums = list(a)
-            start, end, step = (0, nums[0], 1) if len(nums) == 1 else (nums[0], nums[1], nums[2] if len(nums) > 2 else 1)
-            s, e = self.dim(start), self.dim(end)
-            if not isinstance(s, int) or not isinstance(step, int):
-                return False
-            self.emit(node, "arange", [], {"start": s, "end": e if isinstance(e, int) else dim_str(e), "step": step,
-                                           "dtype": TORCH_TO_DTYPE[val.dtype]})
-            return True
-        if tname in ("aten.full.default", "aten.zeros.default", "aten.ones.default", "aten.new_ones.default",
-                     "aten.new_zeros.default", "aten.new_full.default", "aten.ones_like.default",
-                     "aten.zeros_like.default", "aten.full_like.default", "aten.scalar_tensor.default"):
-            value = {"zeros": 0, "new_zeros": 0, "zeros_like": 0, "ones": 1, "new_ones": 1, "ones_like": 1}.get(short)
-            if value is None:
-                value = a[1] if short in ("full", "full_like") else a[2] if short == "new_full" else a[0]
-            if isinstance(value, torch.fx.Node):
-                return False
-            dt = TORCH_TO_DTYPE[val.dtype]
-            value = bool(value) if dt == "bool" else (int(value) if dt.startswith(("i", "u")) else float(value))
-            self.emit(node, "full", [], {"shape": [self.dim_attr(s) for s in val.shape], "value": value, "dtype": dt})
-            return True
-        if tname in ("aten.tril.default", "aten.triu.default"):
-            self.emit(node, short, [x(0)], {"diagonal": int(a[1] if len(a) > 1 else 0)})
-            return True
-        if tname in ("aten.conv2d.default", "aten.convolution.default"):
-            if short == "convolution" and a[6]:
-                return False  # transposed
-            ins = [x(0), x(1)] + ([x(2)] if a[2] is not None else [])
-            if short == "conv2d":
-                stride, pad, dil, groups = (list(a[3]) if len(a) > 3 else [1, 1], list(a[4]) if len(a) > 4 else [0, 0],
-                                            list(a[5]) if len(a) > 5 else [1, 1], a[6] if len(a) > 6 else 1)
-            else:
-                stride, pad, dil, groups = list(a[3]), list(a[4]), list(a[5]), a[8]
-            if isinstance(pad, str) or len(self.g.type_of(ins[0]).shape) != 4:
-                return False
-            self.emit(node, "conv2d", ins, {"stride": stride, "padding": pad, "dilation": dil, "groups": int(groups)})
-            return True
-        if tname in ("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default"):
-            if short == "batch_norm":
-                ins = [x(0), x(1), x(2), x(3), x(4)]
-                if a[5]:  # training
-                    return False
-                eps = a[7]
-            else:
-                ins = [x(0), x(1), x(2), x(3), x(4)]
-                eps = a[6]
-            out, = self.g.add_node("batch_norm", ins, [self.ttype(val[0] if isinstance(val, (tuple, list)) else val)],
-                                   {"eps": float(eps)}, names=[clean_name(node.name)])
-            self.env[node] = (out, None, None) if isinstance(val, (tuple, list)) else out
-            return True
-        if tname in ("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default"):
-            k = list(a[1])
-            stride = list(a[2]) if len(a) > 2 and a[2] else k
-            attrs = {"kernel": k, "stride": stride, "padding": list(a[3]) if len(a) > 3 else [0, 0],
-                     "dilation": list(a[4]) if len(a) > 4 else [1, 1], "ceil_mode": bool(a[5]) if len(a) > 5 else False}
-            ty = self.ttype(val[0] if isinstance(val, (tuple, list)) else val)
-            out, = self.g.add_node("max_pool2d", [x(0)], [ty], attrs, names=[clean_name(node.name)])
-            self.env[node] = (out, None) if isinstance(val, (tuple, list)) else out
-            return True
-        if tname == "aten.avg_pool2d.default":
-            k = list(a[1])
-            self.emit(node, "avg_pool2d", [x(0)], {"kernel": k, "stride": list(a[2]) if len(a) > 2 and a[2] else k,
-                                                   "padding": list(a[3]) if len(a) > 3 else [0, 0],
-                                                   "ceil_mode": bool(a[4]) if len(a) > 4 else False,
-                                                   "count_include_pad": bool(a[5]) if len(a) > 5 else True})
-            return True
-        if tname in ("aten.adaptive_avg_pool2d.default", "aten._adaptive_avg_pool2d.default"):
-            self.emit(node, "adaptive_avg_pool2d", [x(0)], {"output_size": [int(v) for v in a[1]]})
-            return True
-        if tname == "aten.cumsum.default":
-            if kw.get("dtype") is not None:
-                return False
-            self.emit(node, "cumsum", [x(0)], {"dim": int(a[1]) % len(val.shape)})
-            return True
-        if tname == "aten.diff.default":
-            return self._diff(node)
-        if tname == "aten.index.Tensor":
-            idx = list(a[1])
-            dims = [i for i, t in enumerate(idx) if t is not None]
-            if not dims or any(self.g.type_of(self.operand(idx[d])).dtype == "bool" for d in dims):
-                return False
-            self.emit(node, "index", [x(0)] + [self.operand(idx[d]) for d in dims], {"dims": dims})
-            return True
-        if tname == "aten.index_select.default":
-            self.emit(node, "index_select", [x(0), x(2)], {"dim": int(a[1])})
-            return True
-        if tname == "aten.clamp.default":
-            self.emit(node, "clamp", [x(0)], {"min": a[1] if len(a) > 1 else None, "max": a[2] if len(a) > 2 else None})
-            return True
-        if tname == "aten.sym_size.int":
-            self.env[node] = self.dim(node.meta["val"])
-            return True
-        return False
-
-    def _diff(self, node: torch.fx.Node) -> bool:
-        """diff(x, n=1, dim, prepend, append) = y[1:] - y[:-1] with y = cat(prepend, x, append)."""
-        a, kw = node.args, node.kwargs
-        n = a[1] if len(a) > 1 else kw.get("n", 1)
-        if n != 1:
-            return False
-        x = self.operand(a[0])
-        xt = self.g.type_of(x)
-        dim = int(a[2] if len(a) > 2 else kw.get("dim", -1)) % xt.rank
-        pre = a[3] if len(a) > 3 else kw.get("prepend")
-        app = a[4] if len(a) > 4 else kw.get("append")
-        parts = [self.operand(t) for t in (pre, a[0], app) if t is not None]
-        y = x
-        if len(parts) > 1:
-            shape = list(xt.shape)
-            shape[dim] = sum((self.g.type_of(p).shape[dim] for p in parts), start=0)
-            y, = self.g.add_node("concat", parts, [xt.with_shape(shape)], {"dim": dim})
-        yt = self.g.type_of(y)
-        shape = list(yt.shape)
-        shape[dim] = yt.shape[dim] - 1
-        hi, = self.g.add_node("slice", [y], [yt.with_shape(shape)], {"dim": dim, "start": 1, "end": 2 ** 62, "step": 1})
-        lo, = self.g.add_node("slice", [y], [yt.with_shape(shape)], {"dim": dim, "start": 0, "end": -1, "step": 1})
-        self.emit(node, "sub", [hi, lo])
-        return True
 
     # ---- driver ----------------------------------------------------------------------
     def run(self) -> Graph:

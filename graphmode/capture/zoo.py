@@ -267,11 +267,28 @@ def random_token_inputs(shape: dict[str, int], seed: int, *, vocab_size: int,
 # ---------------------------------------------------------------------- output flattening
 
 
+def is_cache(obj: Any) -> bool:
+    """A key/value cache object in a model's output (transformers' DynamicCache and friends)."""
+    return type(obj).__name__.endswith("Cache") and hasattr(obj, "get_seq_length")
+
+
+def cache_outputs(out: Any, prefix: str = "") -> list[str]:
+    """Paths of the cache objects in a model's output (what _flatten_output drops)."""
+    if is_cache(out):
+        return [prefix or "output"]
+    if isinstance(out, dict) or hasattr(out, "to_tuple") and hasattr(out, "keys"):
+        return [p for k in out.keys() for p in cache_outputs(out[k], f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(out, (tuple, list)):
+        return [p for i, v in enumerate(out) for p in cache_outputs(v, f"{prefix}.{i}" if prefix else f"output_{i}")]
+    return []
+
+
 def _flatten_output(out: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """Flatten tensors / tuples / lists / dicts / ModelOutput into (name, tensor) pairs."""
+    """Flatten tensors / tuples / lists / dicts / ModelOutput into (name, tensor) pairs; cache
+    objects are dropped (`cache_outputs` names them)."""
     if isinstance(out, torch.Tensor):
         return [(prefix or "output", out)]
-    if out is None:
+    if out is None or is_cache(out):
         return []
     if isinstance(out, dict) or hasattr(out, "to_tuple") and hasattr(out, "keys"):
         items = [(k, out[k]) for k in out.keys()]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from graphmode.capture.onnx_import import MAX_OPSET, import_onnx, supported_onnx_ops
+from graphmode.capture.onnx import MAX_OPSET, import_onnx, supported_onnx_ops
 from graphmode.errors import CaptureError
 from graphmode.ir import interpret, verify_graph
 from graphmode.verify.numerics import rel_l2

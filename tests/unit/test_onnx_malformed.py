@@ -681,7 +681,7 @@ def test_malformed_full_sweep(case, bases, workdir):
 def test_import_onnx_refuses_a_bad_signature_itself():
     """The compile path meets signature errors in load_onnx_spec first; import_onnx (the API) must
     refuse them on its own too."""
-    from graphmode.capture.onnx_import import import_onnx
+    from graphmode.capture.onnx import import_onnx
     m = conv_model()
     _no_outputs(m)
     with pytest.raises(CaptureError, match="no outputs"):

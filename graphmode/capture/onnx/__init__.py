@@ -1,0 +1,46 @@
+"""ONNX -> IR: load, validate, translate every node into the core op set.
+
+Why the importer evaluates shape code itself: exported ONNX graphs compute every
+reshape/expand target at run time (`Shape -> Gather -> Unsqueeze -> Concat -> Reshape`),
+while the IR wants those targets as attributes with symbolic dims (`reshape.shape =
+[batch, seq, 12, 32]`) so that passes, the planner and the recipe checks can reason
+about them. So each ONNX value is one of
+
+* a *known* value: a small tensor whose elements are ints, floats, bools or sympy
+  expressions over the recipe dims (shapes, shape arithmetic, small constants). Ops on
+  known values are folded at import time (`_Known`, numpy object arrays); only when a
+  known value feeds a real computation is it materialised as an IR constant (or, for a
+  symbolic element such as `seq`, as `arange(start=seq, end=seq+1)`);
+* an IR value (a tensor computed at run time), with its `TensorType` from the op table's
+  `infer`, cross-checked against the ONNX `value_info` / output types when present;
+* a large initializer, turned into a `param` constant the first time a node uses it.
+
+Besides the shape folding, the translation makes the IR look like the torch.export one:
+`MatMul(x, W)` with a constant 2-d `W` and `Gemm` become `linear` (transposed weight; a
+tied `wte.T` initializer is recognised and shared), a following `Add(bias)` is folded
+into it, `Gather` on a constant 2-d table becomes `embedding`, `Identity`/`Dropout` and
+no-op reshapes/expands disappear. Activation chains (the exporter's erf-GELU) are kept
+as elementwise ops for the fusion pass.
+
+Before any node is translated, `onnx_validate.validate_onnx` refuses a malformed model
+(onnx.checker, strict shape inference, attribute ranges, graph signature): the handlers
+below may trust attribute values and types.
+
+Limitations (each raises CaptureError naming the file, node and fix):
+ops outside `supported_onnx_ops()` (all are listed with counts and node names before
+anything is translated: ONNX has no eager fallback, so they cannot become `fallback`
+nodes), control flow (If/Loop/Scan), non-default op domains, shapes that depend on
+tensor *data* (e.g. Reshape to a shape read from an input's values), symbolic Slice
+starts, negative Slice steps on run-time tensors, asymmetric Conv/Pool padding,
+1-d/3-d convolutions, opsets outside [MIN_OPSET, MAX_OPSET]. Not checked: Squeeze
+without axes treats a symbolic dim as != 1; `embedding`/`index` assume non-negative
+run-time indices. Excluded ops (`exclude_ops` / `include_ops`, matched against the ONNX
+op type or the core op it lowers to) become `fallback` nodes calling the equivalent
+`torch.ops.aten` function (`_aten_call`); one without an equivalent raises CaptureError.
+"""
+from __future__ import annotations
+from graphmode.capture.onnx.importer import OnnxCaptureReport, import_onnx, supported_onnx_ops
+from graphmode.capture.onnx_validate import MAX_OPSET, MIN_OPSET
+from graphmode.capture.onnx import convert_core, convert_nn, convert_shape  # noqa: F401,E402 - register handlers
+
+__all__ = ["import_onnx", "OnnxCaptureReport", "supported_onnx_ops", "MIN_OPSET", "MAX_OPSET"]

@@ -1,0 +1,354 @@
+"""ONNX converters: constants, elementwise ops, activations, softmax, norms, reductions."""
+from __future__ import annotations
+
+
+import math
+
+import numpy as np
+import sympy
+import torch
+
+from graphmode.capture.onnx_validate import ONNX_DTYPES as _ONNX_DTYPES
+from graphmode.ir.ops import broadcast_shapes, get_op, norm_axis
+from graphmode.ir.types import DTYPES, normalize_dim
+
+from graphmode.capture.onnx.fold import KNOWN_LIMIT, _FLOAT_DTYPES, _INT_DTYPES, _Known, _Unfoldable, _decide, _fold_elementwise, _is_sym, _objarr, _smax, _smin, _ufunc
+from graphmode.capture.onnx.importer import _Importer, _attr_dim, _handles, _shape_attr, _to_tensor
+
+
+@_handles("Constant")
+def _constant(imp: _Importer, n) -> None:
+    from onnx import numpy_helper
+    out = n.output[0]
+    for a in n.attribute:
+        if a.name == "value":
+            arr = numpy_helper.to_array(a.t)
+            break
+        if a.name == "value_float":
+            arr = np.array(a.f, dtype=np.float32)
+            break
+        if a.name == "value_floats":
+            arr = np.array(list(a.floats), dtype=np.float32)
+            break
+        if a.name == "value_int":
+            arr = np.array(a.i, dtype=np.int64)
+            break
+        if a.name == "value_ints":
+            arr = np.array(list(a.ints), dtype=np.int64)
+            break
+    else:
+        raise imp.fail("Constant with a string or sparse value is not supported",
+                       fix="only numeric tensor constants can be imported")
+    t = _to_tensor(arr, a.t.data_type if a.name == "value" else None)
+    if t.numel() <= KNOWN_LIMIT:
+        imp.set_known(out, _Known.of(t))
+    else:
+        imp.big[out] = (t, "const")
+        imp.check_declared(out)
+
+
+@_handles("Identity", "Dropout")
+def _identity(imp: _Importer, n) -> None:
+    if n.op_type == "Dropout" and len(n.output) > 1 and n.output[1] and imp.consumers.get(n.output[1]):
+        raise imp.fail("the Dropout mask output is used", fix="export the model in eval mode")
+    imp.alias(n.output[0], n.input[0])
+
+
+@_handles("Shape")
+def _shape(imp: _Importer, n) -> None:
+    t = imp.type_of(n.input[0])
+    dims = list(t.shape)
+    start, end = imp.attr(n, "start", 0), imp.attr(n, "end", None)
+    dims = dims[slice(start, end)]
+    imp.set_known(n.output[0], _Known(_objarr(dims), "i64"))
+
+
+@_handles("Size")
+def _size(imp: _Importer, n) -> None:
+    imp.set_known(n.output[0], _Known(_objarr([imp.type_of(n.input[0]).numel()], ()), "i64"))
+
+
+# ---- elementwise
+
+_UNARY = {"Neg": "neg", "Abs": "abs", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Exp": "exp", "Log": "log",
+          "Tanh": "tanh", "Erf": "erf", "Relu": "relu", "Sigmoid": "sigmoid", "Sin": "sin", "Cos": "cos",
+          "Not": "logical_not"}
+_BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Equal": "eq", "Less": "lt",
+           "LessOrEqual": "le", "Greater": "gt", "GreaterOrEqual": "ge", "And": "logical_and",
+           "Or": "logical_or", "Xor": "ne", "Max": "maximum", "Min": "minimum", "Sum": "add", "Mod": "remainder"}
+_BOOL_OUT = {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Not", "IsNaN",
+             "IsInf"}
+
+@_handles(*_UNARY, *_BINARY, "IsNaN", "IsInf")
+def _elementwise(imp: _Importer, n) -> None:
+    op = n.op_type
+    ins = [i for i in n.input if i]
+    in_dtype = imp.type_of(ins[0]).dtype
+    out_dtype = "bool" if op in _BOOL_OUT else in_dtype
+    if op in ("IsNaN", "IsInf"):
+        if op == "IsInf" and not (imp.attr(n, "detect_positive", 1) and imp.attr(n, "detect_negative", 1)):
+            raise imp.fail("IsInf with detect_positive/detect_negative off is not supported")
+        x = imp.operand(ins[0])
+        if op == "IsNaN":
+            imp.emit("ne", [x, x], {}, out=n.output[0])
+        else:
+            a = imp.emit("abs", [x], {}, hint=f"{n.output[0]}_abs")
+            inf = imp.materialise(_Known(_objarr([math.inf], ()), in_dtype), "inf")
+            imp.emit("eq", [a, inf], {}, out=n.output[0])
+        return
+    irop = _UNARY.get(op) or _BINARY[op]
+    if op == "Mod" and imp.attr(n, "fmod", 0):
+        irop = "fmod"
+    if _fold_elementwise(imp, n, irop, ins, out_dtype):
+        return
+    if len(ins) == 1 and op in _UNARY:
+        imp.emit(irop, [imp.operand(ins[0])], {}, out=n.output[0])
+        return
+    if op == "Div" and in_dtype in _INT_DTYPES:
+        # ONNX integer division truncates; the core div is true division
+        fs = [imp.emit("cast", [imp.operand(i)], {"dtype": "f64"}, hint=f"{n.output[0]}_f") for i in ins]
+        q = imp.emit("div", fs, {}, hint=f"{n.output[0]}_q")
+        imp.emit("cast", [q], {"dtype": in_dtype}, out=n.output[0])
+        return
+    vals = [imp.operand(i) for i in ins]
+    if len(vals) == 1:   # variadic Sum/Max/Min with one input
+        imp.alias(n.output[0], ins[0])
+        return
+    cur = vals[0]
+    for v in vals[1:-1]:
+        cur = imp.emit(irop, [cur, v], {}, hint=n.output[0])
+    last_dtype = get_op(irop).infer([imp.g.type_of(cur), imp.g.type_of(vals[-1])], {})[0].dtype
+    if last_dtype == out_dtype:
+        imp.emit(irop, [cur, vals[-1]], {}, out=n.output[0])
+    else:   # torch promotion differs from ONNX (e.g. int ** float): cast back to ONNX's type
+        cur = imp.emit(irop, [cur, vals[-1]], {}, hint=n.output[0])
+        imp.emit("cast", [cur], {"dtype": out_dtype}, out=n.output[0])
+
+
+@_handles("Cast", "CastLike")
+def _cast(imp: _Importer, n) -> None:
+    src = n.input[0]
+    if n.op_type == "Cast":
+        to = _ONNX_DTYPES.get(imp.attr(n, "to"))
+    else:
+        to = imp.type_of(n.input[1]).dtype
+    if to is None:
+        raise imp.fail(f"Cast to element type {imp.attr(n, 'to')} is not supported",
+                       fix=f"use one of {sorted(set(_ONNX_DTYPES.values()))}")
+    k = imp.kn(src)
+    if k is not None:
+        if k.concrete:
+            imp.set_tensor(n.output[0], k.tensor().to(DTYPES[to]))
+            return
+        try:
+            def conv(v):
+                if not _is_sym(v):
+                    return torch.tensor(v).to(DTYPES[to]).item()
+                if to in _INT_DTYPES:
+                    return v if v.is_integer else sympy.floor(v)
+                if to in _FLOAT_DTYPES:
+                    return v
+                return not _decide(v, "eq")
+            imp.set_known(n.output[0], _Known(_ufunc(conv, k.arr), to))
+            return
+        except _Unfoldable:
+            pass
+    if imp.type_of(src).dtype == to:
+        imp.alias(n.output[0], src)
+        return
+    c = imp.const_source(src)
+    if c is not None:   # e.g. f16 weights cast to f32: convert once, not per call
+        imp.set_big(n.output[0], c[0].to(DTYPES[to]), c[1])
+        return
+    imp.emit("cast", [imp.operand(src)], {"dtype": to}, out=n.output[0])
+
+
+@_handles("Where")
+def _where(imp: _Importer, n) -> None:
+    c, a, b = (imp.kn(i) for i in n.input)
+    if c is not None and a is not None and b is not None and c.concrete:
+        if a.concrete and b.concrete:
+            imp.set_tensor(n.output[0], torch.where(c.tensor(), a.tensor(), b.tensor()))
+            return
+        shape = broadcast_shapes(c.shape, a.shape, b.shape)
+        res = np.where(c.arr.astype(bool), a.arr, b.arr)
+        imp.set_known(n.output[0], _Known(np.asarray(res, dtype=object).reshape(tuple(int(s) for s in shape)), a.dtype))
+        return
+    imp.emit("where", [imp.operand(i) for i in n.input], {}, out=n.output[0])
+
+
+@_handles("Clip")
+def _clip(imp: _Importer, n) -> None:
+    lo_n, hi_n = imp.opt_in(n, 1), imp.opt_in(n, 2)
+    lo = hi = None
+    for which, nm in (("min", lo_n), ("max", hi_n)):
+        if nm:
+            k = imp.need_known(nm, f"Clip {which}")
+            if not k.concrete or k.arr.size != 1:
+                raise imp.fail(f"Clip {which} must be a constant scalar", value=str(k.arr.tolist()))
+            if which == "min":
+                lo = k.tensor().item()
+            else:
+                hi = k.tensor().item()
+    imp.emit("clamp", [imp.operand(n.input[0])], {"min": lo, "max": hi}, out=n.output[0])
+
+
+@_handles("Gelu")
+def _gelu(imp: _Importer, n) -> None:
+    approx = imp.attr(n, "approximate", b"none")
+    approx = approx.decode() if isinstance(approx, bytes) else str(approx)
+    if approx not in ("none", "tanh"):
+        raise imp.fail(f"Gelu approximate={approx!r}", fix="use 'none' or 'tanh'")
+    imp.emit("gelu", [imp.operand(n.input[0])], {"approximate": approx}, out=n.output[0])
+
+
+@_handles("LeakyRelu", "HardSigmoid", "HardSwish", "Softplus")
+def _activations(imp: _Importer, n) -> None:
+    x = imp.operand(n.input[0])
+    dt = imp.g.type_of(x).dtype
+    out = n.output[0]
+
+    def c(v):
+        return imp.materialise(_Known(_objarr([float(v)], ()), dt), f"{out}_c")
+    if n.op_type == "LeakyRelu":
+        zero = c(0.0)
+        pos = imp.emit("gt", [x, zero], {}, hint=f"{out}_pos")
+        neg = imp.emit("mul", [x, c(imp.attr(n, "alpha", 0.01))], {}, hint=f"{out}_neg")
+        imp.emit("where", [pos, x, neg], {}, out=out)
+    elif n.op_type in ("HardSigmoid", "HardSwish"):
+        alpha = imp.attr(n, "alpha", 0.2) if n.op_type == "HardSigmoid" else 1 / 6
+        beta = imp.attr(n, "beta", 0.5)
+        t = imp.emit("mul", [x, c(alpha)], {}, hint=f"{out}_a")
+        t = imp.emit("add", [t, c(beta)], {}, hint=f"{out}_b")
+        if n.op_type == "HardSigmoid":
+            imp.emit("clamp", [t], {"min": 0.0, "max": 1.0}, out=out)
+        else:
+            t = imp.emit("clamp", [t], {"min": 0.0, "max": 1.0}, hint=f"{out}_hs")
+            imp.emit("mul", [x, t], {}, out=out)
+    else:  # Softplus = log(exp(x) + 1)
+        e = imp.emit("exp", [x], {}, hint=f"{out}_exp")
+        e = imp.emit("add", [e, c(1.0)], {}, hint=f"{out}_p1")
+        imp.emit("log", [e], {}, out=out)
+
+
+# ---- softmax / norms / reductions
+
+
+@_handles("Softmax", "LogSoftmax")
+def _softmax(imp: _Importer, n) -> None:
+    op = "softmax" if n.op_type == "Softmax" else "log_softmax"
+    x = imp.operand(n.input[0])
+    t = imp.g.type_of(x)
+    axis = norm_axis(imp.attr(n, "axis", -1 if imp.opset >= 13 else 1), t.rank)
+    if imp.opset >= 13 or axis == t.rank - 1:
+        imp.emit(op, [x], {"dim": axis}, out=n.output[0])
+        return
+    # opset < 13: softmax over the input coerced to 2-d at `axis`
+    lead = normalize_dim(math.prod(t.shape[:axis]) if all(isinstance(d, int) for d in t.shape[:axis])
+                         else sympy.Mul(*t.shape[:axis]))
+    flat = imp.emit("reshape", [x], {"shape": [_attr_dim(lead), -1]}, hint=f"{n.output[0]}_2d")
+    s = imp.emit(op, [flat], {"dim": 1}, hint=f"{n.output[0]}_sm")
+    imp.emit("reshape", [s], {"shape": _shape_attr(t.shape)}, out=n.output[0])
+
+
+@_handles("LayerNormalization")
+def _layer_norm(imp: _Importer, n) -> None:
+    for extra in n.output[1:]:
+        if extra and imp.consumers.get(extra):
+            raise imp.fail("the Mean/InvStdDev outputs of LayerNormalization are used",
+                           fix="only the normalized output is supported")
+    x = imp.operand(n.input[0])
+    t = imp.g.type_of(x)
+    axis = norm_axis(imp.attr(n, "axis", -1), t.rank)
+    ins = [x] + [imp.operand(i) for i in n.input[1:] if i]
+    imp.emit("layer_norm", ins, {"normalized_rank": t.rank - axis, "eps": float(imp.attr(n, "epsilon", 1e-5))},
+             out=n.output[0])
+
+
+@_handles("BatchNormalization")
+def _batch_norm(imp: _Importer, n) -> None:
+    if imp.attr(n, "training_mode", 0):
+        raise imp.fail("BatchNormalization in training mode", fix="export the model in eval mode")
+    for extra in n.output[1:]:
+        if extra and imp.consumers.get(extra):
+            raise imp.fail("BatchNormalization running-stat outputs are used", fix="export in eval mode")
+    imp.emit("batch_norm", [imp.operand(i) for i in n.input[:5]], {"eps": float(imp.attr(n, "epsilon", 1e-5))},
+             out=n.output[0])
+
+
+_REDUCE = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax", "ReduceMin": "amin",
+           "ReduceProd": None, "ReduceL2": None, "ReduceSumSquare": None}
+
+
+@_handles(*_REDUCE)
+def _reduce(imp: _Importer, n) -> None:
+    x_name = n.input[0]
+    t = imp.type_of(x_name)
+    axes_in = imp.opt_in(n, 1)
+    if axes_in:
+        axes = imp.ints_of(axes_in, f"{n.op_type} axes")
+    else:
+        axes = imp.attr(n, "axes", None)
+        axes = list(axes) if axes is not None else []
+    keep = bool(imp.attr(n, "keepdims", 1))
+    if not axes:
+        if imp.attr(n, "noop_with_empty_axes", 0):
+            imp.alias(n.output[0], x_name)
+            return
+        axes = list(range(t.rank))
+    axes = sorted({norm_axis(a, t.rank) for a in axes})
+    k = imp.kn(x_name)
+    if k is not None and not k.concrete and n.op_type in ("ReduceSum", "ReduceProd", "ReduceMax", "ReduceMin"):
+        fn = {"ReduceSum": lambda a, b: a + b, "ReduceProd": lambda a, b: a * b,
+              "ReduceMax": _smax, "ReduceMin": _smin}[n.op_type]
+        arr = k.arr
+        for ax in reversed(axes):
+            arr = np.frompyfunc(fn, 2, 1).reduce(arr, axis=ax, keepdims=keep)
+            arr = arr if isinstance(arr, np.ndarray) else _objarr([arr], ())
+        imp.set_known(n.output[0], _Known(np.asarray(arr, dtype=object), k.dtype))
+        return
+    if k is not None and k.concrete:
+        tt = k.tensor()
+        fns = {"ReduceMean": lambda: tt.float().mean(axes, keepdim=keep).to(tt.dtype) if not tt.is_floating_point()
+               else tt.mean(axes, keepdim=keep), "ReduceSum": lambda: tt.sum(axes, keepdim=keep).to(tt.dtype),
+               "ReduceMax": lambda: tt.amax(axes, keepdim=keep), "ReduceMin": lambda: tt.amin(axes, keepdim=keep),
+               "ReduceProd": lambda: _prod(tt, axes, keep), "ReduceL2": lambda: (tt * tt).sum(axes, keepdim=keep).sqrt(),
+               "ReduceSumSquare": lambda: (tt * tt).sum(axes, keepdim=keep)}
+        imp.set_tensor(n.output[0], fns[n.op_type]())
+        return
+    x = imp.operand(x_name)
+    attrs = {"dims": axes, "keepdim": keep}
+    op = _REDUCE[n.op_type]
+    if op is not None:
+        imp.emit(op, [x], attrs, out=n.output[0])
+    elif n.op_type in ("ReduceL2", "ReduceSumSquare"):
+        sq = imp.emit("mul", [x, x], {}, hint=f"{n.output[0]}_sq")
+        if n.op_type == "ReduceSumSquare":
+            imp.emit("sum", [sq], attrs, out=n.output[0])
+        else:
+            s = imp.emit("sum", [sq], attrs, hint=f"{n.output[0]}_sum")
+            imp.emit("sqrt", [s], {}, out=n.output[0])
+    else:
+        raise imp.fail("ReduceProd over run-time data is not supported (no core product op)")
+
+
+def _prod(t: torch.Tensor, axes: list[int], keep: bool) -> torch.Tensor:
+    for ax in reversed(axes):
+        t = t.prod(ax, keepdim=keep)
+    return t
+
+
+@_handles("CumSum")
+def _cumsum(imp: _Importer, n) -> None:
+    if imp.attr(n, "exclusive", 0) or imp.attr(n, "reverse", 0):
+        raise imp.fail("CumSum with exclusive/reverse is not supported")
+    x = imp.operand(n.input[0])
+    xt = imp.g.type_of(x)
+    ax = imp.ints_of(n.input[1], "CumSum axis")[0]
+    attrs = {"dim": norm_axis(ax, xt.rank)}
+    if get_op("cumsum").infer([xt], attrs)[0].dtype == xt.dtype:
+        imp.emit("cumsum", [x], attrs, out=n.output[0])
+        return
+    # ONNX keeps the input's integer type; the core op accumulates small ints in i64 like torch
+    y = imp.emit("cumsum", [x], attrs, hint=n.output[0])
+    imp.emit("cast", [y], {"dtype": xt.dtype}, out=n.output[0])

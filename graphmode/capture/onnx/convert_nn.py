@@ -1,0 +1,277 @@
+"""ONNX converters: MatMul/Gemm (as linear), convolutions (1-d and 2-d), pools."""
+from __future__ import annotations
+
+import math
+
+
+import torch
+
+from graphmode.ir.types import Dim, TensorType
+
+from graphmode.capture.onnx.fold import _Known, _objarr
+from graphmode.capture.onnx.importer import _Importer, _attr_dim, _handles, _shape_attr, _vname
+
+
+# ---- gemm / conv / pool
+
+
+def _weight_t(imp: _Importer, name: str, transpose: bool, scale: float = 1.0) -> str:
+    """A 2-d constant as a linear weight [out, in] (transposed copy cached per initializer)."""
+    key = f"{name}|{transpose}|{scale}"
+    if key in imp.transposed:
+        return imp.transposed[key]
+    tied = _tied_transpose(imp, name) if transpose and scale == 1.0 else None
+    if tied is not None:
+        v = imp.operand(tied)
+    elif not transpose and scale == 1.0:
+        v = imp.operand(name)
+    else:
+        w = imp.const_tensor(name)
+        w = (w.t() if transpose else w).contiguous()
+        if scale != 1.0:
+            w = w * scale
+        k = imp.kn(name)
+        src = (k.source if k is not None else None) or name
+        role = "param" if (name in imp.big and imp.big[name][1] == "param") or (k is not None and k.source) else "const"
+        v = imp.g.add_constant(imp.g.fresh_name(_vname(src) + ("_t" if transpose else "") + ("_s" if scale != 1.0 else "")),
+                               w, role=role)
+    imp.transposed[key] = v
+    return v
+
+
+def _tied_transpose(imp: _Importer, name: str) -> str | None:
+    """Another parameter initializer holding exactly `name`'s transpose (exporters constant-fold
+    `wte.T` for a tied LM head): reuse it instead of materialising a transposed copy."""
+    if name not in imp.big:
+        return None
+    t, _ = imp.big[name]
+    if t.dim() != 2:
+        return None
+    want = (t.shape[1], t.shape[0])
+    for other, (o, role) in imp.big.items():
+        if other != name and role == "param" and tuple(o.shape) == want and o.dtype == t.dtype \
+                and torch.equal(o[:1], t.t()[:1]) and torch.equal(o, t.t()):
+            return other
+    return None
+
+
+def _bias_consumer(imp: _Importer, out: str, n_out: Dim) -> tuple[int, str] | None:
+    """(node index, bias name) when `out`'s only consumer is `Add(out, 1-d constant [n_out])`."""
+    users = imp.consumers.get(out, [])
+    if len(users) != 1 or out in imp.graph_outputs:
+        return None
+    j = users[0]
+    add = imp.gp.node[j]
+    if add.op_type != "Add" or len(add.input) != 2 or list(add.input).count(out) != 1:
+        return None
+    if imp.excluded("Add", "add"):
+        return None
+    other = add.input[1] if add.input[0] == out else add.input[0]
+    if not imp.has(other) or not imp.is_const(other):
+        return None
+    bt = imp.type_of(other)
+    if bt.rank != 1 or not isinstance(n_out, int) or bt.shape[0] != n_out:
+        return None
+    return j, other
+
+
+def _linear(imp: _Importer, n, x: str, w: str, bias: str | None, out: str) -> None:
+    """linear(x, w[, bias]); a following `Add(out, bias)` is folded into the linear node."""
+    wt = imp.g.type_of(w)
+    if bias is None:
+        hit = _bias_consumer(imp, out, wt.shape[0])
+        if hit is not None:
+            j, bname = hit
+            b = imp.operand(bname)
+            if imp.g.type_of(b).dtype == imp.g.type_of(x).dtype:
+                imp.skip.add(j)
+                imp.emit("linear", [x, w, b], {}, out=imp.gp.node[j].output[0])
+                return
+    imp.emit("linear", [x, w] + ([bias] if bias else []), {}, out=out)
+
+
+@_handles("MatMul")
+def _matmul(imp: _Importer, n) -> None:
+    a_n, b_n = n.input[0], n.input[1]
+    at, bt = imp.type_of(a_n), imp.type_of(b_n)
+    out = n.output[0]
+    if imp.is_const(b_n) and bt.rank == 2 and at.rank >= 2 and not imp.is_const(a_n):
+        _linear(imp, n, imp.operand(a_n), _weight_t(imp, b_n, True), None, out)
+        return
+    a, b = imp.operand(a_n), imp.operand(b_n)
+    if at.rank >= 2 and bt.rank >= 2:
+        imp.emit("matmul", [a, b], {}, out=out)
+        return
+    # rank-1 operands: numpy semantics via reshapes
+    a2 = imp.emit("reshape", [a], {"shape": [1, _attr_dim(at.shape[0])]}, hint=f"{out}_a") if at.rank == 1 else a
+    b2 = imp.emit("reshape", [b], {"shape": [_attr_dim(bt.shape[0]), 1]}, hint=f"{out}_b") if bt.rank == 1 else b
+    m = imp.emit("matmul", [a2, b2], {}, hint=f"{out}_mm")
+    mt = imp.g.type_of(m)
+    shape = list(mt.shape)
+    if bt.rank == 1:
+        shape.pop(-1)
+    if at.rank == 1:
+        shape.pop(-2 if bt.rank != 1 else -1)
+    imp.emit("reshape", [m], {"shape": _shape_attr(shape)}, out=out)
+
+
+@_handles("Gemm")
+def _gemm(imp: _Importer, n) -> None:
+    a_n, b_n = n.input[0], n.input[1]
+    c_n = imp.opt_in(n, 2)
+    alpha, beta = float(imp.attr(n, "alpha", 1.0)), float(imp.attr(n, "beta", 1.0))
+    ta, tb = bool(imp.attr(n, "transA", 0)), bool(imp.attr(n, "transB", 0))
+    out = n.output[0]
+    a = imp.operand(a_n)
+    if ta:
+        a = imp.emit("permute", [a], {"perm": [1, 0]}, hint=f"{out}_aT")
+    bias = None
+    c_done = c_n is None or beta == 0.0
+    if c_n and not c_done and imp.is_const(c_n):
+        ct = imp.type_of(c_n)
+        if ct.rank <= 2 and (ct.rank == 1 or ct.shape[0] == 1):
+            cvec = imp.const_tensor(c_n).reshape(-1)
+            if beta != 1.0:
+                cvec = cvec * beta
+            bt_ = imp.type_of(b_n)
+            n_out = bt_.shape[0] if tb else bt_.shape[1]
+            if isinstance(n_out, int) and cvec.numel() in (n_out, 1):
+                if cvec.numel() == 1 and n_out != 1:
+                    cvec = cvec.expand(n_out)
+                k = imp.kn(c_n)
+                src = k.source if k is not None and k.source and beta == 1.0 and ct.rank == 1 else None
+                if src is not None:
+                    bias = imp.operand(c_n)
+                else:
+                    bias = imp.g.add_constant(imp.g.fresh_name(_vname(c_n)), cvec.contiguous(), role="param")
+                c_done = True
+    if imp.is_const(b_n) and imp.type_of(b_n).rank == 2:
+        w = _weight_t(imp, b_n, not tb, alpha)
+        if c_done:
+            imp.emit("linear", [a, w] + ([bias] if bias else []), {}, out=out)
+            return
+        y = imp.emit("linear", [a, w], {}, hint=f"{out}_mm")
+    else:
+        b = imp.operand(b_n)
+        if tb:
+            b = imp.emit("permute", [b], {"perm": [1, 0]}, hint=f"{out}_bT")
+        y = imp.emit("matmul", [a, b], {}, hint=f"{out}_mm")
+        if alpha != 1.0:
+            y = imp.emit("mul", [y, imp.materialise(_Known(_objarr([alpha], ()), imp.g.type_of(y).dtype), "alpha")],
+                         {}, hint=f"{out}_alpha")
+        if c_done:
+            if bias is not None:
+                y = imp.emit("add", [y, bias], {}, out=out)
+            else:
+                imp.ir[out] = y
+                imp.check_declared(out)
+            return
+    c = imp.operand(c_n)
+    if beta != 1.0:
+        c = imp.emit("mul", [c, imp.materialise(_Known(_objarr([beta], ()), imp.g.type_of(c).dtype), "beta")], {},
+                     hint=f"{out}_beta")
+    imp.emit("add", [y, c], {}, out=out)
+
+
+def _pads(imp: _Importer, n, x_t: TensorType, kernel: list[int], strides: list[int], dil: list[int]) -> list[int]:
+    """ONNX pads [x1_begin, x2_begin, ..., x1_end, x2_end] for the node's spatial dims."""
+    rank = len(kernel)
+    auto = imp.attr(n, "auto_pad", b"NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    if auto in ("NOTSET", ""):
+        return list(imp.attr(n, "pads", [0] * (2 * rank)))
+    if auto == "VALID":
+        return [0] * (2 * rank)
+    pads = [0] * (2 * rank)       # SAME_UPPER / SAME_LOWER: needs static spatial dims
+    for i in range(rank):
+        size = x_t.shape[2 + i]
+        if not isinstance(size, int):
+            raise imp.fail(f"auto_pad={auto} over a symbolic spatial dim", fix="export with explicit pads")
+        out = -(-size // strides[i])
+        total = max(0, (out - 1) * strides[i] + (kernel[i] - 1) * dil[i] + 1 - size)
+        lo = total // 2 if auto == "SAME_UPPER" else total - total // 2
+        pads[i], pads[i + rank] = lo, total - lo
+    return pads
+
+
+def _window(imp: _Importer, n, x: str, kernel: list[int], fill: float | None):
+    """Lift a 1-d window op to 2-d (over a height of 1) and turn asymmetric padding into an
+    explicit `pad` (with `fill`: 0 for conv, -inf for max pooling; None refuses it).
+    Returns (x as 4-d, kernel, strides, dilations, symmetric pads, lifted)."""
+    xt = imp.g.type_of(x)
+    rank = xt.rank - 2
+    if rank not in (1, 2):
+        raise imp.fail(f"only 1-d and 2-d {n.op_type} are supported, input is {xt.text()}",
+                       fix="reshape 3-d windows into 2-d in the model")
+    strides = list(imp.attr(n, "strides", [1] * rank))
+    dil = list(imp.attr(n, "dilations", [1] * rank))
+    pads = _pads(imp, n, xt, kernel, strides, dil)
+    if rank == 1:
+        x = imp.emit("reshape", [x], {"shape": _shape_attr(list(xt.shape[:2]) + [1, xt.shape[2]])},
+                     hint=f"{n.output[0]}_2d")
+        kernel, strides, dil, pads = [1] + kernel, [1] + strides, [1] + dil, [0, pads[0], 0, pads[1]]
+    if pads[0] != pads[2] or pads[1] != pads[3]:
+        if fill is None:
+            raise imp.fail(f"asymmetric padding {pads} is not supported here", fix="pad explicitly in the model")
+        extra = [pads[1] - min(pads[1], pads[3]), pads[3] - min(pads[1], pads[3]),
+                 pads[0] - min(pads[0], pads[2]), pads[2] - min(pads[0], pads[2])]
+        x = imp.emit("pad", [x], {"pads": extra, "value": fill}, hint=f"{n.output[0]}_pad")
+        pads = [min(pads[0], pads[2]), min(pads[1], pads[3])] * 2
+    return x, kernel, strides, dil, pads[:2], rank == 1
+
+
+def _emit_window(imp: _Importer, n, op: str, ins: list[str], attrs: dict, lifted: bool) -> None:
+    """Emit the 2-d op into the node's output, or (lifted 1-d op) reshape its result back to 1-d."""
+    if not lifted:
+        imp.emit(op, ins, attrs, out=n.output[0])
+        return
+    y = imp.emit(op, ins, attrs, hint=n.output[0])
+    t = imp.g.type_of(y)
+    imp.emit("reshape", [y], {"shape": _shape_attr(list(t.shape[:2]) + [t.shape[3]])}, out=n.output[0])
+
+
+@_handles("Conv")
+def _conv(imp: _Importer, n) -> None:
+    w = imp.operand(n.input[1])
+    wt = imp.g.type_of(w)
+    kernel = list(imp.attr(n, "kernel_shape", wt.shape[2:]))
+    x, kernel, strides, dil, pads, lifted = _window(imp, n, imp.operand(n.input[0]), kernel, 0.0)
+    if lifted:
+        w = imp.emit("reshape", [w], {"shape": _shape_attr(list(wt.shape[:2]) + [1, wt.shape[2]])},
+                     hint=f"{n.output[0]}_w2d")
+    ins = [x, w] + ([imp.operand(n.input[2])] if imp.opt_in(n, 2) else [])
+    attrs = {"stride": strides, "padding": pads, "dilation": dil, "groups": int(imp.attr(n, "group", 1))}
+    _emit_window(imp, n, "conv2d", ins, attrs, lifted)
+
+
+@_handles("MaxPool", "AveragePool")
+def _pool(imp: _Importer, n) -> None:
+    if len(n.output) > 1 and n.output[1] and imp.consumers.get(n.output[1]):
+        raise imp.fail("MaxPool indices output is used", fix="only the pooled values are supported")
+    is_max = n.op_type == "MaxPool"
+    count_pad = bool(imp.attr(n, "count_include_pad", 0))
+    fill = -math.inf if is_max else (0.0 if count_pad else None)
+    x, kernel, strides, dil, pads, lifted = _window(imp, n, imp.operand(n.input[0]),
+                                                    list(imp.attr(n, "kernel_shape")), fill)
+    ceil = bool(imp.attr(n, "ceil_mode", 0))
+    if is_max:
+        if imp.attr(n, "storage_order", 0):
+            raise imp.fail("MaxPool storage_order=1 is not supported")
+        _emit_window(imp, n, "max_pool2d", [x], {"kernel": kernel, "stride": strides, "padding": pads,
+                                                 "dilation": dil, "ceil_mode": ceil}, lifted)
+    else:
+        if dil != [1, 1]:
+            raise imp.fail("AveragePool with dilations is not supported")
+        _emit_window(imp, n, "avg_pool2d", [x], {"kernel": kernel, "stride": strides, "padding": pads,
+                                                 "ceil_mode": ceil, "count_include_pad": count_pad}, lifted)
+
+
+@_handles("GlobalAveragePool", "GlobalMaxPool")
+def _global_pool(imp: _Importer, n) -> None:
+    x = imp.operand(n.input[0])
+    xt = imp.g.type_of(x)
+    if n.op_type == "GlobalAveragePool" and xt.rank == 4:
+        imp.emit("adaptive_avg_pool2d", [x], {"output_size": [1, 1]}, out=n.output[0])
+    else:
+        imp.emit("mean" if n.op_type == "GlobalAveragePool" else "amax", [x],
+                 {"dims": list(range(2, xt.rank)), "keepdim": True}, out=n.output[0])

@@ -1,0 +1,377 @@
+"""ONNX converters: reshapes, transposes, slices, gathers, pads, concat/split, ranges."""
+from __future__ import annotations
+
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import sympy
+import torch
+
+from graphmode.errors import IRError
+from graphmode.ir.ops import broadcast_shapes, norm_axis, resolve_reshape
+from graphmode.ir.types import DTYPES, Dim, dim_str, normalize_dim
+
+from graphmode.capture.onnx.fold import BIG_END, KNOWN_LIMIT, _INT_DTYPES, _Known, _is_sym
+from graphmode.capture.onnx.importer import _Importer, _attr_dim, _handles, _same_shape, _shape_attr
+
+
+# ---- shape / data movement
+
+
+def _emit_reshape(imp: _Importer, src: str, shape: Sequence[Dim], out: str) -> None:
+    t = imp.type_of(src)
+    if _same_shape(t.shape, shape):
+        imp.alias(out, src)
+        return
+    k = imp.kn(src)
+    static = all(isinstance(d, int) for d in shape)
+    if k is not None and static:
+        imp.set_known(out, _Known(k.arr.reshape(tuple(shape)), k.dtype))
+        return
+    c = imp.const_source(src)
+    if c is not None and static:
+        imp.set_big(out, c[0].reshape(tuple(shape)), c[1])
+        return
+    imp.emit("reshape", [imp.operand(src)], {"shape": _shape_attr(shape)}, out=out)
+
+
+def _resolve_reshape(in_shape: Sequence[Dim], target: Sequence[Dim]) -> tuple[Dim, ...]:
+    """The op table's resolve_reshape, with a cheap exact division for the usual polynomial dims."""
+    target = [normalize_dim(d) for d in target]
+    holes = [i for i, d in enumerate(target) if isinstance(d, int) and d == -1]
+    if not holes:
+        return tuple(target)
+    if len(holes) == 1:
+        total = sympy.Mul(*in_shape) if in_shape else sympy.Integer(1)
+        known = sympy.Mul(*[d for d in target if not (isinstance(d, int) and d == -1)])
+        q = sympy.cancel(sympy.sympify(total) / known)
+        if q.is_polynomial() and not q.has(sympy.Function):
+            if sympy.fraction(sympy.together(q))[1] == 1:
+                target[holes[0]] = normalize_dim(q)
+                return tuple(target)
+    return resolve_reshape(in_shape, target)
+
+
+@_handles("Reshape")
+def _reshape(imp: _Importer, n) -> None:
+    src = n.input[0]
+    t = imp.type_of(src)
+    target = imp.need_known(n.input[1], "Reshape shape").dims()
+    allowzero = imp.attr(n, "allowzero", 0)
+    if not allowzero:
+        target = [t.shape[i] if isinstance(d, int) and d == 0 else d for i, d in enumerate(target)]
+    try:
+        shape = _resolve_reshape(t.shape, target)
+    except IRError as e:
+        raise imp.fail(f"Reshape: {e.message}") from None
+    _emit_reshape(imp, src, shape, n.output[0])
+
+
+@_handles("Flatten")
+def _flatten(imp: _Importer, n) -> None:
+    t = imp.type_of(n.input[0])
+    axis = imp.attr(n, "axis", 1)
+    axis = axis + t.rank if axis < 0 else axis
+
+    def prod(ds):
+        p: Any = 1
+        for d in ds:
+            p = p * d
+        return normalize_dim(p)
+    _emit_reshape(imp, n.input[0], [prod(t.shape[:axis]), prod(t.shape[axis:])], n.output[0])
+
+
+def _axes_arg(imp: _Importer, n, what: str) -> list[int] | None:
+    ax_in = imp.opt_in(n, 1)
+    if ax_in:
+        return imp.ints_of(ax_in, f"{what} axes")
+    a = imp.attr(n, "axes", None)
+    return list(a) if a is not None else None
+
+
+@_handles("Unsqueeze")
+def _unsqueeze(imp: _Importer, n) -> None:
+    t = imp.type_of(n.input[0])
+    axes = _axes_arg(imp, n, "Unsqueeze") or []
+    r = t.rank + len(axes)
+    axes = sorted(norm_axis(a, r) for a in axes)
+    shape = list(t.shape)
+    for a in axes:
+        shape.insert(a, 1)
+    _emit_reshape(imp, n.input[0], shape, n.output[0])
+
+
+@_handles("Squeeze")
+def _squeeze(imp: _Importer, n) -> None:
+    t = imp.type_of(n.input[0])
+    axes = _axes_arg(imp, n, "Squeeze")
+    if axes is None:
+        axes = [i for i, d in enumerate(t.shape) if isinstance(d, int) and d == 1]
+    axes = {norm_axis(a, t.rank) for a in axes}
+    for a in axes:
+        if not (isinstance(t.shape[a], int) and t.shape[a] == 1):
+            raise imp.fail(f"Squeeze of dim {a} of size {dim_str(t.shape[a]) if not isinstance(t.shape[a], int) else t.shape[a]}, not 1")
+    _emit_reshape(imp, n.input[0], [d for i, d in enumerate(t.shape) if i not in axes], n.output[0])
+
+
+@_handles("Transpose")
+def _transpose(imp: _Importer, n) -> None:
+    t = imp.type_of(n.input[0])
+    perm = list(imp.attr(n, "perm", list(range(t.rank))[::-1]))
+    if perm == list(range(t.rank)):
+        imp.alias(n.output[0], n.input[0])
+        return
+    k = imp.kn(n.input[0])
+    if k is not None:
+        imp.set_known(n.output[0], _Known(np.transpose(k.arr, perm), k.dtype))
+        return
+    c = imp.const_source(n.input[0])
+    if c is not None:   # e.g. the dynamo exporter's Transpose(wte) feeding the LM head MatMul
+        imp.set_big(n.output[0], c[0].permute(perm), c[1])
+        return
+    imp.emit("permute", [imp.operand(n.input[0])], {"perm": perm}, out=n.output[0])
+
+
+@_handles("Concat")
+def _concat(imp: _Importer, n) -> None:
+    ins = [i for i in n.input if i]
+    t0 = imp.type_of(ins[0])
+    axis = norm_axis(imp.attr(n, "axis"), t0.rank)
+    ks = [imp.kn(i) for i in ins]
+    if all(k is not None for k in ks):
+        imp.set_known(n.output[0], _Known(np.concatenate([k.arr for k in ks], axis=axis), ks[0].dtype))
+        return
+    # drop empty pieces (static 0-size along axis), they are legal in ONNX
+    ins = [i for i in ins if not (isinstance(imp.type_of(i).shape[axis], int) and imp.type_of(i).shape[axis] == 0)]
+    if len(ins) == 1:
+        imp.alias(n.output[0], ins[0])
+        return
+    imp.emit("concat", [imp.operand(i) for i in ins], {"dim": axis}, out=n.output[0])
+
+
+@_handles("Split")
+def _split(imp: _Importer, n) -> None:
+    t = imp.type_of(n.input[0])
+    axis = norm_axis(imp.attr(n, "axis", 0), t.rank)
+    outs = list(n.output)
+    sp_in = imp.opt_in(n, 1)
+    if sp_in:
+        sizes = imp.ints_of(sp_in, "Split sizes")
+    elif imp.attr(n, "split", None) is not None:
+        sizes = list(imp.attr(n, "split"))
+    else:
+        size = t.shape[axis]
+        if not isinstance(size, int):
+            raise imp.fail(f"Split of symbolic dim {dim_str(size)} into equal parts",
+                           fix="give explicit split sizes in the model")
+        parts = imp.attr(n, "num_outputs", len(outs))
+        chunk = -(-size // parts)
+        sizes = [min(chunk, size - i * chunk) for i in range(parts)]
+    k = imp.kn(n.input[0])
+    start = 0
+    for o, s in zip(outs, sizes):
+        if o:
+            if k is not None:
+                idx = [slice(None)] * t.rank
+                idx[axis] = slice(start, start + s)
+                imp.set_known(o, _Known(k.arr[tuple(idx)], k.dtype))
+            else:
+                imp.emit("slice", [imp.operand(n.input[0])], {"dim": axis, "start": start, "end": start + s, "step": 1},
+                         out=o)
+        start += s
+
+
+@_handles("Slice")
+def _slice(imp: _Importer, n) -> None:
+    src = n.input[0]
+    t = imp.type_of(src)
+    starts = imp.need_known(n.input[1], "Slice starts").dims()
+    ends = imp.need_known(n.input[2], "Slice ends").dims()
+    axes = imp.ints_of(n.input[3], "Slice axes") if imp.opt_in(n, 3) else list(range(len(starts)))
+    steps = imp.ints_of(n.input[4], "Slice steps") if imp.opt_in(n, 4) else [1] * len(starts)
+    k = imp.kn(src)
+    specs = []
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        a = norm_axis(a, t.rank)
+        if st == 0:
+            raise imp.fail("Slice step 0")
+        if not isinstance(s, int):
+            raise imp.fail(f"Slice start {dim_str(s)} is symbolic", fix="only the end of a slice may be symbolic")
+        if isinstance(e, int) and e >= BIG_END:
+            e = BIG_END
+        if isinstance(e, int) and e <= -BIG_END:
+            e = -BIG_END
+        specs.append((a, s, e, st))
+    if k is not None and all(isinstance(e, int) for _, _, e, _ in specs):
+        idx = [slice(None)] * t.rank
+        for a, s, e, st in specs:
+            idx[a] = slice(s, e, st)
+        imp.set_known(n.output[0], _Known(k.arr[tuple(idx)], k.dtype))
+        return
+    cur = imp.operand(src)
+    todo = [sp for sp in specs if not (sp[1] == 0 and sp[3] == 1 and isinstance(sp[2], int) and sp[2] >= BIG_END)]
+    if not todo:
+        imp.alias(n.output[0], src)
+        return
+    for j, (a, s, e, st) in enumerate(todo):
+        if st < 0:
+            raise imp.fail("Slice with a negative step is not supported (no core flip op)")
+        last = j == len(todo) - 1
+        cur = imp.emit("slice", [cur], {"dim": a, "start": s, "end": _attr_dim(e), "step": st},
+                       out=n.output[0] if last else None, hint=n.output[0])
+
+
+@_handles("Gather")
+def _gather(imp: _Importer, n) -> None:
+    data, idx = n.input[0], n.input[1]
+    dt, it = imp.type_of(data), imp.type_of(idx)
+    axis = norm_axis(imp.attr(n, "axis", 0), dt.rank)
+    kd, ki = imp.kn(data), imp.kn(idx)
+    size = dt.shape[axis]
+    if kd is not None and ki is not None and ki.concrete:
+        ids = np.array([int(v) + (size if int(v) < 0 else 0) for v in ki.arr.flat], dtype=np.int64).reshape(ki.shape)
+        imp.set_known(n.output[0], _Known(np.take(kd.arr, ids, axis=axis), kd.dtype))
+        return
+    out = n.output[0]
+    if axis == 0 and dt.rank == 2 and imp.is_const(data) and it.dtype in ("i64", "i32"):
+        imp.emit("embedding", [imp.operand(data), imp.operand(idx)], {}, out=out)
+        return
+    x = imp.operand(data)
+    if ki is not None and ki.concrete and it.rank == 0:
+        i = int(ki.arr.flat[0])
+        if i < 0 and not isinstance(size, int):
+            end = i + 1 if i != -1 else BIG_END
+        else:
+            i = i + size if i < 0 else i
+            end = i + 1
+        s = imp.emit("slice", [x], {"dim": axis, "start": i, "end": end, "step": 1}, hint=f"{out}_sel")
+        shape = [d for j, d in enumerate(dt.shape) if j != axis]
+        imp.emit("reshape", [s], {"shape": _shape_attr(shape)}, out=out)
+        return
+    if ki is not None and ki.concrete and isinstance(size, int):
+        ids = torch.tensor([int(v) + (size if int(v) < 0 else 0) for v in ki.arr.flat], dtype=torch.int64)
+        if it.rank == 1:
+            imp.emit("index_select", [x, imp.materialise(_Known.of(ids), f"{out}_idx")], {"dim": axis}, out=out)
+            return
+        i_v = imp.materialise(_Known.of(ids.reshape(ki.shape)), f"{out}_idx")
+    else:
+        i_v = imp.operand(idx)
+    if it.rank == 1:
+        imp.emit("index_select", [x, i_v], {"dim": axis}, out=out)
+    else:
+        imp.emit("index", [x, i_v], {"dims": [axis]}, out=out)
+
+
+@_handles("GatherND")
+def _gather_nd(imp: _Importer, n) -> None:
+    if imp.attr(n, "batch_dims", 0):
+        raise imp.fail("GatherND with batch_dims > 0 is not supported")
+    x = imp.operand(n.input[0])
+    it = imp.type_of(n.input[1])
+    depth = it.shape[-1]
+    if not isinstance(depth, int):
+        raise imp.fail("GatherND with a symbolic index depth")
+    ind = imp.operand(n.input[1])
+    idx = []
+    for j in range(depth):
+        s = imp.emit("slice", [ind], {"dim": it.rank - 1, "start": j, "end": j + 1, "step": 1},
+                     hint=f"{n.output[0]}_i{j}")
+        idx.append(imp.emit("reshape", [s], {"shape": _shape_attr(it.shape[:-1])}, hint=f"{n.output[0]}_i{j}"))
+    imp.emit("index", [x] + idx, {"dims": list(range(depth))}, out=n.output[0])
+
+
+@_handles("Expand")
+def _expand(imp: _Importer, n) -> None:
+    src = n.input[0]
+    t = imp.type_of(src)
+    target = imp.need_known(n.input[1], "Expand shape").dims()
+    try:
+        shape = broadcast_shapes(t.shape, target)
+    except IRError as e:
+        raise imp.fail(f"Expand: {e.message}") from None
+    if _same_shape(shape, t.shape):
+        imp.alias(n.output[0], src)
+        return
+    k = imp.kn(src)
+    if k is not None and all(isinstance(d, int) for d in shape) and math.prod(shape) <= KNOWN_LIMIT:
+        imp.set_known(n.output[0], _Known(np.broadcast_to(k.arr, tuple(shape)).copy(), k.dtype))
+        return
+    imp.emit("expand", [imp.operand(src)], {"shape": _shape_attr(shape)}, out=n.output[0])
+
+
+@_handles("ConstantOfShape")
+def _constant_of_shape(imp: _Importer, n) -> None:
+    from onnx import numpy_helper
+    shape = imp.need_known(n.input[0], "ConstantOfShape shape").dims()
+    v = imp.attr(n, "value", None)
+    val = torch.from_numpy(numpy_helper.to_array(v).copy()).reshape(-1) if v is not None else torch.zeros(1)
+    if all(isinstance(d, int) for d in shape) and math.prod(shape) <= KNOWN_LIMIT:
+        imp.set_tensor(n.output[0], val.expand(*shape).clone() if shape else val.reshape(()).clone())
+        return
+    from graphmode.ir.types import TORCH_TO_DTYPE
+    dt = TORCH_TO_DTYPE[val.dtype]
+    scalar = val.item()
+    imp.emit("full", [], {"shape": _shape_attr(shape), "value": scalar, "dtype": dt}, out=n.output[0])
+
+
+@_handles("Range")
+def _range(imp: _Importer, n) -> None:
+    ks = [imp.need_known(i, f"Range {w}") for i, w in zip(n.input, ("start", "limit", "delta"))]
+    start, limit, delta = (k.arr.flat[0] for k in ks)
+    dtype = ks[0].dtype
+    if all(not _is_sym(v) for v in (start, limit, delta)):
+        imp.set_tensor(n.output[0], torch.arange(start, limit, delta, dtype=DTYPES[dtype]))
+        return
+    if _is_sym(delta) or dtype not in _INT_DTYPES or int(delta) != delta:
+        raise imp.fail("Range with a symbolic or non-integer step is not supported")
+    imp.emit("arange", [], {"start": _attr_dim(normalize_dim(start)), "end": _attr_dim(normalize_dim(limit)),
+                            "step": int(delta), "dtype": dtype}, out=n.output[0])
+
+
+@_handles("Trilu")
+def _trilu(imp: _Importer, n) -> None:
+    k = imp.ints_of(n.input[1], "Trilu k")[0] if imp.opt_in(n, 1) else 0
+    op = "triu" if imp.attr(n, "upper", 1) else "tril"
+    imp.emit(op, [imp.operand(n.input[0])], {"diagonal": k}, out=n.output[0])
+
+
+@_handles("Pad")
+def _pad(imp: _Importer, n) -> None:
+    mode = imp.attr(n, "mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "constant":
+        raise imp.fail(f"Pad mode {mode!r} is not supported", fix="use constant padding")
+    t = imp.type_of(n.input[0])
+    pads = imp.ints_of(n.input[1], "Pad pads")
+    axes = imp.ints_of(n.input[3], "Pad axes") if imp.opt_in(n, 3) else list(range(t.rank))
+    axes = [a % t.rank for a in axes]
+    value = 0.0
+    if imp.opt_in(n, 2):
+        k = imp.need_known(n.input[2], "Pad constant_value")
+        value = float(k.tensor().reshape(-1)[0]) if k.tensor().numel() else 0.0
+    per_axis = {a: (pads[i], pads[i + len(axes)]) for i, a in enumerate(axes)}
+    if not any(b or e for b, e in per_axis.values()):
+        imp.alias(n.output[0], n.input[0])
+        return
+    first = min(a for a, (b, e) in per_axis.items() if b or e)      # F.pad order: last axis first
+    order = [v for a in range(t.rank - 1, first - 1, -1) for v in per_axis.get(a, (0, 0))]
+    imp.emit("pad", [imp.operand(n.input[0])], {"pads": order, "value": value}, out=n.output[0])
+
+
+@_handles("GatherElements")
+def _gather_elements(imp: _Importer, n) -> None:
+    t = imp.type_of(n.input[0])
+    axis = norm_axis(imp.attr(n, "axis", 0), t.rank)
+    imp.emit("gather", [imp.operand(n.input[0]), imp.operand(n.input[1])], {"dim": axis}, out=n.output[0])
+
+
+@_handles("ArgMax", "ArgMin")
+def _argmax(imp: _Importer, n) -> None:
+    if imp.attr(n, "select_last_index", 0):
+        raise imp.fail(f"{n.op_type} with select_last_index=1 is not supported")
+    t = imp.type_of(n.input[0])
+    axis = norm_axis(imp.attr(n, "axis", 0), t.rank)
+    imp.emit(n.op_type.lower(), [imp.operand(n.input[0])], {"dim": axis, "keepdim": bool(imp.attr(n, "keepdims", 1))},
+             out=n.output[0])

@@ -1,0 +1,139 @@
+"""Elementwise ops: unary, binary (NumPy broadcasting, torch promotion), where, clamp, cast."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from graphmode.ir.ops.spec import OpSpec, Sample, broadcast_shapes, randn, register, result_dtype, same
+from graphmode.ir.types import DTYPES, TensorType
+
+
+def _positive(*shapes):
+    return lambda g: [torch.rand(*s, generator=g) + 0.1 for s in shapes]
+
+
+def _bools(*shapes):
+    return lambda g: [torch.rand(*s, generator=g) > 0.5 for s in shapes]
+
+
+# name: (torch fn, flops per element, doc, sample maker, extra traits, ATen overloads)
+_UNARY: dict[str, tuple] = {
+    "neg": (torch.neg, 1, "-x", None, {"epilogue_safe"}, ("aten.neg.default",)),
+    "exp": (torch.exp, 8, "e^x", None, {"precision_sensitive"}, ("aten.exp.default",)),
+    "log": (torch.log, 8, "natural log", _positive, set(), ("aten.log.default",)),
+    "sqrt": (torch.sqrt, 4, "square root", _positive, set(), ("aten.sqrt.default",)),
+    "rsqrt": (torch.rsqrt, 4, "1/sqrt(x)", _positive, set(), ("aten.rsqrt.default",)),
+    "reciprocal": (torch.reciprocal, 2, "1/x", _positive, set(), ("aten.reciprocal.default",)),
+    "abs": (torch.abs, 1, "|x|", None, set(), ("aten.abs.default",)),
+    "tanh": (torch.tanh, 10, "hyperbolic tangent", None, {"epilogue_safe"}, ("aten.tanh.default",)),
+    "sigmoid": (torch.sigmoid, 10, "1/(1+e^-x)", None, {"epilogue_safe"}, ("aten.sigmoid.default",)),
+    "relu": (torch.relu, 1, "max(x, 0)", None, {"epilogue_safe"}, ("aten.relu.default", "aten.relu_.default")),
+    "erf": (torch.erf, 10, "error function", None, {"epilogue_safe"}, ("aten.erf.default",)),
+    "sin": (torch.sin, 10, "sine", None, set(), ("aten.sin.default",)),
+    "cos": (torch.cos, 10, "cosine", None, set(), ("aten.cos.default",)),
+    "silu": (F.silu, 12, "x*sigmoid(x)", None, {"epilogue_safe"}, ("aten.silu.default", "aten.silu_.default")),
+    "logical_not": (torch.logical_not, 1, "not x (bool)", _bools, set(),
+                    ("aten.logical_not.default", "aten.bitwise_not.default")),
+    "identity": (lambda x: x.clone(), 0, "copy (clone/contiguous/alias after capture)", None, set(), ()),
+}
+
+
+def _unary_ref(fn: Callable):
+    return lambda ins, attrs, env: [fn(ins[0])]
+
+
+for _name, (_fn, _cost, _doc, _make, _traits, _aten) in _UNARY.items():
+    _infer = (lambda ins, attrs: [ins[0].with_dtype("bool")]) if _name == "logical_not" else same
+    _maker = (_make or randn)((2, 3, 5))
+    register(OpSpec(_name, "elementwise", (1, 1), _infer, _unary_ref(_fn), inplace=True, doc=_doc,
+                    flops_per_elem=_cost, traits=frozenset(_traits), aten=_aten,
+                    samples=(lambda m=_maker: [Sample(m)])))
+
+register(OpSpec("gelu", "elementwise", (1, 1), same,
+                lambda ins, a, env: [F.gelu(ins[0], approximate=a.get("approximate", "none"))],
+                attrs=("approximate",), inplace=True, flops_per_elem=14, traits=frozenset({"epilogue_safe"}),
+                doc="GELU; approximate='none' (erf) or 'tanh'",
+                samples=lambda: [Sample(randn((2, 8))), Sample(randn((2, 8)), {"approximate": "tanh"})]))
+register(OpSpec("clamp", "elementwise", (1, 1), same,
+                lambda ins, a, env: [torch.clamp(ins[0], a.get("min"), a.get("max"))],
+                attrs=("min", "max"), inplace=True, traits=frozenset({"epilogue_safe"}),
+                doc="clamp to [min, max] (either may be null); relu6 and hardtanh are clamps",
+                samples=lambda: [Sample(randn((3, 7)), {"min": -0.5, "max": 0.5}), Sample(randn((4,)), {"min": 0.0})]))
+register(OpSpec("cast", "elementwise", (1, 1), lambda ins, a: [ins[0].with_dtype(a["dtype"])],
+                lambda ins, a, env: [ins[0].to(DTYPES[a["dtype"]])], attrs=("dtype",),
+                doc="convert to dtype (torch .to semantics)",
+                samples=lambda: [Sample(randn((2, 3)), {"dtype": "i64"}), Sample(_bools((5,)), {"dtype": "f32"})]))
+
+# name: (torch fn, bool result, doc, traits, ATen overloads)
+_BINARY: dict[str, tuple] = {
+    "add": (torch.add, False, "a + b", {"commutative", "epilogue_safe"},
+            ("aten.add.Tensor", "aten.add.Scalar", "aten.add_.Tensor")),
+    "sub": (torch.sub, False, "a - b", {"epilogue_safe"}, ("aten.sub.Tensor", "aten.sub.Scalar")),
+    "mul": (torch.mul, False, "a * b", {"commutative", "epilogue_safe"},
+            ("aten.mul.Tensor", "aten.mul.Scalar", "aten.mul_.Tensor")),
+    "div": (torch.div, False, "a / b (true division)", {"epilogue_safe"}, ("aten.div.Tensor", "aten.div.Scalar")),
+    "pow": (torch.pow, False, "a ** b", {"precision_sensitive"},
+            ("aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.pow.Scalar")),
+    "remainder": (torch.remainder, False, "a mod b, the sign of b (Python's %)", set(),
+                  ("aten.remainder.Tensor", "aten.remainder.Scalar")),
+    "fmod": (torch.fmod, False, "a mod b, the sign of a (C's fmod)", set(), ("aten.fmod.Tensor", "aten.fmod.Scalar")),
+    "maximum": (torch.maximum, False, "elementwise max", {"commutative", "epilogue_safe"}, ("aten.maximum.default",)),
+    "minimum": (torch.minimum, False, "elementwise min", {"commutative", "epilogue_safe"},
+                ("aten.minimum.default", "aten.min.other")),
+    "eq": (torch.eq, True, "a == b", {"commutative"}, ("aten.eq.Tensor", "aten.eq.Scalar")),
+    "ne": (torch.ne, True, "a != b", {"commutative"}, ("aten.ne.Tensor", "aten.ne.Scalar")),
+    "lt": (torch.lt, True, "a < b", set(), ("aten.lt.Tensor", "aten.lt.Scalar")),
+    "le": (torch.le, True, "a <= b", set(), ("aten.le.Tensor", "aten.le.Scalar")),
+    "gt": (torch.gt, True, "a > b", set(), ("aten.gt.Tensor", "aten.gt.Scalar")),
+    "ge": (torch.ge, True, "a >= b", set(), ("aten.ge.Tensor", "aten.ge.Scalar")),
+    "logical_and": (torch.logical_and, True, "a and b", {"commutative"},
+                    ("aten.logical_and.default", "aten.bitwise_and.Tensor", "aten.__and__.Tensor")),
+    "logical_or": (torch.logical_or, True, "a or b", {"commutative"},
+                   ("aten.logical_or.default", "aten.bitwise_or.Tensor", "aten.__or__.Tensor")),
+}
+
+
+def _binary_infer(is_bool: bool, name: str):
+    def infer(ins, attrs):
+        shape = broadcast_shapes(ins[0].shape, ins[1].shape)
+        dt = "bool" if is_bool else result_dtype(ins)
+        if name == "div" and dt not in ("f32", "f64", "f16", "bf16"):
+            dt = "f32"
+        return [TensorType(dt, shape)]
+    return infer
+
+
+def _binary_ref(fn: Callable):
+    return lambda ins, attrs, env: [fn(ins[0], ins[1])]
+
+
+def _binary_samples(name: str):
+    if name in ("logical_and", "logical_or"):
+        return lambda: [Sample(_bools((2, 3), (2, 3))), Sample(_bools((4, 1), (1, 5)))]
+    if name == "pow":
+        return lambda: [Sample(lambda g: [torch.rand(3, 4, generator=g) + 0.5, torch.tensor(3.0)]),
+                        Sample(lambda g: [torch.rand(2, 5, generator=g) + 0.5, torch.randn(2, 5, generator=g)])]
+    if name in ("div", "remainder", "fmod"):
+        return lambda: [Sample(lambda g: [torch.randn(3, 4, generator=g) * 4, torch.rand(3, 4, generator=g) + 0.5]),
+                        Sample(lambda g: [torch.randint(-9, 9, (2, 5), generator=g), torch.tensor(4)])]
+    return lambda: [Sample(randn((2, 3, 4), (2, 3, 4))), Sample(randn((4, 1), (1, 5))),
+                    Sample(lambda g: [torch.randn(3, 4, generator=g), torch.tensor(0.5)])]
+
+
+for _name, (_fn, _is_bool, _doc, _traits, _aten) in _BINARY.items():
+    register(OpSpec(_name, "elementwise", (2, 2), _binary_infer(_is_bool, _name), _binary_ref(_fn),
+                    inplace=not _is_bool, doc=_doc + " (numpy broadcasting, torch type promotion)",
+                    traits=frozenset(_traits), aten=_aten, samples=_binary_samples(_name)))
+
+
+def _where_infer(ins, attrs):
+    return [TensorType(result_dtype(ins[1:]), broadcast_shapes(*(t.shape for t in ins)))]
+
+
+register(OpSpec("where", "elementwise", (3, 3), _where_infer,
+                lambda ins, a, env: [torch.where(ins[0], ins[1], ins[2])], doc="cond ? a : b",
+                aten=("aten.where.self",),
+                samples=lambda: [Sample(lambda g: [torch.rand(3, 4, generator=g) > 0.5, torch.randn(3, 4, generator=g),
+                                                   torch.randn(1, 4, generator=g)])]))

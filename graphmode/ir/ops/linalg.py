@@ -1,0 +1,123 @@
+"""Contractions and windows: matmul, linear, conv2d, pools, scaled dot-product attention."""
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.nn.functional as F
+
+from graphmode.errors import IRError
+from graphmode.ir.ops.spec import OpSpec, Sample, broadcast_shapes, pair, randn, register, result_dtype
+from graphmode.ir.types import Dim, TensorType, dims_equal, normalize_dim
+
+
+def _matmul_infer(ins, attrs):
+    a, b = ins
+    if a.rank < 1 or b.rank < 1:
+        raise IRError("matmul needs operands of rank >= 1")
+    if a.rank == 1 or b.rank == 1:
+        raise IRError("matmul with a rank-1 operand: reshape it to rank 2 first")
+    if not dims_equal(a.shape[-1], b.shape[-2]):
+        raise IRError(f"matmul inner dims differ: {a.text()} @ {b.text()}")
+    batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return [TensorType(result_dtype(ins), batch + (a.shape[-2], b.shape[-1]))]
+
+
+register(OpSpec("matmul", "gemm", (2, 2), _matmul_infer,
+                lambda ins, a, env: [torch.matmul(ins[0], ins[1])], traits=frozenset({"gemm"}),
+                aten=("aten.mm.default", "aten.bmm.default", "aten.matmul.default"),
+                doc="batched matmul (torch.matmul), rank >= 2",
+                samples=lambda: [Sample(randn((3, 5), (5, 4))), Sample(randn((2, 3, 5), (2, 5, 4))),
+                                 Sample(randn((2, 1, 3, 5), (4, 5, 6)))]))
+
+
+def _linear_infer(ins, attrs):
+    x, w = ins[0], ins[1]
+    if w.rank != 2 or not dims_equal(x.shape[-1], w.shape[1]):
+        raise IRError(f"linear: input {x.text()} does not match weight {w.text()} ([out, in])")
+    return [TensorType(x.dtype, x.shape[:-1] + (w.shape[0],))]
+
+
+register(OpSpec("linear", "gemm", (2, 3), _linear_infer,
+                lambda ins, a, env: [F.linear(ins[0], ins[1], ins[2] if len(ins) > 2 else None)],
+                traits=frozenset({"gemm"}), doc="x @ w.T (+ b); w is [out, in]",
+                samples=lambda: [Sample(randn((2, 3, 8), (5, 8), (5,))), Sample(randn((4, 8), (6, 8)))]))
+
+
+def conv_out(size: Dim, k: int, s: int, p: int, d: int, ceil: bool = False) -> Dim:
+    num = size + 2 * p - d * (k - 1) - 1
+    if isinstance(num, int):
+        return (-(-num // s) if ceil else num // s) + 1
+    return normalize_dim((sympy.ceiling(num / s) if ceil else sympy.floor(num / s)) + 1)
+
+
+def _conv_infer(ins, a):
+    x, w = ins[0], ins[1]
+    if x.rank != 4 or w.rank != 4:
+        raise IRError(f"conv2d expects 4-d input and weight, got {x.text()} and {w.text()}")
+    s, p, d = pair(a.get("stride", 1)), pair(a.get("padding", 0)), pair(a.get("dilation", 1))
+    h = conv_out(x.shape[2], w.shape[2], s[0], p[0], d[0])
+    wd = conv_out(x.shape[3], w.shape[3], s[1], p[1], d[1])
+    return [TensorType(x.dtype, (x.shape[0], w.shape[0], h, wd))]
+
+
+register(OpSpec("conv2d", "conv", (2, 3), _conv_infer,
+                lambda ins, a, env: [F.conv2d(ins[0], ins[1], ins[2] if len(ins) > 2 else None,
+                                              pair(a.get("stride", 1)), pair(a.get("padding", 0)),
+                                              pair(a.get("dilation", 1)), a.get("groups", 1))],
+                attrs=("stride", "padding", "dilation", "groups"), traits=frozenset({"gemm"}),
+                doc="2-d convolution, NCHW, weight OIHW (conv1d is captured as conv2d over a height of 1)",
+                samples=lambda: [Sample(randn((2, 3, 8, 8), (4, 3, 3, 3), (4,)), {"padding": [1, 1]}),
+                                 Sample(randn((1, 4, 9, 9), (4, 1, 3, 3)), {"stride": [2, 2], "groups": 4})]))
+
+
+def _pool_infer(ins, a):
+    x = ins[0]
+    k = pair(a["kernel"])
+    s = pair(a.get("stride") or a["kernel"])
+    p, d = pair(a.get("padding", 0)), pair(a.get("dilation", 1))
+    ceil = a.get("ceil_mode", False)
+    return [x.with_shape(x.shape[:2] + (conv_out(x.shape[2], k[0], s[0], p[0], d[0], ceil),
+                                       conv_out(x.shape[3], k[1], s[1], p[1], d[1], ceil)))]
+
+
+register(OpSpec("max_pool2d", "pool", (1, 1), _pool_infer,
+                lambda ins, a, env: [F.max_pool2d(ins[0], pair(a["kernel"]), pair(a.get("stride") or a["kernel"]),
+                                                  pair(a.get("padding", 0)), pair(a.get("dilation", 1)),
+                                                  a.get("ceil_mode", False))],
+                attrs=("kernel", "stride", "padding", "dilation", "ceil_mode"), doc="2-d max pooling, NCHW",
+                samples=lambda: [Sample(randn((2, 3, 8, 8)), {"kernel": [3, 3], "stride": [2, 2], "padding": [1, 1]})]))
+register(OpSpec("avg_pool2d", "pool", (1, 1), _pool_infer,
+                lambda ins, a, env: [F.avg_pool2d(ins[0], pair(a["kernel"]), pair(a.get("stride") or a["kernel"]),
+                                                  pair(a.get("padding", 0)), a.get("ceil_mode", False),
+                                                  a.get("count_include_pad", True))],
+                attrs=("kernel", "stride", "padding", "ceil_mode", "count_include_pad"), doc="2-d average pooling",
+                samples=lambda: [Sample(randn((2, 3, 8, 8)), {"kernel": [2, 2]})]))
+register(OpSpec("adaptive_avg_pool2d", "pool", (1, 1),
+                lambda ins, a: [ins[0].with_shape(ins[0].shape[:2] + tuple(pair(a["output_size"])))],
+                lambda ins, a, env: [F.adaptive_avg_pool2d(ins[0], pair(a["output_size"]))],
+                attrs=("output_size",),
+                doc="adaptive average pooling to output_size (global pool = [1, 1]; 1-d pools capture as [1, n])",
+                samples=lambda: [Sample(randn((2, 3, 7, 7)), {"output_size": [1, 1]}),
+                                 Sample(randn((2, 3, 1, 9)), {"output_size": [1, 3]})]))
+
+
+def _sdpa_infer(ins, a):
+    q, k, v = ins[:3]
+    return [TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))]
+
+
+def _sdpa_ref(ins, a, env):
+    mask = ins[3] if len(ins) > 3 else None
+    return [F.scaled_dot_product_attention(ins[0], ins[1], ins[2], attn_mask=mask,
+                                           is_causal=a.get("is_causal", False), scale=a.get("scale"))]
+
+
+register(OpSpec("sdpa", "attention", (3, 4), _sdpa_infer, _sdpa_ref, attrs=("is_causal", "scale"),
+                traits=frozenset({"precision_sensitive"}),
+                doc="scaled dot-product attention softmax(q k^T * scale + mask) v; mask bool (keep) or additive",
+                samples=lambda: [Sample(randn((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))),
+                                 Sample(randn((1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8)), {"is_causal": True}),
+                                 Sample(lambda g: [torch.randn(2, 2, 4, 8, generator=g), torch.randn(2, 2, 4, 8, generator=g),
+                                                   torch.randn(2, 2, 4, 8, generator=g),
+                                                   torch.tensor([True, True, False, True]).reshape(1, 1, 1, 4)
+                                                   .expand(2, 1, 1, 4).clone()], {"scale": 0.3})]))

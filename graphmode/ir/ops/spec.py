@@ -1,0 +1,164 @@
+"""The op database's record type, registry and the shape/dtype helpers every op family uses.
+
+One `OpSpec` holds everything graphmode knows about an op that is not backend code: type
+inference, reference semantics (eager PyTorch, the numeric oracle), the ATen overloads the
+torch importer maps onto it, traits that passes and planners query instead of keeping their
+own op lists, and sample inputs for the OpInfo-style test that runs every op through every
+path (interpreter, CPU executor, generated kernels, ONNX round trip).
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from graphmode.errors import IRError
+from graphmode.ir.types import DTYPES, TORCH_TO_DTYPE, Dim, TensorType, dims_equal, eval_dim, normalize_dim
+
+Env = Mapping[str, int]
+InferFn = Callable[[list[TensorType], Mapping[str, Any]], list[TensorType]]
+RefFn = Callable[[list[torch.Tensor], Mapping[str, Any], Env], list[torch.Tensor]]
+
+# What an op is, for the passes, planners and analyses that ask (instead of keeping lists):
+TRAITS = {
+    "elementwise": "one output element from the same-index elements of the (broadcast) inputs",
+    "commutative": "the two inputs can be swapped (CSE canonicalises their order)",
+    "row_reduction": "reduces or normalises along trailing axes (fusable as a row kernel)",
+    "gemm": "a contraction lowered to GEMM (linear, matmul, conv); may take an epilogue",
+    "epilogue_safe": "elementwise and cheap enough to apply in a GEMM's store",
+    "precision_sensitive": "loses accuracy first under reduced precision (first fp32-override candidate)",
+    "view": "output re-interprets input 0's bytes",
+    "inplace": "output may reuse input 0's buffer (same shape and dtype)",
+    "index_dependent": "reads positions chosen by data or by position (gathers, scans, pads, rolls)",
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample call: input tensors (made on demand, seeded) and attributes."""
+    make: Callable[[torch.Generator], list[torch.Tensor]]
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    kind: str                      # elementwise | reduction | norm | gemm | conv | pool | attention | shape | data | fused | fallback
+    arity: tuple[int, int]         # min, max number of inputs
+    infer: InferFn
+    ref: RefFn
+    attrs: tuple[str, ...] = ()    # attribute names the op understands
+    inplace: bool = False          # output may reuse input 0's buffer (same shape/dtype)
+    view: bool = False             # output is a re-interpretation of input 0's bytes (reshape)
+    doc: str = ""
+    flops_per_elem: float = 1.0    # elementwise cost, per output element
+    traits: frozenset[str] = frozenset()
+    aten: tuple[str, ...] = ()     # ATen overloads captured 1:1 (arguments normalised by the op schema)
+    samples: Callable[[], list[Sample]] | None = None
+
+    def has(self, trait: str) -> bool:
+        return trait in self.traits
+
+
+OPS: dict[str, OpSpec] = {}
+
+
+def register(spec: OpSpec) -> OpSpec:
+    unknown = set(spec.traits) - set(TRAITS)
+    if unknown:
+        raise IRError(f"op {spec.name!r} declares unknown traits {sorted(unknown)}", fix=f"one of {sorted(TRAITS)}")
+    traits = set(spec.traits)
+    if spec.inplace:
+        traits.add("inplace")
+    if spec.view:
+        traits.add("view")
+    if spec.kind == "elementwise":
+        traits.add("elementwise")
+    object.__setattr__(spec, "traits", frozenset(traits))
+    OPS[spec.name] = spec
+    return spec
+
+
+def get_op(name: str) -> OpSpec:
+    spec = OPS.get(name)
+    if spec is None:
+        near = difflib.get_close_matches(name, OPS, n=3)
+        raise IRError(f"unknown op {name!r}", fix=f"did you mean {', '.join(near)}?" if near else
+                      "see docs/ops.md for the core op set")
+    return spec
+
+
+def ops_with(trait: str) -> frozenset[str]:
+    """Names of the ops that declare `trait` (the one source of op-class lists)."""
+    if trait not in TRAITS:
+        raise IRError(f"unknown trait {trait!r}", fix=f"one of {sorted(TRAITS)}")
+    return frozenset(n for n, s in OPS.items() if trait in s.traits)
+
+
+def aten_table() -> dict[str, str]:
+    """ATen overload -> core op, for ops captured one-to-one."""
+    return {a: name for name, s in OPS.items() for a in s.aten}
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+def eval_shape(shape: Sequence, env: Env) -> list[int]:
+    return [eval_dim(normalize_dim(d), env) for d in shape]
+
+
+def broadcast_shapes(*shapes: Sequence[Dim]) -> tuple[Dim, ...]:
+    rank = max(len(s) for s in shapes)
+    out: list[Dim] = []
+    for i in range(rank):
+        cur: Dim = 1
+        for s in shapes:
+            j = i - (rank - len(s))
+            if j < 0:
+                continue
+            d = s[j]
+            if isinstance(d, int) and d == 1:
+                continue
+            if isinstance(cur, int) and cur == 1:
+                cur = d
+            elif not dims_equal(cur, d):
+                raise IRError(f"shapes {[list(map(str, s)) for s in shapes]} do not broadcast at dim {i}",
+                              fix="insert an explicit expand/reshape")
+        out.append(cur)
+    return tuple(out)
+
+
+def result_dtype(types: list[TensorType]) -> str:
+    """torch's type promotion, where 0-d tensors act like scalars (same category rules)."""
+    tensors = [torch.empty((1,) * t.rank if t.rank else (), dtype=DTYPES[t.dtype], device="meta") for t in types]
+    dt = tensors[0]
+    for t in tensors[1:]:
+        dt = torch.empty((1,) * max(dt.dim(), t.dim()) if (dt.dim() or t.dim()) else (),
+                         dtype=torch.result_type(dt, t), device="meta")
+    return TORCH_TO_DTYPE[dt.dtype]
+
+
+_result_dtype = result_dtype      # the name older modules import
+
+
+def norm_axis(axis: int, rank: int) -> int:
+    a = axis + rank if axis < 0 else axis
+    if not 0 <= a < max(rank, 1):
+        raise IRError(f"axis {axis} out of range for rank {rank}")
+    return a
+
+
+def pair(v, n: int = 2) -> list:
+    """An int or a sequence as an n-list (kernel sizes, strides, paddings)."""
+    return list(v) if isinstance(v, (list, tuple)) else [v] * n
+
+
+def same(ins, attrs):
+    return [ins[0]]
+
+
+def randn(*shapes: Sequence[int]) -> Callable[[torch.Generator], list[torch.Tensor]]:
+    """Sample maker: float tensors of the given shapes."""
+    return lambda g: [torch.randn(*s, generator=g) for s in shapes]
