@@ -91,9 +91,26 @@ def eval_dim(d: Dim, env: Mapping[str, int]) -> int:
 
 
 def dims_equal(a: Dim, b: Dim) -> bool:
+    """Whether two dims are equal for every value of the dim symbols. Dims are canonical
+    (expanded), so the difference of two polynomial dims is a polynomial that is zero only
+    when they are equal; sympy.simplify (milliseconds) only runs for dims with functions
+    (floor, Max, Mod...)."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+    if a == b:
+        return True
+    diff = sympy.expand(sympy.sympify(a) - sympy.sympify(b))
+    if diff == 0:
+        return True
+    if diff.is_polynomial():
+        return False
+    return sympy.simplify(diff) == 0
+
+
+def same_dims(a: Iterable[Dim], b: Iterable[Dim]) -> bool:
+    """Equal rank and pairwise equal dims (`dims_equal`)."""
+    a, b = tuple(a), tuple(b)
+    return len(a) == len(b) and all(dims_equal(x, y) for x, y in zip(a, b))
 
 
 def dim_symbols(dims: Iterable[Dim]) -> set[str]:
@@ -118,6 +135,17 @@ class TensorType:
         if self.layout not in LAYOUTS:
             raise IRError(f"unknown layout {self.layout!r}", fix=f"one of {', '.join(LAYOUTS)}")
         object.__setattr__(self, "shape", tuple(normalize_dim(d) for d in self.shape))
+
+    def matches(self, other: "TensorType", *, dtype: bool = True, layout: bool = True) -> bool:
+        """The one type equality of the IR: same dims (symbolically, `same_dims`), same dtype
+        and same layout. Layout is part of the type, not a hint: it fixes where each element
+        lives, so a row-major and an NHWC tensor of the same dims are different values to a
+        kernel, to a no-op test and to a fusion group. Each exception is explicit:
+        `layout=False` only where one side comes from the op set's type inference, which
+        does not track layouts (the verifier); `dtype=False` where only the element grid
+        matters (the fusion groups' "same shape", which admits casts and comparisons)."""
+        return ((not dtype or self.dtype == other.dtype) and (not layout or self.layout == other.layout)
+                and same_dims(self.shape, other.shape))
 
     @property
     def rank(self) -> int:
