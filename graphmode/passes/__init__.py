@@ -1,17 +1,15 @@
-"""Passes over the IR. Importing this package registers every pass implementation."""
-import importlib
+"""Passes over the IR. Exports load lazily: the recipe layer imports `registry` and `options`
+(pass declarations and option models) and must not pay for torch; the pass modules register
+themselves on the first lookup in `PASSES`."""
+_API = {"PASSES": "base", "PassContext": "base", "PassResult": "base", "register_pass": "base",
+        "DumpIR": "manager", "KeepSnapshots": "manager", "PassManager": "manager", "PassReport": "manager",
+        "expand_pipeline": "manager", "PASS_INFOS": "registry", "PRESETS": "registry", "check_order": "registry"}
 
-from graphmode.passes.base import PASSES, PassContext, PassResult, register_pass
-from graphmode.passes.manager import DumpIR, KeepSnapshots, PassManager, PassReport, expand_pipeline
-from graphmode.passes.registry import PASS_INFOS, PRESETS, check_order
+__all__ = list(_API)
 
-# one module per pass; a module not written yet is skipped (PassManager reports it)
-for _mod in ("canonicalize", "precision", "constant_fold", "cse", "dce", "layout", "fuse", "memory_plan"):
-    try:
-        importlib.import_module(f"graphmode.passes.{_mod}")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"graphmode.passes.{_mod}":
-            raise
 
-__all__ = ["PASSES", "PassContext", "PassResult", "register_pass", "DumpIR", "KeepSnapshots", "PassManager",
-           "PassReport", "expand_pipeline", "PASS_INFOS", "PRESETS", "check_order"]
+def __getattr__(name):
+    if name in _API:
+        import importlib
+        return getattr(importlib.import_module(f"graphmode.passes.{_API[name]}"), name)
+    raise AttributeError(f"module 'graphmode.passes' has no attribute {name!r}")

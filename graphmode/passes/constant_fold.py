@@ -17,7 +17,9 @@
   and statistic to be constant and the conv/linear output to feed only the batch_norm.
   New weights are named after the conv weight (`<prefix>.weight_bn`, `<prefix>.bias_bn`).
 
-Options (`ctx.opts("constant_fold")`): `max_bytes`, `fold_batch_norm` (default True).
+Options (`ConstantFoldOptions`): `max_bytes`, `fold_batch_norm` (default True). One forward
+walk on the rewrite engine's state (`rewrite.Rewriter`): folding evaluates, it matches no
+pattern.
 """
 from __future__ import annotations
 
@@ -28,9 +30,7 @@ from graphmode.ir.graph import Graph, Node
 from graphmode.ir.ops import get_op
 from graphmode.ir.types import DTYPES, TensorType, Value
 from graphmode.passes.base import PassContext, PassResult, register_pass
-from graphmode.passes.canonicalize import Rewrite
-
-MAX_BYTES = 64 << 20
+from graphmode.passes.rewrite import Rewriter
 _SKIP_OPS = frozenset({"fused", "fallback"})
 
 
@@ -48,7 +48,7 @@ def _own(t: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
     return t
 
 
-def _try_fold(rw: Rewrite, n: Node, max_bytes: int, stats: dict) -> list[torch.Tensor] | None:
+def _try_fold(rw: Rewriter, n: Node, max_bytes: int, stats: dict) -> list[torch.Tensor] | None:
     if n.op in _SKIP_OPS or any(o in rw.outputs for o in n.outputs):
         return None
     if not all(i in rw.constants for i in n.inputs):
@@ -82,11 +82,11 @@ def _prefix(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
-def _fold_bn(rw: Rewrite, bn: Node, users: dict[str, int], stats: dict) -> bool:
+def _fold_bn(rw: Rewriter, bn: Node, stats: dict) -> bool:
     """Fold batch_norm into the conv2d/linear that produces its input (see module doc)."""
     x = bn.inputs[0]
-    p = rw.producer.get(x)
-    if p is None or p.op not in ("conv2d", "linear") or users.get(x, 0) != 1 or x in rw.outputs:
+    p = rw.producer(x)
+    if p is None or p.op not in ("conv2d", "linear") or not rw.single_use(x):
         return False
     stats_in = bn.inputs[1:]
     w_name = p.inputs[1]
@@ -111,23 +111,14 @@ def _fold_bn(rw: Rewrite, bn: Node, users: dict[str, int], stats: dict) -> bool:
     pre = _prefix(w_name)
     new_w = _add_const(rw, f"{pre}.weight_bn", w64.to(w.dtype).contiguous(), "param")
     new_b = _add_const(rw, f"{pre}.bias_bn", b64.to(w.dtype).contiguous(), "param")
-    folded = p.with_(inputs=(p.inputs[0], new_w, new_b), outputs=bn.outputs)
-    idx = next(i for i, m in enumerate(rw.nodes) if m is p)
-    rw.nodes[idx] = folded
-    rw.producer[bn.outputs[0]] = folded
-    rw.producer.pop(x, None)
-    rw.values.pop(x, None)
+    rw.erase(rw.index_of(x))
+    rw.emit(p.with_(inputs=(p.inputs[0], new_w, new_b), outputs=bn.outputs))
     _bump(stats, "bn_folded")
-    rw.changed = True
     return True
 
 
-def _add_const(rw: Rewrite, hint: str, t: torch.Tensor, role: str) -> str:
-    name = hint
-    i = 1
-    while name in rw.values:
-        name = f"{hint}_{i}"
-        i += 1
+def _add_const(rw: Rewriter, hint: str, t: torch.Tensor, role: str) -> str:
+    name = rw.fresh(hint)
     rw.values[name] = Value(name, TensorType.of(t), role)
     rw.constants[name] = t
     return name
@@ -136,19 +127,14 @@ def _add_const(rw: Rewrite, hint: str, t: torch.Tensor, role: str) -> str:
 @register_pass("constant_fold")
 def run(graph: Graph, ctx: PassContext) -> PassResult:
     opts = ctx.opts("constant_fold")
-    max_bytes = int(opts.get("max_bytes", MAX_BYTES))
-    fold_bn = bool(opts.get("fold_batch_norm", True))
-    rw = Rewrite(graph)
-    users: dict[str, int] = {}
-    for n in graph.nodes:
-        for i in set(n.inputs):
-            users[i] = users.get(i, 0) + 1
+    rw = Rewriter(graph)
     stats: dict[str, int] = {}
     folded_by_op: dict[str, int] = {}
     for n in graph.nodes:
-        if fold_bn and n.op == "batch_norm" and n.inputs[0] not in rw.constants and _fold_bn(rw, n, users, stats):
+        if opts.fold_batch_norm and n.op == "batch_norm" and n.inputs[0] not in rw.constants \
+                and _fold_bn(rw, n, stats):
             continue
-        outs = _try_fold(rw, n, max_bytes, stats)
+        outs = _try_fold(rw, n, opts.max_bytes, stats)
         if outs is None:
             rw.emit(n)
             continue
@@ -167,4 +153,4 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
     return PassResult(rw.finish(), rw.changed, out)
 
 
-__all__ = ["run", "MAX_BYTES"]
+__all__ = ["run"]

@@ -12,8 +12,9 @@
   set: their names are the weight file's contract, and two equal weights (a randomly
   initialised model's all-ones LayerNorm weights) merging into one name reads as a bug.
 
-Graph outputs keep their names (see canonicalize.Rewrite). Options: `max_const_numel`,
-`dedupe_params` (default False).
+Graph outputs keep their names (the rewrite engine's `Rewriter.replace`). Options
+(`CseOptions`): `max_const_numel`, `dedupe_params` (default False). One forward walk on the
+engine's state: value numbering needs a table of everything seen, not a local pattern.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 
 from graphmode.ir.graph import Graph, Node, constant_digest
 from graphmode.passes.base import PassContext, PassResult, register_pass
-from graphmode.passes.canonicalize import Rewrite
+from graphmode.passes.rewrite import Rewriter
 
 COMMUTATIVE = frozenset({"add", "mul", "maximum", "minimum", "eq", "ne", "logical_and", "logical_or"})
 IGNORED_ATTRS = frozenset({"loc"})
@@ -56,13 +57,13 @@ def _pure(n: Node) -> bool:
     return not any(h in target for h in _RANDOM_HINTS)
 
 
-def node_key(rw: Rewrite, n: Node) -> tuple:
+def node_key(rw: Rewriter, n: Node) -> tuple:
     ins = tuple(sorted(n.inputs)) if n.op in COMMUTATIVE else n.inputs
     types = tuple(rw.type_of(o).text() for o in n.outputs)
     return (n.op, ins, _attrs_key(n.attrs), types, body_key(n.body) if n.body is not None else None)
 
 
-def _dedupe_constants(rw: Rewrite, max_numel: int, params: bool) -> int:
+def _dedupe_constants(rw: Rewriter, max_numel: int, params: bool) -> int:
     groups: dict[tuple, list[str]] = {}
     for name in sorted(rw.constants):
         t = rw.constants[name]
@@ -75,7 +76,7 @@ def _dedupe_constants(rw: Rewrite, max_numel: int, params: bool) -> int:
         keep = names[0]
         for other in names[1:]:
             if torch.equal(rw.constants[keep], rw.constants[other]):
-                rw.subst[other] = keep
+                rw.replace(other, keep)
                 del rw.constants[other]
                 del rw.values[other]
                 merged += 1
@@ -85,8 +86,8 @@ def _dedupe_constants(rw: Rewrite, max_numel: int, params: bool) -> int:
 @register_pass("cse")
 def run(graph: Graph, ctx: PassContext) -> PassResult:
     opts = ctx.opts("cse")
-    rw = Rewrite(graph)
-    merged_consts = _dedupe_constants(rw, int(opts.get("max_const_numel", 4096)), bool(opts.get("dedupe_params", False)))
+    rw = Rewriter(graph)
+    merged_consts = _dedupe_constants(rw, opts.max_const_numel, opts.dedupe_params)
     seen: dict[tuple, Node] = {}
     merged: dict[str, int] = {}
     kept = 0

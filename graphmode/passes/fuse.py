@@ -7,8 +7,8 @@ generates one kernel for (or, for `gemm_epilogue`, one library GEMM plus one in-
 kernel over its output).
 
 Order of the patterns (not the order of the `patterns` option, which only selects):
-1. attention: rewrite matmul(q, k^T) [*|/ scale] [+ mask | where(mask, ., -inf)] ->
-   softmax(-1) -> matmul(., v) into `sdpa(q, k, v[, mask]) {scale}`.
+1. attention: the rules of attention.py rewrite matmul(q, k^T) [scale] [mask] -> softmax(-1)
+   -> matmul(., v) into `sdpa(q, k, v[, mask]) {scale}` (per-rule counts in the stats).
 2. reduction / norm: a row reduction (softmax, log_softmax, layer_norm, sum/mean/amax/amin
    over the last dim) with its pointwise prologue and epilogue. Runs before the GEMM
    epilogue so the residual add in `linear -> add(residual) -> layer_norm` goes to the norm:
@@ -23,111 +23,40 @@ Order of the patterns (not the order of the `patterns` option, which only select
 Groups are formed greedily in topological order over a contracted view of the graph
 (`fusion_patterns.Dag`): a node joins a group only if no path leaves the group and comes
 back, so the rewritten graph is acyclic. Groups smaller than `min_ops` stay unfused;
-none grows past `max_ops`.
+none grows past `max_ops`. Members of a group share one element grid: their types match up
+to dtype (`TensorType.matches(dtype=False)`).
+
+Attention is a rewrite (attention.py, on the rewrite engine); grouping is a scheduler over
+the result. Options: `FuseOptions` (options.py), which the recipe embeds as
+`optimize.fusion`.
 """
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 from graphmode.errors import PassError
 from graphmode.ir.graph import Graph, Node
+from graphmode.passes.attention import rules as attention_rules
 from graphmode.passes.base import PassContext, PassResult, register_pass
 from graphmode.passes.fusion_patterns import (
-    EPILOGUE_EXTRA_OPS, GEMM_OPS, Dag, is_epilogue_op, is_pointwise, is_row_reduction, key_from_transposed,
-    match_attention, same_shape,
+    EPILOGUE_EXTRA_OPS, GEMM_OPS, Dag, is_epilogue_op, is_pointwise, is_row_reduction,
 )
-
-PATTERNS = ("elementwise", "reduction", "gemm_epilogue", "attention")
-
-
-@dataclass(frozen=True)
-class FuseOptions:
-    enabled: bool = True
-    patterns: tuple[str, ...] = PATTERNS
-    min_ops: int = 2
-    max_ops: int = 16
+from graphmode.passes.options import FuseOptions
+from graphmode.passes.rewrite import rewrite_graph
 
 
-def parse_options(raw) -> FuseOptions:
-    """Validate `ctx.opts("fuse")`; a bad value is a PassError naming the option."""
-    known = {"enabled", "patterns", "min_ops", "max_ops"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise PassError(f"unknown fuse option(s) {unknown}", where="optimize.fuse", fix=f"known: {sorted(known)}")
-    enabled = raw.get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise PassError("fuse.enabled must be true or false", where="optimize.fuse.enabled", value=enabled)
-    patterns = raw.get("patterns", PATTERNS)
-    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
-        raise PassError("fuse.patterns must be a list of pattern names", where="optimize.fuse.patterns",
-                        value=patterns, fix=f"a subset of {list(PATTERNS)}")
-    bad = [p for p in patterns if p not in PATTERNS]
-    if bad:
-        raise PassError(f"unknown fusion pattern(s) {bad}", where="optimize.fuse.patterns", value=list(patterns),
-                        fix=f"a subset of {list(PATTERNS)}")
-    vals = {}
-    for key, default in (("min_ops", 2), ("max_ops", 16)):
-        v = raw.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PassError(f"fuse.{key} must be an integer >= 1", where=f"optimize.fuse.{key}", value=v)
-        vals[key] = v
-    if vals["min_ops"] > vals["max_ops"]:
-        raise PassError("fuse.min_ops is larger than fuse.max_ops", where="optimize.fuse.min_ops",
-                        value=(vals["min_ops"], vals["max_ops"]), fix="set min_ops <= max_ops")
-    return FuseOptions(enabled, tuple(p for p in PATTERNS if p in patterns), vals["min_ops"], vals["max_ops"])
-
-
-# ------------------------------------------------------------------------------ attention
-
-
-def _rewrite_attention(g: Graph) -> int:
-    """Replace every decomposed attention block in `g` (in place: `g` is the pass's copy)."""
-    dag = Dag(g, g.nodes)
-    taken: set[int] = set()
-    plans: dict[int, list[Node]] = {}   # index of the block's last node -> replacement nodes
-    for i, n in enumerate(g.nodes):
-        if n.op != "softmax":
-            continue
-        m = match_attention(dag, i)
-        if m is None or taken & set(m.removed):
-            continue
-        k, extra_removed, new_permute = key_from_transposed(dag, m.kt, m.mm1)
-        if taken & set(extra_removed):
-            continue
-        new_nodes = []
-        if new_permute is not None:
-            t = g.type_of(m.kt)
-            k = g.add_value(g.fresh_name(f"{m.kt}_k"), t.with_shape(t.shape[:-2] + (t.shape[-1], t.shape[-2])))
-            new_nodes.append(new_permute.with_(outputs=(k,)))
-        ins = (m.q, k, m.v) + ((m.mask,) if m.mask is not None else ())
-        new_nodes.append(Node("sdpa", ins, (m.out,), {"is_causal": False, "scale": m.scale}))
-        removed = set(m.removed) | set(extra_removed)
-        taken |= removed
-        plans[max(removed)] = new_nodes
-    if not plans:
-        return 0
-    dropped = [n for i, n in enumerate(g.nodes) if i in taken]
-    nodes: list[Node] = []
-    for i, n in enumerate(g.nodes):
-        if i in plans:
-            nodes += plans[i]
-        elif i not in taken:
-            nodes.append(n)
-    g.nodes = nodes
-    _drop_unreferenced(g, {v for n in dropped for v in n.inputs + n.outputs})
-    return len(plans)
-
-
-def _drop_unreferenced(g: Graph, names: set[str]) -> None:
-    """Forget values (and constants) among `names` that nothing refers to any more."""
+def _drop_unreferenced(before: Graph, g: Graph) -> None:
+    """Forget values (and constants) the rewrite stopped referring to (the attention blocks'
+    scale constants): `g` is the pass's own copy."""
     used = set(g.inputs) | set(g.outputs)
     for n in g.nodes:
         used.update(n.inputs)
         used.update(n.outputs)
-    for v in names - used:
-        g.values.pop(v, None)
-        g.constants.pop(v, None)
+    for n in before.nodes:
+        for v in (*n.inputs, *n.outputs):
+            if v not in used:
+                g.values.pop(v, None)
+                g.constants.pop(v, None)
 
 
 # -------------------------------------------------------------------------------- groups
@@ -146,7 +75,7 @@ def _reduction_groups(dag: Dag, o: FuseOptions) -> list[tuple[str, list[int]]]:
             p = -heapq.heappop(heap)
             if p in group or not dag.free(p) or not is_pointwise(dag.nodes[p]):
                 continue
-            if not same_shape(dag.out_type(p), in_t) or not dag.convex(group | {p}):
+            if not dag.out_type(p).matches(in_t, dtype=False) or not dag.convex(group | {p}):
                 continue
             group.add(p)
             for v in dag.nodes[p].inputs:
@@ -163,7 +92,7 @@ def _reduction_groups(dag: Dag, o: FuseOptions) -> list[tuple[str, list[int]]]:
             un = dag.nodes[u]
             if u in group or not dag.free(u) or not is_pointwise(un):
                 continue
-            if not any(same_shape(dag.out_type(u), t) for t in shapes) or not dag.convex(group | {u}):
+            if not any(dag.out_type(u).matches(t, dtype=False) for t in shapes) or not dag.convex(group | {u}):
                 continue
             group.add(u)
             for w in dag.users_of(un.outputs[0]):
@@ -203,7 +132,7 @@ def _gemm_epilogue_groups(dag: Dag, o: FuseOptions) -> list[tuple[str, list[int]
                 continue
             if un.op in EPILOGUE_EXTRA_OPS and un.inputs[0] not in produced:
                 continue
-            if not same_shape(dag.out_type(u), ep_t) or not dag.convex(group | {u}):
+            if not dag.out_type(u).matches(ep_t, dtype=False) or not dag.convex(group | {u}):
                 continue
             group.add(u)
             produced.add(un.outputs[0])
@@ -236,7 +165,7 @@ def _elementwise_groups(dag: Dag, o: FuseOptions) -> list[tuple[str, list[int]]]
                 near.update(p for p in (dag.producer(v) for v in m.inputs) if p is not None)
                 near.update(dag.users_of(m.outputs[0]))
             cands = sorted(c for c in near - group
-                           if dag.free(c) and is_pointwise(dag.nodes[c]) and same_shape(dag.out_type(c), shape_t))
+                           if dag.free(c) and is_pointwise(dag.nodes[c]) and dag.out_type(c).matches(shape_t, dtype=False))
             pick = next((c for c in cands if dag.convex(group | {c})), None)
             if pick is None:
                 break
@@ -296,13 +225,20 @@ def _topo_sort(items: list[tuple[int, Node]]) -> list[Node]:
 
 @register_pass("fuse")
 def run(graph: Graph, ctx: PassContext) -> PassResult:
-    o = parse_options(ctx.opts("fuse"))
-    stats = {"groups": 0, "by_kind": {}, "ops_fused": 0, "largest_group": 0, "attention_rewrites": 0}
+    o: FuseOptions = ctx.opts("fuse")
+    if o.min_ops > o.max_ops:
+        raise PassError("fuse.min_ops is larger than fuse.max_ops", where="optimize.fusion.min_ops",
+                        value=(o.min_ops, o.max_ops), fix="set min_ops <= max_ops")
+    stats: dict = {"groups": 0, "by_kind": {}, "ops_fused": 0, "largest_group": 0, "attention_rewrites": 0}
     if not o.enabled or not o.patterns:
         return PassResult(graph, False, stats)
-    g = graph.clone()
+    g = graph
     if "attention" in o.patterns:
-        stats["attention_rewrites"] = _rewrite_attention(g)
+        g, fired = rewrite_graph(graph, attention_rules())   # a new graph (own dicts) when it fired
+        if g is not graph:
+            _drop_unreferenced(graph, g)
+        stats = {**fired, **stats, "attention_rewrites": sum(v for k, v in fired.items() if k != "kept_for_output")}
+    g = g.clone() if g is graph else g
     dag = Dag(g, g.nodes)
     groups: list[tuple[str, list[int]]] = []
     if "reduction" in o.patterns:

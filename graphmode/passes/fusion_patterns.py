@@ -1,20 +1,15 @@
-"""Building blocks of the `fuse` pass: op classes, a contracted view of the graph that
-answers "would merging these nodes create a cycle?", and the attention rewrite.
-
-Kept apart from fuse.py so the pattern matchers stay small and testable on their own.
+"""Building blocks of the `fuse` pass's grouping: op classes and a contracted view of the
+graph that answers "would merging these nodes create a cycle?". (Attention is a rewrite,
+not a grouping: attention.py.)
 """
 from __future__ import annotations
 
 import heapq
-import math
-from dataclasses import dataclass
 from typing import Iterable, Sequence
-
-import torch
 
 from graphmode.ir.graph import Graph, Node
 from graphmode.ir.ops import OPS
-from graphmode.ir.types import FLOAT_DTYPES, TensorType, dims_equal
+from graphmode.ir.types import TensorType
 
 GEMM_OPS = frozenset({"linear", "matmul", "conv2d"})
 # Inference batch norm is a per-channel affine map of x: pointwise once its four parameter
@@ -36,19 +31,6 @@ def is_epilogue_op(n: Node) -> bool:
     return is_pointwise(n) or (n.op in EPILOGUE_EXTRA_OPS and len(n.outputs) == 1)
 
 
-def same_shape(a: TensorType, b: TensorType) -> bool:
-    if a.rank != b.rank:
-        return False
-    for x, y in zip(a.shape, b.shape):
-        if x == y:
-            continue
-        if isinstance(x, int) and isinstance(y, int):
-            return False
-        if not dims_equal(x, y):
-            return False
-    return True
-
-
 def is_row_reduction(n: Node, g: Graph) -> bool:
     """A reduction whose kernel handles one row (the last dim(s)) at a time, so pointwise
     work before and after it can run inside the same row loop."""
@@ -66,14 +48,6 @@ def is_row_reduction(n: Node, g: Graph) -> bool:
         return rank == 1
     dims = list(dims)
     return len(dims) == 1 and dims[0] in (-1, rank - 1)
-
-
-def scalar_constant(g: Graph, name: str) -> float | None:
-    """The value of a one-element floating/int constant, else None."""
-    t = g.constants.get(name)
-    if t is None or t.numel() != 1 or t.dtype == torch.bool:
-        return None
-    return float(t.reshape(()).item())
 
 
 # ------------------------------------------------------------------- contracted graph
@@ -194,135 +168,3 @@ class Dag:
                     heapq.heappush(heap, (self.members[s][0], s))
         if r != len(self.members):  # pragma: no cover - convex() guards every merge
             raise AssertionError("fusion created a cycle")
-
-
-# -------------------------------------------------------------------------- attention
-
-
-@dataclass
-class AttentionMatch:
-    q: str
-    kt: str            # the transposed key the first matmul consumed
-    v: str
-    mask: str | None
-    scale: float
-    out: str           # the second matmul's output (kept as the sdpa output name)
-    mm1: int           # the node index of matmul(q, k^T)
-    removed: list[int]  # node indices the sdpa node replaces
-
-
-def _single_use(dag: Dag, v: str, user: int) -> bool:
-    return v not in dag.graph_outputs and dag.users_of(v) == [user]
-
-
-def _scores(dag: Dag, v: str, consumer: int) -> tuple[int, float, list[int]] | None:
-    """Walk up from the softmax input: [mul/div by a scalar constant] <- matmul(q, k^T)."""
-    p = dag.producer(v)
-    if p is None or not _single_use(dag, v, consumer):
-        return None
-    n = dag.nodes[p]
-    if n.op == "matmul":
-        return p, 1.0, [p]
-    if n.op in ("mul", "div"):
-        for data, const in ((0, 1), (1, 0)) if n.op == "mul" else ((0, 1),):
-            c = scalar_constant(dag.g, n.inputs[const])
-            if c is None or c == 0 or not same_shape(dag.type_of(n.inputs[data]), dag.type_of(v)):
-                continue
-            mp = dag.producer(n.inputs[data])
-            if mp is not None and dag.nodes[mp].op == "matmul" and _single_use(dag, n.inputs[data], p):
-                return mp, (c if n.op == "mul" else 1.0 / c), [mp, p]
-    return None
-
-
-def match_attention(dag: Dag, sm: int) -> AttentionMatch | None:
-    """softmax(matmul(q, k^T) [* s | / s] [+ mask | where(mask, ., -inf)], -1) @ v."""
-    g = dag.g
-    n = dag.nodes[sm]
-    if n.op != "softmax" or not is_row_reduction(n, g):
-        return None
-    probs = n.outputs[0]
-    us = dag.users_of(probs)
-    removed = [sm]
-    if len(us) == 1 and dag.nodes[us[0]].op == "identity" and _single_use(dag, probs, us[0]):
-        removed.append(us[0])
-        probs = dag.nodes[us[0]].outputs[0]
-        us = dag.users_of(probs)
-    if len(us) != 1 or probs in dag.graph_outputs:
-        return None
-    mm2 = dag.nodes[us[0]]
-    if mm2.op != "matmul" or mm2.inputs[0] != probs or mm2.inputs[1] == probs:
-        return None
-    removed.append(us[0])
-
-    x = n.inputs[0]
-    mask, found = None, None
-    xp = dag.producer(x)
-    xn = dag.nodes[xp] if xp is not None else None
-    if xn is not None and _single_use(dag, x, sm):
-        if xn.op == "add":
-            for s_in, m_in in ((0, 1), (1, 0)):
-                found = _scores(dag, xn.inputs[s_in], xp)
-                if found is not None and dag.type_of(xn.inputs[m_in]).dtype == dag.type_of(x).dtype \
-                        and same_shape(dag.type_of(xn.inputs[s_in]), dag.type_of(x)):
-                    mask = xn.inputs[m_in]
-                    removed.append(xp)
-                    break
-                found = None
-        elif xn.op == "where":
-            fill = scalar_constant(g, xn.inputs[2])
-            if fill == -math.inf and dag.type_of(xn.inputs[0]).dtype == "bool" \
-                    and same_shape(dag.type_of(xn.inputs[1]), dag.type_of(x)):
-                found = _scores(dag, xn.inputs[1], xp)
-                if found is not None:
-                    mask = xn.inputs[0]
-                    removed.append(xp)
-    if found is None and mask is None:
-        found = _scores(dag, x, sm)
-    if found is None:
-        return None
-    mm1_idx, scale, chain = found
-    removed += chain
-    mm1 = dag.nodes[mm1_idx]
-    q, kt = mm1.inputs
-    v = mm2.inputs[1]
-    if mask is not None and mask in (q, kt, v):
-        return None
-    tq, tkt, tv, tout = dag.type_of(q), dag.type_of(kt), dag.type_of(v), dag.type_of(mm2.outputs[0])
-    if not (tq.rank == tkt.rank == tv.rank >= 2):
-        return None
-    if not (tq.dtype == tkt.dtype == tv.dtype == tout.dtype and tq.dtype in FLOAT_DTYPES):
-        return None
-    batch_ok = all(same_shape(TensorType(tq.dtype, tq.shape[:-2]), TensorType(t.dtype, t.shape[:-2]))
-                   for t in (tkt, tv))
-    if not batch_ok:
-        return None
-    k_type = tkt.with_shape(tkt.shape[:-2] + (tkt.shape[-1], tkt.shape[-2]))
-    ins = [tq, k_type, tv] + ([dag.type_of(mask)] if mask is not None else [])
-    try:
-        inferred = OPS["sdpa"].infer(ins, {"scale": scale})[0]
-    except Exception:  # noqa: BLE001 - any shape mismatch means "does not fit sdpa"
-        return None
-    if inferred.dtype != tout.dtype or not same_shape(inferred, tout):
-        return None
-    return AttentionMatch(q, kt, v, mask, scale, mm2.outputs[0], mm1_idx, sorted(removed))
-
-
-def key_from_transposed(dag: Dag, kt: str, mm1: int) -> tuple[str | None, list[int], Node | None]:
-    """How to get k ([.., Lk, D]) from k^T: reuse the tensor a transposing permute read
-    (dropping that permute when the attention was its only user), or permute k^T back.
-
-    Returns (k value or None if a new node makes it, removed node indices, new permute node
-    without output name filled in: the caller names it)."""
-    p = dag.producer(kt)
-    rank = dag.type_of(kt).rank
-    swap = list(range(rank - 2)) + [rank - 1, rank - 2]
-    if p is not None and dag.nodes[p].op == "permute":
-        perm = list(dag.nodes[p].attr("perm"))
-        perm = [d + rank if d < 0 else d for d in perm]
-        back = perm[:-2] + [perm[-1], perm[-2]]
-        src = dag.nodes[p].inputs[0]
-        removed = [p] if _single_use(dag, kt, mm1) else []
-        if back == list(range(rank)):
-            return src, removed, None
-        return None, removed, Node("permute", (src,), (), {"perm": back})
-    return None, [], Node("permute", (kt,), (), {"perm": swap})

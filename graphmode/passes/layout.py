@@ -2,14 +2,15 @@
 the kernels want. Deliberately modest: every rule removes a `permute` or a copy, never adds
 one, and stays inside the core op set.
 
-Rules, to a fixpoint:
+Rules (rewrite engine, to a fixpoint):
 - `matmul_to_linear`: matmul(a, permute(W, [1, 0])) with W a 2-d constant -> linear(a, W).
   `linear` reads W as [out, in], so the transpose disappears without copying W.
 - `permute_cancel`: permute(p) -> a chain of elementwise ops -> permute(q), where the ops
   are unary or combine with rank-0 values (permutation-invariant) and every intermediate
   has one user: the chain runs on the unpermuted tensor and the two permutes compose into
   one (or none, when the composition is the identity). An empty chain is canonicalize's
-  permute-chain rule, repeated here for the pairs the binary rule creates.
+  permute-chain rule, repeated here for the pairs the binary rule creates. The chain has
+  no fixed length, so the rule walks it in code; the pattern only roots it.
 - `permute_sink_binary`: binary(permute(a, p), permute(b, p)) with a, b of equal rank and
   single-use permutes -> permute(binary(a, b), p): two permutes become one (and may then
   cancel with a later one).
@@ -21,256 +22,124 @@ op set has no transposed matmul.
 """
 from __future__ import annotations
 
-from graphmode.errors import PassError
-from graphmode.ir.graph import Graph, Node
+from graphmode.ir.graph import Graph
 from graphmode.ir.ops import OPS, get_op
-from graphmode.ir.types import Value
 from graphmode.passes.base import PassContext, PassResult, register_pass
-from graphmode.passes.canonicalize import is_identity_perm, live_values, rename_node, types_equal
+from graphmode.passes.canonicalize import is_identity_perm
+from graphmode.passes.pattern import Match, Pat
+from graphmode.passes.rewrite import Rewriter, Rule, RuleSet, rewrite_graph
 
-MAX_ROUNDS = 10_000
-
-
-def _maps(nodes: list[Node]) -> tuple[dict[str, int], dict[str, list[int]]]:
-    prod: dict[str, int] = {}
-    users: dict[str, list[int]] = {}
-    for idx, n in enumerate(nodes):
-        for i in n.inputs:
-            users.setdefault(i, []).append(idx)
-        for o in n.outputs:
-            prod[o] = idx
-    return prod, users
+BINARY_ELEMENTWISE = frozenset(name for name, spec in OPS.items() if spec.kind == "elementwise" and spec.arity == (2, 2))
 
 
-class _State:
-    def __init__(self, graph: Graph):
-        self.graph = graph
-        self.nodes = list(graph.nodes)
-        self.values = dict(graph.values)
-        self.constants = dict(graph.constants)
-        self.outputs = set(graph.outputs)
-        self.prod, self.users = _maps(self.nodes)
-
-    def refresh(self):
-        self.prod, self.users = _maps(self.nodes)
-
-    def single_use(self, name: str) -> bool:
-        return len(self.users.get(name, [])) == 1 and name not in self.outputs
-
-    def producer(self, name: str) -> Node | None:
-        idx = self.prod.get(name)
-        return None if idx is None else self.nodes[idx]
-
-    def fresh(self, hint: str) -> str:
-        name, i = hint, 1
-        while name in self.values:
-            name = f"{hint}_{i}"
-            i += 1
-        return name
-
-    def retype(self, n: Node) -> None:
-        """Re-infer the output types of a rewritten node (its inputs changed shape)."""
-        types = get_op(n.op).infer([self.values[i].type for i in n.inputs], n.attrs)
-        for o, t in zip(n.outputs, types):
-            self.values[o] = Value(o, t, self.values[o].role if o in self.values else "intermediate")
+def _to_linear(rw: Rewriter, m: Match) -> str | None:
+    a, w = m.type("a"), m.type("w")
+    if w.rank != 2 or a.dtype != w.dtype:
+        return None
+    if not get_op("linear").infer([a, w], {})[0].matches(m.type("root")):
+        return None
+    attrs = {k: v for k, v in m.root.attrs.items() if k in ("loc", "precision")}
+    return rw.add("linear", [m["a"], m["w"]], attrs)
 
 
-def _matmul_to_linear(st: _State, idx: int, n: Node) -> bool:
-    if n.op != "matmul":
-        return False
-    p = st.producer(n.inputs[1])
-    if p is None or p.op != "permute" or list(p.attrs["perm"]) != [1, 0]:
-        return False
-    w = p.inputs[0]
-    if w not in st.constants or st.values[w].type.rank != 2:
-        return False
-    a = st.values[n.inputs[0]].type
-    if a.dtype != st.values[w].type.dtype:
-        return False
-    new = Node("linear", (n.inputs[0], w), n.outputs, {k: v for k, v in n.attrs.items() if k in ("loc", "precision")})
-    if not types_equal(get_op("linear").infer([a, st.values[w].type], {})[0], st.values[n.outputs[0]].type):
-        return False
-    st.nodes[idx] = new
-    return True
-
-
-def _elementwise_main(st: _State, n: Node) -> int | None:
+def _carrier(rw: Rewriter, n) -> int | None:
     """Index of the input that carries the (permuted) tensor through elementwise op `n`,
     when every other input is rank 0; None when `n` does not commute with a permute."""
     spec = OPS.get(n.op)
-    if spec is None or spec.kind != "elementwise" or len(n.outputs) != 1:
+    if spec is None or spec.kind != "elementwise" or n.body is not None or len(n.outputs) != 1:
         return None
-    ranked = [k for k, i in enumerate(n.inputs) if st.values[i].type.rank != 0]
+    ranked = [k for k, i in enumerate(n.inputs) if rw.type_of(i).rank != 0]
     return ranked[0] if len(ranked) == 1 else None
 
 
-def _permute_cancel(st: _State, idx: int, q: Node) -> bool:
-    if q.op != "permute":
-        return False
-    chain: list[tuple[int, int]] = []   # (node index, main input position), from q upwards
-    cur = q.inputs[0]
+def _cancel(rw: Rewriter, m: Match) -> str | None:
+    q = m.root
+    chain = []                       # (node, carrier input index), from q upwards
+    cur = m["src"]
     while True:
-        if not st.single_use(cur):
-            return False
-        pi = st.prod.get(cur)
-        if pi is None:
-            return False
-        pn = st.nodes[pi]
-        if pn.op == "permute":
+        p = rw.producer(cur)
+        if p is None or not rw.single_use(cur):
+            return None
+        if p.op == "permute":
             break
-        k = _elementwise_main(st, pn)
+        k = _carrier(rw, p)
         if k is None:
-            return False
-        chain.append((pi, k))
-        cur = pn.inputs[k]
-    p_idx = st.prod[cur]
-    p = st.nodes[p_idx]
-    x = p.inputs[0]
-    perm_p, perm_q = list(p.attrs["perm"]), list(q.attrs["perm"])
-    composed = [perm_p[i] for i in perm_q]
-    if not chain:  # permute(permute(x)): canonicalize's rule, repeated for chains this pass made
-        w = q.outputs[0]
-        if is_identity_perm(composed):
-            if w not in st.outputs:
-                old, new = w, x
-            elif x in st.prod and x not in st.outputs:
-                old, new = x, w  # an output keeps its name: x's producer now defines it
-            else:
-                return False
-            st.nodes = [rename_node(m, {old: new}) for i, m in enumerate(st.nodes) if i not in (idx, p_idx)]
-            st.values.pop(old, None)
-        else:
-            st.nodes[idx] = q.with_(inputs=(x,), attrs={**q.attrs, "perm": composed})
-            st.nodes = [m for i, m in enumerate(st.nodes) if i != p_idx]
-        st.values.pop(p.outputs[0], None)
-        return True
-    # rewrite the chain bottom-up from p: each op reads the unpermuted tensor
-    src = x
-    for ci, k in reversed(chain):
-        m = st.nodes[ci]
-        ins = list(m.inputs)
+            return None
+        chain.append((p, k))
+        cur = p.inputs[k]
+    composed = [p.attrs["perm"][i] for i in q.attrs["perm"]]
+    rw.claim(p)
+    src = p.inputs[0]
+    for n, k in reversed(chain):     # each op now reads the unpermuted tensor (and keeps its name)
+        rw.claim(n)
+        ins = list(n.inputs)
         ins[k] = src
-        m = m.with_(inputs=ins)
-        st.nodes[ci] = m
-        st.retype(m)
-        src = m.outputs[0]
-    last_idx = chain[0][0]
-    st.nodes[p_idx] = None  # type: ignore[assignment]
-    st.values.pop(p.outputs[0], None)
+        src = rw.add(n.op, ins, n.attrs, name=n.outputs[0])
     if is_identity_perm(composed):
-        # the chain's last op now produces q's output directly
-        last = st.nodes[last_idx]
-        z, w = last.outputs[0], q.outputs[0]
-        if not types_equal(st.values[z].type, st.values[w].type):
-            raise PassError(f"permute_cancel would change the type of %{w}", where="pass layout",
-                            fix="this is a graphmode bug; remove 'layout' from optimize.passes")
-        st.nodes[last_idx] = rename_node(last, {z: w})
-        st.values.pop(z, None)
-        st.nodes[idx] = None  # type: ignore[assignment]
-    else:
-        st.nodes[idx] = q.with_(attrs={**q.attrs, "perm": composed})
-    st.nodes = [m for m in st.nodes if m is not None]
-    return True
+        return src
+    return rw.add("permute", [src], {**q.attrs, "perm": composed})
 
 
-def _sink_binary(st: _State, idx: int, n: Node) -> bool:
-    spec = OPS.get(n.op)
-    if spec is None or spec.kind != "elementwise" or len(n.inputs) != 2 or len(n.outputs) != 1:
-        return False
-    a_name, b_name = n.inputs
-    pa, pb = st.producer(a_name), st.producer(b_name)
-    if pa is None or pb is None or pa.op != "permute" or pb.op != "permute":
-        return False
-    if list(pa.attrs["perm"]) != list(pb.attrs["perm"]):
-        return False
-    if a_name == b_name:
-        if len(st.users.get(a_name, [])) != 2 or a_name in st.outputs:
-            return False
-    elif not (st.single_use(a_name) and st.single_use(b_name)):
-        return False
-    a, b = pa.inputs[0], pb.inputs[0]
-    if st.values[a].type.rank != st.values[b].type.rank:
-        return False
-    out = n.outputs[0]
-    t = st.fresh(f"{out}_unpermuted")
-    st.values[t] = Value(t, st.values[out].type)
-    inner = n.with_(inputs=(a, b), outputs=(t,))
-    st.retype(inner)
-    perm = Node("permute", (t,), (out,), {"perm": list(pa.attrs["perm"])})
-    drop = {id(pa), id(pb)}
-    st.values.pop(a_name, None)
-    st.values.pop(b_name, None)
-    new_nodes = []
-    for m in st.nodes:
-        if m is n:
-            new_nodes += [inner, perm]
-        elif id(m) not in drop:
-            new_nodes.append(m)
-    st.nodes = new_nodes
-    return True
+def _sink(rw: Rewriter, m: Match) -> str | None:
+    if m.type("a").rank != m.type("b").rank:
+        return None
+    out = m.root.outputs[0]
+    inner = rw.add(m.root.op, [m["a"], m["b"]], m.root.attrs, name=rw.fresh(f"{out}_unpermuted"))
+    return rw.add("permute", [inner], {"perm": list(m.node("pa").attrs["perm"])})
 
 
-def _target_prefs(st: _State, ctx: PassContext, stats: dict) -> None:
-    kind = getattr(ctx.target, "kind", None)
-    stats["target_kind"] = kind
+RULES = RuleSet([
+    Rule("matmul_to_linear",
+         Pat("matmul", Pat.var("a"), Pat("permute", Pat.const("w"), where=lambda m: m.node("wt").attrs["perm"] == [1, 0],
+                                         name="wt"), name="root"),
+         _to_linear),
+    Rule("permute_cancel", Pat("permute", Pat.var("src")), _cancel),
+    Rule("permute_sink_binary",
+         Pat(BINARY_ELEMENTWISE, Pat("permute", Pat.var("a"), name="pa", single_use=True),
+             Pat("permute", Pat.var("b"), name="pb", single_use=True), name="root",
+             where=lambda m: list(m.node("pa").attrs["perm"]) == list(m.node("pb").attrs["perm"])),
+         _sink),
+])
+
+
+def _target_prefs(g: Graph, ctx: PassContext, stats: dict) -> Graph:
+    stats["target_kind"] = getattr(ctx.target, "kind", None)
+    out = g.clone()
+    producers = g.producers()
     contiguous = made = kept_perm = 0
-    for n in st.nodes:
+    constants = out.constants
+    for n in g.nodes:
         if n.op != "linear":
             continue
         w = n.inputs[1]
-        if w in st.constants:
-            t = st.constants[w]
+        if w in constants:
+            t = constants[w]
             if not t.is_contiguous():
-                st.constants[w] = t.contiguous()
+                constants[w] = t.contiguous()
                 made += 1
             contiguous += 1
-        else:
-            p = st.producer(w)
-            if p is not None and p.op == "permute":
-                kept_perm += 1
+        elif w in producers and producers[w].op == "permute":
+            kept_perm += 1
     if contiguous or made or kept_perm:
         stats["linear_weights_out_in_contiguous"] = contiguous
     if made:
         stats["linear_weights_made_contiguous"] = made
     if kept_perm:
         stats["linear_weights_permute_kept"] = kept_perm
-    if any(n.op == "conv2d" for n in st.nodes):
+    if any(n.op == "conv2d" for n in g.nodes):
         stats["conv_layout"] = "nchw"
+    return out
 
 
 @register_pass("layout")
 def run(graph: Graph, ctx: PassContext) -> PassResult:
-    st = _State(graph)
-    stats: dict = {}
-    changed = False
-    rules = (("matmul_to_linear", _matmul_to_linear), ("permute_cancel", _permute_cancel),
-             ("permute_sink_binary", _sink_binary))
-    for _ in range(MAX_ROUNDS):
-        fired = False
-        for idx, n in enumerate(st.nodes):
-            for name, rule in rules:
-                if rule(st, idx, n):
-                    stats[name] = stats.get(name, 0) + 1
-                    fired = True
-                    break
-            if fired:
-                break
-        if not fired:
-            break
-        changed = True
-        st.refresh()
-    kept = 0
-    for n in st.nodes:
-        if n.op == "matmul":
-            p = st.producer(n.inputs[1])
-            if p is not None and p.op == "permute":
-                kept += 1
+    g, stats = rewrite_graph(graph, RULES)
+    changed = g is not graph
+    producers = g.producers()
+    kept = sum(1 for n in g.nodes if n.op == "matmul" and n.inputs[1] in producers
+               and producers[n.inputs[1]].op == "permute")
     if kept:
         stats["matmul_permute_kept"] = kept
-    before = dict(st.constants)
-    _target_prefs(st, ctx, stats)
-    changed = changed or any(st.constants[k] is not before[k] for k in before)
-    values = live_values(st.values, graph.inputs, st.constants, st.nodes)
-    g = Graph(graph.name, values, list(graph.inputs), list(graph.outputs), st.nodes, st.constants,
-              dict(graph.dims))
-    return PassResult(g, changed, stats)
+    out = _target_prefs(g, ctx, stats)
+    changed = changed or any(out.constants[k] is not g.constants[k] for k in g.constants)
+    return PassResult(out, changed, stats)

@@ -94,8 +94,9 @@ class PassManager:
             raise PassError(msg, where=f"optimize.passes[{idx}]", value=names[idx] if idx < len(names) else None)
         missing = [n for n in names if n not in PASSES]
         if missing:
-            raise PassError(f"passes {missing} are declared but have no implementation loaded",
-                            fix="import graphmode.passes (it registers every pass)")
+            raise PassError(f"passes {missing} are declared but have no implementation",
+                            fix="add the pass module to PASS_MODULES in graphmode/passes/base.py "
+                                "(its @register_pass runs when PASSES is first read)")
         self.names = names
         self.ctx = ctx or PassContext()
 

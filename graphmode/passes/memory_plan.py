@@ -18,9 +18,9 @@ MB = 1e6
 @register_pass("memory_plan")
 def run(graph: Graph, ctx: PassContext) -> PassResult:
     opts = ctx.opts("memory_plan")
-    reuse = bool(opts.get("reuse", True))
-    alignment = check_alignment(opts.get("alignment", 64))
-    groups = [list(g) for g in (opts.get("alias_groups") or ())]
+    reuse = opts.reuse
+    alignment = check_alignment(opts.alignment)
+    groups = [list(g) for g in opts.alias_groups]
     order = schedule(graph)
     liv = analyze_liveness(graph, order, reuse=reuse, alias_groups=groups)   # shared: env-independent
     expr = activation_peak_expr(graph, order=order, liveness=liv)

@@ -21,8 +21,8 @@ COMPUTE_KINDS = {"elementwise", "reduction", "norm", "gemm", "conv", "pool", "at
 @register_pass("precision")
 def run(graph: Graph, ctx: PassContext) -> PassResult:
     opts = ctx.opts("precision")
-    compute = opts.get("compute", "f32")
-    overrides = dict(opts.get("overrides", {}))
+    compute = opts.compute
+    overrides = dict(opts.overrides)
     if compute == "f32" and all(v == "f32" for v in overrides.values()):
         return PassResult(graph, False, {"compute": compute})
     g = graph.clone(nodes=[])

@@ -1,13 +1,17 @@
-"""Declarations of every pass: what it requires, provides and invalidates.
+"""Declarations of every pass: what it requires, provides and invalidates, and the model
+of its options.
 
-This is data, not code, so the recipe's semantic layer can check a pass order without
-importing the passes themselves. A property a pass *requires* must be provided by an
-earlier pass and not invalidated in between. `memory_plan` must come last: every pass
-that rewrites the graph invalidates it.
+This is data, not code, so the recipe layer can check a pass order and embed a pass's
+options without importing the passes themselves (nor torch). A property a pass *requires*
+must be provided by an earlier pass and not invalidated in between. `memory_plan` must come
+last: every pass that rewrites the graph invalidates it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from graphmode.passes.options import (ConstantFoldOptions, CseOptions, FuseOptions, MemoryPlanOptions,
+                                      PassOptions, PrecisionOptions)
 
 
 @dataclass(frozen=True)
@@ -17,27 +21,30 @@ class PassInfo:
     requires: frozenset[str] = field(default_factory=frozenset)
     provides: frozenset[str] = field(default_factory=frozenset)
     invalidates: frozenset[str] = field(default_factory=frozenset)
+    options: type[PassOptions] | None = None   # None: the pass takes no options
+    options_at: str = ""                       # where a recipe sets them ("" = only via PassContext)
 
 
-def _info(name, summary, requires=(), provides=(), invalidates=("memory_planned",)):
-    return PassInfo(name, summary, frozenset(requires), frozenset(provides), frozenset(invalidates))
+def _info(name, summary, requires=(), provides=(), invalidates=("memory_planned",), options=None, options_at=""):
+    return PassInfo(name, summary, frozenset(requires), frozenset(provides), frozenset(invalidates), options,
+                    options_at)
 
 
 PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
     _info("canonicalize", "remove identity/no-op reshapes and casts, merge transpose and reshape chains",
           provides=("canonical",)),
     _info("precision", "run float ops in the recipe's compute dtype (per-op overrides); outputs keep their dtype",
-          provides=("precision",)),
+          provides=("precision",), options=PrecisionOptions),
     _info("constant_fold", "evaluate constant subgraphs; fold batch-norm into conv/linear; pre-transpose weights",
-          provides=("folded",)),
-    _info("cse", "merge nodes that compute the same value", provides=("cse",)),
+          provides=("folded",), options=ConstantFoldOptions),
+    _info("cse", "merge nodes that compute the same value", provides=("cse",), options=CseOptions),
     _info("dce", "remove nodes whose results are never used", provides=("dce",)),
     _info("layout", "eliminate transposes and pick target-preferred layouts",
           requires=("canonical",), provides=("layout",), invalidates=("memory_planned", "fused")),
     _info("fuse", "group elementwise/reduction chains, GEMM epilogues and attention blocks",
-          requires=("canonical",), provides=("fused",)),
+          requires=("canonical",), provides=("fused",), options=FuseOptions, options_at="optimize.fusion"),
     _info("memory_plan", "liveness over the schedule and arena offsets for every value",
-          provides=("memory_planned",), invalidates=()),
+          provides=("memory_planned",), invalidates=(), options=MemoryPlanOptions),
 ]}
 
 # Named pipelines a recipe can refer to with `optimize.preset`.

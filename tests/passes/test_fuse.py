@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+import torch
 
 from graphmode.errors import PassError
 from graphmode.ir import interpret, parse_graph, verify_graph
@@ -198,6 +199,124 @@ graph @attention_probs_used(%q: f32[batch,seq,4], %k: f32[batch,seq,4], %v: f32[
 }
 """
 
+# the scale on q (mul) and on k before its transpose (div): both fold into sdpa's scale
+ATTENTION_QK_SCALED = """
+graph @attention_qk_scaled(%q: f32[batch,2,seq,4], %k: f32[batch,2,seq,4], %v: f32[batch,2,seq,4]) -> (%o) {
+  dims batch=1..4 seq=1..16
+  const %qs: f32[] = 0.5
+  const %ks: f32[] = 2.0
+  %qq: f32[batch,2,seq,4] = mul(%q, %qs)
+  %kk: f32[batch,2,seq,4] = div(%k, %ks)
+  %kt: f32[batch,2,4,seq] = permute(%kk) {"perm": [0, 1, 3, 2]}
+  %s: f32[batch,2,seq,seq] = matmul(%qq, %kt)
+  %p: f32[batch,2,seq,seq] = softmax(%s) {"dim": -1}
+  %o: f32[batch,2,seq,4] = matmul(%p, %v)
+  return %o
+}
+"""
+# GPT-2/HF eager: where(keep, scores, finfo.min) with a keep mask that leaves some rows empty
+# (random inputs): the additive mask where(keep, 0, finfo.min) is exact on those rows too
+ATTENTION_FILL_MIN = """
+graph @attention_fill_min(%q: f32[batch,2,seq,4], %k: f32[batch,2,seq,4], %v: f32[batch,2,seq,4], %keep: bool[batch,1,seq,seq]) -> (%o) {
+  dims batch=1..4 seq=1..16
+  const %sqrt_d: f32[] = 2.0
+  const %min: f32[] = -3.4028234663852886e+38
+  %kt: f32[batch,2,4,seq] = permute(%k) {"perm": [0, 1, 3, 2]}
+  %s: f32[batch,2,seq,seq] = matmul(%q, %kt)
+  %sd: f32[batch,2,seq,seq] = div(%s, %sqrt_d)
+  %sm: f32[batch,2,seq,seq] = where(%keep, %sd, %min)
+  %p: f32[batch,2,seq,seq] = softmax(%sm) {"dim": -1}
+  %o: f32[batch,2,seq,4] = matmul(%p, %v)
+  return %o
+}
+"""
+# masked_fill(pad == 0, -1e9) as torch.export writes it: where(drop, fill, scores)
+ATTENTION_MASKED_FILL = """
+graph @attention_masked_fill(%q: f32[batch,seq,4], %k: f32[batch,seq,4], %v: f32[batch,seq,4], %pad: i64[batch,1,seq]) -> (%o) {
+  dims batch=1..4 seq=1..16
+  const %zero: i64[] = 0
+  const %big: f32[] = -1000000000.0
+  const %scale: f32[] = 0.5
+  %drop: bool[batch,1,seq] = eq(%pad, %zero)
+  %kt: f32[batch,4,seq] = permute(%k) {"perm": [0, 2, 1]}
+  %s: f32[batch,seq,seq] = matmul(%q, %kt)
+  %ss: f32[batch,seq,seq] = mul(%s, %scale)
+  %sm: f32[batch,seq,seq] = where(%drop, %big, %ss)
+  %p: f32[batch,seq,seq] = softmax(%sm) {"dim": -1}
+  %o: f32[batch,seq,4] = matmul(%p, %v)
+  return %o
+}
+"""
+# two layers share a causal mask and a -10000 fill: one additive mask serves both
+ATTENTION_CAUSAL_10000 = """
+graph @attention_causal_10000(%x: f32[batch,seq,4]) -> (%o2) {
+  dims batch=1..4 seq=1..16
+  const %fill: f32[] = -10000.0
+  %i: i64[seq] = arange() {"dtype": "i64", "end": "seq", "start": 0, "step": 1}
+  %rows: i64[seq,1] = reshape(%i) {"shape": ["seq", 1]}
+  %cols: i64[1,seq] = reshape(%i) {"shape": [1, "seq"]}
+  %causal: bool[seq,seq] = le(%cols, %rows)
+  %xt: f32[batch,4,seq] = permute(%x) {"perm": [0, 2, 1]}
+  %s1: f32[batch,seq,seq] = matmul(%x, %xt)
+  %m1: f32[batch,seq,seq] = where(%causal, %s1, %fill)
+  %p1: f32[batch,seq,seq] = softmax(%m1) {"dim": -1}
+  %o1: f32[batch,seq,4] = matmul(%p1, %x)
+  %ot: f32[batch,4,seq] = permute(%o1) {"perm": [0, 2, 1]}
+  %s2: f32[batch,seq,seq] = matmul(%o1, %ot)
+  %m2: f32[batch,seq,seq] = where(%causal, %s2, %fill)
+  %p2: f32[batch,seq,seq] = softmax(%m2) {"dim": -1}
+  %o2: f32[batch,seq,4] = matmul(%p2, %o1)
+  return %o2
+}
+"""
+# multi-query attention: k and v have one head, broadcast to q's four
+ATTENTION_MQA = """
+graph @attention_mqa(%q: f32[batch,4,seq,8], %k: f32[batch,1,seq,8], %v: f32[batch,1,seq,8], %mask: f32[batch,1,1,seq]) -> (%o) {
+  dims batch=1..4 seq=1..16
+  const %scale: f32[] = 0.35355339059327373
+  %kt: f32[batch,1,8,seq] = permute(%k) {"perm": [0, 1, 3, 2]}
+  %s: f32[batch,4,seq,seq] = matmul(%q, %kt)
+  %ss: f32[batch,4,seq,seq] = mul(%s, %scale)
+  %sm: f32[batch,4,seq,seq] = add(%ss, %mask)
+  %p: f32[batch,4,seq,seq] = softmax(%sm) {"dim": -1}
+  %o: f32[batch,4,seq,8] = matmul(%p, %v)
+  return %o
+}
+"""
+# grouped-query attention as HF's repeat_kv writes it: k and v repeated to q's heads
+ATTENTION_GQA_REPEAT = """
+graph @attention_gqa_repeat(%q: f32[batch,4,seq,8], %k: f32[batch,2,seq,8], %v: f32[batch,2,seq,8]) -> (%o) {
+  dims batch=1..4 seq=1..16
+  const %scale: f32[] = 0.35355339059327373
+  %k5: f32[batch,2,1,seq,8] = reshape(%k) {"shape": ["batch", 2, 1, "seq", 8]}
+  %ke: f32[batch,2,2,seq,8] = expand(%k5) {"shape": ["batch", 2, 2, "seq", 8]}
+  %kr: f32[batch,4,seq,8] = reshape(%ke) {"shape": ["batch", 4, "seq", 8]}
+  %v5: f32[batch,2,1,seq,8] = reshape(%v) {"shape": ["batch", 2, 1, "seq", 8]}
+  %ve: f32[batch,2,2,seq,8] = expand(%v5) {"shape": ["batch", 2, 2, "seq", 8]}
+  %vr: f32[batch,4,seq,8] = reshape(%ve) {"shape": ["batch", 4, "seq", 8]}
+  %kt: f32[batch,4,8,seq] = permute(%kr) {"perm": [0, 1, 3, 2]}
+  %s: f32[batch,4,seq,seq] = matmul(%q, %kt)
+  %ss: f32[batch,4,seq,seq] = mul(%s, %scale)
+  %p: f32[batch,4,seq,seq] = softmax(%ss) {"dim": -1}
+  %o: f32[batch,4,seq,8] = matmul(%p, %vr)
+  return %o
+}
+"""
+
+# a fill of -5 does not mask (exp(-5) is not 0): not attention as sdpa knows it
+ATTENTION_SMALL_FILL = """
+graph @attention_small_fill(%q: f32[batch,seq,4], %k: f32[batch,seq,4], %v: f32[batch,seq,4], %keep: bool[batch,seq,seq]) -> (%o) {
+  dims batch=1..4 seq=1..16
+  const %fill: f32[] = -5.0
+  %kt: f32[batch,4,seq] = permute(%k) {"perm": [0, 2, 1]}
+  %s: f32[batch,seq,seq] = matmul(%q, %kt)
+  %sm: f32[batch,seq,seq] = where(%keep, %s, %fill)
+  %p: f32[batch,seq,seq] = softmax(%sm) {"dim": -1}
+  %o: f32[batch,seq,4] = matmul(%p, %v)
+  return %o
+}
+"""
+
 CHAIN5 = """
 graph @chain5(%x: f32[batch,seq]) -> (%e) {
   dims batch=1..4 seq=1..16
@@ -251,6 +370,13 @@ CASES = [
     ("attention_masked", ATTENTION_MASKED, {}),
     ("attention_causal", ATTENTION_CAUSAL, {}),
     ("attention_probs_used", ATTENTION_PROBS_USED, {}),
+    ("attention_qk_scaled", ATTENTION_QK_SCALED, {}),
+    ("attention_fill_min", ATTENTION_FILL_MIN, {}),
+    ("attention_masked_fill", ATTENTION_MASKED_FILL, {}),
+    ("attention_causal_10000", ATTENTION_CAUSAL_10000, {}),
+    ("attention_mqa", ATTENTION_MQA, {}),
+    ("attention_gqa_repeat", ATTENTION_GQA_REPEAT, {}),
+    ("attention_small_fill", ATTENTION_SMALL_FILL, {}),
     ("max_ops_2", CHAIN5, {"max_ops": 2}),
     ("diamond", DIAMOND, {}),
     ("output_kept", OUTPUT_KEPT, {}),
@@ -338,6 +464,54 @@ def test_attention_not_rewritten_when_probs_are_used():
     assert node.attrs == {"kind": "reduction", "pattern": "mul+softmax"} and node.outputs == ("p",)
 
 
+def sdpa_nodes(g: Graph):
+    return [n for n in g.nodes if n.op == "sdpa"]
+
+
+def test_attention_scales_on_q_and_k_fold_into_sdpa():
+    r = fuse(parse_graph(ATTENTION_QK_SCALED))
+    (sd,) = sdpa_nodes(r.graph)
+    assert sd.inputs == ("q", "k", "v") and sd.attrs == {"is_causal": False, "scale": 0.25}
+    assert top_ops(r.graph) == {"sdpa": 1} and r.stats["attention"] == 1
+    # a scaled q that is also read elsewhere stays, and sdpa reads it unscaled by the rule
+    g = parse_graph(ATTENTION_QK_SCALED.replace("-> (%o)", "-> (%o, %qq)").replace("return %o", "return %o, %qq"))
+    (sd,) = sdpa_nodes(fuse(g).graph)
+    assert sd.inputs == ("qq", "k", "v") and sd.attrs["scale"] == 0.5
+
+
+def test_attention_finite_fills_become_additive_masks():
+    r = fuse(parse_graph(ATTENTION_FILL_MIN))
+    (sd,) = sdpa_nodes(r.graph)
+    (mask,) = [n for n in r.graph.nodes if n.outputs == (sd.inputs[3],)]
+    assert mask.op == "where" and mask.inputs == ("keep", "keep_zero", "min") and sd.attrs["scale"] == 0.5
+    assert r.graph.values[sd.inputs[3]].type.text() == "f32[batch,1,seq,seq]"
+    assert r.stats["attention_where_mask"] == 1
+    r = fuse(parse_graph(ATTENTION_MASKED_FILL), patterns=["attention"])
+    (sd,) = sdpa_nodes(r.graph)
+    (mask,) = [n for n in r.graph.nodes if n.outputs == (sd.inputs[3],)]
+    assert mask.op == "where" and mask.inputs == ("drop", "big", "drop_zero") and r.stats["attention_masked_fill"] == 1
+
+
+def test_attention_layers_share_one_built_mask():
+    r = fuse(parse_graph(ATTENTION_CAUSAL_10000), patterns=["attention"])
+    masks = {n.inputs[3] for n in sdpa_nodes(r.graph)}
+    assert len(sdpa_nodes(r.graph)) == 2 and masks == {"causal_additive"}
+    assert [n.op for n in r.graph.nodes].count("where") == 1 and r.stats["attention_where_mask"] == 2
+
+
+def test_attention_with_fewer_kv_heads():
+    (sd,) = sdpa_nodes(fuse(parse_graph(ATTENTION_MQA)).graph)
+    assert sd.inputs == ("q", "k", "v", "mask")
+    r = fuse(parse_graph(ATTENTION_GQA_REPEAT))
+    (sd,) = sdpa_nodes(r.graph)
+    assert sd.inputs == ("q", "kr", "vr") and r.graph.values["kr"].type.text() == "f32[batch,4,seq,8]"
+
+
+def test_attention_small_fill_is_not_a_mask():
+    r = fuse(parse_graph(ATTENTION_SMALL_FILL))
+    assert not sdpa_nodes(r.graph) and r.stats["attention_rewrites"] == 0
+
+
 def test_max_and_min_ops():
     g = parse_graph(CHAIN5)
     r = fuse(g, max_ops=2)
@@ -389,14 +563,14 @@ def test_idempotent():
 
 
 @pytest.mark.parametrize("opts,where", [
-    ({"patterns": ["elementwise", "loops"]}, "optimize.fuse.patterns"),
-    ({"patterns": "elementwise"}, "optimize.fuse.patterns"),
-    ({"patterns": None}, "optimize.fuse.patterns"),
-    ({"min_ops": 0}, "optimize.fuse.min_ops"),
-    ({"max_ops": "8"}, "optimize.fuse.max_ops"),
-    ({"min_ops": 5, "max_ops": 3}, "optimize.fuse.min_ops"),
-    ({"enabled": "yes"}, "optimize.fuse.enabled"),
-    ({"max_op": 3}, "optimize.fuse"),
+    ({"patterns": ["elementwise", "loops"]}, "optimize.fusion.patterns"),
+    ({"patterns": "elementwise"}, "optimize.fusion.patterns"),
+    ({"patterns": None}, "optimize.fusion.patterns"),
+    ({"min_ops": 0}, "optimize.fusion.min_ops"),
+    ({"max_ops": "8"}, "optimize.fusion.max_ops"),
+    ({"min_ops": 5, "max_ops": 3}, "optimize.fusion.min_ops"),
+    ({"enabled": "yes"}, "optimize.fusion.enabled"),
+    ({"max_op": 3}, "optimize.fusion.max_op"),
 ])
 def test_bad_options(opts, where):
     with pytest.raises(PassError) as e:
@@ -473,3 +647,49 @@ def test_resnet18_groups(fused_models, bundle):
     assert sum(p[-1] == "relu" for _, p in groups) == 17                  # stem + 2 per block
     assert_same_numerics(g, r.graph, BUCKETS["resnet18"],
                          lambda env, k: bundle("resnet18").make_inputs(env, seed=k))
+
+
+class _LastHidden(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return (self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state,)
+
+
+def _eager_model(kind: str) -> torch.nn.Module:
+    import transformers as T
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if kind == "llama":       # grouped-query: 4 query heads share 2 key/value heads (repeat_kv)
+            cfg = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                attn_implementation="eager")
+            return _LastHidden(T.LlamaModel(cfg).eval())
+        cfg = T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, use_cache=False, attn_implementation="eager")
+        return _LastHidden(T.GPT2Model(cfg).eval())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_eager_attention_of_captured_models_becomes_sdpa(kind):
+    """transformers' eager attention (scaled scores, additive masks, repeat_kv) captured by
+    torch.export: every layer's block becomes one sdpa, and the result still matches eager."""
+    from graphmode.capture.torch_import import import_torch
+    model = _eager_model(kind)
+    example = {"input_ids": torch.randint(0, 64, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.int64)}
+    dims = {"input_ids": ["batch", "seq"], "attention_mask": ["batch", "seq"]}
+    g, _ = import_torch(model, example, dims, {"batch": (1, 4), "seq": (2, 32)}, name=kind, output_names=["h"])
+    for p in PREPASSES:
+        g = PASSES[p](g, PassContext()).graph
+    r = fuse(g)
+    assert top_ops(r.graph)["sdpa"] == 2 and r.stats["attention_rewrites"] == 2
+    assert "softmax" not in {n.op for n in r.graph.iter_nodes(recursive=True)}
+    for env in ({"batch": 1, "seq": 5}, {"batch": 2, "seq": 7}):
+        ids = torch.randint(0, 64, (env["batch"], env["seq"]))
+        mask = torch.ones_like(ids)
+        mask[-1, -2:] = 0                        # a padded row
+        want = model(input_ids=ids, attention_mask=mask)[0]
+        got = interpret(r.graph, {"input_ids": ids, "attention_mask": mask})[g.outputs[0]]
+        assert rel_l2(got, want) < TOLERANCE["f32"]
