@@ -280,11 +280,8 @@ class CaptureSpec(_Spec):
     exclude_ops: OpList = []
 
 
-class FusionSpec(_Spec):
-    enabled: bool = True
-    patterns: list[Literal[FUSION_PATTERNS]] = list(FUSION_PATTERNS)  # type: ignore[valid-type]
-    min_ops: PosInt = 2
-    max_ops: PosInt = 32
+# `optimize.fusion` is the fuse pass's own options model: declared once, with one default per field
+from graphmode.passes.options import FuseOptions as FusionSpec  # noqa: E402
 
 
 class OptimizeSpec(_Spec):
