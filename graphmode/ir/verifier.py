@@ -5,15 +5,11 @@ from __future__ import annotations
 from graphmode.errors import IRError
 from graphmode.ir.graph import Graph, Node
 from graphmode.ir.ops import get_op
-from graphmode.ir.types import TORCH_TO_DTYPE, TensorType, dims_equal
+from graphmode.ir.types import TORCH_TO_DTYPE
 
 COMMON_ATTRS = frozenset({"loc", "precision"})
 
 
-def _types_match(a: TensorType, b: TensorType) -> bool:
-    if a.dtype != b.dtype or a.rank != b.rank:
-        return False
-    return all(x == y or dims_equal(x, y) for x, y in zip(a.shape, b.shape))
 
 
 def _check_node(g: Graph, n: Node, defined: set[str], where: str) -> None:
@@ -42,7 +38,7 @@ def _check_node(g: Graph, n: Node, defined: set[str], where: str) -> None:
             raise IRError("fused body inputs/outputs differ from the node's", where=where)
         verify_graph(n.body, _outer={i: g.values[i].type for i in n.inputs})
         for o in n.outputs:
-            if not _types_match(n.body.values[o].type, g.values[o].type):
+            if not n.body.values[o].type.matches(g.values[o].type):
                 raise IRError(f"fused output %{o} type differs from its body", where=where)
     elif n.op != "fallback":
         try:
@@ -51,7 +47,7 @@ def _check_node(g: Graph, n: Node, defined: set[str], where: str) -> None:
             raise IRError(e.message, where=where, fix=e.fix) from None
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise IRError(f"{n.op}: bad attributes or inputs ({type(e).__name__}: {e})", where=where) from None
-        if len(inferred) != len(declared) or not all(_types_match(a, b) for a, b in zip(inferred, declared)):
+        if len(inferred) != len(declared) or not all(a.matches(b, layout=False) for a, b in zip(inferred, declared)):
             raise IRError(f"declared type {[t.text() for t in declared]} differs from inferred "
                           f"{[t.text() for t in inferred]}", where=where)
     defined.update(n.outputs)

@@ -23,10 +23,11 @@ import json
 import torch
 
 from graphmode.ir.graph import Graph, Node, constant_digest
+from graphmode.ir.ops import ops_with
 from graphmode.passes.base import PassContext, PassResult, register_pass
 from graphmode.passes.rewrite import Rewriter
 
-COMMUTATIVE = frozenset({"add", "mul", "maximum", "minimum", "eq", "ne", "logical_and", "logical_or"})
+COMMUTATIVE = ops_with("commutative")
 IGNORED_ATTRS = frozenset({"loc"})
 _RANDOM_HINTS = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential")
 

@@ -8,15 +8,15 @@ import heapq
 from typing import Iterable, Sequence
 
 from graphmode.ir.graph import Graph, Node
-from graphmode.ir.ops import OPS
+from graphmode.ir.ops import OPS, ops_with
 from graphmode.ir.types import TensorType
 
-GEMM_OPS = frozenset({"linear", "matmul", "conv2d"})
+GEMM_OPS = ops_with("gemm")
 # Inference batch norm is a per-channel affine map of x: pointwise once its four parameter
 # tensors are loaded, so a conv's epilogue kernel can apply it (constant_fold, when it
 # runs first, folds it into the conv weights instead).
 EPILOGUE_EXTRA_OPS = frozenset({"batch_norm"})
-ROW_REDUCTIONS = frozenset({"softmax", "log_softmax", "layer_norm", "sum", "mean", "amax", "amin"})
+ROW_REDUCTIONS = ops_with("row_reduction")
 
 
 # ------------------------------------------------------------------------------- predicates
