@@ -828,11 +828,11 @@ class _Analyzer:
                     taken.append(f)
                     prod = _mul(prod, f.extent)
                     continue
-                need = sympy.sympify(e) / sympy.sympify(prod)
-                if f.dim is None and isinstance(f.extent, int) and need.is_Integer and f.extent % int(need) == 0:
-                    taken.append(Factor(int(need)))
-                    queue.insert(0, Factor(f.extent // int(need)))
-                    prod = _mul(prod, int(need))
+                need = normalize_dim(sympy.sympify(e) / sympy.sympify(prod))
+                if f.dim is None and _divides(need, f.extent):      # an unpadded factor splits freely
+                    taken.append(Factor(need))
+                    queue.insert(0, Factor(normalize_dim(sympy.sympify(f.extent) / sympy.sympify(need))))
+                    prod = _mul(prod, need)
                     continue
                 ok = False
             if not ok:

@@ -192,3 +192,16 @@ def test_builtin_transformers_are_safe_to_pad(captured, name):
     if name == "minilm":
         pr = analyze_padding(g, {**pad_values, "attention_mask": 1}, ["batch", "seq"])
         assert pr.unsafe_dims == ["seq"], pr.lines()
+
+
+def test_verdict_for_one_dim_does_not_depend_on_padding_another():
+    """Splitting an unpadded merged axis ([4*b] -> [b, 4], as multi-head attention does) is fine
+    whether or not b itself is padded."""
+    text = ('graph @t(%x: f32[b,s,64]) -> (%y) {\n  dims b=1..4 s=2..16\n'
+            '  %p: f32[b,s,4,16] = reshape(%x) {"shape": ["b", "s", 4, 16]}\n'
+            '  %q: f32[b,4,s,16] = permute(%p) {"perm": [0, 2, 1, 3]}\n'
+            '  %f: f32[4*b,s,16] = reshape(%q) {"shape": ["4*b", "s", 16]}\n'
+            '  %y: f32[b,4,s,16] = reshape(%f) {"shape": ["b", 4, "s", 16]}\n'
+            '  return %y\n}')
+    for pads in (("s",), ("b", "s")):
+        assert status(verdict(text, pads=pads, pad_values={"x": 0.5}), "s") == "safe", pads
