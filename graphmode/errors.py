@@ -123,9 +123,3 @@ class ContractViolation(GraphmodeError):
     def __init__(self, message: str, *, kind: str = "shape", **kw):
         self.kind = kind
         super().__init__(message, **kw)
-
-
-class VerifyError(GraphmodeError):
-    """Graph output diverged from eager beyond tolerance."""
-
-    exit_code = 1

@@ -7,7 +7,7 @@
   ONNX inputs read ``input_ids: int64[batch, seq]`` exactly like the recipes.
 * Cache: ``<cache_dir>/<name>-<fingerprint>-torch<version>-opset<N>-<dyn|static>.onnx``
   plus a ``.json`` sidecar (exporter used, seconds, file size). ``cache_dir`` is an
-  argument (default ``~/.cache/graphmode/onnx``); a cached file whose size disagrees with
+  argument (default: ``graphmode.paths.CacheLayout.onnx``); a cached file whose size disagrees with
   its sidecar is treated as corrupt and re-exported.
 """
 from __future__ import annotations
@@ -29,9 +29,10 @@ import torch
 
 from graphmode.capture.zoo import DEFAULT_DIM_RANGES, ModelBundle
 from graphmode.errors import CaptureError
+from graphmode.paths import cache_layout
+from graphmode.verify.numerics import rel_l2
 
-__all__ = ["export_onnx", "ExportRecord", "default_onnx_cache_dir", "onnx_cache_key",
-           "bundle_fingerprint", "onnx_op_types", "verify_onnx", "rel_l2"]
+__all__ = ["export_onnx", "ExportRecord", "onnx_cache_key", "bundle_fingerprint", "onnx_op_types", "verify_onnx"]
 
 TORCHSCRIPT_OPSET = 17
 DYNAMO_OPSET = 18
@@ -51,11 +52,6 @@ class ExportRecord:
     torch_version: str
     cached: bool = False
     fallback_reason: str | None = None
-
-
-def default_onnx_cache_dir() -> Path:
-    """``~/.cache/graphmode/onnx`` (resolved when called, never at import)."""
-    return Path(os.path.expanduser("~")) / ".cache" / "graphmode" / "onnx"
 
 
 def bundle_fingerprint(bundle: ModelBundle) -> str:
@@ -161,7 +157,7 @@ def export_onnx(bundle: ModelBundle, path: str | os.PathLike | None = None, dyna
         raise CaptureError("unknown ONNX exporter", where="export_onnx.exporter", value=exporter,
                            fix="use 'auto', 'torchscript' or 'dynamo'")
     use_cache = path is None or cache_dir is not None
-    cdir = Path(cache_dir) if cache_dir is not None else default_onnx_cache_dir()
+    cdir = Path(cache_dir) if cache_dir is not None else cache_layout().onnx
     key = onnx_cache_key(bundle, dynamic=dynamic, opset=opset, exporter=exporter)
     cached_onnx, cached_meta = cdir / f"{key}.onnx", cdir / f"{key}.json"
     target = Path(path) if path is not None else cached_onnx
@@ -228,15 +224,6 @@ def onnx_op_types(path: str | os.PathLike) -> dict[str, int]:
     m = onnx.load(str(path), load_external_data=False)
     c = collections.Counter(n.op_type for n in m.graph.node)
     return dict(sorted(c.items()))
-
-
-def rel_l2(got: Any, ref: Any) -> float:
-    """``||got - ref|| / ||ref||`` in float64 (0 when both are zero)."""
-    g = torch.as_tensor(got).detach().double()
-    r = torch.as_tensor(ref).detach().double()
-    den = float(r.norm())
-    num = float((g - r).norm())
-    return num / den if den else num
 
 
 def verify_onnx(bundle: ModelBundle, path: str | os.PathLike,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Optional
@@ -11,19 +10,23 @@ import typer
 from rich.table import Table
 
 from graphmode.cli.app import app, console
+from graphmode.cli.options import CacheDir
 from graphmode.errors import CacheError, GraphmodeError
 
 cache_app = typer.Typer(help="Inspect and manage the artifact cache.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
-CacheDir = typer.Option(None, "--cache-dir", envvar="GRAPHMODE_CACHE_DIR", help="default ~/.cache/graphmode")
 
 
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", text.lower())
-    if not m:
-        raise GraphmodeError(f"cannot parse size {text!r}", where="--max-size", fix="e.g. 500MB, 2GiB, 1048576")
-    unit = (m[2] or "b").rstrip("b").rstrip("i")
-    return int(float(m[1]) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit])
+def _max_bytes(text: str) -> int:
+    """`--max-size`: a size as target files write them (500MB = 500e6, 2GiB, 32K = 32 KiB, bytes)."""
+    from graphmode.targets.units import UnitError, parse_bytes
+    try:
+        n = parse_bytes(text)
+    except UnitError as e:
+        raise GraphmodeError(f"cannot parse size {text!r}: {e}", where="--max-size", fix=e.fix) from None
+    if n < 0:
+        raise GraphmodeError("a size cannot be negative", where="--max-size", value=text, fix="e.g. 500MB, 2GiB")
+    return n
 
 
 def _cache(cache_dir: Optional[Path]):
@@ -59,10 +62,11 @@ def cache_clear(cache_dir: Optional[Path] = CacheDir,
                                              "(<cache>/tactics): the next compile times every shape again, e.g. "
                                              "after timings were taken on a busy machine")) -> None:
     """Remove every cached plan (and with --timings the tactic timing cache)."""
+    from graphmode.paths import cache_layout
     cache = _cache(cache_dir)
     console.print(f"removed {cache.clear()} entries")
     if timings:
-        files = sorted((Path(cache.root) / "tactics").glob("gemm-*.json"))
+        files = sorted(cache_layout(cache.root).tactics.glob("gemm-*.json"))
         try:
             for f in files:
                 f.unlink(missing_ok=True)
@@ -76,7 +80,7 @@ def cache_clear(cache_dir: Optional[Path] = CacheDir,
 def cache_prune(max_size: str = typer.Option(..., "--max-size", help="e.g. 200MB"),
                 cache_dir: Optional[Path] = CacheDir) -> None:
     """Remove least-recently-used plans until the cache fits --max-size."""
-    removed = _cache(cache_dir).prune(parse_size(max_size))
+    removed = _cache(cache_dir).prune(_max_bytes(max_size))
     console.print(f"removed {len(removed)} entries ({sum(e.size for e in removed) / 1024:.1f} KiB)")
 
 
@@ -92,13 +96,16 @@ def cache_explain(
     """Say whether a lookup hits, and if not which key field differs from the nearest entry."""
     from graphmode.cli.run_cmd import parse_shape
     from graphmode.compiler import lower_model
-    from graphmode.recipe import load_recipe
+    from graphmode.paths import cache_layout
+    from graphmode.recipe import load_recipe, pick_target
+    from graphmode.recipe.buckets import all_buckets
+    from graphmode.recipe.hashing import recipe_hash
     from graphmode.runtime.cache import make_key
 
     rec = load_recipe(recipe)
-    env = parse_shape(bucket, list(rec.dims)) if bucket else dict(rec.buckets()[0])
-    graph = lower_model(model, rec).graph
-    key = make_key(graph.structural_hash(), rec.hash(), target, env)
+    env = parse_shape(bucket, list(rec.dims)) if bucket else dict(all_buckets(rec)[0])
+    graph = lower_model(model, rec, pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets)).graph
+    key = make_key(graph.structural_hash(), recipe_hash(rec), target, env)
     res = _cache(cache_dir).explain(key)
     res["key"] = key
     if as_json:

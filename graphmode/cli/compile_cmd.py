@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from graphmode.cli.app import app, console
+from graphmode.cli.options import CacheDir
 from graphmode.errors import GraphmodeError
 
 
@@ -28,10 +29,12 @@ def dump_selection(text: Optional[str], flag: str, pipeline: list[str]):
 
 
 def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_dir: Optional[Path] = None,
-                 dump_before: Optional[str] = None, dump_after: Optional[str] = None, plan_buckets: bool = True):
+                 dump_before: Optional[str] = None, dump_after: Optional[str] = None, plan_buckets: bool = True,
+                 cache_dir: Optional[Path] = None):
     """Run the pipeline up to memory plans; returns (report, optimized graph, recipe, source)."""
     from graphmode.compile_report import BucketMemory, CompileReport
-    from graphmode.compiler import _target, checked_capture, optimize, prove
+    from graphmode.compiler import checked_capture, optimize, prove
+    from graphmode.paths import cache_layout
     from graphmode.plan.memory import activation_peak_expr, plan_memory
     from graphmode.recipe import load_recipe
     from graphmode.recipe.targets import pick_target
@@ -40,7 +43,7 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
     recipe = load_recipe(recipe_path)
     before = dump_selection(dump_before, "--dump-ir-before", recipe.pipeline())
     after = dump_selection(dump_after, "--dump-ir-after", recipe.pipeline())
-    tgt = _target(target) if target else pick_target(recipe, None)
+    tgt = pick_target(recipe, target, cache_dir=cache_layout(cache_dir).targets)
     t0 = time.perf_counter()
     graph0, cap, src, contract = checked_capture(model, recipe)
     secs["capture"] = time.perf_counter() - t0
@@ -157,11 +160,13 @@ def compile_cmd(
     dump_ir_after: Optional[str] = typer.Option(None, "--dump-ir-after", help="PASS[,PASS] or all"),
     dump_dir: Path = typer.Option(Path("graphmode-ir-dumps"), "--dump-dir", help="where IR dumps go"),
     dry_run: bool = typer.Option(False, "--dry-run", help="capture, optimise and prove; build no kernels"),
+    cache_dir: Optional[Path] = CacheDir,
     as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
 ) -> None:
     """Compile a model with a recipe and print the compile report."""
-    rep, graph, recipe_obj, src = build_report(model, recipe, target, dump_dir=dump_dir,
-                                               dump_before=dump_ir_before, dump_after=dump_ir_after)
+    from graphmode.paths import cache_layout
+    rep, graph, recipe_obj, src = build_report(model, recipe, target, dump_dir=dump_dir, dump_before=dump_ir_before,
+                                               dump_after=dump_ir_after, cache_dir=cache_dir)
     if not rep.contract.ok:
         if as_json:
             print(json.dumps(rep.to_json(), indent=2, default=str))
@@ -171,13 +176,13 @@ def compile_cmd(
         raise typer.Exit(ContractRefused(rep.contract.refusals).exit_code)
     built = None
     if not dry_run:
-        from graphmode.runtime.build import build_plan, kernel_provider
+        from graphmode.backends import DEFAULT_DEVICE, get_backend
+        from graphmode.runtime.build import build_plan
         t0 = time.perf_counter()
         env = recipe_obj.buckets()[0]
         plan = build_plan(graph, recipe_obj, env)
-        from graphmode.backends.cpu.executor import CpuExecutable
-        exe = CpuExecutable(plan, graph.constants, kernels=kernel_provider(),
-                            tactics=recipe_obj.codegen.kernel_selection)
+        exe = get_backend(DEFAULT_DEVICE).executable(plan, graph.constants, kernel_dir=cache_layout(cache_dir).kernels,
+                                                     kernel_selection=recipe_obj.codegen.kernel_selection)
         built = {"bucket": env, "instructions": len(plan.instructions), "generated_kernels": exe.generated,
                  "kernel_fallbacks": exe.kernel_report.get("fallbacks", {}), "tactics": exe.tactics_report,
                  "seconds": round(time.perf_counter() - t0, 3)}
@@ -192,12 +197,11 @@ def compile_cmd(
     else:
         print_report(rep)
         if built:
-            from graphmode.backends.cpu.tactics import report_lines
             console.print(f"plan for bucket {built['bucket']}: {built['instructions']} instructions, "
                           f"{built['generated_kernels']} generated kernels, built in {built['seconds']:.2f}s")
             for group, why in built["kernel_fallbacks"].items():
                 console.print(f"  reference path for {group}: {why}", markup=False)
-            for line in report_lines(built["tactics"]):
+            for line in exe.report_lines():
                 console.print(line, markup=False, highlight=False)
         files = getattr(rep, "dump_files", [])
         if files:

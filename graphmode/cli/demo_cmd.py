@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from graphmode.cli.app import app, console
+from graphmode.cli.options import CacheDir
 
 SENTENCES = [
     "A man is eating food.",
@@ -28,11 +29,13 @@ def demo_cmd(
     recipe: Path = typer.Option(DEFAULT_RECIPE, "--recipe", help="recipe for all-MiniLM-L6-v2"),
     iters: int = typer.Option(20, "--iters", help="timed runs per engine"),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    cache_dir: Optional[Path] = CacheDir,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Compile and run the real all-MiniLM-L6-v2 with the shipped recipe."""
     from graphmode.capture.zoo import build, sentence_embeddings
     from graphmode.cli.compile_cmd import build_report, print_report
+    from graphmode.recipe.hashing import recipe_hash
     from graphmode.runtime.compiled import CompiledModel
     from graphmode.runtime.timing import median, time_ms
     from graphmode.verify.numerics import rel_l2
@@ -40,10 +43,11 @@ def demo_cmd(
     if threads:
         torch.set_num_threads(threads)
     bundle = build("minilm")
-    rep, graph, rec, src = build_report(bundle, str(recipe), None)
+    rep, graph, rec, src = build_report(bundle, str(recipe), None, cache_dir=cache_dir)
     if not as_json:
         print_report(rep)
-    cm = CompiledModel(src, rec, None, None, graph, (rep.capture, None), mode="graph", threads=threads)
+    cm = CompiledModel(src, rec, None, None, graph, (rep.capture, None), mode="graph", cache_dir=cache_dir,
+                       threads=threads)
     batch = bundle.tokenizer(SENTENCES, padding=True, return_tensors="pt")
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
     with torch.inference_mode():
@@ -61,7 +65,7 @@ def demo_cmd(
         t_eager = time_ms(lambda: bundle.module(**inputs), iters=iters)
         t_eager_padded = time_ms(lambda: bundle.module(**padded), iters=iters)
     shape = dict(zip(("batch", "seq"), inputs["input_ids"].shape))
-    result = {"recipe": rec.name, "recipe_hash": rec.hash(), "request": {k: int(v) for k, v in shape.items()},
+    result = {"recipe": rec.name, "recipe_hash": recipe_hash(rec), "request": {k: int(v) for k, v in shape.items()},
               "bucket": cm.last_bucket, "rel_l2_vs_eager": err,
               "embedding_rel_l2_vs_eager": rel_l2(emb, emb_ref),
               "cosine": {f"{SENTENCES[0]} | {s}": round(float(cos[0, i]), 4) for i, s in enumerate(SENTENCES)},

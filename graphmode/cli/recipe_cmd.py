@@ -6,7 +6,6 @@ proved); 2 malformed (field-level errors, unknown target).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,6 +15,7 @@ from rich import box
 from rich.table import Table
 
 from graphmode.cli.app import app, console, err_console, fail
+from graphmode.cli.options import CacheDir
 from graphmode.errors import ConstraintError, GraphmodeError, RecipeErrors
 
 recipe_app = typer.Typer(name="recipe", no_args_is_help=True, add_completion=False,
@@ -26,14 +26,10 @@ _TARGET_HELP = ("target name (registry), target YAML file, or inline spec name; 
                 "default: the recipe's first target, else host")
 
 
-def _host_cache() -> Path:
-    root = os.environ.get("GRAPHMODE_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "graphmode") / "targets"
-
-
-def _target(recipe: Any, ref: Optional[str]):
+def _target(recipe: Any, ref: Optional[str], cache_dir: Optional[Path]):
+    from graphmode.paths import cache_layout
     from graphmode.recipe.targets import pick_target
-    return pick_target(recipe, ref, cache_dir=_host_cache())
+    return pick_target(recipe, ref, cache_dir=cache_layout(cache_dir).targets)
 
 
 def _table(title: str, *cols: str) -> Table:
@@ -103,8 +99,9 @@ def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
                  model: Optional[str] = typer.Option(None, "--model", help="prove with this model's real weights "
                                                      "and memory plan (minilm | gpt2 | resnet18 | .onnx | mod:fn)"),
                  calibration: Optional[Path] = typer.Option(None, "--calibration", help="cost-model calibration "
-                                                            "JSON (from `graphmode profile --calibrate`) for the SLA proof")
-                 ) -> None:
+                                                            "JSON (from `graphmode profile --calibrate`) for the SLA "
+                                                            "proof"),
+                 cache_dir: Optional[Path] = CacheDir) -> None:
     """Check a recipe in three layers (schema, semantics, Z3 proofs): exit 0 valid, 1 refused, 2 malformed."""
     from graphmode.recipe import load_recipe, validate
     try:
@@ -114,7 +111,7 @@ def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
         if calibration is not None:
             from graphmode.targets.cost import Calibration
             cal = Calibration.load(calibration)
-        rep = validate(recipe, _target(recipe, target), facts, timeout_ms=timeout_ms, calibration=cal)
+        rep = validate(recipe, _target(recipe, target, cache_dir), facts, timeout_ms=timeout_ms, calibration=cal)
         if rep.errors:
             raise RecipeErrors(rep.errors)
         if as_json:
@@ -149,30 +146,34 @@ def _model_facts(model: str, recipe):
 @recipe_app.command("show")
 def show_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
              target: Optional[str] = typer.Option(None, "--target", "-t", help=_TARGET_HELP),
-             as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+             as_json: bool = typer.Option(False, "--json", help="print JSON"),
+             cache_dir: Optional[Path] = CacheDir) -> None:
     """The recipe resolved on the target, its hash, buckets with worst-case padding and the plan count."""
     from graphmode.recipe import load_recipe, resolve
-    from graphmode.recipe.buckets import dim_synthesis
+    from graphmode.recipe.buckets import count_plans, dim_buckets, dim_synthesis
+    from graphmode.recipe.hashing import recipe_hash
     try:
         recipe = load_recipe(path)
-        tgt = _target(recipe, target)
+        tgt = _target(recipe, target, cache_dir)
         resolved = resolve(recipe, tgt)
-        per_dim = resolved.dim_buckets()          # RecipeError if a synthesis is infeasible
+        per_dim = dim_buckets(resolved)          # RecipeError if a synthesis is infeasible
+        plans = count_plans(per_dim)
         dims = {d: dim_synthesis(s) for d, s in resolved.dims.items()}
         data = resolved.model_dump(mode="json", exclude_none=True)
+        stamp = recipe_hash(resolved)
         if as_json:
-            print(json.dumps({"name": resolved.name, "hash": resolved.hash(), "target": tgt.name,
-                              "recipe": data, "plans": resolved.plans_count(),
+            print(json.dumps({"name": resolved.name, "hash": stamp, "target": tgt.name,
+                              "recipe": data, "plans": plans,
                               "buckets": {d: {"values": per_dim[d], "worst_padding": float(s.worst_padding),
                                               "worst_padding_at": s.worst_value} for d, s in dims.items()},
                               "notes": resolved.notes}, indent=2))
             return
-        console.print(f"# {resolved.name}  hash {resolved.hash()}  resolved on {tgt.name}", markup=False,
+        console.print(f"# {resolved.name}  hash {stamp}  resolved on {tgt.name}", markup=False,
                       highlight=False, soft_wrap=True)
         console.print(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100).rstrip(),
                       markup=False, highlight=False, soft_wrap=True)
         console.print(_bucket_table(dims))
-        console.print(f"plans: {resolved.plans_count()} (one per bucket; warm-up compiles all of them)",
+        console.print(f"plans: {plans} (one per bucket; warm-up compiles all of them)",
                       highlight=False)
         for n in resolved.notes:
             console.print(f"note: {n}", markup=False, highlight=False)
@@ -184,15 +185,16 @@ def show_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
 def diff_cmd(a: Path = typer.Argument(..., help="old recipe"), b: Path = typer.Argument(..., help="new recipe"),
              as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
     """Field paths that differ between two recipes, with old and new values."""
-    from graphmode.recipe import diff_recipes, load_recipe
+    from graphmode.recipe import diff_recipes, load_recipe, recipe_hash
     try:
         ra, rb = load_recipe(a), load_recipe(b)
         changes = diff_recipes(ra, rb)
         if as_json:
-            print(json.dumps({"a": {"path": str(a), "hash": ra.hash()}, "b": {"path": str(b), "hash": rb.hash()},
+            print(json.dumps({"a": {"path": str(a), "hash": recipe_hash(ra)},
+                              "b": {"path": str(b), "hash": recipe_hash(rb)},
                               "changes": [c.to_dict() for c in changes]}, indent=2, default=str))
             return
-        console.print(f"{a}: {ra.hash()}\n{b}: {rb.hash()}", markup=False, highlight=False)
+        console.print(f"{a}: {recipe_hash(ra)}\n{b}: {recipe_hash(rb)}", markup=False, highlight=False)
         if not changes:
             console.print("no differences")
             return

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -10,6 +11,7 @@ import typer
 from rich.table import Table
 
 from graphmode.cli.app import app, console
+from graphmode.cli.options import CacheDir
 from graphmode.errors import GraphmodeError
 
 
@@ -47,11 +49,12 @@ MAX_EAGER_INPUT_BYTES = 2**32    # a request outside the contract still has to f
 def check_request(rec, env: dict[str, int]) -> None:
     """Refuse before allocating anything: outside the contract, or too large to run eagerly."""
     from graphmode.errors import ContractViolation
-    from graphmode.recipe.schema import DTYPE_SIZES
-    if rec.bucket_for(env) is not None:
+    from graphmode.recipe.buckets import bucket_for, dim_range
+    from graphmode.recipe.limits import DTYPE_SIZES
+    if bucket_for(rec, env) is not None:
         return
     if rec.on_violation != "eager":
-        bad = [f"{d}={v} outside [{lo}, {hi}]" for d, v in env.items() for lo, hi in [rec.dim_range(d)]
+        bad = [f"{d}={v} outside [{lo}, {hi}]" for d, v in env.items() for lo, hi in [dim_range(rec.dims[d])]
                if not lo <= v <= hi]
         raise ContractViolation(f"request {env} is outside the recipe's contract ({'; '.join(bad) or 'no bucket'})",
                                 where="--shape", value=env,
@@ -78,12 +81,16 @@ def run_cmd(
     threads: Optional[int] = typer.Option(None, "--threads"),
     metrics: bool = typer.Option(False, "--metrics", help="print the runtime contract metrics"),
     warmup: bool = typer.Option(False, "--warmup", help="build every bucket's plan first (progress bar)"),
+    cache_dir: Optional[Path] = CacheDir,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Run sample inputs through the compiled model and compare with eager PyTorch."""
     from graphmode.compiler import compile as gm_compile
+    from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe
+    from graphmode.recipe.buckets import all_buckets
     from graphmode.runtime.timing import median, time_ms
+    from graphmode.targets import get_target
     from graphmode.verify.bisect import tolerance_for
     from graphmode.verify.numerics import rel_l2
 
@@ -92,9 +99,10 @@ def run_cmd(
     if threads:
         torch.set_num_threads(threads)
     rec = load_recipe(recipe)
-    env = parse_shape(shape, list(rec.dims)) if shape else dict(rec.buckets()[0])
+    env = parse_shape(shape, list(rec.dims)) if shape else dict(all_buckets(rec)[0])
     check_request(rec, env)      # before compiling or allocating anything
-    cm = gm_compile(model, rec, mode=mode, threads=threads)
+    host = get_target("host", cache_dir=cache_layout(cache_dir).targets)
+    cm = gm_compile(model, rec, host, mode=mode, cache_dir=cache_dir, threads=threads)
     if warmup and cm.mode != "eager":
         cm.warmup(progress=not as_json)
     if metrics:   # the contract monitor times and counts every call (same as the server's)

@@ -1,7 +1,6 @@
 """`graphmode targets list|show`: the hardware targets graphmode knows, and the detected host.
 
-The host probe cache lives under <cache root>/targets/host.json; the cache root is
---cache-dir, else $GRAPHMODE_CACHE_DIR, else ~/.cache/graphmode.
+The host probe is kept in <cache root>/targets/host.json (`--cache-dir`, see graphmode.paths).
 """
 from __future__ import annotations
 
@@ -16,19 +15,13 @@ from rich import box
 from rich.table import Table
 
 from graphmode.cli.app import app, console, err_console
+from graphmode.cli.options import CacheDir
+from graphmode.paths import cache_layout
 from graphmode.targets import Target, get_target, list_targets, load_target_file
 
 targets_app = typer.Typer(name="targets", no_args_is_help=True, add_completion=False,
                           help="List and inspect hardware targets (shipped description files and the detected host).")
 app.add_typer(targets_app, name="targets")
-
-_CACHE_HELP = "cache root (default $GRAPHMODE_CACHE_DIR or ~/.cache/graphmode); the host probe is kept in <root>/targets"
-
-
-def _cache_dir(opt: Optional[Path]) -> Path:
-    root = opt or (Path(os.environ["GRAPHMODE_CACHE_DIR"]) if os.environ.get("GRAPHMODE_CACHE_DIR")
-                   else Path.home() / ".cache" / "graphmode")
-    return root / "targets"
 
 
 def _get(name: str, cache_dir: Optional[Path], reprobe: bool = False) -> Target:
@@ -36,7 +29,7 @@ def _get(name: str, cache_dir: Optional[Path], reprobe: bool = False) -> Target:
         return load_target_file(name)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t = get_target(name, cache_dir=_cache_dir(cache_dir), reprobe=reprobe)
+        t = get_target(name, cache_dir=cache_layout(cache_dir).targets, reprobe=reprobe)
     for w in caught:
         err_console.print(f"warning: {w.message}", markup=False, highlight=False)
     return t
@@ -65,7 +58,7 @@ def _row(t: Target) -> dict[str, Any]:
 
 @targets_app.command("list")
 def list_cmd(as_json: bool = typer.Option(False, "--json", help="print JSON"),
-             cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_HELP)) -> None:
+             cache_dir: Optional[Path] = CacheDir) -> None:
     """Every known target: name, kind, arch, units, memory, bandwidth, peak f32/bf16."""
     rows = [_row(_get(n, cache_dir)) for n in list_targets()]
     if as_json:
@@ -105,7 +98,7 @@ def _print_group(name: str, entries: dict[str, Any]) -> None:
 def show_cmd(name: str = typer.Argument(..., help="target name (see `graphmode targets list`) or a .yaml file"),
              as_json: bool = typer.Option(False, "--json", help="print JSON"),
              reprobe: bool = typer.Option(False, "--reprobe", help="host only: measure again, ignoring the cache"),
-             cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_HELP)) -> None:
+             cache_dir: Optional[Path] = CacheDir) -> None:
     """All fields of one target, groups included; for `host` the detected values and probe numbers."""
     t = _get(name, cache_dir, reprobe=reprobe)
     if as_json:

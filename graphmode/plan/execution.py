@@ -56,7 +56,7 @@ class Slot:
 
 @dataclass
 class Instruction:
-    kind: str                 # view | aten | kernel | fallback
+    kind: str                 # view | op | kernel | fallback (how the backend runs an op is its own choice)
     op: str                   # core op name, or fused kind
     inputs: list[str]         # value names (resolved through ExecutionPlan.slots)
     outputs: list[str]
@@ -128,7 +128,7 @@ def _node_kind(n: Node, plan_alias: Mapping[str, str]) -> str:
         return "fallback"
     if spec.view and plan_alias.get(n.outputs[0]) == n.inputs[0]:
         return "view"
-    return "aten"
+    return "op"
 
 
 def lower(graph: Graph, memory_plan, order: list[int] | None = None, *,

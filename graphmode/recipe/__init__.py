@@ -4,14 +4,19 @@
     report = validate(recipe, target)                                # layers 2 and 3
     report.raise_for_errors()        # RecipeErrors (exit 2) or ConstraintError (exit 1)
 
-Modules: schema (pydantic), loader (YAML + line numbers + error mapping), symbolic and
-resolve (target-relative values), buckets (synthesis), semantics, facts (ModelFacts),
-smt (sympy -> Z3), constraints (proofs), validate (report), diff (hash, diff, merge).
+Modules, each importing only modules listed before it (never this package's names):
+  limits (dtype tables, documented ranges), lines (field paths -> YAML lines),
+  hashing (content hash), symbolic (`${...}` values), buckets (synthesis, per-recipe views),
+  schema (pydantic: the recipe as data), loader (YAML -> Recipe, field-level errors),
+  resolve (bind target-relative values), diff (diff, merge), facts (ModelFacts),
+  smt (sympy -> Z3), constraints (proofs), semantics (cross-field rules),
+  targets (which target a recipe is checked on), validate (the three layers, one report).
 """
 from graphmode.recipe.buckets import Synthesis, synthesize_buckets
 from graphmode.recipe.constraints import ConstraintModel, Proof, build_constraint_model, prove_all
-from graphmode.recipe.diff import Change, diff_recipes, merge_recipes, recipe_hash
+from graphmode.recipe.diff import Change, diff_recipes, merge_recipes
 from graphmode.recipe.facts import ModelFacts, dim_symbol, dim_symbols, estimate_facts, kv_cache_bytes
+from graphmode.recipe.hashing import recipe_hash
 from graphmode.recipe.loader import load_recipe, parse_yaml
 from graphmode.recipe.resolve import resolve
 from graphmode.recipe.schema import Recipe

@@ -26,7 +26,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Optional
 
 from graphmode.errors import RecipeError
-from graphmode.recipe.schema import MAX_BUCKETS
+from graphmode.recipe.limits import MAX_BUCKETS
 
 if TYPE_CHECKING:
     from graphmode.recipe.schema import DimSpec, Recipe
@@ -100,7 +100,7 @@ def greedy(lo: int, hi: int, step: int, padding: Fraction,
     needed; (None, v) if no aligned bucket can hold value v within the bound at all.
     """
     limit = min(limit, MAX_BUCKETS)
-    p = _frac(padding)
+    p = exact(padding)
     num, den = p.numerator, p.denominator
     out: list[int] = []
     v, jump = lo, True
@@ -160,8 +160,9 @@ def runs(values: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _frac(p: float) -> Fraction:
-    return p if isinstance(p, Fraction) else Fraction(str(p))
+def exact(x: float) -> Fraction:
+    """The number as written (0.1 is 1/10, not the nearest double), so bounds compare exactly."""
+    return x if isinstance(x, Fraction) else Fraction(str(x))
 
 
 def min_padding_for(lo: int, hi: int, step: int, k: int) -> tuple[Fraction, list[int]]:
@@ -219,7 +220,7 @@ def synthesize_buckets(lo: int, hi: int, *, max_padding: float | None = None, ma
         w, b = min_padding_for(lo, hi, step, max_buckets)
         _, at = worst_padding(b, lo, hi, step)
         return Synthesis(lo, hi, step, b, w, at, True, None, max_buckets, len(b), _round_up(w))
-    p = _frac(max_padding)
+    p = exact(max_padding)
     b, impossible_at = greedy(lo, hi, step, p, limit=max_buckets if max_buckets is not None else MAX_BUCKETS)
     if b is not None:
         w, at = worst_padding(b, lo, hi, step)
@@ -298,6 +299,15 @@ def cross_product(per_dim: dict[str, list[int]]) -> list[dict[str, int]]:
     count_plans(per_dim)
     names = list(per_dim)
     return [dict(zip(names, combo)) for combo in itertools.product(*(per_dim[d] for d in names))]
+
+
+def all_buckets(recipe: "Recipe") -> list[dict[str, int]]:
+    """Every bucket of the recipe: the cross product of each dim's buckets (one plan each)."""
+    return cross_product(dim_buckets(recipe))
+
+
+def plans_count(recipe: "Recipe") -> int:
+    return count_plans(dim_buckets(recipe))
 
 
 def bucket_for(recipe: "Recipe", shape: dict[str, int]) -> dict[str, int] | None:

@@ -26,8 +26,9 @@ from typing import Any, Optional
 import sympy
 import z3
 
-from graphmode.recipe import smt
-from graphmode.recipe.buckets import Synthesis, dim_range, dim_synthesis, runs, worst_padding
+import graphmode.recipe.smt as smt
+from graphmode.errors import TargetError
+from graphmode.recipe.buckets import Synthesis, dim_buckets, dim_range, dim_synthesis, exact, runs, worst_padding
 from graphmode.recipe.facts import MB, ModelFacts, estimate_facts, kv_cache_bytes, kv_params
 from graphmode.recipe.schema import Recipe
 
@@ -103,10 +104,6 @@ class ConstraintModel:
                 + sympy.sympify(self.n_ops) * r(self.launch_overhead_s))
 
 
-def _frac(x: float) -> Fraction:
-    return Fraction(str(x))
-
-
 def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None = None, *,
                            calibration: Any = None) -> ConstraintModel:
     """Assemble the memory and latency models of a resolved recipe on `target`.
@@ -125,17 +122,17 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
         terms["kv_cache"] = kv_cache_bytes(recipe)
     budget = recipe.memory.budget_mb
     if isinstance(budget, (int, float)):
-        budget_bytes, src = int(Fraction(str(budget)) * MB), f"{budget:g} MB budget"
+        budget_bytes, src = int(exact(budget) * MB), f"{budget:g} MB budget"
     else:
         budget_bytes, src = int(target.memory_bytes), f"target {target.name!r} memory"
-    cm = ConstraintModel(domains=recipe.dim_buckets(), memory_terms=terms, budget_bytes=budget_bytes,
+    cm = ConstraintModel(domains=dim_buckets(recipe), memory_terms=terms, budget_bytes=budget_bytes,
                          budget_source=src, flops=facts.flops, bytes_moved=facts.bytes_moved,
                          n_ops=facts.n_ops or 0, compute_dtype=recipe.precision.compute,
                          facts_source=facts.source)
     peak = target.peak(recipe.precision.compute)
-    cm.peak_flops = _frac(peak) if peak else None
-    cm.bandwidth = _frac(target.memory_bandwidth_gbps) * 10**9
-    cm.launch_overhead_s = _frac(target.launch_overhead_us) / 10**6
+    cm.peak_flops = exact(peak) if peak else None
+    cm.bandwidth = exact(target.memory_bandwidth_gbps) * 10**9
+    cm.launch_overhead_s = exact(target.launch_overhead_us) / 10**6
     if recipe.sla is not None:
         entries = [("sla", recipe.sla.p50_ms, recipe.sla.p99_ms, {}, {})]
         for i, b in enumerate(recipe.sla.per_bucket):
@@ -166,16 +163,15 @@ def apply_calibration(cm: ConstraintModel, target: Any, calibration: Any) -> Con
     if calibration is None:
         return cm
     if calibration.target != getattr(target, "name", None):
-        from graphmode.errors import TargetError
         raise TargetError("calibration belongs to another target", where="calibration.target",
                           value=calibration.target, fix=f"use the calibration of {getattr(target, 'name', target)!r}")
-    eff = _frac(calibration.model_efficiency or calibration.default_efficiency)
+    eff = exact(calibration.model_efficiency or calibration.default_efficiency)
     if cm.peak_flops:   # the roofline the calibration was fitted against, scaled by its efficiency
-        cm.peak_flops = _frac(calibration.peak(target, cm.compute_dtype)) * eff
+        cm.peak_flops = exact(calibration.peak(target, cm.compute_dtype)) * eff
     if cm.bandwidth:
-        cm.bandwidth = _frac(calibration.bandwidth_gbps(target)) * 10**9 * eff
+        cm.bandwidth = exact(calibration.bandwidth_gbps(target)) * 10**9 * eff
     if calibration.overhead_us is not None:
-        cm.launch_overhead_s = _frac(calibration.overhead_us) / 10**6
+        cm.launch_overhead_s = exact(calibration.overhead_us) / 10**6
     return cm
 
 

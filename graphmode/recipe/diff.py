@@ -1,35 +1,13 @@
-"""Content hash (the recipe's version stamp), diff and merge."""
+"""Diff and merge of recipes (field by field); the content hash is in `hashing.py`."""
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from graphmode.recipe.schema import InputSpec, Recipe
+from graphmode.recipe.loader import build_recipe
+from graphmode.recipe.schema import Recipe
 
-HASH_CHARS = 16
 _MISSING = object()
-
-
-def canonical_json(recipe: Recipe) -> str:
-    """Canonical JSON of the recipe (defaults included, keys sorted, no whitespace).
-
-    Input fields added after recipes were first hashed (`InputSpec.HASH_OMIT_DEFAULTS`) are
-    left out while at their default, so a recipe that does not use them keeps its stamp."""
-    data = recipe.model_dump(mode="json")
-    fields = InputSpec.model_fields
-    for inp in data["inputs"]:
-        for k in InputSpec.HASH_OMIT_DEFAULTS:
-            if inp.get(k) == fields[k].default:
-                del inp[k]
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-def recipe_hash(recipe: Recipe) -> str:
-    """First 16 hex digits of sha256(canonical JSON). Hash the *resolved* recipe to stamp a
-    deployment: the same file resolved on two targets gets two stamps."""
-    return hashlib.sha256(canonical_json(recipe).encode()).hexdigest()[:HASH_CHARS]
 
 
 @dataclass(frozen=True)
@@ -100,7 +78,6 @@ def merge_recipes(base: Recipe, override: Recipe | dict) -> Recipe:
     `override` may be a partial dict (e.g. `{"memory": {"budget_mb": 4096}}`). The result is
     validated like any recipe (RecipeErrors on conflict).
     """
-    from graphmode.recipe.loader import build_recipe
     top = override if isinstance(override, dict) else override.model_dump(mode="python", exclude_unset=True)
     data = _deep_merge(base.model_dump(mode="python", exclude_unset=True), top)
     return build_recipe(data, source="<merged>")

@@ -18,7 +18,9 @@ from typing import Optional, Union
 
 import sympy
 
-from graphmode.recipe.schema import DTYPE_SIZES, Recipe
+from graphmode.recipe.buckets import dim_range
+from graphmode.recipe.limits import DTYPE_SIZES
+from graphmode.recipe.schema import Recipe
 
 MB = 2**20
 Expr = Union[sympy.Expr, int]
@@ -74,15 +76,22 @@ def kv_page_bytes(recipe: Recipe) -> int:
     return 2 * p["layers"] * p["kv_heads"] * p["head_dim"] * DTYPE_SIZES[p["dtype"]] * p["page_size"]
 
 
+def kv_pool_pages(recipe: Recipe) -> int:
+    """Pages in the pool the runtime allocates (the memory proof counts exactly these)."""
+    kv = recipe.memory.kv_cache
+    if kv.pages is not None:
+        return int(kv.pages)
+    p = kv_params(recipe)
+    batch = dim_range(recipe.dims[p["batch_dim"]])[1] if p["batch_dim"] in recipe.dims else 1
+    return int(batch) * int(p["max_pages_per_seq"])
+
+
 def kv_cache_bytes(recipe: Recipe) -> Expr:
-    """K and V pages for every sequence: batch * ceil(seq / page_size) * page bytes."""
+    """The KV pool: allocated once at its full size, whatever the request shapes."""
     p = kv_params(recipe)
     if p is None:
         return 0
-    sym = dim_symbols(recipe)
-    b = sym.get(p["batch_dim"], 1)
-    s = sym[p["seq_dim"]]
-    return kv_page_bytes(recipe) * b * sympy.ceiling(s / p["page_size"])
+    return kv_page_bytes(recipe) * kv_pool_pages(recipe)
 
 
 def _elems(axes: list, sym: dict[str, sympy.Symbol]) -> Expr:

@@ -17,20 +17,13 @@ from pydantic import BaseModel, ValidationError
 
 from graphmode.errors import RecipeError, RecipeErrors
 from graphmode.errors import short_value as _short
+from graphmode.recipe.lines import join, nearest_line
 from graphmode.recipe.schema import Recipe
 
 MAX_BYTES = 256 << 10        # a recipe is a small file (the shipped ones are ~2 KB); parsing is bounded by it
 MAX_NODES = 50_000           # guards against alias bombs
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)     # libyaml: the pure-Python one takes seconds
-
-
-# ---- paths ----------------------------------------------------------------------------------
-
-def join(path: str, part: Any) -> str:
-    if isinstance(part, int) and not isinstance(part, bool):
-        return f"{path}[{part}]"
-    return f"{path}.{part}" if path else str(part)
 
 
 # ---- YAML -----------------------------------------------------------------------------------
@@ -217,7 +210,7 @@ def _describe(model: type[BaseModel] | None) -> str:
 def map_validation_error(exc: ValidationError, data: Any, lines: dict[str, int],
                          lookup_line=None) -> list[RecipeError]:
     """pydantic errors -> RecipeErrors with field path, value, YAML line and fix."""
-    line_of = lookup_line or (lambda p: _nearest_line(lines, p))
+    line_of = lookup_line or (lambda p: nearest_line(lines, p))
     out: list[RecipeError] = []
     seen: set[tuple[str, str]] = set()
     for err in exc.errors(include_url=False):
@@ -269,15 +262,6 @@ def map_validation_error(exc: ValidationError, data: Any, lines: dict[str, int],
     return out
 
 
-def _nearest_line(lines: dict[str, int], path: str) -> int | None:
-    while path and path != "<root>":
-        if path in lines:
-            return lines[path]
-        cut = max(path.rfind("."), path.rfind("["))
-        path = path[:cut] if cut > 0 else ""
-    return lines.get("")
-
-
 # ---- entry points -----------------------------------------------------------------------------
 
 def build_recipe(data: Any, lines: dict[str, int] | None = None, source: str | None = None,
@@ -313,27 +297,23 @@ def _looks_like_path(source: str) -> bool:
         return False
 
 
-def load_recipe(source: Union[str, Path, bytes, dict, Recipe], *, target: Any = None) -> Recipe:
-    """Load a recipe from a path, YAML text, bytes or a dict; optionally resolve it on `target`.
+def load_recipe(source: Union[str, Path, bytes, dict, Recipe]) -> Recipe:
+    """Load a recipe from a path, YAML text, bytes or a dict (`resolve.resolve` then binds its
+    target-relative values to one target).
 
     Raises `RecipeErrors` (all field errors) or `RecipeError` (unreadable / not YAML).
     """
     if isinstance(source, Recipe):
-        recipe = source
-    elif isinstance(source, dict):
-        recipe = build_recipe(source, source="<dict>")
-    else:
-        name = None
-        if isinstance(source, Path) or (isinstance(source, str) and _looks_like_path(source)):
-            name = str(source)
-            try:
-                source = Path(source).read_bytes()
-            except OSError as e:
-                raise RecipeError(f"cannot read recipe: {e.strerror}", where=name,
-                                  fix="check the path") from None
-        data, lines, dups = parse_yaml(source, name)
-        recipe = build_recipe(data, lines, name, dups)
-    if target is not None:
-        from graphmode.recipe.resolve import resolve
-        recipe = resolve(recipe, target)
-    return recipe
+        return source
+    if isinstance(source, dict):
+        return build_recipe(source, source="<dict>")
+    name = None
+    if isinstance(source, Path) or (isinstance(source, str) and _looks_like_path(source)):
+        name = str(source)
+        try:
+            source = Path(source).read_bytes()
+        except OSError as e:
+            raise RecipeError(f"cannot read recipe: {e.strerror}", where=name,
+                              fix="check the path") from None
+    data, lines, dups = parse_yaml(source, name)
+    return build_recipe(data, lines, name, dups)

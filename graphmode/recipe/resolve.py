@@ -3,35 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import graphmode.recipe.symbolic as symbolic
 from graphmode.errors import RecipeError, RecipeErrors
-from graphmode.recipe import symbolic
-from graphmode.recipe.loader import build_recipe, join
+from graphmode.recipe.loader import build_recipe
 from graphmode.recipe.schema import Recipe
-
-
-def _walk(value: Any, path: str, fn) -> Any:
-    if isinstance(value, dict):
-        return {k: _walk(v, join(path, k), fn) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_walk(v, join(path, i), fn) for i, v in enumerate(value)]
-    return fn(value, path)
-
-
-def symbolic_paths(recipe: Recipe) -> list[str]:
-    """Paths of every `${...}` value, plus bank names under memory.bank_affinity."""
-    out: list[str] = []
-
-    def visit(v: Any, path: str) -> Any:
-        if symbolic.is_symbolic(v):
-            out.append(path)
-        return v
-    _walk(recipe.model_dump(mode="python", exclude={"targets"}), "", visit)
-    out += [f"memory.bank_affinity[{i}]" for i, b in enumerate(recipe.memory.bank_affinity) if isinstance(b, str)]
-    return out
-
-
-def has_symbolic(recipe: Recipe) -> bool:
-    return bool(symbolic_paths(recipe))
 
 
 def resolve(recipe: Recipe, target: Any) -> Recipe:
@@ -55,7 +30,7 @@ def resolve(recipe: Recipe, target: Any) -> Recipe:
             return v
         return int(x) if float(x).is_integer() else float(x)
 
-    data = {k: (v if k == "targets" else _walk(v, k, sub)) for k, v in data.items()}
+    data = {k: (v if k == "targets" else symbolic.walk(v, k, sub)) for k, v in data.items()}
     banks, problems = symbolic.resolve_banks(recipe.memory.bank_affinity, target)
     for i, msg in problems:
         path = f"memory.bank_affinity[{i}]"

@@ -1,57 +1,34 @@
-"""Recipe schema version 1 (pydantic, strict, unknown keys rejected).
+"""Recipe schema version 1 (pydantic, strict, unknown keys rejected): the recipe as data.
 
 Layer 1 of verification: types, per-field ranges, power-of-two alignment, known names.
 Cross-field rules (min <= max, dims declared, pass order...) live in `semantics.py`,
-and the for-every-shape proofs in `constraints.py`.
+and the for-every-shape proofs in `constraints.py`. What is computed from a recipe (its
+buckets, hash, symbolic values) lives in functions of `buckets.py`, `hashing.py` and
+`symbolic.py`, none of which imports this module; `Recipe`'s methods only delegate to them.
 """
 from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, ClassVar, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag,
-                      field_validator)
+                      field_validator, model_serializer)
 
-from graphmode.recipe import symbolic
+import graphmode.recipe.buckets as bucketing
+import graphmode.recipe.symbolic as symbolic
+from graphmode.errors import TargetError
+from graphmode.recipe.hashing import recipe_hash
+from graphmode.recipe.limits import (DTYPE_ALIASES, DTYPE_SIZES, FLOAT_DTYPES, FLOAT_LIMITS, MAX_BUCKETS, MAX_DIM,
+                                     MAX_DIMS, MAX_FACTOR, MAX_GFLOPS, MAX_INPUTS, MAX_LIST, MAX_MB, MAX_MS,
+                                     MAX_NAME_CHARS, MAX_PARAMS_M, MAX_RANK, MAX_SLA_ENTRIES, MAX_TARGETS)
+from graphmode.recipe.lines import nearest_line
+from graphmode.targets.registry import target_from_dict
 from graphmode.targets.schema import Target
 
 SCHEMA_VERSION = 1
 
-DTYPE_SIZES: dict[str, int] = {"f64": 8, "f32": 4, "tf32": 4, "f16": 2, "bf16": 2, "fp8_e4m3": 1,
-                               "fp8_e5m2": 1, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "bool": 1}
-FLOAT_DTYPES = ("f64", "f32", "tf32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2")
-DTYPE_ALIASES = {"float64": "f64", "fp64": "f64", "double": "f64", "float32": "f32", "fp32": "f32",
-                 "float": "f32", "float16": "f16", "fp16": "f16", "half": "f16", "bfloat16": "bf16",
-                 "fp8": "fp8_e4m3", "int64": "i64", "long": "i64", "int32": "i32", "int": "i32",
-                 "int16": "i16", "int8": "i8", "uint8": "u8"}
 FUSION_PATTERNS = ("elementwise", "reduction", "gemm_epilogue", "attention")   # = passes/fuse.py PATTERNS
-REQUIRE_KEYS = ("torch", "python", "graphmode", "driver", "cuda")
-
-# Finite representable ranges of the float dtypes, and significand bits (integers up to
-# 2**bits are exact): a pad value outside them would be written as inf or rounded.
-FLOAT_LIMITS: dict[str, tuple[float, int]] = {
-    "f64": (1.7976931348623157e308, 53), "f32": (3.4028234663852886e38, 24), "tf32": (3.4028234663852886e38, 24),
-    "f16": (65504.0, 11), "bf16": (3.3895313892515355e38, 8), "fp8_e4m3": (448.0, 4), "fp8_e5m2": (57344.0, 3)}
-INT_LIMITS: dict[str, tuple[int, int]] = {
-    "i64": (-2**63, 2**63 - 1), "i32": (-2**31, 2**31 - 1), "i16": (-2**15, 2**15 - 1), "i8": (-128, 127),
-    "u8": (0, 255), "bool": (0, 1)}
-
-# ---- documented ranges (examples/recipes/README.md); each keeps the proofs' arithmetic exact and fast
-MAX_DIM = 2**31 - 1          # a dim value, bucket or fixed extent: tensor extents are int32 in kernels
-MAX_RANK = 8                 # input/output rank, as ONNX runtimes, TensorRT and cuDNN descriptors allow
-MAX_BUCKETS = 65_536         # buckets of one dim (explicit, synthesised or a step grid); one plan each
-MAX_INPUTS = 256
-MAX_DIMS = 64                # symbolic dims: each is a variable of every proof, with a cover proof of its own
-MAX_LIST = 256               # ops, passes, alias groups, bank ids: hand-written lists
-MAX_SLA_ENTRIES = 64         # sla.per_bucket: each entry is one Z3 proof
-MAX_TARGETS = 16
-MAX_NAME_CHARS = 128         # the recipe name is a file name and a metric label
-MAX_MB = 2.0**30             # 1 PiB: budgets and weights larger than any machine's memory
-MAX_PARAMS_M = 1e7           # 10 trillion parameters
-MAX_GFLOPS = 1e9             # 1 EFLOP per batch item
-MAX_MS = 86_400_000.0        # one day: latency bounds
-MAX_FACTOR = 1e6             # activation_factor (x input bytes)
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")        # matched with fullmatch: `$` accepts a trailing newline
 _OPNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
@@ -209,7 +186,6 @@ FloatDType = Annotated[str, BeforeValidator(_float_dtype)]
 Ident = Annotated[str, BeforeValidator(_pattern(_IDENT, "an identifier (letters, digits, _)"))]
 OpName = Annotated[str, BeforeValidator(_pattern(_OPNAME, "an op name (letters, digits, _ and .)"))]
 PosInt = Annotated[int, BeforeValidator(_number(int, ge=1, le=MAX_DIM, why="int32"))]
-NonNegInt = Annotated[int, BeforeValidator(_number(int, ge=0, le=MAX_DIM, why="int32"))]
 SymPosInt = Annotated[Any, BeforeValidator(_number(int, ge=1, le=MAX_DIM, why="int32", symbolic_ok=True))]
 SymMB = Annotated[Any, BeforeValidator(_number(float, gt=0, le=MAX_MB, why="1 PiB", symbolic_ok=True))]
 SymMs = Annotated[Any, BeforeValidator(_number(float, gt=0, le=MAX_MS, why="one day", symbolic_ok=True))]
@@ -246,10 +222,7 @@ class InputSpec(_Spec):
                                                           "TensorRT and cuDNN allow")] = Field(min_length=1)
     pad_value: PadValue = 0
     role: Literal["data", "attention_mask"] = "data"
-    mask_for: list[Ident] = []
-
-    # added after recipes were first hashed: left out of the hash at their default (diff.canonical_json)
-    HASH_OMIT_DEFAULTS: ClassVar[tuple[str, ...]] = ("role", "mask_for")
+    mask_for: list[Ident] = []   # role and mask_for came after version 1: see hashing.INPUT_FIELDS_SINCE_V1
 
     def masked_dims(self) -> list[str]:
         """Dims whose padded positions this mask covers ([] unless role is attention_mask)."""
@@ -315,9 +288,12 @@ class PrecisionSpec(_Spec):
 
 
 class KVCacheSpec(_Spec):
-    """Paged KV cache: each sequence holds ceil(seq / page_size) pages of page_size tokens."""
+    """Paged KV cache: a pool of `pages` pages of page_size tokens (K and V of every layer),
+    allocated once; a sequence holds up to max_pages_per_seq of them. Default pool: every
+    sequence of the largest batch at its longest (batch max x max_pages_per_seq)."""
     page_size: Pow2 = 16
     max_pages_per_seq: SymPosInt
+    pages: Optional[PosInt] = None
     dtype: Optional[FloatDType] = None
     layers: Optional[PosInt] = None
     kv_heads: Optional[PosInt] = None
@@ -343,6 +319,16 @@ class SlaSpec(_Spec):
     p99_ms: Optional[SymMs] = None
     per_bucket: Annotated[list[SlaBucket], _limited(MAX_SLA_ENTRIES, "each entry is one Z3 proof; "
                                                                      "match ranges, not single buckets")] = []
+    # determinism: P99/P50 of measured latencies (bench, tune and serve measure it; graphmode/kb/measure.py)
+    max_p99_over_p50: Optional[Annotated[float, BeforeValidator(_number(float, ge=1, le=MAX_FACTOR))]] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> Any:
+        """Added after recipes were first hashed: left out while unset, so their stamps do not change."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("max_p99_over_p50") is None:
+            out.pop("max_p99_over_p50", None)
+        return out
 
 
 class Requires(_Spec):
@@ -378,8 +364,6 @@ class ModelSpec(_Spec):
 def _inline_target(v: Any) -> Any:
     """Inline target specs go through the registry's checks (units like '80 GiB' allowed)."""
     if isinstance(v, dict):
-        from graphmode.errors import TargetError
-        from graphmode.targets.registry import target_from_dict
         try:
             return target_from_dict(v, source="inline target")
         except TargetError as e:
@@ -448,17 +432,12 @@ class Recipe(_Spec):
         return isinstance(other, Recipe) and self.model_dump() == other.model_dump()
 
     def __hash__(self) -> int:
-        return hash(self.hash())
+        return hash(recipe_hash(self))
 
-    # -- convenience views (implemented in sibling modules) --
+    # -- provenance: where the recipe was read from and what resolution did (not content) --
     def line_of(self, path: str) -> int | None:
         """YAML line of `path` (or its nearest ancestor) when loaded from YAML."""
-        while path:
-            if path in self._lines:
-                return self._lines[path]
-            cut = max(path.rfind("."), path.rfind("["))
-            path = path[:cut] if cut > 0 else ""
-        return self._lines.get("", None)
+        return nearest_line(self._lines, path)
 
     @property
     def source(self) -> str | None:
@@ -474,39 +453,28 @@ class Recipe(_Spec):
         """What resolution did (e.g. bank names -> ids, or why an affinity does not apply)."""
         return list(self._notes)
 
+    # -- derived views, computed by functions (buckets.py, hashing.py, symbolic.py) that new code
+    #    calls directly; these methods delegate for the callers written against them --
     def hash(self) -> str:
-        from graphmode.recipe.diff import recipe_hash
         return recipe_hash(self)
 
     def pipeline(self) -> list[str]:
         return self.optimize.pipeline()
 
     def dim_buckets(self) -> dict[str, list[int]]:
-        from graphmode.recipe.buckets import dim_buckets
-        return dim_buckets(self)
+        return bucketing.dim_buckets(self)
 
     def buckets(self) -> list[dict[str, int]]:
-        """Every bucket: the cross product of each dim's bucket values (one plan each)."""
-        from graphmode.recipe.buckets import cross_product
-        return cross_product(self.dim_buckets())
+        return bucketing.all_buckets(self)
 
     def plans_count(self) -> int:
-        n = 1
-        for vals in self.dim_buckets().values():
-            n *= len(vals)
-        return n
+        return bucketing.plans_count(self)
 
     def bucket_for(self, shape: dict[str, int]) -> dict[str, int] | None:
-        """Smallest admissible bucket holding a request's dim values, or None if outside the contract."""
-        from graphmode.recipe.buckets import bucket_for
-        return bucket_for(self, shape)
+        return bucketing.bucket_for(self, shape)
 
     def dim_range(self, dim: str) -> tuple[int, int]:
-        """Inclusive range of request values admissible for `dim`."""
-        from graphmode.recipe.buckets import dim_range
-        return dim_range(self.dims[dim])
+        return bucketing.dim_range(self.dims[dim])
 
     def is_symbolic(self) -> bool:
-        """True when some value still needs a target (`${...}` or bank names)."""
-        from graphmode.recipe.resolve import has_symbolic
-        return has_symbolic(self)
+        return symbolic.has_symbolic(self)

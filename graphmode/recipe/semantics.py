@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from graphmode.errors import RecipeError
+from graphmode.errors import RecipeError, TargetError
 from graphmode.recipe.buckets import count_plans, dim_range, dim_synthesis
 from graphmode.recipe.facts import kv_params
-from graphmode.recipe.schema import DTYPE_SIZES, FLOAT_LIMITS, INT_LIMITS, Recipe
+from graphmode.recipe.limits import DTYPE_SIZES, FLOAT_LIMITS, INT_LIMITS
+from graphmode.recipe.schema import Recipe
+from graphmode.targets.registry import HOST, get_target
 
 
 # ---- environment for `requires` ------------------------------------------------------------
@@ -157,7 +159,7 @@ class _Checker:
                 continue
             if d.min is None or d.max is None:
                 missing = "min" if d.min is None else "max"
-                self.err(f"{p}.{missing}", f"a range dim needs both min and max (or explicit buckets)",
+                self.err(f"{p}.{missing}", "a range dim needs both min and max (or explicit buckets)",
                          fix=f"add `{missing}:` or `buckets: [...]`")
                 continue
             if d.min > d.max:
@@ -355,11 +357,6 @@ class _Checker:
         for i, n in enumerate(names):
             if first.setdefault(n, i) != i:
                 self.err(f"targets[{i}]", "duplicate target", n)
-        try:
-            from graphmode.targets.registry import HOST, get_target
-        except ImportError:
-            return
-        from graphmode.errors import TargetError
         for i, t in enumerate(self.r.targets):
             if isinstance(t, str) and t.strip().lower() != HOST and first[t] == i:
                 try:

@@ -24,7 +24,11 @@ from __future__ import annotations
 import ast
 import math
 import re
-from typing import Any
+from typing import Any, Callable
+
+from graphmode.errors import TargetError
+from graphmode.recipe.lines import join
+from graphmode.targets.registry import resolve_group
 
 SYM_RE = re.compile(r"\$\{(.*)\}", re.S)       # used with fullmatch: `$` would accept a trailing newline
 MAX_EXPR_CHARS = 200
@@ -53,6 +57,34 @@ class SymbolicError(ValueError):
 
 def is_symbolic(value: Any) -> bool:
     return isinstance(value, str) and SYM_RE.fullmatch(value.strip()) is not None
+
+
+def walk(value: Any, path: str, fn: Callable[[Any, str], Any]) -> Any:
+    """`value` (nested dicts and lists) with every leaf replaced by fn(leaf, its field path)."""
+    if isinstance(value, dict):
+        return {k: walk(v, join(path, k), fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [walk(v, join(path, i), fn) for i, v in enumerate(value)]
+    return fn(value, path)
+
+
+def symbolic_paths(recipe: Any) -> list[str]:
+    """Field paths of every `${...}` value of a recipe, plus bank names under memory.bank_affinity:
+    what resolving on a target will replace."""
+    out: list[str] = []
+
+    def visit(v: Any, path: str) -> Any:
+        if is_symbolic(v):
+            out.append(path)
+        return v
+    walk(recipe.model_dump(mode="python", exclude={"targets"}), "", visit)
+    out += [f"memory.bank_affinity[{i}]" for i, b in enumerate(recipe.memory.bank_affinity) if isinstance(b, str)]
+    return out
+
+
+def has_symbolic(recipe: Any) -> bool:
+    """True when some value of the recipe still needs a target."""
+    return bool(symbolic_paths(recipe))
 
 
 def parse(text: str) -> ast.Expression:
@@ -154,8 +186,6 @@ def _lookup(parts: list[str], target: Any) -> float:
             raise SymbolicError(f"target {name!r} has no peak_flops for {rest[1]!r}; "
                                 f"it has: {', '.join(sorted(target.peak_flops)) or 'none'}")
         return v / 1e12 if rest[0] == "peak_tflops" else v
-    from graphmode.errors import TargetError
-    from graphmode.targets.registry import resolve_group
     try:
         v: Any = resolve_group(target, rest[1], rest[2])
     except TargetError as e:
@@ -223,8 +253,6 @@ def resolve_banks(names: list[str | int], target: Any) -> tuple[list[int] | None
 
     Returns (bank ids, or None when the target declares no memory banks; [(index, problem)]).
     """
-    from graphmode.errors import TargetError
-    from graphmode.targets.registry import resolve_group
     if not names:
         return [], []
     if not target.groups.get("memory_banks"):

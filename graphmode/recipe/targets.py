@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from graphmode.targets.registry import get_target, load_target_file
 from graphmode.targets.schema import Target
 
 
@@ -16,7 +17,6 @@ def pick_target(recipe: Any, ref: Any = None, *, cache_dir: str | Path | None = 
     """Resolve `ref` (or the recipe's default) to a Target; raises TargetError.
 
     `cache_dir` is where the registry keeps the `host` probe (its default when None)."""
-    from graphmode.targets.registry import get_target, load_target_file
     if isinstance(ref, Target):
         return ref
     if ref is None:

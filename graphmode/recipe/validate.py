@@ -9,6 +9,8 @@ from graphmode.errors import ConstraintError, RecipeError, RecipeErrors
 from graphmode.recipe.buckets import Synthesis, dim_synthesis
 from graphmode.recipe.constraints import DEFAULT_TIMEOUT_MS, ConstraintModel, Proof, prove_all
 from graphmode.recipe.facts import ModelFacts
+from graphmode.recipe.hashing import recipe_hash
+from graphmode.recipe.resolve import resolve
 from graphmode.recipe.schema import Recipe
 from graphmode.recipe.semantics import Environment, RequireCheck, check_semantics
 from graphmode.recipe.targets import pick_target
@@ -118,18 +120,17 @@ def validate(recipe: Recipe, target: Any = None, model_facts: ModelFacts | None 
     report.target = tgt
     t0 = time.perf_counter()
     try:
-        from graphmode.recipe.resolve import resolve
         resolved = resolve(recipe, tgt)
     except RecipeErrors as e:
         report.errors = list(e.errors)
         report.layers.append(LayerResult("semantics", "failed", time.perf_counter() - t0,
                                          f"{len(e.errors)} value(s) do not resolve on {tgt.name!r}"))
         report.layers.append(LayerResult("constraints", "skipped", 0.0, "semantic errors"))
-        report.hash = recipe.hash()
+        report.hash = recipe_hash(recipe)
         return report
     report.recipe = resolved
     report.notes = resolved.notes
-    report.hash = resolved.hash()
+    report.hash = recipe_hash(resolved)
     sem = check_semantics(resolved, tgt, env)
     report.errors, report.warnings, report.requires = sem.errors, sem.warnings, sem.requires
     report.layers.append(LayerResult("semantics", "failed" if sem.errors else "ok", time.perf_counter() - t0,

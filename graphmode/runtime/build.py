@@ -1,5 +1,5 @@
-"""Build one bucket's executable: memory plan -> ExecutionPlan -> backend executable,
-through the artifact cache (a hit skips planning).
+"""Build one bucket's executable: memory plan -> ExecutionPlan -> the model's backend
+(backends/registry.py) -> its executable, through the artifact cache (a hit skips planning).
 
 A cached plan is used only after `load_plan` has re-derived and checked it against the graph
 and the key it was looked up under; one that fails is a `corrupt` cache event, removed and
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from graphmode.backends.cpu.executor import CpuExecutable, KernelProvider  # noqa: F401 - re-exported
+from graphmode.backends import Executable, get_backend
 from graphmode.errors import CacheError, PlanError
 from graphmode.plan.execution import ExecutionPlan, load_plan, lower
 from graphmode.runtime.cache import ArtifactCache, default_cache_dir, make_key
@@ -31,11 +30,6 @@ def attach_bodies(plan: ExecutionPlan, graph) -> ExecutionPlan:
     """Fused bodies are not serialised in the plan: take them from the graph it was built from."""
     plan.body_graphs = {i.node_index: graph.nodes[i.node_index] for i in plan.instructions if i.kind == "kernel"}
     return plan
-
-
-def kernel_provider(cache_dir=None, threads: int | None = None) -> KernelProvider:
-    from graphmode.backends.cpu.provider import GeneratedKernels
-    return GeneratedKernels(cache_dir=cache_dir, threads=threads)
 
 
 def cache_key(cm, env: dict[str, int]) -> dict[str, str]:
@@ -64,8 +58,9 @@ def _scratch_dir() -> Path:
     return Path(_SCRATCH[0].name) / "kernels"
 
 
-def build_executable(cm, env: dict[str, int]) -> tuple[Any, bool]:
-    """(executable, came_from_cache)."""
+def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
+    """(executable, came_from_cache). The backend is the one registered as `cm.device`; its
+    compiled kernels go to the artifact cache's kernel folder."""
     cache = _open_cache(cm)
     plan = None
     key = cache_key(cm, env)
@@ -93,10 +88,8 @@ def build_executable(cm, env: dict[str, int]) -> tuple[Any, bool]:
         kdir = default_cache_dir() / "kernels"
     else:
         kdir = _scratch_dir()
-    provider = kernel_provider(kdir, cm.threads)
-    seen = len(provider.builder.events)
-    exe = CpuExecutable(plan, cm.graph.constants, kernels=provider, threads=cm.threads,
-                        tactics=recipe.codegen.kernel_selection)
-    events = (cache.events if cache is not None else []) + provider.builder.events[seen:]
+    exe = get_backend(cm.device).executable(plan, cm.graph.constants, kernel_dir=kdir, threads=cm.threads,
+                                            kernel_selection=recipe.codegen.kernel_selection)
+    events = (cache.events if cache is not None else []) + exe.events
     cm.cache_events = getattr(cm, "cache_events", []) + events
     return exe, cached

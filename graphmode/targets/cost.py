@@ -80,7 +80,8 @@ class Prediction:
 
 
 class Calibration(BaseModel):
-    """Per-target corrections fitted from measurements (one JSON file per target).
+    """Per-target corrections fitted from measurements (one JSON file per target, by default
+    `graphmode.paths.CacheLayout.calibration(target)`, written by `graphmode profile --calibrate`).
 
     `op_efficiency[kind]` is the achieved fraction of the roofline time for that op kind
     (may exceed 1 when e.g. data stays in cache; refined kinds use `|`, see `efficiency`);
@@ -130,12 +131,6 @@ class Calibration(BaseModel):
     def overhead_seconds(self, target: Target) -> float:
         us = self.overhead_us if self.overhead_us is not None else target.launch_overhead_us
         return us * 1e-6
-
-    @staticmethod
-    def default_path(target_name: str, cache_dir: str | Path | None = None) -> Path:
-        """<cache_dir>/calibration/<target>.json (cache_dir default ~/.cache/graphmode/targets)."""
-        base = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "graphmode" / "targets"
-        return base / "calibration" / f"{target_name}.json"
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":

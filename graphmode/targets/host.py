@@ -7,7 +7,7 @@ Two halves:
   scaled per dtype by what the ISA offers (bf16 dot products, VNNI, AMX, ...).
 - a *probe* measured with torch (~1-2 s): an fp32 GEMM and a bf16 GEMM at the configured
   thread count, a large memory copy, the dispatch cost of a tiny op. It is cached as JSON
-  (default ~/.cache/graphmode/targets/host.json) under a key of CPU model, core count,
+  (`<cache root>/targets/host.json`, see graphmode.paths) under a key of CPU model, core count,
   thread count and torch version, and measured again when the key changes, when asked
   (`reprobe=True`), or when the file is unreadable (with a `HostProbeWarning`).
 
@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from graphmode.errors import TargetError
+from graphmode.paths import cache_layout
 from graphmode.targets.schema import Target
+from graphmode.targets.units import parse_bytes
 
 PROBE_VERSION = 1
 CACHE_FILE = "host.json"
@@ -55,7 +57,8 @@ class HostProbeWarning(UserWarning):
 
 
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "graphmode" / "targets"
+    """Where the probe is kept when no `cache_dir` is given."""
+    return cache_layout().targets
 
 
 # ----------------------------------------------------------------------------- parsers
@@ -154,15 +157,6 @@ def parse_cpuinfo(text: str) -> CpuInfo:
     return info
 
 
-def parse_size(s: str) -> int:
-    """sysfs/cpuinfo cache size: '32K', '1024K', '32768K', '1 MB', '512 KB' (binary) -> bytes."""
-    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*$", s.strip(), re.I)
-    if not m:
-        raise ValueError(f"unreadable size {s!r}")
-    mult = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[m.group(2).upper()]
-    return int(float(m.group(1)) * mult)
-
-
 def parse_meminfo(text: str) -> int | None:
     """MemTotal from /proc/meminfo text -> bytes."""
     m = re.search(r"^MemTotal:\s*(\d+)\s*kB", text, re.M)
@@ -206,7 +200,7 @@ def parse_caches(sys_cpu_root: str | Path, cpus: set[int] | None = None) -> list
             try:
                 level = int((idx / "level").read_text().strip())
                 ctype = (idx / "type").read_text().strip()
-                size = parse_size((idx / "size").read_text())
+                size = parse_bytes((idx / "size").read_text())   # "32K": binary, as sysfs writes it
             except (OSError, ValueError):
                 continue
             try:
@@ -649,6 +643,6 @@ def detect_host(*, cache_dir: str | Path | None = None, reprobe: bool = False, f
 
 __all__ = ["CpuInfo", "CacheLevel", "HostFacts", "HostProbeWarning", "MicroArch", "build_host_target",
            "clock_mhz", "detect_host", "detect_host_facts", "flops_per_cycle_per_core", "load_probe_cache",
-           "microarch", "parse_caches", "parse_cpu_list", "parse_cpuinfo", "parse_meminfo", "parse_size",
+           "microarch", "parse_caches", "parse_cpu_list", "parse_cpuinfo", "parse_meminfo",
            "run_probe", "save_probe_cache", "simd_features", "theoretical_peaks", "vector_registers",
            "vector_width_bits"]

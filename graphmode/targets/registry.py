@@ -83,7 +83,7 @@ def _shipped_target(name: str) -> Target:
 
 def get_target(name: str, *, cache_dir: str | Path | None = None, reprobe: bool = False) -> Target:
     """The target called `name`. `host` detects this machine (probe cached under `cache_dir`,
-    default ~/.cache/graphmode/targets; `reprobe=True` measures again). Unknown name ->
+    default `graphmode.paths.CacheLayout.targets`; `reprobe=True` measures again). Unknown name ->
     TargetError listing the known names and the nearest match."""
     key = _normalize_name(name)
     if key == HOST:

@@ -29,16 +29,6 @@ class OutputCheck:
 
 
 @dataclass
-class BucketCheck:
-    bucket: dict[str, int]
-    outputs: list[OutputCheck]
-
-    @property
-    def ok(self) -> bool:
-        return all(o.ok for o in self.outputs)
-
-
-@dataclass
 class Divergence:
     pass_name: str | None            # the first pass after which the graph disagrees with eager
     node: str | None                 # "%value = op(...)" of the first diverging node
@@ -128,10 +118,6 @@ def bisect_plan(graph: Graph, executable, inputs: Mapping[str, torch.Tensor], to
                         return Divergence(None, f"%{o} = {ins.op}({args})", ins.op, e, "plan",
                                           {"instruction": ins.kind})
     return Divergence(None, None, None, 0.0, "plan")
-
-
-# ops whose numerics are most sensitive to low precision: the first candidates for an fp32 override
-SENSITIVE = ("softmax", "layer_norm", "sdpa", "log_softmax", "sum", "mean", "exp", "pow")
 
 
 def propose_fix(recipe, divergence: Divergence) -> dict[str, Any] | None:

@@ -1,10 +1,13 @@
-"""CPU backend: generated C++ kernels for fused groups, ATen/oneDNN for GEMM and conv."""
-from graphmode.backends.cpu.build import KernelBuilder, compiler_available
-from graphmode.backends.cpu.codegen import (ELEMENTWISE_OPS, GEMM_OPS, ROW_REDUCTIONS, KernelSource, generate,
-                                            generate_all, split_gemm_epilogue, translation_unit)
-from graphmode.backends.cpu.executor import CpuExecutable, KernelProvider
-from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary, run_with_tensors
+"""CPU backend: generated C++ kernels for fused groups and slow single ops, tuned generated
+GEMM/conv kernels or ATen/oneDNN, over one host arena per bucket (backend.py).
 
-__all__ = ["KernelBuilder", "compiler_available", "ELEMENTWISE_OPS", "GEMM_OPS", "ROW_REDUCTIONS", "KernelSource",
-           "generate", "generate_all", "split_gemm_epilogue", "translation_unit", "CpuExecutable",
-           "KernelProvider", "CompiledKernel", "CompiledLibrary", "run_with_tensors"]
+Layers, each importing only those before it:
+  abi, cexpr, isa, attrs, tensors, lowering   the kernel ABI, C scalar expressions, the claim registry
+  groups, emit, rowwise, codegen, epilogue    fused-group analysis and C++ generation
+  gemm, conv, im2col, winograd                GEMM/conv kernel generators
+  native, pool, movement, attention, aten     single-op lowerings (native kernels, ATen steps)
+  kernels, build                              compiling and loading kernel libraries
+  catalog                                     every lowering registered
+  tactics/                                    GEMM/conv candidates, timing + cache, selection
+  binding, executor, backend                  binding a plan's steps; the executable; the Backend
+"""

@@ -45,19 +45,23 @@ Per task:
 Micro-kernels are templates over a vector-traits struct: AVX-512 (16 lanes), AVX2+FMA (8) and
 a portable C struct (8), each behind `#if` on the compiler's own macros as in gemm.py, so a
 kernel built for a host without AVX-512 takes the next path instead of failing to build.
+The static C++ (vector traits, micro-kernels, the task body) is in templates/attention*.h;
+this module writes the shape constants and the tile loops around the micro-kernels.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 
-from graphmode.backends.cpu.codegen import KernelSource
-from graphmode.backends.cpu.native import register_native
-from graphmode.ir.types import TORCH_TO_DTYPE, TensorType
+from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source, template
+from graphmode.backends.cpu.cexpr import lit
+from graphmode.backends.cpu.isa import ISA_GUARD
+from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowers, refused
+from graphmode.backends.cpu.tensors import dtype_of
+from graphmode.ir.types import TensorType
 
 MAX_SK = 16384          # per-thread scratch is (D + QB) x Sk floats; beyond, ATen's online softmax
 MAX_HEAD_DIM = 256
@@ -80,7 +84,6 @@ class AttnTiles:
 # AVX-512: 32 registers (24 accumulators + the B vectors; the broadcast folds into the FMA);
 # AVX2 and portable: 16 registers, as gemm.py's tiles for the same ISAs.
 TILES = {"avx512": AttnTiles(16, 8, 2, 8, 3), "avx2": AttnTiles(8, 6, 2, 6, 2), "portable": AttnTiles(8, 4, 2, 4, 2)}
-_GUARD = {"avx512": "defined(__AVX512F__)", "avx2": "defined(__AVX2__) && defined(__FMA__)"}
 _TRAITS = {"avx512": "gm_attn_v512", "avx2": "gm_attn_v256", "portable": "gm_attn_vc"}
 
 
@@ -111,196 +114,7 @@ class AttnProblem:
         return f"sdpa [{self.b},{self.h}] q {self.sq}x{self.d} kv {self.sk}x{self.e}{c}{m} scale {self.scale!r}"
 
 
-# ------------------------------------------------------------------------------ C++ common
-
-_COMMON = r"""
-#ifndef GM_ATTN_COMMON_H
-#define GM_ATTN_COMMON_H
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#ifndef _MM_MALLOC_H_INCLUDED
-#define _MM_MALLOC_H_INCLUDED
-#endif
-#ifndef __MM_MALLOC_H
-#define __MM_MALLOC_H
-#endif
-#include <immintrin.h>
-#endif
-#define GM_ATTN_UNROLL _Pragma("GCC unroll 64")
-#define GM_ATTN_FI __attribute__((always_inline)) inline
-
-// Vector traits: L lanes; loadn/storen touch only the first N lanes (the E tail of V / O).
-#if defined(__AVX512F__)
-struct gm_attn_v512 {
-  typedef __m512 V;
-  static constexpr int L = 16;
-  static GM_ATTN_FI V zero() { return _mm512_setzero_ps(); }
-  static GM_ATTN_FI V set1(float x) { return _mm512_set1_ps(x); }
-  static GM_ATTN_FI V load(const float* p) { return _mm512_loadu_ps(p); }
-  template <int N> static GM_ATTN_FI V loadn(const float* p) {
-    return _mm512_maskz_loadu_ps((__mmask16)((1u << N) - 1u), p);
-  }
-  static GM_ATTN_FI V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static GM_ATTN_FI V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static GM_ATTN_FI void store(float* p, V x) { _mm512_storeu_ps(p, x); }
-  template <int N> static GM_ATTN_FI void storen(float* p, V x) {
-    _mm512_mask_storeu_ps(p, (__mmask16)((1u << N) - 1u), x);
-  }
-  // dst[c][r] = src[r][c] for a 16 x 16 block (unpack / shuffle / lane-permute stages)
-  static GM_ATTN_FI void tblock(const float* __restrict src, long lds, float* __restrict dst, long ldd) {
-    __m512 r[16], t[16];
-    GM_ATTN_UNROLL for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
-    GM_ATTN_UNROLL for (int i = 0; i < 8; ++i) {
-      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    GM_ATTN_UNROLL for (int i = 0; i < 4; ++i) {
-      r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-      r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-      r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-      r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    GM_ATTN_UNROLL for (int i = 0; i < 4; ++i) {
-      t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
-      t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
-      t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
-      t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
-    }
-    GM_ATTN_UNROLL for (int i = 0; i < 8; ++i) {
-      _mm512_storeu_ps(dst + i * ldd, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
-      _mm512_storeu_ps(dst + (8 + i) * ldd, _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
-    }
-  }
-};
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-struct gm_attn_v256 {
-  typedef __m256 V;
-  static constexpr int L = 8;
-  template <int N> static GM_ATTN_FI __m256i lanes() {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(N), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  }
-  static GM_ATTN_FI V zero() { return _mm256_setzero_ps(); }
-  static GM_ATTN_FI V set1(float x) { return _mm256_set1_ps(x); }
-  static GM_ATTN_FI V load(const float* p) { return _mm256_loadu_ps(p); }
-  template <int N> static GM_ATTN_FI V loadn(const float* p) { return _mm256_maskload_ps(p, lanes<N>()); }
-  static GM_ATTN_FI V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static GM_ATTN_FI V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static GM_ATTN_FI void store(float* p, V x) { _mm256_storeu_ps(p, x); }
-  template <int N> static GM_ATTN_FI void storen(float* p, V x) { _mm256_maskstore_ps(p, lanes<N>(), x); }
-  // dst[c][r] = src[r][c] for an 8 x 8 block
-  static GM_ATTN_FI void tblock(const float* __restrict src, long lds, float* __restrict dst, long ldd) {
-    __m256 r[8], t[8];
-    GM_ATTN_UNROLL for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
-    GM_ATTN_UNROLL for (int i = 0; i < 4; ++i) {
-      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    GM_ATTN_UNROLL for (int i = 0; i < 2; ++i) {
-      r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-      r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-      r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-      r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    GM_ATTN_UNROLL for (int i = 0; i < 4; ++i) {
-      _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
-      _mm256_storeu_ps(dst + (4 + i) * ldd, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
-    }
-  }
-};
-#endif
-// Portable C: 8 lanes as a struct of floats (the compiler vectorises what it can).
-struct gm_attn_vc {
-  struct V { float x[8]; };
-  static constexpr int L = 8;
-  static GM_ATTN_FI V zero() { V r; for (int l = 0; l < 8; ++l) r.x[l] = 0.0f; return r; }
-  static GM_ATTN_FI V set1(float a) { V r; for (int l = 0; l < 8; ++l) r.x[l] = a; return r; }
-  static GM_ATTN_FI V load(const float* p) { V r; for (int l = 0; l < 8; ++l) r.x[l] = p[l]; return r; }
-  template <int N> static GM_ATTN_FI V loadn(const float* p) {
-    V r; for (int l = 0; l < 8; ++l) r.x[l] = l < N ? p[l] : 0.0f; return r;
-  }
-  static GM_ATTN_FI V fma(V a, V b, V c) {
-    V r; for (int l = 0; l < 8; ++l) r.x[l] = GM_FMA(a.x[l], b.x[l], c.x[l]); return r;
-  }
-  static GM_ATTN_FI V mul(V a, V b) { V r; for (int l = 0; l < 8; ++l) r.x[l] = a.x[l] * b.x[l]; return r; }
-  static GM_ATTN_FI void store(float* p, V a) { for (int l = 0; l < 8; ++l) p[l] = a.x[l]; }
-  template <int N> static GM_ATTN_FI void storen(float* p, V a) { for (int l = 0; l < N; ++l) p[l] = a.x[l]; }
-  static GM_ATTN_FI void tblock(const float* __restrict src, long lds, float* __restrict dst, long ldd) {
-    for (int c = 0; c < 8; ++c)
-      for (int r = 0; r < 8; ++r) dst[c * ldd + r] = src[r * lds + c];
-  }
-};
-
-// S[MR x NV*L] = (A[MR x kd] * B[kd x NV*L]) * scale: A rows broadcast (Q, row-major), B rows as
-// vectors (K^T, padded to whole vectors, so no masking).
-template <class T, int MR, int NV>
-GM_INLINE void gm_attn_qk(long kd, const float* __restrict a, long lda, const float* __restrict b, long ldb,
-                          float* __restrict c, long ldc, float scale) {
-  typename T::V acc[MR][NV];
-  GM_ATTN_UNROLL for (int i = 0; i < MR; ++i)
-    GM_ATTN_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = T::zero();
-  for (long d = 0; d < kd; ++d) {
-    typename T::V bv[NV];
-    GM_ATTN_UNROLL for (int v = 0; v < NV; ++v) bv[v] = T::load(b + d * ldb + v * T::L);
-    GM_ATTN_UNROLL for (int i = 0; i < MR; ++i) {
-      const typename T::V av = T::set1(a[i * lda + d]);
-      GM_ATTN_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = T::fma(av, bv[v], acc[i][v]);
-    }
-  }
-  const typename T::V sc = T::set1(scale);
-  GM_ATTN_UNROLL for (int i = 0; i < MR; ++i)
-    GM_ATTN_UNROLL for (int v = 0; v < NV; ++v) T::store(c + i * ldc + v * T::L, T::mul(acc[i][v], sc));
-}
-
-// O[MR x ((NV-1)*L + LAST)] = (P[MR x kj] * V[kj x ...]) * r[i]: P broadcast, V rows as vectors
-// (the last vector masked to LAST lanes: V and O rows end there).
-template <class T, int MR, int NV, int LAST>
-GM_INLINE void gm_attn_pv(long kj, const float* __restrict p, long ldp, const float* __restrict v, long ldv,
-                          const float* __restrict r, float* __restrict o, long ldo) {
-  typename T::V acc[MR][NV];
-  GM_ATTN_UNROLL for (int i = 0; i < MR; ++i)
-    GM_ATTN_UNROLL for (int u = 0; u < NV; ++u) acc[i][u] = T::zero();
-  for (long j = 0; j < kj; ++j) {
-    typename T::V vv[NV];
-    GM_ATTN_UNROLL for (int u = 0; u < NV; ++u)
-      vv[u] = (u == NV - 1 && LAST < T::L) ? T::template loadn<LAST>(v + j * ldv + u * T::L)
-                                           : T::load(v + j * ldv + u * T::L);
-    GM_ATTN_UNROLL for (int i = 0; i < MR; ++i) {
-      const typename T::V pv = T::set1(p[i * ldp + j]);
-      GM_ATTN_UNROLL for (int u = 0; u < NV; ++u) acc[i][u] = T::fma(pv, vv[u], acc[i][u]);
-    }
-  }
-  GM_ATTN_UNROLL for (int i = 0; i < MR; ++i) {
-    const typename T::V ri = T::set1(r[i]);
-    GM_ATTN_UNROLL for (int u = 0; u < NV; ++u) {
-      if (u == NV - 1 && LAST < T::L) T::template storen<LAST>(o + i * ldo + u * T::L, T::mul(acc[i][u], ri));
-      else T::store(o + i * ldo + u * T::L, T::mul(acc[i][u], ri));
-    }
-  }
-}
-
-// K^T [d][ldt] from K [sk][d] (row-major): whole L x L blocks in registers, the edges scalar.
-template <class T>
-GM_INLINE void gm_attn_transpose(const float* __restrict k, long sk, long d, float* __restrict kt, long ldt) {
-  constexpr long L = T::L;
-  const long sk0 = sk - sk % L, d0 = d - d % L;
-  for (long j = 0; j < sk0; j += L) {
-    for (long c = 0; c < d0; c += L) T::tblock(k + j * d + c, d, kt + c * ldt + j, ldt);
-    for (long c = d0; c < d; ++c)
-      for (long jj = j; jj < j + L; ++jj) kt[c * ldt + jj] = k[jj * d + c];
-  }
-  for (long c = 0; c < d; ++c)
-    for (long jj = sk0; jj < sk; ++jj) kt[c * ldt + jj] = k[jj * d + c];
-}
-#endif  // GM_ATTN_COMMON_H
-"""
-
-
 # ------------------------------------------------------------------------------ generation
-
-def _f32_literal(x: float) -> str:
-    """A C float literal of exactly float32(x) (hex: no decimal round trip)."""
-    return float(torch.tensor(x, dtype=torch.float32).item()).hex() + "f"
-
 
 def _chunks(nvec: int, most: int) -> list[int]:
     """`nvec` vectors split into the fewest chunks of at most `most`, sizes as even as possible."""
@@ -399,121 +213,22 @@ def generate_attention(p: AttnProblem, *, parallel: bool | None = None) -> str:
              f"constexpr long H = {p.h}, SQ = {p.sq}, SK = {p.sk}, D = {p.d}, E = {p.e};",
              f"constexpr long QB = {qb}, NQB = {nqb}, SKP = {skp}, TASKS = {tasks};",
              f"constexpr long MSB = {msb}, MSH = {msh}, MSI = {msi}, MSJ = {msj};",
-             f"constexpr float SCALE = {_f32_literal(p.scale)};",
+             f"constexpr float SCALE = {lit(p.scale, 'f32')};",
              f"constexpr int MASK = {dict(zip(('', 'bool', 'f32'), range(3)))[p.mask]};  // 0 none, 1 bool, 2 additive f32",
              f"constexpr bool CAUSAL = {'true' if p.causal else 'false'};",
              f"typedef {mtype} mask_t;"]
     for isa in ("avx512", "avx2"):
-        lines.append(("#if " if isa == "avx512" else "#elif ") + _GUARD[isa])
+        lines.append(("#if " if isa == "avx512" else "#elif ") + ISA_GUARD[isa])
         lines += _isa_section(isa, p, qb)
     lines.append("#else")
     lines += _isa_section("portable", p, qb)
     lines.append("#endif")
-    lines += [
-        "",
-        "// keys this row attends lie below the returned index (0: none)",
-        "GM_INLINE long row_extent(const mask_t* __restrict m, long kend) {",
-        "  if (MASK == 0) return kend;",
-        "  if (MSJ == 0) return (MASK == 1 ? m[0] != 0 : m[0] != -GM_INF) ? kend : 0;",
-        "  long j = kend;",
-        "  if (MASK == 1) {",
-        "    while (j >= 8) {",
-        "      __UINT64_TYPE__ w; __builtin_memcpy(&w, (const uint8_t*)m + j - 8, 8);",
-        "      if (w) break;",
-        "      j -= 8;",
-        "    }",
-        "    while (j > 0 && !m[j - 1]) --j;",
-        "  } else {",
-        "    while (j > 0 && m[j - 1] == -GM_INF) --j;",
-        "  }",
-        "  return j;",
-        "}",
-        "",
-        "// one (batch, head, query block): kt holds this head's K^T when *cached == bh",
-        "void task(const float* __restrict q, const float* __restrict k, const float* __restrict v,",
-        "          const mask_t* __restrict m, float* __restrict o, long t, float* __restrict kt,",
-        "          float* __restrict s, float* __restrict rs, long* cached) {",
-        "  (void)m;",
-        "  const long bh = t / NQB, i0 = (t % NQB) * QB;",
-        "  const long nrows = SQ - i0 < QB ? SQ - i0 : QB;",
-        "  const float* qp = q + (bh * SQ + i0) * D;",
-        "  const float* vp = v + bh * SK * E;",
-        "  float* op = o + (bh * SQ + i0) * E;",
-        "  const mask_t* mp = m ? m + (bh / H) * MSB + (bh % H) * MSH + i0 * MSI : (const mask_t*)0;",
-        "  long kend = SK;",
-        "  if (CAUSAL) kend = i0 + nrows < SK ? i0 + nrows : SK;",
-        "  if (MASK != 0) {",
-        "    long ext = 0;",
-        "    const long rows = MSI == 0 ? 1 : nrows;",
-        "    for (long r = 0; r < rows && ext < kend; ++r) {",
-        "      const long x = row_extent(mp + r * MSI, kend);",
-        "      ext = x > ext ? x : ext;",
-        "    }",
-        "    kend = ext;",
-        "  }",
-        "  if (kend == 0) {   // no row of the block attends any key: torch returns zeros",
-        "    for (long x = 0; x < nrows * E; ++x) op[x] = 0.0f;",
-        "    return;",
-        "  }",
-        "  if (*cached != bh) {",
-        "    gm_attn_transpose<VT>(k + bh * SK * D, SK, D, kt, SKP);",
-        "    *cached = bh;",
-        "  }",
-        "  const long nvec = (kend + VL - 1) / VL;",
-        "  @SYM@_qk(qp, kt, s, nrows, nvec);",
-        "  const long kend16 = (kend + 15) & ~15L;   // score rows are padded to SKP, a multiple of 16",
-        "  for (long r = 0; r < nrows; ++r) {",
-        "    float* __restrict sr = s + r * SKP;",
-        "    const mask_t* __restrict mr = mp + r * MSI;",
-        "    const long i = i0 + r;",
-        "    (void)mr; (void)i;",
-        "    float mx = -GM_INF;",
-        "    #pragma omp simd reduction(max:mx)",
-        "    for (long j = 0; j < kend; ++j) {",
-        "      float x = sr[j];",
-        "      if (MASK == 1) x = x + (mr[j * MSJ] ? 0.0f : -GM_INF);   // as torch: a masked NaN stays NaN",
-        "      if (MASK == 2) x = x + (float)mr[j * MSJ];",
-        "      if (CAUSAL) x = j <= i ? x : -GM_INF;",
-        "      sr[j] = x;",
-        "      mx = mx > x ? mx : x;",
-        "    }",
-        "    if (!(mx > -GM_INF)) {   // no attended key (or only NaN scores): 0 like torch, NaN if a NaN",
-        "      bool nan = false;",
-        "      for (long j = 0; j < kend; ++j) { nan |= sr[j] != sr[j]; sr[j] = 0.0f; }",
-        "      rs[r] = nan ? GM_NAN : 0.0f;",
-        "      continue;",
-        "    }",
-        "    // 16 partial sums and a tree at the end: an `omp simd reduction(+)` ends in a chain of",
-        "    // 16 dependent scalar adds per row (no reassociation without -ffast-math)",
-        "    for (long j = kend; j < kend16; ++j) sr[j] = -GM_INF;",
-        "    float part[16];",
-        "    for (int l = 0; l < 16; ++l) part[l] = 0.0f;",
-        "    for (long j0 = 0; j0 < kend16; j0 += 16) {",
-        "      #pragma omp simd",
-        "      for (int l = 0; l < 16; ++l) {",
-        "        const float x = sr[j0 + l] - mx;",
-        "        const float e = x < -87.0f ? 0.0f : gm_expf_nc(x);",
-        "        sr[j0 + l] = e;",
-        "        part[l] += e;",
-        "      }",
-        "    }",
-        "    for (int w = 8; w > 0; w >>= 1)",
-        "      for (int l = 0; l < w; ++l) part[l] += part[l + w];",
-        "    rs[r] = 1.0f / part[0];",
-        "  }",
-        "  @SYM@_pv(s, vp, rs, op, nrows, kend);",
-        "}",
-        "}  // namespace @SYM@_ns",
-        "",
-    ]
-    text = "\n".join(lines)
+    text = "\n".join(lines) + "\n" + template("attention_task.h") + "}  // namespace @SYM@_ns\n"
     nargs = 5 if p.mask else 4
-    params = ", ".join(f"void* p{i}" for i in range(nargs))
     mask_arg = "(const @SYM@_ns::mask_t*)p3" if p.mask else "(const @SYM@_ns::mask_t*)0"
     out_arg = f"(float*)p{nargs - 1}"
     scratch = "(D * SKP + QB * SKP + QB) * sizeof(float) + 64"   # K^T, the block's scores, 1/sum; + alignment
     body = [
-        f"GM_EXPORT void @SYM@({params}) {{",
         "  using namespace @SYM@_ns;",
         "  const float* q = (const float*)p0; const float* k = (const float*)p1; const float* v = (const float*)p2;",
         f"  const mask_t* m = {mask_arg};",
@@ -539,10 +254,7 @@ def generate_attention(p: AttnProblem, *, parallel: bool | None = None) -> str:
             "    for (long t = 0; t < TASKS; ++t) task(q, k, v, m, o, t, kt, s, rs, &cached);",
             "    free(raw);",
             "  }"]
-    body.append("}")
-    call = ", ".join(f"p[{i}]" for i in range(nargs))
-    body.append(f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({call}); }}")
-    return _COMMON + text + "\n".join(body) + "\n"
+    return template("attention.h") + text + "\n".join(entry_point(nargs, body)) + "\n"
 
 
 def problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping) -> AttnProblem | None:
@@ -600,23 +312,19 @@ def attention_source(p: AttnProblem, inputs: Sequence[str], outputs: Sequence[st
                      types: Mapping[str, TensorType], *, parallel: bool | None = None) -> KernelSource:
     """The KernelSource of problem `p` over the buffers `inputs` (q, k, v[, mask]) / `outputs`."""
     text = generate_attention(p, parallel=parallel)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    symbol = f"gm_attn_{digest}"
-    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=tuple(inputs),
-                        outputs=tuple(outputs), types=dict(types), kind="attention",
-                        parallel="#pragma omp parallel" in text, pattern=p.text)
+    return kernel_source("attn", text, inputs=tuple(inputs), outputs=tuple(outputs), types=dict(types),
+                         kind="attention", parallel="#pragma omp parallel" in text, pattern=p.text)
 
 
-@register_native("sdpa")
-def sdpa_native(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
-                env: Mapping[str, int], inputs: Sequence[str], outputs: Sequence[str]) -> KernelSource | None:
-    p = problem_of(ins_t, outs, attrs)
+@lowers("sdpa", tier=NATIVE)
+def sdpa(call: OpCall) -> Claim:
+    p = problem_of(call.ins, call.outs, call.attrs)
     if p is None:
-        return None
-    types = {n: TensorType(TORCH_TO_DTYPE[t.dtype], tuple(t.shape))
-             for n, t in zip(list(inputs) + list(outputs), list(ins_t) + list(outs))}
-    return attention_source(p, inputs, outputs, types)
+        return refused("an sdpa this kernel does not cover (dtype, dropout, broadcast q/k/v, mask, size)")
+    types = {n: TensorType(dtype_of(t), tuple(t.shape))
+             for n, t in zip(list(call.inputs) + list(call.outputs), list(call.ins) + list(call.outs))}
+    return claimed(lambda: attention_source(p, call.inputs, call.outputs, types))
 
 
 __all__ = ["TILES", "AttnProblem", "AttnTiles", "attention_source", "generate_attention", "problem_of",
-           "query_block", "sdpa_native"]
+           "query_block", "sdpa"]

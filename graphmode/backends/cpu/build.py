@@ -31,7 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from graphmode.backends.cpu.codegen import KernelSource, translation_unit
+from graphmode.backends.cpu.abi import KernelSource, translation_unit
 from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary
 from graphmode.errors import BackendError
 
@@ -507,10 +507,28 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def default_kernel_dir() -> Path:
+    return Path.home() / ".cache" / "graphmode" / "kernels"
+
+
+_BUILDERS: dict[tuple, KernelBuilder] = {}
+
+
+def builder_for(cache_dir: Path | str | None, threads: int | None) -> KernelBuilder:
+    """The process's builder for a kernel folder (default: ~/.cache/graphmode/kernels) and
+    thread count: one per pair, so its compiler probe and loaded libraries are shared."""
+    key = (str(cache_dir or default_kernel_dir()), threads)
+    b = _BUILDERS.get(key)
+    if b is None:
+        b = _BUILDERS[key] = KernelBuilder(cache_dir or default_kernel_dir(), threads=threads)
+    return b
+
+
 def compiler_available(compiler: str | None = None, cache_dir: Path | str | None = None) -> bool:
     """Whether generated kernels can be built here (probes once per process)."""
     cache = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "graphmode-probe"
     return KernelBuilder(cache, compiler).compiler_available()
 
 
-__all__ = ["KernelBuilder", "compiler_available", "DEFAULT_FLAGS", "library_problem", "elf_problem"]
+__all__ = ["KernelBuilder", "builder_for", "default_kernel_dir", "compiler_available", "DEFAULT_FLAGS",
+           "library_problem", "elf_problem"]

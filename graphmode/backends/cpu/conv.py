@@ -14,9 +14,9 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
-from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.backends.cpu.abi import KernelSource
+from graphmode.backends.cpu.attrs import pair
 from graphmode.backends.cpu.epilogue import Epilogue, conv_load
-from graphmode.errors import BackendError
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,6 @@ class ConvProblem:
             and max(self.padding) <= 2
 
 
-def _pair(v) -> tuple[int, int]:
-    return (int(v[0]), int(v[1])) if isinstance(v, (list, tuple)) else (int(v), int(v))
-
-
 def conv_problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
                     constant_ptrs: Mapping[int, Any] | set[int] | None = None) -> ConvProblem | None:
     """The conv a step computes, or None when only ATen can run it (non-f32, non-contiguous,
@@ -94,16 +90,18 @@ def conv_problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
     if x.dim() != 4 or wt.dim() != 4 or wt.data_ptr() not in (constant_ptrs or ()):
         return None
     groups = int(attrs.get("groups", 1) or 1)
+    stride, padding, dilation = (pair(attrs.get(k, d)) for k, d in (("stride", 1), ("padding", 0), ("dilation", 1)))
+    if stride is None or padding is None or dilation is None:
+        return None
     p = ConvProblem(x.shape[0], x.shape[1], x.shape[2], x.shape[3], wt.shape[0], wt.shape[2], wt.shape[3],
-                    _pair(attrs.get("stride", 1)), _pair(attrs.get("padding", 0)), _pair(attrs.get("dilation", 1)),
-                    groups, bias=len(ins_t) > 2 and ins_t[2] is not None)
+                    stride, padding, dilation, groups, bias=len(ins_t) > 2 and ins_t[2] is not None)
     if tuple(y.shape) != (p.n, p.cout, p.ho, p.wo) or wt.shape[1] * groups != p.cin:
         return None
     return p
 
 
 class ConvConfig(Protocol):
-    """What tactics.py needs of a generated conv candidate."""
+    """What tactic selection (tactics/) needs of a generated conv candidate."""
 
     @property
     def name(self) -> str: ...
@@ -117,18 +115,6 @@ class ConvConfig(Protocol):
     def workspace_numel(self, p: ConvProblem) -> int: ...
 
     def generate(self, p: ConvProblem, threads: int) -> KernelSource: ...
-
-
-def conv_config(name: str) -> ConvConfig:
-    """The candidate a name denotes (`wino4_<gemm>`, `wino2_<gemm>`, `im2col_<gemm>`)."""
-    if name.startswith("wino"):
-        from graphmode.backends.cpu.winograd import WinogradConfig
-        return WinogradConfig.parse(name)
-    if name.startswith("im2col_"):
-        from graphmode.backends.cpu.im2col import Im2colConfig
-        return Im2colConfig.parse(name)
-    raise BackendError(f"not a generated conv candidate: {name!r}", value=name,
-                       fix="wino<m>_<gemm config> or im2col_<gemm config>")
 
 
 def nhwc_pack_lines(p: ConvProblem, cp: int, hp: int, wp: int, par: str) -> list[str]:
@@ -176,12 +162,12 @@ def epilogue_types(p: ConvProblem) -> dict:
 
 
 @dataclass(frozen=True)
-class KernelAbi:
-    """The exported signature every conv kernel shares, `symbol(x, w', [bias,] e0.., ws, y)`,
-    and the C fragments its body needs to address those arguments."""
+class ConvArgs:
+    """The arguments every conv kernel takes, `symbol(x, w', [bias,] e0.., ws, y)` (the
+    entry point itself is abi.entry_point's), and the C fragments its body needs to address
+    them."""
 
     inputs: tuple[str, ...]   # KernelSource.inputs (y is the only output)
-    params: str               # the exported function's parameter list
     bias: str                 # the bias pointer expression (or nullptr)
     ws: str                   # the workspace parameter
     out: str                  # the output pointer expression
@@ -189,21 +175,18 @@ class KernelAbi:
     stage_args: str           # ", (const float*)pK, ..." to pass the epilogue operands to that stage
 
     @property
-    def packed_entry(self) -> str:
-        """`symbol_packed(void** p)`, the entry a bound step calls."""
-        args = ", ".join(f"p[{i}]" for i in range(len(self.inputs) + 1))
-        return f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({args}); }}"
+    def nargs(self) -> int:
+        return len(self.inputs) + 1
 
 
-def kernel_abi(p: ConvProblem, weight: str) -> KernelAbi:
+def conv_args(p: ConvProblem, weight: str) -> ConvArgs:
     n = len(p.epi.kinds) if p.epi is not None else 0
     inputs = ("x", weight) + (("bias",) if p.bias else ()) + tuple(f"e{i}" for i in range(n)) + ("ws",)
     first = len(inputs) - 1 - n
-    return KernelAbi(inputs, ", ".join(f"void* p{i}" for i in range(len(inputs) + 1)),
-                     "(const float*)p2" if p.bias else "nullptr", f"p{len(inputs) - 1}", f"(float*)p{len(inputs)}",
-                     "".join(f", const float* __restrict e{i}" for i in range(n)),
-                     "".join(f", (const float*)p{first + i}" for i in range(n)))
+    return ConvArgs(inputs, "(const float*)p2" if p.bias else "nullptr", f"p{len(inputs) - 1}",
+                    f"(float*)p{len(inputs)}", "".join(f", const float* __restrict e{i}" for i in range(n)),
+                    "".join(f", (const float*)p{first + i}" for i in range(n)))
 
 
-__all__ = ["ConvProblem", "ConvConfig", "conv_problem_of", "conv_config", "nhwc_pack_lines", "epilogue_store", "epilogue_types",
-           "KernelAbi", "kernel_abi"]
+__all__ = ["ConvProblem", "ConvConfig", "conv_problem_of", "nhwc_pack_lines", "epilogue_store", "epilogue_types",
+           "ConvArgs", "conv_args"]

@@ -28,15 +28,14 @@ from typing import Mapping, Sequence
 
 import torch
 
-from graphmode.backends.cpu.codegen import (ELEMENTWISE_OPS, _concrete_types, _lit, _Opnd, _op_expr, _scalar_of,
-                                            split_gemm_epilogue)
-from graphmode.errors import BackendError
+from graphmode.backends.cpu.cexpr import CTYPE, ELEMENTWISE_OPS, CValue, lit, op_expr, op_refusal
+from graphmode.backends.cpu.groups import concrete_types, gemm_epilogue_refusal, scalar_of, split_gemm_epilogue
+from graphmode.backends.cpu.lowering import Claim
 from graphmode.ir.graph import Node
 from graphmode.ir.ops import OPS
 from graphmode.ir.types import TensorType
 
 KINDS = ("full", "last", "chan", "scalar")
-_CT = {"f32": "float", "f64": "double", "bool": "bool", "i64": "int64_t", "i32": "int32_t"}
 
 
 @dataclass(frozen=True)
@@ -105,11 +104,10 @@ def tile_epilogue(node: Node, types: Mapping[str, TensorType], *,
     """The fusable epilogue of a (specialised) gemm_epilogue group, or None (see module doc)."""
     if node.op != "fused" or node.body is None or node.attrs.get("kind") != "gemm_epilogue":
         return None
-    try:
-        gemm, nodes = split_gemm_epilogue(node)
-        vt = _concrete_types(node, types, "epilogue")
-    except BackendError:
+    vt = concrete_types(node, types)
+    if gemm_epilogue_refusal(node) is not None or isinstance(vt, Claim):
         return None
+    gemm, nodes = split_gemm_epilogue(node)
     g_out = gemm.outputs[0]
     outs = [o for o in node.outputs if o != g_out]
     if not nodes or g_out in node.outputs or len(outs) != 1:
@@ -125,40 +123,37 @@ def tile_epilogue(node: Node, types: Mapping[str, TensorType], *,
     for name, t in node.body.constants.items():
         if t.numel() != 1:
             return None
-        known[name] = _scalar_of(t)
+        known[name] = scalar_of(t)
     for name in node.inputs:
         t = (constants or {}).get(name)
         if t is not None and t.numel() == 1:
-            known[name] = _scalar_of(t)
+            known[name] = scalar_of(t)
     produced = {o for n in nodes for o in n.outputs}
     operands: list[str] = []
     kinds: list[str] = []
-    exprs: dict[str, _Opnd] = {g_out: _Opnd("{ACC}", "f32", otype)}
+    exprs: dict[str, CValue] = {g_out: CValue("{ACC}", "f32", otype)}
     for n in nodes:
         for i in n.inputs:
             if i in exprs or i in produced:
                 continue
             if i in known:
-                exprs[i] = _Opnd(_lit(known[i], vt[i].dtype), vt[i].dtype, vt[i], value=known[i])
+                exprs[i] = CValue(lit(known[i], vt[i].dtype), vt[i].dtype, vt[i], value=known[i])
                 continue
             k = _kind(vt[i], otype, conv)
             if k is None or vt[i].dtype != "f32":
                 return None
-            exprs[i] = _Opnd(f"{{E{len(operands)}}}", "f32", vt[i])
+            exprs[i] = CValue(f"{{E{len(operands)}}}", "f32", vt[i])
             operands.append(i)
             kinds.append(k)
     stmts: list[str] = []
     for j, n in enumerate(nodes):
         dt = vt[n.outputs[0]].dtype
-        if dt not in _CT:
-            return None
-        try:
-            e = _op_expr(n, [exprs[i] for i in n.inputs], dt, "epilogue")
-        except BackendError:
+        ins = [exprs[i] for i in n.inputs]
+        if dt not in CTYPE or op_refusal(n, [i.ttype for i in ins], dt) is not None:
             return None
         var = f"ep{j}"
-        stmts.append(f"const {_CT[dt]} {var} = {e};")
-        exprs[n.outputs[0]] = _Opnd(var, dt, vt[n.outputs[0]])
+        stmts.append(f"const {CTYPE[dt]} {var} = {op_expr(n, ins, dt, 'epilogue')};")
+        exprs[n.outputs[0]] = CValue(var, dt, vt[n.outputs[0]])
     if exprs[res].dtype != "f32":
         return None
     stmts.append(f"const float res = {exprs[res].expr};")

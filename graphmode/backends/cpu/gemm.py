@@ -32,21 +32,18 @@ header's `<stdlib.h>` would clash with the prelude's own malloc/free declaration
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 
-from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source, template
 from graphmode.backends.cpu.epilogue import Epilogue, gemm_load
+from graphmode.backends.cpu.isa import ISA_GUARD, ISAS, REGISTERS, VL
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
 
-VL = {"avx512": 16, "avx2": 8, "portable": 8}
-ISAS = tuple(VL)
-REGISTERS = {"avx512": 32, "avx2": 16, "portable": 16}
 PARS = ("omp", "serial")
 PAR_FLOPS = 1 << 20      # below ~1 MFLOP a GEMM runs on one thread: a fork/join costs a few us
 
@@ -157,134 +154,9 @@ def pack_b(w: torch.Tensor, nr: int, *, transposed: bool) -> torch.Tensor:
     return buf.view(npan, nr, k).transpose(1, 2).contiguous()
 
 
-def unpack_b(packed: torch.Tensor, n: int, *, transposed: bool) -> torch.Tensor:
-    """Inverse of `pack_b` (tests, debugging)."""
-    npan, k, nr = packed.shape
-    wn = packed.transpose(1, 2).reshape(npan * nr, k)[:n]
-    return wn.contiguous() if transposed else wn.t().contiguous()
-
-
 # ------------------------------------------------------------------------------- generation
 
-_COMMON = r"""
-#ifndef GM_GEMM_COMMON_H
-#define GM_GEMM_COMMON_H
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#ifndef _MM_MALLOC_H_INCLUDED
-#define _MM_MALLOC_H_INCLUDED
-#endif
-#ifndef __MM_MALLOC_H
-#define __MM_MALLOC_H
-#endif
-#include <immintrin.h>
-#endif
-#define GM_UNROLL _Pragma("GCC unroll 64")
 
-
-// Portable micro-kernel: an MR x (NV*8) tile, LAST valid columns in the last group of 8.
-// Plain loops with constant bounds; the compiler vectorises the column loop.
-template <int MR, int NV, int LAST, bool MASKB>
-GM_INLINE void gm_gemm_ukr_c(long kc, const float* __restrict a, long lda, const float* __restrict b, long ldb,
-                             float* __restrict c, long ldc, const float* __restrict bias, bool first) {
-  constexpr int NC = (NV - 1) * 8 + LAST;       // valid columns
-  constexpr int NB = MASKB ? NC : NV * 8;       // columns of B that may be read
-  float acc[MR][NV * 8];
-  GM_UNROLL for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV * 8; ++j)
-      acc[i][j] = first ? ((bias && j < NC) ? bias[j] : 0.0f) : (j < NC ? c[i * ldc + j] : 0.0f);
-  for (long k = 0; k < kc; ++k) {
-    float bv[NV * 8];
-    for (int j = 0; j < NV * 8; ++j) bv[j] = j < NB ? b[k * ldb + j] : 0.0f;
-    GM_UNROLL for (int i = 0; i < MR; ++i) {
-      const float av = a[i * lda + k];
-      #pragma omp simd
-      for (int j = 0; j < NV * 8; ++j) acc[i][j] = GM_FMA(av, bv[j], acc[i][j]);
-    }
-  }
-  GM_UNROLL for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j) c[i * ldc + j] = acc[i][j];
-}
-
-#if defined(__AVX512F__)
-// AVX-512 micro-kernel: MR x NV vectors of 16; LAST valid lanes in the last vector.
-template <int MR, int NV, int LAST, bool MASKB>
-GM_INLINE void gm_gemm_ukr_avx512(long kc, const float* __restrict a, long lda, const float* __restrict b, long ldb,
-                                  float* __restrict c, long ldc, const float* __restrict bias, bool first) {
-  const __mmask16 lm = (__mmask16)((1u << LAST) - 1u);
-  __m512 acc[MR][NV];
-  if (first) {
-    GM_UNROLL for (int v = 0; v < NV; ++v) {
-      __m512 x = _mm512_setzero_ps();
-      if (bias) x = (v == NV - 1 && LAST < 16) ? _mm512_maskz_loadu_ps(lm, bias + 16 * v) : _mm512_loadu_ps(bias + 16 * v);
-      GM_UNROLL for (int i = 0; i < MR; ++i) acc[i][v] = x;
-    }
-  } else {
-    GM_UNROLL for (int i = 0; i < MR; ++i)
-      GM_UNROLL for (int v = 0; v < NV; ++v)
-        acc[i][v] = (v == NV - 1 && LAST < 16) ? _mm512_maskz_loadu_ps(lm, c + i * ldc + 16 * v)
-                                               : _mm512_loadu_ps(c + i * ldc + 16 * v);
-  }
-  for (long k = 0; k < kc; ++k) {
-    __m512 bv[NV];
-    GM_UNROLL for (int v = 0; v < NV; ++v)
-      bv[v] = (MASKB && v == NV - 1 && LAST < 16) ? _mm512_maskz_loadu_ps(lm, b + k * ldb + 16 * v)
-                                                  : _mm512_loadu_ps(b + k * ldb + 16 * v);
-    GM_UNROLL for (int i = 0; i < MR; ++i) {
-      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
-      GM_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
-    }
-  }
-  GM_UNROLL for (int i = 0; i < MR; ++i)
-    GM_UNROLL for (int v = 0; v < NV; ++v) {
-      if (v == NV - 1 && LAST < 16) _mm512_mask_storeu_ps(c + i * ldc + 16 * v, lm, acc[i][v]);
-      else _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
-    }
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-GM_INLINE __m256i gm_gemm_mask8(int n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-// AVX2 micro-kernel: MR x NV vectors of 8; LAST valid lanes in the last vector.
-template <int MR, int NV, int LAST, bool MASKB>
-GM_INLINE void gm_gemm_ukr_avx2(long kc, const float* __restrict a, long lda, const float* __restrict b, long ldb,
-                                float* __restrict c, long ldc, const float* __restrict bias, bool first) {
-  const __m256i lm = gm_gemm_mask8(LAST);
-  __m256 acc[MR][NV];
-  if (first) {
-    GM_UNROLL for (int v = 0; v < NV; ++v) {
-      __m256 x = _mm256_setzero_ps();
-      if (bias) x = (v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(bias + 8 * v, lm) : _mm256_loadu_ps(bias + 8 * v);
-      GM_UNROLL for (int i = 0; i < MR; ++i) acc[i][v] = x;
-    }
-  } else {
-    GM_UNROLL for (int i = 0; i < MR; ++i)
-      GM_UNROLL for (int v = 0; v < NV; ++v)
-        acc[i][v] = (v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(c + i * ldc + 8 * v, lm)
-                                              : _mm256_loadu_ps(c + i * ldc + 8 * v);
-  }
-  for (long k = 0; k < kc; ++k) {
-    __m256 bv[NV];
-    GM_UNROLL for (int v = 0; v < NV; ++v)
-      bv[v] = (MASKB && v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(b + k * ldb + 8 * v, lm)
-                                                 : _mm256_loadu_ps(b + k * ldb + 8 * v);
-    GM_UNROLL for (int i = 0; i < MR; ++i) {
-      const __m256 av = _mm256_broadcast_ss(a + i * lda + k);
-      GM_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
-    }
-  }
-  GM_UNROLL for (int i = 0; i < MR; ++i)
-    GM_UNROLL for (int v = 0; v < NV; ++v) {
-      if (v == NV - 1 && LAST < 8) _mm256_maskstore_ps(c + i * ldc + 8 * v, lm, acc[i][v]);
-      else _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
-    }
-}
-#endif
-#endif  // GM_GEMM_COMMON_H
-"""
-
-_GUARD = {"avx512": "defined(__AVX512F__)", "avx2": "defined(__AVX2__) && defined(__FMA__)"}
 
 
 def _ukr_call(isa: str, rows: int, cols: int, maskb: bool, args: str) -> str:
@@ -377,7 +249,6 @@ def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource
     par = threads != 1 and tasks > 1 and p.flops >= PAR_FLOPS
     n_epi = len(p.epi.kinds) if p.epi is not None else 0
     inputs = ("a", "b") + (("bias",) if p.bias else ()) + tuple(f"e{i}" for i in range(n_epi))
-    params = ", ".join(f"void* p{i}" for i in range(len(inputs) + 1))
     lines = [
         "namespace {",
         "struct @SYM@_args { const float* A; const float* B; const float* bias; float* C; "
@@ -409,8 +280,8 @@ def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource
         "      long i = m0;",
     ]
     body = _tiles(cfg.isa, cfg, p, rem_m, rem_n, " " * 6)
-    if cfg.isa in _GUARD:
-        lines.append(f"#if {_GUARD[cfg.isa]}")
+    if cfg.isa in ISA_GUARD:
+        lines.append(f"#if {ISA_GUARD[cfg.isa]}")
         lines += body
         lines.append("#else")
         lines += _tiles("portable", GemmConfig("portable", cfg.mr, cfg.nr, cfg.kc, cfg.mc, cfg.split, cfg.par), p,
@@ -418,25 +289,16 @@ def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource
         lines.append("#endif")
     else:
         lines += body
-    lines += ["    }", "  }", "}", "}  // namespace", "",
-              f"GM_EXPORT void @SYM@({params}) {{",
-              f"  const @SYM@_args g = {{(const float*)p0, (const float*)p1, "
-              f"{'(const float*)p2' if p.bias else 'nullptr'}, (float*)p{len(inputs)}"
-              + "".join(f", (const float*)p{len(inputs) - n_epi + i}" for i in range(n_epi)) + "};"]
+    lines += ["    }", "  }", "}", "}  // namespace", ""]
+    args = (f"  const @SYM@_args g = {{(const float*)p0, (const float*)p1, "
+            f"{'(const float*)p2' if p.bias else 'nullptr'}, (float*)p{len(inputs)}"
+            + "".join(f", (const float*)p{len(inputs) - n_epi + i}" for i in range(n_epi)) + "};")
+    tasks = "  for (long t = 0; t < @SYM@_tasks; ++t) @SYM@_task(&g, t);"
     omp = ["  #pragma omp parallel for schedule(" + ("dynamic, 1" if cfg.split > 1 else "static")
-           + ") num_threads(gm_nt())",
-           "  for (long t = 0; t < @SYM@_tasks; ++t) @SYM@_task(&g, t);"]
-    serial = ["  for (long t = 0; t < @SYM@_tasks; ++t) @SYM@_task(&g, t);"]
-    lines += omp if par else serial
-    lines.append("}")
-    call = ", ".join(f"p[{i}]" for i in range(len(inputs) + 1))
-    lines.append(f"GM_EXPORT void @SYM@_packed(void** p) {{ @SYM@({call}); }}")
-    text = _COMMON + "\n".join(lines) + "\n"
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    symbol = f"gm_gemm_{digest}"
-    types = _types(p, cfg)
-    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=inputs, outputs=("c",),
-                        types=types, kind="gemm", parallel=par, pattern=f"{p.text} [{cfg.name}]")
+           + ") num_threads(gm_nt())"] if par else []
+    lines += entry_point(len(inputs) + 1, [args, *omp, tasks])
+    return kernel_source("gemm", template("gemm.h") + "\n".join(lines) + "\n", inputs=inputs, outputs=("c",),
+                         types=_types(p, cfg), kind="gemm", parallel=par, pattern=f"{p.text} [{cfg.name}]")
 
 
 def _epilogue_fns(p: GemmProblem, cfg: GemmConfig) -> list[str]:
@@ -476,17 +338,5 @@ def _types(p: GemmProblem, cfg: GemmConfig) -> Mapping[str, TensorType]:
     return t
 
 
-def host_isas(simd: Iterable[str]) -> list[str]:
-    """The generated-kernel ISAs this host runs, best first (always ends with portable)."""
-    s = set(simd)
-    out = []
-    if "avx512f" in s:
-        out.append("avx512")
-    if "avx2" in s and "fma" in s:
-        out.append("avx2")
-    out.append("portable")
-    return out
-
-
-__all__ = ["GemmConfig", "GemmProblem", "generate_gemm", "pack_b", "unpack_b", "packed_numel", "host_isas",
-           "chunks_for", "VL", "ISAS", "PAR_FLOPS"]
+__all__ = ["GemmConfig", "GemmProblem", "generate_gemm", "pack_b", "packed_numel",
+           "chunks_for", "PAR_FLOPS"]

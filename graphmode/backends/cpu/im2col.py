@@ -16,13 +16,12 @@ A 1x1 stride-1 unpadded conv skips the patch matrix (the NHWC scratch is A).
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 
-from graphmode.backends.cpu.codegen import KernelSource
-from graphmode.backends.cpu.conv import ConvProblem, epilogue_store, epilogue_types, kernel_abi, nhwc_pack_lines
+from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source
+from graphmode.backends.cpu.conv import ConvProblem, epilogue_store, epilogue_types, conv_args, nhwc_pack_lines
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
@@ -97,7 +96,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
     hw = p.ho * p.wo
     par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
     (sy, sx), (dy, dx) = p.stride, p.dilation
-    abi = kernel_abi(p, "w")
+    ca = conv_args(p, "w")
     lines = ["namespace {", *nhwc_pack_lines(p, p.cin, hp, wp, par)]
     if not _direct(p):
         lines += [
@@ -120,7 +119,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         ]
     lines += [
         # NHWC GEMM result -> NCHW output
-        f"void @SYM@_unpack(const float* __restrict cb, float* y{abi.stage_params}) {{",
+        f"void @SYM@_unpack(const float* __restrict cb, float* y{ca.stage_params}) {{",
         f"  constexpr long HW = {hw}, CO = {p.cout};",
         f"  {par}",
         f"  for (long r = 0; r < {p.n} * ((HW + 15) / 16); ++r) {{",
@@ -143,27 +142,22 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         "}  // namespace",
     ]
     a_ptr = "xp" if _direct(p) else "col"
-    lines += [
-        f"GM_EXPORT void @SYM@({abi.params}) {{",
-        f"  float* xp = (float*){abi.ws};",
+    lines += entry_point(ca.nargs, [
+        f"  float* xp = (float*){ca.ws};",
         f"  float* col = xp + {xp_n}L;",
         f"  float* cb = col + {col_n}L;",
         "  @SYM@_pack((const float*)p0, xp);",
         *([] if _direct(p) else ["  @SYM@_cols(xp, col);"]),
         f"  @SYM@_g({a_ptr}, p1, {'p2, ' if p.bias else ''}cb);",
-        f"  @SYM@_unpack(cb, {abi.out}{abi.stage_args});",
-        "}",
-        abi.packed_entry,
-    ]
-    text = gemm_text + "\n".join(lines) + "\n"
-    symbol = f"gm_im2col_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        f"  @SYM@_unpack(cb, {ca.out}{ca.stage_args});",
+    ])
     types = {"x": TensorType("f32", (p.n, p.cin, p.h, p.w)), "w": TensorType("f32", (prepared_numel(p, cfg.gemm.nr),)),
              "ws": TensorType("f32", (cfg.workspace_numel(p),)), "y": TensorType("f32", (p.n, p.cout, p.ho, p.wo))}
     if p.bias:
         types["bias"] = TensorType("f32", (p.cout,))
     types.update(epilogue_types(p))
-    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=abi.inputs, outputs=("y",),
-                        types=types, kind="im2col", parallel=threads != 1, pattern=f"{p.text} [{cfg.name}]")
+    return kernel_source("im2col", gemm_text + "\n".join(lines) + "\n", inputs=ca.inputs, outputs=("y",), types=types,
+                         kind="im2col", parallel=threads != 1, pattern=f"{p.text} [{cfg.name}]")
 
 
 __all__ = ["Im2colConfig", "generate_im2col", "gemm_problem", "prepared_numel"]

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from graphmode.backends.cpu.codegen import KernelSource
+from graphmode.backends.cpu.abi import KernelSource
 from graphmode.errors import BackendError
 from graphmode.ir.types import DTYPES
 
@@ -102,7 +102,7 @@ class CompiledKernel:
         self._fn, self._packed = library.function(source.symbol, self.nargs)
         self._status = None
         if source.status:
-            self._status = getattr(library.cdll, source.symbol + "_status")
+            self._status = getattr(library.cdll, source.status_symbol)
             self._status.argtypes = []
             self._status.restype = ctypes.c_long
 

@@ -1,64 +1,71 @@
-"""Generated kernels for single core ops whose ATen CPU kernel is slow for the plan's layout.
+"""Single-op kernels: what the native lowerings (pool.py, movement.py, attention.py) share.
 
 Some ops are a small share of the FLOPs but a large share of the time when ATen runs them:
 `max_pool2d` on contiguous NCHW (ATen's NCHW path is ~20x slower than its channels-last one
-here), and `sdpa` at the sizes of a small encoder (its flash kernel reaches a quarter of the
-roofline). For those the CPU provider generates a kernel with every shape baked in, exactly
-as for fused groups; the executor then runs it in place of the ATen step.
-
-A generator is registered per op with `@register_native("op")` in its own module (listed in
-`_MODULES`) and returns a `KernelSource` whose `inputs` / `outputs` are the instruction's own
-value names (contiguous buffers of the plan's slots), or None when it does not cover this
-instance (the ATen step stays); a `BackendError` is reported as a fallback for that step.
+here), `sdpa` at the sizes of a small encoder (its flash kernel reaches a quarter of the
+roofline), data movement whose bytes take less time than ATen's dispatch. For those a
+NATIVE lowering (lowering.py) claims the instruction and generates a kernel with every shape
+baked in, over the instruction's own value names; the executor runs it in place of the ATen
+step. A kernel addresses its arguments as dense row-major arrays: `precheck` refuses other
+buffers for every native lowering alike.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Callable, Mapping, Sequence
+from typing import Sequence
 
-import torch
-
-from graphmode.backends.cpu.codegen import KernelSource
-
-NativeGenerator = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], Mapping, Mapping[str, int],
-                            Sequence[str], Sequence[str]], "KernelSource | None"]
-
-NATIVE: dict[str, NativeGenerator] = {}
-_MODULES: tuple[str, ...] = ("pool", "attention")
-_loaded = False
+from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source
+from graphmode.backends.cpu.lowering import Claim, OpCall, refused
+from graphmode.backends.cpu.tensors import dtype_of
+from graphmode.ir.types import TensorType
 
 
-def register_native(op: str) -> Callable[[NativeGenerator], NativeGenerator]:
-    def deco(fn: NativeGenerator) -> NativeGenerator:
-        NATIVE[op] = fn
-        return fn
-    return deco
+def precheck(call: OpCall) -> Claim | None:
+    """Why no native kernel can take `call`'s buffers (not contiguous CPU memory, or a dtype
+    the IR has no name for), or None."""
+    for t in list(call.ins) + list(call.outs):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            return refused("a native kernel needs contiguous CPU buffers", value=tuple(t.stride()))
+        if dtype_of(t) is None:
+            return refused(f"no IR dtype for {t.dtype}", value=str(t.dtype))
+    return None
 
 
-def _load() -> None:
-    global _loaded
-    if not _loaded:
-        for m in _MODULES:
-            importlib.import_module(f"graphmode.backends.cpu.{m}")
-        _loaded = True
+def lin(names: Sequence[str], strides: Sequence[int], base: int = 0) -> str:
+    """`sum names[i] * strides[i] + base` as C (long arithmetic)."""
+    terms = [f"{n} * {s}L" if s != 1 else n for n, s in zip(names, strides) if s != 0]
+    if base:
+        terms.append(f"{base}L")
+    return " + ".join(terms) if terms else "0L"
 
 
-def native_ops() -> frozenset[str]:
-    _load()
-    return frozenset(NATIVE)
+def loop_nest(nest: Sequence[tuple[str, int, int]], body: Sequence[str], *, par: bool, indent: str = "  ") -> list[str]:
+    """Perfectly nested `for` loops `(var, bound, step)` around `body`; with `par` the nest is
+    one OpenMP loop (collapsed), so every level's iterations are shared between threads."""
+    out = []
+    if par and nest:
+        c = f" collapse({len(nest)})" if len(nest) > 1 else ""
+        out.append(f"{indent}#pragma omp parallel for{c} schedule(static) num_threads(gm_nt())")
+    for k, (v, n, s) in enumerate(nest):
+        inc = f"++{v}" if s == 1 else f"{v} += {s}"
+        out.append(f"{indent}{'  ' * k}for (long {v} = 0; {v} < {n}L; {inc})")
+    pad = indent + "  " * len(nest)
+    out.append(pad + "{")
+    out += [pad + "  " + b for b in body]
+    out.append(pad + "}")
+    return out
 
 
-def native_source(op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
-                  env: Mapping[str, int], inputs: Sequence[str], outputs: Sequence[str]) -> KernelSource | None:
-    """The generated kernel for one instruction, or None (ATen runs it). Only contiguous CPU
-    buffers qualify: a kernel addresses its arguments as dense row-major arrays."""
-    _load()
-    gen = NATIVE.get(op)
-    if gen is None:
-        return None
-    if any(not t.is_contiguous() or t.device.type != "cpu" for t in list(ins_t) + list(outs)):
-        return None
-    return gen(ins_t, outs, attrs, env, inputs, outputs)
+def finish(op: str, call: OpCall, body: Sequence[str], *, header: str = "", pre: str = "", parallel: bool = False,
+           pattern: str = "", status: str = "") -> KernelSource:
+    """The kernel of one instruction: `header` (static C++ of a template), `pre` (its own
+    helpers), the entry point around `body` over `p0..pN` (inputs then outputs). Named by a
+    hash of the text, so identical instructions share one compiled kernel."""
+    names = list(call.inputs) + list(call.outputs)
+    types = {name: TensorType(dtype_of(t), tuple(int(d) for d in t.shape))
+             for name, t in zip(names, list(call.ins) + list(call.outs))}
+    lines = ([header] if header else []) + [pre, *entry_point(len(names), body), ""]
+    return kernel_source(f"native_{op}", "\n".join(lines), inputs=tuple(call.inputs), outputs=tuple(call.outputs),
+                         types=types, kind="native", parallel=parallel, pattern=pattern or op, status=status)
 
 
-__all__ = ["register_native", "native_source", "native_ops", "NATIVE"]
+__all__ = ["precheck", "finish", "lin", "loop_nest"]

@@ -26,7 +26,6 @@ may win. The workspace (padded input, V, M) belongs to the plan step.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from fractions import Fraction as Fr
@@ -34,8 +33,9 @@ from typing import Sequence
 
 import torch
 
-from graphmode.backends.cpu.codegen import KernelSource
-from graphmode.backends.cpu.conv import ConvProblem, KernelAbi, epilogue_store, epilogue_types, kernel_abi, nhwc_pack_lines
+from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source, template
+from graphmode.backends.cpu.conv import (ConvArgs, ConvProblem, conv_args, epilogue_store, epilogue_types,
+                                         nhwc_pack_lines)
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
@@ -196,19 +196,6 @@ def transformed_numel(p: ConvProblem, m: int, nr: int) -> int:
 
 # ------------------------------------------------------------------------------ generation
 
-_COMMON = r"""
-#ifndef GM_WINO_COMMON_H
-#define GM_WINO_COMMON_H
-#ifdef _OPENMP
-extern "C" int omp_get_thread_num(void);
-extern "C" int omp_get_num_threads(void);
-#endif
-typedef float gm_v16 __attribute__((vector_size(64)));
-typedef float gm_v16u __attribute__((vector_size(64), aligned(4)));
-GM_INLINE gm_v16 gm_ld16(const float* p) { return *(const gm_v16u*)p; }
-GM_INLINE void gm_st16(float* p, gm_v16 v) { *(gm_v16u*)p = v; }
-#endif
-"""
 
 
 def _lin(coefs: Sequence[Fr], terms: Sequence[str]) -> str:
@@ -239,7 +226,7 @@ def _transform(mat: Sequence[Sequence[Fr]], src: str, dst: str, n_in: int) -> li
     return lines
 
 
-def _blocked_body(cfg: WinogradConfig, g: _Geometry, abi: KernelAbi) -> list[str]:
+def _blocked_body(cfg: WinogradConfig, g: _Geometry, ca: ConvArgs) -> list[str]:
     """The tile-blocked schedule: each thread takes blocks of `chunk` tiles and runs input
     transform, the alpha^2 GEMMs (serial) and output transform on its own V/M block, which
     stays in its L2, instead of three passes over whole-image V and M buffers. The last
@@ -261,7 +248,7 @@ def _blocked_body(cfg: WinogradConfig, g: _Geometry, abi: KernelAbi) -> list[str
         f"      const long t0 = b * {cfg.chunk}, t1 = t0 + {cfg.chunk} < @SYM@_T ? t0 + {cfg.chunk} : @SYM@_T;",
         "      @SYM@_in(xp, Vb, t0, t1);",
         "      @SYM@_g(Vb, p1, Mb);",
-        f"      @SYM@_out(Mb, {abi.bias}, {abi.out}, t0, t1{abi.stage_args});",
+        f"      @SYM@_out(Mb, {ca.bias}, {ca.out}, t0, t1{ca.stage_args});",
         "    }",
         "  }",
     ]
@@ -284,7 +271,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
     par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
     stage_par = "" if chunked else par          # blocks are the parallel loop of the tile-blocked schedule
     stride = cfg.chunk if chunked else g.t       # rows of one tile position's V / M
-    abi = kernel_abi(p, "u")
+    ca = conv_args(p, "u")
     in_tr = _transform(bt, "d", "v", a)
     out_tr = _transform(at, "q", "o", a)
     lines = [
@@ -313,7 +300,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         "}",
         # 4. output transform (+ bias, epilogue) of tiles [t0, t1) back to NCHW
         f"void @SYM@_out(const float* __restrict M, const float* __restrict bias, float* y, long t0, long t1"
-        f"{abi.stage_params}) {{",
+        f"{ca.stage_params}) {{",
         f"  {stage_par}",
         "  for (long t = t0; t < t1; ++t) {",
         "    const long n = t / (@SYM@_TH * @SYM@_TW), ty = (t / @SYM@_TW) % @SYM@_TH, tx = t % @SYM@_TW;",
@@ -346,22 +333,16 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         "}",
         "}  // namespace",
     ]
-    lines += [
-        f"GM_EXPORT void @SYM@({abi.params}) {{",
-        f"  float* xp = (float*){abi.ws};",
+    lines += entry_point(ca.nargs, [
+        f"  float* xp = (float*){ca.ws};",
         f"  float* V = xp + {xp_n}L;",
         *([] if chunked else [f"  float* M = V + {v_n}L;"]),
         "  @SYM@_pack((const float*)p0, xp);",
-        *(_blocked_body(cfg, g, abi) if chunked else [
+        *(_blocked_body(cfg, g, ca) if chunked else [
             "  @SYM@_in(xp, V, 0, @SYM@_T);",
             "  @SYM@_g(V, p1, M);",
-            f"  @SYM@_out(M, {abi.bias}, {abi.out}, 0, @SYM@_T{abi.stage_args});"]),
-        "}",
-        abi.packed_entry,
-    ]
-    text = gemm_text + _COMMON + "\n".join(lines) + "\n"
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    symbol = f"gm_wino_{digest}"
+            f"  @SYM@_out(M, {ca.bias}, {ca.out}, 0, @SYM@_T{ca.stage_args});"]),
+    ])
     types = {"x": TensorType("f32", (p.n, p.cin, p.h, p.w)),
              "u": TensorType("f32", (transformed_numel(p, cfg.m, cfg.gemm.nr),)),
              "ws": TensorType("f32", (workspace_numel(p, cfg),)),
@@ -369,8 +350,9 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
     if p.bias:
         types["bias"] = TensorType("f32", (p.cout,))
     types.update(epilogue_types(p))
-    return KernelSource(symbol=symbol, source=text.replace("@SYM@", symbol), inputs=abi.inputs, outputs=("y",),
-                        types=types, kind="winograd", parallel=threads != 1, pattern=f"{p.text} [{cfg.name}]")
+    return kernel_source("wino", gemm_text + template("winograd.h") + "\n".join(lines) + "\n", inputs=ca.inputs,
+                         outputs=("y",), types=types, kind="winograd", parallel=threads != 1,
+                         pattern=f"{p.text} [{cfg.name}]")
 
 
 __all__ = ["WinogradConfig", "generate_winograd", "transform_weight",

@@ -1,0 +1,70 @@
+"""What the runtime asks of a backend, and what a backend says it can do.
+
+A backend turns an ExecutionPlan into an `Executable` for one device. The runtime, the CLI
+and the benchmark depend on these protocols only; which backend runs a model is a name
+looked up in the registry (registry.py). Capabilities are data, read by callers and tests,
+never inferred from a backend's class.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+import torch
+
+from graphmode.plan.execution import ExecutionPlan
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend does. `device`: where its plans run ("cpu", "cuda"; "none" for a
+    backend without hardware); `executes`: whether its executables run (the null backend's
+    only plan and generate); `generates_kernels`: whether it writes kernels for fused groups
+    and single ops; `kernel_selection`: the recipe's `codegen.kernel_selection` policies it
+    honours (empty: it has no tactics); `oracle`: its numerics are the reference the others
+    are checked against."""
+
+    device: str
+    executes: bool
+    generates_kernels: bool
+    kernel_selection: tuple[str, ...] = ()
+    oracle: bool = False
+
+
+@runtime_checkable
+class Executable(Protocol):
+    """One bucket's plan, bound to a device. `steps` / `step_names` (`kind:op`, one per
+    instruction that is not a view), `views` (slot name -> tensor), `plan` and `lock` are
+    what profiling and bisection walk; `events` lists cache damage found while building it;
+    `generated`, `kernel_report` and `tactics_report` are what the compile report shows."""
+
+    plan: ExecutionPlan
+    steps: list[Callable[[], None]]
+    step_names: list[str]
+    views: dict[str, torch.Tensor]
+    events: list[dict]
+    generated: int
+    kernel_report: dict
+    tactics_report: dict
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def report_lines(self) -> list[str]: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Builds executables for one device. `kernel_dir`: where it caches compiled kernels
+    (None: its default); `threads`: the plan's thread count; `kernel_selection`: the
+    recipe's policy (None: the backend's default)."""
+
+    name: str
+    capabilities: Capabilities
+
+    def executable(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
+                   kernel_dir: Path | None = None, threads: int | None = None,
+                   kernel_selection: Any = None) -> Executable: ...
+
+
+__all__ = ["Capabilities", "Executable", "Backend"]

@@ -1,0 +1,83 @@
+"""The timing cache: what a shape's candidates measured, one JSON file per key on disk.
+
+Keyed by the target identity with its SIMD flags, the compiler and its flags, thread count,
+op, shape, dtype, whether weights are timed cold, and the candidate set including each
+generated kernel's symbol (a hash of its source), so the next plan build with those shapes
+does no timing, and any change to what would be timed is a miss. Files live in the cache
+dir's `tactics/` folder as `gemm-<sha256 of the key>.json`, written to a temporary name and
+renamed; an entry that does not parse or does not match its key is a miss. Entries written
+before a field existed still load (the field reads as empty).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger("graphmode.cpu.tactics")
+
+CACHE_VERSION = 1
+
+
+class TimingCache:
+    """The timing cache in folder `root` (None: nothing is persisted)."""
+
+    def __init__(self, root: str | Path | None):
+        self.root = Path(root) if root is not None else None
+
+    def path(self, key: Mapping) -> Path | None:
+        if self.root is None:
+            return None
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        return self.root / f"gemm-{digest}.json"
+
+    def get(self, key: Mapping) -> dict[str, Any] | None:
+        """The entry stored under `key`, its fields checked and typed, or None."""
+        path = self.path(key)
+        if path is None:
+            return None
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(d, dict) or d.get("key") != json.loads(json.dumps(key)):
+            return None
+        t, r = d.get("timings_s"), d.get("rejected", {})
+        if not isinstance(t, dict) or not isinstance(r, dict):
+            return None
+        if not all(isinstance(v, (int, float)) for v in t.values()):
+            return None
+        med = d.get("medians_s") if isinstance(d.get("medians_s"), dict) else {}
+        lo = d.get("mins_s") if isinstance(d.get("mins_s"), dict) else {}
+        load, cores = d.get("load"), d.get("cores")
+        return {"timings_s": {k: float(v) for k, v in t.items()}, "rejected": {k: str(v) for k, v in r.items()},
+                "medians_s": {k: float(v) for k, v in med.items() if isinstance(v, (int, float))},
+                "mins_s": {k: float(v) for k, v in lo.items() if isinstance(v, (int, float))},
+                "load": float(load) if isinstance(load, (int, float)) else None,
+                "cores": int(cores) if isinstance(cores, int) else None,
+                "noisy": bool(d.get("noisy", False)), "tries": int(d.get("tries", 1) or 1)}
+
+    def put(self, key: Mapping, entry: Mapping, *, reps: int) -> None:
+        """Store `entry` under `key` (with when it was measured and the minimum samples per
+        candidate); a folder that cannot be written is a warning, not an error."""
+        path = self.path(key)
+        if path is None:
+            return
+        data = {"key": key, **entry, "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "reps": reps}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("cannot write the GEMM timing cache %s: %s", path, e)
+
+
+__all__ = ["CACHE_VERSION", "TimingCache"]

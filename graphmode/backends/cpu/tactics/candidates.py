@@ -1,0 +1,207 @@
+"""The candidates of a GEMM / conv shape, their kernels, and the check each must pass.
+
+Candidates per shape are ATen (what the executor runs without tactics) and generated
+kernels for the host's best ISA: the micro-kernels of gemm.py in a few tile/blocking
+configurations; for convolutions (ungrouped, fp32, constant weight) Winograd F(4x4) and
+F(2x2) for 3x3 stride 1 (winograd.py) and im2col GEMMs (im2col.py), each over one GEMM
+blocking. Each candidate must first match ATen on random data (fp32 rel L2 < 1e-5) or it is
+rejected: only the survivors are timed and may win.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from graphmode.backends.cpu.conv import ConvConfig, ConvProblem
+from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm
+from graphmode.backends.cpu.im2col import Im2colConfig
+from graphmode.backends.cpu.im2col import gemm_problem as im2col_gemm
+from graphmode.backends.cpu.isa import host_isas, registers
+from graphmode.backends.cpu.tactics.steps import ATEN, GemmStep, aten_conv, aten_gemm, b_shape, conv_args
+from graphmode.backends.cpu.winograd import WinogradConfig, chunk_for, geometry
+from graphmode.backends.cpu.winograd import gemm_problem as winograd_gemm
+from graphmode.errors import BackendError
+from graphmode.verify.numerics import rel_l2
+
+TOLERANCE_F32 = 1e-5
+WINOGRAD_TILES = (4, 2)   # F(4x4, 3x3) first: 4x fewer multiplies; F(2x2) for small images / many channels
+
+# generated configurations per ISA, best-first for the heuristic (measured on the 16-row
+# GEMMs of MiniLM / GPT-2 and 128-row ones, Zen 4, 1 and 2 threads)
+# (the `serial` variants run on the calling thread only: on a shared machine whose other CPU
+# is busy, an OpenMP region over a 30-100 us GEMM can wait out its second thread's
+# preemption; the timing decides whether that happens here)
+CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
+    "avx512": (GemmConfig("avx512", 8, 32), GemmConfig("avx512", 8, 32, par="serial"),
+               GemmConfig("avx512", 8, 48, 256), GemmConfig("avx512", 8, 48, 256, par="serial"),
+               GemmConfig("avx512", 6, 64, 256), GemmConfig("avx512", 12, 32, 256, 96)),
+    "avx2": (GemmConfig("avx2", 6, 16), GemmConfig("avx2", 6, 16, par="serial"), GemmConfig("avx2", 4, 24, 256),
+             GemmConfig("avx2", 6, 16, 256, 72)),
+    "portable": (GemmConfig("portable", 4, 16, 256), GemmConfig("portable", 4, 16, 256, par="serial")),
+}
+
+
+def conv_config(name: str) -> ConvConfig:
+    """The conv candidate a name denotes (`wino4_<gemm>`, `wino2_<gemm>`, `im2col_<gemm>`)."""
+    if name.startswith("wino"):
+        return WinogradConfig.parse(name)
+    if name.startswith("im2col_"):
+        return Im2colConfig.parse(name)
+    raise BackendError(f"not a generated conv candidate: {name!r}", value=name,
+                       fix="wino<m>_<gemm config> or im2col_<gemm config>")
+
+
+def candidate_names(p: GemmProblem, *, simd: Sequence[str], threads: int,
+                    configs: Mapping[str, Sequence[GemmConfig]], generated: bool) -> list[str]:
+    """Candidate names for a problem: ATen, then (`generated`: a compiler is there) the host
+    ISA's generated configurations."""
+    out = [ATEN]
+    if p.dtype != "f32" or not generated:
+        return out
+    if isinstance(p, ConvProblem):
+        return out + _conv_names(p, simd, threads, configs)
+    isa = host_isas(simd)[0]
+    for cfg in configs.get(isa, ()):
+        if cfg.registers > registers(isa, simd) and isa != "portable":
+            continue
+        # blockings this shape does not feel are the same kernel: keep one of them
+        one = threads == 1 or p.flops < PAR_FLOPS
+        eff = GemmConfig(cfg.isa, cfg.mr, cfg.nr, cfg.kc if cfg.kc < p.k else 0,
+                         cfg.mc if cfg.mc < p.m else 0, cfg.split if p.n > cfg.nr and not one else 1,
+                         "serial" if one else cfg.par)
+        if p.epi is not None and p.c_aliases_operand and eff.kc:
+            continue      # partial sums in C would overwrite the operand it shares memory with
+        if eff.name not in out:
+            out.append(eff.name)
+    return out
+
+
+def _conv_names(p: ConvProblem, simd: Sequence[str], threads: int,
+                configs: Mapping[str, Sequence[GemmConfig]]) -> list[str]:
+    """For 3x3 stride 1: Winograd F(4x4) and F(2x2), each as whole-image passes (GEMMs
+    parallel over tile positions) and tile-blocked (when there are blocks for every
+    thread); then im2col for any ungrouped conv. One GEMM blocking each (the host ISA's
+    first): every candidate is a compiled kernel, and compile time counts."""
+    isa = host_isas(simd)[0]
+    cfgs = [c for c in configs.get(isa, ()) if c.par == "omp"
+            and (c.registers <= registers(isa, simd) or isa == "portable")]
+    if not cfgs:
+        return []
+    base = cfgs[0]
+    out: list[str] = []
+
+    def fit(g: GemmProblem, serial: bool = False) -> GemmConfig:
+        one = serial or threads == 1 or g.flops < PAR_FLOPS
+        return GemmConfig(base.isa, base.mr, base.nr, base.kc if base.kc < g.k else 0,
+                          base.mc if base.mc < g.m else 0, base.split if g.n > base.nr and not one else 1,
+                          "serial" if one else base.par)
+    if p.winograd_ok:
+        for m in WINOGRAD_TILES:
+            out.append(WinogradConfig(m, fit(winograd_gemm(p, m))).name)
+            chunk = chunk_for(p, m, base.mr)
+            if threads > 1 and geometry(p, m).t >= chunk * threads:
+                out.append(WinogradConfig(m, fit(winograd_gemm(p, m, chunk), serial=True), chunk, threads).name)
+    out.append(Im2colConfig(fit(im2col_gemm(p))).name)
+    return out
+
+
+def candidate_sources(p: GemmProblem, names: Sequence[str], threads: int) -> dict[str, Any]:
+    """name -> the generated kernel of each non-ATen candidate (or the BackendError saying
+    why the generator does not write it: the candidate is then rejected with that reason)."""
+    out: dict[str, Any] = {}
+    for name in names:
+        if name == ATEN:
+            continue
+        try:
+            if isinstance(p, ConvProblem):
+                out[name] = conv_config(name).generate(p, threads)
+            else:
+                out[name] = generate_gemm(p, GemmConfig.parse(name), threads)
+        except BackendError as e:
+            out[name] = e
+    return out
+
+
+@dataclass
+class Checker:
+    """Checks candidates against ATen on random data. `scratch` memoises, while one plan is
+    tuned, the reference of each shape (one ATen run shared by its candidates); `pack(w, p,
+    nr)` and `weight(w, cfg)` give a constant weight in a candidate's layout."""
+
+    scratch: dict
+    seed: int
+    tolerance: float
+    pack: Callable[[torch.Tensor, GemmProblem, int], torch.Tensor]
+    weight: Callable[[torch.Tensor, ConvConfig], torch.Tensor]
+
+    def check(self, p: GemmProblem, name: str, step: GemmStep, kernel) -> str | None:
+        """None when candidate `name` (its compiled `kernel`) matches ATen, else why not."""
+        if isinstance(p, ConvProblem):
+            return self._check_conv(p, name, step, kernel)
+        memo = ("reference", p, step.b.data_ptr())
+        if memo not in self.scratch:
+            gen = torch.Generator().manual_seed(self.seed)
+            a = torch.randn(p.batch, p.m, p.k, generator=gen)   # random A (and B when it is not a constant)
+            b = step.b if p.b_packed else torch.randn(b_shape(p), generator=gen)
+            c = torch.empty(p.batch, p.m, p.n)
+            aten_gemm(p, a, b, step.bias, c)()
+            self.scratch[memo] = (a, b, step.bias, c)
+        a, b, bias, ref = self.scratch[memo]
+        cfg = GemmConfig.parse(name)
+        bk = self.pack(b, p, cfg.nr) if p.b_packed else b.contiguous()
+        c = torch.full((p.batch, p.m, p.n), float("nan"))
+        ops: list[torch.Tensor] = []
+        if p.epi is not None:
+            ops, ref = self._epilogue_reference(p, step, ref)
+        try:
+            kernel([a.data_ptr(), bk.data_ptr()] + ([bias.data_ptr()] if p.bias else [])
+                   + [t.data_ptr() for t in ops] + [c.data_ptr()])
+        except Exception as e:  # noqa: BLE001 - a candidate that fails to run only loses
+            return f"raised {type(e).__name__}: {e}"
+        return self._compare(c, ref)
+
+    def _check_conv(self, p: ConvProblem, name: str, step: GemmStep, kernel) -> str | None:
+        memo = ("reference", p, step.b.data_ptr())
+        if memo not in self.scratch:
+            gen = torch.Generator().manual_seed(self.seed)
+            x = torch.randn(p.n, p.cin, p.h, p.w, generator=gen)
+            ref = torch.empty(p.n, p.cout, p.ho, p.wo)
+            aten_conv(p, x, step.b, step.bias, ref)()
+            self.scratch[memo] = (x, ref)
+        x, ref = self.scratch[memo]
+        ops: list[torch.Tensor] = []
+        if p.epi is not None:
+            ops, ref = self._epilogue_reference(p, step, ref)
+        cfg = conv_config(name)
+        u = self.weight(step.b, cfg)
+        ws = torch.zeros(cfg.workspace_numel(p))
+        y = torch.full((p.n, p.cout, p.ho, p.wo), float("nan"))
+        try:
+            kernel(conv_args(step, cfg, x, u, ws, y, ops))
+        except Exception as e:  # noqa: BLE001 - a candidate that fails to run only loses
+            return f"raised {type(e).__name__}: {e}"
+        return self._compare(y, ref)
+
+    def _compare(self, got: torch.Tensor, ref: torch.Tensor) -> str | None:
+        err = rel_l2(got, ref)
+        if not err < self.tolerance:
+            return f"rel L2 {err:.2e} vs ATen exceeds {self.tolerance:.0e}"
+        return None
+
+    def _epilogue_reference(self, p, step: GemmStep, acc: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Random epilogue operands (the plan's buffers hold whatever ran last) and the
+        reference epilogue over the reference GEMM/conv result `acc`."""
+        memo = ("epilogue", p, step.b.data_ptr())
+        if memo not in self.scratch:
+            gen = torch.Generator().manual_seed(self.seed + 3)
+            ops = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
+            with torch.inference_mode():
+                ref = p.epi.reference(acc.reshape(step.c.shape), ops)
+            self.scratch[memo] = (ops, ref.reshape(acc.shape).contiguous())
+        return self.scratch[memo]
+
+
+__all__ = ["conv_config", "CONFIGS", "TOLERANCE_F32", "WINOGRAD_TILES", "candidate_names", "candidate_sources",
+           "Checker"]

@@ -1,0 +1,500 @@
+"""The tactics context of one executable: its GEMM/conv steps, tuned and switched together.
+
+Plans bind their steps first and tune afterwards: the ATen lowering of a GEMM or conv asks
+the context it was handed (`OpCall.tactics`) for a step, which runs ATen until `finalize()`
+has compiled every candidate of the plan in one library (one compiler run), tuned the new
+shapes (checked against ATen, timed or read from the timing cache, picked by the policy)
+and switched each step to its winner. Constant weights are packed once there, for the
+winner only; the packed copy lives in the context (which the executable keeps) and is
+shared process-wide with other contexts over the same constants.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import weakref
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from graphmode.backends.cpu.build import KernelBuilder, builder_for
+from graphmode.backends.cpu.conv import ConvConfig, conv_problem_of
+from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, pack_b
+from graphmode.backends.cpu.tactics.cache import CACHE_VERSION, TimingCache
+from graphmode.backends.cpu.tactics.candidates import (CONFIGS, TOLERANCE_F32, Checker, candidate_names,
+                                                       candidate_sources, conv_config)
+from graphmode.backends.cpu.tactics.selection import NOISY, POLICIES, Selection, pick, timing_doubts
+from graphmode.backends.cpu.tactics.steps import (ATEN, ConvStep, FusedEpilogue, GemmStep, aten_gemm, problem_of)
+from graphmode.backends.cpu.tactics.timing import conv_timing_fns, gemm_timing_fns, machine_load, measure
+from graphmode.backends.cpu.tensors import overlaps
+from graphmode.errors import BackendError
+
+log = logging.getLogger("graphmode.cpu.tactics")
+
+_STATS: dict[str, Callable[[list[float]], float]] = {"min": min, "median": statistics.median}
+
+
+class TacticsContext:
+    """Tactic selection for the GEMMs and convs of one executable (and its timing cache).
+
+    `cache_dir`: the timing cache folder (None: no persistence). `threads`: the plan's thread
+    count (kernels are built for it and timed with it). `simd`/`target`: the ISA flags the
+    candidates are drawn from (default: the `host` target). `builder`: the KernelBuilder
+    (default: the shared one for the default kernel folder and `threads`). `cold`: time
+    constant weights rotated through more copies than the LLC holds (weights of a model
+    larger than the cache are not cache-resident when the plan runs); None = decide at
+    `finalize()`: cold when the plan's GEMM weights together exceed the LLC. `configs`: override the
+    generated configurations (ISA -> list). Timing: at least `reps` samples per candidate,
+    each of >= `sample_s` seconds of back-to-back calls, and more samples (up to 8x `reps`)
+    until `budget_s` per candidate; `statistic` is what the policy compares: `median`
+    (default) or `min` of the samples. The median is deliberate: on a shared machine a
+    2-thread call whose second thread is preempted waits out a scheduler time slice (4-8 ms
+    here, against 20-500 us of work); a candidate that suffers that in most samples should
+    lose to the serial one, which the fastest sample would hide. Both are reported. A timing
+    taken while the machine was that busy (median/min of the samples above NOISY for most
+    candidates) is cached as `noisy` and measured again by the next `retune_noisy` plan
+    builds, so one load spike does not decide a shape for good.
+    """
+
+    def __init__(self, cache_dir: str | Path | None, threads: int | None = None, *, policy: str = "latency_first",
+                 target: Any = None, simd: Sequence[str] | None = None, builder: KernelBuilder | None = None,
+                 cold: bool | None = None, llc_bytes: int | None = None, reps: int = 5,
+                 configs: Mapping[str, Sequence[GemmConfig]] | None = None, tolerance: float = TOLERANCE_F32,
+                 statistic: str = "median", sample_s: float = 5e-4, budget_s: float = 0.01,
+                 retune_noisy: int = 2, seed: int = 0):
+        if policy not in POLICIES:
+            raise BackendError(f"unknown kernel selection policy {policy!r}", where="codegen.kernel_selection",
+                               value=policy, fix=f"one of {', '.join(POLICIES)}")
+        if statistic not in _STATS:
+            raise BackendError(f"unknown timing statistic {statistic!r}", value=statistic, fix="min or median")
+        self.statistic = statistic
+        self.cache = TimingCache(cache_dir)
+        self.threads = int(threads or torch.get_num_threads())
+        self.policy = policy
+        self._target, self._simd, self._llc = target, simd, llc_bytes
+        self._builder = builder
+        self.cold = cold        # None: decided at finalize (the plan's GEMM weights exceed the LLC)
+        self.reps = max(1, int(reps))
+        self.sample_s = float(sample_s)
+        self.budget_s = float(budget_s)
+        self.retune_noisy = int(retune_noisy)
+        self.tolerance = tolerance
+        self.seed = seed
+        self.configs = {k: tuple(v) for k, v in (configs or CONFIGS).items()}
+        self.constant_ptrs: set[int] = set()
+        self.steps: list[GemmStep] = []
+        self._pending: list[GemmStep] = []
+        self.selections: list[Selection] = []
+        self.packed: dict[tuple, _Packed] = {}   # the winners' packed weights this context keeps alive
+        self._scratch: dict[tuple, Any] = {}      # packs and references while one plan is tuned
+        self._workspaces: dict[tuple, torch.Tensor] = {}   # Winograd scratch of the bound conv steps
+        self.stats = {"timed_shapes": 0, "timing_runs": 0, "cache_hits": 0, "cache_misses": 0, "checks": 0,
+                      "rejected": 0, "tune_s": 0.0, "build_s": 0.0}
+        self.failures: dict[str, str] = {}
+        self._checker = Checker(self._scratch, seed, tolerance, self._pack, self._conv_weight)
+
+    # ---- setup -----------------------------------------------------------------------------
+    def _resolve(self) -> None:
+        """The host target is read only when there is a GEMM to tune (its first read costs ~1 s)."""
+        if self._simd is not None and self._llc is not None:
+            return
+        if self._target is None:
+            from graphmode.targets import get_target
+            self._target = get_target("host")
+        if self._simd is None:
+            self._simd = list(self._target.simd)
+        if self._llc is None:
+            self._llc = int(self._target.llc_bytes or 32 << 20)
+
+    @property
+    def simd(self) -> list[str]:
+        self._resolve()
+        return sorted(self._simd)
+
+    @property
+    def llc_bytes(self) -> int:
+        self._resolve()
+        return int(self._llc)
+
+    @property
+    def target_id(self) -> str:
+        return _target_identity(self._target, self.simd)
+
+    @property
+    def builder(self) -> KernelBuilder:
+        if self._builder is None:
+            self._builder = builder_for(None, self.threads)
+        return self._builder
+
+    def add_constants(self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> None:
+        """Declare the plan's constant tensors: only these may be packed ahead of time."""
+        vals = tensors.values() if isinstance(tensors, Mapping) else tensors
+        self.constant_ptrs.update(t.data_ptr() for t in vals)
+
+    def generated_available(self) -> bool:
+        try:
+            return bool(self.builder.compiler_available())
+        except Exception:  # noqa: BLE001 - a broken toolchain only means "ATen only"
+            return False
+
+    def candidates(self, p: GemmProblem) -> list[str]:
+        """Candidate names for a problem: ATen, then the host ISA's generated configurations."""
+        return candidate_names(p, simd=self.simd, threads=self.threads, configs=self.configs,
+                               generated=self.generated_available())
+
+    # ---- the executor's side ---------------------------------------------------------------
+    def request(self, op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                default: Callable[[], None], epilogue: FusedEpilogue | None = None) -> Callable[[], None]:
+        """A step for this GEMM: a `GemmStep` tuned at `finalize()`, or `default` when only ATen
+        can run it. With `epilogue`, a step that takes it has `fused_epilogue` set (it then
+        runs the epilogue too); one that cannot comes back without it."""
+        p = problem_of(op, ins_t, outs, self.constant_ptrs)
+        if p is None:
+            return default
+        bias = ins_t[2] if op == "linear" and len(ins_t) > 2 else None
+        c = outs[0]
+        if epilogue is not None and p.batch == 1 and epilogue.fits(p.m * p.n):
+            p = replace(p, epi=epilogue.epi, c_aliases_operand=overlaps([epilogue.out], epilogue.operands))
+            c = epilogue.out
+        else:
+            epilogue = None
+        return self._enqueue(GemmStep(default, p, ins_t[0], ins_t[1], bias, c, epilogue))
+
+    def request_conv(self, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
+                     default: Callable[[], None], epilogue: FusedEpilogue | None = None) -> Callable[[], None]:
+        """A step for this conv2d: a `ConvStep` tuned at `finalize()`, or `default` when no
+        generated kernel covers it (then it stays ATen without any timing)."""
+        p = conv_problem_of(ins_t, outs, attrs, self.constant_ptrs)
+        if p is None or p.groups != 1:
+            return default
+        bias = ins_t[2] if len(ins_t) > 2 else None
+        c = outs[0]
+        if epilogue is not None and epilogue.fits(c.numel()):
+            p = replace(p, epi=epilogue.epi)     # conv kernels read each operand element before writing it
+            c = epilogue.out
+        else:
+            epilogue = None
+        return self._enqueue(ConvStep(default, p, ins_t[0], ins_t[1], bias, c, epilogue))
+
+    def _enqueue(self, step: GemmStep) -> GemmStep:
+        self.steps.append(step)
+        self._pending.append(step)
+        return step
+
+    def finalize(self) -> list[Selection]:
+        """Tune every distinct GEMM shape requested since the last call and switch each of
+        those steps to its winner; returns the new selections."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        by_problem: dict[GemmProblem, list[GemmStep]] = {}
+        for s in pending:
+            by_problem.setdefault(s.problem, []).append(s)
+        if self.cold is None:
+            weights = {(s.b.data_ptr(), s.b.numel()) for s in pending if s.problem.b_packed}
+            self.cold = sum(n for _, n in weights) * 4 > self.llc_bytes
+        new: list[Selection] = []
+        kernels = self._build({p: candidate_sources(p, self.candidates(p), self.threads) for p in by_problem})
+        try:
+            for p, steps in by_problem.items():
+                sel = self._select(p, steps[0], kernels)
+                sel.uses = len(steps)
+                self.selections.append(sel)
+                new.append(sel)
+                for s in steps:
+                    self._bind(s, sel, kernels)
+                self._scratch.clear()
+        finally:
+            self._scratch.clear()
+        return new
+
+    def select(self, p: GemmProblem, *, b: torch.Tensor | None = None) -> Selection:
+        """Tune one problem on its own (no executor): B is `b` or random. For tests/tools."""
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        if b is None:
+            if p.op == "linear":
+                b = torch.randn(p.n, p.k, generator=gen)
+            elif p.b_batched:
+                b = torch.randn(p.batch, p.k, p.n, generator=gen)
+            else:
+                b = torch.randn(p.k, p.n, generator=gen)
+        a = torch.randn(p.batch, p.m, p.k, generator=gen)
+        c = torch.empty(p.batch, p.m, p.n)
+        bias = torch.randn(p.n, generator=gen) if p.bias else None
+        if p.b_packed:
+            self.constant_ptrs.add(b.data_ptr())
+        step = GemmStep(aten_gemm(p, a, b, bias, c), p, a if p.batch > 1 else a.view(p.m, p.k), b, bias,
+                        c if p.batch > 1 else c.view(p.m, p.n))
+        if self.cold is None:
+            self.cold = b.numel() * 4 > self.llc_bytes if p.b_packed else False
+        kernels = self._build({p: candidate_sources(p, self.candidates(p), self.threads)})
+        try:
+            sel = self._select(p, step, kernels)
+        finally:
+            self._scratch.clear()
+        sel.uses = 1
+        self.selections.append(sel)
+        return sel
+
+    # ---- compilation -------------------------------------------------------------------------
+    def _build(self, sources: Mapping[GemmProblem, Mapping[str, Any]]) -> dict[tuple[GemmProblem, str], Any]:
+        """Compile the candidates into one library; (problem, name) -> (kernel, source) or the
+        error text. Under the heuristic policy only the candidates it could pick are built."""
+        t0 = time.perf_counter()
+        want: dict[tuple[GemmProblem, str], Any] = {}
+        for p, per in sources.items():
+            names = list(per)
+            if self.policy == "heuristic":
+                names = names[:1]
+            for name in names:
+                want[(p, name)] = per[name]
+        srcs = [s for s in want.values() if not isinstance(s, Exception)]
+        built: dict[str, Any] = {}
+        if srcs:
+            try:
+                built = self.builder.build_many(srcs, strict=False)
+            except BackendError as e:
+                log.warning("generated GEMM kernels do not build; ATen runs every GEMM: %s", e.message)
+                built = {}
+                self.failures["*"] = e.message
+        out: dict[tuple[GemmProblem, str], Any] = {}
+        for key, s in want.items():
+            if isinstance(s, Exception):
+                out[key] = str(s)
+            elif s.symbol in built:
+                out[key] = (built[s.symbol], s)
+            else:
+                out[key] = self.builder.failures.get(s.symbol) or self.failures.get("*", "not built")
+        self.stats["build_s"] += time.perf_counter() - t0
+        return out
+
+    # ---- selection -----------------------------------------------------------------------------
+    def cache_key(self, p: GemmProblem, names: Sequence[str], kernels: Mapping) -> dict:
+        srcs = {}
+        for n in names:
+            k = kernels.get((p, n))
+            srcs[n] = k[1].symbol if isinstance(k, tuple) else None
+        return {"version": CACHE_VERSION, "target": self.target_id, "compiler": self._compiler_id(),
+                "threads": self.threads, "cold": self.cold, "statistic": self.statistic, **p.key(),
+                "candidates": srcs}
+
+    def _compiler_id(self) -> str:
+        try:
+            b = self.builder
+            return f"{b.compiler} {' '.join(b.flags)}" if b.compiler_available() else "none"
+        except Exception:  # noqa: BLE001
+            return "none"
+
+    def _check(self, p: GemmProblem, name: str, step: GemmStep, kernels: Mapping) -> str | None:
+        """None when candidate `name` matches ATen on random data, else why not."""
+        k = kernels.get((p, name))
+        if not isinstance(k, tuple):
+            return f"does not build: {k}"
+        self.stats["checks"] += 1
+        return self._checker.check(p, name, step, k[0])
+
+    def _select(self, p: GemmProblem, step: GemmStep, kernels: Mapping) -> Selection:
+        t0 = time.perf_counter()
+        names = self.candidates(p)
+        if self.policy == "heuristic":
+            sel = self._heuristic(p, names, step, kernels)
+            sel.tune_s = time.perf_counter() - t0
+            return sel
+        key = self.cache_key(p, names, kernels)
+        cached = self.cache.get(key)
+        tries = 1
+        if cached is not None and cached["noisy"] and cached["tries"] <= self.retune_noisy:
+            log.info("timing cache entry for %s was measured on a busy machine; measuring again", p.text)
+            tries = cached["tries"] + 1
+            cached = None
+        if cached is not None:
+            sel = Selection(p, ATEN, self.policy, dict(cached["timings_s"]), dict(cached["rejected"]),
+                            from_cache=True, medians_s=dict(cached["medians_s"]), noisy=cached["noisy"],
+                            mins_s=dict(cached["mins_s"]), load=cached["load"], cores=cached["cores"])
+            sel.winner = pick(self.policy, p, sel.timings_s)
+            # a stale cache must not hand out a wrong kernel: the winner is checked again (one run)
+            if sel.winner == ATEN or self._check(p, sel.winner, step, kernels) is None:
+                self.stats["cache_hits"] += 1
+                sel.tune_s = time.perf_counter() - t0
+                return sel
+            log.warning("timing cache entry for %s names %s, which now fails its check; tuning again",
+                        p.text, sel.winner)
+        self.stats["cache_misses"] += 1
+        sel = Selection(p, ATEN, self.policy, timed=True)
+        for name in names[1:]:
+            err = self._check(p, name, step, kernels)
+            if err is not None:
+                sel.rejected[name] = err[:500]
+                self.stats["rejected"] += 1
+        keep: list = []   # the timing buffers live until the timing is done
+        samples = measure(self._timing_fns(p, names, step, kernels, sel.rejected, keep), reps=self.reps,
+                          sample_s=self.sample_s, budget_s=self.budget_s)
+        del keep
+        self.stats["timing_runs"] += sum(len(v) for v in samples.values())
+        sel.load, sel.cores = machine_load()
+        sel.timings_s = {n: _STATS[self.statistic](v) for n, v in samples.items()}
+        sel.medians_s = {n: statistics.median(v) for n, v in samples.items()}
+        self.stats["timed_shapes"] += 1
+        sel.winner = pick(self.policy, p, sel.timings_s)
+        mins = sel.mins_s = {n: min(v) for n, v in samples.items() if v}
+        ratios = sorted(sel.medians_s[n] / mins[n] for n in mins if mins[n] > 0)
+        # noisy (measured again by the next builds): most candidates' samples disagree, or the ATen
+        # baseline's alone do (every margin is stated against it), or the machine was overloaded
+        sel.noisy = bool(ratios) and ratios[len(ratios) // 2] > NOISY or bool(timing_doubts(sel, (ATEN,)))
+        self.cache.put(key, {"timings_s": sel.timings_s, "medians_s": sel.medians_s, "rejected": sel.rejected,
+                             "noisy": sel.noisy, "tries": tries, "mins_s": sel.mins_s, "load": sel.load,
+                             "cores": sel.cores}, reps=self.reps)
+        sel.tune_s = time.perf_counter() - t0
+        self.stats["tune_s"] += sel.tune_s
+        return sel
+
+    def _heuristic(self, p: GemmProblem, names: Sequence[str], step: GemmStep, kernels: Mapping) -> Selection:
+        sel = Selection(p, ATEN, "heuristic")
+        for name in names[1:2]:          # the first generated configuration, if any
+            err = self._check(p, name, step, kernels)
+            if err is None:
+                sel.winner = name
+            else:
+                sel.rejected[name] = err
+        return sel
+
+    def _timing_fns(self, p, names: Sequence[str], step: GemmStep, kernels: Mapping, rejected: Mapping[str, str],
+                    keep: list) -> dict[str, Callable[[], None]]:
+        kw = {"seed": self.seed, "cold": bool(self.cold), "llc_bytes": self.llc_bytes}
+        if isinstance(step, ConvStep):
+            return conv_timing_fns(p, names, step, kernels, rejected, keep, weight=self._conv_weight, **kw)
+        return gemm_timing_fns(p, names, step, kernels, rejected, keep,
+                               pack=lambda w, nr: self._pack(w, p, nr), **kw)
+
+    # ---- weights and binding -------------------------------------------------------------------
+    def _pack(self, w: torch.Tensor, p: GemmProblem, nr: int) -> torch.Tensor:
+        """`w` packed for panels of `nr` (memoised while one plan is tuned: the checks, the
+        timing and the winner's binding share one packing per weight and panel width)."""
+        key = (w.data_ptr(), tuple(w.shape), nr, p.op)
+        got = self._scratch.get(key)
+        if got is None:
+            got = self._scratch[key] = pack_b(w, nr, transposed=(p.op == "linear"))
+        return got
+
+    def _conv_weight(self, w: torch.Tensor, cfg: ConvConfig) -> torch.Tensor:
+        """The candidate's transformed/packed weight (memoised while one plan is tuned)."""
+        key = (w.data_ptr(), tuple(w.shape), w._version) + cfg.weight_key()
+        got = self._scratch.get(key)
+        if got is None:
+            got = self._scratch[key] = cfg.prepare_weight(w)
+        return got
+
+    def _kept(self, key: tuple, src: torch.Tensor, scratch_key: tuple,
+              prepare: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The winner's prepared copy of constant `src` under `key`, shared process-wide: the
+        executables of one model's buckets (same constants) hold one copy, not one each. The
+        copy the checks and timing made (under `scratch_key`) is taken over, else prepared."""
+        holder = self.packed.get(key) or _PACKED.get(key)
+        if holder is None:
+            t = self._scratch.pop(scratch_key, None)
+            holder = _Packed(src, t if t is not None else prepare())
+            _PACKED[key] = holder
+        self.packed[key] = holder
+        return holder.t
+
+    def _bind(self, step: GemmStep, sel: Selection, kernels: Mapping) -> None:
+        k = kernels.get((step.problem, sel.winner))
+        if sel.winner == ATEN or not isinstance(k, tuple):   # the latter cannot happen after a passing check
+            step.fn, step.tactic = step.default, ATEN
+            return
+        p, kernel = step.problem, k[0]
+        if isinstance(step, ConvStep):
+            cfg = conv_config(sel.winner)
+            key = (step.b.data_ptr(), tuple(step.b.shape), step.b._version) + cfg.weight_key()
+            w = self._kept(key, step.b, key, lambda: cfg.prepare_weight(step.b))
+            # one workspace per (shape, candidate kind) in this context: steps of one executable never
+            # overlap, and a shape's zero padding border is only ever left zero by kernels of that shape
+            ws_key = ("ws", p, cfg.name)
+            ws = self._workspaces.get(ws_key)
+            if ws is None:
+                ws = self._workspaces[ws_key] = torch.zeros(cfg.workspace_numel(p))
+            bufs = [step.a, w] + ([step.bias] if p.bias else []) + list(step.ops) + [ws, step.c]
+        else:
+            nr = GemmConfig.parse(sel.winner).nr
+            if p.b_packed:
+                w = step.b
+                key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w._version, nr, p.op)
+                b = self._kept(key, w, key[:2] + (nr, p.op), lambda: self._pack(w, p, nr))
+            else:
+                b = step.b
+            bufs = [step.a, b] + ([step.bias] if p.bias else []) + list(step.ops) + [step.c]
+        step.keep = tuple(bufs)
+        step.fn = kernel.bind([t.data_ptr() for t in bufs])
+        step.tactic = sel.winner
+
+    # ---- reporting ------------------------------------------------------------------------------
+    def report(self) -> dict:
+        return {"policy": self.policy, "threads": self.threads, "cold_weights": self.cold,
+                "gemms": [s.to_json() for s in self.selections], "stats": dict(self.stats),
+                "packed_bytes": sum(h.t.numel() * h.t.element_size() for h in self.packed.values()),
+                "steps": {"total": len(self.steps),
+                          "generated": sum(1 for s in self.steps if s.tactic != ATEN)}}
+
+
+class _Packed:
+    """A packed weight and its source. Holding the source keeps its address from being
+    reused by another tensor while the packed copy is findable under that address."""
+
+    __slots__ = ("__weakref__", "src", "t")
+
+    def __init__(self, src: torch.Tensor, t: torch.Tensor):
+        self.src, self.t = src, t
+
+
+_PACKED: "weakref.WeakValueDictionary[tuple, _Packed]" = weakref.WeakValueDictionary()
+
+
+def _target_identity(target: Any, simd: Sequence[str]) -> str:
+    if target is None:
+        return "simd:" + ",".join(simd)
+    cpu = {}
+    try:
+        cpu = dict((target.groups or {}).get("cpu", {}))
+    except Exception:  # noqa: BLE001
+        cpu = {}
+    parts = [getattr(target, "name", "?"), getattr(target, "arch", "?"), str(cpu.get("model_name", "")),
+             str(cpu.get("family", "")), str(cpu.get("model", "")), str(getattr(target, "compute_units", "")),
+             "simd:" + ",".join(simd)]
+    return "|".join(parts)
+
+
+def tactics_context(spec, builder: KernelBuilder | None, threads: int | None,
+                    constants: Mapping[str, torch.Tensor]) -> TacticsContext | None:
+    """The tactics context an executable binds its steps with, or None when tactics are off.
+
+    `spec`: None = on when `builder` builds generated kernels (a compiler is there), with the
+    timing cache next to the builder's kernel folder; a policy name (`latency_first`,
+    `throughput_first`, `heuristic`) = the same with that policy; a `TacticsContext` = that
+    one; False = off (ATen runs every GEMM)."""
+    if spec is False:
+        return None
+    if isinstance(spec, TacticsContext):
+        ctx = spec
+    else:
+        if spec is None and builder is None:
+            return None          # no generated kernels: plain ATen
+        policy = spec if isinstance(spec, str) else "latency_first"
+        if policy not in POLICIES:
+            raise BackendError(f"unknown GEMM tactic policy {policy!r}", value=policy,
+                               fix=f"one of {', '.join(POLICIES)}, or tactics=False")
+        if builder is None:
+            builder = builder_for(None, threads)
+        try:
+            if not builder.compiler_available():
+                return None
+        except Exception:  # noqa: BLE001 - a broken toolchain only means "ATen only"
+            return None
+        ctx = TacticsContext(Path(builder.cache_dir).parent / "tactics", threads, policy=policy, builder=builder)
+    ctx.add_constants(constants)
+    return ctx
+
+
+__all__ = ["TacticsContext", "tactics_context"]

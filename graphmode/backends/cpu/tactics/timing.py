@@ -1,0 +1,182 @@
+"""Timing candidates: closures over synthetic operands, and interleaved samples of them.
+
+Every candidate of a shape is timed on the same random operands at the plan's thread count.
+With `cold`, each call reads its weight from the next of enough copies to stream 2x the LLC
+between two uses of one copy (the weights of a model larger than the cache are not cache
+resident when the plan runs). Samples interleave the candidates round-robin, the start
+rotating, so that drift of a shared machine hits every candidate alike; the context's
+statistic (median by default) of the samples is what the policy compares.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from graphmode.backends.cpu.conv import ConvConfig, ConvProblem
+from graphmode.backends.cpu.tactics.candidates import conv_config
+from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem
+from graphmode.backends.cpu.tactics.steps import ATEN, ConvStep, GemmStep, aten_conv, aten_gemm, b_shape, conv_args
+
+CALIBRATION_CALLS = 3   # back-to-back calls whose fastest sets a candidate's calls per sample
+
+
+def machine_load() -> tuple[float | None, int]:
+    """(1-minute load average, CPUs this process may use): timings taken with more runnable
+    threads than CPUs measure the scheduler, not the kernel."""
+    from graphmode.targets.host import load_average, usable_cores
+    load = load_average()
+    return (load[0] if load else None), usable_cores()
+
+
+def measure(fns: Mapping[str, Callable[[], None]], *, reps: int, sample_s: float,
+            budget_s: float) -> dict[str, list[float]]:
+    """Seconds per call of each closure, one list of samples each: a warm-up call, then at
+    least `reps` interleaved round-robin samples of >= `sample_s` seconds of back-to-back
+    calls, more (up to 8x `reps`) while they fit `budget_s` per candidate. The calls per
+    sample come from the fastest of CALIBRATION_CALLS back-to-back calls: from one call, a
+    candidate whose call happened to wait out a time slice (a 2-thread ATen GEMM of 8 KFLOP
+    took 15 ms at load 5 on 2 cores) got samples of one call each, against 1000-call samples
+    of the others, and a "36892x vs aten" margin."""
+    names = list(fns)
+    inner: dict[str, int] = {}
+    longest = 0.0
+    for n in names:
+        fns[n]()
+        dt = math.inf
+        for _ in range(CALIBRATION_CALLS):
+            t0 = time.perf_counter()
+            fns[n]()
+            dt = min(dt, max(time.perf_counter() - t0, 1e-7))
+        inner[n] = max(1, min(1000, int(sample_s / dt)))
+        longest = max(longest, dt * inner[n])
+    rounds = max(reps, min(8 * reps, int(budget_s / max(longest, 1e-6))))
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    with torch.inference_mode():
+        for r in range(rounds):
+            for j in range(len(names)):
+                n = names[(r + j) % len(names)]
+                f, calls = fns[n], inner[n]
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                samples[n].append((time.perf_counter() - t0) / calls)
+    return samples
+
+
+def rotate(calls: list[Callable[[], None]]) -> Callable[[], None]:
+    """One closure calling the next of `calls` each time."""
+    if len(calls) == 1:
+        return calls[0]
+    it = [0]
+
+    def f() -> None:
+        i = it[0]
+        it[0] = (i + 1) % len(calls)
+        calls[i]()
+    return f
+
+
+def then(f: Callable[[], None], g: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        f()
+        g()
+    return both
+
+
+def copies_for(numel: int, llc_bytes: int, cold: bool) -> int:
+    """Copies of an fp32 weight of `numel` elements that stream 2x the LLC between two uses."""
+    return max(1, math.ceil(2 * llc_bytes / max(numel * 4, 1))) if cold else 1
+
+
+def gemm_timing_fns(p: GemmProblem, names: Sequence[str], step: GemmStep, kernels: Mapping,
+                    rejected: Mapping[str, str], keep: list, *, seed: int, cold: bool, llc_bytes: int,
+                    pack: Callable[[torch.Tensor, int], torch.Tensor]) -> dict[str, Callable[[], None]]:
+    """One closure per GEMM candidate that may win (checked already; `pack(w, nr)` gives the
+    constant weight in a candidate's panels). Timing is data-independent, so with `cold` all
+    candidates share one set of weight copies (each reads it in its own layout: ATen as
+    [N, K], a kernel as its panels); only the first copy holds the real weight in every
+    layout's place. Buffers go to `keep`, which must outlive the timing."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    a = torch.randn(p.batch, p.m, p.k, generator=gen)
+    c = torch.empty(p.batch, p.m, p.n)
+    keep += [a, c]
+    bias = step.bias
+    extra = [bias.data_ptr()] if p.bias else []
+    if p.epi is not None:       # operands of the same shapes; ATen's time includes the epilogue kernel
+        ops = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
+        keep += ops
+        extra = extra + [t.data_ptr() for t in ops]
+    live = [n for n in names if n != ATEN and n not in rejected]
+    fns: dict[str, Callable[[], None]] = {}
+    if not p.b_packed:
+        b = torch.randn(b_shape(p), generator=gen)
+        keep.append(b)
+        fns[ATEN] = aten_gemm(p, a, b, bias, c)
+        if step.epilogue_run is not None:
+            fns[ATEN] = then(fns[ATEN], step.epilogue_run)
+        for name in live:
+            fns[name] = kernels[(p, name)][0].bind([a.data_ptr(), b.data_ptr(), *extra, c.data_ptr()])
+        return fns
+    packs = {GemmConfig.parse(n).nr: pack(step.b, GemmConfig.parse(n).nr) for n in live}
+    copies = copies_for(step.b.numel(), llc_bytes, cold)
+    slots: list[torch.Tensor] = []
+    if copies > 1:
+        width = max([step.b.numel()] + [t.numel() for t in packs.values()])
+        pool = torch.empty(copies - 1, width)
+        src = next(iter(packs.values()), step.b).reshape(-1)
+        pool[:, :src.numel()].copy_(src.unsqueeze(0).expand(copies - 1, src.numel()))
+        pool[:, src.numel():].zero_()
+        keep.append(pool)
+        slots = list(pool.unbind(0))
+    wshape = tuple(step.b.shape)
+    bs = [step.b] + [t[:step.b.numel()].view(wshape) for t in slots]
+    fns[ATEN] = rotate([aten_gemm(p, a, b, bias, c) for b in bs])
+    if step.epilogue_run is not None:
+        fns[ATEN] = then(fns[ATEN], step.epilogue_run)
+    for name in live:
+        kern = kernels[(p, name)][0]
+        bks = [packs[GemmConfig.parse(name).nr]] + slots
+        fns[name] = rotate([kern.bind([a.data_ptr(), bk.data_ptr(), *extra, c.data_ptr()]) for bk in bks])
+    return fns
+
+
+def conv_timing_fns(p: ConvProblem, names: Sequence[str], step: ConvStep, kernels: Mapping,
+                    rejected: Mapping[str, str], keep: list, *, seed: int, cold: bool, llc_bytes: int,
+                    weight: Callable[[torch.Tensor, ConvConfig], torch.Tensor]) -> dict[str, Callable[[], None]]:
+    """As `gemm_timing_fns` for convs (`weight(w, cfg)` gives a candidate's prepared weight);
+    with `cold`, each candidate rotates over copies of ITS weight (the Winograd weights are
+    16/9 or 4x the direct ones, which is the point of timing cold)."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    x = torch.randn(p.n, p.cin, p.h, p.w, generator=gen)
+    y = torch.empty(p.n, p.cout, p.ho, p.wo)
+    keep += [x, y]
+
+    def copies_of(t: torch.Tensor) -> list[torch.Tensor]:
+        out = [t] + [t.clone() for _ in range(copies_for(t.numel(), llc_bytes, cold) - 1)]
+        keep.extend(out[1:])
+        return out
+
+    fns: dict[str, Callable[[], None]] = {
+        ATEN: rotate([aten_conv(p, x, w, step.bias, y) for w in copies_of(step.b)])}
+    ops: list[torch.Tensor] = []
+    if step.epilogue_run is not None:     # ATen's time includes the group's epilogue kernel
+        fns[ATEN] = then(fns[ATEN], step.epilogue_run)
+        ops = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
+        keep += ops
+    for name in names:
+        if name == ATEN or name in rejected:
+            continue
+        cfg = conv_config(name)
+        kern = kernels[(p, name)][0]
+        ws = torch.zeros(cfg.workspace_numel(p))
+        keep.append(ws)
+        fns[name] = rotate([kern.bind(conv_args(step, cfg, x, u, ws, y, ops))
+                            for u in copies_of(weight(step.b, cfg))])
+    return fns
+
+
+__all__ = ["CALIBRATION_CALLS", "measure", "machine_load", "rotate", "then", "copies_for", "gemm_timing_fns",
+           "conv_timing_fns"]

@@ -1,0 +1,123 @@
+// graphmode generated CPU kernels: the GEMM micro-kernels (gemm.py writes the loops around them).
+// An MR x (NV vectors) tile of C stays in registers for a whole K block: per k, NV vectors
+// of B are loaded and MR values of A broadcast, one FMA per accumulator. Portable C,
+// AVX-512 and AVX2+FMA versions, the latter two behind the compiler's own ISA macros so a
+// kernel built for a host without them falls back to the portable one. <immintrin.h> is
+// included with its mm_malloc.h guard pre-defined: that header's <stdlib.h> would clash with
+// the prelude's own malloc/free declarations.
+
+#ifndef GM_GEMM_COMMON_H
+#define GM_GEMM_COMMON_H
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifndef _MM_MALLOC_H_INCLUDED
+#define _MM_MALLOC_H_INCLUDED
+#endif
+#ifndef __MM_MALLOC_H
+#define __MM_MALLOC_H
+#endif
+#include <immintrin.h>
+#endif
+#define GM_UNROLL _Pragma("GCC unroll 64")
+
+
+// Portable micro-kernel: an MR x (NV*8) tile, LAST valid columns in the last group of 8.
+// Plain loops with constant bounds; the compiler vectorises the column loop.
+template <int MR, int NV, int LAST, bool MASKB>
+GM_INLINE void gm_gemm_ukr_c(long kc, const float* __restrict a, long lda, const float* __restrict b, long ldb,
+                             float* __restrict c, long ldc, const float* __restrict bias, bool first) {
+  constexpr int NC = (NV - 1) * 8 + LAST;       // valid columns
+  constexpr int NB = MASKB ? NC : NV * 8;       // columns of B that may be read
+  float acc[MR][NV * 8];
+  GM_UNROLL for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV * 8; ++j)
+      acc[i][j] = first ? ((bias && j < NC) ? bias[j] : 0.0f) : (j < NC ? c[i * ldc + j] : 0.0f);
+  for (long k = 0; k < kc; ++k) {
+    float bv[NV * 8];
+    for (int j = 0; j < NV * 8; ++j) bv[j] = j < NB ? b[k * ldb + j] : 0.0f;
+    GM_UNROLL for (int i = 0; i < MR; ++i) {
+      const float av = a[i * lda + k];
+      #pragma omp simd
+      for (int j = 0; j < NV * 8; ++j) acc[i][j] = GM_FMA(av, bv[j], acc[i][j]);
+    }
+  }
+  GM_UNROLL for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) c[i * ldc + j] = acc[i][j];
+}
+
+#if defined(__AVX512F__)
+// AVX-512 micro-kernel: MR x NV vectors of 16; LAST valid lanes in the last vector.
+template <int MR, int NV, int LAST, bool MASKB>
+GM_INLINE void gm_gemm_ukr_avx512(long kc, const float* __restrict a, long lda, const float* __restrict b, long ldb,
+                                  float* __restrict c, long ldc, const float* __restrict bias, bool first) {
+  const __mmask16 lm = (__mmask16)((1u << LAST) - 1u);
+  __m512 acc[MR][NV];
+  if (first) {
+    GM_UNROLL for (int v = 0; v < NV; ++v) {
+      __m512 x = _mm512_setzero_ps();
+      if (bias) x = (v == NV - 1 && LAST < 16) ? _mm512_maskz_loadu_ps(lm, bias + 16 * v) : _mm512_loadu_ps(bias + 16 * v);
+      GM_UNROLL for (int i = 0; i < MR; ++i) acc[i][v] = x;
+    }
+  } else {
+    GM_UNROLL for (int i = 0; i < MR; ++i)
+      GM_UNROLL for (int v = 0; v < NV; ++v)
+        acc[i][v] = (v == NV - 1 && LAST < 16) ? _mm512_maskz_loadu_ps(lm, c + i * ldc + 16 * v)
+                                               : _mm512_loadu_ps(c + i * ldc + 16 * v);
+  }
+  for (long k = 0; k < kc; ++k) {
+    __m512 bv[NV];
+    GM_UNROLL for (int v = 0; v < NV; ++v)
+      bv[v] = (MASKB && v == NV - 1 && LAST < 16) ? _mm512_maskz_loadu_ps(lm, b + k * ldb + 16 * v)
+                                                  : _mm512_loadu_ps(b + k * ldb + 16 * v);
+    GM_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
+      GM_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
+    }
+  }
+  GM_UNROLL for (int i = 0; i < MR; ++i)
+    GM_UNROLL for (int v = 0; v < NV; ++v) {
+      if (v == NV - 1 && LAST < 16) _mm512_mask_storeu_ps(c + i * ldc + 16 * v, lm, acc[i][v]);
+      else _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
+    }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+GM_INLINE __m256i gm_gemm_mask8(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// AVX2 micro-kernel: MR x NV vectors of 8; LAST valid lanes in the last vector.
+template <int MR, int NV, int LAST, bool MASKB>
+GM_INLINE void gm_gemm_ukr_avx2(long kc, const float* __restrict a, long lda, const float* __restrict b, long ldb,
+                                float* __restrict c, long ldc, const float* __restrict bias, bool first) {
+  const __m256i lm = gm_gemm_mask8(LAST);
+  __m256 acc[MR][NV];
+  if (first) {
+    GM_UNROLL for (int v = 0; v < NV; ++v) {
+      __m256 x = _mm256_setzero_ps();
+      if (bias) x = (v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(bias + 8 * v, lm) : _mm256_loadu_ps(bias + 8 * v);
+      GM_UNROLL for (int i = 0; i < MR; ++i) acc[i][v] = x;
+    }
+  } else {
+    GM_UNROLL for (int i = 0; i < MR; ++i)
+      GM_UNROLL for (int v = 0; v < NV; ++v)
+        acc[i][v] = (v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(c + i * ldc + 8 * v, lm)
+                                              : _mm256_loadu_ps(c + i * ldc + 8 * v);
+  }
+  for (long k = 0; k < kc; ++k) {
+    __m256 bv[NV];
+    GM_UNROLL for (int v = 0; v < NV; ++v)
+      bv[v] = (MASKB && v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(b + k * ldb + 8 * v, lm)
+                                                 : _mm256_loadu_ps(b + k * ldb + 8 * v);
+    GM_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + i * lda + k);
+      GM_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
+    }
+  }
+  GM_UNROLL for (int i = 0; i < MR; ++i)
+    GM_UNROLL for (int v = 0; v < NV; ++v) {
+      if (v == NV - 1 && LAST < 8) _mm256_maskstore_ps(c + i * ldc + 8 * v, lm, acc[i][v]);
+      else _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
+    }
+}
+#endif
+#endif  // GM_GEMM_COMMON_H

@@ -1,0 +1,272 @@
+"""Generated convolutions (backends/cpu/winograd.py, im2col.py) and their tactic selection.
+
+Numerics of Winograd F(2x2) and F(4x4) and of im2col GEMMs against ATen's direct convolution
+on awkward shapes (padding 0/1/2, strides, dilation, 1x1 and 7x7 kernels, edge tiles, channel
+counts that are not multiples of the vector width, batch > 1), the weight transform, the conv
+tactics of TacticsContext (check, timing cache, binding) and the executor path on a small
+CNN. Nothing here asserts on a timing.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphmode.backends.cpu.build import KernelBuilder
+from graphmode.backends.cpu.gemm import GemmConfig
+from graphmode.backends.cpu.conv import ConvProblem, conv_problem_of
+from graphmode.backends.cpu.im2col import Im2colConfig, prepared_numel
+from graphmode.backends.cpu.tactics import ATEN, ConvStep, TacticsContext
+from graphmode.backends.cpu.tactics.candidates import conv_config
+from graphmode.backends.cpu.winograd import (WinogradConfig, generate_winograd, transform_weight,
+                                             transformed_numel, workspace_numel)
+from graphmode.errors import BackendError
+from graphmode.verify.numerics import rel_l2
+
+_PROBE = KernelBuilder(Path(tempfile.gettempdir()) / "graphmode-test-probe")
+needs_cxx = pytest.mark.skipif(not _PROBE.compiler_available(), reason="no C++ compiler on this machine")
+
+# (n, cin, h, w, cout, padding, bias)
+SHAPES = [
+    (1, 16, 8, 8, 16, 1, True),
+    (2, 3, 11, 7, 5, 1, True),        # channels below one vector, odd sizes: partial edge tiles
+    (1, 24, 13, 13, 40, 1, False),
+    (1, 32, 9, 10, 17, 0, True),      # no padding: Ho = H - 2
+    (3, 8, 6, 5, 8, 2, True),         # padding 2: output larger than the input
+    (1, 64, 14, 14, 64, 1, True),
+]
+CFGS = [WinogradConfig(2, GemmConfig("avx512", 8, 32)), WinogradConfig(4, GemmConfig("avx512", 8, 32)),
+        WinogradConfig(4, GemmConfig("avx2", 6, 16, 16, 0, par="serial")),
+        WinogradConfig(2, GemmConfig("portable", 4, 16)),
+        # tile-blocked: blocks of 8 / 6 tiles over 2 threads (partial last blocks, 1-block images)
+        WinogradConfig(4, GemmConfig("avx512", 8, 32, par="serial"), 8, 2),
+        WinogradConfig(2, GemmConfig("avx2", 6, 16, par="serial"), 6, 2)]
+
+
+def _problem(n, cin, h, w, cout, pad, bias) -> ConvProblem:
+    return ConvProblem(n, cin, h, w, cout, 3, 3, (1, 1), (pad, pad), bias=bias)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    if not _PROBE.compiler_available():
+        pytest.skip("no C++ compiler")
+    builder = KernelBuilder(tmp_path_factory.mktemp("wcache"), threads=2)
+    cases = [(s, cfg, generate_winograd(_problem(*s), cfg, threads=2)) for s in SHAPES for cfg in CFGS]
+    return cases, builder.build_many([c[2] for c in cases])
+
+
+@needs_cxx
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{s[5]}")
+def test_winograd_matches_direct_conv(built, shape):
+    cases, kernels = built
+    n, cin, h, w, cout, pad, has_bias = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(n, cin, h, w, generator=g)
+    wt = torch.randn(cout, cin, 3, 3, generator=g)
+    bias = torch.randn(cout, generator=g) if has_bias else None
+    ref = torch.nn.functional.conv2d(x, wt, bias, padding=pad)
+    p = _problem(*shape)
+    assert (p.ho, p.wo) == tuple(ref.shape[2:])
+    for s, cfg, src in cases:
+        if s != shape:
+            continue
+        u = transform_weight(wt, cfg.m, cfg.gemm.nr)
+        assert u.numel() == transformed_numel(p, cfg.m, cfg.gemm.nr)
+        ws = torch.zeros(workspace_numel(p, cfg))
+        for _ in range(2):              # a second call on the same workspace: its zero border survives
+            y = torch.full_like(ref, float("nan"))
+            args = [x, u] + ([bias] if has_bias else []) + [ws, y]
+            kernels[src.symbol]([t.data_ptr() for t in args])
+            err = rel_l2(y, ref)
+            assert err < (1e-6 if cfg.m == 2 else 5e-6), (p.text, cfg.name, err)
+
+
+# (n, cin, h, w, cout, k, stride, padding, dilation, bias)
+IM2COL = [
+    (1, 3, 23, 20, 16, 7, 2, 3, 1, True),     # a ResNet-like stem
+    (2, 16, 9, 9, 24, 3, 2, 1, 1, False),     # stride 2, odd size
+    (1, 20, 8, 8, 33, 1, 2, 0, 1, True),      # 1x1 downsample
+    (2, 18, 7, 6, 10, 1, 1, 0, 1, True),      # 1x1 stride 1: no patch matrix
+    (1, 8, 10, 10, 8, 3, 1, 2, 2, True),      # dilated
+    (1, 5, 6, 7, 9, 3, 1, 1, 1, False),
+]
+IM2COL_CFGS = [Im2colConfig(GemmConfig("avx512", 8, 32)), Im2colConfig(GemmConfig("avx2", 6, 16, 16, 12, par="serial"))]
+
+
+def _im2col_problem(n, cin, h, w, cout, k, s, pad, d, bias) -> ConvProblem:
+    return ConvProblem(n, cin, h, w, cout, k, k, (s, s), (pad, pad), (d, d), bias=bias)
+
+
+@needs_cxx
+def test_im2col_matches_direct_conv(tmp_path):
+    builder = KernelBuilder(tmp_path / "k", threads=2)
+    cases = [(s, cfg, cfg.generate(_im2col_problem(*s), 2)) for s in IM2COL for cfg in IM2COL_CFGS]
+    kernels = builder.build_many([c[2] for c in cases])
+    for shape, cfg, src in cases:
+        n, cin, h, w, cout, k, st, pad, d, has_bias = shape
+        g = torch.Generator().manual_seed(sum(shape))
+        x = torch.randn(n, cin, h, w, generator=g)
+        wt = torch.randn(cout, cin, k, k, generator=g)
+        bias = torch.randn(cout, generator=g) if has_bias else None
+        ref = torch.nn.functional.conv2d(x, wt, bias, stride=st, padding=pad, dilation=d)
+        p = _im2col_problem(*shape)
+        wp = cfg.prepare_weight(wt)
+        assert wp.numel() == prepared_numel(p, cfg.gemm.nr) and (p.ho, p.wo) == tuple(ref.shape[2:])
+        ws = torch.zeros(cfg.workspace_numel(p))
+        for _ in range(2):
+            y = torch.full_like(ref, float("nan"))
+            kernels[src.symbol]([t.data_ptr() for t in [x, wp] + ([bias] if has_bias else []) + [ws, y]])
+            assert rel_l2(y, ref) < 1e-6, (p.text, cfg.name, rel_l2(y, ref))
+
+
+def test_problem_and_names():
+    x, w, y = torch.zeros(1, 8, 10, 10), torch.zeros(16, 8, 3, 3), torch.zeros(1, 16, 10, 10)
+    attrs = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
+    assert conv_problem_of([x, w], [y], attrs, set()) is None            # weight not a constant
+    p = conv_problem_of([x, w], [y], attrs, {w.data_ptr()})
+    assert p is not None and p.winograd_ok and not p.bias and (p.ho, p.wo) == (10, 10)
+    assert p.flops == 2 * 16 * 100 * 8 * 9
+    assert "conv2d 1x8x10x10 * 16x8x3x3 s1 p1" in p.text
+    s2 = ConvProblem(1, 8, 10, 10, 16, 3, 3, (2, 2), (1, 1))
+    assert not s2.winograd_ok and IM2COL_CFGS[0].applies(s2) and not CFGS[0].applies(s2)
+    with pytest.raises(BackendError, match="3x3 stride-1"):
+        generate_winograd(s2, CFGS[0], 2)
+    for cfg in CFGS + IM2COL_CFGS:
+        assert conv_config(cfg.name) == cfg
+    with pytest.raises(BackendError):
+        conv_config("avx2_6x16_kall_mall")
+    with pytest.raises(BackendError):
+        WinogradConfig(3, GemmConfig("avx2", 6, 16))
+    with pytest.raises(BackendError):
+        WinogradConfig.parse("avx2_6x16_kall_mall")
+
+
+def test_weight_transform_is_exact_on_identity():
+    """A filter with a single 1 at the centre is the identity convolution: U must reproduce it
+    (checks G and the [xi, cin, cout] layout without any kernel)."""
+    w = torch.zeros(16, 16, 3, 3)
+    for c in range(16):
+        w[c, c, 1, 1] = 1.0
+    for m in (2, 4):
+        nr = 16
+        u = transform_weight(w, m, nr).view((m + 2) ** 2, 1, 16, nr)    # one panel: [xi, panel, cin, nr]
+        g = {2: torch.tensor([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], dtype=torch.float64),
+             4: torch.tensor([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+                              [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]], dtype=torch.float64)}[m]
+        centre = (g[:, 1:2] @ g[:, 1:2].t()).reshape(-1)                  # G e_centre G^T
+        for xi in range((m + 2) ** 2):
+            assert torch.allclose(u[xi, 0].double(), torch.eye(16, dtype=torch.float64) * centre[xi], atol=1e-7)
+
+
+def _ctx(tmp_path: Path, **kw) -> TacticsContext:
+    from graphmode.targets import get_target
+    kw.setdefault("builder", KernelBuilder(tmp_path / "kernels", threads=2))
+    kw.setdefault("simd", list(get_target("host").simd))
+    kw.setdefault("llc_bytes", 1 << 20)
+    kw.setdefault("reps", 2)
+    kw.setdefault("budget_s", 0.0)
+    kw.setdefault("retune_noisy", 0)
+    return TacticsContext(tmp_path / "tactics", 2, **kw)
+
+
+def _conv_step(ctx: TacticsContext, x, w, b, y, attrs):
+    from graphmode.backends.cpu.catalog import op_step
+    from graphmode.backends.cpu.lowering import OpCall
+    ctx.add_constants([w, b])
+    return op_step(OpCall("conv2d", [x, w, b], [y], attrs, {}, tactics=ctx))
+
+
+@needs_cxx
+def test_conv_tactics_select_check_cache_and_bind(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(1, 16, 12, 12, generator=g), torch.randn(32, 16, 3, 3, generator=g), torch.randn(32)
+    y = torch.empty(1, 32, 12, 12)
+    attrs = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
+    ctx = _ctx(tmp_path, llc_bytes=16 << 10)     # the weight (18 KiB) exceeds this "LLC": timed cold, rotated
+    step = _conv_step(ctx, x, w, b, y, attrs)
+    assert isinstance(step, ConvStep)
+    names = ctx.candidates(step.problem)
+    assert names[0] == ATEN and {n.split("_")[0] for n in names[1:]} >= {"wino4", "wino2", "im2col"}
+    (sel,) = ctx.finalize()
+    assert not sel.rejected and set(sel.timings_s) == set(names) and sel.winner in names
+    assert ctx.cold is True
+    step()
+    ref = torch.nn.functional.conv2d(x, w, b, padding=1)
+    assert rel_l2(y, ref) < 5e-6 and step.tactic == sel.winner
+    files = list((tmp_path / "tactics").glob("gemm-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["op"] == "conv2d"
+    rep = ctx.report()["gemms"][0]
+    assert rep["gemm"] == step.problem.text and rep["shape"]["kh"] == 3
+
+    again = _ctx(tmp_path, llc_bytes=16 << 10)         # the next plan build: from the timing cache
+    step2 = _conv_step(again, x, w, b, torch.empty_like(y), attrs)
+    (sel2,) = again.finalize()
+    assert sel2.from_cache and sel2.winner == sel.winner and again.stats["timing_runs"] == 0
+
+    heur = _ctx(tmp_path, policy="heuristic")        # no timing: the first Winograd candidate
+    y3 = torch.empty_like(y)
+    step3 = _conv_step(heur, x, w, b, y3, attrs)
+    (sel3,) = heur.finalize()
+    assert sel3.winner == names[1] and heur.stats["timing_runs"] == 0
+    step3()
+    assert rel_l2(y3, ref) < 5e-6
+    del step2
+
+
+@needs_cxx
+def test_conv_tactics_strided_and_grouped(tmp_path):
+    ctx = _ctx(tmp_path)
+    x, w, b = torch.randn(1, 8, 9, 9), torch.randn(8, 8, 3, 3), torch.randn(8)
+    y = torch.empty(1, 8, 5, 5)
+    step = _conv_step(ctx, x, w, b, y, {"stride": [2, 2], "padding": [1, 1], "dilation": [1, 1], "groups": 1})
+    assert isinstance(step, ConvStep)
+    assert [n.split("_")[0] for n in ctx.candidates(step.problem)[1:]] == ["im2col"]   # no Winograd at stride 2
+    ctx.finalize()
+    step()
+    assert rel_l2(y, torch.nn.functional.conv2d(x, w, b, stride=2, padding=1)) < 1e-6
+    wg = torch.randn(8, 4, 3, 3)                      # grouped: ATen without timing
+    default = _conv_step(ctx, x, wg, b, torch.empty(1, 8, 9, 9),
+                         {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 2})
+    assert not isinstance(default, ConvStep) and ctx.finalize() == []
+
+
+class _Cnn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(16)
+        self.c2 = torch.nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.c3 = torch.nn.Conv2d(16, 24, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.c1(x)))
+        h = torch.relu(self.c2(h) + h)
+        return self.c3(h)
+
+
+@needs_cxx
+def test_executor_runs_winograd_convs_matching_eager(tmp_path):
+    import graphmode
+    from graphmode.recipe import load_recipe
+
+    torch.manual_seed(0)
+    m = _Cnn().eval()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-0.5, 0.5)
+        m.bn.running_var.uniform_(0.5, 2.0)
+    r = load_recipe({"version": 1, "name": "cnn", "exe_mode": "graph", "targets": ["host"],
+                     "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 3, 20, 20]}],
+                     "dims": {"batch": {"buckets": [1, 2]}}})
+    cm = graphmode.compile(m, r, cache_dir=tmp_path, threads=2)
+    for batch in (1, 2):
+        x = torch.randn(batch, 3, 20, 20)
+        with torch.inference_mode():
+            ref = m(x)
+        assert rel_l2(cm(x), ref) < 1e-5
+        rep = cm.executable({"batch": batch}).tactics_report
+        convs = [g for g in rep["gemms"] if g["shape"]["op"] == "conv2d"]
+        assert len(convs) == 3 and {tuple(g["shape"]["stride"]) for g in convs} == {(1, 1), (2, 2)}, rep["gemms"]
