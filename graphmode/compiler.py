@@ -227,13 +227,17 @@ def lower_model(model: Any, recipe: Recipe | str | Path, target: Any = None, *, 
     return Lowered(src, graph0, cap, verdict, graph, opt, proof)
 
 
-def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mode: str | None = None,
+def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any = "host", *, mode: str | None = None,
             cache_dir: str | Path | None = None, threads: int | None = None, warmup: bool = False,
             progress: bool = False):
-    """Capture, optimise and wrap a model; plans are built per bucket on first use (or warm-up)."""
+    """Capture, optimise and wrap a model; plans are built per bucket on first use (or warm-up).
+    Without a recipe, one is drafted as `graphmode recipe init` does (said once, `cm.recipe`)."""
     from graphmode.runtime.compiled import CompiledModel
-    recipe = as_recipe(recipe)
     tgt = _target(target)
+    if recipe is None:
+        from graphmode.kb.draft import drafted
+        model, recipe = drafted(model, tgt)
+    recipe = as_recipe(recipe)
     mode = mode or recipe.exe_mode
     if mode == "eager":
         src = resolve_model(model, recipe)

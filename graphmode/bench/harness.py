@@ -37,6 +37,7 @@ from graphmode.bench.machine import PeakRss, machine_meta
 from graphmode.bench.models import PRETTY, ModelCase
 from graphmode.bench.quality import LEGEND, QUICK_NOTE, Conditions, Probe, judge, warning_lines
 from graphmode.errors import GraphmodeError
+from graphmode.kb.record import record_bench
 
 NUMERICS_TOL = 1e-4      # relative L2 vs eager counted as "matched" (fp32 engines reorder sums)
 
@@ -56,6 +57,7 @@ class BenchConfig:
     cache_dir: Any = None            # graphmode artifact cache (None: fresh temp dir per model)
     onnx_cache_dir: Any = None       # ONNX export cache (None: ~/.cache/graphmode/onnx)
     quick: bool = False              # a smoke run: rows are flagged `quick`, never read as timings
+    kb: Any = None                   # knowledge base file the graphmode rows are recorded in (None: off)
 
 
 def parse_engines(text: str | None, extra: Sequence[str] = ()) -> list[tuple[str, str | None]]:
@@ -309,11 +311,15 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
             shared = ModelShared(case.bundle, case.envs, cfg.threads, recipe=cfg.recipe, cache_dir=cfg.cache_dir,
                                  onnx_cache_dir=cfg.onnx_cache_dir)
             try:
+                first = len(rows)
                 for env in case.envs:
                     log(f"{case.name} {'x'.join(map(str, case.shape_of(env)))}")
                     for r in bench_shape(case, shared, env, cfg, log, probe):
                         r["tol"] = cfg.tol
                         rows.append(r)
+                note = record_bench(cfg.kb, shared.store.get("graphmode"), rows[first:], target)
+                if note:
+                    log(note)
             finally:
                 tmp = shared.store.get("tmp")
                 shared.store.clear()

@@ -3,8 +3,8 @@ to eager PyTorch's dispatch cost, and calibration of the `host` cost model.
 
 Calibration files: <cache root>/calibration/<target>.json (the fitted Calibration) and
 <target>.samples.json beside it (every profiled bucket, so one calibration covers every
-model profiled on the machine). Cache root: --cache-dir, else $GRAPHMODE_CACHE_DIR, else
-~/.cache/graphmode; --calibration PATH overrides the file.
+model profiled on the machine). Cache root: --cache-dir (graphmode.paths); --calibration PATH
+overrides the file.
 """
 from __future__ import annotations
 
@@ -22,16 +22,11 @@ from rich.console import Console
 
 from graphmode.cli.app import app, err_console
 from graphmode.cli.app import console as _console
+from graphmode.cli.options import KbPath, kb_file
+from graphmode.cli.options import CacheDir
 
 # piped output (CI logs, `| tee`) gets rich's 80 columns by default: too narrow for these tables
 console = _console if _console.is_terminal else Console(width=170)
-
-
-def _root(opt: Optional[Path]) -> Path:
-    if opt is not None:
-        return opt
-    env = os.environ.get("GRAPHMODE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "graphmode"
 
 
 def _pct(e: Optional[float]) -> str:
@@ -144,8 +139,8 @@ def profile_cmd(
                                    "refit and save its calibration"),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="calibration JSON (default "
                                                "<cache>/calibration/host.json)"),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="cache root (default $GRAPHMODE_CACHE_DIR "
-                                             "or ~/.cache/graphmode)"),
+    cache_dir: Optional[Path] = CacheDir,
+    kb: Optional[Path] = KbPath,
     no_eager: bool = typer.Option(False, "--no-eager", help="skip the eager timing and dispatch measurements"),
     refit: bool = typer.Option(False, "--refit", help="refit and save the calibration from the stored samples "
                                "(after a host re-probe or a cost-model change); with no --model nothing is measured"),
@@ -159,6 +154,8 @@ def profile_cmd(
     from graphmode.bench.models import auto_recipe, load_cases
     from graphmode.bench.profile import (SampleStore, fit_calibration, prediction_table, profile_bucket, within)
     from graphmode.errors import GraphmodeError, TargetError
+    from graphmode.kb.record import record_profiles
+    from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe
     from graphmode.targets import get_target
     from graphmode.targets.cost import Calibration
@@ -166,10 +163,10 @@ def profile_cmd(
     if not model and not refit:
         raise GraphmodeError("nothing to profile", where="--model",
                              fix="give --model NAME (repeatable), or --refit to refit the stored calibration")
-    root = _root(cache_dir)
+    layout = cache_layout(cache_dir)
     torch.set_num_threads(threads)
-    target = get_target("host", cache_dir=root / "targets")
-    cal_path = calibration or Calibration.default_path(target.name, root)
+    target = get_target("host", cache_dir=layout.targets)
+    cal_path = calibration or layout.calibration(target.name)
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
     profiles = []
     with tempfile.TemporaryDirectory(prefix="graphmode-profile-") as tmp:
@@ -177,6 +174,7 @@ def profile_cmd(
             rec = load_recipe(recipe if recipe is not None else auto_recipe(case.bundle, case.envs))
             log(f"compiling {case.name} ...")
             cm = graphmode.compile(case.bundle, rec, "host", cache_dir=tmp, threads=threads)
+            first = len(profiles)
             for env in case.envs:
                 bucket = rec.bucket_for(env)
                 if bucket is None:
@@ -185,6 +183,9 @@ def profile_cmd(
                 log(f"profiling {case.name} {bucket} ...")
                 profiles.append(profile_bucket(cm, rec, bucket, target, runs=runs, model=case.name,
                                                threads=threads, eager=not no_eager))
+            note = record_profiles(kb_file(kb, cache_dir), cm, rec, profiles[first:], target)
+            if note:
+                log(note)
     previous = None
     if cal_path.is_file():
         try:

@@ -12,7 +12,10 @@ import typer
 import yaml
 from rich.table import Table
 
-from graphmode.cli.app import app, console
+from graphmode.cli.app import app, console, err_console
+from graphmode.cli.options import KbPath, kb_file
+from graphmode.cli.options import CacheDir
+from graphmode.recipe.buckets import all_buckets, bucket_for, dim_buckets, dim_range
 
 
 def _merge(base: dict, change: dict) -> dict:
@@ -37,10 +40,10 @@ def recipe_diff_text(path: str, change: dict) -> str:
 
 def inside_shape(rec, env: dict[str, int]) -> dict[str, int] | None:
     """The smallest request that maps to bucket `env`: padded along every dim that can be."""
-    per_dim = rec.dim_buckets()
+    per_dim = dim_buckets(rec)
     out = {}
     for d, v in env.items():
-        lo, _ = rec.dim_range(d)
+        lo, _ = dim_range(rec.dims[d])
         below = [b for b in per_dim[d] if b < v]
         out[d] = max(lo, (max(below) + 1) if below else lo)
     return None if out == env else out
@@ -55,9 +58,10 @@ def verify_cases(rec, buckets: list[dict[str, int]]) -> list[tuple[dict[str, int
         inside = inside_shape(rec, env)
         if inside is not None:
             cases.append((inside, dict(env)))
-    smallest = {d: rec.dim_range(d)[0] for d in rec.dims}
-    if all((smallest, rec.bucket_for(smallest)) != c for c in cases) and rec.bucket_for(smallest) is not None:
-        cases.append((smallest, rec.bucket_for(smallest)))
+    smallest = {d: dim_range(spec)[0] for d, spec in rec.dims.items()}
+    bucket = bucket_for(rec, smallest)
+    if bucket is not None and all((smallest, bucket) != c for c in cases):
+        cases.append((smallest, bucket))
     return cases
 
 
@@ -68,6 +72,8 @@ def verify_cmd(
     max_buckets: Optional[int] = typer.Option(None, "--max-buckets", help="check only the first N buckets"),
     seed: int = typer.Option(0, "--seed"),
     fix: bool = typer.Option(False, "--fix", help="propose the recipe change that removes a mismatch"),
+    cache_dir: Optional[Path] = CacheDir,
+    kb: Optional[Path] = KbPath,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Check graph mode against eager PyTorch in every bucket, filled exactly and padded
@@ -75,16 +81,20 @@ def verify_cmd(
     import torch.utils._pytree as pytree
 
     from graphmode.compiler import lower_model
-    from graphmode.recipe import load_recipe
+    from graphmode.kb.record import record_verify
+    from graphmode.paths import cache_layout
+    from graphmode.recipe import load_recipe, pick_target
     from graphmode.runtime.compiled import CompiledModel
     from graphmode.verify.bisect import bisect, bisect_plan, compare_outputs, propose_fix
 
     rec = load_recipe(recipe)
     mode = "graph" if rec.exe_mode == "eager" else rec.exe_mode
-    low = lower_model(model, rec, mode=mode, keep_snapshots=True)
+    proved_on = pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets)   # the recipe's default target
+    low = lower_model(model, rec, proved_on, mode=mode, keep_snapshots=True)
     src, graph, opt, contract = low.source, low.graph, low.optimize_report, low.verdict
-    cm = CompiledModel(src, rec, None, low.captured, graph, (low.capture_report, opt), mode=mode, verdict=contract)
-    buckets = rec.buckets()
+    cm = CompiledModel(src, rec, None, low.captured, graph, (low.capture_report, opt), mode=mode,
+                       cache_dir=cache_dir, verdict=contract)
+    buckets = all_buckets(rec)
     if max_buckets:
         buckets = buckets[:max_buckets]
     results = []
@@ -120,6 +130,9 @@ def verify_cmd(
         failure["fix"] = change
         failure["diff"] = recipe_diff_text(recipe, change) if change else ""
     ok = failure is None
+    note = record_verify(kb_file(kb, cache_dir), cm, proved_on, results, failure)
+    if note:
+        err_console.print(f"warning: {note}", markup=False, highlight=False)
     if as_json:
         d = {"model": model, "recipe": rec.name, "ok": ok, "cases": results, "contract": contract.to_json()}
         if failure:

@@ -1,0 +1,94 @@
+"""`graphmode recipe init`: draft a complete, valid recipe for a model nobody wrote one for.
+
+Registered on the `recipe` sub-command. The drafting itself is `graphmode.kb.draft` (the same
+one `graphmode.compile(model)` uses without a recipe); this module only reads the options,
+writes the file and says what came from where.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from graphmode.cli.app import console, err_console
+from graphmode.cli.options import KbPath, kb_file
+from graphmode.cli.options import CacheDir
+from graphmode.cli.recipe_cmd import recipe_app
+
+
+def parse_ranges(items: List[str]) -> dict[str, tuple[int, int]]:
+    """`--dim seq=2:128` options as {dim: (min, max)}."""
+    from graphmode.errors import GraphmodeError
+    out = {}
+    for it in items:
+        name, _, rng = it.partition("=")
+        lo, _, hi = rng.partition(":")
+        try:
+            lo_i, hi_i = int(lo), int(hi)
+        except ValueError:
+            lo_i = hi_i = 0
+        if not name.strip() or not 1 <= lo_i <= hi_i:
+            raise GraphmodeError("expected NAME=MIN:MAX with 1 <= MIN <= MAX", where="--dim", value=it,
+                                 fix="e.g. --dim seq=2:128")
+        out[name.strip()] = (lo_i, hi_i)
+    return out
+
+
+@recipe_app.command("init")
+def init_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | module:function"),
+             target: Optional[str] = typer.Option(None, "--target", "-t", help="target name or file (default host)"),
+             p99_ms: Optional[float] = typer.Option(None, "--p99-ms", help="latency bound for sla.p99_ms (proved "
+                                                    "with the target's cost model)"),
+             memory_mb: Optional[float] = typer.Option(None, "--memory-mb", help="memory.budget_mb (default: the "
+                                                       "compiled graph's need at the largest bucket + 25%)"),
+             max_p99_over_p50: Optional[float] = typer.Option(None, "--max-p99-over-p50",
+                                                              help="determinism bound sla.max_p99_over_p50"),
+             max_padding: Optional[float] = typer.Option(None, "--max-padding", help="padding bound for bucket "
+                                                         "synthesis (default 0.25)"),
+             max_buckets: Optional[int] = typer.Option(None, "--max-buckets", min=1, help="bucket limit per dim"),
+             dim: List[str] = typer.Option([], "--dim", help="a dim's admissible range, e.g. --dim seq=2:128 "
+                                           "(repeatable; default: the model's config or graphmode's defaults)"),
+             objective: str = typer.Option("latency", "--objective", help="latency | throughput"),
+             name: Optional[str] = typer.Option(None, "--name", help="recipe name (default <model>-draft)"),
+             out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the recipe here (default stdout)"),
+             force: bool = typer.Option(False, "--force", help="overwrite --out if it exists"),
+             kb: Optional[Path] = KbPath, cache_dir: Optional[Path] = CacheDir,
+             as_json: bool = typer.Option(False, "--json", help="print the recipe, its notes and the verdict as JSON")
+             ) -> None:
+    """Draft a recipe for a model: inputs and dims from its signature and config, buckets under a
+    padding bound, precision and fusion from the knowledge base's nearest entries; validated,
+    with a comment on every value saying where it came from."""
+    from graphmode.errors import GraphmodeError
+    from graphmode.kb.draft import draft_recipe
+    from graphmode.kb.recommend import check_objective
+    from graphmode.paths import cache_layout
+    from graphmode.recipe import recipe_hash
+    check_objective(objective)
+    if out is not None and out.exists() and not force:
+        raise GraphmodeError("the output file exists", where="--out", value=str(out),
+                             fix="pass --force to overwrite it, or another --out")
+    draft = draft_recipe(model, target=target or "host", p99_ms=p99_ms, memory_mb=memory_mb, ranges=parse_ranges(dim),
+                         max_p99_over_p50=max_p99_over_p50, max_padding=max_padding, max_buckets=max_buckets,
+                         kb_path=kb_file(kb, cache_dir), objective=objective, name=name,
+                         target_cache_dir=cache_layout(cache_dir).targets)
+    text = draft.yaml()
+    if out is not None:
+        out.write_text(text, encoding="utf-8")
+    for w in draft.warnings:
+        err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow")
+    if as_json:
+        print(json.dumps({"recipe": draft.data, "notes": draft.notes, "hash": recipe_hash(draft.recipe),
+                          "verdict": draft.report.verdict, "target": draft.report.target.name,
+                          "plans": draft.report.plans, "padding": draft.verdict.lines(),
+                          "model": {k: draft.model[k] for k in ("name", "family", "fingerprint", "params")},
+                          "knowledge_base": [r.to_json(objective) for r in draft.recommendations[:3]],
+                          "written": str(out) if out else None}, indent=1, default=str))
+        return
+    if out is None:
+        console.print(text, markup=False, highlight=False, soft_wrap=True, end="")
+    summary = (f"{'wrote ' + str(out) + ': ' if out else ''}recipe {draft.recipe.name} ({recipe_hash(draft.recipe)}), "
+               f"{draft.report.verdict} on {draft.report.target.name}, {draft.report.plans} plan(s); "
+               + "; ".join(draft.verdict.lines()))
+    err_console.print(summary, markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,220 @@
+"""`graphmode tune`: search a recipe's knobs against its SLA and memory budget, within a time budget.
+
+Every trial is verified against eager and recorded (journal beside the recipe, knowledge
+base); the result is a Pareto table and, when a configuration beats the recipe as written,
+its next version written beside it with `recipe diff` shown. Interrupted, the same command
+resumes: finished trials are replayed from the journal.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from graphmode.cli.app import app, err_console
+from graphmode.cli.app import console as _console
+from graphmode.cli.options import KbPath, kb_file
+from graphmode.cli.options import CacheDir
+from graphmode.kb.render import shown
+
+# piped output (CI logs, `| tee`) gets rich's 80 columns by default: too narrow for these tables
+console = _console if _console.is_terminal else Console(width=170)
+
+
+def _threads(text: Optional[str]) -> list[int]:
+    from graphmode.errors import GraphmodeError
+    from graphmode.targets.host import usable_cores
+    cores = usable_cores()
+    if text is None:
+        return list(dict.fromkeys([cores, 1]))
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 1 for v in vals):
+        raise GraphmodeError("expected a comma list of thread counts", where="--threads", value=text,
+                             fix=f"e.g. --threads {cores},1 (the first is the recipe's baseline)")
+    return list(dict.fromkeys(vals))
+
+
+def _trial_table(title: str, trials: list, base_cfg: dict) -> Table:
+    from graphmode.tune.space import describe
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for c in ("#", "change", "status", "p50 ms", "p99 ms", "p99/p50", "items/s", "mem MB", "compile s", "rel L2"):
+        t.add_column(c, overflow="fold")
+    for r in trials:
+        m = r.metrics
+        st = {"ok": "green", "violates": "yellow", "failed": "red"}[r.status]
+        t.add_row(str(r.index), describe(r.config, base_cfg), f"[{st}]{r.status}[/]", shown(m.get("p50_ms")),
+                  shown(m.get("p99_ms")), shown(m.get("p99_over_p50")), shown(m.get("throughput")),
+                  shown(m.get("peak_memory_mb")), shown(m.get("compile_s")),
+                  "-" if m.get("numerics_err") is None else f"{m['numerics_err']:.1e}")
+    return t
+
+
+@app.command("tune")
+def tune_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | module:function"),
+             recipe: Path = typer.Option(..., "--recipe", help="the recipe to tune (its next version is written "
+                                         "beside it)"),
+             budget_s: float = typer.Option(..., "--budget-s", min=1, help="wall-clock budget: no trial starts that "
+                                            "would end past it"),
+             objective: str = typer.Option("latency", "--objective", help="latency (p99 first) | throughput"),
+             target: Optional[str] = typer.Option(None, "--target", help="target name or file (default: the "
+                                                  "recipe's)"),
+             tol: Optional[float] = typer.Option(None, "--tol", min=0, help="rel L2 vs eager a trial may reach "
+                                                 "(default: the recipe's compute dtype's; bf16 is tried from 2e-2)"),
+             max_buckets: Optional[int] = typer.Option(None, "--max-buckets", min=1, help="bucket limit per dim "
+                                                       "(default: the recipe's max_buckets, else 32)"),
+             threads: Optional[str] = typer.Option(None, "--threads", help="thread counts to try, e.g. 2,1 "
+                                                   "(default: all usable cores, then 1)"),
+             measure_s: Optional[float] = typer.Option(None, "--measure-s", min=0.01, help="timing per trial (default "
+                                                       "budget/20, 0.3..3 s)"),
+             out: Optional[Path] = typer.Option(None, "--out", help="where to write the tuned recipe (default "
+                                                "<recipe>.vN.yaml beside it)"),
+             only: List[str] = typer.Option([], "--only", help="search only these knobs (repeatable): dims, fusion, "
+                                            "precision, threads, kernel_selection, or one axis like dims.seq"),
+             fresh: bool = typer.Option(False, "--fresh", help="ignore the journal: measure every trial again"),
+             kb: Optional[Path] = KbPath, cache_dir: Optional[Path] = CacheDir,
+             as_json: bool = typer.Option(False, "--json")) -> None:
+    """Tune a recipe: bucket sets, fusion, kernel selection, threads and precision, against its SLA,
+    memory budget and numerics, latency-first or throughput-first."""
+    from graphmode.kb.fingerprint import digest, hardware_of, model_of, recipe_inputs
+    from graphmode.kb.record import Subject, perf, record
+    from graphmode.kb.recommend import check_objective
+    from graphmode.paths import cache_layout
+    from graphmode.recipe import load_recipe, parse_yaml, recipe_hash
+    from graphmode.recipe.targets import pick_target
+    from graphmode.tune.journal import Journal
+    from graphmode.tune.search import run_search
+    from graphmode.tune.space import baseline, describe, search_space, select_axes
+    from graphmode.tune.trial import TrialRunner
+    from graphmode.verify.numerics import TOLERANCE
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    t_start = time.monotonic()
+    check_objective(objective)
+    layout = cache_layout(cache_dir)
+    base = load_recipe(recipe)
+    base_data, _, _ = parse_yaml(recipe.read_bytes(), str(recipe))
+    tgt = pick_target(base, target, cache_dir=layout.targets)
+    tol = tol if tol is not None else TOLERANCE.get(base.precision.compute, TOLERANCE["f32"])
+    measure = measure_s if measure_s is not None else min(3.0, max(0.3, budget_s / 20))
+    kb_path = kb_file(kb, cache_dir)
+    log = (lambda s: None) if as_json else (lambda s: err_console.print(s, markup=False, highlight=False))
+    axes = select_axes(search_space(base, tgt, objective=objective, tol=tol, max_buckets=max_buckets,
+                                    threads=_threads(threads)), only)
+    log(f"capturing {model} ...")
+    runner = TrialRunner(model, base_data, tgt, tol=tol, measure_s=measure, cache_dir=layout.root)
+    base_cfg = baseline(axes)
+    model_row = model_of(runner.graph0, runner.src, recipe_inputs(base))
+    run_key = digest({"recipe": recipe_hash(base), "model": model_row["fingerprint"], "hardware": hardware_of(tgt)
+                      ["fingerprint"], "objective": objective, "tol": tol, "axes": [[a.name, a.values] for a in axes],
+                      "workload": runner.shapes, "fresh": time.time() if fresh else None})
+    journal = Journal(recipe.with_name(recipe.stem + ".tune.jsonl"), run_key)
+    journal.start({"recipe": str(recipe), "hash": recipe_hash(base), "model": model, "objective": objective,
+                   "budget_s": budget_s, "target": tgt.name, "time": time.time()})
+    for a in axes:
+        for n in a.notes:
+            log(f"search space: {a.name}: {n}")
+    warned: list[str] = []
+
+    def on_trial(r) -> None:
+        if not r.replayed:
+            subj = Subject(r.recipe or base, tgt, runner.src, runner.graph0, r.ir_hash, origin="tune",
+                           parent=recipe_hash(base))
+            row = perf("tune", status=r.status, reason=r.reason, threads=r.config.get("threads"),
+                       extra={"run": run_key, "trial": r.index, "change": describe(r.config, base_cfg),
+                              "samples": r.samples}, **r.metrics)
+            w = record(kb_path, subj, [row])
+            if w and not warned:
+                warned.append(w)
+                err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow")
+        if bar is not None:
+            bar.update(task, completed=min(budget_s, time.monotonic() - t_start),
+                       description=f"trial {r.index} ({'replayed' if r.replayed else r.status}): "
+                                   f"{describe(r.config, base_cfg)}")
+        m = r.metrics
+        log(f"trial {r.index}{' (journal)' if r.replayed else ''}: {describe(r.config, base_cfg)}: {r.status}"
+            + (f", p99 {shown(m.get('p99_ms'))} ms, {shown(m.get('throughput'))} items/s" if m else "")
+            + (f" ({r.reason.splitlines()[0][:200]})" if r.reason else ""))
+
+    bar = task = None
+    try:
+        if not as_json:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            bar = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
+                           transient=True)
+            bar.start()
+            task = bar.add_task("tuning", total=budget_s)
+        result = run_search(runner.run, axes, budget_s=budget_s, objective=objective, journal=journal,
+                            on_trial=on_trial, start=t_start)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.stop()
+        err_console.print(f"interrupted: the finished trials are in {journal.path}; run the same command again to "
+                          "resume", markup=False, highlight=False)
+        raise SystemExit(130)
+    finally:
+        if bar is not None:
+            bar.stop()
+    _report(result, base_cfg, recipe, base_data, objective, tgt, as_json, out, journal)
+
+
+def _report(result: Any, base_cfg: dict, recipe: Path, base_data: dict, objective: str, tgt: Any, as_json: bool,
+            out: Optional[Path], journal: Any) -> None:
+    from graphmode.errors import ConstraintError
+    from graphmode.recipe import diff_recipes, load_recipe
+    from graphmode.tune.space import describe
+    from graphmode.tune.version import write_version
+    written, new = None, False
+    best = result.best
+    if best is not None and best.key != result.baseline.key:
+        written, _, new = write_version(recipe, base_data, result.baseline, best, objective=objective,
+                                        hardware=tgt.name, trials=len(result.trials), out=out)
+    counts = {s: sum(t.status == s for t in result.trials) for s in ("ok", "violates", "failed")}
+    if as_json:
+        changes = diff_recipes(load_recipe(recipe), load_recipe(written)) if written else []
+        print(json.dumps({"stopped": result.stopped, "resumed": result.resumed, "journal": str(journal.path),
+                          "counts": counts, "trials": [dict(t.to_json(), change=describe(t.config, base_cfg))
+                                                       for t in result.trials],
+                          "pareto": [t.index for t in result.pareto], "best": best.index if best else None,
+                          "cut_off": describe(result.cut_off, base_cfg) if result.cut_off else None,
+                          "written": str(written) if written else None,
+                          "diff": [c.to_dict() for c in changes]}, indent=1, default=str))
+    else:
+        console.print(_trial_table(f"Pareto set: {len(result.pareto)} of {counts['ok']} trial(s) that kept the "
+                                   "contract (p99, throughput, memory, compile time)", result.pareto, base_cfg))
+        bad = [t for t in result.trials if t.status != "ok"]
+        if bad:
+            console.print(_trial_table(f"{len(bad)} trial(s) that violated the contract or failed", bad, base_cfg))
+            for t in bad:
+                console.print(f"  trial {t.index}: {t.status}: {t.reason}", markup=False, highlight=False,
+                              soft_wrap=True)
+        if result.cut_off is not None:
+            console.print(f"the budget ended inside the trial {describe(result.cut_off, base_cfg)}: it is not a result "
+                          "(not journaled); run the same command again to measure it", markup=False, highlight=False,
+                          soft_wrap=True)
+        console.print(f"{len(result.trials)} trial(s) ({result.resumed} from the journal {journal.path}), "
+                      f"{counts['ok']} ok, {counts['violates']} violate, {counts['failed']} failed; stopped: "
+                      f"{'budget spent' if result.stopped == 'budget' else 'no change improves the best'}",
+                      markup=False, highlight=False, soft_wrap=True)
+        if written:
+            console.print(f"best (trial {best.index}, {objective}-first): {describe(best.config, base_cfg)}; "
+                          f"{'wrote' if new else 'already written as'} {written}", markup=False, highlight=False,
+                          soft_wrap=True)
+            from graphmode.cli.recipe_cmd import diff_cmd
+            diff_cmd(recipe, written, as_json=False)
+        elif best is not None:
+            console.print("the recipe as written is the best configuration found: no new version written",
+                          highlight=False)
+    if best is None:
+        raise ConstraintError("no configuration kept the contract", where=str(recipe),
+                              fix=f"the recipe as written: {result.baseline.status}: {result.baseline.reason}; relax "
+                                  "its SLA or memory budget, or raise --tol / --budget-s")

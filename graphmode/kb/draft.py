@@ -1,0 +1,396 @@
+"""Draft a complete, valid recipe for a model nobody wrote one for.
+
+`graphmode recipe init` and `graphmode.compile(model)` (no recipe) both call `draft_recipe`:
+
+1. inputs, dtypes and symbolic dims from the model's signature (its example inputs and
+   `input_dims`, or the ONNX graph); each dim's range from the model's declared ranges, its
+   config (`max_position_embeddings`, `n_positions`, ...), or graphmode's defaults;
+2. buckets synthesised under a padding bound (`max_padding`, optionally `max_buckets`);
+3. the model is captured once; its fingerprint finds the nearest measured recipes in the
+   knowledge base, whose precision, fusion and kernel selection the draft takes;
+4. the verdict every entry point uses decides the rest: an input named like a mask is
+   declared `role: attention_mask`; a dim the padding analysis still finds unsafe gets exact
+   buckets (or, past `MAX_EXACT` values, `on_violation: eager`); ops without a lowering make
+   the draft `exe_mode: hybrid`;
+5. the memory budget (unless given) is the compiled graph's weights plus its activation peak
+   at the largest bucket, with headroom; the draft is then proved like any recipe.
+
+Every value graphmode chose has a note saying where it came from (`Draft.notes`, written
+as YAML comments by `Draft.yaml()`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graphmode.errors import CaptureError, RecipeError
+
+DEFAULT_MAX_PADDING = 0.25
+MAX_EXACT = 64                 # an unsafe-to-pad dim gets every value as a bucket up to this many values
+MEMORY_HEADROOM = 1.25
+MAX_KNOB_DISTANCE = 1.5        # farther knowledge-base entries say nothing about this model
+SEQ_DIMS = ("seq", "sequence", "seq_len", "tokens", "length", "positions")
+CONFIG_MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
+MB = 2**20
+
+
+@dataclass
+class Draft:
+    data: dict[str, Any]                  # the recipe as YAML data
+    notes: dict[str, str]                 # field path -> where its value came from
+    recipe: Any                           # the loaded, validated Recipe
+    report: Any                           # its ValidationReport (proved with the compiled graph)
+    verdict: Any                          # graphmode.verdict.Verdict of the final draft
+    model: dict[str, Any]                 # the model's knowledge-base fingerprint row
+    hardware: dict[str, Any]
+    recommendations: list[Any] = field(default_factory=list)
+    source: Any = None                    # graphmode.compiler.ModelSource
+    graph: Any = None                     # the captured IR
+    warnings: list[str] = field(default_factory=list)
+
+    def yaml(self) -> str:
+        from graphmode.kb.render import render
+        from graphmode.recipe import recipe_hash
+        header = [f"{self.recipe.name}: drafted by graphmode recipe init on "
+                  f"{_dt.date.today().isoformat()} for model {self.model['name']} ({self.model['family']}, "
+                  f"{self.model['params']:,} parameters)",
+                  f"validated on target {self.report.target.name}: {self.report.verdict}; content hash "
+                  f"{recipe_hash(self.recipe)}",
+                  "each comment says where its value came from; check them, then `graphmode tune` it"]
+        return render(self.data, self.notes, header)
+
+
+# ---- the model's signature ------------------------------------------------------------------------
+
+def as_bundle(model: Any) -> Any:
+    """What drafting reads a signature from: a ModelBundle or an ONNX spec."""
+    import torch
+
+    from graphmode.capture.spec import OnnxModelSpec, bundle_from_module, resolve_model_spec
+    from graphmode.capture.zoo import ModelBundle
+    if isinstance(model, (str, os.PathLike)):
+        model = resolve_model_spec(model)
+    if isinstance(model, (ModelBundle, OnnxModelSpec)):
+        return model
+    if isinstance(model, (tuple, list)) and 2 <= len(model) <= 3 and isinstance(model[0], torch.nn.Module):
+        return bundle_from_module(*model)
+    if isinstance(model, torch.nn.Module):
+        raise CaptureError(f"a bare {type(model).__name__} has no example inputs to read its input dtypes and "
+                           "shapes from", where="model",
+                           fix="pass (module, example_inputs[, input_dims]) or a ModelBundle, or give a recipe")
+    raise CaptureError(f"cannot draft a recipe for a {type(model).__name__}", where="model",
+                       fix="pass a model spec (built-in name, .onnx path, module:function), a ModelBundle or "
+                           "(module, example_inputs)")
+
+
+def _signature(bundle: Any) -> tuple[dict[str, str], dict[str, list], dict[str, int]]:
+    """(dtype per input, symbolic shape per input, example value per dim)."""
+    from graphmode.ir.types import TORCH_TO_DTYPE
+    dims = {k: list(v) for k, v in bundle.input_dims.items()}
+    if hasattr(bundle, "example_inputs"):
+        return {k: TORCH_TO_DTYPE[bundle.example_inputs[k].dtype] for k in dims}, dims, bundle.example_shape()
+    return {k: TORCH_TO_DTYPE[v] for k, v in bundle.input_dtypes.items()}, dims, {}
+
+
+def _with_batch_axis(bundle: Any) -> tuple[Any, int]:
+    """A bundle handed with static shapes only, with its leading axis named `batch` (every
+    input must share that extent), and the example's batch."""
+    lead = {v[0] if v else None for v in bundle.input_dims.values()}
+    n = next(iter(lead))
+    if len(lead) != 1 or not isinstance(n, int):
+        raise CaptureError(f"the model's inputs have static shapes {bundle.input_dims} without a common leading "
+                           "(batch) axis to vary", where="model",
+                           fix="pass input_dims naming the dynamic axes, e.g. {'x': ['batch', 16]}")
+    return dataclasses.replace(bundle, input_dims={k: ["batch"] + list(v[1:]) for k, v in bundle.input_dims.items()}), n
+
+
+def _dim_range(d: str, bundle: Any, example: dict[str, int]) -> tuple[int, int, str]:
+    cfg = getattr(getattr(bundle, "raw_module", None), "config", None)
+    if cfg is not None and (d in SEQ_DIMS or "seq" in d):
+        for key in CONFIG_MAX_POSITIONS:
+            v = getattr(cfg, key, None)
+            if isinstance(v, int) and v >= 2:
+                return 1, v, f"1 .. config.{key}"
+    ranges = getattr(bundle, "dim_ranges", None) or {}
+    if d in ranges:
+        lo, hi = ranges[d]
+        return int(lo), int(hi), f"the model's declared range for {d}"
+    from graphmode.capture.zoo import DEFAULT_DIM_RANGES
+    if d in DEFAULT_DIM_RANGES:
+        lo, hi = DEFAULT_DIM_RANGES[d]
+        hi = max(hi, example.get(d, hi))
+        return lo, hi, f"graphmode's default range for {d} (narrow it to the traffic you expect)"
+    v = example.get(d, 1)
+    return 1, v, f"up to the example's value {v} (widen it if the model takes more)"
+
+
+def _safe_name(text: str) -> str:
+    return (re.sub(r"[^A-Za-z0-9_.-]", "-", text).strip("-.") or "model")[:100]
+
+
+def _is_mask(name: str, dtype: str, shape: list) -> bool:
+    return "mask" in name.lower() and dtype in ("i64", "i32", "i16", "i8", "u8", "bool") and \
+        any(isinstance(d, str) for d in shape[1:])
+
+
+# ---- drafting -----------------------------------------------------------------------------------
+
+def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = None, memory_mb: float | None = None,
+                 max_p99_over_p50: float | None = None, max_padding: float | None = None,
+                 max_buckets: int | None = None, kb_path: str | Path | None = None, objective: str = "latency",
+                 name: str | None = None, target_cache_dir: str | Path | None = None, record: bool = True,
+                 ranges: dict[str, tuple[int, int]] | None = None) -> Draft:
+    """Draft, prove and (with `kb_path` and `record`) record a recipe for `model`; see the module doc.
+    `ranges` ({dim: (lo, hi)}) overrides the ranges drafting would choose.
+    Raises RecipeErrors / ConstraintError / ContractRefused when no valid draft exists
+    (e.g. `p99_ms` below what the cost model predicts), naming why."""
+    opts = dict(target=target, p99_ms=p99_ms, memory_mb=memory_mb, max_p99_over_p50=max_p99_over_p50,
+                max_padding=DEFAULT_MAX_PADDING if max_padding is None else max_padding, max_buckets=max_buckets,
+                kb_path=kb_path, objective=objective, name=name, target_cache_dir=target_cache_dir, record=record,
+                ranges=dict(ranges or {}))
+    bundle = as_bundle(model)
+    if any(isinstance(d, str) for v in bundle.input_dims.values() for d in v):
+        return _draft(bundle, {}, **opts)
+    dyn, n = _with_batch_axis(bundle)          # static shapes: try a dynamic batch, else pin it
+    if n >= 2:
+        try:
+            return _draft(dyn, {}, **opts)
+        except CaptureError:
+            pass
+    return _draft(dyn, {"batch": n}, **opts)
+
+
+def _draft(bundle: Any, pinned: dict[str, int], *, target: Any, p99_ms: float | None, memory_mb: float | None,
+           max_p99_over_p50: float | None, max_padding: float, max_buckets: int | None, kb_path: Any,
+           objective: str, name: str | None, target_cache_dir: Any, record: bool,
+           ranges: dict[str, tuple[int, int]]) -> Draft:
+    from graphmode.compiler import capture, optimize, prove
+    from graphmode.kb.fingerprint import hardware_of, model_of, recipe_inputs
+    from graphmode.recipe import load_recipe
+    from graphmode.recipe.targets import pick_target
+
+    dtypes, dims_of, example = _signature(bundle)
+    notes: dict[str, str] = {"inputs": "names, dtypes and dims from the model's signature"}
+    data: dict[str, Any] = {"version": 1, "name": _safe_name(name or f"{bundle.name}-draft"),
+                            "description": "drafted by graphmode recipe init for "
+                                           + (getattr(bundle, "source", "") or bundle.name)}
+    data["inputs"] = []
+    for i, (n, shape) in enumerate(dims_of.items()):
+        spec: dict[str, Any] = {"name": n, "dtype": dtypes[n], "shape": shape}
+        if _is_mask(n, dtypes[n], shape):
+            spec.update(pad_value=0, role="attention_mask")
+            notes[f"inputs[{i}]"] = "named like a mask: padded positions read 0 (masked out)"
+        data["inputs"].append(spec)
+    data["dims"], ranges = _dims(dims_of, pinned, ranges, bundle, example, max_padding, max_buckets, notes)
+    data.update(exe_mode="graph", on_violation="error", optimize={"preset": "default", "fusion": {"enabled": True}},
+                codegen={"kernel_selection": f"{objective}_first"}, precision={"compute": "f32"},
+                targets=[getattr(target, "name", None) or str(target)])
+    skeleton = load_recipe(_ordered(data))
+    tgt = pick_target(skeleton, target, cache_dir=target_cache_dir)
+    notes["targets"] = f"checked against {tgt.name}"
+    graph0, cap, src = capture(bundle, skeleton)
+    model_row, hw_row = model_of(graph0, src, recipe_inputs(skeleton)), hardware_of(tgt)
+    recs = _knobs_from_kb(data, notes, model_row, hw_row, kb_path, objective)
+    if cap.fallbacks:
+        data["exe_mode"] = "hybrid"
+        notes["exe_mode"] = (f"{len(cap.fallbacks)} op(s) have no graphmode lowering "
+                             f"({', '.join(sorted({f.target for f in cap.fallbacks}))}): they run as eager islands")
+    outputs = _outputs(graph0, cap, ranges)
+    if outputs:
+        data["outputs"] = outputs
+        notes["outputs"] = "from the captured graph: dim axes are sliced back after padding"
+    verdict = _settle_padding(data, notes, graph0, cap, src, ranges)
+    _sla(data, notes, p99_ms, max_p99_over_p50)
+    graph, _ = optimize(graph0, load_recipe(_ordered(data)), tgt, buckets=[])   # the budget does not change it
+    if memory_mb is not None:
+        data["memory"] = {"budget_mb": memory_mb}
+        notes["memory.budget_mb"] = "given (--memory-mb)"
+    else:
+        _memory_need(data, notes, graph)
+    recipe = load_recipe(_ordered(data))
+    report = prove(recipe, tgt, graph)
+    report.raise_for_errors()
+    draft = Draft(_ordered(data), notes, recipe, report, verdict, model_row, hw_row, recs, src, graph0)
+    if kb_path is not None and record:
+        from graphmode.kb.record import Subject
+        from graphmode.kb.record import record as write
+        warning = write(kb_path, Subject(recipe, tgt, src, graph0, graph.structural_hash(), origin="init"), [])
+        if warning:
+            draft.warnings.append(warning)
+    return draft
+
+
+_ANNOUNCED: set[str] = set()
+
+
+class RecipeDrafted(UserWarning):
+    """graphmode.compile(model) ran without a recipe and drafted one."""
+
+
+def drafted(model: Any, target: Any) -> tuple[Any, Any]:
+    """(model as drafted, recipe) for `graphmode.compile(model)` without a recipe: a draft,
+    announced by one RecipeDrafted warning (no knowledge base: the Python API reads no
+    environment). The model comes back as the bundle the draft named the dims of, so
+    `(module, example_inputs)` compiles too."""
+    import warnings
+
+    from graphmode.recipe import recipe_hash
+    d = draft_recipe(model, target=target or "host")
+    stamp = recipe_hash(d.recipe)
+    if stamp not in _ANNOUNCED:           # once per draft and process (a warnings filter reset would repeat it)
+        _ANNOUNCED.add(stamp)
+        warnings.warn(RecipeDrafted(
+            f"graphmode.compile: no recipe given, so one was drafted for {d.model['name']}: {d.recipe.name} "
+            f"({stamp}), {d.report.plans} plan(s), {'; '.join(d.verdict.lines())}. It is cm.recipe; "
+            "`graphmode recipe init` writes it out with where each value came from"), stacklevel=3)
+    return d.source.bundle, d.recipe
+
+
+def _dims(dims_of: dict[str, list], pinned: dict[str, int], given: dict[str, tuple[int, int]], bundle: Any,
+          example: dict[str, int], max_padding: float, max_buckets: int | None,
+          notes: dict[str, str]) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    """Each dim's range (given, pinned, from the config or a default) and bucket policy."""
+    names = list(dict.fromkeys(x for v in dims_of.values() for x in v if isinstance(x, str)))
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise RecipeError(f"the model has no dim(s) {unknown}", where="--dim", value=unknown,
+                          fix=f"its dims: {', '.join(names)}")
+    dims: dict[str, Any] = {}
+    ranges: dict[str, tuple[int, int]] = {}
+    for d in names:
+        if d in pinned:
+            lo = hi = pinned[d]
+            dims[d] = lo
+            notes[f"dims.{d}"] = (f"fixed at the example's {lo}: the model was handed with static shapes and does "
+                                  "not export with this axis dynamic (give input_dims to name dynamic axes)")
+            ranges[d] = (lo, hi)
+            continue
+        if d in given:
+            lo, hi = given[d]
+            why = f"range given (--dim {d}={lo}:{hi})"
+        else:
+            lo, hi, why = _dim_range(d, bundle, example)
+        dims[d] = {"min": lo, "max": hi}
+        if lo < hi:
+            dims[d]["max_padding"] = max_padding
+            if max_buckets is not None:
+                dims[d]["max_buckets"] = max_buckets
+            why += f"; buckets synthesised with padding <= {max_padding}"
+        notes[f"dims.{d}"] = why
+        ranges[d] = (lo, hi)
+    return dims, ranges
+
+
+_ORDER = ("version", "name", "description", "model", "inputs", "outputs", "dims", "exe_mode", "on_violation",
+          "capture", "optimize", "codegen", "precision", "memory", "sla", "targets")
+
+
+def _ordered(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: data[k] for k in _ORDER if k in data}
+
+
+def _knobs_from_kb(data: dict, notes: dict, model_row: dict, hw_row: dict, kb_path: Any, objective: str) -> list:
+    """Precision, fusion and kernel selection of the nearest measured recipe (if near enough)."""
+    defaults = {"optimize": "graphmode's default pipeline and fusion (no knowledge-base entry near this model)",
+                "precision": "f32: the numerics contract of the captured model (no knowledge-base entry near it)",
+                "codegen": f"{objective}-first: time GEMM/conv kernels per shape (no knowledge-base entry near it)"}
+    recs = []
+    if kb_path is not None and Path(kb_path).exists():
+        from graphmode.kb.recommend import recommend
+        from graphmode.kb.store import KnowledgeBase
+        with KnowledgeBase(kb_path) as kb:
+            recs = recommend(kb, model_row, hw_row, objective)
+    near = [r for r in recs if r.model_distance <= MAX_KNOB_DISTANCE]
+    if not near:
+        notes.update(defaults)
+        return recs
+    top = near[0]
+    body = top.recipe["body"]
+    src = (f"from knowledge base recipe {top.recipe['hash']} ({top.recipe['name']}), nearest measured: "
+           f"{top.why(objective)}")
+    opt = body.get("optimize", {})
+    data["optimize"] = {k: v for k, v in {"preset": opt.get("preset", "default"), "passes": opt.get("passes"),
+                                          "fusion": opt.get("fusion", {"enabled": True})}.items() if v is not None}
+    if "passes" in data["optimize"]:
+        data["optimize"].pop("preset")
+    data["precision"] = body.get("precision", {"compute": "f32"})
+    data["codegen"] = body.get("codegen", data["codegen"])
+    for k in ("optimize", "precision", "codegen"):
+        notes[k] = src
+    return recs
+
+
+def _outputs(graph: Any, cap: Any, ranges: dict[str, tuple[int, int]]) -> dict[str, list]:
+    from graphmode.ir.types import dim_str
+    names = list(getattr(cap, "output_names", None) or graph.outputs)
+    if len(names) != len(graph.outputs) or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
+        return {}
+    out = {}
+    for n, v in zip(names, graph.outputs):
+        out[n] = [d if isinstance(d, int) else (dim_str(d) if dim_str(d) in ranges else "*")
+                  for d in graph.values[v].type.shape]
+    return out
+
+
+def _settle_padding(data: dict, notes: dict, graph: Any, cap: Any, src: Any,
+                    ranges: dict[str, tuple[int, int]]) -> Any:
+    """Decide the draft with the verdict; a dim whose padding is unsafe gets exact buckets
+    (or on_violation: eager when it has more than MAX_EXACT values). Returns the verdict."""
+    from graphmode.recipe import load_recipe
+    from graphmode.verdict import ContractRefused, decide
+    for _ in range(2):
+        v = decide(load_recipe(_ordered(data)), graph, cap, src, data["exe_mode"])
+        unsafe = [i for i in v.refusals if i.kind == "padding"]
+        other = [i for i in v.refusals if i.kind != "padding"]
+        if other:
+            raise ContractRefused(other)
+        if not unsafe:
+            return v
+        for issue in unsafe:
+            d = issue.where.split(".", 1)[1]
+            lo, hi = ranges[d]
+            at = f" ({issue.loc})" if issue.loc else ""
+            reason = issue.message.split(": ", 1)[-1]
+            if hi - lo + 1 <= MAX_EXACT:
+                data["dims"][d] = {"min": lo, "max": hi}
+                notes[f"dims.{d}"] = (f"every value a bucket ({hi - lo + 1} plans): padding {d} is unsafe for this "
+                                      f"model: {reason}{at}")
+            else:
+                data["on_violation"] = "eager"
+                notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}) and [{lo}, {hi}] "
+                                         f"has too many values for exact buckets: requests off a bucket run eagerly")
+    raise ContractRefused(v.refusals)
+
+
+def _memory_need(data: dict, notes: dict, graph: Any) -> None:
+    """memory.budget_mb: the optimised graph's weights plus its activation peak at the largest
+    bucket of every dim, with headroom."""
+    from graphmode.plan.memory import activation_peak_expr
+    from graphmode.recipe import load_recipe
+    from graphmode.recipe.buckets import dim_buckets
+    recipe = load_recipe(_ordered(data))
+    top = {d: max(v) for d, v in dim_buckets(recipe).items()}
+    act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse)
+    act = float(act.subs({s: top[s.name] for s in act.free_symbols})) if hasattr(act, "subs") else float(act)
+    weights = sum(t.numel() * t.element_size() for t in graph.constants.values())
+    data["memory"] = {"budget_mb": max(1, math.ceil((weights + act) / MB * MEMORY_HEADROOM))}
+    notes["memory.budget_mb"] = (f"weights {weights / MB:.1f} MB + activations {act / MB:.1f} MB at the largest "
+                                 f"bucket {top}, +{MEMORY_HEADROOM - 1:.0%} headroom")
+
+
+def _sla(data: dict, notes: dict, p99_ms: float | None, ratio: float | None) -> None:
+    sla: dict[str, Any] = {}
+    if p99_ms is not None:
+        sla["p99_ms"] = p99_ms
+        notes["sla.p99_ms"] = "given (--p99-ms); proved with the target's cost model"
+    if ratio is not None:
+        sla["max_p99_over_p50"] = ratio
+        notes["sla.max_p99_over_p50"] = "given (--max-p99-over-p50): measured by bench and tune, monitored by serve"
+    if sla:
+        data["sla"] = sla

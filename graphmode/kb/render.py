@@ -1,0 +1,62 @@
+"""Recipe YAML with a comment on each value saying where it came from.
+
+Drafted and tuned recipes are read by people before they are trusted, so every value that
+graphmode chose carries its reason on its own line (`# from config.max_position_embeddings`).
+Mappings of mappings are written in block style, everything else in flow style on one line,
+so the comment stays next to the value it explains; the text loads back to the same data.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+
+def shown(v: Any, unit: str = "") -> str:
+    """A measured number as tables and comments show it: 4 significant digits, "-" when missing."""
+    return "-" if v is None else f"{v:.4g}{unit}"
+
+
+def _flow(v: Any) -> str:
+    text = yaml.safe_dump(v, default_flow_style=True, width=1 << 30, sort_keys=False).strip()
+    return text[: -len("\n...")] if text.endswith("\n...") else text       # a scalar document's end marker
+
+
+def _is_leaf(v: Any) -> bool:
+    """Written on one line: scalars, lists, and mappings without nested mappings."""
+    if isinstance(v, dict):
+        return all(not isinstance(x, dict) for x in v.values()) and len(_flow(v)) <= 100
+    return True
+
+
+def _comment(note: str | None) -> str:
+    return f"  # {' '.join(note.split())}" if note else ""
+
+
+def _within(notes: dict[str, str], path: str) -> str | None:
+    """The notes of `path` and of everything inside it: a one-line value carries them all."""
+    found = [n for k, n in notes.items() if k == path or k.startswith((f"{path}.", f"{path}["))]
+    return "; ".join(found) or None
+
+
+def _emit(data: dict[str, Any], path: str, indent: int, notes: dict[str, str], out: list[str]) -> None:
+    pad = "  " * indent
+    for key, v in data.items():
+        p = f"{path}.{key}" if path else str(key)
+        note = notes.get(p)
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            out.append(f"{pad}{key}:{_comment(note)}")
+            for i, item in enumerate(v):
+                out.append(f"{pad}  - {_flow(item)}{_comment(_within(notes, f'{p}[{i}]'))}")
+        elif _is_leaf(v):
+            out.append(f"{pad}{key}: {_flow(v)}{_comment(_within(notes, p))}")
+        else:
+            out.append(f"{pad}{key}:{_comment(note)}")
+            _emit(v, p, indent + 1, notes, out)
+
+
+def render(data: dict[str, Any], notes: dict[str, str], header: list[str]) -> str:
+    """`data` as YAML text: `header` lines first (as comments), then each value with its note."""
+    out = [f"# {' '.join(h.split())}" for h in header]
+    _emit(data, "", 0, notes, out)
+    return "\n".join(out) + "\n"

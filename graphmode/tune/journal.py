@@ -1,0 +1,51 @@
+"""The tuning journal: one JSON line per finished trial, so an interrupted `graphmode tune`
+resumes where it stopped.
+
+Lines carry the run key (a digest of the base recipe, model, hardware, objective, tolerance,
+search space and workload): rerunning the same command replays that run's trials instead of
+measuring them again, and a changed recipe or space starts a new run in the same file. Each
+line is flushed and fsync'd when its trial ends; a line cut off by a kill is skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from graphmode.tune.trial import TrialResult
+
+
+class Journal:
+    def __init__(self, path: str | Path, run_key: str):
+        self.path = Path(path)
+        self.run_key = run_key
+        self.skipped = 0            # unreadable lines (a trial cut off mid-write)
+
+    def load(self) -> dict[str, TrialResult]:
+        """This run's finished trials by configuration key."""
+        out: dict[str, TrialResult] = {}
+        if not self.path.is_file():
+            return out
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                d = json.loads(line)
+                if d.get("run") == self.run_key and d.get("kind") == "trial":
+                    r = TrialResult.from_json(d["trial"])
+                    out[r.key] = r
+            except (ValueError, KeyError, TypeError):
+                self.skipped += 1
+        return out
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def start(self, header: dict[str, Any]) -> None:
+        self._write({"run": self.run_key, "kind": "start", **header})
+
+    def append(self, r: TrialResult) -> None:
+        self._write({"run": self.run_key, "kind": "trial", "trial": r.to_json()})

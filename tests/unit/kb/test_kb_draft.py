@@ -1,0 +1,104 @@
+"""Drafting a recipe for a model without one (`recipe init`, `graphmode.compile(model)`): the
+signature and config, buckets under the padding bound, the verdict choosing masks and exact
+buckets, the knowledge base's nearest entries, proofs, and the comments on every value."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from kb_helpers import spec
+
+from graphmode.errors import CaptureError, ConstraintError
+from graphmode.kb import KnowledgeBase
+from graphmode.kb.draft import MAX_EXACT, RecipeDrafted, draft_recipe, drafted
+from graphmode.recipe import load_recipe, recipe_hash
+from graphmode.recipe.buckets import dim_buckets
+
+
+def test_signature_config_mask_buckets_and_comments(tmp_path):
+    kb = tmp_path / "kb.sqlite"
+    d = draft_recipe(spec("encoder_small"), max_padding=0.5, kb_path=kb)
+    mask = d.data["inputs"][1]
+    assert mask == {"name": "attention_mask", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0,
+                    "role": "attention_mask"}
+    assert d.data["dims"]["seq"] == {"min": 1, "max": 24, "max_padding": 0.5}          # config.max_position_embeddings
+    assert "config.max_position_embeddings" in d.notes["dims.seq"]
+    assert d.data["dims"]["batch"]["max"] == 32 and "default range" in d.notes["dims.batch"]
+    assert d.data["outputs"] == {"output": ["batch", 16]}
+    assert d.verdict.ok and d.verdict.lines() == ["padding batch: safe", "padding seq: safe"]
+    assert d.report.verdict == "valid" and d.data["memory"]["budget_mb"] >= 1
+    assert "headroom" in d.notes["memory.budget_mb"]
+    text = d.yaml()
+    back = load_recipe(text)
+    assert recipe_hash(back) == recipe_hash(d.recipe) and back == d.recipe          # the text is the recipe
+    comments = [line.split("  # ", 1)[1] for line in text.splitlines() if "  # " in line]
+    for note in ("config.max_position_embeddings", "named like a mask", "headroom", "no knowledge-base entry"):
+        assert any(note in c for c in comments), note
+    with KnowledgeBase(kb) as db:
+        (row,) = db.rows("SELECT * FROM recipes")
+        assert row["origin"] == "init" and row["hash"] == recipe_hash(d.recipe)
+        assert db.rows("SELECT family FROM models")[0]["family"] == "tinyenc"
+
+
+def test_a_dim_unsafe_to_pad_gets_exact_buckets():
+    d = draft_recipe(spec("mean_pool"))                 # no mask, a mean over seq: padding seq changes the answer
+    assert d.data["dims"]["seq"] == {"min": 2, "max": 12}
+    assert dim_buckets(d.recipe)["seq"] == list(range(2, 13))
+    assert "unsafe" in d.notes["dims.seq"] and "mean" in d.notes["dims.seq"]
+    assert d.data["dims"]["batch"]["max_padding"] == 0.25 and d.data["on_violation"] == "error"
+    assert d.verdict.ok and d.verdict.padding.dims["seq"].status == "not padded" and not d.verdict.exact_dims
+
+
+def test_too_many_values_for_exact_buckets_run_off_bucket_requests_eagerly():
+    d = draft_recipe(spec("mean_pool_long"))
+    assert 128 - 2 + 1 > MAX_EXACT
+    assert d.data["on_violation"] == "eager" and "too many values" in d.notes["on_violation"]
+    assert d.verdict.ok and d.verdict.exact_dims == ["seq"]
+
+
+def test_precision_fusion_and_kernels_from_the_nearest_measured_recipe(tmp_path):
+    from graphmode.compiler import capture
+    from graphmode.kb.record import Subject, perf, record
+    from graphmode.targets import get_target
+    kb = tmp_path / "kb.sqlite"
+    near = draft_recipe(spec("encoder_small"), max_padding=0.5).data
+    near.update(name="small-tuned", codegen={"kernel_selection": "heuristic"},
+                optimize={"preset": "default", "fusion": {"enabled": True, "max_ops": 8}},
+                precision={"compute": "f32", "overrides": {"softmax": "f32"}})
+    rec = load_recipe(near)
+    g, _, src = capture(spec("encoder_small"), rec)
+    assert record(kb, Subject(rec, get_target("host"), src, g, None), [perf("tune", p50_ms=1.0, p99_ms=2.0)]) is None
+    d = draft_recipe(spec("encoder_large"), max_padding=0.5, kb_path=kb)      # same family, wider
+    assert d.data["optimize"]["fusion"]["max_ops"] == 8 and d.data["codegen"] == {"kernel_selection": "heuristic"}
+    assert d.data["precision"]["overrides"] == {"softmax": "f32"}
+    for k in ("optimize", "precision", "codegen"):
+        assert f"knowledge base recipe {recipe_hash(rec)} (small-tuned)" in d.notes[k]
+    assert d.recommendations[0].recipe["name"] == "small-tuned"
+    assert d.report.verdict == "valid"
+
+
+def test_an_sla_the_cost_model_refutes_is_refused():
+    with pytest.raises(ConstraintError) as e:
+        draft_recipe(spec("mlp"), p99_ms=1e-6)
+    assert e.value.exit_code == 1 and "sla" in e.value.where
+
+
+def test_compile_without_a_recipe_drafts_one_and_says_so_once(kb_cache):
+    import graphmode
+    from kb_models import MLP
+    torch.manual_seed(1)
+    m, x = MLP().eval(), torch.randn(4, 16)
+    with pytest.warns(RecipeDrafted, match="no recipe given") as got:
+        cm = graphmode.compile((m, (x,)), cache_dir=kb_cache)
+    assert len([w for w in got if w.category is RecipeDrafted]) == 1
+    assert cm.recipe.name == "mlp-draft" and "batch" in cm.recipe.dims
+    y = torch.randn(3, 16)
+    (out,) = cm(y)
+    assert torch.allclose(out, m(y), rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeDrafted)
+        assert drafted((m, (x,)), None)[1] == cm.recipe                   # the same draft again: said once
+    with pytest.raises(CaptureError, match="no example inputs") as e:
+        graphmode.compile(m)
+    assert "(module, example_inputs" in e.value.fix

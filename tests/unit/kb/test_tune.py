@@ -1,0 +1,142 @@
+"""Tuning on tiny models with real trials (compiled, checked against eager, timed): the search
+space, the Pareto set, the budget, the journal that resumes an interrupted run, and trials
+that violate the contract or fail, kept with their reasons. Nothing asserts a speed."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from kb_helpers import recipe_data, spec
+
+from graphmode.errors import GraphmodeError
+from graphmode.recipe import load_recipe
+from graphmode.recipe.buckets import synthesize_buckets
+from graphmode.targets import get_target
+from graphmode.tune.journal import Journal
+from graphmode.tune.search import pareto, run_search
+from graphmode.tune.space import Axis, apply, baseline, describe, key_of, search_space
+from graphmode.tune.trial import TrialCutOff, TrialResult, TrialRunner
+from graphmode.tune.version import next_version_path, write_version
+
+
+def test_search_space_stays_under_the_padding_bound_and_the_tolerance():
+    rec = load_recipe(recipe_data(dims={"batch": {"min": 1, "max": 16, "max_padding": 0.5}}))
+    tgt = get_target("cpu_avx2")
+    axes = {a.name: a for a in search_space(rec, tgt, objective="latency", tol=1e-5, max_buckets=None,
+                                            threads=[2, 1])}
+    assert list(axes) == ["precision", "fusion", "fusion.max_ops", "dims.batch", "threads", "kernel_selection"]
+    assert axes["precision"].values == [{"compute": "f32"}] and "does not compute in bf16" in axes["precision"].notes[0]
+    bf16 = tgt.model_copy(update={"dtypes": tgt.dtypes + ["bf16"]})
+    strict = search_space(rec, bf16, objective="latency", tol=1e-5, max_buckets=None, threads=[1])
+    assert "needs --tol >= 0.02" in strict[0].notes[0] and len(strict[0].values) == 1
+    dims = axes["dims.batch"].values
+    assert dims[0] == {"min": 1, "max": 16, "max_padding": 0.5} and dims[-1] == {"min": 1, "max": 16}   # exact last
+    for v in dims:
+        s = synthesize_buckets(1, 16, max_padding=v.get("max_padding", 0.0))
+        assert s.feasible and float(s.worst_padding) <= 0.5
+    assert axes["threads"].values == [2, 1] and axes["kernel_selection"].values == ["heuristic", "latency_first"]
+    loose = {a.name: a for a in search_space(rec, bf16, objective="throughput", tol=2e-2, max_buckets=None,
+                                             threads=[1])}
+    assert loose["precision"].values[1]["compute"] == "bf16" and "threads" not in loose
+    assert loose["kernel_selection"].values == ["heuristic", "throughput_first"]
+    cfg = dict(baseline(list(axes.values())), **{"fusion.max_ops": 8, "dims.batch": dims[-1], "threads": 1})
+    data = apply(recipe_data(dims={"batch": {"min": 1, "max": 16, "max_padding": 0.5}}), cfg)
+    assert data["optimize"]["fusion"]["max_ops"] == 8 and data["dims"]["batch"] == {"min": 1, "max": 16}
+    assert describe(cfg, baseline(list(axes.values()))) == "fusion.max_ops=8, dims.batch=exact, threads=1"
+
+
+def test_pareto_keeps_the_non_dominated_trials_that_kept_the_contract():
+    def t(i, p99, tput, mem, comp, status="ok"):
+        return TrialResult(i, {"i": i}, status, metrics={"p99_ms": p99, "throughput": tput, "peak_memory_mb": mem,
+                                                         "compile_s": comp})
+    trials = [t(0, 1.0, 100, 5, 1), t(1, 2.0, 50, 5, 1), t(2, 0.5, 100, 9, 1), t(3, 0.1, 1e6, 1, 0, "violates")]
+    assert [r.index for r in pareto(trials)] == [0, 2]
+
+
+@pytest.fixture(scope="module")
+def mlp_runner(kb_cache):
+    data = recipe_data(dims={"batch": {"min": 1, "max": 8, "max_padding": 0.5}})
+    return data, TrialRunner(spec("mlp"), data, get_target("host"), tol=1e-5, measure_s=0.2, cache_dir=kb_cache)
+
+
+def _axes(data):
+    rec = load_recipe(data)
+    axes = search_space(rec, get_target("host"), objective="latency", tol=1e-5, max_buckets=None, threads=[1])
+    return [a for a in axes if a.name == "fusion.max_ops"]
+
+
+def test_interrupted_search_resumes_from_the_journal(mlp_runner, tmp_path):
+    data, runner = mlp_runner
+    axes = _axes(data)
+    journal = Journal(tmp_path / "r.tune.jsonl", "run-1")
+    seen = []
+
+    def interrupt_after_two(r):
+        seen.append(r)
+        if len(seen) == 2:
+            raise KeyboardInterrupt              # Ctrl-C between two trials
+    with pytest.raises(KeyboardInterrupt):
+        run_search(runner.run, axes, budget_s=600, objective="latency", journal=journal, on_trial=interrupt_after_two)
+    lines = [json.loads(x) for x in journal.path.read_text().splitlines()]
+    assert [x["kind"] for x in lines] == ["trial", "trial"] and all(x["run"] == "run-1" for x in lines)
+    res = run_search(runner.run, axes, budget_s=600, objective="latency", journal=Journal(journal.path, "run-1"))
+    assert [t.replayed for t in res.trials[:2]] == [True, True] and not any(t.replayed for t in res.trials[2:])
+    assert [t.key for t in res.trials[:2]] == [r.key for r in seen]
+    assert res.trials[0].metrics == seen[0].metrics and res.resumed == 2
+    alternatives = sum(len(a.values) - 1 for a in axes)
+    assert len(res.trials) >= 1 + alternatives and res.stopped == "converged"
+    assert len({t.key for t in res.trials}) == len(res.trials)
+    for t in res.trials:
+        assert t.status in ("ok", "violates", "failed")
+        if t.status == "ok":
+            assert t.metrics["numerics_err"] <= 1e-5 and t.metrics["p50_ms"] > 0 and t.samples >= 3
+            assert t.metrics["p99_ms"] >= t.metrics["p50_ms"] and t.metrics["p99_over_p50"] >= 1.0
+    other = run_search(runner.run, axes[:1], budget_s=600, objective="latency", journal=Journal(journal.path, "run-2"))
+    assert other.resumed == 0                     # another run key: nothing replayed
+
+
+def test_the_budget_bounds_the_search(mlp_runner, tmp_path):
+    data, runner = mlp_runner
+    rec = load_recipe(data)
+    axes = search_space(rec, get_target("host"), objective="latency", tol=1e-5, max_buckets=None, threads=[1])
+    assert sum(len(a.values) - 1 for a in axes) >= 9
+    warm = runner.run(baseline(axes), 0)          # warm caches; the budget fits a few trials like it, not all
+    budget, starts = 3 * warm.seconds, []
+    t0 = time.monotonic()
+    res = run_search(runner.run, axes, budget_s=budget, objective="latency", journal=Journal(tmp_path / "j", "b"),
+                     on_trial=lambda r: starts.append(time.monotonic() - r.seconds), start=t0)
+    assert res.stopped == "budget" and all(s <= t0 + budget for s in starts)
+    with pytest.raises(TrialCutOff):
+        runner.run(baseline(axes), 0, deadline=time.monotonic())
+    with pytest.raises(GraphmodeError, match="ended before the recipe as written was measured") as e:
+        run_search(runner.run, axes, budget_s=1e-3, objective="latency", journal=Journal(tmp_path / "k", "c"))
+    assert e.value.where == "--budget-s"
+
+
+def test_violating_and_failing_trials_are_kept_and_the_fix_is_written(kb_cache, tmp_path):
+    data = {"version": 1, "name": "pool", "inputs": [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"]}],
+            "dims": {"batch": {"buckets": [1, 2]}, "seq": {"min": 2, "max": 12, "max_padding": 0.5}},
+            "codegen": {"kernel_selection": "heuristic"}, "targets": ["host"]}
+    path = tmp_path / "pool.yaml"
+    path.write_text(json.dumps(data))
+    runner = TrialRunner(spec("mean_pool"), data, get_target("host"), tol=1e-5, measure_s=0.2, cache_dir=kb_cache)
+    axes = [a for a in search_space(load_recipe(data), get_target("host"), objective="latency", tol=1e-5,
+                                    max_buckets=None, threads=[1]) if a.name == "dims.seq"]
+    axes.append(Axis("fusion.max_ops", [32, 0]))            # not a valid recipe: the trial fails
+    res = run_search(runner.run, axes, budget_s=600, objective="latency", journal=Journal(tmp_path / "j", "p"))
+    base = res.trials[0]
+    assert base.status == "violates" and "padding seq" in base.reason          # the verdict refuses padded seq
+    failed = [t for t in res.trials if t.config.get("fusion.max_ops") == 0]
+    assert failed and failed[0].status == "failed" and "optimize.fusion.max_ops" in failed[0].reason
+    best = res.best
+    assert best is not None and best.config["dims.seq"] == {"min": 2, "max": 12} and best.status == "ok"
+    assert [t.index for t in res.pareto] == [best.index]
+    out, rec, new = write_version(path, data, base, best, objective="latency", hardware="host", trials=len(res.trials))
+    assert new and out == tmp_path / "pool.v2.yaml" and out.is_file()
+    text = out.read_text()
+    assert "tuned by graphmode tune from pool.yaml" in text and f"tune (trial {best.index}): dims.seq was" in text
+    assert load_recipe(out) == rec and rec.dims["seq"].max_padding is None
+    assert next_version_path(path) == next_version_path(out) == tmp_path / "pool.v3.yaml"
+    assert write_version(path, data, base, best, objective="latency", hardware="host", trials=1)[::2] == (out, False)
+    assert key_of(best.config) == best.key
