@@ -148,11 +148,13 @@ class Graph:
         return self.text()
 
     def structural_hash(self) -> str:
-        """sha256 over the printed IR and every constant's bytes: stable across runs."""
+        """sha256 over the printed IR and every constant's bytes: stable across runs. A `state`
+        value (a KV pool) is mutable run-time data: its type is in the text, its bytes are not."""
         h = hashlib.sha256(self.text().encode())
         for name in sorted(self.constants):
             h.update(name.encode())
-            h.update(constant_digest(self.constants[name]).encode())
+            if self.values[name].role != "state":
+                h.update(constant_digest(self.constants[name]).encode())
         return h.hexdigest()[:16]
 
     def equals(self, other: "Graph") -> bool:

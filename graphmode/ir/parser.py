@@ -12,7 +12,8 @@ from graphmode.ir.graph import Graph, Node, constant_digest
 from graphmode.ir.types import DTYPES, TensorType
 
 _HEADER = re.compile(r"^graph @(?P<name>[\w.]+)\((?P<ins>.*)\) -> \((?P<outs>.*)\) \{$")
-_CONST = re.compile(r"^(?P<role>param|const) %(?P<name>[\w.]+): (?P<type>\S+)(?: = (?P<data>.+)| #(?P<digest>[0-9a-f]+))$")
+_CONST = re.compile(r"^(?P<role>param|const|state) %(?P<name>[\w.]+): (?P<type>\S+)"
+                    r"(?: = (?P<data>.+)| #(?P<digest>[0-9a-f]+))?$")
 _NODE = re.compile(r"^(?P<outs>%.+?) = (?P<op>[\w.:]+)\((?P<args>[^)]*)\)(?P<rest>.*)$")
 _TYPE = re.compile(r"^(?P<dtype>\w+)\[(?P<dims>.*)\](?:@(?P<layout>\w+))?$")
 
@@ -130,7 +131,7 @@ def parse_graph(text: str, constants: Mapping[str, torch.Tensor] | None = None) 
                 k, _, rng = item.partition("=")
                 lo, _, hi = rng.partition("..")
                 g.dims[k] = (int(lo), int(hi))
-        elif line.startswith(("param %", "const %")):
+        elif line.startswith(("param %", "const %", "state %")):
             c = _CONST.match(line)
             if not c:
                 raise IRError(f"cannot parse constant: {line}", line=lineno)
@@ -142,7 +143,7 @@ def parse_graph(text: str, constants: Mapping[str, torch.Tensor] | None = None) 
                 if t is None:
                     raise IRError(f"constant %{c['name']} has no data", line=lineno,
                                   fix="pass its tensor in `constants` (serialize.load_graph does)")
-                if constant_digest(t) != c["digest"]:
+                if c["role"] != "state" and constant_digest(t) != c["digest"]:
                     raise IRError(f"constant %{c['name']} does not match its digest #{c['digest']}",
                                   line=lineno, fix="the constant file is corrupt or from another graph")
             g.add_value(c["name"], ty, c["role"])

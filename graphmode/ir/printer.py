@@ -79,7 +79,9 @@ def print_graph(g: Graph) -> str:
         v = g.values[name]
         t = g.constants[name]
         head = f"  {v.role} %{name}: {v.type.text()}"
-        if t.numel() <= INLINE_LIMIT:
+        if v.role == "state":            # mutable run-time data: its type is all the IR says
+            lines.append(head)
+        elif t.numel() <= INLINE_LIMIT:
             lines.append(f"{head} = {inline_data(t)}")
         else:
             lines.append(f"{head} #{constant_digest(t)}")

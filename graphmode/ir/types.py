@@ -24,7 +24,7 @@ TORCH_TO_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = frozenset({"f64", "f32", "f16", "bf16"})
 ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 
-ROLES = ("input", "param", "const", "intermediate", "output")
+ROLES = ("input", "param", "const", "state", "intermediate", "output")   # state: mutable, outside the arena (KV pools)
 LAYOUTS = ("row_major", "nchw", "nhwc", "packed")
 
 Dim = Union[int, sympy.Expr]

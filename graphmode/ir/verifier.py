@@ -58,8 +58,8 @@ def verify_graph(g: Graph, _outer: dict | None = None) -> None:
     defined: set[str] = set(g.inputs)
     for name, t in g.constants.items():
         v = g.values.get(name)
-        if v is None or v.role not in ("param", "const"):
-            raise IRError(f"constant %{name} must have role param or const", where=f"graph @{g.name}")
+        if v is None or v.role not in ("param", "const", "state"):
+            raise IRError(f"constant %{name} must have role param, const or state", where=f"graph @{g.name}")
         if TORCH_TO_DTYPE.get(t.dtype) != v.type.dtype or tuple(t.shape) != tuple(v.type.shape):
             raise IRError(f"constant %{name} data {tuple(t.shape)} {t.dtype} differs from its type {v.type.text()}",
                           where=f"graph @{g.name}")

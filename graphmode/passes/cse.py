@@ -68,8 +68,9 @@ def _dedupe_constants(rw: Rewriter, max_numel: int, params: bool) -> int:
     groups: dict[tuple, list[str]] = {}
     for name in sorted(rw.constants):
         t = rw.constants[name]
-        if t.numel() > max_numel or name in rw.outputs or (rw.values[name].role == "param" and not params):
-            continue
+        role = rw.values[name].role
+        if t.numel() > max_numel or name in rw.outputs or role == "state" or (role == "param" and not params):
+            continue                  # state (a KV pool) is mutable: equal bytes now are not equal values
         key = (rw.values[name].role, str(t.dtype), tuple(t.shape), constant_digest(t))
         groups.setdefault(key, []).append(name)
     merged = 0

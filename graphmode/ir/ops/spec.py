@@ -32,6 +32,7 @@ TRAITS = {
     "view": "output re-interprets input 0's bytes",
     "inplace": "output may reuse input 0's buffer (same shape and dtype)",
     "index_dependent": "reads positions chosen by data or by position (gathers, scans, pads, rolls)",
+    "side_effect": "writes a `state` input in place (a KV cache): never removed, merged or reordered",
 }
 
 

@@ -1,0 +1,93 @@
+"""`CompiledModel.generate` / `stream`: transformers' `generate` API over the decode engine.
+
+Prompts come as transformers gives them: `input_ids` [batch, length] with an optional
+`attention_mask` (left or right padding, or none). The result is transformers' too: each
+row as it was given, followed by its new tokens; a row that finished early (end-of-sequence)
+is padded with `pad_token_id`. Each sequence is computed as if it ran alone (its own
+positions from 0, its own pages), batched with the others at every step.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from graphmode.decode.sampling import SamplingParams
+from graphmode.errors import ContractViolation, GraphmodeError
+
+
+def engine_of(cm: Any):
+    """The model's decode engine, built on first use from its recipe's KV cache."""
+    eng = getattr(cm, "_decoder", None)
+    if eng is None:
+        from graphmode.decode.engine import DecodeEngine
+        lm = _causal_lm(cm)
+        eng = DecodeEngine(lm, cm.recipe, cm.target, cache_dir=cm.cache_dir, threads=cm.threads)
+        cm._decoder = eng
+    return eng
+
+
+def _causal_lm(cm: Any) -> torch.nn.Module:
+    src = cm.source
+    for m in (getattr(getattr(src, "bundle", None), "raw_module", None), src.module):
+        if m is not None and hasattr(m, "config") and hasattr(m, "get_output_embeddings"):
+            return m
+    raise GraphmodeError("generate needs a causal language model (a transformers *ForCausalLM)",
+                         where="model", fix="compile a model with a language-model head, e.g. GPT2LMHeadModel")
+
+
+def _prompts(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, list[list[int]]]:
+    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.int64)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise ContractViolation("input_ids must be integer token ids of shape [batch, length]", where="input_ids",
+                                value=(tuple(ids.shape), str(ids.dtype)))
+    if attention_mask is None:
+        return ids, [row.tolist() for row in ids]
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) else torch.tensor(attention_mask)
+    if mask.shape != ids.shape:
+        raise ContractViolation("attention_mask must have input_ids' shape", where="attention_mask",
+                                value=tuple(mask.shape))
+    return ids, [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
+def sampling_params(eng: Any, max_new_tokens: int, do_sample: bool, temperature: float, top_k: int | None,
+                    top_p: float | None, eos_token_id: Any, seed: int | None,
+                    stop: Sequence[Sequence[int]] = ()) -> SamplingParams:
+    eos = eos_token_id if eos_token_id is not None else eng.cfg.get("eos")
+    if isinstance(eos, (list, tuple)):
+        eos = tuple(int(e) for e in eos)
+    return SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                          top_p=top_p, eos_token_id=eos, seed=seed, stop=tuple(tuple(s) for s in stop))
+
+
+def generate(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
+             seed: int | None = None) -> torch.Tensor:
+    eng = engine_of(cm)
+    ids, prompts = _prompts(input_ids, attention_mask)
+    params = sampling_params(eng, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, seed)
+    new: list[list[int]] = [[] for _ in prompts]
+    for step in eng.stream(prompts, params):
+        for i, toks in step.items():
+            new[i].extend(toks)
+    pad = pad_token_id if pad_token_id is not None else (min(params.eos) if params.eos else 0)
+    width = max(len(n) for n in new)
+    out = torch.full((ids.shape[0], ids.shape[1] + width), pad, dtype=ids.dtype)
+    out[:, :ids.shape[1]] = ids
+    for i, n in enumerate(new):
+        out[i, ids.shape[1]:ids.shape[1] + len(n)] = torch.tensor(n, dtype=ids.dtype)
+    return out
+
+
+def stream(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
+           do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+           top_p: float | None = None, eos_token_id: Any = None, seed: int | None = None
+           ) -> Iterator[dict[int, list[int]]]:
+    """Yields {row: new tokens} after every decode step (TTFT is the first yield)."""
+    eng = engine_of(cm)
+    _, prompts = _prompts(input_ids, attention_mask)
+    params = sampling_params(eng, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, seed)
+    yield from eng.stream(prompts, params)

@@ -1,0 +1,106 @@
+"""The paged KV cache: a fixed pool of pages per layer and a block table per sequence.
+
+The pool is allocated once, at the size the recipe's memory proof counted
+(`bytes` == `graphmode.recipe.facts.kv_pool_bytes(recipe)`), and never grows: a sequence
+that needs a page when none is free waits (or is preempted by the scheduler) instead of
+allocating. Pages are returned to the free list when a sequence ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphmode.errors import ContractViolation, GraphmodeError
+from graphmode.ir.types import DTYPES, ITEMSIZE
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    pages: int                 # pool size, shared by all sequences
+    max_pages_per_seq: int
+    dtype: str = "f32"
+
+    @property
+    def page_bytes(self) -> int:
+        """K and V of one page across every layer."""
+        return 2 * self.layers * self.page_size * self.kv_heads * self.head_dim * ITEMSIZE[self.dtype]
+
+    @property
+    def bytes(self) -> int:
+        return self.pages * self.page_bytes
+
+    @property
+    def max_tokens(self) -> int:
+        return self.page_size * self.max_pages_per_seq
+
+
+class PagedKVCache:
+    """Pool tensors `k[layer]`, `v[layer]` of [pages, page_size, kv_heads, head_dim]; a free list;
+    a block table (list of page ids) per sequence id."""
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        shape = (layout.pages, layout.page_size, layout.kv_heads, layout.head_dim)
+        dt = DTYPES[layout.dtype]
+        self.k = [torch.zeros(shape, dtype=dt) for _ in range(layout.layers)]
+        self.v = [torch.zeros(shape, dtype=dt) for _ in range(layout.layers)]
+        self._free = list(range(layout.pages - 1, -1, -1))      # pop() hands out low page ids first
+        self.tables: dict[int, list[int]] = {}
+        self.tokens: dict[int, int] = {}                        # tokens each sequence holds
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.layout.pages - len(self._free)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.layout.page_size)
+
+    def can_hold(self, seq: int, tokens: int) -> bool:
+        """Whether `seq` can grow to `tokens` tokens with the pages free now."""
+        have = len(self.tables.get(seq, []))
+        return self.pages_for(tokens) - have <= len(self._free)
+
+    def reserve(self, seq: int, tokens: int) -> None:
+        """Grow `seq`'s block table to hold `tokens` tokens (ContractViolation past its page limit;
+        GraphmodeError when the pool is out of pages: the scheduler checks `can_hold` first)."""
+        if tokens > self.layout.max_tokens:
+            raise ContractViolation(f"a sequence of {tokens} tokens needs more than max_pages_per_seq "
+                                    f"{self.layout.max_pages_per_seq} pages of {self.layout.page_size}",
+                                    where="memory.kv_cache.max_pages_per_seq", value=tokens,
+                                    fix="send a shorter prompt or fewer new tokens, or raise max_pages_per_seq")
+        table = self.tables.setdefault(seq, [])
+        need = self.pages_for(tokens) - len(table)
+        if need > len(self._free):
+            raise GraphmodeError(f"the KV pool has {len(self._free)} free page(s), sequence {seq} needs {need}",
+                                 where="memory.kv_cache", fix="the scheduler must wait for pages (can_hold)")
+        for _ in range(max(0, need)):
+            table.append(self._free.pop())
+        self.tokens[seq] = max(self.tokens.get(seq, 0), tokens)
+
+    def release(self, seq: int) -> None:
+        for p in reversed(self.tables.pop(seq, [])):
+            self._free.append(p)
+        self.tokens.pop(seq, None)
+
+    def block_table(self, seqs: list[int], rows: int | None = None) -> torch.Tensor:
+        """[rows, max_pages_per_seq] page ids (rows past len(seqs) and unused slots: page 0,
+        never read: `lens` is 0 there and positions past a sequence's length are not attended)."""
+        rows = len(seqs) if rows is None else rows
+        t = torch.zeros(rows, self.layout.max_pages_per_seq, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            pages = self.tables.get(s, [])
+            t[i, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        return t

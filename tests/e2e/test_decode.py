@@ -1,0 +1,124 @@
+"""Decoding over the paged KV cache: greedy tokens identical to transformers' generate (GPT-2
+and a grouped-query Llama, batched prompts of different lengths), seeded sampling that
+repeats, streaming, a pool that runs out (requests wait or are recomputed, never an OOM),
+the pool the memory proof counts, and clear refusals."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import graphmode
+from graphmode.capture.families import _DECODER, _hf
+from graphmode.capture.spec import bundle_from_module
+from graphmode.errors import ContractViolation, GraphmodeError
+from graphmode.recipe.facts import kv_cache_bytes
+
+
+def _lm(kind: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "gpt2":
+            return _hf("GPT2LMHeadModel", "GPT2Config", n_embd=32, n_layer=2, n_head=4, vocab_size=100,
+                       n_positions=64, bos_token_id=1, eos_token_id=2, initializer_range=0.3), 4
+        return _hf("LlamaForCausalLM", "LlamaConfig", **_DECODER, tie_word_embeddings=False,
+                   initializer_range=0.3), 2
+
+
+def recipe(kv_heads: int, **kv) -> dict:
+    return {"version": 1, "name": "decoder", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
+            "inputs": [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"]},
+                       {"name": "attention_mask", "dtype": "i64", "shape": ["batch", "seq"],
+                        "role": "attention_mask"}],
+            "dims": {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [8, 16, 32], "min": 2}},
+            "memory": {"kv_cache": {"page_size": 4, "max_pages_per_seq": 12, "layers": 2, "kv_heads": kv_heads,
+                                    "head_dim": 8, **kv}}}
+
+
+def _compile(kind: str, cache, **kv):
+    lm, kvh = _lm(kind)
+    ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    b = bundle_from_module(lm, ex, {k: ["batch", "seq"] for k in ex})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lm, graphmode.compile(b, recipe(kvh, **kv), cache_dir=cache)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("decode-cache")
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def model(request, cache):
+    return _compile(request.param, cache)
+
+
+PROMPTS = torch.tensor([[0, 0, 0, 5, 6, 7], [9, 10, 11, 12, 13, 14], [0, 0, 0, 0, 21, 22]])
+MASK = (PROMPTS != 0).long()
+
+
+def test_greedy_is_token_identical_to_transformers(model):
+    lm, cm = model
+    ours = cm.generate(PROMPTS, MASK, max_new_tokens=12)
+    ref = lm.generate(PROMPTS, attention_mask=MASK, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, ref), (ours.tolist(), ref.tolist())
+    alone = [cm.generate(PROMPTS[i:i + 1], MASK[i:i + 1], max_new_tokens=12)[0] for i in range(3)]
+    assert all(torch.equal(ours[i], alone[i]) for i in range(3))
+
+
+def test_sampling_with_a_seed_repeats_and_streaming_matches(model):
+    _, cm = model
+    kw = dict(max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    a = cm.generate(PROMPTS, MASK, seed=7, **kw)
+    assert torch.equal(a, cm.generate(PROMPTS, MASK, seed=7, **kw))
+    assert not torch.equal(a, cm.generate(PROMPTS, MASK, seed=8, **kw))
+    greedy = cm.generate(PROMPTS, MASK, max_new_tokens=6)
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    steps = 0
+    for step in cm.stream(PROMPTS, MASK, max_new_tokens=6):
+        steps += 1
+        for i, toks in step.items():
+            got[i] += toks
+    assert steps >= 5 and all(got[i] == greedy[i, 6:6 + len(got[i])].tolist() for i in range(3))
+
+
+def test_pool_that_runs_out_makes_requests_wait_not_fail(cache):
+    """A pool of 8 pages (32 tokens) for three sequences of up to 24 tokens each: they cannot
+    all run at once; the scheduler queues or recomputes, every answer equals running alone."""
+    lm, cm = _compile("gpt2", cache, pages=8)
+    eng = cm._decoder if getattr(cm, "_decoder", None) else None
+    ours = cm.generate(PROMPTS, MASK, max_new_tokens=18)
+    eng = cm._decoder
+    assert eng.cache.bytes == kv_cache_bytes(cm.recipe) == 8 * eng.layout.page_bytes
+    alone = [cm.generate(PROMPTS[i:i + 1], MASK[i:i + 1], max_new_tokens=18)[0] for i in range(3)]
+    assert all(torch.equal(ours[i], alone[i]) for i in range(3))
+    assert eng.stats["preemptions"] >= 1, eng.stats                      # someone gave its pages back
+    assert eng.cache.free_pages == eng.layout.pages                       # every page came back
+
+
+def test_pool_is_the_size_the_proof_counts(model):
+    _, cm = model
+    cm.generate(PROMPTS[:1], MASK[:1], max_new_tokens=1)
+    eng = cm._decoder
+    # 4 sequences (the largest batch) x 12 pages each, K and V, 2 layers
+    assert eng.cache.bytes == kv_cache_bytes(cm.recipe) == 4 * 12 * eng.layout.page_bytes
+
+
+@pytest.mark.parametrize("kw,err,needle", [
+    ({"max_new_tokens": 100}, ContractViolation, "max_new_tokens"),
+    ({"max_new_tokens": 0}, GraphmodeError, "max_new_tokens"),
+    ({"do_sample": True, "temperature": 0.0}, GraphmodeError, "temperature"),
+    ({"do_sample": True, "top_p": 1.5}, GraphmodeError, "top_p"),
+])
+def test_bad_requests_are_refused(model, kw, err, needle):
+    _, cm = model
+    with pytest.raises(err, match=needle):
+        cm.generate(PROMPTS, MASK, **kw)
+
+
+def test_a_prompt_longer_than_the_contract_is_refused(model):
+    _, cm = model
+    with pytest.raises(ContractViolation, match="dims.seq|prompt"):
+        cm.generate(torch.randint(3, 100, (1, 40)), max_new_tokens=2)
