@@ -11,6 +11,7 @@ import pytest
 from graphmode.bench import harness
 from graphmode.bench.harness import BenchResult
 from graphmode.bench.models import ModelCase
+from graphmode.bench import quality
 from graphmode.bench.quality import RATIO_CAP, Probe, judge, warning_lines
 from graphmode.bench.report import bars, markdown, rich_table
 
@@ -82,7 +83,9 @@ def test_eager_fallback_row_has_no_ratio_and_no_bar():
     rows = [_row("eager", 10.0), _row("graphmode", 10.1, eager_fallback="20/20 calls (shape outside contract)")]
     by = _judged(rows)
     g = by["graphmode"]
-    assert g["flags"] == ["fallback"] and g["ratio_vs_eager"] is None and g["speedup_vs_eager"] is None
+    # timing flags (load/starved/spread) depend on the host; the verdict flag must not
+    assert [f for f in g["flags"] if f not in quality.TIMING_FLAGS] == ["fallback"]
+    assert g["ratio_vs_eager"] is None and g["speedup_vs_eager"] is None
     assert "not graph-mode speed" in g["notes"][0]
     assert bars(_result(rows))[1]["kind"] == "eager fallback"
     md = markdown(_result(rows))
@@ -140,5 +143,7 @@ def test_graphmode_in_eager_mode_is_reported_as_a_fallback(tmp_path):
     g = res.rows[1]
     assert g["status"] == "ok" and g["numerics_ok"]
     assert g["eager_fallback"] == "5/5 calls (exe_mode eager)" and g["execution"]["mode"] == "eager"
-    assert g["flags"] == ["fallback"] and g["ratio_vs_eager"] is None and g["ratio_vs_best_other"] is None
+    # timing flags (load/starved/spread) depend on the host; the verdict flag must not
+    assert [f for f in g["flags"] if f not in quality.TIMING_FLAGS] == ["fallback"]
+    assert g["ratio_vs_eager"] is None and g["ratio_vs_best_other"] is None
     assert any("graphmode: fallback" in w for w in res.meta["warnings"])
