@@ -164,7 +164,3 @@ def test_graph_hash_is_stable_across_processes(captured):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == g.structural_hash()
 
-
-def test_op_docs_are_current():
-    from graphmode.ir.opdoc import render
-    assert (ROOT / "docs" / "ops.md").read_text() == render(), "run: python -m graphmode.ir.opdoc > docs/ops.md"

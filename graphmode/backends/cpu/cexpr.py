@@ -16,7 +16,7 @@ import torch
 
 from graphmode.errors import BackendError
 from graphmode.ir.graph import Node
-from graphmode.ir.ops import _result_dtype
+from graphmode.ir.ops import OPS, _result_dtype
 from graphmode.ir.types import TensorType
 
 CTYPE = {"f32": "float", "f64": "double", "i64": "int64_t", "i32": "int32_t", "i16": "int16_t",
@@ -29,9 +29,10 @@ FLOAT_UNARY = ("exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "
                "silu", "gelu")
 OTHER_UNARY = ("neg", "abs", "relu", "logical_not", "identity", "clamp", "cast")
 ARITH = ("add", "sub", "mul", "div", "pow", "maximum", "minimum")
+MOD = ("remainder", "fmod")      # remainder: the divisor's sign (Python's %); fmod: the dividend's (C's fmod)
 CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 LOGIC = {"logical_and": "&", "logical_or": "|"}
-ELEMENTWISE_OPS = frozenset(FLOAT_UNARY + OTHER_UNARY + ARITH + tuple(CMP) + tuple(LOGIC) + ("where",))
+ELEMENTWISE_OPS = frozenset(FLOAT_UNARY + OTHER_UNARY + ARITH + MOD + tuple(CMP) + tuple(LOGIC) + ("where",))
 
 _MATH = {  # name -> (f32 function, f64 function)
     "exp": ("gm_expf", "__builtin_exp"), "log": ("__builtin_logf", "__builtin_log"),
@@ -39,7 +40,7 @@ _MATH = {  # name -> (f32 function, f64 function)
     "erf": ("gm_erff", "__builtin_erf"), "sin": ("__builtin_sinf", "__builtin_sin"),
     "cos": ("__builtin_cosf", "__builtin_cos"), "sigmoid": ("gm_sigmoidf", "gm_sigmoid"),
     "pow": ("__builtin_powf", "__builtin_pow"), "fabs": ("__builtin_fabsf", "__builtin_fabs"),
-    "max": ("gm_maxf", "gm_max"), "min": ("gm_minf", "gm_min"),
+    "max": ("gm_maxf", "gm_max"), "min": ("gm_minf", "gm_min"), "fmod": ("__builtin_fmodf", "__builtin_fmod"),
 }
 
 
@@ -107,6 +108,9 @@ def convert(src: str, dst: str, v: str) -> str | None:
 def op_refusal(n: Node, in_types: Sequence[TensorType], out_dt: str) -> str | None:
     """Why `op_expr` cannot write node `n` over inputs of `in_types` into `out_dt`, or None."""
     op, a = n.op, n.attrs
+    spec = OPS.get(op)
+    if spec is not None and not spec.arity[0] <= len(in_types) <= spec.arity[1]:
+        return f"{op} with {len(in_types)} inputs (it takes {spec.arity[0]}..{spec.arity[1]})"
     if op in FLOAT_UNARY:
         if out_dt not in FLOATS:
             return f"op {op} producing {out_dt} is not generated (float only)"
@@ -128,6 +132,11 @@ def op_refusal(n: Node, in_types: Sequence[TensorType], out_dt: str) -> str | No
             return f"div producing {out_dt}"
         if out_dt == "bool" and op in ("sub", "div", "pow"):
             return f"{op} of bool tensors"
+        return None
+    if op in MOD:
+        if out_dt not in FLOATS:       # eager raises on a zero divisor; a kernel cannot, so it would answer 0
+            return f"integer {op} ({out_dt}): a zero divisor must raise as in eager PyTorch, which a generated " \
+                   "kernel cannot"
         return None
     if op in CMP:
         dt = _result_dtype(list(in_types[:2]))
@@ -185,6 +194,8 @@ def op_expr(n: Node, ins: list[CValue], out_dt: str, where: str) -> str:
         return e
     if op in ARITH:
         return _arith(op, ins, out_dt)
+    if op in MOD:
+        return _mod(op, cv(ins[0], out_dt), cv(ins[1], out_dt), out_dt)
     if op in CMP:
         dt = _result_dtype([ins[0].ttype, ins[1].ttype])
         return f"({cv(ins[0], dt)} {CMP[op]} {cv(ins[1], dt)})"
@@ -217,6 +228,18 @@ def _arith(op: str, ins: list[CValue], out_dt: str) -> str:
                 return special[e]
         return f"{fn('pow', out_dt)}({x}, {y})"
     return f"(({CTYPE[out_dt]})gm_ipow((int64_t){x}, (int64_t){y}))"
+
+
+def _mod(op: str, x: str, y: str, dt: str) -> str:
+    """torch.remainder / torch.fmod of floats `x` by `y`, following ATen's CPU kernel: C's
+    fmod, and for remainder a nonzero result whose sign differs from the divisor's moves by
+    one divisor (an immediately called lambda: each operand evaluated once). Integer mod is
+    refused in `op_refusal`: eager raises on a zero divisor, a kernel cannot."""
+    if op == "fmod":
+        return f"{fn('fmod', dt)}({x}, {y})"
+    ct = CTYPE[dt]
+    body = f"const {ct} m = {fn('fmod', dt)}(a, b); return (m != 0 && ((b < 0) != (m < 0))) ? m + b : m;"
+    return f"([]({ct} a, {ct} b) -> {ct} {{ {body} }}({x}, {y}))"
 
 
 __all__ = ["CTYPE", "STYPE", "FLOATS", "INTS", "ELEMENTWISE_OPS", "CValue", "lit", "cv", "fn", "convert",

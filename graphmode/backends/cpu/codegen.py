@@ -3,9 +3,9 @@
 Three generators, chosen by what the group holds:
 
 - elementwise bodies (emit.py): one loop nest per distinct output shape;
-- reduction/norm bodies (exactly one softmax, log_softmax, layer_norm, sum, mean, amax or
-  amin over the last dim, rowwise.py): a row kernel with the elementwise prologue and
-  epilogue ops inside its passes;
+- reduction/norm bodies (exactly one op with the `row_reduction` trait, over the last dim,
+  of those rowwise.py writes): a row kernel with the elementwise prologue and epilogue ops
+  inside its passes;
 - gemm_epilogue bodies: only the ops after the GEMM, as an elementwise (or row) kernel that
   reads the GEMM output buffer (which may be the output buffer itself).
 
@@ -27,7 +27,7 @@ from graphmode.backends.cpu.emit import PAR_THRESHOLD, ElementwiseGen, Partial, 
 from graphmode.backends.cpu.groups import (GEMM_OPS, ROW_REDUCTIONS, Body, concrete_types, gemm_epilogue_refusal,
                                            group_where, needed_nodes, scalar_of, split_gemm_epilogue)
 from graphmode.backends.cpu.lowering import GENERATED, Claim, claimed, lowers, refused
-from graphmode.backends.cpu.rowwise import RowGen, row_plan
+from graphmode.backends.cpu.rowwise import ROW_KERNELS, RowGen, row_plan
 from graphmode.errors import BackendError
 from graphmode.ir.graph import Node
 from graphmode.ir.ops import OPS
@@ -35,6 +35,7 @@ from graphmode.ir.types import TensorType
 
 MAX_EMBED = 1 << 16         # body constants up to this many elements are embedded in the source
 DEFAULT_FIX = "the executor runs this group with the reference ops"
+GENERATED_OPS = ELEMENTWISE_OPS | frozenset(ROW_KERNELS)    # every op some group generator writes
 
 
 @lowers("fused", tier=GENERATED)
@@ -149,4 +150,4 @@ def _finish(p: Partial, gemm: Node | None, folded: tuple[str, ...], pattern: str
 
 
 __all__ = ["claim_group", "generate", "split_gemm_epilogue", "ELEMENTWISE_OPS", "GEMM_OPS", "ROW_REDUCTIONS",
-           "PAR_THRESHOLD", "MAX_EMBED"]
+           "GENERATED_OPS", "PAR_THRESHOLD", "MAX_EMBED"]

@@ -17,11 +17,11 @@ import torch
 from graphmode.backends.cpu.lowering import Claim, refused
 from graphmode.errors import BackendError
 from graphmode.ir.graph import Node
-from graphmode.ir.ops import OPS
+from graphmode.ir.ops import OPS, ops_with
 from graphmode.ir.types import ITEMSIZE, TensorType, eval_dim, normalize_dim
 
-GEMM_OPS = ("linear", "matmul", "conv2d")
-ROW_REDUCTIONS = ("softmax", "log_softmax", "layer_norm", "sum", "mean", "amax", "amin")
+GEMM_OPS = ops_with("gemm")                   # what may open a gemm_epilogue group
+ROW_REDUCTIONS = ops_with("row_reduction")    # what makes a group a row kernel (rowwise.py says which it writes)
 
 
 @dataclass
@@ -56,10 +56,10 @@ def gemm_epilogue_refusal(node: Node) -> Claim | None:
         return refused("gemm_epilogue group has no body")
     first = node.body.nodes[0]
     if first.op not in GEMM_OPS:
-        return refused(f"gemm_epilogue group starts with {first.op!r}, not one of {', '.join(GEMM_OPS)}",
+        return refused(f"gemm_epilogue group starts with {first.op!r}, not one of {', '.join(sorted(GEMM_OPS))}",
                        fix="the fusion pass must put the GEMM first")
     for n in node.body.nodes[1:]:
-        if n.op in GEMM_OPS or OPS.get(n.op) is not None and OPS[n.op].kind in ("gemm", "conv"):
+        if n.op in GEMM_OPS:
             return refused(f"a second GEMM ({n.op}) in a gemm_epilogue group")
     return None
 

@@ -1,7 +1,8 @@
 """Row kernels for fused groups: one reduction over the last dim, with the elementwise ops
 before it (computed inside the first pass over a row) and after it (inside the last).
 
-softmax / log_softmax / layer_norm / sum / mean / amax / amin. `row_plan` is the claim
+The reductions it writes are `ROW_KERNELS` (a subset of the op database's `row_reduction`
+trait, which is what makes codegen treat a group as a row group). `row_plan` is the claim
 check: which values are downstream of the reduction, in which space each lives ("row": the
 full row domain; "l": reduced away with keepdim=False), and why a group does not fit one
 row kernel. `RowGen` writes the kernel for a plan that fits.
@@ -18,6 +19,12 @@ from graphmode.backends.cpu.groups import Body, fit_refusal, needed_nodes, padde
 from graphmode.backends.cpu.lowering import Claim, refused
 from graphmode.ir.graph import Node
 from graphmode.ir.ops import norm_axis
+
+# The row_reduction ops this generator writes, by the attribute that names their axis: `dims`
+# reduces it away (one pass over a row), `dim` / `normalized_rank` normalise along it (two or
+# three passes). Other row_reduction ops are refused here and run with the reference ops.
+ROW_KERNELS = {"softmax": "dim", "log_softmax": "dim", "layer_norm": "normalized_rank",
+               "sum": "dims", "mean": "dims", "amax": "dims", "amin": "dims"}
 
 
 @dataclass
@@ -41,10 +48,13 @@ def row_plan(b: Body, red: Node) -> RowPlan | Claim:
         return refused(f"{red.op} of a 0-d value", value=red.op)
     r = xt.rank
     op, a = red.op, red.attrs
-    if op in ("softmax", "log_softmax"):
+    axis = ROW_KERNELS.get(op)
+    if axis is None:
+        return refused(f"no row kernel for {op}", value=op, fix="it runs with the reference ops")
+    if axis == "dim":
         ok = norm_axis(a["dim"], r) == r - 1
         keepdim = True
-    elif op == "layer_norm":
+    elif axis == "normalized_rank":
         ok = a.get("normalized_rank", 1) == 1
         keepdim = True
     else:
@@ -82,7 +92,7 @@ def row_plan(b: Body, red: Node) -> RowPlan | Claim:
         why = fit_refusal(v, shape_of(b.vt[v]), domain, sp)
         if why is not None:
             return why
-    plan = RowPlan(red, keepdim, acc_dt, domain, op in ("softmax", "log_softmax", "layer_norm"), post, space)
+    plan = RowPlan(red, keepdim, acc_dt, domain, axis != "dims", post, space)
     for o in b.outputs:
         full = domain if _jdep(plan, b, o) else domain[:-1] + (1,)
         if padded(shape_of(b.vt[o]), domain, plan.space.get(o, "row")) != full:
@@ -328,4 +338,4 @@ class RowGen(Gen):
         return Partial(src, tuple(inputs), tuple(b.outputs), dict(self.vt), self.kind, may_alias, parallel)
 
 
-__all__ = ["RowPlan", "RowGen", "row_plan"]
+__all__ = ["ROW_KERNELS", "RowPlan", "RowGen", "row_plan"]

@@ -109,15 +109,29 @@ def _binary_ref(fn: Callable):
     return lambda ins, attrs, env: [fn(ins[0], ins[1])]
 
 
+def _mod_grid(dtype: torch.dtype):
+    """-9..9, the type's extremes and divisors of both signs (-1 included: INT_MIN % -1 traps
+    on x86, so a kernel must not divide there)."""
+    info = torch.iinfo(dtype)
+    return lambda g: [torch.tensor(list(range(-9, 10)) + [info.min, info.max], dtype=dtype).reshape(21, 1),
+                      torch.tensor([[-4, -3, -1, 1, 3, 4]], dtype=dtype)]
+
+
 def _binary_samples(name: str):
     if name in ("logical_and", "logical_or"):
         return lambda: [Sample(_bools((2, 3), (2, 3))), Sample(_bools((4, 1), (1, 5)))]
     if name == "pow":
         return lambda: [Sample(lambda g: [torch.rand(3, 4, generator=g) + 0.5, torch.tensor(3.0)]),
                         Sample(lambda g: [torch.rand(2, 5, generator=g) + 0.5, torch.randn(2, 5, generator=g)])]
-    if name in ("div", "remainder", "fmod"):
+    if name == "div":
         return lambda: [Sample(lambda g: [torch.randn(3, 4, generator=g) * 4, torch.rand(3, 4, generator=g) + 0.5]),
                         Sample(lambda g: [torch.randint(-9, 9, (2, 5), generator=g), torch.tensor(4)])]
+    if name in ("remainder", "fmod"):     # they differ only where the signs do: both signs, integers and floats
+        return lambda: [Sample(lambda g: [torch.randn(3, 4, generator=g) * 4, (torch.rand(3, 4, generator=g) + 0.5)
+                                          * (torch.randint(0, 2, (3, 4), generator=g) * 2 - 1)]),
+                        Sample(_mod_grid(torch.int64)), Sample(_mod_grid(torch.int32)),
+                        Sample(lambda g: [torch.arange(-9, 10).reshape(19, 1) / 2,
+                                          torch.tensor([[-2.5, -1.5, -0.75, 0.75, 1.5, 2.5]])])]
     return lambda: [Sample(randn((2, 3, 4), (2, 3, 4))), Sample(randn((4, 1), (1, 5))),
                     Sample(lambda g: [torch.randn(3, 4, generator=g), torch.tensor(0.5)])]
 
