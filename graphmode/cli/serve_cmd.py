@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any, List, Optional
 
 import typer
 
 from graphmode.cli.app import app, console, err_console
+from graphmode.cli.options import CacheDir, KbPath, kb_file
 
 
 @app.command("serve")
@@ -34,7 +36,10 @@ def serve_cmd(
     variant: List[str] = typer.Option([], "--variant", help="a validated fallback recipe for SLA renegotiation "
                                                             "(repeatable; used in order)"),
     target: Optional[str] = typer.Option(None, "--target", help="target name or file (default: the recipe's)"),
-    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="artifact cache (default: the user cache)"),
+    cache_dir: Optional[Path] = CacheDir,
+    kb: Optional[Path] = KbPath,
+    kb_period_s: float = typer.Option(60.0, "--kb-period-s", help="seconds between knowledge-base summaries of "
+                                      "the serving recipe version (p50/p99, throughput, P99/P50)"),
     threads: Optional[int] = typer.Option(None, "--threads"),
     request_timeout_s: float = typer.Option(60.0, "--request-timeout-s"),
     sla_window_s: float = typer.Option(10.0, "--sla-window-s", help="drift probe: sliding window length"),
@@ -59,14 +64,19 @@ def serve_cmd(
     recipe_check_s: float = typer.Option(10.0, "--recipe-check-s",
                                          help="CPU seconds the sandbox may spend checking one PUT recipe"),
     max_plans: int = typer.Option(1024, "--max-plans", help="most buckets (plans) a recipe may ask for"),
+    shutdown_grace_s: float = typer.Option(5.0, "--shutdown-grace-s", help="on Ctrl-C / SIGTERM, open requests "
+                                           "and generations get this long to finish (then streams end with an "
+                                           "error event)"),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error"),
 ) -> None:
-    """Serve a model over HTTP: /v1/infer, /v1/recipe (hot reload), /healthz, /readyz, /metrics."""
+    """Serve a model over HTTP: /v1/infer, /v1/completions (decoders), KServe v2 /v2/..., /v1/recipe (hot
+    reload), /healthz, /readyz, /metrics."""
     import logging
 
     import torch
 
     from graphmode.errors import GraphmodeError
+    from graphmode.recipe.buckets import plans_count
     from graphmode.serve.app import bind, check_exposure, create_app, uvicorn_server
     from graphmode.serve.server import ModelServer, ServeConfig
 
@@ -74,14 +84,15 @@ def serve_cmd(
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise GraphmodeError(f"unknown log level {log_level!r}", where="--log-level",
                              fix="debug, info, warning or error")
-    config = ServeConfig(target=target, cache_dir=cache_dir, threads=threads, batch_window_ms=batch_window_ms,
+    config = ServeConfig(target=target, cache_dir=cache_dir, kb=kb_file(kb, cache_dir), kb_period_s=kb_period_s,
+                         threads=threads, batch_window_ms=batch_window_ms,
                          max_batch=max_batch, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                          sla_window_s=sla_window_s, sla_step_s=sla_step_s, sla_margin=sla_margin,
                          sla_windows=sla_windows, sla_min_samples=sla_min_samples,
                          renegotiate_interval_s=renegotiate_interval_s, renegotiate_burst=renegotiate_burst,
                          admin_token=admin_token or None, insecure_no_auth=insecure_no_auth,
                          header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
-                         recipe_check_cpu_s=recipe_check_s, max_plans=max_plans)
+                         recipe_check_cpu_s=recipe_check_s, max_plans=max_plans, shutdown_grace_s=shutdown_grace_s)
     check_exposure(host, config)           # before the model is built: a refused address fails fast
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads:
@@ -92,8 +103,10 @@ def serve_cmd(
     def on_state(state: str, error: GraphmodeError | None) -> None:
         if state == "ready":
             dep = server.active
-            console.print(f"[bold green]ready[/] recipe {dep.name} #{dep.version}, {len(dep.buckets)} bucket(s) warm "
-                          f"on {holder['url']}", highlight=False)
+            warm = f"{len(dep.buckets)} bucket(s) warm" if dep.decoder is None else \
+                "decoder warm (POST /v1/completions)"
+            console.print(f"[bold green]ready[/] recipe {dep.name} #{dep.version}, {warm} on {holder['url']}",
+                          highlight=False)
         elif state == "failed":
             failure.append(error or GraphmodeError("the recipe could not be loaded"))
             if "uvicorn" in holder:
@@ -105,7 +118,7 @@ def serve_cmd(
     holder["url"] = f"http://{host}:{bound_port}"
     holder["uvicorn"] = uv = uvicorn_server(create_app(server), log_level="warning" if level != "DEBUG" else "info")
     console.print(f"graphmode serve: {server.recipe.name} on {holder['url']} (live now; warming up "
-                  f"{server.recipe.plans_count()} bucket(s) before ready; PUT /v1/recipe "
+                  f"{plans_count(server.recipe)} bucket(s) before ready; PUT /v1/recipe "
                   f"{'needs the admin token' if config.admin_token else 'is open: no admin token'})", highlight=False)
     # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal into the
     # handler it found: make SIGTERM end like Ctrl-C (exit 0), not kill the process
@@ -132,3 +145,32 @@ def serve_cmd(
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+@app.command("loadtest")
+def loadtest_cmd(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="a `graphmode serve` decoder on a loopback address"),
+    num_prompts: int = typer.Option(100, "--num-prompts", help="requests to send (the run ends when all answered)"),
+    input_len: int = typer.Option(32, "--input-len", help="mean prompt length (random token ids)"),
+    output_len: int = typer.Option(32, "--output-len", help="mean tokens to generate (exact: ignore_eos)"),
+    range_ratio: float = typer.Option(0.0, "--range-ratio", help="lengths uniform in len*(1-r) .. len*(1+r)"),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="Poisson arrivals per second "
+                                                                            "(inf: all at once)"),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="most requests in flight"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy"),
+    seed: int = typer.Option(0, "--seed", help="lengths, token ids, arrivals and sampling"),
+    timeout_s: float = typer.Option(600.0, "--timeout-s", help="per request"),
+    out: Optional[Path] = typer.Option(None, "--json", help="also write the report as JSON to this file"),
+) -> None:
+    """Load-test a serving decoder like `vllm bench serve`: TTFT, TPOT, ITL p50/p99, tokens/s."""
+    from graphmode.bench.serve_load import LoadConfig, run_load
+    from graphmode.serve.codec import dumps
+
+    report = run_load(LoadConfig(url=url, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+                                 range_ratio=range_ratio, request_rate=request_rate, max_concurrency=max_concurrency,
+                                 temperature=temperature, seed=seed, timeout_s=timeout_s))
+    console.print(report.text(), highlight=False, markup=False)
+    if out is not None:
+        out.write_bytes(dumps(report.to_dict()))
+    if report.failed:
+        raise SystemExit(1)

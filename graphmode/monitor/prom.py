@@ -4,8 +4,16 @@ Never the global registry: two servers (or two tests) in one process each get th
 families. Every series carries the recipe `version` (content hash) and `target`; per-plan
 series also carry `bucket` (`batch=4,seq=32`; `none` when the request never reached a
 plan, `eager` for an eager fallback).
+
+The decoding series (time to first token, inter-token latency, time per output token,
+end-to-end and queue time, running / waiting sequences, KV page usage, preemptions, prompt
+and generated tokens) follow vLLM's definitions and names with a `graphmode_` prefix, so
+dashboards built for one read the other.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -14,6 +22,11 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.
                    10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 VIOLATION_KINDS = ("shape", "input", "memory", "latency", "fallback")
+# per-token times (TTFT, ITL, TPOT, queue) and whole generations (end to end): vLLM's ranges
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+GENERATION_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0,
+                      480.0, 960.0, 1920.0)
 
 L = ("version", "target")
 
@@ -71,6 +84,42 @@ class PromMetrics:
         self.bad_requests = Counter("graphmode_bad_requests", "Requests refused before the contract was checked "
                                     "(malformed body, too large, unsupported media type, not ready)",
                                     ("target", "reason"), registry=r)
+        self._decode_families(r)
+
+    def _decode_families(self, r: CollectorRegistry) -> None:
+        tok = dict(buckets=TOKEN_BUCKETS, registry=r)
+        self.ttft = Histogram("graphmode_time_to_first_token_seconds", "Request arrival to its first generated "
+                              "token", L, **tok)
+        self.itl = Histogram("graphmode_inter_token_latency_seconds", "Gap between two successive tokens of one "
+                             "sequence", L, **tok)
+        self.tpot = Histogram("graphmode_request_time_per_output_token_seconds", "(end to end - time to first "
+                              "token) / (generated tokens - 1), per sequence of at least 2 tokens", L, **tok)
+        self.queue_time = Histogram("graphmode_request_queue_time_seconds", "Request arrival to the step that "
+                                    "admitted its sequence (prefill)", L, **tok)
+        self.e2e = Histogram("graphmode_e2e_request_latency_seconds", "Request arrival to its sequence's last "
+                             "token", L, buckets=GENERATION_BUCKETS, registry=r)
+        self.running = Gauge("graphmode_num_requests_running", "Sequences being decoded (one per prompt)", L,
+                             registry=r)
+        self.waiting = Gauge("graphmode_num_requests_waiting", "Sequences waiting for KV pages (new or preempted)",
+                             L, registry=r)
+        self.kv_usage = Gauge("graphmode_kv_cache_usage_ratio", "Used KV pages / pages in the pool (0 to 1)", L,
+                              registry=r)
+        self.preemptions = Counter("graphmode_num_preemptions", "Sequences that gave their KV pages back to be "
+                                   "recomputed later", L, registry=r)
+        self.prompt_tokens = Counter("graphmode_prompt_tokens", "Prompt tokens prefilled (a recomputed sequence "
+                                     "counts once)", L, registry=r)
+        self.generation_tokens = Counter("graphmode_generation_tokens", "Tokens generated", L, registry=r)
+        self.finished = Counter("graphmode_sequences_finished", "Finished sequences by reason (eos, length, stop, "
+                                "cancelled = the client went away or timed out, error)", L + ("finish_reason",),
+                                registry=r)
+
+    def decode_series(self, version: str, target: str) -> "DecodeSeries":
+        """The decoding series of one recipe version, bound once (the decode loop updates them
+        for every token)."""
+        lab = (version, target)
+        return DecodeSeries(*(fam.labels(*lab) for fam in (
+            self.ttft, self.itl, self.tpot, self.queue_time, self.e2e, self.running, self.waiting, self.kv_usage,
+            self.preemptions, self.prompt_tokens, self.generation_tokens)), finished=self.finished, labels=lab)
 
     def forget(self, version: str) -> None:
         """Drop every series of recipe `version` (retired long ago), so a server that swaps
@@ -78,7 +127,9 @@ class PromMetrics:
         for fam in (self.requests, self.latency, self.model_latency, self.batch_requests, self.compiles,
                     self.fallbacks, self.violations, self.operations, self.violated_operations, self.health,
                     self.arena_bytes, self.weights_bytes, self.memory_budget, self.drift, self.renegotiations,
-                    self.recipe_active):
+                    self.recipe_active, self.ttft, self.itl, self.tpot, self.queue_time, self.e2e, self.running,
+                    self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens, self.generation_tokens,
+                    self.finished):
             if hasattr(fam, "remove_by_labels"):            # prometheus_client >= 0.22
                 fam.remove_by_labels({"version": version})
                 continue
@@ -90,3 +141,24 @@ class PromMetrics:
     def text(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True)
+class DecodeSeries:
+    """The decoding series of one recipe version (labelled children of PromMetrics' families)."""
+    ttft: Any
+    itl: Any
+    tpot: Any
+    queue_time: Any
+    e2e: Any
+    running: Any
+    waiting: Any
+    kv_usage: Any
+    preemptions: Any
+    prompt_tokens: Any
+    generation_tokens: Any
+    finished: Any
+    labels: tuple[str, str]
+
+    def finish(self, reason: str) -> None:
+        self.finished.labels(*self.labels, reason).inc()

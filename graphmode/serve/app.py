@@ -42,6 +42,7 @@ MB = 2**20
 RECIPE_MAX_BYTES = 1 << 20
 MAX_WAIT_S = 3600.0
 DRAIN_MAX_BYTES = 64 * MB     # an oversized body up to this is read and dropped so the client sees the 413
+LAST_EVENT_S = 1.0            # after the shutdown grace: time for streams to send their error event
 YAML_TYPES = ("", "application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain",
               "application/x-www-form-urlencoded")       # (curl --data-binary's default)
 WAIT_VALUES = {"": False, "0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}
@@ -308,7 +309,9 @@ def create_app(server: ModelServer) -> Starlette:
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return JSONAnswer({"error": "HTTPError", "message": exc.detail, "status": exc.status_code,
-                           "fix": "endpoints: POST /v1/infer, GET|PUT /v1/recipe, GET /healthz, /readyz, /metrics"},
+                           "fix": "endpoints: POST /v1/infer, POST /v1/completions, GET /v1/models, GET|PUT "
+                                  "/v1/recipe, GET /healthz, /readyz, /metrics, and KServe v2: GET /v2, "
+                                  "/v2/health/live|ready, /v2/models/{name}[/ready], POST /v2/models/{name}/infer"},
                           status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def server_error(request: Request, exc: Exception) -> Response:
@@ -329,6 +332,9 @@ def create_app(server: ModelServer) -> Starlette:
               Route("/healthz", healthz, methods=["GET"]),
               Route("/readyz", readyz, methods=["GET"]),
               Route("/metrics", metrics_endpoint, methods=["GET"])]
+    from graphmode.serve.completions import completion_routes    # (they use this module's helpers)
+    from graphmode.serve.kserve import kserve_routes
+    routes += completion_routes(server) + kserve_routes(server)
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = server
@@ -386,17 +392,25 @@ def uvicorn_server(app: Starlette, *, log_level: str = "warning") -> Any:
 
     server: ModelServer = app.state.server
 
+    grace = server.config.shutdown_grace_s
+
     class Server(uvicorn.Server):
         """Tells the ModelServer when shutdown begins (before uvicorn waits for open requests),
-        so a request waiting on a recipe check or a compile answers instead of being cancelled."""
+        so a request waiting on a recipe check or a compile answers instead of being cancelled;
+        generations still running when the grace is over end with an error event, before
+        uvicorn cancels what is left (which would cut a stream off without a word)."""
 
         async def shutdown(self, sockets: Any = None) -> None:
             server.begin_stop()
-            await super().shutdown(sockets=sockets)
+            timer = asyncio.get_running_loop().call_later(grace, server.end_generations)
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                timer.cancel()
 
     protocol = type("GuardedH11", (_GuardedH11,), {"header_timeout_s": server.config.header_timeout_s})
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, http=protocol,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=grace + LAST_EVENT_S)
     return Server(config)
 
 

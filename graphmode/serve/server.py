@@ -40,6 +40,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphmode.errors import ConstraintError, ContractViolation, GraphmodeError, RecipeError
+from graphmode.kb.record import ServeRecorder
 from graphmode.monitor import (ContractMonitor, DriftEvent, PromMetrics, Renegotiator, SlaDriftProbe, TokenBucket,
                                bucket_label)
 from graphmode.serve.batching import Batcher, Pending, merge, split
@@ -76,6 +77,9 @@ class ServeConfig:
     recipe_check_cpu_s: float = 10.0   # CPU seconds the recipe sandbox may spend on one PUT
     recipe_check_memory_mb: float = 1024.0
     max_plans: int = 1024              # buckets (plans) a recipe may ask for
+    kb: Any = None                     # knowledge base file: a summary per recipe version every kb_period_s
+    kb_period_s: float = 60.0
+    shutdown_grace_s: float = 5.0      # on shutdown, open requests and generations get this long to finish
 
     def __post_init__(self) -> None:
         checks = [("batch_window_ms", _finite(self.batch_window_ms) and self.batch_window_ms >= 0),
@@ -89,7 +93,9 @@ class ServeConfig:
                   ("recipe_check_cpu_s", _finite(self.recipe_check_cpu_s) and self.recipe_check_cpu_s >= 1),
                   ("recipe_check_memory_mb",
                    _finite(self.recipe_check_memory_mb) and self.recipe_check_memory_mb >= 64),
-                  ("max_plans", self.max_plans >= 1)]
+                  ("max_plans", self.max_plans >= 1),
+                  ("kb_period_s", _finite(self.kb_period_s) and self.kb_period_s > 0),
+                  ("shutdown_grace_s", _finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0)]
         for name, ok in checks:
             if not ok:
                 raise GraphmodeError("invalid server option", where=f"--{name.replace('_', '-')}",
@@ -130,6 +136,7 @@ class Deployment:
         self.created = time.time()
         self.buckets = recipe.buckets()
         self.warmed = 0
+        self.decoder: Any = None           # a DecodeLoop when the recipe has memory.kv_cache (completions)
         self.dtypes = {i.name: i.dtype for i in recipe.inputs}
         bd = recipe.model.batch_dim if recipe.model is not None else "batch"
         batchable = bd in recipe.dims and all(bd in i.shape for i in recipe.inputs)
@@ -162,6 +169,8 @@ class Deployment:
             dims = cm.shape_of(bound)
         except ContractViolation as e:
             e.kind = "shape" if ".shape" in (e.where or "") else "input"
+            e.fix = e.fix or "send the inputs the recipe declares: " + ", ".join(
+                f"{i.name} {list(i.shape)} {i.dtype}" for i in self.recipe.inputs)
             self.monitor.refused(e.kind)
             raise
         rows = dims.get(self.batch_dim, 1) if self.batch_dim else 1
@@ -275,12 +284,15 @@ class ModelServer:
         self.sandbox = RecipeSandbox(self.target, cpu_s=self.config.recipe_check_cpu_s,
                                      memory_mb=self.config.recipe_check_memory_mb, max_plans=self.config.max_plans)
         self._retired: deque[str] = deque()
+        self._decoders: weakref.WeakSet[Any] = weakref.WeakSet()    # decode loops, retired ones included
         self.stopping = False
         self._background: list[threading.Thread] = []
         self.batcher: Batcher | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ticker: asyncio.Task | None = None
         self.metrics.ready.labels(self.target_name).set(0)
+        self.kb = ServeRecorder(self.config.kb, self.target, self.config.kb_period_s, clock) \
+            if self.config.kb is not None else None
 
     @property
     def max_body_bytes(self) -> int:
@@ -366,7 +378,9 @@ class ModelServer:
                               probe=probe)
         cm.monitor = mon
         dep = Deployment(recipe, cm, mon, origin=origin, facts=facts, max_batch=cfg.max_batch)
-        if cm.mode != "eager":
+        if recipe.memory.kv_cache is not None and cm.mode != "eager":
+            dep.decoder = self._decoder(dep)   # its prefill/decode plans, not the whole-sequence buckets
+        elif cm.mode != "eager":
             for i, env in enumerate(dep.buckets):
                 self._unless_stopping()
                 cm.executable(env)
@@ -379,6 +393,17 @@ class ModelServer:
         log.info("recipe %s (%s) compiled and warm: %d bucket(s) in %.1fs", recipe.name, dep.version,
                  len(dep.buckets), time.perf_counter() - t0)
         return dep
+
+    def _decoder(self, dep: Deployment) -> Any:
+        """The deployment's decode engine, warmed up, behind its decode loop (completions)."""
+        from graphmode.decode.api import engine_of
+        from graphmode.serve.generation import DecodeLoop
+        eng = engine_of(dep.cm)
+        self._unless_stopping()
+        eng.warmup()
+        loop = DecodeLoop(eng, self.metrics.decode_series(dep.version, self.target_name), name=f"decode-{dep.version}")
+        self._decoders.add(loop)
+        return loop
 
     def _unless_stopping(self) -> None:
         """Between the steps of a build: a stopping server abandons it (its thread ends soon)."""
@@ -410,6 +435,8 @@ class ModelServer:
         m = self.metrics
         if old is not None:
             m.recipe_active.labels(old.version, self.target_name, old.name, old.origin).set(0)
+            if self.kb is not None:              # the last window of the version swapped out
+                self.kb.tick(old, force=True)
         m.recipe_active.labels(dep.version, self.target_name, dep.name, dep.origin).set(1)
         m.ready.labels(self.target_name).set(1)
         self.history.append({"time": time.time(), "version": dep.version, "name": dep.name, "origin": dep.origin,
@@ -417,6 +444,8 @@ class ModelServer:
         del self.history[:-100]
         if old is not None and old.version != dep.version:
             self._retire(old.version)
+        if old is not None and old.decoder is not None:
+            old.decoder.retire()                     # its thread ends once its sequences have
 
     def _retire(self, version: str) -> None:
         """Keep the series of the last RETIRED_SERIES_KEPT retired versions (a dashboard
@@ -550,6 +579,18 @@ class ModelServer:
         return self._start_reload(variant, f"variant[{index}]", reason=ev.describe()) is not None
 
     # ---- serving ------------------------------------------------------------------------------
+    def model_names(self) -> list[str]:
+        """The names clients address the model by (OpenAI `model`, KServe `/v2/models/{name}`):
+        the model's, then the serving recipe's."""
+        names = [n for n in (getattr(self.model, "name", None), self.active.name if self.active else self.recipe.name)
+                 if isinstance(n, str) and n]
+        return list(dict.fromkeys(names))
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (a ModelBundle's), or None: then prompts are token ids."""
+        return getattr(self.model, "tokenizer", None)
+
     def current(self) -> Deployment:
         dep = self.active
         if dep is None:
@@ -643,12 +684,21 @@ class ModelServer:
         self.stopping = True
         self.sandbox.close()
 
+    def end_generations(self, timeout: float = 0.0) -> None:
+        """The shutdown grace is over: every decode loop (a retired deployment's too) ends its
+        sequences with a 503 error, which a stream sends as its last event before `[DONE]`."""
+        for decoder in list(self._decoders):
+            decoder.stop(timeout)
+
     async def stop(self) -> None:
         self.begin_stop()
         if self._ticker is not None:
             self._ticker.cancel()
         if self.batcher is not None:
             await self.batcher.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self.end_generations, 5.0)
+        if self.kb is not None:                  # the last window of the serving version
+            await asyncio.get_running_loop().run_in_executor(None, self.kb.tick, self.active, True)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def _tick_loop(self) -> None:
@@ -665,6 +715,8 @@ class ModelServer:
             return
         try:
             await self.loop.run_in_executor(None, monitor.tick)  # drift handlers may compile-start
+            if self.kb is not None:
+                await self.loop.run_in_executor(None, self.kb.tick, self.active)
         except Exception:  # noqa: BLE001 - the ticker must survive
             log.exception("SLA probe tick failed")
 
@@ -693,6 +745,8 @@ class ModelServer:
             out.update(version=dep.version, name=dep.name, origin=dep.origin,
                        buckets=dep.buckets, health_score=dep.monitor.health_score,
                        recipe=dep.recipe.model_dump(mode="json", exclude_none=True))
+            if dep.decoder is not None:
+                out["decoder"] = dep.decoder.describe()
         return out
 
 

@@ -1,0 +1,540 @@
+"""End to end: `graphmode serve` over a tiny GPT-2 decoder with a word tokenizer
+(tiny_decoders.py:gpt2_words), the real HTTP server on loopback, no mocks. OpenAI
+completions (whole and server-sent events) give transformers' greedy tokens, seeded sampling
+repeats, stop strings and stop token ids end with "stop", bad requests get a 4xx JSON error
+naming the field and the fix, a client that goes away frees its KV pages, /metrics counts
+what was sent, KServe v2 (on a small encoder too), the Python client, `graphmode loadtest`,
+a hot reload while a stream is open, and a shutdown that ends an open stream with an error
+event. (The hot reload recompiles the decoder: it is marked slow, run it with -m slow.)
+
+One decoder server for the module (its warm-up is the slow part). To catch a stream mid-way
+on a fast host, a test holds the decode engine's own lock: the decode thread then waits at
+its next step, so what happens meanwhile (a disconnect, a swap, a shutdown) is ordered, not
+raced. Every wait is for an event with a generous ceiling. The last test shuts the module's
+server down."""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import threading
+import warnings
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tiny_decoders
+from test_serve import EVENT_S, READY_S, eventually, scrape, serve_cache, total
+from test_serve_hardening import Tracebacks
+from typer.testing import CliRunner
+
+from graphmode.capture.spec import resolve_model_spec
+from graphmode.client import Client, ServerError
+from graphmode.errors import GraphmodeError
+from graphmode.serve import ModelServer, ServeConfig, ServerThread
+
+HERE = Path(__file__).resolve().parent
+EOS = tiny_decoders.EOS
+MODEL = "gpt2-words"                     # the bundle's name: a stable `model` across reloads
+P1, P2, P3 = [5, 6, 7], [9, 10, 11, 12, 13, 14], [21, 22]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def dec(tmp_path_factory):
+    bundle = resolve_model_spec(f"{HERE / 'tiny_decoders.py'}:gpt2_words")
+    cfg = ServeConfig(cache_dir=serve_cache(tmp_path_factory), shutdown_grace_s=1.0)
+    server = ModelServer(bundle, tiny_decoders.recipe(), config=cfg)
+    seen = Tracebacks()
+    loggers = [logging.getLogger(n) for n in ("graphmode", "uvicorn", "uvicorn.error", "starlette")]
+    for lg in loggers:
+        lg.addHandler(seen)
+    running = ServerThread(server).start()
+    try:
+        running.wait_ready(READY_S)
+        with httpx.Client(base_url=running.url, timeout=EVENT_S) as client:
+            yield SimpleNamespace(server=server, running=running, url=running.url, client=client,
+                                  lm=bundle.raw_module, tok=bundle.tokenizer, tracebacks=seen.records, refs={})
+    finally:
+        running.stop()
+        for lg in loggers:
+            lg.removeHandler(seen)
+
+
+@pytest.fixture(scope="module")
+def enc(tmp_path_factory):
+    """A small encoder (tiny_models.py:mlp, input [batch, 16] f32) for /v1/infer and KServe v2."""
+    from tiny_models import recipe
+    bundle = resolve_model_spec(f"{HERE / 'tiny_models.py'}:mlp")
+    r = recipe("mlp-v2", [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}], {"batch": {"buckets": [1, 2]}},
+               exe_mode="graph")
+    server = ModelServer(bundle, r, config=ServeConfig(cache_dir=serve_cache(tmp_path_factory)))
+    running = ServerThread(server).start()
+    try:
+        running.wait_ready(READY_S)
+        with httpx.Client(base_url=running.url, timeout=EVENT_S) as client:
+            yield SimpleNamespace(server=server, url=running.url, client=client, bundle=bundle)
+    finally:
+        running.stop()
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+
+def greedy(dec, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens for `prompt` on the served torch model (up to its EOS)."""
+    key = (tuple(prompt), n)
+    if key not in dec.refs:
+        ids = torch.tensor([prompt])
+        with warnings.catch_warnings(), torch.inference_mode():
+            warnings.simplefilter("ignore")
+            out = dec.lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                  pad_token_id=0)
+        new = out[0, len(prompt):].tolist()
+        dec.refs[key] = new[:new.index(EOS) + 1] if EOS in new else new
+    return dec.refs[key]
+
+
+def finish_of(tokens: list[int]) -> str:
+    return "stop" if tokens and tokens[-1] == EOS else "length"
+
+
+def complete(dec, **body) -> dict[str, Any]:
+    r = dec.client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def event(line: str) -> Any:
+    """One line of a server-sent event stream: None (blank), "[DONE]" or the JSON document."""
+    if not line:
+        return None
+    assert line.startswith("data: "), line
+    return "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
+
+
+def stream_events(dec, **body) -> list[Any]:
+    with dec.client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.read()
+        return [e for e in map(event, r.iter_lines()) if e is not None]
+
+
+def merged(events: list[Any]) -> dict[int, dict[str, Any]]:
+    """The choices of a stream's chunks concatenated, by index; nothing may follow a finish."""
+    out: dict[int, dict[str, Any]] = {}
+    for ev in events:
+        if ev == "[DONE]" or not ev["choices"]:
+            continue
+        for c in ev["choices"]:
+            o = out.setdefault(c["index"], {"text": "", "token_ids": [], "finish_reason": None})
+            assert o["finish_reason"] is None, f"choice {c['index']} moved after it finished: {events}"
+            o["text"] += c["text"]
+            o["token_ids"] += c["token_ids"]
+            o["finish_reason"] = c["finish_reason"]
+    return out
+
+
+def decoder_view(dec) -> dict[str, Any]:
+    return dec.client.get("/v1/recipe").json()["decoder"]
+
+
+def idle(dec) -> dict[str, Any]:
+    """Wait until the active decoder has no sequence and no KV page in use."""
+    def check():
+        v = decoder_view(dec)
+        return v if (dec.server.active.decoder.live, v["running"], v["waiting"], v["kv_pages_used"]) == (0,) * 4 \
+            else None
+    return eventually(check, EVENT_S, "the decoder to be idle with every KV page back")
+
+
+def version(dec) -> str:
+    return dec.server.active.version
+
+
+class Frozen:
+    """A streamed completion caught mid-way, its decode engine frozen: the test holds the
+    engine's lock, so the decode thread waits at its next step until `release()`."""
+
+    def __init__(self, url: str, body: dict[str, Any], engine: Any):
+        self.url, self.body, self.engine = url, {**body, "stream": True}, engine
+        self.held = False
+
+    def __enter__(self) -> "Frozen":
+        self.client = httpx.Client(base_url=self.url, timeout=EVENT_S)
+        for _ in range(50):                 # the sequence may finish before the lock is taken: again
+            self._cm = self.client.stream("POST", "/v1/completions", json=self.body)
+            self.response = self._cm.__enter__()
+            assert self.response.status_code == 200, self.response.read()
+            self.events = (e for e in map(event, self.response.iter_lines()) if e is not None)
+            self.first = next(self.events)
+            self.engine.lock.acquire()
+            self.held = True
+            if any(not s.done for s in list(self.engine.running) + list(self.engine.waiting)):
+                return self
+            self.release()
+            list(self.events)
+            self.disconnect()
+        self.client.close()
+        raise AssertionError("never caught the stream mid-way")
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.engine.lock.release()
+
+    def disconnect(self) -> None:
+        if self._cm is not None:
+            self._cm, cm = None, self._cm
+            cm.__exit__(None, None, None)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+        self.disconnect()
+        self.client.close()
+
+
+# ---- completions ---------------------------------------------------------------------------------------------
+
+def test_greedy_completions_are_transformers_tokens(dec):
+    """Token-id prompts, several prompts in one request (one choice each, in order), a text
+    prompt through the tokenizer: the tokens are transformers' greedy ones, usage counts them."""
+    refs = [greedy(dec, p, 12) for p in (P1, P2, P3)]
+    doc = complete(dec, prompt=[P1, P2, P3], max_tokens=12, **GREEDY)
+    assert doc["object"] == "text_completion" and doc["model"] == MODEL and doc["system_fingerprint"] == version(dec)
+    assert [c["index"] for c in doc["choices"]] == [0, 1, 2]
+    for c, ref in zip(doc["choices"], refs):
+        assert c["token_ids"] == ref and c["finish_reason"] == finish_of(ref)
+        assert c["text"] == dec.tok.decode(ref, skip_special_tokens=True)
+    n = sum(map(len, refs))
+    assert doc["usage"] == {"prompt_tokens": 11, "completion_tokens": n, "total_tokens": 11 + n}
+
+    one = complete(dec, prompt=P2, max_tokens=12, **GREEDY)["choices"]
+    assert len(one) == 1 and one[0]["token_ids"] == refs[1]             # alone = batched with others
+    text = complete(dec, prompt=["w5 w6 w7", "w21 w22"], max_tokens=12, model=MODEL, **GREEDY)
+    assert [c["token_ids"] for c in text["choices"]] == [refs[0], refs[2]]
+    assert text["choices"][0]["text"] == " ".join(f"w{t}" for t in refs[0])
+    assert text["usage"]["prompt_tokens"] == 5
+
+
+def test_streamed_chunks_add_up_to_the_whole_answer(dec):
+    whole = complete(dec, prompt=[P1, P3], max_tokens=10, **GREEDY)
+    events = stream_events(dec, prompt=[P1, P3], max_tokens=10, stream_options={"include_usage": True}, **GREEDY)
+    assert events[-1] == "[DONE]" and len(events) > 4                       # token by token, not one blob
+    chunks = events[:-1]
+    assert {e["id"] for e in chunks} == {chunks[0]["id"]} and all(e["object"] == "text_completion" for e in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]     # include_usage: last
+    assert all(e["usage"] is None for e in chunks[:-1])
+    got = merged(chunks)
+    for c in whole["choices"]:
+        assert got[c["index"]] == {"text": c["text"], "token_ids": c["token_ids"], "finish_reason": c["finish_reason"]}
+    plain = stream_events(dec, prompt=P2, max_tokens=3, **GREEDY)
+    assert plain[-1] == "[DONE]" and all("usage" not in e for e in plain[:-1])
+    assert merged(plain)[0]["token_ids"] == greedy(dec, P2, 3)
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_sequence(dec):
+    idle(dec)
+    decoder = dec.server.active.decoder
+    v = version(dec)
+    before = scrape(dec.client)
+    with Frozen(dec.url, {"prompt": [5], "max_tokens": 40, **GREEDY}, decoder.engine) as f:
+        assert decoder.live == 1 and decoder_view(dec)["kv_pages_used"] > 0
+        f.disconnect()
+        # the server noticed (the request is counted as cancelled) while the engine was frozen
+        eventually(lambda: total(scrape(dec.client), "graphmode_requests_total", version=v, status="cancelled")
+                   > total(before, "graphmode_requests_total", version=v, status="cancelled"), EVENT_S,
+                   "the disconnect to cancel the request")
+    idle(dec)
+    after = scrape(dec.client)
+    fin = "graphmode_sequences_finished_total"
+    assert total(after, fin, version=v, finish_reason="cancelled") - total(before, fin, version=v,
+                                                                         finish_reason="cancelled") == 1
+    assert total(after, fin, version=v, finish_reason="length") == total(before, fin, version=v, finish_reason="length")
+    made = total(after, "graphmode_generation_tokens_total", version=v) - total(
+        before, "graphmode_generation_tokens_total", version=v)
+    assert 1 <= made < 40                                             # stopped early, not run to its end
+    assert total(after, "graphmode_kv_cache_usage_ratio", version=v) == 0
+
+
+def test_seeded_sampling_repeats_and_tiny_temperatures_are_greedy(dec):
+    body = {"prompt": [P1, P1], "max_tokens": 12, "temperature": 0.9, "top_k": 50, "top_p": 0.95, "seed": 7}
+    a = [c["token_ids"] for c in complete(dec, **body)["choices"]]
+    assert a[0] == a[1]                              # each sequence has its own generator, seeded alike
+    assert [c["token_ids"] for c in complete(dec, **body)["choices"]] == a
+    assert merged(stream_events(dec, **body))[0]["token_ids"] == a[0]
+    assert complete(dec, **{**body, "seed": 8})["choices"][0]["token_ids"] != a[0]
+    assert a[0] != greedy(dec, P1, 12)
+    # (1e-300 once divided the logits into inf and failed every sequence of the step)
+    tiny = complete(dec, prompt=P1, max_tokens=12, temperature=1e-300, presence_penalty=0.0)
+    assert tiny["choices"][0]["token_ids"] == greedy(dec, P1, 12)
+
+
+def test_stop_strings_and_stop_token_ids_end_with_stop(dec):
+    """A stop token, a stop sequence of two tokens and a stop string, each first seen at
+    position k of the greedy answer: the answer ends before it, whole or streamed (the
+    stream holds back a tail that may still become a stop)."""
+    ref = greedy(dec, P1, 12)
+    k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i] and ref[i - 1] not in ref[:i - 1]
+             and not any(f"w{t}".startswith(f"w{ref[i]}") for t in ref[:i]))
+    cases = [({"stop_token_ids": [ref[k]]}, ref[:k]),
+             ({"stop": [[ref[k - 1], ref[k]]]}, ref[:k - 1]),
+             ({"stop": f" w{ref[k]}"}, None)]               # text: the tokens that made it are kept
+    for extra, tokens in cases:
+        whole = complete(dec, prompt=P1, max_tokens=12, **GREEDY, **extra)["choices"][0]
+        streamed = merged(stream_events(dec, prompt=P1, max_tokens=12, **GREEDY, **extra))[0]
+        assert whole["finish_reason"] == streamed["finish_reason"] == "stop", (extra, whole, streamed)
+        text = dec.tok.decode(ref[:k] if tokens is None else tokens, skip_special_tokens=True)
+        assert whole["text"] == streamed["text"] == text, (extra, whole, streamed)
+        assert whole["token_ids"] == streamed["token_ids"] == (ref[:k + 1] if tokens is None else tokens), extra
+    idle(dec)
+
+
+ERRORS = [   # (body, status, where, words in the message); every answer must also carry a fix
+    ({"prompt": P1, "max_tokens": 46}, 422, "max_tokens", "pages hold"),
+    ({"prompt": list(range(3, 36)), "max_tokens": 2}, 422, "prompt", "at most 32"),
+    ({"prompt": [P1, list(range(3, 36))]}, 422, "prompt[1]", "at most 32"),
+    ({"prompt": [5, 100, 7]}, 422, "prompt", "[0, 100)"),
+    ({"prompt": [[5], [6, -1]]}, 422, "prompt[1]", "[0, 100)"),
+    ({"prompt": ""}, 422, "prompt", "empty"),
+    ({"prompt": P1, "model": "no-such-model"}, 404, "model", "not served"),
+    ({"prompt": 5}, 400, "prompt", "prompt must be"),
+    ({"prompt": [5, True]}, 400, "prompt", "prompt must be"),
+    ({"prompt": P1, "max_tokens": "3"}, 400, "max_tokens", "integer"),
+    ({"prompt": P1, "max_tokens": 0}, 400, "max_tokens", "integer"),
+    ({"prompt": P1, "temperature": "hot"}, 400, "temperature", "number"),
+    ({"prompt": P1, "top_p": 0}, 400, "top_p", "number"),
+    ({"prompt": P1, "seed": 1.5}, 400, "seed", "integer"),
+    ({"prompt": P1, "stream": "yes"}, 400, "stream", "true or false"),
+    ({"prompt": P1, "stop": [1, 2]}, 400, "stop", "ambiguous"),
+    ({"prompt": P1, "stop": [""]}, 400, "stop", "characters"),
+    ({"prompt": P1, "n": 2}, 400, "n", "not supported"),
+    ({"prompt": P1, "logprobs": 1}, 400, "logprobs", "not supported"),
+    ({"prompt": P1, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream: true"),
+    ({"prompt": P1, "max_token": 5}, 400, "body", "unknown field"),
+    ({"max_tokens": 5}, 400, "prompt", "required"),
+    ([P1], 400, "body", "JSON object"),
+]
+
+
+def test_bad_requests_get_a_4xx_naming_the_field_and_the_fix(dec):
+    """Whole and streamed alike (a refused stream is a JSON answer, not an event stream)."""
+    c = dec.client
+    for body, status, where, words in ERRORS:
+        plain = not isinstance(body, dict) or {"stream", "stream_options"} & set(body)
+        for doc in [body] if plain else [body, {**body, "stream": True}]:
+            r = c.post("/v1/completions", json=doc)
+            e = r.json()
+            assert r.status_code == status and e["status"] == status, (doc, r.text)
+            assert e["where"] == where and words in e["message"] and e["fix"], (doc, e)
+            if where in doc and where != "prompt":                # the value the field had
+                assert e["value"] == repr(doc[where]), (doc, e)
+    raw = [(b'{"prompt": [5', "application/json", 400, "body"), (b"", "application/json", 400, "body"),
+           (b'{"prompt": [5]}', "text/csv", 415, "Content-Type"),
+           (b'{"prompt": [5]}', "application/octet-stream", 415, "Content-Type")]
+    for body, ctype, status, where in raw:
+        r = c.post("/v1/completions", content=body, headers={"content-type": ctype})
+        assert r.status_code == status and r.json()["where"] == where and r.json()["fix"], r.text
+    assert c.post("/v1/completions", json={"prompt": P1, "max_tokens": 2, **GREEDY}).status_code == 200
+    assert "Traceback" not in r.text and not dec.tracebacks, [x.getMessage() for x in dec.tracebacks[:3]]
+    m = scrape(c)
+    assert total(m, "graphmode_bad_requests_total", reason="bad_parameter") >= 25
+    assert total(m, "graphmode_contract_violations_total", version=version(dec), kind="shape") >= 2 * 3
+
+
+def test_metrics_count_what_was_sent(dec):
+    idle(dec)
+    v = version(dec)
+    before = scrape(dec.client)
+    complete(dec, prompt=[P1, P3], max_tokens=5, ignore_eos=True, **GREEDY)     # 2 sequences of 5 tokens
+    stream_events(dec, prompt=P2, max_tokens=4, ignore_eos=True, **GREEDY)       # 1 of 4
+    idle(dec)
+    after = scrape(dec.client)
+
+    def grew(name: str, **labels: str) -> float:
+        return total(after, name, version=v, **labels) - total(before, name, version=v, **labels)
+
+    for hist in ("time_to_first_token_seconds", "request_time_per_output_token_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert grew(f"graphmode_{hist}_count") == 3, hist            # one per sequence
+        assert grew(f"graphmode_{hist}_sum") > 0, hist
+    assert grew("graphmode_inter_token_latency_seconds_count") == 4 + 4 + 3     # tokens - 1 per sequence
+    assert grew("graphmode_prompt_tokens_total") == len(P1) + len(P3) + len(P2)
+    assert grew("graphmode_generation_tokens_total") == 14
+    assert grew("graphmode_sequences_finished_total", finish_reason="length") == 3
+    assert grew("graphmode_requests_total", status="ok") == 2
+    assert total(after, "graphmode_num_requests_running", version=v) == 0
+    assert total(after, "graphmode_kv_cache_usage_ratio", version=v) == 0
+    ttft = [(dict(ls)["le"], val) for (n, ls), val in after.items()
+            if n == "graphmode_time_to_first_token_seconds_bucket" and dict(ls)["version"] == v]
+    assert ttft and max(val for _, val in ttft) == total(after, "graphmode_time_to_first_token_seconds_count",
+                                                         version=v)
+
+
+# ---- KServe v2 -----------------------------------------------------------------------------------------------
+
+def test_kserve_v2_metadata_and_health_of_the_decoder(dec):
+    c = dec.client
+    assert c.get("/v2/health/live").json() == {"live": True}
+    assert c.get("/v2/health/ready").json() == {"ready": True}
+    assert c.get("/v2").json()["name"] == "graphmode"
+    meta = c.get(f"/v2/models/{MODEL}").json()
+    assert meta["versions"] == [version(dec)] and meta["parameters"]["decoder"] is True
+    assert meta["inputs"] == [{"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]},
+                              {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1]}]
+    assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, -1, 100]}]
+    assert c.get(f"/v2/models/{MODEL}/ready").json() == {"name": MODEL, "ready": True}
+    r = c.get("/v2/models/nope")
+    assert r.status_code == 404 and isinstance(r.json()["error"], str) and r.json()["where"] == "name"
+    assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_kserve_v2_infer_matches_v1_infer_on_an_encoder(enc):
+    c = enc.client
+    name = "mlp-v2"
+    meta = c.get(f"/v2/models/{name}").json()
+    assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 16]}] and not \
+        meta["parameters"]["decoder"]
+    out_name = meta["outputs"][0]["name"]
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
+    v1 = c.post("/v1/infer", json={"inputs": {"input": x.tolist()}}).json()
+    r = c.post(f"/v2/models/{name}/infer", json={"id": "req-1", "inputs": [
+        {"name": "input", "shape": [2, 16], "datatype": "FP32", "data": x.reshape(-1).tolist()}]})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["id"] == "req-1" and doc["model_name"] == name and doc["model_version"] == v1["recipe_version"]
+    (out,) = doc["outputs"]
+    assert out["name"] == out_name and out["datatype"] == "FP32" and out["shape"] == [2, 4]
+    np.testing.assert_allclose(np.asarray(out["data"]).reshape(2, 4), np.asarray(v1["outputs"][out_name]),
+                               rtol=1e-6, atol=1e-7)
+    with torch.inference_mode():
+        eager = enc.bundle.module(input=x)[0]
+    np.testing.assert_allclose(np.asarray(out["data"]).reshape(2, 4), eager.numpy(), rtol=1e-4, atol=1e-5)
+    assert doc["parameters"]["bucket"] == "batch=2"
+
+    bad = [({"name": "input", "shape": [2, 16], "datatype": "INT64", "data": [1] * 32}, 422, "inputs[0].datatype"),
+           ({"name": "input", "shape": [3, 16], "datatype": "FP32", "data": [0.5] * 32}, 422, "shape"),
+           ({"name": "input", "shape": [32], "datatype": "FP32", "data": [0.5] * 32}, 422, "shape"),
+           ({"name": "input", "shape": [5, 16], "datatype": "FP32", "data": [0.5] * 80}, 422, "batch"),
+           ({"name": "nope", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16}, 422, "inputs[0].name"),
+           ({"name": "input", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16,
+             "parameters": {"binary_data_size": 64}}, 415, "binary_data_size")]
+    for tensor, status, where in bad:
+        r = c.post(f"/v2/models/{name}/infer", json={"inputs": [tensor]})
+        e = r.json()
+        assert r.status_code == status and isinstance(e["error"], str) and where in (e["where"] or ""), (tensor, e)
+        assert e["fix"] and "Traceback" not in r.text, e
+    r = c.post(f"/v2/models/{name}/infer", content=b"{", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and isinstance(r.json()["error"], str)
+
+
+# ---- the Python client ---------------------------------------------------------------------------------------
+
+def test_python_client_against_the_real_servers(dec, enc):
+    with Client(dec.url) as c:
+        c.wait_ready(READY_S)
+        assert c.models()[0] == MODEL and c.live() and c.ready()
+        ref = greedy(dec, P1, 8)
+        done = c.complete(P1, max_tokens=8, temperature=0)
+        assert done.token_ids == ref and done.finish_reason == finish_of(ref) and done.recipe_version == version(dec)
+        assert done.usage["completion_tokens"] == len(ref)
+        chunks = list(c.stream("w5 w6 w7", max_tokens=8, temperature=0))
+        assert len(chunks) > 2 and [t for ch in chunks for t in ch.token_ids] == ref
+        assert "".join(ch.text for ch in chunks) == done.text
+        with pytest.raises(ServerError) as e:
+            c.complete(P1, max_tokens=100)
+        assert e.value.status == 422 and e.value.where == "max_tokens" and e.value.fix and e.value.exit_code == 1
+        with pytest.raises(ServerError) as e:
+            list(c.stream(P1, max_tokens=2, top_k="x"))
+        assert e.value.status == 400 and e.value.where == "top_k"
+    with Client(enc.url) as c:
+        c.wait_ready(READY_S)
+        x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
+        v1, v2 = c.infer({"input": x}), c.v2_infer({"input": x})
+        assert set(v1) == set(v2) and all(v1[k].shape == (2, 4) for k in v1)
+        for k in v1:
+            np.testing.assert_allclose(v2[k], v1[k], rtol=1e-6, atol=1e-7)
+        wide = c.v2_infer({"input": x.astype(np.float64)})         # cast to the model's FP32 by the client
+        assert all(np.allclose(wide[k], v1[k], rtol=1e-6, atol=1e-7) for k in v1)
+        with pytest.raises(ServerError) as e:
+            c.v2_infer({"input": x}, model="nope")
+        assert e.value.status == 404 and e.value.where == "name" and e.value.fix
+        with pytest.raises(ServerError) as e:
+            c.infer({"input": x[:, :8]})
+        assert e.value.status == 422 and e.value.fix
+        with pytest.raises(ServerError) as e:
+            c.complete([1, 2])
+        assert e.value.status == 404 and "decoder" in str(e.value)
+    with Client("http://127.0.0.1:9", timeout=1) as c, pytest.raises(GraphmodeError, match="not ready"):
+        c.wait_ready(0.3)
+
+
+# ---- graphmode loadtest ----------------------------------------------------------------------------------------
+
+def test_loadtest_command_reports_every_request(dec, tmp_path):
+    import graphmode.cli.serve_cmd  # noqa: F401 - registers `loadtest` on the app
+    from graphmode.cli import app
+    idle(dec)
+    out = tmp_path / "load.json"
+    res = CliRunner().invoke(app, ["loadtest", "--url", dec.url, "--num-prompts", "6", "--input-len", "5",
+                                   "--output-len", "7", "--range-ratio", "0", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    assert (rep["completed"], rep["failed"], rep["errors"]) == (6, 0, [])
+    assert rep["input_tokens"] == 30 and rep["output_tokens"] == 6 * 7 == rep["server"]["generated_tokens"]
+    assert rep["ttft_ms"]["p50"] > 0 and rep["tpot_ms"]["p99"] >= rep["tpot_ms"]["p50"] > 0
+    assert "Successful requests:" in res.output and "Median TTFT (ms):" in res.output
+    bad = CliRunner().invoke(app, ["loadtest", "--url", dec.url, "--input-len", "40"])
+    assert bad.exit_code == 2 and "--input-len" in bad.output and "Traceback" not in bad.output
+
+
+# ---- hot reload and shutdown (these change the module's server: keep them last) --------------------------------
+
+@pytest.mark.slow
+def test_hot_reload_while_a_stream_is_open(dec):
+    """The open stream finishes on the deployment it started on (its engine frozen meanwhile),
+    a request sent after the swap runs on the new one, and the retired deployment is freed.
+    Slow: the new recipe is captured and compiled again (about 13 s on 2 idle cores)."""
+    idle(dec)
+    old = dec.server.active
+    old_version, old_engine = old.version, old.decoder.engine
+    ref = greedy(dec, [5], 40)
+    with Frozen(dec.url, {"prompt": [5], "max_tokens": 40, **GREEDY}, old_engine) as f:
+        r = dec.client.put(f"/v1/recipe?wait=1&timeout={READY_S}", json=tiny_decoders.recipe("tiny-decoder-reloaded"))
+        assert r.status_code == 200 and r.json()["status"] == "swapped", r.text
+        new_version = r.json()["version"]
+        assert new_version != old_version and version(dec) == new_version
+        doc = complete(dec, prompt=P1, max_tokens=6, **GREEDY)         # served while the old engine is frozen
+        assert doc["system_fingerprint"] == new_version and doc["choices"][0]["token_ids"] == greedy(dec, P1, 6)
+        assert {m["id"] for m in dec.client.get("/v1/models").json()["data"]} == {MODEL, "tiny-decoder-reloaded"}
+        f.release()
+        rest = list(f.events)
+    events = [f.first] + rest
+    assert events[-1] == "[DONE]" and {e["system_fingerprint"] for e in events[:-1]} == {old_version}
+    assert merged(events)[0] == {"text": dec.tok.decode(ref, skip_special_tokens=True), "token_ids": ref,
+                                 "finish_reason": "length"}
+    gone = weakref.ref(old)
+    del old, old_engine, f
+    eventually(lambda: gc.collect() >= 0 and gone() is None, EVENT_S, "the retired deployment to be released",
+               every_s=0.2)
+
+
+def test_shutdown_ends_an_open_stream_with_an_error_event(dec):
+    """Past the shutdown grace (1 s here) a generation still running ends with a 503 error
+    event and `[DONE]`, and the server stops, instead of the stream being cut off."""
+    decoder = dec.server.active.decoder
+    with Frozen(dec.url, {"prompt": [5], "max_tokens": 40, **GREEDY}, decoder.engine) as f:
+        stopper = threading.Thread(target=dec.running.stop, daemon=True)
+        stopper.start()
+        eventually(lambda: decoder._stopped, EVENT_S, "the shutdown grace to end the generations")
+        f.release()
+        rest = list(f.events)
+    assert rest[-1] == "[DONE]" and "error" in rest[-2], rest[-3:]
+    err = rest[-2]["error"]
+    assert err["status"] == 503 and err["error"] == "NotReady" and err["fix"], err
+    stopper.join(EVENT_S)
+    assert not stopper.is_alive() and not dec.running.thread.is_alive()
+    assert decoder.live == 0 and decoder.engine.cache.used_pages == 0

@@ -1,0 +1,112 @@
+"""The OpenAI completions request (graphmode.serve.openai_request) and what a choice shows of
+its tokens (graphmode.serve.completions.ChoiceOutput), without a server: field by field
+refusals that name the field, the value and the fix; the sampling parameters a request
+means; stop sequences and stop strings held back while streaming and cut from the answer."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graphmode.serve.completions import ChoiceOutput
+from graphmode.serve.errors import BadRequest
+from graphmode.serve.openai_request import GREEDY_BELOW, parse_completion
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """Words w3 ... w99 split on whitespace (the tokenizer of tests/e2e/tiny_decoders.py)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, 100)]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def parse(doc, tokenizer=None):
+    return parse_completion(json.dumps(doc).encode(), tokenizer=tokenizer, eos=EOS)
+
+
+def test_sampling_parameters_a_request_means(tok):
+    r = parse({"prompt": [5, 6]})
+    assert r.prompts == [[5, 6]] and r.params.max_new_tokens == 16 and r.params.do_sample   # OpenAI's defaults
+    assert r.params.eos == {EOS} and not r.stream and r.model is None
+    for t in (0, 0.0, GREEDY_BELOW / 10, 1e-300):            # greedy (1e-300 would divide logits into inf)
+        assert not parse({"prompt": [5], "temperature": t}).params.do_sample, t
+    p = parse({"prompt": [5], "temperature": 0.7, "top_k": -1, "top_p": 1, "seed": -3, "ignore_eos": True}).params
+    assert (p.do_sample, p.temperature, p.top_k, p.top_p, p.seed, p.eos) == (True, 0.7, None, None, -3, frozenset())
+    p = parse({"prompt": [5], "top_k": 5, "top_p": 0.5, "stop": [[7, 8]], "stop_token_ids": [9]}).params
+    assert (p.top_k, p.top_p, p.stop) == (5, 0.5, ((7, 8), (9,)))
+    r = parse({"prompt": ["w5 w6", "w7"], "stop": ["w9", " w10"], "stream": True,
+               "stream_options": {"include_usage": True}}, tok)
+    assert r.prompts == [[5, 6], [7]] and r.stop_text == ("w9", " w10") and r.stream and r.include_usage
+    neutral = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0.0, "frequency_penalty": 0,
+               "logit_bias": {}, "logprobs": None, "user": "u", "model": "m"}
+    assert parse({"prompt": [[5], [6]], **neutral}).prompts == [[5], [6]]
+
+
+@pytest.mark.parametrize("doc,where", [
+    ({"prompt": "text"}, "prompt"),                               # no tokenizer: ids only
+    ({"prompt": [5], "stop": "w5"}, "stop"),
+    ({"prompt": 5}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [[5], []]}, "prompt[1]"),
+    ({"prompt": [[5]] * 65}, "prompt"), ({"prompt": [5, 1.0]}, "prompt"), ({}, "prompt"),
+    ({"prompt": [5], "max_tokens": True}, "max_tokens"), ({"prompt": [5], "max_tokens": 2**31}, "max_tokens"),
+    ({"prompt": [5], "temperature": -0.1}, "temperature"), ({"prompt": [5], "top_p": 1.5}, "top_p"),
+    ({"prompt": [5], "top_k": -2}, "top_k"), ({"prompt": [5], "seed": "1"}, "seed"),
+    ({"prompt": [5], "stream": 1}, "stream"), ({"prompt": [5], "ignore_eos": "no"}, "ignore_eos"),
+    ({"prompt": [5], "stop": [1, 2]}, "stop"), ({"prompt": [5], "stop": [[1], "a"]}, "stop"),
+    ({"prompt": [5], "stop": [[1]] * 17}, "stop"), ({"prompt": [5], "stop_token_ids": [1.5]}, "stop_token_ids"),
+    ({"prompt": [5], "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": [5], "stream": True, "stream_options": {"x": 1}}, "stream_options"),
+    ({"prompt": [5], "n": 2}, "n"), ({"prompt": [5], "echo": True}, "echo"), ({"prompt": [5], "logprobs": 0}, "logprobs"),
+    ({"prompt": [5], "presence_penalty": 0.5}, "presence_penalty"), ({"prompt": [5], "logit_bias": {"5": 1}},
+                                                                     "logit_bias"),
+    ({"prompt": [5], "model": 3}, "model"), ({"prompt": [5], "user": 3}, "user"),
+    ({"prompt": [5], "max_token": 3}, "body"), ([5], "body"),
+])
+def test_every_refusal_names_the_field_and_the_fix(doc, where):
+    with pytest.raises(BadRequest) as e:
+        parse(doc)
+    assert e.value.status == 400 and e.value.where == where and e.value.fix, e.value.to_dict()
+
+
+def test_malformed_json_is_a_400_naming_the_body():
+    for body in (b"", b"{", b'{"prompt": NaN}', b"\xff"):
+        with pytest.raises(BadRequest) as e:
+            parse_completion(body, tokenizer=None, eos=EOS)
+        assert e.value.status == 400 and e.value.where == "body", body
+
+
+def feed(out: ChoiceOutput, tokens: list[int], reason: str | None = None) -> tuple[list[int], str]:
+    out.tokens += tokens
+    return out.release(reason)
+
+
+def test_a_stop_sequence_is_held_back_while_it_may_match_and_never_shown(tok):
+    out = ChoiceOutput(0, tok, (), ((7, 8),))
+    assert feed(out, [5, 6]) == ([5, 6], "w5 w6")
+    assert feed(out, [7]) == ([], "")                             # may start the stop sequence
+    assert feed(out, [9]) == ([7, 9], " w7 w9")                   # it did not
+    assert feed(out, [7]) == ([], "")
+    assert feed(out, [8]) == ([], "")                             # a whole match: the engine's "stop" follows
+    assert feed(out, [], "stop") == ([], "") and out.finish_reason == "stop"
+    single = ChoiceOutput(0, tok, (), ((9,),))                    # stop_token_ids: a match of one token
+    assert feed(single, [5, 9]) == ([5], "w5")
+    assert feed(single, [], "stop") == ([], "") and single.finish_reason == "stop"
+    eos = ChoiceOutput(0, tok, (), ())
+    assert feed(eos, [5, EOS], "eos") == ([5, EOS], "w5") and eos.finish_reason == "stop"
+    assert ChoiceOutput(0, tok, (), ()).release("length") == ([], "")
+
+
+def test_a_stop_string_ends_the_answer_at_the_token_that_completed_it(tok):
+    out = ChoiceOutput(0, tok, (" w12",), ())
+    assert feed(out, [5, 6]) == ([5, 6], "w5 w6")
+    # the token after the stop arrived in the same wake-up: it is not part of the answer
+    assert feed(out, [12, 13, 14]) == ([12], "") and out.finish_reason == "stop" and out.tokens == [5, 6, 12]
+    held = ChoiceOutput(0, tok, ("w5 w6 w7",), ())
+    assert feed(held, [5]) == ([5], "") and feed(held, [6]) == ([6], "")     # text that may start the stop
+    assert feed(held, [8]) == ([8], "w5 w6 w8")
+    assert feed(held, [5, 6, 7], None) == ([5, 6, 7], " ") and held.finish_reason == "stop"
