@@ -46,6 +46,8 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     if not params.do_sample:
         return int(torch.argmax(x))
     x = x / params.temperature
+    if not torch.isfinite(x.max()):            # a temperature so small the logits overflow: its limit, greedy
+        return int(torch.argmax(logits.float()))
     if params.top_k is not None and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -206,14 +206,16 @@ def _json_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
         if shape is not None and (not isinstance(shape, list) or len(shape) > MAX_RANK
                                   or not all(type(s) is int and s >= 0 for s in shape)):
             raise _refuse(name, f"'shape' must be a list of at most {MAX_RANK} non-negative integers",
-                          where=".shape", value=clip(shape))
+                          where=".shape", value=clip(shape), fix="send e.g. \"shape\": [2, 16], or leave it out")
         value = value["data"]
     if not isinstance(value, list):
-        raise _refuse(name, "must be a (nested) list of numbers", value=type(value).__name__)
+        raise _refuse(name, "must be a (nested) list of numbers", value=type(value).__name__,
+                      fix='send a nested list, or {"data": [...], "shape": [...]}')
     _, kinds = _scan(value, name)
     if dtype == torch.bool:
         if kinds - {bool}:
-            raise _refuse(name, f"is bool: send true/false; got {_kinds(kinds - {bool})}", where=".dtype")
+            raise _refuse(name, f"is bool: send true/false; got {_kinds(kinds - {bool})}", where=".dtype",
+                          fix="send true/false values")
         t = torch.tensor(value, dtype=torch.bool)
     elif not dtype.is_floating_point:
         if kinds - {int}:
@@ -232,7 +234,8 @@ def _json_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
         need = math.prod(shape)
         if need != t.numel():
             raise _refuse(name, f"'shape' needs {need if need < 2**63 else 'more than 2**63'} values, "
-                                f"got {t.numel()}", where=".shape", value=clip(shape))
+                                f"got {t.numel()}", where=".shape", value=clip(shape),
+                          fix="make 'shape' multiply out to the number of values in 'data'")
         t = t.reshape(shape)
     return t
 
