@@ -57,14 +57,16 @@ class Executable(Protocol):
 class Backend(Protocol):
     """Builds executables for one device. `kernel_dir`: where it caches compiled kernels
     (None: its default); `threads`: the plan's thread count; `kernel_selection`: the
-    recipe's policy (None: the backend's default)."""
+    recipe's policy (None: the backend's default); `isa`: the recipe's `codegen.isa` cap on
+    the code its kernels run (auto: the host's best; passed only when a recipe sets one, so
+    a backend without ISA-specific code may leave it out)."""
 
     name: str
     capabilities: Capabilities
 
     def executable(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
                    kernel_dir: Path | None = None, threads: int | None = None,
-                   kernel_selection: Any = None) -> Executable: ...
+                   kernel_selection: Any = None, isa: str = "auto") -> Executable: ...
 
 
 __all__ = ["Capabilities", "Executable", "Backend"]

@@ -35,6 +35,7 @@ class ModelShared:
     recipe: Any = None                 # --recipe path/dict, else an auto recipe at the shapes
     cache_dir: Any = None              # graphmode artifact cache (None: a fresh temp dir, cold)
     onnx_cache_dir: Any = None
+    isa: str | None = None             # --isa: the recipe's codegen.isa replaced (None: as it is)
     store: dict[str, Any] = field(default_factory=dict)
 
 
@@ -248,10 +249,12 @@ def graphmode_model(shared: ModelShared):
 
     import graphmode
     from graphmode.bench.models import auto_recipe
-    from graphmode.recipe import load_recipe
+    from graphmode.recipe import load_recipe, merge_recipes
     try:
         t0 = time.perf_counter()
         rec = load_recipe(shared.recipe if shared.recipe is not None else auto_recipe(shared.bundle, shared.envs))
+        if shared.isa is not None:
+            rec = merge_recipes(rec, {"codegen": {"isa": shared.isa}})
         cache = shared.cache_dir
         if cache is None:
             tmp = tempfile.TemporaryDirectory(prefix="graphmode-bench-")

@@ -105,7 +105,7 @@ def cache_explain(
     rec = load_recipe(recipe)
     env = parse_shape(bucket, list(rec.dims)) if bucket else dict(all_buckets(rec)[0])
     graph = lower_model(model, rec, pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets)).graph
-    key = make_key(graph.structural_hash(), recipe_hash(rec), target, env)
+    key = make_key(graph.structural_hash(), recipe_hash(rec), target, env, isa=rec.codegen.isa)
     res = _cache(cache_dir).explain(key)
     res["key"] = key
     if as_json:

@@ -272,8 +272,20 @@ class OptimizeSpec(_Spec):
 
 class CodegenSpec(_Spec):
     """How backends choose kernels: `latency_first` and `throughput_first` time the candidate
-    GEMM kernels once per shape (results kept in a timing cache); `heuristic` never times."""
+    GEMM kernels once per shape (results kept in a timing cache); `heuristic` never times.
+    `isa` caps the instruction set generated kernels run (= backends/cpu/isa.py CAPS): auto
+    is the host's best; a lower one runs that code path on a bigger host (an AVX2 table
+    from an AVX-512 machine); one the target lacks is refused (semantics.py)."""
     kernel_selection: Literal["latency_first", "throughput_first", "heuristic"] = "latency_first"
+    isa: Literal["auto", "avx512", "avx2", "portable"] = "auto"
+
+    @model_serializer(mode="wrap")
+    def _omit_auto(self, handler: Any) -> Any:
+        """Added after recipes were first hashed: left out while auto, so their stamps do not change."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("isa") == "auto":
+            out.pop("isa", None)
+        return out
 
 
 class PrecisionSpec(_Spec):

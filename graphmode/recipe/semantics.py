@@ -295,6 +295,15 @@ class _Checker:
             if not self.t.supports_dtype(dt):
                 self.err(path, f"target {self.t.name!r} does not compute in {dt}", dt, fix=f"one of: {supported}")
 
+    def codegen(self) -> None:
+        """A `codegen.isa` cap the target's CPU cannot run would die of SIGILL in the first kernel."""
+        if self.t is None or self.t.kind != "cpu":
+            return
+        from graphmode.backends.cpu.isa import cap_problem
+        why = cap_problem(self.r.codegen.isa, self.t.simd, f"target {self.t.name!r} (simd: {', '.join(self.t.simd)})")
+        if why is not None:
+            self.err("codegen.isa", why[0], self.r.codegen.isa, fix=why[1])
+
     def memory(self) -> None:
         m = self.r.memory
         if self.t is not None and isinstance(m.budget_mb, (int, float)):
@@ -386,7 +395,7 @@ class _Checker:
             self.warn("model.weights_mb", "both weights_mb and params_m given: weights_mb is used for memory")
 
     def run(self) -> None:
-        for check in (self.dims, self.inputs, self.capture, self.optimize, self.precision, self.memory,
+        for check in (self.dims, self.inputs, self.capture, self.optimize, self.codegen, self.precision, self.memory,
                       self.model, self.sla, self.targets, self.aliases, self.misc):
             check()
 

@@ -35,7 +35,8 @@ def attach_bodies(plan: ExecutionPlan, graph) -> ExecutionPlan:
 def cache_key(cm, env: dict[str, int]) -> dict[str, str]:
     if getattr(cm, "_graph_hash", None) is None:
         cm._graph_hash = cm.graph.structural_hash()
-    return make_key(cm._graph_hash, cm.recipe.hash(), getattr(cm.target, "name", "host"), env)
+    return make_key(cm._graph_hash, cm.recipe.hash(), getattr(cm.target, "name", "host"), env,
+                    isa=cm.recipe.codegen.isa)
 
 
 def _open_cache(cm) -> ArtifactCache | None:
@@ -88,8 +89,9 @@ def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
         kdir = default_cache_dir() / "kernels"
     else:
         kdir = _scratch_dir()
+    isa = {} if recipe.codegen.isa == "auto" else {"isa": recipe.codegen.isa}   # see Backend: only when set
     exe = get_backend(cm.device).executable(plan, cm.graph.constants, kernel_dir=kdir, threads=cm.threads,
-                                            kernel_selection=recipe.codegen.kernel_selection)
+                                            kernel_selection=recipe.codegen.kernel_selection, **isa)
     events = (cache.events if cache is not None else []) + exe.events
     cm.cache_events = getattr(cm, "cache_events", []) + events
     return exe, cached

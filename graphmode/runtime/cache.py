@@ -1,6 +1,8 @@
 """On-disk artifact cache for execution plans, keyed by what determines them.
 
-Key fields: graph hash, recipe hash, target, bucket, graphmode and torch versions. An entry is
+Key fields: graph hash, recipe hash, target, bucket, graphmode and torch versions, and the
+recipe's `codegen.isa` cap (a field added later is left out of the digest at the value
+every earlier entry had, so those entries still hit). An entry is
 a folder `<root>/plans/<digest>/` holding `plan.json` and `meta.json` (the key fields and the
 sha256 of plan.json); kernel libraries live in `<root>/kernels` (backends/cpu/build.py).
 Writes go to a temporary folder renamed into place (atomic). A read checks meta.json's shape,
@@ -28,7 +30,8 @@ import graphmode
 from graphmode.errors import CacheError
 
 log = logging.getLogger("graphmode.cache")
-KEY_FIELDS = ("graph_hash", "recipe_hash", "target", "bucket", "graphmode", "torch")
+KEY_FIELDS = ("graph_hash", "recipe_hash", "target", "bucket", "graphmode", "torch", "isa")
+FIELDS_SINCE_V1 = {"isa": "auto"}    # key field added later -> the value entries written before it had
 PLAN_FILE = "plan.json"
 _WARN = ("corrupt", "unusable", "unwritable")
 
@@ -37,14 +40,21 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "graphmode"
 
 
-def make_key(graph_hash: str, recipe_hash: str, target: str, bucket: Mapping[str, int]) -> dict[str, str]:
+def make_key(graph_hash: str, recipe_hash: str, target: str, bucket: Mapping[str, int],
+             isa: str = "auto") -> dict[str, str]:
     return {"graph_hash": graph_hash, "recipe_hash": recipe_hash, "target": target,
             "bucket": ",".join(f"{k}={v}" for k, v in sorted(bucket.items())),
-            "graphmode": graphmode.__version__, "torch": torch.__version__}
+            "graphmode": graphmode.__version__, "torch": torch.__version__, "isa": isa}
+
+
+def key_fields(key: Mapping[str, Any]) -> dict[str, Any]:
+    """`key`'s KEY_FIELDS, a later field missing from an older key read at its old value."""
+    return {k: key.get(k, FIELDS_SINCE_V1.get(k)) for k in KEY_FIELDS}
 
 
 def key_digest(key: Mapping[str, str]) -> str:
-    return hashlib.sha256(json.dumps({k: key[k] for k in KEY_FIELDS}, sort_keys=True).encode()).hexdigest()[:24]
+    d = {k: v for k, v in key_fields(key).items() if not (k in FIELDS_SINCE_V1 and v == FIELDS_SINCE_V1[k])}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def _sha(path: Path) -> str:
@@ -56,7 +66,7 @@ def meta_problem(meta: Any) -> str | None:
     if not isinstance(meta, dict):
         return f"meta.json holds a JSON {type(meta).__name__}, not an object"
     key, files = meta.get("key"), meta.get("files")
-    if not isinstance(key, dict) or any(not isinstance(key.get(k), str) for k in KEY_FIELDS):
+    if not isinstance(key, dict) or any(not isinstance(v, str) for v in key_fields(key).values()):
         return f"meta.json's key must map each of {', '.join(KEY_FIELDS)} to a string"
     if not isinstance(files, dict) or set(files) != {PLAN_FILE} or not isinstance(files[PLAN_FILE], str):
         return f"meta.json's files must be {{{PLAN_FILE!r}: sha256}}"
@@ -130,7 +140,7 @@ class ArtifactCache:
             why = meta_problem(meta)
             if why is not None:
                 raise CacheError(why)
-            if {k: meta["key"][k] for k in KEY_FIELDS} != {k: key[k] for k in KEY_FIELDS}:
+            if key_fields(meta["key"]) != key_fields(key):
                 raise CacheError("entry key does not match its folder (stale or tampered)")
             if _sha(d / PLAN_FILE) != meta["files"][PLAN_FILE]:
                 raise CacheError(f"checksum mismatch in {PLAN_FILE}")
@@ -195,7 +205,7 @@ class ArtifactCache:
                 why = meta_problem(meta)
                 if why is not None:
                     raise CacheError(why)
-                key = {k: str(v) for k, v in meta["key"].items()}
+                key = {k: str(v) for k, v in {**meta["key"], **key_fields(meta["key"])}.items()}
                 created = float(meta.get("created", 0.0))
                 used = (d / "meta.json").stat().st_mtime
             except (OSError, ValueError, RecursionError, CacheError) as e:

@@ -10,7 +10,9 @@ import torch
 from graphmode.backends.base import Capabilities
 from graphmode.backends.cpu.build import builder_for
 from graphmode.backends.cpu.executor import CpuExecutable
-from graphmode.backends.cpu.tactics import POLICIES
+from graphmode.backends.cpu.isa import cap_problem, host_simd
+from graphmode.backends.cpu.tactics import POLICIES, tactics_context
+from graphmode.errors import BackendError
 from graphmode.plan.execution import ExecutionPlan
 
 
@@ -20,13 +22,21 @@ class CpuBackend:
 
     def executable(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
                    kernel_dir: Path | None = None, threads: int | None = None,
-                   kernel_selection: Any = None) -> CpuExecutable:
+                   kernel_selection: Any = None, isa: str = "auto", frozen: bool = False) -> CpuExecutable:
         """Kernels are built in (and loaded from) `kernel_dir` (default ~/.cache/graphmode/
-        kernels), the tactics' timing cache lives next to it in `tactics/`."""
-        builder = builder_for(kernel_dir, threads)
-        seen = len(builder.events)
+        kernels), the tactics' timing cache lives next to it in `tactics/`; `isa` caps their
+        code path (the recipe's `codegen.isa`), never above what this host runs. `frozen`: use
+        the timing cache as recorded (no re-timing of noisy entries), as a loaded artifact does."""
+        why = cap_problem(isa, host_simd())
+        if why is not None:
+            raise BackendError(why[0], where="codegen.isa", value=isa, fix=why[1])
+        builder = builder_for(kernel_dir, threads, isa)
+        if frozen and (kernel_selection is None or isinstance(kernel_selection, str)):
+            kernel_selection = tactics_context(kernel_selection, builder, threads, {}, frozen=True)
+        seen, used = len(builder.events), len(builder.used)
         exe = CpuExecutable(plan, constants, builder=builder, threads=threads, tactics=kernel_selection)
         exe.events = builder.events[seen:]
+        exe.libraries = list(dict.fromkeys(builder.used[used:]))   # what an artifact must carry
         return exe
 
 

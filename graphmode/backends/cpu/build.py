@@ -4,7 +4,8 @@ One library per plan: `build_many` puts every distinct kernel of a plan in one t
 unit (g++ start-up costs ~0.3 s per invocation, more than a small kernel's compile), split
 into parts compiled in parallel when there are many. The file name is sha256(source +
 flags + compiler identity, which includes what -march=native expands to on this host), so
-a cache shared between machines never hands out a library built for another CPU. Files are
+a cache shared between machines never hands out a library built for another CPU, and a
+library built under one ISA cap (its -march flags) is never handed to another. Files are
 written to a temporary name and `os.replace`d.
 
 A cached library this process did not build is loaded only after `library_problem` finds
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from graphmode.backends.cpu.abi import KernelSource, translation_unit
+from graphmode.backends.cpu.isa import CAPS, host_simd, march
 from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary
 from graphmode.errors import BackendError
 
@@ -86,17 +88,27 @@ class KernelBuilder:
     list (default `DEFAULT_FLAGS`); `-march=native` and `-fopenmp` are dropped (the latter
     replaced by `-fopenmp-simd`) when the compiler rejects them. `threads`: OpenMP threads
     for every library this builder loads (None = the OpenMP default). `jobs`: parallel
-    compiler processes for one library.
+    compiler processes for one library. `isa`: the cap (a recipe's `codegen.isa`; None or
+    auto = the host's best): `-march=native` in the flags becomes `isa.march(isa)`, so
+    every kernel takes that ISA's code path; a cap the host cannot run is still built
+    (what tests of that path do here), and running it is the caller's to refuse.
     """
 
     def __init__(self, cache_dir: Path | str, compiler: str | None = None,
-                 flags: Sequence[str] | None = None, *, threads: int | None = None, jobs: int | None = None):
+                 flags: Sequence[str] | None = None, *, threads: int | None = None, jobs: int | None = None,
+                 isa: str | None = None):
+        if isa is not None and isa not in CAPS:
+            raise BackendError(f"unknown ISA {isa!r}", where="codegen.isa", value=isa, fix=f"one of {', '.join(CAPS)}")
         self.cache_dir = Path(cache_dir)
         self.requested = compiler
-        self.base_flags = tuple(DEFAULT_FLAGS if flags is None else flags)
+        self.isa = None if isa == "auto" else isa
+        self.march = march(self.isa, host_simd()) if self.isa is not None else ("-march=native",)
+        flags = DEFAULT_FLAGS if flags is None else flags
+        self.base_flags = tuple(g for f in flags for g in (self.march if f == "-march=native" else (f,)))
         self.threads = threads
         self.jobs = max(1, jobs or os.cpu_count() or 1)
         self.stats = {"compiles": 0, "cache_hits": 0, "rebuilds": 0, "compile_s": 0.0}
+        self.used: list[Path] = []   # every library handed out, in order (an executable's share: a slice)
         self.failures: dict[str, str] = {}   # symbol -> compiler error (build_many(strict=False))
         self.events: list[dict[str, Any]] = []   # {"event": "corrupt", "path", "reason"} per rejected library
         self._detected = False
@@ -153,7 +165,8 @@ class KernelBuilder:
                 self._cxx, self._version, self._flags = path, version, flags
                 break
             if self._cxx is None:
-                self._why = (f"no working C++ compiler (tried {', '.join(tried)}); fused groups run with "
+                cap = f" for codegen.isa {self.isa} ({' '.join(self.march)})" if self.isa else ""
+                self._why = (f"no working C++ compiler{cap} (tried {', '.join(tried)}); fused groups run with "
                              f"the ATen/reference ops instead of generated kernels")
                 _warn_once(f"nocxx:{','.join(tried)}",
                            self._why + " - install g++ (or pass compiler=...) for the generated kernels")
@@ -289,6 +302,7 @@ class KernelBuilder:
 
     def _library(self, key: str, sources: list[KernelSource], tu: str) -> CompiledLibrary:
         path = self.cache_dir / f"{key}.so"
+        self.used.append(path)
         with _LOCK:
             lib, sig = _LOADED.get(str(path), (None, None))
         if lib is not None and _signature(path) == sig:   # loaded here, file untouched since
@@ -514,13 +528,14 @@ def default_kernel_dir() -> Path:
 _BUILDERS: dict[tuple, KernelBuilder] = {}
 
 
-def builder_for(cache_dir: Path | str | None, threads: int | None) -> KernelBuilder:
-    """The process's builder for a kernel folder (default: ~/.cache/graphmode/kernels) and
-    thread count: one per pair, so its compiler probe and loaded libraries are shared."""
-    key = (str(cache_dir or default_kernel_dir()), threads)
+def builder_for(cache_dir: Path | str | None, threads: int | None, isa: str | None = None) -> KernelBuilder:
+    """The process's builder for a kernel folder (default: ~/.cache/graphmode/kernels), thread
+    count and ISA cap: one per triple, so its compiler probe and loaded libraries are shared."""
+    isa = None if isa == "auto" else isa
+    key = (str(cache_dir or default_kernel_dir()), threads, isa)
     b = _BUILDERS.get(key)
     if b is None:
-        b = _BUILDERS[key] = KernelBuilder(cache_dir or default_kernel_dir(), threads=threads)
+        b = _BUILDERS[key] = KernelBuilder(cache_dir or default_kernel_dir(), threads=threads, isa=isa)
     return b
 
 

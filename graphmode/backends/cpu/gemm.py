@@ -310,7 +310,7 @@ def _epilogue_fns(p: GemmProblem, cfg: GemmConfig) -> list[str]:
         "  for (long r = 0; r < rows; ++r)",
         f"    for (long j = 0; j < cols; ++j) tile[r * {cfg.nr} + j] = c[r * {p.n}L + j];",
         "}",
-        "GM_INLINE void @SYM@_epi(const @SYM@_args* g, const float* __restrict tile, float* c, long r0, long c0, "
+        "GM_GEMM_EPI void @SYM@_epi(const @SYM@_args* g, const float* __restrict tile, float* c, long r0, long c0, "
         "long rows, long cols) {",
         "  for (long r = 0; r < rows; ++r) {",
         "    const long row = r0 + r;",

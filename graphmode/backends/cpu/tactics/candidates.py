@@ -1,7 +1,8 @@
 """The candidates of a GEMM / conv shape, their kernels, and the check each must pass.
 
 Candidates per shape are ATen (what the executor runs without tactics) and generated
-kernels for the host's best ISA: the micro-kernels of gemm.py in a few tile/blocking
+kernels for the best ISA of `simd` (the host's, under the recipe's `codegen.isa` cap: see
+TacticsContext.simd): the micro-kernels of gemm.py in a few tile/blocking
 configurations; for convolutions (ungrouped, fp32, constant weight) Winograd F(4x4) and
 F(2x2) for 3x3 stride 1 (winograd.py) and im2col GEMMs (im2col.py), each over one GEMM
 blocking. Each candidate must first match ATen on random data (fp32 rel L2 < 1e-5) or it is

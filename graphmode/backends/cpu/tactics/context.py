@@ -23,6 +23,7 @@ import torch
 from graphmode.backends.cpu.build import KernelBuilder, builder_for
 from graphmode.backends.cpu.conv import ConvConfig, conv_problem_of
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, pack_b
+from graphmode.backends.cpu.isa import capped_simd
 from graphmode.backends.cpu.tactics.cache import CACHE_VERSION, TimingCache
 from graphmode.backends.cpu.tactics.candidates import (CONFIGS, TOLERANCE_F32, Checker, candidate_names,
                                                        candidate_sources, conv_config)
@@ -42,8 +43,9 @@ class TacticsContext:
 
     `cache_dir`: the timing cache folder (None: no persistence). `threads`: the plan's thread
     count (kernels are built for it and timed with it). `simd`/`target`: the ISA flags the
-    candidates are drawn from (default: the `host` target). `builder`: the KernelBuilder
-    (default: the shared one for the default kernel folder and `threads`). `cold`: time
+    candidates are drawn from (default: the `host` target), less what lies above the
+    builder's ISA cap. `builder`: the KernelBuilder (default: the shared one for the default
+    kernel folder and `threads`). `cold`: time
     constant weights rotated through more copies than the LLC holds (weights of a model
     larger than the cache are not cache-resident when the plan runs); None = decide at
     `finalize()`: cold when the plan's GEMM weights together exceed the LLC. `configs`: override the
@@ -111,8 +113,10 @@ class TacticsContext:
 
     @property
     def simd(self) -> list[str]:
+        """The target's SIMD features under the builder's ISA cap (the candidates' ISA and
+        register budget, and part of the timing cache key)."""
         self._resolve()
-        return sorted(self._simd)
+        return sorted(capped_simd(self._simd, getattr(self._builder, "isa", None)))
 
     @property
     def llc_bytes(self) -> int:
@@ -467,13 +471,14 @@ def _target_identity(target: Any, simd: Sequence[str]) -> str:
 
 
 def tactics_context(spec, builder: KernelBuilder | None, threads: int | None,
-                    constants: Mapping[str, torch.Tensor]) -> TacticsContext | None:
+                    constants: Mapping[str, torch.Tensor], *, frozen: bool = False) -> TacticsContext | None:
     """The tactics context an executable binds its steps with, or None when tactics are off.
 
     `spec`: None = on when `builder` builds generated kernels (a compiler is there), with the
     timing cache next to the builder's kernel folder; a policy name (`latency_first`,
     `throughput_first`, `heuristic`) = the same with that policy; a `TacticsContext` = that
-    one; False = off (ATen runs every GEMM)."""
+    one; False = off (ATen runs every GEMM). `frozen`: the timing cache is the decision record
+    (an artifact's): entries cached as noisy are used as they are, not measured again."""
     if spec is False:
         return None
     if isinstance(spec, TacticsContext):
@@ -492,7 +497,8 @@ def tactics_context(spec, builder: KernelBuilder | None, threads: int | None,
                 return None
         except Exception:  # noqa: BLE001 - a broken toolchain only means "ATen only"
             return None
-        ctx = TacticsContext(Path(builder.cache_dir).parent / "tactics", threads, policy=policy, builder=builder)
+        ctx = TacticsContext(Path(builder.cache_dir).parent / "tactics", threads, policy=policy, builder=builder,
+                             **({"retune_noisy": 0} if frozen else {}))
     ctx.add_constants(constants)
     return ctx
 
