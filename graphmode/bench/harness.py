@@ -17,7 +17,10 @@ Per (model, shape):
 5. the conditions of each engine's timed calls (load average per round, the process's CPU
    seconds per wall second, the spread of its rounds) and how graphmode ran (its eager
    fallbacks and islands) become flags on the row (quality.py), so a number the machine
-   made is never shown as a result without saying so.
+   made is never shown as a result without saying so;
+6. the shape's roofline floor on the host (`shape_floor`: max(FLOPs / peak, bytes /
+   bandwidth) from the probe and graphmode's count of the model's work) and each row's time
+   as a multiple of it (`x_floor`): how far every engine is from what the hardware allows.
 
 Only the rows are data; nothing here asserts on timings.
 """
@@ -35,7 +38,8 @@ import torch
 from graphmode.bench.engines import ENGINE_NAMES, Engine, EngineUnavailable, ModelShared, make_engine
 from graphmode.bench.machine import PeakRss, machine_meta
 from graphmode.bench.models import PRETTY, ModelCase
-from graphmode.bench.quality import LEGEND, QUICK_NOTE, Conditions, Probe, judge, warning_lines
+from graphmode.bench.profile import facts_at, model_roofline
+from graphmode.bench.quality import LEGEND, QUICK_NOTE, Conditions, Probe, apply_floor, judge, warning_lines
 from graphmode.errors import GraphmodeError
 from graphmode.kb.record import record_bench
 
@@ -58,6 +62,7 @@ class BenchConfig:
     onnx_cache_dir: Any = None       # ONNX export cache (None: ~/.cache/graphmode/onnx)
     quick: bool = False              # a smoke run: rows are flagged `quick`, never read as timings
     kb: Any = None                   # knowledge base file the graphmode rows are recorded in (None: off)
+    isa: str | None = None           # graphmode's codegen.isa cap (None: the recipe's own)
 
 
 def parse_engines(text: str | None, extra: Sequence[str] = ()) -> list[tuple[str, str | None]]:
@@ -278,6 +283,28 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
             r["best_other_engine"] = best["label"]
 
 
+def shape_floor(compiled: Any, env: dict[str, int], target: Any) -> dict[str, Any]:
+    """The roofline floor of one shape on `target`: `floor_ms` = max(FLOPs / peak, bytes /
+    bandwidth) in the recipe's compute dtype, its `floor_bound`, and the `floor_flops` and
+    `floor_bytes` (weights + planned activations) the recipe proofs count at this shape
+    (profile.facts_at). Those counts come from graphmode's compile of the model: `compiled` is
+    what the graphmode engine stored ((CompiledModel, recipe, seconds), the exception it
+    raised, or None when it did not run); without one, `floor_note` says why there is no floor."""
+    if target is None:
+        return {"floor_note": "no target to take the peak and bandwidth from"}
+    if not isinstance(compiled, tuple):
+        return {"floor_note": "graphmode did not compile this model, and its compiler counts the FLOPs and bytes"
+                + (f" ({_reason(compiled)})" if compiled is not None else "")}
+    cm, rec, _ = compiled
+    try:
+        facts = facts_at(cm, rec, target, env)
+    except Exception as e:  # noqa: BLE001 - the floor is an extra column, never a blocker
+        return {"floor_note": f"the model's FLOPs and bytes are unavailable: {_reason(e)}"}
+    seconds, bound = model_roofline(target, facts, rec.precision.compute)
+    return {"floor_ms": float(f"{seconds * 1e3:.4g}"), "floor_bound": bound, "floor_flops": facts["flops"],
+            "floor_bytes": facts["bytes"]}
+
+
 @dataclass
 class BenchResult:
     rows: list[dict[str, Any]]
@@ -309,12 +336,14 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
     try:
         for case in cases:
             shared = ModelShared(case.bundle, case.envs, cfg.threads, recipe=cfg.recipe, cache_dir=cfg.cache_dir,
-                                 onnx_cache_dir=cfg.onnx_cache_dir)
+                                 onnx_cache_dir=cfg.onnx_cache_dir, isa=cfg.isa)
             try:
                 first = len(rows)
                 for env in case.envs:
                     log(f"{case.name} {'x'.join(map(str, case.shape_of(env)))}")
-                    for r in bench_shape(case, shared, env, cfg, log, probe):
+                    shape_rows = bench_shape(case, shared, env, cfg, log, probe)
+                    apply_floor(shape_rows, shape_floor(shared.store.get("graphmode"), env, target))
+                    for r in shape_rows:
                         r["tol"] = cfg.tol
                         rows.append(r)
                 note = record_bench(cfg.kb, shared.store.get("graphmode"), rows[first:], target)
@@ -344,6 +373,10 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
                 "numerics_tol": cfg.tol,
                 "ratio_vs_eager": "median_ms / eager median_ms (< 1 is faster than eager)",
                 "ratio_vs_best_other": "median_ms / fastest ok non-graphmode engine's median_ms",
+                "floor_ms": "the shape's roofline time on the host target: max(FLOPs / peak, bytes / bandwidth) "
+                            "with the probe's bandwidth (best streaming read) and theoretical peak, FLOPs and "
+                            "bytes (weights + planned activations) as graphmode's compiler counts them",
+                "x_floor": "median_ms / floor_ms (>= 1; below 1 is flagged `floor`)",
                 "setup_s": "engine setup + first call; shared per-model work (graphmode capture+passes, ONNX "
                            "export time from its cache record) is charged to every shape",
                 "peak_rss_mb": "peak resident MB added during setup + first call over the RSS before it "

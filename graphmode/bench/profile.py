@@ -11,6 +11,13 @@ machine drift cancels out.
 Next to it, eager PyTorch's dispatch cost: a tight loop of tiny `torch.add` calls, times
 the number of ATen ops one eager forward dispatches (counted with a dispatch mode).
 
+A roofline is an upper bound, so a step that beats it is never shown as a plain "123 %":
+`roofline_breaches` names every such step with its achieved GB/s or GFLOP/s next to the
+probe's, and why it can beat it — the probe under-measured the host (weights streamed from
+memory faster than the probe's bandwidth, or a GEMM above the theoretical peak), or the step
+read data that was still in cache (activations the previous steps just wrote, or a model
+whose weights fit in the last-level cache).
+
 Calibration (`fit_calibration`) over the per-step samples of every profiled bucket:
   step_i ~= roofline_i / efficiency[key_i]          run ~= sum_i step_i + n * overhead
 with key_i = `kind|ai-class[|narrow|wide]|size-class` (`cost_key`: op kind, arithmetic-
@@ -117,6 +124,7 @@ class StepRow:
     bound: str                 # compute | memory
     roofline_frac: float | None  # roofline_s / time_s: how close to the bound
     shape_class: str = ""        # narrow | wide for GEMMs (see shape_class)
+    const_bytes: float = 0.0     # of `bytes`, the constants (weights) it reads
 
     def label(self) -> str:
         body = f" [{'+'.join(self.body_ops)}]" if self.body_ops else ""
@@ -144,6 +152,8 @@ class BucketProfile:
     notes: list[str] = field(default_factory=list)
     loadavg: list[float] | None = None   # machine load (1/5/15 min) when the bucket was profiled
     spread: float | None = None          # p90 / median of the run totals: > NOISY_SPREAD means noise
+    weights_bytes: float = 0.0           # the plan's constants: what one run streams besides activations
+    above_roofline: list[dict[str, Any]] = field(default_factory=list)   # roofline_breaches of the steps
 
     @property
     def key(self) -> str:
@@ -211,7 +221,8 @@ class BucketProfile:
                                                if self.eager_ops and self.dispatch_us else None),
                 "top": [asdict(s) for s in self.top(top)], "by_op": self.by_kind(),
                 "steps": [asdict(s) for s in self.steps], "facts": self.facts, "notes": self.notes,
-                "loadavg": self.loadavg, "spread": self.spread, "noisy": self.noisy}
+                "loadavg": self.loadavg, "spread": self.spread, "noisy": self.noisy,
+                "weights_bytes": self.weights_bytes, "above_roofline": self.above_roofline}
 
 
 def _ms(v: float | None) -> float | None:
@@ -318,11 +329,61 @@ def profile_executable(exe: Any, inputs: Mapping[str, torch.Tensor], target: Any
             gflops=ins.flops / t / 1e9 if t > 0 and ins.flops else None,
             gbps=ins.bytes / t / 1e9 if t > 0 and ins.bytes else None,
             roofline_s=roof, bound="compute" if pred.compute_s >= pred.memory_s else "memory",
-            roofline_frac=roof / t if t > 0 else None, shape_class=shape_class(ins, plan.slots)))
+            roofline_frac=roof / t if t > 0 else None, shape_class=shape_class(ins, plan.slots),
+            const_bytes=float(sum(plan.slots[v].nbytes for v in ins.inputs if plan.slots[v].const is not None))))
+    weights = float(sum(plan.slots[c].nbytes for c in plan.constants if c in plan.slots))
     return BucketProfile(model=model, bucket=dict(plan.env), threads=threads, runs=runs, steps=rows,
                          run_s=statistics.median(totals), steps_sum_s=ssum, gap_s=statistics.median(gaps),
                          copy_in_s=statistics.median(copies), clone_out_s=statistics.median(clones),
-                         spread=spread)
+                         spread=spread, weights_bytes=weights,
+                         above_roofline=roofline_breaches(rows, target, weights))
+
+
+def roofline_breaches(steps: Sequence[StepRow], target: Any, weights_bytes: float) -> list[dict[str, Any]]:
+    """The steps that ran faster than their roofline on `target`, each with its achieved rate, the
+    target's (`probe`) and the `cause`: `peak` (a GEMM above the f32 peak: the clock runs above
+    the reported one), `probe` (a step that reads mostly weights of a model larger than the LLC,
+    so from memory, above the probed bandwidth: the probe under-measured) or `cache` (its data
+    was in cache: activations the previous steps just wrote, or weights that fit in the LLC).
+    `why` says it in one sentence with the numbers."""
+    bw, peak, llc = target.memory_bandwidth_gbps, target.peak("f32") / 1e9, target.llc_bytes
+    out = []
+    for s in steps:
+        if s.time_s <= 0:
+            continue
+        p = predict_op(target, OpCost(kind=s.cost_kind, flops=s.flops, bytes_moved=s.bytes))
+        roof = max(p.compute_s, p.memory_s)
+        if roof <= s.time_s:
+            continue
+        frac = roof / s.time_s
+        if p.compute_s >= p.memory_s:
+            achieved, probe, unit, cause = s.flops / s.time_s / 1e9, peak, "GFLOP/s", "peak"
+            why = (f"{s.label()} ran at {achieved:.3g} GFLOP/s, above the f32 peak of {peak:.3g} GFLOP/s ({frac:.0%} "
+                   "of its roofline): the peak under-counts this host (its cores run above the reported clock)")
+        else:
+            achieved, probe, unit = s.bytes / s.time_s / 1e9, bw, "GB/s"
+            weights = s.const_bytes >= 0.5 * s.bytes
+            cause = "probe" if weights and weights_bytes > llc else "cache"
+            head = f"{s.label()} moved {achieved:.3g} GB/s, above the probe's {bw:.3g} GB/s ({frac:.0%} of its roofline)"
+            if cause == "probe":
+                why = (f"{head}: the host probe under-measured the memory bandwidth (the step reads mostly weights, and "
+                       f"the model's {weights_bytes / 2**20:.3g} MiB exceed the {llc / 2**20:.0f} MiB LLC); re-probe on "
+                       "an idle machine with `graphmode targets show host --reprobe`")
+            else:
+                where = (f"the model's {weights_bytes / 2**20:.3g} MiB of weights fit in the {llc / 2**20:.0f} MiB LLC"
+                         if weights else "activations the previous steps just wrote")
+                why = f"{head}: its data was in cache ({where}), which the memory roofline does not bound"
+        out.append({"step": s.index, "label": s.label(), "achieved": round(achieved, 3), "probe": round(probe, 3),
+                    "unit": unit, "roofline_frac": round(frac, 3), "cause": cause, "why": why})
+    return out
+
+
+def model_roofline(target: Any, facts: Mapping[str, float], dtype: str = "f32") -> tuple[float, str]:
+    """(seconds, compute | memory): max(FLOPs / peak, bytes / bandwidth) of one whole run from
+    its facts (`facts_at`): the floor no engine can beat on `target`."""
+    p = predict_op(target, OpCost(kind="model", flops=float(facts.get("flops", 0.0)),
+                                  bytes_moved=float(facts.get("bytes", 0.0)), dtype=dtype))
+    return max(p.compute_s, p.memory_s), "compute" if p.compute_s >= p.memory_s else "memory"
 
 
 def facts_at(cm: Any, recipe: Any, target: Any, env: Mapping[str, int]) -> dict[str, float]:
@@ -470,7 +531,7 @@ def fit_calibration(target: Any, buckets: Iterable[Mapping[str, Any]], note: str
         fa = bk.get("facts") or {}
         if not fa.get("flops") and not fa.get("bytes"):
             continue
-        roof = max(fa.get("flops", 0.0) / target.peak("f32"), fa.get("bytes", 0.0) / (target.memory_bandwidth_gbps * 1e9))
+        roof = model_roofline(target, fa)[0]
         work = bk["run_s"] - fa.get("n_ops", 0.0) * gap
         if roof > 0 and work > 0:
             model_eff.append(roof / work)

@@ -23,13 +23,16 @@ per round, the process's CPU seconds per wall second, the spread of its rounds),
   the row has no ratios;
 - `islands`: graphmode ran in hybrid mode with eager islands (the time is real, but part
   of it is PyTorch's);
-- `quick`: a `--quick` smoke run: too few rounds, no re-warm; not a measurement.
+- `quick`: a `--quick` smoke run: too few rounds, no re-warm; not a measurement;
+- `floor`: faster than the shape's roofline floor (`apply_floor`): no engine can beat
+  max(FLOPs / peak, bytes / bandwidth) on the probed host, so the host probe under-measured
+  it (or the model's bytes stayed in cache).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from graphmode.targets.host import load_average, usable_cores
 
@@ -42,6 +45,8 @@ QUICK_NOTE = ("--quick is a smoke run (few rounds, no re-warm): it checks that e
               "eager; its timings are not measurements")
 TIMING_FLAGS = ("load", "starved", "spread")          # the row's own timing is doubtful
 RATIO_FLAGS = TIMING_FLAGS + ("ratio", "gap", "baseline", "quick")   # its ratios are doubtful
+QUICK_SILENT = RATIO_FLAGS + ("floor",)       # about timings: not warned about in a --quick run
+FLOOR_FIELDS = ("floor_ms", "floor_bound", "floor_flops", "floor_bytes", "floor_note")
 LEGEND = {
     "load": "load average above the usable cores during its rounds",
     "starved": f"the process got < {STARVED:g} CPU-s per wall-s of its timed calls (waited for a CPU)",
@@ -52,6 +57,7 @@ LEGEND = {
     "fallback": "graphmode ran eager PyTorch: not graph-mode speed, no ratios",
     "islands": "hybrid mode: some ops ran as eager islands",
     "quick": "--quick smoke run: not a measurement",
+    "floor": "faster than its roofline floor: the host probe under-measured (or the data stayed in cache)",
 }
 
 
@@ -125,12 +131,28 @@ def judge(rows: list[dict[str, Any]], cores: int, quick: bool = False) -> None:
             _flag(r, "baseline", f"eager's own timing is flagged ({', '.join(doubt)})")
 
 
+def apply_floor(rows: Sequence[dict[str, Any]], floor: Mapping[str, Any]) -> None:
+    """Give every (judged) row of one shape the shape's roofline floor — `floor` holds
+    `floor_ms`, `floor_bound`, `floor_flops`, `floor_bytes` (harness.shape_floor), or
+    `floor_note` saying why there is none — and its own time as a multiple of it:
+    `x_floor` = median_ms / floor_ms. A row under 1x beat the roofline: flagged `floor`."""
+    for r in rows:
+        r.update({k: floor.get(k) for k in FLOOR_FIELDS})
+        med = r.get("median_ms") if r["status"] == "ok" else None
+        r["x_floor"] = float(f"{med / floor['floor_ms']:.4g}") if med and floor.get("floor_ms") else None
+        if r["x_floor"] is not None and r["x_floor"] < 1:
+            _flag(r, "floor", f"{r['x_floor']:.2f}x its roofline floor: {med:.3g} ms against {floor['floor_ms']:.3g} ms "
+                              f"({floor['floor_bound']}-bound: {floor['floor_flops'] / 1e9:.3g} GFLOP, "
+                              f"{floor['floor_bytes'] / 1e6:.3g} MB) on the probed host; the host probe under-measured "
+                              "(re-probe with `graphmode targets show host --reprobe`) or the data stayed in cache")
+
+
 def warning_lines(rows: list[dict[str, Any]], quick: bool = False) -> list[str]:
     """One line per flagged row; under `--quick` (not a measurement at all) only the flags
     that are not about timing."""
     out = []
     for r in rows:
-        notes = [n for n, f in zip(r.get("notes") or (), r.get("flags") or ()) if not (quick and f in RATIO_FLAGS)]
+        notes = [n for n, f in zip(r.get("notes") or (), r.get("flags") or ()) if not (quick and f in QUICK_SILENT)]
         if notes:
             where = f"{r['model']} {'x'.join(map(str, r['shape']))} {r['label']}"
             out.append(f"{where}: " + "; ".join(notes))

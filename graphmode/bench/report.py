@@ -32,8 +32,13 @@ def _shape(r: dict) -> str:
 
 
 COLUMNS = ("model", "shape", "engine", "status", "median ms", "p90 ms", "vs eager", "vs best other",
-           "rel L2", "setup s", "peak RSS MB", "flags")
-SHORT = ("model", "shape", "engine", "status", "median", "p90", "/eager", "/best", "relL2", "setup", "RSS", "flags")
+           "floor ms", "x floor", "rel L2", "setup s", "peak RSS MB", "flags")
+SHORT = ("model", "shape", "engine", "status", "median", "p90", "/eager", "/best", "floor", "xfloor", "relL2",
+         "setup", "RSS", "flags")
+
+
+def _floor(v: Any) -> str:
+    return "-" if v is None else f"{v:.3g}"
 
 
 def _label(r: dict) -> str:
@@ -49,9 +54,18 @@ def _status(r: dict, full: bool) -> str:
 def _cells(r: dict, full: bool = True) -> list[str]:
     status = _status(r, full)
     return [r["model"], _shape(r), _label(r), status, _ms(r.get("median_ms")), _ms(r.get("p90_ms")),
-            _x(r.get("ratio_vs_eager")), _x(r.get("ratio_vs_best_other")), _err(r.get("rel_l2_err")),
+            _x(r.get("ratio_vs_eager")), _x(r.get("ratio_vs_best_other")), _floor(r.get("floor_ms")),
+            "-" if r.get("x_floor") is None else f"{r['x_floor']:.3g}x", _err(r.get("rel_l2_err")),
             "-" if r.get("setup_s") is None else f"{r['setup_s']:.1f}",
             "-" if r.get("peak_rss_mb") is None else f"{r['peak_rss_mb']:.0f}", ",".join(r.get("flags") or ())]
+
+
+def _roof(meta: dict) -> str:
+    """The roofline the floors were computed on (meta.target, from the host probe)."""
+    t = meta.get("target") or {}
+    if not t:
+        return "no target"
+    return f"{t.get('peak_f32_gflops')} GFLOP/s f32 peak and {t.get('memory_bandwidth_gbps')} GB/s"
 
 
 def _legend(res: BenchResult) -> list[str]:
@@ -60,16 +74,17 @@ def _legend(res: BenchResult) -> list[str]:
     return [f"{code}: {text}" for code, text in LEGEND.items() if code in used]
 
 
-
 def rich_table(res: BenchResult):
     from rich import box
+    from rich.markup import escape
     from rich.table import Table
     m = res.meta
     title = f"graphmode bench — {m['cpu_model']}, {m['threads']} thread(s), {m['date']}"
     if m.get("quick"):
         title += f"\n{QUICK_NOTE}"
     caption = ("ms = median / p90 latency; /eager, /best = median over eager's and over the fastest "
-               "non-graphmode engine's (< 1 is faster); setup s; RSS = peak MB added by setup")
+               "non-graphmode engine's (< 1 is faster); floor = the shape's roofline ms on this host, "
+               "max(FLOPs / peak, bytes / bandwidth), xfloor = median / floor; setup s; RSS = peak MB added by setup")
     legend = _legend(res)
     if legend:
         caption += "\nflags: " + "; ".join(legend)
@@ -90,7 +105,7 @@ def rich_table(res: BenchResult):
         style = "dim" if r["status"] != "ok" else ("bold" if r["engine"] == "graphmode" else None)
         if r.get("flags") and r["status"] == "ok" and not m.get("quick"):
             style = "yellow" if style is None else f"{style} yellow"
-        t.add_row(*cells, style=style)
+        t.add_row(*map(escape, cells), style=style)     # engine labels such as graphmode[avx2] are not markup
         if r["status"] != "ok":
             notes.append(f"{r['model']} {cells[1]} {r['label']}: {r['reason']}")
     return t, notes
@@ -113,8 +128,9 @@ def markdown(res: BenchResult) -> str:
              f"round-robin rounds (≥ {m['method']['min_iters']}, ≤ {m['method']['budget_s_per_shape']:g} s per "
              f"shape), each engine {m['method'].get('rewarm', 0)} untimed + 1 timed call per round; median and "
              "p90 per engine; `vs eager` = median / eager median (< 1 is faster); "
-             "`vs best other` = median / fastest non-graphmode engine; rel L2 = max over outputs of "
-             "‖out − eager‖ / ‖eager‖",
+             "`vs best other` = median / fastest non-graphmode engine; `floor ms` = the shape's roofline time on "
+             f"this host, max(FLOPs / peak, bytes / bandwidth) at {_roof(m)}, and `x floor` = median / floor "
+             "ms; rel L2 = max over outputs of ‖out − eager‖ / ‖eager‖",
              f"- graphmode recipe: {m.get('recipe')}", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in res.rows:

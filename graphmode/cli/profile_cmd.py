@@ -64,12 +64,15 @@ def print_profile(prof, top: int) -> None:
               "of roof"):
         t.add_column(c, justify="left" if c in ("instruction", "shapes (in -> out)", "bound") else "right",
                      overflow="fold")
+    above = {b["step"] for b in prof.above_roofline}
     for s in prof.top(top):
         body = f" [{'+'.join(s.body_ops)}]" if s.body_ops else ""
         t.add_row(str(s.index), s.name + body, _shapes(s), _ms(s.time_s), f"{s.share * 100:.1f}%",
                   "-" if s.gflops is None else f"{s.gflops:.1f}", "-" if s.gbps is None else f"{s.gbps:.1f}",
-                  _ms(s.roofline_s), s.bound, "-" if s.roofline_frac is None else f"{s.roofline_frac * 100:.0f}%")
+                  _ms(s.roofline_s), s.bound, "-" if s.roofline_frac is None else
+                  f"{s.roofline_frac * 100:.0f}%" + ("!" if s.index in above else ""))
     console.print(t)
+    print_breaches(prof.above_roofline)
     k = Table(title="time by instruction kind", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
               padding=(0, 1))
     for c in ("kind:op", "count", "ms", "share", "GFLOP/s", "roofline ms"):
@@ -96,6 +99,25 @@ def print_profile(prof, top: int) -> None:
                       highlight=False)
     for n in prof.notes:
         console.print(f"  note: {n}", highlight=False, markup=False)
+
+
+def print_breaches(breaches, shown: int = 8) -> None:
+    """Steps above their roofline ('!' in the table): a roofline is an upper bound, so each is a
+    measurement problem to name, not an efficiency to print. Probe and peak problems one line
+    each; steps that ran on cached data in one line."""
+    loud = [b for b in breaches if b["cause"] != "cache"]
+    cached = [b for b in breaches if b["cause"] == "cache"]
+    if loud:
+        console.print(f"  [yellow]warning:[/] {len(loud)} instruction(s) ran above the host's roofline, so the probe "
+                      "under-measured it; their 'of roof' is not an efficiency:", highlight=False)
+        for b in loud[:shown]:
+            console.print(f"    {b['why']}", markup=False, highlight=False, soft_wrap=True)
+        if len(loud) > shown:
+            console.print(f"    ... and {len(loud) - shown} more (--json lists every one)", highlight=False)
+    if cached:
+        steps = ", ".join(f"#{b['step']}" for b in cached[:shown]) + (" ..." if len(cached) > shown else "")
+        console.print(f"  note: {len(cached)} instruction(s) ran above the memory roofline on data in cache ({steps}; "
+                      f"e.g. {cached[0]['why']})", markup=False, highlight=False, soft_wrap=True)
 
 
 def print_predictions(rows, cal, source: str) -> None:

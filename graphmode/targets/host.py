@@ -5,14 +5,16 @@ Two halves:
   flags -> SIMD features and microarchitecture, usable cores, caches, memory, clock. From
   them the theoretical peak per dtype: cores x FMA pipes x (datapath bits / 32) x 2 x clock,
   scaled per dtype by what the ISA offers (bf16 dot products, VNNI, AMX, ...).
-- a *probe* measured with torch (~1-2 s): an fp32 GEMM and a bf16 GEMM at the configured
-  thread count, a large memory copy, the dispatch cost of a tiny op. It is cached as JSON
+- a *probe* (~2-3 s): an fp32 GEMM and a bf16 GEMM (torch) at the configured thread count,
+  streaming memory bandwidth (C kernels reading a buffer far larger than the LLC, see
+  targets/bandwidth.py), the dispatch cost of a tiny op. It is cached as JSON
   (`<cache root>/targets/host.json`, see graphmode.paths) under a key of CPU model, core count,
   thread count and torch version, and measured again when the key changes, when asked
   (`reprobe=True`), or when the file is unreadable (with a `HostProbeWarning`).
 
-`peak_flops` holds the theoretical peaks; `memory_bandwidth_gbps` and `launch_overhead_us`
-the measured copy bandwidth and dispatch cost; `groups.measured` every probe number.
+`peak_flops` holds the theoretical peaks; `memory_bandwidth_gbps` the best measured streaming
+read (`probe_bandwidth`), `launch_overhead_us` the dispatch cost; `groups.measured` every probe
+number, the bandwidth of each streaming variant included.
 The parsers take text / a root folder so tests can feed them fixtures.
 """
 from __future__ import annotations
@@ -29,10 +31,11 @@ from typing import Any, Callable
 
 from graphmode.errors import TargetError
 from graphmode.paths import cache_layout
+from graphmode.targets.bandwidth import measure_bandwidth, stream_buffer_bytes
 from graphmode.targets.schema import Target
 from graphmode.targets.units import parse_bytes
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2            # 2: bandwidth from streaming C kernels (was one torch copy)
 CACHE_FILE = "host.json"
 
 
@@ -50,6 +53,18 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def memory_limit_bytes(cgroup_root: str | Path = "/sys/fs/cgroup") -> int | None:
+    """The container's memory limit (cgroup v2 `memory.max`, v1 `memory/memory.limit_in_bytes`),
+    None when unlimited or unknown: /proc/meminfo shows the host's memory, not what this
+    process may use, and the probe's streaming buffer must fit in the latter."""
+    root = Path(cgroup_root)
+    for f in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        text = _read(f)
+        if text and text.strip().isdigit() and int(text) < 2**60:
+            return int(text)
+    return None
 
 
 class HostProbeWarning(UserWarning):
@@ -431,19 +446,30 @@ def theoretical_peaks(facts: HostFacts) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- probe
 
-def run_probe(threads: int | None = None, *, gemm_n: int = 1536, copy_mib: int = 64,
+def _stream_buffer(facts: HostFacts) -> int:
+    """The bandwidth probe's buffer for this host: from its LLC, within its (container's) memory."""
+    memory = min(facts.memory_bytes, memory_limit_bytes() or facts.memory_bytes)
+    return stream_buffer_bytes(_cache_fallback(facts.caches)[2], memory)
+
+
+def run_probe(threads: int | None = None, *, gemm_n: int = 1536, copy_mib: float | None = None,
               budget_s: float = 2.5) -> dict[str, Any]:
-    """Measure achieved GEMM FLOP/s (fp32, bf16), copy bandwidth and tiny-op dispatch time.
+    """Measure achieved GEMM FLOP/s (fp32, bf16), streaming memory bandwidth and tiny-op
+    dispatch time.
 
     Best-of-N timings, each part with its own slice of `budget_s`. Runs at `threads` torch
-    threads (default: the current setting) and restores the setting afterwards."""
+    threads (default: the current setting; the bandwidth kernels use as many) and restores the
+    setting afterwards. `copy_mib`: the streaming buffer (read and copy variants), default
+    `stream_buffer_bytes` of this host's LLC and memory."""
     import torch
 
     t_start = time.perf_counter()
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "gemm_n": gemm_n, "copy_mib": copy_mib}
+    if copy_mib is None:
+        copy_mib = _stream_buffer(detect_host_facts(threads=torch.get_num_threads())) / 2**20
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "gemm_n": gemm_n}
     try:  # a busy machine measures low; keep the load next to the numbers
         out["loadavg_1m"] = round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):
@@ -477,12 +503,7 @@ def run_probe(threads: int | None = None, *, gemm_n: int = 1536, copy_mib: int =
                 t = best(lambda: torch.mm(ab, bb, out=cb), 6, budget_s * 0.2)
                 out["gemm_bf16_gflops"] = round(2 * gemm_n**3 / t / 1e9, 2)
             del a, b, c, ab, bb, cb
-            n = copy_mib * 2**20 // 4
-            src = torch.ones(n)
-            dst = torch.empty(n)
-            t = best(lambda: dst.copy_(src), 8, budget_s * 0.2)
-            out["copy_gbps"] = round(2 * n * 4 / t / 1e9, 2)  # read + write
-            del src, dst
+            out.update(measure_bandwidth(out["threads"], int(copy_mib * 2**20), budget_s * 0.25))
             x, y, z = torch.ones(8), torch.ones(8), torch.empty(8)
             for _ in range(200):
                 torch.add(x, y, out=z)
@@ -504,9 +525,23 @@ def run_probe(threads: int | None = None, *, gemm_n: int = 1536, copy_mib: int =
 _PROBE_FIELDS = {"gemm_f32_gflops": float, "copy_gbps": float, "dispatch_us": float, "probe_seconds": float}
 
 
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
 def _valid_probe(p: Any) -> bool:
-    return isinstance(p, dict) and all(isinstance(p.get(k), (int, float)) and not isinstance(p.get(k), bool)
-                                       and p[k] > 0 for k in _PROBE_FIELDS)
+    """The required numbers are positive; `read_gbps`, when there, too (a probe written by hand
+    or by a test may leave it out: `probe_bandwidth` then uses the copy)."""
+    return (isinstance(p, dict) and all(_positive(p.get(k)) for k in _PROBE_FIELDS)
+            and ("read_gbps" not in p or _positive(p["read_gbps"])))
+
+
+def probe_bandwidth(probe: dict[str, Any]) -> tuple[float, str]:
+    """(GB/s, what it is) for the roofline: the best streaming read of the probe; the copy for a
+    probe that has no read numbers."""
+    if _positive(probe.get("read_gbps")):
+        return float(probe["read_gbps"]), f"best streaming read ({probe.get('read_variant', 'read')})"
+    return float(probe["copy_gbps"]), "copy (the probe has no read numbers)"
 
 
 def load_probe_cache(path: Path, key: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
@@ -563,11 +598,12 @@ def build_host_target(facts: HostFacts, probe: dict[str, Any], *, source: str = 
         clock_note = (f"measured fp32 GEMM exceeded the peak at {facts.clock_mhz:.0f} MHz; peaks use the "
                       f"implied clock {facts.clock_mhz * scale:.0f} MHz")
     l1, l2, llc = _cache_fallback(facts.caches)
-    bw = float(probe["copy_gbps"])
+    bw, bw_source = probe_bandwidth(probe)
     dtypes = [dt for dt in ("f64", "f32", "f16", "bf16", "i8") if dt in peaks]
     simd = simd_features(cpu)
     measured = {k: v for k, v in probe.items()}
     measured["source"] = source
+    measured["bandwidth_source"] = bw_source
     if cache_file:
         measured["cache_file"] = cache_file
     if peaks.get("f32"):
@@ -624,7 +660,7 @@ def detect_host(*, cache_dir: str | Path | None = None, reprobe: bool = False, f
     import torch
 
     facts = facts or detect_host_facts()
-    probe_fn = probe_fn or (lambda threads: run_probe(threads))
+    probe_fn = probe_fn or (lambda threads: run_probe(threads, copy_mib=_stream_buffer(facts) / 2**20))
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = path / CACHE_FILE
     key = facts.cache_key(torch.__version__)
@@ -643,6 +679,6 @@ def detect_host(*, cache_dir: str | Path | None = None, reprobe: bool = False, f
 
 __all__ = ["CpuInfo", "CacheLevel", "HostFacts", "HostProbeWarning", "MicroArch", "build_host_target",
            "clock_mhz", "detect_host", "detect_host_facts", "flops_per_cycle_per_core", "load_probe_cache",
-           "microarch", "parse_caches", "parse_cpu_list", "parse_cpuinfo", "parse_meminfo",
-           "run_probe", "save_probe_cache", "simd_features", "theoretical_peaks", "vector_registers",
-           "vector_width_bits"]
+           "memory_limit_bytes", "microarch", "parse_caches", "parse_cpu_list", "parse_cpuinfo", "parse_meminfo",
+           "probe_bandwidth", "run_probe", "save_probe_cache", "simd_features", "theoretical_peaks",
+           "vector_registers", "vector_width_bits"]

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 THIS = Path(__file__).resolve()
 TINY = f"{THIS}:tiny_mlp"
 ROW_KEYS = {"model", "shape", "engine", "status", "median_ms", "p90_ms", "ratio_vs_eager", "rel_l2_err", "setup_s",
-            "reason", "ratio_vs_best_other", "peak_rss_mb", "numerics_ok"}
+            "reason", "ratio_vs_best_other", "peak_rss_mb", "numerics_ok", "floor_ms", "floor_bound", "floor_flops",
+            "floor_bytes", "x_floor"}
 
 
 class _Tiny(nn.Module):
@@ -79,6 +80,12 @@ def test_quick_bench_rows_files_and_ratios(cli, tmp_path):
         by["graphmode"]["median_ms"] / best["median_ms"], rel=1e-3)
     assert by["graphmode"]["best_other_engine"] == best["label"]
     assert by["eager"]["rel_l2_err"] == 0.0
+    floor = by["graphmode"]["floor_ms"]            # one floor per shape, on the probed host
+    assert floor > 0 and by["graphmode"]["floor_bound"] in ("compute", "memory")
+    assert by["graphmode"]["floor_flops"] > 0 and by["graphmode"]["floor_bytes"] > 0
+    for e in ("eager", "onnxruntime", "graphmode"):
+        assert by[e]["floor_ms"] == floor
+        assert by[e]["x_floor"] == pytest.approx(by[e]["median_ms"] / floor, rel=1e-3)
     ov = by["openvino"]
     if ov["status"] != "ok":                    # not installed here: a reported failure, never dropped
         assert ov["reason"] and ov["median_ms"] is None and ov["ratio_vs_eager"] is None
@@ -88,6 +95,7 @@ def test_quick_bench_rows_files_and_ratios(cli, tmp_path):
     assert "simd" in meta and meta["date"]
     md = (out / "quick.md").read_text()
     assert "| tiny_mlp | (4,32) | **graphmode** |" in md
+    assert "| floor ms | x floor |" in md and f"| {by['graphmode']['x_floor']:.3g}x |" in md
     assert (out / "quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -196,6 +204,53 @@ def test_profile_rows_sum_to_the_run(tiny_profile):
     assert len(d["top"]) == 2 and d["top"][0]["time_s"] >= d["top"][1]["time_s"]
 
 
+def _step(index, kind, flops, nbytes, const_bytes, time_s):
+    from graphmode.bench.profile import StepRow
+    return StepRow(index=index, node_index=index, name=f"aten:{kind}", cost_kind=kind, body_ops=[], in_shapes=[],
+                   out_shapes=[], flops=flops, bytes=nbytes, time_s=time_s, share=0.0, gflops=None, gbps=None,
+                   roofline_s=0.0, bound="", roofline_frac=None, const_bytes=const_bytes)
+
+
+def test_steps_above_the_roofline_are_named_with_their_cause():
+    """GPT-2's case: a GEMM streaming 9.4 MB of weights at ~19 GB/s on a probe of 8.4 GB/s is
+    the probe under-measuring; an elementwise op on fresh activations beating it is cache; a
+    GEMM above the f32 peak is the peak. Steps under their roofline are not listed."""
+    from graphmode.bench.profile import roofline_breaches
+    from graphmode.targets import get_target
+    t = get_target("cpu_avx2").model_copy(update={"memory_bandwidth_gbps": 8.4, "llc_bytes": 32 * 2**20,
+                                                  "peak_flops": {"f32": 150e9}})
+    w = 768 * 3072 * 4
+    steps = [_step(0, "gemm", 2 * 16 * 768 * 3072, w + 4 * 16 * (768 + 3072), w, 0.5e-3),     # ~19.1 GB/s
+             _step(1, "elementwise", 1e5, 1e6, 0.0, 1e-5),                                   # 100 GB/s, activations
+             _step(2, "gemm", 2 * 512**3, 3 * 4 * 512**2, 2 * 512**2, 1e-3),                 # 268 GFLOP/s
+             _step(3, "gemm", 2 * 16 * 768 * 3072, w + 4 * 16 * (768 + 3072), w, 2e-3)]      # 4.8 GB/s: fine
+    by = {b["step"]: b for b in roofline_breaches(steps, t, weights_bytes=500e6)}
+    assert set(by) == {0, 1, 2}
+    assert by[0]["cause"] == "probe" and by[0]["unit"] == "GB/s" and by[0]["probe"] == 8.4
+    assert by[0]["achieved"] == pytest.approx(steps[0].bytes / 0.5e-3 / 1e9, rel=1e-3) and by[0]["roofline_frac"] > 2
+    assert "probe under-measured" in by[0]["why"] and "8.4 GB/s" in by[0]["why"] and "#0 aten:gemm" in by[0]["why"]
+    assert by[1]["cause"] == "cache" and "activations" in by[1]["why"]
+    assert by[2]["cause"] == "peak" and by[2]["unit"] == "GFLOP/s" and by[2]["probe"] == 150.0
+    small = {b["step"]: b for b in roofline_breaches(steps, t, weights_bytes=10e6)}    # weights fit in the LLC
+    assert small[0]["cause"] == "cache" and "fit in the 32 MiB LLC" in small[0]["why"]
+
+
+def test_profile_flags_real_steps_against_a_low_probe(tiny_profile):
+    """The profiled tiny model against the host's own numbers and against a probe 10^4x lower:
+    every breach is a step whose achieved rate beats the target's."""
+    from graphmode.bench.profile import roofline_breaches
+    target, profs = tiny_profile
+    p = profs[1]
+    assert p.weights_bytes > 0 and any(s.const_bytes > 0 for s in p.steps)
+    assert p.above_roofline == roofline_breaches(p.steps, target, p.weights_bytes)
+    assert p.to_json()["above_roofline"] == p.above_roofline
+    low = target.model_copy(update={"memory_bandwidth_gbps": target.memory_bandwidth_gbps * 1e-4})
+    got = roofline_breaches(p.steps, low, p.weights_bytes)
+    assert got and {b["step"] for b in got} <= {s.index for s in p.steps}
+    for b in got:
+        assert b["achieved"] > b["probe"] and b["roofline_frac"] > 1 and b["why"]
+
+
 def test_calibration_fit_reduces_error_on_the_measurements(tiny_profile, tmp_path):
     from graphmode.bench.profile import PredictionRow, SampleStore, fit_calibration, prediction_table, within
     from graphmode.targets.cost import Calibration
@@ -291,6 +346,20 @@ def test_profile_cli_calibrates_and_saves(cli, tmp_path):
     with pytest.raises(SystemExit) as e:                                       # neither --model nor --refit
         main(["profile", "--calibration", str(cal)])
     assert e.value.code == 2
+
+
+def test_profile_cli_flags_kernels_above_a_low_probe(cli, tmp_path):
+    """A host probe (cached under the CLI's cache folder) that reads 0.001 GB/s: every step beats
+    its roofline, and the output says so instead of printing the percentage as fact."""
+    from graphmode.targets import host as H
+    key = H.detect_host_facts(threads=1).cache_key(torch.__version__)
+    probe = {"threads": 1, "gemm_f32_gflops": 50.0, "copy_gbps": 0.001, "read_gbps": 0.001, "read_variant": "read",
+             "dispatch_us": 2.0, "probe_seconds": 0.1}
+    assert H.save_probe_cache(tmp_path / "cache" / "targets" / H.CACHE_FILE, key, probe)
+    res = cli("profile", "--model", TINY, "--shape", "8x32", "--runs", "3", "--threads", "1", "--no-eager")
+    assert res.exit_code == 0, res.output
+    assert "%!" in res.output and "instruction(s) ran above the" in res.output      # table mark + what it means
+    assert "above the probe's 0.001 GB/s" in res.output
 
 
 def test_calibration_keeps_the_roofline_it_was_fitted_against():

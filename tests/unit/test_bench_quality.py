@@ -147,3 +147,83 @@ def test_graphmode_in_eager_mode_is_reported_as_a_fallback(tmp_path):
     assert [f for f in g["flags"] if f not in quality.TIMING_FLAGS] == ["fallback"]
     assert g["ratio_vs_eager"] is None and g["ratio_vs_best_other"] is None
     assert any("graphmode: fallback" in w for w in res.meta["warnings"])
+
+
+# ----------------------------------------------------------------------------- the roofline floor
+
+FLOOR = {"floor_ms": 2.0, "floor_bound": "memory", "floor_flops": 1e9, "floor_bytes": 3e7}
+
+
+def test_floor_is_each_rows_time_over_the_shapes_roofline():
+    rows = [_row("eager", 10.0), _row("graphmode", 5.0), _row("onnxruntime", None, status="failed", reason="x")]
+    _judged(rows)
+    quality.apply_floor(rows, FLOOR)
+    by = {r["label"]: r for r in rows}
+    assert by["eager"]["x_floor"] == 5.0 and by["graphmode"]["x_floor"] == 2.5
+    assert by["onnxruntime"]["x_floor"] is None and by["onnxruntime"]["floor_ms"] == 2.0
+    assert all(r["floor_bound"] == "memory" and r["floor_note"] is None and "floor" not in r["flags"] for r in rows)
+    none = [_row("eager", 10.0)]
+    _judged(none)
+    quality.apply_floor(none, {"floor_note": "no target"})
+    assert none[0]["x_floor"] is None and none[0]["floor_ms"] is None and none[0]["floor_note"] == "no target"
+
+
+def test_a_row_below_its_floor_is_flagged_as_a_probe_problem():
+    rows = [_row("eager", 10.0), _row("graphmode", 1.5)]
+    _judged(rows)
+    quality.apply_floor(rows, FLOOR)
+    g = rows[1]
+    assert g["x_floor"] == 0.75 and g["flags"] == ["floor"] and "floor" not in rows[0]["flags"]
+    assert "0.75x its roofline floor" in g["notes"][0] and "probe under-measured" in g["notes"][0]
+    assert warning_lines(rows) == [f"m 1x16 graphmode: {g['notes'][0]}"]
+    assert warning_lines(rows, quick=True) == []           # a smoke run's timings are not measurements
+    assert not quality.doubtful_ratio(g)                    # its ratio vs eager is not what is in doubt
+
+
+def test_model_roofline_is_the_larger_of_compute_and_memory_time():
+    from graphmode.bench.profile import model_roofline
+    from graphmode.targets import get_target
+    t = get_target("cpu_avx2")
+    s, bound = model_roofline(t, {"flops": 4e9, "bytes": 1e3})
+    assert bound == "compute" and s == pytest.approx(4e9 / t.peak("f32"))
+    s, bound = model_roofline(t, {"flops": 1e3, "bytes": 4e9, "n_ops": 9.0})
+    assert bound == "memory" and s == pytest.approx(4e9 / (t.memory_bandwidth_gbps * 1e9))
+    s, _ = model_roofline(t, {"flops": 4e9, "bytes": 1e3}, "bf16")
+    assert s == pytest.approx(4e9 / t.peak("bf16"))
+
+
+def test_shape_floor_says_why_there_is_none():
+    from graphmode.targets import get_target
+    t = get_target("cpu_avx2")
+    assert "no target" in harness.shape_floor(None, {"batch": 1}, None)["floor_note"]
+    assert "did not compile" in harness.shape_floor(None, {"batch": 1}, t)["floor_note"]
+    assert "boom" in harness.shape_floor(RuntimeError("boom"), {"batch": 1}, t)["floor_note"]
+
+
+def test_floor_columns_in_markdown_and_table():
+    rows = [_row("eager", 10.0), _row("graphmode", 5.0)]
+    _judged(rows)
+    quality.apply_floor(rows, FLOOR)
+    md = markdown(_result(rows, target={"peak_f32_gflops": 150.0, "memory_bandwidth_gbps": 19.0}))
+    assert "| vs best other | floor ms | x floor |" in md and "| 0.50x | 2 | 2.5x |" in md
+    assert "at 150.0 GFLOP/s f32 peak and 19.0 GB/s" in md
+    table, _ = rich_table(_result(rows))
+    assert {"floor", "xfloor"} <= {c.header for c in table.columns} and "xfloor = median / floor" in str(table.caption)
+
+
+def test_harness_rows_carry_the_floor_of_the_shape():
+    """The real harness on the tiny model: graphmode's compiler counts the work, a target whose
+    bandwidth is absurdly low puts the floor above every measured time, and the rows say so."""
+    from graphmode.capture.spec import resolve_model_spec
+    from graphmode.targets import get_target
+    slow = get_target("cpu_avx2").model_copy(update={"memory_bandwidth_gbps": 1e-9})
+    case = ModelCase(TINY, "tiny", resolve_model_spec(TINY), [{"batch": 2}])
+    cfg = harness.BenchConfig(engines=[("eager", None), ("graphmode", None)], threads=1, iters=3, min_iters=3,
+                              warmup=1, rewarm=0)
+    res = harness.run_bench([case], cfg, probe=QUIET, target=slow)
+    for r in res.rows:
+        assert r["status"] == "ok" and r["floor_bound"] == "memory" and r["floor_flops"] > 0
+        assert r["floor_ms"] == pytest.approx(r["floor_bytes"] / 1e-9 / 1e9 * 1e3, rel=1e-3)
+        assert r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"], rel=1e-3) and r["x_floor"] < 1
+        assert "floor" in r["flags"]
+    assert "x_floor" in res.meta["method"] and any("roofline floor" in w for w in res.meta["warnings"])
