@@ -5,7 +5,8 @@ recipe -> capture -> IR -> passes -> plan -> backend -> runtime; see README.md.
 __version__ = "0.1.0"
 
 _API = {"capture": "graphmode.compiler", "optimize": "graphmode.compiler", "compile": "graphmode.compiler",
-        "load_recipe": "graphmode.recipe", "CompiledModel": "graphmode.runtime.compiled"}
+        "load_recipe": "graphmode.recipe", "CompiledModel": "graphmode.runtime.compiled",
+        "load": "graphmode.runtime.artifact"}
 
 
 def __getattr__(name):  # lazy: `import graphmode` stays cheap until the pipeline is used

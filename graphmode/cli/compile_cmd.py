@@ -161,6 +161,9 @@ def compile_cmd(
     dump_dir: Path = typer.Option(Path("graphmode-ir-dumps"), "--dump-dir", help="where IR dumps go"),
     dry_run: bool = typer.Option(False, "--dry-run", help="capture, optimise and prove; build no kernels"),
     cache_dir: Optional[Path] = CacheDir,
+    save: Optional[Path] = typer.Option(None, "--save", help="also build every bucket and write a deployable .gm "
+                                        "artifact (recipe, graph, weights, plans, kernels) that graphmode.load() "
+                                        "and `graphmode run --model FILE.gm` run without the model's code"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
 ) -> None:
     """Compile a model with a recipe and print the compile report."""
@@ -182,7 +185,8 @@ def compile_cmd(
         env = recipe_obj.buckets()[0]
         plan = build_plan(graph, recipe_obj, env)
         exe = get_backend(DEFAULT_DEVICE).executable(plan, graph.constants, kernel_dir=cache_layout(cache_dir).kernels,
-                                                     kernel_selection=recipe_obj.codegen.kernel_selection)
+                                                     kernel_selection=recipe_obj.codegen.kernel_selection,
+                                                     isa=recipe_obj.codegen.isa)
         built = {"bucket": env, "instructions": len(plan.instructions), "generated_kernels": exe.generated,
                  "kernel_fallbacks": exe.kernel_report.get("fallbacks", {}), "tactics": exe.tactics_report,
                  "seconds": round(time.perf_counter() - t0, 3)}
@@ -209,4 +213,20 @@ def compile_cmd(
         if emit_ir:
             console.print(graph.text(), markup=False, highlight=False)
     verdict = rep.validation.verdict
+    if save is not None and rep.validation.ok and not dry_run:
+        saved = save_artifact(src, recipe_obj, target, graph, rep, cache_dir, save)
+        if not as_json:
+            console.print(f"saved {save}: {len(saved['buckets'])} bucket(s), {len(saved['kernels'])} kernel "
+                          f"libraries, {saved['bytes'] / 2**20:.1f} MiB in {saved['seconds']:.1f}s", highlight=False)
     raise typer.Exit(0 if rep.validation.ok else (1 if verdict in ("refused", "unproved") else 2))
+
+
+def save_artifact(src, recipe, target: Optional[str], graph, rep, cache_dir: Optional[Path], path: Path) -> dict:
+    """The compiled model of this report, every bucket built through the cache, as a .gm file."""
+    from graphmode.paths import cache_layout
+    from graphmode.recipe.targets import pick_target
+    from graphmode.runtime.compiled import CompiledModel
+    tgt = pick_target(recipe, target, cache_dir=cache_layout(cache_dir).targets)
+    cm = CompiledModel(src, recipe, tgt, None, graph, (rep.capture, None), mode=recipe.exe_mode,
+                       cache_dir=cache_dir, verdict=rep.contract)
+    return cm.save(path)

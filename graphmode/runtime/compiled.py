@@ -112,7 +112,8 @@ class CompiledModel:
                                         where=f"inputs.{spec.name}.dtype", fix=f"convert it: x.to({DTYPES[spec.dtype]})")
             if t.dim() != len(spec.shape):
                 raise ContractViolation(f"input {spec.name!r} has rank {t.dim()}, the recipe declares "
-                                        f"{spec.shape}", where=f"inputs.{spec.name}.shape", value=tuple(t.shape))
+                                        f"{spec.shape}", where=f"inputs.{spec.name}.shape", value=tuple(t.shape),
+                                        fix=f"send a {len(spec.shape)}-d tensor shaped {spec.shape}")
             out[spec.name] = t
         return out
 
@@ -125,7 +126,8 @@ class CompiledModel:
                 if isinstance(d, int):
                     if size != d:
                         raise ContractViolation(f"input {spec.name!r} axis {ax} must be {d}",
-                                                where=f"inputs.{spec.name}.shape[{ax}]", value=size)
+                                                where=f"inputs.{spec.name}.shape[{ax}]", value=size,
+                                                fix=f"send {spec.name} shaped {spec.shape}")
                 elif dims.setdefault(d, size) != size:
                     raise ContractViolation(f"dim {d!r} is {dims[d]} in one input but {size} in {spec.name!r}",
                                             where=f"inputs.{spec.name}.shape[{ax}]", value=size,
@@ -227,7 +229,8 @@ class CompiledModel:
 
     def _eager(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         if self.source.module is None:
-            raise ContractViolation("eager execution needs the original torch module (this model came from ONNX)",
+            origin = "it was loaded from an artifact" if getattr(self, "artifact", None) else "it came from ONNX"
+            raise ContractViolation(f"eager execution needs the original torch module ({origin})",
                                     fix="keep requests inside the recipe's dims")
         with torch.inference_mode():
             return self.source.module(**inputs)
@@ -278,6 +281,11 @@ class CompiledModel:
         """`generate`, as {row: new tokens} after every decode step."""
         from graphmode.decode.api import stream
         return stream(self, input_ids, attention_mask, **kw)
+
+    def save(self, path: Any) -> dict[str, Any]:
+        """Write a deployable `.gm` artifact (every bucket built); `graphmode.load` reads it."""
+        from graphmode.runtime.artifact import save
+        return save(self, path)
 
     def metrics(self) -> dict[str, Any]:
         ops = self.events["calls"]

@@ -1,0 +1,128 @@
+"""Deployable `.gm` artifacts: save a compiled model, load it in a fresh cache without the
+model's code, get the same numbers with no kernel compile; refuse what cannot run here."""
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+import graphmode
+from graphmode.backends.cpu.build import builder_for
+from graphmode.capture.spec import bundle_from_module
+from graphmode.cli.app import _register, app
+from graphmode.errors import ContractViolation
+from graphmode.runtime.artifact import ArtifactError, check_manifest
+
+from tiny_models import mlp, recipe
+
+TINY = str(Path(__file__).with_name("tiny_models.py"))
+_register()
+RECIPE = recipe("mlp", [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}], {"batch": {"buckets": [1, 2, 4]}})
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("artifact")
+    m, ex = mlp()
+    cm = graphmode.compile(bundle_from_module(m, ex), RECIPE, cache_dir=tmp / "build-cache")
+    manifest = cm.save(tmp / "mlp.gm")
+    return cm, tmp / "mlp.gm", manifest, tmp
+
+
+def test_loaded_artifact_matches_and_compiles_nothing(saved):
+    cm, path, manifest, tmp = saved
+    assert manifest["buckets"] == ["batch=1", "batch=2", "batch=4"] and manifest["kernels"]
+    loaded = graphmode.load(path, cache_dir=tmp / "fresh-cache")
+    kernels = tmp / "fresh-cache" / "artifacts" / loaded.artifact["digest"] / "kernels"
+    assert builder_for(kernels, loaded.threads).stats["compiles"] == 0     # every library came from the file
+    assert loaded.source.module is None and loaded.events["artifact_load"] == 3
+    for batch in (1, 3, 4):                                          # 3 pads to the 4 bucket
+        x = torch.randn(batch, 16, generator=torch.Generator().manual_seed(batch))
+        got, want = loaded(x), cm(x)
+        assert type(got) is type(want) and torch.equal(got[0], want[0]) and loaded.last_path == cm.last_path
+    with pytest.raises(ContractViolation, match="outside"):
+        loaded(torch.randn(5, 16))
+
+
+def test_a_second_load_reuses_the_extracted_copy(saved):
+    _, path, _, tmp = saved
+    a = graphmode.load(path, cache_dir=tmp / "again")
+    b = graphmode.load(path, cache_dir=tmp / "again")
+    assert a.artifact["digest"] == b.artifact["digest"]
+    assert (tmp / "again" / "artifacts" / a.artifact["digest"] / "complete").is_file()
+
+
+def _rewrite(src: Path, dst: Path, **replace: bytes) -> Path:
+    """A copy of the artifact with some members replaced."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info, replace.get(info.filename, zin.read(info.filename)))
+    return dst
+
+
+def test_refuses_another_version_or_a_cpu_without_its_isa(saved):
+    _, path, manifest, tmp = saved
+    older = dict(manifest, torch="2.0.0")
+    bad = _rewrite(path, tmp / "old-torch.gm", **{"manifest.json": json.dumps(older).encode()})
+    with pytest.raises(ArtifactError, match="torch 2.0.0") as e:
+        graphmode.load(bad, cache_dir=tmp / "c1")
+    assert "compile again" in e.value.fix
+    host = {"cpu": "a small CPU", "arch": manifest["host"]["arch"], "simd": ["sse4_2"]}
+    needs = dict(manifest, host={**manifest["host"], "simd": ["sse4_2", "avx2"]})
+    with pytest.raises(ArtifactError, match="avx2") as e:
+        check_manifest(needs, path, host)
+    assert "lacks" in e.value.message
+    check_manifest(dict(needs, isa="portable"), path, host)         # a portable build needs no extension
+    check_manifest(manifest, path)                                   # this host runs what it built
+
+
+def test_refuses_damaged_or_edited_files(saved):
+    _, path, _, tmp = saved
+    (tmp / "garbage.gm").write_bytes(b"not a zip")
+    for bad in (tmp / "garbage.gm", tmp / "missing.gm"):
+        with pytest.raises(ArtifactError) as e:
+            graphmode.load(bad, cache_dir=tmp / "c2")
+        assert e.value.where == str(bad) and e.value.fix
+    with zipfile.ZipFile(path) as z:
+        consts = torch.load(__import__("io").BytesIO(z.read("constants.pt")), weights_only=True)
+        plan_name = next(n for n in z.namelist() if n.startswith("plans/"))
+        plan = json.loads(z.read(plan_name))
+    name = next(iter(consts))
+    consts[name] = consts[name] + 1                                   # edited weights
+    buf = __import__("io").BytesIO()
+    torch.save(consts, buf)
+    with pytest.raises(ArtifactError, match="does not match its digest"):
+        graphmode.load(_rewrite(path, tmp / "weights.gm", **{"constants.pt": buf.getvalue()}), cache_dir=tmp / "c3")
+    plan["instructions"] = plan["instructions"][::-1]                 # a plan that is not a schedule of its graph
+    with pytest.raises(ArtifactError, match="not a plan of its graph"):
+        graphmode.load(_rewrite(path, tmp / "plan.gm", **{plan_name: json.dumps(plan).encode()}), cache_dir=tmp / "c4")
+
+
+def test_eager_and_decoder_models_are_not_saved(tmp_path):
+    m, ex = mlp()
+    cm = graphmode.compile(bundle_from_module(m, ex), dict(RECIPE, exe_mode="eager"), cache_dir=tmp_path)
+    with pytest.raises(ArtifactError, match="eager"):
+        cm.save(tmp_path / "e.gm")
+    assert not (tmp_path / "e.gm").exists()
+
+
+def test_cli_compile_save(saved):
+    _, _, _, tmp = saved
+    r = tmp / "r.yaml"
+    r.write_text(yaml.safe_dump(RECIPE))
+    out = tmp / "cli.gm"
+    res = CliRunner().invoke(app, ["compile", "--model", f"{TINY}:mlp", "--recipe", str(r), "--save", str(out),
+                                   "--cache-dir", str(tmp / "build-cache")])
+    assert res.exit_code == 0, res.output
+    assert "saved" in res.output and "3 bucket(s)" in res.output
+    loaded = graphmode.load(out, cache_dir=tmp / "cli-load")
+    x = torch.randn(2, 16)
+    m, _ = mlp()
+    with torch.inference_mode():
+        ref = m(x)
+    assert torch.allclose(loaded(x)[0], ref, rtol=1e-5, atol=1e-6)
