@@ -13,6 +13,7 @@ from rich.console import Console
 
 from graphmode.cli.app import app, err_console
 from graphmode.cli.app import console as _console
+from graphmode.cli.options import CacheDir, KbPath, kb_file
 
 # piped output (CI logs, `| tee`) gets rich's 80 columns by default: too narrow for these tables
 console = _console if _console.is_terminal else Console(width=170)
@@ -23,15 +24,25 @@ def default_out_dir() -> Path:
     return (repo_bench if repo_bench.is_dir() else Path.cwd() / "bench") / "results"
 
 
-def _cache_root(opt: Optional[Path]) -> Path:
-    if opt is not None:
-        return opt
-    env = os.environ.get("GRAPHMODE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "graphmode"
+def _mark_isa(res, cap: str, labelled: bool, simd) -> None:
+    """Each graphmode row says which code path its kernels ran; an `--isa` run's rows are
+    labelled `graphmode[<isa>]` in the tables too."""
+    from graphmode.backends.cpu.isa import resolve
+    res.meta["isa"] = resolve(cap, simd)
+    for r in res.rows:
+        if r["engine"] == "graphmode":
+            r["isa"] = res.meta["isa"]
+            if labelled:
+                r["label"] = f"graphmode[{cap}]"
 
 
-@app.command("bench")
+bench_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback(invoke_without_command=True)
 def bench_cmd(
+    ctx: typer.Context,
     model: Optional[List[str]] = typer.Option(None, "--model", help="minilm | gpt2 | resnet18 | package.module:function "
                                               "(repeatable; default: the three built-ins)"),
     shape: Optional[List[str]] = typer.Option(None, "--shape", help="first-input shape, e.g. 1x128 or 8x3x224x224 "
@@ -51,29 +62,55 @@ def bench_cmd(
                                           "exactly at the benchmarked shapes)"),
     out: Optional[Path] = typer.Option(None, "--out", help="results folder (default bench/results)"),
     name: Optional[str] = typer.Option(None, "--name", help="file stem of the results (default bench, or quick)"),
+    zoo: bool = typer.Option(False, "--zoo", help="add every model family of graphmode.capture.families (small "
+                             "configs) at its example shape: graph-mode coverage, numerics and speed in one table"),
     quick: bool = typer.Option(False, "--quick", help="smoke run: one shape per model, 3 rounds; exit 1 unless "
                                "every engine ran and matched eager (its timings are not measurements)"),
     tol: float = typer.Option(1e-4, "--tol", help="relative L2 vs eager that counts as matching"),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="graphmode artifact cache (default: a fresh "
-                                             "temporary one, so setup_s is a cold compile)"),
+    cache_dir: Optional[Path] = CacheDir,
+    kb: Optional[Path] = KbPath,
+    warm_cache: bool = typer.Option(False, "--warm-cache", help="compile graphmode through the plan and kernel "
+                                    "cache under --cache-dir (default: a fresh temporary one, so setup_s is a "
+                                    "cold compile)"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as JSON on stdout"),
+    isa: Optional[str] = typer.Option(None, "--isa", help="cap graphmode's generated kernels at avx512 | avx2 | "
+                                      "portable (the recipe's codegen.isa; default: the recipe's own, auto = the "
+                                      "host's best): e.g. the AVX2 code path's table from an AVX-512 host"),
 ) -> None:
-    """Benchmark graphmode against the alternatives; writes JSON, Markdown and a PNG chart."""
+    """Benchmark graphmode against the alternatives; writes JSON, Markdown and a PNG chart.
+    `graphmode bench decode` benchmarks generation (TTFT, tokens/s) instead."""
+    if ctx.invoked_subcommand is not None:
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from graphmode.backends.cpu.isa import CAPS, cap_problem
     from graphmode.bench.harness import BenchConfig, parse_engines, run_bench
     from graphmode.bench.models import DEFAULT_MODELS, load_cases
     from graphmode.bench.report import rich_table, write_results
+    from graphmode.errors import GraphmodeError, TargetError
+    from graphmode.paths import cache_layout
+    from graphmode.recipe import load_recipe
     from graphmode.targets import get_target
 
     eng = parse_engines(engines, with_ or [])
+    if isa is not None and isa not in CAPS:
+        raise GraphmodeError(f"unknown ISA {isa!r}", where="--isa", value=isa, fix=f"one of {', '.join(CAPS)}")
+    layout = cache_layout(cache_dir)
     cfg = BenchConfig(engines=eng, threads=threads, iters=3 if quick else iters, min_iters=3 if quick else 5,
                       warmup=1 if quick else warmup, rewarm=0 if quick else rewarm, budget_s=budget_s, tol=tol,
-                      recipe=str(recipe) if recipe else None, cache_dir=cache_dir,
-                      onnx_cache_dir=_cache_root(None) / "onnx", quick=quick)
+                      recipe=str(recipe) if recipe else None, cache_dir=layout.root if warm_cache else None,
+                      onnx_cache_dir=layout.onnx, quick=quick, kb=None if quick else kb_file(kb, cache_dir), isa=isa)
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
-    cases = load_cases(model or DEFAULT_MODELS, shape or [], quick=quick)
-    target = get_target("host", cache_dir=_cache_root(None) / "targets")
+    models = list(model or ([] if zoo else DEFAULT_MODELS))
+    if zoo:
+        from graphmode.capture.families import FAMILIES
+        models += [f"graphmode.capture.families:{n}" for n in FAMILIES]
+    cases = load_cases(models, shape or [], quick=quick)
+    target = get_target("host", cache_dir=layout.targets)
+    why = cap_problem(isa, target.simd)
+    if why is not None:
+        raise TargetError(why[0], where="--isa", value=isa, fix=why[1].replace("codegen.isa:", "--isa"))
     res = run_bench(cases, cfg, log=log, target=target)
+    _mark_isa(res, isa or (load_recipe(recipe).codegen.isa if recipe else "auto"), isa is not None, target.simd)
     paths = write_results(res, out or default_out_dir(), name or ("quick" if quick else "bench"))
     if as_json:
         print(json.dumps(res.rows, indent=1, default=str))
@@ -93,3 +130,8 @@ def bench_cmd(
             raise SystemExit(1)
         if not as_json:
             console.print("quick check: every engine ran and matched eager")
+
+
+from graphmode.cli.bench_decode_cmd import decode_cmd  # noqa: E402  (its own module: `bench decode`)
+
+bench_app.command("decode")(decode_cmd)

@@ -1,0 +1,100 @@
+"""`graphmode bench decode`: TTFT and decode tokens/s of graphmode's decode engine against
+`transformers` (eager; static cache under torch.compile) and llama.cpp (f32, q8_0), with the
+bandwidth floor, in one run. Registered under `graphmode bench` by bench_cmd.py. See
+bench/README.md ("Decode")."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from graphmode.cli.app import err_console
+from graphmode.cli.options import CacheDir
+from graphmode.errors import GraphmodeError
+
+
+def _ints(text: Optional[str], where: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise GraphmodeError(f"cannot parse {text!r}", where=where, fix="write comma-separated integers, e.g. 1,4,16") \
+            from None
+    if not vals or any(v < 1 for v in vals):
+        raise GraphmodeError("every value must be a positive integer", where=where, value=text)
+    return vals
+
+
+def decode_cmd(
+    model: Optional[List[str]] = typer.Option(None, "--model", help="gpt2 | llama | tiny-gpt2 | tiny-llama | "
+                                              "package.module:function returning a causal LM (repeatable; default "
+                                              "gpt2 and llama, under --quick tiny-gpt2 and tiny-llama)"),
+    engines: Optional[str] = typer.Option(None, "--engines", help="comma list of eager,static_compile,llama_cpp,"
+                                          "ort_genai,openvino_genai,graphmode; llama_cpp\\[f32] or llama_cpp\\[q8_0] "
+                                          "picks one (default: all)"),
+    prompt_lens: Optional[str] = typer.Option(None, "--prompt-lens", help="TTFT prompt lengths (default 128,512)"),
+    batches: Optional[str] = typer.Option(None, "--batches", help="decode batch sizes (default 1,4,16)"),
+    context: Optional[int] = typer.Option(None, "--context", min=2, help="decode prompt length (default 512)"),
+    new_tokens: Optional[int] = typer.Option(None, "--new-tokens", min=2, help="greedy tokens per decode row "
+                                             "(default 32)"),
+    iters: Optional[int] = typer.Option(None, "--iters", min=1, help="timed interleaved rounds per scenario "
+                                        "(default 5)"),
+    min_iters: Optional[int] = typer.Option(None, "--min-iters", min=1, help="rounds run whatever the budget "
+                                            "(default 3)"),
+    budget_s: float = typer.Option(300.0, "--budget-s", help="per scenario: stop rounds after this many seconds"),
+    threads: int = typer.Option(2, "--threads", min=1, help="intra-op threads for every engine"),
+    out: Optional[Path] = typer.Option(None, "--out", help="results folder (default bench/results)"),
+    name: Optional[str] = typer.Option(None, "--name", help="file stem (default decode, or decode-quick)"),
+    quick: bool = typer.Option(False, "--quick", help="smoke run on tiny models and sizes, 2 rounds; exit 1 unless "
+                               "every installed engine ran and graphmode's greedy tokens equal transformers "
+                               "eager's (its timings are not measurements)"),
+    cache_dir: Optional[Path] = CacheDir,
+    warm_cache: bool = typer.Option(False, "--warm-cache", help="build graphmode's plans through the cache under "
+                                    "--cache-dir (default: a fresh temporary one, so setup is a cold compile)"),
+    as_json: bool = typer.Option(False, "--json", help="print the rows as JSON on stdout"),
+) -> None:
+    """Decode benchmark: time to first token and tokens/s against transformers and llama.cpp."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from graphmode.bench.decode import QUICK, DecodeConfig, load_cases, run_decode_bench
+    from graphmode.bench.decode_engines import parse_engines
+    from graphmode.bench.decode_report import failures, rich_tables, write_results
+    from graphmode.cli.bench_cmd import console, default_out_dir
+    from graphmode.paths import cache_layout
+    from graphmode.targets import get_target
+
+    base = DecodeConfig(**QUICK) if quick else DecodeConfig()
+    given = {"prompt_lens": _ints(prompt_lens, "--prompt-lens"), "batches": _ints(batches, "--batches"),
+             "context": context, "new_tokens": new_tokens, "iters": iters, "min_iters": min_iters}
+    layout = cache_layout(cache_dir)
+    cfg = DecodeConfig(**{**base.__dict__, **{k: v for k, v in given.items() if v is not None},
+                          "engines": parse_engines(engines), "threads": threads, "budget_s": budget_s,
+                          "quick": quick, "cache_dir": layout.root if warm_cache else None})
+    log = ((lambda s: err_console.print(s, markup=False, highlight=False, soft_wrap=True)) if not as_json
+           else (lambda s: None))
+    cases = load_cases(model or [], quick)
+    target = get_target("host", cache_dir=layout.targets)
+    res = run_decode_bench(cases, cfg, log=log, target=target)
+    paths = write_results(res, out or default_out_dir(), name or ("decode-quick" if quick else "decode"))
+    if as_json:
+        print(json.dumps(res.rows, indent=1, default=str))
+    else:
+        for t in rich_tables(res):
+            console.print(t)
+        for f in failures(res.rows):
+            console.print(f"  {f}", markup=False, highlight=False)
+        console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
+    for w in res.meta.get("warnings", []):
+        err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)
+    if quick:
+        bad = res.quick_failures()
+        for b in bad:
+            err_console.print(f"quick check failed: {b}", markup=False, highlight=False)
+        if bad:
+            raise SystemExit(1)
+        if not as_json:
+            console.print("quick check: every installed engine ran; graphmode's greedy tokens equal transformers "
+                          "eager's")

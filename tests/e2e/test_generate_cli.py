@@ -1,0 +1,160 @@
+"""`graphmode generate` on the tiny GPT-2 of tiny_decoders.py: greedy tokens equal to
+transformers' generate (a batch of two prompts), streaming that prints the same tokens,
+seeded sampling that repeats, a token-id stop sequence and a text prompt cut at a stop
+string, and the refusals that come before any compile (each exits 2 with the flag, the
+value and the fix, no traceback). The compiling tests share one cache folder, so kernels
+are built once per module."""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from graphmode.cli.app import _register, app
+
+from tiny_decoders import VOCAB, gpt2, recipe, tokenizer
+
+_register()
+runner = CliRunner()
+TINY = str(Path(__file__).with_name("tiny_decoders.py"))
+P0, P1 = [5, 6, 7], [9, 10, 11, 12, 13, 14]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("generate")
+    rec = d / "decoder.yaml"
+    rec.write_text(yaml.safe_dump(recipe()))
+    nokv = d / "encoder.yaml"
+    nokv.write_text(yaml.safe_dump({k: v for k, v in recipe().items() if k != "memory"}))
+    return {"recipe": str(rec), "nokv": str(nokv), "cache": str(d / "cache")}
+
+
+def gen(files, *args: str, model: str = "gpt2", recipe_key: str = "recipe"):
+    res = runner.invoke(app, ["generate", "--model", f"{TINY}:{model}", "--recipe", files[recipe_key],
+                              "--cache-dir", files["cache"], *args])
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Traceback" not in res.output, res.output
+    return res
+
+
+def reference(prompt: list[int]) -> list[int]:
+    """transformers' greedy generate on the same weights: the new tokens."""
+    lm = gpt2()[0]
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("ignore")
+        out = lm.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def greedy(files):
+    res = gen(files, "--prompt-ids", ",".join(map(str, P0)), "--prompt-ids", ",".join(map(str, P1)),
+              "--max-tokens", str(NEW), "--json")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_greedy_batch_is_token_identical_to_transformers(greedy):
+    a, b = greedy["choices"]
+    assert a["tokens"] == reference(P0) and b["tokens"] == reference(P1), greedy
+    for c, p in ((a, P0), (b, P1)):
+        assert c["prompt_tokens"] == len(p) and c["text"] is None
+        assert c["finish_reason"] == ("eos" if len(c["tokens"]) < NEW else "length")
+        assert c["ttft_ms"] > 0 and c["decode_tok_s"] > 0
+    t = greedy["timings"]
+    assert set(t) == {"ttft_ms", "decode_tok_s", "total_ms", "new_tokens", "setup_s"}
+    assert 0 < t["ttft_ms"] <= t["total_ms"] and t["decode_tok_s"] > 0
+    assert t["new_tokens"] == len(a["tokens"]) + len(b["tokens"])
+
+
+def test_stream_prints_the_same_tokens(files, greedy):
+    res = gen(files, "--prompt-ids", ",".join(map(str, P0)), "--max-tokens", str(NEW), "--stream")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.split() == [str(t) for t in greedy["choices"][0]["tokens"]], res.stdout
+    assert "TTFT" in res.stderr and "tok/s" in res.stderr
+
+
+def test_a_stop_sequence_ends_generation_and_is_cut(files, greedy):
+    toks = greedy["choices"][0]["tokens"]
+    k = next(i for i in range(1, len(toks) - 1) if (toks[i], toks[i + 1]) not in zip(toks[:i], toks[1:i + 1]))
+    res = gen(files, "--prompt-ids", ",".join(map(str, P0)), "--max-tokens", str(NEW), "--json",
+              "--stop-ids", f"{toks[k]},{toks[k + 1]}")
+    assert res.exit_code == 0, res.output
+    c = json.loads(res.stdout)["choices"][0]
+    assert c["tokens"] == toks[:k] and c["finish_reason"] == "stop", (c, toks)
+
+
+SAMPLE = ["--prompt-ids", "5,6,7", "--max-tokens", str(NEW), "--temperature", "3", "--top-k", "50", "--top-p", "0.95",
+          "--seed", "7", "--json"]
+
+
+@pytest.fixture(scope="module")
+def sampled(files):
+    """The same prompt twice with one seed, streamed as JSON lines."""
+    res = gen(files, *SAMPLE, "--prompt-ids", "5,6,7", "--stream")
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    return lines[:-1], lines[-1]
+
+
+def test_seeded_sampling_streams_as_json_lines(sampled, greedy):
+    chunks, final = sampled
+    a, b = (c["tokens"] for c in final["choices"])
+    for i, toks in enumerate((a, b)):
+        assert [t for c in chunks if c["index"] == i for t in c["tokens"]] == toks
+    assert a == b                                         # each sequence draws from its own seeded generator
+    assert a != greedy["choices"][0]["tokens"]            # it did sample
+
+
+def test_seeded_sampling_repeats(files, sampled):
+    res = gen(files, *SAMPLE)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["choices"][0]["tokens"] == sampled[1]["choices"][0]["tokens"]
+
+
+def test_text_prompt_is_cut_at_a_stop_string(files):
+    tok = tokenizer()
+    ref = reference([5, 6, 7])
+    words = [tok.decode([t]) for t in ref]
+    k = next(i for i in range(1, len(ref)) if words[i] not in words[:i]
+             and not any(w.startswith(words[i]) for w in words[:i]))
+    res = gen(files, "--prompt", "w5 w6 w7", "--max-tokens", str(NEW), "--stop", f" {words[k]}", "--json",
+              model="gpt2_words")
+    assert res.exit_code == 0, res.output
+    c = json.loads(res.stdout)["choices"][0]
+    assert c["text"] == " ".join(words[:k]) and c["finish_reason"] == "stop", (c, words)
+    assert c["tokens"][:k] == ref[:k]
+
+
+LONG = ",".join(str(3 + i % 90) for i in range(40))           # the recipe's seq allows 32
+
+
+@pytest.mark.parametrize("rec,args,where,needle", [
+    ("nokv", ["--prompt-ids", "5,6"], "memory.kv_cache", "memory.kv_cache"),
+    ("recipe", ["--prompt-ids", LONG], "--prompt-ids", "at most 32"),
+    ("recipe", ["--prompt-ids", "5,six,7"], "--prompt-ids", "cannot parse"),
+    ("recipe", ["--prompt-ids", f"5,{VOCAB}"], "--prompt-ids #1", f"[0, {VOCAB})"),
+    ("recipe", ["--prompt", "w5 w6"], "--prompt", "no tokenizer"),
+    ("recipe", ["--prompt-ids", "5", "--stop", "w9"], "--stop", "no tokenizer"),
+    ("recipe", [], "--prompt/--prompt-ids", "text or as token ids"),
+    ("recipe", ["--prompt-ids", "5", "--top-k", "5"], "--top-k", "--temperature"),
+    ("recipe", ["--prompt-ids", "5", "--temperature", "-1"], "--temperature", "temperature"),
+    ("recipe", ["--prompt-ids", "5", "--max-tokens", "0"], "--max-tokens", "max_new_tokens"),
+    ("recipe", ["--prompt-ids", "5", "--max-tokens", "60"], "--max-tokens", "KV pages"),
+])
+def test_bad_requests_are_refused_before_compiling(files, tmp_path, rec, args, where, needle):
+    cache = tmp_path / "cache"
+    res = runner.invoke(app, ["generate", "--model", f"{TINY}:gpt2", "--recipe", files[rec], "--cache-dir",
+                              str(cache), *args, "--json"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    err = json.loads(res.stdout)
+    assert err["where"] == where and needle in err["message"] + err["fix"], err
+    assert not cache.exists()                             # refused before the compile wrote anything
