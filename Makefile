@@ -25,6 +25,7 @@ test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -r requirements-bench.txt
 	HF_HUB_OFFLINE=1 $(BIN)/python -m graphmode bench
 
 clean:

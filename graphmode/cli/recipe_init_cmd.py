@@ -77,7 +77,7 @@ def init_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | res
     if out is not None:
         out.write_text(text, encoding="utf-8")
     for w in draft.warnings:
-        err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow")
+        err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)
     if as_json:
         print(json.dumps({"recipe": draft.data, "notes": draft.notes, "hash": recipe_hash(draft.recipe),
                           "verdict": draft.report.verdict, "target": draft.report.target.name,

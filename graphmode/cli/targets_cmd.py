@@ -31,7 +31,7 @@ def _get(name: str, cache_dir: Optional[Path], reprobe: bool = False) -> Target:
         warnings.simplefilter("always")
         t = get_target(name, cache_dir=cache_layout(cache_dir).targets, reprobe=reprobe)
     for w in caught:
-        err_console.print(f"warning: {w.message}", markup=False, highlight=False)
+        err_console.print(f"warning: {w.message}", markup=False, highlight=False, soft_wrap=True)
     return t
 
 

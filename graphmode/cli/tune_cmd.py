@@ -135,7 +135,7 @@ def tune_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | res
             w = record(kb_path, subj, [row])
             if w and not warned:
                 warned.append(w)
-                err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow")
+                err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)
         if bar is not None:
             bar.update(task, completed=min(budget_s, time.monotonic() - t_start),
                        description=f"trial {r.index} ({'replayed' if r.replayed else r.status}): "

@@ -132,7 +132,7 @@ def verify_cmd(
     ok = failure is None
     note = record_verify(kb_file(kb, cache_dir), cm, proved_on, results, failure)
     if note:
-        err_console.print(f"warning: {note}", markup=False, highlight=False)
+        err_console.print(f"warning: {note}", markup=False, highlight=False, soft_wrap=True)
     if as_json:
         d = {"model": model, "recipe": rec.name, "ok": ok, "cases": results, "contract": contract.to_json()}
         if failure:
