@@ -215,8 +215,9 @@ class OpenVinoEngine(Engine):
         path, detail, self.extra_s = _onnx_path(shared)
         core = ov.Core()
         t0 = time.perf_counter()
+        # fp32 like every other engine: OpenVINO's CPU plugin otherwise computes in bf16 where the CPU has it
         compiled = core.compile_model(path, "CPU", {"INFERENCE_NUM_THREADS": shared.threads,
-                                                    "PERFORMANCE_HINT": "LATENCY"})
+                                                    "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"})
         names = [p.get_any_name() for p in compiled.inputs]
         feed = {n: inputs[n].numpy() for n in names}
         req = compiled.create_infer_request()
