@@ -43,7 +43,7 @@ import torch
 from graphmode.bench.decode_engines import DecodeShared, make_engine, parse_engines
 from graphmode.bench.engines import EngineUnavailable
 from graphmode.bench.decode_models import MODELS, PRETTY, QUICK_MODELS, causal_lm, decode_recipe
-from graphmode.bench.harness import _p90, _reason
+from graphmode.bench.harness import _p90, _reason, set_ratios
 from graphmode.bench.machine import _version, machine_meta
 from graphmode.bench.quality import QUICK_NOTE, Conditions, Probe, judge, warning_lines
 from graphmode.errors import GraphmodeError
@@ -347,17 +347,7 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
         for k in ("median_ms", "p90_ms", "speedup_vs_eager", "ratio_vs_eager", "ratio_vs_best_other",
                   "best_other_engine", "decode_tok_s", "spread", "load_max", "cpu_per_wall", "ttft_ms"):
             r.setdefault(k, None)
-    ok = [r for r in rows if r["status"] == "ok" and r["median_ms"]]
-    eager = next((r for r in ok if r["engine"] == "eager"), None)
-    others = [r for r in ok if r["engine"] != "graphmode"]
-    best = min(others, key=lambda r: r["median_ms"]) if others else None
-    for r in ok:
-        if eager:
-            r["ratio_vs_eager"] = round(r["median_ms"] / eager["median_ms"], 4)
-            r["speedup_vs_eager"] = round(eager["median_ms"] / r["median_ms"], 4)
-        if best:
-            r["ratio_vs_best_other"] = round(r["median_ms"] / best["median_ms"], 4)
-            r["best_other_engine"] = best["label"]
+    set_ratios([r for r in rows if r["status"] == "ok" and r["median_ms"]])
 
 
 # ---- goals (issue 15, item 9) -------------------------------------------------------------

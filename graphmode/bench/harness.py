@@ -270,7 +270,12 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
         for k in keys:
             r.setdefault(k, None)
     # a graphmode row that ran eager PyTorch has no ratios: its time is not graph-mode speed
-    ok = [r for r in rows if r["status"] == "ok" and r["median_ms"] and not r["eager_fallback"]]
+    set_ratios([r for r in rows if r["status"] == "ok" and r["median_ms"] and not r["eager_fallback"]])
+
+
+def set_ratios(ok: list[dict[str, Any]]) -> None:
+    """On rows that ran (`median_ms` set): ratio_vs_eager = median / eager's, speedup_vs_eager
+    its inverse, ratio_vs_best_other = median / the fastest engine other than graphmode."""
     eager = next((r for r in ok if r["engine"] == "eager"), None)
     others = [r for r in ok if r["engine"] != "graphmode"]
     best = min(others, key=lambda r: r["median_ms"]) if others else None

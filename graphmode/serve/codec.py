@@ -240,21 +240,30 @@ def _json_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def decode_json(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    """JSON body -> {input: tensor} in the recipe's dtypes (`dtypes`: input name -> recipe dtype).
-    Names are not checked here (the contract check names the unknown and missing ones)."""
+def parse_json(body: bytes, fix: str, parse_constant: Any = None) -> Any:
+    """`body` as a JSON document, or a BadRequest saying why not (`fix` for a syntax error):
+    not UTF-8, nested too deeply, an integer of thousands of digits. `parse_constant` sees
+    NaN / Infinity (None: accepted here, refused later with the index they sit at)."""
     try:
-        doc = json.loads(body)
+        return json.loads(body, parse_constant=parse_constant) if parse_constant else json.loads(body)
     except json.JSONDecodeError as e:
         raise BadRequest(f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}", reason="malformed_json",
-                         where="body", fix='send {"inputs": {"name": [[...]], ...}}') from None
+                         where="body", fix=fix) from None
     except UnicodeDecodeError:
-        raise BadRequest("the body is not UTF-8 text", reason="malformed_json", where="body") from None
+        raise BadRequest("the body is not UTF-8 text", reason="malformed_json", where="body",
+                         fix="send UTF-8 encoded JSON") from None
     except RecursionError:
-        raise BadRequest("JSON nested too deeply", reason="malformed_json", where="body") from None
+        raise BadRequest("JSON nested too deeply", reason="malformed_json", where="body",
+                         fix="send a document nested at most a few hundred levels") from None
     except ValueError as e:                   # an integer literal of more than 4300 digits
         raise BadRequest(f"malformed JSON: {clip(e, 120)}", reason="malformed_json", where="body",
                          fix="send numbers of at most a few dozen digits") from None
+
+
+def decode_json(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """JSON body -> {input: tensor} in the recipe's dtypes (`dtypes`: input name -> recipe dtype).
+    Names are not checked here (the contract check names the unknown and missing ones)."""
+    doc = parse_json(body, 'send {"inputs": {"name": [[...]], ...}}')
     if not isinstance(doc, dict) or "inputs" not in doc:
         raise BadRequest("the JSON body must be an object with an 'inputs' object",
                          reason="malformed_body", where="body",
