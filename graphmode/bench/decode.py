@@ -361,7 +361,8 @@ def goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[str, Any
 
         def pick(kind, batch=None, prompt=None, engine=None, dtype=None, not_engine=None):
             return [r for r in mine if r["kind"] == kind and (batch is None or r["batch"] == batch)
-                    and (prompt is None or r["prompt"] == prompt) and (engine is None or r["engine"] == engine)
+                    and (prompt is None or r["prompt"] == prompt)
+                    and (engine is None or (r["engine"] == engine and r.get("variant", "default") == "default"))
                     and (dtype is None or r["dtype"] == dtype) and r["engine"] != not_engine]
 
         def goal(name, target, value, need, detail):

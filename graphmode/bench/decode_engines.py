@@ -162,7 +162,8 @@ class GraphmodeEngine(DecodeEngine):
             cache = self._tmp.name
         t0 = time.perf_counter()
         # exe_mode eager: no whole-sequence graph; the decode engine captures its own
-        cm = graphmode.compile(shared.bundle, shared.recipe, "host", mode="eager", cache_dir=cache,
+        recipe = shared.recipe if self.variant is None else dict(shared.recipe, determinism=self.variant)
+        cm = graphmode.compile(shared.bundle, recipe, "host", mode="eager", cache_dir=cache,
                                threads=shared.threads)
         self.eng = engine_of(cm)
         self.setup_detail = {"engine_build_s": round(time.perf_counter() - t0, 3),
@@ -343,6 +344,10 @@ def parse_engines(text: str | None) -> list[tuple[str, str | None]]:
         if base not in ENGINES:
             raise GraphmodeError(f"unknown decode engine {base!r}", where="--engines", value=text,
                                  fix=f"choose from {', '.join(ENGINE_NAMES)}")
+        if base == "graphmode" and var not in (None, "batch_invariant"):
+            raise GraphmodeError(f"unknown graphmode variant {var!r}", where="--engines", value=n,
+                                 fix="graphmode or graphmode[batch_invariant] (determinism: batch_invariant: "
+                                     "its cost against graphmode)")
         if base == "llama_cpp" and var is not None and var not in LLAMA_CPP_VARIANTS:
             raise GraphmodeError(f"unknown llama.cpp weights {var!r}", where="--engines", value=n,
                                  fix=f"llama_cpp[{'] or llama_cpp['.join(LLAMA_CPP_VARIANTS)}]")

@@ -102,6 +102,11 @@ class DecodeEngine:
         self._cm = CompiledModel(src, recipe, target, paged.graph, opt, None, mode="graph", cache_dir=cache_dir,
                                  threads=threads)
         self.lock = threading.RLock()
+        # batch_invariant: every sequence runs alone (batch-1 plans, its own prefill bucket) and
+        # holds the pages of its whole answer from admission, so it is never preempted and
+        # recomputed under another shape: its logits are bit-identical whoever else is running
+        self.invariant = getattr(recipe, "determinism", "default") == "batch_invariant"
+        self.on_logits: Callable[[Sequence_, torch.Tensor], None] | None = None   # verification hook
         self.waiting: deque[Sequence_] = deque()
         self.running: list[Sequence_] = []
         self._ids = itertools.count()
@@ -187,6 +192,8 @@ class DecodeEngine:
         while self.waiting and len(out) < room:
             s = self.waiting[0]
             need = len(s.tokens) + 1
+            if self.invariant:                    # the whole answer's pages, now
+                need = min(len(s.prompt) + s.params.max_new_tokens, self.layout.max_tokens)
             if not self.cache.can_hold(s.id, need):
                 break
             self.waiting.popleft()
@@ -195,6 +202,8 @@ class DecodeEngine:
         return out
 
     def _prefill(self, seqs: list[Sequence_]) -> list[Sequence_]:
+        if self.invariant and len(seqs) > 1:
+            return [f for s in seqs for f in self._prefill([s])]
         lens = [len(s.tokens) for s in seqs]
         b = self._bucket(self.batch_buckets, len(seqs), "batch")
         L = self._bucket(self.seq_buckets, max(lens), "seq")
@@ -227,6 +236,8 @@ class DecodeEngine:
             self.cache.reserve(s.id, len(s.tokens))
         if not seqs:
             return []
+        if self.invariant and len(seqs) > 1:
+            return [f for s in seqs for f in self._decode([s])]
         b = self._bucket(self.batch_buckets, len(seqs), "batch")
         ids = torch.zeros(b, 1, dtype=torch.int64)
         pos = torch.zeros(b, 1, dtype=torch.int64)
@@ -263,6 +274,8 @@ class DecodeEngine:
         finished = []
         now = time.perf_counter()
         for i, s in enumerate(seqs):
+            if self.on_logits is not None:
+                self.on_logits(s, logits[i])
             tok = choose(logits[i], s.params, s.gen)
             s.generated.append(tok)
             self.stats["generated_tokens"] += 1

@@ -414,6 +414,9 @@ class Recipe(_Spec):
                     _limited(MAX_DIMS, "each dim is a variable of every proof")] = Field(min_length=1)
     exe_mode: Literal["eager", "graph", "hybrid"] = "graph"
     on_violation: Literal["error", "eager"] = "error"
+    # batch_invariant: a decoded sequence's logits are bit-identical whether it runs alone or
+    # beside others (the decode engine computes every sequence on its own; see decode/engine.py)
+    determinism: Literal["default", "batch_invariant"] = "default"
     capture: CaptureSpec = CaptureSpec()
     optimize: OptimizeSpec = OptimizeSpec()
     codegen: CodegenSpec = CodegenSpec()
@@ -430,6 +433,14 @@ class Recipe(_Spec):
     _source: Optional[str] = PrivateAttr(default=None)
     _resolved_on: Optional[str] = PrivateAttr(default=None)
     _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_default_determinism(self, handler: Any) -> Any:
+        """Added after recipes were first hashed: left out while default, so their stamps do not change."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("determinism") == "default":
+            out.pop("determinism", None)
+        return out
 
     @field_validator("inputs")
     @classmethod

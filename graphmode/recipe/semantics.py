@@ -304,6 +304,14 @@ class _Checker:
         if why is not None:
             self.err("codegen.isa", why[0], self.r.codegen.isa, fix=why[1])
 
+    def determinism(self) -> None:
+        """Only the decode engine computes sequences apart; a batch of encoder requests shares
+        its GEMMs and padding, so the switch would promise what nothing keeps."""
+        if self.r.determinism == "batch_invariant" and self.r.memory.kv_cache is None:
+            self.err("determinism", "batch_invariant is kept by the decode engine only (recipes with "
+                     "memory.kv_cache)", self.r.determinism,
+                     fix="remove determinism, or add memory.kv_cache to decode a causal LM")
+
     def memory(self) -> None:
         m = self.r.memory
         if self.t is not None and isinstance(m.budget_mb, (int, float)):
@@ -396,7 +404,7 @@ class _Checker:
 
     def run(self) -> None:
         for check in (self.dims, self.inputs, self.capture, self.optimize, self.codegen, self.precision, self.memory,
-                      self.model, self.sla, self.targets, self.aliases, self.misc):
+                      self.model, self.sla, self.targets, self.aliases, self.determinism, self.misc):
             check()
 
 

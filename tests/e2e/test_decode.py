@@ -122,3 +122,62 @@ def test_a_prompt_longer_than_the_contract_is_refused(model):
     _, cm = model
     with pytest.raises(ContractViolation, match="dims.seq|prompt"):
         cm.generate(torch.randint(3, 100, (1, 40)), max_new_tokens=2)
+
+
+def _logits_by_prompt(eng, prompts, params, *, join_later=()):
+    """Run `prompts` through the engine together (those in `join_later` added after two steps);
+    {prompt: (tokens, [logits per step])}."""
+    from graphmode.decode.sampling import SamplingParams  # noqa: F401 - params is one
+    logs: dict[int, list[torch.Tensor]] = {}
+    eng.on_logits = lambda s, row: logs.setdefault(s.id, []).append(row.clone())
+    try:
+        seqs = {tuple(p): eng.add(p, params) for p in prompts if tuple(p) not in join_later}
+        steps = 0
+        while not all(s.done for s in seqs.values()) or len(seqs) < len(prompts):
+            eng.step()
+            steps += 1
+            if steps == 2:
+                seqs.update({tuple(p): eng.add(p, params) for p in prompts if tuple(p) in join_later})
+    finally:
+        eng.on_logits = None
+    return {p: (s.generated, logs[s.id]) for p, s in seqs.items()}
+
+
+def test_batch_invariant_logits_are_bit_identical_alone_and_batched(cache):
+    """determinism: batch_invariant: a sequence's logits at every step are the same bits alone,
+    batched with others of other lengths, and joined mid-way; requests that do not fit the
+    pool wait (their pages are held from admission), they are never preempted."""
+    from graphmode.decode.api import engine_of
+    from graphmode.decode.sampling import SamplingParams
+    lm, kvh = _lm("gpt2")
+    ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    b = bundle_from_module(lm, ex, {k: ["batch", "seq"] for k in ex})
+    r = dict(recipe(kvh, pages=10), determinism="batch_invariant")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(b, r, cache_dir=cache)
+    eng = engine_of(cm)
+    params = SamplingParams(max_new_tokens=10)
+    p1, p2, p3 = [5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [21, 22]
+    alone = {tuple(p): _logits_by_prompt(eng, [p], params)[tuple(p)] for p in (p1, p2, p3)}
+    together = _logits_by_prompt(eng, [p2, p1, p3], params)
+    joined = _logits_by_prompt(eng, [p2, p1, p3], params, join_later={tuple(p1), tuple(p3)})
+    for p in (p1, p2, p3):
+        toks, logits = alone[tuple(p)]
+        for run in (together, joined):
+            got_toks, got_logits = run[tuple(p)]
+            assert got_toks == toks and len(got_logits) == len(logits)
+            assert all(torch.equal(a, g) for a, g in zip(logits, got_logits)), p      # bit for bit
+    assert eng.stats["preemptions"] == 0 and eng.cache.free_pages == eng.layout.pages
+    # greedy tokens are still transformers' tokens
+    ref = lm.generate(torch.tensor([p1]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 3:].tolist()
+    assert alone[tuple(p1)][0] == ref[:len(alone[tuple(p1)][0])]
+
+
+def test_batch_invariant_needs_a_kv_cache():
+    from graphmode.recipe import load_recipe
+    from graphmode.recipe.semantics import check_semantics
+    r = dict(recipe(2), determinism="batch_invariant")
+    del r["memory"]
+    res = check_semantics(load_recipe(r))
+    assert any(e.where == "determinism" and "memory.kv_cache" in e.fix for e in res.errors)

@@ -242,3 +242,12 @@ def test_quick_bench_with_graphmode_on_the_tiny_models(tmp_path):
             assert r["ratio_vs_eager"] > 0 and r["best_other_engine"] == "transformers eager"
     assert all(g["met"] is None for g in res.goals)
     assert res.meta["quick"] and res.meta["bandwidth"]["floor_uses_gbps"] > 0
+
+
+def test_graphmode_batch_invariant_is_an_engine_variant():
+    from graphmode.bench.decode_engines import parse_engines
+    from graphmode.errors import GraphmodeError
+    assert parse_engines("eager,graphmode,graphmode[batch_invariant]") == [
+        ("eager", None), ("graphmode", None), ("graphmode", "batch_invariant")]
+    with pytest.raises(GraphmodeError, match="batch_invariant"):
+        parse_engines("graphmode[fast]")
