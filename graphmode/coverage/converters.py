@@ -220,7 +220,6 @@ class _Walker:
     def _boolop(self, e: ast.BoolOp, env, fn):
         is_and = isinstance(e.op, ast.And)
         out: list = []
-        pending: list = [None]          # the values reaching the next operand (None: the first)
         for k, operand in enumerate(e.values):
             v = self.ev(operand, env, fn)
             if v is _UNKNOWN:
