@@ -63,7 +63,7 @@ def fail(err: GraphmodeError, as_json: bool = False) -> None:
         print(json.dumps(err.to_dict(), indent=2))
     else:
         err_console.print(f"[bold red]error:[/] {type(err).__name__}", highlight=False)
-        err_console.print(err.render(), markup=False, highlight=False)
+        err_console.print(err.render(), markup=False, highlight=False, soft_wrap=True)   # never break a path
     raise SystemExit(err.exit_code)
 
 

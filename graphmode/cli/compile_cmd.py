@@ -89,9 +89,9 @@ def print_contract(contract) -> None:
             for f in v.findings:
                 console.print(f"  {f.describe()}", markup=False, highlight=False)
     for issue in contract.restrictions:
-        console.print(f"[yellow]restricted[/] {issue.render()}", highlight=False)
+        console.print(f"[yellow]restricted[/] {issue.render()}", highlight=False, soft_wrap=True)
     for issue in contract.refusals:
-        console.print(f"[red]refused[/] {issue.render()}", highlight=False)
+        console.print(f"[red]refused[/] {issue.render()}", highlight=False, soft_wrap=True)
 
 
 def print_report(rep, *, max_buckets: int = 12) -> None:
