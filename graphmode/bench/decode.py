@@ -41,11 +41,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from graphmode.bench.decode_engines import DecodeShared, make_engine, parse_engines
+from graphmode.bench.decode_models import MODELS, PRETTY, QUICK_MODELS, decode_recipe
 from graphmode.bench.engines import EngineUnavailable
-from graphmode.bench.decode_models import MODELS, PRETTY, QUICK_MODELS, causal_lm, decode_recipe
 from graphmode.bench.harness import _p90, _reason, set_ratios
 from graphmode.bench.machine import _version, machine_meta
 from graphmode.bench.quality import QUICK_NOTE, Conditions, Probe, judge, warning_lines
+from graphmode.decode.api import causal_lm
 from graphmode.errors import GraphmodeError
 
 DTYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
@@ -151,7 +152,7 @@ def load_cases(models: Sequence[str], quick: bool) -> list[DecodeCase]:
         t0 = time.perf_counter()
         builder = {**MODELS, **QUICK_MODELS}.get(spec)
         bundle = builder() if builder else resolve_bundle(spec)
-        cases.append(DecodeCase(spec if builder else bundle.name, spec, bundle, causal_lm(bundle),
+        cases.append(DecodeCase(spec if builder else bundle.name, spec, bundle, causal_lm(bundle, "--model"),
                                 time.perf_counter() - t0))
     return cases
 

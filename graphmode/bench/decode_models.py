@@ -75,17 +75,6 @@ PRETTY = {"gpt2": "GPT-2 small (124M)", "llama": "Llama (SmolLM-135M shape)", "t
           "tiny-llama": "tiny Llama"}
 
 
-def causal_lm(bundle: Any) -> torch.nn.Module:
-    """The transformers *ForCausalLM inside a bundle (raw_module for the built-ins)."""
-    from graphmode.errors import GraphmodeError
-    for m in (getattr(bundle, "raw_module", None), getattr(bundle, "module", None)):
-        if m is not None and hasattr(m, "config") and hasattr(m, "get_output_embeddings"):
-            return m
-    raise GraphmodeError("decoding needs a causal language model (a transformers *ForCausalLM)",
-                         where="--model", value=getattr(bundle, "name", None),
-                         fix="give gpt2 or a model spec returning a transformers *ForCausalLM (or a bundle of one)")
-
-
 def decode_recipe(lm: torch.nn.Module, prompt_lens: Sequence[int], batches: Sequence[int], max_tokens: int,
                   name: str = "bench-decode", page_size: int = 16) -> dict:
     """A graph-mode decoder recipe whose buckets are exactly the benchmarked prompt lengths and

@@ -67,12 +67,12 @@ class Request:
     @classmethod
     def checked(cls, model: str, rec: Any, prompt: list[str], prompt_ids: list[str], stop: list[str],
                 stop_ids: list[str]) -> "Request":
-        from graphmode.bench.decode_models import causal_lm
         from graphmode.capture.spec import resolve_model_spec
+        from graphmode.decode.api import causal_lm
         flag = "--prompt" if prompt else "--prompt-ids"
         stops = [parse_ids(s, "--stop-ids") for s in stop_ids]
         bundle = resolve_model_spec(model)
-        lm = causal_lm(bundle)
+        lm = causal_lm(bundle, "--model")
         tok = getattr(bundle, "tokenizer", None)
         if tok is None and (prompt or stop):
             raise GraphmodeError(f"model {model!r} has no tokenizer, so text cannot become token ids",

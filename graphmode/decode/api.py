@@ -21,19 +21,22 @@ def engine_of(cm: Any):
     eng = getattr(cm, "_decoder", None)
     if eng is None:
         from graphmode.decode.engine import DecodeEngine
-        lm = _causal_lm(cm)
+        lm = causal_lm(cm.source)
         eng = DecodeEngine(lm, cm.recipe, cm.target, cache_dir=cm.cache_dir, threads=cm.threads)
         cm._decoder = eng
     return eng
 
 
-def _causal_lm(cm: Any) -> torch.nn.Module:
-    src = cm.source
-    for m in (getattr(getattr(src, "bundle", None), "raw_module", None), src.module):
+def causal_lm(model: Any, where: str = "model") -> torch.nn.Module:
+    """The transformers *ForCausalLM inside a ModelBundle or ModelSource (its `raw_module` for
+    the built-ins, whose `module` is a wrapper), or GraphmodeError naming `where`."""
+    bundle = getattr(model, "bundle", None) or model
+    for m in (getattr(bundle, "raw_module", None), getattr(model, "module", None), getattr(bundle, "module", None)):
         if m is not None and hasattr(m, "config") and hasattr(m, "get_output_embeddings"):
             return m
-    raise GraphmodeError("generate needs a causal language model (a transformers *ForCausalLM)",
-                         where="model", fix="compile a model with a language-model head, e.g. GPT2LMHeadModel")
+    raise GraphmodeError("decoding needs a causal language model (a transformers *ForCausalLM)", where=where,
+                         value=getattr(model, "name", None),
+                         fix="give gpt2 or a model spec returning a transformers *ForCausalLM (or a bundle of one)")
 
 
 def _prompts(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, list[list[int]]]:

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from graphmode.bench import decode, decode_engines, decode_report
 from graphmode.bench.decode import QUICK, DecodeConfig, DecodeResult, load_cases, run_decode_bench
 from graphmode.bench.decode_engines import HFEngine, parse_engines
-from graphmode.bench.decode_models import TINY_GPT2, causal_lm, tiny_gpt2
+from graphmode.bench.decode_models import TINY_GPT2, tiny_gpt2
+from graphmode.decode.api import causal_lm
 from graphmode.errors import GraphmodeError
 
 
