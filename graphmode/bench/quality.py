@@ -24,9 +24,10 @@ per round, the process's CPU seconds per wall second, the spread of its rounds),
 - `islands`: graphmode ran in hybrid mode with eager islands (the time is real, but part
   of it is PyTorch's);
 - `quick`: a `--quick` smoke run: too few rounds, no re-warm; not a measurement;
-- `floor`: faster than the shape's roofline floor (`apply_floor`): no engine can beat
-  max(FLOPs / peak, bytes / bandwidth) on the probed host, so the host probe under-measured
-  it (or the model's bytes stayed in cache).
+- `floor`: faster than the shape's roofline floor (`apply_floor`), max(FLOPs / peak, bytes /
+  bandwidth) on the probed host: the probe under-measured (its peak is torch's best GEMM
+  rate), the engine did fewer FLOPs than the shape counts (Winograd), or the bytes stayed in
+  cache.
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ LEGEND = {
     "fallback": "graphmode ran eager PyTorch: not graph-mode speed, no ratios",
     "islands": "hybrid mode: some ops ran as eager islands",
     "quick": "--quick smoke run: not a measurement",
-    "floor": "faster than its roofline floor: the host probe under-measured (or the data stayed in cache)",
+    "floor": "faster than its roofline floor: the probe's peak or bandwidth is below what the engine reached, "
+             "it did fewer FLOPs than counted (Winograd), or the data stayed in cache",
 }
 
 
@@ -143,8 +145,16 @@ def apply_floor(rows: Sequence[dict[str, Any]], floor: Mapping[str, Any]) -> Non
         if r["x_floor"] is not None and r["x_floor"] < 1:
             _flag(r, "floor", f"{r['x_floor']:.2f}x its roofline floor: {med:.3g} ms against {floor['floor_ms']:.3g} ms "
                               f"({floor['floor_bound']}-bound: {floor['floor_flops'] / 1e9:.3g} GFLOP, "
-                              f"{floor['floor_bytes'] / 1e6:.3g} MB) on the probed host; the host probe under-measured "
-                              "(re-probe with `graphmode targets show host --reprobe`) or the data stayed in cache")
+                              f"{floor['floor_bytes'] / 1e6:.3g} MB) on the probed host; {_below_floor(floor)}")
+
+
+def _below_floor(floor: dict[str, Any]) -> str:
+    """Why a row can beat its floor, by which term set it."""
+    if floor.get("floor_bound") == "compute":
+        return ("the probe's peak is torch's best GEMM rate, which tuned kernels can pass, or the engine did fewer "
+                "FLOPs than the shape counts (Winograd convolutions multiply less)")
+    return "the host probe under-measured (re-probe with `graphmode targets show host --reprobe`) or the data " \
+           "stayed in cache"
 
 
 def warning_lines(rows: list[dict[str, Any]], quick: bool = False) -> list[str]:
