@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,12 +19,13 @@ from typer.testing import CliRunner
 from graphmode.cli.app import _register, app
 from graphmode.kb import KnowledgeBase
 
+from test_serve import EVENT_S, eventually
+
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "tests" / "unit" / "kb" / "kb_models.py"
 MLP = f"{MODELS}:mlp"
 runner = CliRunner()
 _register()
-EVENT_S = 300
 
 
 def spec(name: str) -> str:
@@ -52,14 +52,6 @@ def rows(kb: Path, where: str = "1 = 1") -> list[dict]:
         return db.rows("SELECT p.*, r.hash AS recipe_hash, r.origin, m.family, h.name AS hw FROM performance p "
                        "JOIN recipes r ON r.id = p.recipe JOIN models m ON m.id = p.model "
                        f"JOIN hardware h ON h.id = p.hardware WHERE {where} ORDER BY p.id")
-
-
-def eventually(cond, what: str):
-    """Poll `cond` until it is truthy; fail past a generous ceiling (a slow host only waits longer)."""
-    deadline = time.monotonic() + EVENT_S
-    while not cond():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +143,8 @@ def test_serve_records_a_summary_per_recipe_version(tmp_path, cache):
             for i in range(12):
                 r = client.post("/v1/infer", json={"inputs": {"x": [[0.1 * i] * 16] * 2}})
                 assert r.status_code == 200, r.text
-            eventually(lambda: kb.exists() and rows(kb, f"r.hash = '{v1}'"), "a serve summary of the first version")
+            eventually(lambda: kb.exists() and rows(kb, f"r.hash = '{v1}'"), EVENT_S,
+                       "a serve summary of the first version")
             r = client.put("/v1/recipe?wait=1", content=json.dumps(second),
                            headers={"content-type": "application/json"})
             assert r.status_code == 200 and r.json()["status"] == "swapped", r.text
@@ -211,7 +204,7 @@ def test_tune_resumes_after_an_interrupt(tmp_path, cache):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     eventually(lambda: proc.poll() is not None or (journal.exists() and journal.read_text().count('"trial": {') >= 3),
-               "three journaled trials")
+               EVENT_S, "three journaled trials")
     assert proc.poll() is None, proc.stdout.read()
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=EVENT_S)
