@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import threading
 import warnings
 import weakref
@@ -30,13 +29,13 @@ import pytest
 import torch
 import tiny_decoders
 from test_serve import EVENT_S, READY_S, eventually, scrape, serve_cache, total
-from test_serve_hardening import Tracebacks
+from test_serve_hardening import serving
 from typer.testing import CliRunner
 
 from graphmode.capture.spec import resolve_model_spec
 from graphmode.client import Client, ServerError
 from graphmode.errors import GraphmodeError
-from graphmode.serve import ModelServer, ServeConfig, ServerThread
+from graphmode.serve import ModelServer, ServeConfig
 
 HERE = Path(__file__).resolve().parent
 EOS = tiny_decoders.EOS
@@ -50,20 +49,9 @@ def dec(tmp_path_factory):
     bundle = resolve_model_spec(f"{HERE / 'tiny_decoders.py'}:gpt2_words")
     cfg = ServeConfig(cache_dir=serve_cache(tmp_path_factory), shutdown_grace_s=1.0)
     server = ModelServer(bundle, tiny_decoders.recipe(), config=cfg)
-    seen = Tracebacks()
-    loggers = [logging.getLogger(n) for n in ("graphmode", "uvicorn", "uvicorn.error", "starlette")]
-    for lg in loggers:
-        lg.addHandler(seen)
-    running = ServerThread(server).start()
-    try:
-        running.wait_ready(READY_S)
-        with httpx.Client(base_url=running.url, timeout=EVENT_S) as client:
-            yield SimpleNamespace(server=server, running=running, url=running.url, client=client,
-                                  lm=bundle.raw_module, tok=bundle.tokenizer, tracebacks=seen.records, refs={})
-    finally:
-        running.stop()
-        for lg in loggers:
-            lg.removeHandler(seen)
+    with serving(server) as (running, client, tracebacks):
+        yield SimpleNamespace(server=server, running=running, url=running.url, client=client,
+                              lm=bundle.raw_module, tok=bundle.tokenizer, tracebacks=tracebacks, refs={})
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +62,8 @@ def enc(tmp_path_factory):
     r = recipe("mlp-v2", [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}], {"batch": {"buckets": [1, 2]}},
                exe_mode="graph")
     server = ModelServer(bundle, r, config=ServeConfig(cache_dir=serve_cache(tmp_path_factory)))
-    running = ServerThread(server).start()
-    try:
-        running.wait_ready(READY_S)
-        with httpx.Client(base_url=running.url, timeout=EVENT_S) as client:
-            yield SimpleNamespace(server=server, url=running.url, client=client, bundle=bundle)
-    finally:
-        running.stop()
+    with serving(server) as (running, client, _):
+        yield SimpleNamespace(server=server, url=running.url, client=client, bundle=bundle)
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import contextlib
 import logging
 import random
 import signal
@@ -53,6 +54,25 @@ class Tracebacks(logging.Handler):
             self.records.append(record)
 
 
+@contextlib.contextmanager
+def serving(server):
+    """`server` on loopback, warm, with a client; log records carrying a traceback (or an
+    error) are collected in the list yielded third. Stopped and unhooked on exit."""
+    seen = Tracebacks()
+    loggers = [logging.getLogger(n) for n in ("graphmode", "uvicorn", "uvicorn.error", "starlette")]
+    for lg in loggers:
+        lg.addHandler(seen)
+    running = ServerThread(server).start()
+    try:
+        running.wait_ready(READY_S)
+        with httpx.Client(base_url=running.url, timeout=EVENT_S) as client:
+            yield running, client, seen.records
+    finally:
+        running.stop()
+        for lg in loggers:
+            lg.removeHandler(seen)
+
+
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     from test_serve import tiny_model_spec
@@ -62,20 +82,9 @@ def guarded(tmp_path_factory):
     cfg = ServeConfig(batch_window_ms=5, max_body_mb=1, cache_dir=serve_cache(tmp_path_factory), admin_token=TOKEN,
                       header_timeout_s=SLOW_S, body_timeout_s=SLOW_S, recipe_check_cpu_s=2)
     server = ModelServer(tiny, cnn_recipe("cnn-guarded"), config=cfg)
-    seen = Tracebacks()
-    loggers = [logging.getLogger(n) for n in ("graphmode", "uvicorn", "uvicorn.error", "starlette")]
-    for lg in loggers:
-        lg.addHandler(seen)
-    running = ServerThread(server).start()
-    try:
-        running.wait_ready(READY_S)
-        with httpx.Client(base_url=running.url, timeout=EVENT_S) as client:
-            yield SimpleNamespace(server=server, url=running.url, port=running.port, client=client, bundle=tiny,
-                                  tracebacks=seen.records)
-    finally:
-        running.stop()
-        for lg in loggers:
-            lg.removeHandler(seen)
+    with serving(server) as (running, client, tracebacks):
+        yield SimpleNamespace(server=server, url=running.url, port=running.port, client=client, bundle=tiny,
+                              tracebacks=tracebacks)
 
 
 def no_tracebacks(g) -> None:
