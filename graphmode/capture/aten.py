@@ -295,9 +295,13 @@ def _addmm(imp, node, a):
     return True
 
 
-def _conv(imp, node, x, w, b, stride, padding, dilation, groups, spatial: int) -> bool:
-    """conv1d/conv2d with int or 'same'/'valid' padding -> conv2d (1-d over a height of 1),
-    asymmetric 'same' padding as an explicit pad."""
+def _conv(imp, node, a, spatial: int) -> bool:
+    """conv1d/conv2d (`a`: the schema-normalised args of any conv overload) with int or
+    'same'/'valid' padding -> conv2d (1-d over a height of 1), asymmetric 'same' padding as
+    an explicit pad."""
+    x, w = imp.operand(a["input"]), imp.operand(a["weight"])
+    b = imp.operand(a["bias"]) if a["bias"] is not None else None
+    stride, padding, dilation, groups = a["stride"], a["padding"], a["dilation"], a["groups"]
     xt, wt = imp.g.type_of(x), imp.g.type_of(w)
     if xt.rank != spatial + 2 or wt.rank != spatial + 2:
         return False
@@ -347,10 +351,7 @@ def _conv(imp, node, x, w, b, stride, padding, dilation, groups, spatial: int) -
 
 @converts("aten.conv2d.default", "aten.conv2d.padding", "aten.conv1d.default", "aten.conv1d.padding")
 def _conv_nd(imp, node, a):
-    spatial = 1 if "conv1d" in str(node.target) else 2
-    b = imp.operand(a["bias"]) if a["bias"] is not None else None
-    return _conv(imp, node, imp.operand(a["input"]), imp.operand(a["weight"]), b, a["stride"], a["padding"],
-                 a["dilation"], a["groups"], spatial)
+    return _conv(imp, node, a, 1 if "conv1d" in str(node.target) else 2)
 
 
 @converts("aten.convolution.default")
@@ -360,9 +361,7 @@ def _convolution(imp, node, a):
     spatial = len(a["stride"])
     if spatial not in (1, 2):
         return False
-    b = imp.operand(a["bias"]) if a["bias"] is not None else None
-    return _conv(imp, node, imp.operand(a["input"]), imp.operand(a["weight"]), b, a["stride"], a["padding"],
-                 a["dilation"], a["groups"], spatial)
+    return _conv(imp, node, a, spatial)
 
 
 @converts("aten.scaled_dot_product_attention.default")
