@@ -251,8 +251,14 @@ def test_profile_flags_real_steps_against_a_low_probe(tiny_profile):
         assert b["achieved"] > b["probe"] and b["roofline_frac"] > 1 and b["why"]
 
 
-def test_calibration_fit_reduces_error_on_the_measurements(tiny_profile, tmp_path):
-    from graphmode.bench.profile import PredictionRow, SampleStore, fit_calibration, prediction_table, within
+def test_calibration_fit_reproduces_the_measurements_it_was_fitted_on(tiny_profile, tmp_path):
+    """What the fit guarantees by construction, on real profiled buckets: fitted on one bucket,
+    the cost model gives back that bucket's measured steps plus executor gaps, and the
+    recipe's latency model its measured run; fitted on both, the totals over both. (Whether
+    a fit pooled over buckets beats the raw roofline on each one depends on the host's noise
+    at microsecond scale; test_calibration_fit_recovers_known_efficiencies checks accuracy.)"""
+    from graphmode.bench.profile import (
+        SampleStore, _step, fit_calibration, predict_bucket, predict_recipe_model, prediction_table, within)
     from graphmode.targets.cost import Calibration
     target, profs = tiny_profile
     store = SampleStore(tmp_path / "host.samples.json", target.name)
@@ -260,15 +266,21 @@ def test_calibration_fit_reduces_error_on_the_measurements(tiny_profile, tmp_pat
         store.add(p)
     store.save()
     assert set(SampleStore(tmp_path / "host.samples.json", target.name).buckets) == {p.key for p in profs}
-    cal = fit_calibration(target, store.buckets.values())
+    samples = list(store.buckets.values())
+
+    def measured(bk):
+        return sum(_step(st)[3] for st in bk["steps"]) + bk["gap_s"]
+
+    for bk in samples:
+        alone = fit_calibration(target, [bk])
+        assert predict_bucket(target, bk, alone) == pytest.approx(measured(bk), rel=1e-2)
+        assert predict_recipe_model(target, bk, alone) == pytest.approx(bk["run_s"], rel=1e-2)
+    cal = fit_calibration(target, samples)
     assert Calibration.load(cal.save(tmp_path / "host.json")) == cal and cal.model_efficiency
+    assert sum(predict_bucket(target, bk, cal) for bk in samples) == pytest.approx(
+        sum(measured(bk) for bk in samples), rel=1e-2)
     rows = prediction_table(target, store.buckets, cal)
-    for r in rows:
-        before = abs(PredictionRow.err(r.roofline_s, r.measured_s))
-        after = abs(PredictionRow.err(r.calibrated_s, r.measured_s))
-        assert after < before
-        assert abs(PredictionRow.err(r.recipe_model_cal_s, r.measured_s)) < abs(
-            PredictionRow.err(r.recipe_model_s, r.measured_s))
+    assert {r.key for r in rows} == {p.key for p in profs} and all(r.calibrated_s > 0 for r in rows)
     assert isinstance(within(rows), bool)
 
 
