@@ -159,6 +159,7 @@ def pass_context(recipe: Recipe, target: Any = None, buckets: Sequence[dict] | N
                           "max_ops": fusion.max_ops},
                  "precision": {"compute": recipe.precision.compute,
                                "overrides": dict(recipe.precision.overrides)},
+                 "quantize_weights": {"weights": recipe.precision.weights},
                  "memory_plan": {"reuse": recipe.optimize.memory_reuse,
                                  "alias_groups": [list(g) for g in recipe.alias_groups]}},
         buckets=list(buckets) if buckets is not None else recipe.buckets(),

@@ -44,12 +44,13 @@ from graphmode.bench.decode_engines import DecodeShared, make_engine, parse_engi
 from graphmode.bench.decode_models import MODELS, PRETTY, QUICK_MODELS, decode_recipe
 from graphmode.bench.engines import EngineUnavailable
 from graphmode.bench.harness import _p90, _reason, set_ratios
+from graphmode.verify.numerics import WEIGHT_ONLY
 from graphmode.bench.machine import _version, machine_meta
 from graphmode.bench.quality import QUICK_NOTE, Conditions, Probe, judge, warning_lines
 from graphmode.decode.api import causal_lm
 from graphmode.errors import GraphmodeError
 
-DTYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+DTYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0, "q8_0": 34 / 32}   # per weight
 
 
 @dataclass(frozen=True)
@@ -360,10 +361,10 @@ def goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[str, Any
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model and r["status"] == "ok"]
 
-        def pick(kind, batch=None, prompt=None, engine=None, dtype=None, not_engine=None):
+        def pick(kind, batch=None, prompt=None, engine=None, dtype=None, not_engine=None, variant="default"):
             return [r for r in mine if r["kind"] == kind and (batch is None or r["batch"] == batch)
                     and (prompt is None or r["prompt"] == prompt)
-                    and (engine is None or (r["engine"] == engine and r.get("variant", "default") == "default"))
+                    and (engine is None or (r["engine"] == engine and r.get("variant", "default") == variant))
                     and (dtype is None or r["dtype"] == dtype) and r["engine"] != not_engine]
 
         def goal(name, target, value, need, detail):
@@ -383,9 +384,11 @@ def goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[str, Any
              f"graphmode {gm1['decode_tok_s']:.1f} tok/s, floor {gm1['floor_tok_s']:.1f}"
              if gm1 and gm1.get("floor_tok_s") else "not measured: no graphmode decode b1 row with a floor")
         q8 = next(iter(pick("decode", batch=1, engine="llama_cpp", dtype="q8_0")), None)
-        goal("int8 decode b1 vs llama.cpp q8_0", ">= 1.0x", None, 1.0,
-             "graphmode has no int8 decode (recipe precision is a float dtype): not measurable" +
-             (f"; llama.cpp q8_0: {q8['decode_tok_s']:.1f} tok/s" if q8 else ""))
+        gm8 = next(iter(pick("decode", batch=1, engine="graphmode", variant="int8")), None)
+        goal("int8 decode b1 vs llama.cpp q8_0", ">= 1.0x", _div(gm8 and gm8["decode_tok_s"], q8 and q8["decode_tok_s"]),
+             1.0, _vs(gm8, q8, "decode_tok_s", "tok/s") if gm8 and q8 else
+             "not measured: needs graphmode[int8] and llama_cpp[q8_0] rows at batch 1" +
+             (f" (graphmode[int8]: {gm8['decode_tok_s']:.1f} tok/s)" if gm8 else ""))
         gm16 = next(iter(pick("decode", batch=16, engine="graphmode")), None)
         sc16 = next(iter(pick("decode", batch=16, engine="static_compile")), None)
         goal("decode b16 throughput vs static-cache torch.compile", ">= 1.5x",
@@ -416,7 +419,8 @@ class DecodeResult:
 
     def quick_failures(self) -> list[str]:
         """Why a --quick run fails: an engine that did not run (not counting 'not installed')
-        or graphmode tokens that differ from transformers eager's. Never a timing."""
+        or graphmode tokens that differ from transformers eager's (with int8 / bf16 weights:
+        agree less than their top-1 bound). Never a timing."""
         bad = []
         for r in self.rows:
             where = f"{r['model']} {r['scenario']} {r['label']}"
@@ -427,6 +431,11 @@ class DecodeResult:
                 m = r.get("tokens_match")
                 if m is None:
                     bad.append(f"{where}: no transformers eager tokens to compare with (add eager to --engines)")
+                elif r.get("variant") in WEIGHT_ONLY:     # narrow weights: the weight-only top-1 contract
+                    if m["same"] < WEIGHT_ONLY[r["variant"]][1] * m["of"]:
+                        bad.append(f"{where}: fewer greedy tokens equal transformers eager's than the "
+                                   f"{WEIGHT_ONLY[r['variant']][1]:.0%} top-1 agreement {r['variant']} weights "
+                                   f"promise ({m})")
                 elif m["same"] != m["of"]:
                     bad.append(f"{where}: greedy tokens differ from transformers eager ({m})")
         return bad

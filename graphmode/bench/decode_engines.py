@@ -18,6 +18,8 @@ is timed from there) and when the last token was. Engines:
 - `graphmode`: the decode engine (`graphmode.decode`), requests added together and stepped
   until done; a step hands its tokens over when it returns, and the step that prefills a
   prompt also decodes its second token, so its TTFT includes one decode step;
+  `graphmode[int8]` / `graphmode[bf16]` store the linear weights narrow (recipe
+  `precision.weights`), `graphmode[batch_invariant]` computes each sequence alone;
 - `ort_genai`, `openvino_genai`: reported "not installed" unless their package imports;
   the pipelines themselves are not wired up yet (reported as such).
 
@@ -40,6 +42,8 @@ from graphmode.bench.engines import EngineUnavailable
 
 ENGINE_NAMES = ("eager", "static_compile", "llama_cpp", "ort_genai", "openvino_genai", "graphmode")
 LLAMA_CPP_VARIANTS = ("f32", "q8_0")
+WEIGHT_VARIANTS = ("bf16", "int8")                    # graphmode[int8]: recipe precision.weights
+GRAPHMODE_VARIANTS = ("batch_invariant",) + WEIGHT_VARIANTS
 LABELS = {"eager": "transformers eager", "static_compile": "transformers static+compile",
           "llama_cpp": "llama.cpp", "ort_genai": "ORT GenAI", "openvino_genai": "OpenVINO GenAI",
           "graphmode": "graphmode"}
@@ -153,6 +157,10 @@ class StaticCompileEngine(HFEngine):
 class GraphmodeEngine(DecodeEngine):
     name = "graphmode"
 
+    def __init__(self, variant: str | None = None) -> None:
+        super().__init__(variant)
+        self.dtype = variant if variant in WEIGHT_VARIANTS else "f32"
+
     def setup(self, shared):
         import graphmode
         from graphmode.decode.api import engine_of
@@ -162,7 +170,11 @@ class GraphmodeEngine(DecodeEngine):
             cache = self._tmp.name
         t0 = time.perf_counter()
         # exe_mode eager: no whole-sequence graph; the decode engine captures its own
-        recipe = shared.recipe if self.variant is None else dict(shared.recipe, determinism=self.variant)
+        recipe = shared.recipe
+        if self.variant == "batch_invariant":
+            recipe = dict(recipe, determinism=self.variant)
+        elif self.variant in WEIGHT_VARIANTS:
+            recipe = dict(recipe, precision={"compute": "f32", "weights": self.variant})
         cm = graphmode.compile(shared.bundle, recipe, "host", mode="eager", cache_dir=cache,
                                threads=shared.threads)
         self.eng = engine_of(cm)
@@ -344,10 +356,10 @@ def parse_engines(text: str | None) -> list[tuple[str, str | None]]:
         if base not in ENGINES:
             raise GraphmodeError(f"unknown decode engine {base!r}", where="--engines", value=text,
                                  fix=f"choose from {', '.join(ENGINE_NAMES)}")
-        if base == "graphmode" and var not in (None, "batch_invariant"):
+        if base == "graphmode" and var is not None and var not in GRAPHMODE_VARIANTS:
             raise GraphmodeError(f"unknown graphmode variant {var!r}", where="--engines", value=n,
-                                 fix="graphmode or graphmode[batch_invariant] (determinism: batch_invariant: "
-                                     "its cost against graphmode)")
+                                 fix="graphmode, graphmode[batch_invariant] (determinism: batch_invariant: its cost "
+                                     "against graphmode), graphmode[int8] or graphmode[bf16] (precision.weights)")
         if base == "llama_cpp" and var is not None and var not in LLAMA_CPP_VARIANTS:
             raise GraphmodeError(f"unknown llama.cpp weights {var!r}", where="--engines", value=n,
                                  fix=f"llama_cpp[{'] or llama_cpp['.join(LLAMA_CPP_VARIANTS)}]")

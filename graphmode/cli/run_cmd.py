@@ -91,8 +91,7 @@ def run_cmd(
     from graphmode.recipe.buckets import all_buckets
     from graphmode.runtime.timing import median, time_ms
     from graphmode.targets import get_target
-    from graphmode.verify.bisect import tolerance_for
-    from graphmode.verify.numerics import rel_l2
+    from graphmode.verify.bisect import compare_outputs, output_labels
 
     if mode not in (None, "eager", "graph", "hybrid"):
         raise GraphmodeError(f"unknown mode {mode!r}", where="--mode", fix="eager, graph or hybrid")
@@ -114,14 +113,16 @@ def run_cmd(
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
     refs = cm.source.reference(inputs)
     outs = pytree.tree_leaves(out)
-    tol = tolerance_for(rec.precision.compute, rec.precision.compute)
+    checks = compare_outputs(output_labels(cm.source, cm.graph, len(outs)), outs, refs, rec.precision.compute,
+                             rec.precision.weights)
+    tol = max([c.tolerance for c in checks], default=0.0)
     rows = []
-    for i, (o, r) in enumerate(zip(outs, refs)):
+    for i, (o, c) in enumerate(zip(outs, checks)):
         rows.append({"output": i, "shape": list(o.shape), "dtype": str(o.dtype).replace("torch.", ""),
                      "mean": float(o.float().mean()) if o.numel() else 0.0,
                      "std": float(o.float().std()) if o.numel() > 1 else 0.0,
-                     "rel_l2_vs_eager": rel_l2(o, r)})
-    numerics_ok = len(outs) == len(refs) and all(r["rel_l2_vs_eager"] <= tol for r in rows)
+                     "rel_l2_vs_eager": c.rel_l2, **({"top1_vs_eager": c.top1} if c.top1 is not None else {})})
+    numerics_ok = len(outs) == len(refs) and all(c.ok for c in checks)
     ran_graph = path.get("path") == "graph"
     t_graph = median(time_ms(lambda: cm(**inputs), iters=iters))
     t_eager = median(time_ms(lambda: cm.source.reference(inputs), iters=iters))

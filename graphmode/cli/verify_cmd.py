@@ -85,7 +85,7 @@ def verify_cmd(
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe, pick_target
     from graphmode.runtime.compiled import CompiledModel
-    from graphmode.verify.bisect import bisect, bisect_plan, compare_outputs, propose_fix
+    from graphmode.verify.bisect import bisect, bisect_plan, compare_outputs, output_labels, propose_fix
 
     rec = load_recipe(recipe)
     mode = "graph" if rec.exe_mode == "eager" else rec.exe_mode
@@ -110,10 +110,10 @@ def verify_cmd(
         else:                # through the runtime: pad, run the bucket's plan, slice back
             got = pytree.tree_leaves(cm(**inputs))
             path = cm.last_path.get("path", "graph")
-        checks = compare_outputs(list(graph.outputs), got, refs, rec.precision.compute)
+        checks = compare_outputs(output_labels(src, graph, len(got)), got, refs, rec.precision.compute, rec.precision.weights)
         ok = len(got) == len(refs) and all(c.ok for c in checks)
         results.append({"shape": shape, "bucket": env, "path": path, "ok": ok,
-                        "outputs": [{"name": c.name, "rel_l2": c.rel_l2, "tolerance": c.tolerance} for c in checks]})
+                        "outputs": [c.to_json() for c in checks]})
         if not ok and failure is None:
             if shape == env:
                 tol = max(c.tolerance for c in checks)
@@ -145,14 +145,22 @@ def verify_cmd(
         from graphmode.cli.compile_cmd import print_contract
         print_contract(contract)
         t = Table(title=f"graph vs eager: {model} with {rec.name} ({len(buckets)} buckets, {len(results)} shapes)")
-        for c in ("request", "bucket", "path", "worst rel L2", "tolerance", "ok"):
+        narrow = rec.precision.weights != "f32"     # then logits are also judged on top-1 agreement
+        for c in ("request", "bucket", "path", "worst rel L2", "tolerance") + (("top-1 (min)",) if narrow else ()) + (
+                "ok",):
             t.add_column(c)
         for r in results:
             worst = max(r["outputs"], key=lambda o: o["rel_l2"]) if r["outputs"] else {"rel_l2": float("inf"),
                                                                                      "tolerance": 0.0}
-            t.add_row(",".join(f"{k}={v}" for k, v in r["shape"].items()),
-                      ",".join(f"{k}={v}" for k, v in r["bucket"].items()), r["path"], f"{worst['rel_l2']:.2e}",
-                      f"{worst['tolerance']:.0e}", "yes" if r["ok"] else "[red]NO[/]")
+            row = [",".join(f"{k}={v}" for k, v in r["shape"].items()),
+                   ",".join(f"{k}={v}" for k, v in r["bucket"].items()), r["path"], f"{worst['rel_l2']:.2e}",
+                   f"{worst['tolerance']:.0e}"]
+            if narrow:
+                top = [o for o in r["outputs"] if o.get("top1") is not None]
+                low = min(top, key=lambda o: o["top1"]) if top else None
+                row.append(f"{low['top1']:.1%}" + (f" ({low['min_top1']:.0%})" if low.get("min_top1") else "")
+                           if low else "-")
+            t.add_row(*row, "yes" if r["ok"] else "[red]NO[/]")
         console.print(t)
         if failure:
             console.print(f"[red]mismatch[/] at request {failure['shape']} (bucket {failure['bucket']}): "
@@ -165,5 +173,6 @@ def verify_cmd(
                     console.print("no recipe change is known to remove it; this is a graphmode bug — report it")
         else:
             console.print("all shapes match eager within tolerance (every bucket filled, padded, and the "
-                          "smallest admissible shape)")
+                          "smallest admissible shape)" + (f"; weights are {rec.precision.weights}: logits are held to "
+                                                          "top-1 agreement with the f32 model" if narrow else ""))
     raise typer.Exit(0 if ok else 1)

@@ -56,6 +56,10 @@ class PrecisionOptions(PassOptions):
     overrides: dict[str, str] = {}
 
 
+class QuantizeWeightsOptions(PassOptions):
+    weights: Literal["f32", "bf16", "int8"] = "f32"
+
+
 class MemoryPlanOptions(PassOptions):
     reuse: bool = True
     alignment: int = 64

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from graphmode.passes.options import (ConstantFoldOptions, CseOptions, FuseOptions, MemoryPlanOptions,
-                                      PassOptions, PrecisionOptions)
+                                      PassOptions, PrecisionOptions, QuantizeWeightsOptions)
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
           provides=("precision",), options=PrecisionOptions),
     _info("constant_fold", "evaluate constant subgraphs; fold batch-norm into conv/linear; pre-transpose weights",
           provides=("folded",), options=ConstantFoldOptions),
+    _info("quantize_weights", "store constant linear weights as bf16 or int8 (per-output-channel scale), read "
+          "narrow by the kernel; activations stay f32", provides=("weights_quantized",),
+          options=QuantizeWeightsOptions, options_at="precision.weights"),
     _info("cse", "merge nodes that compute the same value", provides=("cse",), options=CseOptions),
     _info("dce", "remove nodes whose results are never used", provides=("dce",)),
     _info("layout", "eliminate transposes and pick target-preferred layouts",
@@ -50,8 +53,10 @@ PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
 # Named pipelines a recipe can refer to with `optimize.preset`.
 PRESETS: dict[str, list[str]] = {
     "none": ["memory_plan"],
-    "default": ["canonicalize", "precision", "constant_fold", "cse", "dce", "layout", "fuse", "dce", "memory_plan"],
-    "no_fusion": ["canonicalize", "precision", "constant_fold", "cse", "dce", "layout", "dce", "memory_plan"],
+    "default": ["canonicalize", "precision", "constant_fold", "quantize_weights", "cse", "dce", "layout", "fuse",
+                "dce", "memory_plan"],
+    "no_fusion": ["canonicalize", "precision", "constant_fold", "quantize_weights", "cse", "dce", "layout", "dce",
+                  "memory_plan"],
 }
 
 FINAL_REQUIREMENTS = frozenset({"memory_planned"})

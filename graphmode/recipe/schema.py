@@ -289,9 +289,20 @@ class CodegenSpec(_Spec):
 
 
 class PrecisionSpec(_Spec):
+    """`weights`: how constant linear weights are stored (the quantize_weights pass): f32, or
+    bf16 / int8 (per-output-channel scale) read narrow by the kernels, activations f32."""
     compute: FloatDType = "f32"
     accumulate: Optional[FloatDType] = None
     overrides: Annotated[dict[OpName, FloatDType], _limited(MAX_LIST, "per-op overrides")] = {}
+    weights: Literal["f32", "bf16", "int8"] = "f32"
+
+    @model_serializer(mode="wrap")
+    def _omit_f32_weights(self, handler: Any) -> Any:
+        """Added after recipes were first hashed: left out while f32, so their stamps do not change."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("weights") == "f32":
+            out.pop("weights", None)
+        return out
 
     def accumulate_dtype(self) -> str:
         if self.accumulate:

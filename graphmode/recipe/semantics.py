@@ -284,6 +284,15 @@ class _Checker:
         if DTYPE_SIZES[acc] < DTYPE_SIZES[p.compute]:
             self.err("precision.accumulate", f"accumulating in {acc} is narrower than compute {p.compute}", acc,
                      fix=f"accumulate: {p.compute} or wider")
+        if p.weights != "f32":
+            if p.compute != "f32":
+                self.err("precision.weights", f"weight-only {p.weights} keeps activations in f32; compute is "
+                         f"{p.compute}", p.weights, fix="compute: f32 with weights: " + p.weights +
+                         ", or weights: f32 with a low-precision compute")
+            if "quantize_weights" not in self.r.pipeline():
+                self.err("precision.weights", f"weights: {p.weights} needs the quantize_weights pass, which "
+                         "optimize.passes leaves out", p.weights,
+                         fix="add quantize_weights to optimize.passes after constant_fold (or use a preset)")
         if self.t is None:
             return
         supported = ", ".join(self.t.dtypes)

@@ -13,19 +13,31 @@ import torch
 
 from graphmode.ir.graph import Graph
 from graphmode.ir.interpreter import interpret
-from graphmode.verify.numerics import TOLERANCE, rel_l2
+from graphmode.verify.numerics import TOLERANCE, WEIGHT_ONLY, rel_l2, top1_agreement
 
 
 @dataclass
 class OutputCheck:
+    """One output against eager. `min_top1` is set where the recipe stores weights narrow and
+    the output is logits: then at least that share of positions must pick eager's arg-max."""
+
     name: str
     dtype: str
     rel_l2: float
     tolerance: float
+    top1: float | None = None
+    min_top1: float | None = None
 
     @property
     def ok(self) -> bool:
-        return self.rel_l2 <= self.tolerance
+        top1_ok = self.min_top1 is None or (self.top1 is not None and self.top1 >= self.min_top1)
+        return self.rel_l2 <= self.tolerance and top1_ok
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"name": self.name, "rel_l2": self.rel_l2, "tolerance": self.tolerance}
+        if self.top1 is not None:
+            d.update(top1=self.top1, min_top1=self.min_top1)
+        return d
 
 
 @dataclass
@@ -53,13 +65,30 @@ def tolerance_for(dtype: str, compute: str = "f32") -> float:
     return max(TOLERANCE.get(dtype, 1e-5), TOLERANCE.get(compute, 1e-5))
 
 
+def output_labels(source: Any, graph: Graph | None, count: int) -> list[str]:
+    """Names for `count` outputs: the model's own (`logits`, as transformers names them) where
+    the source knows them, else the graph's value names, else positions. What a check reports
+    and judges by."""
+    for names in (list(getattr(source, "output_names", None) or []), list(graph.outputs) if graph else []):
+        if len(names) == count:
+            return names
+    return [str(i) for i in range(count)]
+
+
 def compare_outputs(names: list[str], got: list[torch.Tensor], want: list[torch.Tensor],
-                    compute: str = "f32") -> list[OutputCheck]:
+                    compute: str = "f32", weights: str = "f32") -> list[OutputCheck]:
+    """Each output against eager at its dtype's tolerance; with narrow weights
+    (precision.weights) at numerics.WEIGHT_ONLY's error bound, and logits also on top-1."""
     out = []
     for n, g, w in zip(names, got, want):
         dt = str(w.dtype).replace("torch.", "")
         short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}.get(dt, dt)
-        out.append(OutputCheck(n, short, rel_l2(g, w), tolerance_for(short, compute)))
+        tol, min_top1 = tolerance_for(short, compute), None
+        if weights in WEIGHT_ONLY and torch.is_floating_point(w):
+            tol = max(tol, WEIGHT_ONLY[weights][0])
+            min_top1 = WEIGHT_ONLY[weights][1] if "logits" in n else None
+        top1 = top1_agreement(g, w) if weights in WEIGHT_ONLY else None
+        out.append(OutputCheck(n, short, rel_l2(g, w), tol, top1, min_top1 if top1 is not None else None))
     return out
 
 

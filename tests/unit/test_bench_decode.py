@@ -245,10 +245,24 @@ def test_quick_bench_with_graphmode_on_the_tiny_models(tmp_path):
     assert res.meta["quick"] and res.meta["bandwidth"]["floor_uses_gbps"] > 0
 
 
-def test_graphmode_batch_invariant_is_an_engine_variant():
-    from graphmode.bench.decode_engines import parse_engines
+def test_graphmode_variants_are_engine_variants():
+    from graphmode.bench.decode_engines import make_engine, parse_engines
     from graphmode.errors import GraphmodeError
-    assert parse_engines("eager,graphmode,graphmode[batch_invariant]") == [
-        ("eager", None), ("graphmode", None), ("graphmode", "batch_invariant")]
-    with pytest.raises(GraphmodeError, match="batch_invariant"):
+    assert parse_engines("eager,graphmode,graphmode[batch_invariant],graphmode[int8]") == [
+        ("eager", None), ("graphmode", None), ("graphmode", "batch_invariant"), ("graphmode", "int8")]
+    with pytest.raises(GraphmodeError, match="batch_invariant.*int8"):
         parse_engines("graphmode[fast]")
+    assert [make_engine("graphmode", v).dtype for v in (None, "batch_invariant", "int8", "bf16")] == [
+        "f32", "f32", "int8", "bf16"]
+
+
+def test_int8_goal_and_quick_verdict_use_the_int8_variant():
+    """graphmode[int8] is judged against llama.cpp q8_0, and in --quick by the weight-only top-1
+    bound instead of token identity."""
+    rows = [row("graphmode", ms=10.0, variant="int8", dtype="int8"), row("llama_cpp", ms=20.0, dtype="q8_0")]
+    g = {x["goal"]: x for x in decode.goals(rows)}["int8 decode b1 vs llama.cpp q8_0"]
+    assert g["value"] == 2.0 and g["met"] is True
+    few = row("graphmode", variant="int8", tokens_match={"same": 90, "of": 100})
+    many = row("graphmode", variant="int8", tokens_match={"same": 97, "of": 100})
+    bad = DecodeResult([few, many], {}, []).quick_failures()
+    assert len(bad) == 1 and "95% top-1 agreement int8" in bad[0]

@@ -43,7 +43,7 @@ ROWS = {r.op: r for r in coverage()}
 NOT_GENERATED = frozenset({
     "adaptive_avg_pool2d", "arange", "argmax", "argmin", "avg_pool2d", "batch_norm", "concat", "conv2d", "cumsum",
     "embedding", "expand", "full", "gather", "index", "index_select", "linear", "matmul", "max_pool2d", "pad",
-    "paged_attention", "permute", "reshape", "roll", "sdpa", "slice", "tril", "triu"})
+    "paged_attention", "permute", "qlinear", "reshape", "roll", "sdpa", "slice", "tril", "triu"})
 # samples of generated ops that the generator refuses, and why
 GENERATED_REFUSED = {("amax", 1): "not over the last dim", ("amin", 1): "not over the last dim",
                      ("mean", 1): "not over the last dim", ("sum", 1): "not over the last dim",
@@ -61,7 +61,7 @@ ONNX_NO_INPUTS = frozenset({"arange", "full"})
 # x - y * Floor(x / y))
 ONNX_FAILS = {("paged_attention", 0): "ScatterND", ("remainder", 0): "Floor", ("remainder", 3): "Floor"}
 # ops whose round trip matches but comes back as other ops (the exporter decomposes them)
-ONNX_DECOMPOSED = frozenset({"adaptive_avg_pool2d", "embedding", "index", "linear", "ne", "roll",
+ONNX_DECOMPOSED = frozenset({"adaptive_avg_pool2d", "embedding", "index", "linear", "ne", "qlinear", "roll",
                              "rsqrt", "sdpa", "silu"})
 ONNX_OPSET = 20        # the legacy exporter's newest: Gelu comes out as one node, not an Erf chain
 

@@ -43,6 +43,50 @@ register(OpSpec("linear", "gemm", (2, 3), _linear_infer,
                 samples=lambda: [Sample(randn((2, 3, 8), (5, 8), (5,))), Sample(randn((4, 8), (6, 8)))]))
 
 
+# Weight-only quantized linear: the activations stay f32, the weight is stored narrow and read
+# as it is by the backend's kernel (decode at small batch is bound by reading weights).
+WEIGHT_DTYPES = ("bf16", "i8")
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The f32 weight a stored (w, scale) pair stands for: w * scale per output row."""
+    return w.float() * scale.float()[:, None]
+
+
+def _qlinear_infer(ins, attrs):
+    x, w, scale = ins[0], ins[1], ins[2]
+    if w.dtype not in WEIGHT_DTYPES:
+        raise IRError(f"qlinear: weight dtype {w.dtype} is not a stored weight dtype", fix=" or ".join(WEIGHT_DTYPES))
+    if x.dtype != "f32" or scale.dtype != "f32":
+        raise IRError(f"qlinear: input {x.text()} and scale {scale.text()} must be f32")
+    if w.rank != 2 or not dims_equal(x.shape[-1], w.shape[1]) or scale.shape != (w.shape[0],):
+        raise IRError(f"qlinear: input {x.text()}, weight {w.text()} ([out, in]) and scale {scale.text()} ([out]) "
+                      "do not match")
+    if len(ins) > 3 and (ins[3].dtype != "f32" or ins[3].shape != (w.shape[0],)):
+        raise IRError(f"qlinear: bias {ins[3].text()} must be f32 [out]")
+    return [TensorType("f32", x.shape[:-1] + (w.shape[0],))]
+
+
+def _qlinear_samples():
+    def make(wdt):
+        def f(g):
+            w = torch.randn(6, 40, generator=g)
+            if wdt == torch.int8:
+                scale = w.abs().amax(1) / 127
+                return [torch.randn(3, 40, generator=g), torch.round(w / scale[:, None]).to(torch.int8), scale,
+                        torch.randn(6, generator=g)]
+            return [torch.randn(2, 3, 40, generator=g), w.to(torch.bfloat16), torch.ones(6)]
+        return f
+    return [Sample(make(torch.int8), note="int8, per-row scale, bias"), Sample(make(torch.bfloat16), note="bf16")]
+
+
+register(OpSpec("qlinear", "gemm", (3, 4), _qlinear_infer,
+                lambda ins, a, env: [F.linear(ins[0], dequantize(ins[1], ins[2]), ins[3] if len(ins) > 3 else None)],
+                doc="weight-only quantized linear: x @ (w * scale[:, None]).T (+ b); w is [out, in] i8 or bf16, "
+                    "scale [out] f32 (ones for bf16), x and the result f32",
+                samples=_qlinear_samples))
+
+
 def conv_out(size: Dim, k: int, s: int, p: int, d: int, ceil: bool = False) -> Dim:
     num = size + 2 * p - d * (k - 1) - 1
     if isinstance(num, int):

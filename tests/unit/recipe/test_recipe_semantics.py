@@ -180,3 +180,20 @@ def test_validate_skips_constraints_after_semantic_errors():
     with pytest.raises(Exception) as ei:
         rep.raise_for_errors()
     assert ei.value.exit_code == 2 and "dims.seq.max" in str(ei.value)
+
+
+def test_weight_only_precision_needs_f32_compute_and_its_pass():
+    """precision.weights stores linear weights narrow with f32 activations: refused beside a
+    low-precision compute, and where an explicit pass list leaves out quantize_weights; the
+    presets run it. Left out of the recipe's stamp while f32, so existing hashes hold."""
+    from graphmode.recipe.hashing import canonical_json
+    ok = BASE + "precision: {weights: int8}\n"
+    assert problems(ok)[0] == {} and load_recipe(ok).pipeline().index("quantize_weights") > 0
+    e = err(BASE + "precision: {compute: bf16, weights: int8}\n", "precision.weights")
+    assert "activations in f32" in e.message and e.fix
+    e = err(BASE + "precision: {weights: bf16}\noptimize: {passes: [canonicalize, constant_fold, memory_plan]}\n",
+            "precision.weights")
+    assert "quantize_weights" in e.message and "quantize_weights" in e.fix
+    stamp = canonical_json(load_recipe(BASE)).replace(" ", "")
+    assert '"precision":{"accumulate":null,"compute":"f32","overrides":{}}' in stamp
+    assert '"weights":"int8"' in canonical_json(load_recipe(ok)).replace(" ", "")

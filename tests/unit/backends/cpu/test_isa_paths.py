@@ -4,7 +4,8 @@ A kernel carries a path per ISA behind the compiler's macros, and the build flag
 on an AVX-512 host the AVX2 and portable paths would otherwise never run. Per ISA (one
 library each, a module fixture): the flags select that path and nothing wider is in the
 library, then every kernel kind (elementwise and reduction groups, GEMM micro-kernels packed,
-runtime-B and with an epilogue, Winograd and im2col convs, attention, pools) is run against
+runtime-B and with an epilogue, Winograd and im2col convs, attention, pools, weight-only
+int8/bf16 linear) is run against
 torch where the host can execute that ISA; where it cannot, the path is built only. Then the
 cap as a recipe field (`codegen.isa`): refused above the target, in every cache key, in the
 tactics' candidates, and a small model compiled under it end to end. No timing assertions.
@@ -43,6 +44,7 @@ from graphmode.backends.cpu.winograd import WinogradConfig
 from graphmode.errors import BackendError, RecipeErrors
 from graphmode.ir import parse_graph
 from graphmode.ir.interpreter import run_node
+from graphmode.passes.quantize_weights import quantize
 from graphmode.recipe import load_recipe, validate
 from graphmode.recipe.hashing import canonical_json
 from graphmode.recipe.schema import CodegenSpec
@@ -210,6 +212,10 @@ def cases(isa: str) -> dict[str, Case]:
                             lambda x: F.avg_pool2d(x, 2)),
         "adaptive_pool": _native("adaptive_avg_pool2d", [randn(2, 24, 7, 7)], {"output_size": [1, 1]},
                                  lambda x: F.adaptive_avg_pool2d(x, 1)),
+        "qlinear_int8": _native("qlinear", [randn(5, 37), *quantize(randn(19, 37), "int8"), randn(19)], {},
+                                lambda x, w, s, b: F.linear(x, w.float() * s[:, None], b)),
+        "qlinear_bf16": _native("qlinear", [randn(1, 40), *quantize(randn(9, 40), "bf16")], {},
+                                lambda x, w, s: F.linear(x, w.float())),
     }
 
 

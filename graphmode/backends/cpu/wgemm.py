@@ -1,0 +1,88 @@
+"""Generated weight-only quantized linear (`qlinear`: int8 or bf16 weights, f32 activations).
+
+Why: at decode batch sizes a linear layer reads each weight once and does two FLOPs with it,
+so its time is the weight bytes over the memory bandwidth. ATen has no CPU GEMM that reads
+int8 or bf16 weights with f32 activations, and widening the weight to f32 first would read
+the narrow copy, write a wide one and read it again. This kernel reads the stored bytes once:
+the micro-kernels (templates/wgemm.h) widen NR weight rows a vector at a time inside the dot
+products with MR rows of x. Threads split the output columns into contiguous ranges, so each
+weight byte is read by one thread; rows go in chunks of 32 so a chunk of x stays in L2.
+
+Tiles per ISA (registers: MR x NR accumulators + NR widened weights + one x vector):
+AVX-512 4 x 4 (21 of 32), AVX2 and portable 2 x 4 (13 of 16). Every size is baked in; the
+code path follows the compiler's ISA macros as in gemm.py and attention.py.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from graphmode.backends.cpu.abi import KernelSource, template
+from graphmode.backends.cpu.isa import ISA_GUARD
+from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowers, refused
+from graphmode.backends.cpu.native import finish
+
+TILES = {"avx512": (4, 4), "avx2": (2, 4), "portable": (2, 4)}       # (MR, NR)
+_TRAITS = {"avx512": "gm_wq_v512", "avx2": "gm_wq_v256", "portable": "gm_wq_vc"}
+_WTYPE = {torch.int8: "int8_t", torch.bfloat16: "gm_bf16_t"}
+PAR_FLOPS = 1 << 18      # below this one thread: a [1, 64] x [64, 64] layer is done before a team wakes
+
+
+def _isa_lines() -> list[str]:
+    out = []
+    for i, isa in enumerate(("avx512", "avx2")):
+        mr, nr = TILES[isa]
+        out += [("#if " if i == 0 else "#elif ") + ISA_GUARD[isa],
+                f"typedef {_TRAITS[isa]} VT; constexpr int MR = {mr}, NR = {nr};"]
+    mr, nr = TILES["portable"]
+    return out + ["#else", f"typedef {_TRAITS['portable']} VT; constexpr int MR = {mr}, NR = {nr};", "#endif"]
+
+
+def qlinear_source(call: OpCall, m: int, n: int, k: int) -> KernelSource:
+    w = call.ins[1]
+    bias = len(call.ins) > 3
+    par = 2.0 * m * n * k >= PAR_FLOPS
+    wt = _WTYPE[w.dtype]
+    out = f"p{len(call.ins)}"
+    pre = "\n".join(["namespace @SYM@_ns {", *_isa_lines(),
+                     f"constexpr long M = {m}, N = {n}, K = {k}, NB = (N + NR - 1) / NR;",
+                     f"typedef {wt} W;", "}"])
+    body = ["  using namespace @SYM@_ns;",
+            "  const float* x = (const float*)p0; const W* w = (const W*)p1; const float* sc = (const float*)p2;",
+            f"  const float* b = {'(const float*)p3' if bias else '(const float*)0'}; float* y = (float*){out};"]
+    if par:
+        body += ["  const long T = gm_nt() < NB ? gm_nt() : NB;",
+                 "  #pragma omp parallel for schedule(static) num_threads(T)",
+                 "  for (long t = 0; t < T; ++t) {",
+                 "    const long n0 = t * NB / T * NR, n1 = (t + 1) * NB / T * NR;",
+                 "    gm_wq_cols<VT, MR, NR, W>(x, w, sc, b, y, M, N, K, n0, n1 < N ? n1 : N);",
+                 "  }"]
+    else:
+        body.append("  gm_wq_cols<VT, MR, NR, W>(x, w, sc, b, y, M, N, K, 0, N);")
+    kind = "int8" if w.dtype == torch.int8 else "bf16"
+    return finish("qlinear", call, body, header=template("simd.h") + template("wgemm.h"), pre=pre, parallel=par,
+                  pattern=f"qlinear {kind} [{m}x{k}] x [{n}x{k}]^T{' + bias' if bias else ''}")
+
+
+@lowers("qlinear", tier=NATIVE)
+def qlinear(call: OpCall) -> Claim:
+    if len(call.ins) not in (3, 4) or len(call.outs) != 1:
+        return refused("qlinear takes x, weight, scale[, bias]")
+    x, w, scale = call.ins[:3]
+    y = call.outs[0]
+    if w.dtype not in _WTYPE or w.dim() != 2:
+        return refused("the weight is not a 2-d int8 or bf16 tensor", value=(str(w.dtype), tuple(w.shape)))
+    n, k = (int(d) for d in w.shape)
+    if x.dtype != torch.float32 or x.dim() < 1 or int(x.shape[-1]) != k:
+        return refused("the input is not f32 [..., in]", value=(str(x.dtype), tuple(x.shape)))
+    m = math.prod(int(d) for d in x.shape[:-1])
+    extra = [scale] + list(call.ins[3:])
+    if any(t.dtype != torch.float32 or tuple(t.shape) != (n,) for t in extra):
+        return refused("scale and bias must be f32 [out]", value=[tuple(t.shape) for t in extra])
+    if y.dtype != torch.float32 or tuple(y.shape) != tuple(x.shape[:-1]) + (n,):
+        return refused("the output is not f32 [..., out]", value=tuple(y.shape))
+    return claimed(lambda: qlinear_source(call, m, n, k))
+
+
+__all__ = ["TILES", "qlinear", "qlinear_source"]

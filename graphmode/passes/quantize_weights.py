@@ -1,0 +1,70 @@
+"""quantize_weights: store the constant weights of `linear` nodes narrow (recipe `precision.weights`).
+
+Decoding at small batch reads every weight once per token and does two FLOPs per weight, so
+its speed is the weights' bytes over the memory bandwidth: bf16 halves them, int8 quarters
+them. Each `linear(x, W[, b])` whose W is an f32 constant becomes `qlinear(x, Wq, scale[, b])`
+(see ir/ops/linalg.py): bf16 rounds W to nearest-even with a unit scale; int8 is symmetric
+per output channel, scale = max|W[n, :]| / 127 and Wq = round(W / scale) (an all-zero row
+keeps scale 1). Activations, bias and accumulation stay f32, so the answer changes only by
+the weights' rounding: `graphmode verify` then checks logit error and top-1 agreement against
+the f32 model instead of the f32 tolerance (verify/numerics.py WEIGHT_ONLY).
+
+A W shared with other nodes (GPT-2's tied embedding and LM head) keeps its f32 constant for
+them; the quantized copy is a new constant `<W>.bf16` / `<W>.int8`, made once per W.
+Linears that are not over an f32 constant weight (computed weights, non-f32 inputs) stay.
+"""
+from __future__ import annotations
+
+import torch
+
+from graphmode.ir.graph import Graph
+from graphmode.passes.base import PassContext, PassResult, register_pass
+
+_STORED = {"bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def quantize(w: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored weight, f32 per-row scale) for an f32 [out, in] weight."""
+    w = w.detach().float()
+    if weights == "bf16":
+        return w.to(torch.bfloat16).contiguous(), torch.ones(w.shape[0])
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+@register_pass("quantize_weights")
+def run(graph: Graph, ctx: PassContext) -> PassResult:
+    weights = ctx.opts("quantize_weights").weights
+    if weights == "f32":
+        return PassResult(graph, False, {"weights": weights})
+    g = graph.clone()
+    made: dict[str, tuple[str, str]] = {}
+    nodes = []
+    stored = 0
+    for n in g.nodes:
+        w = n.inputs[1] if n.op == "linear" and len(n.inputs) >= 2 else None
+        ok = (w is not None and g.is_constant(w) and g.type_of(w).dtype == "f32" and g.type_of(w).rank == 2
+              and g.type_of(n.inputs[0]).dtype == "f32"
+              and (len(n.inputs) < 3 or g.type_of(n.inputs[2]).dtype == "f32"))
+        if not ok:
+            nodes.append(n)
+            continue
+        if w not in made:
+            q, scale = quantize(g.constants[w], weights)
+            qn = g.add_constant(g.fresh_name(f"{w}.{weights}"), q)
+            sn = g.add_constant(g.fresh_name(f"{w}.scale"), scale)
+            made[w] = (qn, sn)
+            stored += q.numel() * q.element_size() + scale.numel() * 4
+        qn, sn = made[w]
+        nodes.append(n.with_(op="qlinear", inputs=(n.inputs[0], qn, sn) + tuple(n.inputs[2:])))
+    g.nodes = nodes
+    g.prune_values()
+    f32 = sum(graph.constants[w].numel() * 4 for w in made)
+    return PassResult(g, bool(made), {"weights": weights, "quantized": len(made),
+                                      "linears": sum(1 for n in nodes if n.op == "qlinear"),
+                                      "bytes_before": f32, "bytes_after": stored})
+
+
+__all__ = ["quantize"]

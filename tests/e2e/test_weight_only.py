@@ -1,0 +1,92 @@
+"""Weight-only precision end to end (recipe `precision.weights`): the tiny GPT-2 of
+tiny_decoders.py compiled with bf16 and int8 linear weights runs its linears as qlinear
+kernels, holds the weight-only contract against the f32 model (logit error bound and top-1
+agreement, verify/numerics.py WEIGHT_ONLY), stores fewer weight bytes, decodes greedy tokens
+that agree with transformers' f32 generate, and `graphmode verify` reports top-1 agreement."""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+import graphmode
+from graphmode.cli.app import _register, app
+from graphmode.verify.numerics import WEIGHT_ONLY, rel_l2, top1_agreement
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_decoders  # noqa: E402
+
+
+def _weight_bytes(g) -> int:
+    return sum(t.numel() * t.element_size() for t in g.constants.values())
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("weight-only")
+    from graphmode.capture.spec import bundle_from_module
+    lm, ex, dims = tiny_decoders.gpt2()
+    bundle = bundle_from_module(lm, ex, dims, name="tiny-gpt2")
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for wd in ("f32", "bf16", "int8"):
+            rec = tiny_decoders.recipe(f"tiny-{wd}", precision={"compute": "f32", "weights": wd})
+            out[wd] = graphmode.compile(bundle, rec, cache_dir=cache)
+    return lm, out
+
+
+def _logits(out):
+    return out if isinstance(out, torch.Tensor) else getattr(out, "logits", None) or out[0]
+
+
+@pytest.mark.parametrize("wd", ["bf16", "int8"])
+def test_logits_hold_the_weight_only_contract(models, wd):
+    lm, cms = models
+    cm = cms[wd]
+    assert cm.graph.op_counts().get("qlinear") == 9 and "linear" not in cm.graph.op_counts()
+    assert _weight_bytes(cm.graph) < _weight_bytes(cms["f32"].graph) * (0.7 if wd == "bf16" else 0.5)
+    bound, min_top1 = WEIGHT_ONLY[wd]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, tiny_decoders.VOCAB, (4, 32), generator=g)
+    with torch.inference_mode():
+        got = _logits(cm(input_ids=ids, attention_mask=torch.ones_like(ids)))
+        want = lm(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    err, top1 = rel_l2(got, want), top1_agreement(got, want)
+    assert 1e-5 < err < bound, err          # narrower weights, so not the f32 answer, but within the bound
+    assert top1 >= min_top1, top1
+    assert cm.last_path.get("path") == "graph"
+
+
+def test_int8_greedy_decoding_agrees_with_transformers(models):
+    lm, cms = models
+    prompts = torch.tensor([[5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45]])
+    got = cms["int8"].generate(prompts, max_new_tokens=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = lm.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=10, do_sample=False,
+                           pad_token_id=0)
+    assert got.shape == want.shape
+    assert (got[:, 6:] == want[:, 6:]).double().mean() >= 0.9
+
+
+def test_verify_reports_top1_agreement(tmp_path):
+    _register()
+    rec = tmp_path / "int8.yaml"
+    rec.write_text(yaml.safe_dump(tiny_decoders.recipe("tiny-int8", precision={"weights": "int8"})))
+    res = CliRunner().invoke(app, ["verify", "--model", f"{HERE / 'tiny_decoders.py'}:gpt2", "--recipe", str(rec),
+                                   "--max-buckets", "2", "--json", "--cache-dir", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output[res.output.index("{"):])
+    assert d["ok"] and d["cases"]
+    for case in d["cases"]:
+        (o,) = case["outputs"]
+        assert o["tolerance"] == WEIGHT_ONLY["int8"][0] and o["min_top1"] == WEIGHT_ONLY["int8"][1]
+        assert o["top1"] >= o["min_top1"] and o["rel_l2"] > 1e-5

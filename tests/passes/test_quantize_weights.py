@@ -1,0 +1,64 @@
+"""quantize_weights: golden IR for which linears become qlinear (constant f32 weights only; a
+weight shared with another node keeps its f32 constant for it), the numbers it stores, and
+the interpreter's outputs within the weight-only error bound of the f32 graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphmode.ir import interpret, parse_graph, verify_graph
+from graphmode.ir.graph import constant_digest
+from graphmode.passes import PASSES, PassContext
+from graphmode.passes.quantize_weights import quantize
+from graphmode.verify.numerics import WEIGHT_ONLY, random_inputs, rel_l2
+
+TEXT = """
+graph @t(%x: f32[b,s,16], %ids: i64[b,s], %wr: f32[8,16]) -> (%y, %z, %r) {{
+  param %w1: f32[32,16] #{w1}
+  param %b1: f32[32] #{b1}
+  param %w2: f32[16,32] #{w2}
+  param %emb: f32[10,16] #{emb}
+  %h: f32[b,s,32] = linear(%x, %w1, %b1)
+  %g: f32[b,s,32] = gelu(%h)
+  %y: f32[b,s,16] = linear(%g, %w2)
+  %e: f32[b,s,16] = embedding(%emb, %ids)
+  %z: f32[b,s,10] = linear(%e, %emb)
+  %r: f32[b,s,8] = linear(%x, %wr)
+  return %y, %z, %r
+}}"""
+
+
+def _graph():
+    g = torch.Generator().manual_seed(0)
+    consts = {"w1": torch.randn(32, 16, generator=g), "b1": torch.randn(32, generator=g),
+              "w2": torch.randn(16, 32, generator=g), "emb": torch.randn(10, 16, generator=g)}
+    return parse_graph(TEXT.format(**{k: constant_digest(t) for k, t in consts.items()}), consts)
+
+
+@pytest.mark.parametrize("weights", ["int8", "bf16"])
+def test_constant_weights_become_qlinear(golden, weights):
+    g = _graph()
+    res = PASSES["quantize_weights"](g, PassContext(options={"quantize_weights": {"weights": weights}}))
+    verify_graph(res.graph)
+    golden(f"quantize_weights/{weights}", res.graph.text())
+    out = res.graph
+    assert res.stats["quantized"] == 3 and res.stats["linears"] == 3
+    assert res.stats["bytes_after"] < res.stats["bytes_before"] * (0.3 if weights == "int8" else 0.55)
+    # the runtime weight %wr is not a constant: its linear stays; the embedding keeps its f32 table
+    assert [n.op for n in out.nodes if n.outputs[0] in ("h", "y", "z", "r")] == ["qlinear"] * 3 + ["linear"]
+    assert "emb" in out.constants and "w1" not in out.constants and "w2" not in out.constants
+    q, scale = quantize(g.constants["w1"], weights)
+    h = next(n for n in out.nodes if n.outputs == ("h",))
+    assert torch.equal(out.constants[h.inputs[1]], q) and torch.equal(out.constants[h.inputs[2]], scale)
+    bound = WEIGHT_ONLY[weights][0]
+    for seed, env in enumerate(({"b": 1, "s": 3}, {"b": 2, "s": 5})):
+        inputs = random_inputs(g, env, seed, int_high=10)
+        want, got = interpret(g, inputs), interpret(out, inputs)
+        for name in g.outputs:
+            assert rel_l2(got[name], want[name]) < bound, (weights, name)
+
+
+def test_f32_weights_change_nothing():
+    g = _graph()
+    res = PASSES["quantize_weights"](g, PassContext())
+    assert not res.modified and res.graph is g
