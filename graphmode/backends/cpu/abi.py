@@ -33,12 +33,15 @@ TEMPLATES = Path(__file__).parent / "templates"
 def template(name: str) -> str:
     """The C++ of `templates/<name>`. A template opens with `//` lines that document it for
     its readers; the kernel text starts after them, so editing that documentation changes no
-    kernel symbol (and invalidates no cached library or timing)."""
+    kernel symbol (and invalidates no cached library or timing). A line `@include other.h`
+    stands for that template's text."""
     lines = (TEMPLATES / name).read_text().split("\n")
     k = 0
     while k < len(lines) and lines[k].startswith("//"):
         k += 1
-    return "\n".join(lines[k:])
+    # `@include other.h` (a line of its own) is that template's text: shared headers such as
+    # simd.h are written once; their own include guards keep a translation unit to one copy
+    return "\n".join(template(ln.split()[1]) if ln.startswith("@include ") else ln for ln in lines[k:])
 
 
 @dataclass(frozen=True)

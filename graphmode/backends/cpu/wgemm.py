@@ -61,7 +61,7 @@ def qlinear_source(call: OpCall, m: int, n: int, k: int) -> KernelSource:
     else:
         body.append("  gm_wq_cols<VT, MR, NR, W>(x, w, sc, b, y, M, N, K, 0, N);")
     kind = "int8" if w.dtype == torch.int8 else "bf16"
-    return finish("qlinear", call, body, header=template("simd.h") + template("wgemm.h"), pre=pre, parallel=par,
+    return finish("qlinear", call, body, header=template("wgemm.h"), pre=pre, parallel=par,
                   pattern=f"qlinear {kind} [{m}x{k}] x [{n}x{k}]^T{' + bias' if bias else ''}")
 
 

@@ -5,15 +5,7 @@
 
 #ifndef GM_ATTN_COMMON_H
 #define GM_ATTN_COMMON_H
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#ifndef _MM_MALLOC_H_INCLUDED
-#define _MM_MALLOC_H_INCLUDED
-#endif
-#ifndef __MM_MALLOC_H
-#define __MM_MALLOC_H
-#endif
-#include <immintrin.h>
-#endif
+@include simd.h
 #define GM_ATTN_UNROLL _Pragma("GCC unroll 64")
 #define GM_ATTN_FI __attribute__((always_inline)) inline
 

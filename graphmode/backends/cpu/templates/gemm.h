@@ -2,21 +2,12 @@
 // An MR x (NV vectors) tile of C stays in registers for a whole K block: per k, NV vectors
 // of B are loaded and MR values of A broadcast, one FMA per accumulator. Portable C,
 // AVX-512 and AVX2+FMA versions, the latter two behind the compiler's own ISA macros so a
-// kernel built for a host without them falls back to the portable one. <immintrin.h> is
-// included with its mm_malloc.h guard pre-defined: that header's <stdlib.h> would clash with
-// the prelude's own malloc/free declarations.
+// kernel built for a host without them falls back to the portable one. <immintrin.h> comes
+// from simd.h.
 
 #ifndef GM_GEMM_COMMON_H
 #define GM_GEMM_COMMON_H
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#ifndef _MM_MALLOC_H_INCLUDED
-#define _MM_MALLOC_H_INCLUDED
-#endif
-#ifndef __MM_MALLOC_H
-#define __MM_MALLOC_H
-#endif
-#include <immintrin.h>
-#endif
+@include simd.h
 #define GM_UNROLL _Pragma("GCC unroll 64")
 // A fused epilogue (gemm.py `@SYM@_epi`) stays out of line where there are 16 vector
 // registers: inlined, the constants it hoists (erf/exp polynomials) stay live across the

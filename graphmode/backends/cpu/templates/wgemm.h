@@ -8,6 +8,7 @@
 
 #ifndef GM_WGEMM_H
 #define GM_WGEMM_H
+@include simd.h
 #define GM_WQ_UNROLL _Pragma("GCC unroll 64")
 #define GM_WQ_FI __attribute__((always_inline)) inline
 typedef __UINT16_TYPE__ gm_bf16_t;

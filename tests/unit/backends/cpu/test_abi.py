@@ -34,7 +34,22 @@ def test_templates_are_documented_and_their_documentation_is_not_kernel_text():
     for name in names:
         raw = (TEMPLATES / name).read_text()
         assert raw.startswith("//"), name           # every template says what it is for
-        assert not template(name).startswith("//") and template(name) in raw, name
+        text = template(name)
+        lines = raw.split("\n")
+        body = "\n".join(lines[next(i for i, ln in enumerate(lines) if not ln.startswith("//")):])
+        for ln in body.split("\n"):
+            if ln.startswith("@include "):
+                body = body.replace(ln, template(ln.split()[1]))
+        assert not text.startswith("//") and text == body, name
+
+
+def test_an_included_template_is_its_text_once_per_translation_unit():
+    """`@include simd.h` is simd.h's text; its guard keeps the intrinsics header to one copy."""
+    simd = template("simd.h")
+    assert "#include <immintrin.h>" in simd and "#ifndef GM_SIMD_H" in simd
+    for name in ("gemm.h", "attention.h", "wgemm.h"):
+        assert simd in template(name) and "immintrin" not in (TEMPLATES / name).read_text().replace(
+            "<immintrin.h> comes", ""), name
 
 
 def _sources():
