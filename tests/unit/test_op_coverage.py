@@ -53,7 +53,7 @@ GENERATED_REFUSED = {("amax", 1): "not over the last dim", ("amin", 1): "not ove
 REFERENCE_STEPS = frozenset({
     "amax", "amin", "argmax", "argmin", "batch_norm", "cast", "clamp", "concat", "cos", "cumsum", "div", "eq",
     "expand", "fmod", "full", "gather", "ge", "gt", "identity", "index_select", "layer_norm", "le", "log_softmax",
-    "logical_not", "lt", "mean", "ne", "pad", "paged_attention", "reciprocal", "remainder", "roll", "silu", "sin",
+    "logical_not", "lt", "mean", "ne", "pad", "reciprocal", "remainder", "roll", "silu", "sin",
     "sum", "tril", "triu", "where"})
 # ops whose samples have no tensor input: an ONNX export folds them into a constant
 ONNX_NO_INPUTS = frozenset({"arange", "full"})

@@ -1,0 +1,145 @@
+// graphmode generated CPU kernels: the body of a paged KV-cache attention kernel (paged.py).
+// Instantiated inside each kernel's own namespace, after the shape constants (B, H, KVH, G,
+// S, D, E, PAGES, PAGE, MAXP, TB, NTB, TASKS, SCALE, PAR_WORK) and the vector traits VT that
+// paged.py writes; uses the traits of attention.h. check() validates one sequence, write()
+// scatters its new keys/values into the pools, row() attends one query row over the cache
+// (scores L keys at a time, reduced across lanes by hsums; softmax with 16 partial sums;
+// P V accumulated in registers over E, page by page), task() runs (sequence, kv head, rows).
+
+constexpr long DV = D / VT::L, DT = D % VT::L;     // whole vectors and the tail of a key row
+constexpr long EV = E / VT::L, ET = E % VT::L;     // ... of a value row
+constexpr long NE = EV + (ET ? 1 : 0);
+
+// v[u] = sum of the lanes of a[u], u < L: one vector of L sums (a lane transpose and add tree)
+#if defined(__AVX512F__)
+GM_ATTN_FI __m512 hsums(const __m512* a) {
+  __m512 t[8], w[4], x[2];
+  GM_ATTN_UNROLL for (int i = 0; i < 8; ++i)   // 128-bit block b: [a2i, a2i+1] partial sums, 2 each
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  GM_ATTN_UNROLL for (int i = 0; i < 4; ++i)   // block b: keys 4i..4i+3, one partial sum each
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  GM_ATTN_UNROLL for (int i = 0; i < 2; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+GM_ATTN_FI __m256 hsums(const __m256* a) {
+  __m256 t[4], w[2];
+  GM_ATTN_UNROLL for (int i = 0; i < 4; ++i)
+    t[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  GM_ATTN_UNROLL for (int i = 0; i < 2; ++i)
+    w[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
+}
+#else
+GM_ATTN_FI gm_attn_vc::V hsums(const gm_attn_vc::V* a) {
+  gm_attn_vc::V r;
+  for (int u = 0; u < 8; ++u) {
+    float x = 0.0f;
+    for (int l = 0; l < 8; ++l) x += a[u].x[l];
+    r.x[u] = x;
+  }
+  return r;
+}
+#endif
+
+// the pool row of cache position j of kv head g (row width W) through a sequence's table row
+GM_INLINE long pool_row(const int64_t* __restrict tab, long j, long g, long w) {
+  return ((tab[j / PAGE] * PAGE + j % PAGE) * KVH + g) * w;
+}
+
+// 0: nothing to do (lens <= 0), 1: valid, 2: positions outside the table or a page outside the pool
+GM_INLINE int check(const int64_t* __restrict tab, long s0, long n) {
+  if (n <= 0) return 0;
+  if (n > S || s0 < 0 || s0 > MAXP * PAGE - n) return 2;
+  for (long p = 0; p <= (s0 + n - 1) / PAGE; ++p)
+    if (tab[p] < 0 || tab[p] >= PAGES) return 2;
+  return 1;
+}
+
+// keys / values of positions s0 .. s0 + n - 1 of sequence i into their pool rows
+GM_INLINE void write(const float* __restrict k, const float* __restrict v, float* kp, float* vp,
+                     const int64_t* __restrict tab, long i, long s0, long n) {
+  for (long g = 0; g < KVH; ++g)
+    for (long t = 0; t < n; ++t) {
+      __builtin_memcpy(kp + pool_row(tab, s0 + t, g, D), k + ((i * KVH + g) * S + t) * D, D * sizeof(float));
+      __builtin_memcpy(vp + pool_row(tab, s0 + t, g, E), v + ((i * KVH + g) * S + t) * E, E * sizeof(float));
+    }
+}
+
+// o[E] = softmax(q . k_j * SCALE) v_j over cache positions j < ext of kv head g; s: ext rounded
+// up to 16 floats of scratch
+GM_INLINE void row(const float* __restrict q, const float* __restrict kp, const float* __restrict vp,
+                   const int64_t* __restrict tab, long g, long ext, float* __restrict s, float* __restrict o) {
+  typedef VT::V V;
+  constexpr long L = VT::L;
+  V qv[DV + 1];
+  GM_ATTN_UNROLL for (long c = 0; c < DV; ++c) qv[c] = VT::load(q + c * L);
+  if (DT) qv[DV] = VT::loadn<DT ? DT : 1>(q + DV * L);
+  const V sc = VT::set1(SCALE);
+  for (long j0 = 0; j0 < ext; j0 += L) {
+    V acc[L];
+    GM_ATTN_UNROLL for (long u = 0; u < L; ++u) {
+      acc[u] = VT::zero();
+      if (j0 + u < ext) {
+        const float* kr = kp + pool_row(tab, j0 + u, g, D);
+        GM_ATTN_UNROLL for (long c = 0; c < DV; ++c) acc[u] = VT::fma(qv[c], VT::load(kr + c * L), acc[u]);
+        if (DT) acc[u] = VT::fma(qv[DV], VT::loadn<DT ? DT : 1>(kr + DV * L), acc[u]);
+      }
+    }
+    VT::store(s + j0, VT::mul(hsums(acc), sc));
+  }
+  const long ext16 = (ext + 15) & ~15L;
+  float mx = -GM_INF;
+  #pragma omp simd reduction(max:mx)
+  for (long j = 0; j < ext; ++j) mx = mx > s[j] ? mx : s[j];
+  for (long j = ext; j < ext16; ++j) s[j] = -GM_INF;
+  // 16 partial sums and a tree at the end (as attention_task.h: no chain of dependent adds)
+  float part[16];
+  for (int l = 0; l < 16; ++l) part[l] = 0.0f;
+  for (long j0 = 0; j0 < ext16; j0 += 16) {
+    #pragma omp simd
+    for (int l = 0; l < 16; ++l) {
+      const float x = s[j0 + l] - mx;
+      const float e = x < -87.0f ? 0.0f : gm_expf_nc(x);
+      s[j0 + l] = e;
+      part[l] += e;
+    }
+  }
+  for (int w = 8; w > 0; w >>= 1)
+    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  V acc[NE];
+  GM_ATTN_UNROLL for (long u = 0; u < NE; ++u) acc[u] = VT::zero();
+  for (long p0 = 0; p0 < ext; p0 += PAGE) {
+    const float* vr = vp + pool_row(tab, p0, g, E);
+    const long m = ext - p0 < PAGE ? ext - p0 : PAGE;
+    for (long j = 0; j < m; ++j, vr += KVH * E) {
+      const V pj = VT::set1(s[p0 + j]);
+      GM_ATTN_UNROLL for (long u = 0; u < EV; ++u) acc[u] = VT::fma(pj, VT::load(vr + u * L), acc[u]);
+      if (ET) acc[EV] = VT::fma(pj, VT::loadn<ET ? ET : 1>(vr + EV * L), acc[EV]);
+    }
+  }
+  const V r = VT::set1(1.0f / part[0]);
+  GM_ATTN_UNROLL for (long u = 0; u < EV; ++u) VT::store(o + u * L, VT::mul(acc[u], r));
+  if (ET) VT::storen<ET ? ET : 1>(o + EV * L, VT::mul(acc[EV], r));
+}
+
+// task t: sequence i, kv head g, query rows t0 .. t0 + TB - 1 of its G query heads
+GM_INLINE void task(const float* __restrict q, const float* __restrict kp, const float* __restrict vp,
+                    const int64_t* __restrict table, const int64_t* __restrict start, const int64_t* __restrict lens,
+                    const uint8_t* __restrict ok, float* __restrict o, long t, float* __restrict s) {
+  const long i = t / (KVH * NTB), g = (t / NTB) % KVH, t0 = (t % NTB) * TB;
+  const long t1 = t0 + TB < S ? t0 + TB : S;
+  const long n = ok[i] == 1 ? lens[i] : 0, s0 = start[i];
+  for (long hh = 0; hh < G; ++hh) {
+    const long h = g * G + hh;
+    for (long tt = t0; tt < t1; ++tt) {
+      float* orow = o + ((i * H + h) * S + tt) * E;
+      if (tt < n) row(q + ((i * H + h) * S + tt) * D, kp, vp, table + i * MAXP, g, s0 + tt + 1, s, orow);
+      else for (long x = 0; x < E; ++x) orow[x] = 0.0f;
+    }
+  }
+}
