@@ -6,8 +6,8 @@ them. Each `linear(x, W[, b])` whose W is an f32 constant becomes `qlinear(x, Wq
 (see ir/ops/linalg.py): bf16 rounds W to nearest-even with a unit scale; int8 is symmetric
 per output channel, scale = max|W[n, :]| / 127 and Wq = round(W / scale) (an all-zero row
 keeps scale 1). Activations, bias and accumulation stay f32, so the answer changes only by
-the weights' rounding: `graphmode verify` then checks logit error and top-1 agreement against
-the f32 model instead of the f32 tolerance (verify/numerics.py WEIGHT_ONLY).
+the weights' rounding: `graphmode verify` then checks logit error and top-1 flips against
+the f32 model instead of the f32 tolerance (verify/numerics.py: WEIGHT_ONLY, Top1).
 
 A W shared with other nodes (GPT-2's tied embedding and LM head) keeps its f32 constant for
 them; the quantized copy is a new constant `<W>.bf16` / `<W>.int8`, made once per W.

@@ -13,30 +13,31 @@ import torch
 
 from graphmode.ir.graph import Graph
 from graphmode.ir.interpreter import interpret
-from graphmode.verify.numerics import TOLERANCE, WEIGHT_ONLY, rel_l2, top1_agreement
+from graphmode.verify.numerics import TOLERANCE, WEIGHT_ONLY, Top1, rel_l2, top1_agreement
 
 
 @dataclass
 class OutputCheck:
-    """One output against eager. `min_top1` is set where the recipe stores weights narrow and
-    the output is logits: then at least that share of positions must pick eager's arg-max."""
+    """One output against eager. `top1` is set where the recipe stores weights narrow; for
+    logits (`judge_top1`) a confident top-1 flip then fails the check (numerics.Top1)."""
 
     name: str
     dtype: str
     rel_l2: float
     tolerance: float
-    top1: float | None = None
-    min_top1: float | None = None
+    top1: Top1 | None = None
+    judge_top1: bool = False
 
     @property
     def ok(self) -> bool:
-        top1_ok = self.min_top1 is None or (self.top1 is not None and self.top1 >= self.min_top1)
-        return self.rel_l2 <= self.tolerance and top1_ok
+        flips = self.top1.flips if (self.judge_top1 and self.top1 is not None) else 0
+        return self.rel_l2 <= self.tolerance and flips == 0
 
     def to_json(self) -> dict[str, Any]:
-        d = {"name": self.name, "rel_l2": self.rel_l2, "tolerance": self.tolerance}
+        d: dict[str, Any] = {"name": self.name, "rel_l2": self.rel_l2, "tolerance": self.tolerance}
         if self.top1 is not None:
-            d.update(top1=self.top1, min_top1=self.min_top1)
+            d["top1"] = {"share": self.top1.share, "agree": self.top1.agree, "positions": self.top1.positions,
+                         "confident_flips": self.top1.flips, "judged": self.judge_top1}
         return d
 
 
@@ -46,7 +47,7 @@ class Divergence:
     node: str | None                 # "%value = op(...)" of the first diverging node
     op: str | None
     rel_l2: float
-    stage: str                       # "pass" | "plan" | "capture" | "padding"
+    stage: str                       # "pass" | "plan" | "capture" | "padding" | "weights"
     detail: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -56,6 +57,10 @@ class Divergence:
         if self.stage == "padding":
             return (f"a padded request differs from eager (rel L2 {self.rel_l2:.2e}) although the bucket itself "
                     "matches: padding changes this model's outputs")
+        if self.stage == "weights":
+            return (f"{self.detail.get('weights')} weights move the top-1 of {self.detail.get('flips')} of "
+                    f"{self.detail.get('positions')} position(s) by more than the rounding noise (error within "
+                    f"bound: rel L2 {self.rel_l2:.2e})")
         if self.stage == "plan":
             return f"introduced by the backend plan (all passes match): {where} (rel L2 {self.rel_l2:.2e})"
         return f"the captured graph already differs from eager: {where} (rel L2 {self.rel_l2:.2e})"
@@ -83,12 +88,12 @@ def compare_outputs(names: list[str], got: list[torch.Tensor], want: list[torch.
     for n, g, w in zip(names, got, want):
         dt = str(w.dtype).replace("torch.", "")
         short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}.get(dt, dt)
-        tol, min_top1 = tolerance_for(short, compute), None
-        if weights in WEIGHT_ONLY and torch.is_floating_point(w):
-            tol = max(tol, WEIGHT_ONLY[weights][0])
-            min_top1 = WEIGHT_ONLY[weights][1] if "logits" in n else None
-        top1 = top1_agreement(g, w) if weights in WEIGHT_ONLY else None
-        out.append(OutputCheck(n, short, rel_l2(g, w), tol, top1, min_top1 if top1 is not None else None))
+        tol = tolerance_for(short, compute)
+        narrow = weights in WEIGHT_ONLY and torch.is_floating_point(w)
+        if narrow:
+            tol = max(tol, WEIGHT_ONLY[weights])
+        top1 = top1_agreement(g, w) if narrow else None
+        out.append(OutputCheck(n, short, rel_l2(g, w), tol, top1, judge_top1=top1 is not None and "logits" in n))
     return out
 
 
@@ -150,9 +155,12 @@ def bisect_plan(graph: Graph, executable, inputs: Mapping[str, torch.Tensor], to
 
 
 def propose_fix(recipe, divergence: Divergence) -> dict[str, Any] | None:
-    """A recipe change that removes the divergence: an fp32 override for the diverging op when
-    compute precision is reduced, else dropping the pass that introduced it."""
+    """A recipe change that removes the divergence: wider stored weights for a weight-only
+    top-1 flip, an fp32 override for the diverging op when compute precision is reduced, else
+    dropping the pass that introduced it."""
     compute = recipe.precision.compute
+    if divergence.stage == "weights":          # int8 -> bf16 -> f32: one step wider
+        return {"precision": {"weights": "bf16" if recipe.precision.weights == "int8" else "f32"}}
     if divergence.op and compute != "f32":
         op = divergence.op.split("[")[0]
         if op == "fused":

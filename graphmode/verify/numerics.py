@@ -1,6 +1,7 @@
 """Numeric comparison helpers shared by tests, `graphmode verify` and the benchmark."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -13,18 +14,43 @@ TOLERANCE = {"f64": 1e-10, "f32": 1e-5, "bf16": 2e-2, "f16": 5e-3}
 
 # Weight-only quantization (recipe precision.weights) changes answers by the weights' rounding
 # by design, so its contract against the f32 model is a bound on the relative L2 error of the
-# outputs and, for logits, the share of positions whose arg-max (top-1 token or class) agrees.
-# Measured: tiny GPT-2 bf16 6.5e-3 / 99.2 %, int8 2.2e-2 / 96.1 %.
-WEIGHT_ONLY = {"bf16": (2e-2, 0.98), "int8": (6e-2, 0.95)}
+# outputs and, for logits, no confident top-1 flip: a position may pick another token than the
+# f32 model only where that token's f32 logit is within NEAR_TIE_SIGMAS x the position's RMS
+# logit error of the f32 best (a near-tie the rounding may decide either way; random-init
+# models, whose logits are nearly flat, are full of them). Measured on the tiny test GPT-2:
+# bf16 6.5e-3, int8 2.2e-2 relative L2.
+WEIGHT_ONLY = {"bf16": 2e-2, "int8": 6e-2}
+NEAR_TIE_SIGMAS = 3.0
 
 
-def top1_agreement(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
-    """Share of rows (all but the last axis) whose arg-max over the last axis agrees; None for
-    what has no classes to pick (integers, scalars, a last axis of one)."""
+@dataclass(frozen=True)
+class Top1:
+    """Arg-max agreement over the last axis: `agree` of `positions` pick the same index;
+    `flips` of the others picked one the reference ranks below its best by more than
+    NEAR_TIE_SIGMAS x that position's RMS error."""
+
+    agree: int
+    positions: int
+    flips: int
+
+    @property
+    def share(self) -> float:
+        return self.agree / self.positions if self.positions else 1.0
+
+
+def top1_agreement(actual: torch.Tensor, expected: torch.Tensor) -> Top1 | None:
+    """None for what has no classes to pick (integers, scalars, a last axis of one)."""
     if (actual.shape != expected.shape or not torch.is_floating_point(expected) or expected.dim() < 1
             or expected.shape[-1] < 2 or expected.numel() == 0):
         return None
-    return float((actual.argmax(-1) == expected.argmax(-1)).double().mean())
+    a = actual.detach().double().reshape(-1, expected.shape[-1])
+    e = expected.detach().double().reshape(-1, expected.shape[-1])
+    pick = a.argmax(-1)
+    same = pick == e.argmax(-1)
+    sigma = (a - e).pow(2).mean(-1).sqrt()
+    behind = e.max(-1).values - e.gather(1, pick[:, None])[:, 0]
+    flips = int(((~same) & (behind > NEAR_TIE_SIGMAS * sigma)).sum())
+    return Top1(int(same.sum()), int(same.numel()), flips)
 
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:

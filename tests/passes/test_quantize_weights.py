@@ -50,7 +50,7 @@ def test_constant_weights_become_qlinear(golden, weights):
     q, scale = quantize(g.constants["w1"], weights)
     h = next(n for n in out.nodes if n.outputs == ("h",))
     assert torch.equal(out.constants[h.inputs[1]], q) and torch.equal(out.constants[h.inputs[2]], scale)
-    bound = WEIGHT_ONLY[weights][0]
+    bound = WEIGHT_ONLY[weights]
     for seed, env in enumerate(({"b": 1, "s": 3}, {"b": 2, "s": 5})):
         inputs = random_inputs(g, env, seed, int_high=10)
         want, got = interpret(g, inputs), interpret(out, inputs)
