@@ -288,14 +288,16 @@ def _scenario(case: DecodeCase, sc: Scenario, slots: list[_Slot], cfg: DecodeCon
 
 
 def _agreement(got: list[list[int]], ref: list[list[int]]) -> dict[str, int]:
-    """Greedy tokens equal to transformers eager's, counted up to each row's first difference."""
+    """Greedy tokens equal to transformers eager's, counted up to each row's first difference,
+    and the rows whose first new token (the prefill's top-1, same input for both) is eager's."""
     same = 0
     for g, r in zip(got, ref):
         for a, b in zip(g, r):
             if a != b:
                 break
             same += 1
-    return {"same": same, "of": sum(len(r) for r in ref)}
+    first = sum(1 for g, r in zip(got, ref) if g[:1] == r[:1])
+    return {"same": same, "of": sum(len(r) for r in ref), "first": first, "rows": len(ref)}
 
 
 def _finish(slot: _Slot, sc: Scenario, wb: dict[str, tuple[float, float]], gbps: float) -> dict[str, Any]:
@@ -420,7 +422,7 @@ class DecodeResult:
     def quick_failures(self) -> list[str]:
         """Why a --quick run fails: an engine that did not run (not counting 'not installed')
         or graphmode tokens that differ from transformers eager's (with int8 / bf16 weights:
-        agree less than their top-1 bound). Never a timing."""
+        a row's first token). Never a timing."""
         bad = []
         for r in self.rows:
             where = f"{r['model']} {r['scenario']} {r['label']}"
@@ -431,11 +433,13 @@ class DecodeResult:
                 m = r.get("tokens_match")
                 if m is None:
                     bad.append(f"{where}: no transformers eager tokens to compare with (add eager to --engines)")
-                elif r.get("variant") in WEIGHT_ONLY:     # narrow weights: the weight-only top-1 contract
-                    if m["same"] < WEIGHT_ONLY[r["variant"]][1] * m["of"]:
-                        bad.append(f"{where}: fewer greedy tokens equal transformers eager's than the "
-                                   f"{WEIGHT_ONLY[r['variant']][1]:.0%} top-1 agreement {r['variant']} weights "
-                                   f"promise ({m})")
+                elif r.get("variant") in WEIGHT_ONLY:
+                    # narrow weights flip a near-tie now and then, and a free-running sequence
+                    # differs from there on: the check is each row's first token (the prefill's
+                    # top-1 on eager's own input); graphmode verify measures top-1 per position
+                    if m.get("first") != m.get("rows"):
+                        bad.append(f"{where}: a first new token differs from transformers eager's under "
+                                   f"{r['variant']} weights ({m})")
                 elif m["same"] != m["of"]:
                     bad.append(f"{where}: greedy tokens differ from transformers eager ({m})")
         return bad

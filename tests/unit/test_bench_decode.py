@@ -48,9 +48,10 @@ def test_parse_engines_expands_llama_cpp_and_refuses_unknown_names():
 
 def test_agreement_counts_tokens_up_to_each_rows_first_difference():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert decode._agreement(ref, ref) == {"same": 8, "of": 8}
-    assert decode._agreement([[1, 2, 9, 4], [5, 6, 7, 8]], ref) == {"same": 6, "of": 8}   # 4 after a miss don't count
-    assert decode._agreement([[1, 2], [0, 6, 7, 8]], ref) == {"same": 2, "of": 8}
+    assert decode._agreement(ref, ref) == {"same": 8, "of": 8, "first": 2, "rows": 2}
+    assert decode._agreement([[1, 2, 9, 4], [5, 6, 7, 8]], ref) == {"same": 6, "of": 8, "first": 2,
+                                                                    "rows": 2}   # 4 after a miss don't count
+    assert decode._agreement([[1, 2], [0, 6, 7, 8]], ref) == {"same": 2, "of": 8, "first": 1, "rows": 2}
 
 
 def test_ratios_against_eager_and_the_best_other_engine():
@@ -262,7 +263,8 @@ def test_int8_goal_and_quick_verdict_use_the_int8_variant():
     rows = [row("graphmode", ms=10.0, variant="int8", dtype="int8"), row("llama_cpp", ms=20.0, dtype="q8_0")]
     g = {x["goal"]: x for x in decode.goals(rows)}["int8 decode b1 vs llama.cpp q8_0"]
     assert g["value"] == 2.0 and g["met"] is True
-    few = row("graphmode", variant="int8", tokens_match={"same": 90, "of": 100})
-    many = row("graphmode", variant="int8", tokens_match={"same": 97, "of": 100})
-    bad = DecodeResult([few, many], {}, []).quick_failures()
-    assert len(bad) == 1 and "95% top-1 agreement int8" in bad[0]
+    diverged = row("graphmode", variant="int8", tokens_match={"same": 40, "of": 100, "first": 4, "rows": 4})
+    flipped = row("graphmode", variant="int8", tokens_match={"same": 97, "of": 100, "first": 3, "rows": 4})
+    bad = DecodeResult([diverged, flipped], {}, []).quick_failures()
+    assert len(bad) == 1 and "first new token differs" in bad[0] and "'first': 3" in bad[0]
+
