@@ -147,6 +147,36 @@ def print_predictions(rows, cal, source: str) -> None:
                   f"{cal.default_efficiency:.3g}, whole-model {cal.model_efficiency}", highlight=False)
 
 
+def _decode_shape(text: str) -> tuple[int, int]:
+    from graphmode.errors import GraphmodeError
+    try:
+        b, c = (int(v) for v in text.lower().split("x"))
+        if b >= 1 and c >= 1:
+            return b, c
+    except ValueError:
+        pass
+    raise GraphmodeError("a decode shape is BATCHxCONTEXT with both >= 1", where="--decode", value=text,
+                         fix="e.g. --decode 1x128")
+
+
+def _profile_decode(case, rec, steps, target, runs: int, threads: int, cache: str, log) -> list:
+    """The decode engine's step of `case` under decoder recipe `rec` at each (batch, context)."""
+    import graphmode
+    from graphmode.bench.profile import profile_executable
+    from graphmode.decode.api import engine_of
+    log(f"building the decode engine of {case.name} ...")
+    cm = graphmode.compile(case.bundle, rec, "host", mode="eager", cache_dir=cache, threads=threads)
+    eng = engine_of(cm)
+    out = []
+    for b, c in steps:
+        log(f"profiling {case.name} decode batch={b} context={c} ...")
+        with eng.decode_probe(b, c) as (exe, inputs):
+            prof = profile_executable(exe, inputs, target, runs=runs, model=f"{case.name}-decode", threads=threads)
+        prof.bucket = {"batch": b, "context": c}
+        out.append(prof)
+    return out
+
+
 @app.command("profile")
 def profile_cmd(
     model: Optional[List[str]] = typer.Option(None, "--model", help="minilm | gpt2 | resnet18 | "
@@ -166,9 +196,13 @@ def profile_cmd(
     no_eager: bool = typer.Option(False, "--no-eager", help="skip the eager timing and dispatch measurements"),
     refit: bool = typer.Option(False, "--refit", help="refit and save the calibration from the stored samples "
                                "(after a host re-probe or a cost-model change); with no --model nothing is measured"),
+    decode: Optional[List[str]] = typer.Option(None, "--decode", help="profile the decode engine's step at "
+                                               "BATCHxCONTEXT instead, e.g. 1x128 (repeatable; needs a decoder "
+                                               "--recipe with memory.kv_cache)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """Time every instruction of a compiled plan; calibrate the host cost model from it."""
+    """Time every instruction of a compiled plan (or of the decode engine's step, --decode);
+    calibrate the host cost model from it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -192,8 +226,15 @@ def profile_cmd(
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
     profiles = []
     with tempfile.TemporaryDirectory(prefix="graphmode-profile-") as tmp:
+        if decode and (recipe is None or shape):
+            raise GraphmodeError("--decode profiles the decode engine of a decoder recipe", where="--decode",
+                                 value=list(decode), fix="give --recipe with memory.kv_cache, and no --shape")
+        steps = [_decode_shape(d) for d in decode or []]
         for case in load_cases(model or [], shape or []) if model else []:
             rec = load_recipe(recipe if recipe is not None else auto_recipe(case.bundle, case.envs))
+            if steps:
+                profiles += _profile_decode(case, rec, steps, target, runs, threads, tmp, log)
+                continue
             log(f"compiling {case.name} ...")
             cm = graphmode.compile(case.bundle, rec, "host", cache_dir=tmp, threads=threads)
             first = len(profiles)

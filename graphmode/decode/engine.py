@@ -13,6 +13,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -239,22 +240,54 @@ class DecodeEngine:
         if self.invariant and len(seqs) > 1:
             return [f for s in seqs for f in self._decode([s])]
         b = self._bucket(self.batch_buckets, len(seqs), "batch")
-        ids = torch.zeros(b, 1, dtype=torch.int64)
-        pos = torch.zeros(b, 1, dtype=torch.int64)
-        start = torch.zeros(b, dtype=torch.int64)
-        n = torch.zeros(b, dtype=torch.int64)
-        for i, s in enumerate(seqs):
-            ids[i, 0] = s.tokens[-1]
-            pos[i, 0] = start[i] = s.cached
-            n[i] = 1
-        inputs = {"input_ids": ids, "position_ids": pos,
-                  "block_table": self.cache.block_table([s.id for s in seqs], b),
-                  "start": start, "lens": n, "last": torch.zeros(b, dtype=torch.int64)}
+        inputs = self._decode_inputs(b, [(s.id, s.tokens[-1], s.cached) for s in seqs])
         logits = self._run({"batch": b, "seq": 1}, inputs)
         self.stats["decode_steps"] += 1
         for s in seqs:
             s.cached += 1
         return self._emit(seqs, logits)
+
+    def _decode_inputs(self, b: int, rows: Sequence[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+        """Decode-plan inputs for bucket `b`: per row (sequence id, its last token, tokens cached)."""
+        ids = torch.zeros(b, 1, dtype=torch.int64)
+        pos = torch.zeros(b, 1, dtype=torch.int64)
+        start = torch.zeros(b, dtype=torch.int64)
+        n = torch.zeros(b, dtype=torch.int64)
+        for i, (_sid, tok, cached) in enumerate(rows):
+            ids[i, 0] = tok
+            pos[i, 0] = start[i] = cached
+            n[i] = 1
+        return {"input_ids": ids, "position_ids": pos, "block_table": self.cache.block_table([r[0] for r in rows], b),
+                "start": start, "lens": n, "last": torch.zeros(b, dtype=torch.int64)}
+
+    @contextmanager
+    def decode_probe(self, batch: int, context: int) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
+        """The decode plan for `batch` sequences `context` tokens long and inputs that run it,
+        their pages held meanwhile (each run writes the same slot again): what
+        `graphmode profile --decode` times. Only while no request is being served."""
+        with self.lock:
+            if self.has_work:
+                raise GraphmodeError("the engine is serving requests", where="decode_probe",
+                                     fix="profile an idle engine")
+            if batch not in self.batch_buckets:
+                raise ContractViolation(f"batch {batch} is not a batch bucket", where="dims.batch", value=batch,
+                                        fix=f"one of {self.batch_buckets}")
+            if not 1 <= context < self.layout.max_tokens:
+                raise ContractViolation(f"context {context} is outside what a sequence's pages hold", where="context",
+                                        value=context, fix=f"1 .. {self.layout.max_tokens - 1}")
+            ids = [-1 - i for i in range(batch)]
+            if self.cache.pages_for(context + 1) * batch > self.layout.pages:
+                raise ContractViolation(f"{batch} sequences of {context + 1} tokens need more pages than the pool has",
+                                        where="memory.kv_cache", value=(batch, context), fix="a smaller batch or context")
+            try:
+                for sid in ids:
+                    self.cache.reserve(sid, context + 1)
+                vocab = max(1, int(self.cfg["vocab"] or 1))
+                inputs = self._decode_inputs(batch, [(sid, (7 * i + 1) % vocab, context) for i, sid in enumerate(ids)])
+                yield self._cm.executable({"batch": batch, "seq": 1}), inputs
+            finally:
+                for sid in ids:
+                    self.cache.release(sid)
 
     def _preempt(self, exclude: Sequence_) -> Sequence_ | None:
         """Recompute policy: the youngest running sequence gives its pages back and waits at

@@ -181,3 +181,29 @@ def test_batch_invariant_needs_a_kv_cache():
     del r["memory"]
     res = check_semantics(load_recipe(r))
     assert any(e.where == "determinism" and "memory.kv_cache" in e.fix for e in res.errors)
+
+
+def test_decode_probe_times_the_engine_step_and_gives_its_pages_back(model):
+    """What `graphmode profile --decode` runs: the engine's decode plan at a batch bucket and a
+    context, its steps timed one by one (paged attention as a native kernel), the pages it
+    held returned; a batch that is no bucket, or a context the pages cannot hold, is refused."""
+    from graphmode.bench.profile import profile_executable
+    from graphmode.decode.api import engine_of
+    from graphmode.targets import get_target
+    _, cm = model
+    eng = engine_of(cm)
+    free = eng.cache.free_pages
+    with eng.decode_probe(2, 9) as (exe, inputs):
+        assert eng.cache.free_pages == free - 2 * 3          # 10 tokens in pages of 4, per sequence
+        prof = profile_executable(exe, inputs, get_target("host"), runs=3, model="tiny-decode")
+    assert eng.cache.free_pages == free
+    names = [s.name for s in prof.steps]
+    assert names.count("native:paged_attention") == 2 and prof.bucket == {"batch": 2, "seq": 1}
+    assert prof.run_s > 0 and all(s.time_s >= 0 for s in prof.steps)
+    with pytest.raises(ContractViolation, match="batch bucket"):
+        with eng.decode_probe(3, 9):
+            pass
+    with pytest.raises(ContractViolation, match="context"):
+        with eng.decode_probe(1, 48):
+            pass
+    assert eng.cache.free_pages == free

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -394,3 +395,24 @@ def test_calibration_keeps_the_roofline_it_was_fitted_against():
                          bandwidth=Fraction(1), compute_dtype="f32")
     cm = apply_calibration(cm, slower, cal)
     assert float(cm.bandwidth) == pytest.approx(t.memory_bandwidth_gbps * 1e9 * cal.model_efficiency)
+
+
+def test_profile_cli_decode_times_the_engine_step(cli, tmp_path):
+    """`profile --decode BxC` times the decode engine's step of a decoder recipe; without such
+    a recipe, or with a malformed shape, it is refused with the option named."""
+    import yaml
+    e2e = Path(__file__).resolve().parents[1] / "e2e"
+    sys.path.insert(0, str(e2e))
+    import tiny_decoders
+    rec = tmp_path / "dec.yaml"
+    rec.write_text(yaml.safe_dump(tiny_decoders.recipe()))
+    spec = f"{e2e / 'tiny_decoders.py'}:gpt2"
+    res = cli("profile", "--model", spec, "--recipe", str(rec), "--decode", "2x9", "--runs", "3", "--threads", "1",
+              "--no-eager", "--json")
+    assert res.exit_code == 0, res.output
+    (p,) = json.loads(res.stdout)["profiles"]
+    assert p["bucket"] == {"batch": 2, "context": 9} and p["model"].endswith("-decode")
+    assert sum(s["name"] == "native:paged_attention" for s in p["steps"]) == 2
+    for bad in (["--decode", "2by9", "--recipe", str(rec)], ["--decode", "1x8"]):
+        res = cli("profile", "--model", spec, *bad, "--runs", "1", "--no-eager")
+        assert res.exit_code != 0 and "--decode" in res.output
