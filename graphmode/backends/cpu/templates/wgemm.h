@@ -83,10 +83,11 @@ GM_WQ_FI void gm_wq_tile(const float* __restrict x, long ldx, const W* __restric
   long k = 0;
   for (; k + VT::L <= K; k += VT::L) {
     typename VT::V wv[NR];
-    GM_WQ_UNROLL for (int j = 0; j < NR; ++j) {
-      __builtin_prefetch(w + (2 * NR + j) * K + k, 0, 0);   // two tiles ahead: short row streams the
-      wv[j] = VT::widen(w + j * K + k);                  // hardware prefetcher does not ramp up on
+    if (((k * (long)sizeof(W)) & 63) == 0) {   // once per cache line: the rows two tiles ahead (short
+      GM_WQ_UNROLL for (int j = 0; j < NR; ++j)   // row streams the hardware prefetcher does not ramp up on)
+        __builtin_prefetch(w + (2 * NR + j) * K + k, 0, 0);
     }
+    GM_WQ_UNROLL for (int j = 0; j < NR; ++j) wv[j] = VT::widen(w + j * K + k);
     GM_WQ_UNROLL for (int i = 0; i < MR; ++i) {
       typename VT::V xv = VT::load(x + i * ldx + k);
       GM_WQ_UNROLL for (int j = 0; j < NR; ++j) acc[i][j] = VT::fma(xv, wv[j], acc[i][j]);
