@@ -130,6 +130,16 @@ class StepRow:
         body = f" [{'+'.join(self.body_ops)}]" if self.body_ops else ""
         return f"#{self.index} {self.name}{body}"
 
+    @property
+    def gathers(self) -> bool:
+        """An indexed read (embedding, paged attention, index) from inputs much larger than its
+        result: its byte count holds every row it could pick, an upper bound on what it reads."""
+        from graphmode.ir.ops import OPS
+        ops = self.body_ops or [self.name.split(":", 1)[-1]]
+        elems = (lambda shapes: sum(math.prod(sh) for sh in shapes))
+        return (any(o in OPS and OPS[o].has("index_dependent") and OPS[o].kind != "reduction" for o in ops)
+                and elems(self.in_shapes) >= 4 * max(1, elems(self.out_shapes)))
+
 
 @dataclass
 class BucketProfile:
@@ -343,8 +353,9 @@ def roofline_breaches(steps: Sequence[StepRow], target: Any, weights_bytes: floa
     """The steps that ran faster than their roofline on `target`, each with its achieved rate, the
     target's (`probe`) and the `cause`: `peak` (a GEMM above the f32 peak: the clock runs above
     the reported one), `probe` (a step that reads mostly weights of a model larger than the LLC,
-    so from memory, above the probed bandwidth: the probe under-measured) or `cache` (its data
-    was in cache: activations the previous steps just wrote, or weights that fit in the LLC).
+    so from memory, above the probed bandwidth: the probe under-measured), `cache` (its data
+    was in cache: activations the previous steps just wrote, or weights that fit in the LLC)
+    or `gather` (an indexed read whose byte count is the whole table it picks rows from).
     `why` says it in one sentence with the numbers."""
     bw, peak, llc = target.memory_bandwidth_gbps, target.peak("f32") / 1e9, target.llc_bytes
     out = []
@@ -363,9 +374,12 @@ def roofline_breaches(steps: Sequence[StepRow], target: Any, weights_bytes: floa
         else:
             achieved, probe, unit = s.bytes / s.time_s / 1e9, bw, "GB/s"
             weights = s.const_bytes >= 0.5 * s.bytes
-            cause = "probe" if weights and weights_bytes > llc else "cache"
+            cause = "gather" if s.gathers else "probe" if weights and weights_bytes > llc else "cache"
             head = f"{s.label()} moved {achieved:.3g} GB/s, above the probe's {bw:.3g} GB/s ({frac:.0%} of its roofline)"
-            if cause == "probe":
+            if cause == "gather":
+                why = (f"{head}: it reads only the rows (or pages) it indexes, and its byte count is every row it "
+                       "could pick, so this rate is not what it read")
+            elif cause == "probe":
                 why = (f"{head}: the host probe under-measured the memory bandwidth (the step reads mostly weights, and "
                        f"the model's {weights_bytes / 2**20:.3g} MiB exceed the {llc / 2**20:.0f} MiB LLC); re-probe on "
                        "an idle machine with `graphmode targets show host --reprobe`")

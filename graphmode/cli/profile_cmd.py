@@ -104,9 +104,10 @@ def print_profile(prof, top: int) -> None:
 def print_breaches(breaches, shown: int = 8) -> None:
     """Steps above their roofline ('!' in the table): a roofline is an upper bound, so each is a
     measurement problem to name, not an efficiency to print. Probe and peak problems one line
-    each; steps that ran on cached data in one line."""
-    loud = [b for b in breaches if b["cause"] != "cache"]
+    each; steps that ran on cached data in one line, indexed reads in another."""
+    loud = [b for b in breaches if b["cause"] not in ("cache", "gather")]
     cached = [b for b in breaches if b["cause"] == "cache"]
+    gathers = [b for b in breaches if b["cause"] == "gather"]
     if loud:
         console.print(f"  [yellow]warning:[/] {len(loud)} instruction(s) ran above the host's roofline, so the probe "
                       "under-measured it; their 'of roof' is not an efficiency:", highlight=False)
@@ -118,6 +119,10 @@ def print_breaches(breaches, shown: int = 8) -> None:
         steps = ", ".join(f"#{b['step']}" for b in cached[:shown]) + (" ..." if len(cached) > shown else "")
         console.print(f"  note: {len(cached)} instruction(s) ran above the memory roofline on data in cache ({steps}; "
                       f"e.g. {cached[0]['why']})", markup=False, highlight=False, soft_wrap=True)
+    if gathers:
+        steps = ", ".join(f"#{b['step']}" for b in gathers[:shown]) + (" ..." if len(gathers) > shown else "")
+        console.print(f"  note: {len(gathers)} indexed read(s) count every row they could pick ({steps}; "
+                      f"e.g. {gathers[0]['why']})", markup=False, highlight=False, soft_wrap=True)
 
 
 def print_predictions(rows, cal, source: str) -> None:

@@ -205,11 +205,12 @@ def test_profile_rows_sum_to_the_run(tiny_profile):
     assert len(d["top"]) == 2 and d["top"][0]["time_s"] >= d["top"][1]["time_s"]
 
 
-def _step(index, kind, flops, nbytes, const_bytes, time_s):
+def _step(index, kind, flops, nbytes, const_bytes, time_s, name=None, in_shapes=(), out_shapes=()):
     from graphmode.bench.profile import StepRow
-    return StepRow(index=index, node_index=index, name=f"aten:{kind}", cost_kind=kind, body_ops=[], in_shapes=[],
-                   out_shapes=[], flops=flops, bytes=nbytes, time_s=time_s, share=0.0, gflops=None, gbps=None,
-                   roofline_s=0.0, bound="", roofline_frac=None, const_bytes=const_bytes)
+    return StepRow(index=index, node_index=index, name=name or f"aten:{kind}", cost_kind=kind, body_ops=[],
+                   in_shapes=list(in_shapes), out_shapes=list(out_shapes), flops=flops, bytes=nbytes, time_s=time_s,
+                   share=0.0, gflops=None, gbps=None, roofline_s=0.0, bound="", roofline_frac=None,
+                   const_bytes=const_bytes)
 
 
 def test_steps_above_the_roofline_are_named_with_their_cause():
@@ -234,6 +235,12 @@ def test_steps_above_the_roofline_are_named_with_their_cause():
     assert by[2]["cause"] == "peak" and by[2]["unit"] == "GFLOP/s" and by[2]["probe"] == 150.0
     small = {b["step"]: b for b in roofline_breaches(steps, t, weights_bytes=10e6)}    # weights fit in the LLC
     assert small[0]["cause"] == "cache" and "fit in the 32 MiB LLC" in small[0]["why"]
+    # an embedding counts its whole 154 MB table but reads one row; an argmax reads all it counts
+    table = 50257 * 768 * 4
+    gathers = [_step(0, "data", 0.0, table, table, 5e-5, "aten:embedding", [[50257, 768], [1, 1]], [[1, 1, 768]]),
+               _step(1, "reduction", 0.0, table, 0.0, 5e-5, "aten:argmax", [[50257, 768]], [[50257]])]
+    by = {b["step"]: b for b in roofline_breaches(gathers, t, weights_bytes=500e6)}
+    assert by[0]["cause"] == "gather" and "indexes" in by[0]["why"] and by[1]["cause"] != "gather"
 
 
 def test_profile_flags_real_steps_against_a_low_probe(tiny_profile):
