@@ -28,6 +28,7 @@ from graphmode.verify.numerics import rel_l2
 
 TOLERANCE_F32 = 1e-5
 WINOGRAD_TILES = (4, 2)   # F(4x4, 3x3) first: 4x fewer multiplies; F(2x2) for small images / many channels
+ROW_WASTE = 0.15          # a Winograd GEMM whose row tiles are this much padding also gets the best-fitting blocking
 
 # generated configurations per ISA, best-first for the heuristic (measured on the 16-row
 # GEMMs of MiniLM / GPT-2 and 128-row ones, Zen 4, 1 and 2 threads)
@@ -93,19 +94,31 @@ def _conv_names(p: ConvProblem, simd: Sequence[str], threads: int,
     base = cfgs[0]
     out: list[str] = []
 
-    def fit(g: GemmProblem, serial: bool = False) -> GemmConfig:
+    def fit(g: GemmProblem, serial: bool = False, cfg: GemmConfig = base) -> GemmConfig:
         one = serial or threads == 1 or g.flops < PAR_FLOPS
-        return GemmConfig(base.isa, base.mr, base.nr, base.kc if base.kc < g.k else 0,
-                          base.mc if base.mc < g.m else 0, base.split if g.n > base.nr and not one else 1,
-                          "serial" if one else base.par)
+        return GemmConfig(cfg.isa, cfg.mr, cfg.nr, cfg.kc if cfg.kc < g.k else 0,
+                          cfg.mc if cfg.mc < g.m else 0, cfg.split if g.n > cfg.nr and not one else 1,
+                          "serial" if one else cfg.par)
     if p.winograd_ok:
         for m in WINOGRAD_TILES:
-            out.append(WinogradConfig(m, fit(winograd_gemm(p, m))).name)
+            g = winograd_gemm(p, m)
+            out.append(WinogradConfig(m, fit(g)).name)
+            # few tile rows (small feature maps: 7x7 is 4 rows of F(4x4) per image): the blocking
+            # whose row tile wastes least of them is a second candidate (AVX2 4x24 against 6x16)
+            alt = min(cfgs, key=lambda c: (_row_waste(c.mr, g.m), -c.mr))
+            if _row_waste(base.mr, g.m) >= ROW_WASTE and _row_waste(alt.mr, g.m) <= _row_waste(base.mr, g.m) / 2:
+                out.append(WinogradConfig(m, fit(g, cfg=alt)).name)
             chunk = chunk_for(p, m, base.mr)
             if threads > 1 and geometry(p, m).t >= chunk * threads:
                 out.append(WinogradConfig(m, fit(winograd_gemm(p, m, chunk), serial=True), chunk, threads).name)
     out.append(Im2colConfig(fit(im2col_gemm(p))).name)
-    return out
+    return list(dict.fromkeys(out))
+
+
+def _row_waste(mr: int, m: int) -> float:
+    """The share of a GEMM's MR-row tiles that are padding for `m` rows."""
+    tiles = -(-m // mr)
+    return (tiles * mr - m) / (tiles * mr)
 
 
 def candidate_sources(p: GemmProblem, names: Sequence[str], threads: int) -> dict[str, Any]:

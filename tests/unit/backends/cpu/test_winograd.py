@@ -270,3 +270,19 @@ def test_executor_runs_winograd_convs_matching_eager(tmp_path):
         rep = cm.executable({"batch": batch}).tactics_report
         convs = [g for g in rep["gemms"] if g["shape"]["op"] == "conv2d"]
         assert len(convs) == 3 and {tuple(g["shape"]["stride"]) for g in convs} == {(1, 1), (2, 2)}, rep["gemms"]
+
+
+def test_small_feature_maps_also_get_the_best_fitting_row_blocking():
+    """A 7x7 map is 4 rows of F(4x4) tiles per image: AVX2's 6-row blocking pads a third of
+    them, so its 4x24 blocking is a second Winograd candidate; a 56x56 map (196 rows) and the
+    AVX-512 list (no blocking halves the padding) keep one."""
+    from graphmode.backends.cpu.isa import capped_simd
+    from graphmode.backends.cpu.tactics.candidates import CONFIGS, candidate_names
+    simd = ["sse4_2", "avx", "avx2", "fma", "avx512f", "avx512vl"]
+    for isa, shape, extra in [("avx2", (1, 512, 7, 7, 512), ["wino4_avx2_4x24_k256_mall"]),
+                              ("avx2", (1, 64, 56, 56, 64), []), ("avx512", (1, 512, 7, 7, 512), [])]:
+        n, cin, h, w, cout = shape
+        names = candidate_names(_problem(n, cin, h, w, cout, 1, True), simd=capped_simd(simd, isa), threads=2,
+                                configs=CONFIGS, generated=True)
+        wino4 = [x for x in names if x.startswith("wino4_")]
+        assert wino4[1:] == extra and len(set(names)) == len(names), (isa, shape, names)
