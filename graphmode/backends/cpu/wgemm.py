@@ -29,40 +29,56 @@ _WTYPE = {torch.int8: "int8_t", torch.bfloat16: "gm_bf16_t"}
 PAR_FLOPS = 1 << 18      # below this one thread: a [1, 64] x [64, 64] layer is done before a team wakes
 
 
-def _isa_lines() -> list[str]:
+PANEL = {"avx512": ("gm_wq_p512", 8, 2, 16), "avx2": ("gm_wq_p256", 6, 2, 8), "portable": ("gm_wq_pc", 4, 2, 8)}
+PANEL_ROWS = 32          # from this many rows the panel path (widen once, f32 micro-kernels) is faster
+
+
+def _isa_lines(n: int) -> list[str]:
+    """Per ISA: the dot path's traits and tile, the panel path's micro-kernel and the shape of
+    the last, narrower column block of N."""
     out = []
-    for i, isa in enumerate(("avx512", "avx2")):
+    for i, isa in enumerate(("avx512", "avx2", "portable")):
         mr, nr = TILES[isa]
-        out += [("#if " if i == 0 else "#elif ") + ISA_GUARD[isa],
-                f"typedef {_TRAITS[isa]} VT; constexpr int MR = {mr}, NR = {nr};"]
-    mr, nr = TILES["portable"]
-    return out + ["#else", f"typedef {_TRAITS['portable']} VT; constexpr int MR = {mr}, NR = {nr};", "#endif"]
+        pname, _pmr, pnv, pl = PANEL[isa]
+        rest = n % (pnv * pl)
+        tv = -(-rest // pl)
+        out += [("#if " + ISA_GUARD[isa]) if i == 0 else ("#elif " + ISA_GUARD[isa]) if i == 1 else "#else",
+                f"typedef {_TRAITS[isa]} VT; constexpr int MR = {mr}, NR = {nr};",
+                f"typedef {pname} PK; constexpr int TV = {tv}, TLAST = {rest - (tv - 1) * pl if tv else 0};"]
+    return out + ["#endif"]
 
 
 def qlinear_source(call: OpCall, m: int, n: int, k: int) -> KernelSource:
     w = call.ins[1]
     bias = len(call.ins) > 3
     par = 2.0 * m * n * k >= PAR_FLOPS
+    panel = m >= PANEL_ROWS
     wt = _WTYPE[w.dtype]
     out = f"p{len(call.ins)}"
-    pre = "\n".join(["namespace @SYM@_ns {", *_isa_lines(),
-                     f"constexpr long M = {m}, N = {n}, K = {k}, NB = (N + NR - 1) / NR;",
+    pre = "\n".join(["namespace @SYM@_ns {", *_isa_lines(n),
+                     f"constexpr long M = {m}, N = {n}, K = {k};",
+                     "constexpr long COLS = " + ("PK::NV * PK::L" if panel else "NR") + ", NB = (N + COLS - 1) / COLS;",
                      f"typedef {wt} W;", "}"])
     body = ["  using namespace @SYM@_ns;",
             "  const float* x = (const float*)p0; const W* w = (const W*)p1; const float* sc = (const float*)p2;",
             f"  const float* b = {'(const float*)p3' if bias else '(const float*)0'}; float* y = (float*){out};"]
+    if panel:
+        run = ["    float* pbuf = (float*)malloc(K * COLS * sizeof(float));",
+               "    gm_wq_panels<PK, TV, TLAST, W>(x, w, sc, b, y, M, N, K, n0, n1 < N ? n1 : N, pbuf);",
+               "    free(pbuf);"]
+    else:
+        run = ["    gm_wq_cols<VT, MR, NR, W>(x, w, sc, b, y, M, N, K, n0, n1 < N ? n1 : N);"]
     if par:
         body += ["  const long T = gm_nt() < NB ? gm_nt() : NB;",
                  "  #pragma omp parallel for schedule(static) num_threads(T)",
                  "  for (long t = 0; t < T; ++t) {",
-                 "    const long n0 = t * NB / T * NR, n1 = (t + 1) * NB / T * NR;",
-                 "    gm_wq_cols<VT, MR, NR, W>(x, w, sc, b, y, M, N, K, n0, n1 < N ? n1 : N);",
-                 "  }"]
+                 "    const long n0 = t * NB / T * COLS, n1 = (t + 1) * NB / T * COLS;", *run, "  }"]
     else:
-        body.append("  gm_wq_cols<VT, MR, NR, W>(x, w, sc, b, y, M, N, K, 0, N);")
+        body += ["  {", "    const long n0 = 0, n1 = N;", *run, "  }"]
     kind = "int8" if w.dtype == torch.int8 else "bf16"
     return finish("qlinear", call, body, header=template("wgemm.h"), pre=pre, parallel=par,
-                  pattern=f"qlinear {kind} [{m}x{k}] x [{n}x{k}]^T{' + bias' if bias else ''}")
+                  pattern=f"qlinear {kind} [{m}x{k}] x [{n}x{k}]^T{' + bias' if bias else ''}"
+                          f"{' (panels)' if panel else ''}")
 
 
 @lowers("qlinear", tier=NATIVE)

@@ -5,10 +5,13 @@
 // convert; bf16: the 16 bits moved to the top of an f32) and each meets MR vectors of x in one
 // FMA. Dot products end in a horizontal sum, a scalar K tail, the per-channel scale and bias.
 // Traits per ISA (AVX-512: 16 lanes, AVX2+FMA: 8, portable C: 8) behind the compiler's macros.
+// Many rows (prefill) take the panel path at the end instead: a block of output columns is
+// widened once into an f32 panel that gemm.h's micro-kernels stream for every row tile.
 
 #ifndef GM_WGEMM_H
 #define GM_WGEMM_H
 @include simd.h
+@include gemm.h
 #define GM_WQ_UNROLL _Pragma("GCC unroll 64")
 #define GM_WQ_FI __attribute__((always_inline)) inline
 typedef __UINT16_TYPE__ gm_bf16_t;
@@ -142,6 +145,81 @@ GM_WQ_FI void gm_wq_cols(const float* __restrict x, const W* __restrict w, const
       if (nr == NR) gm_wq_rows<VT, MR, NR, W>(x, wn, K, scale + n, bn, y, N, m0, m1, n);
       else if constexpr (NR > 1) gm_wq_narrow<VT, MR, NR - 1, W>(nr, x, wn, K, scale + n, bn, y, N, m0, m1, n);
     }
+  }
+}
+
+// ---- the panel path (many rows) ----------------------------------------------------------
+// P: the f32 GEMM micro-kernel of one ISA (gemm.h) as MR rows x NV vectors of L lanes.
+#if defined(__AVX512F__)
+struct gm_wq_p512 {
+  static constexpr int MR = 8, NV = 2, L = 16;
+  template <int R, int V, int LAST>
+  static GM_WQ_FI void ukr(long kc, const float* a, const float* b, long ldb, float* c, long ldc, const float* bias) {
+    gm_gemm_ukr_avx512<R, V, LAST, false>(kc, a, kc, b, ldb, c, ldc, bias, true);
+  }
+};
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+struct gm_wq_p256 {
+  static constexpr int MR = 6, NV = 2, L = 8;
+  template <int R, int V, int LAST>
+  static GM_WQ_FI void ukr(long kc, const float* a, const float* b, long ldb, float* c, long ldc, const float* bias) {
+    gm_gemm_ukr_avx2<R, V, LAST, false>(kc, a, kc, b, ldb, c, ldc, bias, true);
+  }
+};
+#endif
+struct gm_wq_pc {
+  static constexpr int MR = 4, NV = 2, L = 8;
+  template <int R, int V, int LAST>
+  static GM_WQ_FI void ukr(long kc, const float* a, const float* b, long ldb, float* c, long ldc, const float* bias) {
+    gm_gemm_ukr_c<R, V, LAST, false>(kc, a, kc, b, ldb, c, ldc, bias, true);
+  }
+};
+
+// panel[k][j] = w[n0 + j][k] * scale[n0 + j] for j < nc, 0 beyond: the reference's weight
+template <class W>
+GM_WQ_FI void gm_wq_widen_panel(const W* __restrict w, const float* __restrict scale, long K, long n0, long nc,
+                                long nblk, float* __restrict panel) {
+  const W* w0 = w + n0 * K;
+  const float* s0 = scale + n0;
+  for (long k = 0; k < K; ++k) {         // nc strided row streams in, one contiguous panel row out
+    float* __restrict pk = panel + k * nblk;
+    for (long j = 0; j < nc; ++j) pk[j] = gm_wq_scalar(w0[j * K + k]) * s0[j];
+    for (long j = nc; j < nblk; ++j) pk[j] = 0.0f;
+  }
+}
+
+template <class P, int R, int V, int LAST>
+GM_WQ_FI void gm_wq_prest(long rem, const float* x, long K, const float* panel, long ldp, float* y, long N,
+                          const float* b) {
+  if (rem == R) P::template ukr<R, V, LAST>(K, x, panel, ldp, y, N, b);
+  else if constexpr (R > 1) gm_wq_prest<P, R - 1, V, LAST>(rem, x, K, panel, ldp, y, N, b);
+}
+
+template <class P, int V, int LAST>
+GM_WQ_FI void gm_wq_prows(const float* x, long M, long K, const float* panel, long ldp, float* y, long N,
+                          const float* b) {
+  long m = 0;
+  for (; m + P::MR <= M; m += P::MR) P::template ukr<P::MR, V, LAST>(K, x + m * K, panel, ldp, y + m * N, N, b);
+  if (m < M) {
+    if constexpr (P::MR > 1) gm_wq_prest<P, P::MR - 1, V, LAST>(M - m, x + m * K, K, panel, ldp, y + m * N, N, b);
+  }
+}
+
+// Output columns [n0, n1) of y [M, N], a panel of NV * L columns at a time (`panel`: K x that
+// many floats of scratch); TV / TLAST: the vectors and lanes of the last, narrower block of N
+// (TV = 0: N is a whole number of blocks).
+template <class P, int TV, int TLAST, class W>
+GM_WQ_FI void gm_wq_panels(const float* __restrict x, const W* __restrict w, const float* __restrict scale,
+                           const float* __restrict bias, float* __restrict y, long M, long N, long K, long n0,
+                           long n1, float* __restrict panel) {
+  constexpr long NBLK = P::NV * P::L;
+  for (long n = n0; n < n1; n += NBLK) {
+    const long nc = n1 - n < NBLK ? n1 - n : NBLK;
+    gm_wq_widen_panel(w, scale, K, n, nc, NBLK, panel);
+    const float* bn = bias ? bias + n : 0;
+    if (nc == NBLK) gm_wq_prows<P, P::NV, P::L>(x, M, K, panel, NBLK, y + n, N, bn);
+    else if constexpr (TV > 0) gm_wq_prows<P, TV, TLAST>(x, M, K, panel, NBLK, y + n, N, bn);
   }
 }
 #endif

@@ -216,6 +216,8 @@ def cases(isa: str) -> dict[str, Case]:
                                 lambda x, w, s, b: F.linear(x, w.float() * s[:, None], b)),
         "qlinear_bf16": _native("qlinear", [randn(1, 40), *quantize(randn(9, 40), "bf16")], {},
                                 lambda x, w, s: F.linear(x, w.float())),
+        "qlinear_panels": _native("qlinear", [randn(37, 45), *quantize(randn(70, 45), "int8"), randn(70)], {},
+                                  lambda x, w, s, b: F.linear(x, w.float() * s[:, None], b)),
     }
 
 

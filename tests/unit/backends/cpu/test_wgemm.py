@@ -2,7 +2,8 @@
 int8 / bf16 weights as stored and matches the op's reference (dequantize, then an f32 linear)
 to fp32 rounding, over the shapes where its tiling has edges: one row (decode), rows and
 columns that leave partial tiles, K shorter than a vector and with a tail, the threaded split,
-with and without bias. Other ISA paths run in test_isa_paths.py. No timing assertions."""
+with and without bias, on both paths (dot products below PANEL_ROWS rows, widened panels
+through the f32 micro-kernels from there). Other ISA paths run in test_isa_paths.py. No timing assertions."""
 from __future__ import annotations
 
 import tempfile
@@ -15,6 +16,7 @@ from graphmode.backends.cpu.build import KernelBuilder
 from graphmode.backends.cpu.catalog import claim_native, native_source
 from graphmode.backends.cpu.kernels import run_with_tensors
 from graphmode.backends.cpu.lowering import OpCall
+from graphmode.backends.cpu.wgemm import PANEL_ROWS
 from graphmode.ir.ops import get_op
 from graphmode.passes.quantize_weights import quantize
 from graphmode.verify.numerics import rel_l2
@@ -33,6 +35,8 @@ SHAPES = {
     "batched_3d": ((2, 5), 21, 70, False, "int8"),
     "threaded_prefill": ((40,), 300, 200, True, "int8"),
     "threaded_bf16": ((33,), 129, 160, True, "bf16"),
+    "threaded_panels_whole_blocks": ((64,), 64, 48, False, "int8"),
+    "dot_below_the_panel_rows": ((31,), 40, 24, True, "int8"),
 }
 
 
@@ -67,6 +71,15 @@ def test_kernel_matches_the_reference(built, name):
     got = run_with_tensors(kernels[src.symbol], dict(zip(src.inputs, ins)), source=src)[src.outputs[0]]
     assert got.shape == want.shape and rel_l2(got, want) < 1e-6, (name, rel_l2(got, want))
     assert ("omp parallel" in src.source) == name.startswith("threaded"), name
+    rows = shape_rows(SHAPES[name][0])
+    assert ("(panels)" in src.pattern) == (rows >= PANEL_ROWS), name
+
+
+def shape_rows(lead) -> int:
+    out = 1
+    for d in lead:
+        out *= d
+    return out
 
 
 def test_quantized_weights_are_what_the_reference_reads():
