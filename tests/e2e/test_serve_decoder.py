@@ -470,7 +470,8 @@ def test_loadtest_command_reports_every_request(dec, tmp_path):
     rep = json.loads(out.read_text())
     assert (rep["completed"], rep["failed"], rep["errors"]) == (6, 0, [])
     assert rep["input_tokens"] == 30 and rep["output_tokens"] == 6 * 7 == rep["server"]["generated_tokens"]
-    assert rep["ttft_ms"]["p50"] > 0 and rep["tpot_ms"]["p99"] >= rep["tpot_ms"]["p50"] > 0
+    # a fast step can put every token of an answer in one network read: TPOT may then round to 0
+    assert rep["ttft_ms"]["p50"] > 0 and rep["tpot_ms"]["p99"] >= rep["tpot_ms"]["p50"] >= 0
     assert "Successful requests:" in res.output and "Median TTFT (ms):" in res.output
     bad = CliRunner().invoke(app, ["loadtest", "--url", dec.url, "--input-len", "40"])
     assert bad.exit_code == 2 and "--input-len" in bad.output and "Traceback" not in bad.output
