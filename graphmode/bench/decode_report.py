@@ -66,7 +66,8 @@ def summary(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                          [_num(b1 and b1.get("floor_tok_s")),
                           "-" if not b1 or b1.get("of_floor") is None else f"{b1['of_floor']:.0%}", match,
                           _num(any_row.get("setup_s")), _num(sum(warm)) if warm else "-", ",".join(flags)])
-        gm = {r["scenario"]: r for r in rows if r["model"] == model and r["engine"] == "graphmode"}
+        gm = {r["scenario"]: r for r in rows if r["model"] == model and r["engine"] == "graphmode"
+              and r.get("variant", "default") == "default"}      # not graphmode[int8] and the like
         if gm:
             for what, key in (("graphmode vs eager", "ratio_vs_eager"),
                               ("graphmode vs best other", "ratio_vs_best_other")):

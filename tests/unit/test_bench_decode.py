@@ -268,3 +268,16 @@ def test_int8_goal_and_quick_verdict_use_the_int8_variant():
     bad = DecodeResult([diverged, flipped], {}, []).quick_failures()
     assert len(bad) == 1 and "first new token differs" in bad[0] and "'first': 3" in bad[0]
 
+
+
+def test_the_ratio_rows_are_graphmode_default_not_a_variant():
+    """With graphmode[int8] in the run, 'graphmode vs ...' still speaks of plain graphmode."""
+    from graphmode.bench.decode_report import summary
+    rows = [row("eager", ms=40.0), row("graphmode", ms=20.0, variant="default"),
+            row("graphmode", ms=10.0, variant="int8", dtype="int8")]
+    for r in rows:
+        r.setdefault("variant", "default")
+    decode._ratios(rows)
+    _, lines = summary(rows)
+    vs_eager = next(ln for ln in lines if ln[1] == "graphmode vs eager")
+    assert vs_eager[2] == "2.00x"          # 40 / 20, not the int8 variant's 4.00x
