@@ -172,4 +172,24 @@ GM_INLINE void gm_attn_transpose(const float* __restrict k, long sk, long d, flo
   for (long c = 0; c < d; ++c)
     for (long jj = sk0; jj < sk; ++jj) kt[c * ldt + jj] = k[jj * d + c];
 }
+// s[0 .. n16) <- exp(s - mx), returning their sum; n16 is a multiple of 16. Arguments below
+// -87 give exactly 0 (s - mx <= 0: only weights under 1.7e-38 of the row's largest, and
+// masked keys at -inf). 16 partial sums and a tree at the end: an `omp simd reduction(+)`
+// ends in a chain of 16 dependent scalar adds per row (no reassociation without -ffast-math).
+GM_INLINE float gm_attn_exp_sum(float* __restrict s, long n16, float mx) {
+  float part[16];
+  for (int l = 0; l < 16; ++l) part[l] = 0.0f;
+  for (long j0 = 0; j0 < n16; j0 += 16) {
+    #pragma omp simd
+    for (int l = 0; l < 16; ++l) {
+      const float x = s[j0 + l] - mx;
+      const float e = x < -87.0f ? 0.0f : gm_expf_nc(x);
+      s[j0 + l] = e;
+      part[l] += e;
+    }
+  }
+  for (int w = 8; w > 0; w >>= 1)
+    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  return part[0];
+}
 #endif  // GM_ATTN_COMMON_H

@@ -78,23 +78,8 @@ void task(const float* __restrict q, const float* __restrict k, const float* __r
       rs[r] = nan ? GM_NAN : 0.0f;
       continue;
     }
-    // 16 partial sums and a tree at the end: an `omp simd reduction(+)` ends in a chain of
-    // 16 dependent scalar adds per row (no reassociation without -ffast-math)
     for (long j = kend; j < kend16; ++j) sr[j] = -GM_INF;
-    float part[16];
-    for (int l = 0; l < 16; ++l) part[l] = 0.0f;
-    for (long j0 = 0; j0 < kend16; j0 += 16) {
-      #pragma omp simd
-      for (int l = 0; l < 16; ++l) {
-        const float x = sr[j0 + l] - mx;
-        const float e = x < -87.0f ? 0.0f : gm_expf_nc(x);
-        sr[j0 + l] = e;
-        part[l] += e;
-      }
-    }
-    for (int w = 8; w > 0; w >>= 1)
-      for (int l = 0; l < w; ++l) part[l] += part[l + w];
-    rs[r] = 1.0f / part[0];
+    rs[r] = 1.0f / gm_attn_exp_sum(sr, kend16, mx);
   }
   @SYM@_pv(s, vp, rs, op, nrows, kend);
 }

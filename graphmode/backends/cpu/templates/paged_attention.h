@@ -97,20 +97,7 @@ GM_INLINE void row(const float* __restrict q, const float* __restrict kp, const 
   #pragma omp simd reduction(max:mx)
   for (long j = 0; j < ext; ++j) mx = mx > s[j] ? mx : s[j];
   for (long j = ext; j < ext16; ++j) s[j] = -GM_INF;
-  // 16 partial sums and a tree at the end (as attention_task.h: no chain of dependent adds)
-  float part[16];
-  for (int l = 0; l < 16; ++l) part[l] = 0.0f;
-  for (long j0 = 0; j0 < ext16; j0 += 16) {
-    #pragma omp simd
-    for (int l = 0; l < 16; ++l) {
-      const float x = s[j0 + l] - mx;
-      const float e = x < -87.0f ? 0.0f : gm_expf_nc(x);
-      s[j0 + l] = e;
-      part[l] += e;
-    }
-  }
-  for (int w = 8; w > 0; w >>= 1)
-    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  const float sum = gm_attn_exp_sum(s, ext16, mx);
   V acc[NE];
   GM_ATTN_UNROLL for (long u = 0; u < NE; ++u) acc[u] = VT::zero();
   for (long p0 = 0; p0 < ext; p0 += PAGE) {
@@ -122,7 +109,7 @@ GM_INLINE void row(const float* __restrict q, const float* __restrict kp, const 
       if (ET) acc[EV] = VT::fma(pj, VT::loadn<ET ? ET : 1>(vr + EV * L), acc[EV]);
     }
   }
-  const V r = VT::set1(1.0f / part[0]);
+  const V r = VT::set1(1.0f / sum);
   GM_ATTN_UNROLL for (long u = 0; u < EV; ++u) VT::store(o + u * L, VT::mul(acc[u], r));
   if (ET) VT::storen<ET ? ET : 1>(o + EV * L, VT::mul(acc[EV], r));
 }
