@@ -385,7 +385,7 @@ def goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[str, Any
         goal("decode b1 fp32 vs the floor", ">= 0.8", gm1 and gm1["of_floor"], 0.8,
              f"graphmode {gm1['decode_tok_s']:.1f} tok/s, floor {gm1['floor_tok_s']:.1f}"
              if gm1 and gm1.get("floor_tok_s") else "not measured: no graphmode decode b1 row with a floor")
-        q8 = next(iter(pick("decode", batch=1, engine="llama_cpp", dtype="q8_0")), None)
+        q8 = next(iter(pick("decode", batch=1, engine="llama_cpp", variant="q8_0")), None)
         gm8 = next(iter(pick("decode", batch=1, engine="graphmode", variant="int8")), None)
         goal("int8 decode b1 vs llama.cpp q8_0", ">= 1.0x", _div(gm8 and gm8["decode_tok_s"], q8 and q8["decode_tok_s"]),
              1.0, _vs(gm8, q8, "decode_tok_s", "tok/s") if gm8 and q8 else

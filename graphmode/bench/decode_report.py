@@ -91,6 +91,7 @@ def failures(rows: list[dict]) -> list[str]:
 
 def rich_tables(res) -> list[Any]:
     from rich import box
+    from rich.markup import escape       # cells hold engine names such as graphmode[int8]: text, not markup
     from rich.table import Table
     m = res.meta
     title = f"graphmode bench decode — {m['cpu_model']}, {m['threads']} thread(s), {m['date']}"
@@ -110,12 +111,12 @@ def rich_tables(res) -> list[Any]:
         if prev is not None and line[0] != prev:
             t.add_section()
         prev = line[0]
-        t.add_row(*line, style="bold" if line[1].startswith("graphmode") else None)
+        t.add_row(*map(escape, line), style="bold" if line[1].startswith("graphmode") else None)
     g = Table(title="goals (issue 15, item 9)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for h in ("model", "goal", "target", "value", "verdict", "detail"):
         g.add_column(h)
     for line in goal_lines(res.goals):
-        g.add_row(*line, style={"met": "green", "NOT met": "red"}.get(line[4]))
+        g.add_row(*map(escape, line), style={"met": "green", "NOT met": "red"}.get(line[4]))
     return [t, g]
 
 

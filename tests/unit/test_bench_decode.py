@@ -260,9 +260,19 @@ def test_graphmode_variants_are_engine_variants():
 def test_int8_goal_and_quick_verdict_use_the_int8_variant():
     """graphmode[int8] is judged against llama.cpp q8_0, and in --quick by the weight-only top-1
     bound instead of token identity."""
-    rows = [row("graphmode", ms=10.0, variant="int8", dtype="int8"), row("llama_cpp", ms=20.0, dtype="q8_0")]
+    rows = [row("graphmode", ms=10.0, variant="int8", dtype="int8"),
+            row("llama_cpp", ms=20.0, dtype="q8_0", variant="q8_0"), row("llama_cpp", ms=30.0, variant="f32")]
     g = {x["goal"]: x for x in decode.goals(rows)}["int8 decode b1 vs llama.cpp q8_0"]
     assert g["value"] == 2.0 and g["met"] is True
+    lone = {x["goal"]: x for x in decode.goals(rows[1:])}["int8 decode b1 vs llama.cpp q8_0"]
+    # the terminal table prints engine names in brackets as text, not as rich markup
+    from rich.console import Console
+    from graphmode.bench.decode_report import rich_tables
+    meta = {"cpu_model": "cpu", "threads": 2, "date": "today", "bandwidth": {"floor_uses_gbps": 10.0}}
+    con = Console(width=400, record=True)
+    for t in rich_tables(DecodeResult(rows, meta, [lone])):
+        con.print(t)
+    assert "graphmode[int8] and llama_cpp[q8_0]" in con.export_text()
     diverged = row("graphmode", variant="int8", tokens_match={"same": 40, "of": 100, "first": 4, "rows": 4})
     flipped = row("graphmode", variant="int8", tokens_match={"same": 97, "of": 100, "first": 3, "rows": 4})
     bad = DecodeResult([diverged, flipped], {}, []).quick_failures()
