@@ -5,7 +5,9 @@ GPT-2 small batch-1 decoding that is ~0.45 ms per layer per token, a fifth of th
 for a few microseconds of arithmetic. With every shape baked in, one call validates, writes
 and attends.
 
-Semantics are the reference's: for each sequence i with n = lens[i] > 0 and s0 = start[i],
+Pools are f32 or bf16 (memory.kv_cache.dtype): bf16 is written rounded to nearest even as
+torch converts and widened when read. Semantics are the reference's: for each sequence i
+with n = lens[i] > 0 and s0 = start[i],
 the keys/values of rows t < n go to cache position s0 + t (page table[i, pos / page_size],
 slot pos % page_size) of the pools, IN PLACE (the pools are graph `state` constants at fixed
 addresses), every sequence's writes before any read (sequences may share pages), then query
@@ -43,6 +45,7 @@ MAX_HEAD_DIM = 256       # a row's P V accumulators and its query live in regist
 ROWS_PER_TASK = 16       # query rows (all heads of a kv head together) per task
 STATUS = "paged_attention: sequence positions outside its block table or pool"
 _TRAITS = {"avx512": "gm_attn_v512", "avx2": "gm_attn_v256", "portable": "gm_attn_vc"}
+_KV = {torch.float32: ("f32", "float"), torch.bfloat16: ("bf16", "gm_u16")}   # pool dtype: name, C type
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,12 @@ class PagedProblem:
     page: int
     max_pages: int
     scale: float
+    kv: str = "f32"                  # the pools' dtype: f32 or bf16
 
     @property
     def text(self) -> str:
         return (f"paged_attention q [{self.b},{self.h},{self.s},{self.d}] kv_heads {self.kvh} v dim {self.e} "
-                f"pool [{self.pages},{self.page}] table [{self.b},{self.max_pages}] scale {self.scale!r}")
+                f"pool [{self.pages},{self.page}] {self.kv} table [{self.b},{self.max_pages}] scale {self.scale!r}")
 
 
 def problem_of(call: OpCall) -> PagedProblem | str:
@@ -75,8 +79,8 @@ def problem_of(call: OpCall) -> PagedProblem | str:
     o = call.outs[0]
     if any(t.dtype != torch.float32 for t in (q, k, v, o)):
         return "q, k, v and the output must be f32"
-    if kp.dtype != torch.float32 or vp.dtype != torch.float32:
-        return f"pools of {kp.dtype} / {vp.dtype} (the kernel writes f32 pools)"
+    if kp.dtype != vp.dtype or kp.dtype not in _KV:
+        return f"pools of {kp.dtype} / {vp.dtype} (the kernel reads and writes f32 or bf16 pools, both alike)"
     if any(t.dtype != torch.int64 for t in (table, start, lens)):
         return "block_table, start and lens must be i64"
     if [t.dim() for t in call.ins] + [o.dim()] != [4, 4, 4, 4, 4, 2, 1, 1, 4]:
@@ -100,7 +104,7 @@ def problem_of(call: OpCall) -> PagedProblem | str:
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not math.isfinite(scale):
         return "a non-finite scale"
-    return PagedProblem(b, h, kvh, s, d, e, pages, page, max_pages, scale)
+    return PagedProblem(b, h, kvh, s, d, e, pages, page, max_pages, scale, _KV[kp.dtype][0])
 
 
 def generate_paged(p: PagedProblem) -> tuple[str, str]:
@@ -114,6 +118,8 @@ def generate_paged(p: PagedProblem) -> tuple[str, str]:
              f"constexpr long PAGES = {p.pages}, PAGE = {p.page}, MAXP = {p.max_pages};",
              f"constexpr long TB = {tb}, NTB = {ntb}, TASKS = {p.b * p.kvh * ntb};",
              f"constexpr float SCALE = {lit(p.scale, 'f32')};",
+             "typedef __UINT16_TYPE__ gm_u16;",
+             f"typedef {dict(_KV.values())[p.kv]} KV;",
              f"constexpr double PAR_WORK = {float(PAR_FLOPS)!r};   // flops below which one thread runs the call"]
     for isa in ("avx512", "avx2"):
         lines += [("#if " if isa == "avx512" else "#elif ") + ISA_GUARD[isa], f"typedef {_TRAITS[isa]} VT;"]
@@ -122,7 +128,7 @@ def generate_paged(p: PagedProblem) -> tuple[str, str]:
     body = [
         "  using namespace @SYM@_ns;",
         "  const float* q = (const float*)p0; const float* k = (const float*)p1; const float* v = (const float*)p2;",
-        "  float* kp = (float*)p3; float* vp = (float*)p4;",
+        "  KV* kp = (KV*)p3; KV* vp = (KV*)p4;",
         "  const int64_t* table = (const int64_t*)p5; const int64_t* start = (const int64_t*)p6;",
         "  const int64_t* lens = (const int64_t*)p7; float* o = (float*)p8;",
         "  uint8_t ok[B];",

@@ -1,12 +1,38 @@
 // graphmode generated CPU kernels: the body of a paged KV-cache attention kernel (paged.py).
 // Instantiated inside each kernel's own namespace, after the shape constants (B, H, KVH, G,
-// S, D, E, PAGES, PAGE, MAXP, TB, NTB, TASKS, SCALE, PAR_WORK) and the vector traits VT that
-// paged.py writes; uses the traits of attention.h. check() validates one sequence, write()
+// S, D, E, PAGES, PAGE, MAXP, TB, NTB, TASKS, SCALE, PAR_WORK), the pool element type KV and
+// the vector traits VT that paged.py writes; uses the traits of attention.h. check() validates one sequence, write()
 // scatters its new keys/values into the pools, row() attends one query row over the cache
 // (scores L keys at a time, reduced across lanes by hsums; softmax with 16 partial sums;
 // P V accumulated in registers over E, page by page), task() runs (sequence, kv head, rows).
 
 constexpr long DV = D / VT::L, DT = D % VT::L;     // whole vectors and the tail of a key row
+
+// Pool elements (KV, from paged.py): f32, or bf16 (gm_u16: the top half of an f32, written
+// rounded to nearest even as torch converts, a NaN as 0x7FC0) widened when read.
+GM_ATTN_FI VT::V kv_load(const float* p) { return VT::load(p); }
+template <int N> GM_ATTN_FI VT::V kv_loadn(const float* p) { return VT::template loadn<N>(p); }
+GM_ATTN_FI float kv_f32(gm_u16 x) { return gm_bits_f32((int32_t)((uint32_t)x << 16)); }
+GM_ATTN_FI VT::V kv_load(const gm_u16* p) {
+  float t[VT::L];
+  GM_ATTN_UNROLL for (int l = 0; l < VT::L; ++l) t[l] = kv_f32(p[l]);
+  return VT::load(t);
+}
+template <int N> GM_ATTN_FI VT::V kv_loadn(const gm_u16* p) {
+  float t[VT::L];
+  GM_ATTN_UNROLL for (int l = 0; l < N; ++l) t[l] = kv_f32(p[l]);
+  return VT::template loadn<N>(t);
+}
+GM_INLINE void kv_put(float* __restrict dst, const float* __restrict src, long n) {
+  __builtin_memcpy(dst, src, n * sizeof(float));
+}
+GM_INLINE void kv_put(gm_u16* __restrict dst, const float* __restrict src, long n) {
+  for (long x = 0; x < n; ++x) {
+    uint32_t u;
+    __builtin_memcpy(&u, src + x, 4);
+    dst[x] = (u & 0x7fffffffu) > 0x7f800000u ? (gm_u16)0x7FC0 : (gm_u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+}
 constexpr long EV = E / VT::L, ET = E % VT::L;     // ... of a value row
 constexpr long NE = EV + (ET ? 1 : 0);
 
@@ -61,18 +87,18 @@ GM_INLINE int check(const int64_t* __restrict tab, long s0, long n) {
 }
 
 // keys / values of positions s0 .. s0 + n - 1 of sequence i into their pool rows
-GM_INLINE void write(const float* __restrict k, const float* __restrict v, float* kp, float* vp,
+GM_INLINE void write(const float* __restrict k, const float* __restrict v, KV* kp, KV* vp,
                      const int64_t* __restrict tab, long i, long s0, long n) {
   for (long g = 0; g < KVH; ++g)
     for (long t = 0; t < n; ++t) {
-      __builtin_memcpy(kp + pool_row(tab, s0 + t, g, D), k + ((i * KVH + g) * S + t) * D, D * sizeof(float));
-      __builtin_memcpy(vp + pool_row(tab, s0 + t, g, E), v + ((i * KVH + g) * S + t) * E, E * sizeof(float));
+      kv_put(kp + pool_row(tab, s0 + t, g, D), k + ((i * KVH + g) * S + t) * D, D);
+      kv_put(vp + pool_row(tab, s0 + t, g, E), v + ((i * KVH + g) * S + t) * E, E);
     }
 }
 
 // o[E] = softmax(q . k_j * SCALE) v_j over cache positions j < ext of kv head g; s: ext rounded
 // up to 16 floats of scratch
-GM_INLINE void row(const float* __restrict q, const float* __restrict kp, const float* __restrict vp,
+GM_INLINE void row(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
                    const int64_t* __restrict tab, long g, long ext, float* __restrict s, float* __restrict o) {
   typedef VT::V V;
   constexpr long L = VT::L;
@@ -85,9 +111,9 @@ GM_INLINE void row(const float* __restrict q, const float* __restrict kp, const 
     GM_ATTN_UNROLL for (long u = 0; u < L; ++u) {
       acc[u] = VT::zero();
       if (j0 + u < ext) {
-        const float* kr = kp + pool_row(tab, j0 + u, g, D);
-        GM_ATTN_UNROLL for (long c = 0; c < DV; ++c) acc[u] = VT::fma(qv[c], VT::load(kr + c * L), acc[u]);
-        if (DT) acc[u] = VT::fma(qv[DV], VT::loadn<DT ? DT : 1>(kr + DV * L), acc[u]);
+        const KV* kr = kp + pool_row(tab, j0 + u, g, D);
+        GM_ATTN_UNROLL for (long c = 0; c < DV; ++c) acc[u] = VT::fma(qv[c], kv_load(kr + c * L), acc[u]);
+        if (DT) acc[u] = VT::fma(qv[DV], kv_loadn<DT ? DT : 1>(kr + DV * L), acc[u]);
       }
     }
     VT::store(s + j0, VT::mul(hsums(acc), sc));
@@ -101,12 +127,12 @@ GM_INLINE void row(const float* __restrict q, const float* __restrict kp, const 
   V acc[NE];
   GM_ATTN_UNROLL for (long u = 0; u < NE; ++u) acc[u] = VT::zero();
   for (long p0 = 0; p0 < ext; p0 += PAGE) {
-    const float* vr = vp + pool_row(tab, p0, g, E);
+    const KV* vr = vp + pool_row(tab, p0, g, E);
     const long m = ext - p0 < PAGE ? ext - p0 : PAGE;
     for (long j = 0; j < m; ++j, vr += KVH * E) {
       const V pj = VT::set1(s[p0 + j]);
-      GM_ATTN_UNROLL for (long u = 0; u < EV; ++u) acc[u] = VT::fma(pj, VT::load(vr + u * L), acc[u]);
-      if (ET) acc[EV] = VT::fma(pj, VT::loadn<ET ? ET : 1>(vr + EV * L), acc[EV]);
+      GM_ATTN_UNROLL for (long u = 0; u < EV; ++u) acc[u] = VT::fma(pj, kv_load(vr + u * L), acc[u]);
+      if (ET) acc[EV] = VT::fma(pj, kv_loadn<ET ? ET : 1>(vr + EV * L), acc[EV]);
     }
   }
   const V r = VT::set1(1.0f / sum);
@@ -115,7 +141,7 @@ GM_INLINE void row(const float* __restrict q, const float* __restrict kp, const 
 }
 
 // task t: sequence i, kv head g, query rows t0 .. t0 + TB - 1 of its G query heads
-GM_INLINE void task(const float* __restrict q, const float* __restrict kp, const float* __restrict vp,
+GM_INLINE void task(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
                     const int64_t* __restrict table, const int64_t* __restrict start, const int64_t* __restrict lens,
                     const uint8_t* __restrict ok, float* __restrict o, long t, float* __restrict s) {
   const long i = t / (KVH * NTB), g = (t / NTB) % KVH, t0 = (t % NTB) * TB;

@@ -57,11 +57,12 @@ class Case:
     table: list
     runs: list                       # [(start list, lens list)]
     scale: float | None = None
+    kv: torch.dtype = torch.float32  # the pools' dtype
 
     def inputs(self, start, lens) -> list[torch.Tensor]:
         return [randn(self.b, self.h, self.s, self.d), randn(self.b, self.kvh, self.s, self.d),
-                randn(self.b, self.kvh, self.s, self.e), randn(self.pages, self.page, self.kvh, self.d),
-                randn(self.pages, self.page, self.kvh, self.e), torch.tensor(self.table),
+                randn(self.b, self.kvh, self.s, self.e), randn(self.pages, self.page, self.kvh, self.d).to(self.kv),
+                randn(self.pages, self.page, self.kvh, self.e).to(self.kv), torch.tensor(self.table),
                 torch.tensor(start), torch.tensor(lens)]
 
     def source(self):
@@ -86,6 +87,12 @@ CASES = [
          [([0, 30], [64, 50]), ([64, 90], [1, 64])]),
     # head dims below one vector (the tiny decoders of tests/e2e/test_decode.py), pages of 4
     Case("tiny_head_dim", 2, 4, 2, 3, 8, 8, 10, 4, [[9, 0, 4, 2], [1, 3, 5, 7]], [([5, 0], [3, 2]), ([13, 2], [1, 1])]),
+    # bf16 pools (memory.kv_cache.dtype: bf16): written rounded as torch rounds, read widened; decode and
+    # a GQA prefill with vector tails
+    Case("bf16_decode", 1, 4, 4, 1, 64, 64, 9, 16, [[3, 0, 7, 5]], [([15], [1]), ([40], [1])], scale=0.125,
+         kv=torch.bfloat16),
+    Case("bf16_prefill_gqa", 2, 4, 2, 9, 40, 20, 12, 8, [[6, 2, 0, 5], [1, 3, 4, 7]], [([13, 0], [9, 5])],
+         kv=torch.bfloat16),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -102,7 +109,8 @@ def _check(case: Case, kernel, ks) -> None:
         want, kp, vp = _reference(case, ins)
         got = torch.full((case.b, case.h, case.s, case.e), float("nan"))
         kernel([t.data_ptr() for t in ins + [got]])
-        assert torch.equal(ins[3], kp) and torch.equal(ins[4], vp), (case.name, start, lens, "pools")
+        bits = (lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32))   # NaN too
+        assert torch.equal(bits(ins[3]), bits(kp)) and torch.equal(bits(ins[4]), bits(vp)), (case.name, start, lens)
         assert rel_l2(got, want) < 1e-5, (case.name, start, lens, rel_l2(got, want))
         for i, n in enumerate(lens):      # padded rows and empty sequences: exactly zero
             assert (got[i, :, max(n, 0):] == 0).all()
@@ -201,8 +209,9 @@ def _refused(**over) -> bool:
 
 def test_what_stays_with_the_reference():
     assert not _refused()
-    assert _refused(k_pool=torch.zeros(9, 16, 4, 64, dtype=torch.bfloat16),
-                    v_pool=torch.zeros(9, 16, 4, 64, dtype=torch.bfloat16))       # bf16 pools
+    assert _refused(v_pool=torch.zeros(9, 16, 4, 64, dtype=torch.bfloat16))       # f32 keys, bf16 values
+    assert _refused(k_pool=torch.zeros(9, 16, 4, 64, dtype=torch.float16),
+                    v_pool=torch.zeros(9, 16, 4, 64, dtype=torch.float16))        # f16 pools
     assert _refused(lens=torch.tensor([1], dtype=torch.int32))
     assert _refused(block_table=torch.zeros(2, 4, dtype=torch.int64))             # a table row per sequence
     assert _refused(q=randn(1, 3, 1, 64))                                          # 3 heads over 4 kv heads
@@ -212,3 +221,26 @@ def test_what_stays_with_the_reference():
     c = BY_NAME["decode"]
     assert native_source("paged_attention", c.inputs([0], [1]), [torch.empty(1, 4, 1, 64)], {"scale": math.inf},
                          {}, NAMES, ["out"]) is None
+
+
+@needs_cxx
+def test_bf16_pools_round_as_torch_does(lib):
+    """Keys written to bf16 pools: ties to even, inf, values past the bf16 range, -0 and
+    subnormals exactly as torch's .to(torch.bfloat16); a NaN stays a NaN (torch itself writes
+    0x7FC0 on its scalar path and 0xFFFF on its vector path; the kernel writes 0x7FC0)."""
+    isa, sources, kernels = lib
+    if isa not in HOST:
+        pytest.skip(f"this host runs {', '.join(HOST)}")
+    case = BY_NAME["bf16_decode"]
+    ks = sources[case.name]
+    ins = case.inputs([20], [1])
+    specials = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), float("inf"), float("nan"),
+                             3.4e38, -0.0, 1e-40])     # ties to even (down, up), inf, NaN, overflow, -0, subnormal
+    ins[1][0, 0, 0, :len(specials)] = specials
+    _, kp, _ = _reference(case, ins)
+    got = torch.empty(case.b, case.h, case.s, case.e)
+    kernels[ks.symbol]([t.data_ptr() for t in ins + [got]])
+    nan = kp.isnan()
+    assert torch.equal(ins[3].isnan(), nan) and int(nan.sum()) == 1
+    assert torch.equal(ins[3].view(torch.int16)[~nan], kp.view(torch.int16)[~nan])
+
