@@ -139,35 +139,44 @@ def version(dec) -> str:
 
 
 class Frozen:
-    """A streamed completion caught mid-way, its decode engine frozen: the test holds the
-    engine's lock, so the decode thread waits at its next step until `release()`."""
+    """A streamed completion caught mid-way, its decode engine frozen: the engine's logits
+    hook stops the decode thread inside the step that produces the sequence's second token
+    (the first is already on the wire) until `release()`. However fast the host decodes, the
+    stream is caught before its end: an event, not a race against the decoder."""
 
     def __init__(self, url: str, body: dict[str, Any], engine: Any):
         self.url, self.body, self.engine = url, {**body, "stream": True}, engine
         self.held = False
+        self._cm = None
 
     def __enter__(self) -> "Frozen":
+        self.gate, self.reached = threading.Event(), threading.Event()
+        self._prev = prev = self.engine.on_logits
+
+        def hook(seq: Any, logits: Any) -> None:
+            if seq.generated and not self.gate.is_set():
+                self.reached.set()
+                self.gate.wait(EVENT_S)
+            if prev is not None:
+                prev(seq, logits)
+        self.engine.on_logits = hook
+        self.held = True
         self.client = httpx.Client(base_url=self.url, timeout=EVENT_S)
-        for _ in range(50):                 # the sequence may finish before the lock is taken: again
-            self._cm = self.client.stream("POST", "/v1/completions", json=self.body)
-            self.response = self._cm.__enter__()
-            assert self.response.status_code == 200, self.response.read()
-            self.events = (e for e in map(event, self.response.iter_lines()) if e is not None)
-            self.first = next(self.events)
-            self.engine.lock.acquire()
-            self.held = True
-            if any(not s.done for s in list(self.engine.running) + list(self.engine.waiting)):
-                return self
-            self.release()
-            list(self.events)
-            self.disconnect()
-        self.client.close()
-        raise AssertionError("never caught the stream mid-way")
+        self._cm = self.client.stream("POST", "/v1/completions", json=self.body)
+        self.response = self._cm.__enter__()
+        assert self.response.status_code == 200, self.response.read()
+        self.events = (e for e in map(event, self.response.iter_lines()) if e is not None)
+        self.first = next(self.events)
+        if not self.reached.wait(EVENT_S):
+            self.__exit__()
+            raise AssertionError("the engine never reached the stream's second token")
+        return self
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            self.engine.lock.release()
+            self.engine.on_logits = self._prev
+            self.gate.set()
 
     def disconnect(self) -> None:
         if self._cm is not None:
