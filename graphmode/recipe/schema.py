@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag,
                       field_validator, model_serializer)
@@ -202,6 +202,18 @@ Selector = Annotated[Any, BeforeValidator(_select)]
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # fields added after recipes were first hashed -> the value at which they are left out of
+    # the serialized recipe, so the stamps of recipes that do not use them do not change
+    _LATE: ClassVar[Mapping[str, Any]] = {}
+
+    @model_serializer(mode="wrap")
+    def _omit_late_defaults(self, handler: Any) -> Any:
+        out = handler(self)
+        if self._LATE and isinstance(out, dict):
+            for k, v in self._LATE.items():
+                if k in out and out[k] == v:
+                    del out[k]
+        return out
 
 
 # ---- field groups ---------------------------------------------------------------------------
@@ -278,14 +290,7 @@ class CodegenSpec(_Spec):
     from an AVX-512 machine); one the target lacks is refused (semantics.py)."""
     kernel_selection: Literal["latency_first", "throughput_first", "heuristic"] = "latency_first"
     isa: Literal["auto", "avx512", "avx2", "portable"] = "auto"
-
-    @model_serializer(mode="wrap")
-    def _omit_auto(self, handler: Any) -> Any:
-        """Added after recipes were first hashed: left out while auto, so their stamps do not change."""
-        out = handler(self)
-        if isinstance(out, dict) and out.get("isa") == "auto":
-            out.pop("isa", None)
-        return out
+    _LATE = {"isa": "auto"}
 
 
 class PrecisionSpec(_Spec):
@@ -295,14 +300,7 @@ class PrecisionSpec(_Spec):
     accumulate: Optional[FloatDType] = None
     overrides: Annotated[dict[OpName, FloatDType], _limited(MAX_LIST, "per-op overrides")] = {}
     weights: Literal["f32", "bf16", "int8"] = "f32"
-
-    @model_serializer(mode="wrap")
-    def _omit_f32_weights(self, handler: Any) -> Any:
-        """Added after recipes were first hashed: left out while f32, so their stamps do not change."""
-        out = handler(self)
-        if isinstance(out, dict) and out.get("weights") == "f32":
-            out.pop("weights", None)
-        return out
+    _LATE = {"weights": "f32"}
 
     def accumulate_dtype(self) -> str:
         if self.accumulate:
@@ -344,14 +342,7 @@ class SlaSpec(_Spec):
                                                                      "match ranges, not single buckets")] = []
     # determinism: P99/P50 of measured latencies (bench, tune and serve measure it; graphmode/kb/measure.py)
     max_p99_over_p50: Optional[Annotated[float, BeforeValidator(_number(float, ge=1, le=MAX_FACTOR))]] = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: Any) -> Any:
-        """Added after recipes were first hashed: left out while unset, so their stamps do not change."""
-        out = handler(self)
-        if isinstance(out, dict) and out.get("max_p99_over_p50") is None:
-            out.pop("max_p99_over_p50", None)
-        return out
+    _LATE = {"max_p99_over_p50": None}
 
 
 class Requires(_Spec):
@@ -445,13 +436,7 @@ class Recipe(_Spec):
     _resolved_on: Optional[str] = PrivateAttr(default=None)
     _notes: list[str] = PrivateAttr(default_factory=list)
 
-    @model_serializer(mode="wrap")
-    def _omit_default_determinism(self, handler: Any) -> Any:
-        """Added after recipes were first hashed: left out while default, so their stamps do not change."""
-        out = handler(self)
-        if isinstance(out, dict) and out.get("determinism") == "default":
-            out.pop("determinism", None)
-        return out
+    _LATE = {"determinism": "default"}
 
     @field_validator("inputs")
     @classmethod
