@@ -225,14 +225,10 @@ NAMES = list(cases("portable"))
 
 
 @pytest.fixture(scope="module", params=ISAS)
-def lib(request, tmp_path_factory):
+def lib(request, isa_builder):
     """One library per ISA cap: every kernel kind built with that cap's flags."""
     isa = request.param
-    if not _PROBE.compiler_available():
-        pytest.skip("no C++ compiler")
-    builder = KernelBuilder(tmp_path_factory.mktemp(f"isa-{isa}"), threads=2, isa=isa)
-    if not builder.compiler_available():
-        pytest.skip(f"the compiler cannot build the {isa} path here: {builder.unavailable_reason}")
+    builder = isa_builder(isa, "isa")
     cs = cases(isa)
     kernels = builder.build_many([c.source for c in cs.values()])
     return isa, builder, cs, kernels

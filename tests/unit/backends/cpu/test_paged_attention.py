@@ -117,14 +117,10 @@ def _check(case: Case, kernel, ks) -> None:
 
 
 @pytest.fixture(scope="module", params=ISAS)
-def lib(request, tmp_path_factory):
+def lib(request, isa_builder):
     """Every case's kernel in one library per ISA cap."""
     isa = request.param
-    if not _PROBE.compiler_available():
-        pytest.skip("no C++ compiler")
-    builder = KernelBuilder(tmp_path_factory.mktemp(f"paged-{isa}"), threads=2, isa=isa)
-    if not builder.compiler_available():
-        pytest.skip(f"the compiler cannot build the {isa} path here: {builder.unavailable_reason}")
+    builder = isa_builder(isa, "paged")
     sources = {c.name: c.source() for c in CASES}
     assert all(s is not None for s in sources.values()), [n for n, s in sources.items() if s is None]
     return isa, sources, builder.build_many(list(sources.values()))
