@@ -111,6 +111,43 @@ def rich_table(res: BenchResult):
     return t, notes
 
 
+SPEED_GOAL = 0.90        # graphmode median / the best other engine's, per shape
+FLOOR_GOAL = 1.10        # or, where the shape is memory-bound, graphmode median / its roofline floor
+RSS_GOAL = 1.2           # graphmode's peak RSS added by setup + first call / ONNX Runtime's
+
+
+def goals(res: BenchResult) -> list[str]:
+    """One line per benchmarked shape: the speed goal (<= SPEED_GOAL x the best other engine,
+    or <= FLOOR_GOAL x the floor where the shape is memory-bound) and the memory goal (peak
+    RSS <= RSS_GOAL x ONNX Runtime's), each met / NOT met with the numbers; empty under --quick."""
+    if res.meta.get("quick"):
+        return []
+    by_shape: dict[tuple, dict[str, dict]] = {}
+    for r in res.rows:
+        if r["status"] == "ok":
+            by_shape.setdefault((r["model"], tuple(r["shape"])), {})[r["label"]] = r
+    out = []
+    for (model, shape), rows in by_shape.items():
+        g = rows.get("graphmode")
+        if g is None or g.get("eager_fallback"):
+            continue
+        parts = []
+        ratio, floor = g.get("ratio_vs_best_other"), g.get("x_floor")
+        if ratio is not None:
+            mem_bound = g.get("floor_bound") == "memory"
+            ok = ratio <= SPEED_GOAL or (mem_bound and floor is not None and floor <= FLOOR_GOAL)
+            parts.append(f"speed {'met' if ok else 'NOT met'} ({ratio:.2f}x {g.get('best_other_engine')}"
+                         + (f", {floor:.2f}x the memory-bound floor" if mem_bound and floor else "") + ")")
+        ort = rows.get("onnxruntime")
+        if ort is not None and ort.get("peak_rss_mb") and g.get("peak_rss_mb") is not None:
+            x = g["peak_rss_mb"] / ort["peak_rss_mb"]
+            parts.append(f"peak RSS {'met' if x <= RSS_GOAL else 'NOT met'} ({g['peak_rss_mb']:.0f} MB, "
+                         f"{x:.2f}x onnxruntime's {ort['peak_rss_mb']:.0f} MB)")
+        if parts:
+            out.append(f"{model} {'x'.join(map(str, shape))}: " + "; ".join(parts))
+    return out
+
+
 def markdown(res: BenchResult) -> str:
     m = res.meta
     v = m["versions"]
@@ -145,6 +182,11 @@ def markdown(res: BenchResult) -> str:
         lines += [f"- `{x.split(':', 1)[0]}`:{x.split(':', 1)[1]}" for x in legend]
     if m.get("warnings"):
         lines += ["", "Notes on flagged rows:", ""] + [f"- {w}" for w in m["warnings"]]
+    met = goals(res)
+    if met:
+        lines += ["", f"Goals: graphmode <= {SPEED_GOAL:.2f}x the best other engine (or <= {FLOOR_GOAL:.2f}x the "
+                  f"floor on a memory-bound shape); peak RSS <= {RSS_GOAL:.1f}x ONNX Runtime's:", ""]
+        lines += [f"- {x}" for x in met]
     lines += ["", "Peak RSS: resident MB added at the peak of the engine's setup + first call for that shape, "
               "over what the process held before (model-level work such as graphmode's capture or the ONNX "
               "export is in the first shape's row). Setup: engine setup + first call; graphmode's compile and "

@@ -85,7 +85,7 @@ def bench_cmd(
     from graphmode.backends.cpu.isa import CAPS, cap_problem
     from graphmode.bench.harness import BenchConfig, parse_engines, run_bench
     from graphmode.bench.models import DEFAULT_MODELS, load_cases
-    from graphmode.bench.report import rich_table, write_results
+    from graphmode.bench.report import goals, rich_table, write_results
     from graphmode.errors import GraphmodeError, TargetError
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe
@@ -119,6 +119,8 @@ def bench_cmd(
         console.print(table)
         for n in notes:
             console.print(f"  {n}", markup=False, highlight=False)
+        for g in goals(res):
+            console.print(f"goal: {g}", markup=False, highlight=False)
         console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
     for w in res.meta.get("warnings", []):      # stderr: --json keeps stdout to the rows
         err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)

@@ -423,3 +423,22 @@ def test_profile_cli_decode_times_the_engine_step(cli, tmp_path):
     for bad in (["--decode", "2by9", "--recipe", str(rec)], ["--decode", "1x8"]):
         res = cli("profile", "--model", spec, *bad, "--runs", "1", "--no-eager")
         assert res.exit_code != 0 and "--decode" in res.output
+
+
+def test_goals_report_speed_and_peak_rss_against_the_thresholds():
+    from graphmode.bench.harness import BenchResult
+    from graphmode.bench.report import goals
+
+    def row(label, **kw):
+        return {"model": "m", "shape": [1, 8], "label": label, "engine": label, "status": "ok", **kw}
+    rows = [row("onnxruntime", median_ms=10.0, peak_rss_mb=100.0),
+            row("graphmode", median_ms=8.0, ratio_vs_best_other=0.8, best_other_engine="onnxruntime",
+                x_floor=1.5, floor_bound="compute", peak_rss_mb=130.0)]
+    (line,) = goals(BenchResult(rows, {}))
+    assert line.startswith("m 1x8: speed met (0.80x onnxruntime)") and "peak RSS NOT met (130 MB, 1.30x" in line
+    rows[1].update(ratio_vs_best_other=0.95, x_floor=1.05, floor_bound="memory", peak_rss_mb=110.0)
+    (line,) = goals(BenchResult(rows, {}))
+    assert "speed met (0.95x onnxruntime, 1.05x the memory-bound floor)" in line and "peak RSS met" in line
+    rows[1].update(x_floor=1.2)
+    assert "speed NOT met" in goals(BenchResult(rows, {}))[0]
+    assert goals(BenchResult(rows, {"quick": True})) == []
