@@ -246,6 +246,7 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     low = lower_model(model, recipe, tgt, mode=mode)
     cm = CompiledModel(low.source, recipe, tgt, low.captured, low.graph, (low.capture_report, low.optimize_report),
                        mode=mode, cache_dir=cache_dir, threads=threads, verdict=low.verdict)
+    cm.spill_constants()
     if warmup:
         cm.warmup(progress=progress)
     return cm

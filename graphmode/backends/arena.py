@@ -36,6 +36,10 @@ class ArenaExecutable:
         self.step_names: list[str] = []
         self.events: list[dict] = []        # cache damage found (and repaired) while building it
 
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this executable holds beyond the graph's constants."""
+        return {"arena_bytes": int(self.arena.numel())}
+
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy inputs into their slots, run every step, return copies of the outputs."""
         with self.lock, torch.inference_mode():

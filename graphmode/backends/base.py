@@ -66,7 +66,7 @@ class Backend(Protocol):
 
     def executable(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
                    kernel_dir: Path | None = None, threads: int | None = None,
-                   kernel_selection: Any = None, isa: str = "auto") -> Executable: ...
+                   kernel_selection: Any = None, isa: str = "auto", weight_growth: float | None = None) -> Executable: ...
 
 
 __all__ = ["Capabilities", "Executable", "Backend"]

@@ -56,7 +56,7 @@ class ReferenceBackend:
 
     def executable(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
                    kernel_dir: Path | None = None, threads: int | None = None,
-                   kernel_selection: Any = None, isa: str = "auto") -> ReferenceExecutable:
+                   kernel_selection: Any = None, isa: str = "auto", weight_growth: float | None = None) -> ReferenceExecutable:
         return ReferenceExecutable(plan, constants)
 
 

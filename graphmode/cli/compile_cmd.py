@@ -186,9 +186,12 @@ def compile_cmd(
         plan = build_plan(graph, recipe_obj, env)
         exe = get_backend(DEFAULT_DEVICE).executable(plan, graph.constants, kernel_dir=cache_layout(cache_dir).kernels,
                                                      kernel_selection=recipe_obj.codegen.kernel_selection,
+                                                     weight_growth=recipe_obj.memory.weight_growth,
                                                      isa=recipe_obj.codegen.isa)
+        weights = sum(t.numel() * t.element_size() for t in graph.constants.values())
         built = {"bucket": env, "instructions": len(plan.instructions), "generated_kernels": exe.generated,
                  "kernel_fallbacks": exe.kernel_report.get("fallbacks", {}), "tactics": exe.tactics_report,
+                 "memory": {"constants_bytes": weights, **exe.memory_report()},
                  "seconds": round(time.perf_counter() - t0, 3)}
         rep.seconds["first_plan"] = time.perf_counter() - t0
     if as_json:
@@ -203,6 +206,12 @@ def compile_cmd(
         if built:
             console.print(f"plan for bucket {built['bucket']}: {built['instructions']} instructions, "
                           f"{built['generated_kernels']} generated kernels, built in {built['seconds']:.2f}s")
+            mem = built["memory"]
+            console.print(f"memory for bucket {built['bucket']}: constants {mem['constants_bytes'] / 2**20:.1f} MiB "
+                          f"(a compiled model keeps the ones passes made in a released file mapping), prepared "
+                          f"weights {mem.get('prepared_weights_bytes', 0) / 2**20:.1f} MiB, conv workspace "
+                          f"{mem.get('workspace_bytes', 0) / 2**20:.1f} MiB, arena {mem['arena_bytes'] / 2**20:.1f} MiB",
+                          highlight=False)
             for group, why in built["kernel_fallbacks"].items():
                 console.print(f"  reference path for {group}: {why}", markup=False)
             for line in exe.report_lines():

@@ -324,9 +324,16 @@ class KVCacheSpec(_Spec):
 
 
 class MemorySpec(_Spec):
+    """`weight_growth`: the prepared copies kernels read their constant weights from (packed
+    panels, Winograd-transformed: F(2x2) is 16/9 of a 3x3 conv's weight, F(4x4) 4x) may take
+    at most this multiple of the weights they are prepared from; tactic selection rules out
+    the candidates that would pass it (backends/cpu/tactics/context.py fit_weight_budget).
+    2.5 admits F(2x2) everywhere and F(4x4) where it buys most."""
     budget_mb: Optional[SymMB] = None
     kv_cache: Optional[KVCacheSpec] = None
     bank_affinity: Annotated[list[BankRef], _limited(MAX_LIST, "memory bank names")] = []
+    weight_growth: Annotated[float, BeforeValidator(_number(float, ge=1, le=MAX_FACTOR))] = 2.5
+    _LATE = {"weight_growth": 2.5}
 
 
 class SlaBucket(_Spec):

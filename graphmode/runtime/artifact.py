@@ -249,7 +249,8 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
                                 f"{getattr(e, 'message', e)}", where=str(path), fix="save the artifact again") from None
         t0 = time.perf_counter()
         exe = backend.executable(plan, graph.constants, kernel_dir=root / "kernels", threads=cm.threads,
-                                 kernel_selection=recipe.codegen.kernel_selection, **extra)
+                                 kernel_selection=recipe.codegen.kernel_selection,
+                                 weight_growth=recipe.memory.weight_growth, **extra)
         cm._executables[key] = exe
         cm._event("artifact_load", bucket=key, seconds=round(time.perf_counter() - t0, 3))
     return cm

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from graphmode.backends import Executable, get_backend
 from graphmode.errors import CacheError, PlanError
+from graphmode.hostmem import trim_heap
 from graphmode.plan.execution import ExecutionPlan, load_plan, lower
 from graphmode.runtime.cache import ArtifactCache, default_cache_dir, make_key
 
@@ -65,6 +66,9 @@ def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
     cache = _open_cache(cm)
     plan = None
     key = cache_key(cm, env)
+    spill = getattr(cm, "constant_spill", None)
+    if spill is not None:
+        spill.release()          # hashing the graph read every constant
     recipe = cm.recipe
     if cache is not None:
         data = cache.get(key)
@@ -91,7 +95,11 @@ def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
         kdir = _scratch_dir()
     isa = {} if recipe.codegen.isa == "auto" else {"isa": recipe.codegen.isa}   # see Backend: only when set
     exe = get_backend(cm.device).executable(plan, cm.graph.constants, kernel_dir=kdir, threads=cm.threads,
-                                            kernel_selection=recipe.codegen.kernel_selection, **isa)
+                                            kernel_selection=recipe.codegen.kernel_selection,
+                                            weight_growth=recipe.memory.weight_growth, **isa)
+    if spill is not None:
+        spill.release()       # the kernels hold their prepared copies; what else reads a constant refaults it
+    trim_heap()
     events = (cache.events if cache is not None else []) + exe.events
     cm.cache_events = getattr(cm, "cache_events", []) + events
     return exe, cached

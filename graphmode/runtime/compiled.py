@@ -11,6 +11,7 @@ import inspect
 import logging
 import threading
 import time
+from pathlib import Path
 from collections import Counter
 from typing import Any, Mapping
 
@@ -48,6 +49,7 @@ class CompiledModel:
         self.event_log: list[dict] = []
         self.monitor = None   # graphmode.monitor.ContractMonitor (monitor.attach): sees every event
         self._executables: dict[str, Any] = {}
+        self.constant_spill = None    # graphmode.hostmem.ConstantSpill once spill_constants ran
         self._compile_lock = threading.Lock()
         self.input_names = [i.name for i in recipe.inputs]
         self.pad_values = {i.name: i.pad_value for i in recipe.inputs}
@@ -65,6 +67,37 @@ class CompiledModel:
                 self._signature = inspect.signature(source.module.forward)
             except (TypeError, ValueError):
                 self._signature = None
+
+    # ---- memory ----------------------------------------------------------------------------
+    def spill_constants(self) -> None:
+        """Move the constants the passes made (BN-folded, transposed: not the module's own
+        parameters, which the module keeps) to a file-backed mapping whose pages each bucket
+        build releases once its kernels hold their prepared copies (graphmode/hostmem.py)."""
+        from graphmode.hostmem import spill_constants
+        from graphmode.runtime.cache import default_cache_dir
+        if self.graph is None or self.constant_spill is not None:
+            return
+        module = self.source.module
+        keep = set()
+        if module is not None:
+            keep = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+        if self.cache_dir is None:
+            folder = default_cache_dir() / "spill"
+        elif self.cache_dir is False:
+            folder = None
+        else:
+            folder = Path(self.cache_dir) / "spill"
+        self.graph.constants, self.constant_spill = spill_constants(self.graph.constants, folder, keep=keep)
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes of the graph's constants, how many are spilled, and per built bucket what its
+        executable holds (prepared weights, workspaces, arena)."""
+        consts = sum(t.numel() * t.element_size() for t in (self.graph.constants.values() if self.graph else ()))
+        out: dict[str, Any] = {"constants_bytes": consts,
+                               **(self.constant_spill.report() if self.constant_spill is not None else {})}
+        out["buckets"] = {k: exe.memory_report() for k, exe in self._executables.items()
+                          if hasattr(exe, "memory_report")}
+        return out
 
     # ---- events ----------------------------------------------------------------------------
     def _event(self, event: str, **info: Any) -> None:

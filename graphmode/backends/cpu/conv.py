@@ -118,18 +118,31 @@ class ConvConfig(Protocol):
 
 
 def nhwc_pack_lines(p: ConvProblem, cp: int, hp: int, wp: int, par: str) -> list[str]:
-    """C++ for `@SYM@_pack(x, xp)`: NCHW input -> zero-padded NHWC [N][hp][wp][cp] (the
-    padding border and channels >= C are never written, so a zeroed workspace keeps them
-    zero), through 16x16 stack tiles so that both sides are read/written in runs."""
+    """C++ for `@SYM@_pack(x, xp)`: NCHW input -> zero-padded NHWC [N][hp][wp][cp], through
+    16x16 stack tiles so that both sides are read/written in runs. It writes the padding border
+    and the channels >= C too (zeros), so a workspace needs no zeroing and one buffer serves
+    every conv of a plan (tactics/context.py): a zero border kept from allocation used to pin
+    one workspace per conv shape (150 MB for ResNet-18 at batch 8)."""
     ph, pw = p.padding
     return [
         "void @SYM@_pack(const float* __restrict x, float* __restrict xp) {",
         f"  constexpr long N = {p.n}, C = {p.cin}, H = {p.h}, W = {p.w}, CP = {cp}, HP = {hp}, WP = {wp};",
+        f"  constexpr long PH = {ph}, PW = {pw}, RIGHT = WP - PW - W > 0 ? WP - PW - W : 0;",
         f"  {par}",
-        "  for (long r = 0; r < N * H; ++r) {",
-        "    const long n = r / H, iy = r % H;",
+        "  for (long r = 0; r < N * HP; ++r) {",
+        "    const long n = r / HP, iy = r % HP - PH;",
+        "    float* row = xp + r * WP * CP;",
+        "    if (iy < 0 || iy >= H) {",
+        "      for (long i = 0; i < WP * CP; ++i) row[i] = 0.0f;",
+        "      continue;",
+        "    }",
+        "    for (long i = 0; i < PW * CP; ++i) row[i] = 0.0f;",
+        "    for (long i = 0; i < RIGHT * CP; ++i) row[(PW + W) * CP + i] = 0.0f;",
+        "    if (CP > C)",
+        "      for (long i = 0; i < W; ++i)",
+        "        for (long c = C; c < CP; ++c) row[(PW + i) * CP + c] = 0.0f;",
         "    const float* xs = x + (n * C * H + iy) * W;",
-        f"    float* xd = xp + ((n * HP + iy + {ph}) * WP + {pw}) * CP;",
+        "    float* xd = row + PW * CP;",
         "    for (long c0 = 0; c0 < C; c0 += 16) {",
         "      const long cn = C - c0 < 16 ? C - c0 : 16;",
         "      for (long x0 = 0; x0 < W; x0 += 16) {",

@@ -51,6 +51,14 @@ class CpuExecutable(ArenaExecutable):
             self.tactics_report.update(self.tactics.report())
             self.tactics_report["seconds"] = round(time.perf_counter() - t0, 3)
 
+    def memory_report(self) -> dict[str, int]:
+        """The arena, plus the winners' prepared weights (shared with other buckets' executables
+        over the same constants) and conv workspaces tactic selection keeps."""
+        out = super().memory_report()
+        out["prepared_weights_bytes"] = int(self.tactics_report.get("packed_bytes", 0))
+        out["workspace_bytes"] = int(self.tactics_report.get("workspace_bytes", 0))
+        return out
+
     def report_lines(self) -> list[str]:
         """Human lines for what tactic selection decided (the compile report prints them)."""
         return report_lines(self.tactics_report)

@@ -6,17 +6,20 @@ patch matrix they run on the same register-blocked micro-kernel as the transform
 with the weight packed once at bind time.
 
 Layout (per plan step, shapes baked in):
-1. NCHW input -> zero-padded NHWC scratch (conv.py's pack: channels innermost, zero border);
+1. NCHW input -> zero-padded NHWC scratch (conv.py's pack: channels innermost, writes the zero border);
 2. patch matrix A [N*Ho*Wo, K], K = kh*kw*C ordered (ky, kx, c): each (ky, kx) is one run of
    C contiguous floats of the NHWC scratch;
 3. C' [N*Ho*Wo, Cout] = A @ W' (+ bias) with W'[(ky, kx, c), co] = w[co, c, ky, kx] packed as a
    linear weight (so bias is the accumulator's initial value, as for `linear`);
 4. C' (NHWC) -> y (NCHW) through 16x16 stack tiles.
 A 1x1 stride-1 unpadded conv skips the patch matrix (the NHWC scratch is A).
+The batch runs in blocks of images (`images_per_block`) whose scratch fits COL_BLOCK_BYTES:
+ResNet-18's 7x7 stem at batch 8 has a 59 MB patch matrix, and its workspace (90 MB) set the
+size of the one every conv of the plan shares.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -67,14 +70,31 @@ def _direct(p: ConvProblem) -> bool:
     return (p.kh, p.kw) == (1, 1) and p.stride == (1, 1) and p.padding == (0, 0)
 
 
-def _sizes(p: ConvProblem) -> tuple[int, int, int]:
+COL_BLOCK_BYTES = 16 << 20     # scratch (padded input, patch matrix, GEMM result) of one block of images
+
+
+def _per_image(p: ConvProblem) -> tuple[int, int, int]:
     hp, wp = p.h + 2 * p.padding[0], p.w + 2 * p.padding[1]
-    rows, k = p.n * p.ho * p.wo, p.kh * p.kw * p.cin
-    return p.n * hp * wp * p.cin, (0 if _direct(p) else rows * k), rows * p.cout
+    rows, k = p.ho * p.wo, p.kh * p.kw * p.cin
+    return hp * wp * p.cin, (0 if _direct(p) else rows * k), rows * p.cout
+
+
+def images_per_block(p: ConvProblem) -> int:
+    """The largest divisor of the batch whose block's scratch fits COL_BLOCK_BYTES (at least 1):
+    one GEMM over the whole batch where it fits (small maps keep their long GEMM), image by
+    image where one image's patch matrix is already large."""
+    per = sum(_per_image(p)) * 4
+    return next(nb for nb in range(p.n, 0, -1) if p.n % nb == 0 and (nb * per <= COL_BLOCK_BYTES or nb == 1))
+
+
+def _sizes(p: ConvProblem) -> tuple[int, int, int]:
+    nb = images_per_block(p)
+    return tuple(nb * x for x in _per_image(p))
 
 
 def gemm_problem(p: ConvProblem) -> GemmProblem:
-    return GemmProblem("linear", 1, p.n * p.ho * p.wo, p.cout, p.kh * p.kw * p.cin, bias=p.bias, b_packed=True)
+    return GemmProblem("linear", 1, images_per_block(p) * p.ho * p.wo, p.cout, p.kh * p.kw * p.cin, bias=p.bias,
+                       b_packed=True)
 
 
 def prepared_numel(p: ConvProblem, nr: int) -> int:
@@ -82,8 +102,8 @@ def prepared_numel(p: ConvProblem, nr: int) -> int:
 
 
 def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSource:
-    """`symbol(x, w', [bias,] ws, y)`: w' from `cfg.prepare_weight(w)`, ws a zero-initialised
-    float workspace of `cfg.workspace_numel(p)` (its padding border must stay zero)."""
+    """`symbol(x, w', [bias,] ws, y)`: w' from `cfg.prepare_weight(w)`, ws a float
+    workspace of at least `cfg.workspace_numel(p)` (any contents: every call writes it)."""
     if not cfg.applies(p):
         raise BackendError(f"im2col covers ungrouped f32 convs, not {p.text}", where=p.text,
                            fix="the ATen tactic runs it")
@@ -92,18 +112,19 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
     gemm_text = gsrc.source.replace(gsrc.symbol, "@SYM@_g")
     hp, wp = p.h + 2 * p.padding[0], p.w + 2 * p.padding[1]
     xp_n, col_n, _ = _sizes(p)
+    nb = images_per_block(p)
     k = p.kh * p.kw * p.cin
     hw = p.ho * p.wo
     par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
     (sy, sx), (dy, dx) = p.stride, p.dilation
     ca = conv_args(p, "w")
-    lines = ["namespace {", *nhwc_pack_lines(p, p.cin, hp, wp, par)]
+    lines = ["namespace {", *nhwc_pack_lines(replace(p, n=nb), p.cin, hp, wp, par)]
     if not _direct(p):
         lines += [
             "void @SYM@_cols(const float* __restrict xp, float* __restrict col) {",
             f"  constexpr long HO = {p.ho}, WO = {p.wo}, C = {p.cin}, HP = {hp}, WP = {wp}, K = {k};",
             f"  {par}",
-            f"  for (long r = 0; r < {p.n} * HO; ++r) {{",
+            f"  for (long r = 0; r < {nb} * HO; ++r) {{",
             "    const long n = r / HO, oy = r % HO;",
             "    for (long ox = 0; ox < WO; ++ox) {",
             "      float* dst = col + (r * WO + ox) * K;",
@@ -119,17 +140,17 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         ]
     lines += [
         # NHWC GEMM result -> NCHW output
-        f"void @SYM@_unpack(const float* __restrict cb, float* y{ca.stage_params}) {{",
+        f"void @SYM@_unpack(const float* __restrict cb, float* y{ca.stage_params}, long n0) {{",
         f"  constexpr long HW = {hw}, CO = {p.cout};",
         f"  {par}",
-        f"  for (long r = 0; r < {p.n} * ((HW + 15) / 16); ++r) {{",
-        "    const long n = r / ((HW + 15) / 16), p0 = (r % ((HW + 15) / 16)) * 16;",
+        f"  for (long r = 0; r < {nb} * ((HW + 15) / 16); ++r) {{",
+        "    const long nl = r / ((HW + 15) / 16), n = n0 + nl, p0 = (r % ((HW + 15) / 16)) * 16;",
         "    const long pn = HW - p0 < 16 ? HW - p0 : 16;",
         "    for (long c0 = 0; c0 < CO; c0 += 16) {",
         "      const long cn = CO - c0 < 16 ? CO - c0 : 16;",
         "      float tile[16][16];",
         "      for (long i = 0; i < pn; ++i)",
-        "        for (long c = 0; c < cn; ++c) tile[c][i] = cb[(n * HW + p0 + i) * CO + c0 + c];",
+        "        for (long c = 0; c < cn; ++c) tile[c][i] = cb[(nl * HW + p0 + i) * CO + c0 + c];",
         "      for (long c = 0; c < cn; ++c)",
         "        for (long i = 0; i < pn; ++i) {",
         "          const long co = c0 + c, idx = (n * CO + co) * HW + p0 + i;",
@@ -146,10 +167,12 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         f"  float* xp = (float*){ca.ws};",
         f"  float* col = xp + {xp_n}L;",
         f"  float* cb = col + {col_n}L;",
-        "  @SYM@_pack((const float*)p0, xp);",
-        *([] if _direct(p) else ["  @SYM@_cols(xp, col);"]),
-        f"  @SYM@_g({a_ptr}, p1, {'p2, ' if p.bias else ''}cb);",
-        f"  @SYM@_unpack(cb, {ca.out}{ca.stage_args});",
+        f"  for (long b = 0; b < {p.n // nb}; ++b) {{",
+        f"    @SYM@_pack((const float*)p0 + b * {nb * p.cin * p.h * p.w}L, xp);",
+        *([] if _direct(p) else ["    @SYM@_cols(xp, col);"]),
+        f"    @SYM@_g({a_ptr}, p1, {'p2, ' if p.bias else ''}cb);",
+        f"    @SYM@_unpack(cb, {ca.out}{ca.stage_args}, b * {nb}L);",
+        "  }",
     ])
     types = {"x": TensorType("f32", (p.n, p.cin, p.h, p.w)), "w": TensorType("f32", (prepared_numel(p, cfg.gemm.nr),)),
              "ws": TensorType("f32", (cfg.workspace_numel(p),)), "y": TensorType("f32", (p.n, p.cout, p.ho, p.wo))}
@@ -160,4 +183,4 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
                          kind="im2col", parallel=threads != 1, pattern=f"{p.text} [{cfg.name}]")
 
 
-__all__ = ["Im2colConfig", "generate_im2col", "gemm_problem", "prepared_numel"]
+__all__ = ["COL_BLOCK_BYTES", "Im2colConfig", "generate_im2col", "gemm_problem", "images_per_block", "prepared_numel"]

@@ -10,7 +10,7 @@ The algorithm as four phases of one kernel (Lavin & Gray, 2015), with T = N * ce
 ceil(Wo/m) tiles, alpha = m + 2, channels padded to multiples of 16 (CP, COP):
 
 1. NCHW input -> zero-padded NHWC scratch (channels innermost, so that 16 channels are one
-   vector and the patch of a tile needs no bounds checks: the border stays zero);
+   vector and the patch of a tile needs no bounds checks: the pack writes the zero border);
 2. input transform V[xi][t][c] = (B^T d B)[xi] per tile and channel vector;
 3. alpha^2 independent GEMMs M[xi] = V[xi] @ U[xi] ([T, CP] @ [CP, COP]) on the generated
    micro-kernel of gemm.py, U being the transformed weight G g G^T, computed once at bind
@@ -22,7 +22,8 @@ types of 16 floats, which the compiler lowers to the host's widest ISA (AVX-512,
 or scalar code), so one generator serves every host. Numerics: F(2x2) loses nothing
 measurable; F(4x4)'s transforms amplify rounding by a small factor (rel L2 ~1e-6 vs direct
 fp32 on random data) and tactic selection checks every candidate against ATen before it
-may win. The workspace (padded input, V, M) belongs to the plan step.
+may win. The workspace (padded input, V, M) holds nothing between calls: every conv of a
+plan shares one.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import torch
 from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source, template
 from graphmode.backends.cpu.conv import (ConvArgs, ConvProblem, conv_args, epilogue_store, epilogue_types,
                                          nhwc_pack_lines)
-from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
+from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, packed_numel
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
 
@@ -174,19 +175,28 @@ def chunk_for(p: ConvProblem, m: int, mr: int, l2_bytes: int = 512 << 10) -> int
 
 def transform_weight(w: torch.Tensor, m: int, nr: int) -> torch.Tensor:
     """U = G g G^T per (out, in) channel pair, computed in float64, laid out [alpha^2, CP, COP]
-    (zero-padded channels) and packed per tile position for panels of `nr` columns."""
+    (zero-padded channels) and packed per tile position for panels of `nr` columns: the
+    packing of `pack_b` ([ceil(COP/nr), CP, nr] per position), written one tile position at a
+    time. (Transforming the whole weight at once in float64 took 7x the result's size: 260 MB
+    at the peak for a 512x512 F(4x4) weight.)"""
     if w.dim() != 4 or tuple(w.shape[2:]) != (3, 3):
         raise BackendError("Winograd needs a 3x3 conv weight", value=tuple(w.shape))
     _, gm, _ = _MATRICES[m]
     alpha = m + 2
     cout, cin = w.shape[0], w.shape[1]
     cp, cop = math.ceil(cin / VEC) * VEC, math.ceil(cout / VEC) * VEC
-    g = torch.tensor([[float(v) for v in row] for row in gm], dtype=torch.float64)
-    u = g @ w.to(torch.float64) @ g.t()                         # [cout, cin, alpha, alpha]
-    u = u.permute(2, 3, 1, 0).reshape(alpha * alpha, cin, cout)  # [xi, cin, cout]
-    full = torch.zeros(alpha * alpha, cp, cop, dtype=torch.float32)
-    full[:, :cin, :cout] = u.to(torch.float32)
-    return torch.cat([pack_b(full[i], nr, transposed=False).reshape(-1) for i in range(alpha * alpha)])
+    npan = math.ceil(cop / nr)
+    g = [[float(v) for v in row] for row in gm]                  # alpha x 3
+    taps = w.detach().permute(2, 3, 1, 0)                        # [3, 3, cin, cout] (a view)
+    out = torch.empty(alpha * alpha, npan, cp, nr, dtype=torch.float32)
+    panel = torch.zeros(cp, npan * nr, dtype=torch.float32)      # one position, zero-padded channels
+    for i in range(alpha):
+        rows = sum(g[i][a] * taps[a].to(torch.float64) for a in range(3) if g[i][a])       # [3, cin, cout]
+        for j in range(alpha):
+            u = sum(g[j][b] * rows[b] for b in range(3) if g[j][b])                        # [cin, cout]
+            panel[:cin, :cout] = u
+            out[i * alpha + j] = panel.view(cp, npan, nr).transpose(0, 1)
+    return out.reshape(-1)
 
 
 def transformed_numel(p: ConvProblem, m: int, nr: int) -> int:
@@ -256,7 +266,7 @@ def _blocked_body(cfg: WinogradConfig, g: _Geometry, ca: ConvArgs) -> list[str]:
 
 def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> KernelSource:
     """`symbol(x, u, [bias,] ws, y)`: u from `transform_weight(w, cfg.m, cfg.gemm.nr)`, ws a
-    zero-initialised float workspace of `workspace_numel(p, cfg)` (its padding must stay zero)."""
+    float workspace of at least `workspace_numel(p, cfg)` (any contents: every call writes it)."""
     if not p.winograd_ok:
         raise BackendError(f"Winograd F(mx3) covers 3x3 stride-1 undilated ungrouped f32 convs, not {p.text}",
                            where=p.text, fix="the ATen tactic runs it")

@@ -16,12 +16,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from graphmode.backends.cpu.conv import ConvConfig, ConvProblem
-from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm
+from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm, packed_numel
 from graphmode.backends.cpu.im2col import Im2colConfig
 from graphmode.backends.cpu.im2col import gemm_problem as im2col_gemm
+from graphmode.backends.cpu.im2col import prepared_numel as im2col_prepared
 from graphmode.backends.cpu.isa import host_isas, registers
 from graphmode.backends.cpu.tactics.steps import ATEN, GemmStep, aten_conv, aten_gemm, b_shape, conv_args
-from graphmode.backends.cpu.winograd import WinogradConfig, chunk_for, geometry
+from graphmode.backends.cpu.winograd import WinogradConfig, chunk_for, geometry, transformed_numel
 from graphmode.backends.cpu.winograd import gemm_problem as winograd_gemm
 from graphmode.errors import BackendError
 from graphmode.verify.numerics import rel_l2
@@ -138,6 +139,19 @@ def candidate_sources(p: GemmProblem, names: Sequence[str], threads: int) -> dic
     return out
 
 
+def prepared_bytes(p: GemmProblem, name: str) -> int | None:
+    """Bytes of candidate `name`'s prepared copy of one constant weight (None: ATen, which
+    reads the weight as it is)."""
+    if name == ATEN or not p.b_packed:
+        return None
+    if isinstance(p, ConvProblem):
+        cfg = conv_config(name)
+        if isinstance(cfg, WinogradConfig):
+            return transformed_numel(p, cfg.m, cfg.gemm.nr) * 4
+        return im2col_prepared(p, cfg.gemm.nr) * 4
+    return packed_numel(p.n, p.k, GemmConfig.parse(name).nr) * 4 * (p.batch if p.b_batched else 1)
+
+
 @dataclass
 class Checker:
     """Checks candidates against ATen on random data. `scratch` memoises, while one plan is
@@ -190,7 +204,7 @@ class Checker:
             ops, ref = self._epilogue_reference(p, step, ref)
         cfg = conv_config(name)
         u = self.weight(step.b, cfg)
-        ws = torch.zeros(cfg.workspace_numel(p))
+        ws = torch.full((cfg.workspace_numel(p),), float("nan"))   # kernels may not rely on its contents
         y = torch.full((p.n, p.cout, p.ho, p.wo), float("nan"))
         try:
             kernel(conv_args(step, cfg, x, u, ws, y, ops))
@@ -218,4 +232,4 @@ class Checker:
 
 
 __all__ = ["conv_config", "CONFIGS", "TOLERANCE_F32", "WINOGRAD_TILES", "candidate_names", "candidate_sources",
-           "Checker"]
+           "Checker", "prepared_bytes"]

@@ -21,21 +21,25 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from graphmode.backends.cpu.build import KernelBuilder, builder_for
-from graphmode.backends.cpu.conv import ConvConfig, conv_problem_of
+from graphmode.backends.cpu.conv import ConvConfig, ConvProblem, conv_problem_of
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, pack_b
 from graphmode.backends.cpu.isa import capped_simd
 from graphmode.backends.cpu.tactics.cache import CACHE_VERSION, TimingCache
-from graphmode.backends.cpu.tactics.candidates import (CONFIGS, TOLERANCE_F32, Checker, candidate_names,
+from graphmode.backends.cpu.tactics.candidates import (CONFIGS, TOLERANCE_F32, Checker, candidate_names, prepared_bytes,
                                                        candidate_sources, conv_config)
 from graphmode.backends.cpu.tactics.selection import NOISY, POLICIES, Selection, pick, timing_doubts
 from graphmode.backends.cpu.tactics.steps import (ATEN, ConvStep, FusedEpilogue, GemmStep, aten_gemm, problem_of)
-from graphmode.backends.cpu.tactics.timing import conv_timing_fns, gemm_timing_fns, machine_load, measure
+from graphmode.backends.cpu.tactics.timing import ColdPool, conv_timing_fns, gemm_timing_fns, machine_load, measure
 from graphmode.backends.cpu.tensors import overlaps
 from graphmode.errors import BackendError
+from graphmode.hostmem import release, trim_heap
 
 log = logging.getLogger("graphmode.cpu.tactics")
 
 _STATS: dict[str, Callable[[list[float]], float]] = {"min": min, "median": statistics.median}
+
+
+PACKING_SLACK = 1.25     # a prepared weight up to this multiple of its source is packing, not growth
 
 
 class TacticsContext:
@@ -66,7 +70,7 @@ class TacticsContext:
                  cold: bool | None = None, llc_bytes: int | None = None, reps: int = 5,
                  configs: Mapping[str, Sequence[GemmConfig]] | None = None, tolerance: float = TOLERANCE_F32,
                  statistic: str = "median", sample_s: float = 5e-4, budget_s: float = 0.01,
-                 retune_noisy: int = 2, seed: int = 0):
+                 retune_noisy: int = 2, seed: int = 0, weight_growth: float | None = None):
         if policy not in POLICIES:
             raise BackendError(f"unknown kernel selection policy {policy!r}", where="codegen.kernel_selection",
                                value=policy, fix=f"one of {', '.join(POLICIES)}")
@@ -86,13 +90,16 @@ class TacticsContext:
         self.tolerance = tolerance
         self.seed = seed
         self.configs = {k: tuple(v) for k, v in (configs or CONFIGS).items()}
+        self.weight_growth = weight_growth      # None: no limit on the prepared weights
+        self._excluded: dict[GemmProblem, dict[str, str]] = {}   # candidates the weight budget rules out
         self.constant_ptrs: set[int] = set()
         self.steps: list[GemmStep] = []
         self._pending: list[GemmStep] = []
         self.selections: list[Selection] = []
         self.packed: dict[tuple, _Packed] = {}   # the winners' packed weights this context keeps alive
         self._scratch: dict[tuple, Any] = {}      # packs and references while one plan is tuned
-        self._workspaces: dict[tuple, torch.Tensor] = {}   # Winograd scratch of the bound conv steps
+        self._workspaces: list[torch.Tensor] = []   # conv scratch: one serves every conv step bound with it
+        self._pool: ColdPool | None = None                  # the cold-timing copies while a plan is tuned
         self.stats = {"timed_shapes": 0, "timing_runs": 0, "cache_hits": 0, "cache_misses": 0, "checks": 0,
                       "rejected": 0, "tune_s": 0.0, "build_s": 0.0}
         self.failures: dict[str, str] = {}
@@ -145,9 +152,52 @@ class TacticsContext:
             return False
 
     def candidates(self, p: GemmProblem) -> list[str]:
-        """Candidate names for a problem: ATen, then the host ISA's generated configurations."""
-        return candidate_names(p, simd=self.simd, threads=self.threads, configs=self.configs,
-                               generated=self.generated_available())
+        """Candidate names for a problem: ATen, then the host ISA's generated configurations
+        (less those the plan's weight budget rules out: `fit_weight_budget`)."""
+        out = candidate_names(p, simd=self.simd, threads=self.threads, configs=self.configs,
+                              generated=self.generated_available())
+        gone = self._excluded.get(p)
+        return [n for n in out if n not in gone] if gone else out
+
+    def fit_weight_budget(self, by_problem: Mapping[GemmProblem, Sequence[GemmStep]]) -> None:
+        """Rule out, before anything is built or timed, the candidates whose prepared weights
+        could take the plan past `weight_growth` x the bytes of the constant weights they are
+        prepared from. The plan's worst case (each shape at its largest remaining candidate)
+        shrinks by dropping the largest candidates of the shape whose FLOPs per weight byte
+        they add are fewest (a Winograd F(4x4) weight is 4x the conv's: on a 7x7 map it buys
+        least), until it fits or no shape has a candidate more than PACKING_SLACK x its
+        weight. Excluding before timing also keeps timing's transient buffers in the budget."""
+        if self.weight_growth is None:
+            return
+        sizes: dict[GemmProblem, dict[str, int]] = {}
+        own: dict[GemmProblem, int] = {}
+        for p, steps in by_problem.items():
+            if not p.b_packed:
+                continue
+            weights = {(s.b.data_ptr(), tuple(s.b.shape)): s.b for s in steps}
+            own[p] = sum(t.numel() * t.element_size() for t in weights.values())
+            per = {n: prepared_bytes(p, n) for n in self.candidates(p)}
+            sizes[p] = {n: own[p] if b is None else b * len(weights) for n, b in per.items()}
+        budget = self.weight_growth * sum(own.values())
+
+        def worst() -> int:
+            return sum(max(v.values()) for v in sizes.values() if v)
+        def extra(q: GemmProblem) -> int:       # what the largest remaining candidate adds over the weight
+            return max(sizes[q].values()) - own[q]
+        while sizes and worst() > budget:
+            # packing pads a weight to whole panels (a few %): only a real growth is worth a candidate
+            shrinkable = [q for q in sizes if extra(q) > (PACKING_SLACK - 1) * own[q]]
+            if not shrinkable:
+                break
+            p = min(shrinkable, key=lambda q: q.flops / max(extra(q), 1))    # FLOPs per byte it adds
+            top = max(sizes[p].values())
+            for n in [n for n, b in sizes[p].items() if b == top]:
+                del sizes[p][n]
+                self._excluded.setdefault(p, {})[n] = (
+                    f"its prepared weights ({top / 2**20:.1f} MiB) would take the plan past "
+                    f"memory.weight_growth {self.weight_growth:g}x the model's weights")
+        self.stats["weight_budget_bytes"] = int(budget)
+        self.stats["excluded_for_weight_budget"] = sum(len(v) for v in self._excluded.values())
 
     # ---- the executor's side ---------------------------------------------------------------
     def request(self, op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
@@ -200,16 +250,38 @@ class TacticsContext:
         if self.cold is None:
             weights = {(s.b.data_ptr(), s.b.numel()) for s in pending if s.problem.b_packed}
             self.cold = sum(n for _, n in weights) * 4 > self.llc_bytes
-        new: list[Selection] = []
+        self.fit_weight_budget(by_problem)
         kernels = self._build({p: candidate_sources(p, self.candidates(p), self.threads) for p in by_problem})
+        # every shape is tuned before any winner is bound: the timing's transient buffers (the
+        # cold pool, each shape's candidate weights) are gone before the winners' prepared
+        # weights are made, so the peak is the larger of the two instead of their sum
+        new: list[Selection] = []
+        self._pool = ColdPool(self.llc_bytes, bool(self.cold), self.seed)
         try:
             for p, steps in by_problem.items():
                 sel = self._select(p, steps[0], kernels)
                 sel.uses = len(steps)
-                self.selections.append(sel)
                 new.append(sel)
-                for s in steps:
-                    self._bind(s, sel, kernels)
+                self._scratch.clear()
+                release(steps[0].b)      # the checks and timing read it; binding reads it again
+                trim_heap()
+            self.stats["timing_pool_bytes"] = max(self.stats.get("timing_pool_bytes", 0), self._pool.nbytes)
+        finally:
+            self._scratch.clear()
+            self._pool = None
+        # the steps of one executable run one at a time and conv kernels keep nothing in their
+        # workspace between calls: one buffer, the size of the largest winner's, serves them all
+        need = max([conv_config(sel.winner).workspace_numel(sel.problem) for sel in new
+                    if isinstance(sel.problem, ConvProblem) and sel.winner != ATEN], default=0)
+        ws = next((w for w in self._workspaces if w.numel() >= need), None) if need else None
+        if need and ws is None:
+            ws = torch.empty(need)
+            self._workspaces.append(ws)
+        try:
+            for sel in new:
+                self.selections.append(sel)
+                for s in by_problem[sel.problem]:
+                    self._bind(s, sel, kernels, ws)
                 self._scratch.clear()
         finally:
             self._scratch.clear()
@@ -235,10 +307,12 @@ class TacticsContext:
         if self.cold is None:
             self.cold = b.numel() * 4 > self.llc_bytes if p.b_packed else False
         kernels = self._build({p: candidate_sources(p, self.candidates(p), self.threads)})
+        self._pool = ColdPool(self.llc_bytes, bool(self.cold), self.seed)
         try:
             sel = self._select(p, step, kernels)
         finally:
             self._scratch.clear()
+            self._pool = None
         sel.uses = 1
         self.selections.append(sel)
         return sel
@@ -315,7 +389,8 @@ class TacticsContext:
             tries = cached["tries"] + 1
             cached = None
         if cached is not None:
-            sel = Selection(p, ATEN, self.policy, dict(cached["timings_s"]), dict(cached["rejected"]),
+            sel = Selection(p, ATEN, self.policy, dict(cached["timings_s"]),
+                            {**cached["rejected"], **self._excluded.get(p, {})},
                             from_cache=True, medians_s=dict(cached["medians_s"]), noisy=cached["noisy"],
                             mins_s=dict(cached["mins_s"]), load=cached["load"], cores=cached["cores"])
             sel.winner = pick(self.policy, p, sel.timings_s)
@@ -328,6 +403,7 @@ class TacticsContext:
                         p.text, sel.winner)
         self.stats["cache_misses"] += 1
         sel = Selection(p, ATEN, self.policy, timed=True)
+        sel.rejected.update(self._excluded.get(p, {}))
         for name in names[1:]:
             err = self._check(p, name, step, kernels)
             if err is not None:
@@ -357,6 +433,7 @@ class TacticsContext:
 
     def _heuristic(self, p: GemmProblem, names: Sequence[str], step: GemmStep, kernels: Mapping) -> Selection:
         sel = Selection(p, ATEN, "heuristic")
+        sel.rejected.update(self._excluded.get(p, {}))
         for name in names[1:2]:          # the first generated configuration, if any
             err = self._check(p, name, step, kernels)
             if err is None:
@@ -367,7 +444,7 @@ class TacticsContext:
 
     def _timing_fns(self, p, names: Sequence[str], step: GemmStep, kernels: Mapping, rejected: Mapping[str, str],
                     keep: list) -> dict[str, Callable[[], None]]:
-        kw = {"seed": self.seed, "cold": bool(self.cold), "llc_bytes": self.llc_bytes}
+        kw = {"seed": self.seed, "pool": self._pool or ColdPool(self.llc_bytes, bool(self.cold), self.seed)}
         if isinstance(step, ConvStep):
             return conv_timing_fns(p, names, step, kernels, rejected, keep, weight=self._conv_weight, **kw)
         return gemm_timing_fns(p, names, step, kernels, rejected, keep,
@@ -401,10 +478,11 @@ class TacticsContext:
             t = self._scratch.pop(scratch_key, None)
             holder = _Packed(src, t if t is not None else prepare())
             _PACKED[key] = holder
+            release(src)     # a spilled constant's pages go (graphmode/hostmem.py); others stay as they are
         self.packed[key] = holder
         return holder.t
 
-    def _bind(self, step: GemmStep, sel: Selection, kernels: Mapping) -> None:
+    def _bind(self, step: GemmStep, sel: Selection, kernels: Mapping, ws: torch.Tensor | None = None) -> None:
         k = kernels.get((step.problem, sel.winner))
         if sel.winner == ATEN or not isinstance(k, tuple):   # the latter cannot happen after a passing check
             step.fn, step.tactic = step.default, ATEN
@@ -414,12 +492,9 @@ class TacticsContext:
             cfg = conv_config(sel.winner)
             key = (step.b.data_ptr(), tuple(step.b.shape), step.b._version) + cfg.weight_key()
             w = self._kept(key, step.b, key, lambda: cfg.prepare_weight(step.b))
-            # one workspace per (shape, candidate kind) in this context: steps of one executable never
-            # overlap, and a shape's zero padding border is only ever left zero by kernels of that shape
-            ws_key = ("ws", p, cfg.name)
-            ws = self._workspaces.get(ws_key)
-            if ws is None:
-                ws = self._workspaces[ws_key] = torch.zeros(cfg.workspace_numel(p))
+            if ws is None or ws.numel() < cfg.workspace_numel(p):
+                ws = torch.empty(cfg.workspace_numel(p))
+                self._workspaces.append(ws)
             bufs = [step.a, w] + ([step.bias] if p.bias else []) + list(step.ops) + [ws, step.c]
         else:
             nr = GemmConfig.parse(sel.winner).nr
@@ -439,6 +514,7 @@ class TacticsContext:
         return {"policy": self.policy, "threads": self.threads, "cold_weights": self.cold,
                 "gemms": [s.to_json() for s in self.selections], "stats": dict(self.stats),
                 "packed_bytes": sum(h.t.numel() * h.t.element_size() for h in self.packed.values()),
+                "workspace_bytes": sum(t.numel() * t.element_size() for t in self._workspaces),
                 "steps": {"total": len(self.steps),
                           "generated": sum(1 for s in self.steps if s.tactic != ATEN)}}
 
@@ -471,14 +547,16 @@ def _target_identity(target: Any, simd: Sequence[str]) -> str:
 
 
 def tactics_context(spec, builder: KernelBuilder | None, threads: int | None,
-                    constants: Mapping[str, torch.Tensor], *, frozen: bool = False) -> TacticsContext | None:
+                    constants: Mapping[str, torch.Tensor], *, frozen: bool = False,
+                    weight_growth: float | None = None) -> TacticsContext | None:
     """The tactics context an executable binds its steps with, or None when tactics are off.
 
     `spec`: None = on when `builder` builds generated kernels (a compiler is there), with the
     timing cache next to the builder's kernel folder; a policy name (`latency_first`,
     `throughput_first`, `heuristic`) = the same with that policy; a `TacticsContext` = that
     one; False = off (ATen runs every GEMM). `frozen`: the timing cache is the decision record
-    (an artifact's): entries cached as noisy are used as they are, not measured again."""
+    (an artifact's): entries cached as noisy are used as they are, not measured again.
+    `weight_growth`: the recipe's memory.weight_growth for a context made here (None: no limit)."""
     if spec is False:
         return None
     if isinstance(spec, TacticsContext):
@@ -498,7 +576,7 @@ def tactics_context(spec, builder: KernelBuilder | None, threads: int | None,
         except Exception:  # noqa: BLE001 - a broken toolchain only means "ATen only"
             return None
         ctx = TacticsContext(Path(builder.cache_dir).parent / "tactics", threads, policy=policy, builder=builder,
-                             **({"retune_noisy": 0} if frozen else {}))
+                             weight_growth=weight_growth, **({"retune_noisy": 0} if frozen else {}))
     ctx.add_constants(constants)
     return ctx
 

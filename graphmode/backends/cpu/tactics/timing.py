@@ -3,7 +3,9 @@
 Every candidate of a shape is timed on the same random operands at the plan's thread count.
 With `cold`, each call reads its weight from the next of enough copies to stream 2x the LLC
 between two uses of one copy (the weights of a model larger than the cache are not cache
-resident when the plan runs). Samples interleave the candidates round-robin, the start
+resident when the plan runs). The copies are views of one `ColdPool` of 2x the LLC that every
+candidate of every shape of a plan shares: one pool per candidate (4x a 3x3 conv's weight for
+Winograd F(4x4)) made tactic timing the peak of a ResNet-18 build (+500 MB). Samples interleave the candidates round-robin, the start
 rotating, so that drift of a shared machine hits every candidate alike; the context's
 statistic (median by default) of the samples is what the policy compares.
 """
@@ -91,14 +93,39 @@ def copies_for(numel: int, llc_bytes: int, cold: bool) -> int:
     return max(1, math.ceil(2 * llc_bytes / max(numel * 4, 1))) if cold else 1
 
 
+class ColdPool:
+    """The copies cold timing rotates a weight over, as views of one buffer of 2x the LLC
+    (random values: timing is data-independent; only each candidate's first copy is its real
+    weight). Allocated on first use, shared by every candidate and shape timed with it, and
+    released with the pool. `cold=False`: no copies."""
+
+    def __init__(self, llc_bytes: int, cold: bool, seed: int = 0):
+        self.llc_bytes, self.cold, self.seed = int(llc_bytes), bool(cold), seed
+        self._buf: torch.Tensor | None = None
+
+    def copies(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """`t`, then views of the pool shaped like it: enough that reading them in turn
+        streams 2x the LLC between two reads of one."""
+        n = t.numel()
+        extra = copies_for(n, self.llc_bytes, self.cold) - 1
+        if extra <= 0:
+            return [t]
+        if self._buf is None:      # extra * n < 2 * LLC / 4 floats for every n
+            gen = torch.Generator().manual_seed(self.seed + 3)
+            self._buf = torch.empty(max(1, 2 * self.llc_bytes // 4)).uniform_(-0.1, 0.1, generator=gen)
+        return [t] + [self._buf[i * n:(i + 1) * n].view(tuple(t.shape)) for i in range(extra)]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buf is None else self._buf.numel() * 4
+
+
 def gemm_timing_fns(p: GemmProblem, names: Sequence[str], step: GemmStep, kernels: Mapping,
-                    rejected: Mapping[str, str], keep: list, *, seed: int, cold: bool, llc_bytes: int,
+                    rejected: Mapping[str, str], keep: list, *, seed: int, pool: ColdPool,
                     pack: Callable[[torch.Tensor, int], torch.Tensor]) -> dict[str, Callable[[], None]]:
     """One closure per GEMM candidate that may win (checked already; `pack(w, nr)` gives the
-    constant weight in a candidate's panels). Timing is data-independent, so with `cold` all
-    candidates share one set of weight copies (each reads it in its own layout: ATen as
-    [N, K], a kernel as its panels); only the first copy holds the real weight in every
-    layout's place. Buffers go to `keep`, which must outlive the timing."""
+    constant weight in a candidate's panels); a packed weight is read from the cold `pool`'s
+    copies in turn. Buffers go to `keep`, which must outlive the timing."""
     gen = torch.Generator().manual_seed(seed + 2)
     a = torch.randn(p.batch, p.m, p.k, generator=gen)
     c = torch.empty(p.batch, p.m, p.n)
@@ -121,44 +148,27 @@ def gemm_timing_fns(p: GemmProblem, names: Sequence[str], step: GemmStep, kernel
             fns[name] = kernels[(p, name)][0].bind([a.data_ptr(), b.data_ptr(), *extra, c.data_ptr()])
         return fns
     packs = {GemmConfig.parse(n).nr: pack(step.b, GemmConfig.parse(n).nr) for n in live}
-    copies = copies_for(step.b.numel(), llc_bytes, cold)
-    slots: list[torch.Tensor] = []
-    if copies > 1:
-        width = max([step.b.numel()] + [t.numel() for t in packs.values()])
-        pool = torch.empty(copies - 1, width)
-        src = next(iter(packs.values()), step.b).reshape(-1)
-        pool[:, :src.numel()].copy_(src.unsqueeze(0).expand(copies - 1, src.numel()))
-        pool[:, src.numel():].zero_()
-        keep.append(pool)
-        slots = list(pool.unbind(0))
-    wshape = tuple(step.b.shape)
-    bs = [step.b] + [t[:step.b.numel()].view(wshape) for t in slots]
-    fns[ATEN] = rotate([aten_gemm(p, a, b, bias, c) for b in bs])
+    fns[ATEN] = rotate([aten_gemm(p, a, b, bias, c) for b in pool.copies(step.b)])
     if step.epilogue_run is not None:
         fns[ATEN] = then(fns[ATEN], step.epilogue_run)
     for name in live:
         kern = kernels[(p, name)][0]
-        bks = [packs[GemmConfig.parse(name).nr]] + slots
-        fns[name] = rotate([kern.bind([a.data_ptr(), bk.data_ptr(), *extra, c.data_ptr()]) for bk in bks])
+        fns[name] = rotate([kern.bind([a.data_ptr(), bk.data_ptr(), *extra, c.data_ptr()])
+                            for bk in pool.copies(packs[GemmConfig.parse(name).nr])])
     return fns
 
 
 def conv_timing_fns(p: ConvProblem, names: Sequence[str], step: ConvStep, kernels: Mapping,
-                    rejected: Mapping[str, str], keep: list, *, seed: int, cold: bool, llc_bytes: int,
+                    rejected: Mapping[str, str], keep: list, *, seed: int, pool: ColdPool,
                     weight: Callable[[torch.Tensor, ConvConfig], torch.Tensor]) -> dict[str, Callable[[], None]]:
     """As `gemm_timing_fns` for convs (`weight(w, cfg)` gives a candidate's prepared weight);
-    with `cold`, each candidate rotates over copies of ITS weight (the Winograd weights are
+    each candidate rotates over pool copies the size of ITS weight (the Winograd weights are
     16/9 or 4x the direct ones, which is the point of timing cold)."""
     gen = torch.Generator().manual_seed(seed + 2)
     x = torch.randn(p.n, p.cin, p.h, p.w, generator=gen)
     y = torch.empty(p.n, p.cout, p.ho, p.wo)
     keep += [x, y]
-
-    def copies_of(t: torch.Tensor) -> list[torch.Tensor]:
-        out = [t] + [t.clone() for _ in range(copies_for(t.numel(), llc_bytes, cold) - 1)]
-        keep.extend(out[1:])
-        return out
-
+    copies_of = pool.copies
     fns: dict[str, Callable[[], None]] = {
         ATEN: rotate([aten_conv(p, x, w, step.bias, y) for w in copies_of(step.b)])}
     ops: list[torch.Tensor] = []
@@ -178,5 +188,5 @@ def conv_timing_fns(p: ConvProblem, names: Sequence[str], step: ConvStep, kernel
     return fns
 
 
-__all__ = ["CALIBRATION_CALLS", "measure", "machine_load", "rotate", "then", "copies_for", "gemm_timing_fns",
+__all__ = ["CALIBRATION_CALLS", "ColdPool", "measure", "machine_load", "rotate", "then", "copies_for", "gemm_timing_fns",
            "conv_timing_fns"]

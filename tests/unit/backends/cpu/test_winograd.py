@@ -286,3 +286,153 @@ def test_small_feature_maps_also_get_the_best_fitting_row_blocking():
                                 configs=CONFIGS, generated=True)
         wino4 = [x for x in names if x.startswith("wino4_")]
         assert wino4[1:] == extra and len(set(names)) == len(names), (isa, shape, names)
+
+
+@needs_cxx
+def test_conv_steps_of_one_plan_share_one_workspace_whatever_it_holds(tmp_path):
+    """Conv kernels write their padded input's zero border themselves, so every conv step of
+    a context binds one workspace (the largest winner's), filled with NaN here: steps of
+    different shapes run in turn over the same scratch and still match ATen."""
+    g = torch.Generator().manual_seed(3)
+    ctx = _ctx(tmp_path, policy="heuristic")
+    cases = []
+    for (n, cin, h, w, cout, pad, stride) in [(1, 16, 12, 12, 16, 1, 1), (1, 8, 9, 7, 24, 2, 1),
+                                              (2, 24, 10, 10, 8, 1, 2)]:
+        x = torch.randn(n, cin, h, w, generator=g)
+        wt, b = torch.randn(cout, cin, 3, 3, generator=g), torch.randn(cout, generator=g)
+        ref = torch.nn.functional.conv2d(x, wt, b, stride=stride, padding=pad)
+        y = torch.empty_like(ref)
+        attrs = {"stride": [stride, stride], "padding": [pad, pad], "dilation": [1, 1], "groups": 1}
+        cases.append((_conv_step(ctx, x, wt, b, y, attrs), y, ref))
+    sels = ctx.finalize()
+    assert all(s.winner != ATEN for s in sels)
+    (ws,) = ctx._workspaces
+    assert ws.numel() == max(conv_config(s.winner).workspace_numel(s.problem) for s in sels)
+    assert all(ws.data_ptr() in {t.data_ptr() for t in step.keep} for step, _, _ in cases)
+    ws.fill_(float("nan"))
+    for step, y, ref in cases + cases[::-1]:
+        y.fill_(float("nan"))
+        step()
+        assert rel_l2(y, ref) < 5e-6, step.problem.text
+    assert ctx.report()["workspace_bytes"] == ws.numel() * 4
+
+
+def test_winograd_weight_transform_is_lean_and_unchanged():
+    """The transform is written one tile position at a time; it equals G g G^T packed per
+    position (the whole-tensor float64 form it replaced)."""
+    from graphmode.backends.cpu.gemm import pack_b
+    from graphmode.backends.cpu.winograd import VEC, _MATRICES
+    import math
+    g = torch.Generator().manual_seed(5)
+    for cout, cin, m, nr in [(20, 3, 2, 16), (40, 33, 4, 32), (16, 16, 4, 24)]:
+        w = torch.randn(cout, cin, 3, 3, generator=g)
+        gm = torch.tensor([[float(v) for v in row] for row in _MATRICES[m][1]], dtype=torch.float64)
+        u = (gm @ w.double() @ gm.t()).permute(2, 3, 1, 0).reshape((m + 2) ** 2, cin, cout)
+        cp, cop = math.ceil(cin / VEC) * VEC, math.ceil(cout / VEC) * VEC
+        full = torch.zeros((m + 2) ** 2, cp, cop)
+        full[:, :cin, :cout] = u.float()
+        ref = torch.cat([pack_b(full[i], nr, transposed=False).reshape(-1) for i in range((m + 2) ** 2)])
+        assert torch.equal(transform_weight(w, m, nr), ref)
+
+
+@needs_cxx
+def test_compiled_model_spills_folded_weights_and_reports_what_it_holds(tmp_path):
+    """BN folding makes new conv weights: compile moves them to a file-backed mapping, each
+    bucket build releases their pages once the kernels hold prepared copies, and the model
+    still matches eager (the released originals refault if anything reads them)."""
+    import graphmode
+    from graphmode.recipe import load_recipe
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU(),
+                            torch.nn.Conv2d(64, 64, 3, padding=1)).eval()
+    with torch.no_grad():
+        m[1].running_var.uniform_(0.5, 2.0)
+    r = load_recipe({"version": 1, "name": "cnn64", "exe_mode": "graph", "targets": ["host"],
+                     "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 64, 10, 10]}],
+                     "dims": {"batch": {"buckets": [1, 2]}}, "codegen": {"kernel_selection": "heuristic"}})
+    cm = graphmode.compile(m, r, cache_dir=tmp_path, threads=2)
+    mem = cm.memory_report()
+    assert mem["spilled_constants"] == 1 and mem["spilled_bytes"] == 64 * 64 * 9 * 4, mem   # the folded conv
+    for batch in (1, 2, 1):
+        x = torch.randn(batch, 64, 10, 10)
+        with torch.inference_mode():
+            ref = m(x)
+        assert rel_l2(cm(x), ref) < 1e-5
+    mem = cm.memory_report()
+    assert mem["releases"] >= 4 and set(mem["buckets"]) == {"batch=1", "batch=2"}
+    assert all(b["prepared_weights_bytes"] >= 2 * 64 * 64 * 9 * 4 and b["arena_bytes"] > 0
+               for b in mem["buckets"].values()), mem
+
+
+def test_cold_timing_copies_are_views_of_one_pool_of_twice_the_llc():
+    """Every candidate of every shape rotates over views of one buffer (one pool per candidate
+    made timing the peak of a ResNet-18 build); each candidate still streams >= 2x the LLC
+    between two reads of one copy, its first copy being its real weight."""
+    from graphmode.backends.cpu.tactics.timing import ColdPool
+    llc = 1 << 20
+    pool = ColdPool(llc, cold=True)
+    bases = set()
+    for shape in [(64, 64, 3, 3), (9, 1000), (700, 700)]:
+        w = torch.randn(shape)
+        copies = pool.copies(w)
+        assert copies[0] is w and all(c.shape == w.shape for c in copies)
+        assert len(copies) * w.numel() * 4 >= 2 * llc or len(copies) == 1
+        bases |= {c.untyped_storage().data_ptr() for c in copies[1:]}
+    assert len(bases) == 1 and pool.nbytes == 2 * llc
+    assert ColdPool(llc, cold=False).copies(w) == [w]
+
+
+@needs_cxx
+@pytest.mark.parametrize("budget_images", [1, 2, 4])
+def test_im2col_runs_the_batch_in_blocks_of_images(tmp_path, monkeypatch, budget_images):
+    """With a scratch budget of `budget_images` images the batch of 4 runs in blocks of that
+    many (one GEMM per block): same result, a workspace that many images large."""
+    import graphmode.backends.cpu.im2col as im2col
+    shape = (4, 6, 11, 9, 10, 3, 2, 1, 1, True)
+    p = _im2col_problem(*shape)
+    per = sum(im2col._per_image(p)) * 4
+    monkeypatch.setattr(im2col, "COL_BLOCK_BYTES", per * budget_images)
+    assert im2col.images_per_block(p) == budget_images
+    cfg = IM2COL_CFGS[1]
+    assert cfg.workspace_numel(p) * 4 == per * budget_images
+    src = cfg.generate(p, 2)
+    kern = KernelBuilder(tmp_path / "k", threads=2).build_many([src])[src.symbol]
+    g = torch.Generator().manual_seed(7)
+    x, wt, bias = torch.randn(4, 6, 11, 9, generator=g), torch.randn(10, 6, 3, 3, generator=g), torch.randn(10)
+    ref = torch.nn.functional.conv2d(x, wt, bias, stride=2, padding=1)
+    ws = torch.full((cfg.workspace_numel(p),), float("nan"))
+    y = torch.full_like(ref, float("nan"))
+    wp = cfg.prepare_weight(wt)         # held: the kernel reads it after the pointer list is built
+    kern([t.data_ptr() for t in [x, wp, bias, ws, y]])
+    assert rel_l2(y, ref) < 1e-6
+
+
+@needs_cxx
+def test_weight_growth_budget_drops_the_candidates_that_buy_least_per_byte(tmp_path):
+    """Two 32-channel 3x3 convs, on a 16x16 and a 4x4 map. Unlimited, both may take F(4x4)
+    (4x their weight); under memory.weight_growth 2.0 the small map (16x fewer FLOPs per
+    byte) loses its Winograd candidates first, the large one keeps F(2x2), and what the plan
+    binds stays within the budget."""
+    def plan(**kw):
+        ctx = _ctx(tmp_path, policy="heuristic", **kw)
+        g = torch.Generator().manual_seed(11)
+        steps = []
+        for hw in (16, 4):
+            x, w, b = torch.randn(1, 32, hw, hw, generator=g), torch.randn(32, 32, 3, 3, generator=g), torch.zeros(32)
+            attrs = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
+            steps.append((_conv_step(ctx, x, w, b, torch.empty(1, 32, hw, hw), attrs), x, w))
+        return ctx, steps, ctx.finalize()
+
+    ctx, steps, _ = plan()
+    assert all(any(n.startswith("wino4") for n in ctx.candidates(s.problem)) for s, _, _ in steps)
+    ctx, steps, sels = plan(weight_growth=2.0)
+    big, small = (ctx.candidates(s.problem) for s, _, _ in steps)
+    assert not any(n.startswith("wino4") for n in big) and any(n.startswith("wino2") for n in big)
+    assert not any(n.startswith("wino") for n in small) and any(n.startswith("im2col") for n in small)
+    assert all("memory.weight_growth 2x" in why for why in sels[1].rejected.values()) and sels[1].rejected
+    rep = ctx.report()
+    assert rep["packed_bytes"] <= rep["stats"]["weight_budget_bytes"] == 2.0 * 2 * 32 * 32 * 9 * 4
+    for step, x, w in steps:
+        step()
+        assert rel_l2(step.c, torch.nn.functional.conv2d(x, w, padding=1)) < 5e-6

@@ -1,0 +1,172 @@
+"""Host memory a compiled model gives back: freed heap, and weights nothing reads any more.
+
+A plan reads its GEMM and conv weights in the layout its kernels want (packed panels,
+Winograd-transformed); the graph's own constants (BN-folded convs, transposed linears: new
+tensors the passes made) are then read only when another bucket is built, by an ATen step, or
+by the reference interpreter. `spill_constants` moves them to a file-backed mapping, and
+`ConstantSpill.release()` drops the pages this process maps (after a bucket is built): the
+kernel refaults a page from the page cache or the file if anything reads it again, so nothing
+changes but resident memory. Like ONNX Runtime's pre-packing, which frees an initializer once
+every consumer holds its packed copy, except that the original stays readable.
+
+The file is created in the model's cache folder and unlinked as soon as it is mapped: no other
+process can open, truncate or replace it (a truncated mapping would fault), and its disk space
+goes with the mapping. A folder on tmpfs/ramfs is not used (its pages are memory whatever
+this process maps), nor a platform without mmap-backed tensors: then constants stay in memory
+and the reason is recorded.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+log = logging.getLogger("graphmode.hostmem")
+
+MIN_SPILL_BYTES = 1 << 16     # smaller constants stay in memory: a page each would be mostly padding
+ALIGN = 4096
+_MADV_DONTNEED = 4
+_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def trim_heap() -> None:
+    """Give freed heap back to the OS (glibc's malloc_trim): glibc raises its mmap threshold
+    after large frees, so the big transient buffers of tactic timing land on the heap and stay
+    resident after they are freed unless trimmed."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def memory_backed(folder: Path) -> str | None:
+    """'tmpfs' / 'ramfs' when `folder` keeps its files in memory, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:    # the folder may not exist yet
+        folder = folder.parent
+    try:
+        class _StatFs(ctypes.Structure):
+            _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 120)]
+        libc = _libc()
+        buf = _StatFs()
+        if libc is None or libc.statfs(str(folder).encode(), ctypes.byref(buf)) != 0:
+            return None
+        return _MEMORY_FS.get(buf.f_type & 0xFFFFFFFF)
+    except (OSError, AttributeError):
+        return None
+
+
+_LIVE: "weakref.WeakSet[ConstantSpill]" = weakref.WeakSet()
+
+
+def _madvise_dontneed(addr: int, length: int) -> bool:
+    libc = _libc()
+    if libc is None or not hasattr(libc, "madvise") or length <= 0:
+        return False
+    rc = libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), ctypes.c_int(_MADV_DONTNEED))
+    if rc != 0:
+        log.debug("madvise(DONTNEED) failed: errno %d", ctypes.get_errno())
+    return rc == 0
+
+
+def release(t: torch.Tensor) -> int:
+    """Drop the pages of `t` if it is a spilled constant (a no-op for any other tensor: on
+    anonymous memory DONTNEED would zero it); returns the bytes advised away. For a step that
+    now reads its own prepared copy of `t`."""
+    start = t.data_ptr()
+    for sp in list(_LIVE):
+        if sp.base is None:
+            continue
+        lo = sp.base.data_ptr()
+        if lo <= start < lo + sp.base.numel():
+            # every spilled constant starts on its own page and owns the pages up to the next one
+            n = min(-(-t.numel() * t.element_size() // ALIGN) * ALIGN, lo + sp.base.numel() - start)
+            return n if start % ALIGN == 0 and _madvise_dontneed(start, n) else 0
+    return 0
+
+
+class ConstantSpill:
+    """The file-backed mapping holding a model's spilled constants (views of `base`)."""
+
+    def __init__(self, base: torch.Tensor | None, names: list[str], nbytes: int, why_not: str | None = None):
+        self.base, self.names, self.nbytes, self.why_not = base, names, nbytes, why_not
+        self.releases = 0
+
+    def release(self) -> int:
+        """Drop this process's pages of the spilled constants; returns the bytes advised away."""
+        if self.base is None or not self.nbytes:
+            return 0
+        if not _madvise_dontneed(self.base.data_ptr(), self.base.numel()):
+            return 0
+        self.releases += 1
+        return self.nbytes
+
+    def report(self) -> dict:
+        return {"spilled_constants": len(self.names), "spilled_bytes": self.nbytes, "why_not": self.why_not,
+                "releases": self.releases}
+
+
+def spill_constants(constants: Mapping[str, torch.Tensor], folder: Path | None, *,
+                    keep: set[int] = frozenset()) -> tuple[dict[str, torch.Tensor], ConstantSpill]:
+    """`constants` with every contiguous floating constant of >= MIN_SPILL_BYTES whose storage is
+    not in `keep` (the module's own parameters: they stay where the module has them) replaced by
+    an equal tensor in a file-backed mapping under `folder` (None: a temporary folder)."""
+    pick = [n for n, t in constants.items()
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == "cpu"
+            and t.is_contiguous() and t.numel() * t.element_size() >= MIN_SPILL_BYTES
+            and t.untyped_storage().data_ptr() not in keep]
+    out = dict(constants)
+    if not pick:
+        return out, ConstantSpill(None, [], 0)
+    folder = Path(folder) if folder is not None else Path(tempfile.gettempdir())
+    mem = memory_backed(folder)
+    if mem is not None:
+        return out, ConstantSpill(None, [], 0, why_not=f"{folder} is on {mem} (files there are memory)")
+    offsets, total = {}, 0
+    for n in pick:
+        offsets[n] = total
+        total += -(-constants[n].numel() * constants[n].element_size() // ALIGN) * ALIGN
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix="spill-", suffix=".bin", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for n in pick:
+                    t = constants[n]
+                    f.seek(offsets[n])
+                    f.write(t.detach().reshape(-1).view(torch.uint8).numpy())
+                f.truncate(total)
+            base = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    except (OSError, RuntimeError) as e:
+        return out, ConstantSpill(None, [], 0, why_not=f"cannot write a spill file in {folder}: {e}")
+    for n in pick:
+        t = constants[n]
+        nb = t.numel() * t.element_size()
+        out[n] = base[offsets[n]:offsets[n] + nb].view(t.dtype).view(t.shape)
+    spill = ConstantSpill(base, pick, sum(constants[n].numel() * constants[n].element_size() for n in pick))
+    _LIVE.add(spill)
+    return out, spill
+
+
+__all__ = ["ConstantSpill", "MIN_SPILL_BYTES", "memory_backed", "release", "spill_constants", "trim_heap"]

@@ -1,0 +1,74 @@
+"""graphmode/hostmem.py: constants spilled to a file-backed mapping, their pages released,
+and the refusals (tmpfs, unwritable folder). Nothing here asserts on RSS: the values must
+survive every release, and a tensor that is not spilled must never be touched."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphmode.hostmem import MIN_SPILL_BYTES, memory_backed, release, spill_constants, trim_heap
+
+
+def _consts():
+    g = torch.Generator().manual_seed(0)
+    return {"big": torch.randn(256, 300, generator=g), "small": torch.randn(8, generator=g),
+            "bf16": torch.randn(200, 200, generator=g).to(torch.bfloat16),
+            "ints": torch.arange(40_000, dtype=torch.int64), "odd": torch.randn(4099, 5, generator=g)}
+
+
+def test_spilled_constants_equal_the_originals_and_survive_release(tmp_path):
+    c = _consts()
+    out, sp = spill_constants(c, tmp_path / "spill")
+    assert set(sp.names) == {"big", "bf16", "odd"}          # floating, >= MIN_SPILL_BYTES
+    assert out["small"] is c["small"] and out["ints"] is c["ints"]
+    assert sp.nbytes == sum(c[n].numel() * c[n].element_size() for n in sp.names)
+    assert list((tmp_path / "spill").iterdir()) == []         # unlinked once mapped
+    for n in sp.names:
+        assert out[n].data_ptr() != c[n].data_ptr() and out[n].dtype == c[n].dtype
+        assert out[n].data_ptr() % 4096 == 0 and torch.equal(out[n], c[n])
+    assert sp.release() == sp.nbytes
+    trim_heap()
+    for n in sp.names:                                        # refaulted from the mapping
+        assert torch.equal(out[n], c[n])
+    assert sp.report()["releases"] == 1 and sp.report()["spilled_constants"] == 3
+
+
+def test_release_touches_only_spilled_tensors(tmp_path):
+    out, sp = spill_constants(_consts(), tmp_path)
+    anon = torch.randn(300, 300)
+    keep = anon.clone()
+    assert release(anon) == 0 and torch.equal(anon, keep)    # DONTNEED on anonymous memory would zero it
+    assert release(out["big"]) == -(-out["big"].numel() * 4 // 4096) * 4096
+    assert release(out["odd"][1:]) == 0                        # not page-aligned: not a spilled constant's start
+    assert torch.equal(out["odd"], _consts()["odd"]) and torch.equal(out["big"], _consts()["big"])
+
+
+def test_module_parameters_are_not_spilled(tmp_path):
+    lin = torch.nn.Linear(300, 300)
+    c = {"w": lin.weight.detach(), "folded": lin.weight.detach() * 2}
+    out, sp = spill_constants(c, tmp_path, keep={lin.weight.untyped_storage().data_ptr()})
+    assert sp.names == ["folded"] and out["w"] is c["w"]
+
+
+@pytest.mark.skipif(not (os.path.isdir("/dev/shm") and memory_backed(Path("/dev/shm"))),
+                    reason="no tmpfs at /dev/shm on this machine")
+def test_a_memory_backed_folder_is_not_used():
+    c = _consts()
+    out, sp = spill_constants(c, Path("/dev/shm") / "graphmode-test-spill")
+    assert sp.names == [] and "tmpfs" in sp.why_not and all(out[k] is c[k] for k in c)
+
+
+def test_an_unwritable_folder_keeps_constants_in_memory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    c = _consts()
+    out, sp = spill_constants(c, blocker / "spill")
+    assert sp.names == [] and "cannot write a spill file" in sp.why_not
+    assert all(out[k] is c[k] for k in c) and sp.release() == 0
+
+
+def test_min_spill_bytes_is_a_page_multiple():
+    assert MIN_SPILL_BYTES % 4096 == 0
