@@ -56,6 +56,11 @@ def conv_config(name: str) -> ConvConfig:
                        fix="wino<m>_<gemm config> or im2col_<gemm config>")
 
 
+def conv_kind(name: str) -> str:
+    """The algorithm of a conv candidate: `wino4`, `wino2` or `im2col` (its blocking aside)."""
+    return "im2col" if name.startswith("im2col_") else name.split("_")[0].split("c")[0]
+
+
 def candidate_names(p: GemmProblem, *, simd: Sequence[str], threads: int,
                     configs: Mapping[str, Sequence[GemmConfig]], generated: bool) -> list[str]:
     """Candidate names for a problem: ATen, then (`generated`: a compiler is there) the host
@@ -232,4 +237,4 @@ class Checker:
 
 
 __all__ = ["conv_config", "CONFIGS", "TOLERANCE_F32", "WINOGRAD_TILES", "candidate_names", "candidate_sources",
-           "Checker", "prepared_bytes"]
+           "Checker", "conv_kind", "prepared_bytes"]

@@ -25,8 +25,8 @@ from graphmode.backends.cpu.conv import ConvConfig, ConvProblem, conv_problem_of
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, pack_b
 from graphmode.backends.cpu.isa import capped_simd
 from graphmode.backends.cpu.tactics.cache import CACHE_VERSION, TimingCache
-from graphmode.backends.cpu.tactics.candidates import (CONFIGS, TOLERANCE_F32, Checker, candidate_names, prepared_bytes,
-                                                       candidate_sources, conv_config)
+from graphmode.backends.cpu.tactics.candidates import (CONFIGS, TOLERANCE_F32, Checker, candidate_names,
+                                                       candidate_sources, conv_config, conv_kind, prepared_bytes)
 from graphmode.backends.cpu.tactics.selection import NOISY, POLICIES, Selection, pick, timing_doubts
 from graphmode.backends.cpu.tactics.steps import (ATEN, ConvStep, FusedEpilogue, GemmStep, aten_gemm, problem_of)
 from graphmode.backends.cpu.tactics.timing import ColdPool, conv_timing_fns, gemm_timing_fns, machine_load, measure
@@ -40,6 +40,9 @@ _STATS: dict[str, Callable[[list[float]], float]] = {"min": min, "median": stati
 
 
 PACKING_SLACK = 1.25     # a prepared weight up to this multiple of its source is packing, not growth
+BUDGET_SLACK_BYTES = 1 << 20   # tiny weights are not held to a ratio (an 8-column layer packs to 32 columns)
+SUBPROBLEM_MARGIN = 1.25  # a batched conv keeps the candidates this close to the best at batch 1 ...
+SUBPROBLEM_KEEP = 2       # ... at most this many
 
 
 class TacticsContext:
@@ -178,7 +181,7 @@ class TacticsContext:
             own[p] = sum(t.numel() * t.element_size() for t in weights.values())
             per = {n: prepared_bytes(p, n) for n in self.candidates(p)}
             sizes[p] = {n: own[p] if b is None else b * len(weights) for n, b in per.items()}
-        budget = self.weight_growth * sum(own.values())
+        budget = self.weight_growth * sum(own.values()) + BUDGET_SLACK_BYTES
 
         def worst() -> int:
             return sum(max(v.values()) for v in sizes.values() if v)
@@ -198,6 +201,41 @@ class TacticsContext:
                     f"memory.weight_growth {self.weight_growth:g}x the model's weights")
         self.stats["weight_budget_bytes"] = int(budget)
         self.stats["excluded_for_weight_budget"] = sum(len(v) for v in self._excluded.values())
+
+    def narrow_from_one_image(self, p: GemmProblem) -> None:
+        """A conv over a batch keeps only the generated candidates of the algorithms (Winograd
+        F(4x4), F(2x2), im2col) within SUBPROBLEM_MARGIN of the best (at most SUBPROBLEM_KEEP)
+        where the timing cache already holds the same conv at batch 1 (a smaller bucket of the
+        plan, tuned before), plus ATen: the others are neither built nor timed. An algorithm's
+        cost is per image, so one image ranks them; the blocking within one (the tile chunk
+        follows the batch's tile count) and the survivors are still checked and timed at the
+        real batch. (A ResNet-18 batch-8 bucket built ~60 candidate kernels, 10 s of its 19 s.)"""
+        if not isinstance(p, ConvProblem) or p.n == 1 or self.policy == "heuristic":
+            return
+        one = replace(p, n=1)
+        gone = self._excluded.get(p, {})
+        names = [n for n in self.candidates(one) if n not in gone]
+        srcs = candidate_sources(one, names, self.threads)
+        cached = self.cache.get(self.cache_key(one, names, {(one, n): (None, v) if not isinstance(v, Exception) else v
+                                                          for n, v in srcs.items()}))
+        if cached is None:      # (a batch-1 entry measured on a busy machine still ranks the algorithms)
+            return
+        by_kind: dict[str, float] = {}
+        for n, t in cached["timings_s"].items():
+            if n != ATEN and n in names and n not in cached["rejected"] and t > 0:
+                by_kind[conv_kind(n)] = min(t, by_kind.get(conv_kind(n), t))
+        if not by_kind:
+            return
+        best = min(by_kind.values())
+        keep = sorted((k for k, t in by_kind.items() if t <= SUBPROBLEM_MARGIN * best), key=by_kind.get)
+        keep = keep[:SUBPROBLEM_KEEP]
+        for n in self.candidates(p)[1:]:
+            k = conv_kind(n)
+            if k not in keep:
+                self._excluded.setdefault(p, {})[n] = (
+                    f"{k} ran {by_kind[k] / best:.2f}x the best at batch 1 (timing cache)" if k in by_kind
+                    else f"{k} was no contender at batch 1 (timing cache)")
+        self.stats["narrowed_from_one_image"] = self.stats.get("narrowed_from_one_image", 0) + 1
 
     # ---- the executor's side ---------------------------------------------------------------
     def request(self, op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
@@ -251,6 +289,8 @@ class TacticsContext:
             weights = {(s.b.data_ptr(), s.b.numel()) for s in pending if s.problem.b_packed}
             self.cold = sum(n for _, n in weights) * 4 > self.llc_bytes
         self.fit_weight_budget(by_problem)
+        for p in by_problem:
+            self.narrow_from_one_image(p)
         kernels = self._build({p: candidate_sources(p, self.candidates(p), self.threads) for p in by_problem})
         # every shape is tuned before any winner is bound: the timing's transient buffers (the
         # cold pool, each shape's candidate weights) are gone before the winners' prepared
@@ -409,6 +449,8 @@ class TacticsContext:
             if err is not None:
                 sel.rejected[name] = err[:500]
                 self.stats["rejected"] += 1
+        for k in [k for k in self._scratch if k[0] in ("reference", "epilogue")]:
+            del self._scratch[k]      # the checks' operands and ATen's result: not the timing's
         keep: list = []   # the timing buffers live until the timing is done
         samples = measure(self._timing_fns(p, names, step, kernels, sel.rejected, keep), reps=self.reps,
                           sample_s=self.sample_s, budget_s=self.budget_s)

@@ -176,13 +176,13 @@ def conv_timing_fns(p: ConvProblem, names: Sequence[str], step: ConvStep, kernel
         fns[ATEN] = then(fns[ATEN], step.epilogue_run)
         ops = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
         keep += ops
-    for name in names:
-        if name == ATEN or name in rejected:
-            continue
+    live = [n for n in names if n != ATEN and n not in rejected]
+    # conv kernels keep nothing in their workspace between calls: one buffer serves every candidate
+    ws = torch.zeros(max([conv_config(n).workspace_numel(p) for n in live], default=0))
+    keep.append(ws)
+    for name in live:
         cfg = conv_config(name)
         kern = kernels[(p, name)][0]
-        ws = torch.zeros(cfg.workspace_numel(p))
-        keep.append(ws)
         fns[name] = rotate([kern.bind(conv_args(step, cfg, x, u, ws, y, ops))
                             for u in copies_of(weight(step.b, cfg))])
     return fns

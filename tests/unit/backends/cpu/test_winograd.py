@@ -20,7 +20,7 @@ from graphmode.backends.cpu.gemm import GemmConfig
 from graphmode.backends.cpu.conv import ConvProblem, conv_problem_of
 from graphmode.backends.cpu.im2col import Im2colConfig, prepared_numel
 from graphmode.backends.cpu.tactics import ATEN, ConvStep, TacticsContext
-from graphmode.backends.cpu.tactics.candidates import conv_config
+from graphmode.backends.cpu.tactics.candidates import conv_config, conv_kind
 from graphmode.backends.cpu.winograd import (WinogradConfig, generate_winograd, transform_weight,
                                              transformed_numel, workspace_numel)
 from graphmode.errors import BackendError
@@ -410,8 +410,8 @@ def test_im2col_runs_the_batch_in_blocks_of_images(tmp_path, monkeypatch, budget
 
 @needs_cxx
 def test_weight_growth_budget_drops_the_candidates_that_buy_least_per_byte(tmp_path):
-    """Two 32-channel 3x3 convs, on a 16x16 and a 4x4 map. Unlimited, both may take F(4x4)
-    (4x their weight); under memory.weight_growth 2.0 the small map (16x fewer FLOPs per
+    """Two 128-channel 3x3 convs, on a 16x16 and a 4x4 map. Unlimited, both may take F(4x4)
+    (4x their weight); under memory.weight_growth 1.5 the small map (16x fewer FLOPs per
     byte) loses its Winograd candidates first, the large one keeps F(2x2), and what the plan
     binds stays within the budget."""
     def plan(**kw):
@@ -419,20 +419,55 @@ def test_weight_growth_budget_drops_the_candidates_that_buy_least_per_byte(tmp_p
         g = torch.Generator().manual_seed(11)
         steps = []
         for hw in (16, 4):
-            x, w, b = torch.randn(1, 32, hw, hw, generator=g), torch.randn(32, 32, 3, 3, generator=g), torch.zeros(32)
+            x, w, b = torch.randn(1, 128, hw, hw, generator=g), torch.randn(128, 128, 3, 3, generator=g), torch.zeros(128)
             attrs = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
-            steps.append((_conv_step(ctx, x, w, b, torch.empty(1, 32, hw, hw), attrs), x, w))
+            steps.append((_conv_step(ctx, x, w, b, torch.empty(1, 128, hw, hw), attrs), x, w))
         return ctx, steps, ctx.finalize()
 
     ctx, steps, _ = plan()
     assert all(any(n.startswith("wino4") for n in ctx.candidates(s.problem)) for s, _, _ in steps)
-    ctx, steps, sels = plan(weight_growth=2.0)
+    ctx, steps, sels = plan(weight_growth=1.5)
     big, small = (ctx.candidates(s.problem) for s, _, _ in steps)
     assert not any(n.startswith("wino4") for n in big) and any(n.startswith("wino2") for n in big)
     assert not any(n.startswith("wino") for n in small) and any(n.startswith("im2col") for n in small)
-    assert all("memory.weight_growth 2x" in why for why in sels[1].rejected.values()) and sels[1].rejected
+    assert all("memory.weight_growth 1.5x" in why for why in sels[1].rejected.values()) and sels[1].rejected
     rep = ctx.report()
-    assert rep["packed_bytes"] <= rep["stats"]["weight_budget_bytes"] == 2.0 * 2 * 32 * 32 * 9 * 4
+    assert rep["packed_bytes"] <= rep["stats"]["weight_budget_bytes"] == 1.5 * 2 * 128 * 128 * 9 * 4 + (1 << 20)
     for step, x, w in steps:
         step()
         assert rel_l2(step.c, torch.nn.functional.conv2d(x, w, padding=1)) < 5e-6
+
+
+@needs_cxx
+def test_a_batched_conv_builds_only_the_contenders_of_its_one_image_timing(tmp_path):
+    """With the conv at batch 1 in the timing cache (a smaller bucket tuned first), the same
+    conv at batch 3 builds and times only the generated candidates close to the best there
+    (and ATen); the rest are ruled out with the batch-1 ratio, and the winner still matches."""
+    g = torch.Generator().manual_seed(13)
+    w, b = torch.randn(32, 16, 3, 3, generator=g), torch.randn(32, generator=g)
+    attrs = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
+
+    def tuned(n):
+        ctx = _ctx(tmp_path)
+        x = torch.randn(n, 16, 12, 12, generator=g)
+        step = _conv_step(ctx, x, w, b, torch.empty(n, 32, 12, 12), attrs)
+        (sel,) = ctx.finalize()
+        return ctx, step, sel, x
+
+    ctx3, _, sel3, _ = tuned(3)                      # nothing at batch 1 yet: every candidate
+    assert "narrowed_from_one_image" not in ctx3.stats
+    every = set(sel3.timings_s)
+    ctx1, _, sel1, _ = tuned(1)
+    ctx3, step, sel, x = tuned(3)
+    assert ctx3.stats["narrowed_from_one_image"] == 1
+    kinds: dict = {}
+    for n, t in sel1.timings_s.items():
+        if n != ATEN:
+            kinds[conv_kind(n)] = min(t, kinds.get(conv_kind(n), t))
+    kept = {conv_kind(n) for n in sel.timings_s if n != ATEN}
+    assert ATEN in sel.timings_s and 1 <= len(kept) <= 2
+    assert all(kinds[k] <= 1.25 * min(kinds.values()) for k in kept)
+    assert {n for n in every if n != ATEN and conv_kind(n) not in kept} == set(sel.rejected)
+    assert all("at batch 1 (timing cache)" in why for why in sel.rejected.values())
+    step()
+    assert rel_l2(step.c, torch.nn.functional.conv2d(x, w, b, padding=1)) < 5e-6
