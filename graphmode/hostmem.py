@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -37,6 +38,7 @@ _MADV_DONTNEED = 4
 _MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

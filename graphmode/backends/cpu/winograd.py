@@ -173,12 +173,15 @@ def chunk_for(p: ConvProblem, m: int, mr: int, l2_bytes: int = 512 << 10) -> int
 
 # ------------------------------------------------------------------------------ the weights
 
+TRANSFORM_BLOCK = 8 << 20    # float64 bytes of one block of the weight transform
+
+
 def transform_weight(w: torch.Tensor, m: int, nr: int) -> torch.Tensor:
     """U = G g G^T per (out, in) channel pair, computed in float64, laid out [alpha^2, CP, COP]
     (zero-padded channels) and packed per tile position for panels of `nr` columns: the
-    packing of `pack_b` ([ceil(COP/nr), CP, nr] per position), written one tile position at a
-    time. (Transforming the whole weight at once in float64 took 7x the result's size: 260 MB
-    at the peak for a 512x512 F(4x4) weight.)"""
+    packing of `pack_b` ([ceil(COP/nr), CP, nr] per position), written a block of whole panels
+    of output channels at a time. (Transforming the whole weight at once in float64 took 7x
+    the result's size: 260 MB at the peak for a 512x512 F(4x4) weight.)"""
     if w.dim() != 4 or tuple(w.shape[2:]) != (3, 3):
         raise BackendError("Winograd needs a 3x3 conv weight", value=tuple(w.shape))
     _, gm, _ = _MATRICES[m]
@@ -186,16 +189,18 @@ def transform_weight(w: torch.Tensor, m: int, nr: int) -> torch.Tensor:
     cout, cin = w.shape[0], w.shape[1]
     cp, cop = math.ceil(cin / VEC) * VEC, math.ceil(cout / VEC) * VEC
     npan = math.ceil(cop / nr)
-    g = [[float(v) for v in row] for row in gm]                  # alpha x 3
-    taps = w.detach().permute(2, 3, 1, 0)                        # [3, 3, cin, cout] (a view)
-    out = torch.empty(alpha * alpha, npan, cp, nr, dtype=torch.float32)
-    panel = torch.zeros(cp, npan * nr, dtype=torch.float32)      # one position, zero-padded channels
-    for i in range(alpha):
-        rows = sum(g[i][a] * taps[a].to(torch.float64) for a in range(3) if g[i][a])       # [3, cin, cout]
-        for j in range(alpha):
-            u = sum(g[j][b] * rows[b] for b in range(3) if g[j][b])                        # [cin, cout]
-            panel[:cin, :cout] = u
-            out[i * alpha + j] = panel.view(cp, npan, nr).transpose(0, 1)
+    g = torch.tensor([[float(v) for v in row] for row in gm], dtype=torch.float64)
+    out = torch.zeros(alpha * alpha, npan, cp, nr, dtype=torch.float32)
+    per = max(1, TRANSFORM_BLOCK // (cin * alpha * alpha * 8 * nr))     # panels per block
+    for p0 in range(0, npan, per):
+        p1 = min(npan, p0 + per)
+        c0, c1 = p0 * nr, min(cout, p1 * nr)
+        if c0 >= cout:
+            break
+        u = (g @ w[c0:c1].detach().to(torch.float64) @ g.t()).permute(2, 3, 1, 0)   # [alpha, alpha, cin, cc]
+        cols = torch.zeros(alpha * alpha, cin, (p1 - p0) * nr, dtype=torch.float32)
+        cols[:, :, :c1 - c0] = u.reshape(alpha * alpha, cin, c1 - c0)
+        out[:, p0:p1, :cin, :] = cols.view(alpha * alpha, cin, p1 - p0, nr).permute(0, 2, 1, 3)
     return out.reshape(-1)
 
 

@@ -103,6 +103,7 @@ class TacticsContext:
         self._scratch: dict[tuple, Any] = {}      # packs and references while one plan is tuned
         self._workspaces: list[torch.Tensor] = []   # conv scratch: one serves every conv step bound with it
         self._pool: ColdPool | None = None                  # the cold-timing copies while a plan is tuned
+        self._carried: dict[tuple, torch.Tensor] = {}       # winners' prepared weights the checks made, until bound
         self.stats = {"timed_shapes": 0, "timing_runs": 0, "cache_hits": 0, "cache_misses": 0, "checks": 0,
                       "rejected": 0, "tune_s": 0.0, "build_s": 0.0}
         self.failures: dict[str, str] = {}
@@ -302,6 +303,11 @@ class TacticsContext:
                 sel = self._select(p, steps[0], kernels)
                 sel.uses = len(steps)
                 new.append(sel)
+                key = self._scratch_key(steps[0], sel.winner)
+                if not sel.timed and key in self._scratch:
+                    # a cached pick's check prepared the winner's weight: binding takes it over (a timed
+                    # pick's is made again at binding, after the timing buffers are gone)
+                    self._carried[key] = self._scratch[key]
                 self._scratch.clear()
                 release(steps[0].b)      # the checks and timing read it; binding reads it again
                 trim_heap()
@@ -325,7 +331,16 @@ class TacticsContext:
                 self._scratch.clear()
         finally:
             self._scratch.clear()
+            self._carried.clear()
         return new
+
+    def _scratch_key(self, step: GemmStep, name: str) -> tuple | None:
+        """Where `_conv_weight` / `_pack` memoise candidate `name`'s prepared copy of the step's weight."""
+        if name == ATEN or not step.problem.b_packed:
+            return None
+        if isinstance(step, ConvStep):
+            return (step.b.data_ptr(), tuple(step.b.shape), step.b._version) + conv_config(name).weight_key()
+        return (step.b.data_ptr(), tuple(step.b.shape), GemmConfig.parse(name).nr, step.problem.op)
 
     def select(self, p: GemmProblem, *, b: torch.Tensor | None = None) -> Selection:
         """Tune one problem on its own (no executor): B is `b` or random. For tests/tools."""
@@ -518,6 +533,7 @@ class TacticsContext:
         holder = self.packed.get(key) or _PACKED.get(key)
         if holder is None:
             t = self._scratch.pop(scratch_key, None)
+            t = self._carried.pop(scratch_key, None) if t is None else t
             holder = _Packed(src, t if t is not None else prepare())
             _PACKED[key] = holder
             release(src)     # a spilled constant's pages go (graphmode/hostmem.py); others stay as they are

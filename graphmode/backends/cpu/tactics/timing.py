@@ -95,8 +95,8 @@ def copies_for(numel: int, llc_bytes: int, cold: bool) -> int:
 
 class ColdPool:
     """The copies cold timing rotates a weight over, as views of one buffer of 2x the LLC
-    (random values: timing is data-independent; only each candidate's first copy is its real
-    weight). Allocated on first use, shared by every candidate and shape timed with it, and
+    (one small constant: timing is data-independent; only each candidate's first copy is its
+    real weight). Allocated on first use, shared by every candidate and shape timed with it, and
     released with the pool. `cold=False`: no copies."""
 
     def __init__(self, llc_bytes: int, cold: bool, seed: int = 0):
@@ -110,9 +110,8 @@ class ColdPool:
         extra = copies_for(n, self.llc_bytes, self.cold) - 1
         if extra <= 0:
             return [t]
-        if self._buf is None:      # extra * n < 2 * LLC / 4 floats for every n
-            gen = torch.Generator().manual_seed(self.seed + 3)
-            self._buf = torch.empty(max(1, 2 * self.llc_bytes // 4)).uniform_(-0.1, 0.1, generator=gen)
+        if self._buf is None:      # extra * n < 2 * LLC / 4 floats for every n (written: no zero pages)
+            self._buf = torch.empty(max(1, 2 * self.llc_bytes // 4)).fill_(0.0625)
         return [t] + [self._buf[i * n:(i + 1) * n].view(tuple(t.shape)) for i in range(extra)]
 
     @property
