@@ -267,3 +267,18 @@ def test_missing_file_is_recipe_error(tmp_path):
     with pytest.raises(RecipeError) as ei:
         load_recipe(tmp_path / "nope.yaml")
     assert "cannot read" in ei.value.message
+
+
+def test_memory_weight_growth_defaults_keeps_old_stamps_and_refuses_below_one():
+    from graphmode.errors import RecipeErrors
+    from graphmode.recipe import load_recipe
+    from graphmode.recipe.hashing import canonical_json
+    base = {"version": 1, "name": "wg", "inputs": [{"name": "x", "dtype": "f32", "shape": ["b", 4]}],
+            "dims": {"b": {"buckets": [1]}}}
+    plain = load_recipe(base)
+    assert plain.memory.weight_growth == 2.5 and "weight_growth" not in canonical_json(plain)
+    assert load_recipe({**base, "memory": {"weight_growth": 2.5}}).hash() == plain.hash()
+    tight = load_recipe({**base, "memory": {"weight_growth": 1.5}})
+    assert tight.memory.weight_growth == 1.5 and tight.hash() != plain.hash()
+    with pytest.raises(RecipeErrors, match="memory.weight_growth"):
+        load_recipe({**base, "memory": {"weight_growth": 0.5}})
