@@ -23,6 +23,7 @@ from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem
 from graphmode.backends.cpu.tactics.steps import ATEN, ConvStep, GemmStep, aten_conv, aten_gemm, b_shape, conv_args
 
 CALIBRATION_CALLS = 3   # back-to-back calls whose fastest sets a candidate's calls per sample
+PRUNE = 1.5             # a candidate this much slower than the best in calibration is not sampled further
 
 
 def machine_load() -> tuple[float | None, int]:
@@ -34,38 +35,47 @@ def machine_load() -> tuple[float | None, int]:
 
 
 def measure(fns: Mapping[str, Callable[[], None]], *, reps: int, sample_s: float,
-            budget_s: float) -> dict[str, list[float]]:
+            budget_s: float, prune: float | None = PRUNE) -> dict[str, list[float]]:
     """Seconds per call of each closure, one list of samples each: a warm-up call, then at
     least `reps` interleaved round-robin samples of >= `sample_s` seconds of back-to-back
     calls, more (up to 8x `reps`) while they fit `budget_s` per candidate. The calls per
     sample come from the fastest of CALIBRATION_CALLS back-to-back calls: from one call, a
     candidate whose call happened to wait out a time slice (a 2-thread ATen GEMM of 8 KFLOP
     took 15 ms at load 5 on 2 cores) got samples of one call each, against 1000-call samples
-    of the others, and a "36892x vs aten" margin."""
+    of the others, and a "36892x vs aten" margin. A candidate whose fastest calibration call
+    is more than `prune` x the fastest one's is not sampled further: its calibration calls
+    are its samples (one candidate of GPT-2's 50257-column LM head takes ~50 ms a call, and
+    most of a bucket's tuning went to timing candidates that could not win)."""
     names = list(fns)
     inner: dict[str, int] = {}
+    first: dict[str, list[float]] = {}
     longest = 0.0
     for n in names:
         fns[n]()
-        dt = math.inf
+        first[n] = []
         for _ in range(CALIBRATION_CALLS):
             t0 = time.perf_counter()
             fns[n]()
-            dt = min(dt, max(time.perf_counter() - t0, 1e-7))
+            first[n].append(max(time.perf_counter() - t0, 1e-7))
+    best = min(min(v) for v in first.values()) if first else 0.0
+    samples: dict[str, list[float]] = {n: list(first[n]) for n in names if prune and min(first[n]) > prune * best}
+    live = [n for n in names if n not in samples]
+    for n in live:
+        dt = min(first[n])
         inner[n] = max(1, min(1000, int(sample_s / dt)))
         longest = max(longest, dt * inner[n])
     rounds = max(reps, min(8 * reps, int(budget_s / max(longest, 1e-6))))
-    samples: dict[str, list[float]] = {n: [] for n in names}
+    samples.update({n: [] for n in live})
     with torch.inference_mode():
         for r in range(rounds):
-            for j in range(len(names)):
-                n = names[(r + j) % len(names)]
+            for j in range(len(live)):
+                n = live[(r + j) % len(live)]
                 f, calls = fns[n], inner[n]
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     f()
                 samples[n].append((time.perf_counter() - t0) / calls)
-    return samples
+    return {n: samples[n] for n in names}
 
 
 def rotate(calls: list[Callable[[], None]]) -> Callable[[], None]:

@@ -471,3 +471,23 @@ def test_a_batched_conv_builds_only_the_contenders_of_its_one_image_timing(tmp_p
     assert all("at batch 1 (timing cache)" in why for why in sel.rejected.values())
     step()
     assert rel_l2(step.c, torch.nn.functional.conv2d(x, w, b, padding=1)) < 5e-6
+
+
+def test_timing_stops_sampling_candidates_far_behind_in_calibration():
+    """A candidate over PRUNE x the fastest in its calibration calls keeps those calls as its
+    samples; the rest are sampled round-robin as before. Timed on sleeps, asserted on counts."""
+    import time as _time
+    from graphmode.backends.cpu.tactics.timing import CALIBRATION_CALLS, measure
+    calls = {"fast": 0, "slow": 0}
+
+    def fn(name, s):
+        def f():
+            calls[name] += 1
+            _time.sleep(s)
+        return f
+    got = measure({"fast": fn("fast", 0.001), "slow": fn("slow", 0.05)}, reps=4, sample_s=1e-4, budget_s=0.0)
+    assert len(got["slow"]) == CALIBRATION_CALLS and calls["slow"] == 1 + CALIBRATION_CALLS
+    assert len(got["fast"]) == 4 + 0 and min(got["slow"]) > min(got["fast"])
+    both = measure({"fast": fn("fast", 0.001), "slow": fn("slow", 0.05)}, reps=4, sample_s=1e-4, budget_s=0.0,
+                   prune=None)
+    assert len(both["slow"]) == 4
