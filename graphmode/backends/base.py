@@ -59,7 +59,9 @@ class Backend(Protocol):
     (None: its default); `threads`: the plan's thread count; `kernel_selection`: the
     recipe's policy (None: the backend's default); `isa`: the recipe's `codegen.isa` cap on
     the code its kernels run (auto: the host's best; passed only when a recipe sets one, so
-    a backend without ISA-specific code may leave it out)."""
+    a backend without ISA-specific code may leave it out); `weight_growth`: the recipe's
+    `memory.weight_growth` cap on prepared weights (passed only to a backend whose
+    capabilities say it generates kernels)."""
 
     name: str
     capabilities: Capabilities

@@ -183,7 +183,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     from graphmode.paths import cache_layout
     from graphmode.plan.execution import load_plan
     from graphmode.recipe import Recipe
-    from graphmode.runtime.build import cache_key
+    from graphmode.runtime.build import backend_options, cache_key
     from graphmode.runtime.compiled import CompiledModel
     path = Path(path)
     try:
@@ -234,7 +234,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
         raise ArtifactError("its graph or weights do not match the manifest's hash (edited?)", where=str(path),
                             fix="save the artifact again")
     backend = get_backend(cm.device)
-    extra: dict[str, Any] = {} if recipe.codegen.isa == "auto" else {"isa": recipe.codegen.isa}
+    extra: dict[str, Any] = backend_options(backend, recipe)
     if backend.capabilities.kernel_selection:       # a backend with tactics: the saved choices are final
         extra["frozen"] = True
     for env in recipe.buckets():
@@ -249,8 +249,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
                                 f"{getattr(e, 'message', e)}", where=str(path), fix="save the artifact again") from None
         t0 = time.perf_counter()
         exe = backend.executable(plan, graph.constants, kernel_dir=root / "kernels", threads=cm.threads,
-                                 kernel_selection=recipe.codegen.kernel_selection,
-                                 weight_growth=recipe.memory.weight_growth, **extra)
+                                 kernel_selection=recipe.codegen.kernel_selection, **extra)
         cm._executables[key] = exe
         cm._event("artifact_load", bucket=key, seconds=round(time.perf_counter() - t0, 3))
     return cm

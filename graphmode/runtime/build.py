@@ -60,6 +60,16 @@ def _scratch_dir() -> Path:
     return Path(_SCRATCH[0].name) / "kernels"
 
 
+def backend_options(backend, recipe) -> dict:
+    """The recipe's optional backend arguments (see Backend): `isa` only when a recipe sets
+    one, `weight_growth` only to a backend that generates kernels (it prepares weights), so a
+    backend without either may leave them out of its signature."""
+    out = {} if recipe.codegen.isa == "auto" else {"isa": recipe.codegen.isa}
+    if getattr(getattr(backend, "capabilities", None), "generates_kernels", False):
+        out["weight_growth"] = recipe.memory.weight_growth
+    return out
+
+
 def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
     """(executable, came_from_cache). The backend is the one registered as `cm.device`; its
     compiled kernels go to the artifact cache's kernel folder."""
@@ -93,10 +103,9 @@ def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
         kdir = default_cache_dir() / "kernels"
     else:
         kdir = _scratch_dir()
-    isa = {} if recipe.codegen.isa == "auto" else {"isa": recipe.codegen.isa}   # see Backend: only when set
-    exe = get_backend(cm.device).executable(plan, cm.graph.constants, kernel_dir=kdir, threads=cm.threads,
-                                            kernel_selection=recipe.codegen.kernel_selection,
-                                            weight_growth=recipe.memory.weight_growth, **isa)
+    backend = get_backend(cm.device)
+    exe = backend.executable(plan, cm.graph.constants, kernel_dir=kdir, threads=cm.threads,
+                             kernel_selection=recipe.codegen.kernel_selection, **backend_options(backend, recipe))
     if spill is not None:
         spill.release()       # the kernels hold their prepared copies; what else reads a constant refaults it
     trim_heap()
