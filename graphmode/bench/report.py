@@ -123,9 +123,9 @@ def goals(res: BenchResult) -> list[str]:
     if res.meta.get("quick"):
         return []
     by_shape: dict[tuple, dict[str, dict]] = {}
-    for r in res.rows:
+    for r in res.rows:        # by engine: graphmode's label carries its ISA cap (graphmode[avx2])
         if r["status"] == "ok":
-            by_shape.setdefault((r["model"], tuple(r["shape"])), {})[r["label"]] = r
+            by_shape.setdefault((r["model"], tuple(r["shape"])), {}).setdefault(r["engine"], r)
     out = []
     for (model, shape), rows in by_shape.items():
         g = rows.get("graphmode")
