@@ -55,6 +55,11 @@ def trim_heap() -> None:
         libc.malloc_trim(0)
 
 
+class _StatFs(ctypes.Structure):
+    """struct statfs: f_type first (Linux), the rest unread."""
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 120)]
+
+
 def memory_backed(folder: Path) -> str | None:
     """'tmpfs' / 'ramfs' when `folder` keeps its files in memory, else None."""
     if not sys.platform.startswith("linux"):
@@ -63,8 +68,6 @@ def memory_backed(folder: Path) -> str | None:
     while not folder.exists() and folder != folder.parent:    # the folder may not exist yet
         folder = folder.parent
     try:
-        class _StatFs(ctypes.Structure):
-            _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 120)]
         libc = _libc()
         buf = _StatFs()
         if libc is None or libc.statfs(str(folder).encode(), ctypes.byref(buf)) != 0:

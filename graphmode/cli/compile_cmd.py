@@ -180,14 +180,14 @@ def compile_cmd(
     built = None
     if not dry_run:
         from graphmode.backends import DEFAULT_DEVICE, get_backend
-        from graphmode.runtime.build import build_plan
+        from graphmode.runtime.build import backend_options, build_plan
         t0 = time.perf_counter()
         env = recipe_obj.buckets()[0]
         plan = build_plan(graph, recipe_obj, env)
-        exe = get_backend(DEFAULT_DEVICE).executable(plan, graph.constants, kernel_dir=cache_layout(cache_dir).kernels,
-                                                     kernel_selection=recipe_obj.codegen.kernel_selection,
-                                                     weight_growth=recipe_obj.memory.weight_growth,
-                                                     isa=recipe_obj.codegen.isa)
+        backend = get_backend(DEFAULT_DEVICE)
+        exe = backend.executable(plan, graph.constants, kernel_dir=cache_layout(cache_dir).kernels,
+                                 kernel_selection=recipe_obj.codegen.kernel_selection,
+                                 **backend_options(backend, recipe_obj))
         weights = sum(t.numel() * t.element_size() for t in graph.constants.values())
         built = {"bucket": env, "instructions": len(plan.instructions), "generated_kernels": exe.generated,
                  "kernel_fallbacks": exe.kernel_report.get("fallbacks", {}), "tactics": exe.tactics_report,

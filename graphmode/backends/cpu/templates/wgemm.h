@@ -151,32 +151,24 @@ GM_WQ_FI void gm_wq_cols(const float* __restrict x, const W* __restrict w, const
 }
 
 // ---- the panel path (many rows) ----------------------------------------------------------
-// P: the f32 GEMM micro-kernel of one ISA (gemm.h) as MR rows x NV vectors of L lanes.
+// P: the f32 GEMM micro-kernel of one ISA (gemm.h) as MR rows x NV vectors of L lanes
+// (a function template cannot be a template argument: one macro writes the three adapters).
+#define GM_WQ_PANEL(NAME, UKR, MR_, L_)                                                              \
+  struct NAME {                                                                                   \
+    static constexpr int MR = MR_, NV = 2, L = L_;                                                \
+    template <int R, int V, int LAST>                                                             \
+    static GM_WQ_FI void ukr(long kc, const float* a, const float* b, long ldb, float* c, long ldc, \
+                             const float* bias) {                                                 \
+      UKR<R, V, LAST, false>(kc, a, kc, b, ldb, c, ldc, bias, true);                              \
+    }                                                                                             \
+  };
 #if defined(__AVX512F__)
-struct gm_wq_p512 {
-  static constexpr int MR = 8, NV = 2, L = 16;
-  template <int R, int V, int LAST>
-  static GM_WQ_FI void ukr(long kc, const float* a, const float* b, long ldb, float* c, long ldc, const float* bias) {
-    gm_gemm_ukr_avx512<R, V, LAST, false>(kc, a, kc, b, ldb, c, ldc, bias, true);
-  }
-};
+GM_WQ_PANEL(gm_wq_p512, gm_gemm_ukr_avx512, 8, 16)
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-struct gm_wq_p256 {
-  static constexpr int MR = 6, NV = 2, L = 8;
-  template <int R, int V, int LAST>
-  static GM_WQ_FI void ukr(long kc, const float* a, const float* b, long ldb, float* c, long ldc, const float* bias) {
-    gm_gemm_ukr_avx2<R, V, LAST, false>(kc, a, kc, b, ldb, c, ldc, bias, true);
-  }
-};
+GM_WQ_PANEL(gm_wq_p256, gm_gemm_ukr_avx2, 6, 8)
 #endif
-struct gm_wq_pc {
-  static constexpr int MR = 4, NV = 2, L = 8;
-  template <int R, int V, int LAST>
-  static GM_WQ_FI void ukr(long kc, const float* a, const float* b, long ldb, float* c, long ldc, const float* bias) {
-    gm_gemm_ukr_c<R, V, LAST, false>(kc, a, kc, b, ldb, c, ldc, bias, true);
-  }
-};
+GM_WQ_PANEL(gm_wq_pc, gm_gemm_ukr_c, 4, 8)
 
 // panel[k][j] = w[n0 + j][k] * scale[n0 + j] for j < nc, 0 beyond: the reference's weight
 template <class W>

@@ -475,19 +475,21 @@ def test_a_batched_conv_builds_only_the_contenders_of_its_one_image_timing(tmp_p
 
 def test_timing_stops_sampling_candidates_far_behind_in_calibration():
     """A candidate over PRUNE x the fastest in its calibration calls keeps those calls as its
-    samples; the rest are sampled round-robin as before. Timed on sleeps, asserted on counts."""
-    import time as _time
+    samples; the rest are sampled round-robin as before. The candidates are 50x apart in work
+    (a loop of n steps), so a busy host slows both; asserted on counts."""
     from graphmode.backends.cpu.tactics.timing import CALIBRATION_CALLS, measure
     calls = {"fast": 0, "slow": 0}
 
-    def fn(name, s):
+    def fn(name, steps):
         def f():
             calls[name] += 1
-            _time.sleep(s)
+            acc = 0
+            for i in range(steps):
+                acc += i
         return f
-    got = measure({"fast": fn("fast", 0.001), "slow": fn("slow", 0.05)}, reps=4, sample_s=1e-4, budget_s=0.0)
+    got = measure({"fast": fn("fast", 4_000), "slow": fn("slow", 200_000)}, reps=4, sample_s=1e-4, budget_s=0.0)
     assert len(got["slow"]) == CALIBRATION_CALLS and calls["slow"] == 1 + CALIBRATION_CALLS
     assert len(got["fast"]) == 4 + 0 and min(got["slow"]) > min(got["fast"])
-    both = measure({"fast": fn("fast", 0.001), "slow": fn("slow", 0.05)}, reps=4, sample_s=1e-4, budget_s=0.0,
+    both = measure({"fast": fn("fast", 4_000), "slow": fn("slow", 200_000)}, reps=4, sample_s=1e-4, budget_s=0.0,
                    prune=None)
     assert len(both["slow"]) == 4
