@@ -26,7 +26,7 @@ import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from graphmode.errors import GraphmodeError
 
@@ -122,6 +122,14 @@ def _fix_corrupt(path: Path) -> str:
             "merges an export from another machine")
 
 
+def _is_busy(e: sqlite3.Error) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    low = str(e).lower()
+    return "locked" in low or "busy" in low
+
+
 def kb_error(e: sqlite3.Error, path: Path, doing: str) -> KbError:
     """A sqlite3 exception as a KbError that says which file, what happened and the fix."""
     msg = str(e)
@@ -177,13 +185,14 @@ class KnowledgeBase:
 
     # ---- opening: integrity, WAL, migrations ----------------------------------------------------
     def _prepare(self) -> None:
-        with self._guard("reading its header"):
-            rows = self.db.execute("PRAGMA quick_check").fetchall()
+        rows: list = []
+        self._retry_busy(lambda: rows.extend(self.db.execute("PRAGMA quick_check").fetchall()),
+                         "reading its header")
         if [r[0] for r in rows] != ["ok"]:
             raise KbError(f"the knowledge base file is damaged: {rows[0][0]}; graphmode left it untouched",
                           where=str(self.path), fix=_fix_corrupt(self.path))
-        with self._guard("switching it to WAL mode"):
-            self.db.execute("PRAGMA journal_mode=WAL")
+        self._retry_busy(self._use_wal, "switching it to WAL mode")
+        with self._guard("turning on foreign keys"):
             self.db.execute("PRAGMA foreign_keys=ON")
         version = self._version()
         if version > SCHEMA_VERSION:
@@ -198,6 +207,31 @@ class KnowledgeBase:
                         if stmt.strip():
                             self.db.execute(stmt)
                 self.db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def _use_wal(self) -> None:
+        """WAL once per file (it persists): only a file not yet in WAL asks for the switch."""
+        if self.db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower()
+            if mode != "wal":                      # SQLite keeps the old mode when it cannot switch now
+                raise sqlite3.OperationalError(f"database is locked (journal mode stayed {mode})")
+
+    def _retry_busy(self, step: Callable[[], None], doing: str) -> None:
+        """Run `step`, retrying while another process holds the file. Switching the journal mode
+        (and opening a WAL file another connection is closing) reports SQLITE_BUSY at once,
+        without SQLite's busy handler, so we back off ourselves up to the same timeout."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        pause = 0.001
+        while True:
+            try:
+                step()
+                return
+            except sqlite3.OperationalError as e:
+                if not _is_busy(e) or time.monotonic() + pause > deadline:
+                    raise kb_error(e, self.path, doing) from None
+            except sqlite3.Error as e:
+                raise kb_error(e, self.path, doing) from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def _version(self) -> int:
         with self._guard("reading its schema version"):

@@ -104,7 +104,8 @@ def test_migrates_an_old_file_and_refuses_a_newer_one(tmp_path):
     assert e.value.where == str(path) and "upgrade graphmode" in e.value.fix
 
 
-def test_two_processes_writing_at_once(tmp_path):
+@pytest.mark.parametrize("round_", range(3))       # the race on creating the file lost ~2 rounds in 5
+def test_two_processes_writing_at_once(tmp_path, round_):
     path = tmp_path / "shared.sqlite"                   # created by whichever process gets there first
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(2)                            # both start writing (and creating the file) together
@@ -118,6 +119,22 @@ def test_two_processes_writing_at_once(tmp_path):
     with KnowledgeBase(path) as kb:
         assert kb.counts() == {"hardware": 1, "models": 1, "recipes": 2, "performance": 2 * n}
         assert kb.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_a_file_held_locked_is_waited_for_then_a_clear_error(tmp_path, monkeypatch):
+    """Switching to WAL gets SQLITE_BUSY without SQLite's busy handler; we retry up to the timeout."""
+    path = tmp_path / "kb.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE x (y)")
+    holder.execute("BEGIN EXCLUSIVE")
+    monkeypatch.setattr("graphmode.kb.store.BUSY_TIMEOUT_S", 0.3)
+    with pytest.raises(KbError, match="stayed locked by another process") as e:
+        KnowledgeBase(path)
+    assert e.value.where == str(path) and "let the other graphmode process finish" in e.value.fix
+    holder.execute("COMMIT")
+    holder.close()
+    with KnowledgeBase(path) as kb:                    # once it is free, the same file opens and is WAL
+        assert kb.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 def _damaged(path, how: str) -> bytes:
