@@ -7,6 +7,7 @@ addresses of a plan step whose buffers never move, which halves that cost again.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -32,6 +33,15 @@ class CompiledLibrary:
         self._get.restype = ctypes.c_int
         if threads is not None:
             self.set_threads(threads)
+        self._flush = self.cdll.gm_flush_lines
+        self._flush.argtypes = [ctypes.c_void_p, ctypes.c_long]
+        self._flush.restype = ctypes.c_int
+        self.can_flush = bool(self._flush(None, 0))
+
+    def flusher(self, t: torch.Tensor) -> Callable[[], None]:
+        """A call that evicts `t`'s bytes from every cache level (where `can_flush`): tactic
+        timing's cold calls. `t` must outlive it."""
+        return functools.partial(self._flush, t.data_ptr(), t.numel() * t.element_size())
 
     def set_threads(self, n: int) -> None:
         """OpenMP threads for this library's parallel loops (0 = the OpenMP default). Applies to

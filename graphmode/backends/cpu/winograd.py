@@ -173,7 +173,7 @@ def chunk_for(p: ConvProblem, m: int, mr: int, l2_bytes: int = 512 << 10) -> int
 
 # ------------------------------------------------------------------------------ the weights
 
-TRANSFORM_BLOCK = 8 << 20    # float64 bytes of one block of the weight transform
+TRANSFORM_BLOCK = 1 << 20    # float64 bytes of one block of the weight transform (its transients are ~3x)
 
 
 def transform_weight(w: torch.Tensor, m: int, nr: int) -> torch.Tensor:

@@ -297,7 +297,7 @@ class TacticsContext:
         # cold pool, each shape's candidate weights) are gone before the winners' prepared
         # weights are made, so the peak is the larger of the two instead of their sum
         new: list[Selection] = []
-        self._pool = ColdPool(self.llc_bytes, bool(self.cold), self.seed)
+        self._pool = ColdPool(self.llc_bytes, bool(self.cold), self.seed, _library_of(kernels))
         try:
             for p, steps in by_problem.items():
                 sel = self._select(p, steps[0], kernels)
@@ -362,7 +362,7 @@ class TacticsContext:
         if self.cold is None:
             self.cold = b.numel() * 4 > self.llc_bytes if p.b_packed else False
         kernels = self._build({p: candidate_sources(p, self.candidates(p), self.threads)})
-        self._pool = ColdPool(self.llc_bytes, bool(self.cold), self.seed)
+        self._pool = ColdPool(self.llc_bytes, bool(self.cold), self.seed, _library_of(kernels))
         try:
             sel = self._select(p, step, kernels)
         finally:
@@ -501,7 +501,8 @@ class TacticsContext:
 
     def _timing_fns(self, p, names: Sequence[str], step: GemmStep, kernels: Mapping, rejected: Mapping[str, str],
                     keep: list) -> dict[str, Callable[[], None]]:
-        kw = {"seed": self.seed, "pool": self._pool or ColdPool(self.llc_bytes, bool(self.cold), self.seed)}
+        kw = {"seed": self.seed,
+              "pool": self._pool or ColdPool(self.llc_bytes, bool(self.cold), self.seed, _library_of(kernels))}
         if isinstance(step, ConvStep):
             return conv_timing_fns(p, names, step, kernels, rejected, keep, weight=self._conv_weight, **kw)
         return gemm_timing_fns(p, names, step, kernels, rejected, keep,
@@ -537,6 +538,8 @@ class TacticsContext:
             holder = _Packed(src, t if t is not None else prepare())
             _PACKED[key] = holder
             release(src)     # a spilled constant's pages go (graphmode/hostmem.py); others stay as they are
+            if t is None:
+                trim_heap()  # the transform's transients: else binding peaks ~50 MB over its result
         self.packed[key] = holder
         return holder.t
 
@@ -588,6 +591,12 @@ class _Packed:
 
 
 _PACKED: "weakref.WeakValueDictionary[tuple, _Packed]" = weakref.WeakValueDictionary()
+
+
+def _library_of(kernels: Mapping) -> Any:
+    """The library the candidates were built into (it exports the cache flush cold timing
+    uses), or None when nothing was built."""
+    return next((k[0].library for k in kernels.values() if isinstance(k, tuple)), None)
 
 
 def _target_identity(target: Any, simd: Sequence[str]) -> str:

@@ -1,13 +1,16 @@
 """Timing candidates: closures over synthetic operands, and interleaved samples of them.
 
 Every candidate of a shape is timed on the same random operands at the plan's thread count.
-With `cold`, each call reads its weight from the next of enough copies to stream 2x the LLC
-between two uses of one copy (the weights of a model larger than the cache are not cache
-resident when the plan runs). The copies are views of one `ColdPool` of 2x the LLC that every
-candidate of every shape of a plan shares: one pool per candidate (4x a 3x3 conv's weight for
-Winograd F(4x4)) made tactic timing the peak of a ResNet-18 build (+500 MB). Samples interleave the candidates round-robin, the start
-rotating, so that drift of a shared machine hits every candidate alike; the context's
-statistic (median by default) of the samples is what the policy compares.
+With `cold`, each call reads its weight from DRAM (the weights of a model larger than the
+cache are not cache resident when the plan runs): the weight is flushed from every cache
+level before each call, outside the timed region (`Flushed`; the kernels' library exports
+the flush). Where it cannot flush (no kernel library, a CPU without a flush instruction),
+each call reads the next of enough copies to stream 2x the LLC between two uses of one; the
+copies are views of one `ColdPool` buffer of 2x the LLC that every candidate of every shape
+of a plan shares (that pool was the peak of a ResNet-18 bucket build). Samples interleave
+the candidates round-robin, the start rotating, so that drift of a shared machine hits every
+candidate alike; the context's statistic (median by default) of the samples is what the
+policy compares.
 """
 from __future__ import annotations
 
@@ -52,11 +55,7 @@ def measure(fns: Mapping[str, Callable[[], None]], *, reps: int, sample_s: float
     longest = 0.0
     for n in names:
         fns[n]()
-        first[n] = []
-        for _ in range(CALIBRATION_CALLS):
-            t0 = time.perf_counter()
-            fns[n]()
-            first[n].append(max(time.perf_counter() - t0, 1e-7))
+        first[n] = [max(_per_call(fns[n], 1), 1e-7) for _ in range(CALIBRATION_CALLS)]
     best = min(min(v) for v in first.values()) if first else 0.0
     samples: dict[str, list[float]] = {n: list(first[n]) for n in names if prune and min(first[n]) > prune * best}
     live = [n for n in names if n not in samples]
@@ -70,12 +69,38 @@ def measure(fns: Mapping[str, Callable[[], None]], *, reps: int, sample_s: float
         for r in range(rounds):
             for j in range(len(live)):
                 n = live[(r + j) % len(live)]
-                f, calls = fns[n], inner[n]
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    f()
-                samples[n].append((time.perf_counter() - t0) / calls)
+                samples[n].append(_per_call(fns[n], inner[n]))
     return {n: samples[n] for n in names}
+
+
+def _per_call(f: Callable[[], None], calls: int) -> float:
+    """Seconds per call over `calls` calls of `f`; a `Flushed` call's flush is not timed."""
+    if isinstance(f, Flushed):
+        run, flush, total = f.fn, f.flush, 0.0
+        for _ in range(calls):
+            flush()
+            t0 = time.perf_counter()
+            run()
+            total += time.perf_counter() - t0
+        return total / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        f()
+    return (time.perf_counter() - t0) / calls
+
+
+class Flushed:
+    """`fn` whose operand must be cold at each call: `measure` runs `flush` before each call,
+    outside the timed region (called directly, it flushes too)."""
+
+    __slots__ = ("fn", "flush")
+
+    def __init__(self, fn: Callable[[], None], flush: Callable[[], None]):
+        self.fn, self.flush = fn, flush
+
+    def __call__(self) -> None:
+        self.flush()
+        self.fn()
 
 
 def rotate(calls: list[Callable[[], None]]) -> Callable[[], None]:
@@ -104,14 +129,25 @@ def copies_for(numel: int, llc_bytes: int, cold: bool) -> int:
 
 
 class ColdPool:
-    """The copies cold timing rotates a weight over, as views of one buffer of 2x the LLC
-    (one small constant: timing is data-independent; only each candidate's first copy is its
-    real weight). Allocated on first use, shared by every candidate and shape timed with it, and
-    released with the pool. `cold=False`: no copies."""
+    """How cold timing makes a weight cold at each call (`each_cold`): flushed by `library`
+    (a CompiledLibrary that `can_flush`), else rotated over copies that are views of one buffer
+    of 2x the LLC (one small constant: timing is data-independent; only each candidate's first
+    copy is its real weight), allocated on first use, shared by every candidate and shape
+    timed with it, and released with the pool. `cold=False`: every call on the weight itself."""
 
-    def __init__(self, llc_bytes: int, cold: bool, seed: int = 0):
+    def __init__(self, llc_bytes: int, cold: bool, seed: int = 0, library=None):
         self.llc_bytes, self.cold, self.seed = int(llc_bytes), bool(cold), seed
+        self.library = library if library is not None and getattr(library, "can_flush", False) else None
         self._buf: torch.Tensor | None = None
+
+    def each_cold(self, t: torch.Tensor, make: Callable[[torch.Tensor], Callable[[], None]]) -> Callable[[], None]:
+        """A closure running `make(u)`'s call where `u` holds `t`'s place and is not in any
+        cache when the call starts (with `cold`)."""
+        if not self.cold:
+            return make(t)
+        if self.library is not None:
+            return Flushed(make(t), self.library.flusher(t))
+        return rotate([make(u) for u in self.copies(t)])
 
     def copies(self, t: torch.Tensor) -> list[torch.Tensor]:
         """`t`, then views of the pool shaped like it: enough that reading them in turn
@@ -157,13 +193,13 @@ def gemm_timing_fns(p: GemmProblem, names: Sequence[str], step: GemmStep, kernel
             fns[name] = kernels[(p, name)][0].bind([a.data_ptr(), b.data_ptr(), *extra, c.data_ptr()])
         return fns
     packs = {GemmConfig.parse(n).nr: pack(step.b, GemmConfig.parse(n).nr) for n in live}
-    fns[ATEN] = rotate([aten_gemm(p, a, b, bias, c) for b in pool.copies(step.b)])
-    if step.epilogue_run is not None:
-        fns[ATEN] = then(fns[ATEN], step.epilogue_run)
+    epi = step.epilogue_run
+    fns[ATEN] = pool.each_cold(step.b, lambda u: then(aten_gemm(p, a, u, bias, c), epi) if epi
+                               else aten_gemm(p, a, u, bias, c))
     for name in live:
         kern = kernels[(p, name)][0]
-        fns[name] = rotate([kern.bind([a.data_ptr(), bk.data_ptr(), *extra, c.data_ptr()])
-                            for bk in pool.copies(packs[GemmConfig.parse(name).nr])])
+        fns[name] = pool.each_cold(packs[GemmConfig.parse(name).nr],
+                                   lambda u, kern=kern: kern.bind([a.data_ptr(), u.data_ptr(), *extra, c.data_ptr()]))
     return fns
 
 
@@ -177,12 +213,12 @@ def conv_timing_fns(p: ConvProblem, names: Sequence[str], step: ConvStep, kernel
     x = torch.randn(p.n, p.cin, p.h, p.w, generator=gen)
     y = torch.empty(p.n, p.cout, p.ho, p.wo)
     keep += [x, y]
-    copies_of = pool.copies
+    epi = step.epilogue_run               # ATen's time includes the group's epilogue kernel
     fns: dict[str, Callable[[], None]] = {
-        ATEN: rotate([aten_conv(p, x, w, step.bias, y) for w in copies_of(step.b)])}
+        ATEN: pool.each_cold(step.b, lambda u: then(aten_conv(p, x, u, step.bias, y), epi) if epi
+                             else aten_conv(p, x, u, step.bias, y))}
     ops: list[torch.Tensor] = []
-    if step.epilogue_run is not None:     # ATen's time includes the group's epilogue kernel
-        fns[ATEN] = then(fns[ATEN], step.epilogue_run)
+    if epi is not None:
         ops = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
         keep += ops
     live = [n for n in names if n != ATEN and n not in rejected]
@@ -192,10 +228,10 @@ def conv_timing_fns(p: ConvProblem, names: Sequence[str], step: ConvStep, kernel
     for name in live:
         cfg = conv_config(name)
         kern = kernels[(p, name)][0]
-        fns[name] = rotate([kern.bind(conv_args(step, cfg, x, u, ws, y, ops))
-                            for u in copies_of(weight(step.b, cfg))])
+        fns[name] = pool.each_cold(weight(step.b, cfg),
+                                   lambda u, kern=kern, cfg=cfg: kern.bind(conv_args(step, cfg, x, u, ws, y, ops)))
     return fns
 
 
-__all__ = ["CALIBRATION_CALLS", "ColdPool", "measure", "machine_load", "rotate", "then", "copies_for", "gemm_timing_fns",
+__all__ = ["CALIBRATION_CALLS", "ColdPool", "Flushed", "measure", "machine_load", "rotate", "then", "copies_for", "gemm_timing_fns",
            "conv_timing_fns"]

@@ -493,3 +493,53 @@ def test_timing_stops_sampling_candidates_far_behind_in_calibration():
     both = measure({"fast": fn("fast", 4_000), "slow": fn("slow", 200_000)}, reps=4, sample_s=1e-4, budget_s=0.0,
                    prune=None)
     assert len(both["slow"]) == 4
+
+
+@needs_cxx
+def test_cold_timing_flushes_the_weight_outside_the_timed_region(tmp_path):
+    """Every kernel library exports gm_flush_lines; with it cold timing needs no pool: each
+    call's weight is flushed before the call and the flush is not timed. Without a library
+    that can flush, the pool's rotating copies remain. Asserted on counts and data, and on one
+    ordering of loops 50x apart in work (a busy host slows both alike)."""
+    import platform
+
+    from graphmode.backends.cpu.tactics.timing import ColdPool, Flushed, measure, rotate
+    from graphmode.backends.cpu.abi import entry_point, kernel_source
+    src = kernel_source("nop", "\n".join(entry_point(1, ["  (void)p0;"])), inputs=("x",), outputs=(), types={},
+                        kind="native")
+    kern = KernelBuilder(tmp_path / "k", threads=1).build_many([src])[src.symbol]
+    lib = kern.library
+    if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
+        assert lib.can_flush
+    w = torch.randn(300, 301)
+    before = w.clone()
+    lib.flusher(w)()                                   # evicting lines never changes the data
+    assert torch.equal(w, before)
+    made: list = []
+    pool = ColdPool(1 << 20, cold=True, library=lib)
+    f = pool.each_cold(w, lambda u: made.append(u) or (lambda: None))
+    if lib.can_flush:
+        assert isinstance(f, Flushed) and made == [w] and pool.nbytes == 0
+    fallback = ColdPool(1 << 20, cold=True, library=None)
+    made.clear()
+    fallback.each_cold(w, lambda u: made.append(u) or (lambda: None))
+    assert made[0] is w and len(made) * w.numel() * 4 >= 2 << 20 and fallback.nbytes == 2 << 20
+    made.clear()
+    assert ColdPool(1 << 20, cold=False, library=lib).each_cold(w, lambda u: made.append(u) or rotate([len])) \
+        and made == [w]
+
+    counts = {"run": 0, "flush": 0}
+
+    def work(name, steps):
+        def f():
+            counts[name] += 1
+            acc = 0
+            for i in range(steps):
+                acc += i
+        return f
+    got = measure({"cold": Flushed(work("run", 4_000), work("flush", 200_000))}, reps=3, sample_s=1e-4,
+                  budget_s=0.0)
+    assert counts["flush"] == counts["run"] > 3           # one flush before every call, warm-up included
+    plain = measure({"both": lambda: (work("run", 4_000)(), work("flush", 200_000)())}, reps=3, sample_s=1e-4,
+                    budget_s=0.0)
+    assert min(got["cold"]) < min(plain["both"])           # the flush is outside the timed region
