@@ -43,6 +43,8 @@ PACKING_SLACK = 1.25     # a prepared weight up to this multiple of its source i
 BUDGET_SLACK_BYTES = 1 << 20   # tiny weights are not held to a ratio (an 8-column layer packs to 32 columns)
 SUBPROBLEM_MARGIN = 1.25  # a batched conv keeps the candidates this close to the best at batch 1 ...
 SUBPROBLEM_KEEP = 2       # ... at most this many
+SIBLING_MARGIN = 1.10     # a GEMM/conv that differs from one tuned before only in its epilogue keeps the
+SIBLING_KEEP = 2          # candidates this close to that one's best, at most this many
 
 
 class TacticsContext:
@@ -292,29 +294,38 @@ class TacticsContext:
         self.fit_weight_budget(by_problem)
         for p in by_problem:
             self.narrow_from_one_image(p)
-        kernels = self._build({p: candidate_sources(p, self.candidates(p), self.threads) for p in by_problem})
-        # every shape is tuned before any winner is bound: the timing's transient buffers (the
-        # cold pool, each shape's candidate weights) are gone before the winners' prepared
-        # weights are made, so the peak is the larger of the two instead of their sum
+        # shapes that differ from another only in their epilogue (ResNet's conv+bias, +relu,
+        # +add+relu) are tuned after it, with only the candidates that ranked near its best
+        leads: dict[GemmProblem, GemmProblem] = {}
+        followers: dict[GemmProblem, GemmProblem] = {}
+        for p in by_problem:
+            lead = leads.setdefault(_sans_epilogue(p), p)
+            if lead is not p and self.policy != "heuristic":
+                followers[p] = lead
+        # every shape is tuned before any winner is bound: the timing's transient buffers (each
+        # shape's candidate weights) are gone before the winners' prepared weights are made, so
+        # the peak is the larger of the two instead of their sum
         new: list[Selection] = []
-        self._pool = ColdPool(self.llc_bytes, bool(self.cold), self.seed, _library_of(kernels))
+        kernels: dict = {}
         try:
-            for p, steps in by_problem.items():
-                sel = self._select(p, steps[0], kernels)
-                sel.uses = len(steps)
-                new.append(sel)
-                key = self._scratch_key(steps[0], sel.winner)
-                if not sel.timed and key in self._scratch:
-                    # a cached pick's check prepared the winner's weight: binding takes it over (a timed
-                    # pick's is made again at binding, after the timing buffers are gone)
-                    self._carried[key] = self._scratch[key]
-                self._scratch.clear()
-                release(steps[0].b)      # the checks and timing read it; binding reads it again
-                trim_heap()
-            self.stats["timing_pool_bytes"] = max(self.stats.get("timing_pool_bytes", 0), self._pool.nbytes)
+            for wave in ([p for p in by_problem if p not in followers], list(followers)):
+                if not wave:
+                    continue
+                picked = {s.problem: s for s in new}
+                for p in wave:
+                    if p in followers:
+                        self.narrow_to_sibling(p, picked[followers[p]])
+                kernels.update(self._build({p: candidate_sources(p, self.candidates(p), self.threads) for p in wave}))
+                self._pool = ColdPool(self.llc_bytes, bool(self.cold), self.seed, _library_of(kernels))
+                for p in wave:
+                    new.append(self._tune_shape(p, by_problem[p], kernels))
+                self.stats["timing_pool_bytes"] = max(self.stats.get("timing_pool_bytes", 0), self._pool.nbytes)
+                self._pool = None
         finally:
             self._scratch.clear()
             self._pool = None
+        order = {p: i for i, p in enumerate(by_problem)}
+        new.sort(key=lambda sel: order[sel.problem])          # plan order in the report
         # the steps of one executable run one at a time and conv kernels keep nothing in their
         # workspace between calls: one buffer, the size of the largest winner's, serves them all
         need = max([conv_config(sel.winner).workspace_numel(sel.problem) for sel in new
@@ -333,6 +344,39 @@ class TacticsContext:
             self._scratch.clear()
             self._carried.clear()
         return new
+
+    def _tune_shape(self, p: GemmProblem, steps: Sequence[GemmStep], kernels: Mapping) -> Selection:
+        """Select `p`'s winner (timed, or from the timing cache); its sources' pages released after."""
+        sel = self._select(p, steps[0], kernels)
+        sel.uses = len(steps)
+        key = self._scratch_key(steps[0], sel.winner)
+        if not sel.timed and key in self._scratch:
+            # a cached pick's check prepared the winner's weight: binding takes it over (a timed
+            # pick's is made again at binding, after the timing buffers are gone)
+            self._carried[key] = self._scratch[key]
+        self._scratch.clear()
+        release(steps[0].b)      # the checks and timing read it; binding reads it again
+        trim_heap()
+        return sel
+
+    def narrow_to_sibling(self, p: GemmProblem, lead: Selection) -> None:
+        """`p` is `lead.problem` but for its epilogue (applied at the store: the same cost for
+        every candidate), so it keeps only the generated candidates that ran within
+        SIBLING_MARGIN of the best in `lead`'s timing (at most SIBLING_KEEP), plus ATen: the
+        others are neither built nor timed. The survivors are still checked and timed with the
+        real epilogue. (ResNet-18's eleven 3x3 stride-1 convs are four shapes.)"""
+        times = {n: t for n, t in lead.timings_s.items() if t > 0 and n not in lead.rejected}
+        if not times:
+            return
+        best = min(times.values())
+        keep = sorted((n for n, t in times.items() if n != ATEN and t <= SIBLING_MARGIN * best), key=times.get)
+        keep = keep[:SIBLING_KEEP]
+        for n in self.candidates(p)[1:]:
+            if n not in keep:
+                self._excluded.setdefault(p, {})[n] = (
+                    f"ran {times[n] / best:.2f}x the best for {lead.problem.text} (the same but for the epilogue)"
+                    if n in times else f"was no contender for {lead.problem.text} (the same but for the epilogue)")
+        self.stats["narrowed_from_sibling"] = self.stats.get("narrowed_from_sibling", 0) + 1
 
     def _scratch_key(self, step: GemmStep, name: str) -> tuple | None:
         """Where `_conv_weight` / `_pack` memoise candidate `name`'s prepared copy of the step's weight."""
@@ -591,6 +635,13 @@ class _Packed:
 
 
 _PACKED: "weakref.WeakValueDictionary[tuple, _Packed]" = weakref.WeakValueDictionary()
+
+
+def _sans_epilogue(p: GemmProblem) -> GemmProblem:
+    """The problem without its store epilogue: what its candidates' ranking depends on."""
+    if isinstance(p, ConvProblem):
+        return replace(p, epi=None)
+    return replace(p, epi=None, c_aliases_operand=False)
 
 
 def _library_of(kernels: Mapping) -> Any:

@@ -543,3 +543,44 @@ def test_cold_timing_flushes_the_weight_outside_the_timed_region(tmp_path):
     plain = measure({"both": lambda: (work("run", 4_000)(), work("flush", 200_000)())}, reps=3, sample_s=1e-4,
                     budget_s=0.0)
     assert min(got["cold"]) < min(plain["both"])           # the flush is outside the timed region
+
+
+@needs_cxx
+def test_convs_that_differ_only_in_their_epilogue_share_one_ranking(tmp_path):
+    """Three 3x3 convs of one shape: +relu, plain, +residual add+relu (ResNet's pattern). The
+    first is tuned over every candidate; the others build and time only those within
+    SIBLING_MARGIN of its best (at most SIBLING_KEEP) and ATen, each still checked and timed
+    with its own epilogue; the report lists them in plan order and the model matches eager."""
+    import graphmode
+    from graphmode.backends.cpu.tactics.context import SIBLING_KEEP
+    from graphmode.recipe import load_recipe
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Conv2d(32, 32, 3, padding=1) for _ in range(3))
+
+        def forward(self, x):
+            y = torch.relu(self.a(x))
+            return torch.relu(self.c(self.b(y)) + y)
+
+    torch.manual_seed(0)
+    m = Block().eval()
+    r = load_recipe({"version": 1, "name": "siblings", "exe_mode": "graph", "targets": ["host"],
+                     "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 32, 12, 12]}],
+                     "dims": {"batch": {"buckets": [1]}}})
+    cm = graphmode.compile(m, r, cache_dir=tmp_path, threads=2)
+    x = torch.randn(1, 32, 12, 12)
+    with torch.inference_mode():
+        ref = m(x)
+    assert rel_l2(cm(x), ref) < 1e-5
+    rep = cm.executable({"batch": 1}).tactics.report()
+    convs = [g for g in rep["gemms"] if g["gemm"].startswith("conv2d")]
+    assert len(convs) == 3 and rep["stats"]["narrowed_from_sibling"] == 2
+    lead, *rest = convs
+    assert "+relu" in lead["gemm"] and "add" in rest[1]["gemm"]             # plan order
+    for g in rest:
+        generated = [n for n in g["timings_us"] if n != ATEN]
+        assert ATEN in g["timings_us"] and 1 <= len(generated) <= SIBLING_KEEP
+        assert set(generated) <= set(lead["timings_us"])
+        assert g["rejected"] and all("the same but for the epilogue" in why for why in g["rejected"].values())
