@@ -473,6 +473,17 @@ def test_a_batched_conv_builds_only_the_contenders_of_its_one_image_timing(tmp_p
     assert rel_l2(step.c, torch.nn.functional.conv2d(x, w, b, padding=1)) < 5e-6
 
 
+def _counted_work(counts: dict, name: str, steps: int):
+    """A call that counts itself under `name` and loops `steps` times: timing tests compare
+    work, not sleeps (a busy host slows every loop alike)."""
+    def f():
+        counts[name] += 1
+        acc = 0
+        for i in range(steps):
+            acc += i
+    return f
+
+
 def test_timing_stops_sampling_candidates_far_behind_in_calibration():
     """A candidate over PRUNE x the fastest in its calibration calls keeps those calls as its
     samples; the rest are sampled round-robin as before. The candidates are 50x apart in work
@@ -481,12 +492,7 @@ def test_timing_stops_sampling_candidates_far_behind_in_calibration():
     calls = {"fast": 0, "slow": 0}
 
     def fn(name, steps):
-        def f():
-            calls[name] += 1
-            acc = 0
-            for i in range(steps):
-                acc += i
-        return f
+        return _counted_work(calls, name, steps)
     got = measure({"fast": fn("fast", 4_000), "slow": fn("slow", 200_000)}, reps=4, sample_s=1e-4, budget_s=0.0)
     assert len(got["slow"]) == CALIBRATION_CALLS and calls["slow"] == 1 + CALIBRATION_CALLS
     assert len(got["fast"]) == 4 + 0 and min(got["slow"]) > min(got["fast"])
@@ -531,12 +537,7 @@ def test_cold_timing_flushes_the_weight_outside_the_timed_region(tmp_path):
     counts = {"run": 0, "flush": 0}
 
     def work(name, steps):
-        def f():
-            counts[name] += 1
-            acc = 0
-            for i in range(steps):
-                acc += i
-        return f
+        return _counted_work(counts, name, steps)
     got = measure({"cold": Flushed(work("run", 4_000), work("flush", 200_000))}, reps=3, sample_s=1e-4,
                   budget_s=0.0)
     assert counts["flush"] == counts["run"] > 3           # one flush before every call, warm-up included
