@@ -33,10 +33,11 @@ class CompiledLibrary:
         self._get.restype = ctypes.c_int
         if threads is not None:
             self.set_threads(threads)
-        self._flush = self.cdll.gm_flush_lines
-        self._flush.argtypes = [ctypes.c_void_p, ctypes.c_long]
-        self._flush.restype = ctypes.c_int
-        self.can_flush = bool(self._flush(None, 0))
+        self._flush = getattr(self.cdll, "gm_flush_lines", None)     # absent from libraries built before it
+        if self._flush is not None:
+            self._flush.argtypes = [ctypes.c_void_p, ctypes.c_long]
+            self._flush.restype = ctypes.c_int
+        self.can_flush = self._flush is not None and bool(self._flush(None, 0))
 
     def flusher(self, t: torch.Tensor) -> Callable[[], None]:
         """A call that evicts `t`'s bytes from every cache level (where `can_flush`): tactic

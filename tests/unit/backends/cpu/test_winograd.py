@@ -585,3 +585,25 @@ def test_convs_that_differ_only_in_their_epilogue_share_one_ranking(tmp_path):
         assert ATEN in g["timings_us"] and 1 <= len(generated) <= SIBLING_KEEP
         assert set(generated) <= set(lead["timings_us"])
         assert g["rejected"] and all("the same but for the epilogue" in why for why in g["rejected"].values())
+
+
+@needs_cxx
+def test_a_library_built_before_the_flush_export_loads_and_times_from_the_pool(tmp_path):
+    """A kernel library from an older build (a saved .gm artifact) has no gm_flush_lines: it
+    loads, says it cannot flush, and cold timing falls back to the pool's copies."""
+    import shutil
+    import subprocess
+
+    from graphmode.backends.cpu.kernels import CompiledLibrary
+    from graphmode.backends.cpu.tactics.timing import ColdPool, Flushed
+    src = tmp_path / "old.cpp"
+    src.write_text('extern "C" { int t = 0; void gm_set_threads(int n) { t = n; } int gm_get_threads(void) '
+                   '{ return t; } }\n')
+    cxx = next(c for c in ("c++", "g++", "clang++") if shutil.which(c))
+    subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(tmp_path / "old.so")], check=True)
+    lib = CompiledLibrary(tmp_path / "old.so", threads=1)
+    assert not lib.can_flush
+    pool = ColdPool(1 << 20, cold=True, library=lib)
+    made: list = []
+    f = pool.each_cold(torch.randn(64, 64), lambda u: made.append(u) or (lambda: None))
+    assert not isinstance(f, Flushed) and len(made) > 1 and pool.nbytes == 2 << 20
