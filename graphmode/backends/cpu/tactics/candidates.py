@@ -32,7 +32,8 @@ WINOGRAD_TILES = (4, 2)   # F(4x4, 3x3) first: 4x fewer multiplies; F(2x2) for s
 ROW_WASTE = 0.15          # a Winograd GEMM whose row tiles are this much padding also gets the best-fitting blocking
 
 # generated configurations per ISA, best-first for the heuristic (measured on the 16-row
-# GEMMs of MiniLM / GPT-2 and 128-row ones, Zen 4, 1 and 2 threads)
+# GEMMs of MiniLM / GPT-2 and 128-row ones, Zen 4, 1 and 2 threads; AVX2 4x24 over all of K
+# came last: it leads at M=16, where 16 rows are four whole 4-row tiles, and is timed there)
 # (the `serial` variants run on the calling thread only: on a shared machine whose other CPU
 # is busy, an OpenMP region over a 30-100 us GEMM can wait out its second thread's
 # preemption; the timing decides whether that happens here)
@@ -41,7 +42,7 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
                GemmConfig("avx512", 8, 48, 256), GemmConfig("avx512", 8, 48, 256, par="serial"),
                GemmConfig("avx512", 6, 64, 256), GemmConfig("avx512", 12, 32, 256, 96)),
     "avx2": (GemmConfig("avx2", 6, 16), GemmConfig("avx2", 6, 16, par="serial"), GemmConfig("avx2", 4, 24, 256),
-             GemmConfig("avx2", 6, 16, 256, 72)),
+             GemmConfig("avx2", 6, 16, 256, 72), GemmConfig("avx2", 4, 24)),
     "portable": (GemmConfig("portable", 4, 16, 256), GemmConfig("portable", 4, 16, 256, par="serial")),
 }
 

@@ -103,6 +103,10 @@ GM_INLINE void gm_gemm_ukr_avx2(long kc, const float* __restrict a, long lda, co
         acc[i][v] = (v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(c + i * ldc + 8 * v, lm)
                                               : _mm256_loadu_ps(c + i * ldc + 8 * v);
   }
+  // four k steps per loop trip: with 16 ymm registers the loop is issue-bound (a third of
+  // AVX-512's FLOPs per instruction); measured on Zen 4, 4x24 at M=16: 20% faster, 6x16: 1-14%
+  // (the AVX-512 kernel measured the same either way)
+  _Pragma("GCC unroll 4")
   for (long k = 0; k < kc; ++k) {
     __m256 bv[NV];
     GM_UNROLL for (int v = 0; v < NV; ++v)
