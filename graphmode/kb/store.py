@@ -134,7 +134,7 @@ def kb_error(e: sqlite3.Error, path: Path, doing: str) -> KbError:
     """A sqlite3 exception as a KbError that says which file, what happened and the fix."""
     msg = str(e)
     low = msg.lower()
-    if "locked" in low or "busy" in low:
+    if _is_busy(e):
         return KbError(f"the knowledge base stayed locked by another process for {BUSY_TIMEOUT_S:.0f} s while "
                        f"{doing}", where=str(path),
                        fix="let the other graphmode process finish (or stop it), then run again")

@@ -316,7 +316,7 @@ class TacticsContext:
                     if p in followers:
                         self.narrow_to_sibling(p, picked[followers[p]])
                 kernels.update(self._build({p: candidate_sources(p, self.candidates(p), self.threads) for p in wave}))
-                self._pool = ColdPool(self.llc_bytes, bool(self.cold), self.seed, _library_of(kernels))
+                self._pool = self._cold_pool(kernels)
                 for p in wave:
                     new.append(self._tune_shape(p, by_problem[p], kernels))
                 self.stats["timing_pool_bytes"] = max(self.stats.get("timing_pool_bytes", 0), self._pool.nbytes)
@@ -406,7 +406,7 @@ class TacticsContext:
         if self.cold is None:
             self.cold = b.numel() * 4 > self.llc_bytes if p.b_packed else False
         kernels = self._build({p: candidate_sources(p, self.candidates(p), self.threads)})
-        self._pool = ColdPool(self.llc_bytes, bool(self.cold), self.seed, _library_of(kernels))
+        self._pool = self._cold_pool(kernels)
         try:
             sel = self._select(p, step, kernels)
         finally:
@@ -543,10 +543,14 @@ class TacticsContext:
                 sel.rejected[name] = err
         return sel
 
+    def _cold_pool(self, kernels: Mapping) -> ColdPool:
+        """How this plan's timing makes weights cold: flushed by the candidates' library, where it can."""
+        lib = next((k[0].library for k in kernels.values() if isinstance(k, tuple)), None)
+        return ColdPool(self.llc_bytes, bool(self.cold), lib)
+
     def _timing_fns(self, p, names: Sequence[str], step: GemmStep, kernels: Mapping, rejected: Mapping[str, str],
                     keep: list) -> dict[str, Callable[[], None]]:
-        kw = {"seed": self.seed,
-              "pool": self._pool or ColdPool(self.llc_bytes, bool(self.cold), self.seed, _library_of(kernels))}
+        kw = {"seed": self.seed, "pool": self._pool or self._cold_pool(kernels)}
         if isinstance(step, ConvStep):
             return conv_timing_fns(p, names, step, kernels, rejected, keep, weight=self._conv_weight, **kw)
         return gemm_timing_fns(p, names, step, kernels, rejected, keep,
@@ -642,12 +646,6 @@ def _sans_epilogue(p: GemmProblem) -> GemmProblem:
     if isinstance(p, ConvProblem):
         return replace(p, epi=None)
     return replace(p, epi=None, c_aliases_operand=False)
-
-
-def _library_of(kernels: Mapping) -> Any:
-    """The library the candidates were built into (it exports the cache flush cold timing
-    uses), or None when nothing was built."""
-    return next((k[0].library for k in kernels.values() if isinstance(k, tuple)), None)
 
 
 def _target_identity(target: Any, simd: Sequence[str]) -> str:

@@ -116,7 +116,11 @@ def rotate(calls: list[Callable[[], None]]) -> Callable[[], None]:
     return f
 
 
-def then(f: Callable[[], None], g: Callable[[], None]) -> Callable[[], None]:
+def then(f: Callable[[], None], g: Callable[[], None] | None) -> Callable[[], None]:
+    """`f` then `g` in one closure (`f` alone when there is no `g`)."""
+    if g is None:
+        return f
+
     def both() -> None:
         f()
         g()
@@ -135,8 +139,8 @@ class ColdPool:
     copy is its real weight), allocated on first use, shared by every candidate and shape
     timed with it, and released with the pool. `cold=False`: every call on the weight itself."""
 
-    def __init__(self, llc_bytes: int, cold: bool, seed: int = 0, library=None):
-        self.llc_bytes, self.cold, self.seed = int(llc_bytes), bool(cold), seed
+    def __init__(self, llc_bytes: int, cold: bool, library=None):
+        self.llc_bytes, self.cold = int(llc_bytes), bool(cold)
         self.library = library if library is not None and getattr(library, "can_flush", False) else None
         self._buf: torch.Tensor | None = None
 
@@ -169,8 +173,8 @@ def gemm_timing_fns(p: GemmProblem, names: Sequence[str], step: GemmStep, kernel
                     rejected: Mapping[str, str], keep: list, *, seed: int, pool: ColdPool,
                     pack: Callable[[torch.Tensor, int], torch.Tensor]) -> dict[str, Callable[[], None]]:
     """One closure per GEMM candidate that may win (checked already; `pack(w, nr)` gives the
-    constant weight in a candidate's panels); a packed weight is read from the cold `pool`'s
-    copies in turn. Buffers go to `keep`, which must outlive the timing."""
+    constant weight in a candidate's panels); `pool` makes each call's weight cold. Buffers go
+    to `keep`, which must outlive the timing."""
     gen = torch.Generator().manual_seed(seed + 2)
     a = torch.randn(p.batch, p.m, p.k, generator=gen)
     c = torch.empty(p.batch, p.m, p.n)
@@ -186,16 +190,12 @@ def gemm_timing_fns(p: GemmProblem, names: Sequence[str], step: GemmStep, kernel
     if not p.b_packed:
         b = torch.randn(b_shape(p), generator=gen)
         keep.append(b)
-        fns[ATEN] = aten_gemm(p, a, b, bias, c)
-        if step.epilogue_run is not None:
-            fns[ATEN] = then(fns[ATEN], step.epilogue_run)
+        fns[ATEN] = then(aten_gemm(p, a, b, bias, c), step.epilogue_run)
         for name in live:
             fns[name] = kernels[(p, name)][0].bind([a.data_ptr(), b.data_ptr(), *extra, c.data_ptr()])
         return fns
     packs = {GemmConfig.parse(n).nr: pack(step.b, GemmConfig.parse(n).nr) for n in live}
-    epi = step.epilogue_run
-    fns[ATEN] = pool.each_cold(step.b, lambda u: then(aten_gemm(p, a, u, bias, c), epi) if epi
-                               else aten_gemm(p, a, u, bias, c))
+    fns[ATEN] = pool.each_cold(step.b, lambda u: then(aten_gemm(p, a, u, bias, c), step.epilogue_run))
     for name in live:
         kern = kernels[(p, name)][0]
         fns[name] = pool.each_cold(packs[GemmConfig.parse(name).nr],
@@ -207,18 +207,16 @@ def conv_timing_fns(p: ConvProblem, names: Sequence[str], step: ConvStep, kernel
                     rejected: Mapping[str, str], keep: list, *, seed: int, pool: ColdPool,
                     weight: Callable[[torch.Tensor, ConvConfig], torch.Tensor]) -> dict[str, Callable[[], None]]:
     """As `gemm_timing_fns` for convs (`weight(w, cfg)` gives a candidate's prepared weight);
-    each candidate rotates over pool copies the size of ITS weight (the Winograd weights are
-    16/9 or 4x the direct ones, which is the point of timing cold)."""
+    each candidate's call finds ITS weight cold (the Winograd weights are 16/9 or 4x the
+    direct ones, which is the point of timing cold)."""
     gen = torch.Generator().manual_seed(seed + 2)
     x = torch.randn(p.n, p.cin, p.h, p.w, generator=gen)
     y = torch.empty(p.n, p.cout, p.ho, p.wo)
     keep += [x, y]
-    epi = step.epilogue_run               # ATen's time includes the group's epilogue kernel
-    fns: dict[str, Callable[[], None]] = {
-        ATEN: pool.each_cold(step.b, lambda u: then(aten_conv(p, x, u, step.bias, y), epi) if epi
-                             else aten_conv(p, x, u, step.bias, y))}
+    fns: dict[str, Callable[[], None]] = {     # ATen's time includes the group's epilogue kernel
+        ATEN: pool.each_cold(step.b, lambda u: then(aten_conv(p, x, u, step.bias, y), step.epilogue_run))}
     ops: list[torch.Tensor] = []
-    if epi is not None:
+    if step.epilogue_run is not None:
         ops = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
         keep += ops
     live = [n for n in names if n != ATEN and n not in rejected]
