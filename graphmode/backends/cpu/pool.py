@@ -134,7 +134,7 @@ def _max_pool(call: OpCall, ah: _Axis, aw: _Axis) -> KernelSource:
         load = "gm_v16_load" if aw.s == 1 else "gm_v16_load_s2"
         interior = (f"  for (long ob = OWL; ob < OWR; ob += {VBLOCK}) {{\n"
                     f"    const long o0 = ob + {VBLOCK} <= OWR ? ob : OWR - {VBLOCK};\n"
-                    "    gm_v16f m = -GM_INF - (gm_v16f){};\n"
+                    "    gm_v16f m = gm_v16_fill(-GM_INF);\n"
                     f"    {taps}\n"
                     "      _Pragma(\"GCC unroll 16\") for (long kw = 0; kw < KW; ++kw)\n"
                     f"        m = gm_v16_pool_max(m, {load}(xr + o0 * SW - PW + kw * DW));\n"
@@ -250,7 +250,7 @@ def _adaptive_avg_pool(call: OpCall, oh: int, ow: int) -> KernelSource:
                  "    float s = 0.0f;"]
         if nv:    # 16 lane sums, then the lanes pairwise, then the tail
             body += ["    gm_v16f acc = gm_v16_load(xp);",
-                     f"    for (long i = 16; i < {nv * 16}L; i += 16) acc += gm_v16_load(xp + i);",
+                     f"    for (long i = 16; i < {nv * 16}L; i += 16) acc = gm_v16_add(acc, gm_v16_load(xp + i));",
                      "    s = gm_v16_sum(acc);"]
         body += [f"    for (long i = {nv * 16}L; i < {hw}L; ++i) s += xp[i];",
                  f"    y[c] = s / {float(hw)!r}f;",

@@ -16,6 +16,7 @@ import torch
 from graphmode.errors import BackendError
 
 from graphmode.backends.cpu.build import KernelBuilder
+from graphmode.backends.cpu.isa import ISAS, host_isas, host_simd
 from graphmode.backends.cpu.kernels import run_with_tensors
 from graphmode.backends.cpu.catalog import native_source
 from graphmode.backends.cpu.lowering import NATIVE, ops_in
@@ -210,6 +211,34 @@ def test_matches_aten(built, name):
         assert got.dtype == ref.dtype and got.shape == ref.shape
         assert rel_l2(got, ref) < 1e-6, f"{name}: rel L2 {rel_l2(got, ref)}"
 
+
+
+POOLS = {name: c for name, c in CASES.items() if "pool" in c.op}
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def pools_per_isa(request, isa_builder):
+    """The pool cases built once per ISA cap: pool.h holds per-ISA vector code (16 floats as
+    one AVX-512, two AVX2 or four SSE registers), so every path is built and, where the host
+    runs it, checked, whatever host CI lands on."""
+    builder = isa_builder(request.param, "pools")
+    sources = {name: _source(c) for name, c in POOLS.items()}
+    return request.param, sources, builder.build_many(list(sources.values()))
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", list(POOLS))
+def test_pools_match_aten_on_every_isa(pools_per_isa, name):
+    isa, sources, kernels = pools_per_isa
+    if isa not in host_isas(host_simd()):
+        pytest.skip(f"this host cannot run the {isa} path (it was built)")
+    c, ks = POOLS[name], sources[name]
+    got = run_with_tensors(kernels[ks.symbol], dict(zip(ks.inputs, c.inputs)), source=ks)["out"]
+    ref = get_op(c.op).ref(c.inputs, c.attrs, c.env)[0].contiguous()
+    if c.exact:
+        assert _same(got, ref), f"{isa} {name}: {ks.pattern} differs from ATen"
+    else:
+        assert rel_l2(got, ref) < 1e-6, f"{isa} {name}: rel L2 {rel_l2(got, ref)}"
 
 def test_every_op_registered():
     assert {"max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "permute", "slice", "index", "cast",
