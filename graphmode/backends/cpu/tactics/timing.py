@@ -42,35 +42,63 @@ def measure(fns: Mapping[str, Callable[[], None]], *, reps: int, sample_s: float
     """Seconds per call of each closure, one list of samples each: a warm-up call, then at
     least `reps` interleaved round-robin samples of >= `sample_s` seconds of back-to-back
     calls, more (up to 8x `reps`) while they fit `budget_s` per candidate. The calls per
-    sample come from the fastest of CALIBRATION_CALLS back-to-back calls: from one call, a
-    candidate whose call happened to wait out a time slice (a 2-thread ATen GEMM of 8 KFLOP
-    took 15 ms at load 5 on 2 cores) got samples of one call each, against 1000-call samples
-    of the others, and a "36892x vs aten" margin. A candidate whose fastest calibration call
-    is more than `prune` x the fastest one's is not sampled further: its calibration calls
-    are its samples (one candidate of GPT-2's 50257-column LM head takes ~50 ms a call, and
-    most of a bucket's tuning went to timing candidates that could not win)."""
+    sample come from the fastest of CALIBRATION_CALLS calls: from one call, a candidate whose
+    call happened to wait out a time slice (a 2-thread ATen GEMM of 8 KFLOP took 15 ms at
+    load 5 on 2 cores) got samples of one call each, against 1000-call samples of the
+    others, and a "36892x vs aten" margin. A candidate whose fastest calibration call is more
+    than `prune` x the fastest one's is not sampled further: its calibration calls are its
+    samples (one candidate of GPT-2's 50257-column LM head takes ~50 ms a call, and most of a
+    bucket's tuning went to timing candidates that could not win).
+
+    The calibration calls go round-robin too, and a pruned candidate gets one more call
+    after the sampling: a burst of load on a 2-core host made all three back-to-back calls of
+    one parallel GEMM 5x slow, which pruned the fastest candidate and cached a serial kernel
+    2x slower (MiniLM's linear+GELU). One that comes back within `prune` x is sampled with
+    the others after all."""
     names = list(fns)
     inner: dict[str, int] = {}
-    first: dict[str, list[float]] = {}
-    longest = 0.0
+    first: dict[str, list[float]] = {n: [] for n in names}
     for n in names:
         fns[n]()
-        first[n] = [max(_per_call(fns[n], 1), 1e-7) for _ in range(CALIBRATION_CALLS)]
+    for _ in range(CALIBRATION_CALLS):
+        for n in names:
+            first[n].append(max(_per_call(fns[n], 1), 1e-7))
     best = min(min(v) for v in first.values()) if first else 0.0
     samples: dict[str, list[float]] = {n: list(first[n]) for n in names if prune and min(first[n]) > prune * best}
     live = [n for n in names if n not in samples]
+    _sample(fns, live, samples, inner, reps, sample_s, budget_s, first)
+    best = min([best] + [min(samples[n]) for n in live if samples[n]])
+    again = []
+    for n in [n for n in names if n not in live]:
+        t = max(_per_call(fns[n], 1), 1e-7)
+        samples[n].append(t)
+        if t <= prune * best:
+            again.append(n)
+    if again:
+        for n in again:
+            first[n].append(samples[n][-1])
+        samples.update({n: [] for n in again})
+        _sample(fns, live + again, samples, inner, reps, sample_s, 0.0, first)
+    return {n: samples[n] for n in names}
+
+
+def _sample(fns: Mapping[str, Callable[[], None]], live: list[str], samples: dict[str, list[float]],
+            inner: dict[str, int], reps: int, sample_s: float, budget_s: float,
+            first: Mapping[str, list[float]]) -> None:
+    """Round-robin samples of the `live` candidates (calls per sample from their fastest call)."""
+    longest = 0.0
     for n in live:
         dt = min(first[n])
-        inner[n] = max(1, min(1000, int(sample_s / dt)))
+        inner.setdefault(n, max(1, min(1000, int(sample_s / dt))))
         longest = max(longest, dt * inner[n])
     rounds = max(reps, min(8 * reps, int(budget_s / max(longest, 1e-6))))
-    samples.update({n: [] for n in live})
+    for n in live:
+        samples.setdefault(n, [])
     with torch.inference_mode():
         for r in range(rounds):
             for j in range(len(live)):
                 n = live[(r + j) % len(live)]
                 samples[n].append(_per_call(fns[n], inner[n]))
-    return {n: samples[n] for n in names}
 
 
 def _per_call(f: Callable[[], None], calls: int) -> float:
