@@ -76,6 +76,7 @@ class ContractMonitor:
         self.fallbacks: Counter[str] = Counter()
         self.latencies_ms: deque[float] = deque(maxlen=keep_latencies)
         self.arena_bytes: dict[str, int] = {}
+        self.held_bytes: dict[str, int] = {}      # per bucket: arena + prepared weights + workspaces
         self.weights_bytes: int | None = None
         self.memory_budget_bytes: int | None = None
         self.drift_events: list[DriftEvent] = []
@@ -195,8 +196,9 @@ class ContractMonitor:
     # ---- memory ----------------------------------------------------------------------------
     def check_memory(self, cm: Any, buckets: list[Mapping[str, int]] | None = None) -> list[str]:
         """Check every bucket's plan against the budget: one operation per plan; a plan whose
-        weights + arena exceed the budget is a `memory` violation. Builds missing plans.
-        Returns the buckets over budget."""
+        weights + what its executable holds beyond them (arena, prepared weight copies, conv
+        workspaces: the static proof's terms, measured) exceed the budget is a `memory`
+        violation. Builds missing plans. Returns the buckets over budget."""
         if getattr(cm, "graph", None) is None:
             return []                                 # eager: no plans to check
         if self.weights_bytes is None:
@@ -209,12 +211,17 @@ class ContractMonitor:
         over = []
         for env in (buckets if buckets is not None else cm.recipe.buckets()):
             label = bucket_label(env)
-            arena = int(cm.executable(env).plan.arena_bytes)
+            exe = cm.executable(env)
+            arena = int(exe.plan.arena_bytes)
+            held = getattr(exe, "memory_report", dict)()
+            beyond = max(arena, int(held.get("arena_bytes", 0))) + int(held.get("prepared_weights_bytes", 0)) \
+                + int(held.get("workspace_bytes", 0))
             with self._lock:
                 self.arena_bytes[label] = arena
+                self.held_bytes[label] = beyond
             if self.metrics is not None:
                 self.metrics.arena_bytes.labels(*self._base, label).set(arena)
-            bad = self.memory_budget_bytes is not None and self.weights_bytes + arena > self.memory_budget_bytes
+            bad = self.memory_budget_bytes is not None and self.weights_bytes + beyond > self.memory_budget_bytes
             if bad:
                 self.violation("memory", label)
                 over.append(label)
@@ -249,7 +256,8 @@ class ContractMonitor:
                 "fallbacks": dict(self.fallbacks),
                 "latency_ms": {"count": len(lat), "p50": quantile(lat, 0.5) if lat else None,
                                "p99": quantile(lat, 0.99) if lat else None, "max": lat[-1] if lat else None},
-                "arena_bytes": dict(self.arena_bytes), "weights_bytes": self.weights_bytes,
+                "arena_bytes": dict(self.arena_bytes), "held_bytes": dict(self.held_bytes),
+                "weights_bytes": self.weights_bytes,
                 "memory_budget_bytes": self.memory_budget_bytes,
                 "sla_streak": self.probe.streak if self.probe is not None else None,
                 "drift_events": [e.to_dict() for e in self.drift_events[-10:]],

@@ -10,7 +10,12 @@ step grid of a range) because the runtime pads a request up to its bucket, and m
 latency are those of the padded bucket. Bucket cover/padding proofs range over every
 request value in [min, max].
 
-Memory model (bytes):  weights + activations(dims) + workspace(dims) + kv_cache(dims)
+Memory model (bytes):  weights + prepared_weights + activations(dims) + workspace(dims) + kv_cache(dims)
+                       prepared_weights = memory.weight_growth x weights: the copies generated
+                       kernels read (packed panels, Winograd-transformed), which tactic selection
+                       keeps under that multiple; counted beside the originals, which a plan
+                       releases to a file mapping where it can but which stay readable (and
+                       resident where the cache folder cannot hold the mapping)
 Latency model (s):     max(flops / peak_flops[compute dtype], bytes_moved / bandwidth)
                        + n_ops * launch_overhead          (roofline, from the Target)
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -35,6 +41,7 @@ from graphmode.recipe.schema import Recipe
 DEFAULT_TIMEOUT_MS = 5000
 BUDGET_PROOFS = 3            # all proofs of one recipe share BUDGET_PROOFS x the per-proof timeout
 ENUMERATE_LIMIT = 20_000
+PREPARED = "prepared_weights"   # the memory term of the kernels' prepared weight copies
 EXACT_RUNS = 64              # bucket runs a Z3 formula lists one by one; more: see _solve, prove_cover
 
 
@@ -95,11 +102,17 @@ class ConstraintModel:
     def memory_bytes(self) -> Any:
         return sum(self.memory_terms.values())
 
+    @property
+    def resident_once_bytes(self) -> Any:
+        """The memory terms without the prepared copies: what one run reads at most once (a
+        kernel reads a weight's prepared copy instead of the original, not beside it)."""
+        return sum(v for k, v in self.memory_terms.items() if k != PREPARED)
+
     def latency_s(self) -> Optional[Any]:
         if self.flops is None or not self.peak_flops or not self.bandwidth:
             return None
         r = lambda f: sympy.Rational(f.numerator, f.denominator)  # noqa: E731
-        moved = self.bytes_moved if self.bytes_moved is not None else self.memory_bytes
+        moved = self.bytes_moved if self.bytes_moved is not None else self.resident_once_bytes
         return (sympy.Max(sympy.sympify(self.flops) / r(self.peak_flops), sympy.sympify(moved) / r(self.bandwidth))
                 + sympy.sympify(self.n_ops) * r(self.launch_overhead_s))
 
@@ -114,6 +127,7 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
     """
     facts = facts or estimate_facts(recipe)
     terms: dict[str, Any] = {"weights": sympy.Integer(int(facts.weights_bytes)),
+                             PREPARED: sympy.Integer(math.ceil(int(facts.weights_bytes) * recipe.memory.weight_growth)),
                              "activations": sympy.sympify(facts.activation_bytes)}
     if sympy.sympify(facts.workspace_bytes) != 0:
         terms["workspace"] = sympy.sympify(facts.workspace_bytes)
@@ -310,7 +324,7 @@ def prove_memory(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> P
 
 def _latency_breakdown(cm: ConstraintModel, ce: dict[str, int]) -> str:
     fl = smt.evaluate(cm.flops, ce)
-    moved = smt.evaluate(cm.bytes_moved if cm.bytes_moved is not None else cm.memory_bytes, ce)
+    moved = smt.evaluate(cm.bytes_moved if cm.bytes_moved is not None else cm.resident_once_bytes, ce)
     n = smt.evaluate(cm.n_ops, ce)
     c = float(fl) / float(cm.peak_flops) * 1e3
     m = float(moved) / float(cm.bandwidth) * 1e3

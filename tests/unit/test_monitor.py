@@ -301,3 +301,19 @@ def test_compiled_model_carries_a_monitor_and_keeps_its_metric_keys(mlp_model):
     assert total(text, "graphmode_requests_total", status="ok", bucket="batch=4") == 1
     assert total(text, "graphmode_requests_total", status="ok", bucket="eager") == 1
     assert total(text, "graphmode_fallback_events_total") == 1
+
+
+def test_memory_check_counts_what_an_executable_holds_beyond_its_arena():
+    """Prepared weight copies and conv workspaces count as the static proof counts them: a
+    plan whose arena fits beside the weights but whose packed copies do not is over budget."""
+    r = recipe(memory={"budget_mb": 1})
+    held = {1: {"arena_bytes": 200_000, "prepared_weights_bytes": 100_000, "workspace_bytes": 0},
+            2: {"arena_bytes": 200_000, "prepared_weights_bytes": 400_000, "workspace_bytes": 100_000}}
+    cm = SimpleNamespace(recipe=r, target=None,
+                         graph=SimpleNamespace(constants={"w": torch.zeros(1000, 100)}),   # 400 kB
+                         executable=lambda env: SimpleNamespace(
+                             plan=SimpleNamespace(arena_bytes=200_000),
+                             memory_report=lambda: dict(held[env["batch"]])))
+    mon = ContractMonitor(r, version="v", metrics=PromMetrics())
+    assert mon.check_memory(cm, [{"batch": 1}, {"batch": 2}]) == ["batch=2"]      # 1.1 MB > 1 MiB
+    assert mon.snapshot()["held_bytes"] == {"batch=1": 300_000, "batch=2": 700_000}

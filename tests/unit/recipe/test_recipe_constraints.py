@@ -1,4 +1,5 @@
 """Recipe layer 3: Z3 proofs of memory, latency (SLA) and KV pages over every admissible shape."""
+import math
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,7 @@ def test_over_budget_counterexample_checked_by_evaluation():
     mem = next(p for p in rep.proofs if p.name == "memory")
     ce = mem.counterexample
     assert ce == {"batch": 32, "seq": 512}
-    assert mem.message.startswith("batch=32, seq=512: needs 1046.6 MB > 1024 MB budget")
+    assert mem.message.startswith("batch=32, seq=512: needs 1263.1 MB > 1024 MB budget")
     total = evaluate(rep.model.memory_bytes, ce)                 # direct evaluation agrees
     assert total > 1024 * MB and mem.detail["needed_bytes"] == int(total)
     assert set(r.dim_buckets()["seq"]) >= {ce["seq"]}             # a padded bucket, not an arbitrary value
@@ -187,9 +188,12 @@ def test_compiler_facts_replace_the_estimate():
                        source="memory planner (test)")
     rep = validate(r, CPU, model_facts=facts)
     assert rep.verdict == "valid" and rep.model.facts_source == "memory planner (test)"
-    assert set(rep.model.memory_terms) == {"weights", "activations", "kv_cache"}   # KV always from the recipe
+    # KV always from the recipe; the kernels' prepared copies beside the weights, memory.weight_growth x them
+    assert set(rep.model.memory_terms) == {"weights", "prepared_weights", "activations", "kv_cache"}
+    assert rep.model.memory_terms["prepared_weights"] == math.ceil(500 * MB * r.memory.weight_growth)
     worst = rep.proofs[[p.name for p in rep.proofs].index("memory")].detail["worst_bytes"]
-    expect = 500 * MB + 8 * 1024 * 768 * 40 + 2 * MB + evaluate(kv_cache_bytes(r), {"batch": 8, "seq": 1024})
+    expect = (500 * MB * (1 + r.memory.weight_growth) + 8 * 1024 * 768 * 40 + 2 * MB
+              + evaluate(kv_cache_bytes(r), {"batch": 8, "seq": 1024}))
     assert abs(worst - float(expect)) < 1
     # a facts expression with an unknown symbol cannot be proved (never "valid")
     bad = ModelFacts(weights_bytes=0, activation_bytes=sympy.Symbol("heads") * 4)
