@@ -139,7 +139,8 @@ def test_bad_input_exits_2_without_traceback(args, needle):
 
 
 def test_recipe_validate_with_model_uses_the_real_plan(tmp_path):
-    rec = small_recipe(tmp_path, memory={"budget_mb": 50})
+    # weights 44.6 MB + their prepared copies (2.5x) + the arena: batch 1 needs 159.8 MB, batch 2 163.7 MB
+    rec = small_recipe(tmp_path, memory={"budget_mb": 162})
     res = invoke("recipe", "validate", rec, "--model", "resnet18", "--json")
     assert res.exit_code == 1, res.output
     proofs = {p["name"]: p for p in json.loads(res.output)["proofs"]}
