@@ -412,7 +412,7 @@ def facts_at(cm: Any, recipe: Any, target: Any, env: Mapping[str, int]) -> dict[
     facts = model_facts(cm.graph, act)
     m = build_constraint_model(recipe, target, facts)
     vals = {k: int(v) for k, v in env.items()}
-    moved = m.bytes_moved if m.bytes_moved is not None else m.memory_bytes
+    moved = m.bytes_moved if m.bytes_moved is not None else m.resident_once_bytes
     return {"flops": float(smt.evaluate(m.flops, vals)), "bytes": float(smt.evaluate(moved, vals)),
             "n_ops": float(smt.evaluate(m.n_ops, vals))}
 

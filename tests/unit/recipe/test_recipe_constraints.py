@@ -202,6 +202,19 @@ def test_compiler_facts_replace_the_estimate():
     assert mem.status == "unproved" and "heads" in mem.message
 
 
+
+def test_prepared_copies_count_in_memory_not_in_traffic():
+    """A kernel reads a weight's prepared copy instead of the original: the copies are memory
+    the plan holds, not bytes one run moves (the latency roofline and the bench's floor read
+    `resident_once_bytes`)."""
+    r = load_recipe(ROOT / "examples/recipes/minilm_cpu.yaml")
+    facts = ModelFacts(weights_bytes=100 * MB, activation_bytes=10 * MB, flops=1, n_ops=0)
+    cm = build_constraint_model(r, CPU, facts)
+    assert cm.memory_bytes == 110 * MB + math.ceil(100 * MB * r.memory.weight_growth)
+    assert cm.resident_once_bytes == 110 * MB
+    moved = sympy.Rational(110 * MB) / sympy.Rational(cm.bandwidth.numerator, cm.bandwidth.denominator)
+    assert sympy.simplify(cm.latency_s() - moved) == 0          # memory-bound: 1 FLOP
+
 def test_shipped_recipes_prove_fast():
     for name in ("minilm_cpu", "gpt2_decoder", "resnet18_cpu"):
         rep = validate(load_recipe(ROOT / f"examples/recipes/{name}.yaml"), CPU)
