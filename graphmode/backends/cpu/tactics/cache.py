@@ -21,7 +21,9 @@ from typing import Any, Mapping
 
 log = logging.getLogger("graphmode.cpu.tactics")
 
-CACHE_VERSION = 1
+# 2: calibration round-robin + a second chance for pruned candidates (timing.measure); entries
+# timed before could hold a fast candidate pruned by a burst of load, so they are timed again
+CACHE_VERSION = 2
 
 
 class TimingCache:
