@@ -151,8 +151,9 @@ def apply_floor(rows: Sequence[dict[str, Any]], floor: Mapping[str, Any]) -> Non
 def _below_floor(floor: dict[str, Any]) -> str:
     """Why a row can beat its floor, by which term set it."""
     if floor.get("floor_bound") == "compute":
-        return ("the probe's peak is torch's best GEMM rate, which tuned kernels can pass, or the engine did fewer "
-                "FLOPs than the shape counts (Winograd convolutions multiply less)")
+        return ("the engine did fewer FLOPs than the shape counts (Winograd convolutions multiply less), or the "
+                "host probe's peak is low (without a C compiler it cannot run its FMA chains and rests on the "
+                "reported clock and torch's GEMM)")
     return "the host probe under-measured (re-probe with `graphmode targets show host --reprobe`) or the data " \
            "stayed in cache"
 

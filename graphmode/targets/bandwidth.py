@@ -1,5 +1,5 @@
-"""Memory bandwidth as the best kernels see it: multi-threaded streaming reads of a buffer far
-larger than the caches.
+"""Memory bandwidth and FMA peak as the best kernels see them: multi-threaded streaming reads
+of a buffer far larger than the caches, and register-resident FMA chains.
 
 One torch copy measured 8.4 GB/s on a host where llama.cpp read GPT-2's weights at ~19 GB/s,
 so `graphmode profile` showed kernels at 123% of the memory roofline and the cost model and
@@ -17,6 +17,13 @@ slice, timed in C between two barriers (best of several passes):
   size); read + written bytes, the write side of the memory system.
 
 The roofline uses the best read (`best_read`); every variant's GB/s stays in the probe facts.
+
+The same library measures the FMA peak (`measure_fma_peak`): on each thread FMA_CHAINS
+independent `acc = acc * m + c` chains of the widest vector the build has (one AVX-512, AVX2
+or SSE/NEON register each), nothing loaded. Peaks computed from the clock that a VM reports
+(its nominal TSC clock) read low: on this project's 2-vCPU Zen 4 guest the theoretical f32 peak
+said 166 GFLOP/s and torch's GEMM reached about that, while generated GEMM micro-kernels ran at
+215-225, so the bench's compute floors were beaten by a quarter.
 
 The buffer (`stream_buffer_bytes`) is STREAM_FACTOR x the last-level cache that sysfs reports,
 at least STREAM_MIN and at most STREAM_MAX (and an eighth of memory). The factor is large on
@@ -67,7 +74,7 @@ _SRC = r"""
 #endif
 
 typedef float vf __attribute__((vector_size(32)));
-enum { READ = 0, READ_PREFETCH = 1, READ_NT = 2, COPY = 3, FILL = 4 };
+enum { READ = 0, READ_PREFETCH = 1, READ_NT = 2, COPY = 3, FILL = 4, FMA = 5 };
 #define STEP 256          /* bytes per loop iteration: 8 vectors, 4 cache lines */
 #define PF 1024           /* software prefetch distance, bytes */
 
@@ -113,6 +120,33 @@ static float read_nt(const char* p, size_t n) {
 }
 #endif
 
+/* FMA_CHAINS independent FMA chains of the widest vector (FMA latency 4-5 cycles x 2 ports
+   needs 8-10 in flight; 12 leave room and fit 16 AVX2 registers with m and c) */
+#if defined(__AVX512F__)
+typedef float vw __attribute__((vector_size(64)));
+#elif defined(__AVX__)
+typedef float vw __attribute__((vector_size(32)));
+#else
+typedef float vw __attribute__((vector_size(16)));
+#endif
+#define FMA_CHAINS 12
+int gm_fma_lanes(void) { return (int)(sizeof(vw) / sizeof(float)); }
+
+static float fma_chains(size_t iters) {
+  vw a[FMA_CHAINS];
+  const vw m = (vw){} + 0.999999f, c = (vw){} + 1e-6f;    /* converges to 1: no overflow, no denormals */
+  for (int k = 0; k < FMA_CHAINS; ++k) a[k] = (vw){} + 0.001f * (float)k;
+  for (size_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+    for (int k = 0; k < FMA_CHAINS; ++k) a[k] = a[k] * m + c;   /* contracted to one FMA (-ffp-contract=fast) */
+  }
+  vw t = a[0];
+  for (int k = 1; k < FMA_CHAINS; ++k) t += a[k];
+  float s = 0;
+  for (int i = 0; i < (int)(sizeof(vw) / sizeof(float)); ++i) s += t[i];
+  return s;
+}
+
 /* a barrier of a mutex and a condition: portable (macOS has no pthread_barrier_t) and it
    sleeps instead of spinning, which matters on an oversubscribed machine */
 typedef struct { pthread_mutex_t m; pthread_cond_t c; int n, count, phase; } bar_t;
@@ -143,6 +177,7 @@ static void* worker(void* arg) {
 #endif
       case COPY: memcpy(j->dst, j->src, j->chunk); break;
       case FILL: { float* f = (float*)j->src; for (size_t i = 0; i < j->chunk / 4; ++i) f[i] = 1.0f; } break;
+      case FMA: sink += fma_chains(j->chunk); break;
     }
     bar_wait(j->bar);                       /* the pass ends when the slowest thread is done */
     if (j->tid == 0) j->secs[r] = now() - t0;
@@ -183,6 +218,30 @@ double gm_bw_run(int variant, char* buf, size_t bytes, int threads, int reps, do
   free(th); free(jobs);
   if (started != threads) return -1;
   return (double)(chunk * (size_t)threads) * (variant == COPY ? 2.0 : 1.0);
+}
+
+/* `reps` timed passes of `iters` FMA_CHAINS-chain iterations on each of `threads` threads;
+   seconds per pass in secs[]. Returns the FLOPs one pass does, or -1. */
+double gm_fma_run(size_t iters, int threads, int reps, double* secs) {
+  if (threads < 1 || reps < 1 || iters < 1) return -1;
+  pthread_t* th = (pthread_t*)calloc((size_t)threads, sizeof(pthread_t));
+  job_t* jobs = (job_t*)calloc((size_t)threads, sizeof(job_t));
+  bar_t bar = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, threads, 0, 0};
+  if (!th || !jobs) { free(th); free(jobs); return -1; }
+  int started = 1;
+  for (int t = 0; t < threads; ++t) jobs[t] = (job_t){FMA, reps, t, NULL, NULL, iters, &bar, secs, 0};
+  for (int t = 1; t < threads; ++t) {
+    if (pthread_create(&th[t], NULL, worker, &jobs[t]) != 0) break;
+    started++;
+  }
+  if (started != threads) { pthread_mutex_lock(&bar.m); bar.n = started; pthread_mutex_unlock(&bar.m); }
+  worker(&jobs[0]);
+  float sink = 0;
+  for (int t = 0; t < started; ++t) { if (t > 0) pthread_join(th[t], NULL); sink += jobs[t].sink; }
+  gm_bw_sink = sink;
+  free(th); free(jobs);
+  if (started != threads) return -1;
+  return 2.0 * (double)iters * FMA_CHAINS * (double)gm_fma_lanes() * threads;
 }
 
 char* gm_bw_alloc(size_t bytes) {
@@ -248,6 +307,9 @@ def _compile(compilers: Sequence[str], folder: Path) -> tuple[ctypes.CDLL | None
             lib.gm_bw_alloc.argtypes = [ctypes.c_size_t]
             lib.gm_bw_free.argtypes = [ctypes.c_void_p]
             lib.gm_bw_has.argtypes = [ctypes.c_int]
+            lib.gm_fma_run.restype = ctypes.c_double
+            lib.gm_fma_run.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+            lib.gm_fma_lanes.restype = ctypes.c_int
             lib.gm_bw_run.restype = ctypes.c_double
             lib.gm_bw_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                       ctypes.POINTER(ctypes.c_double)]
@@ -344,5 +406,35 @@ def measure_bandwidth(threads: int, buffer_bytes: int, budget_s: float = 0.6, *,
     return out
 
 
-__all__ = ["STREAM_FACTOR", "STREAM_MAX", "STREAM_MIN", "VARIANTS", "best_read", "measure_bandwidth",
-           "stream_buffer_bytes"]
+def measure_fma_peak(threads: int, budget_s: float = 0.3, *, compilers: Sequence[str] = COMPILERS) -> dict[str, Any]:
+    """Probe facts: `fma_f32_gflops` (the best pass of the FMA chains on `threads` threads: the
+    f32 FMA peak at the clock the cores actually run) and `fma_method`; without a C compiler
+    only `fma_method`, saying why (the target then keeps its clock-based peak)."""
+    threads = max(1, int(threads))
+    with tempfile.TemporaryDirectory(prefix="graphmode-fma-", ignore_cleanup_errors=True) as tmp:
+        lib, how = _compile(compilers, Path(tmp))
+        if lib is None:
+            return {"fma_method": f"not measured (no C kernel: {how})"}
+        secs = (ctypes.c_double * 8)()
+        iters = 1 << 14
+        while True:                          # a pass of at least ~2 ms (the warm-up pass sizes it)
+            flops = lib.gm_fma_run(iters, threads, 1, secs)
+            if flops < 0:
+                return {"fma_method": f"not measured: the FMA kernel refused {threads} thread(s)"}
+            if secs[0] >= 2e-3 or iters >= 1 << 26:
+                break
+            iters *= 4
+        best = 0.0
+        for _round in range(2):              # two rounds: a burst of other work hits one of them
+            reps = _reps(secs[0], budget_s / 2)
+            flops = lib.gm_fma_run(iters, threads, reps, secs)
+            best = max(best, flops / min(secs[:reps]) / 1e9)
+        lanes = lib.gm_fma_lanes()
+    return {"fma_f32_gflops": round(best, 2),
+            "fma_method": f"C kernel ({how}), {threads} thread(s), {FMA_CHAINS} chains of {lanes} floats"}
+
+
+FMA_CHAINS = 12     # the C kernel's independent chains per thread (FMA_CHAINS in _SRC)
+
+__all__ = ["FMA_CHAINS", "STREAM_FACTOR", "STREAM_MAX", "STREAM_MIN", "VARIANTS", "best_read", "measure_bandwidth",
+           "measure_fma_peak", "stream_buffer_bytes"]

@@ -14,6 +14,7 @@ import torch
 from graphmode.errors import TargetError
 from graphmode.targets import host as H
 from graphmode.targets.bandwidth import (COMPILERS, STREAM_MAX, STREAM_MIN, best_read, measure_bandwidth,
+                                        measure_fma_peak,
                                          stream_buffer_bytes)
 
 MIB = 2**20
@@ -151,3 +152,15 @@ def test_run_probe_reports_the_bandwidth_fields():
     _check_facts(p, 1, 8.0)
     assert p["threads"] == 1 and p["gemm_f32_gflops"] > 0 and p["dispatch_us"] > 0 and H._valid_probe(p)
     assert H.probe_bandwidth(p)[0] == p["read_gbps"]
+    assert p["fma_f32_gflops"] > 0 and "1 thread(s)" in p["fma_method"]     # the peak's probe beside it
+
+
+def test_fma_chains_measure_a_peak_and_say_how():
+    """The FMA peak probe runs on the system compiler; without one it says why and reports no
+    number (the target keeps its clock-based peak)."""
+    if not any(shutil.which(c) for c in COMPILERS):
+        pytest.skip("no C compiler")
+    out = measure_fma_peak(2, budget_s=0.05)
+    assert out["fma_f32_gflops"] > 0 and "2 thread(s), 12 chains of" in out["fma_method"]
+    none = measure_fma_peak(1, compilers=("graphmode-no-such-cc",))
+    assert "fma_f32_gflops" not in none and "not measured (no C kernel" in none["fma_method"]

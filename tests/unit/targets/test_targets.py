@@ -406,6 +406,17 @@ def test_measured_gemm_above_theoretical_raises_peak(zen3_facts):
     assert "implied clock" in t.groups["cpu"]["clock_note"]
 
 
+def test_measured_fma_throughput_above_theoretical_raises_peak(zen3_facts):
+    """A VM reports its nominal clock: the FMA chains (what the cores do at their real clock)
+    raise the peak even where torch's GEMM stays under it, so a generated GEMM that passes
+    torch's rate is still under its roofline; a probe without FMA numbers keeps the old peak."""
+    t = H.build_host_target(zen3_facts, _fake_probe(gemm_f32_gflops=150.0, fma_f32_gflops=210.0))  # theory: 156.8
+    assert t.peak_flops["f32"] == pytest.approx(210e9) and t.peak_flops["f64"] == pytest.approx(105e9)
+    assert "FMA throughput exceeded the peak" in t.groups["cpu"]["clock_note"]
+    assert H.build_host_target(zen3_facts, _fake_probe(gemm_f32_gflops=150.0)).peak_flops["f32"] == \
+        pytest.approx(156.8e9, rel=1e-3)
+
+
 # ----------------------------------------------------------------------------- cost model
 
 def test_roofline_known_ops():
