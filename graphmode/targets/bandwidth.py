@@ -58,6 +58,7 @@ COMPILE_TIMEOUT_S = 60
 READ_VARIANTS = ("read", "read_prefetch", "read_nt")
 VARIANTS = READ_VARIANTS + ("copy",)
 _FILL = 4                     # the kernel's first-touch pass (not a measurement)
+FMA_CHAINS = 12               # independent FMA chains per thread (the C kernel's FMA_CHAINS)
 
 _SRC = r"""
 #define _GNU_SOURCE
@@ -129,7 +130,7 @@ typedef float vw __attribute__((vector_size(32)));
 #else
 typedef float vw __attribute__((vector_size(16)));
 #endif
-#define FMA_CHAINS 12
+#define FMA_CHAINS @FMA_CHAINS@
 int gm_fma_lanes(void) { return (int)(sizeof(vw) / sizeof(float)); }
 
 static float fma_chains(size_t iters) {
@@ -137,7 +138,7 @@ static float fma_chains(size_t iters) {
   const vw m = (vw){} + 0.999999f, c = (vw){} + 1e-6f;    /* converges to 1: no overflow, no denormals */
   for (int k = 0; k < FMA_CHAINS; ++k) a[k] = (vw){} + 0.001f * (float)k;
   for (size_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 12
+#pragma GCC unroll @FMA_CHAINS@
     for (int k = 0; k < FMA_CHAINS; ++k) a[k] = a[k] * m + c;   /* contracted to one FMA (-ffp-contract=fast) */
   }
   vw t = a[0];
@@ -280,7 +281,7 @@ def best_read(variants: Mapping[str, float | None]) -> tuple[str, float] | None:
 def _compile(compilers: Sequence[str], folder: Path) -> tuple[ctypes.CDLL | None, str]:
     """(the loaded kernel library, "compiler flags") or (None, why not)."""
     src = folder / "bandwidth.c"
-    src.write_text(_SRC)
+    src.write_text(_SRC.replace("@FMA_CHAINS@", str(FMA_CHAINS)))
     tried: list[str] = []
     for name in compilers:
         cc = shutil.which(name)
@@ -433,8 +434,6 @@ def measure_fma_peak(threads: int, budget_s: float = 0.3, *, compilers: Sequence
     return {"fma_f32_gflops": round(best, 2),
             "fma_method": f"C kernel ({how}), {threads} thread(s), {FMA_CHAINS} chains of {lanes} floats"}
 
-
-FMA_CHAINS = 12     # the C kernel's independent chains per thread (FMA_CHAINS in _SRC)
 
 __all__ = ["FMA_CHAINS", "STREAM_FACTOR", "STREAM_MAX", "STREAM_MIN", "VARIANTS", "best_read", "measure_bandwidth",
            "measure_fma_peak", "stream_buffer_bytes"]
