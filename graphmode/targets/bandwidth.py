@@ -189,6 +189,26 @@ static void* worker(void* arg) {
 
 int gm_bw_has(int variant) { return variant == READ_NT ? GM_NT : (variant >= READ && variant <= FILL); }
 
+/* the jobs on their threads (the caller's is thread 0); 0 when a thread could not start */
+static int run_jobs(job_t* jobs, bar_t* bar, int threads) {
+  pthread_t* th = (pthread_t*)calloc((size_t)threads, sizeof(pthread_t));
+  if (!th) return 0;
+  int started = 1;
+  for (int t = 1; t < threads; ++t) {
+    if (pthread_create(&th[t], NULL, worker, &jobs[t]) != 0) break;
+    started++;
+  }
+  if (started != threads) {               /* the barrier would never open: release what started */
+    pthread_mutex_lock(&bar->m); bar->n = started; pthread_mutex_unlock(&bar->m);
+  }
+  worker(&jobs[0]);
+  float sink = 0;
+  for (int t = 0; t < started; ++t) { if (t > 0) pthread_join(th[t], NULL); sink += jobs[t].sink; }
+  gm_bw_sink = sink;
+  free(th);
+  return started == threads;
+}
+
 /* `reps` timed passes of `variant` over `bytes` of `buf` on `threads` threads (the copy moves
    the first half onto the second); seconds per pass in secs[]. Returns the bytes one pass
    moves (read + written), or -1. */
@@ -197,27 +217,15 @@ double gm_bw_run(int variant, char* buf, size_t bytes, int threads, int reps, do
   size_t span = variant == COPY ? bytes / 2 : bytes;
   size_t chunk = span / (size_t)threads / STEP * STEP;
   if (chunk == 0) return -1;
-  pthread_t* th = (pthread_t*)calloc((size_t)threads, sizeof(pthread_t));
   job_t* jobs = (job_t*)calloc((size_t)threads, sizeof(job_t));
   bar_t bar = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, threads, 0, 0};
-  if (!th || !jobs) { free(th); free(jobs); return -1; }
-  int started = 1;
+  if (!jobs) return -1;
   for (int t = 0; t < threads; ++t) {
     jobs[t] = (job_t){variant, reps, t, buf + chunk * t, buf + span + chunk * t, chunk, &bar, secs, 0};
   }
-  for (int t = 1; t < threads; ++t) {
-    if (pthread_create(&th[t], NULL, worker, &jobs[t]) != 0) break;
-    started++;
-  }
-  if (started != threads) {               /* the barrier would never open: release what started */
-    pthread_mutex_lock(&bar.m); bar.n = started; pthread_mutex_unlock(&bar.m);
-  }
-  worker(&jobs[0]);
-  float sink = 0;
-  for (int t = 0; t < started; ++t) { if (t > 0) pthread_join(th[t], NULL); sink += jobs[t].sink; }
-  gm_bw_sink = sink;
-  free(th); free(jobs);
-  if (started != threads) return -1;
+  int ok = run_jobs(jobs, &bar, threads);
+  free(jobs);
+  if (!ok) return -1;
   return (double)(chunk * (size_t)threads) * (variant == COPY ? 2.0 : 1.0);
 }
 
@@ -225,23 +233,13 @@ double gm_bw_run(int variant, char* buf, size_t bytes, int threads, int reps, do
    seconds per pass in secs[]. Returns the FLOPs one pass does, or -1. */
 double gm_fma_run(size_t iters, int threads, int reps, double* secs) {
   if (threads < 1 || reps < 1 || iters < 1) return -1;
-  pthread_t* th = (pthread_t*)calloc((size_t)threads, sizeof(pthread_t));
   job_t* jobs = (job_t*)calloc((size_t)threads, sizeof(job_t));
   bar_t bar = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, threads, 0, 0};
-  if (!th || !jobs) { free(th); free(jobs); return -1; }
-  int started = 1;
+  if (!jobs) return -1;
   for (int t = 0; t < threads; ++t) jobs[t] = (job_t){FMA, reps, t, NULL, NULL, iters, &bar, secs, 0};
-  for (int t = 1; t < threads; ++t) {
-    if (pthread_create(&th[t], NULL, worker, &jobs[t]) != 0) break;
-    started++;
-  }
-  if (started != threads) { pthread_mutex_lock(&bar.m); bar.n = started; pthread_mutex_unlock(&bar.m); }
-  worker(&jobs[0]);
-  float sink = 0;
-  for (int t = 0; t < started; ++t) { if (t > 0) pthread_join(th[t], NULL); sink += jobs[t].sink; }
-  gm_bw_sink = sink;
-  free(th); free(jobs);
-  if (started != threads) return -1;
+  int ok = run_jobs(jobs, &bar, threads);
+  free(jobs);
+  if (!ok) return -1;
   return 2.0 * (double)iters * FMA_CHAINS * (double)gm_fma_lanes() * threads;
 }
 
