@@ -33,14 +33,16 @@ buffers at up to 58-65 GB/s (best pass) but 512 MiB at 35-57 and 768-1024 MiB at
 while one thread read ~28-31 GB/s at every size; the guest cannot tell which of that is cache.
 
 The kernels are compiled with the system C compiler (cc, gcc or clang; ~0.3 s) into a
-temporary folder per probe, not through `backends/cpu/build.py`: targets/ sits below the
-backends (backends/cpu/tactics imports targets.host), so it must not import them. Without a
+temporary folder, once per process for both measurements, not through
+`backends/cpu/build.py`: targets/ sits below the backends (backends/cpu/tactics imports
+targets.host), so it must not import them. Without a
 working compiler the probe falls back to torch (`sum` for the read, `copy_` for the copy) and
 says so in `bandwidth_method`; those read lower.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import shutil
 import subprocess
 import tempfile
@@ -316,6 +318,14 @@ def _compile(compilers: Sequence[str], folder: Path) -> tuple[ctypes.CDLL | None
     return None, "; ".join(tried) or "no compiler to try"
 
 
+@functools.lru_cache(maxsize=4)
+def _kernels(compilers: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
+    """The probe's C kernels, compiled once per process for both the bandwidth and the FMA
+    measurement (the loaded library outlives its temporary folder)."""
+    with tempfile.TemporaryDirectory(prefix="graphmode-probe-", ignore_cleanup_errors=True) as tmp:
+        return _compile(compilers, Path(tmp))
+
+
 def _reps(pass_s: float, slot_s: float) -> int:
     """Passes per variant and round: what fits the slot, at least 2, at most 8."""
     return max(2, min(8, int(slot_s / max(pass_s, 1e-6))))
@@ -376,21 +386,20 @@ def measure_bandwidth(threads: int, buffer_bytes: int, budget_s: float = 0.6, *,
     `bandwidth_threads`, `bandwidth_method` (the compiler and flags, or the torch fallback and
     why) and, when a variant is missing, `bandwidth_note`. `compilers=()` forces the fallback."""
     threads = max(1, int(threads))
-    with tempfile.TemporaryDirectory(prefix="graphmode-bw-", ignore_cleanup_errors=True) as tmp:
-        lib, how = _compile(compilers, Path(tmp))
-        note = ""
-        variants: dict[str, float] = {}
-        if lib is not None:
-            try:
-                variants = _measure_c(lib, threads, buffer_bytes, budget_s)
-                method = f"C kernel ({how}), {threads} thread(s)"
-            except (MemoryError, RuntimeError) as e:
-                lib, how = None, str(e)
-        if lib is None:
-            variants = _measure_torch(buffer_bytes, budget_s)
-            method = f"torch sum / copy_ (no C kernel: {how}); reads lower than a streaming kernel"
-        elif "read_nt" not in variants:
-            note = "read_nt: no non-temporal loads on this ISA build (x86 AVX2 only)"
+    lib, how = _kernels(tuple(compilers))
+    note = ""
+    variants: dict[str, float] = {}
+    if lib is not None:
+        try:
+            variants = _measure_c(lib, threads, buffer_bytes, budget_s)
+            method = f"C kernel ({how}), {threads} thread(s)"
+        except (MemoryError, RuntimeError) as e:
+            lib, how = None, str(e)
+    if lib is None:
+        variants = _measure_torch(buffer_bytes, budget_s)
+        method = f"torch sum / copy_ (no C kernel: {how}); reads lower than a streaming kernel"
+    elif "read_nt" not in variants:
+        note = "read_nt: no non-temporal loads on this ISA build (x86 AVX2 only)"
     best = best_read(variants)
     out: dict[str, Any] = {
         "bandwidth_variants_gbps": {k: round(v, 2) for k, v in variants.items()},
@@ -410,25 +419,24 @@ def measure_fma_peak(threads: int, budget_s: float = 0.3, *, compilers: Sequence
     f32 FMA peak at the clock the cores actually run) and `fma_method`; without a C compiler
     only `fma_method`, saying why (the target then keeps its clock-based peak)."""
     threads = max(1, int(threads))
-    with tempfile.TemporaryDirectory(prefix="graphmode-fma-", ignore_cleanup_errors=True) as tmp:
-        lib, how = _compile(compilers, Path(tmp))
-        if lib is None:
-            return {"fma_method": f"not measured (no C kernel: {how})"}
-        secs = (ctypes.c_double * 8)()
-        iters = 1 << 14
-        while True:                          # a pass of at least ~2 ms (the warm-up pass sizes it)
-            flops = lib.gm_fma_run(iters, threads, 1, secs)
-            if flops < 0:
-                return {"fma_method": f"not measured: the FMA kernel refused {threads} thread(s)"}
-            if secs[0] >= 2e-3 or iters >= 1 << 26:
-                break
-            iters *= 4
-        best = 0.0
-        for _round in range(2):              # two rounds: a burst of other work hits one of them
-            reps = _reps(secs[0], budget_s / 2)
-            flops = lib.gm_fma_run(iters, threads, reps, secs)
-            best = max(best, flops / min(secs[:reps]) / 1e9)
-        lanes = lib.gm_fma_lanes()
+    lib, how = _kernels(tuple(compilers))
+    if lib is None:
+        return {"fma_method": f"not measured (no C kernel: {how})"}
+    secs = (ctypes.c_double * 8)()
+    iters = 1 << 14
+    while True:                              # a pass of at least ~2 ms (the warm-up pass sizes it)
+        flops = lib.gm_fma_run(iters, threads, 1, secs)
+        if flops < 0:
+            return {"fma_method": f"not measured: the FMA kernel refused {threads} thread(s)"}
+        if secs[0] >= 2e-3 or iters >= 1 << 26:
+            break
+        iters *= 4
+    best = 0.0
+    for _round in range(2):                  # two rounds: a burst of other work hits one of them
+        reps = _reps(secs[0], budget_s / 2)
+        flops = lib.gm_fma_run(iters, threads, reps, secs)
+        best = max(best, flops / min(secs[:reps]) / 1e9)
+    lanes = lib.gm_fma_lanes()
     return {"fma_f32_gflops": round(best, 2),
             "fma_method": f"C kernel ({how}), {threads} thread(s), {FMA_CHAINS} chains of {lanes} floats"}
 
