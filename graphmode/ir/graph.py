@@ -6,8 +6,10 @@ computes (liveness, offsets...) live in side maps, not on nodes.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -166,20 +168,43 @@ class Graph:
 _DIGESTS: dict[tuple, tuple] = {}   # key -> (weakref to the tensor, digest)
 
 
-def constant_digest(t: torch.Tensor) -> str:
-    key = (id(t), t._version, t.data_ptr(), tuple(t.shape), str(t.dtype))
-    hit = _DIGESTS.get(key)
+def _digest_key(t: torch.Tensor) -> tuple:
+    return (id(t), t._version, t.data_ptr(), tuple(t.shape), str(t.dtype))
+
+
+def _known_digest(t: torch.Tensor) -> str | None:
+    hit = _DIGESTS.get(_digest_key(t))
     # the entry must belong to this very tensor: a freed tensor's id and address are reused
     # by new tensors, whose contents (and digest) differ
-    d = hit[1] if hit is not None and hit[0]() is t else None
+    return hit[1] if hit is not None and hit[0]() is t else None
+
+
+def constant_digest(t: torch.Tensor) -> str:
+    d = _known_digest(t)
     if d is None:
         data = t.detach().contiguous().cpu()
         if data.dtype == torch.bfloat16:
             data = data.view(torch.int16)
         h = hashlib.sha256(str((str(data.dtype), tuple(data.shape))).encode())
-        h.update(data.numpy().tobytes())
+        h.update(data.reshape(-1).numpy())     # the buffer itself: no copy of a GPT-2's 500 MB
         d = h.hexdigest()[:16]
         if len(_DIGESTS) > 100_000:
             _DIGESTS.clear()
-        _DIGESTS[key] = (weakref.ref(t), d)
+        _DIGESTS[_digest_key(t)] = (weakref.ref(t), d)
     return d
+
+
+def constant_digests(tensors) -> None:
+    """Digest the large constants not digested yet on every core at once (sha256 lets go of the
+    GIL): hashing a model's weights is most of a warm bucket build."""
+    todo = [t for t in tensors if t.numel() >= _PARALLEL_NUMEL and _known_digest(t) is None]
+    workers = min(len(todo), os.cpu_count() or 1)
+    if workers <= 1:
+        for t in todo:
+            constant_digest(t)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(constant_digest, sorted(todo, key=lambda t: -t.numel())))
+
+
+_PARALLEL_NUMEL = 1 << 16      # below this a digest is quicker than handing it to a thread

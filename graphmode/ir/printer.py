@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from graphmode.ir.graph import Graph, Node, constant_digest
+from graphmode.ir.graph import Graph, Node, constant_digest, constant_digests
 
 INLINE_LIMIT = 16
 
@@ -75,6 +75,7 @@ def print_graph(g: Graph) -> str:
     lines = [f"graph @{g.name}({ins}) -> ({outs}) {{"]
     if g.dims:
         lines.append("  dims " + " ".join(f"{k}={lo}..{hi}" for k, (lo, hi) in sorted(g.dims.items())))
+    constant_digests(t for k, t in g.constants.items() if g.values[k].role != "state" and t.numel() > INLINE_LIMIT)
     for name in sorted(g.constants):
         v = g.values[name]
         t = g.constants[name]

@@ -22,7 +22,7 @@ import json
 
 import torch
 
-from graphmode.ir.graph import Graph, Node, constant_digest
+from graphmode.ir.graph import Graph, Node, constant_digest, constant_digests
 from graphmode.ir.ops import ops_with
 from graphmode.passes.base import PassContext, PassResult, register_pass
 from graphmode.passes.rewrite import Rewriter
@@ -64,13 +64,19 @@ def node_key(rw: Rewriter, n: Node) -> tuple:
     return (n.op, ins, _attrs_key(n.attrs), types, body_key(n.body) if n.body is not None else None)
 
 
+def _dedupable(rw: Rewriter, name: str, max_numel: int, params: bool) -> bool:
+    role = rw.values[name].role
+    # state (a KV pool) is mutable: equal bytes now are not equal values
+    return not (rw.constants[name].numel() > max_numel or name in rw.outputs or role == "state"
+                or (role == "param" and not params))
+
+
 def _dedupe_constants(rw: Rewriter, max_numel: int, params: bool) -> int:
     groups: dict[tuple, list[str]] = {}
-    for name in sorted(rw.constants):
+    cands = [name for name in sorted(rw.constants) if _dedupable(rw, name, max_numel, params)]
+    constant_digests(rw.constants[name] for name in cands)
+    for name in cands:
         t = rw.constants[name]
-        role = rw.values[name].role
-        if t.numel() > max_numel or name in rw.outputs or role == "state" or (role == "param" and not params):
-            continue                  # state (a KV pool) is mutable: equal bytes now are not equal values
         key = (rw.values[name].role, str(t.dtype), tuple(t.shape), constant_digest(t))
         groups.setdefault(key, []).append(name)
     merged = 0

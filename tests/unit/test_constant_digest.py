@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from graphmode.ir.graph import constant_digest
+from graphmode.ir.graph import _known_digest, constant_digest, constant_digests
 
 
 def test_digest_is_recomputed_for_a_new_tensor_at_a_reused_address():
@@ -32,3 +32,17 @@ def test_digest_follows_in_place_updates():
     d0 = constant_digest(t)
     t.add_(1.0)
     assert constant_digest(t) != d0 and constant_digest(t) == constant_digest(torch.ones(3))
+
+
+def test_parallel_digests_equal_serial_ones_and_are_memoised():
+    """`constant_digests` fills the memo on every core; each digest is what `constant_digest`
+    gives alone (bf16, strided and small constants included), and the bytes were hashed in place."""
+    gen = torch.Generator().manual_seed(0)
+    big = [torch.randn(300, 257, generator=gen) for _ in range(5)]
+    ts = big + [torch.randn(512, 300, generator=gen).t(), torch.randn(70000, generator=gen).bfloat16(),
+                torch.arange(5.0)]
+    fresh = [constant_digest(t.clone()) for t in ts]         # clones: not in the memo yet
+    constant_digests(ts)
+    assert [_known_digest(t) for t in ts[:-1]] == fresh[:-1]  # the small one is left to the serial path
+    assert [constant_digest(t) for t in ts] == fresh
+    assert len(set(fresh)) == len(fresh)
