@@ -6,7 +6,8 @@ generated kernel's symbol (a hash of its source), so the next plan build with th
 does no timing, and any change to what would be timed is a miss. Files live in the cache
 dir's `tactics/` folder as `gemm-<sha256 of the key>.json`, written to a temporary name and
 renamed; an entry that does not parse or does not match its key is a miss. Entries written
-before a field existed still load (the field reads as empty).
+before a field existed still load (the field reads as empty). `digests`: each passing
+candidate's check output digest (candidates.Checker), so a hit re-checks its winner without ATen.
 """
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ class TimingCache:
         med = d.get("medians_s") if isinstance(d.get("medians_s"), dict) else {}
         lo = d.get("mins_s") if isinstance(d.get("mins_s"), dict) else {}
         load, cores = d.get("load"), d.get("cores")
-        return {"timings_s": {k: float(v) for k, v in t.items()}, "rejected": {k: str(v) for k, v in r.items()},
+        dg = d.get("digests") if isinstance(d.get("digests"), dict) else {}
+        return {"digests": {k: v for k, v in dg.items() if isinstance(v, str)},
+                "timings_s": {k: float(v) for k, v in t.items()}, "rejected": {k: str(v) for k, v in r.items()},
                 "medians_s": {k: float(v) for k, v in med.items() if isinstance(v, (int, float))},
                 "mins_s": {k: float(v) for k, v in lo.items() if isinstance(v, (int, float))},
                 "load": float(load) if isinstance(load, (int, float)) else None,

@@ -10,7 +10,8 @@ rejected: only the survivors are timed and may win.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -161,81 +162,105 @@ def prepared_bytes(p: GemmProblem, name: str) -> int | None:
 @dataclass
 class Checker:
     """Checks candidates against ATen on random data. `scratch` memoises, while one plan is
-    tuned, the reference of each shape (one ATen run shared by its candidates); `pack(w, p,
-    nr)` and `weight(w, cfg)` give a constant weight in a candidate's layout."""
+    tuned, the inputs and the reference of each shape (one ATen run shared by its
+    candidates); `pack(w, p, nr)` and `weight(w, cfg)` give a constant weight in a
+    candidate's layout. `digests[(p, name)]`: the output digest of each candidate that passed
+    (the timing cache keeps them, so a warm start can check a cached winner without ATen)."""
 
     scratch: dict
     seed: int
     tolerance: float
     pack: Callable[[torch.Tensor, GemmProblem, int], torch.Tensor]
     weight: Callable[[torch.Tensor, ConvConfig], torch.Tensor]
+    digests: dict = field(default_factory=dict)
 
-    def check(self, p: GemmProblem, name: str, step: GemmStep, kernel) -> str | None:
-        """None when candidate `name` (its compiled `kernel`) matches ATen, else why not."""
-        if isinstance(p, ConvProblem):
-            return self._check_conv(p, name, step, kernel)
-        memo = ("reference", p, step.b.data_ptr())
-        if memo not in self.scratch:
-            gen = torch.Generator().manual_seed(self.seed)
-            a = torch.randn(p.batch, p.m, p.k, generator=gen)   # random A (and B when it is not a constant)
-            b = step.b if p.b_packed else torch.randn(b_shape(p), generator=gen)
-            c = torch.empty(p.batch, p.m, p.n)
-            aten_gemm(p, a, b, step.bias, c)()
-            self.scratch[memo] = (a, b, step.bias, c)
-        a, b, bias, ref = self.scratch[memo]
-        cfg = GemmConfig.parse(name)
-        bk = self.pack(b, p, cfg.nr) if p.b_packed else b.contiguous()
-        c = torch.full((p.batch, p.m, p.n), float("nan"))
-        ops: list[torch.Tensor] = []
-        if p.epi is not None:
-            ops, ref = self._epilogue_reference(p, step, ref)
+    def check(self, p: GemmProblem, name: str, step: GemmStep, kernel, expect: str | None = None) -> str | None:
+        """None when candidate `name` (its compiled `kernel`) matches ATen, else why not.
+
+        `expect`: the digest of this candidate's output when it last passed. The same
+        kernel on the same seeded inputs and weights gives the same bits, which passed then;
+        anything else (other weights, another build) is compared with ATen as usual."""
+        run = self._run_conv if isinstance(p, ConvProblem) else self._run_gemm
         try:
-            kernel([a.data_ptr(), bk.data_ptr()] + ([bias.data_ptr()] if p.bias else [])
-                   + [t.data_ptr() for t in ops] + [c.data_ptr()])
+            out = run(p, name, step, kernel)
         except Exception as e:  # noqa: BLE001 - a candidate that fails to run only loses
             return f"raised {type(e).__name__}: {e}"
-        return self._compare(c, ref)
+        digest = output_digest(out)
+        if expect is not None and digest == expect:
+            self.digests[(p, name)] = digest
+            return None
+        ref = self._reference(p, step)
+        err = rel_l2(out, ref)
+        if not err < self.tolerance:
+            return f"rel L2 {err:.2e} vs ATen exceeds {self.tolerance:.0e}"
+        self.digests[(p, name)] = digest
+        return None
 
-    def _check_conv(self, p: ConvProblem, name: str, step: GemmStep, kernel) -> str | None:
-        memo = ("reference", p, step.b.data_ptr())
+    def _inputs(self, p, step: GemmStep) -> tuple[torch.Tensor, ...]:
+        """The seeded random activation (and B when it is not a constant) of `p`'s checks."""
+        memo = ("inputs", p, step.b.data_ptr())
         if memo not in self.scratch:
             gen = torch.Generator().manual_seed(self.seed)
-            x = torch.randn(p.n, p.cin, p.h, p.w, generator=gen)
-            ref = torch.empty(p.n, p.cout, p.ho, p.wo)
-            aten_conv(p, x, step.b, step.bias, ref)()
-            self.scratch[memo] = (x, ref)
-        x, ref = self.scratch[memo]
-        ops: list[torch.Tensor] = []
-        if p.epi is not None:
-            ops, ref = self._epilogue_reference(p, step, ref)
+            if isinstance(p, ConvProblem):
+                self.scratch[memo] = (torch.randn(p.n, p.cin, p.h, p.w, generator=gen),)
+            else:
+                a = torch.randn(p.batch, p.m, p.k, generator=gen)
+                b = step.b if p.b_packed else torch.randn(b_shape(p), generator=gen)
+                self.scratch[memo] = (a, b)
+        return self.scratch[memo]
+
+    def _reference(self, p, step: GemmStep) -> torch.Tensor:
+        """ATen's result on the check inputs, through the epilogue when `p` has one."""
+        memo = ("reference", p, step.b.data_ptr())
+        if memo not in self.scratch:
+            if isinstance(p, ConvProblem):
+                (x,) = self._inputs(p, step)
+                ref = torch.empty(p.n, p.cout, p.ho, p.wo)
+                aten_conv(p, x, step.b, step.bias, ref)()
+            else:
+                a, b = self._inputs(p, step)
+                ref = torch.empty(p.batch, p.m, p.n)
+                aten_gemm(p, a, b, step.bias, ref)()
+            if p.epi is not None:
+                with torch.inference_mode():
+                    out = p.epi.reference(ref.reshape(step.c.shape), self._epilogue_operands(p, step))
+                ref = out.reshape(ref.shape).contiguous()
+            self.scratch[memo] = ref
+        return self.scratch[memo]
+
+    def _run_gemm(self, p: GemmProblem, name: str, step: GemmStep, kernel) -> torch.Tensor:
+        a, b = self._inputs(p, step)
+        bk = self.pack(b, p, GemmConfig.parse(name).nr) if p.b_packed else b.contiguous()
+        c = torch.full((p.batch, p.m, p.n), float("nan"))
+        ops = self._epilogue_operands(p, step)
+        kernel([a.data_ptr(), bk.data_ptr()] + ([step.bias.data_ptr()] if p.bias else [])
+               + [t.data_ptr() for t in ops] + [c.data_ptr()])
+        return c
+
+    def _run_conv(self, p: ConvProblem, name: str, step: GemmStep, kernel) -> torch.Tensor:
+        (x,) = self._inputs(p, step)
         cfg = conv_config(name)
         u = self.weight(step.b, cfg)
         ws = torch.full((cfg.workspace_numel(p),), float("nan"))   # kernels may not rely on its contents
         y = torch.full((p.n, p.cout, p.ho, p.wo), float("nan"))
-        try:
-            kernel(conv_args(step, cfg, x, u, ws, y, ops))
-        except Exception as e:  # noqa: BLE001 - a candidate that fails to run only loses
-            return f"raised {type(e).__name__}: {e}"
-        return self._compare(y, ref)
+        kernel(conv_args(step, cfg, x, u, ws, y, self._epilogue_operands(p, step)))
+        return y
 
-    def _compare(self, got: torch.Tensor, ref: torch.Tensor) -> str | None:
-        err = rel_l2(got, ref)
-        if not err < self.tolerance:
-            return f"rel L2 {err:.2e} vs ATen exceeds {self.tolerance:.0e}"
-        return None
-
-    def _epilogue_reference(self, p, step: GemmStep, acc: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Random epilogue operands (the plan's buffers hold whatever ran last) and the
-        reference epilogue over the reference GEMM/conv result `acc`."""
+    def _epilogue_operands(self, p, step: GemmStep) -> list[torch.Tensor]:
+        """Random epilogue operands (the plan's buffers hold whatever ran last)."""
+        if p.epi is None:
+            return []
         memo = ("epilogue", p, step.b.data_ptr())
         if memo not in self.scratch:
             gen = torch.Generator().manual_seed(self.seed + 3)
-            ops = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
-            with torch.inference_mode():
-                ref = p.epi.reference(acc.reshape(step.c.shape), ops)
-            self.scratch[memo] = (ops, ref.reshape(acc.shape).contiguous())
+            self.scratch[memo] = [torch.randn(tuple(t.shape), generator=gen) for t in step.ops]
         return self.scratch[memo]
 
 
+def output_digest(t: torch.Tensor) -> str:
+    """Exact: a check output's bits (NaN payloads included)."""
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).numpy()).hexdigest()[:32]
+
+
 __all__ = ["conv_config", "CONFIGS", "TOLERANCE_F32", "WINOGRAD_TILES", "candidate_names", "candidate_sources",
-           "Checker", "conv_kind", "prepared_bytes"]
+           "Checker", "output_digest", "conv_kind", "prepared_bytes"]

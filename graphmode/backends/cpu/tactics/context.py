@@ -323,6 +323,7 @@ class TacticsContext:
                 self._pool = None
         finally:
             self._scratch.clear()
+            self._checker.digests.clear()
             self._pool = None
         order = {p: i for i, p in enumerate(by_problem)}
         new.sort(key=lambda sel: order[sel.problem])          # plan order in the report
@@ -383,8 +384,8 @@ class TacticsContext:
         if name == ATEN or not step.problem.b_packed:
             return None
         if isinstance(step, ConvStep):
-            return (step.b.data_ptr(), tuple(step.b.shape), step.b._version) + conv_config(name).weight_key()
-        return (step.b.data_ptr(), tuple(step.b.shape), GemmConfig.parse(name).nr, step.problem.op)
+            return _conv_key(step.b, conv_config(name))
+        return _pack_memo_key(step.b, GemmConfig.parse(name).nr, step.problem)
 
     def select(self, p: GemmProblem, *, b: torch.Tensor | None = None) -> Selection:
         """Tune one problem on its own (no executor): B is `b` or random. For tests/tools."""
@@ -411,6 +412,7 @@ class TacticsContext:
             sel = self._select(p, step, kernels)
         finally:
             self._scratch.clear()
+            self._checker.digests.clear()
             self._pool = None
         sel.uses = 1
         self.selections.append(sel)
@@ -465,13 +467,15 @@ class TacticsContext:
         except Exception:  # noqa: BLE001
             return "none"
 
-    def _check(self, p: GemmProblem, name: str, step: GemmStep, kernels: Mapping) -> str | None:
-        """None when candidate `name` matches ATen on random data, else why not."""
+    def _check(self, p: GemmProblem, name: str, step: GemmStep, kernels: Mapping,
+               expect: str | None = None) -> str | None:
+        """None when candidate `name` matches ATen on random data (or gives the bits `expect`
+        that passed before), else why not."""
         k = kernels.get((p, name))
         if not isinstance(k, tuple):
             return f"does not build: {k}"
         self.stats["checks"] += 1
-        return self._checker.check(p, name, step, k[0])
+        return self._checker.check(p, name, step, k[0], expect)
 
     def _select(self, p: GemmProblem, step: GemmStep, kernels: Mapping) -> Selection:
         t0 = time.perf_counter()
@@ -493,8 +497,10 @@ class TacticsContext:
                             from_cache=True, medians_s=dict(cached["medians_s"]), noisy=cached["noisy"],
                             mins_s=dict(cached["mins_s"]), load=cached["load"], cores=cached["cores"])
             sel.winner = pick(self.policy, p, sel.timings_s)
-            # a stale cache must not hand out a wrong kernel: the winner is checked again (one run)
-            if sel.winner == ATEN or self._check(p, sel.winner, step, kernels) is None:
+            # a stale cache must not hand out a wrong kernel: the winner is checked again (one run;
+            # ATen runs too unless the output has the bits that passed when it was timed)
+            if sel.winner == ATEN or self._check(p, sel.winner, step, kernels,
+                                                 cached.get("digests", {}).get(sel.winner)) is None:
                 self.stats["cache_hits"] += 1
                 sel.tune_s = time.perf_counter() - t0
                 return sel
@@ -508,7 +514,7 @@ class TacticsContext:
             if err is not None:
                 sel.rejected[name] = err[:500]
                 self.stats["rejected"] += 1
-        for k in [k for k in self._scratch if k[0] in ("reference", "epilogue")]:
+        for k in [k for k in self._scratch if k[0] in ("inputs", "reference", "epilogue")]:
             del self._scratch[k]      # the checks' operands and ATen's result: not the timing's
         keep: list = []   # the timing buffers live until the timing is done
         samples = measure(self._timing_fns(p, names, step, kernels, sel.rejected, keep), reps=self.reps,
@@ -525,9 +531,10 @@ class TacticsContext:
         # noisy (measured again by the next builds): most candidates' samples disagree, or the ATen
         # baseline's alone do (every margin is stated against it), or the machine was overloaded
         sel.noisy = bool(ratios) and ratios[len(ratios) // 2] > NOISY or bool(timing_doubts(sel, (ATEN,)))
+        digests = {n: self._checker.digests.pop((p, n)) for n in names if (p, n) in self._checker.digests}
         self.cache.put(key, {"timings_s": sel.timings_s, "medians_s": sel.medians_s, "rejected": sel.rejected,
                              "noisy": sel.noisy, "tries": tries, "mins_s": sel.mins_s, "load": sel.load,
-                             "cores": sel.cores}, reps=self.reps)
+                             "cores": sel.cores, "digests": digests}, reps=self.reps)
         sel.tune_s = time.perf_counter() - t0
         self.stats["tune_s"] += sel.tune_s
         return sel
@@ -560,19 +567,29 @@ class TacticsContext:
     def _pack(self, w: torch.Tensor, p: GemmProblem, nr: int) -> torch.Tensor:
         """`w` packed for panels of `nr` (memoised while one plan is tuned: the checks, the
         timing and the winner's binding share one packing per weight and panel width)."""
-        key = (w.data_ptr(), tuple(w.shape), nr, p.op)
+        key = _pack_memo_key(w, nr, p)
         got = self._scratch.get(key)
+        if got is None:
+            got = self._bound_copy(_packed_key(w, nr, p))
         if got is None:
             got = self._scratch[key] = pack_b(w, nr, transposed=(p.op == "linear"))
         return got
 
     def _conv_weight(self, w: torch.Tensor, cfg: ConvConfig) -> torch.Tensor:
         """The candidate's transformed/packed weight (memoised while one plan is tuned)."""
-        key = (w.data_ptr(), tuple(w.shape), w._version) + cfg.weight_key()
+        key = _conv_key(w, cfg)
         got = self._scratch.get(key)
+        if got is None:
+            got = self._bound_copy(key)
         if got is None:
             got = self._scratch[key] = cfg.prepare_weight(w)
         return got
+
+    def _bound_copy(self, key: tuple) -> torch.Tensor | None:
+        """The copy an executable already binds under `key` (another bucket of the model, same
+        constant): its checks read that instead of preparing the weight again."""
+        holder = self.packed.get(key) or _PACKED.get(key)
+        return holder.t if holder is not None else None
 
     def _kept(self, key: tuple, src: torch.Tensor, scratch_key: tuple,
               prepare: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -599,7 +616,7 @@ class TacticsContext:
         p, kernel = step.problem, k[0]
         if isinstance(step, ConvStep):
             cfg = conv_config(sel.winner)
-            key = (step.b.data_ptr(), tuple(step.b.shape), step.b._version) + cfg.weight_key()
+            key = _conv_key(step.b, cfg)
             w = self._kept(key, step.b, key, lambda: cfg.prepare_weight(step.b))
             if ws is None or ws.numel() < cfg.workspace_numel(p):
                 ws = torch.empty(cfg.workspace_numel(p))
@@ -609,8 +626,7 @@ class TacticsContext:
             nr = GemmConfig.parse(sel.winner).nr
             if p.b_packed:
                 w = step.b
-                key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w._version, nr, p.op)
-                b = self._kept(key, w, key[:2] + (nr, p.op), lambda: self._pack(w, p, nr))
+                b = self._kept(_packed_key(w, nr, p), w, _pack_memo_key(w, nr, p), lambda: self._pack(w, p, nr))
             else:
                 b = step.b
             bufs = [step.a, b] + ([step.bias] if p.bias else []) + list(step.ops) + [step.c]
@@ -639,6 +655,21 @@ class _Packed:
 
 
 _PACKED: "weakref.WeakValueDictionary[tuple, _Packed]" = weakref.WeakValueDictionary()
+
+
+def _packed_key(w: torch.Tensor, nr: int, p: GemmProblem) -> tuple:
+    """Where constant `w` packed for panels of `nr` is kept (_PACKED)."""
+    return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w._version, nr, p.op)
+
+
+def _pack_memo_key(w: torch.Tensor, nr: int, p: GemmProblem) -> tuple:
+    """Where `_pack` memoises `w` packed for panels of `nr` while one plan is tuned."""
+    return (w.data_ptr(), tuple(w.shape), nr, p.op)
+
+
+def _conv_key(w: torch.Tensor, cfg: ConvConfig) -> tuple:
+    """Where conv weight `w` prepared for `cfg` is kept (_PACKED), and memoised while tuning."""
+    return (w.data_ptr(), tuple(w.shape), w._version) + cfg.weight_key()
 
 
 def _sans_epilogue(p: GemmProblem) -> GemmProblem:

@@ -15,6 +15,7 @@ import torch
 
 from graphmode.backends.cpu import tactics as tac
 from graphmode.backends.cpu.tactics import candidates
+from graphmode.backends.cpu.tactics import context as tac_context
 from graphmode.backends.cpu.build import KernelBuilder
 from graphmode.backends.cpu.abi import KernelSource
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
@@ -234,6 +235,41 @@ def test_cache_persisted_and_reused(tmp_path):
 
 
 @needs_cxx
+def test_cached_winner_is_rechecked_by_its_output_digest(tmp_path, monkeypatch):
+    """A timing cache hit runs its winner once more. Output bits equal to those that passed
+    when it was timed pass without running ATen (a warm start's checks were a third of it);
+    other bits (another weight under the same key, an entry without or with a wrong digest)
+    are compared with ATen as before."""
+    ctx = _ctx(tmp_path)
+    sel = ctx.select(SMALL)
+    path = next((tmp_path / "tactics").glob("gemm-*.json"))
+    entry = json.loads(path.read_text())
+    generated = [n for n in sel.timings_s if n != ATEN]
+    assert generated and set(entry["digests"]) == set(generated)      # every candidate that passed
+    fastest = dict(entry["timings_s"], **{ATEN: 1.0}, **{generated[0]: 1e-9})
+    path.write_text(json.dumps(dict(entry, timings_s=fastest)))      # a generated winner, whatever timed best
+
+    refs: list[int] = []
+    real = candidates.aten_gemm
+    monkeypatch.setattr(candidates, "aten_gemm", lambda *a: (refs.append(1), real(*a))[1])
+
+    def hit(**kw) -> tac.Selection:
+        c = _ctx(tmp_path)
+        got = c.select(SMALL, **kw)
+        assert got.from_cache and got.winner == generated[0] and c.stats["checks"] == 1
+        return got
+
+    hit()
+    assert refs == []                                   # same bits: ATen did not run
+    hit(b=torch.randn(SMALL.n, SMALL.k))
+    assert len(refs) == 1                               # another weight: compared with ATen, passes
+    for digests in ({}, {generated[0]: "0" * 32}):
+        path.write_text(json.dumps(dict(entry, timings_s=fastest, digests=digests)))
+        hit()
+    assert len(refs) == 3
+
+
+@needs_cxx
 def test_heuristic_does_no_timing(tmp_path):
     ctx = _ctx(tmp_path, policy="heuristic")
     sel = ctx.select(SMALL)
@@ -312,7 +348,7 @@ def _recipe():
 
 
 @needs_cxx
-def test_executor_with_tactics_matches_eager(tmp_path):
+def test_executor_with_tactics_matches_eager(tmp_path, monkeypatch):
     import graphmode
     from graphmode.backends.cpu.executor import CpuExecutable
     from graphmode.backends.cpu.build import builder_for
@@ -341,11 +377,16 @@ def test_executor_with_tactics_matches_eager(tmp_path):
         out = heur.run({"x": x})
         for name, r in zip(exe.plan.outputs, ref):
             assert rel_l2(out[name], r) < 1e-5
-        # a second executable over the same constants shares the packed weights
+        # a second executable over the same constants shares the packed weights, and its
+        # checks read them: nothing is packed again
+        packs: list[int] = []
+        monkeypatch.setattr(tac_context, "pack_b", lambda *a, **k: (packs.append(1), pack_b(*a, **k))[1])
         twin = CpuExecutable(exe.plan, cm.graph.constants, builder=builder_for(tmp_path / "kernels", 2),
                              threads=2, tactics="heuristic")
         shared = {k: h.t.data_ptr() for k, h in heur.tactics.packed.items()}
         assert shared and shared == {k: h.t.data_ptr() for k, h in twin.tactics.packed.items()}
+        assert packs == [] and twin.tactics.stats["checks"] > 0
+        monkeypatch.undo()
         off = CpuExecutable(exe.plan, cm.graph.constants, builder=builder_for(tmp_path / "kernels", 2),
                             threads=2, tactics=False)
         assert off.tactics is None and off.tactics_report == {}
