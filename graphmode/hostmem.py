@@ -96,28 +96,37 @@ def release(t: torch.Tensor) -> int:
     now reads its own prepared copy of `t`."""
     start = t.data_ptr()
     for sp in list(_LIVE):
-        if sp.base is None:
+        if sp.base is None or not sp.lo <= start < sp.hi:
             continue
-        lo = sp.base.data_ptr()
-        if lo <= start < lo + sp.base.numel():
+        end = min(start + -(-t.numel() * t.element_size() // ALIGN) * ALIGN, sp.hi)
+        if sp.packed:
             # every spilled constant starts on its own page and owns the pages up to the next one
-            n = min(-(-t.numel() * t.element_size() // ALIGN) * ALIGN, lo + sp.base.numel() - start)
-            return n if start % ALIGN == 0 and _madvise_dontneed(start, n) else 0
+            return end - start if start % ALIGN == 0 and _madvise_dontneed(start, end - start) else 0
+        # a mapped file's tensors share boundary pages: dropping a neighbour's clean page only refaults it
+        lo = start - start % ALIGN
+        return end - lo if _madvise_dontneed(lo, end - lo) else 0
     return 0
 
 
 class ConstantSpill:
-    """The file-backed mapping holding a model's spilled constants (views of `base`)."""
+    """The file-backed mapping holding a model's spilled constants: views of `base` (a spill
+    file, every constant page-aligned: `packed`) or tensors mapped from a saved file, which
+    `base` (a list of them) keeps alive; `lo`..`hi` is the page range they span."""
 
-    def __init__(self, base: torch.Tensor | None, names: list[str], nbytes: int, why_not: str | None = None):
+    def __init__(self, base, names: list[str], nbytes: int, why_not: str | None = None, *,
+                 span: tuple[int, int] | None = None):
         self.base, self.names, self.nbytes, self.why_not = base, names, nbytes, why_not
+        self.packed = isinstance(base, torch.Tensor)
+        if span is None and self.packed:
+            span = (base.data_ptr(), base.data_ptr() + base.numel())
+        self.lo, self.hi = span or (0, 0)
         self.releases = 0
 
     def release(self) -> int:
         """Drop this process's pages of the spilled constants; returns the bytes advised away."""
         if self.base is None or not self.nbytes:
             return 0
-        if not _madvise_dontneed(self.base.data_ptr(), self.base.numel()):
+        if not _madvise_dontneed(self.lo, self.hi - self.lo):
             return 0
         self.releases += 1
         return self.nbytes
@@ -174,4 +183,22 @@ def spill_constants(constants: Mapping[str, torch.Tensor], folder: Path | None, 
     return out, spill
 
 
-__all__ = ["ConstantSpill", "MIN_SPILL_BYTES", "memory_backed", "release", "spill_constants", "trim_heap"]
+def load_mapped(path: Path) -> tuple[dict[str, torch.Tensor], ConstantSpill]:
+    """The constants `torch.save`d in `path`, mapped from the file instead of read into memory
+    (a `.gm`'s weights: its extracted copy is the spill file already), and their spill. The
+    mapping is private and never written, so released pages refault from the file."""
+    constants = torch.load(path, mmap=True, weights_only=True)
+    mapped = [t for t in constants.values() if isinstance(t, torch.Tensor) and t.numel()]
+    why = memory_backed(Path(path).parent)
+    if not mapped or why is not None:
+        return constants, ConstantSpill(None, [], 0, why_not=why and f"{Path(path).parent} is on {why}")
+    lo = min(t.untyped_storage().data_ptr() for t in mapped)
+    hi = max(t.untyped_storage().data_ptr() + t.untyped_storage().nbytes() for t in mapped)
+    # torch maps the whole file from a page boundary: the pages around its tensors are the mapping's
+    span = (lo - lo % ALIGN, -(-hi // ALIGN) * ALIGN)
+    spill = ConstantSpill(mapped, list(constants), sum(t.numel() * t.element_size() for t in mapped), span=span)
+    _LIVE.add(spill)
+    return constants, spill
+
+
+__all__ = ["ConstantSpill", "load_mapped", "MIN_SPILL_BYTES", "memory_backed", "release", "spill_constants", "trim_heap"]

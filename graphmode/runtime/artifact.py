@@ -24,7 +24,6 @@ Out-of-contract requests cannot run eagerly (there is no module): they are refus
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import shutil
 import tempfile
@@ -91,8 +90,6 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
                 "isa": cm.recipe.codegen.isa,
                 "threads": cm.threads, "buckets": list(plans), "outputs": list(graph.outputs),
                 "out_spec": out_spec, "exact_dims": list(cm.exact_dims), "kernels": sorted(libraries)}
-    const = io.BytesIO()
-    torch.save({k: v.contiguous() for k, v in graph.constants.items()}, const)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -100,7 +97,8 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
             z.writestr("recipe.json", json.dumps(cm.recipe.model_dump(mode="json")))
             z.writestr("graph.ir", graph.text())
-            z.writestr("constants.pt", const.getvalue())
+            with z.open("constants.pt", "w", force_zip64=True) as f:   # streamed: no in-memory copy of the weights
+                torch.save({k: v.contiguous() for k, v in graph.constants.items()}, f)
             for k, text in plans.items():
                 z.writestr(_bucket_file(k), json.dumps(text))
             for name, lib in sorted(libraries.items()):
@@ -127,6 +125,21 @@ def _tactics_dir(libraries: dict[str, Path]) -> Path | None:
         d = lib.parent.parent / "tactics"
         return d if d.is_dir() else None
     return None
+
+
+def _constants_file(z: zipfile.ZipFile, root: Path, where: Path) -> Path:
+    """The weights' file in the extraction folder (extracted there now if an older graphmode
+    extracted this artifact without it), to be mapped rather than read into memory."""
+    out = root / "constants.pt"
+    if not out.is_file():
+        try:
+            with z.open("constants.pt") as src, tempfile.NamedTemporaryFile(dir=root, delete=False) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            Path(dst.name).replace(out)
+        except KeyError:
+            raise ArtifactError("the artifact has no constants.pt", where=str(where),
+                                fix="it is truncated or not a graphmode artifact: save it again") from None
+    return out
 
 
 def _read(z: zipfile.ZipFile, name: str, where: Path) -> bytes:
@@ -179,6 +192,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     from graphmode.backends import get_backend
     from graphmode.compiler import ModelSource
     from graphmode.errors import PlanError
+    from graphmode.hostmem import load_mapped
     from graphmode.ir.parser import parse_graph
     from graphmode.paths import cache_layout
     from graphmode.plan.execution import load_plan
@@ -187,7 +201,8 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     from graphmode.runtime.compiled import CompiledModel
     path = Path(path)
     try:
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:24]
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()[:24]
         z = zipfile.ZipFile(path)
     except FileNotFoundError:
         raise ArtifactError("no such artifact", where=str(path), fix="check the path") from None
@@ -205,18 +220,32 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
         if recipe.hash() != manifest.get("recipe_hash"):
             raise ArtifactError("its recipe does not match the manifest's hash (edited?)", where=f"{path}:recipe.json",
                                 fix="save the artifact again")
-        try:
-            constants = torch.load(io.BytesIO(_read(z, "constants.pt", path)), weights_only=True)
-            graph = parse_graph(_read(z, "graph.ir", path).decode(), constants)
-        except GraphmodeError as e:
-            raise ArtifactError(f"its graph or weights are damaged or edited: {e.message}", where=str(path),
-                                fix="save the artifact again") from None
-        except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged file
-            raise ArtifactError(f"its constants do not load: {type(e).__name__}", where=f"{path}:constants.pt",
-                                fix="save the artifact again") from None
         root = cache_layout(cache_dir).root / "artifacts" / digest
         if not (root / "complete").is_file():
             _extract(z, root)
+        text = _read(z, "graph.ir", path).decode()
+        for fresh in (False, True):
+            # the extracted weights are a cache: damaged or edited there, they are extracted again
+            if fresh:
+                (root / "constants.pt").unlink(missing_ok=True)
+            try:
+                constants, spill = load_mapped(_constants_file(z, root, path))
+                graph = parse_graph(text, constants)
+            except GraphmodeError as e:
+                if fresh:
+                    raise ArtifactError(f"its graph or weights are damaged or edited: {e.message}", where=str(path),
+                                        fix="save the artifact again") from None
+                continue
+            except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged file
+                if fresh:
+                    raise ArtifactError(f"its constants do not load: {type(e).__name__}",
+                                        where=f"{path}:constants.pt", fix="save the artifact again") from None
+                continue
+            if graph.structural_hash() == manifest.get("graph_hash"):
+                break
+            if fresh:
+                raise ArtifactError("its graph or weights do not match the manifest's hash (edited?)",
+                                    where=str(path), fix="save the artifact again")
     source = ModelSource(manifest.get("model") or graph.name, input_dims={i.name: list(i.shape) for i in recipe.inputs},
                          output_names=list(manifest.get("outputs") or []))
     cm = CompiledModel(source, recipe, _target(manifest.get("target")), None, graph, None, mode=manifest["mode"],
@@ -230,9 +259,10 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
             cm._out_spec = pytree.treespec_loads(manifest["out_spec"])
         except Exception:  # noqa: BLE001 - a flat tuple of outputs, as for a model without one
             cm._out_spec = None
-    if graph.structural_hash() != manifest.get("graph_hash"):
-        raise ArtifactError("its graph or weights do not match the manifest's hash (edited?)", where=str(path),
-                            fix="save the artifact again")
+    # the weights are mapped from the extracted file, as compile spills them: once the kernels hold
+    # their prepared copies the originals' pages go (hashing the graph just read every one)
+    cm.constant_spill = spill
+    spill.release()
     backend = get_backend(cm.device)
     extra: dict[str, Any] = backend_options(backend, recipe)
     if backend.capabilities.kernel_selection:       # a backend with tactics: the saved choices are final
@@ -251,6 +281,8 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
         exe = backend.executable(plan, graph.constants, kernel_dir=root / "kernels", threads=cm.threads,
                                  kernel_selection=recipe.codegen.kernel_selection, **extra)
         cm._executables[key] = exe
+        if cm.constant_spill is not None:
+            cm.constant_spill.release()
         cm._event("artifact_load", bucket=key, seconds=round(time.perf_counter() - t0, 3))
     return cm
 
@@ -264,7 +296,7 @@ def _extract(z: zipfile.ZipFile, root: Path) -> None:
             name = info.filename
             if name.startswith("/") or ".." in Path(name).parts:
                 raise ArtifactError(f"unsafe member name {name!r}", where="artifact", fix="do not load this file")
-            if name.split("/")[0] in ("plans", "kernels", "tactics"):
+            if name.split("/")[0] in ("plans", "kernels", "tactics", "constants.pt"):
                 z.extract(info, tmp)
         (tmp / "complete").write_text("ok")
         shutil.rmtree(root, ignore_errors=True)

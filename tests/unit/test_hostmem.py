@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphmode.hostmem import MIN_SPILL_BYTES, memory_backed, release, spill_constants, trim_heap
+from graphmode.hostmem import MIN_SPILL_BYTES, load_mapped, memory_backed, release, spill_constants, trim_heap
 
 
 def _consts():
@@ -44,6 +44,22 @@ def test_release_touches_only_spilled_tensors(tmp_path):
     assert release(out["big"]) == -(-out["big"].numel() * 4 // 4096) * 4096
     assert release(out["odd"][1:]) == 0                        # not page-aligned: not a spilled constant's start
     assert torch.equal(out["odd"], _consts()["odd"]) and torch.equal(out["big"], _consts()["big"])
+
+
+def test_a_saved_file_is_mapped_as_its_own_spill(tmp_path):
+    """load_mapped: the tensors are pages of the saved file (nothing read into memory), every
+    one, whatever its dtype or size, survives whole-spill and per-tensor releases (their pages
+    are not page-aligned: a release rounds out, which only refaults a neighbour's clean page)."""
+    c = _consts()
+    torch.save(c, tmp_path / "w.pt")
+    out, sp = load_mapped(tmp_path / "w.pt")
+    assert set(sp.names) == set(c) and sp.nbytes == sum(t.numel() * t.element_size() for t in c.values())
+    assert all(sp.lo <= t.data_ptr() < sp.hi for t in out.values()) and sp.lo % 4096 == sp.hi % 4096 == 0
+    assert sp.release() == sp.nbytes and release(out["odd"][1:]) > 0 and release(out["small"]) > 0
+    anon = torch.randn(300, 300)
+    assert release(anon) == 0
+    for n, t in c.items():
+        assert torch.equal(out[n], t) and out[n].dtype == t.dtype
 
 
 def test_module_parameters_are_not_spilled(tmp_path):
