@@ -102,6 +102,7 @@ class DecodeEngine:
         src = ModelSource("lm-decode", fwd, ex, {k: ["batch", "seq"] for k in ex})
         self._cm = CompiledModel(src, recipe, target, paged.graph, opt, None, mode="graph", cache_dir=cache_dir,
                                  threads=threads)
+        self._cm.spill_constants()    # the transposed weights the passes made: the kernels pack their own
         self.lock = threading.RLock()
         # batch_invariant: every sequence runs alone (batch-1 plans, its own prefill bucket) and
         # holds the pages of its whole answer from admission, so it is never preempted and

@@ -71,16 +71,18 @@ class CompiledModel:
     # ---- memory ----------------------------------------------------------------------------
     def spill_constants(self) -> None:
         """Move the constants the passes made (BN-folded, transposed: not the module's own
-        parameters, which the module keeps) to a file-backed mapping whose pages each bucket
+        parameters, which the module keeps, nor run-time state) to a file-backed mapping whose pages each bucket
         build releases once its kernels hold their prepared copies (graphmode/hostmem.py)."""
         from graphmode.hostmem import spill_constants
         from graphmode.runtime.cache import default_cache_dir
         if self.graph is None or self.constant_spill is not None:
             return
         module = self.source.module
-        keep = set()
+        # run-time state (a decoder's paged KV pools) is written at every step: it stays in memory
+        keep = {t.untyped_storage().data_ptr() for k, t in self.graph.constants.items()
+                if self.graph.values[k].role == "state"}
         if module is not None:
-            keep = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+            keep |= {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
         if self.cache_dir is None:
             folder = default_cache_dir() / "spill"
         elif self.cache_dir is False:

@@ -13,6 +13,7 @@ import graphmode
 from graphmode.capture.families import _DECODER, _hf
 from graphmode.capture.spec import bundle_from_module
 from graphmode.errors import ContractViolation, GraphmodeError
+from graphmode.hostmem import MIN_SPILL_BYTES
 from graphmode.recipe.facts import kv_cache_bytes
 
 
@@ -104,6 +105,22 @@ def test_pool_is_the_size_the_proof_counts(model):
     eng = cm._decoder
     # 4 sequences (the largest batch) x 12 pages each, K and V, 2 layers
     assert eng.cache.bytes == kv_cache_bytes(cm.recipe) == 4 * 12 * eng.layout.page_bytes
+
+
+def test_engine_spills_the_weights_its_passes_made_never_the_pools(cache):
+    """GPT-2's Conv1D weights are transposed by the passes (324 MB of the real model's): the
+    engine spills them, as compile does, once its kernels hold packed copies. The pools (here
+    over the 64 KiB spill threshold) are written at every step: they stay the cache's own."""
+    lm, cm = _compile("gpt2", cache, pages=160)
+    ours = cm.generate(PROMPTS, MASK, max_new_tokens=6)
+    ref = lm.generate(PROMPTS, attention_mask=MASK, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, ref)
+    eng = cm._decoder
+    g, spill = eng._cm.graph, eng._cm.constant_spill
+    pools = {k for k in g.constants if g.values[k].role == "state"}
+    assert min(g.constants[k].numel() * 4 for k in pools) >= MIN_SPILL_BYTES
+    assert spill is not None and not pools & set(spill.names)     # (this tiny model's weights are below it)
+    assert {g.constants[k].data_ptr() for k in pools} == {t.data_ptr() for t in (*eng.cache.k, *eng.cache.v)}
 
 
 @pytest.mark.parametrize("kw,err,needle", [
