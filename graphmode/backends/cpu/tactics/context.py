@@ -588,15 +588,18 @@ class TacticsContext:
     def _bound_copy(self, key: tuple) -> torch.Tensor | None:
         """The copy an executable already binds under `key` (another bucket of the model, same
         constant): its checks read that instead of preparing the weight again."""
-        holder = self.packed.get(key) or _PACKED.get(key)
+        holder = self._holder(key)
         return holder.t if holder is not None else None
+
+    def _holder(self, key: tuple) -> "_Packed | None":
+        return self.packed.get(key) or _PACKED.get(key)
 
     def _kept(self, key: tuple, src: torch.Tensor, scratch_key: tuple,
               prepare: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The winner's prepared copy of constant `src` under `key`, shared process-wide: the
         executables of one model's buckets (same constants) hold one copy, not one each. The
         copy the checks and timing made (under `scratch_key`) is taken over, else prepared."""
-        holder = self.packed.get(key) or _PACKED.get(key)
+        holder = self._holder(key)
         if holder is None:
             t = self._scratch.pop(scratch_key, None)
             t = self._carried.pop(scratch_key, None) if t is None else t
