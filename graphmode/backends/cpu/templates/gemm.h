@@ -14,7 +14,11 @@
 // prefetcher alone left the FMAs waiting. Same kernels (heuristic policy), interleaved, Zen 4:
 // GPT-2 (1,16) 30.3-31.8 -> 25.9-27.1 ms on the AVX-512 path, 32-35 -> 31-33 ms on the AVX2
 // path; MiniLM (1,128), GPT-2 (1,128) and ResNet-18 (1) unchanged (B reused from cache there).
+// The AVX2 tiles read half the bytes per k step (64-96 against 128-192), so they look twice as
+// many steps ahead, about the same 8-12 KiB: GPT-2 (1,16) on the AVX2 path 4-9% faster than at
+// 64 (two interleaved runs; MiniLM (1,128) and ResNet-18 (1) unchanged).
 #define GM_PF_AHEAD 64
+#define GM_PF_AHEAD_AVX2 128
 // A fused epilogue (gemm.py `@SYM@_epi`) stays out of line where there are 16 vector
 // registers: inlined, the constants it hoists (erf/exp polynomials) stay live across the
 // micro-kernel's K loop and push accumulators to the stack (AVX2 6x16 linear+GELU
@@ -119,7 +123,7 @@ GM_INLINE void gm_gemm_ukr_avx2(long kc, const float* __restrict a, long lda, co
     // (16 k steps ahead into L1 for two-vector tiles only, as before, measured 4-9% slower on
     // GPT-2 (1,16) than this and the same on ResNet-18 (1))
     GM_UNROLL for (int u = 0; u < (NV + 1) / 2; ++u)
-      _mm_prefetch((const char*)(b + (k + GM_PF_AHEAD) * ldb + 16 * u), _MM_HINT_T1);
+      _mm_prefetch((const char*)(b + (k + GM_PF_AHEAD_AVX2) * ldb + 16 * u), _MM_HINT_T1);
     GM_UNROLL for (int v = 0; v < NV; ++v)
       bv[v] = (MASKB && v == NV - 1 && LAST < 8) ? _mm256_maskload_ps(b + k * ldb + 8 * v, lm)
                                                  : _mm256_loadu_ps(b + k * ldb + 8 * v);
