@@ -127,6 +127,26 @@ def _tactics_dir(libraries: dict[str, Path]) -> Path | None:
     return None
 
 
+def _graph(z: zipfile.ZipFile, root: Path, text: str, manifest: dict[str, Any], where: Path):
+    """(the graph over the weights mapped from `root`, their spill), checked against the
+    manifest's graph hash, or ArtifactError."""
+    from graphmode.hostmem import load_mapped
+    from graphmode.ir.parser import parse_graph
+    try:
+        constants, spill = load_mapped(_constants_file(z, root, where))
+        graph = parse_graph(text, constants)
+    except GraphmodeError as e:
+        raise ArtifactError(f"its graph or weights are damaged or edited: {e.message}", where=str(where),
+                            fix="save the artifact again") from None
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged file
+        raise ArtifactError(f"its constants do not load: {type(e).__name__}", where=f"{where}:constants.pt",
+                            fix="save the artifact again") from None
+    if graph.structural_hash() != manifest.get("graph_hash"):
+        raise ArtifactError("its graph or weights do not match the manifest's hash (edited?)", where=str(where),
+                            fix="save the artifact again")
+    return graph, spill
+
+
 def _constants_file(z: zipfile.ZipFile, root: Path, where: Path) -> Path:
     """The weights' file in the extraction folder (extracted there now if an older graphmode
     extracted this artifact without it), to be mapped rather than read into memory."""
@@ -192,8 +212,6 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     from graphmode.backends import get_backend
     from graphmode.compiler import ModelSource
     from graphmode.errors import PlanError
-    from graphmode.hostmem import load_mapped
-    from graphmode.ir.parser import parse_graph
     from graphmode.paths import cache_layout
     from graphmode.plan.execution import load_plan
     from graphmode.recipe import Recipe
@@ -224,28 +242,11 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
         if not (root / "complete").is_file():
             _extract(z, root)
         text = _read(z, "graph.ir", path).decode()
-        for fresh in (False, True):
-            # the extracted weights are a cache: damaged or edited there, they are extracted again
-            if fresh:
-                (root / "constants.pt").unlink(missing_ok=True)
-            try:
-                constants, spill = load_mapped(_constants_file(z, root, path))
-                graph = parse_graph(text, constants)
-            except GraphmodeError as e:
-                if fresh:
-                    raise ArtifactError(f"its graph or weights are damaged or edited: {e.message}", where=str(path),
-                                        fix="save the artifact again") from None
-                continue
-            except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged file
-                if fresh:
-                    raise ArtifactError(f"its constants do not load: {type(e).__name__}",
-                                        where=f"{path}:constants.pt", fix="save the artifact again") from None
-                continue
-            if graph.structural_hash() == manifest.get("graph_hash"):
-                break
-            if fresh:
-                raise ArtifactError("its graph or weights do not match the manifest's hash (edited?)",
-                                    where=str(path), fix="save the artifact again")
+        try:
+            graph, spill = _graph(z, root, text, manifest, path)
+        except ArtifactError:     # the extracted weights are a cache: damaged or edited there, extract them again
+            (root / "constants.pt").unlink(missing_ok=True)
+            graph, spill = _graph(z, root, text, manifest, path)
     source = ModelSource(manifest.get("model") or graph.name, input_dims={i.name: list(i.shape) for i in recipe.inputs},
                          output_names=list(manifest.get("outputs") or []))
     cm = CompiledModel(source, recipe, _target(manifest.get("target")), None, graph, None, mode=manifest["mode"],
