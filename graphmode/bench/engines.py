@@ -19,6 +19,10 @@ import torch.utils._pytree as pytree
 
 ENGINE_NAMES = ("eager", "torch_compile", "onnxruntime", "openvino", "graphmode")
 TORCH_COMPILE_VARIANTS = ("default", "max-autotune", "freezing", "max-autotune+freezing")
+# what `graphmode bench` runs without --engines: every engine, and torch.compile's max-autotune
+# too (the speed goal is against the best of them); a --quick smoke run leaves the variant out
+DEFAULT_ENGINES = (("eager", None), ("torch_compile", None), ("torch_compile", "max-autotune"),
+                   ("onnxruntime", None), ("openvino", None), ("graphmode", None))
 
 
 class EngineUnavailable(Exception):

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from graphmode.bench.engines import ENGINE_NAMES, Engine, EngineUnavailable, ModelShared, make_engine
+from graphmode.bench.engines import DEFAULT_ENGINES, ENGINE_NAMES, Engine, EngineUnavailable, ModelShared, make_engine
 from graphmode.bench.machine import PeakRss, machine_meta
 from graphmode.bench.models import PRETTY, ModelCase
 from graphmode.bench.profile import facts_at, model_roofline
@@ -48,7 +48,7 @@ NUMERICS_TOL = 1e-4      # relative L2 vs eager counted as "matched" (fp32 engin
 
 @dataclass
 class BenchConfig:
-    engines: list[tuple[str, str | None]] = field(default_factory=lambda: [(e, None) for e in ENGINE_NAMES])
+    engines: list[tuple[str, str | None]] = field(default_factory=lambda: list(DEFAULT_ENGINES))
     threads: int = 2
     iters: int = 20
     min_iters: int = 5
@@ -65,17 +65,18 @@ class BenchConfig:
     isa: str | None = None           # graphmode's codegen.isa cap (None: the recipe's own)
 
 
-def parse_engines(text: str | None, extra: Sequence[str] = ()) -> list[tuple[str, str | None]]:
-    """`eager,onnxruntime,graphmode` (+ `--with max-autotune` adds torch_compile[max-autotune])."""
-    names = [e.strip() for e in (text.split(",") if text else ENGINE_NAMES) if e.strip()]
-    out: list[tuple[str, str | None]] = []
-    for n in names:
-        base, _, var = n.partition("[")
-        var = var.rstrip("]") or None
+def parse_engines(text: str | None, extra: Sequence[str] = (), quick: bool = False) -> list[tuple[str, str | None]]:
+    """`eager,onnxruntime,graphmode` (+ `--with max-autotune` adds torch_compile[max-autotune]);
+    no text: DEFAULT_ENGINES (without torch.compile's variants when `quick`)."""
+    out = [e for e in DEFAULT_ENGINES if not (quick and e[1])] if not text else []
+    for n in (text.split(",") if text else ()):
+        base, _, var = n.strip().partition("[")
+        if not base:
+            continue
         if base not in ENGINE_NAMES:
             raise GraphmodeError(f"unknown engine {base!r}", where="--engines", value=text,
                                  fix=f"choose from {', '.join(ENGINE_NAMES)}")
-        out.append((base, var))
+        out.append((base, var.rstrip("]") or None))
     for w in extra:
         from graphmode.bench.engines import TORCH_COMPILE_VARIANTS
         if w not in TORCH_COMPILE_VARIANTS or w == "default":
@@ -265,17 +266,42 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
     keys = ("median_ms", "p90_ms", "mean_ms", "min_ms", "iters", "ratio_vs_eager", "speedup_vs_eager",
             "ratio_vs_best_other", "best_other_engine", "rel_l2_err", "numerics_ok", "setup_s", "setup_detail",
             "peak_rss_mb", "run_peak_rss_mb", "rss_exact", "rounds_ms", "spread", "load_max", "cpu_per_wall",
-            "eager_fallback", "eager_islands")
+            "eager_fallback", "eager_islands", "ratio_vs_best_other_ci95")
     for r in rows:
         for k in keys:
             r.setdefault(k, None)
     # a graphmode row that ran eager PyTorch has no ratios: its time is not graph-mode speed
-    set_ratios([r for r in rows if r["status"] == "ok" and r["median_ms"] and not r["eager_fallback"]])
+    ok = [r for r in rows if r["status"] == "ok" and r["median_ms"] and not r["eager_fallback"]]
+    paired_interval(ok, set_ratios(ok))
 
 
-def set_ratios(ok: list[dict[str, Any]]) -> None:
+def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free interval for the median of `xs`: the k-th smallest and k-th largest,
+    k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2 (20 samples: the 6th and
+    15th, 95.9%); None under 6 samples, too few for `level`."""
+    s, n = sorted(xs), len(xs)
+    k, tail = 0, 0.0
+    while k < n and tail + math.comb(n, k) / 2 ** n <= (1 - level) / 2:
+        tail += math.comb(n, k) / 2 ** n
+        k += 1
+    return (s[k - 1], s[n - k]) if k else None
+
+
+def paired_interval(ok: list[dict[str, Any]], best: dict[str, Any] | None) -> None:
+    """graphmode's `ratio_vs_best_other_ci95`: the interval of the median of its per-round
+    ratios to the best other engine. Each round times every engine within a second or so, so a
+    round's ratio cancels the drift of a shared host that moves both medians; a ratio whose
+    interval straddles a goal is one this run does not settle."""
+    for r in (r for r in ok if r["engine"] == "graphmode" and best is not None):
+        a, b = r.get("rounds_ms") or [], best.get("rounds_ms") or []
+        ci = median_interval([x / y for x, y in zip(a, b) if y > 0]) if len(a) == len(b) else None
+        r["ratio_vs_best_other_ci95"] = None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
+
+
+def set_ratios(ok: list[dict[str, Any]]) -> dict[str, Any] | None:
     """On rows that ran (`median_ms` set): ratio_vs_eager = median / eager's, speedup_vs_eager
-    its inverse, ratio_vs_best_other = median / the fastest engine other than graphmode."""
+    its inverse, ratio_vs_best_other = median / the fastest engine other than graphmode (the
+    row returned)."""
     eager = next((r for r in ok if r["engine"] == "eager"), None)
     others = [r for r in ok if r["engine"] != "graphmode"]
     best = min(others, key=lambda r: r["median_ms"]) if others else None
@@ -286,6 +312,7 @@ def set_ratios(ok: list[dict[str, Any]]) -> None:
         if best:
             r["ratio_vs_best_other"] = round(r["median_ms"] / best["median_ms"], 4)
             r["best_other_engine"] = best["label"]
+    return best
 
 
 def shape_floor(compiled: Any, env: dict[str, int], target: Any) -> dict[str, Any]:
@@ -378,6 +405,8 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
                 "numerics_tol": cfg.tol,
                 "ratio_vs_eager": "median_ms / eager median_ms (< 1 is faster than eager)",
                 "ratio_vs_best_other": "median_ms / fastest ok non-graphmode engine's median_ms",
+                "ratio_vs_best_other_ci95": "graphmode: distribution-free 95% interval of the median of its "
+                                            "per-round time / that engine's time in the same round",
                 "floor_ms": "the shape's roofline time on the host target: max(FLOPs / peak, bytes / bandwidth) "
                             "with the probe's bandwidth (best streaming read) and theoretical peak, FLOPs and "
                             "bytes (weights + planned activations) as graphmode's compiler counts them",

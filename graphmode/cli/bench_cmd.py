@@ -48,7 +48,8 @@ def bench_cmd(
     shape: Optional[List[str]] = typer.Option(None, "--shape", help="first-input shape, e.g. 1x128 or 8x3x224x224 "
                                               "(repeatable; default: each model's standard shapes)"),
     engines: Optional[str] = typer.Option(None, "--engines", help="comma list of eager,torch_compile,onnxruntime,"
-                                          "openvino,graphmode (default: all)"),
+                                          "openvino,graphmode (default: all, and torch_compile[max-autotune] "
+                                          "unless --quick)"),
     with_: Optional[List[str]] = typer.Option(None, "--with", help="extra torch.compile variant: max-autotune, "
                                               "freezing, max-autotune+freezing (slow to compile)"),
     iters: int = typer.Option(20, "--iters", min=1, help="timed interleaved rounds per shape"),
@@ -91,7 +92,7 @@ def bench_cmd(
     from graphmode.recipe import load_recipe
     from graphmode.targets import get_target
 
-    eng = parse_engines(engines, with_ or [])
+    eng = parse_engines(engines, with_ or [], quick=quick)
     if isa is not None and isa not in CAPS:
         raise GraphmodeError(f"unknown ISA {isa!r}", where="--isa", value=isa, fix=f"one of {', '.join(CAPS)}")
     layout = cache_layout(cache_dir)

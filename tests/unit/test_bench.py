@@ -162,6 +162,11 @@ def test_shapes_and_engines_parse():
                                                                  ("torch_compile", "max-autotune")]
     with pytest.raises(GraphmodeError, match="unknown engine"):
         parse_engines("eager,tensorrt")
+    # the default run compares against torch.compile's max-autotune too; a smoke run leaves it out
+    assert ("torch_compile", "max-autotune") in parse_engines(None)
+    assert parse_engines(None, quick=True) == [("eager", None), ("torch_compile", None), ("onnxruntime", None),
+                                               ("openvino", None), ("graphmode", None)]
+    assert parse_engines("torch_compile[freezing], graphmode") == [("torch_compile", "freezing"), ("graphmode", None)]
 
 
 @pytest.fixture(scope="module")
@@ -442,3 +447,34 @@ def test_goals_report_speed_and_peak_rss_against_the_thresholds():
     rows[1].update(x_floor=1.2, label="graphmode[avx2]")          # an ISA-capped run labels the engine
     assert "speed NOT met" in goals(BenchResult(rows, {}))[0]
     assert goals(BenchResult(rows, {"quick": True})) == []
+    # the paired interval is reported, and a verdict it straddles is called unsettled
+    rows[1].update(ratio_vs_best_other=0.88, floor_bound="compute", ratio_vs_best_other_ci95=[0.84, 0.93])
+    assert "speed met (0.88x onnxruntime; per-round ratio 0.84-0.93 at 95%, which this run does not settle)" \
+        in goals(BenchResult(rows, {}))[0]
+    rows[1].update(ratio_vs_best_other_ci95=[0.84, 0.89])
+    assert "0.84-0.89 at 95%)" in goals(BenchResult(rows, {}))[0]
+
+
+def test_median_interval_is_the_binomial_order_statistics():
+    from graphmode.bench.harness import median_interval
+    xs = [float(i) for i in range(1, 21)][::-1]
+    assert median_interval(xs) == (6.0, 15.0)                      # P(Bin(20, .5) <= 5) = 0.021 <= 0.025
+    assert median_interval(xs[:6]) == (15.0, 20.0)                 # 6 samples: min and max (96.9%)
+    assert median_interval(xs[:5]) is None                         # 5 cannot reach 95%
+
+
+def test_paired_interval_cancels_drift_that_moves_both_engines():
+    """A host that slows down mid-run moves both medians; the per-round ratios do not move."""
+    from graphmode.bench.harness import _ratios
+    slow = [1.0] * 10 + [3.0] * 10                                 # the host's speed per round
+    ort = [10.0 * f for f in slow]
+    gm = [8.0 * f * (1.0 + 0.01 * (i % 3)) for i, f in enumerate(slow)]
+
+    def row(engine, times):
+        return {"model": "m", "shape": [1], "label": engine, "engine": engine, "status": "ok",
+                "median_ms": sorted(times)[len(times) // 2], "rounds_ms": times, "eager_fallback": None}
+    rows = [row("onnxruntime", ort), row("graphmode", gm), row("eager", [50.0] * 20)]
+    _ratios(rows)
+    lo, hi = rows[1]["ratio_vs_best_other_ci95"]
+    assert 0.8 <= lo <= hi <= 0.82 and rows[1]["best_other_engine"] == "onnxruntime"
+    assert rows[0]["ratio_vs_best_other_ci95"] is None             # only graphmode's ratio is the goal's
