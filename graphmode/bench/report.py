@@ -180,9 +180,9 @@ def markdown(res: BenchResult) -> str:
              f"shape), each engine {m['method'].get('rewarm', 0)} untimed + 1 timed call per round; median and "
              "p90 per engine; `vs eager` = median / eager median (< 1 is faster); "
              "`vs best other` = median / fastest non-graphmode engine (graphmode: in brackets, the 95% interval "
-             "of the median of its per-round ratios to that engine, distribution-free); `floor ms` = the shape's roofline time on "
-             f"this host, max(FLOPs / peak, bytes / bandwidth) at {_roof(m)}, and `x floor` = median / floor "
-             "ms; rel L2 = max over outputs of ‖out − eager‖ / ‖eager‖",
+             "of the median of its per-round ratios to that engine, distribution-free); `floor ms` = the shape's "
+             f"roofline time on this host, max(FLOPs / peak, bytes / bandwidth) at {_roof(m)}, and `x floor` = "
+             "median / floor ms; rel L2 = max over outputs of ‖out − eager‖ / ‖eager‖",
              f"- graphmode recipe: {m.get('recipe')}", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in res.rows:
