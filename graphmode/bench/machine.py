@@ -98,6 +98,30 @@ def _version(dist: str) -> str | None:
         return None
 
 
+# per graphmode ISA cap, the values that hold the other engines' own kernels to it (set before
+# the process starts: torch and oneDNN read them once)
+ISA_ENV = {"avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+           "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+           "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}}
+
+
+def engine_isas() -> dict[str, str]:
+    """The instruction set each library's kernels may use in this process: torch's vector
+    kernels (eager, torch.compile) follow ATEN_CPU_CAPABILITY; oneDNN (torch's and OpenVINO's
+    convolutions) follows ONEDNN_MAX_CPU_ISA; MLAS (ONNX Runtime; OpenVINO's matmuls) reads
+    CPUID itself and has no switch."""
+    import torch
+    return {"torch": torch.backends.cpu.get_cpu_capability(),
+            "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA") or "the host's best",
+            "mlas": "the host's best (no switch)"}
+
+
+def isa_env_missing(cap: str) -> dict[str, str]:
+    """The ISA_ENV settings for `cap` this process was not started with (a bench run whose
+    graphmode is held to `cap` while the other engines' kernels are not says so)."""
+    return {k: v for k, v in ISA_ENV.get(cap, {}).items() if os.environ.get(k, "").lower() != v.lower()}
+
+
 def machine_meta(threads: int, target: Any = None) -> dict[str, Any]:
     """Date, CPU model, SIMD flags, cores, thread count and library versions."""
     import torch
@@ -116,6 +140,7 @@ def machine_meta(threads: int, target: Any = None) -> dict[str, Any]:
                      "openvino": _version("openvino"), "transformers": _version("transformers"),
                      "numpy": _version("numpy")},
         "torch_parallel": torch.__config__.parallel_info().splitlines()[:6],
+        "engine_isa": engine_isas(),
         "loadavg_end": load_average(),
     }
     if target is not None:

@@ -170,6 +170,9 @@ def markdown(res: BenchResult) -> str:
         [f"# graphmode benchmark ({m['date']})", ""]
     lines = head + [
              f"- CPU: {m['cpu_model']}, {m['cores']} core(s), SIMD: {' '.join(m.get('simd') or []) or 'n/a'}",
+             *([f"- kernels' ISA: graphmode {m['isa']}; torch {m['engine_isa']['torch']}; oneDNN "
+                f"{m['engine_isa']['onednn']}; MLAS {m['engine_isa']['mlas']}"] if m.get("engine_isa") and m.get("isa")
+               else []),
              f"- threads: {m['threads']} for every engine; wall time {m.get('wall_s', '?')} s; load average "
              f"(1/5/15 min) at start {m.get('loadavg_start')}, at end {m.get('loadavg_end')}, highest 1-min "
              f"during the timed rounds {m.get('loadavg_max')} ({m.get('usable_cores', m['cores'])} usable core(s))",

@@ -26,14 +26,23 @@ def default_out_dir() -> Path:
 
 def _mark_isa(res, cap: str, labelled: bool, simd) -> None:
     """Each graphmode row says which code path its kernels ran; an `--isa` run's rows are
-    labelled `graphmode[<isa>]` in the tables too."""
+    labelled `graphmode[<isa>]` in the tables too, and its warnings say which of the other
+    engines' kernels were not held to that ISA as well."""
     from graphmode.backends.cpu.isa import resolve
+    from graphmode.bench.machine import isa_env_missing
     res.meta["isa"] = resolve(cap, simd)
     for r in res.rows:
         if r["engine"] == "graphmode":
             r["isa"] = res.meta["isa"]
             if labelled:
                 r["label"] = f"graphmode[{cap}]"
+    missing = isa_env_missing(res.meta["isa"]) if labelled else {}
+    if missing:
+        res.meta.setdefault("warnings", []).append(
+            f"--isa {cap} holds graphmode's kernels to {res.meta['isa']}; torch's (eager, torch.compile) and "
+            "oneDNN's (torch's and OpenVINO's convolutions) keep the host's best unless the run starts with "
+            + " ".join(f"{k}={v}" for k, v in missing.items())
+            + "; ONNX Runtime and OpenVINO's matmuls (MLAS) cannot be held to it")
 
 
 bench_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)

@@ -478,3 +478,26 @@ def test_paired_interval_cancels_drift_that_moves_both_engines():
     lo, hi = rows[1]["ratio_vs_best_other_ci95"]
     assert 0.8 <= lo <= hi <= 0.82 and rows[1]["best_other_engine"] == "onnxruntime"
     assert rows[0]["ratio_vs_best_other_ci95"] is None             # only graphmode's ratio is the goal's
+
+
+def test_isa_run_says_which_engines_keep_the_hosts_isa(monkeypatch):
+    """`--isa avx2` holds graphmode to AVX2; unless the process started with torch's and oneDNN's
+    own caps, the run's warnings say the other engines' kernels were not held to it."""
+    from graphmode.bench.harness import BenchResult
+    from graphmode.bench.machine import isa_env_missing
+    from graphmode.cli.bench_cmd import _mark_isa
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")                # case does not matter to oneDNN
+    assert isa_env_missing("avx2") == {"ATEN_CPU_CAPABILITY": "avx2"}
+    res = BenchResult([{"engine": "graphmode", "label": "graphmode"}, {"engine": "eager", "label": "eager"}], {})
+    _mark_isa(res, "avx2", True, ["avx2", "fma"])
+    assert res.rows[0]["label"] == "graphmode[avx2]" and res.rows[0]["isa"] == "avx2" and "isa" not in res.rows[1]
+    (w,) = res.meta["warnings"]
+    assert "ATEN_CPU_CAPABILITY=avx2" in w and "ONEDNN_MAX_CPU_ISA" not in w and "cannot be held" in w
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    capped = BenchResult([{"engine": "graphmode", "label": "graphmode"}], {})
+    _mark_isa(capped, "avx2", True, ["avx2", "fma"])
+    assert "warnings" not in capped.meta
+    plain = BenchResult([{"engine": "graphmode", "label": "graphmode"}], {})
+    _mark_isa(plain, "auto", False, ["avx2", "fma"])                # no --isa: nothing to say
+    assert "warnings" not in plain.meta and plain.rows[0]["label"] == "graphmode"
