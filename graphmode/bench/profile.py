@@ -351,8 +351,9 @@ def profile_executable(exe: Any, inputs: Mapping[str, torch.Tensor], target: Any
 
 def roofline_breaches(steps: Sequence[StepRow], target: Any, weights_bytes: float) -> list[dict[str, Any]]:
     """The steps that ran faster than their roofline on `target`, each with its achieved rate, the
-    target's (`probe`) and the `cause`: `peak` (a GEMM above the f32 peak: the clock runs above
-    the reported one), `probe` (a step that reads mostly weights of a model larger than the LLC,
+    target's (`probe`) and the `cause`: `peak` (a GEMM above the f32 peak: the cores ran faster
+    than the reported clock and the probe's FMA chains, which a probe taken on a busy host
+    under-measures), `probe` (a step that reads mostly weights of a model larger than the LLC,
     so from memory, above the probed bandwidth: the probe under-measured), `cache` (its data
     was in cache: activations the previous steps just wrote, or weights that fit in the LLC)
     or `gather` (an indexed read whose byte count is the whole table it picks rows from).
@@ -370,7 +371,9 @@ def roofline_breaches(steps: Sequence[StepRow], target: Any, weights_bytes: floa
         if p.compute_s >= p.memory_s:
             achieved, probe, unit, cause = s.flops / s.time_s / 1e9, peak, "GFLOP/s", "peak"
             why = (f"{s.label()} ran at {achieved:.3g} GFLOP/s, above the f32 peak of {peak:.3g} GFLOP/s ({frac:.0%} "
-                   "of its roofline): the peak under-counts this host (its cores run above the reported clock)")
+                   "of its roofline): the peak under-counts this host (its cores ran faster than the reported "
+                   "clock and than the probe's FMA chains did, e.g. a probe taken while the host was busy); re-probe "
+                   "on an idle machine with `graphmode targets show host --reprobe`")
         else:
             achieved, probe, unit = s.bytes / s.time_s / 1e9, bw, "GB/s"
             weights = s.const_bytes >= 0.5 * s.bytes

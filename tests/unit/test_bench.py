@@ -238,6 +238,7 @@ def test_steps_above_the_roofline_are_named_with_their_cause():
     assert "probe under-measured" in by[0]["why"] and "8.4 GB/s" in by[0]["why"] and "#0 aten:gemm" in by[0]["why"]
     assert by[1]["cause"] == "cache" and "activations" in by[1]["why"]
     assert by[2]["cause"] == "peak" and by[2]["unit"] == "GFLOP/s" and by[2]["probe"] == 150.0
+    assert "--reprobe" in by[2]["why"]            # a probe taken on a busy host is the usual cause here
     small = {b["step"]: b for b in roofline_breaches(steps, t, weights_bytes=10e6)}    # weights fit in the LLC
     assert small[0]["cause"] == "cache" and "fit in the 32 MiB LLC" in small[0]["why"]
     # an embedding counts its whole 154 MB table but reads one row; an argmax reads all it counts
