@@ -35,6 +35,7 @@ from graphmode.targets.bandwidth import measure_bandwidth, measure_fma_peak, str
 from graphmode.targets.schema import Target
 from graphmode.targets.units import parse_bytes
 
+SLOW_PROBE = 0.8             # FMA chains under this share of the clock's theoretical peak: a busy host
 PROBE_VERSION = 3            # 2: bandwidth from streaming C kernels (was one torch copy); 3: + the FMA peak
 CACHE_FILE = "host.json"
 
@@ -589,9 +590,14 @@ def build_host_target(facts: HostFacts, probe: dict[str, Any], *, source: str = 
         fpc = flops_per_cycle_per_core(cpu, ua)
         f32 = probe["gemm_f32_gflops"] * 1e9
         peaks = {dt: f32 * v / fpc["f32"] for dt, v in fpc.items()}
-    clock_note = ""
+    clock_note = probe_note = ""
     # what the cores did: the GEMM, and the FMA chains where the probe has them (its C kernel)
     fma = probe.get("fma_f32_gflops") if _positive(probe.get("fma_f32_gflops")) else 0.0
+    if facts.clock_mhz and fma and fma * 1e9 < SLOW_PROBE * peaks["f32"]:
+        probe_note = (f"the FMA chains reached {fma:.4g} GFLOP/s, {fma * 1e9 / peaks['f32']:.2f}x what "
+                      f"{facts.cores} core(s) at the reported {facts.clock_mhz:.0f} MHz allow: the cores were "
+                      "shared or throttled while the probe ran, so its peak and bandwidth are low; re-probe "
+                      "with `graphmode targets show host --reprobe`")
     achieved, what = max((probe["gemm_f32_gflops"] * 1e9, "GEMM"), (fma * 1e9, "FMA throughput"))
     if facts.clock_mhz and achieved > peaks["f32"]:
         # The cores beat the "peak": the reported clock is below the one they ran at (turbo, or
@@ -641,6 +647,7 @@ def build_host_target(facts: HostFacts, probe: dict[str, Any], *, source: str = 
                 "model": cpu.model, "stepping": cpu.stepping, "implementer": cpu.implementer, "part": cpu.part,
                 "clock_mhz": facts.clock_mhz, "clock_source": facts.clock_source, "cores": facts.cores,
                 "threads": facts.threads, "microarch_note": ua.note, "clock_note": clock_note,
+                "probe_note": probe_note,
                 "effective_clock_mhz": round(peaks["f32"] / (facts.cores * flops_per_cycle_per_core(cpu, ua)["f32"] * 1e6), 1),
                 "flops_per_cycle_per_core": flops_per_cycle_per_core(cpu, ua)},
         "measured": measured,
