@@ -275,6 +275,12 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
     paired_interval(ok, set_ratios(ok))
 
 
+def _probe_warning(target: Any) -> list[str]:
+    """The host probe's own doubt (targets.host SLOW_PROBE): every floor of the run rests on it."""
+    note = ((getattr(target, "groups", None) or {}).get("cpu") or {}).get("probe_note")
+    return [f"host probe: {note}; this run's floors are low with it"] if note else []
+
+
 def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
     """Distribution-free interval for the median of `xs`: the k-th smallest and k-th largest,
     k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2 (20 samples: the 6th and
@@ -394,7 +400,7 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
         loadavg_start=load_start,
         quick=cfg.quick, usable_cores=probe.cores,
         loadavg_max=max((r["load_max"] for r in rows if r.get("load_max") is not None), default=None),
-        warnings=([QUICK_NOTE] if cfg.quick else []) + warning_lines(rows, cfg.quick),
+        warnings=([QUICK_NOTE] if cfg.quick else []) + warning_lines(rows, cfg.quick) + _probe_warning(target),
         wall_s=round(time.perf_counter() - t_start, 1),
         models=[{"model": c.name, "spec": c.spec, "load_s": round(c.load_s, 3), "shapes": [c.shape_of(e) for e in c.envs],
                  "source": getattr(c.bundle, "source", "")} for c in cases],

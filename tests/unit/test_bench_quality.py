@@ -227,3 +227,13 @@ def test_harness_rows_carry_the_floor_of_the_shape():
         assert r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"], rel=1e-3) and r["x_floor"] < 1
         assert "floor" in r["flags"]
     assert "x_floor" in res.meta["method"] and any("roofline floor" in w for w in res.meta["warnings"])
+
+
+def test_a_doubtful_host_probe_is_a_run_warning():
+    """The floors rest on the host probe; a probe that says it ran on shared cores says so in the run."""
+    from graphmode.targets import get_target
+    t = get_target("cpu_avx2")
+    assert harness._probe_warning(t) == [] and harness._probe_warning(None) == []
+    busy = t.model_copy(update={"groups": {**(t.groups or {}), "cpu": {"probe_note": "the FMA chains reached 90"}}})
+    (w,) = harness._probe_warning(busy)
+    assert w.startswith("host probe: the FMA chains reached 90") and "floors are low" in w
