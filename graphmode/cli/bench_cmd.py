@@ -36,7 +36,8 @@ def _mark_isa(res, cap: str, labelled: bool, simd) -> None:
             r["isa"] = res.meta["isa"]
             if labelled:
                 r["label"] = f"graphmode[{cap}]"
-    missing = isa_env_missing(res.meta["isa"]) if labelled else {}
+    below_best = labelled and res.meta["isa"] != resolve("auto", simd)
+    missing = isa_env_missing(res.meta["isa"]) if below_best else {}
     if missing:
         res.meta.setdefault("warnings", []).append(
             f"--isa {cap} holds graphmode's kernels to {res.meta['isa']}; torch's (eager, torch.compile) and "

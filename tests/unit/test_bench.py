@@ -491,14 +491,18 @@ def test_isa_run_says_which_engines_keep_the_hosts_isa(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")                # case does not matter to oneDNN
     assert isa_env_missing("avx2") == {"ATEN_CPU_CAPABILITY": "avx2"}
     res = BenchResult([{"engine": "graphmode", "label": "graphmode"}, {"engine": "eager", "label": "eager"}], {})
-    _mark_isa(res, "avx2", True, ["avx2", "fma"])
+    _mark_isa(res, "avx2", True, ["avx2", "fma", "avx512f"])
     assert res.rows[0]["label"] == "graphmode[avx2]" and res.rows[0]["isa"] == "avx2" and "isa" not in res.rows[1]
     (w,) = res.meta["warnings"]
     assert "ATEN_CPU_CAPABILITY=avx2" in w and "ONEDNN_MAX_CPU_ISA" not in w and "cannot be held" in w
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     capped = BenchResult([{"engine": "graphmode", "label": "graphmode"}], {})
-    _mark_isa(capped, "avx2", True, ["avx2", "fma"])
+    _mark_isa(capped, "avx2", True, ["avx2", "fma", "avx512f"])
     assert "warnings" not in capped.meta
     plain = BenchResult([{"engine": "graphmode", "label": "graphmode"}], {})
     _mark_isa(plain, "auto", False, ["avx2", "fma"])                # no --isa: nothing to say
     assert "warnings" not in plain.meta and plain.rows[0]["label"] == "graphmode"
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    best = BenchResult([{"engine": "graphmode", "label": "graphmode"}], {})
+    _mark_isa(best, "avx2", True, ["avx2", "fma"])                  # the host's best: the others run it anyway
+    assert "warnings" not in best.meta and best.rows[0]["label"] == "graphmode[avx2]"
