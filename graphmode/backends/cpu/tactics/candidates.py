@@ -35,13 +35,20 @@ ROW_WASTE = 0.15          # a Winograd GEMM whose row tiles are this much paddin
 # generated configurations per ISA, best-first for the heuristic (measured on the 16-row
 # GEMMs of MiniLM / GPT-2 and 128-row ones, Zen 4, 1 and 2 threads; AVX2 4x24 over all of K
 # came last: it leads at M=16, where 16 rows are four whole 4-row tiles, and is timed there)
+# AVX-512 16x16 (one vector of columns, 16 rows: B read once per panel where M = 16, 16
+# broadcasts per vector of B) came last: GPT-2 (1,16) 24.1 -> 22.0 ms and MiniLM (1,16) 3.71 ->
+# 3.06 ms with it (interleaved, one process; it won 4 of 5 and 3 of 4 GEMM shapes there: GPT-2's
+# 154 MB LM head 7.8 -> 7.1 ms alone), the 128-token and ResNet shapes unchanged. At
+# 16x768x3072 it ran at half speed (likely its 16 A rows, 12 KiB apart, sharing L1 sets), so it
+# is timed like the others, never assumed. AVX2 has no 16-row tile (16 ymm registers); its
+# 12x8 and 8x8 lost to 6x16 at M=16.
 # (the `serial` variants run on the calling thread only: on a shared machine whose other CPU
 # is busy, an OpenMP region over a 30-100 us GEMM can wait out its second thread's
 # preemption; the timing decides whether that happens here)
 CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
     "avx512": (GemmConfig("avx512", 8, 32), GemmConfig("avx512", 8, 32, par="serial"),
                GemmConfig("avx512", 8, 48, 256), GemmConfig("avx512", 8, 48, 256, par="serial"),
-               GemmConfig("avx512", 6, 64, 256), GemmConfig("avx512", 12, 32, 256, 96)),
+               GemmConfig("avx512", 6, 64, 256), GemmConfig("avx512", 12, 32, 256, 96), GemmConfig("avx512", 16, 16)),
     "avx2": (GemmConfig("avx2", 6, 16), GemmConfig("avx2", 6, 16, par="serial"), GemmConfig("avx2", 4, 24, 256),
              GemmConfig("avx2", 6, 16, 256, 72), GemmConfig("avx2", 4, 24)),
     "portable": (GemmConfig("portable", 4, 16, 256), GemmConfig("portable", 4, 16, 256, par="serial")),
