@@ -276,8 +276,9 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def _probe_warning(target: Any) -> list[str]:
-    """The host probe's own doubt (targets.host SLOW_PROBE): every floor of the run rests on it."""
-    note = ((getattr(target, "groups", None) or {}).get("cpu") or {}).get("probe_note")
+    """The host probe's own doubt (targets.host.probe_note): every floor of the run rests on it."""
+    from graphmode.targets.host import probe_note
+    note = probe_note(target)
     return [f"host probe: {note}; this run's floors are low with it"] if note else []
 
 

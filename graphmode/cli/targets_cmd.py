@@ -18,6 +18,7 @@ from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import CacheDir
 from graphmode.paths import cache_layout
 from graphmode.targets import Target, get_target, list_targets, load_target_file
+from graphmode.targets.host import probe_note
 
 targets_app = typer.Typer(name="targets", no_args_is_help=True, add_completion=False,
                           help="List and inspect hardware targets (shipped description files and the detected host).")
@@ -122,8 +123,8 @@ def show_cmd(name: str = typer.Argument(..., help="target name (see `graphmode t
     for g, entries in t.groups.items():
         _print_group(g, entries)
     m = t.groups.get("measured", {})
-    if t.measured and (t.groups.get("cpu") or {}).get("probe_note"):
-        console.print(f"note: {t.groups['cpu']['probe_note']}.", markup=False, highlight=False)
+    if t.measured and probe_note(t):
+        console.print(f"note: {probe_note(t)}.", markup=False, highlight=False)
     if t.measured and m.get("loadavg_1m", 0) > 0.5 * t.compute_units:
         console.print(f"note: the probe ran at load average {m['loadavg_1m']} on {t.compute_units} core(s); "
                       "numbers may be low. Re-measure on an idle machine with --reprobe.", highlight=False)

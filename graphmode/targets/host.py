@@ -662,6 +662,12 @@ def build_host_target(facts: HostFacts, probe: dict[str, Any], *, source: str = 
         interconnect=None, launch_overhead_us=float(probe["dispatch_us"]), groups=groups, measured=True)
 
 
+def probe_note(target: Any) -> str:
+    """The host probe's doubt about its own numbers (FMA chains under SLOW_PROBE of what the
+    reported clock allows), or "" for a probe without one and for any other target."""
+    return ((getattr(target, "groups", None) or {}).get("cpu") or {}).get("probe_note") or ""
+
+
 def detect_host(*, cache_dir: str | Path | None = None, reprobe: bool = False, facts: HostFacts | None = None,
                 probe_fn: Callable[[int], dict[str, Any]] | None = None) -> Target:
     """The `host` Target: static facts now, probe numbers from the cache or a fresh probe.
@@ -690,5 +696,5 @@ def detect_host(*, cache_dir: str | Path | None = None, reprobe: bool = False, f
 __all__ = ["CpuInfo", "CacheLevel", "HostFacts", "HostProbeWarning", "MicroArch", "build_host_target",
            "clock_mhz", "detect_host", "detect_host_facts", "flops_per_cycle_per_core", "load_probe_cache",
            "memory_limit_bytes", "microarch", "parse_caches", "parse_cpu_list", "parse_cpuinfo", "parse_meminfo",
-           "probe_bandwidth", "run_probe", "save_probe_cache", "simd_features", "theoretical_peaks",
+           "probe_bandwidth", "probe_note", "run_probe", "save_probe_cache", "simd_features", "theoretical_peaks",
            "vector_registers", "vector_width_bits"]
