@@ -30,6 +30,7 @@ needs_cxx = pytest.mark.skipif(not _PROBE.compiler_available(), reason="no C++ c
 # every ISA gets its own configs; on a host without one, its `#if` falls back to portable C,
 # so the numerics hold everywhere (the ISA list only decides what the tuner offers)
 CONFIGS = [GemmConfig("avx512", 8, 32), GemmConfig("avx512", 6, 48, 16, 12), GemmConfig("avx512", 12, 32, 7, 0, 4),
+           GemmConfig("avx512", 16, 16),                  # 16 rows in one tile: M = 17 leaves a 1-row tail
            GemmConfig("avx2", 6, 16, 8, 0, par="serial"), GemmConfig("avx2", 4, 24),
            GemmConfig("portable", 4, 16, 16, 8), GemmConfig("portable", 3, 8, 0, 0, par="serial")]
 
