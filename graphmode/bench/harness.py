@@ -59,7 +59,7 @@ class BenchConfig:
     tol: float = NUMERICS_TOL
     recipe: Any = None               # a recipe path for graphmode (else one at the shapes)
     cache_dir: Any = None            # graphmode artifact cache (None: fresh temp dir per model)
-    onnx_cache_dir: Any = None       # ONNX export cache (None: ~/.cache/graphmode/onnx)
+    onnx_cache_dir: Any = None       # ONNX export cache (None: <cache root>/onnx, graphmode.paths)
     quick: bool = False              # a smoke run: rows are flagged `quick`, never read as timings
     kb: Any = None                   # knowledge base file the graphmode rows are recorded in (None: off)
     isa: str | None = None           # graphmode's codegen.isa cap (None: the recipe's own)

@@ -1,5 +1,7 @@
-"""Options several commands share. GRAPHMODE_CACHE_DIR is read here and nowhere else: each
-command passes the root on as an argument (graphmode.paths lays out the folders under it).
+"""Options several commands share. The cache root is not read here: a command passes
+--cache-dir on as it came (None when not given) and graphmode.paths.cache_root resolves it
+(--cache-dir, else GRAPHMODE_CACHE_DIR, else the platform cache folder), the same way the
+Python API does, so both share one cache.
 
     cache_dir: Optional[Path] = CacheDir
 """
@@ -10,9 +12,10 @@ from typing import Optional
 
 import typer
 
-CacheDir = typer.Option(None, "--cache-dir", envvar="GRAPHMODE_CACHE_DIR", show_envvar=True,
-                        help="cache root: plans, kernels, timing cache, host probe, calibration, ONNX exports "
-                             "(default ~/.cache/graphmode)")
+CacheDir = typer.Option(None, "--cache-dir", show_default=False,
+                        help="cache root: plans, kernels, timing cache, host probe, calibration, ONNX exports, "
+                             "knowledge base (default: $GRAPHMODE_CACHE_DIR, else $XDG_CACHE_HOME/graphmode or "
+                             "~/.cache/graphmode; the Python API uses the same one)")
 
 KbPath = typer.Option(None, "--kb", envvar="GRAPHMODE_KB", show_envvar=True,
                       help="knowledge base file, shareable by a team (default <cache root>/kb/kb.sqlite)")
@@ -21,4 +24,4 @@ KbPath = typer.Option(None, "--kb", envvar="GRAPHMODE_KB", show_envvar=True,
 def kb_file(kb: Optional[Path], cache_dir: Optional[Path]) -> Path:
     """The knowledge base every measuring command records into."""
     from graphmode.paths import cache_layout
-    return kb if kb is not None else cache_layout(cache_dir).kb / "kb.sqlite"
+    return kb if kb is not None else cache_layout(cache_dir).kb_file

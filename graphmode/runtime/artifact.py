@@ -238,7 +238,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
         if recipe.hash() != manifest.get("recipe_hash"):
             raise ArtifactError("its recipe does not match the manifest's hash (edited?)", where=f"{path}:recipe.json",
                                 fix="save the artifact again")
-        root = cache_layout(cache_dir).root / "artifacts" / digest
+        root = cache_layout(cache_dir).artifacts / digest
         if not (root / "complete").is_file():
             _extract(z, root)
         text = _read(z, "graph.ir", path).decode()

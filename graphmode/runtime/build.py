@@ -15,7 +15,8 @@ from graphmode.backends import Executable, get_backend
 from graphmode.errors import CacheError, PlanError
 from graphmode.hostmem import trim_heap
 from graphmode.plan.execution import ExecutionPlan, load_plan, lower
-from graphmode.runtime.cache import ArtifactCache, default_cache_dir, make_key
+from graphmode.paths import cache_layout
+from graphmode.runtime.cache import ArtifactCache, make_key
 
 _SCRATCH: list[tempfile.TemporaryDirectory] = []
 
@@ -100,7 +101,7 @@ def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
     if cache is not None:
         kdir = cache.kernels
     elif cm.cache_dir is False:
-        kdir = default_cache_dir() / "kernels"
+        kdir = cache_layout().kernels
     else:
         kdir = _scratch_dir()
     backend = get_backend(cm.device)

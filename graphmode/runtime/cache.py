@@ -28,16 +28,13 @@ import torch
 
 import graphmode
 from graphmode.errors import CacheError
+from graphmode.paths import cache_root
 
 log = logging.getLogger("graphmode.cache")
 KEY_FIELDS = ("graph_hash", "recipe_hash", "target", "bucket", "graphmode", "torch", "isa")
 FIELDS_SINCE_V1 = {"isa": "auto"}    # key field added later -> the value entries written before it had
 PLAN_FILE = "plan.json"
 _WARN = ("corrupt", "unusable", "unwritable")
-
-
-def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "graphmode"
 
 
 def make_key(graph_hash: str, recipe_hash: str, target: str, bucket: Mapping[str, int],
@@ -100,7 +97,7 @@ class Entry:
 
 class ArtifactCache:
     def __init__(self, root: str | Path | None = None):
-        self.root = Path(root) if root is not None else default_cache_dir()
+        self.root = cache_root(root)
         self.plans = self.root / "plans"
         self.kernels = self.root / "kernels"
         self.events: list[dict[str, Any]] = []

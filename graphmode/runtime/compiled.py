@@ -74,7 +74,7 @@ class CompiledModel:
         parameters, which the module keeps, nor run-time state) to a file-backed mapping whose pages each bucket
         build releases once its kernels hold their prepared copies (graphmode/hostmem.py)."""
         from graphmode.hostmem import spill_constants
-        from graphmode.runtime.cache import default_cache_dir
+        from graphmode.paths import cache_layout
         if self.graph is None or self.constant_spill is not None:
             return
         module = self.source.module
@@ -83,12 +83,7 @@ class CompiledModel:
                 if self.graph.values[k].role == "state"}
         if module is not None:
             keep |= {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
-        if self.cache_dir is None:
-            folder = default_cache_dir() / "spill"
-        elif self.cache_dir is False:
-            folder = None
-        else:
-            folder = Path(self.cache_dir) / "spill"
+        folder = None if self.cache_dir is False else cache_layout(self.cache_dir).spill
         self.graph.constants, self.constant_spill = spill_constants(self.graph.constants, folder, keep=keep)
 
     def memory_report(self) -> dict[str, Any]:

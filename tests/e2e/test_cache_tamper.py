@@ -250,6 +250,7 @@ def test_cli_run_over_a_tampered_cache(pristine, tmp_path):
     recipe.write_text(yaml.safe_dump(RECIPE))
     env = {**os.environ, "HOME": str(home)}
     env.pop("GRAPHMODE_CACHE_DIR", None)
+    env.pop("XDG_CACHE_HOME", None)
     res = subprocess.run([sys.executable, "-m", "graphmode", "run", "--model", SPEC, "--recipe", str(recipe),
                           "--shape", "1", "--iters", "1", "--warmup", "--json"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

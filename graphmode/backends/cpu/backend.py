@@ -24,8 +24,8 @@ class CpuBackend:
                    kernel_dir: Path | None = None, threads: int | None = None,
                    kernel_selection: Any = None, isa: str = "auto", frozen: bool = False,
                    weight_growth: float | None = None) -> CpuExecutable:
-        """Kernels are built in (and loaded from) `kernel_dir` (default ~/.cache/graphmode/
-        kernels), the tactics' timing cache lives next to it in `tactics/`; `isa` caps their
+        """Kernels are built in (and loaded from) `kernel_dir` (default <cache root>/kernels,
+        graphmode.paths), the tactics' timing cache lives next to it in `tactics/`; `isa` caps their
         code path (the recipe's `codegen.isa`), never above what this host runs. `frozen`: use
         the timing cache as recorded (no re-timing of noisy entries), as a loaded artifact does.
         `weight_growth`: the recipe's memory.weight_growth (None: the prepared weights are not limited)."""

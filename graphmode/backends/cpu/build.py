@@ -36,6 +36,7 @@ from graphmode.backends.cpu.abi import KernelSource, translation_unit
 from graphmode.backends.cpu.isa import CAPS, host_simd, march
 from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary
 from graphmode.errors import BackendError
+from graphmode.paths import cache_layout
 
 log = logging.getLogger("graphmode.backends.cpu")
 
@@ -522,14 +523,14 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def default_kernel_dir() -> Path:
-    return Path.home() / ".cache" / "graphmode" / "kernels"
+    return cache_layout().kernels
 
 
 _BUILDERS: dict[tuple, KernelBuilder] = {}
 
 
 def builder_for(cache_dir: Path | str | None, threads: int | None, isa: str | None = None) -> KernelBuilder:
-    """The process's builder for a kernel folder (default: ~/.cache/graphmode/kernels), thread
+    """The process's builder for a kernel folder (default: the cache root's kernels/, graphmode.paths), thread
     count and ISA cap: one per triple, so its compiler probe and loaded libraries are shared."""
     isa = None if isa == "auto" else isa
     key = (str(cache_dir or default_kernel_dir()), threads, isa)

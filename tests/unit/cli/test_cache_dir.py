@@ -1,5 +1,7 @@
-"""GRAPHMODE_CACHE_DIR (read once, by the shared --cache-dir option) moves every cache a command
-writes: compile's kernels, run's plans and kernels, the host probe; nothing lands under HOME."""
+"""GRAPHMODE_CACHE_DIR (resolved by graphmode.paths.cache_root for the CLI and the Python API
+alike) moves every cache a command writes: compile's kernels, run's plans and kernels, the host
+probe; nothing lands under HOME. Plans the CLI built are hits for `graphmode.compile` and the
+other way round; an explicit cache_dir wins over the variable."""
 from __future__ import annotations
 
 import json
@@ -41,7 +43,42 @@ def test_the_variable_moves_every_cache_a_command_writes(tmp_path, monkeypatch):
                               "--json"])
     assert res.exit_code == 0, res.output
     assert _files(root / "plans") and (root / "targets" / "host.json").is_file()
-    # nothing else under HOME; the tactic selector (backends/cpu/tactics.py) still looks the host up
-    # with no cache root: once it is handed the target, this becomes `assert not home.exists()`
-    leaked = [str(p.relative_to(home)) for p in _files(home)]
-    assert leaked in ([], [".cache/graphmode/targets/host.json"]), leaked
+    assert not _files(home), [str(p.relative_to(home)) for p in _files(home)]
+
+
+def _events(cm) -> dict:
+    return {k: v for k, v in cm.events.items() if k in ("compile", "cache_hit")}
+
+
+def test_the_cli_and_the_python_api_share_one_root_and_an_explicit_one_wins(tmp_path, monkeypatch):
+    import graphmode
+    root, home = tmp_path / "root", tmp_path / "home"
+    probe = cache_layout().targets
+    if probe.is_dir():
+        shutil.copytree(probe, root / "targets")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("GRAPHMODE_CACHE_DIR", str(root))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(RECIPE))
+    runner = CliRunner()
+    res = runner.invoke(app, ["run", "--model", TINY, "--recipe", str(recipe), "--shape", "2", "--iters", "1",
+                              "--json"])
+    assert res.exit_code == 0, res.output
+
+    cm = graphmode.compile(TINY, str(recipe))             # no cache_dir: the variable's root, as the CLI
+    cm.warmup()
+    assert _events(cm) == {"cache_hit": 1, "compile": 1}   # batch=2 from the CLI's run, batch=1 built here
+
+    res = runner.invoke(app, ["run", "--model", TINY, "--recipe", str(recipe), "--shape", "1", "--iters", "1",
+                              "--metrics", "--json"])
+    assert res.exit_code == 0, res.output
+    events = json.loads(res.output)["metrics"]["events"]
+    assert events.get("cache_hit") and not events.get("compile"), events    # the Python API's plan
+
+    other = tmp_path / "explicit"
+    cm = graphmode.compile(TINY, str(recipe), cache_dir=other)
+    cm.warmup()
+    assert _events(cm) == {"compile": 2}
+    assert len(list((other / "plans").iterdir())) == 2 and len(list((root / "plans").iterdir())) == 2
+    assert not _files(home)
