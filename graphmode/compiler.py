@@ -16,6 +16,7 @@ import torch
 from graphmode.capture.torch_import import CaptureReport, import_torch
 from graphmode.errors import CaptureError, RecipeError
 from graphmode.ir.graph import Graph
+from graphmode.progress import OnStage, PassProgress, stage
 from graphmode.recipe import Recipe, load_recipe
 
 
@@ -169,8 +170,9 @@ def pass_context(recipe: Recipe, target: Any = None, buckets: Sequence[dict] | N
 def optimize(graph: Graph, recipe: Recipe | str | Path, target: Any = None, *,
              buckets: Sequence[dict] | None = None, dump_dir: str | Path | None = None,
              dump_before: Sequence[str] | str = (), dump_after: Sequence[str] | str = (),
-             keep_snapshots: bool = False) -> tuple[Graph, OptimizeReport]:
-    """Run the recipe's pass pipeline (verifier after every pass)."""
+             keep_snapshots: bool = False, on_stage: OnStage | None = None) -> tuple[Graph, OptimizeReport]:
+    """Run the recipe's pass pipeline (verifier after every pass); `on_stage` hears the `passes`
+    stage, one step per pass (graphmode/progress.py)."""
     from graphmode.passes import DumpIR, KeepSnapshots, PassManager
     recipe = as_recipe(recipe)
     ctx = pass_context(recipe, target, buckets)
@@ -183,7 +185,9 @@ def optimize(graph: Graph, recipe: Recipe | str | Path, target: Any = None, *,
     if snaps:
         ctx.instruments.append(snaps)
     t0 = time.perf_counter()
-    out, report = PassManager(recipe.pipeline(), ctx).run(graph)
+    with stage(on_stage, "passes", total=len(recipe.pipeline())) as passes:
+        ctx.instruments.append(PassProgress(passes))
+        out, report = PassManager(recipe.pipeline(), ctx).run(graph)
     rep = OptimizeReport(report, ctx.analyses.get("memory_plan"), dump.files if dump else [],
                          time.perf_counter() - t0)
     if snaps:
@@ -216,23 +220,27 @@ class Lowered:
 
 
 def lower_model(model: Any, recipe: Recipe | str | Path, target: Any = None, *, mode: str | None = None,
-                keep_snapshots: bool = False) -> Lowered:
+                keep_snapshots: bool = False, on_stage: OnStage | None = None) -> Lowered:
     """capture -> verdict -> passes -> proof, refusing (typed errors) at the first that fails:
-    the one path compile, verify, run, serve and `plan show` share."""
+    the one path compile, verify, run, serve and `plan show` share. `on_stage` hears the
+    capture, passes and proof stages (graphmode/progress.py)."""
     recipe = as_recipe(recipe)
-    graph0, cap, src, verdict = checked_capture(model, recipe, mode)
+    with stage(on_stage, "capture"):
+        graph0, cap, src, verdict = checked_capture(model, recipe, mode)
     verdict.raise_for_refusal()
-    graph, opt = optimize(graph0, recipe, target, buckets=[], keep_snapshots=keep_snapshots)
-    proof = prove(recipe, target, graph)
+    graph, opt = optimize(graph0, recipe, target, buckets=[], keep_snapshots=keep_snapshots, on_stage=on_stage)
+    with stage(on_stage, "proof"):
+        proof = prove(recipe, target, graph)
     proof.raise_for_errors()      # a recipe that is not proved is never loaded
     return Lowered(src, graph0, cap, verdict, graph, opt, proof)
 
 
 def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any = "host", *, mode: str | None = None,
             cache_dir: str | Path | None = None, threads: int | None = None, warmup: bool = False,
-            progress: bool = False):
+            on_stage: OnStage | None = None):
     """Capture, optimise and wrap a model; plans are built per bucket on first use (or warm-up).
-    Without a recipe, one is drafted as `graphmode recipe init` does (said once, `cm.recipe`)."""
+    Without a recipe, one is drafted as `graphmode recipe init` does (said once, `cm.recipe`).
+    `on_stage` hears the capture, passes, proof and plans stages (graphmode/progress.py)."""
     from graphmode.runtime.compiled import CompiledModel
     tgt = _target(target)
     if recipe is None:
@@ -242,13 +250,14 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     mode = mode or recipe.exe_mode
     if mode == "eager":
         src = resolve_model(model, recipe)
-        return CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir, threads=threads)
-    low = lower_model(model, recipe, tgt, mode=mode)
+        return CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir, threads=threads,
+                             on_stage=on_stage)
+    low = lower_model(model, recipe, tgt, mode=mode, on_stage=on_stage)
     cm = CompiledModel(low.source, recipe, tgt, low.captured, low.graph, (low.capture_report, low.optimize_report),
-                       mode=mode, cache_dir=cache_dir, threads=threads, verdict=low.verdict)
+                       mode=mode, cache_dir=cache_dir, threads=threads, verdict=low.verdict, on_stage=on_stage)
     cm.spill_constants()
     if warmup:
-        cm.warmup(progress=progress)
+        cm.warmup()
     return cm
 
 

@@ -105,7 +105,7 @@ def rich_tables(res) -> list[Any]:
                       "graphmode vs X = X's time / graphmode's (> 1: graphmode faster); * = flagged (see the .md)",
               caption_justify="left")
     for h in head:
-        t.add_column(h, justify="left" if h in ("model", "engine", "flags") else "right")
+        t.add_column(h, justify="left" if h in ("model", "engine", "flags") else "right", overflow="fold")
     prev = None
     for line in lines:
         if prev is not None and line[0] != prev:

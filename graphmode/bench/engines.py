@@ -40,6 +40,7 @@ class ModelShared:
     cache_dir: Any = None              # graphmode artifact cache (None: a fresh temp dir, cold)
     onnx_cache_dir: Any = None
     isa: str | None = None             # --isa: the recipe's codegen.isa replaced (None: as it is)
+    on_stage: Any = None               # hears graphmode's compile stages (graphmode/progress.py)
     store: dict[str, Any] = field(default_factory=dict)
 
 
@@ -265,8 +266,8 @@ def graphmode_model(shared: ModelShared):
             tmp = tempfile.TemporaryDirectory(prefix="graphmode-bench-")
             shared.store["tmp"] = tmp
             cache = tmp.name
-        cm = graphmode.compile(shared.bundle, rec, "host", cache_dir=cache,
-                               threads=shared.threads)
+        cm = graphmode.compile(shared.bundle, rec, "host", cache_dir=cache, threads=shared.threads,
+                               on_stage=shared.on_stage)
         got = shared.store["graphmode"] = (cm, rec, time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - remembered so every shape reports the same reason
         shared.store["graphmode"] = e

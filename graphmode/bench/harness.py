@@ -63,6 +63,7 @@ class BenchConfig:
     quick: bool = False              # a smoke run: rows are flagged `quick`, never read as timings
     kb: Any = None                   # knowledge base file the graphmode rows are recorded in (None: off)
     isa: str | None = None           # graphmode's codegen.isa cap (None: the recipe's own)
+    on_stage: Any = None             # hears graphmode's compile stages and plan builds (graphmode/progress.py)
 
 
 def parse_engines(text: str | None, extra: Sequence[str] = (), quick: bool = False) -> list[tuple[str, str | None]]:
@@ -375,7 +376,7 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
     try:
         for case in cases:
             shared = ModelShared(case.bundle, case.envs, cfg.threads, recipe=cfg.recipe, cache_dir=cfg.cache_dir,
-                                 onnx_cache_dir=cfg.onnx_cache_dir, isa=cfg.isa)
+                                 onnx_cache_dir=cfg.onnx_cache_dir, isa=cfg.isa, on_stage=cfg.on_stage)
             try:
                 first = len(rows)
                 for env in case.envs:

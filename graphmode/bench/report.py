@@ -98,7 +98,7 @@ def rich_table(res: BenchResult):
               caption=caption, caption_justify="left")
     for c in SHORT:
         t.add_column(c, justify="right" if c not in ("model", "shape", "engine", "status", "flags") else "left",
-                     no_wrap=c not in ("engine", "flags"))
+                     no_wrap=c not in ("engine", "flags"), overflow="fold")
     prev = None
     notes = []
     for r in res.rows:

@@ -10,7 +10,7 @@ import importlib
 import json
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from typer.core import TyperGroup
 
 from graphmode.errors import GraphmodeError
@@ -34,13 +34,40 @@ class _Commands(TyperGroup):
 app = typer.Typer(name="graphmode", no_args_is_help=True, add_completion=False, cls=_Commands,
                   pretty_exceptions_enable=False,
                   help="Graph-mode compiler and runtime for inference, driven by a verified recipe.")
-console = Console()
+
+
+class CliConsole(Console):
+    """A rich console as wide as a terminal it writes to, and unbounded when it writes to a pipe
+    or a file (CI logs, `| tee`, `| grep`): rich's 80-column default would shrink tables and cut
+    the op names and source lines a fix needs, and break long lines. Piped, a table keeps its
+    natural width and a line stays one line; checked at every print, so a CliRunner's captured
+    stdout counts as piped."""
+
+    PIPED_WIDTH = 10_000
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self._width is None and not self.is_terminal:
+            return ConsoleDimensions(self.PIPED_WIDTH, size.height)
+        return size
+
+    @size.setter
+    def size(self, new_size) -> None:
+        Console.size.fset(self, new_size)
+
+
+console = CliConsole()
 
 
 @app.callback()
-def _root() -> None:
+def _root(no_progress: bool = typer.Option(False, "--no-progress", help="show no progress on stderr (by "
+                                           "default: a progress display on a terminal, plain lines when piped)")
+          ) -> None:
     """Graph-mode compiler and runtime for inference, driven by a verified recipe."""
-err_console = Console(stderr=True)
+    from graphmode.cli.progress import set_enabled
+    set_enabled(not no_progress)
+err_console = CliConsole(stderr=True)
 
 # Sub-command modules, in help order. A module missing here is simply not offered yet.
 COMMAND_MODULES = ["recipe_cmd", "targets_cmd", "compile_cmd", "plan_cmd", "run_cmd", "verify_cmd",

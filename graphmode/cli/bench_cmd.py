@@ -9,14 +9,10 @@ from typing import List, Optional
 
 import typer
 
-from rich.console import Console
-
-from graphmode.cli.app import app, err_console
-from graphmode.cli.app import console as _console
+from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import CacheDir, KbPath, kb_file
+from graphmode.cli.progress import progress
 
-# piped output (CI logs, `| tee`) gets rich's 80 columns by default: too narrow for these tables
-console = _console if _console.is_terminal else Console(width=170)
 
 
 def default_out_dir() -> Path:
@@ -120,7 +116,9 @@ def bench_cmd(
     why = cap_problem(isa, target.simd)
     if why is not None:
         raise TargetError(why[0], where="--isa", value=isa, fix=why[1].replace("codegen.isa:", "--isa"))
-    res = run_bench(cases, cfg, log=log, target=target)
+    with progress(measuring=True) as on_stage:          # graphmode's compile stages, between the engines' setup lines
+        cfg.on_stage = on_stage
+        res = run_bench(cases, cfg, log=log, target=target)
     _mark_isa(res, isa or (load_recipe(recipe).codegen.isa if recipe else "auto"), isa is not None, target.simd)
     paths = write_results(res, out or default_out_dir(), name or ("quick" if quick else "bench"))
     if as_json:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from graphmode.cli.app import app, console
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
 from graphmode.errors import CacheError, GraphmodeError
 
 cache_app = typer.Typer(help="Inspect and manage the artifact cache.", no_args_is_help=True)
@@ -44,7 +45,7 @@ def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(
         return
     t = Table(title=f"{len(entries)} cached plans")
     for c in ("digest", "graph", "recipe", "target", "bucket", "versions", "KiB", "last used"):
-        t.add_column(c)
+        t.add_column(c, overflow="fold")
     for e in entries:
         k = e.key
         if "corrupt" in k:     # removed and rebuilt by the next lookup, or by clear/prune
@@ -104,7 +105,9 @@ def cache_explain(
 
     rec = load_recipe(recipe)
     env = parse_shape(bucket, list(rec.dims)) if bucket else dict(all_buckets(rec)[0])
-    graph = lower_model(model, rec, pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets)).graph
+    with progress() as on_stage:
+        graph = lower_model(model, rec, pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets),
+                            on_stage=on_stage).graph
     key = make_key(graph.structural_hash(), recipe_hash(rec), target, env, isa=rec.codegen.isa)
     res = _cache(cache_dir).explain(key)
     res["key"] = key

@@ -11,7 +11,9 @@ from rich.table import Table
 
 from graphmode.cli.app import app, console
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
+from graphmode.progress import OnStage, stage
 
 
 def dump_selection(text: Optional[str], flag: str, pipeline: list[str]):
@@ -30,14 +32,16 @@ def dump_selection(text: Optional[str], flag: str, pipeline: list[str]):
 
 def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_dir: Optional[Path] = None,
                  dump_before: Optional[str] = None, dump_after: Optional[str] = None, plan_buckets: bool = True,
-                 cache_dir: Optional[Path] = None):
-    """Run the pipeline up to memory plans; returns (report, optimized graph, recipe, source)."""
+                 cache_dir: Optional[Path] = None, on_stage: Optional[OnStage] = None):
+    """Run the pipeline up to memory plans; returns (report, optimized graph, recipe, source).
+    `on_stage` hears capture, passes, memory plans (bucket N of M) and proof."""
     from graphmode.compile_report import BucketMemory, CompileReport
     from graphmode.compiler import checked_capture, optimize, prove
     from graphmode.paths import cache_layout
     from graphmode.plan.memory import activation_peak_expr, plan_memory
     from graphmode.recipe import load_recipe
     from graphmode.recipe.targets import pick_target
+    from graphmode.runtime.compiled import CompiledModel
 
     secs: dict[str, float] = {}
     recipe = load_recipe(recipe_path)
@@ -45,7 +49,8 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
     after = dump_selection(dump_after, "--dump-ir-after", recipe.pipeline())
     tgt = pick_target(recipe, target, cache_dir=cache_layout(cache_dir).targets)
     t0 = time.perf_counter()
-    graph0, cap, src, contract = checked_capture(model, recipe)
+    with stage(on_stage, "capture"):
+        graph0, cap, src, contract = checked_capture(model, recipe)
     secs["capture"] = time.perf_counter() - t0
     if not contract.ok:     # stop before passes: the recipe does not hold for this model
         rep = CompileReport(src.name, recipe.name, recipe.hash(), getattr(tgt, "name", str(tgt)),
@@ -55,20 +60,24 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
 
     t0 = time.perf_counter()
     graph, opt = optimize(graph0, recipe, tgt, buckets=[], dump_dir=dump_dir or Path("graphmode-ir-dumps"),
-                          dump_before=before, dump_after=after)
+                          dump_before=before, dump_after=after, on_stage=on_stage)
     secs["passes"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     memory = []
     if plan_buckets:
-        for env in recipe.buckets():
-            mp = plan_memory(graph, env, reuse=recipe.optimize.memory_reuse,
-                             alias_groups=[list(g) for g in recipe.alias_groups])
-            memory.append(BucketMemory(dict(env), mp.arena_bytes, mp.lower_bound_bytes))
+        buckets = recipe.buckets()
+        with stage(on_stage, "memory plans", total=len(buckets)) as plans:
+            for env in buckets:
+                mp = plan_memory(graph, env, reuse=recipe.optimize.memory_reuse,
+                                 alias_groups=[list(g) for g in recipe.alias_groups])
+                memory.append(BucketMemory(dict(env), mp.arena_bytes, mp.lower_bound_bytes))
+                plans.step(CompiledModel.bucket_key(env))
     act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
                                alias_groups=[list(g) for g in recipe.alias_groups])
     secs["memory_plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    validation = prove(recipe, tgt, graph)
+    with stage(on_stage, "proof"):
+        validation = prove(recipe, tgt, graph)
     secs["verify"] = time.perf_counter() - t0
     fused = [{"kind": n.attrs.get("kind"), "ops": [m.op for m in n.body.nodes], "outputs": list(n.outputs)}
              for n in graph.nodes if n.op == "fused"]
@@ -101,12 +110,12 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
     console.print(f"capture: {cap.source}, {sum(cap.aten_ops.values())} source ops "
                   f"({len(cap.aten_ops)} kinds) -> {rep.nodes_captured} IR nodes in {rep.seconds['capture']:.1f}s")
     if cap.fallbacks:
-        t = Table(title=f"fallbacks (graph breaks): {sum(f.count for f in cap.fallbacks)}")
-        for c in ("op", "count", "reason", "source location"):
-            t.add_column(c)
+        # plain lines, not a table: the op name and the source line are what a fix needs, whole
+        # and copyable however narrow the terminal or wherever the output is piped
+        console.print(f"fallbacks (graph breaks): {sum(f.count for f in cap.fallbacks)}")
         for f in cap.fallbacks:
-            t.add_row(f.target, str(f.count), f.reason, f.loc)
-        console.print(t)
+            console.print(f"  {f.target} x{f.count}: {f.reason}", markup=False, highlight=False, soft_wrap=True)
+            console.print(f"    at {f.loc}", markup=False, highlight=False, soft_wrap=True)
     else:
         console.print("fallbacks: none (the whole model runs as one graph)")
     if rep.contract is not None:
@@ -115,7 +124,8 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
         return
     t = Table(title="passes")
     for c in ("#", "pass", "nodes before", "nodes after", "ms", "stats"):
-        t.add_column(c, justify="right" if c in ("#", "nodes before", "nodes after", "ms") else "left")
+        t.add_column(c, justify="right" if c in ("#", "nodes before", "nodes after", "ms") else "left",
+                     overflow="fold")
     for i, p in enumerate(rep.passes.passes):
         stats = ", ".join(f"{k}={v}" for k, v in p.stats.items() if not isinstance(v, (dict, list)))
         t.add_row(str(i), p.name, str(p.nodes_before), str(p.nodes_after), f"{p.seconds * 1e3:.1f}", stats[:80])
@@ -135,7 +145,7 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
     if rep.memory:
         t = Table(title=f"memory plan ({len(rep.memory)} buckets)")
         for c in ("bucket", "arena MiB", "lower bound MiB", "arena / bound"):
-            t.add_column(c, justify="right")
+            t.add_column(c, justify="right", overflow="fold")
         mem = rep.memory if len(rep.memory) <= max_buckets else rep.memory[:max_buckets // 2] + rep.memory[-max_buckets // 2:]
         for m in mem:
             t.add_row(",".join(f"{k}={v}" for k, v in m.bucket.items()), f"{m.arena_bytes / 2**20:.2f}",
@@ -167,9 +177,15 @@ def compile_cmd(
     as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
 ) -> None:
     """Compile a model with a recipe and print the compile report."""
-    from graphmode.paths import cache_layout
-    rep, graph, recipe_obj, src = build_report(model, recipe, target, dump_dir=dump_dir, dump_before=dump_ir_before,
-                                               dump_after=dump_ir_after, cache_dir=cache_dir)
+    with progress() as on_stage:
+        rep, graph, recipe_obj, src = build_report(model, recipe, target, dump_dir=dump_dir,
+                                                   dump_before=dump_ir_before, dump_after=dump_ir_after,
+                                                   cache_dir=cache_dir, on_stage=on_stage)
+        if rep.contract.ok and not dry_run:
+            built, exe = first_plan(graph, recipe_obj, cache_dir, on_stage)
+            rep.seconds["first_plan"] = built["seconds"]
+        else:
+            built = exe = None
     if not rep.contract.ok:
         if as_json:
             print(json.dumps(rep.to_json(), indent=2, default=str))
@@ -177,23 +193,6 @@ def compile_cmd(
             print_report(rep)
         from graphmode.verdict import ContractRefused
         raise typer.Exit(ContractRefused(rep.contract.refusals).exit_code)
-    built = None
-    if not dry_run:
-        from graphmode.backends import DEFAULT_DEVICE, get_backend
-        from graphmode.runtime.build import backend_options, build_plan
-        t0 = time.perf_counter()
-        env = recipe_obj.buckets()[0]
-        plan = build_plan(graph, recipe_obj, env)
-        backend = get_backend(DEFAULT_DEVICE)
-        exe = backend.executable(plan, graph.constants, kernel_dir=cache_layout(cache_dir).kernels,
-                                 kernel_selection=recipe_obj.codegen.kernel_selection,
-                                 **backend_options(backend, recipe_obj))
-        weights = sum(t.numel() * t.element_size() for t in graph.constants.values())
-        built = {"bucket": env, "instructions": len(plan.instructions), "generated_kernels": exe.generated,
-                 "kernel_fallbacks": exe.kernel_report.get("fallbacks", {}), "tactics": exe.tactics_report,
-                 "memory": {"constants_bytes": weights, **exe.memory_report()},
-                 "seconds": round(time.perf_counter() - t0, 3)}
-        rep.seconds["first_plan"] = time.perf_counter() - t0
     if as_json:
         d = rep.to_json()
         d["first_plan"] = built
@@ -223,19 +222,43 @@ def compile_cmd(
             console.print(graph.text(), markup=False, highlight=False)
     verdict = rep.validation.verdict
     if save is not None and rep.validation.ok and not dry_run:
-        saved = save_artifact(src, recipe_obj, target, graph, rep, cache_dir, save)
+        with progress() as on_stage:
+            saved = save_artifact(src, recipe_obj, target, graph, rep, cache_dir, save, on_stage)
         if not as_json:
             console.print(f"saved {save}: {len(saved['buckets'])} bucket(s), {len(saved['kernels'])} kernel "
                           f"libraries, {saved['bytes'] / 2**20:.1f} MiB in {saved['seconds']:.1f}s", highlight=False)
     raise typer.Exit(0 if rep.validation.ok else (1 if verdict in ("refused", "unproved") else 2))
 
 
-def save_artifact(src, recipe, target: Optional[str], graph, rep, cache_dir: Optional[Path], path: Path) -> dict:
-    """The compiled model of this report, every bucket built through the cache, as a .gm file."""
+def first_plan(graph, recipe, cache_dir: Optional[Path], on_stage: Optional[OnStage]) -> tuple[dict, object]:
+    """Build the first bucket's plan and kernels (what the report shows of a built plan):
+    (its summary, its executable)."""
+    from graphmode.backends import DEFAULT_DEVICE, get_backend
+    from graphmode.paths import cache_layout
+    from graphmode.runtime.build import backend_options, build_plan
+    from graphmode.runtime.compiled import CompiledModel
+    t0 = time.perf_counter()
+    env = recipe.buckets()[0]
+    with stage(on_stage, "first plan", detail=CompiledModel.bucket_key(env)):
+        plan = build_plan(graph, recipe, env)
+        backend = get_backend(DEFAULT_DEVICE)
+        exe = backend.executable(plan, graph.constants, kernel_dir=cache_layout(cache_dir).kernels,
+                                 kernel_selection=recipe.codegen.kernel_selection, **backend_options(backend, recipe))
+    weights = sum(t.numel() * t.element_size() for t in graph.constants.values())
+    return ({"bucket": env, "instructions": len(plan.instructions), "generated_kernels": exe.generated,
+             "kernel_fallbacks": exe.kernel_report.get("fallbacks", {}), "tactics": exe.tactics_report,
+             "memory": {"constants_bytes": weights, **exe.memory_report()},
+             "seconds": round(time.perf_counter() - t0, 3)}, exe)
+
+
+def save_artifact(src, recipe, target: Optional[str], graph, rep, cache_dir: Optional[Path], path: Path,
+                  on_stage: Optional[OnStage] = None) -> dict:
+    """The compiled model of this report, every bucket built through the cache (bucket N of M to
+    `on_stage`), as a .gm file."""
     from graphmode.paths import cache_layout
     from graphmode.recipe.targets import pick_target
     from graphmode.runtime.compiled import CompiledModel
     tgt = pick_target(recipe, target, cache_dir=cache_layout(cache_dir).targets)
     cm = CompiledModel(src, recipe, tgt, None, graph, (rep.capture, None), mode=recipe.exe_mode,
-                       cache_dir=cache_dir, verdict=rep.contract)
+                       cache_dir=cache_dir, verdict=rep.contract, on_stage=on_stage)
     return cm.save(path)

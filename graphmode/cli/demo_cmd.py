@@ -12,6 +12,7 @@ from rich.table import Table
 
 from graphmode.cli.app import app, console
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
 
 SENTENCES = [
     "A man is eating food.",
@@ -43,15 +44,17 @@ def demo_cmd(
     if threads:
         torch.set_num_threads(threads)
     bundle = build("minilm")
-    rep, graph, rec, src = build_report(bundle, str(recipe), None, cache_dir=cache_dir)
+    with progress() as on_stage:
+        rep, graph, rec, src = build_report(bundle, str(recipe), None, cache_dir=cache_dir, on_stage=on_stage)
     if not as_json:
         print_report(rep)
-    cm = CompiledModel(src, rec, None, None, graph, (rep.capture, None), mode="graph", cache_dir=cache_dir,
-                       threads=threads)
     batch = bundle.tokenizer(SENTENCES, padding=True, return_tensors="pt")
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    with progress() as on_stage, torch.inference_mode():
+        cm = CompiledModel(src, rec, None, None, graph, (rep.capture, None), mode="graph", cache_dir=cache_dir,
+                           threads=threads, on_stage=on_stage)
+        hidden = cm(**inputs)        # builds the request's bucket
     with torch.inference_mode():
-        hidden = cm(**inputs)
         hidden = hidden[0] if isinstance(hidden, (tuple, list)) else hidden
         ref = bundle.module(**inputs)
         ref = ref[0] if isinstance(ref, (tuple, list)) else ref

@@ -20,6 +20,7 @@ import typer
 
 from graphmode.cli.app import app, err_console
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 
 # the engine's and SamplingParams' field names -> the flag a user set (None: the prompt flag)
@@ -279,11 +280,12 @@ def generate_cmd(
     t0 = time.perf_counter()
     host = get_target("host", cache_dir=cache_layout(cache_dir).targets)
     validate(rec, host).raise_for_errors()       # a recipe that is not proved is never loaded
-    # no whole-sequence graph: it would never run; the decode engine captures its own
-    cm = gm_compile(req.bundle, rec, host, mode="eager", cache_dir=cache_dir, threads=threads)
-    eng = engine_of(cm)
-    rows = submit(eng, req.prompts, params, req.tokenizer, req.stop_text, req.flag)
-    eng.prepare(len(req.prompts), req.longest)
+    with progress() as on_stage:     # capture, passes and plans of the decode engine
+        # no whole-sequence graph: it would never run; the decode engine captures its own
+        cm = gm_compile(req.bundle, rec, host, mode="eager", cache_dir=cache_dir, threads=threads, on_stage=on_stage)
+        eng = engine_of(cm)
+        rows = submit(eng, req.prompts, params, req.tokenizer, req.stop_text, req.flag)
+        eng.prepare(len(req.prompts), req.longest)
     setup_s = time.perf_counter() - t0
     log(f"{model}: compiled under recipe {rec.name} and built its plans in {setup_s:.1f}s")
 

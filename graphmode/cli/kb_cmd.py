@@ -14,16 +14,14 @@ from typing import Any, List, Optional
 import typer
 import yaml
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
-from graphmode.cli.app import app, err_console
-from graphmode.cli.app import console as _console
+from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import CacheDir, KbPath, kb_file
+from graphmode.cli.progress import progress
 from graphmode.kb.render import shown
+from graphmode.progress import stage
 
-# piped output (CI logs, `| tee`) gets rich's 80 columns by default: too narrow for these tables
-console = _console if _console.is_terminal else Console(width=170)
 
 kb_app = typer.Typer(name="kb", no_args_is_help=True, add_completion=False,
                      help="The knowledge base: recipes, models, hardware and the performance each recipe achieved.")
@@ -271,8 +269,9 @@ def recommend_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 
     from graphmode.recipe import recipe_hash
     check_objective(objective)
     path = kb_file(kb, cache_dir)
-    draft = draft_recipe(model, target=target or "host", kb_path=path, objective=objective, ranges=parse_ranges(dim),
-                         target_cache_dir=cache_layout(cache_dir).targets, record=False)
+    with progress() as on_stage, stage(on_stage, "draft", detail=f"{model}: capture, passes, proof"):
+        draft = draft_recipe(model, target=target or "host", kb_path=path, objective=objective,
+                             ranges=parse_ranges(dim), target_cache_dir=cache_layout(cache_dir).targets, record=False)
     recs = draft.recommendations[:limit]
     if out is not None:
         out.write_text(draft.yaml(), encoding="utf-8")

@@ -12,16 +12,12 @@ from typing import Any, Optional
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from graphmode.cli.app import app
-from graphmode.cli.app import console as _console
+from graphmode.cli.app import app, console
 from graphmode.errors import GraphmodeError
 
-# piped output gets rich's 80 columns by default: too narrow for this table
-console = _console if _console.is_terminal else Console(width=170)
 
 SHOWN = 3     # producers shown per cell in the terminal table (--json and --op list them all)
 

@@ -9,6 +9,7 @@ import typer
 
 from graphmode.cli.app import app, console
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
 
 plan_app = typer.Typer(help="Inspect execution plans.", no_args_is_help=True)
@@ -38,7 +39,8 @@ def plan_show(
         raise GraphmodeError(f"shape {env} is outside the recipe's dims", where="--bucket",
                              fix=f"buckets: {dim_buckets(rec)}")
     proved_on = pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets)
-    plan = build_plan(lower_model(model, rec, proved_on).graph, rec, bucket)
+    with progress() as on_stage:
+        plan = build_plan(lower_model(model, rec, proved_on, on_stage=on_stage).graph, rec, bucket)
     if as_json:
         print(json.dumps(plan.to_json(), indent=1))
     else:

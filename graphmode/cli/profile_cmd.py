@@ -18,15 +18,12 @@ import typer
 from rich import box
 from rich.table import Table
 
-from rich.console import Console
-
-from graphmode.cli.app import app, err_console
-from graphmode.cli.app import console as _console
+from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import KbPath, kb_file
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
+from graphmode.progress import stage
 
-# piped output (CI logs, `| tee`) gets rich's 80 columns by default: too narrow for these tables
-console = _console if _console.is_terminal else Console(width=170)
 
 
 def _pct(e: Optional[float]) -> str:
@@ -76,7 +73,7 @@ def print_profile(prof, top: int) -> None:
     k = Table(title="time by instruction kind", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
               padding=(0, 1))
     for c in ("kind:op", "count", "ms", "share", "GFLOP/s", "roofline ms"):
-        k.add_column(c, justify="left" if c == "kind:op" else "right")
+        k.add_column(c, justify="left" if c == "kind:op" else "right", overflow="fold")
     for a in prof.by_kind():
         gf = a["flops"] / a["time_s"] / 1e9 if a["time_s"] > 0 and a["flops"] else None
         k.add_row(a["name"], str(a["count"]), _ms(a["time_s"]), f"{a['share'] * 100:.1f}%",
@@ -134,7 +131,7 @@ def print_predictions(rows, cal, source: str) -> None:
     if prev:
         cols.append("previous cal. err")
     for c in cols:
-        t.add_column(c, justify="left" if c in ("model", "bucket") else "right")
+        t.add_column(c, justify="left" if c in ("model", "bucket") else "right", overflow="fold")
     for r in rows:
         bucket = ",".join(f"{k}={v}" for k, v in r.bucket.items()) + (" (noisy)" if r.noisy else "")
         cells = [r.model, bucket, _ms(r.measured_s), _ms(r.roofline_s),
@@ -164,21 +161,23 @@ def _decode_shape(text: str) -> tuple[int, int]:
                          fix="e.g. --decode 1x128")
 
 
-def _profile_decode(case, rec, steps, target, runs: int, threads: int, cache: str, log) -> list:
+def _profile_decode(case, rec, steps, target, runs: int, threads: int, cache: str, on_stage) -> list:
     """The decode engine's step of `case` under decoder recipe `rec` at each (batch, context)."""
     import graphmode
     from graphmode.bench.profile import profile_executable
     from graphmode.decode.api import engine_of
-    log(f"building the decode engine of {case.name} ...")
-    cm = graphmode.compile(case.bundle, rec, "host", mode="eager", cache_dir=cache, threads=threads)
+    cm = graphmode.compile(case.bundle, rec, "host", mode="eager", cache_dir=cache, threads=threads,
+                           on_stage=on_stage)
     eng = engine_of(cm)
     out = []
-    for b, c in steps:
-        log(f"profiling {case.name} decode batch={b} context={c} ...")
-        with eng.decode_probe(b, c) as (exe, inputs):
-            prof = profile_executable(exe, inputs, target, runs=runs, model=f"{case.name}-decode", threads=threads)
-        prof.bucket = {"batch": b, "context": c}
-        out.append(prof)
+    with stage(on_stage, "profile", total=len(steps), detail=f"{case.name} decode") as profiling:
+        for b, c in steps:
+            with eng.decode_probe(b, c) as (exe, inputs):
+                prof = profile_executable(exe, inputs, target, runs=runs, model=f"{case.name}-decode",
+                                          threads=threads)
+            prof.bucket = {"batch": b, "context": c}
+            out.append(prof)
+            profiling.step(f"{case.name} decode batch={b} context={c}")
     return out
 
 
@@ -218,6 +217,7 @@ def profile_cmd(
     from graphmode.kb.record import record_profiles
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe
+    from graphmode.runtime.compiled import CompiledModel
     from graphmode.targets import get_target
     from graphmode.targets.cost import Calibration
 
@@ -230,7 +230,7 @@ def profile_cmd(
     cal_path = calibration or layout.calibration(target.name)
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
     profiles = []
-    with tempfile.TemporaryDirectory(prefix="graphmode-profile-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="graphmode-profile-") as tmp, progress(measuring=True) as on_stage:
         if decode and (recipe is None or shape):
             raise GraphmodeError("--decode profiles the decode engine of a decoder recipe", where="--decode",
                                  value=list(decode), fix="give --recipe with memory.kv_cache, and no --shape")
@@ -238,19 +238,19 @@ def profile_cmd(
         for case in load_cases(model or [], shape or []) if model else []:
             rec = load_recipe(recipe if recipe is not None else auto_recipe(case.bundle, case.envs))
             if steps:
-                profiles += _profile_decode(case, rec, steps, target, runs, threads, tmp, log)
+                profiles += _profile_decode(case, rec, steps, target, runs, threads, tmp, on_stage)
                 continue
-            log(f"compiling {case.name} ...")
-            cm = graphmode.compile(case.bundle, rec, "host", cache_dir=tmp, threads=threads)
+            cm = graphmode.compile(case.bundle, rec, "host", cache_dir=tmp, threads=threads, on_stage=on_stage)
             first = len(profiles)
-            for env in case.envs:
-                bucket = rec.bucket_for(env)
-                if bucket is None:
-                    raise GraphmodeError(f"shape {env} is outside the recipe's dims", where="--shape",
-                                         value=env, fix=f"the recipe's buckets: {rec.dim_buckets()}")
-                log(f"profiling {case.name} {bucket} ...")
-                profiles.append(profile_bucket(cm, rec, bucket, target, runs=runs, model=case.name,
-                                               threads=threads, eager=not no_eager))
+            with stage(on_stage, "profile", total=len(case.envs), detail=case.name) as profiling:
+                for env in case.envs:
+                    bucket = rec.bucket_for(env)
+                    if bucket is None:
+                        raise GraphmodeError(f"shape {env} is outside the recipe's dims", where="--shape",
+                                             value=env, fix=f"the recipe's buckets: {rec.dim_buckets()}")
+                    profiles.append(profile_bucket(cm, rec, bucket, target, runs=runs, model=case.name,
+                                                   threads=threads, eager=not no_eager))
+                    profiling.step(f"{case.name} {CompiledModel.bucket_key(bucket)}")
             note = record_profiles(kb_file(kb, cache_dir), cm, rec, profiles[first:], target)
             if note:
                 log(note)

@@ -16,7 +16,9 @@ from rich.table import Table
 
 from graphmode.cli.app import app, console, err_console, fail
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
 from graphmode.errors import ConstraintError, GraphmodeError, RecipeErrors
+from graphmode.progress import stage
 
 recipe_app = typer.Typer(name="recipe", no_args_is_help=True, add_completion=False,
                          help="Validate, show and diff recipes (the verified deployment contract).")
@@ -135,9 +137,11 @@ def _model_facts(model: str, recipe):
     from graphmode.compile_report import model_facts
     from graphmode.compiler import checked_capture, optimize
     from graphmode.plan.memory import activation_peak_expr
-    graph0, _, _, verdict = checked_capture(model, recipe)
-    verdict.raise_for_refusal()
-    graph, _ = optimize(graph0, recipe, None, buckets=[])
+    with progress() as on_stage:
+        with stage(on_stage, "capture"):
+            graph0, _, _, verdict = checked_capture(model, recipe)
+        verdict.raise_for_refusal()
+        graph, _ = optimize(graph0, recipe, None, buckets=[], on_stage=on_stage)
     act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
                                alias_groups=[list(g) for g in recipe.alias_groups])
     return model_facts(graph, act)

@@ -15,7 +15,9 @@ import typer
 from graphmode.cli.app import console, err_console
 from graphmode.cli.options import KbPath, kb_file
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
 from graphmode.cli.recipe_cmd import recipe_app
+from graphmode.progress import stage
 
 
 def parse_ranges(items: List[str]) -> dict[str, tuple[int, int]]:
@@ -69,10 +71,11 @@ def init_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | res
     if out is not None and out.exists() and not force:
         raise GraphmodeError("the output file exists", where="--out", value=str(out),
                              fix="pass --force to overwrite it, or another --out")
-    draft = draft_recipe(model, target=target or "host", p99_ms=p99_ms, memory_mb=memory_mb, ranges=parse_ranges(dim),
-                         max_p99_over_p50=max_p99_over_p50, max_padding=max_padding, max_buckets=max_buckets,
-                         kb_path=kb_file(kb, cache_dir), objective=objective, name=name,
-                         target_cache_dir=cache_layout(cache_dir).targets)
+    with progress() as on_stage, stage(on_stage, "draft", detail=f"{model}: capture, passes, proof"):
+        draft = draft_recipe(model, target=target or "host", p99_ms=p99_ms, memory_mb=memory_mb,
+                             ranges=parse_ranges(dim), max_p99_over_p50=max_p99_over_p50, max_padding=max_padding,
+                             max_buckets=max_buckets, kb_path=kb_file(kb, cache_dir), objective=objective, name=name,
+                             target_cache_dir=cache_layout(cache_dir).targets)
     text = draft.yaml()
     if out is not None:
         out.write_text(text, encoding="utf-8")

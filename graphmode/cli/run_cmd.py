@@ -12,6 +12,7 @@ from rich.table import Table
 
 from graphmode.cli.app import app, console
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
 
 
@@ -80,7 +81,7 @@ def run_cmd(
     iters: int = typer.Option(10, "--iters", min=1, help="timed calls per engine"),
     threads: Optional[int] = typer.Option(None, "--threads"),
     metrics: bool = typer.Option(False, "--metrics", help="print the runtime contract metrics"),
-    warmup: bool = typer.Option(False, "--warmup", help="build every bucket's plan first (progress bar)"),
+    warmup: bool = typer.Option(False, "--warmup", help="build every bucket's plan first"),
     cache_dir: Optional[Path] = CacheDir,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -101,15 +102,16 @@ def run_cmd(
     env = parse_shape(shape, list(rec.dims)) if shape else dict(all_buckets(rec)[0])
     check_request(rec, env)      # before compiling or allocating anything
     host = get_target("host", cache_dir=cache_layout(cache_dir).targets)
-    cm = gm_compile(model, rec, host, mode=mode, cache_dir=cache_dir, threads=threads)
-    if warmup and cm.mode != "eager":
-        cm.warmup(progress=not as_json)
-    if metrics:   # the contract monitor times and counts every call (same as the server's)
-        from graphmode.monitor import monitored
-        cm = monitored(cm)
-    inputs = cm.source.make_inputs(env, seed=0)
-    with torch.inference_mode():
-        out = cm(**inputs)
+    with progress() as on_stage:
+        cm = gm_compile(model, rec, host, mode=mode, cache_dir=cache_dir, threads=threads, on_stage=on_stage)
+        if warmup and cm.mode != "eager":
+            cm.warmup()
+        if metrics:   # the contract monitor times and counts every call (same as the server's)
+            from graphmode.monitor import monitored
+            cm = monitored(cm)
+        inputs = cm.source.make_inputs(env, seed=0)
+        with torch.inference_mode():
+            out = cm(**inputs)           # builds the request's bucket unless warm-up did
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
     refs = cm.source.reference(inputs)
     outs = pytree.tree_leaves(out)
@@ -143,7 +145,7 @@ def run_cmd(
                           f"{path.get('reason', 'exe_mode eager')}", highlight=False)
         t = Table()
         for c in ("output", "shape", "dtype", "mean", "std", "rel L2 vs eager"):
-            t.add_column(c)
+            t.add_column(c, overflow="fold")
         for r in rows:
             t.add_row(str(r["output"]), str(r["shape"]), r["dtype"], f"{r['mean']:.4g}", f"{r['std']:.4g}",
                       f"{r['rel_l2_vs_eager']:.2e}")

@@ -20,6 +20,7 @@ import typer
 
 from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import CacheDir, KbPath, kb_file
+from graphmode.cli.progress import progress
 
 
 @app.command("serve")
@@ -112,35 +113,38 @@ def serve_cmd(
             if "uvicorn" in holder:
                 holder["uvicorn"].should_exit = True
 
-    server = ModelServer(model, recipe, variants=list(variant), config=config, on_state=on_state)
-    sock = bind(host, port)
-    bound_port = sock.getsockname()[1]
-    holder["url"] = f"http://{host}:{bound_port}"
-    holder["uvicorn"] = uv = uvicorn_server(create_app(server), log_level="warning" if level != "DEBUG" else "info")
-    console.print(f"graphmode serve: {server.recipe.name} on {holder['url']} (live now; warming up "
-                  f"{plans_count(server.recipe)} bucket(s) before ready; PUT /v1/recipe "
-                  f"{'needs the admin token' if config.admin_token else 'is open: no admin token'})", highlight=False)
-    # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal into the
-    # handler it found: make SIGTERM end like Ctrl-C (exit 0), not kill the process
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        uv.run(sockets=[sock])
-    except KeyboardInterrupt:      # uvicorn shut down gracefully, then re-raised the signal
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        sock.close()
-    if not server.join_background(timeout=2.0):
-        # a compile is still in native code: tearing the interpreter down around its thread can
-        # abort the process (std::terminate), so it is abandoned and the process ends here
-        err_console.print("graphmode serve: stopped (a background compile was abandoned)")
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(failure[0].exit_code if failure else 0)
-    if failure:
-        raise failure[0]
-    err_console.print("graphmode serve: stopped")
+    with progress(live=False) as on_stage:
+        # the background warm-up's progress: plain lines (the server's log shares stderr), bucket N of M
+        server = ModelServer(model, recipe, variants=list(variant), config=config, on_state=on_state, on_stage=on_stage)
+        sock = bind(host, port)
+        bound_port = sock.getsockname()[1]
+        holder["url"] = f"http://{host}:{bound_port}"
+        holder["uvicorn"] = uv = uvicorn_server(create_app(server), log_level="warning" if level != "DEBUG" else "info")
+        console.print(f"graphmode serve: {server.recipe.name} on {holder['url']} (live now; warming up "
+                      f"{plans_count(server.recipe)} bucket(s) before ready; PUT /v1/recipe "
+                      f"{'needs the admin token' if config.admin_token else 'is open: no admin token'})",
+                      highlight=False)
+        # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal into the
+        # handler it found: make SIGTERM end like Ctrl-C (exit 0), not kill the process
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            uv.run(sockets=[sock])
+        except KeyboardInterrupt:      # uvicorn shut down gracefully, then re-raised the signal
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            sock.close()
+        if not server.join_background(timeout=2.0):
+            # a compile is still in native code: tearing the interpreter down around its thread can
+            # abort the process (std::terminate), so it is abandoned and the process ends here
+            err_console.print("graphmode serve: stopped (a background compile was abandoned)")
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(failure[0].exit_code if failure else 0)
+        if failure:
+            raise failure[0]
+        err_console.print("graphmode serve: stopped")
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -16,7 +16,9 @@ from rich.table import Table
 
 from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
 from graphmode.paths import cache_layout
+from graphmode.progress import stage
 from graphmode.targets import Target, get_target, list_targets, load_target_file
 from graphmode.targets.host import probe_note
 
@@ -28,7 +30,9 @@ app.add_typer(targets_app, name="targets")
 def _get(name: str, cache_dir: Optional[Path], reprobe: bool = False) -> Target:
     if name.endswith((".yaml", ".yml")) or os.sep in name:
         return load_target_file(name)
-    with warnings.catch_warnings(record=True) as caught:
+    probing = reprobe and name == "host"          # seconds of measurements: say so
+    with warnings.catch_warnings(record=True) as caught, progress() as on_stage, \
+            stage(on_stage if probing else None, "host probe", detail="bandwidth, FMA peak, GEMM rate"):
         warnings.simplefilter("always")
         t = get_target(name, cache_dir=cache_layout(cache_dir).targets, reprobe=reprobe)
     for w in caught:
@@ -68,7 +72,8 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="print JSON"),
     table = Table(title="graphmode targets", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1), collapse_padding=True, show_edge=False)
     for col in ("name", "kind", "arch", "units", "memory", "bandwidth", "peak f32", "peak bf16"):
-        table.add_column(col, justify="left" if col in ("name", "kind", "arch") else "right", no_wrap=True)
+        table.add_column(col, justify="left" if col in ("name", "kind", "arch") else "right", no_wrap=True,
+                         overflow="fold")
     for r in rows:
         table.add_row(r["name"] + (" *" if r["measured"] else ""), r["kind"], r["arch"], str(r["compute_units"]),
                       _bytes(r["memory_bytes"], 3).replace(" ", ""), f"{r['memory_bandwidth_gbps']:.4g}GB/s",

@@ -15,17 +15,13 @@ from typing import Any, List, Optional
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
-from graphmode.cli.app import app, err_console
-from graphmode.cli.app import console as _console
+from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import KbPath, kb_file
 from graphmode.cli.options import CacheDir
 from graphmode.kb.render import shown
 
-# piped output (CI logs, `| tee`) gets rich's 80 columns by default: too narrow for these tables
-console = _console if _console.is_terminal else Console(width=170)
 
 
 def _threads(text: Optional[str]) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
 
@@ -15,6 +16,8 @@ from rich.table import Table
 from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import KbPath, kb_file
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
+from graphmode.progress import stage
 from graphmode.recipe.buckets import all_buckets, bucket_for, dim_buckets, dim_range
 
 
@@ -90,47 +93,54 @@ def verify_cmd(
     rec = load_recipe(recipe)
     mode = "graph" if rec.exe_mode == "eager" else rec.exe_mode
     proved_on = pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets)   # the recipe's default target
-    low = lower_model(model, rec, proved_on, mode=mode, keep_snapshots=True)
-    src, graph, opt, contract = low.source, low.graph, low.optimize_report, low.verdict
-    cm = CompiledModel(src, rec, None, low.captured, graph, (low.capture_report, opt), mode=mode,
-                       cache_dir=cache_dir, verdict=contract)
-    buckets = all_buckets(rec)
-    if max_buckets:
-        buckets = buckets[:max_buckets]
-    results = []
-    failure = None
-    for shape, env in verify_cases(rec, buckets):
-        inputs = src.make_inputs(shape, seed=seed)
-        refs = src.reference(inputs)
-        if shape == env:     # the plan itself, so a mismatch can be bisected to a pass or an instruction
-            exe = cm.executable(env)
-            got_map = exe.run(inputs)
-            got = [got_map[o] for o in graph.outputs]
-            path = "graph"
-        else:                # through the runtime: pad, run the bucket's plan, slice back
-            got = pytree.tree_leaves(cm(**inputs))
-            path = cm.last_path.get("path", "graph")
-        checks = compare_outputs(output_labels(src, graph, len(got)), got, refs, rec.precision.compute, rec.precision.weights)
-        ok = len(got) == len(refs) and all(c.ok for c in checks)
-        results.append({"shape": shape, "bucket": env, "path": path, "ok": ok,
-                        "outputs": [c.to_json() for c in checks]})
-        if not ok and failure is None:
-            flipped = [c for c in checks if c.rel_l2 <= c.tolerance and not c.ok]
-            if flipped:          # within the error bound, but the rounding moved a confident top-1
-                from graphmode.verify.bisect import Divergence
-                t1 = flipped[0].top1
-                div = Divergence("quantize_weights", None, None, flipped[0].rel_l2, "weights",
-                                 {"weights": rec.precision.weights, "flips": t1.flips, "positions": t1.positions})
-            elif shape == env:
-                tol = max(c.tolerance for c in checks)
-                div = bisect(opt.snapshots, inputs, refs, tol)
-                if div is None:
-                    div = bisect_plan(graph, exe, inputs, tol)
-            else:
-                from graphmode.verify.bisect import Divergence
-                div = Divergence(None, None, None, max(c.rel_l2 for c in checks), "padding",
-                                 {"shape": shape, "bucket": env})
-            failure = {"bucket": env, "shape": shape, "divergence": div}
+    with ExitStack() as stack:
+        on_stage = stack.enter_context(progress())
+        low = lower_model(model, rec, proved_on, mode=mode, keep_snapshots=True, on_stage=on_stage)
+        src, graph, opt, contract = low.source, low.graph, low.optimize_report, low.verdict
+        cm = CompiledModel(src, rec, None, low.captured, graph, (low.capture_report, opt), mode=mode,
+                           cache_dir=cache_dir, verdict=contract)
+        buckets = all_buckets(rec)
+        if max_buckets:
+            buckets = buckets[:max_buckets]
+        results = []
+        failure = None
+        cases = verify_cases(rec, buckets)
+        checking = stack.enter_context(stage(on_stage, "verify", total=len(cases)))
+        for shape, env in cases:
+            inputs = src.make_inputs(shape, seed=seed)
+            refs = src.reference(inputs)
+            if shape == env:     # the plan itself, so a mismatch can be bisected to a pass or an instruction
+                exe = cm.executable(env)
+                got_map = exe.run(inputs)
+                got = [got_map[o] for o in graph.outputs]
+                path = "graph"
+            else:                # through the runtime: pad, run the bucket's plan, slice back
+                got = pytree.tree_leaves(cm(**inputs))
+                path = cm.last_path.get("path", "graph")
+            checks = compare_outputs(output_labels(src, graph, len(got)), got, refs, rec.precision.compute,
+                                     rec.precision.weights)
+            ok = len(got) == len(refs) and all(c.ok for c in checks)
+            results.append({"shape": shape, "bucket": env, "path": path, "ok": ok,
+                            "outputs": [c.to_json() for c in checks]})
+            if not ok and failure is None:
+                flipped = [c for c in checks if c.rel_l2 <= c.tolerance and not c.ok]
+                if flipped:          # within the error bound, but the rounding moved a confident top-1
+                    from graphmode.verify.bisect import Divergence
+                    t1 = flipped[0].top1
+                    div = Divergence("quantize_weights", None, None, flipped[0].rel_l2, "weights",
+                                     {"weights": rec.precision.weights, "flips": t1.flips, "positions": t1.positions})
+                elif shape == env:
+                    tol = max(c.tolerance for c in checks)
+                    with stage(on_stage, "bisect", detail=cm.bucket_key(env)):
+                        div = bisect(opt.snapshots, inputs, refs, tol)
+                        if div is None:
+                            div = bisect_plan(graph, exe, inputs, tol)
+                else:
+                    from graphmode.verify.bisect import Divergence
+                    div = Divergence(None, None, None, max(c.rel_l2 for c in checks), "padding",
+                                     {"shape": shape, "bucket": env})
+                failure = {"bucket": env, "shape": shape, "divergence": div}
+            checking.step(f"{cm.bucket_key(shape)} in bucket {cm.bucket_key(env)}: {'ok' if ok else 'MISMATCH'}")
     if failure and fix:
         change = propose_fix(rec, failure["divergence"])
         failure["fix"] = change
@@ -154,7 +164,7 @@ def verify_cmd(
         narrow = rec.precision.weights != "f32"     # then logits are also judged on top-1 agreement
         for c in ("request", "bucket", "path", "worst rel L2", "tolerance") + (("top-1 agree",) if narrow else ()) + (
                 "ok",):
-            t.add_column(c)
+            t.add_column(c, overflow="fold")
         for r in results:
             worst = max(r["outputs"], key=lambda o: o["rel_l2"]) if r["outputs"] else {"rel_l2": float("inf"),
                                                                                      "tolerance": 0.0}

@@ -22,7 +22,8 @@ def engine_of(cm: Any):
     if eng is None:
         from graphmode.decode.engine import DecodeEngine
         lm = causal_lm(cm.source)
-        eng = DecodeEngine(lm, cm.recipe, cm.target, cache_dir=cm.cache_dir, threads=cm.threads)
+        eng = DecodeEngine(lm, cm.recipe, cm.target, cache_dir=cm.cache_dir, threads=cm.threads,
+                           on_stage=getattr(cm, "on_stage", None))
         cm._decoder = eng
     return eng
 

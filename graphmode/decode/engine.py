@@ -23,6 +23,7 @@ from graphmode.decode.kvcache import KVLayout, PagedKVCache
 from graphmode.decode.lm import CausalLMForward, lm_config, to_paged
 from graphmode.decode.sampling import SamplingParams, choose
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
+from graphmode.progress import OnStage, stage
 
 
 @dataclass
@@ -70,7 +71,9 @@ class DecodeEngine:
     """Compiled prefill and decode plans of one causal LM under one recipe."""
 
     def __init__(self, lm: torch.nn.Module, recipe: Any, target: Any = None, *, cache_dir=None,
-                 threads: int | None = None):
+                 threads: int | None = None, on_stage: OnStage | None = None):
+        """`on_stage` hears the capture and passes of the decoder graph and its plan builds
+        (graphmode/progress.py)."""
         from graphmode.capture.torch_import import import_torch
         from graphmode.compiler import ModelSource, optimize
         from graphmode.runtime.compiled import CompiledModel
@@ -89,19 +92,20 @@ class DecodeEngine:
         ex = {"input_ids": torch.randint(0, int(self.cfg["vocab"] or 2), (2, 3)), "position_ids":
               torch.arange(3).repeat(2, 1)}
         seq_hi = max(3, dims["seq"][1])
-        graph, cap = import_torch(fwd, ex, {k: ["batch", "seq"] for k in ex},
-                                  {"batch": (max(1, dims["batch"][0]), max(2, dims["batch"][1])), "seq": (2, seq_hi)},
-                                  name="lm")
+        with stage(on_stage, "capture", detail="decoder"):
+            graph, cap = import_torch(fwd, ex, {k: ["batch", "seq"] for k in ex},
+                                      {"batch": (max(1, dims["batch"][0]), max(2, dims["batch"][1])),
+                                       "seq": (2, seq_hi)}, name="lm")
         if cap.fallbacks:
             raise GraphmodeError(f"the model has ops graphmode cannot compile: "
                                  f"{', '.join(f.target for f in cap.fallbacks)}", where="model",
                                  fix="decoding runs in graph mode only")
         paged = to_paged(graph, self.cache.k, self.cache.v, self.layout.max_pages_per_seq)
         paged.graph.dims["seq"] = (1, seq_hi)
-        opt, _ = optimize(paged.graph, recipe, target, buckets=[])
+        opt, _ = optimize(paged.graph, recipe, target, buckets=[], on_stage=on_stage)
         src = ModelSource("lm-decode", fwd, ex, {k: ["batch", "seq"] for k in ex})
         self._cm = CompiledModel(src, recipe, target, paged.graph, opt, None, mode="graph", cache_dir=cache_dir,
-                                 threads=threads)
+                                 threads=threads, on_stage=on_stage)
         self._cm.spill_constants()    # the transposed weights the passes made: the kernels pack their own
         self.lock = threading.RLock()
         # batch_invariant: every sequence runs alone (batch-1 plans, its own prefill bucket) and
@@ -130,16 +134,19 @@ class DecodeEngine:
         """Build the plans `rows` sequences whose longest prompt is `longest` will use (a
         prefill bucket and every decode batch bucket up to theirs), so timing starts warm."""
         top = self._bucket(self.batch_buckets, min(rows, self.batch_buckets[-1]), "batch")   # more rows: waves
-        self._cm.executable({"batch": top, "seq": self._bucket(self.seq_buckets, longest, "seq")})
-        for b in self.batch_buckets:
-            if b <= top:
-                self._cm.executable({"batch": b, "seq": 1})
+        self._build([{"batch": top, "seq": self._bucket(self.seq_buckets, longest, "seq")}]
+                    + [{"batch": b, "seq": 1} for b in self.batch_buckets if b <= top])
 
     def warmup(self) -> None:
-        for b in self.batch_buckets:
-            self._cm.executable({"batch": b, "seq": 1})
-            for s in self.seq_buckets:
-                self._cm.executable({"batch": b, "seq": s})
+        self._build([{"batch": b, "seq": s} for b in self.batch_buckets for s in (1, *self.seq_buckets)])
+
+    def _build(self, envs: list[dict[str, int]]) -> None:
+        """Build these plans now, as one `plans` stage (bucket N of M)."""
+        envs = [e for i, e in enumerate(envs) if e not in envs[:i]]
+        with stage(self._cm.on_stage, "plans", total=len(envs)) as plans:
+            for env in envs:
+                self._cm.executable(env, on_first_use=False)
+                plans.step(self._cm.bucket_key(env))
 
     # ---- requests -----------------------------------------------------------------------
     def add(self, prompt: Sequence[int], params: SamplingParams,

@@ -36,6 +36,7 @@ import torch
 
 import graphmode
 from graphmode.errors import GraphmodeError
+from graphmode.progress import OnStage, StageReporter, stage
 
 FORMAT = 1
 SUFFIX = ".gm"
@@ -92,6 +93,8 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
                 "out_spec": out_spec, "exact_dims": list(cm.exact_dims), "kernels": sorted(libraries)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
+    writing = StageReporter(getattr(cm, "on_stage", None), "write", None, str(path))
+    writing.start()
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
@@ -110,6 +113,7 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
             for f in sorted(tactics.glob("*.json")) if tactics is not None else []:
                 z.write(f, f"tactics/{f.name}")
         tmp.replace(path)                 # a reader never sees a half-written artifact
+        writing.finish()
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise ArtifactError(f"cannot write the artifact: {e.strerror or e}", where=str(path),
@@ -206,9 +210,11 @@ def check_manifest(manifest: dict[str, Any], where: Path, host: dict[str, Any] |
                             fix="compile again on this host (graphmode compile ... --save)")
 
 
-def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int | None = None):
+def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int | None = None,
+         on_stage: OnStage | None = None):
     """A CompiledModel from a `.gm` file, every bucket ready (no capture, no kernel compile
-    when the host matches). Extracted once under the cache's `artifacts/<digest>/`."""
+    when the host matches). Extracted once under the cache's `artifacts/<digest>/`. `on_stage`
+    hears the `plans` stage, bucket N of M (graphmode/progress.py)."""
     from graphmode.backends import get_backend
     from graphmode.compiler import ModelSource
     from graphmode.errors import PlanError
@@ -251,7 +257,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
                          output_names=list(manifest.get("outputs") or []))
     cm = CompiledModel(source, recipe, _target(manifest.get("target")), None, graph, None, mode=manifest["mode"],
                        cache_dir=root, threads=threads if threads is not None else manifest.get("threads"),
-                       device=manifest.get("device") or "cpu")
+                       device=manifest.get("device") or "cpu", on_stage=on_stage)
     cm.exact_dims = list(manifest.get("exact_dims") or [])
     cm.artifact = {"path": str(path), "digest": digest, **{k: manifest[k] for k in ("created", "host", "buckets")}}
     if manifest.get("out_spec"):
@@ -268,23 +274,28 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     extra: dict[str, Any] = backend_options(backend, recipe)
     if backend.capabilities.kernel_selection:       # a backend with tactics: the saved choices are final
         extra["frozen"] = True
-    for env in recipe.buckets():
-        key = cm.bucket_key(env)
-        if key not in manifest["buckets"]:
-            raise ArtifactError(f"no plan for bucket {key}", where=str(path), fix="save the artifact again")
-        try:
-            plan = load_plan(json.loads((root / _bucket_file(key)).read_text()), graph, env, built_for=cache_key(cm, env),
-                             reuse=recipe.optimize.memory_reuse, alias_groups=[list(g) for g in recipe.alias_groups])
-        except (PlanError, OSError, ValueError) as e:
-            raise ArtifactError(f"the plan for bucket {key} is not a plan of its graph: "
-                                f"{getattr(e, 'message', e)}", where=str(path), fix="save the artifact again") from None
-        t0 = time.perf_counter()
-        exe = backend.executable(plan, graph.constants, kernel_dir=root / "kernels", threads=cm.threads,
-                                 kernel_selection=recipe.codegen.kernel_selection, **extra)
-        cm._executables[key] = exe
-        if cm.constant_spill is not None:
-            cm.constant_spill.release()
-        cm._event("artifact_load", bucket=key, seconds=round(time.perf_counter() - t0, 3))
+    buckets = recipe.buckets()
+    with stage(on_stage, "plans", total=len(buckets)) as plans:
+        for env in buckets:
+            key = cm.bucket_key(env)
+            if key not in manifest["buckets"]:
+                raise ArtifactError(f"no plan for bucket {key}", where=str(path), fix="save the artifact again")
+            try:
+                plan = load_plan(json.loads((root / _bucket_file(key)).read_text()), graph, env,
+                                 built_for=cache_key(cm, env), reuse=recipe.optimize.memory_reuse,
+                                 alias_groups=[list(g) for g in recipe.alias_groups])
+            except (PlanError, OSError, ValueError) as e:
+                raise ArtifactError(f"the plan for bucket {key} is not a plan of its graph: "
+                                    f"{getattr(e, 'message', e)}", where=str(path),
+                                    fix="save the artifact again") from None
+            t0 = time.perf_counter()
+            exe = backend.executable(plan, graph.constants, kernel_dir=root / "kernels", threads=cm.threads,
+                                     kernel_selection=recipe.codegen.kernel_selection, **extra)
+            cm._executables[key] = exe
+            if cm.constant_spill is not None:
+                cm.constant_spill.release()
+            cm._event("artifact_load", bucket=key, seconds=round(time.perf_counter() - t0, 3))
+            plans.step(key)
     return cm
 
 

@@ -23,6 +23,7 @@ from graphmode.backends.registry import DEFAULT_DEVICE
 from graphmode.errors import ContractViolation
 from graphmode.ir.graph import Graph
 from graphmode.ir.types import eval_dim
+from graphmode.progress import OnStage, stage
 
 log = logging.getLogger("graphmode.runtime")
 
@@ -30,7 +31,7 @@ log = logging.getLogger("graphmode.runtime")
 class CompiledModel:
     def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
                  *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None,
-                 device: str = DEFAULT_DEVICE):
+                 device: str = DEFAULT_DEVICE, on_stage: OnStage | None = None):
         self.source = source
         self.recipe = recipe
         self.target = target
@@ -42,6 +43,8 @@ class CompiledModel:
         self.threads = threads
         self.device = device     # the backend (backends/registry.py) that builds and runs the plans
         self.verdict = verdict
+        # hears plan builds (graphmode/progress.py): warm-up's "bucket N of M", one on first use
+        self.on_stage = on_stage
         # dims the verdict found unsafe to pad (on_violation: eager): off-bucket values run eagerly
         self.exact_dims = list(getattr(verdict, "exact_dims", []) or [])
         self.last_path: dict[str, Any] = {}      # how the last call ran: graph, or eager and why
@@ -183,7 +186,9 @@ class CompiledModel:
     def bucket_key(env: Mapping[str, int]) -> str:
         return ",".join(f"{k}={v}" for k, v in sorted(env.items()))
 
-    def executable(self, env: Mapping[str, int]):
+    def executable(self, env: Mapping[str, int], *, on_first_use: bool = True):
+        """The bucket's executable, built now if it is not yet (`on_stage` hears a build on first
+        use as a one-step `plans` stage; warm-up reports its own)."""
         key = self.bucket_key(env)
         exe = self._executables.get(key)
         if exe is not None:
@@ -194,7 +199,12 @@ class CompiledModel:
                 t0 = time.perf_counter()
                 from graphmode.runtime.build import build_executable
                 seen = len(getattr(self, "cache_events", []))
-                exe, cached = build_executable(self, dict(env))
+                if self.on_stage is not None and on_first_use:
+                    with stage(self.on_stage, "plans", total=1, detail=key) as plans:
+                        exe, cached = build_executable(self, dict(env))
+                        plans.step(f"{key} ({'from the cache' if cached else 'built'})")
+                else:
+                    exe, cached = build_executable(self, dict(env))
                 self._executables[key] = exe
                 for ev in getattr(self, "cache_events", [])[seen:]:    # damage the cache found and repaired
                     if ev.get("event") in ("corrupt", "unusable", "unwritable"):
@@ -203,19 +213,16 @@ class CompiledModel:
                             seconds=round(time.perf_counter() - t0, 3))
         return exe
 
-    def warmup(self, progress: bool = False) -> None:
-        """Build every bucket's plan now (a progress bar with `progress`)."""
+    def warmup(self) -> None:
+        """Build every bucket's plan now; `on_stage` hears the `plans` stage, bucket N of M."""
         buckets = self.recipe.buckets()
-        if progress:
-            from rich.progress import Progress
-            with Progress() as bar:
-                task = bar.add_task("warm-up: compiling buckets", total=len(buckets))
-                for env in buckets:
-                    self.executable(env)
-                    bar.advance(task)
-        else:
+        with stage(self.on_stage, "plans", total=len(buckets)) as plans:
             for env in buckets:
-                self.executable(env)
+                built, hits = self.events["compile"], self.events["cache_hit"]
+                self.executable(env, on_first_use=False)
+                how = " (built)" if self.events["compile"] > built else \
+                    " (from the cache)" if self.events["cache_hit"] > hits else ""
+                plans.step(self.bucket_key(env) + how)
 
     # ---- calling ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

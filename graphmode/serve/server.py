@@ -43,6 +43,7 @@ from graphmode.errors import ConstraintError, ContractViolation, GraphmodeError,
 from graphmode.kb.record import ServeRecorder
 from graphmode.monitor import (ContractMonitor, DriftEvent, PromMetrics, Renegotiator, SlaDriftProbe, TokenBucket,
                                bucket_label)
+from graphmode.progress import OnStage, stage
 from graphmode.serve.batching import Batcher, Pending, merge, split
 from graphmode.serve.errors import NotReady, ReloadBusy, RequestTimeout, ServerFault, detach, error_dict
 from graphmode.serve.sandbox import RecipeSandbox, checked
@@ -255,12 +256,16 @@ class ModelServer:
 
     def __init__(self, model: Any, recipe: Any, *, variants: list[Any] = (), config: ServeConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 on_state: Callable[[str, GraphmodeError | None], None] | None = None):
+                 on_state: Callable[[str, GraphmodeError | None], None] | None = None,
+                 on_stage: OnStage | None = None):
+        """`on_state` hears the server's state changes; `on_stage` the progress of each recipe's
+        build: capture, passes, proof, plans bucket N of M (graphmode/progress.py)."""
         from graphmode.recipe import load_recipe
         from graphmode.recipe.targets import pick_target
         self.config = config or ServeConfig()
         self.clock = clock
         self.on_state = on_state
+        self.on_stage = on_stage
         self.metrics = PromMetrics()
         first = load_recipe(recipe)
         self.target = pick_target(first, self.config.target)
@@ -367,7 +372,8 @@ class ModelServer:
         """Compile, prove with the new graph's facts, warm up every bucket, check memory."""
         from graphmode.compiler import compile as gm_compile
         t0 = time.perf_counter()
-        cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir, threads=self.config.threads)
+        cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir, threads=self.config.threads,
+                        on_stage=self.on_stage)
         self._unless_stopping()
         facts = self._facts(cm)
         recipe = self._prove(recipe, facts).recipe
@@ -381,12 +387,14 @@ class ModelServer:
         if recipe.memory.kv_cache is not None and cm.mode != "eager":
             dep.decoder = self._decoder(dep)   # its prefill/decode plans, not the whole-sequence buckets
         elif cm.mode != "eager":
-            for i, env in enumerate(dep.buckets):
-                self._unless_stopping()
-                cm.executable(env)
-                dep.warmed = i + 1
-                if ticket is not None:
-                    ticket.progress = (i + 1, len(dep.buckets))
+            with stage(self.on_stage, "plans", total=len(dep.buckets)) as plans:
+                for i, env in enumerate(dep.buckets):
+                    self._unless_stopping()
+                    cm.executable(env, on_first_use=False)
+                    dep.warmed = i + 1
+                    if ticket is not None:
+                        ticket.progress = (i + 1, len(dep.buckets))
+                    plans.step(bucket_label(env))
             over = mon.check_memory(cm, dep.buckets)
             if over:
                 log.warning("recipe %s: plans over the memory budget in buckets %s", dep.version, over)

@@ -40,7 +40,7 @@ def test_compile_report_json(tmp_path):
     res = invoke("compile", "--model", "resnet18", "--recipe", small_recipe(tmp_path), "--json",
                  "--dump-ir-after", "fuse", "--dump-dir", str(tmp_path / "dumps"))
     assert res.exit_code == 0, res.output
-    rep = json.loads(res.output)
+    rep = json.loads(res.stdout)
     assert rep["capture"]["fallbacks"] == []
     assert [p["name"] for p in rep["passes"]][-1] == "memory_plan"
     assert {g["kind"] for g in rep["fused_groups"]} == {"gemm_epilogue"}
@@ -65,14 +65,14 @@ def test_plan_show_and_run(tmp_path):
     assert "plan @resnet18 bucket batch=2" in res.output and "arena" in res.output
     res = invoke("run", "--model", "resnet18", "--recipe", rec, "--shape", "2", "--iters", "2", "--json")
     assert res.exit_code == 0, res.output
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)
     assert out["bucket"] == {"batch": 2} and out["outputs"][0]["rel_l2_vs_eager"] < 1e-5
 
 
 def test_verify_passes_on_a_correct_pipeline(tmp_path):
     res = invoke("verify", "--model", "resnet18", "--recipe", small_recipe(tmp_path), "--json")
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert d["ok"] and [c["shape"] for c in d["cases"]] == [{"batch": 1}, {"batch": 2}]
 
 
@@ -95,7 +95,7 @@ def test_verify_bisects_a_broken_pass_and_proposes_a_fix(tmp_path, monkeypatch):
     rec = small_recipe(tmp_path)
     res = invoke("verify", "--model", "resnet18", "--recipe", rec, "--fix", "--json", "--max-buckets", "1")
     assert res.exit_code == 1, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     f = d["failure"]
     assert f["stage"] == "pass" and f["pass"] == "layout"
     assert f["op"] == "sigmoid" and f["node"].startswith("%relu")
@@ -113,12 +113,12 @@ def test_cache_explain_after_run(tmp_path):
     res = invoke("cache", "explain", "--model", "resnet18", "--recipe", rec, "--bucket", "2",
                  "--cache-dir", str(cache), "--json")
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert d["result"] == "miss" and list(d["differs"]) == ["bucket"]
     res = invoke("cache", "ls", "--cache-dir", str(cache), "--json")
-    assert len(json.loads(res.output)) == 1
+    assert len(json.loads(res.stdout)) == 1
     assert invoke("cache", "prune", "--max-size", "0B", "--cache-dir", str(cache)).exit_code == 0
-    assert json.loads(invoke("cache", "ls", "--cache-dir", str(cache), "--json").output) == []
+    assert json.loads(invoke("cache", "ls", "--cache-dir", str(cache), "--json").stdout) == []
     timings = list((cache / "tactics").glob("gemm-*.json"))
     res = invoke("cache", "clear", "--timings", "--cache-dir", str(cache))
     assert res.exit_code == 0 and f"removed {len(timings)} timing-cache entries" in res.output, res.output
@@ -143,11 +143,11 @@ def test_recipe_validate_with_model_uses_the_real_plan(tmp_path):
     rec = small_recipe(tmp_path, memory={"budget_mb": 162})
     res = invoke("recipe", "validate", rec, "--model", "resnet18", "--json")
     assert res.exit_code == 1, res.output
-    proofs = {p["name"]: p for p in json.loads(res.output)["proofs"]}
+    proofs = {p["name"]: p for p in json.loads(res.stdout)["proofs"]}
     mem = proofs["memory"]
     assert mem["status"] == "refuted" and mem["counterexample"] == {"batch": 2}
     # the crude (model-free) estimate differs from the planner's exact numbers
-    crude = json.loads(invoke("recipe", "validate", rec, "--json").output)
+    crude = json.loads(invoke("recipe", "validate", rec, "--json").stdout)
     assert {p["name"]: p for p in crude["proofs"]}["memory"]["message"] != mem["message"]
 
 
@@ -159,7 +159,7 @@ def test_recipe_validate_uses_a_calibration_file(tmp_path):
 
     def sla_messages(*extra):
         res = invoke("recipe", "validate", RESNET, "--json", *extra)
-        return res.exit_code, [p["message"] for p in json.loads(res.output)["proofs"] if p["name"].startswith("sla")]
+        return res.exit_code, [p["message"] for p in json.loads(res.stdout)["proofs"] if p["name"].startswith("sla")]
     rc0, plain = sla_messages()
     rc1, calibrated = sla_messages("--calibration", str(path))
     assert rc0 == 0 and plain != calibrated       # a 5% efficiency makes every prediction slower

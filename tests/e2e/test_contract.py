@@ -118,7 +118,7 @@ def test_compile_report_shows_the_padding_verdict(tmp_path):
     res = invoke("compile", "--model", f"{TINY}:mean_pool", "--recipe",
                  write(tmp_path, recipe("mean", POOL_INPUTS, POOL_DIMS)), "--json", "--dry-run")
     assert res.exit_code == 1
-    rep = json.loads(res.output)
+    rep = json.loads(res.stdout)
     assert rep["contract"]["padding"]["seq"]["status"] == "unsafe"
     assert rep["contract"]["padding"]["batch"]["status"] == "safe"
     assert rep["contract"]["refusals"][0]["where"] == "dims.seq"
@@ -128,7 +128,7 @@ def test_verify_runs_padded_shapes_and_the_smallest_one(tmp_path):
     path = write(tmp_path, recipe("masked", POOL_INPUTS, POOL_DIMS))
     res = invoke("verify", "--model", f"{TINY}:masked_mean_pool", "--recipe", path, "--json")
     assert res.exit_code == 0, res.output
-    cases = json.loads(res.output)["cases"]
+    cases = json.loads(res.stdout)["cases"]
     shapes = [(c["shape"], c["bucket"]) for c in cases]
     assert ({"batch": 3, "seq": 5}, {"batch": 4, "seq": 8}) in shapes          # strictly inside a bucket
     assert ({"batch": 1, "seq": 2}, {"batch": 1, "seq": 4}) in shapes          # the smallest admissible
@@ -136,7 +136,7 @@ def test_verify_runs_padded_shapes_and_the_smallest_one(tmp_path):
     eager = write(tmp_path, recipe("mean", POOL_INPUTS, POOL_DIMS, on_violation="eager"), "e.yaml")
     res = invoke("verify", "--model", f"{TINY}:mean_pool", "--recipe", eager, "--json")
     assert res.exit_code == 0, res.output
-    paths = {(c["shape"]["seq"], c["path"]) for c in json.loads(res.output)["cases"]}
+    paths = {(c["shape"]["seq"], c["path"]) for c in json.loads(res.stdout)["cases"]}
     assert (5, "eager") in paths and (8, "graph") in paths
 
 
@@ -145,7 +145,7 @@ def test_run_follows_the_recipe_shapes_and_reports_eager_fallback_honestly(tmp_p
     res = invoke("run", "--model", f"{TINY}:mlp", "--recipe", write(tmp_path, r), "--shape", "3", "--json",
                  "--iters", "2")
     assert res.exit_code == 0, res.output
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)
     assert out["outputs"][0]["shape"] == [3, 4] and out["bucket"] == {"batch": 4} and out["numerics_ok"]
     eager = write(tmp_path, recipe("mean", POOL_INPUTS, POOL_DIMS, on_violation="eager"), "e.yaml")
     res = invoke("run", "--model", f"{TINY}:mean_pool", "--recipe", eager, "--shape", "2x5", "--iters", "2")

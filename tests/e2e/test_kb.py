@@ -91,12 +91,12 @@ def test_profile_and_verify_record_and_the_kb_commands_read_them(tmp_path, cache
     assert ver["source"] == "verify" and ver["status"] == "ok" and ver["numerics_err"] <= 1e-5
     assert prof["recipe_hash"] == ver["recipe_hash"]
     res = invoke("kb", "ls", "--kb", str(kb), "--json")
-    (listed,) = json.loads(res.output)
+    (listed,) = json.loads(res.stdout)
     assert listed["hash"] == ver["recipe_hash"] and listed["measured"] == 2 and listed["machines"] == 1
     res = invoke("kb", "show", ver["recipe_hash"][:6], "--kb", str(kb))
     assert res.exit_code == 0 and "2 measurement(s) on 1 machine(s)" in res.output and "verify" in res.output
     res = invoke("kb", "query", "--kb", str(kb), "--source", "profile", "--where", "p50_ms>0", "--json")
-    assert [r["source"] for r in json.loads(res.output)] == ["profile"]
+    assert [r["source"] for r in json.loads(res.stdout)] == ["profile"]
     res = invoke("kb", "query", "--kb", str(kb), "--where", "p50 < 3")
     assert res.exit_code == 2 and "--where" in res.output and "p99_ms<20" in res.output
     res = invoke("kb", "show", "ffff", "--kb", str(kb))
@@ -105,7 +105,7 @@ def test_profile_and_verify_record_and_the_kb_commands_read_them(tmp_path, cache
     assert invoke("kb", "export", "--kb", str(kb), "--out", str(out)).exit_code == 0
     team = tmp_path / "team.sqlite"
     res = invoke("kb", "import", str(out), str(out), "--kb", str(team), "--json")
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert d["now"] == {"hardware": 1, "models": 1, "recipes": 1, "performance": 2}
     assert [(c["performance"], c["skipped"]) for c in d["imported"]] == [(2, 0), (0, 5)]   # the second: deduplicated
 

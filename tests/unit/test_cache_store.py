@@ -180,7 +180,7 @@ def test_cli_cache_ls_shows_damage_and_prune_clears_it(cache):
     res = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache.root)])
     assert res.exit_code == 0 and "corrupt" in res.output, res.output
     res = runner.invoke(app, ["cache", "ls", "--json", "--cache-dir", str(cache.root)])
-    assert res.exit_code == 0 and len(json.loads(res.output)) == 2
+    assert res.exit_code == 0 and len(json.loads(res.stdout)) == 2
     res = runner.invoke(app, ["cache", "prune", "--max-size", "0", "--cache-dir", str(cache.root)])
     assert res.exit_code == 0 and "removed 2 entries" in res.output
 

@@ -37,7 +37,7 @@ def test_the_variable_moves_every_cache_a_command_writes(tmp_path, monkeypatch):
 
     res = runner.invoke(app, ["compile", "--model", TINY, "--recipe", str(recipe), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["first_plan"]["generated_kernels"] > 0
+    assert json.loads(res.stdout)["first_plan"]["generated_kernels"] > 0
     assert _files(root / "kernels"), "compile built its kernels outside the cache root"
     res = runner.invoke(app, ["run", "--model", TINY, "--recipe", str(recipe), "--shape", "2", "--iters", "1",
                               "--json"])
@@ -73,7 +73,7 @@ def test_the_cli_and_the_python_api_share_one_root_and_an_explicit_one_wins(tmp_
     res = runner.invoke(app, ["run", "--model", TINY, "--recipe", str(recipe), "--shape", "1", "--iters", "1",
                               "--metrics", "--json"])
     assert res.exit_code == 0, res.output
-    events = json.loads(res.output)["metrics"]["events"]
+    events = json.loads(res.stdout)["metrics"]["events"]
     assert events.get("cache_hit") and not events.get("compile"), events    # the Python API's plan
 
     other = tmp_path / "explicit"

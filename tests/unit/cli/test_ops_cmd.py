@@ -28,7 +28,7 @@ def test_docs_ops_md_is_exactly_the_markdown_output():
 def test_json_has_one_row_per_op_and_the_gaps():
     res = _run("--json")
     assert res.exit_code == 0, res.output
-    data = json.loads(res.output)
+    data = json.loads(res.stdout)
     rows = {r["op"]: r for r in data["ops"]}
     assert set(rows) == set(OPS)
     assert {"torch", "onnx", "interpreter", "samples", "lowering", "traits", "kind"} <= set(rows["add"])
@@ -56,7 +56,7 @@ def test_converter_reading_follows_the_key():
 def test_one_op_in_full():
     res = _run("--op", "remainder", "--json")
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert d["op"] == "remainder" and d["arity"] == [2, 2] and "Python's %" in d["doc"]
     assert len(d["samples"]) == len(OPS["remainder"].samples())
     s = d["samples"][0]

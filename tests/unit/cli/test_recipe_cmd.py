@@ -40,7 +40,7 @@ def test_examples_validate_on_host(name, host_cache, monkeypatch):
 def test_validate_json_valid():
     res = run("validate", EX / "minilm_cpu.yaml", "--target", CPU, "--json")
     assert res.exit_code == 0, res.output
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)
     assert out["verdict"] == "valid" and out["target"] == "test_cpu" and len(out["hash"]) == 16
     assert out["plans"] == 6 * len(out["buckets"]["seq"]["values"])
     assert [layer["name"] for layer in out["layers"]] == ["schema", "semantics", "constraints"]
@@ -54,7 +54,7 @@ def test_validate_refused_exit_1_with_counterexample():
     assert "batch=32, seq=512: needs 1263.1 MB > 1024 MB budget" in res.output
     res = run("validate", DATA / "minilm_over_budget.yaml", "--target", CPU, "--json")
     assert res.exit_code == 1
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)
     assert out["verdict"] == "refused"
     mem = next(p for p in out["proofs"] if p["name"] == "memory")
     assert mem["counterexample"] == {"batch": 32, "seq": 512}
@@ -68,7 +68,7 @@ def test_validate_malformed_exit_2(tmp_path):
     assert res.exit_code == 2
     assert "exe_mode" in res.output and "memory.budget_mb" in res.output and "Traceback" not in res.output
     res = run("validate", bad, "--target", CPU, "--json")
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)
     assert res.exit_code == 2 and out["error"] == "RecipeErrors"
     assert {e["where"] for e in out["errors"]} == {"exe_mode", "memory.budget_mb"}
     assert all(e["line"] for e in out["errors"])
@@ -91,7 +91,7 @@ def test_show_lists_buckets_and_plans():
     assert res.exit_code == 0, res.output
     assert "worst padding" in res.output and "plans: 36" in res.output and "kv_cache" in res.output
     res = run("show", DATA / "symbolic.yaml", "--target", str(DATA / "gpu_target.yaml"), "--json")
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)
     assert out["recipe"]["memory"]["budget_mb"] == 4096 and out["recipe"]["memory"]["bank_affinity"] == list(
         range(4, 12))
     assert out["plans"] == 3 * len(out["buckets"]["seq"]["values"]) and out["target"] == "test_gpu"
@@ -112,7 +112,7 @@ def test_diff(tmp_path):
     b.write_text((EX / "minilm_cpu.yaml").read_text().replace("budget_mb: 2048", "budget_mb: 3072"))
     res = run("diff", EX / "minilm_cpu.yaml", b)
     assert res.exit_code == 0 and "memory.budget_mb" in res.output and "3072" in res.output
-    out = json.loads(run("diff", EX / "minilm_cpu.yaml", b, "--json").output)
+    out = json.loads(run("diff", EX / "minilm_cpu.yaml", b, "--json").stdout)
     assert out["changes"] == [{"path": "memory.budget_mb", "kind": "changed", "old": 2048.0, "new": 3072.0}]
     assert out["a"]["hash"] != out["b"]["hash"]
     assert "no differences" in run("diff", b, b).output
