@@ -22,6 +22,7 @@ from graphmode.cli.app import app, err_console
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
+from graphmode.progress import stage
 
 # the engine's and SamplingParams' field names -> the flag a user set (None: the prompt flag)
 FLAGS = {"max_new_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
@@ -271,16 +272,18 @@ def generate_cmd(
         raise RecipeError("generating needs a paged KV cache, and this recipe has none", where="memory.kv_cache",
                           value=recipe, fix="add memory.kv_cache {page_size, max_pages_per_seq, layers, kv_heads, "
                                             "head_dim} (see examples/recipes/gpt2_decoder.yaml)")
-    req = Request.checked(model, rec, prompt or [], prompt_ids or [], stop or [], stop_ids or [])
-    params = sampling(req.lm, max_tokens, temperature, top_k, top_p, seed, req.stop_ids)
-    req.check_room(rec, max_tokens)
-
     log = (lambda s: None) if as_json else (lambda s: err_console.print(s, markup=False, highlight=False,
                                                                       soft_wrap=True))
-    t0 = time.perf_counter()
-    host = get_target("host", cache_dir=cache_layout(cache_dir).targets)
-    validate(rec, host).raise_for_errors()       # a recipe that is not proved is never loaded
-    with progress() as on_stage:     # capture, passes and plans of the decode engine
+    with progress() as on_stage:     # loading the model, then the decode engine's capture, passes and plans
+        with stage(on_stage, "load", detail=model):
+            req = Request.checked(model, rec, prompt or [], prompt_ids or [], stop or [], stop_ids or [])
+        params = sampling(req.lm, max_tokens, temperature, top_k, top_p, seed, req.stop_ids)
+        req.check_room(rec, max_tokens)
+
+        t0 = time.perf_counter()
+        host = get_target("host", cache_dir=cache_layout(cache_dir).targets)
+        with stage(on_stage, "proof"):
+            validate(rec, host).raise_for_errors()       # a recipe that is not proved is never loaded
         # no whole-sequence graph: it would never run; the decode engine captures its own
         cm = gm_compile(req.bundle, rec, host, mode="eager", cache_dir=cache_dir, threads=threads, on_stage=on_stage)
         eng = engine_of(cm)
