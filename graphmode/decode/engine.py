@@ -145,7 +145,7 @@ class DecodeEngine:
         envs = [e for i, e in enumerate(envs) if e not in envs[:i]]
         with stage(self._cm.on_stage, "plans", total=len(envs)) as plans:
             for env in envs:
-                self._cm.executable(env, on_first_use=False)
+                self._cm.executable(env, report_build=False)
                 plans.step(self._cm.bucket_key(env))
 
     # ---- requests -----------------------------------------------------------------------

@@ -11,7 +11,6 @@ import inspect
 import logging
 import threading
 import time
-from pathlib import Path
 from collections import Counter
 from typing import Any, Mapping
 
@@ -186,9 +185,9 @@ class CompiledModel:
     def bucket_key(env: Mapping[str, int]) -> str:
         return ",".join(f"{k}={v}" for k, v in sorted(env.items()))
 
-    def executable(self, env: Mapping[str, int], *, on_first_use: bool = True):
-        """The bucket's executable, built now if it is not yet (`on_stage` hears a build on first
-        use as a one-step `plans` stage; warm-up reports its own)."""
+    def executable(self, env: Mapping[str, int], *, report_build: bool = True):
+        """The bucket's executable, built now if it is not yet; `on_stage` hears the build as a
+        one-step `plans` stage unless `report_build` is False (warm-up reports its own, N of M)."""
         key = self.bucket_key(env)
         exe = self._executables.get(key)
         if exe is not None:
@@ -199,7 +198,7 @@ class CompiledModel:
                 t0 = time.perf_counter()
                 from graphmode.runtime.build import build_executable
                 seen = len(getattr(self, "cache_events", []))
-                if self.on_stage is not None and on_first_use:
+                if self.on_stage is not None and report_build:
                     with stage(self.on_stage, "plans", total=1, detail=key) as plans:
                         exe, cached = build_executable(self, dict(env))
                         plans.step(f"{key} ({'from the cache' if cached else 'built'})")
@@ -219,7 +218,7 @@ class CompiledModel:
         with stage(self.on_stage, "plans", total=len(buckets)) as plans:
             for env in buckets:
                 built, hits = self.events["compile"], self.events["cache_hit"]
-                self.executable(env, on_first_use=False)
+                self.executable(env, report_build=False)
                 how = " (built)" if self.events["compile"] > built else \
                     " (from the cache)" if self.events["cache_hit"] > hits else ""
                 plans.step(self.bucket_key(env) + how)

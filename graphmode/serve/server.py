@@ -390,7 +390,7 @@ class ModelServer:
             with stage(self.on_stage, "plans", total=len(dep.buckets)) as plans:
                 for i, env in enumerate(dep.buckets):
                     self._unless_stopping()
-                    cm.executable(env, on_first_use=False)
+                    cm.executable(env, report_build=False)
                     dep.warmed = i + 1
                     if ticket is not None:
                         ticket.progress = (i + 1, len(dep.buckets))
