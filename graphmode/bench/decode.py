@@ -80,6 +80,7 @@ class DecodeConfig:
     seed: int = 0
     cache_dir: Any = None
     quick: bool = False
+    on_stage: Any = None            # hears graphmode's decoder capture, passes and plans (graphmode/progress.py)
 
     def scenarios(self) -> list[Scenario]:
         return ([Scenario("ttft", 1, p, 1) for p in self.prompt_lens] +
@@ -191,7 +192,7 @@ def bench_model(case: DecodeCase, cfg: DecodeConfig, gbps: float, log: Callable[
                            name=f"bench-decode-{case.name}")
     work = tempfile.TemporaryDirectory(prefix="graphmode-decode-")
     shared = DecodeShared(case.name, case.bundle, case.lm, recipe, cfg.threads, max(s.batch for s in scen),
-                          cfg.max_tokens, cache_dir=cfg.cache_dir, work=Path(work.name))
+                          cfg.max_tokens, cache_dir=cfg.cache_dir, work=Path(work.name), on_stage=cfg.on_stage)
     slots: list[_Slot] = []
     try:
         for name, variant in cfg.engines:

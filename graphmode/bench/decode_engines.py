@@ -75,6 +75,7 @@ class DecodeShared:
     max_tokens: int
     cache_dir: Any = None            # graphmode artifacts (None: a fresh temp dir)
     work: Path | None = None         # scratch folder (GGUF files)
+    on_stage: Any = None             # hears graphmode's decoder capture, passes and plans (graphmode/progress.py)
 
 
 class DecodeEngine:
@@ -176,7 +177,7 @@ class GraphmodeEngine(DecodeEngine):
         elif self.variant in WEIGHT_VARIANTS:
             recipe = dict(recipe, precision={"compute": "f32", "weights": self.variant})
         cm = graphmode.compile(shared.bundle, recipe, "host", mode="eager", cache_dir=cache,
-                               threads=shared.threads)
+                               threads=shared.threads, on_stage=shared.on_stage)
         self.eng = engine_of(cm)
         self.setup_detail = {"engine_build_s": round(time.perf_counter() - t0, 3),
                              "kv_pages": self.eng.layout.pages, "page_size": self.eng.layout.page_size,

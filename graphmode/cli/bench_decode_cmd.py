@@ -13,6 +13,7 @@ import typer
 
 from graphmode.cli.app import err_console
 from graphmode.cli.options import CacheDir
+from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
 
 
@@ -77,7 +78,9 @@ def decode_cmd(
            else (lambda s: None))
     cases = load_cases(model or [], quick)
     target = get_target("host", cache_dir=layout.targets)
-    res = run_decode_bench(cases, cfg, log=log, target=target)
+    with progress(measuring=True) as on_stage:     # graphmode's decoder build, between the engines' setup lines
+        cfg.on_stage = on_stage
+        res = run_decode_bench(cases, cfg, log=log, target=target)
     paths = write_results(res, out or default_out_dir(), name or ("decode-quick" if quick else "decode"))
     if as_json:
         print(json.dumps(res.rows, indent=1, default=str))
