@@ -13,6 +13,7 @@ stdout holds the command's results, so `--json` output stays clean JSON whatever
 """
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterator, Optional
@@ -27,6 +28,13 @@ _settings = {"enabled": True}
 def set_enabled(enabled: bool) -> None:
     """`graphmode --no-progress` turns every command's progress off."""
     _settings["enabled"] = enabled
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _eta(s: Stage) -> Optional[float]:
@@ -80,8 +88,10 @@ class LiveDisplay:
         self.console = console
         self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                             TextColumn("{task.fields[count]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                            TimeRemainingColumn(), console=console, transient=True, redirect_stdout=False,
-                            redirect_stderr=False, auto_refresh=auto_refresh)
+                            TimeRemainingColumn(), console=console, transient=True, auto_refresh=auto_refresh,
+                            # warnings and stray writes print above the display; stdout only when it is
+                            # this terminal too (a piped stdout holds results and must not get them)
+                            redirect_stderr=True, redirect_stdout=_is_tty(sys.stdout))
         self.auto_refresh = auto_refresh
         self._tasks: dict[str, int] = {}
 
