@@ -1,10 +1,12 @@
 """How the CLI shows progress and tables: plain lines on stderr when piped (a rich display on a
 terminal), never on stdout, so --json stays clean; piped tables and lists keep the op names and
-source lines a fix needs whole."""
+source lines a fix needs whole. An artifact `compile --save` wrote under GRAPHMODE_CACHE_DIR is
+loaded by `graphmode.load` under the same root, bucket N of M."""
 from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 
 import yaml
@@ -12,8 +14,10 @@ from rich.console import Console
 from rich.table import Table
 from typer.testing import CliRunner
 
+import graphmode
 from graphmode.cli.app import CliConsole, _register, app
 from graphmode.cli.progress import LiveDisplay, PlainLines, _settings
+from graphmode.paths import cache_layout
 from graphmode.progress import Stage
 
 TINY = Path(__file__).resolve().parents[2] / "e2e" / "tiny_models.py"
@@ -81,12 +85,22 @@ def test_a_piped_table_keeps_its_cells_whole():
     assert loc in buf.getvalue() and "aten._some_rather_long_operator_name.default" in buf.getvalue()
 
 
-def test_compile_save_shows_progress_on_stderr_and_keeps_json_clean(tmp_path):
+def test_compile_save_shows_progress_on_stderr_and_keeps_json_clean(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    if cache_layout().targets.is_dir():              # this machine's host probe: reused, it takes seconds
+        shutil.copytree(cache_layout().targets, root / "targets")
+    monkeypatch.setenv("GRAPHMODE_CACHE_DIR", str(root))
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(RECIPE))
-    res = CliRunner().invoke(app, ["compile", "--model", f"{TINY}:mlp", "--recipe", str(recipe), "--cache-dir",
-                                   str(tmp_path / "cache"), "--save", str(tmp_path / "m.gm"), "--json"])
+    res = CliRunner().invoke(app, ["compile", "--model", f"{TINY}:mlp", "--recipe", str(recipe),
+                                   "--save", str(tmp_path / "m.gm"), "--json"])
     assert res.exit_code == 0, res.output
+    seen: list[Stage] = []
+    cm = graphmode.load(tmp_path / "m.gm", on_stage=seen.append)      # extracted under the same root
+    assert len([d for d in (root / "artifacts").iterdir() if (d / "complete").is_file()]) == 1
+    assert [(s.done, s.total) for s in seen if s.name == "plans" and s.done and not s.finished] == [(1, 3), (2, 3),
+                                                                                                   (3, 3)]
+    assert cm.events["artifact_load"] == 3
     assert json.loads(res.stdout)["verdict"] == "valid"          # stdout: the JSON and nothing else
     err = res.stderr.splitlines()
     for line in ("graphmode: capture ...", "graphmode: passes 0 of 10 ...", "graphmode: memory plans 0 of 3 ...",
