@@ -25,6 +25,7 @@ import numpy as np
 
 from graphmode.client import AsyncClient, ServerError
 from graphmode.errors import GraphmodeError
+from graphmode.progress import OnStage, StageReporter, stage
 
 MAX_PROMPTS = 100_000
 PERCENTILES = (50, 99)
@@ -187,13 +188,15 @@ async def _one(client: AsyncClient, prompt: list[int], out_len: int, cfg: LoadCo
     return res
 
 
-async def _run(cfg: LoadConfig, prompts: list[list[int]], outputs: list[int], gaps: list[float]
-               ) -> tuple[list[RequestResult], float]:
+async def _run(cfg: LoadConfig, prompts: list[list[int]], outputs: list[int], gaps: list[float],
+               answered: StageReporter) -> tuple[list[RequestResult], float]:
     limit = asyncio.Semaphore(cfg.max_concurrency or len(prompts))
     async with AsyncClient(cfg.url, timeout=cfg.timeout_s, max_connections=cfg.max_concurrency or len(prompts)) as c:
         async def limited(p: list[int], o: int) -> RequestResult:
             async with limit:
-                return await _one(c, p, o, cfg)
+                res = await _one(c, p, o, cfg)
+            answered.step("failed" if res.error else "ok")
+            return res
 
         tasks = []
         start = time.perf_counter()
@@ -205,8 +208,9 @@ async def _run(cfg: LoadConfig, prompts: list[list[int]], outputs: list[int], ga
         return list(results), time.perf_counter() - start
 
 
-def run_load(cfg: LoadConfig) -> LoadReport:
-    """Run the load test against the server at `cfg.url` (which must be ready) and measure it."""
+def run_load(cfg: LoadConfig, on_stage: OnStage | None = None) -> LoadReport:
+    """Run the load test against the server at `cfg.url` (which must be ready) and measure it;
+    `on_stage` hears the `requests` stage, one step per answered request (graphmode/progress.py)."""
     cfg.check()
     info = _decoder_info(cfg.url)
     rng = np.random.default_rng(cfg.seed)
@@ -217,7 +221,8 @@ def run_load(cfg: LoadConfig) -> LoadReport:
     prompts = [[int(t) for t in rng.integers(0, vocab, size=n)] for n in inputs]
     gaps = [0.0] * cfg.num_prompts if math.isinf(cfg.request_rate) else \
         [0.0] + [float(g) for g in rng.exponential(1.0 / cfg.request_rate, size=cfg.num_prompts - 1)]
-    results, duration = asyncio.run(_run(cfg, prompts, outputs, gaps))
+    with stage(on_stage, "requests", total=cfg.num_prompts, detail=cfg.url) as answered:
+        results, duration = asyncio.run(_run(cfg, prompts, outputs, gaps, answered))
     after = _decoder_info(cfg.url)
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_len for r in ok)

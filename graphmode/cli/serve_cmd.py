@@ -170,9 +170,11 @@ def loadtest_cmd(
     from graphmode.bench.serve_load import LoadConfig, run_load
     from graphmode.serve.codec import dumps
 
-    report = run_load(LoadConfig(url=url, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
-                                 range_ratio=range_ratio, request_rate=request_rate, max_concurrency=max_concurrency,
-                                 temperature=temperature, seed=seed, timeout_s=timeout_s))
+    with progress(measuring=True) as on_stage:
+        report = run_load(LoadConfig(url=url, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+                                     range_ratio=range_ratio, request_rate=request_rate,
+                                     max_concurrency=max_concurrency, temperature=temperature, seed=seed,
+                                     timeout_s=timeout_s), on_stage=on_stage)
     console.print(report.text(), highlight=False, markup=False)
     if out is not None:
         out.write_bytes(dumps(report.to_dict()))

@@ -481,7 +481,8 @@ def test_loadtest_command_reports_every_request(dec, tmp_path):
     assert rep["input_tokens"] == 30 and rep["output_tokens"] == 6 * 7 == rep["server"]["generated_tokens"]
     # a fast step can put every token of an answer in one network read: TPOT may then round to 0
     assert rep["ttft_ms"]["p50"] > 0 and rep["tpot_ms"]["p99"] >= rep["tpot_ms"]["p50"] >= 0
-    assert "Successful requests:" in res.output and "Median TTFT (ms):" in res.output
+    assert "Successful requests:" in res.stdout and "Median TTFT (ms):" in res.stdout
+    assert "graphmode: requests " in res.stderr and res.stderr.rstrip().endswith("(6 of 6)"), res.stderr   # progress
     bad = CliRunner().invoke(app, ["loadtest", "--url", dec.url, "--input-len", "40"])
     assert bad.exit_code == 2 and "--input-len" in bad.output and "Traceback" not in bad.output
 
