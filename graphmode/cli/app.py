@@ -45,10 +45,16 @@ class CliConsole(Console):
 
     PIPED_WIDTH = 10_000
 
+    def __init__(self, *args, **kwargs) -> None:
+        # rich turns an inherited COLUMNS (CI runners export COLUMNS=80) into a fixed width; that
+        # describes a terminal, not the pipe we may be writing to, so only an explicit width counts.
+        self._explicit_width = kwargs.get("width") is not None
+        super().__init__(*args, **kwargs)
+
     @property
     def size(self) -> ConsoleDimensions:
         size = super().size
-        if self._width is None and not self.is_terminal:
+        if not self._explicit_width and not self.is_terminal:
             return ConsoleDimensions(self.PIPED_WIDTH, size.height)
         return size
 

@@ -356,7 +356,8 @@ def test_profile_cli_calibrates_and_saves(cli, tmp_path):
     assert p["bucket"] == {"batch": 8} and p["n_steps"] == len(p["steps"]) and p["top"]
     assert p["eager_dispatch_us_per_op"] > 0 and p["executor_overhead_us_per_instruction"] >= 0
     (row,) = d["predictions"]
-    assert row["measured_s"] > 0 and row["calibrated_err"] is not None and row["roofline_err"] < 0
+    assert row["measured_s"] > 0 and row["calibrated_err"] is not None
+    assert math.isfinite(row["roofline_err"])   # its sign is a timing, not a property of the code
     res = cli("profile", "--model", TINY, "--shape", "8x32", "--runs", "3", "--threads", "1",
               "--calibration", str(cal), "--no-eager")
     assert res.exit_code == 0, res.output

@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import yaml
 from rich.console import Console
 from rich.table import Table
@@ -73,8 +74,14 @@ def test_no_progress_turns_it_off():
     assert runner.invoke(app, ["version"]).exit_code == 0 and _settings["enabled"]
 
 
-def test_a_piped_table_keeps_its_cells_whole():
-    """rich's 80-column default for a pipe would cut a long cell with an ellipsis."""
+@pytest.mark.parametrize("columns", [None, "80"])
+def test_a_piped_table_keeps_its_cells_whole(columns, monkeypatch):
+    """rich's 80-column default for a pipe would cut a long cell with an ellipsis; so would a
+    COLUMNS=80 inherited from a CI runner, which describes a terminal, not this pipe."""
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
     loc = "/home/someone/projects/" + "a_rather_long_folder_name/" * 6 + "modeling_something.py:1234"
     t = Table(title="fallbacks")
     for c in ("op", "reason", "source location"):
@@ -83,6 +90,9 @@ def test_a_piped_table_keeps_its_cells_whole():
     buf = io.StringIO()
     CliConsole(file=buf).print(t)
     assert loc in buf.getvalue() and "aten._some_rather_long_operator_name.default" in buf.getvalue()
+    narrow = io.StringIO()
+    CliConsole(file=narrow, width=80).print(t)          # an explicit width is still honoured
+    assert max(len(line) for line in narrow.getvalue().splitlines()) <= 80
 
 
 def test_compile_save_shows_progress_on_stderr_and_keeps_json_clean(tmp_path, monkeypatch):
