@@ -161,7 +161,7 @@ class Row:
 def submit(eng: Any, prompts: list[list[int]], params: Any, tokenizer: Any, stop_text: tuple[str, ...],
            prompt_flag: str) -> list[Row]:
     """Queue every prompt (nothing runs until the engine steps)."""
-    from graphmode.serve.completions import ChoiceOutput
+    from graphmode.decode.output import ChoiceOutput
     rows = [Row(i, p, ChoiceOutput(i, tokenizer, stop_text, params.stop)) for i, p in enumerate(prompts)]
     by_id: dict[int, Row] = {}
 

@@ -1,5 +1,5 @@
 """The OpenAI completions request (graphmode.serve.openai_request) and what a choice shows of
-its tokens (graphmode.serve.completions.ChoiceOutput), without a server: field by field
+its tokens (graphmode.decode.output.ChoiceOutput), without a server: field by field
 refusals that name the field, the value and the fix; the sampling parameters a request
 means; stop sequences and stop strings held back while streaming and cut from the answer."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from graphmode.serve.completions import ChoiceOutput
+from graphmode.decode.output import ChoiceOutput
 from graphmode.serve.errors import BadRequest
 from graphmode.serve.openai_request import GREEDY_BELOW, parse_completion
 

@@ -1,0 +1,77 @@
+"""What a caller sees of a sequence: its tokens and text, less a matched stop sequence (token
+ids or text); while streaming, a tail that may still start a stop sequence is held back. The
+OpenAI completions, the `generate` CLI and the generate API all release tokens through it."""
+from __future__ import annotations
+
+from typing import Any
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}      # engine reason -> OpenAI's
+
+
+class ChoiceOutput:
+    """What the client sees of one sequence: its tokens and text less a matched stop
+    sequence; while streaming, a tail that may still start a stop sequence is held back."""
+
+    def __init__(self, index: int, tokenizer: Any, stop_text: tuple[str, ...], stop_ids: tuple[tuple[int, ...], ...]):
+        self.index = index
+        self.tokenizer = tokenizer
+        self.stop_text = stop_text
+        self.stop_ids = stop_ids
+        self.tokens: list[int] = []
+        self.sent_tokens = 0
+        self.sent_text = 0
+        self.finish_reason: str | None = None          # OpenAI's, once finished
+
+    def release(self, engine_reason: str | None = None) -> tuple[list[int], str]:
+        """New tokens and text that can be shown now; with `engine_reason` (the sequence ended)
+        everything that is left. Sets `finish_reason` when a stop string matched: the answer's
+        tokens then end with the one that completed it (tokens the engine made before the
+        cancel reached it are dropped, so the answer does not depend on timing)."""
+        final = engine_reason is not None
+        n = len(self.tokens)
+        if engine_reason == "stop":
+            n -= max((len(s) for s in self.stop_ids if s and self.tokens[-len(s):] == list(s)), default=0)
+        elif not final:
+            n -= self._held_ids()
+        text = self._decode(self.tokens[:n])
+        hit = self._stop_at(text)
+        if hit >= 0:
+            n = next(m for m in range(self.sent_tokens, n + 1) if self._stop_at(self._decode(self.tokens[:m])) >= 0)
+            del self.tokens[n:]
+            text = self._decode(self.tokens)
+            text, final = text[:self._stop_at(text)], True
+            self.finish_reason = "stop"
+        elif final:
+            self.finish_reason = FINISH.get(engine_reason, engine_reason)
+        else:
+            text = text[:len(text) - self._held_text(text)]
+        toks = self.tokens[self.sent_tokens:n]
+        self.sent_tokens = max(self.sent_tokens, n)
+        delta = text[self.sent_text:]
+        self.sent_text = max(self.sent_text, len(text))
+        return toks, delta
+
+    def _stop_at(self, text: str) -> int:
+        """Where the first stop string starts in `text` (-1: none). The sent text cannot hold
+        the start of one: a tail that could begin one is held back until it cannot."""
+        return min((i for i in (text.find(s, self.sent_text) for s in self.stop_text) if i >= 0), default=-1)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None or not ids:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _held_ids(self) -> int:
+        """Length of the longest tail of tokens that may be (or already is) a stop sequence: a
+        whole match is held too, the engine's "stop" that ends the sequence is on its way."""
+        t = self.tokens
+        return max((k for s in self.stop_ids for k in range(min(len(s), len(t)), 0, -1)
+                    if t[-k:] == list(s[:k])), default=0)
+
+    def _held_text(self, text: str) -> int:
+        """Characters at the end of `text` that may start a stop string, or are an incomplete
+        multi-byte character (the tokenizer writes U+FFFD until its last byte arrives)."""
+        held = max((k for s in self.stop_text for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+        tail = len(text) - len(text.rstrip("\ufffd"))
+        return max(held, tail)
