@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from graphmode.decode.kvcache import KVLayout, PagedKVCache
-from graphmode.decode.lm import CausalLMForward, lm_config, to_paged
+from graphmode.decode.lm import CausalLMForward, lm_config
+from graphmode.passes.to_paged import to_paged
 from graphmode.decode.sampling import SamplingParams, choose
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.progress import OnStage, stage

@@ -1,25 +1,14 @@
-"""A causal LM as graphs for decoding: capture once, turn attention into paged-cache attention.
-
-The model is captured with `(input_ids, position_ids)` and no cache (the forward pass every
-causal LM has). Then each `sdpa` becomes `paged_attention` over the layer's K/V pool, taking
-the keys and values before any grouped-query repeat (the cache holds `kv_heads`, not
-`heads`), and the language-model head is applied to one position per sequence (`last`),
-not to the whole prompt. The result is one graph whose `seq` dim is the number of new
-tokens: a prefill plan per (batch, prompt-length) bucket and a decode plan per batch at
-seq = 1 come from it, both memory-planned in the arena with the cache outside it.
-"""
+"""A causal LM as the module decoding captures: `(input_ids, position_ids) -> logits` with no
+cache (the forward pass every causal LM has), and the sizes its KV cache needs. The graph
+rewrite onto the paged cache is the `to_paged` pass (graphmode/passes/to_paged.py)."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from graphmode.errors import CaptureError
-from graphmode.ir.graph import Graph, Node
-from graphmode.ir.types import TensorType, dim_str
 
 INPUTS = ("input_ids", "position_ids", "block_table", "start", "lens", "last")
 
@@ -51,97 +40,3 @@ def lm_config(lm: nn.Module) -> dict[str, Any]:
             "head_dim": get("head_dim", default=hidden // heads if hidden and heads else None),
             "vocab": get("vocab_size"), "context": get("max_position_embeddings", "n_positions"),
             "eos": get("eos_token_id"), "pad": get("pad_token_id")}
-
-
-def _producers(g: Graph) -> dict[str, Node]:
-    return {o: n for n in g.nodes for o in n.outputs}
-
-
-def _before_repeat(g: Graph, name: str, prod: dict[str, Node]) -> str:
-    """The value a grouped-query repeat (reshape -> expand -> [copy] -> reshape) started from."""
-    cur = name
-    chain = []
-    for _ in range(4):
-        n = prod.get(cur)
-        if n is None or n.op not in ("reshape", "expand", "identity"):
-            break
-        chain.append(n.op)
-        cur = n.inputs[0]
-    if chain and chain[-1] == "reshape" and "expand" in chain and g.type_of(cur).rank == 4:
-        return cur
-    return name
-
-
-@dataclass
-class PagedLM:
-    graph: Graph
-    layers: int
-    kv_heads: int
-    head_dim: int
-
-
-def to_paged(g: Graph, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], max_pages: int) -> PagedLM:
-    """The captured LM graph with every sdpa on the paged cache and the head at `last` only."""
-    out = g.clone()
-    prod = _producers(out)
-    batch = out.type_of(out.inputs[0]).shape[0]
-    table = out.add_input("block_table", TensorType("i64", (batch, max_pages)))
-    start = out.add_input("start", TensorType("i64", (batch,)))
-    lens = out.add_input("lens", TensorType("i64", (batch,)))
-    last = out.add_input("last", TensorType("i64", (batch,)))
-    nodes: list[Node] = []
-    layer = 0
-    kv_heads = head_dim = None
-    for n in out.nodes:
-        if n.op != "sdpa":
-            nodes.append(n)
-            continue
-        if layer >= len(k_pools):
-            raise CaptureError(f"the model has more attention layers than the KV cache ({len(k_pools)})",
-                               where="memory.kv_cache.layers", fix="set layers to the model's layer count")
-        q, k, v = n.inputs[:3]
-        k0, v0 = _before_repeat(out, k, prod), _before_repeat(out, v, prod)
-        kt = out.type_of(k0)
-        kv_heads, head_dim = kt.shape[1], kt.shape[3]
-        pool_shape = tuple(k_pools[layer].shape)
-        if (pool_shape[2], pool_shape[3]) != (kv_heads, head_dim):
-            raise CaptureError(f"layer {layer} keeps {kv_heads} KV heads of dim {head_dim}, the cache has "
-                               f"{pool_shape[2]} of dim {pool_shape[3]}", where="memory.kv_cache",
-                               fix=f"set kv_heads: {kv_heads} and head_dim: {head_dim}")
-        kp = out.add_constant(f"kv.k.{layer}", k_pools[layer], role="state")
-        vp = out.add_constant(f"kv.v.{layer}", v_pools[layer], role="state")
-        scale = n.attrs.get("scale")
-        attrs = {"scale": float(scale) if scale is not None else 1.0 / math.sqrt(out.type_of(q).shape[-1])}
-        nodes.append(Node("paged_attention", (q, k0, v0, kp, vp, table, start, lens), n.outputs, attrs))
-        layer += 1
-    if layer != len(k_pools):
-        raise CaptureError(f"the model has {layer} attention layer(s), the KV cache declares {len(k_pools)}",
-                           where="memory.kv_cache.layers", fix=f"set layers: {layer}")
-    out.nodes = nodes
-    _head_at_last(out, last, batch)
-    out.prune_values()
-    return PagedLM(out, layer, int(kv_heads), int(head_dim))
-
-
-def _head_at_last(g: Graph, last: str, batch) -> None:
-    """logits = head(hidden[b, last[b]]) instead of head(hidden) over every position."""
-    prod = _producers(g)
-    head = prod.get(g.outputs[0])
-    if head is None or head.op != "linear":
-        raise CaptureError("the model's output is not a linear head over hidden states",
-                           where="model", fix="decoding needs a causal LM whose logits come from a linear head")
-    h = head.inputs[0]
-    ht = g.type_of(h)
-    if ht.rank != 3:
-        raise CaptureError(f"the LM head reads {ht.text()}, expected [batch, seq, hidden]", where="model")
-    b = batch if isinstance(batch, int) else dim_str(batch)
-    rows, = g.add_node("arange", [], [TensorType("i64", (batch,))], {"start": 0, "end": b, "step": 1, "dtype": "i64"})
-    picked, = g.add_node("index", [h, rows, last], [ht.with_shape((batch, ht.shape[2]))], {"dims": [0, 1]})
-    picked3, = g.add_node("reshape", [picked], [ht.with_shape((batch, 1, ht.shape[2]))],
-                          {"shape": [b, 1, ht.shape[2]]})
-    logits_t = g.type_of(g.outputs[0])
-    new = head.with_(inputs=(picked3,) + tuple(head.inputs[1:]), outputs=("logits",))
-    g.add_value("logits", logits_t.with_shape((batch, 1, logits_t.shape[2])), "output")
-    g.nodes.remove(head)
-    g.nodes.append(new)           # after the nodes that compute its new input
-    g.outputs = ["logits"]
