@@ -64,3 +64,15 @@ class MemoryPlanOptions(PassOptions):
     reuse: bool = True
     alignment: int = 64
     alias_groups: list[list[str]] = []
+
+
+class PagedOptions(PassOptions):
+    """The KV pool `to_paged` puts attention on: the recipe's memory.kv_cache, `pages` the pool
+    its memory proof counts. layers, kv_heads and head_dim left None are read off the graph."""
+    page_size: int | None = None
+    pages: int | None = None
+    max_pages_per_seq: int | None = None
+    layers: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    dtype: str = "f32"

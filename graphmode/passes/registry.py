@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graphmode.passes.options import (ConstantFoldOptions, CseOptions, FuseOptions, MemoryPlanOptions,
+from graphmode.passes.options import (ConstantFoldOptions, CseOptions, FuseOptions, MemoryPlanOptions, PagedOptions,
                                       PassOptions, PrecisionOptions, QuantizeWeightsOptions)
 
 
@@ -31,6 +31,11 @@ def _info(name, summary, requires=(), provides=(), invalidates=("memory_planned"
 
 
 PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
+    # first, on the graph as captured: it finds each layer's K/V before the grouped-query repeat
+    # that canonicalize would merge, and the sdpa nodes that fuse would fold into regions
+    _info("to_paged", "a causal LM onto a paged KV cache: sdpa -> paged_attention over the pool, the head at "
+          "each sequence's last position (decoding)", provides=("paged",), invalidates=("memory_planned", "canonical"),
+          options=PagedOptions, options_at="memory.kv_cache"),
     _info("canonicalize", "remove identity/no-op reshapes and casts, merge transpose and reshape chains",
           provides=("canonical",)),
     _info("precision", "run float ops in the recipe's compute dtype (per-op overrides); outputs keep their dtype",

@@ -3,9 +3,13 @@
 Each `sdpa` becomes `paged_attention` over the layer's K/V pool, taking the keys and values
 before any grouped-query repeat (the cache holds `kv_heads`, not `heads`), and the
 language-model head is applied to one position per sequence (`last`), not to the whole
-prompt. The result is one graph whose `seq` dim is the number of new tokens: a prefill plan
+prompt. The result is one graph whose `seq` dim is the number of new tokens (1 up): a prefill plan
 per (batch, prompt-length) bucket and a decode plan per batch at seq = 1 come from it, both
 memory-planned in the arena with the cache outside it.
+
+The pools are the graph's run-time state (constants of role `state`, `kv.k.<layer>` and
+`kv.v.<layer>`), allocated here once at the size of the pool the recipe's memory proof counts;
+the decode engine's page tables (graphmode/decode/kvcache.py) index them.
 """
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from graphmode.errors import CaptureError
+from graphmode.errors import CaptureError, PassError
 from graphmode.ir.graph import Graph, Node
-from graphmode.ir.types import TensorType, dim_str
+from graphmode.ir.types import DTYPES, TensorType, dim_str
+from graphmode.passes.base import PassContext, PassResult, register_pass
 
 
 def _producers(g: Graph) -> dict[str, Node]:
@@ -111,3 +116,29 @@ def _head_at_last(g: Graph, last: str, batch) -> None:
     g.nodes.remove(head)
     g.nodes.append(new)           # after the nodes that compute its new input
     g.outputs = ["logits"]
+
+
+@register_pass("to_paged")
+def run(graph: Graph, ctx: PassContext) -> PassResult:
+    o = ctx.opts("to_paged")
+    if None in (o.page_size, o.pages, o.max_pages_per_seq):
+        raise PassError("to_paged needs a paged KV cache", where="memory.kv_cache",
+                        fix="declare memory.kv_cache {page_size, max_pages_per_seq} (a decoder recipe)")
+    if o.dtype not in DTYPES:
+        raise PassError(f"unknown KV cache dtype {o.dtype!r}", where="memory.kv_cache.dtype", value=o.dtype,
+                        fix=f"one of {', '.join(sorted(DTYPES))}")
+    sdpa = [n for n in graph.nodes if n.op == "sdpa"]
+    if not sdpa:
+        raise CaptureError("the model has no attention (sdpa) to put on a KV cache", where="model",
+                           fix="decoding needs a causal LM whose attention captures as sdpa")
+    prod = _producers(graph)
+    k0 = graph.type_of(_before_repeat(graph, sdpa[0].inputs[1], prod))
+    layers = o.layers or len(sdpa)
+    shape = (o.pages, o.page_size, o.kv_heads or int(k0.shape[1]), o.head_dim or int(k0.shape[3]))
+    pools = [[torch.zeros(shape, dtype=DTYPES[o.dtype]) for _ in range(layers)] for _ in "kv"]
+    paged = to_paged(graph, pools[0], pools[1], o.max_pages_per_seq)
+    g = paged.graph
+    seq = g.type_of(g.inputs[0]).shape[1]
+    if not isinstance(seq, int) and dim_str(seq) in g.dims:
+        g.dims[dim_str(seq)] = (1, g.dims[dim_str(seq)][1])       # a decode step feeds one token
+    return PassResult(g, True, {"layers": paged.layers, "pool_pages": o.pages})
