@@ -28,9 +28,11 @@ def symbolic_flops(graph: Graph) -> sympy.Expr:
 
 
 def model_facts(graph: Graph, activation_expr) -> Any:
-    """The compiler's terms for the recipe's Z3 proof: real weights, planner's activation peak."""
+    """The compiler's terms for the recipe's Z3 proof: real weights, planner's activation peak.
+    Run-time state (a decoder's KV pools) is not a weight: the proof counts the KV cache itself."""
     from graphmode.recipe import ModelFacts
-    weights = sum(t.numel() * t.element_size() for t in graph.constants.values())
+    weights = sum(t.numel() * t.element_size() for k, t in graph.constants.items()
+                  if graph.values[k].role != "state")
     n_ops = sum(1 for n in graph.nodes if n.op != "reshape")
     return ModelFacts(weights_bytes=int(weights), activation_bytes=activation_expr,
                       flops=symbolic_flops(graph), n_ops=n_ops, source="compiler")

@@ -31,6 +31,12 @@ class ModelSource:
     output_names: list[str] = field(default_factory=list)
     onnx_path: Path | None = None
     bundle: Any = None   # graphmode.capture.zoo.ModelBundle when built-in
+    # a decoder's forward (graphmode/decode/engine.py): exported over these ranges rather than the
+    # recipe's (a batch of one still exports dynamic), and padded only where its graph masks the
+    # padding itself (paged attention reads each row's length, the head its last position), so
+    # the verdict's padding analysis, which knows the captured graph, does not apply
+    capture_dims: dict[str, tuple[int, int]] | None = None
+    masks_padding: bool = False
 
     def make_inputs(self, env: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
         if self.bundle is not None:
@@ -128,7 +134,7 @@ def capture(model: Any, recipe: Recipe | str | Path) -> tuple[Graph, CaptureRepo
     """Model -> IR graph with the recipe's dynamic dims and capture include/exclude lists."""
     recipe = as_recipe(recipe)
     src = resolve_model(model, recipe)
-    dims = {d: recipe.dim_range(d) for d in recipe.dims}
+    dims = src.capture_dims or {d: recipe.dim_range(d) for d in recipe.dims}
     if src.onnx_path is not None:
         from graphmode.capture.onnx import import_onnx
         g, rep = import_onnx(src.onnx_path, dims=dims, input_dims=src.input_dims, name=src.name,
@@ -152,6 +158,17 @@ class OptimizeReport:
                 for n in graph.nodes if n.op == "fused"]
 
 
+def _paged_options(recipe: Recipe) -> dict[str, Any]:
+    """The `to_paged` pass's pool: the recipe's memory.kv_cache at the size its proof counts."""
+    from graphmode.recipe.facts import kv_params, kv_pool_pages
+    p = kv_params(recipe)
+    if p is None or "to_paged" not in recipe.pipeline():
+        return {}
+    return {"page_size": int(p["page_size"]), "pages": int(kv_pool_pages(recipe)),
+            "max_pages_per_seq": int(p["max_pages_per_seq"]), "layers": p["layers"], "kv_heads": p["kv_heads"],
+            "head_dim": p["head_dim"], "dtype": str(p["dtype"])}
+
+
 def pass_context(recipe: Recipe, target: Any = None, buckets: Sequence[dict] | None = None):
     from graphmode.passes import PassContext
     fusion = recipe.optimize.fusion
@@ -162,7 +179,8 @@ def pass_context(recipe: Recipe, target: Any = None, buckets: Sequence[dict] | N
                                "overrides": dict(recipe.precision.overrides)},
                  "quantize_weights": {"weights": recipe.precision.weights},
                  "memory_plan": {"reuse": recipe.optimize.memory_reuse,
-                                 "alias_groups": [list(g) for g in recipe.alias_groups]}},
+                                 "alias_groups": [list(g) for g in recipe.alias_groups]},
+                 "to_paged": _paged_options(recipe)},
         buckets=list(buckets) if buckets is not None else recipe.buckets(),
         target=target)
 
@@ -250,14 +268,23 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     mode = mode or recipe.exe_mode
     if mode == "eager":
         src = resolve_model(model, recipe)
-        return CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir, threads=threads,
-                             on_stage=on_stage)
+        return _decoding(CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir,
+                                       threads=threads, on_stage=on_stage))
     low = lower_model(model, recipe, tgt, mode=mode, on_stage=on_stage)
     cm = CompiledModel(low.source, recipe, tgt, low.captured, low.graph, (low.capture_report, low.optimize_report),
                        mode=mode, cache_dir=cache_dir, threads=threads, verdict=low.verdict, on_stage=on_stage)
     cm.spill_constants()
     if warmup:
         cm.warmup()
+    return _decoding(cm)
+
+
+def _decoding(cm: Any) -> Any:
+    """A model under a recipe with a KV cache decodes: `cm.generate` / `cm.stream` (its decode
+    engine is built on first use, graphmode/decode/api.py)."""
+    if cm.recipe.memory.kv_cache is not None:
+        from graphmode.decode import api
+        cm.decoding = api
     return cm
 
 

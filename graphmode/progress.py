@@ -10,8 +10,9 @@ plain lines to a pipe). Library code never prints progress itself.
 
 A stage is reported as a start (done 0), one event per finished step (its `detail` says which:
 a pass name, a bucket), and an end (`finished`). A stage that fails raises and has no end.
-Stage names: capture, passes, proof (`compiler.lower_model`), plans (`CompiledModel.warmup`,
-`save`, and a plan built on first use), decoder (the decode engine's capture and passes).
+Stage names: capture, passes, proof (`compiler.lower_model`, the decode engine's graph too),
+plans (`CompiledModel.warmup`, `save`, the decode engine's prepare and warm-up, and a plan
+built on first use).
 """
 from __future__ import annotations
 

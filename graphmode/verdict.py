@@ -104,8 +104,8 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
         return v
     v.refusals += _mismatches(recipe, graph, capture_report)
     v.refusals += _fallbacks(capture_report, mode)
-    if v.refusals:      # a model the recipe does not describe is not analysed further
-        return v
+    if v.refusals or getattr(source, "masks_padding", False):
+        return v        # a model the recipe does not describe is not analysed further
     pads = padded_dims(recipe)
     v.padding = analyze_padding(graph, {i.name: i.pad_value for i in recipe.inputs}, pads,
                                 locs=getattr(capture_report, "locs", {}) or {})

@@ -184,13 +184,13 @@ class GraphmodeEngine(DecodeEngine):
                              "recipe": shared.recipe.get("name")}
 
     def run(self, prompts, new):
+        from graphmode.decode.engine import drive
         from graphmode.decode.sampling import SamplingParams
         params = SamplingParams(max_new_tokens=new)          # greedy; no end-of-sequence token
         t0 = time.perf_counter()
         seqs = [self.eng.add(row, params) for row in prompts.tolist()]
         seen = None
-        while self.eng.has_work:
-            self.eng.step()
+        for _ in drive(self.eng, seqs):
             if seen is None and all(s.generated for s in seqs):
                 seen = time.perf_counter()
         end = time.perf_counter()

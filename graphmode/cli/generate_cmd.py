@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, List, Optional
@@ -181,26 +182,27 @@ def submit(eng: Any, prompts: list[list[int]], params: Any, tokenizer: Any, stop
 
 def run(eng: Any, rows: list[Row], on_chunk: Callable[[Row, list[int], str], None] | None = None
         ) -> tuple[float, float]:
-    """Step the engine until every row is done; `on_chunk(row, ids, text)` gets what can be
+    """Drive the engine until every row is done; `on_chunk(row, ids, text)` gets what can be
     shown after each step. Returns the start and end times."""
+    from graphmode.decode.engine import drive
     t0 = time.perf_counter()
-    while any(r.finish_reason is None for r in rows):
-        eng.step()
-        now = time.perf_counter()
-        for r in rows:
-            if r.finish_reason is not None:
-                continue
-            if r.first_seen is None and r.times:
-                r.first_seen = now
-            ids, text = r.out.release(r.seq.finish_reason if r.seq.done else None)
-            r.text += text
-            if r.out.finish_reason is not None:            # the engine ended it, or a stop string matched
-                hit = r.out.finish_reason == "stop" and r.seq.finish_reason in (None, "length")
-                r.finish_reason = "stop" if hit else r.seq.finish_reason
-                if not r.seq.done:
-                    eng.cancel(r.seq)                      # the others need not wait for it
-            if on_chunk is not None and (ids or text):
-                on_chunk(r, ids, text)
+    with closing(drive(eng, [r.seq for r in rows])) as steps:
+        for _ in steps:
+            now = time.perf_counter()
+            for r in rows:
+                if r.finish_reason is not None:
+                    continue
+                if r.first_seen is None and r.times:
+                    r.first_seen = now
+                ids, text = r.out.release(r.seq.finish_reason if r.seq.done else None)
+                r.text += text
+                if r.out.finish_reason is not None:            # the engine ended it, or a stop string matched
+                    hit = r.out.finish_reason == "stop" and r.seq.finish_reason in (None, "length")
+                    r.finish_reason = "stop" if hit else r.seq.finish_reason
+                    if not r.seq.done:
+                        eng.cancel(r.seq)                      # the others need not wait for it
+                if on_chunk is not None and (ids or text):
+                    on_chunk(r, ids, text)
     return t0, time.perf_counter()
 
 

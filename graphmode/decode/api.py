@@ -1,4 +1,5 @@
-"""`CompiledModel.generate` / `stream`: transformers' `generate` API over the decode engine.
+"""`CompiledModel.generate` / `stream`: transformers' `generate` API over the decode engine
+(`graphmode.compile` attaches this module to a model whose recipe declares memory.kv_cache).
 
 Prompts come as transformers gives them: `input_ids` [batch, length] with an optional
 `attention_mask` (left or right padding, or none). The result is transformers' too: each
@@ -8,10 +9,12 @@ positions from 0, its own pages), batched with the others at every step.
 """
 from __future__ import annotations
 
+from contextlib import closing
 from typing import Any, Iterator, Sequence
 
 import torch
 
+from graphmode.decode.engine import drive
 from graphmode.decode.sampling import SamplingParams
 from graphmode.errors import ContractViolation, GraphmodeError
 
@@ -22,8 +25,8 @@ def engine_of(cm: Any):
     if eng is None:
         from graphmode.decode.engine import DecodeEngine
         lm = causal_lm(cm.source)
-        eng = DecodeEngine(lm, cm.recipe, cm.target, cache_dir=cm.cache_dir, threads=cm.threads,
-                           on_stage=getattr(cm, "on_stage", None))
+        eng = DecodeEngine.build(lm, cm.recipe, cm.target, cache_dir=cm.cache_dir, threads=cm.threads,
+                                 on_stage=cm.on_stage)
         cm._decoder = eng
     return eng
 
@@ -66,6 +69,29 @@ def sampling_params(eng: Any, max_new_tokens: int, do_sample: bool, temperature:
                           top_p=top_p, eos_token_id=eos, seed=seed, stop=tuple(tuple(s) for s in stop))
 
 
+def _steps(eng: Any, prompts: list[list[int]], params: SamplingParams) -> Iterator[dict[int, list[int]]]:
+    """{prompt index: tokens new in this step} after every step until every prompt is done (a
+    step can add two tokens to a sequence: its prefill's and its first decode's)."""
+    ready: list[tuple[int, int]] = []
+    seqs = []
+    try:
+        for p in prompts:
+            seqs.append(eng.add(p, params, on_token=lambda sid, tok: ready.append((sid, tok))))
+    except BaseException:
+        for s in seqs:
+            eng.cancel(s)
+        raise
+    index = {s.id: i for i, s in enumerate(seqs)}
+    with closing(drive(eng, seqs)) as steps:       # an abandoned stream gives its pages back
+        for _ in steps:
+            if ready:
+                out: dict[int, list[int]] = {}
+                for sid, tok in ready:
+                    out.setdefault(index[sid], []).append(tok)
+                ready.clear()
+                yield out
+
+
 def generate(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
@@ -74,7 +100,7 @@ def generate(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tok
     ids, prompts = _prompts(input_ids, attention_mask)
     params = sampling_params(eng, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, seed)
     new: list[list[int]] = [[] for _ in prompts]
-    for step in eng.stream(prompts, params):
+    for step in _steps(eng, prompts, params):
         for i, toks in step.items():
             new[i].extend(toks)
     pad = pad_token_id if pad_token_id is not None else (min(params.eos) if params.eos else 0)
@@ -94,4 +120,4 @@ def stream(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_token
     eng = engine_of(cm)
     _, prompts = _prompts(input_ids, attention_mask)
     params = sampling_params(eng, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, seed)
-    yield from eng.stream(prompts, params)
+    yield from _steps(eng, prompts, params)

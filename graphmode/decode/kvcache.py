@@ -43,12 +43,22 @@ class PagedKVCache:
     """Pool tensors `k[layer]`, `v[layer]` of [pages, page_size, kv_heads, head_dim]; a free list;
     a block table (list of page ids) per sequence id."""
 
-    def __init__(self, layout: KVLayout):
+    def __init__(self, layout: KVLayout, pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
+        """`pools`: the K and V pools to page (the decode graph's own, which the `to_paged` pass
+        allocated), checked against `layout`; None allocates them here."""
         self.layout = layout
         shape = (layout.pages, layout.page_size, layout.kv_heads, layout.head_dim)
         dt = DTYPES[layout.dtype]
-        self.k = [torch.zeros(shape, dtype=dt) for _ in range(layout.layers)]
-        self.v = [torch.zeros(shape, dtype=dt) for _ in range(layout.layers)]
+        if pools is None:
+            pools = ([torch.zeros(shape, dtype=dt) for _ in range(layout.layers)],
+                     [torch.zeros(shape, dtype=dt) for _ in range(layout.layers)])
+        wrong = len(pools[0]) != layout.layers or len(pools[1]) != layout.layers
+        for t in (*pools[0], *pools[1]):
+            if wrong or tuple(t.shape) != shape or t.dtype != dt:
+                raise GraphmodeError(f"a KV pool is {tuple(t.shape)} {t.dtype}, the layout needs {layout.layers} "
+                                     f"layer(s) of {shape} {dt}", where="memory.kv_cache",
+                                     fix="the pools and the cache must come from the same recipe")
+        self.k, self.v = list(pools[0]), list(pools[1])
         self._free = list(range(layout.pages - 1, -1, -1))      # pop() hands out low page ids first
         self.tables: dict[int, list[int]] = {}
         self.tokens: dict[int, int] = {}                        # tokens each sequence holds

@@ -1,11 +1,56 @@
-"""What a caller sees of a sequence: its tokens and text, less a matched stop sequence (token
-ids or text); while streaming, a tail that may still start a stop sequence is held back. The
-OpenAI completions, the `generate` CLI and the generate API all release tokens through it."""
+"""A decode step's outputs: each sequence's next token (sampled from its row of logits), why it
+ends (end-of-sequence token, a stop sequence, its length), and what a caller sees of it
+(`ChoiceOutput`: its tokens and text less a matched stop sequence, token ids or text; while
+streaming, a tail that may still start a stop sequence is held back). The OpenAI completions
+and the `generate` CLI release tokens through `ChoiceOutput`.
+"""
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from graphmode.decode.sampling import choose
+
+if TYPE_CHECKING:
+    from graphmode.decode.scheduler import Sequence_
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}      # engine reason -> OpenAI's
+
+
+def stop_reason(s: "Sequence_") -> str | None:
+    """Why `s` ends with its last token: "eos", "stop" (a stop sequence), "length", or None."""
+    tok = s.generated[-1]
+    if tok in s.params.eos:
+        return "eos"
+    if any(seq and s.generated[-len(seq):] == list(seq) for seq in s.params.stop):
+        return "stop"
+    if len(s.generated) >= s.params.max_new_tokens:
+        return "length"
+    return None
+
+
+def sample(seqs: list["Sequence_"], logits: torch.Tensor,
+           on_logits: Callable[["Sequence_", torch.Tensor], None] | None = None
+           ) -> list[tuple["Sequence_", str | None]]:
+    """Each sequence's next token from its row of `logits` (row i: seqs[i]), appended to it and
+    told to its `on_token` listener as it is chosen; with why the sequence ends now (or None).
+    `on_logits` sees each row first (a verification hook)."""
+    now = time.perf_counter()
+    out = []
+    for i, s in enumerate(seqs):
+        if on_logits is not None:
+            on_logits(s, logits[i])
+        tok = choose(logits[i], s.params, s.gen)
+        s.generated.append(tok)
+        if s.first_token_at is None:
+            s.first_token_at = now
+        stop = stop_reason(s)
+        if s.on_token is not None:
+            s.on_token(s.id, tok)
+        out.append((s, stop))
+    return out
 
 
 class ChoiceOutput:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from graphmode.backends.registry import DEFAULT_DEVICE
-from graphmode.errors import ContractViolation
+from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.ir.graph import Graph
 from graphmode.ir.types import eval_dim
 from graphmode.progress import OnStage, stage
@@ -44,6 +44,10 @@ class CompiledModel:
         self.verdict = verdict
         # hears plan builds (graphmode/progress.py): warm-up's "bucket N of M", one on first use
         self.on_stage = on_stage
+        # the decode API (graphmode/decode/api.py) that graphmode.compile attaches when the recipe
+        # declares memory.kv_cache: `generate` and `stream` run it (decode builds on runtime, not
+        # the other way round)
+        self.decoding: Any = None
         # dims the verdict found unsafe to pad (on_violation: eager): off-bucket values run eagerly
         self.exact_dims = list(getattr(verdict, "exact_dims", []) or [])
         self.last_path: dict[str, Any] = {}      # how the last call ran: graph, or eager and why
@@ -307,16 +311,24 @@ class CompiledModel:
 
     # ---- decoding ----------------------------------------------------------------------------
     def generate(self, input_ids: Any, attention_mask: Any = None, **kw: Any) -> torch.Tensor:
-        """Greedy or sampled decoding over the recipe's paged KV cache, like transformers'
+        """Decode new tokens after each row of `input_ids`, with the arguments of transformers'
         `generate` (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
         pad_token_id, seed). See graphmode/decode/api.py."""
-        from graphmode.decode.api import generate
-        return generate(self, input_ids, attention_mask, **kw)
+        return self._decoding().generate(self, input_ids, attention_mask, **kw)
 
     def stream(self, input_ids: Any, attention_mask: Any = None, **kw: Any):
         """`generate`, as {row: new tokens} after every decode step."""
-        from graphmode.decode.api import stream
-        return stream(self, input_ids, attention_mask, **kw)
+        return self._decoding().stream(self, input_ids, attention_mask, **kw)
+
+    def _decoding(self) -> Any:
+        if self.decoding is not None:
+            return self.decoding
+        if getattr(self.recipe.memory, "kv_cache", None) is None:
+            raise RecipeError("decoding needs a paged KV cache in the recipe", where="memory.kv_cache",
+                              fix="add memory.kv_cache {page_size, max_pages_per_seq, layers, kv_heads, head_dim}")
+        raise GraphmodeError("this model was not compiled for decoding", where="model",
+                             fix="compile the causal LM with graphmode.compile under its decoder recipe (a loaded "
+                                 "artifact holds plans, not the module decoding captures)")
 
     def save(self, path: Any) -> dict[str, Any]:
         """Write a deployable `.gm` artifact (every bucket built); `graphmode.load` reads it."""

@@ -1,4 +1,5 @@
-"""The decode loop of a decoder deployment: one thread drives the engine, the event loop gets tokens.
+"""The decode thread of a decoder deployment: one thread runs the engine's `drive` loop, the
+event loop gets tokens.
 
 `DecodeEngine.step()` holds the engine's lock for a whole step (a prefill or a decode over
 every running sequence), so the event loop never calls into the engine: a request's
@@ -23,7 +24,8 @@ import threading
 import time
 from typing import Any, Sequence
 
-from graphmode.decode.engine import DecodeEngine, Sequence_
+from graphmode.decode.engine import DecodeEngine, drive
+from graphmode.decode.scheduler import Sequence_
 from graphmode.decode.sampling import SamplingParams
 from graphmode.monitor.prom import DecodeSeries
 from graphmode.serve.errors import NotReady, ServerFault
@@ -167,28 +169,40 @@ class DecodeLoop:
                         self._thread = None
                         return
                     self._cond.wait()
-                cancels, self._cancels = self._cancels, []
-                stopped = self._stopped
-            if stopped:
-                self._fail_all(NotReady("the server shut down before the sequence finished", where="request",
-                                        fix="send the request again to the server that replaces this one"))
-                with self._cond:
-                    self._thread = None
+            if self._between_steps():
                 return
-            for g, reason in cancels:
-                self._drop(g, reason)
-            if eng.has_work:
-                self._step()
+            started = time.perf_counter()
+            try:
+                for finished in drive(eng):           # the engine's steps while it has work
+                    self._finished(finished, started)
+                    self._gauges()
+                    if self._between_steps():
+                        return
+                    started = time.perf_counter()     # the next step starts when the loop resumes drive
+            except Exception as e:  # noqa: BLE001 - the requests get a 500, the loop keeps serving
+                log.exception("decode step failed")
+                self._fail_all(ServerFault(f"decode step failed: {type(e).__name__}: {e}", where="decode"))
             self._gauges()
 
-    def _step(self) -> None:
-        started = time.perf_counter()
-        try:
-            finished = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - the requests get a 500, the loop keeps serving
-            log.exception("decode step failed")
-            self._fail_all(ServerFault(f"decode step failed: {type(e).__name__}: {e}", where="decode"))
-            return
+    def _between_steps(self) -> bool:
+        """Apply the cancels asked for since the last step; True when the server has stopped
+        (every live sequence then fails with a 503 and the thread ends)."""
+        with self._cond:
+            cancels, self._cancels = self._cancels, []
+            stopped = self._stopped
+        if stopped:
+            self._fail_all(NotReady("the server shut down before the sequence finished", where="request",
+                                    fix="send the request again to the server that replaces this one"))
+            with self._cond:
+                self._thread = None
+            return True
+        for g, reason in cancels:
+            self._drop(g, reason)
+        return False
+
+    def _finished(self, finished: list[Sequence_], started: float) -> None:
+        """After a step that began at `started`: queue times of the sequences it prefilled, the
+        end of those that finished."""
         s = self.series
         for g in list(self._live.values()):
             if not g.admitted and g.first_at is not None:       # prefilled in this step

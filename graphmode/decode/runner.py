@@ -1,0 +1,93 @@
+"""The model runner: a scheduled batch -> the plan's inputs -> its executable -> logits.
+
+One compiled graph (the causal LM after `to_paged`) serves both kinds of step: a prefill
+runs the plan of a (batch, prompt-length) bucket over the prompts, right-padded; a decode
+step runs the plan of a batch bucket at seq = 1 over each sequence's last token. Rows past
+the batch's sequences and positions past a sequence's length are padding the graph never
+reads (`lens` is 0 there, and the head reads each row at `last`). The block tables come from
+the KV cache manager; the pools themselves are the graph's state, written by every run.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from graphmode.decode.kvcache import PagedKVCache
+from graphmode.decode.scheduler import Sequence_
+from graphmode.errors import ContractViolation
+from graphmode.progress import stage
+
+
+def bucket(values: Sequence[int], n: int, what: str) -> int:
+    """The smallest of `values` (ascending) that holds `n`."""
+    for v in values:
+        if v >= n:
+            return v
+    raise ContractViolation(f"{what} {n} is above the largest bucket {values[-1]}", where=f"dims.{what}",
+                            value=n, fix=f"send at most {values[-1]}")
+
+
+class ModelRunner:
+    def __init__(self, cm: Any, cache: PagedKVCache, batch_buckets: list[int], seq_buckets: list[int]):
+        self.cm = cm                               # the CompiledModel of the paged graph
+        self.cache = cache
+        self.batch_buckets = batch_buckets
+        self.seq_buckets = seq_buckets
+
+    def _run(self, env: dict[str, int], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        exe = self.cm.executable(env)
+        return exe.run(inputs)["logits"][:, 0, :]
+
+    def prefill(self, seqs: list[Sequence_]) -> torch.Tensor:
+        """Logits of each sequence's next token after its whole prompt (row i: seqs[i])."""
+        lens = [len(s.tokens) for s in seqs]
+        b = bucket(self.batch_buckets, len(seqs), "batch")
+        L = bucket(self.seq_buckets, max(lens), "seq")
+        ids = torch.zeros(b, L, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            ids[i, :lens[i]] = torch.tensor(s.tokens, dtype=torch.int64)
+        n = torch.zeros(b, dtype=torch.int64)
+        n[:len(seqs)] = torch.tensor(lens)
+        inputs = {"input_ids": ids, "position_ids": torch.arange(L).repeat(b, 1),
+                  "block_table": self.cache.block_table([s.id for s in seqs], b),
+                  "start": torch.zeros(b, dtype=torch.int64), "lens": n, "last": (n - 1).clamp(min=0)}
+        return self._run({"batch": b, "seq": L}, inputs)
+
+    def decode(self, seqs: list[Sequence_]) -> torch.Tensor:
+        """Logits after each sequence's last token, the one not yet in the cache."""
+        b = bucket(self.batch_buckets, len(seqs), "batch")
+        inputs = self.decode_inputs(b, [(s.id, s.tokens[-1], s.cached) for s in seqs])
+        return self._run({"batch": b, "seq": 1}, inputs)
+
+    def decode_inputs(self, b: int, rows: Sequence[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+        """Decode-plan inputs for bucket `b`: per row (sequence id, its last token, tokens cached)."""
+        ids = torch.zeros(b, 1, dtype=torch.int64)
+        pos = torch.zeros(b, 1, dtype=torch.int64)
+        start = torch.zeros(b, dtype=torch.int64)
+        n = torch.zeros(b, dtype=torch.int64)
+        for i, (_sid, tok, cached) in enumerate(rows):
+            ids[i, 0] = tok
+            pos[i, 0] = start[i] = cached
+            n[i] = 1
+        return {"input_ids": ids, "position_ids": pos, "block_table": self.cache.block_table([r[0] for r in rows], b),
+                "start": start, "lens": n, "last": torch.zeros(b, dtype=torch.int64)}
+
+    # ---- plans built before they are timed --------------------------------------------------
+    def prepare(self, rows: int, longest: int) -> None:
+        """Build the plans `rows` sequences whose longest prompt is `longest` will use (a
+        prefill bucket and every decode batch bucket up to theirs), so timing starts warm."""
+        top = bucket(self.batch_buckets, min(rows, self.batch_buckets[-1]), "batch")   # more rows: waves
+        self._build([{"batch": top, "seq": bucket(self.seq_buckets, longest, "seq")}]
+                    + [{"batch": b, "seq": 1} for b in self.batch_buckets if b <= top])
+
+    def warmup(self) -> None:
+        self._build([{"batch": b, "seq": s} for b in self.batch_buckets for s in (1, *self.seq_buckets)])
+
+    def _build(self, envs: list[dict[str, int]]) -> None:
+        """Build these plans now, as one `plans` stage (bucket N of M) to the model's `on_stage`."""
+        envs = [e for i, e in enumerate(envs) if e not in envs[:i]]
+        with stage(self.cm.on_stage, "plans", total=len(envs)) as plans:
+            for env in envs:
+                self.cm.executable(env, report_build=False)
+                plans.step(self.cm.bucket_key(env))

@@ -1,0 +1,174 @@
+"""Which sequences run in the next decode step, over the pages of the KV cache (vLLM's shape).
+
+A waiting queue and a running list. Admission takes waiting sequences in order while the
+running batch has room (the largest batch bucket) and the pool has pages for their tokens
+plus the first new one; they are prefilled together. Then every running sequence with a
+token not yet in the cache gets a slot for it: when the pool is empty, the youngest other
+running sequence is preempted — its pages go back and it waits at the head of the queue, to
+be recomputed later from its tokens so far (prompt and generated: the recompute policy). The
+pool never grows and never holds more than the recipe's memory proof counted.
+
+`batch_invariant`: a sequence holds the pages of its whole answer from admission, so it is
+never preempted and recomputed under another shape, and it runs alone (one-row batches): its
+logits are bit-identical whoever else is running.
+
+Prefix caching (issue 26) plugs in at admission through `PrefixCache`: `match` says how many
+leading tokens of a sequence are already in cached pages (their K/V need no prefill) and
+`insert` offers a prefilled sequence's pages for reuse. `NoPrefixCache`, the one in use,
+matches nothing: every prompt is prefilled whole.
+
+The scheduler never runs the model: the engine (engine.py) hands its batches to the model
+runner and the sampled tokens back through `prefilled`, `decoded` and `finish`.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from graphmode.decode.kvcache import PagedKVCache
+from graphmode.decode.sampling import SamplingParams
+from graphmode.errors import GraphmodeError
+
+
+@dataclass
+class Sequence_:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    generated: list[int] = field(default_factory=list)
+    state: str = "waiting"                       # waiting | running | finished
+    finish_reason: str | None = None
+    gen: torch.Generator | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    cached: int = 0                              # tokens whose K/V are in the cache
+    on_token: Callable[[int, int], None] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.state == "finished"
+
+
+class PrefixCache(Protocol):
+    """Reuse of KV pages across sequences that share a prefix (issue 26)."""
+
+    def match(self, seq: Sequence_) -> int:
+        """Leading tokens of `seq` whose K/V are already in pages `seq` now holds (0: none)."""
+        ...
+
+    def insert(self, seq: Sequence_) -> None:
+        """`seq`'s prompt is in its pages: offer them to later sequences."""
+        ...
+
+
+class NoPrefixCache:
+    """No reuse: every prompt is prefilled whole."""
+
+    def match(self, seq: Sequence_) -> int:
+        return 0
+
+    def insert(self, seq: Sequence_) -> None:
+        pass
+
+
+class Scheduler:
+    def __init__(self, cache: PagedKVCache, max_batch: int, *, invariant: bool = False,
+                 prefix_cache: PrefixCache | None = None):
+        self.cache = cache
+        self.max_batch = max_batch
+        self.invariant = invariant
+        self.prefix_cache = prefix_cache or NoPrefixCache()
+        self.waiting: deque[Sequence_] = deque()
+        self.running: list[Sequence_] = []
+        self.preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence_) -> None:
+        self.waiting.append(seq)
+
+    def _batches(self, seqs: list[Sequence_]) -> list[list[Sequence_]]:
+        if not seqs:
+            return []
+        return [[s] for s in seqs] if self.invariant else [seqs]
+
+    # ---- prefill ------------------------------------------------------------------------
+    def admit(self) -> list[list[Sequence_]]:
+        """Waiting sequences that fit now, their pages reserved: the step's prefill batches."""
+        out: list[Sequence_] = []
+        room = self.max_batch - len(self.running)
+        while self.waiting and len(out) < room:
+            s = self.waiting[0]
+            need = len(s.tokens) + 1
+            if self.invariant:                    # the whole answer's pages, now
+                need = min(len(s.prompt) + s.params.max_new_tokens, self.cache.layout.max_tokens)
+            if not self.cache.can_hold(s.id, need):
+                break
+            self.waiting.popleft()
+            self.cache.reserve(s.id, need)
+            s.cached = self.prefix_cache.match(s)
+            out.append(s)
+        return self._batches(out)
+
+    def prefilled(self, seqs: list[Sequence_]) -> None:
+        """Their tokens are in the cache: they run."""
+        for s in seqs:
+            s.cached = len(s.tokens)
+            s.state = "running"
+            self.running.append(s)
+            self.prefix_cache.insert(s)
+
+    # ---- decode -------------------------------------------------------------------------
+    def decoding(self) -> list[list[Sequence_]]:
+        """Running sequences with a token not in the cache, each with a slot reserved for it
+        (preempting the youngest others while the pool is out of pages): the decode batches."""
+        seqs = [s for s in self.running if not s.done and s.cached < len(s.tokens)]
+        for s in list(seqs):                     # the new token needs a slot: maybe a new page
+            if s.state != "running":             # preempted for an earlier one in this loop
+                continue
+            while not self.cache.can_hold(s.id, len(s.tokens)):
+                victim = self._preempt(exclude=s)
+                if victim is None:
+                    raise GraphmodeError("the KV pool cannot hold one running sequence", where="memory.kv_cache")
+                if victim in seqs:
+                    seqs.remove(victim)
+            self.cache.reserve(s.id, len(s.tokens))
+        return self._batches(seqs)
+
+    def decoded(self, seqs: list[Sequence_]) -> None:
+        for s in seqs:
+            s.cached += 1
+
+    def _preempt(self, exclude: Sequence_) -> Sequence_ | None:
+        """Recompute policy: the youngest running sequence gives its pages back and waits at
+        the head of the queue with its tokens so far as its prompt."""
+        cands = [s for s in self.running if s is not exclude and not s.done]
+        if not cands:
+            return None
+        victim = max(cands, key=lambda s: s.arrived)
+        self.cache.release(victim.id)
+        self.running.remove(victim)
+        victim.state, victim.cached = "waiting", 0
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        return victim
+
+    # ---- the end of a sequence ------------------------------------------------------------
+    def finish(self, s: Sequence_, reason: str) -> None:
+        """`s` ended (a stop, its length, or cancelled): its pages go back now."""
+        if s in self.waiting:
+            self.waiting.remove(s)
+        if s in self.running:
+            self.running.remove(s)
+        self.cache.release(s.id)
+        s.state, s.finish_reason = "finished", s.finish_reason or reason
