@@ -403,7 +403,16 @@ class ModelServer:
         return dep
 
     def _decoder(self, dep: Deployment) -> Any:
-        """The deployment's decode engine, warmed up, behind its decode loop (completions)."""
+        """The deployment's decode engine, warmed up, behind its decode thread (completions).
+
+        The engine is one lowering of its own (graphmode/decode/engine.py: capture, verdict,
+        `to_paged` and the recipe's passes, proof), besides the deployment's: /v1/infer and
+        KServe answer the recipe's whole-sequence contract (input_ids and attention_mask ->
+        logits at every position, no cache), completions run the paged graph (token ids and
+        their positions over the KV pool -> logits at each sequence's last position). The two
+        forwards take different inputs, so each is exported once; they share the weights (both
+        graphs' parameters are the module's own tensors; the copies the passes transposed are
+        spilled to disk per graph)."""
         from graphmode.decode.api import engine_of
         from graphmode.serve.generation import DecodeLoop
         eng = engine_of(dep.cm)
