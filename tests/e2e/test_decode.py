@@ -243,3 +243,21 @@ def test_bf16_kv_cache_decodes_with_the_native_kernel(cache):
     new_got, new_want = got[:, PROMPTS.shape[1]:], want[:, PROMPTS.shape[1]:]
     assert torch.equal(new_got[:, 0], new_want[:, 0])
     assert (new_got == new_want).double().mean() >= 0.75
+
+
+def test_the_engine_is_lowered_by_the_pipeline_driver(model):
+    """The decode graph comes from compiler.lower_model: to_paged ran first, the verdict and
+    the proof (the KV pool counted once, as the cache, not as weights) are kept."""
+    from graphmode.decode.api import engine_of
+    _, cm = model
+    low = engine_of(cm).lowered
+    assert low.verdict.ok and low.proof.ok and low.proof.model.facts_source == "compiler"
+    assert [p.name for p in low.optimize_report.passes.passes][0] == "to_paged"
+    ops = {n.op for n in low.graph.nodes}
+    assert "paged_attention" in ops and "sdpa" not in ops
+    g = low.graph
+    nbytes = {k: t.numel() * t.element_size() for k, t in g.constants.items()}
+    state = {k for k in g.constants if g.values[k].role == "state"}
+    terms = low.proof.model.memory_terms
+    assert sum(nbytes[k] for k in state) == terms["kv_cache"] == kv_cache_bytes(cm.recipe)
+    assert terms["weights"] == sum(n for k, n in nbytes.items() if k not in state)
