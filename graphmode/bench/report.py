@@ -3,16 +3,22 @@
 
 Every view shows the rows' flags (quality.py) next to their numbers: a flagged ratio is
 hatched in the chart and footnoted in the table, an eager-fallback row has no ratio and no
-bar, and a `--quick` run charts numerics, not ratios (its timings are not measurements)."""
+bar, and a `--quick` run charts numerics, not ratios (its timings are not measurements).
+
+`graphmode bench decode` writes a side-by-side table per model (engines x scenarios), the
+goals, `<name>.json`, `<name>.meta.json` (with the goals) and `<name>.md` (both tables, every
+row in full, flags and their notes)."""
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from graphmode.bench.harness import BenchResult
 from graphmode.bench.quality import LEGEND, QUICK_NOTE, RATIO_CAP, doubtful_ratio
+
+if TYPE_CHECKING:
+    from graphmode.bench.harness import BenchResult
 
 
 def _ms(v: Any) -> str:
@@ -326,3 +332,248 @@ def write_results(res: BenchResult, out_dir: str | Path, name: str = "bench") ->
         res.meta["chart_error"] = f"{type(e).__name__}: {e}"
         paths["meta"].write_text(json.dumps(res.meta, indent=1, default=str) + "\n", encoding="utf-8")
     return paths
+
+
+# ---- decoders (`graphmode bench decode`) ----------------------------------------------------
+
+def _num(v: Any, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _tokens_match(r: dict) -> str:
+    m = r.get("tokens_match")
+    return "-" if not m else f"{m['same']}/{m['of']}"
+
+
+def _decode_columns(rows: list[dict]) -> list[tuple[str, str]]:
+    """(scenario, header) in the order the run measured them."""
+    seen = dict.fromkeys(r["scenario"] for r in rows)
+    out = []
+    for sc in seen:
+        r = next(x for x in rows if x["scenario"] == sc)
+        out.append((sc, f"TTFT p{r['prompt']} ms" if r["kind"] == "ttft" else f"b{r['batch']} tok/s"))
+    return out
+
+
+def _decode_cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if r["status"] != "ok":
+        return "n/a" if r.get("skipped") else "failed"
+    v = _num(r["ttft_ms"]) if r["kind"] == "ttft" else _num(r["decode_tok_s"], 2)
+    return v + ("*" if r.get("flags") else "")
+
+
+def _speedup(r: dict | None, key: str) -> str:
+    """graphmode's row as a speed-up (> 1: graphmode is faster) from its time ratio `key`."""
+    v = r.get(key) if r and r["status"] == "ok" else None
+    return "-" if not v else f"{1 / v:.2f}x"
+
+
+def decode_summary(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """One line per (model, engine): each scenario's metric side by side, the batch-1
+    bandwidth bound and the engine's fraction of it, tokens equal to transformers eager's,
+    setup and warm-up (lazy compiles) time, flags; then graphmode's speed-up per scenario
+    over eager and over the best other engine."""
+    cols = _decode_columns(rows)
+    head = ["model", "engine"] + [h for _, h in cols] + ["b1 bound tok/s", "b1 of bound", "tokens = eager",
+                                                         "setup s", "warm-up s", "flags"]
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for label in dict.fromkeys(r["label"] for r in rows if r["model"] == model):
+            mine = {r["scenario"]: r for r in rows if r["model"] == model and r["label"] == label}
+            b1 = next((r for r in mine.values() if r["kind"] == "decode" and r["batch"] == 1), None)
+            same = [r["tokens_match"] for r in mine.values() if r.get("tokens_match")]
+            match = f"{sum(m['same'] for m in same)}/{sum(m['of'] for m in same)}" if same else "-"
+            flags = sorted({f for r in mine.values() for f in r.get("flags") or ()})
+            warm = [r["warmup_s"] for r in mine.values() if r.get("warmup_s") is not None]
+            any_row = next(iter(mine.values()))
+            lines.append([model, label] + [_decode_cell(mine.get(sc)) for sc, _ in cols] +
+                         [_num(b1 and b1.get("floor_tok_s")),
+                          "-" if not b1 or b1.get("of_floor") is None else f"{b1['of_floor']:.0%}", match,
+                          _num(any_row.get("setup_s")), _num(sum(warm)) if warm else "-", ",".join(flags)])
+        gm = {r["scenario"]: r for r in rows if r["model"] == model and r["engine"] == "graphmode"
+              and r.get("variant", "default") == "default"}      # not graphmode[int8] and the like
+        if gm:
+            for what, key in (("graphmode vs eager", "ratio_vs_eager"),
+                              ("graphmode vs best other", "ratio_vs_best_other")):
+                lines.append([model, what] + [_speedup(gm.get(sc), key) for sc, _ in cols] + [""] * 6)
+    return head, lines
+
+
+def decode_goal_lines(goals: list[dict]) -> list[list[str]]:
+    mark = {True: "met", False: "NOT met", None: "n/a"}
+    return [[g["model"], g["goal"], g["target"], "-" if g["value"] is None else f"{g['value']:.2f}",
+             mark[g["met"]], g["detail"]] for g in goals]
+
+
+def decode_failures(rows: list[dict]) -> list[str]:
+    seen = {}
+    for r in rows:
+        if r["status"] != "ok":
+            seen.setdefault((r["model"], r["label"]), r["reason"])
+    return [f"{m} {label}: {why}" for (m, label), why in seen.items()]
+
+
+def decode_rich_tables(res) -> list[Any]:
+    from rich import box
+    from rich.markup import escape       # cells hold engine names such as graphmode[int8]: text, not markup
+    from rich.table import Table
+    m = res.meta
+    title = f"graphmode bench decode — {m['cpu_model']}, {m['threads']} thread(s), {m['date']}"
+    if m.get("quick"):
+        title += f"\n{QUICK_NOTE}"
+    head, lines = decode_summary(res.rows)
+    bw = m["bandwidth"]
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+              caption=f"TTFT = median ms to the first token (batch 1); bN tok/s = median decode tokens/s at batch N; "
+                      f"bound = tokens/s if a step only read its weights + KV at {bw['floor_uses_gbps']} GB/s; "
+                      "graphmode vs X = X's time / graphmode's (> 1: graphmode faster); * = flagged (see the .md)",
+              caption_justify="left")
+    for h in head:
+        t.add_column(h, justify="left" if h in ("model", "engine", "flags") else "right", overflow="fold")
+    prev = None
+    for line in lines:
+        if prev is not None and line[0] != prev:
+            t.add_section()
+        prev = line[0]
+        t.add_row(*map(escape, line), style="bold" if line[1].startswith("graphmode") else None)
+    g = Table(title="goals (issue 15, item 9)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for h in ("model", "goal", "target", "value", "verdict", "detail"):
+        g.add_column(h)
+    for line in decode_goal_lines(res.goals):
+        g.add_row(*map(escape, line), style={"met": "green", "NOT met": "red"}.get(line[4]))
+    return [t, g]
+
+
+def _md_table(head: list[str], lines: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in line) + " |" for line in lines]
+    return out
+
+
+DECODE_ROW_COLUMNS = ("model", "scenario", "engine", "status", "TTFT ms", "median ms", "p90 ms", "tok/s", "bound tok/s",
+               "of bound", "x eager", "x best other", "tokens = eager", "warm-up s", "rounds", "load max", "CPU/wall",
+               "flags")
+
+
+def _decode_full(r: dict) -> list[str]:
+    status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+    best = r.get("ratio_vs_best_other")
+    return [r["model"], r["scenario"], r["label"], status, _num(r.get("ttft_ms")), _num(r.get("median_ms"), 2),
+            _num(r.get("p90_ms"), 2), _num(r.get("decode_tok_s"), 2), _num(r.get("floor_tok_s")),
+            "-" if r.get("of_floor") is None else f"{r['of_floor']:.0%}", _speedup(r, "ratio_vs_eager"),
+            "-" if not best else f"{1 / best:.2f}x ({r['best_other_engine']})", _tokens_match(r), _num(r.get("warmup_s")),
+            str(r.get("iters") or "-"), _num(r.get("load_max"), 2), _num(r.get("cpu_per_wall"), 2),
+            ",".join(r.get("flags") or ())]
+
+
+def decode_markdown(res) -> str:
+    m = res.meta
+    v = m["versions"]
+    bw = m["bandwidth"]
+    meth = m["method"]
+    lines = ([f"# graphmode decode smoke run, --quick ({m['date']})", "", f"**Not a measurement.** {QUICK_NOTE}.", ""]
+             if m.get("quick") else [f"# graphmode decode benchmark ({m['date']})", ""])
+    lines += [
+        f"- CPU: {m['cpu_model']}, {m['cores']} core(s), SIMD: {' '.join(m.get('simd') or []) or 'n/a'}; "
+        f"threads: {m['threads']} for every engine; wall time {m.get('wall_s')} s",
+        f"- load average (1/5/15 min) at start {m.get('loadavg_start')}, at end {m.get('loadavg_end')}, highest "
+        f"1-min during the timed rounds {m.get('loadavg_max')} ({m.get('usable_cores')} usable core(s))",
+        f"- memory bandwidth: {bw['read_gbps_measured']} GB/s measured read, host probe {bw['host_probe_gbps']} GB/s; "
+        f"the floor uses {bw['floor_uses_gbps']} GB/s",
+        "- models: " + "; ".join(f"{x['model']} ({x['class']}, {x['params_m']} M parameters, random init)"
+                                 for x in m["models"]),
+        "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items() if x),
+        f"- method: prompts of {meth['prompt_lens']} tokens for TTFT (batch 1, one new token); decode at batches "
+        f"{meth['batches']} with {meth['context']}-token prompts and {meth['new_tokens']} greedy new tokens "
+        f"(end-of-sequence ignored); {meth['warmup']} warm-up run(s) per engine and scenario, then up to "
+        f"{meth['iters']} interleaved rounds (≥ {meth['min_iters']}, ≤ {meth['budget_s_per_scenario']:g} s per "
+        "scenario), medians; decode tok/s = batch × (new − 1) / (last token − first token); "
+        f"bound (a ceiling on tok/s: the bandwidth floor on time per token) = {meth['floor']}; TTFT = "
+        f"{meth['ttft']}", ""]
+    head, rows = decode_summary(res.rows)
+    lines += ["## Side by side", ""] + _md_table(head, rows)
+    lines += ["", "## Goals (issue 15, item 9)", ""]
+    lines += _md_table(["model", "goal", "target", "value", "verdict", "detail"], decode_goal_lines(res.goals))
+    fails = decode_failures(res.rows)
+    if fails:
+        lines += ["", "Engines that did not run:", ""] + [f"- {f}" for f in fails]
+    lines += ["", "## Every row", ""] + _md_table(list(DECODE_ROW_COLUMNS), [_decode_full(r) for r in res.rows])
+    used = {f for r in res.rows for f in r.get("flags") or ()}
+    if used:
+        lines += ["", "Flags (a flagged number is shown, but is not a clean measurement):", ""]
+        lines += [f"- `{c}`: {t}" for c, t in LEGEND.items() if c in used]
+    if m.get("warnings"):
+        lines += ["", "Notes on flagged rows:", ""] + [f"- {w}" for w in m["warnings"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_decode_results(res, out_dir: str | Path, name: str = "decode") -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{name}.json", "meta": out / f"{name}.meta.json", "md": out / f"{name}.md"}
+    paths["json"].write_text(json.dumps(res.rows, indent=1, default=str) + "\n", encoding="utf-8")
+    paths["meta"].write_text(json.dumps({**res.meta, "goals": res.goals}, indent=1, default=str) + "\n",
+                             encoding="utf-8")
+    paths["md"].write_text(decode_markdown(res), encoding="utf-8")
+    return paths
+
+
+# ---- decode_goals (issue 15, item 9) -------------------------------------------------------------
+
+def decode_goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[str, Any]]:
+    """Each goal per model: met (True/False) or None (not measurable in this run, with why;
+    never judged from a --quick run, whose timings are not measurements)."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model and r["status"] == "ok"]
+
+        def pick(kind, batch=None, prompt=None, engine=None, dtype=None, not_engine=None, variant="default"):
+            return [r for r in mine if r["kind"] == kind and (batch is None or r["batch"] == batch)
+                    and (prompt is None or r["prompt"] == prompt)
+                    and (engine is None or (r["engine"] == engine and r.get("variant", "default") == variant))
+                    and (dtype is None or r["dtype"] == dtype) and r["engine"] != not_engine]
+
+        def goal(name, target, value, need, detail):
+            met = None if value is None else (value >= need if target.startswith(">=") else value <= need)
+            if quick and met is not None:
+                met, detail = None, f"not judged (--quick): {detail}"
+            out.append({"model": model, "goal": name, "target": target, "value": value, "met": met,
+                        "detail": detail})
+
+        gm1 = next(iter(pick("decode", batch=1, engine="graphmode")), None)
+        alt1 = max(pick("decode", batch=1, dtype="f32", not_engine="graphmode"),
+                   key=lambda r: r["decode_tok_s"], default=None)
+        goal("decode b1 fp32 vs best fp32 alternative", ">= 1.2x",
+             _div(gm1 and gm1["decode_tok_s"], alt1 and alt1["decode_tok_s"]), 1.2,
+             _vs(gm1, alt1, "decode_tok_s", "tok/s"))
+        goal("decode b1 fp32 vs the floor", ">= 0.8", gm1 and gm1["of_floor"], 0.8,
+             f"graphmode {gm1['decode_tok_s']:.1f} tok/s, floor {gm1['floor_tok_s']:.1f}"
+             if gm1 and gm1.get("floor_tok_s") else "not measured: no graphmode decode b1 row with a floor")
+        q8 = next(iter(pick("decode", batch=1, engine="llama_cpp", variant="q8_0")), None)
+        gm8 = next(iter(pick("decode", batch=1, engine="graphmode", variant="int8")), None)
+        goal("int8 decode b1 vs llama.cpp q8_0", ">= 1.0x", _div(gm8 and gm8["decode_tok_s"], q8 and q8["decode_tok_s"]),
+             1.0, _vs(gm8, q8, "decode_tok_s", "tok/s") if gm8 and q8 else
+             "not measured: needs graphmode[int8] and llama_cpp[q8_0] rows at batch 1" +
+             (f" (graphmode[int8]: {gm8['decode_tok_s']:.1f} tok/s)" if gm8 else ""))
+        gm16 = next(iter(pick("decode", batch=16, engine="graphmode")), None)
+        sc16 = next(iter(pick("decode", batch=16, engine="static_compile")), None)
+        goal("decode b16 throughput vs static-cache torch.compile", ">= 1.5x",
+             _div(gm16 and gm16["decode_tok_s"], sc16 and sc16["decode_tok_s"]), 1.5,
+             _vs(gm16, sc16, "decode_tok_s", "tok/s"))
+        gm512 = next(iter(pick("ttft", prompt=512, engine="graphmode")), None)
+        alt512 = min(pick("ttft", prompt=512, not_engine="graphmode"), key=lambda r: r["ttft_ms"], default=None)
+        goal("TTFT p512 vs best alternative", "<= 0.8x", _div(gm512 and gm512["ttft_ms"], alt512 and alt512["ttft_ms"]),
+             0.8, _vs(gm512, alt512, "ttft_ms", "ms"))
+    return out
+
+
+def _div(a, b):
+    return round(a / b, 4) if a and b else None
+
+
+def _vs(mine, other, key, unit):
+    if mine is None or other is None:
+        return "not measured: " + ("no graphmode row" if mine is None else "no alternative row")
+    return f"graphmode {mine[key]:.1f} {unit} vs {other['label']} {other[key]:.1f} {unit}"

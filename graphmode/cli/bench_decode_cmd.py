@@ -60,9 +60,10 @@ def decode_cmd(
 ) -> None:
     """Decode benchmark: time to first token and tokens/s against transformers and llama.cpp."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from graphmode.bench.decode import QUICK, DecodeConfig, load_cases, run_decode_bench
-    from graphmode.bench.decode_engines import parse_engines
-    from graphmode.bench.decode_report import failures, rich_tables, write_results
+    from graphmode.bench.engines import parse_decode_engines
+    from graphmode.bench.harness import QUICK, DecodeConfig, run_decode_bench
+    from graphmode.bench.models import load_decode_cases
+    from graphmode.bench.report import decode_failures, decode_rich_tables, write_decode_results
     from graphmode.cli.bench_cmd import console, default_out_dir
     from graphmode.paths import cache_layout
     from graphmode.targets import get_target
@@ -72,22 +73,22 @@ def decode_cmd(
              "context": context, "new_tokens": new_tokens, "iters": iters, "min_iters": min_iters}
     layout = cache_layout(cache_dir)
     cfg = DecodeConfig(**{**base.__dict__, **{k: v for k, v in given.items() if v is not None},
-                          "engines": parse_engines(engines), "threads": threads, "budget_s": budget_s,
+                          "engines": parse_decode_engines(engines), "threads": threads, "budget_s": budget_s,
                           "quick": quick, "cache_dir": layout.root if warm_cache else None})
     log = ((lambda s: err_console.print(s, markup=False, highlight=False, soft_wrap=True)) if not as_json
            else (lambda s: None))
-    cases = load_cases(model or [], quick)
+    cases = load_decode_cases(model or [], quick)
     target = get_target("host", cache_dir=layout.targets)
     with progress(measuring=True) as on_stage:     # graphmode's decoder build, between the engines' setup lines
         cfg.on_stage = on_stage
         res = run_decode_bench(cases, cfg, log=log, target=target)
-    paths = write_results(res, out or default_out_dir(), name or ("decode-quick" if quick else "decode"))
+    paths = write_decode_results(res, out or default_out_dir(), name or ("decode-quick" if quick else "decode"))
     if as_json:
         print(json.dumps(res.rows, indent=1, default=str))
     else:
-        for t in rich_tables(res):
+        for t in decode_rich_tables(res):
             console.print(t)
-        for f in failures(res.rows):
+        for f in decode_failures(res.rows):
             console.print(f"  {f}", markup=False, highlight=False)
         console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
     for w in res.meta.get("warnings", []):

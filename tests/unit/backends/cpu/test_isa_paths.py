@@ -394,7 +394,7 @@ def _cli(tmp_path, monkeypatch):
                                                    str(tmp_path / "out"), "--json", *args])
 
 
-TINY_BENCH = f"{Path(__file__).resolve().parents[2] / 'test_bench.py'}:tiny_mlp"
+TINY_BENCH = f"{Path(__file__).resolve().parents[2] / 'bench' / 'test_bench.py'}:tiny_mlp"
 BELOW_BEST = HOST[1] if len(HOST) > 1 else HOST[0]         # a cap below the host's best where there is one
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from graphmode.bench import decode, decode_engines, decode_report
-from graphmode.bench.decode import QUICK, DecodeConfig, DecodeResult, load_cases, run_decode_bench
-from graphmode.bench.decode_engines import HFEngine, parse_engines
-from graphmode.bench.decode_models import TINY_GPT2, tiny_gpt2
+from graphmode.bench import engines, harness, report
+from graphmode.bench.engines import HFEngine, parse_decode_engines
+from graphmode.bench.harness import QUICK, DecodeConfig, DecodeResult, run_decode_bench
+from graphmode.bench.models import TINY_GPT2, load_decode_cases, tiny_gpt2
 from graphmode.decode.api import causal_lm
 from graphmode.errors import GraphmodeError
 
@@ -24,7 +24,7 @@ def row(engine: str, scenario: str = "decode b1 ctx16", *, ms: float | None = 10
     batch = int(scenario.split()[1][1:]) if kind == "decode" else 1
     prompt = int(scenario.split()[1][1:]) if kind == "ttft" else 16
     r = {"model": model, "scenario": scenario, "kind": kind, "batch": batch, "prompt": prompt, "engine": engine,
-         "label": decode_engines.LABELS[engine], "dtype": "f32", "status": status, "skipped": False,
+         "label": engines.DECODE_LABELS[engine], "dtype": "f32", "status": status, "skipped": False,
          "reason": None if status == "ok" else "boom", "median_ms": ms if status == "ok" else None,
          "ttft_ms": ms if status == "ok" else None, "flags": [], "tokens_match": None, "setup_s": 1.0,
          "warmup_s": 2.0, "floor_tok_s": None, "of_floor": None,
@@ -36,67 +36,67 @@ def row(engine: str, scenario: str = "decode b1 ctx16", *, ms: float | None = 10
 # ---- pure functions ------------------------------------------------------------------------
 
 def test_parse_engines_expands_llama_cpp_and_refuses_unknown_names():
-    assert parse_engines("eager,llama_cpp,graphmode") == [("eager", None), ("llama_cpp", "f32"),
+    assert parse_decode_engines("eager,llama_cpp,graphmode") == [("eager", None), ("llama_cpp", "f32"),
                                                             ("llama_cpp", "q8_0"), ("graphmode", None)]
-    assert parse_engines("llama_cpp[q8_0],llama_cpp[q8_0]") == [("llama_cpp", "q8_0")]
+    assert parse_decode_engines("llama_cpp[q8_0],llama_cpp[q8_0]") == [("llama_cpp", "q8_0")]
     with pytest.raises(GraphmodeError, match="unknown decode engine") as e:
-        parse_engines("eager,vllm")
+        parse_decode_engines("eager,vllm")
     assert e.value.where == "--engines" and "graphmode" in e.value.fix
     with pytest.raises(GraphmodeError, match="q4_0"):
-        parse_engines("llama_cpp[q4_0]")
+        parse_decode_engines("llama_cpp[q4_0]")
 
 
 def test_agreement_counts_tokens_up_to_each_rows_first_difference():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert decode._agreement(ref, ref) == {"same": 8, "of": 8, "first": 2, "rows": 2}
-    assert decode._agreement([[1, 2, 9, 4], [5, 6, 7, 8]], ref) == {"same": 6, "of": 8, "first": 2,
+    assert harness._agreement(ref, ref) == {"same": 8, "of": 8, "first": 2, "rows": 2}
+    assert harness._agreement([[1, 2, 9, 4], [5, 6, 7, 8]], ref) == {"same": 6, "of": 8, "first": 2,
                                                                     "rows": 2}   # 4 after a miss don't count
-    assert decode._agreement([[1, 2], [0, 6, 7, 8]], ref) == {"same": 2, "of": 8, "first": 1, "rows": 2}
+    assert harness._agreement([[1, 2], [0, 6, 7, 8]], ref) == {"same": 2, "of": 8, "first": 1, "rows": 2}
 
 
 def test_ratios_against_eager_and_the_best_other_engine():
     rows = [row("eager", ms=40.0), row("static_compile", ms=20.0), row("graphmode", ms=10.0),
             row("llama_cpp", status="failed")]
-    decode._ratios(rows)
+    harness._decode_ratios(rows)
     eager, sc, gm, failed = rows
     assert gm["ratio_vs_eager"] == 0.25 and gm["speedup_vs_eager"] == 4.0
     assert gm["ratio_vs_best_other"] == 0.5 and gm["best_other_engine"] == "transformers static+compile"
     assert sc["ratio_vs_best_other"] == 1.0 and eager["ratio_vs_eager"] == 1.0
     assert failed["ratio_vs_eager"] is None and failed["ratio_vs_best_other"] is None
     alone = [row("graphmode", ms=10.0)]                    # nothing to compare with: no ratios, no crash
-    decode._ratios(alone)
+    harness._decode_ratios(alone)
     assert alone[0]["ratio_vs_eager"] is None and alone[0]["ratio_vs_best_other"] is None
 
 
 def test_bandwidth_bound():
     # 1 GB of weights at 10 GB/s, no KV: 10 tokens/s per sequence; a batch shares the weight reads
-    assert decode.floor_tok_s(1e9, 0.0, 1, 100, 10.0) == pytest.approx(10.0)
-    assert decode.floor_tok_s(1e9, 0.0, 4, 100, 10.0) == pytest.approx(40.0)
-    assert decode.floor_tok_s(1e9, 1e6, 1, 1000, 10.0) == pytest.approx(5.0)     # + 1 GB of K/V per step
+    assert harness.floor_tok_s(1e9, 0.0, 1, 100, 10.0) == pytest.approx(10.0)
+    assert harness.floor_tok_s(1e9, 0.0, 4, 100, 10.0) == pytest.approx(40.0)
+    assert harness.floor_tok_s(1e9, 1e6, 1, 1000, 10.0) == pytest.approx(5.0)     # + 1 GB of K/V per step
 
 
 def test_decode_bytes_reads_the_head_once_and_tables_not_at_all():
     lm = causal_lm(tiny_gpt2())
-    w, kv = decode.decode_bytes(lm, "f32")
+    w, kv = harness.decode_bytes(lm, "f32")
     tables = lm.transformer.wpe.weight.numel()              # the tied token table is the head: read in full
     total = sum(p.numel() for p in lm.parameters())         # parameters() yields the tied weight once
     assert w == (total - tables) * 4
     assert kv == 2 * TINY_GPT2["n_layer"] * TINY_GPT2["n_head"] * (TINY_GPT2["n_embd"] // TINY_GPT2["n_head"]) * 4
-    w8, _ = decode.decode_bytes(lm, "q8_0")
+    w8, _ = harness.decode_bytes(lm, "q8_0")
     assert w8 < w
 
 
 def test_goals_are_judged_only_outside_quick():
     rows = [row("eager", ms=40.0), row("graphmode", ms=10.0, floor_tok_s=1000.0, of_floor=0.1),
             row("graphmode", "ttft p512", ms=50.0), row("eager", "ttft p512", ms=100.0)]
-    full = {g["goal"]: g for g in decode.goals(rows)}
+    full = {g["goal"]: g for g in report.decode_goals(rows)}
     vs_alt = full["decode b1 fp32 vs best fp32 alternative"]
     assert vs_alt["value"] == 4.0 and vs_alt["met"] is True
     assert full["decode b1 fp32 vs the floor"]["met"] is False
     assert full["TTFT p512 vs best alternative"]["value"] == 0.5 and full["TTFT p512 vs best alternative"]["met"]
     b16 = full["decode b16 throughput vs static-cache torch.compile"]
     assert b16["met"] is None and "not measured" in b16["detail"]
-    quick = {g["goal"]: g for g in decode.goals(rows, quick=True)}
+    quick = {g["goal"]: g for g in report.decode_goals(rows, quick=True)}
     assert all(g["met"] is None for g in quick.values())
     assert quick["decode b1 fp32 vs best fp32 alternative"]["detail"].startswith("not judged (--quick)")
 
@@ -118,7 +118,7 @@ def test_flag_floor_marks_rows_above_the_bandwidth_ceiling():
     rows = [row("graphmode", floor_tok_s=50.0, of_floor=2.0), row("eager", floor_tok_s=50.0, of_floor=0.5)]
     for r in rows:
         r["notes"] = []
-    decode.flag_floor(rows)
+    harness.flag_floor(rows)
     assert rows[0]["flags"] == ["floor"] and "ceiling" in rows[0]["notes"][0] and rows[1]["flags"] == []
 
 
@@ -128,9 +128,9 @@ def test_summary_puts_engines_side_by_side_with_graphmode_speedups():
         group = [row("eager", sc, ms=eager_ms), row("graphmode", sc, ms=gm_ms),
                  row("ort_genai", sc, status="failed", skipped=True, reason="not installed"),
                  row("static_compile", sc, status="failed", reason="RuntimeError: boom")]
-        decode._ratios(group)
+        harness._decode_ratios(group)
         rows += group
-    head, lines = decode_report.summary(rows)
+    head, lines = report.decode_summary(rows)
     assert head[2:4] == ["TTFT p8 ms", "b1 tok/s"]
     by = {line[1]: line for line in lines}
     assert by["graphmode"][2:4] == ["10.0", "50.00"] and by["transformers eager"][2:4] == ["20.0", "25.00"]
@@ -138,21 +138,21 @@ def test_summary_puts_engines_side_by_side_with_graphmode_speedups():
     assert by["graphmode vs eager"][2:4] == ["2.00x", "2.00x"]
     assert by["graphmode vs best other"][2:4] == ["2.00x", "2.00x"]
     assert by["graphmode"][head.index("warm-up s")] == "4.0"             # its two scenarios' warm-up runs
-    assert decode_report.failures(rows) == ["m ORT GenAI: not installed",
+    assert report.decode_failures(rows) == ["m ORT GenAI: not installed",
                                             "m transformers static+compile: RuntimeError: boom"]
 
 
 def test_results_files(tmp_path):
     rows = [row("eager", ms=40.0), row("graphmode", ms=10.0, tokens_match={"same": 4, "of": 4})]
-    decode._ratios(rows)
+    harness._decode_ratios(rows)
     meta = {"cpu_model": "test cpu", "cores": 2, "threads": 2, "date": "2026-12-01", "quick": True,
             "versions": {"torch": torch.__version__}, "bandwidth": {"read_gbps_measured": 10.0,
                                                                      "host_probe_gbps": None, "floor_uses_gbps": 10.0},
             "models": [{"model": "m", "class": "GPT2LMHeadModel", "params_m": 0.1}],
             "method": {"prompt_lens": [8], "batches": [1], "context": 16, "new_tokens": 4, "warmup": 1, "iters": 2,
                        "min_iters": 2, "budget_s_per_scenario": 300.0, "floor": "f", "ttft": "t"}}
-    res = DecodeResult(rows, meta, decode.goals(rows, quick=True))
-    paths = decode_report.write_results(res, tmp_path / "out", "decode-quick")
+    res = DecodeResult(rows, meta, report.decode_goals(rows, quick=True))
+    paths = report.write_decode_results(res, tmp_path / "out", "decode-quick")
     assert json.loads(paths["json"].read_text()) == rows
     assert json.loads(paths["meta"].read_text())["goals"] == res.goals
     md = paths["md"].read_text()
@@ -172,7 +172,7 @@ def test_bad_arguments_exit_2():
 # ---- real runs on the tiny models ------------------------------------------------------------
 
 def _shared(lm, new: int = 6):
-    return decode_engines.DecodeShared("tiny-gpt2", None, lm, {}, 1, 1, 16 + new)
+    return engines.DecodeShared("tiny-gpt2", None, lm, {}, 1, 1, 16 + new)
 
 
 def test_transformers_engines_generate_past_end_of_sequence():
@@ -205,10 +205,10 @@ class _Flaky(HFEngine):
 
 
 def test_an_engine_failing_mid_run_is_a_failed_row(monkeypatch):
-    monkeypatch.setitem(decode_engines.ENGINES, "flaky", _Flaky)
+    monkeypatch.setitem(engines.DECODE_ENGINES, "flaky", _Flaky)
     cfg = DecodeConfig(**{**QUICK, "prompt_lens": (8,), "batches": (1, 2)},
                        engines=[("eager", None), ("flaky", None)], threads=1, quick=True)
-    res = run_decode_bench(load_cases(["tiny-gpt2"], True), cfg)
+    res = run_decode_bench(load_decode_cases(["tiny-gpt2"], True), cfg)
     rows = {(r["scenario"], r["engine"]): r for r in res.rows}
     assert rows[("ttft p8", "flaky")]["status"] == "ok"                       # measured before it broke
     bad = rows[("decode b1 ctx16", "flaky")]
@@ -224,9 +224,9 @@ def test_quick_bench_with_graphmode_on_the_tiny_models(tmp_path):
     """The --quick run in-process: graphmode's greedy tokens equal transformers eager's on
     both tiny models, an engine that is not installed says so and fails nothing, and the
     rows carry what the tables print."""
-    cfg = DecodeConfig(**QUICK, engines=parse_engines("eager,ort_genai,graphmode"), threads=1, quick=True,
+    cfg = DecodeConfig(**QUICK, engines=parse_decode_engines("eager,ort_genai,graphmode"), threads=1, quick=True,
                        cache_dir=tmp_path / "cache")
-    res = run_decode_bench(load_cases([], True), cfg)
+    res = run_decode_bench(load_decode_cases([], True), cfg)
     assert res.quick_failures() == [], res.quick_failures()
     assert {r["model"] for r in res.rows} == {"tiny-gpt2", "tiny-llama"}
     assert len(res.rows) == 2 * 3 * len(cfg.scenarios())
@@ -247,13 +247,13 @@ def test_quick_bench_with_graphmode_on_the_tiny_models(tmp_path):
 
 
 def test_graphmode_variants_are_engine_variants():
-    from graphmode.bench.decode_engines import make_engine, parse_engines
+    from graphmode.bench.engines import make_decode_engine, parse_decode_engines
     from graphmode.errors import GraphmodeError
-    assert parse_engines("eager,graphmode,graphmode[batch_invariant],graphmode[int8]") == [
+    assert parse_decode_engines("eager,graphmode,graphmode[batch_invariant],graphmode[int8]") == [
         ("eager", None), ("graphmode", None), ("graphmode", "batch_invariant"), ("graphmode", "int8")]
     with pytest.raises(GraphmodeError, match="batch_invariant.*int8"):
-        parse_engines("graphmode[fast]")
-    assert [make_engine("graphmode", v).dtype for v in (None, "batch_invariant", "int8", "bf16")] == [
+        parse_decode_engines("graphmode[fast]")
+    assert [make_decode_engine("graphmode", v).dtype for v in (None, "batch_invariant", "int8", "bf16")] == [
         "f32", "f32", "int8", "bf16"]
 
 
@@ -262,15 +262,15 @@ def test_int8_goal_and_quick_verdict_use_the_int8_variant():
     bound instead of token identity."""
     rows = [row("graphmode", ms=10.0, variant="int8", dtype="int8"),
             row("llama_cpp", ms=20.0, dtype="q8_0", variant="q8_0"), row("llama_cpp", ms=30.0, variant="f32")]
-    g = {x["goal"]: x for x in decode.goals(rows)}["int8 decode b1 vs llama.cpp q8_0"]
+    g = {x["goal"]: x for x in report.decode_goals(rows)}["int8 decode b1 vs llama.cpp q8_0"]
     assert g["value"] == 2.0 and g["met"] is True
-    lone = {x["goal"]: x for x in decode.goals(rows[1:])}["int8 decode b1 vs llama.cpp q8_0"]
+    lone = {x["goal"]: x for x in report.decode_goals(rows[1:])}["int8 decode b1 vs llama.cpp q8_0"]
     # the terminal table prints engine names in brackets as text, not as rich markup
     from rich.console import Console
-    from graphmode.bench.decode_report import rich_tables
+    from graphmode.bench.report import decode_rich_tables
     meta = {"cpu_model": "cpu", "threads": 2, "date": "today", "bandwidth": {"floor_uses_gbps": 10.0}}
     con = Console(width=400, record=True)
-    for t in rich_tables(DecodeResult(rows, meta, [lone])):
+    for t in decode_rich_tables(DecodeResult(rows, meta, [lone])):
         con.print(t)
     assert "graphmode[int8] and llama_cpp[q8_0]" in con.export_text()
     diverged = row("graphmode", variant="int8", tokens_match={"same": 40, "of": 100, "first": 4, "rows": 4})
@@ -282,12 +282,12 @@ def test_int8_goal_and_quick_verdict_use_the_int8_variant():
 
 def test_the_ratio_rows_are_graphmode_default_not_a_variant():
     """With graphmode[int8] in the run, 'graphmode vs ...' still speaks of plain graphmode."""
-    from graphmode.bench.decode_report import summary
+    from graphmode.bench.report import decode_summary
     rows = [row("eager", ms=40.0), row("graphmode", ms=20.0, variant="default"),
             row("graphmode", ms=10.0, variant="int8", dtype="int8")]
     for r in rows:
         r.setdefault("variant", "default")
-    decode._ratios(rows)
-    _, lines = summary(rows)
+    harness._decode_ratios(rows)
+    _, lines = decode_summary(rows)
     vs_eager = next(ln for ln in lines if ln[1] == "graphmode vs eager")
     assert vs_eager[2] == "2.00x"          # 40 / 20, not the int8 variant's 4.00x

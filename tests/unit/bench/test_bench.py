@@ -330,7 +330,7 @@ def test_recipe_latency_model_uses_the_calibration():
     from graphmode.targets import get_target
     from graphmode.targets.cost import Calibration
     t = get_target("cpu_avx2")
-    rec = load_recipe(str(THIS.parents[2] / "examples" / "recipes" / "resnet18_cpu.yaml"))
+    rec = load_recipe(str(THIS.parents[3] / "examples" / "recipes" / "resnet18_cpu.yaml"))
     plain = build_constraint_model(rec, t)
     cal = Calibration(target=t.name, model_efficiency=0.25, overhead_us=100.0)
     cm = build_constraint_model(rec, t, calibration=cal)
@@ -415,7 +415,7 @@ def test_profile_cli_decode_times_the_engine_step(cli, tmp_path):
     """`profile --decode BxC` times the decode engine's step of a decoder recipe; without such
     a recipe, or with a malformed shape, it is refused with the option named."""
     import yaml
-    e2e = Path(__file__).resolve().parents[1] / "e2e"
+    e2e = Path(__file__).resolve().parents[2] / "e2e"
     sys.path.insert(0, str(e2e))
     import tiny_decoders
     rec = tmp_path / "dec.yaml"
