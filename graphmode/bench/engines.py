@@ -61,6 +61,12 @@ class EngineUnavailable(Exception):
     """The engine cannot run here at all (e.g. not installed): reported, never retried."""
 
 
+def _reason(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    msg = lines[0] if lines else ""
+    return f"{type(e).__name__}: {msg}"[:400] if not isinstance(e, EngineUnavailable) else msg
+
+
 @dataclass
 class ModelShared:
     """Per-model state the engines reuse across shapes."""

@@ -18,13 +18,13 @@ Per (model, shape):
    seconds per wall second, the spread of its rounds) and how graphmode ran (its eager
    fallbacks and islands) become flags on the row (quality.py), so a number the machine
    made is never shown as a result without saying so;
-6. the shape's roofline floor on the host (`shape_floor`: max(FLOPs / peak, bytes /
-   bandwidth) from the probe and graphmode's count of the model's work) and each row's time
-   as a multiple of it (`x_floor`): how far every engine is from what the hardware allows.
+6. the shape's roofline floor on the host (floors.py) and each row's time as a multiple of
+   it (`x_floor`): how far every engine is from what the hardware allows.
 
 Only the rows are data; nothing here asserts on timings.
 
-`graphmode bench decode` (run_decode_bench, below):of graphmode's decode engine next to `transformers` and llama.cpp, on the same weights,
+`graphmode bench decode` (`run_decode_bench`, below): time to first token and decode tokens/s
+of graphmode's decode engine next to `transformers` and llama.cpp, on the same weights,
 prompts and threads, in one run.
 
 Scenarios per model (defaults; `--quick` shrinks them):
@@ -42,15 +42,11 @@ transformers eager's), then timed rounds in which every engine runs once, the fi
 engine rotating each round; median and p90 over rounds;
 the load average, the process's CPU-s per wall-s and the rounds' spread become the same
 flags (quality.py). A per-scenario budget ends the rounds early, never below `min_iters`.
+Each decode row carries its bandwidth ceiling (floors.py).
 
-The floor: a decode step reads every weight once (the LM head included, the token and
-position tables only a row) and every sequence's K and V so far; at the host's measured
-read bandwidth no engine can produce tokens faster than
-`batch * bandwidth / (weight bytes + batch * context * KV bytes per token)`, at the
-engine's own weight and KV dtypes: a floor on time per token, i.e. a ceiling on tokens/s.
-Rows that ran carry it as `floor_tok_s` and `of_floor` (a row above 1 is flagged `floor`:
-the bandwidth was under-measured or the weights stayed in cache). Tiny models are far from
-it: their steps cost dispatch, not bytes.
+The rounds (`interleave`), the timed call's conditions (`measured`), the statistics, the
+ratios and the run's meta are one implementation for both; what differs is a small part of
+each (what a call is, what its numerics are checked against, which floor applies).
 """
 from __future__ import annotations
 
@@ -59,17 +55,19 @@ import math
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from graphmode.bench.engines import (DEFAULT_ENGINES, ENGINE_NAMES, DecodeShared, Engine, EngineUnavailable, ModelShared,
-                                     make_decode_engine, make_engine, parse_decode_engines)
+from graphmode.bench.engines import (DEFAULT_ENGINES, ENGINE_NAMES, DecodeShared, Engine, EngineUnavailable,
+                                     ModelShared, _reason, make_decode_engine, make_engine, parse_decode_engines)
+from graphmode.bench.floors import (DTYPE_BYTES, _probe_warning, decode_bytes, flag_floor, floor_tok_s,
+                                    read_bandwidth_gbps, shape_floor)
 from graphmode.bench.machine import PeakRss, _version, machine_meta
 from graphmode.bench.models import DECODE_PRETTY, PRETTY, DecodeCase, ModelCase, decode_recipe
-from graphmode.bench.profile import facts_at, model_roofline
 from graphmode.bench.quality import LEGEND, QUICK_NOTE, Conditions, Probe, apply_floor, judge, warning_lines
 from graphmode.bench.report import decode_goals
 from graphmode.errors import GraphmodeError
@@ -125,12 +123,6 @@ def parse_engines(text: str | None, extra: Sequence[str] = (), quick: bool = Fal
     return uniq
 
 
-def _reason(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    msg = lines[0] if lines else ""
-    return f"{type(e).__name__}: {msg}"[:400] if not isinstance(e, EngineUnavailable) else msg
-
-
 def _rel_l2(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     """Max over outputs of ||got - ref|| / ||ref|| (float64); inf on a count/shape mismatch."""
     if len(got) != len(ref):
@@ -157,6 +149,117 @@ def _p90(xs: list[float]) -> float:
     k = 0.9 * (len(s) - 1)
     lo, hi = math.floor(k), math.ceil(k)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# ---- shared by encoders and decoders --------------------------------------------------------
+
+def interleave(slots: Sequence[Any], iters: int, min_iters: int, budget_s: float, probe: Probe,
+               run: Callable[[Any, float | None], None]) -> None:
+    """The timed rounds: in round r every engine still running (`slot.ok`) runs once, starting
+    r engines later each round (rotation), so slow drift of the machine lands on every engine
+    alike; `run(slot, load)` is one engine's turn, `load` the 1-minute load average sampled as
+    the round starts. Past `budget_s` the rounds end early, never before `min_iters`."""
+    start = time.perf_counter()
+    for r in range(iters):
+        live = [s for s in slots if s.ok]
+        if not live:
+            break
+        load = probe.load1()
+        for s in live[r % len(live):] + live[:r % len(live)]:
+            if s.ok:
+                run(s, load)
+        if r + 1 >= min_iters and time.perf_counter() - start > budget_s:
+            break
+
+
+def measured(cond: Conditions, probe: Probe, load: float | None, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """`fn()` and its wall seconds; its CPU and wall seconds and the round's load go to `cond`
+    (the conditions quality.judge flags)."""
+    c0 = probe.cpu_time()
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    cond.cpu_s += probe.cpu_time() - c0
+    cond.wall_s += dt
+    if load is not None:
+        cond.loads.append(load)
+    return out, dt
+
+
+def summary_stats(times: list[float], *, mean_min: bool = False) -> dict[str, Any]:
+    """Median, p90 (and mean, min), the rounds and their spread (p90 / median) of timed rounds in ms."""
+    med = statistics.median(times)
+    out: dict[str, Any] = {"median_ms": round(med, 4), "p90_ms": round(_p90(times), 4)}
+    if mean_min:
+        out.update(mean_ms=round(statistics.fmean(times), 4), min_ms=round(min(times), 4))
+    out.update(iters=len(times), rounds_ms=[round(t, 4) for t in times],
+               spread=round(_p90(times) / med, 3) if med > 0 else None)
+    return out
+
+
+def ratios(rows: list[dict[str, Any]], keys: Sequence[str], *, paired: bool = False) -> None:
+    """Every row gets `keys` (None until measured); rows that ran get their ratios (set_ratios),
+    graphmode's with the interval of its per-round ratio when `paired`. A row that ran an eager
+    fallback gets none: its time is not graph-mode speed."""
+    for r in rows:
+        for k in keys:
+            r.setdefault(k, None)
+    ok = [r for r in rows if r["status"] == "ok" and r["median_ms"] and not r.get("eager_fallback")]
+    best = set_ratios(ok)
+    if paired:
+        paired_interval(ok, best)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads at `n` for the run, restored after."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+def run_meta(threads: int, target: Any, probe: Probe, rows: list[dict[str, Any]], *, quick: bool,
+             load_start: Any, t_start: float, warnings: list[str], **fields: Any) -> dict[str, Any]:
+    """The machine (machine_meta) and the run's conditions, common to every benchmark's meta."""
+    meta = machine_meta(threads, target)
+    meta.update(loadavg_start=load_start, quick=quick, usable_cores=probe.cores,
+                loadavg_max=max((r["load_max"] for r in rows if r.get("load_max") is not None), default=None),
+                warnings=([QUICK_NOTE] if quick else []) + warnings, wall_s=round(time.perf_counter() - t_start, 1),
+                **fields)
+    return meta
+
+
+@dataclass
+class BenchResult:
+    rows: list[dict[str, Any]]
+    meta: dict[str, Any]
+
+    def quick_failures(self) -> list[str]:
+        """Why a --quick run fails: an engine that did not run (not counting 'not installed')
+        or whose outputs do not match eager. Never a timing."""
+        bad = []
+        for r in self.rows:
+            where = self._where(r)
+            if r["status"] != "ok":
+                if not r["skipped"]:
+                    bad.append(f"{where}: failed: {r['reason']}")
+            else:
+                bad += self._numerics(r, where)
+        return bad
+
+    def _where(self, r: dict[str, Any]) -> str:
+        return f"{r['model']} {'x'.join(map(str, r['shape']))} {r['label']}"
+
+    def _numerics(self, r: dict[str, Any], where: str) -> list[str]:
+        if r["numerics_ok"]:
+            return []
+        return [f"{where}: rel L2 vs eager {r['rel_l2_err']} > {r.get('tol', NUMERICS_TOL):g}"]
+
+
+# ---- encoders (`graphmode bench`) -----------------------------------------------------------
 
 
 @dataclass
@@ -213,44 +316,23 @@ def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: 
             s.row["rel_l2_err"] = err if math.isfinite(err) else None
             s.row["numerics_ok"] = bool(math.isfinite(err) and err <= cfg.tol)
         _guard(s, check)
-    live = [s for s in slots if s.ok]
-    start = time.perf_counter()
-    rounds = 0
-    for r in range(cfg.iters):
-        order = live[r % len(live):] + live[:r % len(live)] if live else []
-        load = probe.load1()
-        for s in order:
-            if not s.ok:
-                continue
-            try:
-                for _ in range(cfg.rewarm):     # untimed: absorbs the switch from the previous engine
-                    s.engine()
-                c0 = probe.cpu_time()
-                t0 = time.perf_counter()
+
+    def turn(s: _Slot, load: float | None) -> None:
+        try:
+            for _ in range(cfg.rewarm):     # untimed: absorbs the switch from the previous engine
                 s.engine()
-                dt = time.perf_counter() - t0
-                c1 = probe.cpu_time()
-            except Exception as e:  # noqa: BLE001
-                _fail(s, e)
-                continue
-            s.times.append(dt * 1e3)
-            s.cond.cpu_s += c1 - c0
-            s.cond.wall_s += dt
-            if load is not None:
-                s.cond.loads.append(load)
-        rounds += 1
-        if rounds >= cfg.min_iters and time.perf_counter() - start > cfg.budget_s:
-            break
+            _, dt = measured(s.cond, probe, load, s.engine)
+        except Exception as e:  # noqa: BLE001
+            _fail(s, e)
+            return
+        s.times.append(dt * 1e3)
+    interleave(slots, cfg.iters, cfg.min_iters, cfg.budget_s, probe, turn)
     for s in slots:
         if s.ok:
             s.row.update(_execution(s.engine.execution()))
         s.engine.close()
         if s.ok and s.times:
-            med = statistics.median(s.times)
-            s.row.update(median_ms=round(med, 4), p90_ms=round(_p90(s.times), 4),
-                         mean_ms=round(statistics.fmean(s.times), 4), min_ms=round(min(s.times), 4),
-                         iters=len(s.times), rounds_ms=[round(t, 4) for t in s.times],
-                         spread=round(_p90(s.times) / med, 3) if med > 0 else None, **s.cond.to_row())
+            s.row.update(**summary_stats(s.times, mean_min=True), **s.cond.to_row())
         elif s.ok:
             s.ok = False
             s.row.update(status="failed", reason="no timed run (iters = 0)")
@@ -297,23 +379,10 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
     """ratio_vs_eager = median / eager median (< 1: faster than eager); speedup = the inverse;
     ratio_vs_best_other = median / the fastest ok engine other than graphmode. Rows that ran
     an eager fallback get none."""
-    keys = ("median_ms", "p90_ms", "mean_ms", "min_ms", "iters", "ratio_vs_eager", "speedup_vs_eager",
-            "ratio_vs_best_other", "best_other_engine", "rel_l2_err", "numerics_ok", "setup_s", "setup_detail",
-            "peak_rss_mb", "run_peak_rss_mb", "rss_exact", "rounds_ms", "spread", "load_max", "cpu_per_wall",
-            "eager_fallback", "eager_islands", "ratio_vs_best_other_ci95")
-    for r in rows:
-        for k in keys:
-            r.setdefault(k, None)
-    # a graphmode row that ran eager PyTorch has no ratios: its time is not graph-mode speed
-    ok = [r for r in rows if r["status"] == "ok" and r["median_ms"] and not r["eager_fallback"]]
-    paired_interval(ok, set_ratios(ok))
-
-
-def _probe_warning(target: Any) -> list[str]:
-    """The host probe's own doubt (targets.host.probe_note): every floor of the run rests on it."""
-    from graphmode.targets.host import probe_note
-    note = probe_note(target)
-    return [f"host probe: {note}; this run's floors are low with it"] if note else []
+    ratios(rows, ("median_ms", "p90_ms", "mean_ms", "min_ms", "iters", "ratio_vs_eager", "speedup_vs_eager",
+                  "ratio_vs_best_other", "best_other_engine", "rel_l2_err", "numerics_ok", "setup_s", "setup_detail",
+                  "peak_rss_mb", "run_peak_rss_mb", "rss_exact", "rounds_ms", "spread", "load_max", "cpu_per_wall",
+                  "eager_fallback", "eager_islands", "ratio_vs_best_other_ci95"), paired=True)
 
 
 def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
@@ -356,57 +425,14 @@ def set_ratios(ok: list[dict[str, Any]]) -> dict[str, Any] | None:
     return best
 
 
-def shape_floor(compiled: Any, env: dict[str, int], target: Any) -> dict[str, Any]:
-    """The roofline floor of one shape on `target`: `floor_ms` = max(FLOPs / peak, bytes /
-    bandwidth) in the recipe's compute dtype, its `floor_bound`, and the `floor_flops` and
-    `floor_bytes` (weights + planned activations) the recipe proofs count at this shape
-    (profile.facts_at). Those counts come from graphmode's compile of the model: `compiled` is
-    what the graphmode engine stored ((CompiledModel, recipe, seconds), the exception it
-    raised, or None when it did not run); without one, `floor_note` says why there is no floor."""
-    if target is None:
-        return {"floor_note": "no target to take the peak and bandwidth from"}
-    if not isinstance(compiled, tuple):
-        return {"floor_note": "graphmode did not compile this model, and its compiler counts the FLOPs and bytes"
-                + (f" ({_reason(compiled)})" if compiled is not None else "")}
-    cm, rec, _ = compiled
-    try:
-        facts = facts_at(cm, rec, target, env)
-    except Exception as e:  # noqa: BLE001 - the floor is an extra column, never a blocker
-        return {"floor_note": f"the model's FLOPs and bytes are unavailable: {_reason(e)}"}
-    seconds, bound = model_roofline(target, facts, rec.precision.compute)
-    return {"floor_ms": float(f"{seconds * 1e3:.4g}"), "floor_bound": bound, "floor_flops": facts["flops"],
-            "floor_bytes": facts["bytes"]}
-
-
-@dataclass
-class BenchResult:
-    rows: list[dict[str, Any]]
-    meta: dict[str, Any]
-
-    def quick_failures(self) -> list[str]:
-        """Why a --quick run fails: an engine that did not run (not counting 'not installed')
-        or whose outputs do not match eager. Never a timing."""
-        bad = []
-        for r in self.rows:
-            where = f"{r['model']} {'x'.join(map(str, r['shape']))} {r['label']}"
-            if r["status"] != "ok":
-                if not r["skipped"]:
-                    bad.append(f"{where}: failed: {r['reason']}")
-            elif not r["numerics_ok"]:
-                bad.append(f"{where}: rel L2 vs eager {r['rel_l2_err']} > {r.get('tol', NUMERICS_TOL):g}")
-        return bad
-
-
 def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str], None] = lambda s: None,
               target: Any = None, probe: Probe | None = None) -> BenchResult:
     """Run every case; torch's intra-op threads are set to cfg.threads for the run and restored."""
     probe = probe or Probe()
     load_start = probe.loadavg()
-    prev = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    try:
+    with torch_threads(cfg.threads):
         for case in cases:
             shared = ModelShared(case.bundle, case.envs, cfg.threads, recipe=cfg.recipe, cache_dir=cfg.cache_dir,
                                  onnx_cache_dir=cfg.onnx_cache_dir, isa=cfg.isa, on_stage=cfg.on_stage)
@@ -428,15 +454,9 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
                 if tmp is not None:
                     tmp.cleanup()
                 gc.collect()
-    finally:
-        torch.set_num_threads(prev)
-    meta = machine_meta(cfg.threads, target)
-    meta.update(
-        loadavg_start=load_start,
-        quick=cfg.quick, usable_cores=probe.cores,
-        loadavg_max=max((r["load_max"] for r in rows if r.get("load_max") is not None), default=None),
-        warnings=([QUICK_NOTE] if cfg.quick else []) + warning_lines(rows, cfg.quick) + _probe_warning(target),
-        wall_s=round(time.perf_counter() - t_start, 1),
+    meta = run_meta(
+        cfg.threads, target, probe, rows, quick=cfg.quick, load_start=load_start, t_start=t_start,
+        warnings=warning_lines(rows, cfg.quick) + _probe_warning(target),
         models=[{"model": c.name, "spec": c.spec, "load_s": round(c.load_s, 3), "shapes": [c.shape_of(e) for e in c.envs],
                  "source": getattr(c.bundle, "source", "")} for c in cases],
         engines=[make_engine(n, v).label for n, v in cfg.engines],
@@ -467,9 +487,6 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
 
 
 # ---- decoders (`graphmode bench decode`) ----------------------------------------------------
-
-DTYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0, "q8_0": 34 / 32}   # per weight
-
 
 @dataclass(frozen=True)
 class Scenario:
@@ -510,47 +527,6 @@ class DecodeConfig:
 
 
 QUICK = dict(prompt_lens=(8, 16), batches=(1, 2), context=16, new_tokens=4, iters=2, min_iters=2, warmup=1)
-
-
-# ---- the floor ----------------------------------------------------------------------------
-
-def decode_bytes(lm: torch.nn.Module, dtype: str) -> tuple[float, float]:
-    """(weight bytes one decode step reads, K+V bytes per cached token) at `dtype` weights
-    (1-D tensors stay f32, as every engine here keeps them) and f32 KV; the caller scales
-    the KV term to the engine's KV dtype."""
-    from graphmode.decode.lm import lm_config
-    seen: set[int] = set()
-    head = lm.get_output_embeddings().weight
-    gathered = {id(m.weight) for m in lm.modules() if isinstance(m, torch.nn.Embedding) and m.weight is not head}
-    w = 0.0
-    for p in lm.parameters():
-        if id(p) in seen or id(p) in gathered:       # a lookup table is read one row per token
-            continue
-        seen.add(id(p))
-        w += p.numel() * (DTYPE_BYTES[dtype] if p.dim() >= 2 else 4.0)
-    cfg = lm_config(lm)
-    return w, 2.0 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * 4.0
-
-
-def floor_tok_s(weight_b: float, kv_token_b: float, batch: int, context: float, gbps: float) -> float:
-    return batch * gbps * 1e9 / (weight_b + batch * context * kv_token_b)
-
-
-def read_bandwidth_gbps(threads: int, mb: int = 512, reps: int = 5) -> float:
-    """Best of `reps` full reads (a sum) of an `mb` MB f32 buffer with `threads` threads: what
-    a decode step that streams its weights can get from memory here."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        x = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
-        best = math.inf
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            x.sum()
-            best = min(best, time.perf_counter() - t0)
-        return x.numel() * 4 / best / 1e9
-    finally:
-        torch.set_num_threads(prev)
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -654,34 +630,20 @@ def _run_scenario(case: DecodeCase, sc: Scenario, slots: list[_DecodeSlot], cfg:
         if ref is not None and "_tokens" in row:
             row["tokens_match"] = _agreement(row.pop("_tokens"), ref)
         row.pop("_tokens", None)
-    start = time.perf_counter()
-    for r in range(cfg.iters):
-        live = [s for s in slots if s.ok]
-        if not live:
-            break
-        order = live[r % len(live):] + live[:r % len(live)]
-        load = probe.load1()
-        for s in order:
-            row = s.rows[sc]
-            cond: Conditions = row.setdefault("_cond", Conditions())
-            try:
-                c0 = probe.cpu_time()
-                got = s.engine.run(prompts, sc.new)
-                c1 = probe.cpu_time()
-            except Exception as e:  # noqa: BLE001
-                _decode_fail(s, e, sc.name, row)
-                continue
-            span = got.end_s - got.decode_from_s
-            row["times"].append(got.first_s * 1e3 if sc.kind == "ttft" else span * 1e3 / max(sc.new - 1, 1))
-            if sc.kind == "decode":
-                row["tok_s"].append(sc.batch * (sc.new - 1) / max(span, 1e-9))
-            row.setdefault("ttft_rounds_ms", []).append(round(got.first_s * 1e3, 3))
-            cond.cpu_s += c1 - c0
-            cond.wall_s += got.end_s
-            if load is not None:
-                cond.loads.append(load)
-        if r + 1 >= cfg.min_iters and time.perf_counter() - start > cfg.budget_s:
-            break
+
+    def turn(s: _DecodeSlot, load: float | None) -> None:
+        row = s.rows[sc]
+        try:
+            got, _ = measured(row.setdefault("_cond", Conditions()), probe, load, lambda: s.engine.run(prompts, sc.new))
+        except Exception as e:  # noqa: BLE001
+            _decode_fail(s, e, sc.name, row)
+            return
+        span = got.end_s - got.decode_from_s
+        row["times"].append(got.first_s * 1e3 if sc.kind == "ttft" else span * 1e3 / max(sc.new - 1, 1))
+        if sc.kind == "decode":
+            row["tok_s"].append(sc.batch * (sc.new - 1) / max(span, 1e-9))
+        row.setdefault("ttft_rounds_ms", []).append(round(got.first_s * 1e3, 3))
+    interleave(slots, cfg.iters, cfg.min_iters, cfg.budget_s, probe, turn)
 
 
 def _agreement(got: list[list[int]], ref: list[list[int]]) -> dict[str, int]:
@@ -715,10 +677,7 @@ def _decode_finish(slot: _DecodeSlot, sc: Scenario, wb: dict[str, tuple[float, f
         row.update(status="failed", reason=reason, skipped=slot.skipped and slot.failed_in == "setup",
                    median_ms=None, decode_tok_s=None)
     else:
-        med = statistics.median(times)
-        row.update(median_ms=round(med, 4), p90_ms=round(_p90(times), 4), iters=len(times),
-                   rounds_ms=[round(t, 4) for t in times], spread=round(_p90(times) / med, 3) if med > 0 else None,
-                   ttft_ms=round(statistics.median(row["ttft_rounds_ms"]), 3))
+        row.update(**summary_stats(times), ttft_ms=round(statistics.median(row["ttft_rounds_ms"]), 3))
         row.update(**(cond.to_row() if cond else {}))
         if sc.kind == "decode":
             row["decode_tok_s"] = round(statistics.median(toks), 3)
@@ -732,55 +691,38 @@ def _decode_finish(slot: _DecodeSlot, sc: Scenario, wb: dict[str, tuple[float, f
     return row
 
 
-def flag_floor(rows: list[dict[str, Any]]) -> None:
-    """After `judge` (which resets the flags): a row faster than its bandwidth floor."""
-    from graphmode.bench.quality import _flag
-    for r in rows:
-        if r.get("of_floor") is not None and r["of_floor"] > 1:
-            _flag(r, "floor", f"{r['decode_tok_s']:.1f} tok/s is above the bandwidth ceiling {r['floor_tok_s']:.1f}: "
-                              "the bandwidth was under-measured or the weights stayed in cache")
-
-
 def _decode_ratios(rows: list[dict[str, Any]]) -> None:
     """`speedup_vs_eager` (what quality.judge bounds) and `ratio_vs_best_other` on the
     scenario's time metric (TTFT ms, or ms per decode step)."""
-    for r in rows:
-        for k in ("median_ms", "p90_ms", "speedup_vs_eager", "ratio_vs_eager", "ratio_vs_best_other",
-                  "best_other_engine", "decode_tok_s", "spread", "load_max", "cpu_per_wall", "ttft_ms"):
-            r.setdefault(k, None)
-    set_ratios([r for r in rows if r["status"] == "ok" and r["median_ms"]])
+    ratios(rows, ("median_ms", "p90_ms", "speedup_vs_eager", "ratio_vs_eager", "ratio_vs_best_other",
+                  "best_other_engine", "decode_tok_s", "spread", "load_max", "cpu_per_wall", "ttft_ms"))
 
 
 @dataclass
-class DecodeResult:
-    rows: list[dict[str, Any]]
-    meta: dict[str, Any]
-    goals: list[dict[str, Any]]
+class DecodeResult(BenchResult):
+    goals: list[dict[str, Any]] = field(default_factory=list)
 
-    def quick_failures(self) -> list[str]:
-        """Why a --quick run fails: an engine that did not run (not counting 'not installed')
-        or graphmode tokens that differ from transformers eager's (with int8 / bf16 weights:
-        a row's first token). Never a timing."""
-        bad = []
-        for r in self.rows:
-            where = f"{r['model']} {r['scenario']} {r['label']}"
-            if r["status"] != "ok":
-                if not r["skipped"]:
-                    bad.append(f"{where}: failed: {r['reason']}")
-            elif r["engine"] == "graphmode":
-                m = r.get("tokens_match")
-                if m is None:
-                    bad.append(f"{where}: no transformers eager tokens to compare with (add eager to --engines)")
-                elif r.get("variant") in WEIGHT_ONLY:
-                    # narrow weights flip a near-tie now and then, and a free-running sequence
-                    # differs from there on: the check is each row's first token (the prefill's
-                    # top-1 on eager's own input); graphmode verify measures top-1 per position
-                    if m.get("first") != m.get("rows"):
-                        bad.append(f"{where}: a first new token differs from transformers eager's under "
-                                   f"{r['variant']} weights ({m})")
-                elif m["same"] != m["of"]:
-                    bad.append(f"{where}: greedy tokens differ from transformers eager ({m})")
-        return bad
+    def _where(self, r: dict[str, Any]) -> str:
+        return f"{r['model']} {r['scenario']} {r['label']}"
+
+    def _numerics(self, r: dict[str, Any], where: str) -> list[str]:
+        """graphmode's tokens against transformers eager's (with int8 / bf16 weights: each row's
+        first token)."""
+        if r["engine"] != "graphmode":
+            return []
+        m = r.get("tokens_match")
+        if m is None:
+            return [f"{where}: no transformers eager tokens to compare with (add eager to --engines)"]
+        if r.get("variant") in WEIGHT_ONLY:
+            # narrow weights flip a near-tie now and then, and a free-running sequence
+            # differs from there on: the check is each row's first token (the prefill's
+            # top-1 on eager's own input); graphmode verify measures top-1 per position
+            if m.get("first") != m.get("rows"):
+                return [f"{where}: a first new token differs from transformers eager's under "
+                        f"{r['variant']} weights ({m})"]
+        elif m["same"] != m["of"]:
+            return [f"{where}: greedy tokens differ from transformers eager ({m})"]
+        return []
 
 
 def run_decode_bench(cases: Sequence[DecodeCase], cfg: DecodeConfig, log: Callable[[str], None] = lambda s: None,
@@ -791,25 +733,18 @@ def run_decode_bench(cases: Sequence[DecodeCase], cfg: DecodeConfig, log: Callab
                                  value=c.name)
     probe = probe or Probe()
     load_start = probe.loadavg()
-    prev = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
-    measured = read_bandwidth_gbps(cfg.threads)
-    probed = getattr(target, "memory_bandwidth_gbps", None) if target is not None else None
-    gbps = max(measured, probed or 0.0)
     rows: list[dict[str, Any]] = []
-    try:
+    with torch_threads(cfg.threads):
+        read = read_bandwidth_gbps(cfg.threads)
+        probed = getattr(target, "memory_bandwidth_gbps", None) if target is not None else None
+        gbps = max(read, probed or 0.0)
         for case in cases:
             rows += bench_decode_model(case, cfg, gbps, log, probe)
-    finally:
-        torch.set_num_threads(prev)
-    meta = machine_meta(cfg.threads, target)
-    meta["versions"].update(llama_cpp_python=_version("llama_cpp_python"), gguf=_version("gguf"))
-    meta.update(
-        kind="decode", quick=cfg.quick, usable_cores=probe.cores, loadavg_start=load_start,
-        loadavg_max=max((r["load_max"] for r in rows if r.get("load_max") is not None), default=None),
-        wall_s=round(time.perf_counter() - t_start, 1),
-        bandwidth={"read_gbps_measured": round(measured, 2), "host_probe_gbps": probed,
+    meta = run_meta(
+        cfg.threads, target, probe, rows, quick=cfg.quick, load_start=load_start, t_start=t_start,
+        warnings=warning_lines(_for_warnings(rows), cfg.quick), kind="decode",
+        bandwidth={"read_gbps_measured": round(read, 2), "host_probe_gbps": probed,
                    "floor_uses_gbps": round(gbps, 2),
                    "how": "best of 5 sums of a 512 MB f32 buffer at --threads; the floor uses the larger of it "
                           "and the host probe (graphmode targets show host)"},
@@ -825,8 +760,8 @@ def run_decode_bench(cases: Sequence[DecodeCase], cfg: DecodeConfig, log: Callab
                                 "greedy, end-of-sequence ignored",
                 "rounds": "interleaved, rotated start each round; 1 timed run per engine per round",
                 "floor": "batch * bandwidth / (weight bytes + batch * mean context * KV bytes per token) "
-                         "at the engine's weight and KV dtypes"},
-        warnings=([QUICK_NOTE] if cfg.quick else []) + warning_lines(_for_warnings(rows), cfg.quick))
+                         "at the engine's weight and KV dtypes"})
+    meta["versions"].update(llama_cpp_python=_version("llama_cpp_python"), gguf=_version("gguf"))
     return DecodeResult(rows, meta, decode_goals(rows, cfg.quick))
 
 

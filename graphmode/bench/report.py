@@ -192,20 +192,14 @@ def markdown(res: BenchResult) -> str:
              "of the median of its per-round ratios to that engine, distribution-free); `floor ms` = the shape's "
              f"roofline time on this host, max(FLOPs / peak, bytes / bandwidth) at {_roof(m)}, and `x floor` = "
              "median / floor ms; rel L2 = max over outputs of ‖out − eager‖ / ‖eager‖",
-             f"- graphmode recipe: {m.get('recipe')}", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+             f"- graphmode recipe: {m.get('recipe')}", ""]
+    cells = []
     for r in res.rows:
-        cells = _cells(r)
+        cells.append(_cells(r))
         if r["engine"] == "graphmode" and r["status"] == "ok" and not r.get("eager_fallback"):
-            cells[2] = f"**{cells[2]}**"
-            cells[4] = f"**{cells[4]}**"
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    legend = _legend(res)
-    if legend:
-        lines += ["", "Flags (a flagged number is shown, but is not a clean measurement):", ""]
-        lines += [f"- `{x.split(':', 1)[0]}`:{x.split(':', 1)[1]}" for x in legend]
-    if m.get("warnings"):
-        lines += ["", "Notes on flagged rows:", ""] + [f"- {w}" for w in m["warnings"]]
+            cells[-1][2] = f"**{cells[-1][2]}**"
+            cells[-1][4] = f"**{cells[-1][4]}**"
+    lines += _md_table(list(COLUMNS), cells) + _flag_notes(res.rows, m.get("warnings"))
     met = goals(res)
     if met:
         lines += ["", f"Goals: graphmode <= {SPEED_GOAL:.2f}x the best other engine (or <= {FLOOR_GOAL:.2f}x the "
@@ -317,14 +311,40 @@ def chart(res: BenchResult, path: Path) -> Path | None:
     return path
 
 
-def write_results(res: BenchResult, out_dir: str | Path, name: str = "bench") -> dict[str, Path]:
+# ---- shared by both reports --------------------------------------------------------------
+
+def _md_table(head: list[str], lines: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in line) + " |" for line in lines]
+    return out
+
+
+def _flag_notes(rows: list[dict], warnings: list[str] | None) -> list[str]:
+    """The meaning of every flag some row carries, then the run's notes on flagged rows."""
+    used = {f for r in rows for f in r.get("flags") or ()}
+    lines = []
+    if used:
+        lines += ["", "Flags (a flagged number is shown, but is not a clean measurement):", ""]
+        lines += [f"- `{c}`: {t}" for c, t in LEGEND.items() if c in used]
+    if warnings:
+        lines += ["", "Notes on flagged rows:", ""] + [f"- {w}" for w in warnings]
+    return lines
+
+
+def _write(out_dir: str | Path, name: str, rows: list[dict], meta: dict, md: str) -> dict[str, Path]:
+    """`<name>.json` (the rows, a plain list), `<name>.meta.json` and `<name>.md` in `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / f"{name}.json", "meta": out / f"{name}.meta.json", "md": out / f"{name}.md",
-             "png": out / f"{name}.png"}
-    paths["json"].write_text(json.dumps(res.rows, indent=1, default=str) + "\n", encoding="utf-8")
-    paths["meta"].write_text(json.dumps(res.meta, indent=1, default=str) + "\n", encoding="utf-8")
-    paths["md"].write_text(markdown(res), encoding="utf-8")
+    paths = {"json": out / f"{name}.json", "meta": out / f"{name}.meta.json", "md": out / f"{name}.md"}
+    paths["json"].write_text(json.dumps(rows, indent=1, default=str) + "\n", encoding="utf-8")
+    paths["meta"].write_text(json.dumps(meta, indent=1, default=str) + "\n", encoding="utf-8")
+    paths["md"].write_text(md, encoding="utf-8")
+    return paths
+
+
+def write_results(res: BenchResult, out_dir: str | Path, name: str = "bench") -> dict[str, Path]:
+    paths = _write(out_dir, name, res.rows, res.meta, markdown(res))
+    paths["png"] = Path(out_dir) / f"{name}.png"
     try:
         chart(res, paths["png"])
     except Exception as e:  # noqa: BLE001 - a chart problem must not lose the measured data
@@ -446,12 +466,6 @@ def decode_rich_tables(res) -> list[Any]:
     return [t, g]
 
 
-def _md_table(head: list[str], lines: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in line) + " |" for line in lines]
-    return out
-
-
 DECODE_ROW_COLUMNS = ("model", "scenario", "engine", "status", "TTFT ms", "median ms", "p90 ms", "tok/s", "bound tok/s",
                "of bound", "x eager", "x best other", "tokens = eager", "warm-up s", "rounds", "load max", "CPU/wall",
                "flags")
@@ -500,24 +514,12 @@ def decode_markdown(res) -> str:
     if fails:
         lines += ["", "Engines that did not run:", ""] + [f"- {f}" for f in fails]
     lines += ["", "## Every row", ""] + _md_table(list(DECODE_ROW_COLUMNS), [_decode_full(r) for r in res.rows])
-    used = {f for r in res.rows for f in r.get("flags") or ()}
-    if used:
-        lines += ["", "Flags (a flagged number is shown, but is not a clean measurement):", ""]
-        lines += [f"- `{c}`: {t}" for c, t in LEGEND.items() if c in used]
-    if m.get("warnings"):
-        lines += ["", "Notes on flagged rows:", ""] + [f"- {w}" for w in m["warnings"]]
+    lines += _flag_notes(res.rows, m.get("warnings"))
     return "\n".join(lines) + "\n"
 
 
 def write_decode_results(res, out_dir: str | Path, name: str = "decode") -> dict[str, Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / f"{name}.json", "meta": out / f"{name}.meta.json", "md": out / f"{name}.md"}
-    paths["json"].write_text(json.dumps(res.rows, indent=1, default=str) + "\n", encoding="utf-8")
-    paths["meta"].write_text(json.dumps({**res.meta, "goals": res.goals}, indent=1, default=str) + "\n",
-                             encoding="utf-8")
-    paths["md"].write_text(decode_markdown(res), encoding="utf-8")
-    return paths
+    return _write(out_dir, name, res.rows, {**res.meta, "goals": res.goals}, decode_markdown(res))
 
 
 # ---- decode_goals (issue 15, item 9) -------------------------------------------------------------

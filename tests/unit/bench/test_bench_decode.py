@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from graphmode.bench import engines, harness, report
+from graphmode.bench import engines, floors, harness, report
 from graphmode.bench.engines import HFEngine, parse_decode_engines
 from graphmode.bench.harness import QUICK, DecodeConfig, DecodeResult, run_decode_bench
 from graphmode.bench.models import TINY_GPT2, load_decode_cases, tiny_gpt2
@@ -70,19 +70,19 @@ def test_ratios_against_eager_and_the_best_other_engine():
 
 def test_bandwidth_bound():
     # 1 GB of weights at 10 GB/s, no KV: 10 tokens/s per sequence; a batch shares the weight reads
-    assert harness.floor_tok_s(1e9, 0.0, 1, 100, 10.0) == pytest.approx(10.0)
-    assert harness.floor_tok_s(1e9, 0.0, 4, 100, 10.0) == pytest.approx(40.0)
-    assert harness.floor_tok_s(1e9, 1e6, 1, 1000, 10.0) == pytest.approx(5.0)     # + 1 GB of K/V per step
+    assert floors.floor_tok_s(1e9, 0.0, 1, 100, 10.0) == pytest.approx(10.0)
+    assert floors.floor_tok_s(1e9, 0.0, 4, 100, 10.0) == pytest.approx(40.0)
+    assert floors.floor_tok_s(1e9, 1e6, 1, 1000, 10.0) == pytest.approx(5.0)     # + 1 GB of K/V per step
 
 
 def test_decode_bytes_reads_the_head_once_and_tables_not_at_all():
     lm = causal_lm(tiny_gpt2())
-    w, kv = harness.decode_bytes(lm, "f32")
+    w, kv = floors.decode_bytes(lm, "f32")
     tables = lm.transformer.wpe.weight.numel()              # the tied token table is the head: read in full
     total = sum(p.numel() for p in lm.parameters())         # parameters() yields the tied weight once
     assert w == (total - tables) * 4
     assert kv == 2 * TINY_GPT2["n_layer"] * TINY_GPT2["n_head"] * (TINY_GPT2["n_embd"] // TINY_GPT2["n_head"]) * 4
-    w8, _ = harness.decode_bytes(lm, "q8_0")
+    w8, _ = floors.decode_bytes(lm, "q8_0")
     assert w8 < w
 
 
@@ -118,7 +118,7 @@ def test_flag_floor_marks_rows_above_the_bandwidth_ceiling():
     rows = [row("graphmode", floor_tok_s=50.0, of_floor=2.0), row("eager", floor_tok_s=50.0, of_floor=0.5)]
     for r in rows:
         r["notes"] = []
-    harness.flag_floor(rows)
+    floors.flag_floor(rows)
     assert rows[0]["flags"] == ["floor"] and "ceiling" in rows[0]["notes"][0] and rows[1]["flags"] == []
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from graphmode.bench import harness
+from graphmode.bench import floors, harness
 from graphmode.bench.harness import BenchResult
 from graphmode.bench.models import ModelCase
 from graphmode.bench import quality
@@ -195,9 +195,9 @@ def test_model_roofline_is_the_larger_of_compute_and_memory_time():
 def test_shape_floor_says_why_there_is_none():
     from graphmode.targets import get_target
     t = get_target("cpu_avx2")
-    assert "no target" in harness.shape_floor(None, {"batch": 1}, None)["floor_note"]
-    assert "did not compile" in harness.shape_floor(None, {"batch": 1}, t)["floor_note"]
-    assert "boom" in harness.shape_floor(RuntimeError("boom"), {"batch": 1}, t)["floor_note"]
+    assert "no target" in floors.shape_floor(None, {"batch": 1}, None)["floor_note"]
+    assert "did not compile" in floors.shape_floor(None, {"batch": 1}, t)["floor_note"]
+    assert "boom" in floors.shape_floor(RuntimeError("boom"), {"batch": 1}, t)["floor_note"]
 
 
 def test_floor_columns_in_markdown_and_table():
@@ -233,7 +233,7 @@ def test_a_doubtful_host_probe_is_a_run_warning():
     """The floors rest on the host probe; a probe that says it ran on shared cores says so in the run."""
     from graphmode.targets import get_target
     t = get_target("cpu_avx2")
-    assert harness._probe_warning(t) == [] and harness._probe_warning(None) == []
+    assert floors._probe_warning(t) == [] and floors._probe_warning(None) == []
     busy = t.model_copy(update={"groups": {**(t.groups or {}), "cpu": {"probe_note": "the FMA chains reached 90"}}})
-    (w,) = harness._probe_warning(busy)
+    (w,) = floors._probe_warning(busy)
     assert w.startswith("host probe: the FMA chains reached 90") and "floors are low" in w
