@@ -44,10 +44,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+
+from graphmode.errors import GraphmodeError
 
 ENGINE_NAMES = ("eager", "torch_compile", "onnxruntime", "openvino", "graphmode")
 TORCH_COMPILE_VARIANTS = ("default", "max-autotune", "freezing", "max-autotune+freezing")
@@ -367,6 +369,33 @@ def make_engine(name: str, variant: str | None = None) -> Engine:
     return ENGINES[name](variant)
 
 
+def _named(text: str, known: Any, names: Sequence[str], kind: str) -> list[tuple[str, str | None]]:
+    """`a,b[v]` -> [(a, None), (b, v)]; a name not in `known` is refused naming --engines."""
+    out = []
+    for n in text.split(","):
+        base, _, var = n.strip().partition("[")
+        if not base:
+            continue
+        if base not in known:
+            raise GraphmodeError(f"unknown {kind} {base!r}", where="--engines", value=text,
+                                 fix=f"choose from {', '.join(names)}")
+        out.append((base, var.rstrip("]") or None))
+    return out
+
+
+def parse_engines(text: str | None, extra: Sequence[str] = (), quick: bool = False) -> list[tuple[str, str | None]]:
+    """`eager,onnxruntime,graphmode` (+ `--with max-autotune` adds torch_compile[max-autotune]);
+    no text: DEFAULT_ENGINES (without torch.compile's variants when `quick`)."""
+    out = _named(text, ENGINE_NAMES, ENGINE_NAMES, "engine") if text else \
+        [e for e in DEFAULT_ENGINES if not (quick and e[1])]
+    for w in extra:
+        if w not in TORCH_COMPILE_VARIANTS or w == "default":
+            raise GraphmodeError(f"unknown --with {w!r}", where="--with",
+                                 fix=f"one of {', '.join(v for v in TORCH_COMPILE_VARIANTS if v != 'default')}")
+        out.append(("torch_compile", w))
+    return list(dict.fromkeys(out))
+
+
 # ---- decoders (`graphmode bench decode`) ----------------------------------------------------
 
 DECODE_ENGINE_NAMES = ("eager", "static_compile", "llama_cpp", "ort_genai", "openvino_genai", "graphmode")
@@ -677,15 +706,10 @@ DECODE_ENGINES: dict[str, type[LMEngine]] = {"eager": HFEngine, "static_compile"
 
 def parse_decode_engines(text: str | None) -> list[tuple[str, str | None]]:
     """`eager,llama_cpp[q8_0],graphmode`; plain `llama_cpp` means both f32 and q8_0."""
-    from graphmode.errors import GraphmodeError
-    names = [e.strip() for e in (text.split(",") if text else DECODE_ENGINE_NAMES) if e.strip()]
     out: list[tuple[str, str | None]] = []
-    for n in names:
-        base, _, var = n.partition("[")
-        var = var.rstrip("]") or None
-        if base not in DECODE_ENGINES:
-            raise GraphmodeError(f"unknown decode engine {base!r}", where="--engines", value=text,
-                                 fix=f"choose from {', '.join(DECODE_ENGINE_NAMES)}")
+    for base, var in _named(text or ",".join(DECODE_ENGINE_NAMES), DECODE_ENGINES, DECODE_ENGINE_NAMES,
+                            "decode engine"):
+        n = f"{base}[{var}]" if var else base
         if base == "graphmode" and var is not None and var not in GRAPHMODE_VARIANTS:
             raise GraphmodeError(f"unknown graphmode variant {var!r}", where="--engines", value=n,
                                  fix="graphmode, graphmode[batch_invariant] (determinism: batch_invariant: its cost "
@@ -693,10 +717,8 @@ def parse_decode_engines(text: str | None) -> list[tuple[str, str | None]]:
         if base == "llama_cpp" and var is not None and var not in LLAMA_CPP_VARIANTS:
             raise GraphmodeError(f"unknown llama.cpp weights {var!r}", where="--engines", value=n,
                                  fix=f"llama_cpp[{'] or llama_cpp['.join(LLAMA_CPP_VARIANTS)}]")
-        for v in (LLAMA_CPP_VARIANTS if base == "llama_cpp" and var is None else (var,)):
-            if (base, v) not in out:
-                out.append((base, v))
-    return out
+        out += [(base, v) for v in (LLAMA_CPP_VARIANTS if base == "llama_cpp" and var is None else (var,))]
+    return list(dict.fromkeys(out))
 
 
 def make_decode_engine(name: str, variant: str | None = None) -> LMEngine:

@@ -62,8 +62,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from graphmode.bench.engines import (DEFAULT_ENGINES, ENGINE_NAMES, DecodeShared, Engine, EngineUnavailable,
-                                     ModelShared, _reason, make_decode_engine, make_engine, parse_decode_engines)
+from graphmode.bench.engines import (DEFAULT_ENGINES, DecodeShared, Engine, EngineUnavailable, ModelShared, _reason,
+                                     make_decode_engine, make_engine, parse_decode_engines)
 from graphmode.bench.floors import (DTYPE_BYTES, _probe_warning, decode_bytes, flag_floor, floor_tok_s,
                                     read_bandwidth_gbps, shape_floor)
 from graphmode.bench.machine import PeakRss, _version, machine_meta
@@ -95,32 +95,6 @@ class BenchConfig:
     kb: Any = None                   # knowledge base file the graphmode rows are recorded in (None: off)
     isa: str | None = None           # graphmode's codegen.isa cap (None: the recipe's own)
     on_stage: Any = None             # hears graphmode's compile stages and plan builds (graphmode/progress.py)
-
-
-def parse_engines(text: str | None, extra: Sequence[str] = (), quick: bool = False) -> list[tuple[str, str | None]]:
-    """`eager,onnxruntime,graphmode` (+ `--with max-autotune` adds torch_compile[max-autotune]);
-    no text: DEFAULT_ENGINES (without torch.compile's variants when `quick`)."""
-    out = [e for e in DEFAULT_ENGINES if not (quick and e[1])] if not text else []
-    for n in (text.split(",") if text else ()):
-        base, _, var = n.strip().partition("[")
-        if not base:
-            continue
-        if base not in ENGINE_NAMES:
-            raise GraphmodeError(f"unknown engine {base!r}", where="--engines", value=text,
-                                 fix=f"choose from {', '.join(ENGINE_NAMES)}")
-        out.append((base, var.rstrip("]") or None))
-    for w in extra:
-        from graphmode.bench.engines import TORCH_COMPILE_VARIANTS
-        if w not in TORCH_COMPILE_VARIANTS or w == "default":
-            raise GraphmodeError(f"unknown --with {w!r}", where="--with",
-                                 fix=f"one of {', '.join(v for v in TORCH_COMPILE_VARIANTS if v != 'default')}")
-        out.append(("torch_compile", w))
-    seen, uniq = set(), []
-    for e in out:
-        if e not in seen:
-            seen.add(e)
-            uniq.append(e)
-    return uniq
 
 
 def _rel_l2(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:

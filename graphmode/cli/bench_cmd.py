@@ -90,7 +90,8 @@ def bench_cmd(
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from graphmode.backends.cpu.isa import CAPS, cap_problem
-    from graphmode.bench.harness import BenchConfig, parse_engines, run_bench
+    from graphmode.bench.engines import parse_engines
+    from graphmode.bench.harness import BenchConfig, run_bench
     from graphmode.bench.models import DEFAULT_MODELS, load_cases
     from graphmode.bench.report import goals, rich_table, write_results
     from graphmode.errors import GraphmodeError, TargetError

@@ -8,7 +8,7 @@ extension), `finish_reason` is "stop" (end-of-sequence token or a stop sequence)
 "length", and `usage` counts prompt and generated tokens.
 
 A stop sequence is not part of the answer: while streaming, a tail of tokens (or text) that
-may still turn out to start one is held back until it cannot. A client that goes away, or
+may still turn out to start one is held back until it cannot (decode/output.py ChoiceOutput). A client that goes away, or
 a request past `--request-timeout-s` (end to end when not streamed, until the first token
 when streamed), cancels its sequences: their KV pages come back at the next step.
 """

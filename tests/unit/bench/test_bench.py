@@ -144,7 +144,7 @@ def test_engine_failing_mid_run_is_reported(monkeypatch):
 
 
 def test_shapes_and_engines_parse():
-    from graphmode.bench.harness import parse_engines
+    from graphmode.bench.engines import parse_engines
     from graphmode.bench.models import load_cases, parse_shape
     from graphmode.capture.spec import resolve_model_spec
     from graphmode.errors import GraphmodeError
