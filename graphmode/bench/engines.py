@@ -8,9 +8,7 @@ lives in `ModelShared` and is charged to `setup_s` of every shape that uses it
 (`setup_detail` tells which part was shared).
 
 The decoders `graphmode bench decode` compares (`LMEngine` and its subclasses, below) are set
-up once per model and `run(prompts, new)` instead:
-
-An engine is set up once per model, then `run(prompts, new)` generates `new` greedy tokens
+up once per model instead, then `run(prompts, new)` generates `new` greedy tokens
 after each row of `prompts` ([batch, prompt] token ids, no padding, end-of-sequence never
 stops a row) and returns a `Run`: the tokens and times measured from the call: when every
 row's first token is in the caller's hands (TTFT, `vllm bench serve`'s definition: request
@@ -25,16 +23,16 @@ is timed from there) and when the last token was. Engines:
   written as GGUF (gguf_export.py); q8_0 is quantized by llama.cpp; its KV cache is its
   default f16, one stream per sequence; a prompt is one `llama_decode` call, a decode step
   one call for the whole batch;
-- `graphmode`: the decode engine (`graphmode.decode`), requests added together and stepped
-  until done; a step hands its tokens over when it returns, and the step that prefills a
+- `graphmode`: the decode engine (`graphmode.decode`), requests added together and driven
+  until done (`drive`); a step hands its tokens over when it returns, and the step that prefills a
   prompt also decodes its second token, so its TTFT includes one decode step;
   `graphmode[int8]` / `graphmode[bf16]` store the linear weights narrow (recipe
   `precision.weights`), `graphmode[batch_invariant]` computes each sequence alone;
 - `ort_genai`, `openvino_genai`: reported "not installed" unless their package imports;
   the pipelines themselves are not wired up yet (reported as such).
 
-An engine that cannot run here raises `EngineUnavailable` (the same as `graphmode bench`'s)
-from `setup`: its rows say why, and `--quick` does not count them as failures.
+An engine of either kind that cannot run here raises `EngineUnavailable` from `setup`: its
+rows say why, and `--quick` does not count them as failures.
 """
 from __future__ import annotations
 
