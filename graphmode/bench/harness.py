@@ -196,13 +196,17 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 def run_meta(threads: int, target: Any, probe: Probe, rows: list[dict[str, Any]], *, quick: bool,
-             load_start: Any, t_start: float, warnings: list[str], **fields: Any) -> dict[str, Any]:
-    """The machine (machine_meta) and the run's conditions, common to every benchmark's meta."""
+             load_start: Any, t_start: float, warnings: list[str], order: Sequence[str] = (),
+             **fields: Any) -> dict[str, Any]:
+    """The machine (machine_meta) and the run's conditions, common to every benchmark's meta,
+    then `fields`; `order` lists the keys first in the order each benchmark has written them."""
     meta = machine_meta(threads, target)
-    meta.update(loadavg_start=load_start, quick=quick, usable_cores=probe.cores,
+    rest = dict(loadavg_start=load_start, quick=quick, usable_cores=probe.cores,
                 loadavg_max=max((r["load_max"] for r in rows if r.get("load_max") is not None), default=None),
                 warnings=([QUICK_NOTE] if quick else []) + warnings, wall_s=round(time.perf_counter() - t_start, 1),
                 **fields)
+    meta.update({k: rest.pop(k) for k in order})
+    meta.update(rest)
     return meta
 
 
@@ -718,6 +722,8 @@ def run_decode_bench(cases: Sequence[DecodeCase], cfg: DecodeConfig, log: Callab
     meta = run_meta(
         cfg.threads, target, probe, rows, quick=cfg.quick, load_start=load_start, t_start=t_start,
         warnings=warning_lines(_for_warnings(rows), cfg.quick), kind="decode",
+        order=("kind", "quick", "usable_cores", "loadavg_start", "loadavg_max", "wall_s", "bandwidth", "models",
+               "engines", "method", "warnings"),
         bandwidth={"read_gbps_measured": round(read, 2), "host_probe_gbps": probed,
                    "floor_uses_gbps": round(gbps, 2),
                    "how": "best of 5 sums of a 512 MB f32 buffer at --threads; the floor uses the larger of it "
