@@ -261,3 +261,21 @@ def test_the_engine_is_lowered_by_the_pipeline_driver(model):
     terms = low.proof.model.memory_terms
     assert sum(nbytes[k] for k in state) == terms["kv_cache"] == kv_cache_bytes(cm.recipe)
     assert terms["weights"] == sum(n for k, n in nbytes.items() if k not in state)
+
+
+def test_a_model_without_a_kv_cache_does_not_decode(tmp_path):
+    """generate / stream belong to models compiled under a decoder recipe (graphmode.compile
+    attaches the decode API to those): any other is refused naming memory.kv_cache."""
+    from graphmode.errors import RecipeError
+    lm, kvh = _lm("gpt2")
+    r = dict(recipe(kvh), exe_mode="eager")
+    del r["memory"]
+    ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(bundle_from_module(lm, ex, {k: ["batch", "seq"] for k in ex}), r, cache_dir=tmp_path)
+    assert cm.decoding is None
+    for call in (cm.generate, cm.stream):
+        with pytest.raises(RecipeError, match="paged KV cache") as e:
+            call(PROMPTS, MASK)
+        assert e.value.where == "memory.kv_cache"
