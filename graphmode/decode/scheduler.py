@@ -61,7 +61,9 @@ class PrefixCache(Protocol):
     """Reuse of KV pages across sequences that share a prefix (issue 26)."""
 
     def match(self, seq: Sequence_) -> int:
-        """Leading tokens of `seq` whose K/V are already in pages `seq` now holds (0: none)."""
+        """Leading tokens of `seq` whose K/V are already in pages `seq` now holds (0: none).
+        The runner prefills every prompt from position 0 today: a cache that matches more
+        comes with a runner that prefills from `seq.cached` (issue 26)."""
         ...
 
     def insert(self, seq: Sequence_) -> None:
