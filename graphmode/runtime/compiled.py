@@ -311,7 +311,7 @@ class CompiledModel:
 
     # ---- decoding ----------------------------------------------------------------------------
     def generate(self, input_ids: Any, attention_mask: Any = None, **kw: Any) -> torch.Tensor:
-        """Decode new tokens after each row of `input_ids`, with the arguments of transformers'
+        """Greedy or sampled decoding over the recipe's paged KV cache, like transformers'
         `generate` (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
         pad_token_id, seed). See graphmode/decode/api.py."""
         return self._decoding().generate(self, input_ids, attention_mask, **kw)
