@@ -70,55 +70,61 @@ def as_recipe(recipe: Recipe | str | Path) -> Recipe:
 
 
 def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
-    """A built-in name / ONNX path / 'pkg.mod:fn' spec / nn.Module / ModelBundle -> ModelSource."""
-    from graphmode.capture.zoo import ModelBundle
+    """Whatever the user passed (built-in name, .onnx path, 'pkg.mod:fn' spec, nn.Module,
+    (module, example_inputs[, input_dims]), Hugging Face model, ModelBundle) -> ModelSource.
+    A plain nn.Module takes its example inputs from the recipe's declared inputs."""
+    from graphmode.capture.spec import OnnxModelSpec, as_model, bundle_from_module
     if isinstance(model, ModelSource):
         return model
-    if isinstance(model, str):
-        from graphmode.capture.spec import resolve_model_spec
-        model = resolve_model_spec(model)
-    if isinstance(model, ModelBundle):
-        dims = {i.name: list(i.shape) for i in recipe.inputs}
-        missing = [n for n in model.input_names if n not in dims]
-        if missing:
-            raise RecipeError(f"the model takes inputs {missing} that the recipe does not declare",
-                              where="inputs", fix=f"declare every model input: {model.input_names}")
-        from graphmode.verdict import ContractRefused, example_mismatches
-        issues = example_mismatches(recipe, model.example_inputs, model.input_dims)
-        if issues:
-            raise ContractRefused(issues)
-        if model.input_maker is None and {k: dims[k] for k in model.input_names} != model.input_dims:
-            # the recipe's shapes are the contract: sample inputs (run, verify) follow them,
-            # not the static shapes of the example the model was handed with
-            import dataclasses
-            model = dataclasses.replace(model, input_dims={k: dims[k] for k in model.input_names})
-        from graphmode.capture.torch_import import example_sizes
-        examples = model.make_inputs(example_sizes({d: recipe.dim_range(d) for d in recipe.dims}), seed=0)
-        return ModelSource(model.name, model.module, examples, {k: dims[k] for k in model.input_names},
-                           list(model.output_names), bundle=model)
     if isinstance(model, torch.nn.Module):
-        examples = example_inputs_from_recipe(recipe)
-        return ModelSource(type(model).__name__.lower(), model.eval(), examples,
-                           {i.name: list(i.shape) for i in recipe.inputs})
-    onnx_path = getattr(model, "path", None)
-    if onnx_path is not None and str(onnx_path).endswith(".onnx"):
-        return ModelSource(Path(onnx_path).stem, onnx_path=Path(onnx_path),
+        model = bundle_from_module(model, example_inputs_from_recipe(recipe, model),
+                                   {i.name: list(i.shape) for i in recipe.inputs})
+    model = as_model(model)
+    if isinstance(model, OnnxModelSpec):
+        return ModelSource(model.path.stem, onnx_path=model.path,
                            input_dims={i.name: list(i.shape) for i in recipe.inputs},
-                           output_names=list(getattr(model, "output_names", [])), bundle=model)
-    raise CaptureError(f"cannot compile a {type(model).__name__}",
-                       fix="pass an nn.Module, a built-in name (minilm, gpt2, resnet18), an .onnx path "
-                           "or 'package.module:function'")
+                           output_names=list(model.output_names), bundle=model)
+    dims = {i.name: list(i.shape) for i in recipe.inputs}
+    missing = [n for n in model.input_names if n not in dims]
+    if missing:
+        raise RecipeError(f"the model takes inputs {missing} that the recipe does not declare",
+                          where="inputs", fix=f"declare every model input: {model.input_names}")
+    from graphmode.verdict import ContractRefused, example_mismatches
+    issues = example_mismatches(recipe, model.example_inputs, model.input_dims)
+    if issues:
+        raise ContractRefused(issues)
+    if model.input_maker is None and {k: dims[k] for k in model.input_names} != model.input_dims:
+        # the recipe's shapes are the contract: sample inputs (run, verify) follow them,
+        # not the static shapes of the example the model was handed with
+        import dataclasses
+        model = dataclasses.replace(model, input_dims={k: dims[k] for k in model.input_names})
+    from graphmode.capture.torch_import import example_sizes
+    examples = model.make_inputs(example_sizes({d: recipe.dim_range(d) for d in recipe.dims}), seed=0)
+    return ModelSource(model.name, model.module, examples, {k: dims[k] for k in model.input_names},
+                       list(model.output_names), bundle=model)
 
 
-def example_inputs_from_recipe(recipe: Recipe) -> dict[str, torch.Tensor]:
+def example_inputs_from_recipe(recipe: Recipe, module: Any = None) -> dict[str, torch.Tensor]:
+    """One example per declared input at small sizes of the recipe's dims: floats random, masks
+    ones, token types zeros, token ids inside the module's vocabulary (its config's), other
+    integers ones."""
     from graphmode.capture.torch_import import example_sizes
     from graphmode.ir.types import DTYPES
     sizes = example_sizes({d: recipe.dim_range(d) for d in recipe.dims})
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    g = torch.Generator().manual_seed(0)
     out = {}
     for spec in recipe.inputs:
         shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
         dt = DTYPES[spec.dtype]
-        out[spec.name] = torch.randn(shape).to(dt) if dt.is_floating_point else torch.ones(shape, dtype=dt)
+        if dt.is_floating_point:
+            out[spec.name] = torch.randn(shape, generator=g).to(dt)
+        elif "type" in spec.name:
+            out[spec.name] = torch.zeros(shape, dtype=dt)
+        elif spec.name.endswith("ids") and isinstance(vocab, int) and vocab > 3 and dt != torch.bool:
+            out[spec.name] = torch.randint(3, vocab, shape, generator=g).to(dt)
+        else:
+            out[spec.name] = torch.ones(shape, dtype=dt)
     return out
 
 
@@ -142,7 +148,8 @@ def capture(model: Any, recipe: Recipe | str | Path) -> tuple[Graph, CaptureRepo
         return g, rep, src
     g, rep = import_torch(src.module, src.example_inputs, src.input_dims, dims, name=src.name,
                           include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops,
-                          output_names=src.output_names)
+                          output_names=src.output_names,
+                          output_structure=getattr(src.bundle, "output_structure", None))
     return g, rep, src
 
 

@@ -178,8 +178,10 @@ def _mismatches(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
     for name, axes in recipe.outputs.items():
         where = f"outputs.{name}"
         if name not in by_name:
-            issues.append(Issue("mismatch", f"the model has no output {name!r}", where, name,
-                                fix=f"the model's outputs are {names}"))
+            issues.append(Issue("mismatch", f"the model has no output {name!r}", where,
+                                fix=f"name one of the model's outputs {names} (named by the structure forward "
+                                    "returns: `output` for one tensor, `output_0`, ... for a tuple, the keys of a "
+                                    "dict or ModelOutput)"))
             continue
         ty = graph.values[by_name[name]].type
         if len(axes) != len(ty.shape):

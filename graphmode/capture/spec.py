@@ -31,10 +31,11 @@ import torch
 from torch import nn
 
 from graphmode.capture import zoo
+from graphmode.capture.outputs import describe
 from graphmode.capture.zoo import ModelBundle
 from graphmode.errors import CaptureError
 
-__all__ = ["resolve_model_spec", "OnnxModelSpec", "OnnxTensorSpec", "load_onnx_spec",
+__all__ = ["resolve_model_spec", "as_model", "OnnxModelSpec", "OnnxTensorSpec", "load_onnx_spec",
            "bundle_from_module", "describe_spec_forms"]
 
 
@@ -281,7 +282,7 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
             f"and compiles the forward pass{' with use_cache=False' if takes else ''}. Set config.use_cache=False "
             "(or pass use_cache=False) to silence this."), stacklevel=2)
     try:
-        flat = zoo._flatten_output(raw)
+        structure, flat = describe(raw)
     except TypeError as e:
         raise CaptureError(f"the model's output is not made of tensors: {e}", where=where,
                            fix="make forward return a tensor, tuple or dict of tensors") from e
@@ -295,12 +296,43 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
     wrapper = _make_wrapper(module, list(ex), positional, call_kwargs).eval()
     bundle = ModelBundle(name=name or type(module).__name__.lower(), module=wrapper,
                          example_inputs=ex, input_dims=dims, output_names=list(outs),
-                         source=source, raw_module=module)
+                         source=source, raw_module=module, output_structure=structure)
     bundle.shape_of(ex)  # validates dims against the example
     return bundle
 
 
 # -------------------------------------------------------------------------------- resolve
+
+
+def as_model(model: Any) -> ModelBundle | OnnxModelSpec:
+    """What a user hands to `graphmode.compile` or `recipe init`, as a ModelBundle or an
+    OnnxModelSpec: a model spec (built-in name, .onnx path, 'module:function'), a ModelBundle,
+    (module, example_inputs[, input_dims]), or a Hugging Face model (inputs from its config).
+    A plain nn.Module has no example inputs: it needs them, or a recipe (compiler.resolve_model)."""
+    from graphmode.capture import hf
+    if isinstance(model, (str, os.PathLike)):
+        return resolve_model_spec(model)
+    if isinstance(model, (ModelBundle, OnnxModelSpec)):
+        return model
+    if isinstance(model, (tuple, list)):
+        if 2 <= len(model) <= 3 and isinstance(model[0], nn.Module):
+            return bundle_from_module(*model)
+        raise CaptureError(f"cannot compile a {type(model).__name__} of {len(model)} item(s)", where="model",
+                           value=[type(m).__name__ for m in model][:4],
+                           fix="pass (module, example_inputs) or (module, example_inputs, input_dims)")
+    if isinstance(model, nn.Module):
+        if hf.is_hf_model(model):
+            ex, dims = hf.example_inputs(model)
+            return bundle_from_module(model, ex, dims)
+        raise CaptureError(f"a bare {type(model).__name__} has no example inputs to read its input dtypes and "
+                           "shapes from", where="model",
+                           fix="pass (module, example_inputs[, input_dims]), e.g. graphmode.compile((model, "
+                               "(torch.randn(2, 16),))), or give a recipe declaring its inputs")
+    raise CaptureError(f"cannot compile a {type(model).__name__}", where="model",
+                       fix=f"pass an nn.Module with example inputs or a recipe, {describe_spec_forms()}, "
+                           "or a ModelBundle")
+
+
 
 
 def describe_spec_forms() -> str:

@@ -40,7 +40,11 @@ class CaptureReport:
     aten_ops: dict[str, int] = field(default_factory=dict)
     fallbacks: list[Fallback] = field(default_factory=list)
     out_spec: str | None = None          # pytree spec of the module's outputs (treespec_dumps)
-    output_names: list[str] = field(default_factory=list)
+    output_names: list[str] = field(default_factory=list)   # one per user output (graph.outputs' first ones)
+    # what eager returns (graphmode/capture/outputs.py spec), when known: the compiled model returns it
+    output_structure: dict | None = None
+    # inputs the model updates in place: the graph's last outputs are their new values, in this order
+    mutated_inputs: list[str] = field(default_factory=list)
     locs: dict[str, str] = field(default_factory=dict)   # IR value -> the model source line that made it
 
     def to_json(self) -> dict:
@@ -67,6 +71,7 @@ class _Importer:
         self.aten_ops: dict[str, int] = {}
         self.locs: dict[str, str] = {}
         self._const_cache: dict[tuple, str] = {}
+        self.mutated_inputs: list[str] = []    # inputs updated in place: one graph output each, after the user's
 
     # ---- symbols ---------------------------------------------------------------------
     def _bind_symbols(self, user_inputs: list[tuple[str, torch.fx.Node]]) -> None:
@@ -253,19 +258,50 @@ class _Importer:
                         for o in made.outputs:
                             self.locs[o] = loc
             elif n.op == "output":
-                outs = []
-                for o in pytree.tree_leaves(n.args[0]):
-                    if isinstance(o, torch.fx.Node):
-                        v = self.env[o]
-                        outs.append(v if isinstance(v, str) else self.operand(o))
-                    else:
-                        outs.append(self.const(o))
-                self.g.outputs = outs
+                self._outputs(n, {p.name: nm for p, nm in zip(user_inputs, user_names)})
         for o in self.g.outputs:
             v = self.g.values[o]
             if v.role == "intermediate":
                 self.g.values[o] = v.__class__(o, v.type, "output")
         return self.g
+
+    def _outputs(self, node: torch.fx.Node, input_names: dict[str, str]) -> None:
+        """The graph's outputs from the export signature's output kinds: the user's outputs first,
+        then the new values of inputs the model updates in place (`mutated_inputs`: the runtime
+        copies them into the caller's tensors). An in-place update of a buffer or parameter is
+        refused: the compiled graph holds them as constants."""
+        def value(o: Any) -> str:
+            if isinstance(o, torch.fx.Node):
+                v = self.env[o]
+                return v if isinstance(v, str) else self.operand(o)
+            return self.const(o)
+
+        leaves = pytree.tree_leaves(node.args[0])
+        specs = list(self.ep.graph_signature.output_specs)
+        if len(specs) != len(leaves):       # no signature to go by: every leaf is a user output
+            self.g.outputs = [value(o) for o in leaves]
+            return
+        user, mutated = [], []
+        for o, spec in zip(leaves, specs):
+            kind = spec.kind.name
+            if kind == "USER_OUTPUT":
+                user.append(value(o))
+            elif kind == "USER_INPUT_MUTATION":
+                name = input_names.get(spec.target, spec.target)
+                mutated.append((name, value(o)))
+            elif kind in ("BUFFER_MUTATION", "PARAMETER_MUTATION"):
+                what = "buffer" if kind == "BUFFER_MUTATION" else "parameter"
+                op, loc = _maker(o)
+                raise CaptureError(f"the model updates its {what} {spec.target!r} in place ({op} at {loc}); a "
+                                   f"compiled graph holds its {what}s as constants, so the update would be lost",
+                                   where=f"model {self.g.name}", value=spec.target,
+                                   fix="put the module in eval mode (model.eval(): batch norm stops updating its "
+                                       "running statistics), or move the update out of forward")
+            else:
+                raise CaptureError(f"the exported program has a {kind} output ({spec.target})",
+                                   where=f"model {self.g.name}", fix="compile the inference forward pass")
+        self.mutated_inputs = [name for name, _ in mutated]
+        self.g.outputs = user + [v for _, v in mutated]
 
     def _user_input_names(self, user_inputs: list[torch.fx.Node]) -> list[str]:
         spec = self.ep.call_spec.in_spec if self.ep.call_spec else None
@@ -280,6 +316,15 @@ class _Importer:
 
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def _maker(node: Any) -> tuple[str, str]:
+    """(ATen op, model source line) that computed an output node (through getitem)."""
+    if not isinstance(node, torch.fx.Node):
+        return "a constant", "?"
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return str(node.target), _source_loc(node)
 
 
 def _source_loc(node: torch.fx.Node) -> str:
@@ -357,7 +402,11 @@ def example_sizes(dims: Mapping[str, tuple[int, int]]) -> dict[str, int]:
 def import_torch(module: torch.nn.Module, example_inputs: Mapping[str, torch.Tensor],
                  input_dims: Mapping[str, Sequence], dims: Mapping[str, tuple[int, int]], *,
                  name: str = "model", include_ops: Sequence[str] = (), exclude_ops: Sequence[str] = (),
-                 output_names: Sequence[str] = ()) -> tuple[Graph, CaptureReport]:
+                 output_names: Sequence[str] = (), output_structure: dict | None = None
+                 ) -> tuple[Graph, CaptureReport]:
+    """Export `module` with the recipe's dims and translate it; `output_names` and
+    `output_structure` (graphmode/capture/outputs.py) say what its outputs are called and how
+    eager returns them (default: `output`, or `output_0`, `output_1`, ...)."""
     t0 = time.perf_counter()
     ep = export_program(module, example_inputs, input_dims, dims)
     imp = _Importer(ep, name, input_dims, dims, make_excluder(include_ops, exclude_ops))
@@ -371,5 +420,9 @@ def import_torch(module: torch.nn.Module, example_inputs: Mapping[str, torch.Ten
         report.out_spec = pytree.treespec_dumps(ep.call_spec.out_spec)
     except Exception:  # noqa: BLE001 - optional metadata
         report.out_spec = None
-    report.output_names = list(output_names) or list(g.outputs)
+    report.mutated_inputs = list(imp.mutated_inputs)
+    users = g.outputs[:len(g.outputs) - len(imp.mutated_inputs)]
+    report.output_names = list(output_names) or (["output"] if len(users) == 1 else
+                                                 [f"output_{i}" for i in range(len(users))])
+    report.output_structure = output_structure
     return g, report

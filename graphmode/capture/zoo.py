@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from graphmode.capture.outputs import describe, is_cache
 from graphmode.errors import CaptureError
 
 __all__ = [
@@ -109,6 +110,9 @@ class ModelBundle:
     source: str = ""          # how it was built: "builtin:minilm", "callable:pkg.mod:fn"
     raw_module: nn.Module | None = None   # the unwrapped model (e.g. the HF BertModel)
     meta: dict[str, Any] = field(default_factory=dict)
+    # what `raw_module` returns eagerly (graphmode/capture/outputs.py spec): the compiled model
+    # returns that structure; None: the flat tuple `module` returns
+    output_structure: dict | None = None
 
     # -- inputs
     @property
@@ -267,13 +271,8 @@ def random_token_inputs(shape: dict[str, int], seed: int, *, vocab_size: int,
 # ---------------------------------------------------------------------- output flattening
 
 
-def is_cache(obj: Any) -> bool:
-    """A key/value cache object in a model's output (transformers' DynamicCache and friends)."""
-    return type(obj).__name__.endswith("Cache") and hasattr(obj, "get_seq_length")
-
-
 def cache_outputs(out: Any, prefix: str = "") -> list[str]:
-    """Paths of the cache objects in a model's output (what _flatten_output drops)."""
+    """Paths of the key/value cache objects in a model's output (what the flat outputs leave out)."""
     if is_cache(out):
         return [prefix or "output"]
     if isinstance(out, dict) or hasattr(out, "to_tuple") and hasattr(out, "keys"):
@@ -283,26 +282,9 @@ def cache_outputs(out: Any, prefix: str = "") -> list[str]:
     return []
 
 
-def _flatten_output(out: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """Flatten tensors / tuples / lists / dicts / ModelOutput into (name, tensor) pairs; cache
-    objects are dropped (`cache_outputs` names them)."""
-    if isinstance(out, torch.Tensor):
-        return [(prefix or "output", out)]
-    if out is None or is_cache(out):
-        return []
-    if isinstance(out, dict) or hasattr(out, "to_tuple") and hasattr(out, "keys"):
-        items = [(k, out[k]) for k in out.keys()]
-        res = []
-        for k, v in items:
-            res += _flatten_output(v, f"{prefix}.{k}" if prefix else str(k))
-        return res
-    if isinstance(out, (tuple, list)):
-        res = []
-        for i, v in enumerate(out):
-            res += _flatten_output(v, f"{prefix}.{i}" if prefix else f"output_{i}")
-        return res
-    raise TypeError(f"model output of type {type(out).__name__} is not a tensor, tuple, "
-                    "list or dict of tensors")
+def _flatten_output(out: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a model's output, named by its structure (graphmode/capture/outputs.py)."""
+    return describe(out)[1]
 
 
 class OutputFlattener(nn.Module):

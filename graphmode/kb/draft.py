@@ -70,23 +70,8 @@ class Draft:
 
 def as_bundle(model: Any) -> Any:
     """What drafting reads a signature from: a ModelBundle or an ONNX spec."""
-    import torch
-
-    from graphmode.capture.spec import OnnxModelSpec, bundle_from_module, resolve_model_spec
-    from graphmode.capture.zoo import ModelBundle
-    if isinstance(model, (str, os.PathLike)):
-        model = resolve_model_spec(model)
-    if isinstance(model, (ModelBundle, OnnxModelSpec)):
-        return model
-    if isinstance(model, (tuple, list)) and 2 <= len(model) <= 3 and isinstance(model[0], torch.nn.Module):
-        return bundle_from_module(*model)
-    if isinstance(model, torch.nn.Module):
-        raise CaptureError(f"a bare {type(model).__name__} has no example inputs to read its input dtypes and "
-                           "shapes from", where="model",
-                           fix="pass (module, example_inputs[, input_dims]) or a ModelBundle, or give a recipe")
-    raise CaptureError(f"cannot draft a recipe for a {type(model).__name__}", where="model",
-                       fix="pass a model spec (built-in name, .onnx path, module:function), a ModelBundle or "
-                           "(module, example_inputs)")
+    from graphmode.capture.spec import as_model
+    return as_model(model)
 
 
 def _signature(bundle: Any) -> tuple[dict[str, str], dict[str, list], dict[str, int]]:

@@ -420,7 +420,7 @@ class Recipe(_Spec):
     outputs: Annotated[dict[Ident, Annotated[list[OutAxis], _limited(MAX_RANK, f"rank at most {MAX_RANK}")]],
                        _limited(MAX_INPUTS, "model outputs")] = {}
     dims: Annotated[dict[Ident, Annotated[DimSpec, BeforeValidator(_dim_before)]],
-                    _limited(MAX_DIMS, "each dim is a variable of every proof")] = Field(min_length=1)
+                    _limited(MAX_DIMS, "each dim is a variable of every proof")] = {}
     exe_mode: Literal["eager", "graph", "hybrid"] = "graph"
     on_violation: Literal["error", "eager"] = "error"
     # batch_invariant: a decoded sequence's logits are bit-identical whether it runs alone or

@@ -89,8 +89,9 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
                 "recipe_hash": cm.recipe.hash(), "graph_hash": key["graph_hash"],
                 "target": getattr(cm.target, "name", "host"), "mode": cm.mode, "device": cm.device,
                 "isa": cm.recipe.codegen.isa,
-                "threads": cm.threads, "buckets": list(plans), "outputs": list(graph.outputs),
-                "out_spec": out_spec, "exact_dims": list(cm.exact_dims), "kernels": sorted(libraries)}
+                "threads": cm.threads, "buckets": list(plans), "outputs": cm.output_names,
+                "out_spec": out_spec, "output_structure": cm.output_structure,
+                "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims), "kernels": sorted(libraries)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     writing = StageReporter(getattr(cm, "on_stage", None), "write", None, str(path))
@@ -259,6 +260,8 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
                        cache_dir=root, threads=threads if threads is not None else manifest.get("threads"),
                        device=manifest.get("device") or "cpu", on_stage=on_stage)
     cm.exact_dims = list(manifest.get("exact_dims") or [])
+    cm.output_structure = manifest.get("output_structure")
+    cm.mutated_inputs = list(manifest.get("mutated_inputs") or [])
     cm.artifact = {"path": str(path), "digest": digest, **{k: manifest[k] for k in ("created", "host", "buckets")}}
     if manifest.get("out_spec"):
         import torch.utils._pytree as pytree

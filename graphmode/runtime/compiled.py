@@ -67,6 +67,9 @@ class CompiledModel:
                 self._out_spec = pytree.treespec_loads(self.capture_report.out_spec)
             except Exception:  # noqa: BLE001 - fall back to a tuple of outputs
                 self._out_spec = None
+        # what eager returns (capture/outputs.py spec) and the inputs the model updates in place
+        self.output_structure = getattr(self.capture_report, "output_structure", None)
+        self.mutated_inputs = list(getattr(self.capture_report, "mutated_inputs", None) or [])
         self._signature = None
         if source.module is not None:
             try:
@@ -260,6 +263,18 @@ class CompiledModel:
         flat = [self._unpad(outs[name], name, dims, bucket) for name in self.graph.outputs]
         self.last_bucket = bucket
         self.last_path = {"path": "graph", "bucket": dict(bucket)}
+        n_user = len(flat) - len(self.mutated_inputs)
+        for name, new in zip(self.mutated_inputs, flat[n_user:]):
+            with torch.no_grad():
+                inputs[name].copy_(new)         # the caller's tensor, updated as eager updates it
+        return self.structured(flat[:n_user])
+
+    def structured(self, flat: list[torch.Tensor]) -> Any:
+        """The flat outputs in the structure eager returns: a Tensor, tuple, dict or ModelOutput."""
+        if self.output_structure is not None:
+            from graphmode.capture.outputs import count, rebuild
+            if count(self.output_structure) == len(flat):
+                return rebuild(self.output_structure, flat)
         if self._out_spec is not None:
             try:
                 return pytree.tree_unflatten(flat, self._out_spec)
@@ -267,13 +282,25 @@ class CompiledModel:
                 pass
         return flat[0] if len(flat) == 1 else tuple(flat)
 
+    @property
+    def output_names(self) -> list[str]:
+        """One name per output the model returns, named by its structure (capture/outputs.py)."""
+        names = list(getattr(self.capture_report, "output_names", None) or getattr(self.source, "output_names", None)
+                     or [])
+        n_user = len(self.graph.outputs) - len(self.mutated_inputs) if self.graph is not None else len(names)
+        return names if len(names) == n_user else (["output"] if n_user == 1 else
+                                                   [f"output_{i}" for i in range(n_user)])
+
     def _eager(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         if self.source.module is None:
             origin = "it was loaded from an artifact" if getattr(self, "artifact", None) else "it came from ONNX"
             raise ContractViolation(f"eager execution needs the original torch module ({origin})",
                                     fix="keep requests inside the recipe's dims")
         with torch.inference_mode():
-            return self.source.module(**inputs)
+            out = self.source.module(**inputs)
+        if self.output_structure is not None and isinstance(out, tuple):    # the flattening wrapper's tuple
+            return self.structured(list(out))
+        return out
 
     def _pad(self, inputs: Mapping[str, torch.Tensor], bucket: Mapping[str, int]) -> dict[str, torch.Tensor]:
         out = {}

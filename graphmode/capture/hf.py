@@ -1,0 +1,71 @@
+"""Example inputs of a Hugging Face model read from its config, so a `PreTrainedModel` compiles as loaded.
+
+The input is the model's `main_input_name`: token ids (`input_ids`, with `attention_mask` and
+`token_type_ids` when forward takes them, named dims `batch` and `seq`), images
+(`pixel_values` [batch, channels, size, size] from `num_channels` and `image_size`), or audio
+(`input_features` [batch, mel bins, frames] for Whisper-style encoders, `input_values`
+[batch, samples] for raw-waveform models). Example sizes are 2 and 8 (never 1: torch.export
+specialises a dim of size 1).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from graphmode.errors import CaptureError
+
+BATCH, SEQ = 2, 8
+SAMPLES = 4000          # raw-audio example: a quarter second at 16 kHz
+
+
+def is_hf_model(module: Any) -> bool:
+    return hasattr(module, "config") and isinstance(getattr(module, "main_input_name", None), str)
+
+
+def _params(module: torch.nn.Module) -> list[str]:
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _size(value: Any, default: int) -> tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return int(value[0]), int(value[1])
+    return default, default
+
+
+def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """(example inputs, input_dims) for a transformers model, from its config."""
+    cfg, main, params = module.config, module.main_input_name, _params(module)
+    g = torch.Generator().manual_seed(0)
+    if main == "input_ids":
+        vocab = int(getattr(cfg, "vocab_size", None) or 100)
+        ex = {"input_ids": torch.randint(min(3, vocab - 1), vocab, (BATCH, SEQ), generator=g)}
+        if "attention_mask" in params:
+            ex["attention_mask"] = torch.ones(BATCH, SEQ, dtype=torch.long)
+        if "token_type_ids" in params and getattr(cfg, "type_vocab_size", 0):
+            ex["token_type_ids"] = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+            ex["decoder_input_ids"] = torch.randint(min(3, vocab - 1), vocab, (BATCH, SEQ), generator=g)
+            return ex, {k: ["batch", "decoder_seq" if k == "decoder_input_ids" else "seq"] for k in ex}
+        return ex, {k: ["batch", "seq"] for k in ex}
+    if main == "pixel_values":
+        c = int(getattr(cfg, "num_channels", 3) or 3)
+        h, w = _size(getattr(cfg, "image_size", None), 224)
+        return ({"pixel_values": torch.randn(BATCH, c, h, w, generator=g)}, {"pixel_values": ["batch", c, h, w]})
+    if main == "input_features":
+        mels = int(getattr(cfg, "num_mel_bins", 80))
+        frames = 2 * int(getattr(cfg, "max_source_positions", 1500))   # Whisper's encoder takes exactly this
+        return ({"input_features": torch.randn(BATCH, mels, frames, generator=g)},
+                {"input_features": ["batch", mels, frames]})
+    if main == "input_values":
+        return ({"input_values": torch.randn(BATCH, SAMPLES, generator=g)}, {"input_values": ["batch", "samples"]})
+    raise CaptureError(f"{type(module).__name__} takes {main!r} first, and graphmode does not know how to make "
+                       "an example of it", where="model", value=main,
+                       fix="pass (model, example_inputs) with tensors shaped as the model expects")
+
