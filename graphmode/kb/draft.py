@@ -38,6 +38,11 @@ MAX_KNOB_DISTANCE = 1.5        # farther knowledge-base entries say nothing abou
 SEQ_DIMS = ("seq", "sequence", "seq_len", "tokens", "length", "positions")
 CONFIG_MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
 MB = 2**20
+MAX_DRAFT_PLANS = 16           # plans a draft builds at warm-up when no padding or bucket limit is given
+DEFAULT_OTHER_MAX = 64         # a dim the model names with no range, no example and no default
+DECODER_BATCH = (1, 8)         # a causal LM's draft: sequences per step (each holds KV pages)
+DECODER_CONTEXT = 1024         # ... and its longest sequence, where the config allows more
+KV_PAGE = 16
 
 
 @dataclass
@@ -83,35 +88,51 @@ def _signature(bundle: Any) -> tuple[dict[str, str], dict[str, list], dict[str, 
     return {k: TORCH_TO_DTYPE[v] for k, v in bundle.input_dtypes.items()}, dims, {}
 
 
-def _with_batch_axis(bundle: Any) -> tuple[Any, int]:
-    """A bundle handed with static shapes only, with its leading axis named `batch` (every
-    input must share that extent), and the example's batch."""
+def _with_batch_axis(bundle: Any) -> Any:
+    """A bundle handed with static shapes only, with its leading axis named `batch` when every
+    input shares that extent (>= 2: torch.export specialises 1), else None."""
     lead = {v[0] if v else None for v in bundle.input_dims.values()}
     n = next(iter(lead))
-    if len(lead) != 1 or not isinstance(n, int):
-        raise CaptureError(f"the model's inputs have static shapes {bundle.input_dims} without a common leading "
-                           "(batch) axis to vary", where="model",
-                           fix="pass input_dims naming the dynamic axes, e.g. {'x': ['batch', 16]}")
-    return dataclasses.replace(bundle, input_dims={k: ["batch"] + list(v[1:]) for k, v in bundle.input_dims.items()}), n
+    if len(lead) != 1 or not isinstance(n, int) or n < 2:
+        return None
+    return dataclasses.replace(bundle, input_dims={k: ["batch"] + list(v[1:]) for k, v in bundle.input_dims.items()})
 
 
-def _dim_range(d: str, bundle: Any, example: dict[str, int]) -> tuple[int, int, str]:
+def _causal_lm(bundle: Any) -> Any:
+    """The transformers causal LM a bundle was made from (it gets a decoder draft), or None."""
+    raw = getattr(bundle, "raw_module", None)
+    cls = type(raw).__name__
+    if raw is None or not hasattr(raw, "config") or not ("CausalLM" in cls or "LMHead" in cls):
+        return None
+    return raw if not getattr(raw.config, "is_encoder_decoder", False) else None
+
+
+def _dim_range(d: str, bundle: Any, example: dict[str, int], decoder: bool = False) -> tuple[int, int, str]:
     cfg = getattr(getattr(bundle, "raw_module", None), "config", None)
+    if decoder and d == "batch":
+        return (*DECODER_BATCH, "a decoder's sequences per step (each holds KV-cache pages: widen it if memory allows)")
     if cfg is not None and (d in SEQ_DIMS or "seq" in d):
         for key in CONFIG_MAX_POSITIONS:
             v = getattr(cfg, key, None)
             if isinstance(v, int) and v >= 2:
+                if decoder and v > DECODER_CONTEXT:
+                    return 1, DECODER_CONTEXT, (f"1 .. {DECODER_CONTEXT} of config.{key} = {v} (every sequence's "
+                                                "KV cache is sized for it: widen it if memory allows)")
                 return 1, v, f"1 .. config.{key}"
     ranges = getattr(bundle, "dim_ranges", None) or {}
     if d in ranges:
         lo, hi = ranges[d]
         return int(lo), int(hi), f"the model's declared range for {d}"
     from graphmode.capture.zoo import DEFAULT_DIM_RANGES
-    if d in DEFAULT_DIM_RANGES:
-        lo, hi = DEFAULT_DIM_RANGES[d]
+    key = "seq" if d in SEQ_DIMS else d
+    if key in DEFAULT_DIM_RANGES:
+        lo, hi = DEFAULT_DIM_RANGES[key]
         hi = max(hi, example.get(d, hi))
-        return lo, hi, f"graphmode's default range for {d} (narrow it to the traffic you expect)"
+        return lo, hi, f"graphmode's default range for {key} (narrow it to the traffic you expect)"
     v = example.get(d, 1)
+    if v < 2:
+        return 1, DEFAULT_OTHER_MAX, (f"1 .. {DEFAULT_OTHER_MAX}: the model names {d!r} without a range (narrow or "
+                                      "widen it to the traffic you expect)")
     return 1, v, f"up to the example's value {v} (widen it if the model takes more)"
 
 
@@ -130,31 +151,74 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
                  max_p99_over_p50: float | None = None, max_padding: float | None = None,
                  max_buckets: int | None = None, kb_path: str | Path | None = None, objective: str = "latency",
                  name: str | None = None, target_cache_dir: str | Path | None = None, record: bool = True,
-                 ranges: dict[str, tuple[int, int]] | None = None) -> Draft:
+                 ranges: dict[str, tuple] | None = None) -> Draft:
     """Draft, prove and (with `kb_path` and `record`) record a recipe for `model`; see the module doc.
-    `ranges` ({dim: (lo, hi)}) overrides the ranges drafting would choose.
+    `ranges` ({dim: (lo, hi)} or {dim: (lo, hi, [(input, axis), ...])}) overrides the ranges
+    drafting would choose, or adds a dim on the named input axes (on the leading axis for
+    `batch`, on axis 1 of the token inputs for a sequence dim, when no axes are named).
     Raises RecipeErrors / ConstraintError / ContractRefused when no valid draft exists
     (e.g. `p99_ms` below what the cost model predicts), naming why."""
+    bounded = max_padding is None and max_buckets is None     # graphmode chooses: keep warm-up bounded
+    bundle = _place_dims(as_bundle(model), dict(ranges or {}))
     opts = dict(target=target, p99_ms=p99_ms, memory_mb=memory_mb, max_p99_over_p50=max_p99_over_p50,
                 max_padding=DEFAULT_MAX_PADDING if max_padding is None else max_padding, max_buckets=max_buckets,
                 kb_path=kb_path, objective=objective, name=name, target_cache_dir=target_cache_dir, record=record,
-                ranges=dict(ranges or {}))
-    bundle = as_bundle(model)
-    if any(isinstance(d, str) for v in bundle.input_dims.values() for d in v):
-        return _draft(bundle, {}, **opts)
-    dyn, n = _with_batch_axis(bundle)          # static shapes: try a dynamic batch, else pin it
-    if n >= 2:
+                ranges={d: tuple(r[:2]) for d, r in (ranges or {}).items()}, bounded=bounded)
+    if any(isinstance(d, str) for v in bundle.input_dims.values() for d in v) or not hasattr(bundle, "module"):
+        return _draft(bundle, **opts)
+    dyn = _with_batch_axis(bundle)             # static shapes: try a dynamic batch, else stay static
+    if dyn is not None:
         try:
-            return _draft(dyn, {}, **opts)
+            return _draft(dyn, **opts)
         except CaptureError:
             pass
-    return _draft(dyn, {"batch": n}, **opts)
+    return _draft(bundle, **opts)
 
 
-def _draft(bundle: Any, pinned: dict[str, int], *, target: Any, p99_ms: float | None, memory_mb: float | None,
+def _place_dims(bundle: Any, ranges: dict[str, tuple]) -> Any:
+    """The bundle with every dim of `ranges` the model does not have yet named on its input axes."""
+    names = set(bundle.dim_names)
+    new = {d: r for d, r in ranges.items() if d not in names or len(r) > 2}
+    if not new:
+        return bundle
+    if not hasattr(bundle, "module"):
+        raise RecipeError(f"an ONNX model's axes are fixed in the file: graphmode cannot add dim(s) {sorted(new)}",
+                          where="--dim", value=sorted(new),
+                          fix=f"its dims: {', '.join(sorted(names)) or 'none'}; re-export it with dynamic axes")
+    dims = {k: list(v) for k, v in bundle.input_dims.items()}
+    for d, r in new.items():
+        axes = list(r[2]) if len(r) > 2 else _default_axes(d, dims)
+        if not axes:
+            raise RecipeError(f"the model has no dim {d!r} and graphmode cannot tell which input axis it is",
+                              where="--dim", value=d,
+                              fix=f"name the axes: --dim {d}={r[0]}:{r[1]}@INPUT:AXIS[,INPUT:AXIS] (inputs: "
+                                  + ", ".join(f"{k} {v}" for k, v in dims.items()) + ")")
+        for inp, ax in axes:
+            if inp not in dims or not -len(dims[inp]) <= ax < len(dims[inp]):
+                raise RecipeError(f"no axis {ax} on input {inp!r}", where="--dim", value=f"{inp}:{ax}",
+                                  fix="inputs: " + ", ".join(f"{k} {v}" for k, v in dims.items()))
+            dims[inp][ax] = d
+    import dataclasses
+    return dataclasses.replace(bundle, input_dims=dims)
+
+
+def _default_axes(d: str, dims: dict[str, list]) -> list[tuple[str, int]]:
+    """Where a dim named `batch` or like a sequence goes when its axes are not named: the leading
+    axis of every input, or axis 1 of every input of rank >= 2 sharing that axis's size."""
+    if d == "batch":
+        lead = {v[0] for v in dims.values() if v}
+        return [(k, 0) for k in dims] if len(lead) == 1 and all(dims.values()) else []
+    if d in SEQ_DIMS or "seq" in d:
+        cand = [(k, v[1]) for k, v in dims.items() if len(v) >= 2]
+        sizes = {s for _, s in cand}
+        return [(k, 1) for k, _ in cand] if cand and len(sizes) == 1 else []
+    return []
+
+
+def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float | None,
            max_p99_over_p50: float | None, max_padding: float, max_buckets: int | None, kb_path: Any,
            objective: str, name: str | None, target_cache_dir: Any, record: bool,
-           ranges: dict[str, tuple[int, int]]) -> Draft:
+           ranges: dict[str, tuple[int, int]], bounded: bool) -> Draft:
     from graphmode.compiler import capture, optimize, prove
     from graphmode.kb.fingerprint import hardware_of, model_of, recipe_inputs
     from graphmode.recipe import load_recipe
@@ -172,7 +236,12 @@ def _draft(bundle: Any, pinned: dict[str, int], *, target: Any, p99_ms: float | 
             spec.update(pad_value=0, role="attention_mask")
             notes[f"inputs[{i}]"] = "named like a mask: padded positions read 0 (masked out)"
         data["inputs"].append(spec)
-    data["dims"], ranges = _dims(dims_of, pinned, ranges, bundle, example, max_padding, max_buckets, notes)
+    lm = _causal_lm(bundle)
+    data["dims"], ranges = _dims(dims_of, ranges, bundle, example, max_padding, max_buckets, bounded, lm is not None,
+                                 notes)
+    if not data["dims"]:
+        del data["dims"]
+        notes["inputs"] = "names, dtypes and shapes from the model's signature: every shape is fixed (no dims)"
     data.update(exe_mode="graph", on_violation="error", optimize={"preset": "default", "fusion": {"enabled": True}},
                 codegen={"kernel_selection": f"{objective}_first"}, precision={"compute": "f32"},
                 targets=[getattr(target, "name", None) or str(target)])
@@ -192,12 +261,15 @@ def _draft(bundle: Any, pinned: dict[str, int], *, target: Any, p99_ms: float | 
         notes["outputs"] = "from the captured graph: dim axes are sliced back after padding"
     verdict = _settle_padding(data, notes, graph0, cap, src, ranges)
     _sla(data, notes, p99_ms, max_p99_over_p50)
+    data["memory"] = {}
+    if lm is not None:
+        _kv_cache(data, notes, lm, ranges)
     graph, _ = optimize(graph0, load_recipe(_ordered(data)), tgt, buckets=[])   # the budget does not change it
     if memory_mb is not None:
-        data["memory"] = {"budget_mb": memory_mb}
+        data["memory"]["budget_mb"] = memory_mb
         notes["memory.budget_mb"] = "given (--memory-mb)"
     else:
-        _memory_need(data, notes, graph)
+        _memory_need(data, notes, graph, tgt)
     recipe = load_recipe(_ordered(data))
     report = prove(recipe, tgt, graph)
     report.raise_for_errors()
@@ -237,30 +309,22 @@ def drafted(model: Any, target: Any) -> tuple[Any, Any]:
     return d.source.bundle, d.recipe
 
 
-def _dims(dims_of: dict[str, list], pinned: dict[str, int], given: dict[str, tuple[int, int]], bundle: Any,
-          example: dict[str, int], max_padding: float, max_buckets: int | None,
+def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: Any, example: dict[str, int],
+          max_padding: float, max_buckets: int | None, bounded: bool, decoder: bool,
           notes: dict[str, str]) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
-    """Each dim's range (given, pinned, from the config or a default) and bucket policy."""
+    """Each dim's range (given, from the config or a default) and bucket policy. With `bounded`
+    (no padding or bucket limit given) the plans stay at most MAX_DRAFT_PLANS: past that, each
+    dim gets a bucket count (the smallest padding those buckets allow) instead of the padding bound."""
+    from graphmode.recipe.buckets import synthesize_buckets
     names = list(dict.fromkeys(x for v in dims_of.values() for x in v if isinstance(x, str)))
-    unknown = sorted(set(given) - set(names))
-    if unknown:
-        raise RecipeError(f"the model has no dim(s) {unknown}", where="--dim", value=unknown,
-                          fix=f"its dims: {', '.join(names)}")
     dims: dict[str, Any] = {}
     ranges: dict[str, tuple[int, int]] = {}
     for d in names:
-        if d in pinned:
-            lo = hi = pinned[d]
-            dims[d] = lo
-            notes[f"dims.{d}"] = (f"fixed at the example's {lo}: the model was handed with static shapes and does "
-                                  "not export with this axis dynamic (give input_dims to name dynamic axes)")
-            ranges[d] = (lo, hi)
-            continue
         if d in given:
             lo, hi = given[d]
             why = f"range given (--dim {d}={lo}:{hi})"
         else:
-            lo, hi, why = _dim_range(d, bundle, example)
+            lo, hi, why = _dim_range(d, bundle, example, decoder)
         dims[d] = {"min": lo, "max": hi}
         if lo < hi:
             dims[d]["max_padding"] = max_padding
@@ -269,6 +333,20 @@ def _dims(dims_of: dict[str, list], pinned: dict[str, int], given: dict[str, tup
             why += f"; buckets synthesised with padding <= {max_padding}"
         notes[f"dims.{d}"] = why
         ranges[d] = (lo, hi)
+    counts = {d: len(synthesize_buckets(lo, hi, max_padding=max_padding).buckets)
+              for d, (lo, hi) in ranges.items() if lo < hi}
+    if bounded and math.prod(counts.values()) > MAX_DRAFT_PLANS:
+        while math.prod(counts.values()) > MAX_DRAFT_PLANS:
+            top = max(counts, key=lambda d: (counts[d], d == "batch"))
+            counts[top] -= 1
+        for d, k in counts.items():
+            lo, hi = ranges[d]
+            syn = synthesize_buckets(lo, hi, max_buckets=k)
+            dims[d] = {"min": lo, "max": hi, "max_buckets": k}
+            notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; buckets")[0] + f"; {k} bucket(s) {list(syn.buckets)} "
+                                  f"(padding <= {float(syn.worst_padding):.0%}) keep the draft at "
+                                  f"{math.prod(counts.values())} plans to build at warm-up (at most "
+                                  f"{MAX_DRAFT_PLANS}); give --max-padding or --max-buckets for others")
     return dims, ranges
 
 
@@ -314,10 +392,11 @@ def _knobs_from_kb(data: dict, notes: dict, model_row: dict, hw_row: dict, kb_pa
 def _outputs(graph: Any, cap: Any, ranges: dict[str, tuple[int, int]]) -> dict[str, list]:
     from graphmode.ir.types import dim_str
     names = list(getattr(cap, "output_names", None) or graph.outputs)
-    if len(names) != len(graph.outputs) or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
+    users = graph.outputs[:len(graph.outputs) - len(getattr(cap, "mutated_inputs", []))]
+    if len(names) != len(users) or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
         return {}
     out = {}
-    for n, v in zip(names, graph.outputs):
+    for n, v in zip(names, users):
         out[n] = [d if isinstance(d, int) else (dim_str(d) if dim_str(d) in ranges else "*")
                   for d in graph.values[v].type.shape]
     return out
@@ -353,20 +432,45 @@ def _settle_padding(data: dict, notes: dict, graph: Any, cap: Any, src: Any,
     raise ContractRefused(v.refusals)
 
 
-def _memory_need(data: dict, notes: dict, graph: Any) -> None:
-    """memory.budget_mb: the optimised graph's weights plus its activation peak at the largest
-    bucket of every dim, with headroom."""
+def _memory_need(data: dict, notes: dict, graph: Any, target: Any) -> None:
+    """memory.budget_mb: what the memory proof counts (weights, their prepared copies at
+    memory.weight_growth, the planner's activation peak, workspace, KV cache) at the bucket that
+    needs most, with headroom."""
+    from graphmode.compile_report import model_facts
     from graphmode.plan.memory import activation_peak_expr
     from graphmode.recipe import load_recipe
-    from graphmode.recipe.buckets import dim_buckets
+    from graphmode.recipe.buckets import cross_product
+    from graphmode.recipe.constraints import build_constraint_model
     recipe = load_recipe(_ordered(data))
-    top = {d: max(v) for d, v in dim_buckets(recipe).items()}
-    act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse)
-    act = float(act.subs({s: top[s.name] for s in act.free_symbols})) if hasattr(act, "subs") else float(act)
-    weights = sum(t.numel() * t.element_size() for t in graph.constants.values())
-    data["memory"] = {"budget_mb": max(1, math.ceil((weights + act) / MB * MEMORY_HEADROOM))}
-    notes["memory.budget_mb"] = (f"weights {weights / MB:.1f} MB + activations {act / MB:.1f} MB at the largest "
-                                 f"bucket {top}, +{MEMORY_HEADROOM - 1:.0%} headroom")
+    act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
+                               alias_groups=[list(g) for g in recipe.alias_groups])
+    cm = build_constraint_model(recipe, target, model_facts(graph, act))
+
+    def at(env: dict[str, int]) -> dict[str, float]:
+        def value(e: Any) -> float:
+            return float(e.subs({s: env[s.name] for s in e.free_symbols})) if hasattr(e, "subs") else float(e)
+        return {k: value(v) for k, v in cm.memory_terms.items()}
+
+    top, terms = max(((env, at(env)) for env in cross_product(cm.domains)), key=lambda p: sum(p[1].values()))
+    data["memory"]["budget_mb"] = max(1, math.ceil(sum(terms.values()) / MB * MEMORY_HEADROOM))
+    parts = " + ".join(f"{k.replace('_', ' ')} {v / MB:.1f}" for k, v in terms.items() if v)
+    notes["memory.budget_mb"] = (f"{parts} MB at the bucket that needs most {top}, +{MEMORY_HEADROOM - 1:.0%} "
+                                 f"headroom (prepared weights: memory.weight_growth "
+                                 f"{recipe.memory.weight_growth:g}x the weights, what tactic selection may use)")
+
+
+def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int]]) -> None:
+    """memory.kv_cache of a causal LM from its config: its layers, KV heads and head dim, pages
+    enough for the longest sequence the dims admit."""
+    from graphmode.decode.lm import lm_config
+    cfg = lm_config(lm)
+    context = ranges.get("seq", (1, cfg["context"] or DECODER_CONTEXT))[1]
+    data["memory"]["kv_cache"] = {"page_size": KV_PAGE, "max_pages_per_seq": math.ceil(context / KV_PAGE),
+                                  "dtype": "f32", "layers": cfg["layers"], "kv_heads": cfg["kv_heads"],
+                                  "head_dim": cfg["head_dim"]}
+    notes["memory.kv_cache"] = (f"a causal LM ({type(lm).__name__}): layers, KV heads and head dim from its config, "
+                                f"{KV_PAGE}-token pages for up to {context} tokens a sequence (`generate` and "
+                                "`serve` decode with it)")
 
 
 def _sla(data: dict, notes: dict, p99_ms: float | None, ratio: float | None) -> None:
