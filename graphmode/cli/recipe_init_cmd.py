@@ -20,21 +20,28 @@ from graphmode.cli.recipe_cmd import recipe_app
 from graphmode.progress import stage
 
 
-def parse_ranges(items: List[str]) -> dict[str, tuple[int, int]]:
-    """`--dim seq=2:128` options as {dim: (min, max)}."""
+def parse_ranges(items: List[str]) -> dict[str, tuple]:
+    """`--dim seq=2:128` options as {dim: (min, max)}; `--dim seq=2:128@input_ids:1,mask:1` names
+    the input axes the dim goes on: {dim: (min, max, [(input, axis), ...])}."""
     from graphmode.errors import GraphmodeError
-    out = {}
+    out: dict[str, tuple] = {}
     for it in items:
-        name, _, rng = it.partition("=")
+        spec, _, at = it.partition("@")
+        name, _, rng = spec.partition("=")
         lo, _, hi = rng.partition(":")
+        axes = []
         try:
             lo_i, hi_i = int(lo), int(hi)
+            for a in filter(None, at.split(",")):
+                inp, _, ax = a.rpartition(":")
+                axes.append((inp.strip(), int(ax)))
         except ValueError:
             lo_i = hi_i = 0
-        if not name.strip() or not 1 <= lo_i <= hi_i:
-            raise GraphmodeError("expected NAME=MIN:MAX with 1 <= MIN <= MAX", where="--dim", value=it,
-                                 fix="e.g. --dim seq=2:128")
-        out[name.strip()] = (lo_i, hi_i)
+        if not name.strip() or not 1 <= lo_i <= hi_i or any(not inp for inp, _ in axes):
+            raise GraphmodeError("expected NAME=MIN:MAX[@INPUT:AXIS,...] with 1 <= MIN <= MAX", where="--dim",
+                                 value=it, fix="e.g. --dim seq=2:128, or --dim seq=2:128@input_ids:1 to add the dim "
+                                               "on axis 1 of input_ids")
+        out[name.strip()] = (lo_i, hi_i, axes) if axes else (lo_i, hi_i)
     return out
 
 
@@ -50,8 +57,10 @@ def init_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | res
              max_padding: Optional[float] = typer.Option(None, "--max-padding", help="padding bound for bucket "
                                                          "synthesis (default 0.25)"),
              max_buckets: Optional[int] = typer.Option(None, "--max-buckets", min=1, help="bucket limit per dim"),
-             dim: List[str] = typer.Option([], "--dim", help="a dim's admissible range, e.g. --dim seq=2:128 "
-                                           "(repeatable; default: the model's config or graphmode's defaults)"),
+             dim: List[str] = typer.Option([], "--dim", help="a dim's admissible range, e.g. --dim seq=2:128; a dim the "
+                                           "model does not have goes on the input axes named after @, e.g. "
+                                           "--dim seq=2:128@x:1 (repeatable; default: the model's config or "
+                                           "graphmode's defaults)"),
              objective: str = typer.Option("latency", "--objective", help="latency | throughput"),
              name: Optional[str] = typer.Option(None, "--name", help="recipe name (default <model>-draft)"),
              out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the recipe here (default stdout)"),
@@ -92,6 +101,6 @@ def init_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | res
     if out is None:
         console.print(text, markup=False, highlight=False, soft_wrap=True, end="")
     summary = (f"{'wrote ' + str(out) + ': ' if out else ''}recipe {draft.recipe.name} ({recipe_hash(draft.recipe)}), "
-               f"{draft.report.verdict} on {draft.report.target.name}, {draft.report.plans} plan(s); "
-               + "; ".join(draft.verdict.lines()))
+               f"{draft.report.verdict} on {draft.report.target.name}, {draft.report.plans} plan(s)"
+               + "".join(f"; {line}" for line in draft.verdict.lines()))
     err_console.print(summary, markup=False, highlight=False, soft_wrap=True)

@@ -115,12 +115,12 @@ def run_cmd(
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
     refs = cm.source.reference(inputs)
     outs = pytree.tree_leaves(out)
-    checks = compare_outputs(output_labels(cm.source, cm.graph, len(outs)), outs, refs, rec.precision.compute,
-                             rec.precision.weights)
+    labels = output_labels(cm.source, cm.graph, len(outs))
+    checks = compare_outputs(labels, outs, refs, rec.precision.compute, rec.precision.weights)
     tol = max([c.tolerance for c in checks], default=0.0)
     rows = []
-    for i, (o, c) in enumerate(zip(outs, checks)):
-        rows.append({"output": i, "shape": list(o.shape), "dtype": str(o.dtype).replace("torch.", ""),
+    for label, o, c in zip(labels, outs, checks):
+        rows.append({"output": label, "shape": list(o.shape), "dtype": str(o.dtype).replace("torch.", ""),
                      "mean": float(o.float().mean()) if o.numel() else 0.0,
                      "std": float(o.float().std()) if o.numel() > 1 else 0.0,
                      "rel_l2_vs_eager": c.rel_l2, **({"top1_vs_eager": c.to_json()["top1"]} if c.top1 is not None else {})})

@@ -454,7 +454,8 @@ def _memory_need(data: dict, notes: dict, graph: Any, target: Any) -> None:
     top, terms = max(((env, at(env)) for env in cross_product(cm.domains)), key=lambda p: sum(p[1].values()))
     data["memory"]["budget_mb"] = max(1, math.ceil(sum(terms.values()) / MB * MEMORY_HEADROOM))
     parts = " + ".join(f"{k.replace('_', ' ')} {v / MB:.1f}" for k, v in terms.items() if v)
-    notes["memory.budget_mb"] = (f"{parts} MB at the bucket that needs most {top}, +{MEMORY_HEADROOM - 1:.0%} "
+    where = f" at the bucket that needs most {top}" if top else ""
+    notes["memory.budget_mb"] = (f"{parts} MB{where}, +{MEMORY_HEADROOM - 1:.0%} "
                                  f"headroom (prepared weights: memory.weight_growth "
                                  f"{recipe.memory.weight_growth:g}x the weights, what tactic selection may use)")
 
