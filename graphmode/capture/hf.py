@@ -18,6 +18,7 @@ from graphmode.errors import CaptureError
 
 BATCH, SEQ = 2, 8
 SAMPLES = 4000          # raw-audio example: a quarter second at 16 kHz
+AUDIO_SAMPLES = (1600, 160_000)    # raw audio a draft admits: 0.1 s .. 10 s at 16 kHz
 
 
 def is_hf_model(module: Any) -> bool:
@@ -37,6 +38,11 @@ def _size(value: Any, default: int) -> tuple[int, int]:
     if isinstance(value, (list, tuple)) and len(value) == 2:
         return int(value[0]), int(value[1])
     return default, default
+
+
+def dim_ranges(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Ranges of the dims `example_inputs` names that no config states (raw audio's length)."""
+    return {"samples": AUDIO_SAMPLES} if module.main_input_name == "input_values" else {}
 
 
 def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, list]]:

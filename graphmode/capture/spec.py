@@ -323,7 +323,9 @@ def as_model(model: Any) -> ModelBundle | OnnxModelSpec:
     if isinstance(model, nn.Module):
         if hf.is_hf_model(model):
             ex, dims = hf.example_inputs(model)
-            return bundle_from_module(model, ex, dims)
+            bundle = bundle_from_module(model, ex, dims)
+            bundle.dim_ranges = hf.dim_ranges(model)
+            return bundle
         raise CaptureError(f"a bare {type(model).__name__} has no example inputs to read its input dtypes and "
                            "shapes from", where="model",
                            fix="pass (module, example_inputs[, input_dims]), e.g. graphmode.compile((model, "

@@ -1,19 +1,25 @@
 """Draft a complete, valid recipe for a model nobody wrote one for.
 
-`graphmode recipe init` and `graphmode.compile(model)` (no recipe) both call `draft_recipe`:
+`graphmode recipe init`, `graphmode kb recommend` and `graphmode.compile(model)` (no recipe)
+all call `draft_recipe`:
 
 1. inputs, dtypes and symbolic dims from the model's signature (its example inputs and
-   `input_dims`, or the ONNX graph); each dim's range from the model's declared ranges, its
-   config (`max_position_embeddings`, `n_positions`, ...), or graphmode's defaults;
-2. buckets synthesised under a padding bound (`max_padding`, optionally `max_buckets`);
+   `input_dims`, a Hugging Face model's config, or the ONNX graph); each dim's range from the
+   model's declared ranges, its config (`max_position_embeddings`, `n_positions`, ...), or
+   graphmode's defaults. A model handed with static shapes gets a dynamic batch where it
+   exports with one, else no dims at all; a dim torch.export cannot keep dynamic is fixed at
+   the example's size; `ranges` overrides ranges or adds dims on input axes;
+2. buckets synthesised under a padding bound (`max_padding`, optionally `max_buckets`); when
+   neither is given, at most `MAX_DRAFT_PLANS` plans (warm-up stays bounded);
 3. the model is captured once; its fingerprint finds the nearest measured recipes in the
    knowledge base, whose precision, fusion and kernel selection the draft takes;
 4. the verdict every entry point uses decides the rest: an input named like a mask is
    declared `role: attention_mask`; a dim the padding analysis still finds unsafe gets exact
    buckets (or, past `MAX_EXACT` values, `on_violation: eager`); ops without a lowering make
-   the draft `exe_mode: hybrid`;
-5. the memory budget (unless given) is the compiled graph's weights plus its activation peak
-   at the largest bucket, with headroom; the draft is then proved like any recipe.
+   the draft `exe_mode: hybrid`; a causal LM gets `memory.kv_cache` from its config;
+5. the memory budget (unless given) is what the memory proof counts (weights, their prepared
+   copies at `memory.weight_growth`, activation peak, workspace, KV cache) at the bucket that
+   needs most, with headroom; the draft is then proved like any recipe and refused if it fails.
 
 Every value graphmode chose has a note saying where it came from (`Draft.notes`, written
 as YAML comments by `Draft.yaml()`).
@@ -93,7 +99,7 @@ def _with_batch_axis(bundle: Any) -> Any:
     input shares that extent (>= 2: torch.export specialises 1), else None."""
     lead = {v[0] if v else None for v in bundle.input_dims.values()}
     n = next(iter(lead))
-    if len(lead) != 1 or not isinstance(n, int) or n < 2:
+    if len(lead) != 1 or not isinstance(n, int) or n < 2 or "batch" in bundle.dim_names:
         return None
     return dataclasses.replace(bundle, input_dims={k: ["batch"] + list(v[1:]) for k, v in bundle.input_dims.items()})
 
@@ -159,20 +165,40 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
     Raises RecipeErrors / ConstraintError / ContractRefused when no valid draft exists
     (e.g. `p99_ms` below what the cost model predicts), naming why."""
     bounded = max_padding is None and max_buckets is None     # graphmode chooses: keep warm-up bounded
-    bundle = _place_dims(as_bundle(model), dict(ranges or {}))
+    given = as_bundle(model)
+    bundle = _place_dims(given, dict(ranges or {}))
     opts = dict(target=target, p99_ms=p99_ms, memory_mb=memory_mb, max_p99_over_p50=max_p99_over_p50,
                 max_padding=DEFAULT_MAX_PADDING if max_padding is None else max_padding, max_buckets=max_buckets,
                 kb_path=kb_path, objective=objective, name=name, target_cache_dir=target_cache_dir, record=record,
                 ranges={d: tuple(r[:2]) for d, r in (ranges or {}).items()}, bounded=bounded)
-    if any(isinstance(d, str) for v in bundle.input_dims.values() for d in v) or not hasattr(bundle, "module"):
+    if not hasattr(bundle, "module"):          # ONNX: the file's axes are what they are
         return _draft(bundle, **opts)
-    dyn = _with_batch_axis(bundle)             # static shapes: try a dynamic batch, else stay static
-    if dyn is not None:
+    if given.dim_names:                       # a dim torch.export cannot keep dynamic is fixed at the example's
+        free = [d for d in bundle.dim_names if d not in (ranges or {})]
+        tries = [bundle, _pin(bundle, [d for d in free if d != "batch"]), _pin(bundle, free)]
+    else:                                     # handed with static shapes: try a dynamic batch, else keep them
+        tries = [b for b in (_with_batch_axis(bundle), bundle) if b is not None]
+    tries = [b for i, b in enumerate(tries) if b.input_dims not in [t.input_dims for t in tries[:i]]]
+    for i, b in enumerate(tries):
         try:
-            return _draft(dyn, **opts)
+            draft = _draft(b, **opts)
         except CaptureError:
-            pass
-    return _draft(bundle, **opts)
+            if i == len(tries) - 1:
+                raise
+            continue
+        fixed = [d for d in bundle.dim_names if d not in b.dim_names]
+        if fixed:
+            draft.notes["inputs"] += (f"; {', '.join(fixed)} fixed at the example's size: torch.export cannot keep "
+                                      "it dynamic for this model")
+        return draft
+    raise AssertionError("unreachable")
+
+
+def _pin(bundle: Any, names: list[str]) -> Any:
+    """The bundle with dims `names` fixed at the example's values."""
+    ex = bundle.example_shape()
+    return dataclasses.replace(bundle, input_dims={k: [ex[d] if d in names else d for d in v]
+                                                   for k, v in bundle.input_dims.items()})
 
 
 def _place_dims(bundle: Any, ranges: dict[str, tuple]) -> Any:
