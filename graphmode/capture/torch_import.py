@@ -71,6 +71,7 @@ class _Importer:
         self.aten_ops: dict[str, int] = {}
         self.locs: dict[str, str] = {}
         self._const_cache: dict[tuple, str] = {}
+        self.fqn_prefix = ""                   # "model." when the module is graphmode's output-flattening wrapper
         self.mutated_inputs: list[str] = []    # inputs updated in place: one graph output each, after the user's
 
     # ---- symbols ---------------------------------------------------------------------
@@ -292,9 +293,10 @@ class _Importer:
             elif kind in ("BUFFER_MUTATION", "PARAMETER_MUTATION"):
                 what = "buffer" if kind == "BUFFER_MUTATION" else "parameter"
                 op, loc = _maker(o)
-                raise CaptureError(f"the model updates its {what} {spec.target!r} in place ({op} at {loc}); a "
+                fqn = spec.target[len(self.fqn_prefix):] if spec.target.startswith(self.fqn_prefix) else spec.target
+                raise CaptureError(f"the model updates its {what} {fqn!r} in place ({op} at {loc}); a "
                                    f"compiled graph holds its {what}s as constants, so the update would be lost",
-                                   where=f"model {self.g.name}", value=spec.target,
+                                   where=f"model {self.g.name}",
                                    fix="put the module in eval mode (model.eval(): batch norm stops updating its "
                                        "running statistics), or move the update out of forward")
             else:
@@ -410,6 +412,9 @@ def import_torch(module: torch.nn.Module, example_inputs: Mapping[str, torch.Ten
     t0 = time.perf_counter()
     ep = export_program(module, example_inputs, input_dims, dims)
     imp = _Importer(ep, name, input_dims, dims, make_excluder(include_ops, exclude_ops))
+    from graphmode.capture.zoo import OutputFlattener
+    if isinstance(module, OutputFlattener):
+        imp.fqn_prefix = "model."
     g = imp.run()
     g.prune_values()
     report = CaptureReport(source="torch.export", seconds=time.perf_counter() - t0,

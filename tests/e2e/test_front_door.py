@@ -1,0 +1,294 @@
+"""Models as users hand them: every way in (module, (module, inputs[, dims]), a Hugging Face model
+from its config, an .onnx path, a ModelBundle; with and without a recipe), outputs in eager's
+structure and named by it, in-place updates, static models, and drafts that validate and compile.
+The zoo sweep over every architecture is `slow` (`pytest -m slow`)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphmode
+from graphmode.capture.spec import bundle_from_module
+from graphmode.errors import CaptureError
+from graphmode.kb.draft import MAX_DRAFT_PLANS, draft_recipe
+from graphmode.verdict import ContractRefused
+
+FAST = {"codegen": {"kernel_selection": "heuristic"}}      # tactics are timed in their own tests
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).float().norm() / b.float().norm().clamp(min=1e-12))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+class CNN(nn.Module):
+    """Static shapes only: a flatten to a fixed-size linear ties every axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).reshape(1, -1))
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return {"hidden": h, "pair": (h.sum(-1), h.amax(-1))}
+
+
+def mlp_recipe(**over) -> dict:
+    r = {"version": 1, "name": "mlp", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16]}],
+         "dims": {"batch": {"buckets": [2, 4]}}, **FAST}
+    r.update(over)
+    return r
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return MLP().eval()
+
+
+def test_a_module_every_way_in_returns_what_eager_returns():
+    m, x = _mlp(), torch.randn(3, 16)
+    bundle = bundle_from_module(m, {"x": torch.randn(2, 16)}, {"x": ["batch", 16]})
+    ways = {"module + recipe": (m, mlp_recipe()), "(module, inputs) + recipe": ((m, (x,)), mlp_recipe()),
+            "(module, inputs, dims) + recipe": ((m, {"x": x}, {"x": ["batch", 16]}), mlp_recipe()),
+            "bundle + recipe": (bundle, mlp_recipe()), "(module, inputs)": ((m, (x,)), None),
+            "(module, inputs, dims)": ((m, {"x": x}, {"x": ["batch", 16]}), None), "bundle": (bundle, None)}
+    for what, (model, recipe) in ways.items():
+        cm = graphmode.compile(model, recipe)
+        y = cm(x)
+        assert isinstance(y, torch.Tensor), what                # not a 1-tuple
+        assert rel(y, m(x)) < 1e-5, what
+        assert cm.output_names == ["output"], what
+    with pytest.raises(CaptureError, match="no example inputs") as e:
+        graphmode.compile(m)                                     # nothing says what it takes
+    assert "recipe" in e.value.fix
+    with pytest.raises(CaptureError, match="cannot compile a tuple of 1"):
+        graphmode.compile((m,), mlp_recipe())
+
+
+def test_outputs_keep_their_structure_and_names():
+    torch.manual_seed(0)
+    m, x = Structured().eval(), torch.randn(2, 8)
+    cm = graphmode.compile((m, (x,)))
+    assert cm.output_names == ["hidden", "pair_0", "pair_1"]
+    assert set(cm.recipe.outputs) == {"hidden", "pair_0", "pair_1"}
+    y, ref = cm(x), m(x)
+    assert set(y) == {"hidden", "pair"} and isinstance(y["pair"], tuple)
+    assert rel(y["hidden"], ref["hidden"]) < 1e-5 and rel(y["pair"][1], ref["pair"][1]) < 1e-5
+    r = {"version": 1, "name": "s", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}],
+         "outputs": {"pair_0": ["batch"]}, "dims": {"batch": {"buckets": [2]}}, **FAST}
+    graphmode.compile(m, r)                                      # the names a recipe's outputs use
+    r["outputs"] = {"out": ["batch"]}
+    with pytest.raises(ContractRefused) as e:
+        graphmode.compile(m, r)
+    text = str(e.value)
+    assert "has no output 'out'" in text and "(got" not in text and "pair_0" in text
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen.add_(1)
+        return x * 2
+
+
+class TrainingNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(3))
+        self.register_buffer("running_var", torch.ones(3))
+
+    def forward(self, x):
+        return torch.nn.functional.batch_norm(x, self.running_mean, self.running_var, training=True)
+
+
+class Scale(nn.Module):
+    def forward(self, x, y):
+        x.mul_(2)                       # updates the caller's tensor
+        return x + y
+
+
+def test_inputs_updated_in_place_reach_the_caller_and_buffer_updates_are_refused():
+    x, y = torch.ones(2, 3), torch.full((2, 3), 5.0)
+    cm = graphmode.compile((Scale(), (x.clone(), y)))
+    assert cm.capture_report.mutated_inputs == ["x"] and cm.output_names == ["output"]
+    out = cm(x, y)
+    assert torch.equal(out, torch.full((2, 3), 7.0))            # the real output, not the update
+    assert torch.equal(x, torch.full((2, 3), 2.0))               # the caller's x, as eager leaves it
+    with pytest.raises(CaptureError, match="updates its buffer 'seen' in place") as e:
+        graphmode.compile((Counter(), (torch.ones(2, 3),)))
+    assert "aten.add" in str(e.value) and "eval" in e.value.fix
+    with pytest.raises(CaptureError, match="running_mean"):      # batch statistics, whatever the module's mode
+        graphmode.compile(TrainingNorm(), {"version": 1, "name": "bn", **FAST,
+                                           "inputs": [{"name": "x", "dtype": "f32", "shape": [4, 3]}]})
+
+
+def test_a_static_model_drafts_without_dims_and_saves(tmp_path):
+    torch.manual_seed(0)
+    m, x = CNN().eval(), torch.randn(1, 3, 8, 8)
+    d = draft_recipe((m, (x,)))
+    assert "dims" not in d.data and d.recipe.dims == {} and d.report.verdict == "valid"
+    assert d.data["inputs"] == [{"name": "x", "dtype": "f32", "shape": [1, 3, 8, 8]}]
+    assert "prepared weights" in d.notes["memory.budget_mb"]
+    cm = graphmode.compile(d.source.bundle, d.recipe, cache_dir=tmp_path)
+    assert rel(cm(x), m(x)) < 1e-5
+    cm.save(tmp_path / "cnn.gm")
+    back = graphmode.load(tmp_path / "cnn.gm", cache_dir=tmp_path)
+    y = back(x)
+    assert isinstance(y, torch.Tensor) and rel(y, m(x)) < 1e-5 and back.output_names == ["output"]
+
+
+def test_recipe_init_dim_goes_on_an_axis_the_model_fixed():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 4)).eval()
+    ids = torch.randint(0, 50, (2, 6))
+    d = draft_recipe((m, (ids,)), ranges={"seq": (2, 32)})
+    assert d.data["inputs"][0]["shape"] == ["batch", "seq"] and d.data["dims"]["seq"]["max"] == 32
+    d = draft_recipe((m, (ids,)), ranges={"len": (2, 16, [("input", 1)])})
+    assert d.data["inputs"][0]["shape"] == ["batch", "len"]
+    with pytest.raises(graphmode.errors.RecipeError, match="cannot tell which input axis") as e:
+        draft_recipe((m, (ids,)), ranges={"width": (2, 16)})
+    assert "@INPUT:AXIS" in e.value.fix
+
+
+def test_an_hf_encoder_compiles_as_loaded_and_returns_its_model_output():
+    import transformers as T
+    torch.manual_seed(0)
+    m = T.BertModel(T.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                 vocab_size=100, max_position_embeddings=64)).eval()
+    d = draft_recipe(m)
+    assert d.data["dims"]["seq"]["max"] == 64 and "config.max_position_embeddings" in d.notes["dims.seq"]
+    assert [i["name"] for i in d.data["inputs"]] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert d.report.plans <= MAX_DRAFT_PLANS and d.report.verdict == "valid"
+    cm = graphmode.compile(d.source.bundle, dict(d.data, **FAST))
+    ids = torch.randint(3, 100, (2, 7))
+    kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+    y, ref = cm(**kw), m(**kw)
+    assert type(y) is type(ref) and list(y.keys()) == ["last_hidden_state", "pooler_output"]
+    assert rel(y.last_hidden_state, ref.last_hidden_state) < 1e-5 and rel(y.pooler_output, ref.pooler_output) < 1e-5
+
+
+def test_a_causal_lm_with_its_default_cache_compiles_under_a_recipe():
+    import transformers as T
+    torch.manual_seed(0)
+    m = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=100, n_positions=64)).eval()
+    assert m.config.use_cache
+    r = {"version": 1, "name": "gpt2-tiny", **FAST,
+         "inputs": [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"]},
+                    {"name": "attention_mask", "dtype": "i64", "shape": ["batch", "seq"], "role": "attention_mask"}],
+         "dims": {"batch": {"buckets": [2]}, "seq": {"buckets": [8], "min": 2}}}
+    cm = graphmode.compile(m, r)
+    ids = torch.randint(3, 100, (2, 8))
+    y, ref = cm(input_ids=ids, attention_mask=torch.ones_like(ids)), m(input_ids=ids)
+    assert type(y).__name__ == "CausalLMOutputWithCrossAttentions" and y.past_key_values is None
+    assert rel(y.logits, ref.logits) < 1e-5
+
+
+def test_an_onnx_path_compiles_without_a_recipe(tmp_path):
+    from graphmode.capture.onnx_export import export_onnx
+    torch.manual_seed(0)
+    m, x = CNN().eval(), torch.randn(1, 3, 8, 8)
+    path = tmp_path / "cnn.onnx"
+    export_onnx(bundle_from_module(m, {"x": x}, name="cnn"), path, dynamic=False, cache_dir=tmp_path / "onnx")
+    cm = graphmode.compile(str(path))
+    assert cm.recipe.dims == {}
+    assert rel(cm(x), m(x)) < 1e-5
+
+
+# ---- the zoo: every draft validates and compiles (slow) --------------------------------------------------
+
+def _hf(cls: str, cfg: str, **kw):
+    import transformers as T
+    torch.manual_seed(0)
+    return getattr(T, cls)(getattr(T, cfg)(**kw)).eval()
+
+
+_TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=100,
+             max_position_embeddings=64)
+ZOO = {
+    "bert": lambda: _hf("BertModel", "BertConfig", **_TINY),
+    "distilbert": lambda: _hf("DistilBertModel", "DistilBertConfig", dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                              vocab_size=100, max_position_embeddings=64),
+    "gpt2": lambda: _hf("GPT2LMHeadModel", "GPT2Config", n_embd=32, n_layer=2, n_head=4, vocab_size=100,
+                        n_positions=64),
+    "llama": lambda: _hf("LlamaForCausalLM", "LlamaConfig", **_TINY, num_key_value_heads=2),
+    "llama_model": lambda: _hf("LlamaModel", "LlamaConfig", **_TINY, num_key_value_heads=2),
+    "qwen2": lambda: _hf("Qwen2ForCausalLM", "Qwen2Config", **_TINY, num_key_value_heads=2),
+    "vit": lambda: _hf("ViTModel", "ViTConfig", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, image_size=32, patch_size=8),
+    "whisper_encoder": lambda: _hf("WhisperForAudioClassification", "WhisperConfig", d_model=32, encoder_layers=2,
+                                   encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=16,
+                                   max_source_positions=16, vocab_size=100).encoder,
+    "wav2vec2": lambda: _hf("Wav2Vec2Model", "Wav2Vec2Config", hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                            conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4),
+    "mlp": lambda: (_mlp(), (torch.randn(2, 16),)),
+    "static_cnn": lambda: (CNN().eval(), (torch.randn(1, 3, 8, 8),)),
+}
+
+
+def _sample(cm, bucket: dict) -> dict:
+    return cm.source.make_inputs(bucket, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*ZOO, "onnx_bert"])
+def test_every_draft_validates_and_compiles(name, tmp_path):
+    if name == "onnx_bert":
+        from graphmode.capture import families
+        from graphmode.capture.onnx_export import export_onnx
+        m, ex, dims = families.bert()
+        model = str(tmp_path / "bert.onnx")
+        export_onnx(bundle_from_module(m, ex, dims, name="bert"), model, dynamic=True, cache_dir=tmp_path / "o")
+    else:
+        model = ZOO[name]()
+    d = draft_recipe(model)
+    assert d.report.verdict == "valid" and d.report.plans <= MAX_DRAFT_PLANS, (d.report.verdict, d.report.plans)
+    cm = graphmode.compile(d.source.bundle if name != "onnx_bert" else model, d.recipe, cache_dir=tmp_path)
+    buckets = d.recipe.buckets()
+    for b in (buckets[0], buckets[-1]):
+        x = _sample(cm, b) if name != "onnx_bert" else d.source.bundle.make_inputs(b, int_high=100)
+        got = cm(**x)
+        want = cm.source.reference(x)
+        leaves = [t for t in torch.utils._pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+        assert len(leaves) == len(want)
+        for g, w in zip(leaves, want):
+            assert rel(g, w) < 1e-5, (name, b)
+    if _is_lm(name):
+        assert d.recipe.memory.kv_cache is not None and d.recipe.memory.kv_cache.kv_heads in (2, 4)
+        ids = torch.randint(3, 100, (2, 6))
+        assert cm.generate(ids, max_new_tokens=4).tolist() == \
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False).tolist()
+
+
+def _is_lm(name: str) -> bool:
+    return name in ("gpt2", "llama", "qwen2")
