@@ -298,7 +298,8 @@ class _Importer:
                                    f"compiled graph holds its {what}s as constants, so the update would be lost",
                                    where=f"model {self.g.name}",
                                    fix="put the module in eval mode (model.eval(): batch norm stops updating its "
-                                       "running statistics), or move the update out of forward")
+                                       "running statistics), renormalise weights once before compiling instead of "
+                                       "per call (embedding's max_norm), or move the update out of forward")
             else:
                 raise CaptureError(f"the exported program has a {kind} output ({spec.target})",
                                    where=f"model {self.g.name}", fix="compile the inference forward pass")
