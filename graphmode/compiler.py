@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,8 +78,13 @@ def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
     if isinstance(model, ModelSource):
         return model
     if isinstance(model, torch.nn.Module):
-        model = bundle_from_module(model, example_inputs_from_recipe(recipe, model),
-                                   {i.name: list(i.shape) for i in recipe.inputs})
+        ex = example_inputs_from_recipe(recipe, model)
+        try:                                   # forward's order: the compiled model binds positional args like it
+            params = list(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            params = []
+        ex = dict(sorted(ex.items(), key=lambda kv: params.index(kv[0]) if kv[0] in params else len(params)))
+        model = bundle_from_module(model, ex, {i.name: list(i.shape) for i in recipe.inputs})
     model = as_model(model)
     if isinstance(model, OnnxModelSpec):
         return ModelSource(model.path.stem, onnx_path=model.path,

@@ -57,8 +57,9 @@ def _trial_table(title: str, trials: list, base_cfg: dict) -> Table:
 
 @app.command("tune")
 def tune_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | module:function"),
-             recipe: Path = typer.Option(..., "--recipe", help="the recipe to tune (its next version is written "
-                                         "beside it)"),
+             recipe: Optional[Path] = typer.Option(None, "--recipe", help="the recipe to tune (its next version is "
+                                                   "written beside it; default: a draft, as `recipe init` writes it, "
+                                                   "in ./<model>-draft.yaml)"),
              budget_s: float = typer.Option(..., "--budget-s", min=1, help="wall-clock budget: no trial starts that "
                                             "would end past it"),
              objective: str = typer.Option("latency", "--objective", help="latency (p99 first) | throughput"),
@@ -97,13 +98,15 @@ def tune_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | res
     t_start = time.monotonic()
     check_objective(objective)
     layout = cache_layout(cache_dir)
+    log = (lambda s: None) if as_json else (lambda s: err_console.print(s, markup=False, highlight=False))
+    if recipe is None:
+        recipe = _draft_to_start(model, target, kb_file(kb, cache_dir), objective, layout, log)
     base = load_recipe(recipe)
     base_data, _, _ = parse_yaml(recipe.read_bytes(), str(recipe))
     tgt = pick_target(base, target, cache_dir=layout.targets)
     tol = tol if tol is not None else TOLERANCE.get(base.precision.compute, TOLERANCE["f32"])
     measure = measure_s if measure_s is not None else min(3.0, max(0.3, budget_s / 20))
     kb_path = kb_file(kb, cache_dir)
-    log = (lambda s: None) if as_json else (lambda s: err_console.print(s, markup=False, highlight=False))
     axes = select_axes(search_space(base, tgt, objective=objective, tol=tol, max_buckets=max_buckets,
                                     threads=_threads(threads)), only)
     log(f"capturing {model} ...")
@@ -161,6 +164,23 @@ def tune_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | res
         if bar is not None:
             bar.stop()
     _report(result, base_cfg, recipe, base_data, objective, tgt, as_json, out, journal)
+
+
+def _draft_to_start(model: str, target: Optional[str], kb_path: Path, objective: str, layout: Any,
+                    log: Any) -> Path:
+    """The recipe a tune without --recipe starts from: the draft `recipe init` would write, in
+    ./<name>.yaml (kept there, so the same command resumes from its journal)."""
+    from graphmode.kb.draft import draft_recipe
+    draft = draft_recipe(model, target=target or "host", kb_path=kb_path, objective=objective,
+                         target_cache_dir=layout.targets)
+    path = Path(f"{draft.recipe.name}.yaml")
+    if path.exists():
+        log(f"tuning {path} (the draft written by an earlier tune of {model})")
+        return path
+    path.write_text(draft.yaml(), encoding="utf-8")
+    log(f"no --recipe: drafted {path} ({draft.report.plans} plan(s), {draft.report.verdict} on "
+        f"{draft.report.target.name}); tuning it")
+    return path
 
 
 def _report(result: Any, base_cfg: dict, recipe: Path, base_data: dict, objective: str, tgt: Any, as_json: bool,

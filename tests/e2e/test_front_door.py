@@ -167,6 +167,57 @@ def test_a_static_model_drafts_without_dims_and_saves(tmp_path):
     assert isinstance(y, torch.Tensor) and rel(y, m(x)) < 1e-5 and back.output_names == ["output"]
 
 
+def static_cnn():
+    """`tests/e2e/test_front_door.py:static_cnn`: the static CNN as `--model` takes it."""
+    torch.manual_seed(0)
+    return CNN().eval(), (torch.randn(1, 3, 8, 8),)
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from graphmode.cli.app import _register, app
+    _register()
+    res = CliRunner().invoke(app, list(args))
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    return res.output
+
+
+def _static_recipe(tmp_path) -> tuple[str, str]:
+    spec = f"{__file__}:static_cnn"
+    out = tmp_path / "cnn.yaml"
+    _cli("recipe", "init", "--model", spec, "--out", str(out), "--cache-dir", str(tmp_path))
+    assert "dims:" not in out.read_text()
+    return spec, str(out)
+
+
+def test_a_static_model_verifies_runs_and_serves(tmp_path):
+    import httpx
+
+    from graphmode.serve import ModelServer, ServeConfig, ServerThread
+    spec, recipe = _static_recipe(tmp_path)
+    assert "all shapes match eager" in _cli("verify", "--model", spec, "--recipe", recipe, "--cache-dir", str(tmp_path))
+    assert "│ output " in _cli("run", "--model", spec, "--recipe", recipe, "--cache-dir", str(tmp_path))
+    m, (x,) = static_cnn()
+    server = ModelServer(spec, recipe, config=ServeConfig(cache_dir=tmp_path))
+    running = ServerThread(server).start()
+    try:
+        running.wait_ready(600)
+        r = httpx.post(f"{running.url}/v1/infer", json={"inputs": {"x": x.tolist()}}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert rel(torch.tensor(r.json()["outputs"]["output"]), m(x)) < 1e-5
+    finally:
+        running.stop()
+
+
+@pytest.mark.slow
+def test_a_static_model_profiles_and_benches(tmp_path):
+    spec, recipe = _static_recipe(tmp_path)
+    _cli("profile", "--model", spec, "--recipe", recipe, "--runs", "2", "--no-eager", "--cache-dir", str(tmp_path))
+    _cli("bench", "--model", spec, "--recipe", recipe, "--quick", "--engines", "eager,graphmode", "--out",
+         str(tmp_path / "bench"), "--cache-dir", str(tmp_path))
+
+
 def test_recipe_init_dim_goes_on_an_axis_the_model_fixed():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 4)).eval()
