@@ -129,6 +129,10 @@ def _dim_range(d: str, bundle: Any, example: dict[str, int], decoder: bool = Fal
     if d in ranges:
         lo, hi = ranges[d]
         return int(lo), int(hi), f"the model's declared range for {d}"
+    table = _position_table(bundle) if d in SEQ_DIMS or "seq" in d else None
+    if table is not None:
+        name, rows = table
+        return 1, rows, f"1 .. the {rows} rows of the model's position table {name}"
     from graphmode.capture.zoo import DEFAULT_DIM_RANGES
     key = "seq" if d in SEQ_DIMS else d
     if key in DEFAULT_DIM_RANGES:
@@ -140,6 +144,30 @@ def _dim_range(d: str, bundle: Any, example: dict[str, int], decoder: bool = Fal
         return 1, DEFAULT_OTHER_MAX, (f"1 .. {DEFAULT_OTHER_MAX}: the model names {d!r} without a range (narrow or "
                                       "widen it to the traffic you expect)")
     return 1, v, f"up to the example's value {v} (widen it if the model takes more)"
+
+
+POSITION_TABLES = ("position_embed", "pos_embed", "wpe")
+
+
+def _position_table(bundle: Any) -> tuple[str, int] | None:
+    """(name, rows) of a learned position-embedding table, the longest sequence the model takes,
+    for a model without a config saying it: an nn.Embedding or a 2-D ONNX initializer named so."""
+    import torch
+
+    def named(n: str) -> bool:
+        return any(k in n.lower() for k in POSITION_TABLES)
+    module = getattr(bundle, "raw_module", None) or getattr(bundle, "module", None)
+    if module is not None:
+        found = [(n, m.num_embeddings) for n, m in module.named_modules()
+                 if isinstance(m, torch.nn.Embedding) and named(n)]
+        return found[0] if found else None
+    path = getattr(bundle, "path", None)
+    if path is None:
+        return None
+    import onnx
+    graph = onnx.load(str(path), load_external_data=False).graph
+    found = [(i.name, int(i.dims[0])) for i in graph.initializer if len(i.dims) == 2 and named(i.name)]
+    return found[0] if found else None
 
 
 def _safe_name(text: str) -> str:
