@@ -149,9 +149,10 @@ class Deployment:
                 self.max_rows = max(1, min(self.max_rows, max_batch))
         g = cm.graph
         src_names = list(getattr(cm.source, "output_names", []) or [])
-        if g is not None:
-            self.output_names = src_names if len(src_names) == len(g.outputs) else list(g.outputs)
-            self.output_axes = [[_axis_name(d) for d in g.values[o].type.shape] for o in g.outputs]
+        if g is not None:     # the model's own outputs (the new values of inputs it updates in place follow them)
+            users = g.outputs[:len(g.outputs) - len(getattr(cm, "mutated_inputs", []))]
+            self.output_names = src_names if len(src_names) == len(users) else list(users)
+            self.output_axes = [[_axis_name(d) for d in g.values[o].type.shape] for o in users]
         else:
             self.output_names = src_names or list(recipe.outputs)
             self.output_axes = [[d if isinstance(d, str) and d != "*" else None for d in recipe.outputs.get(n, [])]
