@@ -84,9 +84,11 @@ def test_an_sla_the_cost_model_refutes_is_refused():
     assert e.value.exit_code == 1 and "sla" in e.value.where
 
 
-def test_compile_without_a_recipe_drafts_one_and_says_so_once(kb_cache):
+def test_compile_without_a_recipe_drafts_one_and_says_so_once(kb_cache, monkeypatch):
     import graphmode
+    import graphmode.kb.draft as draft_module
     from kb_models import MLP
+    monkeypatch.setattr(draft_module, "_ANNOUNCED", set())   # another test in this process may have drafted it
     torch.manual_seed(1)
     m, x = MLP().eval(), torch.randn(4, 16)
     with pytest.warns(RecipeDrafted, match="no recipe given") as got:
