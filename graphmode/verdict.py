@@ -2,15 +2,17 @@
 
 `compile`, `verify`, `run`, `serve`, `recipe validate --model` and the Python API all call
 `decide()` on the captured graph, so they refuse (or accept) the same models for the same
-reasons: recipe/model mismatches, ops that cannot run in the requested exe_mode, and
-padding that could change a real output. A refusal names the field or op, the value, the
-model source line and the fix.
+reasons: recipe/model mismatches, ops that cannot run in the requested exe_mode, index
+tables the recipe's values or dims cannot stay inside (analysis/indices.py), and padding
+that could change a real output. A refusal names the field or op, the value, the model
+source line and the fix.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from graphmode.analysis.indices import IndexReport, analyze_indices
 from graphmode.analysis.padding import PaddingReport, analyze_padding
 from graphmode.errors import GraphmodeError
 from graphmode.ir.graph import Graph
@@ -21,7 +23,7 @@ from graphmode.ir.types import dim_str
 class Issue:
     """One reason to refuse (or restrict) a compilation."""
 
-    kind: str          # mismatch | fallback | padding
+    kind: str          # mismatch | model | fallback | index | padding
     message: str
     where: str
     value: Any = None
@@ -43,7 +45,7 @@ class ContractRefused(GraphmodeError):
     def __init__(self, issues: Sequence[Issue]):
         self.issues = list(issues)
         # a recipe that does not describe the model is malformed input (2); an unsafe model is refused (1)
-        self.exit_code = 2 if any(i.kind == "mismatch" for i in self.issues) else 1
+        self.exit_code = 2 if any(i.kind in ("mismatch", "model") for i in self.issues) else 1
         first = self.issues[0]
         super().__init__(f"{len(self.issues)} reason(s) to refuse this recipe for this model",
                          where=first.where, fix=first.fix or None)
@@ -62,6 +64,7 @@ class Verdict:
     restrictions: list[Issue] = field(default_factory=list)   # accepted, with requests steered to eager
     padding: PaddingReport | None = None
     exact_dims: list[str] = field(default_factory=list)       # never padded: off-bucket values run eagerly
+    index: IndexReport | None = None                          # index inputs and position dims (runtime checks)
 
     @property
     def ok(self) -> bool:
@@ -84,7 +87,8 @@ class Verdict:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "mode": self.mode, "refusals": [i.__dict__ for i in self.refusals],
                 "restrictions": [i.__dict__ for i in self.restrictions], "exact_dims": self.exact_dims,
-                "padding": self.padding.to_json() if self.padding else None}
+                "padding": self.padding.to_json() if self.padding else None,
+                "index": self.index.to_json() if self.index else None}
 
 
 def padded_dims(recipe: Any) -> list[str]:
@@ -104,8 +108,12 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
         return v
     v.refusals += _mismatches(recipe, graph, capture_report)
     v.refusals += _fallbacks(capture_report, mode)
+    if v.refusals:      # a model the recipe does not describe is not analysed further
+        return v
+    v.index = analyze_indices(graph)
+    v.refusals += _index_issues(recipe, v.index)
     if v.refusals or getattr(source, "masks_padding", False):
-        return v        # a model the recipe does not describe is not analysed further
+        return v        # a decode graph masks its own padding (the KV cache's lengths)
     pads = padded_dims(recipe)
     v.padding = analyze_padding(graph, {i.name: i.pad_value for i in recipe.inputs}, pads,
                                 locs=getattr(capture_report, "locs", {}) or {})
@@ -227,6 +235,37 @@ def example_mismatches(recipe: Any, example_inputs: dict[str, Any], input_dims: 
                                                 f"the recipe fixes it at {want}", f"{where}.shape[{ax}]", want,
                                     fix=f"use {int(t.shape[ax])} there, or a dim name if it varies"))
     return issues
+
+
+def _index_issues(recipe: Any, rep: IndexReport) -> list[Issue]:
+    """Index tables against the recipe: no table may be empty, pad values and declared ranges
+    must index inside the table, and no bucket may count more positions than the model has."""
+    out = []
+    for u in rep.empty_tables:
+        out.append(Issue("model", f"{u.op} %{u.output} reads rows of %{u.table}, which has 0 rows on axis {u.axis}: "
+                                  "every index is out of range", "model", u.table,
+                         fix="export the model with a non-empty table (ONNX Runtime refuses this model too)"))
+    for i, spec in enumerate(recipe.inputs):
+        b = rep.inputs.get(spec.name)
+        if b is None:
+            continue
+        if not b.lo <= spec.pad_value <= b.hi:
+            out.append(Issue("index", f"padding {spec.name!r} with {spec.pad_value} would index out of range: "
+                                      f"its values must be in [{b.lo}, {b.hi}] ({b.describe()})", f"inputs[{i}].pad_value",
+                             spec.pad_value, fix=f"a pad_value in [{b.lo}, {b.hi}]"))
+        rng = getattr(spec, "range", None)
+        if rng is not None and not (b.lo <= rng[0] and rng[1] <= b.hi):
+            out.append(Issue("index", f"the recipe admits values of {spec.name!r} the model cannot index: it "
+                                      f"takes [{b.lo}, {b.hi}] ({b.describe()})", f"inputs[{i}].range", list(rng),
+                             fix=f"range: [{max(rng[0], b.lo)}, {min(rng[1], b.hi)}]"))
+    for d, lim in rep.dims.items():
+        if d not in recipe.dims:
+            continue
+        top = max(recipe.dim_buckets()[d] + [recipe.dim_range(d)[1]])
+        if top > lim.max:
+            out.append(Issue("index", f"{d} reaches {top} but the model has {lim.max} positions ({lim.describe()})",
+                             f"dims.{d}", top, fix=f"keep dims.{d} (its max and buckets) at most {lim.max}"))
+    return out
 
 
 def _fallbacks(cap: Any, mode: str) -> list[Issue]:

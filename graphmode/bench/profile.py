@@ -154,6 +154,8 @@ class BucketProfile:
     copy_in_s: float
     clone_out_s: float
     call_s: float | None = None      # median CompiledModel call (bind, bucket, pad, run, slice)
+    check_s: float | None = None     # of call_s, the input value checks (index ranges, runtime/bounds.py)
+    checked_inputs: list[str] = field(default_factory=list)   # the inputs those checks cover
     eager_s: float | None = None     # median eager forward, same inputs
     eager_ops: int | None = None     # ATen ops one eager forward dispatches
     dispatch_us: float | None = None  # eager per-op dispatch cost (tiny torch.add)
@@ -221,7 +223,8 @@ class BucketProfile:
         return {"model": self.model, "bucket": self.bucket, "threads": self.threads, "runs": self.runs,
                 "run_ms": self.run_s * 1e3, "steps_sum_ms": self.steps_sum_s * 1e3, "gap_ms": self.gap_s * 1e3,
                 "copy_in_ms": self.copy_in_s * 1e3, "clone_out_ms": self.clone_out_s * 1e3,
-                "call_ms": _ms(self.call_s), "eager_ms": _ms(self.eager_s), "n_steps": self.n_steps,
+                "call_ms": _ms(self.call_s), "check_ms": _ms(self.check_s), "checked_inputs": self.checked_inputs,
+                "eager_ms": _ms(self.eager_s), "n_steps": self.n_steps,
                 "executor_overhead_us_per_instruction": self.executor_overhead_us,
                 "gap_us_per_instruction": self.gap_per_instruction_us,
                 "dispatch_floor_us": self.dispatch_floor_us(),
@@ -426,11 +429,13 @@ def profile_bucket(cm: Any, recipe: Any, env: Mapping[str, int], target: Any, *,
     from graphmode.targets.host import load_average
     env = dict(env)
     exe = cm.executable(env)
-    inputs = cm.source.make_inputs(env, seed=seed)
+    inputs = cm.sample_inputs(env, seed=seed)
     load = load_average()
     prof = profile_executable(exe, inputs, target, runs=runs, model=model, threads=threads)
     prof.loadavg = load
     prof.call_s = _median_time(lambda: cm(**inputs), max(3, runs // 2))
+    prof.checked_inputs = [c.input for c in cm.bounds()[0]]
+    prof.check_s = _median_time(lambda: cm.check_inputs(inputs), max(3, runs // 2))
     try:
         prof.facts = facts_at(cm, recipe, target, env)
     except Exception as e:  # noqa: BLE001 - the proof model is an extra column, never a blocker

@@ -52,6 +52,9 @@ def print_profile(prof, top: int) -> None:
             f"(input copies {_ms(prof.copy_in_s)}, output clones {_ms(prof.clone_out_s)})")
     if prof.call_s is not None:
         line += f"; CompiledModel call {_ms(prof.call_s)} ms"
+        if prof.check_s is not None:
+            line += (f" (of it, input value checks {_ms(prof.check_s)} ms"
+                     + (f" on {', '.join(prof.checked_inputs)})" if prof.checked_inputs else ": none needed)"))
     if prof.eager_s is not None:
         line += f"; eager {_ms(prof.eager_s)} ms"
     console.print(line, highlight=False)

@@ -109,7 +109,7 @@ def run_cmd(
         if metrics:   # the contract monitor times and counts every call (same as the server's)
             from graphmode.monitor import monitored
             cm = monitored(cm)
-        inputs = cm.source.make_inputs(env, seed=0)
+        inputs = cm.sample_inputs(env, seed=0)
         with torch.inference_mode():
             out = cm(**inputs)           # builds the request's bucket unless warm-up did
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})

@@ -13,7 +13,7 @@ import re
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag,
-                      field_validator, model_serializer)
+                      ValidationInfo, field_validator, model_serializer)
 
 import graphmode.recipe.buckets as bucketing
 import graphmode.recipe.symbolic as symbolic
@@ -138,6 +138,19 @@ def _pad_value(v: Any) -> int | float:
     return _number(None)(v)
 
 
+def _value_range(v: Any) -> list[int]:
+    """`range: [lo, hi]` of an integer input: both ends included, lo <= hi (its fit in the
+    input's dtype is checked in semantics)."""
+    if (not isinstance(v, list) or len(v) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+        raise ValueError("expected [lo, hi]: two integers, both ends included")
+    if v[0] > v[1]:
+        raise ValueError(f"lo {v[0]} is above hi {v[1]}; fix: write [lo, hi] with lo <= hi")
+    if abs(v[0]) > 2**64 or abs(v[1]) > 2**64:
+        raise ValueError("no integer dtype holds these values; fix: bounds within the input dtype's range")
+    return v
+
+
 def _out_axis(v: Any) -> int | str:
     if v == "*":
         return v
@@ -193,6 +206,7 @@ Megabytes = Annotated[float, BeforeValidator(_number(float, gt=0, le=MAX_MB, why
 Ratio = Annotated[float, BeforeValidator(_number(float, ge=0, lt=1))]
 Pow2 = Annotated[int, BeforeValidator(_pow2)]
 PadValue = Annotated[Any, BeforeValidator(_pad_value)]      # int stays int, float stays float
+ValueRange = Annotated[list[int], BeforeValidator(_value_range)]
 ShapeEntry = Annotated[Any, BeforeValidator(_shape_entry)]
 OutAxis = Annotated[Any, BeforeValidator(_out_axis)]
 BankRef = Annotated[Any, BeforeValidator(_bank)]
@@ -234,7 +248,18 @@ class InputSpec(_Spec):
                                                           "TensorRT and cuDNN allow")] = Field(min_length=1)
     pad_value: PadValue = 0
     role: Literal["data", "attention_mask"] = "data"
-    mask_for: list[Ident] = []   # role and mask_for came after version 1: see hashing.INPUT_FIELDS_SINCE_V1
+    mask_for: list[Ident] = []   # role, mask_for, range came after version 1: see hashing.INPUT_FIELDS_SINCE_V1
+    range: Optional[ValueRange] = None    # integer inputs: every value in [lo, hi], checked at run time
+
+    @field_validator("pad_value", mode="before")
+    @classmethod
+    def _pad_bool_needs_bool(cls, v: Any, info: ValidationInfo) -> Any:
+        """`true`/`false` pads a bool input only: on an i64 or f32 input it is a typo for a number."""
+        dtype = info.data.get("dtype")
+        if isinstance(v, bool) and dtype is not None and dtype != "bool":
+            raise ValueError(f"a boolean ({str(v).lower()}) pads a bool input, this input is {dtype}; "
+                             f"fix: write the number ({int(v)})")
+        return v
 
     def masked_dims(self) -> list[str]:
         """Dims whose padded positions this mask covers ([] unless role is attention_mask)."""

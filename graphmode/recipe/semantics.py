@@ -210,6 +210,7 @@ class _Checker:
             if bad is not None:
                 self.err(f"inputs[{i}].pad_value", f"pad value does not fit dtype {inp.dtype}: {bad[0]}",
                          inp.pad_value, fix=bad[1])
+            self.value_range(i, inp)
             self.mask(i, inp)
         for name in self.r.dims:
             if name not in used:
@@ -220,6 +221,26 @@ class _Checker:
                 if isinstance(a, str) and a != "*" and a not in self.r.dims:
                     self.err(f"outputs.{name}[{j}]", f"dim {a!r} is not declared under dims", a,
                              fix=f"one of: {', '.join(self.r.dims)}, an int, or '*'")
+
+    def value_range(self, i: int, inp: Any) -> None:
+        """`range: [lo, hi]` is for integer inputs, inside the dtype, and holds the pad value."""
+        if inp.range is None:
+            return
+        p = f"inputs[{i}].range"
+        lo, hi = inp.range
+        if inp.dtype not in INT_LIMITS or inp.dtype == "bool":
+            self.err(p, f"a value range is for integer inputs, this input is {inp.dtype}", inp.range,
+                     fix="remove range (float and bool inputs are not checked against one)")
+            return
+        dlo, dhi = INT_LIMITS[inp.dtype]
+        if lo < dlo or hi > dhi:
+            self.err(p, f"[{lo}, {hi}] is not inside {inp.dtype}'s [{dlo}, {dhi}]", inp.range,
+                     fix=f"bounds within [{dlo}, {dhi}]")
+        elif not lo <= inp.pad_value <= hi:
+            self.err(f"inputs[{i}].pad_value", f"pad value {inp.pad_value} is outside the input's range "
+                                               f"[{lo}, {hi}]: padded positions would hold a value the "
+                                               "contract excludes", inp.pad_value,
+                     fix=f"a pad_value in [{lo}, {hi}]")
 
     def mask(self, i: int, inp: Any) -> None:
         """An attention mask names the padded dims it covers, and pads with 0 (masked out)."""

@@ -1,6 +1,7 @@
 """CompiledModel: callable like the original module, runs plans per shape bucket.
 
-Per call: bind inputs -> find the smallest admissible bucket -> pad -> run that bucket's
+Per call: bind inputs -> check their values (index inputs against the model's tables, the
+recipe's ranges: runtime/bounds.py) -> find the smallest admissible bucket -> pad -> run that bucket's
 executable -> slice outputs back -> rebuild the module's output structure. A shape outside
 the contract raises ContractViolation (or runs eagerly when `on_violation: eager`). Every
 compile, fallback and violation is an event counted in `events` and logged.
@@ -61,6 +62,7 @@ class CompiledModel:
         self.pad_values = {i.name: i.pad_value for i in recipe.inputs}
         self._dim_axes = {i.name: [(ax, d) for ax, d in enumerate(i.shape) if isinstance(d, str)]
                           for i in recipe.inputs}
+        self._bounds: tuple[list, list] | None = None     # (value checks, dim checks), built on first use
         self._out_spec = None
         if self.capture_report is not None and getattr(self.capture_report, "out_spec", None):
             try:
@@ -156,6 +158,35 @@ class CompiledModel:
             out[spec.name] = t
         return out
 
+    def bounds(self) -> tuple[list, list]:
+        """(value checks, dim checks) of runtime/bounds.py, from the verdict's index analysis (or
+        the graph's, for a model loaded from an artifact)."""
+        if self._bounds is None:
+            from graphmode.runtime.bounds import dim_checks, value_checks
+            index = getattr(self.verdict, "index", None)
+            graph = self.captured_graph if self.captured_graph is not None else self.graph
+            if index is None and graph is not None:
+                from graphmode.analysis.indices import analyze_indices
+                index = analyze_indices(graph)
+            self._bounds = (value_checks(self.recipe, index), dim_checks(index))
+        return self._bounds
+
+    def check_inputs(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int] | None = None) -> None:
+        """Refuse (ContractViolation) values the model's tables or the recipe's ranges exclude,
+        and dims past the model's positions: before any plan or eager fallback runs."""
+        values, limits = self.bounds()
+        if limits:
+            from graphmode.runtime.bounds import check_dims
+            check_dims(self.shape_of(inputs) if dims is None else dims, limits)
+        if values:
+            from graphmode.runtime.bounds import check_values
+            check_values(inputs, values)
+
+    def sample_inputs(self, env: Mapping[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
+        """The model source's sample inputs at `env`, index inputs drawn inside the model's tables."""
+        from graphmode.runtime.bounds import draw_within
+        return draw_within(self.source.make_inputs(dict(env), seed=seed), self.bounds()[0], seed)
+
     def shape_of(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
         dims: dict[str, int] = {}
         for spec in self.recipe.inputs:
@@ -238,6 +269,12 @@ class CompiledModel:
             self.last_path = {"path": "eager", "reason": "exe_mode eager"}
             return self._eager(inputs)
         dims = self.shape_of(inputs)
+        try:
+            self.check_inputs(inputs, dims)
+        except ContractViolation as e:
+            self.events["violated_calls"] += 1
+            self._event("violation", kind=e.kind, dims=dict(dims))
+            raise
         bucket = self.bucket_for(dims)
         unsafe = [d for d in self.exact_dims if bucket is not None and dims[d] != bucket[d]]
         if bucket is None or unsafe:

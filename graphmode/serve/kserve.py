@@ -84,6 +84,8 @@ def parse_infer(body: bytes, dtypes: dict[str, str], outputs: list[str]) -> tupl
         name, dt = t["name"], t["datatype"]
         if not isinstance(name, str) or name in tensors:
             raise _bad(f"{where}.name", "each input needs its own name (a string)", name)
+        if t.get("parameters") is not None and not isinstance(t["parameters"], dict):
+            raise _bad(f"{where}.parameters", "parameters must be an object", t["parameters"])
         if (t.get("parameters") or {}).get("binary_data_size") is not None:
             raise BadRequest("the binary tensor extension is not supported", status=415,
                              reason="unsupported_media_type", where=f"{where}.parameters.binary_data_size",

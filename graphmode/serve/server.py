@@ -175,6 +175,11 @@ class Deployment:
                 f"{i.name} {list(i.shape)} {i.dtype}" for i in self.recipe.inputs)
             self.monitor.refused(e.kind)
             raise
+        try:
+            cm.check_inputs(bound, dims)        # index values, declared ranges, positions: before any queue
+        except ContractViolation as e:
+            self.monitor.refused(e.kind)
+            raise
         rows = dims.get(self.batch_dim, 1) if self.batch_dim else 1
         if cm.mode == "eager":
             return Pending(self, bound, dims, rows, alone=self.batch_dim is None)

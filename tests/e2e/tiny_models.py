@@ -61,3 +61,31 @@ def recipe(name: str, inputs: list[dict], dims: dict, **over) -> dict:
 POOL_INPUTS = [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"]},
                {"name": "mask", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0}]
 POOL_DIMS = {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [4, 8], "min": 2}}
+
+
+class _Indexed(nn.Module):
+    """Token ids (vocab 50), token types (2) and positions (16) through embeddings, then a
+    masked mean: the index inputs a BERT takes, at a size a test compiles in seconds."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.typ, self.pos = nn.Embedding(50, 8), nn.Embedding(2, 8), nn.Embedding(16, 8)
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, ids, token_type_ids, mask):
+        pos = torch.arange(ids.shape[1])
+        h = self.lin(self.tok(ids) + self.typ(token_type_ids) + self.pos(pos)[None])
+        m = mask[..., None].float()
+        return (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+
+INDEXED_INPUTS = [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"]},
+                  {"name": "token_type_ids", "dtype": "i64", "shape": ["batch", "seq"]},
+                  {"name": "mask", "dtype": "i64", "shape": ["batch", "seq"], "role": "attention_mask"}]
+
+
+def indexed():
+    torch.manual_seed(0)
+    ex = {"ids": torch.randint(0, 50, (2, 8)), "token_type_ids": torch.zeros(2, 8, dtype=torch.long),
+          "mask": torch.ones(2, 8, dtype=torch.long)}
+    return _Indexed().eval(), ex, {k: ["batch", "seq"] for k in ex}

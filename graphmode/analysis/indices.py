@@ -1,0 +1,219 @@
+"""Index bounds: which model inputs index a table, and which dims count positions of one.
+
+An integer input that reaches the index operand of `embedding`, `index_select`, `gather` or
+`index` picks rows of a table whose size is fixed by the model (a vocabulary, a type
+vocabulary, a position table): a value outside it fails deep inside a kernel. This module
+finds those inputs in the IR, so the runtime can check them against the table *before* a
+plan runs (one vectorised range check per input) and name the input, the bad value, its
+position and the valid range.
+
+A value is followed from an input only through ops that keep its values: views (reshape,
+permute, expand, identity), integer casts, and the addition or subtraction of an integer
+scalar constant (which shifts the valid range). Anything else ends the trail: an input
+whose index use cannot be proved this way gets no check (never a check that could refuse a
+valid request).
+
+The same trail from `arange(start, end=dim)` gives *dim limits*: positions 0..seq-1 that
+index a position table of N rows bound `seq` by N, so a shape past the model's positions
+is refused before anything (an eager fallback included) runs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import sympy
+
+from graphmode.ir.graph import Graph, Node
+from graphmode.ir.ops import norm_axis
+from graphmode.ir.types import normalize_dim
+from graphmode.recipe.limits import INT_LIMITS
+
+# ops whose output holds exactly the values of their first input (rearranged or repeated)
+_VIEWS = frozenset({"reshape", "permute", "expand", "identity"})
+_INDEX_OPS = frozenset({"embedding", "index_select", "gather", "index"})
+
+
+@dataclass(frozen=True)
+class IndexUse:
+    """One op that reads rows of `table` at positions given by an input (shifted by `offset`)."""
+
+    op: str
+    output: str            # the op's output value (names the node)
+    table: str
+    axis: int
+    rows: int
+    lo: int                # valid range of the *input's* values for this use: [lo, hi]
+    hi: int
+    negative_ok: bool      # `index` takes -rows..-1 (counted from the end) like torch
+
+    def describe(self) -> str:
+        axis = f" along axis {self.axis}" if self.axis else ""
+        return f"{self.op} %{self.output} picks from the {self.rows} rows of %{self.table}{axis}"
+
+
+@dataclass
+class InputBound:
+    """The values an index input may hold: [lo, hi] (inclusive), the tightest of its uses."""
+
+    name: str
+    lo: int
+    hi: int
+    uses: list[IndexUse] = field(default_factory=list)
+
+    def describe(self) -> str:
+        u = min(self.uses, key=lambda u: u.hi - u.lo)
+        return f"{u.describe()}" + (f", shifted by {u.lo}" if u.lo and not u.negative_ok else "")
+
+
+@dataclass(frozen=True)
+class DimLimit:
+    """`dim` may be at most `max`: positions arange(.., dim) index a table of `rows` rows."""
+
+    dim: str
+    max: int
+    table: str
+    rows: int
+    op: str
+    output: str
+
+    def describe(self) -> str:
+        return f"its positions pick from the {self.rows} rows of %{self.table} ({self.op} %{self.output})"
+
+
+@dataclass
+class IndexReport:
+    inputs: dict[str, InputBound] = field(default_factory=dict)
+    dims: dict[str, DimLimit] = field(default_factory=dict)
+    empty_tables: list[IndexUse] = field(default_factory=list)    # 0 rows: every index is out of range
+
+    def to_json(self) -> dict[str, Any]:
+        return {"inputs": {n: {"range": [b.lo, b.hi], "uses": [u.describe() for u in b.uses]}
+                           for n, b in self.inputs.items()},
+                "dims": {d: {"max": v.max, "why": v.describe()} for d, v in self.dims.items()},
+                "empty_tables": [u.describe() for u in self.empty_tables]}
+
+
+@dataclass(frozen=True)
+class _Trail:
+    """A value that holds `source`'s values plus `offset` (source: an input, or a dim via arange)."""
+
+    source: str
+    offset: int
+    kind: str          # input | positions
+    start: int = 0     # positions: arange's start
+
+
+def analyze_indices(graph: Graph) -> IndexReport:
+    """Index inputs and position dims of `graph` (a captured or optimized graph; fused
+    regions are searched too, with their operands mapped to the outer values)."""
+    report = IndexReport()
+    trails: dict[str, _Trail] = {}
+    for name in graph.inputs:
+        dt = graph.values[name].type.dtype
+        if dt in INT_LIMITS and dt != "bool":
+            trails[name] = _Trail(name, 0, "input")
+    _walk(graph, trails, report)
+    return report
+
+
+def _walk(graph: Graph, trails: dict[str, _Trail], report: IndexReport) -> None:
+    for node in graph.nodes:
+        if node.body is not None:                     # a fused region: its inputs are node.inputs in order
+            inner = {b: trails[o] for b, o in zip(node.body.inputs, node.inputs) if o in trails}
+            if inner:
+                _walk(node.body, inner, report)
+            continue
+        if node.op in _INDEX_OPS:
+            _index_use(graph, node, trails, report)
+        t = _follow(graph, node, trails)
+        if t is not None:
+            trails[node.outputs[0]] = t
+
+
+def _follow(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | None:
+    """The trail of `node`'s output, when it holds a traced value's values plus a constant."""
+    if node.op == "arange":
+        return _arange(node)
+    if not node.inputs or not any(i in trails for i in node.inputs):
+        return None
+    out_dt = graph.values[node.outputs[0]].type.dtype
+    if out_dt not in INT_LIMITS or out_dt == "bool":
+        return None
+    if node.op in _VIEWS or node.op == "cast":
+        return trails.get(node.inputs[0])
+    if node.op in ("add", "sub") and len(node.inputs) == 2:
+        a, b = node.inputs
+        if a in trails and (c := _int_scalar(graph, b)) is not None:
+            t = trails[a]
+            return _Trail(t.source, t.offset + (c if node.op == "add" else -c), t.kind, t.start)
+        if node.op == "add" and b in trails and (c := _int_scalar(graph, a)) is not None:
+            t = trails[b]
+            return _Trail(t.source, t.offset + c, t.kind, t.start)
+    return None
+
+
+def _arange(node: Node) -> _Trail | None:
+    """arange(start, end=dim, step 1): positions start..dim-1 of one recipe dim."""
+    start, step = node.attr("start", 0), node.attr("step", 1)
+    if not isinstance(start, int) or step != 1:
+        return None
+    try:
+        end = normalize_dim(node.attr("end"))
+    except Exception:  # noqa: BLE001 - an end the IR cannot read: not a position trail
+        return None
+    if isinstance(end, int) or len(end.free_symbols) != 1:
+        return None
+    sym = next(iter(end.free_symbols))
+    shift = sympy.simplify(end - sym)
+    if not shift.is_Integer:
+        return None
+    # values start .. sym + shift - 1: a trail on `sym` whose largest value is sym - 1 + offset
+    return _Trail(sym.name, int(shift), "positions", start)
+
+
+def _int_scalar(graph: Graph, name: str) -> int | None:
+    t = graph.constants.get(name)
+    if t is None or t.numel() != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
+        return None
+    return int(t.reshape(()).item())
+
+
+def _index_use(graph: Graph, node: Node, trails: Mapping[str, _Trail], report: IndexReport) -> None:
+    table = node.inputs[0]
+    shape = graph.values[table].type.shape
+    if node.op == "embedding":
+        pairs = [(node.inputs[1], 0)] if len(node.inputs) > 1 else []
+    elif node.op in ("index_select", "gather"):
+        pairs = [(node.inputs[1], norm_axis(node.attr("dim", 0), len(shape)))]
+    else:  # index: input k + 1 indexes axis dims[k]
+        pairs = list(zip(node.inputs[1:], node.attr("dims", [])))
+    for idx, axis in pairs:
+        if not 0 <= axis < len(shape) or not isinstance(shape[axis], int):
+            continue
+        rows = shape[axis]
+        negative_ok = node.op == "index"
+        lo, hi = (-rows if negative_ok else 0), rows - 1
+        trail = trails.get(idx)
+        if rows == 0:
+            report.empty_tables.append(IndexUse(node.op, node.outputs[0], table, axis, 0, 0, -1, negative_ok))
+            continue
+        if trail is None:
+            continue
+        use = IndexUse(node.op, node.outputs[0], table, axis, rows, lo - trail.offset, hi - trail.offset,
+                       negative_ok)
+        if trail.kind == "input":
+            b = report.inputs.get(trail.source)
+            if b is None:
+                report.inputs[trail.source] = InputBound(trail.source, use.lo, use.hi, [use])
+            else:
+                b.lo, b.hi = max(b.lo, use.lo), min(b.hi, use.hi)
+                b.uses.append(use)
+        elif trail.start + trail.offset >= lo:
+            # positions start+offset .. dim-1+offset must stay <= rows-1
+            limit = DimLimit(trail.source, hi - trail.offset + 1, table, rows, node.op, node.outputs[0])
+            old = report.dims.get(limit.dim)
+            if old is None or limit.max < old.max:
+                report.dims[limit.dim] = limit
+
+

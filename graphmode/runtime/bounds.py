@@ -1,0 +1,119 @@
+"""Value bounds on a request's inputs, checked before any plan (or eager fallback) runs.
+
+Two sources: the model's index tables (graphmode/analysis/indices.py: token ids against the
+vocabulary, token types against the type vocabulary, positions against the position table)
+and the recipe's `inputs[].range`. Each input gets at most one check, the intersection of
+both: one vectorised min/max pass over the tensor, and only when that fails a second pass to
+find the first bad position. A dim that counts positions of a table (`seq` of a position
+embedding) gets a limit, checked on the request's dims.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from graphmode.errors import ContractViolation
+from graphmode.recipe.limits import INT_LIMITS
+
+_TORCH_INT = {torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8"}
+
+
+@dataclass(frozen=True)
+class ValueCheck:
+    """Every value of `input` must lie in [lo, hi]: the model's table range and/or the recipe's."""
+
+    input: str
+    lo: int
+    hi: int
+    model: tuple[int, int] | None       # what the model's tables take, and why
+    model_why: str
+    declared: tuple[int, int] | None    # the recipe's inputs[].range
+
+    def violation(self, value: int, position: list[int]) -> ContractViolation:
+        declared = self.declared is not None and not self.declared[0] <= value <= self.declared[1]
+        lo, hi = self.declared if declared else self.model
+        why = f"the recipe's inputs.{self.input}.range" if declared else f"the model's {self.model_why}"
+        return ContractViolation(
+            f"input {self.input!r} holds {value} at position {position}, outside its valid range [{lo}, {hi}]: "
+            f"{why}", kind="input", where=f"inputs.{self.input}" + (".range" if declared else ""), value=value,
+            fix=f"send {self.input} values in [{self.lo}, {self.hi}]")
+
+
+@dataclass(frozen=True)
+class DimCheck:
+    dim: str
+    max: int
+    why: str
+
+
+def value_checks(recipe: Any, index: Any) -> list[ValueCheck]:
+    """One check per input with a table range (IndexReport `index`) or a declared range."""
+    out = []
+    for spec in recipe.inputs:
+        b = index.inputs.get(spec.name) if index is not None else None
+        declared = tuple(spec.range) if getattr(spec, "range", None) is not None else None
+        if b is None and declared is None:
+            continue
+        lo, hi = INT_LIMITS.get(spec.dtype, (None, None))
+        if lo is None or spec.dtype == "bool":
+            continue
+        model = (b.lo, b.hi) if b is not None else None
+        for r in (model, declared):
+            if r is not None:
+                lo, hi = max(lo, r[0]), min(hi, r[1])
+        out.append(ValueCheck(spec.name, lo, hi, model, b.describe() if b is not None else "", declared))
+    return out
+
+
+def dim_checks(index: Any) -> list[DimCheck]:
+    if index is None:
+        return []
+    return [DimCheck(d, lim.max, lim.describe()) for d, lim in index.dims.items()]
+
+
+def check_values(inputs: Mapping[str, torch.Tensor], checks: list[ValueCheck]) -> None:
+    """Raise ContractViolation (input, first bad value, its position, the range) on the first
+    input holding a value outside its check."""
+    for c in checks:
+        t = inputs.get(c.input)
+        if t is None or t.numel() == 0 or t.dtype not in _TORCH_INT:
+            continue
+        dlo, dhi = INT_LIMITS[_TORCH_INT[t.dtype]]
+        lo, hi = max(c.lo, dlo), min(c.hi, dhi)
+        if lo > hi:                                          # no value of this dtype is admissible
+            raise c.violation(int(t.reshape(-1)[0]), [0] * t.dim())
+        mn, mx = torch.aminmax(t)
+        if int(mn) >= lo and int(mx) <= hi:
+            continue
+        pos = ((t < lo) | (t > hi)).nonzero()[0].tolist()
+        raise c.violation(int(t[tuple(pos)]), pos)
+
+
+def draw_within(inputs: Mapping[str, torch.Tensor], checks: list[ValueCheck], seed: int = 0) -> dict[str, torch.Tensor]:
+    """`inputs` with every checked input that holds a value outside its check redrawn uniformly
+    inside it (sample inputs for `graphmode run` and `profile`: a generator that does not know
+    the model's vocabulary must still produce a request the model takes)."""
+    out = dict(inputs)
+    g = torch.Generator().manual_seed(seed)
+    for c in checks:
+        t = out.get(c.input)
+        if t is None or t.numel() == 0 or t.dtype not in _TORCH_INT:
+            continue
+        try:
+            check_values({c.input: t}, [c])
+        except ContractViolation:
+            hi = min(c.hi, c.lo + 2**31 - 1)
+            out[c.input] = torch.randint(c.lo, hi + 1, tuple(t.shape), generator=g, dtype=t.dtype)
+    return out
+
+
+def check_dims(dims: Mapping[str, int], checks: list[DimCheck]) -> None:
+    for c in checks:
+        v = dims.get(c.dim)
+        if v is not None and v > c.max:
+            raise ContractViolation(f"dim {c.dim!r} = {v} is past the model's {c.max} positions ({c.why})",
+                                    where=f"dims.{c.dim}", value=v,
+                                    fix=f"send {c.dim} of at most {c.max}: the model itself cannot take more, "
+                                        "in a plan or in eager PyTorch")

@@ -1,0 +1,253 @@
+"""Index inputs are found in the IR and checked against their tables before a plan (or an eager
+fallback) runs: analysis/indices.py, runtime/bounds.py, the verdict's refusals, the recipe's
+`range` and `pad_value` checks, and `graphmode run` / `profile` on models whose tables are
+smaller than a generic input generator assumes."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import graphmode
+from graphmode.analysis.indices import analyze_indices
+from graphmode.compiler import capture
+from graphmode.errors import ContractViolation, RecipeError
+from graphmode.recipe import load_recipe
+from graphmode.verdict import ContractRefused
+
+E2E = Path(__file__).resolve().parents[1] / "e2e"
+sys.path.insert(0, str(E2E))
+from tiny_models import INDEXED_INPUTS, indexed, recipe  # noqa: E402
+
+SPEC = f"{E2E / 'tiny_models.py'}:indexed"
+DIMS = {"batch": {"buckets": [1, 2]}, "seq": {"buckets": [4, 8], "min": 2}}
+
+
+def _recipe(inputs=None, dims=None, **over):
+    return recipe("indexed", inputs or [dict(i) for i in INDEXED_INPUTS], dims or DIMS, **over)
+
+
+@pytest.fixture(scope="module")
+def cm(tmp_path_factory):
+    return graphmode.compile(SPEC, _recipe(), cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def _ok_inputs(batch=2, seq=5):
+    g = torch.Generator().manual_seed(1)
+    return {"ids": torch.randint(0, 50, (batch, seq), generator=g),
+            "token_type_ids": torch.randint(0, 2, (batch, seq), generator=g),
+            "mask": torch.ones(batch, seq, dtype=torch.long)}
+
+
+# ---- the analysis ----------------------------------------------------------------------------------
+
+class _Shifted(nn.Module):
+    """Every trail the analysis follows (a view, a cast, +/- a constant) and one it must not
+    (a product), next to index_select, gather and advanced indexing."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.register_buffer("rows", torch.randn(7, 4))
+        self.register_buffer("cols", torch.randn(3, 6))
+
+    def forward(self, a, b, c, d, e):
+        x = self.emb((a + 1).reshape(a.shape[0], -1))           # a + 1 in [0, 9]: a in [-1, 8]
+        y = torch.index_select(self.rows, 0, (b - 2).to(torch.int32).reshape(-1))   # b in [2, 8]
+        z = torch.gather(self.cols, 1, c)                        # c in [0, 5]
+        w = self.rows[d]                                         # index: d in [-7, 6]
+        v = self.emb(e * 2)                                      # not a shift: no check on e
+        return x.sum() + y.sum() + z.sum() + w.sum() + v.sum()
+
+
+def test_analysis_follows_views_casts_and_constant_shifts_only():
+    ex = {"a": torch.zeros(2, 3, dtype=torch.long), "b": torch.full((3,), 2, dtype=torch.long),
+          "c": torch.zeros(3, 2, dtype=torch.long), "d": torch.zeros(4, dtype=torch.long),
+          "e": torch.zeros(2, dtype=torch.long)}
+    from graphmode.capture.spec import bundle_from_module
+    dims = {k: (["n", 3] if k == "a" else list(v.shape)) for k, v in ex.items()}
+    bundle = bundle_from_module(_Shifted(), ex, dims)
+    inputs = [{"name": k, "dtype": "i64", "shape": d} for k, d in dims.items()]
+    g, _, _ = capture(bundle, recipe("shifted", inputs, {"n": {"buckets": [2, 4]}}))
+    rep = analyze_indices(g)
+    got = {n: (b.lo, b.hi) for n, b in rep.inputs.items()}
+    assert got == {"a": (-1, 8), "b": (2, 8), "c": (0, 5), "d": (-7, 6)}, rep.to_json()
+    assert rep.inputs["d"].uses[0].negative_ok and not rep.inputs["a"].uses[0].negative_ok
+
+
+def test_analysis_finds_ids_token_types_and_the_position_limit():
+    g, _, _ = capture(SPEC, _recipe())
+    rep = analyze_indices(g)
+    assert {n: (b.lo, b.hi) for n, b in rep.inputs.items()} == {"ids": (0, 49), "token_type_ids": (0, 1)}
+    assert "mask" not in rep.inputs
+    assert rep.dims["seq"].max == 16 and rep.dims["seq"].rows == 16
+
+
+# ---- the runtime check -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,bad", [("ids", 50), ("ids", -1), ("ids", 10**9), ("ids", 2**63 - 1),
+                                      ("ids", -2**63), ("token_type_ids", 2)])
+def test_out_of_range_values_are_refused_with_input_value_position_and_range(cm, name, bad):
+    x = _ok_inputs()
+    x[name][1, 3] = bad
+    with pytest.raises(ContractViolation) as e:
+        cm(**x)
+    err = e.value
+    hi = 49 if name == "ids" else 1
+    assert err.kind == "input" and err.where == f"inputs.{name}" and err.value == bad
+    assert f"holds {bad} at position [1, 3]" in err.message and f"[0, {hi}]" in err.message, err.message
+    assert f"values in [0, {hi}]" in err.fix
+    assert cm.last_path.get("path") != "graph" or cm.events["violated_calls"] >= 1
+
+
+def test_values_at_the_edges_of_the_range_run_and_match_eager(cm):
+    x = _ok_inputs()
+    x["ids"][0, 0], x["ids"][1, 4] = 0, 49
+    x["token_type_ids"][0, 1] = 1
+    out = torch.utils._pytree.tree_leaves(cm(**x))[0]
+    ref = torch.utils._pytree.tree_leaves(cm.source.reference(x))[0]
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_declared_range_is_checked_and_named(tmp_path):
+    inputs = [dict(i) for i in INDEXED_INPUTS]
+    inputs[0]["range"] = [0, 39]
+    m = graphmode.compile(SPEC, _recipe(inputs=inputs), cache_dir=tmp_path)
+    x = _ok_inputs()
+    x["ids"][0, 2] = 45                               # inside the table, outside the recipe's range
+    with pytest.raises(ContractViolation) as e:
+        m(**x)
+    assert e.value.where == "inputs.ids.range" and "[0, 39]" in e.value.message
+    assert "the recipe's inputs.ids.range" in e.value.message
+
+
+def test_a_dim_past_the_models_positions_is_refused_before_the_eager_fallback(tmp_path):
+    m = graphmode.compile(SPEC, _recipe(on_violation="eager"), cache_dir=tmp_path)
+    x = _ok_inputs(1, 12)                             # outside the contract: eager would run it
+    m(**x)
+    assert m.last_path["path"] == "eager"
+    x = _ok_inputs(1, 20)                             # past the 16 positions: eager would fail
+    with pytest.raises(ContractViolation) as e:
+        m(**x)
+    assert e.value.where == "dims.seq" and "16 positions" in e.value.message and e.value.value == 20
+
+
+def test_sample_inputs_are_drawn_inside_the_tables(cm):
+    x = cm.source.make_inputs({"batch": 2, "seq": 8}, seed=0)
+    x["ids"] += 1000                                   # what a generic generator may produce
+    from graphmode.runtime.bounds import draw_within
+    y = draw_within(x, cm.bounds()[0], seed=0)
+    assert int(y["ids"].max()) <= 49 and int(y["ids"].min()) >= 0
+    assert torch.equal(y["mask"], x["mask"])
+    cm(**cm.sample_inputs({"batch": 2, "seq": 8}))
+
+
+# ---- the verdict -----------------------------------------------------------------------------------
+
+def test_verdict_refuses_pad_values_ranges_and_dims_the_tables_cannot_take():
+    inputs = [dict(i) for i in INDEXED_INPUTS]
+    inputs[0]["pad_value"] = 50
+    inputs[1]["range"] = [0, 2]
+    r = _recipe(inputs=inputs, dims={"batch": {"buckets": [1, 2]}, "seq": {"buckets": [4, 32], "min": 2}})
+    with pytest.raises(ContractRefused) as e:
+        graphmode.compile(SPEC, r)
+    where = {i.where: i for i in e.value.issues}
+    assert set(where) == {"inputs[0].pad_value", "inputs[1].range", "dims.seq"}, e.value.render()
+    assert "[0, 49]" in where["inputs[0].pad_value"].message
+    assert where["inputs[1].range"].fix == "range: [0, 1]"
+    assert "16 positions" in where["dims.seq"].message and e.value.exit_code == 1
+
+
+# ---- the recipe --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["i64", "f32"])
+def test_a_boolean_pad_value_is_refused_on_a_non_bool_input(dtype):
+    r = recipe("p", [{"name": "x", "dtype": dtype, "shape": ["b"], "pad_value": True}], {"b": {"buckets": [1]}})
+    with pytest.raises(RecipeError) as e:
+        load_recipe(r)
+    assert "inputs[0].pad_value" in str(e.value) and "write the number (1)" in str(e.value)
+    ok = recipe("p", [{"name": "x", "dtype": "bool", "shape": ["b"], "pad_value": True}], {"b": {"buckets": [1]}})
+    assert load_recipe(ok).inputs[0].pad_value == 1
+
+
+@pytest.mark.parametrize("inp,needle", [
+    ({"dtype": "f32", "range": [0, 3]}, "for integer inputs"),
+    ({"dtype": "i8", "range": [0, 300]}, "inside i8"),
+    ({"dtype": "i64", "range": [5, 9]}, "pad value 0 is outside"),
+    ({"dtype": "i64", "range": [9, 5]}, "lo 9 is above hi 5"),
+    ({"dtype": "i64", "range": [1]}, "two integers")])
+def test_recipe_range_is_validated(inp, needle):
+    r = recipe("p", [{"name": "x", "shape": ["b"], **inp}], {"b": {"buckets": [1]}})
+    with pytest.raises(RecipeError, match=needle):
+        from graphmode.recipe import validate
+        rec = load_recipe(r)
+        validate(rec, "host").raise_for_errors()
+
+
+def test_a_range_leaves_the_hash_of_recipes_without_one_unchanged():
+    base = recipe("p", [{"name": "x", "dtype": "i64", "shape": ["b"]}], {"b": {"buckets": [1]}})
+    with_range = recipe("p", [{"name": "x", "dtype": "i64", "shape": ["b"], "range": [0, 9]}], {"b": {"buckets": [1]}})
+    assert "range" not in json.loads(load_recipe(base).model_dump_json(exclude_none=True))["inputs"][0]
+    assert load_recipe(base).hash() != load_recipe(with_range).hash()
+
+
+# ---- ONNX ----------------------------------------------------------------------------------------
+
+def _onnx_embedding(rows: int):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    emb = np.random.default_rng(0).standard_normal((rows, 4)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("Gather", ["emb", "ids"], ["y"], name="embed")], "g",
+                          [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 4])],
+                          initializer=[numpy_helper.from_array(emb, "emb")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+ONNX_RECIPE = """version: 1
+name: onnx-embed
+inputs: [{name: ids, dtype: i64, shape: [batch, seq]}]
+dims: {batch: {buckets: [1, 2]}, seq: {buckets: [4, 8], min: 2}}
+codegen: {kernel_selection: heuristic}
+"""
+
+
+def test_graphmode_run_on_an_onnx_model_with_a_small_table_runs_and_refuses_bad_ids(tmp_path, capsys):
+    import onnx
+
+    from graphmode.cli import main
+    path = tmp_path / "embed.onnx"
+    onnx.save(_onnx_embedding(30), str(path))       # run's generic ids go up to 1000
+    rec = tmp_path / "r.yaml"
+    rec.write_text(ONNX_RECIPE)
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--model", str(path), "--recipe", str(rec), "--iters", "1", "--json",
+              "--cache-dir", str(tmp_path / "c")])
+    out = capsys.readouterr()
+    assert e.value.code == 0, out.out + out.err
+    assert json.loads(out.out)["numerics_ok"]
+    m = graphmode.compile(str(path), ONNX_RECIPE, cache_dir=tmp_path / "c")
+    with pytest.raises(ContractViolation, match=r"holds 30 at position \[0, 1\]"):
+        m(ids=torch.tensor([[0, 30, 2, 3]]))
+
+
+def test_an_onnx_model_with_an_empty_table_is_refused_at_compile(tmp_path, capsys):
+    import onnx
+
+    from graphmode.cli import main
+    path = tmp_path / "empty.onnx"
+    onnx.save(_onnx_embedding(0), str(path))
+    rec = tmp_path / "r.yaml"
+    rec.write_text(ONNX_RECIPE)
+    with pytest.raises(Exception) as e:
+        graphmode.compile(str(path), ONNX_RECIPE, cache_dir=tmp_path / "c")
+    assert "0 rows" in str(e.value), str(e.value)
+    with pytest.raises(SystemExit) as x:
+        main(["run", "--model", str(path), "--recipe", str(rec), "--cache-dir", str(tmp_path / "c")])
+    text = "".join(capsys.readouterr())
+    assert x.value.code == 2 and "Traceback" not in text and "0 rows" in text
