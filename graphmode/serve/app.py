@@ -8,7 +8,12 @@ logged and the worker keeps serving.
 
 Slow clients cannot hold the server: the headers must arrive within `header_timeout_s`
 (checked in the HTTP protocol, `_GuardedH11`), the body within `body_timeout_s`, and a
-Content-Length over the limit is answered 413 before any of the body is read.
+Content-Length over the limit is answered 413 before any of the body is read. The protocol
+itself answers what never reaches a route, in JSON like every other error: a request line
+longer than the head limit 414, headers past it 431, a chunk announcing more than the
+body limit 413 at once, anything h11 cannot parse 400. It then closes *lingering*: it stops
+writing but keeps reading (and dropping) what the client still sends, for a moment, so the
+client reads the answer instead of a connection reset. A response to HEAD never has a body.
 """
 from __future__ import annotations
 
@@ -343,26 +348,128 @@ def create_app(server: ModelServer) -> Starlette:
 
 # ---- uvicorn ---------------------------------------------------------------------------------
 
+def body_limit(method: str, path: str, max_body_bytes: int) -> int:
+    """The most body bytes the route for (method, path) reads (read_body's `limit` there)."""
+    return RECIPE_MAX_BYTES if method == "PUT" and path.rstrip("/") == "/v1/recipe" else max_body_bytes
+
+
+HEAD_LIMIT = 16 * 1024        # request line + headers (h11's default incomplete-event limit)
+LINGER_S = 2.0                # after an answer the protocol wrote itself: how long it keeps draining
+LINGER_MAX_BYTES = 64 * MB    # ... and how much
+
+
 class _GuardedH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline on a request's headers: from a connection's
     first moment (or a request's first byte on a kept-alive one) to its last header line.
     uvicorn itself only times out idle kept-alive connections, so a client that sends half
-    a request line would otherwise hold its connection forever."""
+    a request line would otherwise hold its connection forever. It also answers, in JSON,
+    the requests no route sees (module docstring): 400, 414, 431, and 413 for a chunk
+    announced over the route's body limit."""
 
     header_timeout_s = 10.0
+    max_body_bytes = 16 * MB
     _header_timer: asyncio.TimerHandle | None = None
+    _lingering = False
+    _drained = 0
+    _linger_timer: asyncio.TimerHandle | None = None
+    _sized: Any = None                  # the request cycle whose head size was checked
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._watch_headers()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:                 # answered already: drop what the client still sends
+            self._drained += len(data)
+            if self._drained > LINGER_MAX_BYTES:
+                self.transport.close()
+            return
         super().data_received(data)
+        if not self._lingering:
+            self._check_head_size()
+        if not self._lingering:
+            self._check_announced_body()
         self._watch_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         super().connection_lost(exc)
+
+    # ---- answers no route gives -------------------------------------------------------------
+    def send_400_response(self, msg: str) -> None:
+        """h11 could not parse the request: 414 / 431 when its head outgrew HEAD_LIMIT (by the
+        request line or by the headers), else 400; JSON, then a lingering close."""
+        buf = self.conn.trailing_data[0]
+        limit = self._head_limit()
+        line_end = buf.find(b"\r\n", 0, limit + 2)
+        if len(buf) > limit:
+            self._head_too_large(line_end < 0, limit, head=buf[:5] == b"HEAD ")
+        else:
+            self._answer(400, "Bad Request", "BadRequest", "malformed HTTP request", "request",
+                         "send a valid HTTP/1.1 request", head=buf[:5] == b"HEAD ")
+
+    def _head_limit(self) -> int:
+        got = getattr(self.conn, "_max_incomplete_event_size", None)
+        return got if isinstance(got, int) else HEAD_LIMIT
+
+    def _check_head_size(self) -> None:
+        """h11 bounds a head only while it is incomplete: one that arrived whole in one read
+        is measured here, so the limit does not depend on how the bytes were split."""
+        cycle = self.cycle
+        if cycle is None or cycle is self._sized or cycle.response_started:
+            return
+        self._sized = cycle
+        scope = self.scope
+        line = len(scope["raw_path"]) + len(scope["query_string"]) + 1
+        size = line + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        limit = self._head_limit()
+        if size > limit:
+            self._head_too_large(line > limit, limit, head=scope["method"] == "HEAD")
+
+    def _head_too_large(self, by_line: bool, limit: int, head: bool) -> None:
+        if by_line:
+            self._answer(414, "URI Too Long", "URLTooLong", f"the request line is longer than {limit} bytes",
+                         "request line", "send a shorter URL (put data in the body)", head=head)
+        else:
+            self._answer(431, "Request Header Fields Too Large", "HeadersTooLarge",
+                         f"the request headers are larger than {limit} bytes", "headers",
+                         "send fewer or shorter headers", head=head)
+
+    def _check_announced_body(self) -> None:
+        """A chunk whose announced size alone is over the route's body limit: 413 now, instead
+        of waiting for a body that would be refused anyway (or never comes)."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_started or self.conn.their_state is not h11.SEND_BODY:
+            return
+        pending = getattr(getattr(self.conn, "_reader", None), "_bytes_in_chunk", 0)
+        limit = body_limit(self.scope["method"], self.scope["path"], self.max_body_bytes)
+        if isinstance(pending, int) and pending > limit:
+            self._answer(413, "Content Too Large", "BadRequest", f"the body announces a chunk of {pending} bytes, "
+                         f"more than the {limit / MB:g} MB this endpoint takes", "body",
+                         "send less per request, or raise --max-body-mb", head=self.scope["method"] == "HEAD")
+
+    def _answer(self, status: int, phrase: str, error: str, message: str, where: str, fix: str, *,
+                head: bool = False, linger: bool = True) -> None:
+        """Write a JSON error (no body for HEAD) and close: lingering (module docstring), or at once."""
+        body = dumps({"error": error, "message": message, "where": where, "status": status, "fix": fix})
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (status, phrase.encode(), len(body),
+                                                                  b"" if head else body))
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True              # the route (if one runs) answers no more
+            self.cycle.message_event.set()
+        if not linger:
+            self.transport.close()
+            return
+        self._lingering = True
+        self._stop_header_timer()
+        with contextlib.suppress(Exception):
+            self.transport.resume_reading()
+            self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     def _watch_headers(self) -> None:
         if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
@@ -377,14 +484,12 @@ class _GuardedH11(H11Protocol):
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None
-        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing() or self._lingering:
             return
-        body = dumps({"error": "RequestTimeout", "message": f"the request headers did not arrive within "
-                      f"{self.header_timeout_s:g} s", "where": "headers", "status": 408,
-                      "fix": "send the whole request promptly (or raise --header-timeout-s)"})
-        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-        self.transport.close()
+        self._answer(408, "Request Timeout", "RequestTimeout",
+                     f"the request headers did not arrive within {self.header_timeout_s:g} s", "headers",
+                     "send the whole request promptly (or raise --header-timeout-s)",
+                     head=self.conn.trailing_data[0][:5] == b"HEAD ", linger=False)
 
 
 def uvicorn_server(app: Starlette, *, log_level: str = "warning") -> Any:
@@ -408,7 +513,8 @@ def uvicorn_server(app: Starlette, *, log_level: str = "warning") -> Any:
             finally:
                 timer.cancel()
 
-    protocol = type("GuardedH11", (_GuardedH11,), {"header_timeout_s": server.config.header_timeout_s})
+    protocol = type("GuardedH11", (_GuardedH11,), {"header_timeout_s": server.config.header_timeout_s,
+                                                  "max_body_bytes": server.max_body_bytes})
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, http=protocol,
                             timeout_graceful_shutdown=grace + LAST_EVENT_S)
     return Server(config)
