@@ -223,6 +223,10 @@ class CompiledModel:
     def bucket_key(env: Mapping[str, int]) -> str:
         return ",".join(f"{k}={v}" for k, v in sorted(env.items()))
 
+    def is_built(self, env: Mapping[str, int]) -> bool:
+        """Whether the bucket's executable is built (a call to it then compiles nothing)."""
+        return self.bucket_key(env) in self._executables
+
     def executable(self, env: Mapping[str, int], *, report_build: bool = True):
         """The bucket's executable, built now if it is not yet; `on_stage` hears the build as a
         one-step `plans` stage unless `report_build` is False (warm-up reports its own, N of M)."""

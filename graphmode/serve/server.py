@@ -17,6 +17,13 @@ Loading a recipe (at start, `PUT /v1/recipe`, or a renegotiation to a `--variant
      bucket, check every plan against the memory budget, then swap atomically.
 A recipe refused at any step leaves the running one untouched.
 
+Serving never compiles: the one worker thread that runs model calls only runs buckets that
+are built. A request whose bucket is not built yet (a decoder's whole-sequence buckets are
+built on first use) waits for it off the serving path, on the build thread, while requests
+for built buckets keep running; past `request_timeout_s` it answers 503 with Retry-After
+(the build goes on). A merged batch whose bucket is not built runs request by request
+while that bucket is built for the next time.
+
 A retired deployment is released once its last in-flight request has finished: nothing
 the server keeps (history, tickets, errors, metrics, the batcher) refers to it, and the
 Prometheus series of versions retired long ago are dropped (`RETIRED_SERIES_KEPT`).
@@ -32,7 +39,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -101,7 +108,7 @@ class ServeConfig:
             if not ok:
                 raise GraphmodeError("invalid server option", where=f"--{name.replace('_', '-')}",
                                      value=getattr(self, name))
-        tok = self.admin_token
+        tok = self.admin_token      # an empty one is refused like a short one: it must not mean "no token"
         if tok is not None and (len(tok) < MIN_TOKEN_CHARS or not tok.isascii() or not tok.isprintable()
                                 or any(c.isspace() for c in tok)):
             raise GraphmodeError(f"the admin token must be at least {MIN_TOKEN_CHARS} printable ASCII characters "
@@ -292,6 +299,9 @@ class ModelServer:
             self.variants, self._renegotiate,
             bucket=TokenBucket(self.config.renegotiate_burst, 1.0 / self.config.renegotiate_interval_s, clock=clock))
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphmode-infer")
+        self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphmode-build")   # bucket builds
+        self._builds: dict[tuple[str, str], Future] = {}
+        self._builds_lock = threading.Lock()
         self.sandbox = RecipeSandbox(self.target, cpu_s=self.config.recipe_check_cpu_s,
                                      memory_mb=self.config.recipe_check_memory_mb, max_plans=self.config.max_plans)
         self._retired: deque[str] = deque()
@@ -626,14 +636,45 @@ class ModelServer:
     async def infer(self, dep: Deployment, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         p = dep.prepare(inputs)
         assert self.loop is not None and self.batcher is not None, "start() the server first"
+        deadline = time.monotonic() + self.config.request_timeout_s
+        bucket = dep.cm.bucket_for(p.dims) if dep.cm.mode != "eager" else None
+        if bucket is not None and not dep.cm.is_built(bucket):
+            await self._built(dep, bucket, deadline)
         p.future = self.loop.create_future()
         self.batcher.submit(p)
         try:
-            return await asyncio.wait_for(p.future, self.config.request_timeout_s)
+            return await asyncio.wait_for(p.future, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             dep.monitor.request_status("timeout")
             raise RequestTimeout(f"no answer within {self.config.request_timeout_s:g} s", where="request",
                                  fix="raise --request-timeout-s or lower the load") from None
+
+    async def _built(self, dep: Deployment, bucket: Mapping[str, int], deadline: float) -> None:
+        """Wait (without holding the serving thread) until `bucket` is built; 503 past the deadline."""
+        fut = self.build_in_background(dep, bucket)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise NotReady(f"the plan for bucket {bucket_label(bucket)} is still being built", where="bucket",
+                           value=dict(bucket), fix="retry in a moment: the build goes on") from None
+
+    def build_in_background(self, dep: Deployment, bucket: Mapping[str, int]) -> Future:
+        """Build `bucket` of `dep` on the build thread (once, however many ask): the future of it."""
+        key = (dep.version, dep.cm.bucket_key(bucket))
+        with self._builds_lock:
+            fut = self._builds.get(key)
+            if fut is None:
+                log.info("building bucket %s of %s off the serving path", key[1], dep.version)
+                fut = self.builder.submit(dep.cm.executable, dict(bucket))
+                self._builds[key] = fut
+                fut.add_done_callback(functools.partial(self._build_done, key))
+        return fut
+
+    def _build_done(self, key: tuple[str, str], fut: Future) -> None:
+        with self._builds_lock:
+            self._builds.pop(key, None)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("building bucket %s of %s failed: %s", key[1], key[0], fut.exception())
 
     def _max_rows(self, dep: Deployment) -> int:
         return dep.max_rows
@@ -666,6 +707,9 @@ class ModelServer:
         bucket = cm.bucket_for(dims) if cm.mode != "eager" else None
         if bucket is None and len(batch) > 1 and cm.mode != "eager":
             raise ContractViolation(f"no bucket holds the merged batch {dims}")   # retried one by one
+        if bucket is not None and len(batch) > 1 and not cm.is_built(bucket):
+            self.build_in_background(dep, bucket)      # merged shapes use it once it is built
+            return [r for p in batch for r in self._run_batch([p])]
         t0 = time.perf_counter()
         with dep.monitor.collect() as kinds:
             try:
@@ -723,6 +767,7 @@ class ModelServer:
         if self.kb is not None:                  # the last window of the serving version
             await asyncio.get_running_loop().run_in_executor(None, self.kb.tick, self.active, True)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.builder.shutdown(wait=False, cancel_futures=True)
 
     async def _tick_loop(self) -> None:
         step = self.config.sla_step_s or self.config.sla_window_s

@@ -235,7 +235,7 @@ def test_a_client_that_goes_away_mid_stream_frees_its_sequence(dec):
     decoder = dec.server.active.decoder
     v = version(dec)
     before = scrape(dec.client)
-    with Frozen(dec.url, {"prompt": [5], "max_tokens": 40, **GREEDY}, decoder.engine) as f:
+    with Frozen(dec.url, {"prompt": [5, 6], "max_tokens": 40, **GREEDY}, decoder.engine) as f:
         assert decoder.live == 1 and decoder_view(dec)["kv_pages_used"] > 0
         f.disconnect()
         # the server noticed (the request is counted as cancelled) while the engine was frozen
@@ -489,6 +489,42 @@ def test_loadtest_command_reports_every_request(dec, tmp_path):
 
 # ---- hot reload and shutdown (these change the module's server: keep them last) --------------------------------
 
+def test_a_bucket_being_built_does_not_stall_requests_for_built_ones(dec):
+    """/v1/infer on the decoder builds its whole-sequence buckets on first use (#30: one
+    request of an unbuilt bucket made every other request wait for its build). Measured
+    against the same requests' own solo latency, never an absolute time."""
+    import statistics
+    import time
+
+    c = dec.client
+
+    def infer(batch: int, seq: int) -> tuple[httpx.Response, float]:
+        ids = [[5 + (i + j) % 90 for j in range(seq)] for i in range(batch)]
+        t0 = time.perf_counter()
+        r = c.post("/v1/infer", json={"inputs": {"input_ids": ids, "attention_mask": [[1] * seq] * batch}})
+        return r, time.perf_counter() - t0
+
+    first, _ = infer(1, 5)                           # builds bucket (1, 8): waits for it
+    assert first.status_code == 200 and first.json()["bucket"] == {"batch": 1, "seq": 8}, first.text
+    solo = statistics.median(infer(1, 5)[1] for _ in range(7))
+    big: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: big.update(zip(("r", "s"), infer(4, 30))))
+    t.start()
+    during = []
+    while t.is_alive():                              # a stream of small requests while (4, 32) is built
+        r, s = infer(1, 5)
+        assert r.status_code == 200, r.text
+        during.append(s)
+    t.join()
+    assert big["r"].status_code == 200 and big["r"].json()["bucket"] == {"batch": 4, "seq": 32}, big["r"].text
+    # before the fix the small requests queued behind the build: one or two answered, each
+    # after most of the build; now they keep flowing, each far quicker than the build
+    assert len(during) >= 3, (len(during), big["s"], solo)
+    assert max(during) < big["s"] / 2, (max(during), big["s"])
+    assert statistics.median(during) < 25 * solo, (statistics.median(during), solo)
+    assert not dec.tracebacks, [x.getMessage() for x in dec.tracebacks[:3]]
+
+
 @pytest.mark.slow
 def test_hot_reload_while_a_stream_is_open(dec):
     """The open stream finishes on the deployment it started on (its engine frozen meanwhile),
@@ -498,7 +534,7 @@ def test_hot_reload_while_a_stream_is_open(dec):
     old = dec.server.active
     old_version, old_engine = old.version, old.decoder.engine
     ref = greedy(dec, [5], 40)
-    with Frozen(dec.url, {"prompt": [5], "max_tokens": 40, **GREEDY}, old_engine) as f:
+    with Frozen(dec.url, {"prompt": [5, 6], "max_tokens": 40, **GREEDY}, old_engine) as f:
         r = dec.client.put(f"/v1/recipe?wait=1&timeout={READY_S}", json=tiny_decoders.recipe("tiny-decoder-reloaded"))
         assert r.status_code == 200 and r.json()["status"] == "swapped", r.text
         new_version = r.json()["version"]
@@ -522,7 +558,7 @@ def test_shutdown_ends_an_open_stream_with_an_error_event(dec):
     """Past the shutdown grace (1 s here) a generation still running ends with a 503 error
     event and `[DONE]`, and the server stops, instead of the stream being cut off."""
     decoder = dec.server.active.decoder
-    with Frozen(dec.url, {"prompt": [5], "max_tokens": 40, **GREEDY}, decoder.engine) as f:
+    with Frozen(dec.url, {"prompt": [5, 6], "max_tokens": 40, **GREEDY}, decoder.engine) as f:
         stopper = threading.Thread(target=dec.running.stop, daemon=True)
         stopper.start()
         eventually(lambda: decoder._stopped, EVENT_S, "the shutdown grace to end the generations")
