@@ -85,13 +85,15 @@ def serve_cmd(
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise GraphmodeError(f"unknown log level {log_level!r}", where="--log-level",
                              fix="debug, info, warning or error")
+    if admin_token is None and "GRAPHMODE_ADMIN_TOKEN" in os.environ:
+        admin_token = os.environ["GRAPHMODE_ADMIN_TOKEN"]   # set but empty: refused below, never "no token"
     config = ServeConfig(target=target, cache_dir=cache_dir, kb=kb_file(kb, cache_dir), kb_period_s=kb_period_s,
                          threads=threads, batch_window_ms=batch_window_ms,
                          max_batch=max_batch, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
                          sla_window_s=sla_window_s, sla_step_s=sla_step_s, sla_margin=sla_margin,
                          sla_windows=sla_windows, sla_min_samples=sla_min_samples,
                          renegotiate_interval_s=renegotiate_interval_s, renegotiate_burst=renegotiate_burst,
-                         admin_token=admin_token or None, insecure_no_auth=insecure_no_auth,
+                         admin_token=admin_token, insecure_no_auth=insecure_no_auth,
                          header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                          recipe_check_cpu_s=recipe_check_s, max_plans=max_plans, shutdown_grace_s=shutdown_grace_s)
     check_exposure(host, config)           # before the model is built: a refused address fails fast

@@ -93,13 +93,14 @@ class DecodeEngine:
     composed directly (the scheduler's tests run it over a fake runner, no model)."""
 
     def __init__(self, runner: Any, scheduler: Scheduler, cfg: dict[str, Any], *, max_prompt: int,
-                 lowered: Any = None):
+                 min_prompt: int = 1, seq_dim: str = "seq", context: int | None = None, lowered: Any = None):
         self.runner = runner
         self.scheduler = scheduler
         self.cache = scheduler.cache
         self.layout = scheduler.cache.layout
         self.cfg = cfg
-        self.max_prompt = max_prompt
+        self.max_prompt, self.min_prompt, self.seq_dim = max_prompt, min_prompt, seq_dim
+        self.context = context          # the model's positions (None: the config does not say)
         self.lowered = lowered          # compiler.Lowered: the paged graph, its verdict and its proof
         self._cm = getattr(runner, "cm", None)
         self.lock = threading.RLock()
@@ -116,9 +117,22 @@ class DecodeEngine:
         cfg = lm_config(lm)
         layout = kv_layout(recipe, cfg)
         dims = {d: recipe.dim_range(d) for d in recipe.dims}
-        if "batch" not in dims or "seq" not in dims:
-            raise RecipeError("a decoder recipe needs dims batch and seq", where="dims",
-                              fix="declare dims batch (sequences per step) and seq (prompt length)")
+        kv = recipe.memory.kv_cache
+        bd, sd = kv.batch_dim, kv.seq_dim
+        if bd not in dims or sd not in dims:
+            raise RecipeError(f"a decoder recipe needs dims {bd} and {sd}", where="dims",
+                              fix=f"declare dims {bd} (sequences per step) and {sd} (prompt length), the "
+                                  "memory.kv_cache batch_dim and seq_dim")
+        if (bd, sd) != ("batch", "seq"):
+            raise RecipeError(f"the decode graph's dims are batch and seq; memory.kv_cache names {bd} and {sd}",
+                              where="memory.kv_cache.batch_dim", value=[bd, sd],
+                              fix="name the decoder recipe's dims batch and seq (batch_dim: batch, seq_dim: seq)")
+        context = int(cfg["context"]) if cfg.get("context") else None   # the model's positions
+        min_prompt, max_prompt = dims[sd]
+        if context is not None and max_prompt + 1 > context:
+            raise RecipeError(f"dims.{sd} admits prompts of {max_prompt} tokens, but the model has "
+                              f"{context} positions: no room for a new token", where=f"dims.{sd}.max",
+                              value=max_prompt, fix=f"{sd} at most {context - 1}")
         low = lower_decoder(lm, recipe, target, on_stage=on_stage)
         cache = PagedKVCache(layout, pools=_pools(low.graph, layout.layers))
         cm = CompiledModel(low.source, recipe, target, low.captured, low.graph,
@@ -130,9 +144,10 @@ class DecodeEngine:
         # holds the pages of its whole answer from admission, so it is never preempted and
         # recomputed under another shape: its logits are bit-identical whoever else is running
         invariant = getattr(recipe, "determinism", "default") == "batch_invariant"
-        scheduler = Scheduler(cache, buckets["batch"][-1], invariant=invariant)
-        runner = ModelRunner(cm, cache, buckets["batch"], buckets["seq"])
-        return cls(runner, scheduler, cfg, max_prompt=dims["seq"][1], lowered=low)
+        scheduler = Scheduler(cache, buckets[bd][-1], invariant=invariant)
+        runner = ModelRunner(cm, cache, buckets[bd], buckets[sd])
+        return cls(runner, scheduler, cfg, max_prompt=max_prompt, min_prompt=min_prompt, seq_dim=sd,
+                   context=context, lowered=low)
 
     @property
     def batch_buckets(self) -> list[int]:
@@ -173,9 +188,18 @@ class DecodeEngine:
             raise ContractViolation(f"token ids must be in [0, {vocab})", where="prompt",
                                     value=[t for t in prompt if not 0 <= t < vocab][:5])
         if len(prompt) > self.max_prompt:
-            raise ContractViolation(f"the prompt has {len(prompt)} tokens, the contract's seq allows at most "
-                                    f"{self.max_prompt}", where="dims.seq", value=len(prompt),
+            raise ContractViolation(f"the prompt has {len(prompt)} tokens, the contract's {self.seq_dim} allows at "
+                                    f"most {self.max_prompt}", where=f"dims.{self.seq_dim}", value=len(prompt),
                                     fix=f"send at most {self.max_prompt} prompt tokens")
+        if len(prompt) < self.min_prompt:
+            raise ContractViolation(f"the prompt has {len(prompt)} token(s), the contract's {self.seq_dim} needs at "
+                                    f"least {self.min_prompt}", where=f"dims.{self.seq_dim}", value=len(prompt),
+                                    fix=f"send at least {self.min_prompt} prompt tokens (or lower dims."
+                                        f"{self.seq_dim}.min in the recipe)")
+        if self.context is not None and len(prompt) + params.max_new_tokens > self.context:
+            raise ContractViolation(f"{len(prompt)} prompt + {params.max_new_tokens} new tokens exceed the model's "
+                                    f"{self.context} positions", where="max_new_tokens", value=params.max_new_tokens,
+                                    fix=f"ask for at most {self.context - len(prompt)} new tokens")
         if len(prompt) + params.max_new_tokens > self.layout.max_tokens:
             raise ContractViolation(f"{len(prompt)} prompt + {params.max_new_tokens} new tokens exceed the "
                                     f"{self.layout.max_tokens} tokens a sequence's pages hold", where="max_new_tokens",

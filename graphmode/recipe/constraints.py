@@ -397,20 +397,22 @@ def prove_kv_pages(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) ->
     seq, page, max_pages = cm.kv_pages
     t0 = time.perf_counter()
     s = z3.Int(seq)
-    pages = -((-s) / page)
+    pages = -((-(s + 1)) / page)           # the prompt and at least one new token
     status, res = _solve([pages > max_pages], {seq: s}, timeout_ms, {seq: cm.domains[seq]})
     dt = time.perf_counter() - t0
     if status == "sat":
-        need = -(-res[seq] // page)
+        need = -(-(res[seq] + 1) // page)
         assert need > max_pages
         return Proof("memory.kv_cache.max_pages_per_seq", "refuted",
-                     f"{seq}={res[seq]}: needs {need} pages of {page} tokens > max_pages_per_seq {max_pages}",
-                     res, dt, {"pages": need})
+                     f"{seq}={res[seq]}: a prompt of {res[seq]} tokens and one new token need {need} pages of {page} "
+                     f"tokens > max_pages_per_seq {max_pages} (fix: max_pages_per_seq >= {need}, or {seq} at most "
+                     f"{max_pages * page - 1})", res, dt, {"pages": need})
     if status == "unknown":
         return Proof("memory.kv_cache.max_pages_per_seq", "unproved", f"unproved ({res})", seconds=dt)
     top = max(cm.domains[seq])
     return Proof("memory.kv_cache.max_pages_per_seq", "proved",
-                 f"every {seq} fits in {max_pages} pages (longest {top} needs {-(-top // page)})", seconds=dt)
+                 f"every {seq} and one new token fit in {max_pages} pages (longest {top} + 1 needs "
+                 f"{-(-(top + 1) // page)})", seconds=dt)
 
 
 def _cover_breaks(v: z3.ArithRef, buckets: list[int], p: Fraction | None) -> z3.BoolRef:

@@ -359,6 +359,28 @@ class _Checker:
                 if kv[k] not in self.r.dims and not (k == "batch_dim" and kv[k] == "batch"):
                     self.err(f"memory.kv_cache.{k}", f"dim {kv[k]!r} is not declared under dims", kv[k],
                              fix=f"one of: {', '.join(self.r.dims)}")
+            self.kv_slots(kv)
+
+    def kv_slots(self, kv: dict) -> None:
+        """A decoder recipe holds one admissible sequence: its longest prompt (seq_dim's max)
+        plus one new token fits a sequence's pages (proved for every seq by prove_kv_pages) and
+        the pool; seq_dim is the prompt length, not the batch."""
+        seq, batch = kv["seq_dim"], kv["batch_dim"]
+        if seq == batch:
+            self.err("memory.kv_cache.seq_dim", f"seq_dim and batch_dim are both {seq!r}: the KV pages would be "
+                                                "counted per sequence along the batch", seq,
+                     fix="seq_dim: the prompt-length dim (seq), batch_dim: the sequences decoded together (batch)")
+            return
+        pool = self.r.memory.kv_cache.pages
+        if seq not in self.r.dims or pool is None or not isinstance(kv["page_size"], int):
+            return
+        top = dim_range(self.r.dims[seq])[1]
+        need = -(-(top + 1) // kv["page_size"])
+        if pool < need:
+            self.err("memory.kv_cache.pages", f"a pool of {pool} page(s) cannot hold one admissible sequence: the "
+                                              f"longest prompt ({seq} = {top}) and one new token need {need} pages "
+                                              f"of {kv['page_size']} tokens", pool,
+                     fix=f"pages: {need} or more (or leave pages out: batch max x max_pages_per_seq)")
 
     def model(self) -> None:
         m = self.r.model

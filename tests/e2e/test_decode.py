@@ -12,7 +12,7 @@ import torch
 import graphmode
 from graphmode.capture.families import _DECODER, _hf
 from graphmode.capture.spec import bundle_from_module
-from graphmode.errors import ContractViolation, GraphmodeError
+from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.hostmem import MIN_SPILL_BYTES
 from graphmode.recipe.facts import kv_cache_bytes
 
@@ -139,6 +139,31 @@ def test_a_prompt_longer_than_the_contract_is_refused(model):
     _, cm = model
     with pytest.raises(ContractViolation, match="dims.seq|prompt"):
         cm.generate(torch.randint(3, 100, (1, 40)), max_new_tokens=2)
+
+
+def test_a_prompt_shorter_than_the_contract_is_refused(model):
+    """dims.seq min is 2: a 1-token prompt is outside the contract (#30: it was accepted)."""
+    _, cm = model
+    with pytest.raises(ContractViolation, match="needs at least 2") as e:
+        cm.generate(torch.tensor([[5]]), max_new_tokens=2)
+    assert e.value.where == "dims.seq" and e.value.value == 1
+    cm.generate(torch.tensor([[5, 6]]), max_new_tokens=2)
+
+
+def test_a_contract_whose_longest_prompt_leaves_no_position_is_refused(cache):
+    """The tiny GPT-2 has 64 positions: prompts of up to 64 tokens (pages for 68) leave no room
+    for a new token, so the decode engine refuses the recipe before it builds anything."""
+    lm, kvh = _lm("gpt2")
+    ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    b = bundle_from_module(lm, ex, {k: ["batch", "seq"] for k in ex})
+    r = recipe(kvh, max_pages_per_seq=17)
+    r["dims"]["seq"] = {"buckets": [8, 64], "min": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(b, r, cache_dir=cache)
+    with pytest.raises(RecipeError, match="64 positions: no room for a new token") as e:
+        cm.generate(PROMPTS, MASK, max_new_tokens=2)
+    assert e.value.where == "dims.seq.max" and e.value.fix == "seq at most 63"
 
 
 def _logits_by_prompt(eng, prompts, params, *, join_later=()):

@@ -149,3 +149,19 @@ def test_every_answer_to_head_is_empty_with_the_get_headers(indexed):
     raw, _ = _raw(indexed.port, b"HEAD /" + b"a" * (HEAD_LIMIT * 4) + b" HTTP/1.1\r\nHost: x\r\n\r\n")
     status, headers, body = _status_and_body(raw)
     assert status == 414 and body == b"" and int(headers["content-length"]) > 0
+
+
+@pytest.mark.parametrize("token", ["", " "])
+def test_an_empty_admin_token_is_refused_at_start_like_a_short_one(tmp_path, monkeypatch, capsys, token):
+    """GRAPHMODE_ADMIN_TOKEN="" once meant "no token" (PUT open on loopback)."""
+    import yaml
+    from test_serve import cnn_recipe
+
+    from graphmode.cli import main
+    (tmp_path / "ok.yaml").write_text(yaml.safe_dump(cnn_recipe("ok")))
+    monkeypatch.setenv("GRAPHMODE_ADMIN_TOKEN", token)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", str(tmp_path / "no-such-model.py") + ":small", "--port", "0",
+              "--recipe", str(tmp_path / "ok.yaml")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "at least 16" in err and "Traceback" not in err, err

@@ -251,3 +251,17 @@ def test_an_onnx_model_with_an_empty_table_is_refused_at_compile(tmp_path, capsy
         main(["run", "--model", str(path), "--recipe", str(rec), "--cache-dir", str(tmp_path / "c")])
     text = "".join(capsys.readouterr())
     assert x.value.code == 2 and "Traceback" not in text and "0 rows" in text
+
+
+def test_graphmode_run_refuses_a_shape_past_the_models_positions_with_exit_2(tmp_path, capsys):
+    """With on_violation: eager a shape outside the dims runs in eager PyTorch, but one past the
+    model's 16 positions would fail there: refused first (#30: an IndexError traceback)."""
+    import yaml
+
+    from graphmode.cli import main
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump(_recipe(on_violation="eager")))
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--model", SPEC, "--recipe", str(rec), "--shape", "1x20", "--cache-dir", str(tmp_path / "c")])
+    text = "".join(capsys.readouterr())
+    assert e.value.code == 2 and "Traceback" not in text and "16 positions" in text, text

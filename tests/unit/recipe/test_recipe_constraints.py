@@ -192,8 +192,8 @@ def test_compiler_facts_replace_the_estimate():
     assert set(rep.model.memory_terms) == {"weights", "prepared_weights", "activations", "kv_cache"}
     assert rep.model.memory_terms["prepared_weights"] == math.ceil(500 * MB * r.memory.weight_growth)
     worst = rep.proofs[[p.name for p in rep.proofs].index("memory")].detail["worst_bytes"]
-    expect = (500 * MB * (1 + r.memory.weight_growth) + 8 * 1024 * 768 * 40 + 2 * MB
-              + evaluate(kv_cache_bytes(r), {"batch": 8, "seq": 1024}))
+    expect = (500 * MB * (1 + r.memory.weight_growth) + 8 * 1023 * 768 * 40 + 2 * MB
+              + evaluate(kv_cache_bytes(r), {"batch": 8, "seq": 1023}))
     assert abs(worst - float(expect)) < 1
     # a facts expression with an unknown symbol cannot be proved (never "valid")
     bad = ModelFacts(weights_bytes=0, activation_bytes=sympy.Symbol("heads") * 4)
