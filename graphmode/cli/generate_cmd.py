@@ -87,11 +87,16 @@ class Request:
         check_ids(prompts, vocab, flag)
         check_ids(stops, vocab, "--stop-ids")
         req = cls(bundle, lm, tok, flag, prompts, tuple(stop), stops)
-        hi = rec.dim_range("seq")[1] if "seq" in rec.dims else None
+        lo, hi = rec.dim_range("seq") if "seq" in rec.dims else (None, None)
         if hi is not None and req.longest > hi:
             raise ContractViolation(f"a prompt has {req.longest} tokens, the recipe's seq allows at most {hi}",
                                     where=flag, value=req.longest,
                                     fix=f"shorten the prompt to {hi} tokens, or raise dims.seq in the recipe")
+        shortest = min(len(p) for p in prompts)
+        if lo is not None and shortest < lo:
+            raise ContractViolation(f"a prompt has {shortest} token(s), the recipe's seq needs at least {lo}",
+                                    where=flag, value=shortest,
+                                    fix=f"send at least {lo} tokens, or lower dims.seq.min in the recipe")
         return req
 
     def check_room(self, rec: Any, max_tokens: int) -> None:

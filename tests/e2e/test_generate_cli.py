@@ -140,15 +140,16 @@ LONG = ",".join(str(3 + i % 90) for i in range(40))           # the recipe's seq
 @pytest.mark.parametrize("rec,args,where,needle", [
     ("nokv", ["--prompt-ids", "5,6"], "memory.kv_cache", "memory.kv_cache"),
     ("recipe", ["--prompt-ids", LONG], "--prompt-ids", "at most 32"),
+    ("recipe", ["--prompt-ids", "5"], "--prompt-ids", "at least 2"),
     ("recipe", ["--prompt-ids", "5,six,7"], "--prompt-ids", "cannot parse"),
     ("recipe", ["--prompt-ids", f"5,{VOCAB}"], "--prompt-ids #1", f"[0, {VOCAB})"),
     ("recipe", ["--prompt", "w5 w6"], "--prompt", "no tokenizer"),
     ("recipe", ["--prompt-ids", "5", "--stop", "w9"], "--stop", "no tokenizer"),
     ("recipe", [], "--prompt/--prompt-ids", "text or as token ids"),
-    ("recipe", ["--prompt-ids", "5", "--top-k", "5"], "--top-k", "--temperature"),
-    ("recipe", ["--prompt-ids", "5", "--temperature", "-1"], "--temperature", "temperature"),
-    ("recipe", ["--prompt-ids", "5", "--max-tokens", "0"], "--max-tokens", "max_new_tokens"),
-    ("recipe", ["--prompt-ids", "5", "--max-tokens", "60"], "--max-tokens", "KV pages"),
+    ("recipe", ["--prompt-ids", "5,6", "--top-k", "5"], "--top-k", "--temperature"),
+    ("recipe", ["--prompt-ids", "5,6", "--temperature", "-1"], "--temperature", "temperature"),
+    ("recipe", ["--prompt-ids", "5,6", "--max-tokens", "0"], "--max-tokens", "max_new_tokens"),
+    ("recipe", ["--prompt-ids", "5,6", "--max-tokens", "60"], "--max-tokens", "KV pages"),
 ])
 def test_bad_requests_are_refused_before_compiling(files, tmp_path, rec, args, where, needle):
     cache = tmp_path / "cache"
