@@ -107,7 +107,7 @@ def verify_cmd(
         cases = verify_cases(rec, buckets)
         checking = stack.enter_context(stage(on_stage, "verify", total=len(cases)))
         for shape, env in cases:
-            inputs = src.make_inputs(shape, seed=seed)
+            inputs = cm.sample_inputs(shape, seed=seed)      # index inputs inside the tables they pick from
             refs = src.reference(inputs)
             if shape == env:     # the plan itself, so a mismatch can be bisected to a pass or an instruction
                 exe = cm.executable(env)

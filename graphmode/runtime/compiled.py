@@ -269,16 +269,16 @@ class CompiledModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self.bind_inputs(args, kwargs)
         self.events["calls"] += 1
-        if self.mode == "eager":
-            self.last_path = {"path": "eager", "reason": "exe_mode eager"}
-            return self._eager(inputs)
-        dims = self.shape_of(inputs)
+        dims = self.shape_of(inputs) if self.mode != "eager" else {}
         try:
             self.check_inputs(inputs, dims)
         except ContractViolation as e:
             self.events["violated_calls"] += 1
             self._event("violation", kind=e.kind, dims=dict(dims))
             raise
+        if self.mode == "eager":
+            self.last_path = {"path": "eager", "reason": "exe_mode eager"}
+            return self._eager(inputs)
         bucket = self.bucket_for(dims)
         unsafe = [d for d in self.exact_dims if bucket is not None and dims[d] != bucket[d]]
         if bucket is None or unsafe:

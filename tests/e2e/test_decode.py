@@ -86,13 +86,14 @@ def test_sampling_with_a_seed_repeats_and_streaming_matches(model):
 
 
 def test_pool_that_runs_out_makes_requests_wait_not_fail(cache):
-    """A pool of 8 pages (32 tokens) for three sequences of up to 24 tokens each: they cannot
-    all run at once; the scheduler queues or recomputes, every answer equals running alone."""
-    lm, cm = _compile("gpt2", cache, pages=8)
+    """A pool of 9 pages (36 tokens: the longest admissible prompt, 32, and one new token) for
+    three sequences of up to 24 tokens each: they cannot all run at once; the scheduler queues
+    or recomputes, every answer equals running alone."""
+    lm, cm = _compile("gpt2", cache, pages=9)
     eng = cm._decoder if getattr(cm, "_decoder", None) else None
     ours = cm.generate(PROMPTS, MASK, max_new_tokens=18)
     eng = cm._decoder
-    assert eng.cache.bytes == kv_cache_bytes(cm.recipe) == 8 * eng.layout.page_bytes
+    assert eng.cache.bytes == kv_cache_bytes(cm.recipe) == 9 * eng.layout.page_bytes
     alone = [cm.generate(PROMPTS[i:i + 1], MASK[i:i + 1], max_new_tokens=18)[0] for i in range(3)]
     assert all(torch.equal(ours[i], alone[i]) for i in range(3))
     assert eng.stats["preemptions"] >= 1, eng.stats                      # someone gave its pages back

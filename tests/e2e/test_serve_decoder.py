@@ -292,7 +292,8 @@ ERRORS = [   # (body, status, where, words in the message); every answer must al
     ({"prompt": list(range(3, 36)), "max_tokens": 2}, 422, "prompt", "at most 32"),
     ({"prompt": [P1, list(range(3, 36))]}, 422, "prompt[1]", "at most 32"),
     ({"prompt": [5, 100, 7]}, 422, "prompt", "[0, 100)"),
-    ({"prompt": [[5], [6, -1]]}, 422, "prompt[1]", "[0, 100)"),
+    ({"prompt": [[5, 6], [6, -1]]}, 422, "prompt[1]", "[0, 100)"),
+    ({"prompt": [5]}, 422, "prompt", "at least 2"),
     ({"prompt": ""}, 422, "prompt", "empty"),
     ({"prompt": P1, "model": "no-such-model"}, 404, "model", "not served"),
     ({"prompt": 5}, 400, "prompt", "prompt must be"),
@@ -523,6 +524,23 @@ def test_a_bucket_being_built_does_not_stall_requests_for_built_ones(dec):
     assert max(during) < big["s"] / 2, (max(during), big["s"])
     assert statistics.median(during) < 25 * solo, (statistics.median(during), solo)
     assert not dec.tracebacks, [x.getMessage() for x in dec.tracebacks[:3]]
+
+
+def test_a_request_whose_bucket_outlasts_its_timeout_gets_503_and_the_build_goes_on(dec):
+    cfg, cm = dec.server.config, dec.server.active.cm
+    bucket = {"batch": 2, "seq": 32}
+    assert not cm.is_built(bucket)
+    body = {"inputs": {"input_ids": [[5] * 20] * 2, "attention_mask": [[1] * 20] * 2}}
+    timeout, cfg.request_timeout_s = cfg.request_timeout_s, 0.01
+    try:
+        r = dec.client.post("/v1/infer", json=body)
+    finally:
+        cfg.request_timeout_s = timeout
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["where"] == "bucket" and "still being built" in r.json()["message"]
+    eventually(lambda: cm.is_built(bucket), READY_S, "the build to finish in the background")
+    r = dec.client.post("/v1/infer", json=body)
+    assert r.status_code == 200 and r.json()["bucket"] == bucket, r.text
 
 
 @pytest.mark.slow

@@ -265,3 +265,22 @@ def test_graphmode_run_refuses_a_shape_past_the_models_positions_with_exit_2(tmp
         main(["run", "--model", SPEC, "--recipe", str(rec), "--shape", "1x20", "--cache-dir", str(tmp_path / "c")])
     text = "".join(capsys.readouterr())
     assert e.value.code == 2 and "Traceback" not in text and "16 positions" in text, text
+
+
+def test_a_loaded_artifact_checks_the_same_inputs(cm, tmp_path):
+    """A `.gm` artifact has no captured graph: its optimized graph (fused regions included)
+    gives the same checks."""
+    cm.save(tmp_path / "m.gm")
+    loaded = graphmode.load(tmp_path / "m.gm", cache_dir=tmp_path / "c")
+    assert [(c.input, c.lo, c.hi) for c in loaded.bounds()[0]] == [(c.input, c.lo, c.hi) for c in cm.bounds()[0]]
+    x = _ok_inputs()
+    x["token_type_ids"][0, 4] = 7
+    with pytest.raises(ContractViolation, match=r"holds 7 at position \[0, 4\]"):
+        loaded(**x)
+
+
+def test_profile_shows_the_cost_of_the_checks(cm):
+    from graphmode.bench.profile import profile_bucket
+    prof = profile_bucket(cm, cm.recipe, {"batch": 1, "seq": 4}, cm.target, runs=3, eager=False)
+    assert prof.checked_inputs == ["ids", "token_type_ids"] and prof.check_s is not None and prof.check_s > 0
+    assert prof.to_json()["check_ms"] is not None
