@@ -251,8 +251,8 @@ def _index_issues(recipe: Any, rep: IndexReport) -> list[Issue]:
             continue
         if not b.lo <= spec.pad_value <= b.hi:
             out.append(Issue("index", f"padding {spec.name!r} with {spec.pad_value} would index out of range: "
-                                      f"its values must be in [{b.lo}, {b.hi}] ({b.describe()})", f"inputs[{i}].pad_value",
-                             spec.pad_value, fix=f"a pad_value in [{b.lo}, {b.hi}]"))
+                                      f"its values must be in [{b.lo}, {b.hi}] ({b.describe()})",
+                             f"inputs[{i}].pad_value", spec.pad_value, fix=f"a pad_value in [{b.lo}, {b.hi}]"))
         rng = getattr(spec, "range", None)
         if rng is not None and not (b.lo <= rng[0] and rng[1] <= b.hi):
             out.append(Issue("index", f"the recipe admits values of {spec.name!r} the model cannot index: it "

@@ -402,6 +402,10 @@ class _GuardedH11(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """h11 could not parse the request: 414 / 431 when its head outgrew HEAD_LIMIT (by the
         request line or by the headers), else 400; JSON, then a lingering close."""
+        if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:   # mid-answer
+            self.cycle.disconnected = True
+            self.transport.close()
+            return
         buf = self.conn.trailing_data[0]
         limit = self._head_limit()
         line_end = buf.find(b"\r\n", 0, limit + 2)

@@ -104,7 +104,10 @@ class TrialRunner:
         self.base = load_recipe(base_data)
         self.graph0, self.cap, self.src = capture(model, self.base)
         self.shapes = workload(self.base, seed)
-        self._inputs = [self.src.make_inputs(s, seed=seed) for s in self.shapes]
+        from graphmode.analysis.indices import analyze_indices
+        from graphmode.runtime.bounds import draw_within, value_checks
+        inside = value_checks(self.base, analyze_indices(self.graph0))     # ids inside the model's tables
+        self._inputs = [draw_within(self.src.make_inputs(s, seed=seed), inside, seed) for s in self.shapes]
         self._refs = [[t.detach().clone() for t in self.src.reference(x)] for x in self._inputs]
 
     def run(self, cfg: dict[str, Any], index: int, deadline: float = float("inf")) -> TrialResult:
