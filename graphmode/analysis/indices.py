@@ -121,8 +121,8 @@ def _walk(graph: Graph, trails: dict[str, _Trail], report: IndexReport) -> None:
     for node in graph.nodes:
         if node.body is not None:                     # a fused region: its inputs are node.inputs in order
             inner = {b: trails[o] for b, o in zip(node.body.inputs, node.inputs) if o in trails}
-            if inner:
-                _walk(node.body, inner, report)
+            _walk(node.body, inner, report)
+            trails.update({o: inner[b] for b, o in zip(node.body.outputs, node.outputs) if b in inner})
             continue
         if node.op in _INDEX_OPS:
             _index_use(graph, node, trails, report)
