@@ -5,9 +5,11 @@ recipe's `codegen.isa` cap (a field added later is left out of the digest at the
 every earlier entry had, so those entries still hit). An entry is
 a folder `<root>/plans/<digest>/` holding `plan.json` and `meta.json` (the key fields and the
 sha256 of plan.json); kernel libraries live in `<root>/kernels` (backends/cpu/build.py).
-Writes go to a temporary folder renamed into place (atomic). A read checks meta.json's shape,
-key and checksum; anything else found there (a file or link in place of the folder, JSON of
-the wrong shape) is a `corrupt` event and the entry is removed, never loaded. The checksum
+Writes go to a temporary folder renamed into place (atomic). A read goes through
+graphmode/untrusted.py (regular files only, bounded sizes, nothing outside the root) and
+checks meta.json's shape, key and checksum; anything else found there (a FIFO, a device or a
+link in place of a file, a file in place of the folder, JSON of the wrong shape) is a
+`corrupt` event and the entry is removed, never loaded. The checksum
 only catches accidents: whoever loads a plan checks it against its key and graph
 (plan/execution.py `load_plan`) and calls `invalidate` when it fails.
 """
@@ -27,14 +29,17 @@ from typing import Any, Mapping
 import torch
 
 import graphmode
-from graphmode.errors import CacheError
+from graphmode.errors import CacheError, GraphmodeError
 from graphmode.paths import cache_root
+from graphmode.untrusted import KiB, MiB, UntrustedFileError, parse_json, read_bytes, read_json
 
 log = logging.getLogger("graphmode.cache")
 KEY_FIELDS = ("graph_hash", "recipe_hash", "target", "bucket", "graphmode", "torch", "isa")
 FIELDS_SINCE_V1 = {"isa": "auto"}    # key field added later -> the value entries written before it had
 PLAN_FILE = "plan.json"
 _WARN = ("corrupt", "unusable", "unwritable")
+META_MAX_BYTES = 64 * KiB        # what meta.json may hold (ours are < 1 KiB)
+PLAN_MAX_BYTES = 256 * MiB       # what plan.json may hold (a large model's plan is a few MiB)
 
 
 def make_key(graph_hash: str, recipe_hash: str, target: str, bucket: Mapping[str, int],
@@ -54,8 +59,11 @@ def key_digest(key: Mapping[str, str]) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _why(e: Exception) -> str:
+    """A damaged entry's reason, from the error that found it."""
+    if isinstance(e, GraphmodeError):
+        return f"{e.where}: {e.message}" if isinstance(e, UntrustedFileError) and e.where else e.message
+    return f"{type(e).__name__}: {e}"
 
 
 def meta_problem(meta: Any) -> str | None:
@@ -133,19 +141,22 @@ class ArtifactCache:
         try:
             if d.is_symlink() or not d.is_dir():
                 raise CacheError("the entry is not a folder")
-            meta = json.loads((d / "meta.json").read_text())
+            meta = read_json(d / "meta.json", limit=META_MAX_BYTES, root=self.root)
             why = meta_problem(meta)
             if why is not None:
                 raise CacheError(why)
             if key_fields(meta["key"]) != key_fields(key):
                 raise CacheError("entry key does not match its folder (stale or tampered)")
-            if _sha(d / PLAN_FILE) != meta["files"][PLAN_FILE]:
-                raise CacheError(f"checksum mismatch in {PLAN_FILE}")
-            plan = json.loads((d / PLAN_FILE).read_text())
+            try:
+                data = read_bytes(d / PLAN_FILE, limit=PLAN_MAX_BYTES, root=self.root, sha256=meta["files"][PLAN_FILE])
+            except UntrustedFileError as e:
+                raise CacheError(f"checksum mismatch in {PLAN_FILE}" if "sha256" in e.message
+                                 else f"{PLAN_FILE}: {e.message}") from None
+            plan = parse_json(data)
             if not isinstance(plan, dict):
                 raise CacheError(f"{PLAN_FILE} holds a JSON {type(plan).__name__}, not an object")
-        except (OSError, ValueError, RecursionError, CacheError) as e:
-            self.invalidate(key, e.message if isinstance(e, CacheError) else f"{type(e).__name__}: {e}")
+        except (OSError, ValueError, GraphmodeError) as e:
+            self.invalidate(key, _why(e))
             return None
         try:
             os.utime(d / "meta.json")
@@ -168,8 +179,9 @@ class ArtifactCache:
             raise CacheError(f"cannot write cache entry under {self.plans}: {e}",
                              fix="check permissions/disk space or pass another cache dir") from None
         try:
-            (tmp / PLAN_FILE).write_text(json.dumps(plan_json))
-            meta = {"key": dict(key), "files": {PLAN_FILE: _sha(tmp / PLAN_FILE)}, "created": time.time()}
+            data = json.dumps(plan_json).encode()
+            (tmp / PLAN_FILE).write_bytes(data)
+            meta = {"key": dict(key), "files": {PLAN_FILE: hashlib.sha256(data).hexdigest()}, "created": time.time()}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             _remove(final)
             os.replace(tmp, final)
@@ -198,15 +210,15 @@ class ArtifactCache:
             try:
                 if d.is_symlink() or not d.is_dir():
                     raise CacheError("not a folder")
-                meta = json.loads((d / "meta.json").read_text())
+                meta = read_json(d / "meta.json", limit=META_MAX_BYTES, root=self.root)
                 why = meta_problem(meta)
                 if why is not None:
                     raise CacheError(why)
                 key = {k: str(v) for k, v in {**meta["key"], **key_fields(meta["key"])}.items()}
                 created = float(meta.get("created", 0.0))
                 used = (d / "meta.json").stat().st_mtime
-            except (OSError, ValueError, RecursionError, CacheError) as e:
-                key = {"corrupt": e.message if isinstance(e, CacheError) else f"unreadable meta.json ({e})"}
+            except (OSError, ValueError, GraphmodeError) as e:
+                key = {"corrupt": _why(e)}
             out.append(Entry(name, d, key, size, created, used))
         return out
 

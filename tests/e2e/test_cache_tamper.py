@@ -22,7 +22,7 @@ import torch.nn as nn
 import yaml
 
 import graphmode
-from graphmode.backends.cpu.build import library_problem
+from graphmode.backends.cpu.build import library_problem, seal_library, seal_path
 from graphmode.recipe import load_recipe
 from graphmode.runtime.cache import ArtifactCache
 from graphmode.verify.numerics import rel_l2
@@ -113,7 +113,8 @@ def libraries(cache: Path) -> list[Path]:
 
 
 def reseal_library(lib: Path) -> None:
-    lib.with_suffix(".so.sha256").write_text(hashlib.sha256(lib.read_bytes()).hexdigest())
+    """Seal `lib` as the cache's key holder would, so the checks after the seal must catch it."""
+    seal_library(lib)
 
 
 def _swap_buckets(cache: Path) -> None:
@@ -194,6 +195,20 @@ def test_truncated_kernel_library_is_rebuilt_not_loaded(cache):
     bad = events(cm, "corrupt")
     assert bad and all("truncated" in e["reason"] for e in bad)
     assert all(library_problem(lib, lib.stem) is None for lib in libs if lib.exists())
+
+
+def test_kernel_library_with_a_recomputed_checksum_is_rebuilt(cache):
+    """Flipped bits with the checksum updated (SIGBUS/SIGSEGV once, when only a checksum guarded
+    it): the seal is keyed, so the edit is refused before the library is mapped."""
+    for lib in libraries(cache):
+        data = bytearray(lib.read_bytes())
+        for i in range(len(data) // 3, len(data) // 3 + 64):
+            data[i] ^= 0x5A
+        lib.write_bytes(bytes(data))
+        seal_path(lib).write_text(hashlib.sha256(bytes(data)).hexdigest())
+    cm = run_and_check(cache)
+    bad = events(cm, "corrupt")
+    assert bad and all("seal does not match" in e["reason"] for e in bad)
 
 
 def test_kernel_library_from_another_entry_is_rebuilt(cache):

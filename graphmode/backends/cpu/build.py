@@ -8,16 +8,23 @@ a cache shared between machines never hands out a library built for another CPU,
 library built under one ISA cap (its -march flags) is never handed to another. Files are
 written to a temporary name and `os.replace`d.
 
-A cached library this process did not build is loaded only after `library_problem` finds
-nothing wrong: its sidecar sha256 matches (accidents), it is a complete ELF shared object for
-this machine (every segment and section inside the file: mapping a truncated one dies of
-SIGBUS), it carries the build key it was compiled under (a library copied over another entry,
-checksum and all, lacks it), and a short-lived subprocess loads it. A library that fails is
-a `corrupt` event in `events` and is rebuilt from source.
+Loading a library runs its code, so a cached one is loaded only after `library_problem`
+finds nothing wrong: it is a regular file inside the folder within `MAX_LIBRARY_BYTES`
+(graphmode/untrusted.py), its seal `<key>.so.seal` is the HMAC-SHA256, under the folder's own
+random key (`.seal-key`, mode 0600, made on first use), of its build key and its sha256 (so
+a library copied from another entry or machine, or edited with its checksum updated, is
+refused: forging a seal needs the key, see docs/robustness.md for what that does and does
+not stop), it is a complete ELF shared object for this machine (mapping a truncated one
+dies of SIGBUS), it carries the build key it was compiled under, and a short-lived
+subprocess loads it. A library that fails is a `corrupt` event in `events` and is rebuilt
+from source. A folder that cannot be written (full disk, read-only) builds in a private
+temporary folder instead, said once: uncached, never failed.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -37,6 +44,7 @@ from graphmode.backends.cpu.isa import CAPS, host_simd, march
 from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary
 from graphmode.errors import BackendError
 from graphmode.paths import cache_layout
+from graphmode.untrusted import KiB, MiB, UntrustedFileError, read_bytes, read_json
 
 log = logging.getLogger("graphmode.backends.cpu")
 
@@ -46,6 +54,11 @@ DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-c
 PART_MIN = 4            # kernels per part before a library is split for parallel compilation
 COMPILE_TIMEOUT_S = 300
 TRIAL_LOAD_TIMEOUT_S = 120
+MAX_LIBRARY_BYTES = 512 * MiB     # what a cached kernel library may weigh before it is refused unread
+SEAL_SUFFIX = ".so.seal"
+SEAL_KEY = ".seal-key"
+_UNWRITABLE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+               errno.EEXIST)
 KEY_MARK = "graphmode-kernel-library:"   # + the build key, a string constant in every library we build
 _TRIAL_LOAD = "import ctypes, sys\nctypes.CDLL(sys.argv[1]).gm_get_threads()\n"
 
@@ -70,6 +83,7 @@ _WARNED: set[str] = set()
 _PROBES: dict[tuple, tuple[str, ...] | None] = {}
 _LOADED: dict[str, tuple[CompiledLibrary, tuple | None]] = {}
 _LOCK = threading.Lock()
+_SCRATCH: list[tempfile.TemporaryDirectory] = []
 
 
 def _warn_once(key: str, msg: str) -> None:
@@ -191,11 +205,11 @@ class KernelBuilder:
         record = self.cache_dir / f"probe-{digest}.json"
         allowed = set(self.base_flags) | {"-fopenmp-simd"}
         try:
-            flags = json.loads(record.read_text())
+            flags = read_json(record, limit=64 * KiB, root=self.cache_dir)
             if isinstance(flags, list) and all(isinstance(f, str) and f in allowed for f in flags):
                 _PROBES[key] = tuple(flags)
                 return _PROBES[key]
-        except (OSError, ValueError, RecursionError):
+        except UntrustedFileError:
             pass
         candidates = [tuple(self.base_flags)]
         f = list(self.base_flags)
@@ -206,18 +220,23 @@ class KernelBuilder:
             candidates.append(tuple("-fopenmp-simd" if x == "-fopenmp" else x for x in f))
             candidates.append(tuple(x for x in f if x != "-fopenmp"))
         result = None
-        with tempfile.TemporaryDirectory(prefix="gm-probe-") as tmp:
-            src = Path(tmp) / "probe.cpp"
-            src.write_text(_PROBE_SRC)
-            for cand in candidates:
-                try:
-                    out = _run([cxx, *cand, *self._shared(cand), str(src), "-o", str(Path(tmp) / "probe.so")],
-                               timeout=120)
-                except (OSError, subprocess.SubprocessError):
-                    continue
-                if out.returncode == 0:
-                    result = cand
-                    break
+        try:
+            with tempfile.TemporaryDirectory(prefix="gm-probe-") as tmp:
+                src = Path(tmp) / "probe.cpp"
+                src.write_text(_PROBE_SRC)
+                for cand in candidates:
+                    try:
+                        out = _run([cxx, *cand, *self._shared(cand), str(src), "-o", str(Path(tmp) / "probe.so")],
+                                   timeout=120)
+                    except (OSError, subprocess.SubprocessError):
+                        continue
+                    if out.returncode == 0:
+                        result = cand
+                        break
+        except OSError as e:      # no room for a temporary file: not remembered, the next process probes again
+            _warn_once(f"probe-tmp:{e.errno}", f"cannot probe the C++ compiler: cannot write a temporary file "
+                       f"({e.strerror or e}); fused groups run with the ATen/reference ops")
+            return None
         if result is not None and result != tuple(self.base_flags):
             dropped = [x for x in self.base_flags if x not in result]
             _warn_once(f"flags:{cxx}:{dropped}", f"{cxx} rejects {' '.join(dropped)}; generated kernels are "
@@ -323,18 +342,39 @@ class KernelBuilder:
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             self._compile(key, path, sources, tu)
-        except (OSError, subprocess.SubprocessError) as e:
+        except OSError as e:
+            if e.errno not in _UNWRITABLE:
+                raise BackendError(f"cannot build the kernel library: {e}", where=str(path)) from None
+            path = self._uncached(key, sources, tu, e)
+        except subprocess.SubprocessError as e:
             raise BackendError(f"cannot build the kernel library: {e}", where=str(path)) from None
         try:
             return self._load(path)
         except OSError as e:
             raise BackendError(f"freshly built kernel library does not load: {e}", where=str(path)) from None
 
+    def _uncached(self, key: str, sources: list[KernelSource], tu: str, e: OSError) -> Path:
+        """Build into this process's private folder when the cache folder cannot be written
+        (full disk, read-only): the library works, it is just not kept. Said once per folder."""
+        _warn_once(f"unwritable:{self.cache_dir}", f"cannot write kernel libraries to {self.cache_dir} "
+                   f"({e.strerror or e}); building them in a temporary folder, uncached, until it can be written")
+        self.events.append({"event": "unwritable", "path": str(self.cache_dir), "reason": e.strerror or str(e)})
+        if not _SCRATCH:
+            _SCRATCH.append(tempfile.TemporaryDirectory(prefix="graphmode-kernels-"))
+        path = Path(_SCRATCH[0].name) / f"{key}.so"
+        try:
+            if not path.exists():
+                self._compile(key, path, sources, tu, sealed_in=Path(_SCRATCH[0].name))
+        except (OSError, subprocess.SubprocessError) as e2:
+            raise BackendError(f"cannot build the kernel library: {e2}", where=str(path),
+                               fix="free disk space (or pass another cache dir)") from None
+        return path
+
     def _corrupt(self, path: Path, why: str) -> None:
         log.warning("cached kernel library %s is corrupt (%s); rebuilding it", path, why)
         self.events.append({"event": "corrupt", "path": str(path), "reason": why})
         self.stats["rebuilds"] += 1
-        for p in (path, path.with_suffix(".so.sha256")):   # the rebuild's os.replace cannot replace a folder
+        for p in (path, seal_path(path)):   # the rebuild's os.replace cannot replace a folder
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
 
@@ -348,9 +388,11 @@ class KernelBuilder:
             _LOADED[str(path)] = (lib, _signature(path))
         return lib
 
-    def _compile(self, key: str, path: Path, sources: list[KernelSource], tu: str) -> None:
+    def _compile(self, key: str, path: Path, sources: list[KernelSource], tu: str, *,
+                 sealed_in: Path | None = None) -> None:
         t0 = time.perf_counter()
-        tmp = Path(tempfile.mkdtemp(prefix=f".build-{key[:8]}-", dir=self.cache_dir))
+        folder = sealed_in or self.cache_dir
+        tmp = Path(tempfile.mkdtemp(prefix=f".build-{key[:8]}-", dir=folder))
         try:
             out = tmp / "lib.so"
             nparts = min(self.jobs, len(sources) // PART_MIN)
@@ -386,8 +428,8 @@ class KernelBuilder:
                 self._check(_run([self._cxx, *self._flags, *self._shared(self._flags), *objs, "-o", str(out),
                                   "-lm"], timeout=COMPILE_TIMEOUT_S), tmp / "part0.cpp", key)
             data = out.read_bytes()
+            _atomic_write(seal_path(path), library_seal(folder, key, data).encode())
             os.replace(out, path)
-            _atomic_write(path.with_suffix(".so.sha256"), hashlib.sha256(data).hexdigest().encode())
             _atomic_write(path.with_suffix(".cpp"), tu.encode())
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -422,17 +464,64 @@ def _key_mark(key: str) -> str:
             f'const char gm_build_key[] = "{KEY_MARK}{key}";\n')
 
 
+def seal_path(lib: Path) -> Path:
+    return lib.with_name(lib.stem + SEAL_SUFFIX)
+
+
+def _seal_key(folder: Path) -> bytes:
+    """The folder's secret (32 random bytes, made once, mode 0600; linked into place so two
+    processes making it at once agree on one). A damaged one is replaced, voiding every seal."""
+    path = folder / SEAL_KEY
+    try:
+        key = read_bytes(path, limit=64, root=folder)
+        if len(key) == 32:
+            return key
+    except UntrustedFileError:
+        pass
+    if os.path.lexists(path):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".seal-key.", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+    return read_bytes(path, limit=64, root=folder)
+
+
+def library_seal(folder: Path, key: str, data: bytes) -> str:
+    """The seal of a library with build key `key` and bytes `data` in `folder`."""
+    msg = f"{KEY_MARK}{key}\0{hashlib.sha256(data).hexdigest()}".encode()
+    return hmac.new(_seal_key(folder), msg, hashlib.sha256).hexdigest()
+
+
+def seal_library(path: Path) -> None:
+    """Seal a library that was checked by other means (an artifact's member, its hash in the
+    manifest) so this folder's builder will load it."""
+    data = read_bytes(path, limit=MAX_LIBRARY_BYTES, root=path.parent)
+    _atomic_write(seal_path(path), library_seal(path.parent, path.stem, data).encode())
+
+
 def library_problem(path: Path, key: str) -> str | None:
     """Why the cached library at `path` must not be loaded for build key `key`, or None."""
     try:
-        if path.is_symlink() or not path.is_file():
-            return "not a regular file"
-        data = path.read_bytes()
-        want = path.with_suffix(".so.sha256").read_text().strip()
+        data = read_bytes(path, limit=MAX_LIBRARY_BYTES, root=path.parent)
+        want = read_bytes(seal_path(path), limit=1 * KiB, root=path.parent).decode("ascii", "replace").strip()
+        seal = library_seal(path.parent, key, data)
+    except UntrustedFileError as e:
+        return e.message if e.where == str(path) else f"{Path(e.where or '').name}: {e.message}"
     except OSError as e:
         return f"unreadable: {e}"
-    if hashlib.sha256(data).hexdigest() != want:
-        return "checksum mismatch"
+    if not hmac.compare_digest(seal, want):
+        return "its seal does not match (edited, damaged, or copied from another cache)"
     why = elf_problem(data)
     if why is not None:
         return why
@@ -547,4 +636,4 @@ def compiler_available(compiler: str | None = None, cache_dir: Path | str | None
 
 
 __all__ = ["KernelBuilder", "builder_for", "default_kernel_dir", "compiler_available", "DEFAULT_FLAGS",
-           "library_problem", "elf_problem"]
+           "library_problem", "elf_problem", "library_seal", "seal_library", "seal_path"]

@@ -1,6 +1,7 @@
-"""Cached kernel libraries are validated before dlopen: a truncated file (SIGBUS when mapped),
-one for another machine, one copied from another build key, or one that does not load in a
-subprocess is refused and rebuilt, whatever its sidecar checksum says."""
+"""Cached kernel libraries are validated before dlopen: one whose seal (an HMAC under the
+folder's key) does not match, a truncated file (SIGBUS when mapped), one for another machine,
+one copied from another build key, or one that does not load in a subprocess is refused and
+rebuilt, whatever a sidecar checksum says."""
 from __future__ import annotations
 
 import _ctypes
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import graphmode.backends.cpu.build as build_mod
-from graphmode.backends.cpu.build import KernelBuilder, elf_problem, library_problem
+from graphmode.backends.cpu.build import KernelBuilder, elf_problem, library_problem, seal_library, seal_path
 from graphmode.backends.cpu.codegen import generate
 from graphmode.backends.cpu.kernels import run_with_tensors
 from graphmode.ir import parse_graph
@@ -38,7 +39,8 @@ def _kernel(op: str):
 
 
 def reseal(lib: Path) -> None:
-    lib.with_suffix(".so.sha256").write_text(hashlib.sha256(lib.read_bytes()).hexdigest())
+    """Seal `lib` as the folder's key holder would (so the checks after the seal are what refuse it)."""
+    seal_library(lib)
 
 
 @needs_elf
@@ -64,7 +66,7 @@ def test_library_problem_on_foreign_files(tmp_path):
     key = "0" * 32
     lib = tmp_path / f"{key}.so"
     shutil.copyfile(SYSTEM_SO, lib)
-    assert library_problem(lib, key).startswith("unreadable")      # no sidecar checksum
+    assert "cannot open" in library_problem(lib, key)      # no seal
     reseal(lib)
     assert "build key missing" in library_problem(lib, key)
     with open(lib, "ab") as f:              # the marker bytes alone do not make it ours
@@ -73,7 +75,7 @@ def test_library_problem_on_foreign_files(tmp_path):
     assert "trial load" in library_problem(lib, key)
     lib.unlink()
     lib.mkdir()
-    assert library_problem(lib, key) == "not a regular file"
+    assert "not a regular file" in library_problem(lib, key)
 
 
 @needs_cxx
@@ -111,3 +113,46 @@ def test_tampered_probe_record_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setattr(build_mod, "_PROBES", {})
     b2 = KernelBuilder(tmp_path)
     assert b2.compiler_available() and set(b2.flags) <= set(b2.base_flags) | {"-fopenmp-simd"}
+
+
+@needs_cxx
+def test_forged_seal_or_library_from_another_cache_is_refused(tmp_path, monkeypatch):
+    """A library edited with a freshly computed checksum in place of the seal, and a library
+    copied with its seal from another cache folder (another key), are refused unloaded."""
+    ks = _kernel("sigmoid")
+    path = KernelBuilder(tmp_path / "a").library_path([ks])
+    KernelBuilder(tmp_path / "a").build(ks)
+    assert library_problem(path, path.stem) is None
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF                         # one flipped bit pattern in the code
+    path.write_bytes(bytes(data))
+    seal_path(path).write_text(hashlib.sha256(bytes(data)).hexdigest())   # what a checksum tamper does
+    assert "seal does not match" in library_problem(path, path.stem)
+    other = tmp_path / "b"
+    KernelBuilder(other).build(_kernel("tanh"))          # another folder, another key
+    shutil.copyfile(path, other / path.name)
+    seal_library(path)                                   # sealed under a's key ...
+    shutil.copyfile(seal_path(path), seal_path(other / path.name))
+    assert "seal does not match" in library_problem(other / path.name, path.stem)    # ... is void in b
+    monkeypatch.setattr(build_mod, "_LOADED", {})
+    b = KernelBuilder(other)
+    b.build(ks)
+    assert [e["event"] for e in b.events] == ["corrupt"] and "seal" in b.events[0]["reason"]
+
+
+@needs_cxx
+def test_unwritable_kernel_folder_builds_uncached_once(tmp_path, monkeypatch, caplog):
+    """A file where the folder should be (as a read-only or full disk, the folder cannot be
+    written): the kernels are built in a private folder, said once, and they run."""
+    (tmp_path / "cache").write_text("a file in place of the cache folder")
+    folder = tmp_path / "cache" / "kernels"
+    monkeypatch.setattr(build_mod, "_WARNED", set())
+    b = KernelBuilder(folder)
+    with caplog.at_level("WARNING", logger="graphmode.backends.cpu"):
+        k1, k2 = b.build(_kernel("sigmoid")), b.build(_kernel("tanh"))
+    x = torch.randn(4, 8)
+    assert rel_l2(run_with_tensors(k1, {"x": x})["y"], torch.sigmoid(x)) < 1e-6
+    assert rel_l2(run_with_tensors(k2, {"x": x})["y"], torch.tanh(x)) < 1e-6
+    assert [e["event"] for e in b.events] == ["unwritable", "unwritable"]
+    assert len([r for r in caplog.records if "uncached" in r.getMessage()]) == 1
+    assert (tmp_path / "cache").read_text().startswith("a file")

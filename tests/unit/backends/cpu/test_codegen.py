@@ -614,7 +614,7 @@ def test_cache_hit_then_corrupt_rebuild(tmp_path, monkeypatch):
     k1 = b1.build(ks)
     assert b1.stats["compiles"] == 1
     path = b1.library_path([ks])
-    assert path.exists() and path.with_suffix(".so.sha256").exists() and path.with_suffix(".cpp").exists()
+    assert path.exists() and path.with_name(path.stem + ".so.seal").exists() and path.with_suffix(".cpp").exists()
     mtime = path.stat().st_mtime_ns
     b2 = KernelBuilder(tmp_path)
     b2.build(ks)
