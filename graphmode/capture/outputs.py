@@ -80,14 +80,18 @@ def count(spec: dict) -> int:
 
 
 def _class(path: str) -> Any:
+    """The ModelOutput class `path` names, or None (then a plain dict is returned): only a
+    transformers class with `to_tuple` is rebuilt, whatever a saved spec says."""
     mod, _, name = path.rpartition(".")
+    if mod.split(".")[0] != "transformers":
+        return None
     try:
         obj: Any = importlib.import_module(mod)
         for part in name.split("."):
             obj = getattr(obj, part)
-        return obj
     except (ImportError, AttributeError, ValueError):
         return None
+    return obj if isinstance(obj, type) and hasattr(obj, "to_tuple") else None
 
 
 def rebuild(spec: dict, flat: list[Any]) -> Any:

@@ -11,13 +11,23 @@ archive is refused rather than run.
 
 The file is a zip (stored, not deflated: libraries and weights barely compress):
 
-    manifest.json            versions, host, recipe hash, graph hash, buckets, outputs
+    manifest.json            versions, host, recipe hash, graph hash, buckets, outputs, and
+                             `files`: every other member's size and sha256
     recipe.json              the recipe (its hash must equal the manifest's)
     graph.ir                 the optimised graph as IR text
     constants.pt             its constants (weights), loaded with weights_only=True
     plans/<bucket>.json      one execution plan per bucket
-    kernels/<key>.so         kernel libraries (each with its .so.sha256)
+    kernels/<key>.so         kernel libraries
     tactics/*.json           the GEMM/conv timing cache the plans were tuned with
+
+A `.gm` is untrusted input until checked: the manifest is read within a size bound and
+every field is checked against `Manifest` (types, enums, thread count, sizes, counts; an
+unknown field is refused); every other member must be listed there, stored (a compressed
+member could inflate without bound), of the listed size, and is read or extracted in
+bounded chunks and checked against its sha256 before anything parses, maps or loads it.
+What fails is one ArtifactError naming the member, never a traceback. The hashes catch
+damage and inconsistent edits; loading a `.gm` runs the native code it carries, so a file
+rewritten consistently by someone else is as trusted as its source (docs/robustness.md).
 
 Out-of-contract requests cannot run eagerly (there is no module): they are refused.
 """
@@ -25,27 +35,94 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Optional
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import graphmode
-from graphmode.errors import GraphmodeError
+from graphmode.errors import GraphmodeError, short_value
 from graphmode.progress import OnStage, StageReporter, stage
+from graphmode.untrusted import GiB, MiB, UntrustedFileError, file_sha256, open_file, parse_json, read_bytes
 
-FORMAT = 1
+FORMAT = 2              # 2: the manifest lists every member's size and sha256
 SUFFIX = ".gm"
+MAX_THREADS = 1024
+MAX_ITEMS = 4096        # buckets, outputs, kernels, members
+MANIFEST_MAX_BYTES = 1 * MiB
+# what one member may hold, by where it lives (constants.pt: anything up to the archive's size)
+MEMBER_MAX_BYTES = {"recipe.json": 16 * MiB, "graph.ir": 1 * GiB, "plans": 256 * MiB, "kernels": 512 * MiB,
+                    "tactics": 16 * MiB}
+_MEMBER = re.compile(r"recipe\.json|graph\.ir|constants\.pt|plans/[A-Za-z0-9_.,=-]{1,200}\.json"
+                     r"|kernels/[0-9a-f]{32}\.so|tactics/[A-Za-z0-9_.-]{1,200}\.json")
+_EXTRACTED = ("constants.pt", "kernels", "tactics")      # what is mapped or loaded by path: written to disk
 
 
 class ArtifactError(GraphmodeError):
     """An artifact that cannot be written, read or run here."""
 
     exit_code = 1
+
+
+def _text(n: int):
+    return Field(max_length=n)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class HostFacts(_Strict):
+    cpu: str = _text(256)
+    arch: str = _text(32)
+    simd: list[str] = Field(max_length=64)
+
+
+class Member(_Strict):
+    bytes: int = Field(ge=0, le=1 << 40)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class OutputSpec(_Strict):
+    """How the model's outputs nest (capture/outputs.py `describe`). Its class is only imported
+    when it names a transformers ModelOutput (`outputs._class`); anything else loads as a dict."""
+
+    t: Literal["tensor", "none", "tuple", "list", "dict", "model_output"]
+    keys: Optional[list[str]] = Field(default=None, max_length=MAX_ITEMS)
+    items: Optional[list["OutputSpec"]] = Field(default=None, max_length=MAX_ITEMS)
+    class_: Optional[str] = Field(default=None, alias="class", pattern=r"^transformers(\.[A-Za-z_][A-Za-z0-9_]*){1,8}$")
+
+
+class Manifest(_Strict):
+    """What a manifest may hold: every field typed and bounded."""
+
+    format: int
+    graphmode: str = _text(64)
+    torch: str = _text(64)
+    created: str = _text(64)
+    host: HostFacts
+    model: str = _text(256)
+    recipe_hash: str = Field(pattern=r"^[0-9a-f]{8,64}$")
+    graph_hash: str = Field(pattern=r"^[0-9a-f]{8,64}$")
+    target: Optional[str] = _text(256)
+    mode: Literal["graph", "hybrid"]
+    device: str = Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")
+    isa: str = _text(32)                # one of backends.cpu.isa.CAPS (checked with the members)
+    threads: Optional[int] = Field(ge=1, le=MAX_THREADS)
+    buckets: list[str] = Field(min_length=1, max_length=MAX_ITEMS)
+    outputs: list[str] = Field(max_length=MAX_ITEMS)
+    out_spec: Optional[str] = _text(1 << 20)
+    output_structure: Optional[OutputSpec] = None
+    mutated_inputs: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
+    exact_dims: list[str] = Field(max_length=MAX_ITEMS)
+    kernels: list[str] = Field(max_length=MAX_ITEMS)
+    files: dict[str, Member] = Field(max_length=4 * MAX_ITEMS)
 
 
 def _host() -> dict[str, Any]:
@@ -56,6 +133,24 @@ def _host() -> dict[str, Any]:
 
 def _bucket_file(key: str) -> str:
     return "plans/" + key.replace(",", "_").replace("=", "-") + ".json"
+
+
+class _Hashing:
+    """A write-only stream that hashes and counts what passes through it to `f`."""
+
+    def __init__(self, f: Any):
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, b: bytes) -> int:
+        self.sha.update(b)
+        self.bytes += len(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def member(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "sha256": self.sha.hexdigest()}
 
 
 def save(cm: Any, path: str | Path) -> dict[str, Any]:
@@ -92,27 +187,31 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
                 "threads": cm.threads, "buckets": list(plans), "outputs": cm.output_names,
                 "out_spec": out_spec, "output_structure": cm.output_structure,
                 "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims), "kernels": sorted(libraries)}
+    files: dict[str, dict[str, Any]] = {}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     writing = StageReporter(getattr(cm, "on_stage", None), "write", None, str(path))
     writing.start()
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
-            z.writestr("manifest.json", json.dumps(manifest, indent=1))
-            z.writestr("recipe.json", json.dumps(cm.recipe.model_dump(mode="json")))
-            z.writestr("graph.ir", graph.text())
+            def put(name: str, data: bytes) -> None:
+                z.writestr(name, data)
+                files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            put("recipe.json", json.dumps(cm.recipe.model_dump(mode="json")).encode())
+            put("graph.ir", graph.text().encode())
             with z.open("constants.pt", "w", force_zip64=True) as f:   # streamed: no in-memory copy of the weights
-                torch.save({k: v.contiguous() for k, v in graph.constants.items()}, f)
+                out = _Hashing(f)
+                torch.save({k: v.contiguous() for k, v in graph.constants.items()}, out)
+            files["constants.pt"] = out.member()
             for k, text in plans.items():
-                z.writestr(_bucket_file(k), json.dumps(text))
+                put(_bucket_file(k), json.dumps(text).encode())
             for name, lib in sorted(libraries.items()):
-                z.write(lib, f"kernels/{name}")
-                sha = lib.with_suffix(".so.sha256")
-                if sha.is_file():
-                    z.write(sha, f"kernels/{sha.name}")
+                put(f"kernels/{name}", lib.read_bytes())
             tactics = _tactics_dir(libraries)
             for f in sorted(tactics.glob("*.json")) if tactics is not None else []:
-                z.write(f, f"tactics/{f.name}")
+                put(f"tactics/{f.name}", f.read_bytes())
+            manifest["files"] = files
+            z.writestr("manifest.json", json.dumps(manifest, indent=1))
         tmp.replace(path)                 # a reader never sees a half-written artifact
         writing.finish()
     except OSError as e:
@@ -132,49 +231,107 @@ def _tactics_dir(libraries: dict[str, Path]) -> Path | None:
     return None
 
 
-def _graph(z: zipfile.ZipFile, root: Path, text: str, manifest: dict[str, Any], where: Path):
-    """(the graph over the weights mapped from `root`, their spill), checked against the
-    manifest's graph hash, or ArtifactError."""
-    from graphmode.hostmem import load_mapped
-    from graphmode.ir.parser import parse_graph
+# ---- reading ---------------------------------------------------------------------------------------
+
+def _damaged(where: Path, name: str, why: str) -> ArtifactError:
+    return ArtifactError(f"{name} is damaged or edited: {why}", where=f"{where}:{name}",
+                         fix="the file was damaged in transit or edited: save the artifact again")
+
+
+def _member_limit(name: str, archive_bytes: int) -> int:
+    return archive_bytes if name == "constants.pt" else MEMBER_MAX_BYTES[name.split("/")[0]]
+
+
+def _stream(z: zipfile.ZipFile, name: str, where: Path, limit: int, want: dict[str, Any] | None):
+    """The chunks of member `name`, checked: present, stored, within `limit` (and `want`'s
+    size), ending in `want`'s sha256. A damaged member is an ArtifactError, raised at the
+    first bad chunk or after the last."""
     try:
-        constants, spill = load_mapped(_constants_file(z, root, where))
-        graph = parse_graph(text, constants)
-    except GraphmodeError as e:
-        raise ArtifactError(f"its graph or weights are damaged or edited: {e.message}", where=str(where),
-                            fix="save the artifact again") from None
-    except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged file
-        raise ArtifactError(f"its constants do not load: {type(e).__name__}", where=f"{where}:constants.pt",
-                            fix="save the artifact again") from None
-    if graph.structural_hash() != manifest.get("graph_hash"):
-        raise ArtifactError("its graph or weights do not match the manifest's hash (edited?)", where=str(where),
-                            fix="save the artifact again")
-    return graph, spill
-
-
-def _constants_file(z: zipfile.ZipFile, root: Path, where: Path) -> Path:
-    """The weights' file in the extraction folder (extracted there now if an older graphmode
-    extracted this artifact without it), to be mapped rather than read into memory."""
-    out = root / "constants.pt"
-    if not out.is_file():
-        try:
-            with z.open("constants.pt") as src, tempfile.NamedTemporaryFile(dir=root, delete=False) as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            Path(dst.name).replace(out)
-        except KeyError:
-            raise ArtifactError("the artifact has no constants.pt", where=str(where),
-                                fix="it is truncated or not a graphmode artifact: save it again") from None
-    return out
-
-
-def _read(z: zipfile.ZipFile, name: str, where: Path) -> bytes:
-    try:
-        return z.read(name)
+        info = z.getinfo(name)
     except KeyError:
         raise ArtifactError(f"the artifact has no {name}", where=str(where),
                             fix="it is truncated or not a graphmode artifact: save it again") from None
-    except (zipfile.BadZipFile, OSError) as e:
-        raise ArtifactError(f"cannot read {name}: {e}", where=str(where), fix="save the artifact again") from None
+    if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
+        raise _damaged(where, name, "it is compressed or encrypted; graphmode stores every member as is")
+    if info.file_size > limit or info.file_size != info.compress_size:
+        raise _damaged(where, name, f"it claims {info.file_size} bytes ({info.compress_size} stored), "
+                                    f"more than {limit} or than it holds")
+    if want is not None and info.file_size != want["bytes"]:
+        raise _damaged(where, name, f"{info.file_size} bytes where the manifest lists {want['bytes']}")
+    sha, left = hashlib.sha256(), info.file_size
+    try:
+        with z.open(info) as f:
+            while left > 0:
+                b = f.read(min(left, 1 << 20))
+                if not b:
+                    raise _damaged(where, name, "it ends early (truncated)")
+                left -= len(b)
+                sha.update(b)
+                yield b
+    except ArtifactError:
+        raise
+    except Exception as e:  # noqa: BLE001 - zipfile raises BadZipFile, OSError, EOFError, ValueError, zlib.error
+        raise _damaged(where, name, f"{type(e).__name__}: {str(e)[:200]}") from None
+    if want is not None and sha.hexdigest() != want["sha256"]:
+        raise _damaged(where, name, "its sha256 differs from the manifest's")
+
+
+def _member(z: zipfile.ZipFile, name: str, where: Path, manifest: dict[str, Any], archive_bytes: int) -> bytes:
+    return b"".join(_stream(z, name, where, _member_limit(name, archive_bytes), manifest["files"].get(name)))
+
+
+def read_manifest(z: zipfile.ZipFile, where: Path) -> dict[str, Any]:
+    """The manifest, parsed strictly and checked field by field against `Manifest`, its
+    member list against the archive's; or ArtifactError."""
+    raw = b"".join(_stream(z, "manifest.json", where, MANIFEST_MAX_BYTES, None))
+    try:
+        manifest = parse_json(raw)
+    except ValueError as e:
+        raise ArtifactError(f"unreadable manifest: {e}", where=f"{where}:manifest.json",
+                            fix="save the artifact again") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"the manifest is a JSON {type(manifest).__name__}, not an object",
+                            where=f"{where}:manifest.json", fix="save the artifact again")
+    _check_versions(manifest, where)        # before the fields: another version may have other fields
+    try:
+        Manifest.model_validate(manifest)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"])
+        raise ArtifactError(f"manifest field {field}: {err['msg']}", where=f"{where}:manifest.json",
+                            value=err.get("input"), fix="save the artifact again") from None
+    problem = _members_problem(z, manifest)
+    if problem is not None:
+        raise ArtifactError(problem, where=str(where), fix="save the artifact again")
+    return manifest
+
+
+def _members_problem(z: zipfile.ZipFile, manifest: dict[str, Any]) -> str | None:
+    from graphmode.backends.cpu.isa import CAPS
+    if manifest["isa"] not in CAPS:
+        return f"manifest field isa: {manifest['isa']!r} is not one of {', '.join(CAPS)}"
+    names = [i.filename for i in z.infolist()]
+    if len(names) != len(set(names)):
+        return "the archive holds a member twice"
+    listed = set(manifest["files"])
+    present = set(names) - {"manifest.json"}
+    for name in sorted(listed | present):
+        if not _MEMBER.fullmatch(name):
+            return f"unexpected member {name[:200]!r}: not one a graphmode artifact holds"
+    if present != listed:
+        extra, missing = sorted(present - listed), sorted(listed - present)
+        return (f"members not in the manifest: {', '.join(extra)[:300]}" if extra else
+                f"members the manifest lists are missing: {', '.join(missing)[:300]}")
+    for name in ("recipe.json", "graph.ir", "constants.pt"):
+        if name not in listed:
+            return f"the artifact has no {name}"
+    kernels = {f"kernels/{k}" for k in manifest["kernels"]}
+    if kernels != {n for n in listed if n.startswith("kernels/")}:
+        return "the manifest's kernels and its kernel members differ"
+    for key in manifest["buckets"]:
+        if _bucket_file(key) not in listed:
+            return f"no plan for bucket {key[:200]}"
+    return None
 
 
 def needed_simd(built: list[str], isa: str) -> list[str]:
@@ -188,17 +345,20 @@ def needed_simd(built: list[str], isa: str) -> list[str]:
     return list(built)
 
 
-def check_manifest(manifest: dict[str, Any], where: Path, host: dict[str, Any] | None = None) -> None:
-    """Refuse an artifact this process cannot run as it was built: format, versions, host ISA."""
+def _check_versions(manifest: dict[str, Any], where: Path) -> None:
     if manifest.get("format") != FORMAT:
-        raise ArtifactError(f"artifact format {manifest.get('format')!r}, this graphmode reads format {FORMAT}",
-                            where=str(where), fix="save it again with this graphmode version")
+        raise ArtifactError(f"artifact format {short_value(manifest.get('format'))!r}, this graphmode reads format "
+                            f"{FORMAT}", where=str(where), fix="save it again with this graphmode version")
     for name, have in (("graphmode", graphmode.__version__), ("torch", torch.__version__)):
         if manifest.get(name) != have:
-            raise ArtifactError(f"built with {name} {manifest.get(name)}, this is {name} {have}", where=str(where),
-                                value=manifest.get(name),
-                                fix=f"load it with {name} {manifest.get(name)}, or compile again here "
-                                    "(graphmode compile ... --save)")
+            got = short_value(manifest.get(name))
+            raise ArtifactError(f"built with {name} {got}, this is {name} {have}", where=str(where), value=got,
+                                fix=f"load it with {name} {got}, or compile again here (graphmode compile ... --save)")
+
+
+def check_manifest(manifest: dict[str, Any], where: Path, host: dict[str, Any] | None = None) -> None:
+    """Refuse an artifact this process cannot run as it was built: format, versions, host ISA."""
+    _check_versions(manifest, where)
     host = host or _host()
     built = manifest.get("host") or {}
     if built.get("arch") != host["arch"]:
@@ -211,11 +371,40 @@ def check_manifest(manifest: dict[str, Any], where: Path, host: dict[str, Any] |
                             fix="compile again on this host (graphmode compile ... --save)")
 
 
+def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
+    """(the archive, its digest, its size): a regular file, hashed and opened from one descriptor."""
+    import os
+    try:
+        f = open_file(path, limit=1 << 48)
+    except UntrustedFileError as e:
+        if not Path(path).exists() and not Path(path).is_symlink():
+            raise ArtifactError("no such artifact", where=str(path), fix="check the path") from None
+        raise ArtifactError(f"not an artifact: {e.message}", where=str(path),
+                            fix="pass a file written by graphmode compile --save / CompiledModel.save") from None
+    try:
+        sha = hashlib.sha256()
+        for b in f.chunks():
+            sha.update(b)
+        fobj = os.fdopen(os.dup(f.fd), "rb")
+    except (OSError, GraphmodeError) as e:
+        raise ArtifactError(f"cannot read it: {getattr(e, 'message', e)}", where=str(path)) from None
+    finally:
+        f.__exit__()
+    try:
+        z = zipfile.ZipFile(fobj)
+    except Exception as e:  # noqa: BLE001 - a damaged central directory raises many types
+        fobj.close()
+        raise ArtifactError(f"not a graphmode artifact: {type(e).__name__}: {str(e)[:200]}", where=str(path),
+                            fix="pass a file written by graphmode compile --save / CompiledModel.save") from None
+    return z, sha.hexdigest()[:24], f.size
+
+
 def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int | None = None,
          on_stage: OnStage | None = None):
     """A CompiledModel from a `.gm` file, every bucket ready (no capture, no kernel compile
-    when the host matches). Extracted once under the cache's `artifacts/<digest>/`. `on_stage`
-    hears the `plans` stage, bucket N of M (graphmode/progress.py)."""
+    when the host matches). Extracted once under the cache's `artifacts/<digest>/`; the
+    extracted copy is checked against the manifest on every load and extracted again when
+    it differs. `on_stage` hears the `plans` stage, bucket N of M (graphmode/progress.py)."""
     from graphmode.backends import get_backend
     from graphmode.compiler import ModelSource
     from graphmode.errors import PlanError
@@ -225,35 +414,28 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     from graphmode.runtime.build import backend_options, cache_key
     from graphmode.runtime.compiled import CompiledModel
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()[:24]
-        z = zipfile.ZipFile(path)
-    except FileNotFoundError:
-        raise ArtifactError("no such artifact", where=str(path), fix="check the path") from None
-    except (zipfile.BadZipFile, OSError) as e:
-        raise ArtifactError(f"not a graphmode artifact: {e}", where=str(path),
-                            fix="pass a file written by graphmode compile --save / CompiledModel.save") from None
+    z, digest, size = _open(path)
     with z:
-        try:
-            manifest = json.loads(_read(z, "manifest.json", path))
-            recipe = Recipe.model_validate(json.loads(_read(z, "recipe.json", path)))
-        except (ValueError, TypeError) as e:
-            raise ArtifactError(f"unreadable manifest or recipe: {str(e).splitlines()[0]}", where=str(path),
-                                fix="save the artifact again") from None
+        manifest = read_manifest(z, path)
         check_manifest(manifest, path)
+        try:
+            recipe_doc = parse_json(_member(z, "recipe.json", path, manifest, size))
+            recipe = Recipe.model_validate(recipe_doc)
+        except (ValueError, TypeError) as e:
+            raise ArtifactError(f"unreadable recipe: {str(e).splitlines()[0][:300]}", where=f"{path}:recipe.json",
+                                fix="save the artifact again") from None
         if recipe.hash() != manifest.get("recipe_hash"):
             raise ArtifactError("its recipe does not match the manifest's hash (edited?)", where=f"{path}:recipe.json",
                                 fix="save the artifact again")
         root = cache_layout(cache_dir).artifacts / digest
-        if not (root / "complete").is_file():
-            _extract(z, root)
-        text = _read(z, "graph.ir", path).decode()
+        if not (root / "complete").is_file() or _extraction_problem(root, manifest, size) is not None:
+            _extract(z, path, root, manifest, size)
         try:
-            graph, spill = _graph(z, root, text, manifest, path)
-        except ArtifactError:     # the extracted weights are a cache: damaged or edited there, extract them again
-            (root / "constants.pt").unlink(missing_ok=True)
-            graph, spill = _graph(z, root, text, manifest, path)
+            text = _member(z, "graph.ir", path, manifest, size).decode()
+        except UnicodeDecodeError:
+            raise _damaged(path, "graph.ir", "it is not UTF-8 text") from None
+        graph, spill = _graph(root, text, manifest, path)
+        plans = {key: _member(z, _bucket_file(key), path, manifest, size) for key in manifest["buckets"]}
     source = ModelSource(manifest.get("model") or graph.name, input_dims={i.name: list(i.shape) for i in recipe.inputs},
                          output_names=list(manifest.get("outputs") or []))
     cm = CompiledModel(source, recipe, _target(manifest.get("target")), None, graph, None, mode=manifest["mode"],
@@ -273,24 +455,29 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     # their prepared copies the originals' pages go (hashing the graph just read every one)
     cm.constant_spill = spill
     spill.release()
-    backend = get_backend(cm.device)
+    try:
+        backend = get_backend(cm.device)
+    except GraphmodeError as e:
+        raise ArtifactError(f"it runs on device {cm.device!r}: {e.message}", where=f"{path}:manifest.json",
+                            fix=e.fix) from None
     extra: dict[str, Any] = backend_options(backend, recipe)
     if backend.capabilities.kernel_selection:       # a backend with tactics: the saved choices are final
         extra["frozen"] = True
     buckets = recipe.buckets()
-    with stage(on_stage, "plans", total=len(buckets)) as plans:
+    with stage(on_stage, "plans", total=len(buckets)) as progress_plans:
         for env in buckets:
             key = cm.bucket_key(env)
-            if key not in manifest["buckets"]:
+            if key not in plans:
                 raise ArtifactError(f"no plan for bucket {key}", where=str(path), fix="save the artifact again")
             try:
-                plan = load_plan(json.loads((root / _bucket_file(key)).read_text()), graph, env,
-                                 built_for=cache_key(cm, env), reuse=recipe.optimize.memory_reuse,
-                                 alias_groups=[list(g) for g in recipe.alias_groups])
-            except (PlanError, OSError, ValueError) as e:
+                doc = parse_json(plans[key])
+                if not isinstance(doc, dict):
+                    raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+                plan = load_plan(doc, graph, env, built_for=cache_key(cm, env),
+                                 reuse=recipe.optimize.memory_reuse, alias_groups=[list(g) for g in recipe.alias_groups])
+            except (PlanError, ValueError, TypeError, KeyError, AttributeError) as e:
                 raise ArtifactError(f"the plan for bucket {key} is not a plan of its graph: "
-                                    f"{getattr(e, 'message', e)}", where=str(path),
-                                    fix="save the artifact again") from None
+                                    f"{getattr(e, 'message', e)}", where=str(path), fix="save the artifact again") from None
             t0 = time.perf_counter()
             exe = backend.executable(plan, graph.constants, kernel_dir=root / "kernels", threads=cm.threads,
                                      kernel_selection=recipe.codegen.kernel_selection, **extra)
@@ -298,24 +485,86 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
             if cm.constant_spill is not None:
                 cm.constant_spill.release()
             cm._event("artifact_load", bucket=key, seconds=round(time.perf_counter() - t0, 3))
-            plans.step(key)
+            progress_plans.step(key)
     return cm
 
 
-def _extract(z: zipfile.ZipFile, root: Path) -> None:
-    """Unpack into `root` atomically (a folder renamed into place, then marked complete)."""
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=root.parent))
+def _graph(root: Path, text: str, manifest: dict[str, Any], where: Path):
+    """(the graph over the weights mapped from `root`, their spill), checked against the
+    manifest's graph hash, or ArtifactError."""
+    from graphmode.hostmem import load_mapped
+    from graphmode.ir.parser import parse_graph
     try:
-        for info in z.infolist():
-            name = info.filename
-            if name.startswith("/") or ".." in Path(name).parts:
-                raise ArtifactError(f"unsafe member name {name!r}", where="artifact", fix="do not load this file")
-            if name.split("/")[0] in ("plans", "kernels", "tactics", "constants.pt"):
-                z.extract(info, tmp)
+        constants, spill = load_mapped(root / "constants.pt")
+        if not isinstance(constants, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                      for k, v in constants.items()):
+            raise ArtifactError("its constants are not a mapping of names to tensors", where=f"{where}:constants.pt",
+                                fix="save the artifact again")
+        graph = parse_graph(text, constants)
+    except ArtifactError:
+        raise
+    except GraphmodeError as e:
+        raise ArtifactError(f"its graph or weights are damaged or edited: {e.message}", where=str(where),
+                            fix="save the artifact again") from None
+    except Exception as e:  # noqa: BLE001 - torch.load and the parser raise many types for a damaged file
+        raise ArtifactError(f"its graph or constants do not load: {type(e).__name__}: {str(e)[:200]}",
+                            where=f"{where}:constants.pt", fix="save the artifact again") from None
+    if graph.structural_hash() != manifest.get("graph_hash"):
+        raise ArtifactError("its graph or weights do not match the manifest's hash (edited?)", where=str(where),
+                            fix="save the artifact again")
+    return graph, spill
+
+
+def _extracted(manifest: dict[str, Any]) -> list[str]:
+    return sorted(n for n in manifest["files"] if n.split("/")[0] in _EXTRACTED)
+
+
+def _extraction_problem(root: Path, manifest: dict[str, Any], archive_bytes: int) -> str | None:
+    """Why the extracted copy in `root` is not the manifest's (a member missing, of another
+    type, size or hash, a kernel library unsealed), or None."""
+    from graphmode.backends.cpu.build import library_seal, seal_path
+    for name in _extracted(manifest):
+        want, limit = manifest["files"][name], _member_limit(name, archive_bytes)
+        try:
+            if not name.startswith("kernels/"):
+                if file_sha256(root / name, limit=limit, root=root) != want["sha256"]:
+                    return f"{name} differs from the artifact"
+                continue
+            data = read_bytes(root / name, limit=limit, root=root, sha256=want["sha256"])
+            seal = read_bytes(root / seal_path(Path(name)), limit=1024, root=root).decode("ascii", "replace")
+            if seal.strip() != library_seal(root / "kernels", Path(name).stem, data):
+                return f"{name}'s seal differs"
+        except (UntrustedFileError, OSError) as e:
+            return f"{name}: {getattr(e, 'message', e)}"
+    return None
+
+
+def _extract(z: zipfile.ZipFile, where: Path, root: Path, manifest: dict[str, Any], archive_bytes: int) -> None:
+    """Unpack the members that are mapped or loaded by path into `root` atomically (a folder
+    renamed into place, then marked complete), each checked against the manifest as it is
+    written; kernel libraries are sealed for this folder's builder."""
+    from graphmode.backends.cpu.build import seal_library
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=root.parent))
+    except OSError as e:
+        raise ArtifactError(f"cannot extract the artifact under {root.parent}: {e.strerror or e}", where=str(where),
+                            fix="pass a cache_dir you can write to") from None
+    try:
+        for name in _extracted(manifest):
+            out = tmp / name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out, "wb") as f:
+                for b in _stream(z, name, where, _member_limit(name, archive_bytes), manifest["files"][name]):
+                    f.write(b)
+            if name.startswith("kernels/"):
+                seal_library(out)
         (tmp / "complete").write_text("ok")
         shutil.rmtree(root, ignore_errors=True)
         tmp.replace(root)
+    except OSError as e:
+        raise ArtifactError(f"cannot extract the artifact under {root.parent}: {e.strerror or e}", where=str(where),
+                            fix="free disk space or pass another cache_dir") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -328,4 +577,5 @@ def _target(name: str | None):
         return None
 
 
-__all__ = ["ArtifactError", "FORMAT", "SUFFIX", "check_manifest", "load", "needed_simd", "save"]
+__all__ = ["ArtifactError", "FORMAT", "Manifest", "SUFFIX", "check_manifest", "load", "needed_simd", "read_manifest",
+           "save"]

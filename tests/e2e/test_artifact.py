@@ -2,6 +2,8 @@
 model's code, get the same numbers with no kernel compile; refuse what cannot run here."""
 from __future__ import annotations
 
+import hashlib
+import os
 import json
 import zipfile
 from pathlib import Path
@@ -80,16 +82,24 @@ def test_weights_are_mapped_from_the_extracted_file_and_repaired_there(saved):
 
 
 def _rewrite(src: Path, dst: Path, **replace: bytes) -> Path:
-    """A copy of the artifact with some members replaced."""
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
-        for info in zin.infolist():
-            zout.writestr(info, replace.get(info.filename, zin.read(info.filename)))
+    """A copy of the artifact with some members replaced, the manifest's sizes and hashes of
+    them updated (a consistent edit: what the checks after the hashes must catch)."""
+    with zipfile.ZipFile(src) as zin:
+        manifest = json.loads(zin.read("manifest.json"))
+        for name, data in replace.items():
+            if name != "manifest.json":
+                manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        replace.setdefault("manifest.json", json.dumps(manifest).encode())
+        with zipfile.ZipFile(dst, "w") as zout:
+            for info in zin.infolist():
+                zout.writestr(info, replace.get(info.filename, zin.read(info.filename)))
     return dst
 
 
 def test_refuses_another_version_or_a_cpu_without_its_isa(saved):
     _, path, manifest, tmp = saved
-    older = dict(manifest, torch="2.0.0")
+    written = {k: v for k, v in manifest.items() if k not in ("seconds", "bytes")}     # save's report adds them
+    older = dict(written, torch="2.0.0")
     bad = _rewrite(path, tmp / "old-torch.gm", **{"manifest.json": json.dumps(older).encode()})
     with pytest.raises(ArtifactError, match="torch 2.0.0") as e:
         graphmode.load(bad, cache_dir=tmp / "c1")
@@ -149,3 +159,92 @@ def test_cli_compile_save(saved):
         ref = m(x)
     y = loaded(x)                                              # a Tensor, as the module returns
     assert isinstance(y, torch.Tensor) and torch.allclose(y, ref, rtol=1e-5, atol=1e-6)
+
+
+def _flip_inside(src: Path, dst: Path, member: str) -> Path:
+    """A copy with one byte flipped in the middle of `member`'s stored data (a bad disk or copy)."""
+    data = bytearray(src.read_bytes())
+    with zipfile.ZipFile(src) as z:
+        info = z.getinfo(member)
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    data[start + info.compress_size // 2] ^= 0x10
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def test_every_damaged_member_is_refused_naming_it(saved):
+    """A flipped byte inside any member (a CRC error in zipfile, once a raw BadZipFile traceback)
+    is one ArtifactError naming that member."""
+    _, path, _, tmp = saved
+    with zipfile.ZipFile(path) as z:
+        members = [n for n in z.namelist() if z.getinfo(n).compress_size > 0]
+    assert any(m.startswith("kernels/") for m in members) and "constants.pt" in members
+    for member in members:
+        bad = _flip_inside(path, tmp / "flipped.gm", member)
+        with pytest.raises(ArtifactError) as e:
+            graphmode.load(bad, cache_dir=tmp / "flipped")
+        assert member in str(e.value), (member, str(e.value))
+
+
+def _edit_manifest(saved, name: str, **fields) -> Path:
+    _, path, _, tmp = saved
+    with zipfile.ZipFile(path) as z:
+        manifest = json.loads(z.read("manifest.json"))
+    manifest.update(fields)
+    return _rewrite(path, tmp / name, **{"manifest.json": json.dumps(manifest).encode()})
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"mode": "turbo"}, "mode"), ({"threads": 10 ** 9}, "threads"), ({"threads": "4"}, "threads"),
+    ({"buckets": []}, "buckets"), ({"isa": "avx9000"}, "isa"), ({"extra": 1}, "extra"),
+    ({"kernels": ["../../etc/passwd"]}, "kernels"), ({"files": {}}, "not in the manifest")])
+def test_manifest_fields_are_bounds_checked(saved, fields, match):
+    bad = _edit_manifest(saved, "fields.gm", **fields)
+    with pytest.raises(ArtifactError, match=match):
+        graphmode.load(bad, cache_dir=saved[3] / "fields")
+
+
+def test_compressed_unlisted_or_special_files_are_refused(saved):
+    _, path, _, tmp = saved
+    bomb = tmp / "bomb.gm"                      # a small file carrying a member that inflates 64 MiB
+    with zipfile.ZipFile(path) as zin, zipfile.ZipFile(bomb, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info, zin.read(info.filename))
+        zout.writestr("tactics/big.json", b"\0" * (64 << 20), compress_type=zipfile.ZIP_DEFLATED)
+    assert bomb.stat().st_size < path.stat().st_size + (1 << 20)
+    with pytest.raises(ArtifactError, match="not in the manifest"):
+        graphmode.load(bomb, cache_dir=tmp / "bomb")
+    with zipfile.ZipFile(path) as z:
+        manifest = json.loads(z.read("manifest.json"))
+    manifest["files"]["tactics/big.json"] = {"bytes": 64 << 20, "sha256": hashlib.sha256(b"\0" * (64 << 20)).hexdigest()}
+    listed = _rewrite(bomb, tmp / "bomb2.gm", **{"manifest.json": json.dumps(manifest).encode()})
+    with pytest.raises(ArtifactError, match="compressed"):
+        graphmode.load(listed, cache_dir=tmp / "bomb")
+    fifo = tmp / "fifo.gm"
+    os.mkfifo(fifo)
+    with pytest.raises(ArtifactError, match="FIFO"):
+        graphmode.load(fifo, cache_dir=tmp / "fifo")
+    link = tmp / "zero.gm"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ArtifactError, match="device"):
+        graphmode.load(link, cache_dir=tmp / "fifo")
+
+
+def test_edited_extraction_is_extracted_again(saved):
+    """The extracted copy is a cache: a kernel library there edited with its seal left as it
+    was, or replaced by a FIFO, is noticed on the next load and extracted again."""
+    cm, path, _, tmp = saved
+    loaded = graphmode.load(path, cache_dir=tmp / "reextract")
+    kernels = tmp / "reextract" / "artifacts" / loaded.artifact["digest"] / "kernels"
+    lib = sorted(kernels.glob("*.so"))[0]
+    data = bytearray(lib.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    lib.unlink()
+    lib.write_bytes(bytes(data))
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(graphmode.load(path, cache_dir=tmp / "reextract")(x)[0], cm(x)[0])
+    assert lib.read_bytes() != bytes(data)
+    lib.unlink()
+    os.mkfifo(lib)
+    assert torch.equal(graphmode.load(path, cache_dir=tmp / "reextract")(x)[0], cm(x)[0])
+    assert lib.is_file()
