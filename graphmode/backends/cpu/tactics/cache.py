@@ -5,7 +5,9 @@ op, shape, dtype, whether weights are timed cold, and the candidate set includin
 generated kernel's symbol (a hash of its source), so the next plan build with those shapes
 does no timing, and any change to what would be timed is a miss. Files live in the cache
 dir's `tactics/` folder as `gemm-<sha256 of the key>.json`, written to a temporary name and
-renamed; an entry that does not parse or does not match its key is a miss. Entries written
+renamed; an entry is read through graphmode/untrusted.py (a regular file inside the folder,
+at most MAX_ENTRY_BYTES, strict JSON), and one that fails, does not parse, holds numbers out
+of range or does not match its key is a miss (timed again, then overwritten). Entries written
 before a field existed still load (the field reads as empty). `digests`: each passing
 candidate's check output digest (candidates.Checker), so a hit re-checks its winner without ATen.
 """
@@ -20,11 +22,26 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from graphmode.untrusted import UntrustedFileError, read_json
+
 log = logging.getLogger("graphmode.cpu.tactics")
 
 # 2: calibration round-robin + a second chance for pruned candidates (timing.measure); entries
 # timed before could hold a fast candidate pruned by a burst of load, so they are timed again
 CACHE_VERSION = 2
+
+
+MAX_ENTRY_BYTES = 4 << 20        # one entry's file (ours are a few KiB)
+
+
+def _seconds(v: Any) -> bool:
+    """A stored time or load: a finite, non-negative number of sane size (JSON parsing already
+    refused NaN and 1e999)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 20
 
 
 class TimingCache:
@@ -45,27 +62,27 @@ class TimingCache:
         if path is None:
             return None
         try:
-            d = json.loads(path.read_text())
-        except (OSError, ValueError):
+            d = read_json(path, limit=MAX_ENTRY_BYTES, root=self.root)
+        except UntrustedFileError as e:
+            if os.path.lexists(path):
+                log.warning("ignoring the GEMM timing cache entry %s: %s", path, e.message)
             return None
         if not isinstance(d, dict) or d.get("key") != json.loads(json.dumps(key)):
             return None
         t, r = d.get("timings_s"), d.get("rejected", {})
-        if not isinstance(t, dict) or not isinstance(r, dict):
-            return None
-        if not all(isinstance(v, (int, float)) for v in t.values()):
+        if not isinstance(t, dict) or not isinstance(r, dict) or not all(_seconds(v) for v in t.values()):
             return None
         med = d.get("medians_s") if isinstance(d.get("medians_s"), dict) else {}
         lo = d.get("mins_s") if isinstance(d.get("mins_s"), dict) else {}
-        load, cores = d.get("load"), d.get("cores")
+        load, cores, tries = d.get("load"), d.get("cores"), d.get("tries", 1)
         dg = d.get("digests") if isinstance(d.get("digests"), dict) else {}
         return {"digests": {k: v for k, v in dg.items() if isinstance(v, str)},
                 "timings_s": {k: float(v) for k, v in t.items()}, "rejected": {k: str(v) for k, v in r.items()},
-                "medians_s": {k: float(v) for k, v in med.items() if isinstance(v, (int, float))},
-                "mins_s": {k: float(v) for k, v in lo.items() if isinstance(v, (int, float))},
-                "load": float(load) if isinstance(load, (int, float)) else None,
-                "cores": int(cores) if isinstance(cores, int) else None,
-                "noisy": bool(d.get("noisy", False)), "tries": int(d.get("tries", 1) or 1)}
+                "medians_s": {k: float(v) for k, v in med.items() if _seconds(v)},
+                "mins_s": {k: float(v) for k, v in lo.items() if _seconds(v)},
+                "load": float(load) if _seconds(load) else None,
+                "cores": cores if _count(cores) else None,
+                "noisy": d.get("noisy") is True, "tries": tries if _count(tries) else 1}
 
     def put(self, key: Mapping, entry: Mapping, *, reps: int) -> None:
         """Store `entry` under `key` (with when it was measured and the minimum samples per

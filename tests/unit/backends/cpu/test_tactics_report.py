@@ -121,3 +121,26 @@ def test_one_slow_calibration_call_does_not_make_one_call_samples():
     samples = measure({ATEN: candidate}, reps=3, sample_s=5e-4, budget_s=0.0)
     assert len(samples[ATEN]) == 3
     assert calls["n"] > 1 + tac.CALIBRATION_CALLS + 3    # more than one call per sample
+
+
+def test_damaged_cache_entries_are_misses_never_errors(tmp_path):
+    """Whatever sits where an entry should (a FIFO, a link to /dev/zero, numbers out of range,
+    deep nesting, wrong types) is a miss: the shape is timed again, nothing raises or blocks."""
+    import os
+    cache = TimingCache(tmp_path)
+    key = {"version": 1, "shape": "y"}
+    path = cache.path(key)
+    good = {"key": key, "timings_s": {ATEN: 1e-3}, "rejected": {}}
+    bodies = ['{"key": ' + json.dumps(key) + ', "timings_s": {"aten": 1e999}, "rejected": {}}',
+              json.dumps(dict(good, timings_s={ATEN: -1.0})), json.dumps(dict(good, timings_s={ATEN: "fast"})),
+              json.dumps(dict(good, tries="x", cores=10 ** 30, load=True)), "[" * 100000, "[1, 2]", "\xff\xfe"]
+    for body in bodies:
+        path.write_text(body, encoding="utf-8", errors="surrogateescape")
+        got = cache.get(key)
+        assert got is None or (got["tries"] == 1 and got["cores"] is None and got["load"] is None), body[:40]
+    path.unlink()
+    os.mkfifo(path)
+    assert cache.get(key) is None
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    assert cache.get(key) is None
