@@ -90,15 +90,19 @@ def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
             except PlanError as e:
                 cache.invalidate(key, ": ".join(x for x in (e.where, e.message) if x))
     cached = plan is not None
+    writable = cache is not None
     if plan is None:
         plan = build_plan(cm.graph, recipe, env, graph_hash=cm._graph_hash)
         plan.built_for = key
         if cache is not None:
             try:
                 cache.put(key, plan.to_json())
-            except CacheError as e:
-                cache.report("unwritable", path=str(cache.plans), reason=e.message)
-    if cache is not None:
+            except CacheError as e:       # a full disk: said once, then this model runs uncached
+                cache.report("unwritable", path=str(cache.plans), reason=e.message,
+                             fix="free disk space; running uncached meanwhile")
+                cm._cache_unusable = e.message
+                writable = False
+    if writable:
         kdir = cache.kernels
     elif cm.cache_dir is False:
         kdir = cache_layout().kernels
@@ -111,5 +115,7 @@ def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
         spill.release()       # the kernels hold their prepared copies; what else reads a constant refaults it
     trim_heap()
     events = (cache.events if cache is not None else []) + exe.events
+    if any(e["event"] == "unwritable" for e in exe.events):    # the builder said so: no second warning
+        cm._cache_unusable = next(e["reason"] for e in exe.events if e["event"] == "unwritable")
     cm.cache_events = getattr(cm, "cache_events", []) + events
     return exe, cached

@@ -275,3 +275,30 @@ def test_cli_run_over_a_tampered_cache(pristine, tmp_path):
     out = json.loads(res.stdout)
     assert out["outputs"][0]["shape"] == [1, 10] and out["outputs"][0]["rel_l2_vs_eager"] < 1e-5
     assert all(library_problem(lib, lib.stem) is None for lib in libraries(cache))
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A cache folder on a file system with no space left (a 64 KiB tmpfs filled up); skipped
+    where this process may not mount one."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        subprocess.run(["dd", "if=/dev/zero", f"of={mnt / 'fill'}", "bs=4k"], capture_output=True)
+        (mnt / "cache").mkdir(exist_ok=True)
+        yield mnt / "cache"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_full_disk_runs_uncached_with_one_warning(full_disk, caplog):
+    import graphmode.backends.cpu.build as build_mod
+    build_mod._WARNED.clear()
+    with caplog.at_level("WARNING"):
+        cm = run_and_check(full_disk)
+    said = [r.getMessage() for r in caplog.records if "uncached" in r.getMessage() or "unwritable" in r.getMessage()]
+    assert len(said) == 1, said
+    assert getattr(cm, "_cache_unusable", None)
