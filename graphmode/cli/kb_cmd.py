@@ -15,11 +15,12 @@ import typer
 import yaml
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import CacheDir, KbPath, kb_file
 from graphmode.cli.progress import progress
-from graphmode.kb.render import shown
+from graphmode.kb.render import shown, terminal_safe
 from graphmode.progress import stage
 
 
@@ -38,11 +39,30 @@ def _open(path: Path):
     return KnowledgeBase(path)
 
 
+MAX_IMPORT_BYTES = 1 << 30         # one export file (a fleet's KB exports to a few MiB)
 _WHOLE = ("time", "recipe", "hash", "model", "#")        # columns kept on one line: the others fold
 
 
+CELL_CHARS = 200        # a longer stored value is cut in tables (rich folds long cells slowly)
+
+
+class _Table(Table):
+    """A table whose cells are shown as plain text (no markup read from stored names), with
+    control characters escaped and long values cut."""
+
+    def add_row(self, *cells: Any, **kw: Any) -> None:
+        super().add_row(*(c if isinstance(c, Text) else Text(terminal_safe(c, CELL_CHARS, lines=False))
+                          for c in cells), **kw)
+
+
+def _say(text: str) -> None:
+    """A line about stored data: printed as plain text, control characters escaped."""
+    console.print(terminal_safe(text), markup=False, highlight=False, soft_wrap=True)
+
+
 def _table(title: str, *cols: str) -> Table:
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t = _Table(title=terminal_safe(title, lines=False), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+               pad_edge=False)
     for c in cols:
         t.add_column(c, overflow="fold", no_wrap=c in _WHOLE)
     return t
@@ -80,7 +100,7 @@ def _perf_table(title: str, rows: list[dict[str, Any]]) -> Table:
         b = ",".join(f"{k}={v}" for k, v in (r["bucket"] or {}).items()) or "-"
         st = {"ok": "green", "violates": "yellow", "failed": "red"}.get(r["status"], "white")
         t.add_row(_when(r["created"]), r["recipe_hash"], r["model_name"], _machine(r), r["source"],
-                  f"[{st}]{r['status']}[/]", b, str(r["threads"] or "-"), shown(r["p50_ms"]), shown(r["p99_ms"]),
+                  Text(terminal_safe(r["status"], CELL_CHARS, lines=False), style=st), b, str(r["threads"] or "-"), shown(r["p50_ms"]), shown(r["p99_ms"]),
                   shown(r["p99_over_p50"]), shown(r["throughput"]), shown(r["peak_memory_mb"]), shown(r["compile_s"]),
                   "-" if r["numerics_err"] is None else f"{r['numerics_err']:.1e}")
     return t
@@ -89,8 +109,7 @@ def _perf_table(title: str, rows: list[dict[str, Any]]) -> Table:
 def _reasons(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if r["status"] != "ok" and r.get("reason"):
-            console.print(f"  {r['recipe_hash']} {r['source']} {r['status']}: {r['reason']}", markup=False,
-                          highlight=False, soft_wrap=True)
+            _say(f"  {r['recipe_hash']} {r['source']} {r['status']}: {r['reason']}")
 
 
 @kb_app.command("ls")
@@ -98,7 +117,7 @@ def ls_cmd(model: Optional[str] = typer.Option(None, "--model", help="model name
            family: Optional[str] = typer.Option(None, "--family", help="architecture family (bert, gpt2, ...)"),
            hardware: Optional[str] = typer.Option(None, "--hardware", help="target name or CPU model substring"),
            origin: Optional[str] = typer.Option(None, "--origin", help="init | tune | measured"),
-           limit: int = typer.Option(50, "--limit", min=1),
+           limit: int = typer.Option(50, "--limit", min=1, max=10 ** 9),
            kb: Optional[Path] = KbPath, cache_dir: Optional[Path] = CacheDir,
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Recipes in the knowledge base, newest first, with how many measurements and the best numbers."""
@@ -161,25 +180,22 @@ def show_cmd(recipe: str = typer.Argument(..., help="recipe content hash (a uniq
                           "model": {"name": r["model_name"], "family": r["family"]},
                           "generated_on": r["hw_name"], "performance": [_perf_json(p) for p in perf]}, indent=1))
         return
-    console.print(f"recipe {r['hash']} {r['name']}: {r['origin']}"
-                  + (f" from {r['parent']}" if r["parent"] else "") + f", for {r['model_name']} ({r['family']}), "
-                  f"generated on {_machine(r)} at {_when(r['created'])}; IR {r['ir_hash'] or '-'}, graphmode "
-                  f"{r['graphmode_version']}, torch {r['torch_version']}", markup=False, highlight=False)
-    console.print(yaml.safe_dump(_in_schema_order(r["body"]), sort_keys=False, default_flow_style=None,
-                                 width=110).rstrip(), markup=False, highlight=False)
+    _say(f"recipe {r['hash']} {r['name']}: {r['origin']}"
+         + (f" from {r['parent']}" if r["parent"] else "") + f", for {r['model_name']} ({r['family']}), "
+         f"generated on {_machine(r)} at {_when(r['created'])}; IR {r['ir_hash'] or '-'}, graphmode "
+         f"{r['graphmode_version']}, torch {r['torch_version']}")
+    _say(yaml.safe_dump(_in_schema_order(r["body"]), sort_keys=False, default_flow_style=None, width=110).rstrip())
     machines = sorted({_machine(p) for p in perf})
     console.print(_perf_table(f"{len(perf)} measurement(s) on {len(machines)} machine(s)", perf))
     _reasons(perf)
 
 
 def _in_schema_order(body: dict[str, Any]) -> dict[str, Any]:
-    """A stored recipe in the order its fields are documented (as written when it still loads)."""
-    from graphmode.errors import GraphmodeError
-    from graphmode.recipe import load_recipe
-    try:
-        return load_recipe(body).model_dump(mode="json", exclude_defaults=True)
-    except GraphmodeError:
-        return body
+    """A stored recipe's fields in the order they are documented (without validating it: a
+    stored body is shown as it is, and proving a stranger's recipe can take long)."""
+    from graphmode.recipe import Recipe
+    order = {k: i for i, k in enumerate(Recipe.model_fields)}
+    return {k: body[k] for k in sorted(body, key=lambda k: order.get(k, len(order)))}
 
 
 def _where(exprs: List[str]) -> tuple[str, list[Any]]:
@@ -212,7 +228,7 @@ def query_cmd(model: Optional[str] = typer.Option(None, "--model", help="model n
               status: Optional[str] = typer.Option(None, "--status", help="ok | violates | failed"),
               where: List[str] = typer.Option([], "--where", help="metric filter like 'p99_ms<20' (repeatable)"),
               sort: str = typer.Option("created", "--sort", help="created or a metric (p99_ms, throughput, ...)"),
-              limit: int = typer.Option(100, "--limit", min=1),
+              limit: int = typer.Option(100, "--limit", min=1, max=10 ** 9),
               kb: Optional[Path] = KbPath, cache_dir: Optional[Path] = CacheDir,
               as_json: bool = typer.Option(False, "--json")) -> None:
     """Measurements, filtered: by model, family, recipe, hardware, source, status and metric bounds."""
@@ -254,7 +270,7 @@ def recommend_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 
                                             "module:function"),
                   target: Optional[str] = typer.Option(None, "--target", help="target name or file (default host)"),
                   objective: str = typer.Option("latency", "--objective", help="latency | throughput"),
-                  limit: int = typer.Option(5, "--limit", min=1),
+                  limit: int = typer.Option(5, "--limit", min=1, max=10 ** 9),
                   out: Optional[Path] = typer.Option(None, "--out", help="write a recipe for this model with the "
                                                      "top recommendation's precision, fusion and kernel selection"),
                   dim: List[str] = typer.Option([], "--dim", help="with --out: a dim's range, e.g. --dim seq=2:128"),
@@ -281,9 +297,8 @@ def recommend_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 
                           "recommendations": [r.to_json(objective) for r in recs],
                           "written": str(out) if out else None}, indent=1, default=str))
         return
-    console.print(f"model {draft.model['name']} ({draft.model['family']}, {draft.model['params']:,} parameters, "
-                  f"fingerprint {draft.model['fingerprint']}) on {draft.hardware['name']}, {objective}-first",
-                  markup=False, highlight=False)
+    _say(f"model {draft.model['name']} ({draft.model['family']}, {draft.model['params']:,} parameters, "
+         f"fingerprint {draft.model['fingerprint']}) on {draft.hardware['name']}, {objective}-first")
     if not recs:
         console.print(f"no measured recipe in {path} yet: `graphmode recipe init` drafts one, `graphmode tune` "
                       "measures it", markup=False, highlight=False)
@@ -296,7 +311,7 @@ def recommend_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 
                   f"{r.measurements} ({', '.join(r.sources)})")
     if recs:
         console.print(t)
-        console.print(f"why #1: {recs[0].why(objective)}", markup=False, highlight=False, soft_wrap=True)
+        _say(f"why #1: {recs[0].why(objective)}")
     if out is not None:
         console.print(f"wrote {out} (recipe {recipe_hash(draft.recipe)}, {draft.report.verdict} on "
                       f"{draft.report.target.name})", markup=False, highlight=False)
@@ -325,24 +340,30 @@ def import_cmd(files: List[Path] = typer.Argument(..., help="files written by `g
                as_json: bool = typer.Option(False, "--json")) -> None:
     """Merge exports from other machines; entries already present are skipped (deduplicated)."""
     from graphmode.kb import KbError, KnowledgeBase
+    from graphmode.untrusted import UntrustedFileError, parse_json, read_bytes
     path = kb_file(kb, cache_dir)
     totals: list[dict[str, Any]] = []
     with KnowledgeBase(path) as db:
         for f in files:
             try:
-                text = f.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise KbError(f"cannot read the export: {e}", where=str(f), fix="check the path") from None
+                text = read_bytes(f, limit=MAX_IMPORT_BYTES).decode("utf-8")
+            except UntrustedFileError as e:
+                raise KbError(f"cannot read the export: {e.message}", where=str(f),
+                              fix="pass a file written by `graphmode kb export`") from None
+            except UnicodeDecodeError as e:
+                raise KbError(f"the export is not UTF-8 text ({e.reason} at byte {e.start})", where=str(f),
+                              fix="pass a file written by `graphmode kb export`") from None
 
             def items(text: str = text, f: Path = f):
                 for n, line in enumerate(text.splitlines(), 1):
                     if not line.strip():
                         continue
                     try:
-                        yield json.loads(line)
-                    except ValueError:
-                        raise KbError(f"line {n} is not JSON", where=f"{f}:{n}",
-                                      fix="import a file written by `graphmode kb export`") from None
+                        yield parse_json(line)
+                    except ValueError as e:
+                        raise KbError(f"line {n} is not JSON: {e}", where=f"{f}:{n}",
+                                      fix="import a file written by `graphmode kb export`; nothing was "
+                                          "imported") from None
             totals.append({"file": str(f), **db.import_lines(items(), str(f))})
         counts = db.counts()
     if as_json:

@@ -434,13 +434,13 @@ def _knobs_from_kb(data: dict, notes: dict, model_row: dict, hw_row: dict, kb_pa
     body = top.recipe["body"]
     src = (f"from knowledge base recipe {top.recipe['hash']} ({top.recipe['name']}), nearest measured: "
            f"{top.why(objective)}")
-    opt = body.get("optimize", {})
+    opt = body.get("optimize") if isinstance(body.get("optimize"), dict) else {}
     data["optimize"] = {k: v for k, v in {"preset": opt.get("preset", "default"), "passes": opt.get("passes"),
                                           "fusion": opt.get("fusion", {"enabled": True})}.items() if v is not None}
     if "passes" in data["optimize"]:
         data["optimize"].pop("preset")
-    data["precision"] = body.get("precision", {"compute": "f32"})
-    data["codegen"] = body.get("codegen", data["codegen"])
+    data["precision"] = body["precision"] if isinstance(body.get("precision"), dict) else {"compute": "f32"}
+    data["codegen"] = body["codegen"] if isinstance(body.get("codegen"), dict) else data["codegen"]
     for k in ("optimize", "precision", "codegen"):
         notes[k] = src
     return recs

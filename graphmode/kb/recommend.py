@@ -75,6 +75,8 @@ def recommend(kb: KnowledgeBase, model: dict[str, Any], hardware: dict[str, Any]
     rcs = {r["id"]: r for r in kb.rows("SELECT * FROM recipes")}
     groups: dict[tuple[int, int, int], Recommendation] = {}
     for p in kb.rows("SELECT * FROM performance WHERE status = 'ok' ORDER BY id"):
+        if p["recipe"] not in rcs or p["model"] not in mds or p["hardware"] not in hws:
+            continue         # it refers to a row skipped as damaged (said by kb.rows)
         key = (p["recipe"], p["model"], p["hardware"])
         rec = groups.get(key)
         if rec is None:

@@ -7,14 +7,30 @@ so the comment stays next to the value it explains; the text loads back to the s
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
+
+# what must not reach a terminal raw: C0/C1 controls (escape sequences, bells, carriage returns)
+# and the bidirectional overrides that reorder what is shown
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def shown(v: Any, unit: str = "") -> str:
     """A measured number as tables and comments show it: 4 significant digits, "-" when missing."""
     return "-" if v is None else f"{v:.4g}{unit}"
+
+
+def terminal_safe(text: Any, limit: int | None = None, *, lines: bool = True) -> str:
+    """`text` as a terminal may show it: control characters written as escapes (an imported
+    name cannot recolour, move or clear the screen), cut to `limit` characters; tabs and
+    newlines kept only with `lines`."""
+    s = str(text)
+    if limit is not None and len(s) > limit:
+        s = s[:limit] + f"... ({len(s) - limit} more characters)"
+    keep = "\t\n" if lines else ""
+    return _UNSAFE.sub(lambda m: m.group() if m.group() in keep else repr(m.group())[1:-1], s)
 
 
 def _flow(v: Any) -> str:

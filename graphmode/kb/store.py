@@ -13,6 +13,12 @@ Entities and how they relate (DESIGN.md, "Knowledge base"):
                  from bench, profile, verify, tune or serve; `uid` is a content digest,
                  so importing the same row twice keeps one
 
+What is in the file is typed on the way in and out (kb/rows.py): an imported line with an
+unknown field or a wrongly typed value refuses the whole file naming the line and field, and a
+row read back with a damaged cell (text in a number column, JSON that does not parse, a
+number out of range: a file edited or written by something else) is skipped with one warning
+per read, never a traceback; so are rows that refer to a skipped one.
+
 Why it cannot be corrupted by two writers: the file is in WAL mode with a busy timeout,
 and every write is one `BEGIN IMMEDIATE` transaction, so writers queue instead of
 interleaving. A file SQLite cannot read (garbage, truncated) is a `KbError` naming it and
@@ -22,6 +28,7 @@ The schema version is SQLite's `user_version`; `MIGRATIONS[i]` brings version i 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -29,6 +36,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from graphmode.errors import GraphmodeError
+from graphmode.kb.rows import JSON_COLUMNS, REAL_COLUMNS, decode, entity_problem, row_problem
+
+log = logging.getLogger("graphmode.kb")
 
 BUSY_TIMEOUT_S = 60.0
 
@@ -109,7 +119,7 @@ PERF_COLS = ("uid", "source", "status", "reason", "bucket", "p50_ms", "p99_ms", 
              "peak_memory_mb", "compile_s", "numerics_err", "threads", "graphmode_version", "torch_version",
              "extra", "created")
 METRICS = ("p50_ms", "p99_ms", "p99_over_p50", "throughput", "peak_memory_mb", "compile_s", "numerics_err")
-JSON_COLS = ("simd", "target", "op_histogram", "layer_shapes", "inputs", "body", "bucket", "extra")
+JSON_COLS = JSON_COLUMNS
 
 
 class KbError(GraphmodeError):
@@ -155,6 +165,7 @@ class KnowledgeBase:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.skipped = 0             # damaged rows left out of what was read
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -195,6 +206,9 @@ class KnowledgeBase:
         with self._guard("turning on foreign keys"):
             self.db.execute("PRAGMA foreign_keys=ON")
         version = self._version()
+        if version < 0:
+            raise KbError(f"the knowledge base file is damaged: schema version {version}; graphmode left it "
+                          "untouched", where=str(self.path), fix=_fix_corrupt(self.path))
         if version > SCHEMA_VERSION:
             raise KbError(f"the knowledge base has schema version {version}, this graphmode reads up to "
                           f"{SCHEMA_VERSION}", where=str(self.path),
@@ -301,8 +315,26 @@ class KnowledgeBase:
 
     # ---- reading ------------------------------------------------------------------------------
     def rows(self, sql: str, args: tuple | list = ()) -> list[dict[str, Any]]:
+        """The rows of a query, each cell typed (kb/rows.py); a row with a damaged cell is
+        skipped, counted in `skipped` and said once per query as a warning."""
         with self._guard("reading"):
-            return [_decode(dict(r)) for r in self.db.execute(sql, args).fetchall()]
+            raw = self.db.execute(sql, args).fetchall()
+        out, bad = [], []
+        for r in raw:
+            row = dict(r)
+            why = row_problem(row)
+            if why is None:
+                out.append(decode(row))
+            else:
+                bad.append(why)
+        if bad:
+            self.warn_damaged(len(bad), bad[0])
+        return out
+
+    def warn_damaged(self, n: int, first: str) -> None:
+        self.skipped += n
+        log.warning("knowledge base %s: skipped %d damaged row(s) (first: %s); `graphmode kb export` and import "
+                    "into a new file keep the rest", self.path, n, first)
 
     def counts(self) -> dict[str, int]:
         return {t: self.rows(f"SELECT count(*) AS n FROM {t}")[0]["n"]
@@ -320,11 +352,18 @@ class KnowledgeBase:
             yield {"entity": "hardware", **{c: r[c] for c in HARDWARE_COLS}}
         for r in md.values():
             yield {"entity": "model", **{c: r[c] for c in MODEL_COLS}}
-        for r in rc.values():
+        for r in list(rc.values()):
+            if (r["generated_on"] and r["generated_on"] not in hw) or (r["optimized_for"] and r["optimized_for"] not in md):
+                self.warn_damaged(1, f"recipe {r['hash']} refers to a skipped or missing row")
+                del rc[r["id"]]
+                continue
             yield {"entity": "recipe", **{c: r[c] for c in RECIPE_COLS},
                    "generated_on": hw[r["generated_on"]]["fingerprint"] if r["generated_on"] else None,
                    "optimized_for": md[r["optimized_for"]]["fingerprint"] if r["optimized_for"] else None}
         for r in self.rows("SELECT * FROM performance ORDER BY id"):
+            if r["recipe"] not in rc or r["hardware"] not in hw or r["model"] not in md:
+                self.warn_damaged(1, f"measurement {r['uid']} refers to a skipped or missing row")
+                continue
             yield {"entity": "performance", **{c: r[c] for c in PERF_COLS}, "recipe": rc[r["recipe"]]["hash"],
                    "hardware": hw[r["hardware"]]["fingerprint"], "model": md[r["model"]]["fingerprint"]}
 
@@ -334,18 +373,22 @@ class KnowledgeBase:
         added = {"hardware": 0, "model": 0, "recipe": 0, "performance": 0, "skipped": 0}
         with self.transaction(f"importing {source}"):
             for n, item in enumerate(lines, 1):
-                kind = item.get("entity")
+                kind = item.get("entity") if isinstance(item, dict) else None
                 try:
+                    if not isinstance(item, dict):
+                        raise ValueError(f"a JSON {type(item).__name__}, not an object")
                     if kind == "graphmode-kb":
-                        if int(item.get("schema", 0)) > SCHEMA_VERSION:
-                            raise KbError(f"the export has schema {item['schema']}, this graphmode reads up to "
+                        schema = item.get("schema", 0)
+                        if isinstance(schema, bool) or not isinstance(schema, int):
+                            raise ValueError(f"field 'schema' must be an integer (holds {schema!r:.40})")
+                        if schema > SCHEMA_VERSION:
+                            raise KbError(f"the export has schema {schema}, this graphmode reads up to "
                                           f"{SCHEMA_VERSION}", where=f"{source}:{n}", fix="upgrade graphmode")
                         continue
                     new = self._import_one(kind, item)
-                except (KeyError, TypeError, ValueError) as e:
-                    raise KbError(f"line {n} is not a knowledge-base entry: {type(e).__name__}: {e}",
-                                  where=f"{source}:{n}",
-                                  fix="import a file written by `graphmode kb export`") from None
+                except (KeyError, TypeError, ValueError, OverflowError, sqlite3.IntegrityError) as e:
+                    raise KbError(f"line {n} is not a knowledge-base entry: {e}", where=f"{source}:{n}",
+                                  fix="import a file written by `graphmode kb export`; nothing was imported") from None
                 if new:
                     added[kind] += 1
                 else:
@@ -356,6 +399,13 @@ class KnowledgeBase:
         table, key, cols = {"hardware": ("hardware", "fingerprint", HARDWARE_COLS),
                             "model": ("models", "fingerprint", MODEL_COLS),
                             "recipe": ("recipes", "hash", RECIPE_COLS)}.get(kind, (None, None, None))
+        if kind not in ("hardware", "model", "recipe", "performance"):
+            raise ValueError(f"unknown entity {str(kind)[:40]!r} (one of graphmode-kb, hardware, model, recipe, "
+                             "performance)")
+        why = entity_problem(kind, item, PERF_COLS if kind == "performance" else cols,
+                             "uid" if kind == "performance" else key)
+        if why is not None:
+            raise ValueError(why)
         if kind == "performance":
             ids = [self._id(t, k, item[f]) for t, k, f in
                    (("recipes", "hash", "recipe"), ("hardware", "fingerprint", "hardware"),
@@ -385,8 +435,7 @@ class KnowledgeBase:
 
 def _encode(row: dict[str, Any]) -> dict[str, Any]:
     return {k: json.dumps(v, sort_keys=True, allow_nan=False) if k in JSON_COLS and v is not None
-            and not isinstance(v, str) else v for k, v in row.items()}
+            and not isinstance(v, str) else float(v) if k in REAL_COLUMNS and isinstance(v, int)
+            and not isinstance(v, bool) else v for k, v in row.items()}
 
 
-def _decode(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: json.loads(v) if k in JSON_COLS and isinstance(v, str) else v for k, v in row.items()}
