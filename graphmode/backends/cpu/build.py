@@ -514,8 +514,8 @@ def library_problem(path: Path, key: str) -> str | None:
     """Why the cached library at `path` must not be loaded for build key `key`, or None."""
     try:
         data = read_bytes(path, limit=MAX_LIBRARY_BYTES, root=path.parent)
-        want = read_bytes(seal_path(path), limit=1 * KiB, root=path.parent).decode("ascii", "replace").strip()
-        seal = library_seal(path.parent, key, data)
+        want = read_bytes(seal_path(path), limit=1 * KiB, root=path.parent).strip()
+        seal = library_seal(path.parent, key, data).encode()
     except UntrustedFileError as e:
         return e.message if e.where == str(path) else f"{Path(e.where or '').name}: {e.message}"
     except OSError as e:

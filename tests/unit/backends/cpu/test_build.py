@@ -128,6 +128,8 @@ def test_forged_seal_or_library_from_another_cache_is_refused(tmp_path, monkeypa
     path.write_bytes(bytes(data))
     seal_path(path).write_text(hashlib.sha256(bytes(data)).hexdigest())   # what a checksum tamper does
     assert "seal does not match" in library_problem(path, path.stem)
+    seal_path(path).write_bytes(b"\xff\xfe not ascii")               # found by the fuzz sweep: a TypeError once
+    assert "seal does not match" in library_problem(path, path.stem)
     other = tmp_path / "b"
     KernelBuilder(other).build(_kernel("tanh"))          # another folder, another key
     shutil.copyfile(path, other / path.name)
