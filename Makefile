@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench fuzz clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow
+
+# the robustness sweep (docs/robustness.md): bounded, seeded; a CI-sized sample runs in `make test`
+fuzz: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m graphmode.fuzz $(FUZZ_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -r requirements-bench.txt

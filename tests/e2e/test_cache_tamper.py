@@ -18,37 +18,18 @@ from typing import Callable
 
 import pytest
 import torch
-import torch.nn as nn
 import yaml
 
 import graphmode
 from graphmode.backends.cpu.build import library_problem, seal_library, seal_path
+from graphmode.fuzz.models import RECIPE as FUZZ_RECIPE
+from graphmode.fuzz.models import SPEC
 from graphmode.recipe import load_recipe
 from graphmode.runtime.cache import ArtifactCache
 from graphmode.verify.numerics import rel_l2
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = f"{Path(__file__).resolve()}:build_mlp"      # the same model for the API and the CLI
-RECIPE = {"version": 1, "name": "mlp-cache", "targets": ["host"],
-          "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16]}],
-          "dims": {"batch": {"buckets": [1, 2]}}, "exe_mode": "graph",
-          "codegen": {"kernel_selection": "heuristic"}}
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.a(x))
-        h = torch.relu(self.b(h)) + h
-        return self.c(h)
-
-
-def build_mlp():
-    torch.manual_seed(0)
-    return MLP().eval(), {"x": torch.randn(2, 16)}, {"x": ["batch", 16]}
+RECIPE = dict(FUZZ_RECIPE, name="mlp-cache")        # the fuzz sweep's MLP: the same model for the API and CLI
 
 
 @pytest.fixture(scope="module")
