@@ -414,6 +414,10 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     from graphmode.runtime.build import backend_options, cache_key
     from graphmode.runtime.compiled import CompiledModel
     path = Path(path)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or not 1 <= threads <= MAX_THREADS):
+        raise ArtifactError(f"threads must be an integer in [1, {MAX_THREADS}]", where="threads", value=threads,
+                            fix="pass a thread count no larger than the machine's cores, or None for the artifact's")
     z, digest, size = _open(path)
     with z:
         manifest = read_manifest(z, path)

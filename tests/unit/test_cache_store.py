@@ -191,3 +191,29 @@ def test_cli_cache_ls_on_a_broken_cache_folder_is_a_typed_error_and_clear_fixes_
     assert res.exit_code == 2 and "cannot list" in res.output and "Traceback" not in res.output, res.output
     res = runner.invoke(app, ["cache", "clear", "--cache-dir", str(tmp_path)])
     assert res.exit_code == 0 and not (tmp_path / "plans").exists(), res.output
+
+
+@pytest.mark.parametrize("what", ["fifo", "dev-zero", "link-out", "sparse-huge", "deep-json"])
+@pytest.mark.parametrize("name", ["plan.json", "meta.json"])
+def test_special_or_huge_files_are_corrupt_entries_not_hangs(cache, what, name):
+    """A FIFO (a read blocks for ever: `run` hung > 300 s), a link to /dev/zero (read until memory
+    runs out), a link out of the cache, an 8 GiB sparse file, JSON nested 10**5 deep: each one
+    `corrupt` event, the entry removed, nothing read beyond the size bound."""
+    f = cache.plans / key_digest(KEY) / name
+    f.unlink()
+    if what == "fifo":
+        os.mkfifo(f)
+    elif what == "dev-zero":
+        f.symlink_to("/dev/zero")
+    elif what == "link-out":
+        f.symlink_to("/etc/hostname")
+    elif what == "sparse-huge":
+        with open(f, "wb") as out:
+            out.truncate(8 << 30)
+    else:
+        f.write_text("[" * 100000)
+    assert cache.get(KEY) is None
+    assert kinds(cache) == ["corrupt"] and cache.events[0]["removed"]
+    assert any(e.key.get("bucket") == "batch=4" for e in cache.entries())     # the other entry is untouched
+    cache.put(KEY, PLAN)
+    assert cache.get(KEY) == PLAN
