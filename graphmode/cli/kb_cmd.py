@@ -167,11 +167,12 @@ def show_cmd(recipe: str = typer.Argument(..., help="recipe content hash (a uniq
                         "LEFT JOIN models m ON m.id = r.optimized_for LEFT JOIN hardware h ON h.id = r.generated_on "
                         "WHERE r.hash LIKE ? || '%'", (recipe,))
         if len(found) != 1:
-            near = [r["hash"] for r in db.rows("SELECT hash FROM recipes ORDER BY created DESC LIMIT 10")]
+            near = terminal_safe(", ".join(r["hash"] for r in db.rows("SELECT hash FROM recipes ORDER BY created "
+                                                                      "DESC LIMIT 10")), 400, lines=False)
             raise KbError(f"{'no' if not found else str(len(found))} recipe(s) whose hash starts with {recipe!r}",
                           where="recipe", value=recipe,
                           fix=("give more characters of the hash" if found else
-                               f"recent hashes: {', '.join(near) or 'none'} (graphmode kb ls)"))
+                               f"recent hashes: {near or 'none'} (graphmode kb ls)"))
         r = found[0]
         perf = db.rows(_PERF_SQL + " WHERE r.hash = ? ORDER BY p.created", (r["hash"],))
     if as_json:
