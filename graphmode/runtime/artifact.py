@@ -110,7 +110,7 @@ class Manifest(_Strict):
     model: str = _text(256)
     recipe_hash: str = Field(pattern=r"^[0-9a-f]{8,64}$")
     graph_hash: str = Field(pattern=r"^[0-9a-f]{8,64}$")
-    target: Optional[str] = _text(256)
+    target: Optional[str] = Field(pattern=r"^[^./\\\x00-\x1f][^/\\\x00-\x1f]{0,127}$")     # a target's name, not a path
     mode: Literal["graph", "hybrid"]
     device: str = Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")
     isa: str = _text(32)                # one of backends.cpu.isa.CAPS (checked with the members)

@@ -197,7 +197,8 @@ def _edit_manifest(saved, name: str, **fields) -> Path:
 @pytest.mark.parametrize("fields, match", [
     ({"mode": "turbo"}, "mode"), ({"threads": 10 ** 9}, "threads"), ({"threads": "4"}, "threads"),
     ({"buckets": []}, "buckets"), ({"isa": "avx9000"}, "isa"), ({"extra": 1}, "extra"),
-    ({"kernels": ["../../etc/passwd"]}, "kernels"), ({"files": {}}, "not in the manifest")])
+    ({"kernels": ["../../etc/passwd"]}, "kernels"), ({"files": {}}, "not in the manifest"),
+    ({"target": "../../etc"}, "target")])
 def test_manifest_fields_are_bounds_checked(saved, fields, match):
     bad = _edit_manifest(saved, "fields.gm", **fields)
     with pytest.raises(ArtifactError, match=match):
