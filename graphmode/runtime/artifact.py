@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -373,7 +374,6 @@ def check_manifest(manifest: dict[str, Any], where: Path, host: dict[str, Any] |
 
 def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
     """(the archive, its digest, its size): a regular file, hashed and opened from one descriptor."""
-    import os
     try:
         f = open_file(path, limit=1 << 48)
     except UntrustedFileError as e:
@@ -381,15 +381,14 @@ def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
             raise ArtifactError("no such artifact", where=str(path), fix="check the path") from None
         raise ArtifactError(f"not an artifact: {e.message}", where=str(path),
                             fix="pass a file written by graphmode compile --save / CompiledModel.save") from None
-    try:
-        sha = hashlib.sha256()
-        for b in f.chunks():
-            sha.update(b)
-        fobj = os.fdopen(os.dup(f.fd), "rb")
-    except (OSError, GraphmodeError) as e:
-        raise ArtifactError(f"cannot read it: {getattr(e, 'message', e)}", where=str(path)) from None
-    finally:
-        f.__exit__()
+    with f:
+        try:
+            sha = hashlib.sha256()
+            for b in f.chunks():
+                sha.update(b)
+            fobj = os.fdopen(os.dup(f.fd), "rb")
+        except (OSError, GraphmodeError) as e:
+            raise ArtifactError(f"cannot read it: {getattr(e, 'message', e)}", where=str(path)) from None
     try:
         z = zipfile.ZipFile(fobj)
     except Exception as e:  # noqa: BLE001 - a damaged central directory raises many types
