@@ -76,8 +76,9 @@ def cases(rng: random.Random, n: int, ctx: dict[str, Any]) -> list[dict[str, Any
         else:
             rest.append({"kind": "swap-library", "expect": "either"})
     out = pool + rest
-    if n < len(out):
-        out = pool[: n // 2] + rng.sample(out[n // 2:], n - n // 2)
+    if n < len(out):           # the fixed cases first (at most half), the rest drawn
+        head = pool[: n // 2]
+        out = head + rng.sample(out[len(head):], n - len(head))
     for i, c in enumerate(out):
         c["id"] = f"{i:03d}-{c['kind']}-" + str(c.get("member") or c.get("field") or c.get("what") or c.get("name")
                                                 or c.get("at", ""))[:40]
