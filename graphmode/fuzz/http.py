@@ -185,7 +185,8 @@ def cases(rng: random.Random, n: int, ctx: dict[str, Any]) -> list[dict[str, Any
         body = json.loads(json.dumps(base["json"]))
         _mutate(body, rng)
         pool.append({"name": base["name"] + "-mutated", "path": base["path"], "json": body, "expect": "either",
-                     "server": base.get("server", "encoder"), "owner": "bounds" if "cmpl" in base["name"] else ""})
+                     "server": base.get("server", "encoder"),      # the decoder's token ids: value ranges
+                     "owner": "bounds" if base.get("server") == "decoder" else ""})
     picked = pool if n >= len(pool) else rng.sample(pool, n)
     for i, c in enumerate(picked):
         c.setdefault("server", "encoder")
