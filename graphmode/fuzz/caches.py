@@ -231,9 +231,8 @@ def execute(case: dict[str, Any], ctx: dict[str, Any]) -> tuple[str, str]:
         cache, mounted = damaged(case, ctx, Path(tmp))
         try:
             if case.get("cli"):
-                env = {**os.environ, "GRAPHMODE_CACHE_DIR": str(cache)}
                 res = subprocess.run([sys.executable, "-m", "graphmode", "run", "--model", SPEC, "--recipe",
-                                      ctx["recipe"], "--shape", "2", "--iters", "1", "--json"], env=env,
+                                      ctx["recipe"], "--shape", "2", "--iters", "1", "--json", "--cache-dir", str(cache)],
                                      capture_output=True, text=True, timeout=case.get("timeout_s", 300) - 10)
                 outcome, detail = from_cli(res.returncode, res.stdout + res.stderr)
                 if outcome == "accepted":

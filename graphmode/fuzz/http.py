@@ -10,7 +10,6 @@ Cases tagged `owner: bounds` cover value ranges and HTTP limits fixed on another
 from __future__ import annotations
 
 import json
-import os
 import random
 import socket
 import subprocess
@@ -227,12 +226,11 @@ class Server:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "GRAPHMODE_CACHE_DIR": str(self.work / "cache")}
         with open(self.work / "server.log", "ab") as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", self.spec, "--recipe",
                                           self.recipe, "--port", str(port), "--log-level", "warning",
-                                          "--request-timeout-s", "30"], stdout=logf, stderr=logf, env=env,
-                                         start_new_session=True)
+                                          "--request-timeout-s", "30", "--cache-dir", str(self.work / "cache")],
+                                         stdout=logf, stderr=logf, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
