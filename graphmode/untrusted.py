@@ -32,7 +32,8 @@ class UntrustedFileError(GraphmodeError):
     """A file on disk is not what its reader accepts (type, size, hash or content)."""
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a stat mode says the file is, in words."""
     for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
                        (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link")):
         if test(mode):
@@ -83,7 +84,7 @@ def open_file(path: str | os.PathLike, *, limit: int, root: str | os.PathLike | 
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UntrustedFileError(f"it is a {_kind(st.st_mode)}, not a regular file", where=str(path),
+            raise UntrustedFileError(f"it is a {file_kind(st.st_mode)}, not a regular file", where=str(path),
                                      fix="remove it; graphmode writes only regular files there")
         if st.st_size > limit:
             raise UntrustedFileError(f"it holds {st.st_size} bytes, more than the {limit} such a file may",
@@ -180,5 +181,5 @@ def read_json(path: str | os.PathLike, *, limit: int, root: str | os.PathLike | 
         raise UntrustedFileError(f"it is not valid JSON: {e}", where=str(path)) from None
 
 
-__all__ = ["GiB", "KiB", "MiB", "OpenFile", "UntrustedFileError", "file_sha256", "open_file", "parse_json",
+__all__ = ["GiB", "KiB", "MiB", "OpenFile", "UntrustedFileError", "file_kind", "file_sha256", "open_file", "parse_json",
            "read_bytes", "read_json"]

@@ -77,7 +77,7 @@ def cases(rng: random.Random, n: int, ctx: dict[str, Any]) -> list[dict[str, Any
     out: list[dict[str, Any]] = []
     specials = [{"kind": "import-special", "what": w, "expect": "invalid"}
                 for w in ("fifo", "dev-zero", "folder", "missing", "binary", "empty-object")]
-    out += specials
+    out += specials + [{"kind": "kb-special", "what": w, "expect": "invalid"} for w in ("fifo", "dev-zero", "folder")]
     while len(out) < n:
         k = rng.choice(["cell", "cell", "field", "line", "valid"])
         if k == "cell":
@@ -132,8 +132,11 @@ def _counts(path: str) -> list:
 def execute(case: dict[str, Any], ctx: dict[str, Any]) -> tuple[str, str]:
     with tempfile.TemporaryDirectory(dir=ctx["work"], prefix="case-") as tmp:
         kb = Path(tmp) / "kb.sqlite"
-        shutil.copyfile(ctx["kb"], kb)
         k = case["kind"]
+        if k == "kb-special":              # the knowledge base itself is not a file
+            special_file(kb, case["what"])
+            return _cli("kb", "ls", "--kb", str(kb))
+        shutil.copyfile(ctx["kb"], kb)
         if k == "cell":
             kind = COLUMNS[case["table"]][case["column"]]
             db = sqlite3.connect(kb)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Any, Callable, Iterator
 
 from graphmode.errors import GraphmodeError
 from graphmode.kb.rows import JSON_COLUMNS, REAL_COLUMNS, decode, entity_problem, row_problem
+from graphmode.untrusted import file_kind
 
 log = logging.getLogger("graphmode.kb")
 
@@ -174,6 +176,13 @@ class KnowledgeBase:
         if self.path.is_dir():
             raise KbError("the knowledge base path is a folder", where=str(self.path),
                           fix="pass a file path, e.g. --kb team.sqlite")
+        try:
+            mode = self.path.stat().st_mode
+        except OSError:
+            mode = None             # not there yet: SQLite creates it
+        if mode is not None and not stat.S_ISREG(mode):
+            raise KbError(f"the knowledge base path is a {file_kind(mode)}, not a file", where=str(self.path),
+                          fix="pass the path of a knowledge-base file (or of one to create), e.g. --kb team.sqlite")
         try:
             self.db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
         except sqlite3.Error as e:

@@ -165,6 +165,14 @@ def test_a_wrongly_typed_field_is_refused_and_nothing_is_imported(kb, tmp_path, 
         assert db.counts()["performance"] == 0       # one transaction: the good lines before it are not kept
 
 
+def test_a_knowledge_base_path_that_is_not_a_file_is_refused(tmp_path):
+    fifo = tmp_path / "kb.fifo"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "FIFO"), ("/dev/zero", "character device")):
+        for cmd in (["ls"], ["import", str(tmp_path / "none.jsonl")]):
+            _refused(invoke("kb", *cmd, "--kb", path), f"is a {kind}, not a file")
+
+
 def test_special_files_are_refused_as_imports(kb, tmp_path):
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
