@@ -97,7 +97,7 @@ class OutputSpec(_Strict):
     t: Literal["tensor", "none", "tuple", "list", "dict", "model_output"]
     keys: Optional[list[str]] = Field(default=None, max_length=MAX_ITEMS)
     items: Optional[list["OutputSpec"]] = Field(default=None, max_length=MAX_ITEMS)
-    class_: Optional[str] = Field(default=None, alias="class", pattern=r"^transformers(\.[A-Za-z_][A-Za-z0-9_]*){1,8}$")
+    class_: Optional[str] = Field(default=None, alias="class", max_length=512)
 
 
 class Manifest(_Strict):

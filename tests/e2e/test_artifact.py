@@ -198,7 +198,8 @@ def _edit_manifest(saved, name: str, **fields) -> Path:
     ({"mode": "turbo"}, "mode"), ({"threads": 10 ** 9}, "threads"), ({"threads": "4"}, "threads"),
     ({"buckets": []}, "buckets"), ({"isa": "avx9000"}, "isa"), ({"extra": 1}, "extra"),
     ({"kernels": ["../../etc/passwd"]}, "kernels"), ({"files": {}}, "not in the manifest"),
-    ({"target": "../../etc"}, "target")])
+    ({"target": "../../etc"}, "target"), ({"output_structure": {"t": "pickle"}}, "output_structure"),
+    ({"mutated_inputs": "x"}, "mutated_inputs")])
 def test_manifest_fields_are_bounds_checked(saved, fields, match):
     bad = _edit_manifest(saved, "fields.gm", **fields)
     with pytest.raises(ArtifactError, match=match):

@@ -38,3 +38,13 @@ def test_a_model_output_comes_back_as_its_class_and_its_cache_as_none():
     back = rebuild(json.loads(json.dumps(spec)), [logits])
     assert type(back) is CausalLMOutputWithPast and back.logits is logits and back.past_key_values is None
     assert list(back.keys()) == ["logits"]
+
+
+def test_a_saved_spec_imports_only_transformers_model_outputs():
+    """An artifact's manifest carries the spec: a class it names outside transformers (or one
+    that is not a ModelOutput) is never imported or called; the outputs come back as a dict."""
+    from graphmode.capture.outputs import rebuild
+    x = torch.ones(1)
+    for cls in ("os.system", "subprocess.Popen", "transformers.AutoModel", "collections.OrderedDict"):
+        spec = {"t": "model_output", "class": cls, "keys": ["logits"], "items": [{"t": "tensor"}]}
+        assert rebuild(spec, [x]) == {"logits": x}
