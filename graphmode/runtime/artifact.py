@@ -133,7 +133,8 @@ def _host() -> dict[str, Any]:
 
 
 def _bucket_file(key: str) -> str:
-    return "plans/" + key.replace(",", "_").replace("=", "-") + ".json"
+    """A bucket's plan member; a model with no dims has one bucket, keyed ""."""
+    return "plans/" + (key.replace(",", "_").replace("=", "-") or "static") + ".json"
 
 
 class _Hashing:
