@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench fuzz clean
+.PHONY: setup demo test test-slow bench fuzz conformance clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ fuzz: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install -q -r requirements-bench.txt
 	HF_HUB_OFFLINE=1 $(BIN)/python -m graphmode bench
+
+# the external suites, full runs (not part of `make test`, which runs a sample); tables in docs/conformance.md
+conformance: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m graphmode conformance onnx --jobs 2 --out build/conformance --publish docs/conformance.md
+	HF_HUB_OFFLINE=1 $(BIN)/python -m graphmode conformance opinfo --jobs 2 --out build/conformance --publish docs/conformance.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

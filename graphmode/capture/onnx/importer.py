@@ -430,6 +430,8 @@ class _Importer:
                 param = d.dim_param if d is not None and d.HasField("dim_param") else None
                 if w is not None:
                     wd = normalize_dim(w)
+                    if static is not None and isinstance(w, str) and self._fixed_dim(w) == static:
+                        wd = static     # a recipe dim pinned to the model's own fixed extent
                     if static is not None and (not isinstance(wd, int) or wd != static):
                         raise CaptureError(f"input {vi.name!r} dim {i} is fixed to {static} in the model, but "
                                            f"input_dims says {w!r}", where=f"onnx {self.label}",
@@ -472,6 +474,11 @@ class _Importer:
         else:
             from graphmode.capture.zoo import DEFAULT_DIM_RANGES
             self.g.dims = {d: DEFAULT_DIM_RANGES.get(d, DEFAULT_RANGE) for d in sorted(used)}
+
+    def _fixed_dim(self, name: str) -> int | None:
+        """The one value a recipe dim admits (`d: 3` or min == max), else None."""
+        lo_hi = (self.user_dims or {}).get(name)
+        return lo_hi[0] if lo_hi is not None and lo_hi[0] == lo_hi[1] else None
 
     # ---- driver --------------------------------------------------------------------------
     def run(self) -> Graph:
