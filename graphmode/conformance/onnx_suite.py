@@ -52,6 +52,14 @@ def _is_f32(model, inputs, outputs) -> bool:
     return (lo <= _opset(model) <= hi and all(a.dtype == np.float32 for a in list(inputs) + list(outputs)))
 
 
+def _array(x) -> np.ndarray:
+    """A case's input or output as numpy (some cases store TensorProtos: float8, int4, ...)."""
+    if isinstance(x, np.ndarray):
+        return x
+    from onnx import numpy_helper
+    return numpy_helper.to_array(x)
+
+
 def _as_torch(arr: np.ndarray):
     import torch
     if arr.dtype.name == "bfloat16":
@@ -79,7 +87,7 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float, atol: fl
             return f"output {i}: dtype {g.dtype}, expected {w.dtype}"
         if g.shape != w.shape:
             return f"output {i}: shape {list(g.shape)}, expected {list(w.shape)}"
-        if w.dtype.kind == "f" or w.dtype.name == "bfloat16":
+        if w.dtype.kind == "f" or w.dtype.name.startswith(("bfloat", "float")):   # ml_dtypes' floats too
             g64, w64 = g.astype(np.float64), w.astype(np.float64)
             ok = np.isclose(g64, w64, rtol=rtol, atol=atol, equal_nan=True)
         else:
@@ -138,6 +146,7 @@ class OnnxSuite:
             if not _tensor_io(tc.model):
                 continue
             for k, (ins, outs) in enumerate(tc.data_sets):
+                ins, outs = [_array(a) for a in ins], [_array(a) for a in outs]
                 cid = tc.name if len(tc.data_sets) == 1 else f"{tc.name}[{k}]"
                 tags = ("f32",) if _is_f32(tc.model, ins, outs) else ()
                 out.append(Case(cid, _op_of(tc, singles), tags,
