@@ -7,8 +7,9 @@ in onnxruntime (the reference) at the first call. `validate_onnx` runs, in order
 
 1. the signature (`check_signature`, also used by `spec.load_onnx_spec`, which reads a
    model without its weights): at least one graph output, unique output names, tensor
-   types graphmode has a dtype for, static dims in [1, MAX_DIM]; then the opset range
-   (before the checker, whose message for an old opset would blame some node instead);
+   types graphmode has a dtype for, static dims in [1, MAX_DIM]; then the opset
+   (`capture/onnx/opsets.py`: a model written for another opset is relabelled or converted
+   when every node means the same, before the checker, whose message would blame a node);
 2. `onnx.checker.check_model` on a weightless view of the model (SSA, topological order,
    schemas, attribute names and types, input counts, ir_version);
 3. the op types the importer translates (all listed at once);
@@ -34,10 +35,10 @@ import numpy as np
 
 from graphmode.errors import CaptureError
 
-__all__ = ["validate_onnx", "check_signature", "node_where", "ONNX_DTYPES", "MIN_OPSET", "MAX_OPSET",
+__all__ = ["validate_onnx", "check_signature", "node_where", "ONNX_DTYPES", "MIN_OPSET",
            "MAX_DIM", "MAX_WINDOW", "LIGHT_LIMIT"]
 
-MIN_OPSET, MAX_OPSET = 11, 22
+MIN_OPSET = 7               # older models are refused; 7..10 are relabelled or converted (capture/onnx/opsets.py)
 MAX_DIM = 2 ** 31 - 1       # a static dim above this is a corrupt model, not a big one
 MAX_WINDOW = 2 ** 16 - 1    # kernel / stride / dilation / pad bound (the kernels index with int32)
 LIGHT_LIMIT = 4096          # initializers above this many elements reach the checker as typed inputs
@@ -221,14 +222,17 @@ def _strict_types(light, model, label: str, types: "_Graph", data_prop: bool):
 # ---------------------------------------------------------------------------- 3. opset, op types
 
 
-def _check_opset(model, label: str) -> int:
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    if opset is None or not MIN_OPSET <= opset <= MAX_OPSET:
-        raise CaptureError(f"ONNX opset {opset} is not supported (graphmode imports opsets {MIN_OPSET}..{MAX_OPSET})",
-                           where=f"onnx {label}", value=opset,
-                           fix="re-export with torch.onnx.export(..., opset_version=17) or convert with "
-                               "onnx.version_converter.convert_version(model, 17)")
-    return opset
+def _check_opset(model, label: str):
+    """(the model as the importer reads it, its opset as written): see capture/onnx/opsets.py."""
+    from onnx import defs
+
+    from graphmode.capture.onnx.opsets import bring_in, model_opset
+    opset = model_opset(model)
+    if opset is not None and opset > defs.onnx_opset_version():
+        raise CaptureError(f"ONNX opset {opset} is newer than the installed onnx package knows "
+                           f"({defs.onnx_opset_version()})", where=f"onnx {label}", value=opset,
+                           fix="re-export with an opset the installed onnx knows, or upgrade onnx")
+    return bring_in(model, label)
 
 
 def _check_op_types(model, label: str, supported: Collection[str]) -> None:
@@ -687,11 +691,12 @@ def _check_inferred_dims(inferred, model, label: str) -> None:
 def validate_onnx(model, label: str, supported_ops: Collection[str]) -> tuple[int, list]:
     """Refuse `model` with a CaptureError unless graphmode can import and run it.
 
-    Returns the default-domain opset and ONNX's inferred value_info (the importer
+    Returns the model as the importer reads it (relabelled or converted to a known opset),
+    its default-domain opset as written and ONNX's inferred value_info (the importer
     cross-checks its own types against it).
     """
     check_signature(model, f"onnx {label}")
-    opset = _check_opset(model, label)
+    model, opset = _check_opset(model, label)
     light = _light(model)
     _run_checker(light, model, label)
     _check_op_types(model, label, supported_ops)
@@ -701,4 +706,4 @@ def validate_onnx(model, label: str, supported_ops: Collection[str]) -> tuple[in
     _check_attributes(types)
     inferred = _strict_types(light, model, label, types, data_prop)
     _check_inferred_dims(inferred, model, label)
-    return opset, list(inferred.graph.value_info)
+    return model, opset, list(inferred.graph.value_info)

