@@ -19,6 +19,7 @@ from graphmode.errors import CaptureError, RecipeError
 from graphmode.ir.graph import Graph
 from graphmode.progress import OnStage, PassProgress, stage
 from graphmode.recipe import Recipe, load_recipe
+from graphmode.runtime.compiled import constant_inputs
 
 
 @dataclass
@@ -38,10 +39,11 @@ class ModelSource:
     # the verdict's padding analysis, which knows the captured graph, does not apply
     capture_dims: dict[str, tuple[int, int]] | None = None
     masks_padding: bool = False
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)   # inputs the recipe declares constant
 
     def make_inputs(self, env: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
         if self.bundle is not None:
-            return self.bundle.make_inputs(env, seed=seed)
+            return {**self.bundle.make_inputs(env, seed=seed), **self.constants}
         raise CaptureError("no input generator for this model", where=f"model {self.name}",
                            fix="use a built-in model, an .onnx file or a ModelBundle (it has make_inputs)")
 
@@ -89,7 +91,8 @@ def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
     if isinstance(model, OnnxModelSpec):
         return ModelSource(model.path.stem, onnx_path=model.path,
                            input_dims={i.name: list(i.shape) for i in recipe.inputs},
-                           output_names=list(model.output_names), bundle=model)
+                           output_names=list(model.output_names), bundle=model,
+                           constants=constant_inputs(recipe))
     dims = {i.name: list(i.shape) for i in recipe.inputs}
     missing = [n for n in model.input_names if n not in dims]
     if missing:
@@ -131,6 +134,7 @@ def example_inputs_from_recipe(recipe: Recipe, module: Any = None) -> dict[str, 
             out[spec.name] = torch.randint(3, vocab, shape, generator=g).to(dt)
         else:
             out[spec.name] = torch.ones(shape, dtype=dt)
+    out.update(constant_inputs(recipe))
     return out
 
 
@@ -150,7 +154,8 @@ def capture(model: Any, recipe: Recipe | str | Path) -> tuple[Graph, CaptureRepo
     if src.onnx_path is not None:
         from graphmode.capture.onnx import import_onnx
         g, rep = import_onnx(src.onnx_path, dims=dims, input_dims=src.input_dims, name=src.name,
-                             include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops)
+                             include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops,
+                             input_values=constant_inputs(recipe))
         return g, rep, src
     g, rep = import_torch(src.module, src.example_inputs, src.input_dims, dims, name=src.name,
                           include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops,

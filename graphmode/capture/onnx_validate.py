@@ -45,8 +45,8 @@ LIGHT_LIMIT = 4096          # initializers above this many elements reach the ch
 DATA_PROP_LIMIT = 2 ** 16   # longest constant-sized 1-d tensor ONNX's data propagation may materialise
 MAX_FOLD = 2 ** 24          # longest constant Range the importer folds into a tensor
 
-ONNX_DTYPES = {1: "f32", 2: "u8", 3: "i8", 5: "i16", 6: "i32", 7: "i64", 9: "bool", 10: "f16", 11: "f64",
-               16: "bf16"}
+ONNX_DTYPES = {1: "f32", 2: "u8", 3: "i8", 4: "u16", 5: "i16", 6: "i32", 7: "i64", 9: "bool", 10: "f16", 11: "f64",
+               12: "u32", 13: "u64", 16: "bf16"}
 _AUTO_PAD = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
 # 0/1 attributes the converters read as booleans
 _FLAGS = ("transA", "transB", "ceil_mode", "count_include_pad", "storage_order", "keepdims", "allowzero",

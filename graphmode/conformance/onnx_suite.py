@@ -23,12 +23,20 @@ import numpy as np
 
 from graphmode.conformance.runner import Case, Judged, judge
 from graphmode.errors import RecipeError
+from graphmode.recipe.limits import MAX_VALUE_ELEMS
 
 GOAL_OPSETS = (7, 24)
+# formal inputs that are shape-like data (axes, sizes, pads, counts): a user declares them constant
+SHAPE_LIKE = frozenset({"axes", "shape", "pads", "repeats", "split", "starts", "ends", "steps", "K", "k", "sizes",
+                        "scales", "roi", "depth", "output_shape", "image_shape", "block_shape", "axis", "dft_length",
+                        "frame_step", "frame_length", "size", "training_mode", "ratio", "start", "limit", "delta",
+                        "max_output_boxes_per_class", "iou_threshold", "score_threshold", "num_mel_bins",
+                        "sample_rate", "lower_edge_hertz", "upper_edge_hertz"})
 
 # numpy dtype name -> recipe dtype; what a recipe cannot declare is refused naming the input
 _RECIPE_DTYPES = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "i64",
-                  "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "bool"}
+                  "int32": "i32", "int16": "i16", "int8": "i8", "uint64": "u64", "uint32": "u32", "uint16": "u16",
+                  "uint8": "u8", "bool": "bool"}
 
 
 def _opset(model) -> int:
@@ -54,8 +62,8 @@ def _is_f32(model, inputs, outputs) -> bool:
 
 def _array(x) -> np.ndarray:
     """A case's input or output as numpy (some cases store TensorProtos: float8, int4, ...)."""
-    if isinstance(x, np.ndarray):
-        return x
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np.asarray(x)
     from onnx import numpy_helper
     return numpy_helper.to_array(x)
 
@@ -100,10 +108,29 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float, atol: fl
     return None
 
 
+def shape_like_inputs(model) -> set[str]:
+    """Graph inputs a node reads as shape-like data (its formal input is one of SHAPE_LIKE)."""
+    from onnx import defs
+    opset = _opset(model)
+    out: set[str] = set()
+    for n in model.graph.node:
+        try:
+            formal = defs.get_schema(n.op_type, opset, n.domain).inputs
+        except Exception:  # noqa: BLE001 - an op ONNX does not define at this opset: the import refuses it
+            continue
+        for k, name in enumerate(n.input):
+            if name and formal and formal[min(k, len(formal) - 1)].name in SHAPE_LIKE:
+                out.add(name)
+    return out
+
+
 def draft_recipe(model, inputs: list[np.ndarray]) -> dict[str, Any]:
-    """The recipe a user would write for exactly these inputs."""
+    """The recipe a user would write for exactly these inputs: their dtypes and shapes, the
+    shape-like ones declared constant (`value`), the first axis of the first other input named
+    `d0` and pinned to its extent (a recipe needs a dim)."""
     init = {i.name for i in model.graph.initializer}
     names = [v.name for v in model.graph.input if v.name not in init]
+    constant = shape_like_inputs(model)
     specs: list[dict[str, Any]] = []
     dims: dict[str, int] = {}
     for i, (name, arr) in enumerate(zip(names, inputs)):
@@ -112,10 +139,13 @@ def draft_recipe(model, inputs: list[np.ndarray]) -> dict[str, Any]:
             raise RecipeError(f"a recipe cannot declare dtype {arr.dtype.name}", where=f"inputs[{i}].dtype",
                               value=arr.dtype.name, fix=f"one of: {', '.join(_RECIPE_DTYPES.values())}")
         shape: list[Any] = [int(d) for d in arr.shape]
-        if not dims and shape and shape[0] >= 1:
+        spec: dict[str, Any] = {"name": name, "dtype": dt, "shape": shape}
+        if name in constant and arr.size <= MAX_VALUE_ELEMS:
+            spec["value"] = arr.tolist()
+        elif not dims and shape and shape[0] >= 1:
             dims["d0"] = shape[0]
             shape[0] = "d0"
-        specs.append({"name": name, "dtype": dt, "shape": shape})
+        specs.append(spec)
     return {"version": 1, "name": "onnx-node-test", "inputs": specs, "dims": dims}
 
 

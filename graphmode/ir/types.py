@@ -18,7 +18,7 @@ from graphmode.errors import IRError
 DTYPES: dict[str, torch.dtype] = {
     "f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
     "i64": torch.int64, "i32": torch.int32, "i16": torch.int16, "i8": torch.int8,
-    "u8": torch.uint8, "bool": torch.bool,
+    "u64": torch.uint64, "u32": torch.uint32, "u16": torch.uint16, "u8": torch.uint8, "bool": torch.bool,
 }
 TORCH_TO_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = frozenset({"f64", "f32", "f16", "bf16"})

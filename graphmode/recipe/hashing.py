@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 HASH_CHARS = 16
 # input field -> the value it is omitted at (the value recipes had before the field existed)
-INPUT_FIELDS_SINCE_V1: dict[str, Any] = {"role": "data", "mask_for": [], "range": None}
+INPUT_FIELDS_SINCE_V1: dict[str, Any] = {"role": "data", "mask_for": [], "range": None, "value": None}
 
 
 def canonical_json(recipe: "Recipe") -> str:

@@ -21,7 +21,8 @@ from graphmode.errors import TargetError
 from graphmode.recipe.hashing import recipe_hash
 from graphmode.recipe.limits import (DTYPE_ALIASES, DTYPE_SIZES, FLOAT_DTYPES, FLOAT_LIMITS, MAX_BUCKETS, MAX_DIM,
                                      MAX_DIMS, MAX_FACTOR, MAX_GFLOPS, MAX_INPUTS, MAX_LIST, MAX_MB, MAX_MS,
-                                     MAX_NAME_CHARS, MAX_PARAMS_M, MAX_RANK, MAX_SLA_ENTRIES, MAX_TARGETS)
+                                     MAX_NAME_CHARS, MAX_PARAMS_M, MAX_RANK, MAX_SLA_ENTRIES, MAX_TARGETS,
+                                     MAX_VALUE_ELEMS)
 from graphmode.recipe.lines import nearest_line
 from graphmode.targets.registry import target_from_dict
 from graphmode.targets.schema import Target
@@ -110,14 +111,33 @@ def _extent(v: Any) -> bool:
 
 
 def _shape_entry(v: Any) -> int | str:
-    if _extent(v):
+    if _extent(v) or (isinstance(v, int) and not isinstance(v, bool) and v == 0):   # 0: an empty axis
         return v
     if isinstance(v, str) and _IDENT.fullmatch(v):
         return v
     if isinstance(v, int) and not isinstance(v, bool) and v > MAX_DIM:
         raise ValueError(f"fixed extent above {MAX_DIM} (tensor extents are int32 in kernels); "
                          f"fix: use an extent <= {MAX_DIM}")
-    raise ValueError("expected a dim name (identifier declared under `dims`) or a positive integer")
+    raise ValueError("expected a dim name (identifier declared under `dims`) or an integer >= 0")
+
+
+def _constant(v: Any) -> Any:
+    """An input's constant value: a number, a bool, or nested lists of them (rectangular)."""
+    import numpy as np
+    if v is None:
+        return None
+    try:
+        arr = np.array(v)
+    except ValueError:
+        raise ValueError("expected a number or nested lists of numbers of one shape (ragged lists given)") from None
+    if arr.dtype.kind not in "biuf":
+        raise ValueError("expected a number, a bool or nested lists of them")
+    if arr.size > MAX_VALUE_ELEMS:
+        raise ValueError(f"{arr.size} elements, at most {MAX_VALUE_ELEMS} (a constant input is shape-like data: "
+                         "axes, sizes, pads); fix: make larger constants initializers of the model")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise ValueError("expected finite numbers; fix: write numbers (not .inf or .nan)")
+    return arr.tolist()
 
 
 def _bounded_list(n: int, why: str):
@@ -237,19 +257,23 @@ def _limited(n: int, why: str) -> Any:
 
 
 class InputSpec(_Spec):
-    """One model input: `shape` entries are dim names (declared under `dims`) or fixed ints.
+    """One model input: `shape` entries are dim names (declared under `dims`) or fixed ints
+    (`[]` is a scalar, a 0 extent an empty axis).
 
     `role: attention_mask` marks a mask whose padded positions must read "masked out"
     (`pad_value` 0) along `mask_for` (default: every symbolic dim of the shape after axis 0,
-    the batch axis); the padding-safety analysis relies on it."""
+    the batch axis); the padding-safety analysis relies on it. `value` declares the input
+    constant (shape-like data a model takes as an input: axes, sizes, pads): the model is
+    compiled for that value, and a call with another value is a contract violation."""
     name: Ident
     dtype: DType
     shape: Annotated[list[ShapeEntry], _limited(MAX_RANK, f"rank at most {MAX_RANK}, as ONNX runtimes, "
-                                                          "TensorRT and cuDNN allow")] = Field(min_length=1)
+                                                          "TensorRT and cuDNN allow")]
     pad_value: PadValue = 0
     role: Literal["data", "attention_mask"] = "data"
-    mask_for: list[Ident] = []   # role, mask_for, range came after version 1: see hashing.INPUT_FIELDS_SINCE_V1
+    mask_for: list[Ident] = []   # role, mask_for, range, value came after version 1: see hashing.INPUT_FIELDS_SINCE_V1
     range: Optional[ValueRange] = None    # integer inputs: every value in [lo, hi], checked at run time
+    value: Annotated[Any, BeforeValidator(_constant)] = None
 
     @field_validator("pad_value", mode="before")
     @classmethod

@@ -212,6 +212,8 @@ class _Checker:
                          inp.pad_value, fix=bad[1])
             self.value_range(i, inp)
             self.mask(i, inp)
+            if inp.value is not None:
+                self.constant(i, inp)
         for name in self.r.dims:
             if name not in used:
                 self.err(f"dims.{name}", f"dim {name!r} is declared but no input uses it", name,
@@ -241,6 +243,26 @@ class _Checker:
                                                f"[{lo}, {hi}]: padded positions would hold a value the "
                                                "contract excludes", inp.pad_value,
                      fix=f"a pad_value in [{lo}, {hi}]")
+
+    def constant(self, i: int, inp: Any) -> None:
+        """A constant input has a fixed shape, its value has that shape and fits the dtype."""
+        import numpy as np
+        p = f"inputs[{i}]"
+        if any(isinstance(e, str) for e in inp.shape):
+            self.err(f"{p}.value", "an input with a constant value needs a fixed shape (ints only)", inp.shape,
+                     fix="write the shape as ints, or remove value")
+            return
+        arr = np.array(inp.value)
+        if list(arr.shape) != list(inp.shape):
+            self.err(f"{p}.value", f"the value has shape {list(arr.shape)}, the input's shape is {inp.shape}",
+                     fix=f"give a value of shape {inp.shape}")
+            return
+        flat = arr.reshape(-1).tolist()
+        for k, v in enumerate(flat):
+            bad = _pad_problem(inp.dtype, v)
+            if bad is not None:
+                self.err(f"{p}.value", f"element {k} ({v}) does not fit dtype {inp.dtype}: {bad[0]}", fix=bad[1])
+                return
 
     def mask(self, i: int, inp: Any) -> None:
         """An attention mask names the padded dims it covers, and pads with 0 (masked out)."""

@@ -28,6 +28,12 @@ from graphmode.progress import OnStage, stage
 log = logging.getLogger("graphmode.runtime")
 
 
+def constant_inputs(recipe: Any) -> dict[str, torch.Tensor]:
+    """The inputs the recipe declares constant (`inputs[].value`), as tensors of their dtype."""
+    from graphmode.ir.types import DTYPES
+    return {i.name: torch.tensor(i.value, dtype=DTYPES[i.dtype]) for i in recipe.inputs if i.value is not None}
+
+
 class CompiledModel:
     def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
                  *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None,
@@ -60,6 +66,7 @@ class CompiledModel:
         self._compile_lock = threading.Lock()
         self.input_names = [i.name for i in recipe.inputs]
         self.pad_values = {i.name: i.pad_value for i in recipe.inputs}
+        self._constants = constant_inputs(recipe)        # inputs the recipe declares constant (inputs[].value)
         self._dim_axes = {i.name: [(ax, d) for ax, d in enumerate(i.shape) if isinstance(d, str)]
                           for i in recipe.inputs}
         self._bounds: tuple[list, list] | None = None     # (value checks, dim checks), built on first use
@@ -155,6 +162,11 @@ class CompiledModel:
                 raise ContractViolation(f"input {spec.name!r} has rank {t.dim()}, the recipe declares "
                                         f"{spec.shape}", where=f"inputs.{spec.name}.shape", value=tuple(t.shape),
                                         fix=f"send a {len(spec.shape)}-d tensor shaped {spec.shape}")
+            if spec.value is not None and not torch.equal(t, self._constants[spec.name]):
+                raise ContractViolation(f"input {spec.name!r} differs from the value the recipe declares constant "
+                                        "(the model was compiled for that value)", where=f"inputs.{spec.name}.value",
+                                        value=t.tolist() if t.numel() <= 16 else tuple(t.shape),
+                                        fix=f"send {spec.value}, or compile with a recipe declaring the new value")
             out[spec.name] = t
         return out
 

@@ -47,11 +47,35 @@ def _constant(imp: _Importer, n) -> None:
         imp.check_declared(out)
 
 
-@_handles("Identity", "Dropout")
+@_handles("Identity")
 def _identity(imp: _Importer, n) -> None:
-    if n.op_type == "Dropout" and len(n.output) > 1 and n.output[1] and imp.consumers.get(n.output[1]):
-        raise imp.fail("the Dropout mask output is used", fix="export the model in eval mode")
     imp.alias(n.output[0], n.input[0])
+
+
+@_handles("Dropout")
+def _dropout(imp: _Importer, n) -> None:
+    """Inference: the input unchanged and an all-true mask. In training mode Dropout draws a
+    random mask, which inference does not reproduce: refused unless the ratio is 0."""
+    mode_n, ratio_n = imp.opt_in(n, 2), imp.opt_in(n, 1)
+    training = False
+    if mode_n:
+        k = imp.need_known(mode_n, "Dropout training_mode")
+        training = bool(k.tensor().reshape(-1)[0].item()) if k.concrete and k.arr.size == 1 else None
+        if training is None:
+            raise imp.fail("Dropout training_mode must be a constant scalar", fix="declare it constant")
+    if training:
+        ratio = 0.5
+        if ratio_n:
+            k = imp.need_known(ratio_n, "Dropout ratio")
+            ratio = float(k.tensor().reshape(-1)[0].item()) if k.concrete and k.arr.size == 1 else 0.5
+        if ratio != 0.0:
+            raise imp.fail(f"Dropout with training_mode=True and ratio {ratio} drops random elements; graphmode "
+                           "compiles inference, which cannot reproduce that draw",
+                           fix="export the model in eval mode (training_mode False), or set the ratio to 0")
+    imp.alias(n.output[0], n.input[0])
+    if len(n.output) > 1 and n.output[1]:
+        t = imp.type_of(n.input[0])
+        imp.emit("full", [], {"shape": _shape_attr(t.shape), "value": True, "dtype": "bool"}, out=n.output[1])
 
 
 @_handles("Shape")
@@ -179,18 +203,31 @@ def _where(imp: _Importer, n) -> None:
 
 @_handles("Clip")
 def _clip(imp: _Importer, n) -> None:
+    """min(max(x, lo), hi): constant bounds become a clamp, run-time ones maximum/minimum, none
+    at all the input itself."""
     lo_n, hi_n = imp.opt_in(n, 1), imp.opt_in(n, 2)
-    lo = hi = None
+    if not lo_n and not hi_n:
+        imp.alias(n.output[0], n.input[0])
+        return
+    bounds: dict[str, float | int | None] = {"min": None, "max": None}
+    runtime: list[tuple[str, str]] = []
     for which, nm in (("min", lo_n), ("max", hi_n)):
-        if nm:
-            k = imp.need_known(nm, f"Clip {which}")
-            if not k.concrete or k.arr.size != 1:
-                raise imp.fail(f"Clip {which} must be a constant scalar", value=str(k.arr.tolist()))
-            if which == "min":
-                lo = k.tensor().item()
-            else:
-                hi = k.tensor().item()
-    imp.emit("clamp", [imp.operand(n.input[0])], {"min": lo, "max": hi}, out=n.output[0])
+        if not nm:
+            continue
+        k = imp.kn(nm)
+        if k is not None and k.concrete and k.arr.size == 1:
+            bounds[which] = k.tensor().reshape(-1)[0].item()
+        else:
+            runtime.append(("maximum" if which == "min" else "minimum", nm))
+    x = imp.operand(n.input[0])
+    if not runtime:
+        imp.emit("clamp", [x], bounds, out=n.output[0])
+        return
+    if bounds["min"] is not None or bounds["max"] is not None:
+        x = imp.emit("clamp", [x], bounds, hint=n.output[0])
+    for i, (op, nm) in enumerate(runtime):
+        x = imp.emit(op, [x, imp.operand(nm)], {}, out=n.output[0] if i == len(runtime) - 1 else None,
+                     hint=n.output[0])
 
 
 @_handles("Gelu")

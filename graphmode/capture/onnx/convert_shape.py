@@ -235,8 +235,9 @@ def _gather(imp: _Importer, n) -> None:
         imp.set_known(n.output[0], _Known(np.take(kd.arr, ids, axis=axis), kd.dtype))
         return
     out = n.output[0]
-    if axis == 0 and dt.rank == 2 and imp.is_const(data) and it.dtype in ("i64", "i32"):
-        imp.emit("embedding", [imp.operand(data), imp.operand(idx)], {}, out=out)
+    if axis == 0 and dt.rank == 2 and imp.is_const(data) and it.dtype in ("i64", "i32") and \
+            not (ki is not None and ki.concrete):
+        imp.emit("embedding", [imp.operand(data), imp.wrap_negative(imp.operand(idx), size, out)], {}, out=out)
         return
     x = imp.operand(data)
     if ki is not None and ki.concrete and it.rank == 0:
@@ -257,7 +258,7 @@ def _gather(imp: _Importer, n) -> None:
             return
         i_v = imp.materialise(_Known.of(ids.reshape(ki.shape)), f"{out}_idx")
     else:
-        i_v = imp.operand(idx)
+        i_v = imp.wrap_negative(imp.operand(idx), size, out)
     if it.rank == 1:
         imp.emit("index_select", [x, i_v], {"dim": axis}, out=out)
     else:
@@ -278,7 +279,8 @@ def _gather_nd(imp: _Importer, n) -> None:
     for j in range(depth):
         s = imp.emit("slice", [ind], {"dim": it.rank - 1, "start": j, "end": j + 1, "step": 1},
                      hint=f"{n.output[0]}_i{j}")
-        idx.append(imp.emit("reshape", [s], {"shape": _shape_attr(it.shape[:-1])}, hint=f"{n.output[0]}_i{j}"))
+        i_j = imp.emit("reshape", [s], {"shape": _shape_attr(it.shape[:-1])}, hint=f"{n.output[0]}_i{j}")
+        idx.append(imp.wrap_negative(i_j, imp.type_of(n.input[0]).shape[j], f"{n.output[0]}_i{j}"))
     imp.emit("index", [x] + idx, {"dims": list(range(depth))}, out=n.output[0])
 
 
@@ -364,7 +366,8 @@ def _pad(imp: _Importer, n) -> None:
 def _gather_elements(imp: _Importer, n) -> None:
     t = imp.type_of(n.input[0])
     axis = norm_axis(imp.attr(n, "axis", 0), t.rank)
-    imp.emit("gather", [imp.operand(n.input[0]), imp.operand(n.input[1])], {"dim": axis}, out=n.output[0])
+    idx = imp.wrap_negative(imp.operand(n.input[1]), t.shape[axis], n.output[0])
+    imp.emit("gather", [imp.operand(n.input[0]), idx], {"dim": axis}, out=n.output[0])
 
 
 @_handles("ArgMax", "ArgMin")

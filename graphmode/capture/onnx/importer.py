@@ -138,7 +138,8 @@ def _vname(onnx_name: str) -> str:
 
 class _Importer:
     def __init__(self, model, label: str, name: str, dims: Mapping[str, tuple[int, int]] | None,
-                 input_dims: Mapping[str, Sequence] | None, excluded: Callable[[str, str], bool]):
+                 input_dims: Mapping[str, Sequence] | None, excluded: Callable[[str, str], bool],
+                 input_values: Mapping[str, torch.Tensor] | None = None):
         from onnx import numpy_helper  # noqa: F401 - imported here so a missing onnx fails in import_onnx
         self.m = model
         self.label = label
@@ -146,6 +147,7 @@ class _Importer:
         self.g = Graph(clean_name(name))
         self.user_dims = dict(dims) if dims is not None else None
         self.input_dims = dict(input_dims or {})
+        self.input_values = dict(input_values or {})
         self.excluded = excluded
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
         self.known: dict[str, _Known] = {}
@@ -458,6 +460,8 @@ class _Importer:
                 shape.append(dim)
             ty = TensorType(dtype, tuple(shape))
             self.ir[vi.name] = self.g.add_input(self.g.fresh_name(clean_name(vi.name)), ty)
+            if vi.name in self.input_values:
+                self._bind_constant_input(vi.name, ty)
         used: set[str] = set()
         for n in self.g.inputs:
             for d in self.g.values[n].type.shape:
@@ -474,6 +478,16 @@ class _Importer:
         else:
             from graphmode.capture.zoo import DEFAULT_DIM_RANGES
             self.g.dims = {d: DEFAULT_DIM_RANGES.get(d, DEFAULT_RANGE) for d in sorted(used)}
+
+    def _bind_constant_input(self, name: str, ty: TensorType) -> None:
+        """An input the recipe declares constant: known to the converters (shape-like data folds),
+        still a graph input (the runtime checks each call's value against the declared one)."""
+        t = self.input_values[name]
+        if list(t.shape) != list(ty.shape) or TensorType.of(t).dtype != ty.dtype:
+            raise CaptureError(f"input {name!r} is {ty.text()} in the model, but its declared value is "
+                               f"{TensorType.of(t).text()}", where=f"onnx {self.label}",
+                               fix="give the value in the input's dtype and shape")
+        self.known[name] = _Known.of(t)
 
     def _fixed_dim(self, name: str) -> int | None:
         """The one value a recipe dim admits (`d: 3` or min == max), else None."""
@@ -576,6 +590,17 @@ class _Importer:
         self.g.nodes = keep[::-1]
 
     # ---- helpers for handlers --------------------------------------------------------------
+    def scalar(self, value, dtype: str, hint: str) -> str:
+        """A 0-d constant (or a symbolic dim as a run-time scalar) of `dtype`."""
+        return self.materialise(_Known(_objarr([value], ()), dtype), hint)
+
+    def wrap_negative(self, idx: str, size: Dim, hint: str) -> str:
+        """ONNX indices count from the end when negative: `where(idx < 0, idx + size, idx)`."""
+        dt = self.g.type_of(idx).dtype
+        neg = self.emit("lt", [idx, self.scalar(0, dt, f"{hint}_zero")], {}, hint=f"{hint}_neg")
+        shifted = self.emit("add", [idx, self.scalar(size, dt, f"{hint}_size")], {}, hint=f"{hint}_wrapped")
+        return self.emit("where", [neg, shifted, idx], {}, hint=f"{hint}_idx")
+
     def attr(self, n, key: str, default: Any = None) -> Any:
         from onnx import helper
         for a in n.attribute:
@@ -691,13 +716,16 @@ def make_onnx_excluder(include_ops: Sequence[str] = (), exclude_ops: Sequence[st
 def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = None,
                 input_dims: Mapping[str, Sequence] | None = None, name: str | None = None,
                 include_ops: Sequence[str] = (), exclude_ops: Sequence[str] = (),
-                check_types: bool = True) -> tuple[Graph, OnnxCaptureReport]:
+                check_types: bool = True, input_values: Mapping[str, torch.Tensor] | None = None
+                ) -> tuple[Graph, OnnxCaptureReport]:
     """Import an ONNX model (path, bytes or onnx.ModelProto) into an IR graph.
 
     `input_dims` maps ONNX input names to dim names/ints (default: the model's own dim_params,
     e.g. `batch`, `seq`); `dims` gives each dim's (min, max) range (default: the zoo's ranges
     for batch/seq, else DEFAULT_RANGE). Every value's IR type is cross-checked against the
-    model's value_info / output types and, with `check_types`, ONNX shape inference. Every
+    model's value_info / output types and, with `check_types`, ONNX shape inference.
+    `input_values` holds the inputs a recipe declares constant (`inputs[].value`): converters
+    read them as known values, so axes, sizes or pads given as inputs fold. Every
     failure is a CaptureError naming the file, the node and the fix.
     """
     t0 = time.perf_counter()
@@ -710,7 +738,8 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
     model = _load(path_or_model, label)
     model, opset, inferred = validate_onnx(model, label, supported_onnx_ops())
     gname = name or (Path(str(path_or_model)).stem if is_path else (model.graph.name or "onnx_model"))
-    imp = _Importer(model, label, gname, dims, input_dims, make_onnx_excluder(include_ops, exclude_ops))
+    imp = _Importer(model, label, gname, dims, input_dims, make_onnx_excluder(include_ops, exclude_ops),
+                    input_values)
     imp.extra_value_info = inferred if check_types else []
     g = imp.run()
     ops = Counter(n.op_type for n in model.graph.node)

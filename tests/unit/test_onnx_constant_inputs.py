@@ -1,0 +1,62 @@
+"""ONNX models that take shape-like data as inputs (Reshape's shape, ReduceSum's axes): the recipe
+declares them constant (`inputs[].value`), the model compiles for that value, and a call with
+another value is a contract violation. Also scalar (rank-0) inputs."""
+from __future__ import annotations
+
+import warnings
+
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import graphmode
+from graphmode.errors import CaptureError, ContractViolation
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+
+
+def _save(tmp_path, nodes, inputs, outputs, name="m"):
+    g = helper.make_graph(nodes, name, inputs, outputs)
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return str(path)
+
+
+def _compile(path, recipe, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return graphmode.compile(path, recipe, cache_dir=tmp_path / "cache")
+
+
+def test_reshape_and_reduce_with_constant_shape_like_inputs(tmp_path):
+    path = _save(tmp_path, [helper.make_node("Reshape", ["x", "shape"], ["r"]),
+                            helper.make_node("ReduceSum", ["r", "axes"], ["y"], keepdims=0)],
+                 [helper.make_tensor_value_info("x", F, [2, 6]), helper.make_tensor_value_info("shape", I64, [3]),
+                  helper.make_tensor_value_info("axes", I64, [1])],
+                 [helper.make_tensor_value_info("y", F, [2, 3])])
+    recipe = {"version": 1, "name": "c", "dims": {"b": 2},
+              "inputs": [{"name": "x", "dtype": "f32", "shape": ["b", 6]},
+                         {"name": "shape", "dtype": "i64", "shape": [3], "value": [2, 3, 2]},
+                         {"name": "axes", "dtype": "i64", "shape": [1], "value": [-1]}]}
+    cm = _compile(path, recipe, tmp_path)
+    x = torch.randn(2, 6)
+    y = cm(x=x, shape=torch.tensor([2, 3, 2]), axes=torch.tensor([-1]))
+    assert torch.allclose(y, x.reshape(2, 3, 2).sum(-1))
+    with pytest.raises(ContractViolation, match="inputs.shape.value"):
+        cm(x=x, shape=torch.tensor([2, 2, 3]), axes=torch.tensor([-1]))
+    without = dict(recipe, inputs=[recipe["inputs"][0], {"name": "shape", "dtype": "i64", "shape": [3]},
+                                   recipe["inputs"][2]])
+    with pytest.raises(CaptureError, match="depends on run-time tensor data"):
+        _compile(path, without, tmp_path)
+
+
+def test_scalar_input(tmp_path):
+    path = _save(tmp_path, [helper.make_node("Mul", ["x", "s"], ["y"])],
+                 [helper.make_tensor_value_info("x", F, [3]), helper.make_tensor_value_info("s", F, [])],
+                 [helper.make_tensor_value_info("y", F, [3])])
+    cm = _compile(path, {"version": 1, "name": "s", "dims": {"n": 3},
+                         "inputs": [{"name": "x", "dtype": "f32", "shape": ["n"]},
+                                    {"name": "s", "dtype": "f32", "shape": []}]}, tmp_path)
+    x = torch.randn(3)
+    assert torch.allclose(cm(x=x, s=torch.tensor(2.5)), x * 2.5)
