@@ -86,8 +86,8 @@ def _as_numpy(t) -> np.ndarray:
 
 def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float, atol: float) -> str | None:
     """None when `got` matches `want` as the ONNX backend test runner checks it (same count,
-    shapes and dtypes; |got - want| <= atol + rtol * |want|, NaN where NaN; exact for
-    non-floats), else the first difference."""
+    shapes and dtypes; |got - want| <= atol + rtol * |want|, rtol at least 2**-6 for bfloat16,
+    NaN where NaN; exact for non-floats), else the first difference."""
     if len(got) != len(want):
         return f"{len(got)} outputs, expected {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):
@@ -97,7 +97,8 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float, atol: fl
             return f"output {i}: shape {list(g.shape)}, expected {list(w.shape)}"
         if w.dtype.kind == "f" or w.dtype.name.startswith(("bfloat", "float")):   # ml_dtypes' floats too
             g64, w64 = g.astype(np.float64), w.astype(np.float64)
-            ok = np.isclose(g64, w64, rtol=rtol, atol=atol, equal_nan=True)
+            tol = max(rtol, 2.0 ** -6) if w.dtype.name == "bfloat16" else rtol       # two bf16 ULPs, as onnx's runner
+            ok = np.isclose(g64, w64, rtol=tol, atol=atol, equal_nan=True)
         else:
             ok = g == w
         if not np.all(ok):

@@ -15,6 +15,7 @@ import numpy as np
 import sympy
 import torch
 
+from graphmode.capture.onnx.functions import expand_functions
 from graphmode.capture.onnx_validate import node_where, validate_onnx
 from graphmode.capture.onnx_validate import ONNX_DTYPES as _ONNX_DTYPES
 from graphmode.capture.torch_import import CaptureReport, Fallback
@@ -735,7 +736,7 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
         raise CaptureError("the onnx package is not installed", fix="pip install onnx") from None
     is_path = isinstance(path_or_model, (str, os.PathLike))
     label = str(path_or_model) if is_path else (name or "<in-memory model>")
-    model = _load(path_or_model, label)
+    model = expand_functions(_load(path_or_model, label), supported_onnx_ops())
     model, opset, inferred = validate_onnx(model, label, supported_onnx_ops())
     gname = name or (Path(str(path_or_model)).stem if is_path else (model.graph.name or "onnx_model"))
     imp = _Importer(model, label, gname, dims, input_dims, make_onnx_excluder(include_ops, exclude_ops),

@@ -1,0 +1,45 @@
+"""ONNX ops defined by a function body, imported through that body.
+
+Many ONNX ops (Attention, RMSNormalization, RotaryEmbedding, the loss ops, Celu, Mish,
+GroupNormalization, CenterCropPad, ...) come with a function in their schema: the op written
+in simpler ONNX ops, the definition runtimes without a kernel fall back to. An op the
+importer has no converter for is replaced by its body (onnx's inliner, which also builds the
+context-dependent bodies that depend on the node's attributes and input types) before the
+model is validated, so the body's ops go through the same checks and converters as any other
+node. Inlining repeats while a body brings in another such op (SoftmaxCrossEntropyLoss ->
+NegativeLogLikelihoodLoss).
+"""
+from __future__ import annotations
+
+from typing import Collection
+
+MAX_ROUNDS = 4
+
+
+def _has_body(op: str, domain: str, opset: int) -> bool:
+    from onnx import defs
+    try:
+        s = defs.get_schema(op, opset, domain)
+    except Exception:  # noqa: BLE001 - onnx.defs.SchemaError: not an op at this opset
+        return False
+    return bool(s.has_function or s.has_context_dependent_function)
+
+
+def expand_functions(model, handled: Collection[str]):
+    """`model` with every node whose op has no converter but a function body replaced by that
+    body (the model unchanged when there is none); a failure of the inliner leaves the node for
+    the op-type check to refuse by name."""
+    from onnx import inliner
+
+    from graphmode.capture.onnx.opsets import model_opset
+    for _ in range(MAX_ROUNDS):
+        opset = model_opset(model) or 0
+        todo = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")
+                       and n.op_type not in handled and _has_body(n.op_type, "", opset)})
+        if not todo:
+            return model
+        try:
+            model = inliner.inline_selected_functions(model, [("", op) for op in todo], inline_schema_functions=True)
+        except Exception:  # noqa: BLE001 - the inliner raises RuntimeError on bodies it cannot build
+            return model
+    return model
