@@ -22,7 +22,7 @@ KNOWN_LIMIT = 4096          # tensors up to this many elements are tracked as kn
 BIG_END = 2 ** 62           # the IR's "to the end" slice bound
 DEFAULT_RANGE = (1, 4096)   # dim range when neither `dims` nor the zoo defaults name the dim
 
-_INT_DTYPES = frozenset({"u8", "i8", "i16", "i32", "i64"})
+_INT_DTYPES = frozenset({"u8", "u16", "u32", "u64", "i8", "i16", "i32", "i64"})
 _FLOAT_DTYPES = frozenset({"f16", "bf16", "f32", "f64"})
 
 

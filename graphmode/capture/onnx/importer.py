@@ -120,6 +120,13 @@ def _aten_call(op: str, attrs: Mapping[str, Any], n_in: int) -> tuple[str, list,
 
 # ------------------------------------------------------------------------------ importer
 
+_UNSIGNED = frozenset({"u16", "u32", "u64"})
+# ops torch runs on u16/u32/u64 tensors (moves, casts, equality); the rest go through int64
+_UNSIGNED_NATIVE = frozenset({"cast", "identity", "reshape", "permute", "expand", "slice", "concat", "index",
+                              "eq", "full"})
+_U64_AS_I64 = frozenset({"add", "sub", "mul", "eq", "ne", "neg"})
+_U64_ORDERED = frozenset({"lt", "le", "gt", "ge", "maximum", "minimum"})
+
 
 def _to_tensor(arr: np.ndarray, onnx_type: int | None = None) -> torch.Tensor:
     """A writable torch copy of an ONNX numpy array (bfloat16 arrives as 16-bit words)."""
@@ -313,6 +320,8 @@ class _Importer:
     def emit(self, op: str, inputs: list[str], attrs: dict, *, out: str | None = None,
              hint: str | None = None) -> str:
         """Add one IR node (inputs are IR value names); `out` binds it to an ONNX value."""
+        if op not in _UNSIGNED_NATIVE and any(self.g.type_of(i).dtype in _UNSIGNED for i in inputs):
+            return self._emit_unsigned(op, inputs, attrs, out=out, hint=hint)
         spec = get_op(op)
         types = [self.g.type_of(i) for i in inputs]
         try:
@@ -335,6 +344,35 @@ class _Importer:
             self.ir[out] = name
             self.check_declared(out)
         return name
+
+    def _emit_unsigned(self, op: str, inputs: list[str], attrs: dict, *, out: str | None, hint: str | None) -> str:
+        """`op` on u16/u32/u64 values, which torch has almost no kernels for: computed on int64 and
+        cast back. Exact for u16/u32 (their values fit int64); for u64 only where int64 bit patterns
+        give the same bits (add, sub, mul, eq, ne: arithmetic modulo 2**64)."""
+        types = [self.g.type_of(i) for i in inputs]
+        unsigned = next(t.dtype for t in types if t.dtype in _UNSIGNED)
+        # u64 order: shifting both sides by -2**63 (wrapping) maps unsigned order onto signed order
+        ordered = unsigned == "u64" and op in _U64_ORDERED
+        if unsigned == "u64" and op not in _U64_AS_I64 and not ordered:
+            raise self.fail(f"{op} on uint64 values is not supported: torch has no uint64 kernels for it, and "
+                            "int64 divides differently above 2**63",
+                            fix="cast the values to int64 in the model where they fit")
+        want = get_op(op).infer(types, attrs)[0].dtype
+        h = hint or out or op
+        shift = self.scalar(-2 ** 63, "i64", f"{h}_shift") if ordered else None
+        wide = []
+        for i, t in zip(inputs, types):
+            if t.dtype in _UNSIGNED:
+                i = self.emit("cast", [i], {"dtype": "i64"}, hint=f"{h}_i64")
+                if shift is not None:
+                    i = self.emit("add", [i, shift], {}, hint=f"{h}_i64")
+            wide.append(i)
+        if want not in _UNSIGNED:
+            return self.emit(op, wide, attrs, out=out, hint=hint)
+        r = self.emit(op, wide, attrs, hint=f"{h}_i64")
+        if shift is not None:
+            r = self.emit("sub", [r, shift], {}, hint=f"{h}_i64")
+        return self.emit("cast", [r], {"dtype": want}, out=out, hint=hint)
 
     def _fallback(self, op: str, inputs: list[str], attrs: dict, otype: TensorType, name: str) -> None:
         n = self.node
