@@ -7,7 +7,8 @@ importer has no converter for is replaced by its body (onnx's inliner, which als
 context-dependent bodies that depend on the node's attributes and input types) before the
 model is validated, so the body's ops go through the same checks and converters as any other
 node. Inlining repeats while a body brings in another such op (SoftmaxCrossEntropyLoss ->
-NegativeLogLikelihoodLoss).
+NegativeLogLikelihoodLoss). `import_onnx` also falls back to the body of an op whose converter
+refuses a node (an attribute or an output it does not cover).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Collection
 MAX_ROUNDS = 4
 
 
-def _has_body(op: str, domain: str, opset: int) -> bool:
+def has_body(op: str, domain: str, opset: int) -> bool:
     from onnx import defs
     try:
         s = defs.get_schema(op, opset, domain)
@@ -35,7 +36,7 @@ def expand_functions(model, handled: Collection[str]):
     for _ in range(MAX_ROUNDS):
         opset = model_opset(model) or 0
         todo = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")
-                       and n.op_type not in handled and _has_body(n.op_type, "", opset)})
+                       and n.op_type not in handled and has_body(n.op_type, "", opset)})
         if not todo:
             return model
         try:

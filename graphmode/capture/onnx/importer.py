@@ -15,7 +15,7 @@ import numpy as np
 import sympy
 import torch
 
-from graphmode.capture.onnx.functions import expand_functions
+from graphmode.capture.onnx.functions import expand_functions, has_body
 from graphmode.capture.onnx_validate import node_where, validate_onnx
 from graphmode.capture.onnx_validate import ONNX_DTYPES as _ONNX_DTYPES
 from graphmode.capture.torch_import import CaptureReport, Fallback
@@ -774,13 +774,25 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
         raise CaptureError("the onnx package is not installed", fix="pip install onnx") from None
     is_path = isinstance(path_or_model, (str, os.PathLike))
     label = str(path_or_model) if is_path else (name or "<in-memory model>")
-    model = expand_functions(_load(path_or_model, label), supported_onnx_ops())
-    model, opset, inferred = validate_onnx(model, label, supported_onnx_ops())
-    gname = name or (Path(str(path_or_model)).stem if is_path else (model.graph.name or "onnx_model"))
-    imp = _Importer(model, label, gname, dims, input_dims, make_onnx_excluder(include_ops, exclude_ops),
-                    input_values)
-    imp.extra_value_info = inferred if check_types else []
-    g = imp.run()
+    loaded = _load(path_or_model, label)
+    converted = set(supported_onnx_ops())
+    while True:
+        model = expand_functions(loaded, converted)
+        model, opset, inferred = validate_onnx(model, label, converted)
+        gname = name or (Path(str(path_or_model)).stem if is_path else (model.graph.name or "onnx_model"))
+        imp = _Importer(model, label, gname, dims, input_dims, make_onnx_excluder(include_ops, exclude_ops),
+                        input_values)
+        imp.extra_value_info = inferred if check_types else []
+        try:
+            g = imp.run()
+            break
+        except CaptureError:
+            # a converter that refuses a node (an attribute or output it does not cover) leaves the
+            # op to its function body, when the schema has one
+            n = imp.node
+            if n is None or n.op_type not in converted or not has_body(n.op_type, n.domain, opset):
+                raise
+            converted.discard(n.op_type)
     ops = Counter(n.op_type for n in model.graph.node)
     report = OnnxCaptureReport(source="onnx", seconds=time.perf_counter() - t0, aten_ops=dict(sorted(ops.items())),
                                fallbacks=sorted(imp.fallbacks.values(), key=lambda f: (f.target, f.loc)),
