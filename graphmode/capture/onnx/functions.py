@@ -26,6 +26,25 @@ def has_body(op: str, domain: str, opset: int) -> bool:
     return bool(s.has_function or s.has_context_dependent_function)
 
 
+def _with_defaults(model, ops: set[str], opset: int):
+    """A copy of `model` whose nodes of `ops` spell out every attribute they leave at its default:
+    a body refers to the node's attributes by name, and the inliner does not fill in the schema's
+    defaults (MeanVarianceNormalization's `axes` would silently become every axis)."""
+    import onnx
+    from onnx import defs
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for n in out.graph.node:
+        if n.op_type not in ops or n.domain not in ("", "ai.onnx"):
+            continue
+        schema = defs.get_schema(n.op_type, opset, "")
+        have = {a.name for a in n.attribute}
+        for name, attr in schema.attributes.items():
+            if name not in have and attr.default_value.name:
+                n.attribute.append(attr.default_value)
+    return out
+
+
 def expand_functions(model, handled: Collection[str]):
     """`model` with every node whose op has no converter but a function body replaced by that
     body (the model unchanged when there is none); a failure of the inliner leaves the node for
@@ -39,6 +58,7 @@ def expand_functions(model, handled: Collection[str]):
                        and n.op_type not in handled and has_body(n.op_type, "", opset)})
         if not todo:
             return model
+        model = _with_defaults(model, set(todo), opset)
         try:
             model = inliner.inline_selected_functions(model, [("", op) for op in todo], inline_schema_functions=True)
         except Exception:  # noqa: BLE001 - the inliner raises RuntimeError on bodies it cannot build
