@@ -84,10 +84,15 @@ def _as_numpy(t) -> np.ndarray:
     return t.numpy()
 
 
+# the least relative tolerance per low-precision dtype: two ULPs (onnx's runner does this for
+# bfloat16; float16's 1e-3 default is one ULP, under the rounding of one reordered accumulation)
+TWO_ULPS = {"bfloat16": 2.0 ** -6, "float16": 2.0 ** -9}
+
+
 def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float, atol: float) -> str | None:
     """None when `got` matches `want` as the ONNX backend test runner checks it (same count,
-    shapes and dtypes; |got - want| <= atol + rtol * |want|, rtol at least 2**-6 for bfloat16,
-    NaN where NaN; exact for non-floats), else the first difference."""
+    shapes and dtypes; |got - want| <= atol + rtol * |want|, rtol at least two ULPs of a 16-bit
+    float (TWO_ULPS), NaN where NaN; exact for non-floats), else the first difference."""
     if len(got) != len(want):
         return f"{len(got)} outputs, expected {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):
@@ -97,7 +102,7 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float, atol: fl
             return f"output {i}: shape {list(g.shape)}, expected {list(w.shape)}"
         if w.dtype.kind == "f" or w.dtype.name.startswith(("bfloat", "float")):   # ml_dtypes' floats too
             g64, w64 = g.astype(np.float64), w.astype(np.float64)
-            tol = max(rtol, 2.0 ** -6) if w.dtype.name == "bfloat16" else rtol       # two bf16 ULPs, as onnx's runner
+            tol = max(rtol, TWO_ULPS.get(w.dtype.name, 0.0))
             ok = np.isclose(g64, w64, rtol=tol, atol=atol, equal_nan=True)
         else:
             ok = g == w
