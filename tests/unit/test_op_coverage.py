@@ -51,18 +51,22 @@ GENERATED_REFUSED = {("amax", 1): "not over the last dim", ("amin", 1): "not ove
                      **{(op, i): "zero divisor must raise" for op in ("remainder", "fmod") for i in (1, 2)}}
 # ops that some sample's op instruction runs as the reference op (no native kernel or ATen step claims it)
 REFERENCE_STEPS = frozenset({
+    "acos", "acosh", "asin", "asinh", "atan", "atanh", "bitwise_and", "bitwise_left_shift", "bitwise_not",
+    "bitwise_or", "bitwise_right_shift", "bitwise_xor", "ceil", "cosh", "floor", "round", "sign", "sinh", "tan",
     "amax", "amin", "argmax", "argmin", "batch_norm", "cast", "clamp", "concat", "cos", "cumsum", "div", "eq",
     "expand", "fmod", "full", "gather", "ge", "gt", "identity", "index_select", "layer_norm", "le", "log_softmax",
     "logical_not", "lt", "mean", "ne", "pad", "reciprocal", "remainder", "roll", "silu", "sin",
     "sum", "tril", "triu", "where"})
 # ops whose samples have no tensor input: an ONNX export folds them into a constant
 ONNX_NO_INPUTS = frozenset({"arange", "full"})
-# samples whose ONNX round trip fails, and the ONNX op the importer lacks (float remainder is exported as
-# x - y * Floor(x / y))
-ONNX_FAILS = {("paged_attention", 0): "ScatterND", ("remainder", 0): "Floor", ("remainder", 3): "Floor"}
+# samples whose ONNX round trip fails, and why (an op the importer lacks, or the legacy exporter refuses)
+ONNX_FAILS = {("paged_attention", 0): "ScatterND",
+              **{(op, 0): f"aten::{op}' to ONNX" for op in ("acosh", "asinh", "atanh", "cosh", "sinh", "bitwise_xor")},
+              ("bitwise_xor", 1): "aten::bitwise_xor' to ONNX", ("bitwise_not", 0): "bitwise Not for non-boolean",
+              ("bitwise_or", 0): "bitwise OR for non-boolean", ("bitwise_or", 1): "bitwise OR for non-boolean"}
 # ops whose round trip matches but comes back as other ops (the exporter decomposes them)
-ONNX_DECOMPOSED = frozenset({"adaptive_avg_pool2d", "embedding", "index", "linear", "ne", "qlinear", "roll",
-                             "rsqrt", "sdpa", "silu"})
+ONNX_DECOMPOSED = frozenset({"adaptive_avg_pool2d", "bitwise_left_shift", "bitwise_right_shift", "embedding", "index",
+                             "linear", "ne", "qlinear", "remainder", "roll", "rsqrt", "sdpa", "silu"})
 ONNX_OPSET = 20        # the legacy exporter's newest: Gelu comes out as one node, not an Erf chain
 
 

@@ -26,13 +26,18 @@ FLOATS = ("f32", "f64")
 INTS = ("i64", "i32", "i16", "i8", "u8")
 
 FLOAT_UNARY = ("exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "erf", "sin", "cos",
-               "silu", "gelu")
-OTHER_UNARY = ("neg", "abs", "relu", "logical_not", "identity", "clamp", "cast")
+               "silu", "gelu", "floor", "ceil", "round", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
+               "acosh", "atanh")
+OTHER_UNARY = ("neg", "abs", "relu", "logical_not", "identity", "clamp", "cast", "sign")
+BITWISE = {"bitwise_and": "&", "bitwise_or": "|", "bitwise_xor": "^"}
+SHIFTS = ("bitwise_left_shift", "bitwise_right_shift")
 ARITH = ("add", "sub", "mul", "div", "pow", "maximum", "minimum")
 MOD = ("remainder", "fmod")      # remainder: the divisor's sign (Python's %); fmod: the dividend's (C's fmod)
 CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 LOGIC = {"logical_and": "&", "logical_or": "|"}
-ELEMENTWISE_OPS = frozenset(FLOAT_UNARY + OTHER_UNARY + ARITH + MOD + tuple(CMP) + tuple(LOGIC) + ("where",))
+ELEMENTWISE_OPS = frozenset(FLOAT_UNARY + OTHER_UNARY + ARITH + MOD + tuple(CMP) + tuple(LOGIC) + tuple(BITWISE)
+                            + SHIFTS + ("where", "bitwise_not"))
+_LIBM = ("floor", "ceil", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh")
 
 _MATH = {  # name -> (f32 function, f64 function)
     "exp": ("gm_expf", "__builtin_exp"), "log": ("__builtin_logf", "__builtin_log"),
@@ -41,6 +46,8 @@ _MATH = {  # name -> (f32 function, f64 function)
     "cos": ("__builtin_cosf", "__builtin_cos"), "sigmoid": ("gm_sigmoidf", "gm_sigmoid"),
     "pow": ("__builtin_powf", "__builtin_pow"), "fabs": ("__builtin_fabsf", "__builtin_fabs"),
     "max": ("gm_maxf", "gm_max"), "min": ("gm_minf", "gm_min"), "fmod": ("__builtin_fmodf", "__builtin_fmod"),
+    "round": ("__builtin_nearbyintf", "__builtin_nearbyint"),    # half to even, as torch.round
+    **{f: (f"__builtin_{f}f", f"__builtin_{f}") for f in _LIBM},
 }
 
 
@@ -117,7 +124,11 @@ def op_refusal(n: Node, in_types: Sequence[TensorType], out_dt: str) -> str | No
         if op == "gelu" and a.get("approximate", "none") not in ("none", "tanh"):
             return f"gelu approximate={a.get('approximate')!r}"
         return None
-    if op in ("identity", "cast", "logical_not", "abs") or op in LOGIC or op == "where":
+    if op in ("identity", "cast", "logical_not", "abs", "sign") or op in LOGIC or op == "where":
+        return None
+    if op in BITWISE or op in SHIFTS or op == "bitwise_not":
+        if out_dt not in INTS and not (out_dt == "bool" and op not in SHIFTS):
+            return f"{op} producing {out_dt} (integers only)"
         return None
     if op in ("neg", "relu", "clamp"):
         if out_dt == "bool":
@@ -155,7 +166,7 @@ def op_expr(n: Node, ins: list[CValue], out_dt: str, where: str) -> str:
     if op in FLOAT_UNARY:
         x = cv(ins[0], out_dt)
         one, half = lit(1, out_dt), lit(0.5, out_dt)
-        if op in ("exp", "log", "sqrt", "tanh", "erf", "sin", "cos", "sigmoid"):
+        if op in ("exp", "log", "sqrt", "tanh", "erf", "sin", "cos", "sigmoid", "round") or op in _LIBM:
             return f"{fn(op, out_dt)}({x})"
         if op == "rsqrt":
             return f"({one} / {fn('sqrt', out_dt)}({x}))"
@@ -176,6 +187,19 @@ def op_expr(n: Node, ins: list[CValue], out_dt: str, where: str) -> str:
         return f"(!{cv(ins[0], 'bool')})"
     if op == "neg":
         return f"(-{cv(ins[0], out_dt)})"
+    if op == "sign":     # torch: 0 for zeros and NaN
+        x = cv(ins[0], out_dt)
+        if out_dt == "bool":
+            return x
+        return f"({x} > {lit(0, out_dt)} ? {lit(1, out_dt)} : ({x} < {lit(0, out_dt)} ? {lit(-1, out_dt)} : " \
+               f"{lit(0, out_dt)}))"
+    if op == "bitwise_not":
+        x = cv(ins[0], out_dt)
+        return f"(!{x})" if out_dt == "bool" else f"(({CTYPE[out_dt]})(~{x}))"
+    if op in BITWISE:
+        return f"(({CTYPE[out_dt]})({cv(ins[0], out_dt)} {BITWISE[op]} {cv(ins[1], out_dt)}))"
+    if op in SHIFTS:
+        return _shift(op, cv(ins[0], out_dt), cv(ins[1], out_dt), out_dt)
     if op == "abs":
         x = cv(ins[0], out_dt)
         if out_dt in FLOATS:
@@ -228,6 +252,19 @@ def _arith(op: str, ins: list[CValue], out_dt: str) -> str:
                 return special[e]
         return f"{fn('pow', out_dt)}({x}, {y})"
     return f"(({CTYPE[out_dt]})gm_ipow((int64_t){x}, (int64_t){y}))"
+
+
+def _shift(op: str, x: str, y: str, dt: str) -> str:
+    """torch's shifts: a shift by a negative amount or past the width gives 0 (or the sign, for
+    a signed right shift); a left shift runs on the unsigned type (no undefined behaviour)."""
+    ct, bits = CTYPE[dt], 8 * {"i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1}[dt]
+    if op == "bitwise_left_shift":
+        body = f"return ((int64_t)b < 0 || b >= {bits}) ? ({ct})0 : ({ct})((unsigned long long)a << b);"
+    elif dt == "u8":
+        body = f"return b >= {bits} ? ({ct})0 : ({ct})(a >> b);"
+    else:
+        body = f"return (b < 0 || b >= {bits}) ? ({ct})(a < 0 ? -1 : 0) : ({ct})(a >> b);"
+    return f"([]({ct} a, {ct} b) -> {ct} {{ {body} }}({x}, {y}))"
 
 
 def _mod(op: str, x: str, y: str, dt: str) -> str:

@@ -96,10 +96,14 @@ def _size(imp: _Importer, n) -> None:
 
 _UNARY = {"Neg": "neg", "Abs": "abs", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Exp": "exp", "Log": "log",
           "Tanh": "tanh", "Erf": "erf", "Relu": "relu", "Sigmoid": "sigmoid", "Sin": "sin", "Cos": "cos",
-          "Not": "logical_not"}
+          "Not": "logical_not", "Floor": "floor", "Ceil": "ceil", "Round": "round", "Sign": "sign", "Tan": "tan",
+          "Asin": "asin", "Acos": "acos", "Atan": "atan", "Sinh": "sinh", "Cosh": "cosh", "Asinh": "asinh",
+          "Acosh": "acosh", "Atanh": "atanh", "BitwiseNot": "bitwise_not"}
 _BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Equal": "eq", "Less": "lt",
            "LessOrEqual": "le", "Greater": "gt", "GreaterOrEqual": "ge", "And": "logical_and",
-           "Or": "logical_or", "Xor": "ne", "Max": "maximum", "Min": "minimum", "Sum": "add", "Mod": "remainder"}
+           "Or": "logical_or", "Xor": "ne", "Max": "maximum", "Min": "minimum", "Sum": "add", "Mod": "remainder",
+           "BitwiseAnd": "bitwise_and", "BitwiseOr": "bitwise_or", "BitwiseXor": "bitwise_xor",
+           "BitShift": "bitwise_left_shift"}
 _BOOL_OUT = {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Not", "IsNaN",
              "IsInf"}
 
@@ -123,6 +127,12 @@ def _elementwise(imp: _Importer, n) -> None:
     irop = _UNARY.get(op) or _BINARY[op]
     if op == "Mod" and imp.attr(n, "fmod", 0):
         irop = "fmod"
+    if op == "BitShift":
+        direction = imp.attr(n, "direction", b"")
+        direction = direction.decode() if isinstance(direction, bytes) else str(direction)
+        if direction not in ("LEFT", "RIGHT"):
+            raise imp.fail(f"BitShift direction {direction!r}", fix="LEFT or RIGHT")
+        irop = "bitwise_left_shift" if direction == "LEFT" else "bitwise_right_shift"
     if _fold_elementwise(imp, n, irop, ins, out_dtype):
         return
     if len(ins) == 1 and op in _UNARY:

@@ -223,6 +223,14 @@ def _slice(imp: _Importer, n) -> None:
                        out=n.output[0] if last else None, hint=n.output[0])
 
 
+def _wrap_negative(imp: _Importer, idx: str, size, hint: str) -> str:
+    """ONNX indices count from the end when negative: `where(idx < 0, idx + size, idx)`."""
+    dt = imp.g.type_of(idx).dtype
+    neg = imp.emit("lt", [idx, imp.scalar(0, dt, f"{hint}_zero")], {}, hint=f"{hint}_neg")
+    shifted = imp.emit("add", [idx, imp.scalar(size, dt, f"{hint}_size")], {}, hint=f"{hint}_wrapped")
+    return imp.emit("where", [neg, shifted, idx], {}, hint=f"{hint}_idx")
+
+
 @_handles("Gather")
 def _gather(imp: _Importer, n) -> None:
     data, idx = n.input[0], n.input[1]
@@ -237,7 +245,7 @@ def _gather(imp: _Importer, n) -> None:
     out = n.output[0]
     if axis == 0 and dt.rank == 2 and imp.is_const(data) and it.dtype in ("i64", "i32") and \
             not (ki is not None and ki.concrete):
-        imp.emit("embedding", [imp.operand(data), imp.wrap_negative(imp.operand(idx), size, out)], {}, out=out)
+        imp.emit("embedding", [imp.operand(data), _wrap_negative(imp, imp.operand(idx), size, out)], {}, out=out)
         return
     x = imp.operand(data)
     if ki is not None and ki.concrete and it.rank == 0:
@@ -258,7 +266,7 @@ def _gather(imp: _Importer, n) -> None:
             return
         i_v = imp.materialise(_Known.of(ids.reshape(ki.shape)), f"{out}_idx")
     else:
-        i_v = imp.wrap_negative(imp.operand(idx), size, out)
+        i_v = _wrap_negative(imp, imp.operand(idx), size, out)
     if it.rank == 1:
         imp.emit("index_select", [x, i_v], {"dim": axis}, out=out)
     else:
@@ -280,7 +288,7 @@ def _gather_nd(imp: _Importer, n) -> None:
         s = imp.emit("slice", [ind], {"dim": it.rank - 1, "start": j, "end": j + 1, "step": 1},
                      hint=f"{n.output[0]}_i{j}")
         i_j = imp.emit("reshape", [s], {"shape": _shape_attr(it.shape[:-1])}, hint=f"{n.output[0]}_i{j}")
-        idx.append(imp.wrap_negative(i_j, imp.type_of(n.input[0]).shape[j], f"{n.output[0]}_i{j}"))
+        idx.append(_wrap_negative(imp, i_j, imp.type_of(n.input[0]).shape[j], f"{n.output[0]}_i{j}"))
     imp.emit("index", [x] + idx, {"dims": list(range(depth))}, out=n.output[0])
 
 
@@ -366,7 +374,7 @@ def _pad(imp: _Importer, n) -> None:
 def _gather_elements(imp: _Importer, n) -> None:
     t = imp.type_of(n.input[0])
     axis = norm_axis(imp.attr(n, "axis", 0), t.rank)
-    idx = imp.wrap_negative(imp.operand(n.input[1]), t.shape[axis], n.output[0])
+    idx = _wrap_negative(imp, imp.operand(n.input[1]), t.shape[axis], n.output[0])
     imp.emit("gather", [imp.operand(n.input[0]), idx], {"dim": axis}, out=n.output[0])
 
 

@@ -124,7 +124,8 @@ _UNSIGNED = frozenset({"u16", "u32", "u64"})
 # ops torch runs on u16/u32/u64 tensors (moves, casts, equality); the rest go through int64
 _UNSIGNED_NATIVE = frozenset({"cast", "identity", "reshape", "permute", "expand", "slice", "concat", "index",
                               "eq", "full"})
-_U64_AS_I64 = frozenset({"add", "sub", "mul", "eq", "ne", "neg"})
+_U64_AS_I64 = frozenset({"add", "sub", "mul", "eq", "ne", "neg", "bitwise_and", "bitwise_or", "bitwise_xor",
+                         "bitwise_not", "bitwise_left_shift"})
 _U64_ORDERED = frozenset({"lt", "le", "gt", "ge", "maximum", "minimum"})
 
 
@@ -633,12 +634,6 @@ class _Importer:
         """A 0-d constant (or a symbolic dim as a run-time scalar) of `dtype`."""
         return self.materialise(_Known(_objarr([value], ()), dtype), hint)
 
-    def wrap_negative(self, idx: str, size: Dim, hint: str) -> str:
-        """ONNX indices count from the end when negative: `where(idx < 0, idx + size, idx)`."""
-        dt = self.g.type_of(idx).dtype
-        neg = self.emit("lt", [idx, self.scalar(0, dt, f"{hint}_zero")], {}, hint=f"{hint}_neg")
-        shifted = self.emit("add", [idx, self.scalar(size, dt, f"{hint}_size")], {}, hint=f"{hint}_wrapped")
-        return self.emit("where", [neg, shifted, idx], {}, hint=f"{hint}_idx")
 
     def attr(self, n, key: str, default: Any = None) -> Any:
         from onnx import helper

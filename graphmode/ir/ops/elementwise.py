@@ -1,4 +1,4 @@
-"""Elementwise ops: unary, binary (NumPy broadcasting, torch promotion), where, clamp, cast."""
+"""Elementwise ops: unary, binary (NumPy broadcasting, torch promotion), bitwise, where, clamp, cast."""
 from __future__ import annotations
 
 from typing import Callable
@@ -37,7 +37,34 @@ _UNARY: dict[str, tuple] = {
     "logical_not": (torch.logical_not, 1, "not x (bool)", _bools, set(),
                     ("aten.logical_not.default", "aten.bitwise_not.default")),
     "identity": (lambda x: x.clone(), 0, "copy (clone/contiguous/alias after capture)", None, set(), ()),
+    "floor": (torch.floor, 1, "round down", None, set(), ("aten.floor.default",)),
+    "ceil": (torch.ceil, 1, "round up", None, set(), ("aten.ceil.default",)),
+    "round": (torch.round, 1, "round half to even", None, set(), ("aten.round.default",)),
+    "sign": (torch.sign, 1, "-1, 0 or 1", None, set(), ("aten.sign.default",)),
+    "tan": (torch.tan, 10, "tangent", None, set(), ("aten.tan.default",)),
+    "asin": (torch.asin, 10, "arc sine", lambda *s: _unit(*s), set(), ("aten.asin.default",)),
+    "acos": (torch.acos, 10, "arc cosine", lambda *s: _unit(*s), set(), ("aten.acos.default",)),
+    "atan": (torch.atan, 10, "arc tangent", None, set(), ("aten.atan.default",)),
+    "sinh": (torch.sinh, 10, "hyperbolic sine", None, set(), ("aten.sinh.default",)),
+    "cosh": (torch.cosh, 10, "hyperbolic cosine", None, set(), ("aten.cosh.default",)),
+    "asinh": (torch.asinh, 10, "inverse hyperbolic sine", None, set(), ("aten.asinh.default",)),
+    "acosh": (torch.acosh, 10, "inverse hyperbolic cosine", lambda *s: _above_one(*s), set(),
+              ("aten.acosh.default",)),
+    "atanh": (torch.atanh, 10, "inverse hyperbolic tangent", lambda *s: _unit(*s), set(), ("aten.atanh.default",)),
+    "bitwise_not": (torch.bitwise_not, 1, "~x (integers)", lambda *s: _ints(*s), set(), ()),
 }
+
+
+def _unit(*shapes):
+    return lambda g: [torch.rand(*s, generator=g) * 1.8 - 0.9 for s in shapes]
+
+
+def _above_one(*shapes):
+    return lambda g: [torch.rand(*s, generator=g) * 3 + 1.0 for s in shapes]
+
+
+def _ints(*shapes):
+    return lambda g: [torch.randint(-100, 100, s, generator=g) for s in shapes]
 
 
 def _unary_ref(fn: Callable):
@@ -92,6 +119,13 @@ _BINARY: dict[str, tuple] = {
                     ("aten.logical_and.default", "aten.bitwise_and.Tensor", "aten.__and__.Tensor")),
     "logical_or": (torch.logical_or, True, "a or b", {"commutative"},
                    ("aten.logical_or.default", "aten.bitwise_or.Tensor", "aten.__or__.Tensor")),
+    "bitwise_and": (torch.bitwise_and, False, "a & b (integers)", {"commutative"}, ()),
+    "bitwise_or": (torch.bitwise_or, False, "a | b (integers)", {"commutative"}, ()),
+    "bitwise_xor": (torch.bitwise_xor, False, "a ^ b (integers)", {"commutative"}, ()),
+    "bitwise_left_shift": (torch.bitwise_left_shift, False, "a << b (integers)", set(),
+                           ("aten.bitwise_left_shift.Tensor",)),
+    "bitwise_right_shift": (torch.bitwise_right_shift, False, "a >> b (integers; arithmetic for signed)", set(),
+                            ("aten.bitwise_right_shift.Tensor",)),
 }
 
 
@@ -120,6 +154,14 @@ def _mod_grid(dtype: torch.dtype):
 def _binary_samples(name: str):
     if name in ("logical_and", "logical_or"):
         return lambda: [Sample(_bools((2, 3), (2, 3))), Sample(_bools((4, 1), (1, 5)))]
+    if name.startswith("bitwise_") and name.endswith("shift"):
+        return lambda: [Sample(lambda g: [torch.randint(0, 200, (3, 4), generator=g, dtype=torch.uint8),
+                                          torch.randint(0, 8, (3, 4), generator=g, dtype=torch.uint8)]),
+                        Sample(lambda g: [torch.randint(0, 999, (5,), generator=g), torch.tensor(3)])]
+    if name.startswith("bitwise_"):
+        return lambda: [Sample(_ints((2, 3), (2, 3))), Sample(lambda g: [torch.randint(0, 255, (4, 1), generator=g,
+                                                                                       dtype=torch.uint8),
+                                                                         torch.tensor([[7, 240, 15]], dtype=torch.uint8)])]
     if name == "pow":
         return lambda: [Sample(lambda g: [torch.rand(3, 4, generator=g) + 0.5, torch.tensor(3.0)]),
                         Sample(lambda g: [torch.rand(2, 5, generator=g) + 0.5, torch.randn(2, 5, generator=g)])]
