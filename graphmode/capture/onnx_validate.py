@@ -7,7 +7,7 @@ in onnxruntime (the reference) at the first call. `validate_onnx` runs, in order
 
 1. the signature (`check_signature`, also used by `spec.load_onnx_spec`, which reads a
    model without its weights): at least one graph output, unique output names, tensor
-   types graphmode has a dtype for, static dims in [1, MAX_DIM]; then the opset
+   types graphmode has a dtype for, static dims in [0, MAX_DIM]; then the opset
    (`capture/onnx/opsets.py`: a model written for another opset is relabelled or converted
    when every node means the same, before the checker, whose message would blame a node);
 2. `onnx.checker.check_model` on a weightless view of the model (SSA, topological order,
@@ -116,8 +116,8 @@ def _check_value_type(vi, kind: str, where: str) -> None:
                            fix=f"use one of {_SUPPORTED_TYPES} (cast it in the model); " + fix_type)
     if tt.HasField("shape"):
         for i, d in enumerate(tt.shape.dim):
-            if d.HasField("dim_value") and not 1 <= d.dim_value <= MAX_DIM:
-                raise CaptureError(f"{head} dim {i} is {d.dim_value}; a static dim must be in [1, {MAX_DIM}]",
+            if d.HasField("dim_value") and not 0 <= d.dim_value <= MAX_DIM:
+                raise CaptureError(f"{head} dim {i} is {d.dim_value}; a static dim must be in [0, {MAX_DIM}]",
                                    where=where, value=d.dim_value,
                                    fix="give the dim its real size, or a name (dim_param) to make it dynamic")
 

@@ -324,7 +324,7 @@ def _batch_norm(imp: _Importer, n) -> None:
 
 
 _REDUCE = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax", "ReduceMin": "amin",
-           "ReduceProd": None, "ReduceL2": None, "ReduceSumSquare": None}
+           "ReduceProd": "prod", "ReduceL2": None, "ReduceSumSquare": None}
 
 
 @_handles(*_REDUCE)
@@ -363,9 +363,15 @@ def _reduce(imp: _Importer, n) -> None:
                "ReduceSumSquare": lambda: (tt * tt).sum(axes, keepdim=keep)}
         imp.set_tensor(n.output[0], fns[n.op_type]())
         return
-    x = imp.operand(x_name)
     attrs = {"dims": axes, "keepdim": keep}
     op = _REDUCE[n.op_type]
+    if op in ("amax", "amin") and any(t.shape[a] == 0 for a in axes):
+        # over an empty axis: the identity of max / min (torch refuses to reduce it)
+        out_t = get_op(op).infer([t], attrs)[0]
+        imp.emit("full", [], {"shape": _shape_attr(out_t.shape), "value": _empty_extreme(t.dtype, op == "amax"),
+                              "dtype": t.dtype}, out=n.output[0])
+        return
+    x = imp.operand(x_name)
     if op is not None:
         imp.emit(op, [x], attrs, out=n.output[0])
     elif n.op_type in ("ReduceL2", "ReduceSumSquare"):
@@ -375,8 +381,16 @@ def _reduce(imp: _Importer, n) -> None:
         else:
             s = imp.emit("sum", [sq], attrs, hint=f"{n.output[0]}_sum")
             imp.emit("sqrt", [s], {}, out=n.output[0])
-    else:
-        raise imp.fail("ReduceProd over run-time data is not supported (no core product op)")
+
+
+def _empty_extreme(dtype: str, is_max: bool):
+    """ONNX's max (min) over no element: the dtype's lowest (highest) value."""
+    if dtype == "bool":
+        return not is_max
+    if dtype in _FLOAT_DTYPES:
+        return -math.inf if is_max else math.inf
+    info = torch.iinfo(DTYPES[dtype])
+    return info.min if is_max else info.max
 
 
 def _prod(t: torch.Tensor, axes: list[int], keep: bool) -> torch.Tensor:

@@ -81,7 +81,8 @@ def node_span(node, opset: int) -> tuple[int, int] | None:
     lo = hi = i
     while lo > 0 and _same_for(node, _schema(node.op_type, vs[lo - 1], node.domain), here):
         lo -= 1
-    while hi + 1 < len(vs) and _same_for(node, _schema(node.op_type, vs[hi + 1], node.domain), here):
+    while hi + 1 < len(vs) and not _schema(node.op_type, vs[hi + 1], node.domain).deprecated and \
+            _same_for(node, _schema(node.op_type, vs[hi + 1], node.domain), here):
         hi += 1
     latest = vs[hi + 1] - 1 if hi + 1 < len(vs) else 10 ** 6
     return vs[lo], latest

@@ -90,7 +90,10 @@ register(OpSpec("qlinear", "gemm", (3, 4), _qlinear_infer,
 def conv_out(size: Dim, k: int, s: int, p: int, d: int, ceil: bool = False) -> Dim:
     num = size + 2 * p - d * (k - 1) - 1
     if isinstance(num, int):
-        return (-(-num // s) if ceil else num // s) + 1
+        out = (-(-num // s) if ceil else num // s) + 1
+        if ceil and (out - 1) * s >= size + p:     # torch: the last window must start inside the input
+            out -= 1
+        return out
     return normalize_dim((sympy.ceiling(num / s) if ceil else sympy.floor(num / s)) + 1)
 
 

@@ -38,6 +38,19 @@ for _name, (_fn, _traits, _aten, _what) in _REDUCE.items():
                     samples=_reduce_samples))
 
 
+def _prod(x: torch.Tensor, dim: list[int], keepdim: bool) -> torch.Tensor:
+    for d in sorted((d % max(x.dim(), 1) for d in dim), reverse=True):
+        x = torch.prod(x, d, keepdim=keepdim)
+    return x
+
+
+register(OpSpec("prod", "reduction", (1, 1), _reduce_infer, _mk_reduce(_prod), attrs=("dims", "keepdim"),
+                doc="product over dims (1 over an empty axis)", traits=frozenset({"precision_sensitive"}),
+                aten=("aten.prod.dim_int",), samples=lambda: [Sample(randn((2, 3, 5)), {"dims": [2]}),
+                                                              Sample(randn((2, 3, 4)), {"dims": [0, 2],
+                                                                                        "keepdim": True})]))
+
+
 def _arg_infer(ins, attrs):
     t = ins[0]
     dim = norm_axis(attrs["dim"], t.rank)
