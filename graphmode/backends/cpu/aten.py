@@ -74,6 +74,20 @@ def conv2d(call: OpCall) -> Claim:
     return claimed(make)
 
 
+@lowers("conv_transpose2d", tier=ATEN)
+def conv_transpose2d(call: OpCall) -> Claim:
+    a = call.attrs
+    s, p, d = pair(a.get("stride", 1)), pair(a.get("padding", 0)), pair(a.get("dilation", 1))
+    op = pair(a.get("output_padding", 0))
+    if s is None or p is None or d is None or op is None:
+        return refused("stride, padding, dilation or output_padding is not ints", value=(a.get("stride"),
+                                                                                         a.get("padding")))
+    x, w, y = call.ins[0], call.ins[1], call.outs[0]
+    b = call.ins[2] if len(call.ins) > 2 else None
+    conv, groups = torch.ops.aten.convolution.out, a.get("groups", 1)
+    return claimed(lambda: lambda: conv(x, w, b, list(s), list(p), list(d), True, list(op), groups, out=y))
+
+
 @lowers(*_BINARY_OUT, tier=ATEN)
 def binary(call: OpCall) -> Claim:
     y, (x0, x1) = call.outs[0], call.ins

@@ -275,3 +275,88 @@ def _global_pool(imp: _Importer, n) -> None:
     else:
         imp.emit("mean" if n.op_type == "GlobalAveragePool" else "amax", [x],
                  {"dims": list(range(2, xt.rank)), "keepdim": True}, out=n.output[0])
+
+
+@_handles("ConvTranspose")
+def _conv_transpose(imp: _Importer, n) -> None:
+    """conv_transpose2d (1-d lifted to a height of 1). ONNX's pads, output_padding, output_shape
+    and auto_pad come down to a crop (or zero extension) per side of the unpadded result, which
+    a symmetric case folds into conv_transpose2d's own padding."""
+    x, w = imp.operand(n.input[0]), imp.operand(n.input[1])
+    xt, wt = imp.g.type_of(x), imp.g.type_of(w)
+    rank = xt.rank - 2
+    if rank not in (1, 2) or wt.rank != xt.rank:
+        raise imp.fail(f"only 1-d and 2-d ConvTranspose are supported, input is {xt.text()}")
+    sizes = list(xt.shape[2:])
+    kernel = list(imp.attr(n, "kernel_shape", wt.shape[2:]))
+    strides = list(imp.attr(n, "strides", [1] * rank))
+    dil = list(imp.attr(n, "dilations", [1] * rank))
+    out_pad = list(imp.attr(n, "output_padding", [0] * rank))
+    out_shape = imp.attr(n, "output_shape", None)
+    auto = imp.attr(n, "auto_pad", b"NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else str(auto)
+    full = [(sizes[i] - 1) * strides[i] + dil[i] * (kernel[i] - 1) + 1 for i in range(rank)]
+    if out_shape is not None or auto in ("SAME_UPPER", "SAME_LOWER"):
+        if not all(isinstance(s, int) for s in sizes):
+            raise imp.fail("ConvTranspose output_shape / auto_pad over symbolic spatial dims")
+        target = list(out_shape)[-rank:] if out_shape is not None else [sizes[i] * strides[i] for i in range(rank)]
+        total = [full[i] + out_pad[i] - target[i] for i in range(rank)]
+        if auto == "SAME_UPPER":
+            begin = [t // 2 for t in total]
+        else:
+            begin = [t - t // 2 for t in total]
+        pads = begin + [total[i] - begin[i] for i in range(rank)]
+    elif auto == "VALID":
+        pads = [0] * (2 * rank)
+    else:
+        pads = list(imp.attr(n, "pads", [0] * (2 * rank)))
+    groups = int(imp.attr(n, "group", 1))
+    bias = imp.operand(n.input[2]) if imp.opt_in(n, 2) else None
+    if rank == 1:
+        x = imp.emit("reshape", [x], {"shape": _shape_attr(list(xt.shape[:2]) + [1, xt.shape[2]])},
+                     hint=f"{n.output[0]}_2d")
+        w = imp.emit("reshape", [w], {"shape": _shape_attr(list(wt.shape[:2]) + [1, wt.shape[2]])},
+                     hint=f"{n.output[0]}_w2d")
+        strides, dil, out_pad, pads = [1] + strides, [1] + dil, [0] + out_pad, [0, pads[0], 0, pads[1]]
+    symmetric = pads[0] == pads[2] and pads[1] == pads[3] and all(p >= 0 for p in pads) and \
+        all(o < max(s, d) for o, s, d in zip(out_pad, strides, dil))
+    attrs = {"stride": strides, "dilation": dil, "groups": groups}
+    if symmetric:
+        y = imp.emit("conv_transpose2d", [x, w] + ([bias] if bias else []),
+                     dict(attrs, padding=pads[:2], output_padding=out_pad), hint=n.output[0])
+    else:
+        y = imp.emit("conv_transpose2d", [x, w], dict(attrs, padding=[0, 0], output_padding=[0, 0]),
+                     hint=n.output[0])
+        # crop pads[begin] and pads[end] - output_padding per side (a negative crop extends with zeros)
+        crop = [-pads[1], out_pad[1] - pads[3], -pads[0], out_pad[0] - pads[2]]
+        y = imp.emit("pad", [y], {"pads": crop, "value": 0.0}, hint=n.output[0])
+        if bias:
+            c = imp.g.type_of(y).shape[1]
+            b = imp.emit("reshape", [bias], {"shape": _shape_attr([1, c, 1, 1])}, hint=f"{n.output[0]}_bias")
+            y = imp.emit("add", [y, b], {}, hint=n.output[0])
+    if rank == 1:
+        t = imp.g.type_of(y)
+        imp.emit("reshape", [y], {"shape": _shape_attr(list(t.shape[:2]) + [t.shape[3]])}, out=n.output[0])
+    else:
+        imp.ir[n.output[0]] = y
+        imp.check_declared(n.output[0])
+
+
+_GRID_MODES = {"bilinear": "bilinear", "linear": "bilinear", "nearest": "nearest", "bicubic": "bicubic",
+               "cubic": "bicubic"}
+
+
+@_handles("GridSample")
+def _grid_sample(imp: _Importer, n) -> None:
+    mode = imp.attr(n, "mode", b"linear")
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    pad = imp.attr(n, "padding_mode", b"zeros")
+    pad = pad.decode() if isinstance(pad, bytes) else str(pad)
+    xt = imp.type_of(n.input[0])
+    if mode not in _GRID_MODES or pad not in ("zeros", "border", "reflection"):
+        raise imp.fail(f"GridSample mode {mode!r} padding_mode {pad!r}")
+    if xt.rank not in (4, 5) or (xt.rank == 5 and _GRID_MODES[mode] == "bicubic"):
+        raise imp.fail(f"GridSample {mode} over {xt.text()}: 2-d, or 3-d without cubic, is supported")
+    imp.emit("grid_sampler", [imp.operand(n.input[0]), imp.operand(n.input[1])],
+             {"mode": _GRID_MODES[mode], "padding_mode": pad, "align_corners": bool(imp.attr(n, "align_corners", 0))},
+             out=n.output[0])

@@ -168,3 +168,53 @@ register(OpSpec("sdpa", "attention", (3, 4), _sdpa_infer, _sdpa_ref, attrs=("is_
                                                    torch.randn(2, 2, 4, 8, generator=g),
                                                    torch.tensor([True, True, False, True]).reshape(1, 1, 1, 4)
                                                    .expand(2, 1, 1, 4).clone()], {"scale": 0.3})]))
+
+
+def _conv_t_infer(ins, a):
+    x, w = ins[0], ins[1]
+    if x.rank != 4 or w.rank != 4:
+        raise IRError(f"conv_transpose2d expects 4-d input and weight, got {x.text()} and {w.text()}")
+    s, p, d = pair(a.get("stride", 1)), pair(a.get("padding", 0)), pair(a.get("dilation", 1))
+    op = pair(a.get("output_padding", 0))
+    hw = tuple(normalize_dim((x.shape[2 + i] - 1) * s[i] - 2 * p[i] + d[i] * (w.shape[2 + i] - 1) + op[i] + 1)
+               for i in range(2))
+    return [TensorType(x.dtype, (x.shape[0], w.shape[1] * a.get("groups", 1)) + hw)]
+
+
+register(OpSpec("conv_transpose2d", "conv", (2, 3), _conv_t_infer,
+                lambda ins, a, env: [F.conv_transpose2d(ins[0], ins[1], ins[2] if len(ins) > 2 else None,
+                                                        pair(a.get("stride", 1)), pair(a.get("padding", 0)),
+                                                        pair(a.get("output_padding", 0)), a.get("groups", 1),
+                                                        pair(a.get("dilation", 1)))],
+                attrs=("stride", "padding", "output_padding", "groups", "dilation"),
+                aten=("aten.conv_transpose2d.input",),
+                doc="2-d transposed convolution, NCHW, weight (in, out/groups, kh, kw)",
+                samples=lambda: [Sample(randn((1, 4, 5, 5), (4, 3, 3, 3), (3,)), {"stride": [2, 2], "padding": [1, 1]}),
+                                 Sample(randn((2, 4, 3, 4), (4, 2, 2, 3)), {"stride": [2, 1], "output_padding": [1, 0],
+                                                                           "groups": 2, "dilation": [1, 2]})]))
+
+
+def _grid_infer(ins, a):
+    x, grid = ins[0], ins[1]
+    if x.rank not in (4, 5) or grid.rank != x.rank or not (isinstance(grid.shape[-1], int)
+                                                         and grid.shape[-1] == x.rank - 2):
+        raise IRError(f"grid_sampler expects an (N, C, *spatial) input and an (N, *out, {x.rank - 2}) grid, got "
+                      f"{x.text()} and {grid.text()}")
+    return [TensorType(x.dtype, x.shape[:2] + grid.shape[1:-1])]
+
+
+register(OpSpec("grid_sampler", "data", (2, 2), _grid_infer,
+                lambda ins, a, env: [F.grid_sample(ins[0], ins[1], mode=a.get("mode", "bilinear"),
+                                                   padding_mode=a.get("padding_mode", "zeros"),
+                                                   align_corners=a.get("align_corners", False))],
+                attrs=("mode", "padding_mode", "align_corners"), traits=frozenset({"index_dependent"}),
+                doc="sample input at grid's normalised coordinates (torch.nn.functional.grid_sample: mode bilinear, "
+                    "nearest or bicubic; padding zeros, border or reflection; 2-d and 3-d)",
+                samples=lambda: [Sample(lambda g: [torch.randn(1, 2, 4, 5, generator=g),
+                                                   torch.rand(1, 3, 3, 2, generator=g) * 2.4 - 1.2]),
+                                 Sample(lambda g: [torch.randn(2, 1, 3, 4, generator=g),
+                                                   torch.rand(2, 2, 5, 2, generator=g) * 2 - 1],
+                                        {"mode": "bicubic", "padding_mode": "reflection", "align_corners": True}),
+                                 Sample(lambda g: [torch.randn(1, 2, 3, 4, 5, generator=g),
+                                                   torch.rand(1, 2, 2, 2, 3, generator=g) * 2.2 - 1.1],
+                                        {"mode": "nearest", "padding_mode": "border"})]))
