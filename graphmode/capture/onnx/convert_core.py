@@ -397,19 +397,3 @@ def _prod(t: torch.Tensor, axes: list[int], keep: bool) -> torch.Tensor:
     for ax in reversed(axes):
         t = t.prod(ax, keepdim=keep)
     return t
-
-
-@_handles("CumSum")
-def _cumsum(imp: _Importer, n) -> None:
-    if imp.attr(n, "exclusive", 0) or imp.attr(n, "reverse", 0):
-        raise imp.fail("CumSum with exclusive/reverse is not supported")
-    x = imp.operand(n.input[0])
-    xt = imp.g.type_of(x)
-    ax = imp.ints_of(n.input[1], "CumSum axis")[0]
-    attrs = {"dim": norm_axis(ax, xt.rank)}
-    if get_op("cumsum").infer([xt], attrs)[0].dtype == xt.dtype:
-        imp.emit("cumsum", [x], attrs, out=n.output[0])
-        return
-    # ONNX keeps the input's integer type; the core op accumulates small ints in i64 like torch
-    y = imp.emit("cumsum", [x], attrs, hint=n.output[0])
-    imp.emit("cast", [y], {"dtype": xt.dtype}, out=n.output[0])

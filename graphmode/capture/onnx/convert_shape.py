@@ -376,13 +376,3 @@ def _gather_elements(imp: _Importer, n) -> None:
     axis = norm_axis(imp.attr(n, "axis", 0), t.rank)
     idx = _wrap_negative(imp, imp.operand(n.input[1]), t.shape[axis], n.output[0])
     imp.emit("gather", [imp.operand(n.input[0]), idx], {"dim": axis}, out=n.output[0])
-
-
-@_handles("ArgMax", "ArgMin")
-def _argmax(imp: _Importer, n) -> None:
-    if imp.attr(n, "select_last_index", 0):
-        raise imp.fail(f"{n.op_type} with select_last_index=1 is not supported")
-    t = imp.type_of(n.input[0])
-    axis = norm_axis(imp.attr(n, "axis", 0), t.rank)
-    imp.emit(n.op_type.lower(), [imp.operand(n.input[0])], {"dim": axis, "keepdim": bool(imp.attr(n, "keepdims", 1))},
-             out=n.output[0])
