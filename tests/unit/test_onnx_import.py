@@ -488,18 +488,18 @@ def test_checker_failure_names_the_node(tmp_path):
 
 def test_unsupported_ops_listed_with_counts_and_names(tmp_path):
     nodes = [helper.make_node("NonZero", ["x"], ["nz"], name="nz_1"),
-             helper.make_node("Sign", ["x"], ["m1"], name="sign_a"),
-             helper.make_node("Sign", ["m1"], ["m2"], name="sign_b"),
+             helper.make_node("RandomNormalLike", ["x"], ["m1"], name="rnd_a"),
+             helper.make_node("RandomNormalLike", ["m1"], ["m2"], name="rnd_b"),
              helper.make_node("Relu", ["m2"], ["y"])]
-    m = _model(nodes, [_vi("x", I64, [4])], [_vi("y", I64, [4]), _vi("nz", I64, [1, None])])
+    m = _model(nodes, [_vi("x", F, [4])], [_vi("y", F, [4]), _vi("nz", I64, [1, None])])
     p = tmp_path / "unsup.onnx"
     onnx.save(m, p)
     with pytest.raises(CaptureError) as e:
         import_onnx(p)
     msg = str(e.value)
-    assert "unsup.onnx" in msg and "Sign x2 (sign_a, sign_b)" in msg and "NonZero x1 (nz_1)" in msg
+    assert "unsup.onnx" in msg and "RandomNormalLike x2 (rnd_a, rnd_b)" in msg and "NonZero x1 (nz_1)" in msg
     assert "Relu" not in msg.split("fix:")[0] and "fix:" in msg
-    assert "Sign" not in supported_onnx_ops() and "Gemm" in supported_onnx_ops()
+    assert "RandomNormalLike" not in supported_onnx_ops() and "Gemm" in supported_onnx_ops()
 
 
 def test_unsupported_opset_and_data_dependent_shape():

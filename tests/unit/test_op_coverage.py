@@ -42,7 +42,7 @@ ROWS = {r.op: r for r in coverage()}
 # ops no group generator writes: a fused group holding one runs with the reference ops
 NOT_GENERATED = frozenset({
     "adaptive_avg_pool2d", "arange", "argmax", "argmin", "avg_pool2d", "batch_norm", "concat", "conv2d",
-    "conv_transpose2d", "cumsum", "embedding", "expand", "full", "gather", "grid_sampler", "index", "index_select",
+    "conv_transpose2d", "cumsum", "einsum", "embedding", "expand", "full", "gather", "grid_sampler", "index", "index_select",
     "linear", "matmul", "max_pool2d", "pad", "paged_attention", "permute", "prod", "qlinear", "reshape", "roll", "sdpa",
     "slice", "tril", "triu"})
 # samples of generated ops that the generator refuses, and why
@@ -52,7 +52,7 @@ GENERATED_REFUSED = {("amax", 1): "not over the last dim", ("amin", 1): "not ove
                      **{(op, i): "zero divisor must raise" for op in ("remainder", "fmod") for i in (1, 2)}}
 # ops that some sample's op instruction runs as the reference op (no native kernel or ATen step claims it)
 REFERENCE_STEPS = frozenset({
-    "grid_sampler", "prod", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bitwise_and", "bitwise_left_shift", "bitwise_not",
+    "einsum", "grid_sampler", "prod", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bitwise_and", "bitwise_left_shift", "bitwise_not",
     "bitwise_or", "bitwise_right_shift", "bitwise_xor", "ceil", "cosh", "floor", "round", "sign", "sinh", "tan",
     "amax", "amin", "argmax", "argmin", "batch_norm", "cast", "clamp", "concat", "cos", "cumsum", "div", "eq",
     "expand", "fmod", "full", "gather", "ge", "gt", "identity", "index_select", "layer_norm", "le", "log_softmax",

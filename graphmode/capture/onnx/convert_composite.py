@@ -1,7 +1,7 @@
 """ONNX ops with no core op of their own, written as a few core ops (the way their ONNX
 definitions read): Mean, Shrink, Hardmax, LpNormalization, InstanceNormalization, LRN,
-LpPool, EyeLike, OneHot, reversed / exclusive CumSum and ArgMax/ArgMin with
-select_last_index. Each handler refuses, naming the attribute, what it does not cover.
+LpPool, EyeLike, OneHot, reversed / exclusive CumSum, ArgMax/ArgMin with
+select_last_index, and Einsum (one core op). Each handler refuses, naming the attribute, what it does not cover.
 """
 from __future__ import annotations
 
@@ -285,3 +285,9 @@ def _arg(imp: _Importer, n) -> None:
     i = imp.emit(op, [_reverse(imp, x, axis, size, h)], {"dim": axis, "keepdim": keep}, hint=h)
     imp.emit("sub", [imp.scalar(size - 1, "i64", f"{h}_last"), i], {}, out=n.output[0])
 
+
+
+@_handles("Einsum")
+def _einsum(imp: _Importer, n) -> None:
+    eq = _s(imp.attr(n, "equation"))
+    imp.emit("einsum", [imp.operand(i) for i in n.input], {"equation": eq}, out=n.output[0])

@@ -223,8 +223,31 @@ def _slice(imp: _Importer, n) -> None:
                        out=n.output[0] if last else None, hint=n.output[0])
 
 
+_INDEX_MOVES = ("reshape", "expand", "slice", "permute", "index_select", "concat", "identity", "cast")
+
+
+def _nonnegative(imp: _Importer, v: str, depth: int = 0) -> bool:
+    """`v` is known to hold no negative value: an `arange` counting up from >= 0, an arg-max/min,
+    sums and products of those, or those moved around (the position ids and the flattened mask
+    indices of exported transformers)."""
+    if v in imp.g.constants:
+        return bool((imp.g.constants[v] >= 0).all())
+    node = imp.g.producers().get(v) if depth < 8 else None
+    if node is None:
+        return False
+    if node.op == "arange":
+        start, step = node.attrs.get("start", 0), node.attrs.get("step", 1)
+        return isinstance(step, int) and step > 0 and (not isinstance(start, int) or start >= 0)
+    if node.op in ("argmax", "argmin"):
+        return True
+    return node.op in _INDEX_MOVES + ("add", "mul") and all(_nonnegative(imp, i, depth + 1) for i in node.inputs)
+
+
 def _wrap_negative(imp: _Importer, idx: str, size, hint: str) -> str:
-    """ONNX indices count from the end when negative: `where(idx < 0, idx + size, idx)`."""
+    """ONNX indices count from the end when negative: `where(idx < 0, idx + size, idx)` (left out
+    where the indices cannot be negative)."""
+    if _nonnegative(imp, idx):
+        return idx
     dt = imp.g.type_of(idx).dtype
     neg = imp.emit("lt", [idx, imp.scalar(0, dt, f"{hint}_zero")], {}, hint=f"{hint}_neg")
     shifted = imp.emit("add", [idx, imp.scalar(size, dt, f"{hint}_size")], {}, hint=f"{hint}_wrapped")

@@ -218,3 +218,45 @@ register(OpSpec("grid_sampler", "data", (2, 2), _grid_infer,
                                  Sample(lambda g: [torch.randn(1, 2, 3, 4, 5, generator=g),
                                                    torch.rand(1, 2, 2, 2, 3, generator=g) * 2.2 - 1.1],
                                         {"mode": "nearest", "padding_mode": "border"})]))
+
+
+def _einsum_infer(ins, a):
+    import re
+    eq = a["equation"].replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ins):
+        raise IRError(f"einsum {eq!r} names {len(terms)} operands, got {len(ins)}")
+    sizes: dict[str, Dim] = {}
+    ell: tuple = ()
+    for term, t in zip(terms, ins):
+        letters = term.replace("...", "")
+        n_ell = t.rank - len(letters)
+        if n_ell < 0 or (n_ell and "..." not in term):
+            raise IRError(f"einsum {eq!r}: operand {term!r} does not fit {t.text()}")
+        head = term.split("...")[0] if "..." in term else term
+        dims = list(t.shape)
+        ell_dims = tuple(dims[len(head):len(head) + n_ell]) if "..." in term else ()
+        if ell_dims:
+            ell = broadcast_shapes(ell, ell_dims)
+        rest = dims[:len(head)] + dims[len(head) + n_ell:]
+        for ch, d in zip(letters, rest):
+            if ch in sizes and isinstance(sizes[ch], int) and sizes[ch] == 1:
+                sizes[ch] = d
+            elif ch not in sizes or (isinstance(d, int) and d == 1):
+                sizes.setdefault(ch, d)
+    if not arrow:      # implicit output: the ellipsis, then the letters used once, sorted
+        rhs = ("..." if ell else "") + "".join(sorted(c for c in set(re.sub(r"[^a-zA-Z]", "", lhs))
+                                                      if lhs.count(c) == 1))
+    out: list[Dim] = []
+    for part in re.findall(r"\.\.\.|[a-zA-Z]", rhs):
+        out.extend(ell if part == "..." else [sizes[part]])
+    return [TensorType(result_dtype(list(ins)), tuple(out))]
+
+
+register(OpSpec("einsum", "gemm", (1, 8), _einsum_infer,
+                lambda ins, a, env: [torch.einsum(a["equation"], *ins)], attrs=("equation",),
+                aten=(), doc="Einstein summation over the operands (torch.einsum)",
+                samples=lambda: [Sample(randn((2, 3, 4), (2, 4, 5)), {"equation": "bij,bjk->bik"}),
+                                 Sample(randn((3, 3)), {"equation": "ii"}),
+                                 Sample(randn((2, 5, 3), (3,)), {"equation": "...j,j->..."})]))
