@@ -31,7 +31,7 @@ SHAPE_LIKE = frozenset({"axes", "shape", "pads", "repeats", "split", "starts", "
                         "scales", "roi", "depth", "output_shape", "image_shape", "block_shape", "axis", "dft_length",
                         "frame_step", "frame_length", "size", "training_mode", "ratio", "start", "limit", "delta",
                         "max_output_boxes_per_class", "iou_threshold", "score_threshold", "num_mel_bins",
-                        "sample_rate", "lower_edge_hertz", "upper_edge_hertz"})
+                        "sample_rate", "lower_edge_hertz", "upper_edge_hertz", "constant_value"})
 
 # numpy dtype name -> recipe dtype; what a recipe cannot declare is refused naming the input
 _RECIPE_DTYPES = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "i64",
@@ -115,19 +115,33 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float, atol: fl
 
 
 def shape_like_inputs(model) -> set[str]:
-    """Graph inputs a node reads as shape-like data (its formal input is one of SHAPE_LIKE)."""
+    """Graph inputs that shape-like data is computed from: a node's formal input named in
+    SHAPE_LIKE (or ConstantOfShape's), followed back through the nodes that compute it (not
+    through Shape or Size, whose outputs do not depend on their input's values)."""
     from onnx import defs
     opset = _opset(model)
-    out: set[str] = set()
+    producer = {o: n for n in model.graph.node for o in n.output}
+    todo: list[str] = []
     for n in model.graph.node:
         try:
             formal = defs.get_schema(n.op_type, opset, n.domain).inputs
         except Exception:  # noqa: BLE001 - an op ONNX does not define at this opset: the import refuses it
             continue
         for k, name in enumerate(n.input):
-            if name and formal and formal[min(k, len(formal) - 1)].name in SHAPE_LIKE:
-                out.add(name)
-    return out
+            shape_like = n.op_type == "ConstantOfShape" or (formal and formal[min(k, len(formal) - 1)].name
+                                                            in SHAPE_LIKE)
+            if name and shape_like:
+                todo.append(name)
+    seen: set[str] = set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        n = producer.get(v)
+        if n is not None and n.op_type not in ("Shape", "Size"):
+            todo.extend(i for i in n.input if i)
+    return seen
 
 
 def draft_recipe(model, inputs: list[np.ndarray]) -> dict[str, Any]:

@@ -114,15 +114,20 @@ def _elementwise(imp: _Importer, n) -> None:
     in_dtype = imp.type_of(ins[0]).dtype
     out_dtype = "bool" if op in _BOOL_OUT else in_dtype
     if op in ("IsNaN", "IsInf"):
-        if op == "IsInf" and not (imp.attr(n, "detect_positive", 1) and imp.attr(n, "detect_negative", 1)):
-            raise imp.fail("IsInf with detect_positive/detect_negative off is not supported")
         x = imp.operand(ins[0])
         if op == "IsNaN":
             imp.emit("ne", [x, x], {}, out=n.output[0])
+            return
+        pos, neg = imp.attr(n, "detect_positive", 1), imp.attr(n, "detect_negative", 1)
+        if pos and neg:
+            x = imp.emit("abs", [x], {}, hint=f"{n.output[0]}_abs")
+        inf = imp.materialise(_Known(_objarr([math.inf if pos else -math.inf], ()), in_dtype), "inf")
+        if pos or neg:
+            imp.emit("eq", [x, inf], {}, out=n.output[0])
         else:
-            a = imp.emit("abs", [x], {}, hint=f"{n.output[0]}_abs")
-            inf = imp.materialise(_Known(_objarr([math.inf], ()), in_dtype), "inf")
-            imp.emit("eq", [a, inf], {}, out=n.output[0])
+            imp.emit("ne", [x, x], {}, hint=f"{n.output[0]}_nan")
+            imp.emit("full", [], {"shape": _shape_attr(imp.g.type_of(x).shape), "value": False, "dtype": "bool"},
+                     out=n.output[0])
         return
     irop = _UNARY.get(op) or _BINARY[op]
     if op == "Mod" and imp.attr(n, "fmod", 0):

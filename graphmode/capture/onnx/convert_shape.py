@@ -374,12 +374,15 @@ def _trilu(imp: _Importer, n) -> None:
 def _pad(imp: _Importer, n) -> None:
     mode = imp.attr(n, "mode", b"constant")
     mode = mode.decode() if isinstance(mode, bytes) else mode
-    if mode != "constant":
-        raise imp.fail(f"Pad mode {mode!r} is not supported", fix="use constant padding")
+    if mode not in ("constant", "edge", "reflect", "wrap"):
+        raise imp.fail(f"Pad mode {mode!r} is not supported", fix="constant, edge, reflect or wrap")
     t = imp.type_of(n.input[0])
     pads = imp.ints_of(n.input[1], "Pad pads")
     axes = imp.ints_of(n.input[3], "Pad axes") if imp.opt_in(n, 3) else list(range(t.rank))
     axes = [a % t.rank for a in axes]
+    if mode != "constant":
+        _pad_by_index(imp, n, mode, t, {a: (pads[i], pads[i + len(axes)]) for i, a in enumerate(axes)})
+        return
     value = 0.0
     if imp.opt_in(n, 2):
         k = imp.need_known(n.input[2], "Pad constant_value")
@@ -391,6 +394,37 @@ def _pad(imp: _Importer, n) -> None:
     first = min(a for a, (b, e) in per_axis.items() if b or e)      # F.pad order: last axis first
     order = [v for a in range(t.rank - 1, first - 1, -1) for v in per_axis.get(a, (0, 0))]
     imp.emit("pad", [imp.operand(n.input[0])], {"pads": order, "value": value}, out=n.output[0])
+
+
+def _pad_by_index(imp: _Importer, n, mode: str, t, per_axis: dict[int, tuple[int, int]]) -> None:
+    """edge / reflect / wrap padding: along each padded axis, an index_select of the source
+    position every output position copies (a negative pad crops)."""
+    x = imp.operand(n.input[0])
+    for a, (b, e) in sorted(per_axis.items()):
+        if not b and not e:
+            continue
+        size = t.shape[a]
+        if not isinstance(size, int) or size < 1:
+            raise imp.fail(f"Pad mode {mode!r} along a symbolic or empty axis {a}",
+                           fix="pin the dim in the recipe (a bucket per value)")
+        period = max(2 * size - 2, 1)
+        idx = []
+        for i in range(-b, size + e):
+            if mode == "edge":
+                j = min(max(i, 0), size - 1)
+            elif mode == "wrap":
+                j = i % size
+            else:
+                j = i % period
+                j = j if j < size else period - j
+            idx.append(j)
+        x = imp.emit("index_select", [x, imp.materialise(_Known.of(torch.tensor(idx)), f"{n.output[0]}_idx{a}")],
+                     {"dim": a}, hint=n.output[0])
+    if x == imp.operand(n.input[0]):
+        imp.alias(n.output[0], n.input[0])
+        return
+    imp.ir[n.output[0]] = x
+    imp.check_declared(n.output[0])
 
 
 @_handles("GatherElements")

@@ -17,7 +17,7 @@ from functools import lru_cache
 from graphmode.errors import CaptureError
 
 KNOWN_MIN, KNOWN_MAX = 11, 22
-OLDEST = 7                   # below this the version converter has no adapters worth trying
+OLDEST = 1                   # opsets below KNOWN_MIN go through the version converter when a node needs it
 # ops defined after KNOWN_MAX: the newest definition their converter knows
 NEWER: dict[str, int] = {}
 
