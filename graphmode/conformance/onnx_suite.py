@@ -31,7 +31,7 @@ SHAPE_LIKE = frozenset({"axes", "shape", "pads", "repeats", "split", "starts", "
                         "scales", "roi", "depth", "output_shape", "image_shape", "block_shape", "axis", "dft_length",
                         "frame_step", "frame_length", "size", "training_mode", "ratio", "start", "limit", "delta",
                         "max_output_boxes_per_class", "iou_threshold", "score_threshold", "num_mel_bins",
-                        "sample_rate", "lower_edge_hertz", "upper_edge_hertz", "constant_value"})
+                        "sample_rate", "lower_edge_hertz", "upper_edge_hertz", "constant_value", "M", "cond"})
 
 # numpy dtype name -> recipe dtype; what a recipe cannot declare is refused naming the input
 _RECIPE_DTYPES = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "i64",
@@ -114,15 +114,28 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float, atol: fl
     return None
 
 
+def _all_nodes(graph):
+    """The graph's nodes and, recursively, those of its If/Loop/Scan subgraphs."""
+    from onnx import helper
+    for n in graph.node:
+        yield n
+        for a in n.attribute:
+            v = helper.get_attribute_value(a)
+            for g in (v if isinstance(v, list) else [v]):
+                if hasattr(g, "node"):
+                    yield from _all_nodes(g)
+
+
 def shape_like_inputs(model) -> set[str]:
     """Graph inputs that shape-like data is computed from: a node's formal input named in
     SHAPE_LIKE (or ConstantOfShape's), followed back through the nodes that compute it (not
     through Shape or Size, whose outputs do not depend on their input's values)."""
     from onnx import defs
     opset = _opset(model)
-    producer = {o: n for n in model.graph.node for o in n.output}
+    every = list(_all_nodes(model.graph))
+    producer = {o: n for n in every for o in n.output}
     todo: list[str] = []
-    for n in model.graph.node:
+    for n in every:
         try:
             formal = defs.get_schema(n.op_type, opset, n.domain).inputs
         except Exception:  # noqa: BLE001 - an op ONNX does not define at this opset: the import refuses it

@@ -558,19 +558,7 @@ class _Importer:
                 continue
             self.node, self.node_idx = n, idx
             n_ir = len(self.g.nodes)
-            handler = _HANDLERS[n.op_type]
-            try:
-                handler(self, n)
-            except CaptureError:
-                raise
-            except _Unfoldable as e:
-                raise self.fail(str(e)) from None
-            except IRError as e:   # shapes that do not broadcast, bad axes...
-                raise self.fail(e.message, fix=e.fix or "check the model with onnx.checker.check_model("
-                                                        "m, full_check=True)") from None
-            except Exception as e:  # noqa: BLE001 - every failure names the node
-                raise self.fail(f"cannot translate: {type(e).__name__}: {e}",
-                                fix="report this as an importer bug, with the model") from e
+            self.translate(n)
             if len(self.g.nodes) == n_ir:
                 self.folded += 1
             for o in n.output:
@@ -593,6 +581,36 @@ class _Importer:
         self._dead_code()
         self.g.prune_values()
         return self.g
+
+    def translate(self, n) -> None:
+        """Run node `n`'s converter; every failure becomes a CaptureError naming the node."""
+        handler = _HANDLERS.get(n.op_type) if n.domain in ("", "ai.onnx") else None
+        if handler is None:
+            raise self.fail(f"{n.op_type} (in a subgraph) is not an op graphmode imports",
+                            fix="see supported_onnx_ops()")
+        try:
+            handler(self, n)
+        except CaptureError:
+            raise
+        except _Unfoldable as e:
+            raise self.fail(str(e)) from None
+        except IRError as e:   # shapes that do not broadcast, bad axes...
+            raise self.fail(e.message, fix=e.fix or "check the model with onnx.checker.check_model("
+                                                    "m, full_check=True)") from None
+        except Exception as e:  # noqa: BLE001 - every failure names the node
+            raise self.fail(f"cannot translate: {type(e).__name__}: {e}",
+                            fix="report this as an importer bug, with the model") from e
+
+    def translate_subgraph(self, nodes) -> None:
+        """Translate the nodes of a subgraph (If branch, Loop/Scan body) in place, as if they were
+        the model's own; errors name the subgraph node (and keep the parent's index)."""
+        saved = self.node
+        try:
+            for n in nodes:
+                self.node = n
+                self.translate(n)
+        finally:
+            self.node = saved
 
     def _init_tensor(self, init, numpy_helper) -> torch.Tensor:
         try:

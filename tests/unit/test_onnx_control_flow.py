@@ -1,0 +1,75 @@
+"""ONNX If / Loop / Scan unrolled at import, against onnx's reference evaluator; a condition
+computed at run time is refused by name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from graphmode.capture.onnx import import_onnx
+from graphmode.errors import CaptureError
+from graphmode.ir.interpreter import interpret
+
+F = TensorProto.FLOAT
+
+
+def _run(nodes, inputs, outputs, feeds, inits=()):
+    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
+                          opset_imports=[helper.make_opsetid("", 18)])
+    want = ReferenceEvaluator(m).run(None, feeds)
+    graph, _ = import_onnx(m)
+    got = interpret(graph, {k: torch.from_numpy(v) for k, v in zip(graph.inputs, feeds.values())})
+    for o, w in zip(graph.outputs, want):
+        assert np.allclose(got[o].numpy(), w, atol=1e-6)
+
+
+def test_if_with_a_constant_condition_and_a_nested_if():
+    inner = helper.make_graph([helper.make_node("Mul", ["y1", "x"], ["z"])], "inner", [],
+                              [helper.make_tensor_value_info("z", F, [3])])
+    inner2 = helper.make_graph([helper.make_node("Sub", ["y1", "x"], ["z2"])], "inner2", [],
+                               [helper.make_tensor_value_info("z2", F, [3])])
+    then = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y1"]),
+                              helper.make_node("If", ["c"], ["y"], then_branch=inner, else_branch=inner2)], "then", [],
+                             [helper.make_tensor_value_info("y", F, [3])])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "else", [],
+                              [helper.make_tensor_value_info("y", F, [3])])
+    x = np.arange(3, dtype=np.float32)
+    _run([helper.make_node("If", ["c"], ["out"], then_branch=then, else_branch=other)],
+         [helper.make_tensor_value_info("x", F, [3])], [helper.make_tensor_value_info("out", F, [3])], {"x": x},
+         [numpy_helper.from_array(np.array(True), "c")])
+
+
+def test_loop_and_scan():
+    body = helper.make_graph([helper.make_node("Add", ["acc", "x"], ["acc2"]),
+                              helper.make_node("Identity", ["cin"], ["cout"]),
+                              helper.make_node("Mul", ["acc2", "acc2"], ["sq"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("cin", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("acc", F, [2])],
+                             [helper.make_tensor_value_info("cout", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("acc2", F, [2]), helper.make_tensor_value_info("sq", F, [2])])
+    x = np.array([0.5, -1.0], np.float32)
+    _run([helper.make_node("Loop", ["M", "go", "x"], ["final", "squares"], body=body)],
+         [helper.make_tensor_value_info("x", F, [2])],
+         [helper.make_tensor_value_info("final", F, [2]), helper.make_tensor_value_info("squares", F, [4, 2])],
+         {"x": x}, [numpy_helper.from_array(np.array(4, np.int64), "M"), numpy_helper.from_array(np.array(True), "go")])
+    sbody = helper.make_graph([helper.make_node("Add", ["s", "e"], ["s2"]), helper.make_node("Identity", ["s2"], ["o"])],
+                              "sbody", [helper.make_tensor_value_info("s", F, [3]), helper.make_tensor_value_info("e", F, [3])],
+                              [helper.make_tensor_value_info("s2", F, [3]), helper.make_tensor_value_info("o", F, [3])])
+    seq = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
+    _run([helper.make_node("Scan", ["init", "seq"], ["last", "all"], body=sbody, num_scan_inputs=1)],
+         [helper.make_tensor_value_info("init", F, [3]), helper.make_tensor_value_info("seq", F, [5, 3])],
+         [helper.make_tensor_value_info("last", F, [3]), helper.make_tensor_value_info("all", F, [5, 3])],
+         {"init": np.ones(3, np.float32), "seq": seq})
+
+
+def test_run_time_condition_is_refused():
+    br = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "b", [],
+                           [helper.make_tensor_value_info("y", F, [3])])
+    g = helper.make_graph([helper.make_node("If", ["c"], ["out"], then_branch=br, else_branch=br, name="branch")], "g",
+                          [helper.make_tensor_value_info("x", F, [3]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("out", F, [3])])
+    with pytest.raises(CaptureError, match="If condition .* depends on run-time tensor data"):
+        import_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
