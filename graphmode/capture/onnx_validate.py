@@ -389,13 +389,12 @@ def _window(nd: _Node, sp: int | None, x: Dims | None, kernel: Sequence[int] | N
         raise nd.fail(f"sets both auto_pad={auto} and pads={nd.attrs['pads']}; ONNX allows one of them", auto,
                       "drop pads, or set auto_pad to NOTSET")
     pads = nd.ints("pads", 2 * sp if sp is not None else None, 0) or [0] * (2 * (sp or 0))
-    if nd.op in ("MaxPool", "AveragePool") and kernel is not None:
-        for i, k in enumerate(kernel):   # torch's pools (graphmode's reference and fallback) refuse more
-            half = ((k - 1) * dil[i] + 1) // 2
-            if max(pads[i], pads[i + len(kernel)]) > half:
-                raise nd.fail(f"attribute pads={pads}: spatial dim {i} pads more than half its window "
-                              f"(kernel {k}, dilation {dil[i]}: at most {half})", pads,
-                              "pad the input with an explicit Pad node, or use pads <= kernel // 2")
+    if nd.op in ("MaxPool", "AveragePool") and kernel is not None and len(pads) == 2 * len(kernel):
+        for i, k in enumerate(kernel):   # else a window can lie wholly in the padding (no value to pool)
+            if max(pads[i], pads[i + len(kernel)]) >= k:
+                raise nd.fail(f"attribute pads={pads}: spatial dim {i} pads {max(pads[i], pads[i + len(kernel)])}, "
+                              f"not less than its kernel {k} (ONNX Runtime's rule too)", pads,
+                              "pad less than the kernel, or pad the input with an explicit Pad node")
     if x is None or kernel is None or sp is None or len(x) != sp + 2:
         return
     for i in range(sp):

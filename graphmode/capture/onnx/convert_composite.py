@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from graphmode.capture.onnx.convert_nn import _pads
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES, _Known
 from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
+from graphmode.capture.onnx.pooling import pool_by_windows
 from graphmode.capture.onnx_validate import ONNX_DTYPES
 from graphmode.ir.ops import norm_axis
 from graphmode.ir.types import DTYPES
@@ -149,46 +151,37 @@ def _lrn(imp: _Importer, n) -> None:
 
 @_handles("LpPool")
 def _lp_pool(imp: _Importer, n) -> None:
-    """(sum over the window of |x|^p)^(1/p): the window sum is a depthwise convolution with a kernel
-    of ones (pads, strides and dilations as given; ceil_mode as extra zero padding at the end)."""
-    from graphmode.capture.onnx.convert_nn import _pads
-    from graphmode.ir.ops import conv_out
+    """(sum over the window of |x|^p)^(1/p). The window sum is a depthwise convolution with a kernel
+    of ones on 1-d and 2-d inputs (pads, strides and dilations as given); 3-d inputs and ceil mode
+    (whose last-window rule the convolution does not follow) sum strided slices instead."""
     x = imp.operand(n.input[0])
     xt = imp.g.type_of(x)
     rank = xt.rank - 2
-    if rank not in (1, 2):
-        raise imp.fail(f"only 1-d and 2-d LpPool are supported, input is {xt.text()}")
     kernel = list(imp.attr(n, "kernel_shape"))
     strides = list(imp.attr(n, "strides", [1] * rank))
     dil = list(imp.attr(n, "dilations", [1] * rank))
     p = float(imp.attr(n, "p", 2))
     pads = _pads(imp, n, xt, kernel, strides, dil)
     ceil = bool(imp.attr(n, "ceil_mode", 0))
-    c = _static(imp, xt.shape[1], "LpPool")
-    h = n.output[0]
-    if rank == 1:
-        x = imp.emit("reshape", [x], {"shape": _shape_attr(list(xt.shape[:2]) + [1, xt.shape[2]])}, hint=f"{h}_2d")
-        kernel, strides, dil, pads = [1] + kernel, [1] + strides, [1] + dil, [0, pads[0], 0, pads[1]]
-    spatial = list(imp.g.type_of(x).shape[2:])
-    begin, end = pads[:2], pads[2:]
-    for i in range(2):
-        if ceil:
-            size = _static(imp, spatial[i], "LpPool ceil_mode")
-            out = conv_out(size, kernel[i], strides[i], 0, dil[i], True) if begin[i] == end[i] == 0 else \
-                -(-(size + begin[i] + end[i] - dil[i] * (kernel[i] - 1) - 1) // strides[i]) + 1
-            need = (out - 1) * strides[i] + dil[i] * (kernel[i] - 1) + 1 - (size + begin[i])
-            end[i] = max(end[i], need)
-    dt = xt.dtype
+    h, dt = n.output[0], xt.dtype
     mag = imp.emit("abs", [x], {}, hint=h)
     powed = mag if p == 1 else imp.emit("pow", [mag, imp.scalar(p, dt, f"{h}_p")], {}, hint=h)
-    padded = imp.emit("pad", [powed], {"pads": [begin[1], end[1], begin[0], end[0]], "value": 0.0}, hint=h)
-    ones = _const(imp, torch.ones([c, 1] + kernel, dtype=DTYPES[dt]), f"{h}_ones")
-    total = imp.emit("conv2d", [padded, ones], {"stride": strides, "padding": [0, 0], "dilation": dil, "groups": c},
-                     hint=h)
+    if rank not in (1, 2) or ceil:
+        total = pool_by_windows(imp, n, powed, "sum", kernel, strides, dil, pads, ceil, True)
+    else:
+        c = _static(imp, xt.shape[1], "LpPool")
+        if rank == 1:
+            powed = imp.emit("reshape", [powed], {"shape": _shape_attr(list(xt.shape[:2]) + [1, xt.shape[2]])},
+                             hint=f"{h}_2d")
+            kernel, strides, dil, pads = [1] + kernel, [1] + strides, [1] + dil, [0, pads[0], 0, pads[1]]
+        padded = imp.emit("pad", [powed], {"pads": [pads[1], pads[3], pads[0], pads[2]], "value": 0.0}, hint=h)
+        ones = _const(imp, torch.ones([c, 1] + kernel, dtype=DTYPES[dt]), f"{h}_ones")
+        total = imp.emit("conv2d", [padded, ones], {"stride": strides, "padding": [0, 0], "dilation": dil,
+                                                    "groups": c}, hint=h)
+        if rank == 1:
+            t = imp.g.type_of(total)
+            total = imp.emit("reshape", [total], {"shape": _shape_attr(list(t.shape[:2]) + [t.shape[3]])}, hint=h)
     y = total if p == 1 else imp.emit("pow", [total, imp.scalar(1.0 / p, dt, f"{h}_inv_p")], {}, hint=h)
-    if rank == 1:
-        t = imp.g.type_of(y)
-        y = imp.emit("reshape", [y], {"shape": _shape_attr(list(t.shape[:2]) + [t.shape[3]])}, hint=h)
     _bind(imp, n.output[0], y)
 
 

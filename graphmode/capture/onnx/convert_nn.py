@@ -9,7 +9,9 @@ import torch
 from graphmode.ir.types import Dim, TensorType
 
 from graphmode.capture.onnx.fold import _Known, _objarr
+from graphmode.capture.onnx.convert_core import _empty_extreme
 from graphmode.capture.onnx.importer import _Importer, _attr_dim, _handles, _shape_attr, _vname
+from graphmode.capture.onnx.pooling import pool_by_windows
 
 
 # ---- gemm / conv / pool
@@ -250,18 +252,33 @@ def _pool(imp: _Importer, n) -> None:
         raise imp.fail("MaxPool indices output is used", fix="only the pooled values are supported")
     is_max = n.op_type == "MaxPool"
     count_pad = bool(imp.attr(n, "count_include_pad", 0))
-    fill = -math.inf if is_max else (0.0 if count_pad else None)
-    x, kernel, strides, dil, pads, lifted = _window(imp, n, imp.operand(n.input[0]),
-                                                    list(imp.attr(n, "kernel_shape")), fill)
+    if is_max and imp.attr(n, "storage_order", 0):
+        raise imp.fail("MaxPool storage_order=1 is not supported")
+    xt = imp.type_of(n.input[0])
+    rank, kernel = xt.rank - 2, list(imp.attr(n, "kernel_shape"))
+    strides = list(imp.attr(n, "strides", [1] * rank))
+    dil = list(imp.attr(n, "dilations", [1] * rank))
+    pads = _pads(imp, n, xt, kernel, strides, dil)
     ceil = bool(imp.attr(n, "ceil_mode", 0))
+    symmetric = pads[:rank] == pads[rank:]
+    # torch's pools: 1-d/2-d, pads of at most half the window; asymmetric pads become an explicit
+    # pad, exact unless ceil mode (its last-window rule would then see the pad as input) or an
+    # average that must not count the padding; averages without dilation
+    torch_ok = rank in (1, 2) and all(max(pads[i], pads[i + rank]) <= ((k - 1) * dil[i] + 1) // 2
+                                      for i, k in enumerate(kernel)) and \
+        (symmetric or (not ceil and (is_max or count_pad))) and (is_max or all(d == 1 for d in dil))
+    if not torch_ok:
+        y = pool_by_windows(imp, n, imp.operand(n.input[0]), "max" if is_max else "avg", kernel, strides, dil, pads,
+                            ceil, count_pad)
+        imp.ir[n.output[0]] = y
+        imp.check_declared(n.output[0])
+        return
+    fill = _empty_extreme(xt.dtype, True) if is_max else 0.0
+    x, kernel, strides, dil, pads, lifted = _window(imp, n, imp.operand(n.input[0]), kernel, fill)
     if is_max:
-        if imp.attr(n, "storage_order", 0):
-            raise imp.fail("MaxPool storage_order=1 is not supported")
         _emit_window(imp, n, "max_pool2d", [x], {"kernel": kernel, "stride": strides, "padding": pads,
                                                  "dilation": dil, "ceil_mode": ceil}, lifted)
     else:
-        if dil != [1, 1]:
-            raise imp.fail("AveragePool with dilations is not supported")
         _emit_window(imp, n, "avg_pool2d", [x], {"kernel": kernel, "stride": strides, "padding": pads,
                                                  "ceil_mode": ceil, "count_include_pad": count_pad}, lifted)
 
