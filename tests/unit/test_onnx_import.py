@@ -503,8 +503,8 @@ def test_unsupported_ops_listed_with_counts_and_names(tmp_path):
 
 
 def test_unsupported_opset_and_data_dependent_shape():
-    m = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", F, [2])], [_vi("y", F, [2])], opset=5)
-    with pytest.raises(CaptureError, match="opset 5"):
+    m = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", F, [2])], [_vi("y", F, [2])], opset=99)
+    with pytest.raises(CaptureError, match="opset 99 is newer"):
         import_onnx(m)
     assert KNOWN_MAX >= 20
     m = _model([helper.make_node("Reshape", ["x", "shape"], ["y"], name="dyn_reshape")],

@@ -476,7 +476,7 @@ class _Importer:
                         wd = static     # a recipe dim pinned to the model's own fixed extent
                     if static is not None and (not isinstance(wd, int) or wd != static):
                         raise CaptureError(f"input {vi.name!r} dim {i} is fixed to {static} in the model, but "
-                                           f"input_dims says {w!r}", where=f"onnx {self.label}",
+                                           f"input_dims says {w!r}", where=f"onnx {self.label}", value=static,
                                            fix="re-export with a dynamic axis there (dynamic_axes / dynamic_shapes)"
                                                f" or declare it as {static} in the recipe")
                     dim = wd
