@@ -398,6 +398,17 @@ def test_conv_batchnorm_pools():
     assert {"conv2d", "batch_norm", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"} <= set(g.op_counts())
 
 
+def test_batchnorm_training_mode_uses_batch_stats_and_blends_running_stats():
+    rng = np.random.default_rng(2)
+    inits = [_init("s", rng.uniform(0.5, 1.5, 3).astype(np.float32)), _init("b", rng.standard_normal(3).astype(np.float32)),
+             _init("mu", rng.standard_normal(3).astype(np.float32)), _init("var", rng.uniform(0.5, 2, 3).astype(np.float32))]
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "mu", "var"], ["y", "rm", "rv"], epsilon=1e-3,
+                            momentum=0.8, training_mode=1)
+    m = _model([node], [_vi("x", F, ["batch", 3, 4, 5])], [_vi("y", F, 4), _vi("rm", F, [3]), _vi("rv", F, [3])],
+               inits, opset=15)
+    _against_ort(m, [{"x": _rand((2, 3, 4, 5))}, {"x": _rand((3, 3, 4, 5), seed=1) * 3}])
+
+
 def test_gelu_trilu_gathernd_and_data_gather():
     nodes = [helper.make_node("Gelu", ["x"], ["ge"], approximate="tanh"),
              helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),

@@ -320,12 +320,39 @@ def _layer_norm(imp: _Importer, n) -> None:
 @_handles("BatchNormalization")
 def _batch_norm(imp: _Importer, n) -> None:
     if imp.attr(n, "training_mode", 0):
-        raise imp.fail("BatchNormalization in training mode", fix="export the model in eval mode")
+        _batch_norm_training(imp, n)
+        return
     for extra in n.output[1:]:
         if extra and imp.consumers.get(extra):
             raise imp.fail("BatchNormalization running-stat outputs are used", fix="export in eval mode")
     imp.emit("batch_norm", [imp.operand(i) for i in n.input[:5]], {"eps": float(imp.attr(n, "epsilon", 1e-5))},
              out=n.output[0])
+
+
+def _batch_norm_training(imp: _Importer, n) -> None:
+    """Training mode (ONNX's definition, no randomness): normalise with this batch's per-channel
+    mean and biased variance; the running-stat outputs blend the inputs' stats with them by
+    `momentum`."""
+    x, scale, bias, run_mean, run_var = (imp.operand(i) for i in n.input[:5])
+    t = imp.g.type_of(x)
+    h, dt = n.output[0], t.dtype
+    eps, momentum = float(imp.attr(n, "epsilon", 1e-5)), float(imp.attr(n, "momentum", 0.9))
+    dims = [0] + list(range(2, t.rank))
+    per_channel = {"shape": _shape_attr([t.shape[1]] + [1] * (t.rank - 2))}
+    mean = imp.emit("mean", [x], {"dims": dims, "keepdim": True}, hint=f"{h}_mean")
+    centred = imp.emit("sub", [x, mean], {}, hint=h)
+    var = imp.emit("mean", [imp.emit("mul", [centred, centred], {}, hint=h)], {"dims": dims, "keepdim": True},
+                   hint=f"{h}_var")
+    std = imp.emit("sqrt", [imp.emit("add", [var, imp.scalar(eps, dt, f"{h}_eps")], {}, hint=h)], {}, hint=h)
+    y = imp.emit("div", [centred, std], {}, hint=h)
+    y = imp.emit("mul", [y, imp.emit("reshape", [scale], per_channel, hint=h)], {}, hint=h)
+    imp.emit("add", [y, imp.emit("reshape", [bias], per_channel, hint=h)], {}, out=h)
+    for i, (stat, running) in enumerate(((mean, run_mean), (var, run_var)), start=1):
+        if len(n.output) > i and n.output[i]:
+            flat = imp.emit("reshape", [stat], {"shape": _shape_attr([t.shape[1]])}, hint=n.output[i])
+            old = imp.emit("mul", [running, imp.scalar(momentum, dt, f"{h}_momentum")], {}, hint=n.output[i])
+            new = imp.emit("mul", [flat, imp.scalar(1.0 - momentum, dt, f"{h}_blend")], {}, hint=n.output[i])
+            imp.emit("add", [old, new], {}, out=n.output[i])
 
 
 _REDUCE = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax", "ReduceMin": "amin",
