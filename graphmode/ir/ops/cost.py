@@ -11,7 +11,7 @@ def flops_of(op: str, in_shapes: list[tuple[int, ...]], out_shapes: list[tuple[i
     spec = OPS[op]
     out_n = math.prod(out_shapes[0]) if out_shapes else 0
     if spec.kind == "gemm":
-        k = in_shapes[0][-1]
+        k = in_shapes[0][-1] if in_shapes and in_shapes[0] else 1     # einsum of 0-d operands
         return 2.0 * out_n * k
     if spec.kind == "conv":
         w = in_shapes[1]
