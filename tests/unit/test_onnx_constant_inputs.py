@@ -60,3 +60,22 @@ def test_scalar_input(tmp_path):
                                     {"name": "s", "dtype": "f32", "shape": []}]}, tmp_path)
     x = torch.randn(3)
     assert torch.allclose(cm(x=x, s=torch.tensor(2.5)), x * 2.5)
+
+
+def test_a_fully_static_model_compiles_from_a_recipe_without_dims(tmp_path):
+    path = _save(tmp_path, [helper.make_node("Range", ["start", "limit", "delta"], ["r"]),
+                            helper.make_node("Mul", ["r", "x"], ["y"])],
+                 [helper.make_tensor_value_info("start", F, []), helper.make_tensor_value_info("limit", F, []),
+                  helper.make_tensor_value_info("delta", F, []), helper.make_tensor_value_info("x", F, [4])],
+                 [helper.make_tensor_value_info("y", F, [4])])
+    recipe = {"version": 1, "name": "static",
+              "inputs": [{"name": "start", "dtype": "f32", "shape": [], "value": 1.0},
+                         {"name": "limit", "dtype": "f32", "shape": [], "value": 9.0},
+                         {"name": "delta", "dtype": "f32", "shape": [], "value": 2.0},
+                         {"name": "x", "dtype": "f32", "shape": [4]}]}
+    cm = _compile(path, recipe, tmp_path)
+    x = torch.randn(4)
+    y = cm(start=torch.tensor(1.0), limit=torch.tensor(9.0), delta=torch.tensor(2.0), x=x)
+    assert torch.allclose(y, torch.arange(1.0, 9.0, 2.0) * x)
+    with pytest.raises(ContractViolation, match="inputs.x"):
+        cm(start=torch.tensor(1.0), limit=torch.tensor(9.0), delta=torch.tensor(2.0), x=torch.randn(5))
