@@ -10,7 +10,7 @@ from __future__ import annotations
 from graphmode.capture.onnx.convert_composite import _bind, _s, _static
 from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
 
-_ACTIVATIONS = {"Tanh": "tanh", "Relu": "relu", "Sigmoid": "sigmoid"}
+_ACTIVATIONS = ("Tanh", "Relu", "Sigmoid")
 
 
 def _row(imp: _Importer, v: str, d: int, hint: str) -> str:
@@ -71,7 +71,9 @@ def _rnn(imp: _Importer, n) -> None:
             pre = imp.emit("reshape", [pre], {"shape": _shape_attr([batch, hidden])}, hint=h)
             if state is not None:
                 pre = imp.emit("add", [pre, imp.emit("matmul", [state, rd], {}, hint=h)], {}, hint=h)
-            state = imp.emit(_ACTIVATIONS[acts[d]], [pre], {}, hint=f"{h}_h")
+            act = acts[d]
+            state = imp.emit("tanh" if act == "Tanh" else "relu" if act == "Relu" else "sigmoid", [pre], {},
+                             hint=f"{h}_h")
             steps.append((t, imp.emit("reshape", [state], {"shape": step_shape}, hint=h)))
         steps.sort()
         y = imp.emit("concat", [s for _, s in steps], {"dim": 0}, hint=h) if seq > 1 else steps[0][1]
