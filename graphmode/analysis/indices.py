@@ -9,7 +9,9 @@ position and the valid range.
 
 A value is followed from an input only through ops that keep its values: views (reshape,
 permute, expand, identity), integer casts, and the addition or subtraction of an integer
-scalar constant (which shifts the valid range). Anything else ends the trail: an input
+scalar constant (which shifts the valid range), and the ONNX importer's wrap of negative
+indices, `where(x < 0, x + n, x)` (then -n..n-1 is valid for a table of n rows). Anything
+else ends the trail: an input
 whose index use cannot be proved this way gets no check (never a check that could refuse a
 valid request).
 
@@ -102,6 +104,7 @@ class _Trail:
     offset: int
     kind: str          # input | positions
     start: int = 0     # positions: arange's start
+    wrap: int | None = None   # where(x < 0, x + wrap, x): negative values count from the end of `wrap` rows
 
 
 def analyze_indices(graph: Graph) -> IndexReport:
@@ -142,6 +145,8 @@ def _follow(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | 
         return None
     if node.op in _VIEWS or node.op == "cast":
         return trails.get(node.inputs[0])
+    if node.op == "where":
+        return _wrapped(graph, node, trails)
     if node.op in ("add", "sub") and len(node.inputs) == 2:
         a, b = node.inputs
         if a in trails and (c := _int_scalar(graph, b)) is not None:
@@ -151,6 +156,23 @@ def _follow(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | 
             t = trails[b]
             return _Trail(t.source, t.offset + c, t.kind, t.start)
     return None
+
+
+def _wrapped(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | None:
+    """`where(x < 0, x + n, x)` on an unshifted trail x: x's values, negatives counted from n."""
+    if len(node.inputs) != 3:
+        return None
+    cond, shifted, x = node.inputs
+    t = trails.get(x)
+    made = graph.producers()
+    lt, add = made.get(cond), made.get(shifted)
+    if t is None or t.kind != "input" or t.offset or t.wrap is not None or lt is None or add is None:
+        return None
+    if lt.op != "lt" or list(lt.inputs[:1]) != [x] or _int_scalar(graph, lt.inputs[1]) != 0:
+        return None
+    if add.op != "add" or list(add.inputs[:1]) != [x] or (n := _int_scalar(graph, add.inputs[1])) is None or n <= 0:
+        return None
+    return _Trail(t.source, 0, "input", wrap=n)
 
 
 def _arange(node: Node) -> _Trail | None:
@@ -200,6 +222,10 @@ def _index_use(graph: Graph, node: Node, trails: Mapping[str, _Trail], report: I
             continue
         if trail is None:
             continue
+        if trail.wrap is not None:            # negatives counted from the end: only provable for its own table
+            if trail.wrap != rows:
+                continue
+            lo, negative_ok = -rows, True
         use = IndexUse(node.op, node.outputs[0], table, axis, rows, lo - trail.offset, hi - trail.offset,
                        negative_ok)
         if trail.kind == "input":

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.utils._pytree as pytree
 import torch.nn as nn
 
 import graphmode
@@ -234,6 +235,11 @@ def test_graphmode_run_on_an_onnx_model_with_a_small_table_runs_and_refuses_bad_
     m = graphmode.compile(str(path), ONNX_RECIPE, cache_dir=tmp_path / "c")
     with pytest.raises(ContractViolation, match=r"holds 30 at position \[0, 1\]"):
         m(ids=torch.tensor([[0, 30, 2, 3]]))
+    # ONNX Gather counts negative indices from the end: -30..29 is valid, -31 is not
+    last, first = m(ids=torch.tensor([[-1, -30, 2, 3]])), m(ids=torch.tensor([[29, 0, 2, 3]]))
+    assert torch.equal(pytree.tree_leaves(last)[0], pytree.tree_leaves(first)[0])
+    with pytest.raises(ContractViolation, match="-31"):
+        m(ids=torch.tensor([[0, -31, 2, 3]]))
 
 
 def test_an_onnx_model_with_an_empty_table_is_refused_at_compile(tmp_path, capsys):
