@@ -44,8 +44,13 @@ class ServerError(GraphmodeError):
         self.body = body if isinstance(body, dict) else {"message": str(body)}
         b = self.body
         err = b.get("error")
-        message = b.get("message") or (err.get("message") if isinstance(err, dict) else err) or f"HTTP {status}"
-        super().__init__(f"HTTP {status}: {message}", where=b.get("where"), value=b.get("value"), fix=b.get("fix"))
+        if isinstance(err, dict):          # OpenAI's shape {"error": {"message", ..., graphmode's "detail", "where"}}
+            b = err
+            message = err.get("detail") or err.get("message")
+        else:
+            message = b.get("message") or err
+        super().__init__(f"HTTP {status}: {message or f'HTTP {status}'}", where=b.get("where"), value=b.get("value"),
+                         fix=b.get("fix"))
 
 
 @dataclass
@@ -124,7 +129,7 @@ def parse_event(line: str) -> Chunk | None | bool:
     doc = json.loads(data)
     if "error" in doc:
         err = doc["error"]
-        raise ServerError(int(err.get("status", 500)) if isinstance(err, dict) else 500, err)
+        raise ServerError(int(err.get("status", 500)) if isinstance(err, dict) else 500, {"error": err})
     return Chunk([_choice(c) for c in doc.get("choices", [])], time.perf_counter(), doc.get("usage"))
 
 

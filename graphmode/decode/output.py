@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from graphmode.decode.sampling import choose
+from graphmode.decode.sampling import adjusted, choose, top_logprobs
 
 if TYPE_CHECKING:
     from graphmode.decode.scheduler import Sequence_
@@ -22,6 +22,8 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}      # engine reaso
 def stop_reason(s: "Sequence_") -> str | None:
     """Why `s` ends with its last token: "eos", "stop" (a stop sequence), "length", or None."""
     tok = s.generated[-1]
+    if len(s.generated) < s.params.min_tokens:
+        return None
     if tok in s.params.eos:
         return "eos"
     if any(seq and s.generated[-len(seq):] == list(seq) for seq in s.params.stop):
@@ -34,15 +36,19 @@ def stop_reason(s: "Sequence_") -> str | None:
 def sample(seqs: list["Sequence_"], logits: torch.Tensor,
            on_logits: Callable[["Sequence_", torch.Tensor], None] | None = None
            ) -> list[tuple["Sequence_", str | None]]:
-    """Each sequence's next token from its row of `logits` (row i: seqs[i]), appended to it and
-    told to its `on_token` listener as it is chosen; with why the sequence ends now (or None).
+    """Each sequence's next token from its row of `logits` (row i: seqs[i]) after its penalties,
+    appended to it (with its logprobs when asked for) and told to its `on_token` listener as it
+    is chosen; with why the sequence ends now (or None).
     `on_logits` sees each row first (a verification hook)."""
     now = time.perf_counter()
     out = []
     for i, s in enumerate(seqs):
         if on_logits is not None:
             on_logits(s, logits[i])
-        tok = choose(logits[i], s.params, s.gen)
+        row = adjusted(logits[i], s.params, s.prompt, s.generated)
+        tok = choose(row, s.params, s.gen)
+        if s.params.logprobs is not None:
+            s.logprobs.append(top_logprobs(logits[i], tok, s.params.logprobs))
         s.generated.append(tok)
         if s.first_token_at is None:
             s.first_token_at = now
@@ -57,8 +63,10 @@ class ChoiceOutput:
     """What the client sees of one sequence: its tokens and text less a matched stop
     sequence; while streaming, a tail that may still start a stop sequence is held back."""
 
-    def __init__(self, index: int, tokenizer: Any, stop_text: tuple[str, ...], stop_ids: tuple[tuple[int, ...], ...]):
+    def __init__(self, index: int, tokenizer: Any, stop_text: tuple[str, ...], stop_ids: tuple[tuple[int, ...], ...],
+                 min_tokens: int = 0):
         self.index = index
+        self.min_tokens = min_tokens                   # a stop string counts from this many tokens on
         self.tokenizer = tokenizer
         self.stop_text = stop_text
         self.stop_ids = stop_ids
@@ -79,9 +87,10 @@ class ChoiceOutput:
         elif not final:
             n -= self._held_ids()
         text = self._decode(self.tokens[:n])
-        hit = self._stop_at(text)
+        hit = self._stop_at(text) if n >= self.min_tokens else -1
         if hit >= 0:
-            n = next(m for m in range(self.sent_tokens, n + 1) if self._stop_at(self._decode(self.tokens[:m])) >= 0)
+            n = next(m for m in range(max(self.sent_tokens, self.min_tokens), n + 1)
+                     if self._stop_at(self._decode(self.tokens[:m])) >= 0)
             del self.tokens[n:]
             text = self._decode(self.tokens)
             text, final = text[:self._stop_at(text)], True

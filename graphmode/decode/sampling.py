@@ -1,12 +1,16 @@
-"""Next-token choice: greedy, or sampling with temperature / top-k / top-p, in transformers' order."""
+"""Next-token choice: penalties and min_tokens, then greedy, or sampling with temperature / top-k /
+top-p in transformers' order; the log-probabilities a request asks for."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from graphmode.errors import GraphmodeError
+
+MAX_LOGPROBS = 20            # top logprobs per token (vLLM's default max_logprobs)
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,11 @@ class SamplingParams:
     eos_token_id: int | tuple[int, ...] | None = None
     seed: int | None = None
     stop: tuple[tuple[int, ...], ...] = ()       # token-id sequences that end generation (not emitted)
+    presence_penalty: float = 0.0                # OpenAI's: minus this from the logit of each token generated so far
+    frequency_penalty: float = 0.0               # ... minus this times how often it was generated
+    repetition_penalty: float = 1.0              # transformers' / vLLM's: prompt and generated tokens' logits / this
+    min_tokens: int = 0                          # no end-of-sequence or stop before this many tokens
+    logprobs: int | None = None                  # None: none; k: the chosen token's logprob and the k most likely
 
     def __post_init__(self):
         def bad(field: str, value, fix: str):
@@ -33,6 +42,21 @@ class SamplingParams:
             bad("top_k", self.top_k, "a positive integer or null")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             bad("top_p", self.top_p, "a number in (0, 1] or null")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and -2 <= v <= 2):
+                bad(name, v, "a number in [-2, 2]")
+        if not (isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+                and self.repetition_penalty > 0):
+            bad("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1: off)")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            bad("min_tokens", self.min_tokens, f"an integer in [0, max_new_tokens = {self.max_new_tokens}]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}] or null")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def eos(self) -> frozenset[int]:
@@ -40,8 +64,42 @@ class SamplingParams:
         return frozenset() if e is None else frozenset([e] if isinstance(e, int) else e)
 
 
+def adjusted(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int]
+             ) -> torch.Tensor:
+    """One row of logits after the penalties and `min_tokens`, in vLLM's order: repetition
+    (over prompt and generated tokens: a positive logit is divided by it, a negative one
+    multiplied), then frequency and presence (generated tokens only, as OpenAI defines them);
+    before `min_tokens` tokens, end-of-sequence and single-token stops cannot be chosen."""
+    x = logits.float()
+    if params.penalized:
+        x = x.clone()
+        vocab = x.numel()
+        if params.repetition_penalty != 1:
+            seen = torch.tensor(sorted({t for t in (*prompt, *generated) if 0 <= t < vocab}), dtype=torch.int64)
+            if seen.numel():
+                v = x[seen]
+                x[seen] = torch.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+        if generated and (params.frequency_penalty or params.presence_penalty):
+            counts = torch.bincount(torch.tensor(list(generated), dtype=torch.int64), minlength=vocab)[:vocab].float()
+            x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    if len(generated) < params.min_tokens:
+        banned = [t for t in (*params.eos, *(s[0] for s in params.stop if len(s) == 1)) if 0 <= t < x.numel()]
+        if banned:
+            x = x.clone() if x is logits else x
+            x[banned] = float("-inf")
+    return x
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and its `k` most likely tokens (from the raw
+    logits, as vLLM reports them by default: before penalties and temperature)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = torch.topk(lp, min(k, lp.numel())) if k else None
+    return float(lp[token]), ([] if top is None else list(zip(top.indices.tolist(), top.values.tolist())))
+
+
 def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from one row of logits."""
+    """One token from one row of logits (already `adjusted`)."""
     x = logits.float()
     if not params.do_sample:
         return int(torch.argmax(x))

@@ -47,6 +47,7 @@ class Sequence_:
     first_token_at: float | None = None
     cached: int = 0                              # tokens whose K/V are in the cache
     on_token: Callable[[int, int], None] | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)   # per generated token
 
     @property
     def tokens(self) -> list[int]:

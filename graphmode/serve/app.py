@@ -39,7 +39,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.serve.codec import (answer_kind, body_kind, clip, decode_json, decode_safetensors, dumps, encode_json,
                                    encode_safetensors, media_type)
-from graphmode.serve.errors import BadRequest, NotReady, ServeError, Unauthorized, error_dict, http_status
+from graphmode.serve.errors import (BadRequest, NotReady, ServeError, Unauthorized, error_dict, http_status,
+                                    openai_error)
 from graphmode.serve.server import ModelServer, ServeConfig
 
 log = logging.getLogger("graphmode.serve")
@@ -63,19 +64,30 @@ class JSONAnswer(Response):
         return dumps(content)
 
 
-def error_response(e: BaseException) -> Response:
+def error_response(e: BaseException, *, openai: bool = False) -> Response:
+    """The error's JSON answer: graphmode's body, or with `openai` OpenAI's
+    `{"error": {"message", "type", "param", "code", ...}}` (the OpenAI endpoints)."""
     status = http_status(e)
-    try:
-        body = error_dict(e)
-    except ValueError:                    # a value too long to print
-        body = {"error": type(e).__name__, "message": getattr(e, "message", "")[:500]}
-    body["status"] = status
+    if openai:
+        body = {"error": openai_error(e)}
+    else:
+        try:
+            body = error_dict(e)
+        except ValueError:                    # a value too long to print
+            body = {"error": type(e).__name__, "message": getattr(e, "message", "")[:500]}
+        body["status"] = status
     headers = dict(getattr(e, "headers", None) or {})
     if status == 503:
         headers["Retry-After"] = "1"
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="graphmode"'
     return JSONAnswer(body, status_code=status, headers=headers)
+
+
+def is_openai_path(path: str) -> bool:
+    """The OpenAI API's paths (`/v1/...` but graphmode's own `/v1/infer` and `/v1/recipe`):
+    their errors are answered in OpenAI's shape."""
+    return path.startswith("/v1/") and not path.startswith(("/v1/infer", "/v1/recipe"))
 
 
 # ---- request bodies -------------------------------------------------------------------------
@@ -313,15 +325,20 @@ def create_app(server: ModelServer) -> Starlette:
             return error_response(e)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        return JSONAnswer({"error": "HTTPError", "message": exc.detail, "status": exc.status_code,
-                           "fix": "endpoints: POST /v1/infer, POST /v1/completions, GET /v1/models, GET|PUT "
-                                  "/v1/recipe, GET /healthz, /readyz, /metrics, and KServe v2: GET /v2, "
-                                  "/v2/health/live|ready, /v2/models/{name}[/ready], POST /v2/models/{name}/infer"},
+        fix = ("endpoints: POST /v1/infer, POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, "
+               "GET /v1/models[/{id}], GET|PUT /v1/recipe, GET /healthz, /readyz, /metrics, and KServe v2: GET /v2, "
+               "/v2/health/live|ready, /v2/models/{name}[/ready], POST /v2/models/{name}/infer")
+        if is_openai_path(request.url.path):
+            err = BadRequest(f"{request.method} {clip(request.url.path, 80)}: {exc.detail}", status=exc.status_code,
+                             reason="not_found" if exc.status_code == 404 else "method_not_allowed",
+                             where="path", fix=fix)
+            return error_response(err, openai=True)
+        return JSONAnswer({"error": "HTTPError", "message": exc.detail, "status": exc.status_code, "fix": fix},
                           status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error", exc_info=exc)
-        return error_response(exc)
+        return error_response(exc, openai=is_openai_path(request.url.path))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

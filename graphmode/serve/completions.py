@@ -1,11 +1,15 @@
-"""OpenAI-compatible `POST /v1/completions` (and `GET /v1/models`) over a decoder deployment.
+"""OpenAI-compatible `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` and
+`GET /v1/models/{id}` over a decoder deployment.
 
-A request's prompts become sequences of the deployment's DecodeLoop (generation.py); the
-answer is the whole completion, or with `"stream": true` server-sent events in OpenAI's
-completions format (`data: {...}` per step, then `data: [DONE]`). Each choice carries
-`text` (decoded when the model has a tokenizer, else "") and `token_ids` (vLLM's
-extension), `finish_reason` is "stop" (end-of-sequence token or a stop sequence) or
-"length", and `usage` counts prompt and generated tokens.
+A request's prompts (a chat's messages rendered by the chat template, chat.py), each `n`
+times, become sequences of the deployment's DecodeLoop (generation.py); the answer is the
+whole completion, or with `"stream": true` server-sent events in OpenAI's format: one
+`data: {...}` event per token of a choice (a chat stream opens with each choice's role), then
+`data: [DONE]`. Each choice carries `text` (or a chat `message` / `delta`; decoded when the
+model has a tokenizer, else "") and `token_ids` (vLLM's extension), `logprobs` when asked for,
+`finish_reason` "stop" (end-of-sequence token or a stop sequence) or "length", and `usage`
+counts prompt and generated tokens. Errors are OpenAI's `{"error": {"message", "type",
+"param", "code", ...}}` (errors.openai_error).
 
 A stop sequence is not part of the answer: while streaming, a tail of tokens (or text) that
 may still turn out to start one is held back until it cannot (decode/output.py ChoiceOutput). A client that goes away, or
@@ -16,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
+from collections import deque
 from typing import Any, AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
@@ -30,55 +36,64 @@ from graphmode.decode.output import ChoiceOutput
 from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.serve.app import error_response, read_body
 from graphmode.serve.codec import body_kind, clip, dumps
-from graphmode.serve.errors import BadRequest, RequestTimeout, ServeError, error_dict, http_status
+from graphmode.serve import chat
+from graphmode.serve.errors import BadRequest, RequestTimeout, ServeError, openai_error
 from graphmode.serve.generation import Generation
-from graphmode.serve.openai_request import CompletionRequest, parse_completion
+from graphmode.serve.openai_request import CompletionRequest, parse_chat, parse_completion
 
 log = logging.getLogger("graphmode.serve")
+Update = tuple[int, list[int], list[Any], str, "str | None"]   # index, tokens, their logprobs, text, finish
+
+
 class Completion:
-    """One request's sequences, their outputs and the OpenAI documents written from them."""
+    """One request's sequences, their outputs and the OpenAI documents written from them
+    (`text_completion`, or `chat.completion` / `chat.completion.chunk` for a chat)."""
 
     def __init__(self, req: CompletionRequest, gens: list[Generation], queue: asyncio.Queue, decoder: Any,
                  model: str, version: str, tokenizer: Any):
         self.req, self.gens, self.queue, self.decoder = req, gens, queue, decoder
-        self.model, self.version = model, version
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.model, self.version, self.tokenizer = model, version, tokenizer
+        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.outputs = [ChoiceOutput(i, tokenizer, req.stop_text, req.params.stop) for i in range(len(gens))]
+        self.prompts = [p for p, _ in req.sequences]
+        self.outputs = [ChoiceOutput(i, tokenizer, req.stop_text, req.params.stop, req.params.min_tokens)
+                        for i in range(len(gens))]
+        self.logprobs: list[list[Any]] = [[] for _ in gens]     # per token of outputs[i].tokens
+        self.offsets = [0] * len(gens)                          # text_offset of the next logprobs entry
+        self.opened = [False] * len(gens)                       # a choice's first chunk was written
 
     @property
     def done(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
 
-    async def updates(self) -> AsyncIterator[list[tuple[int, list[int], str, str | None]]]:
-        """Per wake-up, (index, new tokens, new text, finish_reason) for each choice that moved;
-        raises the error of a sequence that failed."""
+    async def updates(self) -> AsyncIterator[Update]:
+        """One update per token a choice shows (tokens held back for a possible stop come out
+        together once they cannot be one), the finish riding on the last; raises the error of
+        a sequence that failed."""
+        pending: deque = deque()
         while not self.done:
-            events = [await self.queue.get()]
-            while not self.queue.empty():
-                events.append(self.queue.get_nowait())
-            moved: dict[int, str | None] = {}
-            for kind, i, value in events:
-                out = self.outputs[i]
-                if out.finish_reason is not None:
-                    continue                        # late tokens of a sequence a stop string ended
-                if kind == "error":
-                    raise value
-                if kind == "token":
-                    out.tokens.append(value)
-                    moved.setdefault(i, None)
-                else:
-                    moved[i] = value
-            batch = []
-            for i, reason in sorted(moved.items()):
-                out = self.outputs[i]
-                toks, text = out.release(reason)
-                if out.finish_reason is not None and reason is None:
-                    self.decoder.cancel(self.gens[i], "stop")   # a stop string ended it
-                if toks or text or out.finish_reason is not None:
-                    batch.append((i, toks, text, out.finish_reason))
-            if batch:
-                yield batch
+            if not pending:
+                pending.append(await self.queue.get())
+                while not self.queue.empty():
+                    pending.append(self.queue.get_nowait())
+            kind, i, value = pending.popleft()
+            out = self.outputs[i]
+            if out.finish_reason is not None:
+                continue                            # late tokens of a sequence a stop string ended
+            if kind == "error":
+                raise value
+            reason = value if kind == "done" else None
+            if kind == "token":
+                out.tokens.append(value[0])
+                self.logprobs[i].append(value[1])
+                if pending and pending[0][0] == "done" and pending[0][1] == i:
+                    reason = pending.popleft()[2]   # its last token: the finish in the same update
+            start = out.sent_tokens
+            toks, text = out.release(reason)
+            if out.finish_reason is not None and reason is None:
+                self.decoder.cancel(self.gens[i], "stop")   # a stop string ended it
+            if toks or text or out.finish_reason is not None:
+                yield i, toks, self.logprobs[i][start:start + len(toks)], text, out.finish_reason
 
     def cancel(self) -> None:
         for g in self.gens:
@@ -89,37 +104,90 @@ class Completion:
         completion = sum(len(o.tokens) for o in self.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _doc(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+    def _doc(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.req.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": self.version, "choices": choices}
 
-    @staticmethod
-    def _choice(i: int, tokens: list[int], text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": i, "text": text, "token_ids": tokens, "logprobs": None, "finish_reason": finish}
+    def _token(self, t: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{t}"                   # vLLM's spelling without a tokenizer
+        return self.tokenizer.decode([t], clean_up_tokenization_spaces=False)
 
-    def chunk(self, batch: list[tuple[int, list[int], str, str | None]]) -> bytes:
-        doc = self._doc([self._choice(*c) for c in batch])
-        if self.req.include_usage:
-            doc["usage"] = None
+    def _logprobs(self, i: int, tokens: list[int], lps: list[Any]) -> dict[str, Any] | None:
+        """OpenAI's logprobs of these tokens: completions' {tokens, token_logprobs, top_logprobs,
+        text_offset}, or chat's {content: [{token, logprob, bytes, top_logprobs}]}."""
+        if self.req.params.logprobs is None:
+            return None
+        names = [self._token(t) for t in tokens]
+        if self.req.chat:
+            def entry(name: str, lp: float) -> dict[str, Any]:
+                return {"token": name, "logprob": lp, "bytes": list(name.encode())}
+            return {"content": [{**entry(name, lp), "top_logprobs": [entry(self._token(t), v) for t, v in top]}
+                                for name, (lp, top) in zip(names, lps)]}
+        offsets = []
+        for name in names:
+            offsets.append(self.offsets[i])
+            self.offsets[i] += len(name)
+        return {"tokens": names, "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{self._token(t): v for t, v in top} for _, top in lps], "text_offset": offsets}
+
+    def _choice(self, i: int, tokens: list[int], lps: list[Any], text: str, finish: str | None,
+                chunk: bool) -> dict[str, Any]:
+        first = not self.opened[i]
+        self.opened[i] = True
+        if self.req.echo and first and self.tokenizer is not None:
+            text = self.tokenizer.decode(self.prompts[i], skip_special_tokens=True,
+                                         clean_up_tokenization_spaces=False) + text
+        body: dict[str, Any] = {"index": i}
+        if not self.req.chat:
+            body["text"] = text
+        elif chunk:
+            body["delta"] = {"content": text} if text or tokens else {}
+        else:
+            body["message"] = {"role": "assistant", "content": text}
+        return {**body, "token_ids": tokens, "logprobs": self._logprobs(i, tokens, lps), "finish_reason": finish}
+
+    def _event(self, doc: dict[str, Any]) -> bytes:
         return b"data: " + dumps(doc) + b"\n\n"
 
+    def opening(self) -> list[bytes]:
+        """A chat stream's first chunks: each choice's assistant role (OpenAI's, vLLM's)."""
+        if not self.req.chat:
+            return []
+        return [self._event(self._with_usage(self._doc([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                          "logprobs": None, "finish_reason": None}], True)))
+                for i in range(len(self.outputs))]
+
+    def _with_usage(self, doc: dict[str, Any]) -> dict[str, Any]:
+        if self.req.include_usage:
+            doc["usage"] = None
+        return doc
+
+    def chunk(self, update: Update) -> bytes:
+        return self._event(self._with_usage(self._doc([self._choice(*update, chunk=True)], True)))
+
     def usage_chunk(self) -> bytes:
-        return b"data: " + dumps({**self._doc([]), "usage": self.usage()}) + b"\n\n"
+        return self._event({**self._doc([], True), "usage": self.usage()})
 
-    def whole(self, texts: dict[int, list[str]]) -> dict[str, Any]:
-        choices = [self._choice(o.index, o.tokens[:o.sent_tokens], "".join(texts.get(o.index, [])), o.finish_reason)
-                   for o in self.outputs]
-        return {**self._doc(choices), "usage": self.usage()}
+    def whole(self, parts: dict[int, list[Update]]) -> dict[str, Any]:
+        choices = []
+        for o in self.outputs:
+            got = parts.get(o.index, [])
+            lps = [lp for u in got for lp in u[2]]
+            choices.append(self._choice(o.index, o.tokens[:o.sent_tokens], lps, "".join(u[3] for u in got),
+                                        o.finish_reason, chunk=False))
+        return {**self._doc(choices, False), "usage": self.usage()}
 
 
-def _in_request_terms(e: ContractViolation, index: int | None) -> None:
+def _in_request_terms(e: ContractViolation, index: int | None, prompt_field: str | None = None) -> None:
     """The engine's refusal in the request's field names: `prompt` (or `prompt[i]` of several)
     for a prompt longer than the contract or bad token ids, `max_tokens` for more tokens than
     a sequence's pages hold; kind `shape` for sizes outside the contract, `input` otherwise."""
     where = e.where or ""
     e.kind = "shape" if where.startswith(("dims.", "max_new_tokens")) else "input"
     if where in ("dims.seq", "prompt"):
-        e.where = "prompt" if index is None else f"prompt[{index}]"
+        e.where = prompt_field or ("prompt" if index is None else f"prompt[{index}]")
         e.fix = e.fix or f"send token ids the model knows ({e.message})"
     elif where == "max_new_tokens":
         e.where = "max_tokens"
@@ -135,73 +203,96 @@ def completion_routes(server: Any) -> list[Route]:
     """The routes, over `server` (a ModelServer)."""
     cfg = server.config
 
-    async def models(request: Request) -> Response:
+    def model_doc(name: str) -> dict[str, Any]:
         dep = server.active
-        data = [{"id": name, "object": "model", "created": int(dep.created) if dep else 0, "owned_by": "graphmode",
-                 "root": dep.version if dep else None} for name in server.model_names()]
+        return {"id": name, "object": "model", "created": int(dep.created) if dep else 0, "owned_by": "graphmode",
+                "root": dep.version if dep else None}
+
+    async def models(request: Request) -> Response:
+        data = [model_doc(name) for name in server.model_names()]
         return Response(dumps({"object": "list", "data": data}), media_type="application/json")
 
-    async def completions(request: Request) -> Response:
-        arrived = time.perf_counter()
-        dep = None
-        try:
-            dep = server.current()
-            decoder = dep.decoder
-            if decoder is None:
-                raise BadRequest("this model is not served as a decoder", status=404, reason="not_a_decoder",
-                                 where="recipe.memory.kv_cache",
-                                 fix="serve a causal LM with a recipe that declares memory.kv_cache; encoders "
-                                     "answer POST /v1/infer and /v2/models/{name}/infer")
-            if body_kind(request.headers.get("content-type")) != "json":
-                raise BadRequest("completions take a JSON body", status=415, reason="unsupported_media_type",
-                                 where="Content-Type", fix="send application/json")
-            body = await read_body(request, server.max_body_bytes, cfg.body_timeout_s)
-            eos = decoder.engine.cfg.get("eos")
-            req = await run_in_threadpool(parse_completion, body, tokenizer=server.tokenizer,
-                                          eos=tuple(eos) if isinstance(eos, list) else eos)
-            if req.model is not None and req.model not in server.model_names():
-                raise BadRequest(f"model {clip(req.model, 60)!r} is not served here", status=404,
-                                 reason="unknown_model", where="model", value=clip(req.model, 60),
-                                 fix=f"send model {server.model_names()[0]!r} (or leave it out)")
-            return await _answer(request, dep, req, arrived)
-        except ClientDisconnect:
-            return Response(status_code=400)
-        except ServeError as e:
-            if e.status != 422:
-                server.metrics.bad_requests.labels(server.target_name, e.reason).inc()
-            return error_response(e)
-        except ContractViolation as e:
-            dep.monitor.refused(e.kind or "input", "decode")
-            return error_response(e)
-        except GraphmodeError as e:
-            return error_response(e)
-        except Exception as e:  # noqa: BLE001 - answered, logged, and the server keeps going
-            log.exception("completion failed")
-            if dep is not None:
-                dep.monitor.request_status("error", "decode")
-            return error_response(e)
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in server.model_names():
+            return error_response(_unknown_model(name), openai=True)
+        return Response(dumps(model_doc(name)), media_type="application/json")
+
+    def _unknown_model(name: str) -> BadRequest:
+        return BadRequest(f"model {clip(name, 60)!r} is not served here", status=404, reason="model_not_found",
+                          where="model", value=clip(name, 60),
+                          fix=f"send model {server.model_names()[0]!r} (or leave it out); GET /v1/models lists them")
+
+    def parse_text(body: bytes, decoder: Any, eos: Any) -> CompletionRequest:
+        return parse_completion(body, tokenizer=server.tokenizer, eos=eos)
+
+    def parse_chat_body(body: bytes, decoder: Any, eos: Any) -> CompletionRequest:
+        tok = server.tokenizer
+        return parse_chat(body, tokenizer=tok, eos=eos, render=functools.partial(chat.render, tok),
+                          context=decoder.engine.layout.max_tokens)
+
+    def endpoint(parse: Any) -> Any:
+        async def handle(request: Request) -> Response:
+            arrived = time.perf_counter()
+            dep = None
+            try:
+                dep = server.current()
+                decoder = dep.decoder
+                if decoder is None:
+                    raise BadRequest("this model is not served as a decoder", status=404, reason="not_a_decoder",
+                                     where="recipe.memory.kv_cache",
+                                     fix="serve a causal LM with a recipe that declares memory.kv_cache; encoders "
+                                         "answer POST /v1/embeddings, /v1/infer and /v2/models/{name}/infer")
+                if body_kind(request.headers.get("content-type")) != "json":
+                    raise BadRequest("completions take a JSON body", status=415, reason="unsupported_media_type",
+                                     where="Content-Type", fix="send application/json")
+                body = await read_body(request, server.max_body_bytes, cfg.body_timeout_s)
+                eos = decoder.engine.cfg.get("eos")
+                req = await run_in_threadpool(parse, body, decoder, tuple(eos) if isinstance(eos, list) else eos)
+                if req.model is not None and req.model not in server.model_names():
+                    raise _unknown_model(req.model)
+                return await _answer(request, dep, req, arrived)
+            except ClientDisconnect:
+                return Response(status_code=400)
+            except ServeError as e:
+                if e.status != 422:
+                    server.metrics.bad_requests.labels(server.target_name, e.reason).inc()
+                return error_response(e, openai=True)
+            except ContractViolation as e:
+                dep.monitor.refused(e.kind or "input", "decode")
+                return error_response(e, openai=True)
+            except GraphmodeError as e:
+                return error_response(e, openai=True)
+            except Exception as e:  # noqa: BLE001 - answered, logged, and the server keeps going
+                log.exception("completion failed")
+                if dep is not None:
+                    dep.monitor.request_status("error", "decode")
+                return error_response(e, openai=True)
+        return handle
 
     async def _answer(request: Request, dep: Any, req: CompletionRequest, arrived: float) -> Response:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        seqs = req.sequences
         try:
-            gens = await run_in_threadpool(dep.decoder.submit, req.prompts, req.params, arrived, queue, loop)
+            gens = await run_in_threadpool(dep.decoder.submit, [p for p, _ in seqs], [q for _, q in seqs], arrived,
+                                           queue, loop)
         except ContractViolation as e:
-            _in_request_terms(e, getattr(e, "prompt_index", 0) if len(req.prompts) > 1 else None)
+            where = "messages" if req.chat else None
+            _in_request_terms(e, getattr(e, "prompt_index", 0) // req.n if len(req.prompts) > 1 else None, where)
             raise
         comp = Completion(req, gens, queue, dep.decoder, server.model_names()[0], dep.version, server.tokenizer)
         watcher = asyncio.ensure_future(_disconnected(request))
         updates = comp.updates()
-        texts: dict[int, list[str]] = {}
+        parts: dict[int, list[Update]] = {}
         first: list = []
 
         async def collect() -> None:
-            async for batch in updates:
+            async for update in updates:
                 if req.stream:
-                    first.append(batch)
+                    first.append(update)
                     return
-                for i, _, text, _ in batch:
-                    texts.setdefault(i, []).append(text)
+                parts.setdefault(update[0], []).append(update)
 
         task = asyncio.ensure_future(collect())
         try:
@@ -232,7 +323,7 @@ def completion_routes(server: Any) -> list[Route]:
         if not req.stream:
             watcher.cancel()
             _count(dep, "ok")
-            return Response(dumps(comp.whole(texts)), media_type="application/json")
+            return Response(dumps(comp.whole(parts)), media_type="application/json")
         return StreamingResponse(_events(comp, first, updates, watcher, dep), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -240,14 +331,16 @@ def completion_routes(server: Any) -> list[Route]:
                       dep: Any) -> AsyncIterator[bytes]:
         outcome = "cancelled"               # unless the stream ends (the client went away, or shutdown)
         try:
-            for batch in first:
-                yield comp.chunk(batch)
+            for opening in comp.opening():
+                yield opening
+            for update in first:
+                yield comp.chunk(update)
             try:
-                async for batch in _until(updates, watcher):
-                    yield comp.chunk(batch)
+                async for update in _until(updates, watcher):
+                    yield comp.chunk(update)
             except GraphmodeError as e:
                 outcome = "error"
-                yield b"data: " + dumps({"error": {**error_dict(e), "status": http_status(e)}}) + b"\n\n"
+                yield b"data: " + dumps({"error": openai_error(e)}) + b"\n\n"
                 yield b"data: [DONE]\n\n"
                 return
             if comp.done:
@@ -268,8 +361,10 @@ def completion_routes(server: Any) -> list[Route]:
             dep.monitor.record_operation(set())
         dep.monitor.request_status(outcome, "decode")
 
-    return [Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"])]
+    return [Route("/v1/completions", endpoint(parse_text), methods=["POST"]),
+            Route("/v1/chat/completions", endpoint(parse_chat_body), methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"])]
 
 
 async def _until(updates: AsyncIterator, watcher: asyncio.Future) -> AsyncIterator[Any]:

@@ -88,6 +88,43 @@ def error_dict(e: BaseException) -> dict[str, Any]:
     return {"error": type(e).__name__, "message": str(e)}
 
 
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 422: "invalid_request_error", 499: "invalid_request_error",
+                503: "service_unavailable_error", 504: "timeout_error"}
+
+
+def openai_error(e: BaseException) -> dict[str, Any]:
+    """The inside of OpenAI's error body `{"error": {...}}`: `message` (one line that also names
+    the field, the value and the fix: the `openai` client shows only this), `type`, `param`
+    (the request field) and `code`, with graphmode's own fields (`where`, `value`, `fix`,
+    `kind`, `status`, `graphmode_error`: the error's class) beside them."""
+    status = http_status(e)
+    try:
+        d = error_dict(e)
+    except ValueError:                    # a value too long to print
+        d = {"error": type(e).__name__, "message": getattr(e, "message", "")[:500]}
+    where, value, fix = d.get("where"), d.get("value"), d.get("fix")
+    message = str(d.get("message") or type(e).__name__)
+    if where:
+        message = f"{where}: {message}"
+    if value is not None:
+        message += f" (got {value})"
+    if fix:
+        message += f"; fix: {fix}"
+    if isinstance(e, ServeError):
+        code = e.reason
+    elif isinstance(e, ContractViolation):
+        code = f"contract_{e.kind or 'input'}"
+    else:
+        code = type(e).__name__
+    out = {"message": message, "type": OPENAI_TYPES.get(status, "server_error" if status >= 500
+                                                          else "invalid_request_error"),
+           "param": where, "code": code, **{k: v for k, v in d.items() if k not in ("error", "message")},
+           "detail": d.get("message"), "graphmode_error": d.get("error"), "status": status}
+    return out
+
+
 def http_status(e: BaseException) -> int:
     """4xx for what the client sent (any typed GraphmodeError names a field of it); 500 for
     a server fault or an untyped exception."""

@@ -35,8 +35,8 @@ log = logging.getLogger("graphmode.serve")
 
 class Generation:
     """One prompt's sequence as a request sees it. Events on `queue` (for `request`'s merged
-    queue when several prompts share one): ("token", index, token), ("done", index, reason),
-    ("error", index, exception)."""
+    queue when several prompts share one): ("token", index, (token, its logprobs or None)),
+    ("done", index, reason), ("error", index, exception)."""
 
     def __init__(self, index: int, prompt: Sequence[int], arrived: float, queue: asyncio.Queue,
                  loop: asyncio.AbstractEventLoop, series: DecodeSeries | None):
@@ -67,7 +67,8 @@ class Generation:
         self.tokens += 1
         if s is not None:
             s.generation_tokens.inc()
-        self.post(("token", self.index, token))
+        lp = self.seq.logprobs[-1] if self.seq is not None and self.seq.params.logprobs is not None else None
+        self.post(("token", self.index, (token, lp)))
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
         if self.finish_reason is not None:
@@ -106,8 +107,8 @@ class DecodeLoop:
         self._preemptions = engine.stats["preemptions"]
 
     # ---- event loop side --------------------------------------------------------------------
-    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, arrived: float,
-               queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> list[Generation]:
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+               arrived: float, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> list[Generation]:
         """Add one sequence per prompt, all before the next step (so they can share its
         prefill). Blocks up to one engine step: call it off the event loop. Raises the
         engine's ContractViolation / GraphmodeError for a prompt it refuses, with the prompt's
@@ -116,10 +117,11 @@ class DecodeLoop:
             raise NotReady("the server is shutting down", where="request",
                            fix="send the request to the server that replaces this one")
         gens = [Generation(i, p, arrived, queue, loop, self.series) for i, p in enumerate(prompts)]
+        each = [params] * len(gens) if isinstance(params, SamplingParams) else list(params)
         with self.engine.lock:                     # registered before the loop thread can finish them
-            for g, prompt in zip(gens, prompts):
+            for g, prompt, p in zip(gens, prompts, each):
                 try:
-                    g.seq = self.engine.add(prompt, params, on_token=g.on_token)
+                    g.seq = self.engine.add(prompt, p, on_token=g.on_token)
                 except Exception as e:
                     for added in gens[:g.index]:
                         self.engine.cancel(added.seq)

@@ -1,14 +1,21 @@
-"""The body of an OpenAI `POST /v1/completions` request, checked field by field.
+"""The body of an OpenAI `POST /v1/completions` or `POST /v1/chat/completions` request, checked
+field by field.
 
-Accepted: `prompt` (a string, a list of strings, a list of token ids, or a list of token-id
-lists; strings only when the model has a tokenizer), `max_tokens` (default 16),
-`temperature` (default 1; 0 = greedy), `top_p`, `top_k` (vLLM's extension; -1 or 0 = off),
-`seed`, `stop` (strings with a tokenizer, or token-id lists `[[id, ...], ...]`),
-`stop_token_ids` and `ignore_eos` (vLLM's extensions), `stream`, `stream_options.include_usage`,
-`model` and `user`. OpenAI fields graphmode does not implement (`n` > 1, `best_of` > 1,
-`echo`, `logprobs`, `suffix`, penalties, `logit_bias`) are refused unless they hold their
-neutral value, and unknown fields are refused: a request never silently means something
-else. Every refusal is a BadRequest (400) naming the field, the value and the fix.
+Completions: `prompt` (a string, a list of strings, a list of token ids, or a list of token-id
+lists; strings only when the model has a tokenizer), `echo`, `logprobs` (k: the chosen token's
+log-probability and the k most likely), `suffix` (null only). Chat: `messages` (rendered by the
+chat template, graphmode/serve/chat.py), `max_completion_tokens` (= `max_tokens`),
+`logprobs` (true/false) with `top_logprobs`, `tools` / `tool_choice` (none only),
+`add_generation_prompt` (vLLM's). Both: `max_tokens` (default 16, chat: what the sequence's
+pages hold), `temperature` (default 1; 0 = greedy), `top_p`, `top_k` (vLLM's; -1 or 0 = off),
+`seed`, `n` (choices per prompt; with a seed, choice j samples with seed + j), `best_of` (only
+null or equal to `n`), `presence_penalty`, `frequency_penalty`, `repetition_penalty` (vLLM's),
+`min_tokens` (vLLM's), `stop` (strings with a tokenizer, or token-id lists `[[id, ...], ...]`),
+`stop_token_ids` and `ignore_eos` (vLLM's), `stream`, `stream_options.include_usage`,
+`response_format` (`{"type": "text"}` only), `logit_bias` (empty only), `model` and `user`.
+Anything else is refused, and so is a value graphmode does not implement: a request never
+silently means something else. Every refusal is a BadRequest (400) naming the field, the
+value and the fix.
 
 A temperature below `GREEDY_BELOW` is greedy (as in vLLM): dividing logits by it would
 overflow to inf, and the sampling step it shares with other requests would fail for all.
@@ -16,10 +23,10 @@ overflow to inf, and the sampling step it shares with other requests would fail 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from graphmode.decode.sampling import SamplingParams
+from graphmode.decode.sampling import MAX_LOGPROBS, SamplingParams
 from graphmode.errors import GraphmodeError
 from graphmode.serve.codec import clip
 from graphmode.serve.errors import BadRequest
@@ -30,26 +37,48 @@ MAX_PROMPTS = 64                   # prompts in one request
 MAX_STOPS = 16
 MAX_STOP_LEN = 256                 # characters of a stop string, tokens of a stop sequence
 MAX_INT = 2**63
+MAX_N = 16                         # choices per prompt
 GREEDY_BELOW = 1e-5
-NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (), "suffix": (), "presence_penalty": (0,),
-           "frequency_penalty": (0,), "logit_bias": ({},)}
-REAL = ("presence_penalty", "frequency_penalty")      # numbers: 0 and 0.0 are both neutral
-FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-          "stream", "stream_options", "model", "user", *NEUTRAL}
+NEUTRAL = {"suffix": (), "logit_bias": ({},)}
+SHARED = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
+          "stream_options", "model", "user", "n", "best_of", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "min_tokens", "response_format", "logit_bias"}
+FIELDS = {"prompt", "echo", "logprobs", "suffix", *SHARED}
+CHAT_NEUTRAL = {"logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+                "function_call": ("none",), "parallel_tool_calls": (True, False), "store": (False,)}
+CHAT_FIELDS = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
+               *CHAT_NEUTRAL, *SHARED}
+ROLES = ("system", "developer", "user", "assistant")
+MESSAGE_KEYS = {"role", "content", "name"}
 NO_TOKENIZER = "this model has no tokenizer; send token ids"
 USAGE = 'send {"prompt": [token ids] or "text", "max_tokens": 16, ...}'
-SPLIT = f"send at most {MAX_PROMPTS} prompts per request (split the rest into more requests)"
+CHAT_USAGE = 'send {"messages": [{"role": "user", "content": "..."}], "max_tokens": 16, ...}'
+SPLIT = f"send at most {MAX_PROMPTS} prompts (times n) per request (split the rest into more requests)"
 STOP_FORMS = 'send "stop": "text" or ["text", ...] (with a tokenizer), or [[id, ...], ...]'
 
 
 @dataclass
 class CompletionRequest:
-    prompts: list[list[int]]
+    prompts: list[list[int]]               # one per prompt; each runs `n` times
     params: SamplingParams
     stream: bool
     include_usage: bool
     stop_text: tuple[str, ...]             # stop strings (matched on the decoded text)
     model: str | None
+    n: int = 1
+    echo: bool = False
+    chat: bool = False
+
+    @property
+    def sequences(self) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt, params) of each choice, in OpenAI's order: choice i * n + j is prompt i's
+        j-th sample; with a seed, the j-th samples with seed + j (choice 0 is the n = 1 answer)."""
+        out = []
+        for p in self.prompts:
+            for j in range(self.n):
+                seed = self.params.seed
+                out.append((p, self.params if not j or seed is None else replace(self.params, seed=seed + j)))
+        return out
 
 
 def _bad(where: str, message: str, value: Any = None, *, fix: str) -> BadRequest:
@@ -147,35 +176,45 @@ def _stops(doc: dict, tokenizer: Any) -> tuple[tuple[str, ...], list[tuple[int, 
     return tuple(texts), seqs
 
 
-def _unsupported(doc: dict) -> None:
-    for key, neutral in NEUTRAL.items():
+def _unsupported(doc: dict, neutral_values: dict[str, tuple]) -> None:
+    for key, neutral in neutral_values.items():
         v = doc.get(key)
-        real = key in REAL and type(v) in (int, float)
-        if v is not None and not any((real or type(v) is type(n)) and v == n for n in neutral):
+        if v is not None and not any(type(v) is type(n) and v == n for n in neutral):
             raise _bad(key, f"{key} is not supported by graphmode", v,
                        fix=f"leave {key} out{f' (or send {neutral[0]!r})' if neutral else ''}")
 
 
-def parse_completion(body: bytes, *, tokenizer: Any, eos: Any) -> CompletionRequest:
-    """The request in `body` (JSON bytes) for a model with `tokenizer` (None: token ids only)
-    whose end-of-sequence token(s) are `eos`. Tokenizes text: call it off the event loop."""
-    doc = load_json(body, USAGE)
+def _object(body: bytes, usage: str, fields: set[str]) -> dict:
+    doc = load_json(body, usage)
     if not isinstance(doc, dict):
-        raise BadRequest("the body must be a JSON object", reason="malformed_body", where="body", fix=USAGE)
-    unknown = sorted(set(doc) - FIELDS)
+        raise BadRequest("the body must be a JSON object", reason="malformed_body", where="body", fix=usage)
+    unknown = sorted(set(doc) - fields)
     if unknown:
         raise _bad("body", f"unknown field(s) {[clip(k, 40) for k in unknown[:5]]}",
-                   fix=f"the fields are {', '.join(sorted(FIELDS))}")
-    _unsupported(doc)
+                   fix=f"the fields are {', '.join(sorted(fields))}")
+    return doc
+
+
+def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, max_tokens: int,
+            logprobs: int | None, echo: bool = False, chat: bool = False) -> CompletionRequest:
+    """The fields completions and chat share, into the request for `prompts`."""
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", "model must be a string", model, fix="send the name GET /v1/models lists (or leave "
                                                                  "model out)")
     if doc.get("user") is not None and not isinstance(doc["user"], str):
         raise _bad("user", "user must be a string", doc["user"], fix="send a string (or leave user out)")
-    if "prompt" not in doc:
-        raise _bad("prompt", "prompt is required", fix=USAGE)
-    prompts = _prompts(doc["prompt"], tokenizer)
+    fmt = doc.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _bad("response_format", "structured output (json_object, json_schema) is not implemented by graphmode",
+                   fmt, fix='leave response_format out (or send {"type": "text"}); ask for JSON in the prompt instead')
+    n = _int(doc, "n", 1, 1, MAX_N + 1)
+    best_of = _int(doc, "best_of", None, 1, MAX_N + 1)
+    if best_of is not None and best_of != n:
+        raise _bad("best_of", f"best_of ({best_of}) other than n ({n}) is not supported (vLLM's V1 engine dropped it "
+                              "too)", best_of, fix="leave best_of out and send n: the number of choices you want")
+    if len(prompts) * n > MAX_PROMPTS:
+        raise _bad("n", f"{len(prompts)} prompt(s) x n = {n} is more than {MAX_PROMPTS} sequences", n, fix=SPLIT)
     stop_text, stop_ids = _stops(doc, tokenizer)
     stream = _bool(doc, "stream")
     opts = doc.get("stream_options")
@@ -192,12 +231,107 @@ def parse_completion(body: bytes, *, tokenizer: Any, eos: Any) -> CompletionRequ
     top_p = _num(doc, "top_p", 1.0, 0.0, 1.0, open_lo=True)
     top_k = _int(doc, "top_k", None, -1, 2**31)
     sample = temperature >= GREEDY_BELOW
+    min_tokens = _int(doc, "min_tokens", 0, 0, 2**31)
+    if min_tokens > max_tokens:
+        raise _bad("min_tokens", f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", min_tokens,
+                   fix="send min_tokens <= max_tokens")
     try:
         params = SamplingParams(
-            max_new_tokens=_int(doc, "max_tokens", DEFAULT_MAX_TOKENS, 1, 2**31), do_sample=sample,
+            max_new_tokens=max_tokens, do_sample=sample,
             temperature=temperature if sample else 1.0, top_k=top_k if top_k and top_k > 0 else None,
             top_p=top_p if top_p < 1 else None, eos_token_id=None if _bool(doc, "ignore_eos") else eos,
-            seed=_int(doc, "seed", None, -MAX_INT), stop=tuple(stop_ids))
+            seed=_int(doc, "seed", None, -MAX_INT, MAX_INT - MAX_N), stop=tuple(stop_ids),
+            presence_penalty=_num(doc, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=_num(doc, "frequency_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=_num(doc, "repetition_penalty", 1.0, 0.0, open_lo=True),
+            min_tokens=min_tokens, logprobs=logprobs)
     except GraphmodeError as e:          # the engine's own checks (kept in step with ours)
         raise _bad(e.where or "body", e.message, e.value, fix=e.fix or USAGE) from None
-    return CompletionRequest(prompts, params, stream, include_usage, stop_text, model)
+    return CompletionRequest(prompts, params, stream, include_usage, stop_text, model, n=n, echo=echo, chat=chat)
+
+
+def parse_completion(body: bytes, *, tokenizer: Any, eos: Any) -> CompletionRequest:
+    """The request in `body` (JSON bytes) for a model with `tokenizer` (None: token ids only)
+    whose end-of-sequence token(s) are `eos`. Tokenizes text: call it off the event loop."""
+    doc = _object(body, USAGE, FIELDS)
+    _unsupported(doc, NEUTRAL)
+    if "prompt" not in doc:
+        raise _bad("prompt", "prompt is required", fix=USAGE)
+    prompts = _prompts(doc["prompt"], tokenizer)
+    logprobs = _int(doc, "logprobs", None, 0, MAX_LOGPROBS + 1)
+    echo = _bool(doc, "echo")
+    if echo and logprobs is not None:
+        raise _bad("logprobs", "logprobs of an echoed prompt are not computed by graphmode", logprobs,
+                   fix="send echo or logprobs, not both")
+    return _common(doc, prompts, tokenizer, eos, max_tokens=_int(doc, "max_tokens", DEFAULT_MAX_TOKENS, 1, 2**31),
+                   logprobs=logprobs, echo=echo)
+
+
+def parse_messages(v: Any) -> list[dict[str, str]]:
+    """`messages` as the chat template takes them: role, content (text; a list of text parts is
+    joined with newlines, as vLLM does) and an optional name."""
+    if not isinstance(v, list) or not v:
+        raise _bad("messages", "messages must be a non-empty list of {role, content} objects",
+                   v if v is not None else "nothing", fix=CHAT_USAGE)
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, "a message must be an object {role, content}", m, fix=CHAT_USAGE)
+        extra = sorted(set(m) - MESSAGE_KEYS)
+        if extra:
+            raise _bad(f"{where}.{clip(extra[0], 40)}", f"message field(s) {[clip(k, 40) for k in extra[:5]]} are not "
+                       "supported (no tools or function calls)", fix="send role, content and optionally name")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role", f"role must be one of {', '.join(ROLES)}", role,
+                       fix="tool messages need tools, which graphmode does not serve")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                        and set(part) <= {"type", "text"}):
+                    raise _bad(f"{where}.content[{j}]", "only text parts {type: text, text} are supported", part,
+                               fix="send text content (no images, audio or files)")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise _bad(f"{where}.content", "content must be a string or a list of text parts", content,
+                       fix='send "content": "text"')
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _bad(f"{where}.name", "name must be a string", name, fix="send a string (or leave name out)")
+        out.append({"role": role, "content": content, **({"name": name} if name is not None else {})})
+    return out
+
+
+def parse_chat(body: bytes, *, tokenizer: Any, eos: Any, render: Any, context: int) -> CompletionRequest:
+    """A chat request: its messages rendered to token ids by `render(messages,
+    add_generation_prompt)` (chat.py), else as `parse_completion`. Without `max_tokens` (or
+    `max_completion_tokens`) the answer may fill the `context` tokens a sequence holds (vLLM's
+    default)."""
+    doc = _object(body, CHAT_USAGE, CHAT_FIELDS)
+    _unsupported(doc, CHAT_NEUTRAL)
+    if tokenizer is None:
+        raise BadRequest("chat completions need a tokenizer; this model has none", reason="no_tokenizer",
+                         where="messages", fix="send token ids to POST /v1/completions")
+    messages = parse_messages(doc.get("messages"))
+    a, b = _int(doc, "max_tokens", None, 1, 2**31), _int(doc, "max_completion_tokens", None, 1, 2**31)
+    if a is not None and b is not None and a != b:
+        raise _bad("max_completion_tokens", f"max_tokens ({a}) and max_completion_tokens ({b}) disagree", b,
+                   fix="send one of them")
+    top = _int(doc, "top_logprobs", None, 0, MAX_LOGPROBS + 1)
+    want = _bool(doc, "logprobs")
+    if top is not None and not want:
+        raise _bad("top_logprobs", "top_logprobs needs logprobs: true", top, fix="send logprobs: true too")
+    add = doc.get("add_generation_prompt", True)
+    if type(add) is not bool:
+        raise _bad("add_generation_prompt", "add_generation_prompt must be true or false", add,
+                   fix="send true or false")
+    prompt = render(messages, add)
+    if not prompt:
+        raise _bad("messages", "the chat template rendered no tokens", fix="send a message with content")
+    given = a if a is not None else b
+    return _common(doc, [prompt], tokenizer, eos, max_tokens=given if given is not None else max(1, context - len(prompt)),
+                   logprobs=(top or 0) if want else None, chat=True)

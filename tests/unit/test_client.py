@@ -30,6 +30,10 @@ def test_server_error_reads_both_error_forms():
     assert "too long" in str(v1) and v1.where == "prompt" and v1.fix == "shorter"
     assert "too long" in str(v2) and v2.where == "inputs[0].shape"
     assert "HTTP 502" in str(ServerError(502, "bad gateway"))
+    oa = ServerError(400, {"error": {"message": "top_k: bad (got -2); fix: f", "type": "invalid_request_error",
+                                     "param": "top_k", "code": "bad_parameter", "detail": "bad", "where": "top_k",
+                                     "fix": "f"}})
+    assert "HTTP 400: bad" in str(oa) and oa.where == "top_k" and oa.fix == "f"
 
 
 def test_request_bodies():

@@ -10,7 +10,7 @@ import pytest
 
 from graphmode.decode.output import ChoiceOutput
 from graphmode.serve.errors import BadRequest
-from graphmode.serve.openai_request import GREEDY_BELOW, parse_completion
+from graphmode.serve.openai_request import GREEDY_BELOW, parse_chat, parse_completion
 
 EOS = 2
 
@@ -44,8 +44,55 @@ def test_sampling_parameters_a_request_means(tok):
                "stream_options": {"include_usage": True}}, tok)
     assert r.prompts == [[5, 6], [7]] and r.stop_text == ("w9", " w10") and r.stream and r.include_usage
     neutral = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0.0, "frequency_penalty": 0,
-               "logit_bias": {}, "logprobs": None, "user": "u", "model": "m"}
+               "logit_bias": {}, "logprobs": None, "user": "u", "model": "m", "response_format": {"type": "text"}}
     assert parse({"prompt": [[5], [6]], **neutral}).prompts == [[5], [6]]
+    r = parse({"prompt": [[5], [6]], "n": 2, "best_of": 2, "seed": 4, "logprobs": 3, "presence_penalty": -1,
+               "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_tokens": 2, "max_tokens": 5})
+    p = r.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens, p.logprobs) == (
+        -1, 0.5, 1.2, 2, 3)
+    # choice i * n + j is prompt i's j-th sample, seeded seed + j
+    assert [(q, s.seed) for q, s in r.sequences] == [([5], 4), ([5], 5), ([6], 4), ([6], 5)]
+    assert parse({"prompt": [5], "echo": True}).echo
+
+
+def chat(doc, tokenizer=None, context=48):
+    from graphmode.serve.chat import render
+    return parse_chat(json.dumps(doc).encode(), tokenizer=tokenizer, eos=EOS, context=context,
+                      render=lambda m, add: render(tokenizer, m, add))
+
+
+MSG = [{"role": "user", "content": "w5 w6"}]
+
+
+def test_chat_requests(tok):
+    r = chat({"messages": MSG, "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 2}, tok)
+    assert r.chat and r.params.max_new_tokens == 4 and r.params.logprobs == 2
+    assert tok.decode(r.prompts[0]) == "<unk> w5 w6 <unk>"          # "user: w5 w6\nassistant:"
+    r = chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "w5"}, {"type": "text",
+                                                                                       "text": "w6"}]}]}, tok)
+    assert tok.decode(r.prompts[0]) == "<unk> w5 w6 <unk>" and r.params.max_new_tokens == 48 - 4   # the pages' rest
+    assert chat({"messages": MSG, "logprobs": True}, tok).params.logprobs == 0
+    assert chat({"messages": MSG, "tools": [], "tool_choice": "none", "max_tokens": 3,
+                 "max_completion_tokens": 3}, tok).params.max_new_tokens == 3
+
+
+@pytest.mark.parametrize("doc,where", [
+    ({"messages": MSG}, "messages"),                                           # no tokenizer
+    ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"messages": [3]}, "messages[0]"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": MSG, "max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens"),
+    ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"), ({"messages": MSG, "logprobs": 2}, "logprobs"),
+    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"), ({"messages": MSG, "prompt": [5]}, "body"),
+    ({"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
+])
+def test_every_chat_refusal_names_the_field_and_the_fix(tok, doc, where):
+    with pytest.raises(BadRequest) as e:
+        chat(doc, None if where == "messages" and doc == {"messages": MSG} else tok)
+    assert e.value.status == 400 and e.value.where == where and e.value.fix, e.value.to_dict()
 
 
 @pytest.mark.parametrize("doc,where", [
@@ -61,9 +108,16 @@ def test_sampling_parameters_a_request_means(tok):
     ({"prompt": [5], "stop": [[1]] * 17}, "stop"), ({"prompt": [5], "stop_token_ids": [1.5]}, "stop_token_ids"),
     ({"prompt": [5], "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": [5], "stream": True, "stream_options": {"x": 1}}, "stream_options"),
-    ({"prompt": [5], "n": 2}, "n"), ({"prompt": [5], "echo": True}, "echo"), ({"prompt": [5], "logprobs": 0}, "logprobs"),
-    ({"prompt": [5], "presence_penalty": 0.5}, "presence_penalty"), ({"prompt": [5], "logit_bias": {"5": 1}},
-                                                                     "logit_bias"),
+    ({"prompt": [5], "n": 0}, "n"), ({"prompt": [5], "n": 17}, "n"), ({"prompt": [[5]] * 8, "n": 9}, "n"),
+    ({"prompt": [5], "best_of": 2}, "best_of"), ({"prompt": [5], "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": [5], "echo": 1}, "echo"), ({"prompt": [5], "logprobs": 21}, "logprobs"),
+    ({"prompt": [5], "logprobs": True}, "logprobs"), ({"prompt": [5], "echo": True, "logprobs": 0}, "logprobs"),
+    ({"prompt": [5], "presence_penalty": 2.5}, "presence_penalty"), ({"prompt": [5], "frequency_penalty": "1"},
+                                                                     "frequency_penalty"),
+    ({"prompt": [5], "repetition_penalty": 0}, "repetition_penalty"), ({"prompt": [5], "min_tokens": -1}, "min_tokens"),
+    ({"prompt": [5], "max_tokens": 3, "min_tokens": 4}, "min_tokens"), ({"prompt": [5], "suffix": "x"}, "suffix"),
+    ({"prompt": [5], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": [5], "logit_bias": {"5": 1}}, "logit_bias"), ({"prompt": [5], "max_completion_tokens": 3}, "body"),
     ({"prompt": [5], "model": 3}, "model"), ({"prompt": [5], "user": 3}, "user"),
     ({"prompt": [5], "max_token": 3}, "body"), ([5], "body"),
 ])

@@ -1,0 +1,53 @@
+"""Next-token choice (graphmode.decode.sampling): the penalties against transformers' own
+logits processors, min_tokens, and the log-probabilities a request asks for."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphmode.decode.sampling import SamplingParams, adjusted, choose, top_logprobs
+from graphmode.errors import GraphmodeError
+
+
+def test_repetition_penalty_is_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    torch.manual_seed(0)
+    x = torch.randn(50) * 3
+    prompt, generated = [3, 7, 7], [11, 3, 40]
+    want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + generated]), x[None].clone())[0]
+    got = adjusted(x, SamplingParams(repetition_penalty=1.7), prompt, generated)
+    assert torch.equal(got, want) and not torch.equal(got, x)
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    x = torch.zeros(10)
+    got = adjusted(x, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 1, 1], [2, 2, 5])
+    want = torch.zeros(10)
+    want[2] = -(0.5 + 2 * 0.25)
+    want[5] = -(0.5 + 0.25)
+    assert torch.equal(got, want) and torch.equal(x, torch.zeros(10))          # the engine's row is untouched
+
+
+def test_min_tokens_bans_end_of_sequence_and_single_stop_tokens():
+    x = torch.zeros(10)
+    x[2] = x[4] = 5.0
+    p = SamplingParams(max_new_tokens=8, min_tokens=2, eos_token_id=2, stop=((4,), (6, 7)))
+    assert choose(adjusted(x, p, [1], []), p, None) not in (2, 4)
+    assert choose(adjusted(x, p, [1], [3, 3]), p, None) in (2, 4)          # two tokens made: allowed again
+    assert torch.isfinite(adjusted(x, p, [1], [3])[6])                      # a longer stop sequence is not banned
+
+
+def test_top_logprobs_are_the_raw_distribution():
+    x = torch.tensor([1.0, 3.0, 2.0, 0.0])
+    lp, top = top_logprobs(x, 0, 2)
+    want = torch.log_softmax(x, -1)
+    assert lp == pytest.approx(float(want[0])) and [t for t, _ in top] == [1, 2]
+    assert top_logprobs(x, 3, 0)[1] == []
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", float("nan")),
+                                         ("repetition_penalty", 0), ("min_tokens", 17), ("logprobs", 21)])
+def test_bad_parameters_are_refused_naming_the_field(field, value):
+    with pytest.raises(GraphmodeError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.where == field and e.value.fix
