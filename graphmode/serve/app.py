@@ -84,6 +84,19 @@ def error_response(e: BaseException, *, openai: bool = False) -> Response:
     return JSONAnswer(body, status_code=status, headers=headers)
 
 
+def openai_failure(server: Any, e: BaseException, what: str) -> Response:
+    """An OpenAI endpoint's failure, answered in OpenAI's shape: a client's mistake counted as a
+    bad request (the contract's refusals are counted by the deployment), a bug logged."""
+    if isinstance(e, ClientDisconnect):
+        return Response(status_code=400)
+    if isinstance(e, ServeError):
+        if e.status != 422:
+            server.metrics.bad_requests.labels(server.target_name, e.reason).inc()
+    elif not isinstance(e, GraphmodeError):
+        log.error("%s failed", what, exc_info=e)
+    return error_response(e, openai=True)
+
+
 def is_openai_path(path: str) -> bool:
     """The OpenAI API's paths (`/v1/...` but graphmode's own `/v1/infer` and `/v1/recipe`):
     their errors are answered in OpenAI's shape."""
@@ -355,8 +368,9 @@ def create_app(server: ModelServer) -> Starlette:
               Route("/readyz", readyz, methods=["GET"]),
               Route("/metrics", metrics_endpoint, methods=["GET"])]
     from graphmode.serve.completions import completion_routes    # (they use this module's helpers)
+    from graphmode.serve.embeddings import embedding_routes
     from graphmode.serve.kserve import kserve_routes
-    routes += completion_routes(server) + kserve_routes(server)
+    routes += completion_routes(server) + embedding_routes(server) + kserve_routes(server)
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = server

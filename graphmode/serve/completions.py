@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import time
 import uuid
 from collections import deque
@@ -34,14 +33,13 @@ from starlette.routing import Route
 
 from graphmode.decode.output import ChoiceOutput
 from graphmode.errors import ContractViolation, GraphmodeError
-from graphmode.serve.app import error_response, read_body
+from graphmode.serve.app import error_response, openai_failure, read_body
 from graphmode.serve.codec import body_kind, clip, dumps
 from graphmode.serve import chat
-from graphmode.serve.errors import BadRequest, RequestTimeout, ServeError, openai_error
+from graphmode.serve.errors import BadRequest, RequestTimeout, openai_error
 from graphmode.serve.generation import Generation
 from graphmode.serve.openai_request import CompletionRequest, parse_chat, parse_completion
 
-log = logging.getLogger("graphmode.serve")
 Update = tuple[int, list[int], list[Any], str, "str | None"]   # index, tokens, their logprobs, text, finish
 
 
@@ -252,22 +250,12 @@ def completion_routes(server: Any) -> list[Route]:
                 if req.model is not None and req.model not in server.model_names():
                     raise _unknown_model(req.model)
                 return await _answer(request, dep, req, arrived)
-            except ClientDisconnect:
-                return Response(status_code=400)
-            except ServeError as e:
-                if e.status != 422:
-                    server.metrics.bad_requests.labels(server.target_name, e.reason).inc()
-                return error_response(e, openai=True)
-            except ContractViolation as e:
-                dep.monitor.refused(e.kind or "input", "decode")
-                return error_response(e, openai=True)
-            except GraphmodeError as e:
-                return error_response(e, openai=True)
-            except Exception as e:  # noqa: BLE001 - answered, logged, and the server keeps going
-                log.exception("completion failed")
-                if dep is not None:
+            except Exception as e:  # noqa: BLE001 - answered (a bug logged), and the server keeps going
+                if isinstance(e, ContractViolation):
+                    dep.monitor.refused(e.kind or "input", "decode")
+                elif not isinstance(e, (GraphmodeError, ClientDisconnect)) and dep is not None:
                     dep.monitor.request_status("error", "decode")
-                return error_response(e, openai=True)
+                return openai_failure(server, e, "completion")
         return handle
 
     async def _answer(request: Request, dep: Any, req: CompletionRequest, arrived: float) -> Response:

@@ -81,7 +81,7 @@ class CompletionRequest:
         return out
 
 
-def _bad(where: str, message: str, value: Any = None, *, fix: str) -> BadRequest:
+def bad(where: str, message: str, value: Any = None, *, fix: str) -> BadRequest:
     return BadRequest(message, reason="bad_parameter", where=where, value=value, fix=fix)
 
 
@@ -90,7 +90,7 @@ def _int(doc: dict, key: str, default: int | None, lo: int, hi: int = MAX_INT) -
     if v is None:
         return default
     if type(v) is not int or not lo <= v < hi:
-        raise _bad(key, f"{key} must be an integer in [{lo}, {hi})", v,
+        raise bad(key, f"{key} must be an integer in [{lo}, {hi})", v,
                    fix=f"send a whole number from {lo} to {hi - 1} (or leave {key} out)")
     return v
 
@@ -102,7 +102,7 @@ def _num(doc: dict, key: str, default: float, lo: float, hi: float | None = None
     ok = type(v) in (int, float) and math.isfinite(v) and (v > lo if open_lo else v >= lo) and (hi is None or v <= hi)
     if not ok:
         rng = f"{'(' if open_lo else '['}{lo:g}, {f'{hi:g}]' if hi is not None else 'inf)'}"
-        raise _bad(key, f"{key} must be a number in {rng}", v, fix=f"send a finite number in {rng} (or leave "
+        raise bad(key, f"{key} must be a number in {rng}", v, fix=f"send a finite number in {rng} (or leave "
                                                                   f"{key} out for {default:g})")
     return float(v)
 
@@ -112,13 +112,13 @@ def _bool(doc: dict, key: str) -> bool:
     if v is None:
         return False
     if type(v) is not bool:
-        raise _bad(key, f"{key} must be true or false", v, fix=f"send {key}: true or false (JSON booleans)")
+        raise bad(key, f"{key} must be true or false", v, fix=f"send {key}: true or false (JSON booleans)")
     return v
 
 
 def _id_list(v: Any, where: str) -> list[int]:
     if not isinstance(v, list) or not v or not all(type(t) is int for t in v):
-        raise _bad(where, "must be a non-empty list of integer token ids", v, fix="send [id, id, ...]")
+        raise bad(where, "must be a non-empty list of integer token ids", v, fix="send [id, id, ...]")
     return v
 
 
@@ -126,17 +126,17 @@ def _prompts(v: Any, tokenizer: Any) -> list[list[int]]:
     if isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(p, str) for p in v)):
         texts = [v] if isinstance(v, str) else v
         if tokenizer is None:
-            raise _bad("prompt", NO_TOKENIZER, v, fix='send "prompt": [id, id, ...] (or a list of such lists)')
+            raise bad("prompt", NO_TOKENIZER, v, fix='send "prompt": [id, id, ...] (or a list of such lists)')
         if len(texts) > MAX_PROMPTS:
-            raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request", len(texts), fix=SPLIT)
+            raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request", len(texts), fix=SPLIT)
         return [list(tokenizer.encode(t)) for t in texts]
     if isinstance(v, list) and v and all(type(t) is int for t in v):
         return [v]
     if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
         if len(v) > MAX_PROMPTS:
-            raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request", len(v), fix=SPLIT)
+            raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request", len(v), fix=SPLIT)
         return [_id_list(p, f"prompt[{i}]") for i, p in enumerate(v)]
-    raise _bad("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+    raise bad("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of token-id "
                          "lists", v if v is not None else "nothing", fix=USAGE)
 
 
@@ -150,28 +150,28 @@ def _stops(doc: dict, tokenizer: Any) -> tuple[tuple[str, ...], list[tuple[int, 
         pass
     elif isinstance(v, list) and all(isinstance(s, str) for s in v):
         if tokenizer is None:
-            raise _bad("stop", f"stop strings need a tokenizer: {NO_TOKENIZER}", v,
+            raise bad("stop", f"stop strings need a tokenizer: {NO_TOKENIZER}", v,
                        fix='send stop as token-id sequences: "stop": [[id, ...], ...]')
         if not all(0 < len(s) <= MAX_STOP_LEN for s in v):
-            raise _bad("stop", f"stop strings must have 1 to {MAX_STOP_LEN} characters", v,
+            raise bad("stop", f"stop strings must have 1 to {MAX_STOP_LEN} characters", v,
                        fix="drop empty stop strings and shorten long ones")
         texts = list(v)
     elif isinstance(v, list) and all(isinstance(s, list) for s in v):
         seqs = [tuple(_id_list(s, f"stop[{i}]")) for i, s in enumerate(v)]
         if not all(len(s) <= MAX_STOP_LEN for s in seqs):
-            raise _bad("stop", f"a stop sequence has at most {MAX_STOP_LEN} tokens",
+            raise bad("stop", f"a stop sequence has at most {MAX_STOP_LEN} tokens",
                        max(len(s) for s in seqs), fix="shorten the stop sequences")
     elif isinstance(v, list) and all(type(s) is int for s in v):
-        raise _bad("stop", "a flat list of token ids is ambiguous", v,
+        raise bad("stop", "a flat list of token ids is ambiguous", v,
                    fix='write one sequence as [[id, id]], single tokens as "stop_token_ids": [id, id]')
     else:
-        raise _bad("stop", "stop must be a string, a list of strings or a list of token-id lists", v,
+        raise bad("stop", "stop must be a string, a list of strings or a list of token-id lists", v,
                    fix=STOP_FORMS)
     ids = doc.get("stop_token_ids")
     if ids is not None:
         seqs += [(t,) for t in _id_list(ids, "stop_token_ids")]
     if len(texts) + len(seqs) > MAX_STOPS:
-        raise _bad("stop", f"at most {MAX_STOPS} stop strings and sequences", len(texts) + len(seqs),
+        raise bad("stop", f"at most {MAX_STOPS} stop strings and sequences", len(texts) + len(seqs),
                    fix=f"send at most {MAX_STOPS} in stop and stop_token_ids together")
     return tuple(texts), seqs
 
@@ -180,17 +180,18 @@ def _unsupported(doc: dict, neutral_values: dict[str, tuple]) -> None:
     for key, neutral in neutral_values.items():
         v = doc.get(key)
         if v is not None and not any(type(v) is type(n) and v == n for n in neutral):
-            raise _bad(key, f"{key} is not supported by graphmode", v,
+            raise bad(key, f"{key} is not supported by graphmode", v,
                        fix=f"leave {key} out{f' (or send {neutral[0]!r})' if neutral else ''}")
 
 
-def _object(body: bytes, usage: str, fields: set[str]) -> dict:
+def load_object(body: bytes, usage: str, fields: set[str]) -> dict:
+    """The body as a JSON object with only `fields`, or a BadRequest naming what is wrong."""
     doc = load_json(body, usage)
     if not isinstance(doc, dict):
         raise BadRequest("the body must be a JSON object", reason="malformed_body", where="body", fix=usage)
     unknown = sorted(set(doc) - fields)
     if unknown:
-        raise _bad("body", f"unknown field(s) {[clip(k, 40) for k in unknown[:5]]}",
+        raise bad("body", f"unknown field(s) {[clip(k, 40) for k in unknown[:5]]}",
                    fix=f"the fields are {', '.join(sorted(fields))}")
     return doc
 
@@ -200,31 +201,31 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
     """The fields completions and chat share, into the request for `prompts`."""
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad("model", "model must be a string", model, fix="send the name GET /v1/models lists (or leave "
+        raise bad("model", "model must be a string", model, fix="send the name GET /v1/models lists (or leave "
                                                                  "model out)")
     if doc.get("user") is not None and not isinstance(doc["user"], str):
-        raise _bad("user", "user must be a string", doc["user"], fix="send a string (or leave user out)")
+        raise bad("user", "user must be a string", doc["user"], fix="send a string (or leave user out)")
     fmt = doc.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise _bad("response_format", "structured output (json_object, json_schema) is not implemented by graphmode",
+        raise bad("response_format", "structured output (json_object, json_schema) is not implemented by graphmode",
                    fmt, fix='leave response_format out (or send {"type": "text"}); ask for JSON in the prompt instead')
     n = _int(doc, "n", 1, 1, MAX_N + 1)
     best_of = _int(doc, "best_of", None, 1, MAX_N + 1)
     if best_of is not None and best_of != n:
-        raise _bad("best_of", f"best_of ({best_of}) other than n ({n}) is not supported (vLLM's V1 engine dropped it "
+        raise bad("best_of", f"best_of ({best_of}) other than n ({n}) is not supported (vLLM's V1 engine dropped it "
                               "too)", best_of, fix="leave best_of out and send n: the number of choices you want")
     if len(prompts) * n > MAX_PROMPTS:
-        raise _bad("n", f"{len(prompts)} prompt(s) x n = {n} is more than {MAX_PROMPTS} sequences", n, fix=SPLIT)
+        raise bad("n", f"{len(prompts)} prompt(s) x n = {n} is more than {MAX_PROMPTS} sequences", n, fix=SPLIT)
     stop_text, stop_ids = _stops(doc, tokenizer)
     stream = _bool(doc, "stream")
     opts = doc.get("stream_options")
     include_usage = False
     if opts is not None:
         if not stream:
-            raise _bad("stream_options", "stream_options needs stream: true", opts,
+            raise bad("stream_options", "stream_options needs stream: true", opts,
                        fix="send stream: true, or leave stream_options out")
         if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-            raise _bad("stream_options", "stream_options takes only include_usage", opts,
+            raise bad("stream_options", "stream_options takes only include_usage", opts,
                        fix='send "stream_options": {"include_usage": true}')
         include_usage = _bool(opts, "include_usage")
     temperature = _num(doc, "temperature", 1.0, 0.0)
@@ -233,7 +234,7 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
     sample = temperature >= GREEDY_BELOW
     min_tokens = _int(doc, "min_tokens", 0, 0, 2**31)
     if min_tokens > max_tokens:
-        raise _bad("min_tokens", f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", min_tokens,
+        raise bad("min_tokens", f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", min_tokens,
                    fix="send min_tokens <= max_tokens")
     try:
         params = SamplingParams(
@@ -246,22 +247,22 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
             repetition_penalty=_num(doc, "repetition_penalty", 1.0, 0.0, open_lo=True),
             min_tokens=min_tokens, logprobs=logprobs)
     except GraphmodeError as e:          # the engine's own checks (kept in step with ours)
-        raise _bad(e.where or "body", e.message, e.value, fix=e.fix or USAGE) from None
+        raise bad(e.where or "body", e.message, e.value, fix=e.fix or USAGE) from None
     return CompletionRequest(prompts, params, stream, include_usage, stop_text, model, n=n, echo=echo, chat=chat)
 
 
 def parse_completion(body: bytes, *, tokenizer: Any, eos: Any) -> CompletionRequest:
     """The request in `body` (JSON bytes) for a model with `tokenizer` (None: token ids only)
     whose end-of-sequence token(s) are `eos`. Tokenizes text: call it off the event loop."""
-    doc = _object(body, USAGE, FIELDS)
+    doc = load_object(body, USAGE, FIELDS)
     _unsupported(doc, NEUTRAL)
     if "prompt" not in doc:
-        raise _bad("prompt", "prompt is required", fix=USAGE)
+        raise bad("prompt", "prompt is required", fix=USAGE)
     prompts = _prompts(doc["prompt"], tokenizer)
     logprobs = _int(doc, "logprobs", None, 0, MAX_LOGPROBS + 1)
     echo = _bool(doc, "echo")
     if echo and logprobs is not None:
-        raise _bad("logprobs", "logprobs of an echoed prompt are not computed by graphmode", logprobs,
+        raise bad("logprobs", "logprobs of an echoed prompt are not computed by graphmode", logprobs,
                    fix="send echo or logprobs, not both")
     return _common(doc, prompts, tokenizer, eos, max_tokens=_int(doc, "max_tokens", DEFAULT_MAX_TOKENS, 1, 2**31),
                    logprobs=logprobs, echo=echo)
@@ -271,20 +272,20 @@ def parse_messages(v: Any) -> list[dict[str, str]]:
     """`messages` as the chat template takes them: role, content (text; a list of text parts is
     joined with newlines, as vLLM does) and an optional name."""
     if not isinstance(v, list) or not v:
-        raise _bad("messages", "messages must be a non-empty list of {role, content} objects",
+        raise bad("messages", "messages must be a non-empty list of {role, content} objects",
                    v if v is not None else "nothing", fix=CHAT_USAGE)
     out = []
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(where, "a message must be an object {role, content}", m, fix=CHAT_USAGE)
+            raise bad(where, "a message must be an object {role, content}", m, fix=CHAT_USAGE)
         extra = sorted(set(m) - MESSAGE_KEYS)
         if extra:
-            raise _bad(f"{where}.{clip(extra[0], 40)}", f"message field(s) {[clip(k, 40) for k in extra[:5]]} are not "
+            raise bad(f"{where}.{clip(extra[0], 40)}", f"message field(s) {[clip(k, 40) for k in extra[:5]]} are not "
                        "supported (no tools or function calls)", fix="send role, content and optionally name")
         role = m.get("role")
         if role not in ROLES:
-            raise _bad(f"{where}.role", f"role must be one of {', '.join(ROLES)}", role,
+            raise bad(f"{where}.role", f"role must be one of {', '.join(ROLES)}", role,
                        fix="tool messages need tools, which graphmode does not serve")
         content = m.get("content")
         if isinstance(content, list):
@@ -292,16 +293,16 @@ def parse_messages(v: Any) -> list[dict[str, str]]:
             for j, part in enumerate(content):
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                         and set(part) <= {"type", "text"}):
-                    raise _bad(f"{where}.content[{j}]", "only text parts {type: text, text} are supported", part,
+                    raise bad(f"{where}.content[{j}]", "only text parts {type: text, text} are supported", part,
                                fix="send text content (no images, audio or files)")
                 texts.append(part["text"])
             content = "\n".join(texts)
         if not isinstance(content, str):
-            raise _bad(f"{where}.content", "content must be a string or a list of text parts", content,
+            raise bad(f"{where}.content", "content must be a string or a list of text parts", content,
                        fix='send "content": "text"')
         name = m.get("name")
         if name is not None and not isinstance(name, str):
-            raise _bad(f"{where}.name", "name must be a string", name, fix="send a string (or leave name out)")
+            raise bad(f"{where}.name", "name must be a string", name, fix="send a string (or leave name out)")
         out.append({"role": role, "content": content, **({"name": name} if name is not None else {})})
     return out
 
@@ -311,7 +312,7 @@ def parse_chat(body: bytes, *, tokenizer: Any, eos: Any, render: Any, context: i
     add_generation_prompt)` (chat.py), else as `parse_completion`. Without `max_tokens` (or
     `max_completion_tokens`) the answer may fill the `context` tokens a sequence holds (vLLM's
     default)."""
-    doc = _object(body, CHAT_USAGE, CHAT_FIELDS)
+    doc = load_object(body, CHAT_USAGE, CHAT_FIELDS)
     _unsupported(doc, CHAT_NEUTRAL)
     if tokenizer is None:
         raise BadRequest("chat completions need a tokenizer; this model has none", reason="no_tokenizer",
@@ -319,19 +320,19 @@ def parse_chat(body: bytes, *, tokenizer: Any, eos: Any, render: Any, context: i
     messages = parse_messages(doc.get("messages"))
     a, b = _int(doc, "max_tokens", None, 1, 2**31), _int(doc, "max_completion_tokens", None, 1, 2**31)
     if a is not None and b is not None and a != b:
-        raise _bad("max_completion_tokens", f"max_tokens ({a}) and max_completion_tokens ({b}) disagree", b,
+        raise bad("max_completion_tokens", f"max_tokens ({a}) and max_completion_tokens ({b}) disagree", b,
                    fix="send one of them")
     top = _int(doc, "top_logprobs", None, 0, MAX_LOGPROBS + 1)
     want = _bool(doc, "logprobs")
     if top is not None and not want:
-        raise _bad("top_logprobs", "top_logprobs needs logprobs: true", top, fix="send logprobs: true too")
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true", top, fix="send logprobs: true too")
     add = doc.get("add_generation_prompt", True)
     if type(add) is not bool:
-        raise _bad("add_generation_prompt", "add_generation_prompt must be true or false", add,
+        raise bad("add_generation_prompt", "add_generation_prompt must be true or false", add,
                    fix="send true or false")
     prompt = render(messages, add)
     if not prompt:
-        raise _bad("messages", "the chat template rendered no tokens", fix="send a message with content")
+        raise bad("messages", "the chat template rendered no tokens", fix="send a message with content")
     given = a if a is not None else b
     return _common(doc, [prompt], tokenizer, eos, max_tokens=given if given is not None else max(1, context - len(prompt)),
                    logprobs=(top or 0) if want else None, chat=True)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from graphmode.decode.output import ChoiceOutput
+from graphmode.serve.chat import render
 from graphmode.serve.errors import BadRequest
 from graphmode.serve.openai_request import GREEDY_BELOW, parse_chat, parse_completion
 
@@ -57,7 +58,6 @@ def test_sampling_parameters_a_request_means(tok):
 
 
 def chat(doc, tokenizer=None, context=48):
-    from graphmode.serve.chat import render
     return parse_chat(json.dumps(doc).encode(), tokenizer=tokenizer, eos=EOS, context=context,
                       render=lambda m, add: render(tokenizer, m, add))
 
@@ -164,3 +164,16 @@ def test_a_stop_string_ends_the_answer_at_the_token_that_completed_it(tok):
     assert feed(held, [5]) == ([5], "") and feed(held, [6]) == ([6], "")     # text that may start the stop
     assert feed(held, [8]) == ([8], "w5 w6 w8")
     assert feed(held, [5, 6, 7], None) == ([5, 6, 7], " ") and held.finish_reason == "stop"
+
+
+MESSAGES = [{"role": "system", "content": "w5 w6"}, {"role": "user", "content": "w7 w8 w9"}]
+
+
+def test_chat_template_from_the_tokenizer_or_the_default(tok):
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, unk_token="<unk>", eos_token="</s>")
+    default = render(tok, MESSAGES)
+    assert tok.decode(default) == "<unk> w5 w6 <unk> w7 w8 w9 <unk>"        # "system: ...\nuser: ...\nassistant:"
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+    assert render(tok, MESSAGES) == [5, 6, 7, 8, 9, 3]
+    assert render(tok, MESSAGES, add_generation_prompt=False) == [5, 6, 7, 8, 9]
