@@ -107,7 +107,7 @@ def serve_cmd(
         if state == "ready":
             dep = server.active
             warm = f"{len(dep.buckets)} bucket(s) warm" if dep.decoder is None else \
-                "decoder warm (POST /v1/completions)"
+                "decoder warm (POST /v1/completions, /v1/chat/completions)"
             console.print(f"[bold green]ready[/] recipe {dep.name} #{dep.version}, {warm} on {holder['url']}",
                           highlight=False)
         elif state == "failed":

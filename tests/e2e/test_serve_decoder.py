@@ -511,6 +511,12 @@ def test_completions_one_event_per_token_n_logprobs_echo(srv):
     one = srv.oa.completions.create(model=MODEL, prompt=P1, max_tokens=6, temperature=0.9, seed=11)
     assert r.choices[0].text == one.choices[0].text                     # choice j samples with seed + j
     assert len({c.text for c in r.choices}) > 1
+    texts: dict[int, str] = {}
+    for ch in srv.oa.completions.create(model=MODEL, prompt=P1, max_tokens=6, n=3, temperature=0.9, seed=11,
+                                        stream=True):
+        assert len(ch.choices) == 1
+        texts[ch.choices[0].index] = texts.get(ch.choices[0].index, "") + ch.choices[0].text
+    assert texts == {c.index: c.text for c in r.choices}                  # streamed n adds up to the whole
 
     r = srv.oa.completions.create(model=MODEL, prompt=P1, max_tokens=5, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
