@@ -187,6 +187,10 @@ class DecodeEngine:
         if vocab and not all(0 <= t < vocab for t in prompt):
             raise ContractViolation(f"token ids must be in [0, {vocab})", where="prompt",
                                     value=[t for t in prompt if not 0 <= t < vocab][:5])
+        bias = [t for t, _ in params.logit_bias if vocab and not 0 <= t < vocab]
+        if bias:
+            raise ContractViolation(f"logit_bias token ids must be in [0, {vocab})", where="logit_bias",
+                                    value=bias[:5], fix="bias token ids the model knows")
         if len(prompt) > self.max_prompt:
             raise ContractViolation(f"the prompt has {len(prompt)} tokens, the contract's {self.seq_dim} allows at "
                                     f"most {self.max_prompt}", where=f"dims.{self.seq_dim}", value=len(prompt),

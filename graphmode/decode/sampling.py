@@ -28,6 +28,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0              # transformers' / vLLM's: prompt and generated tokens' logits / this
     min_tokens: int = 0                          # no end-of-sequence or stop before this many tokens
     logprobs: int | None = None                  # None: none; k: the chosen token's logprob and the k most likely
+    logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI's: (token, bias in [-100, 100]) added to its logit
 
     def __post_init__(self):
         def bad(field: str, value, fix: str):
@@ -53,10 +54,14 @@ class SamplingParams:
             bad("min_tokens", self.min_tokens, f"an integer in [0, max_new_tokens = {self.max_new_tokens}]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}] or null")
+        for t, v in self.logit_bias:
+            if type(t) is not int or t < 0 or not (isinstance(v, (int, float)) and math.isfinite(v) and -100 <= v <= 100):
+                bad("logit_bias", {t: v}, "token ids >= 0 with biases in [-100, 100]")
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
     @property
     def eos(self) -> frozenset[int]:
@@ -68,7 +73,8 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int]
              ) -> torch.Tensor:
     """One row of logits after the penalties and `min_tokens`, in vLLM's order: repetition
     (over prompt and generated tokens: a positive logit is divided by it, a negative one
-    multiplied), then frequency and presence (generated tokens only, as OpenAI defines them);
+    multiplied), then frequency and presence (generated tokens only, as OpenAI defines them),
+    then `logit_bias`;
     before `min_tokens` tokens, end-of-sequence and single-token stops cannot be chosen."""
     x = logits.float()
     if params.penalized:
@@ -82,6 +88,9 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int]
         if generated and (params.frequency_penalty or params.presence_penalty):
             counts = torch.bincount(torch.tensor(list(generated), dtype=torch.int64), minlength=vocab)[:vocab].float()
             x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+        for t, v in params.logit_bias:
+            if t < vocab:
+                x[t] += v
     if len(generated) < params.min_tokens:
         banned = [t for t in (*params.eos, *(s[0] for s in params.stop if len(s) == 1)) if 0 <= t < x.numel()]
         if banned:

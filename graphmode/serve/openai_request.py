@@ -12,7 +12,7 @@ pages hold), `temperature` (default 1; 0 = greedy), `top_p`, `top_k` (vLLM's; -1
 null or equal to `n`), `presence_penalty`, `frequency_penalty`, `repetition_penalty` (vLLM's),
 `min_tokens` (vLLM's), `stop` (strings with a tokenizer, or token-id lists `[[id, ...], ...]`),
 `stop_token_ids` and `ignore_eos` (vLLM's), `stream`, `stream_options.include_usage`,
-`response_format` (`{"type": "text"}` only), `logit_bias` (empty only), `model` and `user`.
+`response_format` (`{"type": "text"}` only), `logit_bias`, `model` and `user`.
 Anything else is refused, and so is a value graphmode does not implement: a request never
 silently means something else. Every refusal is a BadRequest (400) naming the field, the
 value and the fix.
@@ -38,13 +38,14 @@ MAX_STOPS = 16
 MAX_STOP_LEN = 256                 # characters of a stop string, tokens of a stop sequence
 MAX_INT = 2**63
 MAX_N = 16                         # choices per prompt
+MAX_LOGIT_BIAS = 300               # OpenAI's limit
 GREEDY_BELOW = 1e-5
-NEUTRAL = {"suffix": (), "logit_bias": ({},)}
+NEUTRAL = {"suffix": ()}
 SHARED = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
           "stream_options", "model", "user", "n", "best_of", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "min_tokens", "response_format", "logit_bias"}
 FIELDS = {"prompt", "echo", "logprobs", "suffix", *SHARED}
-CHAT_NEUTRAL = {"logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+CHAT_NEUTRAL = {"tools": ([],), "tool_choice": ("none",), "functions": ([],),
                 "function_call": ("none",), "parallel_tool_calls": (True, False), "store": (False,)}
 CHAT_FIELDS = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
                *CHAT_NEUTRAL, *SHARED}
@@ -236,6 +237,12 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
     if min_tokens > max_tokens:
         raise bad("min_tokens", f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})", min_tokens,
                    fix="send min_tokens <= max_tokens")
+    lb = doc.get("logit_bias")
+    if lb is not None and not (isinstance(lb, dict) and len(lb) <= MAX_LOGIT_BIAS
+                               and all(k.isascii() and k.isdigit() and len(k) <= 10 and type(v) in (int, float)
+                                       for k, v in lb.items())):
+        raise bad("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids (strings) to numbers",
+                  clip(str(lb)), fix='send {"50256": -100, ...} with biases in [-100, 100]')
     try:
         params = SamplingParams(
             max_new_tokens=max_tokens, do_sample=sample,
@@ -245,7 +252,8 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
             presence_penalty=_num(doc, "presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=_num(doc, "frequency_penalty", 0.0, -2.0, 2.0),
             repetition_penalty=_num(doc, "repetition_penalty", 1.0, 0.0, open_lo=True),
-            min_tokens=min_tokens, logprobs=logprobs)
+            min_tokens=min_tokens, logprobs=logprobs,
+            logit_bias=tuple((int(k), float(v)) for k, v in (lb or {}).items()))
     except GraphmodeError as e:          # the engine's own checks (kept in step with ours)
         raise bad(e.where or "body", e.message, e.value, fix=e.fix or USAGE) from None
     return CompletionRequest(prompts, params, stream, include_usage, stop_text, model, n=n, echo=echo, chat=chat)

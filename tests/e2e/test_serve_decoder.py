@@ -561,6 +561,10 @@ def test_penalties_and_min_tokens_match_transformers(srv):
         if t == EOS:
             break
     assert ids == gen
+    # logit_bias: -100 on the first greedy token moves the answer off it
+    bias = srv.oa.completions.create(model=MODEL, prompt=P1, max_tokens=3, temperature=0,
+                                     logit_bias={str(plain[0]): -100})
+    assert bias.choices[0].model_extra["token_ids"][0] != plain[0]
     # min_tokens: the first greedy token as a stop token cannot be chosen before 4 tokens exist
     first = srv.oa.completions.create(model=MODEL, prompt=P1, max_tokens=10, temperature=0,
                                       extra_body={"stop_token_ids": [plain[0]]})
@@ -590,6 +594,7 @@ REFUSALS = [   # (call, kwargs, the client's error class, param, words the messa
      "min_tokens", "more than"),
     ("completions", {"prompt": P1, "model": "gpt-4"}, "NotFoundError", "model", "not served"),
     ("completions", {"prompt": P1, "presence_penalty": 3}, "BadRequestError", "presence_penalty", "[-2, 2]"),
+    ("completions", {"prompt": P1, "logit_bias": {"100": 1}}, "UnprocessableEntityError", "logit_bias", "[0, 100)"),
     ("completions", {"prompt": P1, "extra_body": {"response_format": {"type": "json_object"}}}, "BadRequestError",
      "response_format", "structured output"),
     ("chat", {"messages": []}, "BadRequestError", "messages", "non-empty"),

@@ -28,6 +28,12 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     assert torch.equal(got, want) and torch.equal(x, torch.zeros(10))          # the engine's row is untouched
 
 
+def test_logit_bias_is_added_after_the_penalties():
+    x = torch.zeros(10)
+    got = adjusted(x, SamplingParams(logit_bias=((3, -100.0), (4, 2.5)), presence_penalty=1), [], [4])
+    assert (float(got[3]), float(got[4]), float(got[5])) == (-100.0, 1.5, 0.0)
+
+
 def test_min_tokens_bans_end_of_sequence_and_single_stop_tokens():
     x = torch.zeros(10)
     x[2] = x[4] = 5.0

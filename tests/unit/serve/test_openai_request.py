@@ -55,6 +55,7 @@ def test_sampling_parameters_a_request_means(tok):
     # choice i * n + j is prompt i's j-th sample, seeded seed + j
     assert [(q, s.seed) for q, s in r.sequences] == [([5], 4), ([5], 5), ([6], 4), ([6], 5)]
     assert parse({"prompt": [5], "echo": True}).echo
+    assert parse({"prompt": [5], "logit_bias": {"7": -100, "9": 2.5}}).params.logit_bias == ((7, -100.0), (9, 2.5))
 
 
 def chat(doc, tokenizer=None, context=48):
@@ -117,7 +118,8 @@ def test_every_chat_refusal_names_the_field_and_the_fix(tok, doc, where):
     ({"prompt": [5], "repetition_penalty": 0}, "repetition_penalty"), ({"prompt": [5], "min_tokens": -1}, "min_tokens"),
     ({"prompt": [5], "max_tokens": 3, "min_tokens": 4}, "min_tokens"), ({"prompt": [5], "suffix": "x"}, "suffix"),
     ({"prompt": [5], "response_format": {"type": "json_object"}}, "response_format"),
-    ({"prompt": [5], "logit_bias": {"5": 1}}, "logit_bias"), ({"prompt": [5], "max_completion_tokens": 3}, "body"),
+    ({"prompt": [5], "logit_bias": {"x": 1}}, "logit_bias"), ({"prompt": [5], "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": [5], "logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"prompt": [5], "logit_bias": [5]}, "logit_bias"), ({"prompt": [5], "max_completion_tokens": 3}, "body"),
     ({"prompt": [5], "model": 3}, "model"), ({"prompt": [5], "user": 3}, "user"),
     ({"prompt": [5], "max_token": 3}, "body"), ([5], "body"),
 ])
