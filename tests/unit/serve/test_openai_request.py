@@ -179,3 +179,10 @@ def test_chat_template_from_the_tokenizer_or_the_default(tok):
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
     assert render(tok, MESSAGES) == [5, 6, 7, 8, 9, 3]
     assert render(tok, MESSAGES, add_generation_prompt=False) == [5, 6, 7, 8, 9]
+
+
+def test_a_stop_string_counts_only_from_min_tokens_on(tok):
+    out = ChoiceOutput(0, tok, (" w12",), (), min_tokens=3)
+    assert feed(out, [5, 12]) == ([5, 12], "w5 w12")              # " w12" before 3 tokens: text, not a stop (vLLM)
+    assert feed(out, [13]) == ([13], " w13") and out.finish_reason is None
+    assert feed(out, [12]) == ([12], "") and out.finish_reason == "stop"
