@@ -147,6 +147,34 @@ def _model_facts(model: str, recipe):
     return model_facts(graph, act)
 
 
+def check_parallel_errors(recipe, target) -> list:
+    """Semantic problems of the `parallel` section (a summary of a broken group would mislead)."""
+    from graphmode.parallel.checks import check_parallel
+    from graphmode.recipe.buckets import dim_buckets
+    return check_parallel(recipe, target, dim_buckets(recipe)) if recipe.parallel is not None else []
+
+
+def _print_parallel(par: dict) -> None:
+    at = ", ".join(f"{k}={v}" for k, v in par["at"].items())
+    link = par["link"]
+    console.print(f"tensor parallel: {par['tensor']} ranks on {', '.join(par['ranks'])} ({par['backend']}), link "
+                  f"{link['name']} {link['bandwidth_gbps']:g} GB/s + {link['latency_us']:g} us, comm "
+                  f"{par['comm_dtype']}, timeout {par['timeout_s']:g} s", highlight=False, markup=False)
+    console.print(f"model facts: {par['facts_source']}", highlight=False, markup=False)
+    mem = _table(f"memory per device at {at}", "term", "MB")
+    for k, v in par["memory_mb"].items():
+        mem.add_row(k, f"{v:.1f}")
+    budget = f" of {par['budget_mb']:.0f} MB" if par["budget_mb"] else ""
+    mem.add_row("total", f"{par['memory_total_mb']:.1f}{budget}")
+    console.print(mem)
+    comm = _table(f"communication per step at {at}", "collective", "what", "count", "MB each", "link", "ms")
+    for c in par["comm"]:
+        comm.add_row(c["collective"], c["what"], str(c["count"]), f"{c['bytes'] / 1e6:.3f}", c["link"],
+                     f"{c['ms']:.2f}")
+    comm.add_row("total", "", "", f"{par['comm_bytes_per_step'] / 1e6:.3f}", "", f"{par['comm_ms_per_step']:.2f}")
+    console.print(comm)
+
+
 @recipe_app.command("show")
 def show_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
              target: Optional[str] = typer.Option(None, "--target", "-t", help=_TARGET_HELP),
@@ -165,9 +193,11 @@ def show_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
         dims = {d: dim_synthesis(s) for d, s in resolved.dims.items()}
         data = resolved.model_dump(mode="json", exclude_none=True)
         stamp = recipe_hash(resolved)
+        from graphmode.parallel.report import parallel_summary
+        par = parallel_summary(resolved, tgt) if not check_parallel_errors(resolved, tgt) else None
         if as_json:
             print(json.dumps({"name": resolved.name, "hash": stamp, "target": tgt.name,
-                              "recipe": data, "plans": plans,
+                              "recipe": data, "plans": plans, "parallel": par,
                               "buckets": {d: {"values": per_dim[d], "worst_padding": float(s.worst_padding),
                                               "worst_padding_at": s.worst_value} for d, s in dims.items()},
                               "notes": resolved.notes}, indent=2))
@@ -179,6 +209,8 @@ def show_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
         console.print(_bucket_table(dims))
         console.print(f"plans: {plans} (one per bucket; warm-up compiles all of them)",
                       highlight=False)
+        if par is not None:
+            _print_parallel(par)
         for n in resolved.notes:
             console.print(f"note: {n}", markup=False, highlight=False)
     except GraphmodeError as e:

@@ -18,6 +18,9 @@ Memory model (bytes):  weights + prepared_weights + activations(dims) + workspac
                        resident where the cache folder cannot hold the mapping)
 Latency model (s):     max(flops / peak_flops[compute dtype], bytes_moved / bandwidth)
                        + n_ops * launch_overhead          (roofline, from the Target)
+                       + communication                    (under `parallel`: each collective's
+                         bytes / link bandwidth + latency, graphmode/parallel/cost.py)
+Under `parallel` every term is per device: one rank's weights, activations and KV-cache share.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from graphmode.errors import TargetError
 from graphmode.recipe.buckets import Synthesis, dim_buckets, dim_range, dim_synthesis, exact, runs, worst_padding
 from graphmode.recipe.facts import MB, ModelFacts, estimate_facts, kv_cache_bytes, kv_params
 from graphmode.recipe.schema import Recipe
+from graphmode.parallel.cost import CommTerm, estimate_collectives, price, shard_estimate
 
 DEFAULT_TIMEOUT_MS = 5000
 BUDGET_PROOFS = 3            # all proofs of one recipe share BUDGET_PROOFS x the per-proof timeout
@@ -97,6 +101,11 @@ class ConstraintModel:
     sla: list[SlaBound] = field(default_factory=list)
     kv_pages: Optional[tuple[str, int, int]] = None     # (seq dim, page_size, max_pages_per_seq)
     facts_source: str = ""
+    comm: list[CommTerm] = field(default_factory=list)  # the step's collectives under `parallel`
+    ranks: int = 1                                      # memory terms are per rank when > 1
+
+    def comm_s(self) -> Any:
+        return sympy.Add(*[t.seconds for t in self.comm])
 
     @property
     def memory_bytes(self) -> Any:
@@ -114,7 +123,7 @@ class ConstraintModel:
         r = lambda f: sympy.Rational(f.numerator, f.denominator)  # noqa: E731
         moved = self.bytes_moved if self.bytes_moved is not None else self.resident_once_bytes
         return (sympy.Max(sympy.sympify(self.flops) / r(self.peak_flops), sympy.sympify(moved) / r(self.bandwidth))
-                + sympy.sympify(self.n_ops) * r(self.launch_overhead_s))
+                + sympy.sympify(self.n_ops) * r(self.launch_overhead_s) + self.comm_s())
 
 
 def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None = None, *,
@@ -126,6 +135,12 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
     latency with measured efficiency and per-instruction overhead (`apply_calibration`).
     """
     facts = facts or estimate_facts(recipe)
+    par = recipe.parallel if recipe.parallel is not None and recipe.parallel.tensor > 1 else None
+    if par is not None:
+        sym = {d: sympy.Symbol(d, integer=True, positive=True) for d in recipe.dims}
+        if not facts.sharded:
+            facts = shard_estimate(facts, recipe, sym)
+        comm = price(list(facts.collectives) or estimate_collectives(recipe, sym), par)
     terms: dict[str, Any] = {"weights": sympy.Integer(int(facts.weights_bytes)),
                              PREPARED: sympy.Integer(math.ceil(int(facts.weights_bytes) * recipe.memory.weight_growth)),
                              "activations": sympy.sympify(facts.activation_bytes)}
@@ -134,6 +149,8 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
     kv = kv_params(recipe)
     if kv is not None:
         terms["kv_cache"] = kv_cache_bytes(recipe)
+        if par is not None and par.split() == "head":     # the pool is split by KV heads
+            terms["kv_cache"] = sympy.ceiling(sympy.sympify(terms["kv_cache"]) / par.tensor)
     budget = recipe.memory.budget_mb
     if isinstance(budget, (int, float)):
         budget_bytes, src = int(exact(budget) * MB), f"{budget:g} MB budget"
@@ -143,6 +160,9 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
                          budget_source=src, flops=facts.flops, bytes_moved=facts.bytes_moved,
                          n_ops=facts.n_ops or 0, compute_dtype=recipe.precision.compute,
                          facts_source=facts.source)
+    if par is not None:
+        cm.comm, cm.ranks = comm, par.tensor
+        cm.budget_source += f" per device ({par.tensor} ranks)"
     peak = target.peak(recipe.precision.compute)
     cm.peak_flops = exact(peak) if peak else None
     cm.bandwidth = exact(target.memory_bandwidth_gbps) * 10**9
@@ -307,7 +327,8 @@ def prove_memory(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> P
         if not need > budget:
             raise AssertionError(f"internal: Z3 memory counter-example {ce} does not reproduce ({need} <= {budget})")
         breakdown = " + ".join(f"{k} {_mb(x)}" for k, x in parts.items())
-        msg = f"{_fmt_shape(ce)}: needs {_mb(need)} > {budget / MB:g} MB budget ({breakdown})"
+        per = f" per device (rank of {cm.ranks})" if cm.ranks > 1 else ""
+        msg = f"{_fmt_shape(ce)}: needs {_mb(need)} > {budget / MB:g} MB budget{per} ({breakdown})"
         return Proof("memory", "refuted", msg, ce, dt,
                      {"needed_bytes": int(need), "budget_bytes": budget,
                       "terms": {k: float(x) for k, x in parts.items()}})
@@ -328,9 +349,31 @@ def _latency_breakdown(cm: ConstraintModel, ce: dict[str, int]) -> str:
     n = smt.evaluate(cm.n_ops, ce)
     c = float(fl) / float(cm.peak_flops) * 1e3
     m = float(moved) / float(cm.bandwidth) * 1e3
-    return (f"compute {float(fl) / 1e9:.2f} GFLOP at {float(cm.peak_flops) / 1e9:.1f} GFLOP/s {cm.compute_dtype} "
-            f"= {c:.2f} ms, memory {float(moved) / 1e9:.3f} GB at {float(cm.bandwidth) / 1e9:.1f} GB/s = {m:.2f} ms, "
-            f"{int(n)} launches x {float(cm.launch_overhead_s) * 1e6:g} us")
+    out = (f"compute {float(fl) / 1e9:.2f} GFLOP at {float(cm.peak_flops) / 1e9:.1f} GFLOP/s {cm.compute_dtype} "
+           f"= {c:.2f} ms, memory {float(moved) / 1e9:.3f} GB at {float(cm.bandwidth) / 1e9:.1f} GB/s = {m:.2f} ms, "
+           f"{int(n)} launches x {float(cm.launch_overhead_s) * 1e6:g} us")
+    top = _largest_comm(cm, ce)
+    if top is not None:
+        out += (f", communication {float(smt.evaluate(cm.comm_s(), ce)) * 1e3:.2f} ms; largest: "
+                f"{top.describe(ce)} = {float(smt.evaluate(top.seconds, ce)) * 1e3:.2f} ms")
+    return out
+
+
+def _largest_comm(cm: ConstraintModel, ce: dict[str, int]) -> CommTerm | None:
+    """The collective that takes longest at `ce` (the counter-example's collective and link)."""
+    return max(cm.comm, key=lambda t: float(smt.evaluate(t.seconds, ce)), default=None)
+
+
+def comm_detail(cm: ConstraintModel, at: dict[str, int]) -> dict[str, Any]:
+    """The step's communication at one shape: total ms, bytes and the largest collective."""
+    top = _largest_comm(cm, at)
+    if top is None:
+        return {}
+    return {"comm_ms": float(smt.evaluate(cm.comm_s(), at)) * 1e3,
+            "comm_bytes": sum(float(smt.evaluate(t.nbytes, at)) * t.collective.count for t in cm.comm),
+            "collective": top.collective.op, "collective_what": top.collective.what,
+            "collective_bytes": float(smt.evaluate(top.nbytes, at)), "link": top.link,
+            "link_gbps": top.bandwidth_gbps, "link_latency_us": top.latency_us}
 
 
 def _spent(name: str, budget: Budget) -> Proof:
@@ -377,7 +420,7 @@ def prove_latency(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS,
             msg = (f"{_fmt_shape(ce)}: predicted {float(pred) * 1e3:.2f} ms > {b.which} {b.bound_ms:g} ms{scope} "
                    f"({_latency_breakdown(cm, ce)})")
             out.append(Proof(name, "refuted", msg, ce, dt, {"predicted_ms": float(pred) * 1e3,
-                                                              "bound_ms": b.bound_ms}))
+                                                              "bound_ms": b.bound_ms, **comm_detail(cm, ce)}))
         elif status == "unknown":
             out.append(Proof(name, "unproved", f"unproved ({res})", seconds=dt))
         else:

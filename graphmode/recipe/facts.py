@@ -5,6 +5,8 @@ the dims; assumptions do not matter, names do):
   weights_bytes     constant bytes of parameters/constants resident during a run
   activation_bytes  peak bytes of activations (the planner's arena size) per shape
   flops, bytes_moved, n_ops   for the roofline latency model (optional)
+  collectives       the step's collectives under `parallel` (graphmode/parallel/cost.py)
+  sharded           True when the facts describe one rank (a sharded graph), not the model
 
 The compiler passes exact facts (the memory planner's arena-size expression, summed
 FLOPs/bytes of the plan, the instruction count). Without a compiled model,
@@ -37,6 +39,8 @@ class ModelFacts:
     workspace_bytes: Expr = 0
     source: str = "compiler"
     notes: list[str] = field(default_factory=list)
+    collectives: tuple = ()
+    sharded: bool = False
 
 
 def dim_symbol(name: str) -> sympy.Symbol:

@@ -316,6 +316,8 @@ class CaptureSpec(_Spec):
 
 # `optimize.fusion` is the fuse pass's own options model: declared once, with one default per field
 from graphmode.passes.options import FuseOptions as FusionSpec  # noqa: E402
+# `parallel` (tensor parallelism) is declared beside the code that runs it, as `fusion` is
+from graphmode.parallel.spec import ParallelSpec  # noqa: E402
 
 
 class OptimizeSpec(_Spec):
@@ -486,13 +488,14 @@ class Recipe(_Spec):
                             _limited(MAX_LIST, "alias groups")] = []
     replayable: bool = True
     requires: Requires = Requires()
+    parallel: Optional[ParallelSpec] = None
 
     _lines: dict[str, int] = PrivateAttr(default_factory=dict)
     _source: Optional[str] = PrivateAttr(default=None)
     _resolved_on: Optional[str] = PrivateAttr(default=None)
     _notes: list[str] = PrivateAttr(default_factory=list)
 
-    _LATE = {"determinism": "default"}
+    _LATE = {"determinism": "default", "parallel": None}
 
     @field_validator("inputs")
     @classmethod

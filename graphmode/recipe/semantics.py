@@ -470,6 +470,17 @@ class _Checker:
                              fix="merge the two groups")
                 owner.setdefault(n, g)
 
+    def parallel(self) -> None:
+        from graphmode.parallel.checks import check_parallel
+        if self.r.parallel is None or any(e.where and e.where.startswith("dims") for e in self.errors):
+            return
+        try:
+            per_dim = {d: dim_synthesis(s).buckets for d, s in self.r.dims.items()}
+        except RecipeError:
+            return
+        for path, msg, value, fix in check_parallel(self.r, self.t, per_dim):
+            self.err(path, msg, value, fix=fix)
+
     def misc(self) -> None:
         if self.r.replayable and self.r.exe_mode == "eager":
             self.warn("replayable", "replayable has no effect with exe_mode eager")
@@ -478,7 +489,7 @@ class _Checker:
 
     def run(self) -> None:
         for check in (self.dims, self.inputs, self.capture, self.optimize, self.codegen, self.precision, self.memory,
-                      self.model, self.sla, self.targets, self.aliases, self.determinism, self.misc):
+                      self.model, self.sla, self.targets, self.aliases, self.determinism, self.parallel, self.misc):
             check()
 
 

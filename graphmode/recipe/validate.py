@@ -81,6 +81,9 @@ class ValidationReport:
             fix = None
             if first.name == "memory":
                 fix = "raise memory.budget_mb, shrink the largest buckets, or lower precision"
+            elif first.name.startswith("sla") and first.detail.get("link"):
+                fix = (f"relax the SLA, shrink the largest buckets, give the group a faster link than "
+                       f"{first.detail['link']!r} (parallel.links) or a narrower parallel.comm.dtype")
             elif first.name.startswith("sla"):
                 fix = "relax the SLA, shrink the largest buckets, or pick a faster target"
             elif first.status == "unproved":

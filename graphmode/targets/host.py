@@ -580,6 +580,16 @@ def save_probe_cache(path: Path, key: dict[str, Any], probe: dict[str, Any]) -> 
 
 # ----------------------------------------------------------------------------- Target
 
+# Links between processes of this host (tensor-parallel ranks), nominal: gloo over loopback TCP
+# all-reduced ~1 GB/s at ~100-250 us a message on a 2-core VM (2026-12-03, loaded);
+# `graphmode bench --tensor-parallel` measures them against these numbers.
+HOST_LINKS = {
+    "loopback": {"kind": "TCP over the loopback interface (gloo)", "bandwidth_gbps": 1.0, "latency_us": 100.0,
+                 "source": "nominal"},
+    "shared_memory": {"kind": "shared memory between processes", "bandwidth_gbps": 4.0, "latency_us": 10.0,
+                      "source": "nominal"},
+}
+
 def build_host_target(facts: HostFacts, probe: dict[str, Any], *, source: str = "probe",
                       cache_file: str | None = None) -> Target:
     """The `host` Target from static facts and probe numbers."""
@@ -640,6 +650,7 @@ def build_host_target(facts: HostFacts, probe: dict[str, Any], *, source: str = 
                         "llc_bytes": llc},
         },
         "compute_classes": compute,
+        "interconnects": HOST_LINKS,
         "caches": {f"l{c.level}{'' if c.type == 'Unified' else c.type[0].lower()}":
                    {"bytes": c.size_bytes, "instances": c.instances, "shared_by": c.shared_by}
                    for c in facts.caches} or {"unknown": {"note": "no cache information in sysfs"}},
