@@ -123,3 +123,10 @@ class ContractViolation(GraphmodeError):
     def __init__(self, message: str, *, kind: str = "shape", **kw):
         self.kind = kind
         super().__init__(message, **kw)
+
+
+class RankFailure(GraphmodeError):
+    """A tensor-parallel rank died, hung past the collective timeout, or could not join its group:
+    the ranks still alive stop with this instead of waiting for it."""
+
+    exit_code = 1

@@ -7,7 +7,7 @@ all_gather's result, the reduce_scatter's operand):
     all_reduce       2 (n-1)/n * nbytes / B + 2 (n-1) L     (reduce-scatter, then all-gather)
     all_gather       (n-1)/n * nbytes / B + (n-1) L
     reduce_scatter   (n-1)/n * nbytes / B + (n-1) L
-    all_reduce int8  (n-1) * nbytes / B + (n-1) L           (every rank gathers the packed shards)
+    all_reduce bf16, int8   (n-1) * nbytes / B + (n-1) L    (every rank gathers the packed operands)
 
 Wire bytes follow `parallel.comm.dtype`: f32 4 bytes an element, bf16 2, int8 1 plus one f32
 scale per row (the last axis). The recipe's constraint layer and the `shard` pass both read
@@ -48,7 +48,7 @@ def seconds(op: str, nbytes: Expr, n: int, bandwidth_Bps: Any, latency_s: Any, c
     if n <= 1:
         return sympy.Integer(0)
     bw, lat = sympy.nsimplify(bandwidth_Bps), sympy.nsimplify(latency_s)
-    if op == "all_reduce" and comm_dtype == "int8":
+    if op == "all_reduce" and comm_dtype != "f32":
         return (n - 1) * nbytes / bw + (n - 1) * lat
     if op == "all_reduce":
         return sympy.Rational(2 * (n - 1), n) * nbytes / bw + 2 * (n - 1) * lat

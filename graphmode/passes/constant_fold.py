@@ -51,7 +51,8 @@ def _own(t: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
 def _try_fold(rw: Rewriter, n: Node, max_bytes: int, stats: dict) -> list[torch.Tensor] | None:
     if n.op in _SKIP_OPS or any(o in rw.outputs for o in n.outputs):
         return None
-    if not all(i in rw.constants for i in n.inputs) or get_op(n.op).has("side_effect"):
+    spec = get_op(n.op)
+    if not all(i in rw.constants for i in n.inputs) or spec.has("side_effect") or spec.has("collective"):
         return None
     types = [rw.type_of(o) for o in n.outputs]
     if not all(t.is_static for t in types):

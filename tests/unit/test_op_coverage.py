@@ -41,18 +41,19 @@ ROWS = {r.op: r for r in coverage()}
 
 # ops no group generator writes: a fused group holding one runs with the reference ops
 NOT_GENERATED = frozenset({
-    "adaptive_avg_pool2d", "arange", "argmax", "argmin", "avg_pool2d", "batch_norm", "concat", "conv2d",
+    "adaptive_avg_pool2d", "all_gather", "all_reduce", "arange", "argmax", "argmin", "avg_pool2d", "batch_norm", "concat", "conv2d",
     "conv_transpose2d", "cumsum", "einsum", "embedding", "expand", "full", "gather", "grid_sampler", "index", "index_select",
-    "linear", "matmul", "max_pool2d", "pad", "paged_attention", "permute", "prod", "qlinear", "reshape", "roll", "sdpa",
+    "linear", "matmul", "max_pool2d", "pad", "paged_attention", "permute", "prod", "qlinear", "reduce_scatter", "reshape", "roll", "sdpa",
     "slice", "tril", "triu"})
 # samples of generated ops that the generator refuses, and why
 GENERATED_REFUSED = {("amax", 1): "not over the last dim", ("amin", 1): "not over the last dim",
                      ("mean", 1): "not over the last dim", ("sum", 1): "not over the last dim",
                      ("softmax", 1): "not over the last dim", ("layer_norm", 1): "not over the last dim",
                      **{(op, i): "zero divisor must raise" for op in ("remainder", "fmod") for i in (1, 2)}}
-# ops that some sample's op instruction runs as the reference op (no native kernel or ATen step claims it)
+# ops that some sample's op instruction runs as the reference op (no native kernel or ATen step claims it;
+# the collectives always do: their reference calls the rank's communicator)
 REFERENCE_STEPS = frozenset({
-    "einsum", "grid_sampler", "prod", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bitwise_and", "bitwise_left_shift", "bitwise_not",
+    "all_gather", "all_reduce", "reduce_scatter", "einsum", "grid_sampler", "prod", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bitwise_and", "bitwise_left_shift", "bitwise_not",
     "bitwise_or", "bitwise_right_shift", "bitwise_xor", "ceil", "cosh", "floor", "round", "sign", "sinh", "tan",
     "amax", "amin", "argmax", "argmin", "batch_norm", "cast", "clamp", "concat", "cos", "cumsum", "div", "eq",
     "expand", "fmod", "full", "gather", "ge", "gt", "identity", "index_select", "layer_norm", "le", "log_softmax",
@@ -65,8 +66,9 @@ ONNX_FAILS = {("paged_attention", 0): "ScatterND",
               **{(op, 0): f"aten::{op}' to ONNX" for op in ("acosh", "asinh", "atanh", "cosh", "sinh", "bitwise_xor")},
               ("bitwise_xor", 1): "aten::bitwise_xor' to ONNX", ("bitwise_not", 0): "bitwise Not for non-boolean",
               ("bitwise_or", 0): "bitwise OR for non-boolean", ("bitwise_or", 1): "bitwise OR for non-boolean"}
-# ops whose round trip matches but comes back as other ops (the exporter decomposes them)
-ONNX_DECOMPOSED = frozenset({"adaptive_avg_pool2d", "bitwise_left_shift", "bitwise_right_shift", "embedding", "index",
+# ops whose round trip matches but comes back as other ops (the exporter decomposes them; a
+# collective's samples are one rank's, where it is the identity)
+ONNX_DECOMPOSED = frozenset({"adaptive_avg_pool2d", "all_gather", "all_reduce", "reduce_scatter", "bitwise_left_shift", "bitwise_right_shift", "embedding", "index",
                              "linear", "ne", "qlinear", "remainder", "roll", "rsqrt", "sdpa", "silu"})
 ONNX_OPSET = 20        # the legacy exporter's newest: Gelu comes out as one node, not an Erf chain
 

@@ -33,6 +33,8 @@ TRAITS = {
     "inplace": "output may reuse input 0's buffer (same shape and dtype)",
     "index_dependent": "reads positions chosen by data or by position (gathers, scans, pads, rolls)",
     "side_effect": "writes a `state` input in place (a KV cache): never removed, merged or reordered",
+    "collective": "exchanges data with the other ranks of a tensor-parallel group: never folded, and every rank "
+                  "runs the same collectives in the same order",
 }
 
 
@@ -47,7 +49,7 @@ class Sample:
 @dataclass(frozen=True)
 class OpSpec:
     name: str
-    kind: str                      # elementwise | reduction | norm | gemm | conv | pool | attention | shape | data | fused | fallback
+    kind: str                      # elementwise | reduction | norm | gemm | conv | pool | attention | shape | data | collective | fused | fallback
     arity: tuple[int, int]         # min, max number of inputs
     infer: InferFn
     ref: RefFn

@@ -1,0 +1,180 @@
+"""Communicators: how the collective ops (`ir/ops/collective.py`) reach the other ranks.
+
+A rank runs its shard of the graph; each collective node calls the communicator bound to it:
+- `TorchDistributed`: the `torch.distributed` default group (gloo on CPU, nccl later), one
+  process per rank; every collective waits at most the group's timeout (`parallel.comm.timeout_s`),
+  so a rank that died or hangs makes the others fail with `RankFailure`, never hang.
+- `ThreadGroup`: the ranks as threads of one process, joined by a barrier with the same timeout:
+  the reference interpreter runs every rank of a sharded graph with it (the shard pass's tests
+  and `verify`), with the very same op semantics.
+
+Binding: `bind(comm)` for the current thread (a context variable, so the ranks of a thread group
+each see their own), `bind_process(comm)` for every thread of a rank process (its executor may
+run on a server's worker thread). `active()` is what the ops read.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import time
+from typing import Iterator, Optional, Protocol
+
+import torch
+
+from graphmode.errors import RankFailure
+
+
+class Communicator(Protocol):
+    rank: int
+    world: int
+    timeout_s: float
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...        # sum over ranks
+
+    def all_gather(self, t: torch.Tensor, axis: int) -> torch.Tensor: ...   # concatenated in rank order
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+
+
+_ACTIVE: contextvars.ContextVar[Optional[Communicator]] = contextvars.ContextVar("graphmode_comm", default=None)
+_PROCESS: list[Optional[Communicator]] = [None]
+
+
+def active() -> Optional[Communicator]:
+    return _ACTIVE.get() or _PROCESS[0]
+
+
+@contextlib.contextmanager
+def bind(comm: Communicator) -> Iterator[Communicator]:
+    token = _ACTIVE.set(comm)
+    try:
+        yield comm
+    finally:
+        _ACTIVE.reset(token)
+
+
+def bind_process(comm: Optional[Communicator]) -> None:
+    _PROCESS[0] = comm
+
+
+# ---- torch.distributed -------------------------------------------------------------------------
+
+class TorchDistributed:
+    """The default process group of this process (`init_process_group` done by the launcher)."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.calls = 0
+        self.bytes = 0
+        self.seconds = 0.0
+
+    def _run(self, what: str, t: torch.Tensor, fn) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+        except RuntimeError as e:
+            raise RankFailure(f"rank {self.rank}: {what} over {self.world} ranks failed after "
+                              f"{time.perf_counter() - t0:.1f} s: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}",
+                              where=f"rank {self.rank}", fix="another rank died, hung past parallel.comm.timeout_s "
+                              f"({self.timeout_s:g} s) or was not started; see its error above, then restart "
+                              "every rank") from None
+        self.calls += 1
+        self.bytes += t.numel() * t.element_size()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        t = t.contiguous().clone()
+        return self._run("all_reduce", t, lambda: (dist.all_reduce(t), t)[1])
+
+    def all_gather(self, t: torch.Tensor, axis: int) -> torch.Tensor:
+        import torch.distributed as dist
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        return self._run("all_gather", t, lambda: (dist.all_gather(parts, t), torch.cat(parts, axis))[1])
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        import torch.distributed as dist
+        t = t.contiguous()
+        return self._run("broadcast", t, lambda: (dist.broadcast(t, src), t)[1])
+
+
+# ---- threads of one process --------------------------------------------------------------------
+
+class _Shared:
+    def __init__(self, world: int, timeout_s: float):
+        self.world, self.timeout_s = world, timeout_s
+        self.barrier = threading.Barrier(world, timeout=timeout_s)
+        self.slots: list[Optional[torch.Tensor]] = [None] * world
+
+
+class ThreadGroup:
+    """One rank of `world` ranks that are threads of this process; make them with `ThreadGroup.ranks`."""
+
+    def __init__(self, shared: _Shared, rank: int):
+        self._s, self.rank, self.world, self.timeout_s = shared, rank, shared.world, shared.timeout_s
+
+    @staticmethod
+    def ranks(world: int, timeout_s: float = 60.0) -> list["ThreadGroup"]:
+        s = _Shared(world, timeout_s)
+        return [ThreadGroup(s, r) for r in range(world)]
+
+    def _exchange(self, what: str, t: torch.Tensor) -> list[torch.Tensor]:
+        s = self._s
+        try:
+            s.barrier.wait()               # everyone left the previous exchange
+            s.slots[self.rank] = t
+            s.barrier.wait()               # everyone wrote
+            parts = list(s.slots)
+            s.barrier.wait()               # everyone read
+        except threading.BrokenBarrierError:
+            s.barrier.abort()
+            raise RankFailure(f"rank {self.rank}: {what} over {self.world} thread ranks found the group broken "
+                              f"(a rank failed or waited more than {self.timeout_s:g} s)",
+                              where=f"rank {self.rank}", fix="see the failing rank's error") from None
+        return parts
+
+    def abort(self) -> None:
+        """A rank that fails breaks the barrier, so the others stop at once instead of timing out."""
+        self._s.barrier.abort()
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange("all_reduce", t)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out = out + p                  # rank order: every rank sums the same way
+        return out
+
+    def all_gather(self, t: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.cat(self._exchange("all_gather", t), axis)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return self._exchange("broadcast", t)[src].clone()
+
+
+def run_ranks(world: int, fn, timeout_s: float = 60.0) -> list:
+    """fn(rank, comm) on `world` threads, each bound to its ThreadGroup rank; results in rank
+    order. The first exception is re-raised (the others see a broken group and stop)."""
+    comms = ThreadGroup.ranks(world, timeout_s)
+    results: list = [None] * world
+    errors: list = [None] * world
+
+    def body(r: int) -> None:
+        try:
+            with bind(comms[r]):
+                results[r] = fn(r, comms[r])
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors[r] = e
+            comms[r].abort()
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e is not None and not isinstance(e, RankFailure)), None) or \
+        next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
