@@ -76,3 +76,12 @@ class PagedOptions(PassOptions):
     kv_heads: int | None = None
     head_dim: int | None = None
     dtype: str = "f32"
+
+
+class ShardOptions(PassOptions):
+    """One rank of a tensor-parallel group (the recipe's `parallel` section, plus the rank)."""
+    rank: int = 0
+    world: int = 1
+    strategy: dict[str, Literal["head", "batch", "replicate"]] = {}   # layer class -> strategy (head if absent)
+    comm_dtype: Literal["f32", "bf16", "int8"] = "f32"
+    batch_dim: str = "batch"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from graphmode.passes.options import (ConstantFoldOptions, CseOptions, FuseOptions, MemoryPlanOptions, PagedOptions,
-                                      PassOptions, PrecisionOptions, QuantizeWeightsOptions)
+                                      PassOptions, PrecisionOptions, QuantizeWeightsOptions, ShardOptions)
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
           provides=("precision",), options=PrecisionOptions),
     _info("constant_fold", "evaluate constant subgraphs; fold batch-norm into conv/linear; pre-transpose weights",
           provides=("folded",), options=ConstantFoldOptions),
+    _info("shard", "split the graph for one rank of a tensor-parallel group: column- then row-parallel linears, "
+          "heads across ranks, vocab-parallel embedding and LM head, or the batch; inserts the collectives",
+          provides=("sharded",), options=ShardOptions, options_at="parallel"),
     _info("quantize_weights", "store constant linear weights as bf16 or int8 (per-output-channel scale), read "
           "narrow by the kernel; activations stay f32", provides=("weights_quantized",),
           options=QuantizeWeightsOptions, options_at="precision.weights"),

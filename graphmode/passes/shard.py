@@ -1,0 +1,606 @@
+"""shard: rewrite a graph into what one rank of a tensor-parallel group computes.
+
+Every value gets a placement on the rank: whole (`R`, every rank holds all of it) or split
+(`S(axis, blocks)`: the rank holds 1/world of `axis`; with blocks k > 1 the axis is k equal
+blocks, each split, as a fused QKV projection's output is). Walking the graph in order:
+
+- `linear` with a whole input and a constant weight is column-parallel (Megatron): the rank
+  keeps its rows of the weight (per block), so its output is split on the last axis.
+- `linear` with an input split on the last axis is row-parallel: the rank keeps its columns of
+  the weight, computes a partial sum, and an `all_reduce` makes it whole; the bias is added after.
+- the heads follow: reshapes, permutes, slices, expands and elementwise ops carry a split axis
+  through (a reshape [b,s,H] -> [b,s,heads,d] splits the heads), `sdpa` runs on the rank's heads.
+- the embedding with the largest table is vocab-parallel (each rank looks up its rows, zero
+  elsewhere, then `all_reduce`); the LM head (a linear onto the vocabulary) is column-parallel
+  and its logits are gathered.
+- `batch` (CNNs): every input is cut to the rank's share of the batch; every op keeps it; the
+  outputs are gathered.
+- anything else that cannot take a split value gets it whole first (`all_gather`): correct
+  always, and counted in the stats, so a missing rule shows up as communication, not as a bug.
+
+Which layer classes split follows the recipe's strategy (attention, mlp, embedding: head or
+replicate; batch). Graph outputs are whole on every rank. Collectives are ops like any other
+(`ir/ops/collective.py`): typed, costed, interpreted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+
+from graphmode.errors import PassError
+from graphmode.ir.graph import Graph, Node
+from graphmode.ir.ops import get_op, norm_axis
+from graphmode.ir.types import Dim, TensorType, dim_str, dims_equal, normalize_dim
+from graphmode.passes.base import PassContext, PassResult, register_pass
+
+# ops that move or combine values without mixing positions along an axis they do not name
+_ATTENTION_OPS = frozenset({"sdpa", "softmax"})
+_WALK_OPS = frozenset({"reshape", "permute", "slice", "expand", "identity", "cast", "concat"})
+_BATCH_WISE = frozenset({"conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "batch_norm", "embedding"})
+_LOOKAHEAD = 8
+
+
+@dataclass(frozen=True)
+class Split:
+    axis: int
+    blocks: int = 1
+    cls: str = ""
+
+
+class _Sharder:
+    def __init__(self, g: Graph, rank: int, world: int, strategy: dict[str, str], comm_dtype: str, batch_dim: str):
+        self.g, self.rank, self.n, self.comm_dtype = g, rank, world, comm_dtype
+        self.strategy = {c: strategy.get(c, "head") for c in ("attention", "mlp", "embedding", "conv")}
+        self.batch = "batch" in self.strategy.values()
+        self.batch_dim = batch_dim
+        self.out = Graph(g.name, {}, [], [], [], {}, dict(g.dims))
+        self.place: dict[str, Split | None] = {}       # original value -> placement (None = whole)
+        self.local: dict[str, str] = {}                 # original value -> its name in self.out
+        self.whole: dict[str, str] = {}                 # original value -> a gathered whole copy
+        self.sliced: dict[tuple, str] = {}              # (constant, how) -> sliced constant
+        self.users = g.users()
+        self.producers = g.producers()
+        self.vocab_table = self._vocab_table()
+        self.stats: dict[str, Any] = {"column_parallel": 0, "row_parallel": 0, "vocab_parallel": 0,
+                                      "batch_inputs": 0, "gathered_for": {}, "collectives": {}}
+
+    # ------------------------------------------------------------------ emitting
+    def type_of(self, local: str) -> TensorType:
+        return self.out.type_of(local)
+
+    def emit(self, op: str, inputs: list[str], attrs: dict, hint: str) -> str:
+        types = get_op(op).infer([self.type_of(i) for i in inputs], attrs)
+        (name,) = self.out.add_node(op, inputs, types, attrs, names=[self.out.fresh_name(hint)])
+        if get_op(op).has("collective"):
+            self.stats["collectives"][op] = self.stats["collectives"].get(op, 0) + 1
+        return name
+
+    def const(self, hint: str, t: torch.Tensor) -> str:
+        return self.out.add_constant(self.out.fresh_name(hint), t, "const" if t.dim() == 0 else "param")
+
+    def collective(self, op: str, x: str, hint: str, **attrs) -> str:
+        comm = self.comm_dtype if self.type_of(x).dtype.startswith("f") else "f32"
+        return self.emit(op, [x], {**attrs, "world": self.n, "comm_dtype": comm}, hint)
+
+    def constant_of(self, name: str) -> str:
+        """The whole constant in the output graph (copied over once)."""
+        if name not in self.local:
+            v = self.g.values[name]
+            self.out.add_value(name, v.type, v.role)
+            self.out.constants[name] = self.g.constants[name]
+            self.local[name] = name
+            self.place[name] = None
+        return self.local[name]
+
+    def slice_constant(self, name: str, axis: int, blocks: int = 1) -> str:
+        """The rank's part of a constant split along `axis` (each of `blocks` blocks split)."""
+        key = (name, axis, blocks)
+        if key not in self.sliced:
+            t = self.g.constants[name]
+            parts = [b.chunk(self.n, axis)[self.rank] for b in t.chunk(blocks, axis)]
+            local = torch.cat(parts, axis).contiguous() if blocks > 1 else parts[0].contiguous()
+            self.sliced[key] = self.out.add_constant(self.out.fresh_name(f"{name}.rank{self.rank}"), local,
+                                                     self.g.values[name].role)
+        return self.sliced[key]
+
+    # ------------------------------------------------------------------ placements
+    def split_extent(self, full: Dim, blocks: int = 1) -> bool:
+        """Whether `full` splits evenly: ints by arithmetic; a symbolic extent only under the batch
+        strategy (the recipe proves every batch bucket a multiple of the group size)."""
+        if isinstance(full, int):
+            return full % (self.n * blocks) == 0
+        return self.batch and blocks == 1
+
+    def get_whole(self, name: str, why: str) -> str:
+        """`name` whole on this rank: a split value is gathered (once)."""
+        if name in self.g.constants:
+            return self.constant_of(name)
+        p = self.place[name]
+        if p is None:
+            return self.local[name]
+        if name not in self.whole:
+            self.stats["gathered_for"][why] = self.stats["gathered_for"].get(why, 0) + 1
+            x = self.collective("all_gather", self.local[name], f"{name}.whole", axis=p.axis)
+            if p.blocks > 1:                         # [rank][block][part] -> [block][rank][part]
+                t = self.type_of(x)
+                full = t.shape[p.axis]
+                part = full // (self.n * p.blocks)
+                pre, post = list(t.shape[:p.axis]), list(t.shape[p.axis + 1:])
+                x = self.emit("reshape", [x], {"shape": _attr_shape(pre + [self.n, p.blocks, part] + post)},
+                              f"{name}.blocks")
+                perm = list(range(len(pre))) + [len(pre) + 1, len(pre)] + list(range(len(pre) + 2, len(pre) + 3 + len(post)))
+                x = self.emit("permute", [x], {"perm": perm}, f"{name}.order")
+                x = self.emit("reshape", [x], {"shape": _attr_shape(pre + [full] + post)}, f"{name}.whole")
+            self.whole[name] = x
+        return self.whole[name]
+
+    def local_split(self, name: str, axis: int, blocks: int = 1) -> str | None:
+        """A whole value cut to this rank's part of `axis`: constants by slicing their data, other
+        values by a slice node; None when that is not possible (the caller gathers instead)."""
+        if name in self.g.constants:
+            if not self.split_extent(self.g.values[name].type.shape[axis], blocks):
+                return None
+            return self.slice_constant(name, axis, blocks)
+        if blocks != 1:
+            return None
+        t = self.type_of(self.local[name])
+        full = t.shape[axis]
+        if not self.split_extent(full):
+            return None
+        return self.cut(self.local[name], axis, f"{name}.part")
+
+    def cut(self, local: str, axis: int, hint: str) -> str:
+        """This rank's part of `axis` of a whole value: a slice, or for a symbolic extent a reshape
+        to [..., world, extent / world, ...], a slice of one entry and a reshape back."""
+        t = self.type_of(local)
+        full = t.shape[axis]
+        if isinstance(full, int):
+            part = full // self.n
+            return self.emit("slice", [local], {"dim": axis, "start": self.rank * part,
+                                                "end": (self.rank + 1) * part, "step": 1}, hint)
+        part = _part(full, self.n)
+        pre, post = list(t.shape[:axis]), list(t.shape[axis + 1:])
+        x = self.emit("reshape", [local], {"shape": _attr_shape(pre + [self.n, part] + post)}, f"{hint}.ranks")
+        x = self.emit("slice", [x], {"dim": axis, "start": self.rank, "end": self.rank + 1, "step": 1},
+                      f"{hint}.mine")
+        return self.emit("reshape", [x], {"shape": _attr_shape(pre + [part] + post)}, hint)
+
+    def placement(self, name: str) -> Split | None:
+        return None if name in self.g.constants else self.place[name]
+
+    def operand(self, name: str) -> str:
+        return self.constant_of(name) if name in self.g.constants else self.local[name]
+
+    def bind(self, n: Node, local: str, p: Split | None) -> None:
+        self.local[n.outputs[0]], self.place[n.outputs[0]] = local, p
+
+    # ------------------------------------------------------------------ the walk
+    def run(self) -> Graph:
+        g = self.g
+        for name in g.inputs:
+            self.out.add_input(name, g.values[name].type)
+            self.local[name], self.place[name] = name, None
+            if self.batch:
+                self.batch_input(name)
+        for n in g.nodes:
+            handler = getattr(self, f"on_{n.op}", None)
+            if handler is None:
+                spec = get_op(n.op)
+                handler = self.on_elementwise if spec.kind == "elementwise" else (
+                    self.on_reduction if spec.kind in ("reduction", "norm") else None)
+            if handler is None or not handler(n):
+                self.replicate(n)
+        outs = []
+        for o in g.outputs:
+            outs.append(self.get_whole(o, "graph output") if o not in g.constants else self.constant_of(o))
+        self.out.outputs = outs
+        return _rename_outputs(self.out, g.outputs)
+
+    def replicate(self, n: Node) -> None:
+        """Run the node whole: every input gathered first where split."""
+        ins = [self.get_whole(i, n.op) for i in n.inputs]
+        types = [self.g.values[o].type for o in n.outputs]
+        outs = self.out.add_node(n.op, ins, types, dict(n.attrs), names=[self.out.fresh_name(o) for o in n.outputs],
+                                 body=n.body)
+        for o, lo in zip(n.outputs, outs):
+            self.local[o], self.place[o] = lo, None
+
+    def same(self, n: Node, inputs: list[str], attrs: dict, p: Split | None) -> bool:
+        self.bind(n, self.emit(n.op, inputs, attrs, n.outputs[0]), p)
+        return True
+
+    # ---- batch strategy
+    def batch_input(self, name: str) -> None:
+        t = self.g.values[name].type
+        if not t.rank or isinstance(t.shape[0], int) or str(t.shape[0]) != self.batch_dim:
+            return
+        x = self.cut(name, 0, f"{name}.rank{self.rank}")
+        self.local[name], self.place[name] = x, Split(0, 1, "batch")
+        self.stats["batch_inputs"] += 1
+
+    # ---- linears
+    def on_linear(self, n: Node) -> bool:
+        x, w = n.inputs[0], n.inputs[1]
+        bias = n.inputs[2] if len(n.inputs) > 2 else None
+        if w not in self.g.constants or (bias is not None and bias not in self.g.constants):
+            return False
+        px = self.placement(x)
+        xt = self.g.values[x].type
+        out_f, in_f = self.g.values[w].type.shape
+        if px is not None and px.axis != xt.rank - 1:        # batch (or another leading axis): rows stay apart
+            return self.same(n, [self.local[x], self.constant_of(w)] + ([self.constant_of(bias)] if bias else []),
+                             dict(n.attrs), px)
+        if px is None:
+            cls = self.classify(n)
+            blocks = self.blocks(n)
+            if self.strategy[cls] != "head" or not self.split_extent(out_f, blocks):
+                return False
+            ins = [self.operand(x), self.slice_constant(w, 0, blocks)]
+            if bias:
+                ins.append(self.slice_constant(bias, 0, blocks))
+            self.stats["column_parallel"] += 1
+            return self.same(n, ins, dict(n.attrs), Split(xt.rank - 1, blocks, cls))
+        if not self.split_extent(in_f, px.blocks):
+            return False
+        part = self.emit("linear", [self.local[x], self.slice_constant(w, 1, px.blocks)], {}, f"{n.outputs[0]}.partial")
+        y = self.collective("all_reduce", part, f"{n.outputs[0]}.sum" if bias else n.outputs[0])
+        if bias:
+            y = self.emit("add", [y, self.constant_of(bias)], {}, n.outputs[0])
+        self.stats["row_parallel"] += 1
+        self.bind(n, y, None)
+        return True
+
+    def on_matmul(self, n: Node) -> bool:
+        a, b = n.inputs
+        pa, pb = self.placement(a), self.placement(b)
+        ra, rb = self.g.values[a].type.rank, self.g.values[b].type.rank
+        if pa is not None and pb is not None and pa == pb and ra == rb and pa.axis < ra - 2:
+            return self.same(n, [self.local[a], self.local[b]], dict(n.attrs), pa)       # batched over a split axis
+        if pa is not None and pb is None and pa.axis < ra - 2 and rb == 2:
+            return self.same(n, [self.local[a], self.operand(b)], dict(n.attrs), pa)
+        return False
+
+    def classify(self, n: Node) -> str:
+        """attention | embedding | mlp, by what the linear's output reaches (or its weight)."""
+        w = n.inputs[1]
+        if self.vocab_table is not None and (w == self.vocab_table[0] or
+                                             self.g.values[w].type.shape[0] == self.vocab_table[1]):
+            return "embedding"
+        seen, frontier = set(), [n.outputs[0]]
+        for _ in range(_LOOKAHEAD):
+            nxt = []
+            for v in frontier:
+                for u in self.users.get(v, []):
+                    if u.op in _ATTENTION_OPS:
+                        return "attention"
+                    if (u.op in _WALK_OPS or get_op(u.op).kind == "elementwise") and u.outputs[0] not in seen:
+                        seen.add(u.outputs[0])
+                        nxt.append(u.outputs[0])
+            frontier = nxt
+        return "mlp"
+
+    def blocks(self, n: Node) -> int:
+        """k when the linear's output (through reshapes keeping the last axis) is only read as k
+        equal slices of the last axis (a fused QKV projection: k = 3), else 1."""
+        out_f = self.g.values[n.outputs[0]].type.shape[-1]
+        frontier, slices = [n.outputs[0]], []
+        while frontier:
+            v = frontier.pop()
+            for u in self.users.get(v, []):
+                ut = self.g.values[u.outputs[0]].type
+                if u.op == "reshape" and ut.rank and dims_equal(ut.shape[-1], out_f):
+                    frontier.append(u.outputs[0])
+                elif (u.op == "slice" and norm_axis(u.attrs["dim"], ut.rank) == ut.rank - 1
+                      and u.attrs.get("step", 1) == 1):
+                    slices.append((u.attrs.get("start", 0), ut.shape[-1]))
+                else:
+                    return 1
+        if len(slices) < 2 or not isinstance(out_f, int):
+            return 1
+        width = slices[0][1]
+        k = out_f // width if isinstance(width, int) and width and out_f % width == 0 else 0
+        if k < 2 or sorted(s for s, _ in slices) != sorted({s for s, _ in slices}) or \
+                any(w != width or s % width for s, w in slices):
+            return 1
+        return k
+
+    # ---- embeddings
+    def _vocab_table(self) -> tuple[str, int] | None:
+        tables = [(n.inputs[0], self.g.values[n.inputs[0]].type.shape[0]) for n in self.g.nodes
+                  if n.op == "embedding" and n.inputs[0] in self.g.constants]
+        return max(tables, key=lambda t: t[1]) if tables else None
+
+    def on_embedding(self, n: Node) -> bool:
+        table, ids = n.inputs
+        pids = self.placement(ids)
+        if pids is not None and pids.axis < self.g.values[ids].type.rank:      # rows of ids stay apart
+            return self.same(n, [self.operand(table), self.local[ids]], {}, pids)
+        if (self.vocab_table is None or table != self.vocab_table[0] or self.strategy["embedding"] != "head"
+                or not self.split_extent(self.vocab_table[1])):
+            return False
+        rows = self.vocab_table[1] // self.n
+        lo = self.rank * rows
+        idt = self.type_of(self.local[ids]).dtype
+        name = n.outputs[0]
+        shifted = self.emit("sub", [self.local[ids], self.const(f"{name}.first_row", torch.tensor(lo, dtype=_dt(idt)))],
+                            {}, f"{name}.row")
+        inside = self.emit("logical_and", [
+            self.emit("ge", [shifted, self.const(f"{name}.zero", torch.tensor(0, dtype=_dt(idt)))], {}, f"{name}.ge"),
+            self.emit("lt", [shifted, self.const(f"{name}.rows", torch.tensor(rows, dtype=_dt(idt)))], {}, f"{name}.lt")],
+            {}, f"{name}.mine")
+        safe = self.emit("where", [inside, shifted, self.const(f"{name}.zero_row", torch.tensor(0, dtype=_dt(idt)))],
+                         {}, f"{name}.index")
+        looked = self.emit("embedding", [self.slice_constant(table, 0), safe], {}, f"{name}.rows")
+        t = self.type_of(self.local[ids])
+        mask = self.emit("reshape", [inside], {"shape": _attr_shape(list(t.shape) + [1])}, f"{name}.mask")
+        zero = self.const(f"{name}.zero_f", torch.tensor(0.0, dtype=_dt(self.type_of(looked).dtype)))
+        part = self.emit("where", [mask, looked, zero], {}, f"{name}.partial")
+        self.bind(n, self.collective("all_reduce", part, name), None)
+        self.stats["vocab_parallel"] += 1
+        return True
+
+    # ---- attention
+    def on_sdpa(self, n: Node) -> bool:
+        q, k, v = n.inputs[:3]
+        ps = [self.placement(x) for x in (q, k, v)]
+        rank = self.g.values[q].type.rank
+        if ps[0] is None or any(p is None or p.axis != ps[0].axis or p.blocks != 1 for p in ps):
+            return False
+        ax = ps[0].axis
+        if ax >= rank - 2:                                   # split along the sequence or head_dim: not by head
+            return False
+        ins = [self.local[q], self.local[k], self.local[v]]
+        if len(n.inputs) > 3:
+            m = self.mask_for(n.inputs[3], ax, rank)
+            if m is None:
+                return False
+            ins.append(m)
+        return self.same(n, ins, dict(n.attrs), ps[0])
+
+    def mask_for(self, name: str, ax: int, rank: int) -> str | None:
+        """A whole operand broadcast against a value split on `ax`: as is when it broadcasts
+        along that axis (extent 1 or missing), else cut to this rank's part."""
+        t = self.g.values[name].type
+        p = self.placement(name)
+        lead = rank - t.rank
+        if p is not None:
+            return self.local[name] if p.axis + lead == ax else None
+        if ax < lead or (isinstance(t.shape[ax - lead], int) and t.shape[ax - lead] == 1):
+            return self.operand(name)
+        return self.local_split(name, ax - lead)
+
+    # ---- elementwise and reductions
+    def on_elementwise(self, n: Node) -> bool:
+        out_rank = self.g.values[n.outputs[0]].type.rank
+        split = None
+        for i in n.inputs:
+            p = self.placement(i)
+            if p is None:
+                continue
+            q = Split(p.axis + out_rank - self.g.values[i].type.rank, p.blocks, p.cls)
+            if split is not None and (q.axis, q.blocks) != (split.axis, split.blocks):
+                return False
+            split = split or q
+        if split is None:
+            return False
+        ins = []
+        for i in n.inputs:
+            if self.placement(i) is not None:
+                ins.append(self.local[i])
+                continue
+            t = self.g.values[i].type
+            lead = out_rank - t.rank
+            if split.axis < lead or (isinstance(t.shape[split.axis - lead], int) and t.shape[split.axis - lead] == 1):
+                ins.append(self.operand(i))
+                continue
+            cut = (self.slice_constant(i, split.axis - lead, split.blocks)
+                   if i in self.g.constants and self.split_extent(t.shape[split.axis - lead], split.blocks)
+                   else self.local_split(i, split.axis - lead, split.blocks))
+            if cut is None:
+                return False
+            ins.append(cut)
+        return self.same(n, ins, dict(n.attrs), split)
+
+    def on_reduction(self, n: Node) -> bool:
+        x = n.inputs[0]
+        p = self.placement(x)
+        if p is None or any(self.placement(i) is not None for i in n.inputs[1:]):
+            return False
+        rank = self.g.values[x].type.rank
+        a = n.attrs
+        if n.op == "layer_norm":
+            reduced = set(range(rank - a.get("normalized_rank", 1), rank))
+        elif "dims" in a:
+            reduced = {norm_axis(d, rank) for d in a["dims"]}
+        elif "dim" in a:
+            reduced = {norm_axis(a["dim"], rank)}
+        elif n.op == "batch_norm":
+            reduced = {1}
+        else:
+            reduced = set(range(rank))
+        if p.axis in reduced:
+            return False
+        shrinks = n.op not in ("softmax", "log_softmax", "cumsum", "layer_norm", "batch_norm")
+        keep = a.get("keepdim", False) if shrinks else True
+        axis = p.axis - (0 if keep else sum(1 for d in reduced if d < p.axis))
+        ins = [self.local[x]] + [self.operand(i) for i in n.inputs[1:]]
+        return self.same(n, ins, dict(a), Split(axis, p.blocks, p.cls))
+
+    # ---- shape ops
+    def on_permute(self, n: Node) -> bool:
+        p = self.placement(n.inputs[0])
+        if p is None:
+            return False
+        return self.same(n, [self.local[n.inputs[0]]], dict(n.attrs), Split(list(n.attrs["perm"]).index(p.axis),
+                                                                             p.blocks, p.cls))
+
+    def on_reshape(self, n: Node) -> bool:
+        x = n.inputs[0]
+        p = self.placement(x)
+        if p is None:
+            return False
+        src, dst = self.g.values[x].type.shape, self.g.values[n.outputs[0]].type.shape
+        o = _reshape_axis(src, dst, p.axis)
+        if o is None or not self.split_extent(dst[o], p.blocks):
+            return False
+        if p.blocks > 1 and not dims_equal(src[p.axis], dst[o]):
+            return False
+        shape = list(dst)
+        shape[o] = _part(dst[o], self.n)
+        return self.same(n, [self.local[x]], {"shape": _attr_shape(shape)}, Split(o, p.blocks, p.cls))
+
+    def on_expand(self, n: Node) -> bool:
+        x = n.inputs[0]
+        p = self.placement(x)
+        if p is None:
+            return False
+        src, dst = self.g.values[x].type.shape, self.g.values[n.outputs[0]].type.shape
+        ax = p.axis + len(dst) - len(src)
+        if not dims_equal(src[p.axis], dst[ax]):
+            return False
+        shape = [d if not (isinstance(d, int) and d == -1) else dst[i] for i, d in
+                 enumerate(normalize_dim(d) for d in n.attrs["shape"])]
+        shape[ax] = _part(dst[ax], self.n)
+        return self.same(n, [self.local[x]], {"shape": _attr_shape(shape)}, Split(ax, p.blocks, p.cls))
+
+    def on_slice(self, n: Node) -> bool:
+        x = n.inputs[0]
+        p = self.placement(x)
+        if p is None:
+            return False
+        t = self.g.values[x].type
+        d = norm_axis(n.attrs["dim"], t.rank)
+        if d != p.axis:
+            return self.same(n, [self.local[x]], dict(n.attrs), p)
+        full = t.shape[d]
+        width = self.g.values[n.outputs[0]].type.shape[d]
+        start = n.attrs.get("start", 0)
+        if (p.blocks < 2 or n.attrs.get("step", 1) != 1 or not isinstance(full, int)
+                or not isinstance(width, int) or width * p.blocks != full or start % width):
+            return False
+        part = width // self.n
+        j = start // width
+        return self.same(n, [self.local[x]], {"dim": d, "start": j * part, "end": (j + 1) * part, "step": 1},
+                         Split(d, 1, p.cls))
+
+    def on_concat(self, n: Node) -> bool:
+        ps = [self.placement(i) for i in n.inputs]
+        split = next((p for p in ps if p is not None), None)
+        if split is None or split.blocks != 1:
+            return False
+        rank = self.g.values[n.outputs[0]].type.rank
+        if norm_axis(n.attrs["dim"], rank) == split.axis:
+            return False
+        ins = []
+        for i, p in zip(n.inputs, ps):
+            if p is not None:
+                if p.axis != split.axis or p.blocks != 1:
+                    return False
+                ins.append(self.local[i])
+            else:
+                cut = self.local_split(i, split.axis)
+                if cut is None:
+                    return False
+                ins.append(cut)
+        return self.same(n, ins, dict(n.attrs), split)
+
+    def on_conv2d(self, n: Node) -> bool:
+        return self.batch_wise(n)
+
+    on_max_pool2d = on_avg_pool2d = on_adaptive_avg_pool2d = on_batch_norm = on_conv2d
+
+    def batch_wise(self, n: Node) -> bool:
+        p = self.placement(n.inputs[0])
+        if p is None or p.axis != 0 or any(self.placement(i) is not None for i in n.inputs[1:]):
+            return False
+        return self.same(n, [self.local[n.inputs[0]]] + [self.operand(i) for i in n.inputs[1:]], dict(n.attrs), p)
+
+
+def _dt(dtype: str) -> torch.dtype:
+    from graphmode.ir.types import DTYPES
+    return DTYPES[dtype]
+
+
+def _part(d: Dim, n: int) -> Dim:
+    return d // n if isinstance(d, int) else normalize_dim(sympy.sympify(d) / n)
+
+
+def _attr_shape(shape: list) -> list:
+    return [d if isinstance(d, int) else dim_str(normalize_dim(d)) for d in shape]
+
+
+def _divides(a: Any, b: Any) -> bool:
+    """b / a is a product of dims (a divides b as a monomial, or as integers)."""
+    _num, den = sympy.fraction(sympy.together(sympy.sympify(b) / sympy.sympify(a)))
+    return den == 1
+
+
+def _reshape_axis(src: tuple, dst: tuple, axis: int) -> int | None:
+    """The output axis a split of input `axis` lands on: the input and output axes are grouped
+    into runs of equal element count; the split axis must lead its run (axes of extent 1 aside)
+    and lands on the leading non-1 axis of the matching output run."""
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        gi, gj = [i], [j]
+        pi, pj = sympy.sympify(src[i]), sympy.sympify(dst[j])
+        i, j = i + 1, j + 1
+        guard = 0
+        while not dims_equal(normalize_dim(pi), normalize_dim(pj)):
+            guard += 1
+            if guard > len(src) + len(dst):
+                return None
+            if j < len(dst) and _divides(pj, pi) and not dims_equal(normalize_dim(pj), normalize_dim(pi)):
+                pj = pj * dst[j]
+                gj.append(j)
+                j += 1
+            elif i < len(src) and _divides(pi, pj):
+                pi = pi * src[i]
+                gi.append(i)
+                i += 1
+            else:
+                return None
+        while i < len(src) and j >= len(dst) and src[i] == 1:         # trailing ones
+            gi.append(i)
+            i += 1
+        if axis in gi:
+            lead_in = [a for a in gi if src[a] != 1]
+            lead_out = [b for b in gj if dst[b] != 1]
+            if not lead_in or lead_in[0] != axis or not lead_out:
+                return None
+            return lead_out[0]
+    return None
+
+
+def _rename_outputs(g: Graph, want: list[str]) -> Graph:
+    """Give the graph's outputs their original names: a gathered output was built under another
+    name while the original one held the rank's part (which becomes `<name>.local`)."""
+    from graphmode.ir.types import Value
+    from graphmode.passes.rewrite import rename_node
+    mapping: dict[str, str] = {}
+    for have, name in zip(g.outputs, want):
+        if have != name:
+            if name in g.values:
+                mapping[name] = g.fresh_name(f"{name}.local")
+            mapping[have] = name
+    if mapping:
+        g.nodes = [rename_node(nd, mapping) for nd in g.nodes]
+        g.values = {mapping.get(k, k): Value(mapping.get(k, k), v.type, v.role) for k, v in g.values.items()}
+        g.constants = {mapping.get(k, k): t for k, t in g.constants.items()}
+    g.outputs = list(want)
+    return g
+
+
+@register_pass("shard")
+def run(graph: Graph, ctx: PassContext) -> PassResult:
+    opts = ctx.opts("shard")
+    if opts.world <= 1:
+        return PassResult(graph, False, {})
+    if not 0 <= opts.rank < opts.world:
+        raise PassError(f"rank {opts.rank} is outside a group of {opts.world}", where="shard",
+                        fix=f"a rank in 0..{opts.world - 1}")
+    s = _Sharder(graph, opts.rank, opts.world, dict(opts.strategy), opts.comm_dtype, opts.batch_dim)
+    out = s.run()
+    return PassResult(out, True, s.stats)

@@ -1,0 +1,209 @@
+"""shard: golden IR per rank (tests/golden/shard/<case>.rank<r>.txt), the verifier on every rank's
+graph, and numerics: the ranks' graphs run together (thread ranks, the reference interpreter with
+the collectives' own semantics) equal the unsharded graph at several buckets."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from graphmode.errors import PassError
+from graphmode.ir import interpret, parse_graph, verify_graph
+from graphmode.ir.graph import constant_digest
+from graphmode.parallel.comm import run_ranks
+from graphmode.passes import PASSES, PassContext
+from graphmode.verify.numerics import random_inputs, rel_l2
+
+BUCKETS = ({"b": 1, "s": 3}, {"b": 2, "s": 5})
+HEAD = {c: "head" for c in ("attention", "mlp", "embedding", "conv")}
+
+
+def weights(**shapes) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(*s, generator=g) * 0.5 for k, s in shapes.items()}
+
+
+def ir(text: str, consts: dict[str, torch.Tensor]) -> str:
+    """`param %w: f32[...] #?` lines get the digest of consts['w']."""
+    return re.sub(r"param %([\w.]+): (\S+) #\?", lambda m: f"param %{m[1]}: {m[2]} #{constant_digest(consts[m[1]])}",
+                  text)
+
+
+def ctx(rank: int, world: int = 2, strategy: dict | None = None, **kw) -> PassContext:
+    return PassContext(options={"shard": {"rank": rank, "world": world, "strategy": strategy or HEAD, **kw}})
+
+
+def shard_case(golden, case, text, consts, *, strategy=None, buckets=BUCKETS, world=2, int_high=2, **opts):
+    g = parse_graph(ir(text, consts), consts)
+    verify_graph(g)
+    before = g.structural_hash()
+    results = [PASSES["shard"](g, ctx(r, world, strategy, **opts)) for r in range(world)]
+    assert g.structural_hash() == before, "the pass mutated its input graph"
+    for r, res in enumerate(results):
+        verify_graph(res.graph)
+        assert res.graph.inputs == g.inputs and res.graph.outputs == g.outputs
+        if golden is not None:
+            golden(f"shard/{case}.rank{r}", res.graph.text())
+    for seed, env in enumerate(buckets):
+        inputs = random_inputs(g, env, seed, int_high=int_high)
+        want = interpret(g, inputs)
+        got = run_ranks(world, lambda r, comm: interpret(results[r].graph, inputs), timeout_s=30)
+        for r in range(world):
+            for name in g.outputs:
+                assert rel_l2(got[r][name], want[name]) < 1e-5, (case, env, r, name)
+    return results
+
+
+MLP = """
+graph @mlp(%x: f32[b,s,8]) -> (%y) {
+  param %w1: f32[16,8] #?
+  param %b1: f32[16] #?
+  param %w2: f32[8,16] #?
+  param %b2: f32[8] #?
+  %h: f32[b,s,16] = linear(%x, %w1, %b1)
+  %a: f32[b,s,16] = gelu(%h)
+  %y: f32[b,s,8] = linear(%a, %w2, %b2)
+  return %y
+}"""
+
+
+def test_mlp_column_then_row(golden):
+    res = shard_case(golden, "mlp", MLP, weights(w1=(16, 8), b1=(16,), w2=(8, 16), b2=(8,)))
+    s = res[0].stats
+    assert (s["column_parallel"], s["row_parallel"], s["collectives"]) == (1, 1, {"all_reduce": 1})
+    assert res[0].graph.values["w1.rank0"].type.shape == (8, 8)          # half the rows per rank
+    assert not torch.equal(res[0].graph.constants["w1.rank0"], res[1].graph.constants["w1.rank1"])
+
+
+ATTENTION = """
+graph @attn(%x: f32[b,s,8], %mask: bool[b,1,s,s]) -> (%y) {
+  param %wq: f32[8,8] #?
+  param %wk: f32[8,8] #?
+  param %wv: f32[8,8] #?
+  param %wo: f32[8,8] #?
+  %q0: f32[b,s,8] = linear(%x, %wq)
+  %q1: f32[b,s,4,2] = reshape(%q0) {"shape": ["b", "s", 4, 2]}
+  %q: f32[b,4,s,2] = permute(%q1) {"perm": [0, 2, 1, 3]}
+  %k0: f32[b,s,8] = linear(%x, %wk)
+  %k1: f32[b,s,4,2] = reshape(%k0) {"shape": ["b", "s", 4, 2]}
+  %k: f32[b,4,s,2] = permute(%k1) {"perm": [0, 2, 1, 3]}
+  %v0: f32[b,s,8] = linear(%x, %wv)
+  %v1: f32[b,s,4,2] = reshape(%v0) {"shape": ["b", "s", 4, 2]}
+  %v: f32[b,4,s,2] = permute(%v1) {"perm": [0, 2, 1, 3]}
+  %o: f32[b,4,s,2] = sdpa(%q, %k, %v, %mask) {"scale": 0.7}
+  %o1: f32[b,s,4,2] = permute(%o) {"perm": [0, 2, 1, 3]}
+  %o2: f32[b,s,8] = reshape(%o1) {"shape": ["b", "s", 8]}
+  %y: f32[b,s,8] = linear(%o2, %wo)
+  return %y
+}"""
+
+
+def test_attention_split_by_heads(golden):
+    res = shard_case(golden, "attention", ATTENTION, weights(wq=(8, 8), wk=(8, 8), wv=(8, 8), wo=(8, 8)))
+    g = res[1].graph
+    (sdpa,) = [n for n in g.nodes if n.op == "sdpa"]
+    assert g.values[sdpa.outputs[0]].type.text() == "f32[b,2,s,2]"           # two of the four heads
+    assert res[1].stats["collectives"] == {"all_reduce": 1} and not res[1].stats["gathered_for"]
+
+
+def test_heads_that_do_not_split_are_gathered_not_wrong():
+    """Three heads over two ranks: the reshape cannot split them, so the rank gathers the
+    projection first (communication in the stats), and the result is still exact."""
+    text = ATTENTION.replace("4, 2]", "3, 2]").replace(",4,2]", ",3,2]").replace("[b,4,", "[b,3,") \
+        .replace("f32[b,s,8]", "f32[b,s,6]").replace("8, 8", "6, 6").replace('"s", 8]', '"s", 6]') \
+        .replace("f32[8,8]", "f32[6,6]").replace("%x: f32[b,s,6]", "%x: f32[b,s,6]")
+    res = shard_case(None, "odd_heads", text, weights(wq=(6, 6), wk=(6, 6), wv=(6, 6), wo=(6, 6)))
+    assert res[0].stats["gathered_for"].get("reshape", 0) == 3
+
+
+FUSED_QKV = """
+graph @qkv(%x: f32[b,s,8]) -> (%y) {
+  param %w: f32[24,8] #?
+  param %bias: f32[24] #?
+  param %wo: f32[8,8] #?
+  %qkv: f32[b,s,24] = linear(%x, %w, %bias)
+  %q: f32[b,s,8] = slice(%qkv) {"dim": 2, "start": 0, "end": 8, "step": 1}
+  %k: f32[b,s,8] = slice(%qkv) {"dim": 2, "start": 8, "end": 16, "step": 1}
+  %v: f32[b,s,8] = slice(%qkv) {"dim": 2, "start": 16, "end": 24, "step": 1}
+  %qk: f32[b,s,8] = mul(%q, %k)
+  %h: f32[b,s,8] = add(%qk, %v)
+  %y: f32[b,s,8] = linear(%h, %wo)
+  return %y
+}"""
+
+
+def test_fused_qkv_splits_each_block(golden):
+    res = shard_case(golden, "fused_qkv", FUSED_QKV, weights(w=(24, 8), bias=(24,), wo=(8, 8)))
+    g = res[1].graph
+    torch.testing.assert_close(g.constants["w.rank1"],
+                               torch.cat([weights(w=(24, 8))["w"][i:i + 4] for i in (4, 12, 20)]))
+    assert [n.attrs["start"] for n in g.nodes if n.op == "slice"] == [0, 4, 8]
+
+
+VOCAB = """
+graph @lm(%ids: i64[b,s]) -> (%logits) {
+  param %table: f32[16,8] #?
+  param %head: f32[16,8] #?
+  %e: f32[b,s,8] = embedding(%table, %ids)
+  %h: f32[b,s,8] = tanh(%e)
+  %logits: f32[b,s,16] = linear(%h, %head)
+  return %logits
+}"""
+
+
+def test_vocab_parallel_embedding_and_lm_head(golden):
+    res = shard_case(golden, "vocab", VOCAB, weights(table=(16, 8), head=(16, 8)), int_high=16)
+    s = res[0].stats
+    assert s["vocab_parallel"] == 1 and s["column_parallel"] == 1
+    assert s["collectives"] == {"all_reduce": 1, "all_gather": 1} and s["gathered_for"] == {"graph output": 1}
+
+
+CNN = """
+graph @cnn(%x: f32[b,3,8,8]) -> (%y) {
+  param %w: f32[4,3,3,3] #?
+  param %fc: f32[5,16] #?
+  %c: f32[b,4,8,8] = conv2d(%x, %w) {"padding": [1, 1]}
+  %r: f32[b,4,8,8] = relu(%c)
+  %p: f32[b,4,2,2] = max_pool2d(%r) {"kernel": [4, 4]}
+  %f: f32[b,16] = reshape(%p) {"shape": ["b", 16]}
+  %y: f32[b,5] = linear(%f, %fc)
+  return %y
+}"""
+
+
+def test_batch_strategy_splits_the_batch(golden):
+    res = shard_case(golden, "batch_cnn", CNN, weights(w=(4, 3, 3, 3), fc=(5, 16)),
+                     strategy={c: "batch" for c in HEAD}, buckets=({"b": 2}, {"b": 4}), batch_dim="b")
+    g = res[0].graph
+    assert g.values["c"].type.text() == "f32[b/2,4,8,8]"
+    assert res[0].stats["collectives"] == {"all_gather": 1} and res[0].stats["batch_inputs"] == 1
+    assert torch.equal(g.constants["w"], weights(w=(4, 3, 3, 3))["w"])       # every rank holds every weight
+
+
+def test_replicate_and_world_one_leave_the_work_whole():
+    consts = weights(w1=(16, 8), b1=(16,), w2=(8, 16), b2=(8,))
+    g = parse_graph(ir(MLP, consts), consts)
+    res = PASSES["shard"](g, ctx(0, 2, {c: "replicate" for c in HEAD}))
+    assert not res.stats["collectives"] and res.stats["column_parallel"] == 0
+    assert [n.op for n in res.graph.nodes] == [n.op for n in g.nodes]
+    assert not PASSES["shard"](g, ctx(0, 1)).modified
+
+
+def test_a_rank_outside_the_group_is_refused():
+    consts = weights(w1=(16, 8), b1=(16,), w2=(8, 16), b2=(8,))
+    with pytest.raises(PassError, match="rank 2 is outside a group of 2"):
+        PASSES["shard"](parse_graph(ir(MLP, consts), consts), ctx(2, 2))
+
+
+def test_narrow_comm_dtype_is_on_the_collectives():
+    consts = weights(w1=(16, 8), b1=(16,), w2=(8, 16), b2=(8,))
+    g = parse_graph(ir(MLP, consts), consts)
+    res = PASSES["shard"](g, ctx(0, 2, comm_dtype="bf16"))
+    (ar,) = [n for n in res.graph.nodes if n.op == "all_reduce"]
+    assert ar.attrs["comm_dtype"] == "bf16"
+    inputs = random_inputs(g, {"b": 2, "s": 5})
+    want = interpret(g, inputs)["y"]
+    graphs = [PASSES["shard"](g, ctx(r, 2, comm_dtype="bf16")).graph for r in range(2)]
+    got = run_ranks(2, lambda r, c: interpret(graphs[r], inputs)["y"])
+    assert 1e-6 < rel_l2(got[0], want) < 1e-2 and torch.equal(got[0], got[1])     # rounded, same on both ranks
