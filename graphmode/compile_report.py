@@ -27,15 +27,37 @@ def symbolic_flops(graph: Graph) -> sympy.Expr:
     return normalize_dim(total) if not isinstance(total, int) else total
 
 
+def graph_collectives(graph: Graph) -> tuple:
+    """The collectives one run of a rank's sharded graph makes, for the proof's communication
+    term (`parallel/cost.py`): the all_reduce's and reduce_scatter's operand, the all_gather's
+    result, in elements over the dims; identical ones counted together."""
+    from graphmode.parallel.cost import Collective
+    counts: dict[tuple, int] = {}
+    for n in graph.iter_nodes():
+        if n.op not in ("all_reduce", "all_gather", "reduce_scatter"):
+            continue
+        shape = graph.values[n.outputs[0] if n.op == "all_gather" else n.inputs[0]].type.shape
+        elems: Any = 1
+        for d in shape:
+            elems = elems * normalize_dim(d)
+        row = shape[-1] if shape and isinstance(shape[-1], int) else 1
+        key = (n.op, normalize_dim(elems), row)
+        counts[key] = counts.get(key, 0) + 1
+    return tuple(Collective(op, elems, row, c, f"{c} in the sharded graph") for (op, elems, row), c in counts.items())
+
+
 def model_facts(graph: Graph, activation_expr) -> Any:
-    """The compiler's terms for the recipe's Z3 proof: real weights, planner's activation peak.
-    Run-time state (a decoder's KV pools) is not a weight: the proof counts the KV cache itself."""
+    """The compiler's terms for the recipe's Z3 proof: real weights, planner's activation peak;
+    for a rank's sharded graph, that rank's own (sharded) terms and its collectives. Run-time
+    state (a decoder's KV pools) is not a weight: the proof counts the KV cache itself."""
     from graphmode.recipe import ModelFacts
     weights = sum(t.numel() * t.element_size() for k, t in graph.constants.items()
                   if graph.values[k].role != "state")
     n_ops = sum(1 for n in graph.nodes if n.op != "reshape")
+    comm = graph_collectives(graph)
     return ModelFacts(weights_bytes=int(weights), activation_bytes=activation_expr,
-                      flops=symbolic_flops(graph), n_ops=n_ops, source="compiler")
+                      flops=symbolic_flops(graph), n_ops=n_ops, source="compiler" + (", one rank" if comm else ""),
+                      collectives=comm, sharded=bool(comm))
 
 
 @dataclass

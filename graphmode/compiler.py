@@ -187,31 +187,51 @@ def _paged_options(recipe: Recipe) -> dict[str, Any]:
             "head_dim": p["head_dim"], "dtype": str(p["dtype"])}
 
 
-def pass_context(recipe: Recipe, target: Any = None, buckets: Sequence[dict] | None = None):
+def tensor_parallel(recipe: Recipe) -> int:
+    """The recipe's tensor-parallel degree (1: one process, no `shard` pass)."""
+    return recipe.parallel.tensor if recipe.parallel is not None else 1
+
+
+def pipeline(recipe: Recipe) -> list[str]:
+    """The recipe's passes; under `parallel.tensor` > 1 with `shard` after constant folding (it
+    splits constant linear weights, which folding has already pre-transposed into place)."""
+    names = recipe.pipeline()
+    if tensor_parallel(recipe) <= 1 or "shard" in names:
+        return names
+    after = max((i + 1 for i, n in enumerate(names) if n in ("canonicalize", "precision", "constant_fold")), default=0)
+    return names[:after] + ["shard"] + names[after:]
+
+
+def pass_context(recipe: Recipe, target: Any = None, buckets: Sequence[dict] | None = None, *, rank: int = 0):
     from graphmode.passes import PassContext
     fusion = recipe.optimize.fusion
-    return PassContext(
-        options={"fuse": {"enabled": fusion.enabled, "patterns": list(fusion.patterns), "min_ops": fusion.min_ops,
-                          "max_ops": fusion.max_ops},
-                 "precision": {"compute": recipe.precision.compute,
-                               "overrides": dict(recipe.precision.overrides)},
-                 "quantize_weights": {"weights": recipe.precision.weights},
-                 "memory_plan": {"reuse": recipe.optimize.memory_reuse,
-                                 "alias_groups": [list(g) for g in recipe.alias_groups]},
-                 "to_paged": _paged_options(recipe)},
-        buckets=list(buckets) if buckets is not None else recipe.buckets(),
-        target=target)
+    options = {"fuse": {"enabled": fusion.enabled, "patterns": list(fusion.patterns), "min_ops": fusion.min_ops,
+                        "max_ops": fusion.max_ops},
+               "precision": {"compute": recipe.precision.compute,
+                             "overrides": dict(recipe.precision.overrides)},
+               "quantize_weights": {"weights": recipe.precision.weights},
+               "memory_plan": {"reuse": recipe.optimize.memory_reuse,
+                               "alias_groups": [list(g) for g in recipe.alias_groups]},
+               "to_paged": _paged_options(recipe)}
+    par = recipe.parallel
+    if par is not None:
+        options["shard"] = {"rank": rank, "world": par.tensor, "strategy": dict(par.strategy),
+                            "comm_dtype": par.comm.dtype,
+                            "batch_dim": recipe.model.batch_dim if recipe.model is not None else "batch"}
+    return PassContext(options=options, buckets=list(buckets) if buckets is not None else recipe.buckets(),
+                       target=target)
 
 
 def optimize(graph: Graph, recipe: Recipe | str | Path, target: Any = None, *,
              buckets: Sequence[dict] | None = None, dump_dir: str | Path | None = None,
              dump_before: Sequence[str] | str = (), dump_after: Sequence[str] | str = (),
-             keep_snapshots: bool = False, on_stage: OnStage | None = None) -> tuple[Graph, OptimizeReport]:
+             keep_snapshots: bool = False, on_stage: OnStage | None = None, rank: int = 0
+             ) -> tuple[Graph, OptimizeReport]:
     """Run the recipe's pass pipeline (verifier after every pass); `on_stage` hears the `passes`
-    stage, one step per pass (graphmode/progress.py)."""
+    stage, one step per pass (graphmode/progress.py). Under `parallel`, the graph is `rank`'s shard."""
     from graphmode.passes import DumpIR, KeepSnapshots, PassManager
     recipe = as_recipe(recipe)
-    ctx = pass_context(recipe, target, buckets)
+    ctx = pass_context(recipe, target, buckets, rank=rank)
     dump = None
     if dump_dir is not None and (dump_before or dump_after):
         norm = (lambda s: s if s == "all" else set(s))  # noqa: E731
@@ -221,9 +241,10 @@ def optimize(graph: Graph, recipe: Recipe | str | Path, target: Any = None, *,
     if snaps:
         ctx.instruments.append(snaps)
     t0 = time.perf_counter()
-    with stage(on_stage, "passes", total=len(recipe.pipeline())) as passes:
+    names = pipeline(recipe)
+    with stage(on_stage, "passes", total=len(names)) as passes:
         ctx.instruments.append(PassProgress(passes))
-        out, report = PassManager(recipe.pipeline(), ctx).run(graph)
+        out, report = PassManager(names, ctx).run(graph)
     rep = OptimizeReport(report, ctx.analyses.get("memory_plan"), dump.files if dump else [],
                          time.perf_counter() - t0)
     if snaps:
@@ -256,15 +277,16 @@ class Lowered:
 
 
 def lower_model(model: Any, recipe: Recipe | str | Path, target: Any = None, *, mode: str | None = None,
-                keep_snapshots: bool = False, on_stage: OnStage | None = None) -> Lowered:
+                keep_snapshots: bool = False, on_stage: OnStage | None = None, rank: int = 0) -> Lowered:
     """capture -> verdict -> passes -> proof, refusing (typed errors) at the first that fails:
     the one path compile, verify, run, serve and `plan show` share. `on_stage` hears the
-    capture, passes and proof stages (graphmode/progress.py)."""
+    capture, passes and proof stages (graphmode/progress.py). Under `parallel`, `rank`'s shard."""
     recipe = as_recipe(recipe)
     with stage(on_stage, "capture"):
         graph0, cap, src, verdict = checked_capture(model, recipe, mode)
     verdict.raise_for_refusal()
-    graph, opt = optimize(graph0, recipe, target, buckets=[], keep_snapshots=keep_snapshots, on_stage=on_stage)
+    graph, opt = optimize(graph0, recipe, target, buckets=[], keep_snapshots=keep_snapshots, on_stage=on_stage,
+                          rank=rank)
     with stage(on_stage, "proof"):
         proof = prove(recipe, target, graph)
     proof.raise_for_errors()      # a recipe that is not proved is never loaded
@@ -273,10 +295,13 @@ def lower_model(model: Any, recipe: Recipe | str | Path, target: Any = None, *, 
 
 def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any = "host", *, mode: str | None = None,
             cache_dir: str | Path | None = None, threads: int | None = None, warmup: bool = False,
-            on_stage: OnStage | None = None):
+            on_stage: OnStage | None = None, rank: int | None = None):
     """Capture, optimise and wrap a model; plans are built per bucket on first use (or warm-up).
     Without a recipe, one is drafted as `graphmode recipe init` does (said once, `cm.recipe`).
-    `on_stage` hears the capture, passes, proof and plans stages (graphmode/progress.py)."""
+    `on_stage` hears the capture, passes, proof and plans stages (graphmode/progress.py).
+    Under `parallel.tensor` N > 1: without `rank`, the N rank processes are started and the
+    result is a `graphmode.parallel.launch.TensorParallelModel` (rank 0 answers); with `rank`,
+    this process compiles that rank's shard only (its collectives need a bound communicator)."""
     from graphmode.runtime.compiled import CompiledModel
     tgt = _target(target)
     if recipe is None:
@@ -284,11 +309,14 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
         model, recipe = drafted(model, tgt)
     recipe = as_recipe(recipe)
     mode = mode or recipe.exe_mode
+    if tensor_parallel(recipe) > 1 and rank is None and mode != "eager":
+        from graphmode.parallel.launch import launch
+        return launch(model, recipe, tgt, mode=mode, cache_dir=cache_dir, threads=threads)   # ranks warm up
     if mode == "eager":
         src = resolve_model(model, recipe)
         return _decoding(CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir,
                                        threads=threads, on_stage=on_stage))
-    low = lower_model(model, recipe, tgt, mode=mode, on_stage=on_stage)
+    low = lower_model(model, recipe, tgt, mode=mode, on_stage=on_stage, rank=rank or 0)
     cm = CompiledModel(low.source, recipe, tgt, low.captured, low.graph, (low.capture_report, low.optimize_report),
                        mode=mode, cache_dir=cache_dir, threads=threads, verdict=low.verdict, on_stage=on_stage)
     cm.spill_constants()

@@ -99,6 +99,10 @@ def run_cmd(
     if threads:
         torch.set_num_threads(threads)
     rec = load_recipe(recipe)
+    ranks = rec.parallel.tensor if rec.parallel is not None else 1
+    if metrics and ranks > 1:
+        raise GraphmodeError("--metrics reads one process's contract monitor; this recipe runs "
+                             f"{ranks} rank processes", where="--metrics", fix="drop --metrics, or run with tensor: 1")
     env = parse_shape(shape, list(rec.dims)) if shape else dict(all_buckets(rec)[0])
     check_request(rec, env)      # before compiling or allocating anything
     host = get_target("host", cache_dir=cache_layout(cache_dir).targets)
@@ -128,6 +132,12 @@ def run_cmd(
     ran_graph = path.get("path") == "graph"
     t_graph = median(time_ms(lambda: cm(**inputs), iters=iters))
     t_eager = median(time_ms(lambda: cm.source.reference(inputs), iters=iters))
+    parallel = None
+    if ranks > 1:                 # graphmode.parallel.launch.TensorParallelModel: rank 0 answered
+        parallel = {"ranks": ranks, "weights_bytes_per_rank": [r["weights_bytes"] for r in cm.ranks],
+                    "collectives_per_call": cm.last_comm[0]["collectives"],
+                    "comm_bytes_per_call": cm.last_comm[0]["comm_bytes"]}
+        cm.close()
     ref_name = "eager" if cm.source.module is not None else "onnxruntime"
     result = {"model": model, "mode": cm.mode, "shape": env, "bucket": path.get("bucket"), "path": path,
               "outputs": rows, "tolerance": tol, "numerics_ok": numerics_ok,
@@ -135,6 +145,8 @@ def run_cmd(
               "speedup_vs_eager": (t_eager / t_graph if t_graph else None) if ran_graph else None}
     if metrics:
         result["metrics"] = cm.metrics()
+    if parallel:
+        result["parallel"] = parallel
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -158,6 +170,11 @@ def run_cmd(
                           f"{t_eager:.2f} ms); no graph-mode time to report for this request")
         if metrics:
             console.print(f"metrics: {json.dumps(result['metrics'])}")
+        if parallel:
+            console.print(f"tensor parallel: {ranks} ranks, weights per rank "
+                          f"{', '.join(f'{b / 1e6:.2f} MB' for b in parallel['weights_bytes_per_rank'])}; "
+                          f"{parallel['collectives_per_call']} collectives, {parallel['comm_bytes_per_call']} bytes "
+                          "sent by rank 0 per call")
         if not numerics_ok:
             console.print(f"[red]numerics check failed[/]: an output differs from {ref_name} by more than "
                           f"rel L2 {tol:.0e}; run `graphmode verify` to find where")

@@ -207,3 +207,22 @@ def test_narrow_comm_dtype_is_on_the_collectives():
     graphs = [PASSES["shard"](g, ctx(r, 2, comm_dtype="bf16")).graph for r in range(2)]
     got = run_ranks(2, lambda r, c: interpret(graphs[r], inputs)["y"])
     assert 1e-6 < rel_l2(got[0], want) < 1e-2 and torch.equal(got[0], got[1])     # rounded, same on both ranks
+
+
+def test_the_recipe_puts_shard_after_folding_and_the_proof_counts_the_rank_s_collectives():
+    from graphmode.compile_report import graph_collectives
+    from graphmode.compiler import pass_context, pipeline
+    from graphmode.recipe import load_recipe
+    par = {"tensor": 2, "device_group": ["a", "b"], "links": {"lo": {"bandwidth_gbps": 1}}, "comm": {"dtype": "bf16"}}
+    base = {"version": 1, "name": "tp", "inputs": [{"name": "x", "dtype": "f32", "shape": ["b", "s", 8]}],
+            "dims": {"b": {"buckets": [1, 2]}, "s": {"buckets": [4]}}}
+    assert "shard" not in pipeline(load_recipe(base))
+    rec = load_recipe({**base, "parallel": par})
+    names = pipeline(rec)
+    assert names[names.index("constant_fold") + 1] == "shard"
+    opts = pass_context(rec, rank=1).opts("shard")
+    assert (opts.rank, opts.world, opts.comm_dtype) == (1, 2, "bf16")
+    consts = weights(w1=(16, 8), b1=(16,), w2=(8, 16), b2=(8,))
+    sharded = PASSES["shard"](parse_graph(ir(MLP, consts), consts), ctx(0)).graph
+    (c,) = graph_collectives(sharded)
+    assert (c.op, str(c.elems), c.row, c.count) == ("all_reduce", "8*b*s", 8, 1)

@@ -1,0 +1,252 @@
+"""One machine, N ranks: graphmode starts the rank processes of a `parallel` recipe itself.
+
+`launch(model, recipe, ...)` spawns `parallel.tensor` processes; each joins the group with
+`torch.distributed` (the recipe's backend, gloo on CPU, over loopback TCP, with
+`parallel.comm.timeout_s` on every collective), compiles only its own shard
+(`graphmode.compile(..., rank=r)`: the `shard` pass for that rank, its plans and cache entries)
+and waits for requests on a pipe. The returned `TensorParallelModel` is called like a
+`CompiledModel`: every rank gets the request, they run their shards together, rank 0's outputs
+are the answer.
+
+Failure is bounded, never a hang: a rank that dies is seen at once (its process sentinel), a
+rank that hangs makes the others' collectives time out after `timeout_s`, and the parent waits
+at most `timeout_s` plus a margin for any rank. Either way the call raises `RankFailure`
+naming the rank, the group is stopped, and later calls are refused.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+from multiprocessing.connection import wait
+from typing import Any
+
+from graphmode.errors import GraphmodeError, RankFailure
+
+_MARGIN_S = 10.0          # beyond the collective timeout: a rank's own error reaches the parent first
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _portable(e: BaseException, rank: int) -> BaseException:
+    """`e` if it survives pickling (typed graphmode errors keep their type), else a RankFailure
+    carrying its text."""
+    try:
+        back = pickle.loads(pickle.dumps(e))
+        if isinstance(back, BaseException) and str(back) == str(e):
+            return back
+    except Exception:  # noqa: BLE001 - anything unpicklable becomes text
+        pass
+    return RankFailure(f"rank {rank}: {type(e).__name__}: {e}", where=f"rank {rank}")
+
+
+def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, target: Any, mode: str | None,
+               cache_dir: Any, threads: int) -> None:
+    """One rank process: join the group, compile this rank's shard with every bucket's plan
+    (so a call never waits on a peer's plan build past the collective timeout), answer requests."""
+    import torch
+    import torch.distributed as dist
+
+    from graphmode.compiler import compile as gm_compile
+    from graphmode.parallel.comm import TorchDistributed, bind_process
+
+    par = recipe.parallel
+    try:
+        torch.set_num_threads(threads)
+        timeout = float(par.comm.timeout_s)
+        dist.init_process_group(par.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+        comm = TorchDistributed(rank, world, timeout)
+        bind_process(comm)
+        cm = gm_compile(model, recipe, target, mode=mode, cache_dir=cache_dir, threads=threads, warmup=True,
+                        rank=rank)
+        weights = sum(t.numel() * t.element_size() for t in cm.graph.constants.values()) if cm.graph else 0
+        conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weights_bytes": weights}))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", _portable(e, rank)))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:              # the parent went away
+            break
+        if msg[0] == "close":
+            break
+        _, args, kwargs = msg
+        try:
+            calls, nbytes, secs = comm.calls, comm.bytes, comm.seconds
+            with torch.inference_mode():
+                out = cm(*args, **kwargs)
+            conn.send(("ok", out if rank == 0 else None,
+                       {"collectives": comm.calls - calls, "comm_bytes": comm.bytes - nbytes,
+                        "comm_s": comm.seconds - secs, "path": dict(cm.last_path or {})}))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            conn.send(("error", _portable(e, rank)))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the group may already be broken
+        pass
+
+
+class TensorParallelModel:
+    """The rank processes of one `parallel` recipe, called like a CompiledModel (rank 0 answers).
+    Use as a context manager, or `close()` it: the ranks are stopped either way at exit."""
+
+    def __init__(self, model: Any, recipe: Any, procs: list, conns: list):
+        self.model, self.recipe, self.procs, self.conns = model, recipe, procs, conns
+        self.ranks: list[dict] = []          # per rank once started: pid, weights_bytes
+        self.world = len(procs)
+        self.timeout_s = float(recipe.parallel.comm.timeout_s)
+        self.mode = "graph"
+        self.graph = None                    # each rank holds its own shard
+        self.last_comm: list[dict] = []      # per rank, after the last call: collectives, bytes, seconds
+        self.last_path: dict = {}
+        self._source = None
+        self._down: str | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    @property
+    def source(self) -> Any:
+        """The model in this process (inputs, eager reference), loaded on first use."""
+        if self._source is None:
+            from graphmode.compiler import resolve_model
+            self._source = resolve_model(self.model, self.recipe)
+        return self._source
+
+    def warmup(self) -> None:
+        """Every rank has built every bucket's plan at start; nothing is left to do."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._down is not None:
+            raise RankFailure(f"the tensor-parallel group is down: {self._down}", where="parallel",
+                              fix="start the ranks again (graphmode.compile with the recipe)")
+        for r, c in enumerate(self.conns):
+            try:
+                c.send(("run", args, kwargs))
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self._fail(self._death(r) or f"rank {r} stopped reading requests")
+        replies = self._collect(self.timeout_s + _MARGIN_S, "run")
+        self.last_comm = [rep[2] for rep in replies]
+        self.last_path = dict(replies[0][2].get("path") or {})
+        return replies[0][1]
+
+    def _death(self, r: int) -> str | None:
+        code = self.procs[r].exitcode
+        if code is None:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"rank {r} (pid {self.procs[r].pid}) {how}"
+
+    def _collect(self, timeout_s: float | None, what: str) -> list:
+        """One reply per rank; the first death, error or overrun stops the group and raises."""
+        replies: list = [None] * self.world
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        waiting = set(range(self.world))
+        while waiting:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting], left)
+            if not ready:
+                self._fail(f"rank(s) {', '.join(map(str, sorted(waiting)))} did not answer the {what} within "
+                           f"{timeout_s:g} s")
+            for r in sorted(waiting):
+                if self.conns[r] in ready or self.conns[r].poll():
+                    try:
+                        rep = self.conns[r].recv()
+                    except (EOFError, OSError):
+                        self._fail(self._death(r) or f"rank {r} closed its pipe")
+                    if rep[0] == "error":
+                        self._fail_with(rep[1], r)
+                    replies[r] = rep
+                    waiting.discard(r)
+                elif self.procs[r].sentinel in ready:
+                    self.procs[r].join(1)
+                    self._fail(self._death(r) or f"rank {r} stopped")
+        return replies
+
+    def _fail_with(self, err: BaseException, rank: int) -> None:
+        """A rank's own error: a dead peer is the cause when a collective failed and one died."""
+        dead = [d for d in (self._death(r) for r in range(self.world) if r != rank) if d]
+        if isinstance(err, RankFailure) and dead:
+            self._fail(f"{dead[0]}; {err.message}")
+        self._stop(str(err).splitlines()[0])
+        raise err
+
+    def _fail(self, why: str) -> None:
+        self._stop(why)
+        raise RankFailure(why, where="parallel", fix="see the rank's error above (or its exit code); the group is "
+                          f"stopped, start it again (collectives wait at most parallel.comm.timeout_s = "
+                          f"{self.timeout_s:g} s)")
+
+    def _stop(self, why: str) -> None:
+        self._down = why
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+
+    def close(self) -> None:
+        if self._down is None:
+            for c in self.conns:
+                try:
+                    c.send(("close",))
+                except OSError:
+                    pass
+            for p in self.procs:
+                p.join(self.timeout_s)
+        self._stop(self._down or "closed")
+        for c in self.conns:
+            c.close()
+
+    def __enter__(self) -> "TensorParallelModel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_down", "x") is None:
+            try:
+                self._stop("collected")
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+def launch(model: Any, recipe: Any, target: Any = "host", *, mode: str | None = None, cache_dir: Any = None,
+           threads: int | None = None) -> TensorParallelModel:
+    """Start the `parallel.tensor` ranks of `recipe` on this machine (module doc); returns when
+    every rank has compiled its shard, or raises the first rank's error (a refusal keeps its type)."""
+    par = recipe.parallel
+    world = par.tensor
+    if len(par.device_group) < world:
+        raise GraphmodeError(f"{len(par.device_group)} device(s) for tensor {world}: every rank needs a device",
+                             where="parallel.device_group", value=par.device_group,
+                             fix=f"list at least {world} devices, or lower parallel.tensor")
+    if par.backend != "gloo":
+        raise GraphmodeError(f"backend {par.backend!r} is not started by graphmode yet", where="parallel.backend",
+                             fix="backend: gloo (CPU ranks)")
+    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs, conns = [], []
+    for r in range(world):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_rank_main, name=f"graphmode-rank{r}", daemon=True,
+                        args=(r, world, port, child, model, recipe, target, mode, cache_dir, threads))
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+    tp = TensorParallelModel(model, recipe, procs, conns)
+    tp.ranks = [rep[1] for rep in tp._collect(None, "start")]
+    return tp

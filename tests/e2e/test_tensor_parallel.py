@@ -1,0 +1,108 @@
+"""Tensor parallelism end to end: graphmode starts 2 rank processes (torch.distributed, gloo on
+loopback), each compiles only its shard, rank 0 answers. Outputs equal one process's (TP=1) and
+eager within fp32 tolerance; a rank killed or stopped makes the call fail with RankFailure
+within the collective timeout, never a hang."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphmode
+from graphmode.errors import RankFailure
+from graphmode.verify.numerics import rel_l2
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tiny_tp  # noqa: E402
+
+SPEC = str(Path(__file__).with_name("tiny_tp.py"))
+
+
+def first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def tp_equals_one_process(name: str, cache_dir: Path, vocab: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 11), generator=g)
+    feed = {"input_ids": ids, "attention_mask": torch.ones(2, 11, dtype=torch.long)}
+    one = graphmode.compile(f"{SPEC}:{name}", tiny_tp.recipe(f"{name}-tp1", tensor=1), cache_dir=cache_dir)
+    want = first(one(**feed))
+    with torch.inference_mode():
+        eager = first(one.source.module(**feed))
+    with graphmode.compile(f"{SPEC}:{name}", tiny_tp.recipe(f"{name}-tp2"), cache_dir=cache_dir) as tp:
+        got = first(tp(**feed))
+        comm = tp.last_comm
+        ranks = tp.ranks
+    assert rel_l2(got, want) < 1e-5 and rel_l2(got, eager) < 1e-5
+    whole = sum(t.numel() * t.element_size() for t in one.graph.constants.values())
+    assert all(r["weights_bytes"] < 0.75 * whole for r in ranks), (ranks, whole)   # each holds about half
+    assert comm[0]["collectives"] == comm[1]["collectives"] > 0
+    return tp
+
+
+def test_bert_tp2_equals_one_process(tmp_path):
+    tp_equals_one_process("bert", tmp_path, 96)
+
+
+@pytest.mark.slow
+def test_gpt2_tp2_equals_one_process(tmp_path):
+    tp_equals_one_process("gpt2", tmp_path, 100)
+
+
+def mlp_group(tmp_path, timeout_s: float):
+    rec = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS,
+                         comm={"timeout_s": timeout_s})
+    return graphmode.compile(f"{SPEC}:mlp", rec, cache_dir=tmp_path)
+
+
+def test_a_killed_rank_fails_the_call_at_once(tmp_path):
+    x = torch.randn(2, 16)
+    with mlp_group(tmp_path, 60) as tp:
+        with torch.inference_mode():
+            want = first(tp.source.module(x))
+        assert rel_l2(first(tp(input=x)), want) < 1e-5
+        os.kill(tp.pids[1], signal.SIGKILL)
+        tp.procs[1].join(30)
+        with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) was killed by signal 9"):
+            tp(input=x)
+        with pytest.raises(RankFailure, match="group is down"):
+            tp(input=x)
+        assert not any(p.is_alive() for p in tp.procs)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_fails_the_others_after_the_timeout(tmp_path):
+    x = torch.randn(2, 16)
+    with mlp_group(tmp_path, 3) as tp:
+        os.kill(tp.pids[1], signal.SIGSTOP)
+        try:
+            with pytest.raises(RankFailure, match=r"rank 0: all_reduce over 2 ranks failed|did not answer"):
+                tp(input=x)
+        finally:
+            if tp.procs[1].is_alive():
+                os.kill(tp.pids[1], signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_graphmode_run_starts_the_ranks_and_checks_rank_0_against_eager(tmp_path):
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    import graphmode.cli.run_cmd  # noqa: F401  (registers `run`)
+    from graphmode.cli.app import app
+    path = tmp_path / "tp2.yaml"
+    path.write_text(yaml.safe_dump(tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS)))
+    res = CliRunner().invoke(app, ["run", "--model", f"{SPEC}:mlp", "--recipe", str(path), "--iters", "2",
+                                   "--cache-dir", str(tmp_path / "cache"), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    assert out["numerics_ok"] and out["parallel"]["ranks"] == 2 and out["parallel"]["collectives_per_call"] == 1
+    w = out["parallel"]["weights_bytes_per_rank"]
+    assert w[0] == w[1] == 4 * (16 * 16 + 16 + 16 * 4 + 4)        # half of each linear, the second's bias whole

@@ -1,0 +1,58 @@
+"""Tiny transformers for the tensor-parallel tests, loadable as `path/to/tiny_tp.py:function`
+model specs: a two-layer MLP, a BERT encoder (MiniLM's architecture: 2 layers, 4 heads of 8, vocab 96) and the
+GPT-2 LM of tiny_decoders.py (2 layers, 4 heads of 8, vocab 100), random weights."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+LOOPBACK = {"bandwidth_gbps": "${target.groups.interconnects.loopback.bandwidth_gbps}",
+            "latency_us": "${target.groups.interconnects.loopback.latency_us}"}
+
+
+def bert():
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=96, max_position_embeddings=64, initializer_range=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = BertModel(cfg, add_pooling_layer=False).eval()
+    ex = {"input_ids": torch.randint(0, 96, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    return model, ex, {k: ["batch", "seq"] for k in ex}
+
+
+def gpt2():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("tiny_decoders", Path(__file__).with_name("tiny_decoders.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.gpt2()
+
+
+def mlp():
+    """Linear 16 -> 32, ReLU, Linear 32 -> 4: one column- then row-parallel pair, one all_reduce."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+    return model, {"input": torch.randn(2, 16)}, {"input": ["batch", 16]}
+
+
+MLP_INPUTS = [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}]
+MLP_DIMS = {"batch": {"buckets": [2], "min": 1}}
+
+
+def recipe(name: str, tensor: int = 2, *, inputs: list | None = None, dims: dict | None = None, **parallel) -> dict:
+    """The transformers' inputs (one bucket: batch 2, seq 16; a request is padded up to it), split
+    over `tensor` ranks on loopback, 30 s per collective."""
+    r = {"version": 1, "name": name, "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
+         "inputs": inputs or [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"]},
+                              {"name": "attention_mask", "dtype": "i64", "shape": ["batch", "seq"],
+                               "role": "attention_mask"}],
+         "dims": dims or {"batch": {"buckets": [2], "min": 1}, "seq": {"buckets": [16], "min": 2}}}
+    if tensor > 1:
+        r["parallel"] = {"tensor": tensor, "device_group": [f"rank{i}" for i in range(tensor)],
+                         "links": {"loopback": LOOPBACK}, "comm": {"timeout_s": 30}}
+        r["parallel"].update(parallel)
+    return r
