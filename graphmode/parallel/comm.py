@@ -74,7 +74,7 @@ class TorchDistributed:
         try:
             out = fn()
         except RuntimeError as e:
-            raise RankFailure(f"rank {self.rank}: {what} over {self.world} ranks failed after "
+            raise RankFailure(f"{what} over {self.world} ranks failed after "
                               f"{time.perf_counter() - t0:.1f} s: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}",
                               where=f"rank {self.rank}", fix="another rank died, hung past parallel.comm.timeout_s "
                               f"({self.timeout_s:g} s) or was not started; see its error above, then restart "
@@ -131,7 +131,7 @@ class ThreadGroup:
             s.barrier.wait()               # everyone read
         except threading.BrokenBarrierError:
             s.barrier.abort()
-            raise RankFailure(f"rank {self.rank}: {what} over {self.world} thread ranks found the group broken "
+            raise RankFailure(f"{what} over {self.world} thread ranks found the group broken "
                               f"(a rank failed or waited more than {self.timeout_s:g} s)",
                               where=f"rank {self.rank}", fix="see the failing rank's error") from None
         return parts

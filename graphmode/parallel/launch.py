@@ -44,7 +44,7 @@ def _portable(e: BaseException, rank: int) -> BaseException:
             return back
     except Exception:  # noqa: BLE001 - anything unpicklable becomes text
         pass
-    return RankFailure(f"rank {rank}: {type(e).__name__}: {e}", where=f"rank {rank}")
+    return RankFailure(f"{type(e).__name__}: {e}", where=f"rank {rank}")
 
 
 def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, target: Any, mode: str | None,
@@ -93,6 +93,11 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the group may already be broken
         pass
+
+
+class NotOnRanks(GraphmodeError, AttributeError):
+    """A CompiledModel feature the rank group does not offer (an AttributeError too, so
+    `getattr(tp, name, default)` still works)."""
 
 
 class TensorParallelModel:
@@ -163,6 +168,7 @@ class TensorParallelModel:
                     try:
                         rep = self.conns[r].recv()
                     except (EOFError, OSError):
+                        self.procs[r].join(1)
                         self._fail(self._death(r) or f"rank {r} closed its pipe")
                     if rep[0] == "error":
                         self._fail_with(rep[1], r)
@@ -207,6 +213,13 @@ class TensorParallelModel:
         self._stop(self._down or "closed")
         for c in self.conns:
             c.close()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise NotOnRanks(f"{name!r} is not available on a tensor-parallel group yet: it is called, returns rank "
+                         "0's outputs, and reports ranks and last_comm", where="parallel",
+                         fix="tensor: 1 for this feature (docs/tensor-parallel.md lists what is not done)")
 
     def __enter__(self) -> "TensorParallelModel":
         return self

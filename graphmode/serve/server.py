@@ -361,7 +361,12 @@ class ModelServer:
     def fits_model(self, recipe: Any) -> None:
         """The recipe must declare the model's inputs, with the model's rank and fixed dims
         (checked now, so the answer to PUT says it instead of a failed background compile)."""
-        from graphmode.compiler import resolve_model
+        from graphmode.compiler import resolve_model, tensor_parallel
+        if tensor_parallel(recipe) > 1:
+            raise RecipeError(f"the server does not run tensor-parallel ranks yet (tensor {tensor_parallel(recipe)})",
+                              where="parallel.tensor", line=recipe.line_of("parallel"),
+                              fix="tensor: 1 to serve; graphmode.compile or `graphmode run` start the ranks "
+                                  "(docs/tensor-parallel.md)")
         resolve_model(self.model, recipe)                  # names (RecipeError)
         dims = getattr(self.model, "input_dims", None)
         if not isinstance(dims, dict):

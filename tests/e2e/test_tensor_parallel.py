@@ -14,6 +14,7 @@ import torch
 
 import graphmode
 from graphmode.errors import RankFailure
+from graphmode.parallel.launch import NotOnRanks
 from graphmode.verify.numerics import rel_l2
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -66,6 +67,9 @@ def test_a_killed_rank_fails_the_call_at_once(tmp_path):
         with torch.inference_mode():
             want = first(tp.source.module(x))
         assert rel_l2(first(tp(input=x)), want) < 1e-5
+        with pytest.raises(NotOnRanks, match="'metrics' is not available on a tensor-parallel group"):
+            tp.metrics()
+        assert getattr(tp, "monitor", None) is None
         os.kill(tp.pids[1], signal.SIGKILL)
         tp.procs[1].join(30)
         with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) was killed by signal 9"):
@@ -106,3 +110,12 @@ def test_graphmode_run_starts_the_ranks_and_checks_rank_0_against_eager(tmp_path
     assert out["numerics_ok"] and out["parallel"]["ranks"] == 2 and out["parallel"]["collectives_per_call"] == 1
     w = out["parallel"]["weights_bytes_per_rank"]
     assert w[0] == w[1] == 4 * (16 * 16 + 16 + 16 * 4 + 4)        # half of each linear, the second's bias whole
+
+
+def test_the_server_refuses_a_parallel_recipe_before_compiling():
+    from graphmode.errors import RecipeError
+    from graphmode.serve.server import ModelServer
+    rec = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS)
+    with pytest.raises(RecipeError, match="does not run tensor-parallel ranks yet") as e:
+        ModelServer(f"{SPEC}:mlp", rec)
+    assert e.value.where == "recipe: parallel.tensor"
