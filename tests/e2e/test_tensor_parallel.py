@@ -55,6 +55,25 @@ def test_gpt2_tp2_equals_one_process(tmp_path):
     tp_equals_one_process("gpt2", tmp_path, 100)
 
 
+@pytest.mark.slow
+def test_llama_gqa_tp2_equals_one_process(tmp_path):
+    tp_equals_one_process("llama", tmp_path, 100)
+
+
+@pytest.mark.slow
+def test_resnet18_by_batch_equals_one_process(tmp_path):
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    dims = {"batch": {"buckets": [4]}}
+    inputs = [{"name": "pixel_values", "dtype": "f32", "shape": ["batch", 3, 32, 32]}]
+    one = graphmode.compile(f"{SPEC}:resnet18", tiny_tp.recipe("r1", 1, inputs=inputs, dims=dims), cache_dir=tmp_path)
+    want = first(one(pixel_values=x))
+    rec = tiny_tp.recipe("r2", inputs=inputs, dims=dims, strategy="batch")
+    with graphmode.compile(f"{SPEC}:resnet18", rec, cache_dir=tmp_path) as tp:
+        got = first(tp(pixel_values=x))
+        assert tp.last_comm[0]["collectives"] == 1                 # the logits gathered by batch
+    assert rel_l2(got, want) < 1e-5
+
+
 def mlp_group(tmp_path, timeout_s: float):
     rec = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS,
                          comm={"timeout_s": timeout_s})

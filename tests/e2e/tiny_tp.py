@@ -1,6 +1,7 @@
 """Tiny transformers for the tensor-parallel tests, loadable as `path/to/tiny_tp.py:function`
-model specs: a two-layer MLP, a BERT encoder (MiniLM's architecture: 2 layers, 4 heads of 8, vocab 96) and the
-GPT-2 LM of tiny_decoders.py (2 layers, 4 heads of 8, vocab 100), random weights."""
+model specs: a two-layer MLP, a BERT encoder (MiniLM's architecture: 2 layers, 4 heads of 8, vocab 96), the
+GPT-2 LM of tiny_decoders.py (2 layers, 4 heads of 8, vocab 100), a Llama-style GQA decoder (4 query
+heads, 2 KV heads) and ResNet-18 on 32x32 images; random weights."""
 from __future__ import annotations
 
 import warnings
@@ -30,6 +31,26 @@ def gpt2():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.gpt2()
+
+
+def llama():
+    """A Llama-style decoder with grouped-query attention: 4 query heads over 2 KV heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, use_cache=False,
+                      initializer_range=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LlamaForCausalLM(cfg).eval()
+    ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    return model, ex, {k: ["batch", "seq"] for k in ex}
+
+
+def resnet18():
+    """graphmode's ResNet-18 on 32x32 images, 10 classes (for the batch strategy)."""
+    from graphmode.capture.zoo import build_resnet18
+    return build_resnet18(image_size=32, num_classes=10)
 
 
 def mlp():
