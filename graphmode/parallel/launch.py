@@ -22,7 +22,7 @@ import pickle
 import socket
 import time
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, Mapping
 
 from graphmode.errors import GraphmodeError, RankFailure
 
@@ -79,6 +79,12 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
             break
         if msg[0] == "close":
             break
+        if msg[0] == "sample":        # rank 0: sample inputs inside the whole model's tables
+            try:
+                conn.send(("ok", cm.sample_inputs(msg[1], seed=msg[2]), {}))
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                conn.send(("error", _portable(e, rank)))
+            continue
         _, args, kwargs = msg
         try:
             calls, nbytes, secs = comm.calls, comm.bytes, comm.seconds
@@ -132,9 +138,7 @@ class TensorParallelModel:
         """Every rank has built every bucket's plan at start; nothing is left to do."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._down is not None:
-            raise RankFailure(f"the tensor-parallel group is down: {self._down}", where="parallel",
-                              fix="start the ranks again (graphmode.compile with the recipe)")
+        self._check_up()
         for r, c in enumerate(self.conns):
             try:
                 c.send(("run", args, kwargs))
@@ -144,6 +148,28 @@ class TensorParallelModel:
         self.last_comm = [rep[2] for rep in replies]
         self.last_path = dict(replies[0][2].get("path") or {})
         return replies[0][1]
+
+    def sample_inputs(self, env: Mapping[str, int], seed: int = 0) -> dict[str, Any]:
+        """Rank 0's sample inputs at `env`: index inputs drawn inside the tables of the model
+        as captured (its shard's tables are split)."""
+        self._check_up()
+        try:
+            self.conns[0].send(("sample", dict(env), seed))
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._fail(self._death(0) or "rank 0 stopped reading requests")
+        deadline = time.monotonic() + self.timeout_s + _MARGIN_S
+        while not self.conns[0].poll(0.1):
+            if self._death(0) or time.monotonic() > deadline:
+                self._fail(self._death(0) or f"rank 0 did not answer within {self.timeout_s:g} s")
+        rep = self.conns[0].recv()
+        if rep[0] == "error":
+            self._fail_with(rep[1], 0)
+        return rep[1]
+
+    def _check_up(self) -> None:
+        if self._down is not None:
+            raise RankFailure(f"the tensor-parallel group is down: {self._down}", where="parallel",
+                              fix="start the ranks again (graphmode.compile with the recipe)")
 
     def _death(self, r: int) -> str | None:
         code = self.procs[r].exitcode

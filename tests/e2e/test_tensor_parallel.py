@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import graphmode
 from graphmode.errors import RankFailure
@@ -24,7 +25,8 @@ SPEC = str(Path(__file__).with_name("tiny_tp.py"))
 
 
 def first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
+    """The first output tensor, whatever structure the model returns it in (eager's)."""
+    return pytree.tree_leaves(out)[0]
 
 
 def tp_equals_one_process(name: str, cache_dir: Path, vocab: int):
