@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from graphmode.bench.contend import Burners, Phases
 from graphmode.bench.engines import (DEFAULT_ENGINES, DecodeShared, Engine, EngineUnavailable, ModelShared, _reason,
                                      make_decode_engine, make_engine, parse_decode_engines)
 from graphmode.bench.floors import (DTYPE_BYTES, _probe_warning, decode_bytes, flag_floor, floor_tok_s,
@@ -95,6 +96,7 @@ class BenchConfig:
     kb: Any = None                   # knowledge base file the graphmode rows are recorded in (None: off)
     isa: str | None = None           # graphmode's codegen.isa cap (None: the recipe's own)
     on_stage: Any = None             # hears graphmode's compile stages and plan builds (graphmode/progress.py)
+    contend: int = 0                 # CPU burners beside the contended phase of every round (contend.py)
 
 
 def _rel_l2(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
@@ -128,20 +130,30 @@ def _p90(xs: list[float]) -> float:
 # ---- shared by encoders and decoders --------------------------------------------------------
 
 def interleave(slots: Sequence[Any], iters: int, min_iters: int, budget_s: float, probe: Probe,
-               run: Callable[[Any, float | None], None]) -> None:
-    """The timed rounds: in round r every engine still running (`slot.ok`) runs once, starting
-    r engines later each round (rotation), so slow drift of the machine lands on every engine
-    alike; `run(slot, load)` is one engine's turn, `load` the 1-minute load average sampled as
-    the round starts. Past `budget_s` the rounds end early, never before `min_iters`."""
+               run: Callable[[Any, float | None, str], None], phases: Phases | None = None) -> None:
+    """The timed rounds: in round r every engine still running (`slot.ok`) runs once per phase,
+    starting r engines later each round (rotation), so slow drift of the machine lands on every
+    engine alike; `run(slot, load, phase)` is one engine's turn, `load` the 1-minute load
+    average sampled as the phase starts. The phases (`quiet`, then `contended` with --contend's
+    burners running, contend.py) time the same engines in the same round; the burners are
+    paused again at the end of each round. Past `budget_s` the rounds end early, never before
+    `min_iters`."""
+    phases = phases or Phases(None)
     start = time.perf_counter()
     for r in range(iters):
         live = [s for s in slots if s.ok]
         if not live:
             break
-        load = probe.load1()
-        for s in live[r % len(live):] + live[:r % len(live)]:
-            if s.ok:
-                run(s, load)
+        order = live[r % len(live):] + live[:r % len(live)]
+        try:
+            for phase in phases.names:
+                phases.enter(phase)
+                load = probe.load1()
+                for s in order:
+                    if s.ok:
+                        run(s, load, phase)
+        finally:
+            phases.enter("quiet")
         if r + 1 >= min_iters and time.perf_counter() - start > budget_s:
             break
 
@@ -199,10 +211,12 @@ def run_meta(threads: int, target: Any, probe: Probe, rows: list[dict[str, Any]]
              load_start: Any, t_start: float, warnings: list[str], order: Sequence[str] = (),
              **fields: Any) -> dict[str, Any]:
     """The machine (machine_meta) and the run's conditions, common to every benchmark's meta,
-    then `fields`; `order` lists the keys first in the order each benchmark has written them."""
+    then `fields`; `order` lists the keys first in the order each benchmark has written them.
+    `loadavg_max` is over the quiet rows: the contended ones' load is the bench's own burners."""
     meta = machine_meta(threads, target)
     rest = dict(loadavg_start=load_start, quick=quick, usable_cores=probe.cores,
-                loadavg_max=max((r["load_max"] for r in rows if r.get("load_max") is not None), default=None),
+                loadavg_max=max((r["load_max"] for r in rows if r.get("load_max") is not None
+                                 and r.get("condition", "quiet") == "quiet"), default=None),
                 warnings=([QUICK_NOTE] if quick else []) + warnings, wall_s=round(time.perf_counter() - t_start, 1),
                 **fields)
     meta.update({k: rest.pop(k) for k in order})
@@ -244,14 +258,18 @@ class BenchResult:
 class _Slot:
     engine: Engine
     row: dict[str, Any]
-    times: list[float] = field(default_factory=list)
+    times: dict[str, list[float]] = field(default_factory=dict)         # phase -> ms per timed call
     ok: bool = True
-    cond: Conditions = field(default_factory=Conditions)
+    cond: dict[str, Conditions] = field(default_factory=dict)          # phase -> its conditions
 
 
 def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: BenchConfig,
-                log: Callable[[str], None] = lambda s: None, probe: Probe | None = None) -> list[dict[str, Any]]:
+                log: Callable[[str], None] = lambda s: None, probe: Probe | None = None,
+                phases: Phases | None = None) -> list[dict[str, Any]]:
+    """The rows of one (model, shape): one per engine, and with burners (`phases`) one more per
+    engine for the contended phase (`condition: contended`)."""
     probe = probe or Probe()
+    phases = phases or Phases(None)
     bundle = case.bundle
     inputs = bundle.make_inputs(env, seed=cfg.seed)
     shape = case.shape_of(env)
@@ -295,32 +313,53 @@ def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: 
             s.row["numerics_ok"] = bool(math.isfinite(err) and err <= cfg.tol)
         _guard(s, check)
 
-    def turn(s: _Slot, load: float | None) -> None:
+    def turn(s: _Slot, load: float | None, phase: str) -> None:
         try:
             for _ in range(cfg.rewarm):     # untimed: absorbs the switch from the previous engine
                 s.engine()
-            _, dt = measured(s.cond, probe, load, s.engine)
+            _, dt = measured(s.cond.setdefault(phase, Conditions()), probe, load, s.engine)
         except Exception as e:  # noqa: BLE001
             _fail(s, e)
             return
-        s.times.append(dt * 1e3)
-    interleave(slots, cfg.iters, cfg.min_iters, cfg.budget_s, probe, turn)
+        s.times.setdefault(phase, []).append(dt * 1e3)
+    interleave(slots, cfg.iters, cfg.min_iters, cfg.budget_s, probe, turn, phases)
+    by_phase: dict[str, list[dict[str, Any]]] = {p: [] for p in phases.names}
     for s in slots:
         if s.ok:
             s.row.update(_execution(s.engine.execution()))
         s.engine.close()
-        if s.ok and s.times:
-            s.row.update(**summary_stats(s.times, mean_min=True), **s.cond.to_row())
-        elif s.ok:
-            s.ok = False
-            s.row.update(status="failed", reason="no timed run (iters = 0)")
-    rows = [s.row for s in slots]
-    _ratios(rows)
-    judge(rows, probe.cores, quick=cfg.quick)
+        base = dict(s.row)
+        for phase in phases.names:
+            row = s.row if phase == "quiet" else dict(base)
+            row.update(condition=phase, contend=phases.burners.n if phase == "contended" else 0)
+            times = s.times.get(phase) or []
+            if s.ok and times:
+                row.update(**summary_stats(times, mean_min=True), **s.cond[phase].to_row())
+            elif s.ok:
+                row.update(status="failed", reason="no timed run (iters = 0)")
+            by_phase[phase].append(row)
+    rows: list[dict[str, Any]] = []
+    for phase, prow in by_phase.items():
+        _ratios(prow)
+        judge(prow, probe.cores, quick=cfg.quick, contended=phase == "contended")
+        rows += prow
+    slowdowns(rows)
     if any(r.get("flags") for r in rows) and not cfg.quick:
         log(f"  flagged: {', '.join(r['label'] + ' (' + ','.join(r['flags']) + ')' for r in rows if r.get('flags'))}")
     gc.collect()
     return rows
+
+
+def slowdowns(rows: list[dict[str, Any]]) -> None:
+    """On each contended row of one shape, `slowdown` = its median / the same engine's quiet
+    median: how much the busy neighbours cost that engine."""
+    quiet = {r["label"]: r for r in rows if r.get("condition", "quiet") == "quiet"}
+    for r in rows:
+        if r.get("condition") != "contended":
+            continue
+        q = quiet.get(r["label"])
+        ok = q is not None and q.get("median_ms") and r.get("median_ms")
+        r["slowdown"] = round(r["median_ms"] / q["median_ms"], 4) if ok else None
 
 
 def _execution(info: dict[str, Any] | None) -> dict[str, Any]:
@@ -410,7 +449,9 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
     load_start = probe.loadavg()
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    with torch_threads(cfg.threads):
+    # the burners start paused: they spin only during the contended phase of each round
+    with torch_threads(cfg.threads), Burners(cfg.contend) as burners:
+        phases = Phases(burners)
         for case in cases:
             shared = ModelShared(case.bundle, case.envs, cfg.threads, recipe=cfg.recipe, cache_dir=cfg.cache_dir,
                                  onnx_cache_dir=cfg.onnx_cache_dir, isa=cfg.isa, on_stage=cfg.on_stage)
@@ -418,12 +459,13 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
                 first = len(rows)
                 for env in case.envs:
                     log(f"{case.name} {'x'.join(map(str, case.shape_of(env)))}")
-                    shape_rows = bench_shape(case, shared, env, cfg, log, probe)
+                    shape_rows = bench_shape(case, shared, env, cfg, log, probe, phases)
                     apply_floor(shape_rows, shape_floor(shared.store.get("graphmode"), env, target))
                     for r in shape_rows:
                         r["tol"] = cfg.tol
                         rows.append(r)
-                note = record_bench(cfg.kb, shared.store.get("graphmode"), rows[first:], target)
+                note = record_bench(cfg.kb, shared.store.get("graphmode"),
+                                    [r for r in rows[first:] if r["condition"] == "quiet"], target)
                 if note:
                     log(note)
             finally:
@@ -434,7 +476,7 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
                 gc.collect()
     meta = run_meta(
         cfg.threads, target, probe, rows, quick=cfg.quick, load_start=load_start, t_start=t_start,
-        warnings=warning_lines(rows, cfg.quick) + _probe_warning(target),
+        warnings=warning_lines(rows, cfg.quick) + _probe_warning(target), contend=cfg.contend,
         models=[{"model": c.name, "spec": c.spec, "load_s": round(c.load_s, 3), "shapes": [c.shape_of(e) for e in c.envs],
                  "source": getattr(c.bundle, "source", "")} for c in cases],
         engines=[make_engine(n, v).label for n, v in cfg.engines],
@@ -442,6 +484,10 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
                 "rounds": "interleaved round-robin, rotated start each round; per engine and round "
                           f"{cfg.rewarm} untimed call(s) then 1 timed call", "seed": cfg.seed,
                 "numerics_tol": cfg.tol,
+                **({"contend": f"{cfg.contend} CPU burner process(es) (a fixed integer loop each) paused "
+                               "(SIGSTOP) for the quiet pass of every round and resumed for a second, contended "
+                               "pass of the same engines; slowdown = contended median / quiet median"}
+                   if cfg.contend else {}),
                 "ratio_vs_eager": "median_ms / eager median_ms (< 1 is faster than eager)",
                 "ratio_vs_best_other": "median_ms / fastest ok non-graphmode engine's median_ms",
                 "ratio_vs_best_other_ci95": "graphmode: distribution-free 95% interval of the median of its "

@@ -96,9 +96,11 @@ def _flag(row: dict, code: str, note: str) -> None:
         row["notes"].append(f"{code}: {note}")
 
 
-def judge(rows: list[dict[str, Any]], cores: int, quick: bool = False) -> None:
+def judge(rows: list[dict[str, Any]], cores: int, quick: bool = False, contended: bool = False) -> None:
     """Set `flags` (codes, see the module doc) and `notes` (one sentence each, with the
-    numbers) on the rows of one (model, shape)."""
+    numbers) on the rows of one (model, shape) and condition. `contended`: rows timed beside
+    the bench's own CPU burners, where load and starvation are the condition measured, not a
+    doubt about it (their `cpu_per_wall` and `load_max` still say how starved they were)."""
     for r in rows:
         r["flags"], r["notes"] = [], []
     ok = [r for r in rows if r["status"] == "ok" and r.get("median_ms")]
@@ -109,12 +111,13 @@ def judge(rows: list[dict[str, Any]], cores: int, quick: bool = False) -> None:
             ops = ", ".join((r.get("execution") or {}).get("island_ops") or ())
             _flag(r, "islands", f"hybrid: {r['eager_islands']} op(s) ran as eager islands" + (f" ({ops})" if ops else ""))
         threads = r.get("threads") or 0
-        if r.get("load_max") is not None and r["load_max"] > cores:
-            _flag(r, "load", f"load average reached {r['load_max']:.2f} on {cores} usable core(s) during its rounds")
-        elif threads > cores:
-            _flag(r, "load", f"{threads} threads on {cores} usable core(s)")
-        if r.get("cpu_per_wall") is not None and r["cpu_per_wall"] < STARVED:
-            _flag(r, "starved", f"the process got {r['cpu_per_wall']:.2f} CPU-s per wall-s of its timed calls")
+        if not contended:
+            if r.get("load_max") is not None and r["load_max"] > cores:
+                _flag(r, "load", f"load average reached {r['load_max']:.2f} on {cores} usable core(s) during its rounds")
+            elif threads > cores:
+                _flag(r, "load", f"{threads} threads on {cores} usable core(s)")
+            if r.get("cpu_per_wall") is not None and r["cpu_per_wall"] < STARVED:
+                _flag(r, "starved", f"the process got {r['cpu_per_wall']:.2f} CPU-s per wall-s of its timed calls")
         if r.get("spread") is not None and r["spread"] > SPREAD_LIMIT:
             _flag(r, "spread", f"its rounds disagree: p90 / median = {r['spread']:.2f}")
         x = r.get("speedup_vs_eager")

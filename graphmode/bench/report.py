@@ -49,6 +49,29 @@ SHORT = ("model", "shape", "engine", "status", "median", "p90", "/eager", "/best
          "setup", "RSS", "flags")
 
 
+CONTENDED = ("contended median", "contended vs best other", "slowdown")
+CONTENDED_SHORT = ("busy", "/best busy", "slowdown")
+
+
+def quiet_rows(res: BenchResult) -> list[dict]:
+    """The rows of the quiet condition (every row of a run without `--contend`)."""
+    return [r for r in res.rows if r.get("condition", "quiet") == "quiet"]
+
+
+def contended_of(res: BenchResult) -> dict[tuple, dict]:
+    """(model, shape, label) -> the contended row of that engine (empty without `--contend`)."""
+    return {(r["model"], tuple(r["shape"]), r["label"]): r for r in res.rows if r.get("condition") == "contended"}
+
+
+def _contended_cells(r: dict, busy: dict[tuple, dict]) -> list[str]:
+    """The contended columns beside quiet row `r`: median, ratio to the best other engine
+    under the same contention, and slowdown = contended / quiet median."""
+    c = busy.get((r["model"], tuple(r["shape"]), r["label"]))
+    if c is None or c["status"] != "ok":
+        return ["-", "-", "-"]
+    return [_ms(c.get("median_ms")), _vs_best(c), _x(c.get("slowdown"))]
+
+
 def _floor(v: Any) -> str:
     return "-" if v is None else f"{v:.3g}"
 
@@ -97,22 +120,28 @@ def rich_table(res: BenchResult):
     caption = ("ms = median / p90 latency; /eager, /best = median over eager's and over the fastest "
                "non-graphmode engine's (< 1 is faster); floor = the shape's roofline ms on this host, "
                "max(FLOPs / peak, bytes / bandwidth), xfloor = median / floor; setup s; RSS = peak MB added by setup")
+    busy = contended_of(res)
+    if busy:
+        caption += (f"\nbusy = the same rounds with {m.get('contend')} CPU burner(s) running: median, /best among "
+                    "the contended engines, slowdown = busy / quiet median")
     legend = _legend(res)
     if legend:
         caption += "\nflags: " + "; ".join(legend)
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
               caption=caption, caption_justify="left")
-    for c in SHORT:
+    for c in SHORT[:-1] + (CONTENDED_SHORT if busy else ()) + SHORT[-1:]:
         t.add_column(c, justify="right" if c not in ("model", "shape", "engine", "status", "flags") else "left",
                      no_wrap=c not in ("engine", "flags"), overflow="fold")
     prev = None
     notes = []
-    for r in res.rows:
+    for r in quiet_rows(res):
         key = (r["model"], tuple(r["shape"]))
         if prev is not None and key != prev:
             t.add_section()
         prev = key
         cells = _cells(r, full=False)
+        if busy:
+            cells[-1:-1] = _contended_cells(r, busy)
         cells[1] = "x".join(map(str, r["shape"]))
         style = "dim" if r["status"] != "ok" else ("bold" if r["engine"] == "graphmode" else None)
         if r.get("flags") and r["status"] == "ok" and not m.get("quick"):
@@ -126,6 +155,7 @@ def rich_table(res: BenchResult):
 SPEED_GOAL = 0.90        # graphmode median / the best other engine's, per shape
 FLOOR_GOAL = 1.10        # or, where the shape is memory-bound, graphmode median / its roofline floor
 RSS_GOAL = 1.2           # graphmode's peak RSS added by setup + first call / ONNX Runtime's
+CONTENDED_GOAL = 1.0     # under --contend: graphmode median / the best other engine's, both contended
 
 
 def goals(res: BenchResult) -> list[str]:
@@ -135,9 +165,13 @@ def goals(res: BenchResult) -> list[str]:
     if res.meta.get("quick"):
         return []
     by_shape: dict[tuple, dict[str, dict]] = {}
-    for r in res.rows:        # by engine: graphmode's label carries its ISA cap (graphmode[avx2])
+    for r in quiet_rows(res):        # by engine: graphmode's label carries its ISA cap (graphmode[avx2])
         if r["status"] == "ok":
             by_shape.setdefault((r["model"], tuple(r["shape"])), {}).setdefault(r["engine"], r)
+    busy: dict[tuple, dict[str, dict]] = {}
+    for r in res.rows:
+        if r.get("condition") == "contended" and r["status"] == "ok":
+            busy.setdefault((r["model"], tuple(r["shape"])), {}).setdefault(r["engine"], r)
     out = []
     for (model, shape), rows in by_shape.items():
         g = rows.get("graphmode")
@@ -163,14 +197,38 @@ def goals(res: BenchResult) -> list[str]:
             x = g["peak_rss_mb"] / ort["peak_rss_mb"]
             parts.append(f"peak RSS {'met' if x <= RSS_GOAL else 'NOT met'} ({g['peak_rss_mb']:.0f} MB, "
                          f"{x:.2f}x onnxruntime's {ort['peak_rss_mb']:.0f} MB)")
+        parts += contended_goals(busy.get((model, shape), {}))
         if parts:
             out.append(f"{model} {'x'.join(map(str, shape))}: " + "; ".join(parts))
     return out
 
 
+def contended_goals(rows: dict[str, dict]) -> list[str]:
+    """The contended goals of one shape from its contended rows (by engine): graphmode <=
+    CONTENDED_GOAL x the best other engine under the same burners, and its slowdown (contended
+    / quiet) no worse than ONNX Runtime's."""
+    g = rows.get("graphmode")
+    if g is None or g.get("eager_fallback"):
+        return []
+    parts = []
+    ratio = g.get("ratio_vs_best_other")
+    if ratio is not None:
+        ci = g.get("ratio_vs_best_other_ci95")
+        parts.append(f"contended speed {'met' if ratio <= CONTENDED_GOAL else 'NOT met'} ({ratio:.2f}x "
+                     f"{g.get('best_other_engine')}" + (f"; per-round ratio {ci[0]:.2f}-{ci[1]:.2f} at 95%" if ci else "")
+                     + ")")
+    ort = rows.get("onnxruntime")
+    if g.get("slowdown") and ort is not None and ort.get("slowdown"):
+        parts.append(f"slowdown {'met' if g['slowdown'] <= ort['slowdown'] else 'NOT met'} "
+                     f"({g['slowdown']:.2f}x, onnxruntime's {ort['slowdown']:.2f}x)")
+    return parts
+
+
 def markdown(res: BenchResult) -> str:
     m = res.meta
     v = m["versions"]
+    busy = contended_of(res)
+    cols = COLUMNS[:-1] + (CONTENDED if busy else ()) + COLUMNS[-1:]
     head = [f"# graphmode smoke run, --quick ({m['date']})", "", f"**Not a measurement.** {QUICK_NOTE}; run "
             "`graphmode bench` without `--quick` for numbers.", ""] if m.get("quick") else \
         [f"# graphmode benchmark ({m['date']})", ""]
@@ -192,18 +250,24 @@ def markdown(res: BenchResult) -> str:
              "of the median of its per-round ratios to that engine, distribution-free); `floor ms` = the shape's "
              f"roofline time on this host, max(FLOPs / peak, bytes / bandwidth) at {_roof(m)}, and `x floor` = "
              "median / floor ms; rel L2 = max over outputs of ‖out − eager‖ / ‖eager‖",
-             f"- graphmode recipe: {m.get('recipe')}", ""]
+             f"- graphmode recipe: {m.get('recipe')}",
+             *([f"- contended: {m['method']['contend']}; the contended columns' ratio is to the best other "
+                "engine under the same contention"] if busy else []), ""]
     cells = []
-    for r in res.rows:
+    for r in quiet_rows(res):
         cells.append(_cells(r))
+        if busy:
+            cells[-1][-1:-1] = _contended_cells(r, busy)
         if r["engine"] == "graphmode" and r["status"] == "ok" and not r.get("eager_fallback"):
             cells[-1][2] = f"**{cells[-1][2]}**"
             cells[-1][4] = f"**{cells[-1][4]}**"
-    lines += _md_table(list(COLUMNS), cells) + _flag_notes(res.rows, m.get("warnings"))
+    lines += _md_table(list(cols), cells) + _flag_notes(res.rows, m.get("warnings"))
     met = goals(res)
     if met:
         lines += ["", f"Goals: graphmode <= {SPEED_GOAL:.2f}x the best other engine (or <= {FLOOR_GOAL:.2f}x the "
-                  f"floor on a memory-bound shape); peak RSS <= {RSS_GOAL:.1f}x ONNX Runtime's:", ""]
+                  f"floor on a memory-bound shape); peak RSS <= {RSS_GOAL:.1f}x ONNX Runtime's"
+                  + (f"; contended: <= {CONTENDED_GOAL:.2f}x the best other engine and a slowdown no worse than "
+                     "ONNX Runtime's" if busy else "") + ":", ""]
         lines += [f"- {x}" for x in met]
     lines += ["", "Peak RSS: resident MB added at the peak of the engine's setup + first call for that shape, "
               "over what the process held before (model-level work such as graphmode's capture or the ONNX "
@@ -219,7 +283,7 @@ def bars(res: BenchResult) -> list[dict[str, Any]]:
     `eager fallback`, `failed`, `not installed`."""
     quick = bool(res.meta.get("quick"))
     out = []
-    for r in res.rows:
+    for r in quiet_rows(res):
         b = {"model": r["model"], "shape": tuple(r["shape"]), "label": r["label"], "value": None, "kind": None}
         if r["status"] != "ok":
             b["kind"] = "not installed" if r.get("skipped") else "failed"

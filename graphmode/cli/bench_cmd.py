@@ -80,6 +80,9 @@ def bench_cmd(
                                     "cache under --cache-dir (default: a fresh temporary one, so setup_s is a "
                                     "cold compile)"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as JSON on stdout"),
+    contend: int = typer.Option(0, "--contend", min=0, max=64, help="also time every engine with N CPU burner "
+                                "processes running (started and stopped by the bench): quiet and contended columns "
+                                "side by side, with each engine's slowdown"),
     isa: Optional[str] = typer.Option(None, "--isa", help="cap graphmode's generated kernels at avx512 | avx2 | "
                                       "portable (the recipe's codegen.isa; default: the recipe's own, auto = the "
                                       "host's best): e.g. the AVX2 code path's table from an AVX-512 host"),
@@ -106,7 +109,8 @@ def bench_cmd(
     cfg = BenchConfig(engines=eng, threads=threads, iters=3 if quick else iters, min_iters=3 if quick else 5,
                       warmup=1 if quick else warmup, rewarm=0 if quick else rewarm, budget_s=budget_s, tol=tol,
                       recipe=str(recipe) if recipe else None, cache_dir=layout.root if warm_cache else None,
-                      onnx_cache_dir=layout.onnx, quick=quick, kb=None if quick else kb_file(kb, cache_dir), isa=isa)
+                      onnx_cache_dir=layout.onnx, quick=quick, kb=None if quick else kb_file(kb, cache_dir), isa=isa,
+                      contend=contend)
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
     models = list(model or ([] if zoo else DEFAULT_MODELS))
     if zoo:

@@ -32,6 +32,7 @@ from typing import Any, Callable
 from graphmode.errors import TargetError
 from graphmode.paths import cache_layout
 from graphmode.targets.bandwidth import measure_bandwidth, measure_fma_peak, stream_buffer_bytes
+from graphmode.targets.quota import affinity_cores
 from graphmode.targets.schema import Target
 from graphmode.targets.units import parse_bytes
 
@@ -49,11 +50,9 @@ def load_average() -> list[float] | None:
 
 
 def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask; a container may allow fewer than the host has)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """CPUs this process may run on (its affinity mask; a container may allow fewer than the host
+    has; its CPU quota is targets.quota's)."""
+    return affinity_cores()
 
 
 def memory_limit_bytes(cgroup_root: str | Path = "/sys/fs/cgroup") -> int | None:

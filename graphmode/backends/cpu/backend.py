@@ -13,6 +13,7 @@ from graphmode.backends.cpu.executor import CpuExecutable
 from graphmode.backends.cpu.isa import cap_problem, host_simd
 from graphmode.backends.cpu.tactics import POLICIES, tactics_context
 from graphmode.errors import BackendError
+from graphmode.targets.quota import default_threads
 from graphmode.plan.execution import ExecutionPlan
 
 
@@ -28,7 +29,9 @@ class CpuBackend:
         graphmode.paths), the tactics' timing cache lives next to it in `tactics/`; `isa` caps their
         code path (the recipe's `codegen.isa`), never above what this host runs. `frozen`: use
         the timing cache as recorded (no re-timing of noisy entries), as a loaded artifact does.
-        `weight_growth`: the recipe's memory.weight_growth (None: the prepared weights are not limited)."""
+        `weight_growth`: the recipe's memory.weight_growth (None: the prepared weights are not limited).
+        `threads` None: this process's CPUs capped at its container's CPU quota (targets.quota)."""
+        threads = default_threads() if threads is None else threads
         why = cap_problem(isa, host_simd())
         if why is not None:
             raise BackendError(why[0], where="codegen.isa", value=isa, fix=why[1])
