@@ -540,6 +540,7 @@ class DecodeConfig:
     cache_dir: Any = None
     quick: bool = False
     on_stage: Any = None            # hears graphmode's decoder capture, passes and plans (graphmode/progress.py)
+    contend: int = 0                # CPU burners beside the contended pass of every round (contend.py)
 
     def scenarios(self) -> list[Scenario]:
         return ([Scenario("ttft", 1, p, 1) for p in self.prompt_lens] +
@@ -564,7 +565,7 @@ def prompts_for(sc: Scenario, vocab: int, seed: int) -> torch.Tensor:
 @dataclass
 class _DecodeSlot:
     engine: Any
-    rows: dict[Scenario, dict]
+    rows: dict[tuple[Scenario, str], dict]       # (scenario, phase: quiet | contended) -> its row
     ok: bool = True
     reason: str | None = None
     skipped: bool = False
@@ -572,8 +573,12 @@ class _DecodeSlot:
     failed_in: str | None = None          # "setup" or the scenario it failed in
 
 
-def _decode_row(case: DecodeCase, sc: Scenario, eng: Any, threads: int) -> dict[str, Any]:
-    return {"model": case.name, "model_name": DECODE_PRETTY.get(case.name, case.name), "scenario": sc.name,
+def _decode_row(case: DecodeCase, sc: Scenario, eng: Any, threads: int, phase: str = "quiet",
+                contend: int = 0) -> dict[str, Any]:
+    """A contended row's scenario is named `<scenario> busy`, so every table shows it as a
+    column of its own beside the quiet one."""
+    return {"model": case.name, "model_name": DECODE_PRETTY.get(case.name, case.name),
+            "scenario": sc.name + (" busy" if phase == "contended" else ""), "condition": phase, "contend": contend,
             "kind": sc.kind, "batch": sc.batch, "prompt": sc.prompt, "new_tokens": sc.new, "engine": eng.name,
             "variant": eng.variant or "default", "label": eng.label, "dtype": eng.dtype, "kv_dtype": eng.kv_dtype,
             "status": "ok", "reason": None, "skipped": False, "threads": threads, "times": [], "tok_s": [],
@@ -581,7 +586,9 @@ def _decode_row(case: DecodeCase, sc: Scenario, eng: Any, threads: int) -> dict[
 
 
 def bench_decode_model(case: DecodeCase, cfg: DecodeConfig, gbps: float, log: Callable[[str], None],
-                probe: Probe) -> list[dict[str, Any]]:
+                       probe: Probe, phases: Phases | None = None) -> list[dict[str, Any]]:
+    phases = phases or Phases(None)
+    n_busy = phases.burners.n if phases.burners else 0
     vocab = int(case.lm.config.vocab_size)
     scen = cfg.scenarios()
     recipe = decode_recipe(case.lm, [s.prompt for s in scen], [s.batch for s in scen], cfg.max_tokens,
@@ -593,7 +600,9 @@ def bench_decode_model(case: DecodeCase, cfg: DecodeConfig, gbps: float, log: Ca
     try:
         for name, variant in cfg.engines:
             eng = make_decode_engine(name, variant)
-            slot = _DecodeSlot(eng, {sc: _decode_row(case, sc, eng, cfg.threads) for sc in scen})
+            slot = _DecodeSlot(eng, {(sc, ph): _decode_row(case, sc, eng, cfg.threads, ph,
+                                                           n_busy if ph == "contended" else 0)
+                                     for sc in scen for ph in phases.names})
             slots.append(slot)
             log(f"  setup {eng.label} ...")
             t0 = time.perf_counter()
@@ -605,15 +614,16 @@ def bench_decode_model(case: DecodeCase, cfg: DecodeConfig, gbps: float, log: Ca
             slot.setup_s = round(time.perf_counter() - t0, 3)
         for sc in scen:
             log(f"{case.name} {sc.name}")
-            _run_scenario(case, sc, slots, cfg, vocab, log, probe)
+            _run_scenario(case, sc, slots, cfg, vocab, log, probe, phases)
         rows = []
         wb = {d: decode_bytes(case.lm, d) for d in {s.engine.dtype for s in slots}}
         for sc in scen:
-            group = [_decode_finish(s, sc, wb, gbps) for s in slots]
-            _decode_ratios(group)
-            judge(group, probe.cores, quick=cfg.quick)
-            flag_floor(group)
-            rows += group
+            for ph in phases.names:
+                group = [_decode_finish(s, sc, ph, wb, gbps) for s in slots]
+                _decode_ratios(group)
+                judge(group, probe.cores, quick=cfg.quick, contended=ph == "contended")
+                flag_floor(group)
+                rows += group
         return rows
     finally:
         for s in slots:
@@ -631,7 +641,7 @@ def _decode_fail(slot: _DecodeSlot, e: BaseException, where: str, row: dict | No
 
 
 def _run_scenario(case: DecodeCase, sc: Scenario, slots: list[_DecodeSlot], cfg: DecodeConfig, vocab: int,
-              log: Callable[[str], None], probe: Probe) -> None:
+              log: Callable[[str], None], probe: Probe, phases: Phases) -> None:
     prompts = prompts_for(sc, vocab, cfg.seed)
     live = [s for s in slots if s.ok]
     ref = None
@@ -641,22 +651,22 @@ def _run_scenario(case: DecodeCase, sc: Scenario, slots: list[_DecodeSlot], cfg:
             try:
                 got = s.engine.run(prompts, sc.new)
             except Exception as e:  # noqa: BLE001
-                _decode_fail(s, e, sc.name, s.rows[sc])
+                _decode_fail(s, e, sc.name, s.rows[sc, "quiet"])
                 log(f"  {s.engine.label} failed: {s.reason}")
                 break
         else:
-            s.rows[sc]["warmup_s"] = round(time.perf_counter() - t0, 3)
-            s.rows[sc]["_tokens"] = got.tokens
+            s.rows[sc, "quiet"]["warmup_s"] = round(time.perf_counter() - t0, 3)
+            s.rows[sc, "quiet"]["_tokens"] = got.tokens
             if s.engine.name == "eager":
                 ref = got.tokens
     for s in slots:
-        row = s.rows[sc]
+        row = s.rows[sc, "quiet"]
         if ref is not None and "_tokens" in row:
             row["tokens_match"] = _agreement(row.pop("_tokens"), ref)
         row.pop("_tokens", None)
 
-    def turn(s: _DecodeSlot, load: float | None) -> None:
-        row = s.rows[sc]
+    def turn(s: _DecodeSlot, load: float | None, phase: str) -> None:
+        row = s.rows[sc, phase]
         try:
             got, _ = measured(row.setdefault("_cond", Conditions()), probe, load, lambda: s.engine.run(prompts, sc.new))
         except Exception as e:  # noqa: BLE001
@@ -667,7 +677,7 @@ def _run_scenario(case: DecodeCase, sc: Scenario, slots: list[_DecodeSlot], cfg:
         if sc.kind == "decode":
             row["tok_s"].append(sc.batch * (sc.new - 1) / max(span, 1e-9))
         row.setdefault("ttft_rounds_ms", []).append(round(got.first_s * 1e3, 3))
-    interleave(slots, cfg.iters, cfg.min_iters, cfg.budget_s, probe, turn)
+    interleave(slots, cfg.iters, cfg.min_iters, cfg.budget_s, probe, turn, phases)
 
 
 def _agreement(got: list[list[int]], ref: list[list[int]]) -> dict[str, int]:
@@ -683,8 +693,9 @@ def _agreement(got: list[list[int]], ref: list[list[int]]) -> dict[str, int]:
     return {"same": same, "of": sum(len(r) for r in ref), "first": first, "rows": len(ref)}
 
 
-def _decode_finish(slot: _DecodeSlot, sc: Scenario, wb: dict[str, tuple[float, float]], gbps: float) -> dict[str, Any]:
-    row = slot.rows[sc]
+def _decode_finish(slot: _DecodeSlot, sc: Scenario, phase: str, wb: dict[str, tuple[float, float]],
+                   gbps: float) -> dict[str, Any]:
+    row = slot.rows[sc, phase]
     cond = row.pop("_cond", None)
     row["setup_s"] = slot.setup_s
     row["setup_detail"] = slot.engine.setup_detail
@@ -731,8 +742,9 @@ class DecodeResult(BenchResult):
 
     def _numerics(self, r: dict[str, Any], where: str) -> list[str]:
         """graphmode's tokens against transformers eager's (with int8 / bf16 weights: each row's
-        first token)."""
-        if r["engine"] != "graphmode":
+        first token). Tokens are checked on the quiet rows (the contended ones run the same
+        engine on the same prompts)."""
+        if r["engine"] != "graphmode" or r.get("condition") == "contended":
             return []
         m = r.get("tokens_match")
         if m is None:
@@ -763,11 +775,12 @@ def run_decode_bench(cases: Sequence[DecodeCase], cfg: DecodeConfig, log: Callab
         read = read_bandwidth_gbps(cfg.threads)
         probed = getattr(target, "memory_bandwidth_gbps", None) if target is not None else None
         gbps = max(read, probed or 0.0)
-        for case in cases:
-            rows += bench_decode_model(case, cfg, gbps, log, probe)
+        with Burners(cfg.contend) as burners:      # paused: they spin only in the contended pass of each round
+            for case in cases:
+                rows += bench_decode_model(case, cfg, gbps, log, probe, Phases(burners))
     meta = run_meta(
         cfg.threads, target, probe, rows, quick=cfg.quick, load_start=load_start, t_start=t_start,
-        warnings=warning_lines(_for_warnings(rows), cfg.quick), kind="decode",
+        warnings=warning_lines(_for_warnings(rows), cfg.quick), kind="decode", contend=cfg.contend,
         order=("kind", "quick", "usable_cores", "loadavg_start", "loadavg_max", "wall_s", "bandwidth", "models",
                "engines", "method", "warnings"),
         bandwidth={"read_gbps_measured": round(read, 2), "host_probe_gbps": probed,
@@ -785,6 +798,9 @@ def run_decode_bench(cases: Sequence[DecodeCase], cfg: DecodeConfig, log: Callab
                 "decode_tok_s": "batch * (new - 1) / (last token - the last row's first token, as produced), "
                                 "greedy, end-of-sequence ignored",
                 "rounds": "interleaved, rotated start each round; 1 timed run per engine per round",
+                **({"contend": f"{cfg.contend} CPU burner process(es) paused (SIGSTOP) for the quiet pass of every "
+                               "round and resumed for a second, contended pass of the same engines; contended "
+                               "rows are the scenarios named '<scenario> busy'"} if cfg.contend else {}),
                 "floor": "batch * bandwidth / (weight bytes + batch * mean context * KV bytes per token) "
                          "at the engine's weight and KV dtypes"})
     meta["versions"].update(llama_cpp_python=_version("llama_cpp_python"), gguf=_version("gguf"))

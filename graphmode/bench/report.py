@@ -435,7 +435,8 @@ def _decode_columns(rows: list[dict]) -> list[tuple[str, str]]:
     out = []
     for sc in seen:
         r = next(x for x in rows if x["scenario"] == sc)
-        out.append((sc, f"TTFT p{r['prompt']} ms" if r["kind"] == "ttft" else f"b{r['batch']} tok/s"))
+        head = f"TTFT p{r['prompt']} ms" if r["kind"] == "ttft" else f"b{r['batch']} tok/s"
+        out.append((sc, head + (" busy" if r.get("condition") == "contended" else "")))
     return out
 
 
@@ -466,7 +467,8 @@ def decode_summary(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     for model in dict.fromkeys(r["model"] for r in rows):
         for label in dict.fromkeys(r["label"] for r in rows if r["model"] == model):
             mine = {r["scenario"]: r for r in rows if r["model"] == model and r["label"] == label}
-            b1 = next((r for r in mine.values() if r["kind"] == "decode" and r["batch"] == 1), None)
+            b1 = next((r for r in mine.values() if r["kind"] == "decode" and r["batch"] == 1
+                       and r.get("condition", "quiet") == "quiet"), None)
             same = [r["tokens_match"] for r in mine.values() if r.get("tokens_match")]
             match = f"{sum(m['same'] for m in same)}/{sum(m['of'] for m in same)}" if same else "-"
             flags = sorted({f for r in mine.values() for f in r.get("flags") or ()})
@@ -512,7 +514,8 @@ def decode_rich_tables(res) -> list[Any]:
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
               caption=f"TTFT = median ms to the first token (batch 1); bN tok/s = median decode tokens/s at batch N; "
                       f"bound = tokens/s if a step only read its weights + KV at {bw['floor_uses_gbps']} GB/s; "
-                      "graphmode vs X = X's time / graphmode's (> 1: graphmode faster); * = flagged (see the .md)",
+                      + (f"busy = the same rounds with {m['contend']} CPU burner(s) running; " if m.get("contend") else "")
+                      + "graphmode vs X = X's time / graphmode's (> 1: graphmode faster); * = flagged (see the .md)",
               caption_justify="left")
     for h in head:
         t.add_column(h, justify="left" if h in ("model", "engine", "flags") else "right", overflow="fold")
@@ -593,7 +596,8 @@ def decode_goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[s
     never judged from a --quick run, whose timings are not measurements)."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model and r["status"] == "ok"]
+        mine = [r for r in rows if r["model"] == model and r["status"] == "ok" and r.get("condition", "quiet") == "quiet"]
+        busy = [r for r in rows if r["model"] == model and r["status"] == "ok" and r.get("condition") == "contended"]
 
         def pick(kind, batch=None, prompt=None, engine=None, dtype=None, not_engine=None, variant="default"):
             return [r for r in mine if r["kind"] == kind and (batch is None or r["batch"] == batch)
@@ -632,7 +636,23 @@ def decode_goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[s
         alt512 = min(pick("ttft", prompt=512, not_engine="graphmode"), key=lambda r: r["ttft_ms"], default=None)
         goal("TTFT p512 vs best alternative", "<= 0.8x", _div(gm512 and gm512["ttft_ms"], alt512 and alt512["ttft_ms"]),
              0.8, _vs(gm512, alt512, "ttft_ms", "ms"))
+        for b in sorted({r["batch"] for r in busy if r["kind"] == "decode"} & {1, 4}):
+            q, c = _vs_llama(mine, b), _vs_llama(busy, b)
+            goal(f"decode b{b} vs llama.cpp f32, contended / quiet", ">= 1.0x", _div(c and c[0], q and q[0]), 1.0,
+                 f"graphmode / llama.cpp tok/s: {q[0]:.2f} quiet ({q[1]}), {c[0]:.2f} contended ({c[1]})"
+                 if q and c else "not measured: needs graphmode and llama_cpp[f32] decode rows in both conditions")
     return out
+
+
+def _vs_llama(rows: list[dict[str, Any]], batch: int) -> tuple[float, str] | None:
+    """graphmode's decode tok/s over llama.cpp f32's at `batch` among `rows` (one condition)."""
+    def one(engine: str, variant: str) -> dict | None:
+        return next((r for r in rows if r["kind"] == "decode" and r["batch"] == batch and r["engine"] == engine
+                     and r.get("variant", "default") == variant and r.get("decode_tok_s")), None)
+    gm, ll = one("graphmode", "default"), one("llama_cpp", "f32")
+    if gm is None or ll is None:
+        return None
+    return gm["decode_tok_s"] / ll["decode_tok_s"], f"{gm['decode_tok_s']:.1f} vs {ll['decode_tok_s']:.1f}"
 
 
 def _div(a, b):

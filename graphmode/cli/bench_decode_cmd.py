@@ -57,6 +57,9 @@ def decode_cmd(
     warm_cache: bool = typer.Option(False, "--warm-cache", help="build graphmode's plans through the cache under "
                                     "--cache-dir (default: a fresh temporary one, so setup is a cold compile)"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as JSON on stdout"),
+    contend: int = typer.Option(0, "--contend", min=0, max=64, help="also time every engine with N CPU burner "
+                                "processes running (started and stopped by the bench): each scenario gets a "
+                                "'busy' column beside its quiet one"),
 ) -> None:
     """Decode benchmark: time to first token and tokens/s against transformers and llama.cpp."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -74,7 +77,7 @@ def decode_cmd(
     layout = cache_layout(cache_dir)
     cfg = DecodeConfig(**{**base.__dict__, **{k: v for k, v in given.items() if v is not None},
                           "engines": parse_decode_engines(engines), "threads": threads, "budget_s": budget_s,
-                          "quick": quick, "cache_dir": layout.root if warm_cache else None})
+                          "quick": quick, "cache_dir": layout.root if warm_cache else None, "contend": contend})
     log = ((lambda s: err_console.print(s, markup=False, highlight=False, soft_wrap=True)) if not as_json
            else (lambda s: None))
     cases = load_decode_cases(model or [], quick)

@@ -291,3 +291,35 @@ def test_the_ratio_rows_are_graphmode_default_not_a_variant():
     _, lines = decode_summary(rows)
     vs_eager = next(ln for ln in lines if ln[1] == "graphmode vs eager")
     assert vs_eager[2] == "2.00x"          # 40 / 20, not the int8 variant's 4.00x
+
+
+# ---- --contend ---------------------------------------------------------------------------
+
+def test_contended_rounds_are_busy_scenarios_beside_the_quiet_ones():
+    """A real run with one burner on the tiny model: every scenario has a `<scenario> busy`
+    row per engine, timed in the same rounds, shown as its own column; tokens are checked on
+    the quiet rows only."""
+    cfg = DecodeConfig(**{**QUICK, "prompt_lens": (8,), "batches": (1,)}, engines=[("eager", None)], threads=1,
+                       quick=True, contend=1)
+    res = run_decode_bench(load_decode_cases(["tiny-gpt2"], True), cfg)
+    by = {(r["scenario"], r["condition"]): r for r in res.rows}
+    assert set(by) == {("ttft p8", "quiet"), ("ttft p8 busy", "contended"), ("decode b1 ctx16", "quiet"),
+                       ("decode b1 ctx16 busy", "contended")}
+    busy = by["decode b1 ctx16 busy", "contended"]
+    assert busy["status"] == "ok" and busy["contend"] == 1 and busy["iters"] == QUICK["iters"]
+    assert res.quick_failures() == [] and res.meta["contend"] == 1
+    head, _ = report.decode_summary(res.rows)
+    assert head[2:6] == ["TTFT p8 ms", "TTFT p8 ms busy", "b1 tok/s", "b1 tok/s busy"]
+
+
+def test_contended_goal_is_the_llama_cpp_ratio_no_worse_than_quiet():
+    def pair(gm_ms, ll_ms, busy):
+        sc = "decode b1 ctx16" + (" busy" if busy else "")
+        cond = {"condition": "contended" if busy else "quiet"}
+        return [row("graphmode", sc, ms=gm_ms, **cond), row("llama_cpp", sc, ms=ll_ms, variant="f32", **cond)]
+    rows = pair(10.0, 20.0, False) + pair(30.0, 40.0, True)      # graphmode 2x llama.cpp quiet, 1.33x busy
+    g = {x["goal"]: x for x in report.decode_goals(rows)}["decode b1 vs llama.cpp f32, contended / quiet"]
+    assert g["value"] == pytest.approx(0.6667, abs=1e-3) and g["met"] is False
+    assert "2.00 quiet" in g["detail"] and "1.33 contended" in g["detail"]
+    # the quiet goals read only the quiet rows
+    assert {x["goal"]: x for x in report.decode_goals(rows)}["decode b1 fp32 vs best fp32 alternative"]["value"] == 2.0
