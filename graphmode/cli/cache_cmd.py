@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from graphmode.cli.app import app, console
@@ -87,14 +88,26 @@ def cache_prune(max_size: str = typer.Option(..., "--max-size", help="e.g. 200MB
 
 @cache_app.command("explain")
 def cache_explain(
-    model: str = typer.Option(..., "--model"),
-    recipe: str = typer.Option(..., "--recipe"),
+    model: Optional[str] = typer.Option(None, "--model"),
+    recipe: Optional[str] = typer.Option(None, "--recipe"),
     bucket: Optional[str] = typer.Option(None, "--bucket", help="e.g. 1x128 (default: first bucket)"),
     target: str = typer.Option("host", "--target"),
+    timings: bool = typer.Option(False, "--timings", help="the GEMM/conv timing cache instead: each entry's "
+                                 "winner, the conditions it was timed under (load, CPU-s per wall-s, quiet / "
+                                 "noisy / starved) and whether the next plan build times it again"),
     cache_dir: Optional[Path] = CacheDir,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Say whether a lookup hits, and if not which key field differs from the nearest entry."""
+    """Say whether a lookup hits, and if not which key field differs from the nearest entry
+    (--model, --recipe); or, with --timings, what the tactic timing cache holds and under which
+    conditions each entry was measured."""
+    if timings:
+        return _explain_timings(cache_dir, as_json)
+    if model is None or recipe is None:
+        raise GraphmodeError("cache explain needs a model and a recipe (or --timings)",
+                             where="--model" if model is None else "--recipe",
+                             fix="graphmode cache explain --model M --recipe R.yaml, or graphmode cache explain "
+                                 "--timings")
     from graphmode.cli.run_cmd import parse_shape
     from graphmode.compiler import lower_model
     from graphmode.paths import cache_layout
@@ -120,3 +133,48 @@ def cache_explain(
         console.print(f"miss: {res['reason']}")
         for k, v in res.get("differs", {}).items():
             console.print(f"  {k}: cached {v['nearest_entry']!r}, wanted {v['wanted']!r}")
+
+
+def _explain_timings(cache_dir: Optional[Path], as_json: bool) -> None:
+    """One line per timing-cache entry (read through TimingCache.get, so a file it would not
+    use is listed as unreadable)."""
+    from graphmode.backends.cpu.tactics.cache import RETUNE_NOISY, TimingCache, retime_reason, timed_busy
+    from graphmode.backends.cpu.tactics.timing import machine_load
+    from graphmode.paths import cache_layout
+    folder = cache_layout(cache_dir).tactics
+    cache = TimingCache(folder)
+    load, cores = machine_load()
+    out = []
+    for f in sorted(folder.glob("gemm-*.json")):
+        try:
+            key = json.loads(f.read_text()).get("key")
+        except (OSError, ValueError, AttributeError):
+            key = None
+        e = cache.get(key) if isinstance(key, dict) else None
+        if e is None:
+            out.append({"file": f.name, "unreadable": True})
+            continue
+        fastest = min(e["timings_s"], key=e["timings_s"].get) if e["timings_s"] else None
+        cond = "starved" if e["starved"] else "busy host" if timed_busy(e) else "noisy" if e["noisy"] else "quiet"
+        out.append({"file": f.name, "op": key.get("op"), "shape": {k: key.get(k) for k in ("batch", "m", "n", "k")},
+                    "threads": key.get("threads"), "fastest": fastest,
+                    "fastest_us": round(e["timings_s"][fastest] * 1e6, 2) if fastest else None,
+                    "conditions": cond, "load": e["load"], "cores": e["cores"], "cpu_per_wall": e["cpu_per_wall"],
+                    "tries": e["tries"], "next_build": retime_reason(e, RETUNE_NOISY, load, cores)
+                    or ("uses it until a build finds the host quiet" if timed_busy(e) else "uses it")})
+    if as_json:
+        print(json.dumps(out, indent=1))
+        return
+    t = Table(title=f"{len(out)} timing-cache entries in {folder} (host now: load {load} on {cores} cores)")
+    for c in ("op", "b x m x n x k", "threads", "fastest", "us", "timed", "load/cores", "CPU/wall", "tries",
+              "next build"):
+        t.add_column(c)
+    for r in out:
+        if r.get("unreadable"):
+            t.add_row(r["file"], "unreadable: the next build times it again", *[""] * 8)
+            continue
+        s = r["shape"]
+        t.add_row(str(r["op"]), f"{s['batch']}x{s['m']}x{s['n']}x{s['k']}", str(r["threads"]), str(r["fastest"]),
+                  str(r["fastest_us"]), r["conditions"], f"{r['load']}/{r['cores']}",
+                  "-" if r["cpu_per_wall"] is None else f"{r['cpu_per_wall']:.2f}", str(r["tries"]), r["next_build"])
+    (console if console.is_terminal else Console(width=200)).print(t)

@@ -10,6 +10,9 @@ at most MAX_ENTRY_BYTES, strict JSON), and one that fails, does not parse, holds
 of range or does not match its key is a miss (timed again, then overwritten). Entries written
 before a field existed still load (the field reads as empty). `digests`: each passing
 candidate's check output digest (candidates.Checker), so a hit re-checks its winner without ATen.
+Each entry records the conditions it was timed under: `load` and `cores`, `cpu_per_wall` (the
+process's CPU-s per wall-s while the candidates ran) and `starved` (below selection.STARVED: the
+samples timed the scheduler too); the context decides from them when an entry is timed again.
 """
 from __future__ import annotations
 
@@ -29,13 +32,14 @@ log = logging.getLogger("graphmode.cpu.tactics")
 # 2: calibration round-robin + a second chance for pruned candidates (timing.measure); entries
 # timed before could hold a fast candidate pruned by a burst of load, so they are timed again
 CACHE_VERSION = 2
+RETUNE_NOISY = 2      # re-timings a noisy entry gets from later plan builds (TacticsContext's default)
 
 
 MAX_ENTRY_BYTES = 4 << 20        # one entry's file (ours are a few KiB)
 
 
 def _seconds(v: Any) -> bool:
-    """A stored time or load: a finite, non-negative number of sane size (JSON parsing already
+    """A stored time, load or CPU-s per wall-s: a finite, non-negative number of sane size (JSON parsing already
     refused NaN and 1e999)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9
 
@@ -82,7 +86,9 @@ class TimingCache:
                 "mins_s": {k: float(v) for k, v in lo.items() if _seconds(v)},
                 "load": float(load) if _seconds(load) else None,
                 "cores": cores if _count(cores) else None,
-                "noisy": d.get("noisy") is True, "tries": tries if _count(tries) else 1}
+                "noisy": d.get("noisy") is True, "tries": tries if _count(tries) else 1,
+                "cpu_per_wall": float(cpw) if _seconds(cpw := d.get("cpu_per_wall")) else None,
+                "starved": d.get("starved") is True}
 
     def put(self, key: Mapping, entry: Mapping, *, reps: int) -> None:
         """Store `entry` under `key` (with when it was measured and the minimum samples per
@@ -102,4 +108,27 @@ class TimingCache:
             log.warning("cannot write the GEMM timing cache %s: %s", path, e)
 
 
-__all__ = ["CACHE_VERSION", "TimingCache"]
+def retime_reason(entry: Mapping[str, Any], retune_noisy: int, load: float | None, cores: int) -> str | None:
+    """Why a plan build measures cached `entry` again instead of using it, or None: never in a
+    frozen build (`retune_noisy` 0, an artifact's); a noisy entry for its first `retune_noisy`
+    re-timings; one timed busy (`timed_busy`) also after those whenever the host is quiet now
+    (load average within its cores), so the first quiet build replaces it and a busy one, whose
+    timing would be starved again, does not pay for it."""
+    if retune_noisy <= 0:
+        return None
+    if entry.get("noisy") and entry.get("tries", 1) <= retune_noisy:
+        return f"noisy: re-timing {entry.get('tries', 1)} of {retune_noisy}"
+    if timed_busy(entry) and load is not None and load <= cores:
+        return f"timed {'starved' if entry.get('starved') else 'on a busy host'}, and the host is quiet now " \
+               f"(load {load:.1f} on {cores} cores)"
+    return None
+
+
+def timed_busy(entry: Mapping[str, Any]) -> bool:
+    """Timed starved, or while the load average exceeded the process's cores (entries written
+    before `starved` was recorded say only that)."""
+    load, cores = entry.get("load"), entry.get("cores")
+    return bool(entry.get("starved")) or (load is not None and bool(cores) and load > cores)
+
+
+__all__ = ["CACHE_VERSION", "RETUNE_NOISY", "TimingCache", "retime_reason", "timed_busy"]

@@ -22,6 +22,7 @@ from graphmode.backends.cpu.tactics.steps import ATEN
 
 POLICIES = ("latency_first", "throughput_first", "heuristic")
 NOISY = 1.5        # median/min of the timing samples above which a measurement counts as noisy
+STARVED = 0.75     # process CPU-s per wall-s while candidates were timed below which the timing was starved
 MARGIN_CAP = 20.0  # a margin between two candidates of one shape beyond this is shown as "> 20x", suspect
 
 
@@ -52,6 +53,14 @@ class Selection:
     mins_s: dict[str, float] = field(default_factory=dict)      # fastest sample per candidate (its spread)
     load: float | None = None                                   # 1-minute load average when it was timed
     cores: int | None = None                                    # CPUs this process could use then
+    cpu_per_wall: float | None = None                           # process CPU-s per wall-s of the timing
+
+    @property
+    def starved(self) -> bool:
+        """Timed while this process waited for a CPU (the bench's `starved` flag): a compute
+        call that has the machine uses at least one full core, so below STARVED CPU-s per
+        wall-s the samples timed the scheduler too."""
+        return self.cpu_per_wall is not None and self.cpu_per_wall < STARVED
 
     @property
     def runner_up(self) -> str | None:
@@ -84,7 +93,8 @@ class Selection:
                 "margin_vs_runner_up": _r(vs_next.value) if vs_next else None,
                 "margins": {k: m.to_json() for k, m in (("aten", vs_aten), ("runner_up", vs_next)) if m},
                 "runner_up": self.runner_up, "load": self.load, "cores": self.cores,
-                "rejected": dict(self.rejected), "tune_s": round(self.tune_s, 3), "noisy": self.noisy}
+                "rejected": dict(self.rejected), "tune_s": round(self.tune_s, 3), "noisy": self.noisy,
+                "cpu_per_wall": _r(self.cpu_per_wall), "starved": self.starved}
 
     def text(self) -> str:
         s = f"{self.problem.text}: {self.winner}"
@@ -144,6 +154,8 @@ def timing_doubts(sel: Selection, names: Sequence[str]) -> list[str]:
         med, lo = sel.medians_s.get(n), sel.mins_s.get(n)
         if med and lo and med / lo > NOISY:
             out.append(f"{n} samples {_us(lo)}..{_us(med)} (median/min {med / lo:.1f})")
+    if sel.starved:
+        out.append(f"timed starved ({sel.cpu_per_wall:.2f} CPU-s per wall-s)")
     if sel.load is not None and sel.cores and sel.load > sel.cores:
         out.append(f"timed at load {sel.load:.1f} on {sel.cores} cores")
     elif sel.noisy and not out:
@@ -192,5 +204,5 @@ def _bare_margin(measured: float) -> dict:
     return Margin(float(measured)).to_json()
 
 
-__all__ = ["POLICIES", "NOISY", "MARGIN_CAP", "Selection", "Margin", "margin_text", "timing_doubts", "pick",
+__all__ = ["POLICIES", "NOISY", "STARVED", "MARGIN_CAP", "Selection", "Margin", "margin_text", "timing_doubts", "pick",
            "report_lines"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,51 @@ def test_cache_persisted_and_reused(tmp_path):
     other = _ctx(tmp_path, simd=["avx2", "fma"], configs={"avx2": [GemmConfig("avx2", 6, 16)]})
     other.select(SMALL)                  # another candidate set / target identity: tuned again
     assert other.stats["timing_runs"] > 0
+
+
+def _stopped_clock() -> float:
+    return 1.0        # the process's CPU time never moves: every timing is starved
+
+
+_full_clock = time.perf_counter      # CPU time as fast as the wall clock: the process had a CPU throughout
+
+
+@needs_cxx
+def test_a_starved_timing_is_marked_and_replaced_by_the_first_quiet_build(tmp_path, monkeypatch):
+    """Timed while the process got no CPU (a CPU clock that stands still): timed once more at
+    once, cached as starved with its conditions; a later build on a busy host uses it as it is
+    (timing would be starved again), the first build on a quiet host times it again and
+    replaces it; and a starved timing never replaces an entry the process had the CPUs for."""
+    monkeypatch.setattr(tac_context, "machine_load", lambda: (9.0, 2))
+    starved = _ctx(tmp_path, cpu_clock=_stopped_clock, retune_noisy=1)
+    sel = starved.select(SMALL)
+    assert sel.starved and sel.cpu_per_wall == 0.0 and sel.noisy
+    path = next((tmp_path / "tactics").glob("gemm-*.json"))
+    entry = json.loads(path.read_text())
+    assert entry["starved"] is True and entry["cpu_per_wall"] == 0.0 and entry["load"] == 9.0 and entry["cores"] == 2
+    assert "timed starved (0.00 CPU-s per wall-s)" in tac.timing_doubts(sel, (ATEN,))
+
+    path.write_text(json.dumps(dict(entry, tries=2)))         # its noisy re-timings are spent
+    busy = _ctx(tmp_path, retune_noisy=1, cpu_clock=_full_clock)
+    assert busy.select(SMALL).from_cache and busy.stats["timing_runs"] == 0     # deferred: the host is busy
+
+    monkeypatch.setattr(tac_context, "machine_load", lambda: (0.5, 2))
+    quiet = _ctx(tmp_path, retune_noisy=1, cpu_clock=_full_clock)
+    fresh = quiet.select(SMALL)
+    assert quiet.stats["timed_shapes"] == 1 and not fresh.starved and fresh.cpu_per_wall == pytest.approx(1.0, rel=0.01)
+    replaced = json.loads(path.read_text())
+    assert replaced["starved"] is False and replaced["tries"] == 3 and replaced["load"] == 0.5
+    frozen = _ctx(tmp_path, retune_noisy=0)                  # an artifact's context never re-times
+    path.write_text(json.dumps(dict(entry, tries=2)))
+    assert frozen.select(SMALL).from_cache and frozen.stats["timing_runs"] == 0
+
+    noisy_quiet = dict(replaced, noisy=True, tries=1)        # not starved, but its samples disagreed
+    path.write_text(json.dumps(noisy_quiet))
+    retry = _ctx(tmp_path, cpu_clock=_stopped_clock, retune_noisy=1)
+    kept = retry.select(SMALL)
+    assert retry.stats["timed_shapes"] == 1 and kept.from_cache and not kept.starved
+    after = json.loads(path.read_text())
+    assert after["starved"] is False and after["timings_s"] == noisy_quiet["timings_s"] and after["tries"] == 2
 
 
 @needs_cxx
