@@ -240,6 +240,9 @@ def markdown(res: BenchResult) -> str:
              f"- threads: {m['threads']} for every engine; wall time {m.get('wall_s', '?')} s; load average "
              f"(1/5/15 min) at start {m.get('loadavg_start')}, at end {m.get('loadavg_end')}, highest 1-min "
              f"during the timed rounds {m.get('loadavg_max')} ({m.get('usable_cores', m['cores'])} usable core(s))",
+             *([f"- OpenMP wait (torch's and graphmode's threads): " + ", ".join(
+                 f"{k}={x if x is not None else 'unset'}" for k, x in m["openmp_env"].items())]
+               if m.get("openmp_env") else []),
              "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items() if x) +
              ("; openvino not installed" if not v.get("openvino") else ""),
              f"- method: {m['method']['warmup']} warm-up call(s), up to {m['method']['iters']} interleaved "

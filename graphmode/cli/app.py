@@ -101,7 +101,11 @@ def fail(err: GraphmodeError, as_json: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import os
     import warnings
+
+    from graphmode.openmp import apply_defaults
+    apply_defaults(os.environ)      # OpenMP's spin: read once, when torch loads libgomp (graphmode/openmp.py)
     # torch.export's own deprecation noise is not the user's concern
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)

@@ -98,6 +98,7 @@ def bench_cmd(
     from graphmode.bench.models import DEFAULT_MODELS, load_cases
     from graphmode.bench.report import goals, rich_table, write_results
     from graphmode.errors import GraphmodeError, TargetError
+    from graphmode.openmp import in_effect
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe
     from graphmode.targets import get_target
@@ -125,6 +126,7 @@ def bench_cmd(
         cfg.on_stage = on_stage
         res = run_bench(cases, cfg, log=log, target=target)
     _mark_isa(res, isa or (load_recipe(recipe).codegen.isa if recipe else "auto"), isa is not None, target.simd)
+    res.meta["openmp_env"] = in_effect(os.environ)
     paths = write_results(res, out or default_out_dir(), name or ("quick" if quick else "bench"))
     if as_json:
         print(json.dumps(res.rows, indent=1, default=str))

@@ -68,6 +68,7 @@ def decode_cmd(
     from graphmode.bench.models import load_decode_cases
     from graphmode.bench.report import decode_failures, decode_rich_tables, write_decode_results
     from graphmode.cli.bench_cmd import console, default_out_dir
+    from graphmode.openmp import in_effect
     from graphmode.paths import cache_layout
     from graphmode.targets import get_target
 
@@ -85,6 +86,7 @@ def decode_cmd(
     with progress(measuring=True) as on_stage:     # graphmode's decoder build, between the engines' setup lines
         cfg.on_stage = on_stage
         res = run_decode_bench(cases, cfg, log=log, target=target)
+    res.meta["openmp_env"] = in_effect(os.environ)
     paths = write_decode_results(res, out or default_out_dir(), name or ("decode-quick" if quick else "decode"))
     if as_json:
         print(json.dumps(res.rows, indent=1, default=str))
