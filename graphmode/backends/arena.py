@@ -40,14 +40,19 @@ class ArenaExecutable:
         """Bytes this executable holds beyond the graph's constants."""
         return {"arena_bytes": int(self.arena.numel())}
 
-    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy inputs into their slots, run every step, return copies of the outputs."""
+    def run(self, inputs: Mapping[str, torch.Tensor],
+            index: Mapping[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+        """Copy inputs into their slots, run every step, return copies of the outputs; of an
+        output named in `index`, only `view[index[name]]` (a padded request's real rows: the
+        padding is never copied out of the arena)."""
+        index = index or {}
         with self.lock, torch.inference_mode():
             for name in self.plan.inputs:
                 self.views[name].copy_(inputs[name])
             for step in self.steps:
                 step()
-            return {o: self.views[o].clone() for o in self.plan.outputs}
+            return {o: (self.views[o][index[o]] if o in index else self.views[o]).clone(
+                memory_format=torch.contiguous_format) for o in self.plan.outputs}
 
 
 def reference_step(compute: Callable[[], list[torch.Tensor]], outs: list[torch.Tensor]) -> Callable[[], None]:

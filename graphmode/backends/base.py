@@ -48,7 +48,8 @@ class Executable(Protocol):
     kernel_report: dict
     tactics_report: dict
 
-    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def run(self, inputs: Mapping[str, torch.Tensor],
+            index: Mapping[str, tuple] | None = None) -> dict[str, torch.Tensor]: ...
 
     def report_lines(self) -> list[str]: ...
 

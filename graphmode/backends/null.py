@@ -37,7 +37,7 @@ class NullExecutable(ArenaExecutable):
                 "native" if ins.node_index in self.sources else "aten"
             self.step_names.append(f"{kind}:{ins.op}")
 
-    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run(self, inputs: Mapping[str, torch.Tensor], index: Mapping[str, tuple] | None = None) -> dict[str, torch.Tensor]:
         raise BackendError("the null backend plans and generates kernels but runs nothing", where="backend null",
                            fix="run the model with the cpu backend (or reference, the oracle)")
 

@@ -312,8 +312,9 @@ class CompiledModel:
             raise err
         padded = self._pad(inputs, bucket)
         exe = self.executable(bucket)
-        outs = exe.run(padded)
-        flat = [self._unpad(outs[name], name, dims, bucket) for name in self.graph.outputs]
+        index = {name: ix for name in self.graph.outputs if (ix := self._real_index(name, dims, bucket)) is not None}
+        outs = exe.run(padded, index)        # the real rows only are copied out of the arena
+        flat = [outs[name] for name in self.graph.outputs]
         self.last_bucket = bucket
         self.last_path = {"path": "graph", "bucket": dict(bucket)}
         n_user = len(flat) - len(self.mutated_inputs)
@@ -372,11 +373,12 @@ class CompiledModel:
             out[name] = t
         return out
 
-    def _unpad(self, t: torch.Tensor, name: str, dims: Mapping[str, int], bucket: Mapping[str, int]) -> torch.Tensor:
-        """Slice every axis whose extent depends on a padded dim back to its extent at the real dims
-        (the padding analysis proved such axes hold the real positions first)."""
+    def _real_index(self, name: str, dims: Mapping[str, int], bucket: Mapping[str, int]) -> tuple | None:
+        """The index that slices output `name` at the bucket's shape back to the real dims: every
+        axis whose extent depends on a padded dim (the padding analysis proved such axes hold the
+        real positions first); None when nothing is padded."""
         if dict(dims) == dict(bucket):
-            return t
+            return None
         ty = self.graph.values[name].type
         idx = []
         sliced = False
@@ -387,7 +389,7 @@ class CompiledModel:
                 sliced = True
             else:
                 idx.append(slice(None))
-        return t[tuple(idx)].contiguous() if sliced else t
+        return tuple(idx) if sliced else None
 
     # ---- decoding ----------------------------------------------------------------------------
     def generate(self, input_ids: Any, attention_mask: Any = None, **kw: Any) -> torch.Tensor:
