@@ -453,7 +453,8 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
     with torch_threads(cfg.threads), Burners(cfg.contend) as burners:
         phases = Phases(burners)
         for case in cases:
-            shared = ModelShared(case.bundle, case.envs, cfg.threads, recipe=cfg.recipe, cache_dir=cfg.cache_dir,
+            shared = ModelShared(case.bundle, case.envs, cfg.threads, cache_dir=cfg.cache_dir,
+                                 recipe=case.recipe if case.recipe is not None else cfg.recipe,
                                  onnx_cache_dir=cfg.onnx_cache_dir, isa=cfg.isa, on_stage=cfg.on_stage)
             try:
                 first = len(rows)

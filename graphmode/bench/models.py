@@ -37,6 +37,7 @@ class ModelCase:
     bundle: Any                     # graphmode.capture.zoo.ModelBundle
     envs: list[dict[str, int]]      # one {dim: value} per shape
     load_s: float = 0.0
+    recipe: Any = None              # graphmode's recipe for this model (None: the run's, or auto_recipe)
 
     def shape_of(self, env: dict[str, int]) -> list[int]:
         """The first input's concrete shape (what rows report as `shape`)."""

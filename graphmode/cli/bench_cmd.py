@@ -83,6 +83,13 @@ def bench_cmd(
     contend: int = typer.Option(0, "--contend", min=0, max=64, help="also time every engine with N CPU burner "
                                 "processes running (started and stopped by the bench): quiet and contended columns "
                                 "side by side, with each engine's slowdown"),
+    between_buckets: bool = typer.Option(False, "--between-buckets", help="requests between buckets: each model "
+                                         "compiled with batch buckets 1,2,4 and seq buckets under max_padding 0.5, "
+                                         "timed at random request shapes inside that contract (padded by graphmode, "
+                                         "eager at the request's own shape); default models: models the tests never "
+                                         "build (T5 encoder, Llama-style LM, DistilBERT, ViT, MLP-Mixer)"),
+    samples: int = typer.Option(6, "--samples", min=1, help="--between-buckets: random request shapes per model "
+                                "(besides batch 3 x seq 50)"),
     isa: Optional[str] = typer.Option(None, "--isa", help="cap graphmode's generated kernels at avx512 | avx2 | "
                                       "portable (the recipe's codegen.isa; default: the recipe's own, auto = the "
                                       "host's best): e.g. the AVX2 code path's table from an AVX-512 host"),
@@ -96,14 +103,17 @@ def bench_cmd(
     from graphmode.bench.engines import parse_engines
     from graphmode.bench.harness import BenchConfig, run_bench
     from graphmode.bench.models import DEFAULT_MODELS, load_cases
-    from graphmode.bench.report import goals, rich_table, write_results
+    from graphmode.bench.report import goals, quiet_rows, rich_table, write_results
     from graphmode.errors import GraphmodeError, TargetError
     from graphmode.openmp import in_effect
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe
     from graphmode.targets import get_target
 
-    eng = parse_engines(engines, with_ or [], quick=quick)
+    if between_buckets and (zoo or shape or recipe is not None):
+        raise GraphmodeError("--between-buckets samples its own shapes under its own contract",
+                             where="--between-buckets", fix="leave out --zoo, --shape and --recipe")
+    eng = parse_engines(engines or ("eager,graphmode" if between_buckets else None), with_ or [], quick=quick)
     if isa is not None and isa not in CAPS:
         raise GraphmodeError(f"unknown ISA {isa!r}", where="--isa", value=isa, fix=f"one of {', '.join(CAPS)}")
     layout = cache_layout(cache_dir)
@@ -113,11 +123,19 @@ def bench_cmd(
                       onnx_cache_dir=layout.onnx, quick=quick, kb=None if quick else kb_file(kb, cache_dir), isa=isa,
                       contend=contend)
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
-    models = list(model or ([] if zoo else DEFAULT_MODELS))
+    if between_buckets:
+        from graphmode.bench import between
+        models = list(model or between.MODELS.values())
+    else:
+        models = list(model or ([] if zoo else DEFAULT_MODELS))
     if zoo:
         from graphmode.capture.families import FAMILIES
         models += [f"graphmode.capture.families:{n}" for n in FAMILIES]
     cases = load_cases(models, shape or [], quick=quick)
+    if between_buckets:
+        for c in cases:
+            c.recipe = between.contract_recipe(c.bundle, c.name)
+            c.envs = between.sample_envs(c.bundle, 1 if quick else samples, 0, load_recipe(c.recipe).dim_buckets())
     target = get_target("host", cache_dir=layout.targets)
     why = cap_problem(isa, target.simd)
     if why is not None:
@@ -127,7 +145,11 @@ def bench_cmd(
         res = run_bench(cases, cfg, log=log, target=target)
     _mark_isa(res, isa or (load_recipe(recipe).codegen.isa if recipe else "auto"), isa is not None, target.simd)
     res.meta["openmp_env"] = in_effect(os.environ)
-    paths = write_results(res, out or default_out_dir(), name or ("quick" if quick else "bench"))
+    if between_buckets:
+        res.meta["between_buckets"] = {"batch_buckets": between.BATCH_BUCKETS, "seq": between.SEQ_DIM,
+                                       "samples": samples, "summary": between.summary(quiet_rows(res))}
+    paths = write_results(res, out or default_out_dir(),
+                          name or ("quick" if quick else "between" if between_buckets else "bench"))
     if as_json:
         print(json.dumps(res.rows, indent=1, default=str))
     else:
@@ -135,7 +157,7 @@ def bench_cmd(
         console.print(table)
         for n in notes:
             console.print(f"  {n}", markup=False, highlight=False)
-        for g in goals(res):
+        for g in (between.summary_lines(quiet_rows(res)) if between_buckets else goals(res)):
             console.print(f"goal: {g}", markup=False, highlight=False)
         console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
     for w in res.meta.get("warnings", []):      # stderr: --json keeps stdout to the rows
