@@ -1087,10 +1087,12 @@ class _Analyzer:
 
 
 def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: Iterable[str], *,
-                    locs: Mapping[str, str] | None = None) -> PaddingReport:
-    """Per-dim verdict for padding the graph's inputs along `padded_dims` with `pad_values`."""
+                    locs: Mapping[str, str] | None = None, arbitrary: bool = False) -> PaddingReport:
+    """Per-dim verdict for padding the graph's inputs along `padded_dims` with `pad_values`.
+    `arbitrary`: the padded positions hold any values and a request may have no real position
+    at all (see `positions_independent`)."""
     padded = [d for d in padded_dims]
-    lo = {d: r[0] for d, r in graph.dims.items()}
+    lo = {d: (0 if arbitrary and d in padded else r[0]) for d, r in graph.dims.items()}
     an = _Analyzer(graph, padded, lo, locs or {})
     states: dict[str, State] = {}
     for name in graph.inputs:
@@ -1099,7 +1101,8 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
         if ty.dtype == "bool":
             pv = bool(pv)
         states[name] = State(tuple(
-            Axis((Factor(e, e.name, const(pv), True),)) if not isinstance(e, int) and e.is_Symbol and e.name in padded
+            Axis((Factor(e, e.name, GARBAGE if arbitrary else const(pv), True),))
+            if not isinstance(e, int) and e.is_Symbol and e.name in padded
             else an.fresh_axis(e, GARBAGE) for e in ty.shape))
     for name in graph.constants:
         states[name] = an.constant(graph, name)
@@ -1123,3 +1126,16 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
                         findings[g.dim].append(fd)
     all_dims = list(graph.dims) or padded
     return PaddingReport({d: DimVerdict(d, d in padded, findings.get(d, [])) for d in all_dims})
+
+
+def positions_independent(graph: Graph, dim: str) -> bool:
+    """Whether every output position along `dim` is computed from the inputs at that position
+    alone (a batch whose rows never meet), so a request may be cut along `dim` into smaller
+    buckets and its outputs concatenated. Proved as padding safety of `dim` where the padded
+    positions hold arbitrary values and no position need be real: any op that reads across
+    the dim — a reduction or contraction over it, a gather, a shift, a slice of fixed
+    positions, a sum over padding that only zeros make harmless — then reads a position it
+    knows nothing about and taints the dim."""
+    if dim not in graph.dims:
+        return False
+    return analyze_padding(graph, {}, [dim], arbitrary=True).dims[dim].safe

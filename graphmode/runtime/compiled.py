@@ -2,7 +2,9 @@
 
 Per call: bind inputs -> check their values (index inputs against the model's tables, the
 recipe's ranges: runtime/bounds.py) -> find the smallest admissible bucket -> pad -> run that bucket's
-executable -> slice outputs back -> rebuild the module's output structure. A shape outside
+executable -> slice outputs back -> rebuild the module's output structure. A batch between
+buckets of a model whose rows never meet may instead run as batches that fill buckets exactly,
+whichever measured faster (runtime/split.py). A shape outside
 the contract raises ContractViolation (or runs eagerly when `on_violation: eager`). Every
 compile, fallback and violation is an event counted in `events` and logged.
 """
@@ -24,8 +26,10 @@ from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.ir.graph import Graph
 from graphmode.ir.types import eval_dim
 from graphmode.progress import OnStage, stage
+from graphmode.runtime.split import Chooser, chunks, output_axes
 
 log = logging.getLogger("graphmode.runtime")
+SPLIT_DIM = "batch"     # the dim a request between buckets may be cut along (runtime/split.py)
 
 
 def constant_inputs(recipe: Any) -> dict[str, torch.Tensor]:
@@ -70,6 +74,8 @@ class CompiledModel:
         self._dim_axes = {i.name: [(ax, d) for ax, d in enumerate(i.shape) if isinstance(d, str)]
                           for i in recipe.inputs}
         self._bounds: tuple[list, list] | None = None     # (value checks, dim checks), built on first use
+        self._split_axes: dict[str, int] | None | bool = False    # False: not worked out yet (_splittable)
+        self.split_chooser = Chooser()
         self._out_spec = None
         if self.capture_report is not None and getattr(self.capture_report, "out_spec", None):
             try:
@@ -310,18 +316,68 @@ class CompiledModel:
                 self.last_path = {"path": "eager", "reason": reason}
                 return self._eager(inputs)
             raise err
-        padded = self._pad(inputs, bucket)
-        exe = self.executable(bucket)
-        index = {name: ix for name in self.graph.outputs if (ix := self._real_index(name, dims, bucket)) is not None}
-        outs = exe.run(padded, index)        # the real rows only are copied out of the arena
-        flat = [outs[name] for name in self.graph.outputs]
+        parts = self._split_parts(dims, bucket)
+        if parts:
+            key = (dims[SPLIT_DIM], tuple(sorted(bucket.items())))
+            way, built = self.split_chooser.choose(key), len(self._executables)
+            t0 = time.perf_counter()
+            flat = self._run_split(inputs, dims, parts) if way == "split" else self._run_bucket(inputs, dims, bucket)
+            if len(self._executables) == built:        # a call that built a plan is no measure of either way
+                self.split_chooser.record(key, way, time.perf_counter() - t0)
+        else:
+            way, flat = "pad", self._run_bucket(inputs, dims, bucket)
         self.last_bucket = bucket
         self.last_path = {"path": "graph", "bucket": dict(bucket)}
+        if way == "split":
+            self.last_path["split"] = list(parts)
         n_user = len(flat) - len(self.mutated_inputs)
         for name, new in zip(self.mutated_inputs, flat[n_user:]):
             with torch.no_grad():
                 inputs[name].copy_(new)         # the caller's tensor, updated as eager updates it
         return self.structured(flat[:n_user])
+
+    def _run_bucket(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],
+                    bucket: Mapping[str, int]) -> list[torch.Tensor]:
+        """The flat outputs of one padded run of `bucket`'s executable."""
+        padded = self._pad(inputs, bucket)
+        exe = self.executable(bucket)
+        index = {name: ix for name in self.graph.outputs if (ix := self._real_index(name, dims, bucket)) is not None}
+        outs = exe.run(padded, index)        # the real rows only are copied out of the arena
+        return [outs[name] for name in self.graph.outputs]
+
+    def _split_parts(self, dims: Mapping[str, int], bucket: Mapping[str, int]) -> list[int]:
+        """The batch sizes a request padded along SPLIT_DIM could run as instead (each a bucket
+        value), or [] when it cannot: the dim is not padded, the model's rows meet, an output has
+        no axis to concatenate along, the model updates an input in place, or the batch is no sum
+        of bucket values."""
+        if dims.get(SPLIT_DIM) == bucket.get(SPLIT_DIM) or not self._splittable():
+            return []
+        parts = chunks(dims[SPLIT_DIM], self.recipe.dim_buckets().get(SPLIT_DIM, []))
+        return parts if len(parts) > 1 else []
+
+    def _splittable(self) -> bool:
+        if self._split_axes is False:
+            from graphmode.analysis.padding import positions_independent
+            ok = (self.graph is not None and SPLIT_DIM in self.recipe.dim_buckets() and SPLIT_DIM not in self.exact_dims
+                  and not self.mutated_inputs
+                  and all(sum(d == SPLIT_DIM for _, d in axes) <= 1 for axes in self._dim_axes.values()))
+            axes = output_axes(self.graph, SPLIT_DIM) if ok else None
+            self._split_axes = axes if axes is not None and positions_independent(self.graph, SPLIT_DIM) else None
+        return self._split_axes is not None
+
+    def _run_split(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],
+                   parts: list[int]) -> list[torch.Tensor]:
+        """Run consecutive slices of the batch, `parts` rows each, in their own buckets and
+        concatenate each output along its batch axis."""
+        pieces, start = [], 0
+        for n in parts:
+            sub = {name: next((t.narrow(ax, start, n) for ax, d in self._dim_axes[name] if d == SPLIT_DIM), t)
+                   for name, t in inputs.items()}
+            sub_dims = {**dims, SPLIT_DIM: n}
+            pieces.append(self._run_bucket(sub, sub_dims, self.bucket_for(sub_dims)))
+            start += n
+        axes = self._split_axes
+        return [torch.cat([p[i] for p in pieces], dim=axes[name]) for i, name in enumerate(self.graph.outputs)]
 
     def structured(self, flat: list[torch.Tensor]) -> Any:
         """The flat outputs in the structure eager returns: a Tensor, tuple, dict or ModelOutput."""
