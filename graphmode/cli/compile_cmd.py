@@ -181,7 +181,7 @@ def compile_cmd(
     cache_dir: Optional[Path] = CacheDir,
     save: Optional[Path] = typer.Option(None, "--save", help="also build every bucket and write a deployable .gm "
                                         "artifact (recipe, graph, weights, plans, kernels) that graphmode.load() "
-                                        "and `graphmode run --model FILE.gm` run without the model's code"),
+                                        "runs without the model's code"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
 ) -> None:
     """Compile a model with a recipe and print the compile report."""
