@@ -121,9 +121,11 @@ def _dim_range(d: str, bundle: Any, example: dict[str, int], decoder: bool = Fal
         for key in CONFIG_MAX_POSITIONS:
             v = getattr(cfg, key, None)
             if isinstance(v, int) and v >= 2:
-                if decoder and v > DECODER_CONTEXT:
-                    return 1, DECODER_CONTEXT, (f"1 .. {DECODER_CONTEXT} of config.{key} = {v} (every sequence's "
-                                                "KV cache is sized for it: widen it if memory allows)")
+                if decoder:               # a prompt leaves room for at least one new token
+                    hi = min(v, DECODER_CONTEXT) - 1
+                    return 1, hi, (f"1 .. {hi}: config.{key} = {v} positions less one for a new token"
+                                   + (f", capped at {DECODER_CONTEXT} (every sequence's KV cache is sized for it: "
+                                      "widen it if memory allows)" if v > DECODER_CONTEXT else ""))
                 return 1, v, f"1 .. config.{key}"
     ranges = getattr(bundle, "dim_ranges", None) or {}
     if d in ranges:
@@ -316,8 +318,12 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     verdict = _settle_padding(data, notes, graph0, cap, src, ranges)
     _sla(data, notes, p99_ms, max_p99_over_p50)
     data["memory"] = {}
-    if lm is not None:
+    if lm is not None and {"batch", "seq"} <= set(data.get("dims") or {}):
         _kv_cache(data, notes, lm, ranges)
+    elif lm is not None:                  # a decoder recipe needs dims batch and seq (the KV cache's)
+        notes["memory.kv_cache"] = (f"none: {type(lm).__name__} is a causal LM, but its example's shapes are "
+                                    "fixed, so this draft compiles its forward pass at that shape; for decoding, "
+                                    "pass the model itself or add --dim batch=1:4 --dim seq=1:512")
     graph, _ = optimize(graph0, load_recipe(_ordered(data)), tgt, buckets=[])   # the budget does not change it
     if memory_mb is not None:
         data["memory"]["budget_mb"] = memory_mb
@@ -522,7 +528,7 @@ def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int
     enough for the longest sequence the dims admit."""
     from graphmode.decode.lm import lm_config
     cfg = lm_config(lm)
-    context = ranges.get("seq", (1, cfg["context"] or DECODER_CONTEXT))[1]
+    context = ranges.get("seq", (1, (cfg["context"] or DECODER_CONTEXT) - 1))[1] + 1   # the longest prompt + a token
     data["memory"]["kv_cache"] = {"page_size": KV_PAGE, "max_pages_per_seq": math.ceil(context / KV_PAGE),
                                   "dtype": "f32", "layers": cfg["layers"], "kv_heads": cfg["kv_heads"],
                                   "head_dim": cfg["head_dim"]}

@@ -104,3 +104,29 @@ def test_compile_without_a_recipe_drafts_one_and_says_so_once(kb_cache, monkeypa
     with pytest.raises(CaptureError, match="no example inputs") as e:
         graphmode.compile(m)
     assert "(module, example_inputs" in e.value.fix
+
+
+def _tiny_llama(positions: int):
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=positions)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_a_causal_lm_draft_leaves_a_position_for_the_new_token():
+    """The decode engine refuses a contract whose longest prompt fills every position; the
+    draft's seq stops one short and its pages hold that prompt plus one token."""
+    torch.manual_seed(0)
+    d = draft_recipe(_tiny_llama(64))
+    kv = d.recipe.memory.kv_cache
+    assert d.recipe.dim_range("seq") == (1, 63) and kv is not None
+    assert kv.max_pages_per_seq * kv.page_size >= 64 and d.report.verdict == "valid"
+
+
+def test_a_causal_lm_with_a_fixed_example_drafts_its_forward_without_a_kv_cache():
+    """(model, example) with fixed shapes has no batch/seq dims for a decoder recipe: the draft
+    compiles the forward pass at that shape and says how to get a decoder draft."""
+    torch.manual_seed(0)
+    d = draft_recipe((_tiny_llama(64), {"input_ids": torch.randint(0, 64, (1, 9))}))
+    assert d.recipe.memory.kv_cache is None and d.report.verdict == "valid"
+    assert "--dim seq" in d.notes["memory.kv_cache"]
