@@ -63,3 +63,23 @@ def test_old_opsets_convert_and_too_new_ones_are_refused():
     with pytest.raises(CaptureError, match="newer than the installed onnx"):
         import_onnx(_model(helper.make_node("Relu", ["x"], ["y"]), [2], 99))
     assert np.__name__  # numpy imported for the models' helpers
+
+
+def _add_bias(opset, **attrs):
+    """x [2, 3] + b [3] at `opset`: before opset 7 only a node with broadcast=1 may broadcast."""
+    b = helper.make_tensor("b", F, [3], [1.0, 2.0, 3.0])
+    g = helper.make_graph([helper.make_node("Add", ["x", "b"], ["y"], name="add", **attrs)], "g",
+                          [helper.make_tensor_value_info("x", F, [2, 3])],
+                          [helper.make_tensor_value_info("y", F, [2, 3])], [b])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_an_old_add_broadcasts_only_where_it_says_so():
+    # found by the fuzz sweep: an opset-1 MLP whose bias Add had no broadcast=1 compiled (read at
+    # opset 7+, it broadcast) where the model is invalid and ONNX Runtime refuses it
+    x = torch.randn(2, 3)
+    for opset in (1, 6):
+        with pytest.raises(CaptureError, match=r"#0 Add 'add': before opset 7 .* broadcast=1; they are \[2, 3\] and \[3\]"):
+            import_onnx(_add_bias(opset))
+        assert torch.allclose(_run(_add_bias(opset, broadcast=1), x), x + torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.allclose(_run(_add_bias(7), x), x + torch.tensor([1.0, 2.0, 3.0]))   # opset 7: always broadcasts

@@ -110,6 +110,50 @@ def _misfits(model, opset: int) -> tuple[list[str], list[str]]:
     return newer, older
 
 
+# ops that broadcast before opset 7 only where the node says `broadcast: 1` (opset 7 made them
+# broadcast always): read at a known opset, a node without it would broadcast shapes it refuses
+LEGACY_BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Greater", "Less",
+                              "Gemm"})
+
+
+def _check_legacy_broadcast(model, where: str) -> None:
+    """A node of an opset-1..6 model from LEGACY_BROADCAST without `broadcast: 1` must have
+    inputs of one shape (Gemm: C of the output's shape); CaptureError where they differ or cannot
+    be told from the model (reading it at opset 7+ would broadcast them, an answer it never had)."""
+    import onnx
+    strict = [(i, n) for i, n in enumerate(model.graph.node) if n.domain in ("", "ai.onnx")
+              and n.op_type in LEGACY_BROADCAST
+              and not any(a.name == "broadcast" and a.i == 1 for a in n.attribute)]
+    if not strict:
+        return
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - no shapes to compare: every such node is unchecked below
+        inferred = model
+    g = inferred.graph
+
+    def dims(t) -> tuple | None:
+        if not t.HasField("shape"):
+            return None
+        out = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in t.shape.dim)
+        return None if None in out else out
+    shapes = {v.name: dims(v.type.tensor_type) for v in (*g.input, *g.value_info, *g.output)}
+    shapes.update({t.name: tuple(t.dims) for t in g.initializer})
+    for i, n in strict:
+        a, b = (n.output[0], n.input[2]) if n.op_type == "Gemm" else (n.input[0], n.input[1]) \
+            if len(n.input) >= 2 else (None, None)
+        if n.op_type == "Gemm" and len(n.input) < 3:
+            continue                                   # no C: nothing to broadcast
+        sa, sb = shapes.get(a), shapes.get(b)
+        if sa is None or sb is None or sa != sb:
+            seen = f"{list(sa) if sa is not None else 'unknown'} and {list(sb) if sb is not None else 'unknown'}"
+            raise CaptureError(f"#{i} {n.op_type} {n.name or (n.output[0] if n.output else '')!r}: before opset 7 "
+                               f"its operands must have one shape unless the node sets broadcast=1; they are {seen}",
+                               where=f"{where} node {n.name or i}", value=seen,
+                               fix="set the attribute broadcast=1 on the node (the old rule), or re-export the model "
+                                   "with opset_version 7 or later")
+
+
 def _relabel(model, version: int):
     import onnx
     out = onnx.ModelProto()
@@ -130,6 +174,8 @@ def bring_in(model, label: str):
                            fix="re-export the model with an opset_import for the default domain")
     if KNOWN_MIN <= opset <= KNOWN_MAX:
         return model, opset
+    if opset < 7:
+        _check_legacy_broadcast(model, where)
     if opset < OLDEST:
         raise CaptureError(f"ONNX opset {opset} is older than graphmode reads (opsets {OLDEST} and later)",
                            where=where, value=opset,
