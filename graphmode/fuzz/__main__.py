@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(results))
     failed = [r for r in results if r.failed]
     for r in failed:
-        owner = r.extra.get("owner")
-        print(f"FAILED {r.family} {r.case}: {r.outcome}: {r.detail}" + (f" (fixed on the {owner} branch)" if owner else ""))
+        print(f"FAILED {r.family} {r.case}: {r.outcome}: {r.detail}")
     print(f"{len(results)} case(s), {len(failed)} failure(s) in {time.perf_counter() - t0:.0f} s (seed {a.seed})")
     if a.json:
         a.json.write_text(json.dumps(to_json(results, seed=a.seed), indent=1))

@@ -5,7 +5,6 @@ The servers run as subprocesses (the fuzz MLP; a tiny GPT-2 with a paged KV cach
 runner sends each case with a time limit: 2xx is accepted, 4xx refused, 5xx a failure, no
 answer a hang, and a server that died is a `signal` failure (restarted for the next case).
 Baseline requests must be answered 2xx; requests the protocol says are wrong must get a 4xx.
-Cases tagged `owner: bounds` cover value ranges and HTTP limits fixed on another branch.
 """
 from __future__ import annotations
 
@@ -113,14 +112,12 @@ def _kserve_cases(rng: random.Random) -> list[dict[str, Any]]:
            "no-inputs": {}, "unknown-output": dict(body(), outputs=[{"name": "nope"}])}
     out += [{"name": f"v2-{k}", "path": path, "json": v, "expect": "invalid"} for k, v in bad.items()]
     out.append({"name": "v2-unknown-model", "path": "/v2/models/nope/infer", "json": body(), "expect": "invalid"})
-    out.append({"name": "v2-parameters-list", "path": path, "json": dict(body(), parameters=[1]), "expect": "invalid",
-                "owner": "bounds"})
+    out.append({"name": "v2-parameters-list", "path": path, "json": dict(body(), parameters=[1]), "expect": "invalid"})
     for _ in range(10):
         b = body()
         k = rng.choice(["name", "shape", "datatype", "data", "parameters"])
         b["inputs"][0][k] = rng.choice(ODD)
-        out.append({"name": f"v2-odd-{k}", "path": path, "json": b, "expect": "either",
-                    "owner": "bounds" if k == "parameters" else ""})
+        out.append({"name": f"v2-odd-{k}", "path": path, "json": b, "expect": "either"})
     return out
 
 
@@ -136,7 +133,7 @@ def _other_cases(rng: random.Random) -> list[dict[str, Any]]:
                 "ctype": "application/yaml", "expect": "either"})
     out.append({"name": "head-healthz", "method": "HEAD", "path": "/healthz", "expect": "valid"})
     out.append({"name": "huge-header", "path": "/v1/infer", "json": {"inputs": {}}, "headers": {"X-Big": "a" * (1 << 20)},
-                "expect": "invalid", "owner": "bounds"})
+                "expect": "invalid"})
     return out
 
 
@@ -163,15 +160,15 @@ def _completion_cases(rng: random.Random) -> list[dict[str, Any]]:
            "stop-odd": c(stop=[[[1]]]), "n-2": c(n=2), "text-without-tokenizer": c(prompt="hello world")}
     out += [{"name": f"cmpl-{k}", "path": "/v1/completions", "json": v, "expect": "invalid", "server": "decoder"}
             for k, v in bad.items()]
-    owned = {"id-over-vocab": c(prompt=[VOCAB + 5, 4]), "id-negative": c(prompt=[-3, 4]), "id-2-63": c(prompt=[2 ** 63]),
+    ranges = {"id-over-vocab": c(prompt=[VOCAB + 5, 4]), "id-negative": c(prompt=[-3, 4]), "id-2-63": c(prompt=[2 ** 63]),
              "one-token": c(prompt=[5])}
-    out += [{"name": f"cmpl-{k}", "path": "/v1/completions", "json": v, "expect": "invalid", "server": "decoder",
-             "owner": "bounds"} for k, v in owned.items()]
+    out += [{"name": f"cmpl-{k}", "path": "/v1/completions", "json": v, "expect": "invalid", "server": "decoder"}
+            for k, v in ranges.items()]
     for _ in range(12):
         k = rng.choice(["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "logprobs"])
         v = rng.choice(ODD)
         out.append({"name": f"cmpl-odd-{k}", "path": "/v1/completions", "json": c(**{k: v}), "expect": "either",
-                    "server": "decoder", "owner": "bounds" if k == "prompt" else ""})
+                    "server": "decoder"})
     return out
 
 
@@ -184,12 +181,10 @@ def cases(rng: random.Random, n: int, ctx: dict[str, Any]) -> list[dict[str, Any
         body = json.loads(json.dumps(base["json"]))
         _mutate(body, rng)
         pool.append({"name": base["name"] + "-mutated", "path": base["path"], "json": body, "expect": "either",
-                     "server": base.get("server", "encoder"),      # the decoder's token ids: value ranges
-                     "owner": "bounds" if base.get("server") == "decoder" else ""})
+                     "server": base.get("server", "encoder")})
     picked = pool if n >= len(pool) else rng.sample(pool, n)
     for i, c in enumerate(picked):
         c.setdefault("server", "encoder")
-        c.setdefault("owner", "")
         c["id"] = f"{i:03d}-{c['server']}-{c['name']}"
     return sorted(picked, key=lambda c: c["server"] != "encoder")
 
@@ -302,10 +297,10 @@ def run_cases(cases: list[dict[str, Any]], ctx: dict[str, Any], timeout_s: float
                 elif outcome == "refused-connection":
                     outcome = "refused"        # the server closed the connection: a refusal, said badly
                 outcome, detail = judged(c["expect"], outcome, detail)
-                r = Result("http", c["id"], outcome, detail, time.perf_counter() - t, {"owner": c.get("owner", "")})
+                r = Result("http", c["id"], outcome, detail, time.perf_counter() - t)
                 results.append(r)
                 if r.failed:
-                    log(f"  http {c['id']}: {outcome}: {detail}" + (f" (owner: {c['owner']})" if c.get("owner") else ""))
+                    log(f"  http {c['id']}: {outcome}: {detail}")
         finally:
             server.stop()
     return results

@@ -75,7 +75,6 @@ def cases(rng: random.Random, n: int, ctx: dict[str, Any]) -> list[dict[str, Any
             out.append({"kind": "truncate", "base": b, "at": rng.randrange(sizes[b])})
     for i, c in enumerate(out):
         c["expect"] = "either"
-        c["owner"] = "bounds" if c.get("edit") == "zero-row-table" else ""
         c["id"] = f"{i:03d}-{c['kind']}-{c['base']}-{c.get('edit', c.get('at'))}"
         c["timeout_s"] = 180
     return out

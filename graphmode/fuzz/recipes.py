@@ -18,21 +18,20 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "recipes"
 ODD = [None, True, False, 0, -1, 1, 2 ** 31, 2 ** 63, -(2 ** 63) - 1, 10 ** 40, 1.5, -0.0, 1e308, float("inf"),
        float("nan"), "", "x", "f16", "batch", "seq", "*", "${target.memory_mb}", "${nope}", "1e3", ".inf", "0x10",
        "\x1b[31m", "a" * 10000, [], [1, 2], {}, {"a": 1}, [[[[[]]]]], {"min": 5, "max": 2}]
-# (owner, why, edit) recipes the contract says are invalid; owner "bounds": found by this sweep, fixed
-# on the input-bounds branch (the lead merges both)
-INVALID: list[tuple[str, str, dict[str, Any]]] = [
-    ("", "dims min above max", {"dims": {"batch": {"min": 8, "max": 2}}}),
-    ("", "a bucket of 0", {"dims": {"batch": {"buckets": [0, 2]}}}),
-    ("", "a negative bucket", {"dims": {"batch": {"buckets": [-4]}}}),
-    ("", "an unknown dtype", {"inputs": [{"name": "x", "dtype": "f128", "shape": ["batch", 16]}]}),
-    ("", "an input without a shape", {"inputs": [{"name": "x", "dtype": "f32"}]}),
-    ("", "an unknown exe_mode", {"exe_mode": "turbo"}),
-    ("", "an unknown top-level key", {"surprise": 1}),
-    ("", "version 99", {"version": 99}),
-    ("bounds", "pad_value true on an f32 input", {"inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16],
-                                                              "pad_value": True}]}),
-    ("bounds", "pad_value true on an i64 input", {"inputs": [{"name": "x", "dtype": "i64", "shape": ["batch", 16],
-                                                              "pad_value": True}]}),
+# (why, edit) recipes the contract says are invalid
+INVALID: list[tuple[str, dict[str, Any]]] = [
+    ("dims min above max", {"dims": {"batch": {"min": 8, "max": 2}}}),
+    ("a bucket of 0", {"dims": {"batch": {"buckets": [0, 2]}}}),
+    ("a negative bucket", {"dims": {"batch": {"buckets": [-4]}}}),
+    ("an unknown dtype", {"inputs": [{"name": "x", "dtype": "f128", "shape": ["batch", 16]}]}),
+    ("an input without a shape", {"inputs": [{"name": "x", "dtype": "f32"}]}),
+    ("an unknown exe_mode", {"exe_mode": "turbo"}),
+    ("an unknown top-level key", {"surprise": 1}),
+    ("version 99", {"version": 99}),
+    ("pad_value true on an f32 input", {"inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16],
+                                                    "pad_value": True}]}),
+    ("pad_value true on an i64 input", {"inputs": [{"name": "x", "dtype": "i64", "shape": ["batch", 16],
+                                                    "pad_value": True}]}),
 ]
 BASE: dict[str, Any] = {"version": 1, "name": "fuzz", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16]}],
                         "dims": {"batch": {"min": 1, "max": 8}}, "targets": ["host"]}
@@ -96,8 +95,8 @@ def _mutate_text(text: str, rng: random.Random) -> str:
 
 def cases(rng: random.Random, n: int, ctx: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for owner, why, edit in INVALID:
-        out.append({"kind": "invalid", "data": {**BASE, **edit}, "why": why, "owner": owner, "expect": "invalid"})
+    for why, edit in INVALID:
+        out.append({"kind": "invalid", "data": {**BASE, **edit}, "why": why, "expect": "invalid"})
     names = sorted(ctx["bases"])
     while len(out) < n:
         base = rng.choice(names)

@@ -41,10 +41,9 @@ def run_family(family: str, n: int, seed: int, work: Path, timeout_s: float = DE
         for c in cases:
             t = time.perf_counter()
             outcome, detail = worker.run(c, c.get("timeout_s", timeout_s))
-            results.append(Result(family, c["id"], outcome, detail, time.perf_counter() - t,
-                                  {"owner": c.get("owner", "")}))
+            results.append(Result(family, c["id"], outcome, detail, time.perf_counter() - t))
             if results[-1].failed:
-                log(f"  {family} {c['id']}: {outcome}: {detail}" + (f" (owner: {c['owner']})" if c.get("owner") else ""))
+                log(f"  {family} {c['id']}: {outcome}: {detail}")
     finally:
         worker.stop()
         if hasattr(mod, "cleanup"):

@@ -1,7 +1,6 @@
 """A CI-sized sample of the robustness sweep (`make fuzz`, graphmode/fuzz): every fuzzer runs
 a few seeded cases end to end (real compiles, real SQLite, a real server) and none may end in a
-traceback, hang, signal, HTTP 5xx, or an invalid input accepted. Cases whose fix belongs to
-another branch (`owner`) are left to the full sweep."""
+traceback, hang, signal, HTTP 5xx, or an invalid input accepted."""
 from __future__ import annotations
 
 import pytest
@@ -27,10 +26,7 @@ SAMPLES = {  # fuzzer -> (cases generated, which of them run)
 @pytest.mark.parametrize("family", sorted(SAMPLES))
 def test_fuzz_sample_has_no_failure(family, tmp_path):
     n, keep = SAMPLES[family]
-
-    def select(c) -> bool:
-        return not c.get("owner") and (keep is None or keep(c))
-    results = run_family(family, n, SEED, tmp_path, select=select)
+    results = run_family(family, n, SEED, tmp_path, select=keep)
     assert results
     failed = [f"{r.case}: {r.outcome}: {r.detail}" for r in results if r.failed]
     assert not failed, "\n".join(failed)
