@@ -79,7 +79,8 @@ def test_an_old_add_broadcasts_only_where_it_says_so():
     # opset 7+, it broadcast) where the model is invalid and ONNX Runtime refuses it
     x = torch.randn(2, 3)
     for opset in (1, 6):
-        with pytest.raises(CaptureError, match=r"#0 Add 'add': before opset 7 .* broadcast=1; they are \[2, 3\] and \[3\]"):
+        with pytest.raises(CaptureError, match=r"#0 Add 'add': before opset 7 .* broadcast=1; "
+                                               r"they are \[2, 3\] and \[3\]"):
             import_onnx(_add_bias(opset))
         assert torch.allclose(_run(_add_bias(opset, broadcast=1), x), x + torch.tensor([1.0, 2.0, 3.0]))
     assert torch.allclose(_run(_add_bias(7), x), x + torch.tensor([1.0, 2.0, 3.0]))   # opset 7: always broadcasts
