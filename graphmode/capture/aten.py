@@ -24,7 +24,7 @@ _MISSING = object()
 
 # arguments that do not change what an inference forward computes
 _INERT = {"layout", "device", "pin_memory", "memory_format", "non_blocking", "copy", "sparse_grad", "scale_grad_by_freq",
-          "sparse", "padding_idx", "cudnn_enabled", "train", "training", "momentum"}
+          "sparse", "padding_idx", "cudnn_enabled", "momentum"}
 
 
 def converts(*overloads: str) -> Callable[[Converter], Converter]:
@@ -92,6 +92,21 @@ def one_to_one(imp, node: torch.fx.Node, op: str) -> bool:
         attrs["dim"] = int(attrs["dim"])
     imp.emit(node, op, inputs, attrs)
     return True
+
+
+def axis(d, rank: int) -> int:
+    """A dim argument as an index in [0, rank); a 0-d tensor takes dim 0 or -1 (as torch does)."""
+    return int(d) % rank if rank else 0
+
+
+def emit_on_rank1(imp, node, op: str, x: str, attrs: dict) -> None:
+    """An op along a dim of a 0-d tensor, run on its [1] view and viewed back as 0-d (torch
+    treats a 0-d tensor as one element along dim 0), so no later stage meets a dim op on rank 0."""
+    xt = imp.g.type_of(x)
+    x1, = imp.g.add_node("reshape", [x], [xt.with_shape((1,))], {"shape": [1]})
+    out_t = imp.ttype(node.meta["val"])
+    y1, = imp.g.add_node(op, [x1], [out_t.with_shape((1,))], attrs)
+    imp.emit(node, "reshape", [y1], {"shape": []})
 
 
 # ---------------------------------------------------------------------------------- elementwise
@@ -195,11 +210,15 @@ def _reduce(imp, node, a):
     if a.get("dtype") is not None:
         return False
     op = str(node.target).split(".")[1]
-    rank = imp.g.type_of(imp.operand(a["self"])).rank
+    x = imp.operand(a["self"])
+    rank = imp.g.type_of(x).rank
+    if rank == 0:
+        emit_on_rank1(imp, node, op, x, {"dims": [0], "keepdim": True})
+        return True
     dims = a["dim"]
-    dims = [int(d) % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])] if dims not in (None, [], ()) \
+    dims = [axis(d, rank) for d in (dims if isinstance(dims, (list, tuple)) else [dims])] if dims not in (None, [], ()) \
         else list(range(rank))        # dim=None or [] reduces every axis (torch semantics)
-    imp.emit(node, op, [imp.operand(a["self"])], {"dims": dims, "keepdim": bool(a["keepdim"])})
+    imp.emit(node, op, [x], {"dims": dims, "keepdim": bool(a["keepdim"])})
     return True
 
 
@@ -208,6 +227,9 @@ def _reduce_all(imp, node, a):
     if a.get("dtype") is not None:
         return False
     x = imp.operand(a["self"])
+    if imp.g.type_of(x).rank == 0:
+        emit_on_rank1(imp, node, str(node.target).split(".")[1], x, {"dims": [0], "keepdim": True})
+        return True
     imp.emit(node, str(node.target).split(".")[1], [x], {"dims": list(range(imp.g.type_of(x).rank)),
                                                          "keepdim": False})
     return True
@@ -218,18 +240,41 @@ def _arg(imp, node, a):
     if a["dim"] is None:
         return False
     x = imp.operand(a["self"])
-    imp.emit(node, str(node.target).split(".")[1], [x], {"dim": int(a["dim"]) % imp.g.type_of(x).rank,
-                                                         "keepdim": bool(a["keepdim"])})
+    op = str(node.target).split(".")[1]
+    if imp.g.type_of(x).rank == 0:
+        emit_on_rank1(imp, node, op, x, {"dim": 0, "keepdim": True})
+        return True
+    imp.emit(node, op, [x], {"dim": axis(a["dim"], imp.g.type_of(x).rank), "keepdim": bool(a["keepdim"])})
     return True
 
 
-@converts("aten.softmax.int", "aten._softmax.default", "aten._safe_softmax.default",
-          "aten.log_softmax.int", "aten._log_softmax.default")
+@converts("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default")
 def _softmax(imp, node, a):
     op = "log_softmax" if "log_softmax" in str(node.target) else "softmax"
-    if a.get("dtype") is not None and TORCH_TO_DTYPE.get(a["dtype"]) != imp.g.type_of(imp.operand(a["self"])).dtype:
+    x = imp.operand(a["self"])
+    if a.get("dtype") is not None and TORCH_TO_DTYPE.get(a["dtype"]) != imp.g.type_of(x).dtype:
         return False
-    imp.emit(node, op, [imp.operand(a["self"])], {"dim": int(a["dim"])})
+    rank = imp.g.type_of(x).rank
+    if rank == 0:
+        emit_on_rank1(imp, node, op, x, {"dim": 0})
+    else:
+        imp.emit(node, op, [x], {"dim": axis(a["dim"], rank)})
+    return True
+
+
+@converts("aten._safe_softmax.default")
+def _safe_softmax(imp, node, a):
+    """softmax, except that a row with every entry -inf gives zeros (not NaN): where(amax == -inf, 0, softmax)."""
+    x = imp.operand(a["self"])
+    xt = imp.g.type_of(x)
+    if a.get("dtype") is not None and TORCH_TO_DTYPE.get(a["dtype"]) != xt.dtype or xt.rank == 0:
+        return False
+    dim = axis(a["dim"], xt.rank)
+    row = xt.with_shape(tuple(1 if i == dim else d for i, d in enumerate(xt.shape)))
+    top, = imp.g.add_node("amax", [x], [row], {"dims": [dim], "keepdim": True})
+    masked, = imp.g.add_node("eq", [top, imp.const(float("-inf"), xt.dtype)], [row.with_dtype("bool")])
+    sm, = imp.g.add_node("softmax", [x], [xt], {"dim": dim})
+    imp.emit(node, "where", [masked, imp.const(0.0, xt.dtype), sm])
     return True
 
 
@@ -237,7 +282,12 @@ def _softmax(imp, node, a):
 def _cumsum(imp, node, a):
     if a.get("dtype") is not None:
         return False
-    imp.emit(node, "cumsum", [imp.operand(a["self"])], {"dim": int(a["dim"]) % len(node.meta["val"].shape)})
+    x = imp.operand(a["self"])
+    rank = imp.g.type_of(x).rank
+    if rank == 0:
+        emit_on_rank1(imp, node, "cumsum", x, {"dim": 0})
+    else:
+        imp.emit(node, "cumsum", [x], {"dim": axis(a["dim"], rank)})
     return True
 
 
@@ -281,6 +331,27 @@ def _linear(imp, node, a):
     ins = [imp.operand(a["input"]), imp.operand(a["weight"])] + ([imp.operand(a["bias"])] if a["bias"] is not None
                                                                  else [])
     imp.emit(node, "linear", ins)
+    return True
+
+
+@converts("aten.matmul.default")
+def _matmul(imp, node, a):
+    """torch.matmul: a 1-d operand is a row (left) or a column (right) vector whose unit axis
+    is dropped from the result; rank >= 2 operands are the IR's batched matmul."""
+    x, y = imp.operand(a["self"]), imp.operand(a["other"])
+    xt, yt = imp.g.type_of(x), imp.g.type_of(y)
+    if xt.rank == 0 or yt.rank == 0:
+        return False
+    if xt.rank == 1:
+        x, = imp.g.add_node("reshape", [x], [xt.with_shape((1, xt.shape[0]))], {"shape": [1, imp.attr_dim(xt.shape[0])]})
+    if yt.rank == 1:
+        y, = imp.g.add_node("reshape", [y], [yt.with_shape((yt.shape[0], 1))], {"shape": [imp.attr_dim(yt.shape[0]), 1]})
+    if xt.rank > 1 and yt.rank > 1:
+        imp.emit(node, "matmul", [x, y])
+        return True
+    out_t, = OPS["matmul"].infer([imp.g.type_of(x), imp.g.type_of(y)], {})
+    z, = imp.g.add_node("matmul", [x, y], [out_t])
+    imp.emit(node, "reshape", [z], {"shape": [imp.attr_dim(d) for d in node.meta["val"].shape]})
     return True
 
 
@@ -431,13 +502,29 @@ def _adaptive_pool1d(imp, node, a):
 # ---------------------------------------------------------------------------------- shape
 
 @converts("aten.clone.default", "aten.contiguous.default", "aten.alias.default", "aten.detach.default",
-          "aten.lift_fresh_copy.default", "aten.dropout.default", "aten.feature_dropout.default",
-          "aten.native_dropout.default")
+          "aten.lift_fresh_copy.default")
 def _identity(imp, node, a):
-    src = a.get("self", a.get("input"))
-    out = imp.emit(node, "identity", [imp.operand(src)])
-    if str(node.target) == "aten.native_dropout.default":
-        imp.env[node] = (out, None)
+    imp.emit(node, "identity", [imp.operand(a["self"])])
+    return True
+
+
+@converts("aten.dropout.default", "aten.feature_dropout.default", "aten.alpha_dropout.default",
+          "aten.feature_alpha_dropout.default", "aten.native_dropout.default")
+def _dropout(imp, node, a):
+    """Dropout outside training (or with p = 0) is the identity; in training it is random (an
+    eager island). native_dropout's second output, the keep mask, is then all true."""
+    if a["train"] is not False and a["p"] != 0:     # native_dropout's train=None means training
+        return False
+    src = imp.operand(a["input"])
+    val = node.meta["val"]
+    if not isinstance(val, (tuple, list)):
+        imp.emit(node, "identity", [src])
+        return True
+    out, = imp.g.add_node("identity", [src], [imp.ttype(val[0])], names=[clean_name(node.name)])
+    mask, = imp.g.add_node("full", [], [imp.ttype(val[1])], {"shape": [imp.attr_dim(d) for d in val[1].shape],
+                                                             "value": True, "dtype": "bool"},
+                           names=[clean_name(node.name + "_mask")])
+    imp.env[node] = (out, mask)
     return True
 
 

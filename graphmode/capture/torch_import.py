@@ -160,12 +160,27 @@ class _Importer:
             self._sym_op(node)
             return
         self.aten_ops[tname] = self.aten_ops.get(tname, 0) + 1
+        self._check_dtypes(node, tname)
         short = tname.split(".")[1] if tname.startswith("aten.") else tname
         if self.excluded(tname, short):
             self._fallback(node, "excluded by recipe capture settings", excluded=True)
             return
         if not convert(self, node, tname):
             self._fallback(node, "no graphmode lowering for this op")
+
+    def _check_dtypes(self, node: torch.fx.Node, tname: str) -> None:
+        """Every tensor the op makes or takes has an IR dtype (no complex, no float8, ...): refuse
+        here, naming the op, rather than fail later on a dtype nothing downstream knows."""
+        vals = pytree.tree_leaves(node.meta.get("val"))
+        vals += [a.meta.get("val") for a in node.all_input_nodes]
+        vals += [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.dtype)]
+        for v in vals:
+            dt = v.dtype if isinstance(v, torch.Tensor) else v
+            if isinstance(dt, torch.dtype) and dt not in TORCH_TO_DTYPE:
+                raise CaptureError(f"op {tname} at {_source_loc(node)} uses a {dt} tensor: graphmode has no "
+                                   f"{str(dt).replace('torch.', '')} dtype", where=f"node {node.name}",
+                                   fix=f"keep the model's tensors in {', '.join(sorted(TORCH_TO_DTYPE.values()))} "
+                                       "(complex math as separate real and imaginary parts), or run it in eager mode")
 
     def _sym_op(self, node: torch.fx.Node) -> None:
         """Python arithmetic on SymInts (operator.mul, sym_size...) evaluated symbolically."""
@@ -241,6 +256,10 @@ class _Importer:
                 if n.name in param_names:
                     fqn = param_names[n.name]
                     t = state[fqn].detach()
+                    if t.dtype not in TORCH_TO_DTYPE:
+                        raise CaptureError(f"parameter or buffer {fqn!r} is a {t.dtype} tensor: graphmode has no "
+                                           f"{str(t.dtype).replace('torch.', '')} dtype", where=f"model.{fqn}",
+                                           fix="store it as real tensors of a graphmode dtype (f32, ...)")
                     self.env[n] = self.g.add_constant(self.g.fresh_name(clean_name(fqn)), t, role="param")
                 elif n in user_inputs:
                     nm = user_names[user_inputs.index(n)]

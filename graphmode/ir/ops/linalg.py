@@ -24,8 +24,8 @@ def _matmul_infer(ins, attrs):
 
 register(OpSpec("matmul", "gemm", (2, 2), _matmul_infer,
                 lambda ins, a, env: [torch.matmul(ins[0], ins[1])], traits=frozenset({"gemm"}),
-                aten=("aten.mm.default", "aten.bmm.default", "aten.matmul.default"),
-                doc="batched matmul (torch.matmul), rank >= 2",
+                aten=("aten.mm.default", "aten.bmm.default"),
+                doc="batched matmul (torch.matmul), rank >= 2 (a 1-d operand is captured through a reshape)",
                 samples=lambda: [Sample(randn((3, 5), (5, 4))), Sample(randn((2, 3, 5), (2, 5, 4))),
                                  Sample(randn((2, 1, 3, 5), (4, 5, 6)))]))
 

@@ -1,0 +1,90 @@
+"""Capture edge cases the OpInfo conformance run found: each compiles in graph mode and
+matches eager PyTorch exactly, or is refused at capture with a graphmode error naming the op."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphmode
+from graphmode.errors import CaptureError
+from graphmode.verdict import ContractRefused
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x, y):
+        return self.fn(x, y)
+
+
+def _recipe(x: torch.Tensor, y: torch.Tensor, mode: str = "graph") -> dict:
+    return {"version": 1, "name": "edge", "exe_mode": mode, "dims": {"n": int(x.shape[0])},
+            "inputs": [{"name": "x", "dtype": "f32", "shape": ["n"] + list(x.shape[1:])},
+                       {"name": "y", "dtype": "f32", "shape": list(y.shape)}],
+            "codegen": {"kernel_selection": "heuristic"}}
+
+
+def _compiled(fn, x, y, tmp_path, mode="graph"):
+    return graphmode.compile(Fn(fn), _recipe(x, y, mode), cache_dir=tmp_path)
+
+
+def _masked_rows(x, y):
+    return torch.ops.aten._safe_softmax(x.masked_fill(y > 0, float("-inf")), -1)
+
+
+CASES = {
+    # a fully masked row gives zeros, not NaN
+    "safe_softmax": (_masked_rows, torch.randn(3, 4), torch.tensor([[0.0] * 4, [1.0] * 4, [0, 1, 1, 0]])),
+    # ops along dim 0 of a 0-d tensor
+    "log_softmax_0d": (lambda x, y: torch.log_softmax(x.reshape(()), 0) + y, torch.randn(1), torch.randn(2)),
+    "cumsum_0d": (lambda x, y: torch.cumsum(x.reshape(()), 0) * y, torch.randn(1), torch.randn(2)),
+    "sum_0d": (lambda x, y: torch.sum(x.reshape(()), 0, keepdim=True) + y, torch.randn(1), torch.randn(2)),
+    "mean_0d": (lambda x, y: torch.mean(x.reshape(())) + y, torch.randn(1), torch.randn(2)),
+    "argmax_0d": (lambda x, y: torch.argmax(x.reshape(()), 0) + y, torch.randn(1), torch.randn(2)),
+    # matmul with 1-d operands: vector-matrix, matrix-vector, batched, dot
+    "matmul_mv": (torch.matmul, torch.randn(3, 4), torch.randn(4)),
+    "matmul_vm_batched": (torch.matmul, torch.randn(4), torch.randn(2, 4, 5)),
+    "matmul_dot": (torch.matmul, torch.randn(4), torch.randn(4)),
+    # dropout outside training is the identity
+    "dropout_eval": (lambda x, y: F.dropout(x, 0.5, training=False) + y, torch.randn(3, 4), torch.randn(4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_graph_mode_matches_eager(name, tmp_path):
+    fn, x, y = CASES[name]
+    want = fn(x, y)
+    got = _compiled(fn, x, y, tmp_path)(x, y)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_native_dropout_outside_training_keeps_everything(tmp_path):
+    x, y = torch.randn(3, 4), torch.randn(4)
+
+    def fn(x, y):
+        out, mask = torch.ops.aten.native_dropout(x, 0.3, False)
+        return out + y, mask
+    out, mask = _compiled(fn, x, y, tmp_path)(x, y)
+    torch.testing.assert_close(out, x + y)
+    assert mask.dtype == torch.bool and bool(mask.all())
+
+
+def test_dropout_in_training_is_not_the_identity(tmp_path):
+    """Training dropout is random: graph mode refuses it by name, hybrid runs it as an eager island."""
+    x, y = torch.randn(3, 4), torch.randn(4)
+    fn = lambda x, y: F.dropout(x, 0.5, training=True) + y       # noqa: E731
+    with pytest.raises(ContractRefused, match="dropout"):
+        _compiled(fn, x, y, tmp_path)
+    cm = _compiled(fn, x, y, tmp_path, mode="hybrid")
+    assert [f.target for f in cm.capture_report.fallbacks] == ["aten.native_dropout.default"]
+
+
+@pytest.mark.parametrize("mode", ["graph", "hybrid"])
+def test_complex_tensors_are_refused_at_capture_naming_the_op(mode, tmp_path):
+    x, y = torch.randn(3, 8), torch.randn(8)
+    with pytest.raises(CaptureError, match=r"aten\.fft_fft.*complex64"):
+        _compiled(lambda x, y: torch.fft.fft(x).real + y, x, y, tmp_path, mode=mode)
