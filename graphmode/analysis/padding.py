@@ -685,6 +685,8 @@ class _Analyzer:
             if _falsy(cond):
                 return y
             return x if x == y and x.kind not in ("real", "lt_real") else GARBAGE
+        if len(cs) != 2:              # three-input pointwise ops (addcmul, lerp): nothing known
+            return GARBAGE
         return _binary(n.op, cs[0], cs[1], self.lo)
 
     # -- reductions
@@ -729,6 +731,8 @@ class _Analyzer:
     def along(self, n: Node, x: State, taint: dict[str, Finding]) -> State:
         """softmax / log_softmax / cumsum along one dim."""
         op = n.op
+        if not x.axes:
+            return State(())
         dim = norm_axis(n.attrs["dim"], len(x.axes))
         axes = list(self.garbage(x.axes))
         ax = x.axes[dim]
@@ -921,6 +925,8 @@ class _Analyzer:
             self.taint(taint, n, table.axes, "embedding table padded along {dim}")
             return State(self.garbage(ids.axes) + (plain(out_shape[-1]),))
         x = ins[0]
+        if not x.axes:               # a 0-d source: every index reads its one element
+            return State(self.from_type(out_shape))
         if op == "gather":           # out[..i..] = x[.. idx[..i..] ..] along dim; other axes line up 1:1
             dim = norm_axis(n.attrs["dim"], len(x.axes))
             idx = ins[1]

@@ -10,13 +10,16 @@ returns False when it does not cover this instance (same outcome).
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
+from graphmode.errors import GraphmodeError
 from graphmode.ir.graph import clean_name
 from graphmode.ir.ops import OPS, aten_table, pair
-from graphmode.ir.types import TORCH_TO_DTYPE, dim_str
+from graphmode.ir.types import TORCH_TO_DTYPE, dim_str, dims_equal
 
 Converter = Callable[[Any, torch.fx.Node, dict], bool]
 CONVERTERS: dict[str, Converter] = {}
@@ -71,6 +74,8 @@ def convert(imp, node: torch.fx.Node, tname: str) -> bool:
 
 def one_to_one(imp, node: torch.fx.Node, op: str) -> bool:
     spec = OPS[op]
+    if spec.has("aten_reference"):
+        return aten_reference(imp, node, op)
     a = bind(node)
     inputs: list[str] = []
     attrs: dict[str, Any] = {}
@@ -107,6 +112,35 @@ def emit_on_rank1(imp, node, op: str, x: str, attrs: dict) -> None:
     out_t = imp.ttype(node.meta["val"])
     y1, = imp.g.add_node(op, [x1], [out_t.with_shape((1,))], attrs)
     imp.emit(node, "reshape", [y1], {"shape": []})
+
+
+def aten_reference(imp, node: torch.fx.Node, op: str) -> bool:
+    """An ATen-reference op (ir/ops/aten_ref.py) with the call's own arguments as attributes."""
+    ins, args, kwargs = imp.encode_call(node)
+    return emit_aten_reference(imp, node, op, ins, {"overload": node.target._overloadname, "args": args,
+                                                    "kwargs": kwargs})
+
+
+def emit_aten_reference(imp, node: torch.fx.Node, op: str, ins: list[str], attrs: dict) -> bool:
+    """Emit ATen-reference op `op` for `node` once the types its inference derives match
+    torch.export's (any difference, a symbolic size argument, or an inference that refuses
+    keeps the op an eager island: False)."""
+    if "$dim" in str((attrs["args"], attrs["kwargs"])):
+        return False
+    vals = [v for v in pytree.tree_leaves(node.meta["val"]) if isinstance(v, torch.Tensor)]
+    want = [imp.ttype(v) for v in vals]
+    try:
+        got = OPS[op].infer([imp.g.type_of(i) for i in ins], attrs)
+    except GraphmodeError:
+        return False
+    if len(got) != len(want) or not all(g.dtype == w.dtype and len(g.shape) == len(w.shape)
+                                        and all(dims_equal(x, y) for x, y in zip(g.shape, w.shape))
+                                        for g, w in zip(got, want)):
+        return False
+    outs = imp.g.add_node(op, ins, want, attrs,
+                          names=[clean_name(node.name if i == 0 else f"{node.name}_{i}") for i in range(len(want))])
+    imp.env[node] = outs[0] if len(outs) == 1 and not isinstance(node.meta["val"], (tuple, list)) else tuple(outs)
+    return True
 
 
 # ---------------------------------------------------------------------------------- elementwise
@@ -164,6 +198,43 @@ def _hard_sigmoid(imp, x: str) -> str:
     t, = imp.g.add_node("clamp", [t], [ty], {"min": 0.0, "max": 6.0})
     out, = imp.g.add_node("div", [t, imp.const(6.0)], [ty])
     return out
+
+
+@converts("aten.clamp.Tensor", "aten.clamp_min.Tensor", "aten.clamp_max.Tensor")
+def _clamp_tensor(imp, node, a):
+    """clamp with tensor bounds = minimum(maximum(x, min), max): NaN propagates and min > max
+    gives max, as torch.clamp does."""
+    name = str(node.target).split(".")[1]
+    lo = a.get("min") if name != "clamp_max" else None
+    hi = a.get("max") if name != "clamp_min" else None
+    x = imp.operand(a["self"])
+    if lo is not None and hi is not None:
+        lo_v = imp.operand(lo)
+        m, = imp.g.add_node("maximum", [x, lo_v], OPS["maximum"].infer([imp.g.type_of(x), imp.g.type_of(lo_v)], {}))
+        imp.emit(node, "minimum", [m, imp.operand(hi)])
+    elif lo is not None or hi is not None:
+        imp.emit(node, "maximum" if lo is not None else "minimum", [x, imp.operand(lo if lo is not None else hi)])
+    else:
+        return False
+    return True
+
+
+_BITWISE = {"aten.bitwise_not.default": "bitwise_not", "aten.bitwise_and.Tensor": "bitwise_and",
+            "aten.__and__.Tensor": "bitwise_and", "aten.bitwise_or.Tensor": "bitwise_or", "aten.__or__.Tensor": "bitwise_or"}
+_LOGICAL = {"bitwise_not": "logical_not", "bitwise_and": "logical_and", "bitwise_or": "logical_or"}
+
+
+@converts(*_BITWISE)
+def _bitwise(imp, node, a):
+    """On bools the logical ops; on integers the bitwise ATen-reference ops."""
+    ins = [imp.operand(a[k]) for k in ("self", "other") if k in a]
+    if all(imp.g.type_of(i).dtype == "bool" for i in ins):
+        imp.emit(node, _LOGICAL[_BITWISE[str(node.target)]], ins)
+        return True
+    if OPS[_BITWISE[str(node.target)]].has("aten_reference"):
+        return aten_reference(imp, node, _BITWISE[str(node.target)])
+    imp.emit(node, _BITWISE[str(node.target)], ins)        # a core op of that name
+    return True
 
 
 @converts("aten.hardsigmoid.default", "aten.hardsigmoid_.default")
@@ -252,8 +323,13 @@ def _arg(imp, node, a):
 def _softmax(imp, node, a):
     op = "log_softmax" if "log_softmax" in str(node.target) else "softmax"
     x = imp.operand(a["self"])
-    if a.get("dtype") is not None and TORCH_TO_DTYPE.get(a["dtype"]) != imp.g.type_of(x).dtype:
+    if a.get("half_to_float"):
         return False
+    if a.get("dtype") is not None and TORCH_TO_DTYPE.get(a["dtype"]) != imp.g.type_of(x).dtype:
+        if a["dtype"] not in TORCH_TO_DTYPE:
+            return False
+        x, = imp.g.add_node("cast", [x], [imp.g.type_of(x).with_dtype(TORCH_TO_DTYPE[a["dtype"]])],
+                            {"dtype": TORCH_TO_DTYPE[a["dtype"]]})     # softmax(x, dtype=d) = softmax(x.to(d))
     rank = imp.g.type_of(x).rank
     if rank == 0:
         emit_on_rank1(imp, node, op, x, {"dim": 0})
@@ -454,14 +530,32 @@ def _sdpa(imp, node, a):
 
 # ---------------------------------------------------------------------------------- pools
 
+def _unbatched(imp, node, op: str, x: str, attrs: dict) -> None:
+    """A 2-d window op on an unbatched [C, H, W] input, run on its [1, C, H, W] view."""
+    xt = imp.g.type_of(x)
+    x4, = imp.g.add_node("reshape", [x], [xt.with_shape((1,) + xt.shape)], {"shape": [1] + [imp.attr_dim(d) for d in
+                                                                                           xt.shape]})
+    out_t = OPS[op].infer([imp.g.type_of(x4)], attrs)[0]
+    y4, = imp.g.add_node(op, [x4], [out_t], attrs)
+    imp.emit(node, "reshape", [y4], {"shape": [imp.attr_dim(d) for d in out_t.shape[1:]]})
+
+
 @converts("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default")
 def _max_pool(imp, node, a):
-    k = pair(a["kernel_size"])
     val = node.meta["val"]
+    if isinstance(val, (tuple, list)) and any(u.target is operator.getitem and u.args[1] == 1 for u in node.users):
+        return aten_reference(imp, node, "max_pool2d_with_indices")     # the indices are used
+    k = pair(a["kernel_size"])
     attrs = {"kernel": k, "stride": pair(a["stride"]) if a["stride"] else k, "padding": pair(a["padding"]),
              "dilation": pair(a["dilation"]), "ceil_mode": bool(a["ceil_mode"])}
+    x = imp.operand(a["self"])
+    if imp.g.type_of(x).rank == 3 and not isinstance(val, (tuple, list)):
+        _unbatched(imp, node, "max_pool2d", x, attrs)
+        return True
+    if imp.g.type_of(x).rank != 4:
+        return False
     ty = imp.ttype(val[0] if isinstance(val, (tuple, list)) else val)
-    out, = imp.g.add_node("max_pool2d", [imp.operand(a["self"])], [ty], attrs, names=[clean_name(node.name)])
+    out, = imp.g.add_node("max_pool2d", [x], [ty], attrs, names=[clean_name(node.name)])
     imp.env[node] = (out, None) if isinstance(val, (tuple, list)) else out
     return True
 
@@ -471,9 +565,15 @@ def _avg_pool(imp, node, a):
     if a.get("divisor_override") is not None:
         return False
     k = pair(a["kernel_size"])
-    imp.emit(node, "avg_pool2d", [imp.operand(a["self"])],
-             {"kernel": k, "stride": pair(a["stride"]) if a["stride"] else k, "padding": pair(a["padding"]),
-              "ceil_mode": bool(a["ceil_mode"]), "count_include_pad": bool(a["count_include_pad"])})
+    attrs = {"kernel": k, "stride": pair(a["stride"]) if a["stride"] else k, "padding": pair(a["padding"]),
+             "ceil_mode": bool(a["ceil_mode"]), "count_include_pad": bool(a["count_include_pad"])}
+    x = imp.operand(a["self"])
+    if imp.g.type_of(x).rank == 3:
+        _unbatched(imp, node, "avg_pool2d", x, attrs)
+        return True
+    if imp.g.type_of(x).rank != 4:
+        return False
+    imp.emit(node, "avg_pool2d", [x], attrs)
     return True
 
 
@@ -629,11 +729,20 @@ def _sym_size(imp, node, a):
 
 @converts("aten.pad.default", "aten.constant_pad_nd.default")
 def _pad(imp, node, a):
-    if a.get("mode", "constant") != "constant":
-        return False
     pads = [imp.dim(p) for p in a["pad"]]
     if not all(isinstance(p, int) for p in pads):
         return False
+    mode = a.get("mode", "constant")
+    if mode != "constant":      # the ATen op F.pad dispatches to for the mode, with its own arguments
+        n = len(pads) // 2
+        if mode not in ("reflect", "replicate", "circular") or not 1 <= n <= 3 or a.get("value") is not None:
+            return False
+        op = ("_pad_circular" if mode == "circular" else
+              ("reflection_pad1d" if n == 1 else "reflection_pad2d" if n == 2 else "reflection_pad3d")
+              if mode == "reflect" else
+              ("replication_pad1d" if n == 1 else "replication_pad2d" if n == 2 else "replication_pad3d"))
+        return emit_aten_reference(imp, node, op, [imp.operand(a["self"])],
+                                   {"overload": "default", "args": [{"$in": 0}, pads], "kwargs": {}})
     value = a.get("value")
     imp.emit(node, "pad", [imp.operand(a["self"])], {"pads": pads, "value": float(value or 0.0)})
     return True

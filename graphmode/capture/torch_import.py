@@ -197,7 +197,9 @@ class _Importer:
         r = fn(*[sympy.sympify(a) if not isinstance(a, (int, float)) else a for a in args])
         self.env[node] = normalize_dim(r) if isinstance(r, (sympy.Basic, int)) else r
 
-    def _fallback(self, node: torch.fx.Node, reason: str, excluded: bool = False) -> None:
+    def encode_call(self, node: torch.fx.Node) -> tuple[list[str], list, dict]:
+        """The node's arguments as JSON (tensors as {"$in": i} into the returned inputs, sizes as
+        {"$dim": ...}, dtypes as {"$dtype": ...}): how eager islands and ATen-reference ops keep them."""
         ins: list[str] = []
 
         def enc(a):
@@ -225,6 +227,10 @@ class _Importer:
         kwargs = {k: enc(v) for k, v in node.kwargs.items()
                   if k not in ("layout", "pin_memory", "memory_format") or v is not None and k == "memory_format"}
         kwargs.pop("memory_format", None)
+        return ins, args, kwargs
+
+    def _fallback(self, node: torch.fx.Node, reason: str, excluded: bool = False) -> None:
+        ins, args, kwargs = self.encode_call(node)
         loc = _source_loc(node)
         vals = node.meta["val"]
         vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]

@@ -48,6 +48,12 @@ CASES = {
     "matmul_mv": (torch.matmul, torch.randn(3, 4), torch.randn(4)),
     "matmul_vm_batched": (torch.matmul, torch.randn(4), torch.randn(2, 4, 5)),
     "matmul_dot": (torch.matmul, torch.randn(4), torch.randn(4)),
+    # clamp with tensor bounds (maximum, minimum); ATen-reference ops, pointwise and static; padding modes
+    "clamp_tensor": (lambda x, y: torch.clamp(x, min=y, max=y + 0.5), torch.randn(3, 4), torch.randn(4)),
+    "aten_reference": (lambda x, y: torch.logsumexp(torch.special.erfc(x) * y, 1, keepdim=True) + torch.erfinv(y / 4),
+                       torch.randn(3, 4), torch.randn(4)),
+    "pad_reflect": (lambda x, y: F.pad(x.reshape(1, 3, 4), (2, 1), mode="reflect") + y[:1], torch.randn(3, 4),
+                    torch.randn(4)),
     # dropout outside training is the identity
     "dropout_eval": (lambda x, y: F.dropout(x, 0.5, training=False) + y, torch.randn(3, 4), torch.randn(4)),
 }

@@ -55,11 +55,34 @@ def ir(*lines: str, out_type: str = "") -> str:
      "unsafe"),     # the output axis holds padding in the middle: it cannot be sliced back
     # concatenating along the padded axis puts padding in the middle
     (['%y: f32[b,2*s,4] = concat(%x, %x) {"dim": 1}'], "unsafe"),
+    # ATen-reference pointwise ops keep padding where it is (padded positions: unknown values)
+    (['%y: f32[b,s,4] = erfc(%x) {"overload": "default", "args": [{"$in": 0}], "kwargs": {}}'], "safe"),
+    (['%y: f32[b,s,4] = addcmul(%x, %x, %x) {"overload": "default", "args": [{"$in": 0}, {"$in": 1}, {"$in": 2}], '
+      '"kwargs": {"value": 0.5}}'], "safe"),
+    (['%e: f32[b,s,4] = erfc(%x) {"overload": "default", "args": [{"$in": 0}], "kwargs": {}}',
+      '%y: f32[b,4] = sum(%e) {"dims": [1]}'], "unsafe"),
 ])
 def test_rules(body, want):
     rep = verdict(ir(*body))
     assert status(rep, "s") == want, rep.lines()
     assert status(rep, "b") == "safe", rep.lines()
+
+
+def test_static_aten_reference_ops_are_opaque_to_padding():
+    """Their types come from torch's meta kernels on concrete shapes, so inference refuses a
+    symbolic dim (capture keeps such a use an eager island); and a graph that hands one a
+    padded dim anyway is unsafe to pad along it: the analysis has no rule for them."""
+    from graphmode.errors import GraphmodeError
+    from graphmode.ir.ops import OPS
+    from graphmode.ir.types import TensorType
+    attrs = {"overload": "default", "args": [{"$in": 0}, [1], True], "kwargs": {}}
+    with pytest.raises(GraphmodeError, match="static shapes only"):
+        OPS["logsumexp"].infer([parse_graph(ir('%y: f32[b,s,4] = identity(%x)')).values["x"].type], attrs)
+    assert OPS["logsumexp"].infer([TensorType("f32", (2, 5, 4))], attrs) == [TensorType("f32", (2, 1, 4))]
+    rep = verdict(ir('%y: f32[b,1,4] = logsumexp(%x) {"overload": "default", "args": [{"$in": 0}, [1], true], '
+                     '"kwargs": {}}'))
+    assert status(rep, "s") == "unsafe" and "no padding rule for logsumexp" in "\n".join(rep.lines())
+    assert status(rep, "b") == "unsafe"
 
 
 def test_additive_mask_makes_softmax_over_keys_safe():

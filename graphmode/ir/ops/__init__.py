@@ -6,7 +6,7 @@ or a symbolic expression over the recipe dims, evaluated per bucket. See docs/op
 """
 from graphmode.ir.ops.spec import (OPS, TRAITS, OpSpec, Sample, _result_dtype, aten_table, broadcast_shapes,
                                    eval_shape, get_op, norm_axis, ops_with, pair, register, result_dtype)
-from graphmode.ir.ops import elementwise, reduction, linalg, shape, data, kv, collective, regions  # noqa: F401,E401 - registers
+from graphmode.ir.ops import elementwise, reduction, linalg, shape, data, kv, collective, regions, aten_ref  # noqa: F401,E401 - registers
 from graphmode.ir.ops.cost import flops_of
 from graphmode.ir.ops.linalg import conv_out
 from graphmode.ir.ops.shape import resolve_reshape

@@ -35,6 +35,7 @@ TRAITS = {
     "side_effect": "writes a `state` input in place (a KV cache): never removed, merged or reordered",
     "collective": "exchanges data with the other ranks of a tensor-parallel group: never folded, and every rank "
                   "runs the same collectives in the same order",
+    "aten_reference": "runs as the ATen op it is named after; capture checks its types against torch.export's",
 }
 
 
