@@ -51,7 +51,10 @@ def _row(label: str, results: Sequence[CaseResult], others: Sequence[str], reaso
     n = len(results)
     c = Counter(r.outcome for r in results)
     cells = [label, str(n), _pct(c["pass"], n)] + [str(c[o]) for o in OUTCOMES[1:]]
-    cells += [_pct(sum(r.others.get(o) == "pass" for r in results), n) for o in others]
+    for o in others:            # over the cases the other engine was judged on (it may run on a sample)
+        judged = [r for r in results if o in r.others]
+        cells.append(_pct(sum(r.others[o] == "pass" for r in judged), len(judged)) + (
+            f" of {len(judged)}" if judged and len(judged) != n else "") if judged else "-")
     if reason:
         cells.append(_reason(results))
     return "| " + " | ".join(cells) + " |"
