@@ -308,10 +308,15 @@ def _reduce_all(imp, node, a):
 
 @converts("aten.argmax.default", "aten.argmin.default")
 def _arg(imp, node, a):
-    if a["dim"] is None:
-        return False
     x = imp.operand(a["self"])
     op = str(node.target).split(".")[1]
+    if a["dim"] is None:            # over the flattened tensor (keepdim: a shape of ones)
+        xt = imp.g.type_of(x)
+        flat, = imp.g.add_node("reshape", [x], [xt.with_shape((xt.numel(),))], {"shape": [-1]})
+        out_t = imp.ttype(node.meta["val"])
+        y, = imp.g.add_node(op, [flat], [out_t.with_shape(())], {"dim": 0, "keepdim": False})
+        imp.emit(node, "reshape", [y], {"shape": [1] * out_t.rank})
+        return True
     if imp.g.type_of(x).rank == 0:
         emit_on_rank1(imp, node, op, x, {"dim": 0, "keepdim": True})
         return True
@@ -356,9 +361,12 @@ def _safe_softmax(imp, node, a):
 
 @converts("aten.cumsum.default")
 def _cumsum(imp, node, a):
-    if a.get("dtype") is not None:
-        return False
     x = imp.operand(a["self"])
+    if a.get("dtype") is not None:          # cumsum(x, dtype=d) = cumsum(x.to(d))
+        if a["dtype"] not in TORCH_TO_DTYPE:
+            return False
+        x, = imp.g.add_node("cast", [x], [imp.g.type_of(x).with_dtype(TORCH_TO_DTYPE[a["dtype"]])],
+                            {"dtype": TORCH_TO_DTYPE[a["dtype"]]})
     rank = imp.g.type_of(x).rank
     if rank == 0:
         emit_on_rank1(imp, node, "cumsum", x, {"dim": 0})

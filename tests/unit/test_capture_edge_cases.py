@@ -44,6 +44,11 @@ CASES = {
     "sum_0d": (lambda x, y: torch.sum(x.reshape(()), 0, keepdim=True) + y, torch.randn(1), torch.randn(2)),
     "mean_0d": (lambda x, y: torch.mean(x.reshape(())) + y, torch.randn(1), torch.randn(2)),
     "argmax_0d": (lambda x, y: torch.argmax(x.reshape(()), 0) + y, torch.randn(1), torch.randn(2)),
+    # argmax/argmin over the flattened tensor (dim=None), keepdim a shape of ones
+    "argmax_flat": (lambda x, y: torch.argmax(x * y) + y, torch.randn(3, 4), torch.randn(4)),
+    "argmin_flat_keepdim": (lambda x, y: torch.argmin(x * y, keepdim=True) + y, torch.randn(3, 4), torch.randn(4)),
+    # cumsum with a dtype casts first (int64: the float input truncated, then summed)
+    "cumsum_dtype": (lambda x, y: torch.cumsum(x * 4, 1, dtype=torch.int64) + y, torch.randn(3, 4), torch.randn(4)),
     # matmul with 1-d operands: vector-matrix, matrix-vector, batched, dot
     "matmul_mv": (torch.matmul, torch.randn(3, 4), torch.randn(4)),
     "matmul_vm_batched": (torch.matmul, torch.randn(4), torch.randn(2, 4, 5)),
