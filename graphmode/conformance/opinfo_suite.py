@@ -4,9 +4,10 @@
 A sample is named `op[.variant]#k`: the k-th float32 CPU sample of that OpInfo entry, generated
 under a seed fixed by the entry's name, so a name always means the same tensors. Up to
 `per_op` samples per entry are taken, spread over its list. Each is wrapped as a small
-`nn.Module` (`SampleModule`) whose tensor arguments are its inputs (a 0-d tensor is declared
-as shape [1] and viewed as 0-d inside: a recipe declares rank >= 1) and compiled with a recipe
-whose shapes are the sample's own (static; its one dim is the first axis, pinned).
+`nn.Module` (`SampleModule`) whose tensor arguments are its inputs, and compiled with a recipe
+whose shapes are the sample's own (static, 0-d and empty axes included; its one dim is the
+first nonempty axis, pinned; where every input is 0-d, the first comes in as [1] and is viewed
+as 0-d inside).
 
 Every sample is two cases, `graph:<sample>` and `hybrid:<sample>` (tags `graph`, `hybrid`).
 graph mode passes only with 0 eager islands (its verdict refuses a graph with any); hybrid
@@ -94,29 +95,29 @@ def find_op(key: str):
 class SampleModule(torch.nn.Module):
     """`fn(sample.input, *sample.args, **sample.kwargs)` with the sample's tensors as inputs."""
 
-    def __init__(self, fn: Callable, leaves: list, spec, tensor_at: list[int], zero_d: set[int]):
+    def __init__(self, fn: Callable, leaves: list, spec, tensor_at: list[int], lifted: int | None = None):
         super().__init__()
-        self.fn, self.leaves, self.spec, self.tensor_at, self.zero_d = fn, leaves, spec, tensor_at, zero_d
+        self.fn, self.leaves, self.spec, self.tensor_at, self.lifted = fn, leaves, spec, tensor_at, lifted
 
     def call(self, xs: dict) -> Any:
         leaves = list(self.leaves)
         for j, i in enumerate(self.tensor_at):
             t = xs[f"x{j}"]
-            leaves[i] = t.reshape(()) if j in self.zero_d else t
+            leaves[i] = t.reshape(()) if j == self.lifted else t
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         out = self.fn(*args, **kwargs)
         flat = pytree.tree_leaves(out)
         return tuple(flat) if len(flat) != 1 else flat[0]
 
 
-def sample_module(fn: Callable, leaves: list, spec, tensor_at: list[int], zero_d: set[int]) -> SampleModule:
+def sample_module(fn: Callable, leaves: list, spec, tensor_at: list[int], lifted: int | None) -> SampleModule:
     """A SampleModule whose forward names its inputs x0, x1, ... (graphmode binds by the signature)."""
     names = [f"x{j}" for j in range(len(tensor_at))]
     ns: dict[str, Any] = {}
     exec(f"def forward(self, {', '.join(names)}):\n    return self.call({{{', '.join(f'{n!r}: {n}' for n in names)}}})",
          ns)
     cls = type("SampleModule", (SampleModule,), {"forward": ns["forward"]})
-    return cls(fn, leaves, spec, tensor_at, zero_d)
+    return cls(fn, leaves, spec, tensor_at, lifted)
 
 
 @dataclass
@@ -137,12 +138,16 @@ def build(name: str) -> Built:
     sample = samples_of(op)[int(k)]
     leaves, spec = pytree.tree_flatten(((sample.input, *sample.args), dict(sample.kwargs)))
     tensor_at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    zero_d = {j for j, i in enumerate(tensor_at) if leaves[i].dim() == 0}
-    inputs = {f"x{j}": (leaves[i].reshape(1) if j in zero_d else leaves[i]).detach().clone()
+    # a recipe's dim must be some input's axis: when no input has a nonempty axis, the first 0-d
+    # input comes in as shape [1] and is viewed as 0-d inside
+    lifted = None
+    if not any(s >= 1 for i in tensor_at for s in leaves[i].shape):
+        lifted = next((j for j, i in enumerate(tensor_at) if leaves[i].dim() == 0), None)
+    inputs = {f"x{j}": (leaves[i].reshape(1) if j == lifted else leaves[i]).detach().clone()
               for j, i in enumerate(tensor_at)}
     if not inputs:
         raise NotACase("the sample has no tensor argument")
-    module = sample_module(op.op, leaves, spec, tensor_at, zero_d).eval()
+    module = sample_module(op.op, leaves, spec, tensor_at, lifted).eval()
     want = _eager(module, inputs)
     again = _eager(module, inputs)
     if len(want) != len(again) or not all(_same_bits(a, b) for a, b in zip(want, again)):
@@ -188,17 +193,16 @@ _DTYPE_NAMES = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16"
 
 
 def recipe_for(inputs: dict[str, torch.Tensor]) -> dict:
-    """The sample's own shapes, static; the recipe's one dim (a recipe needs one) is the first
-    axis of the first input, fixed at its size."""
-    first = next(iter(inputs.values()))
-    n = int(first.shape[0]) if first.dim() else 1
-    specs = []
-    for i, (name, t) in enumerate(inputs.items()):
-        shape: list[Any] = [int(s) for s in t.shape]
-        if i == 0 and shape:
-            shape[0] = "n"
-        specs.append({"name": name, "dtype": _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", "")),
-                      "shape": shape})
+    """The sample's own shapes, static (0-d inputs as shape [], empty axes as 0). A recipe needs
+    one dim, used by an input: the first axis of extent >= 1, pinned at its extent (none: a
+    placeholder dim the recipe refuses, naming it)."""
+    specs = [{"name": name, "dtype": _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", "")),
+              "shape": [int(s) for s in t.shape]} for name, t in inputs.items()]
+    n = 1
+    pinned = next(((sp, ax) for sp in specs for ax, e in enumerate(sp["shape"]) if e >= 1), None)
+    if pinned is not None:
+        sp, ax = pinned
+        n, sp["shape"][ax] = sp["shape"][ax], "n"
     return {"version": 1, "name": "opinfo-case", "inputs": specs, "dims": {"n": n},
             "codegen": {"kernel_selection": "heuristic"}, "memory": {"budget_mb": 1024}}
 
