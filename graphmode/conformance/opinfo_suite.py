@@ -264,7 +264,9 @@ def run_inductor(b: Built) -> str | None:
 class OpInfoSuite:
     """`runner.Suite` over OpInfo's f32 samples (see the module docstring). `ops`: take only
     that many OpInfo entries, spread over the database in a fixed order, one sample each (the
-    CI-sized run); None: every entry, `per_op` samples each."""
+    CI-sized run); None: every entry, `per_op` samples each. `ids`: exactly these cases
+    (`graph:atan#0`), listed without importing the database (a sample that is no case is then
+    the case's crash, not a skip)."""
 
     name = "opinfo"
     title = "PyTorch OpInfo samples (f32)"
@@ -272,12 +274,19 @@ class OpInfoSuite:
     others = ("torch.compile",)
 
     def __init__(self, cache_dir: str | None = None, per_op: int = 2, inductor_every: int = 8,
-                 ops: int | None = None):
+                 ops: int | None = None, ids: list[str] | None = None):
         self.cache_dir, self.per_op, self.inductor_every, self.ops = cache_dir, per_op, inductor_every, ops
+        self.ids = ids
         self.skipped: dict[str, str] = {}          # sample -> why it is not a case
 
     def cases(self) -> list:
         from graphmode.conformance.runner import Case
+        if self.ids is not None:
+            odd = [i for i in self.ids if i.partition(":")[0] not in self.subsets or "#" not in i]
+            if odd:
+                raise ValueError(f"OpInfo case ids {odd} are not MODE:OP#K with MODE graph or hybrid")
+            return [Case(i, name.rpartition("#")[0], (mode,), (name, mode))
+                    for i in self.ids for mode, _, name in [i.partition(":")]]
         return [Case(f"{mode}:{name}", name.rpartition("#")[0], (mode,), (name, mode))
                 for name in self.sample_names() for mode in ("graph", "hybrid")]
 
