@@ -152,9 +152,12 @@ class _Importer:
             return
         if target is operator.getitem:
             src, idx = node.args
-            self.env[node] = self.env[src][idx] if isinstance(self.env[src], (tuple, list)) else None
+            got = self.env[src]
+            self.env[node] = got[idx] if isinstance(got, (tuple, list)) and -len(got) <= idx < len(got) else None
             if self.env[node] is None:
-                raise CaptureError(f"getitem on a single value at {node.name}")
+                held = f"{len(got)} values" if isinstance(got, (tuple, list)) else "a single value"
+                raise CaptureError(f"output {idx} of {getattr(src, 'target', src)} taken at {node.name}, which "
+                                   f"graphmode holds as {held}", fix="report this as a capture bug, with the model")
             return
         if not isinstance(target, torch._ops.OpOverload):
             self._sym_op(node)
@@ -234,6 +237,10 @@ class _Importer:
         loc = _source_loc(node)
         vals = node.meta["val"]
         vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+        if any(isinstance(v, (tuple, list)) for v in vals):
+            raise CaptureError(f"op {node.target} returns a list of tensors among its outputs, which an eager "
+                               "island cannot return", where=loc,
+                               fix="exclude the op from the model (or compute it outside the compiled part)")
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
         names = [clean_name(node.name if i == 0 else f"{node.name}_{i}") for i in range(len(tensors))]
         outs = self.g.add_node("fallback", ins, [self.ttype(v) for v in tensors],

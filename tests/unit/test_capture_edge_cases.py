@@ -99,3 +99,57 @@ def test_complex_tensors_are_refused_at_capture_naming_the_op(mode, tmp_path):
     x, y = torch.randn(3, 8), torch.randn(8)
     with pytest.raises(CaptureError, match=r"aten\.fft_fft.*complex64"):
         _compiled(lambda x, y: torch.fft.fft(x).real + y, x, y, tmp_path, mode=mode)
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x, y):
+        self.calls.add_(1)
+        return x + y
+
+
+class _BatchStats(torch.nn.Module):
+    """Batch norm in training form, called directly (compile sets eval(), which a functional
+    call with training=True ignores): its running statistics are updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(4))
+        self.register_buffer("running_var", torch.ones(4))
+
+    def forward(self, x, y):
+        return F.batch_norm(x, self.running_mean, self.running_var, training=True) + y
+
+
+@pytest.mark.parametrize("mode", ["graph", "hybrid"])
+@pytest.mark.parametrize("model, match", [(_Counting, r"updates its buffer 'calls' in place \(aten\.add_?\.Tensor"),
+                                          (_BatchStats, r"updates its buffer 'running_.* in place \(.*batch_norm")])
+def test_in_place_updates_of_buffers_are_refused_naming_the_op(model, match, mode, tmp_path):
+    """torch.export returns updated buffers as extra outputs before the model's own; they are
+    refused, not returned in the wrong place while the caller's buffer stays stale."""
+    x, y = torch.randn(3, 4), torch.randn(4)
+    with pytest.raises(CaptureError, match=match):
+        graphmode.compile(model(), _recipe(x, y, mode), cache_dir=tmp_path)
+
+
+def test_in_place_updates_of_inputs_are_written_back(tmp_path):
+    """An input the model updates in place is copied back into the caller's tensor (buffers and
+    parameters are refused above): the output and the updated input both match eager."""
+    x, y = torch.randn(3, 4), torch.randn(4)
+    fn = lambda x, y: x + y.mul_(2)      # noqa: E731
+    want_y = y.clone()
+    want = fn(x, want_y)
+    got_y = y.clone()
+    got = _compiled(fn, x, y.clone(), tmp_path, mode="hybrid")(x, got_y)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_y, want_y)
+
+
+def test_an_op_returning_a_list_of_tensors_is_refused_naming_it(tmp_path):
+    """histogramdd returns (hist, [bin edges...]): no eager island holds a nested list (was an IndexError)."""
+    x, y = torch.randn(6, 2), torch.randn(2)
+    with pytest.raises(CaptureError, match=r"aten\.histogramdd.*list of tensors"):
+        _compiled(lambda x, y: torch.histogramdd(x + y, bins=[3, 3]).hist, x, y, tmp_path, mode="hybrid")
