@@ -654,6 +654,8 @@ def _permute(imp, node, a):
 @converts("aten.transpose.int", "aten.t.default")
 def _transpose(imp, node, a):
     rank = len(node.meta["val"].shape)
+    if rank <= 1:                   # t / transpose(0, -1) of a 0-d or 1-d tensor is the tensor itself
+        return _view(imp, node, a)
     d0, d1 = (a["dim0"], a["dim1"]) if "dim0" in a else (0, 1)
     perm = list(range(rank))
     perm[d0 % rank], perm[d1 % rank] = perm[d1 % rank], perm[d0 % rank]

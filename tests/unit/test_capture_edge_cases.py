@@ -44,6 +44,9 @@ CASES = {
     "sum_0d": (lambda x, y: torch.sum(x.reshape(()), 0, keepdim=True) + y, torch.randn(1), torch.randn(2)),
     "mean_0d": (lambda x, y: torch.mean(x.reshape(())) + y, torch.randn(1), torch.randn(2)),
     "argmax_0d": (lambda x, y: torch.argmax(x.reshape(()), 0) + y, torch.randn(1), torch.randn(2)),
+    # t / transpose of a 0-d or 1-d tensor is the identity
+    "t_0d": (lambda x, y: x.reshape(()).t() * y, torch.randn(1), torch.randn(2)),
+    "transpose_1d": (lambda x, y: x.transpose(0, -1) + y, torch.randn(2), torch.randn(2)),
     # argmax/argmin over the flattened tensor (dim=None), keepdim a shape of ones
     "argmax_flat": (lambda x, y: torch.argmax(x * y) + y, torch.randn(3, 4), torch.randn(4)),
     "argmin_flat_keepdim": (lambda x, y: torch.argmin(x * y, keepdim=True) + y, torch.randn(3, 4), torch.randn(4)),
