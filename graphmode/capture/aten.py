@@ -146,7 +146,7 @@ def emit_aten_reference(imp, node: torch.fx.Node, op: str, ins: list[str], attrs
 # ---------------------------------------------------------------------------------- elementwise
 
 @converts("aten.add.Tensor", "aten.add.Scalar", "aten.add_.Tensor", "aten.sub.Tensor", "aten.sub.Scalar",
-          "aten.sub_.Tensor")
+          "aten.sub_.Tensor", "aten.subtract.Tensor", "aten.subtract.Scalar")
 def _add_sub(imp, node, a):
     op = "add" if "add" in str(node.target) else "sub"
     lhs, rhs = imp.operand(a["self"]), imp.operand(a["other"])
@@ -165,7 +165,8 @@ def _rsub(imp, node, a):
     return True
 
 
-@converts("aten.div.Tensor", "aten.div.Scalar", "aten.div.Tensor_mode", "aten.div_.Tensor")
+@converts("aten.div.Tensor", "aten.div.Scalar", "aten.div.Tensor_mode", "aten.div_.Tensor", "aten.divide.Tensor",
+          "aten.divide.Scalar", "aten.true_divide.Tensor", "aten.true_divide.Scalar")
 def _div(imp, node, a):
     if a.get("rounding_mode") is not None:
         return False
@@ -276,12 +277,25 @@ def _cast(imp, node, a):
 
 # ---------------------------------------------------------------------------------- reductions
 
+def _operand_as(imp, a) -> str | None:
+    """`self`, cast to the call's `dtype` argument where it has one (sum/mean/cumsum(x, dtype=d)
+    compute on x.to(d), as eager does); None for a dtype graphmode has not."""
+    x = imp.operand(a["self"])
+    dt = a.get("dtype")
+    if dt is None:
+        return x
+    if dt not in TORCH_TO_DTYPE:
+        return None
+    x, = imp.g.add_node("cast", [x], [imp.g.type_of(x).with_dtype(TORCH_TO_DTYPE[dt])], {"dtype": TORCH_TO_DTYPE[dt]})
+    return x
+
+
 @converts("aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default", "aten.amin.default")
 def _reduce(imp, node, a):
-    if a.get("dtype") is not None:
-        return False
     op = str(node.target).split(".")[1]
-    x = imp.operand(a["self"])
+    x = _operand_as(imp, a)
+    if x is None:
+        return False
     rank = imp.g.type_of(x).rank
     if rank == 0:
         emit_on_rank1(imp, node, op, x, {"dims": [0], "keepdim": True})
@@ -295,9 +309,9 @@ def _reduce(imp, node, a):
 
 @converts("aten.sum.default", "aten.mean.default")
 def _reduce_all(imp, node, a):
-    if a.get("dtype") is not None:
+    x = _operand_as(imp, a)
+    if x is None:
         return False
-    x = imp.operand(a["self"])
     if imp.g.type_of(x).rank == 0:
         emit_on_rank1(imp, node, str(node.target).split(".")[1], x, {"dims": [0], "keepdim": True})
         return True
@@ -361,12 +375,9 @@ def _safe_softmax(imp, node, a):
 
 @converts("aten.cumsum.default")
 def _cumsum(imp, node, a):
-    x = imp.operand(a["self"])
-    if a.get("dtype") is not None:          # cumsum(x, dtype=d) = cumsum(x.to(d))
-        if a["dtype"] not in TORCH_TO_DTYPE:
-            return False
-        x, = imp.g.add_node("cast", [x], [imp.g.type_of(x).with_dtype(TORCH_TO_DTYPE[a["dtype"]])],
-                            {"dtype": TORCH_TO_DTYPE[a["dtype"]]})
+    x = _operand_as(imp, a)
+    if x is None:
+        return False
     rank = imp.g.type_of(x).rank
     if rank == 0:
         emit_on_rank1(imp, node, "cumsum", x, {"dim": 0})
@@ -797,18 +808,19 @@ def _arange(imp, node, a):
     return True
 
 
-_FILL = {"zeros": 0, "new_zeros": 0, "zeros_like": 0, "ones": 1, "new_ones": 1, "ones_like": 1}
+_FILL = {"zeros": 0, "new_zeros": 0, "zeros_like": 0, "zero": 0, "ones": 1, "new_ones": 1, "ones_like": 1}
 
 
 @converts("aten.full.default", "aten.zeros.default", "aten.ones.default", "aten.new_ones.default",
           "aten.new_zeros.default", "aten.new_full.default", "aten.ones_like.default", "aten.zeros_like.default",
-          "aten.full_like.default", "aten.scalar_tensor.default", "aten.empty.memory_format")
+          "aten.full_like.default", "aten.scalar_tensor.default", "aten.empty.memory_format", "aten.zero.default",
+          "aten.fill.Scalar")
 def _full(imp, node, a):
     short = str(node.target).split(".")[1]
     if short == "empty":
         value = 0                    # uninitialised in eager: any value is as good; zeros keep results finite
     else:
-        value = _FILL.get(short, a.get("fill_value", a.get("s")))
+        value = _FILL.get(short, a.get("fill_value", a.get("s", a.get("value"))))
     if isinstance(value, torch.fx.Node) or value is None:
         return False
     val = node.meta["val"]

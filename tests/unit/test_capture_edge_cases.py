@@ -44,6 +44,11 @@ CASES = {
     "sum_0d": (lambda x, y: torch.sum(x.reshape(()), 0, keepdim=True) + y, torch.randn(1), torch.randn(2)),
     "mean_0d": (lambda x, y: torch.mean(x.reshape(())) + y, torch.randn(1), torch.randn(2)),
     "argmax_0d": (lambda x, y: torch.argmax(x.reshape(()), 0) + y, torch.randn(1), torch.randn(2)),
+    # reductions with a dtype cast first; the divide / true_divide / subtract aliases
+    "sum_mean_dtype": (lambda x, y: torch.sum(x * 4, 1, dtype=torch.int64) + torch.mean(x, dtype=torch.float64) + y,
+                       torch.randn(3, 4), torch.randn(3)),
+    "aliases": (lambda x, y: torch.true_divide(torch.subtract(x, y), y) + torch.divide(x, 2.0), torch.randn(3, 4),
+                torch.rand(4) + 1),
     # t / transpose of a 0-d or 1-d tensor is the identity
     "t_0d": (lambda x, y: x.reshape(()).t() * y, torch.randn(1), torch.randn(2)),
     "transpose_1d": (lambda x, y: x.transpose(0, -1) + y, torch.randn(2), torch.randn(2)),

@@ -46,7 +46,8 @@ def test_converter_reading_follows_the_key():
     t, o = torch_emits(), onnx_emits()
     assert t["aten.add.Tensor"].ops == {"add", "mul"}        # mul: only when alpha != 1
     assert t["aten.sub.Tensor"].ops == {"sub", "mul"}
-    assert t["aten.mean.dim"].ops == {"mean", "reshape"} and t["aten.argmin.default"].ops == {"argmin", "reshape"}  # 0-d: on [1]
+    # reshape: a 0-d input runs on its [1] view (argmin: also dim=None, on the flattened tensor); cast: a dtype argument
+    assert t["aten.mean.dim"].ops == {"cast", "mean", "reshape"} and t["aten.argmin.default"].ops == {"argmin", "reshape"}
     assert t["aten.hardswish.default"].ops == {"add", "clamp", "div", "mul"}     # through its helper
     assert o["MaxPool"].ops >= {"max_pool2d"} and "avg_pool2d" not in o["MaxPool"].ops
     assert {"remainder", "fmod"} <= o["Mod"].ops and "fmod" not in o["Add"].ops
