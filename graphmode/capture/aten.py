@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from graphmode.errors import GraphmodeError
 from graphmode.ir.graph import clean_name
 from graphmode.ir.ops import OPS, aten_table, pair
-from graphmode.ir.types import TORCH_TO_DTYPE, dim_str, dims_equal
+from graphmode.ir.types import DTYPES, TORCH_TO_DTYPE, dim_str, dims_equal
 
 Converter = Callable[[Any, torch.fx.Node, dict], bool]
 CONVERTERS: dict[str, Converter] = {}
@@ -220,22 +220,100 @@ def _clamp_tensor(imp, node, a):
     return True
 
 
-_BITWISE = {"aten.bitwise_not.default": "bitwise_not", "aten.bitwise_and.Tensor": "bitwise_and",
-            "aten.__and__.Tensor": "bitwise_and", "aten.bitwise_or.Tensor": "bitwise_or", "aten.__or__.Tensor": "bitwise_or"}
+def emit_checked(imp, node: torch.fx.Node, op: str, ins: list[str], attrs: dict | None = None) -> bool:
+    """Emit core op `op` for `node` only where its inferred output type is torch.export's (dtype
+    and shape): where the core op's type rules differ from the ATen call's, False keeps the call
+    an eager island instead of a different answer."""
+    want = imp.ttype(node.meta["val"])
+    try:
+        got, = OPS[op].infer([imp.g.type_of(i) for i in ins], attrs or {})
+    except GraphmodeError:
+        return False
+    if got.dtype != want.dtype or len(got.shape) != len(want.shape) or \
+            not all(dims_equal(x, y) for x, y in zip(got.shape, want.shape)):
+        return False
+    imp.emit(node, op, ins, attrs)
+    return True
+
+
+def _scalar_in(imp, v, dtype: str) -> str | None:
+    """A Python scalar operand as a 0-d constant of the call's result dtype (None where the value
+    does not fit it), a traced value as itself."""
+    if isinstance(v, torch.fx.Node):
+        return imp.operand(v)
+    t = DTYPES[dtype]
+    if t == torch.bool:
+        return imp.const(v, dtype) if v in (0, 1) else None
+    if not t.is_floating_point:
+        info = torch.iinfo(t)
+        if not (isinstance(v, int) and info.min <= v <= info.max):
+            return None
+    return imp.const(v, dtype)
+
+
+_BITWISE_OPS = ("bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift")
+_DUNDER = {"__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor",
+           "__lshift__": "bitwise_left_shift", "__rshift__": "bitwise_right_shift"}
 _LOGICAL = {"bitwise_not": "logical_not", "bitwise_and": "logical_and", "bitwise_or": "logical_or"}
 
 
-@converts(*_BITWISE)
+@converts("aten.bitwise_not.default",
+          *(f"aten.{op}.{o}" for op in _BITWISE_OPS[1:4] for o in ("Tensor", "Scalar", "Scalar_Tensor")),
+          *(f"aten.{op}.{o}" for op in _BITWISE_OPS[4:] for o in ("Tensor", "Tensor_Scalar", "Scalar_Tensor")),
+          *(f"aten.{d}.{o}" for d in _DUNDER for o in ("Tensor", "Scalar")))
 def _bitwise(imp, node, a):
-    """On bools the logical ops; on integers the bitwise ATen-reference ops."""
-    ins = [imp.operand(a[k]) for k in ("self", "other") if k in a]
-    if all(imp.g.type_of(i).dtype == "bool" for i in ins):
-        imp.emit(node, _LOGICAL[_BITWISE[str(node.target)]], ins)
-        return True
-    if OPS[_BITWISE[str(node.target)]].has("aten_reference"):
-        return aten_reference(imp, node, _BITWISE[str(node.target)])
-    imp.emit(node, _BITWISE[str(node.target)], ins)        # a core op of that name
-    return True
+    """The core bitwise ops (integers, and bools for and/or/xor/not), with a Python scalar operand
+    as a constant of the result dtype; and/or/not of bools as the logical ops. Whatever the core
+    op would type differently from the ATen call stays an eager island."""
+    name = str(node.target).split(".")[1]
+    op = _DUNDER.get(name, name)
+    want = imp.ttype(node.meta["val"]).dtype
+    ins = [_scalar_in(imp, a[k], want) for k in ("self", "other") if k in a]
+    if any(i is None for i in ins):
+        return False
+    if op in _LOGICAL and want == "bool" and all(imp.g.type_of(i).dtype == "bool" for i in ins):
+        return emit_checked(imp, node, _LOGICAL[op], ins)
+    return emit_checked(imp, node, op, ins)
+
+
+@converts("aten.round.decimals")
+def _round_decimals(imp, node, a):
+    """torch.round(x, decimals=d) as ATen computes it on floats: round(x * 10^d) / 10^d, for d < 0
+    round(x / 10^-d) * 10^-d, with 10^|d| in x's dtype (so the core ops give the same bits)."""
+    x, d = imp.operand(a["self"]), int(a["decimals"])
+    dt = imp.g.type_of(x).dtype
+    if dt not in ("f32", "f64") or abs(d) > 300:
+        return False
+    if d == 0:
+        return emit_checked(imp, node, "round", [x])
+    ten = imp.const(float(10.0 ** abs(d)), dt)
+    t = imp.g.type_of(x)
+    scaled, = imp.g.add_node("mul" if d > 0 else "div", [x, ten], [t])
+    rounded, = imp.g.add_node("round", [scaled], [t])
+    return emit_checked(imp, node, "div" if d > 0 else "mul", [rounded, ten])
+
+
+@converts("aten.prod.default", "aten.prod.dim_int")
+def _prod(imp, node, a):
+    """The core prod over every dim or one, on the input cast to the call's result dtype first
+    (a `dtype` argument, or torch's promotion of integers and bools to int64)."""
+    x = imp.operand(a["self"])
+    xt, want = imp.g.type_of(x), imp.ttype(node.meta["val"]).dtype
+    if xt.dtype != want:
+        x, = imp.g.add_node("cast", [x], [xt.with_dtype(want)], {"dtype": want})
+    if xt.rank == 0:        # the product over a 0-d tensor's one element (dim 0 or -1) is itself
+        return emit_checked(imp, node, "identity", [x])
+    if node.target._overloadname == "default":
+        dims, keep = list(range(xt.rank)), False
+    else:
+        dims, keep = [axis(a["dim"], xt.rank)], bool(a["keepdim"])
+    return emit_checked(imp, node, "prod", [x], {"dims": dims, "keepdim": keep})
+
+
+@converts("aten.einsum.default")
+def _einsum(imp, node, a):
+    """torch.einsum as the core einsum (a contraction `path` only orders the work)."""
+    return emit_checked(imp, node, "einsum", [imp.operand(t) for t in a["tensors"]], {"equation": a["equation"]})
 
 
 @converts("aten.hardsigmoid.default", "aten.hardsigmoid_.default")

@@ -31,6 +31,10 @@ def _compiled(fn, x, y, tmp_path, mode="graph"):
     return graphmode.compile(Fn(fn), _recipe(x, y, mode), cache_dir=tmp_path)
 
 
+def _i32(t):
+    return (t * 50).to(torch.int32)
+
+
 def _masked_rows(x, y):
     return torch.ops.aten._safe_softmax(x.masked_fill(y > 0, float("-inf")), -1)
 
@@ -67,6 +71,19 @@ CASES = {
                        torch.randn(3, 4), torch.randn(4)),
     "pad_reflect": (lambda x, y: F.pad(x.reshape(1, 3, 4), (2, 1), mode="reflect") + y[:1], torch.randn(3, 4),
                     torch.randn(4)),
+    # ATen ops that reach a core op of their name (one op, one name: no ATen-reference twin)
+    "core_unary": (lambda x, y: torch.floor(x * 3) + torch.ceil(x) + torch.round(x * 3) + torch.sign(x) + torch.tan(x / 2)
+                   + torch.asinh(x) + torch.atan(y), torch.randn(3, 4), torch.randn(4)),
+    "round_decimals": (lambda x, y: torch.round(x * 10, decimals=2) + torch.round(x * 100, decimals=-1)
+                       + torch.round(x, decimals=0) + y, torch.randn(3, 4), torch.randn(4)),
+    "bitwise_ints": (lambda x, y: ((_i32(x) & _i32(y)) | (_i32(x) ^ 7)) + ~_i32(x) + (_i32(x) << 2) + (_i32(y) >> 1)
+                     + torch.bitwise_left_shift(3, _i32(y).abs() % 8) + torch.floor(_i32(x)), torch.randn(3, 4),
+                     torch.randn(4)),
+    "bitwise_bools": (lambda x, y: ((x > 0) & (y > 0)) | ~(x > y) ^ (x > 1), torch.randn(3, 4), torch.randn(4)),
+    "prod": (lambda x, y: torch.prod(x) + torch.prod(x, 1, keepdim=True) + y, torch.randn(3, 4), torch.randn(4)),
+    "prod_int": (lambda x, y: torch.prod(_i32(x / 20), 1) + torch.prod(x > -3) + torch.prod(y.sum(), 0),
+                 torch.randn(3, 4), torch.randn(4)),
+    "einsum": (lambda x, y: torch.einsum("ij,j->i", x, y), torch.randn(3, 4), torch.randn(4)),
     # dropout outside training is the identity
     "dropout_eval": (lambda x, y: F.dropout(x, 0.5, training=False) + y, torch.randn(3, 4), torch.randn(4)),
 }
