@@ -316,6 +316,27 @@ def _einsum(imp, node, a):
     return emit_checked(imp, node, "einsum", [imp.operand(t) for t in a["tensors"]], {"equation": a["equation"]})
 
 
+@converts("aten.conv_transpose2d.input")
+def _conv_transpose2d(imp, node, a):
+    """The core conv_transpose2d; an unbatched (3-d) input runs as a batch of one and is viewed
+    back, as ATen runs it (the core op takes 4-d inputs only)."""
+    x, w = imp.operand(a["input"]), imp.operand(a["weight"])
+    rest = [w] + ([imp.operand(a["bias"])] if a["bias"] is not None else [])
+    attrs = {k: [int(v) for v in a[k]] for k in ("stride", "padding", "output_padding", "dilation")}
+    attrs["groups"] = int(a["groups"])
+    xt = imp.g.type_of(x)
+    if xt.rank != 3:
+        return emit_checked(imp, node, "conv_transpose2d", [x] + rest, attrs)
+    x4, = imp.g.add_node("reshape", [x], [xt.with_shape((1,) + tuple(xt.shape))],
+                         {"shape": [1] + [imp.attr_dim(d) for d in xt.shape]})
+    try:
+        yt, = OPS["conv_transpose2d"].infer([imp.g.type_of(i) for i in [x4] + rest], attrs)
+    except GraphmodeError:
+        return False
+    y4, = imp.g.add_node("conv_transpose2d", [x4] + rest, [yt], attrs)
+    return emit_checked(imp, node, "reshape", [y4], {"shape": [imp.attr_dim(d) for d in yt.shape[1:]]})
+
+
 @converts("aten.hardsigmoid.default", "aten.hardsigmoid_.default")
 def _hardsigmoid(imp, node, a):
     imp.env[node] = _hard_sigmoid(imp, imp.operand(a["self"]))

@@ -84,6 +84,8 @@ CASES = {
     "prod_int": (lambda x, y: torch.prod(_i32(x / 20), 1) + torch.prod(x > -3) + torch.prod(y.sum(), 0),
                  torch.randn(3, 4), torch.randn(4)),
     "einsum": (lambda x, y: torch.einsum("ij,j->i", x, y), torch.randn(3, 4), torch.randn(4)),
+    "conv_transpose2d_unbatched": (lambda x, y: F.conv_transpose2d(x.reshape(2, 3, 2), y.reshape(2, 1, 1, 2), stride=2),
+                                   torch.randn(3, 4), torch.randn(4)),
     # dropout outside training is the identity
     "dropout_eval": (lambda x, y: F.dropout(x, 0.5, training=False) + y, torch.randn(3, 4), torch.randn(4)),
 }
