@@ -410,7 +410,6 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     from graphmode.errors import PlanError
     from graphmode.paths import cache_layout
     from graphmode.plan.execution import load_plan
-    from graphmode.recipe import Recipe
     from graphmode.runtime.build import backend_options, cache_key
     from graphmode.runtime.compiled import CompiledModel
     path = Path(path)
@@ -422,15 +421,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     with z:
         manifest = read_manifest(z, path)
         check_manifest(manifest, path)
-        try:
-            recipe_doc = parse_json(_member(z, "recipe.json", path, manifest, size))
-            recipe = Recipe.model_validate(recipe_doc)
-        except (ValueError, TypeError) as e:
-            raise ArtifactError(f"unreadable recipe: {str(e).splitlines()[0][:300]}", where=f"{path}:recipe.json",
-                                fix="save the artifact again") from None
-        if recipe.hash() != manifest.get("recipe_hash"):
-            raise ArtifactError("its recipe does not match the manifest's hash (edited?)", where=f"{path}:recipe.json",
-                                fix="save the artifact again")
+        recipe = _recipe(z, path, manifest, size)
         root = cache_layout(cache_dir).artifacts / digest
         if not (root / "complete").is_file() or _extraction_problem(root, manifest, size) is not None:
             _extract(z, path, root, manifest, size)
@@ -491,6 +482,33 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
             cm._event("artifact_load", bucket=key, seconds=round(time.perf_counter() - t0, 3))
             progress_plans.step(key)
     return cm
+
+
+def recipe_of(path: str | Path):
+    """The recipe an artifact was compiled with (nothing extracted or loaded): what a server of
+    the artifact serves, and the only recipe it can serve. Read as `load` reads it: the manifest
+    checked (fields, members, versions, host), the recipe member within its bound, sha256 and hash."""
+    path = Path(path)
+    z, _, size = _open(path)
+    with z:
+        manifest = read_manifest(z, path)
+        check_manifest(manifest, path)
+        return _recipe(z, path, manifest, size)
+
+
+def _recipe(z: zipfile.ZipFile, path: Path, manifest: dict[str, Any], size: int):
+    """The recipe member, parsed and checked against the manifest's recipe hash."""
+    from graphmode.recipe import Recipe
+    try:
+        recipe_doc = parse_json(_member(z, "recipe.json", path, manifest, size))
+        recipe = Recipe.model_validate(recipe_doc)
+    except (ValueError, TypeError) as e:
+        raise ArtifactError(f"unreadable recipe: {str(e).splitlines()[0][:300]}", where=f"{path}:recipe.json",
+                            fix="save the artifact again") from None
+    if recipe.hash() != manifest.get("recipe_hash"):
+        raise ArtifactError("its recipe does not match the manifest's hash (edited?)", where=f"{path}:recipe.json",
+                            fix="save the artifact again")
+    return recipe
 
 
 def _graph(root: Path, text: str, manifest: dict[str, Any], where: Path):

@@ -41,6 +41,7 @@ import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -272,15 +273,21 @@ class ModelServer:
                  on_state: Callable[[str, GraphmodeError | None], None] | None = None,
                  on_stage: OnStage | None = None):
         """`on_state` hears the server's state changes; `on_stage` the progress of each recipe's
-        build: capture, passes, proof, plans bucket N of M (graphmode/progress.py)."""
+        build: capture, passes, proof, plans bucket N of M (graphmode/progress.py).
+
+        `model` may be a `.gm` artifact (graphmode compile --save): it is loaded, not compiled
+        (no capture, no kernel build), and it serves only the recipe it was compiled with
+        (`recipe` None means that one; any other is refused, a hot reload included)."""
         from graphmode.recipe import load_recipe
         from graphmode.recipe.targets import pick_target
+        from graphmode.runtime.artifact import recipe_of
         self.config = config or ServeConfig()
         self.clock = clock
         self.on_state = on_state
         self.on_stage = on_stage
         self.metrics = PromMetrics()
-        first = load_recipe(recipe)
+        self.artifact = artifact_path(model)
+        first = load_recipe(recipe if recipe is not None or self.artifact is None else recipe_of(self.artifact))
         self.target = pick_target(first, self.config.target)
         self.target_name = getattr(self.target, "name", str(self.target))
         self.model = self._resolve_model(model)
@@ -320,8 +327,9 @@ class ModelServer:
         return int(self.config.max_body_mb * MB)
 
     # ---- loading ------------------------------------------------------------------------------
-    @staticmethod
-    def _resolve_model(model: Any) -> Any:
+    def _resolve_model(self, model: Any) -> Any:
+        if self.artifact is not None:
+            return None                          # no module: the artifact holds the graph and its plans
         if isinstance(model, str):
             from graphmode.capture.spec import resolve_model_spec
             return resolve_model_spec(model)     # built once, reused by every reload
@@ -367,6 +375,9 @@ class ModelServer:
                               where="parallel.tensor", line=recipe.line_of("parallel"),
                               fix="tensor: 1 to serve; graphmode.compile or `graphmode run` start the ranks "
                                   "(docs/tensor-parallel.md)")
+        if self.artifact is not None:
+            self._artifact_serves(recipe)
+            return
         resolve_model(self.model, recipe)                  # names (RecipeError)
         dims = getattr(self.model, "input_dims", None)
         if not isinstance(dims, dict):
@@ -382,6 +393,15 @@ class ModelServer:
                                   f"{list(want)} in the model", where=f"inputs.{spec.name}.shape",
                                   line=recipe.line_of("inputs"), fix=f"declare shape {list(want)}")
 
+    def _artifact_serves(self, recipe: Any) -> None:
+        from graphmode.runtime.artifact import recipe_of
+        built = recipe_of(self.artifact)
+        if recipe.hash() != built.hash():
+            raise RecipeError(f"the artifact {self.artifact.name} serves only the recipe it was compiled with "
+                              f"({built.name} #{built.hash()}), not {recipe.name} #{recipe.hash()}", where="recipe",
+                              fix="compile the new recipe into an artifact (graphmode compile --save) and serve "
+                                  "that, or serve the model itself (--model SPEC) to hot-reload recipes")
+
     def precheck(self, recipe: Any) -> Any:
         """Layers 1-3 with the running model's facts; raises RecipeErrors / ConstraintError."""
         self.fits_model(recipe)
@@ -392,9 +412,14 @@ class ModelServer:
     def _build(self, recipe: Any, origin: str, ticket: ReloadTicket | None = None) -> Deployment:
         """Compile, prove with the new graph's facts, warm up every bucket, check memory."""
         from graphmode.compiler import compile as gm_compile
+        from graphmode.runtime.artifact import load as load_artifact
         t0 = time.perf_counter()
-        cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir, threads=self.config.threads,
-                        on_stage=self.on_stage)
+        if self.artifact is not None:
+            cm = load_artifact(self.artifact, cache_dir=self.config.cache_dir, threads=self.config.threads,
+                               on_stage=self.on_stage)
+        else:
+            cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir,
+                            threads=self.config.threads, on_stage=self.on_stage)
         self._unless_stopping()
         facts = self._facts(cm)
         recipe = self._prove(recipe, facts).recipe
@@ -821,6 +846,14 @@ class ModelServer:
             if dep.decoder is not None:
                 out["decoder"] = dep.decoder.describe()
         return out
+
+
+def artifact_path(model: Any) -> Path | None:
+    """`model` as a `.gm` artifact's path, or None when it is anything else."""
+    from graphmode.runtime.artifact import SUFFIX
+    if isinstance(model, (str, Path)) and str(model).endswith(SUFFIX):
+        return Path(model)
+    return None
 
 
 def _outcome(e: BaseException) -> str:

@@ -8,6 +8,7 @@ import json
 import zipfile
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -250,3 +251,27 @@ def test_edited_extraction_is_extracted_again(saved):
     os.mkfifo(lib)
     assert torch.equal(graphmode.load(path, cache_dir=tmp / "reextract")(x)[0], cm(x)[0])
     assert lib.is_file()
+
+
+def test_server_serves_an_artifact_and_only_its_recipe(saved):
+    """`graphmode serve --model FILE.gm`: the server loads the artifact (no capture, no kernel
+    compile), answers like the compiled model, and refuses any other recipe, a reload included."""
+    from graphmode.errors import RecipeError
+    from graphmode.serve import ModelServer, ServeConfig, ServerThread
+    cm, path, _, tmp = saved
+    server = ModelServer(str(path), None, config=ServeConfig(cache_dir=tmp / "serve-cache", batch_window_ms=0))
+    assert server.recipe.hash() == cm.recipe.hash() and server.model is None
+    with ServerThread(server) as running:
+        running.wait_ready(600)
+        assert server.active.cm.artifact["path"] == str(path)
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(3))
+        r = httpx.post(running.url + "/v1/infer", json={"inputs": {"input": x.tolist()}}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["bucket"] == {"batch": 4}
+        got = torch.tensor(r.json()["outputs"][server.active.names_for(1)[0]])
+        assert torch.allclose(got, cm(x), rtol=1e-5, atol=1e-6)
+        other = dict(RECIPE, dims={"batch": {"buckets": [1, 2]}})
+        r = httpx.put(running.url + "/v1/recipe", json=other, timeout=60)
+        assert r.status_code == 422 and "serves only the recipe it was compiled with" in r.json()["message"], r.text
+    with pytest.raises(RecipeError, match="serves only the recipe"):
+        ModelServer(str(path), other)
