@@ -25,8 +25,10 @@ from graphmode.cli.progress import progress
 
 @app.command("serve")
 def serve_cmd(
-    model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | package.module:function"),
-    recipe: str = typer.Option(..., "--recipe", help="the recipe (YAML) to serve"),
+    model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | package.module:function "
+                                                   "| FILE.gm (an artifact: graphmode compile --save)"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="the recipe (YAML) to serve (an artifact's own when "
+                                                                "--model is a .gm file)"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="0 picks a free port"),
     batch_window_ms: float = typer.Option(5.0, "--batch-window-ms",
@@ -69,6 +71,20 @@ def serve_cmd(
                                            "and generations get this long to finish (then streams end with an "
                                            "error event)"),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error"),
+    replicas: Optional[int] = typer.Option(None, "--replicas", min=1, help="serve N replicas on Ray Serve (the "
+                                           "serve-cluster extra): compiled once here, loaded by every replica"),
+    min_replicas: Optional[int] = typer.Option(None, "--min-replicas", min=0, help="Ray Serve autoscaling: "
+                                               "fewest replicas (sets autoscaling on)"),
+    max_replicas: Optional[int] = typer.Option(None, "--max-replicas", min=1, help="Ray Serve autoscaling: "
+                                               "most replicas (sets autoscaling on)"),
+    target_ongoing_requests: Optional[float] = typer.Option(
+        None, "--target-ongoing-requests", help="autoscaling: requests queued or running per replica that Ray "
+        "Serve aims for (default: the recipe's largest batch)"),
+    address: Optional[str] = typer.Option(None, "--address", help="join this Ray cluster (auto | HOST:6379 | "
+                                          "ray://HOST:10001); default: start a local one for the server's lifetime"),
+    replica_cpus: float = typer.Option(1.0, "--replica-cpus", help="CPUs Ray reserves per replica"),
+    replica_ready_timeout_s: float = typer.Option(600.0, "--replica-ready-timeout-s",
+                                                  help="a replica not warm by then fails its start"),
 ) -> None:
     """Serve a model over HTTP: /v1/infer, /v1/completions (decoders), KServe v2 /v2/..., /v1/recipe (hot
     reload), /healthz, /readyz, /metrics."""
@@ -87,6 +103,21 @@ def serve_cmd(
                              fix="debug, info, warning or error")
     if admin_token is None and "GRAPHMODE_ADMIN_TOKEN" in os.environ:
         admin_token = os.environ["GRAPHMODE_ADMIN_TOKEN"]   # set but empty: refused below, never "no token"
+    cluster = None
+    if any(v is not None for v in (replicas, min_replicas, max_replicas, address, target_ongoing_requests)):
+        from graphmode.serve.cluster import ClusterConfig, require_ray
+        require_ray()                      # before anything compiles: the extra is named at once
+        if variant:
+            raise GraphmodeError("--variant is not supported with replicas yet: each replica would renegotiate "
+                                 "on its own", where="--variant", fix="serve the variants without --replicas, or "
+                                 "deploy the variant's recipe as its own replicas")
+        cluster = ClusterConfig(replicas=replicas or min_replicas or 1, min_replicas=min_replicas,
+                                max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
+                                address=address, host=host, port=port, replica_cpus=replica_cpus,
+                                replica_ready_timeout_s=replica_ready_timeout_s)
+    if recipe is None and not model.endswith(".gm"):
+        raise GraphmodeError("--recipe is needed", where="--recipe",
+                             fix="pass the recipe to serve (only a .gm artifact carries its own)")
     config = ServeConfig(target=target, cache_dir=cache_dir, kb=kb_file(kb, cache_dir), kb_period_s=kb_period_s,
                          threads=threads, batch_window_ms=batch_window_ms,
                          max_batch=max_batch, max_body_mb=max_body_mb, request_timeout_s=request_timeout_s,
@@ -100,6 +131,9 @@ def serve_cmd(
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads:
         torch.set_num_threads(threads)
+    if cluster is not None:
+        _serve_cluster(model, recipe, config, cluster)
+        return
     failure: list[GraphmodeError] = []
     holder: dict = {}
 
@@ -151,6 +185,35 @@ def serve_cmd(
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+def _serve_cluster(model: str, recipe: Optional[str], config: Any, cluster: Any) -> None:
+    """`--replicas`: compile once here, then Ray Serve's replicas behind its proxy until Ctrl-C /
+    SIGTERM; the Ray cluster this started (no --address) stops with it."""
+    from graphmode.serve.cluster import ClusterServer, prepare
+
+    with progress(live=False) as on_stage:
+        served = prepare(model, recipe, config, on_stage=on_stage)
+    what = "compiled once" if served.compiled_by_driver else "checked"
+    console.print(f"graphmode serve: {served.model} {what} in {served.seconds:.1f} s; starting "
+                  f"{cluster.replicas} replica(s) on Ray Serve "
+                  f"({'cluster ' + cluster.address if cluster.address else 'a local Ray cluster'})", highlight=False)
+    server = ClusterServer(served, config, cluster)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.start()
+        lo, hi = cluster.bounds
+        scale = f"autoscaling {lo}..{hi}" if cluster.autoscaling else f"{cluster.replicas} replica(s)"
+        console.print(f"[bold green]ready[/] {scale} on {server.url} (GET /v1/replica says which answered)",
+                      highlight=False)
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.stop()
+    err_console.print("graphmode serve: stopped")
 
 
 @app.command("loadtest")

@@ -629,6 +629,12 @@ def builder_for(cache_dir: Path | str | None, threads: int | None, isa: str | No
     return b
 
 
+def compiles_in_process() -> int:
+    """Kernel libraries this process has compiled (every builder's): 0 for a process that
+    only loaded libraries, from an artifact or the cache (a served replica's "no recompile")."""
+    return sum(b.stats["compiles"] for b in list(_BUILDERS.values()))
+
+
 def compiler_available(compiler: str | None = None, cache_dir: Path | str | None = None) -> bool:
     """Whether generated kernels can be built here (probes once per process)."""
     cache = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "graphmode-probe"

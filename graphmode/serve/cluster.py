@@ -1,0 +1,371 @@
+"""Replicas of the model server on Ray Serve (`graphmode serve --replicas N`, extra `serve-cluster`).
+
+Ray places, health-checks and restarts the replicas and routes HTTP to them through its proxy;
+graphmode brings what each replica runs: the same ModelServer and Starlette app as the plain
+server (graphmode/serve/app.py), built inside a Ray Serve deployment. Nothing is compiled
+per replica:
+
+  * an encoder is compiled once by the driver and saved as one `.gm` artifact (or the
+    `--model` given is one already); every replica, a restarted one included, loads that
+    file: no capture, no kernel build (`graphmode.runtime.artifact`);
+  * a decoder (no artifacts for decoders yet) is compiled and warmed once by the driver into
+    the shared plan cache; the replicas capture its graphs again but take every plan and
+    kernel library from that cache.
+
+Each replica proves the recipe with its own graph's facts, as the plain server does, so the
+recipe's SLA and memory budget hold per replica; the budget is also the replica's Ray
+`memory` resource, so Ray places no more replicas on a node than their budgets fit.
+Autoscaling is Ray Serve's: the replica count follows the requests queued and running per
+replica (`target_ongoing_requests`, by default the largest batch the recipe admits), between
+`min_replicas` and `max_replicas`. The KB path is passed to every replica, which records to
+that one SQLite file (on a shared file system across nodes).
+
+Ray is imported only here and only when a cluster is asked for: `import graphmode.serve`
+and the plain server never need it (`require_ray` names the extra when it is missing).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from graphmode.errors import GraphmodeError
+from graphmode.progress import OnStage
+
+EXTRA = "serve-cluster"
+APP_NAME = "graphmode"
+DEPLOYMENT = "GraphmodeReplica"
+REPLICA_ROUTE = "/v1/replica"
+MB = 2**20
+# a PUT reaches one replica through Ray's proxy: swapping that one alone would split the fleet
+RELOAD_REFUSED = {"error": "NotSupported", "status": 501, "where": "PUT /v1/recipe",
+                  "message": "hot reload is not supported across replicas yet (a PUT reaches one replica)",
+                  "fix": "redeploy: stop `graphmode serve --replicas` and start it with the new recipe"}
+
+
+def require_ray() -> Any:
+    """`ray.serve`, or a clear error naming the extra that installs it."""
+    try:
+        import ray  # noqa: F401
+        from ray import serve
+    except ImportError as e:
+        raise GraphmodeError(f"serving replicas needs Ray Serve, which is not installed ({e})", where="--replicas",
+                             fix=f"pip install 'graphmode[{EXTRA}]' (it pins ray[serve]), or serve one process "
+                                 "without --replicas") from None
+    return serve
+
+
+@dataclass
+class ClusterConfig:
+    """How many replicas, where, and with what resources (the `--replicas` family of flags)."""
+    replicas: int = 1                       # the fixed count, or the initial one when autoscaling
+    min_replicas: int | None = None         # either bound set: Ray Serve autoscaling between them
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None   # autoscaling: requests per replica (default: the largest batch)
+    address: str | None = None              # an existing Ray cluster ("auto", "ray://host:10001", ...); None: start one
+    host: str = "127.0.0.1"                 # Ray Serve's HTTP proxy
+    port: int = 8000
+    replica_cpus: float = 1.0
+    health_check_period_s: float = 10.0
+    replica_ready_timeout_s: float = 600.0          # a replica that is not warm by then fails its start
+
+    def __post_init__(self) -> None:
+        checks = [("replicas", self.replicas >= 1),
+                  ("min_replicas", self.min_replicas is None or self.min_replicas >= 0),
+                  ("max_replicas", self.max_replicas is None or self.max_replicas >= 1),
+                  ("replica_cpus", self.replica_cpus > 0),
+                  ("health_check_period_s", self.health_check_period_s > 0),
+                  ("replica_ready_timeout_s", self.replica_ready_timeout_s > 0),
+                  ("target_ongoing_requests", self.target_ongoing_requests is None
+                   or self.target_ongoing_requests > 0)]
+        for name, ok in checks:
+            if not ok:
+                raise GraphmodeError("invalid cluster option", where=f"--{name.replace('_', '-')}",
+                                     value=getattr(self, name))
+        lo, hi = self.bounds
+        if not lo <= self.replicas <= hi:
+            raise GraphmodeError(f"--replicas {self.replicas} is outside --min-replicas {lo} .. --max-replicas {hi}",
+                                 where="--replicas", value=self.replicas, fix="pick a count within the bounds")
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        if not self.autoscaling:
+            return self.replicas, self.replicas
+        lo = self.min_replicas if self.min_replicas is not None else 1
+        hi = self.max_replicas if self.max_replicas is not None else max(lo, self.replicas)
+        if lo > hi:
+            raise GraphmodeError(f"--min-replicas {lo} is more than --max-replicas {hi}", where="--min-replicas",
+                                 value=lo, fix="make --min-replicas at most --max-replicas")
+        return lo, hi
+
+
+@dataclass
+class Served:
+    """What every replica loads: the model (a `.gm` path, or the spec the driver compiled into
+    the shared cache) and the recipe (None: the artifact's own)."""
+    model: Any
+    recipe: Any
+    compiled_by_driver: bool
+    seconds: float
+
+
+# ---- the driver: compile once ---------------------------------------------------------------
+
+def prepare(model: Any, recipe: Any, config: Any, *, on_stage: OnStage | None = None) -> Served:
+    """Compile once, before any replica starts. An encoder becomes one `.gm` artifact under the
+    cache (`--model` may be one already); a decoder is compiled and warmed into the shared plan
+    cache. The artifact is loaded here once as well: that checks it runs on this host and
+    unpacks it into the shared cache, so replicas starting together find it unpacked."""
+    import graphmode
+    from graphmode.paths import cache_layout
+    from graphmode.recipe import load_recipe
+    from graphmode.serve.server import artifact_path
+    t0 = time.perf_counter()
+    if artifact_path(model) is not None:
+        path = artifact_path(model).resolve()
+        graphmode.load(path, cache_dir=config.cache_dir, threads=config.threads, on_stage=on_stage)
+        if recipe is not None:
+            from graphmode.runtime.artifact import recipe_of
+            built, asked = recipe_of(path), load_recipe(recipe)
+            if built.hash() != asked.hash():
+                raise GraphmodeError(f"{path.name} was compiled with recipe {built.name} #{built.hash()}, not "
+                                     f"{asked.name} #{asked.hash()}", where="--recipe",
+                                     fix="leave --recipe out to serve the artifact's recipe, or compile this one "
+                                         "(graphmode compile --save)")
+        return Served(str(path), None, False, time.perf_counter() - t0)
+    rec = load_recipe(recipe)
+    model = _portable(model)
+    cm = graphmode.compile(model, rec, config.target or "host", cache_dir=config.cache_dir, threads=config.threads,
+                           on_stage=on_stage)
+    if rec.memory.kv_cache is not None:
+        from graphmode.decode.api import engine_of
+        engine_of(cm).warmup()             # its prefill/decode plans and kernels land in the shared cache
+        return Served(model, rec, True, time.perf_counter() - t0)
+    path = cache_layout(config.cache_dir).artifacts / f"{rec.name}-{rec.hash()}.gm"
+    cm.save(path)
+    graphmode.load(path, cache_dir=config.cache_dir, threads=config.threads)
+    return Served(str(path.resolve()), None, True, time.perf_counter() - t0)
+
+
+def _portable(model: Any) -> Any:
+    """A spec naming a file (`path/file.py:function`, `model.onnx`) made absolute: replicas
+    may run in another working folder."""
+    if not isinstance(model, str):
+        return model
+    file, sep, func = model.partition(":")
+    if file.endswith((".py", ".onnx")) and Path(file).exists():
+        return str(Path(file).resolve()) + sep + func
+    return model
+
+
+# ---- the replica ------------------------------------------------------------------------------
+
+class GraphmodeReplica:
+    """One replica: a ModelServer and its app. Ray Serve wraps it as an ASGI ingress
+    (`serve.ingress()` with `__serve_build_asgi_app__`), runs the app's lifespan (which starts
+    the server), then calls `reconfigure`, which returns once the recipe is warm or raises
+    with the server's error; only then does Ray route to it. `check_health` fails when the
+    server has failed, so Ray replaces the replica and shows the error in its status."""
+
+    def __init__(self, model: Any, recipe: Any, config: Any):
+        from ray import serve
+
+        from graphmode.serve.server import ModelServer
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.changed = threading.Event()
+        self.server = ModelServer(model, recipe, config=config, on_state=lambda state, error: self.changed.set())
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from graphmode.serve.app import create_app
+        return ReplicaApp(create_app(self.server), self)
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        deadline = time.monotonic() + float(user_config.get("replica_ready_timeout_s", 600.0))
+        while self.server.state not in ("ready", "failed"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GraphmodeError(f"replica {self.replica} was not warm within "
+                                     f"{user_config.get('replica_ready_timeout_s')} s", where="--replica-ready-timeout-s")
+            self.changed.clear()
+            if self.server.state not in ("ready", "failed"):
+                await asyncio.to_thread(self.changed.wait, min(left, 5.0))
+        self.check_health()
+
+    def check_health(self) -> None:
+        if self.server.state == "failed":
+            e = self.server.error
+            raise GraphmodeError(f"replica {self.replica}: {e.message if e else 'the recipe could not be loaded'}",
+                                 where=getattr(e, "where", None) or "startup", fix=getattr(e, "fix", None))
+
+    def describe(self) -> dict[str, Any]:
+        """Which replica answered, what it loaded, and how many kernels it compiled (0 for one
+        serving an artifact or the shared cache)."""
+        from graphmode.backends.cpu.build import compiles_in_process
+        dep = self.server.active
+        artifact = getattr(dep.cm, "artifact", None) if dep is not None else None
+        return {"replica": self.replica, "pid": os.getpid(), "state": self.server.state,
+                "version": dep.version if dep is not None else None,
+                "artifact": artifact and {"path": artifact["path"], "digest": artifact["digest"]},
+                "kernel_compiles": compiles_in_process()}
+
+
+class ReplicaApp:
+    """The model server's app, plus the replica's name on every answer (`X-Graphmode-Replica`)
+    and `GET /v1/replica` (GraphmodeReplica.describe): behind Ray's proxy a client sees one
+    endpoint; these say which replica answered."""
+
+    def __init__(self, app: Any, replica: GraphmodeReplica):
+        self.app, self.replica = app, replica
+        self.header = (b"x-graphmode-replica", replica.replica.encode())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["path"] == REPLICA_ROUTE and scope["method"] == "GET":
+            return await self._answer(send, 200, self.replica.describe())
+        if scope["path"] == "/v1/recipe" and scope["method"] == "PUT":
+            return await self._answer(send, 501, RELOAD_REFUSED)
+
+        async def labelled(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+        await self.app(scope, receive, labelled)
+
+    async def _answer(self, send: Any, status: int, body: dict[str, Any]) -> None:
+        from graphmode.serve.codec import dumps
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), self.header]})
+        await send({"type": "http.response.body", "body": dumps(body)})
+
+
+def deployment_options(recipe: Any, cluster: ClusterConfig, config: Any) -> dict[str, Any]:
+    """Ray Serve options from the recipe and the flags: the replica count or the autoscaling
+    bounds, the CPUs and the memory budget each replica reserves, the health-check period."""
+    actor: dict[str, Any] = {"num_cpus": cluster.replica_cpus}
+    budget = recipe.memory.budget_mb
+    if isinstance(budget, (int, float)) and budget > 0:
+        actor["memory"] = int(budget * MB)
+    opts: dict[str, Any] = {"name": DEPLOYMENT, "ray_actor_options": actor,
+                            "health_check_period_s": cluster.health_check_period_s,
+                            "graceful_shutdown_timeout_s": config.shutdown_grace_s + 1.0,
+                            "user_config": {"replica_ready_timeout_s": cluster.replica_ready_timeout_s}}
+    if cluster.autoscaling:
+        lo, hi = cluster.bounds
+        target = cluster.target_ongoing_requests or float(_largest_batch(recipe))
+        opts["autoscaling_config"] = {"min_replicas": lo, "initial_replicas": cluster.replicas, "max_replicas": hi,
+                                      "target_ongoing_requests": target}
+        opts["max_ongoing_requests"] = max(1, int(target * 4))
+    else:
+        opts["num_replicas"] = cluster.replicas
+    return opts
+
+
+def _largest_batch(recipe: Any) -> int:
+    bd = recipe.model.batch_dim if recipe.model is not None else "batch"
+    return recipe.dim_range(bd)[1] if bd in recipe.dims else 1
+
+
+# ---- the cluster ------------------------------------------------------------------------------
+
+class ClusterServer:
+    """Ray (a local cluster started here, or `address`), Ray Serve's proxy on host:port, and the
+    replicas of `served`; `stop` deletes the application, and stops Ray if it started it."""
+
+    def __init__(self, served: Served, config: Any, cluster: ClusterConfig):
+        self.served, self.config, self.cluster = served, config, cluster
+        self.started_ray = False
+        self.url = f"http://{cluster.host}:{cluster.port}"
+
+    def start(self) -> "ClusterServer":
+        import ray
+        serve = require_ray()
+        from graphmode.recipe import load_recipe
+        from graphmode.runtime.artifact import recipe_of
+        recipe = load_recipe(self.served.recipe) if self.served.recipe is not None else recipe_of(self.served.model)
+        if not ray.is_initialized():
+            if self.cluster.address is None:
+                bound = self.cluster.max_replicas or self.cluster.replicas
+                ray.init(num_cpus=max(os.cpu_count() or 1, int(bound * self.cluster.replica_cpus + 0.999)),
+                         include_dashboard=False, log_to_driver=False, configure_logging=False)
+                self.started_ray = True
+            else:
+                ray.init(address=self.cluster.address, log_to_driver=False)
+        serve.start(http_options={"host": self.cluster.host, "port": self.cluster.port})
+        cls = serve.deployment(serve.ingress()(GraphmodeReplica))
+        config = dataclasses.replace(self.config, kb=_absolute(self.config.kb),
+                                     cache_dir=_absolute(self.config.cache_dir))
+        app = cls.options(**deployment_options(recipe, self.cluster, config)).bind(
+            self.served.model, self.served.recipe, config)
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            self.wait_running(self.cluster.replica_ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def status(self) -> Any:
+        from ray import serve
+        return serve.status().applications.get(APP_NAME)
+
+    def replica_states(self) -> dict[str, int]:
+        app = self.status()
+        dep = app.deployments.get(DEPLOYMENT) if app is not None else None
+        return dict(dep.replica_states) if dep is not None else {}
+
+    def wait_running(self, timeout: float) -> None:
+        """Until the application runs (every replica warm), or its deployment failed (raised
+        with Ray's message, which carries the replica's error)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            app = self.status()
+            state = str(getattr(app, "status", "")).rsplit(".", 1)[-1]
+            if state == "RUNNING":
+                return
+            if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+                raise GraphmodeError(f"the replicas did not start: {app.message}", where="--replicas",
+                                     fix="see the replica's error above; `ray status` and the Ray logs say more")
+            if time.monotonic() > deadline:
+                raise GraphmodeError(f"the replicas were not running within {timeout:g} s "
+                                     f"({self.replica_states()})", where="--replica-ready-timeout-s")
+            time.sleep(0.2)
+
+    def replica_actors(self) -> list[str]:
+        """The Ray actor names of the running replicas (namespace `serve`)."""
+        import ray
+        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::")
+                      and f"#{DEPLOYMENT}#" in a["name"])
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+        if ray.is_initialized():
+            try:
+                serve.delete(APP_NAME)
+                if self.started_ray:
+                    serve.shutdown()
+            finally:
+                if self.started_ray:
+                    ray.shutdown()
+                    self.started_ray = False
+
+    def __enter__(self) -> "ClusterServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _absolute(path: Any) -> Any:
+    return str(Path(path).resolve()) if path is not None else None

@@ -1,0 +1,73 @@
+"""`graphmode serve --replicas` without a cluster: the plain server needs no Ray, a missing
+extra is named before anything compiles, and the flags and the recipe map onto Ray Serve's
+deployment options (replica count or autoscaling bounds, CPUs, the memory budget)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from graphmode.cli.app import _register, app
+from graphmode.errors import GraphmodeError
+from graphmode.recipe import load_recipe
+from graphmode.serve.cluster import ClusterConfig, deployment_options, require_ray
+from graphmode.serve.server import ServeConfig
+
+_register()
+RECIPE = {"version": 1, "name": "enc", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16]}],
+          "dims": {"batch": {"buckets": [1, 2, 8]}}, "memory": {"budget_mb": 512}}
+
+
+@pytest.fixture
+def without_ray(monkeypatch):
+    """As if the serve-cluster extra were not installed: importing ray fails."""
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+
+
+def test_the_plain_server_imports_without_ray():
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import graphmode.serve.app, graphmode.serve.server, graphmode.serve.cluster, graphmode.cli.serve_cmd\n"
+            "assert 'ray.serve' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_missing_extra_is_named(without_ray):
+    with pytest.raises(GraphmodeError, match=r"graphmode\[serve-cluster\]") as e:
+        require_ray()
+    assert e.value.where == "--replicas"
+    res = CliRunner().invoke(app, ["serve", "--model", "nothing-is-compiled", "--recipe", "r.yaml",
+                                   "--replicas", "2"])
+    assert res.exit_code == 2, res.output
+    assert "serve-cluster" in res.output and "Ray Serve" in res.output
+
+
+def test_fixed_replicas_map_to_num_replicas_with_the_recipe_budget():
+    opts = deployment_options(load_recipe(RECIPE), ClusterConfig(replicas=3, replica_cpus=2), ServeConfig())
+    assert opts["num_replicas"] == 3 and "autoscaling_config" not in opts
+    assert opts["ray_actor_options"] == {"num_cpus": 2, "memory": 512 * 2**20}
+    assert opts["user_config"] == {"replica_ready_timeout_s": 600.0}
+
+
+def test_autoscaling_bounds_and_the_queue_depth_target():
+    rec = load_recipe(RECIPE)
+    opts = deployment_options(rec, ClusterConfig(replicas=2, min_replicas=1, max_replicas=4), ServeConfig())
+    assert "num_replicas" not in opts
+    # the default target: one full batch (the recipe's largest) queued or running per replica
+    assert opts["autoscaling_config"] == {"min_replicas": 1, "initial_replicas": 2, "max_replicas": 4,
+                                          "target_ongoing_requests": 8.0}
+    opts = deployment_options(rec, ClusterConfig(max_replicas=3, target_ongoing_requests=2), ServeConfig())
+    assert opts["autoscaling_config"]["min_replicas"] == 1 and opts["autoscaling_config"]["max_replicas"] == 3
+    assert opts["autoscaling_config"]["target_ongoing_requests"] == 2
+
+
+@pytest.mark.parametrize("kwargs, where", [({"replicas": 0}, "--replicas"),
+                                           ({"min_replicas": 3, "max_replicas": 2, "replicas": 2}, "--min-replicas"),
+                                           ({"replicas": 5, "max_replicas": 4}, "--replicas"),
+                                           ({"replica_cpus": 0}, "--replica-cpus")])
+def test_bad_cluster_options_are_refused_naming_the_flag(kwargs, where):
+    with pytest.raises(GraphmodeError) as e:
+        ClusterConfig(**kwargs)
+    assert e.value.where == where
