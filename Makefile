@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench fuzz conformance clean
+.PHONY: setup demo test test-slow test-cluster bench fuzz conformance clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ test-slow: $(STAMP)
 # the robustness sweep (docs/robustness.md): bounded, seeded; a CI-sized sample runs in `make test`
 fuzz: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m graphmode.fuzz $(FUZZ_ARGS)
+
+# Ray Serve replicas (the serve-cluster extra, not in the default install): local Ray clusters, ~5 min
+test-cluster: $(STAMP)
+	$(BIN)/pip install -q -r requirements-cluster.txt
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m cluster tests/e2e/test_serve_cluster.py
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -r requirements-bench.txt
