@@ -190,8 +190,9 @@ def _interrupt(signum: int, frame: Any) -> None:
 def _serve_cluster(model: str, recipe: Optional[str], config: Any, cluster: Any) -> None:
     """`--replicas`: compile once here, then Ray Serve's replicas behind its proxy until Ctrl-C /
     SIGTERM; the Ray cluster this started (no --address) stops with it."""
-    from graphmode.serve.cluster import ClusterServer, prepare
+    from graphmode.serve.cluster import ClusterServer, prepare, replica_config
 
+    config = replica_config(config, cluster)
     with progress(live=False) as on_stage:
         served = prepare(model, recipe, config, on_stage=on_stage)
     what = "compiled once" if served.compiled_by_driver else "checked"
@@ -202,6 +203,7 @@ def _serve_cluster(model: str, recipe: Optional[str], config: Any, cluster: Any)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.start()
+        signal.signal(signal.SIGTERM, _interrupt)     # again: ray.init installed its own, which aborts the process
         lo, hi = cluster.bounds
         scale = f"autoscaling {lo}..{hi}" if cluster.autoscaling else f"{cluster.replicas} replica(s)"
         console.print(f"[bold green]ready[/] {scale} on {server.url} (GET /v1/replica says which answered)",

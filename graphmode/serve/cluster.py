@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -120,8 +121,18 @@ class Served:
 
 # ---- the driver: compile once ---------------------------------------------------------------
 
+def replica_config(config: Any, cluster: ClusterConfig) -> Any:
+    """The server options every replica gets, and the driver compiles with: absolute paths (a
+    replica runs in another folder) and a fixed thread count, by default the CPUs Ray reserves
+    per replica. Kernels are built for a thread count, and Ray starts its workers with
+    OMP_NUM_THREADS set to their CPUs, so a count left to each process would differ between
+    the driver and the replicas and every replica would build its kernels again."""
+    threads = config.threads or max(1, math.ceil(cluster.replica_cpus))
+    return dataclasses.replace(config, threads=threads, kb=_absolute(config.kb), cache_dir=_absolute(config.cache_dir))
+
+
 def prepare(model: Any, recipe: Any, config: Any, *, on_stage: OnStage | None = None) -> Served:
-    """Compile once, before any replica starts. An encoder becomes one `.gm` artifact under the
+    """Compile once (with `replica_config`'s options), before any replica starts. An encoder becomes one `.gm` artifact under the
     cache (`--model` may be one already); a decoder is compiled and warmed into the shared plan
     cache. The artifact is loaded here once as well: that checks it runs on this host and
     unpacks it into the shared cache, so replicas starting together find it unpacked."""
@@ -148,7 +159,8 @@ def prepare(model: Any, recipe: Any, config: Any, *, on_stage: OnStage | None = 
                            on_stage=on_stage)
     if rec.memory.kv_cache is not None:
         from graphmode.decode.api import engine_of
-        engine_of(cm).warmup()             # its prefill/decode plans and kernels land in the shared cache
+        cm.warmup()                        # /v1/infer's whole-sequence plans, built lazily by a replica
+        engine_of(cm).warmup()             # completions' prefill/decode plans; all of them land in the shared cache
         return Served(model, rec, True, time.perf_counter() - t0)
     path = cache_layout(config.cache_dir).artifacts / f"{rec.name}-{rec.hash()}.gm"
     cm.save(path)
@@ -282,7 +294,7 @@ class ClusterServer:
     replicas of `served`; `stop` deletes the application, and stops Ray if it started it."""
 
     def __init__(self, served: Served, config: Any, cluster: ClusterConfig):
-        self.served, self.config, self.cluster = served, config, cluster
+        self.served, self.config, self.cluster = served, replica_config(config, cluster), cluster
         self.started_ray = False
         self.url = f"http://{cluster.host}:{cluster.port}"
 
@@ -302,10 +314,8 @@ class ClusterServer:
                 ray.init(address=self.cluster.address, log_to_driver=False)
         serve.start(http_options={"host": self.cluster.host, "port": self.cluster.port})
         cls = serve.deployment(serve.ingress()(GraphmodeReplica))
-        config = dataclasses.replace(self.config, kb=_absolute(self.config.kb),
-                                     cache_dir=_absolute(self.config.cache_dir))
-        app = cls.options(**deployment_options(recipe, self.cluster, config)).bind(
-            self.served.model, self.served.recipe, config)
+        app = cls.options(**deployment_options(recipe, self.cluster, self.config)).bind(
+            self.served.model, self.served.recipe, self.config)
         try:
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
             self.wait_running(self.cluster.replica_ready_timeout_s)

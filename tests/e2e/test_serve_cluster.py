@@ -9,8 +9,14 @@ Every wait is for an event (replica states, an answer from a given replica, a KB
 generous ceiling, never a fixed sleep."""
 from __future__ import annotations
 
+import json
+import os
+import queue
+import signal
 import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,13 +24,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("ray.serve", reason="needs the serve-cluster extra: pip install 'graphmode[serve-cluster]'")
 
 import graphmode  # noqa: E402
 from graphmode.capture.spec import bundle_from_module  # noqa: E402
 from graphmode.serve import ServeConfig  # noqa: E402
-from graphmode.serve.cluster import ClusterConfig, ClusterServer, prepare  # noqa: E402
+from graphmode.serve.cluster import ClusterConfig, ClusterServer, prepare, replica_config  # noqa: E402
 from graphmode.verify.numerics import rel_l2  # noqa: E402
 
 from tiny_models import mlp, recipe  # noqa: E402
@@ -33,6 +40,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 RECIPE = recipe("mlp-cluster", [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}],
                 {"batch": {"buckets": [1, 2, 4]}}, sla={"p99_ms": 5000}, memory={"budget_mb": 64})
 EVENT_S = 300
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 
 
 def _free_port() -> int:
@@ -63,9 +72,10 @@ def cluster(tmp_path_factory):
     path = tmp / "mlp.gm"
     graphmode.compile(bundle_from_module(m, ex), RECIPE, cache_dir=tmp / "build").save(path)
     config = ServeConfig(cache_dir=tmp / "serve-cache", batch_window_ms=1, kb=tmp / "kb.sqlite", kb_period_s=0.5)
-    served = prepare(str(path), None, config)           # the driver: checks and unpacks it once
+    cluster = ClusterConfig(replicas=2, port=_free_port(), health_check_period_s=1)
+    served = prepare(str(path), None, replica_config(config, cluster))   # the driver: checks and unpacks it once
     assert not served.compiled_by_driver and served.recipe is None
-    server = ClusterServer(served, config, ClusterConfig(replicas=2, port=_free_port(), health_check_period_s=1))
+    server = ClusterServer(served, config, cluster)
     t0 = time.monotonic()
     with server:
         server.start_s = time.monotonic() - t0
@@ -157,3 +167,86 @@ def test_a_replica_killed_under_load_is_restarted_from_the_artifact(cluster):
             client.get(server.url + "/v1/replica").json()), every=0)
     assert d["artifact"]["path"].endswith("mlp.gm") and d["kernel_compiles"] == 0 and d["state"] == "ready"
     assert _kernels(tmp) == kernels                        # restarted from the artifact: nothing built
+
+
+def _lines(proc: subprocess.Popen) -> "queue.Queue[str | None]":
+    q: queue.Queue[str | None] = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            q.put(line)
+        q.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _wait_line(q: "queue.Queue[str | None]", needle: str, seen: list[str], timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        line = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        if line is None:
+            raise AssertionError("the server ended:\n" + "".join(seen[-40:]))
+        seen.append(line)
+        if needle in line:
+            return
+
+
+def test_cli_serves_a_decoder_on_two_replicas_from_the_shared_cache(tmp_path):
+    """`graphmode serve --replicas 2` on the tiny GPT-2: compiled and warmed once by the driver
+    into the shared cache; both replicas answer transformers' greedy tokens, whole and streamed
+    (SSE), having compiled no kernel; SIGTERM stops the replicas and the local Ray cluster."""
+    import tiny_decoders
+    from graphmode.capture.spec import resolve_model_spec
+    spec = f"{HERE / 'tiny_decoders.py'}:gpt2_words"
+    rec = tmp_path / "rec.yaml"
+    rec.write_text(yaml.safe_dump(tiny_decoders.recipe()))
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", spec, "--recipe", str(rec),
+                             "--replicas", "2", "--port", str(port), "--cache-dir", str(tmp_path / "cache"),
+                             "--log-level", "warning"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        q = _lines(proc)
+        _wait_line(q, "ready", seen)
+        url = f"http://127.0.0.1:{port}"
+        lm = resolve_model_spec(spec).raw_module
+        prompt = [5, 6, 7]
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                              pad_token_id=0)
+        want = out[0, len(prompt):].tolist()
+        want = want[:want.index(tiny_decoders.EOS) + 1] if tiny_decoders.EOS in want else want
+        replicas: dict[str, dict] = {}
+        with httpx.Client(timeout=120) as client:
+            def both_answered():
+                r = client.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["token_ids"] == want
+                replicas.setdefault(r.headers["x-graphmode-replica"], {})
+                return len(replicas) == 2
+            _until("both replicas answered", both_answered, every=0)
+            with client.stream("POST", url + "/v1/completions",
+                               json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True}) as r:
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                assert r.headers["x-graphmode-replica"] in replicas
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            streamed = [t for e in events[:-1] for c in json.loads(e)["choices"] for t in c.get("token_ids") or []]
+            assert streamed == want
+            for _ in range(40):
+                d = client.get(url + "/v1/replica").json()
+                replicas[d["replica"]] = d
+        described = [d for d in replicas.values() if d]
+        assert described and all(d["kernel_compiles"] == 0 and d["artifact"] is None for d in described), \
+        [(d["replica"], d["kernel_compiles"]) for d in described]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, "".join(seen[-40:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    with socket.socket() as s:                  # Ray's proxy is gone with the local cluster
+        assert s.connect_ex(("127.0.0.1", port)) != 0
