@@ -95,7 +95,7 @@ def serve_cmd(
     from graphmode.errors import GraphmodeError
     from graphmode.recipe.buckets import plans_count
     from graphmode.serve.app import bind, check_exposure, create_app, uvicorn_server
-    from graphmode.serve.server import ModelServer, ServeConfig
+    from graphmode.serve.server import ModelServer, ServeConfig, artifact_path
 
     level = log_level.upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -115,7 +115,7 @@ def serve_cmd(
                                 max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
                                 address=address, host=host, port=port, replica_cpus=replica_cpus,
                                 replica_ready_timeout_s=replica_ready_timeout_s)
-    if recipe is None and not model.endswith(".gm"):
+    if recipe is None and artifact_path(model) is None:
         raise GraphmodeError("--recipe is needed", where="--recipe",
                              fix="pass the recipe to serve (only a .gm artifact carries its own)")
     config = ServeConfig(target=target, cache_dir=cache_dir, kb=kb_file(kb, cache_dir), kb_period_s=kb_period_s,

@@ -317,7 +317,10 @@ class ClusterServer:
         app = cls.options(**deployment_options(recipe, self.cluster, self.config)).bind(
             self.served.model, self.served.recipe, self.config)
         try:
-            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            try:
+                serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            except RuntimeError:
+                pass                       # a failed deployment: wait_running says why, from its replicas
             self.wait_running(self.cluster.replica_ready_timeout_s)
         except BaseException:
             self.stop()
@@ -343,8 +346,11 @@ class ClusterServer:
             if state == "RUNNING":
                 return
             if state in ("DEPLOY_FAILED", "UNHEALTHY"):
-                raise GraphmodeError(f"the replicas did not start: {app.message}", where="--replicas",
-                                     fix="see the replica's error above; `ray status` and the Ray logs say more")
+                dep = app.deployments.get(DEPLOYMENT)
+                error, fix = _replica_error(dep.message if dep else app.message)
+                raise GraphmodeError(f"the replicas did not start: {error}", where="--replicas",
+                                     fix=fix or "`serve status` and the Ray logs (/tmp/ray/session_latest/logs) "
+                                                "say more")
             if time.monotonic() > deadline:
                 raise GraphmodeError(f"the replicas were not running within {timeout:g} s "
                                      f"({self.replica_states()})", where="--replica-ready-timeout-s")
@@ -375,6 +381,18 @@ class ClusterServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _replica_error(message: str) -> tuple[str, str | None]:
+    """The replica's own error out of Ray's report (a traceback): its last `...Error: ` line,
+    and the `fix:` line a graphmode error carries below it."""
+    lines = (message or "").splitlines()
+    last = max((i for i, line in enumerate(lines) if "Error: " in line), default=None)
+    if last is None:
+        return message or "no message from Ray", None
+    fix = next((line.strip()[len("fix:"):].strip() for line in lines[last + 1:last + 3]
+                if line.strip().startswith("fix:")), None)
+    return lines[last].split("Error: ", 1)[1].strip(), fix
 
 
 def _absolute(path: Any) -> Any:

@@ -1,12 +1,15 @@
 """End to end on Ray Serve (the serve-cluster extra): `graphmode serve --replicas 2` on a local
-Ray cluster, loopback only. The driver compiles once into one `.gm` artifact; both replicas
-load it (no kernel compile) and answer like eager; every replica records to the one KB file;
-a replica killed under load is restarted by Ray from the artifact while the other keeps
-answering. A local Ray cluster takes about a minute to start on 2 cores, so these tests are
-`slow` and `cluster`: `make test-cluster` installs the extra and runs them.
+Ray cluster, loopback only. The driver compiles once; an encoder's replicas load one `.gm`
+artifact, a decoder's the shared plan cache, and none compiles a kernel; both answer like
+eager (transformers' greedy tokens, whole and streamed, for the decoder, through the CLI);
+every replica records to the one KB file; a replica killed under load is restarted by Ray from
+the artifact while the other keeps answering; a replica that cannot load the artifact fails
+the start with the artifact's error. A local Ray cluster takes about a minute to start on 2
+cores, so these tests are `slow` and `cluster`: `make test-cluster` installs the extra and runs
+them (one local cluster at a time: the tests without the module's cluster come first).
 
-Every wait is for an event (replica states, an answer from a given replica, a KB row) with a
-generous ceiling, never a fixed sleep."""
+Every wait is for an event (replica states, an answer from a given replica, a KB row, a line
+of output) with a generous ceiling, never a fixed sleep."""
 from __future__ import annotations
 
 import json
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -31,7 +35,8 @@ pytest.importorskip("ray.serve", reason="needs the serve-cluster extra: pip inst
 import graphmode  # noqa: E402
 from graphmode.capture.spec import bundle_from_module  # noqa: E402
 from graphmode.serve import ServeConfig  # noqa: E402
-from graphmode.serve.cluster import ClusterConfig, ClusterServer, prepare, replica_config  # noqa: E402
+from graphmode.errors import GraphmodeError  # noqa: E402
+from graphmode.serve.cluster import ClusterConfig, ClusterServer, Served, prepare, replica_config  # noqa: E402
 from graphmode.verify.numerics import rel_l2  # noqa: E402
 
 from tiny_models import mlp, recipe  # noqa: E402
@@ -66,11 +71,123 @@ def _kernels(cache: Path) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def artifact(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cluster")
     m, ex = mlp()
     path = tmp / "mlp.gm"
     graphmode.compile(bundle_from_module(m, ex), RECIPE, cache_dir=tmp / "build").save(path)
+    return path, m, tmp
+
+
+def test_a_replica_that_cannot_load_the_artifact_fails_the_start_with_its_error(artifact):
+    """What a replica on a node with another CPU sees: the artifact's refusal, reported by Ray
+    as the deployment's failure and raised by the driver (here the driver's own check is
+    skipped, as it would pass on the driver's host)."""
+    path, _, tmp = artifact
+    with zipfile.ZipFile(path) as z:
+        manifest = json.loads(z.read("manifest.json"))
+    other = tmp / "other-cpu.gm"
+    with zipfile.ZipFile(path) as zin, zipfile.ZipFile(other, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename == "manifest.json":
+                data = json.dumps(dict(manifest, host={**manifest["host"], "arch": "riscv64"})).encode()
+            zout.writestr(info, data)
+    config = ServeConfig(cache_dir=tmp / "other-cache")
+    server = ClusterServer(Served(str(other), None, False, 0.0), config,
+                           ClusterConfig(replicas=1, port=_free_port(), health_check_period_s=1))
+    with pytest.raises(GraphmodeError, match="the replicas did not start") as e:
+        server.start()
+    assert "built for riscv64" in e.value.message and "compile again on this host" in e.value.fix
+    assert not server.started_ray                         # start() stopped what it started
+
+
+def _lines(proc: subprocess.Popen) -> "queue.Queue[str | None]":
+    q: queue.Queue[str | None] = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            q.put(line)
+        q.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _wait_line(q: "queue.Queue[str | None]", needle: str, seen: list[str], timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        line = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        if line is None:
+            raise AssertionError("the server ended:\n" + "".join(seen[-40:]))
+        seen.append(line)
+        if needle in line:
+            return
+
+
+def test_cli_serves_a_decoder_on_two_replicas_from_the_shared_cache(tmp_path):
+    """`graphmode serve --replicas 2` on the tiny GPT-2: compiled and warmed once by the driver
+    into the shared cache; both replicas answer transformers' greedy tokens, whole and streamed
+    (SSE), having compiled no kernel; SIGTERM stops the replicas and the local Ray cluster."""
+    import tiny_decoders
+    from graphmode.capture.spec import resolve_model_spec
+    spec = f"{HERE / 'tiny_decoders.py'}:gpt2_words"
+    rec = tmp_path / "rec.yaml"
+    rec.write_text(yaml.safe_dump(tiny_decoders.recipe()))
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", spec, "--recipe", str(rec),
+                             "--replicas", "2", "--port", str(port), "--cache-dir", str(tmp_path / "cache"),
+                             "--log-level", "warning"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        q = _lines(proc)
+        _wait_line(q, "ready", seen)
+        url = f"http://127.0.0.1:{port}"
+        lm = resolve_model_spec(spec).raw_module
+        prompt = [5, 6, 7]
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                              pad_token_id=0)
+        want = out[0, len(prompt):].tolist()
+        want = want[:want.index(tiny_decoders.EOS) + 1] if tiny_decoders.EOS in want else want
+        replicas: dict[str, dict] = {}
+        with httpx.Client(timeout=120) as client:
+            def both_answered():
+                r = client.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["token_ids"] == want
+                replicas.setdefault(r.headers["x-graphmode-replica"], {})
+                return len(replicas) == 2
+            _until("both replicas answered", both_answered, every=0)
+            with client.stream("POST", url + "/v1/completions",
+                               json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True}) as r:
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                assert r.headers["x-graphmode-replica"] in replicas
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            streamed = [t for e in events[:-1] for c in json.loads(e)["choices"] for t in c.get("token_ids") or []]
+            assert streamed == want
+            for _ in range(40):
+                d = client.get(url + "/v1/replica").json()
+                replicas[d["replica"]] = d
+        described = [d for d in replicas.values() if d]
+        assert described and all(d["kernel_compiles"] == 0 and d["artifact"] is None for d in described), \
+        [(d["replica"], d["kernel_compiles"]) for d in described]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, "".join(seen[-40:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    with socket.socket() as s:                  # Ray's proxy is gone with the local cluster
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture(scope="module")
+def cluster(artifact):
+    path, m, tmp = artifact
     config = ServeConfig(cache_dir=tmp / "serve-cache", batch_window_ms=1, kb=tmp / "kb.sqlite", kb_period_s=0.5)
     cluster = ClusterConfig(replicas=2, port=_free_port(), health_check_period_s=1)
     served = prepare(str(path), None, replica_config(config, cluster))   # the driver: checks and unpacks it once
@@ -168,85 +285,3 @@ def test_a_replica_killed_under_load_is_restarted_from_the_artifact(cluster):
     assert d["artifact"]["path"].endswith("mlp.gm") and d["kernel_compiles"] == 0 and d["state"] == "ready"
     assert _kernels(tmp) == kernels                        # restarted from the artifact: nothing built
 
-
-def _lines(proc: subprocess.Popen) -> "queue.Queue[str | None]":
-    q: queue.Queue[str | None] = queue.Queue()
-
-    def pump():
-        for line in proc.stdout:
-            q.put(line)
-        q.put(None)
-    threading.Thread(target=pump, daemon=True).start()
-    return q
-
-
-def _wait_line(q: "queue.Queue[str | None]", needle: str, seen: list[str], timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        line = q.get(timeout=max(0.1, deadline - time.monotonic()))
-        if line is None:
-            raise AssertionError("the server ended:\n" + "".join(seen[-40:]))
-        seen.append(line)
-        if needle in line:
-            return
-
-
-def test_cli_serves_a_decoder_on_two_replicas_from_the_shared_cache(tmp_path):
-    """`graphmode serve --replicas 2` on the tiny GPT-2: compiled and warmed once by the driver
-    into the shared cache; both replicas answer transformers' greedy tokens, whole and streamed
-    (SSE), having compiled no kernel; SIGTERM stops the replicas and the local Ray cluster."""
-    import tiny_decoders
-    from graphmode.capture.spec import resolve_model_spec
-    spec = f"{HERE / 'tiny_decoders.py'}:gpt2_words"
-    rec = tmp_path / "rec.yaml"
-    rec.write_text(yaml.safe_dump(tiny_decoders.recipe()))
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", spec, "--recipe", str(rec),
-                             "--replicas", "2", "--port", str(port), "--cache-dir", str(tmp_path / "cache"),
-                             "--log-level", "warning"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
-    try:
-        q = _lines(proc)
-        _wait_line(q, "ready", seen)
-        url = f"http://127.0.0.1:{port}"
-        lm = resolve_model_spec(spec).raw_module
-        prompt = [5, 6, 7]
-        with torch.inference_mode():
-            ids = torch.tensor([prompt])
-            out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                              pad_token_id=0)
-        want = out[0, len(prompt):].tolist()
-        want = want[:want.index(tiny_decoders.EOS) + 1] if tiny_decoders.EOS in want else want
-        replicas: dict[str, dict] = {}
-        with httpx.Client(timeout=120) as client:
-            def both_answered():
-                r = client.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
-                assert r.status_code == 200, r.text
-                assert r.json()["choices"][0]["token_ids"] == want
-                replicas.setdefault(r.headers["x-graphmode-replica"], {})
-                return len(replicas) == 2
-            _until("both replicas answered", both_answered, every=0)
-            with client.stream("POST", url + "/v1/completions",
-                               json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True}) as r:
-                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-                assert r.headers["x-graphmode-replica"] in replicas
-                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-            assert events[-1] == "[DONE]"
-            streamed = [t for e in events[:-1] for c in json.loads(e)["choices"] for t in c.get("token_ids") or []]
-            assert streamed == want
-            for _ in range(40):
-                d = client.get(url + "/v1/replica").json()
-                replicas[d["replica"]] = d
-        described = [d for d in replicas.values() if d]
-        assert described and all(d["kernel_compiles"] == 0 and d["artifact"] is None for d in described), \
-        [(d["replica"], d["kernel_compiles"]) for d in described]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0, "".join(seen[-40:])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-    with socket.socket() as s:                  # Ray's proxy is gone with the local cluster
-        assert s.connect_ex(("127.0.0.1", port)) != 0

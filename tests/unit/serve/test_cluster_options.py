@@ -71,3 +71,26 @@ def test_bad_cluster_options_are_refused_naming_the_flag(kwargs, where):
     with pytest.raises(GraphmodeError) as e:
         ClusterConfig(**kwargs)
     assert e.value.where == where
+
+
+def test_the_replica_error_is_read_out_of_rays_report():
+    from graphmode.serve.cluster import _replica_error
+    report = ("Failed to update the deployments.\nTraceback (most recent call last):\n  File \"replica.py\", line 1\n"
+              "ray.exceptions.RayTaskError(GraphmodeError): ray::ServeReplica.initialize_and_get_metadata()\n"
+              "graphmode.errors.GraphmodeError: a.gm: replica x1: built for riscv64, this host is x86_64\n"
+              "  fix: compile again on this host (graphmode compile ... --save)\n")
+    assert _replica_error(report) == ("a.gm: replica x1: built for riscv64, this host is x86_64",
+                                      "compile again on this host (graphmode compile ... --save)")
+    assert _replica_error("the node died") == ("the node died", None)
+
+
+def test_the_recipe_is_needed_unless_the_model_is_an_artifact():
+    res = CliRunner().invoke(app, ["serve", "--model", "minilm"])
+    assert res.exit_code == 2 and "--recipe is needed" in res.output, res.output
+
+
+def test_variants_are_refused_with_replicas():
+    pytest.importorskip("ray.serve", reason="needs the serve-cluster extra: pip install 'graphmode[serve-cluster]'")
+    res = CliRunner().invoke(app, ["serve", "--model", "minilm", "--recipe", "r.yaml", "--variant", "v.yaml",
+                                   "--replicas", "2"])
+    assert res.exit_code == 2 and "--variant is not supported with replicas" in res.output, res.output
