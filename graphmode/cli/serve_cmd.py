@@ -105,8 +105,9 @@ def serve_cmd(
         admin_token = os.environ["GRAPHMODE_ADMIN_TOKEN"]   # set but empty: refused below, never "no token"
     cluster = None
     if any(v is not None for v in (replicas, min_replicas, max_replicas, address, target_ongoing_requests)):
-        from graphmode.serve.cluster import ClusterConfig, require_ray
+        from graphmode.serve.cluster import ClusterConfig, check_address, require_ray
         require_ray()                      # before anything compiles: the extra is named at once
+        check_address(address)             # ... and an address where no cluster answers
         if variant:
             raise GraphmodeError("--variant is not supported with replicas yet: each replica would renegotiate "
                                  "on its own", where="--variant", fix="serve the variants without --replicas, or "

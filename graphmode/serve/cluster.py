@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import math
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -311,7 +312,7 @@ class ClusterServer:
                          include_dashboard=False, log_to_driver=False, configure_logging=False)
                 self.started_ray = True
             else:
-                ray.init(address=self.cluster.address, log_to_driver=False)
+                self._join(ray)
         serve.start(http_options={"host": self.cluster.host, "port": self.cluster.port})
         cls = serve.deployment(serve.ingress()(GraphmodeReplica))
         app = cls.options(**deployment_options(recipe, self.cluster, self.config)).bind(
@@ -326,6 +327,14 @@ class ClusterServer:
             self.stop()
             raise
         return self
+
+    def _join(self, ray: Any) -> None:
+        address = self.cluster.address
+        check_address(address)
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except (ConnectionError, RuntimeError) as e:
+            raise _join_error(address, e) from None
 
     def status(self) -> Any:
         from ray import serve
@@ -381,6 +390,28 @@ class ClusterServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def check_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """Refuse a HOST:PORT where nothing listens, at once (Ray itself retries an unreachable
+    address for minutes); `auto` and None are Ray's to resolve."""
+    if address is None:
+        return
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise _join_error(address, e) from None
+
+
+def _join_error(address: str, e: BaseException) -> GraphmodeError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return GraphmodeError(f"cannot join the Ray cluster at {address}: {first}", where="--address", value=address,
+                          fix="start it with `ray start --head` (which prints its address) and pass that; with "
+                              "Ray's token authentication on, set RAY_AUTH_MODE=token and give this machine the "
+                              "cluster's token (~/.ray/auth_token or RAY_AUTH_TOKEN)")
 
 
 def _replica_error(message: str) -> tuple[str, str | None]:

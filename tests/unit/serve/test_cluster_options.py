@@ -3,6 +3,7 @@ extra is named before anything compiles, and the flags and the recipe map onto R
 deployment options (replica count or autoscaling bounds, CPUs, the memory budget)."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -94,3 +95,19 @@ def test_variants_are_refused_with_replicas():
     res = CliRunner().invoke(app, ["serve", "--model", "minilm", "--recipe", "r.yaml", "--variant", "v.yaml",
                                    "--replicas", "2"])
     assert res.exit_code == 2 and "--variant is not supported with replicas" in res.output, res.output
+
+
+def test_an_address_where_no_cluster_answers_is_refused_at_once():
+    from graphmode.serve.cluster import check_address
+    with socket.socket() as s:                 # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(GraphmodeError, match="cannot join the Ray cluster") as e:
+        check_address(f"127.0.0.1:{port}")
+    assert e.value.where == "--address" and "ray start --head" in e.value.fix
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        check_address(f"127.0.0.1:{s.getsockname()[1]}")
+    check_address("auto")
+    check_address(None)
