@@ -28,7 +28,7 @@ test-slow: $(STAMP)
 fuzz: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m graphmode.fuzz $(FUZZ_ARGS)
 
-# Ray Serve replicas (the serve-cluster extra, not in the default install): local Ray clusters, ~5 min on 2 cores
+# Ray Serve replicas (the serve-cluster extra, not in the default install): local Ray clusters, ~8 min on 2 cores
 test-cluster: $(STAMP)
 	$(BIN)/pip install -q -r requirements-cluster.txt
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m cluster tests/e2e/test_serve_cluster.py

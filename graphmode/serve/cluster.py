@@ -133,13 +133,15 @@ def replica_config(config: Any, cluster: ClusterConfig) -> Any:
 
 
 def prepare(model: Any, recipe: Any, config: Any, *, on_stage: OnStage | None = None) -> Served:
-    """Compile once (with `replica_config`'s options), before any replica starts. An encoder becomes one `.gm` artifact under the
-    cache (`--model` may be one already); a decoder is compiled and warmed into the shared plan
-    cache. The artifact is loaded here once as well: that checks it runs on this host and
-    unpacks it into the shared cache, so replicas starting together find it unpacked."""
+    """Compile once (with `replica_config`'s options), before any replica starts. An encoder
+    becomes one `.gm` artifact under the cache (`--model` may be one already); a decoder is
+    compiled and warmed into the shared plan cache; an eager recipe has nothing to compile.
+    The artifact is loaded here once as well: that checks it runs on this host and unpacks it
+    into the shared cache, so replicas starting together find it unpacked."""
     import graphmode
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe
+    from graphmode.recipe.targets import pick_target
     from graphmode.serve.server import artifact_path
     t0 = time.perf_counter()
     if artifact_path(model) is not None:
@@ -156,8 +158,10 @@ def prepare(model: Any, recipe: Any, config: Any, *, on_stage: OnStage | None = 
         return Served(str(path), None, False, time.perf_counter() - t0)
     rec = load_recipe(recipe)
     model = _portable(model)
-    cm = graphmode.compile(model, rec, config.target or "host", cache_dir=config.cache_dir, threads=config.threads,
-                           on_stage=on_stage)
+    if rec.exe_mode == "eager":
+        return Served(model, rec, False, time.perf_counter() - t0)
+    cm = graphmode.compile(model, rec, pick_target(rec, config.target), cache_dir=config.cache_dir,
+                           threads=config.threads, on_stage=on_stage)     # the target a replica's server picks
     if rec.memory.kv_cache is not None:
         from graphmode.decode.api import engine_of
         cm.warmup()                        # /v1/infer's whole-sequence plans, built lazily by a replica

@@ -4,7 +4,7 @@ artifact, a decoder's the shared plan cache, and none compiles a kernel; both an
 eager (transformers' greedy tokens, whole and streamed, for the decoder, through the CLI);
 every replica records to the one KB file; a replica killed under load is restarted by Ray from
 the artifact while the other keeps answering; a replica that cannot load the artifact fails
-the start with the artifact's error. A local Ray cluster takes about a minute to start on 2
+the start with the artifact's error; autoscaling adds a replica when requests queue. A local Ray cluster takes about a minute to start on 2
 cores, so these tests are `slow` and `cluster`: `make test-cluster` installs the extra and runs
 them (one local cluster at a time: the tests without the module's cluster come first).
 
@@ -64,6 +64,10 @@ def _until(what: str, ok, timeout: float = EVENT_S, every: float = 0.1):
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:g} s: {what}")
         time.sleep(every)
+
+
+def _infer(client: httpx.Client, url: str, x: torch.Tensor) -> httpx.Response:
+    return client.post(url + "/v1/infer", json={"inputs": {"input": x.tolist()}}, timeout=60)
 
 
 def _kernels(cache: Path) -> set[str]:
@@ -185,6 +189,41 @@ def test_cli_serves_a_decoder_on_two_replicas_from_the_shared_cache(tmp_path):
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def test_autoscaling_adds_a_replica_when_requests_queue(artifact):
+    """--min-replicas 1 --max-replicas 2 with a target of 1 request in flight per replica: 8
+    clients keep the one replica's queue full, and Ray Serve starts the second (its upscale
+    delay is 30 s), which answers from the same artifact."""
+    path, _, tmp = artifact
+    config = ServeConfig(cache_dir=tmp / "serve-cache", batch_window_ms=20)
+    cluster = ClusterConfig(replicas=1, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
+                            port=_free_port(), health_check_period_s=1)
+    served = prepare(str(path), None, replica_config(config, cluster))
+    seen: set[str] = set()
+    failed: list[str] = []
+    stop = threading.Event()
+
+    def load():
+        with httpx.Client() as client:
+            while not stop.is_set():
+                r = _infer(client, server.url, torch.randn(1, 16))
+                if r.status_code != 200:
+                    failed.append(r.text)
+                seen.add(r.headers.get("x-graphmode-replica"))
+    with ClusterServer(served, config, cluster) as server:
+        assert server.replica_states() == {"RUNNING": 1}
+        threads = [threading.Thread(target=load, daemon=True) for _ in range(8)]
+        for t in threads:
+            t.start()
+        try:
+            _until("a second replica answering under load",
+                   lambda: len(seen - {None}) == 2 and server.replica_states() == {"RUNNING": 2}, every=0.5)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+    assert not failed, failed[:3]
+
+
 @pytest.fixture(scope="module")
 def cluster(artifact):
     path, m, tmp = artifact
@@ -197,10 +236,6 @@ def cluster(artifact):
     with server:
         server.start_s = time.monotonic() - t0
         yield server, m, tmp
-
-
-def _infer(client: httpx.Client, url: str, x: torch.Tensor) -> httpx.Response:
-    return client.post(url + "/v1/infer", json={"inputs": {"input": x.tolist()}}, timeout=60)
 
 
 def test_two_replicas_answer_like_eager_from_one_artifact(cluster):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -111,3 +112,12 @@ def test_an_address_where_no_cluster_answers_is_refused_at_once():
         check_address(f"127.0.0.1:{s.getsockname()[1]}")
     check_address("auto")
     check_address(None)
+
+
+def test_an_eager_recipe_has_nothing_to_compile_and_its_model_file_is_made_absolute(monkeypatch):
+    from graphmode.serve.cluster import prepare
+    root = Path(__file__).resolve().parents[3]
+    monkeypatch.chdir(root)
+    served = prepare("tests/e2e/tiny_models.py:mlp", dict(RECIPE, exe_mode="eager"), ServeConfig())
+    assert served.model == f"{root / 'tests/e2e/tiny_models.py'}:mlp" and not served.compiled_by_driver
+    assert served.recipe.exe_mode == "eager"
