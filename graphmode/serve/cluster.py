@@ -142,7 +142,7 @@ def prepare(model: Any, recipe: Any, config: Any, *, on_stage: OnStage | None = 
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe
     from graphmode.recipe.targets import pick_target
-    from graphmode.serve.server import artifact_path
+    from graphmode.serve.server import artifact_path, refuse_tensor_parallel
     t0 = time.perf_counter()
     if artifact_path(model) is not None:
         path = artifact_path(model).resolve()
@@ -157,6 +157,7 @@ def prepare(model: Any, recipe: Any, config: Any, *, on_stage: OnStage | None = 
                                          "(graphmode compile --save)")
         return Served(str(path), None, False, time.perf_counter() - t0)
     rec = load_recipe(recipe)
+    refuse_tensor_parallel(rec)            # before the driver's compile would start the ranks
     model = _portable(model)
     if rec.exe_mode == "eager":
         return Served(model, rec, False, time.perf_counter() - t0)

@@ -287,7 +287,9 @@ class ModelServer:
         self.on_stage = on_stage
         self.metrics = PromMetrics()
         self.artifact = artifact_path(model)
-        first = load_recipe(recipe if recipe is not None or self.artifact is None else recipe_of(self.artifact))
+        # read (and checked, as untrusted input) once: every recipe this server is asked for must be it
+        self.artifact_recipe = recipe_of(self.artifact) if self.artifact is not None else None
+        first = load_recipe(recipe if recipe is not None or self.artifact is None else self.artifact_recipe)
         self.target = pick_target(first, self.config.target)
         self.target_name = getattr(self.target, "name", str(self.target))
         self.model = self._resolve_model(model)
@@ -369,12 +371,8 @@ class ModelServer:
     def fits_model(self, recipe: Any) -> None:
         """The recipe must declare the model's inputs, with the model's rank and fixed dims
         (checked now, so the answer to PUT says it instead of a failed background compile)."""
-        from graphmode.compiler import resolve_model, tensor_parallel
-        if tensor_parallel(recipe) > 1:
-            raise RecipeError(f"the server does not run tensor-parallel ranks yet (tensor {tensor_parallel(recipe)})",
-                              where="parallel.tensor", line=recipe.line_of("parallel"),
-                              fix="tensor: 1 to serve; graphmode.compile or `graphmode run` start the ranks "
-                                  "(docs/tensor-parallel.md)")
+        from graphmode.compiler import resolve_model
+        refuse_tensor_parallel(recipe)
         if self.artifact is not None:
             self._artifact_serves(recipe)
             return
@@ -394,8 +392,7 @@ class ModelServer:
                                   line=recipe.line_of("inputs"), fix=f"declare shape {list(want)}")
 
     def _artifact_serves(self, recipe: Any) -> None:
-        from graphmode.runtime.artifact import recipe_of
-        built = recipe_of(self.artifact)
+        built = self.artifact_recipe
         if recipe.hash() != built.hash():
             raise RecipeError(f"the artifact {self.artifact.name} serves only the recipe it was compiled with "
                               f"({built.name} #{built.hash()}), not {recipe.name} #{recipe.hash()}", where="recipe",
@@ -417,6 +414,7 @@ class ModelServer:
         if self.artifact is not None:
             cm = load_artifact(self.artifact, cache_dir=self.config.cache_dir, threads=self.config.threads,
                                on_stage=self.on_stage)
+            self._artifact_serves(cm.recipe)         # the file replaced since it was read: refused
         else:
             cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir,
                             threads=self.config.threads, on_stage=self.on_stage)
@@ -846,6 +844,16 @@ class ModelServer:
             if dep.decoder is not None:
                 out["decoder"] = dep.decoder.describe()
         return out
+
+
+def refuse_tensor_parallel(recipe: Any) -> None:
+    """A served recipe runs in one process: `parallel.tensor` > 1 is refused (RecipeError)."""
+    from graphmode.compiler import tensor_parallel
+    if tensor_parallel(recipe) > 1:
+        raise RecipeError(f"the server does not run tensor-parallel ranks yet (tensor {tensor_parallel(recipe)})",
+                          where="parallel.tensor", line=recipe.line_of("parallel"),
+                          fix="tensor: 1 to serve; graphmode.compile or `graphmode run` start the ranks "
+                              "(docs/tensor-parallel.md)")
 
 
 def artifact_path(model: Any) -> Path | None:

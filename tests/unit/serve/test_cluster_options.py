@@ -121,3 +121,15 @@ def test_an_eager_recipe_has_nothing_to_compile_and_its_model_file_is_made_absol
     served = prepare("tests/e2e/tiny_models.py:mlp", dict(RECIPE, exe_mode="eager"), ServeConfig())
     assert served.model == f"{root / 'tests/e2e/tiny_models.py'}:mlp" and not served.compiled_by_driver
     assert served.recipe.exe_mode == "eager"
+
+
+PARALLEL = {"tensor": 2, "device_group": ["rank0", "rank1"],
+            "links": {"loopback": {"bandwidth_gbps": 10, "latency_us": 5}}}
+
+
+def test_a_tensor_parallel_recipe_is_refused_before_the_driver_compiles():
+    from graphmode.errors import RecipeError
+    from graphmode.serve.cluster import prepare
+    with pytest.raises(RecipeError, match="tensor-parallel") as e:
+        prepare("tests/e2e/tiny_models.py:mlp", dict(RECIPE, parallel=PARALLEL), ServeConfig())
+    assert e.value.where == "parallel.tensor"
