@@ -44,7 +44,7 @@ def models(tmp_path_factory):
 
 
 def _logits(out):
-    return out if isinstance(out, torch.Tensor) else getattr(out, "logits", None) or out[0]
+    return out if isinstance(out, torch.Tensor) else out.logits if hasattr(out, "logits") else out[0]
 
 
 @pytest.mark.parametrize("wd", ["bf16", "int8"])

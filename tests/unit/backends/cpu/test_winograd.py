@@ -633,7 +633,9 @@ def test_convs_that_differ_only_in_their_epilogue_share_one_ranking(tmp_path):
     assert "+relu" in lead["gemm"] and "add" in rest[1]["gemm"]             # plan order
     for g in rest:
         generated = [n for n in g["timings_us"] if n != ATEN]
-        assert ATEN in g["timings_us"] and 1 <= len(generated) <= SIBLING_KEEP
+        # how many generated candidates fall within the margin is a timing (on a busy host none
+        # may): the narrowing itself is what is checked
+        assert ATEN in g["timings_us"] and len(generated) <= SIBLING_KEEP
         assert set(generated) <= set(lead["timings_us"])
         assert g["rejected"] and all("the same but for the epilogue" in why for why in g["rejected"].values())
 
