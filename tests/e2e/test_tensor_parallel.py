@@ -48,6 +48,7 @@ def tp_equals_one_process(name: str, cache_dir: Path, vocab: int):
     return tp
 
 
+@pytest.mark.slow     # ~40 s on 2 cores; the default run's 2-rank check is the MLP group below
 def test_bert_tp2_equals_one_process(tmp_path):
     tp_equals_one_process("bert", tmp_path, 96)
 
