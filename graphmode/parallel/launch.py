@@ -24,7 +24,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Any, Mapping
 
-from graphmode.errors import GraphmodeError, RankFailure
+from graphmode.errors import ContractViolation, GraphmodeError, RankFailure
 
 _MARGIN_S = 10.0          # beyond the collective timeout: a rank's own error reaches the parent first
 
@@ -179,7 +179,9 @@ class TensorParallelModel:
         return f"rank {r} (pid {self.procs[r].pid}) {how}"
 
     def _collect(self, timeout_s: float | None, what: str) -> list:
-        """One reply per rank; the first death, error or overrun stops the group and raises."""
+        """One reply per rank; the first death, error or overrun stops the group and raises. A
+        request every rank refuses (a ContractViolation, raised before anything runs) is raised
+        with the group kept up."""
         replies: list = [None] * self.world
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         waiting = set(range(self.world))
@@ -196,13 +198,18 @@ class TensorParallelModel:
                     except (EOFError, OSError):
                         self.procs[r].join(1)
                         self._fail(self._death(r) or f"rank {r} closed its pipe")
-                    if rep[0] == "error":
+                    if rep[0] == "error" and not isinstance(rep[1], ContractViolation):
                         self._fail_with(rep[1], r)
                     replies[r] = rep
                     waiting.discard(r)
                 elif self.procs[r].sentinel in ready:
                     self.procs[r].join(1)
                     self._fail(self._death(r) or f"rank {r} stopped")
+        refused = [rep[1] for rep in replies if rep[0] == "error"]
+        if refused and len(refused) == self.world:
+            raise refused[0]          # every rank refused the request before running it: the group stays up
+        if refused:                   # some ranks ran it, some did not: their states may differ
+            self._fail_with(refused[0], next(r for r, rep in enumerate(replies) if rep[0] == "error"))
         return replies
 
     def _fail_with(self, err: BaseException, rank: int) -> None:

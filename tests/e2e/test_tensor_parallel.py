@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import graphmode
-from graphmode.errors import RankFailure
+from graphmode.errors import ContractViolation, RankFailure
 from graphmode.parallel.launch import NotOnRanks
 from graphmode.verify.numerics import rel_l2
 
@@ -88,6 +88,9 @@ def test_a_killed_rank_fails_the_call_at_once(tmp_path):
     with mlp_group(tmp_path, 60) as tp:
         with torch.inference_mode():
             want = first(tp.source.module(x))
+        assert rel_l2(first(tp(input=x)), want) < 1e-5
+        with pytest.raises(ContractViolation):          # every rank refuses it before running: the group stays
+            tp(input=torch.randn(2, 15))
         assert rel_l2(first(tp(input=x)), want) < 1e-5
         with pytest.raises(NotOnRanks, match="'metrics' is not available on a tensor-parallel group"):
             tp.metrics()
