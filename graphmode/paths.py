@@ -94,3 +94,23 @@ class CacheLayout:
 def cache_layout(root: str | os.PathLike | None = None) -> CacheLayout:
     """The layout under `root` (None: the default root, see `cache_root`)."""
     return CacheLayout(cache_root(root))
+
+
+def shown(path: str | os.PathLike) -> str:
+    """How output names a file: relative to the working folder when it is inside it, else with
+    the home folder written `~`, else as it is. Output saved as a result (bench/results/*.txt)
+    then names no one machine's folders."""
+    p = Path(os.path.abspath(path))
+    try:
+        home: Path | None = Path.home()
+    except RuntimeError:                      # no HOME and no password entry
+        home = None
+    for base, prefix in ((Path.cwd(), None), (home, "~")):
+        if base is None:
+            continue
+        try:
+            rel = p.relative_to(os.path.abspath(base))
+        except ValueError:
+            continue
+        return str(Path(prefix) / rel) if prefix else str(rel)
+    return str(path)

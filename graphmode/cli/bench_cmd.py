@@ -12,6 +12,7 @@ import typer
 from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import CacheDir, KbPath, kb_file
 from graphmode.cli.progress import progress
+from graphmode.paths import shown
 
 
 
@@ -159,7 +160,7 @@ def bench_cmd(
             console.print(f"  {n}", markup=False, highlight=False)
         for g in (between.summary_lines(quiet_rows(res)) if between_buckets else goals(res)):
             console.print(f"goal: {g}", markup=False, highlight=False)
-        console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
+        console.print("wrote " + ", ".join(shown(p) for p in paths.values()), highlight=False)
     for w in res.meta.get("warnings", []):      # stderr: --json keeps stdout to the rows
         err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)
     if quick:

@@ -15,6 +15,7 @@ from graphmode.cli.app import err_console
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
+from graphmode.paths import shown
 
 
 def _ints(text: Optional[str], where: str) -> tuple[int, ...] | None:
@@ -95,7 +96,7 @@ def decode_cmd(
             console.print(t)
         for f in decode_failures(res.rows):
             console.print(f"  {f}", markup=False, highlight=False)
-        console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
+        console.print("wrote " + ", ".join(shown(p) for p in paths.values()), highlight=False)
     for w in res.meta.get("warnings", []):
         err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)
     if quick:

@@ -22,6 +22,7 @@ from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import KbPath, kb_file
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
+from graphmode.paths import shown
 from graphmode.progress import stage
 
 
@@ -278,7 +279,7 @@ def profile_cmd(
     else:
         buckets = {p.key: p.samples() for p in profiles}
         cal = previous if previous is not None else fit_calibration(target, buckets.values())
-    source = (f"saved to {cal_path}" if calibrate else f"loaded from {cal_path}" if previous is not None
+    source = (f"saved to {shown(cal_path)}" if calibrate else f"loaded from {shown(cal_path)}" if previous is not None
               else "fitted on these buckets only, not saved: --calibrate saves it")
     rows = prediction_table(target, buckets, cal, previous if calibrate else None)
     if as_json:

@@ -363,8 +363,8 @@ class ClusterServer:
                 dep = app.deployments.get(DEPLOYMENT)
                 error, fix = _replica_error(dep.message if dep else app.message)
                 raise GraphmodeError(f"the replicas did not start: {error}", where="--replicas",
-                                     fix=fix or "`serve status` and the Ray logs (/tmp/ray/session_latest/logs) "
-                                                "say more")
+                                     fix=fix or "`serve status` and the Ray logs (session_latest/logs in Ray's "
+                                                "temp folder) say more")
             if time.monotonic() > deadline:
                 raise GraphmodeError(f"the replicas were not running within {timeout:g} s "
                                      f"({self.replica_states()})", where="--replica-ready-timeout-s")

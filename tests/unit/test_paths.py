@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from graphmode.paths import cache_layout, cache_root
+from graphmode.paths import cache_layout, cache_root, shown
 from graphmode.targets import host
 
 
@@ -45,3 +45,18 @@ def test_only_the_paths_module_names_the_cache_variables():
                      if any(isinstance(n, ast.Constant) and n.value in names
                             for n in ast.walk(ast.parse(p.read_text()))))
     assert readers == ["paths.py"], readers
+
+
+def test_output_shows_paths_relative_to_the_working_folder_or_home(tmp_path, monkeypatch):
+    """What bench and profile print is saved as results: it must not carry this machine's folders."""
+    home, work = tmp_path / "home", tmp_path / "checkout"
+    (home / ".cache").mkdir(parents=True)
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert shown(work / "bench" / "results" / "bench.json") == str(Path("bench/results/bench.json"))
+    assert shown(home / ".cache" / "graphmode" / "calibration" / "host.json") == \
+        str(Path("~/.cache/graphmode/calibration/host.json"))
+    elsewhere = tmp_path / "results" / "bench.md"
+    assert shown(elsewhere) == str(elsewhere)                   # outside both: as given
+    assert shown("bench.md") == "bench.md"

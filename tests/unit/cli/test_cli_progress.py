@@ -82,7 +82,7 @@ def test_a_piped_table_keeps_its_cells_whole(columns, monkeypatch):
         monkeypatch.delenv("COLUMNS", raising=False)
     else:
         monkeypatch.setenv("COLUMNS", columns)
-    loc = "/home/someone/projects/" + "a_rather_long_folder_name/" * 6 + "modeling_something.py:1234"
+    loc = "projects/" + "a_rather_long_folder_name/" * 6 + "modeling_something.py:1234"
     t = Table(title="fallbacks")
     for c in ("op", "reason", "source location"):
         t.add_column(c)
