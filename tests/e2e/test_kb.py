@@ -1,7 +1,7 @@
 """The knowledge base end to end: what bench, profile, verify, serve and tune record; the `kb`
 commands over it; a damaged file (the command keeps its result, the file is left alone); and
-the worked example of the README (recipe init -> tune -> kb recommend for a second model of
-the same family). Real SQLite files, real compiles, real servers; no timing is asserted."""
+the worked example of docs/knowledge-base.md (recipe init -> tune -> kb recommend for a second
+model of the same family). Real SQLite files, real compiles, real servers; no timing is asserted."""
 from __future__ import annotations
 
 import json
@@ -224,7 +224,7 @@ def test_tune_resumes_after_an_interrupt(tmp_path, cache):
 
 @pytest.mark.slow
 def test_worked_example_init_tune_recommend(tmp_path, cache):
-    """The README's example: draft a recipe for one encoder, tune it, then ask the knowledge
+    """The example of docs/knowledge-base.md: draft a recipe for one encoder, tune it, then ask the knowledge
     base for a second, wider encoder of the same family."""
     kb = tmp_path / "kb.sqlite"
     common = ["--kb", str(kb), "--cache-dir", str(cache)]
