@@ -184,8 +184,8 @@ def _register(name: str, kind: str, overloads: Sequence[str], samples: Callable[
     taken = aten_table()
     aten = [a for n in (name,) + ALIASES.get(name, ()) for o in overloads if (a := f"aten.{n}.{o}") not in taken]
     register(OpSpec(name, kind, arity, infer_fn(name), _ref(name, infer_fn is _static_infer), attrs=ATTRS, doc=doc,
-                    traits=frozenset({TRAIT}), aten=tuple(aten),
-                    samples=samples))
+                    traits=frozenset({TRAIT}), aten=tuple(aten), samples=samples,
+                    padding="pointwise" if kind == "elementwise" else "opaque"))
 
 
 def _checked(name: str, overloads: Sequence[str]) -> None:

@@ -129,12 +129,14 @@ def _reduce_scatter_ref(ins, attrs, env):
 _DOC_TAIL = "; world ranks, comm_dtype f32 | bf16 | int8 on the wire (module doc)"
 register(OpSpec("all_reduce", "collective", (1, 1), _same_infer, _all_reduce_ref, attrs=("world", "comm_dtype"),
                 traits=frozenset({"collective"}), doc="sum of the operand over every rank of the group" + _DOC_TAIL,
-                samples=lambda: [Sample(randn((2, 3, 8)), {"world": 1, "comm_dtype": "f32"})]))
+                samples=lambda: [Sample(randn((2, 3, 8)), {"world": 1, "comm_dtype": "f32"})], padding="opaque"))
 register(OpSpec("all_gather", "collective", (1, 1), _gather_infer, _all_gather_ref,
                 attrs=("axis", "world", "comm_dtype"), traits=frozenset({"collective"}),
                 doc="the ranks' operands concatenated along axis in rank order" + _DOC_TAIL,
-                samples=lambda: [Sample(randn((2, 3, 8)), {"axis": 2, "world": 1, "comm_dtype": "f32"})]))
+                samples=lambda: [Sample(randn((2, 3, 8)), {"axis": 2, "world": 1, "comm_dtype": "f32"})],
+                padding="opaque"))
 register(OpSpec("reduce_scatter", "collective", (1, 1), _scatter_infer, _reduce_scatter_ref,
                 attrs=("axis", "world", "comm_dtype"), traits=frozenset({"collective"}),
                 doc="the sum over ranks, split along axis: rank r keeps part r" + _DOC_TAIL,
-                samples=lambda: [Sample(randn((2, 4, 8)), {"axis": 1, "world": 1, "comm_dtype": "f32"})]))
+                samples=lambda: [Sample(randn((2, 4, 8)), {"axis": 1, "world": 1, "comm_dtype": "f32"})],
+                padding="opaque"))

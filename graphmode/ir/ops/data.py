@@ -18,14 +18,15 @@ register(OpSpec("embedding", "data", (2, 2),
                 lambda ins, a, env: [F.embedding(ins[1], ins[0])], traits=frozenset({"index_dependent"}),
                 aten=("aten.embedding.default",), doc="rows of table (input 0) at indices (input 1)",
                 samples=lambda: [Sample(lambda g: [torch.randn(10, 4, generator=g),
-                                                   torch.randint(0, 10, (2, 5), generator=g)])]))
+                                                   torch.randint(0, 10, (2, 5), generator=g)])], padding="gather"))
 register(OpSpec("index_select", "data", (2, 2),
                 lambda ins, a: [ins[0].with_shape(tuple(ins[1].shape[0] if i == norm_axis(a["dim"], ins[0].rank) else d
                                                         for i, d in enumerate(ins[0].shape)))],
                 lambda ins, a, env: [torch.index_select(ins[0], a["dim"], ins[1])], attrs=("dim",),
                 traits=frozenset({"index_dependent"}), doc="select entries along dim by a 1-d index",
                 samples=lambda: [Sample(lambda g: [torch.randn(4, 6, generator=g),
-                                                   torch.randint(0, 6, (3,), generator=g)], {"dim": 1})]))
+                                                   torch.randint(0, 6, (3,), generator=g)], {"dim": 1})],
+                padding="gather"))
 
 
 def _index_infer(ins, a):
@@ -54,7 +55,8 @@ register(OpSpec("index", "data", (2, 9), _index_infer, _index_ref, attrs=("dims"
                 samples=lambda: [Sample(lambda g: [torch.randn(3, 5, 4, generator=g),
                                                    torch.randint(0, 5, (2, 3), generator=g)], {"dims": [1]}),
                                  Sample(lambda g: [torch.randn(3, 5, generator=g), torch.arange(3),
-                                                   torch.randint(0, 5, (3,), generator=g)], {"dims": [0, 1]})]))
+                                                   torch.randint(0, 5, (3,), generator=g)], {"dims": [0, 1]})],
+                padding="gather"))
 
 
 def _gather_infer(ins, a):
@@ -66,7 +68,8 @@ register(OpSpec("gather", "data", (2, 2), _gather_infer,
                 traits=frozenset({"index_dependent"}), aten=("aten.gather.default",),
                 doc="out[i][j] = x[i][index[i][j]] along dim (torch.gather)",
                 samples=lambda: [Sample(lambda g: [torch.randn(3, 6, generator=g),
-                                                   torch.randint(0, 6, (3, 4), generator=g)], {"dim": 1})]))
+                                                   torch.randint(0, 6, (3, 4), generator=g)], {"dim": 1})],
+                padding="gather"))
 
 
 def _arange_infer(ins, a):
@@ -80,17 +83,19 @@ register(OpSpec("arange", "data", (0, 0), _arange_infer,
                                                   eval_dim(normalize_dim(a["end"]), env), a.get("step", 1),
                                                   dtype=DTYPES[a.get("dtype", "i64")])],
                 attrs=("start", "end", "step", "dtype"), doc="[start, end) by step; end may be symbolic",
-                samples=lambda: [Sample(lambda g: [], {"start": 1, "end": 9, "step": 2, "dtype": "i64"})]))
+                samples=lambda: [Sample(lambda g: [], {"start": 1, "end": 9, "step": 2, "dtype": "i64"})],
+                padding="arange"))
 register(OpSpec("full", "data", (0, 0), lambda ins, a: [TensorType(a.get("dtype", "f32"), tuple(a["shape"]))],
                 lambda ins, a, env: [torch.full(eval_shape(a["shape"], env), a["value"],
                                                 dtype=DTYPES[a.get("dtype", "f32")])],
                 attrs=("shape", "value", "dtype"), doc="a tensor filled with value; shape may be symbolic",
-                samples=lambda: [Sample(lambda g: [], {"shape": [2, 3], "value": 1.5, "dtype": "f32"})]))
+                samples=lambda: [Sample(lambda g: [], {"shape": [2, 3], "value": 1.5, "dtype": "f32"})],
+                padding="full"))
 register(OpSpec("triu", "data", (1, 1), same, lambda ins, a, env: [torch.triu(ins[0], a.get("diagonal", 0))],
                 attrs=("diagonal",), traits=frozenset({"index_dependent"}), aten=("aten.triu.default",),
                 doc="upper triangle (last two dims)",
-                samples=lambda: [Sample(randn((4, 4)), {"diagonal": 1})]))
+                samples=lambda: [Sample(randn((4, 4)), {"diagonal": 1})], padding="triangle"))
 register(OpSpec("tril", "data", (1, 1), same, lambda ins, a, env: [torch.tril(ins[0], a.get("diagonal", 0))],
                 attrs=("diagonal",), traits=frozenset({"index_dependent"}), aten=("aten.tril.default",),
                 doc="lower triangle (last two dims)",
-                samples=lambda: [Sample(randn((2, 4, 4)))]))
+                samples=lambda: [Sample(randn((2, 4, 4)))], padding="triangle"))

@@ -76,22 +76,25 @@ for _name, (_fn, _cost, _doc, _make, _traits, _aten) in _UNARY.items():
     _maker = (_make or randn)((2, 3, 5))
     register(OpSpec(_name, "elementwise", (1, 1), _infer, _unary_ref(_fn), inplace=True, doc=_doc,
                     flops_per_elem=_cost, traits=frozenset(_traits), aten=_aten,
-                    samples=(lambda m=_maker: [Sample(m)])))
+                    samples=(lambda m=_maker: [Sample(m)]), padding="pointwise"))
 
 register(OpSpec("gelu", "elementwise", (1, 1), same,
                 lambda ins, a, env: [F.gelu(ins[0], approximate=a.get("approximate", "none"))],
                 attrs=("approximate",), inplace=True, flops_per_elem=14, traits=frozenset({"epilogue_safe"}),
                 doc="GELU; approximate='none' (erf) or 'tanh'",
-                samples=lambda: [Sample(randn((2, 8))), Sample(randn((2, 8)), {"approximate": "tanh"})]))
+                samples=lambda: [Sample(randn((2, 8))), Sample(randn((2, 8)), {"approximate": "tanh"})],
+                padding="pointwise"))
 register(OpSpec("clamp", "elementwise", (1, 1), same,
                 lambda ins, a, env: [torch.clamp(ins[0], a.get("min"), a.get("max"))],
                 attrs=("min", "max"), inplace=True, traits=frozenset({"epilogue_safe"}),
                 doc="clamp to [min, max] (either may be null); relu6 and hardtanh are clamps",
-                samples=lambda: [Sample(randn((3, 7)), {"min": -0.5, "max": 0.5}), Sample(randn((4,)), {"min": 0.0})]))
+                samples=lambda: [Sample(randn((3, 7)), {"min": -0.5, "max": 0.5}), Sample(randn((4,)), {"min": 0.0})],
+                padding="pointwise"))
 register(OpSpec("cast", "elementwise", (1, 1), lambda ins, a: [ins[0].with_dtype(a["dtype"])],
                 lambda ins, a, env: [ins[0].to(DTYPES[a["dtype"]])], attrs=("dtype",),
                 doc="convert to dtype (torch .to semantics)",
-                samples=lambda: [Sample(randn((2, 3)), {"dtype": "i64"}), Sample(_bools((5,)), {"dtype": "f32"})]))
+                samples=lambda: [Sample(randn((2, 3)), {"dtype": "i64"}), Sample(_bools((5,)), {"dtype": "f32"})],
+                padding="pointwise"))
 
 # name: (torch fn, bool result, doc, traits, ATen overloads)
 _BINARY: dict[str, tuple] = {
@@ -181,7 +184,7 @@ def _binary_samples(name: str):
 for _name, (_fn, _is_bool, _doc, _traits, _aten) in _BINARY.items():
     register(OpSpec(_name, "elementwise", (2, 2), _binary_infer(_is_bool, _name), _binary_ref(_fn),
                     inplace=not _is_bool, doc=_doc + " (numpy broadcasting, torch type promotion)",
-                    traits=frozenset(_traits), aten=_aten, samples=_binary_samples(_name)))
+                    traits=frozenset(_traits), aten=_aten, samples=_binary_samples(_name), padding="pointwise"))
 
 
 def _where_infer(ins, attrs):
@@ -192,4 +195,4 @@ register(OpSpec("where", "elementwise", (3, 3), _where_infer,
                 lambda ins, a, env: [torch.where(ins[0], ins[1], ins[2])], doc="cond ? a : b",
                 aten=("aten.where.self",),
                 samples=lambda: [Sample(lambda g: [torch.rand(3, 4, generator=g) > 0.5, torch.randn(3, 4, generator=g),
-                                                   torch.randn(1, 4, generator=g)])]))
+                                                   torch.randn(1, 4, generator=g)])], padding="pointwise"))

@@ -88,4 +88,4 @@ register(OpSpec("paged_attention", "attention", (8, 8), _infer, _ref, attrs=("sc
                 doc="paged KV-cache attention: writes k/v (positions start..start+lens-1 of each sequence) into "
                     "k_pool/v_pool [pages, page_size, kv_heads, dim] through block_table, then causal attention of "
                     "the new queries over the cache; inputs q, k, v, k_pool, v_pool, block_table, start, lens",
-                samples=_samples))
+                samples=_samples, padding="opaque"))

@@ -27,7 +27,7 @@ register(OpSpec("matmul", "gemm", (2, 2), _matmul_infer,
                 aten=("aten.mm.default", "aten.bmm.default"),
                 doc="batched matmul (torch.matmul), rank >= 2 (a 1-d operand is captured through a reshape)",
                 samples=lambda: [Sample(randn((3, 5), (5, 4))), Sample(randn((2, 3, 5), (2, 5, 4))),
-                                 Sample(randn((2, 1, 3, 5), (4, 5, 6)))]))
+                                 Sample(randn((2, 1, 3, 5), (4, 5, 6)))], padding="matmul"))
 
 
 def _linear_infer(ins, attrs):
@@ -40,7 +40,8 @@ def _linear_infer(ins, attrs):
 register(OpSpec("linear", "gemm", (2, 3), _linear_infer,
                 lambda ins, a, env: [F.linear(ins[0], ins[1], ins[2] if len(ins) > 2 else None)],
                 traits=frozenset({"gemm"}), doc="x @ w.T (+ b); w is [out, in]",
-                samples=lambda: [Sample(randn((2, 3, 8), (5, 8), (5,))), Sample(randn((4, 8), (6, 8)))]))
+                samples=lambda: [Sample(randn((2, 3, 8), (5, 8), (5,))), Sample(randn((4, 8), (6, 8)))],
+                padding="linear"))
 
 
 # Weight-only quantized linear: the activations stay f32, the weight is stored narrow and read
@@ -84,7 +85,7 @@ register(OpSpec("qlinear", "gemm", (3, 4), _qlinear_infer,
                 lambda ins, a, env: [F.linear(ins[0], dequantize(ins[1], ins[2]), ins[3] if len(ins) > 3 else None)],
                 doc="weight-only quantized linear: x @ (w * scale[:, None]).T (+ b); w is [out, in] i8 or bf16, "
                     "scale [out] f32 (ones for bf16), x and the result f32",
-                samples=_qlinear_samples))
+                samples=_qlinear_samples, padding="opaque"))
 
 
 def conv_out(size: Dim, k: int, s: int, p: int, d: int, ceil: bool = False) -> Dim:
@@ -114,7 +115,8 @@ register(OpSpec("conv2d", "conv", (2, 3), _conv_infer,
                 attrs=("stride", "padding", "dilation", "groups"), traits=frozenset({"gemm"}),
                 doc="2-d convolution, NCHW, weight OIHW (conv1d is captured as conv2d over a height of 1)",
                 samples=lambda: [Sample(randn((2, 3, 8, 8), (4, 3, 3, 3), (4,)), {"padding": [1, 1]}),
-                                 Sample(randn((1, 4, 9, 9), (4, 1, 3, 3)), {"stride": [2, 2], "groups": 4})]))
+                                 Sample(randn((1, 4, 9, 9), (4, 1, 3, 3)), {"stride": [2, 2], "groups": 4})],
+                padding="window"))
 
 
 def _pool_infer(ins, a):
@@ -132,20 +134,21 @@ register(OpSpec("max_pool2d", "pool", (1, 1), _pool_infer,
                                                   pair(a.get("padding", 0)), pair(a.get("dilation", 1)),
                                                   a.get("ceil_mode", False))],
                 attrs=("kernel", "stride", "padding", "dilation", "ceil_mode"), doc="2-d max pooling, NCHW",
-                samples=lambda: [Sample(randn((2, 3, 8, 8)), {"kernel": [3, 3], "stride": [2, 2], "padding": [1, 1]})]))
+                samples=lambda: [Sample(randn((2, 3, 8, 8)), {"kernel": [3, 3], "stride": [2, 2], "padding": [1, 1]})],
+                padding="window"))
 register(OpSpec("avg_pool2d", "pool", (1, 1), _pool_infer,
                 lambda ins, a, env: [F.avg_pool2d(ins[0], pair(a["kernel"]), pair(a.get("stride") or a["kernel"]),
                                                   pair(a.get("padding", 0)), a.get("ceil_mode", False),
                                                   a.get("count_include_pad", True))],
                 attrs=("kernel", "stride", "padding", "ceil_mode", "count_include_pad"), doc="2-d average pooling",
-                samples=lambda: [Sample(randn((2, 3, 8, 8)), {"kernel": [2, 2]})]))
+                samples=lambda: [Sample(randn((2, 3, 8, 8)), {"kernel": [2, 2]})], padding="window"))
 register(OpSpec("adaptive_avg_pool2d", "pool", (1, 1),
                 lambda ins, a: [ins[0].with_shape(ins[0].shape[:2] + tuple(pair(a["output_size"])))],
                 lambda ins, a, env: [F.adaptive_avg_pool2d(ins[0], pair(a["output_size"]))],
                 attrs=("output_size",),
                 doc="adaptive average pooling to output_size (global pool = [1, 1]; 1-d pools capture as [1, n])",
                 samples=lambda: [Sample(randn((2, 3, 7, 7)), {"output_size": [1, 1]}),
-                                 Sample(randn((2, 3, 1, 9)), {"output_size": [1, 3]})]))
+                                 Sample(randn((2, 3, 1, 9)), {"output_size": [1, 3]})], padding="window"))
 
 
 def _sdpa_infer(ins, a):
@@ -167,7 +170,7 @@ register(OpSpec("sdpa", "attention", (3, 4), _sdpa_infer, _sdpa_ref, attrs=("is_
                                  Sample(lambda g: [torch.randn(2, 2, 4, 8, generator=g), torch.randn(2, 2, 4, 8, generator=g),
                                                    torch.randn(2, 2, 4, 8, generator=g),
                                                    torch.tensor([True, True, False, True]).reshape(1, 1, 1, 4)
-                                                   .expand(2, 1, 1, 4).clone()], {"scale": 0.3})]))
+                                                   .expand(2, 1, 1, 4).clone()], {"scale": 0.3})], padding="attention"))
 
 
 def _conv_t_infer(ins, a):
@@ -191,7 +194,8 @@ register(OpSpec("conv_transpose2d", "conv", (2, 3), _conv_t_infer,
                 doc="2-d transposed convolution, NCHW, weight (in, out/groups, kh, kw)",
                 samples=lambda: [Sample(randn((1, 4, 5, 5), (4, 3, 3, 3), (3,)), {"stride": [2, 2], "padding": [1, 1]}),
                                  Sample(randn((2, 4, 3, 4), (4, 2, 2, 3)), {"stride": [2, 1], "output_padding": [1, 0],
-                                                                           "groups": 2, "dilation": [1, 2]})]))
+                                                                           "groups": 2, "dilation": [1, 2]})],
+                padding="window"))
 
 
 def _grid_infer(ins, a):
@@ -217,7 +221,7 @@ register(OpSpec("grid_sampler", "data", (2, 2), _grid_infer,
                                         {"mode": "bicubic", "padding_mode": "reflection", "align_corners": True}),
                                  Sample(lambda g: [torch.randn(1, 2, 3, 4, 5, generator=g),
                                                    torch.rand(1, 2, 2, 2, 3, generator=g) * 2.2 - 1.1],
-                                        {"mode": "nearest", "padding_mode": "border"})]))
+                                        {"mode": "nearest", "padding_mode": "border"})], padding="opaque"))
 
 
 def _einsum_infer(ins, a):
@@ -259,4 +263,4 @@ register(OpSpec("einsum", "gemm", (1, 8), _einsum_infer,
                 aten=(), doc="Einstein summation over the operands (torch.einsum)",
                 samples=lambda: [Sample(randn((2, 3, 4), (2, 4, 5)), {"equation": "bij,bjk->bik"}),
                                  Sample(randn((3, 3)), {"equation": "ii"}),
-                                 Sample(randn((2, 5, 3), (3,)), {"equation": "...j,j->..."})]))
+                                 Sample(randn((2, 5, 3), (3,)), {"equation": "...j,j->..."})], padding="opaque"))

@@ -35,7 +35,7 @@ _REDUCE = {"sum": (torch.sum, {"precision_sensitive"}, ("aten.sum.dim_IntList",)
 for _name, (_fn, _traits, _aten, _what) in _REDUCE.items():
     register(OpSpec(_name, "reduction", (1, 1), _reduce_infer, _mk_reduce(_fn), attrs=("dims", "keepdim"),
                     doc=f"{_what} over dims", traits=frozenset(_traits | {"row_reduction"}), aten=_aten,
-                    samples=_reduce_samples))
+                    samples=_reduce_samples, padding="reduce"))
 
 
 def _prod(x: torch.Tensor, dim: list[int], keepdim: bool) -> torch.Tensor:
@@ -48,7 +48,8 @@ register(OpSpec("prod", "reduction", (1, 1), _reduce_infer, _mk_reduce(_prod), a
                 doc="product over dims (1 over an empty axis)", traits=frozenset({"precision_sensitive"}),
                 aten=("aten.prod.dim_int",), samples=lambda: [Sample(randn((2, 3, 5)), {"dims": [2]}),
                                                               Sample(randn((2, 3, 4)), {"dims": [0, 2],
-                                                                                        "keepdim": True})]))
+                                                                                        "keepdim": True})],
+                padding="opaque"))
 
 
 def _arg_infer(ins, attrs):
@@ -66,16 +67,18 @@ for _name, _fn in (("argmax", torch.argmax), ("argmin", torch.argmin)):
                     attrs=("dim", "keepdim"), traits=frozenset({"index_dependent"}),
                     doc=f"index of the {_name[3:]} along dim (the first one on ties), i64",
                     samples=lambda: [Sample(randn((3, 7)), {"dim": 1}), Sample(randn((2, 3, 4)), {"dim": 0,
-                                                                                               "keepdim": True})]))
+                                                                                               "keepdim": True})],
+                    padding="argreduce"))
 
 register(OpSpec("softmax", "reduction", (1, 1), same,
                 lambda ins, a, env: [torch.softmax(ins[0], a["dim"])], attrs=("dim",), flops_per_elem=5,
                 traits=frozenset({"row_reduction", "precision_sensitive"}), doc="softmax along dim",
-                samples=lambda: [Sample(randn((2, 4, 6)), {"dim": -1}), Sample(randn((5, 3)), {"dim": 0})]))
+                samples=lambda: [Sample(randn((2, 4, 6)), {"dim": -1}), Sample(randn((5, 3)), {"dim": 0})],
+                padding="along"))
 register(OpSpec("log_softmax", "reduction", (1, 1), same,
                 lambda ins, a, env: [torch.log_softmax(ins[0], a["dim"])], attrs=("dim",), flops_per_elem=5,
                 traits=frozenset({"row_reduction", "precision_sensitive"}), doc="log-softmax along dim",
-                samples=lambda: [Sample(randn((2, 4, 6)), {"dim": -1})]))
+                samples=lambda: [Sample(randn((2, 4, 6)), {"dim": -1})], padding="along"))
 register(OpSpec("cumsum", "reduction", (1, 1),
                 lambda ins, a: [ins[0].with_dtype("i64" if ins[0].dtype in ("bool", "u8", "i8", "i16", "i32")
                                                   else ins[0].dtype)],
@@ -83,7 +86,8 @@ register(OpSpec("cumsum", "reduction", (1, 1),
                 traits=frozenset({"index_dependent"}),
                 doc="inclusive prefix sum along dim (integer inputs accumulate in i64)",
                 samples=lambda: [Sample(randn((3, 6)), {"dim": 1}),
-                                 Sample(lambda g: [torch.randint(0, 3, (2, 5), generator=g)], {"dim": 1})]))
+                                 Sample(lambda g: [torch.randint(0, 3, (2, 5), generator=g)], {"dim": 1})],
+                padding="along"))
 
 
 def _layer_norm_ref(ins, a, env):
@@ -98,7 +102,7 @@ register(OpSpec("layer_norm", "norm", (1, 3), same, _layer_norm_ref, attrs=("nor
                 flops_per_elem=8, traits=frozenset({"row_reduction", "precision_sensitive"}),
                 doc="layer norm over the last `normalized_rank` dims; inputs x, [weight, [bias]]",
                 samples=lambda: [Sample(randn((2, 3, 8), (8,), (8,)), {"eps": 1e-5}),
-                                 Sample(randn((2, 4, 6)), {"normalized_rank": 2, "eps": 1e-6})]))
+                                 Sample(randn((2, 4, 6)), {"normalized_rank": 2, "eps": 1e-6})], padding="norm"))
 register(OpSpec("batch_norm", "norm", (5, 5), same,
                 lambda ins, a, env: [F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2], False, 0.0,
                                                   a.get("eps", 1e-5))],
@@ -106,4 +110,4 @@ register(OpSpec("batch_norm", "norm", (5, 5), same,
                 doc="inference batch norm over channel dim 1; inputs x, weight, bias, running_mean, running_var",
                 samples=lambda: [Sample(lambda g: [torch.randn(2, 3, 4, 4, generator=g), torch.randn(3, generator=g),
                                                    torch.randn(3, generator=g), torch.randn(3, generator=g),
-                                                   torch.rand(3, generator=g) + 0.5], {"eps": 1e-5})]))
+                                                   torch.rand(3, generator=g) + 0.5], {"eps": 1e-5})], padding="norm"))

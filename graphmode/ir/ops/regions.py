@@ -15,7 +15,7 @@ def _fused_ref(ins, a, env):
 
 register(OpSpec("fused", "fused", (0, 1024), _fused_infer, _fused_ref, attrs=("kind", "pattern"),
                 doc="a region of ops (its body) executed as one kernel; kind: elementwise | reduction | "
-                    "gemm_epilogue | attention | norm"))
+                    "gemm_epilogue | attention | norm", padding="region"))
 
 
 def _fallback_infer(ins, a):
@@ -28,4 +28,5 @@ def _fallback_ref(ins, a, env):
 
 
 register(OpSpec("fallback", "fallback", (0, 1024), _fallback_infer, _fallback_ref, attrs=("target", "args", "loc"),
-                doc="an op graphmode does not compile (excluded or unsupported): runs eagerly via torch.ops"))
+                doc="an op graphmode does not compile (excluded or unsupported): runs eagerly via torch.ops",
+                padding="island"))

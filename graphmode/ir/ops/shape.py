@@ -38,12 +38,13 @@ def _reshape_infer(ins, a):
 register(OpSpec("reshape", "shape", (1, 1), _reshape_infer,
                 lambda ins, a, env: [ins[0].reshape(eval_shape(a["shape"], env))], attrs=("shape",), view=True,
                 doc="reshape (view semantics, contiguous row-major); shape entries int, -1 or dim expressions",
-                samples=lambda: [Sample(randn((2, 3, 4)), {"shape": [6, 4]}), Sample(randn((2, 12)), {"shape": [2, -1, 3]})]))
+                samples=lambda: [Sample(randn((2, 3, 4)), {"shape": [6, 4]}), Sample(randn((2, 12)), {"shape": [2, -1, 3]})],
+                padding="reshape"))
 register(OpSpec("permute", "shape", (1, 1),
                 lambda ins, a: [ins[0].with_shape(tuple(ins[0].shape[p] for p in a["perm"]))],
                 lambda ins, a, env: [ins[0].permute(a["perm"])], attrs=("perm",),
                 doc="permute dims (materialised as a copy by backends)",
-                samples=lambda: [Sample(randn((2, 3, 4)), {"perm": [2, 0, 1]})]))
+                samples=lambda: [Sample(randn((2, 3, 4)), {"perm": [2, 0, 1]})], padding="permute"))
 
 
 def _expand_infer(ins, a):
@@ -61,7 +62,7 @@ def _expand_infer(ins, a):
 register(OpSpec("expand", "shape", (1, 1), _expand_infer,
                 lambda ins, a, env: [ins[0].expand(eval_shape(a["shape"], env))], attrs=("shape",),
                 doc="broadcast to shape (-1 keeps the dim)",
-                samples=lambda: [Sample(randn((3, 1)), {"shape": [2, 3, 4]})]))
+                samples=lambda: [Sample(randn((3, 1)), {"shape": [2, 3, 4]})], padding="expand"))
 
 
 def _slice_len(size: Dim, start: int, end, step: int) -> Dim:
@@ -100,7 +101,8 @@ def _slice_ref(ins, a, env):
 register(OpSpec("slice", "shape", (1, 1), _slice_infer, _slice_ref, attrs=("dim", "start", "end", "step"),
                 doc="x[start:end:step] along dim (python slice clipping)",
                 samples=lambda: [Sample(randn((4, 9)), {"dim": 1, "start": 1, "end": 8, "step": 2}),
-                                 Sample(randn((5, 3)), {"dim": 0, "start": -2, "end": 2 ** 62, "step": 1})]))
+                                 Sample(randn((5, 3)), {"dim": 0, "start": -2, "end": 2 ** 62, "step": 1})],
+                padding="slice"))
 
 
 def _concat_infer(ins, a):
@@ -114,7 +116,7 @@ def _concat_infer(ins, a):
 register(OpSpec("concat", "shape", (1, 64), _concat_infer,
                 lambda ins, a, env: [torch.cat(list(ins), a["dim"])], attrs=("dim",), doc="concatenate along dim",
                 aten=("aten.cat.default",),
-                samples=lambda: [Sample(randn((2, 3), (2, 5)), {"dim": 1})]))
+                samples=lambda: [Sample(randn((2, 3), (2, 5)), {"dim": 1})], padding="concat"))
 
 
 def _pad_infer(ins, a):
@@ -133,7 +135,7 @@ register(OpSpec("pad", "shape", (1, 1), _pad_infer,
                 doc="constant padding, F.pad order: (last-dim before, after, next-dim before, after, ...); "
                     "negative amounts crop",
                 samples=lambda: [Sample(randn((2, 3, 4)), {"pads": [1, 2], "value": 0.5}),
-                                 Sample(randn((1, 2, 5, 5)), {"pads": [0, 1, 0, 1], "value": 0.0})]))
+                                 Sample(randn((1, 2, 5, 5)), {"pads": [0, 1, 0, 1], "value": 0.0})], padding="shift"))
 
 
 def _roll_ref(ins, a, env):
@@ -143,4 +145,4 @@ def _roll_ref(ins, a, env):
 register(OpSpec("roll", "shape", (1, 1), lambda ins, a: [ins[0]], _roll_ref, attrs=("shifts", "dims"),
                 traits=frozenset({"index_dependent"}), aten=(),
                 doc="circular shift by shifts[i] along dims[i] (torch.roll)",
-                samples=lambda: [Sample(randn((2, 5, 6)), {"shifts": [2, -1], "dims": [1, 2]})]))
+                samples=lambda: [Sample(randn((2, 5, 6)), {"shifts": [2, -1], "dims": [1, 2]})], padding="shift"))

@@ -37,6 +37,34 @@ TRAITS = {
                   "runs the same collectives in the same order",
     "aten_reference": "runs as the ATen op it is named after; capture checks its types against torch.export's",
 }
+# How the padding analysis (graphmode/analysis/padding.py) follows padded positions through an
+# op; every op names one (`OpSpec.padding`), `opaque` when it does not model the op's reads:
+PADDING_RULES = {
+    "pointwise": "each output position reads the same position of its (broadcast) inputs",
+    "reduce": "reduces over `dims`: safe over a padded dim whose padding is the op's identity (0 for sum, "
+              "masked for amax)",
+    "along": "softmax / log_softmax / cumsum along `dim`: safe over masked logits (softmax) or padding at "
+             "the end (scan)",
+    "argreduce": "argmax / argmin along `dim`: safe when a padded position can never win",
+    "norm": "normalises over its trailing axes (layer_norm) or channels (batch_norm): a padded one is unsafe",
+    "linear": "contracts the last axis with a weight: safe when the padded positions are zero",
+    "matmul": "contracts a[-1] with b[-2]: safe when either side's padded positions are zero",
+    "attention": "attention: padded keys must be masked (a mask input, or causal with padding at the end)",
+    "window": "convolution / pooling: samples (axis 0) independent, a window over every other axis",
+    "reshape": "follows padded factors through merged axes; a split of a padded axis is unsafe",
+    "permute": "moves axes (and the padding with them)",
+    "expand": "broadcasts new axes, keeping the padded ones",
+    "slice": "keeps padding at the end; a slice that can read padding is unsafe",
+    "concat": "padding along the concat axis lands in the middle (not sliceable); other axes kept",
+    "shift": "pad / roll move positions: along a padded axis, unsafe",
+    "triangle": "triu / tril keep or zero positions by index (a causal mask's padded columns are known)",
+    "gather": "reads positions chosen by an index: safe where the index reads real positions only",
+    "full": "a constant made with (possibly padded) extents",
+    "arange": "an index along a padded extent (its padded positions are past the real end)",
+    "island": "an eager fallback: pointwise or per-dim ATen ops from their tags and schema, else opaque",
+    "region": "a fused region: analysed through its body",
+    "opaque": "not modelled: any padded dim reaching the op is reported unsafe",
+}
 
 
 @dataclass(frozen=True)
@@ -62,6 +90,7 @@ class OpSpec:
     traits: frozenset[str] = frozenset()
     aten: tuple[str, ...] = ()     # ATen overloads captured 1:1 (arguments normalised by the op schema)
     samples: Callable[[], list[Sample]] | None = None
+    padding: str | None = None     # its padding rule (PADDING_RULES); None: undeclared, analysed as opaque
 
     def has(self, trait: str) -> bool:
         return trait in self.traits
@@ -74,6 +103,9 @@ def register(spec: OpSpec) -> OpSpec:
     unknown = set(spec.traits) - set(TRAITS)
     if unknown:
         raise IRError(f"op {spec.name!r} declares unknown traits {sorted(unknown)}", fix=f"one of {sorted(TRAITS)}")
+    if spec.padding is not None and spec.padding not in PADDING_RULES:
+        raise IRError(f"op {spec.name!r} declares unknown padding rule {spec.padding!r}",
+                      fix=f"one of {sorted(PADDING_RULES)}")
     traits = set(spec.traits)
     if spec.inplace:
         traits.add("inplace")

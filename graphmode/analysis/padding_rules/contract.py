@@ -1,0 +1,92 @@
+"""Padding rules of contractions: `linear`, `matmul` (safe over a padded contracted dim whose
+padded positions are zero on one side), `attention` (sdpa: padded keys must be masked, or causal
+with the padding at the end) and `window` (convolution and pooling mix every axis but the batch).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from graphmode.analysis.padding_lattice import (GARBAGE, Axis, Factor, Finding, State, falsy, neg_huge, plain,
+                                                same_dim)
+from graphmode.analysis.padding_rules import rule
+from graphmode.ir.graph import Node
+from graphmode.ir.types import Dim
+
+
+def linear(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
+    x = ins[0]
+    k = x.axes[-1]
+    for f in k.padded:
+        if not (falsy(f.content) and f.prefix):
+            taint.setdefault(f.dim, an.finding(f.dim, n, f"contraction over padded dim {f.dim} "
+                                                         "whose padded positions are not zero"))
+    an.taint(taint, n, [ax for s in ins[1:] for ax in s.axes], "padded weights")
+    return State(an.garbage(x.axes[:-1]) + (plain(an.shape(n.outputs[0])[-1]),))
+
+
+def matmul(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
+    a, b = ins
+    for side, other in ((a.axes[-1], b.axes[-2]), (b.axes[-2], a.axes[-1])):
+        for f in side.padded:
+            zero_other = any(falsy(g.content) and g.prefix for g in other.padded if g.dim == f.dim)
+            if not ((falsy(f.content) and f.prefix) or zero_other):
+                taint.setdefault(f.dim, an.finding(f.dim, n, f"contraction over padded dim {f.dim} "
+                                                             "whose padded positions are not zero"))
+    out_shape = an.shape(n.outputs[0])
+    batch = broadcast_batch(an, [a.axes[:-2], b.axes[:-2]], out_shape[:-2])
+
+    def keep_zero(ax: Axis) -> Axis:
+        return Axis(tuple(Factor(f.extent, f.dim, f.content if falsy(f.content) else GARBAGE, f.prefix)
+                          if f.dim else f for f in ax.factors))
+    return State(batch + (keep_zero(a.axes[-2]), keep_zero(b.axes[-1])))
+
+
+def broadcast_batch(an, groups: list[Sequence[Axis]], out: Sequence[Dim]) -> tuple[Axis, ...]:
+    axes = []
+    for i, e in enumerate(out):
+        src = None
+        for grp in groups:
+            j = i - (len(out) - len(grp))
+            if j >= 0 and grp[j].padded:
+                src = grp[j]
+                break
+        axes.append(an.garbage([src])[0] if src is not None else an.fresh_axis(e, GARBAGE))
+    return tuple(axes)
+
+
+def sdpa(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
+    q, k, v = ins[:3]
+    mask = ins[3] if len(ins) > 3 else None
+    an.taint(taint, n, [q.axes[-1], k.axes[-1]], "attention head dim {dim} is padded")
+    keys = {f.dim: f for ax in (k.axes[-2], v.axes[-2]) for f in ax.padded}
+    for d, f in keys.items():
+        covered = False
+        if mask is not None and mask.axes and mask.axes[-1].single is not None:
+            m = mask.axes[-1].single
+            covered = m.dim == d and m.prefix and (falsy(m.content) if m.content.kind == "const"
+                                                   and isinstance(m.content.value, bool) else neg_huge(m.content))
+        if not covered and n.attrs.get("is_causal"):
+            qf = q.axes[-2].single
+            covered = (qf is not None and qf.dim == d and qf.prefix and f.prefix
+                       and same_dim(qf.extent, f.extent))
+        if not covered:
+            taint.setdefault(d, an.finding(d, n, f"attention over padded keys ({d}) that no mask covers: "
+                                                 "declare the attention mask input, or use causal attention"))
+    out_shape = an.shape(n.outputs[0])
+    groups = [q.axes[:-2], k.axes[:-2], v.axes[:-2]] + ([mask.axes[:-2]] if mask is not None else [])
+    batch = broadcast_batch(an, groups, out_shape[:-2])
+    return State(batch + an.garbage([q.axes[-2]]) + (plain(out_shape[-1]),))
+
+
+@rule("window")
+def window(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State]:
+    """Convolution and pooling: each sample (axis 0) on its own, a window over every other axis."""
+    x = ins[0]
+    an.taint(taint, n, x.axes[1:], "convolution/pooling window over padded dim {dim}")
+    an.taint(taint, n, [ax for s in ins[1:] for ax in s.axes], "padded convolution weights")
+    return [State((an.garbage(x.axes[:1]) + an.from_type(an.shape(n.outputs[0])[1:])))]
+
+
+rule("linear")(lambda an, n, ins, taint: [linear(an, n, ins, taint)])
+rule("matmul")(lambda an, n, ins, taint: [matmul(an, n, ins, taint)])
+rule("attention")(lambda an, n, ins, taint: [sdpa(an, n, ins, taint)])

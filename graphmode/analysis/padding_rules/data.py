@@ -1,0 +1,226 @@
+"""Padding rules of data ops: `gather` (embedding, index_select, index, gather: safe where the
+index reads real positions only), `full` and `arange` (values made with a padded extent),
+`island` (eager `fallback` nodes, read from the ATen op's tags and schema), `region` (a fused
+body) and `opaque` (refuses every padded dim that reaches the op).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import sympy
+import torch
+
+from graphmode.analysis.padding_lattice import (GARBAGE, Axis, Content, Factor, Finding, State, const, is_one,
+                                                mul_dims, plain, same_dim)
+from graphmode.analysis.padding_rules import rule
+from graphmode.ir.graph import Node
+from graphmode.ir.ops import norm_axis
+from graphmode.ir.types import Dim, normalize_dim
+
+_PER_SAMPLE_ATEN = {"max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d",
+                    "adaptive_max_pool2d", "conv1d", "conv2d", "conv3d", "convolution", "conv_transpose2d",
+                    "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "instance_norm",
+                    "upsample_nearest2d", "upsample_bilinear2d", "pixel_shuffle",
+                    "_native_batch_norm_legit_no_training"}
+
+
+def _island_dims(target: str, args: list, kwargs: Mapping[str, Any], rank: int) -> tuple[bool, list[int] | None]:
+    """What an eager island's ATen op does to axes, from the op's own tags and schema:
+    (pointwise, dims it works along). dims None: unknown (the op takes no `dim`/`dims`)."""
+    from graphmode.ir.fallback import resolve_target
+    try:
+        op = resolve_target(target)
+    except Exception:  # noqa: BLE001 - not an ATen op we can look up
+        return False, None
+    if torch.Tag.pointwise in op.tags:
+        return True, []
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name not in ("dim", "dims"):
+            continue
+        v = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value)
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        if not vals or not all(isinstance(d, int) and -rank <= d < max(rank, 1) for d in vals):
+            return False, None
+        return False, sorted({d % rank for d in vals}) if rank else []
+    return False, None
+
+
+def gather(an, n: Node, ins: list[State], out_shape: Sequence[Dim], taint: dict[str, Finding]) -> State:
+    op = n.op
+    if op == "embedding":
+        table, ids = ins
+        an.taint(taint, n, table.axes, "embedding table padded along {dim}")
+        return State(an.garbage(ids.axes) + (plain(out_shape[-1]),))
+    x = ins[0]
+    if not x.axes:               # a 0-d source: every index reads its one element
+        return State(an.from_type(out_shape))
+    if op == "gather":           # out[..i..] = x[.. idx[..i..] ..] along dim; other axes line up 1:1
+        dim = norm_axis(n.attrs["dim"], len(x.axes))
+        idx = ins[1]
+        for f in x.axes[dim].padded:
+            if idx.bound != f.dim:
+                taint.setdefault(f.dim, an.finding(f.dim, n, f"data-dependent gather over padded dim {f.dim}"))
+        return State(an.garbage(idx.axes))
+    if op == "index_select":
+        dim = norm_axis(n.attrs["dim"], len(x.axes))
+        idx = ins[1]
+        pairs = [(dim, idx, 0)]
+    else:
+        dims = [norm_axis(d, len(x.axes)) for d in n.attrs["dims"]]
+        idx_states = ins[1:]
+        pairs = [(d, s, None) for d, s in zip(dims, idx_states)]
+    # which output axis of the index broadcast each index runs along, and the content it reads
+    bshape_rank = max(len(s.axes) for _, s, _ in pairs)
+    content_of: dict[int, Content] = {}
+    for d, s, _ in pairs:
+        data_ax = x.axes[d]
+        if not data_ax.padded:
+            continue
+        reads = unflatten(data_ax, s)
+        if reads is None and data_ax.single is not None and s.bound == data_ax.single.dim:
+            continue              # the index only names real positions (e.g. an argmax over them)
+        if reads is None:
+            first = data_ax.padded[0].dim
+            taint.setdefault(first, an.finding(first, n, f"data-dependent gather over padded dim {first}"))
+            continue
+        for ax, c in reads.items():
+            content_of[ax + (bshape_rank - len(s.axes))] = c
+    b_axes = []
+    for i in range(bshape_rank):
+        src = None
+        for _, s, _ in pairs:
+            j = i - (bshape_rank - len(s.axes))
+            if j >= 0 and s.axes[j].padded:
+                src = s.axes[j]
+                break
+        if src is None:
+            b_axes.append(None)
+        elif i in content_of and src.single is not None:
+            b_axes.append(Axis((Factor(src.single.extent, src.single.dim, content_of[i], src.single.prefix),)))
+        else:
+            b_axes.append(an.garbage([src])[0])
+    if op == "index_select":
+        axes = list(an.garbage(x.axes))
+        axes[pairs[0][0]] = b_axes[0] or plain(out_shape[pairs[0][0]])
+    else:
+        dims = [d for d, _, _ in pairs]
+        rest = [an.garbage([ax])[0] for i, ax in enumerate(x.axes) if i not in dims]
+        if dims == list(range(dims[0], dims[0] + len(dims))):
+            before = [an.garbage([ax])[0] for ax in x.axes[:dims[0]]]
+            after = [an.garbage([ax])[0] for ax in x.axes[dims[-1] + 1:]]
+            mid_start = len(before)
+            axes = before + [None] * bshape_rank + after
+        else:
+            mid_start = 0
+            axes = [None] * bshape_rank + rest
+        for i, ax in enumerate(b_axes):
+            axes[mid_start + i] = ax
+        axes = [ax if ax is not None else an.fresh_axis(out_shape[i], GARBAGE) for i, ax in enumerate(axes)]
+    return State(tuple(axes))
+
+
+def unflatten(data_ax: Axis, idx: State) -> dict[int, Content] | None:
+    """When index `idx` reads data axis `data_ax` at exactly the positions its own axes name
+    (an arange, or `b * seq + s` into a flattened [batch*seq] axis), the gather only relabels
+    axes: index axis -> the padded content it reads. None when it could read anything."""
+    if idx.affine is None:
+        return None
+    coeffs = dict(idx.affine)
+    factors = [f for f in data_ax.factors if not is_one(f.extent)]
+    out: dict[int, Content] = {}
+    stride: Dim = 1
+    if idx.offset is not None:    # the bounded term reads real positions of the innermost factor only
+        if not factors or factors[-1].dim != idx.offset or not factors[-1].prefix:
+            return None
+        stride = factors[-1].extent
+        factors = factors[:-1]
+    for f in reversed(factors):
+        hits = [ax for ax, c in coeffs.items() if same_dim(c, stride)]
+        if len(hits) != 1:
+            return None
+        ax = hits[0]
+        own = idx.axes[ax]
+        if not same_dim(own.factors[0].extent if len(own.factors) == 1 else 0, f.extent) or (
+                f.dim is not None and (not f.prefix or own.single is None or own.single.dim != f.dim)):
+            return None
+        if f.dim is not None:
+            out[ax] = f.content
+        del coeffs[ax]
+        stride = mul_dims(stride, f.extent)
+    return out if not coeffs else None
+
+
+@rule("full")
+def full(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State]:
+    v = n.attrs["value"]
+    v = bool(v) if n.attrs.get("dtype") == "bool" else v
+    return [State(an.from_type(an.shape(n.outputs[0]), const(v)), uniform=v,
+                  lower=float(v) if isinstance(v, (int, float)) else None)]
+
+
+def arange(an, a: Mapping[str, Any], out_shape: Sequence[Dim]) -> State:
+    end = normalize_dim(a["end"])
+    start, step = a.get("start", 0), a.get("step", 1)
+    e = out_shape[0]
+    start_d = normalize_dim(start)
+    if same_dim(e, 1):            # one element: the value `start` (e.g. arange(seq, seq + 1) is `seq`)
+        return State((plain(1),), uniform=start_d)
+    d = next((p for p in an.padded if not isinstance(end, int) and same_dim(end, sympy.Symbol(
+        p, integer=True, positive=True))), None)
+    if d is not None and start_d == 0 and step == 1:
+        return State((Axis((Factor(e, d, Content("ge_real", d), True),)),), affine=((0, 1),), lower=0.0)
+    affine = ((0, 1),) if start_d == 0 and step == 1 else None
+    lower = float(start_d) if isinstance(start_d, int) and step > 0 else None
+    return State((an.fresh_axis(e, GARBAGE),), affine=affine, lower=lower)
+
+
+def fallback(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State]:
+    """Eager islands: pointwise ops broadcast like elementwise ones; an op along `dim` keeps
+    the other axes independent (same shape in and out); anything else is opaque."""
+    target = str(n.attrs.get("target", ""))
+    shapes = [an.shape(o) for o in n.outputs]
+    if len(shapes) == 1 and ins:
+        rank = len(shapes[0])
+        pointwise, along = _island_dims(target, list(n.attrs.get("args", [])), n.attrs.get("kwargs", {}), rank)
+        same_shape = pointwise or (along is not None and all(len(s.axes) == rank for s in ins))
+        if same_shape:
+            axes = []
+            for i, e in enumerate(shapes[0]):
+                src = next((s.axes[j] for s in ins if (j := i - (rank - len(s.axes))) >= 0
+                            and s.axes[j].padded), None)
+                if src is not None and i in (along or []):
+                    an.taint(taint, n, [src], f"eager island {target} along padded dim {{dim}}")
+                axes.append(an.garbage([src])[0] if src is not None and i not in (along or [])
+                            else an.fresh_axis(e, GARBAGE))
+            return [State(tuple(axes))]
+    short = target.split(".")[1] if target.startswith("aten.") and "." in target else target
+    if short in _PER_SAMPLE_ATEN and ins and ins[0].axes:
+        for s in ins:
+            an.taint(taint, n, s.axes[1:] if s is ins[0] else s.axes,
+                     f"eager island {target} mixes positions along padded dim {{dim}}")
+        lead = an.garbage(ins[0].axes[:1])
+        return [State(lead + an.from_type(sh[1:])) if sh else State(()) for sh in shapes]
+    for s in ins:
+        an.taint(taint, n, s.axes, f"eager island {target} over padded dim {{dim}}: graphmode cannot see "
+                                   "how it uses padded positions")
+    return [State(an.from_type(sh)) for sh in shapes]
+
+
+@rule("region")
+def region(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State]:
+    """A fused region: its body, analysed op by op over the region's inputs."""
+    body = an.run(n.body, {**dict(zip(n.inputs, ins)), **{k: an.constant(n.body, k) for k in n.body.constants}})
+    return [body[o] for o in n.outputs]
+
+
+@rule("opaque")
+def opaque(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State]:
+    """An op whose use of positions graphmode does not model: a padded dim reaching it is unsafe."""
+    for s in ins:
+        an.taint(taint, n, s.axes, f"no padding rule for {n.op} over padded dim {{dim}}")
+    return [State(an.from_type(an.shape(o))) for o in n.outputs]
+
+
+rule("gather")(lambda an, n, ins, taint: [gather(an, n, ins, an.shape(n.outputs[0]), taint)])
+rule("arange")(lambda an, n, ins, taint: [arange(an, n.attrs, an.shape(n.outputs[0]))])
+rule("island")(fallback)

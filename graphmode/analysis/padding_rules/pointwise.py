@@ -1,0 +1,144 @@
+"""Padding rule `pointwise`: each output position reads the same position of its (broadcast)
+inputs, so padding stays padding and its content is what the op makes of the inputs' contents.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import sympy
+
+from graphmode.analysis.padding_lattice import (GARBAGE, UNKNOWN, Axis, Content, Factor, Finding, State, binary, const,
+                                                falsy, padded_view, symbols, truthy, unary, plain)
+from graphmode.analysis.padding_rules import rule
+from graphmode.ir.graph import Node
+from graphmode.ir.types import normalize_dim
+
+
+@rule("pointwise")
+def pointwise(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State]:
+    """One input: what the op makes of each padded content (and of a uniform value, a lower
+    bound, an index kept through identity or an integer cast); more: elementwise with broadcasting."""
+    op, a = n.op, n.attrs
+    if op != "where" and len(ins) == 1:
+        s = ins[0]
+        axes = tuple(Axis(tuple(Factor(f.extent, f.dim, unary(op, f.content, a) if f.dim else f.content, f.prefix)
+                                for f in ax.factors)) for ax in s.axes)
+        uniform = UNKNOWN
+        if s.uniform is not UNKNOWN:
+            c = unary(op, const(s.uniform), a)
+            uniform = c.value if c.kind == "const" else UNKNOWN
+        keep = op == "identity" or (op == "cast" and a.get("dtype") in ("i64", "i32"))
+        return [State(axes, uniform, s.affine if keep else None, lower=unary_lower(op, a, s),
+                      bound=s.bound if keep else None, offset=s.offset if keep else None)]
+    return [elementwise(an, n, ins)]
+
+
+def unary_lower(op: str, a: Mapping[str, Any], s: State) -> float | None:
+    """A lower bound on real values, kept where an op keeps it (argmax over a padded axis
+    is safe when the padding is at most the smallest real value)."""
+    if op in ("relu", "abs", "exp", "sigmoid", "sqrt", "logical_not"):
+        return 0.0
+    if op == "clamp" and a.get("min") is not None:
+        return float(a["min"]) if s.lower is None else max(float(a["min"]), s.lower)
+    if op in ("identity", "cast"):
+        return s.lower
+    return None
+
+
+def elementwise(an, n: Node, ins: list[State]) -> State:
+    out_shape = an.shape(n.outputs[0])
+    rank = len(out_shape)
+    axes = []
+    for i, e in enumerate(out_shape):
+        present = []
+        for s in ins:
+            j = i - (rank - len(s.axes))
+            ax = s.axes[j] if j >= 0 else None
+            present.append(ax if ax is not None and ax.padded else None)
+        shaped = next((ax for ax in present if ax is not None), None)
+        if shaped is None:
+            axes.append(plain(e) if not (symbols(e) & set(an.padded)) else an.fresh_axis(e, GARBAGE))
+            continue
+        factors = []
+        for k, f in enumerate(shaped.factors):
+            if f.dim is None:
+                factors.append(f)
+                continue
+            contents = []
+            prefix = f.prefix
+            for s, ax in zip(ins, present):
+                if ax is None:
+                    contents.append(s.real_content())
+                elif len(ax.factors) == len(shaped.factors) and ax.factors[k].dim == f.dim:
+                    contents.append(ax.factors[k].content)
+                    prefix = prefix and ax.factors[k].prefix
+                else:
+                    contents.append(GARBAGE)
+                    prefix = False
+            factors.append(Factor(f.extent, f.dim, padded_view(combine(an, n, contents)), prefix))
+        axes.append(Axis(tuple(factors)))
+    uniform = UNKNOWN
+    if all(s.uniform is not UNKNOWN for s in ins):
+        c = combine(an, n, [const(s.uniform) for s in ins])
+        uniform = c.value if c.kind == "const" else UNKNOWN
+    lower = None
+    if an.types[n.outputs[0]].dtype == "bool":
+        lower = 0.0
+    elif n.op in ("add", "mul", "maximum") and all(x.lower is not None for x in ins) and (
+            n.op != "mul" or all(x.lower >= 0 for x in ins)):
+        lower = {"add": ins[0].lower + ins[1].lower, "mul": 0.0,
+                 "maximum": max(ins[0].lower, ins[1].lower)}[n.op]
+    affine, offset = affine_of(n.op, ins, rank), None
+    if affine is None and n.op == "add":      # flat index into a merged axis: b * seq + (a bounded seq index)
+        for a_, b_ in ((ins[0], ins[1]), (ins[1], ins[0])):
+            if a_.affine is not None and a_.offset is None and b_.bound is not None and b_.affine is None:
+                lead = rank - len(a_.axes)
+                affine, offset = tuple(sorted((ax + lead, c) for ax, c in a_.affine)), b_.bound
+    elif affine is not None and n.op in ("add", "sub", "mul"):
+        offset = next((x.offset for x in ins if x.offset), None) if n.op != "mul" else None
+        if n.op == "mul" and any(x.offset for x in ins):
+            affine = None
+    return State(tuple(axes), uniform, affine, lower=lower, offset=offset)
+
+
+def affine_of(op: str, ins: list[State], rank: int) -> tuple[tuple[int, Any], ...] | None:
+    """Index arithmetic: a + b, a * c and a - 0 of affine indices stay affine (row-major
+    flattening is `b * seq + s`)."""
+    def shifted(s: State) -> dict[int, Any] | None:
+        if s.affine is None:
+            return None
+        lead = rank - len(s.axes)
+        return {ax + lead: c for ax, c in s.affine}
+    if len(ins) != 2:
+        return None
+    a, b = ins
+    fa, fb = shifted(a), shifted(b)
+    zero = lambda s: s.uniform is not UNKNOWN and not isinstance(s.uniform, bool) and s.uniform == 0  # noqa: E731
+    if op == "add" and fa is not None and fb is not None:
+        out = dict(fa)
+        for ax, c in fb.items():
+            out[ax] = normalize_dim(sympy.sympify(out.get(ax, 0)) + c)
+        return tuple(sorted(out.items()))
+    if op in ("add", "sub") and fa is not None and zero(b):
+        return tuple(sorted(fa.items()))
+    if op == "add" and fb is not None and zero(a):
+        return tuple(sorted(fb.items()))
+    if op == "mul":
+        for f, other in ((fa, b), (fb, a)):
+            u = other.uniform
+            if f is not None and u is not UNKNOWN and not isinstance(u, (bool, float)):
+                return tuple(sorted((ax, normalize_dim(sympy.sympify(c) * u)) for ax, c in f.items()))
+    return None
+
+
+def combine(an, n: Node, cs: list[Content]) -> Content:
+    if n.op == "where":
+        cond, x, y = cs
+        if truthy(cond):
+            return x
+        if falsy(cond):
+            return y
+        return x if x == y and x.kind not in ("real", "lt_real") else GARBAGE
+    if len(cs) != 2:              # three-input pointwise ops (addcmul, lerp): nothing known
+        return GARBAGE
+    return binary(n.op, cs[0], cs[1], an.lo)
