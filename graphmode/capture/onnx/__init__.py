@@ -37,7 +37,7 @@ model's opset than at KNOWN_MIN..KNOWN_MAX (`opsets.py`). Not checked: Squeeze
 without axes treats a symbolic dim as != 1; `embedding`/`index` assume non-negative
 run-time indices. Excluded ops (`exclude_ops` / `include_ops`, matched against the ONNX
 op type or the core op it lowers to) become `fallback` nodes calling the equivalent
-`torch.ops.aten` function (`_aten_call`); one without an equivalent raises CaptureError.
+`torch.ops.aten` function (the op table's `OpSpec.aten_call`); one without one raises CaptureError.
 """
 from __future__ import annotations
 from graphmode.capture.onnx.importer import OnnxCaptureReport, import_onnx, supported_onnx_ops

@@ -21,10 +21,10 @@ from graphmode.capture.onnx_validate import ONNX_DTYPES as _ONNX_DTYPES
 from graphmode.capture.torch_import import CaptureReport, Fallback
 from graphmode.errors import CaptureError, IRError
 from graphmode.ir.graph import Graph, clean_name
-from graphmode.ir.ops import get_op
+from graphmode.ir.ops import aten_call, get_op
 from graphmode.ir.types import Dim, TensorType, dim_str, dims_equal, normalize_dim, sym
 
-from graphmode.capture.onnx.fold import BIG_END, DEFAULT_RANGE, KNOWN_LIMIT, _Known, _Unfoldable, _is_sym, _objarr, _py
+from graphmode.capture.onnx.fold import DEFAULT_RANGE, KNOWN_LIMIT, _Known, _Unfoldable, _is_sym, _objarr, _py
 
 
 # ------------------------------------------------------------------------------ report
@@ -45,77 +45,6 @@ class OnnxCaptureReport(CaptureReport):
         d.update({"opset": self.opset, "producer": self.producer, "folded_nodes": self.folded_nodes,
                   "runtime_dims": self.runtime_dims, "op_map": self.op_map})
         return d
-
-
-# ------------------------------------------------------------------------------ excluded ops -> aten
-
-
-def _dimarg(d):
-    return d if isinstance(d, int) else {"$dim": d if isinstance(d, str) else dim_str(d)}
-
-
-def _aten_call(op: str, attrs: Mapping[str, Any], n_in: int) -> tuple[str, list, dict] | None:
-    """The torch.ops.aten call equivalent to one core op (for `fallback` nodes), or None."""
-    ins = [{"$in": i} for i in range(n_in)]
-    unary = {"neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "tanh", "sigmoid", "relu", "erf", "sin",
-             "cos", "silu", "logical_not"}
-    binary = {"add": "add.Tensor", "sub": "sub.Tensor", "mul": "mul.Tensor", "div": "div.Tensor",
-              "pow": "pow.Tensor_Tensor", "maximum": "maximum.default", "minimum": "minimum.default",
-              "eq": "eq.Tensor", "ne": "ne.Tensor", "lt": "lt.Tensor", "le": "le.Tensor", "gt": "gt.Tensor",
-              "ge": "ge.Tensor", "logical_and": "logical_and.default", "logical_or": "logical_or.default"}
-    a = attrs
-    if op in unary:
-        return f"aten.{op}.default", ins, {}
-    if op in binary:
-        return f"aten.{binary[op]}", ins, {}
-    table: dict[str, Callable[[], tuple[str, list, dict]]] = {
-        "identity": lambda: ("aten.clone.default", ins, {}),
-        "where": lambda: ("aten.where.self", ins, {}),
-        "gelu": lambda: ("aten.gelu.default", ins, {"approximate": a.get("approximate", "none")}),
-        "cast": lambda: ("aten._to_copy.default", ins, {"dtype": {"$dtype": a["dtype"]}}),
-        "softmax": lambda: ("aten._softmax.default", ins + [a["dim"], False], {}),
-        "log_softmax": lambda: ("aten._log_softmax.default", ins + [a["dim"], False], {}),
-        "sum": lambda: ("aten.sum.dim_IntList", ins + [list(a["dims"]), a.get("keepdim", False)], {}),
-        "mean": lambda: ("aten.mean.dim", ins + [list(a["dims"]), a.get("keepdim", False)], {}),
-        "amax": lambda: ("aten.amax.default", ins + [list(a["dims"]), a.get("keepdim", False)], {}),
-        "amin": lambda: ("aten.amin.default", ins + [list(a["dims"]), a.get("keepdim", False)], {}),
-        "matmul": lambda: ("aten.matmul.default", ins, {}),
-        "linear": lambda: ("aten.linear.default", ins, {}),
-        "batch_norm": lambda: ("aten.batch_norm.default", [ins[0], ins[1], ins[2], ins[3], ins[4], False, 0.0,
-                                                           a.get("eps", 1e-5), False], {}),
-        "conv2d": lambda: ("aten.conv2d.default", [ins[0], ins[1], ins[2] if n_in > 2 else None,
-                                                   list(a["stride"]), list(a["padding"]), list(a["dilation"]),
-                                                   a["groups"]], {}),
-        "max_pool2d": lambda: ("aten.max_pool2d.default", ins + [list(a["kernel"]), list(a["stride"]),
-                                                                 list(a["padding"]), list(a["dilation"]),
-                                                                 a["ceil_mode"]], {}),
-        "avg_pool2d": lambda: ("aten.avg_pool2d.default", ins + [list(a["kernel"]), list(a["stride"]),
-                                                                 list(a["padding"]), a["ceil_mode"],
-                                                                 a["count_include_pad"]], {}),
-        "adaptive_avg_pool2d": lambda: ("aten.adaptive_avg_pool2d.default", ins + [list(a["output_size"])], {}),
-        "reshape": lambda: ("aten.reshape.default", ins + [[_dimarg(d) for d in a["shape"]]], {}),
-        "permute": lambda: ("aten.permute.default", ins + [list(a["perm"])], {}),
-        "expand": lambda: ("aten.expand.default", ins + [[_dimarg(d) for d in a["shape"]]], {}),
-        "slice": lambda: ("aten.slice.Tensor", ins + [a["dim"], a.get("start", 0), _dimarg(a.get("end", BIG_END)),
-                                                      a.get("step", 1)], {}),
-        "concat": lambda: ("aten.cat.default", [ins, a["dim"]], {}),
-        "embedding": lambda: ("aten.embedding.default", ins, {}),
-        "index_select": lambda: ("aten.index_select.default", [ins[0], a["dim"], ins[1]], {}),
-        "index": lambda: ("aten.index.Tensor", [ins[0], [ins[1 + a["dims"].index(d)] if d in a["dims"] else None
-                                                        for d in range(max(a["dims"]) + 1)]], {}),
-        "arange": lambda: ("aten.arange.start_step", [_dimarg(a.get("start", 0)), _dimarg(a["end"]),
-                                                      a.get("step", 1)], {"dtype": {"$dtype": a.get("dtype", "i64")}}),
-        "full": lambda: ("aten.full.default", [[_dimarg(d) for d in a["shape"]], a["value"]],
-                         {"dtype": {"$dtype": a.get("dtype", "f32")}}),
-        "triu": lambda: ("aten.triu.default", ins + [a.get("diagonal", 0)], {}),
-        "tril": lambda: ("aten.tril.default", ins + [a.get("diagonal", 0)], {}),
-        "cumsum": lambda: ("aten.cumsum.default", ins + [a["dim"]], {}),
-        "clamp": lambda: ("aten.clamp.default", ins + [a.get("min"), a.get("max")], {}),
-    }
-    if op == "layer_norm":
-        return None  # needs the normalized shape: built by the importer (it knows the input type)
-    fn = table.get(op)
-    return fn() if fn else None
 
 
 # ------------------------------------------------------------------------------ importer
@@ -377,14 +306,7 @@ class _Importer:
 
     def _fallback(self, op: str, inputs: list[str], attrs: dict, otype: TensorType, name: str) -> None:
         n = self.node
-        call = _aten_call(op, attrs, len(inputs))
-        if op == "layer_norm":
-            xt = self.g.type_of(inputs[0])
-            k = attrs.get("normalized_rank", 1)
-            ins = [{"$in": i} for i in range(len(inputs))]
-            call = ("aten.layer_norm.default", [ins[0], [_dimarg(d) for d in xt.shape[-k:]],
-                                                 ins[1] if len(ins) > 1 else None, ins[2] if len(ins) > 2 else None,
-                                                 attrs.get("eps", 1e-5)], {})
+        call = aten_call(op, attrs, [self.g.type_of(i) for i in inputs])
         if call is None:
             raise self.fail(f"{n.op_type} is excluded from compilation (recipe capture include/exclude ops), but "
                             f"its core op {op!r} has no eager torch equivalent, and ONNX has no eager fallback",

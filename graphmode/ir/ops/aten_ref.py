@@ -185,7 +185,13 @@ def _register(name: str, kind: str, overloads: Sequence[str], samples: Callable[
     aten = [a for n in (name,) + ALIASES.get(name, ()) for o in overloads if (a := f"aten.{n}.{o}") not in taken]
     register(OpSpec(name, kind, arity, infer_fn(name), _ref(name, infer_fn is _static_infer), attrs=ATTRS, doc=doc,
                     traits=frozenset({TRAIT}), aten=tuple(aten), samples=samples,
-                    padding="pointwise" if kind == "elementwise" else "opaque"))
+                    padding="pointwise" if kind == "elementwise" else "opaque", aten_call=_own_call(name)))
+
+
+def _own_call(name: str):
+    """An ATen-reference op's eager equivalent is its own call, with its own arguments."""
+    return lambda a, types: (f"aten.{name}.{a.get('overload', 'default')}", list(a.get("args", [])),
+                             dict(a.get("kwargs", {})))
 
 
 def _checked(name: str, overloads: Sequence[str]) -> None:

@@ -91,6 +91,8 @@ class OpSpec:
     aten: tuple[str, ...] = ()     # ATen overloads captured 1:1 (arguments normalised by the op schema)
     samples: Callable[[], list[Sample]] | None = None
     padding: str | None = None     # its padding rule (PADDING_RULES); None: undeclared, analysed as opaque
+    # (attrs, input types) -> its eager equivalent as a fallback node's (target, args, kwargs): ir/ops/aten_calls.py
+    aten_call: Callable[[Mapping[str, Any], Sequence[TensorType]], tuple[str, list, dict]] | None = None
 
     def has(self, trait: str) -> bool:
         return trait in self.traits
