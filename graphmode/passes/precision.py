@@ -14,9 +14,6 @@ from graphmode.ir.ops import get_op
 from graphmode.ir.types import FLOAT_DTYPES
 from graphmode.passes.base import PassContext, PassResult, register_pass
 
-# kinds whose arithmetic happens in the compute dtype; the others only move data
-COMPUTE_KINDS = {"elementwise", "reduction", "norm", "gemm", "conv", "pool", "attention"}
-
 
 @register_pass("precision")
 def run(graph: Graph, ctx: PassContext) -> PassResult:
@@ -47,7 +44,7 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
         if n.op == "fallback":   # eager islands see the dtypes they were captured with
             g.nodes.append(n.with_(inputs=tuple(as_dtype(i, graph.values[i].type.dtype) for i in n.inputs)))
             continue
-        if n.op in ("fused", "cast") or spec.kind not in COMPUTE_KINDS:
+        if n.op in ("fused", "cast") or not spec.has("compute_dtype"):
             g.nodes.append(n)
             if n.op not in ("fused", "cast"):   # data movement: types follow the inputs
                 _retype(g, n)

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphmode.ir.ops import OPS
 from graphmode.recipe.buckets import dim_range, dim_synthesis, synthesize_buckets
 from graphmode.recipe.schema import FUSION_PATTERNS
 from graphmode.verify.numerics import TOLERANCE
@@ -26,7 +27,8 @@ from graphmode.verify.numerics import TOLERANCE
 DEFAULT_MAX_BUCKETS = 32         # per dim, when the recipe sets no max_buckets
 PADDING_LEVELS = (1.0, 0.5, 0.25, 0.0)    # fractions of the recipe's padding bound tried
 MAX_OPS = (8, 16, 32, 64)
-LOW_PRECISION = {"compute": "bf16", "overrides": {"softmax": "f32", "layer_norm": "f32"}}
+# bf16 compute with the ops the op table keeps in f32 (trait keep_f32: softmax, layer_norm)
+LOW_PRECISION = {"compute": "bf16", "overrides": {op: "f32" for op, spec in OPS.items() if spec.has("keep_f32")}}
 
 
 @dataclass

@@ -72,7 +72,7 @@ for _name, _fn in (("argmax", torch.argmax), ("argmin", torch.argmin)):
 
 register(OpSpec("softmax", "reduction", (1, 1), same,
                 lambda ins, a, env: [torch.softmax(ins[0], a["dim"])], attrs=("dim",), flops_per_elem=5,
-                traits=frozenset({"row_reduction", "precision_sensitive"}), doc="softmax along dim",
+                traits=frozenset({"row_reduction", "precision_sensitive", "keep_f32"}), doc="softmax along dim",
                 samples=lambda: [Sample(randn((2, 4, 6)), {"dim": -1}), Sample(randn((5, 3)), {"dim": 0})],
                 padding="along"))
 register(OpSpec("log_softmax", "reduction", (1, 1), same,
@@ -99,7 +99,7 @@ def _layer_norm_ref(ins, a, env):
 
 
 register(OpSpec("layer_norm", "norm", (1, 3), same, _layer_norm_ref, attrs=("normalized_rank", "eps"),
-                flops_per_elem=8, traits=frozenset({"row_reduction", "precision_sensitive"}),
+                flops_per_elem=8, traits=frozenset({"row_reduction", "precision_sensitive", "keep_f32"}),
                 doc="layer norm over the last `normalized_rank` dims; inputs x, [weight, [bias]]",
                 samples=lambda: [Sample(randn((2, 3, 8), (8,), (8,)), {"eps": 1e-5}),
                                  Sample(randn((2, 4, 6)), {"normalized_rank": 2, "eps": 1e-6})], padding="norm"))

@@ -29,6 +29,9 @@ TRAITS = {
     "gemm": "a contraction lowered to GEMM (linear, matmul, conv); may take an epilogue",
     "epilogue_safe": "elementwise and cheap enough to apply in a GEMM's store",
     "precision_sensitive": "loses accuracy first under reduced precision (first fp32-override candidate)",
+    "compute_dtype": "does its arithmetic in the recipe's compute dtype (the precision pass casts its float inputs); "
+                     "ops without it move data and keep the dtype they receive",
+    "keep_f32": "stays in f32 when the tuner tries reduced compute precision (its candidate's per-op overrides)",
     "view": "output re-interprets input 0's bytes",
     "inplace": "output may reuse input 0's buffer (same shape and dtype)",
     "index_dependent": "reads positions chosen by data or by position (gathers, scans, pads, rolls)",
@@ -37,6 +40,9 @@ TRAITS = {
                   "runs the same collectives in the same order",
     "aten_reference": "runs as the ATen op it is named after; capture checks its types against torch.export's",
 }
+# op kinds whose ops do arithmetic (the `compute_dtype` trait); the others move data
+COMPUTE_KINDS = frozenset({"elementwise", "reduction", "norm", "gemm", "conv", "pool", "attention"})
+
 # How the padding analysis (graphmode/analysis/padding.py) follows padded positions through an
 # op; every op names one (`OpSpec.padding`), `opaque` when it does not model the op's reads:
 PADDING_RULES = {
@@ -115,6 +121,8 @@ def register(spec: OpSpec) -> OpSpec:
         traits.add("view")
     if spec.kind == "elementwise":
         traits.add("elementwise")
+    if spec.kind in COMPUTE_KINDS:
+        traits.add("compute_dtype")
     object.__setattr__(spec, "traits", frozenset(traits))
     OPS[spec.name] = spec
     return spec
