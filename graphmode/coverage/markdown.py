@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from graphmode.coverage.table import OpRow, coverage, gaps
-from graphmode.ir.ops import OPS, TRAITS
+from graphmode.ir.ops import OPS, PADDING_RULES, TRAITS
 
 MAX_LISTED = 8      # longer producer lists are cut ("+N more"); `graphmode ops --op NAME` lists all
 
@@ -31,9 +31,14 @@ each, and their cost.
   kernel), `aten` (an ATen step into the output buffer; GEMM and conv steps may switch to a
   generated kernel by tactic selection), `generated` (inside a fused group's generated kernel).
   None: the executor runs the reference op and copies its result.
+- **padding rule**: how the padding analysis follows padded positions through the op (see
+  Padding rules below); `opaque`: it does not, and a padded dim reaching the op is unsafe.
+- **ATen fallback**: the op names its eager ATen call (`OpSpec.aten_call`), so it can run as an
+  eager fallback node; the op coverage test runs every sample through that call against the
+  op's reference.
 
-| op | kind | torch import | ONNX import | interpreter | samples | CPU lowering | traits |
-|---|---|---|---|---|---|---|---|
+| op | kind | torch import | ONNX import | interpreter | samples | CPU lowering | traits | padding rule | ATen fallback |
+|---|---|---|---|---|---|---|---|---|---|
 """
 
 SEMANTICS = """
@@ -67,7 +72,8 @@ def _listed(items: Sequence[str], strip: str = "", limit: int = MAX_LISTED) -> s
 
 def _coverage_row(r: OpRow) -> str:
     return (f"| `{r.op}` | {r.kind} | {_listed(r.torch, 'aten.')} | {_listed(r.onnx)} | {r.interpreter} | "
-            f"{r.samples or '-'} | {', '.join(r.lowering) or 'reference op'} | {', '.join(r.traits) or '-'} |")
+            f"{r.samples or '-'} | {', '.join(r.lowering) or 'reference op'} | {', '.join(r.traits) or '-'} | "
+            f"{r.padding} | {'yes' if r.aten_fallback else '-'} |")
 
 
 def _semantics_row(name: str) -> str:
@@ -86,6 +92,7 @@ def render() -> str:
     for name, (what, ops) in gaps(rows).items():
         lines.append(f"- **{name}**: {what}. Ops: {_listed(ops, limit=len(ops)) if ops else 'none'}")
     lines += ["", "## Traits", ""] + [f"- `{t}`: {what}" for t, what in TRAITS.items()]
+    lines += ["", "## Padding rules", ""] + [f"- `{p}`: {what}" for p, what in PADDING_RULES.items()]
     lines.append(SEMANTICS.rstrip("\n"))
     lines += [_semantics_row(r.op) for r in rows]
     return "\n".join(lines) + "\n"

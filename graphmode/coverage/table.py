@@ -1,6 +1,7 @@
 """The op coverage table: for every op of the database, who imports it (torch.export ATen
 overloads, ONNX op types), whether the interpreter runs it and has samples to check it
-with, how the CPU backend lowers it, and its traits; plus the gaps that follow.
+with, how the CPU backend lowers it, its traits, its padding rule and whether it names an
+eager ATen call; plus the gaps that follow.
 
 Every column is read from a registry, never from a list kept here: the importers' converter
 registries (through converters.py), the op database, the CPU backend's lowering registry
@@ -32,6 +33,8 @@ class OpRow:
     samples: int                 # sample inputs (the op coverage test runs each one on every path)
     lowering: tuple[str, ...]    # CPU tiers with a lowering for it: native, aten, generated (none: reference op)
     traits: tuple[str, ...]
+    padding: str                 # its padding rule (ir/ops PADDING_RULES), "undeclared" when it names none
+    aten_fallback: bool          # it names an eager ATen call (OpSpec.aten_call): it can run as an eager fallback
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,7 +60,7 @@ def coverage() -> tuple[OpRow, ...]:
         s = OPS[name]
         rows.append(OpRow(name, s.kind, tuple(by_aten.get(name, ())), tuple(by_onnx.get(name, ())),
                           _interpreter(name), len(s.samples()) if s.samples else 0, _lowering(name),
-                          tuple(sorted(s.traits))))
+                          tuple(sorted(s.traits)), s.padding or "undeclared", s.aten_call is not None))
     return tuple(rows)
 
 
@@ -101,6 +104,10 @@ def gaps(rows: tuple[OpRow, ...] | None = None) -> dict[str, tuple[str, tuple[st
                                       tuple(sorted(ops_with("elementwise") - ELEMENTWISE_OPS))),
         "row_reduction_not_generated": ("a row reduction without a row kernel",
                                         tuple(sorted(ops_with("row_reduction") - set(ROW_KERNELS)))),
+        "padding_opaque": ("padding rule `opaque` (or none declared): a padded dim reaching it is reported unsafe",
+                           pick(rows, lambda r: r.padding in ("opaque", "undeclared"))),
+        "no_aten_fallback": ("no eager ATen call: a backend or recipe that does not compile it cannot fall back",
+                             pick(rows, lambda r: not r.aten_fallback)),
     }
 
 

@@ -1,8 +1,9 @@
 """OpInfo-style op coverage: every sample of every op in the database, on every path that
 takes it, against eager PyTorch (the op's reference): the reference interpreter; the CPU
 executor (native kernel, ATen step or reference op, as the lowering registry decides); the
-generated kernel of the op as a one-op fused group; and an ONNX round trip (the legacy
-torch.onnx exporter, graphmode's ONNX importer, the interpreter).
+generated kernel of the op as a one-op fused group; an ONNX round trip (the legacy
+torch.onnx exporter, graphmode's ONNX importer, the interpreter); and the op's eager ATen
+call (`OpSpec.aten_call`) as a `fallback` node. Every op also declares its padding rule.
 
 What a path does not take is listed below as an expected gap and checked both ways: a new
 gap fails, and so does a gap that closes (then take it off the list). Every CPU case is one
@@ -24,9 +25,12 @@ from graphmode.backends.cpu.executor import CpuExecutable
 from graphmode.backends.cpu.rowwise import ROW_KERNELS
 from graphmode.coverage.samples import cpu_claims, one_op_group, runs_as, sample_inputs
 from graphmode.coverage.table import coverage
+from graphmode.errors import IRError
 from graphmode.ir.graph import Graph
+from graphmode.analysis.padding_rules import RULES
+from graphmode.ir.fallback import run_fallback
 from graphmode.ir.interpreter import interpret
-from graphmode.ir.ops import OPS, ops_with
+from graphmode.ir.ops import OPS, PADDING_RULES, OpSpec, aten_call, ops_with, register
 from graphmode.ir.types import TensorType
 from graphmode.plan.execution import lower
 from graphmode.plan.memory import plan_memory
@@ -75,6 +79,10 @@ ONNX_DECOMPOSED = frozenset({"adaptive_avg_pool2d", "all_gather", "all_reduce", 
                              "linear", "ne", "qlinear", "remainder", "roll", "rsqrt", "sdpa", "silu"})
 ONNX_OPSET = 20        # the legacy exporter's newest: Gelu comes out as one node, not an Erf chain
 ONNX_ROUND_TRIP = frozenset(op for op in OPS_WITH_SAMPLES if op not in ATEN_REFERENCE or ROWS[op].onnx)
+# ops with samples that name no eager ATen call (no single ATen op computes them, or they need a
+# rank's communicator or a paged KV cache)
+NO_ATEN_CALL = frozenset({"all_gather", "all_reduce", "reduce_scatter", "grid_sampler", "paged_attention", "prod",
+                          "qlinear"})
 
 
 def _same(found, expected, what: str) -> None:
@@ -242,6 +250,51 @@ def test_expected_cpu_gaps_are_exact(executed):
     _same({op for op, cs in by_op.items() if any(runs_as(c.claims) == "reference" for c in cs)}, REFERENCE_STEPS,
           "REFERENCE_STEPS")
     assert {op for op in OPS_WITH_SAMPLES if not {"native", "aten"} & set(ROWS[op].lowering)} <= REFERENCE_STEPS
+
+
+# ---------------------------------------------------------------------------------- op facts
+
+def test_every_op_has_a_padding_rule():
+    """Every op names the padding analysis's rule for it (`opaque` when the analysis does not
+    model its reads): a new op without one fails here; and every rule the op table names is
+    one the analyzer implements."""
+    undeclared = sorted(op for op, s in OPS.items() if s.padding is None)
+    assert not undeclared, f"ops without a padding rule (declare one of {sorted(PADDING_RULES)}): {undeclared}"
+    assert set(RULES) == set(PADDING_RULES), "the analyzer's rules and the op table's vocabulary differ"
+    assert {s.padding for s in OPS.values()} == set(PADDING_RULES), "a padding rule no op follows"
+    assert all(ROWS[op].padding == OPS[op].padding for op in OPS)
+    with pytest.raises(IRError, match="unknown padding rule 'rowwise'"):
+        register(OpSpec("not_an_op", "elementwise", (1, 1), OPS["neg"].infer, OPS["neg"].ref, padding="rowwise"))
+    assert "not_an_op" not in OPS
+
+
+@pytest.mark.parametrize("op", sorted(op for op in OPS_WITH_SAMPLES if OPS[op].aten_call is not None))
+def test_aten_fallback_round_trips(op):
+    """Each sample through the op's eager ATen call, as the `fallback` node an importer emits
+    for it (interpreted), equals the interpreter on the op itself; the raw call already makes
+    the op's dtypes and shapes (no cast hides a difference)."""
+    for i, s in _cases(op):
+        g, feeds, (case,) = _graph([(op, i, s)], groups=False)
+        types = [g.type_of(o) for o in case.outputs]
+        target, args, kwargs = aten_call(op, s.attrs, [g.type_of(x) for x in case.inputs])
+        attrs = {"target": target, "args": args, "kwargs": kwargs}
+        with torch.inference_mode():
+            raw = run_fallback([t.clone() for t in case.ins], attrs, {})
+        assert len(raw) == len(case.want), f"{case.where}: {target} makes {len(raw)} tensors"
+        fb = Graph("fallback")
+        inputs = [fb.add_input(x, g.type_of(x)) for x in case.inputs]
+        fb.outputs = fb.add_node("fallback", inputs, types, attrs, names=[f"fb{k}" for k in range(len(types))])
+        eager = interpret(fb, {k: v.clone() for k, v in feeds.items()})
+        ir = interpret(g, {k: v.clone() for k, v in feeds.items()})
+        for k, o in enumerate(case.outputs):
+            _assert_close(raw[k], case.want[k], f"aten call {target}: {case.where}")
+            _assert_close(eager[f"fb{k}"], ir[o], f"fallback {target}: {case.where}")
+
+
+def test_ops_without_an_aten_call_are_listed():
+    """The ops with samples but no ATen call are exactly NO_ATEN_CALL, and the table says so."""
+    _same({op for op in OPS_WITH_SAMPLES if OPS[op].aten_call is None}, NO_ATEN_CALL, "NO_ATEN_CALL")
+    assert all(ROWS[op].aten_fallback == (OPS[op].aten_call is not None) for op in OPS)
 
 
 # ---------------------------------------------------------------------------------- ONNX round trip
