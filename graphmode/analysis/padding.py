@@ -16,6 +16,10 @@ attention whose keys are masked (or causal with padding at the end), a prefix sc
 Anything else *taints* the dim; a tainted dim reaching an output, or an output axis whose
 padding cannot be sliced back, makes padding along that dim unsafe.
 
+Which rule follows an op is a fact of the op table (`OpSpec.padding`); the rules live in
+analysis/padding_rules/ (one per name), the abstract values in analysis/padding_lattice.py,
+and this module drives them over the graph and writes the report.
+
 Assumption (stated in the report): padded positions compute finite values. The analysis
 is conservative where it cannot follow a value (unknown ops, reshapes that split a padded
 axis, eager islands): it refuses rather than guess.
