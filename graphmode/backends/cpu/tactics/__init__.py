@@ -1,10 +1,12 @@
 """GEMM and conv tactic selection: for every GEMM / conv shape of a plan, ATen or a generated kernel.
 
-candidates.py (what may run a shape, and the check against ATen each must pass), timing.py
-(how candidates are timed), cache.py (the timing cache on disk), selection.py (the
-policies, what was decided, the report), steps.py (the plan steps tuning switches),
-context.py (one executable's context, handed explicitly to the lowerings that bind its
-GEMM/conv steps).
+candidates.py (what may run a shape, how they are built, and the check against ATen each
+must pass), narrowing.py (the candidates a plan rules out before building), timing.py (how
+candidates are timed), tuning.py (one shape's winner: from the cache, or checked and timed),
+cache.py (the timing cache on disk), selection.py (the policies, what was decided, the
+report), steps.py (the plan steps tuning switches), weights.py (prepared weights and binding),
+host.py (the machine tuned for), context.py (one executable's context, handed explicitly to
+the lowerings that bind its GEMM/conv steps).
 """
 from graphmode.backends.cpu.tactics.cache import CACHE_VERSION, TimingCache
 from graphmode.backends.cpu.tactics.candidates import CONFIGS, candidate_names, candidate_sources

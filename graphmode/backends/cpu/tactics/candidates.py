@@ -11,6 +11,7 @@ rejected: only the survivors are timed and may win.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -27,6 +28,8 @@ from graphmode.backends.cpu.winograd import WinogradConfig, chunk_for, geometry,
 from graphmode.backends.cpu.winograd import gemm_problem as winograd_gemm
 from graphmode.errors import BackendError
 from graphmode.verify.numerics import rel_l2
+
+log = logging.getLogger("graphmode.cpu.tactics")
 
 TOLERANCE_F32 = 1e-5
 WINOGRAD_TILES = (4, 2)   # F(4x4, 3x3) first: 4x fewer multiplies; F(2x2) for small images / many channels
@@ -153,6 +156,39 @@ def candidate_sources(p: GemmProblem, names: Sequence[str], threads: int) -> dic
     return out
 
 
+def build_candidates(builder, sources: Mapping[GemmProblem, Mapping[str, Any]], *, first_only: bool,
+                     failures: dict[str, str]) -> dict[tuple[GemmProblem, str], Any]:
+    """Compile the candidates' sources (`candidate_sources` per problem) into one library with
+    `builder` (a KernelBuilder); (problem, name) -> (kernel, source) or the error text.
+    `first_only`: only each problem's first candidate is built (what the heuristic policy can
+    pick). A toolchain that fails as a whole is recorded in `failures["*"]` (ATen runs all)."""
+    want: dict[tuple[GemmProblem, str], Any] = {}
+    for p, per in sources.items():
+        names = list(per)
+        if first_only:
+            names = names[:1]
+        for name in names:
+            want[(p, name)] = per[name]
+    srcs = [s for s in want.values() if not isinstance(s, Exception)]
+    built: dict[str, Any] = {}
+    if srcs:
+        try:
+            built = builder.build_many(srcs, strict=False)
+        except BackendError as e:
+            log.warning("generated GEMM kernels do not build; ATen runs every GEMM: %s", e.message)
+            built = {}
+            failures["*"] = e.message
+    out: dict[tuple[GemmProblem, str], Any] = {}
+    for key, s in want.items():
+        if isinstance(s, Exception):
+            out[key] = str(s)
+        elif s.symbol in built:
+            out[key] = (built[s.symbol], s)
+        else:
+            out[key] = builder.failures.get(s.symbol) or failures.get("*", "not built")
+    return out
+
+
 def prepared_bytes(p: GemmProblem, name: str) -> int | None:
     """Bytes of candidate `name`'s prepared copy of one constant weight (None: ATen, which
     reads the weight as it is)."""
@@ -267,4 +303,4 @@ def output_digest(t: torch.Tensor) -> str:
 
 
 __all__ = ["conv_config", "CONFIGS", "TOLERANCE_F32", "WINOGRAD_TILES", "candidate_names", "candidate_sources",
-           "Checker", "output_digest", "conv_kind", "prepared_bytes"]
+           "build_candidates", "Checker", "output_digest", "conv_kind", "prepared_bytes"]

@@ -9,15 +9,16 @@ epilogue kernel.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from graphmode.backends.cpu.aten import conv_closure, gemm_closure
-from graphmode.backends.cpu.conv import ConvConfig, ConvProblem
+from graphmode.backends.cpu.conv import ConvConfig, ConvProblem, conv_problem_of
 from graphmode.backends.cpu.epilogue import Epilogue
 from graphmode.backends.cpu.gemm import GemmProblem
+from graphmode.backends.cpu.tensors import overlaps
 
 ATEN = "aten"     # the name of the ATen candidate of every shape
 
@@ -121,6 +122,58 @@ def problem_of(op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tens
     return None
 
 
+def gemm_step(op: str, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], default: Callable[[], None],
+              epilogue: FusedEpilogue | None, constant_ptrs: set[int]) -> GemmStep | None:
+    """The tunable step of an executor's GEMM, or None when only ATen can run it. With
+    `epilogue`, a step that takes it has `fused_epilogue` set (it then runs the epilogue too);
+    one that cannot comes back without it."""
+    p = problem_of(op, ins_t, outs, constant_ptrs)
+    if p is None:
+        return None
+    bias = ins_t[2] if op == "linear" and len(ins_t) > 2 else None
+    c = outs[0]
+    if epilogue is not None and p.batch == 1 and epilogue.fits(p.m * p.n):
+        p = replace(p, epi=epilogue.epi, c_aliases_operand=overlaps([epilogue.out], epilogue.operands))
+        c = epilogue.out
+    else:
+        epilogue = None
+    return GemmStep(default, p, ins_t[0], ins_t[1], bias, c, epilogue)
+
+
+def conv_step(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
+              default: Callable[[], None], epilogue: FusedEpilogue | None, constant_ptrs: set[int]) -> ConvStep | None:
+    """The tunable step of an executor's conv2d, or None when no generated kernel covers it."""
+    p = conv_problem_of(ins_t, outs, attrs, constant_ptrs)
+    if p is None or p.groups != 1:
+        return None
+    bias = ins_t[2] if len(ins_t) > 2 else None
+    c = outs[0]
+    if epilogue is not None and epilogue.fits(c.numel()):
+        p = replace(p, epi=epilogue.epi)     # conv kernels read each operand element before writing it
+        c = epilogue.out
+    else:
+        epilogue = None
+    return ConvStep(default, p, ins_t[0], ins_t[1], bias, c, epilogue)
+
+
+def random_step(p: GemmProblem, seed: int, b: torch.Tensor | None = None) -> GemmStep:
+    """A step of problem `p` over random operands (B is `b` when given): a shape tuned on its
+    own, without an executor (tests and tools)."""
+    gen = torch.Generator().manual_seed(seed)
+    if b is None:
+        if p.op == "linear":
+            b = torch.randn(p.n, p.k, generator=gen)
+        elif p.b_batched:
+            b = torch.randn(p.batch, p.k, p.n, generator=gen)
+        else:
+            b = torch.randn(p.k, p.n, generator=gen)
+    a = torch.randn(p.batch, p.m, p.k, generator=gen)
+    c = torch.empty(p.batch, p.m, p.n)
+    bias = torch.randn(p.n, generator=gen) if p.bias else None
+    return GemmStep(aten_gemm(p, a, b, bias, c), p, a if p.batch > 1 else a.view(p.m, p.k), b, bias,
+                    c if p.batch > 1 else c.view(p.m, p.n))
+
+
 def b_shape(p: GemmProblem) -> tuple[int, ...]:
     """A runtime B as the kernel sees it (leading batch dims flattened)."""
     return (p.batch, p.k, p.n) if p.b_batched else (p.k, p.n)
@@ -146,5 +199,5 @@ def conv_args(step: ConvStep, cfg: ConvConfig, x, u, ws, y, ops=()) -> list[int]
     return [x.data_ptr(), u.data_ptr(), *extra, *(t.data_ptr() for t in ops), ws.data_ptr(), y.data_ptr()]
 
 
-__all__ = ["ATEN", "FusedEpilogue", "GemmStep", "ConvStep", "problem_of", "b_shape", "aten_gemm", "aten_conv",
-           "conv_args"]
+__all__ = ["ATEN", "FusedEpilogue", "GemmStep", "ConvStep", "problem_of", "gemm_step", "conv_step", "random_step",
+           "b_shape", "aten_gemm", "aten_conv", "conv_args"]

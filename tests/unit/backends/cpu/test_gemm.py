@@ -16,7 +16,8 @@ import torch
 
 from graphmode.backends.cpu import tactics as tac
 from graphmode.backends.cpu.tactics import candidates
-from graphmode.backends.cpu.tactics import context as tac_context
+from graphmode.backends.cpu.tactics import tuning as tac_tuning
+from graphmode.backends.cpu.tactics import weights as tac_weights
 from graphmode.backends.cpu.build import KernelBuilder
 from graphmode.backends.cpu.abi import KernelSource
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
@@ -249,7 +250,7 @@ def test_a_starved_timing_is_marked_and_replaced_by_the_first_quiet_build(tmp_pa
     once, cached as starved with its conditions; a later build on a busy host uses it as it is
     (timing would be starved again), the first build on a quiet host times it again and
     replaces it; and a starved timing never replaces an entry the process had the CPUs for."""
-    monkeypatch.setattr(tac_context, "machine_load", lambda: (9.0, 2))
+    monkeypatch.setattr(tac_tuning, "machine_load", lambda: (9.0, 2))
     starved = _ctx(tmp_path, cpu_clock=_stopped_clock, retune_noisy=1)
     sel = starved.select(SMALL)
     assert sel.starved and sel.cpu_per_wall == 0.0 and sel.noisy
@@ -262,7 +263,7 @@ def test_a_starved_timing_is_marked_and_replaced_by_the_first_quiet_build(tmp_pa
     busy = _ctx(tmp_path, retune_noisy=1, cpu_clock=_full_clock)
     assert busy.select(SMALL).from_cache and busy.stats["timing_runs"] == 0     # deferred: the host is busy
 
-    monkeypatch.setattr(tac_context, "machine_load", lambda: (0.5, 2))
+    monkeypatch.setattr(tac_tuning, "machine_load", lambda: (0.5, 2))
     quiet = _ctx(tmp_path, retune_noisy=1, cpu_clock=_full_clock)
     fresh = quiet.select(SMALL)
     assert quiet.stats["timed_shapes"] == 1 and not fresh.starved and fresh.cpu_per_wall == pytest.approx(1.0, rel=0.01)
@@ -427,7 +428,7 @@ def test_executor_with_tactics_matches_eager(tmp_path, monkeypatch):
         # a second executable over the same constants shares the packed weights, and its
         # checks read them: nothing is packed again
         packs: list[int] = []
-        monkeypatch.setattr(tac_context, "pack_b", lambda *a, **k: (packs.append(1), pack_b(*a, **k))[1])
+        monkeypatch.setattr(tac_weights, "pack_b", lambda *a, **k: (packs.append(1), pack_b(*a, **k))[1])
         twin = CpuExecutable(exe.plan, cm.graph.constants, builder=builder_for(tmp_path / "kernels", 2),
                              threads=2, tactics="heuristic")
         shared = {k: h.t.data_ptr() for k, h in heur.tactics.packed.items()}

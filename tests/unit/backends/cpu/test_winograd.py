@@ -306,7 +306,7 @@ def test_conv_steps_of_one_plan_share_one_workspace_whatever_it_holds(tmp_path):
         cases.append((_conv_step(ctx, x, wt, b, y, attrs), y, ref))
     sels = ctx.finalize()
     assert all(s.winner != ATEN for s in sels)
-    (ws,) = ctx._workspaces
+    (ws,) = ctx.weights.workspaces
     assert ws.numel() == max(conv_config(s.winner).workspace_numel(s.problem) for s in sels)
     assert all(ws.data_ptr() in {t.data_ptr() for t in step.keep} for step, _, _ in cases)
     ws.fill_(float("nan"))
