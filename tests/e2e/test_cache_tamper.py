@@ -276,8 +276,8 @@ def full_disk(tmp_path):
 
 
 def test_full_disk_runs_uncached_with_one_warning(full_disk, caplog):
-    import graphmode.backends.cpu.build as build_mod
-    build_mod._WARNED.clear()
+    import graphmode.backends.cpu.toolchain as toolchain_mod
+    toolchain_mod._WARNED.clear()
     with caplog.at_level("WARNING"):
         cm = run_and_check(full_disk)
     said = [r.getMessage() for r in caplog.records if "uncached" in r.getMessage() or "unwritable" in r.getMessage()]

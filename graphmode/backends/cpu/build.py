@@ -18,14 +18,14 @@ not stop), it is a complete ELF shared object for this machine (mapping a trunca
 dies of SIGBUS), it carries the build key it was compiled under, and a short-lived
 subprocess loads it. A library that fails is a `corrupt` event in `events` and is rebuilt
 from source. A folder that cannot be written (full disk, read-only) builds in a private
-temporary folder instead, said once: uncached, never failed.
+temporary folder instead, said once: uncached, never failed. Which compiler, with which
+flags: toolchain.py.
 """
 from __future__ import annotations
 
 import errno
 import hashlib
 import hmac
-import json
 import logging
 import os
 import shutil
@@ -42,13 +42,13 @@ from typing import Any, Iterable, Sequence
 from graphmode.backends.cpu.abi import KernelSource, translation_unit
 from graphmode.backends.cpu.isa import CAPS, host_simd, march
 from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary
+from graphmode.backends.cpu.toolchain import Toolchain, atomic_write, run, shared_flags, warn_once
 from graphmode.errors import BackendError
 from graphmode.paths import cache_layout
-from graphmode.untrusted import KiB, MiB, UntrustedFileError, read_bytes, read_json
+from graphmode.untrusted import KiB, MiB, UntrustedFileError, read_bytes
 
 log = logging.getLogger("graphmode.backends.cpu")
 
-CANDIDATES = ("c++", "g++", "clang++")
 DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
                  "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-fvisibility=hidden", "-std=c++17")
 PART_MIN = 4            # kernels per part before a library is split for parallel compilation
@@ -62,38 +62,9 @@ _UNWRITABLE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCE
 KEY_MARK = "graphmode-kernel-library:"   # + the build key, a string constant in every library we build
 _TRIAL_LOAD = "import ctypes, sys\nctypes.CDLL(sys.argv[1]).gm_get_threads()\n"
 
-_PROBE_SRC = """
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-extern "C" __attribute__((visibility("default"))) int gm_probe(float* x, int n) {
-  #pragma omp parallel for
-  for (int i = 0; i < n; ++i) x[i] = x[i] * 2.0f + 1.0f;
-  #pragma omp simd
-  for (int i = 0; i < n; ++i) x[i] += 1.0f;
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-"""
-
-_WARNED: set[str] = set()
-_PROBES: dict[tuple, tuple[str, ...] | None] = {}
 _LOADED: dict[str, tuple[CompiledLibrary, tuple | None]] = {}
 _LOCK = threading.Lock()
 _SCRATCH: list[tempfile.TemporaryDirectory] = []
-
-
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        log.warning(msg)
-
-
-def _run(cmd: Sequence[str], cwd: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 class KernelBuilder:
@@ -126,137 +97,27 @@ class KernelBuilder:
         self.used: list[Path] = []   # every library handed out, in order (an executable's share: a slice)
         self.failures: dict[str, str] = {}   # symbol -> compiler error (build_many(strict=False))
         self.events: list[dict[str, Any]] = []   # {"event": "corrupt", "path", "reason"} per rejected library
-        self._detected = False
-        self._cxx: str | None = None
-        self._version = ""
-        self._flags: tuple[str, ...] = ()
-        self._identity = ""
-        self._why = ""
-        self._lock = threading.Lock()
+        self.toolchain = Toolchain(compiler, self.base_flags, self.cache_dir, isa=self.isa, march=self.march)
 
-    # ---- compiler detection ---------------------------------------------------------------
+    # ---- the compiler (toolchain.py) --------------------------------------------------------
     def compiler_available(self) -> bool:
-        self._detect()
-        return self._cxx is not None
+        return self.toolchain.cxx is not None
 
     @property
     def compiler(self) -> str | None:
-        self._detect()
-        return self._cxx
+        return self.toolchain.cxx
 
     @property
     def flags(self) -> tuple[str, ...]:
-        self._detect()
-        return self._flags
+        return self.toolchain.flags
 
     @property
     def unavailable_reason(self) -> str:
-        self._detect()
-        return self._why
-
-    def _detect(self) -> None:
-        if self._detected:
-            return
-        with self._lock:
-            if self._detected:
-                return
-            names = [self.requested] if self.requested else list(CANDIDATES)
-            tried = []
-            for name in names:
-                path = shutil.which(name) if os.sep not in name else (name if os.access(name, os.X_OK) else None)
-                tried.append(name)
-                if path is None:
-                    continue
-                try:
-                    ver = _run([path, "--version"], timeout=20)
-                except (OSError, subprocess.SubprocessError):
-                    continue
-                if ver.returncode != 0:
-                    continue
-                version = (ver.stdout.strip().splitlines() or ["?"])[0]
-                flags = self._probe(path, version)
-                if flags is None:
-                    continue
-                self._cxx, self._version, self._flags = path, version, flags
-                break
-            if self._cxx is None:
-                cap = f" for codegen.isa {self.isa} ({' '.join(self.march)})" if self.isa else ""
-                self._why = (f"no working C++ compiler{cap} (tried {', '.join(tried)}); fused groups run with "
-                             f"the ATen/reference ops instead of generated kernels")
-                _warn_once(f"nocxx:{','.join(tried)}",
-                           self._why + " - install g++ (or pass compiler=...) for the generated kernels")
-            else:
-                native = ""
-                if "-march=native" in self._flags:
-                    try:  # what -march=native means on this host goes into every cache key
-                        out = _run([self._cxx, "-march=native", "-###", "-E", "-x", "c++", os.devnull], timeout=20)
-                        native = " ".join(ln for ln in out.stderr.splitlines() if "march" in ln)
-                    except (OSError, subprocess.SubprocessError):
-                        native = "unknown-native"
-                self._identity = json.dumps([os.path.realpath(self._cxx), self._version, list(self._flags), native])
-            self._detected = True
-
-    def _probe(self, cxx: str, version: str) -> tuple[str, ...] | None:
-        """The working subset of the requested flags (cached per process and on disk)."""
-        key = (cxx, version, self.base_flags)
-        if key in _PROBES:
-            return _PROBES[key]
-        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-        record = self.cache_dir / f"probe-{digest}.json"
-        allowed = set(self.base_flags) | {"-fopenmp-simd"}
-        try:
-            flags = read_json(record, limit=64 * KiB, root=self.cache_dir)
-            if isinstance(flags, list) and all(isinstance(f, str) and f in allowed for f in flags):
-                _PROBES[key] = tuple(flags)
-                return _PROBES[key]
-        except UntrustedFileError:
-            pass
-        candidates = [tuple(self.base_flags)]
-        f = list(self.base_flags)
-        if "-march=native" in f:
-            f = [x for x in f if x != "-march=native"]
-            candidates.append(tuple(f))
-        if "-fopenmp" in f:
-            candidates.append(tuple("-fopenmp-simd" if x == "-fopenmp" else x for x in f))
-            candidates.append(tuple(x for x in f if x != "-fopenmp"))
-        result = None
-        try:
-            with tempfile.TemporaryDirectory(prefix="gm-probe-") as tmp:
-                src = Path(tmp) / "probe.cpp"
-                src.write_text(_PROBE_SRC)
-                for cand in candidates:
-                    try:
-                        out = _run([cxx, *cand, *self._shared(cand), str(src), "-o", str(Path(tmp) / "probe.so")],
-                                   timeout=120)
-                    except (OSError, subprocess.SubprocessError):
-                        continue
-                    if out.returncode == 0:
-                        result = cand
-                        break
-        except OSError as e:      # no room for a temporary file: not remembered, the next process probes again
-            _warn_once(f"probe-tmp:{e.errno}", f"cannot probe the C++ compiler: cannot write a temporary file "
-                       f"({e.strerror or e}); fused groups run with the ATen/reference ops")
-            return None
-        if result is not None and result != tuple(self.base_flags):
-            dropped = [x for x in self.base_flags if x not in result]
-            _warn_once(f"flags:{cxx}:{dropped}", f"{cxx} rejects {' '.join(dropped)}; generated kernels are "
-                       f"compiled without {'it' if len(dropped) == 1 else 'them'} (slower)")
-        _PROBES[key] = result
-        if result is not None:
-            try:
-                self.cache_dir.mkdir(parents=True, exist_ok=True)
-                _atomic_write(record, json.dumps(list(result)).encode())
-            except OSError:
-                pass
-        return result
-
-    @staticmethod
-    def _shared(flags: Sequence[str]) -> list[str]:
-        return [] if "-shared" in flags else ["-shared", "-fPIC"]
+        return self.toolchain.why
 
     def _require(self) -> None:
         if not self.compiler_available():
-            raise BackendError(self._why, fix="install g++/clang++ or pass KernelBuilder(compiler=...); "
+            raise BackendError(self.toolchain.why, fix="install g++/clang++ or pass KernelBuilder(compiler=...); "
                                               "the executor falls back to ATen for these groups")
 
     # ---- building ---------------------------------------------------------------------------
@@ -277,7 +138,7 @@ class KernelBuilder:
         if not uniq:
             return {}
         tu = translation_unit(uniq.values())
-        key = hashlib.sha256((tu + "\0" + self._identity).encode()).hexdigest()[:32]
+        key = hashlib.sha256((tu + "\0" + self.toolchain.identity).encode()).hexdigest()[:32]
         try:
             lib = self._library(key, [uniq[k] for k in sorted(uniq)], tu)
         except BackendError:
@@ -302,7 +163,7 @@ class KernelBuilder:
                 for s in sources[start:start + self.jobs]:
                     src = tmp / f"{s.symbol}.cpp"
                     src.write_text(s.translation_unit())
-                    procs.append((s, subprocess.Popen([self._cxx, *[f for f in self._flags if f != "-shared"],
+                    procs.append((s, subprocess.Popen([self.toolchain.cxx, *[f for f in self.toolchain.flags if f != "-shared"],
                                                        "-fsyntax-only", str(src)], stdout=subprocess.PIPE,
                                                       stderr=subprocess.PIPE, text=True)))
                 for s, p in procs:
@@ -318,7 +179,7 @@ class KernelBuilder:
         self._require()
         uniq = {s.symbol: s for s in sources}
         tu = translation_unit(uniq.values())
-        return self.cache_dir / f"{hashlib.sha256((tu + chr(0) + self._identity).encode()).hexdigest()[:32]}.so"
+        return self.cache_dir / f"{hashlib.sha256((tu + chr(0) + self.toolchain.identity).encode()).hexdigest()[:32]}.so"
 
     def _library(self, key: str, sources: list[KernelSource], tu: str) -> CompiledLibrary:
         path = self.cache_dir / f"{key}.so"
@@ -356,7 +217,7 @@ class KernelBuilder:
     def _uncached(self, key: str, sources: list[KernelSource], tu: str, e: OSError) -> Path:
         """Build into this process's private folder when the cache folder cannot be written
         (full disk, read-only): the library works, it is just not kept. Said once per folder."""
-        _warn_once(f"unwritable:{self.cache_dir}", f"cannot write kernel libraries to {self.cache_dir} "
+        warn_once(f"unwritable:{self.cache_dir}", f"cannot write kernel libraries to {self.cache_dir} "
                    f"({e.strerror or e}); building them in a temporary folder, uncached, until it can be written")
         self.events.append({"event": "unwritable", "path": str(self.cache_dir), "reason": e.strerror or str(e)})
         if not _SCRATCH:
@@ -400,7 +261,7 @@ class KernelBuilder:
             if nparts <= 1:
                 src = tmp / "kernels.cpp"
                 src.write_text(tu + mark)
-                self._check(_run([self._cxx, *self._flags, *self._shared(self._flags), str(src), "-o", str(out),
+                self._check(run([self.toolchain.cxx, *self.toolchain.flags, *shared_flags(self.toolchain.flags), str(src), "-o", str(out),
                                   "-lm"], timeout=COMPILE_TIMEOUT_S), src, key)
             else:
                 parts: list[list[KernelSource]] = [[] for _ in range(nparts)]
@@ -409,13 +270,13 @@ class KernelBuilder:
                     k = sizes.index(min(sizes))
                     parts[k].append(s)
                     sizes[k] += len(s.source)
-                cflags = [f for f in self._flags if f != "-shared"]
+                cflags = [f for f in self.toolchain.flags if f != "-shared"]
                 procs = []
                 for k, part in enumerate(parts):
                     src = tmp / f"part{k}.cpp"
                     src.write_text(translation_unit(part, defs=(k == 0)) + (mark if k == 0 else ""))
                     obj = tmp / f"part{k}.o"
-                    procs.append((src, subprocess.Popen([self._cxx, *cflags, "-fPIC", "-c", str(src), "-o", str(obj)],
+                    procs.append((src, subprocess.Popen([self.toolchain.cxx, *cflags, "-fPIC", "-c", str(src), "-o", str(obj)],
                                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
                 for src, p in procs:
                     try:
@@ -425,12 +286,12 @@ class KernelBuilder:
                         so, se = p.communicate()
                     self._check(subprocess.CompletedProcess(p.args, p.returncode, so, se), src, key)
                 objs = [str(tmp / f"part{k}.o") for k in range(nparts)]
-                self._check(_run([self._cxx, *self._flags, *self._shared(self._flags), *objs, "-o", str(out),
+                self._check(run([self.toolchain.cxx, *self.toolchain.flags, *shared_flags(self.toolchain.flags), *objs, "-o", str(out),
                                   "-lm"], timeout=COMPILE_TIMEOUT_S), tmp / "part0.cpp", key)
             data = out.read_bytes()
-            _atomic_write(seal_path(path), library_seal(folder, key, data).encode())
+            atomic_write(seal_path(path), library_seal(folder, key, data).encode())
             os.replace(out, path)
-            _atomic_write(path.with_suffix(".cpp"), tu.encode())
+            atomic_write(path.with_suffix(".cpp"), tu.encode())
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         dt = time.perf_counter() - t0
@@ -446,7 +307,7 @@ class KernelBuilder:
             shutil.copyfile(src, keep)
         except OSError:
             keep = src
-        raise BackendError(f"C++ compilation failed ({self._cxx}): {(res.stderr or res.stdout)[-3000:]}",
+        raise BackendError(f"C++ compilation failed ({self.toolchain.cxx}): {(res.stderr or res.stdout)[-3000:]}",
                            where=str(keep), fix="this is a code generator bug; the group falls back to ATen")
 
 
@@ -507,7 +368,7 @@ def seal_library(path: Path) -> None:
     """Seal a library that was checked by other means (an artifact's member, its hash in the
     manifest) so this folder's builder will load it."""
     data = read_bytes(path, limit=MAX_LIBRARY_BYTES, root=path.parent)
-    _atomic_write(seal_path(path), library_seal(path.parent, path.stem, data).encode())
+    atomic_write(seal_path(path), library_seal(path.parent, path.stem, data).encode())
 
 
 def library_problem(path: Path, key: str) -> str | None:
@@ -595,20 +456,6 @@ def elf_problem(data: bytes) -> str | None:
     except struct.error as err:
         return f"malformed ELF headers: {err}"
     return None
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def default_kernel_dir() -> Path:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import graphmode.backends.cpu.build as build_mod
+import graphmode.backends.cpu.toolchain as toolchain_mod
 from graphmode.backends.cpu.build import KernelBuilder, elf_problem, library_problem, seal_library, seal_path
 from graphmode.backends.cpu.codegen import generate
 from graphmode.backends.cpu.kernels import run_with_tensors
@@ -104,13 +105,13 @@ def test_damaged_cached_library_is_rebuilt(tmp_path, monkeypatch):
 
 
 def test_tampered_probe_record_is_ignored(tmp_path, monkeypatch):
-    monkeypatch.setattr(build_mod, "_PROBES", {})      # probe here, not from this process's memory
+    monkeypatch.setattr(toolchain_mod, "_PROBES", {})      # probe here, not from this process's memory
     b = KernelBuilder(tmp_path)
     if not b.compiler_available():
         pytest.skip("no C++ compiler on this machine")
     (record,) = tmp_path.glob("probe-*.json")
     record.write_text('["-O0", "-include", "/etc/passwd"]')
-    monkeypatch.setattr(build_mod, "_PROBES", {})
+    monkeypatch.setattr(toolchain_mod, "_PROBES", {})
     b2 = KernelBuilder(tmp_path)
     assert b2.compiler_available() and set(b2.flags) <= set(b2.base_flags) | {"-fopenmp-simd"}
 
@@ -148,7 +149,7 @@ def test_unwritable_kernel_folder_builds_uncached_once(tmp_path, monkeypatch, ca
     written): the kernels are built in a private folder, said once, and they run."""
     (tmp_path / "cache").write_text("a file in place of the cache folder")
     folder = tmp_path / "cache" / "kernels"
-    monkeypatch.setattr(build_mod, "_WARNED", set())
+    monkeypatch.setattr(toolchain_mod, "_WARNED", set())
     b = KernelBuilder(folder)
     with caplog.at_level("WARNING", logger="graphmode.backends.cpu"):
         k1, k2 = b.build(_kernel("sigmoid")), b.build(_kernel("tanh"))
