@@ -2,6 +2,7 @@
 
 Every problem is a RecipeError with the field path, value, YAML line and fix. Warnings
 are things that are legal but probably not meant (fusion enabled without a `fuse` pass).
+The checks of the dims and inputs (buckets, values, masks) are in shape_checks.py.
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from graphmode.errors import RecipeError, TargetError
-from graphmode.recipe.buckets import count_plans, dim_range, dim_synthesis
+from graphmode.recipe.buckets import dim_range, dim_synthesis
 from graphmode.recipe.facts import kv_params
-from graphmode.recipe.limits import DTYPE_SIZES, FLOAT_LIMITS, INT_LIMITS
+from graphmode.recipe.findings import Findings
+from graphmode.recipe.limits import DTYPE_SIZES
 from graphmode.recipe.schema import Recipe
+from graphmode.recipe.shape_checks import check_dims, check_inputs
 from graphmode.targets.registry import HOST, get_target
 
 
@@ -106,187 +109,8 @@ class SemanticResult:
     requires: list[RequireCheck] = field(default_factory=list)
 
 
-class _Checker:
-    def __init__(self, recipe: Recipe, target: Any):
-        self.r = recipe
-        self.t = target
-        self.errors: list[RecipeError] = []
-        self.warnings: list[str] = []
-
-    def err(self, path: str, msg: str, value: Any = None, fix: str | None = None) -> None:
-        self.errors.append(RecipeError(msg, where=path, value=value, line=self.r.line_of(path), fix=fix))
-
-    def warn(self, path: str, msg: str) -> None:
-        line = self.r.line_of(path)
-        self.warnings.append(f"{path}{f', line {line}' if line else ''}: {msg}")
-
-    def err_first(self, path: str, bad: list[int], values: list[Any], msg: str, fix: str | None = None) -> None:
-        """One error for the first of the offending list entries `bad` (and how many more)."""
-        if bad:
-            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-            self.err(f"{path}[{bad[0]}]", msg + more, values[bad[0]], fix=fix)
-
-    # -- dims & shapes --
-    def dims(self) -> None:
-        per_dim: dict[str, list[int]] = {}
-        for name, d in self.r.dims.items():
-            p = f"dims.{name}"
-            if d.buckets:
-                b = d.buckets
-                if b != sorted(set(b)):
-                    shown = sorted(set(b)) if len(b) <= 32 else "sorted(set(...))"
-                    self.err(f"{p}.buckets", "buckets must be sorted ascending and unique", _brief(b),
-                             fix=f"buckets: {shown}")
-                lo, hi = dim_range(d)
-                idx = range(len(b))
-                self.err_first(f"{p}.buckets", [i for i in idx if b[i] < lo], b, f"bucket below min {lo}",
-                               fix=f"buckets >= {lo}")
-                if d.max is not None:
-                    self.err_first(f"{p}.buckets", [i for i in idx if b[i] > d.max], b, f"bucket above max {d.max}",
-                                   fix=f"buckets <= {d.max}")
-                if d.step > 1:
-                    self.err_first(f"{p}.buckets", [i for i in idx if b[i] % d.step], b,
-                                   f"bucket not a multiple of step {d.step}")
-                if d.max is not None and d.max > max(b):
-                    self.err(f"{p}.max", f"values {max(b) + 1}..{d.max} are above the largest bucket "
-                                         f"{max(b)} and would have no bucket", d.max,
-                             fix=f"add bucket {d.max} or set max: {max(b)}")
-                if d.max_buckets is not None and len(set(b)) > d.max_buckets:
-                    self.err(f"{p}.max_buckets", f"{len(set(b))} explicit buckets exceed max_buckets",
-                             d.max_buckets)
-                if not self.plans(per_dim, name, dim_synthesis(d).buckets):
-                    return
-                continue
-            if d.min is None or d.max is None:
-                missing = "min" if d.min is None else "max"
-                self.err(f"{p}.{missing}", "a range dim needs both min and max (or explicit buckets)",
-                         fix=f"add `{missing}:` or `buckets: [...]`")
-                continue
-            if d.min > d.max:
-                self.err(f"{p}.max", f"max is below min {d.min}", d.max, fix=f"set max >= {d.min}")
-                continue
-            if d.max % d.step:
-                lo_, hi_ = (d.max // d.step) * d.step, -(-d.max // d.step) * d.step
-                self.err(f"{p}.max", f"max is not a multiple of step {d.step} (buckets are step-aligned)",
-                         d.max, fix=f"max: {hi_}" + (f" or {lo_}" if lo_ >= d.min else ""))
-                continue
-            try:
-                s = dim_synthesis(d)
-            except RecipeError as e:
-                self.err(p, e.message, fix=e.fix)
-                continue
-            if not s.feasible:
-                fixes = []
-                if s.min_buckets_for_padding is not None:
-                    fixes.append(f"max_buckets: {s.min_buckets_for_padding}")
-                if s.min_padding_for_buckets is not None:
-                    fixes.append(f"max_padding: {s.min_padding_for_buckets}")
-                self.err(f"{p}.max_padding", s.explain(), d.max_padding,
-                         fix=" or ".join(fixes) or "relax max_padding or use a smaller step")
-            elif not self.plans(per_dim, name, s.buckets):
-                return
-
-    def plans(self, per_dim: dict[str, list[int]], name: str, buckets: list[int]) -> bool:
-        """Add a dim's buckets to the plan count; False (and an error) once it passes MAX_PLANS,
-        so the remaining dims are not synthesised for nothing."""
-        per_dim[name] = buckets
-        try:
-            count_plans(per_dim)
-        except RecipeError as e:
-            self.err(e.where or "dims", e.message, e.value, fix=e.fix)
-            return False
-        return True
-
-    def inputs(self) -> None:
-        used: set[str] = set()
-        for i, inp in enumerate(self.r.inputs):
-            for j, e in enumerate(inp.shape):
-                if isinstance(e, str):
-                    used.add(e)
-                    if e not in self.r.dims:
-                        self.err(f"inputs[{i}].shape[{j}]", f"dim {e!r} is not declared under dims", e,
-                                 fix=f"declare dims.{e} or use one of: {', '.join(self.r.dims)}")
-            bad = _pad_problem(inp.dtype, inp.pad_value)
-            if bad is not None:
-                self.err(f"inputs[{i}].pad_value", f"pad value does not fit dtype {inp.dtype}: {bad[0]}",
-                         inp.pad_value, fix=bad[1])
-            self.value_range(i, inp)
-            self.mask(i, inp)
-            if inp.value is not None:
-                self.constant(i, inp)
-        for name in self.r.dims:
-            if name not in used:
-                self.err(f"dims.{name}", f"dim {name!r} is declared but no input uses it", name,
-                         fix="remove it or use it in an input shape")
-        for name, axes in self.r.outputs.items():
-            for j, a in enumerate(axes):
-                if isinstance(a, str) and a != "*" and a not in self.r.dims:
-                    self.err(f"outputs.{name}[{j}]", f"dim {a!r} is not declared under dims", a,
-                             fix=f"one of: {', '.join(self.r.dims)}, an int, or '*'")
-
-    def value_range(self, i: int, inp: Any) -> None:
-        """`range: [lo, hi]` is for integer inputs, inside the dtype, and holds the pad value."""
-        if inp.range is None:
-            return
-        p = f"inputs[{i}].range"
-        lo, hi = inp.range
-        if inp.dtype not in INT_LIMITS or inp.dtype == "bool":
-            self.err(p, f"a value range is for integer inputs, this input is {inp.dtype}", inp.range,
-                     fix="remove range (float and bool inputs are not checked against one)")
-            return
-        dlo, dhi = INT_LIMITS[inp.dtype]
-        if lo < dlo or hi > dhi:
-            self.err(p, f"[{lo}, {hi}] is not inside {inp.dtype}'s [{dlo}, {dhi}]", inp.range,
-                     fix=f"bounds within [{dlo}, {dhi}]")
-        elif not lo <= inp.pad_value <= hi:
-            self.err(f"inputs[{i}].pad_value", f"pad value {inp.pad_value} is outside the input's range "
-                                               f"[{lo}, {hi}]: padded positions would hold a value the "
-                                               "contract excludes", inp.pad_value,
-                     fix=f"a pad_value in [{lo}, {hi}]")
-
-    def constant(self, i: int, inp: Any) -> None:
-        """A constant input has a fixed shape, its value has that shape and fits the dtype."""
-        import numpy as np
-        p = f"inputs[{i}]"
-        if any(isinstance(e, str) for e in inp.shape):
-            self.err(f"{p}.value", "an input with a constant value needs a fixed shape (ints only)", inp.shape,
-                     fix="write the shape as ints, or remove value")
-            return
-        arr = np.array(inp.value)
-        if list(arr.shape) != list(inp.shape):
-            self.err(f"{p}.value", f"the value has shape {list(arr.shape)}, the input's shape is {inp.shape}",
-                     fix=f"give a value of shape {inp.shape}")
-            return
-        flat = arr.reshape(-1).tolist()
-        for k, v in enumerate(flat):
-            bad = _pad_problem(inp.dtype, v)
-            if bad is not None:
-                self.err(f"{p}.value", f"element {k} ({v}) does not fit dtype {inp.dtype}: {bad[0]}", fix=bad[1])
-                return
-
-    def mask(self, i: int, inp: Any) -> None:
-        """An attention mask names the padded dims it covers, and pads with 0 (masked out)."""
-        p = f"inputs[{i}]"
-        if inp.mask_for and inp.role != "attention_mask":
-            self.err(f"{p}.mask_for", f"mask_for is only meaningful on an attention_mask input (role is "
-                                      f"{inp.role!r})", inp.mask_for,
-                     fix="set `role: attention_mask` or remove mask_for")
-            return
-        if inp.role != "attention_mask":
-            return
-        sym = [e for e in inp.shape if isinstance(e, str)]
-        for j, d in enumerate(inp.mask_for):
-            if d not in sym:
-                self.err(f"{p}.mask_for[{j}]", f"{d!r} is not a dim of input {inp.name!r} (shape {inp.shape})", d,
-                         fix=f"one of: {', '.join(dict.fromkeys(sym)) or '(no symbolic dims)'}")
-            elif d in inp.mask_for[:j]:
-                self.err(f"{p}.mask_for[{j}]", f"{d!r} listed twice", d, fix="list each dim once")
-        if inp.pad_value != 0:
-            self.err(f"{p}.pad_value", "an attention_mask input must pad with 0 (False), so padded positions "
-                                       "are masked out", inp.pad_value, fix="pad_value: 0")
-        if not inp.masked_dims():
-            self.warn(f"{p}.role", f"attention_mask {inp.name!r} covers no symbolic dim (axis 0 is the batch): "
-                                   "padding never reaches it")
+class _Checker(Findings):
+    """The cross-field checks of one recipe; the dims and inputs are shape_checks.py's."""
 
     def capture(self) -> None:
         c = self.r.capture
@@ -488,36 +312,11 @@ class _Checker:
             self.warn("model.weights_mb", "both weights_mb and params_m given: weights_mb is used for memory")
 
     def run(self) -> None:
-        for check in (self.dims, self.inputs, self.capture, self.optimize, self.codegen, self.precision, self.memory,
-                      self.model, self.sla, self.targets, self.aliases, self.determinism, self.parallel, self.misc):
+        check_dims(self)
+        check_inputs(self)
+        for check in (self.capture, self.optimize, self.codegen, self.precision, self.memory, self.model, self.sla,
+                      self.targets, self.aliases, self.determinism, self.parallel, self.misc):
             check()
-
-
-def _brief(values: list[Any], n: int = 32) -> Any:
-    return values if len(values) <= n else f"[{', '.join(map(str, values[:n]))}, ...] ({len(values)} entries)"
-
-
-def _pad_problem(dtype: str, v: int | float) -> tuple[str, str] | None:
-    """(why, fix) when `v` is not exactly a value of `dtype`; None when it is."""
-    if dtype in INT_LIMITS:
-        lo, hi = INT_LIMITS[dtype]
-        fix = "0 or 1 (false or true)" if dtype == "bool" else f"an integer in [{lo}, {hi}]"
-        if isinstance(v, float) and not v.is_integer():
-            return f"{dtype} holds integers only", fix
-        if not lo <= v <= hi:
-            return f"outside [{lo}, {hi}]", fix
-        return None
-    top, bits = FLOAT_LIMITS[dtype]
-    if not abs(v) <= top:
-        return f"outside its finite range +-{top:g}", f"a value within +-{top:g}"
-    if isinstance(v, int) or v.is_integer():
-        n = abs(int(v))
-        if n and (n >> ((n & -n).bit_length() - 1)).bit_length() > bits:   # more significant bits than it keeps
-            ulp = 1 << (n.bit_length() - bits)
-            below, sign = n // ulp * ulp, -1 if v < 0 else 1
-            return (f"{dtype} keeps {bits} significant bits, so it would be rounded",
-                    f"an exactly representable value such as {sign * below} or {sign * (below + ulp)}")
-    return None
 
 
 def check_semantics(recipe: Recipe, target: Any = None, env: Environment | None = None) -> SemanticResult:
