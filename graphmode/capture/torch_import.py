@@ -3,7 +3,7 @@
 `run_decompositions(decomp_table={})` keeps high-level ATen ops (linear, layer_norm,
 scaled_dot_product_attention) — better fusion units, and the default core-ATen table
 fails on GPT-2 (see shared/NOTES.md). Every ATen op either maps to core IR ops through a
-converter (`graphmode/capture/aten.py`) or becomes an explicit `fallback` node listed in the
+converter (`graphmode/capture/aten/`) or becomes an explicit `fallback` node listed in the
 capture report with the model's source line.
 """
 from __future__ import annotations
