@@ -2,7 +2,7 @@
 
 One module per concept for encoders (`graphmode bench`) and decoders (`graphmode bench
 decode`), each kind's specifics a small part of it: harness.py runs engines side by side in
-interleaved rounds; engines.py wraps eager, torch.compile, ONNX Runtime, OpenVINO and
+interleaved rounds (rounds.py: the rounds, statistics, ratios and meta both share); engines.py wraps eager, torch.compile, ONNX Runtime, OpenVINO and
 graphmode (encoders) and transformers, llama.cpp and graphmode's decode engine (decoders);
 models.py says what runs; floors.py what the hardware allows; contend.py the CPU burners of
 `--contend` (quiet and contended phases of each round); report.py writes the tables,
