@@ -84,7 +84,7 @@ class TacticsContext:
         self.seed = seed
         self.configs = {k: tuple(v) for k, v in (configs or CONFIGS).items()}
         self.weight_growth = weight_growth      # None: no limit on the prepared weights
-        self._excluded: dict[GemmProblem, dict[str, str]] = {}   # candidates the weight budget rules out
+        self._excluded: dict[GemmProblem, dict[str, str]] = {}   # ruled out before building (narrowing.py)
         self.constant_ptrs: set[int] = set()
         self.steps: list[GemmStep] = []
         self._pending: list[GemmStep] = []
@@ -188,7 +188,6 @@ class TacticsContext:
         self.steps.append(step)
         self._pending.append(step)
         return step
-
 
     def finalize(self) -> list[Selection]:
         """Tune every distinct GEMM shape requested since the last call and switch each of
