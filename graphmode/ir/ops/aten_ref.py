@@ -166,7 +166,7 @@ def sample(overload_name: str, *args: Any, note: str = "", **kwargs: Any) -> Sam
 
 ATTRS = ("overload", "args", "kwargs")
 # One op, one name: a core op (imported before this module) has no entry here; its ATen overloads reach it
-# through capture/aten.py; an overload another op already captures stays with that op.
+# through capture/aten/; an overload another op already captures stays with that op.
 # ATen ops that are the same op under another name (same overloads and schemas): captured as it
 ALIASES = {"erfc": ("special_erfc",), "erfinv": ("special_erfinv",), "expm1": ("special_expm1",),
            "exp2": ("special_exp2",), "log1p": ("special_log1p",), "logit": ("special_logit",), "i0": ("special_i0",),
@@ -180,7 +180,7 @@ def _register(name: str, kind: str, overloads: Sequence[str], samples: Callable[
     from graphmode.ir.ops.spec import OPS, aten_table
     if name in OPS:
         raise IRError(f"ATen-reference op {name!r} would be a second op of that name",
-                      fix="capture the ATen op as the core op (a converter in capture/aten.py) and drop the entry")
+                      fix="capture the ATen op as the core op (a converter in capture/aten/) and drop the entry")
     taken = aten_table()
     aten = [a for n in (name,) + ALIASES.get(name, ()) for o in overloads if (a := f"aten.{n}.{o}") not in taken]
     register(OpSpec(name, kind, arity, infer_fn(name), _ref(name, infer_fn is _static_infer), attrs=ATTRS, doc=doc,
