@@ -91,6 +91,10 @@ def bench_cmd(
                                          "build (T5 encoder, Llama-style LM, DistilBERT, ViT, MLP-Mixer)"),
     samples: int = typer.Option(6, "--samples", min=1, help="--between-buckets: random request shapes per model "
                                 "(besides batch 3 x seq 50)"),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", min=1, max=64, help="time the models at TP=1 "
+                                        "(--threads threads) against N rank processes (--threads / N each): "
+                                        "latency, weights per rank, communication per collective measured vs the "
+                                        "cost model, and the loopback link measured (docs/tensor-parallel.md)"),
     isa: Optional[str] = typer.Option(None, "--isa", help="cap graphmode's generated kernels at avx512 | avx2 | "
                                       "portable (the recipe's codegen.isa; default: the recipe's own, auto = the "
                                       "host's best): e.g. the AVX2 code path's table from an AVX-512 host"),
@@ -111,6 +115,16 @@ def bench_cmd(
     from graphmode.recipe import load_recipe
     from graphmode.targets import get_target
 
+    if tensor_parallel > 1:
+        if between_buckets or zoo or contend or engines or with_ or isa:
+            raise GraphmodeError("--tensor-parallel times graphmode at TP=1 against TP=N only",
+                                 where="--tensor-parallel", value=tensor_parallel,
+                                 fix="leave out --between-buckets, --zoo, --contend, --engines, --with and --isa")
+        from graphmode.cli.bench_tp import bench_tp
+        bench_tp(model, shape, tensor_parallel, threads=threads, iters=3 if quick else iters, recipe=recipe,
+                 out=out or default_out_dir(), name=name or f"tp{tensor_parallel}", cache_dir=cache_dir,
+                 warm_cache=warm_cache, as_json=as_json, quick=quick, tol=tol)
+        return
     if between_buckets and (zoo or shape or recipe is not None):
         raise GraphmodeError("--between-buckets samples its own shapes under its own contract",
                              where="--between-buckets", fix="leave out --zoo, --shape and --recipe")

@@ -68,8 +68,13 @@ class TorchDistributed:
         self.calls = 0
         self.bytes = 0
         self.seconds = 0.0
+        self.by_op: dict[str, list] = {}      # collective -> [calls, bytes, seconds], as the totals
 
-    def _run(self, what: str, t: torch.Tensor, fn) -> torch.Tensor:
+    def stats(self) -> dict[str, dict[str, float]]:
+        """A copy of the per-collective counters (subtract two to get one call's)."""
+        return {op: {"calls": c, "bytes": b, "seconds": s} for op, (c, b, s) in self.by_op.items()}
+
+    def _run(self, what: str, t: torch.Tensor, fn, nbytes: int | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
             out = fn()
@@ -79,9 +84,13 @@ class TorchDistributed:
                               where=f"rank {self.rank}", fix="another rank died, hung past parallel.comm.timeout_s "
                               f"({self.timeout_s:g} s) or was not started; see its error above, then restart "
                               "every rank") from None
+        dt = time.perf_counter() - t0
+        nb = t.numel() * t.element_size() if nbytes is None else nbytes
         self.calls += 1
-        self.bytes += t.numel() * t.element_size()
-        self.seconds += time.perf_counter() - t0
+        self.bytes += nb
+        self.seconds += dt
+        row = self.by_op.setdefault(what, [0, 0, 0.0])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + nb, row[2] + dt
         return out
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +102,8 @@ class TorchDistributed:
         import torch.distributed as dist
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.world)]
-        return self._run("all_gather", t, lambda: (dist.all_gather(parts, t), torch.cat(parts, axis))[1])
+        return self._run("all_gather", t, lambda: (dist.all_gather(parts, t), torch.cat(parts, axis))[1],
+                         t.numel() * t.element_size() * self.world)     # the gathered result, as the cost model
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         import torch.distributed as dist

@@ -35,6 +35,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Plain:
+    """A pipe end that pickles plainly: multiprocessing's own pickler moves every tensor through
+    a shared-memory file (torch's reductions), milliseconds a message; a request's and an
+    answer's tensors are small enough to copy inline."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+
+    def send(self, obj: Any) -> None:
+        self.conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self) -> Any:
+        return pickle.loads(self.conn.recv_bytes())
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def _portable(e: BaseException, rank: int) -> BaseException:
     """`e` if it survives pickling (typed graphmode errors keep their type), else a RankFailure
     carrying its text."""
@@ -54,10 +78,13 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
     import torch
     import torch.distributed as dist
 
+    from graphmode.compile_report import graph_collectives
     from graphmode.compiler import compile as gm_compile
     from graphmode.parallel.comm import TorchDistributed, bind_process
+    from graphmode.parallel.link import measure_link
 
     par = recipe.parallel
+    conn = _Plain(conn)
     try:
         torch.set_num_threads(threads)
         timeout = float(par.comm.timeout_s)
@@ -68,7 +95,8 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
         cm = gm_compile(model, recipe, target, mode=mode, cache_dir=cache_dir, threads=threads, warmup=True,
                         rank=rank)
         weights = sum(t.numel() * t.element_size() for t in cm.graph.constants.values()) if cm.graph else 0
-        conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weights_bytes": weights}))
+        conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weights_bytes": weights,
+                             "collectives": graph_collectives(cm.graph) if cm.graph else ()}))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", _portable(e, rank)))
         return
@@ -85,20 +113,36 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 conn.send(("error", _portable(e, rank)))
             continue
+        if msg[0] == "link":          # every rank: time all_reduces of msg[1] bytes, msg[2] times each
+            try:
+                conn.send(("ok", measure_link(msg[1], msg[2]), {}))
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                conn.send(("error", _portable(e, rank)))
+            continue
         _, args, kwargs = msg
         try:
-            calls, nbytes, secs = comm.calls, comm.bytes, comm.seconds
+            calls, nbytes, secs, per_op = comm.calls, comm.bytes, comm.seconds, comm.stats()
+            t0 = time.perf_counter()
             with torch.inference_mode():
                 out = cm(*args, **kwargs)
             conn.send(("ok", out if rank == 0 else None,
                        {"collectives": comm.calls - calls, "comm_bytes": comm.bytes - nbytes,
-                        "comm_s": comm.seconds - secs, "path": dict(cm.last_path or {})}))
+                        "comm_s": comm.seconds - secs, "run_s": time.perf_counter() - t0,
+                        "path": dict(cm.last_path or {}),
+                        "per_op": _minus(comm.stats(), per_op)}))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             conn.send(("error", _portable(e, rank)))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the group may already be broken
         pass
+
+
+def _minus(now: dict, before: dict) -> dict:
+    """Per collective, the counters of one call (`TorchDistributed.stats` after minus before)."""
+    zero = {"calls": 0, "bytes": 0, "seconds": 0.0}
+    return {op: {k: v - before.get(op, zero)[k] for k, v in row.items()}
+            for op, row in now.items() if row["calls"] > before.get(op, zero)["calls"]}
 
 
 class NotOnRanks(GraphmodeError, AttributeError):
@@ -110,9 +154,10 @@ class TensorParallelModel:
     """The rank processes of one `parallel` recipe, called like a CompiledModel (rank 0 answers).
     Use as a context manager, or `close()` it: the ranks are stopped either way at exit."""
 
-    def __init__(self, model: Any, recipe: Any, procs: list, conns: list):
-        self.model, self.recipe, self.procs, self.conns = model, recipe, procs, conns
+    def __init__(self, model: Any, recipe: Any, procs: list, conns: list, target: Any = "host"):
+        self.model, self.recipe, self.procs, self.conns, self.target = model, recipe, procs, conns, target
         self.ranks: list[dict] = []          # per rank once started: pid, weights_bytes
+        self.collectives: tuple = ()         # rank 0's sharded graph's (compile_report.graph_collectives)
         self.world = len(procs)
         self.timeout_s = float(recipe.parallel.comm.timeout_s)
         self.mode = "graph"
@@ -148,6 +193,17 @@ class TensorParallelModel:
         self.last_comm = [rep[2] for rep in replies]
         self.last_path = dict(replies[0][2].get("path") or {})
         return replies[0][1]
+
+    def measure_link(self, sizes: tuple[int, ...], reps: int) -> list[list[tuple[int, float]]]:
+        """Per rank, (bytes, median seconds) of an f32 all_reduce of each size between the
+        ranks (`graphmode.parallel.link`): what the recipe's `links` stand for, measured."""
+        self._check_up()
+        for r, c in enumerate(self.conns):
+            try:
+                c.send(("link", tuple(sizes), reps))
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self._fail(self._death(r) or f"rank {r} stopped reading requests")
+        return [rep[1] for rep in self._collect(self.timeout_s * len(sizes) + _MARGIN_S, "link measurement")]
 
     def sample_inputs(self, env: Mapping[str, int], seed: int = 0) -> dict[str, Any]:
         """Rank 0's sample inputs at `env`: index inputs drawn inside the tables of the model
@@ -292,7 +348,10 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, mode: str | None = 
         p.start()
         child.close()
         procs.append(p)
-        conns.append(parent)
-    tp = TensorParallelModel(model, recipe, procs, conns)
+        conns.append(_Plain(parent))
+    tp = TensorParallelModel(model, recipe, procs, conns, target)
     tp.ranks = [rep[1] for rep in tp._collect(None, "start")]
+    tp.collectives = tp.ranks[0].pop("collectives", ())
+    for r in tp.ranks[1:]:
+        r.pop("collectives", None)
     return tp

@@ -89,6 +89,13 @@ def test_a_killed_rank_fails_the_call_at_once(tmp_path):
         with torch.inference_mode():
             want = first(tp.source.module(x))
         assert rel_l2(first(tp(input=x)), want) < 1e-5
+        for r in range(2):           # one all_reduce of the row-parallel linear's [2, 4] f32 output per call
+            c = tp.last_comm[r]
+            assert c["per_op"]["all_reduce"]["calls"] == 1 and c["per_op"]["all_reduce"]["bytes"] == 2 * 4 * 4
+            assert 0 < c["per_op"]["all_reduce"]["seconds"] <= c["run_s"]
+        assert [(c.op, c.count) for c in tp.collectives] == [("all_reduce", 1)]
+        link = tp.measure_link((4, 4096), 2)
+        assert [[b for b, _ in rank] for rank in link] == [[4, 4096]] * 2 and all(s > 0 for _, s in link[0])
         with pytest.raises(ContractViolation):          # every rank refuses it before running: the group stays
             tp(input=torch.randn(2, 15))
         assert rel_l2(first(tp(input=x)), want) < 1e-5

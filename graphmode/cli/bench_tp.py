@@ -1,0 +1,55 @@
+"""`graphmode bench --tensor-parallel N` (graphmode/parallel/bench.py): TP=1 against N ranks,
+printed, and written as JSON and Markdown beside the other bench results."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+from graphmode.cli.app import console, err_console
+from graphmode.cli.progress import progress
+
+TP_MODELS = ["minilm", "gpt2"]        # the default encoder shapes' transformers (ResNet-18 splits by batch)
+
+
+def bench_tp(models: Optional[Sequence[str]], shapes: Optional[Sequence[str]], world: int, *, threads: int,
+             iters: int, recipe: Optional[Path], out: Path, name: str, cache_dir: Optional[Path],
+             warm_cache: bool, as_json: bool, quick: bool, tol: float) -> None:
+    from graphmode.bench.models import load_cases
+    from graphmode.parallel.bench import TPConfig, markdown, run_tp_bench
+    from graphmode.paths import cache_layout
+    from graphmode.recipe import load_recipe
+    from graphmode.targets import get_target
+    layout = cache_layout(cache_dir)
+    target = get_target("host", cache_dir=layout.targets)
+    cases = load_cases(list(models or TP_MODELS), list(shapes or []), quick=quick)
+    if recipe is not None:
+        import yaml
+        load_recipe(recipe)                                 # refused here with its own errors
+        base = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+        base.pop("parallel", None)
+        for c in cases:
+            c.recipe = base
+    log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
+    with tempfile.TemporaryDirectory(prefix="graphmode-bench-tp-") as tmp, progress(measuring=True) as on_stage:
+        cfg = TPConfig(world=world, threads=threads, iters=iters, warmup=1 if quick else 2,
+                       cache_dir=layout.root if warm_cache else tmp, on_stage=on_stage,
+                       link_reps=5 if quick else 15, extra={"cpu_count": os.cpu_count()})
+        res = run_tp_bench(cases, cfg, target, log=log)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n", encoding="utf-8")
+    md = markdown(res)
+    (out / f"{name}.md").write_text(md, encoding="utf-8")
+    bad = [f"{r['model']} {r['shape']}: TP={world} differs from TP=1 (relative L2 {r['rel_l2_vs_tp1']:.2e} > "
+           f"{tol:g})" for r in res["rows"] if not r["rel_l2_vs_tp1"] <= tol]
+    if as_json:
+        print(json.dumps(res, indent=1, default=str))
+    else:
+        console.print(md, markup=False, highlight=False)
+        console.print(f"wrote {out / (name + '.json')}, {out / (name + '.md')}", highlight=False)
+    for b in bad:
+        err_console.print(f"numerics: {b}", markup=False, highlight=False)
+    if bad:
+        raise SystemExit(1)

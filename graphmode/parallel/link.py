@@ -1,0 +1,118 @@
+"""The link between ranks, measured, and the cost model's communication time beside it.
+
+`measure_link` runs in every rank process: after a barrier, `reps` f32 all_reduces of each size,
+each one started together (a barrier before it) so a late peer is not counted as link time; the
+median per size. `fit_link` fits the cost model's ring all_reduce
+(`parallel/cost.py`: 2 (n-1)/n * bytes / B + 2 (n-1) L) to those medians, weighting every size
+by its own time so the small messages decide the latency and the large ones the bandwidth:
+the numbers a recipe's `links` entry (or the host target's nominal `loopback`) should hold.
+
+`predict_comm` prices the collectives of a rank's sharded graph at one shape on a link, and
+`compare` lines them up per collective with what the communicator measured in a call
+(`TensorParallelModel.last_comm[r]["per_op"]`): `graphmode bench --tensor-parallel` and
+`graphmode profile` print that table.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Mapping, Sequence
+
+SIZES = (4, 4 << 10, 64 << 10, 512 << 10, 2 << 20)     # bytes of one f32 all_reduce
+REPS = 15
+
+
+def measure_link(sizes: Sequence[int], reps: int) -> list[tuple[int, float]]:
+    """(bytes, median seconds) of one f32 all_reduce per size, on the default process group."""
+    import torch
+    import torch.distributed as dist
+    out = []
+    for nbytes in sizes:
+        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        dist.all_reduce(t)                   # first use of this size: buffers, connections
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        out.append((t.numel() * 4, statistics.median(times)))
+    return out
+
+
+def fit_link(samples: Sequence[tuple[int, float]], world: int) -> dict[str, float]:
+    """{bandwidth_gbps, latency_us, worst_err}: the ring all_reduce model fitted to (bytes,
+    seconds) samples by least squares on relative error; worst_err is the largest
+    |model / measured - 1| over the samples."""
+    import numpy as np
+    n = max(2, world)
+    b = np.array([float(s[0]) for s in samples])
+    t = np.array([float(s[1]) for s in samples])
+    a = np.stack([np.ones_like(b), b], axis=1) / t[:, None]          # t = c0 + c1 * bytes, relative
+    (c0, c1), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    c0, c1 = max(float(c0), 1e-9), max(float(c1), 1e-15)
+    model = c0 + c1 * b
+    return {"bandwidth_gbps": 2 * (n - 1) / n / c1 / 1e9, "latency_us": c0 / (2 * (n - 1)) * 1e6,
+            "worst_err": float(np.max(np.abs(model / t - 1)))}
+
+
+def mean_samples(per_rank: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """The ranks' medians per size, averaged (every rank timed the same all_reduces)."""
+    return [(row[0][0], sum(s for _, s in row) / len(row)) for row in zip(*per_rank)]
+
+
+def predict_comm(collectives: Sequence[Any], spec: Any, env: Mapping[str, int],
+                 link: Mapping[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """Per collective kind, {calls, bytes, seconds} the cost model gives one step at `env`: the
+    collectives of a rank's sharded graph on the group's link (`spec.link_for()`, resolved), or
+    on `link` = {bandwidth_gbps, latency_us} when given."""
+    from graphmode.parallel.cost import seconds
+    from graphmode.recipe.smt import evaluate
+    if link is None:
+        _, ls = spec.link_for()
+        link = {"bandwidth_gbps": float(ls.bandwidth_gbps), "latency_us": float(ls.latency_us)}
+    out: dict[str, dict[str, float]] = {}
+    for c in collectives:
+        nb = float(evaluate(c.wire_bytes(spec.comm.dtype), dict(env)))
+        s = c.count * float(seconds(c.op, nb, spec.tensor, link["bandwidth_gbps"] * 1e9, link["latency_us"] / 1e6,
+                                    spec.comm.dtype))
+        row = out.setdefault(c.op, {"calls": 0, "bytes": 0.0, "seconds": 0.0})
+        row["calls"] += c.count
+        row["bytes"] += c.count * nb
+        row["seconds"] += s
+    return out
+
+
+def compare(measured: Mapping[str, Mapping[str, float]], predicted: Mapping[str, Mapping[str, float]],
+            calibrated: Mapping[str, Mapping[str, float]] | None = None) -> list[dict[str, Any]]:
+    """One row per collective kind (and a total): calls, bytes and ms measured vs predicted, err
+    = predicted / measured - 1 (and the same on the calibrated link when given)."""
+    rows = []
+    for op in sorted(set(measured) | set(predicted)) + ["total"]:
+        m = _total(measured) if op == "total" else measured.get(op, {})
+        p = _total(predicted) if op == "total" else predicted.get(op, {})
+        row = {"collective": op, "calls": int(m.get("calls", 0)), "predicted_calls": int(p.get("calls", 0)),
+               "bytes": float(m.get("bytes", 0)), "predicted_bytes": float(p.get("bytes", 0)),
+               "ms": 1e3 * float(m.get("seconds", 0.0)), "predicted_ms": 1e3 * float(p.get("seconds", 0.0))}
+        row["err"] = _err(row["predicted_ms"], row["ms"])
+        if calibrated is not None:
+            c = _total(calibrated) if op == "total" else calibrated.get(op, {})
+            row["calibrated_ms"] = 1e3 * float(c.get("seconds", 0.0))
+            row["calibrated_err"] = _err(row["calibrated_ms"], row["ms"])
+        rows.append(row)
+    return rows
+
+
+def _total(per_op: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    return {k: sum(float(r.get(k, 0)) for r in per_op.values()) for k in ("calls", "bytes", "seconds")}
+
+
+def _err(pred: float, meas: float) -> float | None:
+    return pred / meas - 1 if meas > 0 else None
+
+
+def median_per_op(calls: Sequence[Mapping[str, Mapping[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per collective kind, the median over calls of one call's counters (`last_comm[r]["per_op"]`)."""
+    ops = {op for c in calls for op in c}
+    zero = {"calls": 0, "bytes": 0, "seconds": 0.0}
+    return {op: {k: statistics.median(float(c.get(op, zero)[k]) for c in calls) for k in zero} for op in ops}

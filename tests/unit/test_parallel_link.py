@@ -1,0 +1,60 @@
+"""The loopback link fit and the communication comparison of `graphmode bench --tensor-parallel`
+and `graphmode profile` (graphmode/parallel/link.py): pure arithmetic, no ranks."""
+from __future__ import annotations
+
+import pytest
+import sympy
+
+import graphmode.recipe  # noqa: F401  (first: the recipe package and graphmode.parallel import each other)
+from graphmode.parallel.cost import Collective
+from graphmode.parallel.link import compare, fit_link, mean_samples, median_per_op, predict_comm
+from graphmode.parallel.spec import ParallelSpec
+
+
+def spec(bw: float = 2.0, lat: float = 50.0, dtype: str = "f32") -> ParallelSpec:
+    return ParallelSpec.model_validate({"tensor": 2, "device_group": ["a", "b"],
+                                        "links": {"lo": {"bandwidth_gbps": bw, "latency_us": lat}},
+                                        "comm": {"dtype": dtype}})
+
+
+def test_the_fit_recovers_the_ring_model_it_was_sampled_from():
+    bw, lat, n = 3.0e9, 80e-6, 2
+    samples = [(b, 2 * (n - 1) / n * b / bw + 2 * (n - 1) * lat) for b in (4, 4096, 65536, 1 << 20, 4 << 20)]
+    fit = fit_link(samples, n)
+    assert fit["bandwidth_gbps"] == pytest.approx(3.0, rel=1e-6)
+    assert fit["latency_us"] == pytest.approx(80.0, rel=1e-6)
+    assert fit["worst_err"] < 1e-6
+
+
+def test_ranks_samples_are_averaged_per_size():
+    assert mean_samples([[(4, 1.0), (8, 3.0)], [(4, 3.0), (8, 5.0)]]) == [(4, 2.0), (8, 4.0)]
+
+
+def test_predicted_communication_is_the_cost_models_ring_per_collective_kind():
+    s = sympy.Symbol("seq")
+    cols = [Collective("all_reduce", 2 * s * 32, 32, 5), Collective("all_gather", 2 * s * 100, 100, 1)]
+    p = predict_comm(cols, spec(), {"seq": 16})
+    ar_bytes = 4 * 2 * 16 * 32
+    assert p["all_reduce"]["calls"] == 5 and p["all_reduce"]["bytes"] == 5 * ar_bytes
+    assert p["all_reduce"]["seconds"] == pytest.approx(5 * (ar_bytes / 2e9 + 2 * 50e-6))
+    ag_bytes = 4 * 2 * 16 * 100
+    assert p["all_gather"]["seconds"] == pytest.approx(0.5 * ag_bytes / 2e9 + 50e-6)
+    on = predict_comm(cols, spec(), {"seq": 16}, {"bandwidth_gbps": 1.0, "latency_us": 200.0})
+    assert on["all_reduce"]["seconds"] == pytest.approx(5 * (ar_bytes / 1e9 + 2 * 200e-6))
+
+
+def test_compare_lines_up_measured_and_predicted_with_a_total():
+    measured = {"all_reduce": {"calls": 5, "bytes": 100, "seconds": 0.002}}
+    predicted = {"all_reduce": {"calls": 5, "bytes": 100, "seconds": 0.001},
+                 "all_gather": {"calls": 1, "bytes": 10, "seconds": 0.001}}
+    rows = compare(measured, predicted, measured)
+    assert [r["collective"] for r in rows] == ["all_gather", "all_reduce", "total"]
+    ar = rows[1]
+    assert ar["ms"] == pytest.approx(2.0) and ar["err"] == pytest.approx(-0.5) and ar["calibrated_err"] == 0
+    assert rows[0]["err"] is None                       # nothing measured: no error to state
+    assert rows[2]["calls"] == 5 and rows[2]["predicted_calls"] == 6 and rows[2]["err"] == pytest.approx(0.0)
+
+
+def test_median_per_op_over_calls():
+    calls = [{"all_reduce": {"calls": 5, "bytes": 10, "seconds": s}} for s in (1.0, 3.0, 2.0)]
+    assert median_per_op(calls)["all_reduce"] == {"calls": 5, "bytes": 10, "seconds": 2.0}
