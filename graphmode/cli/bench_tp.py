@@ -53,3 +53,41 @@ def bench_tp(models: Optional[Sequence[str]], shapes: Optional[Sequence[str]], w
         err_console.print(f"numerics: {b}", markup=False, highlight=False)
     if bad:
         raise SystemExit(1)
+
+
+def print_tp_profile(profiles: Sequence[dict]) -> None:
+    """`graphmode profile` of a `parallel` recipe: per bucket, the call and each rank's run, then
+    per collective the communication of one step measured beside the cost model's."""
+    from rich import box
+    from rich.table import Table
+
+    def pct(e):
+        return "-" if e is None else f"{e * 100:+.0f}%"
+    for p in profiles:
+        b = ",".join(f"{k}={v}" for k, v in p["bucket"].items())
+        console.print(f"\n[bold]{p['model']}[/] bucket {b}: {len(p['rank_run_ms'])} ranks, median of {p['runs']} "
+                      f"calls: call {p['call_ms']:.2f} ms, rank runs "
+                      f"{', '.join(f'{x:.2f}' for x in p['rank_run_ms'])} ms; weights per rank "
+                      f"{', '.join(f'{w:.2f}' for w in p['weights_mb_per_rank'])} MB", highlight=False)
+        link = p["link"]
+        t = Table(title="communication per step (err = predicted / measured - 1)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+        cols = ["collective", "calls", "bytes", "measured ms", "predicted ms", "err"]
+        if link:
+            cols += ["on measured link ms", "err"]
+        for c in cols:
+            t.add_column(c, justify="left" if c == "collective" else "right")
+        for c in p["comm"]:
+            cells = [c["collective"], str(c["calls"]), f"{c['bytes']:.0f}", f"{c['ms']:.3f}", f"{c['predicted_ms']:.3f}",
+                     pct(c["err"])]
+            if link:
+                cells += [f"{c['calibrated_ms']:.3f}", pct(c["calibrated_err"])]
+            t.add_row(*cells)
+        console.print(t)
+        if link:
+            n = link["nominal"]
+            console.print(f"  link {n['name']}: recipe {n['bandwidth_gbps']:g} GB/s, {n['latency_us']:g} us; measured "
+                          f"(f32 all_reduce) {link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.0f} us "
+                          f"(fit within {link['worst_err'] * 100:.0f}% of every size). For this host's recipes: "
+                          f"links: {{{n['name']}: {{bandwidth_gbps: {link['bandwidth_gbps']:.2g}, latency_us: "
+                          f"{link['latency_us']:.0f}}}}}", highlight=False)

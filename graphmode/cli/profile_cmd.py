@@ -233,7 +233,7 @@ def profile_cmd(
     target = get_target("host", cache_dir=layout.targets)
     cal_path = calibration or layout.calibration(target.name)
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
-    profiles = []
+    profiles, tp_profiles = [], []
     with tempfile.TemporaryDirectory(prefix="graphmode-profile-") as tmp, progress(measuring=True) as on_stage:
         if decode and (recipe is None or shape):
             raise GraphmodeError("--decode profiles the decode engine of a decoder recipe", where="--decode",
@@ -241,6 +241,11 @@ def profile_cmd(
         steps = [_decode_shape(d) for d in decode or []]
         for case in load_cases(model or [], shape or []) if model else []:
             rec = load_recipe(recipe if recipe is not None else auto_recipe(case.bundle, case.envs))
+            if rec.parallel is not None and rec.parallel.tensor > 1 and not steps:
+                from graphmode.parallel.bench import profile_tp
+                tp_profiles += profile_tp(case, rec, target, runs, max(1, threads // rec.parallel.tensor), tmp,
+                                          on_stage)
+                continue
             if steps:
                 profiles += _profile_decode(case, rec, steps, target, runs, threads, tmp, on_stage)
                 continue
@@ -258,6 +263,13 @@ def profile_cmd(
             note = record_profiles(kb_file(kb, cache_dir), cm, rec, profiles[first:], target)
             if note:
                 log(note)
+    if tp_profiles and not profiles:      # a tensor-parallel group: its communication, no plan to calibrate
+        from graphmode.cli.bench_tp import print_tp_profile
+        if as_json:
+            print(json.dumps({"target": target.name, "tensor_parallel": tp_profiles}, indent=1, default=str))
+        else:
+            print_tp_profile(tp_profiles)
+        return
     previous = None
     if cal_path.is_file():
         try:

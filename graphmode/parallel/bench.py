@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from graphmode.parallel.link import REPS, SIZES, compare, fit_link, mean_samples, predict_comm
+from graphmode.parallel.link import REPS, SIZES, compare, fit_link, link_time, mean_samples, predict_comm
 
 
 @dataclass
@@ -85,10 +85,7 @@ def run_tp_bench(cases: Sequence[Any], cfg: TPConfig, target: Any,
         with graphmode.compile(case.spec, rec_n, target, cache_dir=cfg.cache_dir, threads=per_rank) as tp:
             setup_n = time.perf_counter() - t0
             if link is None:
-                samples = mean_samples(tp.measure_link(tuple(cfg.link_sizes), cfg.link_reps))
-                link = {"samples": [{"bytes": b, "ms": s * 1e3} for b, s in samples], **fit_link(samples, cfg.world),
-                        "nominal": {"bandwidth_gbps": float(spec.link_for()[1].bandwidth_gbps),
-                                    "latency_us": float(spec.link_for()[1].latency_us)}}
+                link = measured_link(tp, spec, cfg.link_sizes, cfg.link_reps)
                 log(f"loopback link measured: {link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.0f} us "
                     f"(nominal {link['nominal']['bandwidth_gbps']:g} GB/s, {link['nominal']['latency_us']:g} us)")
             for env in case.envs:
@@ -116,14 +113,7 @@ def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, link: dict,
             got = tp(**inputs)
             tn.append(time.perf_counter() - t0)
             calls.append(tp.last_comm)
-    # a collective's wait on a late peer is not link time: per call and collective, the rank that
-    # waited least (it arrived last) measured the link
-    measured = _median_calls([{op: min((c[r]["per_op"].get(op, {}) for r in range(len(c))),
-                                       key=lambda x: x.get("seconds", float("inf")))
-                               for op in c[0]["per_op"]} for c in calls])
-    rank0 = _median_calls([c[0]["per_op"] for c in calls])
-    fitted = {"bandwidth_gbps": link["bandwidth_gbps"], "latency_us": link["latency_us"]}
-    table = compare(measured, predict_comm(tp.collectives, spec, env), predict_comm(tp.collectives, spec, env, fitted))
+    table, rank0 = comm_tables(tp, calls, spec, env, link)
     whole = weights_bytes(one)
     lat1, latn = statistics.median(t1), statistics.median(tn)
     run_s = [statistics.median(c[r]["run_s"] for c in calls) for r in range(tp.world)]
@@ -133,6 +123,56 @@ def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, link: dict,
             "weights_mb_whole": whole / 1e6, "weights_mb_per_rank": [r["weights_bytes"] / 1e6 for r in tp.ranks],
             "comm": table, "comm_rank0": compare(rank0, {}), "rel_l2_vs_tp1": _rel_l2(got, want),
             "setup_s": {"tp1": setup1, f"tp{tp.world}": setup_n}, "threads": {"tp1": cfg.threads, "per_rank": per_rank}}
+
+
+def comm_tables(tp: Any, calls: list[list[dict]], spec: Any, env: dict, link: dict | None) -> tuple[list, list]:
+    """Per collective kind, measured vs predicted (`link.compare`) over `calls` (one
+    `tp.last_comm` each), and rank 0's own measurement. A collective's wait on a late peer is not
+    link time: of each collective of a call, the rank that waited least (it arrived last)
+    measured the link (`link.link_time`)."""
+    measured = _median_calls([link_time([r["trace"] for r in c]) for c in calls])
+    rank0 = _median_calls([c[0]["per_op"] for c in calls])
+    fitted = {"bandwidth_gbps": link["bandwidth_gbps"], "latency_us": link["latency_us"]} if link else None
+    table = compare(measured, predict_comm(tp.collectives, spec, env),
+                    predict_comm(tp.collectives, spec, env, fitted) if fitted else None)
+    return table, compare(rank0, {})
+
+
+def measured_link(tp: Any, spec: Any, sizes: Sequence[int] = SIZES, reps: int = REPS) -> dict[str, Any]:
+    """The group's link measured (`link.fit_link` of every rank's all_reduce timings) beside the
+    recipe's (resolved) link."""
+    samples = mean_samples(tp.measure_link(tuple(sizes), reps))
+    name, ls = spec.link_for()
+    return {"samples": [{"bytes": b, "ms": s * 1e3} for b, s in samples], **fit_link(samples, tp.world),
+            "nominal": {"name": name, "bandwidth_gbps": float(ls.bandwidth_gbps), "latency_us": float(ls.latency_us)}}
+
+
+def profile_tp(case: Any, recipe: Any, target: Any, runs: int, threads: int | None, cache_dir: Any,
+               on_stage: Any = None, link: bool = True) -> list[dict[str, Any]]:
+    """`graphmode profile` of a `parallel` recipe: per shape, `runs` calls of the rank group;
+    per call the latency, each rank's run time, and per collective the communication measured
+    vs the cost model (on the recipe's link and on the link measured here)."""
+    import graphmode
+    from graphmode.recipe.resolve import resolve
+    spec = resolve(recipe, target).parallel
+    out = []
+    with graphmode.compile(case.spec, recipe, target, cache_dir=cache_dir, threads=threads) as tp:
+        fit = measured_link(tp, spec) if link else None
+        for env in case.envs:
+            inputs = case.bundle.make_inputs(env, seed=0)
+            tp(**inputs)
+            lat, calls = [], []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                tp(**inputs)
+                lat.append(time.perf_counter() - t0)
+                calls.append(tp.last_comm)
+            table, rank0 = comm_tables(tp, calls, spec, env, fit)
+            out.append({"model": case.name, "bucket": dict(env), "runs": runs, "call_ms": statistics.median(lat) * 1e3,
+                        "rank_run_ms": [statistics.median(c[r]["run_s"] for c in calls) * 1e3 for r in range(tp.world)],
+                        "weights_mb_per_rank": [r["weights_bytes"] / 1e6 for r in tp.ranks],
+                        "comm": table, "comm_rank0": rank0, "link": fit})
+    return out
 
 
 def _median_calls(calls: list[dict]) -> dict[str, dict[str, float]]:

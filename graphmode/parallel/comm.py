@@ -69,6 +69,7 @@ class TorchDistributed:
         self.bytes = 0
         self.seconds = 0.0
         self.by_op: dict[str, list] = {}      # collective -> [calls, bytes, seconds], as the totals
+        self.trace: list[tuple[str, int, float]] = []   # (collective, bytes, seconds) of each, in order
 
     def stats(self) -> dict[str, dict[str, float]]:
         """A copy of the per-collective counters (subtract two to get one call's)."""
@@ -91,6 +92,8 @@ class TorchDistributed:
         self.seconds += dt
         row = self.by_op.setdefault(what, [0, 0, 0.0])
         row[0], row[1], row[2] = row[0] + 1, row[1] + nb, row[2] + dt
+        if len(self.trace) < 100_000:          # the launcher empties it every call
+            self.trace.append((what, nb, dt))
         return out
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,7 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
         _, args, kwargs = msg
         try:
             calls, nbytes, secs, per_op = comm.calls, comm.bytes, comm.seconds, comm.stats()
+            comm.trace.clear()
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = cm(*args, **kwargs)
@@ -129,7 +130,7 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
                        {"collectives": comm.calls - calls, "comm_bytes": comm.bytes - nbytes,
                         "comm_s": comm.seconds - secs, "run_s": time.perf_counter() - t0,
                         "path": dict(cm.last_path or {}),
-                        "per_op": _minus(comm.stats(), per_op)}))
+                        "per_op": _minus(comm.stats(), per_op), "trace": list(comm.trace)}))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             conn.send(("error", _portable(e, rank)))
     try:

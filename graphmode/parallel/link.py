@@ -116,3 +116,18 @@ def median_per_op(calls: Sequence[Mapping[str, Mapping[str, float]]]) -> dict[st
     ops = {op for c in calls for op in c}
     zero = {"calls": 0, "bytes": 0, "seconds": 0.0}
     return {op: {k: statistics.median(float(c.get(op, zero)[k]) for c in calls) for k in zero} for op in ops}
+
+
+def link_time(traces: Sequence[Sequence[tuple[str, int, float]]]) -> dict[str, dict[str, float]]:
+    """Per collective kind, {calls, bytes, seconds} of one call from every rank's trace of it
+    ((collective, bytes, seconds) in order, the same collectives on every rank): each
+    collective's time is the least any rank waited in it, the rank that arrived last, whose
+    wait is the link's alone."""
+    out: dict[str, dict[str, float]] = {}
+    for row in zip(*traces):
+        op, nb = row[0][0], row[0][1]
+        r = out.setdefault(op, {"calls": 0, "bytes": 0, "seconds": 0.0})
+        r["calls"] += 1
+        r["bytes"] += nb
+        r["seconds"] += min(x[2] for x in row)
+    return out

@@ -163,6 +163,7 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
     if cm.mode == "eager" or cm.graph is None:
         raise ArtifactError("an eager-mode model has no plans to save", where="exe_mode", value=cm.mode,
                             fix="compile with exe_mode graph or hybrid")
+    refuse_tensor_parallel(cm.recipe, str(path))
     if cm.recipe.memory.kv_cache is not None:
         raise ArtifactError("decoder artifacts (memory.kv_cache) are not supported yet: the decode engine builds "
                             "its prefill/decode graphs from the module", where="memory.kv_cache",
@@ -223,6 +224,18 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
     manifest["seconds"] = round(time.perf_counter() - t0, 3)
     manifest["bytes"] = path.stat().st_size
     return manifest
+
+
+def refuse_tensor_parallel(recipe: Any, where: str) -> None:
+    """An artifact holds one graph; a `parallel` recipe's ranks each run their own shard, so a
+    saved rank 0 alone would stop at its first collective: refused, saving and loading."""
+    par = getattr(recipe, "parallel", None)
+    if par is not None and par.tensor > 1:
+        raise ArtifactError(f"a tensor-parallel recipe (parallel.tensor {par.tensor}) has one shard per rank, and an "
+                            "artifact holds one graph: per-rank artifacts are not supported yet", where=where,
+                            value=f"parallel.tensor: {par.tensor}",
+                            fix="start the ranks from the model (graphmode.compile or `graphmode run --recipe`: each "
+                                "rank compiles its own shard through the cache), or save with parallel.tensor: 1")
 
 
 def _tactics_dir(libraries: dict[str, Path]) -> Path | None:
@@ -422,6 +435,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
         manifest = read_manifest(z, path)
         check_manifest(manifest, path)
         recipe = _recipe(z, path, manifest, size)
+        refuse_tensor_parallel(recipe, str(path))
         root = cache_layout(cache_dir).artifacts / digest
         if not (root / "complete").is_file() or _extraction_problem(root, manifest, size) is not None:
             _extract(z, path, root, manifest, size)

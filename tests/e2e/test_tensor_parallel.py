@@ -151,3 +151,12 @@ def test_the_server_refuses_a_parallel_recipe_before_compiling():
     with pytest.raises(RecipeError, match="does not run tensor-parallel ranks yet") as e:
         ModelServer(f"{SPEC}:mlp", rec)
     assert e.value.where == "recipe: parallel.tensor"
+
+
+def test_saving_a_rank_shard_as_an_artifact_is_refused_with_the_fix(tmp_path):
+    from graphmode.runtime.artifact import ArtifactError
+    rec = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS)
+    rank0 = graphmode.compile(f"{SPEC}:mlp", rec, cache_dir=tmp_path, rank=0)      # its shard only, no ranks
+    with pytest.raises(ArtifactError, match="one shard per rank") as e:
+        rank0.save(tmp_path / "tp.gm")
+    assert "graphmode run --recipe" in e.value.fix and not (tmp_path / "tp.gm").exists()

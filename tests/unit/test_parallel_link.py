@@ -7,7 +7,7 @@ import sympy
 
 import graphmode.recipe  # noqa: F401  (first: the recipe package and graphmode.parallel import each other)
 from graphmode.parallel.cost import Collective
-from graphmode.parallel.link import compare, fit_link, mean_samples, median_per_op, predict_comm
+from graphmode.parallel.link import compare, fit_link, link_time, mean_samples, median_per_op, predict_comm
 from graphmode.parallel.spec import ParallelSpec
 
 
@@ -58,3 +58,11 @@ def test_compare_lines_up_measured_and_predicted_with_a_total():
 def test_median_per_op_over_calls():
     calls = [{"all_reduce": {"calls": 5, "bytes": 10, "seconds": s}} for s in (1.0, 3.0, 2.0)]
     assert median_per_op(calls)["all_reduce"] == {"calls": 5, "bytes": 10, "seconds": 2.0}
+
+
+def test_link_time_takes_each_collectives_least_wait_over_ranks():
+    r0 = [("all_reduce", 64, 0.005), ("all_reduce", 64, 0.001), ("all_gather", 128, 0.002)]
+    r1 = [("all_reduce", 64, 0.001), ("all_reduce", 64, 0.004), ("all_gather", 128, 0.003)]
+    t = link_time([r0, r1])
+    assert t["all_reduce"] == {"calls": 2, "bytes": 128, "seconds": pytest.approx(0.002)}
+    assert t["all_gather"] == {"calls": 1, "bytes": 128, "seconds": pytest.approx(0.002)}
