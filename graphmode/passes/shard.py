@@ -50,7 +50,10 @@ class Split:
     cls: str = ""
 
 
-class _Sharder:
+class _ShardWalk:
+    """The walk over the graph and the placements: what every rule builds on (the rules are the
+    mixins below, by concern; `_Sharder` joins them)."""
+
     def __init__(self, g: Graph, rank: int, world: int, strategy: dict[str, str], comm_dtype: str, batch_dim: str):
         self.g, self.rank, self.n, self.comm_dtype = g, rank, world, comm_dtype
         self.strategy = {c: strategy.get(c, "head") for c in ("attention", "mlp", "embedding", "conv")}
@@ -221,6 +224,11 @@ class _Sharder:
         self.local[name], self.place[name] = x, Split(0, 1, "batch")
         self.stats["batch_inputs"] += 1
 
+
+class _LayerRules(_ShardWalk):
+    """Rules of the layers that split: column- and row-parallel linears and matmuls, the
+    vocab-parallel embedding, attention on the rank's heads."""
+
     # ---- linears
     def on_linear(self, n: Node) -> bool:
         x, w = n.inputs[0], n.inputs[1]
@@ -372,6 +380,11 @@ class _Sharder:
             return self.operand(name)
         return self.local_split(name, ax - lead)
 
+
+class _ShapeRules(_ShardWalk):
+    """Rules that carry a split through: elementwise ops, reductions, reshapes, permutes,
+    expands, slices, concats, and the batch-wise ops of the batch strategy."""
+
     # ---- elementwise and reductions
     def on_elementwise(self, n: Node) -> bool:
         out_rank = self.g.values[n.outputs[0]].type.rank
@@ -517,6 +530,10 @@ class _Sharder:
         if p is None or p.axis != 0 or any(self.placement(i) is not None for i in n.inputs[1:]):
             return False
         return self.same(n, [self.local[n.inputs[0]]] + [self.operand(i) for i in n.inputs[1:]], dict(n.attrs), p)
+
+
+class _Sharder(_LayerRules, _ShapeRules):
+    """One rank's rewrite (module doc): `_Sharder(...).run()`."""
 
 
 def _dt(dtype: str) -> torch.dtype:
