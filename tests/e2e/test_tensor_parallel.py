@@ -160,3 +160,35 @@ def test_saving_a_rank_shard_as_an_artifact_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ArtifactError, match="one shard per rank") as e:
         rank0.save(tmp_path / "tp.gm")
     assert "graphmode run --recipe" in e.value.fix and not (tmp_path / "tp.gm").exists()
+
+
+@pytest.mark.slow
+def test_bench_and_profile_report_tp_communication_beside_the_cost_model(tmp_path):
+    """`bench --tensor-parallel 2` on the tiny BERT: TP=2 matches TP=1, each rank holds about half
+    the weights, 5 all_reduces a call (2 layers x attention and MLP, the vocab-parallel embedding)
+    measured and predicted with the same bytes; `profile` of the TP recipe prints the same table."""
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    import graphmode.cli.bench_cmd  # noqa: F401  (registers `bench`)
+    import graphmode.cli.profile_cmd  # noqa: F401
+    from graphmode.cli.app import app
+    res = CliRunner().invoke(app, ["bench", "--tensor-parallel", "2", "--model", f"{SPEC}:bert", "--shape", "2x16",
+                                   "--iters", "2", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"),
+                                   "--json", "--quick"])
+    assert res.exit_code == 0, res.output
+    out = json.loads((tmp_path / "tp2.json").read_text())
+    row = out["rows"][0]
+    assert row["rel_l2_vs_tp1"] < 1e-5 and all(w < 0.75 * row["weights_mb_whole"] for w in row["weights_mb_per_rank"])
+    ar = next(c for c in row["comm"] if c["collective"] == "all_reduce")
+    assert ar["calls"] == ar["predicted_calls"] == 5 and ar["bytes"] == ar["predicted_bytes"] == 5 * 2 * 16 * 32 * 4
+    assert ar["ms"] > 0 and ar["predicted_ms"] > 0 and out["link"]["bandwidth_gbps"] > 0
+    path = tmp_path / "tp2.yaml"
+    path.write_text(yaml.safe_dump(tiny_tp.recipe("bert-tp2")))
+    res = CliRunner().invoke(app, ["profile", "--model", f"{SPEC}:bert", "--recipe", str(path), "--shape", "2x16",
+                                   "--runs", "2", "--cache-dir", str(tmp_path / "c"), "--json"])
+    assert res.exit_code == 0, res.output
+    prof = json.loads(res.stdout[res.stdout.index("{"):])["tensor_parallel"][0]
+    assert [c["collective"] for c in prof["comm"]] == ["all_reduce", "total"] and prof["comm"][0]["calls"] == 5
