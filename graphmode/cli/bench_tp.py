@@ -78,8 +78,8 @@ def print_tp_profile(profiles: Sequence[dict]) -> None:
         for c in cols:
             t.add_column(c, justify="left" if c == "collective" else "right")
         for c in p["comm"]:
-            cells = [c["collective"], str(c["calls"]), f"{c['bytes']:.0f}", f"{c['ms']:.3f}", f"{c['predicted_ms']:.3f}",
-                     pct(c["err"])]
+            cells = [c["collective"], str(c["calls"]), f"{c['bytes']:.0f}", f"{c['ms']:.3f}",
+                     f"{c['predicted_ms']:.3f}", pct(c["err"])]
             if link:
                 cells += [f"{c['calibrated_ms']:.3f}", pct(c["calibrated_err"])]
             t.add_row(*cells)

@@ -121,7 +121,7 @@ def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, link: dict,
             "tp1_ms": lat1 * 1e3, f"tp{tp.world}_ms": latn * 1e3, "speedup": lat1 / latn,
             "rank_run_ms": [s * 1e3 for s in run_s], "ipc_ms": (latn - max(run_s)) * 1e3,
             "weights_mb_whole": whole / 1e6, "weights_mb_per_rank": [r["weights_bytes"] / 1e6 for r in tp.ranks],
-            "comm": table, "comm_rank0": compare(rank0, {}), "rel_l2_vs_tp1": _rel_l2(got, want),
+            "comm": table, "comm_rank0": rank0, "rel_l2_vs_tp1": _rel_l2(got, want),
             "setup_s": {"tp1": setup1, f"tp{tp.world}": setup_n}, "threads": {"tp1": cfg.threads, "per_rank": per_rank}}
 
 
