@@ -30,6 +30,7 @@ from graphmode.decode.output import sample
 from graphmode.decode.runner import ModelRunner
 from graphmode.decode.sampling import SamplingParams
 from graphmode.decode.scheduler import Scheduler, Sequence_
+from graphmode.decode.speculative import Speculator, speculator_of
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.progress import OnStage
 
@@ -93,7 +94,8 @@ class DecodeEngine:
     composed directly (the scheduler's tests run it over a fake runner, no model)."""
 
     def __init__(self, runner: Any, scheduler: Scheduler, cfg: dict[str, Any], *, max_prompt: int,
-                 min_prompt: int = 1, seq_dim: str = "seq", context: int | None = None, lowered: Any = None):
+                 min_prompt: int = 1, seq_dim: str = "seq", context: int | None = None, lowered: Any = None,
+                 speculator: Speculator | None = None):
         self.runner = runner
         self.scheduler = scheduler
         self.cache = scheduler.cache
@@ -102,6 +104,7 @@ class DecodeEngine:
         self.max_prompt, self.min_prompt, self.seq_dim = max_prompt, min_prompt, seq_dim
         self.context = context          # the model's positions (None: the config does not say)
         self.lowered = lowered          # compiler.Lowered: the paged graph, its verdict and its proof
+        self.speculator = speculator    # decode.speculative: drafts verified in the decode step (speculative.py)
         self._cm = getattr(runner, "cm", None)
         self.lock = threading.RLock()
         self.on_logits: Callable[[Sequence_, torch.Tensor], None] | None = None   # verification hook
@@ -147,7 +150,8 @@ class DecodeEngine:
         scheduler = Scheduler(cache, buckets[bd][-1], invariant=invariant)
         runner = ModelRunner(cm, cache, buckets[bd], buckets[sd])
         return cls(runner, scheduler, cfg, max_prompt=max_prompt, min_prompt=min_prompt, seq_dim=sd,
-                   context=context, lowered=low)
+                   context=context, lowered=low, speculator=speculator_of(recipe, buckets[bd][-1],
+                                                                          invariant=invariant))
 
     @property
     def batch_buckets(self) -> list[int]:
@@ -167,11 +171,15 @@ class DecodeEngine:
 
     @property
     def stats(self) -> dict[str, int]:
-        return {"prefill_steps": self._counts["prefill_steps"], "decode_steps": self._counts["decode_steps"],
-                "preemptions": self.scheduler.preemptions, "generated_tokens": self._counts["generated_tokens"]}
+        """Step and token counts; with decode.speculative, the draft tokens proposed and accepted."""
+        out = {"prefill_steps": self._counts["prefill_steps"], "decode_steps": self._counts["decode_steps"],
+               "preemptions": self.scheduler.preemptions, "generated_tokens": self._counts["generated_tokens"]}
+        if self.speculator is not None:
+            out.update(draft_tokens=self.speculator.proposed, accepted_tokens=self.speculator.accepted)
+        return out
 
     def prepare(self, rows: int, longest: int) -> None:
-        self.runner.prepare(rows, longest)
+        self.runner.prepare(rows, longest, self.runner.batch_buckets[-1] if self.speculator is not None else None)
 
     def warmup(self) -> None:
         self.runner.warmup()
@@ -235,11 +243,27 @@ class DecodeEngine:
                 self.scheduler.prefilled(batch)
                 finished += self._emit(batch, logits)
             for batch in self.scheduler.decoding():
+                drafts = self.speculator.drafts(batch, self.cache) if self.speculator is not None else []
+                if any(drafts):
+                    finished += self._verify(batch, drafts)
+                    continue
                 logits = self.runner.decode(batch)
                 self._counts["decode_steps"] += 1
                 self.scheduler.decoded(batch)
                 finished += self._emit(batch, logits)
             return finished
+
+    def _verify(self, seqs: list[Sequence_], drafts: list[list[int]]) -> list[Sequence_]:
+        """One decode step over `seqs` and their drafts (decode/speculative.py)."""
+        logits = self.runner.verify(seqs, drafts)
+        self._counts["decode_steps"] += 1
+        finished = []
+        for v in self.speculator.accept(seqs, drafts, logits, self.cache, self.on_logits):
+            self._counts["generated_tokens"] += v.emitted
+            if v.stop:
+                self.scheduler.finish(v.seq, v.stop)
+                finished.append(v.seq)
+        return finished
 
     def _emit(self, seqs: list[Sequence_], logits: torch.Tensor) -> list[Sequence_]:
         finished = []

@@ -100,6 +100,17 @@ class PagedKVCache:
             table.append(self._free.pop())
         self.tokens[seq] = max(self.tokens.get(seq, 0), tokens)
 
+    def trim(self, seq: int, tokens: int) -> None:
+        """Shrink `seq` to `tokens` tokens: pages past them go back (speculative decoding's
+        rejected drafts; the slots past `tokens` in its last page are overwritten before read)."""
+        table = self.tables.get(seq)
+        if table is None:
+            return
+        keep = self.pages_for(tokens)
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self.tokens[seq] = min(self.tokens.get(seq, tokens), tokens)
+
     def release(self, seq: int) -> None:
         for p in reversed(self.tables.pop(seq, [])):
             self._free.append(p)

@@ -36,27 +36,29 @@ def stop_reason(s: "Sequence_") -> str | None:
 def sample(seqs: list["Sequence_"], logits: torch.Tensor,
            on_logits: Callable[["Sequence_", torch.Tensor], None] | None = None
            ) -> list[tuple["Sequence_", str | None]]:
-    """Each sequence's next token from its row of `logits` (row i: seqs[i]) after its penalties,
-    appended to it (with its logprobs when asked for) and told to its `on_token` listener as it
-    is chosen; with why the sequence ends now (or None).
-    `on_logits` sees each row first (a verification hook)."""
-    now = time.perf_counter()
-    out = []
-    for i, s in enumerate(seqs):
-        if on_logits is not None:
-            on_logits(s, logits[i])
-        row = adjusted(logits[i], s.params, s.prompt, s.generated)
-        tok = choose(row, s.params, s.gen)
-        if s.params.logprobs is not None:
-            s.logprobs.append(top_logprobs(logits[i], tok, s.params.logprobs))
-        s.generated.append(tok)
-        if s.first_token_at is None:
-            s.first_token_at = now
-        stop = stop_reason(s)
-        if s.on_token is not None:
-            s.on_token(s.id, tok)
-        out.append((s, stop))
-    return out
+    """Each sequence's next token from its row of `logits` (row i: seqs[i]), by `emit`; with
+    why the sequence ends now (or None)."""
+    return [(s, emit(s, logits[i], on_logits)) for i, s in enumerate(seqs)]
+
+
+def emit(s: "Sequence_", logits: torch.Tensor,
+         on_logits: Callable[["Sequence_", torch.Tensor], None] | None = None) -> str | None:
+    """`s`'s next token from its `logits` row after its penalties, appended to it (with its
+    logprobs when asked for) and told to its `on_token` listener as it is chosen; why the
+    sequence ends now (or None). `on_logits` sees the row first (a verification hook)."""
+    if on_logits is not None:
+        on_logits(s, logits)
+    row = adjusted(logits, s.params, s.prompt, s.generated)
+    tok = choose(row, s.params, s.gen)
+    if s.params.logprobs is not None:
+        s.logprobs.append(top_logprobs(logits, tok, s.params.logprobs))
+    s.generated.append(tok)
+    if s.first_token_at is None:
+        s.first_token_at = time.perf_counter()
+    stop = stop_reason(s)
+    if s.on_token is not None:
+        s.on_token(s.id, tok)
+    return stop
 
 
 class ChoiceOutput:

@@ -60,8 +60,16 @@ class ModelRunner:
         inputs = self.decode_inputs(b, [(s.id, s.tokens[-1], s.cached) for s in seqs])
         return self._run({"batch": b, "seq": 1}, inputs)
 
+    def verify(self, seqs: list[Sequence_], drafts: list[list[int]]) -> torch.Tensor:
+        """Speculative verification in one decode step: per sequence a row for its pending token
+        and one per draft at the positions after it (decode/speculative.py); logits per row."""
+        rows = [(s.id, tok, s.cached + j) for s, d in zip(seqs, drafts) for j, tok in enumerate([s.tokens[-1], *d])]
+        b = bucket(self.batch_buckets, len(rows), "batch")
+        return self._run({"batch": b, "seq": 1}, self.decode_inputs(b, rows))
+
     def decode_inputs(self, b: int, rows: Sequence[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
-        """Decode-plan inputs for bucket `b`: per row (sequence id, its last token, tokens cached)."""
+        """Decode-plan inputs for bucket `b`: per row (sequence id, a token, its position: the
+        tokens cached before it)."""
         ids = torch.zeros(b, 1, dtype=torch.int64)
         pos = torch.zeros(b, 1, dtype=torch.int64)
         start = torch.zeros(b, dtype=torch.int64)
@@ -74,12 +82,14 @@ class ModelRunner:
                 "start": start, "lens": n, "last": torch.zeros(b, dtype=torch.int64)}
 
     # ---- plans built before they are timed --------------------------------------------------
-    def prepare(self, rows: int, longest: int) -> None:
+    def prepare(self, rows: int, longest: int, decode_rows: int | None = None) -> None:
         """Build the plans `rows` sequences whose longest prompt is `longest` will use (a
-        prefill bucket and every decode batch bucket up to theirs), so timing starts warm."""
+        prefill bucket and every decode batch bucket up to theirs, or up to `decode_rows`'
+        when decode steps hold more rows: speculative drafts), so timing starts warm."""
         top = bucket(self.batch_buckets, min(rows, self.batch_buckets[-1]), "batch")   # more rows: waves
+        dec = bucket(self.batch_buckets, min(max(rows, decode_rows or 0), self.batch_buckets[-1]), "batch")
         self._build([{"batch": top, "seq": bucket(self.seq_buckets, longest, "seq")}]
-                    + [{"batch": b, "seq": 1} for b in self.batch_buckets if b <= top])
+                    + [{"batch": b, "seq": 1} for b in self.batch_buckets if b <= dec])
 
     def warmup(self) -> None:
         self._build([{"batch": b, "seq": s} for b in self.batch_buckets for s in (1, *self.seq_buckets)])

@@ -13,7 +13,7 @@ import re
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag,
-                      ValidationInfo, field_validator, model_serializer)
+                      ValidationInfo, field_validator, model_serializer, model_validator)
 
 import graphmode.recipe.buckets as bucketing
 import graphmode.recipe.symbolic as symbolic
@@ -387,6 +387,29 @@ class MemorySpec(_Spec):
     _LATE = {"weight_growth": 2.5}
 
 
+class SpeculativeSpec(_Spec):
+    """Prompt-lookup (n-gram) speculative decoding (graphmode/decode/speculative.py): up to
+    `num_tokens` draft tokens per sequence and step, copied from after the latest earlier
+    occurrence of its last n tokens (n from `ngram_max` down to `ngram_min`), verified in one
+    batched step; the tokens are the ones decoding without it chooses."""
+    method: Literal["ngram"] = "ngram"
+    num_tokens: Annotated[int, BeforeValidator(_number(int, ge=1, le=64, why="drafts per step"))] = 4
+    ngram_max: Annotated[int, BeforeValidator(_number(int, ge=1, le=64, why="tokens matched"))] = 3
+    ngram_min: Annotated[int, BeforeValidator(_number(int, ge=1, le=64, why="tokens matched"))] = 1
+
+    @model_validator(mode="after")
+    def _ngram_order(self) -> "SpeculativeSpec":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min {self.ngram_min} is above ngram_max {self.ngram_max}; "
+                             "fix: ngram_min <= ngram_max")
+        return self
+
+
+class DecodeSpec(_Spec):
+    """How the decode engine runs a causal LM's steps (a decoder recipe: memory.kv_cache)."""
+    speculative: Optional[SpeculativeSpec] = None
+
+
 class SlaBucket(_Spec):
     match: dict[Ident, Selector] = Field(min_length=1)
     p50_ms: Optional[SymMs] = None
@@ -489,13 +512,14 @@ class Recipe(_Spec):
     replayable: bool = True
     requires: Requires = Requires()
     parallel: Optional[ParallelSpec] = None
+    decode: Optional[DecodeSpec] = None
 
     _lines: dict[str, int] = PrivateAttr(default_factory=dict)
     _source: Optional[str] = PrivateAttr(default=None)
     _resolved_on: Optional[str] = PrivateAttr(default=None)
     _notes: list[str] = PrivateAttr(default_factory=list)
 
-    _LATE = {"determinism": "default", "parallel": None}
+    _LATE = {"determinism": "default", "parallel": None, "decode": None}
 
     @field_validator("inputs")
     @classmethod
