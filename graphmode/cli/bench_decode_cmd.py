@@ -61,6 +61,10 @@ def decode_cmd(
     contend: int = typer.Option(0, "--contend", min=0, max=64, help="also time every engine with N CPU burner "
                                 "processes running (started and stopped by the bench): each scenario gets a "
                                 "'busy' column beside its quiet one"),
+    speculative: int = typer.Option(0, "--speculative", min=0, max=64, help="instead of the engine comparison: "
+                                    "prompt-lookup speculative decoding with up to N drafts per step, tokens/s with "
+                                    "and without drafts on one engine, accept rate (a repetitive prompt at batch 1, "
+                                    "--context tokens, --new-tokens each)"),
 ) -> None:
     """Decode benchmark: time to first token and tokens/s against transformers and llama.cpp."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,6 +88,9 @@ def decode_cmd(
            else (lambda s: None))
     cases = load_decode_cases(model or [], quick)
     target = get_target("host", cache_dir=layout.targets)
+    if speculative:
+        return _speculative(cases, cfg, speculative, out or default_out_dir(), name or ("decode-quick" if quick
+                                                                                       else "decode"), as_json, log)
     with progress(measuring=True) as on_stage:     # graphmode's decoder build, between the engines' setup lines
         cfg.on_stage = on_stage
         res = run_decode_bench(cases, cfg, log=log, target=target)
@@ -108,3 +115,36 @@ def decode_cmd(
         if not as_json:
             console.print("quick check: every installed engine ran; graphmode's greedy tokens equal transformers "
                           "eager's")
+
+
+def _speculative(cases, cfg, num_tokens: int, out: Path, name: str, as_json: bool, log) -> None:
+    """`--speculative N`: bench/speculative.py's row per model, written beside the decode files."""
+    import time
+    from rich.table import Table
+
+    from graphmode.bench.speculative import COLUMNS, bench_speculative, write_speculative
+    from graphmode.cli.bench_cmd import console
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "cpus": os.cpu_count(), "threads": cfg.threads, "quick": cfg.quick}
+    rows = []
+    with progress(measuring=True) as on_stage:
+        for case in cases:
+            rows.append(bench_speculative(case, num_tokens=num_tokens, batch=1, context=cfg.context,
+                                          new=max(cfg.new_tokens, num_tokens + 2), iters=cfg.iters,
+                                          threads=cfg.threads, cache_dir=cfg.cache_dir, on_stage=on_stage, log=log))
+    paths = write_speculative(rows, meta, out, name)
+    if as_json:
+        print(json.dumps(rows, indent=1, default=str))
+    else:
+        t = Table(title=f"graphmode bench decode --speculative {num_tokens} (load {meta['load']})")
+        for c in COLUMNS:
+            t.add_column(c)
+        for r in rows:
+            t.add_row(*(str(r.get(c, "")) for c in COLUMNS))
+        console.print(t)
+        console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
+    bad = [f"{r['model']}: {r['error']}" for r in rows if r.get("error")]
+    for b in bad:
+        err_console.print(f"speculative check failed: {b}", markup=False, highlight=False)
+    if bad:
+        raise SystemExit(1)
