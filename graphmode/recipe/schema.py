@@ -530,6 +530,18 @@ class Recipe(_Spec):
             raise ValueError(f"duplicate input name(s): {', '.join(dup)}")
         return v
 
+    @field_validator("decode")
+    @classmethod
+    def _decode_needs_a_decoder(cls, v: Optional[DecodeSpec], info: ValidationInfo) -> Optional[DecodeSpec]:
+        memory = info.data.get("memory")
+        if v is not None and (memory is None or memory.kv_cache is None):
+            raise ValueError("decode configures the decode engine, which needs memory.kv_cache; fix: add "
+                             "memory.kv_cache (a decoder recipe) or remove decode")
+        if v is not None and v.speculative is not None and info.data.get("determinism") == "batch_invariant":
+            raise ValueError("decode.speculative verifies drafts as extra batch rows, so determinism: "
+                             "batch_invariant cannot hold; fix: remove one of them")
+        return v
+
     def __eq__(self, other: object) -> bool:       # content equality: where it was loaded from is not content
         return isinstance(other, Recipe) and self.model_dump() == other.model_dump()
 

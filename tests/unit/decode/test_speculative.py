@@ -169,6 +169,10 @@ def test_speculation_that_cannot_keep_its_promise_is_refused():
                         ({"method": "eagle"}, "method")]:
         with pytest.raises(RecipeError, match=needle):
             load_recipe({**r, "decode": {"speculative": bad}})
+    with pytest.raises(RecipeError, match="needs memory.kv_cache"):
+        load_recipe({**r, "memory": {}})
+    with pytest.raises(RecipeError, match="batch_invariant cannot hold"):
+        load_recipe({**r, "determinism": "batch_invariant"})
 
 
 def test_trim_gives_back_the_pages_past_a_length():
