@@ -8,7 +8,9 @@ A step admits waiting sequences while pages are free (prefill, one batch per ste
 one decode step for every running sequence. A sequence that needs a page when the pool is
 empty preempts the youngest running sequence, which gives its pages back and is recomputed
 from its tokens later (counted in `stats["preemptions"]`): the pool never grows and never
-holds more than the recipe's memory proof counted.
+holds more than the recipe's memory proof counted. With `decode.speculative` (speculative.py),
+a decode step also carries each sequence's prompt-lookup drafts in the batch rows it leaves
+free and emits every draft the model agrees with, plus the model's own next token.
 
 The engine is built through the pipeline driver (`compiler.lower_model`): the causal LM is
 captured as `(input_ids, position_ids) -> logits` under the recipe's decode contract
