@@ -183,3 +183,33 @@ def test_trim_gives_back_the_pages_past_a_length():
     assert len(cache.tables[0]) == 2 and cache.free_pages == 6 and cache.tokens[0] == 6
     cache.trim(1, 3)                                                   # an unknown sequence: nothing
     assert cache.free_pages == 6
+
+
+class Words:
+    """A tokenizer whose token t is the word `w<t>` (ChoiceOutput's decode interface)."""
+
+    def decode(self, ids, **_):
+        return " ".join(f"w{t}" for t in ids)
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_answer_where_plain_decoding_does():
+    """Text stops are matched on what a caller sees (ChoiceOutput, as the server and the CLI
+    release tokens after each step): several tokens arriving in one verify step still cut the
+    answer at the token that completed the stop string."""
+    from graphmode.decode.output import ChoiceOutput
+    prompt = [10, 11, 12, 13, 14, 10, 11, 12, 13, 14, 10]
+
+    def answer(eng):
+        out = ChoiceOutput(0, Words(), ("w13 w14",), ())
+        s = eng.add(prompt, SamplingParams(max_new_tokens=12), on_token=lambda sid, tok: out.tokens.append(tok))
+        text = ""
+        for _ in drive(eng, [s]):
+            text += out.release()[1]
+            if out.finish_reason is not None:
+                eng.cancel(s)
+        return out.tokens, text + out.release(s.finish_reason)[1], out.finish_reason
+
+    eng = engine()
+    got = answer(eng)
+    assert got == answer(engine(num_tokens=0)) == ([11, 12, 13, 14], "w11 w12 ", "stop")
+    assert eng.stats["decode_steps"] == 1 and eng.stats["accepted_tokens"] == 4   # one step made all of them
