@@ -12,6 +12,11 @@ holds more than the recipe's memory proof counted. With `decode.speculative` (sp
 a decode step also carries each sequence's prompt-lookup drafts in the batch rows it leaves
 free and emits every draft the model agrees with, plus the model's own next token.
 
+Automatic prefix caching (`memory.kv_cache.prefix_caching`, on by default as in vLLM, off
+under `determinism: batch_invariant`): a prompt's leading full pages already computed for
+another sequence are shared, and only the rest is prefilled (prefix_cache.py); the stats
+count the prompt tokens looked up and found (`prefix_cache_queries`, `prefix_cache_hits`).
+
 The engine is built through the pipeline driver (`compiler.lower_model`): the causal LM is
 captured as `(input_ids, position_ids) -> logits` under the recipe's decode contract
 (`decode_contract`), given the verdict, rewritten onto the paged cache by the `to_paged` pass
@@ -29,9 +34,10 @@ import torch
 from graphmode.decode.kvcache import KVLayout, PagedKVCache
 from graphmode.decode.lm import CausalLMForward, lm_config
 from graphmode.decode.output import sample
+from graphmode.decode.prefix_cache import PagedPrefixCache
 from graphmode.decode.runner import ModelRunner
 from graphmode.decode.sampling import SamplingParams
-from graphmode.decode.scheduler import Scheduler, Sequence_
+from graphmode.decode.scheduler import NoPrefixCache, Scheduler, Sequence_
 from graphmode.decode.speculative import Speculator, speculator_of
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.progress import OnStage
@@ -78,6 +84,19 @@ def lower_decoder(lm: torch.nn.Module, recipe: Any, target: Any = None, *, on_st
                       capture_dims={"batch": (max(1, dims["batch"][0]), max(2, dims["batch"][1])),
                                     "seq": (2, max(3, dims["seq"][1]))})
     return lower_model(src, decode_contract(recipe), target, mode="graph", on_stage=on_stage)
+
+
+def prefix_caching(kv: Any, invariant: bool) -> bool:
+    """Whether the engine shares computed prompt pages: the recipe's choice, on by default
+    (vLLM's), off under batch_invariant, where a prefill from a cached prefix would run under
+    another shape than the sequence alone (asking for both is refused)."""
+    on = getattr(kv, "prefix_caching", None)
+    if on and invariant:
+        raise RecipeError("prefix caching prefills a prompt after a prefix another sequence computed, under "
+                          "another shape than alone: batch_invariant cannot keep its logits",
+                          where="memory.kv_cache.prefix_caching", value=True,
+                          fix="remove prefix_caching (off under batch_invariant) or determinism")
+    return (not invariant) if on is None else bool(on)
 
 
 def _pools(graph: Any, layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -149,7 +168,9 @@ class DecodeEngine:
         # holds the pages of its whole answer from admission, so it is never preempted and
         # recomputed under another shape: its logits are bit-identical whoever else is running
         invariant = getattr(recipe, "determinism", "default") == "batch_invariant"
-        scheduler = Scheduler(cache, buckets[bd][-1], invariant=invariant)
+        prefix = prefix_caching(kv, invariant)
+        scheduler = Scheduler(cache, buckets[bd][-1], invariant=invariant,
+                              prefix_cache=PagedPrefixCache(cache) if prefix else None)
         runner = ModelRunner(cm, cache, buckets[bd], buckets[sd])
         return cls(runner, scheduler, cfg, max_prompt=max_prompt, min_prompt=min_prompt, seq_dim=sd,
                    context=context, lowered=low, speculator=speculator_of(recipe, buckets[bd][-1],
@@ -173,12 +194,31 @@ class DecodeEngine:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Step and token counts; with decode.speculative, the draft tokens proposed and accepted."""
+        """Step and token counts, the prompt tokens looked up in and found by the prefix cache;
+        with decode.speculative, the draft tokens proposed and accepted."""
+        sch = self.scheduler
         out = {"prefill_steps": self._counts["prefill_steps"], "decode_steps": self._counts["decode_steps"],
-               "preemptions": self.scheduler.preemptions, "generated_tokens": self._counts["generated_tokens"]}
+               "preemptions": sch.preemptions, "generated_tokens": self._counts["generated_tokens"],
+               "prefix_cache_queries": sch.prefix_queries, "prefix_cache_hits": sch.prefix_hits}
         if self.speculator is not None:
             out.update(draft_tokens=self.speculator.proposed, accepted_tokens=self.speculator.accepted)
         return out
+
+    @property
+    def prefix_caching(self) -> bool:
+        return not isinstance(self.scheduler.prefix_cache, NoPrefixCache)
+
+    @prefix_caching.setter
+    def prefix_caching(self, on: bool) -> None:
+        """Match and key prompt prefixes from now on (or not): what `bench decode` switches
+        between requests. Pages kept already stay evictable; an engine built without a
+        prefix cache has none to switch on."""
+        with self.lock:
+            reclaimer = self.cache.reclaimer
+            if on and reclaimer is None:
+                raise RecipeError("this engine was built without prefix caching", where="memory.kv_cache.prefix_caching",
+                                  fix="build it with prefix_caching: true (not under determinism: batch_invariant)")
+            self.scheduler.prefix_cache = reclaimer if on else NoPrefixCache()
 
     def prepare(self, rows: int, longest: int) -> None:
         self.runner.prepare(rows, longest, self.runner.batch_buckets[-1] if self.speculator is not None else None)

@@ -4,10 +4,17 @@ The pool is allocated once, at the size the recipe's memory proof counted
 (`bytes` == `graphmode.recipe.facts.kv_pool_bytes(recipe)`), and never grows: a sequence
 that needs a page when none is free waits (or is preempted by the scheduler) instead of
 allocating. Pages are returned to the free list when a sequence ends.
+
+Pages are reference-counted: with prefix caching (prefix_cache.py) a page holding a full
+block of a computed prompt prefix is in the block tables of every sequence that shares it,
+counted once in the pool. A page whose last holder lets go goes to the free list, unless a
+`Reclaimer` (the prefix cache) keeps it: then it stays evictable, counted free, and is taken
+back from the reclaimer (least recently used first) when the free list is empty.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 
@@ -39,6 +46,27 @@ class KVLayout:
         return self.page_size * self.max_pages_per_seq
 
 
+class Reclaimer(Protocol):
+    """Keeps pages no sequence holds but that still hold reusable K/V (the prefix cache)."""
+
+    @property
+    def evictable(self) -> int:
+        """Pages kept now (free to take)."""
+        ...
+
+    def keep(self, page: int) -> bool:
+        """`page` has no holder left: whether it is kept (evictable) rather than freed."""
+        ...
+
+    def claim(self, page: int) -> None:
+        """A kept `page` is held again (shared): it is no longer evictable."""
+        ...
+
+    def evict(self) -> int:
+        """A kept page given up (its contents forgotten), least recently used first."""
+        ...
+
+
 class PagedKVCache:
     """Pool tensors `k[layer]`, `v[layer]` of [pages, page_size, kv_heads, head_dim]; a free list;
     a block table (list of page ids) per sequence id."""
@@ -62,6 +90,8 @@ class PagedKVCache:
         self._free = list(range(layout.pages - 1, -1, -1))      # pop() hands out low page ids first
         self.tables: dict[int, list[int]] = {}
         self.tokens: dict[int, int] = {}                        # tokens each sequence holds
+        self.refs = [0] * layout.pages                          # block tables holding each page
+        self.reclaimer: Reclaimer | None = None
 
     @property
     def bytes(self) -> int:
@@ -69,19 +99,37 @@ class PagedKVCache:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages a sequence can take now: free, or kept by the reclaimer and evictable."""
+        return len(self._free) + (self.reclaimer.evictable if self.reclaimer is not None else 0)
 
     @property
     def used_pages(self) -> int:
-        return self.layout.pages - len(self._free)
+        return self.layout.pages - self.free_pages
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.layout.page_size)
 
-    def can_hold(self, seq: int, tokens: int) -> bool:
-        """Whether `seq` can grow to `tokens` tokens with the pages free now."""
-        have = len(self.tables.get(seq, []))
-        return self.pages_for(tokens) - have <= len(self._free)
+    def can_hold(self, seq: int, tokens: int, shared: Sequence[int] = ()) -> bool:
+        """Whether `seq` can grow to `tokens` tokens with the pages free now, after taking
+        the `shared` pages (held ones cost nothing; evictable ones stop being free)."""
+        have = len(self.tables.get(seq, [])) + len(shared)
+        idle = sum(1 for p in shared if self.refs[p] == 0)
+        return self.pages_for(tokens) - have <= self.free_pages - idle
+
+    def share(self, seq: int, pages: list[int]) -> None:
+        """`seq`, holding no page yet, starts with `pages` (full blocks computed already)."""
+        if self.tables.get(seq):
+            raise GraphmodeError(f"sequence {seq} already holds pages", where="memory.kv_cache",
+                                 fix="a graphmode bug: shared pages start a block table")
+        for p in pages:
+            if self.refs[p] == 0:
+                self.reclaimer.claim(p)
+            self.refs[p] += 1
+        self.tables[seq] = list(pages)
+        self.tokens[seq] = len(pages) * self.layout.page_size
+
+    def _take(self) -> int:
+        return self._free.pop() if self._free else self.reclaimer.evict()
 
     def reserve(self, seq: int, tokens: int) -> None:
         """Grow `seq`'s block table to hold `tokens` tokens (ContractViolation past its page limit;
@@ -93,11 +141,13 @@ class PagedKVCache:
                                     fix="send a shorter prompt or fewer new tokens, or raise max_pages_per_seq")
         table = self.tables.setdefault(seq, [])
         need = self.pages_for(tokens) - len(table)
-        if need > len(self._free):
-            raise GraphmodeError(f"the KV pool has {len(self._free)} free page(s), sequence {seq} needs {need}",
+        if need > self.free_pages:
+            raise GraphmodeError(f"the KV pool has {self.free_pages} free page(s), sequence {seq} needs {need}",
                                  where="memory.kv_cache", fix="the scheduler must wait for pages (can_hold)")
         for _ in range(max(0, need)):
-            table.append(self._free.pop())
+            p = self._take()
+            self.refs[p] = 1
+            table.append(p)
         self.tokens[seq] = max(self.tokens.get(seq, 0), tokens)
 
     def trim(self, seq: int, tokens: int) -> None:
@@ -112,8 +162,11 @@ class PagedKVCache:
         self.tokens[seq] = min(self.tokens.get(seq, tokens), tokens)
 
     def release(self, seq: int) -> None:
+        """`seq`'s pages go back, last first (a kept prompt's tail is evicted before its head)."""
         for p in reversed(self.tables.pop(seq, [])):
-            self._free.append(p)
+            self.refs[p] -= 1
+            if self.refs[p] == 0 and not (self.reclaimer is not None and self.reclaimer.keep(p)):
+                self._free.append(p)
         self.tokens.pop(seq, None)
 
     def block_table(self, seqs: list[int], rows: int | None = None) -> torch.Tensor:

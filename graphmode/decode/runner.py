@@ -1,7 +1,9 @@
 """The model runner: a scheduled batch -> the plan's inputs -> its executable -> logits.
 
 One compiled graph (the causal LM after `to_paged`) serves both kinds of step: a prefill
-runs the plan of a (batch, prompt-length) bucket over the prompts, right-padded; a decode
+runs the plan of a (batch, prompt-length) bucket over the prompts, right-padded, each from
+its first token not in the cache (`seq.cached`: a prefix cache hit; its new tokens attend to
+the cached pages through the block table, as a decode step's token does); a decode
 step runs the plan of a batch bucket at seq = 1 over each sequence's last token. Rows past
 the batch's sequences and positions past a sequence's length are padding the graph never
 reads (`lens` is 0 there, and the head reads each row at `last`). The block tables come from
@@ -40,18 +42,22 @@ class ModelRunner:
         return exe.run(inputs)["logits"][:, 0, :]
 
     def prefill(self, seqs: list[Sequence_]) -> torch.Tensor:
-        """Logits of each sequence's next token after its whole prompt (row i: seqs[i])."""
-        lens = [len(s.tokens) for s in seqs]
+        """Logits of each sequence's next token after its whole prompt (row i: seqs[i]), its
+        tokens from `cached` on computed (padding positions stay 0: never read)."""
+        lens = [len(s.tokens) - s.cached for s in seqs]
         b = bucket(self.batch_buckets, len(seqs), "batch")
         L = bucket(self.seq_buckets, max(lens), "seq")
         ids = torch.zeros(b, L, dtype=torch.int64)
+        pos = torch.zeros(b, L, dtype=torch.int64)
+        start = torch.zeros(b, dtype=torch.int64)
         for i, s in enumerate(seqs):
-            ids[i, :lens[i]] = torch.tensor(s.tokens, dtype=torch.int64)
+            ids[i, :lens[i]] = torch.tensor(s.tokens[s.cached:], dtype=torch.int64)
+            pos[i, :lens[i]] = torch.arange(s.cached, len(s.tokens))
+            start[i] = s.cached
         n = torch.zeros(b, dtype=torch.int64)
         n[:len(seqs)] = torch.tensor(lens)
-        inputs = {"input_ids": ids, "position_ids": torch.arange(L).repeat(b, 1),
-                  "block_table": self.cache.block_table([s.id for s in seqs], b),
-                  "start": torch.zeros(b, dtype=torch.int64), "lens": n, "last": (n - 1).clamp(min=0)}
+        inputs = {"input_ids": ids, "position_ids": pos, "block_table": self.cache.block_table([s.id for s in seqs], b),
+                  "start": start, "lens": n, "last": (n - 1).clamp(min=0)}
         return self._run({"batch": b, "seq": L}, inputs)
 
     def decode(self, seqs: list[Sequence_]) -> torch.Tensor:

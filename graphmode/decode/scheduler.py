@@ -12,10 +12,13 @@ pool never grows and never holds more than the recipe's memory proof counted.
 never preempted and recomputed under another shape, and it runs alone (one-row batches): its
 logits are bit-identical whoever else is running.
 
-Prefix caching (issue 26) plugs in at admission through `PrefixCache`: `match` says how many
-leading tokens of a sequence are already in cached pages (their K/V need no prefill) and
-`insert` offers a prefilled sequence's pages for reuse. `NoPrefixCache`, the one in use,
-matches nothing: every prompt is prefilled whole.
+Prefix caching plugs in through `PrefixCache`: at admission `match` names the pages that
+already hold a sequence's leading full blocks; the sequence starts with them (shared, counted
+once in the pool), its `cached` tokens need no prefill, and only the rest of its pages are
+reserved. After its prefill, and whenever a decode step fills a page, `insert` offers its
+full blocks for reuse. `PagedPrefixCache` (prefix_cache.py) is the automatic prefix cache;
+`NoPrefixCache` matches nothing: every prompt is prefilled whole. `prefix_queries` and
+`prefix_hits` count the tokens looked up at admission and those found (vLLM's stats).
 
 The scheduler never runs the model: the engine (engine.py) hands its batches to the model
 runner and the sampled tokens back through `prefilled`, `decoded` and `finish`.
@@ -59,24 +62,23 @@ class Sequence_:
 
 
 class PrefixCache(Protocol):
-    """Reuse of KV pages across sequences that share a prefix (issue 26)."""
+    """Reuse of KV pages across sequences that share a prefix."""
 
-    def match(self, seq: Sequence_) -> int:
-        """Leading tokens of `seq` whose K/V are already in pages `seq` now holds (0: none).
-        The runner prefills every prompt from position 0 today: a cache that matches more
-        comes with a runner that prefills from `seq.cached` (issue 26)."""
+    def match(self, seq: Sequence_) -> list[int]:
+        """Pages holding `seq`'s leading full blocks, computed already (never all its tokens:
+        the last one is prefilled for its logits). Nothing is taken yet."""
         ...
 
     def insert(self, seq: Sequence_) -> None:
-        """`seq`'s prompt is in its pages: offer them to later sequences."""
+        """`seq`'s first `seq.cached` tokens are in its pages: offer their full blocks."""
         ...
 
 
 class NoPrefixCache:
     """No reuse: every prompt is prefilled whole."""
 
-    def match(self, seq: Sequence_) -> int:
-        return 0
+    def match(self, seq: Sequence_) -> list[int]:
+        return []
 
     def insert(self, seq: Sequence_) -> None:
         pass
@@ -92,6 +94,8 @@ class Scheduler:
         self.waiting: deque[Sequence_] = deque()
         self.running: list[Sequence_] = []
         self.preemptions = 0
+        self.prefix_queries = 0                  # tokens looked up in the prefix cache at admission
+        self.prefix_hits = 0                     # of them, found in cached pages
 
     @property
     def has_work(self) -> bool:
@@ -115,11 +119,15 @@ class Scheduler:
             need = len(s.tokens) + 1
             if self.invariant:                    # the whole answer's pages, now
                 need = min(len(s.prompt) + s.params.max_new_tokens, self.cache.layout.max_tokens)
-            if not self.cache.can_hold(s.id, need):
+            shared = self.prefix_cache.match(s)
+            if not self.cache.can_hold(s.id, need, shared):
                 break
             self.waiting.popleft()
+            self.cache.share(s.id, shared)
             self.cache.reserve(s.id, need)
-            s.cached = self.prefix_cache.match(s)
+            s.cached = len(shared) * self.cache.layout.page_size
+            self.prefix_queries += len(s.tokens)
+            self.prefix_hits += s.cached
             out.append(s)
         return self._batches(out)
 
@@ -151,6 +159,8 @@ class Scheduler:
     def decoded(self, seqs: list[Sequence_]) -> None:
         for s in seqs:
             s.cached += 1
+            if s.cached % self.cache.layout.page_size == 0:     # a page filled: its block is reusable
+                self.prefix_cache.insert(s)
 
     def _preempt(self, exclude: Sequence_) -> Sequence_ | None:
         """Recompute policy: the youngest running sequence gives its pages back and waits at

@@ -362,7 +362,9 @@ class PrecisionSpec(_Spec):
 class KVCacheSpec(_Spec):
     """Paged KV cache: a pool of `pages` pages of page_size tokens (K and V of every layer),
     allocated once; a sequence holds up to max_pages_per_seq of them. Default pool: every
-    sequence of the largest batch at its longest (batch max x max_pages_per_seq)."""
+    sequence of the largest batch at its longest (batch max x max_pages_per_seq).
+    `prefix_caching`: share the pages of computed prompt prefixes (graphmode/decode/prefix_cache.py);
+    None: on, except under determinism batch_invariant."""
     page_size: Pow2 = 16
     max_pages_per_seq: SymPosInt
     pages: Optional[PosInt] = None
@@ -372,6 +374,7 @@ class KVCacheSpec(_Spec):
     head_dim: Optional[PosInt] = None
     batch_dim: Ident = "batch"
     seq_dim: Ident = "seq"
+    prefix_caching: Optional[bool] = None
 
 
 class MemorySpec(_Spec):

@@ -147,7 +147,7 @@ def test_prefix_cache_hooks_are_called_at_admission_and_after_prefill():
 
         def match(self, seq):
             self.events.append(("match", seq.id))
-            return 0
+            return []
 
         def insert(self, seq):
             self.events.append(("insert", seq.id))
