@@ -535,6 +535,9 @@ class GraphmodeLMEngine(LMEngine):
         cm = graphmode.compile(shared.bundle, recipe, "host", mode="eager", cache_dir=cache,
                                threads=shared.threads, on_stage=shared.on_stage)
         self.eng = engine_of(cm)
+        # the scenarios time cold prefills of prompts they repeat: no prefix cache, but for the
+        # repeated-system-prompt scenario (bench/prefix.py), which switches it on and off
+        self.eng.prefix_caching = False
         self.setup_detail = {"engine_build_s": round(time.perf_counter() - t0, 3),
                              "kv_pages": self.eng.layout.pages, "page_size": self.eng.layout.page_size,
                              "recipe": shared.recipe.get("name")}

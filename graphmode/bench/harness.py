@@ -371,6 +371,7 @@ class DecodeConfig:
     quick: bool = False
     on_stage: Any = None            # hears graphmode's decoder capture, passes and plans (graphmode/progress.py)
     contend: int = 0                # CPU burners beside the contended pass of every round (contend.py)
+    prefix_cache: bool = True       # graphmode's "repeated system prompt" scenario (prefix.py)
 
     def scenarios(self) -> list[Scenario]:
         return ([Scenario("ttft", 1, p, 1) for p in self.prompt_lens] +
@@ -416,7 +417,8 @@ def _decode_row(case: DecodeCase, sc: Scenario, eng: Any, threads: int, phase: s
 
 
 def bench_decode_model(case: DecodeCase, cfg: DecodeConfig, gbps: float, log: Callable[[str], None],
-                       probe: Probe, phases: Phases | None = None) -> list[dict[str, Any]]:
+                       probe: Probe, phases: Phases | None = None,
+                       prefix_rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     phases = phases or Phases(None)
     n_busy = phases.burners.n if phases.burners else 0
     vocab = int(case.lm.config.vocab_size)
@@ -445,6 +447,9 @@ def bench_decode_model(case: DecodeCase, cfg: DecodeConfig, gbps: float, log: Ca
         for sc in scen:
             log(f"{case.name} {sc.name}")
             _run_scenario(case, sc, slots, cfg, vocab, log, probe, phases)
+        if cfg.prefix_cache and prefix_rows is not None:
+            from graphmode.bench.prefix import prefix_scenarios
+            prefix_rows += prefix_scenarios(case.name, [s.engine for s in slots if s.ok], cfg, vocab, log, probe)
         rows = []
         wb = {d: decode_bytes(case.lm, d) for d in {s.engine.dtype for s in slots}}
         for sc in scen:
@@ -601,13 +606,14 @@ def run_decode_bench(cases: Sequence[DecodeCase], cfg: DecodeConfig, log: Callab
     load_start = probe.loadavg()
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
+    prefix_rows: list[dict[str, Any]] = []
     with torch_threads(cfg.threads):
         read = read_bandwidth_gbps(cfg.threads)
         probed = getattr(target, "memory_bandwidth_gbps", None) if target is not None else None
         gbps = max(read, probed or 0.0)
         with Burners(cfg.contend) as burners:      # paused: they spin only in the contended pass of each round
             for case in cases:
-                rows += bench_decode_model(case, cfg, gbps, log, probe, Phases(burners))
+                rows += bench_decode_model(case, cfg, gbps, log, probe, Phases(burners), prefix_rows)
     meta = run_meta(
         cfg.threads, target, probe, rows, quick=cfg.quick, load_start=load_start, t_start=t_start,
         warnings=warning_lines(_for_warnings(rows), cfg.quick), kind="decode", contend=cfg.contend,
@@ -634,6 +640,8 @@ def run_decode_bench(cases: Sequence[DecodeCase], cfg: DecodeConfig, log: Callab
                 "floor": "batch * bandwidth / (weight bytes + batch * mean context * KV bytes per token) "
                          "at the engine's weight and KV dtypes"})
     meta["versions"].update(llama_cpp_python=_version("llama_cpp_python"), gguf=_version("gguf"))
+    if cfg.prefix_cache:
+        meta["prefix_cache"] = prefix_rows
     return DecodeResult(rows, meta, decode_goals(rows, cfg.quick))
 
 

@@ -58,6 +58,10 @@ def decode_cmd(
     warm_cache: bool = typer.Option(False, "--warm-cache", help="build graphmode's plans through the cache under "
                                     "--cache-dir (default: a fresh temporary one, so setup is a cold compile)"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as JSON on stdout"),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="also time graphmode's TTFT "
+                                      "for a repeated system prompt (the longest --prompt-lens: 7/8 system, 1/8 "
+                                      "user turn) with automatic prefix caching off and on, interleaved; its hit "
+                                      "rate (the results' meta.prefix_cache)"),
     contend: int = typer.Option(0, "--contend", min=0, max=64, help="also time every engine with N CPU burner "
                                 "processes running (started and stopped by the bench): each scenario gets a "
                                 "'busy' column beside its quiet one"),
@@ -71,6 +75,7 @@ def decode_cmd(
     from graphmode.bench.engines import parse_decode_engines
     from graphmode.bench.harness import QUICK, DecodeConfig, run_decode_bench
     from graphmode.bench.models import load_decode_cases
+    from graphmode.bench.prefix import prefix_line
     from graphmode.bench.report import decode_failures, decode_rich_tables, write_decode_results
     from graphmode.cli.bench_cmd import console, default_out_dir
     from graphmode.openmp import in_effect
@@ -83,7 +88,8 @@ def decode_cmd(
     layout = cache_layout(cache_dir)
     cfg = DecodeConfig(**{**base.__dict__, **{k: v for k, v in given.items() if v is not None},
                           "engines": parse_decode_engines(engines), "threads": threads, "budget_s": budget_s,
-                          "quick": quick, "cache_dir": layout.root if warm_cache else None, "contend": contend})
+                          "quick": quick, "cache_dir": layout.root if warm_cache else None, "contend": contend,
+                          "prefix_cache": prefix_cache})
     log = ((lambda s: err_console.print(s, markup=False, highlight=False, soft_wrap=True)) if not as_json
            else (lambda s: None))
     cases = load_decode_cases(model or [], quick)
@@ -103,6 +109,8 @@ def decode_cmd(
             console.print(t)
         for f in decode_failures(res.rows):
             console.print(f"  {f}", markup=False, highlight=False)
+        for row in res.meta.get("prefix_cache", []):
+            console.print(prefix_line(row), markup=False, highlight=False)
         console.print("wrote " + ", ".join(shown(p) for p in paths.values()), highlight=False)
     for w in res.meta.get("warnings", []):
         err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)

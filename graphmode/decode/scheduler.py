@@ -18,7 +18,8 @@ once in the pool), its `cached` tokens need no prefill, and only the rest of its
 reserved. After its prefill, and whenever a decode step fills a page, `insert` offers its
 full blocks for reuse. `PagedPrefixCache` (prefix_cache.py) is the automatic prefix cache;
 `NoPrefixCache` matches nothing: every prompt is prefilled whole. `prefix_queries` and
-`prefix_hits` count the tokens looked up at admission and those found (vLLM's stats).
+`prefix_hits` count the tokens looked up at admission and those found (vLLM's stats; none
+while caching is off).
 
 The scheduler never runs the model: the engine (engine.py) hands its batches to the model
 runner and the sampled tokens back through `prefilled`, `decoded` and `finish`.
@@ -126,8 +127,9 @@ class Scheduler:
             self.cache.share(s.id, shared)
             self.cache.reserve(s.id, need)
             s.cached = len(shared) * self.cache.layout.page_size
-            self.prefix_queries += len(s.tokens)
-            self.prefix_hits += s.cached
+            if not isinstance(self.prefix_cache, NoPrefixCache):
+                self.prefix_queries += len(s.tokens)
+                self.prefix_hits += s.cached
             out.append(s)
         return self._batches(out)
 

@@ -109,6 +109,10 @@ class PromMetrics:
         self.prompt_tokens = Counter("graphmode_prompt_tokens", "Prompt tokens prefilled (a recomputed sequence "
                                      "counts once)", L, registry=r)
         self.generation_tokens = Counter("graphmode_generation_tokens", "Tokens generated", L, registry=r)
+        self.prefix_queries = Counter("graphmode_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache at admission (a recomputed sequence again)", L, registry=r)
+        self.prefix_hits = Counter("graphmode_prefix_cache_hits", "Prompt tokens found in cached KV pages (not "
+                                   "prefilled); hit rate = hits / queries", L, registry=r)
         self.finished = Counter("graphmode_sequences_finished", "Finished sequences by reason (eos, length, stop, "
                                 "cancelled = the client went away or timed out, error)", L + ("finish_reason",),
                                 registry=r)
@@ -119,7 +123,8 @@ class PromMetrics:
         lab = (version, target)
         return DecodeSeries(*(fam.labels(*lab) for fam in (
             self.ttft, self.itl, self.tpot, self.queue_time, self.e2e, self.running, self.waiting, self.kv_usage,
-            self.preemptions, self.prompt_tokens, self.generation_tokens)), finished=self.finished, labels=lab)
+            self.preemptions, self.prompt_tokens, self.generation_tokens)), finished=self.finished, labels=lab,
+            prefix_queries=self.prefix_queries.labels(*lab), prefix_hits=self.prefix_hits.labels(*lab))
 
     def forget(self, version: str) -> None:
         """Drop every series of recipe `version` (retired long ago), so a server that swaps
@@ -129,7 +134,7 @@ class PromMetrics:
                     self.arena_bytes, self.weights_bytes, self.memory_budget, self.drift, self.renegotiations,
                     self.recipe_active, self.ttft, self.itl, self.tpot, self.queue_time, self.e2e, self.running,
                     self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens, self.generation_tokens,
-                    self.finished):
+                    self.finished, self.prefix_queries, self.prefix_hits):
             if hasattr(fam, "remove_by_labels"):            # prometheus_client >= 0.22
                 fam.remove_by_labels({"version": version})
                 continue
@@ -159,6 +164,8 @@ class DecodeSeries:
     generation_tokens: Any
     finished: Any
     labels: tuple[str, str]
+    prefix_queries: Any = None
+    prefix_hits: Any = None
 
     def finish(self, reason: str) -> None:
         self.finished.labels(*self.labels, reason).inc()

@@ -105,6 +105,7 @@ class DecodeLoop:
         self._retired = False                         # end once idle
         self._stopped = False                         # end now
         self._preemptions = engine.stats["preemptions"]
+        self._prefix = (engine.stats["prefix_cache_queries"], engine.stats["prefix_cache_hits"])
 
     # ---- event loop side --------------------------------------------------------------------
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -227,7 +228,7 @@ class DecodeLoop:
             self._drop(g, "error", error)
 
     def _gauges(self) -> None:
-        """Loop thread only (the preemption count is a difference of the engine's stats)."""
+        """Loop thread only (the preemption and prefix cache counts are differences of the engine's stats)."""
         s = self.series
         if s is None:
             return
@@ -235,10 +236,16 @@ class DecodeLoop:
         s.running.set(len(eng.running))
         s.waiting.set(len(eng.waiting))
         s.kv_usage.set(eng.cache.used_pages / max(1, eng.cache.layout.pages))
-        n = eng.stats["preemptions"]
+        stats = eng.stats
+        n = stats["preemptions"]
         if n > self._preemptions:
             s.preemptions.inc(n - self._preemptions)
         self._preemptions = n
+        prefix = (stats["prefix_cache_queries"], stats["prefix_cache_hits"])
+        if s.prefix_queries is not None:
+            s.prefix_queries.inc(prefix[0] - self._prefix[0])
+            s.prefix_hits.inc(prefix[1] - self._prefix[1])
+        self._prefix = prefix
 
     @property
     def live(self) -> int:

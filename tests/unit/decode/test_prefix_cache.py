@@ -134,7 +134,8 @@ def test_a_shared_system_prompt_is_prefilled_once_and_answers_are_unchanged():
     assert eng.stats["prefix_cache_queries"] == 36 and eng.stats["prefix_cache_hits"] == 16
     off = engine(pages=24, cached=False)
     assert [s.generated for s in run(off, prompts, 6)] == [alone(p, 6) for p in prompts]
-    assert [start for _, start, _ in off.runner.prefilled] == [0, 0, 0] and off.stats["prefix_cache_hits"] == 0
+    assert [start for _, start, _ in off.runner.prefilled] == [0, 0, 0]
+    assert off.stats["prefix_cache_hits"] == off.stats["prefix_cache_queries"] == 0
 
 
 def test_a_prefix_ending_on_a_page_boundary_recomputes_its_last_block():
