@@ -216,7 +216,8 @@ class DecodeEngine:
         with self.lock:
             reclaimer = self.cache.reclaimer
             if on and reclaimer is None:
-                raise RecipeError("this engine was built without prefix caching", where="memory.kv_cache.prefix_caching",
+                raise RecipeError("this engine was built without prefix caching",
+                                  where="memory.kv_cache.prefix_caching",
                                   fix="build it with prefix_caching: true (not under determinism: batch_invariant)")
             self.scheduler.prefix_cache = reclaimer if on else NoPrefixCache()
 

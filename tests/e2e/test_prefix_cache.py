@@ -1,34 +1,29 @@
-"""Automatic prefix caching on compiled tiny GPT-2 and Llama decoders, a pool of 10 pages of 4
-tokens: greedy tokens equal to transformers' generate and to the same engine with prefix
-caching off, logits within fp32 tolerance, for prompts sharing a system prompt (one after
-another and running together), a shared prefix that ends exactly on a page boundary,
-eviction under the small pool and preemption of sequences whose pages are shared."""
+"""Automatic prefix caching on compiled tiny GPT-2 and Llama decoders (at most 2 sequences a
+step, a pool of 10 pages of 4 tokens): greedy tokens equal to eager PyTorch's and to the same
+engine with prefix caching off, logits within fp32 tolerance, for prompts sharing a system
+prompt (one after another and running together), a shared prefix that ends exactly on a
+page boundary, eviction under the small pool and preemption of sequences whose pages are
+shared."""
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import graphmode
-from graphmode.capture.families import _DECODER, _hf
 from graphmode.capture.spec import bundle_from_module
 from graphmode.decode.api import engine_of
 from graphmode.decode.engine import drive
 from graphmode.decode.sampling import SamplingParams
 from graphmode.recipe.facts import kv_cache_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_decode import _lm, recipe  # noqa: E402  (the decode tests' tiny GPT-2 and Llama, their recipe)
+
 SYSTEM = [5, 17, 23, 42, 8, 61, 33, 70, 12]          # 9 tokens: two full pages of 4 and one token
-
-
-def _lm(kind: str):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if kind == "gpt2":
-            return _hf("GPT2LMHeadModel", "GPT2Config", n_embd=32, n_layer=2, n_head=4, vocab_size=100,
-                       n_positions=64, bos_token_id=1, eos_token_id=2, initializer_range=0.3), 4
-        return _hf("LlamaForCausalLM", "LlamaConfig", **_DECODER, tie_word_embeddings=False,
-                   initializer_range=0.3), 2
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
@@ -36,16 +31,10 @@ def model(request, tmp_path_factory):
     lm, kvh = _lm(request.param)
     ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
     b = bundle_from_module(lm, ex, {k: ["batch", "seq"] for k in ex})
-    recipe = {"version": 1, "name": "decoder", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
-              "inputs": [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"]},
-                         {"name": "attention_mask", "dtype": "i64", "shape": ["batch", "seq"],
-                          "role": "attention_mask"}],
-              "dims": {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [8, 16, 32], "min": 2}},
-              "memory": {"kv_cache": {"page_size": 4, "max_pages_per_seq": 12, "layers": 2, "kv_heads": kvh,
-                                      "head_dim": 8, "pages": 10}}}
+    rec = dict(recipe(kvh, pages=10), dims={"batch": {"buckets": [1, 2]}, "seq": {"buckets": [8, 32], "min": 2}})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cm = graphmode.compile(b, recipe, cache_dir=tmp_path_factory.mktemp("prefix-cache"))
+        cm = graphmode.compile(b, rec, cache_dir=tmp_path_factory.mktemp("prefix-cache"))
     eng = engine_of(cm)
     assert eng.prefix_caching and eng.cache.bytes == kv_cache_bytes(cm.recipe) == 10 * eng.layout.page_bytes
     return lm, eng
@@ -106,7 +95,7 @@ def test_prompts_sharing_a_system_prompt_decode_as_without_the_cache(model):
 def test_concurrent_sharers_eviction_and_preemption_in_a_small_pool(model):
     """Three sequences of 11 + 12 tokens (6 pages each) in 10 pages share two system pages:
     one joins while the others run, the pool runs out and the youngest is preempted (its
-    shared pages stay with the others), prompts of other tokens then evict the kept pages."""
+    shared pages stay with the other), prompts of other tokens then evict the kept pages."""
     lm, eng = model
     prompts = [SYSTEM + [60 + i, 70 + i] for i in range(3)]
     want = [reference(lm, p, 12) for p in prompts]

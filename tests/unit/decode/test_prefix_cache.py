@@ -159,7 +159,7 @@ def test_concurrent_sequences_share_pages_counted_once():
     shared = eng.cache.tables[leader.id][:2]
     assert all(eng.cache.tables[s.id][:2] == shared for s in followers)
     assert [eng.cache.refs[p] for p in shared] == [3, 3]
-    assert eng.cache.used_pages == 4 + 1 + 1                    # 14 tokens for the leader, 13 for each other: 10 unshared
+    assert eng.cache.used_pages == 4 + 1 + 1                    # 14 tokens, 13 and 13: 10 pages unshared
     check_pool(eng)
     for _ in drive(eng, [leader, *followers]):
         check_pool(eng)
@@ -229,3 +229,19 @@ def test_prefix_caching_is_on_by_default_off_under_batch_invariant():
     assert not prefix_caching(KV(False), False) and prefix_caching(KV(True), False)
     with pytest.raises(RecipeError, match="batch_invariant"):
         prefix_caching(KV(True), True)
+
+
+def test_hits_reach_the_servers_metrics():
+    from graphmode.monitor import PromMetrics
+    from graphmode.serve.generation import DecodeLoop
+    eng = engine(pages=24)
+    metrics = PromMetrics()
+    loop = DecodeLoop(eng, metrics.decode_series("v1", "host"))
+    run(eng, [SYSTEM + [1], SYSTEM + [2]], 2)
+    run(eng, [SYSTEM + [3]], 2)
+    loop._gauges()
+
+    def value(name: str) -> float:
+        return metrics.registry.get_sample_value(name, {"version": "v1", "target": "host"})
+    assert value("graphmode_prefix_cache_queries_total") == eng.stats["prefix_cache_queries"] == 33
+    assert value("graphmode_prefix_cache_hits_total") == eng.stats["prefix_cache_hits"] == 8
