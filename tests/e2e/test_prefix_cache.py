@@ -26,7 +26,7 @@ from test_decode import _lm, recipe  # noqa: E402  (the decode tests' tiny GPT-2
 SYSTEM = [5, 17, 23, 42, 8, 61, 33, 70, 12]          # 9 tokens: two full pages of 4 and one token
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", pytest.param("llama", marks=pytest.mark.slow)])   # ~35 s each
 def model(request, tmp_path_factory):
     lm, kvh = _lm(request.param)
     ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}

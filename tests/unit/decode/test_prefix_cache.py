@@ -229,6 +229,16 @@ def test_prefix_caching_is_on_by_default_off_under_batch_invariant():
     assert not prefix_caching(KV(False), False) and prefix_caching(KV(True), False)
     with pytest.raises(RecipeError, match="batch_invariant"):
         prefix_caching(KV(True), True)
+    from graphmode.errors import RecipeErrors
+    from graphmode.recipe import load_recipe
+    kv = {"page_size": 4, "max_pages_per_seq": 4, "layers": 2, "kv_heads": 2, "head_dim": 8}
+    rec = {"version": 1, "name": "d", "inputs": [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"]}],
+           "dims": {"batch": {"buckets": [1]}, "seq": {"buckets": [8]}}, "memory": {"kv_cache": kv}}
+    assert load_recipe(rec).memory.kv_cache.prefix_caching is None
+    off = load_recipe({**rec, "memory": {"kv_cache": {**kv, "prefix_caching": False}}})
+    assert off.memory.kv_cache.prefix_caching is False
+    with pytest.raises(RecipeErrors, match="prefix_caching"):
+        load_recipe({**rec, "memory": {"kv_cache": {**kv, "prefix_caching": "yes"}}})
 
 
 def test_hits_reach_the_servers_metrics():
