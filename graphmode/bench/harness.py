@@ -382,7 +382,7 @@ class DecodeConfig:
         return max(max(self.prompt_lens) + 1, self.context + self.new_tokens)
 
 
-QUICK = dict(prompt_lens=(8, 16), batches=(1, 2), context=16, new_tokens=4, iters=2, min_iters=2, warmup=1)
+QUICK = dict(prompt_lens=(8, 32), batches=(1, 2), context=16, new_tokens=4, iters=2, min_iters=2, warmup=1)
 
 
 # ---- the run ------------------------------------------------------------------------------
