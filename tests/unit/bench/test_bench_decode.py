@@ -244,6 +244,10 @@ def test_quick_bench_with_graphmode_on_the_tiny_models(tmp_path):
             assert r["ratio_vs_eager"] > 0 and r["best_other_engine"] == "transformers eager"
     assert all(g["met"] is None for g in res.goals)
     assert res.meta["quick"] and res.meta["bandwidth"]["floor_uses_gbps"] > 0
+    # the repeated system prompt: 28 + 4 tokens, one cached page of 16, same token off and on
+    pc = res.meta["prefix_cache"]
+    assert [r["model"] for r in pc] == ["tiny-gpt2", "tiny-llama"]
+    assert all(r["hit_rate"] == 0.5 and r["tokens_match"] == {"same": 2, "of": 2} for r in pc), pc
 
 
 def test_graphmode_variants_are_engine_variants():
