@@ -306,6 +306,8 @@ class DecodeEngine:
             if v.stop:
                 self.scheduler.finish(v.seq, v.stop)
                 finished.append(v.seq)
+            else:                                   # pages its accepted drafts filled are reusable
+                self.scheduler.prefix_cache.insert(v.seq)
         return finished
 
     def _emit(self, seqs: list[Sequence_], logits: torch.Tensor) -> list[Sequence_]:

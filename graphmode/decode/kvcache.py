@@ -158,7 +158,10 @@ class PagedKVCache:
             return
         keep = self.pages_for(tokens)
         while len(table) > keep:
-            self._free.append(table.pop())
+            p = table.pop()
+            self.refs[p] -= 1
+            if self.refs[p] == 0 and not (self.reclaimer is not None and self.reclaimer.keep(p)):
+                self._free.append(p)
         self.tokens[seq] = min(self.tokens.get(seq, tokens), tokens)
 
     def release(self, seq: int) -> None:
