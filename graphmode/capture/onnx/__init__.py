@@ -44,6 +44,7 @@ from graphmode.capture.onnx.importer import OnnxCaptureReport, import_onnx, supp
 from graphmode.capture.onnx.opsets import KNOWN_MAX, KNOWN_MIN
 from graphmode.capture.onnx_validate import MIN_OPSET
 from graphmode.capture.onnx import (convert_composite, convert_control, convert_core, convert_nn,  # noqa: F401,E402
-                                    convert_quant, convert_recurrent, convert_resize, convert_shape)   # register handlers
+                                    convert_quant, convert_recurrent, convert_resize, convert_select,
+                                    convert_shape)   # register handlers
 
 __all__ = ["import_onnx", "OnnxCaptureReport", "supported_onnx_ops", "MIN_OPSET", "KNOWN_MIN", "KNOWN_MAX"]

@@ -1,0 +1,213 @@
+"""ONNX ops that select, reorder or write elements by index: TopK, ScatterElements / Scatter,
+ScatterND, ReverseSequence, Tile, CumProd and Det.
+
+Where a core op fits they are written as core ops (Tile as reshape + expand, ReverseSequence
+as a gather of computed positions, ScatterND as a scatter along the flattened index axes);
+the rest become ATen-reference ops (`ir/ops/aten_ref.py`: `sort`, `scatter`, `scatter_reduce`,
+`cumprod`, `linalg_det`), whose reference is the ATen op itself and whose output types are
+derived for static shapes (a symbolic dim there is refused by name).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from graphmode.capture.onnx.convert_composite import _bind, _const, _s, _static
+from graphmode.capture.onnx.convert_shape import _wrap_negative
+from graphmode.capture.onnx.fold import _FLOAT_DTYPES
+from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
+from graphmode.ir.ops import get_op, norm_axis
+
+_IN = [{"$in": i} for i in range(4)]
+# ONNX reduction attribute -> scatter_reduce's reduce argument
+_REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
+
+
+def emit_aten(imp: _Importer, op: str, inputs: list[str], args: list, kwargs: dict | None = None, *,
+              overload: str = "default", hint: str) -> list[str]:
+    """One ATen-reference node (every output: topk/sort give two); the names of its outputs."""
+    attrs = {"overload": overload, "args": args, "kwargs": dict(kwargs or {})}
+    n = imp.node
+    if n is not None and imp.excluded(n.op_type, op):
+        raise imp.fail(f"{n.op_type} is excluded from compilation, but it lowers to the ATen-reference op {op!r}, "
+                       "and ONNX has no eager fallback", fix=f"remove {n.op_type!r} from capture.exclude_ops")
+    types = get_op(op).infer([imp.g.type_of(i) for i in inputs], attrs)
+    names = [imp.g.fresh_name(f"{hint}_{k}" if k else hint) for k in range(len(types))]
+    outs = imp.g.add_node(op, inputs, types, attrs, names=names)
+    if n is not None:
+        imp.op_map[n.op_type][op] += 1
+    return outs
+
+
+def _no_unsigned(imp: _Importer, v: str, what: str) -> None:
+    dt = imp.g.type_of(v).dtype
+    if dt in ("u16", "u32", "u64"):
+        raise imp.fail(f"{what} on {dt} values is not supported: torch has no {dt} kernels for it",
+                       fix="cast the values to int64 in the model where they fit")
+
+
+@_handles("TopK")
+def _topk(imp: _Importer, n) -> None:
+    """A stable sort along the axis, its first K: ties keep the lower index first, as ONNX asks
+    (torch.topk leaves the order of ties unspecified)."""
+    x = imp.operand(n.input[0])
+    xt = imp.g.type_of(x)
+    _no_unsigned(imp, x, "TopK")
+    k = imp.ints_of(n.input[1], "TopK K")[0]
+    axis = norm_axis(int(imp.attr(n, "axis", -1)), xt.rank)
+    largest = bool(imp.attr(n, "largest", 1))
+    h = n.output[0] or n.output[1]
+    size = _static(imp, xt.shape[axis], "TopK")
+    if not 0 <= k <= size:
+        raise imp.fail(f"TopK K={k} is outside 0..{size} (the axis' extent)", value=k)
+    vals, idx = emit_aten(imp, "sort", [x], [_IN[0]], {"stable": True, "dim": axis, "descending": largest},
+                          overload="stable", hint=h)
+    for out, v in zip(n.output, (vals, idx)):
+        if out:
+            imp.emit("slice", [v], {"dim": axis, "start": 0, "end": k, "step": 1}, out=out)
+
+
+@_handles("ScatterElements", "Scatter")
+def _scatter_elements(imp: _Importer, n) -> None:
+    """data with updates written (or reduced) in at indices along axis: scatter / scatter_reduce
+    (include_self: the data's own value takes part, as ONNX's reductions define)."""
+    data, upd = imp.operand(n.input[0]), imp.operand(n.input[2])
+    dt = imp.g.type_of(data)
+    _no_unsigned(imp, data, n.op_type)
+    axis = norm_axis(int(imp.attr(n, "axis", 0)), dt.rank)
+    h = n.output[0]
+    idx = _wrap_negative(imp, imp.operand(n.input[1]), dt.shape[axis], h)
+    if imp.g.type_of(idx).dtype != "i64":
+        idx = imp.emit("cast", [idx], {"dtype": "i64"}, hint=f"{h}_idx")
+    y = _scatter(imp, n, data, axis, idx, upd, h)
+    _bind(imp, h, y)
+
+
+def _scatter(imp: _Importer, n, data: str, axis: int, idx: str, upd: str, h: str) -> str:
+    reduction = _s(imp.attr(n, "reduction", b"none"))
+    if reduction == "none":
+        return emit_aten(imp, "scatter", [data, idx, upd], [_IN[0], axis, _IN[1], _IN[2]], overload="src", hint=h)[0]
+    if reduction not in _REDUCE:
+        raise imp.fail(f"{n.op_type} reduction={reduction!r} is not one of none, add, mul, max, min", value=reduction)
+    if imp.g.type_of(data).dtype == "bool":
+        raise imp.fail(f"{n.op_type} reduction={reduction!r} on bool data is not supported",
+                       fix="cast the data to an integer type in the model")
+    return emit_aten(imp, "scatter_reduce", [data, idx, upd], [_IN[0], axis, _IN[1], _IN[2], _REDUCE[reduction]],
+                     {"include_self": True}, overload="two", hint=h)[0]
+
+
+@_handles("ScatterND")
+def _scatter_nd(imp: _Importer, n) -> None:
+    """data[indices[..., :]] = updates (or reduced in): the k indexed axes of data flattened into
+    one, each index tuple turned into its position there (negative entries count from the end),
+    then a scatter along that axis."""
+    data, idx, upd = imp.operand(n.input[0]), imp.operand(n.input[1]), imp.operand(n.input[2])
+    dt, it = imp.g.type_of(data), imp.g.type_of(idx)
+    _no_unsigned(imp, data, "ScatterND")
+    h = n.output[0]
+    k = _static(imp, it.shape[-1], "ScatterND index depth")
+    lead = [_static(imp, d, "ScatterND indexed axes") for d in dt.shape[:k]]
+    rest = list(dt.shape[k:])
+    count = math.prod(_static(imp, d, "ScatterND index count") for d in it.shape[:-1])
+    if imp.g.type_of(idx).dtype != "i64":
+        idx = imp.emit("cast", [idx], {"dtype": "i64"}, hint=f"{h}_idx")
+    sizes = _const(imp, torch.tensor(lead, dtype=torch.int64), f"{h}_sizes")
+    strides = _const(imp, torch.tensor([math.prod(lead[j + 1:]) for j in range(k)], dtype=torch.int64),
+                     f"{h}_strides")
+    neg = imp.emit("lt", [idx, imp.scalar(0, "i64", f"{h}_zero")], {}, hint=f"{h}_neg")
+    idx = imp.emit("where", [neg, imp.emit("add", [idx, sizes], {}, hint=f"{h}_wrapped"), idx], {}, hint=f"{h}_idx")
+    pos = imp.emit("sum", [imp.emit("mul", [idx, strides], {}, hint=f"{h}_pos")], {"dims": [it.rank - 1],
+                                                                                   "keepdim": False}, hint=f"{h}_pos")
+    pos = imp.emit("reshape", [pos], {"shape": _shape_attr([count] + [1] * len(rest))}, hint=f"{h}_pos")
+    if rest:
+        pos = imp.emit("expand", [pos], {"shape": _shape_attr([count] + rest)}, hint=f"{h}_pos")
+    flat = imp.emit("reshape", [data], {"shape": _shape_attr([math.prod(lead)] + rest)}, hint=f"{h}_flat")
+    upd = imp.emit("reshape", [upd], {"shape": _shape_attr([count] + rest)}, hint=f"{h}_upd")
+    y = _scatter(imp, n, flat, 0, pos, upd, h)
+    imp.emit("reshape", [y], {"shape": _shape_attr(list(dt.shape))}, out=h)
+
+
+def _along(imp: _Importer, v: str, axis: int, rank: int, hint: str) -> str:
+    """A 1-d value reshaped to rank `rank`, its extent on `axis` and 1 on the other axes."""
+    shape = [1] * rank
+    shape[axis] = imp.g.type_of(v).shape[0]
+    return imp.emit("reshape", [v], {"shape": _shape_attr(shape)}, hint=hint)
+
+
+@_handles("ReverseSequence")
+def _reverse_sequence(imp: _Importer, n) -> None:
+    """Per batch entry b, the first lens[b] steps along the time axis reversed, the rest kept:
+    a gather along time of `lens[b] - 1 - t` where t < lens[b], else t."""
+    x = imp.operand(n.input[0])
+    xt = imp.g.type_of(x)
+    t_ax = norm_axis(int(imp.attr(n, "time_axis", 0)), xt.rank)
+    b_ax = norm_axis(int(imp.attr(n, "batch_axis", 1)), xt.rank)
+    h = n.output[0]
+    lens = imp.operand(n.input[1])
+    if imp.g.type_of(lens).dtype != "i64":
+        lens = imp.emit("cast", [lens], {"dtype": "i64"}, hint=f"{h}_lens")
+    steps = imp.emit("arange", [], {"start": 0, "end": _shape_attr([xt.shape[t_ax]])[0], "step": 1, "dtype": "i64"},
+                     hint=f"{h}_t")
+    t = _along(imp, steps, t_ax, xt.rank, f"{h}_t")
+    lens = _along(imp, lens, b_ax, xt.rank, f"{h}_lens")
+    rev = imp.emit("sub", [imp.emit("sub", [lens, imp.scalar(1, "i64", f"{h}_one")], {}, hint=f"{h}_last"), t], {},
+                   hint=f"{h}_rev")
+    idx = imp.emit("where", [imp.emit("lt", [t, lens], {}, hint=f"{h}_in"), rev, t], {}, hint=f"{h}_idx")
+    idx = imp.emit("expand", [idx], {"shape": _shape_attr(list(xt.shape))}, hint=f"{h}_idx")
+    imp.emit("gather", [x, idx], {"dim": t_ax}, out=h)
+
+
+@_handles("Tile")
+def _tile(imp: _Importer, n) -> None:
+    """x repeated `repeats[i]` times along axis i: each axis gets a new one of the repeat count
+    in front of it, broadcast there (expand), then each pair merged (reshape)."""
+    x = imp.operand(n.input[0])
+    xt = imp.g.type_of(x)
+    reps = imp.ints_of(n.input[1], "Tile repeats")
+    if len(reps) != xt.rank or any(r < 0 for r in reps):
+        raise imp.fail(f"Tile repeats {reps} must give one count >= 0 per axis of {xt.text()}", value=reps)
+    h = n.output[0]
+    if all(r == 1 for r in reps):
+        imp.alias(h, n.input[0])
+        return
+    split = [d for s in xt.shape for d in (1, s)]
+    wide = [d for r, s in zip(reps, xt.shape) for d in (r, s)]
+    y = imp.emit("reshape", [x], {"shape": _shape_attr(split)}, hint=f"{h}_split")
+    y = imp.emit("expand", [y], {"shape": _shape_attr(wide)}, hint=f"{h}_wide")
+    imp.emit("reshape", [y], {"shape": _shape_attr([r * s for r, s in zip(reps, xt.shape)])}, out=h)
+
+
+@_handles("CumProd")
+def _cumprod(imp: _Importer, n) -> None:
+    """cumprod along axis (ONNX opset 26); reverse runs it on the flipped axis, exclusive on the
+    input shifted by one step with a 1 in front."""
+    x = imp.operand(n.input[0])
+    xt = imp.g.type_of(x)
+    _no_unsigned(imp, x, "CumProd")
+    ax = norm_axis(imp.ints_of(n.input[1], "CumProd axis")[0], xt.rank)
+    reverse, exclusive = bool(imp.attr(n, "reverse", 0)), bool(imp.attr(n, "exclusive", 0))
+    h = n.output[0]
+    size = _static(imp, xt.shape[ax], "CumProd")
+    src = emit_aten(imp, "flip", [x], [_IN[0], [ax]], hint=f"{h}_rev")[0] if reverse else x
+    if exclusive and size > 0:
+        one = list(xt.shape)
+        one[ax] = 1
+        ones = imp.emit("full", [], {"shape": _shape_attr(one), "value": 1, "dtype": xt.dtype}, hint=f"{h}_one")
+        head = imp.emit("slice", [src], {"dim": ax, "start": 0, "end": size - 1, "step": 1}, hint=f"{h}_head")
+        src = imp.emit("concat", [ones, head], {"dim": ax}, hint=f"{h}_shifted")
+    y = emit_aten(imp, "cumprod", [src], [_IN[0], ax], {"dtype": {"$dtype": xt.dtype}}, hint=h)[0]
+    if reverse:
+        y = emit_aten(imp, "flip", [y], [_IN[0], [ax]], hint=h)[0]
+    _bind(imp, h, y)
+
+
+@_handles("Det")
+def _det(imp: _Importer, n) -> None:
+    """The determinant of each trailing square matrix (linalg_det, float inputs only)."""
+    x = imp.operand(n.input[0])
+    dt = imp.g.type_of(x).dtype
+    if dt not in _FLOAT_DTYPES or dt in ("f16", "bf16"):
+        raise imp.fail(f"Det of {dt} values is not supported: torch computes determinants in f32 and f64",
+                       fix="cast the input to float32 in the model")
+    _bind(imp, n.output[0], emit_aten(imp, "linalg_det", [x], [_IN[0]], hint=n.output[0])[0])

@@ -1,0 +1,97 @@
+"""ONNX TopK, ScatterElements, ScatterND, ReverseSequence, Tile, CumProd and Det
+(capture/onnx/convert_select.py), imported and interpreted, against ONNX Runtime; what the
+converters do not cover is refused by name."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from graphmode.capture.onnx import import_onnx
+from graphmode.errors import CaptureError
+from graphmode.ir.interpreter import interpret
+
+_NP = {np.float32: TensorProto.FLOAT, np.int64: TensorProto.INT64, np.int32: TensorProto.INT32,
+       np.uint64: TensorProto.UINT64}
+
+
+def _model(op: str, feeds: dict, consts: dict, n_out: int, opset: int, **attrs):
+    inputs = [helper.make_tensor_value_info(k, _NP[v.dtype.type], list(v.shape)) for k, v in feeds.items()]
+    inits = [numpy_helper.from_array(v, k) for k, v in consts.items()]
+    outs = [f"y{i}" for i in range(n_out)]
+    node = helper.make_node(op, list(feeds) + list(consts), outs, **attrs)
+    g = helper.make_graph([node], "g", inputs, [helper.make_value_info(o, helper.TypeProto()) for o in outs], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    from onnx import shape_inference
+    inferred = shape_inference.infer_shapes(m)
+    del m.graph.output[:]
+    m.graph.output.extend(inferred.graph.output)
+    return m
+
+
+def _check(op: str, feeds: dict, consts: dict | None = None, n_out: int = 1, opset: int = 22, **attrs):
+    m = _model(op, feeds, consts or {}, n_out, opset, **attrs)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    graph, _ = import_onnx(m)
+    got = interpret(graph, {v: torch.from_numpy(feeds[k]) for v, k in zip(graph.inputs, feeds)})
+    assert len(graph.outputs) == len(want)
+    for out, w in zip(graph.outputs, want):
+        g = got[out].numpy()
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert np.allclose(g, w, rtol=1e-5, atol=1e-6), (g, w)
+
+
+X = np.array([[3.0, 1.0, 3.0, 2.0, 1.0], [0.5, 0.5, -1.0, 4.0, 0.5]], dtype=np.float32)
+
+
+@pytest.mark.parametrize("largest", [1, 0])
+def test_topk_keeps_the_lower_index_first_among_ties(largest):
+    _check("TopK", {"x": X}, {"k": np.array([3], dtype=np.int64)}, n_out=2, axis=-1, largest=largest)
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
+def test_scatter_elements_reductions_and_negative_indices(reduction):
+    idx = np.array([[1, -1], [0, 0]], dtype=np.int64) if reduction != "none" else np.array([[1, -1], [0, 2]],
+                                                                                           dtype=np.int64)
+    _check("ScatterElements", {"x": X, "i": idx, "u": np.array([[5.0, 6.0], [7.0, -8.0]], dtype=np.float32)},
+           axis=1, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "max"])
+def test_scatter_nd_writes_rows_and_elements(reduction):
+    data = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    rows = np.array([[1, 2], [0, -1]], dtype=np.int64)                  # two [4]-rows, one negative index
+    _check("ScatterND", {"x": data, "i": rows, "u": np.full((2, 4), 9.0, dtype=np.float32)}, reduction=reduction)
+    elems = np.array([[[0, 0, 1]], [[1, 2, 3]]], dtype=np.int64)       # single elements, index batch [2, 1]
+    _check("ScatterND", {"x": data, "i": elems, "u": np.array([[-1.0], [50.0]], dtype=np.float32)},
+           reduction=reduction)
+
+
+@pytest.mark.parametrize("batch_axis,time_axis", [(1, 0), (0, 1)])
+def test_reverse_sequence_reverses_each_prefix(batch_axis, time_axis):
+    x = np.arange(20, dtype=np.float32).reshape(4, 5) if time_axis == 0 else np.arange(20, dtype=np.float32).reshape(5, 4)
+    lens = np.array([4, 1, 3, 2, 4], dtype=np.int64)
+    _check("ReverseSequence", {"x": x, "lens": lens}, batch_axis=batch_axis, time_axis=time_axis)
+
+
+def test_tile_repeats_each_axis():
+    _check("Tile", {"x": X}, {"r": np.array([2, 3], dtype=np.int64)})
+
+
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_cumprod_at_opset_26(exclusive, reverse):
+    _check("CumProd", {"x": X}, {"axis": np.array(1, dtype=np.int64)}, opset=26, exclusive=exclusive,
+           reverse=reverse)
+
+
+def test_det_of_a_batch_of_matrices():
+    rng = np.random.default_rng(0)
+    _check("Det", {"x": rng.standard_normal((3, 4, 4)).astype(np.float32)})
+
+
+def test_topk_of_uint64_is_refused_by_name():
+    m = _model("TopK", {"x": np.arange(5, dtype=np.uint64)}, {"k": np.array([2], dtype=np.int64)}, 2, 22)
+    with pytest.raises(CaptureError, match="TopK on u64"):
+        import_onnx(m)
