@@ -9,6 +9,7 @@ ATen until tuning switches it to a generated kernel. The closures themselves
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -28,7 +29,8 @@ def gemm_closure(op: str, ins: Sequence[torch.Tensor], y: torch.Tensor) -> Calla
     if op == "linear":
         x, w = ins[0], ins[1]
         k, n = w.shape[1], w.shape[0]
-        x2, y2, wt = x.view(-1, k), y.view(-1, n), w.t()
+        rows = math.prod(x.shape[:-1])      # not view(-1, k): an empty k or n leaves -1 ambiguous
+        x2, y2, wt = x.view(rows, k), y.view(rows, n), w.t()
         if len(ins) > 2:
             b = ins[2]
             return lambda: torch.addmm(b, x2, wt, out=y2)

@@ -118,3 +118,13 @@ def test_op_refusal_is_exactly_what_op_expr_cannot_write(op):
         else:
             with pytest.raises(BackendError, match="internal"):
                 op_expr(n, ins, out_dt, "test")
+
+
+@pytest.mark.parametrize("k,n", [(0, 4), (3, 0)])
+def test_aten_linear_with_an_empty_inner_or_output_dim(k, n):
+    """An empty k or n: the GEMM's 2-d views give the row count (view(-1, 0) is ambiguous)."""
+    from graphmode.backends.cpu.aten import gemm_closure
+    x, w, b = torch.randn(2, 5, k), torch.randn(n, k), torch.randn(n)
+    y = torch.empty(2, 5, n)
+    gemm_closure("linear", [x, w, b], y)()
+    assert torch.equal(y, torch.nn.functional.linear(x, w, b))
