@@ -307,10 +307,10 @@ def _op_index(*methods: Callable) -> dict[str, int]:
     return {m.__name__: [p for p in inspect.signature(m).parameters if p != "self"].index("op") for m in methods}
 
 
-def converter_emits(registry: dict[str, Callable], subject: str, emit_method: Callable) -> dict[str, Emits]:
+def converter_emits(registry: dict[str, Callable], subject: str, *emit_methods: Callable) -> dict[str, Emits]:
     """key -> what its converter emits, for a registry of key -> function whose code reads
-    the key as `subject` and emits through `emit_method` (or `Graph.add_node`)."""
-    index = _op_index(emit_method, Graph.add_node)
+    the key as `subject` and emits through `emit_methods` (or `Graph.add_node`)."""
+    index = _op_index(*emit_methods, Graph.add_node)
     out: dict[str, Emits] = {}
     for key, fn in registry.items():
         w = _Walker(key, subject, index)
@@ -333,7 +333,7 @@ def torch_emits() -> dict[str, Emits]:
 def onnx_emits() -> dict[str, Emits]:
     """ONNX op type -> what its handler emits."""
     from graphmode.capture.onnx import importer
-    return converter_emits(importer._HANDLERS, "n.op_type", importer._Importer.emit)
+    return converter_emits(importer._HANDLERS, "n.op_type", importer._Importer.emit, importer._Importer.emit_aten)
 
 
 __all__ = ["Emits", "converter_emits", "torch_emits", "onnx_emits"]

@@ -63,3 +63,55 @@ def test_rnn_matches_onnxruntime(attrs, dirs, layout, with_h0):
 def test_rnn_clip_is_refused_by_name():
     with pytest.raises(CaptureError, match="clip"):
         import_onnx(_model({"clip": 1.0}, 1))
+
+
+def _gated(op: str, attrs: dict, dirs: int, extra_inputs: int):
+    """A GRU (3 gates) or LSTM (4 gates) node with biases, initial states and, for LSTM, peepholes."""
+    gates = 3 if op == "GRU" else 4
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(rng.standard_normal((dirs, gates * HID, IN)).astype(np.float32) * 0.5, "W"),
+             numpy_helper.from_array(rng.standard_normal((dirs, gates * HID, HID)).astype(np.float32) * 0.5, "R"),
+             numpy_helper.from_array(rng.standard_normal((dirs, 2 * gates * HID)).astype(np.float32), "B")]
+    inputs = [helper.make_tensor_value_info("X", F, [SEQ, BATCH, IN]),
+              helper.make_tensor_value_info("H0", F, [dirs, BATCH, HID])]
+    ins = ["X", "W", "R", "B", "", "H0"]
+    outs = ["Y", "Y_h"]
+    if op == "LSTM":
+        inputs.append(helper.make_tensor_value_info("C0", F, [dirs, BATCH, HID]))
+        ins.append("C0")
+        outs.append("Y_c")
+        if extra_inputs:
+            inits.append(numpy_helper.from_array(rng.standard_normal((dirs, 3 * HID)).astype(np.float32), "P"))
+            ins.append("P")
+    node = helper.make_node(op, ins, outs, hidden_size=HID, **attrs)
+    ranks = {"Y": 4, "Y_h": 3, "Y_c": 3}
+    g = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info(o, F, [None] * ranks[o]) for o in outs],
+                          inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)])
+
+
+GATED = [("GRU", {}, 1, 0), ("GRU", {"linear_before_reset": 1, "direction": "reverse"}, 1, 0),
+         ("GRU", {"direction": "bidirectional"}, 2, 0), ("LSTM", {}, 1, 0), ("LSTM", {}, 1, 1),
+         ("LSTM", {"direction": "bidirectional", "activations": ["Sigmoid", "Tanh", "Relu"] * 2}, 2, 1)]
+
+
+@pytest.mark.parametrize("op,attrs,dirs,peepholes", GATED)
+def test_gru_and_lstm_match_onnxruntime(op, attrs, dirs, peepholes):
+    m = _gated(op, attrs, dirs, peepholes)
+    rng = np.random.default_rng(3)
+    feeds = {"X": rng.standard_normal((SEQ, BATCH, IN)).astype(np.float32),
+             "H0": rng.standard_normal((dirs, BATCH, HID)).astype(np.float32)}
+    if op == "LSTM":
+        feeds["C0"] = rng.standard_normal((dirs, BATCH, HID)).astype(np.float32)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    graph, _ = import_onnx(m)
+    got = interpret(graph, {v: torch.from_numpy(feeds[k]) for v, k in zip(graph.inputs, feeds)})
+    assert len(graph.outputs) == len(want)
+    for out, w in zip(graph.outputs, want):
+        assert tuple(got[out].shape) == w.shape
+        assert np.allclose(got[out].numpy(), w, rtol=1e-5, atol=1e-5)
+
+
+def test_lstm_input_forget_is_refused_by_name():
+    with pytest.raises(CaptureError, match="input_forget"):
+        import_onnx(_gated("LSTM", {"input_forget": 1}, 1, 0))

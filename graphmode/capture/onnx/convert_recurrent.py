@@ -1,9 +1,10 @@
-"""ONNX RNN unrolled over a static sequence length into core ops.
+"""ONNX RNN, GRU and LSTM unrolled over a static sequence length into core ops.
 
 Per direction: the input projection of every step in one matmul, then one step per time index,
-h = f(x_t W^T + h R^T + Wb + Rb), in ONNX's order (reversed for the backward direction), the
-steps concatenated into Y and the last one into Y_h. What this does not cover (clip, activations
-with alpha/beta, sequence_lens shorter than the sequence) is refused by name.
+h = f(x_t W^T + h R^T + Wb + Rb) for RNN (GRU and LSTM: their gates, `_gru_step`, `_lstm_step`),
+in ONNX's order (reversed for the backward direction), the steps concatenated into Y and the last
+one into Y_h (LSTM: the last cell state into Y_c). What this does not cover (clip, activations
+with alpha/beta, sequence_lens shorter than the sequence, LSTM's input_forget) is refused by name.
 """
 from __future__ import annotations
 
@@ -20,71 +21,174 @@ def _row(imp: _Importer, v: str, d: int, hint: str) -> str:
     return imp.emit("reshape", [part], {"shape": _shape_attr(list(t.shape[1:]))}, hint=hint)
 
 
-@_handles("RNN")
-def _rnn(imp: _Importer, n) -> None:
-    h = n.output[0] or n.output[1]
+def _check_common(imp: _Importer, n, dirs: list, acts_per_dir: int, defaults: list[bytes]) -> list[str]:
+    """The activations of every direction; refusals of what the unrolling does not cover."""
+    op = n.op_type
+    if imp.attr(n, "clip", None) is not None:
+        raise imp.fail(f"{op} clip is not supported", fix="export without clip")
+    if imp.attr(n, "activation_alpha", None) or imp.attr(n, "activation_beta", None):
+        raise imp.fail(f"{op} activation_alpha / activation_beta are not supported")
+    acts = [_s(a) for a in imp.attr(n, "activations", defaults * len(dirs))]
+    if len(acts) != acts_per_dir * len(dirs) or any(a not in _ACTIVATIONS for a in acts):
+        raise imp.fail(f"{op} activations {acts}: {acts_per_dir} per direction, each of {', '.join(_ACTIVATIONS)}",
+                       value=acts)
+    return acts
+
+
+def _act(imp: _Importer, name: str, v: str, hint: str) -> str:
+    return imp.emit({"Tanh": "tanh", "Relu": "relu", "Sigmoid": "sigmoid"}[name], [v], {}, hint=hint)
+
+
+def _gate(imp: _Importer, v: str, k: int, hidden, hint: str) -> str:
+    """Gate k of a [batch, gates * hidden] value."""
+    return imp.emit("slice", [v], {"dim": 1, "start": k * hidden, "end": (k + 1) * hidden, "step": 1}, hint=hint)
+
+
+def _unroll(imp: _Importer, n, gates: int, step) -> None:
+    """The shared frame of GRU and LSTM: directions, layout, the input projection, the steps
+    (`step(d, x_proj, h_proj, state, R^T, Rb) -> state`, state = (h, c), c unused by GRU) and the
+    outputs."""
+    h = next(o for o in n.output if o)
     direction = _s(imp.attr(n, "direction", b"forward"))
     dirs = {"forward": [False], "reverse": [True], "bidirectional": [False, True]}.get(direction)
     if dirs is None:
-        raise imp.fail(f"RNN direction={direction!r} is not forward, reverse or bidirectional", value=direction)
-    if imp.attr(n, "clip", None) is not None:
-        raise imp.fail("RNN clip is not supported", fix="export without clip")
-    if imp.attr(n, "activation_alpha", None) or imp.attr(n, "activation_beta", None):
-        raise imp.fail("RNN activation_alpha / activation_beta are not supported")
-    acts = [_s(a) for a in imp.attr(n, "activations", [b"Tanh"] * len(dirs))]
-    if len(acts) != len(dirs) or any(a not in _ACTIVATIONS for a in acts):
-        raise imp.fail(f"RNN activations {acts}: one per direction, each of {', '.join(_ACTIVATIONS)}", value=acts)
+        raise imp.fail(f"{n.op_type} direction={direction!r} is not forward, reverse or bidirectional",
+                       value=direction)
     layout = int(imp.attr(n, "layout", 0))
     x = imp.operand(n.input[0])
     if layout:
         x = imp.emit("permute", [x], {"perm": [1, 0, 2]}, hint=f"{h}_x")
     xt = imp.g.type_of(x)
-    seq = _static(imp, xt.shape[0], "RNN sequence length")
+    seq = _static(imp, xt.shape[0], f"{n.op_type} sequence length")
     batch = xt.shape[1]
     lens = imp.opt_in(n, 4)
     if lens:
         k = imp.kn(lens)
         if k is None or not k.concrete or any(int(v) != seq for v in k.tensor().reshape(-1).tolist()):
-            raise imp.fail("RNN sequence_lens shorter than the sequence (or known only at run time) is not supported",
-                           fix="pad every sequence to the full length, or drop sequence_lens")
+            raise imp.fail(f"{n.op_type} sequence_lens shorter than the sequence (or known only at run time) is not "
+                           "supported", fix="pad every sequence to the full length, or drop sequence_lens")
     w, r = imp.operand(n.input[1]), imp.operand(n.input[2])
     hidden = imp.g.type_of(r).shape[2]
     bias = imp.operand(n.input[3]) if imp.opt_in(n, 3) else None
-    h0 = imp.operand(n.input[5]) if imp.opt_in(n, 5) else None
-    if h0 is not None and layout:
-        h0 = imp.emit("permute", [h0], {"perm": [1, 0, 2]}, hint=f"{h}_h0")
+    init = []
+    for i in (5, 6):
+        v = imp.operand(n.input[i]) if imp.opt_in(n, i) else None
+        if v is not None and layout:
+            v = imp.emit("permute", [v], {"perm": [1, 0, 2]}, hint=f"{h}_init")
+        init.append(v)
+    zero = imp.emit("full", [], {"shape": _shape_attr([batch, hidden]), "value": 0.0, "dtype": xt.dtype},
+                    hint=f"{h}_zero")
     step_shape = _shape_attr([1, batch, hidden])
-    ys, lasts = [], []
+    ys, lasts, cells = [], [], []
     for d, backward in enumerate(dirs):
         wd = imp.emit("permute", [_row(imp, w, d, h)], {"perm": [1, 0]}, hint=h)
         rd = imp.emit("permute", [_row(imp, r, d, h)], {"perm": [1, 0]}, hint=h)
         proj = imp.emit("matmul", [x, wd], {}, hint=f"{h}_xw")
+        rb = None
         if bias is not None:
             b = _row(imp, bias, d, h)
-            wb = imp.emit("slice", [b], {"dim": 0, "start": 0, "end": hidden, "step": 1}, hint=h)
-            rb = imp.emit("slice", [b], {"dim": 0, "start": hidden, "end": 2 * hidden, "step": 1}, hint=h)
-            proj = imp.emit("add", [proj, imp.emit("add", [wb, rb], {}, hint=h)], {}, hint=f"{h}_xw")
-        state = _row(imp, h0, d, h) if h0 is not None else None
+            wb = imp.emit("slice", [b], {"dim": 0, "start": 0, "end": gates * hidden, "step": 1}, hint=h)
+            rb = imp.emit("slice", [b], {"dim": 0, "start": gates * hidden, "end": 2 * gates * hidden, "step": 1},
+                          hint=h)
+            proj = imp.emit("add", [proj, wb], {}, hint=f"{h}_xw")
+        state = tuple(_row(imp, v, d, h) if v is not None else zero for v in init)
         steps = []
         for t in (reversed(range(seq)) if backward else range(seq)):
             pre = imp.emit("slice", [proj], {"dim": 0, "start": t, "end": t + 1, "step": 1}, hint=h)
-            pre = imp.emit("reshape", [pre], {"shape": _shape_attr([batch, hidden])}, hint=h)
-            if state is not None:
-                pre = imp.emit("add", [pre, imp.emit("matmul", [state, rd], {}, hint=h)], {}, hint=h)
-            act = acts[d]
-            state = imp.emit("tanh" if act == "Tanh" else "relu" if act == "Relu" else "sigmoid", [pre], {},
-                             hint=f"{h}_h")
-            steps.append((t, imp.emit("reshape", [state], {"shape": step_shape}, hint=h)))
+            pre = imp.emit("reshape", [pre], {"shape": _shape_attr([batch, gates * hidden])}, hint=h)
+            state = step(d, pre, imp.emit("matmul", [state[0], rd], {}, hint=h), state, rd, rb)
+            steps.append((t, imp.emit("reshape", [state[0]], {"shape": step_shape}, hint=h)))
         steps.sort()
         y = imp.emit("concat", [s for _, s in steps], {"dim": 0}, hint=h) if seq > 1 else steps[0][1]
         ys.append(imp.emit("reshape", [y], {"shape": _shape_attr([seq, 1, batch, hidden])}, hint=h))
-        lasts.append(imp.emit("reshape", [state], {"shape": step_shape}, hint=h))
-    y = ys[0] if len(ys) == 1 else imp.emit("concat", ys, {"dim": 1}, hint=h)
-    y_h = lasts[0] if len(lasts) == 1 else imp.emit("concat", lasts, {"dim": 0}, hint=h)
+        lasts.append(imp.emit("reshape", [state[0]], {"shape": step_shape}, hint=h))
+        cells.append(imp.emit("reshape", [state[1]], {"shape": step_shape}, hint=h))
+    outs = [ys[0] if len(ys) == 1 else imp.emit("concat", ys, {"dim": 1}, hint=h)]
+    outs += [v[0] if len(v) == 1 else imp.emit("concat", v, {"dim": 0}, hint=h) for v in (lasts, cells)]
     if layout:
-        y = imp.emit("permute", [y], {"perm": [2, 0, 1, 3]}, hint=h)
-        y_h = imp.emit("permute", [y_h], {"perm": [1, 0, 2]}, hint=h)
-    if n.output[0]:
-        _bind(imp, n.output[0], y)
-    if len(n.output) > 1 and n.output[1]:
-        _bind(imp, n.output[1], y_h)
+        outs = [imp.emit("permute", [outs[0]], {"perm": [2, 0, 1, 3]}, hint=h)] + \
+               [imp.emit("permute", [v], {"perm": [1, 0, 2]}, hint=h) for v in outs[1:]]
+    for name, v in zip(n.output, outs):
+        if name:
+            _bind(imp, name, v)
+
+
+@_handles("GRU")
+def _gru(imp: _Importer, n) -> None:
+    """z = f(x Wz + h Rz + b), r = f(x Wr + h Rr + b), h~ = g(x Wh + (r h) Rh + b) (with
+    linear_before_reset: g(x Wh + r (h Rh + Rbh) + Wbh)), h' = (1 - z) h~ + z h."""
+    dirs = [0, 1] if _s(imp.attr(n, "direction", b"forward")) == "bidirectional" else [0]
+    acts = _check_common(imp, n, dirs, 2, [b"Sigmoid", b"Tanh"])
+    before_reset = bool(imp.attr(n, "linear_before_reset", 0))
+    hid = imp.g.type_of(imp.operand(n.input[2])).shape[2]
+    h = next(o for o in n.output if o)
+
+    def step(d, pre, rec, state, rd, rb):
+        f, g = acts[2 * d], acts[2 * d + 1]
+        if rb is not None:
+            rb_h = imp.emit("slice", [rb], {"dim": 0, "start": 2 * hid, "end": 3 * hid, "step": 1}, hint=h)
+            rec = imp.emit("add", [rec, rb], {}, hint=h)        # gate h's bias is added below, not here
+        z = _act(imp, f, imp.emit("add", [_gate(imp, pre, 0, hid, h), _gate(imp, rec, 0, hid, h)], {}, hint=h), h)
+        r = _act(imp, f, imp.emit("add", [_gate(imp, pre, 1, hid, h), _gate(imp, rec, 1, hid, h)], {}, hint=h), h)
+        if before_reset:
+            cand = imp.emit("mul", [r, _gate(imp, rec, 2, hid, h)], {}, hint=h)
+        else:
+            rdh = imp.emit("slice", [rd], {"dim": 1, "start": 2 * hid, "end": 3 * hid, "step": 1}, hint=h)
+            cand = imp.emit("matmul", [imp.emit("mul", [r, state[0]], {}, hint=h), rdh], {}, hint=h)
+            if rb is not None:
+                cand = imp.emit("add", [cand, rb_h], {}, hint=h)
+        hc = _act(imp, g, imp.emit("add", [_gate(imp, pre, 2, hid, h), cand], {}, hint=h), h)
+        keep = imp.emit("mul", [z, state[0]], {}, hint=h)
+        new = imp.emit("sub", [hc, imp.emit("mul", [z, hc], {}, hint=h)], {}, hint=h)
+        return (imp.emit("add", [new, keep], {}, hint=f"{h}_h"), state[1])
+    _unroll(imp, n, 3, step)
+
+
+@_handles("LSTM")
+def _lstm(imp: _Importer, n) -> None:
+    """i = f(x Wi + h Ri + Pi c + b), f = f(x Wf + h Rf + Pf c + b), c~ = g(x Wc + h Rc + b),
+    c' = f c + i c~, o = f(x Wo + h Ro + Po c' + b), h' = o h(c') (ONNX gate order i, o, f, c)."""
+    dirs = [0, 1] if _s(imp.attr(n, "direction", b"forward")) == "bidirectional" else [0]
+    acts = _check_common(imp, n, dirs, 3, [b"Sigmoid", b"Tanh", b"Tanh"])
+    if imp.attr(n, "input_forget", 0):
+        raise imp.fail("LSTM input_forget is not supported", fix="export without coupled input and forget gates")
+    hid = imp.g.type_of(imp.operand(n.input[2])).shape[2]
+    h = next(o for o in n.output if o)
+    peep = imp.operand(n.input[7]) if imp.opt_in(n, 7) else None
+
+    def peephole(d: int, k: int, c: str, pre: str) -> str:
+        if peep is None:
+            return pre
+        p = imp.emit("slice", [_row(imp, peep, d, h)], {"dim": 0, "start": k * hid, "end": (k + 1) * hid, "step": 1},
+                     hint=h)
+        return imp.emit("add", [pre, imp.emit("mul", [p, c], {}, hint=h)], {}, hint=h)
+
+    def step(d, pre, rec, state, rd, rb):
+        f, g, hh = acts[3 * d:3 * d + 3]
+        gates = imp.emit("add", [pre, rec], {}, hint=h)
+        if rb is not None:
+            gates = imp.emit("add", [gates, rb], {}, hint=h)
+        c = state[1]
+        i = _act(imp, f, peephole(d, 0, c, _gate(imp, gates, 0, hid, h)), h)
+        fg = _act(imp, f, peephole(d, 2, c, _gate(imp, gates, 2, hid, h)), h)
+        cand = _act(imp, g, _gate(imp, gates, 3, hid, h), h)
+        c = imp.emit("add", [imp.emit("mul", [fg, c], {}, hint=h), imp.emit("mul", [i, cand], {}, hint=h)], {},
+                     hint=f"{h}_c")
+        o = _act(imp, f, peephole(d, 1, c, _gate(imp, gates, 1, hid, h)), h)
+        return (imp.emit("mul", [o, _act(imp, hh, c, h)], {}, hint=f"{h}_h"), c)
+    _unroll(imp, n, 4, step)
+
+
+@_handles("RNN")
+def _rnn(imp: _Importer, n) -> None:
+    """h' = f(x W + h R + Wb + Rb)."""
+    dirs = [0, 1] if _s(imp.attr(n, "direction", b"forward")) == "bidirectional" else [0]
+    acts = _check_common(imp, n, dirs, 1, [b"Tanh"])
+    h = next(o for o in n.output if o)
+
+    def step(d, pre, rec, state, rd, rb):
+        pre = imp.emit("add", [pre, rec], {}, hint=h)
+        if rb is not None:
+            pre = imp.emit("add", [pre, rb], {}, hint=h)
+        return (_act(imp, acts[d], pre, f"{h}_h"), state[1])
+    _unroll(imp, n, 1, step)

@@ -17,27 +17,11 @@ from graphmode.capture.onnx.convert_composite import _bind, _const, _s, _static
 from graphmode.capture.onnx.convert_shape import _wrap_negative
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES
 from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
-from graphmode.ir.ops import get_op, norm_axis
+from graphmode.ir.ops import norm_axis
 
 _IN = [{"$in": i} for i in range(4)]
 # ONNX reduction attribute -> scatter_reduce's reduce argument
 _REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
-
-
-def emit_aten(imp: _Importer, op: str, inputs: list[str], args: list, kwargs: dict | None = None, *,
-              overload: str = "default", hint: str) -> list[str]:
-    """One ATen-reference node (every output: topk/sort give two); the names of its outputs."""
-    attrs = {"overload": overload, "args": args, "kwargs": dict(kwargs or {})}
-    n = imp.node
-    if n is not None and imp.excluded(n.op_type, op):
-        raise imp.fail(f"{n.op_type} is excluded from compilation, but it lowers to the ATen-reference op {op!r}, "
-                       "and ONNX has no eager fallback", fix=f"remove {n.op_type!r} from capture.exclude_ops")
-    types = get_op(op).infer([imp.g.type_of(i) for i in inputs], attrs)
-    names = [imp.g.fresh_name(f"{hint}_{k}" if k else hint) for k in range(len(types))]
-    outs = imp.g.add_node(op, inputs, types, attrs, names=names)
-    if n is not None:
-        imp.op_map[n.op_type][op] += 1
-    return outs
 
 
 def _no_unsigned(imp: _Importer, v: str, what: str) -> None:
@@ -61,7 +45,7 @@ def _topk(imp: _Importer, n) -> None:
     size = _static(imp, xt.shape[axis], "TopK")
     if not 0 <= k <= size:
         raise imp.fail(f"TopK K={k} is outside 0..{size} (the axis' extent)", value=k)
-    vals, idx = emit_aten(imp, "sort", [x], [_IN[0]], {"stable": True, "dim": axis, "descending": largest},
+    vals, idx = imp.emit_aten("sort", [x], [_IN[0]], {"stable": True, "dim": axis, "descending": largest},
                           overload="stable", hint=h)
     for out, v in zip(n.output, (vals, idx)):
         if out:
@@ -87,13 +71,13 @@ def _scatter_elements(imp: _Importer, n) -> None:
 def _scatter(imp: _Importer, n, data: str, axis: int, idx: str, upd: str, h: str) -> str:
     reduction = _s(imp.attr(n, "reduction", b"none"))
     if reduction == "none":
-        return emit_aten(imp, "scatter", [data, idx, upd], [_IN[0], axis, _IN[1], _IN[2]], overload="src", hint=h)[0]
+        return imp.emit_aten("scatter", [data, idx, upd], [_IN[0], axis, _IN[1], _IN[2]], overload="src", hint=h)[0]
     if reduction not in _REDUCE:
         raise imp.fail(f"{n.op_type} reduction={reduction!r} is not one of none, add, mul, max, min", value=reduction)
     if imp.g.type_of(data).dtype == "bool":
         raise imp.fail(f"{n.op_type} reduction={reduction!r} on bool data is not supported",
                        fix="cast the data to an integer type in the model")
-    return emit_aten(imp, "scatter_reduce", [data, idx, upd], [_IN[0], axis, _IN[1], _IN[2], _REDUCE[reduction]],
+    return imp.emit_aten("scatter_reduce", [data, idx, upd], [_IN[0], axis, _IN[1], _IN[2], _REDUCE[reduction]],
                      {"include_self": True}, overload="two", hint=h)[0]
 
 
@@ -189,16 +173,16 @@ def _cumprod(imp: _Importer, n) -> None:
     reverse, exclusive = bool(imp.attr(n, "reverse", 0)), bool(imp.attr(n, "exclusive", 0))
     h = n.output[0]
     size = _static(imp, xt.shape[ax], "CumProd")
-    src = emit_aten(imp, "flip", [x], [_IN[0], [ax]], hint=f"{h}_rev")[0] if reverse else x
+    src = imp.emit_aten("flip", [x], [_IN[0], [ax]], hint=f"{h}_rev")[0] if reverse else x
     if exclusive and size > 0:
         one = list(xt.shape)
         one[ax] = 1
         ones = imp.emit("full", [], {"shape": _shape_attr(one), "value": 1, "dtype": xt.dtype}, hint=f"{h}_one")
         head = imp.emit("slice", [src], {"dim": ax, "start": 0, "end": size - 1, "step": 1}, hint=f"{h}_head")
         src = imp.emit("concat", [ones, head], {"dim": ax}, hint=f"{h}_shifted")
-    y = emit_aten(imp, "cumprod", [src], [_IN[0], ax], {"dtype": {"$dtype": xt.dtype}}, hint=h)[0]
+    y = imp.emit_aten("cumprod", [src], [_IN[0], ax], {"dtype": {"$dtype": xt.dtype}}, hint=h)[0]
     if reverse:
-        y = emit_aten(imp, "flip", [y], [_IN[0], [ax]], hint=h)[0]
+        y = imp.emit_aten("flip", [y], [_IN[0], [ax]], hint=h)[0]
     _bind(imp, h, y)
 
 
@@ -210,4 +194,4 @@ def _det(imp: _Importer, n) -> None:
     if dt not in _FLOAT_DTYPES or dt in ("f16", "bf16"):
         raise imp.fail(f"Det of {dt} values is not supported: torch computes determinants in f32 and f64",
                        fix="cast the input to float32 in the model")
-    _bind(imp, n.output[0], emit_aten(imp, "linalg_det", [x], [_IN[0]], hint=n.output[0])[0])
+    _bind(imp, n.output[0], imp.emit_aten("linalg_det", [x], [_IN[0]], hint=n.output[0])[0])

@@ -216,9 +216,16 @@ def _slice(imp: _Importer, n) -> None:
         imp.alias(n.output[0], src)
         return
     for j, (a, s, e, st) in enumerate(todo):
-        if st < 0:
-            raise imp.fail("Slice with a negative step is not supported (no core flip op)")
         last = j == len(todo) - 1
+        if st < 0:      # the positions Python's slicing picks (ONNX clamps the same way), gathered
+            size = imp.type_of(src).shape[a]
+            if not isinstance(size, int) or not isinstance(e, int):
+                raise imp.fail("Slice with a negative step over a symbolic extent",
+                               fix="pin the dim in the recipe (a bucket per value)")
+            picks = imp.materialise(_Known.of(torch.arange(size)[list(range(size))[s:e:st]]), f"{n.output[0]}_picks")
+            cur = imp.emit("index_select", [cur, picks], {"dim": a}, out=n.output[0] if last else None,
+                           hint=n.output[0])
+            continue
         cur = imp.emit("slice", [cur], {"dim": a, "start": s, "end": _attr_dim(e), "step": st},
                        out=n.output[0] if last else None, hint=n.output[0])
 

@@ -1,30 +1,29 @@
-"""The ONNX importer: loading, validation, the value/graph state, the handler registry and
-`import_onnx`. Handlers (one per ONNX op type) live in the convert_* modules."""
+"""The ONNX importer: loading, validation, the node walk, the handler registry and `import_onnx`.
+The importer's value state (`values.py`), IR emission (`emission.py`) and input binding
+(`inputs.py`) are its mixins; handlers (one per ONNX op type) live in the convert_* modules."""
 from __future__ import annotations
 
 
 import os
-import re
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
-import sympy
 import torch
 
+from graphmode.capture.onnx.emission import Emitter
+from graphmode.capture.onnx.fold import KNOWN_LIMIT, _Known, _Unfoldable, _objarr
 from graphmode.capture.onnx.functions import expand_functions, has_body
+from graphmode.capture.onnx.inputs import InputBinder
+from graphmode.capture.onnx.values import (ValueState, _attr_dim, _same_shape, _shape_attr,  # noqa: F401
+                                           _to_tensor, _vname)   # the handlers' helpers, imported from here
 from graphmode.capture.onnx_validate import node_where, validate_onnx
-from graphmode.capture.onnx_validate import ONNX_DTYPES as _ONNX_DTYPES
 from graphmode.capture.torch_import import CaptureReport, Fallback
 from graphmode.errors import CaptureError, IRError
 from graphmode.ir.graph import Graph, clean_name
-from graphmode.ir.ops import aten_call, get_op
-from graphmode.ir.types import Dim, TensorType, dim_str, dims_equal, normalize_dim, sym
-
-from graphmode.capture.onnx.fold import DEFAULT_RANGE, KNOWN_LIMIT, _Known, _Unfoldable, _is_sym, _objarr, _py
+from graphmode.ir.types import Dim
 
 
 # ------------------------------------------------------------------------------ report
@@ -49,32 +48,8 @@ class OnnxCaptureReport(CaptureReport):
 
 # ------------------------------------------------------------------------------ importer
 
-_UNSIGNED = frozenset({"u16", "u32", "u64"})
-# ops torch runs on u16/u32/u64 tensors (moves, casts, equality); the rest go through int64
-_UNSIGNED_NATIVE = frozenset({"cast", "identity", "reshape", "permute", "expand", "slice", "concat", "index",
-                              "eq", "full"})
-_U64_AS_I64 = frozenset({"add", "sub", "mul", "eq", "ne", "neg", "bitwise_and", "bitwise_or", "bitwise_xor",
-                         "bitwise_not", "bitwise_left_shift"})
-_U64_ORDERED = frozenset({"lt", "le", "gt", "ge", "maximum", "minimum"})
 
-
-def _to_tensor(arr: np.ndarray, onnx_type: int | None = None) -> torch.Tensor:
-    """A writable torch copy of an ONNX numpy array (bfloat16 arrives as 16-bit words)."""
-    if (onnx_type == 16 or str(arr.dtype) == "bfloat16") and arr.dtype.itemsize == 2:
-        return torch.from_numpy(np.array(arr, copy=True).view(np.int16)).view(torch.bfloat16)
-    if onnx_type == 16:   # an onnx that widened bf16 to float32
-        return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).to(torch.bfloat16)
-    return torch.from_numpy(np.array(arr, copy=True))
-
-
-def _vname(onnx_name: str) -> str:
-    """'/bert/encoder/layer.0/attention/self/Reshape_output_0' -> 'bert.encoder.layer.0.attention.self.Reshape'."""
-    n = onnx_name.strip("/").replace("/", ".")
-    n = re.sub(r"_output_0(?=$|_)", "", n)
-    return clean_name(n or "v")
-
-
-class _Importer:
+class _Importer(ValueState, Emitter, InputBinder):
     def __init__(self, model, label: str, name: str, dims: Mapping[str, tuple[int, int]] | None,
                  input_dims: Mapping[str, Sequence] | None, excluded: Callable[[str, str], bool],
                  input_values: Mapping[str, torch.Tensor] | None = None):
@@ -117,344 +92,6 @@ class _Importer:
         return CaptureError(msg, where=self.where(), value=value,
                             fix=fix or "re-export the model so this node has static attributes, or import the "
                                        "PyTorch module with import_torch")
-
-    # ---- value access -------------------------------------------------------------------
-    def has(self, name: str) -> bool:
-        return name in self.known or name in self.ir or name in self.big
-
-    def type_of(self, name: str) -> TensorType:
-        if name in self.known:
-            k = self.known[name]
-            return TensorType(k.dtype, k.shape)
-        if name in self.ir:
-            return self.g.type_of(self.ir[name])
-        if name in self.big:
-            return TensorType.of(self.big[name][0])
-        raise self.fail(f"value {name!r} is used before it is defined (or is an unsupported optional input)")
-
-    def kn(self, name: str) -> _Known | None:
-        return self.known.get(name) if name else None
-
-    def is_const(self, name: str) -> bool:
-        """Known at import time (concrete) or a constant tensor: no run-time input."""
-        if name in self.known:
-            return self.known[name].concrete
-        if name in self.big:
-            return True
-        return name in self.ir and self.ir[name] in self.g.constants
-
-    def const_tensor(self, name: str) -> torch.Tensor:
-        if name in self.known:
-            return self.known[name].tensor()
-        if name in self.big:
-            return self._big_tensor(name)
-        return self.g.constants[self.ir[name]]
-
-    def _big_tensor(self, name: str) -> torch.Tensor:
-        return self.big[name][0]
-
-    def const_source(self, name: str) -> tuple[torch.Tensor, str] | None:
-        """(tensor, role) of a large constant (initializer or folded), else None."""
-        if name in self.big:
-            return self.big[name]
-        v = self.ir.get(name)
-        if v is not None and v in self.g.constants:
-            return self.g.constants[v], self.g.values[v].role
-        return None
-
-    def set_big(self, name: str, t: torch.Tensor, role: str) -> None:
-        """A constant derived from another at import time (a view where possible: no copy)."""
-        self.big[name] = (t, role)
-        self.check_declared(name)
-
-    def operand(self, name: str) -> str:
-        """The IR value for an ONNX value, materialising known values and initializers."""
-        if name in self.ir:
-            return self.ir[name]
-        if name in self.big:
-            t, role = self.big[name]
-            v = self.mat_cache.get(id(t))   # aliases (Identity) share one constant
-            if v is None:
-                v = self.g.add_constant(self.g.fresh_name(_vname(name)), t.contiguous(), role=role)
-                self.mat_cache[id(t)] = v
-            self.ir[name] = v
-            return v
-        k = self.known.get(name)
-        if k is None:
-            raise self.fail(f"value {name!r} is used before it is defined")
-        v = self.mat_cache.get(id(k))
-        if v is None:
-            v = self.mat_cache[id(k)] = self.materialise(k, name)
-        self.ir[name] = v
-        return v
-
-    def materialise(self, k: _Known, hint: str) -> str:
-        if k.concrete:
-            t = k.tensor()
-            if k.source is not None:
-                key = ("source", k.source)
-                if key not in self.const_cache:
-                    self.const_cache[key] = self.g.add_constant(self.g.fresh_name(_vname(k.source)), t, role="param")
-                return self.const_cache[key]
-            key = (k.dtype, k.shape, tuple(repr(v) for v in k.arr.flat))
-            if key not in self.const_cache:
-                self.const_cache[key] = self.g.add_constant(self.g.fresh_name(_vname(hint)), t, role="const")
-            return self.const_cache[key]
-        if k.dtype == "bool":
-            raise self.fail(f"a symbolic boolean value ({hint!r}) is used as a tensor")
-        parts: list[str] = []
-        run: list = []
-
-        def flush():
-            if run:
-                parts.append(self.materialise(_Known(_objarr(run), k.dtype), f"{hint}_c"))
-                run.clear()
-        for v in k.arr.flat:
-            if _is_sym(v):
-                self.runtime_dims += 1
-                flush()
-                parts.append(self.emit("arange", [], {"start": dim_str(v), "end": dim_str(normalize_dim(v + 1)),
-                                                      "step": 1, "dtype": k.dtype}, hint=f"{hint}_dim"))
-            else:
-                run.append(v)
-        flush()
-        out = parts[0] if len(parts) == 1 else self.emit("concat", parts, {"dim": 0}, hint=hint)
-        if k.shape != (k.arr.size,):
-            out = self.emit("reshape", [out], {"shape": list(k.shape)}, hint=hint)
-        return out
-
-    def set_known(self, name: str, k: _Known) -> None:
-        k.arr = _objarr([_py(v) for v in k.arr.flat], k.arr.shape)
-        self.known[name] = k
-        self.check_declared(name)
-
-    def set_tensor(self, name: str, t: torch.Tensor) -> None:
-        """A value computed at import time from constants: known if small, else a constant."""
-        if t.numel() <= KNOWN_LIMIT:
-            self.set_known(name, _Known.of(t))
-        else:
-            v = self.g.add_constant(self.g.fresh_name(_vname(name)), t.contiguous(), role="const")
-            self.ir[name] = v
-            self.check_declared(name)
-
-    def alias(self, out: str, src: str) -> None:
-        if src in self.known:
-            self.known[out] = self.known[src]
-        elif src in self.big:
-            self.big[out] = self.big[src]
-        else:
-            self.ir[out] = self.operand(src)
-        self.check_declared(out)
-
-    # ---- emission -----------------------------------------------------------------------
-    def emit(self, op: str, inputs: list[str], attrs: dict, *, out: str | None = None,
-             hint: str | None = None) -> str:
-        """Add one IR node (inputs are IR value names); `out` binds it to an ONNX value."""
-        if op not in _UNSIGNED_NATIVE and any(self.g.type_of(i).dtype in _UNSIGNED for i in inputs):
-            return self._emit_unsigned(op, inputs, attrs, out=out, hint=hint)
-        spec = get_op(op)
-        types = [self.g.type_of(i) for i in inputs]
-        try:
-            otype = spec.infer(types, attrs)[0]
-        except IRError as e:
-            raise self.fail(e.message if e.message.startswith(f"{op}:") else f"{op}: {e.message}",
-                            fix=e.fix or "the node's inputs do not fit together for the recipe's dims: fix the "
-                                         "shapes named above in the model (or the dims in the recipe)") from None
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise self.fail(f"{op}: cannot infer the output type ({type(e).__name__}: {e})") from None
-        name = self.g.fresh_name(_vname(out or hint or op))
-        n = self.node
-        if n is not None and self.excluded(n.op_type, op):
-            self._fallback(op, inputs, attrs, otype, name)
-        else:
-            self.g.add_node(op, inputs, [otype], attrs, names=[name])
-        if n is not None:
-            self.op_map[n.op_type][op] += 1
-        if out is not None:
-            self.ir[out] = name
-            self.check_declared(out)
-        return name
-
-    def _emit_unsigned(self, op: str, inputs: list[str], attrs: dict, *, out: str | None, hint: str | None) -> str:
-        """`op` on u16/u32/u64 values, which torch has almost no kernels for: computed on int64 and
-        cast back. Exact for u16/u32 (their values fit int64); for u64 only where int64 bit patterns
-        give the same bits (add, sub, mul, eq, ne: arithmetic modulo 2**64)."""
-        types = [self.g.type_of(i) for i in inputs]
-        unsigned = next(t.dtype for t in types if t.dtype in _UNSIGNED)
-        # u64 order: shifting both sides by -2**63 (wrapping) maps unsigned order onto signed order
-        ordered = unsigned == "u64" and op in _U64_ORDERED
-        if unsigned == "u64" and op not in _U64_AS_I64 and not ordered:
-            raise self.fail(f"{op} on uint64 values is not supported: torch has no uint64 kernels for it, and "
-                            "int64 divides differently above 2**63",
-                            fix="cast the values to int64 in the model where they fit")
-        want = get_op(op).infer(types, attrs)[0].dtype
-        h = hint or out or op
-        shift = self.scalar(-2 ** 63, "i64", f"{h}_shift") if ordered else None
-        wide = []
-        for i, t in zip(inputs, types):
-            if t.dtype in _UNSIGNED:
-                i = self.emit("cast", [i], {"dtype": "i64"}, hint=f"{h}_i64")
-                if shift is not None:
-                    i = self.emit("add", [i, shift], {}, hint=f"{h}_i64")
-            wide.append(i)
-        if want not in _UNSIGNED:
-            return self.emit(op, wide, attrs, out=out, hint=hint)
-        r = self.emit(op, wide, attrs, hint=f"{h}_i64")
-        if shift is not None:
-            r = self.emit("sub", [r, shift], {}, hint=f"{h}_i64")
-        return self.emit("cast", [r], {"dtype": want}, out=out, hint=hint)
-
-    def _fallback(self, op: str, inputs: list[str], attrs: dict, otype: TensorType, name: str) -> None:
-        n = self.node
-        call = aten_call(op, attrs, [self.g.type_of(i) for i in inputs])
-        if call is None:
-            raise self.fail(f"{n.op_type} is excluded from compilation (recipe capture include/exclude ops), but "
-                            f"its core op {op!r} has no eager torch equivalent, and ONNX has no eager fallback",
-                            fix=f"remove {n.op_type!r} from capture.exclude_ops (or add it to include_ops)")
-        target, args, kwargs = call
-        loc = n.name or n.output[0]
-        self.g.add_node("fallback", inputs, [otype], {"target": target, "args": args, "kwargs": kwargs, "loc": loc},
-                        names=[name])
-        key = (target, n.op_type)
-        if key in self.fallbacks:
-            self.fallbacks[key].count += 1
-        else:
-            self.fallbacks[key] = Fallback(target, f"ONNX {n.op_type} excluded by recipe capture settings", loc)
-
-    # ---- types: cross-check with value_info ---------------------------------------------
-    def _declared_dim(self, d) -> Dim | None:
-        if d.HasField("dim_value"):
-            return int(d.dim_value)
-        if d.HasField("dim_param"):
-            p = d.dim_param
-            if p in self.dimmap:
-                return self.dimmap[p]
-            try:   # an expression over the model's dim names (dynamo exports: "2*seq")
-                e = normalize_dim(p)
-            except IRError:
-                return None
-            free = getattr(e, "free_symbols", set())
-            if not free or any(s.name not in self.dimmap for s in free):
-                return None   # unk__N and other names the inputs do not define
-            return normalize_dim(e.xreplace({s: sympy.sympify(self.dimmap[s.name]) for s in free}))
-        return None
-
-    def check_declared(self, name: str) -> None:
-        tt = self.declared.get(name)
-        if tt is None:
-            return
-        got = self.type_of(name)
-        want_dt = _ONNX_DTYPES.get(tt.elem_type)
-        if want_dt is not None and want_dt != got.dtype:
-            raise self.fail(f"value {name!r}: the importer inferred dtype {got.dtype}, the ONNX model declares "
-                            f"{want_dt}", fix="this is an importer bug or an inconsistent model; run "
-                                              "onnx.checker.check_model(m, full_check=True)")
-        if not tt.HasField("shape"):
-            return
-        dims = list(tt.shape.dim)
-        if len(dims) != got.rank:
-            raise self.fail(f"value {name!r}: the importer inferred {got.text()}, the ONNX model declares rank "
-                            f"{len(dims)}", fix="check the model with onnx.checker.check_model(m, full_check=True)")
-        for i, (d, g) in enumerate(zip(dims, got.shape)):
-            want = self._declared_dim(d)
-            if want is None:
-                continue
-            if not _deq(want, g):
-                raise self.fail(f"value {name!r} dim {i}: the importer inferred {dim_str(g)}, the ONNX model "
-                                f"declares {dim_str(want) if not isinstance(want, int) else want}",
-                                fix="map the model's dim names to the recipe dims with input_dims, or re-export "
-                                    "with dynamic axes on every dynamic input dim")
-
-    # ---- inputs --------------------------------------------------------------------------
-    def bind_inputs(self, init_names: set[str]) -> None:
-        onnx_inputs = [vi for vi in self.gp.input if vi.name not in init_names]
-        names = [vi.name for vi in onnx_inputs]
-        unknown = [n for n in self.input_dims if n not in names]
-        if unknown:
-            raise CaptureError(f"input_dims names input(s) {unknown} that the ONNX model does not have",
-                               where=f"onnx {self.label}", fix=f"the model's inputs are {names}")
-        for vi in onnx_inputs:   # validate_onnx checked: tensor types with a graphmode dtype
-            tt = vi.type.tensor_type
-            dtype = _ONNX_DTYPES[tt.elem_type]
-            want = self.input_dims.get(vi.name)
-            dims_p = list(tt.shape.dim) if tt.HasField("shape") else None
-            if dims_p is None and want is None:
-                raise CaptureError(f"input {vi.name!r} has no shape in the model", where=f"onnx {self.label}",
-                                   fix="pass input_dims={name: [dim names or ints]}")
-            rank = len(dims_p) if dims_p is not None else len(want)
-            if want is not None and len(want) != rank:
-                raise CaptureError(f"input {vi.name!r} has rank {rank} in the model but input_dims gives "
-                                   f"{len(want)} dims", where=f"onnx {self.label}", value=list(want),
-                                   fix="give one entry per dim")
-            shape: list[Dim] = []
-            for i in range(rank):
-                d = dims_p[i] if dims_p is not None else None
-                w = want[i] if want is not None else None
-                static = int(d.dim_value) if d is not None and d.HasField("dim_value") else None
-                param = d.dim_param if d is not None and d.HasField("dim_param") else None
-                if w is not None:
-                    wd = normalize_dim(w)
-                    if static is not None and isinstance(w, str) and self._fixed_dim(w) == static:
-                        wd = static     # a recipe dim pinned to the model's own fixed extent
-                    if static is not None and (not isinstance(wd, int) or wd != static):
-                        raise CaptureError(f"input {vi.name!r} dim {i} is fixed to {static} in the model, but "
-                                           f"input_dims says {w!r}", where=f"onnx {self.label}", value=static,
-                                           fix="re-export with a dynamic axis there (dynamic_axes / dynamic_shapes)"
-                                               f" or declare it as {static} in the recipe")
-                    dim = wd
-                elif static is not None:
-                    dim = static
-                elif param is not None:
-                    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", param):
-                        raise CaptureError(f"input {vi.name!r} dim {i} is named {param!r}, which is not a dim name",
-                                           where=f"onnx {self.label}", fix="pass input_dims to name the dims")
-                    dim = sym(param)
-                else:
-                    raise CaptureError(f"input {vi.name!r} dim {i} has neither a size nor a name",
-                                       where=f"onnx {self.label}", fix="pass input_dims to name the dims")
-                if param is not None:
-                    prev = self.dimmap.setdefault(param, dim)
-                    if not _deq(prev, dim):
-                        raise CaptureError(f"model dim {param!r} maps to both {dim_str(prev) if not isinstance(prev, int) else prev} "
-                                           f"and {dim_str(dim) if not isinstance(dim, int) else dim}",
-                                           where=f"onnx {self.label} input {vi.name!r}",
-                                           fix="make input_dims consistent across inputs")
-                shape.append(dim)
-            ty = TensorType(dtype, tuple(shape))
-            self.ir[vi.name] = self.g.add_input(self.g.fresh_name(clean_name(vi.name)), ty)
-            if vi.name in self.input_values:
-                self._bind_constant_input(vi.name, ty)
-        used: set[str] = set()
-        for n in self.g.inputs:
-            for d in self.g.values[n].type.shape:
-                if not isinstance(d, int):
-                    used |= {s.name for s in d.free_symbols}
-        if self.user_dims is not None:
-            missing = sorted(used - set(self.user_dims))
-            if missing:
-                raise CaptureError(f"input dims {missing} have no range in dims", where=f"onnx {self.label}",
-                                   value=sorted(self.user_dims),
-                                   fix="declare every dynamic dim in the recipe's dims (or map the model's dim "
-                                       "names with input_dims)")
-            self.g.dims = dict(self.user_dims)
-        else:
-            from graphmode.capture.zoo import DEFAULT_DIM_RANGES
-            self.g.dims = {d: DEFAULT_DIM_RANGES.get(d, DEFAULT_RANGE) for d in sorted(used)}
-
-    def _bind_constant_input(self, name: str, ty: TensorType) -> None:
-        """An input the recipe declares constant: known to the converters (shape-like data folds),
-        still a graph input (the runtime checks each call's value against the declared one)."""
-        t = self.input_values[name]
-        if list(t.shape) != list(ty.shape) or TensorType.of(t).dtype != ty.dtype:
-            raise CaptureError(f"input {name!r} is {ty.text()} in the model, but its declared value is "
-                               f"{TensorType.of(t).text()}", where=f"onnx {self.label}",
-                               fix="give the value in the input's dtype and shape")
-        self.known[name] = _Known.of(t)
-
-    def _fixed_dim(self, name: str) -> int | None:
-        """The one value a recipe dim admits (`d: 3` or min == max), else None."""
-        lo_hi = (self.user_dims or {}).get(name)
-        return lo_hi[0] if lo_hi is not None and lo_hi[0] == lo_hi[1] else None
 
     # ---- driver --------------------------------------------------------------------------
     def run(self) -> Graph:
@@ -615,33 +252,6 @@ def _handles(*ops: str):
 def supported_onnx_ops() -> list[str]:
     """ONNX op types (default domain) the importer translates."""
     return sorted(_HANDLERS)
-
-
-def _attr_dim(d: Dim):
-    return d if isinstance(d, int) else dim_str(d)
-
-
-def _shape_attr(shape: Sequence[Dim]) -> list:
-    return [_attr_dim(normalize_dim(d)) for d in shape]
-
-
-def _deq(a: Dim, b: Dim) -> bool:
-    """dims_equal without sympy.simplify for the common cases (dims are canonical)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    if a == b:
-        return True
-    if isinstance(a, int) or isinstance(b, int):
-        return False        # a canonical non-constant expression never equals a constant
-    e = sympy.expand(a - b)
-    if e == 0:
-        return True
-    return dims_equal(a, b) if e.has(sympy.Function) else False
-
-
-def _same_shape(a: Sequence[Dim], b: Sequence[Dim]) -> bool:
-    return len(a) == len(b) and all(_deq(x, y) for x, y in zip(a, b))
-
 
 
 # ------------------------------------------------------------------------------ entry point

@@ -1,0 +1,106 @@
+"""The ONNX importer's graph inputs: each model input bound to an IR input whose dims are the
+recipe's (input_dims, dim_params, fixed extents), and the recipe's dim ranges."""
+from __future__ import annotations
+
+import re
+
+from graphmode.capture.onnx.fold import DEFAULT_RANGE, _Known
+from graphmode.capture.onnx.values import _deq
+from graphmode.capture.onnx_validate import ONNX_DTYPES as _ONNX_DTYPES
+from graphmode.errors import CaptureError
+from graphmode.ir.graph import clean_name
+from graphmode.ir.types import Dim, TensorType, dim_str, normalize_dim, sym
+
+
+class InputBinder:
+    """Mixin of _Importer: `bind_inputs` runs once, before any node is translated."""
+
+    def bind_inputs(self, init_names: set[str]) -> None:
+        onnx_inputs = [vi for vi in self.gp.input if vi.name not in init_names]
+        names = [vi.name for vi in onnx_inputs]
+        unknown = [n for n in self.input_dims if n not in names]
+        if unknown:
+            raise CaptureError(f"input_dims names input(s) {unknown} that the ONNX model does not have",
+                               where=f"onnx {self.label}", fix=f"the model's inputs are {names}")
+        for vi in onnx_inputs:   # validate_onnx checked: tensor types with a graphmode dtype
+            tt = vi.type.tensor_type
+            dtype = _ONNX_DTYPES[tt.elem_type]
+            want = self.input_dims.get(vi.name)
+            dims_p = list(tt.shape.dim) if tt.HasField("shape") else None
+            if dims_p is None and want is None:
+                raise CaptureError(f"input {vi.name!r} has no shape in the model", where=f"onnx {self.label}",
+                                   fix="pass input_dims={name: [dim names or ints]}")
+            rank = len(dims_p) if dims_p is not None else len(want)
+            if want is not None and len(want) != rank:
+                raise CaptureError(f"input {vi.name!r} has rank {rank} in the model but input_dims gives "
+                                   f"{len(want)} dims", where=f"onnx {self.label}", value=list(want),
+                                   fix="give one entry per dim")
+            shape: list[Dim] = []
+            for i in range(rank):
+                d = dims_p[i] if dims_p is not None else None
+                w = want[i] if want is not None else None
+                static = int(d.dim_value) if d is not None and d.HasField("dim_value") else None
+                param = d.dim_param if d is not None and d.HasField("dim_param") else None
+                if w is not None:
+                    wd = normalize_dim(w)
+                    if static is not None and isinstance(w, str) and self._fixed_dim(w) == static:
+                        wd = static     # a recipe dim pinned to the model's own fixed extent
+                    if static is not None and (not isinstance(wd, int) or wd != static):
+                        raise CaptureError(f"input {vi.name!r} dim {i} is fixed to {static} in the model, but "
+                                           f"input_dims says {w!r}", where=f"onnx {self.label}", value=static,
+                                           fix="re-export with a dynamic axis there (dynamic_axes / dynamic_shapes)"
+                                               f" or declare it as {static} in the recipe")
+                    dim = wd
+                elif static is not None:
+                    dim = static
+                elif param is not None:
+                    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", param):
+                        raise CaptureError(f"input {vi.name!r} dim {i} is named {param!r}, which is not a dim name",
+                                           where=f"onnx {self.label}", fix="pass input_dims to name the dims")
+                    dim = sym(param)
+                else:
+                    raise CaptureError(f"input {vi.name!r} dim {i} has neither a size nor a name",
+                                       where=f"onnx {self.label}", fix="pass input_dims to name the dims")
+                if param is not None:
+                    prev = self.dimmap.setdefault(param, dim)
+                    if not _deq(prev, dim):
+                        raise CaptureError(f"model dim {param!r} maps to both {dim_str(prev) if not isinstance(prev, int) else prev} "
+                                           f"and {dim_str(dim) if not isinstance(dim, int) else dim}",
+                                           where=f"onnx {self.label} input {vi.name!r}",
+                                           fix="make input_dims consistent across inputs")
+                shape.append(dim)
+            ty = TensorType(dtype, tuple(shape))
+            self.ir[vi.name] = self.g.add_input(self.g.fresh_name(clean_name(vi.name)), ty)
+            if vi.name in self.input_values:
+                self._bind_constant_input(vi.name, ty)
+        used: set[str] = set()
+        for n in self.g.inputs:
+            for d in self.g.values[n].type.shape:
+                if not isinstance(d, int):
+                    used |= {s.name for s in d.free_symbols}
+        if self.user_dims is not None:
+            missing = sorted(used - set(self.user_dims))
+            if missing:
+                raise CaptureError(f"input dims {missing} have no range in dims", where=f"onnx {self.label}",
+                                   value=sorted(self.user_dims),
+                                   fix="declare every dynamic dim in the recipe's dims (or map the model's dim "
+                                       "names with input_dims)")
+            self.g.dims = dict(self.user_dims)
+        else:
+            from graphmode.capture.zoo import DEFAULT_DIM_RANGES
+            self.g.dims = {d: DEFAULT_DIM_RANGES.get(d, DEFAULT_RANGE) for d in sorted(used)}
+
+    def _bind_constant_input(self, name: str, ty: TensorType) -> None:
+        """An input the recipe declares constant: known to the converters (shape-like data folds),
+        still a graph input (the runtime checks each call's value against the declared one)."""
+        t = self.input_values[name]
+        if list(t.shape) != list(ty.shape) or TensorType.of(t).dtype != ty.dtype:
+            raise CaptureError(f"input {name!r} is {ty.text()} in the model, but its declared value is "
+                               f"{TensorType.of(t).text()}", where=f"onnx {self.label}",
+                               fix="give the value in the input's dtype and shape")
+        self.known[name] = _Known.of(t)
+
+    def _fixed_dim(self, name: str) -> int | None:
+        """The one value a recipe dim admits (`d: 3` or min == max), else None."""
+        lo_hi = (self.user_dims or {}).get(name)
+        return lo_hi[0] if lo_hi is not None and lo_hi[0] == lo_hi[1] else None
