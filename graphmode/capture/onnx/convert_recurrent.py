@@ -36,7 +36,7 @@ def _check_common(imp: _Importer, n, dirs: list, acts_per_dir: int, defaults: li
 
 
 def _act(imp: _Importer, name: str, v: str, hint: str) -> str:
-    return imp.emit({"Tanh": "tanh", "Relu": "relu", "Sigmoid": "sigmoid"}[name], [v], {}, hint=hint)
+    return imp.emit("tanh" if name == "Tanh" else "relu" if name == "Relu" else "sigmoid", [v], {}, hint=hint)
 
 
 def _gate(imp: _Importer, v: str, k: int, hidden, hint: str) -> str:
@@ -44,10 +44,10 @@ def _gate(imp: _Importer, v: str, k: int, hidden, hint: str) -> str:
     return imp.emit("slice", [v], {"dim": 1, "start": k * hidden, "end": (k + 1) * hidden, "step": 1}, hint=hint)
 
 
-def _unroll(imp: _Importer, n, gates: int, step) -> None:
-    """The shared frame of GRU and LSTM: directions, layout, the input projection, the steps
-    (`step(d, x_proj, h_proj, state, R^T, Rb) -> state`, state = (h, c), c unused by GRU) and the
-    outputs."""
+def _unroll(imp: _Importer, n, gates: int, cell: dict) -> None:
+    """The frame RNN, GRU and LSTM share: directions, layout, the input projection, one step per
+    time index (`_<op>_step`: state = (h, c), c unused but by LSTM) and the outputs. `cell`: the
+    op's activations and options."""
     h = next(o for o in n.output if o)
     direction = _s(imp.attr(n, "direction", b"forward"))
     dirs = {"forward": [False], "reverse": [True], "bidirectional": [False, True]}.get(direction)
@@ -96,7 +96,13 @@ def _unroll(imp: _Importer, n, gates: int, step) -> None:
         for t in (reversed(range(seq)) if backward else range(seq)):
             pre = imp.emit("slice", [proj], {"dim": 0, "start": t, "end": t + 1, "step": 1}, hint=h)
             pre = imp.emit("reshape", [pre], {"shape": _shape_attr([batch, gates * hidden])}, hint=h)
-            state = step(d, pre, imp.emit("matmul", [state[0], rd], {}, hint=h), state, rd, rb)
+            rec = imp.emit("matmul", [state[0], rd], {}, hint=h)
+            if n.op_type == "GRU":
+                state = _gru_step(imp, cell, d, pre, rec, state, rd, rb, hidden, h)
+            elif n.op_type == "LSTM":
+                state = _lstm_step(imp, cell, d, pre, rec, state, rb, hidden, h)
+            else:
+                state = _rnn_step(imp, cell, d, pre, rec, state, rb, h)
             steps.append((t, imp.emit("reshape", [state[0]], {"shape": step_shape}, hint=h)))
         steps.sort()
         y = imp.emit("concat", [s for _, s in steps], {"dim": 0}, hint=h) if seq > 1 else steps[0][1]
@@ -118,30 +124,9 @@ def _gru(imp: _Importer, n) -> None:
     """z = f(x Wz + h Rz + b), r = f(x Wr + h Rr + b), h~ = g(x Wh + (r h) Rh + b) (with
     linear_before_reset: g(x Wh + r (h Rh + Rbh) + Wbh)), h' = (1 - z) h~ + z h."""
     dirs = [0, 1] if _s(imp.attr(n, "direction", b"forward")) == "bidirectional" else [0]
-    acts = _check_common(imp, n, dirs, 2, [b"Sigmoid", b"Tanh"])
-    before_reset = bool(imp.attr(n, "linear_before_reset", 0))
-    hid = imp.g.type_of(imp.operand(n.input[2])).shape[2]
-    h = next(o for o in n.output if o)
-
-    def step(d, pre, rec, state, rd, rb):
-        f, g = acts[2 * d], acts[2 * d + 1]
-        if rb is not None:
-            rb_h = imp.emit("slice", [rb], {"dim": 0, "start": 2 * hid, "end": 3 * hid, "step": 1}, hint=h)
-            rec = imp.emit("add", [rec, rb], {}, hint=h)        # gate h's bias is added below, not here
-        z = _act(imp, f, imp.emit("add", [_gate(imp, pre, 0, hid, h), _gate(imp, rec, 0, hid, h)], {}, hint=h), h)
-        r = _act(imp, f, imp.emit("add", [_gate(imp, pre, 1, hid, h), _gate(imp, rec, 1, hid, h)], {}, hint=h), h)
-        if before_reset:
-            cand = imp.emit("mul", [r, _gate(imp, rec, 2, hid, h)], {}, hint=h)
-        else:
-            rdh = imp.emit("slice", [rd], {"dim": 1, "start": 2 * hid, "end": 3 * hid, "step": 1}, hint=h)
-            cand = imp.emit("matmul", [imp.emit("mul", [r, state[0]], {}, hint=h), rdh], {}, hint=h)
-            if rb is not None:
-                cand = imp.emit("add", [cand, rb_h], {}, hint=h)
-        hc = _act(imp, g, imp.emit("add", [_gate(imp, pre, 2, hid, h), cand], {}, hint=h), h)
-        keep = imp.emit("mul", [z, state[0]], {}, hint=h)
-        new = imp.emit("sub", [hc, imp.emit("mul", [z, hc], {}, hint=h)], {}, hint=h)
-        return (imp.emit("add", [new, keep], {}, hint=f"{h}_h"), state[1])
-    _unroll(imp, n, 3, step)
+    cell = {"acts": _check_common(imp, n, dirs, 2, [b"Sigmoid", b"Tanh"]),
+            "before_reset": bool(imp.attr(n, "linear_before_reset", 0))}
+    _unroll(imp, n, 3, cell)
 
 
 @_handles("LSTM")
@@ -149,46 +134,67 @@ def _lstm(imp: _Importer, n) -> None:
     """i = f(x Wi + h Ri + Pi c + b), f = f(x Wf + h Rf + Pf c + b), c~ = g(x Wc + h Rc + b),
     c' = f c + i c~, o = f(x Wo + h Ro + Po c' + b), h' = o h(c') (ONNX gate order i, o, f, c)."""
     dirs = [0, 1] if _s(imp.attr(n, "direction", b"forward")) == "bidirectional" else [0]
-    acts = _check_common(imp, n, dirs, 3, [b"Sigmoid", b"Tanh", b"Tanh"])
+    cell = {"acts": _check_common(imp, n, dirs, 3, [b"Sigmoid", b"Tanh", b"Tanh"]),
+            "peep": imp.operand(n.input[7]) if imp.opt_in(n, 7) else None}
     if imp.attr(n, "input_forget", 0):
         raise imp.fail("LSTM input_forget is not supported", fix="export without coupled input and forget gates")
-    hid = imp.g.type_of(imp.operand(n.input[2])).shape[2]
-    h = next(o for o in n.output if o)
-    peep = imp.operand(n.input[7]) if imp.opt_in(n, 7) else None
-
-    def peephole(d: int, k: int, c: str, pre: str) -> str:
-        if peep is None:
-            return pre
-        p = imp.emit("slice", [_row(imp, peep, d, h)], {"dim": 0, "start": k * hid, "end": (k + 1) * hid, "step": 1},
-                     hint=h)
-        return imp.emit("add", [pre, imp.emit("mul", [p, c], {}, hint=h)], {}, hint=h)
-
-    def step(d, pre, rec, state, rd, rb):
-        f, g, hh = acts[3 * d:3 * d + 3]
-        gates = imp.emit("add", [pre, rec], {}, hint=h)
-        if rb is not None:
-            gates = imp.emit("add", [gates, rb], {}, hint=h)
-        c = state[1]
-        i = _act(imp, f, peephole(d, 0, c, _gate(imp, gates, 0, hid, h)), h)
-        fg = _act(imp, f, peephole(d, 2, c, _gate(imp, gates, 2, hid, h)), h)
-        cand = _act(imp, g, _gate(imp, gates, 3, hid, h), h)
-        c = imp.emit("add", [imp.emit("mul", [fg, c], {}, hint=h), imp.emit("mul", [i, cand], {}, hint=h)], {},
-                     hint=f"{h}_c")
-        o = _act(imp, f, peephole(d, 1, c, _gate(imp, gates, 1, hid, h)), h)
-        return (imp.emit("mul", [o, _act(imp, hh, c, h)], {}, hint=f"{h}_h"), c)
-    _unroll(imp, n, 4, step)
+    _unroll(imp, n, 4, cell)
 
 
 @_handles("RNN")
 def _rnn(imp: _Importer, n) -> None:
     """h' = f(x W + h R + Wb + Rb)."""
     dirs = [0, 1] if _s(imp.attr(n, "direction", b"forward")) == "bidirectional" else [0]
-    acts = _check_common(imp, n, dirs, 1, [b"Tanh"])
-    h = next(o for o in n.output if o)
+    _unroll(imp, n, 1, {"acts": _check_common(imp, n, dirs, 1, [b"Tanh"])})
 
-    def step(d, pre, rec, state, rd, rb):
-        pre = imp.emit("add", [pre, rec], {}, hint=h)
+
+def _rnn_step(imp: _Importer, cell: dict, d: int, pre: str, rec: str, state: tuple, rb, h: str) -> tuple:
+    pre = imp.emit("add", [pre, rec], {}, hint=h)
+    if rb is not None:
+        pre = imp.emit("add", [pre, rb], {}, hint=h)
+    return (_act(imp, cell["acts"][d], pre, f"{h}_h"), state[1])
+
+
+def _gru_step(imp: _Importer, cell: dict, d: int, pre: str, rec: str, state: tuple, rd: str, rb, hid: int,
+              h: str) -> tuple:
+    f, g = cell["acts"][2 * d], cell["acts"][2 * d + 1]
+    if rb is not None:
+        rb_h = imp.emit("slice", [rb], {"dim": 0, "start": 2 * hid, "end": 3 * hid, "step": 1}, hint=h)
+        rec = imp.emit("add", [rec, rb], {}, hint=h)        # gate h's bias is added below, not here
+    z = _act(imp, f, imp.emit("add", [_gate(imp, pre, 0, hid, h), _gate(imp, rec, 0, hid, h)], {}, hint=h), h)
+    r = _act(imp, f, imp.emit("add", [_gate(imp, pre, 1, hid, h), _gate(imp, rec, 1, hid, h)], {}, hint=h), h)
+    if cell["before_reset"]:
+        cand = imp.emit("mul", [r, _gate(imp, rec, 2, hid, h)], {}, hint=h)
+    else:
+        rdh = imp.emit("slice", [rd], {"dim": 1, "start": 2 * hid, "end": 3 * hid, "step": 1}, hint=h)
+        cand = imp.emit("matmul", [imp.emit("mul", [r, state[0]], {}, hint=h), rdh], {}, hint=h)
         if rb is not None:
-            pre = imp.emit("add", [pre, rb], {}, hint=h)
-        return (_act(imp, acts[d], pre, f"{h}_h"), state[1])
-    _unroll(imp, n, 1, step)
+            cand = imp.emit("add", [cand, rb_h], {}, hint=h)
+    hc = _act(imp, g, imp.emit("add", [_gate(imp, pre, 2, hid, h), cand], {}, hint=h), h)
+    keep = imp.emit("mul", [z, state[0]], {}, hint=h)
+    new = imp.emit("sub", [hc, imp.emit("mul", [z, hc], {}, hint=h)], {}, hint=h)
+    return (imp.emit("add", [new, keep], {}, hint=f"{h}_h"), state[1])
+
+
+def _peephole(imp: _Importer, cell: dict, d: int, k: int, c: str, pre: str, hid: int, h: str) -> str:
+    if cell["peep"] is None:
+        return pre
+    p = imp.emit("slice", [_row(imp, cell["peep"], d, h)], {"dim": 0, "start": k * hid, "end": (k + 1) * hid,
+                                                             "step": 1}, hint=h)
+    return imp.emit("add", [pre, imp.emit("mul", [p, c], {}, hint=h)], {}, hint=h)
+
+
+def _lstm_step(imp: _Importer, cell: dict, d: int, pre: str, rec: str, state: tuple, rb, hid: int,
+               h: str) -> tuple:
+    f, g, hh = cell["acts"][3 * d:3 * d + 3]
+    gates = imp.emit("add", [pre, rec], {}, hint=h)
+    if rb is not None:
+        gates = imp.emit("add", [gates, rb], {}, hint=h)
+    c = state[1]
+    i = _act(imp, f, _peephole(imp, cell, d, 0, c, _gate(imp, gates, 0, hid, h), hid, h), h)
+    fg = _act(imp, f, _peephole(imp, cell, d, 2, c, _gate(imp, gates, 2, hid, h), hid, h), h)
+    cand = _act(imp, g, _gate(imp, gates, 3, hid, h), h)
+    c = imp.emit("add", [imp.emit("mul", [fg, c], {}, hint=h), imp.emit("mul", [i, cand], {}, hint=h)], {},
+                 hint=f"{h}_c")
+    o = _act(imp, f, _peephole(imp, cell, d, 1, c, _gate(imp, gates, 1, hid, h), hid, h), h)
+    return (imp.emit("mul", [o, _act(imp, hh, c, h)], {}, hint=f"{h}_h"), c)
