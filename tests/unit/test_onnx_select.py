@@ -95,3 +95,23 @@ def test_topk_of_uint64_is_refused_by_name():
     m = _model("TopK", {"x": np.arange(5, dtype=np.uint64)}, {"k": np.array([2], dtype=np.int64)}, 2, 22)
     with pytest.raises(CaptureError, match="TopK on u64"):
         import_onnx(m)
+
+
+@pytest.mark.parametrize("starts,ends,steps", [([-1, 8], [-100, 1], [-1, -3]), ([1, 100], [0, -100], [-2, -1])])
+def test_slice_with_negative_steps(starts, ends, steps):
+    x = np.arange(60, dtype=np.float32).reshape(6, 10)
+    _check("Slice", {"x": x}, {"s": np.array(starts, dtype=np.int64), "e": np.array(ends, dtype=np.int64),
+                               "a": np.array([0, 1], dtype=np.int64), "st": np.array(steps, dtype=np.int64)})
+
+
+def test_scan_before_opset_9_is_refused_by_name():
+    body = helper.make_graph([helper.make_node("Add", ["s", "x"], ["s2"]), helper.make_node("Identity", ["s2"], ["y"])],
+                             "body", [helper.make_tensor_value_info(v, TensorProto.FLOAT, [2]) for v in ("s", "x")],
+                             [helper.make_tensor_value_info(v, TensorProto.FLOAT, [2]) for v in ("s2", "y")])
+    node = helper.make_node("Scan", ["", "init", "xs"], ["last", "ys"], num_scan_inputs=1, body=body)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("init", TensorProto.FLOAT, [1, 2]),
+                                        helper.make_tensor_value_info("xs", TensorProto.FLOAT, [1, 3, 2])],
+                          [helper.make_tensor_value_info("last", TensorProto.FLOAT, [1, 2]),
+                           helper.make_tensor_value_info("ys", TensorProto.FLOAT, [1, 3, 2])])
+    with pytest.raises(CaptureError, match="Scan before opset 9"):
+        import_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 8)]))

@@ -188,6 +188,13 @@ def bring_in(model, label: str):
                            + (f"; ... {len(newer) - 5} more" if len(newer) > 5 else ""), where=where, value=opset,
                            fix=f"re-export with opset_version={KNOWN_MAX} (or convert with "
                                f"onnx.version_converter.convert_version(model, {KNOWN_MAX}))")
+    scans = [f"#{i} Scan {n.name or n.output[0]!r}" for i, n in enumerate(model.graph.node)
+             if n.op_type == "Scan" and n.domain in ("", "ai.onnx")]
+    if opset < 9 and scans:
+        # onnx's version converter drops Scan-8's batch axis from the model's inputs and outputs,
+        # so the converted model would no longer take the data its users feed
+        raise CaptureError(f"Scan before opset 9 has a batch axis, which graphmode does not read: {scans[0]}",
+                           where=where, value=opset, fix="re-export the model with opset_version 9 or later")
     if older:
         from onnx import version_converter
         try:
