@@ -1,6 +1,6 @@
-"""ONNX TopK, ScatterElements, ScatterND, ReverseSequence, Tile, CumProd and Det
-(capture/onnx/convert_select.py), imported and interpreted, against ONNX Runtime; what the
-converters do not cover is refused by name."""
+"""ONNX TopK, ScatterElements, ScatterND, ReverseSequence, Tile, CumProd, Det
+(capture/onnx/convert_select.py), negative-step Slice, Col2Im and 3-d ConvTranspose, imported
+and interpreted, against ONNX Runtime; what the converters do not cover is refused by name."""
 from __future__ import annotations
 
 import numpy as np
@@ -115,3 +115,13 @@ def test_scan_before_opset_9_is_refused_by_name():
                            helper.make_tensor_value_info("ys", TensorProto.FLOAT, [1, 3, 2])])
     with pytest.raises(CaptureError, match="Scan before opset 9"):
         import_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 8)]))
+
+
+def test_col2im_and_3d_conv_transpose_as_aten_reference_ops():
+    rng = np.random.default_rng(1)
+    _check("Col2Im", {"x": rng.standard_normal((1, 4, 6)).astype(np.float32)},
+           {"img": np.array([3, 4], dtype=np.int64), "blk": np.array([2, 2], dtype=np.int64)}, pads=[0, 1, 0, 1],
+           strides=[1, 2])
+    _check("ConvTranspose", {"x": rng.standard_normal((1, 2, 3, 4, 2)).astype(np.float32)},
+           {"w": rng.standard_normal((2, 3, 2, 2, 2)).astype(np.float32), "b": np.ones(3, dtype=np.float32)},
+           strides=[2, 1, 1], pads=[1, 0, 0, 1, 0, 0])

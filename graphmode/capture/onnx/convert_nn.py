@@ -294,16 +294,28 @@ def _global_pool(imp: _Importer, n) -> None:
                  {"dims": list(range(2, xt.rank)), "keepdim": True}, out=n.output[0])
 
 
+def _conv_transpose3d(imp: _Importer, n, ins: list[str], strides, dil, out_pad, pads, groups: int) -> None:
+    """conv_transpose3d (an ATen-reference op): symmetric pads only."""
+    if pads[:3] != pads[3:] or any(p < 0 for p in pads) or \
+            any(o >= max(s, d) for o, s, d in zip(out_pad, strides, dil)):
+        raise imp.fail(f"3-d ConvTranspose with pads {pads} and output_padding {out_pad}: only symmetric pads "
+                       "(and output_padding below the stride or dilation) are supported", value=pads)
+    args = [{"$in": 0}, {"$in": 1}, {"$in": 2} if len(ins) > 2 else None, strides, pads[:3], out_pad, groups, dil]
+    y = imp.emit_aten("conv_transpose3d", ins, args, overload="input", hint=n.output[0])[0]
+    imp.ir[n.output[0]] = y
+    imp.check_declared(n.output[0])
+
+
 @_handles("ConvTranspose")
 def _conv_transpose(imp: _Importer, n) -> None:
-    """conv_transpose2d (1-d lifted to a height of 1). ONNX's pads, output_padding, output_shape
+    """conv_transpose2d (1-d lifted to a height of 1; 3-d: `_conv_transpose3d`). ONNX's pads, output_padding, output_shape
     and auto_pad come down to a crop (or zero extension) per side of the unpadded result, which
     a symmetric case folds into conv_transpose2d's own padding."""
     x, w = imp.operand(n.input[0]), imp.operand(n.input[1])
     xt, wt = imp.g.type_of(x), imp.g.type_of(w)
     rank = xt.rank - 2
-    if rank not in (1, 2) or wt.rank != xt.rank:
-        raise imp.fail(f"only 1-d and 2-d ConvTranspose are supported, input is {xt.text()}")
+    if rank not in (1, 2, 3) or wt.rank != xt.rank:
+        raise imp.fail(f"only 1-d, 2-d and 3-d ConvTranspose are supported, input is {xt.text()}")
     sizes = list(xt.shape[2:])
     kernel = list(imp.attr(n, "kernel_shape", wt.shape[2:]))
     strides = list(imp.attr(n, "strides", [1] * rank))
@@ -329,6 +341,9 @@ def _conv_transpose(imp: _Importer, n) -> None:
         pads = list(imp.attr(n, "pads", [0] * (2 * rank)))
     groups = int(imp.attr(n, "group", 1))
     bias = imp.operand(n.input[2]) if imp.opt_in(n, 2) else None
+    if rank == 3:
+        _conv_transpose3d(imp, n, [x, w] + ([bias] if bias else []), strides, dil, out_pad, pads, groups)
+        return
     if rank == 1:
         x = imp.emit("reshape", [x], {"shape": _shape_attr(list(xt.shape[:2]) + [1, xt.shape[2]])},
                      hint=f"{n.output[0]}_2d")
@@ -377,3 +392,22 @@ def _grid_sample(imp: _Importer, n) -> None:
     imp.emit("grid_sampler", [imp.operand(n.input[0]), imp.operand(n.input[1])],
              {"mode": _GRID_MODES[mode], "padding_mode": pad, "align_corners": bool(imp.attr(n, "align_corners", 0))},
              out=n.output[0])
+
+
+@_handles("Col2Im")
+def _col2im(imp: _Importer, n) -> None:
+    """Sliding blocks summed back into an image: col2im (an ATen-reference op), 2-d images with
+    symmetric pads (the ones ATen's col2im takes)."""
+    x = imp.operand(n.input[0])
+    image = imp.ints_of(n.input[1], "Col2Im image_shape")
+    block = imp.ints_of(n.input[2], "Col2Im block_shape")
+    if len(image) != 2 or len(block) != 2:
+        raise imp.fail(f"Col2Im of a {len(image)}-d image: only 2-d images are supported", value=image)
+    dil = list(imp.attr(n, "dilations", [1, 1]))
+    strides = list(imp.attr(n, "strides", [1, 1]))
+    pads = list(imp.attr(n, "pads", [0, 0, 0, 0]))
+    if pads[:2] != pads[2:]:
+        raise imp.fail(f"Col2Im pads {pads}: only symmetric pads are supported", value=pads)
+    y = imp.emit_aten("col2im", [x], [{"$in": 0}, image, block, dil, pads[:2], strides], hint=n.output[0])[0]
+    imp.ir[n.output[0]] = y
+    imp.check_declared(n.output[0])
