@@ -1,6 +1,7 @@
 """ONNX TopK, ScatterElements, ScatterND, ReverseSequence, Tile, CumProd, Det
-(capture/onnx/convert_select.py), negative-step Slice, Col2Im and 3-d ConvTranspose, imported
-and interpreted, against ONNX Runtime; what the converters do not cover is refused by name."""
+(capture/onnx/convert_select.py), negative-step Slice, GatherND batch_dims, Col2Im and 3-d
+ConvTranspose, imported and interpreted, against ONNX Runtime; what the converters do not cover is
+refused by name."""
 from __future__ import annotations
 
 import numpy as np
@@ -125,3 +126,9 @@ def test_col2im_and_3d_conv_transpose_as_aten_reference_ops():
     _check("ConvTranspose", {"x": rng.standard_normal((1, 2, 3, 4, 2)).astype(np.float32)},
            {"w": rng.standard_normal((2, 3, 2, 2, 2)).astype(np.float32), "b": np.ones(3, dtype=np.float32)},
            strides=[2, 1, 1], pads=[1, 0, 0, 1, 0, 0])
+
+
+def test_gather_nd_with_batch_dims():
+    data = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    _check("GatherND", {"x": data, "i": np.array([[[2, -1], [0, 1]], [[1, 3], [-3, 0]]], dtype=np.int64)},
+           batch_dims=1)

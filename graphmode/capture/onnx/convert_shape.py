@@ -305,21 +305,31 @@ def _gather(imp: _Importer, n) -> None:
 
 @_handles("GatherND")
 def _gather_nd(imp: _Importer, n) -> None:
-    if imp.attr(n, "batch_dims", 0):
-        raise imp.fail("GatherND with batch_dims > 0 is not supported")
+    """x[i_0, ..., i_k-1] with the index tuples along the indices' last axis; each of the first
+    batch_dims axes is indexed by its own position (an arange), shared by data and indices."""
+    batch = int(imp.attr(n, "batch_dims", 0))
     x = imp.operand(n.input[0])
-    it = imp.type_of(n.input[1])
+    xt, it = imp.type_of(n.input[0]), imp.type_of(n.input[1])
     depth = it.shape[-1]
     if not isinstance(depth, int):
         raise imp.fail("GatherND with a symbolic index depth")
     ind = imp.operand(n.input[1])
+    lead = list(it.shape[:-1])
     idx = []
+    for j in range(batch):
+        pos = imp.emit("arange", [], {"start": 0, "end": _attr_dim(lead[j]), "step": 1, "dtype": "i64"},
+                       hint=f"{n.output[0]}_b{j}")
+        pos = imp.emit("reshape", [pos], {"shape": _shape_attr([1] * j + [lead[j]] + [1] * (len(lead) - j - 1))},
+                       hint=f"{n.output[0]}_b{j}")
+        idx.append(imp.emit("expand", [pos], {"shape": _shape_attr(lead)}, hint=f"{n.output[0]}_b{j}"))
     for j in range(depth):
         s = imp.emit("slice", [ind], {"dim": it.rank - 1, "start": j, "end": j + 1, "step": 1},
                      hint=f"{n.output[0]}_i{j}")
-        i_j = imp.emit("reshape", [s], {"shape": _shape_attr(it.shape[:-1])}, hint=f"{n.output[0]}_i{j}")
-        idx.append(_wrap_negative(imp, i_j, imp.type_of(n.input[0]).shape[j], f"{n.output[0]}_i{j}"))
-    imp.emit("index", [x] + idx, {"dims": list(range(depth))}, out=n.output[0])
+        i_j = imp.emit("reshape", [s], {"shape": _shape_attr(lead)}, hint=f"{n.output[0]}_i{j}")
+        if imp.g.type_of(i_j).dtype != "i64":
+            i_j = imp.emit("cast", [i_j], {"dtype": "i64"}, hint=f"{n.output[0]}_i{j}")
+        idx.append(_wrap_negative(imp, i_j, xt.shape[batch + j], f"{n.output[0]}_i{j}"))
+    imp.emit("index", [x] + idx, {"dims": list(range(batch + depth))}, out=n.output[0])
 
 
 @_handles("Expand")
