@@ -1,5 +1,5 @@
 """ONNX TopK, ScatterElements, ScatterND, ReverseSequence, Tile, CumProd, Det
-(capture/onnx/convert_select.py), negative-step Slice, GatherND batch_dims, Col2Im and 3-d
+(capture/onnx/convert_select.py), negative-step Slice, GatherND batch_dims, Col2Im, MaxUnpool and 3-d
 ConvTranspose, imported and interpreted, against ONNX Runtime; what the converters do not cover is
 refused by name."""
 from __future__ import annotations
@@ -14,12 +14,8 @@ from graphmode.capture.onnx import import_onnx
 from graphmode.errors import CaptureError
 from graphmode.ir.interpreter import interpret
 
-_NP = {np.float32: TensorProto.FLOAT, np.int64: TensorProto.INT64, np.int32: TensorProto.INT32,
-       np.uint64: TensorProto.UINT64}
-
-
 def _model(op: str, feeds: dict, consts: dict, n_out: int, opset: int, **attrs):
-    inputs = [helper.make_tensor_value_info(k, _NP[v.dtype.type], list(v.shape)) for k, v in feeds.items()]
+    inputs = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)) for k, v in feeds.items()]
     inits = [numpy_helper.from_array(v, k) for k, v in consts.items()]
     outs = [f"y{i}" for i in range(n_out)]
     node = helper.make_node(op, list(feeds) + list(consts), outs, **attrs)
@@ -132,3 +128,16 @@ def test_gather_nd_with_batch_dims():
     data = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     _check("GatherND", {"x": data, "i": np.array([[[2, -1], [0, 1]], [[1, 3], [-3, 0]]], dtype=np.int64)},
            batch_dims=1)
+
+
+def test_max_unpool_of_max_pool_indices_over_several_planes():
+    """MaxPool's indices (from ONNX Runtime) count over the whole (N, C, H, W) tensor."""
+    x = np.random.default_rng(4).standard_normal((2, 3, 4, 6)).astype(np.float32)
+    pool = helper.make_graph([helper.make_node("MaxPool", ["x"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2])],
+                             "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 6])],
+                             [helper.make_tensor_value_info("p", TensorProto.FLOAT, [2, 3, 2, 3]),
+                              helper.make_tensor_value_info("i", TensorProto.INT64, [2, 3, 2, 3])])
+    m = helper.make_model(pool, opset_imports=[helper.make_opsetid("", 22)])
+    p, i = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert i.max() >= 4 * 6              # indices past the first plane
+    _check("MaxUnpool", {"p": p, "i": i}, kernel_shape=[2, 2], strides=[2, 2])

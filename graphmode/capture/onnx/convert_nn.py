@@ -411,3 +411,36 @@ def _col2im(imp: _Importer, n) -> None:
     y = imp.emit_aten("col2im", [x], [{"$in": 0}, image, block, dil, pads[:2], strides], hint=n.output[0])[0]
     imp.ir[n.output[0]] = y
     imp.check_declared(n.output[0])
+
+
+@_handles("MaxUnpool")
+def _max_unpool(imp: _Importer, n) -> None:
+    """max_unpool2d (an ATen-reference op). ONNX's indices count over the whole (N, C, H, W)
+    default-sized output, ATen's over one (H, W) plane: the remainder by the plane's size. A larger
+    output_shape keeps each value where the default size puts it, zeros after (as onnx's reference)."""
+    x = imp.operand(n.input[0])
+    xt = imp.g.type_of(x)
+    if xt.rank != 4:
+        raise imp.fail(f"MaxUnpool of {xt.text()}: only 2-d (N, C, H, W) inputs are supported")
+    kernel = list(imp.attr(n, "kernel_shape"))
+    strides = list(imp.attr(n, "strides", [1, 1]))
+    pads = list(imp.attr(n, "pads", [0, 0, 0, 0]))
+    sizes = list(xt.shape)
+    if not all(isinstance(d, int) for d in sizes):
+        raise imp.fail(f"MaxUnpool of {xt.text()}: symbolic dims", fix="pin the dims in the recipe")
+    size = [(sizes[2 + i] - 1) * strides[i] - pads[i] - pads[i + 2] + kernel[i] for i in range(2)]
+    extra = [0, 0]
+    if imp.opt_in(n, 2):
+        shape = imp.ints_of(n.input[2], "MaxUnpool output_shape")
+        extra = [shape[2 + i] - size[i] for i in range(2)]
+        if shape[:2] != sizes[:2] or min(extra) < 0:
+            raise imp.fail(f"MaxUnpool output_shape {shape} is smaller than the default {sizes[:2] + size}",
+                           value=shape)
+    idx = imp.operand(n.input[1])
+    plane = imp.scalar(size[0] * size[1], imp.g.type_of(idx).dtype, f"{n.output[0]}_plane")
+    idx = imp.emit("remainder", [idx, plane], {}, hint=f"{n.output[0]}_idx")
+    y = imp.emit_aten("max_unpool2d", [x, idx], [{"$in": 0}, {"$in": 1}, size], hint=n.output[0])[0]
+    if any(extra):
+        y = imp.emit("pad", [y], {"pads": [0, extra[1], 0, extra[0]], "value": 0.0}, hint=n.output[0])
+    imp.ir[n.output[0]] = y
+    imp.check_declared(n.output[0])
