@@ -1,17 +1,6 @@
-"""Importers: torch.export and ONNX into the IR.
+"""Importers: torch.export and ONNX into the IR, and model sources (capture/source.py).
 
-`graphmode.capture(model, recipe)` is also the public capture function. Importing this
-package makes Python bind `graphmode.capture` to the package, so the package itself is
-callable and forwards to `graphmode.compiler.capture`; both spellings keep working.
+`graphmode.capture(model, recipe)` is also the public capture function: the `graphmode`
+facade makes this package callable once it is imported (graphmode/__init__.py), so both
+spellings keep working and this package never imports the driver above it.
 """
-import sys
-import types
-
-
-class _CallablePackage(types.ModuleType):
-    def __call__(self, *args, **kwargs):
-        from graphmode.compiler import capture
-        return capture(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage

@@ -159,9 +159,8 @@ class DecodeEngine:
                               value=max_prompt, fix=f"{sd} at most {context - 1}")
         low = lower_decoder(lm, recipe, target, on_stage=on_stage)
         cache = PagedKVCache(layout, pools=_pools(low.graph, layout.layers))
-        cm = CompiledModel(low.source, recipe, target, low.captured, low.graph,
-                           (low.capture_report, low.optimize_report), mode="graph", cache_dir=cache_dir,
-                           threads=threads, verdict=low.verdict, on_stage=on_stage)
+        cm = CompiledModel.from_lowered(low, recipe, target, mode="graph", cache_dir=cache_dir, threads=threads,
+                                        on_stage=on_stage)
         cm.spill_constants()          # the transposed weights the passes made: the kernels pack their own
         buckets = recipe.dim_buckets()
         # batch_invariant: every sequence runs alone (batch-1 plans, its own prefill bucket) and

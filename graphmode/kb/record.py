@@ -41,13 +41,13 @@ class Subject:
     def entities(self) -> tuple[dict, dict, dict]:
         import torch
 
-        import graphmode
+        from graphmode.version import __version__
         from graphmode.recipe import recipe_hash
         hw = hardware_of(self.target)
         model = model_of(self.graph, self.source, recipe_inputs(self.recipe))
         recipe = {"hash": recipe_hash(self.recipe), "name": self.recipe.name,
                   "body": self.recipe.model_dump(mode="json", exclude_defaults=True), "ir_hash": self.ir_hash,
-                  "graphmode_version": graphmode.__version__, "torch_version": torch.__version__,
+                  "graphmode_version": __version__, "torch_version": torch.__version__,
                   "origin": self.origin, "parent": self.parent, "created": time.time()}
         return hw, model, recipe
 
@@ -57,9 +57,9 @@ def perf(source: str, *, status: str = "ok", reason: str | None = None, bucket: 
     """One performance row (before its uid, which `record` derives from its content)."""
     import torch
 
-    import graphmode
+    from graphmode.version import __version__
     row = {"source": source, "status": status, "reason": reason, "bucket": dict(bucket) if bucket else None,
-           "threads": threads, "graphmode_version": graphmode.__version__, "torch_version": torch.__version__,
+           "threads": threads, "graphmode_version": __version__, "torch_version": torch.__version__,
            "extra": dict(extra or {}), "created": time.time()}
     for k in ("p50_ms", "p99_ms", "p99_over_p50", "throughput", "peak_memory_mb", "compile_s", "numerics_err"):
         v = metrics.pop(k, None)

@@ -38,7 +38,7 @@ class Environment:
 
 def detect_environment() -> Environment:
     """Probe versions without importing torch (metadata + files only)."""
-    import graphmode
+    from graphmode.version import __version__
     try:
         torch_v = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
@@ -59,7 +59,7 @@ def detect_environment() -> Environment:
         driver = m.group(1) if m else None
     except OSError:
         pass
-    return Environment(platform.python_version(), torch_v, graphmode.__version__, driver, cuda)
+    return Environment(platform.python_version(), torch_v, __version__, driver, cuda)
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,10 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-import graphmode
 from graphmode.errors import GraphmodeError, short_value
 from graphmode.progress import OnStage, StageReporter, stage
 from graphmode.untrusted import GiB, MiB, UntrustedFileError, file_sha256, open_file, parse_json, read_bytes
+from graphmode.version import __version__
 
 FORMAT = 2              # 2: the manifest lists every member's size and sha256
 SUFFIX = ".gm"
@@ -181,7 +181,7 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
             libraries.setdefault(Path(lib).name, Path(lib))
     key = cache_key(cm, buckets[0])
     out_spec = getattr(cm.capture_report, "out_spec", None) if cm.capture_report is not None else None
-    manifest = {"format": FORMAT, "graphmode": graphmode.__version__, "torch": torch.__version__,
+    manifest = {"format": FORMAT, "graphmode": __version__, "torch": torch.__version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": _host(),
                 "model": cm.source.name if cm.source is not None else graph.name,
                 "recipe_hash": cm.recipe.hash(), "graph_hash": key["graph_hash"],
@@ -364,7 +364,7 @@ def _check_versions(manifest: dict[str, Any], where: Path) -> None:
     if manifest.get("format") != FORMAT:
         raise ArtifactError(f"artifact format {short_value(manifest.get('format'))!r}, this graphmode reads format "
                             f"{FORMAT}", where=str(where), fix="save it again with this graphmode version")
-    for name, have in (("graphmode", graphmode.__version__), ("torch", torch.__version__)):
+    for name, have in (("graphmode", __version__), ("torch", torch.__version__)):
         if manifest.get(name) != have:
             got = short_value(manifest.get(name))
             raise ArtifactError(f"built with {name} {got}, this is {name} {have}", where=str(where), value=got,
@@ -419,7 +419,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     extracted copy is checked against the manifest on every load and extracted again when
     it differs. `on_stage` hears the `plans` stage, bucket N of M (graphmode/progress.py)."""
     from graphmode.backends import get_backend
-    from graphmode.compiler import ModelSource
+    from graphmode.capture.source import ModelSource
     from graphmode.errors import PlanError
     from graphmode.paths import cache_layout
     from graphmode.plan.execution import load_plan

@@ -28,10 +28,10 @@ from typing import Any, Mapping
 
 import torch
 
-import graphmode
 from graphmode.errors import CacheError, GraphmodeError
 from graphmode.paths import cache_root
 from graphmode.untrusted import KiB, MiB, UntrustedFileError, parse_json, read_bytes, read_json
+from graphmode.version import __version__
 
 log = logging.getLogger("graphmode.cache")
 KEY_FIELDS = ("graph_hash", "recipe_hash", "target", "bucket", "graphmode", "torch", "isa")
@@ -46,7 +46,7 @@ def make_key(graph_hash: str, recipe_hash: str, target: str, bucket: Mapping[str
              isa: str = "auto") -> dict[str, str]:
     return {"graph_hash": graph_hash, "recipe_hash": recipe_hash, "target": target,
             "bucket": ",".join(f"{k}={v}" for k, v in sorted(bucket.items())),
-            "graphmode": graphmode.__version__, "torch": torch.__version__, "isa": isa}
+            "graphmode": __version__, "torch": torch.__version__, "isa": isa}
 
 
 def key_fields(key: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from graphmode.backends.registry import DEFAULT_DEVICE
+from graphmode.capture.source import constant_inputs
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.ir.graph import Graph
 from graphmode.ir.types import eval_dim
@@ -32,17 +33,14 @@ log = logging.getLogger("graphmode.runtime")
 SPLIT_DIM = "batch"     # the dim a request between buckets may be cut along (runtime/split.py)
 
 
-def constant_inputs(recipe: Any) -> dict[str, torch.Tensor]:
-    """The inputs the recipe declares constant (`inputs[].value`), as tensors of their dtype."""
-    from graphmode.ir.types import DTYPES
-    return {i.name: torch.tensor(i.value, dtype=DTYPES[i.dtype]) for i in recipe.inputs if i.value is not None}
-
-
 class CompiledModel:
     def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
                  *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None,
-                 device: str = DEFAULT_DEVICE, on_stage: OnStage | None = None):
+                 device: str = DEFAULT_DEVICE, on_stage: OnStage | None = None, lowered: Any = None):
         self.source = source
+        # graphmode.compiler.Lowered when the driver lowered it: the proof, the facts it was
+        # checked against and each stage's time (None for an eager model or a loaded artifact)
+        self.lowered = lowered
         self.recipe = recipe
         self.target = target
         self.captured_graph = captured
@@ -91,6 +89,17 @@ class CompiledModel:
                 self._signature = inspect.signature(source.module.forward)
             except (TypeError, ValueError):
                 self._signature = None
+
+    @classmethod
+    def from_lowered(cls, low: Any, recipe: Any, target: Any, **kw: Any) -> "CompiledModel":
+        """A model over the driver's result (graphmode.compiler.Lowered), which it keeps."""
+        return cls(low.source, recipe, target, low.captured, low.graph, (low.capture_report, low.optimize_report),
+                   verdict=low.verdict, lowered=low, **kw)
+
+    @property
+    def proof(self) -> Any:
+        """The recipe's proof with the compiled graph's own facts (None when not lowered here)."""
+        return self.lowered.proof if self.lowered is not None else None
 
     # ---- memory ----------------------------------------------------------------------------
     def spill_constants(self) -> None:

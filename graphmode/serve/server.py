@@ -371,7 +371,7 @@ class ModelServer:
     def fits_model(self, recipe: Any) -> None:
         """The recipe must declare the model's inputs, with the model's rank and fixed dims
         (checked now, so the answer to PUT says it instead of a failed background compile)."""
-        from graphmode.compiler import resolve_model
+        from graphmode.capture.source import resolve_model
         refuse_tensor_parallel(recipe)
         if self.artifact is not None:
             self._artifact_serves(recipe)

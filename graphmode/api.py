@@ -1,0 +1,37 @@
+"""`graphmode.compile`: the public entry point, above the pipeline driver.
+
+It adds what belongs at the API boundary, not in the driver (graphmode/compiler.py): a recipe
+drafted when none is given (graphmode/kb/draft.py, as `graphmode recipe init` drafts one), and
+`generate` / `stream` for a model whose recipe declares a KV cache (graphmode/decode/api.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from graphmode import compiler
+from graphmode.progress import OnStage
+from graphmode.recipe import Recipe
+
+
+def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any = "host", *, mode: str | None = None,
+            cache_dir: str | Path | None = None, threads: int | None = None, warmup: bool = False,
+            on_stage: OnStage | None = None, rank: int | None = None):
+    """Capture, optimise and wrap a model; plans are built per bucket on first use (or warm-up).
+    Without a recipe, one is drafted as `graphmode recipe init` does (said once, `cm.recipe`).
+    `on_stage` hears the capture, passes, proof and plans stages (graphmode/progress.py).
+    Under `parallel.tensor` N > 1: without `rank`, the N rank processes are started and the
+    result is a `graphmode.parallel.launch.TensorParallelModel` (rank 0 answers); with `rank`,
+    this process compiles that rank's shard only (its collectives need a bound communicator).
+    A model under a recipe with a KV cache decodes: `cm.generate` / `cm.stream` (its decode
+    engine is built on first use, graphmode/decode/api.py)."""
+    tgt = compiler.resolve_target(target)
+    if recipe is None:
+        from graphmode.kb.draft import drafted
+        model, recipe = drafted(model, tgt)
+    cm = compiler.compile(model, recipe, tgt, mode=mode, cache_dir=cache_dir, threads=threads, warmup=warmup,
+                          on_stage=on_stage, rank=rank)
+    if getattr(cm, "decoding", False) is None and cm.recipe.memory.kv_cache is not None:
+        from graphmode.decode import api as decoding
+        cm.decoding = decoding
+    return cm

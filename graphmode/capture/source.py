@@ -1,0 +1,134 @@
+"""What capture reads: a model source resolved from whatever the user passed (a built-in
+name, an `.onnx` path, a `module:function` spec, an nn.Module, a Hugging Face model, a
+ModelBundle), with example inputs sized by the recipe. Every entry point (the driver, a loaded
+artifact, the server, the rank processes) resolves models here, below the driver.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from graphmode.errors import CaptureError, RecipeError
+
+if TYPE_CHECKING:
+    from graphmode.recipe import Recipe
+
+
+def constant_inputs(recipe: Any) -> dict[str, torch.Tensor]:
+    """The inputs the recipe declares constant (`inputs[].value`), as tensors of their dtype."""
+    from graphmode.ir.types import DTYPES
+    return {i.name: torch.tensor(i.value, dtype=DTYPES[i.dtype]) for i in recipe.inputs if i.value is not None}
+
+
+@dataclass
+class ModelSource:
+    """What capture needs: a module with named example inputs, or an ONNX file."""
+
+    name: str
+    module: torch.nn.Module | None = None
+    example_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    input_dims: dict[str, list] = field(default_factory=dict)
+    output_names: list[str] = field(default_factory=list)
+    onnx_path: Path | None = None
+    bundle: Any = None   # graphmode.capture.zoo.ModelBundle when built-in
+    # a decoder's forward (graphmode/decode/engine.py): exported over these ranges rather than the
+    # recipe's (a batch of one still exports dynamic), and padded only where its graph masks the
+    # padding itself (paged attention reads each row's length, the head its last position), so
+    # the verdict's padding analysis, which knows the captured graph, does not apply
+    capture_dims: dict[str, tuple[int, int]] | None = None
+    masks_padding: bool = False
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)   # inputs the recipe declares constant
+
+    def make_inputs(self, env: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
+        if self.bundle is not None:
+            return {**self.bundle.make_inputs(env, seed=seed), **self.constants}
+        raise CaptureError("no input generator for this model", where=f"model {self.name}",
+                           fix="use a built-in model, an .onnx file or a ModelBundle (it has make_inputs)")
+
+    def reference(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The ground truth outputs: eager PyTorch, or ONNX Runtime for an ONNX model."""
+        if self.module is not None:
+            with torch.inference_mode():
+                out = self.module(**inputs)
+            return list(out) if isinstance(out, (tuple, list)) else [out]
+        import onnxruntime as ort
+        try:
+            if getattr(self, "_ort", None) is None:
+                self._ort = ort.InferenceSession(str(self.onnx_path), providers=["CPUExecutionProvider"])
+            res = self._ort.run(None, {k: v.numpy() for k, v in inputs.items()})
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+            raise CaptureError(f"ONNX Runtime cannot run this model for reference: {type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+                               where=f"model {self.onnx_path}",
+                               fix="check the model with onnx.checker and onnxruntime directly") from None
+        return [torch.from_numpy(r) for r in res]
+
+
+def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
+    """Whatever the user passed (built-in name, .onnx path, 'pkg.mod:fn' spec, nn.Module,
+    (module, example_inputs[, input_dims]), Hugging Face model, ModelBundle) -> ModelSource.
+    A plain nn.Module takes its example inputs from the recipe's declared inputs."""
+    from graphmode.capture.spec import OnnxModelSpec, as_model, bundle_from_module
+    if isinstance(model, ModelSource):
+        return model
+    if isinstance(model, torch.nn.Module):
+        ex = example_inputs_from_recipe(recipe, model)
+        try:                                   # forward's order: the compiled model binds positional args like it
+            params = list(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            params = []
+        ex = dict(sorted(ex.items(), key=lambda kv: params.index(kv[0]) if kv[0] in params else len(params)))
+        model = bundle_from_module(model, ex, {i.name: list(i.shape) for i in recipe.inputs})
+    model = as_model(model)
+    if isinstance(model, OnnxModelSpec):
+        return ModelSource(model.path.stem, onnx_path=model.path,
+                           input_dims={i.name: list(i.shape) for i in recipe.inputs},
+                           output_names=list(model.output_names), bundle=model,
+                           constants=constant_inputs(recipe))
+    dims = {i.name: list(i.shape) for i in recipe.inputs}
+    missing = [n for n in model.input_names if n not in dims]
+    if missing:
+        raise RecipeError(f"the model takes inputs {missing} that the recipe does not declare",
+                          where="inputs", fix=f"declare every model input: {model.input_names}")
+    from graphmode.verdict import ContractRefused, example_mismatches
+    issues = example_mismatches(recipe, model.example_inputs, model.input_dims)
+    if issues:
+        raise ContractRefused(issues)
+    if model.input_maker is None and {k: dims[k] for k in model.input_names} != model.input_dims:
+        # the recipe's shapes are the contract: sample inputs (run, verify) follow them,
+        # not the static shapes of the example the model was handed with
+        import dataclasses
+        model = dataclasses.replace(model, input_dims={k: dims[k] for k in model.input_names})
+    from graphmode.capture.torch_import import example_sizes
+    examples = model.make_inputs(example_sizes({d: recipe.dim_range(d) for d in recipe.dims}), seed=0)
+    return ModelSource(model.name, model.module, examples, {k: dims[k] for k in model.input_names},
+                       list(model.output_names), bundle=model)
+
+
+def example_inputs_from_recipe(recipe: Recipe, module: Any = None) -> dict[str, torch.Tensor]:
+    """One example per declared input at small sizes of the recipe's dims: floats random, masks
+    ones, token types zeros, token ids inside the module's vocabulary (its config's), other
+    integers ones."""
+    from graphmode.capture.torch_import import example_sizes
+    from graphmode.ir.types import DTYPES
+    sizes = example_sizes({d: recipe.dim_range(d) for d in recipe.dims})
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for spec in recipe.inputs:
+        shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
+        dt = DTYPES[spec.dtype]
+        if dt.is_floating_point:
+            out[spec.name] = torch.randn(shape, generator=g).to(dt)
+        elif "type" in spec.name:
+            out[spec.name] = torch.zeros(shape, dtype=dt)
+        elif spec.name.endswith("ids") and isinstance(vocab, int) and vocab > 3 and dt != torch.bool:
+            out[spec.name] = torch.randint(3, vocab, shape, generator=g).to(dt)
+        else:
+            out[spec.name] = torch.ones(shape, dtype=dt)
+    out.update(constant_inputs(recipe))
+    return out
