@@ -71,6 +71,44 @@ class BucketMemory:
         return self.arena_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
 
 
+def bucket_memory(graph: Graph, recipe: Any, on_stage: Any = None) -> list[BucketMemory]:
+    """Each bucket's memory plan against the planner's lower bound (`on_stage` hears "memory
+    plans", bucket N of M)."""
+    from graphmode.monitor.contract import bucket_label
+    from graphmode.plan.memory import plan_memory
+    from graphmode.progress import stage
+    out = []
+    buckets = recipe.buckets()
+    with stage(on_stage, "memory plans", total=len(buckets)) as plans:
+        for env in buckets:
+            mp = plan_memory(graph, env, reuse=recipe.optimize.memory_reuse,
+                             alias_groups=[list(g) for g in recipe.alias_groups])
+            out.append(BucketMemory(dict(env), mp.arena_bytes, mp.lower_bound_bytes))
+            plans.step(bucket_label(env))
+    return out
+
+
+def report_of(low: Any, recipe: Any, target_name: str, memory: list[BucketMemory] = (),
+              seconds: dict[str, float] | None = None) -> "CompileReport":
+    """The compile report of the driver's result (graphmode.compiler.Lowered), as far as it got:
+    a refused verdict has no passes, memory plans or proof."""
+    g0 = low.captured
+    secs = dict(seconds if seconds is not None else low.timings)
+    if low.graph is None:
+        return CompileReport(low.source.name, recipe.name, recipe.hash(), target_name, g0.structural_hash(),
+                             low.capture_report, None, len(g0.nodes), len(g0.nodes), seconds=secs,
+                             contract=low.verdict)
+    g = low.graph
+    fused = [{"kind": n.attrs.get("kind"), "ops": [m.op for m in n.body.nodes], "outputs": list(n.outputs)}
+             for n in g.nodes if n.op == "fused"]
+    act = low.facts.activation_bytes if low.facts is not None else ""
+    rep = CompileReport(low.source.name, recipe.name, recipe.hash(), target_name, g.structural_hash(),
+                        low.capture_report, low.optimize_report.passes, len(g0.nodes), len(g.nodes), fused,
+                        list(memory), str(act), low.proof, secs, low.verdict)
+    rep.dump_files = low.optimize_report.dump_files  # type: ignore[attr-defined]
+    return rep
+
+
 @dataclass
 class CompileReport:
     model: str

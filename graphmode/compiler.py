@@ -173,24 +173,38 @@ class Lowered:
 
 
 def lower_model(model: Any, recipe: Recipe | str | Path, target: Any = None, *, mode: str | None = None,
-                keep_snapshots: bool = False, on_stage: OnStage | None = None, rank: int = 0) -> Lowered:
-    """capture -> verdict -> passes -> proof, refusing (typed errors) at the first that fails:
-    the one path compile, verify, run, serve, decode and `plan show` share. `on_stage` hears the
-    capture, passes and proof stages (graphmode/progress.py). Under `parallel`, `rank`'s shard."""
+                keep_snapshots: bool = False, on_stage: OnStage | None = None, rank: int = 0,
+                refuse: bool = True, prove_graph: bool = True, dump_dir: str | Path | None = None,
+                dump_before: Sequence[str] | str = (), dump_after: Sequence[str] | str = ()) -> Lowered:
+    """capture -> verdict -> passes -> proof: the one path compile, verify, run, serve, decode,
+    `recipe validate --model` and `plan show` share. With `refuse` (the default) it refuses
+    (typed errors) at the first that fails; without, a report reads how far it got: a refused
+    verdict stops before the passes (`graph` and `proof` None), an unproved recipe keeps its
+    proof. `prove_graph=False` stops after the graph's facts (the caller proves with its own
+    options). `on_stage` hears the capture, passes and proof stages (graphmode/progress.py);
+    `dump_*` write the IR around passes (`optimize`). Under `parallel`, `rank`'s shard."""
     recipe = as_recipe(recipe)
     t0 = time.perf_counter()
     with stage(on_stage, "capture"):
         graph0, cap, src, verdict = checked_capture(model, recipe, mode)
-    verdict.raise_for_refusal()
+    timings = {"capture": time.perf_counter() - t0}
+    if refuse:
+        verdict.raise_for_refusal()
+    elif not verdict.ok:
+        return Lowered(src, graph0, cap, verdict, None, None, None, None, timings)
     t1 = time.perf_counter()
     graph, opt = optimize(graph0, recipe, target, buckets=[], keep_snapshots=keep_snapshots, on_stage=on_stage,
-                          rank=rank)
+                          rank=rank, dump_dir=dump_dir, dump_before=dump_before, dump_after=dump_after)
     t2 = time.perf_counter()
+    timings["passes"] = t2 - t1
+    facts = graph_facts(recipe, graph)
+    if not prove_graph:
+        return Lowered(src, graph0, cap, verdict, graph, opt, None, facts, timings)
     with stage(on_stage, "proof"):
-        facts = graph_facts(recipe, graph)
         proof = prove(recipe, target, graph, facts)
-    proof.raise_for_errors()      # a recipe that is not proved is never loaded
-    timings = {"capture": t1 - t0, "passes": t2 - t1, "proof": time.perf_counter() - t2}
+    timings["proof"] = time.perf_counter() - t2
+    if refuse:
+        proof.raise_for_errors()      # a recipe that is not proved is never loaded
     return Lowered(src, graph0, cap, verdict, graph, opt, proof, facts, timings)
 
 

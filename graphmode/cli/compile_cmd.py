@@ -33,59 +33,29 @@ def dump_selection(text: Optional[str], flag: str, pipeline: list[str]):
 def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_dir: Optional[Path] = None,
                  dump_before: Optional[str] = None, dump_after: Optional[str] = None, plan_buckets: bool = True,
                  cache_dir: Optional[Path] = None, on_stage: Optional[OnStage] = None):
-    """Run the pipeline up to memory plans; returns (report, optimized graph, recipe, source).
-    `on_stage` hears capture, passes, memory plans (bucket N of M) and proof."""
-    from graphmode.compile_report import BucketMemory, CompileReport
-    from graphmode.compiler import checked_capture, optimize, prove
+    """The driver's result as a compile report: (report, optimized graph, recipe, source).
+    `on_stage` hears capture, passes, proof and memory plans (bucket N of M)."""
+    from graphmode.compile_report import bucket_memory, report_of
+    from graphmode.compiler import lower_model
     from graphmode.paths import cache_layout
-    from graphmode.plan.memory import activation_peak_expr, plan_memory
     from graphmode.recipe import load_recipe
     from graphmode.recipe.targets import pick_target
-    from graphmode.runtime.compiled import CompiledModel
 
-    secs: dict[str, float] = {}
     recipe = load_recipe(recipe_path)
     before = dump_selection(dump_before, "--dump-ir-before", recipe.pipeline())
     after = dump_selection(dump_after, "--dump-ir-after", recipe.pipeline())
     tgt = pick_target(recipe, target, cache_dir=cache_layout(cache_dir).targets)
-    t0 = time.perf_counter()
-    with stage(on_stage, "capture"):
-        graph0, cap, src, contract = checked_capture(model, recipe)
-    secs["capture"] = time.perf_counter() - t0
-    if not contract.ok:     # stop before passes: the recipe does not hold for this model
-        rep = CompileReport(src.name, recipe.name, recipe.hash(), getattr(tgt, "name", str(tgt)),
-                            graph0.structural_hash(), cap, None, len(graph0.nodes), len(graph0.nodes),
-                            seconds=secs, contract=contract)
-        return rep, graph0, recipe, src
-
-    t0 = time.perf_counter()
-    graph, opt = optimize(graph0, recipe, tgt, buckets=[], dump_dir=dump_dir or Path("graphmode-ir-dumps"),
-                          dump_before=before, dump_after=after, on_stage=on_stage)
-    secs["passes"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    low = lower_model(model, recipe, tgt, refuse=False, on_stage=on_stage,
+                      dump_dir=dump_dir or Path("graphmode-ir-dumps"), dump_before=before, dump_after=after)
+    secs = {k: low.timings[k] for k in ("capture", "passes") if k in low.timings}
     memory = []
-    if plan_buckets:
-        buckets = recipe.buckets()
-        with stage(on_stage, "memory plans", total=len(buckets)) as plans:
-            for env in buckets:
-                mp = plan_memory(graph, env, reuse=recipe.optimize.memory_reuse,
-                                 alias_groups=[list(g) for g in recipe.alias_groups])
-                memory.append(BucketMemory(dict(env), mp.arena_bytes, mp.lower_bound_bytes))
-                plans.step(CompiledModel.bucket_key(env))
-    act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
-                               alias_groups=[list(g) for g in recipe.alias_groups])
-    secs["memory_plan"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with stage(on_stage, "proof"):
-        validation = prove(recipe, tgt, graph)
-    secs["verify"] = time.perf_counter() - t0
-    fused = [{"kind": n.attrs.get("kind"), "ops": [m.op for m in n.body.nodes], "outputs": list(n.outputs)}
-             for n in graph.nodes if n.op == "fused"]
-    rep = CompileReport(src.name, recipe.name, recipe.hash(), getattr(tgt, "name", str(tgt)),
-                        graph.structural_hash(), cap, opt.passes, len(graph0.nodes), len(graph.nodes), fused,
-                        memory, str(act), validation, secs, contract)
-    rep.dump_files = opt.dump_files  # type: ignore[attr-defined]
-    return rep, graph, recipe, src
+    if low.graph is not None:
+        t0 = time.perf_counter()
+        memory = bucket_memory(low.graph, recipe, on_stage) if plan_buckets else []
+        secs["memory_plan"] = time.perf_counter() - t0
+        secs["verify"] = low.timings["proof"]
+    rep = report_of(low, recipe, getattr(tgt, "name", str(tgt)), memory, secs)
+    return rep, (low.graph if low.graph is not None else low.captured), recipe, low.source
 
 
 def print_contract(contract) -> None:

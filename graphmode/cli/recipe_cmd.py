@@ -18,7 +18,6 @@ from graphmode.cli.app import app, console, err_console, fail
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
 from graphmode.errors import ConstraintError, GraphmodeError, RecipeErrors
-from graphmode.progress import stage
 
 recipe_app = typer.Typer(name="recipe", no_args_is_help=True, add_completion=False,
                          help="Validate, show and diff recipes (the verified deployment contract).")
@@ -132,19 +131,12 @@ def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
 
 
 def _model_facts(model: str, recipe):
-    """Capture + optimise the model: exact weight bytes and the planner's activation peak. The
-    model must pass the same verdict as compile (mismatches, fallbacks, padding) first."""
-    from graphmode.compile_report import model_facts
-    from graphmode.compiler import checked_capture, optimize
-    from graphmode.plan.memory import activation_peak_expr
+    """The driver up to the graph's facts (exact weight bytes, the planner's activation peak):
+    the model must pass the same verdict as compile (mismatches, fallbacks, padding) first;
+    the command then proves with its own timeout and calibration."""
+    from graphmode.compiler import lower_model
     with progress() as on_stage:
-        with stage(on_stage, "capture"):
-            graph0, _, _, verdict = checked_capture(model, recipe)
-        verdict.raise_for_refusal()
-        graph, _ = optimize(graph0, recipe, None, buckets=[], on_stage=on_stage)
-    act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
-                               alias_groups=[list(g) for g in recipe.alias_groups])
-    return model_facts(graph, act)
+        return lower_model(model, recipe, None, on_stage=on_stage, prove_graph=False).facts
 
 
 def check_parallel_errors(recipe, target) -> list:

@@ -18,22 +18,21 @@ from collections import Counter
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from graphmode.backends.registry import DEFAULT_DEVICE
 from graphmode.capture.source import constant_inputs
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.ir.graph import Graph
-from graphmode.ir.types import eval_dim
 from graphmode.progress import OnStage, stage
-from graphmode.runtime.split import Chooser, chunks, output_axes
+from graphmode.runtime.contract import InputContract
+from graphmode.runtime.shaping import SPLIT_DIM, Shaping
+from graphmode.runtime.split import Chooser
 
 log = logging.getLogger("graphmode.runtime")
-SPLIT_DIM = "batch"     # the dim a request between buckets may be cut along (runtime/split.py)
 
 
-class CompiledModel:
+class CompiledModel(InputContract, Shaping):
     def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
                  *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None,
                  device: str = DEFAULT_DEVICE, on_stage: OnStage | None = None, lowered: Any = None):
@@ -139,111 +138,6 @@ class CompiledModel:
         log.info("graphmode event %s %s", event, info)
         if self.monitor is not None:
             self.monitor.on_event(event, rec)
-
-    # ---- inputs ----------------------------------------------------------------------------
-    def bind_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        if self._signature is not None:
-            try:
-                bound = self._signature.bind_partial(*args, **kwargs)
-                named = dict(bound.arguments)
-            except TypeError as e:
-                raise ContractViolation(f"arguments do not match the model's signature: {e}",
-                                        fix=f"call with {', '.join(self.input_names)}") from None
-        else:
-            if len(args) > len(self.input_names):
-                raise ContractViolation(f"got {len(args)} positional inputs, the recipe declares "
-                                        f"{len(self.input_names)}", fix=f"inputs: {', '.join(self.input_names)}")
-            named = dict(zip(self.input_names, args))
-            named.update(kwargs)
-        unknown = [k for k in named if k not in self.input_names]
-        if unknown:
-            raise ContractViolation(f"unknown inputs {unknown}", where="inputs",
-                                    fix=f"the recipe declares {', '.join(self.input_names)}")
-        missing = [k for k in self.input_names if k not in named]
-        if missing:
-            raise ContractViolation(f"missing inputs {missing}", where="inputs",
-                                    fix=f"pass every declared input: {', '.join(self.input_names)}")
-        out = {}
-        for spec in self.recipe.inputs:
-            t = named[spec.name]
-            if not isinstance(t, torch.Tensor):
-                raise ContractViolation(f"input {spec.name!r} must be a tensor", where=f"inputs.{spec.name}",
-                                        value=type(t).__name__)
-            from graphmode.ir.types import DTYPES
-            if t.dtype != DTYPES[spec.dtype]:
-                raise ContractViolation(f"input {spec.name!r} has dtype {t.dtype}, the recipe declares {spec.dtype}",
-                                        where=f"inputs.{spec.name}.dtype", fix=f"convert it: x.to({DTYPES[spec.dtype]})")
-            if t.dim() != len(spec.shape):
-                raise ContractViolation(f"input {spec.name!r} has rank {t.dim()}, the recipe declares "
-                                        f"{spec.shape}", where=f"inputs.{spec.name}.shape", value=tuple(t.shape),
-                                        fix=f"send a {len(spec.shape)}-d tensor shaped {spec.shape}")
-            if spec.value is not None and not torch.equal(t, self._constants[spec.name]):
-                raise ContractViolation(f"input {spec.name!r} differs from the value the recipe declares constant "
-                                        "(the model was compiled for that value)", where=f"inputs.{spec.name}.value",
-                                        value=t.tolist() if t.numel() <= 16 else tuple(t.shape),
-                                        fix=f"send {spec.value}, or compile with a recipe declaring the new value")
-            out[spec.name] = t
-        return out
-
-    def bounds(self) -> tuple[list, list]:
-        """(value checks, dim checks) of runtime/bounds.py, from the verdict's index analysis (or
-        the graph's, for a model loaded from an artifact)."""
-        if self._bounds is None:
-            from graphmode.runtime.bounds import dim_checks, value_checks
-            index = getattr(self.verdict, "index", None)
-            graph = self.captured_graph if self.captured_graph is not None else self.graph
-            if index is None and graph is not None:
-                from graphmode.analysis.indices import analyze_indices
-                index = analyze_indices(graph)
-            self._bounds = (value_checks(self.recipe, index), dim_checks(index))
-        return self._bounds
-
-    def check_inputs(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int] | None = None) -> None:
-        """Refuse (ContractViolation) values the model's tables or the recipe's ranges exclude,
-        and dims past the model's positions: before any plan or eager fallback runs."""
-        values, limits = self.bounds()
-        if limits:
-            from graphmode.runtime.bounds import check_dims
-            check_dims(self.shape_of(inputs) if dims is None else dims, limits)
-        if values:
-            from graphmode.runtime.bounds import check_values
-            check_values(inputs, values)
-
-    def sample_inputs(self, env: Mapping[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
-        """The model source's sample inputs at `env`, index inputs drawn inside the model's tables."""
-        from graphmode.runtime.bounds import draw_within
-        return draw_within(self.source.make_inputs(dict(env), seed=seed), self.bounds()[0], seed)
-
-    def shape_of(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        dims: dict[str, int] = {}
-        for spec in self.recipe.inputs:
-            t = inputs[spec.name]
-            for ax, d in enumerate(spec.shape):
-                size = int(t.shape[ax])
-                if isinstance(d, int):
-                    if size != d:
-                        raise ContractViolation(f"input {spec.name!r} axis {ax} must be {d}",
-                                                where=f"inputs.{spec.name}.shape[{ax}]", value=size,
-                                                fix=f"send {spec.name} shaped {spec.shape}")
-                elif dims.setdefault(d, size) != size:
-                    raise ContractViolation(f"dim {d!r} is {dims[d]} in one input but {size} in {spec.name!r}",
-                                            where=f"inputs.{spec.name}.shape[{ax}]", value=size,
-                                            fix="inputs sharing a dim must agree on its size")
-        return dims
-
-    def bucket_for(self, dims: Mapping[str, int]) -> dict[str, int] | None:
-        return self.recipe.bucket_for(dict(dims))
-
-    def _violation(self, dims: Mapping[str, int]) -> ContractViolation:
-        for d, v in dims.items():
-            lo, hi = self.recipe.dim_range(d)
-            if not lo <= v <= hi:
-                return ContractViolation(f"dim {d!r} = {v} is outside the recipe's range [{lo}, {hi}]",
-                                         where=f"dims.{d}", value=v,
-                                         fix=f"send {d} within [{lo}, {hi}], widen dims.{d} in the recipe, "
-                                             f"or set on_violation: eager")
-        return ContractViolation(f"no bucket holds shape {dict(dims)}", where="dims", value=dict(dims),
-                                 fix="add a bucket that covers it")
 
     # ---- plans -----------------------------------------------------------------------------
     @staticmethod
@@ -354,62 +248,6 @@ class CompiledModel:
         outs = exe.run(padded, index)        # the real rows only are copied out of the arena
         return [outs[name] for name in self.graph.outputs]
 
-    def _split_parts(self, dims: Mapping[str, int], bucket: Mapping[str, int]) -> list[int]:
-        """The batch sizes a request padded along SPLIT_DIM could run as instead (each a bucket
-        value), or [] when it cannot: the dim is not padded, the model's rows meet, an output has
-        no axis to concatenate along, the model updates an input in place, or the batch is no sum
-        of bucket values."""
-        if dims.get(SPLIT_DIM) == bucket.get(SPLIT_DIM) or not self._splittable():
-            return []
-        parts = chunks(dims[SPLIT_DIM], self.recipe.dim_buckets().get(SPLIT_DIM, []))
-        return parts if len(parts) > 1 else []
-
-    def _splittable(self) -> bool:
-        if self._split_axes is False:
-            from graphmode.analysis.padding import positions_independent
-            ok = (self.graph is not None and SPLIT_DIM in self.recipe.dim_buckets() and SPLIT_DIM not in self.exact_dims
-                  and not self.mutated_inputs
-                  and all(sum(d == SPLIT_DIM for _, d in axes) <= 1 for axes in self._dim_axes.values()))
-            axes = output_axes(self.graph, SPLIT_DIM) if ok else None
-            self._split_axes = axes if axes is not None and positions_independent(self.graph, SPLIT_DIM) else None
-        return self._split_axes is not None
-
-    def _run_split(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],
-                   parts: list[int]) -> list[torch.Tensor]:
-        """Run consecutive slices of the batch, `parts` rows each, in their own buckets and
-        concatenate each output along its batch axis."""
-        pieces, start = [], 0
-        for n in parts:
-            sub = {name: next((t.narrow(ax, start, n) for ax, d in self._dim_axes[name] if d == SPLIT_DIM), t)
-                   for name, t in inputs.items()}
-            sub_dims = {**dims, SPLIT_DIM: n}
-            pieces.append(self._run_bucket(sub, sub_dims, self.bucket_for(sub_dims)))
-            start += n
-        axes = self._split_axes
-        return [torch.cat([p[i] for p in pieces], dim=axes[name]) for i, name in enumerate(self.graph.outputs)]
-
-    def structured(self, flat: list[torch.Tensor]) -> Any:
-        """The flat outputs in the structure eager returns: a Tensor, tuple, dict or ModelOutput."""
-        if self.output_structure is not None:
-            from graphmode.capture.outputs import count, rebuild
-            if count(self.output_structure) == len(flat):
-                return rebuild(self.output_structure, flat)
-        if self._out_spec is not None:
-            try:
-                return pytree.tree_unflatten(flat, self._out_spec)
-            except Exception:  # noqa: BLE001 - structure mismatch: return the flat tuple
-                pass
-        return flat[0] if len(flat) == 1 else tuple(flat)
-
-    @property
-    def output_names(self) -> list[str]:
-        """One name per output the model returns, named by its structure (capture/outputs.py)."""
-        names = list(getattr(self.capture_report, "output_names", None) or getattr(self.source, "output_names", None)
-                     or [])
-        n_user = len(self.graph.outputs) - len(self.mutated_inputs) if self.graph is not None else len(names)
-        return names if len(names) == n_user else (["output"] if n_user == 1 else
-                                                   [f"output_{i}" for i in range(n_user)])
-
     def _eager(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         if self.source.module is None:
             origin = "it was loaded from an artifact" if getattr(self, "artifact", None) else "it came from ONNX"
@@ -420,41 +258,6 @@ class CompiledModel:
         if self.output_structure is not None and isinstance(out, tuple):    # the flattening wrapper's tuple
             return self.structured(list(out))
         return out
-
-    def _pad(self, inputs: Mapping[str, torch.Tensor], bucket: Mapping[str, int]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, t in inputs.items():
-            pads: list[int] = []
-            need = False
-            for ax in reversed(range(t.dim())):
-                extra = 0
-                for a, d in self._dim_axes[name]:
-                    if a == ax:
-                        extra = bucket[d] - int(t.shape[ax])
-                pads += [0, extra]
-                need |= extra > 0
-            if need:
-                t = F.pad(t, pads, value=self.pad_values[name])
-            out[name] = t
-        return out
-
-    def _real_index(self, name: str, dims: Mapping[str, int], bucket: Mapping[str, int]) -> tuple | None:
-        """The index that slices output `name` at the bucket's shape back to the real dims: every
-        axis whose extent depends on a padded dim (the padding analysis proved such axes hold the
-        real positions first); None when nothing is padded."""
-        if dict(dims) == dict(bucket):
-            return None
-        ty = self.graph.values[name].type
-        idx = []
-        sliced = False
-        for d in ty.shape:
-            real = d if isinstance(d, int) else eval_dim(d, dims)
-            if real != (d if isinstance(d, int) else eval_dim(d, bucket)):
-                idx.append(slice(0, real))
-                sliced = True
-            else:
-                idx.append(slice(None))
-        return tuple(idx) if sliced else None
 
     # ---- decoding ----------------------------------------------------------------------------
     def generate(self, input_ids: Any, attention_mask: Any = None, **kw: Any) -> torch.Tensor:

@@ -12,7 +12,7 @@ formats are in graphmode/serve/README.md. Exports load lazily: the recipe sandbo
 """
 _API = {"ServerThread": "graphmode.serve.app", "create_app": "graphmode.serve.app",
         "ModelServer": "graphmode.serve.server", "ServeConfig": "graphmode.serve.server",
-        "Deployment": "graphmode.serve.server", "ReloadTicket": "graphmode.serve.server",
+        "Deployment": "graphmode.serve.deployment", "ReloadTicket": "graphmode.serve.deployment",
         "ServeError": "graphmode.serve.errors", "BadRequest": "graphmode.serve.errors",
         "Unauthorized": "graphmode.serve.errors", "NotReady": "graphmode.serve.errors",
         "ReloadBusy": "graphmode.serve.errors", "RequestTimeout": "graphmode.serve.errors"}

@@ -1,0 +1,119 @@
+"""A compiled model's input contract: bind a call's arguments to the recipe's inputs, check
+dtypes, ranks, constants and fixed dims, the values the model's tables and the recipe's ranges
+admit (runtime/bounds.py), and find the bucket a shape runs in."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from graphmode.errors import ContractViolation
+
+
+class InputContract:
+    """CompiledModel's input checks (a mixin: it reads the model's recipe, signature, verdict,
+    graphs and source)."""
+
+    def bind_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        if self._signature is not None:
+            try:
+                bound = self._signature.bind_partial(*args, **kwargs)
+                named = dict(bound.arguments)
+            except TypeError as e:
+                raise ContractViolation(f"arguments do not match the model's signature: {e}",
+                                        fix=f"call with {', '.join(self.input_names)}") from None
+        else:
+            if len(args) > len(self.input_names):
+                raise ContractViolation(f"got {len(args)} positional inputs, the recipe declares "
+                                        f"{len(self.input_names)}", fix=f"inputs: {', '.join(self.input_names)}")
+            named = dict(zip(self.input_names, args))
+            named.update(kwargs)
+        unknown = [k for k in named if k not in self.input_names]
+        if unknown:
+            raise ContractViolation(f"unknown inputs {unknown}", where="inputs",
+                                    fix=f"the recipe declares {', '.join(self.input_names)}")
+        missing = [k for k in self.input_names if k not in named]
+        if missing:
+            raise ContractViolation(f"missing inputs {missing}", where="inputs",
+                                    fix=f"pass every declared input: {', '.join(self.input_names)}")
+        out = {}
+        for spec in self.recipe.inputs:
+            t = named[spec.name]
+            if not isinstance(t, torch.Tensor):
+                raise ContractViolation(f"input {spec.name!r} must be a tensor", where=f"inputs.{spec.name}",
+                                        value=type(t).__name__)
+            from graphmode.ir.types import DTYPES
+            if t.dtype != DTYPES[spec.dtype]:
+                raise ContractViolation(f"input {spec.name!r} has dtype {t.dtype}, the recipe declares {spec.dtype}",
+                                        where=f"inputs.{spec.name}.dtype", fix=f"convert it: x.to({DTYPES[spec.dtype]})")
+            if t.dim() != len(spec.shape):
+                raise ContractViolation(f"input {spec.name!r} has rank {t.dim()}, the recipe declares "
+                                        f"{spec.shape}", where=f"inputs.{spec.name}.shape", value=tuple(t.shape),
+                                        fix=f"send a {len(spec.shape)}-d tensor shaped {spec.shape}")
+            if spec.value is not None and not torch.equal(t, self._constants[spec.name]):
+                raise ContractViolation(f"input {spec.name!r} differs from the value the recipe declares constant "
+                                        "(the model was compiled for that value)", where=f"inputs.{spec.name}.value",
+                                        value=t.tolist() if t.numel() <= 16 else tuple(t.shape),
+                                        fix=f"send {spec.value}, or compile with a recipe declaring the new value")
+            out[spec.name] = t
+        return out
+
+    def bounds(self) -> tuple[list, list]:
+        """(value checks, dim checks) of runtime/bounds.py, from the verdict's index analysis (or
+        the graph's, for a model loaded from an artifact)."""
+        if self._bounds is None:
+            from graphmode.runtime.bounds import dim_checks, value_checks
+            index = getattr(self.verdict, "index", None)
+            graph = self.captured_graph if self.captured_graph is not None else self.graph
+            if index is None and graph is not None:
+                from graphmode.analysis.indices import analyze_indices
+                index = analyze_indices(graph)
+            self._bounds = (value_checks(self.recipe, index), dim_checks(index))
+        return self._bounds
+
+    def check_inputs(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int] | None = None) -> None:
+        """Refuse (ContractViolation) values the model's tables or the recipe's ranges exclude,
+        and dims past the model's positions: before any plan or eager fallback runs."""
+        values, limits = self.bounds()
+        if limits:
+            from graphmode.runtime.bounds import check_dims
+            check_dims(self.shape_of(inputs) if dims is None else dims, limits)
+        if values:
+            from graphmode.runtime.bounds import check_values
+            check_values(inputs, values)
+
+    def sample_inputs(self, env: Mapping[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
+        """The model source's sample inputs at `env`, index inputs drawn inside the model's tables."""
+        from graphmode.runtime.bounds import draw_within
+        return draw_within(self.source.make_inputs(dict(env), seed=seed), self.bounds()[0], seed)
+
+    def shape_of(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        dims: dict[str, int] = {}
+        for spec in self.recipe.inputs:
+            t = inputs[spec.name]
+            for ax, d in enumerate(spec.shape):
+                size = int(t.shape[ax])
+                if isinstance(d, int):
+                    if size != d:
+                        raise ContractViolation(f"input {spec.name!r} axis {ax} must be {d}",
+                                                where=f"inputs.{spec.name}.shape[{ax}]", value=size,
+                                                fix=f"send {spec.name} shaped {spec.shape}")
+                elif dims.setdefault(d, size) != size:
+                    raise ContractViolation(f"dim {d!r} is {dims[d]} in one input but {size} in {spec.name!r}",
+                                            where=f"inputs.{spec.name}.shape[{ax}]", value=size,
+                                            fix="inputs sharing a dim must agree on its size")
+        return dims
+
+    def bucket_for(self, dims: Mapping[str, int]) -> dict[str, int] | None:
+        return self.recipe.bucket_for(dict(dims))
+
+    def _violation(self, dims: Mapping[str, int]) -> ContractViolation:
+        for d, v in dims.items():
+            lo, hi = self.recipe.dim_range(d)
+            if not lo <= v <= hi:
+                return ContractViolation(f"dim {d!r} = {v} is outside the recipe's range [{lo}, {hi}]",
+                                         where=f"dims.{d}", value=v,
+                                         fix=f"send {d} within [{lo}, {hi}], widen dims.{d} in the recipe, "
+                                             f"or set on_violation: eager")
+        return ContractViolation(f"no bucket holds shape {dict(dims)}", where="dims", value=dict(dims),
+                                 fix="add a bucket that covers it")

@@ -1,0 +1,111 @@
+"""Between a request's shape and a bucket's: pad inputs up to the bucket, slice outputs back
+to the real dims, or run a batch between buckets as batches that fill buckets (runtime/split.py),
+and give the flat outputs back in the structure eager returns."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+from graphmode.ir.types import eval_dim
+from graphmode.runtime.split import chunks, output_axes
+
+SPLIT_DIM = "batch"     # the dim a request between buckets may be cut along (runtime/split.py)
+
+
+class Shaping:
+    """CompiledModel's padding, slicing, splitting and output structure (a mixin: it reads the
+    model's graph, recipe, dims and capture report)."""
+
+    def _pad(self, inputs: Mapping[str, torch.Tensor], bucket: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in inputs.items():
+            pads: list[int] = []
+            need = False
+            for ax in reversed(range(t.dim())):
+                extra = 0
+                for a, d in self._dim_axes[name]:
+                    if a == ax:
+                        extra = bucket[d] - int(t.shape[ax])
+                pads += [0, extra]
+                need |= extra > 0
+            if need:
+                t = F.pad(t, pads, value=self.pad_values[name])
+            out[name] = t
+        return out
+
+    def _real_index(self, name: str, dims: Mapping[str, int], bucket: Mapping[str, int]) -> tuple | None:
+        """The index that slices output `name` at the bucket's shape back to the real dims: every
+        axis whose extent depends on a padded dim (the padding analysis proved such axes hold the
+        real positions first); None when nothing is padded."""
+        if dict(dims) == dict(bucket):
+            return None
+        ty = self.graph.values[name].type
+        idx = []
+        sliced = False
+        for d in ty.shape:
+            real = d if isinstance(d, int) else eval_dim(d, dims)
+            if real != (d if isinstance(d, int) else eval_dim(d, bucket)):
+                idx.append(slice(0, real))
+                sliced = True
+            else:
+                idx.append(slice(None))
+        return tuple(idx) if sliced else None
+
+    def _split_parts(self, dims: Mapping[str, int], bucket: Mapping[str, int]) -> list[int]:
+        """The batch sizes a request padded along SPLIT_DIM could run as instead (each a bucket
+        value), or [] when it cannot: the dim is not padded, the model's rows meet, an output has
+        no axis to concatenate along, the model updates an input in place, or the batch is no sum
+        of bucket values."""
+        if dims.get(SPLIT_DIM) == bucket.get(SPLIT_DIM) or not self._splittable():
+            return []
+        parts = chunks(dims[SPLIT_DIM], self.recipe.dim_buckets().get(SPLIT_DIM, []))
+        return parts if len(parts) > 1 else []
+
+    def _splittable(self) -> bool:
+        if self._split_axes is False:
+            from graphmode.analysis.padding import positions_independent
+            ok = (self.graph is not None and SPLIT_DIM in self.recipe.dim_buckets() and SPLIT_DIM not in self.exact_dims
+                  and not self.mutated_inputs
+                  and all(sum(d == SPLIT_DIM for _, d in axes) <= 1 for axes in self._dim_axes.values()))
+            axes = output_axes(self.graph, SPLIT_DIM) if ok else None
+            self._split_axes = axes if axes is not None and positions_independent(self.graph, SPLIT_DIM) else None
+        return self._split_axes is not None
+
+    def _run_split(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],
+                   parts: list[int]) -> list[torch.Tensor]:
+        """Run consecutive slices of the batch, `parts` rows each, in their own buckets and
+        concatenate each output along its batch axis."""
+        pieces, start = [], 0
+        for n in parts:
+            sub = {name: next((t.narrow(ax, start, n) for ax, d in self._dim_axes[name] if d == SPLIT_DIM), t)
+                   for name, t in inputs.items()}
+            sub_dims = {**dims, SPLIT_DIM: n}
+            pieces.append(self._run_bucket(sub, sub_dims, self.bucket_for(sub_dims)))
+            start += n
+        axes = self._split_axes
+        return [torch.cat([p[i] for p in pieces], dim=axes[name]) for i, name in enumerate(self.graph.outputs)]
+
+    def structured(self, flat: list[torch.Tensor]) -> Any:
+        """The flat outputs in the structure eager returns: a Tensor, tuple, dict or ModelOutput."""
+        if self.output_structure is not None:
+            from graphmode.capture.outputs import count, rebuild
+            if count(self.output_structure) == len(flat):
+                return rebuild(self.output_structure, flat)
+        if self._out_spec is not None:
+            try:
+                return pytree.tree_unflatten(flat, self._out_spec)
+            except Exception:  # noqa: BLE001 - structure mismatch: return the flat tuple
+                pass
+        return flat[0] if len(flat) == 1 else tuple(flat)
+
+    @property
+    def output_names(self) -> list[str]:
+        """One name per output the model returns, named by its structure (capture/outputs.py)."""
+        names = list(getattr(self.capture_report, "output_names", None) or getattr(self.source, "output_names", None)
+                     or [])
+        n_user = len(self.graph.outputs) - len(self.mutated_inputs) if self.graph is not None else len(names)
+        return names if len(names) == n_user else (["output"] if n_user == 1 else
+                                                   [f"output_{i}" for i in range(n_user)])

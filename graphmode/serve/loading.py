@@ -1,0 +1,185 @@
+"""How the server loads a recipe: check it against the model (or the artifact it serves),
+compile it through the driver, read the driver's proof (never proving a compiled recipe
+again), warm up every bucket or the decode engine, check the memory budget."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from graphmode.errors import ConstraintError, RecipeError
+from graphmode.monitor import ContractMonitor, SlaDriftProbe, bucket_label
+from graphmode.progress import stage
+from graphmode.serve.deployment import Deployment, ReloadTicket, _facts_key
+from graphmode.serve.errors import NotReady
+from graphmode.serve.sandbox import checked
+
+log = logging.getLogger("graphmode.serve")
+
+
+class Loading:
+    """ModelServer's loading concern (a mixin: it reads the server's config, target, model,
+    metrics and artifact)."""
+
+    def _resolve_model(self, model: Any) -> Any:
+        if self.artifact is not None:
+            return None                          # no module: the artifact holds the graph and its plans
+        if isinstance(model, str):
+            from graphmode.capture.spec import resolve_model_spec
+            return resolve_model_spec(model)     # built once, reused by every reload
+        return model
+
+    def _checked(self, recipe: Any, what: str) -> Any:
+        """Schema, semantics and the plan bound now (field errors refuse it before anything compiles)."""
+        recipe = checked(recipe, self.target, what, self.config.max_plans)
+        try:
+            self.fits_model(recipe)
+        except RecipeError as e:
+            e.where = f"{what}: {e.where}" if e.where else what
+            raise
+        return recipe
+
+    def _facts(self, cm: Any) -> Any:
+        """The facts the recipe's proofs are checked against: the driver's (`cm.lowered`), or for
+        a loaded artifact its graph's own (None for an eager model: no graph)."""
+        if cm.lowered is not None:
+            return cm.lowered.facts
+        if cm.graph is None:
+            return None
+        from graphmode.compiler import graph_facts
+        return graph_facts(cm.recipe, cm.graph)
+
+    def _prove(self, recipe: Any, facts: Any) -> Any:
+        from graphmode.recipe import validate
+        report = validate(recipe, self.target, facts)
+        if not report.ok:
+            try:
+                report.raise_for_errors()
+            except ConstraintError as e:
+                e.proofs = [p.to_dict() for p in report.proofs]  # type: ignore[attr-defined]
+                raise
+        return report
+
+    def fits_model(self, recipe: Any) -> None:
+        """The recipe must declare the model's inputs, with the model's rank and fixed dims
+        (checked now, so the answer to PUT says it instead of a failed background compile)."""
+        from graphmode.capture.source import resolve_model
+        refuse_tensor_parallel(recipe)
+        if self.artifact is not None:
+            self._artifact_serves(recipe)
+            return
+        resolve_model(self.model, recipe)                  # names (RecipeError)
+        dims = getattr(self.model, "input_dims", None)
+        if not isinstance(dims, dict):
+            return
+        for spec in recipe.inputs:
+            want = dims.get(spec.name)
+            if want is None:
+                continue
+            fixed_ok = len(want) == len(spec.shape) and all(
+                not isinstance(w, int) or not isinstance(g, int) or w == g for w, g in zip(want, spec.shape))
+            if not fixed_ok:
+                raise RecipeError(f"input {spec.name!r} has shape {list(spec.shape)} in the recipe but "
+                                  f"{list(want)} in the model", where=f"inputs.{spec.name}.shape",
+                                  line=recipe.line_of("inputs"), fix=f"declare shape {list(want)}")
+
+    def _artifact_serves(self, recipe: Any) -> None:
+        built = self.artifact_recipe
+        if recipe.hash() != built.hash():
+            raise RecipeError(f"the artifact {self.artifact.name} serves only the recipe it was compiled with "
+                              f"({built.name} #{built.hash()}), not {recipe.name} #{recipe.hash()}", where="recipe",
+                              fix="compile the new recipe into an artifact (graphmode compile --save) and serve "
+                                  "that, or serve the model itself (--model SPEC) to hot-reload recipes")
+
+    def precheck(self, recipe: Any) -> Any:
+        """Layers 1-3 with the running model's facts; raises RecipeErrors / ConstraintError."""
+        self.fits_model(recipe)
+        dep = self.active
+        facts = dep.facts if dep is not None and _facts_key(recipe) == dep.facts_key else None
+        return self._prove(recipe, facts).recipe
+
+    def _build(self, recipe: Any, origin: str, ticket: ReloadTicket | None = None) -> Deployment:
+        """Compile (the driver proves with the new graph's facts), warm up every bucket, check memory."""
+        from graphmode.compiler import compile as gm_compile
+        from graphmode.runtime.artifact import load as load_artifact
+        t0 = time.perf_counter()
+        if self.artifact is not None:
+            cm = load_artifact(self.artifact, cache_dir=self.config.cache_dir, threads=self.config.threads,
+                               on_stage=self.on_stage)
+            self._artifact_serves(cm.recipe)         # the file replaced since it was read: refused
+        else:
+            cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir,
+                            threads=self.config.threads, on_stage=self.on_stage)
+        self._unless_stopping()
+        facts = self._facts(cm)
+        # the driver proved it with the new graph's facts and the model keeps that proof: it is
+        # read, not proved again (an artifact or an eager model, which the driver did not prove here, is)
+        recipe = (cm.proof if cm.proof is not None else self._prove(recipe, facts)).recipe
+        cfg = self.config
+        probe = SlaDriftProbe(window_s=cfg.sla_window_s, step_s=cfg.sla_step_s, margin=cfg.sla_margin,
+                              consecutive=cfg.sla_windows, min_samples=cfg.sla_min_samples, clock=self.clock)
+        mon = ContractMonitor(recipe, version=recipe.hash(), target=self.target_name, metrics=self.metrics,
+                              probe=probe)
+        cm.monitor = mon
+        dep = Deployment(recipe, cm, mon, origin=origin, facts=facts, max_batch=cfg.max_batch)
+        if recipe.memory.kv_cache is not None and cm.mode != "eager":
+            dep.decoder = self._decoder(dep)   # its prefill/decode plans, not the whole-sequence buckets
+        elif cm.mode != "eager":
+            with stage(self.on_stage, "plans", total=len(dep.buckets)) as plans:
+                for i, env in enumerate(dep.buckets):
+                    self._unless_stopping()
+                    cm.executable(env, report_build=False)
+                    dep.warmed = i + 1
+                    if ticket is not None:
+                        ticket.progress = (i + 1, len(dep.buckets))
+                    plans.step(bucket_label(env))
+            over = mon.check_memory(cm, dep.buckets)
+            if over:
+                log.warning("recipe %s: plans over the memory budget in buckets %s", dep.version, over)
+        log.info("recipe %s (%s) compiled and warm: %d bucket(s) in %.1fs", recipe.name, dep.version,
+                 len(dep.buckets), time.perf_counter() - t0)
+        return dep
+
+    def _decoder(self, dep: Deployment) -> Any:
+        """The deployment's decode engine, warmed up, behind its decode thread (completions).
+
+        The engine is one lowering of its own (graphmode/decode/engine.py: capture, verdict,
+        `to_paged` and the recipe's passes, proof), besides the deployment's: /v1/infer and
+        KServe answer the recipe's whole-sequence contract (input_ids and attention_mask ->
+        logits at every position, no cache), completions run the paged graph (token ids and
+        their positions over the KV pool -> logits at each sequence's last position). The two
+        forwards take different inputs, so each is exported once; they share the weights (both
+        graphs' parameters are the module's own tensors; the copies the passes transposed are
+        spilled to disk per graph)."""
+        from graphmode.decode.api import engine_of
+        from graphmode.serve.generation import DecodeLoop
+        eng = engine_of(dep.cm)
+        self._unless_stopping()
+        eng.warmup()
+        loop = DecodeLoop(eng, self.metrics.decode_series(dep.version, self.target_name), name=f"decode-{dep.version}")
+        self._decoders.add(loop)
+        return loop
+
+    def _unless_stopping(self) -> None:
+        """Between the steps of a build: a stopping server abandons it (its thread ends soon)."""
+        if self.stopping:
+            raise NotReady("the server is shutting down", where="reload")
+
+
+def refuse_tensor_parallel(recipe: Any) -> None:
+    """A served recipe runs in one process: `parallel.tensor` > 1 is refused (RecipeError)."""
+    from graphmode.compiler import tensor_parallel
+    if tensor_parallel(recipe) > 1:
+        raise RecipeError(f"the server does not run tensor-parallel ranks yet (tensor {tensor_parallel(recipe)})",
+                          where="parallel.tensor", line=recipe.line_of("parallel"),
+                          fix="tensor: 1 to serve; graphmode.compile or `graphmode run` start the ranks "
+                              "(docs/tensor-parallel.md)")
+
+
+def artifact_path(model: Any) -> Path | None:
+    """`model` as a `.gm` artifact's path, or None when it is anything else."""
+    from graphmode.runtime.artifact import SUFFIX
+    if isinstance(model, (str, Path)) and str(model).endswith(SUFFIX):
+        return Path(model)
+    return None

@@ -1,0 +1,127 @@
+"""Serving requests on the active deployment: the batcher's worker runs built buckets only;
+a request for a bucket not built yet waits for its build off the serving path."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import Future
+from typing import Any, Mapping
+
+import torch
+
+from graphmode.errors import ContractViolation
+from graphmode.monitor import bucket_label
+from graphmode.serve.batching import Pending, merge, split
+from graphmode.serve.deployment import Deployment
+from graphmode.serve.errors import NotReady, RequestTimeout
+
+log = logging.getLogger("graphmode.serve")
+
+
+class Serving:
+    """ModelServer's request path (a mixin: it reads the server's config, loop, batcher,
+    builder thread and build table)."""
+
+    async def infer(self, dep: Deployment, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        p = dep.prepare(inputs)
+        assert self.loop is not None and self.batcher is not None, "start() the server first"
+        deadline = time.monotonic() + self.config.request_timeout_s
+        bucket = dep.cm.bucket_for(p.dims) if dep.cm.mode != "eager" else None
+        if bucket is not None and not dep.cm.is_built(bucket):
+            await self._built(dep, bucket, deadline)
+        p.future = self.loop.create_future()
+        self.batcher.submit(p)
+        try:
+            return await asyncio.wait_for(p.future, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            dep.monitor.request_status("timeout")
+            raise RequestTimeout(f"no answer within {self.config.request_timeout_s:g} s", where="request",
+                                 fix="raise --request-timeout-s or lower the load") from None
+
+    async def _built(self, dep: Deployment, bucket: Mapping[str, int], deadline: float) -> None:
+        """Wait (without holding the serving thread) until `bucket` is built; 503 past the deadline."""
+        fut = self.build_in_background(dep, bucket)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise NotReady(f"the plan for bucket {bucket_label(bucket)} is still being built", where="bucket",
+                           value=dict(bucket), fix="retry in a moment: the build goes on") from None
+
+    def build_in_background(self, dep: Deployment, bucket: Mapping[str, int]) -> Future:
+        """Build `bucket` of `dep` on the build thread (once, however many ask): the future of it."""
+        key = (dep.version, dep.cm.bucket_key(bucket))
+        with self._builds_lock:
+            fut = self._builds.get(key)
+            if fut is None:
+                log.info("building bucket %s of %s off the serving path", key[1], dep.version)
+                fut = self.builder.submit(dep.cm.executable, dict(bucket))
+                self._builds[key] = fut
+                fut.add_done_callback(functools.partial(self._build_done, key))
+        return fut
+
+    def _build_done(self, key: tuple[str, str], fut: Future) -> None:
+        with self._builds_lock:
+            self._builds.pop(key, None)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("building bucket %s of %s failed: %s", key[1], key[0], fut.exception())
+
+    def _max_rows(self, dep: Deployment) -> int:
+        return dep.max_rows
+
+    def _run_batch(self, batch: list[Pending]) -> list[Any]:
+        """Worker thread: one model call for the batch; a failing batch is retried request
+        by request so one bad request cannot fail its neighbours."""
+        try:
+            return self._execute(batch)
+        except Exception as e:  # noqa: BLE001
+            if len(batch) > 1:
+                log.warning("batch of %d failed (%s: %s); running its requests one by one", len(batch),
+                            type(e).__name__, e)
+                return [r for p in batch for r in self._run_batch([p])]
+            dep = batch[0].deployment
+            if isinstance(e, ContractViolation):
+                dep.monitor.request_status("contract")
+            else:
+                log.exception("request failed")
+                dep.monitor.request_status("error")
+            return [e]
+
+    def _execute(self, batch: list[Pending]) -> list[dict[str, Any]]:
+        dep = batch[0].deployment
+        cm = dep.cm
+        if len(batch) > 1:
+            inputs, dims = merge(batch, dep.recipe.inputs, dep.batch_dim)
+        else:
+            inputs, dims = batch[0].inputs, batch[0].dims
+        bucket = cm.bucket_for(dims) if cm.mode != "eager" else None
+        if bucket is None and len(batch) > 1 and cm.mode != "eager":
+            raise ContractViolation(f"no bucket holds the merged batch {dims}")   # retried one by one
+        if bucket is not None and len(batch) > 1 and not cm.is_built(bucket):
+            self.build_in_background(dep, bucket)      # merged shapes use it once it is built
+            return [r for p in batch for r in self._run_batch([p])]
+        t0 = time.perf_counter()
+        with dep.monitor.collect() as kinds:
+            try:
+                with torch.inference_mode():
+                    out = cm(**inputs)
+            except ContractViolation:
+                dep.monitor.record_operation(kinds or {"shape"})
+                raise
+        dt = time.perf_counter() - t0
+        label = "eager" if bucket is None or "fallback" in kinds else bucket_label(bucket)
+        flat = dep.flatten(out)
+        parts = split(flat, dep.output_axes, batch, dep.batch_dim) if len(batch) > 1 else [flat]
+        dep.monitor.model_call(dt, label, len(batch))
+        done = time.perf_counter()
+        results = []
+        rows = dims.get(dep.batch_dim, 1) if dep.batch_dim else 1
+        for p, outs in zip(batch, parts):
+            latency = done - p.arrived
+            dep.monitor.observe_request(latency, label, p.dims, kinds)
+            results.append({"outputs": dict(zip(dep.names_for(len(outs)), outs)),
+                            "bucket": bucket, "recipe_version": dep.version, "recipe_name": dep.name,
+                            "batch": {"requests": len(batch), "rows": rows}, "request_dims": p.dims,
+                            "latency_ms": round(latency * 1e3, 3), "model_ms": round(dt * 1e3, 3)})
+        return results
