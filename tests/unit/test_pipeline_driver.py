@@ -14,7 +14,7 @@ import graphmode.recipe as recipe_pkg
 from graphmode.compiler import lower_model
 from graphmode.recipe import load_recipe
 
-RECIPE = {"version": 1, "name": "mlp-driver", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16]}],
+RECIPE = {"version": 1, "name": "mlp-driver", "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}],
           "dims": {"batch": {"buckets": [1, 2]}}, "codegen": {"kernel_selection": "heuristic"}}
 
 
