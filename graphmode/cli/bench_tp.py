@@ -1,4 +1,4 @@
-"""`graphmode bench --tensor-parallel N` (graphmode/parallel/bench.py): TP=1 against N ranks,
+"""`graphmode bench --tensor-parallel N` (graphmode/bench/tensor_parallel.py): TP=1 against N ranks,
 printed, and written as JSON and Markdown beside the other bench results."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def bench_tp(models: Optional[Sequence[str]], shapes: Optional[Sequence[str]], w
              iters: int, recipe: Optional[Path], out: Path, name: str, cache_dir: Optional[Path],
              warm_cache: bool, as_json: bool, quick: bool, tol: float) -> None:
     from graphmode.bench.models import load_cases
-    from graphmode.parallel.bench import TPConfig, markdown, run_tp_bench
+    from graphmode.bench.tensor_parallel import TPConfig, markdown, run_tp_bench
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe
     from graphmode.targets import get_target

@@ -242,7 +242,7 @@ def profile_cmd(
         for case in load_cases(model or [], shape or []) if model else []:
             rec = load_recipe(recipe if recipe is not None else auto_recipe(case.bundle, case.envs))
             if rec.parallel is not None and rec.parallel.tensor > 1 and not steps:
-                from graphmode.parallel.bench import profile_tp
+                from graphmode.bench.tensor_parallel import profile_tp
                 tp_profiles += profile_tp(case, rec, target, runs, max(1, threads // rec.parallel.tensor), tmp,
                                           on_stage)
                 continue

@@ -48,6 +48,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("recipe", "parallel"): "recipe's `parallel` field, its cost and checks are declared in parallel/spec, cost, checks",
     ("ir", "parallel"): "the collective ops look up the process's communicator in parallel/comm",
     ("parallel", "compiler"): "parallel/launch compiles each rank's shard through the driver",
+    ("parallel", "compile_report"): "parallel/launch reports each rank's collectives with the driver's report",
 }
 
 
