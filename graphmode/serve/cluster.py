@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import os
 import socket
@@ -39,15 +40,14 @@ from typing import Any
 from graphmode.errors import GraphmodeError
 from graphmode.progress import OnStage
 
+log = logging.getLogger("graphmode.serve.cluster")
+
 EXTRA = "serve-cluster"
 APP_NAME = "graphmode"
 DEPLOYMENT = "GraphmodeReplica"
 REPLICA_ROUTE = "/v1/replica"
 MB = 2**20
-# a PUT reaches one replica through Ray's proxy: swapping that one alone would split the fleet
-RELOAD_REFUSED = {"error": "NotSupported", "status": 501, "where": "PUT /v1/recipe",
-                  "message": "hot reload is not supported across replicas yet (a PUT reaches one replica)",
-                  "fix": "redeploy: stop `graphmode serve --replicas` and start it with the new recipe"}
+SURGE = 1             # replicas started beyond the count during a rolling reload
 
 
 def require_ray() -> Any:
@@ -113,11 +113,14 @@ class ClusterConfig:
 @dataclass
 class Served:
     """What every replica loads: the model (a `.gm` path, or the spec the driver compiled into
-    the shared cache) and the recipe (None: the artifact's own)."""
+    the shared cache), the recipe (None: the artifact's own), and the model the driver
+    compiles a reloaded recipe from (None for an artifact given as `--model`: it serves only
+    its own recipe)."""
     model: Any
     recipe: Any
     compiled_by_driver: bool
     seconds: float
+    source: Any = None
 
 
 # ---- the driver: compile once ---------------------------------------------------------------
@@ -160,18 +163,18 @@ def prepare(model: Any, recipe: Any, config: Any, *, on_stage: OnStage | None = 
     refuse_tensor_parallel(rec)            # before the driver's compile would start the ranks
     model = _portable(model)
     if rec.exe_mode == "eager":
-        return Served(model, rec, False, time.perf_counter() - t0)
+        return Served(model, rec, False, time.perf_counter() - t0, model)
     cm = graphmode.compile(model, rec, pick_target(rec, config.target), cache_dir=config.cache_dir,
                            threads=config.threads, on_stage=on_stage)     # the target a replica's server picks
     if rec.memory.kv_cache is not None:
         from graphmode.decode.api import engine_of
         cm.warmup()                        # /v1/infer's whole-sequence plans, built lazily by a replica
         engine_of(cm).warmup()             # completions' prefill/decode plans; all of them land in the shared cache
-        return Served(model, rec, True, time.perf_counter() - t0)
+        return Served(model, rec, True, time.perf_counter() - t0, model)
     path = cache_layout(config.cache_dir).artifacts / f"{rec.name}-{rec.hash()}.gm"
     cm.save(path)
     graphmode.load(path, cache_dir=config.cache_dir, threads=config.threads)
-    return Served(str(path.resolve()), None, True, time.perf_counter() - t0)
+    return Served(str(path.resolve()), None, True, time.perf_counter() - t0, model)
 
 
 def _portable(model: Any) -> Any:
@@ -200,6 +203,7 @@ class GraphmodeReplica:
         from graphmode.serve.server import ModelServer
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.changed = threading.Event()
+        self.pushing: asyncio.Task | None = None
         self.server = ModelServer(model, recipe, config=config, on_state=lambda state, error: self.changed.set())
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -217,6 +221,25 @@ class GraphmodeReplica:
             if self.server.state not in ("ready", "failed"):
                 await asyncio.to_thread(self.changed.wait, min(left, 5.0))
         self.check_health()
+        if self.pushing is None:
+            self.pushing = asyncio.get_running_loop().create_task(self._push_metrics())
+
+    def metrics_text(self) -> bytes:
+        """This replica's Prometheus text, its queue depth read now (as the single server's /metrics)."""
+        server = self.server
+        if server.batcher is not None:
+            server.metrics.queue_depth.labels(server.target_name).set(server.batcher.depth())
+        return server.metrics.text()
+
+    async def _push_metrics(self) -> None:
+        """Every METRICS_PUSH_S, this replica's metrics to the coordinator, for the cluster's /metrics."""
+        from graphmode.serve.cluster_control import METRICS_PUSH_S
+        while True:
+            try:
+                await coordinator().push.remote(self.replica, self.metrics_text())
+            except Exception as e:  # noqa: BLE001 - the next push tries again
+                log.warning("replica %s: metrics not pushed: %s", self.replica, e)
+            await asyncio.sleep(METRICS_PUSH_S)
 
     def check_health(self) -> None:
         if self.server.state == "failed":
@@ -236,6 +259,14 @@ class GraphmodeReplica:
                 "kernel_compiles": compiles_in_process()}
 
 
+def coordinator() -> Any:
+    """The cluster's coordinator actor (cluster_control.Coordinator)."""
+    import ray
+
+    from graphmode.serve.cluster_control import COORDINATOR, NAMESPACE
+    return ray.get_actor(COORDINATOR, namespace=NAMESPACE)
+
+
 class ReplicaApp:
     """The model server's app, plus the replica's name on every answer (`X-Graphmode-Replica`)
     and `GET /v1/replica` (GraphmodeReplica.describe): behind Ray's proxy a client sees one
@@ -250,14 +281,71 @@ class ReplicaApp:
             return await self.app(scope, receive, send)
         if scope["path"] == REPLICA_ROUTE and scope["method"] == "GET":
             return await self._answer(send, 200, self.replica.describe())
-        if scope["path"] == "/v1/recipe" and scope["method"] == "PUT":
-            return await self._answer(send, 501, RELOAD_REFUSED)
+        route = (scope["method"], scope["path"])
+        if route == ("PUT", "/v1/recipe"):
+            return await self._reload(scope, receive, send)
+        if route == ("GET", "/metrics"):
+            return await self._metrics(send)
+        if route == ("GET", "/v1/recipe"):
+            return await self._recipe(send)
+        await self.app(scope, receive, self._labelled(send))
 
+    def _labelled(self, send: Any) -> Any:
         async def labelled(message: dict) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), self.header]}
             await send(message)
-        await self.app(scope, receive, labelled)
+        return labelled
+
+    async def _reload(self, scope: dict, receive: Any, send: Any) -> None:
+        """PUT /v1/recipe: the single server's checks of the request (admin token, query,
+        content type, size), then the coordinator's rolling reload (cluster_control)."""
+        from starlette.requests import ClientDisconnect, Request
+        from starlette.responses import Response
+
+        from graphmode.serve.app import (RECIPE_MAX_BYTES, JSONAnswer, authorize, error_response, read_body,
+                                         recipe_kind, reload_options)
+        cfg, request = self.replica.server.config, Request(scope, receive)
+        try:
+            authorize(request, cfg.admin_token)
+            reload_options(request)
+            kind = recipe_kind(request.headers.get("content-type"))
+            body = await read_body(request, RECIPE_MAX_BYTES, cfg.body_timeout_s)
+            status, answer = await coordinator().reload.remote(body, kind)
+            response: Response = JSONAnswer(answer, status_code=status,
+                                            headers={"Location": "/v1/recipe"} if status == 202 else None)
+        except ClientDisconnect:
+            response = Response(status_code=400)
+        except GraphmodeError as e:
+            response = error_response(e)
+        except Exception as e:  # noqa: BLE001 - the coordinator unreachable (a Ray error): retryable
+            from graphmode.serve.errors import NotReady
+            response = error_response(NotReady(f"the cluster's coordinator did not answer ({type(e).__name__})",
+                                               where="PUT /v1/recipe", fix="retry in a few seconds"))
+        await response(scope, receive, self._labelled(send))
+
+    async def _metrics(self, send: Any) -> None:
+        """GET /metrics: every replica's series, labelled `replica` (this one's read now)."""
+        from graphmode.serve.cluster_control import merge_metrics
+        try:
+            texts = await coordinator().metrics.remote()
+        except Exception as e:  # noqa: BLE001 - this replica's own series still answer
+            log.warning("metrics of the other replicas unavailable: %s", e)
+            texts = {}
+        texts[self.replica.replica] = self.replica.metrics_text()
+        body = await asyncio.to_thread(merge_metrics, texts)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", self.replica.server.metrics.content_type.encode()), self.header]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _recipe(self, send: Any) -> None:
+        """GET /v1/recipe: this replica's view, and the cluster's rollout (`rollout`)."""
+        view = self.replica.server.recipe_view()
+        try:
+            view["rollout"] = await coordinator().status.remote()
+        except Exception as e:  # noqa: BLE001
+            view["rollout"] = {"state": "unknown", "error": f"the coordinator did not answer ({type(e).__name__})"}
+        await self._answer(send, 200, view)
 
     async def _answer(self, send: Any, status: int, body: dict[str, Any]) -> None:
         from graphmode.serve.codec import dumps
@@ -268,7 +356,9 @@ class ReplicaApp:
 
 def deployment_options(recipe: Any, cluster: ClusterConfig, config: Any) -> dict[str, Any]:
     """Ray Serve options from the recipe and the flags: the replica count or the autoscaling
-    bounds, the CPUs and the memory budget each replica reserves, the health-check period."""
+    bounds, the CPUs and the memory budget each replica reserves, the health-check period;
+    and the rollout of a reload: one replica more than the count while it rolls (SURGE), so an
+    old replica serves until its replacement is warm."""
     actor: dict[str, Any] = {"num_cpus": cluster.replica_cpus}
     budget = recipe.memory.budget_mb
     if isinstance(budget, (int, float)) and budget > 0:
@@ -276,7 +366,8 @@ def deployment_options(recipe: Any, cluster: ClusterConfig, config: Any) -> dict
     opts: dict[str, Any] = {"name": DEPLOYMENT, "ray_actor_options": actor,
                             "health_check_period_s": cluster.health_check_period_s,
                             "graceful_shutdown_timeout_s": config.shutdown_grace_s + 1.0,
-                            "user_config": {"replica_ready_timeout_s": cluster.replica_ready_timeout_s}}
+                            "user_config": {"replica_ready_timeout_s": cluster.replica_ready_timeout_s},
+                            "max_surge_percent": min(100, math.ceil(100 * SURGE / cluster.bounds[1]))}
     if cluster.autoscaling:
         lo, hi = cluster.bounds
         target = cluster.target_ongoing_requests or float(_largest_batch(recipe))
@@ -302,32 +393,28 @@ class ClusterServer:
     def __init__(self, served: Served, config: Any, cluster: ClusterConfig):
         self.served, self.config, self.cluster = served, replica_config(config, cluster), cluster
         self.started_ray = False
+        self.coordinator: Any = None       # the Ray actor of cluster_control.Coordinator, while started
         self.url = f"http://{cluster.host}:{cluster.port}"
 
     def start(self) -> "ClusterServer":
         import ray
         serve = require_ray()
-        from graphmode.recipe import load_recipe
-        from graphmode.runtime.artifact import recipe_of
-        recipe = load_recipe(self.served.recipe) if self.served.recipe is not None else recipe_of(self.served.model)
+        from graphmode.serve.cluster_control import COORDINATOR, NAMESPACE, Coordinator
         if not ray.is_initialized():
             if self.cluster.address is None:
-                bound = self.cluster.max_replicas or self.cluster.replicas
+                bound = (self.cluster.max_replicas or self.cluster.replicas) + SURGE
                 ray.init(num_cpus=max(os.cpu_count() or 1, int(bound * self.cluster.replica_cpus + 0.999)),
                          include_dashboard=False, log_to_driver=False, configure_logging=False)
                 self.started_ray = True
             else:
                 self._join(ray)
         serve.start(http_options={"host": self.cluster.host, "port": self.cluster.port})
-        cls = serve.deployment(serve.ingress()(GraphmodeReplica))
-        app = cls.options(**deployment_options(recipe, self.cluster, self.config)).bind(
-            self.served.model, self.served.recipe, self.config)
         try:
-            try:
-                serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-            except RuntimeError:
-                pass                       # a failed deployment: wait_running says why, from its replicas
-            self.wait_running(self.cluster.replica_ready_timeout_s)
+            self.coordinator = ray.remote(Coordinator).options(
+                name=COORDINATOR, namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
+                get_if_exists=False).remote(self.served, self.config, self.cluster)
+            ray.get(self.coordinator.ready.remote())
+            deploy(self.served, self.config, self.cluster)
         except BaseException:
             self.stop()
             raise
@@ -342,33 +429,10 @@ class ClusterServer:
             raise _join_error(address, e) from None
 
     def status(self) -> Any:
-        from ray import serve
-        return serve.status().applications.get(APP_NAME)
+        return app_status()
 
     def replica_states(self) -> dict[str, int]:
-        app = self.status()
-        dep = app.deployments.get(DEPLOYMENT) if app is not None else None
-        return dict(dep.replica_states) if dep is not None else {}
-
-    def wait_running(self, timeout: float) -> None:
-        """Until the application runs (every replica warm), or its deployment failed (raised
-        with Ray's message, which carries the replica's error)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            app = self.status()
-            state = str(getattr(app, "status", "")).rsplit(".", 1)[-1]
-            if state == "RUNNING":
-                return
-            if state in ("DEPLOY_FAILED", "UNHEALTHY"):
-                dep = app.deployments.get(DEPLOYMENT)
-                error, fix = _replica_error(dep.message if dep else app.message)
-                raise GraphmodeError(f"the replicas did not start: {error}", where="--replicas",
-                                     fix=fix or "`serve status` and the Ray logs (session_latest/logs in Ray's "
-                                                "temp folder) say more")
-            if time.monotonic() > deadline:
-                raise GraphmodeError(f"the replicas were not running within {timeout:g} s "
-                                     f"({self.replica_states()})", where="--replica-ready-timeout-s")
-            time.sleep(0.2)
+        return replica_states()
 
     def replica_actors(self) -> list[str]:
         """The Ray actor names of the running replicas (namespace `serve`)."""
@@ -383,6 +447,9 @@ class ClusterServer:
         if ray.is_initialized():
             try:
                 serve.delete(APP_NAME)
+                if self.coordinator is not None:
+                    ray.kill(self.coordinator)
+                    self.coordinator = None
                 if self.started_ray:
                     serve.shutdown()
             finally:
@@ -395,6 +462,56 @@ class ClusterServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def deploy(served: Served, config: Any, cluster: ClusterConfig) -> None:
+    """Run (or roll to) the application serving `served`; returns once every replica is warm,
+    raises the replicas' error when they cannot start. Each call is a new deployment version
+    (Ray Serve draws one when none is given), so a second call rolls the replicas."""
+    from ray import serve
+
+    from graphmode.recipe import load_recipe
+    from graphmode.runtime.artifact import recipe_of
+    recipe = load_recipe(served.recipe) if served.recipe is not None else recipe_of(served.model)
+    cls = serve.deployment(serve.ingress()(GraphmodeReplica))
+    app = cls.options(**deployment_options(recipe, cluster, config)).bind(served.model, served.recipe, config)
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    except RuntimeError:
+        pass                       # a failed deployment: wait_running says why, from its replicas
+    wait_running(cluster.replica_ready_timeout_s)
+
+
+def app_status() -> Any:
+    from ray import serve
+    return serve.status().applications.get(APP_NAME)
+
+
+def replica_states() -> dict[str, int]:
+    app = app_status()
+    dep = app.deployments.get(DEPLOYMENT) if app is not None else None
+    return dict(dep.replica_states) if dep is not None else {}
+
+
+def wait_running(timeout: float) -> None:
+    """Until the application runs (every replica warm), or its deployment failed (raised
+    with Ray's message, which carries the replica's error)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        app = app_status()
+        state = str(getattr(app, "status", "")).rsplit(".", 1)[-1]
+        if state == "RUNNING":
+            return
+        if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+            dep = app.deployments.get(DEPLOYMENT)
+            error, fix = _replica_error(dep.message if dep else app.message)
+            raise GraphmodeError(f"the replicas did not start: {error}", where="--replicas",
+                                 fix=fix or "`serve status` and the Ray logs (session_latest/logs in Ray's "
+                                            "temp folder) say more")
+        if time.monotonic() > deadline:
+            raise GraphmodeError(f"the replicas were not running within {timeout:g} s "
+                                 f"({replica_states()})", where="--replica-ready-timeout-s")
+        time.sleep(0.2)
 
 
 def check_address(address: str | None, timeout_s: float = 5.0) -> None:

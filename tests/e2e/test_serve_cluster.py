@@ -232,8 +232,9 @@ def cluster(artifact):
     path, m, tmp = artifact
     config = ServeConfig(cache_dir=tmp / "serve-cache", batch_window_ms=1, kb=tmp / "kb.sqlite", kb_period_s=0.5)
     cluster = ClusterConfig(replicas=2, port=_free_port(), health_check_period_s=1)
-    served = prepare(str(path), None, replica_config(config, cluster))   # the driver: checks and unpacks it once
-    assert not served.compiled_by_driver and served.recipe is None
+    # the driver compiles the model once into one artifact, and again for each reloaded recipe
+    served = prepare(f"{HERE / 'tiny_models.py'}:mlp", RECIPE, replica_config(config, cluster))
+    assert served.compiled_by_driver and served.recipe is None and served.model.endswith(".gm")
     server = ClusterServer(served, config, cluster)
     t0 = time.monotonic()
     with server:
@@ -265,11 +266,9 @@ def test_two_replicas_answer_like_eager_from_one_artifact(cluster):
             d = client.get(server.url + "/v1/replica").json()
             seen[d["replica"]] = d
         described = [d for d in seen.values() if d]
-        assert described and all(d["artifact"]["path"].endswith("mlp.gm") and d["kernel_compiles"] == 0
+        assert described and all(d["artifact"]["path"] == server.served.model and d["kernel_compiles"] == 0
                                  and d["state"] == "ready" for d in described), described
         assert len({d["pid"] for d in described}) == len(described)
-        r = client.put(server.url + "/v1/recipe", json=RECIPE)
-        assert r.status_code == 501 and "not supported across replicas" in r.json()["message"]
     # every replica records its summaries to the one KB file
     kb = tmp / "kb.sqlite"
     _until("KB rows", lambda: _serve_rows(kb) >= 1)
@@ -332,6 +331,93 @@ def test_a_replica_killed_under_load_is_restarted_from_the_artifact(cluster):
     with httpx.Client() as client:
         d = _until("the new replica describing itself", lambda: (lambda d: d if d["replica"] == new_id else None)(
             client.get(server.url + "/v1/replica").json()), every=0)
-    assert d["artifact"]["path"].endswith("mlp.gm") and d["kernel_compiles"] == 0 and d["state"] == "ready"
+    assert d["artifact"]["path"] == server.served.model and d["kernel_compiles"] == 0 and d["state"] == "ready"
     assert _kernels(tmp) == kernels                        # restarted from the artifact: nothing built
+
+
+def _metric_replicas(text: str, family: str) -> set[str]:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {s.labels["replica"] for f in text_string_to_metric_families(text) if f.name == family
+            for s in f.samples if s.labels.get("status") == "ok" and s.value > 0}
+
+
+def test_metrics_show_every_replicas_series(cluster):
+    """After requests answered by both replicas, /metrics (whichever replica answers it) holds
+    both replicas' request counters, each labelled with its replica beside the recipe version."""
+    server, _, _ = cluster
+    answered: set[str] = set()
+    with httpx.Client() as client:
+        def both_answered():
+            r = _infer(client, server.url, torch.randn(1, 16))
+            assert r.status_code == 200, r.text
+            answered.add(r.headers["x-graphmode-replica"])
+            return len(answered) == 2
+        _until("both replicas answered", both_answered, every=0)
+        # the other replica's series arrive with its next push (every second)
+        text = _until("both replicas' series in /metrics", lambda: (lambda t: t if _metric_replicas(
+            t, "graphmode_requests") >= answered else None)(client.get(server.url + "/metrics").text))
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from graphmode.recipe import load_recipe
+    versions = {s.labels["version"] for f in text_string_to_metric_families(text) if f.name == "graphmode_requests"
+                for s in f.samples}
+    assert versions == {load_recipe(RECIPE).hash()}
+
+
+NEW_RECIPE = {**RECIPE, "name": "mlp-cluster-2", "dims": {"batch": {"buckets": [1, 2, 4, 8]}}}
+
+
+def test_a_reload_rolls_replica_by_replica_under_load_with_no_request_lost(cluster):
+    """PUT /v1/recipe under load from a few clients: a recipe that fails its checks is refused
+    with its error and changes nothing; a good one is compiled once by the coordinator, the
+    replicas are replaced one at a time (a replacement warm before an old one stops), no
+    request fails, and every replica then serves the new version."""
+    from graphmode.recipe import load_recipe
+    server, _, tmp = cluster
+    old, new = load_recipe(RECIPE).hash(), load_recipe(NEW_RECIPE).hash()
+    results: list[tuple[int, str | None, str | None]] = []
+    stop = threading.Event()
+
+    def load():
+        with httpx.Client() as client:
+            while not stop.is_set():
+                try:
+                    r = _infer(client, server.url, torch.randn(1, 16))
+                    version = r.json().get("recipe_version") if r.status_code == 200 else r.text[:200]
+                    results.append((r.status_code, r.headers.get("x-graphmode-replica"), version))
+                except httpx.HTTPError as e:
+                    results.append((-1, None, type(e).__name__))
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        with httpx.Client(timeout=600) as client:
+            bad = client.put(server.url + "/v1/recipe", json={**NEW_RECIPE, "memory": {"budget_mb": 0.001}})
+            assert bad.status_code == 422, bad.text
+            assert bad.json()["error"] == "ConstraintError" and "memory" in bad.text, bad.json()
+            assert client.get(server.url + "/v1/recipe").json()["version"] == old
+            r = client.put(server.url + "/v1/recipe", json=NEW_RECIPE)
+            assert r.status_code == 202 and r.json()["version"] == new and r.json()["previous"] == old, r.text
+            busy = client.put(server.url + "/v1/recipe", json=RECIPE)
+            assert busy.status_code == 409, busy.text                 # one rollout at a time
+            _until("the rollout done", lambda: client.get(server.url + "/v1/recipe").json()["rollout"]["state"]
+                   not in ("checking", "rolling"), every=0.5)
+            assert client.get(server.url + "/v1/recipe").json()["rollout"]["state"] == "done"
+            at = len(results)
+            _until("requests answered by the new recipe", lambda: len(results) >= at + 20)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    failed = [r for r in results if r[0] != 200]
+    print(f"{len(results)} requests across the reload, {len(failed)} failed: {failed[:5]}")
+    assert not failed, failed[:5]
+    assert {v for _, _, v in results[:5]} == {old} and {v for _, _, v in results[at:]} == {new}
+    assert server.replica_states() == {"RUNNING": 2}
+    seen: dict[str, dict] = {}
+    with httpx.Client() as client:
+        for _ in range(40):
+            d = client.get(server.url + "/v1/replica").json()
+            seen[d["replica"]] = d
+    assert len(seen) == 2 and all(d["version"] == new and d["kernel_compiles"] == 0 for d in seen.values()), seen
 
