@@ -367,7 +367,7 @@ def deployment_options(recipe: Any, cluster: ClusterConfig, config: Any) -> dict
                             "health_check_period_s": cluster.health_check_period_s,
                             "graceful_shutdown_timeout_s": config.shutdown_grace_s + 1.0,
                             "user_config": {"replica_ready_timeout_s": cluster.replica_ready_timeout_s},
-                            "max_surge_percent": min(100, math.ceil(100 * SURGE / cluster.bounds[1]))}
+                            "max_surge_percent": max(1, 100 * SURGE // cluster.bounds[1])}
     if cluster.autoscaling:
         lo, hi = cluster.bounds
         target = cluster.target_ongoing_requests or float(_largest_batch(recipe))

@@ -51,6 +51,7 @@ def test_fixed_replicas_map_to_num_replicas_with_the_recipe_budget():
     assert opts["num_replicas"] == 3 and "autoscaling_config" not in opts
     assert opts["ray_actor_options"] == {"num_cpus": 2, "memory": 512 * 2**20}
     assert opts["user_config"] == {"replica_ready_timeout_s": 600.0}
+    assert opts["max_surge_percent"] == 33          # a reload rolls with one replica beyond the 3 (ceil(33% of 3))
 
 
 def test_autoscaling_bounds_and_the_queue_depth_target():
