@@ -1,9 +1,11 @@
 """Replicas of the model server on Ray Serve (`graphmode serve --replicas N`, extra `serve-cluster`).
 
-Ray places, health-checks and restarts the replicas and routes HTTP to them through its proxy;
-graphmode brings what each replica runs: the same ModelServer and Starlette app as the plain
-server (graphmode/serve/app.py), built inside a Ray Serve deployment. Nothing is compiled
-per replica:
+Ray places, health-checks and restarts the replicas and routes HTTP to them through its proxy
+and graphmode's front (cluster_front: it retries a request whose replica died, or answers a
+retryable 503); graphmode brings what each replica runs: the same ModelServer and Starlette
+app as the plain server (graphmode/serve/app.py), built inside a Ray Serve deployment. A
+coordinator actor (cluster_control) rolls a hot reload across the replicas and merges their
+/metrics. Nothing is compiled per replica:
 
   * an encoder is compiled once by the driver and saved as one `.gm` artifact (or the
     `--model` given is one already); every replica, a restarted one included, loads that
@@ -48,6 +50,7 @@ DEPLOYMENT = "GraphmodeReplica"
 REPLICA_ROUTE = "/v1/replica"
 MB = 2**20
 SURGE = 1             # replicas started beyond the count during a rolling reload
+FRONT_MAX_REQUESTS = 10_000   # the front only relays: the replicas' own limits hold requests back
 
 
 def require_ray() -> Any:
@@ -191,10 +194,10 @@ def _portable(model: Any) -> Any:
 # ---- the replica ------------------------------------------------------------------------------
 
 class GraphmodeReplica:
-    """One replica: a ModelServer and its app. Ray Serve wraps it as an ASGI ingress
-    (`serve.ingress()` with `__serve_build_asgi_app__`), runs the app's lifespan (which starts
-    the server), then calls `reconfigure`, which returns once the recipe is warm or raises
-    with the server's error; only then does Ray route to it. `check_health` fails when the
+    """One replica: a ModelServer and its app, which HTTP requests reach through the front
+    (cluster_front, `forward`). Ray Serve calls `reconfigure`, which starts the server and
+    returns once the recipe is warm or raises with the server's error; only then does Ray
+    route to it. `check_health` fails when the
     server has failed, so Ray replaces the replica and shows the error in its status."""
 
     def __init__(self, model: Any, recipe: Any, config: Any):
@@ -204,13 +207,31 @@ class GraphmodeReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.changed = threading.Event()
         self.pushing: asyncio.Task | None = None
+        self.app: ReplicaApp | None = None
         self.server = ModelServer(model, recipe, config=config, on_state=lambda state, error: self.changed.set())
 
-    def __serve_build_asgi_app__(self) -> Any:
+    async def _start(self) -> None:
+        """The server and its app, started on the replica's event loop (where `forward` runs);
+        the app's lifespan is this and `__del__`: the front is the HTTP ingress, not this."""
         from graphmode.serve.app import create_app
-        return ReplicaApp(create_app(self.server), self)
+        self.app = ReplicaApp(create_app(self.server), self)
+        await self.server.start()
+
+    async def __del__(self) -> None:
+        """Ray's graceful stop, once the requests held here are answered: the server's stop."""
+        if self.app is not None:
+            await self.server.stop()
+
+    async def forward(self, request: dict, body: bytes) -> Any:
+        """A request from the front (cluster_front.GraphmodeFront), through this replica's app:
+        the ASGI messages it sends, as they come (a stream's events included), in lists."""
+        from graphmode.serve.cluster_front import relay
+        async for batch in relay(self.app, request, body):
+            yield batch
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        if self.app is None:
+            await self._start()
         deadline = time.monotonic() + float(user_config.get("replica_ready_timeout_s", 600.0))
         while self.server.state not in ("ready", "failed"):
             left = deadline - time.monotonic()
@@ -473,8 +494,15 @@ def deploy(served: Served, config: Any, cluster: ClusterConfig) -> None:
     from graphmode.recipe import load_recipe
     from graphmode.runtime.artifact import recipe_of
     recipe = load_recipe(served.recipe) if served.recipe is not None else recipe_of(served.model)
-    cls = serve.deployment(serve.ingress()(GraphmodeReplica))
-    app = cls.options(**deployment_options(recipe, cluster, config)).bind(served.model, served.recipe, config)
+    from graphmode.serve.cluster_front import FRONT, GraphmodeFront
+    from graphmode.serve.app import RECIPE_MAX_BYTES
+    cls = serve.deployment(GraphmodeReplica)
+    replicas = cls.options(**deployment_options(recipe, cluster, config)).bind(served.model, served.recipe, config)
+    front = serve.deployment(serve.ingress()(GraphmodeFront)).options(
+        name=FRONT, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=FRONT_MAX_REQUESTS,
+        max_surge_percent=100, graceful_shutdown_timeout_s=config.shutdown_grace_s + 2.0,
+        health_check_period_s=cluster.health_check_period_s)
+    app = front.bind(replicas, max(int(config.max_body_mb * MB), RECIPE_MAX_BYTES) + 1)
     try:
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     except RuntimeError:
