@@ -431,11 +431,12 @@ class ClusterServer:
                 self._join(ray)
         serve.start(http_options={"host": self.cluster.host, "port": self.cluster.port})
         try:
+            recipe = served_recipe(self.served)
             self.coordinator = ray.remote(Coordinator).options(
                 name=COORDINATOR, namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
-                get_if_exists=False).remote(self.served, self.config, self.cluster)
+                get_if_exists=False).remote(self.served, recipe, self.config, self.cluster)
             ray.get(self.coordinator.ready.remote())
-            deploy(self.served, self.config, self.cluster)
+            deploy(self.served, recipe, self.config, self.cluster)
         except BaseException:
             self.stop()
             raise
@@ -485,15 +486,19 @@ class ClusterServer:
         self.stop()
 
 
-def deploy(served: Served, config: Any, cluster: ClusterConfig) -> None:
+def served_recipe(served: Served) -> Any:
+    """The recipe `served` serves: its own, or its artifact's."""
+    from graphmode.recipe import load_recipe
+    from graphmode.runtime.artifact import recipe_of
+    return load_recipe(served.recipe) if served.recipe is not None else recipe_of(served.model)
+
+
+def deploy(served: Served, recipe: Any, config: Any, cluster: ClusterConfig) -> None:
     """Run (or roll to) the application serving `served`; returns once every replica is warm,
     raises the replicas' error when they cannot start. Each call is a new deployment version
     (Ray Serve draws one when none is given), so a second call rolls the replicas."""
     from ray import serve
 
-    from graphmode.recipe import load_recipe
-    from graphmode.runtime.artifact import recipe_of
-    recipe = load_recipe(served.recipe) if served.recipe is not None else recipe_of(served.model)
     from graphmode.serve.cluster_front import FRONT, GraphmodeFront
     from graphmode.serve.app import RECIPE_MAX_BYTES
     cls = serve.deployment(GraphmodeReplica)

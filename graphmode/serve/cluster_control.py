@@ -40,13 +40,11 @@ log = logging.getLogger("graphmode.serve.cluster")
 class Coordinator:
     """The rollouts and the replicas' metrics (see the module's docstring)."""
 
-    def __init__(self, served: Any, config: Any, cluster: Any):
-        from graphmode.recipe import load_recipe
+    def __init__(self, served: Any, recipe: Any, config: Any, cluster: Any):
+        """`recipe`: the one `served` serves (read by the driver: an artifact's, checked on its host)."""
         from graphmode.recipe.targets import pick_target
-        from graphmode.runtime.artifact import recipe_of
         from graphmode.serve.sandbox import RecipeSandbox
-        self.served, self.config, self.cluster = served, config, cluster
-        self.recipe = load_recipe(served.recipe) if served.recipe is not None else recipe_of(served.model)
+        self.served, self.recipe, self.config, self.cluster = served, recipe, config, cluster
         self.target = pick_target(self.recipe, config.target)
         self.sandbox = RecipeSandbox(self.target, cpu_s=config.recipe_check_cpu_s,
                                      memory_mb=config.recipe_check_memory_mb, max_plans=config.max_plans)
@@ -110,9 +108,9 @@ class Coordinator:
     def _roll(self, recipe: Any, served: Any) -> None:
         from graphmode.serve.cluster import deploy
         from graphmode.serve.errors import error_dict
-        old = self.served
+        old, old_recipe = self.served, self.recipe
         try:
-            deploy(served, self.config, self.cluster)
+            deploy(served, recipe, self.config, self.cluster)
             with self.lock:
                 self.served, self.recipe = served, recipe
                 self.rollout.update(state="done", finished=time.time())
@@ -122,7 +120,7 @@ class Coordinator:
             with self.lock:
                 self.rollout.update(state="failed", error=error_dict(e), finished=time.time())
             try:
-                deploy(old, self.config, self.cluster)
+                deploy(old, old_recipe, self.config, self.cluster)
             except Exception:  # noqa: BLE001
                 log.exception("the previous deployment could not be put back")
 

@@ -41,9 +41,9 @@ def test_metrics_of_two_replicas_keep_both_series_labelled():
 def coordinator(tmp_path, monkeypatch):
     """A coordinator serving the eager recipe; `deploy` records instead of calling Ray."""
     deployed: list[Served] = []
-    monkeypatch.setattr(cluster, "deploy", lambda served, config, c: deployed.append(served))
+    monkeypatch.setattr(cluster, "deploy", lambda served, recipe, config, c: deployed.append(served))
     served = Served(MODEL, load_recipe(dict(RECIPE, exe_mode="eager")), False, 0.0, MODEL)
-    c = Coordinator(served, ServeConfig(cache_dir=tmp_path / "cache"), ClusterConfig(replicas=2))
+    c = Coordinator(served, served.recipe, ServeConfig(cache_dir=tmp_path / "cache"), ClusterConfig(replicas=2))
     yield c, deployed
     c.sandbox.close()
 
