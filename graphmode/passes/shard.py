@@ -12,7 +12,9 @@ blocks, each split, as a fused QKV projection's output is). Walking the graph in
   through (a reshape [b,s,H] -> [b,s,heads,d] splits the heads), `sdpa` runs on the rank's heads.
 - the embedding with the largest table is vocab-parallel (each rank looks up its rows, zero
   elsewhere, then `all_reduce`); the LM head (a linear onto the vocabulary) is column-parallel
-  and its logits are gathered.
+  and its logits are gathered. A vocabulary V that does not divide by the ranks is padded: each
+  rank holds ceil(V/world) rows, the last rank's shard ends in zero rows, and the gathered
+  logits are sliced back to exactly V (a padding column never reaches an output or an argmax).
 - `batch` (CNNs): every input is cut to the rank's share of the batch; every op keeps it; the
   outputs are gathered.
 - anything else that cannot take a split value gets it whole first (`all_gather`): correct
@@ -24,7 +26,7 @@ replicate; batch). Graph outputs are whole on every rank. Collectives are ops li
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import sympy
@@ -48,6 +50,7 @@ class Split:
     axis: int
     blocks: int = 1
     cls: str = ""
+    pad: int = 0          # padding entries at the end of the gathered axis (a padded vocabulary)
 
 
 class _ShardWalk:
@@ -99,12 +102,17 @@ class _ShardWalk:
         return self.local[name]
 
     def slice_constant(self, name: str, axis: int, blocks: int = 1) -> str:
-        """The rank's part of a constant split along `axis` (each of `blocks` blocks split)."""
+        """The rank's part of a constant split along `axis` (each of `blocks` blocks split). One
+        block that does not divide is padded: ceil(extent / world) entries a rank, the last
+        rank's part ending in zeros (a padded vocabulary)."""
         key = (name, axis, blocks)
         if key not in self.sliced:
             t = self.g.constants[name]
-            parts = [b.chunk(self.n, axis)[self.rank] for b in t.chunk(blocks, axis)]
-            local = torch.cat(parts, axis).contiguous() if blocks > 1 else parts[0].contiguous()
+            if blocks > 1:
+                parts = [b.chunk(self.n, axis)[self.rank] for b in t.chunk(blocks, axis)]
+                local = torch.cat(parts, axis).contiguous()
+            else:
+                local = _padded_part(t, axis, self.rank, self.n)
             self.sliced[key] = self.out.add_constant(self.out.fresh_name(f"{name}.rank{self.rank}"), local,
                                                      self.g.values[name].role)
         return self.sliced[key]
@@ -126,7 +134,12 @@ class _ShardWalk:
             return self.local[name]
         if name not in self.whole:
             self.stats["gathered_for"][why] = self.stats["gathered_for"].get(why, 0) + 1
-            x = self.collective("all_gather", self.local[name], f"{name}.whole", axis=p.axis)
+            x = self.collective("all_gather", self.local[name], f"{name}.padded" if p.pad else f"{name}.whole",
+                                axis=p.axis)
+            if p.pad:                                # a padded vocabulary: the padding columns cut off
+                full = self.type_of(x).shape[p.axis]
+                x = self.emit("slice", [x], {"dim": p.axis, "start": 0, "end": full - p.pad, "step": 1},
+                              f"{name}.whole")
             if p.blocks > 1:                         # [rank][block][part] -> [block][rank][part]
                 t = self.type_of(x)
                 full = t.shape[p.axis]
@@ -244,13 +257,18 @@ class _LayerRules(_ShardWalk):
         if px is None:
             cls = self.classify(n)
             blocks = self.blocks(n)
-            if self.strategy[cls] != "head" or not self.split_extent(out_f, blocks):
+            pad = 0
+            if self.strategy[cls] != "head":
                 return False
+            if not self.split_extent(out_f, blocks):
+                if cls != "embedding" or blocks != 1 or not isinstance(out_f, int):
+                    return False
+                pad = _padding(out_f, self.n)                   # the LM head over a padded vocabulary
             ins = [self.operand(x), self.slice_constant(w, 0, blocks)]
             if bias:
                 ins.append(self.slice_constant(bias, 0, blocks))
             self.stats["column_parallel"] += 1
-            return self.same(n, ins, dict(n.attrs), Split(xt.rank - 1, blocks, cls))
+            return self.same(n, ins, dict(n.attrs), Split(xt.rank - 1, blocks, cls, pad))
         if not self.split_extent(in_f, px.blocks):
             return False
         part = self.emit("linear", [self.local[x], self.slice_constant(w, 1, px.blocks)], {}, f"{n.outputs[0]}.partial")
@@ -327,17 +345,19 @@ class _LayerRules(_ShardWalk):
         if pids is not None and pids.axis < self.g.values[ids].type.rank:      # rows of ids stay apart
             return self.same(n, [self.operand(table), self.local[ids]], {}, pids)
         if (self.vocab_table is None or table != self.vocab_table[0] or self.strategy["embedding"] != "head"
-                or not self.split_extent(self.vocab_table[1])):
+                or not isinstance(self.vocab_table[1], int)):
             return False
-        rows = self.vocab_table[1] // self.n
+        vocab = self.vocab_table[1]
+        rows = -(-vocab // self.n)                   # padded: the last rank's shard ends in zero rows
         lo = self.rank * rows
+        mine = max(0, min(rows, vocab - lo))         # its real rows: an id in the padding is nobody's
         idt = self.type_of(self.local[ids]).dtype
         name = n.outputs[0]
         shifted = self.emit("sub", [self.local[ids], self.const(f"{name}.first_row", torch.tensor(lo, dtype=_dt(idt)))],
                             {}, f"{name}.row")
         inside = self.emit("logical_and", [
             self.emit("ge", [shifted, self.const(f"{name}.zero", torch.tensor(0, dtype=_dt(idt)))], {}, f"{name}.ge"),
-            self.emit("lt", [shifted, self.const(f"{name}.rows", torch.tensor(rows, dtype=_dt(idt)))], {}, f"{name}.lt")],
+            self.emit("lt", [shifted, self.const(f"{name}.rows", torch.tensor(mine, dtype=_dt(idt)))], {}, f"{name}.lt")],
             {}, f"{name}.mine")
         safe = self.emit("where", [inside, shifted, self.const(f"{name}.zero_row", torch.tensor(0, dtype=_dt(idt)))],
                          {}, f"{name}.index")
@@ -393,8 +413,8 @@ class _ShapeRules(_ShardWalk):
             p = self.placement(i)
             if p is None:
                 continue
-            q = Split(p.axis + out_rank - self.g.values[i].type.rank, p.blocks, p.cls)
-            if split is not None and (q.axis, q.blocks) != (split.axis, split.blocks):
+            q = replace(p, axis=p.axis + out_rank - self.g.values[i].type.rank)
+            if split is not None and (q.axis, q.blocks, q.pad) != (split.axis, split.blocks, split.pad):
                 return False
             split = split or q
         if split is None:
@@ -410,7 +430,8 @@ class _ShapeRules(_ShardWalk):
                 ins.append(self.operand(i))
                 continue
             cut = (self.slice_constant(i, split.axis - lead, split.blocks)
-                   if i in self.g.constants and self.split_extent(t.shape[split.axis - lead], split.blocks)
+                   if i in self.g.constants and (split.pad or self.split_extent(t.shape[split.axis - lead],
+                                                                                 split.blocks))
                    else self.local_split(i, split.axis - lead, split.blocks))
             if cut is None:
                 return False
@@ -440,15 +461,15 @@ class _ShapeRules(_ShardWalk):
         keep = a.get("keepdim", False) if shrinks else True
         axis = p.axis - (0 if keep else sum(1 for d in reduced if d < p.axis))
         ins = [self.local[x]] + [self.operand(i) for i in n.inputs[1:]]
-        return self.same(n, ins, dict(a), Split(axis, p.blocks, p.cls))
+        return self.same(n, ins, dict(a), replace(p, axis=axis))
 
     # ---- shape ops
     def on_permute(self, n: Node) -> bool:
         p = self.placement(n.inputs[0])
         if p is None:
             return False
-        return self.same(n, [self.local[n.inputs[0]]], dict(n.attrs), Split(list(n.attrs["perm"]).index(p.axis),
-                                                                             p.blocks, p.cls))
+        axis = list(n.attrs["perm"]).index(p.axis)
+        return self.same(n, [self.local[n.inputs[0]]], dict(n.attrs), replace(p, axis=axis))
 
     def on_reshape(self, n: Node) -> bool:
         x = n.inputs[0]
@@ -463,7 +484,7 @@ class _ShapeRules(_ShardWalk):
             return False
         shape = list(dst)
         shape[o] = _part(dst[o], self.n)
-        return self.same(n, [self.local[x]], {"shape": _attr_shape(shape)}, Split(o, p.blocks, p.cls))
+        return self.same(n, [self.local[x]], {"shape": _attr_shape(shape)}, replace(p, axis=o))
 
     def on_expand(self, n: Node) -> bool:
         x = n.inputs[0]
@@ -476,8 +497,8 @@ class _ShapeRules(_ShardWalk):
             return False
         shape = [d if not (isinstance(d, int) and d == -1) else dst[i] for i, d in
                  enumerate(normalize_dim(d) for d in n.attrs["shape"])]
-        shape[ax] = _part(dst[ax], self.n)
-        return self.same(n, [self.local[x]], {"shape": _attr_shape(shape)}, Split(ax, p.blocks, p.cls))
+        shape[ax] = _part(dst[ax], self.n) if not p.pad else self.type_of(self.local[x]).shape[p.axis]
+        return self.same(n, [self.local[x]], {"shape": _attr_shape(shape)}, replace(p, axis=ax))
 
     def on_slice(self, n: Node) -> bool:
         x = n.inputs[0]
@@ -491,7 +512,7 @@ class _ShapeRules(_ShardWalk):
         full = t.shape[d]
         width = self.g.values[n.outputs[0]].type.shape[d]
         start = n.attrs.get("start", 0)
-        if (p.blocks < 2 or n.attrs.get("step", 1) != 1 or not isinstance(full, int)
+        if (p.blocks < 2 or p.pad or n.attrs.get("step", 1) != 1 or not isinstance(full, int)
                 or not isinstance(width, int) or width * p.blocks != full or start % width):
             return False
         part = width // self.n
@@ -502,7 +523,7 @@ class _ShapeRules(_ShardWalk):
     def on_concat(self, n: Node) -> bool:
         ps = [self.placement(i) for i in n.inputs]
         split = next((p for p in ps if p is not None), None)
-        if split is None or split.blocks != 1:
+        if split is None or split.blocks != 1 or split.pad:
             return False
         rank = self.g.values[n.outputs[0]].type.rank
         if norm_axis(n.attrs["dim"], rank) == split.axis:
@@ -539,6 +560,24 @@ class _Sharder(_LayerRules, _ShapeRules):
 def _dt(dtype: str) -> torch.dtype:
     from graphmode.ir.types import DTYPES
     return DTYPES[dtype]
+
+
+def _padding(extent: int, n: int) -> int:
+    """How many entries pad `extent` to a multiple of `n`."""
+    return -extent % n
+
+
+def _padded_part(t: torch.Tensor, axis: int, rank: int, n: int) -> torch.Tensor:
+    """`rank`'s ceil(extent / n) entries of `axis`, zeros past the end of the tensor."""
+    full = t.shape[axis]
+    part = -(-full // n)
+    lo = min(rank * part, full)
+    local = t.narrow(axis, lo, min(part, full - lo))
+    if local.shape[axis] < part:
+        shape = list(t.shape)
+        shape[axis] = part - local.shape[axis]
+        local = torch.cat([local, t.new_zeros(shape)], axis)
+    return local.contiguous()
 
 
 def _part(d: Dim, n: int) -> Dim:

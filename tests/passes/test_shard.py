@@ -159,6 +159,48 @@ def test_vocab_parallel_embedding_and_lm_head(golden):
     assert s["collectives"] == {"all_reduce": 1, "all_gather": 1} and s["gathered_for"] == {"graph output": 1}
 
 
+ODD_VOCAB = """
+graph @lm(%ids: i64[b,s]) -> (%logits, %next) {
+  param %table: f32[17,8] #?
+  param %bias: f32[17] #?
+  %e: f32[b,s,8] = embedding(%table, %ids)
+  %h: f32[b,s,8] = tanh(%e)
+  %l: f32[b,s,17] = linear(%h, %table)
+  %logits: f32[b,s,17] = add(%l, %bias)
+  %next: i64[b,s] = argmax(%logits) {"dim": -1}
+  return %logits, %next
+}"""
+
+
+def test_an_odd_vocabulary_is_padded_not_kept_whole(golden):
+    """17 rows over 2 ranks: 9 a rank, the last rank's 9th a zero row. The tied table is split
+    once for embedding and LM head; the logits are gathered 18 wide and sliced to 17 before the
+    output and the argmax. The bias makes every real logit negative, so a padding column (0)
+    that leaked would win the argmax."""
+    consts = weights(table=(17, 8), bias=(17,))
+    consts["bias"] = consts["bias"] - 10.0
+    res = shard_case(golden, "odd_vocab", ODD_VOCAB, consts, int_high=17)
+    s = res[1].stats
+    assert s["vocab_parallel"] == 1 and s["column_parallel"] == 1
+    assert s["collectives"] == {"all_reduce": 1, "all_gather": 1}
+    g0, g1 = res[0].graph, res[1].graph
+    torch.testing.assert_close(g0.constants["table.rank0"], consts["table"][:9])
+    torch.testing.assert_close(g1.constants["table.rank1"], torch.cat([consts["table"][9:], torch.zeros(1, 8)]))
+    assert [n.op for n in g1.nodes].count("embedding") == 1 and len([c for c in g1.constants if "table" in c]) == 1
+    (cut,) = [n for n in g1.nodes if n.op == "slice"]
+    assert (cut.attrs["start"], cut.attrs["end"]) == (0, 17) and g1.values["logits"].type.text() == "f32[b,s,17]"
+    ids = torch.tensor([[16, 0, 8, 9]])          # the last real row on the last rank, both ranks' first rows
+    want = interpret(parse_graph(ir(ODD_VOCAB, consts), consts), {"ids": ids})
+    got = run_ranks(2, lambda r, comm: interpret(res[r].graph, {"ids": ids}), timeout_s=30)
+    assert torch.equal(got[1]["next"], want["next"]) and rel_l2(got[1]["logits"], want["logits"]) < 1e-6
+
+
+def test_an_odd_vocabulary_over_three_ranks():
+    consts = weights(table=(17, 8), bias=(17,))
+    res = shard_case(None, "odd_vocab3", ODD_VOCAB, consts, world=3, int_high=17)
+    assert [r.graph.values[f"table.rank{i}"].type.shape for i, r in enumerate(res)] == [(6, 8)] * 3
+
+
 CNN = """
 graph @cnn(%x: f32[b,3,8,8]) -> (%y) {
   param %w: f32[4,3,3,3] #?
