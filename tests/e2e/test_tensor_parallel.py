@@ -58,6 +58,27 @@ def test_gpt2_tp2_equals_one_process(tmp_path):
     tp_equals_one_process("gpt2", tmp_path, 100)
 
 
+@pytest.mark.slow     # ~60 s on 2 cores; the default run's odd vocabulary is tests/passes/test_shard.py's
+def test_gpt2_odd_vocab_is_padded_and_tp2_equals_one_process(tmp_path):
+    """Vocabulary 257 over 2 ranks: 129 rows a rank (the last one a zero row), so both ranks hold
+    the same bytes (but a few scalars), about half the weights (kept whole, the tied table would leave ~65% a rank),
+    and the logits rank 0 returns are exactly 257 wide and equal TP=1 and eager (ids on both
+    sides of the split and the last real row)."""
+    tp = tp_equals_one_process("gpt2_odd_vocab", tmp_path, 257)
+    one = graphmode.compile(f"{SPEC}:gpt2_odd_vocab", tiny_tp.recipe("gpt2_odd_vocab-tp1", tensor=1),
+                            cache_dir=tmp_path)
+    whole = sum(t.numel() * t.element_size() for t in one.graph.constants.values())
+    w = [r["weights_bytes"] for r in tp.ranks]
+    assert abs(w[0] - w[1]) <= 64 and max(w) < 0.56 * whole, (w, whole)       # scalars aside, equal shards
+    feed = {"input_ids": torch.tensor([[256, 0, 128, 129]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    with torch.inference_mode():
+        eager = first(one.source.module(**feed))
+    with graphmode.compile(f"{SPEC}:gpt2_odd_vocab", tiny_tp.recipe("gpt2_odd_vocab-tp2"), cache_dir=tmp_path) as tp2:
+        got = first(tp2(**feed))
+    assert got.shape == eager.shape == (1, 4, 257) and rel_l2(got, eager) < 1e-5
+    assert torch.equal(got.argmax(-1), eager.argmax(-1))
+
+
 @pytest.mark.slow
 def test_llama_gqa_tp2_equals_one_process(tmp_path):
     tp_equals_one_process("llama", tmp_path, 100)

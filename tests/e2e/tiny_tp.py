@@ -1,7 +1,7 @@
 """Tiny transformers for the tensor-parallel tests, loadable as `path/to/tiny_tp.py:function`
 model specs: a two-layer MLP, a BERT encoder (MiniLM's architecture: 2 layers, 4 heads of 8, vocab 96), the
-GPT-2 LM of tiny_decoders.py (2 layers, 4 heads of 8, vocab 100), a Llama-style GQA decoder (4 query
-heads, 2 KV heads) and ResNet-18 on 32x32 images; random weights."""
+GPT-2 LM of tiny_decoders.py (2 layers, 4 heads of 8, vocab 100; and with an odd vocab, 257), a Llama-style GQA
+decoder (4 query heads, 2 KV heads) and ResNet-18 on 32x32 images; random weights."""
 from __future__ import annotations
 
 import warnings
@@ -31,6 +31,20 @@ def gpt2():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.gpt2()
+
+
+def gpt2_odd_vocab():
+    """The tiny GPT-2 with a vocabulary of 257 (a prime, like GPT-2's 50257 it divides by no rank
+    count): the shard pass pads it, 129 rows a rank at TP=2."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=257, n_positions=64, initializer_range=0.3,
+                     bos_token_id=1, eos_token_id=2, use_cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPT2LMHeadModel(cfg).eval()
+    ex = {"input_ids": torch.randint(0, 257, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    return model, ex, {k: ["batch", "seq"] for k in ex}
 
 
 def llama():
