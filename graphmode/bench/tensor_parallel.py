@@ -215,8 +215,8 @@ def markdown(res: dict[str, Any]) -> str:
         share = max(r["weights_mb_per_rank"]) / r["weights_mb_whole"] if r["weights_mb_whole"] else 0.0
         if share > 1.1 / n:
             out += ["", f"{r['model']}: a rank holds {share * 100:.0f}% of the weights, not 1/{n}: some stay whole on "
-                    "every rank (a replicated layer class, or a table whose rows do not divide by the ranks: the "
-                    "`shard` pass splits the vocabulary only when it divides evenly)."]
+                    "every rank (a replicated layer class, or a layer whose heads or sizes do not divide by the "
+                    "ranks, which the `shard` pass keeps whole)."]
     if link:
         out += ["", f"Loopback link (f32 all_reduce, {len(link['samples'])} sizes): {link['bandwidth_gbps']:.2f} GB/s, "
                 f"{link['latency_us']:.0f} us (nominal {link['nominal']['bandwidth_gbps']:g} GB/s, "

@@ -2,8 +2,9 @@
 
 Each problem is (field path, message, value, fix); `recipe/semantics.py` turns them into
 RecipeErrors with the YAML line. What the checks need from the model (heads, KV heads,
-vocabulary, intermediate size) comes from the recipe's `model` section; the `shard` pass
-checks the captured graph itself and refuses what these cannot see.
+intermediate size) comes from the recipe's `model` section; the `shard` pass checks the
+captured graph itself and refuses what these cannot see. A vocabulary need not divide: the
+`shard` pass pads it (ceil(vocab / tensor) rows a rank).
 """
 from __future__ import annotations
 
@@ -40,12 +41,9 @@ def check_parallel(recipe: Any, target: Any, dim_buckets: dict[str, list[int]]) 
             need += [("model.heads", m.heads), ("model.kv_heads", m.kv_heads)]
         if p.strategy["mlp"] == "head":
             need.append(("model.intermediate", m.intermediate))
-        if p.strategy["embedding"] == "head":
-            need.append(("model.vocab", m.vocab))
         for field, v in need:
             if v is not None and v % n:
-                cls = {"model.heads": "attention", "model.kv_heads": "attention", "model.intermediate": "mlp",
-                       "model.vocab": "embedding"}[field]
+                cls = {"model.heads": "attention", "model.kv_heads": "attention", "model.intermediate": "mlp"}[field]
                 out.append(("parallel.tensor", f"{field} = {v} does not split over {n} ranks", n,
                             f"a tensor degree dividing {v}, or strategy.{cls}: replicate"))
     kv = recipe.memory.kv_cache

@@ -113,9 +113,15 @@ def estimate_collectives(recipe: Any, sym: dict[str, sympy.Symbol]) -> list[Coll
             out.append(Collective("all_reduce", b * s * h, h, m.layers, f"{what}, one per layer"))
     if p.strategy["embedding"] == "head" and m.vocab:
         out.append(Collective("all_reduce", b * s * h, h, 1, "vocab-parallel embedding"))
-        if m.kind == "decoder":
-            out.append(Collective("all_gather", b * s * m.vocab, m.vocab, 1, "vocab-parallel LM head logits"))
+        if m.kind == "decoder":                  # gathered padded: ceil(vocab / tensor) columns a rank
+            padded = padded_vocab(m.vocab, p.tensor)
+            out.append(Collective("all_gather", b * s * padded, padded, 1, "vocab-parallel LM head logits"))
     return out
+
+
+def padded_vocab(vocab: int, n: int) -> int:
+    """The vocabulary the `shard` pass splits: padded up to a multiple of the `n` ranks."""
+    return -(-vocab // n) * n
 
 
 def _elems(axes: list, sym: dict[str, sympy.Symbol]) -> Expr:
@@ -128,8 +134,8 @@ def _elems(axes: list, sym: dict[str, sympy.Symbol]) -> Expr:
 def shard_estimate(facts: Any, recipe: Any, sym: dict[str, sympy.Symbol]) -> Any:
     """One rank's share of whole-model estimated facts (`recipe.facts.ModelFacts`): batch splits
     activations and FLOPs, head splits the weights of the split classes (attention 4h^2,
-    MLP 2h*intermediate, embedding vocab*h per the model section) while the residual stream
-    stays whole on every rank."""
+    MLP 2h*intermediate, embedding vocab*h per the model section, a rank holding ceil(vocab / n)
+    rows of it) while the residual stream stays whole on every rank."""
     p, m = recipe.parallel, recipe.model
     n = p.tensor
     cb = DTYPE_SIZES[recipe.precision.compute]
@@ -145,15 +151,15 @@ def shard_estimate(facts: Any, recipe: Any, sym: dict[str, sympy.Symbol]) -> Any
     w = facts.weights_bytes
     if m and m.hidden and m.layers:
         h, inter = m.hidden, m.intermediate or 4 * m.hidden
-        split = 0
+        split = vocab = 0
         if p.strategy["attention"] == "head":
             split += 4 * h * h * m.layers * cb
         if p.strategy["mlp"] == "head":
             split += 2 * h * inter * m.layers * cb
         if p.strategy["embedding"] == "head" and m.vocab:
-            split += m.vocab * h * cb
-        split = min(split, w)
-        w = w - split + -(-split // n)
+            vocab = min(m.vocab * h * cb, w)
+        split = min(split, w - vocab)
+        w = w - split - vocab + -(-split // n) + (padded_vocab(m.vocab, n) // n * h * cb if vocab else 0)
     b = sym.get(m.batch_dim if m else "batch", 1)
     s = sym.get(m.seq_dim, 1) if m else 1
     resid = b * s * (m.hidden if m and m.hidden else 0) * cb

@@ -91,6 +91,27 @@ def test_batch_strategy_needs_buckets_that_split_evenly():
     assert validate(load_recipe(r), get_target("cpu_avx2")).verdict == "valid"
 
 
+def test_an_odd_vocabulary_is_accepted_and_its_padded_shard_counted():
+    """GPT-2's real 50257 over 2 ranks: not refused (the shard pass pads it); a rank is counted
+    with 25129 rows of the table (the last rank's last one padding) and half the attention and
+    MLP weights; the LM head's all_gather moves the padded logits."""
+    import sympy
+
+    from graphmode.parallel.cost import estimate_collectives
+    r = gpt2_recipe()
+    r["model"]["vocab"] = 50257
+    one = {**r}
+    del one["parallel"]
+    tp1, tp2 = (validate(load_recipe(x), get_target("cpu_avx2")) for x in (one, r))
+    assert tp2.verdict == "valid"
+    h, cb = 768, 4
+    saved = (50257 - 25129) * h * cb + (4 * h * h + 2 * h * 3072) * 12 * cb // 2
+    assert tp1.model.memory_terms["weights"] - tp2.model.memory_terms["weights"] == saved
+    sym = {d: sympy.Symbol(d) for d in ("batch", "seq")}
+    (gather,) = [c for c in estimate_collectives(load_recipe(r), sym) if c.op == "all_gather"]
+    assert gather.row == 50258 and gather.elems == 50258 * sym["batch"] * sym["seq"]
+
+
 def test_memory_is_proved_per_device():
     one = gpt2_recipe()
     del one["parallel"]
