@@ -79,6 +79,20 @@ def test_gpt2_odd_vocab_is_padded_and_tp2_equals_one_process(tmp_path):
     assert torch.equal(got.argmax(-1), eager.argmax(-1))
 
 
+def test_an_odd_vocabulary_runs_padded_on_two_ranks(tmp_path):
+    """A 17-row tied table over 2 ranks (9 rows each, rank 1's last one padding): the logits
+    rank 0 returns are 17 wide and equal eager, for ids on both sides of the split."""
+    rec = tiny_tp.recipe("odd-lm-tp2", inputs=tiny_tp.ODD_LM_INPUTS, dims=tiny_tp.MLP_DIMS)
+    ids = torch.tensor([[16, 0, 8, 9], [3, 12, 7, 15]])
+    with graphmode.compile(f"{SPEC}:odd_lm", rec, cache_dir=tmp_path) as tp:
+        with torch.inference_mode():
+            want = first(tp.source.module(ids))
+        got = first(tp(input_ids=ids))
+        w = [r["weights_bytes"] for r in tp.ranks]
+        assert all(9 * 8 * 4 <= x < 9 * 8 * 4 + 64 for x in w), w      # 9 rows (and a few scalars), not 17
+    assert got.shape == (2, 4, 17) and rel_l2(got, want) < 1e-5
+
+
 @pytest.mark.slow
 def test_llama_gqa_tp2_equals_one_process(tmp_path):
     tp_equals_one_process("llama", tmp_path, 100)

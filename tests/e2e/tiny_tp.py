@@ -74,6 +74,23 @@ def mlp():
     return model, {"input": torch.randn(2, 16)}, {"input": ["batch", 16]}
 
 
+class _OddLM(torch.nn.Module):
+    """Embedding of 17 rows, tanh, the tied table as LM head: the smallest odd vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(17, 8)
+
+    def forward(self, input_ids):
+        return torch.nn.functional.linear(torch.tanh(self.emb(input_ids)), self.emb.weight)
+
+
+def odd_lm():
+    torch.manual_seed(0)
+    return _OddLM().eval(), {"input_ids": torch.randint(0, 17, (2, 4))}, {"input_ids": ["batch", 4]}
+
+
+ODD_LM_INPUTS = [{"name": "input_ids", "dtype": "i64", "shape": ["batch", 4]}]
 MLP_INPUTS = [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}]
 MLP_DIMS = {"batch": {"buckets": [2], "min": 1}}
 
