@@ -29,9 +29,9 @@ def symbolic_flops(graph: Graph) -> sympy.Expr:
 
 def graph_collectives(graph: Graph) -> tuple:
     """The collectives one run of a rank's sharded graph makes, for the proof's communication
-    term (`parallel/cost.py`): the all_reduce's and reduce_scatter's operand, the all_gather's
+    term (`recipe/parallel_cost.py`): the all_reduce's and reduce_scatter's operand, the all_gather's
     result, in elements over the dims; identical ones counted together."""
-    from graphmode.parallel.cost import Collective
+    from graphmode.recipe.parallel_cost import Collective
     counts: dict[tuple, int] = {}
     for n in graph.iter_nodes():
         if n.op not in ("all_reduce", "all_gather", "reduce_scatter"):

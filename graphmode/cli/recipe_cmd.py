@@ -141,7 +141,7 @@ def _model_facts(model: str, recipe):
 
 def check_parallel_errors(recipe, target) -> list:
     """Semantic problems of the `parallel` section (a summary of a broken group would mislead)."""
-    from graphmode.parallel.checks import check_parallel
+    from graphmode.recipe.parallel_checks import check_parallel
     from graphmode.recipe.buckets import dim_buckets
     return check_parallel(recipe, target, dim_buckets(recipe)) if recipe.parallel is not None else []
 

@@ -1,3 +1,5 @@
-"""Tensor parallelism: the recipe's `parallel` section (`spec`), collective costs (`cost`),
-communicators (`comm`), per-rank compilation (`rank`) and the launcher of rank processes
-(`launch`, `worker`). Importing the package is light: the recipe layer reads `spec` and `cost`."""
+"""Tensor parallelism at run time: communicators (`comm`, bound where the collective ops read
+them, graphmode/ir/communicator.py), the loopback link probe (`link`), the per-rank report
+(`report`) and the launcher of rank processes (`launch`). The recipe's `parallel` section, its
+cost and checks are recipe modules (graphmode/recipe/parallel_spec.py, parallel_cost.py,
+parallel_checks.py)."""

@@ -10,52 +10,19 @@ A rank runs its shard of the graph; each collective node calls the communicator 
 
 Binding: `bind(comm)` for the current thread (a context variable, so the ranks of a thread group
 each see their own), `bind_process(comm)` for every thread of a rank process (its executor may
-run on a server's worker thread). `active()` is what the ops read.
+run on a server's worker thread), both kept in graphmode/ir/communicator.py, where the ops read
+`active()`.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import threading
 import time
-from typing import Iterator, Optional, Protocol
+from typing import Optional
 
 import torch
 
 from graphmode.errors import RankFailure
-
-
-class Communicator(Protocol):
-    rank: int
-    world: int
-    timeout_s: float
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...        # sum over ranks
-
-    def all_gather(self, t: torch.Tensor, axis: int) -> torch.Tensor: ...   # concatenated in rank order
-
-    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor: ...
-
-
-_ACTIVE: contextvars.ContextVar[Optional[Communicator]] = contextvars.ContextVar("graphmode_comm", default=None)
-_PROCESS: list[Optional[Communicator]] = [None]
-
-
-def active() -> Optional[Communicator]:
-    return _ACTIVE.get() or _PROCESS[0]
-
-
-@contextlib.contextmanager
-def bind(comm: Communicator) -> Iterator[Communicator]:
-    token = _ACTIVE.set(comm)
-    try:
-        yield comm
-    finally:
-        _ACTIVE.reset(token)
-
-
-def bind_process(comm: Optional[Communicator]) -> None:
-    _PROCESS[0] = comm
+from graphmode.ir.communicator import Communicator, active, bind, bind_process  # noqa: F401 (re-exported)
 
 
 # ---- torch.distributed -------------------------------------------------------------------------

@@ -21,8 +21,9 @@ import os
 import pickle
 import socket
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from graphmode.errors import ContractViolation, GraphmodeError, RankFailure
 
@@ -71,15 +72,23 @@ def _portable(e: BaseException, rank: int) -> BaseException:
     return RankFailure(f"{type(e).__name__}: {e}", where=f"rank {rank}")
 
 
+@dataclass(frozen=True)
+class RankDriver:
+    """What a rank needs from the pipeline driver, passed in by the driver (graphmode/compiler.py):
+    the launcher sits below it in the layers and does not import it. Top-level functions, so they
+    pickle by name into the spawned ranks."""
+    compile: Callable[..., Any]                 # compiler.compile (a rank's shard under `rank=`)
+    resolve_model: Callable[[Any, Any], Any]    # capture.source.resolve_model (the parent's eager model)
+    collectives: Callable[[Any], tuple]         # compile_report.graph_collectives
+
+
 def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, target: Any, mode: str | None,
-               cache_dir: Any, threads: int) -> None:
+               cache_dir: Any, threads: int, driver: RankDriver) -> None:
     """One rank process: join the group, compile this rank's shard with every bucket's plan
     (so a call never waits on a peer's plan build past the collective timeout), answer requests."""
     import torch
     import torch.distributed as dist
 
-    from graphmode.compile_report import graph_collectives
-    from graphmode.compiler import compile as gm_compile
     from graphmode.parallel.comm import TorchDistributed, bind_process
     from graphmode.parallel.link import measure_link
 
@@ -92,11 +101,11 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
                                 timeout=datetime.timedelta(seconds=timeout))
         comm = TorchDistributed(rank, world, timeout)
         bind_process(comm)
-        cm = gm_compile(model, recipe, target, mode=mode, cache_dir=cache_dir, threads=threads, warmup=True,
+        cm = driver.compile(model, recipe, target, mode=mode, cache_dir=cache_dir, threads=threads, warmup=True,
                         rank=rank)
         weights = sum(t.numel() * t.element_size() for t in cm.graph.constants.values()) if cm.graph else 0
         conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weights_bytes": weights,
-                             "collectives": graph_collectives(cm.graph) if cm.graph else ()}))
+                             "collectives": driver.collectives(cm.graph) if cm.graph else ()}))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", _portable(e, rank)))
         return
@@ -155,8 +164,10 @@ class TensorParallelModel:
     """The rank processes of one `parallel` recipe, called like a CompiledModel (rank 0 answers).
     Use as a context manager, or `close()` it: the ranks are stopped either way at exit."""
 
-    def __init__(self, model: Any, recipe: Any, procs: list, conns: list, target: Any = "host"):
+    def __init__(self, model: Any, recipe: Any, procs: list, conns: list, target: Any = "host", *,
+                 resolve_model: Callable[[Any, Any], Any]):
         self.model, self.recipe, self.procs, self.conns, self.target = model, recipe, procs, conns, target
+        self._resolve_model = resolve_model
         self.ranks: list[dict] = []          # per rank once started: pid, weights_bytes
         self.collectives: tuple = ()         # rank 0's sharded graph's (compile_report.graph_collectives)
         self.world = len(procs)
@@ -176,8 +187,7 @@ class TensorParallelModel:
     def source(self) -> Any:
         """The model in this process (inputs, eager reference), loaded on first use."""
         if self._source is None:
-            from graphmode.compiler import resolve_model
-            self._source = resolve_model(self.model, self.recipe)
+            self._source = self._resolve_model(self.model, self.recipe)
         return self._source
 
     def warmup(self) -> None:
@@ -325,8 +335,8 @@ class TensorParallelModel:
                 pass
 
 
-def launch(model: Any, recipe: Any, target: Any = "host", *, mode: str | None = None, cache_dir: Any = None,
-           threads: int | None = None) -> TensorParallelModel:
+def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver, mode: str | None = None,
+           cache_dir: Any = None, threads: int | None = None) -> TensorParallelModel:
     """Start the `parallel.tensor` ranks of `recipe` on this machine (module doc); returns when
     every rank has compiled its shard, or raises the first rank's error (a refusal keeps its type)."""
     par = recipe.parallel
@@ -345,12 +355,12 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, mode: str | None = 
     for r in range(world):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_rank_main, name=f"graphmode-rank{r}", daemon=True,
-                        args=(r, world, port, child, model, recipe, target, mode, cache_dir, threads))
+                        args=(r, world, port, child, model, recipe, target, mode, cache_dir, threads, driver))
         p.start()
         child.close()
         procs.append(p)
         conns.append(_Plain(parent))
-    tp = TensorParallelModel(model, recipe, procs, conns, target)
+    tp = TensorParallelModel(model, recipe, procs, conns, target, resolve_model=driver.resolve_model)
     tp.ranks = [rep[1] for rep in tp._collect(None, "start")]
     tp.collectives = tp.ranks[0].pop("collectives", ())
     for r in tp.ranks[1:]:

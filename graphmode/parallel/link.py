@@ -3,7 +3,7 @@
 `measure_link` runs in every rank process: after a barrier, `reps` f32 all_reduces of each size,
 each one started together (a barrier before it) so a late peer is not counted as link time; the
 median per size. `fit_link` fits the cost model's ring all_reduce
-(`parallel/cost.py`: 2 (n-1)/n * bytes / B + 2 (n-1) L) to those medians, weighting every size
+(`recipe/parallel_cost.py`: 2 (n-1)/n * bytes / B + 2 (n-1) L) to those medians, weighting every size
 by its own time so the small messages decide the latency and the large ones the bandwidth:
 the numbers a recipe's `links` entry (or the host target's nominal `loopback`) should hold.
 
@@ -66,7 +66,7 @@ def predict_comm(collectives: Sequence[Any], spec: Any, env: Mapping[str, int],
     """Per collective kind, {calls, bytes, seconds} the cost model gives one step at `env`: the
     collectives of a rank's sharded graph on the group's link (`spec.link_for()`, resolved), or
     on `link` = {bandwidth_gbps, latency_us} when given."""
-    from graphmode.parallel.cost import seconds
+    from graphmode.recipe.parallel_cost import seconds
     from graphmode.recipe.smt import evaluate
     if link is None:
         _, ls = spec.link_for()

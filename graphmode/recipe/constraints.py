@@ -19,7 +19,7 @@ Memory model (bytes):  weights + prepared_weights + activations(dims) + workspac
 Latency model (s):     max(flops / peak_flops[compute dtype], bytes_moved / bandwidth)
                        + n_ops * launch_overhead          (roofline, from the Target)
                        + communication                    (under `parallel`: each collective's
-                         bytes / link bandwidth + latency, graphmode/parallel/cost.py)
+                         bytes / link bandwidth + latency, graphmode/recipe/parallel_cost.py)
 Under `parallel` every term is per device: one rank's weights, activations and KV-cache share.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ from graphmode.errors import TargetError
 from graphmode.recipe.buckets import Synthesis, dim_buckets, dim_range, dim_synthesis, exact, runs, worst_padding
 from graphmode.recipe.facts import MB, ModelFacts, estimate_facts, kv_cache_bytes, kv_params
 from graphmode.recipe.schema import Recipe
-from graphmode.parallel.cost import CommTerm, estimate_collectives, price, shard_estimate
+from graphmode.recipe.parallel_cost import CommTerm, estimate_collectives, price, shard_estimate
 
 DEFAULT_TIMEOUT_MS = 5000
 BUDGET_PROOFS = 3            # all proofs of one recipe share BUDGET_PROOFS x the per-proof timeout

@@ -5,7 +5,7 @@ the dims; assumptions do not matter, names do):
   weights_bytes     constant bytes of parameters/constants resident during a run
   activation_bytes  peak bytes of activations (the planner's arena size) per shape
   flops, bytes_moved, n_ops   for the roofline latency model (optional)
-  collectives       the step's collectives under `parallel` (graphmode/parallel/cost.py)
+  collectives       the step's collectives under `parallel` (graphmode/recipe/parallel_cost.py)
   sharded           True when the facts describe one rank (a sharded graph), not the model
 
 The compiler passes exact facts (the memory planner's arena-size expression, summed

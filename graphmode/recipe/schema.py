@@ -317,7 +317,7 @@ class CaptureSpec(_Spec):
 # `optimize.fusion` is the fuse pass's own options model: declared once, with one default per field
 from graphmode.passes.options import FuseOptions as FusionSpec  # noqa: E402
 # `parallel` (tensor parallelism) is declared beside the code that runs it, as `fusion` is
-from graphmode.parallel.spec import ParallelSpec  # noqa: E402
+from graphmode.recipe.parallel_spec import ParallelSpec  # noqa: E402
 
 
 class OptimizeSpec(_Spec):

@@ -295,7 +295,7 @@ class _Checker(Findings):
                 owner.setdefault(n, g)
 
     def parallel(self) -> None:
-        from graphmode.parallel.checks import check_parallel
+        from graphmode.recipe.parallel_checks import check_parallel
         if self.r.parallel is None or any(e.where and e.where.startswith("dims") for e in self.errors):
             return
         try:

@@ -6,9 +6,9 @@ import pytest
 import sympy
 
 import graphmode.recipe  # noqa: F401  (first: the recipe package and graphmode.parallel import each other)
-from graphmode.parallel.cost import Collective
+from graphmode.recipe.parallel_cost import Collective
 from graphmode.parallel.link import compare, fit_link, link_time, mean_samples, median_per_op, predict_comm
-from graphmode.parallel.spec import ParallelSpec
+from graphmode.recipe.parallel_spec import ParallelSpec
 
 
 def spec(bw: float = 2.0, lat: float = 50.0, dtype: str = "f32") -> ParallelSpec:

@@ -5,9 +5,9 @@
 (last axis) as int8 with one f32 absmax scale. A narrow all_reduce gathers every rank's packed
 operand and sums the unpacked parts in rank order, in f32, so every rank gets the same bits.
 The reference semantics call the communicator bound to the running rank
-(`graphmode.parallel.comm.active()`): torch.distributed in a rank process, a thread group in
+(`graphmode.ir.communicator.active()`, bound by graphmode/parallel/comm.py): torch.distributed in a rank process, a thread group in
 the interpreter's multi-rank runs. With `world: 1` each op is the identity.
-Costs (bytes on the wire, ring time on a link) are in `graphmode/parallel/cost.py`.
+Costs (bytes on the wire, ring time on a link) are in `graphmode/recipe/parallel_cost.py`.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import sympy
 import torch
 
 from graphmode.errors import IRError
+from graphmode.ir.communicator import active
 from graphmode.ir.ops.spec import OpSpec, Sample, norm_axis, randn, register
 from graphmode.ir.types import TensorType, normalize_dim
 
@@ -22,7 +23,6 @@ COMM_DTYPES = ("f32", "bf16", "int8")
 
 
 def _comm(name: str, attrs) -> object | None:
-    from graphmode.parallel.comm import active
     world = int(attrs.get("world", 1))
     if world == 1:
         return None

@@ -21,7 +21,7 @@ def flops_of(op: str, in_shapes: list[tuple[int, ...]], out_shapes: list[tuple[i
         lq, lk, d = q[-2], k[-2], q[-1]
         batch = math.prod(q[:-2])
         return 4.0 * batch * lq * lk * d + 5.0 * batch * lq * lk
-    if spec.kind in ("shape", "data", "collective"):      # communication: graphmode/parallel/cost.py
+    if spec.kind in ("shape", "data", "collective"):      # communication: graphmode/recipe/parallel_cost.py
         return 0.0
     if spec.kind in ("reduction", "norm"):
         return spec.flops_per_elem * math.prod(in_shapes[0])

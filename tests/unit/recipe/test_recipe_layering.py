@@ -14,7 +14,7 @@ from graphmode.recipe.symbolic import has_symbolic
 
 PKG = Path(graphmode.recipe.__file__).parent
 MODULES = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
-SCHEMA_MAY_IMPORT = {"limits", "lines", "hashing", "symbolic", "buckets"}
+SCHEMA_MAY_IMPORT = {"limits", "lines", "hashing", "symbolic", "buckets", "parallel_spec"}
 
 
 def _runtime_nodes(tree: ast.AST):

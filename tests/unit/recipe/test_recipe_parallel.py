@@ -97,7 +97,7 @@ def test_an_odd_vocabulary_is_accepted_and_its_padded_shard_counted():
     MLP weights; the LM head's all_gather moves the padded logits."""
     import sympy
 
-    from graphmode.parallel.cost import estimate_collectives
+    from graphmode.recipe.parallel_cost import estimate_collectives
     r = gpt2_recipe()
     r["model"]["vocab"] = 50257
     one = {**r}

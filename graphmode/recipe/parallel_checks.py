@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphmode.parallel.spec import unlinked_pair
+from graphmode.recipe.parallel_spec import unlinked_pair
 
 Problem = tuple[str, str, Any, str]
 
