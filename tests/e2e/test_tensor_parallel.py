@@ -79,6 +79,7 @@ def test_gpt2_odd_vocab_is_padded_and_tp2_equals_one_process(tmp_path):
     assert torch.equal(got.argmax(-1), eager.argmax(-1))
 
 
+@pytest.mark.slow     # ~30 s on 2 cores; the default run's padded vocabulary is tests/passes/test_shard.py's (golden IR, TP=2 and 3)
 def test_an_odd_vocabulary_runs_padded_on_two_ranks(tmp_path):
     """A 17-row tied table over 2 ranks (9 rows each, rank 1's last one padding): the logits
     rank 0 returns are 17 wide and equal eager, for ids on both sides of the split."""

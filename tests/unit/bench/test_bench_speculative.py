@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from graphmode.bench.speculative import PERIOD, repetitive_prompt
@@ -19,6 +20,7 @@ def test_repetitive_prompt_repeats_one_block():
     assert p != repetitive_prompt(100, 30, seed=2)
 
 
+@pytest.mark.slow     # ~30 s on 2 cores (a GPT-2 engine built and timed); exactness is tests/e2e/test_decode_speculative.py's
 def test_bench_decode_speculative_row_and_files(tmp_path, monkeypatch):
     import graphmode.cli.bench_cmd  # noqa: F401  (registers `bench`)
     from graphmode.cli.app import app
