@@ -57,14 +57,16 @@ GENERATED_REFUSED = {("amax", 1): "not over the last dim", ("amin", 1): "not ove
                      ("mean", 1): "not over the last dim", ("sum", 1): "not over the last dim",
                      ("softmax", 1): "not over the last dim", ("layer_norm", 1): "not over the last dim",
                      **{(op, i): "zero divisor must raise" for op in ("remainder", "fmod") for i in (1, 2)}}
+# ATen-reference ops whose every sample a native kernel or an ATen step claims (backends/cpu/layout_kernels.py, ...)
+NATIVE_ATEN_REFERENCE = frozenset({"repeat", "stack"})
 # ops that some sample's op instruction runs as the reference op (no native kernel or ATen step claims it;
 # the collectives always do: their reference calls the rank's communicator)
-REFERENCE_STEPS = ATEN_REFERENCE | frozenset({
+REFERENCE_STEPS = (ATEN_REFERENCE - NATIVE_ATEN_REFERENCE) | frozenset({
     "all_gather", "all_reduce", "reduce_scatter", "einsum", "grid_sampler", "prod", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bitwise_and", "bitwise_left_shift", "bitwise_not",
     "bitwise_or", "bitwise_right_shift", "bitwise_xor", "ceil", "cosh", "floor", "round", "sign", "sinh", "tan",
-    "amax", "amin", "argmax", "argmin", "batch_norm", "cast", "clamp", "concat", "cos", "cumsum", "div", "eq",
-    "expand", "fmod", "full", "gather", "ge", "gt", "identity", "index_select", "layer_norm", "le", "log_softmax",
-    "logical_not", "lt", "mean", "ne", "pad", "reciprocal", "remainder", "roll", "silu", "sin",
+    "amax", "amin", "argmax", "argmin", "batch_norm", "cast", "clamp", "cos", "cumsum", "div", "eq",
+    "expand", "fmod", "full", "ge", "gt", "identity", "layer_norm", "le", "log_softmax",
+    "logical_not", "lt", "mean", "ne", "reciprocal", "remainder", "roll", "silu", "sin",
     "sum", "tril", "triu", "where"})
 # ops whose samples have no tensor input: an ONNX export folds them into a constant
 ONNX_NO_INPUTS = frozenset({"arange", "full"})

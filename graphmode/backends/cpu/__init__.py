@@ -5,7 +5,8 @@ Layers, each importing only those before it:
   abi, cexpr, isa, attrs, tensors, lowering   the kernel ABI, C scalar expressions, the claim registry
   groups, emit, rowwise, codegen, epilogue    fused-group analysis and C++ generation
   gemm, conv, im2col, winograd                GEMM/conv kernel generators
-  native, pool, movement, attention, aten     single-op lowerings (native kernels, ATen steps)
+  native, pool, movement, layout_kernels,    single-op lowerings (native kernels, ATen steps)
+  attention, aten
   kernels, build                              compiling and loading kernel libraries
   catalog                                     every lowering registered
   tactics/                                    GEMM/conv candidates, timing + cache, selection

@@ -23,7 +23,7 @@ from graphmode.backends.cpu.native import finish, lin, loop_nest
 from graphmode.backends.cpu.tensors import dtype_of, overlaps, row_major_strides, shape_text
 from graphmode.ir.types import eval_dim, normalize_dim
 
-_BITS = {1: "int8_t", 2: "int16_t", 4: "int32_t", 8: "int64_t"}   # element moves by item size
+ELEM_TYPES = {1: "int8_t", 2: "int16_t", 4: "int32_t", 8: "int64_t"}   # element moves by item size
 TILE = 16          # transpose tile edge (elements): a 16x16 fp32 tile is 1 KiB of each side
 # Copies run on all threads only from PAR_THRESHOLD elements, as fused elementwise nests do.
 # Measured here (inputs just written by another op, quiet machine): a 196-393 KB head permute
@@ -35,7 +35,7 @@ COPY_PAR_ELEMS = PAR_THRESHOLD
 
 # ------------------------------------------------------------------------------ dense copies
 
-def _copy_body(shape: Sequence[int], strides: Sequence[int], base: int, item: int) -> tuple[list[str], bool]:
+def copy_body(shape: Sequence[int], strides: Sequence[int], base: int, item: int) -> tuple[list[str], bool]:
     """Copy the strided view (`shape`, element `strides`, element offset `base`) of `p0` into
     the contiguous `p1`. Unit dims are dropped and dims that stay adjacent in both are merged,
     so MiniLM's head permute [1,16,12,32] -> [1,12,16,32] becomes rows of 32 contiguous
@@ -58,7 +58,7 @@ def _copy_body(shape: Sequence[int], strides: Sequence[int], base: int, item: in
     ostr = row_major_strides([n for n, _ in dims])
     if not dims:
         return lines + [f"  __builtin_memcpy(dst, src + {base * item}L, {item});"], False
-    et = _BITS[item]
+    et = ELEM_TYPES[item]
     if dims[-1][1] == 1:                    # contiguous rows
         run = dims[-1][0]
         outer = dims[:-1]
@@ -102,7 +102,7 @@ def _copy(call: OpCall, shape: Sequence[int], strides: Sequence[int], base: int,
     into the contiguous output."""
     x, y = call.ins[0], call.outs[0]
     item = x.element_size()
-    if x.dtype != y.dtype or item not in _BITS:
+    if x.dtype != y.dtype or item not in ELEM_TYPES:
         return refused(f"{call.op} from {x.dtype} to {y.dtype}", value=str(y.dtype))
     if overlaps(call.ins, call.outs):
         return refused("the output shares memory with the input")
@@ -110,7 +110,7 @@ def _copy(call: OpCall, shape: Sequence[int], strides: Sequence[int], base: int,
         return refused(f"the output shape is not the {call.op}'s", value=tuple(y.shape))
 
     def make() -> KernelSource:
-        body, par = _copy_body(shape, strides, base, item)
+        body, par = copy_body(shape, strides, base, item)
         return finish(call.op, call, body, parallel=par, pattern=pattern)
     return claimed(make)
 
@@ -166,7 +166,7 @@ def index(call: OpCall) -> Claim:
     dims = [d + r if d < 0 else d for d in dims]
     if dims != list(range(dims[0], dims[0] + len(dims))) or dims[-1] >= r or dims[0] < 0:
         return refused("the indexed dims are not consecutive dims of the input", value=dims)
-    if x.dtype != y.dtype or x.element_size() not in _BITS:
+    if x.dtype != y.dtype or x.element_size() not in ELEM_TYPES:
         return refused(f"index from {x.dtype} to {y.dtype}", value=str(y.dtype))
     if overlaps(call.ins, call.outs):
         return refused("the output shares memory with an input")
@@ -334,4 +334,4 @@ def arange(call: OpCall) -> Claim:
     return claimed(make)
 
 
-__all__ = ["COPY_PAR_ELEMS", "TILE", "arange", "cast", "index", "logical", "permute", "slice_"]
+__all__ = ["COPY_PAR_ELEMS", "ELEM_TYPES", "TILE", "copy_body", "arange", "cast", "index", "logical", "permute", "slice_"]

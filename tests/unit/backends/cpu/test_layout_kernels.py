@@ -1,0 +1,179 @@
+"""Generated copy kernels (graphmode/backends/cpu/layout_kernels.py): pad, concat, stack,
+repeat, gather, index_select. Every case is generated as the CPU binding does for a plan
+step, compiled into ONE shared library (a module fixture) and compared with the op's
+reference (ATen) bit for bit (NaN and the sign of zero included: they are copies). Then an
+index out of range (the step raises, nothing outside the input is read) and what each
+lowering refuses (the reference op runs those). Nothing here asserts on a timing.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphmode.backends.cpu.build import KernelBuilder
+from graphmode.backends.cpu.catalog import native_source
+from graphmode.backends.cpu.kernels import run_with_tensors
+from graphmode.backends.cpu.lowering import NATIVE, ops_in
+from graphmode.errors import BackendError
+from graphmode.ir.ops import get_op
+
+_PROBE = KernelBuilder(Path(tempfile.gettempdir()) / "graphmode-test-probe")
+needs_cxx = pytest.mark.skipif(not _PROBE.compiler_available(), reason="no C++ compiler on this machine")
+G = torch.Generator().manual_seed(0)
+
+
+def randn(*shape):
+    x = torch.randn(*shape, generator=G)
+    flat = x.view(-1)
+    if flat.numel() > 8:                      # NaN and both zeros travel as they are
+        flat[1], flat[3], flat[5] = float("nan"), -0.0, 0.0
+    return x
+
+
+def randint(lo, hi, *shape, dtype=torch.int64):
+    return torch.randint(lo, hi, shape, generator=G, dtype=dtype)
+
+
+def aten(fn, *args, **kwargs):
+    """An ATen-reference op's attrs for `fn(*args, **kwargs)` (tensor i given as `{"$in": i}`)."""
+    return {"overload": fn, "args": list(args), "kwargs": kwargs}
+
+
+def T(i):
+    return {"$in": i}
+
+
+CASES = {
+    # pad (constant): last dim only, two dims, every dim, -inf, an int64 value, a zero-size input dim
+    "pad_last": ("pad", [randn(2, 3, 5)], {"pads": [1, 2], "value": 0.5}),
+    "pad_hw": ("pad", [randn(1, 3, 7, 9)], {"pads": [0, 1, 2, 0], "value": 0.0}),
+    "pad_all": ("pad", [randn(3, 4, 5)], {"pads": [1, 1, 2, 0, 0, 3], "value": -float("inf")}),
+    "pad_int": ("pad", [randint(-5, 5, 4, 6)], {"pads": [2, 2, 1, 1], "value": 7}),
+    "pad_big": ("pad", [randn(32, 64, 64)], {"pads": [1, 1, 1, 1], "value": 0.0}),
+    "pad_empty": ("pad", [randn(2, 0, 3)], {"pads": [0, 0, 1, 1], "value": 2.0}),
+    # concat: along the last / a middle / the first dim, three inputs, an empty piece, bool
+    "concat_last": ("concat", [randn(2, 3), randn(2, 5)], {"dim": 1}),
+    "concat_mid": ("concat", [randn(2, 3, 4), randn(2, 1, 4), randn(2, 0, 4)], {"dim": -2}),
+    "concat_first": ("concat", [randn(3, 5), randn(1, 5)], {"dim": 0}),
+    "concat_bool": ("concat", [randint(0, 2, 4, 3) > 0, randint(0, 2, 4, 2) > 0], {"dim": 1}),
+    "concat_big": ("concat", [randn(8, 128, 96), randn(8, 128, 32)], {"dim": 2}),
+    # stack: new first / middle / last dim, int32
+    "stack_first": ("stack", [randn(3, 5), randn(3, 5)], aten("default", [T(0), T(1)])),
+    "stack_mid": ("stack", [randn(3, 5), randn(3, 5), randn(3, 5)], aten("default", [T(0), T(1), T(2)], 1)),
+    "stack_last": ("stack", [randint(0, 9, 4, 2, dtype=torch.int32)] * 2, aten("default", [T(0), T(1)], -1)),
+    # repeat: tiling every dim, new leading dims, a size-1 dim repeated, zero repeats
+    "repeat_tile": ("repeat", [randn(3, 5)], aten("default", T(0), [2, 3])),
+    "repeat_lead": ("repeat", [randn(3, 5)], aten("default", T(0), [2, 1, 2])),
+    "repeat_unit": ("repeat", [randn(4, 1)], aten("default", T(0), [1, 6])),
+    "repeat_zero": ("repeat", [randn(2, 3)], aten("default", T(0), [0, 2])),
+    "repeat_big": ("repeat", [randn(16, 1, 64)], aten("default", T(0), [1, 64, 2])),
+    # gather: along the last / the first dim, an index smaller than the input off dim
+    "gather_last": ("gather", [randn(3, 6), randint(0, 6, 3, 4)], {"dim": 1}),
+    "gather_first": ("gather", [randn(5, 4, 3), randint(0, 5, 2, 4, 2)], {"dim": 0}),
+    "gather_mid_neg": ("gather", [randint(-9, 9, 3, 7, 2), randint(0, 7, 3, 9, 2)], {"dim": -2}),
+    # index_select: rows, columns, a middle dim, int32 index, a repeated index, a 0-d index
+    "isel_rows": ("index_select", [randn(6, 8), randint(0, 6, 4)], {"dim": 0}),
+    "isel_cols": ("index_select", [randn(4, 6), randint(0, 6, 9)], {"dim": 1}),
+    "isel_mid_i32": ("index_select", [randn(2, 7, 3), randint(0, 7, 5, dtype=torch.int32)], {"dim": 1}),
+    "isel_scalar": ("index_select", [randn(5, 3), torch.tensor(4)], {"dim": 0}),
+}
+
+
+def _ref(op, ins, attrs):
+    return get_op(op).ref([t.clone() for t in ins], attrs, {})[0].contiguous()
+
+
+def _source(name, out=None):
+    op, ins, attrs = CASES[name]
+    y = out if out is not None else torch.empty_like(_ref(op, ins, attrs))
+    return native_source(op, ins, [y], attrs, {}, [f"in{i}" for i in range(len(ins))], ["out"])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    if not _PROBE.compiler_available():
+        pytest.skip("no C++ compiler")
+    b = KernelBuilder(tmp_path_factory.mktemp("kcache"), threads=2)
+    sources = {}
+    for name in CASES:
+        ks = _source(name)
+        assert ks is not None, f"{name}: the lowering refused a case it should cover"
+        sources[name] = ks
+    return sources, b.build_many(list(sources.values()))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan]) and \
+        torch.equal(torch.signbit(a[~nan]), torch.signbit(b[~nan]))
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_aten_bit_for_bit(built, name):
+    sources, kernels = built
+    op, ins, attrs = CASES[name]
+    ks = sources[name]
+    got = run_with_tensors(kernels[ks.symbol], dict(zip(ks.inputs, ins)), source=ks)["out"]
+    assert _same(got, _ref(op, ins, attrs)), f"{name}: {ks.pattern} differs from ATen"
+
+
+def test_registered_and_parallel_only_for_large_work(built):
+    sources, _ = built
+    assert {"pad", "concat", "stack", "repeat", "gather", "index_select"} <= ops_in(NATIVE)
+    assert sources["pad_big"].parallel and sources["concat_big"].parallel and sources["repeat_big"].parallel
+    assert not sources["pad_last"].parallel and not sources["concat_last"].parallel
+
+
+@needs_cxx
+@pytest.mark.parametrize("name,bad", [("gather_last", [(0, 0, 6), (2, 3, -1)]),
+                                      ("isel_cols", [(2, 6), (5, -1)])])
+def test_index_out_of_range_raises_and_never_reads_outside(built, name, bad):
+    """As ATen raises, the bound step raises a BackendError; the out-of-range elements (or
+    rows) are zeros, never a read outside x, and the rest is exact."""
+    sources, kernels = built
+    op, (x, idx), attrs = CASES[name]
+    ks = sources[name]
+    assert ks.status
+    idx = idx.clone()
+    for *pos, v in bad:
+        idx[tuple(pos)] = v
+    got = torch.full_like(_ref(op, [x, CASES[name][1][1]], attrs), float("nan"))
+    step = kernels[ks.symbol].bind([x.data_ptr(), idx.data_ptr(), got.data_ptr()])
+    with pytest.raises(BackendError, match="index out of range"):
+        step()
+    ok = (idx >= 0) & (idx < x.shape[attrs["dim"]])
+    want = _ref(op, [x, torch.where(ok, idx, 0)], attrs)
+    if op == "gather":
+        assert torch.equal(got[~ok], torch.zeros(2)) and _same(got[ok], want[ok])
+    else:
+        assert torch.equal(got[:, ~ok], torch.zeros(4, 2)) and _same(got[:, ok], want[:, ok])
+    kernels[ks.symbol].bind([x.data_ptr(), CASES[name][1][1].data_ptr(), got.data_ptr()])()   # count was reset
+
+
+def _refused(op, ins, out, attrs):
+    return native_source(op, ins, [out], attrs, {}, [f"in{i}" for i in range(len(ins))], ["out"]) is None
+
+
+def test_lowerings_refuse_what_they_do_not_cover():
+    x = randn(3, 4)
+    assert _refused("pad", [x], torch.empty(3, 2), {"pads": [-1, -1], "value": 0.0})         # a crop
+    assert _refused("pad", [x], torch.empty(3, 6), {"pads": [1, 1], "value": float("nan")})
+    assert _refused("pad", [x.long()], torch.empty(3, 6, dtype=torch.int64), {"pads": [1, 1], "value": 0.5})
+    assert _refused("pad", [x > 0], torch.empty(3, 6, dtype=torch.bool), {"pads": [1, 1], "value": 0.0})
+    assert _refused("concat", [x, x.double()], torch.empty(3, 8, dtype=torch.float64), {"dim": 1})  # promotes
+    assert _refused("concat", [x, randn(2, 4)], torch.empty(5, 4), {"dim": 1})                  # shapes differ off dim
+    assert _refused("stack", [x, x], torch.empty(2, 3, 4), aten("default", [T(1), T(0)]))        # not in order
+    assert _refused("repeat", [x], torch.empty(3, 8), aten("default", T(0), [2]))                # fewer repeats
+    assert _refused("gather", [x, randint(0, 4, 3, 4, dtype=torch.int32)], torch.empty(3, 4), {"dim": 1})
+    assert _refused("gather", [x, randint(0, 4, 4, 4)], torch.empty(4, 4), {"dim": 1})          # index too big
+    assert _refused("index_select", [x, randint(0, 4, 2, 2)], torch.empty(3, 4), {"dim": 1})    # 2-d index
+    buf = randn(24)
+    assert _refused("concat", [buf[:12].view(3, 4)], buf[6:18].view(3, 4), {"dim": 1})            # overlapping
