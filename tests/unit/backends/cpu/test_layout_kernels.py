@@ -177,3 +177,65 @@ def test_lowerings_refuse_what_they_do_not_cover():
     assert _refused("index_select", [x, randint(0, 4, 2, 2)], torch.empty(3, 4), {"dim": 1})    # 2-d index
     buf = randn(24)
     assert _refused("concat", [buf[:12].view(3, 4)], buf[6:18].view(3, 4), {"dim": 1})            # overlapping
+
+
+# ------------------------------------------------------------------------------ resampling
+
+RESAMPLE = {
+    # nearest: scales given (vec), sizes given (vec and default), 2x, downsampling, odd sizes, f64
+    "nearest_scales": ("upsample_nearest2d", randn(1, 2, 4, 5), aten("vec", T(0), None, [2.0, 1.5])),
+    "nearest_size": ("upsample_nearest2d", randn(2, 3, 5, 7), aten("vec", T(0), [11, 13], None)),
+    "nearest_default": ("upsample_nearest2d", randn(1, 2, 6, 6), aten("default", T(0), [12, 12])),
+    "nearest_down": ("upsample_nearest2d", randn(1, 2, 9, 10), aten("vec", T(0), [4, 3], None)),
+    "nearest_f64_scales": ("upsample_nearest2d", randn(1, 1, 3, 3).double(), aten("default", T(0), [7, 5], 2.5, 1.7)),
+    # bilinear: align_corners both ways, sizes or scales, up and down, odd sizes, one output row
+    "bilinear_ac": ("upsample_bilinear2d", randn(1, 2, 4, 5), aten("vec", T(0), [7, 8], True, None)),
+    "bilinear_scales": ("upsample_bilinear2d", randn(1, 2, 4, 5), aten("vec", T(0), None, False, [1.5, 2.0])),
+    "bilinear_size": ("upsample_bilinear2d", randn(2, 3, 13, 11), aten("vec", T(0), [29, 17], False, None)),
+    "bilinear_down_ac": ("upsample_bilinear2d", randn(1, 3, 17, 19), aten("vec", T(0), [5, 6], True, None)),
+    "bilinear_down": ("upsample_bilinear2d", randn(1, 3, 17, 19), aten("default", T(0), [5, 6], False)),
+    "bilinear_row_ac": ("upsample_bilinear2d", randn(1, 1, 3, 4), aten("vec", T(0), [1, 9], True, None)),
+    "bilinear_same_h": ("upsample_bilinear2d", randn(1, 2, 6, 4), aten("default", T(0), [6, 10], False, 1.0, 2.5)),
+    "bilinear_big": ("upsample_bilinear2d", randn(1, 64, 32, 32), aten("vec", T(0), None, False, [2.0, 2.0])),
+}
+
+
+@pytest.fixture(scope="module")
+def resample_built(tmp_path_factory):
+    if not _PROBE.compiler_available():
+        pytest.skip("no C++ compiler")
+    sources = {}
+    for name, (op, x, attrs) in RESAMPLE.items():
+        ks = native_source(op, [x], [torch.empty_like(_ref(op, [x], attrs))], attrs, {}, ["in0"], ["out"])
+        assert ks is not None, f"{name}: the lowering refused a case it should cover"
+        sources[name] = ks
+    return sources, KernelBuilder(tmp_path_factory.mktemp("kcache"), threads=2).build_many(list(sources.values()))
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", list(RESAMPLE))
+def test_resampling_matches_aten(resample_built, name):
+    """Nearest bit for bit (ATen's own index table); bilinear within fp32 rounding of the
+    weights (the NaN of the input spreads to the same outputs)."""
+    sources, kernels = resample_built
+    op, x, attrs = RESAMPLE[name]
+    ks = sources[name]
+    got = run_with_tensors(kernels[ks.symbol], {"in0": x}, source=ks)["out"]
+    want = _ref(op, [x], attrs)
+    if op == "upsample_nearest2d":
+        assert _same(got, want), f"{name}: {ks.pattern} differs from ATen"
+        return
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), name
+    assert torch.allclose(got[~nan], want[~nan], rtol=1e-6, atol=1e-6), \
+        f"{name}: max |diff| {(got[~nan] - want[~nan]).abs().max():.3g}"
+
+
+def test_resampling_refuses_what_it_does_not_cover():
+    x = randn(1, 2, 4, 5)
+    y = torch.empty(1, 2, 8, 10)
+    assert _refused("upsample_bilinear2d", [x.double()], y.double(), aten("vec", T(0), [8, 10], False, None))
+    assert _refused("upsample_bilinear2d", [x[0]], y[0], aten("vec", T(0), [8, 10], False, None))          # 3-d
+    assert _refused("upsample_bilinear2d", [x], torch.empty(1, 2, 8, 9), aten("vec", T(0), [8, 10], False, None))
+    assert _refused("upsample_nearest2d", [x.half()], y.half(), aten("vec", T(0), [8, 10], None))
+    assert _refused("upsample_nearest2d", [x], torch.empty(1, 2, 8, 9), aten("vec", T(0), [8, 10], None))
