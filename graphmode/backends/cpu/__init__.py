@@ -6,7 +6,7 @@ Layers, each importing only those before it:
   groups, emit, rowwise, codegen, epilogue    fused-group analysis and C++ generation
   gemm, conv, im2col, winograd                GEMM/conv kernel generators
   native, pool, movement, layout_kernels,    single-op lowerings (native kernels, ATen steps)
-  resample,
+  resample, group_norm,
   attention, aten
   kernels, build                              compiling and loading kernel libraries
   catalog                                     every lowering registered

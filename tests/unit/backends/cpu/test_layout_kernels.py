@@ -1,9 +1,11 @@
-"""Generated copy kernels (graphmode/backends/cpu/layout_kernels.py): pad, concat, stack,
-repeat, gather, index_select. Every case is generated as the CPU binding does for a plan
-step, compiled into ONE shared library (a module fixture) and compared with the op's
-reference (ATen) bit for bit (NaN and the sign of zero included: they are copies). Then an
-index out of range (the step raises, nothing outside the input is read) and what each
-lowering refuses (the reference op runs those). Nothing here asserts on a timing.
+"""Generated single-op kernels for layout, resampling and group norm (graphmode/backends/cpu/
+layout_kernels.py, resample.py, group_norm.py). Each table's cases are generated as the CPU
+binding does for a plan step, compiled into ONE shared library (a module fixture) and
+compared with the op's reference (ATen): the copies (pad, concat, stack, repeat, gather,
+index_select, upsample nearest) bit for bit, NaN and the sign of zero included; bilinear
+and group norm within fp32 rounding. Then an index out of range (the step raises, nothing
+outside the input is read) and what each lowering refuses (the reference op runs those).
+Nothing here asserts on a timing.
 """
 from __future__ import annotations
 
@@ -86,23 +88,24 @@ def _ref(op, ins, attrs):
     return get_op(op).ref([t.clone() for t in ins], attrs, {})[0].contiguous()
 
 
-def _source(name, out=None):
-    op, ins, attrs = CASES[name]
-    y = out if out is not None else torch.empty_like(_ref(op, ins, attrs))
-    return native_source(op, ins, [y], attrs, {}, [f"in{i}" for i in range(len(ins))], ["out"])
+def _build(tmp_path_factory, cases):
+    """Every case of `cases` (name -> (op, inputs, attrs)) generated over outputs shaped as
+    the reference's, then compiled into one library."""
+    if not _PROBE.compiler_available():
+        pytest.skip("no C++ compiler")
+    sources = {}
+    for name, (op, ins, attrs) in cases.items():
+        outs = [torch.empty_like(t) for t in get_op(op).ref([t.clone() for t in ins], attrs, {})]
+        ks = native_source(op, ins, outs, attrs, {}, [f"in{i}" for i in range(len(ins))],
+                           ["out", "mean", "rstd"][:len(outs)])
+        assert ks is not None, f"{name}: the lowering refused a case it should cover"
+        sources[name] = ks
+    return sources, KernelBuilder(tmp_path_factory.mktemp("kcache"), threads=2).build_many(list(sources.values()))
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    if not _PROBE.compiler_available():
-        pytest.skip("no C++ compiler")
-    b = KernelBuilder(tmp_path_factory.mktemp("kcache"), threads=2)
-    sources = {}
-    for name in CASES:
-        ks = _source(name)
-        assert ks is not None, f"{name}: the lowering refused a case it should cover"
-        sources[name] = ks
-    return sources, b.build_many(list(sources.values()))
+    return _build(tmp_path_factory, CASES)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -202,14 +205,7 @@ RESAMPLE = {
 
 @pytest.fixture(scope="module")
 def resample_built(tmp_path_factory):
-    if not _PROBE.compiler_available():
-        pytest.skip("no C++ compiler")
-    sources = {}
-    for name, (op, x, attrs) in RESAMPLE.items():
-        ks = native_source(op, [x], [torch.empty_like(_ref(op, [x], attrs))], attrs, {}, ["in0"], ["out"])
-        assert ks is not None, f"{name}: the lowering refused a case it should cover"
-        sources[name] = ks
-    return sources, KernelBuilder(tmp_path_factory.mktemp("kcache"), threads=2).build_many(list(sources.values()))
+    return _build(tmp_path_factory, {name: (op, [x], attrs) for name, (op, x, attrs) in RESAMPLE.items()})
 
 
 @needs_cxx
@@ -239,3 +235,44 @@ def test_resampling_refuses_what_it_does_not_cover():
     assert _refused("upsample_bilinear2d", [x], torch.empty(1, 2, 8, 9), aten("vec", T(0), [8, 10], False, None))
     assert _refused("upsample_nearest2d", [x.half()], y.half(), aten("vec", T(0), [8, 10], None))
     assert _refused("upsample_nearest2d", [x], torch.empty(1, 2, 8, 9), aten("vec", T(0), [8, 10], None))
+
+
+# ------------------------------------------------------------------------------ group norm
+
+NORMS = {
+    "gn_affine": ("group_norm", [randn(2, 4, 3, 3), randn(4), randn(4)], aten("default", T(0), 2, T(1), T(2), 1e-5)),
+    "gn_plain": ("group_norm", [randn(3, 6, 5)], aten("default", T(0), 3)),
+    "gn_weight_only": ("group_norm", [randn(1, 8, 7, 5) * 30 + 100, randn(8)], aten("default", T(0), 8, T(1), None, 1e-3)),
+    "gn_one_group": ("group_norm", [randn(2, 6, 4, 4), randn(6), randn(6)], aten("default", T(0), 1, T(1), T(2))),
+    "gn_big": ("group_norm", [randn(2, 64, 32, 32), randn(64), randn(64)], aten("default", T(0), 32, T(1), T(2))),
+    "native_gn": ("native_group_norm", [randn(2, 4, 3, 3), randn(4), randn(4)],
+                  aten("default", T(0), T(1), T(2), 2, 4, 9, 2, 1e-5)),
+}
+
+
+@pytest.fixture(scope="module")
+def norms_built(tmp_path_factory):
+    return _build(tmp_path_factory, NORMS)
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", list(NORMS))
+def test_group_norm_matches_aten(norms_built, name):
+    """Within fp32 rounding (ATen's moments are fp32 Welford, ours are summed in double);
+    the mean and rstd outputs of native_group_norm too."""
+    sources, kernels = norms_built
+    op, ins, attrs = NORMS[name]
+    ks = sources[name]
+    got = run_with_tensors(kernels[ks.symbol], dict(zip(ks.inputs, ins)), source=ks)
+    want = get_op(op).ref([t.clone() for t in ins], attrs, {})
+    for key, w in zip(["out", "mean", "rstd"], want):
+        assert got[key].shape == w.shape and torch.allclose(got[key], w, rtol=1e-5, atol=1e-5, equal_nan=True), \
+            f"{name} {key}: max |diff| {(got[key] - w).abs().max():.3g}"
+    assert ks.parallel == (name == "gn_big")
+
+
+def test_group_norm_refuses_what_it_does_not_cover():
+    x = randn(2, 4, 3)
+    assert _refused("group_norm", [x.double()], x.double(), aten("default", T(0), 2))
+    assert _refused("group_norm", [x], x.clone(), aten("default", T(0), 3))                  # 4 channels, 3 groups
+    assert _refused("group_norm", [x, randn(2)], x.clone(), aten("default", T(0), 2, T(1)))  # weight not per channel
