@@ -57,9 +57,11 @@ GENERATED_REFUSED = {("amax", 1): "not over the last dim", ("amin", 1): "not ove
                      ("mean", 1): "not over the last dim", ("sum", 1): "not over the last dim",
                      ("softmax", 1): "not over the last dim", ("layer_norm", 1): "not over the last dim",
                      **{(op, i): "zero divisor must raise" for op in ("remainder", "fmod") for i in (1, 2)}}
-# ATen-reference ops whose every sample a native kernel or an ATen step claims (backends/cpu/layout_kernels.py, ...)
+# ATen-reference ops whose every sample a native kernel or an ATen step claims (backends/cpu/layout_kernels.py,
+# resample.py, group_norm.py, aten_out.py)
 NATIVE_ATEN_REFERENCE = frozenset({"group_norm", "native_group_norm", "repeat", "stack", "upsample_bilinear2d",
-                                   "upsample_nearest2d"})
+                                   "upsample_nearest2d", "topk", "sort", "scatter", "scatter_add", "scatter_reduce",
+                                   "conv_transpose1d", "conv_transpose3d"})
 # ops that some sample's op instruction runs as the reference op (no native kernel or ATen step claims it;
 # the collectives always do: their reference calls the rank's communicator)
 REFERENCE_STEPS = (ATEN_REFERENCE - NATIVE_ATEN_REFERENCE) | frozenset({

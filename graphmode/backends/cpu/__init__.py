@@ -7,7 +7,7 @@ Layers, each importing only those before it:
   gemm, conv, im2col, winograd                GEMM/conv kernel generators
   native, pool, movement, layout_kernels,    single-op lowerings (native kernels, ATen steps)
   resample, group_norm,
-  attention, aten
+  attention, aten, aten_out
   kernels, build                              compiling and loading kernel libraries
   catalog                                     every lowering registered
   tactics/                                    GEMM/conv candidates, timing + cache, selection

@@ -61,10 +61,15 @@ def _materialise(arg: Any, ins: Sequence[Any]) -> Any:
     return arg
 
 
+def arguments(ins: Sequence[Any], attrs: Mapping[str, Any]) -> tuple[list, dict]:
+    """The positional and keyword arguments the attributes describe, on `ins`."""
+    return _materialise(list(attrs.get("args", [])), ins), _materialise(dict(attrs.get("kwargs", {})), ins)
+
+
 def call(op: str, ins: Sequence[Any], attrs: Mapping[str, Any]) -> list:
     """The ATen call the attributes describe, on `ins` (tensors, real or meta); its tensor outputs."""
-    fn = overload(op, attrs.get("overload", "default"))
-    out = fn(*_materialise(list(attrs.get("args", [])), ins), **_materialise(dict(attrs.get("kwargs", {})), ins))
+    args, kwargs = arguments(ins, attrs)
+    out = overload(op, attrs.get("overload", "default"))(*args, **kwargs)
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
