@@ -276,3 +276,55 @@ def test_group_norm_refuses_what_it_does_not_cover():
     assert _refused("group_norm", [x.double()], x.double(), aten("default", T(0), 2))
     assert _refused("group_norm", [x], x.clone(), aten("default", T(0), 3))                  # 4 channels, 3 groups
     assert _refused("group_norm", [x, randn(2)], x.clone(), aten("default", T(0), 2, T(1)))  # weight not per channel
+
+
+# ------------------------------------------------------------------------------- end to end
+
+class _Decoder(torch.nn.Module):
+    """A decoder block's layout ops: conv, group norm, both resamplings, a cropping and a
+    padding pad, concat, topk."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+        self.gn = torch.nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        h = self.gn(self.conv(x))
+        u = torch.nn.functional.interpolate(h, scale_factor=2, mode="bilinear", align_corners=False)
+        n = torch.nn.functional.interpolate(h, size=(11, 13), mode="nearest")
+        y = torch.cat([u, torch.nn.functional.pad(n, (0, -1, 1, 0))], 1)
+        y = torch.nn.functional.pad(y, (1, 1, 1, 1), value=0.5)
+        v, i = torch.topk(y.flatten(2), 3, dim=-1)
+        return y, v, i
+
+
+@needs_cxx
+def test_decoder_block_runs_native_layout_steps_and_matches_eager(tmp_path):
+    """Captured, planned and bound as a model is: the layout ops run as native steps (the
+    cropping pad as the reference op), topk as its ATen out step, and the outputs are eager's."""
+    import graphmode
+    from graphmode.backends.cpu.build import builder_for
+    from graphmode.backends.cpu.executor import CpuExecutable
+    from graphmode.capture.zoo import ModelBundle
+    from graphmode.recipe import load_recipe
+    from graphmode.runtime.build import attach_bodies, build_plan
+    from graphmode.verify.numerics import rel_l2
+    torch.manual_seed(0)
+    m = _Decoder().eval()
+    x = torch.randn(2, 4, 6, 6, generator=G)
+    bundle = ModelBundle("decoder", m, {"x": x}, {"x": [2, 4, 6, 6]}, ["y", "v", "i"])
+    recipe = {"version": 1, "name": "decoder", "inputs": [{"name": "x", "dtype": "f32", "shape": [2, 4, 6, 6]}],
+              "exe_mode": "graph", "targets": ["host"]}
+    cm = graphmode.compile(bundle, load_recipe(recipe), cache_dir=tmp_path)
+    plan = attach_bodies(build_plan(cm.graph, cm.recipe, {}), cm.graph)
+    exe = CpuExecutable(plan, cm.graph.constants, builder=builder_for(tmp_path / "kernels", 2), threads=2,
+                        tactics=False)
+    for op in ("group_norm", "upsample_bilinear2d", "upsample_nearest2d", "concat", "pad"):
+        assert f"native:{op}" in exe.step_names, exe.step_names
+    assert "aten:topk" in exe.step_names and not exe.kernel_report["fallbacks"]
+    out = exe.run({"x": x})
+    with torch.inference_mode():
+        ref = m(x)
+    for name, r in zip(plan.outputs, ref):
+        assert out[name].dtype == r.dtype and rel_l2(out[name].double(), r.double()) < 1e-5, name
