@@ -22,6 +22,7 @@ import torch
 from graphmode.backends.cpu.build import builder_for, compiler_available
 from graphmode.backends.cpu.codegen import ELEMENTWISE_OPS, GEMM_OPS, GENERATED_OPS, ROW_REDUCTIONS
 from graphmode.backends.cpu.executor import CpuExecutable
+from graphmode.backends.cpu.index_maps import INDEX_MAP_OPS
 from graphmode.backends.cpu.rowwise import ROW_KERNELS
 from graphmode.coverage.samples import cpu_claims, one_op_group, runs_as, sample_inputs
 from graphmode.coverage.table import coverage
@@ -58,10 +59,10 @@ GENERATED_REFUSED = {("amax", 1): "not over the last dim", ("amin", 1): "not ove
                      ("softmax", 1): "not over the last dim", ("layer_norm", 1): "not over the last dim",
                      **{(op, i): "zero divisor must raise" for op in ("remainder", "fmod") for i in (1, 2)}}
 # ATen-reference ops whose every sample a native kernel or an ATen step claims (backends/cpu/layout_kernels.py,
-# resample.py, group_norm.py, aten_out.py)
+# resample.py, index_maps.py, group_norm.py, aten_out.py)
 NATIVE_ATEN_REFERENCE = frozenset({"group_norm", "native_group_norm", "repeat", "stack", "upsample_bilinear2d",
                                    "upsample_nearest2d", "topk", "sort", "scatter", "scatter_add", "scatter_reduce",
-                                   "conv_transpose1d", "conv_transpose3d"})
+                                   "conv_transpose1d", "conv_transpose3d", *INDEX_MAP_OPS})
 # ops that some sample's op instruction runs as the reference op (no native kernel or ATen step claims it;
 # the collectives always do: their reference calls the rank's communicator)
 REFERENCE_STEPS = (ATEN_REFERENCE - NATIVE_ATEN_REFERENCE) | frozenset({

@@ -6,7 +6,7 @@ Layers, each importing only those before it:
   groups, emit, rowwise, codegen, epilogue    fused-group analysis and C++ generation
   gemm, conv, im2col, winograd                GEMM/conv kernel generators
   native, pool, movement, layout_kernels,    single-op lowerings (native kernels, ATen steps)
-  resample, group_norm,
+  resample, index_maps, group_norm,
   attention, aten, aten_out
   kernels, build                              compiling and loading kernel libraries
   catalog                                     every lowering registered

@@ -10,7 +10,7 @@ from typing import Callable
 
 from graphmode.backends.arena import reference_step
 from graphmode.backends.cpu import aten, attention, codegen, layout_kernels, movement, paged, pool, wgemm  # noqa: F401 - they register lowerings
-from graphmode.backends.cpu import aten_out, group_norm, resample  # noqa: F401 - they register lowerings
+from graphmode.backends.cpu import aten_out, group_norm, index_maps, resample  # noqa: F401 - they register lowerings
 from graphmode.backends.cpu.abi import KernelSource
 from graphmode.backends.cpu.lowering import ATEN, GENERATED, NATIVE, Claim, Lowering, OpCall, claim
 from graphmode.backends.cpu.native import precheck

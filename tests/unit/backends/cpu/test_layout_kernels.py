@@ -17,6 +17,7 @@ import torch
 
 from graphmode.backends.cpu.build import KernelBuilder
 from graphmode.backends.cpu.catalog import native_source
+from graphmode.backends.cpu.index_maps import INDEX_MAP_OPS
 from graphmode.backends.cpu.kernels import run_with_tensors
 from graphmode.backends.cpu.lowering import NATIVE, ops_in
 from graphmode.errors import BackendError
@@ -84,6 +85,24 @@ CASES = {
 }
 
 
+# index maps (index_maps.py): reflection / replication / circular padding in 1-3 d, flip, nearest(-exact)
+# 1-d / 3-d / 2-d: bit for bit as well
+INDEX_MAPS = {
+    "reflect1d": ("reflection_pad1d", [randn(2, 3, 7)], aten("default", T(0), [3, 2])),
+    "reflect2d": ("reflection_pad2d", [randn(1, 2, 5, 6)], aten("default", T(0), [1, 2, 4, 0])),
+    "reflect3d_f64": ("reflection_pad3d", [randn(1, 1, 3, 4, 5).double()], aten("default", T(0), [1, 1, 2, 0, 1, 2])),
+    "replicate2d": ("replication_pad2d", [randn(2, 3, 4, 4)], aten("default", T(0), [3, 3, 0, 5])),
+    "replicate1d": ("replication_pad1d", [randn(3, 6)], aten("default", T(0), [4, 1])),
+    "circular": ("_pad_circular", [randn(1, 2, 5, 6)], aten("default", T(0), [2, 1, 1, 3])),
+    "flip": ("flip", [randn(3, 4, 5)], aten("default", T(0), [0, 2])),
+    "nearest1d": ("upsample_nearest1d", [randn(2, 3, 6)], aten("vec", T(0), [13], None)),
+    "nearest3d": ("upsample_nearest3d", [randn(1, 2, 3, 4, 3)], aten("vec", T(0), None, [1.5, 2.0, 0.7])),
+    "nearest_exact2d": ("_upsample_nearest_exact2d", [randn(1, 2, 5, 7)], aten("vec", T(0), [9, 4], None)),
+    "reflect_big": ("reflection_pad2d", [randn(4, 32, 64, 64)], aten("default", T(0), [1, 1, 1, 1])),
+}
+CASES.update(INDEX_MAPS)
+
+
 def _ref(op, ins, attrs):
     return get_op(op).ref([t.clone() for t in ins], attrs, {})[0].contiguous()
 
@@ -130,9 +149,10 @@ def test_matches_aten_bit_for_bit(built, name):
 
 def test_registered_and_parallel_only_for_large_work(built):
     sources, _ = built
-    assert {"pad", "concat", "stack", "repeat", "gather", "index_select"} <= ops_in(NATIVE)
+    assert {"pad", "concat", "stack", "repeat", "gather", "index_select", *INDEX_MAP_OPS} <= ops_in(NATIVE)
     assert sources["pad_big"].parallel and sources["concat_big"].parallel and sources["repeat_big"].parallel
     assert not sources["pad_last"].parallel and not sources["concat_last"].parallel
+    assert sources["reflect_big"].parallel and not sources["reflect2d"].parallel
 
 
 @needs_cxx
@@ -276,6 +296,15 @@ def test_group_norm_refuses_what_it_does_not_cover():
     assert _refused("group_norm", [x.double()], x.double(), aten("default", T(0), 2))
     assert _refused("group_norm", [x], x.clone(), aten("default", T(0), 3))                  # 4 channels, 3 groups
     assert _refused("group_norm", [x, randn(2)], x.clone(), aten("default", T(0), 2, T(1)))  # weight not per channel
+
+
+
+
+def test_index_maps_refuse_what_is_not_a_separable_gather():
+    x = randn(2, 3, 4)
+    assert _refused("flip", [x.long()], torch.empty(2, 3, 4, dtype=torch.int64), aten("default", T(0), [0]))
+    assert _refused("reflection_pad1d", [x], torch.empty(2, 3, 12), aten("default", T(0), [4, 4]))  # ATen refuses
+    assert _refused("reflection_pad1d", [x], torch.empty(2, 3, 7), aten("default", T(0), [2, 2]))   # not its shape
 
 
 # ------------------------------------------------------------------------------- end to end
