@@ -70,7 +70,7 @@ REFERENCE_STEPS = (ATEN_REFERENCE - NATIVE_ATEN_REFERENCE) | frozenset({
     "bitwise_or", "bitwise_right_shift", "bitwise_xor", "ceil", "cosh", "floor", "round", "sign", "sinh", "tan",
     "amax", "amin", "argmax", "argmin", "batch_norm", "cast", "clamp", "cos", "cumsum", "div", "eq",
     "expand", "fmod", "full", "ge", "gt", "identity", "layer_norm", "le", "log_softmax",
-    "logical_not", "lt", "mean", "ne", "reciprocal", "remainder", "roll", "silu", "sin",
+    "logical_not", "lt", "mean", "ne", "pad", "reciprocal", "remainder", "roll", "silu", "sin",
     "sum", "tril", "triu", "where"})
 # ops whose samples have no tensor input: an ONNX export folds them into a constant
 ONNX_NO_INPUTS = frozenset({"arange", "full"})

@@ -25,7 +25,9 @@ register(OpSpec("index_select", "data", (2, 2),
                 lambda ins, a, env: [torch.index_select(ins[0], a["dim"], ins[1])], attrs=("dim",),
                 traits=frozenset({"index_dependent"}), doc="select entries along dim by a 1-d index",
                 samples=lambda: [Sample(lambda g: [torch.randn(4, 6, generator=g),
-                                                   torch.randint(0, 6, (3,), generator=g)], {"dim": 1})],
+                                                   torch.randint(0, 6, (3,), generator=g)], {"dim": 1}),
+                                 Sample(lambda g: [torch.randn(3, 4, 5, generator=g),
+                                                   torch.randint(0, 4, (7,), generator=g)], {"dim": 1})],
                 padding="gather"))
 
 
@@ -68,7 +70,9 @@ register(OpSpec("gather", "data", (2, 2), _gather_infer,
                 traits=frozenset({"index_dependent"}), aten=("aten.gather.default",),
                 doc="out[i][j] = x[i][index[i][j]] along dim (torch.gather)",
                 samples=lambda: [Sample(lambda g: [torch.randn(3, 6, generator=g),
-                                                   torch.randint(0, 6, (3, 4), generator=g)], {"dim": 1})],
+                                                   torch.randint(0, 6, (3, 4), generator=g)], {"dim": 1}),
+                                 Sample(lambda g: [torch.randn(5, 4, generator=g),
+                                                   torch.randint(0, 5, (2, 3), generator=g)], {"dim": 0})],
                 padding="gather"))
 
 

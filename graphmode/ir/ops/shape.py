@@ -116,7 +116,8 @@ def _concat_infer(ins, a):
 register(OpSpec("concat", "shape", (1, 64), _concat_infer,
                 lambda ins, a, env: [torch.cat(list(ins), a["dim"])], attrs=("dim",), doc="concatenate along dim",
                 aten=("aten.cat.default",),
-                samples=lambda: [Sample(randn((2, 3), (2, 5)), {"dim": 1})], padding="concat"))
+                samples=lambda: [Sample(randn((2, 3), (2, 5)), {"dim": 1}),
+                                 Sample(randn((1, 3, 2), (4, 3, 2), (2, 3, 2)), {"dim": 0})], padding="concat"))
 
 
 def _pad_infer(ins, a):
@@ -135,7 +136,8 @@ register(OpSpec("pad", "shape", (1, 1), _pad_infer,
                 doc="constant padding, F.pad order: (last-dim before, after, next-dim before, after, ...); "
                     "negative amounts crop",
                 samples=lambda: [Sample(randn((2, 3, 4)), {"pads": [1, 2], "value": 0.5}),
-                                 Sample(randn((1, 2, 5, 5)), {"pads": [0, 1, 0, 1], "value": 0.0})], padding="shift"))
+                                 Sample(randn((1, 2, 5, 5)), {"pads": [0, 1, 0, 1], "value": 0.0}),
+                                 Sample(randn((3, 5)), {"pads": [-1, 2, 1, -1], "value": 1.0})], padding="shift"))
 
 
 def _roll_ref(ins, a, env):
