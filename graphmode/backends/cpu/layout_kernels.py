@@ -65,21 +65,24 @@ def _same_dtype_copy(call: OpCall) -> Claim | None:
 
 # ------------------------------------------------------------------------ concat / stack
 
-def _rows(call: OpCall, outer: int, widths: list[int], pattern: str) -> Claim:
-    """Each of `outer` output rows is the inputs' rows side by side (input k's row is
-    `widths[k]` elements): concat along a dim, stack along a new one."""
+def _rows(call: OpCall, outer: int, widths: list[int], pattern: str, sources: list[int] | None = None) -> Claim:
+    """Each of `outer` output rows is the pieces' rows side by side (piece k is a row of
+    `widths[k]` elements of input `sources[k]`, by default input k): concat along a dim,
+    stack along a new one."""
     why = _same_dtype_copy(call)
     if why is not None:
         return why
     if outer * sum(widths) != call.outs[0].numel():
         return refused(f"the output is not the {call.op} of the inputs", value=tuple(call.outs[0].shape))
 
+    src = sources if sources is not None else list(range(len(widths)))
+
     def make() -> KernelSource:
         item, total, n = call.outs[0].element_size(), sum(widths), len(call.ins)
         lines = [f"  const char* __restrict s{k} = (const char*)p{k};" for k in range(n)]
         lines.append(f"  char* __restrict dst = (char*)p{n};")
         body, off = [], 0
-        for k, w in enumerate(widths):
+        for k, w in zip(src, widths):
             if w:
                 body.append(f"__builtin_memcpy(dst + (o * {total}L + {off}L) * {item}L, s{k} + o * {w * item}L, "
                             f"{w * item});")
@@ -110,10 +113,12 @@ def concat(call: OpCall) -> Claim:
 @lowers("stack", tier=NATIVE)
 def stack(call: OpCall) -> Claim:
     a = aten_args(call)
-    n = len(call.ins)
-    if a is None or not isinstance(a["tensors"], list) or not all(is_input(v, k) for k, v in enumerate(a["tensors"])) \
-            or len(a["tensors"]) != n or n == 0:
-        return refused("the stacked tensors are not the op's inputs in order", value=call.attrs.get("args"))
+    tensors = a.get("tensors") if a is not None else None
+    if not isinstance(tensors, list) or not tensors or \
+            not all(isinstance(v, Mapping) and v.get("$in") in range(len(call.ins)) for v in tensors):
+        return refused("the stacked tensors are not the op's inputs", value=call.attrs.get("args"))
+    sources = [v["$in"] for v in tensors]
+    n = len(sources)
     x0, y = call.ins[0], call.outs[0]
     dim = int_attr(a["dim"])
     r = x0.dim() + 1
@@ -124,7 +129,7 @@ def stack(call: OpCall) -> Claim:
         return refused("the output shape is not the stack's", value=tuple(y.shape))
     inner = math.prod(int(d) for d in x0.shape[dim:])
     return _rows(call, math.prod(int(d) for d in x0.shape[:dim]), [inner] * n,
-                 f"stack {n}x{shape_text(x0)} dim{dim}")
+                 f"stack {n}x{shape_text(x0)} dim{dim}", sources)
 
 
 # ------------------------------------------------------------------------------ repeat / pad

@@ -67,6 +67,7 @@ CASES = {
     "stack_first": ("stack", [randn(3, 5), randn(3, 5)], aten("default", [T(0), T(1)])),
     "stack_mid": ("stack", [randn(3, 5), randn(3, 5), randn(3, 5)], aten("default", [T(0), T(1), T(2)], 1)),
     "stack_last": ("stack", [randint(0, 9, 4, 2, dtype=torch.int32)] * 2, aten("default", [T(0), T(1)], -1)),
+    "stack_repeated": ("stack", [randn(2, 3), randn(2, 3)], aten("default", [T(1), T(0), T(1)], 1)),
     # repeat: tiling every dim, new leading dims, a size-1 dim repeated, zero repeats
     "repeat_tile": ("repeat", [randn(3, 5)], aten("default", T(0), [2, 3])),
     "repeat_lead": ("repeat", [randn(3, 5)], aten("default", T(0), [2, 1, 2])),
@@ -193,7 +194,7 @@ def test_lowerings_refuse_what_they_do_not_cover():
     assert _refused("pad", [x > 0], torch.empty(3, 6, dtype=torch.bool), {"pads": [1, 1], "value": 0.0})
     assert _refused("concat", [x, x.double()], torch.empty(3, 8, dtype=torch.float64), {"dim": 1})  # promotes
     assert _refused("concat", [x, randn(2, 4)], torch.empty(5, 4), {"dim": 1})                  # shapes differ off dim
-    assert _refused("stack", [x, x], torch.empty(2, 3, 4), aten("default", [T(1), T(0)]))        # not in order
+    assert _refused("stack", [x, x], torch.empty(2, 3, 4), aten("default", [T(1), T(2)]))        # no input 2
     assert _refused("repeat", [x], torch.empty(3, 8), aten("default", T(0), [2]))                # fewer repeats
     assert _refused("gather", [x, randint(0, 4, 3, 4, dtype=torch.int32)], torch.empty(3, 4), {"dim": 1})
     assert _refused("gather", [x, randint(0, 4, 4, 4)], torch.empty(4, 4), {"dim": 1})          # index too big
