@@ -50,6 +50,7 @@ class Coordinator:
                                      memory_mb=config.recipe_check_memory_mb, max_plans=config.max_plans)
         self.lock = threading.Lock()
         self.rollout: dict[str, Any] = {"state": "none", "version": self.recipe.hash(), "name": self.recipe.name}
+        self.rolling: threading.Thread | None = None     # the rollout under way, if any
         self.pushed: dict[str, tuple[float, bytes]] = {}
 
     def ready(self) -> bool:
@@ -83,7 +84,9 @@ class Coordinator:
             self.rollout = {"state": "rolling", "version": recipe.hash(), "name": recipe.name,
                             "previous": self.recipe.hash(), "started": time.time()}
             answer = dict(self.rollout)
-        threading.Thread(target=self._roll, args=(recipe, served), daemon=True, name="graphmode-rollout").start()
+        self.rolling = threading.Thread(target=self._roll, args=(recipe, served), daemon=True,
+                                        name="graphmode-rollout")
+        self.rolling.start()
         return 202, {"status": "rolling", **answer}
 
     def _checked(self, body: bytes, kind: str) -> tuple[Any, Any]:
@@ -127,6 +130,12 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         with self.lock:
             return dict(self.rollout)
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        """The rollout's state once it has ended (or after `timeout_s`, still rolling)."""
+        if self.rolling is not None:
+            self.rolling.join(timeout_s)
+        return self.status()
 
     # ---- metrics ------------------------------------------------------------------------------
     def push(self, replica: str, text: bytes) -> None:
