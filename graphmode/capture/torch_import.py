@@ -8,6 +8,7 @@ capture report with the model's source line.
 """
 from __future__ import annotations
 
+import os
 import operator
 import time
 from pathlib import Path
@@ -374,12 +375,26 @@ def _source_loc(node: torch.fx.Node) -> str:
     own = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
     if own or frames:
         path, line = (own or frames)[-1]
-        return f"{path}:{line}"
+        return f"{_shown_path(path)}:{line}"
     stack = node.meta.get("nn_module_stack")
     if stack:
         last = list(stack.values())[-1]
         return last[0] if isinstance(last, tuple) else str(stack)
     return node.name
+
+
+def _shown_path(path: str) -> str:
+    """A source path as a user reads it: relative to the working directory when the model's code
+    is there, from the package on for an installed library (transformers/models/...), else whole."""
+    p = os.path.abspath(path)
+    cwd = os.getcwd()
+    if p.startswith(cwd + os.sep):
+        return os.path.relpath(p, cwd)
+    for marker in ("site-packages", "dist-packages"):
+        head, sep, tail = p.partition(os.sep + marker + os.sep)
+        if sep:
+            return tail
+    return path
 
 
 def make_excluder(include_ops: Sequence[str] = (), exclude_ops: Sequence[str] = ()) -> Callable[[str, str], bool]:

@@ -180,3 +180,16 @@ def test_an_op_returning_a_list_of_tensors_is_refused_naming_it(tmp_path):
     x, y = torch.randn(6, 2), torch.randn(2)
     with pytest.raises(CaptureError, match=r"aten\.histogramdd.*list of tensors"):
         _compiled(lambda x, y: torch.histogramdd(x + y, bins=[3, 3]).hist, x, y, tmp_path, mode="hybrid")
+
+
+def test_source_locations_read_as_a_user_writes_them(tmp_path, monkeypatch):
+    """A fallback's source line names the model's file relative to the working directory, or
+    from the package on for an installed library, never this machine's site-packages prefix."""
+    import os
+    from graphmode.capture.torch_import import _shown_path
+    monkeypatch.chdir(tmp_path)
+    assert _shown_path(str(tmp_path / "models" / "net.py")) == os.path.join("models", "net.py")
+    lib = os.path.join(os.sep, "opt", "py", "lib", "site-packages", "transformers", "models", "llama.py")
+    assert _shown_path(lib) == os.path.join("transformers", "models", "llama.py")
+    elsewhere = os.path.join(os.sep, "srv", "code", "net.py")
+    assert _shown_path(elsewhere) == elsewhere
