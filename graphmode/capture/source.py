@@ -43,6 +43,45 @@ class ModelSource:
     masks_padding: bool = False
     constants: dict[str, torch.Tensor] = field(default_factory=dict)   # inputs the recipe declares constant
 
+    def omitted_value(self, name: str) -> int | None:
+        """The constant an input the caller left out stands for, or None when it has none.
+
+        transformers models take `attention_mask` and `token_type_ids` as optional (None: every
+        position attended, token type 0), while the captured graph takes them as inputs. An input
+        counts as omittable only when the eager model, run on the capture's examples without it,
+        gives the same outputs as with the example's constant value: so the compiled model fills
+        it in exactly where eager would, and nowhere a model means something else by None."""
+        known = self.__dict__.setdefault("_omitted", {})
+        if name not in known:
+            known[name] = self._omittable(name)
+        return known[name]
+
+    def _omittable(self, name: str) -> int | None:
+        ex = self.example_inputs.get(name)
+        if self.module is None or ex is None or ex.is_floating_point() or ex.numel() == 0:
+            return None
+        value = ex.reshape(-1)[0]
+        if not bool((ex == value).all()):
+            return None
+        from graphmode.capture.zoo import OutputFlattener
+        from graphmode.verify.numerics import rel_l2
+        m = self.module
+        # graphmode's wrapper of a transformers model names every input; its base forward passes
+        # on only those given, as the user's own call of the model would
+        fwd = (lambda **kw: OutputFlattener.forward(m, **kw)) if isinstance(m, OutputFlattener) else m
+        rest = {k: v for k, v in self.example_inputs.items() if k != name}
+        try:
+            with torch.inference_mode():
+                full, without = fwd(**self.example_inputs), fwd(**rest)
+        except Exception:  # noqa: BLE001 - a forward that needs the input: it is not optional
+            return None
+        full, without = [list(o) if isinstance(o, (tuple, list)) else [o] for o in (full, without)]
+        same = len(full) == len(without) and all(
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and (torch.equal(a, b) if not a.is_floating_point() else rel_l2(b, a) < 1e-6)
+            for a, b in zip(full, without))
+        return int(value) if same else None
+
     def make_inputs(self, env: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
         if self.bundle is not None:
             return {**self.bundle.make_inputs(env, seed=seed), **self.constants}

@@ -14,6 +14,25 @@ class InputContract:
     """CompiledModel's input checks (a mixin: it reads the model's recipe, signature, verdict,
     graphs and source)."""
 
+    def _fill_omitted(self, name: str, named: dict[str, Any]) -> bool:
+        """Put in an input the call left out that the eager model treats as optional (an HF
+        attention_mask of ones, token types of zeros: ModelSource.omitted_value), shaped like a
+        given input declared with the same dims. False when it is not optional there."""
+        source = getattr(self, "source", None)
+        if source is None or not hasattr(source, "omitted_value"):
+            return False
+        specs = {s.name: s for s in self.recipe.inputs}
+        like = next((named[k] for k in named if k in specs and isinstance(named[k], torch.Tensor)
+                     and list(specs[k].shape) == list(specs[name].shape)), None)
+        if like is None:
+            return False
+        value = source.omitted_value(name)
+        if value is None:
+            return False
+        from graphmode.ir.types import DTYPES
+        named[name] = torch.full(tuple(like.shape), value, dtype=DTYPES[specs[name].dtype])
+        return True
+
     def bind_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         if self._signature is not None:
             try:
@@ -32,7 +51,7 @@ class InputContract:
         if unknown:
             raise ContractViolation(f"unknown inputs {unknown}", where="inputs",
                                     fix=f"the recipe declares {', '.join(self.input_names)}")
-        missing = [k for k in self.input_names if k not in named]
+        missing = [k for k in self.input_names if k not in named and not self._fill_omitted(k, named)]
         if missing:
             raise ContractViolation(f"missing inputs {missing}", where="inputs",
                                     fix=f"pass every declared input: {', '.join(self.input_names)}")

@@ -248,6 +248,42 @@ def test_an_hf_encoder_compiles_as_loaded_and_returns_its_model_output():
     assert rel(y.last_hidden_state, ref.last_hidden_state) < 1e-5 and rel(y.pooler_output, ref.pooler_output) < 1e-5
 
 
+def test_inputs_an_hf_model_takes_as_optional_may_be_left_out_as_in_eager():
+    """`cm(input_ids=ids)` as a user calls the transformers model: the attention mask (ones) and
+    token types (zeros) eager assumes when they are None are put in, and outputs equal eager's."""
+    import transformers as T
+    torch.manual_seed(0)
+    m = T.BertModel(T.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                 vocab_size=100, max_position_embeddings=64)).eval()
+    cm = graphmode.compile(m, dict(draft_recipe(m).data, **FAST))
+    ids = torch.randint(3, 100, (2, 7))
+    y, ref = cm(input_ids=ids), m(input_ids=ids)
+    assert rel(y.last_hidden_state, ref.last_hidden_state) < 1e-5 and rel(y.pooler_output, ref.pooler_output) < 1e-5
+    y = cm(ids, attention_mask=torch.ones_like(ids))          # one given, one left out
+    assert rel(y.last_hidden_state, ref.last_hidden_state) < 1e-5
+
+
+class MaskMeansDrop(nn.Module):
+    """`mask=None` means "drop every position", not "keep every position": no input to fill in."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+
+    def forward(self, ids, mask=None):
+        keep = mask if mask is not None else torch.zeros_like(ids)
+        return (self.emb(ids) * keep[..., None]).sum(1)
+
+
+def test_an_input_whose_absence_means_something_else_is_still_required():
+    from graphmode.errors import ContractViolation
+    ids = torch.randint(0, 50, (2, 6))
+    cm = graphmode.compile((MaskMeansDrop().eval(), {"ids": ids, "mask": torch.ones_like(ids)},
+                            {"ids": ["batch", "seq"], "mask": ["batch", "seq"]}))
+    with pytest.raises(ContractViolation, match="missing inputs \\['mask'\\]"):
+        cm(ids=ids)
+
+
 def test_a_causal_lm_with_its_default_cache_compiles_under_a_recipe():
     import transformers as T
     torch.manual_seed(0)
