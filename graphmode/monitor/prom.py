@@ -113,6 +113,10 @@ class PromMetrics:
                                       "cache at admission (a recomputed sequence again)", L, registry=r)
         self.prefix_hits = Counter("graphmode_prefix_cache_hits", "Prompt tokens found in cached KV pages (not "
                                    "prefilled); hit rate = hits / queries", L, registry=r)
+        self.draft_tokens = Counter("graphmode_spec_decode_draft_tokens", "Draft tokens proposed by speculative "
+                                    "decoding (decode.speculative) and verified", L, registry=r)
+        self.accepted_tokens = Counter("graphmode_spec_decode_accepted_tokens", "Draft tokens accepted by the verify "
+                                       "step; acceptance rate = accepted / draft", L, registry=r)
         self.finished = Counter("graphmode_sequences_finished", "Finished sequences by reason (eos, length, stop, "
                                 "cancelled = the client went away or timed out, error)", L + ("finish_reason",),
                                 registry=r)
@@ -124,7 +128,8 @@ class PromMetrics:
         return DecodeSeries(*(fam.labels(*lab) for fam in (
             self.ttft, self.itl, self.tpot, self.queue_time, self.e2e, self.running, self.waiting, self.kv_usage,
             self.preemptions, self.prompt_tokens, self.generation_tokens)), finished=self.finished, labels=lab,
-            prefix_queries=self.prefix_queries.labels(*lab), prefix_hits=self.prefix_hits.labels(*lab))
+            prefix_queries=self.prefix_queries.labels(*lab), prefix_hits=self.prefix_hits.labels(*lab),
+            draft_tokens=self.draft_tokens.labels(*lab), accepted_tokens=self.accepted_tokens.labels(*lab))
 
     def forget(self, version: str) -> None:
         """Drop every series of recipe `version` (retired long ago), so a server that swaps
@@ -134,7 +139,7 @@ class PromMetrics:
                     self.arena_bytes, self.weights_bytes, self.memory_budget, self.drift, self.renegotiations,
                     self.recipe_active, self.ttft, self.itl, self.tpot, self.queue_time, self.e2e, self.running,
                     self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens, self.generation_tokens,
-                    self.finished, self.prefix_queries, self.prefix_hits):
+                    self.finished, self.prefix_queries, self.prefix_hits, self.draft_tokens, self.accepted_tokens):
             if hasattr(fam, "remove_by_labels"):            # prometheus_client >= 0.22
                 fam.remove_by_labels({"version": version})
                 continue
@@ -166,6 +171,16 @@ class DecodeSeries:
     labels: tuple[str, str]
     prefix_queries: Any = None
     prefix_hits: Any = None
+    draft_tokens: Any = None
+    accepted_tokens: Any = None
+
+    def counted(self) -> dict[str, Any]:
+        """The counters that follow one of the decode engine's running totals (`DecodeEngine.stats`
+        key -> counter); a total the engine does not keep (no speculator) is left out."""
+        pairs = {"preemptions": self.preemptions, "prefix_cache_queries": self.prefix_queries,
+                 "prefix_cache_hits": self.prefix_hits, "draft_tokens": self.draft_tokens,
+                 "accepted_tokens": self.accepted_tokens}
+        return {k: c for k, c in pairs.items() if c is not None}
 
     def finish(self, reason: str) -> None:
         self.finished.labels(*self.labels, reason).inc()

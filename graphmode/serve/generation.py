@@ -104,8 +104,7 @@ class DecodeLoop:
         self._thread: threading.Thread | None = None
         self._retired = False                         # end once idle
         self._stopped = False                         # end now
-        self._preemptions = engine.stats["preemptions"]
-        self._prefix = (engine.stats["prefix_cache_queries"], engine.stats["prefix_cache_hits"])
+        self._totals = dict(engine.stats)               # the engine's running totals the counters have seen
 
     # ---- event loop side --------------------------------------------------------------------
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -228,7 +227,8 @@ class DecodeLoop:
             self._drop(g, "error", error)
 
     def _gauges(self) -> None:
-        """Loop thread only (the preemption and prefix cache counts are differences of the engine's stats)."""
+        """Loop thread only (the preemption, prefix cache and draft counts are differences of the
+        engine's running totals)."""
         s = self.series
         if s is None:
             return
@@ -237,15 +237,12 @@ class DecodeLoop:
         s.waiting.set(len(eng.waiting))
         s.kv_usage.set(eng.cache.used_pages / max(1, eng.cache.layout.pages))
         stats = eng.stats
-        n = stats["preemptions"]
-        if n > self._preemptions:
-            s.preemptions.inc(n - self._preemptions)
-        self._preemptions = n
-        prefix = (stats["prefix_cache_queries"], stats["prefix_cache_hits"])
-        if s.prefix_queries is not None:
-            s.prefix_queries.inc(prefix[0] - self._prefix[0])
-            s.prefix_hits.inc(prefix[1] - self._prefix[1])
-        self._prefix = prefix
+        for key, counter in s.counted().items():
+            if key in stats:
+                grown = stats[key] - self._totals.get(key, 0)
+                if grown > 0:
+                    counter.inc(grown)
+        self._totals = dict(stats)
 
     @property
     def live(self) -> int:

@@ -213,3 +213,19 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_answer_where_plain_decodi
     got = answer(eng)
     assert got == answer(engine(num_tokens=0)) == ([11, 12, 13, 14], "w11 w12 ", "stop")
     assert eng.stats["decode_steps"] == 1 and eng.stats["accepted_tokens"] == 4   # one step made all of them
+
+
+def test_draft_and_accepted_counts_reach_the_servers_metrics():
+    from graphmode.monitor import PromMetrics
+    from graphmode.serve.generation import DecodeLoop
+    eng, metrics = engine(), PromMetrics()
+    loop = DecodeLoop(eng, metrics.decode_series("v1", "host"))
+    run(eng, PROMPTS[:2], SamplingParams(max_new_tokens=9))
+    loop._gauges()
+    run(eng, PROMPTS[2:], SamplingParams(max_new_tokens=9))
+    loop._gauges()
+
+    def value(name: str) -> float:
+        return metrics.registry.get_sample_value(name, {"version": "v1", "target": "host"})
+    assert value("graphmode_spec_decode_draft_tokens_total") == eng.stats["draft_tokens"] > 0
+    assert value("graphmode_spec_decode_accepted_tokens_total") == eng.stats["accepted_tokens"] > 0
