@@ -148,15 +148,16 @@ def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
                        list(model.output_names), bundle=model)
 
 
-def example_inputs_from_recipe(recipe: Recipe, module: Any = None) -> dict[str, torch.Tensor]:
-    """One example per declared input at small sizes of the recipe's dims: floats random, masks
-    ones, token types zeros, token ids inside the module's vocabulary (its config's), other
-    integers ones."""
+def example_inputs_from_recipe(recipe: Recipe, module: Any = None, *, sizes: dict[str, int] | None = None,
+                               seed: int = 0) -> dict[str, torch.Tensor]:
+    """One example per declared input at `sizes` (default: small sizes of the recipe's dims):
+    floats random, masks ones, token types zeros, token ids inside the module's vocabulary (its
+    config's), other integers ones."""
     from graphmode.capture.torch_import import example_sizes
     from graphmode.ir.types import DTYPES
-    sizes = example_sizes({d: recipe.dim_range(d) for d in recipe.dims})
+    sizes = sizes or example_sizes({d: recipe.dim_range(d) for d in recipe.dims})
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     out = {}
     for spec in recipe.inputs:
         shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]

@@ -72,10 +72,49 @@ def check_request(rec, env: dict[str, int]) -> None:
                                 fix="send a smaller shape")
 
 
+def _recipe(recipe: str | None):
+    from graphmode.recipe import load_recipe
+    if recipe is None:
+        raise GraphmodeError("no recipe given", where="--recipe",
+                             fix="pass --recipe FILE (only a .gm artifact carries its own)")
+    return load_recipe(recipe)
+
+
+def _artifact(model: str, recipe: str | None, mode: str | None, cache_dir: Path | None, threads: int | None):
+    """The loaded artifact when --model is a .gm file (nothing compiled), else None."""
+    from graphmode.runtime.artifact import SUFFIX
+    from graphmode.runtime.artifact import load as load_artifact
+    if not str(model).endswith(SUFFIX):
+        return None
+    for flag, value in (("--recipe", recipe), ("--mode", mode)):
+        if value is not None:
+            raise GraphmodeError(f"{flag} does not apply to an artifact: it carries the recipe and mode it was "
+                                 "compiled with", where=flag, value=value,
+                                 fix=f"drop {flag}, or compile the model again with it (graphmode compile --save)")
+    return load_artifact(model, cache_dir=cache_dir, threads=threads)
+
+
+def _reference(cm):
+    """(what the outputs are checked against, its name): eager PyTorch, ONNX Runtime for an ONNX
+    model, or for an artifact (no model in it) the reference interpreter of its graph: the ops'
+    eager definitions over the artifact's own weights, so its kernels and plans are what is checked."""
+    src = cm.source
+    if src.module is not None or src.onnx_path is not None:
+        return src.reference, ("eager" if src.module is not None else "onnxruntime")
+    from graphmode.ir.interpreter import interpret
+
+    def interpreted(inputs):
+        res = interpret(cm.graph, inputs)
+        return [res[o] for o in cm.graph.outputs]
+    return interpreted, "reference interpreter"
+
+
 @app.command("run")
 def run_cmd(
-    model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | package.module:function"),
-    recipe: str = typer.Option(..., "--recipe"),
+    model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | package.module:function "
+                                                   "| FILE.gm (an artifact: graphmode compile --save)"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="required unless --model is a .gm file (it carries "
+                                                              "its own)"),
     mode: Optional[str] = typer.Option(None, "--mode", help="eager | graph | hybrid (default: the recipe's)"),
     shape: Optional[str] = typer.Option(None, "--shape", help="e.g. 2x16 or batch=2,seq=16"),
     iters: int = typer.Option(10, "--iters", min=1, help="timed calls per engine"),
@@ -85,10 +124,10 @@ def run_cmd(
     cache_dir: Optional[Path] = CacheDir,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Run sample inputs through the compiled model and compare with eager PyTorch."""
+    """Run sample inputs through the compiled model and compare with eager PyTorch (a .gm
+    artifact, which holds no model, with graphmode's reference interpreter of its graph)."""
     from graphmode.compiler import compile as gm_compile
     from graphmode.paths import cache_layout
-    from graphmode.recipe import load_recipe
     from graphmode.recipe.buckets import all_buckets
     from graphmode.runtime.timing import median, time_ms
     from graphmode.targets import get_target
@@ -98,7 +137,8 @@ def run_cmd(
         raise GraphmodeError(f"unknown mode {mode!r}", where="--mode", fix="eager, graph or hybrid")
     if threads:
         torch.set_num_threads(threads)
-    rec = load_recipe(recipe)
+    loaded = _artifact(model, recipe, mode, cache_dir, threads)
+    rec = loaded.recipe if loaded is not None else _recipe(recipe)
     ranks = rec.parallel.tensor if rec.parallel is not None else 1
     if metrics and ranks > 1:
         raise GraphmodeError("--metrics reads one process's contract monitor; this recipe runs "
@@ -107,7 +147,7 @@ def run_cmd(
     check_request(rec, env)      # before compiling or allocating anything
     host = get_target("host", cache_dir=cache_layout(cache_dir).targets)
     with progress() as on_stage:
-        cm = gm_compile(model, rec, host, mode=mode, cache_dir=cache_dir, threads=threads, on_stage=on_stage)
+        cm = loaded or gm_compile(model, rec, host, mode=mode, cache_dir=cache_dir, threads=threads, on_stage=on_stage)
         if warmup and cm.mode != "eager":
             cm.warmup()
         if metrics:   # the contract monitor times and counts every call (same as the server's)
@@ -117,7 +157,8 @@ def run_cmd(
         with torch.inference_mode():
             out = cm(**inputs)           # builds the request's bucket unless warm-up did
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
-    refs = cm.source.reference(inputs)
+    reference, ref_name = _reference(cm)
+    refs = reference(inputs)
     outs = pytree.tree_leaves(out)
     labels = output_labels(cm.source, cm.graph, len(outs))
     checks = compare_outputs(labels, outs, refs, rec.precision.compute, rec.precision.weights)
@@ -131,14 +172,13 @@ def run_cmd(
     numerics_ok = len(outs) == len(refs) and all(c.ok for c in checks)
     ran_graph = path.get("path") == "graph"
     t_graph = median(time_ms(lambda: cm(**inputs), iters=iters))
-    t_eager = median(time_ms(lambda: cm.source.reference(inputs), iters=iters))
+    t_eager = median(time_ms(lambda: reference(inputs), iters=iters))
     parallel = None
     if ranks > 1:                 # graphmode.parallel.launch.TensorParallelModel: rank 0 answered
         parallel = {"ranks": ranks, "weights_bytes_per_rank": [r["weights_bytes"] for r in cm.ranks],
                     "collectives_per_call": cm.last_comm[0]["collectives"],
                     "comm_bytes_per_call": cm.last_comm[0]["comm_bytes"]}
         cm.close()
-    ref_name = "eager" if cm.source.module is not None else "onnxruntime"
     result = {"model": model, "mode": cm.mode, "shape": env, "bucket": path.get("bucket"), "path": path,
               "outputs": rows, "tolerance": tol, "numerics_ok": numerics_ok,
               "median_ms": {"graphmode" if ran_graph else "graphmode (eager fallback)": t_graph, ref_name: t_eager},
@@ -156,7 +196,7 @@ def run_cmd(
             console.print(f"[bold]{model}[/] mode {cm.mode}, request {env} [yellow]ran in eager PyTorch[/]: "
                           f"{path.get('reason', 'exe_mode eager')}", highlight=False)
         t = Table()
-        for c in ("output", "shape", "dtype", "mean", "std", "rel L2 vs eager"):
+        for c in ("output", "shape", "dtype", "mean", "std", f"rel L2 vs {ref_name}"):
             t.add_column(c, overflow="fold")
         for r in rows:
             t.add_row(str(r["output"]), str(r["shape"]), r["dtype"], f"{r['mean']:.4g}", f"{r['std']:.4g}",

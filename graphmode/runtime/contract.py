@@ -104,7 +104,12 @@ class InputContract:
     def sample_inputs(self, env: Mapping[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
         """The model source's sample inputs at `env`, index inputs drawn inside the model's tables."""
         from graphmode.runtime.bounds import draw_within
-        return draw_within(self.source.make_inputs(dict(env), seed=seed), self.bounds()[0], seed)
+        if self.source.bundle is None and self.source.module is None:   # a loaded artifact: the recipe's inputs
+            from graphmode.capture.source import example_inputs_from_recipe
+            drawn = example_inputs_from_recipe(self.recipe, sizes=dict(env), seed=seed)
+        else:
+            drawn = self.source.make_inputs(dict(env), seed=seed)
+        return draw_within(drawn, self.bounds()[0], seed)
 
     def shape_of(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
         dims: dict[str, int] = {}

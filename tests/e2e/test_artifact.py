@@ -162,6 +162,21 @@ def test_cli_compile_save(saved):
     assert isinstance(y, torch.Tensor) and torch.allclose(y, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_cli_run_takes_an_artifact_and_checks_it_with_the_reference_interpreter(saved):
+    """`graphmode run --model FILE.gm`: the artifact's recipe and plans (nothing compiled), its
+    outputs checked against the reference interpreter of its graph; --recipe is refused."""
+    import json
+    _, path, _, tmp = saved
+    res = CliRunner().invoke(app, ["run", "--model", str(path), "--shape", "batch=3", "--iters", "1", "--json",
+                                   "--cache-dir", str(tmp / "run-cache")])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output[res.output.index("{"):])
+    assert out["numerics_ok"] and out["bucket"] == {"batch": 4} and "reference interpreter" in out["median_ms"]
+    assert out["outputs"][0]["shape"] == [3, 4] and out["outputs"][0]["rel_l2_vs_eager"] < 1e-6
+    res = CliRunner().invoke(app, ["run", "--model", str(path), "--recipe", "r.yaml"])
+    assert res.exit_code != 0 and "--recipe does not apply to an artifact" in res.output
+
+
 def _flip_inside(src: Path, dst: Path, member: str) -> Path:
     """A copy with one byte flipped in the middle of `member`'s stored data (a bad disk or copy)."""
     data = bytearray(src.read_bytes())
