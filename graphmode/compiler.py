@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +171,7 @@ class Lowered:
     proof: Any                    # graphmode.recipe.ValidationReport with the graph's own facts
     facts: Any = None             # graphmode.recipe.ModelFacts the proof was checked against
     timings: dict[str, float] = field(default_factory=dict)   # seconds per stage: capture, passes, proof
+    recipe: Any = None            # the Recipe it was lowered (and proved) under
 
 
 def lower_model(model: Any, recipe: Recipe | str | Path, target: Any = None, *, mode: str | None = None,
@@ -184,28 +186,89 @@ def lower_model(model: Any, recipe: Recipe | str | Path, target: Any = None, *, 
     options). `on_stage` hears the capture, passes and proof stages (graphmode/progress.py);
     `dump_*` write the IR around passes (`optimize`). Under `parallel`, `rank`'s shard."""
     recipe = as_recipe(recipe)
+    return _lower(capture_model(model, recipe, mode=mode, on_stage=on_stage), recipe, target, refuse=refuse,
+                  prove_graph=prove_graph, keep_snapshots=keep_snapshots, on_stage=on_stage, rank=rank,
+                  dump_dir=dump_dir, dump_before=dump_before, dump_after=dump_after)
+
+
+def capture_model(model: Any, recipe: Recipe | str | Path, *, mode: str | None = None,
+                  on_stage: OnStage | None = None) -> Lowered:
+    """The driver's first stage alone: the model captured and judged by the verdict (`graph`,
+    `proof` None). `relower` runs the rest from it for as many recipes as a caller tries, so
+    tuning and drafting capture a model once."""
+    recipe = as_recipe(recipe)
     t0 = time.perf_counter()
     with stage(on_stage, "capture"):
         graph0, cap, src, verdict = checked_capture(model, recipe, mode)
-    timings = {"capture": time.perf_counter() - t0}
+    return Lowered(src, graph0, cap, verdict, None, None, None, None, {"capture": time.perf_counter() - t0},
+                   recipe)
+
+
+def relower(captured: Lowered, recipe: Recipe | str | Path, target: Any = None, *, mode: str | None = None,
+            refuse: bool = True, prove_graph: bool = True, on_stage: OnStage | None = None,
+            rank: int = 0) -> Lowered:
+    """verdict -> passes -> proof of a model captured once (`capture_model`, or any Lowered)
+    under another `recipe`, as `lower_model` would lower it. The recipe must capture alike
+    (its dims' ranges and capture op lists are what the captured graph holds): what `tune`
+    and the drafter vary (precision, fusion, kernels, buckets, budgets) keeps that true."""
+    from graphmode.verdict import decide
+    recipe = as_recipe(recipe)
+    verdict = decide(recipe, captured.captured, captured.capture_report, captured.source, mode or recipe.exe_mode)
+    start = Lowered(captured.source, captured.captured, captured.capture_report, verdict, None, None, None, None,
+                    {"capture": captured.timings.get("capture", 0.0)}, recipe)
+    return _lower(start, recipe, target, refuse=refuse, prove_graph=prove_graph, on_stage=on_stage, rank=rank)
+
+
+def reprove(lowered: Lowered, recipe: Recipe | str | Path, target: Any = None, *, refuse: bool = True) -> Lowered:
+    """The proof of an already lowered graph under `recipe`, a recipe that lowers to the same
+    graph (same passes, same pass options: it differs in what only the proof reads, such as
+    `memory.budget_mb`); the drafter sizes the budget from the graph, then proves with it.
+    A recipe that would change the passes is refused: relower it instead."""
+    from graphmode.errors import RecipeError
+    recipe = as_recipe(recipe)
+    before = lowered.recipe
+    if lowered.graph is None or before is None:
+        raise RecipeError("reprove needs a lowered graph (lower_model or relower with an accepted verdict)",
+                          where="lowered", value=None, fix="lower the model first")
+    if (pipeline(recipe), pass_context(recipe, buckets=[]).options) != \
+            (pipeline(before), pass_context(before, buckets=[]).options):
+        raise RecipeError(f"recipe {recipe.name!r} changes the passes the graph was lowered with "
+                          f"(recipe {before.name!r}): its proof would not be of this graph", where="recipe",
+                          value=recipe.name, fix="relower the model under this recipe (graphmode.compiler.relower)")
+    t0 = time.perf_counter()
+    proof = prove(recipe, target, lowered.graph, lowered.facts)
     if refuse:
-        verdict.raise_for_refusal()
-    elif not verdict.ok:
-        return Lowered(src, graph0, cap, verdict, None, None, None, None, timings)
+        proof.raise_for_errors()
+    return dataclasses.replace(lowered, proof=proof, recipe=recipe,
+                               timings={**lowered.timings, "proof": time.perf_counter() - t0})
+
+
+def _lower(start: Lowered, recipe: Recipe, target: Any, *, refuse: bool, prove_graph: bool,
+           keep_snapshots: bool = False, on_stage: OnStage | None = None, rank: int = 0,
+           dump_dir: str | Path | None = None, dump_before: Sequence[str] | str = (),
+           dump_after: Sequence[str] | str = ()) -> Lowered:
+    """passes -> proof after a verdict decided for `recipe` (`start` holds it)."""
+    timings = dict(start.timings)
+    if refuse:
+        start.verdict.raise_for_refusal()
+    elif not start.verdict.ok:
+        return start
     t1 = time.perf_counter()
-    graph, opt = optimize(graph0, recipe, target, buckets=[], keep_snapshots=keep_snapshots, on_stage=on_stage,
-                          rank=rank, dump_dir=dump_dir, dump_before=dump_before, dump_after=dump_after)
+    graph, opt = optimize(start.captured, recipe, target, buckets=[], keep_snapshots=keep_snapshots,
+                          on_stage=on_stage, rank=rank, dump_dir=dump_dir, dump_before=dump_before,
+                          dump_after=dump_after)
     t2 = time.perf_counter()
     timings["passes"] = t2 - t1
     facts = graph_facts(recipe, graph)
+    low = dataclasses.replace(start, graph=graph, optimize_report=opt, facts=facts, timings=timings)
     if not prove_graph:
-        return Lowered(src, graph0, cap, verdict, graph, opt, None, facts, timings)
+        return low
     with stage(on_stage, "proof"):
         proof = prove(recipe, target, graph, facts)
     timings["proof"] = time.perf_counter() - t2
     if refuse:
         proof.raise_for_errors()      # a recipe that is not proved is never loaded
-    return Lowered(src, graph0, cap, verdict, graph, opt, proof, facts, timings)
+    return dataclasses.replace(low, proof=proof)
 
 
 def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mode: str | None = None,

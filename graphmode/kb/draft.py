@@ -275,7 +275,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
            max_p99_over_p50: float | None, max_padding: float, max_buckets: int | None, kb_path: Any,
            objective: str, name: str | None, target_cache_dir: Any, record: bool,
            ranges: dict[str, tuple[int, int]], bounded: bool) -> Draft:
-    from graphmode.compiler import capture, optimize, prove
+    from graphmode.compiler import capture_model, relower, reprove
     from graphmode.kb.fingerprint import hardware_of, model_of, recipe_inputs
     from graphmode.recipe import load_recipe
     from graphmode.recipe.targets import pick_target
@@ -304,7 +304,8 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     skeleton = load_recipe(_ordered(data))
     tgt = pick_target(skeleton, target, cache_dir=target_cache_dir)
     notes["targets"] = f"checked against {tgt.name}"
-    graph0, cap, src = capture(bundle, skeleton)
+    low = capture_model(bundle, skeleton)
+    graph0, cap, src = low.captured, low.capture_report, low.source
     model_row, hw_row = model_of(graph0, src, recipe_inputs(skeleton)), hardware_of(tgt)
     recs = _knobs_from_kb(data, notes, model_row, hw_row, kb_path, objective)
     if cap.fallbacks:
@@ -324,15 +325,15 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
         notes["memory.kv_cache"] = (f"none: {type(lm).__name__} is a causal LM, but its example's shapes are "
                                     "fixed, so this draft compiles its forward pass at that shape; for decoding, "
                                     "pass the model itself or add --dim batch=1:4 --dim seq=1:512")
-    graph, _ = optimize(graph0, load_recipe(_ordered(data)), tgt, buckets=[])   # the budget does not change it
+    low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)   # the budget does not change it
+    graph = low.graph
     if memory_mb is not None:
         data["memory"]["budget_mb"] = memory_mb
         notes["memory.budget_mb"] = "given (--memory-mb)"
     else:
         _memory_need(data, notes, graph, tgt)
     recipe = load_recipe(_ordered(data))
-    report = prove(recipe, tgt, graph)
-    report.raise_for_errors()
+    report = reprove(low, recipe, tgt).proof          # refused unless proved
     if "dims" in data:
         notes["dims"] = (f"{report.plans} plan(s): one per bucket, built on first use or all at warm-up "
                          f"(`compile --warmup`, `serve`)")

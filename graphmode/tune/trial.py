@@ -1,8 +1,9 @@
 """One tuning trial: a recipe configuration compiled, checked against eager and timed.
 
-The model is captured once (`TrialRunner.__init__`): no knob tune changes what capture sees
-(the dims' ranges and the capture op lists stay the recipe's), so every trial starts from
-the same graph and pays only for the verdict, the passes, the proof and its plans.
+The model is captured once (`TrialRunner.__init__`, `compiler.capture_model`): no knob tune
+changes what capture sees (the dims' ranges and the capture op lists stay the recipe's), so
+every trial is the driver's `relower` of the same graph and pays only for the verdict, the
+passes, the proof and its plans.
 
 A trial is measured on a fixed workload: request shapes drawn once (seeded) from the
 recipe's admissible ranges, the smallest and the largest included, so padding costs what
@@ -97,12 +98,13 @@ class TrialRunner:
 
     def __init__(self, model: Any, base_data: dict[str, Any], target: Any, *, tol: float, measure_s: float,
                  cache_dir: Any = None, seed: int = 0):
-        from graphmode.compiler import capture
+        from graphmode.compiler import capture_model
         from graphmode.recipe import load_recipe
         self.base_data, self.target, self.tol, self.measure_s, self.cache_dir = base_data, target, tol, measure_s, \
             cache_dir
         self.base = load_recipe(base_data)
-        self.graph0, self.cap, self.src = capture(model, self.base)
+        self.captured = capture_model(model, self.base)
+        self.graph0, self.src = self.captured.captured, self.captured.source
         self.shapes = workload(self.base, seed)
         from graphmode.analysis.indices import analyze_indices
         from graphmode.runtime.bounds import draw_within, value_checks
@@ -132,20 +134,16 @@ class TrialRunner:
         return res
 
     def _run(self, cfg: dict[str, Any], res: TrialResult, t0: float, deadline: float) -> None:
-        from graphmode.compiler import optimize, prove
+        from graphmode.compiler import relower
         from graphmode.recipe import load_recipe, recipe_hash
         from graphmode.runtime.compiled import CompiledModel
-        from graphmode.verdict import decide
         recipe = res.recipe = load_recipe(apply(self.base_data, cfg))
         res.recipe_hash = recipe_hash(recipe)
         mode = recipe.exe_mode
-        verdict = decide(recipe, self.graph0, self.cap, self.src, mode)
-        verdict.raise_for_refusal()
-        graph, opt = optimize(self.graph0, recipe, self.target, buckets=[])
-        prove(recipe, self.target, graph).raise_for_errors()
-        cm = CompiledModel(self.src, recipe, self.target, self.graph0, graph, (self.cap, opt), mode=mode,
-                           cache_dir=self.cache_dir, threads=cfg.get("threads"), verdict=verdict)
-        res.ir_hash = graph.structural_hash()
+        low = relower(self.captured, recipe, self.target)      # refused at the verdict or the proof
+        cm = CompiledModel.from_lowered(low, recipe, self.target, mode=mode, cache_dir=self.cache_dir,
+                                        threads=cfg.get("threads"))
+        res.ir_hash = low.graph.structural_hash()
         buckets = [bucket_for(recipe, s) for s in self.shapes]
         if mode != "eager":
             for b in buckets:

@@ -91,12 +91,40 @@ def test_a_refused_verdict_is_reported_without_passes_or_proof():
 
 
 def test_no_module_outside_the_driver_reruns_its_stages():
-    """capture -> verdict -> passes -> proof run in compiler.lower_model; the entry points above
-    it (CLI commands, the server, the decode engine) call the driver, not its stages."""
+    """capture -> verdict -> passes -> proof run in compiler.lower_model (or capture_model +
+    relower); the entry points above it (CLI commands, the server, the decode engine, the
+    drafter, tune) call the driver, not its stages."""
     root = Path(__file__).resolve().parents[2] / "graphmode"
-    stage_call = re.compile(r"(?<![\w.])(checked_capture|optimize|prove)\(")
+    stage_call = re.compile(r"(?<![\w.])(checked_capture|capture|optimize|prove)\(")
     offenders = []
-    for sub in ("cli", "serve", "decode", "runtime"):
+    for sub in ("cli", "serve", "decode", "runtime", "kb", "tune"):
         for p in (root / sub).rglob("*.py"):
             offenders += [f"{p.relative_to(root)}: {m.group(0)}" for m in stage_call.finditer(p.read_text())]
     assert not offenders, offenders
+
+
+def test_relower_runs_the_rest_of_the_pipeline_for_another_recipe(proofs):
+    """tune and the drafter capture once and relower per recipe: the same graph and proof as
+    lowering from scratch, without capturing again."""
+    from graphmode.compiler import capture_model, relower
+    first = capture_model(_mlp(), load_recipe(RECIPE))
+    assert first.graph is None and first.proof is None and first.verdict.ok and set(first.timings) == {"capture"}
+    other = load_recipe(dict(RECIPE, name="mlp-nofuse", optimize={"fusion": {"enabled": False}}))
+    low = relower(first, other)
+    fresh = lower_model(_mlp(), other)
+    assert low.captured is first.captured and low.recipe is other and low.proof.ok
+    assert low.graph.structural_hash() == fresh.graph.structural_hash()
+    assert low.graph.structural_hash() != lower_model(_mlp(), load_recipe(RECIPE)).graph.structural_hash()
+    assert set(low.timings) == {"capture", "passes", "proof"}
+    assert proofs == ["mlp-nofuse"] * 2 + ["mlp-driver"]
+
+
+def test_reprove_proves_the_same_graph_under_a_recipe_that_lowers_alike():
+    from graphmode.compiler import reprove
+    from graphmode.errors import RecipeError
+    low = lower_model(_mlp(), load_recipe(RECIPE), prove_graph=False)
+    budget = load_recipe(dict(RECIPE, memory={"budget_mb": 64}))
+    proved = reprove(low, budget)
+    assert proved.graph is low.graph and proved.proof.ok and proved.recipe is budget and "proof" in proved.timings
+    with pytest.raises(RecipeError, match="changes the passes"):
+        reprove(low, load_recipe(dict(RECIPE, optimize={"fusion": {"enabled": False}})))
