@@ -144,7 +144,7 @@ def load_onnx_spec(path: str | os.PathLike, *, spec: str | None = None) -> OnnxM
     """Read an ONNX file's signature (no weights). Raises CaptureError if it is not ONNX."""
     import onnx
 
-    from graphmode.capture.onnx_validate import check_signature
+    from graphmode.capture.onnx.validate import check_signature
 
     p = Path(path)
     label = spec if spec is not None else str(path)

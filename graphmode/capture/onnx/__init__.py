@@ -22,7 +22,7 @@ into it, `Gather` on a constant 2-d table becomes `embedding`, `Identity`/`Dropo
 no-op reshapes/expands disappear. Activation chains (the exporter's erf-GELU) are kept
 as elementwise ops for the fusion pass.
 
-Before any node is translated, `onnx_validate.validate_onnx` refuses a malformed model
+Before any node is translated, `validate.validate_onnx` refuses a malformed model
 (onnx.checker, strict shape inference, attribute ranges, graph signature): the handlers
 below may trust attribute values and types.
 
@@ -42,7 +42,7 @@ op type or the core op it lowers to) become `fallback` nodes calling the equival
 from __future__ import annotations
 from graphmode.capture.onnx.importer import OnnxCaptureReport, import_onnx, supported_onnx_ops
 from graphmode.capture.onnx.opsets import KNOWN_MAX, KNOWN_MIN
-from graphmode.capture.onnx_validate import MIN_OPSET
+from graphmode.capture.onnx.validate import MIN_OPSET
 from graphmode.capture.onnx import (convert_composite, convert_control, convert_core, convert_nn,  # noqa: F401,E402
                                     convert_quant, convert_recurrent, convert_resize, convert_select,
                                     convert_shape)   # register handlers

@@ -11,7 +11,7 @@ from graphmode.capture.onnx.convert_nn import _pads
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES, _Known
 from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
 from graphmode.capture.onnx.pooling import pool_by_windows
-from graphmode.capture.onnx_validate import ONNX_DTYPES
+from graphmode.capture.onnx.checks import ONNX_DTYPES, CheckedNode
 from graphmode.ir.ops import norm_axis
 from graphmode.ir.types import DTYPES
 
@@ -242,7 +242,14 @@ def _reverse(imp: _Importer, x: str, axis: int, size: int, hint: str) -> str:
                     hint=hint)
 
 
-@_handles("CumSum")
+def _check_cumsum(nd: CheckedNode) -> None:
+    x, a = nd.dims(0), nd.const(1)
+    if x is not None and a is not None and a.size == 1 and not -len(x) <= int(a.reshape(-1)[0]) < len(x):
+        raise nd.fail(f"axis {nd.input(1)!r} = {int(a.reshape(-1)[0])} is out of range for a rank-{len(x)} input",
+                      int(a.reshape(-1)[0]), f"use an axis in {-len(x)}..{len(x) - 1}")
+
+
+@_handles("CumSum", check=_check_cumsum)
 def _cumsum(imp: _Importer, n) -> None:
     """cumsum along axis; reverse runs it on the flipped axis, exclusive subtracts each element."""
     x = imp.operand(n.input[0])

@@ -8,7 +8,8 @@ import numpy as np
 import sympy
 import torch
 
-from graphmode.capture.onnx_validate import ONNX_DTYPES as _ONNX_DTYPES
+from graphmode.capture.onnx.checks import ONNX_DTYPES as _ONNX_DTYPES
+from graphmode.capture.onnx.checks import SUPPORTED_TYPES, CheckedNode, axis_check, check_axes, check_epsilon, type_name
 from graphmode.ir.ops import broadcast_shapes, get_op, norm_axis
 from graphmode.ir.types import DTYPES, normalize_dim
 
@@ -16,7 +17,14 @@ from graphmode.capture.onnx.fold import KNOWN_LIMIT, _FLOAT_DTYPES, _INT_DTYPES,
 from graphmode.capture.onnx.importer import _Importer, _attr_dim, _handles, _shape_attr, _to_tensor
 
 
-@_handles("Constant")
+def _check_constant(nd: CheckedNode) -> None:
+    t = nd.attrs.get("value")
+    if t is not None and t.data_type not in _ONNX_DTYPES:
+        raise nd.fail(f"value has element type {type_name(t.data_type)}, which graphmode has no dtype for",
+                      type_name(t.data_type), f"use one of {SUPPORTED_TYPES}, or remove the constant")
+
+
+@_handles("Constant", check=_check_constant)
 def _constant(imp: _Importer, n) -> None:
     from onnx import numpy_helper
     out = n.output[0]
@@ -286,7 +294,7 @@ def _activations(imp: _Importer, n) -> None:
 # ---- softmax / norms / reductions
 
 
-@_handles("Softmax", "LogSoftmax")
+@_handles("Softmax", "LogSoftmax", check=axis_check(default=-1))
 def _softmax(imp: _Importer, n) -> None:
     op = "softmax" if n.op_type == "Softmax" else "log_softmax"
     x = imp.operand(n.input[0])
@@ -303,7 +311,24 @@ def _softmax(imp: _Importer, n) -> None:
     imp.emit("reshape", [s], {"shape": _shape_attr(t.shape)}, out=n.output[0])
 
 
-@_handles("LayerNormalization")
+def _check_layer_norm(nd: CheckedNode) -> None:
+    x = nd.dims(0)
+    nd.axis("axis", -1, len(x) if x is not None else None)
+    check_epsilon(nd)
+    if x is None:
+        return
+    axis = nd.attrs.get("axis", -1) % len(x)
+    want = x[axis:]
+    for i, what in ((1, "Scale"), (2, "B")):
+        d = nd.dims(i)
+        if d is not None and (len(d) != len(want) or any(isinstance(p, int) and isinstance(q, int) and p != q
+                                                         for p, q in zip(d, want))):
+            raise nd.fail(f"input {what} {nd.input(i)!r} has shape {d}; graphmode needs exactly the normalized "
+                          f"shape {want} (axis {nd.attrs.get('axis', -1)})", d,
+                          f"store {what} with shape {want} (expand it in the model if it was broadcast)")
+
+
+@_handles("LayerNormalization", check=_check_layer_norm)
 def _layer_norm(imp: _Importer, n) -> None:
     for extra in n.output[1:]:
         if extra and imp.consumers.get(extra):
@@ -317,7 +342,18 @@ def _layer_norm(imp: _Importer, n) -> None:
              out=n.output[0])
 
 
-@_handles("BatchNormalization")
+def _check_batch_norm(nd: CheckedNode) -> None:
+    x = nd.dims(0)
+    ch = x[1] if x is not None and len(x) >= 2 else None
+    for i, what in ((1, "scale"), (2, "B"), (3, "mean"), (4, "var")):
+        d = nd.dims(i)
+        if d is not None and (len(d) != 1 or isinstance(ch, int) and isinstance(d[0], int) and d[0] != ch):
+            raise nd.fail(f"input {what} {nd.input(i)!r} has shape {d}; it needs one value per channel ({ch})", d,
+                          f"give {what} the shape [{ch}]")
+    check_epsilon(nd)
+
+
+@_handles("BatchNormalization", check=_check_batch_norm)
 def _batch_norm(imp: _Importer, n) -> None:
     if imp.attr(n, "training_mode", 0):
         _batch_norm_training(imp, n)
@@ -359,7 +395,7 @@ _REDUCE = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax", "Reduc
            "ReduceProd": "prod", "ReduceL2": None, "ReduceSumSquare": None}
 
 
-@_handles(*_REDUCE)
+@_handles(*_REDUCE, check=check_axes)
 def _reduce(imp: _Importer, n) -> None:
     x_name = n.input[0]
     t = imp.type_of(x_name)

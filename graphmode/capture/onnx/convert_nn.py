@@ -8,6 +8,7 @@ import torch
 
 from graphmode.ir.types import Dim, TensorType
 
+from graphmode.capture.onnx.checks import MAX_DIM, MAX_WINDOW, CheckedNode, check_window, spatial_rank
 from graphmode.capture.onnx.fold import _Known, _objarr
 from graphmode.capture.onnx.convert_core import _empty_extreme
 from graphmode.capture.onnx.importer import _Importer, _attr_dim, _handles, _shape_attr, _vname
@@ -117,7 +118,31 @@ def _matmul(imp: _Importer, n) -> None:
     imp.emit("reshape", [m], {"shape": _shape_attr(shape)}, out=out)
 
 
-@_handles("Gemm")
+def _check_gemm(nd: CheckedNode) -> None:
+    for key in ("alpha", "beta"):
+        v = nd.attrs.get(key)
+        if v is not None and not math.isfinite(v):
+            raise nd.fail(f"attribute {key}={v} is not finite", v, f"set {key} to a finite number (default 1.0)")
+    a, b, c = nd.dims(0), nd.dims(1), nd.dims(2)
+    if a is None or b is None or len(a) != 2 or len(b) != 2:
+        return
+    ta, tb = nd.attrs.get("transA", 0), nd.attrs.get("transB", 0)
+    (m, ka), (kb, n) = (a[::-1] if ta else a), (b[::-1] if tb else b)
+    if isinstance(ka, int) and isinstance(kb, int) and ka != kb:
+        raise nd.fail(f"inputs A {nd.input(0)!r} {a} (transA={ta}) and B {nd.input(1)!r} {b} (transB={tb}) do not "
+                      f"multiply: inner dims {ka} and {kb}", [a, b],
+                      "fix transA/transB or the weight's layout (a torch Linear weight [out, in] needs transB=1)")
+    if c is None:
+        return
+    want = [m, n]
+    ok = len(c) <= 2 and all(cd == 1 or not isinstance(cd, int) or not isinstance(t, int) or cd == t
+                             for cd, t in zip(c[::-1], want[::-1]))
+    if not ok:
+        raise nd.fail(f"input C {nd.input(2)!r} {c} does not broadcast to the product's shape {want}", c,
+                      f"give C a shape that broadcasts to {want} (e.g. [{n}])")
+
+
+@_handles("Gemm", check=_check_gemm)
 def _gemm(imp: _Importer, n) -> None:
     a_n, b_n = n.input[0], n.input[1]
     c_n = imp.opt_in(n, 2)
@@ -232,7 +257,44 @@ def _emit_window(imp: _Importer, n, op: str, ins: list[str], attrs: dict, lifted
     imp.emit("reshape", [y], {"shape": _shape_attr(list(t.shape[:2]) + [t.shape[3]])}, out=n.output[0])
 
 
-@_handles("Conv")
+def _check_conv(nd: CheckedNode) -> None:
+    x, w = nd.dims(0), nd.dims(1)
+    sp = spatial_rank(nd, x, w)
+    if x is not None and w is not None and len(x) != len(w):
+        raise nd.fail(f"weight {nd.input(1)!r} has rank {len(w)}, the input has rank {len(x)}", w,
+                      "a Conv weight is [out_channels, in_channels / group, kernel...]")
+    kernel = nd.ints("kernel_shape", sp, 1)
+    wk = w[2:] if w is not None else None
+    if kernel is not None and wk is not None and any(isinstance(a, int) and a != b for a, b in zip(wk, kernel)):
+        raise nd.fail(f"attribute kernel_shape={kernel} does not match the weight {nd.input(1)!r} {w}", kernel,
+                      f"drop kernel_shape (it follows from the weight) or set it to {wk}")
+    if kernel is None and wk is not None and all(isinstance(k, int) for k in wk):
+        kernel = list(wk)
+        bad = [k for k in kernel if not 1 <= k <= MAX_WINDOW]
+        if bad:
+            raise nd.fail(f"weight {nd.input(1)!r} {w} has a kernel size {bad[0]} outside [1, {MAX_WINDOW}]", w,
+                          "re-export the model with a valid weight")
+    group = nd.attrs.get("group", 1)
+    if not 1 <= group <= MAX_DIM:
+        raise nd.fail(f"attribute group={group} must be >= 1", group, "use group=1 for a dense convolution")
+    cin = x[1] if x is not None else None
+    if w is not None and isinstance(w[0], int) and w[0] % group:
+        raise nd.fail(f"attribute group={group} does not divide the weight's {w[0]} output channels "
+                      f"(weight {nd.input(1)!r} {w})", group, "use a group that divides both channel counts")
+    if isinstance(cin, int) and w is not None and isinstance(w[1], int) and w[1] * group != cin:
+        raise nd.fail(f"attribute group={group}: the weight {nd.input(1)!r} {w} takes {w[1]} channel(s) per group, "
+                      f"so the input needs {w[1] * group} channels, but it has {cin}", group,
+                      f"set group to {cin // w[1] if w[1] and cin % w[1] == 0 else 'in_channels / weight.shape[1]'} "
+                      "or re-export the model")
+    b = nd.dims(2)
+    if b is not None and w is not None and (len(b) != 1 or isinstance(b[0], int) and isinstance(w[0], int)
+                                            and b[0] != w[0]):
+        raise nd.fail(f"bias {nd.input(2)!r} has shape {b}, the weight has {w[0]} output channels", b,
+                      f"give the bias shape [{w[0]}]")
+    check_window(nd, sp, x, kernel, ceil=False)
+
+
+@_handles("Conv", check=_check_conv)
 def _conv(imp: _Importer, n) -> None:
     w = imp.operand(n.input[1])
     wt = imp.g.type_of(w)
@@ -246,7 +308,16 @@ def _conv(imp: _Importer, n) -> None:
     _emit_window(imp, n, "conv2d", ins, attrs, lifted)
 
 
-@_handles("MaxPool", "AveragePool")
+def _check_pool(nd: CheckedNode) -> None:
+    x = nd.dims(0)
+    sp = spatial_rank(nd, x)
+    for f in ("ceil_mode", "count_include_pad", "storage_order"):
+        nd.flag(f)
+    kernel = nd.ints("kernel_shape", sp, 1)
+    check_window(nd, sp, x, kernel, ceil=bool(nd.attrs.get("ceil_mode", 0)))
+
+
+@_handles("MaxPool", "AveragePool", check=_check_pool)
 def _pool(imp: _Importer, n) -> None:
     if len(n.output) > 1 and n.output[1] and imp.consumers.get(n.output[1]):
         raise imp.fail("MaxPool indices output is used", fix="only the pooled values are supported")

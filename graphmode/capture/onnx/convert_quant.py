@@ -10,7 +10,7 @@ import torch
 
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES, _Known
 from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
-from graphmode.capture.onnx_validate import ONNX_DTYPES
+from graphmode.capture.onnx.checks import ONNX_DTYPES
 from graphmode.ir.ops import norm_axis
 from graphmode.ir.types import DTYPES
 

@@ -13,6 +13,7 @@ from graphmode.errors import IRError
 from graphmode.ir.ops import broadcast_shapes, norm_axis, resolve_reshape
 from graphmode.ir.types import DTYPES, Dim, dim_str, normalize_dim
 
+from graphmode.capture.onnx.checks import CheckedNode, axis_check, check_axes
 from graphmode.capture.onnx.fold import BIG_END, KNOWN_LIMIT, _INT_DTYPES, _Known, _is_sym
 from graphmode.capture.onnx.importer import _Importer, _attr_dim, _handles, _same_shape, _shape_attr
 
@@ -54,7 +55,18 @@ def _resolve_reshape(in_shape: Sequence[Dim], target: Sequence[Dim]) -> tuple[Di
     return resolve_reshape(in_shape, target)
 
 
-@_handles("Reshape")
+def _check_reshape(nd: CheckedNode) -> None:
+    s = nd.const(1)
+    if s is None:
+        return
+    vals = [int(v) for v in s.reshape(-1)]
+    if sum(v == -1 for v in vals) > 1 or any(v < -1 for v in vals) or \
+            (nd.attrs.get("allowzero", 0) and 0 in vals and -1 in vals):
+        raise nd.fail(f"shape {nd.input(1)!r} = {vals} is invalid: at most one -1, no value below -1 (and with "
+                      "allowzero=1 no 0 next to a -1)", vals, "re-export the model with a valid target shape")
+
+
+@_handles("Reshape", check=_check_reshape)
 def _reshape(imp: _Importer, n) -> None:
     src = n.input[0]
     t = imp.type_of(src)
@@ -69,7 +81,7 @@ def _reshape(imp: _Importer, n) -> None:
     _emit_reshape(imp, src, shape, n.output[0])
 
 
-@_handles("Flatten")
+@_handles("Flatten", check=axis_check(extra=1, default=1))
 def _flatten(imp: _Importer, n) -> None:
     t = imp.type_of(n.input[0])
     axis = imp.attr(n, "axis", 1)
@@ -91,7 +103,7 @@ def _axes_arg(imp: _Importer, n, what: str) -> list[int] | None:
     return list(a) if a is not None else None
 
 
-@_handles("Unsqueeze")
+@_handles("Unsqueeze", check=check_axes)
 def _unsqueeze(imp: _Importer, n) -> None:
     t = imp.type_of(n.input[0])
     axes = _axes_arg(imp, n, "Unsqueeze") or []
@@ -103,7 +115,7 @@ def _unsqueeze(imp: _Importer, n) -> None:
     _emit_reshape(imp, n.input[0], shape, n.output[0])
 
 
-@_handles("Squeeze")
+@_handles("Squeeze", check=check_axes)
 def _squeeze(imp: _Importer, n) -> None:
     t = imp.type_of(n.input[0])
     axes = _axes_arg(imp, n, "Squeeze")
@@ -116,7 +128,14 @@ def _squeeze(imp: _Importer, n) -> None:
     _emit_reshape(imp, n.input[0], [d for i, d in enumerate(t.shape) if i not in axes], n.output[0])
 
 
-@_handles("Transpose")
+def _check_transpose(nd: CheckedNode) -> None:
+    perm, x = nd.attrs.get("perm"), nd.dims(0)
+    if perm is not None and x is not None and sorted(perm) != list(range(len(x))):
+        raise nd.fail(f"attribute perm={perm} is not a permutation of the input's {len(x)} axes", perm,
+                      f"give perm as an ordering of {list(range(len(x)))}")
+
+
+@_handles("Transpose", check=_check_transpose)
 def _transpose(imp: _Importer, n) -> None:
     t = imp.type_of(n.input[0])
     perm = list(imp.attr(n, "perm", list(range(t.rank))[::-1]))
@@ -134,7 +153,7 @@ def _transpose(imp: _Importer, n) -> None:
     imp.emit("permute", [imp.operand(n.input[0])], {"perm": perm}, out=n.output[0])
 
 
-@_handles("Concat")
+@_handles("Concat", check=axis_check(default=None))
 def _concat(imp: _Importer, n) -> None:
     ins = [i for i in n.input if i]
     t0 = imp.type_of(ins[0])
@@ -151,7 +170,22 @@ def _concat(imp: _Importer, n) -> None:
     imp.emit("concat", [imp.operand(i) for i in ins], {"dim": axis}, out=n.output[0])
 
 
-@_handles("Split")
+def _check_split(nd: CheckedNode) -> None:
+    x = nd.dims(0)
+    rank = len(x) if x is not None else None
+    nd.axis("axis", 0, rank)
+    sizes = nd.attrs.get("split")
+    if sizes is None and nd.const(1) is not None:
+        sizes = [int(v) for v in nd.const(1).reshape(-1)]
+    if sizes is None or rank is None:
+        return
+    dim = x[nd.attrs.get("axis", 0) % rank]
+    if any(s < 0 for s in sizes) or isinstance(dim, int) and sum(sizes) != dim or len(sizes) != len(nd.n.output):
+        raise nd.fail(f"split sizes {sizes} must be >= 0, one per output ({len(nd.n.output)}), and sum to the "
+                      f"split dim ({dim})", sizes, "fix the split sizes in the model")
+
+
+@_handles("Split", check=_check_split)
 def _split(imp: _Importer, n) -> None:
     t = imp.type_of(n.input[0])
     axis = norm_axis(imp.attr(n, "axis", 0), t.rank)
@@ -261,7 +295,21 @@ def _wrap_negative(imp: _Importer, idx: str, size, hint: str) -> str:
     return imp.emit("where", [neg, shifted, idx], {}, hint=f"{hint}_idx")
 
 
-@_handles("Gather")
+def _check_gather(nd: CheckedNode) -> None:
+    x = nd.dims(0)
+    rank = len(x) if x is not None else None
+    nd.axis("axis", 0, rank)
+    idx = nd.const(1)
+    if idx is None or rank is None or not np.issubdtype(idx.dtype, np.integer):
+        return
+    size = x[nd.attrs.get("axis", 0) % rank]
+    if isinstance(size, int) and idx.size and (int(idx.min()) < -size or int(idx.max()) >= size):
+        bad = int(idx.max()) if int(idx.max()) >= size else int(idx.min())
+        raise nd.fail(f"constant indices {nd.input(1)!r} hold {bad}, out of range for a dim of size {size} "
+                      f"(valid: {-size}..{size - 1})", bad, "fix the indices in the model")
+
+
+@_handles("Gather", check=_check_gather)
 def _gather(imp: _Importer, n) -> None:
     data, idx = n.input[0], n.input[1]
     dt, it = imp.type_of(data), imp.type_of(idx)

@@ -19,7 +19,8 @@ from graphmode.capture.onnx.functions import expand_functions, has_body
 from graphmode.capture.onnx.inputs import InputBinder
 from graphmode.capture.onnx.values import (ValueState, _attr_dim, _same_shape, _shape_attr,  # noqa: F401
                                            _to_tensor, _vname)   # the handlers' helpers, imported from here
-from graphmode.capture.onnx_validate import node_where, validate_onnx
+from graphmode.capture.onnx.checks import CheckedNode, node_where
+from graphmode.capture.onnx.validate import validate_onnx
 from graphmode.capture.torch_import import CaptureReport, Fallback
 from graphmode.errors import CaptureError, IRError
 from graphmode.ir.graph import Graph, clean_name
@@ -239,12 +240,18 @@ class _Importer(ValueState, Emitter, InputBinder):
 # ------------------------------------------------------------------------------ handlers
 
 _HANDLERS: dict[str, Callable[[_Importer, Any], None]] = {}
+_CHECKS: dict[str, Callable[[CheckedNode], None]] = {}
 
 
-def _handles(*ops: str):
+def _handles(*ops: str, check: Callable[[CheckedNode], None] | None = None):
+    """Register the decorated function as the handler of `ops`, and `check` as their attribute
+    check: what `validate_onnx` runs on each such node before any handler does (its message
+    names the attribute, value and fix), so a handler may trust the node it translates."""
     def deco(fn):
         for o in ops:
             _HANDLERS[o] = fn
+            if check is not None:
+                _CHECKS[o] = check
         return fn
     return deco
 
@@ -323,7 +330,7 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
     converted = set(supported_onnx_ops())
     while True:
         model = expand_functions(loaded, converted)
-        model, opset, inferred = validate_onnx(model, label, converted)
+        model, opset, inferred = validate_onnx(model, label, converted, _CHECKS)
         gname = name or (Path(str(path_or_model)).stem if is_path else (model.graph.name or "onnx_model"))
         imp = _Importer(model, label, gname, dims, input_dims, make_onnx_excluder(include_ops, exclude_ops),
                         input_values)

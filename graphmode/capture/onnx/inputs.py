@@ -6,7 +6,7 @@ import re
 
 from graphmode.capture.onnx.fold import DEFAULT_RANGE, _Known
 from graphmode.capture.onnx.values import _deq
-from graphmode.capture.onnx_validate import ONNX_DTYPES as _ONNX_DTYPES
+from graphmode.capture.onnx.checks import ONNX_DTYPES as _ONNX_DTYPES
 from graphmode.errors import CaptureError
 from graphmode.ir.graph import clean_name
 from graphmode.ir.types import Dim, TensorType, dim_str, normalize_dim, sym

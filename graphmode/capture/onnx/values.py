@@ -11,7 +11,7 @@ import sympy
 import torch
 
 from graphmode.capture.onnx.fold import KNOWN_LIMIT, _Known, _is_sym, _objarr, _py
-from graphmode.capture.onnx_validate import ONNX_DTYPES as _ONNX_DTYPES
+from graphmode.capture.onnx.checks import ONNX_DTYPES as _ONNX_DTYPES
 from graphmode.errors import IRError
 from graphmode.ir.graph import clean_name
 from graphmode.ir.types import Dim, TensorType, dim_str, dims_equal, normalize_dim
