@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 import sympy
 import torch
 
-from graphmode.ir.ops import get_op
+from graphmode.ir.ops import OPS, get_op
 from graphmode.ir.types import DTYPES, Dim, normalize_dim
 
 NEG_THRESHOLD = -1e4      # exp(x - max) underflows to exactly 0 in f32 (and is < 1e-4000 relative below it)
@@ -269,7 +269,12 @@ def binary(op: str, a: Content, b: Content, lo: Mapping[str, int]) -> Content:
     return GARBAGE
 
 
-UNARY_HUGE = {"exp": 0.0, "sigmoid": 0.0, "relu": 0.0, "tanh": -1.0, "erf": -1.0, "gelu": -0.0, "silu": -0.0}
+def at_masked(op: str) -> Content | None:
+    """What `op` makes of masked (hugely negative) positions, from its OpSpec (`at_masked`):
+    exp or softmax 0, tanh -1, log_softmax still masked; None where the op table says nothing."""
+    spec = OPS.get(op)
+    v = spec.at_masked if spec is not None else None
+    return None if v is None else NEG_HUGE if v == -math.inf else const(v)
 
 
 def unary(op: str, c: Content, attrs: Mapping[str, Any]) -> Content:
@@ -285,8 +290,9 @@ def unary(op: str, c: Content, attrs: Mapping[str, Any]) -> Content:
         except Exception:  # noqa: BLE001
             return GARBAGE
     if neg_huge(c):
-        if op in UNARY_HUGE:
-            return const(UNARY_HUGE[op])
+        masked = at_masked(op)
+        if masked is not None:
+            return masked
         if op == "cast" and attrs.get("dtype") in ("f32", "f64", "f16", "bf16"):
             return NEG_HUGE
         if op == "clamp":

@@ -278,6 +278,40 @@ def test_every_op_has_a_padding_rule():
     assert "not_an_op" not in OPS
 
 
+def test_the_padding_value_facts_hold_for_each_ops_reference():
+    """What the padding analysis reads off the op table instead of keeping op lists
+    (`pad_identity`, `at_masked`, `value_floor`) is true of each op's eager reference: padding
+    with its identity leaves a reduction unchanged, a masked input gives its `at_masked`, and
+    no sample output lies below its floor."""
+    declared = {op: s for op, s in OPS.items() if s.pad_identity or s.at_masked is not None
+                or s.value_floor is not None}
+    assert {"sum", "amax", "argmax", "softmax", "log_softmax", "exp", "relu", "gelu"} <= set(declared)
+    g = torch.Generator().manual_seed(0)
+    for op, s in declared.items():
+        attrs = {"dims": [1]} if s.padding == "reduce" else {"dim": 1}
+        x = torch.randn(3, 5, generator=g, dtype=torch.float64)
+        if s.pad_identity is not None:
+            fill = {"zero": 0.0, "masked": -1e4}[s.pad_identity]
+            padded = torch.cat([x, torch.full((3, 2), fill, dtype=x.dtype)], dim=1)
+            got, want = s.ref([padded], attrs, {})[0], s.ref([x], attrs, {})[0]
+            torch.testing.assert_close(got[:, :5] if s.padding == "along" else got, want, msg=op)
+        if s.at_masked is not None:
+            masked = torch.tensor([[0.5, 1.0, -1e4, -3e4]], dtype=torch.float64)
+            out = s.ref([masked], {} if s.kind == "elementwise" else attrs, {})[0][0, 2:]
+            if s.at_masked == float("-inf"):
+                assert (out <= -1e3).all(), op
+            else:
+                torch.testing.assert_close(out, torch.full_like(out, s.at_masked), atol=1e-6, rtol=0, msg=op)
+        if s.value_floor is not None:
+            for sample in s.samples():
+                out = s.ref(sample.make(g), sample.attrs, {})[0]
+                assert (out.double() >= s.value_floor).all(), op
+    with pytest.raises(IRError, match="unknown pad_identity 'one'"):
+        register(OpSpec("not_an_op", "reduction", (1, 1), OPS["sum"].infer, OPS["sum"].ref, padding="reduce",
+                        pad_identity="one"))
+    assert "not_an_op" not in OPS
+
+
 @pytest.mark.parametrize("op", sorted(op for op in OPS_WITH_SAMPLES if OPS[op].aten_call is not None))
 def test_aten_fallback_round_trips(op):
     """Each sample through the op's eager ATen call, as the `fallback` node an importer emits

@@ -11,6 +11,7 @@ from graphmode.analysis.padding_lattice import (GARBAGE, UNKNOWN, Axis, Content,
                                                 falsy, padded_view, symbols, truthy, unary, plain)
 from graphmode.analysis.padding_rules import rule
 from graphmode.ir.graph import Node
+from graphmode.ir.ops import OPS
 from graphmode.ir.types import normalize_dim
 
 
@@ -35,9 +36,11 @@ def pointwise(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[
 
 def unary_lower(op: str, a: Mapping[str, Any], s: State) -> float | None:
     """A lower bound on real values, kept where an op keeps it (argmax over a padded axis
-    is safe when the padding is at most the smallest real value)."""
-    if op in ("relu", "abs", "exp", "sigmoid", "sqrt", "logical_not"):
-        return 0.0
+    is safe when the padding is at most the smallest real value): the op's own floor
+    (`OpSpec.value_floor`: relu, exp, ... 0), a clamp's min, or the input's through a copy."""
+    spec = OPS.get(op)
+    if spec is not None and spec.value_floor is not None:
+        return spec.value_floor
     if op == "clamp" and a.get("min") is not None:
         return float(a["min"]) if s.lower is None else max(float(a["min"]), s.lower)
     if op in ("identity", "cast"):

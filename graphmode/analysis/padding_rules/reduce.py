@@ -6,28 +6,39 @@ it a no-op (zeros for a sum, masked logits for a max or softmax, padding at the 
 from __future__ import annotations
 
 from graphmode.analysis.padding_lattice import (GARBAGE, NEG_HUGE, UNKNOWN, Axis, Content, Factor, Finding, State,
-                                                const, falsy, neg_huge, plain)
+                                                at_masked, falsy, neg_huge, plain)
 from graphmode.analysis.padding_rules import rule
 from graphmode.ir.graph import Node
-from graphmode.ir.ops import norm_axis
+from graphmode.ir.ops import get_op, norm_axis
+
+# how a padded content is recognised as the identity the op table declares (OpSpec.pad_identity)
+IDENTITY = {"zero": falsy, "masked": neg_huge}
+IDENTITY_MISSING = {"zero": "whose padded positions are not zero", "masked": "whose padded positions are not masked"}
+
+
+def identity_test(op: str):
+    """Whether a padded content leaves `op` unchanged: its declared identity (never without one)."""
+    return IDENTITY.get(get_op(op).pad_identity, lambda c: False)
+
+
+def why_unsafe(op: str) -> str:
+    """The finding for `op` over a padded dim: the identity its padding lacks, or the op's own reason."""
+    spec = get_op(op)
+    why = IDENTITY_MISSING[spec.pad_identity] if spec.pad_identity else ""
+    return " ".join(filter(None, (f"{op} over padded dim {{d}}", why, f"({spec.pad_why})" if spec.pad_why else "")))
 
 
 def reduce(an, n: Node, x: State, taint: dict[str, Finding]) -> State:
     op, a = n.op, n.attrs
     rank = len(x.axes)
     dims = sorted({norm_axis(d, rank) for d in a.get("dims", range(rank))})
-    safe = {"sum": falsy, "amax": neg_huge,
-            "mean": lambda c: False, "amin": lambda c: False}[op]
+    safe = identity_test(op)
     any_padded = False
     for i in dims:
         for f in x.axes[i].padded:
             any_padded = True
             if not f.prefix or not safe(f.content):
-                why = {"sum": "sum over padded dim {d} whose padded positions are not zero",
-                       "mean": "mean over padded dim {d} (the padded length changes the divisor)",
-                       "amax": "max over padded dim {d} whose padded positions are not masked",
-                       "amin": "min over padded dim {d}"}[op]
-                taint.setdefault(f.dim, an.finding(f.dim, n, why.format(d=f.dim)))
+                taint.setdefault(f.dim, an.finding(f.dim, n, why_unsafe(op).format(d=f.dim)))
     keep = a.get("keepdim", False)
     axes = []
     for i, ax in enumerate(x.axes):
@@ -46,30 +57,32 @@ def reduce(an, n: Node, x: State, taint: dict[str, Finding]) -> State:
 def reduced_content(op: str, c: Content) -> Content:
     if c.kind == "const" and (op != "sum" or falsy(c)):
         return c
-    if op == "amax" and neg_huge(c):
+    if neg_huge(c) and get_op(op).pad_identity == "masked":     # a max of masked values stays masked
         return NEG_HUGE
     return GARBAGE
 
 
 def along(an, n: Node, x: State, taint: dict[str, Finding]) -> State:
-    """softmax / log_softmax / cumsum along one dim."""
+    """softmax / log_softmax (safe over masked padding: their `pad_identity`) and cumsum (a
+    scan: safe over padding at the end) along one dim."""
     op = n.op
+    masks = get_op(op).pad_identity == "masked"
     if not x.axes:
         return State(())
     dim = norm_axis(n.attrs["dim"], len(x.axes))
     axes = list(an.garbage(x.axes))
     ax = x.axes[dim]
     for f in ax.padded:
-        if op == "cumsum":
+        if not masks:
             ok = f.prefix and len(ax.factors) == 1
             why = "scan over padded dim {d} whose padding is not at the end"
         else:
             ok = f.prefix and neg_huge(f.content)
-            why = f"{op} over padded dim {{d}} whose padded positions are not masked"
+            why = why_unsafe(op)
         if not ok:
             taint.setdefault(f.dim, an.finding(f.dim, n, why.format(d=f.dim)))
-    if op != "cumsum" and ax.padded:
-        out = const(0.0) if op == "softmax" else NEG_HUGE
+    if masks and ax.padded:
+        out = at_masked(op) or GARBAGE
         axes[dim] = Axis(tuple(Factor(f.extent, f.dim, out if f.dim else f.content, f.prefix) for f in ax.factors))
     return State(tuple(axes))
 
@@ -81,7 +94,7 @@ def argreduce(an, n: Node, x: State, taint: dict[str, Finding]) -> State:
     ax = x.axes[dim]
     bound = None
     for f in ax.padded:
-        ok = (n.op == "argmax" and f.prefix and ax.single is f and x.lower is not None and
+        ok = (get_op(n.op).pad_identity == "masked" and f.prefix and ax.single is f and x.lower is not None and
               ((f.content.kind == "const" and isinstance(f.content.value, (int, float))
                 and float(f.content.value) <= x.lower) or neg_huge(f.content)))
         if ok:

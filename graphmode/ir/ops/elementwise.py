@@ -18,24 +18,30 @@ def _bools(*shapes):
     return lambda g: [torch.rand(*s, generator=g) > 0.5 for s in shapes]
 
 
-# name: (torch fn, flops per element, doc, sample maker, extra traits, ATen overloads)
+_TO_ZERO = {"at_masked": 0.0, "value_floor": 0.0}      # never negative, 0 at a masked input
+
+# name: (torch fn, flops per element, doc, sample maker, extra traits, ATen overloads[, value facts: OpSpec's
+# at_masked (its value at a masked input) and value_floor (no output below it), read by the padding analysis])
 _UNARY: dict[str, tuple] = {
     "neg": (torch.neg, 1, "-x", None, {"epilogue_safe"}, ("aten.neg.default",)),
-    "exp": (torch.exp, 8, "e^x", None, {"precision_sensitive"}, ("aten.exp.default",)),
+    "exp": (torch.exp, 8, "e^x", None, {"precision_sensitive"}, ("aten.exp.default",), _TO_ZERO),
     "log": (torch.log, 8, "natural log", _positive, set(), ("aten.log.default",)),
-    "sqrt": (torch.sqrt, 4, "square root", _positive, set(), ("aten.sqrt.default",)),
+    "sqrt": (torch.sqrt, 4, "square root", _positive, set(), ("aten.sqrt.default",), {"value_floor": 0.0}),
     "rsqrt": (torch.rsqrt, 4, "1/sqrt(x)", _positive, set(), ("aten.rsqrt.default",)),
     "reciprocal": (torch.reciprocal, 2, "1/x", _positive, set(), ("aten.reciprocal.default",)),
-    "abs": (torch.abs, 1, "|x|", None, set(), ("aten.abs.default",)),
-    "tanh": (torch.tanh, 10, "hyperbolic tangent", None, {"epilogue_safe"}, ("aten.tanh.default",)),
-    "sigmoid": (torch.sigmoid, 10, "1/(1+e^-x)", None, {"epilogue_safe"}, ("aten.sigmoid.default",)),
-    "relu": (torch.relu, 1, "max(x, 0)", None, {"epilogue_safe"}, ("aten.relu.default", "aten.relu_.default")),
-    "erf": (torch.erf, 10, "error function", None, {"epilogue_safe"}, ("aten.erf.default",)),
+    "abs": (torch.abs, 1, "|x|", None, set(), ("aten.abs.default",), {"value_floor": 0.0}),
+    "tanh": (torch.tanh, 10, "hyperbolic tangent", None, {"epilogue_safe"}, ("aten.tanh.default",),
+             {"at_masked": -1.0}),
+    "sigmoid": (torch.sigmoid, 10, "1/(1+e^-x)", None, {"epilogue_safe"}, ("aten.sigmoid.default",), _TO_ZERO),
+    "relu": (torch.relu, 1, "max(x, 0)", None, {"epilogue_safe"}, ("aten.relu.default", "aten.relu_.default"),
+             _TO_ZERO),
+    "erf": (torch.erf, 10, "error function", None, {"epilogue_safe"}, ("aten.erf.default",), {"at_masked": -1.0}),
     "sin": (torch.sin, 10, "sine", None, set(), ("aten.sin.default",)),
     "cos": (torch.cos, 10, "cosine", None, set(), ("aten.cos.default",)),
-    "silu": (F.silu, 12, "x*sigmoid(x)", None, {"epilogue_safe"}, ("aten.silu.default", "aten.silu_.default")),
+    "silu": (F.silu, 12, "x*sigmoid(x)", None, {"epilogue_safe"}, ("aten.silu.default", "aten.silu_.default"),
+             {"at_masked": -0.0}),
     "logical_not": (torch.logical_not, 1, "not x (bool)", _bools, set(),
-                    ("aten.logical_not.default", "aten.bitwise_not.default")),
+                    ("aten.logical_not.default", "aten.bitwise_not.default"), {"value_floor": 0.0}),
     "identity": (lambda x: x.clone(), 0, "copy (clone/contiguous/alias after capture)", None, set(), ()),
     "floor": (torch.floor, 1, "round down", None, set(), ("aten.floor.default",)),
     "ceil": (torch.ceil, 1, "round up", None, set(), ("aten.ceil.default",)),
@@ -71,19 +77,19 @@ def _unary_ref(fn: Callable):
     return lambda ins, attrs, env: [fn(ins[0])]
 
 
-for _name, (_fn, _cost, _doc, _make, _traits, _aten) in _UNARY.items():
+for _name, (_fn, _cost, _doc, _make, _traits, _aten, *_values) in _UNARY.items():
     _infer = (lambda ins, attrs: [ins[0].with_dtype("bool")]) if _name == "logical_not" else same
     _maker = (_make or randn)((2, 3, 5))
     register(OpSpec(_name, "elementwise", (1, 1), _infer, _unary_ref(_fn), inplace=True, doc=_doc,
                     flops_per_elem=_cost, traits=frozenset(_traits), aten=_aten,
-                    samples=(lambda m=_maker: [Sample(m)]), padding="pointwise"))
+                    samples=(lambda m=_maker: [Sample(m)]), padding="pointwise", **(_values[0] if _values else {})))
 
 register(OpSpec("gelu", "elementwise", (1, 1), same,
                 lambda ins, a, env: [F.gelu(ins[0], approximate=a.get("approximate", "none"))],
                 attrs=("approximate",), inplace=True, flops_per_elem=14, traits=frozenset({"epilogue_safe"}),
                 doc="GELU; approximate='none' (erf) or 'tanh'",
                 samples=lambda: [Sample(randn((2, 8))), Sample(randn((2, 8)), {"approximate": "tanh"})],
-                padding="pointwise"))
+                padding="pointwise", at_masked=-0.0))
 register(OpSpec("clamp", "elementwise", (1, 1), same,
                 lambda ins, a, env: [torch.clamp(ins[0], a.get("min"), a.get("max"))],
                 attrs=("min", "max"), inplace=True, traits=frozenset({"epilogue_safe"}),

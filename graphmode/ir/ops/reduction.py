@@ -28,14 +28,16 @@ def _reduce_samples():
             Sample(randn((4, 6)), {"dims": [1]})]
 
 
-_REDUCE = {"sum": (torch.sum, {"precision_sensitive"}, ("aten.sum.dim_IntList",), "sum"),
-           "mean": (torch.mean, {"precision_sensitive"}, ("aten.mean.dim",), "mean"),
-           "amax": (torch.amax, set(), ("aten.amax.default",), "max"),
-           "amin": (torch.amin, set(), ("aten.amin.default",), "min")}
-for _name, (_fn, _traits, _aten, _what) in _REDUCE.items():
+# name: (torch fn, traits, ATen overloads, doc word, pad_identity: the padding that leaves it unchanged)
+_REDUCE = {"sum": (torch.sum, {"precision_sensitive"}, ("aten.sum.dim_IntList",), "sum", "zero"),
+           "mean": (torch.mean, {"precision_sensitive"}, ("aten.mean.dim",), "mean", None),   # see pad_why below
+           "amax": (torch.amax, set(), ("aten.amax.default",), "max", "masked"),
+           "amin": (torch.amin, set(), ("aten.amin.default",), "min", None)}
+for _name, (_fn, _traits, _aten, _what, _identity) in _REDUCE.items():
     register(OpSpec(_name, "reduction", (1, 1), _reduce_infer, _mk_reduce(_fn), attrs=("dims", "keepdim"),
                     doc=f"{_what} over dims", traits=frozenset(_traits | {"row_reduction"}), aten=_aten,
-                    samples=_reduce_samples, padding="reduce"))
+                    samples=_reduce_samples, padding="reduce", pad_identity=_identity,
+                    pad_why="the padded length changes the divisor" if _name == "mean" else ""))
 
 
 def _prod(x: torch.Tensor, dim: list[int], keepdim: bool) -> torch.Tensor:
@@ -68,17 +70,18 @@ for _name, _fn in (("argmax", torch.argmax), ("argmin", torch.argmin)):
                     doc=f"index of the {_name[3:]} along dim (the first one on ties), i64",
                     samples=lambda: [Sample(randn((3, 7)), {"dim": 1}), Sample(randn((2, 3, 4)), {"dim": 0,
                                                                                                "keepdim": True})],
-                    padding="argreduce"))
+                    padding="argreduce", pad_identity="masked" if _name == "argmax" else None))
 
 register(OpSpec("softmax", "reduction", (1, 1), same,
                 lambda ins, a, env: [torch.softmax(ins[0], a["dim"])], attrs=("dim",), flops_per_elem=5,
                 traits=frozenset({"row_reduction", "precision_sensitive", "keep_f32"}), doc="softmax along dim",
                 samples=lambda: [Sample(randn((2, 4, 6)), {"dim": -1}), Sample(randn((5, 3)), {"dim": 0})],
-                padding="along"))
+                padding="along", pad_identity="masked", at_masked=0.0))
 register(OpSpec("log_softmax", "reduction", (1, 1), same,
                 lambda ins, a, env: [torch.log_softmax(ins[0], a["dim"])], attrs=("dim",), flops_per_elem=5,
                 traits=frozenset({"row_reduction", "precision_sensitive"}), doc="log-softmax along dim",
-                samples=lambda: [Sample(randn((2, 4, 6)), {"dim": -1})], padding="along"))
+                samples=lambda: [Sample(randn((2, 4, 6)), {"dim": -1})], padding="along", pad_identity="masked",
+                at_masked=float("-inf")))
 register(OpSpec("cumsum", "reduction", (1, 1),
                 lambda ins, a: [ins[0].with_dtype("i64" if ins[0].dtype in ("bool", "u8", "i8", "i16", "i32")
                                                   else ins[0].dtype)],

@@ -71,6 +71,11 @@ PADDING_RULES = {
     "region": "a fused region: analysed through its body",
     "opaque": "not modelled: any padded dim reaching the op is reported unsafe",
 }
+# The padded content that leaves a reduction over padded positions unchanged (`OpSpec.pad_identity`):
+PAD_IDENTITIES = {
+    "zero": "zeros (a sum)",
+    "masked": "masked values, at or below -1e4 (a max, a softmax's logits, argmax)",
+}
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,11 @@ class OpSpec:
     aten: tuple[str, ...] = ()     # ATen overloads captured 1:1 (arguments normalised by the op schema)
     samples: Callable[[], list[Sample]] | None = None
     padding: str | None = None     # its padding rule (PADDING_RULES); None: undeclared, analysed as opaque
+    # what the padding analysis reads about the op's values (analysis/padding_rules/):
+    pad_identity: str | None = None   # PAD_IDENTITIES: padding that leaves a reduction over it unchanged
+    at_masked: float | None = None    # its value at a masked (hugely negative) input (-inf: still masked)
+    value_floor: float | None = None  # no output is below this (kept through argmax over padding)
+    pad_why: str = ""                 # why padding what it reduces changes it, beyond a missing pad_identity
     # (attrs, input types) -> its eager equivalent as a fallback node's (target, args, kwargs): ir/ops/aten_calls.py
     aten_call: Callable[[Mapping[str, Any], Sequence[TensorType]], tuple[str, list, dict]] | None = None
 
@@ -114,6 +124,9 @@ def register(spec: OpSpec) -> OpSpec:
     if spec.padding is not None and spec.padding not in PADDING_RULES:
         raise IRError(f"op {spec.name!r} declares unknown padding rule {spec.padding!r}",
                       fix=f"one of {sorted(PADDING_RULES)}")
+    if spec.pad_identity is not None and spec.pad_identity not in PAD_IDENTITIES:
+        raise IRError(f"op {spec.name!r} declares unknown pad_identity {spec.pad_identity!r}",
+                      fix=f"one of {sorted(PAD_IDENTITIES)}")
     traits = set(spec.traits)
     if spec.inplace:
         traits.add("inplace")
