@@ -97,7 +97,9 @@ def pass_context(recipe: Recipe, target: Any = None, buckets: Sequence[dict] | N
                         "max_ops": fusion.max_ops},
                "precision": {"compute": recipe.precision.compute,
                              "overrides": dict(recipe.precision.overrides)},
-               "quantize_weights": {"weights": recipe.precision.weights},
+               "quantize_weights": {"weights": recipe.precision.weights,
+                                    "group_size": recipe.precision.group_size,
+                                    "int4_scheme": recipe.precision.int4_scheme},
                "memory_plan": {"reuse": recipe.optimize.memory_reuse,
                                "alias_groups": [list(g) for g in recipe.alias_groups]},
                "to_paged": _paged_options(recipe)}

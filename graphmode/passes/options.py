@@ -57,7 +57,9 @@ class PrecisionOptions(PassOptions):
 
 
 class QuantizeWeightsOptions(PassOptions):
-    weights: Literal["f32", "bf16", "int8"] = "f32"
+    weights: Literal["f32", "bf16", "int8", "int4"] = "f32"
+    group_size: Literal[32, 64, 128] = 32
+    int4_scheme: Literal["symmetric", "asymmetric"] = "symmetric"
 
 
 class MemoryPlanOptions(PassOptions):

@@ -8,9 +8,12 @@ per output channel, scale = max|W[n, :]| / 127 and Wq = round(W / scale) (an all
 keeps scale 1). Activations, bias and accumulation stay f32, so the answer changes only by
 the weights' rounding: `graphmode verify` then checks logit error and top-1 flips against
 the f32 model instead of the f32 tolerance (verify/numerics.py: WEIGHT_ONLY, Top1).
+int4 packs two 4-bit codes a byte with an f32 scale per group of `group_size` weights along
+`in` (and a zero point per group when asymmetric): ir/ops/int4.py has the format. A linear
+whose `in` is not a multiple of the group stays f32 (counted in the pass's `left_f32`).
 
 A W shared with other nodes (GPT-2's tied embedding and LM head) keeps its f32 constant for
-them; the quantized copy is a new constant `<W>.bf16` / `<W>.int8`, made once per W.
+them; the quantized copy is a new constant `<W>.bf16` / `<W>.int8` / `<W>.int4`, made once per W.
 Linears that are not over an f32 constant weight (computed weights, non-f32 inputs) stay.
 """
 from __future__ import annotations
@@ -18,13 +21,18 @@ from __future__ import annotations
 import torch
 
 from graphmode.ir.graph import Graph
+from graphmode.ir.ops import int4
 from graphmode.passes.base import PassContext, PassResult, register_pass
 
 _STORED = {"bf16": torch.bfloat16, "int8": torch.int8}
 
 
-def quantize(w: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stored weight, f32 per-row scale) for an f32 [out, in] weight."""
+def quantize(w: torch.Tensor, weights: str, group: int = 32,
+             scheme: str = "symmetric") -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored weight, f32 scale) for an f32 [out, in] weight: per row for bf16 / int8, per
+    group of `group` for int4 (packed u8, ir/ops/int4.py)."""
+    if weights == "int4":
+        return int4.quantize(w, group, scheme)
     w = w.detach().float()
     if weights == "bf16":
         return w.to(torch.bfloat16).contiguous(), torch.ones(w.shape[0])
@@ -36,33 +44,39 @@ def quantize(w: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor]
 
 @register_pass("quantize_weights")
 def run(graph: Graph, ctx: PassContext) -> PassResult:
-    weights = ctx.opts("quantize_weights").weights
+    opts = ctx.opts("quantize_weights")
+    weights = opts.weights
     if weights == "f32":
         return PassResult(graph, False, {"weights": weights})
     g = graph.clone()
     made: dict[str, tuple[str, str]] = {}
     nodes = []
     stored = 0
+    left = 0
     for n in g.nodes:
         w = n.inputs[1] if n.op == "linear" and len(n.inputs) >= 2 else None
         ok = (w is not None and g.is_constant(w) and g.type_of(w).dtype == "f32" and g.type_of(w).rank == 2
               and g.type_of(n.inputs[0]).dtype == "f32"
               and (len(n.inputs) < 3 or g.type_of(n.inputs[2]).dtype == "f32"))
+        if ok and weights == "int4" and g.type_of(w).shape[1] % opts.group_size:
+            ok, left = False, left + 1
         if not ok:
             nodes.append(n)
             continue
         if w not in made:
-            q, scale = quantize(g.constants[w], weights)
+            q, scale = quantize(g.constants[w], weights, opts.group_size, opts.int4_scheme)
             qn = g.add_constant(g.fresh_name(f"{w}.{weights}"), q)
             sn = g.add_constant(g.fresh_name(f"{w}.scale"), scale)
             made[w] = (qn, sn)
-            stored += q.numel() * q.element_size() + scale.numel() * 4
+            stored += q.numel() * q.element_size() + scale.numel() * scale.element_size()
         qn, sn = made[w]
         nodes.append(n.with_(op="qlinear", inputs=(n.inputs[0], qn, sn) + tuple(n.inputs[2:])))
     g.nodes = nodes
     g.prune_values()
     f32 = sum(graph.constants[w].numel() * 4 for w in made)
-    return PassResult(g, bool(made), {"weights": weights, "quantized": len(made),
+    stats = {"group_size": opts.group_size, "int4_scheme": opts.int4_scheme, "left_f32": left} \
+        if weights == "int4" else {}
+    return PassResult(g, bool(made), {"weights": weights, **stats, "quantized": len(made),
                                       "linears": sum(1 for n in nodes if n.op == "qlinear"),
                                       "bytes_before": f32, "bytes_after": stored})
 

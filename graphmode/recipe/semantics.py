@@ -160,6 +160,9 @@ class _Checker(Findings):
                 self.err("precision.weights", f"weights: {p.weights} needs the quantize_weights pass, which "
                          "optimize.passes leaves out", p.weights,
                          fix="add quantize_weights to optimize.passes after constant_fold (or use a preset)")
+        if p.weights != "int4" and (p.group_size != 32 or p.int4_scheme != "symmetric"):
+            field = "precision.group_size" if p.group_size != 32 else "precision.int4_scheme"
+            self.warn(field, f"{field.split('.')[1]} applies to weights: int4 only; weights is {p.weights}")
         if self.t is None:
             return
         supported = ", ".join(self.t.dtypes)

@@ -159,8 +159,9 @@ def propose_fix(recipe, divergence: Divergence) -> dict[str, Any] | None:
     top-1 flip, an fp32 override for the diverging op when compute precision is reduced, else
     dropping the pass that introduced it."""
     compute = recipe.precision.compute
-    if divergence.stage == "weights":          # int8 -> bf16 -> f32: one step wider
-        return {"precision": {"weights": "bf16" if recipe.precision.weights == "int8" else "f32"}}
+    if divergence.stage == "weights":          # int4 -> int8 -> bf16 -> f32: one step wider
+        wider = {"int4": "int8", "int8": "bf16"}.get(recipe.precision.weights, "f32")
+        return {"precision": {"weights": wider}}
     if divergence.op and compute != "f32":
         op = divergence.op.split("[")[0]
         if op == "fused":

@@ -33,19 +33,30 @@ PANEL = {"avx512": ("gm_wq_p512", 8, 2, 16), "avx2": ("gm_wq_p256", 6, 2, 8), "p
 PANEL_ROWS = 32          # from this many rows the panel path (widen once, f32 micro-kernels) is faster
 
 
-def _isa_lines(n: int) -> list[str]:
+def isa_lines(n: int, tiles=TILES, traits=_TRAITS) -> list[str]:
     """Per ISA: the dot path's traits and tile, the panel path's micro-kernel and the shape of
     the last, narrower column block of N."""
     out = []
     for i, isa in enumerate(("avx512", "avx2", "portable")):
-        mr, nr = TILES[isa]
+        mr, nr = tiles[isa]
         pname, _pmr, pnv, pl = PANEL[isa]
         rest = n % (pnv * pl)
         tv = -(-rest // pl)
         out += [("#if " + ISA_GUARD[isa]) if i == 0 else ("#elif " + ISA_GUARD[isa]) if i == 1 else "#else",
-                f"typedef {_TRAITS[isa]} VT; constexpr int MR = {mr}, NR = {nr};",
+                f"typedef {traits[isa]} VT; constexpr int MR = {mr}, NR = {nr};",
                 f"typedef {pname} PK; constexpr int TV = {tv}, TLAST = {rest - (tv - 1) * pl if tv else 0};"]
     return out + ["#endif"]
+
+
+def split_columns(run: list[str], par: bool) -> list[str]:
+    """`run` (over output columns [n0, n1)) on one thread, or on contiguous ranges of the NB
+    column blocks per thread, so each weight byte is read by one thread."""
+    if not par:
+        return ["  {", "    const long n0 = 0, n1 = N;", *run, "  }"]
+    return ["  const long T = gm_nt() < NB ? gm_nt() : NB;",
+            "  #pragma omp parallel for schedule(static) num_threads(T)",
+            "  for (long t = 0; t < T; ++t) {",
+            "    const long n0 = t * NB / T * COLS, n1 = (t + 1) * NB / T * COLS;", *run, "  }"]
 
 
 def qlinear_source(call: OpCall, m: int, n: int, k: int) -> KernelSource:
@@ -55,7 +66,7 @@ def qlinear_source(call: OpCall, m: int, n: int, k: int) -> KernelSource:
     panel = m >= PANEL_ROWS
     wt = _WTYPE[w.dtype]
     out = f"p{len(call.ins)}"
-    pre = "\n".join(["namespace @SYM@_ns {", *_isa_lines(n),
+    pre = "\n".join(["namespace @SYM@_ns {", *isa_lines(n),
                      f"constexpr long M = {m}, N = {n}, K = {k};",
                      "constexpr long COLS = " + ("PK::NV * PK::L" if panel else "NR") + ", NB = (N + COLS - 1) / COLS;",
                      f"typedef {wt} W;", "}"])
@@ -68,13 +79,7 @@ def qlinear_source(call: OpCall, m: int, n: int, k: int) -> KernelSource:
                "    free(pbuf);"]
     else:
         run = ["    gm_wq_cols<VT, MR, NR, W>(x, w, sc, b, y, M, N, K, n0, n1 < N ? n1 : N);"]
-    if par:
-        body += ["  const long T = gm_nt() < NB ? gm_nt() : NB;",
-                 "  #pragma omp parallel for schedule(static) num_threads(T)",
-                 "  for (long t = 0; t < T; ++t) {",
-                 "    const long n0 = t * NB / T * COLS, n1 = (t + 1) * NB / T * COLS;", *run, "  }"]
-    else:
-        body += ["  {", "    const long n0 = 0, n1 = N;", *run, "  }"]
+    body += split_columns(run, par)
     kind = "int8" if w.dtype == torch.int8 else "bf16"
     return finish("qlinear", call, body, header=template("wgemm.h"), pre=pre, parallel=par,
                   pattern=f"qlinear {kind} [{m}x{k}] x [{n}x{k}]^T{' + bias' if bias else ''}"
@@ -87,6 +92,9 @@ def qlinear(call: OpCall) -> Claim:
         return refused("qlinear takes x, weight, scale[, bias]")
     x, w, scale = call.ins[:3]
     y = call.outs[0]
+    if w.dtype == torch.uint8:                     # packed int4 codes: q4gemm.py's kernels
+        from graphmode.backends.cpu.q4gemm import qlinear_int4
+        return qlinear_int4(call)
     if w.dtype not in _WTYPE or w.dim() != 2:
         return refused("the weight is not a 2-d int8 or bf16 tensor", value=(str(w.dtype), tuple(w.shape)))
     n, k = (int(d) for d in w.shape)
@@ -101,4 +109,4 @@ def qlinear(call: OpCall) -> Claim:
     return claimed(lambda: qlinear_source(call, m, n, k))
 
 
-__all__ = ["TILES", "qlinear", "qlinear_source"]
+__all__ = ["TILES", "isa_lines", "qlinear", "qlinear_source", "split_columns"]

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from graphmode.errors import IRError
+from graphmode.ir.ops import int4
 from graphmode.ir.ops.spec import OpSpec, Sample, broadcast_shapes, pair, randn, register, result_dtype
 from graphmode.ir.types import Dim, TensorType, dims_equal, normalize_dim
 
@@ -46,12 +47,27 @@ register(OpSpec("linear", "gemm", (2, 3), _linear_infer,
 
 # Weight-only quantized linear: the activations stay f32, the weight is stored narrow and read
 # as it is by the backend's kernel (decode at small batch is bound by reading weights).
-WEIGHT_DTYPES = ("bf16", "i8")
+# u8 weights are int4 codes packed two a byte with group-wise scales (ir/ops/int4.py).
+WEIGHT_DTYPES = ("bf16", "i8", "u8")
 
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The f32 weight a stored (w, scale) pair stands for: w * scale per output row."""
+    """The f32 weight a stored (w, scale) pair stands for: w * scale per output row (int8,
+    bf16), or the int4 groups' (q - z) * s (packed u8)."""
+    if w.dtype == torch.uint8:
+        return int4.dequantize(w, scale)
     return w.float() * scale.float()[:, None]
+
+
+def _int4_scale_ok(x, w, scale) -> bool:
+    """scale [N, K/G(, 2)] for packed w [N, K/2] under x [..., K], with G one of int4.GROUPS."""
+    if not dims_equal(x.shape[-1], 2 * w.shape[1]) or scale.rank not in (2, 3) or scale.shape[0] != w.shape[0]:
+        return False
+    if scale.rank == 3 and scale.shape[2] != 2:
+        return False
+    groups = scale.shape[1]
+    return isinstance(groups, int) and groups > 0 and (2 * w.shape[1]) % groups == 0 \
+        and int4.group_of(w.shape, scale.shape) in int4.GROUPS
 
 
 def _qlinear_infer(ins, attrs):
@@ -60,7 +76,14 @@ def _qlinear_infer(ins, attrs):
         raise IRError(f"qlinear: weight dtype {w.dtype} is not a stored weight dtype", fix=" or ".join(WEIGHT_DTYPES))
     if x.dtype != "f32" or scale.dtype != "f32":
         raise IRError(f"qlinear: input {x.text()} and scale {scale.text()} must be f32")
-    if w.rank != 2 or not dims_equal(x.shape[-1], w.shape[1]) or scale.shape != (w.shape[0],):
+    if w.rank != 2:
+        raise IRError(f"qlinear: weight {w.text()} must be [out, in] (int4: [out, in / 2])")
+    if w.dtype == "u8":
+        if not _int4_scale_ok(x, w, scale):
+            raise IRError(f"qlinear: int4 input {x.text()}, packed weight {w.text()} ([out, in / 2]) and scale "
+                          f"{scale.text()} ([out, in / G] or [out, in / G, 2]) do not match",
+                          fix=f"a group G of {', '.join(map(str, int4.GROUPS))} that divides in")
+    elif not dims_equal(x.shape[-1], w.shape[1]) or scale.shape != (w.shape[0],):
         raise IRError(f"qlinear: input {x.text()}, weight {w.text()} ([out, in]) and scale {scale.text()} ([out]) "
                       "do not match")
     if len(ins) > 3 and (ins[3].dtype != "f32" or ins[3].shape != (w.shape[0],)):
@@ -78,13 +101,24 @@ def _qlinear_samples():
                         torch.randn(6, generator=g)]
             return [torch.randn(2, 3, 40, generator=g), w.to(torch.bfloat16), torch.ones(6)]
         return f
-    return [Sample(make(torch.int8), note="int8, per-row scale, bias"), Sample(make(torch.bfloat16), note="bf16")]
+
+    def int4_sample(scheme, group, bias):
+        def f(g):
+            w = torch.randn(5, 2 * group, generator=g)
+            return ([torch.randn(3, 2 * group, generator=g), *int4.quantize(w, group, scheme)]
+                    + ([torch.randn(5, generator=g)] if bias else []))
+        return f
+    return [Sample(make(torch.int8), note="int8, per-row scale, bias"), Sample(make(torch.bfloat16), note="bf16"),
+            Sample(int4_sample("symmetric", 32, True), note="int4 symmetric, group 32, bias"),
+            Sample(int4_sample("asymmetric", 64, False), note="int4 asymmetric, group 64")]
 
 
 register(OpSpec("qlinear", "gemm", (3, 4), _qlinear_infer,
                 lambda ins, a, env: [F.linear(ins[0], dequantize(ins[1], ins[2]), ins[3] if len(ins) > 3 else None)],
                 doc="weight-only quantized linear: x @ (w * scale[:, None]).T (+ b); w is [out, in] i8 or bf16, "
-                    "scale [out] f32 (ones for bf16), x and the result f32",
+                    "scale [out] f32 (ones for bf16), x and the result f32; or w u8 [out, in / 2]: int4 codes "
+                    "two a byte with group-wise scale [out, in / G] (symmetric) or (scale, zero) [out, in / G, 2] "
+                    "(ir/ops/int4.py)",
                 samples=_qlinear_samples, padding="opaque"))
 
 

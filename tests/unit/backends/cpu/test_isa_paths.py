@@ -5,7 +5,7 @@ on an AVX-512 host the AVX2 and portable paths would otherwise never run. Per IS
 library each, a module fixture): the flags select that path and nothing wider is in the
 library, then every kernel kind (elementwise and reduction groups, GEMM micro-kernels packed,
 runtime-B and with an epilogue, Winograd and im2col convs, attention, pools, weight-only
-int8/bf16 linear) is run against
+int8/bf16/int4 linear) is run against
 torch where the host can execute that ISA; where it cannot, the path is built only. Then the
 cap as a recipe field (`codegen.isa`): refused above the target, in every cache key, in the
 tactics' candidates, and a small model compiled under it end to end. No timing assertions.
@@ -44,6 +44,7 @@ from graphmode.backends.cpu.winograd import WinogradConfig
 from graphmode.errors import BackendError, RecipeErrors
 from graphmode.ir import parse_graph
 from graphmode.ir.interpreter import run_node
+from graphmode.ir.ops import int4
 from graphmode.passes.quantize_weights import quantize
 from graphmode.recipe import load_recipe, validate
 from graphmode.recipe.hashing import canonical_json
@@ -218,6 +219,12 @@ def cases(isa: str) -> dict[str, Case]:
                                 lambda x, w, s: F.linear(x, w.float())),
         "qlinear_panels": _native("qlinear", [randn(37, 45), *quantize(randn(70, 45), "int8"), randn(70)], {},
                                   lambda x, w, s, b: F.linear(x, w.float() * s[:, None], b)),
+        "qlinear_int4": _native("qlinear", [randn(3, 128), *quantize(randn(19, 128), "int4", 32), randn(19)], {},
+                                lambda x, w, s, b: F.linear(x, int4.dequantize(w, s), b)),
+        "qlinear_int4_asym": _native("qlinear", [randn(1, 256), *quantize(randn(9, 256), "int4", 128, "asymmetric")],
+                                     {}, lambda x, w, s: F.linear(x, int4.dequantize(w, s))),
+        "qlinear_int4_panels": _native("qlinear", [randn(37, 128), *quantize(randn(70, 128), "int4", 64, "asymmetric"),
+                                                   randn(70)], {}, lambda x, w, s, b: F.linear(x, int4.dequantize(w, s), b)),
     }
 
 

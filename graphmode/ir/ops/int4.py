@@ -1,0 +1,75 @@
+"""The stored int4 weight format of `qlinear` (recipe `precision.weights: int4`).
+
+A weight W [N, K] is cut along K into groups of G (32, 64 or 128) weights; each group has an
+f32 scale s and a zero point z, and holds 4-bit codes q in 0..15 standing for (q - z) * s.
+symmetric: z = 8 for every group (not stored); s = the group's largest-magnitude weight / -8,
+so that weight is exactly -8 steps and the codes span [-8, 7] (llama.cpp's q4_0 rule).
+asymmetric: s = (max - min) / 15 and z = round(-min / s) in 0..15, over the group's range widened
+to hold 0 (an integer zero point must stand for 0).
+
+Packing (two codes a byte, llama.cpp's order inside a group): the G codes of a group take
+G / 2 bytes; byte j holds code j in its low nibble and code j + G/2 in its high nibble, so one
+vector load of bytes gives, after a mask and a shift, two runs of consecutive weights.
+
+In the graph: weight u8 [N, K/2], scale f32 [N, K/G] (symmetric) or f32 [N, K/G, 2] holding
+(scale, zero) per group (asymmetric; the zero an integer-valued float). G = K / groups.
+"""
+from __future__ import annotations
+
+import torch
+
+GROUPS = (32, 64, 128)
+SCHEMES = ("symmetric", "asymmetric")
+SYMMETRIC_ZERO = 8
+
+
+def pack(q: torch.Tensor, group: int) -> torch.Tensor:
+    """u8 [N, K/2] from codes q (integers 0..15) [N, K]."""
+    n, k = q.shape
+    q = q.to(torch.uint8).reshape(n, k // group, 2, group // 2)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack(packed: torch.Tensor, group: int) -> torch.Tensor:
+    """Codes u8 [N, K] (0..15) from packed u8 [N, K/2]."""
+    n, half = packed.shape
+    p = packed.reshape(n, 2 * half // group, 1, group // 2)
+    return torch.cat([p & 15, p >> 4], dim=2).reshape(n, 2 * half)
+
+
+def quantize(w: torch.Tensor, group: int, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed u8 [N, K/2], scale f32 [N, K/G] or [N, K/G, 2]) for an f32 [N, K] weight."""
+    w = w.detach().float()
+    n, k = w.shape
+    blocks = w.reshape(n, k // group, group)
+    if scheme == "symmetric":
+        idx = blocks.abs().argmax(dim=2, keepdim=True)
+        peak = blocks.gather(2, idx)[..., 0]
+        scale = torch.where(peak != 0, peak / -8.0, torch.ones_like(peak))
+        q = torch.round(blocks / scale[..., None]).clamp_(-8, 7) + SYMMETRIC_ZERO
+        return pack(q.reshape(n, k), group), scale.contiguous()
+    lo, hi = blocks.amin(dim=2).clamp(max=0), blocks.amax(dim=2).clamp(min=0)     # the range holds 0
+    scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))
+    zero = torch.round(-lo / scale).clamp_(0, 15)
+    q = (torch.round(blocks / scale[..., None]) + zero[..., None]).clamp_(0, 15)
+    return pack(q.reshape(n, k), group), torch.stack([scale, zero], dim=2).contiguous()
+
+
+def group_of(packed_shape, scale_shape) -> int:
+    """G from the shapes of the packed weight [N, K/2] and its scales [N, K/G(, 2)]."""
+    return 2 * int(packed_shape[1]) // int(scale_shape[1])
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The f32 weight [N, K]: (q - z) * s per group."""
+    group = group_of(packed.shape, scale.shape)
+    n = packed.shape[0]
+    q = unpack(packed, group).float().reshape(n, -1, group)
+    if scale.dim() == 3:
+        s, z = scale[..., 0], scale[..., 1]
+    else:
+        s, z = scale, torch.full_like(scale, SYMMETRIC_ZERO)
+    return ((q - z.float()[..., None]) * s.float()[..., None]).reshape(n, -1)
+
+
+__all__ = ["GROUPS", "SCHEMES", "SYMMETRIC_ZERO", "dequantize", "group_of", "pack", "quantize", "unpack"]
