@@ -20,8 +20,10 @@ TOLERANCE = {"f64": 1e-10, "f32": 1e-5, "bf16": 2e-2, "f16": 5e-3}
 # f32 model only where that token's f32 logit is within NEAR_TIE_SIGMAS x the position's RMS
 # logit error of the f32 best (a near-tie the rounding may decide either way; random-init
 # models, whose logits are nearly flat, are full of them). Measured on the tiny test GPT-2:
-# bf16 6.5e-3, int8 2.2e-2 relative L2.
-WEIGHT_ONLY = {"bf16": 2e-2, "int8": 6e-2}
+# bf16 6.5e-3, int8 2.2e-2 relative L2; int4 (group 32) 0.28 symmetric, 0.33 asymmetric there
+# and 0.44 / 0.40 on the tiny Llama (hidden 32: random weights, one group a row), so its bound
+# is loose and the top-1 check is what judges it.
+WEIGHT_ONLY = {"bf16": 2e-2, "int8": 6e-2, "int4": 0.5}
 NEAR_TIE_SIGMAS = 3.0
 
 

@@ -62,3 +62,26 @@ def test_f32_weights_change_nothing():
     g = _graph()
     res = PASSES["quantize_weights"](g, PassContext())
     assert not res.modified and res.graph is g
+
+
+@pytest.mark.parametrize("scheme", ["symmetric", "asymmetric"])
+def test_int4_packs_the_linears_whose_input_holds_whole_groups(scheme):
+    """Group 32: %w2 ([16, 32]) packs into u8 [16, 16] with scales per group; %w1 and the tied
+    embedding (in = 16) stay f32 and are counted as left."""
+    g = _graph()
+    opts = {"weights": "int4", "group_size": 32, "int4_scheme": scheme}
+    res = PASSES["quantize_weights"](g, PassContext(options={"quantize_weights": opts}))
+    verify_graph(res.graph)
+    out = res.graph
+    assert res.stats["quantized"] == 1 and res.stats["left_f32"] == 2 and res.stats["int4_scheme"] == scheme
+    assert [n.op for n in out.nodes if n.outputs[0] in ("h", "y", "z", "r")] == ["linear", "qlinear", "linear", "linear"]
+    y = next(n for n in out.nodes if n.outputs == ("y",))
+    w, scale = out.constants[y.inputs[1]], out.constants[y.inputs[2]]
+    assert w.dtype == torch.uint8 and w.shape == (16, 16)
+    assert scale.shape == ((16, 1, 2) if scheme == "asymmetric" else (16, 1))
+    assert res.stats["bytes_after"] == w.numel() + scale.numel() * 4 and res.stats["bytes_before"] == 16 * 32 * 4
+    for seed, env in enumerate(({"b": 1, "s": 3}, {"b": 2, "s": 5})):
+        inputs = random_inputs(g, env, seed, int_high=10)
+        want, got = interpret(g, inputs), interpret(out, inputs)
+        assert rel_l2(got["y"], want["y"]) < WEIGHT_ONLY["int4"]
+        assert torch.equal(got["r"], want["r"])
