@@ -19,15 +19,16 @@ is timed from there) and when the last token was. Engines:
 - `static_compile`: `transformers` generate with `cache_implementation="static"` and
   `torch.compile(model.forward)` (inductor, `dynamic=False`, so each prompt length and
   batch gets its own graphs: warm-up compiles them);
-- `llama_cpp[f32|q8_0]`: llama.cpp through llama-cpp-python's C API on the same weights
-  written as GGUF (gguf_export.py); q8_0 is quantized by llama.cpp; its KV cache is its
+- `llama_cpp[f32|q8_0|q4_0|q4_K_M]`: llama.cpp through llama-cpp-python's C API on the same
+  weights written as GGUF (gguf_export.py); q8_0, q4_0 and q4_K_M are quantized by llama.cpp
+  from that file; its KV cache is its
   default f16, one stream per sequence; a prompt is one `llama_decode` call, a decode step
   one call for the whole batch;
 - `graphmode`: the decode engine (`graphmode.decode`), requests added together and driven
   until done (`drive`); a step hands its tokens over when it returns, and the step that prefills a
   prompt also decodes its second token, so its TTFT includes one decode step;
-  `graphmode[int8]` / `graphmode[bf16]` store the linear weights narrow (recipe
-  `precision.weights`), `graphmode[batch_invariant]` computes each sequence alone;
+  `graphmode[int8]` / `graphmode[bf16]` / `graphmode[int4]` store the linear weights narrow
+  (recipe `precision.weights`; int4: symmetric, group 32, as q4_0's blocks), `graphmode[batch_invariant]` computes each sequence alone;
 - `ort_genai`, `openvino_genai`: reported "not installed" unless their package imports;
   the pipelines themselves are not wired up yet (reported as such).
 
@@ -397,8 +398,8 @@ def parse_engines(text: str | None, extra: Sequence[str] = (), quick: bool = Fal
 # ---- decoders (`graphmode bench decode`) ----------------------------------------------------
 
 DECODE_ENGINE_NAMES = ("eager", "static_compile", "llama_cpp", "ort_genai", "openvino_genai", "graphmode")
-LLAMA_CPP_VARIANTS = ("f32", "q8_0")
-WEIGHT_VARIANTS = ("bf16", "int8")                    # graphmode[int8]: recipe precision.weights
+LLAMA_CPP_VARIANTS = ("f32", "q8_0", "q4_0", "q4_K_M")
+WEIGHT_VARIANTS = ("bf16", "int8", "int4")            # graphmode[int8]: recipe precision.weights
 GRAPHMODE_VARIANTS = ("batch_invariant",) + WEIGHT_VARIANTS
 DECODE_LABELS = {"eager": "transformers eager", "static_compile": "transformers static+compile",
           "llama_cpp": "llama.cpp", "ort_genai": "ORT GenAI", "openvino_genai": "OpenVINO GenAI",
@@ -706,7 +707,8 @@ DECODE_ENGINES: dict[str, type[LMEngine]] = {"eager": HFEngine, "static_compile"
 
 
 def parse_decode_engines(text: str | None) -> list[tuple[str, str | None]]:
-    """`eager,llama_cpp[q8_0],graphmode`; plain `llama_cpp` means both f32 and q8_0."""
+    """`eager,llama_cpp[q8_0],graphmode`; plain `llama_cpp` means every variant (f32, q8_0, q4_0,
+    q4_K_M)."""
     out: list[tuple[str, str | None]] = []
     for base, var in _named(text or ",".join(DECODE_ENGINE_NAMES), DECODE_ENGINES, DECODE_ENGINE_NAMES,
                             "decode engine"):
@@ -714,7 +716,8 @@ def parse_decode_engines(text: str | None) -> list[tuple[str, str | None]]:
         if base == "graphmode" and var is not None and var not in GRAPHMODE_VARIANTS:
             raise GraphmodeError(f"unknown graphmode variant {var!r}", where="--engines", value=n,
                                  fix="graphmode, graphmode[batch_invariant] (determinism: batch_invariant: its cost "
-                                     "against graphmode), graphmode[int8] or graphmode[bf16] (precision.weights)")
+                                     "against graphmode), graphmode[int8], graphmode[bf16] or graphmode[int4] "
+                                     "(precision.weights)")
         if base == "llama_cpp" and var is not None and var not in LLAMA_CPP_VARIANTS:
             raise GraphmodeError(f"unknown llama.cpp weights {var!r}", where="--engines", value=n,
                                  fix=f"llama_cpp[{'] or llama_cpp['.join(LLAMA_CPP_VARIANTS)}]")

@@ -23,7 +23,11 @@ import torch
 from graphmode.bench.engines import _reason
 from graphmode.bench.profile import facts_at, model_roofline
 
-DTYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0, "q8_0": 34 / 32}   # per weight
+# per weight; int4: graphmode's group-32 codes with an f32 scale a group; q4_0: 32 codes and an
+# f16 scale in 18 bytes; q4_K_M: llama.cpp's mix of q4_K (4.5 bits) and q6_K (6.56) tensors,
+# about 4.85 bits a weight on average (its own size report for 7B models), an approximation here
+DTYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0, "q8_0": 34 / 32, "int4": 0.5 + 4 / 32,
+               "q4_0": 18 / 32, "q4_K_M": 4.85 / 8}
 
 
 def _probe_warning(target: Any) -> list[str]:

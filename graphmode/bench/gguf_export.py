@@ -141,7 +141,8 @@ def quantize_gguf(src: str | Path, dst: str | Path, kind: str = "q8_0", threads:
     except ImportError:
         raise GraphmodeError("quantizing GGUF needs llama-cpp-python", where="llama_cpp",
                              fix="pip install llama-cpp-python") from None
-    ftypes = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+    ftypes = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
+              "q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftypes[kind]
     params.nthread = threads

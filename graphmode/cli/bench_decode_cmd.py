@@ -1,5 +1,5 @@
 """`graphmode bench decode`: TTFT and decode tokens/s of graphmode's decode engine against
-`transformers` (eager; static cache under torch.compile) and llama.cpp (f32, q8_0), with the
+`transformers` (eager; static cache under torch.compile) and llama.cpp (f32, q8_0, q4_0, q4_K_M), with the
 bandwidth floor, in one run. Registered under `graphmode bench` by bench_cmd.py. See
 bench/README.md ("Decode")."""
 from __future__ import annotations
@@ -36,8 +36,9 @@ def decode_cmd(
                                               "package.module:function returning a causal LM (repeatable; default "
                                               "gpt2 and llama, under --quick tiny-gpt2 and tiny-llama)"),
     engines: Optional[str] = typer.Option(None, "--engines", help="comma list of eager,static_compile,llama_cpp,"
-                                          "ort_genai,openvino_genai,graphmode; llama_cpp\\[f32] or llama_cpp\\[q8_0] "
-                                          "picks one (default: all)"),
+                                          "ort_genai,openvino_genai,graphmode; llama_cpp\\[f32], \\[q8_0], "
+                                          "\\[q4_0] or \\[q4_K_M] picks one; graphmode\\[int8], \\[bf16], "
+                                          "\\[int4] or \\[batch_invariant] a variant (default: all)"),
     prompt_lens: Optional[str] = typer.Option(None, "--prompt-lens", help="TTFT prompt lengths (default 128,512)"),
     batches: Optional[str] = typer.Option(None, "--batches", help="decode batch sizes (default 1,4,16)"),
     context: Optional[int] = typer.Option(None, "--context", min=2, help="decode prompt length (default 512)"),

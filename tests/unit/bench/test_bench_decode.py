@@ -36,14 +36,15 @@ def row(engine: str, scenario: str = "decode b1 ctx16", *, ms: float | None = 10
 # ---- pure functions ------------------------------------------------------------------------
 
 def test_parse_engines_expands_llama_cpp_and_refuses_unknown_names():
-    assert parse_decode_engines("eager,llama_cpp,graphmode") == [("eager", None), ("llama_cpp", "f32"),
-                                                            ("llama_cpp", "q8_0"), ("graphmode", None)]
+    assert parse_decode_engines("eager,llama_cpp,graphmode") == [
+        ("eager", None), ("llama_cpp", "f32"), ("llama_cpp", "q8_0"), ("llama_cpp", "q4_0"), ("llama_cpp", "q4_K_M"),
+        ("graphmode", None)]
     assert parse_decode_engines("llama_cpp[q8_0],llama_cpp[q8_0]") == [("llama_cpp", "q8_0")]
     with pytest.raises(GraphmodeError, match="unknown decode engine") as e:
         parse_decode_engines("eager,vllm")
     assert e.value.where == "--engines" and "graphmode" in e.value.fix
     with pytest.raises(GraphmodeError, match="q4_0"):
-        parse_decode_engines("llama_cpp[q4_0]")
+        parse_decode_engines("llama_cpp[q4_1]")
 
 
 def test_agreement_counts_tokens_up_to_each_rows_first_difference():
@@ -83,7 +84,8 @@ def test_decode_bytes_reads_the_head_once_and_tables_not_at_all():
     assert w == (total - tables) * 4
     assert kv == 2 * TINY_GPT2["n_layer"] * TINY_GPT2["n_head"] * (TINY_GPT2["n_embd"] // TINY_GPT2["n_head"]) * 4
     w8, _ = floors.decode_bytes(lm, "q8_0")
-    assert w8 < w
+    w4, _ = floors.decode_bytes(lm, "int4")
+    assert w4 < w8 < w
 
 
 def test_goals_are_judged_only_outside_quick():
@@ -257,8 +259,8 @@ def test_graphmode_variants_are_engine_variants():
         ("eager", None), ("graphmode", None), ("graphmode", "batch_invariant"), ("graphmode", "int8")]
     with pytest.raises(GraphmodeError, match="batch_invariant.*int8"):
         parse_decode_engines("graphmode[fast]")
-    assert [make_decode_engine("graphmode", v).dtype for v in (None, "batch_invariant", "int8", "bf16")] == [
-        "f32", "f32", "int8", "bf16"]
+    assert [make_decode_engine("graphmode", v).dtype for v in (None, "batch_invariant", "int8", "bf16", "int4")] == [
+        "f32", "f32", "int8", "bf16", "int4"]
 
 
 def test_int8_goal_and_quick_verdict_use_the_int8_variant():
@@ -282,6 +284,21 @@ def test_int8_goal_and_quick_verdict_use_the_int8_variant():
     bad = DecodeResult([diverged, flipped], {}, []).quick_failures()
     assert len(bad) == 1 and "first new token differs" in bad[0] and "'first': 3" in bad[0]
 
+
+
+def test_int4_goals_are_against_llama_cpp_q4_at_b1_and_b4():
+    """graphmode[int4] is judged against llama.cpp q4_0 and q4_K_M at batch 1 and 4; without
+    llama.cpp the goal says what is missing and still shows graphmode's tok/s."""
+    rows = [row("graphmode", ms=10.0, variant="int4", dtype="int4"),
+            row("llama_cpp", ms=20.0, dtype="q4_0", variant="q4_0"),
+            row("llama_cpp", ms=5.0, dtype="q4_K_M", variant="q4_K_M")]
+    g = {x["goal"]: x for x in report.decode_goals(rows)}
+    assert g["int4 decode b1 vs llama.cpp q4_0"]["value"] == 2.0 and g["int4 decode b1 vs llama.cpp q4_0"]["met"]
+    assert g["int4 decode b1 vs llama.cpp q4_K_M"]["met"] is False
+    assert g["int4 decode b4 vs llama.cpp q4_0"]["met"] is None
+    lone = {x["goal"]: x for x in report.decode_goals(rows[:1])}["int4 decode b1 vs llama.cpp q4_0"]
+    assert lone["met"] is None and "needs graphmode[int4] and llama_cpp[q4_0]" in lone["detail"]
+    assert "(graphmode[int4]: " in lone["detail"]
 
 
 def test_the_ratio_rows_are_graphmode_default_not_a_variant():
