@@ -4,8 +4,8 @@
 // code j + G/2 (high nibble); the group's weight is (q - z) * s. A tile of MR rows of x by NR
 // rows of w keeps MR x NR f32 vector accumulators; per step, L bytes of each weight row widen
 // to 32-bit lanes, the mask and the shift split them into two runs of L codes, each becomes
-// f32 exactly as the reference does ((q - z) exact in integers, then times s) and meets MR
-// vectors of x in an FMA. Traits per ISA (AVX-512: 16 lanes, AVX2+FMA: 8, portable C: 8).
+// f32 exactly as the reference does ((q - z) exact in integers, then times s; AVX-512: a
+// permute through the group's 16 weights so computed) and meets MR vectors of x in an FMA. Traits per ISA (AVX-512: 16 lanes, AVX2+FMA: 8, portable C: 8).
 // Many rows (prefill) take the panel path: a block of columns is dequantized once into an f32
 // panel that gemm.h's micro-kernels stream for every row tile (wgemm.h's row dispatch).
 
@@ -20,13 +20,19 @@ struct gm_q4_v512 {
   static constexpr int L = 16;
   static GM_WQ_FI V zero() { return _mm512_setzero_ps(); }
   static GM_WQ_FI V load(const float* p) { return _mm512_loadu_ps(p); }
-  static GM_WQ_FI V splat(float s) { return _mm512_set1_ps(s); }
-  static GM_WQ_FI I splati(int z) { return _mm512_set1_epi32(z); }
-  // L bytes -> (low nibbles - z) * s, (high nibbles - z) * s
-  static GM_WQ_FI void dequant(const uint8_t* p, I z, V s, V& lo, V& hi) {
+  // a group's 16 weights (q - z) * s for q = 0..15 fill one register, so a code becomes its
+  // weight in one permute (which reads the index's low 4 bits: no mask for the low nibbles)
+  typedef V T;
+  static GM_WQ_FI T group(float s, int z) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(z))),
+        _mm512_set1_ps(s));
+  }
+  // L bytes -> the weights of their low nibbles, of their high nibbles
+  static GM_WQ_FI void dequant(const uint8_t* p, T table, V& lo, V& hi) {
     const I b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), z)), s);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), z)), s);
+    lo = _mm512_permutexvar_ps(b, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
   }
   static GM_WQ_FI V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static GM_WQ_FI float hsum(V x) { return _mm512_reduce_add_ps(x); }
@@ -39,12 +45,12 @@ struct gm_q4_v256 {
   static constexpr int L = 8;
   static GM_WQ_FI V zero() { return _mm256_setzero_ps(); }
   static GM_WQ_FI V load(const float* p) { return _mm256_loadu_ps(p); }
-  static GM_WQ_FI V splat(float s) { return _mm256_set1_ps(s); }
-  static GM_WQ_FI I splati(int z) { return _mm256_set1_epi32(z); }
-  static GM_WQ_FI void dequant(const uint8_t* p, I z, V s, V& lo, V& hi) {
+  struct T { I z; V s; };
+  static GM_WQ_FI T group(float s, int z) { return T{_mm256_set1_epi32(z), _mm256_set1_ps(s)}; }
+  static GM_WQ_FI void dequant(const uint8_t* p, const T& t, V& lo, V& hi) {
     const I b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), z)), s);
-    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), z)), s);
+    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), t.z)), t.s);
+    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), t.z)), t.s);
   }
   static GM_WQ_FI V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static GM_WQ_FI float hsum(V x) { return gm_wq_v256::hsum(x); }
@@ -52,16 +58,15 @@ struct gm_q4_v256 {
 #endif
 struct gm_q4_vc {
   typedef gm_wq_vc::V V;
-  typedef int I;
   static constexpr int L = 8;
   static GM_WQ_FI V zero() { return gm_wq_vc::zero(); }
   static GM_WQ_FI V load(const float* p) { return gm_wq_vc::load(p); }
-  static GM_WQ_FI V splat(float s) { V r; GM_WQ_UNROLL for (int i = 0; i < 8; ++i) r.v[i] = s; return r; }
-  static GM_WQ_FI I splati(int z) { return z; }
-  static GM_WQ_FI void dequant(const uint8_t* p, I z, V s, V& lo, V& hi) {
+  struct T { int z; float s; };
+  static GM_WQ_FI T group(float s, int z) { return T{z, s}; }
+  static GM_WQ_FI void dequant(const uint8_t* p, const T& t, V& lo, V& hi) {
     GM_WQ_UNROLL for (int i = 0; i < 8; ++i) {
-      lo.v[i] = (float)((int)(p[i] & 15) - z) * s.v[0];
-      hi.v[i] = (float)((int)(p[i] >> 4) - z) * s.v[0];
+      lo.v[i] = (float)((int)(p[i] & 15) - t.z) * t.s;
+      hi.v[i] = (float)((int)(p[i] >> 4) - t.z) * t.s;
     }
   }
   static GM_WQ_FI V fma(V a, V b, V c) { return gm_wq_vc::fma(a, b, c); }
@@ -93,18 +98,16 @@ GM_WQ_FI void gm_q4_tile(const float* __restrict x, long ldx, const uint8_t* __r
   const long KB = K / 2, NG = K / G;
   const uint8_t* wr = w + n0 * KB;
   for (long g = 0; g < NG; ++g) {
-    typename VT::V s[NR];
-    typename VT::I z[NR];
+    typename VT::T t[NR];
     GM_WQ_UNROLL for (int j = 0; j < NR; ++j) {
       float sj; int zj;
       gm_q4_sz<ASYM>(sc, NG, n0 + j, g, sj, zj);
-      s[j] = VT::splat(sj);
-      z[j] = VT::splati(zj);
+      t[j] = VT::group(sj, zj);
       __builtin_prefetch(wr + (4 * NR + j) * KB + g * (G / 2), 0, 1);   // rows four tiles ahead, into L2
     }
     GM_WQ_UNROLL for (int c = 0; c < G / 2; c += VT::L) {
       typename VT::V lo[NR], hi[NR];
-      GM_WQ_UNROLL for (int j = 0; j < NR; ++j) VT::dequant(wr + j * KB + g * (G / 2) + c, z[j], s[j], lo[j], hi[j]);
+      GM_WQ_UNROLL for (int j = 0; j < NR; ++j) VT::dequant(wr + j * KB + g * (G / 2) + c, t[j], lo[j], hi[j]);
       GM_WQ_UNROLL for (int i = 0; i < MR; ++i) {
         const float* xg = x + i * ldx + g * G + c;
         const typename VT::V xl = VT::load(xg), xh = VT::load(xg + G / 2);
