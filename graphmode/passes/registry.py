@@ -45,8 +45,8 @@ PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
     _info("shard", "split the graph for one rank of a tensor-parallel group: column- then row-parallel linears, "
           "heads across ranks, vocab-parallel embedding and LM head, or the batch; inserts the collectives",
           provides=("sharded",), options=ShardOptions, options_at="parallel"),
-    _info("quantize_weights", "store constant linear weights as bf16 or int8 (per-output-channel scale), read "
-          "narrow by the kernel; activations stay f32", provides=("weights_quantized",),
+    _info("quantize_weights", "store constant linear weights as bf16, int8 (per-output-channel scale) or int4 "
+          "(group-wise scales), read narrow by the kernel; activations stay f32", provides=("weights_quantized",),
           options=QuantizeWeightsOptions, options_at="precision.weights"),
     _info("cse", "merge nodes that compute the same value", provides=("cse",), options=CseOptions),
     _info("dce", "remove nodes whose results are never used", provides=("dce",)),

@@ -108,3 +108,26 @@ def test_asymmetric_int4_survives_save_and_load(tmp_path):
     loaded = graphmode.load(tmp_path / "m.gm", cache_dir=tmp_path / "fresh")
     with torch.inference_mode():
         assert torch.equal(_logits(loaded(x)), got)
+
+
+@pytest.mark.slow
+def test_verify_holds_int4_to_the_top1_contract(tmp_path):
+    """`graphmode verify` on an int4 recipe: the int4 error bound, top-1 judged, no confident flip."""
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from graphmode.cli.app import _register, app
+    _register()
+    rec = tmp_path / "int4.yaml"
+    rec.write_text(yaml.safe_dump(tiny_decoders.recipe("tiny-int4", precision={"weights": "int4"})))
+    res = CliRunner().invoke(app, ["verify", "--model", f"{HERE / 'tiny_decoders.py'}:gpt2", "--recipe", str(rec),
+                                   "--max-buckets", "2", "--json", "--cache-dir", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output[res.output.index("{"):])
+    assert d["ok"] and d["cases"]
+    for case in d["cases"]:
+        (o,) = case["outputs"]
+        assert o["tolerance"] == WEIGHT_ONLY["int4"] and o["rel_l2"] > 1e-2
+        assert o["top1"]["judged"] and o["top1"]["confident_flips"] == 0
