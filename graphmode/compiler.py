@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -281,6 +282,8 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
     Under `parallel.tensor` N > 1: without `rank`, the N rank processes are started and the
     result is a `graphmode.parallel.launch.TensorParallelModel` (rank 0 answers); with `rank`,
     this process compiles that rank's shard only (its collectives need a bound communicator).
+    Under a decoder recipe (memory.kv_cache) the whole-sequence graph is lowered on the first
+    forward call, not here (runtime/deferred.py): decoding lowers a paged graph of its own.
     `graphmode.compile` (graphmode/api.py) drafts a missing recipe and adds decoding."""
     from graphmode.runtime.compiled import CompiledModel
     tgt = resolve_target(target)
@@ -295,6 +298,14 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
         src = resolve_model(model, recipe)
         return CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir,
                              threads=threads, on_stage=on_stage)
+    if recipe.memory.kv_cache is not None and not warmup:
+        # a decoder: its decode engine lowers the paged graph it runs; the whole-sequence graph
+        # waits for a forward call (runtime/deferred.py)
+        from graphmode.runtime.deferred import DeferredModel
+        src = resolve_model(model, recipe)
+        lower = functools.partial(lower_model, src, recipe, tgt, mode=mode, on_stage=on_stage, rank=rank or 0)
+        return DeferredModel(src, recipe, tgt, lower, mode=mode, cache_dir=cache_dir, threads=threads,
+                             on_stage=on_stage)
     low = lower_model(model, recipe, tgt, mode=mode, on_stage=on_stage, rank=rank or 0)
     cm = CompiledModel.from_lowered(low, recipe, tgt, mode=mode, cache_dir=cache_dir, threads=threads,
                                     on_stage=on_stage)

@@ -9,6 +9,7 @@ positions from 0, its own pages), batched with the others at every step.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import closing
 from typing import Any, Iterator, Sequence
 
@@ -19,15 +20,24 @@ from graphmode.decode.sampling import SamplingParams
 from graphmode.errors import ContractViolation, GraphmodeError
 
 
+_ENGINE_LOCK = threading.Lock()      # one engine per model, whichever thread asks first
+
+
 def engine_of(cm: Any):
-    """The model's decode engine, built on first use from its recipe's KV cache."""
+    """The model's decode engine, built once, on first use, from its recipe's KV cache: its own
+    lowering of the paged graph (the whole-sequence graph of a decoder recipe is lowered only
+    for a forward call: graphmode/runtime/deferred.py)."""
     eng = getattr(cm, "_decoder", None)
-    if eng is None:
-        from graphmode.decode.engine import DecodeEngine
-        lm = causal_lm(cm.source)
-        eng = DecodeEngine.build(lm, cm.recipe, cm.target, cache_dir=cm.cache_dir, threads=cm.threads,
-                                 on_stage=cm.on_stage)
-        cm._decoder = eng
+    if eng is not None:
+        return eng
+    with _ENGINE_LOCK:
+        eng = getattr(cm, "_decoder", None)
+        if eng is None:
+            from graphmode.decode.engine import DecodeEngine
+            lm = causal_lm(cm.source)
+            eng = DecodeEngine.build(lm, cm.recipe, cm.target, cache_dir=cm.cache_dir, threads=cm.threads,
+                                     on_stage=cm.on_stage)
+            cm._decoder = eng
     return eng
 
 

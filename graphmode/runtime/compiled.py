@@ -37,27 +37,18 @@ class CompiledModel(InputContract, Shaping):
                  *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None,
                  device: str = DEFAULT_DEVICE, on_stage: OnStage | None = None, lowered: Any = None):
         self.source = source
-        # graphmode.compiler.Lowered when the driver lowered it: the proof, the facts it was
-        # checked against and each stage's time (None for an eager model or a loaded artifact)
-        self.lowered = lowered
         self.recipe = recipe
         self.target = target
-        self.captured_graph = captured
-        self.graph = graph
-        self.capture_report, self.optimize_report = reports if reports else (None, None)
         self.mode = mode
         self.cache_dir = cache_dir
         self.threads = threads
         self.device = device     # the backend (backends/registry.py) that builds and runs the plans
-        self.verdict = verdict
         # hears plan builds (graphmode/progress.py): warm-up's "bucket N of M", one on first use
         self.on_stage = on_stage
         # the decode API (graphmode/decode/api.py) that graphmode.compile attaches when the recipe
         # declares memory.kv_cache: `generate` and `stream` run it (decode builds on runtime, not
         # the other way round)
         self.decoding: Any = None
-        # dims the verdict found unsafe to pad (on_violation: eager): off-bucket values run eagerly
-        self.exact_dims = list(getattr(verdict, "exact_dims", []) or [])
         self.last_path: dict[str, Any] = {}      # how the last call ran: graph, or eager and why
         self.events: Counter[str] = Counter()
         self.event_log: list[dict] = []
@@ -73,27 +64,48 @@ class CompiledModel(InputContract, Shaping):
         self._bounds: tuple[list, list] | None = None     # (value checks, dim checks), built on first use
         self._split_axes: dict[str, int] | None | bool = False    # False: not worked out yet (_splittable)
         self.split_chooser = Chooser()
-        self._out_spec = None
-        if self.capture_report is not None and getattr(self.capture_report, "out_spec", None):
-            try:
-                self._out_spec = pytree.treespec_loads(self.capture_report.out_spec)
-            except Exception:  # noqa: BLE001 - fall back to a tuple of outputs
-                self._out_spec = None
-        # what eager returns (capture/outputs.py spec) and the inputs the model updates in place
-        self.output_structure = getattr(self.capture_report, "output_structure", None)
-        self.mutated_inputs = list(getattr(self.capture_report, "mutated_inputs", None) or [])
         self._signature = None
         if source.module is not None:
             try:
                 self._signature = inspect.signature(source.module.forward)
             except (TypeError, ValueError):
                 self._signature = None
+        self._adopt(captured, graph, reports, verdict, lowered)
+
+    def _adopt(self, captured: Graph | None, graph: Graph | None, reports: Any, verdict: Any, lowered: Any) -> None:
+        """Take the lowering's results: the graphs, reports, verdict and what they say about
+        the model's outputs (a DeferredModel, runtime/deferred.py, takes them on first use)."""
+        # graphmode.compiler.Lowered when the driver lowered it: the proof, the facts it was
+        # checked against and each stage's time (None for an eager model or a loaded artifact)
+        self.lowered = lowered
+        self.captured_graph = captured
+        self.graph = graph
+        capture_report, self.optimize_report = reports if reports else (None, None)
+        self.capture_report = capture_report
+        self.verdict = verdict
+        # dims the verdict found unsafe to pad (on_violation: eager): off-bucket values run eagerly
+        self.exact_dims = list(getattr(verdict, "exact_dims", []) or [])
+        out_spec = None
+        if capture_report is not None and getattr(capture_report, "out_spec", None):
+            try:
+                out_spec = pytree.treespec_loads(capture_report.out_spec)
+            except Exception:  # noqa: BLE001 - fall back to a tuple of outputs
+                out_spec = None
+        self._out_spec = out_spec
+        # what eager returns (capture/outputs.py spec) and the inputs the model updates in place
+        self.output_structure = getattr(capture_report, "output_structure", None)
+        self.mutated_inputs = list(getattr(capture_report, "mutated_inputs", None) or [])
 
     @classmethod
     def from_lowered(cls, low: Any, recipe: Any, target: Any, **kw: Any) -> "CompiledModel":
         """A model over the driver's result (graphmode.compiler.Lowered), which it keeps."""
         return cls(low.source, recipe, target, low.captured, low.graph, (low.capture_report, low.optimize_report),
                    verdict=low.verdict, lowered=low, **kw)
+
+    pending = False    # a DeferredModel (runtime/deferred.py) whose graph is not lowered yet
+
+    def lower_now(self) -> None:
+        """Lower the graph now if it is not yet (it is, here: a DeferredModel waits for this)."""
 
     @property
     def proof(self) -> Any:

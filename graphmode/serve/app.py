@@ -272,6 +272,8 @@ def create_app(server: ModelServer) -> Starlette:
             return bad(e, dep)
         except ContractViolation as e:            # already counted by the deployment
             return error_response(e)
+        except GraphmodeError as e:               # a recipe a decoder's whole-sequence graph refuses (422)
+            return error_response(e)
         except Exception as e:  # noqa: BLE001 - answered, logged, and the server keeps going
             log.exception("infer failed")
             return error_response(e)

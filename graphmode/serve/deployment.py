@@ -18,9 +18,10 @@ from graphmode.serve.errors import detach, error_dict
 
 
 def _facts_key(recipe: Any) -> tuple:
-    """Recipes with equal keys compile the model to graphs with the same weights and FLOPs."""
+    """Recipes with equal keys compile the model to graphs with the same weights and FLOPs (a
+    decoder's facts are its paged graph's: only another decoder recipe shares them)."""
     return (tuple((i.name, i.dtype, tuple(i.shape)) for i in recipe.inputs), tuple(sorted(recipe.dims)),
-            recipe.precision.compute, recipe.exe_mode == "eager")
+            recipe.precision.compute, recipe.exe_mode == "eager", recipe.memory.kv_cache is not None)
 
 
 class Deployment:
@@ -49,16 +50,34 @@ class Deployment:
             self.max_rows = recipe.dim_range(bd)[1]
             if max_batch is not None:
                 self.max_rows = max(1, min(self.max_rows, max_batch))
-        g = cm.graph
-        src_names = list(getattr(cm.source, "output_names", []) or [])
-        if g is not None:     # the model's own outputs (the new values of inputs it updates in place follow them)
-            users = g.outputs[:len(g.outputs) - len(getattr(cm, "mutated_inputs", []))]
-            self.output_names = src_names if len(src_names) == len(users) else list(users)
-            self.output_axes = [[_axis_name(d) for d in g.values[o].type.shape] for o in users]
-        else:
-            self.output_names = src_names or list(recipe.outputs)
-            self.output_axes = [[d if isinstance(d, str) and d != "*" else None for d in recipe.outputs.get(n, [])]
-                                for n in self.output_names]
+        self._outputs: tuple[list[str], list[list[str | None]]] | None = None
+
+    @property
+    def output_names(self) -> list[str]:
+        """The model's output names (read from the graph on first use: a decoder's
+        whole-sequence graph is lowered then, runtime/deferred.py)."""
+        return self._output_meta()[0]
+
+    @property
+    def output_axes(self) -> list[list[str | None]]:
+        """Each output's axes by dim name (None: a fixed or unnamed axis)."""
+        return self._output_meta()[1]
+
+    def _output_meta(self) -> tuple[list[str], list[list[str | None]]]:
+        if self._outputs is None:
+            cm, recipe = self.cm, self.recipe
+            g = cm.graph
+            src_names = list(getattr(cm.source, "output_names", []) or [])
+            if g is not None:     # the model's own outputs (the new values of inputs it updates in place follow them)
+                users = g.outputs[:len(g.outputs) - len(getattr(cm, "mutated_inputs", []))]
+                names = src_names if len(src_names) == len(users) else list(users)
+                axes = [[_axis_name(d) for d in g.values[o].type.shape] for o in users]
+            else:
+                names = src_names or list(recipe.outputs)
+                axes = [[d if isinstance(d, str) and d != "*" else None for d in recipe.outputs.get(n, [])]
+                        for n in names]
+            self._outputs = (names, axes)
+        return self._outputs
 
     def describe(self) -> dict[str, Any]:
         return {"version": self.version, "name": self.name, "origin": self.origin,

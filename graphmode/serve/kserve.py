@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import graphmode
-from graphmode.errors import ContractViolation
+from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.ir.types import DTYPES, TORCH_TO_DTYPE
 from graphmode.serve.app import read_body
 from graphmode.serve.codec import _json_tensor, body_kind, clip, dumps
@@ -170,7 +170,8 @@ def kserve_routes(server: Any) -> list[Route]:
     async def model_meta(request: Request) -> Response:
         try:
             dep = deployment(request)
-        except ServeError as e:
+            await server.whole_sequence(dep)        # a decoder's outputs: its whole-sequence graph's
+        except GraphmodeError as e:                  # ServeErrors, and a recipe that graph refuses (422)
             return v2_error(e)
         g = dep.cm.graph
         outputs = [] if g is None else [_tensor_meta(n, g.values[o].type.dtype, g.values[o].type.shape)
@@ -199,6 +200,7 @@ def kserve_routes(server: Any) -> list[Route]:
                                  reason="unsupported_media_type", where="Content-Type",
                                  fix="send application/json with each tensor's values in data")
             body = await read_body(request, server.max_body_bytes, cfg.body_timeout_s)
+            await server.whole_sequence(dep)        # the output names parse_infer checks are its graph's
             req_id, inputs, wanted = await run_in_threadpool(parse_infer, body, dep.dtypes, dep.output_names)
             result = await server.infer(dep, inputs)
             return Response(await run_in_threadpool(encode_infer, result, wanted, req_id, request.path_params["name"]),
@@ -212,6 +214,8 @@ def kserve_routes(server: Any) -> list[Route]:
                 server.metrics.bad_requests.labels(server.target_name, e.reason).inc()
             return v2_error(e)
         except ContractViolation as e:            # already counted by the deployment
+            return v2_error(e)
+        except GraphmodeError as e:               # a recipe the whole-sequence graph refuses (422)
             return v2_error(e)
         except Exception as e:  # noqa: BLE001 - answered, logged, and the server keeps going
             log.exception("v2 infer failed")

@@ -1,6 +1,8 @@
 """How the server loads a recipe: check it against the model (or the artifact it serves),
 compile it through the driver, read the driver's proof (never proving a compiled recipe
-again), warm up every bucket or the decode engine, check the memory budget."""
+again), warm up every bucket or the decode engine, check the memory budget. A decoder
+lowers one graph at load, the decode engine's (its whole-sequence graph waits for the first
+/v1/infer or KServe request)."""
 from __future__ import annotations
 
 import logging
@@ -112,10 +114,17 @@ class Loading:
             cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir,
                             threads=self.config.threads, on_stage=self.on_stage)
         self._unless_stopping()
-        facts = self._facts(cm)
-        # the driver proved it with the new graph's facts and the model keeps that proof: it is
-        # read, not proved again (an artifact or an eager model, which the driver did not prove here, is)
-        recipe = (cm.proof if cm.proof is not None else self._prove(recipe, facts)).recipe
+        decoding = recipe.memory.kv_cache is not None and cm.mode != "eager"
+        if decoding:
+            # one lowering: the paged graph completions run, proved with its own facts; the
+            # whole-sequence graph (/v1/infer, KServe) is lowered on first use (runtime/deferred.py)
+            low = self._engine(cm).lowered
+            facts, recipe = low.facts, self._resolved(recipe)
+        else:
+            facts = self._facts(cm)
+            # the driver proved it with the new graph's facts and the model keeps that proof: it is
+            # read, not proved again (an artifact or an eager model, which the driver did not prove here, is)
+            recipe = (cm.proof if cm.proof is not None else self._prove(recipe, facts)).recipe
         cfg = self.config
         probe = SlaDriftProbe(window_s=cfg.sla_window_s, step_s=cfg.sla_step_s, margin=cfg.sla_margin,
                               consecutive=cfg.sla_windows, min_samples=cfg.sla_min_samples, clock=self.clock)
@@ -123,7 +132,7 @@ class Loading:
                               probe=probe)
         cm.monitor = mon
         dep = Deployment(recipe, cm, mon, origin=origin, facts=facts, max_batch=cfg.max_batch)
-        if recipe.memory.kv_cache is not None and cm.mode != "eager":
+        if decoding:
             dep.decoder = self._decoder(dep)   # its prefill/decode plans, not the whole-sequence buckets
         elif cm.mode != "eager":
             with stage(self.on_stage, "plans", total=len(dep.buckets)) as plans:
@@ -141,20 +150,31 @@ class Loading:
                  len(dep.buckets), time.perf_counter() - t0)
         return dep
 
-    def _decoder(self, dep: Deployment) -> Any:
-        """The deployment's decode engine, warmed up, behind its decode thread (completions).
+    def _engine(self, cm: Any) -> Any:
+        """The decode engine of a decoder recipe's model: the deployment's one lowering at load.
 
-        The engine is one lowering of its own (graphmode/decode/engine.py: capture, verdict,
-        `to_paged` and the recipe's passes, proof), besides the deployment's: /v1/infer and
-        KServe answer the recipe's whole-sequence contract (input_ids and attention_mask ->
-        logits at every position, no cache), completions run the paged graph (token ids and
-        their positions over the KV pool -> logits at each sequence's last position). The two
-        forwards take different inputs, so each is exported once; they share the weights (both
-        graphs' parameters are the module's own tensors; the copies the passes transposed are
-        spilled to disk per graph)."""
+        /v1/infer and KServe answer the recipe's whole-sequence contract (input_ids and
+        attention_mask -> logits at every position, no cache), completions run the paged graph
+        (token ids and their positions over the KV pool -> logits at each sequence's last
+        position, graphmode/decode/engine.py: capture, verdict, `to_paged` and the recipe's
+        passes, proof). The engine's graph is lowered now and its proof, with that graph's
+        facts, is the deployment's; the whole-sequence graph is lowered on the first request
+        that needs it (`Serving.whole_sequence`), where a recipe it refuses is answered 422 with
+        the reason. Both graphs' parameters are the module's own tensors."""
         from graphmode.decode.api import engine_of
+        return engine_of(cm)
+
+    def _resolved(self, recipe: Any) -> Any:
+        """The recipe resolved on the target, as a proof's report holds it (the engine's proof
+        holds its decode contract: other inputs, no outputs)."""
+        from graphmode.recipe.resolve import resolve
+        from graphmode.recipe.targets import pick_target
+        return resolve(recipe, pick_target(recipe, self.target))
+
+    def _decoder(self, dep: Deployment) -> Any:
+        """The deployment's decode engine, warmed up, behind its decode thread (completions)."""
         from graphmode.serve.generation import DecodeLoop
-        eng = engine_of(dep.cm)
+        eng = self._engine(dep.cm)
         self._unless_stopping()
         eng.warmup()
         loop = DecodeLoop(eng, self.metrics.decode_series(dep.version, self.target_name), name=f"decode-{dep.version}")

@@ -11,13 +11,14 @@ from typing import Any, Mapping
 
 import torch
 
-from graphmode.errors import ContractViolation
+from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.monitor import bucket_label
 from graphmode.serve.batching import Pending, merge, split
 from graphmode.serve.deployment import Deployment
 from graphmode.serve.errors import NotReady, RequestTimeout
 
 log = logging.getLogger("graphmode.serve")
+WHOLE_SEQUENCE = "whole-sequence graph"      # the build key of a decoder's lowering for /v1/infer
 
 
 class Serving:
@@ -25,9 +26,10 @@ class Serving:
     builder thread and build table)."""
 
     async def infer(self, dep: Deployment, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        p = dep.prepare(inputs)
         assert self.loop is not None and self.batcher is not None, "start() the server first"
         deadline = time.monotonic() + self.config.request_timeout_s
+        await self.whole_sequence(dep, deadline)
+        p = dep.prepare(inputs)
         bucket = dep.cm.bucket_for(p.dims) if dep.cm.mode != "eager" else None
         if bucket is not None and not dep.cm.is_built(bucket):
             await self._built(dep, bucket, deadline)
@@ -49,14 +51,38 @@ class Serving:
             raise NotReady(f"the plan for bucket {bucket_label(bucket)} is still being built", where="bucket",
                            value=dict(bucket), fix="retry in a moment: the build goes on") from None
 
+    async def whole_sequence(self, dep: Deployment, deadline: float | None = None) -> None:
+        """Until `dep`'s whole-sequence graph is lowered: a decoder's is, on the build thread, for
+        the first request that needs it (/v1/infer, KServe); 503 past the deadline (the lowering
+        goes on). A recipe that graph refuses is answered with the lowering's typed error (422)."""
+        if not dep.cm.pending:
+            return
+        fut = self._once((dep.version, WHOLE_SEQUENCE), self._lower_whole_sequence, dep)
+        if deadline is None:
+            deadline = time.monotonic() + self.config.request_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise NotReady("the decoder's whole-sequence graph (/v1/infer, KServe) is still being lowered",
+                           where="model", fix="retry in a moment: the lowering goes on") from None
+
+    def _lower_whole_sequence(self, dep: Deployment) -> None:
+        log.info("lowering the whole-sequence graph of %s for its first /v1/infer or KServe request", dep.version)
+        with self._prove_lock:           # its proof shares Z3's (thread-unsafe) context with a reload's
+            dep.cm.lower_now()
+
     def build_in_background(self, dep: Deployment, bucket: Mapping[str, int]) -> Future:
         """Build `bucket` of `dep` on the build thread (once, however many ask): the future of it."""
         key = (dep.version, dep.cm.bucket_key(bucket))
+        return self._once(key, dep.cm.executable, dict(bucket))
+
+    def _once(self, key: tuple[str, str], fn: Any, *args: Any) -> Future:
+        """`fn(*args)` on the build thread, once while it runs however many ask: its future."""
         with self._builds_lock:
             fut = self._builds.get(key)
             if fut is None:
-                log.info("building bucket %s of %s off the serving path", key[1], dep.version)
-                fut = self.builder.submit(dep.cm.executable, dict(bucket))
+                log.info("building %s of %s off the serving path", key[1], key[0])
+                fut = self.builder.submit(fn, *args)
                 self._builds[key] = fut
                 fut.add_done_callback(functools.partial(self._build_done, key))
         return fut
@@ -64,8 +90,10 @@ class Serving:
     def _build_done(self, key: tuple[str, str], fut: Future) -> None:
         with self._builds_lock:
             self._builds.pop(key, None)
-        if not fut.cancelled() and fut.exception() is not None:
-            log.error("building bucket %s of %s failed: %s", key[1], key[0], fut.exception())
+        err = fut.exception() if not fut.cancelled() else None
+        if err is not None:      # a recipe the whole-sequence graph refuses: said once, answered per request
+            refused = key[1] == WHOLE_SEQUENCE and isinstance(err, GraphmodeError)
+            (log.info if refused else log.error)("building %s of %s failed: %s", key[1], key[0], err)
 
     def _max_rows(self, dep: Deployment) -> int:
         return dep.max_rows
