@@ -17,6 +17,9 @@ Loading a recipe (at start, `PUT /v1/recipe`, or a renegotiation to a `--variant
      bucket, check every plan against the memory budget, then swap atomically.
 A recipe refused at any step leaves the running one untouched.
 
+A decoder lowers one graph at load, its decode engine's; its whole-sequence graph (/v1/infer,
+KServe) is lowered on the build thread for the first request that needs it.
+
 Serving never compiles: the one worker thread that runs model calls only runs buckets that
 are built. A request whose bucket is not built yet (a decoder's whole-sequence buckets are
 built on first use) waits for it off the serving path, on the build thread, while requests

@@ -8,7 +8,8 @@ event per token, `n`, logprobs, echo, penalties against transformers', min_token
 `models.retrieve`, every refusal as OpenAI's error body with its message and `param`),
 KServe v2 (on a small encoder too), the Python client, `graphmode loadtest`,
 a hot reload while a stream is open, and a shutdown that ends an open stream with an error
-event. (The hot reload recompiles the decoder: it is marked slow, run it with -m slow.)
+event. The server lowers one graph at start, the decode engine's; the whole-sequence graph
+of /v1/infer and KServe is lowered on its first request. (The hot reload recompiles the decoder: it is marked slow, run it with -m slow.)
 
 One decoder server for the module (its warm-up is the slow part). To catch a stream mid-way
 on a fast host, a test holds the decode engine's own lock: the decode thread then waits at
@@ -31,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 import tiny_decoders
+from test_decode_lowering import Lowerings
 from test_serve import EVENT_S, READY_S, eventually, scrape, serve_cache, total
 from test_serve_hardening import serving
 from typer.testing import CliRunner
@@ -52,10 +54,12 @@ GREEDY = {"temperature": 0}
 def dec(tmp_path_factory):
     bundle = resolve_model_spec(f"{HERE / 'tiny_decoders.py'}:gpt2_words")
     cfg = ServeConfig(cache_dir=serve_cache(tmp_path_factory), shutdown_grace_s=1.0)
-    server = ModelServer(bundle, tiny_decoders.recipe(), config=cfg)
+    lowerings = Lowerings()
+    server = ModelServer(bundle, tiny_decoders.recipe(), config=cfg, on_stage=lowerings)
     with serving(server) as (running, client, tracebacks):
         yield SimpleNamespace(server=server, running=running, url=running.url, client=client,
-                              lm=bundle.raw_module, tok=bundle.tokenizer, tracebacks=tracebacks, refs={})
+                              lm=bundle.raw_module, tok=bundle.tokenizer, tracebacks=tracebacks, refs={},
+                              lowerings=lowerings, lowered_at_ready=lowerings.count)
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +195,52 @@ class Frozen:
         self.release()
         self.disconnect()
         self.client.close()
+
+
+# ---- one lowering at start -----------------------------------------------------------------------------------
+
+def test_the_decoder_lowers_one_graph_at_start_and_the_whole_sequence_on_its_first_infer(dec):
+    """Issue 25 ("the server compiles the model twice"): ready after one lowering, the decode
+    engine's paged graph; the first /v1/infer (or KServe request) lowers the whole-sequence
+    graph, once, and it answers what the model does."""
+    assert dec.lowered_at_ready == 1
+    ids = [[5, 6, 7, 8, 9]]
+    r = dec.client.post("/v1/infer", json={"inputs": {"input_ids": ids, "attention_mask": [[1] * 5]}})
+    assert r.status_code == 200, r.text
+    r2 = dec.client.post(f"/v2/models/{MODEL}/infer", json={"inputs": [
+        {"name": "input_ids", "shape": [1, 2], "datatype": "INT64", "data": [5, 6]},
+        {"name": "attention_mask", "shape": [1, 2], "datatype": "INT64", "data": [1, 1]}]})
+    assert r2.status_code == 200, r2.text
+    assert dec.lowerings.count == 2 and not dec.server.active.cm.pending
+    with torch.inference_mode():
+        want = dec.lm(input_ids=torch.tensor(ids), attention_mask=torch.ones(1, 5, dtype=torch.long)).logits
+    got = torch.tensor(r.json()["outputs"]["logits"])
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_recipe_only_the_whole_sequence_graph_refuses_serves_completions_and_answers_infer_422(
+        tmp_path_factory):
+    """The paged graph has no whole-sequence outputs, so a wrong `outputs` declaration loads
+    (completions are served); /v1/infer and KServe, which need the whole-sequence graph, are
+    refused with the verdict's reason, every time, after one lowering. (slow: a second
+    decoder server; tests/e2e/test_decode_lowering.py checks the refusal in the Python API)"""
+    bundle = resolve_model_spec(f"{HERE / 'tiny_decoders.py'}:gpt2_words")
+    lowerings = Lowerings()
+    server = ModelServer(bundle, tiny_decoders.recipe("tiny-decoder-outputs", outputs={"logits": ["batch", "seq", 99]}),
+                         config=ServeConfig(cache_dir=serve_cache(tmp_path_factory)), on_stage=lowerings)
+    with serving(server) as (_, client, tracebacks):
+        r = client.post("/v1/completions", json={"prompt": P1, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = {"inputs": {"input_ids": [P1], "attention_mask": [[1] * len(P1)]}}
+        for _ in range(2):
+            r = client.post("/v1/infer", json=body)
+            assert r.status_code == 422 and r.json()["error"] == "ContractRefused", r.text
+            assert r.json()["issues"][0]["where"] == "outputs.logits[2]" and "100" in r.json()["issues"][0]["message"]
+        r = client.get(f"/v2/models/{MODEL}")
+        assert r.status_code == 422 and "outputs.logits[2]" in r.text, r.text
+        assert lowerings.count == 2 and client.get("/readyz").status_code == 200
+        assert not tracebacks, [x.getMessage() for x in tracebacks[:3]]
 
 
 # ---- completions ---------------------------------------------------------------------------------------------
