@@ -10,7 +10,7 @@ positions from 0, its own pages), batched with the others at every step.
 from __future__ import annotations
 
 import threading
-from contextlib import closing
+from contextlib import closing, nullcontext
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -30,7 +30,8 @@ def engine_of(cm: Any):
     eng = getattr(cm, "_decoder", None)
     if eng is not None:
         return eng
-    with _ENGINE_LOCK:
+    # a DeferredModel's lowering lock too: its whole-sequence lowering and this one never overlap
+    with _ENGINE_LOCK, getattr(cm, "lowering_lock", None) or nullcontext():
         eng = getattr(cm, "_decoder", None)
         if eng is None:
             from graphmode.decode.engine import DecodeEngine

@@ -32,7 +32,9 @@ class DeferredModel(CompiledModel):
 
     def __init__(self, source: Any, recipe: Any, target: Any, lower: Callable[[], Any], **kw: Any):
         self._lower = lower
-        self._lower_lock = threading.Lock()
+        # held while the graph is lowered; the decode engine's build holds it too, so the two
+        # lowerings of one model (each with a Z3 proof: not thread-safe) never run at once
+        self.lowering_lock = threading.Lock()
         self._refusal: GraphmodeError | None = None
         self.pending = True
         super().__init__(source, recipe, target, None, None, None, **kw)
@@ -43,7 +45,7 @@ class DeferredModel(CompiledModel):
 
     def __getattr__(self, name: str) -> Any:
         """Only for attributes not set: one the lowering makes lowers the graph first."""
-        if name in LOWERED_FIELDS and "_lower_lock" in self.__dict__:
+        if name in LOWERED_FIELDS and "lowering_lock" in self.__dict__:
             self.lower_now()
             return self.__dict__[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -53,7 +55,7 @@ class DeferredModel(CompiledModel):
         spill the constants the passes made as `compiler.compile` does."""
         if not self.pending:
             return
-        with self._lower_lock:
+        with self.lowering_lock:
             if not self.pending:
                 return
             if self._refusal is not None:
