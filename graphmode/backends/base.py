@@ -62,14 +62,16 @@ class Backend(Protocol):
     the code its kernels run (auto: the host's best; passed only when a recipe sets one, so
     a backend without ISA-specific code may leave it out); `weight_growth`: the recipe's
     `memory.weight_growth` cap on prepared weights (passed only to a backend whose
-    capabilities say it generates kernels)."""
+    capabilities say it generates kernels); `schedule`: the recipe's `codegen.schedule`
+    (passed only when a recipe sets one, to a backend that generates kernels)."""
 
     name: str
     capabilities: Capabilities
 
     def executable(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
                    kernel_dir: Path | None = None, threads: int | None = None,
-                   kernel_selection: Any = None, isa: str = "auto", weight_growth: float | None = None) -> Executable: ...
+                   kernel_selection: Any = None, isa: str = "auto", weight_growth: float | None = None,
+                   schedule: str = "auto") -> Executable: ...
 
 
 __all__ = ["Capabilities", "Executable", "Backend"]

@@ -282,10 +282,12 @@ class OpenVinoEngine(Engine):
         self._req = None
 
 
-def graphmode_model(shared: ModelShared):
+def graphmode_model(shared: ModelShared, schedule: str | None = None):
     """(CompiledModel, recipe, compile seconds, compiled by this call) for the model,
-    compiled once per model."""
-    got = shared.store.get("graphmode")
+    compiled once per model (and per loop schedule: `graphmode[dynamic]` compiles the recipe
+    with codegen.schedule dynamic, for an A/B of schedules in the same rounds)."""
+    key = "graphmode" if schedule in (None, "default") else f"graphmode[{schedule}]"
+    got = shared.store.get(key)
     if isinstance(got, Exception):
         raise got
     if got is not None:
@@ -300,6 +302,8 @@ def graphmode_model(shared: ModelShared):
         rec = load_recipe(shared.recipe if shared.recipe is not None else auto_recipe(shared.bundle, shared.envs))
         if shared.isa is not None:
             rec = merge_recipes(rec, {"codegen": {"isa": shared.isa}})
+        if key != "graphmode":
+            rec = merge_recipes(rec, {"codegen": {"schedule": schedule}})
         cache = shared.cache_dir
         if cache is None:
             tmp = tempfile.TemporaryDirectory(prefix="graphmode-bench-")
@@ -307,21 +311,26 @@ def graphmode_model(shared: ModelShared):
             cache = tmp.name
         cm = graphmode.compile(shared.bundle, rec, "host", cache_dir=cache, threads=shared.threads,
                                on_stage=shared.on_stage)
-        got = shared.store["graphmode"] = (cm, rec, time.perf_counter() - t0)
+        got = shared.store[key] = (cm, rec, time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - remembered so every shape reports the same reason
-        shared.store["graphmode"] = e
+        shared.store[key] = e
         raise
     return (*got, True)
 
 
 class GraphmodeEngine(Engine):
     """graphmode: the CompiledModel called like the module (bind, bucket, run, slice). A recipe
-    with exe_mode eager is benchmarked too, and reported as the eager fallback it is."""
+    with exe_mode eager is benchmarked too, and reported as the eager fallback it is. A variant
+    is a loop schedule (`graphmode[dynamic]`: the recipe's codegen.schedule, omp_loops.SCHEDULES)."""
 
     name = "graphmode"
 
     def setup(self, shared, env, inputs):
-        cm, rec, compile_s, now = graphmode_model(shared)
+        from graphmode.backends.cpu.omp_loops import SCHEDULES
+        if self.variant not in (None, "default", "auto", *SCHEDULES):
+            raise EngineUnavailable(f"unknown graphmode variant {self.variant!r} (a loop schedule: "
+                                    f"auto, {', '.join(SCHEDULES)})")
+        cm, rec, compile_s, now = graphmode_model(shared, self.variant)
         bucket = rec.bucket_for(dict(env))
         if bucket is None:
             raise RuntimeError(f"shape {env} is outside the recipe's dims {rec.dim_buckets()}")

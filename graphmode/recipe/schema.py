@@ -338,10 +338,14 @@ class CodegenSpec(_Spec):
     GEMM kernels once per shape (results kept in a timing cache); `heuristic` never times.
     `isa` caps the instruction set generated kernels run (= backends/cpu/isa.py CAPS): auto
     is the host's best; a lower one runs that code path on a bigger host (an AVX2 table
-    from an AVX-512 machine); one the target lacks is refused (semantics.py)."""
+    from an AVX-512 machine); one the target lacks is refused (semantics.py). `schedule`: how
+    generated kernels' parallel loops hand out iterations (= backends/cpu/omp_loops.py
+    SCHEDULES): static shares, or chunks claimed dynamically (dynamic, guided), which a busy
+    host's descheduled thread cannot hold up; auto = the measured default."""
     kernel_selection: Literal["latency_first", "throughput_first", "heuristic"] = "latency_first"
     isa: Literal["auto", "avx512", "avx2", "portable"] = "auto"
-    _LATE = {"isa": "auto"}
+    schedule: Literal["auto", "static", "dynamic", "guided"] = "auto"
+    _LATE = {"isa": "auto", "schedule": "auto"}
 
 
 class PrecisionSpec(_Spec):

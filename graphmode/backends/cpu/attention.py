@@ -21,9 +21,10 @@ value in, say, a padded key's K or V does not reach the output (in torch it woul
 Anything else (other dtypes, broadcast q/k/v batch dims, a mask that does not broadcast to
 the scores, dropout, huge sizes) returns None and ATen runs the op.
 
-Loops: a task is one (batch, head, query block of QB rows); tasks are split statically over
-an OpenMP team (`num_threads(gm_nt())`) so each thread takes whole heads in order and packs
-each head's K^T [D, Sk] (zero-padded to a multiple of 16 keys) once into its own scratch.
+Loops: a task is one (batch, head, query block of QB rows); tasks are split over an OpenMP
+team (`num_threads(gm_nt())`, static shares or claimed chunks of whole heads: omp_loops) so each
+thread takes whole heads in order and packs each head's K^T [D, Sk] (zero-padded to a multiple
+of 16 keys) once into its own scratch.
 Per task:
 
 1. key extent: the block's rows only attend keys below `kend` (the causal diagonal, and the
@@ -60,6 +61,7 @@ from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source,
 from graphmode.backends.cpu.cexpr import lit
 from graphmode.backends.cpu.isa import ISA_GUARD
 from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowers, refused
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.backends.cpu.tensors import dtype_of
 from graphmode.ir.types import TensorType
 
@@ -245,7 +247,7 @@ def generate_attention(p: AttnProblem, *, parallel: bool | None = None) -> str:
     ]
     if par:
         body += ["  #pragma omp parallel num_threads(gm_nt())", "  {"] + region + [
-            "    #pragma omp for schedule(static)",
+            "    " + omp_for(tasks, p.flops, region=False, align=nqb),   # chunks of whole heads: K^T is per head
             "    for (long t = 0; t < TASKS; ++t) task(q, k, v, m, o, t, kt, s, rs, &cached);",
             "    free(raw);",
             "  }"]

@@ -24,18 +24,19 @@ class CpuBackend:
     def executable(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
                    kernel_dir: Path | None = None, threads: int | None = None,
                    kernel_selection: Any = None, isa: str = "auto", frozen: bool = False,
-                   weight_growth: float | None = None) -> CpuExecutable:
+                   weight_growth: float | None = None, schedule: str = "auto") -> CpuExecutable:
         """Kernels are built in (and loaded from) `kernel_dir` (default <cache root>/kernels,
         graphmode.paths), the tactics' timing cache lives next to it in `tactics/`; `isa` caps their
         code path (the recipe's `codegen.isa`), never above what this host runs. `frozen`: use
         the timing cache as recorded (no re-timing of noisy entries), as a loaded artifact does.
         `weight_growth`: the recipe's memory.weight_growth (None: the prepared weights are not limited).
-        `threads` None: this process's CPUs capped at its container's CPU quota (targets.quota)."""
+        `threads` None: this process's CPUs capped at its container's CPU quota (targets.quota).
+        `schedule`: the recipe's `codegen.schedule`, how the kernels' parallel loops hand out work (omp_loops)."""
         threads = default_threads() if threads is None else threads
         why = cap_problem(isa, host_simd())
         if why is not None:
             raise BackendError(why[0], where="codegen.isa", value=isa, fix=why[1])
-        builder = builder_for(kernel_dir, threads, isa)
+        builder = builder_for(kernel_dir, threads, isa, schedule)
         if kernel_selection is None or isinstance(kernel_selection, str):
             kernel_selection = tactics_context(kernel_selection, builder, threads, {}, frozen=frozen,
                                                weight_growth=weight_growth)

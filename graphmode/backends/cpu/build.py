@@ -42,6 +42,7 @@ from typing import Any, Iterable, Sequence
 from graphmode.backends.cpu.abi import KernelSource, translation_unit
 from graphmode.backends.cpu.isa import CAPS, host_simd, march
 from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary
+from graphmode.backends.cpu.omp_loops import resolve_schedule, schedule_flags
 from graphmode.backends.cpu.toolchain import Toolchain, atomic_write, run, shared_flags, warn_once
 from graphmode.errors import BackendError
 from graphmode.paths import cache_layout
@@ -77,12 +78,14 @@ class KernelBuilder:
     compiler processes for one library. `isa`: the cap (a recipe's `codegen.isa`; None or
     auto = the host's best): `-march=native` in the flags becomes `isa.march(isa)`, so
     every kernel takes that ISA's code path; a cap the host cannot run is still built
-    (what tests of that path do here), and running it is the caller's to refuse.
+    (what tests of that path do here), and running it is the caller's to refuse. `schedule`:
+    how the kernels' claimable parallel loops hand out iterations (omp_loops.SCHEDULES; None or
+    auto = omp_loops.DEFAULT_SCHEDULE), a compile flag, so part of every library's key.
     """
 
     def __init__(self, cache_dir: Path | str, compiler: str | None = None,
                  flags: Sequence[str] | None = None, *, threads: int | None = None, jobs: int | None = None,
-                 isa: str | None = None):
+                 isa: str | None = None, schedule: str | None = None):
         if isa is not None and isa not in CAPS:
             raise BackendError(f"unknown ISA {isa!r}", where="codegen.isa", value=isa, fix=f"one of {', '.join(CAPS)}")
         self.cache_dir = Path(cache_dir)
@@ -90,7 +93,9 @@ class KernelBuilder:
         self.isa = None if isa == "auto" else isa
         self.march = march(self.isa, host_simd()) if self.isa is not None else ("-march=native",)
         flags = DEFAULT_FLAGS if flags is None else flags
-        self.base_flags = tuple(g for f in flags for g in (self.march if f == "-march=native" else (f,)))
+        self.schedule = resolve_schedule(schedule)
+        self.base_flags = tuple(g for f in flags for g in (self.march if f == "-march=native" else (f,))) \
+            + schedule_flags(self.schedule)
         self.threads = threads
         self.jobs = max(1, jobs or os.cpu_count() or 1)
         self.stats = {"compiles": 0, "cache_hits": 0, "rebuilds": 0, "compile_s": 0.0}
@@ -465,14 +470,18 @@ def default_kernel_dir() -> Path:
 _BUILDERS: dict[tuple, KernelBuilder] = {}
 
 
-def builder_for(cache_dir: Path | str | None, threads: int | None, isa: str | None = None) -> KernelBuilder:
+def builder_for(cache_dir: Path | str | None, threads: int | None, isa: str | None = None,
+                schedule: str | None = None) -> KernelBuilder:
     """The process's builder for a kernel folder (default: the cache root's kernels/, graphmode.paths), thread
-    count and ISA cap: one per triple, so its compiler probe and loaded libraries are shared."""
+    count, ISA cap and loop schedule: one per combination, so its compiler probe and loaded libraries are
+    shared."""
     isa = None if isa == "auto" else isa
-    key = (str(cache_dir or default_kernel_dir()), threads, isa)
+    schedule = resolve_schedule(schedule)
+    key = (str(cache_dir or default_kernel_dir()), threads, isa, schedule)
     b = _BUILDERS.get(key)
     if b is None:
-        b = _BUILDERS[key] = KernelBuilder(cache_dir or default_kernel_dir(), threads=threads, isa=isa)
+        b = _BUILDERS[key] = KernelBuilder(cache_dir or default_kernel_dir(), threads=threads, isa=isa,
+                                           schedule=schedule)
     return b
 
 

@@ -17,6 +17,7 @@ import torch
 from graphmode.backends.cpu.abi import KernelSource
 from graphmode.backends.cpu.attrs import pair
 from graphmode.backends.cpu.epilogue import Epilogue, conv_load
+from graphmode.backends.cpu.omp_loops import omp_for
 
 
 @dataclass(frozen=True)
@@ -117,18 +118,18 @@ class ConvConfig(Protocol):
     def generate(self, p: ConvProblem, threads: int) -> KernelSource: ...
 
 
-def nhwc_pack_lines(p: ConvProblem, cp: int, hp: int, wp: int, par: str) -> list[str]:
+def nhwc_pack_lines(p: ConvProblem, cp: int, hp: int, wp: int, par: bool) -> list[str]:
     """C++ for `@SYM@_pack(x, xp)`: NCHW input -> zero-padded NHWC [N][hp][wp][cp], through
     16x16 stack tiles so that both sides are read/written in runs. It writes the padding border
     and the channels >= C too (zeros), so a workspace needs no zeroing and one buffer serves
     every conv of a plan (tactics/context.py): a zero border kept from allocation used to pin
-    one workspace per conv shape (150 MB for ResNet-18 at batch 8)."""
+    one workspace per conv shape (150 MB for ResNet-18 at batch 8). `par`: rows in parallel."""
     ph, pw = p.padding
     return [
         "void @SYM@_pack(const float* __restrict x, float* __restrict xp) {",
         f"  constexpr long N = {p.n}, C = {p.cin}, H = {p.h}, W = {p.w}, CP = {cp}, HP = {hp}, WP = {wp};",
         f"  constexpr long PH = {ph}, PW = {pw}, RIGHT = WP - PW - W > 0 ? WP - PW - W : 0;",
-        f"  {par}",
+        "  " + omp_for(p.n * hp, p.n * hp * wp * cp) if par else "",
         "  for (long r = 0; r < N * HP; ++r) {",
         "    const long n = r / HP, iy = r % HP - PH;",
         "    float* row = xp + r * WP * CP;",

@@ -20,6 +20,7 @@ from graphmode.backends.cpu.cexpr import CTYPE, STYPE, CValue, lit, op_expr, op_
 from graphmode.backends.cpu.groups import (Body, broadcast_strides, fit_refusal, needed_leaves, needed_nodes,
                                            padded, same_footprint, shape_of)
 from graphmode.backends.cpu.lowering import Claim, refused
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.errors import BackendError
 from graphmode.ir.graph import Node
 from graphmode.ir.ops import OPS
@@ -383,7 +384,7 @@ class ElementwiseGen(Gen):
 
         lines = ["  {"]
         if parallel:
-            lines.append("    #pragma omp parallel for num_threads(gm_nt()) schedule(static)")
+            lines.append("    " + omp_for(tiles, work))
         lines.append(f"    for (int64_t tile = 0; tile < {tiles}; ++tile) {{")
         row = "tile" if nblk == 1 else f"(tile / {nblk})"
         dec, idx = row_decomp(lead, row, 6)

@@ -41,6 +41,7 @@ import torch
 from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source, template
 from graphmode.backends.cpu.epilogue import Epilogue, gemm_load
 from graphmode.backends.cpu.isa import ISA_GUARD, ISAS, REGISTERS, VL
+from graphmode.backends.cpu.omp_loops import MIN_CHUNKS, omp_for
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
 
@@ -210,10 +211,17 @@ def _tiles(isa: str, cfg: GemmConfig, p: GemmProblem, rem_m: int, rem_n: int, in
 
 def chunks_for(units: int, panels: int, threads: int) -> int:
     """Panel chunks per (batch, m-block) unit so that the task count is a multiple of
-    `threads` (every thread gets the same work) where there are enough panels."""
+    `threads` (every thread gets the same work) where there are enough panels, and a multiple
+    of that up to omp_loops.MIN_CHUNKS tasks where the panels allow: a static schedule still
+    gives each thread the same contiguous panels, a dynamic one lets the threads that run
+    claim the share of one the host took away."""
     if threads <= 1:
         return 1
-    return max(1, min(panels, threads // math.gcd(units, threads)))
+    nch = max(1, min(panels, threads // math.gcd(units, threads)))
+    for over in range(math.ceil(MIN_CHUNKS / (units * nch)), 1, -1):
+        if nch * over <= panels:
+            return nch * over
+    return nch
 
 
 def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource:
@@ -297,10 +305,9 @@ def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource
     args = (f"  const @SYM@_args g = {{(const float*)p0, (const float*)p1, "
             f"{'(const float*)p2' if p.bias else 'nullptr'}, (float*)p{len(inputs)}"
             + "".join(f", (const float*)p{len(inputs) - n_epi + i}" for i in range(n_epi)) + "};")
-    tasks = "  for (long t = 0; t < @SYM@_tasks; ++t) @SYM@_task(&g, t);"
-    omp = ["  #pragma omp parallel for schedule(" + ("dynamic, 1" if cfg.split > 1 else "static")
-           + ") num_threads(gm_nt())"] if par else []
-    lines += entry_point(len(inputs) + 1, [args, *omp, tasks])
+    loop = "  for (long t = 0; t < @SYM@_tasks; ++t) @SYM@_task(&g, t);"
+    omp = ["  " + omp_for(tasks, p.flops, fixed="dynamic, 1" if cfg.split > 1 else None)] if par else []
+    lines += entry_point(len(inputs) + 1, [args, *omp, loop])
     return kernel_source("gemm", template("gemm.h") + "\n".join(lines) + "\n", inputs=inputs, outputs=("c",),
                          types=_types(p, cfg), kind="gemm", parallel=par, pattern=f"{p.text} [{cfg.name}]")
 

@@ -20,6 +20,7 @@ from graphmode.backends.cpu.emit import PAR_THRESHOLD
 from graphmode.backends.cpu.layout_kernels import aten_args, is_input
 from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowers, refused
 from graphmode.backends.cpu.native import finish
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.backends.cpu.tensors import overlaps, shape_text
 
 
@@ -65,7 +66,7 @@ def group_norm(call: OpCall) -> Claim:
             lines += [f"  float* __restrict mean_out = (float*)p{k + 1};", f"  float* __restrict rstd_out = (float*)p{k + 2};"]
         par = x.numel() * 4 >= PAR_THRESHOLD and n * groups > 1
         if par:
-            lines.append("  #pragma omp parallel for schedule(static) num_threads(gm_nt())")
+            lines.append("  " + omp_for(n * groups, 4 * x.numel()))
         scale = "rstd * weight[ch]" if slots["weight"] is not None else "rstd"
         shift = "bias[ch] - sc * mean" if slots["bias"] is not None else "-sc * mean"
         lines += [f"  for (long t = 0; t < {n * groups}L; ++t) {{",

@@ -26,6 +26,7 @@ import torch
 from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source
 from graphmode.backends.cpu.conv import ConvProblem, epilogue_store, epilogue_types, conv_args, nhwc_pack_lines
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b, packed_numel
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
 
@@ -115,7 +116,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
     nb = images_per_block(p)
     k = p.kh * p.kw * p.cin
     hw = p.ho * p.wo
-    par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
+    par = threads != 1
     (sy, sx), (dy, dx) = p.stride, p.dilation
     ca = conv_args(p, "w")
     lines = ["namespace {", *nhwc_pack_lines(replace(p, n=nb), p.cin, hp, wp, par)]
@@ -123,7 +124,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         lines += [
             "void @SYM@_cols(const float* __restrict xp, float* __restrict col) {",
             f"  constexpr long HO = {p.ho}, WO = {p.wo}, C = {p.cin}, HP = {hp}, WP = {wp}, K = {k};",
-            f"  {par}",
+            "  " + omp_for(nb * p.ho, nb * p.ho * p.wo * k) if par else "",
             f"  for (long r = 0; r < {nb} * HO; ++r) {{",
             "    const long n = r / HO, oy = r % HO;",
             "    for (long ox = 0; ox < WO; ++ox) {",
@@ -142,7 +143,7 @@ def generate_im2col(p: ConvProblem, cfg: Im2colConfig, threads: int) -> KernelSo
         # NHWC GEMM result -> NCHW output
         f"void @SYM@_unpack(const float* __restrict cb, float* y{ca.stage_params}, long n0) {{",
         f"  constexpr long HW = {hw}, CO = {p.cout};",
-        f"  {par}",
+        "  " + omp_for(nb * -(-hw // 16), nb * hw * p.cout) if par else "",
         f"  for (long r = 0; r < {nb} * ((HW + 15) / 16); ++r) {{",
         "    const long nl = r / ((HW + 15) / 16), n = n0 + nl, p0 = (r % ((HW + 15) / 16)) * 16;",
         "    const long pn = HW - p0 < 16 ? HW - p0 : 16;",

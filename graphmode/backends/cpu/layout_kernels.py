@@ -21,6 +21,7 @@ from graphmode.backends.cpu.cexpr import STYPE, lit
 from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowers, refused
 from graphmode.backends.cpu.movement import COPY_PAR_ELEMS, ELEM_TYPES, copy_body
 from graphmode.backends.cpu.native import finish, lin, loop_nest
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.backends.cpu.tensors import dtype_of, overlaps, row_major_strides, shape_text
 from graphmode.ir.ops.aten_ref import overload
 
@@ -191,7 +192,7 @@ def pad(call: OpCall) -> Claim:
         ct = STYPE[dt]
         par = y.numel() >= COPY_PAR_ELEMS
         lines = [f"  const {ct}* __restrict src = (const {ct}*)p0;", f"  {ct}* __restrict dst = ({ct}*)p1;",
-                 "  #pragma omp parallel for simd schedule(static) num_threads(gm_nt())" if par else "  #pragma omp simd",
+                 "  " + omp_for(y.numel(), y.numel(), simd=True) if par else "  #pragma omp simd",
                  f"  for (long i = 0; i < {y.numel()}L; ++i) dst[i] = ({ct}){lit(value, dt if dt in ('f32', 'f64') else 'i64')};"]
         if x.numel():
             ost = row_major_strides(y.shape)

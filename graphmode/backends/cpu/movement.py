@@ -20,6 +20,7 @@ from graphmode.backends.cpu.cexpr import INTS, STYPE, convert
 from graphmode.backends.cpu.emit import PAR_THRESHOLD
 from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowers, refused
 from graphmode.backends.cpu.native import finish, lin, loop_nest
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.backends.cpu.tensors import dtype_of, overlaps, row_major_strides, shape_text
 from graphmode.ir.types import eval_dim, normalize_dim
 
@@ -246,8 +247,7 @@ def cast(call: OpCall) -> Claim:
         par = n >= PAR_THRESHOLD
         body = [f"  const {STYPE[sd]}* __restrict x = (const {STYPE[sd]}*)p0;",
                 f"  {STYPE[dd]}* __restrict y = ({STYPE[dd]}*)p1;",
-                "  #pragma omp parallel for simd schedule(static) num_threads(gm_nt())" if par else
-                "  #pragma omp simd",
+                "  " + omp_for(n, n, simd=True) if par else "  #pragma omp simd",
                 f"  for (long i = 0; i < {n}L; ++i) y[i] = {expr};"]
         return finish("cast", call, body, parallel=par, pattern=f"cast {shape_text(x)} {sd}->{dd}")
     return claimed(make)

@@ -11,10 +11,12 @@ buffers for every native lowering alike.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source
 from graphmode.backends.cpu.lowering import Claim, OpCall, refused
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.backends.cpu.tensors import dtype_of
 from graphmode.ir.types import TensorType
 
@@ -38,13 +40,15 @@ def lin(names: Sequence[str], strides: Sequence[int], base: int = 0) -> str:
     return " + ".join(terms) if terms else "0L"
 
 
-def loop_nest(nest: Sequence[tuple[str, int, int]], body: Sequence[str], *, par: bool, indent: str = "  ") -> list[str]:
+def loop_nest(nest: Sequence[tuple[str, int, int]], body: Sequence[str], *, par: bool, indent: str = "  ",
+              work: float | None = None) -> list[str]:
     """Perfectly nested `for` loops `(var, bound, step)` around `body`; with `par` the nest is
-    one OpenMP loop (collapsed), so every level's iterations are shared between threads."""
+    one OpenMP loop (collapsed), so every level's iterations are shared between threads
+    (`work`: the nest's work units, omp_loops.chunk_for)."""
     out = []
     if par and nest:
-        c = f" collapse({len(nest)})" if len(nest) > 1 else ""
-        out.append(f"{indent}#pragma omp parallel for{c} schedule(static) num_threads(gm_nt())")
+        trips = math.prod(-(-n // s) for _v, n, s in nest)
+        out.append(indent + omp_for(trips, work, collapse=len(nest)))
     for k, (v, n, s) in enumerate(nest):
         inc = f"++{v}" if s == 1 else f"{v} += {s}"
         out.append(f"{indent}{'  ' * k}for (long {v} = 0; {v} < {n}L; {inc})")

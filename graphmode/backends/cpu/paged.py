@@ -39,6 +39,7 @@ from graphmode.backends.cpu.cexpr import lit
 from graphmode.backends.cpu.isa import ISA_GUARD
 from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowers, refused
 from graphmode.backends.cpu.native import finish
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.backends.cpu.tensors import overlaps
 
 MAX_HEAD_DIM = 256       # a row's P V accumulators and its query live in registers
@@ -149,7 +150,7 @@ def generate_paged(p: PagedProblem) -> tuple[str, str]:
         "  {",
         "    char* raw = (char*)malloc(scratch);",
         "    float* s = (float*)(((size_t)raw + 63) & ~(size_t)63);",
-        "    #pragma omp for schedule(dynamic)",
+        "    " + omp_for(p.b * p.kvh * ntb, region=False, fixed="dynamic"),
         "    for (long t = 0; t < TASKS; ++t) task(q, kp, vp, table, start, lens, ok, o, t, s);",
         "    free(raw);",
         "  }",

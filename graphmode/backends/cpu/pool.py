@@ -23,6 +23,7 @@ from graphmode.backends.cpu.attrs import pair
 from graphmode.backends.cpu.emit import PAR_THRESHOLD
 from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowers, refused
 from graphmode.backends.cpu.native import finish
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.backends.cpu.tensors import overlaps, shape_text
 
 VBLOCK = 16        # interior columns per vector block (gm_v16f)
@@ -100,7 +101,7 @@ def _pool_entry(body_row: str, planes: int, ah_out: int, ow: int, hw: int, par: 
     """The exported body: one task per (plane, output row)."""
     lines = ["  const float* x = (const float*)p0;", "  float* y = (float*)p1;"]
     if par:
-        lines.append("  #pragma omp parallel for schedule(static) num_threads(gm_nt())")
+        lines.append("  " + omp_for(planes * ah_out))
     lines.append(f"  for (long t = 0; t < {planes * ah_out}L; ++t) "
                  f"{body_row}(x + (t / {ah_out}L) * {hw}L, y + t * {ow}L, t % {ah_out}L);")
     return lines
@@ -243,7 +244,7 @@ def _adaptive_avg_pool(call: OpCall, oh: int, ow: int) -> KernelSource:
     if oh == 1 and ow == 1:
         body = ["  const float* x = (const float*)p0;", "  float* y = (float*)p1;"]
         if par:
-            body.append("  #pragma omp parallel for schedule(static) num_threads(gm_nt())")
+            body.append("  " + omp_for(planes, x.numel()))
         nv = hw // 16
         body += [f"  for (long c = 0; c < {planes}L; ++c) {{",
                  f"    const float* __restrict xp = x + c * {hw}L;",

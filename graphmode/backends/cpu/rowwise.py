@@ -17,6 +17,7 @@ from graphmode.backends.cpu.emit import (PAR_THRESHOLD, STACK_BUF_BYTES, Gen, Pa
                                          cost, indent, node_refusal, row_decomp)
 from graphmode.backends.cpu.groups import Body, fit_refusal, needed_nodes, padded, same_footprint, shape_of
 from graphmode.backends.cpu.lowering import Claim, refused
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.ir.graph import Node
 from graphmode.ir.ops import norm_axis
 
@@ -311,7 +312,7 @@ class RowGen(Gen):
             else:
                 text.append(f"      {ct}* buf = ({ct}*)malloc({buf_bytes});")
         if parallel:
-            text.append("      #pragma omp for schedule(static)")
+            text.append("      " + omp_for(rows, work, region=False))
         text.append(f"      for (int64_t r = 0; r < {rows}; ++r) {{")
         text += indent(head + row.lines, 8)
         text.append("      }")

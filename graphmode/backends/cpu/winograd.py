@@ -38,6 +38,7 @@ from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source,
 from graphmode.backends.cpu.conv import (ConvArgs, ConvProblem, conv_args, epilogue_store, epilogue_types,
                                          nhwc_pack_lines)
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, packed_numel
+from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
 
@@ -242,7 +243,7 @@ def _transform(mat: Sequence[Sequence[Fr]], src: str, dst: str, n_in: int) -> li
 
 
 def _blocked_body(cfg: WinogradConfig, g: _Geometry, ca: ConvArgs) -> list[str]:
-    """The tile-blocked schedule: each thread takes blocks of `chunk` tiles and runs input
+    """The tile-blocked schedule: each thread claims blocks of `chunk` tiles and runs input
     transform, the alpha^2 GEMMs (serial) and output transform on its own V/M block, which
     stays in its L2, instead of three passes over whole-image V and M buffers. The last
     block's rows past T compute on stale V rows and are never stored."""
@@ -253,13 +254,14 @@ def _blocked_body(cfg: WinogradConfig, g: _Geometry, ca: ConvArgs) -> list[str]:
         f"  #pragma omp parallel num_threads({cfg.nt})",
         "  {",
         "#ifdef _OPENMP",
-        "    const long me = omp_get_thread_num(), nt = omp_get_num_threads();",
+        "    const long me = omp_get_thread_num();",
         "#else",
-        "    const long me = 0, nt = 1;",
+        "    const long me = 0;",
         "#endif",
         f"    float* Vb = V + me * {per}L;",
         f"    float* Mb = Vb + {a2 * cfg.chunk * g.cp}L;",
-        "    for (long b = me; b < NB; b += nt) {",
+        "    " + omp_for(-(-g.t // cfg.chunk), region=False),
+        "    for (long b = 0; b < NB; ++b) {",
         f"      const long t0 = b * {cfg.chunk}, t1 = t0 + {cfg.chunk} < @SYM@_T ? t0 + {cfg.chunk} : @SYM@_T;",
         "      @SYM@_in(xp, Vb, t0, t1);",
         "      @SYM@_g(Vb, p1, Mb);",
@@ -283,8 +285,9 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
     gemm_text = gsrc.source.replace(gsrc.symbol, "@SYM@_g")
     xp_n, v_n, _ = g.sizes(p.n)
     a = g.alpha
-    par = "#pragma omp parallel for num_threads(gm_nt()) schedule(static)" if threads != 1 else ""
-    stage_par = "" if chunked else par          # blocks are the parallel loop of the tile-blocked schedule
+    par = threads != 1
+    # blocks are the parallel loop of the tile-blocked schedule
+    stage_par = "" if chunked or not par else "  " + omp_for(g.t, g.t * a * a * (g.cp + g.cop))
     stride = cfg.chunk if chunked else g.t       # rows of one tile position's V / M
     ca = conv_args(p, "u")
     in_tr = _transform(bt, "d", "v", a)
@@ -299,7 +302,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         *nhwc_pack_lines(p, g.cp, g.hp, g.wp, par),
         # 2. input transform of tiles [t0, t1) into V rows t - t0
         "void @SYM@_in(const float* __restrict xp, float* __restrict V, long t0, long t1) {",
-        f"  {stage_par}",
+        stage_par,
         "  for (long t = t0; t < t1; ++t) {",
         "    const long n = t / (@SYM@_TH * @SYM@_TW), ty = (t / @SYM@_TW) % @SYM@_TH, tx = t % @SYM@_TW;",
         f"    const float* base = xp + ((n * @SYM@_HP + ty * {g.m}) * @SYM@_WP + tx * {g.m}) * @SYM@_CP;",
@@ -316,7 +319,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         # 4. output transform (+ bias, epilogue) of tiles [t0, t1) back to NCHW
         f"void @SYM@_out(const float* __restrict M, const float* __restrict bias, float* y, long t0, long t1"
         f"{ca.stage_params}) {{",
-        f"  {stage_par}",
+        stage_par,
         "  for (long t = t0; t < t1; ++t) {",
         "    const long n = t / (@SYM@_TH * @SYM@_TW), ty = (t / @SYM@_TW) % @SYM@_TH, tx = t % @SYM@_TW;",
         f"    const long vi = @SYM@_HO - ty * {g.m} < {g.m} ? @SYM@_HO - ty * {g.m} : {g.m};",

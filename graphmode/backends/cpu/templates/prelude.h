@@ -29,6 +29,16 @@ GM_INLINE int gm_nt(void) {
 #endif
 }
 
+// GM_SCHED(c): the schedule of the loops a generator made claimable (backends/cpu/omp_loops.py),
+// chosen by the build's flag: chunks of c claimed dynamically, guided down to c, or static.
+#if defined(GM_SCHEDULE_DYNAMIC)
+#define GM_SCHED(c) dynamic, c
+#elif defined(GM_SCHEDULE_GUIDED)
+#define GM_SCHED(c) guided, c
+#else
+#define GM_SCHED(c) static
+#endif
+
 GM_INLINE float gm_bits_f32(int32_t i) { float f; __builtin_memcpy(&f, &i, 4); return f; }
 
 // a*b+c: one rounding where the CPU has FMA (-ffp-contract=off leaves explicit fmas alone)
