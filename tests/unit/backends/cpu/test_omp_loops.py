@@ -138,3 +138,13 @@ def test_static_and_dynamic_builds_are_bit_identical(tmp_path):
 @pytest.mark.slow
 def test_guided_builds_are_bit_identical(tmp_path):
     _same_bits(_kernels(), tmp_path, ("guided",))
+
+
+def test_bench_variant_is_a_schedule():
+    """`graphmode bench --engines "graphmode,graphmode[dynamic]"`: a variant of the graphmode engine
+    is a loop schedule; another is refused as unavailable before anything is compiled."""
+    from graphmode.bench.engines import EngineUnavailable, GraphmodeEngine, parse_engines
+    assert parse_engines("graphmode,graphmode[dynamic]") == [("graphmode", None), ("graphmode", "dynamic")]
+    assert GraphmodeEngine("dynamic").label == "graphmode[dynamic]"
+    with pytest.raises(EngineUnavailable, match="loop schedule"):
+        GraphmodeEngine("fair").setup(None, {}, {})
