@@ -73,13 +73,22 @@ def serve_cmd(
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error"),
     replicas: Optional[int] = typer.Option(None, "--replicas", min=1, help="serve N replicas on Ray Serve (the "
                                            "serve-cluster extra): compiled once here, loaded by every replica"),
-    min_replicas: Optional[int] = typer.Option(None, "--min-replicas", min=0, help="Ray Serve autoscaling: "
-                                               "fewest replicas (sets autoscaling on)"),
-    max_replicas: Optional[int] = typer.Option(None, "--max-replicas", min=1, help="Ray Serve autoscaling: "
-                                               "most replicas (sets autoscaling on)"),
+    min_replicas: Optional[int] = typer.Option(None, "--min-replicas", min=0, help="autoscaling on the "
+                                               "recipe's SLA: fewest replicas (sets autoscaling on)"),
+    max_replicas: Optional[int] = typer.Option(None, "--max-replicas", min=1, help="autoscaling on the "
+                                               "recipe's SLA: most replicas (sets autoscaling on)"),
     target_ongoing_requests: Optional[float] = typer.Option(
-        None, "--target-ongoing-requests", help="autoscaling: requests queued or running per replica that Ray "
-        "Serve aims for (default: the recipe's largest batch)"),
+        None, "--target-ongoing-requests", help="autoscaling: requests in flight per replica Ray Serve routes "
+        "(a replica takes 4x this at most; default: the recipe's largest batch)"),
+    scale_queue_depth: Optional[float] = typer.Option(
+        None, "--scale-queue-depth", help="autoscaling: waiting requests per replica that add one (default: the "
+        "recipe's largest batch)"),
+    scale_window_s: float = typer.Option(2.0, "--scale-window-s", help="autoscaling: one window of p99 and queue "
+                                         "depth"),
+    scale_up_windows: int = typer.Option(3, "--scale-up-windows", help="autoscaling: windows in a row over the "
+                                         "SLA (or the queue bound) that add a replica"),
+    scale_down_windows: int = typer.Option(15, "--scale-down-windows", help="autoscaling: windows in a row well "
+                                           "under both that remove one"),
     address: Optional[str] = typer.Option(None, "--address", help="join this Ray cluster (auto | HOST:6379 | "
                                           "ray://HOST:10001); default: start a local one for the server's lifetime"),
     replica_cpus: float = typer.Option(1.0, "--replica-cpus", help="CPUs Ray reserves per replica"),
@@ -114,6 +123,8 @@ def serve_cmd(
                                  "deploy the variant's recipe as its own replicas")
         cluster = ClusterConfig(replicas=replicas or min_replicas or 1, min_replicas=min_replicas,
                                 max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
+                                scale_queue_depth=scale_queue_depth, scale_window_s=scale_window_s,
+                                scale_up_windows=scale_up_windows, scale_down_windows=scale_down_windows,
                                 address=address, host=host, port=port, replica_cpus=replica_cpus,
                                 replica_ready_timeout_s=replica_ready_timeout_s)
     if recipe is None and artifact_path(model) is None:

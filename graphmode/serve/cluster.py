@@ -17,9 +17,9 @@ coordinator actor (cluster_control) rolls a hot reload across the replicas and m
 Each replica proves the recipe with its own graph's facts, as the plain server does, so the
 recipe's SLA and memory budget hold per replica; the budget is also the replica's Ray
 `memory` resource, so Ray places no more replicas on a node than their budgets fit.
-Autoscaling is Ray Serve's: the replica count follows the requests queued and running per
-replica (`target_ongoing_requests`, by default the largest batch the recipe admits), between
-`min_replicas` and `max_replicas`. The KB path is passed to every replica, which records to
+Autoscaling between `min_replicas` and `max_replicas` follows the recipe's SLA: Ray Serve
+applies the count that graphmode's policy (autoscale.sla_policy) gets from the coordinator,
+which judges each replica's p99 and queue depth (autoscale.decide). The KB path is passed to every replica, which records to
 that one SQLite file (on a shared file system across nodes).
 
 Ray is imported only here and only when a cluster is asked for: `import graphmode.serve`
@@ -51,6 +51,7 @@ REPLICA_ROUTE = "/v1/replica"
 MB = 2**20
 SURGE = 1             # replicas started beyond the count during a rolling reload
 FRONT_MAX_REQUESTS = 10_000   # the front only relays: the replicas' own limits hold requests back
+POLICY = "graphmode.serve.autoscale:sla_policy"   # the replicas' Ray Serve autoscaling policy
 
 
 def require_ray() -> Any:
@@ -72,6 +73,10 @@ class ClusterConfig:
     min_replicas: int | None = None         # either bound set: Ray Serve autoscaling between them
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None   # autoscaling: requests per replica (default: the largest batch)
+    scale_queue_depth: float | None = None  # autoscaling: waiting requests per replica that add one (default: the largest batch)
+    scale_window_s: float = 2.0             # autoscaling: one window of p99 and queue depth
+    scale_up_windows: int = 3               # ... over the SLA (or the queue bound) this many windows in a row: one more
+    scale_down_windows: int = 15            # ... well under both this many windows in a row: one fewer
     address: str | None = None              # an existing Ray cluster ("auto", "ray://host:10001", ...); None: start one
     host: str = "127.0.0.1"                 # Ray Serve's HTTP proxy
     port: int = 8000
@@ -87,7 +92,11 @@ class ClusterConfig:
                   ("health_check_period_s", self.health_check_period_s > 0),
                   ("replica_ready_timeout_s", self.replica_ready_timeout_s > 0),
                   ("target_ongoing_requests", self.target_ongoing_requests is None
-                   or self.target_ongoing_requests > 0)]
+                   or self.target_ongoing_requests > 0),
+                  ("scale_queue_depth", self.scale_queue_depth is None or self.scale_queue_depth >= 0),
+                  ("scale_window_s", self.scale_window_s > 0),
+                  ("scale_up_windows", self.scale_up_windows >= 1),
+                  ("scale_down_windows", self.scale_down_windows >= 1)]
         for name, ok in checks:
             if not ok:
                 raise GraphmodeError("invalid cluster option", where=f"--{name.replace('_', '-')}",
@@ -360,10 +369,12 @@ class ReplicaApp:
         await send({"type": "http.response.body", "body": body})
 
     async def _recipe(self, send: Any) -> None:
-        """GET /v1/recipe: this replica's view, and the cluster's rollout (`rollout`)."""
+        """GET /v1/recipe: this replica's view, the cluster's rollout (`rollout`) and autoscaler
+        (`autoscaler`: desired, running, why)."""
         view = self.replica.server.recipe_view()
         try:
             view["rollout"] = await coordinator().status.remote()
+            view["autoscaler"] = await coordinator().autoscaler.remote()
         except Exception as e:  # noqa: BLE001
             view["rollout"] = {"state": "unknown", "error": f"the coordinator did not answer ({type(e).__name__})"}
         await self._answer(send, 200, view)
@@ -393,11 +404,27 @@ def deployment_options(recipe: Any, cluster: ClusterConfig, config: Any) -> dict
         lo, hi = cluster.bounds
         target = cluster.target_ongoing_requests or float(_largest_batch(recipe))
         opts["autoscaling_config"] = {"min_replicas": lo, "initial_replicas": cluster.replicas, "max_replicas": hi,
-                                      "target_ongoing_requests": target}
+                                      "target_ongoing_requests": target, "policy": {"policy_function": POLICY},
+                                      "upscale_delay_s": 0.0, "downscale_delay_s": 0.0}   # the policy's windows
         opts["max_ongoing_requests"] = max(1, int(target * 4))
     else:
         opts["num_replicas"] = cluster.replicas
     return opts
+
+
+def scale_rule(recipe: Any, cluster: ClusterConfig, config: Any) -> Any:
+    """When the autoscaler adds or removes a replica (autoscale.ScaleRule), or None for a fixed
+    count: the recipe's sla.p99_ms with the server's SLA margin and sample floor, the queue
+    bound (default: one full batch waiting per replica) and the windows from the flags."""
+    from graphmode.serve.autoscale import ScaleRule, sla_p99
+    if not cluster.autoscaling:
+        return None
+    lo, hi = cluster.bounds
+    queue = cluster.scale_queue_depth if cluster.scale_queue_depth is not None else float(_largest_batch(recipe))
+    return ScaleRule(min_replicas=lo, max_replicas=hi, sla_p99_ms=sla_p99(recipe), queue_bound=queue,
+                     margin=config.sla_margin, up_windows=cluster.scale_up_windows,
+                     down_windows=cluster.scale_down_windows, min_samples=config.sla_min_samples,
+                     window_s=cluster.scale_window_s)
 
 
 def _largest_batch(recipe: Any) -> int:
@@ -434,7 +461,8 @@ class ClusterServer:
             recipe = served_recipe(self.served)
             self.coordinator = ray.remote(Coordinator).options(
                 name=COORDINATOR, namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
-                get_if_exists=False).remote(self.served, recipe, self.config, self.cluster)
+                get_if_exists=False).remote(self.served, recipe, self.config, self.cluster,
+                                                        scale_rule(recipe, self.cluster, self.config))
             ray.get(self.coordinator.ready.remote())
             deploy(self.served, recipe, self.config, self.cluster)
         except BaseException:

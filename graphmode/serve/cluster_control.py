@@ -15,7 +15,11 @@ namespace, living as long as the application):
     `GET /v1/recipe` shows the rollout's state;
   * **metrics.** Every replica pushes its Prometheus text here every METRICS_PUSH_S; the
     replica answering `/metrics` merges its own (fresh) text with the others' (`merge_metrics`),
-    every series labelled with its replica: nothing is summed.
+    every series labelled with its replica: nothing is summed;
+  * **autoscaling on the SLA.** Ray's controller asks `scale` (through the deployment's
+    policy, autoscale.sla_policy) for the replica count; every window the coordinator turns
+    the pushed registries into one window per replica (p99, queue depth) and decides
+    (autoscale.decide) against the SLA of the recipe served now. `status` shows the decision.
 
 The class is plain Python: ClusterServer makes it a Ray actor (`ray.remote`).
 """
@@ -24,9 +28,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from graphmode.errors import GraphmodeError, RecipeError
+from graphmode.serve.autoscale import Reading, ScaleRule, ScaleState, decide, reading, sla_p99, window
 
 COORDINATOR = "graphmode-coordinator"
 NAMESPACE = "serve"
@@ -40,8 +46,9 @@ log = logging.getLogger("graphmode.serve.cluster")
 class Coordinator:
     """The rollouts and the replicas' metrics (see the module's docstring)."""
 
-    def __init__(self, served: Any, recipe: Any, config: Any, cluster: Any):
-        """`recipe`: the one `served` serves (read by the driver: an artifact's, checked on its host)."""
+    def __init__(self, served: Any, recipe: Any, config: Any, cluster: Any, scale_rule: ScaleRule | None = None):
+        """`recipe`: the one `served` serves (read by the driver: an artifact's, checked on its host);
+        `scale_rule`: when to add or remove replicas (autoscaling on), its SLA the recipe's."""
         from graphmode.recipe.targets import pick_target
         from graphmode.serve.sandbox import RecipeSandbox
         self.served, self.recipe, self.config, self.cluster = served, recipe, config, cluster
@@ -52,6 +59,10 @@ class Coordinator:
         self.rollout: dict[str, Any] = {"state": "none", "version": self.recipe.hash(), "name": self.recipe.name}
         self.rolling: threading.Thread | None = None     # the rollout under way, if any
         self.pushed: dict[str, tuple[float, bytes]] = {}
+        self.rule = scale_rule                          # None: a fixed replica count
+        self.scaling: ScaleState | None = None
+        self.readings: dict[str, Reading] = {}          # each replica's push at the last window
+        self.judged_at = 0.0
 
     def ready(self) -> bool:
         return True
@@ -131,11 +142,41 @@ class Coordinator:
         with self.lock:
             return dict(self.rollout)
 
+    def autoscaler(self) -> dict[str, Any]:
+        """The autoscaler's rule and last decision (`desired`, `running`, `why`), or `off`."""
+        with self.lock:
+            if self.rule is None:
+                return {"state": "off", "why": "a fixed replica count (--replicas without --min/--max-replicas)"}
+            rule = replace(self.rule, sla_p99_ms=sla_p99(self.recipe))
+            return {"state": "on", **(self.scaling.to_dict() if self.scaling else {"why": "no window judged yet"}),
+                    "rule": rule.to_dict()}
+
     def wait(self, timeout_s: float) -> dict[str, Any]:
         """The rollout's state once it has ended (or after `timeout_s`, still rolling)."""
         if self.rolling is not None:
             self.rolling.join(timeout_s)
         return self.status()
+
+    # ---- autoscaling -------------------------------------------------------------------------
+    def scale(self, running: int, target: int) -> dict[str, Any]:
+        """The replica count to aim for (Ray's controller asks about every 0.1 s; a window is
+        judged every rule.window_s, from the replicas' pushes since the last one)."""
+        now = time.monotonic()
+        with self.lock:
+            if self.rule is None:
+                return {"desired": target}
+            if self.scaling is not None and now - self.judged_at < self.rule.window_s:
+                return self.scaling.to_dict()
+            readings = {replica: reading(text) for replica, (at, text) in self.pushed.items()
+                        if now - at <= max(3 * METRICS_PUSH_S, self.rule.window_s)}
+            windows = {replica: window(self.readings.get(replica), r) for replica, r in readings.items()}
+            rule = replace(self.rule, sla_p99_ms=sla_p99(self.recipe))
+            before = self.scaling or ScaleState(desired=target)
+            self.scaling = decide(rule, before, windows, running, target)
+            self.readings, self.judged_at = readings, now
+            if self.scaling.desired != before.desired:
+                log.info("autoscaling: %s", self.scaling.why)
+            return self.scaling.to_dict()
 
     # ---- metrics ------------------------------------------------------------------------------
     def push(self, replica: str, text: bytes) -> None:
@@ -148,6 +189,33 @@ class Coordinator:
             if now - at > METRICS_STALE_S:
                 del self.pushed[replica]
         return {replica: text for replica, (_, text) in self.pushed.items()}
+
+
+_asked: dict[str, Any] = {}      # deployment -> the coordinator's answer on its way (a future), in Ray's controller
+_coordinator: list[Any] = []
+
+
+def ask_coordinator(ctx: Any) -> tuple[int, dict[str, Any]]:
+    """autoscale.sla_policy's work, in Ray's controller, which must not block: the coordinator's
+    last answer (`scale`), and the next question sent (its answer is read on a later call)."""
+    key = str(ctx.deployment_id)
+    desired = int(ctx.policy_state.get("desired", ctx.target_num_replicas))
+    pending = _asked.get(key)
+    if pending is not None and pending.done():
+        del _asked[key]
+        try:
+            desired = int(pending.result()["desired"])
+        except Exception:  # noqa: BLE001 - the coordinator restarted or stopped: keep the last answer
+            _coordinator.clear()
+    if key not in _asked:
+        try:
+            if not _coordinator:
+                import ray
+                _coordinator.append(ray.get_actor(COORDINATOR, namespace=NAMESPACE))
+            _asked[key] = _coordinator[0].scale.remote(ctx.current_num_replicas, ctx.target_num_replicas).future()
+        except Exception:  # noqa: BLE001 - no coordinator (stopping): the count stays
+            _coordinator.clear()
+    return desired, {"desired": desired}
 
 
 def _failure(e: BaseException) -> tuple[int, dict[str, Any]]:

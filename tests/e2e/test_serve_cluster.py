@@ -5,7 +5,7 @@ eager (transformers' greedy tokens, whole and streamed, for the decoder, through
 every replica records to the one KB file; a replica killed under load is restarted by Ray from
 the artifact while the other keeps answering (a request it held is retried once on the other
 by graphmode's front, never answered a bare 500); a replica that cannot load the artifact fails
-the start with the artifact's error; autoscaling adds a replica when requests queue. A local Ray cluster takes about a minute to start on 2
+the start with the artifact's error; autoscaling on the recipe's SLA adds a replica under load and removes it after. A local Ray cluster takes about a minute to start on 2
 cores, so these tests are `slow` and `cluster`: `make test-cluster` installs the extra and runs
 them (one local cluster at a time: the tests without the module's cluster come first).
 
@@ -193,15 +193,19 @@ def test_cli_serves_a_decoder_on_two_replicas_from_the_shared_cache(tmp_path):
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_autoscaling_adds_a_replica_when_requests_queue(artifact):
-    """--min-replicas 1 --max-replicas 2 with a target of 1 request in flight per replica: 8
-    clients keep the one replica's queue full, and Ray Serve starts the second (its upscale
-    delay is 30 s), which answers from the same artifact."""
-    path, _, tmp = artifact
-    config = ServeConfig(cache_dir=tmp / "serve-cache", batch_window_ms=20)
-    cluster = ClusterConfig(replicas=1, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
-                            port=_free_port(), health_check_period_s=1)
-    served = prepare(str(path), None, replica_config(config, cluster))
+def test_autoscaling_on_the_sla_adds_a_replica_under_load_and_removes_it_after(artifact):
+    """--min-replicas 1 --max-replicas 2 with a recipe whose sla.p99_ms (2 ms) its proof meets
+    but a 20 ms batch window does not: under load from 4 clients the p99 each replica pushes is
+    over the SLA for 2 windows, graphmode's policy asks Ray Serve for a second replica (the
+    queue bound is out of reach: the p99 decides), which answers; GET /v1/recipe shows why.
+    Once the load stops, 3 calm windows bring it back to one replica."""
+    _, _, tmp = artifact
+    tight = recipe("mlp-sla", [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}],
+                   {"batch": {"buckets": [1, 2, 4]}}, sla={"p99_ms": 2})
+    config = ServeConfig(cache_dir=tmp / "sla-cache", batch_window_ms=20)
+    cluster = ClusterConfig(replicas=1, min_replicas=1, max_replicas=2, scale_queue_depth=1000, scale_window_s=1,
+                            scale_up_windows=2, scale_down_windows=3, port=_free_port(), health_check_period_s=1)
+    served = prepare(f"{HERE / 'tiny_models.py'}:mlp", tight, replica_config(config, cluster))
     seen: set[str] = set()
     failed: list[str] = []
     stop = threading.Event()
@@ -213,9 +217,13 @@ def test_autoscaling_adds_a_replica_when_requests_queue(artifact):
                 if r.status_code != 200:
                     failed.append(r.text)
                 seen.add(r.headers.get("x-graphmode-replica"))
-    with ClusterServer(served, config, cluster) as server:
+
+    def autoscaler(client):
+        return client.get(server.url + "/v1/recipe", timeout=60).json()["autoscaler"]
+    with ClusterServer(served, config, cluster) as server, httpx.Client() as client:
         assert server.replica_states() == {"RUNNING": 1}
-        threads = [threading.Thread(target=load, daemon=True) for _ in range(8)]
+        assert autoscaler(client)["rule"]["sla_p99_ms"] == 2.0
+        threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
         for t in threads:
             t.start()
         try:
@@ -225,6 +233,12 @@ def test_autoscaling_adds_a_replica_when_requests_queue(artifact):
             stop.set()
             for t in threads:
                 t.join(60)
+        state = autoscaler(client)
+        assert state["state"] == "on" and state["desired"] == 2, state
+        assert state["changed"].startswith("up to 2: p99 ") and "> sla.p99_ms 2 ms + 20%" in state["changed"], state
+        _until("one replica again once the load stopped", lambda: server.replica_states() == {"RUNNING": 1}, every=0.5)
+        state = autoscaler(client)
+        assert state["desired"] == 1 and state["changed"].startswith("down to 1: "), state
     assert not failed, failed[:3]
 
 

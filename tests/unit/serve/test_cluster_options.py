@@ -3,6 +3,7 @@ extra is named before anything compiles, and the flags and the recipe map onto R
 deployment options (replica count or autoscaling bounds, CPUs, the memory budget)."""
 from __future__ import annotations
 
+import importlib
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 from graphmode.cli.app import _register, app
 from graphmode.errors import GraphmodeError
 from graphmode.recipe import load_recipe
-from graphmode.serve.cluster import ClusterConfig, deployment_options, require_ray
+from graphmode.serve.cluster import POLICY, ClusterConfig, deployment_options, require_ray
 from graphmode.serve.server import ServeConfig
 
 _register()
@@ -54,13 +55,17 @@ def test_fixed_replicas_map_to_num_replicas_with_the_recipe_budget():
     assert opts["max_surge_percent"] == 33          # a reload rolls with one replica beyond the 3 (ceil(33% of 3))
 
 
-def test_autoscaling_bounds_and_the_queue_depth_target():
+def test_autoscaling_bounds_and_graphmodes_sla_policy():
     rec = load_recipe(RECIPE)
     opts = deployment_options(rec, ClusterConfig(replicas=2, min_replicas=1, max_replicas=4), ServeConfig())
     assert "num_replicas" not in opts
-    # the default target: one full batch (the recipe's largest) queued or running per replica
+    # graphmode's policy decides (its own windows: Ray's delays off); the routing target is one
+    # full batch (the recipe's largest) in flight per replica
     assert opts["autoscaling_config"] == {"min_replicas": 1, "initial_replicas": 2, "max_replicas": 4,
-                                          "target_ongoing_requests": 8.0}
+                                          "target_ongoing_requests": 8.0, "policy": {"policy_function": POLICY},
+                                          "upscale_delay_s": 0.0, "downscale_delay_s": 0.0}
+    module, _, name = POLICY.partition(":")
+    assert callable(getattr(importlib.import_module(module), name))
     opts = deployment_options(rec, ClusterConfig(max_replicas=3, target_ongoing_requests=2), ServeConfig())
     assert opts["autoscaling_config"]["min_replicas"] == 1 and opts["autoscaling_config"]["max_replicas"] == 3
     assert opts["autoscaling_config"]["target_ongoing_requests"] == 2
@@ -69,7 +74,9 @@ def test_autoscaling_bounds_and_the_queue_depth_target():
 @pytest.mark.parametrize("kwargs, where", [({"replicas": 0}, "--replicas"),
                                            ({"min_replicas": 3, "max_replicas": 2, "replicas": 2}, "--min-replicas"),
                                            ({"replicas": 5, "max_replicas": 4}, "--replicas"),
-                                           ({"replica_cpus": 0}, "--replica-cpus")])
+                                           ({"replica_cpus": 0}, "--replica-cpus"),
+                                           ({"max_replicas": 2, "scale_window_s": 0}, "--scale-window-s"),
+                                           ({"max_replicas": 2, "scale_up_windows": 0}, "--scale-up-windows")])
 def test_bad_cluster_options_are_refused_naming_the_flag(kwargs, where):
     with pytest.raises(GraphmodeError) as e:
         ClusterConfig(**kwargs)
