@@ -10,6 +10,11 @@ Measured on the client, as vLLM does: TTFT = request sent -> first streamed toke
 gap between two streamed chunks of one request, TPOT = (e2e - TTFT) / (tokens - 1) per
 request, e2e = request sent -> last chunk; throughput = output tokens / wall time of the
 run. Percentiles are numpy's (linear interpolation).
+
+`endpoint="embeddings"` loads an encoder instead (`POST /v1/embeddings`, one input of
+random token ids per request, as vLLM's embedding benchmark does): requests/s, input
+tokens/s and the e2e latency; no tokens are generated, so TTFT, TPOT and ITL stay empty.
+Behind `serve --replicas` the server counters (one replica's) are left out.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from graphmode.errors import GraphmodeError
 from graphmode.progress import OnStage, StageReporter, stage
 
 MAX_PROMPTS = 100_000
+ENDPOINTS = ("completions", "embeddings")
 PERCENTILES = (50, 99)
 
 
@@ -43,6 +49,7 @@ class LoadConfig:
     temperature: float = 0.0
     seed: int = 0
     timeout_s: float = 600.0
+    endpoint: str = "completions"    # or "embeddings": an encoder
 
     def check(self) -> None:
         def bad(name: str, value: Any, fix: str) -> GraphmodeError:
@@ -54,6 +61,8 @@ class LoadConfig:
         if not is_loopback(host):
             raise bad("url", self.url, "the load generator only targets a server on a loopback address "
                                        "(127.0.0.1, ::1, localhost)")
+        if self.endpoint not in ENDPOINTS:
+            raise bad("endpoint", self.endpoint, " or ".join(ENDPOINTS))
         if not 1 <= self.num_prompts <= MAX_PROMPTS:
             raise bad("num_prompts", self.num_prompts, f"between 1 and {MAX_PROMPTS}")
         if self.input_len < 1 or self.output_len < 1:
@@ -140,17 +149,38 @@ def _lengths(rng: np.random.Generator, n: int, length: int, ratio: float) -> lis
     return [int(x) for x in rng.integers(lo, max(lo, hi) + 1, size=n)]
 
 
-def _decoder_info(url: str) -> dict[str, Any]:
+def _recipe_view(url: str) -> tuple[dict[str, Any], str | None]:
+    """GET /v1/recipe, and the replica that answered (None: a single server)."""
     try:
         r = httpx.get(url.rstrip("/") + "/v1/recipe", timeout=30)
-        info = r.json().get("decoder") if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        view = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError) as e:
         raise GraphmodeError(f"cannot read the server's recipe: {type(e).__name__}: {e}", where="--url", value=url,
                              fix="start `graphmode serve` there first (and wait for `ready`)") from None
+    return (view if isinstance(view, dict) else {}), r.headers.get("x-graphmode-replica")
+
+
+def _decoder_info(url: str) -> tuple[dict[str, Any], str | None]:
+    view, replica = _recipe_view(url)
+    info = view.get("decoder")
     if not info:
         raise GraphmodeError("the server does not serve a decoder (no /v1/completions)", where="--url", value=url,
-                             fix="start it with a causal LM and a recipe that declares memory.kv_cache")
-    return info
+                             fix="start it with a causal LM and a recipe that declares memory.kv_cache, or load "
+                                 "an encoder with --endpoint embeddings")
+    return info, replica
+
+
+def _encoder_info(url: str) -> dict[str, Any]:
+    """What the embeddings load needs: the vocabulary (recipe.model.vocab, else 1000)."""
+    view, _ = _recipe_view(url)
+    recipe = view.get("recipe") or {}
+    names = {i.get("name") for i in recipe.get("inputs", [])}
+    if "input_ids" not in names or view.get("decoder"):
+        raise GraphmodeError("the server does not serve an encoder (no /v1/embeddings: its recipe takes no "
+                             "input_ids, or it is a decoder)", where="--url", value=url,
+                             fix="start it with an encoder (e.g. --model minilm), or load a decoder with "
+                                 "--endpoint completions")
+    return {"vocab": (recipe.get("model") or {}).get("vocab") or 1000}
 
 
 def _check_lengths(cfg: LoadConfig, inputs: list[int], outputs: list[int], info: dict[str, Any]) -> None:
@@ -188,13 +218,29 @@ async def _one(client: AsyncClient, prompt: list[int], out_len: int, cfg: LoadCo
     return res
 
 
+async def _embed(client: httpx.AsyncClient, prompt: list[int], cfg: LoadConfig) -> RequestResult:
+    res = RequestResult(len(prompt))
+    sent = time.perf_counter()
+    try:
+        r = await client.post(cfg.url.rstrip("/") + "/v1/embeddings", json={"input": [prompt]})
+        if r.status_code != 200:
+            res.error = f"HTTP {r.status_code}: {r.text[:200]}"
+        else:
+            res.latency = time.perf_counter() - sent
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
 async def _run(cfg: LoadConfig, prompts: list[list[int]], outputs: list[int], gaps: list[float],
                answered: StageReporter) -> tuple[list[RequestResult], float]:
     limit = asyncio.Semaphore(cfg.max_concurrency or len(prompts))
-    async with AsyncClient(cfg.url, timeout=cfg.timeout_s, max_connections=cfg.max_concurrency or len(prompts)) as c:
+    conns = cfg.max_concurrency or len(prompts)
+    async with AsyncClient(cfg.url, timeout=cfg.timeout_s, max_connections=conns) as c, \
+            httpx.AsyncClient(timeout=cfg.timeout_s, limits=httpx.Limits(max_connections=conns)) as plain:
         async def limited(p: list[int], o: int) -> RequestResult:
             async with limit:
-                res = await _one(c, p, o, cfg)
+                res = await (_embed(plain, p, cfg) if cfg.endpoint == "embeddings" else _one(c, p, o, cfg))
             answered.step("failed" if res.error else "ok")
             return res
 
@@ -212,18 +258,20 @@ def run_load(cfg: LoadConfig, on_stage: OnStage | None = None) -> LoadReport:
     """Run the load test against the server at `cfg.url` (which must be ready) and measure it;
     `on_stage` hears the `requests` stage, one step per answered request (graphmode/progress.py)."""
     cfg.check()
-    info = _decoder_info(cfg.url)
+    encoder = cfg.endpoint == "embeddings"
+    info, replica = (_encoder_info(cfg.url), None) if encoder else _decoder_info(cfg.url)
     rng = np.random.default_rng(cfg.seed)
     inputs = _lengths(rng, cfg.num_prompts, cfg.input_len, cfg.range_ratio)
-    outputs = _lengths(rng, cfg.num_prompts, cfg.output_len, cfg.range_ratio)
-    _check_lengths(cfg, inputs, outputs, info)
+    outputs = [0] * cfg.num_prompts if encoder else _lengths(rng, cfg.num_prompts, cfg.output_len, cfg.range_ratio)
+    if not encoder:
+        _check_lengths(cfg, inputs, outputs, info)
     vocab = int(info.get("vocab") or 2)
     prompts = [[int(t) for t in rng.integers(0, vocab, size=n)] for n in inputs]
     gaps = [0.0] * cfg.num_prompts if math.isinf(cfg.request_rate) else \
         [0.0] + [float(g) for g in rng.exponential(1.0 / cfg.request_rate, size=cfg.num_prompts - 1)]
     with stage(on_stage, "requests", total=cfg.num_prompts, detail=cfg.url) as answered:
         results, duration = asyncio.run(_run(cfg, prompts, outputs, gaps, answered))
-    after = _decoder_info(cfg.url)
+    after = {} if encoder or replica is not None else _decoder_info(cfg.url)[0]   # one replica's: left out
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_len for r in ok)
     in_tokens = sum(r.input_len for r in ok)

@@ -244,8 +244,11 @@ def loadtest_cmd(
     seed: int = typer.Option(0, "--seed", help="lengths, token ids, arrivals and sampling"),
     timeout_s: float = typer.Option(600.0, "--timeout-s", help="per request"),
     out: Optional[Path] = typer.Option(None, "--json", help="also write the report as JSON to this file"),
+    endpoint: str = typer.Option("completions", "--endpoint", help="completions (a decoder: streamed) or "
+                                 "embeddings (an encoder: requests/s and latency; --output-len unused)"),
 ) -> None:
-    """Load-test a serving decoder like `vllm bench serve`: TTFT, TPOT, ITL p50/p99, tokens/s."""
+    """Load-test a serving decoder like `vllm bench serve`: TTFT, TPOT, ITL p50/p99, tokens/s (or an
+    encoder's /v1/embeddings: requests/s, latency p50/p99)."""
     from graphmode.bench.serve_load import LoadConfig, run_load
     from graphmode.serve.codec import dumps
 
@@ -253,7 +256,7 @@ def loadtest_cmd(
         report = run_load(LoadConfig(url=url, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                                      range_ratio=range_ratio, request_rate=request_rate,
                                      max_concurrency=max_concurrency, temperature=temperature, seed=seed,
-                                     timeout_s=timeout_s), on_stage=on_stage)
+                                     timeout_s=timeout_s, endpoint=endpoint), on_stage=on_stage)
     console.print(report.text(), highlight=False, markup=False)
     if out is not None:
         out.write_bytes(dumps(report.to_dict()))

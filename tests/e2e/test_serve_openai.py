@@ -66,3 +66,25 @@ def test_embeddings_equal_sentence_transformers(minilm):
         assert e.value.param == param and words in e.value.message and "fix:" in e.value.message, e.value.message
     r = minilm.http.post("/v1/chat/completions", json={"messages": MESSAGES})
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_a_decoder", r.text
+
+
+@pytest.mark.slow
+def test_loadtest_of_an_encoders_embeddings(minilm, tmp_path):
+    """`graphmode loadtest --endpoint embeddings`: every request answered and timed (no tokens
+    generated: TTFT and ITL stay empty); the decoder load refuses an encoder by name."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import graphmode.cli.serve_cmd  # noqa: F401 - registers `loadtest` on the app
+    from graphmode.cli import app
+    out = tmp_path / "load.json"
+    res = CliRunner().invoke(app, ["loadtest", "--url", minilm.url, "--endpoint", "embeddings", "--num-prompts", "8",
+                                   "--input-len", "10", "--max-concurrency", "4", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    assert (rep["completed"], rep["failed"], rep["input_tokens"], rep["output_tokens"]) == (8, 0, 80, 0)
+    assert rep["e2e_ms"]["p99"] >= rep["e2e_ms"]["p50"] > 0 and rep["ttft_ms"] == {} and rep["itl_ms"] == {}
+    assert rep["request_throughput"] > 0 and "Median E2E (ms):" in res.stdout
+    bad = CliRunner().invoke(app, ["loadtest", "--url", minilm.url, "--num-prompts", "1"])
+    assert bad.exit_code == 2 and "--endpoint embeddings" in bad.output and "Traceback" not in bad.output
