@@ -11,8 +11,10 @@ seen as Ray's actor error, before or after the answer started:
     completions, chat completions, embeddings, and any GET) is sent once more, and Ray's
     router picks a live replica; anything else, or a second death, is answered `503` with
     `Retry-After` and graphmode's (or, on the OpenAI paths, OpenAI's) error body;
-  * after it started (a stream), the answer cannot change: it ends where the replica died
-    (an SSE client sees the stream end without its `[DONE]`).
+  * after it started (a stream), the status cannot change: an SSE stream ends with an error
+    event in OpenAI's shape (`data: {"error": {..., "code": "not_ready"}}`, then `[DONE]`),
+    as the single server ends a generation that failed; any other answer cut short ends
+    where it was (the client sees a body shorter than promised, or an unterminated chunked one).
 """
 from __future__ import annotations
 
@@ -71,17 +73,20 @@ class GraphmodeFront:
         request = {k: scope[k] for k in SCOPE_KEYS if k in scope}
         tries = 2 if retryable(scope["method"], scope["path"]) else 1
         for attempt in range(tries):
-            started = False
+            started: dict | None = None
             try:
                 async for batch in self.replicas.forward.remote(request, body):
                     for message in batch:
-                        started = started or message["type"] == "http.response.start"
+                        if message["type"] == "http.response.start":
+                            started = message
                         await send(message)
                 return
             except Exception as e:  # noqa: BLE001 - a replica's death is answered below; anything else too
-                if started:
+                if started is not None:
                     log.warning("%s %s: the replica stopped mid-answer (%s)", scope["method"], scope["path"],
                                 type(e).__name__)
+                    for message in cut_short(started):
+                        await send(message)
                     return
                 if not replica_died(e):
                     log.error("%s %s failed in the front", scope["method"], scope["path"], exc_info=e)
@@ -92,6 +97,21 @@ class GraphmodeFront:
                      (", and so did the one it was retried on" if tries > 1 else " (not retried: it changes the "
                       "server)"), where="replica", fix="retry: another replica answers")
         await error_response(e, openai=is_openai_path(scope["path"]))(scope, receive, send)
+
+
+def cut_short(start: dict) -> list[dict]:
+    """What the front still sends when the replica of an answer that started dies: for an SSE
+    stream, an error event in OpenAI's shape and `[DONE]` (the single server's end of a failed
+    generation); for anything else nothing (its status and length are sent: it stays cut)."""
+    from graphmode.serve.codec import dumps
+    from graphmode.serve.errors import NotReady, openai_error
+    headers = {k.lower(): v for k, v in start.get("headers", [])}
+    if not headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+        return []
+    e = NotReady("the replica serving this stream stopped mid-answer", where="replica",
+                 fix="send the request again: another replica answers (the tokens above are not resumed)")
+    event = b"data: " + dumps({"error": openai_error(e)}) + b"\n\n" + b"data: [DONE]\n\n"
+    return [{"type": "http.response.body", "body": event, "more_body": False}]
 
 
 class FrontApp:

@@ -58,3 +58,47 @@ def test_relay_yields_a_stream_chunk_by_chunk():
     assert batches[0][0]["type"] == "http.response.start"
     chunks = [m["body"] for batch in batches for m in batch if m.get("body")]
     assert chunks == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"] and len(batches) >= 3
+
+
+class _DyingReplicas:
+    """A handle whose replica sends a stream's start and first event, then dies."""
+
+    def __init__(self, content_type: bytes):
+        self.content_type = content_type
+        self.forward = self
+
+    def options(self, **_):
+        return self
+
+    async def remote(self, request: dict, body: bytes):
+        yield [{"type": "http.response.start", "status": 200, "headers": [(b"content-type", self.content_type)]},
+               {"type": "http.response.body", "body": b"data: {\"choices\": []}\n\n", "more_body": True}]
+        raise RuntimeError("the replica's actor died")
+
+
+def _through_front(content_type: bytes) -> list[dict]:
+    from graphmode.serve.cluster_front import GraphmodeFront
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"prompt": [1], "stream": true}', "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+    front = GraphmodeFront(_DyingReplicas(content_type), 1 << 20)
+    asyncio.run(front.asgi({"type": "http", **_request("POST", "/v1/completions")}, receive, send))
+    return sent
+
+
+def test_a_stream_whose_replica_dies_ends_with_an_error_event_in_openais_shape():
+    import json
+    sent = _through_front(b"text/event-stream; charset=utf-8")
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
+    assert sent[0]["status"] == 200 and sent[-1]["more_body"] is False
+    events = [e[len(b"data: "):] for e in sent[-1]["body"].split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]" and len(events) == 2
+    error = json.loads(events[0])["error"]
+    assert error["code"] == "not_ready" and error["type"] == "service_unavailable_error" and "mid-answer" in error["message"]
+    assert "another replica" in error["message"]                  # the fix, in the one line the client shows
+    plain = _through_front(b"application/json")                   # not a stream: nothing is added to a cut body
+    assert [m["type"] for m in plain] == ["http.response.start", "http.response.body"]
