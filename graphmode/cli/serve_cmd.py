@@ -118,9 +118,12 @@ def serve_cmd(
         require_ray()                      # before anything compiles: the extra is named at once
         check_address(address)             # ... and an address where no cluster answers
         if variant:
-            raise GraphmodeError("--variant is not supported with replicas yet: each replica would renegotiate "
-                                 "on its own", where="--variant", fix="serve the variants without --replicas, or "
-                                 "deploy the variant's recipe as its own replicas")
+            raise GraphmodeError("--variant is not supported with replicas yet: SLA renegotiation is one server's "
+                                 "answer to its own drift, and each replica would switch to a variant on its own, "
+                                 "leaving the replicas on different recipes behind one endpoint", where="--variant",
+                                 fix="with replicas, scale on the SLA instead (--min-replicas/--max-replicas), or "
+                                     "roll a variant to every replica yourself (PUT /v1/recipe with the admin token); "
+                                     "or serve the variants on one server without --replicas")
         cluster = ClusterConfig(replicas=replicas or min_replicas or 1, min_replicas=min_replicas,
                                 max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
                                 scale_queue_depth=scale_queue_depth, scale_window_s=scale_window_s,

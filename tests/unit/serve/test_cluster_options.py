@@ -104,6 +104,7 @@ def test_variants_are_refused_with_replicas():
     res = CliRunner().invoke(app, ["serve", "--model", "minilm", "--recipe", "r.yaml", "--variant", "v.yaml",
                                    "--replicas", "2"])
     assert res.exit_code == 2 and "--variant is not supported with replicas" in res.output, res.output
+    assert "different recipes" in res.output and "--max-replicas" in res.output and "PUT /v1/recipe" in res.output
 
 
 def test_an_address_where_no_cluster_answers_is_refused_at_once():
