@@ -167,7 +167,7 @@ class Coordinator:
                 return {"desired": target}
             if self.scaling is not None and now - self.judged_at < self.rule.window_s:
                 return self.scaling.to_dict()
-            readings = {replica: reading(text) for replica, (at, text) in self.pushed.items()
+            readings = {replica: reading(text) for replica, (at, text) in list(self.pushed.items())
                         if now - at <= max(3 * METRICS_PUSH_S, self.rule.window_s)}
             windows = {replica: window(self.readings.get(replica), r) for replica, r in readings.items()}
             rule = replace(self.rule, sla_p99_ms=sla_p99(self.recipe))
