@@ -74,7 +74,10 @@ class ScaleState:
     changed: str | None = None        # why the count last changed
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        for k in ("p99_ms", "queue_depth"):
+            d[k] = round(d[k], 3) if d[k] is not None else None
+        return d
 
 
 def decide(rule: ScaleRule, state: ScaleState, windows: Mapping[str, ReplicaWindow], running: int,
