@@ -63,7 +63,9 @@ class Backend(Protocol):
     a backend without ISA-specific code may leave it out); `weight_growth`: the recipe's
     `memory.weight_growth` cap on prepared weights (passed only to a backend whose
     capabilities say it generates kernels); `schedule`: the recipe's `codegen.schedule`
-    (passed only when a recipe sets one, to a backend that generates kernels)."""
+    (passed only when a recipe sets one, to a backend that generates kernels); `batch_invariant`:
+    the recipe's `determinism: batch_invariant` (passed, True, only to a backend with kernel
+    selection): its GEMMs take kernels whose rows do not depend on the row count."""
 
     name: str
     capabilities: Capabilities

@@ -163,14 +163,16 @@ class DecodeEngine:
                                         on_stage=on_stage)
         cm.spill_constants()          # the transposed weights the passes made: the kernels pack their own
         buckets = recipe.dim_buckets()
-        # batch_invariant: every sequence runs alone (batch-1 plans, its own prefill bucket) and
-        # holds the pages of its whole answer from admission, so it is never preempted and
-        # recomputed under another shape: its logits are bit-identical whoever else is running
+        # batch_invariant: every prompt is prefilled alone, every sequence holds the pages of its
+        # whole answer from admission (never preempted and recomputed under another shape), and
+        # decode steps are batched where the plans' kernels keep each row's bits at any batch
+        # size (the runner checks; one sequence at a time elsewhere): its logits are
+        # bit-identical whoever else is running
         invariant = getattr(recipe, "determinism", "default") == "batch_invariant"
         prefix = prefix_caching(kv, invariant)
         scheduler = Scheduler(cache, buckets[bd][-1], invariant=invariant,
                               prefix_cache=PagedPrefixCache(cache) if prefix else None)
-        runner = ModelRunner(cm, cache, buckets[bd], buckets[sd])
+        runner = ModelRunner(cm, cache, buckets[bd], buckets[sd], invariant=invariant)
         return cls(runner, scheduler, cfg, max_prompt=max_prompt, min_prompt=min_prompt, seq_dim=sd,
                    context=context, lowered=low, speculator=speculator_of(recipe, buckets[bd][-1],
                                                                           invariant=invariant))

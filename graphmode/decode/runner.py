@@ -8,9 +8,16 @@ step runs the plan of a batch bucket at seq = 1 over each sequence's last token.
 the batch's sequences and positions past a sequence's length are padding the graph never
 reads (`lens` is 0 there, and the head reads each row at `last`). The block tables come from
 the KV cache manager; the pools themselves are the graph's state, written by every run.
+
+`invariant` (determinism: batch_invariant): a decode batch runs as one step in bucket b only
+where neither b's plan nor the smallest bucket's (what a sequence alone runs) has a step
+whose rows may be other bits at another row count (the executable's `batch_variant_steps`:
+backends/cpu/invariance.py); elsewhere its sequences run one at a time, the reason logged
+once per bucket and kept in `variant_buckets`, so bit-identity is never silently lost.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -19,6 +26,8 @@ from graphmode.decode.kvcache import PagedKVCache
 from graphmode.decode.scheduler import Sequence_
 from graphmode.errors import ContractViolation
 from graphmode.progress import stage
+
+log = logging.getLogger("graphmode.decode")
 
 
 def bucket(values: Sequence[int], n: int, what: str) -> int:
@@ -31,11 +40,14 @@ def bucket(values: Sequence[int], n: int, what: str) -> int:
 
 
 class ModelRunner:
-    def __init__(self, cm: Any, cache: PagedKVCache, batch_buckets: list[int], seq_buckets: list[int]):
+    def __init__(self, cm: Any, cache: PagedKVCache, batch_buckets: list[int], seq_buckets: list[int], *,
+                 invariant: bool = False):
         self.cm = cm                               # the CompiledModel of the paged graph
         self.cache = cache
         self.batch_buckets = batch_buckets
         self.seq_buckets = seq_buckets
+        self.invariant = invariant
+        self._variant: dict[int, list[str]] = {}   # decode bucket -> why it may not batch (empty: it may)
 
     def _run(self, env: dict[str, int], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         exe = self.cm.executable(env)
@@ -61,8 +73,11 @@ class ModelRunner:
         return self._run({"batch": b, "seq": L}, inputs)
 
     def decode(self, seqs: list[Sequence_]) -> torch.Tensor:
-        """Logits after each sequence's last token, the one not yet in the cache."""
+        """Logits after each sequence's last token, the one not yet in the cache (under
+        `invariant`, one sequence at a time where bucket b may not batch them bit for bit)."""
         b = bucket(self.batch_buckets, len(seqs), "batch")
+        if self.invariant and len(seqs) > 1 and self.batch_variant(b):
+            return torch.cat([self.decode([s]) for s in seqs])
         inputs = self.decode_inputs(b, [(s.id, s.tokens[-1], s.cached) for s in seqs])
         return self._run({"batch": b, "seq": 1}, inputs)
 
@@ -86,6 +101,27 @@ class ModelRunner:
             n[i] = 1
         return {"input_ids": ids, "position_ids": pos, "block_table": self.cache.block_table([r[0] for r in rows], b),
                 "start": start, "lens": n, "last": torch.zeros(b, dtype=torch.int64)}
+
+    def batch_variant(self, b: int) -> list[str]:
+        """Why decode bucket `b` may give a row other bits than the smallest bucket (empty: it
+        may not: its steps and the smallest bucket's are all row invariant)."""
+        if b not in self._variant:
+            why: list[str] = []
+            for size in dict.fromkeys((self.batch_buckets[0], b)):
+                exe = self.cm.executable({"batch": size, "seq": 1})
+                steps = getattr(exe, "batch_variant_steps", None)
+                why += ([f"batch {size}: {w}" for w in steps()] if steps is not None else
+                        [f"batch {size}: the {type(exe).__name__} does not say which steps are batch invariant"])
+            if why and b != self.batch_buckets[0]:
+                log.warning("determinism batch_invariant: decode batch bucket %d runs its sequences one at a time: %s",
+                            b, "; ".join(why[:3]) + (f" (+{len(why) - 3} more)" if len(why) > 3 else ""))
+            self._variant[b] = why
+        return self._variant[b]
+
+    @property
+    def variant_buckets(self) -> dict[int, list[str]]:
+        """The decode buckets asked so far that run one sequence at a time, and why."""
+        return {b: why for b, why in self._variant.items() if why and b != self.batch_buckets[0]}
 
     # ---- plans built before they are timed --------------------------------------------------
     def prepare(self, rows: int, longest: int, decode_rows: int | None = None) -> None:

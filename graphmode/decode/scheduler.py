@@ -9,8 +9,10 @@ be recomputed later from its tokens so far (prompt and generated: the recompute 
 pool never grows and never holds more than the recipe's memory proof counted.
 
 `batch_invariant`: a sequence holds the pages of its whole answer from admission, so it is
-never preempted and recomputed under another shape, and it runs alone (one-row batches): its
-logits are bit-identical whoever else is running.
+never preempted and recomputed under another shape, and its prompt is prefilled alone (a
+one-sequence batch: its prefill shape never depends on the others'). Decode steps stay
+batched: the model runner batches them where the plans' kernels give every row the same bits
+at any batch size, and runs them one sequence at a time where they may not (runner.py).
 
 Prefix caching plugs in through `PrefixCache`: at admission `match` names the pages that
 already hold a sequence's leading full blocks; the sequence starts with them (shared, counted
@@ -105,10 +107,6 @@ class Scheduler:
     def add(self, seq: Sequence_) -> None:
         self.waiting.append(seq)
 
-    def _batches(self, seqs: list[Sequence_]) -> list[list[Sequence_]]:
-        if not seqs:
-            return []
-        return [[s] for s in seqs] if self.invariant else [seqs]
 
     # ---- prefill ------------------------------------------------------------------------
     def admit(self) -> list[list[Sequence_]]:
@@ -131,7 +129,9 @@ class Scheduler:
                 self.prefix_queries += len(s.tokens)
                 self.prefix_hits += s.cached
             out.append(s)
-        return self._batches(out)
+        if not out:
+            return []
+        return [[s] for s in out] if self.invariant else [out]
 
     def prefilled(self, seqs: list[Sequence_]) -> None:
         """Their tokens are in the cache: they run."""
@@ -156,7 +156,7 @@ class Scheduler:
                 if victim in seqs:
                     seqs.remove(victim)
             self.cache.reserve(s.id, len(s.tokens))
-        return self._batches(seqs)
+        return [seqs] if seqs else []
 
     def decoded(self, seqs: list[Sequence_]) -> None:
         for s in seqs:

@@ -64,13 +64,17 @@ def _scratch_dir() -> Path:
 def backend_options(backend, recipe) -> dict:
     """The recipe's optional backend arguments (see Backend): `isa` only when a recipe sets
     one, `weight_growth` (and `schedule`, when a recipe sets one) only to a backend that
-    generates kernels (it prepares weights, its loops have a schedule), so a backend without
-    them may leave them out of its signature."""
+    generates kernels (it prepares weights, its loops have a schedule), `batch_invariant` only
+    to one with tactics and only when set, so a backend without them may leave them out of its
+    signature."""
     out = {} if recipe.codegen.isa == "auto" else {"isa": recipe.codegen.isa}
-    if getattr(getattr(backend, "capabilities", None), "generates_kernels", False):
+    caps = getattr(backend, "capabilities", None)
+    if getattr(caps, "generates_kernels", False):
         out["weight_growth"] = recipe.memory.weight_growth
         if recipe.codegen.schedule != "auto":
             out["schedule"] = recipe.codegen.schedule
+    if getattr(caps, "kernel_selection", ()) and getattr(recipe, "determinism", "default") == "batch_invariant":
+        out["batch_invariant"] = True
     return out
 
 

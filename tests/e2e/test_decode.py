@@ -189,7 +189,8 @@ def _logits_by_prompt(eng, prompts, params, *, join_later=()):
 def test_batch_invariant_logits_are_bit_identical_alone_and_batched(cache):
     """determinism: batch_invariant: a sequence's logits at every step are the same bits alone,
     batched with others of other lengths, and joined mid-way; requests that do not fit the
-    pool wait (their pages are held from admission), they are never preempted."""
+    pool wait (their pages are held from admission), they are never preempted. Decode steps
+    really are batched: the plan runs with more than one sequence in a step."""
     from graphmode.decode.api import engine_of
     from graphmode.decode.sampling import SamplingParams
     lm, kvh = _lm("gpt2")
@@ -200,6 +201,14 @@ def test_batch_invariant_logits_are_bit_identical_alone_and_batched(cache):
         warnings.simplefilter("ignore")
         cm = graphmode.compile(b, r, cache_dir=cache)
     eng = engine_of(cm)
+    decode_rows: list[int] = []
+    run = eng.runner._run
+
+    def counted(env, inputs):
+        if env["seq"] == 1:
+            decode_rows.append(int((inputs["lens"] > 0).sum()))
+        return run(env, inputs)
+    eng.runner._run = counted
     params = SamplingParams(max_new_tokens=10)
     p1, p2, p3 = [5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [21, 22]
     alone = {tuple(p): _logits_by_prompt(eng, [p], params)[tuple(p)] for p in (p1, p2, p3)}
@@ -212,6 +221,7 @@ def test_batch_invariant_logits_are_bit_identical_alone_and_batched(cache):
             assert got_toks == toks and len(got_logits) == len(logits)
             assert all(torch.equal(a, g) for a, g in zip(logits, got_logits)), p      # bit for bit
     assert eng.stats["preemptions"] == 0 and eng.cache.free_pages == eng.layout.pages
+    assert max(decode_rows) >= 2 and eng.runner.variant_buckets == {}
     # greedy tokens are still transformers' tokens
     ref = lm.generate(torch.tensor([p1]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 3:].tolist()
     assert alone[tuple(p1)][0] == ref[:len(alone[tuple(p1)][0])]

@@ -24,14 +24,17 @@ class CpuBackend:
     def executable(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
                    kernel_dir: Path | None = None, threads: int | None = None,
                    kernel_selection: Any = None, isa: str = "auto", frozen: bool = False,
-                   weight_growth: float | None = None, schedule: str = "auto") -> CpuExecutable:
+                   weight_growth: float | None = None, schedule: str = "auto",
+                   batch_invariant: bool = False) -> CpuExecutable:
         """Kernels are built in (and loaded from) `kernel_dir` (default <cache root>/kernels,
         graphmode.paths), the tactics' timing cache lives next to it in `tactics/`; `isa` caps their
         code path (the recipe's `codegen.isa`), never above what this host runs. `frozen`: use
         the timing cache as recorded (no re-timing of noisy entries), as a loaded artifact does.
         `weight_growth`: the recipe's memory.weight_growth (None: the prepared weights are not limited).
         `threads` None: this process's CPUs capped at its container's CPU quota (targets.quota).
-        `schedule`: the recipe's `codegen.schedule`, how the kernels' parallel loops hand out work (omp_loops)."""
+        `schedule`: the recipe's `codegen.schedule`, how the kernels' parallel loops hand out work (omp_loops).
+        `batch_invariant`: the recipe's determinism: no GEMM tactic whose rows depend on M
+        (tactics/context.py); the executable says which steps still do (`batch_variant_steps`)."""
         threads = default_threads() if threads is None else threads
         why = cap_problem(isa, host_simd())
         if why is not None:
@@ -39,7 +42,7 @@ class CpuBackend:
         builder = builder_for(kernel_dir, threads, isa, schedule)
         if kernel_selection is None or isinstance(kernel_selection, str):
             kernel_selection = tactics_context(kernel_selection, builder, threads, {}, frozen=frozen,
-                                               weight_growth=weight_growth)
+                                               weight_growth=weight_growth, invariant=batch_invariant)
         seen, used = len(builder.events), len(builder.used)
         exe = CpuExecutable(plan, constants, builder=builder, threads=threads, tactics=kernel_selection)
         exe.events = builder.events[seen:]

@@ -17,6 +17,7 @@ import torch
 from graphmode.backends.arena import ArenaExecutable
 from graphmode.backends.cpu.binding import Binder
 from graphmode.backends.cpu.build import KernelBuilder
+from graphmode.backends.cpu.invariance import batch_variant_steps
 from graphmode.backends.cpu.tactics import report_lines, tactics_context
 from graphmode.plan.execution import ExecutionPlan
 
@@ -58,6 +59,11 @@ class CpuExecutable(ArenaExecutable):
         out["prepared_weights_bytes"] = int(self.tactics_report.get("packed_bytes", 0))
         out["workspace_bytes"] = int(self.tactics_report.get("workspace_bytes", 0))
         return out
+
+    def batch_variant_steps(self) -> list[str]:
+        """The steps whose rows may be other bits at another row count (invariance.py): what
+        `determinism: batch_invariant` asks before it batches sequences in this plan."""
+        return batch_variant_steps(self)
 
     def report_lines(self) -> list[str]:
         """Human lines for what tactic selection decided (the compile report prints them)."""

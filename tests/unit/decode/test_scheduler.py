@@ -1,7 +1,7 @@
 """The decode scheduler over a real paged KV cache, driven through the engine with a fake model
 runner (no model): admission by free pages and batch room, preemption by recompute with every
 answer what the sequence gets alone, batch-invariant sequences holding their whole answer's
-pages and running alone, cancellation, the prefix-cache hooks, and `drive` giving the pages of
+pages, prefilled alone and decoded together, cancellation, the prefix-cache hooks, and `drive` giving the pages of
 an abandoned run back."""
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_preemption_recomputes_and_every_answer_is_the_one_alone():
     assert len(recomputed) > 1                    # a preempted sequence was prefilled again
 
 
-def test_batch_invariant_sequences_hold_their_answer_and_run_alone():
+def test_batch_invariant_sequences_hold_their_answer_prefill_alone_and_decode_together():
     eng = engine(pages=10, invariant=True)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [21, 22]]
     seqs = [eng.add(p, SamplingParams(max_new_tokens=10)) for p in prompts]
@@ -112,7 +112,9 @@ def test_batch_invariant_sequences_hold_their_answer_and_run_alone():
     eng2 = engine(pages=10, invariant=True)
     seqs = run(eng2, prompts, 10)
     assert [s.generated for s in seqs] == [alone(p, 10) for p in prompts]
-    assert all(len(ids) == 1 for _, ids in eng2.runner.calls) and eng2.stats["preemptions"] == 0
+    assert all(len(ids) == 1 for kind, ids in eng2.runner.calls if kind == "prefill")
+    assert max(len(ids) for kind, ids in eng2.runner.calls if kind == "decode") == 2    # the pool holds two answers
+    assert eng2.stats["preemptions"] == 0
     assert eng2.cache.free_pages == 10
 
 

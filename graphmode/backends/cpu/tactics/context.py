@@ -61,6 +61,8 @@ class TacticsContext:
     threads waited for CPUs that other processes had) is measured once more at once; if it
     stays starved it is cached as `starved`, never replaces an entry that was not, and is
     measured again by the first later build that finds the host quiet (`_retime`).
+    `invariant` (determinism: batch_invariant): ATen never wins a shape a generated
+    candidate passed (selection.pick); what still runs ATen is listed by `batch_variant()`.
     """
 
     def __init__(self, cache_dir: str | Path | None, threads: int | None = None, *, policy: str = "latency_first",
@@ -69,7 +71,7 @@ class TacticsContext:
                  configs: Mapping[str, Sequence[GemmConfig]] | None = None, tolerance: float = TOLERANCE_F32,
                  statistic: str = "median", sample_s: float = 5e-4, budget_s: float = 0.01,
                  retune_noisy: int = RETUNE_NOISY, seed: int = 0, weight_growth: float | None = None,
-                 cpu_clock: Callable[[], float] = time.process_time):
+                 cpu_clock: Callable[[], float] = time.process_time, invariant: bool = False):
         if policy not in POLICIES:
             raise BackendError(f"unknown kernel selection policy {policy!r}", where="codegen.kernel_selection",
                                value=policy, fix=f"one of {', '.join(POLICIES)}")
@@ -82,6 +84,8 @@ class TacticsContext:
         self.host = TuningHost(target, simd, llc_bytes, builder, self.threads)
         self.cold = cold        # None: decided at finalize (the plan's GEMM weights exceed the LLC)
         self.seed = seed
+        self.invariant = invariant
+        self.aten_only: list[str] = []     # GEMM/conv steps no generated kernel covers (ATen runs them)
         self.configs = {k: tuple(v) for k, v in (configs or CONFIGS).items()}
         self.weight_growth = weight_growth      # None: no limit on the prepared weights
         self._excluded: dict[GemmProblem, dict[str, str]] = {}   # ruled out before building (narrowing.py)
@@ -99,7 +103,7 @@ class TacticsContext:
         self._tuner = ShapeTuner(self.cache, self._checker, self.weights, self.stats, policy=policy,
                                  statistic=statistic, reps=max(1, int(reps)), sample_s=float(sample_s),
                                  budget_s=float(budget_s), retune_noisy=int(retune_noisy), seed=seed,
-                                 cpu_clock=cpu_clock)
+                                 cpu_clock=cpu_clock, invariant=invariant)
 
     # ---- setup -----------------------------------------------------------------------------
     @property
@@ -175,14 +179,20 @@ class TacticsContext:
         can run it. With `epilogue`, a step that takes it has `fused_epilogue` set (it then
         runs the epilogue too); one that cannot comes back without it."""
         step = gemm_step(op, ins_t, outs, default, epilogue, self.constant_ptrs)
-        return default if step is None else self._enqueue(step)
+        if step is None:
+            self.aten_only.append(f"{op} {_shapes(ins_t)}")
+            return default
+        return self._enqueue(step)
 
     def request_conv(self, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
                      default: Callable[[], None], epilogue: FusedEpilogue | None = None) -> Callable[[], None]:
         """A step for this conv2d: a `ConvStep` tuned at `finalize()`, or `default` when no
         generated kernel covers it (then it stays ATen without any timing)."""
         step = conv_step(ins_t, outs, attrs, default, epilogue, self.constant_ptrs)
-        return default if step is None else self._enqueue(step)
+        if step is None:
+            self.aten_only.append(f"conv2d {_shapes(ins_t)}")
+            return default
+        return self._enqueue(step)
 
     def _enqueue(self, step: GemmStep) -> GemmStep:
         self.steps.append(step)
@@ -324,13 +334,27 @@ class TacticsContext:
         lib = next((k[0].library for k in kernels.values() if isinstance(k, tuple)), None)
         return ColdPool(self.llc_bytes, bool(self.cold), lib)
 
+    def batch_variant(self) -> list[str]:
+        """The GEMM/conv steps whose output rows may depend on how many rows there are: those
+        ATen runs (MKL/oneDNN choose their kernels, and so the summation order, by M). Every
+        generated GEMM kernel sums each output element as bias + a[m,0] b[0,n] + a[m,1] b[1,n]
+        + ... in k order, one FMA per step, whatever its tile, K blocks (stored and reloaded as
+        f32: exact), ISA or M (templates/gemm.h): its rows are the same bits at any M."""
+        return ([f"{s} runs ATen (no generated kernel covers it)" for s in self.aten_only]
+                + [f"{s.problem.text} runs ATen" for s in self.steps if s.tactic == ATEN])
+
     # ---- reporting ------------------------------------------------------------------------------
     def report(self) -> dict:
         return {"policy": self.policy, "threads": self.threads, "cold_weights": self.cold,
+                "batch_invariant": self.invariant,
                 "gemms": [s.to_json() for s in self.selections], "stats": dict(self.stats),
                 "packed_bytes": self.weights.packed_bytes(), "workspace_bytes": self.weights.workspace_bytes(),
                 "steps": {"total": len(self.steps),
                           "generated": sum(1 for s in self.steps if s.tactic != ATEN)}}
+
+
+def _shapes(ts: Sequence[torch.Tensor]) -> str:
+    return " x ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in ts)
 
 
 def _sans_epilogue(p: GemmProblem) -> GemmProblem:
@@ -342,7 +366,7 @@ def _sans_epilogue(p: GemmProblem) -> GemmProblem:
 
 def tactics_context(spec, builder: KernelBuilder | None, threads: int | None,
                     constants: Mapping[str, torch.Tensor], *, frozen: bool = False,
-                    weight_growth: float | None = None) -> TacticsContext | None:
+                    weight_growth: float | None = None, invariant: bool = False) -> TacticsContext | None:
     """The tactics context an executable binds its steps with, or None when tactics are off.
 
     `spec`: None = on when `builder` builds generated kernels (a compiler is there), with the
@@ -350,7 +374,8 @@ def tactics_context(spec, builder: KernelBuilder | None, threads: int | None,
     `throughput_first`, `heuristic`) = the same with that policy; a `TacticsContext` = that
     one; False = off (ATen runs every GEMM). `frozen`: the timing cache is the decision record
     (an artifact's): entries cached as noisy are used as they are, not measured again.
-    `weight_growth`: the recipe's memory.weight_growth for a context made here (None: no limit)."""
+    `weight_growth`: the recipe's memory.weight_growth for a context made here (None: no limit).
+    `invariant`: the recipe's determinism is batch_invariant (TacticsContext)."""
     if spec is False:
         return None
     if isinstance(spec, TacticsContext):
@@ -370,7 +395,8 @@ def tactics_context(spec, builder: KernelBuilder | None, threads: int | None,
         except Exception:  # noqa: BLE001 - a broken toolchain only means "ATen only"
             return None
         ctx = TacticsContext(Path(builder.cache_dir).parent / "tactics", threads, policy=policy, builder=builder,
-                             weight_growth=weight_growth, **({"retune_noisy": 0} if frozen else {}))
+                             weight_growth=weight_growth, invariant=invariant,
+                             **({"retune_noisy": 0} if frozen else {}))
     ctx.add_constants(constants)
     return ctx
 

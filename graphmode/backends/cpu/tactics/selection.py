@@ -26,8 +26,12 @@ STARVED = 0.75     # process CPU-s per wall-s while candidates were timed below 
 MARGIN_CAP = 20.0  # a margin between two candidates of one shape beyond this is shown as "> 20x", suspect
 
 
-def pick(policy: str, p: GemmProblem, timings: Mapping[str, float]) -> str:
-    """The winner under `policy` among the timed candidates (ATen on a tie)."""
+def pick(policy: str, p: GemmProblem, timings: Mapping[str, float], *, invariant: bool = False) -> str:
+    """The winner under `policy` among the timed candidates (ATen on a tie). `invariant`
+    (determinism: batch_invariant): among the generated ones when any passed, since their
+    rows are the same bits at any M and ATen's are not (TacticsContext.batch_variant)."""
+    if invariant and any(n != ATEN for n in timings):
+        timings = {n: t for n, t in timings.items() if n != ATEN}
     if not timings:
         return ATEN
     if policy == "throughput_first":

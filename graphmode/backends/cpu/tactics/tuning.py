@@ -32,11 +32,12 @@ class ShapeTuner:
 
     def __init__(self, cache: TimingCache, checker: Checker, weights: PreparedWeights, stats: dict, *,
                  policy: str, statistic: str, reps: int, sample_s: float, budget_s: float, retune_noisy: int,
-                 seed: int, cpu_clock: Callable[[], float]):
+                 seed: int, cpu_clock: Callable[[], float], invariant: bool = False):
         self.cache, self.checker, self.weights, self.stats = cache, checker, weights, stats
         self.policy, self.statistic, self.reps = policy, statistic, reps
         self.sample_s, self.budget_s, self.retune_noisy = sample_s, budget_s, retune_noisy
         self.seed, self.cpu_clock = seed, cpu_clock
+        self.invariant = invariant          # ATen does not win a shape a generated kernel passed
 
     def check(self, p: GemmProblem, name: str, step: GemmStep, kernels: Mapping,
               expect: str | None = None) -> str | None:
@@ -101,7 +102,7 @@ class ShapeTuner:
         sel.timings_s = {n: STATISTICS[self.statistic](v) for n, v in samples.items()}
         sel.medians_s = {n: statistics.median(v) for n, v in samples.items()}
         self.stats["timed_shapes"] += 1
-        sel.winner = pick(self.policy, p, sel.timings_s)
+        sel.winner = pick(self.policy, p, sel.timings_s, invariant=self.invariant)
         mins = sel.mins_s = {n: min(v) for n, v in samples.items() if v}
         ratios = sorted(sel.medians_s[n] / mins[n] for n in mins if mins[n] > 0)
         # noisy (measured again by the next builds): most candidates' samples disagree, or the ATen
@@ -134,7 +135,7 @@ class ShapeTuner:
                         from_cache=True, medians_s=dict(cached["medians_s"]), noisy=cached["noisy"],
                         mins_s=dict(cached["mins_s"]), load=cached["load"], cores=cached["cores"],
                         cpu_per_wall=cached.get("cpu_per_wall"))
-        sel.winner = pick(self.policy, p, sel.timings_s)
+        sel.winner = pick(self.policy, p, sel.timings_s, invariant=self.invariant)
         # a stale cache must not hand out a wrong kernel: the winner is checked again (one run;
         # ATen runs too unless the output has the bits that passed when it was timed)
         if sel.winner == ATEN or self.check(p, sel.winner, step, kernels,
