@@ -87,6 +87,7 @@ class Binder:
         self.builder, self.tactics = builder, tactics
         self.report: dict = {"generated": 0, "fallbacks": {}, "scratch_bytes": 0}
         self.generated = 0
+        self.reference_groups: set[int] = set()    # fused groups run by their reference ops (node indices)
         self._special: dict[int, Node] = {}     # node_index -> the fused node at this bucket
 
     def bind(self) -> tuple[list[Callable[[], None]], list[str]]:
@@ -129,6 +130,7 @@ class Binder:
             node = self.plan.body_graphs.get(ins.node_index)
             if node is None:
                 raise BackendError(f"fused instruction #{ins.node_index} has no body", fix="recompile the plan")
+            self.reference_groups.add(ins.node_index)
             return reference_step(lambda: run_node(node, ins_t, env), outs), "kernel"
         if ins.kind == "fallback":
             return reference_step(lambda: run_fallback(ins_t, ins.attrs, env), outs), "fallback"

@@ -40,6 +40,7 @@ class CpuExecutable(ArenaExecutable):
         binder = Binder(plan, self.views, self.consts, builder, self.tactics)
         self.steps, self.step_names = binder.bind()
         self.generated = binder.generated
+        self.reference_groups = binder.reference_groups
         self.kernel_report = binder.report
         self.tactics_report: dict = {}
         if self.tactics is not None:

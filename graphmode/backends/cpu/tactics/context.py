@@ -7,6 +7,9 @@ shapes (checked against ATen, timed or read from the timing cache, picked by the
 and switched each step to its winner. Constant weights are packed once there, for the
 winner only; the packed copy lives in the context (which the executable keeps) and is
 shared process-wide with other contexts over the same constants.
+
+`invariant` (determinism: batch_invariant): ATen never wins a shape a generated candidate
+passed (selection.pick); `batch_variant(ctx)` lists what still runs ATen.
 """
 from __future__ import annotations
 
@@ -61,8 +64,6 @@ class TacticsContext:
     threads waited for CPUs that other processes had) is measured once more at once; if it
     stays starved it is cached as `starved`, never replaces an entry that was not, and is
     measured again by the first later build that finds the host quiet (`_retime`).
-    `invariant` (determinism: batch_invariant): ATen never wins a shape a generated
-    candidate passed (selection.pick); what still runs ATen is listed by `batch_variant()`.
     """
 
     def __init__(self, cache_dir: str | Path | None, threads: int | None = None, *, policy: str = "latency_first",
@@ -84,7 +85,6 @@ class TacticsContext:
         self.host = TuningHost(target, simd, llc_bytes, builder, self.threads)
         self.cold = cold        # None: decided at finalize (the plan's GEMM weights exceed the LLC)
         self.seed = seed
-        self.invariant = invariant
         self.aten_only: list[str] = []     # GEMM/conv steps no generated kernel covers (ATen runs them)
         self.configs = {k: tuple(v) for k, v in (configs or CONFIGS).items()}
         self.weight_growth = weight_growth      # None: no limit on the prepared weights
@@ -178,23 +178,20 @@ class TacticsContext:
         """A step for this GEMM: a `GemmStep` tuned at `finalize()`, or `default` when only ATen
         can run it. With `epilogue`, a step that takes it has `fused_epilogue` set (it then
         runs the epilogue too); one that cannot comes back without it."""
-        step = gemm_step(op, ins_t, outs, default, epilogue, self.constant_ptrs)
-        if step is None:
-            self.aten_only.append(f"{op} {_shapes(ins_t)}")
-            return default
-        return self._enqueue(step)
+        return self._enqueue(gemm_step(op, ins_t, outs, default, epilogue, self.constant_ptrs), default,
+                             f"{op} {_shapes(ins_t)}")
 
     def request_conv(self, ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs: Mapping,
                      default: Callable[[], None], epilogue: FusedEpilogue | None = None) -> Callable[[], None]:
         """A step for this conv2d: a `ConvStep` tuned at `finalize()`, or `default` when no
         generated kernel covers it (then it stays ATen without any timing)."""
-        step = conv_step(ins_t, outs, attrs, default, epilogue, self.constant_ptrs)
-        if step is None:
-            self.aten_only.append(f"conv2d {_shapes(ins_t)}")
-            return default
-        return self._enqueue(step)
+        return self._enqueue(conv_step(ins_t, outs, attrs, default, epilogue, self.constant_ptrs), default,
+                             f"conv2d {_shapes(ins_t)}")
 
-    def _enqueue(self, step: GemmStep) -> GemmStep:
+    def _enqueue(self, step: GemmStep | None, default: Callable[[], None], what: str) -> Callable[[], None]:
+        if step is None:
+            self.aten_only.append(what)
+            return default
         self.steps.append(step)
         self._pending.append(step)
         return step
@@ -334,23 +331,24 @@ class TacticsContext:
         lib = next((k[0].library for k in kernels.values() if isinstance(k, tuple)), None)
         return ColdPool(self.llc_bytes, bool(self.cold), lib)
 
-    def batch_variant(self) -> list[str]:
-        """The GEMM/conv steps whose output rows may depend on how many rows there are: those
-        ATen runs (MKL/oneDNN choose their kernels, and so the summation order, by M). Every
-        generated GEMM kernel sums each output element as bias + a[m,0] b[0,n] + a[m,1] b[1,n]
-        + ... in k order, one FMA per step, whatever its tile, K blocks (stored and reloaded as
-        f32: exact), ISA or M (templates/gemm.h): its rows are the same bits at any M."""
-        return ([f"{s} runs ATen (no generated kernel covers it)" for s in self.aten_only]
-                + [f"{s.problem.text} runs ATen" for s in self.steps if s.tactic == ATEN])
-
     # ---- reporting ------------------------------------------------------------------------------
     def report(self) -> dict:
         return {"policy": self.policy, "threads": self.threads, "cold_weights": self.cold,
-                "batch_invariant": self.invariant,
+                "batch_invariant": self._tuner.invariant,
                 "gemms": [s.to_json() for s in self.selections], "stats": dict(self.stats),
                 "packed_bytes": self.weights.packed_bytes(), "workspace_bytes": self.weights.workspace_bytes(),
                 "steps": {"total": len(self.steps),
                           "generated": sum(1 for s in self.steps if s.tactic != ATEN)}}
+
+
+def batch_variant(ctx: TacticsContext) -> list[str]:
+    """The GEMM/conv steps of `ctx` whose output rows may depend on how many rows there are:
+    those ATen runs (MKL/oneDNN choose their kernels, and so the summation order, by M). Every
+    generated GEMM kernel sums each output element as bias + a[m,0] b[0,n] + a[m,1] b[1,n]
+    + ... in k order, one FMA per step, whatever its tile, K blocks (stored and reloaded as
+    f32: exact), ISA or M (templates/gemm.h): its rows are the same bits at any M."""
+    return ([f"{s} runs ATen (no generated kernel covers it)" for s in ctx.aten_only]
+            + [f"{s.problem.text} runs ATen" for s in ctx.steps if s.tactic == ATEN])
 
 
 def _shapes(ts: Sequence[torch.Tensor]) -> str:
@@ -401,4 +399,4 @@ def tactics_context(spec, builder: KernelBuilder | None, threads: int | None,
     return ctx
 
 
-__all__ = ["TacticsContext", "tactics_context"]
+__all__ = ["TacticsContext", "tactics_context", "batch_variant"]
