@@ -28,7 +28,9 @@ is timed from there) and when the last token was. Engines:
   until done (`drive`); a step hands its tokens over when it returns, and the step that prefills a
   prompt also decodes its second token, so its TTFT includes one decode step;
   `graphmode[int8]` / `graphmode[bf16]` / `graphmode[int4]` store the linear weights narrow
-  (recipe `precision.weights`; int4: symmetric, group 32, as q4_0's blocks), `graphmode[batch_invariant]` computes each sequence alone;
+  (recipe `precision.weights`; int4: symmetric, group 32, as q4_0's blocks),
+  `graphmode[batch_invariant]` (determinism: batch_invariant) prefills each prompt alone and
+  batches decode steps over row-invariant kernels;
 - `ort_genai`, `openvino_genai`: reported "not installed" unless their package imports;
   the pipelines themselves are not wired up yet (reported as such).
 

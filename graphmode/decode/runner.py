@@ -77,7 +77,7 @@ class ModelRunner:
         `invariant`, one sequence at a time where bucket b may not batch them bit for bit)."""
         b = bucket(self.batch_buckets, len(seqs), "batch")
         if self.invariant and len(seqs) > 1 and self.batch_variant(b):
-            return torch.cat([self.decode([s]) for s in seqs])
+            return torch.cat([self.decode([s])[:1] for s in seqs])      # each without its padding rows
         inputs = self.decode_inputs(b, [(s.id, s.tokens[-1], s.cached) for s in seqs])
         return self._run({"batch": b, "seq": 1}, inputs)
 
