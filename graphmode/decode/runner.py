@@ -112,7 +112,7 @@ class ModelRunner:
                 steps = getattr(exe, "batch_variant_steps", None)
                 why += ([f"batch {size}: {w}" for w in steps()] if steps is not None else
                         [f"batch {size}: the {type(exe).__name__} does not say which steps are batch invariant"])
-            if why and b != self.batch_buckets[0]:
+            if why:
                 log.warning("determinism batch_invariant: decode batch bucket %d runs its sequences one at a time: %s",
                             b, "; ".join(why[:3]) + (f" (+{len(why) - 3} more)" if len(why) > 3 else ""))
             self._variant[b] = why
@@ -121,7 +121,7 @@ class ModelRunner:
     @property
     def variant_buckets(self) -> dict[int, list[str]]:
         """The decode buckets asked so far that run one sequence at a time, and why."""
-        return {b: why for b, why in self._variant.items() if why and b != self.batch_buckets[0]}
+        return {b: why for b, why in self._variant.items() if why}
 
     # ---- plans built before they are timed --------------------------------------------------
     def prepare(self, rows: int, longest: int, decode_rows: int | None = None) -> None:
