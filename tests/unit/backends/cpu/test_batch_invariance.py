@@ -154,3 +154,25 @@ def test_aten_row_ops_the_invariance_check_trusts_are_row_invariant(op):
           "softmax": lambda x: torch.softmax(x, -1), "log_softmax": lambda x: torch.log_softmax(x, -1)}[op]
     got = [fn(_batch(row, m, m - 1, seed=m))[-1] for m in (1, 3, 16, 64)]
     assert all(torch.equal(r, got[0]) for r in got)
+
+
+@needs_cxx
+def test_a_cached_timing_where_aten_won_still_gives_a_generated_kernel_under_invariance(tmp_path):
+    """The timing cache is shared by both modes: an entry whose fastest candidate is ATen hands
+    ATen out by default and the fastest generated kernel under `invariant`."""
+    import json
+    p = GemmProblem("linear", 1, 16, 96, 64, bias=True)
+
+    def ctx(**kw) -> TacticsContext:
+        return TacticsContext(tmp_path / "tactics", 2, builder=KernelBuilder(tmp_path / "kernels", threads=2),
+                              llc_bytes=32 << 20, reps=2, budget_s=0.0, retune_noisy=0, **kw)
+    first = ctx().select(p)
+    (path,) = (tmp_path / "tactics").glob("gemm-*.json")
+    entry = json.loads(path.read_text())
+    gen = sorted(n for n in entry["timings_s"] if n != ATEN)
+    assert gen, entry["rejected"]
+    fast = {n: (1e-9 if n == ATEN else 1e-3 * (i + 1)) for i, n in enumerate([ATEN] + gen)}
+    path.write_text(json.dumps(dict(entry, timings_s=fast, medians_s=fast, mins_s=fast, noisy=False, starved=False)))
+    default, invariant = ctx().select(p), ctx(invariant=True).select(p)
+    assert first.timed and default.from_cache and invariant.from_cache
+    assert default.winner == ATEN and invariant.winner == gen[0]
