@@ -70,11 +70,13 @@ def test_a_gemm_row_is_the_same_bits_at_any_m_tile_and_k_blocking(tmp_path):
 
 
 @needs_cxx
-@pytest.mark.parametrize("dt", ["int8", "bf16"])
+@pytest.mark.parametrize("dt", ["int8", "bf16", "int4", "int4-asymmetric"])
 def test_a_quantized_linear_row_is_the_same_bits_below_the_panel_rows(tmp_path, dt):
     g = torch.Generator().manual_seed(1)
-    w, scale = quantize(torch.randn(N, K, generator=g), dt)
-    bias, row = torch.randn(N, generator=g), torch.randn(K, generator=g)
+    k = K if not dt.startswith("int4") else 128           # int4 packs whole groups of 32
+    w, scale = quantize(torch.randn(N, k, generator=g), dt.split("-")[0],
+                        scheme="asymmetric" if dt.endswith("asymmetric") else "symmetric")
+    bias, row = torch.randn(N, generator=g), torch.randn(k, generator=g)
     srcs = {}
     for m in ROWS + (PANEL_ROWS - 1,):
         x = _batch(row, m, m - 1, seed=m)
