@@ -1,2 +1,2 @@
 """Op coverage: which ops graphmode imports, interprets and lowers, read from the registries
-(`graphmode ops`, docs/ops.md, tests/unit/test_op_coverage.py)."""
+(`graphmode ops`, docs/ops.md, tests/unit/ir/test_op_coverage.py)."""

@@ -25,7 +25,7 @@ each, and their cost.
   **ONNX import**: the ONNX op types whose conversion emits it. A conversion may emit several ops
   (`hardswish` becomes `add`, `clamp`, `div`, `mul`), so an overload can be listed on several rows.
 - **interpreter**: how the reference interpreter (the numeric oracle) runs it; **samples**: the
-  sample inputs tests/unit/test_op_coverage.py runs through the interpreter, the CPU executor,
+  sample inputs tests/unit/ir/test_op_coverage.py runs through the interpreter, the CPU executor,
   the generated kernels and an ONNX round trip, against eager PyTorch.
 - **CPU lowering**: the tiers with a lowering for the op: `native` (a generated single-op
   kernel), `aten` (an ATen step into the output buffer; GEMM and conv steps may switch to a

@@ -1,7 +1,7 @@
 """An op's sample inputs as the coverage checks use them: seeded tensors, the op as a one-op
 fused group, and which CPU lowering takes each sample.
 
-`graphmode ops --op NAME` shows these claims; tests/unit/test_op_coverage.py runs the same
+`graphmode ops --op NAME` shows these claims; tests/unit/ir/test_op_coverage.py runs the same
 samples through the interpreter, the CPU executor and the generated kernels.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A bounded, seeded robustness sweep over everything graphmode reads from a user or a disk.
 
 `make fuzz` (`python -m graphmode.fuzz`) runs one fuzzer per kind of untrusted input and
-prints a summary table; `tests/unit/test_fuzz_sample.py` runs a CI-sized sample of the same
+prints a summary table; `tests/unit/fuzz/test_fuzz_sample.py` runs a CI-sized sample of the same
 cases and asserts no failure. Every case ends in one of:
 
     accepted     the input was valid (or harmless) and ran, its output checked where there is one

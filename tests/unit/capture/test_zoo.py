@@ -125,7 +125,7 @@ def test_builtin_signatures_match_recipes(minilm, gpt2, resnet):
 def test_builtin_inputs_match_shipped_recipes(name, recipe, request):
     import yaml
     from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "examples" / "recipes" / f"{recipe}.yaml"
+    path = Path(__file__).resolve().parents[3] / "examples" / "recipes" / f"{recipe}.yaml"
     if not path.exists():
         pytest.skip(f"{path} not shipped")
     doc = yaml.safe_load(path.read_text())

@@ -14,7 +14,7 @@ from graphmode.ir import (Graph, TensorType, graph_from_json, graph_to_json, int
 from graphmode.ir.graph import Node
 from graphmode.verify.numerics import rel_l2
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def small_graph() -> Graph:

@@ -21,7 +21,7 @@ from graphmode.errors import ContractViolation, RecipeError
 from graphmode.recipe import load_recipe
 from graphmode.verdict import ContractRefused
 
-E2E = Path(__file__).resolve().parents[1] / "e2e"
+E2E = Path(__file__).resolve().parents[2] / "e2e"
 sys.path.insert(0, str(E2E))
 from tiny_models import INDEXED_INPUTS, indexed, recipe  # noqa: E402
 
