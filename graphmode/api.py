@@ -21,14 +21,20 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     Without a recipe, one is drafted as `graphmode recipe init` does (said once, `cm.recipe`).
     `on_stage` hears the capture, passes, proof and plans stages (graphmode/progress.py).
     Under `parallel.tensor` N > 1: without `rank`, the N rank processes are started and the
-    result is a `graphmode.parallel.launch.TensorParallelModel` (rank 0 answers); with `rank`,
-    this process compiles that rank's shard only (its collectives need a bound communicator).
-    A model under a recipe with a KV cache decodes: `cm.generate` / `cm.stream` (its decode
+    result is a `graphmode.parallel.launch.TensorParallelModel` (rank 0 answers), or for a recipe
+    with a KV cache a `graphmode.decode.tensor_parallel.TensorParallelDecoder` (generate /
+    stream); with `rank`, this process compiles that rank's shard only (its collectives need a
+    bound communicator). A model under a recipe with a KV cache decodes: `cm.generate` / `cm.stream` (its decode
     engine is built on first use, graphmode/decode/api.py)."""
     tgt = compiler.resolve_target(target)
     if recipe is None:
         from graphmode.kb.draft import drafted
         model, recipe = drafted(model, tgt)
+    recipe = compiler.as_recipe(recipe)
+    if (compiler.tensor_parallel(recipe) > 1 and rank is None and recipe.memory.kv_cache is not None
+            and (mode or recipe.exe_mode) != "eager"):
+        from graphmode.decode.tensor_parallel import launch_decoder   # the ranks decode in step
+        return launch_decoder(model, recipe, tgt, cache_dir=cache_dir, threads=threads)
     cm = compiler.compile(model, recipe, tgt, mode=mode, cache_dir=cache_dir, threads=threads, warmup=warmup,
                           on_stage=on_stage, rank=rank)
     if getattr(cm, "decoding", False) is None and cm.recipe.memory.kv_cache is not None:

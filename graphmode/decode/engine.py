@@ -43,8 +43,10 @@ from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.progress import OnStage
 
 
-def kv_layout(recipe: Any, cfg: dict[str, Any]) -> KVLayout:
-    """The pool the recipe's memory proof counts (graphmode.recipe.facts.kv_pool_pages)."""
+def kv_layout(recipe: Any, cfg: dict[str, Any], world: int = 1) -> KVLayout:
+    """The pool the recipe's memory proof counts (graphmode.recipe.facts.kv_pool_pages): under
+    tensor parallelism (`world` ranks, attention split by heads) one rank's, its kv_heads / world
+    heads (a head count that does not split is refused, naming parallel.tensor)."""
     from graphmode.recipe.facts import kv_params, kv_pool_pages
     p = kv_params(recipe)
     if p is None:
@@ -55,7 +57,15 @@ def kv_layout(recipe: Any, cfg: dict[str, Any]) -> KVLayout:
         if p.get(k) is not None and v is not None and p[k] != v:
             raise RecipeError(f"memory.kv_cache.{k} is {p[k]}, the model has {v}", where=f"memory.kv_cache.{k}",
                               value=p[k], fix=f"set {k}: {v}")
-    return KVLayout(layers=int(p["layers"] or cfg["layers"]), kv_heads=int(p["kv_heads"] or cfg["kv_heads"]),
+    kv_heads = int(p["kv_heads"] or cfg["kv_heads"])
+    if world > 1:
+        if kv_heads % world or (cfg.get("heads") and int(cfg["heads"]) % world):
+            raise RecipeError(f"parallel.tensor {world} does not divide the model's {cfg.get('heads')} attention "
+                              f"heads / {kv_heads} KV heads: a rank's KV cache holds whole heads",
+                              where="parallel.tensor", value=world,
+                              fix=f"a tensor degree dividing {kv_heads} (the KV heads), or parallel.tensor: 1")
+        kv_heads //= world
+    return KVLayout(layers=int(p["layers"] or cfg["layers"]), kv_heads=kv_heads,
                     head_dim=int(p["head_dim"] or cfg["head_dim"]), page_size=int(p["page_size"]),
                     pages=int(kv_pool_pages(recipe)), max_pages_per_seq=int(p["max_pages_per_seq"]),
                     dtype=str(p["dtype"]))
@@ -72,9 +82,11 @@ def decode_contract(recipe: Any) -> Any:
     return recipe.model_copy(update={"inputs": inputs, "outputs": {}, "optimize": optimize})
 
 
-def lower_decoder(lm: torch.nn.Module, recipe: Any, target: Any = None, *, on_stage: OnStage | None = None) -> Any:
+def lower_decoder(lm: torch.nn.Module, recipe: Any, target: Any = None, *, on_stage: OnStage | None = None,
+                  rank: int = 0) -> Any:
     """The causal LM's paged graph through `compiler.lower_model` (a `Lowered`); `on_stage` hears
-    its capture, passes and proof (graphmode/progress.py)."""
+    its capture, passes and proof (graphmode/progress.py). Under `parallel`, `rank`'s shard (its
+    pools hold its KV heads only)."""
     from graphmode.compiler import ModelSource, lower_model
     cfg = lm_config(lm)
     dims = {d: recipe.dim_range(d) for d in recipe.dims}
@@ -83,7 +95,7 @@ def lower_decoder(lm: torch.nn.Module, recipe: Any, target: Any = None, *, on_st
     src = ModelSource("lm", fwd, ex, {k: ["batch", "seq"] for k in ex}, masks_padding=True,
                       capture_dims={"batch": (max(1, dims["batch"][0]), max(2, dims["batch"][1])),
                                     "seq": (2, max(3, dims["seq"][1]))})
-    return lower_model(src, decode_contract(recipe), target, mode="graph", on_stage=on_stage)
+    return lower_model(src, decode_contract(recipe), target, mode="graph", on_stage=on_stage, rank=rank)
 
 
 def prefix_caching(kv: Any, invariant: bool) -> bool:
@@ -134,12 +146,16 @@ class DecodeEngine:
 
     @classmethod
     def build(cls, lm: torch.nn.Module, recipe: Any, target: Any = None, *, cache_dir=None,
-              threads: int | None = None, on_stage: OnStage | None = None) -> "DecodeEngine":
+              threads: int | None = None, on_stage: OnStage | None = None, rank: int = 0) -> "DecodeEngine":
         """Compiled prefill and decode plans of one causal LM under one recipe; `on_stage` hears
-        the decoder graph's capture, passes and proof, and its plan builds (graphmode/progress.py)."""
+        the decoder graph's capture, passes and proof, and its plan builds (graphmode/progress.py).
+        Under `parallel.tensor` N > 1, `rank`'s engine: its shard of the graph and its pool of
+        KV heads / N (decode/tensor_parallel.py runs the N engines in step)."""
         from graphmode.runtime.compiled import CompiledModel
         cfg = lm_config(lm)
-        layout = kv_layout(recipe, cfg)
+        par = recipe.parallel
+        world = par.tensor if par is not None and par.strategy.get("attention") == "head" else 1
+        layout = kv_layout(recipe, cfg, world)
         dims = {d: recipe.dim_range(d) for d in recipe.dims}
         kv = recipe.memory.kv_cache
         bd, sd = kv.batch_dim, kv.seq_dim
@@ -157,7 +173,7 @@ class DecodeEngine:
             raise RecipeError(f"dims.{sd} admits prompts of {max_prompt} tokens, but the model has "
                               f"{context} positions: no room for a new token", where=f"dims.{sd}.max",
                               value=max_prompt, fix=f"{sd} at most {context - 1}")
-        low = lower_decoder(lm, recipe, target, on_stage=on_stage)
+        low = lower_decoder(lm, recipe, target, on_stage=on_stage, rank=rank)
         cache = PagedKVCache(layout, pools=_pools(low.graph, layout.layers))
         cm = CompiledModel.from_lowered(low, recipe, target, mode="graph", cache_dir=cache_dir, threads=threads,
                                         on_stage=on_stage)

@@ -103,9 +103,12 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
         bind_process(comm)
         cm = driver.compile(model, recipe, target, mode=mode, cache_dir=cache_dir, threads=threads, warmup=True,
                         rank=rank)
-        weights = sum(t.numel() * t.element_size() for t in cm.graph.constants.values()) if cm.graph else 0
-        conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weights_bytes": weights,
-                             "collectives": driver.collectives(cm.graph) if cm.graph else ()}))
+        g = cm.graph
+        held = {k: t.numel() * t.element_size() for k, t in (g.constants.items() if g else ())}
+        state = sum(n for k, n in held.items() if g.values[k].role == "state")     # a decoder's KV pools
+        conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weights_bytes": sum(held.values()) - state,
+                             **({"kv_bytes": state} if state else {}), **dict(getattr(cm, "rank_info", {})),
+                             "collectives": driver.collectives(g) if g else ()}))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", _portable(e, rank)))
         return
@@ -116,9 +119,17 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
             break
         if msg[0] == "close":
             break
+        if msg[0] == "cancel":        # for a request that had ended already
+            continue
         if msg[0] == "sample":        # rank 0: sample inputs inside the whole model's tables
             try:
                 conn.send(("ok", cm.sample_inputs(msg[1], seed=msg[2]), {}))
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                conn.send(("error", _portable(e, rank)))
+            continue
+        if msg[0] == "method":        # the rank's own protocol: cm.rank_<name>(pipe, *args) sends its replies
+            try:
+                getattr(cm, f"rank_{msg[1]}")(conn, *msg[2])
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 conn.send(("error", _portable(e, rank)))
             continue
@@ -139,7 +150,7 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
                        {"collectives": comm.calls - calls, "comm_bytes": comm.bytes - nbytes,
                         "comm_s": comm.seconds - secs, "run_s": time.perf_counter() - t0,
                         "path": dict(cm.last_path or {}),
-                        "per_op": _minus(comm.stats(), per_op), "trace": list(comm.trace)}))
+                        "per_op": stats_delta(comm.stats(), per_op), "trace": list(comm.trace)}))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             conn.send(("error", _portable(e, rank)))
     try:
@@ -148,7 +159,7 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
         pass
 
 
-def _minus(now: dict, before: dict) -> dict:
+def stats_delta(now: dict, before: dict) -> dict:
     """Per collective, the counters of one call (`TorchDistributed.stats` after minus before)."""
     zero = {"calls": 0, "bytes": 0, "seconds": 0.0}
     return {op: {k: v - before.get(op, zero)[k] for k, v in row.items()}
@@ -215,6 +226,41 @@ class TensorParallelModel:
             except (BrokenPipeError, ConnectionResetError, OSError):
                 self._fail(self._death(r) or f"rank {r} stopped reading requests")
         return [rep[1] for rep in self._collect(self.timeout_s * len(sizes) + _MARGIN_S, "link measurement")]
+
+    def send(self, msgs: Mapping[int, Any]) -> None:
+        """msgs[r] to rank r (a rank that stopped reading fails the group)."""
+        self._check_up()
+        for r, msg in msgs.items():
+            try:
+                self.conns[r].send(msg)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self._fail(self._death(r) or f"rank {r} stopped reading requests")
+
+    def receive(self, r: int, timeout_s: float, what: str) -> Any:
+        """The next message of rank `r` within `timeout_s`, while every rank's death is watched:
+        a death, an overrun or a rank's error other than a refusal (ContractViolation) stops the
+        group and raises; a refusal comes back as the message ("error", err)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = wait([self.conns[r]] + [p.sentinel for p in self.procs], max(0.0, deadline - time.monotonic()))
+            if self.conns[r] in ready or self.conns[r].poll():
+                try:
+                    rep = self.conns[r].recv()
+                except (EOFError, OSError):
+                    self.procs[r].join(1)
+                    self._fail(self._death(r) or f"rank {r} closed its pipe")
+                if rep[0] == "error" and not isinstance(rep[1], ContractViolation):
+                    self._fail_with(rep[1], r)
+                return rep
+            dead = next((d for d in map(self._death, range(self.world)) if d), None)
+            if dead:
+                self._fail(dead)
+            if not ready:
+                self._fail(f"rank {r} did not answer the {what} within {timeout_s:g} s")
+
+    def collect(self, ranks: list[int], timeout_s: float, what: str) -> list:
+        """One reply from each of `ranks` (as `receive`, each within `timeout_s`)."""
+        return [self.receive(r, timeout_s, what) for r in ranks]
 
     def sample_inputs(self, env: Mapping[str, int], seed: int = 0) -> dict[str, Any]:
         """Rank 0's sample inputs at `env`: index inputs drawn inside the tables of the model

@@ -9,7 +9,8 @@ blocks, each split, as a fused QKV projection's output is). Walking the graph in
 - `linear` with an input split on the last axis is row-parallel: the rank keeps its columns of
   the weight, computes a partial sum, and an `all_reduce` makes it whole; the bias is added after.
 - the heads follow: reshapes, permutes, slices, expands and elementwise ops carry a split axis
-  through (a reshape [b,s,H] -> [b,s,heads,d] splits the heads), `sdpa` runs on the rank's heads.
+  through (a reshape [b,s,H] -> [b,s,heads,d] splits the heads), `sdpa` runs on the rank's heads,
+  and a decoder's `paged_attention` too, over K/V pools that keep the rank's KV heads only.
 - the embedding with the largest table is vocab-parallel (each rank looks up its rows, zero
   elsewhere, then `all_reduce`); the LM head (a linear onto the vocabulary) is column-parallel
   and its logits are gathered. A vocabulary V that does not divide by the ranks is padded: each
@@ -39,7 +40,7 @@ from graphmode.ir.types import Dim, TensorType, dim_str, dims_equal, normalize_d
 from graphmode.passes.base import PassContext, PassResult, register_pass
 
 # ops that move or combine values without mixing positions along an axis they do not name
-_ATTENTION_OPS = frozenset({"sdpa", "softmax"})
+_ATTENTION_OPS = frozenset({"sdpa", "softmax", "paged_attention"})
 _WALK_OPS = frozenset({"reshape", "permute", "slice", "expand", "identity", "cast", "concat"})
 _BATCH_WISE = frozenset({"conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "batch_norm", "embedding"})
 _LOOKAHEAD = 8
@@ -387,6 +388,26 @@ class _LayerRules(_ShardWalk):
                 return False
             ins.append(m)
         return self.same(n, ins, dict(n.attrs), ps[0])
+
+    def on_paged_attention(self, n: Node) -> bool:
+        """A decoder's attention on the paged KV cache (`to_paged`): the rank's query heads over
+        its KV heads, so its K/V pools keep only those heads ([pages, page_size, kv_heads/world,
+        head_dim], under their own names: the decode engine pages them). The block table and
+        positions are whole: every rank's pool has the same pages."""
+        q, k, v, kp, vp = n.inputs[:5]
+        ps = [self.placement(x) for x in (q, k, v)]
+        if ps[0] is None or any(p is None or p.axis != 1 or p.blocks != 1 or p.pad for p in ps):
+            return False
+        if any(x not in self.g.constants or x in self.local or
+               not self.split_extent(self.g.values[x].type.shape[2]) for x in (kp, vp)):
+            return False
+        pools = []
+        for x in (kp, vp):
+            part = self.g.constants[x].chunk(self.n, 2)[self.rank].clone()
+            pools.append(self.out.add_constant(x, part, self.g.values[x].role))
+            self.local[x], self.place[x] = x, Split(2, 1, "attention")
+        rest = [self.operand(x) if self.placement(x) is None else self.get_whole(x, n.op) for x in n.inputs[5:]]
+        return self.same(n, [self.local[q], self.local[k], self.local[v], *pools, *rest], dict(n.attrs), ps[0])
 
     def mask_for(self, name: str, ax: int, rank: int) -> str | None:
         """A whole operand broadcast against a value split on `ax`: as is when it broadcasts

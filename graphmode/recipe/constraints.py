@@ -149,7 +149,7 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
     kv = kv_params(recipe)
     if kv is not None:
         terms["kv_cache"] = kv_cache_bytes(recipe)
-        if par is not None and par.split() == "head":     # the pool is split by KV heads
+        if par is not None and par.split() == "head" and par.strategy["attention"] == "head":   # by KV heads
             terms["kv_cache"] = sympy.ceiling(sympy.sympify(terms["kv_cache"]) / par.tensor)
     budget = recipe.memory.budget_mb
     if isinstance(budget, (int, float)):
