@@ -24,8 +24,8 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     result is a `graphmode.parallel.launch.TensorParallelModel` (rank 0 answers), or for a recipe
     with a KV cache a `graphmode.decode.tensor_parallel.TensorParallelDecoder` (generate /
     stream); with `rank`, this process compiles that rank's shard only (its collectives need a
-    bound communicator). A model under a recipe with a KV cache decodes: `cm.generate` / `cm.stream` (its decode
-    engine is built on first use, graphmode/decode/api.py)."""
+    bound communicator). A model under a recipe with a KV cache decodes: `cm.generate` /
+    `cm.stream` (its decode engine is built on first use, graphmode/decode/api.py)."""
     tgt = compiler.resolve_target(target)
     if recipe is None:
         from graphmode.kb.draft import drafted

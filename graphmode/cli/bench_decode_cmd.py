@@ -70,6 +70,11 @@ def decode_cmd(
                                     "prompt-lookup speculative decoding with up to N drafts per step, tokens/s with "
                                     "and without drafts on one engine, accept rate (a repetitive prompt at batch 1, "
                                     "--context tokens, --new-tokens each)"),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", min=1, max=64, help="instead of the engine "
+                                        "comparison: graphmode's decode tokens/s in one process (--threads) against "
+                                        "N rank processes (--threads / N each), tokens equal, weights and KV pool "
+                                        "per rank, communication per step (the first --batches value, --context "
+                                        "tokens, --new-tokens each; docs/tensor-parallel.md)"),
 ) -> None:
     """Decode benchmark: time to first token and tokens/s against transformers and llama.cpp."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,9 +100,12 @@ def decode_cmd(
            else (lambda s: None))
     cases = load_decode_cases(model or [], quick)
     target = get_target("host", cache_dir=layout.targets)
-    if speculative:
-        return _speculative(cases, cfg, speculative, out or default_out_dir(), name or ("decode-quick" if quick
-                                                                                       else "decode"), as_json, log)
+    if speculative and tensor_parallel > 1:
+        raise GraphmodeError("--speculative and --tensor-parallel are two benchmarks: run one at a time",
+                             where="--tensor-parallel", value=tensor_parallel, fix="drop one of the two")
+    if speculative or tensor_parallel > 1:
+        return _one_engine(cases, cfg, speculative, tensor_parallel, out or default_out_dir(),
+                           name or ("decode-quick" if quick else "decode"), as_json, log)
     with progress(measuring=True) as on_stage:     # graphmode's decoder build, between the engines' setup lines
         cfg.on_stage = on_stage
         res = run_decode_bench(cases, cfg, log=log, target=target)
@@ -126,26 +134,36 @@ def decode_cmd(
                           "eager's")
 
 
-def _speculative(cases, cfg, num_tokens: int, out: Path, name: str, as_json: bool, log) -> None:
-    """`--speculative N`: bench/speculative.py's row per model, written beside the decode files."""
+def _one_engine(cases, cfg, speculative: int, tensor_parallel: int, out: Path, name: str, as_json: bool,
+                log) -> None:
+    """`--speculative N` (bench/speculative.py) or `--tensor-parallel N` (bench/tp_decode.py): one
+    row per model, written beside the decode files."""
     import time
     from rich.table import Table
 
-    from graphmode.bench.speculative import COLUMNS, bench_speculative, write_speculative
     from graphmode.cli.bench_cmd import console
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "cpus": os.cpu_count(), "threads": cfg.threads, "quick": cfg.quick}
     rows = []
     with progress(measuring=True) as on_stage:
         for case in cases:
-            rows.append(bench_speculative(case, num_tokens=num_tokens, batch=1, context=cfg.context,
-                                          new=max(cfg.new_tokens, num_tokens + 2), iters=cfg.iters,
-                                          threads=cfg.threads, cache_dir=cfg.cache_dir, on_stage=on_stage, log=log))
-    paths = write_speculative(rows, meta, out, name)
+            if tensor_parallel > 1:
+                from graphmode.bench.tp_decode import COLUMNS, bench_tp_decode, write_tp_decode as write
+                rows.append(bench_tp_decode(case, world=tensor_parallel, batch=cfg.batches[0], context=cfg.context,
+                                            new=cfg.new_tokens, iters=cfg.iters, threads=cfg.threads,
+                                            cache_dir=cfg.cache_dir, on_stage=on_stage, log=log))
+            else:
+                from graphmode.bench.speculative import COLUMNS, bench_speculative, write_speculative as write
+                rows.append(bench_speculative(case, num_tokens=speculative, batch=1, context=cfg.context,
+                                              new=max(cfg.new_tokens, speculative + 2), iters=cfg.iters,
+                                              threads=cfg.threads, cache_dir=cfg.cache_dir, on_stage=on_stage,
+                                              log=log))
+    paths = write(rows, meta, out, name)
+    what = f"--tensor-parallel {tensor_parallel}" if tensor_parallel > 1 else f"--speculative {speculative}"
     if as_json:
         print(json.dumps(rows, indent=1, default=str))
     else:
-        t = Table(title=f"graphmode bench decode --speculative {num_tokens} (load {meta['load']})")
+        t = Table(title=f"graphmode bench decode {what} (load {meta['load']})")
         for c in COLUMNS:
             t.add_column(c)
         for r in rows:
@@ -154,6 +172,6 @@ def _speculative(cases, cfg, num_tokens: int, out: Path, name: str, as_json: boo
         console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
     bad = [f"{r['model']}: {r['error']}" for r in rows if r.get("error")]
     for b in bad:
-        err_console.print(f"speculative check failed: {b}", markup=False, highlight=False)
+        err_console.print(f"{what.lstrip('-')} check failed: {b}", markup=False, highlight=False)
     if bad:
         raise SystemExit(1)

@@ -154,6 +154,13 @@ class DecodeEngine:
         from graphmode.runtime.compiled import CompiledModel
         cfg = lm_config(lm)
         par = recipe.parallel
+        if par is not None and par.tensor > 1:
+            from graphmode.ir.communicator import active
+            if active() is None:
+                raise GraphmodeError(f"parallel.tensor {par.tensor}: a rank's decode engine runs inside the group of "
+                                     "ranks, and this process has none", where="parallel.tensor", value=par.tensor,
+                                     fix="graphmode.compile(model, recipe) starts the ranks (its generate / stream "
+                                         "decode on them), or parallel.tensor: 1 for one process")
         world = par.tensor if par is not None and par.strategy.get("attention") == "head" else 1
         layout = kv_layout(recipe, cfg, world)
         dims = {d: recipe.dim_range(d) for d in recipe.dims}

@@ -117,6 +117,57 @@ def test_heads_that_do_not_split_are_gathered_not_wrong():
     assert res[0].stats["gathered_for"].get("reshape", 0) == 3
 
 
+PAGED = """
+graph @paged(%x: f32[b,s,8], %table: i64[b,3], %start: i64[b], %lens: i64[b]) -> (%y) {
+  param %wq: f32[8,8] #?
+  param %wk: f32[4,8] #?
+  param %wv: f32[4,8] #?
+  param %wo: f32[8,8] #?
+  state %kv.k.0: f32[6,2,2,2] #0
+  state %kv.v.0: f32[6,2,2,2] #0
+  %q0: f32[b,s,8] = linear(%x, %wq)
+  %q1: f32[b,s,4,2] = reshape(%q0) {"shape": ["b", "s", 4, 2]}
+  %q: f32[b,4,s,2] = permute(%q1) {"perm": [0, 2, 1, 3]}
+  %k0: f32[b,s,4] = linear(%x, %wk)
+  %k1: f32[b,s,2,2] = reshape(%k0) {"shape": ["b", "s", 2, 2]}
+  %k: f32[b,2,s,2] = permute(%k1) {"perm": [0, 2, 1, 3]}
+  %v0: f32[b,s,4] = linear(%x, %wv)
+  %v1: f32[b,s,2,2] = reshape(%v0) {"shape": ["b", "s", 2, 2]}
+  %v: f32[b,2,s,2] = permute(%v1) {"perm": [0, 2, 1, 3]}
+  %o: f32[b,4,s,2] = paged_attention(%q, %k, %v, %kv.k.0, %kv.v.0, %table, %start, %lens) {"scale": 0.7}
+  %o1: f32[b,s,4,2] = permute(%o) {"perm": [0, 2, 1, 3]}
+  %o2: f32[b,s,8] = reshape(%o1) {"shape": ["b", "s", 8]}
+  %y: f32[b,s,8] = linear(%o2, %wo)
+  return %y
+}"""
+
+
+def test_paged_attention_keeps_the_rank_s_kv_heads_in_its_pools(golden):
+    """A decoder's attention on the paged cache (grouped-query: 4 query heads over 2 KV heads):
+    each rank's pools keep one KV head, under the names the decode engine pages; a prefill then
+    a decode step (the pools carry the first step's K/V into the second) on both ranks together
+    equal the unsharded graph's."""
+    w = weights(wq=(8, 8), wk=(4, 8), wv=(4, 8), wo=(8, 8))
+    pools = {k: torch.zeros(6, 2, 2, 2) for k in ("kv.k.0", "kv.v.0")}
+    g = parse_graph(ir(PAGED, w), {**w, **pools})
+    verify_graph(g)
+    res = [PASSES["shard"](g, ctx(r)) for r in range(2)]
+    for r, rg in enumerate(res):
+        verify_graph(rg.graph)
+        golden(f"shard/paged_attention.rank{r}", rg.graph.text())
+        assert [tuple(rg.graph.constants[k].shape) for k in pools] == [(6, 2, 1, 2)] * 2
+        assert rg.graph.values["kv.k.0"].role == "state" and not rg.stats["gathered_for"]
+    table = torch.tensor([[0, 2, 4], [1, 3, 5]])
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    steps = [{"x": x, "table": table, "start": torch.tensor([0, 0]), "lens": torch.tensor([3, 2])},
+             {"x": x[:, :1], "table": table, "start": torch.tensor([3, 2]), "lens": torch.tensor([1, 1])}]
+    for feed in steps:
+        want = interpret(g, feed)["y"]
+        got = run_ranks(2, lambda r, comm: interpret(res[r].graph, feed)["y"], timeout_s=30)
+        assert all(rel_l2(got[r], want) < 1e-5 for r in range(2))
+    assert pools["kv.k.0"].abs().sum() > 0                                      # the first step wrote the pool
+
+
 FUSED_QKV = """
 graph @qkv(%x: f32[b,s,8]) -> (%y) {
   param %w: f32[24,8] #?
