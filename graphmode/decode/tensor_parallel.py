@@ -20,7 +20,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from graphmode.decode.engine import DecodeEngine, drive
+from graphmode.decode.api import _steps
+from graphmode.decode.engine import DecodeEngine
 from graphmode.decode.lm import INPUTS
 from graphmode.decode.runner import ModelRunner
 from graphmode.errors import ContractViolation, GraphmodeError
@@ -118,29 +119,15 @@ class RankDecoder:
         released at the end whatever happens (a refused prompt included)."""
         eng, runner = self.engine, self.engine.runner
         before, counts = self._counters(), dict(eng.stats)
-        ready: list[tuple[int, int]] = []
-        seqs = []
         ended = False
         try:
-            with torch.inference_mode():
-                for p in prompts:
-                    seqs.append(eng.add(p, params, on_token=lambda sid, tok: ready.append((sid, tok))))
-                index = {s.id: i for i, s in enumerate(seqs)}
-                with closing(drive(eng, seqs)) as steps:      # leaving early cancels the unfinished
-                    for _ in steps:
-                        if ready:
-                            out: dict[int, list[int]] = {}
-                            for sid, tok in ready:
-                                out.setdefault(index[sid], []).append(tok)
-                            ready.clear()
-                            conn.send(("step", out))
-                        if conn.poll() and conn.recv()[0] == "cancel":
-                            break
+            with torch.inference_mode(), closing(_steps(eng, prompts, params)) as steps:   # closed: cancelled
+                for out in steps:
+                    conn.send(("step", out))
+                    if conn.poll() and conn.recv()[0] == "cancel":
+                        break
             ended = True
         finally:
-            for s in seqs:
-                if not s.done:
-                    eng.cancel(s)
             try:
                 runner.stop()
             except Exception:  # noqa: BLE001 - a broken group: the error that broke it is raised

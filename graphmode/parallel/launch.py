@@ -244,19 +244,23 @@ class TensorParallelModel:
         while True:
             ready = wait([self.conns[r]] + [p.sentinel for p in self.procs], max(0.0, deadline - time.monotonic()))
             if self.conns[r] in ready or self.conns[r].poll():
-                try:
-                    rep = self.conns[r].recv()
-                except (EOFError, OSError):
-                    self.procs[r].join(1)
-                    self._fail(self._death(r) or f"rank {r} closed its pipe")
-                if rep[0] == "error" and not isinstance(rep[1], ContractViolation):
-                    self._fail_with(rep[1], r)
-                return rep
+                return self._read(r)
             dead = next((d for d in map(self._death, range(self.world)) if d), None)
             if dead:
                 self._fail(dead)
             if not ready:
                 self._fail(f"rank {r} did not answer the {what} within {timeout_s:g} s")
+
+    def _read(self, r: int) -> Any:
+        """Rank r's waiting message; a closed pipe or an error other than a refusal stops the group."""
+        try:
+            rep = self.conns[r].recv()
+        except (EOFError, OSError):
+            self.procs[r].join(1)
+            self._fail(self._death(r) or f"rank {r} closed its pipe")
+        if rep[0] == "error" and not isinstance(rep[1], ContractViolation):
+            self._fail_with(rep[1], r)
+        return rep
 
     def collect(self, ranks: list[int], timeout_s: float, what: str) -> list:
         """One reply from each of `ranks` (as `receive`, each within `timeout_s`)."""
@@ -306,14 +310,7 @@ class TensorParallelModel:
                            f"{timeout_s:g} s")
             for r in sorted(waiting):
                 if self.conns[r] in ready or self.conns[r].poll():
-                    try:
-                        rep = self.conns[r].recv()
-                    except (EOFError, OSError):
-                        self.procs[r].join(1)
-                        self._fail(self._death(r) or f"rank {r} closed its pipe")
-                    if rep[0] == "error" and not isinstance(rep[1], ContractViolation):
-                        self._fail_with(rep[1], r)
-                    replies[r] = rep
+                    replies[r] = self._read(r)
                     waiting.discard(r)
                 elif self.procs[r].sentinel in ready:
                     self.procs[r].join(1)
@@ -327,6 +324,8 @@ class TensorParallelModel:
 
     def _fail_with(self, err: BaseException, rank: int) -> None:
         """A rank's own error: a dead peer is the cause when a collective failed and one died."""
+        if isinstance(err, RankFailure):     # a peer's sockets close a moment before its exit is seen
+            wait([p.sentinel for i, p in enumerate(self.procs) if i != rank], 1.0)
         dead = [d for d in (self._death(r) for r in range(self.world) if r != rank) if d]
         if isinstance(err, RankFailure) and dead:
             self._fail(f"{dead[0]}; {err.message}")

@@ -59,3 +59,16 @@ def test_heads_that_do_not_split_are_refused_naming_parallel_tensor():
     assert e.value.where == "parallel.tensor" and "4 KV heads" in str(e.value) and e.value.value == 3
     res = check_semantics(load_recipe(recipe(3, kv_heads=4)))                     # the recipe check says it first
     assert any(err.where == "parallel.tensor" and "4 KV heads" in str(err) for err in res.errors)
+
+
+@pytest.mark.parametrize("strategy,share", [("head", 2), ({"attention": "replicate", "mlp": "head"}, 1)])
+def test_the_proof_splits_the_kv_pool_only_when_attention_is_split_by_heads(strategy, share):
+    from graphmode.recipe import validate
+    from graphmode.recipe.facts import kv_cache_bytes
+    from graphmode.targets import get_target
+    r = recipe(2)
+    r["parallel"]["strategy"] = strategy
+    r["model"] = {"kind": "decoder", "layers": 2, "hidden": 32, "heads": 4, "intermediate": 64, "vocab": 100}
+    rec = load_recipe(r)
+    rep = validate(rec, get_target("host"))
+    assert rep.ok and rep.model.memory_terms["kv_cache"] * share == kv_cache_bytes(rec)
