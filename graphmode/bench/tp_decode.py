@@ -65,7 +65,7 @@ def bench_tp_decode(case: DecodeCase, *, world: int, batch: int, context: int, n
         vocab = int(eng.cfg["vocab"] or 100)
         prompts = torch.tensor([[rng.randrange(3, max(4, vocab)) for _ in range(context)] for _ in range(batch)])
         t0 = time.perf_counter()
-        with graphmode.compile(case.bundle, tp_recipe, "host", cache_dir=cache_dir or tmp,
+        with graphmode.compile(case.lm, tp_recipe, "host", cache_dir=cache_dir or tmp,   # pickled to the ranks
                                threads=max(1, threads // world)) as tp:
             row["tpn_build_s"] = round(time.perf_counter() - t0, 3)
             one_s, tp_s, same = [], [], True

@@ -77,6 +77,9 @@ def decode_cmd(
                                         "tokens, --new-tokens each; docs/tensor-parallel.md)"),
 ) -> None:
     """Decode benchmark: time to first token and tokens/s against transformers and llama.cpp."""
+    if speculative and tensor_parallel > 1:
+        raise GraphmodeError("--speculative and --tensor-parallel are two benchmarks: run one at a time",
+                             where="--tensor-parallel", value=tensor_parallel, fix="drop one of the two")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from graphmode.bench.engines import parse_decode_engines
     from graphmode.bench.harness import QUICK, DecodeConfig, run_decode_bench
@@ -100,9 +103,6 @@ def decode_cmd(
            else (lambda s: None))
     cases = load_decode_cases(model or [], quick)
     target = get_target("host", cache_dir=layout.targets)
-    if speculative and tensor_parallel > 1:
-        raise GraphmodeError("--speculative and --tensor-parallel are two benchmarks: run one at a time",
-                             where="--tensor-parallel", value=tensor_parallel, fix="drop one of the two")
     if speculative or tensor_parallel > 1:
         return _one_engine(cases, cfg, speculative, tensor_parallel, out or default_out_dir(),
                            name or ("decode-quick" if quick else "decode"), as_json, log)

@@ -153,11 +153,12 @@ class RankDecoder:
 
 def compile_rank(model: Any, recipe: Any, target: Any, *, mode: str | None = None, cache_dir: Any = None,
                  threads: int | None = None, warmup: bool = True, rank: int = 0) -> RankDecoder:
-    """A rank's decode engine (`RankDriver.compile` for a decoder recipe): its shard, its plans."""
+    """A rank's decode engine (`RankDriver.compile` for a decoder recipe): its shard, its plans.
+    `model` is anything graphmode.compile takes, or the transformers causal LM itself."""
     from graphmode.capture.source import resolve_model
     from graphmode.decode.api import causal_lm
-    eng = DecodeEngine.build(causal_lm(resolve_model(model, recipe)), recipe, target, cache_dir=cache_dir,
-                             threads=threads, rank=rank)
+    lm = model if hasattr(model, "get_output_embeddings") else causal_lm(resolve_model(model, recipe))
+    eng = DecodeEngine.build(lm, recipe, target, cache_dir=cache_dir, threads=threads, rank=rank)
     if warmup:
         eng.warmup()
     return RankDecoder(eng, rank, active())

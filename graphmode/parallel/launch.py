@@ -82,7 +82,7 @@ class RankDriver:
     collectives: Callable[[Any], tuple]         # compile_report.graph_collectives
 
 
-def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, target: Any, mode: str | None,
+def _rank_main(rank: int, world: int, port: int, conn, model: bytes, recipe: Any, target: Any, mode: str | None,
                cache_dir: Any, threads: int, driver: RankDriver) -> None:
     """One rank process: join the group, compile this rank's shard with every bucket's plan
     (so a call never waits on a peer's plan build past the collective timeout), answer requests."""
@@ -101,6 +101,7 @@ def _rank_main(rank: int, world: int, port: int, conn, model: Any, recipe: Any, 
                                 timeout=datetime.timedelta(seconds=timeout))
         comm = TorchDistributed(rank, world, timeout)
         bind_process(comm)
+        model = pickle.loads(model)
         cm = driver.compile(model, recipe, target, mode=mode, cache_dir=cache_dir, threads=threads, warmup=True,
                         rank=rank)
         g = cm.graph
@@ -396,11 +397,14 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     ctx = mp.get_context("spawn")
     port = _free_port()
+    # the model crosses pickled plainly: spawn's own pickler would move every tensor of the caller's
+    # model into shared memory in place, under whatever was compiled from it in this process already
+    blob = pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL)
     procs, conns = [], []
     for r in range(world):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_rank_main, name=f"graphmode-rank{r}", daemon=True,
-                        args=(r, world, port, child, model, recipe, target, mode, cache_dir, threads, driver))
+                        args=(r, world, port, child, blob, recipe, target, mode, cache_dir, threads, driver))
         p.start()
         child.close()
         procs.append(p)
