@@ -21,7 +21,7 @@ import torch
 from graphmode.backends.cpu.abi import KernelSource, template
 from graphmode.backends.cpu.lowering import Claim, OpCall, claimed, refused
 from graphmode.backends.cpu.native import finish
-from graphmode.backends.cpu.wgemm import PANEL_ROWS, PAR_FLOPS, isa_lines, split_columns
+from graphmode.backends.cpu.weight_only import PANEL_ROWS, PAR_FLOPS, isa_lines, split_columns
 from graphmode.ir.ops import int4
 
 TILES = {"avx512": (4, 4), "avx2": (2, 2), "portable": (2, 2)}       # (MR, NR)

@@ -19,45 +19,13 @@ import math
 import torch
 
 from graphmode.backends.cpu.abi import KernelSource, template
-from graphmode.backends.cpu.isa import ISA_GUARD
 from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowers, refused
 from graphmode.backends.cpu.native import finish
+from graphmode.backends.cpu.weight_only import PANEL_ROWS, PAR_FLOPS, isa_lines, split_columns
 
 TILES = {"avx512": (4, 4), "avx2": (2, 4), "portable": (2, 4)}       # (MR, NR)
 _TRAITS = {"avx512": "gm_wq_v512", "avx2": "gm_wq_v256", "portable": "gm_wq_vc"}
 _WTYPE = {torch.int8: "int8_t", torch.bfloat16: "gm_bf16_t"}
-PAR_FLOPS = 1 << 18      # below this one thread: a [1, 64] x [64, 64] layer is done before a team wakes
-
-
-PANEL = {"avx512": ("gm_wq_p512", 8, 2, 16), "avx2": ("gm_wq_p256", 6, 2, 8), "portable": ("gm_wq_pc", 4, 2, 8)}
-PANEL_ROWS = 32          # from this many rows the panel path (widen once, f32 micro-kernels) is faster
-
-
-def isa_lines(n: int, tiles=TILES, traits=_TRAITS) -> list[str]:
-    """Per ISA: the dot path's traits and tile, the panel path's micro-kernel and the shape of
-    the last, narrower column block of N."""
-    out = []
-    for i, isa in enumerate(("avx512", "avx2", "portable")):
-        mr, nr = tiles[isa]
-        pname, _pmr, pnv, pl = PANEL[isa]
-        rest = n % (pnv * pl)
-        tv = -(-rest // pl)
-        out += [("#if " + ISA_GUARD[isa]) if i == 0 else ("#elif " + ISA_GUARD[isa]) if i == 1 else "#else",
-                f"typedef {traits[isa]} VT; constexpr int MR = {mr}, NR = {nr};",
-                f"typedef {pname} PK; constexpr int TV = {tv}, TLAST = {rest - (tv - 1) * pl if tv else 0};"]
-    return out + ["#endif"]
-
-
-def split_columns(run: list[str], par: bool) -> list[str]:
-    """`run` (over output columns [n0, n1)) on one thread, or on contiguous ranges of the NB
-    column blocks per thread, so each weight byte is read by one thread."""
-    if not par:
-        return ["  {", "    const long n0 = 0, n1 = N;", *run, "  }"]
-    return ["  const long T = gm_nt() < NB ? gm_nt() : NB;",
-            "  #pragma omp parallel for schedule(static) num_threads(T)",
-            "  for (long t = 0; t < T; ++t) {",
-            "    const long n0 = t * NB / T * COLS, n1 = (t + 1) * NB / T * COLS;", *run, "  }"]
-
 
 def qlinear_source(call: OpCall, m: int, n: int, k: int) -> KernelSource:
     w = call.ins[1]
@@ -66,7 +34,7 @@ def qlinear_source(call: OpCall, m: int, n: int, k: int) -> KernelSource:
     panel = m >= PANEL_ROWS
     wt = _WTYPE[w.dtype]
     out = f"p{len(call.ins)}"
-    pre = "\n".join(["namespace @SYM@_ns {", *isa_lines(n),
+    pre = "\n".join(["namespace @SYM@_ns {", *isa_lines(n, TILES, _TRAITS),
                      f"constexpr long M = {m}, N = {n}, K = {k};",
                      "constexpr long COLS = " + ("PK::NV * PK::L" if panel else "NR") + ", NB = (N + COLS - 1) / COLS;",
                      f"typedef {wt} W;", "}"])
@@ -109,4 +77,4 @@ def qlinear(call: OpCall) -> Claim:
     return claimed(lambda: qlinear_source(call, m, n, k))
 
 
-__all__ = ["TILES", "isa_lines", "qlinear", "qlinear_source", "split_columns"]
+__all__ = ["PANEL_ROWS", "PAR_FLOPS", "TILES", "qlinear", "qlinear_source"]
