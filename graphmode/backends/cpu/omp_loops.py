@@ -24,7 +24,7 @@ import math
 from graphmode.errors import BackendError
 
 SCHEDULES = ("static", "dynamic", "guided")
-DEFAULT_SCHEDULE = "static"     # what `auto` builds (docs/performance-contention.md, "Dynamic schedules")
+DEFAULT_SCHEDULE = "dynamic"    # what `auto` builds: the quiet-host A/B in docs/performance-contention.md
 MIN_CHUNKS = 8                  # claimable loops have at least this many chunks (4 per thread at 2 threads)
 MAX_CHUNKS = 64                 # and at most this many claims per loop
 MIN_CHUNK_WORK = 40_000         # work units (~2 us) per chunk; a claim costs ~0.1 us uncontended
