@@ -76,6 +76,7 @@ def test_int8_greedy_decoding_agrees_with_transformers(models):
     assert (got[:, 6:] == want[:, 6:]).double().mean() >= 0.9
 
 
+@pytest.mark.slow     # the verify CLI over a decoder: ~20 s; the int8/bf16 contract is checked by default above
 def test_verify_reports_top1_agreement(tmp_path):
     _register()
     rec = tmp_path / "int8.yaml"

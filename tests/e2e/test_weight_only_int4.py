@@ -79,6 +79,7 @@ def test_logits_hold_the_weight_only_contract(gpt2):
     assert top1.positions == 128 and top1.flips == 0 and top1.share >= 0.6, top1
 
 
+@pytest.mark.slow     # a decode engine of its own: the kernel and contract tests stay in the default run
 def test_greedy_decoding_picks_its_own_arg_max(gpt2):
     """Decode (the paged graph, int4 too) takes each token its full-sequence logits rank first."""
     _lm, cm = gpt2
@@ -89,6 +90,7 @@ def test_greedy_decoding_picks_its_own_arg_max(gpt2):
     assert torch.equal(logits[:, 5:].argmax(-1), out[:, 6:])
 
 
+@pytest.mark.slow     # a compile and a .gm round trip; the symmetric path is checked by default
 def test_asymmetric_int4_survives_save_and_load(tmp_path):
     """Linear(64, 64) packs (groups of 32); Linear(16, 64) stays f32 (16 is no multiple of 32)."""
     from graphmode.capture.spec import bundle_from_module
