@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -105,6 +105,13 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[
     lp = torch.log_softmax(logits.float(), -1)
     top = torch.topk(lp, min(k, lp.numel())) if k else None
     return float(lp[token]), ([] if top is None else list(zip(top.indices.tolist(), top.values.tolist())))
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple[Any, Any]]:
+    """Each prompt token's log-probability given the tokens before it and the `k` most likely
+    tokens there, from the logits at every position (vLLM's prompt logprobs, what OpenAI's
+    `echo` with `logprobs` returns); the first token has none: (None, None)."""
+    return [(None, None)] + [top_logprobs(logits[j - 1], tokens[j], k) for j in range(1, len(tokens))]
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:

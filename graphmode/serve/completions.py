@@ -30,8 +30,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+import torch
 
 from graphmode.decode.output import ChoiceOutput
+from graphmode.decode.sampling import prompt_logprobs
 from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.serve.app import error_response, openai_failure, read_body
 from graphmode.serve.codec import body_kind, clip, dumps
@@ -48,8 +50,9 @@ class Completion:
     (`text_completion`, or `chat.completion` / `chat.completion.chunk` for a chat)."""
 
     def __init__(self, req: CompletionRequest, gens: list[Generation], queue: asyncio.Queue, decoder: Any,
-                 model: str, version: str, tokenizer: Any):
+                 model: str, version: str, tokenizer: Any, prompt_logprobs: list[list[Any]] | None = None):
         self.req, self.gens, self.queue, self.decoder = req, gens, queue, decoder
+        self.prompt_logprobs = prompt_logprobs       # per choice, with echo and logprobs: its prompt's
         self.model, self.version, self.tokenizer = model, version, tokenizer
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -128,7 +131,8 @@ class Completion:
             offsets.append(self.offsets[i])
             self.offsets[i] += len(name)
         return {"tokens": names, "token_logprobs": [lp for lp, _ in lps],
-                "top_logprobs": [{self._token(t): v for t, v in top} for _, top in lps], "text_offset": offsets}
+                "top_logprobs": [None if top is None else {self._token(t): v for t, v in top} for _, top in lps],
+                "text_offset": offsets}
 
     def _choice(self, i: int, tokens: list[int], lps: list[Any], text: str, finish: str | None,
                 chunk: bool) -> dict[str, Any]:
@@ -137,6 +141,9 @@ class Completion:
         if self.req.echo and first and self.tokenizer is not None:
             text = self.tokenizer.decode(self.prompts[i], skip_special_tokens=True,
                                          clean_up_tokenization_spaces=False) + text
+        shown, shown_lps = tokens, lps
+        if first and self.prompt_logprobs is not None:
+            shown, shown_lps = self.prompts[i] + tokens, self.prompt_logprobs[i] + lps
         body: dict[str, Any] = {"index": i}
         if not self.req.chat:
             body["text"] = text
@@ -144,7 +151,7 @@ class Completion:
             body["delta"] = {"content": text} if text or tokens else {}
         else:
             body["message"] = {"role": "assistant", "content": text}
-        return {**body, "token_ids": tokens, "logprobs": self._logprobs(i, tokens, lps), "finish_reason": finish}
+        return {**body, "token_ids": tokens, "logprobs": self._logprobs(i, shown, shown_lps), "finish_reason": finish}
 
     def _event(self, doc: dict[str, Any]) -> bytes:
         return b"data: " + dumps(doc) + b"\n\n"
@@ -262,6 +269,9 @@ def completion_routes(server: Any) -> list[Route]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         seqs = req.sequences
+        scored = await _prompt_logprobs(dep, req) if req.echo and req.params.logprobs is not None else None
+        if req.prompt_only:
+            return _prompt_only(dep, req, scored)
         try:
             gens = await run_in_threadpool(dep.decoder.submit, [p for p, _ in seqs], [q for _, q in seqs], arrived,
                                            queue, loop)
@@ -269,7 +279,8 @@ def completion_routes(server: Any) -> list[Route]:
             where = "messages" if req.chat else None
             _in_request_terms(e, getattr(e, "prompt_index", 0) // req.n if len(req.prompts) > 1 else None, where)
             raise
-        comp = Completion(req, gens, queue, dep.decoder, server.model_names()[0], dep.version, server.tokenizer)
+        comp = Completion(req, gens, queue, dep.decoder, server.model_names()[0], dep.version, server.tokenizer,
+                          scored)
         watcher = asyncio.ensure_future(_disconnected(request))
         updates = comp.updates()
         parts: dict[int, list[Update]] = {}
@@ -343,6 +354,44 @@ def completion_routes(server: Any) -> list[Route]:
             _count(dep, outcome)
             with contextlib.suppress(Exception):
                 await updates.aclose()
+
+    async def _prompt_logprobs(dep: Any, req: CompletionRequest) -> list[list[Any]]:
+        """Per choice, its prompt's logprobs: the whole-sequence graph's logits at every
+        position (the paged decode graph has the head at the last one only), once per prompt."""
+        names = {i.name for i in dep.recipe.inputs}
+        by_prompt: dict[tuple[int, ...], list[Any]] = {}
+        for i, p in enumerate(req.prompts):
+            if tuple(p) in by_prompt:
+                continue
+            x = torch.tensor([p], dtype=torch.int64)
+            inputs = {"input_ids": x, "attention_mask": torch.ones_like(x)}
+            try:
+                result = await server.infer(dep, {k: v for k, v in inputs.items() if k in names})
+            except ContractViolation as e:
+                _in_request_terms(e, i if len(req.prompts) > 1 else None)
+                raise
+            outs = result["outputs"]
+            logits = outs["logits"] if "logits" in outs else next(iter(outs.values())) if len(outs) == 1 else None
+            if logits is None:
+                raise BadRequest(f"the model's whole-sequence outputs {sorted(outs)} have no logits to score the "
+                                 "prompt with", status=501, reason="not_implemented", where="echo",
+                                 fix="send echo or logprobs, not both")
+            by_prompt[tuple(p)] = await run_in_threadpool(prompt_logprobs, logits[0], p, req.params.logprobs)
+        return [by_prompt[tuple(p)] for p, _ in req.sequences]
+
+    def _prompt_only(dep: Any, req: CompletionRequest, scored: list[list[Any]] | None) -> Response:
+        """max_tokens 0 with echo: each choice is its prompt (scored), finished by length."""
+        comp = Completion(req, [None] * len(req.sequences), asyncio.Queue(), dep.decoder, server.model_names()[0],
+                          dep.version, server.tokenizer, scored)
+        for o in comp.outputs:
+            o.finish_reason = "length"
+        _count(dep, "ok")
+        if not req.stream:
+            return Response(dumps(comp.whole({})), media_type="application/json")
+        events = [comp.chunk((o.index, [], [], "", "length")) for o in comp.outputs]
+        events += [comp.usage_chunk()] if req.include_usage else []
+        return Response(b"".join(events) + b"data: [DONE]\n\n", media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache"})
 
     def _count(dep: Any, outcome: str) -> None:
         if outcome == "ok":

@@ -3,7 +3,9 @@ field by field.
 
 Completions: `prompt` (a string, a list of strings, a list of token ids, or a list of token-id
 lists; strings only when the model has a tokenizer), `echo`, `logprobs` (k: the chosen token's
-log-probability and the k most likely), `suffix` (null only). Chat: `messages` (rendered by the
+log-probability and the k most likely; with `echo`, the prompt's tokens' too, the first one
+null), `max_tokens: 0` with `echo` (the prompt scored, nothing generated: what evaluation
+harnesses send), `suffix` (null only). Chat: `messages` (rendered by the
 chat template, graphmode/serve/chat.py), `max_completion_tokens` (= `max_tokens`),
 `logprobs` (true/false) with `top_logprobs`, `tools` / `tool_choice` (none only),
 `add_generation_prompt` (vLLM's). Both: `max_tokens` (default 16, chat: what the sequence's
@@ -69,6 +71,7 @@ class CompletionRequest:
     n: int = 1
     echo: bool = False
     chat: bool = False
+    prompt_only: bool = False              # max_tokens 0 with echo: the prompt (and its logprobs), no tokens
 
     @property
     def sequences(self) -> list[tuple[list[int], SamplingParams]]:
@@ -269,9 +272,13 @@ def parse_completion(body: bytes, *, tokenizer: Any, eos: Any) -> CompletionRequ
     prompts = _prompts(doc["prompt"], tokenizer)
     logprobs = _int(doc, "logprobs", None, 0, MAX_LOGPROBS + 1)
     echo = _bool(doc, "echo")
-    if echo and logprobs is not None:
-        raise bad("logprobs", "logprobs of an echoed prompt are not computed by graphmode", logprobs,
-                   fix="send echo or logprobs, not both")
+    max_tokens = doc.get("max_tokens")
+    if max_tokens == 0 and type(max_tokens) is int:
+        if not echo:
+            raise bad("max_tokens", "max_tokens 0 asks for no tokens: only a prompt echoed back (scored with "
+                                    "logprobs) has an answer", 0, fix="send max_tokens >= 1, or echo: true")
+        req = _common({**doc, "max_tokens": 1}, prompts, tokenizer, eos, max_tokens=1, logprobs=logprobs, echo=True)
+        return replace(req, prompt_only=True)
     return _common(doc, prompts, tokenizer, eos, max_tokens=_int(doc, "max_tokens", DEFAULT_MAX_TOKENS, 1, 2**31),
                    logprobs=logprobs, echo=echo)
 

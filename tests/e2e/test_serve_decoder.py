@@ -588,6 +588,35 @@ def test_completions_one_event_per_token_n_logprobs_echo(srv):
     assert e.choices[0].text == "w5 w6 w7" + srv.tok.decode(ref[:3], skip_special_tokens=True)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(srv):
+    """echo + logprobs: the prompt's tokens come first, each with its log-probability given
+    the ones before it (the first null), from the whole-sequence graph; max_tokens 0 scores
+    the prompt alone (what evaluation harnesses send), streamed or not."""
+    srv.server.active.cm.lower_now()      # the whole-sequence graph, else a first request may get 503 (lowering)
+    prompt = [5, 6, 7, 9, 10]
+    with torch.inference_mode():
+        want = torch.log_softmax(srv.lm(torch.tensor([prompt])).logits[0].float(), -1)
+    ref = reference(srv, prompt, 2)
+    r = srv.oa.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"w{t}" for t in prompt + ref] and r.choices[0].text.startswith("w5 w6 w7 w9 w10")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    for j in range(1, len(prompt)):
+        assert abs(lp.token_logprobs[j] - float(want[j - 1, prompt[j]])) < 1e-4, j
+        assert list(lp.top_logprobs[j]) == [f"w{t}" for t in torch.topk(want[j - 1], 2).indices.tolist()]
+    assert abs(lp.token_logprobs[len(prompt)] - float(want[-1, ref[0]])) < 1e-4     # the first new token
+    assert r.usage.completion_tokens == len(ref)
+
+    s = srv.oa.completions.create(model=MODEL, prompt=[prompt, P1], max_tokens=0, echo=True, logprobs=0)
+    assert [c.finish_reason for c in s.choices] == ["length", "length"] and s.usage.completion_tokens == 0
+    assert s.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(prompt)]
+    assert s.choices[0].token_ids == [] and s.choices[1].logprobs.tokens == [f"w{t}" for t in P1]
+    chunks = list(srv.oa.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(prompt)]
+    assert chunks[0].choices[0].finish_reason == "length" and chunks[-1].usage.prompt_tokens == len(prompt)
+
+
 def test_penalties_and_min_tokens_match_transformers(srv):
     prompt = [5, 6, 7, 5, 6]
     rep = srv.oa.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
@@ -639,7 +668,7 @@ REFUSALS = [   # (call, kwargs, the client's error class, param, words the messa
     ("completions", {"prompt": P1, "temperature": -1}, "BadRequestError", "temperature", "number in"),
     ("completions", {"prompt": P1, "best_of": 3}, "BadRequestError", "best_of", "not supported"),
     ("completions", {"prompt": P1, "n": 100}, "BadRequestError", "n", "integer"),
-    ("completions", {"prompt": P1, "echo": True, "logprobs": 1}, "BadRequestError", "logprobs", "echo"),
+    ("completions", {"prompt": P1, "max_tokens": 0}, "BadRequestError", "max_tokens", "echo"),
     ("completions", {"prompt": P1, "extra_body": {"min_tokens": 5}, "max_tokens": 2}, "BadRequestError",
      "min_tokens", "more than"),
     ("completions", {"prompt": P1, "model": "gpt-4"}, "NotFoundError", "model", "not served"),

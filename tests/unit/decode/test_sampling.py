@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphmode.decode.sampling import SamplingParams, adjusted, choose, top_logprobs
+from graphmode.decode.sampling import SamplingParams, adjusted, choose, prompt_logprobs, top_logprobs
 from graphmode.errors import GraphmodeError
 
 
@@ -49,6 +49,15 @@ def test_top_logprobs_are_the_raw_distribution():
     want = torch.log_softmax(x, -1)
     assert lp == pytest.approx(float(want[0])) and [t for t, _ in top] == [1, 2]
     assert top_logprobs(x, 3, 0)[1] == []
+
+
+def test_prompt_logprobs_score_each_token_by_the_position_before_it():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0], [2.0, 1.0, 0.0]])
+    got = prompt_logprobs(logits, [1, 2, 0], 1)
+    assert got[0] == (None, None) and len(got) == 3
+    want = torch.log_softmax(logits, -1)
+    assert got[1][0] == pytest.approx(float(want[0, 2])) and got[1][1][0][0] == 1
+    assert got[2][0] == pytest.approx(float(want[1, 0])) and got[2][1][0][0] == 2
 
 
 @pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", float("nan")),

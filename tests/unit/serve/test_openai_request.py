@@ -55,6 +55,9 @@ def test_sampling_parameters_a_request_means(tok):
     # choice i * n + j is prompt i's j-th sample, seeded seed + j
     assert [(q, s.seed) for q, s in r.sequences] == [([5], 4), ([5], 5), ([6], 4), ([6], 5)]
     assert parse({"prompt": [5], "echo": True}).echo
+    scored = parse({"prompt": [5, 6], "echo": True, "logprobs": 0, "max_tokens": 0})      # score the prompt only
+    assert scored.prompt_only and scored.echo and scored.params.logprobs == 0
+    assert not parse({"prompt": [5], "echo": True, "logprobs": 2}).prompt_only
     assert parse({"prompt": [5], "logit_bias": {"7": -100, "9": 2.5}}).params.logit_bias == ((7, -100.0), (9, 2.5))
 
 
@@ -112,7 +115,7 @@ def test_every_chat_refusal_names_the_field_and_the_fix(tok, doc, where):
     ({"prompt": [5], "n": 0}, "n"), ({"prompt": [5], "n": 17}, "n"), ({"prompt": [[5]] * 8, "n": 9}, "n"),
     ({"prompt": [5], "best_of": 2}, "best_of"), ({"prompt": [5], "n": 2, "best_of": 3}, "best_of"),
     ({"prompt": [5], "echo": 1}, "echo"), ({"prompt": [5], "logprobs": 21}, "logprobs"),
-    ({"prompt": [5], "logprobs": True}, "logprobs"), ({"prompt": [5], "echo": True, "logprobs": 0}, "logprobs"),
+    ({"prompt": [5], "logprobs": True}, "logprobs"), ({"prompt": [5], "max_tokens": 0}, "max_tokens"),
     ({"prompt": [5], "presence_penalty": 2.5}, "presence_penalty"), ({"prompt": [5], "frequency_penalty": "1"},
                                                                      "frequency_penalty"),
     ({"prompt": [5], "repetition_penalty": 0}, "repetition_penalty"), ({"prompt": [5], "min_tokens": -1}, "min_tokens"),
