@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from graphmode.bench.models import DecodeCase, decode_recipe
+from graphmode.bench.models import DecodeCase, decode_engine, decode_recipe
 
 PERIOD = 12            # tokens in the repeated block
 
@@ -67,20 +67,14 @@ def bench_speculative(case: DecodeCase, *, num_tokens: int, batch: int, context:
                       threads: int, cache_dir: str | None = None, on_stage: Any = None,
                       log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """One row: plain and speculative decode tokens/s, speed-up, accept rate, tokens equal."""
-    import graphmode
-    from graphmode.decode.api import engine_of
     rows = batch * (num_tokens + 1)
     recipe = decode_recipe(case.lm, [context], [batch, rows], context + new, name=f"bench-speculative-{case.name}")
     recipe["decode"] = {"speculative": {"method": "ngram", "num_tokens": num_tokens, "ngram_max": 3}}
     row: dict[str, Any] = {"model": case.name, "scenario": f"speculative b{batch} ctx{context}", "batch": batch,
                            "context": context, "new_tokens": new, "num_tokens": num_tokens, "threads": threads}
     with tempfile.TemporaryDirectory(prefix="graphmode-bench-spec-") as tmp:
-        t0 = time.perf_counter()
-        cm = graphmode.compile(case.bundle, recipe, "host", mode="eager", cache_dir=cache_dir or tmp,
-                               threads=threads, on_stage=on_stage)
-        eng = engine_of(cm)
-        eng.prepare(batch, context)
-        row["engine_build_s"] = round(time.perf_counter() - t0, 3)
+        eng, row["engine_build_s"] = decode_engine(case.bundle, recipe, threads=threads, cache_dir=cache_dir or tmp,
+                                                   on_stage=on_stage, prepare=(batch, context))
         vocab = int(eng.cfg["vocab"] or 100)
         prompts = [repetitive_prompt(vocab, context, seed=i) for i in range(batch)]
         plain, spec, plain_steps, spec_steps, same = [], [], [], [], True

@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any, Callable, Iterator
 
-from graphmode.bench.models import DecodeCase, decode_recipe
+from graphmode.bench.models import DecodeCase, decode_engine, decode_recipe
 
 LOOPBACK = {"bandwidth_gbps": "${target.groups.interconnects.loopback.bandwidth_gbps}",
             "latency_us": "${target.groups.interconnects.loopback.latency_us}"}
@@ -46,7 +46,6 @@ def bench_tp_decode(case: DecodeCase, *, world: int, batch: int, context: int, n
     import torch
 
     import graphmode
-    from graphmode.decode.api import engine_of
     one_recipe = decode_recipe(case.lm, [context], [batch], context + new, name=f"bench-tp1-{case.name}")
     tp_recipe = dict(decode_recipe(case.lm, [context], [batch], context + new, name=f"bench-tp{world}-{case.name}"),
                      parallel={"tensor": world, "device_group": [f"rank{i}" for i in range(world)],
@@ -56,12 +55,8 @@ def bench_tp_decode(case: DecodeCase, *, world: int, batch: int, context: int, n
                            "threads_per_rank": max(1, threads // world)}
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="graphmode-bench-tpdec-") as tmp:
-        t0 = time.perf_counter()
-        cm = graphmode.compile(case.bundle, one_recipe, "host", mode="eager", cache_dir=cache_dir or tmp,
-                               threads=threads, on_stage=on_stage)
-        eng = engine_of(cm)
-        eng.prepare(batch, context)
-        row["tp1_build_s"] = round(time.perf_counter() - t0, 3)
+        eng, row["tp1_build_s"] = decode_engine(case.bundle, one_recipe, threads=threads, cache_dir=cache_dir or tmp,
+                                                on_stage=on_stage, prepare=(batch, context))
         vocab = int(eng.cfg["vocab"] or 100)
         prompts = torch.tensor([[rng.randrange(3, max(4, vocab)) for _ in range(context)] for _ in range(batch)])
         t0 = time.perf_counter()
