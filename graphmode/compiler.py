@@ -290,10 +290,9 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
     recipe = as_recipe(recipe)
     mode = mode or recipe.exe_mode
     if tensor_parallel(recipe) > 1 and rank is None and mode != "eager":
-        from graphmode.compile_report import graph_collectives
-        from graphmode.parallel.launch import RankDriver, launch
-        driver = RankDriver(compile=compile, resolve_model=resolve_model, collectives=graph_collectives)
-        return launch(model, recipe, tgt, driver=driver, mode=mode, cache_dir=cache_dir, threads=threads)  # warm
+        from graphmode.parallel.launch import launch
+        return launch(model, recipe, tgt, driver=rank_driver(), mode=mode, cache_dir=cache_dir,
+                      threads=threads)  # warm
     if mode == "eager":
         src = resolve_model(model, recipe)
         return CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir,
@@ -313,6 +312,14 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
     if warmup:
         cm.warmup()
     return cm
+
+
+def rank_driver():
+    """What a rank process needs from this driver (graphmode/parallel/launch.py `RankDriver`):
+    the launcher and torchrun's ranks sit below it in the layers."""
+    from graphmode.compile_report import graph_collectives
+    from graphmode.parallel.launch import RankDriver
+    return RankDriver(compile=compile, resolve_model=resolve_model, collectives=graph_collectives)
 
 
 def resolve_target(target: Any):

@@ -78,7 +78,7 @@ err_console = CliConsole(stderr=True)
 # Sub-command modules, in help order. A module missing here is simply not offered yet.
 COMMAND_MODULES = ["recipe_cmd", "targets_cmd", "compile_cmd", "plan_cmd", "run_cmd", "verify_cmd",
                    "cache_cmd", "bench_cmd", "profile_cmd", "serve_cmd", "demo_cmd",
-                   "generate_cmd", "ops_cmd", "recipe_init_cmd", "tune_cmd", "kb_cmd", "conformance_cmd"]
+                   "generate_cmd", "rank_cmd", "ops_cmd", "recipe_init_cmd", "tune_cmd", "kb_cmd", "conformance_cmd"]
 
 
 def _register() -> None:

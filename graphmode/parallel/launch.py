@@ -82,37 +82,59 @@ class RankDriver:
     collectives: Callable[[Any], tuple]         # compile_report.graph_collectives
 
 
-def _rank_main(rank: int, world: int, port: int, conn, model: bytes, recipe: Any, target: Any, mode: str | None,
-               cache_dir: Any, threads: int, driver: RankDriver) -> None:
-    """One rank process: join the group, compile this rank's shard with every bucket's plan
-    (so a call never waits on a peer's plan build past the collective timeout), answer requests."""
+def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any, target: Any, mode: str | None,
+               cache_dir: Any, threads: int, driver: RankDriver) -> tuple[Any, Any, dict]:
+    """Join the group (`init_method`: tcp://host:port), bind this process's communicator and
+    compile this rank's shard with every bucket's plan (so a call never waits on a peer's plan
+    build past the collective timeout). Returns (the rank's CompiledModel, its communicator,
+    what it reports: pid, weights and KV bytes, collectives). Shared by `launch` and torchrun."""
     import torch
     import torch.distributed as dist
 
     from graphmode.parallel.comm import TorchDistributed, bind_process
-    from graphmode.parallel.link import measure_link
 
     par = recipe.parallel
+    torch.set_num_threads(threads)
+    timeout = float(par.comm.timeout_s)
+    dist.init_process_group(par.backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+    comm = TorchDistributed(rank, world, timeout)
+    bind_process(comm)
+    cm = driver.compile(model, recipe, target, mode=mode, cache_dir=cache_dir, threads=threads, warmup=True, rank=rank)
+    g = cm.graph
+    held = {k: t.numel() * t.element_size() for k, t in (g.constants.items() if g else ())}
+    state = sum(n for k, n in held.items() if g.values[k].role == "state")     # a decoder's KV pools
+    info = {"rank": rank, "pid": os.getpid(), "weights_bytes": sum(held.values()) - state,
+            **({"kv_bytes": state} if state else {}), **dict(getattr(cm, "rank_info", {})),
+            "collectives": driver.collectives(g) if g else ()}
+    return cm, comm, info
+
+
+def _rank_main(rank: int, world: int, port: int, conn, model: bytes, recipe: Any, target: Any, mode: str | None,
+               cache_dir: Any, threads: int, driver: RankDriver) -> None:
+    """One rank process of `launch`: start (above), report ready, answer the parent's requests."""
     conn = _Plain(conn)
     try:
-        torch.set_num_threads(threads)
-        timeout = float(par.comm.timeout_s)
-        dist.init_process_group(par.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout))
-        comm = TorchDistributed(rank, world, timeout)
-        bind_process(comm)
-        model = pickle.loads(model)
-        cm = driver.compile(model, recipe, target, mode=mode, cache_dir=cache_dir, threads=threads, warmup=True,
-                        rank=rank)
-        g = cm.graph
-        held = {k: t.numel() * t.element_size() for k, t in (g.constants.items() if g else ())}
-        state = sum(n for k, n in held.items() if g.values[k].role == "state")     # a decoder's KV pools
-        conn.send(("ready", {"rank": rank, "pid": os.getpid(), "weights_bytes": sum(held.values()) - state,
-                             **({"kv_bytes": state} if state else {}), **dict(getattr(cm, "rank_info", {})),
-                             "collectives": driver.collectives(g) if g else ()}))
+        cm, comm, info = start_rank(rank, world, f"tcp://127.0.0.1:{port}", pickle.loads(model), recipe, target,
+                                    mode, cache_dir, threads, driver)
+        conn.send(("ready", info))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", _portable(e, rank)))
         return
+    answer_requests(cm, comm, conn, rank)
+    stop_rank()
+
+
+def answer_requests(cm: Any, comm: Any, conn: Any, rank: int) -> None:
+    """A rank's request loop: each message `conn.recv()` gives is answered with `conn.send`
+    until ("close",) or the end of `conn` (EOFError). `conn` is the parent's pipe under `launch`,
+    rank 0's broadcasts under torchrun (graphmode/parallel/torchrun.py). Messages: ("run", args,
+    kwargs) -> ("ok", rank 0's outputs, counters) or ("error", err); ("sample", env, seed);
+    ("method", name, args): cm.rank_<name>(conn, *args); ("link", sizes, reps); ("cancel",)."""
+    import torch
+
+    from graphmode.parallel.link import measure_link
+
     while True:
         try:
             msg = conn.recv()
@@ -154,6 +176,11 @@ def _rank_main(rank: int, world: int, port: int, conn, model: bytes, recipe: Any
                         "per_op": stats_delta(comm.stats(), per_op), "trace": list(comm.trace)}))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             conn.send(("error", _portable(e, rank)))
+
+
+def stop_rank() -> None:
+    """Leave the group (it may be broken already)."""
+    import torch.distributed as dist
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the group may already be broken
@@ -381,10 +408,8 @@ class TensorParallelModel:
                 pass
 
 
-def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver, mode: str | None = None,
-           cache_dir: Any = None, threads: int | None = None) -> TensorParallelModel:
-    """Start the `parallel.tensor` ranks of `recipe` on this machine (module doc); returns when
-    every rank has compiled its shard, or raises the first rank's error (a refusal keeps its type)."""
+def check_group(recipe: Any) -> int:
+    """The recipe's rank count, once its group can be started here: a device per rank, gloo."""
     par = recipe.parallel
     world = par.tensor
     if len(par.device_group) < world:
@@ -394,6 +419,14 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
     if par.backend != "gloo":
         raise GraphmodeError(f"backend {par.backend!r} is not started by graphmode yet", where="parallel.backend",
                              fix="backend: gloo (CPU ranks)")
+    return world
+
+
+def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver, mode: str | None = None,
+           cache_dir: Any = None, threads: int | None = None) -> TensorParallelModel:
+    """Start the `parallel.tensor` ranks of `recipe` on this machine (module doc); returns when
+    every rank has compiled its shard, or raises the first rank's error (a refusal keeps its type)."""
+    world = check_group(recipe)
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     ctx = mp.get_context("spawn")
     port = _free_port()

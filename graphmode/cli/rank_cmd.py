@@ -1,0 +1,137 @@
+"""`graphmode rank`: one rank of a tensor-parallel group that `torchrun` starts (several
+machines: one command per node). torchrun's environment names the rank and the rendezvous
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_WORLD_SIZE); graphmode/parallel/torchrun.py
+does the rest. Rank 0 reads the requests (JSONL, one server JSON body a line) and writes one
+answer a line; the other ranks follow it."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional
+
+import typer
+
+from graphmode.cli.app import app, err_console
+from graphmode.cli.options import CacheDir
+from graphmode.errors import GraphmodeError
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """rank, world, master_addr, master_port, local_world from torchrun's environment."""
+    missing = [k for k in TORCHRUN_ENV if not environ.get(k)]
+    if missing:
+        raise GraphmodeError(f"{', '.join(missing)} not set: `graphmode rank` is started by torchrun",
+                             where="environment", value=missing,
+                             fix="torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+                                 "-m graphmode rank ... (docs/tensor-parallel.md); on one machine graphmode "
+                                 "starts the ranks itself (graphmode run --recipe)")
+    try:
+        return {"rank": int(environ["RANK"]), "world": int(environ["WORLD_SIZE"]),
+                "master_addr": environ["MASTER_ADDR"], "master_port": int(environ["MASTER_PORT"]),
+                "local_world": int(environ.get("LOCAL_WORLD_SIZE") or 1)}
+    except ValueError:
+        raise GraphmodeError("RANK, WORLD_SIZE, MASTER_PORT and LOCAL_WORLD_SIZE must be integers",
+                             where="environment", value={k: environ.get(k) for k in TORCHRUN_ENV},
+                             fix="start the ranks with torchrun") from None
+
+
+def named_outputs(out: Any) -> dict[str, Any]:
+    """The tensors of a model's outputs by name (a mapping's keys, else output_<i>)."""
+    import torch
+    import torch.utils._pytree as pytree
+    if isinstance(out, Mapping):
+        return {str(k): v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return {f"output_{i}": t for i, t in enumerate(leaves)}
+
+
+class RequestFile:
+    """Rank 0's requests from a JSONL file and its answers, one JSON line each, with the line
+    number of the request. A line the codec refuses is answered with its error and not sent."""
+
+    def __init__(self, path: Path, dtypes: Mapping[str, str], out: Any):
+        self.path, self.dtypes, self.out = path, dtypes, out
+        self.line = 0
+        self.answered = self.refused = 0
+
+    def __iter__(self) -> Iterator[tuple]:
+        from graphmode.serve.codec import decode_json
+        try:
+            f = open(self.path, "rb")
+        except OSError as e:
+            raise GraphmodeError(f"cannot read the requests: {e.strerror or e}", where="--requests",
+                                 value=str(self.path), fix="pass a JSONL file, one {\"inputs\": {...}} a line") from None
+        with f:
+            for n, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                self.line = n
+                try:
+                    inputs = decode_json(raw, self.dtypes)
+                except GraphmodeError as e:
+                    self._write({"line": n, "error": e.to_dict()})
+                    self.refused += 1
+                    continue
+                yield ("run", (), inputs)
+
+    def answer(self, reply: tuple) -> None:
+        from graphmode.serve.codec import encode_json
+        if reply[0] == "error":
+            self.refused += 1
+            self._write({"line": self.line, "error": reply[1].to_dict()})
+            return
+        self.answered += 1
+        self.out.write(encode_json({"outputs": named_outputs(reply[1]), "line": self.line}).decode() + "\n")
+        self.out.flush()
+
+    def _write(self, doc: dict) -> None:
+        self.out.write(json.dumps(doc) + "\n")
+        self.out.flush()
+
+
+@app.command("rank")
+def rank_cmd(
+    model: str = typer.Option(..., "--model", help="the model every rank loads: minilm | gpt2 | path.onnx | "
+                                                   "package.module:function | path/file.py:function"),
+    recipe: str = typer.Option(..., "--recipe", help="a recipe with parallel.tensor = torchrun's WORLD_SIZE"),
+    requests: Optional[Path] = typer.Option(None, "--requests", help="rank 0: JSONL, one {\"inputs\": {...}} a line "
+                                                                     "(the server's JSON body); other ranks ignore it"),
+    out: Optional[Path] = typer.Option(None, "--out", help="rank 0: where the answers go, one JSON line each "
+                                                           "(default: stdout)"),
+    target: str = typer.Option("host", "--target"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+                                          help="per rank (default: this node's cores / LOCAL_WORLD_SIZE)"),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """One rank of a tensor-parallel group started by torchrun (docs/tensor-parallel.md, "Several
+    machines"): joins the group at torchrun's rendezvous, compiles only its shard, runs rank 0's
+    requests with the other ranks until the file ends."""
+    from graphmode.compiler import rank_driver
+    from graphmode.parallel.torchrun import run_rank
+    from graphmode.recipe import load_recipe
+
+    env = torchrun_env(os.environ)
+    rec = load_recipe(recipe)
+    if rec.parallel is None or rec.parallel.tensor < 2:
+        raise GraphmodeError("the recipe has no tensor-parallel split (parallel.tensor < 2): there is nothing for "
+                             "several ranks to share", where="parallel.tensor", fix="graphmode run --recipe")
+    if env["rank"] == 0 and requests is None:
+        raise GraphmodeError("rank 0 takes the requests", where="--requests",
+                             fix="pass --requests FILE (JSONL, one {\"inputs\": {...}} a line) to every rank")
+    threads = threads or max(1, (os.cpu_count() or 1) // max(1, env["local_world"]))
+    sink = open(out, "w") if env["rank"] == 0 and out is not None else sys.stdout
+    try:
+        feed = RequestFile(requests, {i.name: i.dtype for i in rec.inputs}, sink) if env["rank"] == 0 else None
+        info = run_rank(model, rec, target, rank=env["rank"], world=env["world"], master_addr=env["master_addr"],
+                        master_port=env["master_port"], driver=rank_driver(), requests=feed,
+                        answer=feed.answer if feed else None, cache_dir=cache_dir, threads=threads)
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    done = f", {feed.answered} answered, {feed.refused} refused" if feed else ""
+    err_console.print(f"rank {env['rank']}/{env['world']}: {info['weights_bytes'] / 2**20:.2f} MiB of weights{done}",
+                      highlight=False)

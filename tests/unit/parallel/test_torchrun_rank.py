@@ -1,0 +1,105 @@
+"""torchrun's ranks (graphmode/parallel/torchrun.py, `graphmode rank`) without processes: rank 0's
+requests broadcast to thread ranks, the world/recipe check and the CLI's refusals before any
+group is joined. The real torchrun run is tests/e2e/test_torchrun.py (slow)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+import graphmode.recipe  # noqa: F401  (first: the recipe package and graphmode.parallel import each other)
+from graphmode.cli.app import app
+from graphmode.cli.rank_cmd import RequestFile, named_outputs, torchrun_env
+from graphmode.errors import ContractViolation, GraphmodeError, RankFailure
+from graphmode.parallel.comm import run_ranks
+from graphmode.parallel.torchrun import CLOSE, Broadcasts, check_world
+from graphmode.recipe import Recipe
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "e2e"))
+import tiny_tp  # noqa: E402
+
+MLP = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS)
+
+
+def test_every_rank_receives_rank_0s_requests_in_order_then_close():
+    reqs = [("run", (), {"input": torch.randn(2, 16)}), ("run", (), {"input": torch.randn(1, 16)})]
+    answers: list = []
+
+    def rank(r, comm):
+        ch = Broadcasts(comm, reqs if r == 0 else [("run", (), {})], answers.append)   # only rank 0's are read
+        got = [ch.recv() for _ in range(3)]
+        ch.send(("ok", f"from {r}", {}))
+        return got
+    seen = run_ranks(3, rank, timeout_s=30)
+    for got in seen:
+        assert [m[0] for m in got] == ["run", "run", CLOSE[0]]
+        assert all(torch.equal(a[2]["input"], b[2]["input"]) for a, b in zip(got, reqs))
+    assert answers == [("ok", "from 0", {})]          # only rank 0 answers
+
+
+def test_a_refusal_is_answered_and_any_other_error_stops_the_rank():
+    answers: list = []
+
+    def rank(r, comm):
+        ch = Broadcasts(comm, [], answers.append)
+        ch.send(("error", ContractViolation("too long", where="dims.seq")))
+        if r == 1:
+            ch.send(("error", RankFailure("all_reduce failed", where="rank 1")))
+        return True
+    with pytest.raises(RankFailure, match="all_reduce failed"):
+        run_ranks(2, rank, timeout_s=30)
+    assert [type(a[1]) for a in answers] == [ContractViolation]
+
+
+def test_torchruns_world_must_be_the_recipes_tensor_degree():
+    rec = Recipe.model_validate(MLP)
+    check_world(rec, 2, 1)
+    with pytest.raises(GraphmodeError, match=r"torchrun started 3 rank\(s\) \(WORLD_SIZE 3\).*parallel.tensor 2") as e:
+        check_world(rec, 3, 0)
+    assert e.value.where == "parallel.tensor" and "--nproc-per-node" in e.value.fix
+    with pytest.raises(GraphmodeError, match="rank 2 is outside the group of 2"):
+        check_world(rec, 2, 2)
+
+
+def test_the_environment_is_torchruns_or_refused():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+           "LOCAL_WORLD_SIZE": "1"}
+    assert torchrun_env(env) == {"rank": 1, "world": 2, "master_addr": "10.0.0.1", "master_port": 29500,
+                                 "local_world": 1}
+    with pytest.raises(GraphmodeError, match="MASTER_ADDR, MASTER_PORT not set") as e:
+        torchrun_env({"RANK": "0", "WORLD_SIZE": "2"})
+    assert "torchrun" in e.value.fix
+    with pytest.raises(GraphmodeError, match="must be integers"):
+        torchrun_env({**env, "RANK": "one"})
+
+
+def test_the_rank_command_refuses_a_wrong_world_before_joining(tmp_path, monkeypatch):
+    path = tmp_path / "tp2.yaml"
+    path.write_text(yaml.safe_dump(MLP))
+    (tmp_path / "req.jsonl").write_text("")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                 "LOCAL_WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(k, v)
+    args = ["rank", "--model", "x:y", "--recipe", str(path), "--requests", str(tmp_path / "req.jsonl")]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "WORLD_SIZE 3" in res.output and "parallel.tensor 2" in res.output, res.output
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    res = CliRunner().invoke(app, args[:-2])
+    assert res.exit_code == 2 and "rank 0 takes the requests" in res.output, res.output
+
+
+def test_request_lines_are_decoded_as_the_server_does_and_bad_ones_answered(tmp_path):
+    import io
+    f = tmp_path / "req.jsonl"
+    f.write_text('{"inputs": {"input": [[1, 2]]}}\n\n{"inputs": {"input": "x"}}\nnot json\n')
+    out = io.StringIO()
+    feed = RequestFile(f, {"input": "f32"}, out)
+    msgs = list(feed)
+    assert len(msgs) == 1 and msgs[0][2]["input"].dtype == torch.float32
+    assert [ln.split('"line": ')[1][0] for ln in out.getvalue().splitlines()] == ["3", "4"] and feed.refused == 2
+    assert named_outputs((torch.ones(1), [torch.zeros(2)])).keys() == {"output_0", "output_1"}
+    assert list(named_outputs({"logits": torch.ones(1), "n": 3})) == ["logits"]
