@@ -319,7 +319,8 @@ def rank_driver():
     the launcher and torchrun's ranks sit below it in the layers."""
     from graphmode.compile_report import graph_collectives
     from graphmode.parallel.launch import RankDriver
-    return RankDriver(compile=compile, resolve_model=resolve_model, collectives=graph_collectives)
+    from graphmode.runtime.rank_artifacts import save_group
+    return RankDriver(compile=compile, resolve_model=resolve_model, collectives=graph_collectives, save=save_group)
 
 
 def resolve_target(target: Any):

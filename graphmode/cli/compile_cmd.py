@@ -201,7 +201,7 @@ def compile_cmd(
     verdict = rep.validation.verdict
     if save is not None and rep.validation.ok and not dry_run:
         with progress() as on_stage:
-            saved = save_artifact(src, recipe_obj, target, graph, rep, cache_dir, save, on_stage)
+            saved = save_artifact(src, recipe_obj, target, graph, rep, cache_dir, save, on_stage, spec=model)
         if not as_json:
             console.print(f"saved {save}: {len(saved['buckets'])} bucket(s), {len(saved['kernels'])} kernel "
                           f"libraries, {saved['bytes'] / 2**20:.1f} MiB in {saved['seconds']:.1f}s", highlight=False)
@@ -230,13 +230,19 @@ def first_plan(graph, recipe, cache_dir: Optional[Path], on_stage: Optional[OnSt
 
 
 def save_artifact(src, recipe, target: Optional[str], graph, rep, cache_dir: Optional[Path], path: Path,
-                  on_stage: Optional[OnStage] = None) -> dict:
+                  on_stage: Optional[OnStage] = None, spec: Optional[str] = None) -> dict:
     """The compiled model of this report, every bucket built through the cache (bucket N of M to
-    `on_stage`), as a .gm file."""
+    `on_stage`), as a .gm file. Under `parallel.tensor` N > 1 (the report is rank 0's shard) the
+    N ranks are started from `spec` (the --model), each compiling its shard, and save the group:
+    one file per rank and the group file at `path` (runtime/rank_artifacts.py)."""
     from graphmode.paths import cache_layout
     from graphmode.recipe.targets import pick_target
     from graphmode.runtime.compiled import CompiledModel
     tgt = pick_target(recipe, target, cache_dir=cache_layout(cache_dir).targets)
+    if recipe.parallel is not None and recipe.parallel.tensor > 1:
+        from graphmode.compiler import compile as gm_compile
+        with gm_compile(spec or src, recipe, tgt, cache_dir=cache_dir) as tp:     # each rank loads the model
+            return tp.save(path)
     cm = CompiledModel(src, recipe, tgt, None, graph, (rep.capture, None), mode=recipe.exe_mode,
                        cache_dir=cache_dir, verdict=rep.contract, on_stage=on_stage)
     return cm.save(path)

@@ -80,6 +80,7 @@ class RankDriver:
     compile: Callable[..., Any]                 # compiler.compile (a rank's shard under `rank=`)
     resolve_model: Callable[[Any, Any], Any]    # capture.source.resolve_model (the parent's eager model)
     collectives: Callable[[Any], tuple]         # compile_report.graph_collectives
+    save: Callable[..., Any] | None = None      # runtime.rank_artifacts.save_group (TensorParallelModel.save)
 
 
 def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any, target: Any, mode: str | None,
@@ -156,6 +157,12 @@ def answer_requests(cm: Any, comm: Any, conn: Any, rank: int) -> None:
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 conn.send(("error", _portable(e, rank)))
             continue
+        if msg[0] == "save":          # every rank: its shard as the artifact msg[1] (runtime/rank_artifacts.py)
+            try:
+                conn.send(("ok", cm.save(msg[1], rank=rank), {}))
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                conn.send(("error", _portable(e, rank)))
+            continue
         if msg[0] == "link":          # every rank: time all_reduces of msg[1] bytes, msg[2] times each
             try:
                 conn.send(("ok", measure_link(msg[1], msg[2]), {}))
@@ -204,9 +211,9 @@ class TensorParallelModel:
     Use as a context manager, or `close()` it: the ranks are stopped either way at exit."""
 
     def __init__(self, model: Any, recipe: Any, procs: list, conns: list, target: Any = "host", *,
-                 resolve_model: Callable[[Any, Any], Any]):
+                 resolve_model: Callable[[Any, Any], Any], save_group: Callable[..., Any] | None = None):
         self.model, self.recipe, self.procs, self.conns, self.target = model, recipe, procs, conns, target
-        self._resolve_model = resolve_model
+        self._resolve_model, self._save_group = resolve_model, save_group
         self.ranks: list[dict] = []          # per rank once started: pid, weights_bytes
         self.collectives: tuple = ()         # rank 0's sharded graph's (compile_report.graph_collectives)
         self.world = len(procs)
@@ -243,6 +250,19 @@ class TensorParallelModel:
         self.last_comm = [rep[2] for rep in replies]
         self.last_path = dict(replies[0][2].get("path") or {})
         return replies[0][1]
+
+    def save(self, path: Any) -> dict:
+        """Every rank's shard in its own artifact beside a group file at `path`, which
+        `graphmode.load` starts the ranks from without compiling (runtime/rank_artifacts.py)."""
+        if self._save_group is None:
+            raise NotOnRanks("this rank group cannot be saved (started without a group saver)", where="parallel",
+                             fix="start it with graphmode.compile")
+        return self._save_group(self, path)
+
+    def save_ranks(self, paths: list) -> list[dict]:
+        """Rank r writes its shard's artifact to paths[r]; their manifests, in rank order."""
+        self.send({r: ("save", str(p)) for r, p in enumerate(paths)})
+        return [rep[1] for rep in self._collect(None, "save")]
 
     def measure_link(self, sizes: tuple[int, ...], reps: int) -> list[list[tuple[int, float]]]:
         """Per rank, (bytes, median seconds) of an f32 all_reduce of each size between the
@@ -442,7 +462,8 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
         child.close()
         procs.append(p)
         conns.append(_Plain(parent))
-    tp = TensorParallelModel(model, recipe, procs, conns, target, resolve_model=driver.resolve_model)
+    tp = TensorParallelModel(model, recipe, procs, conns, target, resolve_model=driver.resolve_model,
+                             save_group=driver.save)
     tp.ranks = [rep[1] for rep in tp._collect(None, "start")]
     tp.collectives = tp.ranks[0].pop("collectives", ())
     for r in tp.ranks[1:]:

@@ -56,13 +56,15 @@ FORMAT = 2              # 2: the manifest lists every member's size and sha256
 SUFFIX = ".gm"
 MAX_THREADS = 1024
 MAX_ITEMS = 4096        # buckets, outputs, kernels, members
+MAX_RANKS = 64          # parallel.tensor's bound
 MANIFEST_MAX_BYTES = 1 * MiB
 # what one member may hold, by where it lives (constants.pt: anything up to the archive's size)
 MEMBER_MAX_BYTES = {"recipe.json": 16 * MiB, "graph.ir": 1 * GiB, "plans": 256 * MiB, "kernels": 512 * MiB,
                     "tactics": 16 * MiB}
 _MEMBER = re.compile(r"recipe\.json|graph\.ir|constants\.pt|plans/[A-Za-z0-9_.,=-]{1,200}\.json"
                      r"|kernels/[0-9a-f]{32}\.so|tactics/[A-Za-z0-9_.-]{1,200}\.json")
-_EXTRACTED = ("constants.pt", "kernels", "tactics")      # what is mapped or loaded by path: written to disk
+_EXTRACTED = ("constants.pt", "kernels", "tactics")
+GROUP_MEMBER = "group.json"      # a tensor-parallel group's file (runtime/rank_artifacts.py) holds only this      # what is mapped or loaded by path: written to disk
 
 
 class ArtifactError(GraphmodeError):
@@ -124,6 +126,8 @@ class Manifest(_Strict):
     exact_dims: list[str] = Field(max_length=MAX_ITEMS)
     kernels: list[str] = Field(max_length=MAX_ITEMS)
     files: dict[str, Member] = Field(max_length=4 * MAX_ITEMS)
+    rank: Optional[int] = Field(default=None, ge=0, le=MAX_RANKS)     # a rank's shard of a tensor-parallel group
+    world: Optional[int] = Field(default=None, ge=2, le=MAX_RANKS)    # (runtime/rank_artifacts.py)
 
 
 def _host() -> dict[str, Any]:
@@ -155,15 +159,17 @@ class _Hashing:
         return {"bytes": self.bytes, "sha256": self.sha.hexdigest()}
 
 
-def save(cm: Any, path: str | Path) -> dict[str, Any]:
+def save(cm: Any, path: str | Path, *, rank: int | None = None) -> dict[str, Any]:
     """Build every bucket of `cm` (from its cache where it can) and write them into one file.
-    Returns the manifest."""
+    Returns the manifest. `rank`: `cm` is that rank's shard of a tensor-parallel group, saved
+    by the group (runtime/rank_artifacts.py), which loads it back on that rank only."""
     from graphmode.runtime.build import cache_key
     path = Path(path)
     if cm.mode == "eager" or cm.graph is None:
         raise ArtifactError("an eager-mode model has no plans to save", where="exe_mode", value=cm.mode,
                             fix="compile with exe_mode graph or hybrid")
-    refuse_tensor_parallel(cm.recipe, str(path))
+    if rank is None:
+        refuse_tensor_parallel(cm.recipe, str(path))
     if cm.recipe.memory.kv_cache is not None:
         raise ArtifactError("decoder artifacts (memory.kv_cache) are not supported yet: the decode engine builds "
                             "its prefill/decode graphs from the module", where="memory.kv_cache",
@@ -190,6 +196,8 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
                 "threads": cm.threads, "buckets": list(plans), "outputs": cm.output_names,
                 "out_spec": out_spec, "output_structure": cm.output_structure,
                 "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims), "kernels": sorted(libraries)}
+    if rank is not None:
+        manifest.update(rank=rank, world=cm.recipe.parallel.tensor)
     files: dict[str, dict[str, Any]] = {}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -227,15 +235,33 @@ def save(cm: Any, path: str | Path) -> dict[str, Any]:
 
 
 def refuse_tensor_parallel(recipe: Any, where: str) -> None:
-    """An artifact holds one graph; a `parallel` recipe's ranks each run their own shard, so a
-    saved rank 0 alone would stop at its first collective: refused, saving and loading."""
+    """An artifact holds one graph; a `parallel` recipe's ranks each run their own shard, so one
+    shard saved or loaded alone would stop at its first collective: refused. The group saves
+    and loads every rank's file together (runtime/rank_artifacts.py)."""
     par = getattr(recipe, "parallel", None)
     if par is not None and par.tensor > 1:
         raise ArtifactError(f"a tensor-parallel recipe (parallel.tensor {par.tensor}) has one shard per rank, and an "
-                            "artifact holds one graph: per-rank artifacts are not supported yet", where=where,
+                            "artifact holds one graph: the rank group saves one file per rank", where=where,
                             value=f"parallel.tensor: {par.tensor}",
-                            fix="start the ranks from the model (graphmode.compile or `graphmode run --recipe`: each "
-                                "rank compiles its own shard through the cache), or save with parallel.tensor: 1")
+                            fix="save the rank group (graphmode.compile(...).save(path) or `graphmode compile --save`: "
+                                "one file per rank and a group file), or start the ranks from the model "
+                                "(`graphmode run --recipe`)")
+
+
+def _check_rank(manifest: dict[str, Any], recipe: Any, rank: int | None, path: Path) -> None:
+    """A rank's file loads on its rank only; any other file of a tensor-parallel recipe is refused."""
+    if manifest.get("rank") is None:
+        refuse_tensor_parallel(recipe, str(path))
+        return
+    if rank is None:
+        raise ArtifactError(f"this is rank {manifest['rank']}'s shard of a {manifest.get('world')}-rank group: alone it "
+                            "would stop at its first collective", where=str(path),
+                            fix="load the group file it was saved with (graphmode.load(GROUP.gm) starts every rank)")
+    par = getattr(recipe, "parallel", None)
+    if manifest["rank"] != rank or par is None or manifest.get("world") != par.tensor:
+        raise ArtifactError(f"this file is rank {manifest['rank']} of {manifest.get('world')}, loaded as rank {rank} "
+                            f"of {par.tensor if par else 1}", where=str(path), value=manifest["rank"],
+                            fix="load the group file (it gives each rank its own file)")
 
 
 def _tactics_dir(libraries: dict[str, Path]) -> Path | None:
@@ -413,11 +439,13 @@ def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
 
 
 def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int | None = None,
-         on_stage: OnStage | None = None):
+         on_stage: OnStage | None = None, rank: int | None = None):
     """A CompiledModel from a `.gm` file, every bucket ready (no capture, no kernel compile
     when the host matches). Extracted once under the cache's `artifacts/<digest>/`; the
     extracted copy is checked against the manifest on every load and extracted again when
-    it differs. `on_stage` hears the `plans` stage, bucket N of M (graphmode/progress.py)."""
+    it differs. `on_stage` hears the `plans` stage, bucket N of M (graphmode/progress.py).
+    A tensor-parallel group's file starts its ranks from their own files
+    (runtime/rank_artifacts.py); `rank` loads that rank's file in a rank process."""
     from graphmode.backends import get_backend
     from graphmode.capture.source import ModelSource
     from graphmode.errors import PlanError
@@ -432,10 +460,14 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
                             fix="pass a thread count no larger than the machine's cores, or None for the artifact's")
     z, digest, size = _open(path)
     with z:
+        if rank is None and GROUP_MEMBER in z.namelist():
+            from graphmode.runtime.rank_artifacts import load_group
+            z.close()
+            return load_group(path, cache_dir=cache_dir, threads=threads)
         manifest = read_manifest(z, path)
         check_manifest(manifest, path)
         recipe = _recipe(z, path, manifest, size)
-        refuse_tensor_parallel(recipe, str(path))
+        _check_rank(manifest, recipe, rank, path)
         root = cache_layout(cache_dir).artifacts / digest
         if not (root / "complete").is_file() or _extraction_problem(root, manifest, size) is not None:
             _extract(z, path, root, manifest, size)

@@ -292,10 +292,11 @@ class CompiledModel(InputContract, Shaping):
                              fix="compile the causal LM with graphmode.compile under its decoder recipe (a loaded "
                                  "artifact holds plans, not the module decoding captures)")
 
-    def save(self, path: Any) -> dict[str, Any]:
-        """Write a deployable `.gm` artifact (every bucket built); `graphmode.load` reads it."""
+    def save(self, path: Any, *, rank: int | None = None) -> dict[str, Any]:
+        """Write a deployable `.gm` artifact (every bucket built); `graphmode.load` reads it.
+        `rank`: this is that rank's shard, saved by its group (runtime/rank_artifacts.py)."""
         from graphmode.runtime.artifact import save
-        return save(self, path)
+        return save(self, path, rank=rank)
 
     def metrics(self) -> dict[str, Any]:
         ops = self.events["calls"]
