@@ -96,8 +96,10 @@ class RequestFile:
 @app.command("rank")
 def rank_cmd(
     model: str = typer.Option(..., "--model", help="the model every rank loads: minilm | gpt2 | path.onnx | "
-                                                   "package.module:function | path/file.py:function"),
-    recipe: str = typer.Option(..., "--recipe", help="a recipe with parallel.tensor = torchrun's WORLD_SIZE"),
+                                                   "package.module:function | path/file.py:function | GROUP.gm (a "
+                                                   "saved group: each rank loads its own file, nothing compiled)"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="a recipe with parallel.tensor = torchrun's "
+                                                                "WORLD_SIZE (a GROUP.gm carries its own)"),
     requests: Optional[Path] = typer.Option(None, "--requests", help="rank 0: JSONL, one {\"inputs\": {...}} a line "
                                                                      "(the server's JSON body); other ranks ignore it"),
     out: Optional[Path] = typer.Option(None, "--out", help="rank 0: where the answers go, one JSON line each "
@@ -113,9 +115,20 @@ def rank_cmd(
     from graphmode.compiler import rank_driver
     from graphmode.parallel.torchrun import run_rank
     from graphmode.recipe import load_recipe
+    from graphmode.runtime.artifact import SUFFIX
+    from graphmode.runtime.rank_artifacts import group_driver, group_files
 
     env = torchrun_env(os.environ)
-    rec = load_recipe(recipe)
+    if model.endswith(SUFFIX):        # a saved group: this rank's own file, checked against the group file
+        if recipe is not None:
+            raise GraphmodeError("--recipe does not apply to a saved group: it carries its recipe", where="--recipe",
+                                 value=recipe, fix="drop --recipe")
+        spec, rec = group_files(model, env["rank"])
+        driver = group_driver()
+    elif recipe is None:
+        raise GraphmodeError("no recipe given", where="--recipe", fix="pass --recipe FILE (a GROUP.gm carries its own)")
+    else:
+        spec, rec, driver = model, load_recipe(recipe), rank_driver()
     if rec.parallel is None or rec.parallel.tensor < 2:
         raise GraphmodeError("the recipe has no tensor-parallel split (parallel.tensor < 2): there is nothing for "
                              "several ranks to share", where="parallel.tensor", fix="graphmode run --recipe")
@@ -126,12 +139,15 @@ def rank_cmd(
     sink = open(out, "w") if env["rank"] == 0 and out is not None else sys.stdout
     try:
         feed = RequestFile(requests, {i.name: i.dtype for i in rec.inputs}, sink) if env["rank"] == 0 else None
-        info = run_rank(model, rec, target, rank=env["rank"], world=env["world"], master_addr=env["master_addr"],
-                        master_port=env["master_port"], driver=rank_driver(), requests=feed,
+        info = run_rank(spec, rec, target, rank=env["rank"], world=env["world"], master_addr=env["master_addr"],
+                        master_port=env["master_port"], driver=driver, requests=feed,
                         answer=feed.answer if feed else None, cache_dir=cache_dir, threads=threads)
     finally:
         if sink is not sys.stdout:
             sink.close()
     done = f", {feed.answered} answered, {feed.refused} refused" if feed else ""
+    if "artifact" in info:
+        done += (f", loaded from {Path(spec[env['rank']]).name} ({info['artifact_loads']} bucket(s), "
+                 f"{info['kernel_compiles']} kernel(s) compiled)")
     err_console.print(f"rank {env['rank']}/{env['world']}: {info['weights_bytes'] / 2**20:.2f} MiB of weights{done}",
                       highlight=False)

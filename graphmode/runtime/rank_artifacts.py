@@ -90,9 +90,10 @@ def write_group(path: Path, files: list[Path], recipe: Any) -> dict[str, Any]:
     return group
 
 
-def read_group(path: Path) -> dict[str, Any]:
+def read_group(path: Path, rank: int | None = None) -> dict[str, Any]:
     """The group manifest of `path`, checked field by field, with its rank files checked
-    against it (size, sha256); or ArtifactError naming the file."""
+    against it (size, sha256; only `rank`'s when given: a node holds its own); or ArtifactError
+    naming the file."""
     z, _, _ = _open(path)
     with z:
         if [i.filename for i in z.infolist()] != [GROUP_MEMBER]:
@@ -117,6 +118,8 @@ def read_group(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{len(group['ranks'])} rank files for a group of {group['world']}",
                             where=f"{path}:{GROUP_MEMBER}", fix="save the group again")
     for r, entry in enumerate(group["ranks"]):
+        if rank is not None and r != rank:
+            continue
         f = path.parent / entry["file"]
         try:
             digest = file_sha256(f, limit=1 << 48)
@@ -132,18 +135,35 @@ def read_group(path: Path) -> dict[str, Any]:
 def load_group(path: str | Path, *, cache_dir: Any = None, threads: int | None = None) -> Any:
     """Start the group saved at `path` (module doc): a TensorParallelModel whose ranks loaded
     their own files."""
-    from graphmode.compile_report import graph_collectives
-    from graphmode.parallel.launch import RankDriver, launch
+    from graphmode.parallel.launch import launch
+    files, recipe = group_files(path)
+    return launch(files, recipe, "host", driver=group_driver(), cache_dir=cache_dir, threads=threads)
+
+
+def group_files(path: str | Path, rank: int | None = None) -> tuple[tuple[str, ...], Any]:
+    """(every rank's file, the group's recipe) of the group file at `path`, checked (`read_group`;
+    only `rank`'s file and recipe when given)."""
     path = Path(path)
-    group = read_group(path)
+    group = read_group(path, rank)
+    if rank is not None and not 0 <= rank < group["world"]:
+        raise ArtifactError(f"rank {rank} is outside the saved group of {group['world']}", where=str(path), value=rank,
+                            fix=f"start {group['world']} ranks in all (the group's parallel.tensor)")
     files = tuple(str(path.parent / r["file"]) for r in group["ranks"])
-    recipe = recipe_of(files[0])
+    own = files[rank or 0]
+    recipe = recipe_of(own)
     if recipe.hash() != group["recipe_hash"] or recipe.parallel is None or recipe.parallel.tensor != group["world"]:
-        raise ArtifactError("rank 0's recipe is not the group's (hash or parallel.tensor)", where=files[0],
+        raise ArtifactError(f"rank {rank or 0}'s recipe is not the group's (hash or parallel.tensor)", where=own,
                             fix="save the group again")
-    driver = RankDriver(compile=load_rank, resolve_model=artifact_source, collectives=graph_collectives,
-                        save=save_group)
-    return launch(files, recipe, "host", driver=driver, cache_dir=cache_dir, threads=threads)
+    return files, recipe
+
+
+def group_driver() -> Any:
+    """What a rank of a saved group runs in place of compiling (graphmode/parallel/launch.py
+    `RankDriver`): its own file, loaded."""
+    from graphmode.compile_report import graph_collectives
+    from graphmode.parallel.launch import RankDriver
+    return RankDriver(compile=load_rank, resolve_model=artifact_source, collectives=graph_collectives,
+                      save=save_group)
 
 
 def load_rank(files: Any, recipe: Any, target: Any, *, rank: int, cache_dir: Any = None, threads: int | None = None,
@@ -168,4 +188,4 @@ def artifact_source(files: Any, recipe: Any) -> Any:
     return ModelSource(recipe.name, input_dims={i.name: list(i.shape) for i in recipe.inputs})
 
 
-__all__ = ["GroupManifest", "load_group", "rank_paths", "read_group", "save_group", "write_group"]
+__all__ = ["GroupManifest", "group_driver", "group_files", "load_group", "rank_paths", "read_group", "save_group", "write_group"]

@@ -13,7 +13,7 @@ import pytest
 
 import graphmode
 from graphmode.runtime.artifact import ArtifactError, load
-from graphmode.runtime.rank_artifacts import rank_paths, read_group, write_group
+from graphmode.runtime.rank_artifacts import group_files, rank_paths, read_group, write_group
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "e2e"))
 import tiny_tp  # noqa: E402
@@ -85,3 +85,15 @@ def test_a_rank_file_loads_only_on_its_rank(group, tmp_path):
     assert "group file" in e.value.fix
     with pytest.raises(ArtifactError, match="rank 1 of 2, loaded as rank 0"):
         load(files[1], cache_dir=tmp_path, rank=0)
+
+
+def test_a_node_checks_only_its_own_ranks_file(group, tmp_path):
+    tmp, _ = group
+    path = copy_group(tmp, tmp_path / "node1")
+    path.with_name("mlp.rank0.gm").unlink()                     # another node holds rank 0
+    files, recipe = group_files(path, 1)
+    assert Path(files[1]).name == "mlp.rank1.gm" and recipe.parallel.tensor == 2
+    with pytest.raises(ArtifactError, match="rank 0's file cannot be read"):
+        group_files(path, 0)
+    with pytest.raises(ArtifactError, match="rank 2 is outside the saved group of 2"):
+        group_files(path, 2)
