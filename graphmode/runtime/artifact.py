@@ -533,10 +533,15 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
 def recipe_of(path: str | Path):
     """The recipe an artifact was compiled with (nothing extracted or loaded): what a server of
     the artifact serves, and the only recipe it can serve. Read as `load` reads it: the manifest
-    checked (fields, members, versions, host), the recipe member within its bound, sha256 and hash."""
+    checked (fields, members, versions, host), the recipe member within its bound, sha256 and hash.
+    A tensor-parallel group's file: its ranks' recipe (runtime/rank_artifacts.py)."""
     path = Path(path)
     z, _, size = _open(path)
     with z:
+        if GROUP_MEMBER in z.namelist():
+            from graphmode.runtime.rank_artifacts import group_files
+            z.close()
+            return group_files(path)[1]
         manifest = read_manifest(z, path)
         check_manifest(manifest, path)
         return _recipe(z, path, manifest, size)

@@ -50,6 +50,15 @@ class GroupManifest(_Strict):
     ranks: list[RankFile] = Field(min_length=2, max_length=MAX_RANKS)
 
 
+def is_group(path: str | Path) -> bool:
+    """Whether `path` is a group file (not checked further: `read_group` does that)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return GROUP_MEMBER in z.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def rank_paths(path: Path, world: int) -> list[Path]:
     """`out.gm` -> out.rank0.gm ... beside it."""
     return [path.with_name(f"{path.stem}.rank{r}{path.suffix or '.gm'}") for r in range(world)]
@@ -188,4 +197,4 @@ def artifact_source(files: Any, recipe: Any) -> Any:
     return ModelSource(recipe.name, input_dims={i.name: list(i.shape) for i in recipe.inputs})
 
 
-__all__ = ["GroupManifest", "group_driver", "group_files", "load_group", "rank_paths", "read_group", "save_group", "write_group"]
+__all__ = ["GroupManifest", "group_driver", "group_files", "is_group", "load_group", "rank_paths", "read_group", "save_group", "write_group"]

@@ -97,3 +97,15 @@ def test_a_node_checks_only_its_own_ranks_file(group, tmp_path):
         group_files(path, 0)
     with pytest.raises(ArtifactError, match="rank 2 is outside the saved group of 2"):
         group_files(path, 2)
+
+
+def test_run_refuses_a_group_file_and_its_recipe_is_the_ranks(group):
+    from typer.testing import CliRunner
+
+    from graphmode.cli.app import _register, app
+    from graphmode.runtime.artifact import recipe_of
+    tmp, files = group
+    assert recipe_of(tmp / "mlp.gm").hash() == recipe_of(files[0]).hash()     # what `serve` reads (and refuses)
+    _register()
+    res = CliRunner().invoke(app, ["run", "--model", str(tmp / "mlp.gm")])
+    assert res.exit_code == 2 and "group's file holds no model" in res.output, res.output
