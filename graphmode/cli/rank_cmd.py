@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
@@ -50,18 +52,21 @@ def named_outputs(out: Any) -> dict[str, Any]:
 
 
 class RequestFile:
-    """Rank 0's requests from a JSONL file and its answers, one JSON line each, with the line
-    number of the request. A line the codec refuses is answered with its error and not sent."""
+    """Rank 0's requests from a JSONL file ("-": stdin, read as lines come) and its answers, one
+    JSON line each, in the order of the requests, with the request's line number. A line the
+    codec refuses is answered with its error and not sent. The lines are read on a thread of
+    their own (Broadcasts), ahead of the answers: each waits in `_lines` for its turn."""
 
     def __init__(self, path: Path, dtypes: Mapping[str, str], out: Any):
         self.path, self.dtypes, self.out = path, dtypes, out
-        self.line = 0
         self.answered = self.refused = 0
+        self._lines: deque[list] = deque()     # [line number, its answer (None while it runs), refused?], in order
+        self._lock = threading.Lock()
 
     def __iter__(self) -> Iterator[tuple]:
         from graphmode.serve.codec import decode_json
         try:
-            f = open(self.path, "rb")
+            f = sys.stdin.buffer if str(self.path) == "-" else open(self.path, "rb")
         except OSError as e:
             raise GraphmodeError(f"cannot read the requests: {e.strerror or e}", where="--requests",
                                  value=str(self.path), fix="pass a JSONL file, one {\"inputs\": {...}} a line") from None
@@ -69,28 +74,36 @@ class RequestFile:
             for n, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
-                self.line = n
                 try:
                     inputs = decode_json(raw, self.dtypes)
                 except GraphmodeError as e:
-                    self._write({"line": n, "error": e.to_dict()})
-                    self.refused += 1
+                    self._done([n, json.dumps({"line": n, "error": e.to_dict()}), True])
                     continue
+                with self._lock:
+                    self._lines.append([n, None, False])
                 yield ("run", (), inputs)
 
     def answer(self, reply: tuple) -> None:
         from graphmode.serve.codec import encode_json
+        with self._lock:
+            entry = next(e for e in self._lines if e[1] is None)
         if reply[0] == "error":
-            self.refused += 1
-            self._write({"line": self.line, "error": reply[1].to_dict()})
-            return
-        self.answered += 1
-        self.out.write(encode_json({"outputs": named_outputs(reply[1]), "line": self.line}).decode() + "\n")
-        self.out.flush()
+            entry[1:] = [json.dumps({"line": entry[0], "error": reply[1].to_dict()}), True]
+        else:
+            entry[1] = encode_json({"outputs": named_outputs(reply[1]), "line": entry[0]}).decode()
+        self._done(None)
 
-    def _write(self, doc: dict) -> None:
-        self.out.write(json.dumps(doc) + "\n")
-        self.out.flush()
+    def _done(self, refused: list | None) -> None:
+        """Write every answer whose earlier lines are answered (`refused`: a line not sent)."""
+        with self._lock:
+            if refused is not None:
+                self._lines.append(refused)
+            while self._lines and self._lines[0][1] is not None:
+                _, text, refused_line = self._lines.popleft()
+                self.out.write(text + "\n")
+                self.refused += refused_line
+                self.answered += not refused_line
+            self.out.flush()
 
 
 @app.command("rank")
@@ -101,7 +114,8 @@ def rank_cmd(
     recipe: Optional[str] = typer.Option(None, "--recipe", help="a recipe with parallel.tensor = torchrun's "
                                                                 "WORLD_SIZE (a GROUP.gm carries its own)"),
     requests: Optional[Path] = typer.Option(None, "--requests", help="rank 0: JSONL, one {\"inputs\": {...}} a line "
-                                                                     "(the server's JSON body); other ranks ignore it"),
+                                                                     "(the server's JSON body), - for stdin; other ranks "
+                                                                     "ignore it"),
     out: Optional[Path] = typer.Option(None, "--out", help="rank 0: where the answers go, one JSON line each "
                                                            "(default: stdout)"),
     target: str = typer.Option("host", "--target"),

@@ -3,6 +3,7 @@ requests broadcast to thread ranks, the world/recipe check and the CLI's refusal
 group is joined. The real torchrun run is tests/e2e/test_torchrun.py (slow)."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from graphmode.cli.app import app
 from graphmode.cli.rank_cmd import RequestFile, named_outputs, torchrun_env
 from graphmode.errors import ContractViolation, GraphmodeError, RankFailure
 from graphmode.parallel.comm import run_ranks
-from graphmode.parallel.torchrun import CLOSE, Broadcasts, check_world
+from graphmode.parallel.torchrun import CLOSE, KEEPALIVE, Broadcasts, check_world
 from graphmode.recipe import Recipe
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "e2e"))
@@ -39,6 +40,32 @@ def test_every_rank_receives_rank_0s_requests_in_order_then_close():
         assert [m[0] for m in got] == ["run", "run", CLOSE[0]]
         assert all(torch.equal(a[2]["input"], b[2]["input"]) for a, b in zip(got, reqs))
     assert answers == [("ok", "from 0", {})]          # only rank 0 answers
+
+
+def test_while_rank_0_waits_for_a_request_every_rank_gets_keepalives():
+    """A slow source (a pipe, stdin): rank 0 broadcasts KEEPALIVEs meanwhile, so the others' wait
+    never reaches the collective timeout; the source here is held until rank 1 has seen two."""
+    import threading
+    held = threading.Event()
+
+    def source():
+        yield ("run", (), {"n": 1})
+        assert held.wait(30)
+        yield ("run", (), {"n": 2})
+
+    def rank(r, comm):
+        ch = Broadcasts(comm, source() if r == 0 else None, keepalive_s=0.01)
+        got, waits = [], 0
+        while (msg := ch.recv()) != CLOSE:
+            if msg == KEEPALIVE:
+                waits += 1
+                if r == 1 and waits == 2:
+                    held.set()
+            else:
+                got.append(msg[2]["n"])
+        return got, waits
+    (got0, waits0), (got1, waits1) = run_ranks(2, rank, timeout_s=30)
+    assert got0 == got1 == [1, 2] and waits0 == waits1 >= 2
 
 
 def test_a_refusal_is_answered_and_any_other_error_stops_the_rank():
@@ -92,14 +119,19 @@ def test_the_rank_command_refuses_a_wrong_world_before_joining(tmp_path, monkeyp
     assert res.exit_code == 2 and "rank 0 takes the requests" in res.output, res.output
 
 
-def test_request_lines_are_decoded_as_the_server_does_and_bad_ones_answered(tmp_path):
+def test_request_lines_are_decoded_as_the_server_does_and_answered_in_their_order(tmp_path):
     import io
     f = tmp_path / "req.jsonl"
-    f.write_text('{"inputs": {"input": [[1, 2]]}}\n\n{"inputs": {"input": "x"}}\nnot json\n')
+    f.write_text('{"inputs": {"input": [[1, 2]]}}\n\n{"inputs": {"input": "x"}}\nnot json\n{"inputs": {"input": [[3, 4]]}}\n')
     out = io.StringIO()
     feed = RequestFile(f, {"input": "f32"}, out)
-    msgs = list(feed)
-    assert len(msgs) == 1 and msgs[0][2]["input"].dtype == torch.float32
-    assert [ln.split('"line": ')[1][0] for ln in out.getvalue().splitlines()] == ["3", "4"] and feed.refused == 2
+    msgs = list(feed)                     # read ahead of the answers, as rank 0's reader thread does
+    assert [m[2]["input"].tolist() for m in msgs] == [[[1.0, 2.0]], [[3.0, 4.0]]] and out.getvalue() == ""
+    feed.answer(("ok", torch.ones(1, 2), {}))
+    feed.answer(("error", ContractViolation("too wide", where="inputs.input.shape[1]")))
+    lines = [json.loads(ln) for ln in out.getvalue().splitlines()]
+    assert [ln["line"] for ln in lines] == [1, 3, 4, 5] and lines[0]["outputs"] == {"output_0": [[1.0, 1.0]]}
+    assert [ln["error"]["error"] for ln in lines[1:]] == ["BadRequest", "BadRequest", "ContractViolation"]
+    assert (feed.answered, feed.refused) == (1, 3)
     assert named_outputs((torch.ones(1), [torch.zeros(2)])).keys() == {"output_0", "output_1"}
     assert list(named_outputs({"logits": torch.ones(1), "n": 3})) == ["logits"]
