@@ -149,6 +149,9 @@ def rank_cmd(
     if env["rank"] == 0 and requests is None:
         raise GraphmodeError("rank 0 takes the requests", where="--requests",
                              fix="pass --requests FILE (JSONL, one {\"inputs\": {...}} a line) to every rank")
+    if env["rank"] == 0 and str(requests) != "-" and not requests.is_file():
+        raise GraphmodeError("no such requests file", where="--requests", value=str(requests),
+                             fix="pass a JSONL file, one {\"inputs\": {...}} a line, or - for stdin")
     threads = threads or max(1, (os.cpu_count() or 1) // max(1, env["local_world"]))
     sink = open(out, "w") if env["rank"] == 0 and out is not None else sys.stdout
     try:

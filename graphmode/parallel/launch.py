@@ -131,7 +131,8 @@ def answer_requests(cm: Any, comm: Any, conn: Any, rank: int) -> None:
     until ("close",) or the end of `conn` (EOFError). `conn` is the parent's pipe under `launch`,
     rank 0's broadcasts under torchrun (graphmode/parallel/torchrun.py). Messages: ("run", args,
     kwargs) -> ("ok", rank 0's outputs, counters) or ("error", err); ("sample", env, seed);
-    ("method", name, args): cm.rank_<name>(conn, *args); ("link", sizes, reps); ("cancel",)."""
+    ("method", name, args): cm.rank_<name>(conn, *args); ("link", sizes, reps); ("save", path):
+    the rank's shard as an artifact (runtime/rank_artifacts.py); ("cancel",): nothing."""
     import torch
 
     from graphmode.parallel.link import measure_link

@@ -117,6 +117,8 @@ def test_the_rank_command_refuses_a_wrong_world_before_joining(tmp_path, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")
     res = CliRunner().invoke(app, args[:-2])
     assert res.exit_code == 2 and "rank 0 takes the requests" in res.output, res.output
+    res = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "missing.jsonl")])
+    assert res.exit_code == 2 and "no such requests file" in res.output, res.output
 
 
 def test_request_lines_are_decoded_as_the_server_does_and_answered_in_their_order(tmp_path):
