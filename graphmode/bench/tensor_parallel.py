@@ -6,7 +6,9 @@ the caller: the pipes to the ranks are part of its cost), each rank's own run ti
 each rank holds against the whole model's, and per call and collective the communication the
 ranks measured (calls, bytes, ms) beside the cost model's prediction for the rank's sharded graph
 on the recipe's link (the host target's nominal `loopback`) and on the link measured here
-(`graphmode.parallel.link`). TP=N's outputs are checked against TP=1's (relative L2).
+(`graphmode.parallel.link`) the way the shape's calls meet it: all_reduces apart by the compute
+the warm-up calls showed between two collectives. The link is also measured back to back (no
+compute between), the best case, once a run. TP=N's outputs are checked against TP=1's (relative L2).
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from graphmode.parallel.link import REPS, SIZES, compare, fit_link, link_time, mean_samples, predict_comm
+from graphmode.parallel.link import (REPS, SIZES, compare, compute_gap, fit_link, link_samples, link_time, plan_sizes,
+                                     predict_comm)
 
 
 @dataclass
@@ -86,24 +89,29 @@ def run_tp_bench(cases: Sequence[Any], cfg: TPConfig, target: Any,
             setup_n = time.perf_counter() - t0
             if link is None:
                 link = measured_link(tp, spec, cfg.link_sizes, cfg.link_reps)
-                log(f"loopback link measured: {link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.0f} us "
-                    f"(nominal {link['nominal']['bandwidth_gbps']:g} GB/s, {link['nominal']['latency_us']:g} us)")
+                log(f"loopback link measured back to back: {link['bandwidth_gbps']:.2f} GB/s, "
+                    f"{link['latency_us']:.0f} us (nominal {link['nominal']['bandwidth_gbps']:g} GB/s, "
+                    f"{link['nominal']['latency_us']:g} us)")
             for env in case.envs:
-                rows.append(_bench_shape(case, env, one, tp, spec, link, cfg, setup1, setup_n, per_rank))
+                rows.append(_bench_shape(case, env, one, tp, spec, cfg, setup1, setup_n, per_rank))
                 log(_line(rows[-1]))
     return {"rows": rows, "link": link,
             "meta": {"world": cfg.world, "threads_tp1": cfg.threads, "threads_per_rank": per_rank,
                      "iters": cfg.iters, "loadavg_start": load0, "loadavg_end": load_average(), **cfg.extra}}
 
 
-def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, link: dict, cfg: TPConfig, setup1: float,
+def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, cfg: TPConfig, setup1: float,
                  setup_n: float, per_rank: int) -> dict[str, Any]:
     inputs = case.bundle.make_inputs(env, seed=0)
     with torch.inference_mode():
         want = one(**inputs)
-        for _ in range(cfg.warmup):
+        warm = []
+        for _ in range(max(1, cfg.warmup)):
             one(**inputs)
             tp(**inputs)
+            warm.append(tp.last_comm)
+        link = measured_link(tp, spec, sorted({*cfg.link_sizes, *plan_sizes(tp.collectives, spec, env)}), cfg.link_reps,
+                             compute_gap(warm))
         t1, tn, calls = [], [], []
         for _ in range(cfg.iters):
             t0 = time.perf_counter()
@@ -120,8 +128,9 @@ def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, link: dict,
     return {"model": case.name, "shape": "x".join(map(str, case.shape_of(env))), "env": dict(env),
             "tp1_ms": lat1 * 1e3, f"tp{tp.world}_ms": latn * 1e3, "speedup": lat1 / latn,
             "rank_run_ms": [s * 1e3 for s in run_s], "ipc_ms": (latn - max(run_s)) * 1e3,
+            "rank_cpu_ms": [statistics.median(c[r]["cpu_s"] for c in calls) * 1e3 for r in range(tp.world)],
             "weights_mb_whole": whole / 1e6, "weights_mb_per_rank": [r["weights_bytes"] / 1e6 for r in tp.ranks],
-            "comm": table, "comm_rank0": rank0, "rel_l2_vs_tp1": _rel_l2(got, want),
+            "comm": table, "comm_rank0": rank0, "link": link, "rel_l2_vs_tp1": _rel_l2(got, want),
             "setup_s": {"tp1": setup1, f"tp{tp.world}": setup_n}, "threads": {"tp1": cfg.threads, "per_rank": per_rank}}
 
 
@@ -138,12 +147,14 @@ def comm_tables(tp: Any, calls: list[list[dict]], spec: Any, env: dict, link: di
     return table, compare(rank0, {})
 
 
-def measured_link(tp: Any, spec: Any, sizes: Sequence[int] = SIZES, reps: int = REPS) -> dict[str, Any]:
-    """The group's link measured (`link.fit_link` of every rank's all_reduce timings) beside the
-    recipe's (resolved) link."""
-    samples = mean_samples(tp.measure_link(tuple(sizes), reps))
+def measured_link(tp: Any, spec: Any, sizes: Sequence[int] = SIZES, reps: int = REPS,
+                  gap_s: float = 0.0) -> dict[str, Any]:
+    """The group's link measured with `gap_s` of compute before each all_reduce (`link.fit_link`
+    of the ranks' timings, `link.link_samples`) beside the recipe's (resolved) link."""
+    samples = link_samples(tp.measure_link(tuple(sizes), reps, gap_s))
     name, ls = spec.link_for()
-    return {"samples": [{"bytes": b, "ms": s * 1e3} for b, s in samples], **fit_link(samples, tp.world),
+    return {"gap_ms": gap_s * 1e3, "samples": [{"bytes": b, "ms": s * 1e3} for b, s in samples],
+            **fit_link(samples, tp.world),
             "nominal": {"name": name, "bandwidth_gbps": float(ls.bandwidth_gbps), "latency_us": float(ls.latency_us)}}
 
 
@@ -157,10 +168,14 @@ def profile_tp(case: Any, recipe: Any, target: Any, runs: int, threads: int | No
     spec = resolve(recipe, target).parallel
     out = []
     with graphmode.compile(case.spec, recipe, target, cache_dir=cache_dir, threads=threads) as tp:
-        fit = measured_link(tp, spec) if link else None
         for env in case.envs:
             inputs = case.bundle.make_inputs(env, seed=0)
-            tp(**inputs)
+            warm = []
+            for _ in range(2):
+                tp(**inputs)
+                warm.append(tp.last_comm)
+            fit = measured_link(tp, spec, sorted({*SIZES, *plan_sizes(tp.collectives, spec, env)}), REPS,
+                                compute_gap(warm)) if link else None
             lat, calls = [], []
             for _ in range(runs):
                 t0 = time.perf_counter()
@@ -218,10 +233,19 @@ def markdown(res: dict[str, Any]) -> str:
                     "every rank (a replicated layer class, or a layer whose heads or sizes do not divide by the "
                     "ranks, which the `shard` pass keeps whole)."]
     if link:
-        out += ["", f"Loopback link (f32 all_reduce, {len(link['samples'])} sizes): {link['bandwidth_gbps']:.2f} GB/s, "
-                f"{link['latency_us']:.0f} us (nominal {link['nominal']['bandwidth_gbps']:g} GB/s, "
-                f"{link['nominal']['latency_us']:g} us); fit within {link['worst_err'] * 100:.0f}% of every size."]
+        out += ["", f"Loopback link (f32 all_reduce, {len(link['samples'])} sizes), back to back: "
+                f"{_link(link)} (nominal {link['nominal']['bandwidth_gbps']:g} GB/s, {link['nominal']['latency_us']:g} us)."]
+    lines = [f"- {r['model']} {r['shape']}: {r['link']['gap_ms']:.2f} ms apart, {_link(r['link'])}"
+             for r in res["rows"] if r.get("link")]
+    if lines:
+        out += ["", "As the calls meet it (the calibrated column): each all_reduce after the compute a rank does "
+                "between two collectives in that shape's warm-up calls:", ""] + lines
     return "\n".join(out) + "\n"
+
+
+def _link(link: dict) -> str:
+    return (f"{link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.0f} us, fit within {link['worst_err'] * 100:.0f}% "
+            "of every size")
 
 
 def _pct(e: float | None) -> str:

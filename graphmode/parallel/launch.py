@@ -164,9 +164,9 @@ def answer_requests(cm: Any, comm: Any, conn: Any, rank: int) -> None:
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 conn.send(("error", _portable(e, rank)))
             continue
-        if msg[0] == "link":          # every rank: time all_reduces of msg[1] bytes, msg[2] times each
+        if msg[0] == "link":          # every rank: time all_reduces of msg[1] bytes, msg[2] times each, msg[3] apart
             try:
-                conn.send(("ok", measure_link(msg[1], msg[2]), {}))
+                conn.send(("ok", measure_link(*msg[1:]), {}))
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 conn.send(("error", _portable(e, rank)))
             continue
@@ -174,12 +174,13 @@ def answer_requests(cm: Any, comm: Any, conn: Any, rank: int) -> None:
         try:
             calls, nbytes, secs, per_op = comm.calls, comm.bytes, comm.seconds, comm.stats()
             comm.trace.clear()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             with torch.inference_mode():
                 out = cm(*args, **kwargs)
             conn.send(("ok", out if rank == 0 else None,
                        {"collectives": comm.calls - calls, "comm_bytes": comm.bytes - nbytes,
                         "comm_s": comm.seconds - secs, "run_s": time.perf_counter() - t0,
+                        "cpu_s": time.process_time() - cpu0,       # every thread of the rank: spinning shows here
                         "path": dict(cm.last_path or {}),
                         "per_op": stats_delta(comm.stats(), per_op), "trace": list(comm.trace)}))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -265,16 +266,18 @@ class TensorParallelModel:
         self.send({r: ("save", str(p)) for r, p in enumerate(paths)})
         return [rep[1] for rep in self._collect(None, "save")]
 
-    def measure_link(self, sizes: tuple[int, ...], reps: int) -> list[list[tuple[int, float]]]:
-        """Per rank, (bytes, median seconds) of an f32 all_reduce of each size between the
-        ranks (`graphmode.parallel.link`): what the recipe's `links` stand for, measured."""
+    def measure_link(self, sizes: tuple[int, ...], reps: int, gap_s: float = 0.0) -> list[list[tuple[int, list]]]:
+        """Per rank, (bytes, seconds of each of `reps`) f32 all_reduces of each size between the
+        ranks, each after `gap_s` of compute (`graphmode.parallel.link`): what the recipe's
+        `links` stand for, measured; `link.link_samples` makes them one median per size."""
         self._check_up()
         for r, c in enumerate(self.conns):
             try:
-                c.send(("link", tuple(sizes), reps))
+                c.send(("link", tuple(sizes), reps, gap_s))
             except (BrokenPipeError, ConnectionResetError, OSError):
                 self._fail(self._death(r) or f"rank {r} stopped reading requests")
-        return [rep[1] for rep in self._collect(self.timeout_s * len(sizes) + _MARGIN_S, "link measurement")]
+        return [rep[1] for rep in self._collect(self.timeout_s * len(sizes) + reps * len(sizes) * gap_s + _MARGIN_S,
+                                                "link measurement")]
 
     def send(self, msgs: Mapping[int, Any]) -> None:
         """msgs[r] to rank r (a rank that stopped reading fails the group)."""

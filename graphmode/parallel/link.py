@@ -1,11 +1,18 @@
 """The link between ranks, measured, and the cost model's communication time beside it.
 
-`measure_link` runs in every rank process: after a barrier, `reps` f32 all_reduces of each size,
-each one started together (a barrier before it) so a late peer is not counted as link time; the
-median per size. `fit_link` fits the cost model's ring all_reduce
-(`recipe/parallel_cost.py`: 2 (n-1)/n * bytes / B + 2 (n-1) L) to those medians, weighting every size
-by its own time so the small messages decide the latency and the large ones the bandwidth:
-the numbers a recipe's `links` entry (or the host target's nominal `loopback`) should hold.
+`measure_link` runs in every rank process and times `reps` f32 all_reduces of each size the
+way a call meets them: before each one every rank computes for `gap_s` (a small matmul loop on
+its own threads, as a plan's kernels between two collectives), with no barrier. A barrier
+before each all_reduce (what this probe did first) finds both ranks awake and just synchronised,
+the best case: on a 2-core host a collective inside a call paid ~6x that, the time for the
+scheduler to wake the peer blocked in its receive and give it a core after it had computed
+(docs/tensor-parallel.md, "Measuring it"). `link_samples` keeps, of each all_reduce, the least
+time any rank spent in it (that rank arrived last: the other's wait for it is not link time,
+the rule `link_time` applies to a call), and the median per size. `fit_link` fits the cost
+model's ring all_reduce (`recipe/parallel_cost.py`: 2 (n-1)/n * bytes / B + 2 (n-1) L) to those
+medians, weighting every size by its own time so the small messages decide the latency and the
+large ones the bandwidth: the numbers a recipe's `links` entry (or the host target's nominal
+`loopback`) should hold. `compute_gap` is the gap a call's own traces show.
 
 `predict_comm` prices the collectives of a rank's sharded graph at one shape on a link, and
 `compare` lines them up per collective with what the communicator measured in a call
@@ -22,22 +29,52 @@ SIZES = (4, 4 << 10, 64 << 10, 512 << 10, 2 << 20)     # bytes of one f32 all_re
 REPS = 15
 
 
-def measure_link(sizes: Sequence[int], reps: int) -> list[tuple[int, float]]:
-    """(bytes, median seconds) of one f32 all_reduce per size, on the default process group."""
+def measure_link(sizes: Sequence[int], reps: int, gap_s: float = 0.0) -> list[tuple[int, list[float]]]:
+    """(bytes, seconds of each of `reps` f32 all_reduces) per size on the default process group,
+    each after `gap_s` of compute (module doc); every rank must call it with the same arguments."""
     import torch
     import torch.distributed as dist
     out = []
+    work = torch.randn(64, 64)
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
         dist.all_reduce(t)                   # first use of this size: buffers, connections
+        dist.barrier()                       # the ranks start each size together, then run free
         times = []
         for _ in range(reps):
-            dist.barrier()
+            _compute(work, gap_s)
             t0 = time.perf_counter()
             dist.all_reduce(t)
             times.append(time.perf_counter() - t0)
-        out.append((t.numel() * 4, statistics.median(times)))
+        out.append((t.numel() * 4, times))
     return out
+
+
+def _compute(work: Any, seconds: float) -> None:
+    """Keep this rank's threads busy for `seconds`, as a plan's kernels between two collectives."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        work @ work
+
+
+def link_samples(per_rank: Sequence[Sequence[tuple[int, Sequence[float]]]]) -> list[tuple[int, float]]:
+    """(bytes, median seconds) per size from every rank's `measure_link`: of each all_reduce the
+    least time any rank spent in it (the rank that arrived last), then the median over reps."""
+    return [(row[0][0], statistics.median(min(ts) for ts in zip(*(times for _, times in row))))
+            for row in zip(*per_rank)]
+
+
+def compute_gap(calls: Sequence[Sequence[Mapping[str, Any]]]) -> float:
+    """Seconds a rank computes between two collectives in a call, median over `calls` (one
+    `TensorParallelModel.last_comm` each): the rank that waited least, its run time less its
+    time in collectives, spread over the stretches before, between and after them (0 for a
+    call with none)."""
+    gaps = []
+    for ranks in calls:
+        r = min(ranks, key=lambda x: x["comm_s"])
+        if r["collectives"]:
+            gaps.append(max(0.0, r["run_s"] - r["comm_s"]) / (r["collectives"] + 1))
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def fit_link(samples: Sequence[tuple[int, float]], world: int) -> dict[str, float]:
@@ -56,9 +93,11 @@ def fit_link(samples: Sequence[tuple[int, float]], world: int) -> dict[str, floa
             "worst_err": float(np.max(np.abs(model / t - 1)))}
 
 
-def mean_samples(per_rank: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float]]:
-    """The ranks' medians per size, averaged (every rank timed the same all_reduces)."""
-    return [(row[0][0], sum(s for _, s in row) / len(row)) for row in zip(*per_rank)]
+def plan_sizes(collectives: Sequence[Any], spec: Any, env: Mapping[str, int]) -> list[int]:
+    """The wire bytes of the all_reduces of a rank's sharded graph at `env`: probed beside the
+    fixed sizes, so the link fitted is measured at the sizes the calls send."""
+    from graphmode.recipe.smt import evaluate
+    return sorted({int(evaluate(c.wire_bytes(spec.comm.dtype), dict(env))) for c in collectives if c.op == "all_reduce"})
 
 
 def predict_comm(collectives: Sequence[Any], spec: Any, env: Mapping[str, int],

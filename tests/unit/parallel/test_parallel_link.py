@@ -7,7 +7,8 @@ import sympy
 
 import graphmode.recipe  # noqa: F401  (first: the recipe package and graphmode.parallel import each other)
 from graphmode.recipe.parallel_cost import Collective
-from graphmode.parallel.link import compare, fit_link, link_time, mean_samples, median_per_op, predict_comm
+from graphmode.parallel.link import (compare, compute_gap, fit_link, link_samples, link_time, median_per_op,
+                                     plan_sizes, predict_comm)
 from graphmode.recipe.parallel_spec import ParallelSpec
 
 
@@ -26,8 +27,18 @@ def test_the_fit_recovers_the_ring_model_it_was_sampled_from():
     assert fit["worst_err"] < 1e-6
 
 
-def test_ranks_samples_are_averaged_per_size():
-    assert mean_samples([[(4, 1.0), (8, 3.0)], [(4, 3.0), (8, 5.0)]]) == [(4, 2.0), (8, 4.0)]
+def test_probe_samples_keep_each_all_reduces_least_wait_over_ranks_then_the_median():
+    r0 = [(4, [1.0, 5.0, 2.0]), (8, [3.0, 3.0, 9.0])]
+    r1 = [(4, [4.0, 1.0, 6.0]), (8, [1.0, 7.0, 8.0])]      # all_reduce i of a size: min over ranks
+    assert link_samples([r0, r1]) == [(4, 1.0), (8, 3.0)]
+
+
+def test_compute_gap_is_the_least_waiting_ranks_compute_per_stretch_median_over_calls():
+    def call(run, comm, n=3):
+        return [{"run_s": run, "comm_s": comm, "collectives": n}, {"run_s": run, "comm_s": comm + 1.0, "collectives": n}]
+    calls = [call(10.0, 2.0), call(6.0, 2.0), call(14.0, 2.0)]
+    assert compute_gap(calls) == pytest.approx((10.0 - 2.0) / 4)   # 3 collectives: 4 stretches around them
+    assert compute_gap([call(1.0, 0.0, 0)]) == 0.0 and compute_gap([]) == 0.0
 
 
 def test_predicted_communication_is_the_cost_models_ring_per_collective_kind():
@@ -39,6 +50,7 @@ def test_predicted_communication_is_the_cost_models_ring_per_collective_kind():
     assert p["all_reduce"]["seconds"] == pytest.approx(5 * (ar_bytes / 2e9 + 2 * 50e-6))
     ag_bytes = 4 * 2 * 16 * 100
     assert p["all_gather"]["seconds"] == pytest.approx(0.5 * ag_bytes / 2e9 + 50e-6)
+    assert plan_sizes(cols, spec(), {"seq": 16}) == [ar_bytes]        # the link probe adds the plan's own sizes
     on = predict_comm(cols, spec(), {"seq": 16}, {"bandwidth_gbps": 1.0, "latency_us": 200.0})
     assert on["all_reduce"]["seconds"] == pytest.approx(5 * (ar_bytes / 1e9 + 2 * 200e-6))
 
