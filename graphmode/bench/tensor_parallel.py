@@ -6,8 +6,9 @@ the caller: the pipes to the ranks are part of its cost), each rank's own run ti
 each rank holds against the whole model's, and per call and collective the communication the
 ranks measured (calls, bytes, ms) beside the cost model's prediction for the rank's sharded graph
 on the recipe's link (the host target's nominal `loopback`) and on the link measured here
-(`graphmode.parallel.link`) the way the shape's calls meet it: all_reduces apart by the compute
-the warm-up calls showed between two collectives. The link is also measured back to back (no
+(`graphmode.parallel.link`) the way the shape's calls meet it: after every timed call a few
+all_reduces of each size (the plan's own among them), apart by the compute the calls showed
+between two collectives, so the probe shares the calls' load. The link is also measured back to back (no
 compute between), the best case, once a run. TP=N's outputs are checked against TP=1's (relative L2).
 """
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from graphmode.parallel.link import (REPS, SIZES, compare, compute_gap, fit_link, link_samples, link_time, plan_sizes,
-                                     predict_comm)
+from graphmode.parallel.link import (REPS, SIZES, compare, compute_gap, fit_link, link_samples, link_time, merge_probes,
+                                     plan_sizes, predict_comm)
 
 
 @dataclass
@@ -110,9 +111,8 @@ def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, cfg: TPConf
             one(**inputs)
             tp(**inputs)
             warm.append(tp.last_comm)
-        link = measured_link(tp, spec, sorted({*cfg.link_sizes, *plan_sizes(tp.collectives, spec, env)}), cfg.link_reps,
-                             compute_gap(warm))
-        t1, tn, calls = [], [], []
+        sizes = sorted({*cfg.link_sizes, *plan_sizes(tp.collectives, spec, env)})
+        t1, tn, calls, probes = [], [], [], []
         for _ in range(cfg.iters):
             t0 = time.perf_counter()
             one(**inputs)
@@ -121,6 +121,8 @@ def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, cfg: TPConf
             got = tp(**inputs)
             tn.append(time.perf_counter() - t0)
             calls.append(tp.last_comm)
+            probes.append(probe(tp, sizes, per_call_reps(cfg.link_reps, cfg.iters), warm + calls))
+    link = probed_link(probes, spec, tp.world, compute_gap(warm + calls))
     table, rank0 = comm_tables(tp, calls, spec, env, link)
     whole = weights_bytes(one)
     lat1, latn = statistics.median(t1), statistics.median(tn)
@@ -149,12 +151,30 @@ def comm_tables(tp: Any, calls: list[list[dict]], spec: Any, env: dict, link: di
 
 def measured_link(tp: Any, spec: Any, sizes: Sequence[int] = SIZES, reps: int = REPS,
                   gap_s: float = 0.0) -> dict[str, Any]:
-    """The group's link measured with `gap_s` of compute before each all_reduce (`link.fit_link`
-    of the ranks' timings, `link.link_samples`) beside the recipe's (resolved) link."""
-    samples = link_samples(tp.measure_link(tuple(sizes), reps, gap_s))
+    """The group's link measured with `gap_s` of compute before each all_reduce beside the
+    recipe's (resolved) link (`probed_link`)."""
+    return probed_link([tp.measure_link(tuple(sizes), reps, gap_s)], spec, tp.world, gap_s)
+
+
+def probe(tp: Any, sizes: Sequence[int], reps: int, calls: Sequence[Any]) -> list:
+    """After a timed call: `reps` all_reduces of each size, as far apart as the calls so far
+    computed between two collectives (`link.compute_gap`)."""
+    return tp.measure_link(tuple(sizes), reps, compute_gap(calls))
+
+
+def per_call_reps(reps: int, calls: int) -> int:
+    """All_reduces of each size after each of `calls` timed calls: `reps` over the run, at least
+    three each (their mean is what counts, and the tail is long on a shared host)."""
+    return max(3, -(-reps // max(1, calls)))
+
+
+def probed_link(probes: Sequence[Any], spec: Any, world: int, gap_s: float) -> dict[str, Any]:
+    """The link fitted (`link.fit_link`) to probe rounds (`tp.measure_link` results, merged,
+    `link.link_samples`) beside the recipe's (resolved) link."""
+    samples = link_samples(merge_probes(probes))
     name, ls = spec.link_for()
     return {"gap_ms": gap_s * 1e3, "samples": [{"bytes": b, "ms": s * 1e3} for b, s in samples],
-            **fit_link(samples, tp.world),
+            **fit_link(samples, world),
             "nominal": {"name": name, "bandwidth_gbps": float(ls.bandwidth_gbps), "latency_us": float(ls.latency_us)}}
 
 
@@ -174,14 +194,16 @@ def profile_tp(case: Any, recipe: Any, target: Any, runs: int, threads: int | No
             for _ in range(2):
                 tp(**inputs)
                 warm.append(tp.last_comm)
-            fit = measured_link(tp, spec, sorted({*SIZES, *plan_sizes(tp.collectives, spec, env)}), REPS,
-                                compute_gap(warm)) if link else None
-            lat, calls = [], []
+            sizes = sorted({*SIZES, *plan_sizes(tp.collectives, spec, env)})
+            lat, calls, probes = [], [], []
             for _ in range(runs):
                 t0 = time.perf_counter()
                 tp(**inputs)
                 lat.append(time.perf_counter() - t0)
                 calls.append(tp.last_comm)
+                if link:
+                    probes.append(probe(tp, sizes, per_call_reps(REPS, runs), warm + calls))
+            fit = probed_link(probes, spec, tp.world, compute_gap(warm + calls)) if link else None
             table, rank0 = comm_tables(tp, calls, spec, env, fit)
             out.append({"model": case.name, "bucket": dict(env), "runs": runs, "call_ms": statistics.median(lat) * 1e3,
                         "rank_run_ms": [statistics.median(c[r]["run_s"] for c in calls) * 1e3 for r in range(tp.world)],
@@ -238,8 +260,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [f"- {r['model']} {r['shape']}: {r['link']['gap_ms']:.2f} ms apart, {_link(r['link'])}"
              for r in res["rows"] if r.get("link")]
     if lines:
-        out += ["", "As the calls meet it (the calibrated column): each all_reduce after the compute a rank does "
-                "between two collectives in that shape's warm-up calls:", ""] + lines
+        out += ["", "As the calls meet it (the calibrated column): probed after every timed call, each all_reduce "
+                "after the compute a rank does between two collectives in that shape's calls:", ""] + lines
     return "\n".join(out) + "\n"
 
 

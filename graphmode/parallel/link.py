@@ -8,9 +8,11 @@ the best case: on a 2-core host a collective inside a call paid ~6x that, the ti
 scheduler to wake the peer blocked in its receive and give it a core after it had computed
 (docs/tensor-parallel.md, "Measuring it"). `link_samples` keeps, of each all_reduce, the least
 time any rank spent in it (that rank arrived last: the other's wait for it is not link time,
-the rule `link_time` applies to a call), and the median per size. `fit_link` fits the cost
+the rule `link_time` applies to a call), and the mean per size. `graphmode bench
+--tensor-parallel` and `graphmode profile` probe a few all_reduces after every timed call
+(`merge_probes`), so the probe and the calls meet the same load. `fit_link` fits the cost
 model's ring all_reduce (`recipe/parallel_cost.py`: 2 (n-1)/n * bytes / B + 2 (n-1) L) to those
-medians, weighting every size by its own time so the small messages decide the latency and the
+means, weighting every size by its own time so the small messages decide the latency and the
 large ones the bandwidth: the numbers a recipe's `links` entry (or the host target's nominal
 `loopback`) should hold. `compute_gap` is the gap a call's own traces show.
 
@@ -58,10 +60,19 @@ def _compute(work: Any, seconds: float) -> None:
 
 
 def link_samples(per_rank: Sequence[Sequence[tuple[int, Sequence[float]]]]) -> list[tuple[int, float]]:
-    """(bytes, median seconds) per size from every rank's `measure_link`: of each all_reduce the
-    least time any rank spent in it (the rank that arrived last), then the median over reps."""
-    return [(row[0][0], statistics.median(min(ts) for ts in zip(*(times for _, times in row))))
+    """(bytes, mean seconds) per size from every rank's `measure_link`: of each all_reduce the
+    least time any rank spent in it (the rank that arrived last), then the mean over reps. The
+    mean, not the median: a step's communication is a sum of collectives, and on a shared host
+    their times have a long tail (a woken rank that waits a time slice for a core) that the sum
+    pays and a median would drop."""
+    return [(row[0][0], statistics.fmean(min(ts) for ts in zip(*(times for _, times in row))))
             for row in zip(*per_rank)]
+
+
+def merge_probes(probes: Sequence[Sequence[Sequence[tuple[int, Sequence[float]]]]]) -> list[list[tuple[int, list[float]]]]:
+    """Several `measure_link` rounds (each per rank, the same sizes) as one: per rank and size,
+    every round's times in order."""
+    return [[(rows[0][0], [x for _, ts in rows for x in ts]) for rows in zip(*rounds)] for rounds in zip(*probes)]
 
 
 def compute_gap(calls: Sequence[Sequence[Mapping[str, Any]]]) -> float:

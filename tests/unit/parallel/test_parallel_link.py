@@ -8,7 +8,7 @@ import sympy
 import graphmode.recipe  # noqa: F401  (first: the recipe package and graphmode.parallel import each other)
 from graphmode.recipe.parallel_cost import Collective
 from graphmode.parallel.link import (compare, compute_gap, fit_link, link_samples, link_time, median_per_op,
-                                     plan_sizes, predict_comm)
+                                     merge_probes, plan_sizes, predict_comm)
 from graphmode.recipe.parallel_spec import ParallelSpec
 
 
@@ -27,10 +27,10 @@ def test_the_fit_recovers_the_ring_model_it_was_sampled_from():
     assert fit["worst_err"] < 1e-6
 
 
-def test_probe_samples_keep_each_all_reduces_least_wait_over_ranks_then_the_median():
+def test_probe_samples_keep_each_all_reduces_least_wait_over_ranks_then_the_mean():
     r0 = [(4, [1.0, 5.0, 2.0]), (8, [3.0, 3.0, 9.0])]
     r1 = [(4, [4.0, 1.0, 6.0]), (8, [1.0, 7.0, 8.0])]      # all_reduce i of a size: min over ranks
-    assert link_samples([r0, r1]) == [(4, 1.0), (8, 3.0)]
+    assert link_samples([r0, r1]) == [(4, pytest.approx(4 / 3)), (8, pytest.approx(4.0))]   # the tail counts
 
 
 def test_compute_gap_is_the_least_waiting_ranks_compute_per_stretch_median_over_calls():
@@ -78,3 +78,11 @@ def test_link_time_takes_each_collectives_least_wait_over_ranks():
     t = link_time([r0, r1])
     assert t["all_reduce"] == {"calls": 2, "bytes": 128, "seconds": pytest.approx(0.002)}
     assert t["all_gather"] == {"calls": 1, "bytes": 128, "seconds": pytest.approx(0.002)}
+
+
+def test_probe_rounds_merge_per_rank_and_size_in_order():
+    round1 = [[(4, [1.0]), (8, [2.0])], [(4, [3.0]), (8, [4.0])]]       # per rank: (bytes, times)
+    round2 = [[(4, [5.0]), (8, [6.0])], [(4, [7.0]), (8, [0.5])]]
+    merged = merge_probes([round1, round2])
+    assert merged == [[(4, [1.0, 5.0]), (8, [2.0, 6.0])], [(4, [3.0, 7.0]), (8, [4.0, 0.5])]]
+    assert link_samples(merged) == [(4, 3.0), (8, 1.25)]               # min over ranks per all_reduce, then mean
