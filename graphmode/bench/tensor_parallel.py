@@ -266,8 +266,9 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def _link(link: dict) -> str:
-    return (f"{link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.0f} us, fit within {link['worst_err'] * 100:.0f}% "
-            "of every size")
+    bw = f"{link['bandwidth_gbps']:.2f} GB/s" if link.get("bandwidth_resolved", True) else \
+        "bandwidth not resolved (the times did not grow with size)"
+    return f"{bw}, {link['latency_us']:.0f} us, fit within {link['worst_err'] * 100:.0f}% of every size"
 
 
 def _pct(e: float | None) -> str:

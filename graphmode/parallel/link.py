@@ -89,19 +89,23 @@ def compute_gap(calls: Sequence[Sequence[Mapping[str, Any]]]) -> float:
 
 
 def fit_link(samples: Sequence[tuple[int, float]], world: int) -> dict[str, float]:
-    """{bandwidth_gbps, latency_us, worst_err}: the ring all_reduce model fitted to (bytes,
-    seconds) samples by least squares on relative error; worst_err is the largest
-    |model / measured - 1| over the samples."""
+    """{bandwidth_gbps, latency_us, worst_err, bandwidth_resolved}: the ring all_reduce model
+    fitted to (bytes, seconds) samples by least squares on relative error; worst_err is the
+    largest |model / measured - 1| over the samples. Samples whose time does not grow with
+    size fit the latency alone (bandwidth_resolved False, the bandwidth ~unbounded)."""
     import numpy as np
     n = max(2, world)
     b = np.array([float(s[0]) for s in samples])
     t = np.array([float(s[1]) for s in samples])
     a = np.stack([np.ones_like(b), b], axis=1) / t[:, None]          # t = c0 + c1 * bytes, relative
     (c0, c1), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    resolved = bool(c1 > 0)
+    if not resolved:                 # the times did not grow with size (noise): latency alone
+        c0, c1 = float(np.sum(1 / t) / np.sum(1 / t ** 2)), 1e-15
     c0, c1 = max(float(c0), 1e-9), max(float(c1), 1e-15)
     model = c0 + c1 * b
     return {"bandwidth_gbps": 2 * (n - 1) / n / c1 / 1e9, "latency_us": c0 / (2 * (n - 1)) * 1e6,
-            "worst_err": float(np.max(np.abs(model / t - 1)))}
+            "worst_err": float(np.max(np.abs(model / t - 1))), "bandwidth_resolved": resolved}
 
 
 def plan_sizes(collectives: Sequence[Any], spec: Any, env: Mapping[str, int]) -> list[int]:

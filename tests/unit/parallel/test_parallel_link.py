@@ -24,7 +24,13 @@ def test_the_fit_recovers_the_ring_model_it_was_sampled_from():
     fit = fit_link(samples, n)
     assert fit["bandwidth_gbps"] == pytest.approx(3.0, rel=1e-6)
     assert fit["latency_us"] == pytest.approx(80.0, rel=1e-6)
-    assert fit["worst_err"] < 1e-6
+    assert fit["worst_err"] < 1e-6 and fit["bandwidth_resolved"]
+
+
+def test_times_that_do_not_grow_with_size_fit_the_latency_alone():
+    fit = fit_link([(4, 2e-3), (4096, 1e-3), (1 << 20, 1e-3)], 2)     # noise: the largest is not the slowest
+    assert not fit["bandwidth_resolved"] and fit["bandwidth_gbps"] > 1e5
+    assert 1e-3 / 2 * 1e6 < fit["latency_us"] < 2e-3 / 2 * 1e6
 
 
 def test_probe_samples_keep_each_all_reduces_least_wait_over_ranks_then_the_mean():
