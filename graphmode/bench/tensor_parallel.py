@@ -8,8 +8,9 @@ ranks measured (calls, bytes, ms) beside the cost model's prediction for the ran
 on the recipe's link (the host target's nominal `loopback`) and on the link measured here
 (`graphmode.parallel.link`) the way the shape's calls meet it: after every timed call a few
 all_reduces of each size (the plan's own among them), apart by the compute the calls showed
-between two collectives, so the probe shares the calls' load. The link is also measured back to back (no
-compute between), the best case, once a run. TP=N's outputs are checked against TP=1's (relative L2).
+between two collectives, so the probe shares the calls' load. The link is also measured back
+to back (no compute between), the best case, once a run. TP=N's outputs are checked against
+TP=1's (relative L2).
 """
 from __future__ import annotations
 
@@ -256,7 +257,8 @@ def markdown(res: dict[str, Any]) -> str:
                     "ranks, which the `shard` pass keeps whole)."]
     if link:
         out += ["", f"Loopback link (f32 all_reduce, {len(link['samples'])} sizes), back to back: "
-                f"{_link(link)} (nominal {link['nominal']['bandwidth_gbps']:g} GB/s, {link['nominal']['latency_us']:g} us)."]
+                f"{_link(link)} (nominal {link['nominal']['bandwidth_gbps']:g} GB/s, "
+                f"{link['nominal']['latency_us']:g} us)."]
     lines = [f"- {r['model']} {r['shape']}: {r['link']['gap_ms']:.2f} ms apart, {_link(r['link'])}"
              for r in res["rows"] if r.get("link")]
     if lines:

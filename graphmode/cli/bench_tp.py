@@ -87,8 +87,8 @@ def print_tp_profile(profiles: Sequence[dict]) -> None:
         if link:
             n = link["nominal"]
             console.print(f"  link {n['name']}: recipe {n['bandwidth_gbps']:g} GB/s, {n['latency_us']:g} us; measured "
-                          f"(f32 all_reduces {link['gap_ms']:.2f} ms apart, as this bucket's calls) {link['bandwidth_gbps']:.2f} GB/s, "
-                          f"{link['latency_us']:.0f} us "
+                          f"(f32 all_reduces {link['gap_ms']:.2f} ms apart, as this bucket's calls) "
+                          f"{link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.0f} us "
                           f"(fit within {link['worst_err'] * 100:.0f}% of every size). For this host's recipes: "
                           f"links: {{{n['name']}: {{bandwidth_gbps: {link['bandwidth_gbps']:.2g}, latency_us: "
                           f"{link['latency_us']:.0f}}}}}", highlight=False)

@@ -269,7 +269,7 @@ class TensorParallelModel:
     def measure_link(self, sizes: tuple[int, ...], reps: int, gap_s: float = 0.0) -> list[list[tuple[int, list]]]:
         """Per rank, (bytes, seconds of each of `reps`) f32 all_reduces of each size between the
         ranks, each after `gap_s` of compute (`graphmode.parallel.link`): what the recipe's
-        `links` stand for, measured; `link.link_samples` makes them one median per size."""
+        `links` stand for, measured; `link.link_samples` makes them one mean per size."""
         self._check_up()
         for r, c in enumerate(self.conns):
             try:

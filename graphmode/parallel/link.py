@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 SIZES = (4, 4 << 10, 64 << 10, 512 << 10, 2 << 20)     # bytes of one f32 all_reduce
 REPS = 15
+Probe = Sequence[Sequence[tuple[int, Sequence[float]]]]     # per rank: (bytes, seconds of each all_reduce) per size
 
 
 def measure_link(sizes: Sequence[int], reps: int, gap_s: float = 0.0) -> list[tuple[int, list[float]]]:
@@ -59,7 +60,7 @@ def _compute(work: Any, seconds: float) -> None:
         work @ work
 
 
-def link_samples(per_rank: Sequence[Sequence[tuple[int, Sequence[float]]]]) -> list[tuple[int, float]]:
+def link_samples(per_rank: Probe) -> list[tuple[int, float]]:
     """(bytes, mean seconds) per size from every rank's `measure_link`: of each all_reduce the
     least time any rank spent in it (the rank that arrived last), then the mean over reps. The
     mean, not the median: a step's communication is a sum of collectives, and on a shared host
@@ -69,7 +70,7 @@ def link_samples(per_rank: Sequence[Sequence[tuple[int, Sequence[float]]]]) -> l
             for row in zip(*per_rank)]
 
 
-def merge_probes(probes: Sequence[Sequence[Sequence[tuple[int, Sequence[float]]]]]) -> list[list[tuple[int, list[float]]]]:
+def merge_probes(probes: Sequence[Probe]) -> list[list[tuple[int, list[float]]]]:
     """Several `measure_link` rounds (each per rank, the same sizes) as one: per rank and size,
     every round's times in order."""
     return [[(rows[0][0], [x for _, ts in rows for x in ts]) for rows in zip(*rounds)] for rounds in zip(*probes)]
@@ -112,7 +113,8 @@ def plan_sizes(collectives: Sequence[Any], spec: Any, env: Mapping[str, int]) ->
     """The wire bytes of the all_reduces of a rank's sharded graph at `env`: probed beside the
     fixed sizes, so the link fitted is measured at the sizes the calls send."""
     from graphmode.recipe.smt import evaluate
-    return sorted({int(evaluate(c.wire_bytes(spec.comm.dtype), dict(env))) for c in collectives if c.op == "all_reduce"})
+    return sorted({int(evaluate(c.wire_bytes(spec.comm.dtype), dict(env)))
+                   for c in collectives if c.op == "all_reduce"})
 
 
 def predict_comm(collectives: Sequence[Any], spec: Any, env: Mapping[str, int],

@@ -7,7 +7,8 @@ from graphmode.bench.tensor_parallel import markdown
 
 def _link(gap_ms: float, bw: float, lat: float) -> dict:
     return {"gap_ms": gap_ms, "samples": [{"bytes": 4, "ms": 0.2}, {"bytes": 24576, "ms": 0.5}], "bandwidth_gbps": bw,
-            "latency_us": lat, "worst_err": 0.1, "nominal": {"name": "loopback", "bandwidth_gbps": 1.0, "latency_us": 100.0}}
+            "latency_us": lat, "worst_err": 0.1,
+            "nominal": {"name": "loopback", "bandwidth_gbps": 1.0, "latency_us": 100.0}}
 
 
 def test_the_report_shows_the_back_to_back_link_and_each_shapes_link_as_the_calls_meet_it():
@@ -15,7 +16,8 @@ def test_the_report_shows_the_back_to_back_link_and_each_shapes_link_as_the_call
              "calibrated_ms": 9.0, "calibrated_err": -0.1},
             {"collective": "total", "calls": 13, "bytes": 319488.0, "ms": 10.0, "predicted_ms": 3.0, "err": -0.7,
              "calibrated_ms": 9.0, "calibrated_err": -0.1}]
-    row = {"model": "minilm", "shape": "1x16", "tp1_ms": 4.0, "tp2_ms": 20.0, "speedup": 0.2, "rank_run_ms": [18.0, 18.5],
+    row = {"model": "minilm", "shape": "1x16", "tp1_ms": 4.0, "tp2_ms": 20.0, "speedup": 0.2,
+           "rank_run_ms": [18.0, 18.5],
            "ipc_ms": 1.5, "weights_mb_whole": 90.0, "weights_mb_per_rank": [45.0, 45.0], "rel_l2_vs_tp1": 1e-6,
            "comm": comm, "link": _link(0.6, 1.5, 340.0)}
     res = {"rows": [row], "link": _link(0.0, 3.0, 220.0),

@@ -41,7 +41,8 @@ def test_probe_samples_keep_each_all_reduces_least_wait_over_ranks_then_the_mean
 
 def test_compute_gap_is_the_least_waiting_ranks_compute_per_stretch_median_over_calls():
     def call(run, comm, n=3):
-        return [{"run_s": run, "comm_s": comm, "collectives": n}, {"run_s": run, "comm_s": comm + 1.0, "collectives": n}]
+        return [{"run_s": run, "comm_s": comm, "collectives": n},
+                {"run_s": run, "comm_s": comm + 1.0, "collectives": n}]
     calls = [call(10.0, 2.0), call(6.0, 2.0), call(14.0, 2.0)]
     assert compute_gap(calls) == pytest.approx((10.0 - 2.0) / 4)   # 3 collectives: 4 stretches around them
     assert compute_gap([call(1.0, 0.0, 0)]) == 0.0 and compute_gap([]) == 0.0
