@@ -86,6 +86,11 @@ def print_tp_profile(profiles: Sequence[dict]) -> None:
         console.print(t)
         if link:
             n = link["nominal"]
+            if not link.get("bandwidth_resolved", True):
+                console.print(f"  link {n['name']}: recipe {n['bandwidth_gbps']:g} GB/s, {n['latency_us']:g} us; "
+                              f"measured: {link['latency_us']:.0f} us, the bandwidth not resolved (the times did not "
+                              "grow with size: a busy host); profile again for a `links` entry", highlight=False)
+                continue
             console.print(f"  link {n['name']}: recipe {n['bandwidth_gbps']:g} GB/s, {n['latency_us']:g} us; measured "
                           f"(f32 all_reduces {link['gap_ms']:.2f} ms apart, as this bucket's calls) "
                           f"{link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.0f} us "

@@ -27,3 +27,16 @@ def test_the_report_shows_the_back_to_back_link_and_each_shapes_link_as_the_call
     assert "| minilm | 1x16 | all_reduce | 13 | 319488 | 10.000 | 3.000 | -70% | 9.000 | -10% |" in md
     assert "back to back: 3.00 GB/s, 220 us" in md
     assert "- minilm 1x16: 0.60 ms apart, 1.50 GB/s, 340 us" in md
+
+
+def test_profile_names_no_bandwidth_when_the_probe_did_not_resolve_one(capsys):
+    from graphmode.cli.bench_tp import print_tp_profile
+    comm = [{"collective": "total", "calls": 1, "bytes": 64.0, "ms": 1.0, "predicted_ms": 0.2, "err": -0.8,
+             "calibrated_ms": 0.9, "calibrated_err": -0.1}]
+    prof = {"model": "m", "bucket": {"batch": 1}, "runs": 3, "call_ms": 2.0, "rank_run_ms": [1.5, 1.5],
+            "weights_mb_per_rank": [1.0, 1.0], "comm": comm}
+    print_tp_profile([dict(prof, link=dict(_link(0.2, 2.0, 300.0), bandwidth_resolved=True))])
+    assert "links: {loopback: {bandwidth_gbps: 2, latency_us: 300}}" in " ".join(capsys.readouterr().out.split())
+    print_tp_profile([dict(prof, link=dict(_link(0.2, 1e6, 300.0), bandwidth_resolved=False))])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the bandwidth not resolved" in out and "links: {" not in out
