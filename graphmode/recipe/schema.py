@@ -341,10 +341,12 @@ class CodegenSpec(_Spec):
     from an AVX-512 machine); one the target lacks is refused (semantics.py). `schedule`: how
     generated kernels' parallel loops hand out iterations (= backends/cpu/omp_loops.py
     SCHEDULES): static shares, or chunks claimed dynamically (dynamic, guided), which a busy
-    host's descheduled thread cannot hold up; auto = the measured default."""
+    host's descheduled thread cannot hold up, or `claim`: chunks claimed on graphmode's own
+    pool, whose join does not wait for a thread that claimed nothing; auto = the measured
+    default."""
     kernel_selection: Literal["latency_first", "throughput_first", "heuristic"] = "latency_first"
     isa: Literal["auto", "avx512", "avx2", "portable"] = "auto"
-    schedule: Literal["auto", "static", "dynamic", "guided"] = "auto"
+    schedule: Literal["auto", "static", "dynamic", "guided", "claim"] = "auto"
     _LATE = {"isa": "auto", "schedule": "auto"}
 
 

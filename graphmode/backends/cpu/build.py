@@ -35,14 +35,16 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from graphmode.backends.cpu import claim_pool
 from graphmode.backends.cpu.abi import KernelSource, translation_unit
 from graphmode.backends.cpu.isa import CAPS, host_simd, march
 from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary
-from graphmode.backends.cpu.omp_loops import resolve_schedule, schedule_flags
+from graphmode.backends.cpu.omp_loops import claim_loops, resolve_schedule, schedule_flags
 from graphmode.backends.cpu.toolchain import Toolchain, atomic_write, run, shared_flags, warn_once
 from graphmode.errors import BackendError
 from graphmode.paths import cache_layout
@@ -142,14 +144,15 @@ class KernelBuilder:
             uniq.setdefault(s.symbol, s)
         if not uniq:
             return {}
-        tu = translation_unit(uniq.values())
+        built = {k: self._as_built(s) for k, s in uniq.items()}
+        tu = translation_unit(built.values())
         key = hashlib.sha256((tu + "\0" + self.toolchain.identity).encode()).hexdigest()[:32]
         try:
-            lib = self._library(key, [uniq[k] for k in sorted(uniq)], tu)
+            lib = self._library(key, [built[k] for k in sorted(built)], tu)
         except BackendError:
             if strict or len(uniq) == 1:
                 raise
-            bad = self._syntax_failures(list(uniq.values()))
+            bad = self._syntax_failures(list(built.values()))
             if not bad:
                 raise
             for sym, err in bad.items():
@@ -157,6 +160,13 @@ class KernelBuilder:
             self.failures.update(bad)
             return self.build_many([s for k, s in uniq.items() if k not in bad], strict=True)
         return {sym: CompiledKernel(src, lib) for sym, src in uniq.items()}
+
+    def _as_built(self, source: KernelSource) -> KernelSource:
+        """The text compiled for `source`: under the claim schedule its claimable loops call the
+        work-claiming pool (omp_loops.claim_loops); the same kernel otherwise."""
+        if self.schedule != "claim":
+            return source
+        return replace(source, source=claim_loops(source.source)[0])
 
     def _syntax_failures(self, sources: list[KernelSource]) -> dict[str, str]:
         """Which kernels the compiler rejects on their own (`-fsyntax-only`, in parallel)."""
@@ -182,7 +192,7 @@ class KernelBuilder:
     def library_path(self, sources: Iterable[KernelSource]) -> Path:
         """Where the library for these kernels lives (whether or not it is built)."""
         self._require()
-        uniq = {s.symbol: s for s in sources}
+        uniq = {s.symbol: self._as_built(s) for s in sources}
         tu = translation_unit(uniq.values())
         return self.cache_dir / f"{hashlib.sha256((tu + chr(0) + self.toolchain.identity).encode()).hexdigest()[:32]}.so"
 
@@ -250,6 +260,8 @@ class KernelBuilder:
 
     def _load(self, path: Path) -> CompiledLibrary:
         lib = CompiledLibrary(path, threads=self.threads)
+        if self.schedule == "claim":
+            claim_pool.attach(lib, self)
         with _LOCK:
             _LOADED[str(path)] = (lib, _signature(path))
         return lib

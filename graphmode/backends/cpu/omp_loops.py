@@ -20,16 +20,18 @@ iterations, so a kernel's results are bit-identical at every schedule.
 from __future__ import annotations
 
 import math
+import re
 
 from graphmode.errors import BackendError
 
-SCHEDULES = ("static", "dynamic", "guided")
+SCHEDULES = ("static", "dynamic", "guided", "claim")
 DEFAULT_SCHEDULE = "dynamic"    # what `auto` builds: the quiet-host A/B in docs/performance-contention.md
 MIN_CHUNKS = 8                  # claimable loops have at least this many chunks (4 per thread at 2 threads)
 MAX_CHUNKS = 64                 # and at most this many claims per loop
 MIN_CHUNK_WORK = 40_000         # work units (~2 us) per chunk; a claim costs ~0.1 us uncontended
 
-_FLAGS = {"static": (), "dynamic": ("-DGM_SCHEDULE_DYNAMIC",), "guided": ("-DGM_SCHEDULE_GUIDED",)}
+_FLAGS = {"static": (), "dynamic": ("-DGM_SCHEDULE_DYNAMIC",), "guided": ("-DGM_SCHEDULE_GUIDED",),
+          "claim": ("-DGM_SCHEDULE_CLAIM",)}
 
 
 def resolve_schedule(schedule: str | None) -> str:
@@ -87,5 +89,77 @@ def omp_for(trips: int, work: float | None = None, *, region: bool = True, colla
     return " ".join(parts)
 
 
+_CLAIM_PRAGMA = re.compile(r"^(\s*)#pragma omp parallel for( simd)? schedule\(GM_SCHED\((\d+)\)\) num_threads\((.+)\)\s*$")
+_FOR = re.compile(r"^(\s*)for \((long|int64_t|int) (\w+) = ([^;]+); (\w+) < ([^;]+); \+\+(\w+)\)\s*(.*)$")
+_LITERALS = re.compile(r'//.*$|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'')
+
+
+def _braces(line: str) -> int:
+    """Opening minus closing braces of a C++ line, outside comments and literals."""
+    code = _LITERALS.sub("", line)
+    return code.count("{") - code.count("}")
+
+
+def _claimed(lines: list[str], i: int) -> tuple[list[str], int] | None:
+    """The `gm_parallel_for` form of the claimable loop whose pragma is lines[i], and the index
+    after the loop; None when the loop is not in a form written here (it stays OpenMP)."""
+    pragma = _CLAIM_PRAGMA.match(lines[i])
+    head = _FOR.match(lines[i + 1]) if pragma and i + 1 < len(lines) else None
+    if head is None:
+        return None
+    ind, ctype, var, lo, cvar, hi, ivar, rest = head.groups()
+    if cvar != var or ivar != var:
+        return None
+    simd, chunk, nt = pragma.group(2), pragma.group(3), pragma.group(4)
+    start = [f"{ind}gm_parallel_for((long)({lo}), (long)({hi}), {chunk}L, {nt}, [&](long gm_lo, long gm_hi) {{",
+             *([f"{ind}#pragma omp simd"] if simd else []),
+             f"{ind}for ({ctype} {var} = gm_lo; {var} < gm_hi; ++{var}){' ' + rest if rest else ''}"]
+    end = f"{ind}}});"
+    if rest.endswith(";") and "{" not in rest and "}" not in rest:     # one statement
+        return start + [end], i + 2
+    j = i + 2
+    if rest == "":
+        if j >= len(lines) or lines[j].strip() != "{":
+            return None
+        start.append(lines[j])
+        j += 1
+    elif rest != "{":
+        return None
+    depth = 1
+    for k in range(j, len(lines)):
+        depth += _braces(lines[k])
+        if depth == 0:
+            if lines[k].strip() != "}":
+                return None
+            return start + lines[j:k + 1] + [end], k + 1
+        if depth < 0:
+            return None
+    return None
+
+
+def claim_loops(source: str) -> tuple[str, int, int]:
+    """`source` with every claimable `#pragma omp parallel for [simd]` loop (GM_SCHED, not
+    collapsed, a canonical `for (T v = lo; v < hi; ++v)`) written as `gm_parallel_for(lo, hi, chunk,
+    threads, [&](long gm_lo, long gm_hi) { for (T v = gm_lo; v < gm_hi; ++v) ... });` for the
+    work-claiming pool (the `claim` schedule); how many loops were rewritten and how many
+    claimable ones were left to OpenMP (`dynamic`: inside a parallel region, collapsed).
+    Each iteration writes its own outputs and the lambda shares what the OpenMP loop shared
+    (captures by reference), so the results are the same bits."""
+    lines = source.split("\n")
+    out: list[str] = []
+    done = left = i = 0
+    while i < len(lines):
+        got = _claimed(lines, i) if "GM_SCHED(" in lines[i] else None
+        if got is None:
+            left += "GM_SCHED(" in lines[i] and lines[i].lstrip().startswith("#pragma omp")
+            out.append(lines[i])
+            i += 1
+            continue
+        text, i = got
+        out += text
+        done += 1
+    return "\n".join(out), done, left
+
+
 __all__ = ["SCHEDULES", "DEFAULT_SCHEDULE", "resolve_schedule", "schedule_flags", "chunk_for", "schedule_clause",
-           "omp_for"]
+           "omp_for", "claim_loops"]

@@ -5,6 +5,10 @@
 __attribute__((visibility("hidden"))) int gm_threads = 0;
 GM_EXPORT void gm_set_threads(int n) { gm_threads = n < 0 ? 0 : n; }
 GM_EXPORT int gm_get_threads(void) { return gm_nt(); }
+#if defined(GM_SCHEDULE_CLAIM)
+__attribute__((visibility("hidden"))) gm_pool_fn_t gm_pool_run = nullptr;
+GM_EXPORT void gm_set_pool(void* entry) { gm_pool_run = (gm_pool_fn_t)entry; }
+#endif
 // gm_flush_lines(p, n) evicts the bytes [p, p + n) from every cache level and returns 1, or
 // returns 0 where it cannot (tactic timing then reads rotating copies instead). Timing a
 // candidate "cold" (its weight read from DRAM, as a model larger than the LLC reads it) by

@@ -17,8 +17,8 @@ typedef __SIZE_TYPE__ size_t;
 #ifdef _OPENMP
 extern "C" int omp_get_max_threads(void);
 #endif
-extern "C" void* malloc(size_t);
-extern "C" void free(void*);
+extern "C" void* malloc(size_t) noexcept;
+extern "C" void free(void*) noexcept;
 
 extern int gm_threads;  // per library; 0 = the OpenMP default
 GM_INLINE int gm_nt(void) {
@@ -31,12 +31,30 @@ GM_INLINE int gm_nt(void) {
 
 // GM_SCHED(c): the schedule of the loops a generator made claimable (backends/cpu/omp_loops.py),
 // chosen by the build's flag: chunks of c claimed dynamically, guided down to c, or static.
-#if defined(GM_SCHEDULE_DYNAMIC)
+#if defined(GM_SCHEDULE_DYNAMIC) || defined(GM_SCHEDULE_CLAIM)
 #define GM_SCHED(c) dynamic, c
 #elif defined(GM_SCHEDULE_GUIDED)
 #define GM_SCHED(c) guided, c
 #else
 #define GM_SCHED(c) static
+#endif
+
+// gm_parallel_for(lo, hi, chunk, nt, f): f(a, b) over [lo, hi) in chunks of `chunk`, claimed by
+// the process's work-claiming pool (templates/claim_pool.h) with up to `nt` threads, the caller
+// one of them. Under codegen.schedule claim, omp_loops.claim_loops writes a claimable
+// `#pragma omp parallel for` loop this way. gm_pool_run is set when the library is loaded
+// (gm_set_pool); unset, the caller runs the whole loop.
+#if defined(GM_SCHEDULE_CLAIM)
+typedef void (*gm_pool_fn_t)(long, long, long, int, void (*)(void*, long, long), void*);
+extern gm_pool_fn_t gm_pool_run;
+template <class F>
+GM_INLINE void gm_parallel_for(long lo, long hi, long chunk, int nt, const F& f) {
+  if (gm_pool_run == nullptr || nt <= 1 || hi - lo <= chunk) {
+    if (hi > lo) f(lo, hi);
+    return;
+  }
+  gm_pool_run(lo, hi, chunk, nt, [](void* c, long a, long b) { (*(const F*)c)(a, b); }, (void*)&f);
+}
 #endif
 
 GM_INLINE float gm_bits_f32(int32_t i) { float f; __builtin_memcpy(&f, &i, 4); return f; }

@@ -16,8 +16,8 @@ from graphmode.backends.cpu.build import KernelBuilder, builder_for
 from graphmode.backends.cpu.catalog import native_source
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, chunks_for, generate_gemm
 from graphmode.backends.cpu.kernels import run_with_tensors
-from graphmode.backends.cpu.omp_loops import (MAX_CHUNKS, MIN_CHUNK_WORK, MIN_CHUNKS, SCHEDULES, chunk_for, omp_for,
-                                              resolve_schedule, schedule_flags)
+from graphmode.backends.cpu.omp_loops import (MAX_CHUNKS, MIN_CHUNK_WORK, MIN_CHUNKS, SCHEDULES, chunk_for,
+                                              claim_loops, omp_for, resolve_schedule, schedule_flags)
 from graphmode.backends.reference import ReferenceBackend
 from graphmode.errors import BackendError, RecipeErrors
 from graphmode.recipe import load_recipe
@@ -58,6 +58,7 @@ def test_schedule_names_and_flags():
     assert schedule_flags("static") == ()
     assert schedule_flags("dynamic") == ("-DGM_SCHEDULE_DYNAMIC",)
     assert schedule_flags("guided") == ("-DGM_SCHEDULE_GUIDED",)
+    assert schedule_flags("claim") == ("-DGM_SCHEDULE_CLAIM",)
     with pytest.raises(BackendError, match="unknown loop schedule") as e:
         KernelBuilder(tempfile.gettempdir(), schedule="fair")
     assert e.value.where == "codegen.schedule" and "dynamic" in e.value.fix
@@ -118,8 +119,11 @@ def _same_bits(kernels, tmp_path, schedules) -> None:
         b = KernelBuilder(tmp_path / sched, threads=2, schedule=sched)
         built = b.build_many([s for s, _ in kernels])
         text = b.library_path([s for s, _ in kernels]).read_bytes()
-        assert (b"GOMP_loop_nonmonotonic_dynamic_start" in text) == (sched == "dynamic"), sched
-        assert (b"GOMP_loop_nonmonotonic_guided_start" in text) == (sched == "guided"), sched
+        if sched == "claim":       # loops the pool takes call it; those inside a region stay dynamic
+            assert b"gm_set_pool" in text and b"GOMP_loop_nonmonotonic_guided_start" not in text
+        else:
+            assert (b"GOMP_loop_nonmonotonic_dynamic_start" in text) == (sched == "dynamic"), sched
+            assert (b"GOMP_loop_nonmonotonic_guided_start" in text) == (sched == "guided"), sched
         results[sched] = [run_with_tensors(built[s.symbol], dict(ins), source=s) for s, ins in kernels]
     for sched in schedules:
         for (src, _), a, b in zip(kernels, results["static"], results[sched]):
@@ -132,6 +136,17 @@ def _same_bits(kernels, tmp_path, schedules) -> None:
 @needs_cxx
 def test_static_and_dynamic_builds_are_bit_identical(tmp_path):
     _same_bits(_kernels(), tmp_path, ("dynamic",))
+
+
+@needs_cxx
+def test_claim_builds_are_bit_identical(tmp_path):
+    """The claim schedule's loops run on the work-claiming pool (claim_pool.py): same bits."""
+    from graphmode.backends.cpu import claim_pool
+    kernels = _kernels()
+    rewritten = [claim_loops(s.source)[1] for s, _ in kernels]
+    assert sum(rewritten) >= 3, rewritten       # the pool, the cast and the GEMM loops; attention's stays OpenMP
+    _same_bits(kernels, tmp_path, ("claim",))
+    assert claim_pool.stats()["jobs"] > 0
 
 
 @needs_cxx

@@ -1,0 +1,180 @@
+// graphmode's work-claiming thread pool (backends/cpu/claim_pool.py): one per process, built into
+// its own library; kernel libraries built with codegen.schedule claim reach it through the
+// entry point their gm_set_pool receives (templates/library.h), and call it from
+// gm_parallel_for (templates/prelude.h).
+//
+// A job is `trips` iterations cut into chunks. The caller publishes it and claims chunks
+// itself; workers that are awake claim the others. The caller returns when every chunk is
+// claimed and every claimed chunk has finished: it never waits for a worker that claimed
+// nothing (one the kernel scheduler took away, or one still asleep), unlike an OpenMP region,
+// whose closing barrier waits for every thread of the team.
+//
+// Claims are a CAS on one 64-bit word {epoch:32, next:16, chunks:16}: a worker that read the
+// word of an old job and ran late cannot claim from a newer one (the CAS compares the whole
+// word), and it reads the job's parameters only after its claim succeeded, when the job cannot
+// end before its chunk does. So no job state outlives the caller's wait, whatever the workers
+// do. Idle workers spin `spin` pauses (graphmode/openmp.py's bound), then sleep on a condition
+// variable until the next job is published.
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <pthread.h>
+#include <thread>
+
+namespace {
+
+typedef void (*gm_chunk_fn)(void*, long, long);
+constexpr long GM_POOL_MAX_CHUNKS = 0xFFFF;   // chunks per job: the word's 16-bit fields
+constexpr int GM_POOL_MAX_WORKERS = 255;
+
+inline uint64_t gm_word(uint64_t epoch, uint64_t next, uint64_t chunks) {
+  return (epoch << 32) | (next << 16) | chunks;
+}
+inline long gm_word_next(uint64_t w) { return (long)((w >> 16) & 0xFFFF); }
+inline long gm_word_chunks(uint64_t w) { return (long)(w & 0xFFFF); }
+
+inline void gm_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ volatile("yield");
+#endif
+}
+
+bool gm_forked = false;                 // in a child of fork(): the pool's threads are not there
+thread_local bool gm_in_job = false;    // a pool thread, or a caller inside its job
+
+struct GmPool {
+  std::atomic<uint64_t> word{0};
+  std::atomic<long> done{0};
+  // the current job, written by its caller before it publishes `word`, read after a claim
+  std::atomic<gm_chunk_fn> fn{nullptr};
+  std::atomic<void*> ctx{nullptr};
+  std::atomic<long> lo{0}, hi{0}, chunk{1};
+  std::atomic<int> helpers{0};          // workers (by index) that may take part in the current job
+  uint32_t epoch = 0;                   // the caller's, under `busy`
+  std::atomic<int> spin{1000};
+  std::mutex busy;                      // one job at a time; another caller runs its loop alone
+  std::mutex sleep_m;
+  std::condition_variable sleep_cv;
+  std::atomic<int> sleepers{0};
+  std::mutex done_m;
+  std::condition_variable done_cv;
+  std::atomic<int> workers{0};          // started (changed under `busy`)
+  std::atomic<long> jobs{0}, worker_chunks{0}, inline_jobs{0};
+
+  // Claim and run chunks of the job in `w` until none is left; true if any was run.
+  bool work(uint64_t w, bool is_worker) {
+    bool ran = false;
+    for (;;) {
+      const long next = gm_word_next(w), n = gm_word_chunks(w);
+      if (next >= n) return ran;
+      if (!word.compare_exchange_weak(w, w + (1u << 16), std::memory_order_acq_rel, std::memory_order_acquire))
+        continue;                       // w now holds the current word: retry on it (or stop: a new job)
+      const long c = chunk.load(std::memory_order_relaxed), l = lo.load(std::memory_order_relaxed);
+      const long h = hi.load(std::memory_order_relaxed);
+      const long a = l + next * c, b = a + c < h ? a + c : h;
+      fn.load(std::memory_order_relaxed)(ctx.load(std::memory_order_relaxed), a, b);
+      if (is_worker) worker_chunks.fetch_add(1, std::memory_order_relaxed);
+      ran = true;
+      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+        std::lock_guard<std::mutex> g(done_m);
+        done_cv.notify_all();
+      }
+      w += 1u << 16;                    // our own claim; a failed CAS next round reloads it
+    }
+  }
+
+  void worker_loop(int index) {
+    uint64_t seen = word.load(std::memory_order_acquire);
+    for (;;) {
+      uint64_t w = word.load(std::memory_order_acquire);
+      if (index < helpers.load(std::memory_order_relaxed) && gm_word_next(w) < gm_word_chunks(w)) {
+        work(w, true);
+        seen = word.load(std::memory_order_acquire);
+        continue;
+      }
+      seen = w;
+      const int s = spin.load(std::memory_order_relaxed);
+      int i = 0;
+      while (i < s && word.load(std::memory_order_acquire) == seen) { gm_pause(); ++i; }
+      if (i < s) continue;
+      std::unique_lock<std::mutex> l(sleep_m);
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      while (word.load(std::memory_order_seq_cst) == seen) sleep_cv.wait(l);
+      sleepers.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+
+  void run(long l, long h, long c, int nt, gm_chunk_fn f, void* x) {
+    if (c < 1) c = 1;
+    long n = (h - l + c - 1) / c;
+    if (n > GM_POOL_MAX_CHUNKS) { c = (h - l + GM_POOL_MAX_CHUNKS - 1) / GM_POOL_MAX_CHUNKS; n = (h - l + c - 1) / c; }
+    if (nt > GM_POOL_MAX_WORKERS + 1) nt = GM_POOL_MAX_WORKERS + 1;
+    // alone: one chunk, one thread, a forked child (its workers did not survive the fork), a
+    // loop inside a chunk, or the pool busy with another thread's job: the caller does it all
+    if (n <= 1 || nt <= 1 || gm_forked || gm_in_job || !busy.try_lock()) {
+      if (h > l) f(x, l, h);
+      inline_jobs.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    for (int i = workers.load(); i < nt - 1; i = workers.load()) {
+      try {
+        std::thread([this, i] { gm_in_job = true; worker_loop(i); }).detach();
+      } catch (...) {
+        break;                          // no thread to be had: those there are (or the caller) do it
+      }
+      workers.store(i + 1);
+    }
+    gm_in_job = true;
+    fn.store(f, std::memory_order_relaxed);
+    ctx.store(x, std::memory_order_relaxed);
+    lo.store(l, std::memory_order_relaxed);
+    hi.store(h, std::memory_order_relaxed);
+    chunk.store(c, std::memory_order_relaxed);
+    helpers.store(nt - 1, std::memory_order_relaxed);
+    done.store(0, std::memory_order_relaxed);
+    ++epoch;
+    const uint64_t w = gm_word(epoch, 0, (uint64_t)n);
+    word.store(w, std::memory_order_seq_cst);                     // publishes the stores above
+    if (sleepers.load(std::memory_order_seq_cst) > 0) {
+      { std::lock_guard<std::mutex> g(sleep_m); }
+      sleep_cv.notify_all();
+    }
+    work(w, false);
+    const int s = spin.load(std::memory_order_relaxed);
+    for (int i = 0; i < s && done.load(std::memory_order_acquire) < n; ++i) gm_pause();
+    if (done.load(std::memory_order_acquire) < n) {
+      std::unique_lock<std::mutex> g(done_m);
+      while (done.load(std::memory_order_acquire) < n) done_cv.wait(g);
+    }
+    gm_in_job = false;
+    jobs.fetch_add(1, std::memory_order_relaxed);
+    busy.unlock();
+  }
+};
+
+GmPool* gm_pool() {
+  static GmPool* pool = [] {            // never destroyed: detached workers may outlive exit's destructors
+    pthread_atfork(nullptr, nullptr, [] { gm_forked = true; });
+    return new GmPool();
+  }();
+  return pool;
+}
+
+void gm_pool_run_impl(long lo, long hi, long chunk, int nt, gm_chunk_fn fn, void* ctx) {
+  gm_pool()->run(lo, hi, chunk, nt, fn, ctx);
+}
+
+}  // namespace
+
+GM_EXPORT void* gm_pool_entry(void) { return (void*)&gm_pool_run_impl; }
+GM_EXPORT void gm_pool_set_spin(int spin) { gm_pool()->spin.store(spin < 0 ? 0 : spin); }
+// jobs run by the pool, chunks its workers ran, loops the caller ran alone, workers started
+GM_EXPORT void gm_pool_stats(long* out) {
+  GmPool* p = gm_pool();
+  out[0] = p->jobs.load();
+  out[1] = p->worker_chunks.load();
+  out[2] = p->inline_jobs.load();
+  out[3] = p->workers.load();
+}
