@@ -90,6 +90,8 @@ def omp_for(trips: int, work: float | None = None, *, region: bool = True, colla
 
 
 _CLAIM_PRAGMA = re.compile(r"^(\s*)#pragma omp parallel for( simd)? schedule\(GM_SCHED\((\d+)\)\) num_threads\((.+)\)\s*$")
+_REGION = re.compile(r"^(\s*)#pragma omp parallel num_threads\((.+)\)\s*$")
+_REGION_FOR = re.compile(r"^\s*#pragma omp for schedule\(GM_SCHED\((\d+)\)\)\s*$")
 _FOR = re.compile(r"^(\s*)for \((long|int64_t|int) (\w+) = ([^;]+); (\w+) < ([^;]+); \+\+(\w+)\)\s*(.*)$")
 _LITERALS = re.compile(r'//.*$|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'')
 
@@ -100,56 +102,100 @@ def _braces(line: str) -> int:
     return code.count("{") - code.count("}")
 
 
-def _claimed(lines: list[str], i: int) -> tuple[list[str], int] | None:
-    """The `gm_parallel_for` form of the claimable loop whose pragma is lines[i], and the index
-    after the loop; None when the loop is not in a form written here (it stays OpenMP)."""
-    pragma = _CLAIM_PRAGMA.match(lines[i])
-    head = _FOR.match(lines[i + 1]) if pragma and i + 1 < len(lines) else None
+def _block_end(lines: list[str], j: int) -> int | None:
+    """The index of the `}` line closing a block whose body starts at lines[j] (None: there is
+    none, or code shares its line)."""
+    depth = 1
+    for k in range(j, len(lines)):
+        depth += _braces(lines[k])
+        if depth <= 0:
+            return k if depth == 0 and lines[k].strip() == "}" else None
+    return None
+
+
+def _loop(lines: list[str], j: int, simd: bool) -> tuple[str, str, list[str], int] | None:
+    """The canonical `for (T v = lo; v < hi; ++v)` loop at lines[j]: (lo, hi, the loop over
+    [gm_lo, gm_hi) instead, the index after it); None for any other form."""
+    head = _FOR.match(lines[j]) if j < len(lines) else None
     if head is None:
         return None
     ind, ctype, var, lo, cvar, hi, ivar, rest = head.groups()
     if cvar != var or ivar != var:
         return None
-    simd, chunk, nt = pragma.group(2), pragma.group(3), pragma.group(4)
-    start = [f"{ind}gm_parallel_for((long)({lo}), (long)({hi}), {chunk}L, {nt}, [&](long gm_lo, long gm_hi) {{",
-             *([f"{ind}#pragma omp simd"] if simd else []),
-             f"{ind}for ({ctype} {var} = gm_lo; {var} < gm_hi; ++{var}){' ' + rest if rest else ''}"]
-    end = f"{ind}}});"
+    loop = [*([f"{ind}#pragma omp simd"] if simd else []),
+            f"{ind}for ({ctype} {var} = gm_lo; {var} < gm_hi; ++{var}){' ' + rest if rest else ''}"]
     if rest.endswith(";") and "{" not in rest and "}" not in rest:     # one statement
-        return start + [end], i + 2
-    j = i + 2
+        return lo, hi, loop, j + 1
+    k = j + 1
     if rest == "":
-        if j >= len(lines) or lines[j].strip() != "{":
+        if k >= len(lines) or lines[k].strip() != "{":
             return None
-        start.append(lines[j])
-        j += 1
+        loop.append(lines[k])
+        k += 1
     elif rest != "{":
         return None
-    depth = 1
-    for k in range(j, len(lines)):
-        depth += _braces(lines[k])
-        if depth == 0:
-            if lines[k].strip() != "}":
-                return None
-            return start + lines[j:k + 1] + [end], k + 1
-        if depth < 0:
-            return None
-    return None
+    end = _block_end(lines, k)
+    return None if end is None else (lo, hi, loop + lines[k:end + 1], end + 1)
+
+
+def _region_loop(lines: list[str], i: int) -> tuple[list[str], int] | None:
+    """A `#pragma omp parallel` region at lines[i] whose one work-sharing construct is a
+    claimable `#pragma omp for` at its top level: the region's own lines (per-thread scratch:
+    a row buffer, attention's K^T) become each chunk's, around the loop."""
+    region = _REGION.match(lines[i])
+    if region is None or i + 1 >= len(lines) or lines[i + 1].strip() != "{":
+        return None
+    end = _block_end(lines, i + 2)
+    if end is None:
+        return None
+    inner = lines[i + 2:end]
+    pragmas = [k for k, ln in enumerate(inner) if ln.lstrip().startswith("#pragma omp")
+               and not ln.lstrip().startswith("#pragma omp simd")]
+    if len(pragmas) != 1 or any("omp_get_thread_num" in ln for ln in inner):
+        return None
+    k = pragmas[0]
+    work = _REGION_FOR.match(inner[k])
+    if work is None or sum(_braces(ln) for ln in inner[:k]) != 0:
+        return None
+    loop = _loop(inner, k + 1, False)
+    if loop is None:
+        return None
+    lo, hi, body, after = loop
+    ind, nt = region.group(1), region.group(2)
+    return ([f"{ind}gm_parallel_for((long)({lo}), (long)({hi}), {work.group(1)}L, {nt}, [&](long gm_lo, long gm_hi) {{",
+             *inner[:k], *body, *inner[after:], f"{ind}}});"], end + 1)
+
+
+def _claimed(lines: list[str], i: int) -> tuple[list[str], int] | None:
+    """The `gm_parallel_for` form of the claimable loop (or region) whose pragma is lines[i],
+    and the index after it; None when it is not in a form written here (it stays OpenMP)."""
+    pragma = _CLAIM_PRAGMA.match(lines[i])
+    if pragma is None:
+        return _region_loop(lines, i)
+    loop = _loop(lines, i + 1, bool(pragma.group(2)))
+    if loop is None:
+        return None
+    lo, hi, body, after = loop
+    ind, chunk, nt = pragma.group(1), pragma.group(3), pragma.group(4)
+    return ([f"{ind}gm_parallel_for((long)({lo}), (long)({hi}), {chunk}L, {nt}, [&](long gm_lo, long gm_hi) {{",
+             *body, f"{ind}}});"], after)
 
 
 def claim_loops(source: str) -> tuple[str, int, int]:
     """`source` with every claimable `#pragma omp parallel for [simd]` loop (GM_SCHED, not
     collapsed, a canonical `for (T v = lo; v < hi; ++v)`) written as `gm_parallel_for(lo, hi, chunk,
     threads, [&](long gm_lo, long gm_hi) { for (T v = gm_lo; v < gm_hi; ++v) ... });` for the
-    work-claiming pool (the `claim` schedule); how many loops were rewritten and how many
-    claimable ones were left to OpenMP (`dynamic`: inside a parallel region, collapsed).
-    Each iteration writes its own outputs and the lambda shares what the OpenMP loop shared
-    (captures by reference), so the results are the same bits."""
+    work-claiming pool (the `claim` schedule), and every `#pragma omp parallel` region around
+    one claimable `#pragma omp for` likewise, its per-thread lines run per chunk; how many were
+    rewritten and how many claimable loops were left to OpenMP (`dynamic`: collapsed, or in a
+    region of another form). Each iteration writes its own outputs, a region's own lines only
+    set up scratch, and the lambda shares what the OpenMP loop shared (captures by reference),
+    so the results are the same bits."""
     lines = source.split("\n")
     out: list[str] = []
     done = left = i = 0
     while i < len(lines):
-        got = _claimed(lines, i) if "GM_SCHED(" in lines[i] else None
+        got = _claimed(lines, i) if "#pragma omp parallel" in lines[i] else None
         if got is None:
             left += "GM_SCHED(" in lines[i] and lines[i].lstrip().startswith("#pragma omp")
             out.append(lines[i])

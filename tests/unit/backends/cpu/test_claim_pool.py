@@ -49,6 +49,30 @@ def test_claimable_loops_become_pool_calls():
     assert out.endswith("    y[i] = 0;\n  }\n  });")
 
 
+def test_a_region_around_one_claimable_loop_becomes_a_pool_call():
+    """Its own lines (per-thread scratch) run per chunk, around the chunk's iterations."""
+    src = "\n".join([
+        "  #pragma omp parallel num_threads(gm_nt())",
+        "  {",
+        "    float buf[8];",
+        "    #pragma omp for schedule(GM_SCHED(4))",
+        "    for (long t = 0; t < TASKS; ++t) task(t, buf);",
+        "    done(buf);",
+        "  }",
+    ])
+    assert claim_loops(src) == ("\n".join([
+        "  gm_parallel_for((long)(0), (long)(TASKS), 4L, gm_nt(), [&](long gm_lo, long gm_hi) {",
+        "    float buf[8];",
+        "    for (long t = gm_lo; t < gm_hi; ++t) task(t, buf);",
+        "    done(buf);",
+        "  });",
+    ]), 1, 0)
+    for other in ("    #pragma omp barrier", "    #pragma omp for schedule(static)\n    for (long i = 0; i < 4; ++i) f(i);",
+                  "    int me = omp_get_thread_num();"):
+        kept = src.replace("    done(buf);", other)
+        assert claim_loops(kept)[:2] == (kept, 0)          # another construct, or thread identity: OpenMP's
+
+
 @pytest.mark.parametrize("loop", [
     "  #pragma omp parallel for collapse(2) schedule(GM_SCHED(2)) num_threads(gm_nt())\n  for (long i = 0; i < 8; ++i)",
     "  #pragma omp for schedule(GM_SCHED(2))\n  for (long i = 0; i < 8; ++i) {\n  }",           # inside a region
