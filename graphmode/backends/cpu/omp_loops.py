@@ -89,9 +89,10 @@ def omp_for(trips: int, work: float | None = None, *, region: bool = True, colla
     return " ".join(parts)
 
 
-_CLAIM_PRAGMA = re.compile(r"^(\s*)#pragma omp parallel for( simd)? schedule\(GM_SCHED\((\d+)\)\) num_threads\((.+)\)\s*$")
+_CLAIM_PRAGMA = re.compile(r"^(\s*)#pragma omp parallel for( simd)? schedule\((?:GM_SCHED\((\d+)\)|static)\) "
+                           r"num_threads\((.+)\)\s*$")
 _REGION = re.compile(r"^(\s*)#pragma omp parallel num_threads\((.+)\)\s*$")
-_REGION_FOR = re.compile(r"^\s*#pragma omp for schedule\(GM_SCHED\((\d+)\)\)\s*$")
+_REGION_FOR = re.compile(r"^\s*#pragma omp for schedule\((?:GM_SCHED\((\d+)\)|static)\)\s*$")
 _FOR = re.compile(r"^(\s*)for \((long|int64_t|int) (\w+) = ([^;]+); (\w+) < ([^;]+); \+\+(\w+)\)\s*(.*)$")
 _LITERALS = re.compile(r'//.*$|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'')
 
@@ -140,7 +141,7 @@ def _loop(lines: list[str], j: int, simd: bool) -> tuple[str, str, list[str], in
 
 def _region_loop(lines: list[str], i: int) -> tuple[list[str], int] | None:
     """A `#pragma omp parallel` region at lines[i] whose one work-sharing construct is a
-    claimable `#pragma omp for` at its top level: the region's own lines (per-thread scratch:
+    `#pragma omp for` (claimable or static) at its top level: the region's own lines (per-thread scratch:
     a row buffer, attention's K^T) become each chunk's, around the loop."""
     region = _REGION.match(lines[i])
     if region is None or i + 1 >= len(lines) or lines[i + 1].strip() != "{":
@@ -162,7 +163,8 @@ def _region_loop(lines: list[str], i: int) -> tuple[list[str], int] | None:
         return None
     lo, hi, body, after = loop
     ind, nt = region.group(1), region.group(2)
-    return ([f"{ind}gm_parallel_for((long)({lo}), (long)({hi}), {work.group(1)}L, {nt}, [&](long gm_lo, long gm_hi) {{",
+    return ([f"{ind}gm_parallel_for((long)({lo}), (long)({hi}), {work.group(1) or 0}L, {nt}, "
+             "[&](long gm_lo, long gm_hi) {",
              *inner[:k], *body, *inner[after:], f"{ind}}});"], end + 1)
 
 
@@ -176,21 +178,23 @@ def _claimed(lines: list[str], i: int) -> tuple[list[str], int] | None:
     if loop is None:
         return None
     lo, hi, body, after = loop
-    ind, chunk, nt = pragma.group(1), pragma.group(3), pragma.group(4)
+    ind, chunk, nt = pragma.group(1), pragma.group(3) or 0, pragma.group(4)
     return ([f"{ind}gm_parallel_for((long)({lo}), (long)({hi}), {chunk}L, {nt}, [&](long gm_lo, long gm_hi) {{",
              *body, f"{ind}}});"], after)
 
 
 def claim_loops(source: str) -> tuple[str, int, int]:
-    """`source` with every claimable `#pragma omp parallel for [simd]` loop (GM_SCHED, not
-    collapsed, a canonical `for (T v = lo; v < hi; ++v)`) written as `gm_parallel_for(lo, hi, chunk,
-    threads, [&](long gm_lo, long gm_hi) { for (T v = gm_lo; v < gm_hi; ++v) ... });` for the
-    work-claiming pool (the `claim` schedule), and every `#pragma omp parallel` region around
-    one claimable `#pragma omp for` likewise, its per-thread lines run per chunk; how many were
-    rewritten and how many claimable loops were left to OpenMP (`dynamic`: collapsed, or in a
-    region of another form). Each iteration writes its own outputs, a region's own lines only
-    set up scratch, and the lambda shares what the OpenMP loop shared (captures by reference),
-    so the results are the same bits."""
+    """`source` for the `claim` schedule: every `#pragma omp parallel for [simd]` loop, claimable
+    (GM_SCHED(c): chunks of c) or static (chunk 0: one per thread), not collapsed, over a
+    canonical `for (T v = lo; v < hi; ++v)`, written as `gm_parallel_for(lo, hi, chunk, threads,
+    [&](long gm_lo, long gm_hi) { for (T v = gm_lo; v < gm_hi; ++v) ... });` on the
+    work-claiming pool; and every `#pragma omp parallel` region around one such `#pragma omp
+    for` likewise, its own lines (per-thread scratch) run per chunk. Returns the text, how many
+    were rewritten and how many claimable loops were left to OpenMP (`dynamic`: collapsed, or
+    in a region of another form). Every loop written through `omp_for` has iterations that
+    write disjoint outputs, a region's own lines only set up scratch, and the lambda shares what
+    the OpenMP loop shared (it captures by reference), so the results are the same bits; the
+    caller may run every chunk (a static loop's too) when the workers are late."""
     lines = source.split("\n")
     out: list[str] = []
     done = left = i = 0

@@ -39,7 +39,7 @@ GM_INLINE int gm_nt(void) {
 #define GM_SCHED(c) static
 #endif
 
-// gm_parallel_for(lo, hi, chunk, nt, f): f(a, b) over [lo, hi) in chunks of `chunk`, claimed by
+// gm_parallel_for(lo, hi, chunk, nt, f): f(a, b) over [lo, hi) in chunks of `chunk` (0: one per thread), claimed by
 // the process's work-claiming pool (templates/claim_pool.h) with up to `nt` threads, the caller
 // one of them. Under codegen.schedule claim, omp_loops.claim_loops writes a claimable
 // `#pragma omp parallel for` loop this way. gm_pool_run is set when the library is loaded
@@ -49,6 +49,7 @@ typedef void (*gm_pool_fn_t)(long, long, long, int, void (*)(void*, long, long),
 extern gm_pool_fn_t gm_pool_run;
 template <class F>
 GM_INLINE void gm_parallel_for(long lo, long hi, long chunk, int nt, const F& f) {
+  if (chunk <= 0) chunk = nt > 1 ? (hi - lo + nt - 1) / nt : hi - lo;   // a static loop: a chunk per thread
   if (gm_pool_run == nullptr || nt <= 1 || hi - lo <= chunk) {
     if (hi > lo) f(lo, hi);
     return;

@@ -47,6 +47,9 @@ def test_claimable_loops_become_pool_calls():
     assert "    #pragma omp simd\n    for (int64_t r = gm_lo; r < gm_hi; ++r) {" in out
     assert "      if (r) { y[r] = x[r]; }\n    }\n    });\n  }" in out      # closed after the loop's own brace
     assert out.endswith("    y[i] = 0;\n  }\n  });")
+    static = "  #pragma omp parallel for schedule(static) num_threads(T)\n  for (long t = 0; t < T; ++t) f(t);"
+    assert claim_loops(static) == ("  gm_parallel_for((long)(0), (long)(T), 0L, T, [&](long gm_lo, long gm_hi) {\n"
+                                   "  for (long t = gm_lo; t < gm_hi; ++t) f(t);\n  });", 1, 0)   # chunk 0: one per thread
 
 
 def test_a_region_around_one_claimable_loop_becomes_a_pool_call():
