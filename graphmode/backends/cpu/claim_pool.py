@@ -71,12 +71,13 @@ def attach(lib: CompiledLibrary, builder: Any) -> bool:
 
 def stats() -> dict[str, int] | None:
     """The pool's counters (None before it is loaded): jobs it ran, chunks its workers ran,
-    loops a caller ran alone (one chunk, one thread, nested or concurrent), workers started."""
+    loops a caller ran alone (one chunk, one thread, nested or concurrent), workers started,
+    the callers' sleeps waiting for a worker's chunk, wakes of sleeping workers."""
     if not _POOL:
         return None
-    out = (ctypes.c_long * 4)()
+    out = (ctypes.c_long * 6)()
     _POOL[0].cdll.gm_pool_stats(out)
-    return dict(zip(("jobs", "worker_chunks", "inline_jobs", "workers"), (int(v) for v in out)))
+    return dict(zip(("jobs", "worker_chunks", "inline_jobs", "workers", "caller_waits", "wakes"), (int(v) for v in out)))
 
 
 __all__ = ["pool_source", "attach", "stats"]

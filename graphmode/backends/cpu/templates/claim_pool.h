@@ -13,13 +13,18 @@
 // word of an old job and ran late cannot claim from a newer one (the CAS compares the whole
 // word), and it reads the job's parameters only after its claim succeeded, when the job cannot
 // end before its chunk does. So no job state outlives the caller's wait, whatever the workers
-// do. Idle workers spin `spin` pauses (graphmode/openmp.py's bound), then sleep on a condition
-// variable until the next job is published.
+// do. Idle workers spin `spin` pauses (graphmode/openmp.py's bound), then sleep on a futex
+// until the next job is published; a caller whose last chunks are still running elsewhere
+// spins, then sleeps on the job's done count. No wait is on a mutex, so no thread ever waits
+// for one that the scheduler took away while it held a lock.
 #include <atomic>
-#include <condition_variable>
+#include <climits>
+#include <linux/futex.h>
 #include <mutex>
 #include <pthread.h>
+#include <sys/syscall.h>
 #include <thread>
+#include <unistd.h>
 
 namespace {
 
@@ -44,9 +49,18 @@ inline void gm_pause() {
 bool gm_forked = false;                 // in a child of fork(): the pool's threads are not there
 thread_local bool gm_in_job = false;    // a pool thread, or a caller inside its job
 
+static_assert(sizeof(std::atomic<uint32_t>) == 4 && std::atomic<uint32_t>::is_always_lock_free, "futex word");
+inline void gm_futex_wait(std::atomic<uint32_t>* a, uint32_t expected) {
+  syscall(SYS_futex, (uint32_t*)a, FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+inline void gm_futex_wake(std::atomic<uint32_t>* a) {
+  syscall(SYS_futex, (uint32_t*)a, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
 struct GmPool {
   std::atomic<uint64_t> word{0};
-  std::atomic<long> done{0};
+  std::atomic<uint32_t> done{0};        // chunks of the current job finished
+  std::atomic<uint32_t> caller_asleep{0};
   // the current job, written by its caller before it publishes `word`, read after a claim
   std::atomic<gm_chunk_fn> fn{nullptr};
   std::atomic<void*> ctx{nullptr};
@@ -54,14 +68,11 @@ struct GmPool {
   std::atomic<int> helpers{0};          // workers (by index) that may take part in the current job
   uint32_t epoch = 0;                   // the caller's, under `busy`
   std::atomic<int> spin{1000};
-  std::mutex busy;                      // one job at a time; another caller runs its loop alone
-  std::mutex sleep_m;
-  std::condition_variable sleep_cv;
+  std::mutex busy;                      // one job at a time (try_lock only); another caller runs its loop alone
+  std::atomic<uint32_t> wake_gen{0};    // bumped to wake sleeping workers
   std::atomic<int> sleepers{0};
-  std::mutex done_m;
-  std::condition_variable done_cv;
   std::atomic<int> workers{0};          // started (changed under `busy`)
-  std::atomic<long> jobs{0}, worker_chunks{0}, inline_jobs{0};
+  std::atomic<long> jobs{0}, worker_chunks{0}, inline_jobs{0}, caller_waits{0}, wakes{0};
 
   // Claim and run chunks of the job in `w` until none is left; true if any was run.
   bool work(uint64_t w, bool is_worker) {
@@ -77,10 +88,9 @@ struct GmPool {
       fn.load(std::memory_order_relaxed)(ctx.load(std::memory_order_relaxed), a, b);
       if (is_worker) worker_chunks.fetch_add(1, std::memory_order_relaxed);
       ran = true;
-      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
-        std::lock_guard<std::mutex> g(done_m);
-        done_cv.notify_all();
-      }
+      if (done.fetch_add(1, std::memory_order_seq_cst) + 1 == (uint32_t)n &&
+          caller_asleep.load(std::memory_order_seq_cst))
+        gm_futex_wake(&done);
       w += 1u << 16;                    // our own claim; a failed CAS next round reloads it
     }
   }
@@ -99,10 +109,10 @@ struct GmPool {
       int i = 0;
       while (i < s && word.load(std::memory_order_acquire) == seen) { gm_pause(); ++i; }
       if (i < s) continue;
-      std::unique_lock<std::mutex> l(sleep_m);
+      const uint32_t gen = wake_gen.load(std::memory_order_seq_cst);
       sleepers.fetch_add(1, std::memory_order_seq_cst);
-      while (word.load(std::memory_order_seq_cst) == seen) sleep_cv.wait(l);
-      sleepers.fetch_sub(1, std::memory_order_relaxed);
+      if (word.load(std::memory_order_seq_cst) == seen) gm_futex_wait(&wake_gen, gen);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
   }
 
@@ -138,16 +148,20 @@ struct GmPool {
     const uint64_t w = gm_word(epoch, 0, (uint64_t)n);
     word.store(w, std::memory_order_seq_cst);                     // publishes the stores above
     if (sleepers.load(std::memory_order_seq_cst) > 0) {
-      { std::lock_guard<std::mutex> g(sleep_m); }
-      sleep_cv.notify_all();
+      wake_gen.fetch_add(1, std::memory_order_seq_cst);
+      gm_futex_wake(&wake_gen);
+      wakes.fetch_add(1, std::memory_order_relaxed);
     }
     work(w, false);
     const int s = spin.load(std::memory_order_relaxed);
-    for (int i = 0; i < s && done.load(std::memory_order_acquire) < n; ++i) gm_pause();
-    if (done.load(std::memory_order_acquire) < n) {
-      std::unique_lock<std::mutex> g(done_m);
-      while (done.load(std::memory_order_acquire) < n) done_cv.wait(g);
+    for (int i = 0; i < s && done.load(std::memory_order_acquire) < (uint32_t)n; ++i) gm_pause();
+    for (uint32_t d = done.load(std::memory_order_acquire); d < (uint32_t)n; d = done.load(std::memory_order_acquire)) {
+      caller_asleep.store(1, std::memory_order_seq_cst);
+      d = done.load(std::memory_order_seq_cst);
+      if (d < (uint32_t)n) gm_futex_wait(&done, d);   // returns at once if a chunk finished since
+      caller_waits.fetch_add(1, std::memory_order_relaxed);
     }
+    caller_asleep.store(0, std::memory_order_relaxed);
     gm_in_job = false;
     jobs.fetch_add(1, std::memory_order_relaxed);
     busy.unlock();
@@ -170,11 +184,14 @@ void gm_pool_run_impl(long lo, long hi, long chunk, int nt, gm_chunk_fn fn, void
 
 GM_EXPORT void* gm_pool_entry(void) { return (void*)&gm_pool_run_impl; }
 GM_EXPORT void gm_pool_set_spin(int spin) { gm_pool()->spin.store(spin < 0 ? 0 : spin); }
-// jobs run by the pool, chunks its workers ran, loops the caller ran alone, workers started
+// jobs run by the pool, chunks its workers ran, loops the caller ran alone, workers started,
+// the caller's sleeps waiting for a worker's chunk, wakes of sleeping workers
 GM_EXPORT void gm_pool_stats(long* out) {
   GmPool* p = gm_pool();
   out[0] = p->jobs.load();
   out[1] = p->worker_chunks.load();
   out[2] = p->inline_jobs.load();
   out[3] = p->workers.load();
+  out[4] = p->caller_waits.load();
+  out[5] = p->wakes.load();
 }
