@@ -251,18 +251,19 @@ class DecodeCase:
 
 
 def decode_engine(bundle: Any, recipe: Any, *, threads: int, cache_dir: Any, on_stage: Any = None,
-                  prepare: tuple[int, int] | None = None) -> tuple[Any, float]:
-    """The decode engine of `bundle` under a decoder `recipe`, with the (batch, prompt length)
-    bucket `prepare` built, and the seconds that took. Compiled with mode eager: nothing but
-    the engine's own paged graph is lowered."""
+                  prepare: tuple[int, int] | None = None) -> tuple[Any, Any, float]:
+    """`bundle` compiled under a decoder `recipe`, its decode engine with the (batch, prompt
+    length) bucket `prepare` built, and the seconds that took. Compiled with mode eager:
+    nothing but the engine's own paged graph is lowered."""
     import graphmode
     from graphmode.decode.api import engine_of
     t0 = time.perf_counter()
-    eng = engine_of(graphmode.compile(bundle, recipe, "host", mode="eager", cache_dir=cache_dir, threads=threads,
-                                      on_stage=on_stage))
+    cm = graphmode.compile(bundle, recipe, "host", mode="eager", cache_dir=cache_dir, threads=threads,
+                           on_stage=on_stage)
+    eng = engine_of(cm)
     if prepare is not None:
         eng.prepare(*prepare)
-    return eng, round(time.perf_counter() - t0, 3)
+    return cm, eng, round(time.perf_counter() - t0, 3)
 
 
 def load_decode_cases(models: Sequence[str], quick: bool) -> list[DecodeCase]:

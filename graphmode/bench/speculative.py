@@ -73,8 +73,9 @@ def bench_speculative(case: DecodeCase, *, num_tokens: int, batch: int, context:
     row: dict[str, Any] = {"model": case.name, "scenario": f"speculative b{batch} ctx{context}", "batch": batch,
                            "context": context, "new_tokens": new, "num_tokens": num_tokens, "threads": threads}
     with tempfile.TemporaryDirectory(prefix="graphmode-bench-spec-") as tmp:
-        eng, row["engine_build_s"] = decode_engine(case.bundle, recipe, threads=threads, cache_dir=cache_dir or tmp,
-                                                   on_stage=on_stage, prepare=(batch, context))
+        _, eng, row["engine_build_s"] = decode_engine(case.bundle, recipe, threads=threads,
+                                                      cache_dir=cache_dir or tmp, on_stage=on_stage,
+                                                      prepare=(batch, context))
         vocab = int(eng.cfg["vocab"] or 100)
         prompts = [repetitive_prompt(vocab, context, seed=i) for i in range(batch)]
         plain, spec, plain_steps, spec_steps, same = [], [], [], [], True

@@ -55,8 +55,9 @@ def bench_tp_decode(case: DecodeCase, *, world: int, batch: int, context: int, n
                            "threads_per_rank": max(1, threads // world)}
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="graphmode-bench-tpdec-") as tmp:
-        eng, row["tp1_build_s"] = decode_engine(case.bundle, one_recipe, threads=threads, cache_dir=cache_dir or tmp,
-                                                on_stage=on_stage, prepare=(batch, context))
+        cm, eng, row["tp1_build_s"] = decode_engine(case.bundle, one_recipe, threads=threads,
+                                                    cache_dir=cache_dir or tmp, on_stage=on_stage,
+                                                    prepare=(batch, context))
         vocab = int(eng.cfg["vocab"] or 100)
         prompts = torch.tensor([[rng.randrange(3, max(4, vocab)) for _ in range(context)] for _ in range(batch)])
         t0 = time.perf_counter()
