@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -103,9 +104,11 @@ def mixer():
 MODELS = {name: f"graphmode.bench.between:{name}" for name in ("t5_encoder", "gated_lm", "distilbert", "vit", "mixer")}
 
 
-def contract_recipe(bundle: Any, name: str) -> dict:
+def contract_recipe(bundle: Any, name: str, mode: str = "hybrid") -> dict:
     """The recipe of the contract: batch buckets BATCH_BUCKETS, seq (where the model has one)
-    synthesised from SEQ_DIM; token ids pad with 1, masks are declared as masks."""
+    synthesised from SEQ_DIM; token ids pad with 1, masks are declared as masks. In `hybrid`
+    mode (the default here) a request between buckets may run eager PyTorch at its own shape
+    where that measured faster than padded or split (runtime/split.py); `graph` never does."""
     from graphmode.ir.types import TORCH_TO_DTYPE
     inputs = []
     for n in bundle.input_names:
@@ -118,7 +121,7 @@ def contract_recipe(bundle: Any, name: str) -> dict:
     if "seq" in bundle.dim_names:
         dims["seq"] = dict(SEQ_DIM)
     return {"version": 1, "name": f"between-{name}".replace("_", "-"), "inputs": inputs, "dims": dims,
-            "exe_mode": "graph", "memory": {"budget_mb": 4096}}
+            "exe_mode": mode, "memory": {"budget_mb": 4096}}
 
 
 def sample_envs(bundle: Any, n: int, seed: int, buckets: dict[str, list[int]]) -> list[dict[str, int]]:
@@ -153,7 +156,9 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         worst, wr = max(ratios, key=lambda x: x[0])
         mean = statistics.fmean(x for x, _ in ratios)
         complete = len(ratios) == len(gm)
+        chosen = Counter(str(((r.get("execution") or {}).get("ways") or {}).get("chosen", "padded")) for _, r in ratios)
         out.append({"model": model, "shapes": len(gm), "timed": len(ratios), "max": round(worst, 4),
+                    "chosen": dict(chosen),
                     "max_at": wr["shape"], "max_bucket": (wr.get("setup_detail") or {}).get("bucket"),
                     "mean": round(mean, 4),
                     "met": (worst <= MAX_RATIO_GOAL and mean <= MEAN_RATIO_GOAL) if complete else None})
@@ -171,9 +176,26 @@ def summary_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         lines.append(f"{s['model']}: between buckets {verdict}: worst {s['max']:.2f}x eager at "
                      f"{'x'.join(map(str, s['max_at']))} (bucket {s['max_bucket']}), mean {s['mean']:.2f}x over "
                      f"{s['timed']} request shapes (goals: <= {MAX_RATIO_GOAL:.1f}x each, <= {MEAN_RATIO_GOAL:.1f}x "
-                     "on average)")
+                     "on average)" + _chosen(s.get("chosen") or {}))
     return lines
 
 
+def _chosen(chosen: dict[str, int]) -> str:
+    return "; ran " + ", ".join(f"{n} {way}" for way, n in sorted(chosen.items())) if chosen else ""
+
+
+def way_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per graphmode shape between buckets: the best ms of each way tried (padded into
+    its bucket, split into buckets it fills, eager at its own shape) and the one it runs."""
+    out = []
+    for r in rows:
+        ways = (r.get("execution") or {}).get("ways")
+        if r["engine"] != "graphmode" or r.get("condition", "quiet") != "quiet" or not ways:
+            continue
+        tried = ", ".join(f"{w} {ms:.2f}" for w, ms in ways.items() if w != "chosen")
+        out.append(f"{r['model']} {'x'.join(map(str, r['shape']))}: runs {ways['chosen']} (best ms: {tried})")
+    return out
+
+
 __all__ = ["MODELS", "BATCH_BUCKETS", "SEQ_DIM", "ISSUE_SHAPE", "Mixer", "contract_recipe", "sample_envs",
-           "summary", "summary_lines"]
+           "summary", "summary_lines", "way_lines"]

@@ -329,6 +329,7 @@ class GraphmodeEngine(Engine):
 
     def setup(self, shared, env, inputs):
         from graphmode.backends.cpu.omp_loops import SCHEDULES
+        from graphmode.runtime.split import shape_key
         if self.variant not in (None, "default", "auto", *SCHEDULES):
             raise EngineUnavailable(f"unknown graphmode variant {self.variant!r} (a loop schedule: "
                                     f"auto, {', '.join(SCHEDULES)})")
@@ -347,7 +348,8 @@ class GraphmodeEngine(Engine):
                              "recipe": rec.name}
         self.bucket = dict(bucket)
         self._cm = cm
-        self._calls0, self._fallbacks0 = cm.events["calls"], cm.events["fallback"]
+        self._calls0, self._fallbacks0 = cm.events["calls"], cm.events["fallback"] + cm.events["eager_choice"]
+        self._key = shape_key(env, bucket)
 
         def call():
             return cm(**inputs)
@@ -356,14 +358,18 @@ class GraphmodeEngine(Engine):
     def execution(self) -> dict[str, Any]:
         """From the CompiledModel's own events: calls that ran eager PyTorch (exe_mode eager, or
         a fallback outside the contract) and the eager islands of a hybrid graph."""
+        from graphmode.runtime.split import key_label
         cm = self._cm
         calls = cm.events["calls"] - self._calls0
-        eager = calls if cm.mode == "eager" else cm.events["fallback"] - self._fallbacks0
+        eager = calls if cm.mode == "eager" else cm.events["fallback"] + cm.events["eager_choice"] - self._fallbacks0
         islands = [] if cm.mode == "eager" or cm.graph is None else [n for n in cm.graph.nodes if n.op == "fallback"]
         reason = (getattr(cm, "last_path", None) or {}).get("reason") or ("exe_mode eager" if cm.mode == "eager"
                                                                            else "fallback event")
+        # a shape between buckets: each way's best ms (padded, split, eager: runtime/split.py) and the chosen one
+        ways = cm.shape_chooser.report().get(key_label(self._key)) if cm.mode != "eager" else None
         return {"mode": cm.mode, "calls": calls, "eager_calls": eager, "eager_reason": reason if eager else None,
-                "eager_islands": len(islands), "island_ops": sorted({str(n.attrs.get("target")) for n in islands})}
+                "eager_islands": len(islands), "island_ops": sorted({str(n.attrs.get("target")) for n in islands}),
+                "ways": ways}
 
     def close(self):
         self.call = None

@@ -267,9 +267,13 @@ def markdown(res: BenchResult) -> str:
     lines += _md_table(list(cols), cells) + _flag_notes(res.rows, m.get("warnings"))
     met = [] if m.get("between_buckets") else goals(res)
     if m.get("between_buckets"):
-        from graphmode.bench.between import summary_lines
-        lines += ["", "Between buckets (graphmode padded to its bucket, eager at the request's own shape):", ""]
+        from graphmode.bench.between import summary_lines, way_lines
+        lines += ["", "Between buckets (graphmode padded to its bucket, split, or in hybrid mode eager, whichever "
+                  "measured fastest per shape; eager at the request's own shape):", ""]
         lines += [f"- {x}" for x in summary_lines(quiet_rows(res))]
+        if ways := way_lines(quiet_rows(res)):
+            lines += ["", "Per shape, the ways graphmode tried (best ms of each) and the one it runs:", ""]
+            lines += [f"- {x}" for x in ways]
     if met:
         lines += ["", f"Goals: graphmode <= {SPEED_GOAL:.2f}x the best other engine (or <= {FLOOR_GOAL:.2f}x the "
                   f"floor on a memory-bound shape); peak RSS <= {RSS_GOAL:.1f}x ONNX Runtime's"

@@ -9,6 +9,9 @@ budget) and the contract violations among them, by kind:
   latency   a request took longer than its SLA entry's p99 bound
   fallback  the request ran eagerly instead of on a plan (`on_violation: eager`)
 
+A request inside the contract that hybrid mode ran eagerly because eager measured faster at its
+shape (runtime/split.py) is counted in `fallbacks` under its reason, not as a violation.
+
 `health_score = 1 - violated operations / operations` (an operation with several
 violations counts once). A CompiledModel carries its monitor as `cm.monitor`: the runtime
 reports compile / cache_hit / violation / fallback events to it, and `cm.metrics()` gains
@@ -192,6 +195,12 @@ class ContractMonitor:
             if self.metrics is not None:
                 self.metrics.fallbacks.labels(*self._base, "eager", reason).inc()
             self.violation("fallback", "eager")
+        elif event == "eager_choice":       # hybrid: eager measured faster at a shape inside the contract
+            reason = str(info.get("reason") or "faster at this shape")
+            with self._lock:
+                self.fallbacks[reason] += 1
+            if self.metrics is not None:
+                self.metrics.fallbacks.labels(*self._base, "eager", reason).inc()
 
     # ---- memory ----------------------------------------------------------------------------
     def check_memory(self, cm: Any, buckets: list[Mapping[str, int]] | None = None) -> list[str]:

@@ -4,7 +4,8 @@ Per call: bind inputs -> check their values (index inputs against the model's ta
 recipe's ranges: runtime/bounds.py) -> find the smallest admissible bucket -> pad -> run that bucket's
 executable -> slice outputs back -> rebuild the module's output structure. A batch between
 buckets of a model whose rows never meet may instead run as batches that fill buckets exactly,
-whichever measured faster (runtime/split.py). A shape outside
+and in hybrid mode a request between buckets may run eager PyTorch at its own shape, whichever
+measured fastest for that shape (runtime/split.py). A shape outside
 the contract raises ContractViolation (or runs eagerly when `on_violation: eager`). Every
 compile, fallback and violation is an event counted in `events` and logged.
 """
@@ -27,7 +28,7 @@ from graphmode.ir.graph import Graph
 from graphmode.progress import OnStage, stage
 from graphmode.runtime.contract import InputContract
 from graphmode.runtime.shaping import SPLIT_DIM, Shaping
-from graphmode.runtime.split import Chooser
+from graphmode.runtime.split import Chooser, shape_key
 
 log = logging.getLogger("graphmode.runtime")
 
@@ -63,7 +64,7 @@ class CompiledModel(InputContract, Shaping):
                           for i in recipe.inputs}
         self._bounds: tuple[list, list] | None = None     # (value checks, dim checks), built on first use
         self._split_axes: dict[str, int] | None | bool = False    # False: not worked out yet (_splittable)
-        self.split_chooser = Chooser()
+        self.shape_chooser = Chooser()
         self._signature = None
         if source.module is not None:
             try:
@@ -231,16 +232,26 @@ class CompiledModel(InputContract, Shaping):
                 self.last_path = {"path": "eager", "reason": reason}
                 return self._eager(inputs)
             raise err
-        parts = self._split_parts(dims, bucket)
-        if parts:
-            key = (dims[SPLIT_DIM], tuple(sorted(bucket.items())))
-            way, built = self.split_chooser.choose(key), len(self._executables)
+        ways, parts = self._ways(dims, bucket)
+        if len(ways) > 1:
+            key = shape_key(dims, bucket)
+            way, built = self.shape_chooser.choose(key, ways), len(self._executables)
             t0 = time.perf_counter()
-            flat = self._run_split(inputs, dims, parts) if way == "split" else self._run_bucket(inputs, dims, bucket)
-            if len(self._executables) == built:        # a call that built a plan is no measure of either way
-                self.split_chooser.record(key, way, time.perf_counter() - t0)
-        else:
-            way, flat = "pad", self._run_bucket(inputs, dims, bucket)
+            out = self._run_way(way, inputs, dims, bucket, parts)
+            if len(self._executables) == built:        # a call that built a plan is no measure of any way
+                self.shape_chooser.record(key, way, time.perf_counter() - t0)
+            return out
+        return self._run_way("padded", inputs, dims, bucket, parts)
+
+    def _run_way(self, way: str, inputs: dict[str, torch.Tensor], dims: Mapping[str, int],
+                 bucket: Mapping[str, int], parts: list[int]) -> Any:
+        """The request's outputs, run `way` (padded, split or eager)."""
+        if way == "eager":
+            self._event("eager_choice", reason="faster at this shape", dims=dict(dims), bucket=dict(bucket))
+            self.last_bucket = bucket
+            self.last_path = {"path": "eager", "reason": "faster at this shape", "bucket": dict(bucket)}
+            return self._eager(inputs)
+        flat = self._run_split(inputs, dims, parts) if way == "split" else self._run_bucket(inputs, dims, bucket)
         self.last_bucket = bucket
         self.last_path = {"path": "graph", "bucket": dict(bucket)}
         if way == "split":
@@ -303,6 +314,9 @@ class CompiledModel(InputContract, Shaping):
         bad = self.events["violated_calls"]
         out = {"events": dict(self.events), "health_score": 1.0 - bad / ops if ops else 1.0,
                "buckets_compiled": sorted(self._executables)}
+        ways = self.shape_chooser.report()
+        if ways:        # per request shape between buckets: each way's best ms and the one it runs
+            out["between_buckets"] = ways
         if self.monitor is not None:
             out["contract"] = self.monitor.snapshot()
         return out

@@ -54,6 +54,29 @@ class Shaping:
                 idx.append(slice(None))
         return tuple(idx) if sliced else None
 
+    def _ways(self, dims: Mapping[str, int], bucket: Mapping[str, int]) -> tuple[list[str], list[int]]:
+        """The ways a request may run (runtime/split.py: padded, split, eager) and the batch
+        parts of a split. A request that fills its bucket runs padded (nothing is padded)."""
+        if dict(dims) == dict(bucket):
+            return ["padded"], []
+        parts = self._split_parts(dims, bucket)
+        return ["padded"] + (["split"] if parts else []) + (["eager"] if self.eager_candidate else []), parts
+
+    @property
+    def eager_candidate(self) -> bool:
+        """Whether a request between buckets may run eager PyTorch at its own shape when that
+        measured faster: only in `exe_mode: hybrid` (graph mode never runs eager unless the
+        recipe's on_violation says so, and then only outside the contract), only with the
+        module in this process (not an ONNX model or a loaded artifact), and only when the plans
+        keep no run-time state of their own (a decoder's KV pools) that eager would not update."""
+        if self.mode != "hybrid" or self.source.module is None or getattr(self, "artifact", None) is not None:
+            return False
+        if self.graph is None:
+            return False
+        if getattr(self, "_stateless", None) is None:      # once per graph: a scan of its values
+            self._stateless = not any(v.role == "state" for v in self.graph.values.values())
+        return self._stateless
+
     def _split_parts(self, dims: Mapping[str, int], bucket: Mapping[str, int]) -> list[int]:
         """The batch sizes a request padded along SPLIT_DIM could run as instead (each a bucket
         value), or [] when it cannot: the dim is not padded, the model's rows meet, an output has

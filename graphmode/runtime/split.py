@@ -7,15 +7,21 @@ are concatenated, with no padded row at all. Which is faster depends on the plan
 pay the per-call cost (~90 steps of dispatch) twice, one padded call computes the extra rows.
 Measured per thread on 2-core EPYC hosts (1 thread, CPU time, seq bucket 94): a T5 encoder
 took 27.8 ms at batch 4 and 13.4 + 8.1 = 21.5 ms at 2 + 1; DistilBERT 28.1 against 21.8. At
-small sizes the per-call cost wins instead. So `Chooser` times both ways on the model's own
-calls: each (batch, bucket) key runs padded once and split once, then the faster by the best
-time seen for each, so the choice follows the plans on this host and never stays on a way that
-measured slower.
+small sizes the per-call cost wins instead. So `Chooser` times the ways on the model's own
+calls: each request shape (its dims and the bucket it pads to) runs each allowed way once, then
+the fastest by the best time seen for each, so the choice follows the plans on this host and
+never stays on a way that measured slower.
+
+A third way, in `exe_mode: hybrid` only: eager PyTorch at the request's own shape. Padding the
+seq of a request of 50 to a bucket of 94 is 1.9x the linear layers' work and 3.5x the
+attention scores'; no way of running the bucket removes that, and eager at 50 does not pay it.
+Its outputs are eager's by definition; every such call is an `eager_choice` event (counted by
+the monitor with the fallbacks, not as a violation). Graph mode never runs it.
 """
 from __future__ import annotations
 
 import threading
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from graphmode.ir.graph import Graph
 
@@ -44,31 +50,62 @@ def output_axes(graph: Graph, dim: str) -> dict[str, int] | None:
     return out
 
 
-class Chooser:
-    """Per key (the request's batch and the bucket it pads to), the best wall time seen padded
-    and split; `choose` explores each way once, then picks the faster."""
+WAYS = ("padded", "split", "eager")      # the order `Chooser.choose` explores them in
+MAX_SHAPES = 4096       # request shapes remembered; a shape past them runs padded, unexplored
 
-    def __init__(self) -> None:
+
+class Chooser:
+    """Per key (the request's dims and the bucket it pads to), the best wall time seen for each
+    way it may run: `padded` into the bucket, `split` into buckets it fills exactly, `eager` at
+    its own shape (hybrid mode, runtime/compiled.py). `choose` explores each allowed way once,
+    then picks the fastest."""
+
+    def __init__(self, max_shapes: int = MAX_SHAPES) -> None:
         self.best: dict[tuple, dict[str, float]] = {}
+        self.max_shapes = max_shapes
         self._lock = threading.Lock()
 
-    def choose(self, key: tuple) -> str:
+    def choose(self, key: tuple, ways: Sequence[str] = ("padded", "split")) -> str:
         with self._lock:
-            seen = self.best.get(key, {})
-        for way in ("pad", "split"):
+            seen = self.best.get(key)
+            if seen is None and len(self.best) >= self.max_shapes:
+                return ways[0]             # bounded memory: an unseen shape past the cap is not explored
+            seen = dict(seen or {})
+        for way in ways:
             if way not in seen:
                 return way
-        return min(seen, key=seen.get)
+        return min(ways, key=seen.__getitem__)
 
     def record(self, key: tuple, way: str, seconds: float) -> None:
         with self._lock:
+            if key not in self.best and len(self.best) >= self.max_shapes:
+                return
             seen = self.best.setdefault(key, {})
             seen[way] = min(seconds, seen.get(way, seconds))
 
-    def report(self) -> dict[str, Mapping[str, float]]:
-        """`batch@bucket` -> best ms padded and split."""
+    def chosen(self, key: tuple) -> str | None:
+        """The way the key runs now that each has been tried (None while one is untried)."""
         with self._lock:
-            return {f"{k[0]}@{k[1]}": {w: round(s * 1e3, 3) for w, s in v.items()} for k, v in self.best.items()}
+            seen = dict(self.best.get(key) or {})
+        return min(seen, key=seen.__getitem__) if seen else None
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        """`batch=3,seq=50@batch=4,seq=94` -> the best ms of each way tried and the `chosen`
+        one (the fastest so far)."""
+        with self._lock:
+            items = [(k, dict(v)) for k, v in self.best.items()]
+        return {key_label(k): {**{w: round(s * 1e3, 3) for w, s in v.items()}, "chosen": min(v, key=v.__getitem__)}
+                for k, v in items}
 
 
-__all__ = ["chunks", "output_axes", "Chooser"]
+def shape_key(dims: Mapping[str, int], bucket: Mapping[str, int]) -> tuple:
+    """The chooser's key of a request: its dims and the bucket it pads to."""
+    return tuple(sorted(dims.items())), tuple(sorted(bucket.items()))
+
+
+def key_label(key: tuple) -> str:
+    dims, bucket = key
+    return ",".join(f"{k}={v}" for k, v in dims) + "@" + ",".join(f"{k}={v}" for k, v in bucket)
+
+
+__all__ = ["chunks", "output_axes", "Chooser", "WAYS", "shape_key", "key_label"]

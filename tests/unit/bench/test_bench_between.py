@@ -62,6 +62,16 @@ def test_summary_is_the_worst_and_the_mean_against_the_goals():
     assert {s["model"]: s for s in between.summary(rows)}["vit"]["met"] is None
 
 
+def test_the_report_says_which_way_each_shape_runs():
+    ways = {"padded": 30.0, "split": 24.0, "eager": 20.0, "chosen": "eager"}
+    rows = [_row("t5", [3, 50], "graphmode", 0.99, {"batch": 4, "seq": 94}), _row("t5", [1, 7], "graphmode", 0.5)]
+    rows[0]["execution"] = {"ways": ways}
+    assert between.summary(rows)[0]["chosen"] == {"eager": 1, "padded": 1}
+    assert between.summary_lines(rows)[0].endswith("; ran 1 eager, 1 padded")
+    assert between.way_lines(rows) == ["t5 3x50: runs eager (best ms: padded 30.00, split 24.00, eager 20.00)"]
+    assert between.contract_recipe(resolve_model_spec(TINY), "tiny")["exe_mode"] == "hybrid"
+
+
 @pytest.mark.slow                    # a graphmode compile: ~15 s quiet, ~55 s on 2 loaded cores
 def test_harness_runs_each_case_with_its_own_recipe(tmp_path):
     """A case's recipe (batch buckets 1, 2, 4) wins over the run's: batch 3 runs in bucket 4."""

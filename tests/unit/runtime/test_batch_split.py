@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import graphmode
 from graphmode.analysis.padding import positions_independent
-from graphmode.runtime.split import Chooser, chunks
+from graphmode.runtime.split import Chooser, chunks, shape_key
 
 HERE = Path(__file__).resolve()
 
@@ -54,14 +54,37 @@ def test_chunks(n, want):
 
 def test_chooser_tries_each_way_once_then_keeps_the_faster():
     c = Chooser()
-    key = (3, (("batch", 4),))
-    assert c.choose(key) == "pad"
-    c.record(key, "pad", 0.010)
-    assert c.choose(key) == "split"
+    key = shape_key({"batch": 3}, {"batch": 4})
+    assert c.choose(key) == "padded"
+    c.record(key, "padded", 0.010)
+    assert c.choose(key) == "split" and c.chosen(key) == "padded"
     c.record(key, "split", 0.004)
     assert c.choose(key) == "split"
-    c.record(key, "pad", 0.002)           # the best time seen per way decides
-    assert c.choose(key) == "pad" and c.report() == {"3@(('batch', 4),)": {"pad": 2.0, "split": 4.0}}
+    c.record(key, "padded", 0.002)           # the best time seen per way decides
+    assert c.choose(key) == "padded"
+    assert c.report() == {"batch=3@batch=4": {"padded": 2.0, "split": 4.0, "chosen": "padded"}}
+
+
+def test_chooser_explores_eager_only_where_allowed_and_keeps_the_fastest():
+    c = Chooser()
+    key = shape_key({"batch": 3, "seq": 50}, {"batch": 4, "seq": 94})
+    ways = ("padded", "split", "eager")
+    for way, s in (("padded", 0.030), ("split", 0.024), ("eager", 0.020)):
+        assert c.choose(key, ways) == way
+        c.record(key, way, s)
+    assert c.choose(key, ways) == "eager"
+    assert c.choose(key, ("padded", "split")) == "split"       # graph mode: eager is never a way
+    assert c.report()["batch=3,seq=50@batch=4,seq=94"]["chosen"] == "eager"
+
+
+def test_chooser_remembers_a_bounded_number_of_shapes():
+    c = Chooser(max_shapes=2)
+    for b in (1, 2):
+        c.record(shape_key({"batch": b}, {"batch": 4}), "split", 0.001)
+    late = shape_key({"batch": 3}, {"batch": 4})
+    assert c.choose(late, ("padded", "split")) == "padded"
+    c.record(late, "padded", 0.5)
+    assert len(c.best) == 2 and c.choose(late, ("padded", "split")) == "padded"
 
 
 def test_a_batch_of_3_runs_padded_and_split_and_matches_eager(tmp_path):
@@ -72,13 +95,14 @@ def test_a_batch_of_3_runs_padded_and_split_and_matches_eager(tmp_path):
     ways = []
     for _ in range(6):
         got = cm(x=x)
-        ways.append("split" if "split" in cm.last_path else "pad")
+        ways.append("split" if "split" in cm.last_path else "padded")
         assert cm.last_path["bucket"] == {"batch": 4}
         for g, r in zip(got, ref):
             assert g.shape == r.shape and torch.allclose(g, r, rtol=1e-5, atol=1e-6)
-    assert "pad" in ways and "split" in ways
+    assert "padded" in ways and "split" in ways
     assert cm.last_path.get("split", [2, 1]) == [2, 1]
-    assert set(cm.split_chooser.report()["3@(('batch', 4),)"]) == {"pad", "split"}
+    assert set(cm.shape_chooser.report()["batch=3@batch=4"]) == {"padded", "split", "chosen"}
+    assert cm.events["eager_choice"] == 0 and not cm.eager_candidate           # graph mode never runs eager
 
 
 def test_rows_that_meet_are_never_split(tmp_path):
@@ -90,3 +114,46 @@ def test_rows_that_meet_are_never_split(tmp_path):
         got = cm(x=x)
         got = got[0] if isinstance(got, (tuple, list)) else got
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6) and "split" not in cm.last_path
+
+
+def test_hybrid_mode_may_run_a_shape_between_buckets_eagerly_and_says_so(tmp_path):
+    """exe_mode hybrid: eager at the request's own shape is a third way, tried once; its calls
+    are eager's outputs, counted as `eager_choice` events and by the monitor (not as violations)."""
+    from graphmode.monitor import ContractMonitor
+    cm = graphmode.compile(f"{HERE}:rows", dict(RECIPE, exe_mode="hybrid"), "host", cache_dir=tmp_path)
+    cm.monitor = ContractMonitor(cm.recipe)
+    assert cm.eager_candidate
+    cm.warmup()                  # every plan built: no call below builds one, so each is timed
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    ref = _Rows().eval()(x)
+    paths = []
+    for _ in range(5):
+        got = cm(x=x)
+        paths.append(cm.last_path["path"] if "split" not in cm.last_path else "split")
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape and torch.allclose(g, r, rtol=1e-5, atol=1e-6)
+        if cm.last_path["path"] == "eager":
+            assert cm.last_path["reason"] == "faster at this shape" and cm.last_path["bucket"] == {"batch": 4}
+            for g, r in zip(got, ref):
+                assert torch.equal(g, r)                       # eager's outputs, by definition
+    assert paths[:3] == ["graph", "split", "eager"]
+    ways = cm.metrics()["between_buckets"]["batch=3@batch=4"]
+    assert set(ways) == {"padded", "split", "eager", "chosen"}
+    assert cm.events["eager_choice"] == paths.count("eager") >= 1
+    snap = cm.monitor.snapshot()
+    assert snap["fallbacks"] == {"faster at this shape": paths.count("eager")} and snap["health_score"] == 1.0
+    cm(x=x[:2])                                                # a bucket's own shape is never a choice
+    assert cm.last_path == {"path": "graph", "bucket": {"batch": 2}}
+
+
+def test_no_eager_candidate_without_the_module(tmp_path):
+    """A loaded artifact has plans, not the module: hybrid or not, there is nothing eager to run."""
+    cm = graphmode.compile(f"{HERE}:rows", dict(RECIPE, exe_mode="hybrid"), "host", cache_dir=tmp_path)
+    cm.save(tmp_path / "m.gm")
+    loaded = graphmode.load(tmp_path / "m.gm")
+    assert loaded.mode == "hybrid" and not loaded.eager_candidate
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(4):
+        loaded(x=x)
+        assert loaded.last_path["path"] == "graph"
+    assert "eager" not in loaded.shape_chooser.report()["batch=3@batch=4"]
