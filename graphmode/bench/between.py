@@ -31,6 +31,7 @@ from graphmode.capture.families import SEQ, _hf, _tokens, randomize
 BATCH_BUCKETS = [1, 2, 4]
 SEQ_DIM = {"min": 2, "max": 128, "max_padding": 0.5}
 ISSUE_SHAPE = {"batch": 3, "seq": 50}
+EXACT_PLANS = 16           # recurring seq values that get buckets of their own (runtime/exact.py)
 IMG = 64
 MAX_RATIO_GOAL = 1.0       # no request shape slower than eager
 MEAN_RATIO_GOAL = 0.9      # and this on average over the sample
@@ -108,7 +109,8 @@ def contract_recipe(bundle: Any, name: str, mode: str = "hybrid") -> dict:
     """The recipe of the contract: batch buckets BATCH_BUCKETS, seq (where the model has one)
     synthesised from SEQ_DIM; token ids pad with 1, masks are declared as masks. In `hybrid`
     mode (the default here) a request between buckets may run eager PyTorch at its own shape
-    where that measured faster than padded or split (runtime/split.py); `graph` never does."""
+    where that measured faster than padded or split (runtime/split.py); `graph` never does. Up
+    to EXACT_PLANS recurring seq values get buckets of their own (runtime/exact.py)."""
     from graphmode.ir.types import TORCH_TO_DTYPE
     inputs = []
     for n in bundle.input_names:
@@ -119,7 +121,7 @@ def contract_recipe(bundle: Any, name: str, mode: str = "hybrid") -> dict:
         inputs.append(spec)
     dims: dict[str, Any] = {"batch": {"buckets": list(BATCH_BUCKETS)}}
     if "seq" in bundle.dim_names:
-        dims["seq"] = dict(SEQ_DIM)
+        dims["seq"] = {**SEQ_DIM, "exact_plans": EXACT_PLANS}
     return {"version": 1, "name": f"between-{name}".replace("_", "-"), "inputs": inputs, "dims": dims,
             "exe_mode": mode, "memory": {"budget_mb": 4096}}
 
@@ -159,7 +161,8 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         chosen = Counter(str(((r.get("execution") or {}).get("ways") or {}).get("chosen", "padded")) for _, r in ratios)
         out.append({"model": model, "shapes": len(gm), "timed": len(ratios), "max": round(worst, 4),
                     "chosen": dict(chosen),
-                    "max_at": wr["shape"], "max_bucket": (wr.get("setup_detail") or {}).get("bucket"),
+                    "max_at": wr["shape"], "max_bucket": (wr.get("execution") or {}).get("ran_in")
+                    or (wr.get("setup_detail") or {}).get("bucket"),
                     "mean": round(mean, 4),
                     "met": (worst <= MAX_RATIO_GOAL and mean <= MEAN_RATIO_GOAL) if complete else None})
     return out

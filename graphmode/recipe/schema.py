@@ -219,6 +219,7 @@ FloatDType = Annotated[str, BeforeValidator(_float_dtype)]
 Ident = Annotated[str, BeforeValidator(_pattern(_IDENT, "an identifier (letters, digits, _)"))]
 OpName = Annotated[str, BeforeValidator(_pattern(_OPNAME, "an op name (letters, digits, _ and .)"))]
 PosInt = Annotated[int, BeforeValidator(_number(int, ge=1, le=MAX_DIM, why="int32"))]
+MAX_EXACT_PLANS = 64      # values of one dim with plans of their own (each value: a plan per other bucket)
 SymPosInt = Annotated[Any, BeforeValidator(_number(int, ge=1, le=MAX_DIM, why="int32", symbolic_ok=True))]
 SymMB = Annotated[Any, BeforeValidator(_number(float, gt=0, le=MAX_MB, why="1 PiB", symbolic_ok=True))]
 SymMs = Annotated[Any, BeforeValidator(_number(float, gt=0, le=MAX_MS, why="one day", symbolic_ok=True))]
@@ -304,6 +305,10 @@ class DimSpec(_Spec):
     buckets: Optional[Annotated[list[PosInt], _limited(MAX_BUCKETS, "one plan per bucket")]] = None
     max_padding: Optional[Ratio] = None
     max_buckets: Optional[PosInt] = None
+    # up to this many values of a synthesised dim that requests keep sending get plans of their
+    # own, built on a value's third request (runtime/exact.py): the buckets graphmode chose, refined
+    exact_plans: Optional[Annotated[int, BeforeValidator(_number(int, ge=1, le=MAX_EXACT_PLANS))]] = None
+    _LATE = {"exact_plans": None}
 
 
 OpList = Annotated[list[OpName], _limited(MAX_LIST, "a hand-written op list")]

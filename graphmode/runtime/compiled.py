@@ -28,6 +28,7 @@ from graphmode.ir.graph import Graph
 from graphmode.progress import OnStage, stage
 from graphmode.runtime.contract import InputContract
 from graphmode.runtime.shaping import SPLIT_DIM, Shaping
+from graphmode.runtime.exact import ExactValues
 from graphmode.runtime.split import Chooser, shape_key
 
 log = logging.getLogger("graphmode.runtime")
@@ -65,6 +66,7 @@ class CompiledModel(InputContract, Shaping):
         self._bounds: tuple[list, list] | None = None     # (value checks, dim checks), built on first use
         self._split_axes: dict[str, int] | None | bool = False    # False: not worked out yet (_splittable)
         self.shape_chooser = Chooser()
+        self.exact_values = ExactValues(recipe)     # dims.D.exact_plans: recurring values as buckets
         self._signature = None
         if source.module is not None:
             try:
@@ -214,6 +216,8 @@ class CompiledModel(InputContract, Shaping):
             self.last_path = {"path": "eager", "reason": "exe_mode eager"}
             return self._eager(inputs)
         bucket = self.bucket_for(dims)
+        if bucket is not None:
+            bucket = self.exact_values.refine(dims, bucket, self.exact_dims)
         unsafe = [d for d in self.exact_dims if bucket is not None and dims[d] != bucket[d]]
         if bucket is None or unsafe:
             if bucket is None:
@@ -251,7 +255,7 @@ class CompiledModel(InputContract, Shaping):
             self.last_bucket = bucket
             self.last_path = {"path": "eager", "reason": "faster at this shape", "bucket": dict(bucket)}
             return self._eager(inputs)
-        flat = self._run_split(inputs, dims, parts) if way == "split" else self._run_bucket(inputs, dims, bucket)
+        flat = self._run_split(inputs, dims, bucket, parts) if way == "split" else self._run_bucket(inputs, dims, bucket)
         self.last_bucket = bucket
         self.last_path = {"path": "graph", "bucket": dict(bucket)}
         if way == "split":
@@ -317,6 +321,8 @@ class CompiledModel(InputContract, Shaping):
         ways = self.shape_chooser.report()
         if ways:        # per request shape between buckets: each way's best ms and the one it runs
             out["between_buckets"] = ways
+        if self.exact_values.caps:
+            out["exact_values"] = self.exact_values.report()
         if self.monitor is not None:
             out["contract"] = self.monitor.snapshot()
         return out

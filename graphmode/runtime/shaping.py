@@ -97,16 +97,16 @@ class Shaping:
             self._split_axes = axes if axes is not None and positions_independent(self.graph, SPLIT_DIM) else None
         return self._split_axes is not None
 
-    def _run_split(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],
+    def _run_split(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int], bucket: Mapping[str, int],
                    parts: list[int]) -> list[torch.Tensor]:
-        """Run consecutive slices of the batch, `parts` rows each, in their own buckets and
-        concatenate each output along its batch axis."""
+        """Run consecutive slices of the batch, `parts` rows each (bucket values), in `bucket`
+        with that batch, and concatenate each output along its batch axis."""
         pieces, start = [], 0
         for n in parts:
             sub = {name: next((t.narrow(ax, start, n) for ax, d in self._dim_axes[name] if d == SPLIT_DIM), t)
                    for name, t in inputs.items()}
             sub_dims = {**dims, SPLIT_DIM: n}
-            pieces.append(self._run_bucket(sub, sub_dims, self.bucket_for(sub_dims)))
+            pieces.append(self._run_bucket(sub, sub_dims, {**bucket, SPLIT_DIM: n}))
             start += n
         axes = self._split_axes
         return [torch.cat([p[i] for p in pieces], dim=axes[name]) for i, name in enumerate(self.graph.outputs)]

@@ -1,0 +1,73 @@
+"""A synthesised dim's recurring values become buckets of their own (dims.D.exact_plans,
+runtime/exact.py): the refinement logic, the recipe check, and a real compile whose requests
+run in the refined bucket and match eager. Nothing asserts on speed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import graphmode
+from graphmode.recipe import check_semantics, load_recipe
+from graphmode.runtime.exact import RECUR, ExactValues
+
+HERE = Path(__file__).resolve()
+
+
+class _Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def tokens():
+    return _Tokens().eval(), {"x": torch.randn(2, 4, 16)}, {"x": ["batch", "seq", 16]}
+
+
+RECIPE = {"version": 1, "name": "exact", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 16]}],
+          "dims": {"batch": {"buckets": [1, 2]}, "seq": {"min": 2, "max": 16, "max_padding": 0.5, "exact_plans": 1}},
+          "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"}}
+
+
+def test_a_value_gets_its_bucket_on_its_third_request_and_holds_smaller_ones():
+    ev = ExactValues(load_recipe(dict(RECIPE, dims={**RECIPE["dims"], "seq": {**RECIPE["dims"]["seq"],
+                                                                              "exact_plans": 2}})))
+    bucket = {"batch": 1, "seq": 10}
+    got = [ev.refine({"batch": 1, "seq": 6}, bucket)["seq"] for _ in range(RECUR + 1)]
+    assert got == [10] * (RECUR - 1) + [6, 6] and ev.report() == {"seq": [6]}
+    assert ev.refine({"batch": 1, "seq": 5}, bucket)["seq"] == 6             # padded to 6, not 10
+    assert ev.refine({"batch": 1, "seq": 5}, bucket, exact=["seq"])["seq"] == 10   # unsafe to pad: exact only
+    assert ev.refine({"batch": 1, "seq": 7}, bucket)["seq"] == 10            # above 6: the recipe's bucket
+    for _ in range(RECUR):
+        ev.refine({"batch": 1, "seq": 8}, bucket)
+    for _ in range(RECUR):
+        ev.refine({"batch": 1, "seq": 9}, bucket)                            # past exact_plans: 2
+    assert ev.report() == {"seq": [6, 8]}
+    assert ExactValues(load_recipe(dict(RECIPE, dims={"batch": {"buckets": [1, 2]}, "seq": {"buckets": [4, 16]}}))
+                       ).refine({"seq": 6, "batch": 1}, {"seq": 16, "batch": 1}) == {"seq": 16, "batch": 1}
+
+
+def test_exact_plans_needs_buckets_graphmode_synthesises():
+    rec = load_recipe(dict(RECIPE, dims={"batch": {"buckets": [1, 2], "exact_plans": 2}, "seq": RECIPE["dims"]["seq"]}))
+    errs = [e for e in check_semantics(rec).errors if e.where == "dims.batch.exact_plans"]
+    assert errs and "explicit buckets" in errs[0].message
+    assert load_recipe(RECIPE).hash() != load_recipe(dict(RECIPE, dims={**RECIPE["dims"], "seq": {
+        "min": 2, "max": 16, "max_padding": 0.5}})).hash()
+
+
+def test_a_recurring_seq_runs_in_its_own_bucket_and_matches_eager(tmp_path):
+    cm = graphmode.compile(f"{HERE}:tokens", RECIPE, "host", cache_dir=tmp_path)
+    ref_model = _Tokens().eval()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    seqs = []
+    for _ in range(RECUR + 1):
+        got = cm(x=x)
+        seqs.append(cm.last_path["bucket"]["seq"])
+        assert got.shape == (2, 5, 8) and torch.allclose(got, ref_model(x), rtol=1e-5, atol=1e-6)
+    assert seqs[-2:] == [5, 5] and seqs[0] > 5
+    assert cm.metrics()["exact_values"] == {"seq": [5]} and cm.is_built({"batch": 2, "seq": 5})
