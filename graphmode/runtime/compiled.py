@@ -255,7 +255,8 @@ class CompiledModel(InputContract, Shaping):
             self.last_bucket = bucket
             self.last_path = {"path": "eager", "reason": "faster at this shape", "bucket": dict(bucket)}
             return self._eager(inputs)
-        flat = self._run_split(inputs, dims, bucket, parts) if way == "split" else self._run_bucket(inputs, dims, bucket)
+        flat = (self._run_split(inputs, dims, bucket, parts) if way == "split"
+                else self._run_bucket(inputs, dims, bucket))
         self.last_bucket = bucket
         self.last_path = {"path": "graph", "bucket": dict(bucket)}
         if way == "split":
