@@ -356,9 +356,9 @@ class GraphmodeEngine(Engine):
             self.setup_detail["settle_calls"] = self._settle(cm, call)
         self._calls0, self._fallbacks0 = cm.events["calls"], cm.events["fallback"] + cm.events["eager_choice"]
 
-    def _settle(self, cm: Any, call: Callable[[], Any], most: int = 24) -> int:
+    def _settle(self, cm: Any, call: Callable[[], Any], most: int = 32) -> int:
         """Call a shape between buckets until its way is chosen and no call builds a plan (each
-        way tried once, a recurring value's own plans built: runtime/split.py, exact.py), so the
+        way timed, a recurring value's own plans built: runtime/split.py, exact.py), so the
         timed rounds see what a recurring request sees; the calls are setup time. Returns them."""
         from graphmode.runtime.split import shape_key
         for n in range(1, most + 1):
@@ -366,7 +366,7 @@ class GraphmodeEngine(Engine):
             call()
             key = shape_key(self._env, cm.last_bucket)
             ways, _ = cm._ways(self._env, cm.last_bucket)
-            if len(cm._executables) == built and set(ways) <= set(cm.shape_chooser.best.get(key, ())):
+            if len(cm._executables) == built and cm.shape_chooser.settled(key, ways):
                 return n
         return most
 

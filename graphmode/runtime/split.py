@@ -8,7 +8,7 @@ pay the per-call cost (~90 steps of dispatch) twice, one padded call computes th
 Measured per thread on 2-core EPYC hosts (1 thread, CPU time, seq bucket 94): a T5 encoder
 took 27.8 ms at batch 4 and 13.4 + 8.1 = 21.5 ms at 2 + 1; DistilBERT 28.1 against 21.8. At
 small sizes the per-call cost wins instead. So `Chooser` times the ways on the model's own
-calls: each request shape (its dims and the bucket it pads to) runs each allowed way once, then
+calls: each request shape (its dims and the bucket it pads to) runs each allowed way twice, then
 the fastest by the best time seen for each, so the choice follows the plans on this host and
 never stays on a way that measured slower.
 
@@ -21,6 +21,7 @@ the monitor with the fallbacks, not as a violation). Graph mode never runs it.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Any, Mapping, Sequence
 
 from graphmode.ir.graph import Graph
@@ -52,17 +53,19 @@ def output_axes(graph: Graph, dim: str) -> dict[str, int] | None:
 
 WAYS = ("padded", "split", "eager")      # the order `Chooser.choose` explores them in
 MAX_SHAPES = 4096       # request shapes remembered; a shape past them runs padded, unexplored
+TRIES = 2               # timed calls per way before choosing: one starved call cannot decide alone
 
 
 class Chooser:
     """Per key (the request's dims and the bucket it pads to), the best wall time seen for each
     way it may run: `padded` into the bucket, `split` into buckets it fills exactly, `eager` at
-    its own shape (hybrid mode, runtime/compiled.py). `choose` explores each allowed way once,
-    then picks the fastest."""
+    its own shape (hybrid mode, runtime/compiled.py). `choose` explores the allowed ways in
+    turn until each has `tries` timed calls, then picks the fastest."""
 
-    def __init__(self, max_shapes: int = MAX_SHAPES) -> None:
+    def __init__(self, max_shapes: int = MAX_SHAPES, tries: int = TRIES) -> None:
         self.best: dict[tuple, dict[str, float]] = {}
-        self.max_shapes = max_shapes
+        self.tries: dict[tuple, Counter[str]] = {}
+        self.max_shapes, self.min_tries = max_shapes, tries
         self._lock = threading.Lock()
 
     def choose(self, key: tuple, ways: Sequence[str] = ("padded", "split")) -> str:
@@ -70,10 +73,10 @@ class Chooser:
             seen = self.best.get(key)
             if seen is None and len(self.best) >= self.max_shapes:
                 return ways[0]             # bounded memory: an unseen shape past the cap is not explored
-            seen = dict(seen or {})
-        for way in ways:
-            if way not in seen:
-                return way
+            seen, tried = dict(seen or {}), Counter(self.tries.get(key) or {})
+        least = min(ways, key=lambda w: tried[w])        # the first of the least tried, in `ways` order
+        if tried[least] < self.min_tries:
+            return least
         return min(ways, key=seen.__getitem__)
 
     def record(self, key: tuple, way: str, seconds: float) -> None:
@@ -82,6 +85,13 @@ class Chooser:
                 return
             seen = self.best.setdefault(key, {})
             seen[way] = min(seconds, seen.get(way, seconds))
+            self.tries.setdefault(key, Counter())[way] += 1
+
+    def settled(self, key: tuple, ways: Sequence[str]) -> bool:
+        """Whether every way in `ways` has had its timed calls for `key`."""
+        with self._lock:
+            tried = self.tries.get(key) or {}
+            return all(tried.get(w, 0) >= self.min_tries for w in ways)
 
     def chosen(self, key: tuple) -> str | None:
         """The way the key runs now that each has been tried (None while one is untried)."""
