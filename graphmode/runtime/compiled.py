@@ -216,7 +216,7 @@ class CompiledModel(InputContract, Shaping):
             self.last_path = {"path": "eager", "reason": "exe_mode eager"}
             return self._eager(inputs)
         bucket = self.bucket_for(dims)
-        if bucket is not None:
+        if bucket is not None and getattr(self, "artifact", None) is None:    # a .gm's plans are frozen: no more
             bucket = self.exact_values.refine(dims, bucket, self.exact_dims)
         unsafe = [d for d in self.exact_dims if bucket is not None and dims[d] != bucket[d]]
         if bucket is None or unsafe:
