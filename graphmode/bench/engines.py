@@ -366,7 +366,7 @@ class GraphmodeEngine(Engine):
             call()
             key = shape_key(self._env, cm.last_bucket)
             ways, _ = cm._ways(self._env, cm.last_bucket)
-            if len(cm._executables) == built and cm.shape_chooser.settled(key, ways):
+            if len(cm._executables) == built and (len(ways) == 1 or cm.shape_chooser.settled(key, ways)):
                 return n
         return most
 
