@@ -85,3 +85,5 @@ def test_harness_runs_each_case_with_its_own_recipe(tmp_path):
     assert g["status"] == "ok" and g["numerics_ok"] and g["setup_detail"]["bucket"] == {"batch": 4}
     assert g["setup_detail"]["padded"] and g["ratio_vs_eager"] > 0
     assert between.summary(res.rows)[0]["timed"] == 1
+    ways = g["execution"]["ways"]            # settled in setup: every way timed, the chosen one named
+    assert g["setup_detail"]["settle_calls"] >= 2 and ways["chosen"] in ways and {"padded", "eager"} <= set(ways)
