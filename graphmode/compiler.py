@@ -100,7 +100,8 @@ def pass_context(recipe: Recipe, target: Any = None, buckets: Sequence[dict] | N
                              "overrides": dict(recipe.precision.overrides)},
                "quantize_weights": {"weights": recipe.precision.weights,
                                     "group_size": recipe.precision.group_size,
-                                    "int4_scheme": recipe.precision.int4_scheme},
+                                    "int4_scheme": recipe.precision.int4_scheme,
+                                    "int4_activations": recipe.precision.int4_activations},
                "memory_plan": {"reuse": recipe.optimize.memory_reuse,
                                "alias_groups": [list(g) for g in recipe.alias_groups]},
                "to_paged": _paged_options(recipe)}

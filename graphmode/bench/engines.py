@@ -29,6 +29,7 @@ is timed from there) and when the last token was. Engines:
   prompt also decodes its second token, so its TTFT includes one decode step;
   `graphmode[int8]` / `graphmode[bf16]` / `graphmode[int4]` store the linear weights narrow
   (recipe `precision.weights`; int4: symmetric, group 32, as q4_0's blocks),
+  `graphmode[int4_q8]` too with `int4_activations: q8` (int8 activation blocks, as q4_0 x q8_0),
   `graphmode[batch_invariant]` (determinism: batch_invariant) prefills each prompt alone and
   batches decode steps over row-invariant kernels;
 - `ort_genai`, `openvino_genai`: reported "not installed" unless their package imports;
@@ -433,7 +434,8 @@ def parse_engines(text: str | None, extra: Sequence[str] = (), quick: bool = Fal
 DECODE_ENGINE_NAMES = ("eager", "static_compile", "llama_cpp", "ort_genai", "openvino_genai", "graphmode")
 LLAMA_CPP_VARIANTS = ("f32", "q8_0", "q4_0", "q4_K_M")
 WEIGHT_VARIANTS = ("bf16", "int8", "int4")            # graphmode[int8]: recipe precision.weights
-GRAPHMODE_VARIANTS = ("batch_invariant",) + WEIGHT_VARIANTS
+INT4_Q8 = "int4_q8"                                    # int4 weights, precision.int4_activations q8
+GRAPHMODE_VARIANTS = ("batch_invariant",) + WEIGHT_VARIANTS + (INT4_Q8,)
 DECODE_LABELS = {"eager": "transformers eager", "static_compile": "transformers static+compile",
           "llama_cpp": "llama.cpp", "ort_genai": "ORT GenAI", "openvino_genai": "OpenVINO GenAI",
           "graphmode": "graphmode"}
@@ -550,7 +552,7 @@ class GraphmodeLMEngine(LMEngine):
 
     def __init__(self, variant: str | None = None) -> None:
         super().__init__(variant)
-        self.dtype = variant if variant in WEIGHT_VARIANTS else "f32"
+        self.dtype = variant if variant in WEIGHT_VARIANTS else "int4" if variant == INT4_Q8 else "f32"
 
     def setup(self, shared):
         import graphmode
@@ -566,6 +568,8 @@ class GraphmodeLMEngine(LMEngine):
             recipe = dict(recipe, determinism=self.variant)
         elif self.variant in WEIGHT_VARIANTS:
             recipe = dict(recipe, precision={"compute": "f32", "weights": self.variant})
+        elif self.variant == INT4_Q8:
+            recipe = dict(recipe, precision={"compute": "f32", "weights": "int4", "int4_activations": "q8"})
         cm = graphmode.compile(shared.bundle, recipe, "host", mode="eager", cache_dir=cache,
                                threads=shared.threads, on_stage=shared.on_stage)
         self.eng = engine_of(cm)
@@ -750,7 +754,7 @@ def parse_decode_engines(text: str | None) -> list[tuple[str, str | None]]:
             raise GraphmodeError(f"unknown graphmode variant {var!r}", where="--engines", value=n,
                                  fix="graphmode, graphmode[batch_invariant] (determinism: batch_invariant: its cost "
                                      "against graphmode), graphmode[int8], graphmode[bf16] or graphmode[int4] "
-                                     "(precision.weights)")
+                                     "(precision.weights), graphmode[int4_q8] (int4_activations: q8)")
         if base == "llama_cpp" and var is not None and var not in LLAMA_CPP_VARIANTS:
             raise GraphmodeError(f"unknown llama.cpp weights {var!r}", where="--engines", value=n,
                                  fix=f"llama_cpp[{'] or llama_cpp['.join(LLAMA_CPP_VARIANTS)}]")

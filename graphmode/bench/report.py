@@ -641,12 +641,15 @@ def decode_goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[s
         for b in (1, 4):
             for kind in ("q4_0", "q4_K_M"):
                 q4 = next(iter(pick("decode", batch=b, engine="llama_cpp", variant=kind)), None)
-                gm4 = next(iter(pick("decode", batch=b, engine="graphmode", variant="int4")), None)
-                goal(f"int4 decode b{b} vs llama.cpp {kind}", ">= 1.0x",
-                     _div(gm4 and gm4["decode_tok_s"], q4 and q4["decode_tok_s"]), 1.0,
-                     _vs(gm4, q4, "decode_tok_s", "tok/s") if gm4 and q4 else
-                     f"not measured: needs graphmode[int4] and llama_cpp[{kind}] rows at batch {b}" +
-                     (f" (graphmode[int4]: {gm4['decode_tok_s']:.1f} tok/s)" if gm4 else ""))
+                for var in ("int4", "int4_q8"):
+                    gm4 = next(iter(pick("decode", batch=b, engine="graphmode", variant=var)), None)
+                    if var != "int4" and gm4 is None:
+                        continue                                  # an opt-in row: a goal only when run
+                    goal(f"{var} decode b{b} vs llama.cpp {kind}", ">= 1.0x",
+                         _div(gm4 and gm4["decode_tok_s"], q4 and q4["decode_tok_s"]), 1.0,
+                         _vs(gm4, q4, "decode_tok_s", "tok/s") if gm4 and q4 else
+                         f"not measured: needs graphmode[{var}] and llama_cpp[{kind}] rows at batch {b}" +
+                         (f" (graphmode[{var}]: {gm4['decode_tok_s']:.1f} tok/s)" if gm4 else ""))
         gm16 = next(iter(pick("decode", batch=16, engine="graphmode")), None)
         sc16 = next(iter(pick("decode", batch=16, engine="static_compile")), None)
         goal("decode b16 throughput vs static-cache torch.compile", ">= 1.5x",

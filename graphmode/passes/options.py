@@ -60,6 +60,7 @@ class QuantizeWeightsOptions(PassOptions):
     weights: Literal["f32", "bf16", "int8", "int4"] = "f32"
     group_size: Literal[32, 64, 128] = 32
     int4_scheme: Literal["symmetric", "asymmetric"] = "symmetric"
+    int4_activations: Literal["f32", "q8"] = "f32"
 
 
 class MemoryPlanOptions(PassOptions):

@@ -11,6 +11,8 @@ the f32 model instead of the f32 tolerance (verify/numerics.py: WEIGHT_ONLY, Top
 int4 packs two 4-bit codes a byte with an f32 scale per group of `group_size` weights along
 `in` (and a zero point per group when asymmetric): ir/ops/int4.py has the format. A linear
 whose `in` is not a multiple of the group stays f32 (counted in the pass's `left_f32`).
+`int4_activations: q8` marks the int4 qlinears `act: q8`: x is quantized to int8 blocks for
+integer dot products (ir/ops/int4.py), an explicit change of the activations' numerics.
 
 A W shared with other nodes (GPT-2's tied embedding and LM head) keeps its f32 constant for
 them; the quantized copy is a new constant `<W>.bf16` / `<W>.int8` / `<W>.int4`, made once per W.
@@ -70,11 +72,14 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
             made[w] = (qn, sn)
             stored += q.numel() * q.element_size() + scale.numel() * scale.element_size()
         qn, sn = made[w]
-        nodes.append(n.with_(op="qlinear", inputs=(n.inputs[0], qn, sn) + tuple(n.inputs[2:])))
+        act = {"act": "q8"} if weights == "int4" and opts.int4_activations == "q8" else {}
+        nodes.append(n.with_(op="qlinear", inputs=(n.inputs[0], qn, sn) + tuple(n.inputs[2:]),
+                             attrs={**n.attrs, **act}))
     g.nodes = nodes
     g.prune_values()
     f32 = sum(graph.constants[w].numel() * 4 for w in made)
-    stats = {"group_size": opts.group_size, "int4_scheme": opts.int4_scheme, "left_f32": left} \
+    stats = {"group_size": opts.group_size, "int4_scheme": opts.int4_scheme,
+             "int4_activations": opts.int4_activations, "left_f32": left} \
         if weights == "int4" else {}
     return PassResult(g, bool(made), {"weights": weights, **stats, "quantized": len(made),
                                       "linears": sum(1 for n in nodes if n.op == "qlinear"),

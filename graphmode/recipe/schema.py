@@ -359,14 +359,18 @@ class PrecisionSpec(_Spec):
     """`weights`: how constant linear weights are stored (the quantize_weights pass): f32, or
     bf16 / int8 (per-output-channel scale) / int4 read narrow by the kernels, activations f32.
     int4: 4-bit codes with a scale per `group_size` weights along the input axis, `int4_scheme`
-    symmetric (codes -8..7, scale only) or asymmetric (a zero point per group too)."""
+    symmetric (codes -8..7, scale only) or asymmetric (a zero point per group too).
+    `int4_activations`: f32 (the answer is dequantize-then-matmul) or q8: x quantized to int8
+    per block of 32 (llama.cpp q8_0) for integer dot products with the codes, symmetric group 32
+    only (ir/ops/int4.py)."""
     compute: FloatDType = "f32"
     accumulate: Optional[FloatDType] = None
     overrides: Annotated[dict[OpName, FloatDType], _limited(MAX_LIST, "per-op overrides")] = {}
     weights: Literal["f32", "bf16", "int8", "int4"] = "f32"
     group_size: Literal[32, 64, 128] = 32
     int4_scheme: Literal["symmetric", "asymmetric"] = "symmetric"
-    _LATE = {"weights": "f32", "group_size": 32, "int4_scheme": "symmetric"}
+    int4_activations: Literal["f32", "q8"] = "f32"
+    _LATE = {"weights": "f32", "group_size": 32, "int4_scheme": "symmetric", "int4_activations": "f32"}
 
     def accumulate_dtype(self) -> str:
         if self.accumulate:

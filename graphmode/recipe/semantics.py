@@ -160,6 +160,11 @@ class _Checker(Findings):
                 self.err("precision.weights", f"weights: {p.weights} needs the quantize_weights pass, which "
                          "optimize.passes leaves out", p.weights,
                          fix="add quantize_weights to optimize.passes after constant_fold (or use a preset)")
+        if p.int4_activations == "q8" and (p.weights, p.group_size, p.int4_scheme) != ("int4", 32, "symmetric"):
+            self.err("precision.int4_activations", "q8 activations meet symmetric int4 codes of group 32 only "
+                     f"(llama.cpp q4_0 x q8_0); weights is {p.weights}, group_size {p.group_size}, int4_scheme "
+                     f"{p.int4_scheme}", p.int4_activations,
+                     fix="weights: int4, group_size: 32, int4_scheme: symmetric; or int4_activations: f32")
         if p.weights != "int4" and (p.group_size != 32 or p.int4_scheme != "symmetric"):
             field = "precision.group_size" if p.group_size != 32 else "precision.int4_scheme"
             self.warn(field, f"{field.split('.')[1]} applies to weights: int4 only; weights is {p.weights}")

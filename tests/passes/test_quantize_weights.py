@@ -85,3 +85,21 @@ def test_int4_packs_the_linears_whose_input_holds_whole_groups(scheme):
         want, got = interpret(g, inputs), interpret(out, inputs)
         assert rel_l2(got["y"], want["y"]) < WEIGHT_ONLY["int4"]
         assert torch.equal(got["r"], want["r"])
+
+
+def test_int4_q8_activations_mark_the_qlinears():
+    """int4_activations q8: the packed qlinears carry act q8, and the interpreter runs them as
+    int4.q8_linear (x in int8 blocks), within the int4 bound of the f32 graph."""
+    from graphmode.ir.ops import int4
+    g = _graph()
+    opts = {"weights": "int4", "group_size": 32, "int4_scheme": "symmetric", "int4_activations": "q8"}
+    res = PASSES["quantize_weights"](g, PassContext(options={"quantize_weights": opts}))
+    verify_graph(res.graph)
+    out = res.graph
+    y = next(n for n in out.nodes if n.outputs == ("y",))
+    assert y.op == "qlinear" and y.attrs["act"] == "q8" and res.stats["int4_activations"] == "q8"
+    inputs = random_inputs(g, {"b": 2, "s": 3}, 0, int_high=10)
+    got, want = interpret(out, inputs), interpret(g, inputs)
+    h = torch.nn.functional.gelu(torch.nn.functional.linear(inputs["x"], g.constants["w1"], g.constants["b1"]))
+    assert torch.allclose(got["y"], int4.q8_linear(h, out.constants[y.inputs[1]], out.constants[y.inputs[2]]))
+    assert 0 < rel_l2(got["y"], want["y"]) < WEIGHT_ONLY["int4"]

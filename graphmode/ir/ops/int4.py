@@ -13,12 +13,20 @@ vector load of bytes gives, after a mask and a shift, two runs of consecutive we
 
 In the graph: weight u8 [N, K/2], scale f32 [N, K/G] (symmetric) or f32 [N, K/G, 2] holding
 (scale, zero) per group (asymmetric; the zero an integer-valued float). G = K / groups.
+
+Activations (the qlinear attribute `act`, recipe `precision.int4_activations`): f32 (the
+default: the answer is dequantize-then-matmul) or q8, llama.cpp q8_0's rule, for integer dot
+products with the symmetric group-32 codes (q4_0 x q8_0): each row of x is cut into blocks
+of 32; a block's d = max|x| / 127 and its codes r = round_half_even(x * (1 / d)) (0 when
+d = 0), so y[n] = sum over blocks of (integer sum of r * (q - 8)) * (s * d) (+ bias).
 """
 from __future__ import annotations
 
 import torch
 
 GROUPS = (32, 64, 128)
+ACTIVATIONS = ("f32", "q8")
+Q8_BLOCK = 32
 SCHEMES = ("symmetric", "asymmetric")
 SYMMETRIC_ZERO = 8
 
@@ -72,4 +80,28 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return ((q - z.float()[..., None]) * s.float()[..., None]).reshape(n, -1)
 
 
-__all__ = ["GROUPS", "SCHEMES", "SYMMETRIC_ZERO", "dequantize", "group_of", "pack", "quantize", "unpack"]
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes f32 [..., K/32, 32] holding integers in -127..127, d f32 [..., K/32]): q8 blocks
+    of x [..., K] (module doc), each f32 operation as the kernels do it."""
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // Q8_BLOCK, Q8_BLOCK)
+    d = xb.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    return torch.round(xb * inv[..., None]), d
+
+
+def q8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """qlinear with act q8 over symmetric group-32 codes: exact integer block sums, each times
+    s * d in f32, summed over the blocks (+ bias)."""
+    if scale.dim() != 2 or group_of(packed.shape, scale.shape) != Q8_BLOCK:
+        raise ValueError("q8 activations need symmetric int4 codes of group 32")
+    n = packed.shape[0]
+    r, d = quantize_activations(x)                                          # [..., B, 32], [..., B]
+    codes = unpack(packed, Q8_BLOCK).reshape(n, -1, Q8_BLOCK).double() - SYMMETRIC_ZERO
+    dots = torch.einsum("...bk,nbk->...nb", r.double(), codes).float()      # integers below 2^16: exact
+    y = (dots * (scale.float() * d[..., None, :])).sum(dim=-1)
+    return y + bias if bias is not None else y
+
+
+__all__ = ["ACTIVATIONS", "GROUPS", "Q8_BLOCK", "SCHEMES", "SYMMETRIC_ZERO", "dequantize", "group_of", "pack",
+           "q8_linear", "quantize", "quantize_activations", "unpack"]

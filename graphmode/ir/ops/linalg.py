@@ -88,7 +88,20 @@ def _qlinear_infer(ins, attrs):
                       "do not match")
     if len(ins) > 3 and (ins[3].dtype != "f32" or ins[3].shape != (w.shape[0],)):
         raise IRError(f"qlinear: bias {ins[3].text()} must be f32 [out]")
+    act = attrs.get("act", "f32")
+    if act not in int4.ACTIVATIONS:
+        raise IRError(f"qlinear: act {act!r} is not an activation format", fix=" or ".join(int4.ACTIVATIONS))
+    if act == "q8" and (w.dtype != "u8" or scale.rank != 2 or int4.group_of(w.shape, scale.shape) != int4.Q8_BLOCK):
+        raise IRError(f"qlinear: act q8 needs int4 symmetric group-32 weights; got weight {w.text()}, scale "
+                      f"{scale.text()}", fix="act: f32, or weights int4 with group_size 32 and int4_scheme symmetric")
     return [TensorType("f32", x.shape[:-1] + (w.shape[0],))]
+
+
+def _qlinear_ref(ins, attrs, env):
+    bias = ins[3] if len(ins) > 3 else None
+    if attrs.get("act", "f32") == "q8":
+        return [int4.q8_linear(ins[0], ins[1], ins[2], bias)]
+    return [F.linear(ins[0], dequantize(ins[1], ins[2]), bias)]
 
 
 def _qlinear_samples():
@@ -110,15 +123,16 @@ def _qlinear_samples():
         return f
     return [Sample(make(torch.int8), note="int8, per-row scale, bias"), Sample(make(torch.bfloat16), note="bf16"),
             Sample(int4_sample("symmetric", 32, True), note="int4 symmetric, group 32, bias"),
-            Sample(int4_sample("asymmetric", 64, False), note="int4 asymmetric, group 64")]
+            Sample(int4_sample("asymmetric", 64, False), note="int4 asymmetric, group 64"),
+            Sample(int4_sample("symmetric", 32, True), {"act": "q8"}, note="int4 group 32, q8 activations, bias")]
 
 
-register(OpSpec("qlinear", "gemm", (3, 4), _qlinear_infer,
-                lambda ins, a, env: [F.linear(ins[0], dequantize(ins[1], ins[2]), ins[3] if len(ins) > 3 else None)],
+register(OpSpec("qlinear", "gemm", (3, 4), _qlinear_infer, _qlinear_ref, attrs=("act",),
                 doc="weight-only quantized linear: x @ (w * scale[:, None]).T (+ b); w is [out, in] i8 or bf16, "
                     "scale [out] f32 (ones for bf16), x and the result f32; or w u8 [out, in / 2]: int4 codes "
                     "two a byte with group-wise scale [out, in / G] (symmetric) or (scale, zero) [out, in / G, 2] "
-                    "(ir/ops/int4.py)",
+                    "(ir/ops/int4.py); act q8 (int4 symmetric group 32 only): x quantized to int8 per block of "
+                    "32 as llama.cpp q8_0 for integer dot products",
                 samples=_qlinear_samples, padding="opaque"))
 
 

@@ -5,7 +5,7 @@ on an AVX-512 host the AVX2 and portable paths would otherwise never run. Per IS
 library each, a module fixture): the flags select that path and nothing wider is in the
 library, then every kernel kind (elementwise and reduction groups, GEMM micro-kernels packed,
 runtime-B and with an epilogue, Winograd and im2col convs, attention, pools, weight-only
-int8/bf16/int4 linear) is run against
+int8/bf16/int4 linear, int4 x q8) is run against
 torch where the host can execute that ISA; where it cannot, the path is built only. Then the
 cap as a recipe field (`codegen.isa`): refused above the target, in every cache key, in the
 tactics' candidates, and a small model compiled under it end to end. No timing assertions.
@@ -225,6 +225,8 @@ def cases(isa: str) -> dict[str, Case]:
                                      {}, lambda x, w, s: F.linear(x, int4.dequantize(w, s))),
         "qlinear_int4_panels": _native("qlinear", [randn(37, 128), *quantize(randn(70, 128), "int4", 64, "asymmetric"),
                                                    randn(70)], {}, lambda x, w, s, b: F.linear(x, int4.dequantize(w, s), b)),
+        "qlinear_int4_q8": _native("qlinear", [randn(3, 160), *quantize(randn(19, 160), "int4", 32), randn(19)],
+                                   {"act": "q8"}, int4.q8_linear),
     }
 
 

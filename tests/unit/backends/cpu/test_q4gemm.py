@@ -6,13 +6,16 @@ the threaded split and the panel path. Other ISA paths run in test_isa_paths.py.
 refuse bad values by name. No timing assertions."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from graphmode.backends.cpu.build import KernelBuilder
+from graphmode.backends.cpu.build import DEFAULT_FLAGS, KernelBuilder
+from graphmode.backends.cpu.isa import host_simd
 from graphmode.backends.cpu.catalog import claim_native, native_source
 from graphmode.backends.cpu.kernels import run_with_tensors
 from graphmode.backends.cpu.lowering import OpCall
@@ -38,14 +41,21 @@ SHAPES = {
     "threaded_prefill": ((40,), 300, 256, 32, "asymmetric", True),
     "threaded_dot": ((3,), 700, 512, 128, "symmetric", True),
     "threaded_panels_g64": ((33,), 129, 128, 64, "symmetric", False),
+    "q8_decode_row": ((1,), 96, 64, 32, "q8", True),
+    "q8_odd_blocks": ((5,), 13, 96, 32, "q8", False),              # 3 blocks: AVX-512's half step
+    "q8_batch4": ((2, 2), 37, 128, 32, "q8", True),
+    "threaded_q8_rows": ((40,), 300, 256, 32, "q8", True),         # no panels under q8
 }
 
 
 def _case(lead, n, k, group, scheme, bias):
+    """(inputs, attrs, the reference's output); scheme "q8": symmetric codes, q8 activations."""
     x = torch.randn(*lead, k, generator=G)
-    w, scale = quantize(torch.randn(n, k, generator=G), "int4", group, scheme)
+    x[..., :32] = 0.0                                   # a block of zeros: d = 0
+    w, scale = quantize(torch.randn(n, k, generator=G), "int4", group, "symmetric" if scheme == "q8" else scheme)
     ins = [x, w, scale] + ([torch.randn(n, generator=G)] if bias else [])
-    return ins, get_op("qlinear").ref(ins, {}, {})[0]
+    attrs = {"act": "q8"} if scheme == "q8" else {}
+    return ins, attrs, get_op("qlinear").ref(ins, attrs, {})[0]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +64,9 @@ def built(tmp_path_factory):
         pytest.skip("no C++ compiler")
     cases, sources = {}, []
     for name, shape in SHAPES.items():
-        ins, want = _case(*shape)
-        src = native_source("qlinear", ins, [torch.empty_like(want)], {}, {}, [f"{name}_{i}" for i in range(len(ins))],
-                            [f"{name}_y"])
+        ins, attrs, want = _case(*shape)
+        src = native_source("qlinear", ins, [torch.empty_like(want)], attrs, {},
+                            [f"{name}_{i}" for i in range(len(ins))], [f"{name}_y"])
         assert src is not None, name
         cases[name] = (ins, want, src)
         sources.append(src)
@@ -72,12 +82,46 @@ def test_kernel_matches_dequantize_then_matmul(built, name):
     got = run_with_tensors(kernels[src.symbol], dict(zip(src.inputs, ins)), source=src)[src.outputs[0]]
     assert got.shape == want.shape and rel_l2(got, want) < 1e-6, (name, rel_l2(got, want))
     lead, _n, _k, group, scheme, _b = SHAPES[name]
-    assert f"int4 {scheme} g{group}" in src.pattern
+    assert (f"int4 symmetric g{group} x q8" if scheme == "q8" else f"int4 {scheme} g{group}") in src.pattern
     assert ("omp parallel" in src.source) == name.startswith("threaded"), name
     rows = 1
     for d in lead:
         rows *= d
-    assert ("(panels)" in src.pattern) == (rows >= PANEL_ROWS), name
+    assert ("(panels)" in src.pattern) == (rows >= PANEL_ROWS and scheme != "q8"), name
+
+
+@needs_cxx
+def test_q8_without_vnni(tmp_path):
+    """AVX-512 hosts without VNNI take vpmaddubsw + vpmaddwd for the block sums (test_isa_paths
+    runs the AVX2 and portable paths); built with VNNI turned off, it computes the same sums."""
+    if "avx512bw" not in host_simd():
+        pytest.skip("no AVX-512BW on this host")
+    ins, attrs, want = _case((3,), 21, 160, 32, "q8", True)
+    src = native_source("qlinear", ins, [torch.empty_like(want)], attrs, {}, ["x", "w", "s", "b"], ["y"])
+    builder = KernelBuilder(tmp_path, flags=DEFAULT_FLAGS + ("-mno-avx512vnni",))
+    got = run_with_tensors(builder.build_many([src])[src.symbol], ins, source=src)["y"]
+    assert rel_l2(got, want) < 1e-6
+    if shutil.which("objdump"):
+        asm = subprocess.run(["objdump", "-d", str(builder.library_path([src]))], capture_output=True, text=True,
+                             check=True).stdout
+        assert "vpmaddubsw" in asm and "%zmm" in asm and "vpdpbusd" not in asm
+
+
+def test_q8_reference():
+    """int4.q8_linear: llama.cpp q8_0's blocks (the largest magnitude is +-127 codes, a zero
+    block has d = 0), close to the f32 answer (about 1e-2 relative here) but not equal to it."""
+    x = torch.randn(2, 3, 64, generator=G)
+    x[0, 0, 32:] = 0.0
+    r, d = int4.quantize_activations(x)
+    assert r.shape == (2, 3, 2, 32) and d.shape == (2, 3, 2)
+    assert torch.equal(r.abs().amax(-1)[d != 0], torch.full_like(d[d != 0], 127.0))
+    assert d[0, 0, 1] == 0 and torch.equal(r[0, 0, 1], torch.zeros(32))
+    assert torch.allclose(r * d[..., None], x.reshape(2, 3, 2, 32), atol=float(d.max()) / 2 + 1e-7)
+    w, s = quantize(torch.randn(7, 64, generator=G), "int4", 32)
+    y, f32 = int4.q8_linear(x, w, s), torch.nn.functional.linear(x, int4.dequantize(w, s))
+    assert y.shape == (2, 3, 7) and 0 < rel_l2(y, f32) < 2e-2
+    with pytest.raises(ValueError, match="group 32"):
+        int4.q8_linear(torch.randn(1, 64), *quantize(torch.randn(3, 64), "int4", 64))
 
 
 @pytest.mark.parametrize("group", int4.GROUPS)
@@ -149,5 +193,11 @@ def test_recipe_fields():
         with pytest.raises(RecipeErrors) as e:
             load_recipe(_recipe(weights="int4", **{field: value}))
         assert f"precision.{field}" in str(e.value) and fix in str(e.value)
+    assert load_recipe(_recipe(weights="int4", int4_activations="q8")).precision.int4_activations == "q8"
+    assert "int4_activations" not in load_recipe(_recipe(weights="int4")).model_dump()
+    for bad in [dict(weights="int4", group_size=64), dict(weights="int4", int4_scheme="asymmetric"),
+                dict(weights="int8")]:
+        report = validate(load_recipe(_recipe(int4_activations="q8", **bad)))
+        assert any("precision.int4_activations" in str(e) and "group_size: 32" in str(e) for e in report.errors)
     report = validate(load_recipe(_recipe(weights="int8", group_size=64)))
     assert any("precision.group_size" in w for w in report.warnings), report.warnings
