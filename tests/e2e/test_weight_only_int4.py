@@ -133,3 +133,33 @@ def test_verify_holds_int4_to_the_top1_contract(tmp_path):
         (o,) = case["outputs"]
         assert o["tolerance"] == WEIGHT_ONLY["int4"] and o["rel_l2"] > 1e-2
         assert o["top1"]["judged"] and o["top1"]["confident_flips"] == 0
+
+
+@pytest.mark.slow     # a compile of its own; the q8 kernels and reference run in the default unit tests
+def test_q8_activations_hold_the_contract_and_decode(tmp_path):
+    """`int4_activations: q8`: every qlinear carries act q8, the compiled model equals its IR
+    (int4.q8_linear over the same codes) to f32 rounding, holds the weight-only contract
+    against the f32 model, and its decode engine takes the tokens its logits rank first."""
+    from graphmode.capture.spec import bundle_from_module
+    lm, ex, dims = tiny_decoders.gpt2()
+    rec = tiny_decoders.recipe("tiny-int4-q8", precision={"compute": "f32", "weights": "int4",
+                                                          "int4_activations": "q8"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(bundle_from_module(lm, ex, dims, name="tiny-gpt2"), rec, cache_dir=tmp_path / "c")
+    q = [n for n in cm.graph.nodes if n.op == "qlinear"]
+    assert len(q) == 9 and all(n.attrs.get("act") == "q8" for n in q)
+    ids = _ids()
+    feeds = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.inference_mode():
+        got = _logits(cm(**feeds))
+        want = lm(**feeds).logits
+    assert rel_l2(got, next(iter(interpret(cm.graph, feeds).values()))) < 1e-5
+    err, top1 = rel_l2(got, want), top1_agreement(got, want)
+    assert 1e-2 < err < WEIGHT_ONLY["int4"], err
+    assert top1.positions == 128 and top1.flips == 0 and top1.share >= 0.6, top1
+    prompts = torch.tensor([[5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45]])
+    out = cm.generate(prompts, max_new_tokens=8)
+    with torch.inference_mode():
+        logits = _logits(cm(input_ids=out[:, :-1], attention_mask=torch.ones_like(out[:, :-1])))
+    assert torch.equal(logits[:, 5:].argmax(-1), out[:, 6:])

@@ -80,8 +80,8 @@ def q4q8_source(call: OpCall, m: int, n: int, k: int) -> KernelSource:
             "  const float* x = (const float*)p0; const uint8_t* w = (const uint8_t*)p1;",
             "  const float* sc = (const float*)p2;",
             f"  const float* b = {'(const float*)p3' if bias else '(const float*)0'}; float* y = (float*){out};",
-            "  gm_q8_act qa = gm_q8_quantize(x, M, K);"]
-    body += split_columns(["    gm_q8_cols<QT, MR, NR>(qa, w, sc, b, y, M, N, n0, n1 < N ? n1 : N);"], par)
+            "  gm_q8_act qa = gm_q8_quantize<QT::STEP, QT::SWZ>(x, M, K);"]
+    body += split_columns(["    gm_q8_cols<QT, MR, NR, K>(qa, w, sc, b, y, M, N, n0, n1 < N ? n1 : N);"], par)
     body += ["  gm_q8_free(qa);"]
     return finish("qlinear", call, body, header=template("q4q8.h"), pre="\n".join(pre), parallel=par,
                   pattern=f"qlinear int4 symmetric g32 x q8 [{m}x{k}] x [{n}x{k}]^T{' + bias' if bias else ''}")
