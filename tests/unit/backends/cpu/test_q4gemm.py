@@ -25,6 +25,7 @@ from graphmode.ir.ops import get_op, int4
 from graphmode.ir.types import TensorType
 from graphmode.passes.quantize_weights import quantize
 from graphmode.recipe import load_recipe, validate
+from graphmode.recipe.semantics import check_semantics
 from graphmode.verify.numerics import rel_l2
 
 _PROBE = KernelBuilder(Path(tempfile.gettempdir()) / "graphmode-test-probe")
@@ -197,7 +198,7 @@ def test_recipe_fields():
     assert "int4_activations" not in load_recipe(_recipe(weights="int4")).model_dump()
     for bad in [dict(weights="int4", group_size=64), dict(weights="int4", int4_scheme="asymmetric"),
                 dict(weights="int8")]:
-        report = validate(load_recipe(_recipe(int4_activations="q8", **bad)))
-        assert any("precision.int4_activations" in str(e) and "group_size: 32" in str(e) for e in report.errors)
+        errors = check_semantics(load_recipe(_recipe(int4_activations="q8", **bad))).errors
+        assert any("precision.int4_activations" in str(e) and "group_size: 32" in str(e) for e in errors), errors
     report = validate(load_recipe(_recipe(weights="int8", group_size=64)))
     assert any("precision.group_size" in w for w in report.warnings), report.warnings
