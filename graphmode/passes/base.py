@@ -77,8 +77,8 @@ class PassContext:
 
 
 PassFn = Callable[[Graph, PassContext], PassResult]
-PASS_MODULES = ("to_paged", "canonicalize", "precision", "constant_fold", "shard", "quantize_weights", "cse", "dce",
-                "layout", "fuse", "memory_plan")
+PASS_MODULES = ("to_paged", "canonicalize", "precision", "constant_fold", "shard", "merge_linears", "quantize_weights",
+                "cse", "dce", "layout", "fuse", "memory_plan")
 
 
 class _Implementations(dict):

@@ -45,6 +45,8 @@ PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
     _info("shard", "split the graph for one rank of a tensor-parallel group: column- then row-parallel linears, "
           "heads across ranks, vocab-parallel embedding and LM head, or the batch; inserts the collectives",
           provides=("sharded",), options=ShardOptions, options_at="parallel"),
+    _info("merge_linears", "linears that read the same input over constant weights (q/k/v, gate/up) become one "
+          "GEMM over the concatenated weight (and bias), its output sliced back", provides=("linears_merged",)),
     _info("quantize_weights", "store constant linear weights as bf16, int8 (per-output-channel scale) or int4 "
           "(group-wise scales), read narrow by the kernel; activations stay f32", provides=("weights_quantized",),
           options=QuantizeWeightsOptions, options_at="precision.weights"),
@@ -61,8 +63,8 @@ PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
 # Named pipelines a recipe can refer to with `optimize.preset`.
 PRESETS: dict[str, list[str]] = {
     "none": ["memory_plan"],
-    "default": ["canonicalize", "precision", "constant_fold", "quantize_weights", "cse", "dce", "layout", "fuse",
-                "dce", "memory_plan"],
+    "default": ["canonicalize", "precision", "constant_fold", "merge_linears", "quantize_weights", "cse", "dce",
+                "layout", "fuse", "dce", "memory_plan"],
     "no_fusion": ["canonicalize", "precision", "constant_fold", "quantize_weights", "cse", "dce", "layout", "dce",
                   "memory_plan"],
 }
