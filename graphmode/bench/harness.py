@@ -638,7 +638,12 @@ def run_decode_bench(cases: Sequence[DecodeCase], cfg: DecodeConfig, log: Callab
                                "round and resumed for a second, contended pass of the same engines; contended "
                                "rows are the scenarios named '<scenario> busy'"} if cfg.contend else {}),
                 "floor": "batch * bandwidth / (weight bytes + batch * mean context * KV bytes per token) "
-                         "at the engine's weight and KV dtypes"})
+                         "at the engine's weight and KV dtypes",
+                "floor_assumes": "a decode step reads every weight once from memory (none stays in cache; the LM "
+                                 "head counted once even when tied; token and position tables one row, i.e. not "
+                                 "counted; 1-D weights at f32) and the K and V of every cached token once; "
+                                 "activations, logits and per-step overhead cost nothing; the bandwidth is the "
+                                 "larger of a streaming read measured now at --threads and the host probe's"})
     meta["versions"].update(llama_cpp_python=_version("llama_cpp_python"), gguf=_version("gguf"))
     if cfg.prefix_cache:
         meta["prefix_cache"] = prefix_rows

@@ -582,7 +582,8 @@ def decode_markdown(res) -> str:
         f"(end-of-sequence ignored); {meth['warmup']} warm-up run(s) per engine and scenario, then up to "
         f"{meth['iters']} interleaved rounds (≥ {meth['min_iters']}, ≤ {meth['budget_s_per_scenario']:g} s per "
         "scenario), medians; decode tok/s = batch × (new − 1) / (last token − first token); "
-        f"bound (a ceiling on tok/s: the bandwidth floor on time per token) = {meth['floor']}; TTFT = "
+        f"bound (a ceiling on tok/s: the bandwidth floor on time per token) = {meth['floor']}"
+        + (f"; it assumes {meth['floor_assumes']}" if meth.get("floor_assumes") else "") + "; TTFT = "
         f"{meth['ttft']}", ""]
     head, rows = decode_summary(res.rows)
     lines += ["## Side by side", ""] + _md_table(head, rows)
