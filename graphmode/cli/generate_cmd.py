@@ -264,7 +264,8 @@ def generate_cmd(
                                  "(with --stream: one JSON line per chunk, then the result on one line)"),
 ) -> None:
     """Generate tokens with a causal LM compiled under a decoder recipe."""
-    from graphmode.compiler import compile as gm_compile
+    import graphmode
+    from graphmode.compiler import compile as gm_compile, tensor_parallel
     from graphmode.decode.api import engine_of
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe, validate
@@ -291,16 +292,31 @@ def generate_cmd(
         host = get_target("host", cache_dir=cache_layout(cache_dir).targets)
         with stage(on_stage, "proof"):
             validate(rec, host).raise_for_errors()       # a recipe that is not proved is never loaded
-        # no whole-sequence graph: it would never run; the decode engine captures its own
-        cm = gm_compile(req.bundle, rec, host, mode="eager", cache_dir=cache_dir, threads=threads, on_stage=on_stage)
-        eng = engine_of(cm)
-        rows = submit(eng, req.prompts, params, req.tokenizer, req.stop_text, req.flag)
-        eng.prepare(len(req.prompts), req.longest)
+        ranks = tensor_parallel(rec)
+        if ranks > 1:      # graphmode.compile starts the ranks; rank 0's engine is driven from here
+            with stage(on_stage, "ranks", detail=f"{ranks} processes compile their shards"):
+                cm = graphmode.compile(req.lm, rec, host, cache_dir=cache_dir, threads=threads)  # picklable
+        else:              # no whole-sequence graph: it would never run; the decode engine captures its own
+            cm = gm_compile(req.bundle, rec, host, mode="eager", cache_dir=cache_dir, threads=threads,
+                            on_stage=on_stage)
+        try:
+            eng = engine_of(cm)
+            rows = submit(eng, req.prompts, params, req.tokenizer, req.stop_text, req.flag)
+            eng.prepare(len(req.prompts), req.longest)
+        except BaseException:
+            if ranks > 1:
+                cm.close()           # a refused prompt: the ranks stop too
+            raise
     setup_s = time.perf_counter() - t0
-    log(f"{model}: compiled under recipe {rec.name} and built its plans in {setup_s:.1f}s")
+    log(f"{model}: compiled under recipe {rec.name} and built its plans in {setup_s:.1f}s"
+        + (f" ({ranks} tensor-parallel ranks)" if ranks > 1 else ""))
 
     text, batch = req.tokenizer is not None, len(req.prompts) > 1
-    t_start, t_end = run(eng, rows, printer(as_json, text, batch) if stream else None)
+    try:
+        t_start, t_end = run(eng, rows, printer(as_json, text, batch) if stream else None)
+    finally:
+        if ranks > 1:
+            cm.close()
     timing = summary(rows, t_start, t_end)
     result = {"model": model, "recipe": rec.name,
               "choices": [{"index": r.index, "prompt_tokens": len(r.prompt), "tokens": r.tokens,

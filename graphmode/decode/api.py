@@ -26,7 +26,11 @@ _ENGINE_LOCK = threading.Lock()      # one engine per model, whichever thread as
 def engine_of(cm: Any):
     """The model's decode engine, built once, on first use, from its recipe's KV cache: its own
     lowering of the paged graph (the whole-sequence graph of a decoder recipe is lowered only
-    for a forward call: graphmode/runtime/deferred.py)."""
+    for a forward call: graphmode/runtime/deferred.py). For the ranks of a tensor-parallel
+    recipe (`TensorParallelDecoder`): rank 0's engine, driven from here (decode/tp_engine.py)."""
+    remote = getattr(type(cm), "engine", None)
+    if remote is not None:
+        return cm.engine()
     eng = getattr(cm, "_decoder", None)
     if eng is not None:
         return eng

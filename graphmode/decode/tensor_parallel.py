@@ -24,6 +24,7 @@ from graphmode.decode.api import _steps
 from graphmode.decode.engine import DecodeEngine
 from graphmode.decode.lm import INPUTS
 from graphmode.decode.runner import ModelRunner
+from graphmode.decode.tp_engine import KEEPALIVE, RemoteEngine, engine_loop
 from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.parallel.comm import active
 from graphmode.parallel.launch import NotOnRanks, RankDriver, launch, stats_delta
@@ -78,13 +79,19 @@ class BroadcastRunner(ModelRunner):
         """The other ranks leave their step loop."""
         self.comm.broadcast(self.codec.encode(None), 0)
 
+    def keepalive(self) -> None:
+        """No step yet: the other ranks keep waiting (their wait restarts its timeout)."""
+        t = self.codec.encode(None)
+        t[0] = KEEPALIVE
+        self.comm.broadcast(t, 0)
+
 
 class RankDecoder:
     """What one rank holds: its decode engine (the launcher's `cm` for a decoder recipe). Rank 0
     runs requests (`rank_generate`), the others follow its steps (`rank_follow`)."""
 
-    def __init__(self, engine: DecodeEngine, rank: int, comm: Any):
-        self.engine, self.rank, self.comm = engine, rank, comm
+    def __init__(self, engine: DecodeEngine, rank: int, comm: Any, comm_timeout_s: float = 60.0):
+        self.engine, self.rank, self.comm, self.comm_timeout_s = engine, rank, comm, comm_timeout_s
         layout = engine.layout
         runner = engine.runner
         self.codec = StepCodec(runner.batch_buckets[-1], runner.seq_buckets[-1], layout.max_pages_per_seq)
@@ -136,6 +143,13 @@ class RankDecoder:
         stats = {k: v - counts.get(k, 0) for k, v in eng.stats.items()}
         conn.send(("ok", None, self._meta(before, stats=stats)))
 
+    def rank_engine(self, conn: Any) -> None:
+        """Rank 0: serve a `RemoteEngine`'s add / cancel / step messages (decode/tp_engine.py)."""
+        engine_loop(self, conn, keepalive_s=self.comm_timeout_s / 4)
+
+    def keepalive(self) -> None:
+        self.engine.runner.keepalive()
+
     def rank_follow(self, conn: Any) -> None:
         """Ranks 1..N-1: run each step rank 0 broadcasts until it says stop."""
         before, steps = self._counters(), 0
@@ -143,7 +157,10 @@ class RankDecoder:
         buf = torch.zeros(self.codec.size, dtype=torch.int64)
         with torch.inference_mode():
             while True:
-                step = self.codec.decode(self.comm.broadcast(buf, 0))
+                got = self.comm.broadcast(buf, 0)
+                if int(got[0]) == KEEPALIVE:
+                    continue
+                step = self.codec.decode(got)
                 if step is None:
                     break
                 cm.executable(step[0]).run(step[1])
@@ -161,7 +178,7 @@ def compile_rank(model: Any, recipe: Any, target: Any, *, mode: str | None = Non
     eng = DecodeEngine.build(lm, recipe, target, cache_dir=cache_dir, threads=threads, rank=rank)
     if warmup:
         eng.warmup()
-    return RankDecoder(eng, rank, active())
+    return RankDecoder(eng, rank, active(), float(recipe.parallel.comm.timeout_s))
 
 
 class TensorParallelDecoder:
@@ -176,6 +193,7 @@ class TensorParallelDecoder:
         self.cfg = {"eos": tp.ranks[0].get("eos"), "vocab": tp.ranks[0].get("vocab")}
         self.last_comm: list[dict] = []
         self.last_stats: dict = {}
+        self._engine: RemoteEngine | None = None
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name == "tp":
@@ -222,6 +240,9 @@ class TensorParallelDecoder:
 
     def _steps(self, prompts: Sequence[list[int]], params: Any) -> Iterator[dict[int, list[int]]]:
         tp = self.tp
+        if self._engine is not None:
+            raise NotOnRanks("rank 0 serves a decode engine driven step by step (engine()); generate / stream "
+                             "would interleave with it", where="parallel", fix="add requests to the engine instead")
         wait_s = tp.timeout_s + _MARGIN_S
         tp.send({0: ("method", "generate", (list(prompts), params)),
                  **{r: ("method", "follow", ()) for r in range(1, tp.world)}})
@@ -245,7 +266,22 @@ class TensorParallelDecoder:
             raise rep[1]                 # a refused request (ContractViolation): the group stays up
         self.last_stats = dict(rep[2].get("stats", {}))
 
+    def engine(self) -> RemoteEngine:
+        """Rank 0's decode engine, driven from here step by step (the server's decode loop,
+        `graphmode generate`): started once; `generate` / `stream` are refused meanwhile."""
+        if self._engine is None:
+            tp = self.tp
+            tp.send({0: ("method", "engine", ()), **{r: ("method", "follow", ()) for r in range(1, tp.world)}})
+            rep = tp.receive(0, tp.timeout_s + _MARGIN_S, "decode engine start")
+            self._engine = RemoteEngine(tp, rep[1])
+        return self._engine
+
     def close(self) -> None:
+        if self._engine is not None and self.tp._down is None:
+            try:
+                self._engine.close()
+            except Exception:  # noqa: BLE001 - the group is stopped below whatever happened
+                pass
         self.tp.close()
 
     def __enter__(self) -> "TensorParallelDecoder":
