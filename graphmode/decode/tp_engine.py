@@ -139,7 +139,7 @@ class RemoteEngine:
     # ---- the engine's interface ------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self._live)
+        return bool(self._live) and self.tp._down is None
 
     @property
     def running(self) -> list[RemoteSequence]:
@@ -254,6 +254,14 @@ class RemoteEngine:
             tp.send({0: ("end",)})
             replies = tp.collect(list(range(tp.world)), self._wait_s, "end of the decode loop")
             return replies[0][2]
+
+    def shutdown(self) -> None:
+        """`close()`, then stop every rank process (bounded: a rank that does not leave is killed)."""
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a broken group: it is stopped below all the same
+            pass
+        self.tp.close()
 
     def _check_open(self) -> None:
         if not self._open:

@@ -81,6 +81,8 @@ class PromMetrics:
         self.ready = Gauge("graphmode_ready", "1 once every bucket of the active recipe is warm", ("target",),
                            registry=r)
         self.queue_depth = Gauge("graphmode_queue_depth", "Requests waiting to be batched", ("target",), registry=r)
+        self.ranks_up = Gauge("graphmode_tensor_parallel_ranks_up", "Rank processes of the served tensor-parallel "
+                              "group that are alive (absent for one process)", ("target",), registry=r)
         self.bad_requests = Counter("graphmode_bad_requests", "Requests refused before the contract was checked "
                                     "(malformed body, too large, unsupported media type, not ready)",
                                     ("target", "reason"), registry=r)

@@ -279,21 +279,33 @@ def create_app(server: ModelServer) -> Starlette:
             return error_response(e)
 
     async def healthz(request: Request) -> Response:
-        body = {"status": "failed" if server.state == "failed" else "live", "state": server.state,
+        failed = server.state == "failed"
+        body = {"status": "failed" if failed else "live", "state": server.state,
                 "uptime_s": round(time.time() - server.started, 3)}
         if server.error is not None:
             body["error"] = error_dict(server.error)
-        return JSONAnswer(body, status_code=503 if server.state == "failed" else 200)
+        group = await run_in_threadpool(server.group_health)      # tensor-parallel ranks: never waits on a step
+        if group is not None:
+            body["ranks"] = group["ranks"]
+            if group["down"] is not None:
+                failed = True
+                body.update(status="failed", error={"error": "RankFailure", "message": group["down"],
+                                                    "where": "parallel"})
+        return JSONAnswer(body, status_code=503 if failed else 200)
 
     async def readyz(request: Request) -> Response:
         view = server.readiness()
-        ready = server.state == "ready" and server.active is not None
+        group = await run_in_threadpool(server.group_health)
+        ready = server.state == "ready" and server.active is not None and (group is None or group["down"] is None)
+        if group is not None and group["down"] is not None:
+            view["error"] = {"error": "RankFailure", "message": group["down"], "where": "parallel"}
         view["status"] = "ready" if ready else "not ready"
         if not ready and server.state == "warming" and server.active is None:
             view["progress"] = "compiling and warming up the recipe's buckets"
         return JSONAnswer(view, status_code=200 if ready else 503)
 
     async def metrics_endpoint(request: Request) -> Response:
+        await run_in_threadpool(server.group_health)     # graphmode_tensor_parallel_ranks_up
         if server.batcher is not None:
             metrics.queue_depth.labels(server.target_name).set(server.batcher.depth())
         return Response(metrics.text(), media_type=metrics.content_type)

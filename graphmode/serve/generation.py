@@ -28,6 +28,7 @@ from graphmode.decode.engine import DecodeEngine, drive
 from graphmode.decode.scheduler import Sequence_
 from graphmode.decode.sampling import SamplingParams
 from graphmode.monitor.prom import DecodeSeries
+from graphmode.errors import RankFailure
 from graphmode.serve.errors import NotReady, ServerFault
 
 log = logging.getLogger("graphmode.serve")
@@ -123,9 +124,14 @@ class DecodeLoop:
                 try:
                     g.seq = self.engine.add(prompt, p, on_token=g.on_token)
                 except Exception as e:
-                    for added in gens[:g.index]:
-                        self.engine.cancel(added.seq)
-                        self._live.pop(added.seq.id, None)
+                    try:
+                        for added in gens[:g.index]:
+                            self.engine.cancel(added.seq)
+                            self._live.pop(added.seq.id, None)
+                    except RankFailure:
+                        pass
+                    if isinstance(e, RankFailure):
+                        raise ranks_down(e) from None
                     e.prompt_index = g.index          # type: ignore[attr-defined]
                     raise
                 self._live[g.seq.id] = g
@@ -147,10 +153,26 @@ class DecodeLoop:
                 self._cond.notify()
 
     def retire(self) -> None:
-        """The deployment was swapped out: finish what is running, then let the thread end."""
+        """The deployment was swapped out: finish what is running, then let the thread end
+        (a tensor-parallel engine's ranks stop then)."""
         with self._cond:
             self._retired = True
+            idle = self._thread is None
             self._cond.notify()
+        if idle:
+            self._shutdown_engine()
+
+    def _shutdown_engine(self) -> None:
+        """A tensor-parallel engine (decode/tp_engine.py) stops its rank processes; an engine of
+        this process becomes garbage with its deployment."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    def health(self) -> str | None:
+        """None while the engine can serve; for a tensor-parallel engine, why its ranks cannot."""
+        check = getattr(self.engine, "health", None)
+        return check() if check is not None else None
 
     def stop(self, timeout: float = 5.0) -> None:
         """Shutdown: the thread ends after its current step; unfinished requests get a 503 error."""
@@ -160,6 +182,7 @@ class DecodeLoop:
             self._cond.notify()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        self._shutdown_engine()
 
     # ---- loop thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -169,6 +192,7 @@ class DecodeLoop:
                 while not (eng.has_work or self._cancels or self._stopped):
                     if self._retired:
                         self._thread = None
+                        threading.Thread(target=self._shutdown_engine, daemon=True).start()
                         return
                     self._cond.wait()
             if self._between_steps():
@@ -181,6 +205,9 @@ class DecodeLoop:
                     if self._between_steps():
                         return
                     started = time.perf_counter()     # the next step starts when the loop resumes drive
+            except RankFailure as e:      # a rank died or hung: the group is stopped, requests get a 503
+                log.error("decode step failed: %s", e.message)
+                self._fail_all(ranks_down(e))
             except Exception as e:  # noqa: BLE001 - the requests get a 500, the loop keeps serving
                 log.exception("decode step failed")
                 self._fail_all(ServerFault(f"decode step failed: {type(e).__name__}: {e}", where="decode"))
@@ -250,6 +277,16 @@ class DecodeLoop:
 
     def describe(self) -> dict[str, Any]:
         eng = self.engine
-        return {"running": len(eng.running), "waiting": len(eng.waiting), "kv_pages_used": eng.cache.used_pages,
-                "kv_pages": eng.cache.layout.pages, "vocab": eng.cfg.get("vocab"), "max_prompt_tokens": eng.max_prompt,
-                "max_tokens_per_sequence": eng.layout.max_tokens, **eng.stats}
+        out = {"running": len(eng.running), "waiting": len(eng.waiting), "kv_pages_used": eng.cache.used_pages,
+               "kv_pages": eng.cache.layout.pages, "vocab": eng.cfg.get("vocab"), "max_prompt_tokens": eng.max_prompt,
+               "max_tokens_per_sequence": eng.layout.max_tokens, **eng.stats}
+        if hasattr(eng, "ranks"):                 # tensor-parallel: the group's processes
+            out["ranks"] = eng.ranks()
+        return out
+
+
+def ranks_down(e: RankFailure) -> NotReady:
+    """A tensor-parallel group's failure as the request sees it: 503, the rank and the cause named."""
+    return NotReady(f"the tensor-parallel ranks are down: {e.message}", where="parallel",
+                    fix="the server cannot decode until it is restarted (its /healthz fails); send the request to "
+                        "another server")

@@ -67,7 +67,7 @@ class Loading:
         """The recipe must declare the model's inputs, with the model's rank and fixed dims
         (checked now, so the answer to PUT says it instead of a failed background compile)."""
         from graphmode.capture.source import resolve_model
-        refuse_tensor_parallel(recipe)
+        servable_parallel(recipe, artifact=self.artifact is not None)
         if self.artifact is not None:
             self._artifact_serves(recipe)
             return
@@ -110,9 +110,29 @@ class Loading:
             cm = load_artifact(self.artifact, cache_dir=self.config.cache_dir, threads=self.config.threads,
                                on_stage=self.on_stage)
             self._artifact_serves(cm.recipe)         # the file replaced since it was read: refused
+        elif tensor_parallel(recipe) > 1:
+            cm = self._ranks(recipe)
         else:
             cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir,
                             threads=self.config.threads, on_stage=self.on_stage)
+        try:
+            return self._deploy(cm, recipe, origin, ticket, t0)
+        except BaseException:
+            if tensor_parallel(recipe) > 1:
+                cm.close()                       # its rank processes too
+            raise
+
+    def _ranks(self, recipe: Any) -> Any:
+        """A decoder recipe's `parallel.tensor` rank processes, started once for the deployment:
+        each compiles its shard and builds its plans (decode/tensor_parallel.py)."""
+        from graphmode.decode.api import causal_lm
+        from graphmode.decode.tensor_parallel import launch_decoder
+        with stage(self.on_stage, "ranks", detail=f"{tensor_parallel(recipe)} processes compile their shards"):
+            # the transformers model crosses to the ranks (a bundle's wrapper need not pickle)
+            return launch_decoder(causal_lm(self.model), recipe, self.target, cache_dir=self.config.cache_dir,
+                                  threads=self.config.threads)
+
+    def _deploy(self, cm: Any, recipe: Any, origin: str, ticket: ReloadTicket | None, t0: float) -> Deployment:
         self._unless_stopping()
         decoding = recipe.memory.kv_cache is not None and cm.mode != "eager"
         if decoding:
@@ -187,14 +207,40 @@ class Loading:
             raise NotReady("the server is shutting down", where="reload")
 
 
-def refuse_tensor_parallel(recipe: Any) -> None:
-    """A served recipe runs in one process: `parallel.tensor` > 1 is refused (RecipeError)."""
-    from graphmode.compiler import tensor_parallel
-    if tensor_parallel(recipe) > 1:
-        raise RecipeError(f"the server does not run tensor-parallel ranks yet (tensor {tensor_parallel(recipe)})",
+def tensor_parallel(recipe: Any) -> int:
+    from graphmode.compiler import tensor_parallel as degree       # lazily: the server starts without the compiler
+    return degree(recipe)
+
+
+def servable_parallel(recipe: Any, *, artifact: bool = False) -> None:
+    """`parallel.tensor` > 1 is served for a decoder recipe (memory.kv_cache) of a model, not of
+    an artifact: the server starts the ranks and decodes on them. An encoder's forward on the
+    ranks is not served (RecipeError)."""
+    n = tensor_parallel(recipe)
+    if n <= 1:
+        return
+    if artifact:
+        raise RecipeError(f"an artifact holds one graph, and tensor {n} needs each rank's shard",
                           where="parallel.tensor", line=recipe.line_of("parallel"),
-                          fix="tensor: 1 to serve; graphmode.compile or `graphmode run` start the ranks "
-                              "(docs/tensor-parallel.md)")
+                          fix="serve the model itself (--model SPEC) with this recipe: the server starts the ranks")
+    if recipe.memory.kv_cache is None:
+        raise RecipeError(f"the server runs tensor-parallel ranks (tensor {n}) for decoder recipes only: /v1/infer "
+                          "and KServe on the ranks are not wired", where="parallel.tensor",
+                          line=recipe.line_of("parallel"),
+                          fix="tensor: 1 to serve this model, or add memory.kv_cache for a causal LM; `graphmode run` "
+                              "and graphmode.compile run an encoder on the ranks (docs/tensor-parallel.md)")
+
+
+def refuse_tensor_parallel(recipe: Any) -> None:
+    """A Ray Serve replica (serve/cluster*.py) runs in one process: `parallel.tensor` > 1 is
+    refused (RecipeError), as each replica would have to start and own its rank processes."""
+    if tensor_parallel(recipe) > 1:
+        raise RecipeError(f"Ray Serve replicas do not run tensor-parallel ranks (tensor {tensor_parallel(recipe)}): "
+                          "each replica is one process that Ray places, restarts and scales, and its ranks would be "
+                          "processes outside Ray's placement and health checks", where="parallel.tensor",
+                          line=recipe.line_of("parallel"),
+                          fix="tensor: 1 for replicas; `graphmode serve` (one server) starts the ranks of a decoder "
+                              "recipe (docs/tensor-parallel.md)")
 
 
 def artifact_path(model: Any) -> Path | None:

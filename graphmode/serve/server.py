@@ -312,6 +312,17 @@ class ModelServer(Loading, Reloading, Serving):
             log.exception("SLA probe tick failed")
 
     # ---- views --------------------------------------------------------------------------------
+    def group_health(self) -> dict[str, Any] | None:
+        """The serving deployment's tensor-parallel ranks: {"down": why or None, "ranks": [{rank,
+        pid, alive}]}; None when it decodes in this process."""
+        dep = self.active
+        dec = dep.decoder if dep is not None else None
+        if dec is None or not hasattr(dec.engine, "ranks"):
+            return None
+        down = dec.health()
+        self.metrics.ranks_up.labels(self.target_name).set(sum(r["alive"] for r in dec.engine.ranks()))
+        return {"down": down, "ranks": dec.engine.ranks()}
+
     def readiness(self) -> dict[str, Any]:
         dep = self.active
         out: dict[str, Any] = {"state": self.state, "target": self.target_name}
