@@ -181,11 +181,11 @@ def test_graphmode_run_starts_the_ranks_and_checks_rank_0_against_eager(tmp_path
     assert w[0] == w[1] == 4 * (16 * 16 + 16 + 16 * 4 + 4)        # half of each linear, the second's bias whole
 
 
-def test_the_server_refuses_a_parallel_recipe_before_compiling():
+def test_the_server_refuses_an_encoder_s_parallel_recipe_before_compiling():
     from graphmode.errors import RecipeError
     from graphmode.serve.server import ModelServer
     rec = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS)
-    with pytest.raises(RecipeError, match="does not run tensor-parallel ranks yet") as e:
+    with pytest.raises(RecipeError, match="for decoder recipes only") as e:
         ModelServer(f"{SPEC}:mlp", rec)
     assert e.value.where == "recipe: parallel.tensor"
 

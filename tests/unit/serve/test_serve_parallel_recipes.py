@@ -1,0 +1,50 @@
+"""Which `parallel` recipes the server takes, checked before anything compiles: a decoder recipe
+(memory.kv_cache) under `parallel.tensor: 2` is served on rank processes; an encoder's is refused
+naming parallel.tensor and what does run it; an artifact cannot hold the ranks' shards; Ray Serve
+replicas refuse every `parallel` recipe and say why. (The ranks serving end to end:
+tests/e2e/test_serve_tensor_parallel.py, slow.)"""
+from __future__ import annotations
+
+import pytest
+
+from graphmode.errors import RecipeError
+from graphmode.recipe import load_recipe
+from graphmode.serve.loading import refuse_tensor_parallel, servable_parallel
+
+
+def recipe(tensor: int, decoder: bool) -> object:
+    r = {"version": 1, "name": "tp",
+         "inputs": [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"]}],
+         "dims": {"batch": {"buckets": [1, 2]}, "seq": {"buckets": [8], "min": 2}}}
+    if decoder:
+        r["memory"] = {"kv_cache": {"page_size": 4, "max_pages_per_seq": 4, "layers": 2, "kv_heads": 4,
+                                    "head_dim": 8}}
+    if tensor > 1:
+        r["parallel"] = {"tensor": tensor, "device_group": [f"rank{i}" for i in range(tensor)],
+                         "links": {"loopback": {"bandwidth_gbps": 10, "latency_us": 20}}}
+    return load_recipe(r)
+
+
+def test_a_decoder_recipe_on_ranks_is_served_and_one_process_always_is():
+    servable_parallel(recipe(2, decoder=True))
+    servable_parallel(recipe(1, decoder=False))
+    servable_parallel(recipe(1, decoder=True), artifact=True)
+
+
+def test_an_encoder_on_ranks_is_refused_naming_the_field_and_what_runs_it():
+    with pytest.raises(RecipeError, match="decoder recipes only") as e:
+        servable_parallel(recipe(2, decoder=False))
+    assert e.value.where == "parallel.tensor" and "graphmode run" in e.value.fix
+
+
+def test_an_artifact_cannot_serve_the_ranks_shards():
+    with pytest.raises(RecipeError, match="each rank's shard") as e:
+        servable_parallel(recipe(2, decoder=True), artifact=True)
+    assert "--model" in e.value.fix
+
+
+def test_ray_serve_replicas_refuse_every_parallel_recipe_saying_why():
+    refuse_tensor_parallel(recipe(1, decoder=True))
+    with pytest.raises(RecipeError, match="Ray Serve replicas do not run tensor-parallel ranks") as e:
+        refuse_tensor_parallel(recipe(2, decoder=True))
+    assert e.value.where == "parallel.tensor" and "graphmode serve" in e.value.fix
