@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from graphmode.decode.scheduler import Sequence_
 from graphmode.errors import GraphmodeError, RankFailure
 
 _MARGIN_S = 10.0            # beyond the collective timeout: a rank's own error reaches the caller first
@@ -90,32 +91,14 @@ def start_info(eng: Any) -> dict[str, Any]:
     return {"cfg": dict(eng.cfg), "max_prompt": eng.max_prompt, "min_prompt": eng.min_prompt,
             "layout": {"max_tokens": lay.max_tokens, "pages": lay.pages, "page_size": lay.page_size,
                        "max_pages_per_seq": lay.max_pages_per_seq, "batch_buckets": list(eng.batch_buckets)},
-            "kv_pool_bytes": eng.cache.bytes, "facts": eng.lowered.facts, "proof": eng.lowered.proof}
+            "kv_pool_bytes": eng.cache.bytes, "facts": eng.lowered.facts, "proof": eng.lowered.proof,
+            "view": describe(eng)}
 
 
 def describe(eng: Any) -> dict[str, Any]:
     """What the caller mirrors of rank 0's engine after each message."""
     return {"stats": dict(eng.stats), "running": [s.id for s in eng.running], "waiting": [s.id for s in eng.waiting],
             "used_pages": eng.cache.used_pages}
-
-
-class RemoteSequence:
-    """A sequence of rank 0's engine as the caller sees it (the fields a `Sequence_`'s readers use)."""
-
-    def __init__(self, sid: int, prompt: Sequence[int], params: Any, on_token: Callable[[int, int], None] | None):
-        self.id, self.prompt, self.params, self.on_token = sid, list(prompt), params, on_token
-        self.generated: list[int] = []
-        self.logprobs: list[Any] = []
-        self.state = "waiting"
-        self.finish_reason: str | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.generated
-
-    @property
-    def done(self) -> bool:
-        return self.state == "finished"
 
 
 class RemoteEngine:
@@ -131,10 +114,11 @@ class RemoteEngine:
         self.cache = SimpleNamespace(layout=self.layout, used_pages=0, bytes=info["kv_pool_bytes"])
         self.lowered = SimpleNamespace(facts=info["facts"], proof=info["proof"])   # rank 0's shard's
         self.speculator = None
-        self._live: dict[int, RemoteSequence] = {}
-        self._view: dict[str, Any] = {"stats": {}, "running": [], "waiting": []}
+        self._live: dict[int, Sequence_] = {}
+        self._view: dict[str, Any] = info["view"]
         self._wait_s = tp.timeout_s + _MARGIN_S
         self._open = True
+        self._shut = False
 
     # ---- the engine's interface ------------------------------------------------------------------
     @property
@@ -142,11 +126,11 @@ class RemoteEngine:
         return bool(self._live) and self.tp._down is None
 
     @property
-    def running(self) -> list[RemoteSequence]:
+    def running(self) -> list[Sequence_]:
         return [self._live[i] for i in self._view["running"] if i in self._live]
 
     @property
-    def waiting(self) -> list[RemoteSequence]:
+    def waiting(self) -> list[Sequence_]:
         return [self._live[i] for i in self._view["waiting"] if i in self._live]
 
     @property
@@ -164,7 +148,7 @@ class RemoteEngine:
         """As `prepare`."""
 
     def add(self, prompt: Sequence[int], params: Any, on_token: Callable[[int, int], None] | None = None
-            ) -> RemoteSequence:
+            ) -> Sequence_:
         """Queue a sequence on rank 0's engine (it runs from the next step); raises the engine's
         refusal (ContractViolation, ...) as it would, or RankFailure when the group is down."""
         with self.lock:
@@ -173,11 +157,11 @@ class RemoteEngine:
             rep = self._reply("add")
             if rep[0] == "refused":
                 raise rep[1]
-            s = RemoteSequence(rep[1], prompt, params, on_token)
+            s = Sequence_(rep[1], [int(t) for t in prompt], params, on_token=on_token)   # a mirror of rank 0's
             self._live[s.id] = s
             return s
 
-    def cancel(self, s: RemoteSequence) -> None:
+    def cancel(self, s: Sequence_) -> None:
         """End `s` now ("cancelled" unless it had a reason); rank 0 frees its pages before the next step."""
         with self.lock:
             if self._live.pop(s.id, None) is None:
@@ -186,7 +170,7 @@ class RemoteEngine:
             if self._open and self.tp._down is None:
                 self.tp.send({0: ("cancel", s.id)})
 
-    def step(self) -> list[RemoteSequence]:
+    def step(self) -> list[Sequence_]:
         """One step of rank 0's engine on every rank; the chosen tokens reach their sequences'
         `on_token` here. Returns the sequences that finished in it."""
         with self.lock:
@@ -256,7 +240,11 @@ class RemoteEngine:
             return replies[0][2]
 
     def shutdown(self) -> None:
-        """`close()`, then stop every rank process (bounded: a rank that does not leave is killed)."""
+        """`close()`, then stop every rank process (bounded: a rank that does not leave is killed).
+        Once: later calls do nothing."""
+        if self._shut:
+            return
+        self._shut = True
         try:
             self.close()
         except Exception:  # noqa: BLE001 - a broken group: it is stopped below all the same

@@ -55,6 +55,11 @@ class Serving:
         """Until `dep`'s whole-sequence graph is lowered: a decoder's is, on the build thread, for
         the first request that needs it (/v1/infer, KServe); 503 past the deadline (the lowering
         goes on). A recipe that graph refuses is answered with the lowering's typed error (422)."""
+        from graphmode.decode.tensor_parallel import TensorParallelDecoder
+        if isinstance(dep.cm, TensorParallelDecoder):
+            raise GraphmodeError("a tensor-parallel decoder's ranks hold only the paged decode graph: /v1/infer and "
+                                 "KServe are not served on them", where="parallel.tensor",
+                                 fix="POST /v1/completions, or serve with parallel.tensor: 1 for /v1/infer")
         if not dep.cm.pending:
             return
         fut = self._once((dep.version, WHOLE_SEQUENCE), self._lower_whole_sequence, dep)

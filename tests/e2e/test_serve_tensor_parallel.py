@@ -173,6 +173,9 @@ def test_health_and_metrics_report_both_ranks(served):
     assert body["status"] == "live" and [r["rank"] for r in body["ranks"]] == [0, 1], body
     assert all(r["alive"] and alive(r["pid"]) for r in body["ranks"]), body
     assert re.search(r'graphmode_tensor_parallel_ranks_up\{target="[^"]+"\} 2\.0', served.client.get("/metrics").text)
+    # the ranks hold the paged decode graph only: /v1/infer is refused, saying so
+    r = served.client.post("/v1/infer", json={"inputs": {"input_ids": [P1], "attention_mask": [[1, 1, 1]]}})
+    assert r.status_code == 422 and "tensor-parallel decoder" in r.text, r.text
 
 
 def test_concurrent_completions_share_steps_and_give_greedy_tokens(served):
