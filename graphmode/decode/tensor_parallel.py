@@ -15,6 +15,7 @@ send the prompts to rank 0 (and "follow" to the others) and read rank 0's new to
 """
 from __future__ import annotations
 
+import os
 from contextlib import closing
 from typing import Any, Iterator, Sequence
 
@@ -188,8 +189,12 @@ class TensorParallelDecoder:
     `last_comm` (per rank, the last request's collectives) and `last_stats` (rank 0's engine
     counts). A context manager; `close()` stops the ranks."""
 
-    def __init__(self, tp: Any):
+    captured_graph = None           # each rank captured and holds its own (the knowledge base reads these)
+    _graph_hash = None
+
+    def __init__(self, tp: Any, *, threads: int | None = None):
         self.tp = tp
+        self.threads = threads          # each rank's
         self.cfg = {"eos": tp.ranks[0].get("eos"), "vocab": tp.ranks[0].get("vocab")}
         self.last_comm: list[dict] = []
         self.last_stats: dict = {}
@@ -301,5 +306,6 @@ def launch_decoder(model: Any, recipe: Any, target: Any, *, cache_dir: Any = Non
         raise GraphmodeError("tensor-parallel decoding needs a paged KV cache", where="memory.kv_cache",
                              fix="add memory.kv_cache to the recipe")
     driver = RankDriver(compile=compile_rank, resolve_model=resolve_model, collectives=graph_collectives)
+    threads = threads or max(1, (os.cpu_count() or 1) // recipe.parallel.tensor)
     return TensorParallelDecoder(launch(model, recipe, target, driver=driver, mode="graph", cache_dir=cache_dir,
-                                       threads=threads))
+                                       threads=threads), threads=threads)

@@ -210,6 +210,7 @@ def test_sigterm_stops_every_rank(served):
     assert all(alive(p) for p in pids)
     served.terminate()
     assert served.proc.returncode is not None
+    assert "Traceback" not in served.log.read_text(), served.log.read_text()[-3000:]
     eventually(lambda: not any(alive(p) for p in pids), EVENT_S, f"rank processes {pids} gone")
 
 
