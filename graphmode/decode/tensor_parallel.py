@@ -25,12 +25,11 @@ from graphmode.decode.api import _steps
 from graphmode.decode.engine import DecodeEngine
 from graphmode.decode.lm import INPUTS
 from graphmode.decode.runner import ModelRunner
-from graphmode.decode.tp_engine import KEEPALIVE, RemoteEngine, engine_loop
+from graphmode.decode.tp_engine import KEEPALIVE, MARGIN_S, RemoteEngine, engine_loop
 from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.parallel.comm import active
 from graphmode.parallel.launch import NotOnRanks, RankDriver, launch, stats_delta
 
-_MARGIN_S = 10.0          # beyond the collective timeout: a rank's own error reaches the caller first
 
 
 class StepCodec:
@@ -248,7 +247,7 @@ class TensorParallelDecoder:
         if self._engine is not None:
             raise NotOnRanks("rank 0 serves a decode engine driven step by step (engine()); generate / stream "
                              "would interleave with it", where="parallel", fix="add requests to the engine instead")
-        wait_s = tp.timeout_s + _MARGIN_S
+        wait_s = tp.timeout_s + MARGIN_S
         tp.send({0: ("method", "generate", (list(prompts), params)),
                  **{r: ("method", "follow", ()) for r in range(1, tp.world)}})
         ended = False
@@ -277,7 +276,9 @@ class TensorParallelDecoder:
         if self._engine is None:
             tp = self.tp
             tp.send({0: ("method", "engine", ()), **{r: ("method", "follow", ()) for r in range(1, tp.world)}})
-            rep = tp.receive(0, tp.timeout_s + _MARGIN_S, "decode engine start")
+            rep = tp.receive(0, tp.timeout_s + MARGIN_S, "decode engine start")
+            if rep[0] != "ready":
+                raise rep[1]
             self._engine = RemoteEngine(tp, rep[1])
         return self._engine
 

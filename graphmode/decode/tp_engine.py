@@ -27,7 +27,7 @@ import torch
 from graphmode.decode.scheduler import Sequence_
 from graphmode.errors import GraphmodeError, RankFailure
 
-_MARGIN_S = 10.0            # beyond the collective timeout: a rank's own error reaches the caller first
+MARGIN_S = 10.0            # beyond the collective timeout: a rank's own error reaches the caller first
 KEEPALIVE = 2               # StepCodec's first word for "no step, keep waiting" (0 ends, 1 is a step)
 
 
@@ -116,7 +116,7 @@ class RemoteEngine:
         self.speculator = None
         self._live: dict[int, Sequence_] = {}
         self._view: dict[str, Any] = info["view"]
-        self._wait_s = tp.timeout_s + _MARGIN_S
+        self._wait_s = tp.timeout_s + MARGIN_S
         self._open = True
         self._shut = False
 

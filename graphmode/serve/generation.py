@@ -27,8 +27,8 @@ from typing import Any, Sequence
 from graphmode.decode.engine import DecodeEngine, drive
 from graphmode.decode.scheduler import Sequence_
 from graphmode.decode.sampling import SamplingParams
-from graphmode.monitor.prom import DecodeSeries
 from graphmode.errors import RankFailure
+from graphmode.monitor.prom import DecodeSeries
 from graphmode.serve.errors import NotReady, ServerFault
 
 log = logging.getLogger("graphmode.serve")
