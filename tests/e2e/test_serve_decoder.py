@@ -353,7 +353,7 @@ ERRORS = [   # (body, status, where, words in the message); every answer must al
     ({"prompt": 5}, 400, "prompt", "prompt must be"),
     ({"prompt": [5, True]}, 400, "prompt", "prompt must be"),
     ({"prompt": P1, "max_tokens": "3"}, 400, "max_tokens", "integer"),
-    ({"prompt": P1, "max_tokens": 0}, 400, "max_tokens", "integer"),
+    ({"prompt": P1, "max_tokens": 0}, 400, "max_tokens", "echo"),
     ({"prompt": P1, "temperature": "hot"}, 400, "temperature", "number"),
     ({"prompt": P1, "top_p": 0}, 400, "top_p", "number"),
     ({"prompt": P1, "seed": 1.5}, 400, "seed", "integer"),

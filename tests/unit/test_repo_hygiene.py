@@ -76,3 +76,12 @@ def test_no_tracked_file_names_a_machine_path():
         bad += [f"{p.relative_to(REPO)}:{n}: {line[:160]}" for n, line in machine_paths(text)]
     assert not bad, ("tracked files name paths of one machine (write them relative to the repo, the results "
                      "folder or ~):\n" + "\n".join(bad))
+
+
+def test_test_modules_have_unique_basenames():
+    """tests/ has no __init__.py, so pytest imports each test file by its basename: two files of
+    one name make the second fail to collect ("import file mismatch") in whichever run meets both."""
+    seen: dict[str, Path] = {}
+    for f in sorted((REPO / "tests").rglob("test_*.py")):
+        other = seen.setdefault(f.name, f)
+        assert other == f, f"{f.relative_to(REPO)} and {other.relative_to(REPO)}: rename one"

@@ -1,7 +1,7 @@
 """A tensor-parallel group's artifacts (graphmode/runtime/rank_artifacts.py) without rank
 processes: the tiny MLP's two shards compiled in this process (`rank=`) and saved as rank files,
 the group file over them; damaged, replaced, missing or misused files are refused naming the file
-before any rank starts. Saving from the ranks and loading the group: tests/e2e/test_rank_artifacts.py."""
+before any rank starts. Saving from the ranks and loading the group: tests/e2e/test_saved_tp_group.py."""
 from __future__ import annotations
 
 import json
