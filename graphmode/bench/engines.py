@@ -32,8 +32,8 @@ is timed from there) and when the last token was. Engines:
   `graphmode[int4_q8]` too with `int4_activations: q8` (int8 activation blocks, as q4_0 x q8_0),
   `graphmode[batch_invariant]` (determinism: batch_invariant) prefills each prompt alone and
   batches decode steps over row-invariant kernels; `graphmode[kv_bf16]` keeps the KV pool in
-  bf16 (memory.kv_cache.dtype); `graphmode[unmerged]` runs the default passes without
-  merge_linears (q/k/v and gate/up as separate GEMVs): the A/B of that pass;
+  bf16 (memory.kv_cache.dtype); `graphmode[merged]` runs the default passes with
+  merge_linears (q/k/v and gate/up as one GEMV each): the A/B of that opt-in pass;
 - `ort_genai`, `openvino_genai`: reported "not installed" unless their package imports;
   the pipelines themselves are not wired up yet (reported as such).
 
@@ -437,7 +437,7 @@ DECODE_ENGINE_NAMES = ("eager", "static_compile", "llama_cpp", "ort_genai", "ope
 LLAMA_CPP_VARIANTS = ("f32", "q8_0", "q4_0", "q4_K_M")
 WEIGHT_VARIANTS = ("bf16", "int8", "int4")            # graphmode[int8]: recipe precision.weights
 INT4_Q8 = "int4_q8"                                    # int4 weights, precision.int4_activations q8
-GRAPHMODE_VARIANTS = ("batch_invariant", "kv_bf16", "unmerged") + WEIGHT_VARIANTS + (INT4_Q8,)
+GRAPHMODE_VARIANTS = ("batch_invariant", "kv_bf16", "merged") + WEIGHT_VARIANTS + (INT4_Q8,)
 DECODE_LABELS = {"eager": "transformers eager", "static_compile": "transformers static+compile",
           "llama_cpp": "llama.cpp", "ort_genai": "ORT GenAI", "openvino_genai": "OpenVINO GenAI",
           "graphmode": "graphmode"}
@@ -575,9 +575,9 @@ class GraphmodeLMEngine(LMEngine):
             recipe = dict(recipe, precision={"compute": "f32", "weights": "int4", "int4_activations": "q8"})
         elif self.variant == "kv_bf16":
             recipe = dict(recipe, memory={"kv_cache": dict(recipe["memory"]["kv_cache"], dtype="bf16")})
-        elif self.variant == "unmerged":
-            from graphmode.passes.registry import PRESETS
-            recipe = dict(recipe, optimize={"passes": [p for p in PRESETS["default"] if p != "merge_linears"]})
+        elif self.variant == "merged":
+            from graphmode.passes.registry import PRESETS, with_merged_linears
+            recipe = dict(recipe, optimize={"passes": with_merged_linears(PRESETS["default"])})
         cm = graphmode.compile(shared.bundle, recipe, "host", mode="eager", cache_dir=cache,
                                threads=shared.threads, on_stage=shared.on_stage)
         self.eng = engine_of(cm)

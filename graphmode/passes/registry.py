@@ -63,13 +63,22 @@ PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
 # Named pipelines a recipe can refer to with `optimize.preset`.
 PRESETS: dict[str, list[str]] = {
     "none": ["memory_plan"],
-    "default": ["canonicalize", "precision", "constant_fold", "merge_linears", "quantize_weights", "cse", "dce",
+    # merge_linears is opt-in: on a quiet host it made a Llama's f32 decode step slower, not faster
+    # (docs/decode-bound.md); `with_merged_linears` is the default with it
+    "default": ["canonicalize", "precision", "constant_fold", "quantize_weights", "cse", "dce",
                 "layout", "fuse", "dce", "memory_plan"],
     "no_fusion": ["canonicalize", "precision", "constant_fold", "quantize_weights", "cse", "dce", "layout", "dce",
                   "memory_plan"],
 }
 
 FINAL_REQUIREMENTS = frozenset({"memory_planned"})
+
+
+def with_merged_linears(passes: list[str]) -> list[str]:
+    """`passes` with merge_linears after constant_fold (before quantize_weights quantizes the
+    merged weights): what `optimize.passes` lists to turn the pass on."""
+    at = passes.index("constant_fold") + 1
+    return passes[:at] + ["merge_linears"] + passes[at:]
 
 
 def check_order(names: list[str]) -> list[tuple[int, str]]:

@@ -12,14 +12,14 @@ import torch
 import graphmode
 from graphmode.capture.families import _DECODER, _hf
 from graphmode.capture.spec import bundle_from_module
-from graphmode.passes.registry import PRESETS
+from graphmode.passes.registry import PRESETS, with_merged_linears
 
 CFG = {**_DECODER, "hidden_size": 64, "intermediate_size": 128}      # in = 64, 128: whole int4 groups of 32
 EX = {"input_ids": torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0)),
       "attention_mask": torch.ones(2, 8, dtype=torch.long)}
 INPUTS = [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"]},
           {"name": "attention_mask", "dtype": "i64", "shape": ["batch", "seq"], "role": "attention_mask"}]
-UNMERGED = [p for p in PRESETS["default"] if p != "merge_linears"]
+MERGED = with_merged_linears(PRESETS["default"])        # the pass is opt-in
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_paged_llama_runs_one_gemm_for_qkv_and_one_for_gate_up(llama, tmp_path):
     recipe = {"version": 1, "name": "decoder", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
               "inputs": INPUTS, "dims": {"batch": {"buckets": [1, 2]}, "seq": {"buckets": [8, 16], "min": 2}},
               "memory": {"kv_cache": {"page_size": 4, "max_pages_per_seq": 8, "layers": 2, "kv_heads": 2,
-                                      "head_dim": 16}}}
+                                      "head_dim": 16}}, "optimize": {"passes": MERGED}}
     cm = _compile(bundle, recipe, tmp_path)
     low = engine_of(cm).lowered
     merge = next(p for p in low.optimize_report.passes.passes if p.name == "merge_linears")
@@ -64,7 +64,7 @@ def test_paged_llama_runs_one_gemm_for_qkv_and_one_for_gate_up(llama, tmp_path):
 def test_whole_sequence_logits_are_bit_identical_merged_or_not(llama, weights, tmp_path):
     _, bundle = llama
     logits = []
-    for passes in (PRESETS["default"], UNMERGED):
+    for passes in (MERGED, PRESETS["default"]):
         recipe = {"version": 1, "name": "seq", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
                   "inputs": INPUTS, "dims": {"batch": {"buckets": [1, 2]}, "seq": {"buckets": [8]}},
                   "precision": {"weights": weights, "group_size": 32}, "optimize": {"passes": passes}}

@@ -100,11 +100,13 @@ def test_after_shard_each_rank_merges_its_own_heads():
     from graphmode.compiler import pipeline
     from graphmode.ir import interpret
     from graphmode.parallel.comm import run_ranks
+    from graphmode.passes.registry import PRESETS, with_merged_linears
     from graphmode.recipe import load_recipe
     from graphmode.verify.numerics import random_inputs, rel_l2
     rec = load_recipe({"version": 1, "name": "tp", "inputs": [{"name": "x", "dtype": "f32", "shape": ["b", "s", 8]}],
                        "dims": {"b": {"buckets": [1]}, "s": {"buckets": [4]}},
-                       "parallel": {"tensor": 2, "device_group": ["a", "b"], "links": {"lo": {"bandwidth_gbps": 1}}}})
+                       "parallel": {"tensor": 2, "device_group": ["a", "b"], "links": {"lo": {"bandwidth_gbps": 1}}},
+                       "optimize": {"passes": with_merged_linears(PRESETS["default"])}})
     names = pipeline(rec)
     assert names.index("shard") < names.index("merge_linears") < names.index("quantize_weights")
     consts = weights(wq=(8, 8), wk=(8, 8), wv=(8, 8), wo=(8, 8))

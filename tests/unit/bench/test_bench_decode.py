@@ -261,9 +261,9 @@ def test_graphmode_variants_are_engine_variants():
         parse_decode_engines("graphmode[fast]")
     assert [make_decode_engine("graphmode", v).dtype for v in (None, "batch_invariant", "int8", "bf16", "int4")] == [
         "f32", "f32", "int8", "bf16", "int4"]
-    # the bf16 KV pool is what the variant's bound counts; the unmerged A/B keeps f32 weights and KV
-    kv, unmerged = make_decode_engine("graphmode", "kv_bf16"), make_decode_engine("graphmode", "unmerged")
-    assert (kv.dtype, kv.kv_dtype, unmerged.dtype, unmerged.kv_dtype) == ("f32", "bf16", "f32", "f32")
+    # the bf16 KV pool is what the variant's bound counts; the merged A/B keeps f32 weights and KV
+    kv, merged = make_decode_engine("graphmode", "kv_bf16"), make_decode_engine("graphmode", "merged")
+    assert (kv.dtype, kv.kv_dtype, merged.dtype, merged.kv_dtype) == ("f32", "bf16", "f32", "f32")
 
 
 def test_int8_goal_and_quick_verdict_use_the_int8_variant():
