@@ -21,7 +21,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -34,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import tiny_tp  # noqa: E402
+from test_serve import eventually  # noqa: E402 - poll an event under a ceiling
 
 SPEC = f"{HERE / 'tiny_tp.py'}:gpt2"
 READY_S = 900            # ceilings: 2 rank compiles on a slow, loaded 2-core host
@@ -78,16 +78,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def eventually(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 # ---- generate ------------------------------------------------------------------------------------------------
