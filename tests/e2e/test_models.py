@@ -44,7 +44,9 @@ def _check_every_bucket(cm, make_inputs, reference) -> None:
             assert exe.generated > 0 and exe.kernel_report["fallbacks"] == {}, exe.kernel_report
 
 
-@pytest.mark.parametrize("name", ["minilm", "gpt2", "resnet18"])
+# GPT-2 small's four buckets are the default run's slowest test (74-81 s on 2 cores): slow set;
+# its fused groups (tests/passes/test_fuse.py) and decoding (tests/e2e/test_decode.py) stay in.
+@pytest.mark.parametrize("name", ["minilm", pytest.param("gpt2", marks=pytest.mark.slow), "resnet18"])
 def test_pytorch_models_every_bucket(name, tmp_path):
     from graphmode.capture.zoo import build
     make_recipe, kw = CASES[name]
