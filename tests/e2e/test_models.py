@@ -62,7 +62,7 @@ def test_pytorch_models_every_bucket(name, tmp_path):
     _check_every_bucket(cm, lambda env: b.make_inputs(env, seed=sum(env.values())), reference)
 
 
-@pytest.mark.parametrize("name", ["minilm", "resnet18"])
+@pytest.mark.parametrize("name", ["minilm", pytest.param("resnet18", marks=pytest.mark.slow)])
 def test_onnx_models_every_bucket(name, tmp_path):
     from graphmode.capture.onnx_export import export_onnx
     from graphmode.capture.spec import resolve_model_spec
