@@ -25,7 +25,11 @@ import re
 from graphmode.errors import BackendError
 
 SCHEDULES = ("static", "dynamic", "guided", "claim")
-DEFAULT_SCHEDULE = "dynamic"    # what `auto` builds: the quiet-host A/B in docs/performance-contention.md
+# what `auto` builds: graphmode's own pool, whose join does not wait for a thread that claimed
+# nothing. Quiet host, 2026-12-03 23:2x UTC (docs/performance-contention.md): contended <= 1.0x the
+# best other engine on 7 of 7 shapes in both runs (dynamic 5 and 4 of 7), and MiniLM (1,16) 1.6 ms
+# against dynamic's 3.5 ms when ONNX Runtime and OpenVINO ran in the same rounds (2.2 ms alone).
+DEFAULT_SCHEDULE = "claim"
 MIN_CHUNKS = 8                  # claimable loops have at least this many chunks (4 per thread at 2 threads)
 MAX_CHUNKS = 64                 # and at most this many claims per loop
 MIN_CHUNK_WORK = 40_000         # work units (~2 us) per chunk; a claim costs ~0.1 us uncontended
