@@ -62,6 +62,7 @@ def test_pytorch_models_every_bucket(name, tmp_path):
     _check_every_bucket(cm, lambda env: b.make_inputs(env, seed=sum(env.values())), reference)
 
 
+# ResNet-18 from ONNX (20-40 s): slow set; its PyTorch twin above and MiniLM from ONNX stay in
 @pytest.mark.parametrize("name", ["minilm", pytest.param("resnet18", marks=pytest.mark.slow)])
 def test_onnx_models_every_bucket(name, tmp_path):
     from graphmode.capture.onnx_export import export_onnx

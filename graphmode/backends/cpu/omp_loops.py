@@ -26,7 +26,7 @@ from graphmode.errors import BackendError
 
 SCHEDULES = ("static", "dynamic", "guided", "claim")
 # what `auto` builds: graphmode's own pool, whose join does not wait for a thread that claimed
-# nothing. Quiet host, 2026-12-03 23:2x UTC (docs/performance-contention.md): contended <= 1.0x the
+# nothing. Quiet host, 2026-12-03 23:26 and 23:34 UTC (docs/performance-contention.md): contended <= 1.0x the
 # best other engine on 7 of 7 shapes in both runs (dynamic 5 and 4 of 7), and MiniLM (1,16) 1.6 ms
 # against dynamic's 3.5 ms when ONNX Runtime and OpenVINO ran in the same rounds (2.2 ms alone).
 DEFAULT_SCHEDULE = "claim"
