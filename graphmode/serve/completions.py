@@ -87,8 +87,7 @@ class Completion:
             if kind == "token":
                 out.tokens.append(value[0])
                 self.logprobs[i].append(value[1])
-                if pending and pending[0][0] == "done" and pending[0][1] == i:
-                    reason = pending.popleft()[2]   # its last token: the finish in the same update
+                reason = value[2]                   # its last token: the finish in the same update
             start = out.sent_tokens
             toks, text = out.release(reason)
             if out.finish_reason is not None and reason is None:

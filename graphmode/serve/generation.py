@@ -25,6 +25,7 @@ import time
 from typing import Any, Sequence
 
 from graphmode.decode.engine import DecodeEngine, drive
+from graphmode.decode.output import stop_reason
 from graphmode.decode.scheduler import Sequence_
 from graphmode.decode.sampling import SamplingParams
 from graphmode.errors import RankFailure
@@ -36,8 +37,8 @@ log = logging.getLogger("graphmode.serve")
 
 class Generation:
     """One prompt's sequence as a request sees it. Events on `queue` (for `request`'s merged
-    queue when several prompts share one): ("token", index, (token, its logprobs or None)),
-    ("done", index, reason), ("error", index, exception)."""
+    queue when several prompts share one): ("token", index, (token, its logprobs or None, why
+    the sequence ends with it or None)), ("done", index, reason), ("error", index, exception)."""
 
     def __init__(self, index: int, prompt: Sequence[int], arrived: float, queue: asyncio.Queue,
                  loop: asyncio.AbstractEventLoop, series: DecodeSeries | None):
@@ -69,7 +70,10 @@ class Generation:
         if s is not None:
             s.generation_tokens.inc()
         lp = self.seq.logprobs[-1] if self.seq is not None and self.seq.params.logprobs is not None else None
-        self.post(("token", self.index, (token, lp)))
+        # Why the sequence ends with this token rides with it: the "done" event is posted after
+        # the step, and a stream that took the token first would end on an empty event.
+        last = stop_reason(self.seq) if self.seq is not None and self.seq.generated else None
+        self.post(("token", self.index, (token, lp, last)))
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
         if self.finish_reason is not None:
