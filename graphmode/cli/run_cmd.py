@@ -86,12 +86,6 @@ def _artifact(model: str, recipe: str | None, mode: str | None, cache_dir: Path 
     from graphmode.runtime.artifact import load as load_artifact
     if not str(model).endswith(SUFFIX):
         return None
-    from graphmode.runtime.rank_artifacts import is_group
-    if is_group(model):
-        raise GraphmodeError("a tensor-parallel group's file holds no model and its graphs are on the ranks: `run` "
-                             "has nothing to check rank 0's outputs against yet", where="--model", value=model,
-                             fix="load it from Python (graphmode.load(FILE) starts the ranks) or under torchrun "
-                                 "(graphmode rank --model FILE), or run the model with --recipe")
     for flag, value in (("--recipe", recipe), ("--mode", mode)):
         if value is not None:
             raise GraphmodeError(f"{flag} does not apply to an artifact: it carries the recipe and mode it was "
@@ -107,6 +101,8 @@ def _reference(cm):
     src = cm.source
     if src.module is not None or src.onnx_path is not None:
         return src.reference, ("eager" if src.module is not None else "onnxruntime")
+    if getattr(cm, "world", 1) > 1:           # a saved group: each rank interprets its own shard
+        return (lambda inputs: cm.interpret(**inputs)), "reference interpreter on the ranks"
     from graphmode.ir.interpreter import interpret
 
     def interpreted(inputs):

@@ -108,6 +108,8 @@ def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any,
     info = {"rank": rank, "pid": os.getpid(), "weights_bytes": sum(held.values()) - state,
             **({"kv_bytes": state} if state else {}), **dict(getattr(cm, "rank_info", {})),
             "collectives": driver.collectives(g) if g else ()}
+    if rank == 0 and recipe.memory.kv_cache is None and hasattr(cm, "bounds"):
+        info["input_bounds"] = cm.bounds()    # the whole model's tables: a caller checks requests with them
     return cm, comm, info
 
 
@@ -131,7 +133,8 @@ def answer_requests(cm: Any, comm: Any, conn: Any, rank: int) -> None:
     until ("close",) or the end of `conn` (EOFError). `conn` is the parent's pipe under `launch`,
     rank 0's broadcasts under torchrun (graphmode/parallel/torchrun.py). Messages: ("run", args,
     kwargs) -> ("ok", rank 0's outputs, counters) or ("error", err); ("sample", env, seed);
-    ("method", name, args): cm.rank_<name>(conn, *args); ("link", sizes, reps); ("save", path):
+    ("method", name, args): cm.rank_<name>(conn, *args); ("link", sizes, reps); ("interpret", args,
+    kwargs): rank 0's outputs of every rank's shard graph interpreted; ("save", path):
     the rank's shard as an artifact (runtime/rank_artifacts.py); ("cancel",): nothing."""
     import torch
 
@@ -161,6 +164,15 @@ def answer_requests(cm: Any, comm: Any, conn: Any, rank: int) -> None:
         if msg[0] == "save":          # every rank: its shard as the artifact msg[1] (runtime/rank_artifacts.py)
             try:
                 conn.send(("ok", cm.save(msg[1], rank=rank), {}))
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                conn.send(("error", _portable(e, rank)))
+            continue
+        if msg[0] == "interpret":     # every rank: its shard through the reference interpreter (ir/interpreter.py)
+            try:
+                from graphmode.ir.interpreter import interpret
+                with torch.inference_mode():
+                    res = interpret(cm.graph, cm.bind_inputs(msg[1], msg[2]))    # collectives on this rank's comm
+                conn.send(("ok", [res[o] for o in cm.graph.outputs] if rank == 0 else None, {}))
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 conn.send(("error", _portable(e, rank)))
             continue
@@ -224,6 +236,7 @@ class TensorParallelModel:
         self.graph = None                    # each rank holds its own shard
         self.last_comm: list[dict] = []      # per rank, after the last call: collectives, bytes, seconds
         self.last_path: dict = {}
+        self.input_bounds: tuple | None = None   # rank 0's request checks (runtime/bounds.py), once started
         self._source = None
         self._down: str | None = None
 
@@ -278,6 +291,13 @@ class TensorParallelModel:
                 self._fail(self._death(r) or f"rank {r} stopped reading requests")
         return [rep[1] for rep in self._collect(self.timeout_s * len(sizes) + reps * len(sizes) * gap_s + _MARGIN_S,
                                                 "link measurement")]
+
+    def interpret(self, *args: Any, **kwargs: Any) -> list:
+        """Rank 0's outputs (a flat list) of every rank's shard run by the reference interpreter, the
+        collectives over the group's own links: the ops' eager definitions over the ranks' weights,
+        what `graphmode run` checks a saved group's kernels and plans against (no module here)."""
+        self.send({r: ("interpret", args, kwargs) for r in range(self.world)})
+        return self._collect(None, "interpretation")[0][1]
 
     def send(self, msgs: Mapping[int, Any]) -> None:
         """msgs[r] to rank r (a rank that stopped reading fails the group)."""
@@ -470,6 +490,7 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
                              save_group=driver.save)
     tp.ranks = [rep[1] for rep in tp._collect(None, "start")]
     tp.collectives = tp.ranks[0].pop("collectives", ())
+    tp.input_bounds = tp.ranks[0].pop("input_bounds", None)
     for r in tp.ranks[1:]:
         r.pop("collectives", None)
     return tp

@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from graphmode.errors import GraphmodeError, short_value
 from graphmode.progress import OnStage, StageReporter, stage
+from graphmode.runtime.bounds import bounds_doc, bounds_from_doc
 from graphmode.untrusted import GiB, MiB, UntrustedFileError, file_sha256, open_file, parse_json, read_bytes
 from graphmode.version import __version__
 
@@ -102,6 +103,28 @@ class OutputSpec(_Strict):
     class_: Optional[str] = Field(default=None, alias="class", max_length=512)
 
 
+class ValueBound(_Strict):
+    input: str = _text(256)
+    lo: int
+    hi: int
+    model: Optional[list[int]] = Field(min_length=2, max_length=2)
+    model_why: str = _text(1024)
+    declared: Optional[list[int]] = Field(min_length=2, max_length=2)
+
+
+class DimBound(_Strict):
+    dim: str = _text(256)
+    max: int
+    why: str = _text(1024)
+
+
+class InputBounds(_Strict):
+    """The request checks of runtime/bounds.py, as the compile derived them from the whole model."""
+
+    values: list[ValueBound] = Field(max_length=MAX_ITEMS)
+    dims: list[DimBound] = Field(max_length=MAX_ITEMS)
+
+
 class Manifest(_Strict):
     """What a manifest may hold: every field typed and bounded."""
 
@@ -128,6 +151,7 @@ class Manifest(_Strict):
     files: dict[str, Member] = Field(max_length=4 * MAX_ITEMS)
     rank: Optional[int] = Field(default=None, ge=0, le=MAX_RANKS)     # a rank's shard of a tensor-parallel group
     world: Optional[int] = Field(default=None, ge=2, le=MAX_RANKS)    # (runtime/rank_artifacts.py)
+    input_bounds: Optional[InputBounds] = None     # absent in artifacts saved before them: derived from the graph
 
 
 def _host() -> dict[str, Any]:
@@ -195,7 +219,9 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None) -> dict[str, Any
                 "isa": cm.recipe.codegen.isa,
                 "threads": cm.threads, "buckets": list(plans), "outputs": cm.output_names,
                 "out_spec": out_spec, "output_structure": cm.output_structure,
-                "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims), "kernels": sorted(libraries)}
+                "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims), "kernels": sorted(libraries),
+                # the compile's checks: a rank's shard (its table split over the ranks) cannot derive them again
+                "input_bounds": bounds_doc(*cm.bounds())}
     if rank is not None:
         manifest.update(rank=rank, world=cm.recipe.parallel.tensor)
     files: dict[str, dict[str, Any]] = {}
@@ -485,6 +511,8 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     cm.exact_dims = list(manifest.get("exact_dims") or [])
     cm.output_structure = manifest.get("output_structure")
     cm.mutated_inputs = list(manifest.get("mutated_inputs") or [])
+    if manifest.get("input_bounds") is not None:
+        cm._bounds = bounds_from_doc(manifest["input_bounds"])
     cm.artifact = {"path": str(path), "digest": digest, **{k: manifest[k] for k in ("created", "host", "buckets")}}
     if manifest.get("out_spec"):
         import torch.utils._pytree as pytree

@@ -73,6 +73,24 @@ def dim_checks(index: Any) -> list[DimCheck]:
     return [DimCheck(d, lim.max, lim.describe()) for d, lim in index.dims.items()]
 
 
+def bounds_doc(values: list[ValueCheck], dims: list[DimCheck]) -> dict[str, Any]:
+    """The checks as JSON (an artifact's manifest): a rank's shard cannot derive them again, its
+    embedding holds only part of the table (runtime/artifact.py)."""
+    return {"values": [{"input": c.input, "lo": c.lo, "hi": c.hi, "model": list(c.model) if c.model else None,
+                        "model_why": c.model_why, "declared": list(c.declared) if c.declared else None}
+                       for c in values],
+            "dims": [{"dim": c.dim, "max": c.max, "why": c.why} for c in dims]}
+
+
+def bounds_from_doc(doc: Mapping[str, Any]) -> tuple[list[ValueCheck], list[DimCheck]]:
+    """`bounds_doc` read back (the manifest's schema has checked its fields)."""
+    def pair(v: Any) -> tuple[int, int] | None:
+        return (int(v[0]), int(v[1])) if v else None
+    values = [ValueCheck(c["input"], int(c["lo"]), int(c["hi"]), pair(c["model"]), c["model_why"], pair(c["declared"]))
+              for c in doc["values"]]
+    return values, [DimCheck(c["dim"], int(c["max"]), c["why"]) for c in doc["dims"]]
+
+
 def check_values(inputs: Mapping[str, torch.Tensor], checks: list[ValueCheck]) -> None:
     """Raise ContractViolation (input, first bad value, its position, the range) on the first
     input holding a value outside its check."""

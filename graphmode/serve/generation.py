@@ -292,5 +292,5 @@ class DecodeLoop:
 def ranks_down(e: RankFailure) -> NotReady:
     """A tensor-parallel group's failure as the request sees it: 503, the rank and the cause named."""
     return NotReady(f"the tensor-parallel ranks are down: {e.message}", where="parallel",
-                    fix="the server cannot decode until it is restarted (its /healthz fails); send the request to "
+                    fix="the server cannot answer until it is restarted (its /healthz fails); send the request to "
                         "another server")

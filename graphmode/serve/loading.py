@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,8 @@ class Loading:
 
     def _artifact_serves(self, recipe: Any) -> None:
         built = self.artifact_recipe
-        if recipe.hash() != built.hash():
+        # resolved on this target both (a rank's file keeps its recipe's ${target...} values unresolved)
+        if self._resolved(recipe).hash() != self._resolved(built).hash():
             raise RecipeError(f"the artifact {self.artifact.name} serves only the recipe it was compiled with "
                               f"({built.name} #{built.hash()}), not {recipe.name} #{recipe.hash()}", where="recipe",
                               fix="compile the new recipe into an artifact (graphmode compile --save) and serve "
@@ -106,15 +108,20 @@ class Loading:
         from graphmode.compiler import compile as gm_compile
         from graphmode.runtime.artifact import load as load_artifact
         t0 = time.perf_counter()
-        if self.artifact is not None:
-            cm = load_artifact(self.artifact, cache_dir=self.config.cache_dir, threads=self.config.threads,
-                               on_stage=self.on_stage)
-            self._artifact_serves(cm.recipe)         # the file replaced since it was read: refused
-        elif tensor_parallel(recipe) > 1:
-            cm = self._ranks(recipe)
-        else:
-            cm = gm_compile(self.model, recipe, self.target, cache_dir=self.config.cache_dir,
-                            threads=self.config.threads, on_stage=self.on_stage)
+        ranks = tensor_parallel(recipe)
+        with stage(self.on_stage, "ranks", detail=f"{ranks} processes start") if ranks > 1 else nullcontext():
+            if self.artifact is not None:           # a group file starts its ranks from their own files
+                cm = load_artifact(self.artifact, cache_dir=self.config.cache_dir, threads=self.config.threads,
+                                   on_stage=self.on_stage)
+                self._artifact_serves(cm.recipe)         # the file replaced since it was read: refused
+            elif ranks > 1 and recipe.memory.kv_cache is not None:
+                cm = self._ranks(recipe)
+            else:     # rank processes resolve a spec themselves: a resolved bundle's wrapper need not pickle
+                cm = gm_compile(self.model_spec if ranks > 1 and self.model_spec else self.model, recipe, self.target,
+                                cache_dir=self.config.cache_dir, threads=self.config.threads, on_stage=self.on_stage)
+        if ranks > 1 and recipe.memory.kv_cache is None:
+            from graphmode.runtime.served_group import ServedGroup
+            cm = ServedGroup(cm)                 # requests checked here, run on the ranks
         try:
             return self._deploy(cm, recipe, origin, ticket, t0)
         except BaseException:
@@ -127,10 +134,9 @@ class Loading:
         each compiles its shard and builds its plans (decode/tensor_parallel.py)."""
         from graphmode.decode.api import causal_lm
         from graphmode.decode.tensor_parallel import launch_decoder
-        with stage(self.on_stage, "ranks", detail=f"{tensor_parallel(recipe)} processes compile their shards"):
-            # the transformers model crosses to the ranks (a bundle's wrapper need not pickle)
-            return launch_decoder(causal_lm(self.model), recipe, self.target, cache_dir=self.config.cache_dir,
-                                  threads=self.config.threads)
+        # the transformers model crosses to the ranks (a bundle's wrapper need not pickle)
+        return launch_decoder(causal_lm(self.model), recipe, self.target, cache_dir=self.config.cache_dir,
+                              threads=self.config.threads)
 
     def _deploy(self, cm: Any, recipe: Any, origin: str, ticket: ReloadTicket | None, t0: float) -> Deployment:
         self._unless_stopping()
@@ -154,6 +160,8 @@ class Loading:
         dep = Deployment(recipe, cm, mon, origin=origin, facts=facts, max_batch=cfg.max_batch)
         if decoding:
             dep.decoder = self._decoder(dep)   # its prefill/decode plans, not the whole-sequence buckets
+        elif served_group(cm):                   # every rank built every bucket's plan at start
+            dep.warmed = len(dep.buckets)
         elif cm.mode != "eager":
             with stage(self.on_stage, "plans", total=len(dep.buckets)) as plans:
                 for i, env in enumerate(dep.buckets):
@@ -212,23 +220,22 @@ def tensor_parallel(recipe: Any) -> int:
     return degree(recipe)
 
 
+def served_group(cm: Any) -> bool:
+    """Whether `cm` is an encoder's rank group (runtime/served_group.py; not imported here: the
+    server starts without the compiler)."""
+    return getattr(cm, "group", None) is not None
+
+
 def servable_parallel(recipe: Any, *, artifact: bool = False) -> None:
-    """`parallel.tensor` > 1 is served for a decoder recipe (memory.kv_cache) of a model, not of
-    an artifact: the server starts the ranks and decodes on them. An encoder's forward on the
-    ranks is not served (RecipeError)."""
+    """`parallel.tensor` > 1 is served by starting the ranks: a decoder recipe (memory.kv_cache)
+    decodes on them, any other answers /v1/infer, KServe and embeddings on them, from the model
+    or from a saved group's file. A decoder group is never saved, so an artifact of one cannot
+    be served (RecipeError)."""
     n = tensor_parallel(recipe)
-    if n <= 1:
-        return
-    if artifact:
-        raise RecipeError(f"an artifact holds one graph, and tensor {n} needs each rank's shard",
-                          where="parallel.tensor", line=recipe.line_of("parallel"),
+    if n > 1 and artifact and recipe.memory.kv_cache is not None:
+        raise RecipeError(f"a decoder's rank group (tensor {n}) is not saved: its ranks build their decode graphs "
+                          "from the module", where="parallel.tensor", line=recipe.line_of("parallel"),
                           fix="serve the model itself (--model SPEC) with this recipe: the server starts the ranks")
-    if recipe.memory.kv_cache is None:
-        raise RecipeError(f"the server runs tensor-parallel ranks (tensor {n}) for decoder recipes only: /v1/infer "
-                          "and KServe on the ranks are not wired", where="parallel.tensor",
-                          line=recipe.line_of("parallel"),
-                          fix="tensor: 1 to serve this model, or add memory.kv_cache for a causal LM; `graphmode run` "
-                              "and graphmode.compile run an encoder on the ranks (docs/tensor-parallel.md)")
 
 
 def refuse_tensor_parallel(recipe: Any) -> None:

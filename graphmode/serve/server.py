@@ -53,7 +53,7 @@ from graphmode.serve.batching import Batcher
 # the server's concerns, one module each; their names stay importable from here
 from graphmode.serve.deployment import Deployment, ReloadTicket, outside_contract  # noqa: F401
 from graphmode.serve.errors import NotReady, error_dict
-from graphmode.serve.loading import Loading, artifact_path, refuse_tensor_parallel  # noqa: F401
+from graphmode.serve.loading import Loading, artifact_path, refuse_tensor_parallel, served_group  # noqa: F401
 from graphmode.serve.reload import Reloading
 from graphmode.serve.sandbox import RecipeSandbox
 from graphmode.serve.serving import Serving
@@ -153,6 +153,7 @@ class ModelServer(Loading, Reloading, Serving):
         self.target = pick_target(first, self.config.target)
         self.target_name = getattr(self.target, "name", str(self.target))
         self.model = self._resolve_model(model)
+        self.model_spec = model if isinstance(model, str) else None     # what rank processes resolve again
         self.recipe = self._checked(first, "recipe")
         self.variants = [self._checked(load_recipe(v), f"variant[{i}]") for i, v in enumerate(variants)]
         self.active: Deployment | None = None
@@ -291,6 +292,8 @@ class ModelServer(Loading, Reloading, Serving):
             await asyncio.get_running_loop().run_in_executor(None, self.kb.tick, self.active, True)
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.builder.shutdown(wait=False, cancel_futures=True)
+        if self.active is not None and served_group(self.active.cm):
+            await asyncio.get_running_loop().run_in_executor(None, self.active.cm.close)   # its rank processes
 
     async def _tick_loop(self) -> None:
         step = self.config.sla_step_s or self.config.sla_window_s
@@ -317,11 +320,16 @@ class ModelServer(Loading, Reloading, Serving):
         pid, alive}]}; None when it decodes in this process."""
         dep = self.active
         dec = dep.decoder if dep is not None else None
-        if dec is None or not hasattr(dec.engine, "ranks"):
+        if dec is not None and hasattr(dec.engine, "ranks"):
+            group: Any = dec.engine
+        elif dep is not None and served_group(dep.cm):      # an encoder's forward on the ranks
+            group = dep.cm
+        else:
             return None
-        down = dec.health()
-        self.metrics.ranks_up.labels(self.target_name).set(sum(r["alive"] for r in dec.engine.ranks()))
-        return {"down": down, "ranks": dec.engine.ranks()}
+        down = group.health()
+        ranks = group.ranks()
+        self.metrics.ranks_up.labels(self.target_name).set(sum(r["alive"] for r in ranks))
+        return {"down": down, "ranks": ranks}
 
     def readiness(self) -> dict[str, Any]:
         dep = self.active

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-from graphmode.errors import ContractViolation, GraphmodeError
+from graphmode.errors import ContractViolation, GraphmodeError, RankFailure
 from graphmode.monitor import bucket_label
 from graphmode.serve.batching import Pending, merge, split
 from graphmode.serve.deployment import Deployment
@@ -108,6 +108,11 @@ class Serving:
         by request so one bad request cannot fail its neighbours."""
         try:
             return self._execute(batch)
+        except RankFailure as e:                 # an encoder's ranks are down: no request of it can run
+            from graphmode.serve.generation import ranks_down
+            log.error("the tensor-parallel ranks are down: %s", e.message)
+            batch[0].deployment.monitor.request_status("error")
+            return [ranks_down(e) for _ in batch]
         except Exception as e:  # noqa: BLE001
             if len(batch) > 1:
                 log.warning("batch of %d failed (%s: %s); running its requests one by one", len(batch),

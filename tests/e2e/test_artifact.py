@@ -215,7 +215,8 @@ def _edit_manifest(saved, name: str, **fields) -> Path:
     ({"buckets": []}, "buckets"), ({"isa": "avx9000"}, "isa"), ({"extra": 1}, "extra"),
     ({"kernels": ["../../etc/passwd"]}, "kernels"), ({"files": {}}, "not in the manifest"),
     ({"target": "../../etc"}, "target"), ({"output_structure": {"t": "pickle"}}, "output_structure"),
-    ({"mutated_inputs": "x"}, "mutated_inputs")])
+    ({"mutated_inputs": "x"}, "mutated_inputs"),
+    ({"input_bounds": {"values": [{"input": "input", "lo": 0}], "dims": []}}, "input_bounds")])
 def test_manifest_fields_are_bounds_checked(saved, fields, match):
     bad = _edit_manifest(saved, "fields.gm", **fields)
     with pytest.raises(ArtifactError, match=match):

@@ -5,6 +5,7 @@ within the collective timeout, never a hang."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -181,13 +182,44 @@ def test_graphmode_run_starts_the_ranks_and_checks_rank_0_against_eager(tmp_path
     assert w[0] == w[1] == 4 * (16 * 16 + 16 + 16 * 4 + 4)        # half of each linear, the second's bias whole
 
 
-def test_the_server_refuses_an_encoder_s_parallel_recipe_before_compiling():
-    from graphmode.errors import RecipeError
-    from graphmode.serve.server import ModelServer
+def test_the_server_answers_an_encoder_on_its_ranks_and_503s_once_a_rank_dies(tmp_path):
+    import httpx
+
+    from graphmode.serve import ModelServer, ServeConfig, ServerThread
     rec = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS)
-    with pytest.raises(RecipeError, match="for decoder recipes only") as e:
-        ModelServer(f"{SPEC}:mlp", rec)
-    assert e.value.where == "recipe: parallel.tensor"
+    server = ModelServer(f"{SPEC}:mlp", rec, config=ServeConfig(batch_window_ms=0, cache_dir=tmp_path))
+    running = ServerThread(server).start()
+    try:
+        running.wait_ready(600)
+        with httpx.Client(base_url=running.url, timeout=120) as c:
+            health = c.get("/healthz").json()
+            pids = [r["pid"] for r in health["ranks"]]
+            assert len(pids) == 2 and all(r["alive"] for r in health["ranks"]), health
+            group = server.active.cm.group
+            x = torch.randn(1, 16, generator=torch.Generator().manual_seed(3))
+            r = c.post("/v1/infer", json={"inputs": {"input": x.tolist()}})
+            assert r.status_code == 200, r.text
+            with torch.inference_mode():
+                want = first(group.source.module(x))
+            (got,) = r.json()["outputs"].values()
+            got = torch.tensor(got)
+            assert rel_l2(got, want) < 1e-5 and r.json()["bucket"] == {"batch": 2}    # padded to the bucket
+            assert group.last_comm[0]["collectives"] == 1                          # it ran on the ranks
+            runs = group.last_comm
+            r = c.post("/v1/infer", json={"inputs": {"input": torch.randn(1, 15).tolist()}})
+            assert r.status_code == 422 and "inputs.input.shape" in r.text, r.text
+            assert group.last_comm is runs            # refused in the server's process: nothing crossed the pipes
+            os.kill(pids[1], signal.SIGKILL)
+            group.procs[1].join(30)
+            r = c.post("/v1/infer", json={"inputs": {"input": x.tolist()}})
+            assert r.status_code == 503 and re.search(r"rank 1 \(pid \d+\) was killed by signal 9", r.text), r.text
+            h = c.get("/healthz")
+            assert h.status_code == 503 and "rank 1" in h.text, h.text
+    finally:
+        running.stop()
+        if server.active is not None:
+            server.active.cm.close()
+    assert not any(p.is_alive() for p in server.active.cm.group.procs)
 
 
 def test_saving_a_rank_shard_as_an_artifact_is_refused_with_the_fix(tmp_path):

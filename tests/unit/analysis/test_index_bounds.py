@@ -115,6 +115,19 @@ def test_values_at_the_edges_of_the_range_run_and_match_eager(cm):
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_the_checks_travel_in_an_artifact_and_load_back_equal(cm, tmp_path):
+    from graphmode.runtime.bounds import bounds_doc, bounds_from_doc
+    values, dims = cm.bounds()
+    assert bounds_from_doc(json.loads(json.dumps(bounds_doc(values, dims)))) == (values, dims)
+    cm.save(tmp_path / "indexed.gm")
+    loaded = graphmode.load(tmp_path / "indexed.gm", cache_dir=tmp_path / "cache")
+    assert loaded.bounds() == (values, dims)          # read from the manifest, not derived again
+    x = _ok_inputs()
+    x["ids"][1, 3] = 50
+    with pytest.raises(ContractViolation, match=r"holds 50 at position \[1, 3\]"):
+        loaded(**x)
+
+
 def test_a_declared_range_is_checked_and_named(tmp_path):
     inputs = [dict(i) for i in INDEXED_INPUTS]
     inputs[0]["range"] = [0, 39]

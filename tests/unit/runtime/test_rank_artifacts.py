@@ -99,13 +99,13 @@ def test_a_node_checks_only_its_own_ranks_file(group, tmp_path):
         group_files(path, 2)
 
 
-def test_run_refuses_a_group_file_and_its_recipe_is_the_ranks(group):
+def test_a_group_file_s_recipe_is_the_ranks_and_run_refuses_a_recipe_beside_it(group):
     from typer.testing import CliRunner
 
     from graphmode.cli.app import _register, app
     from graphmode.runtime.artifact import recipe_of
     tmp, files = group
-    assert recipe_of(tmp / "mlp.gm").hash() == recipe_of(files[0]).hash()     # what `serve` reads (and refuses)
+    assert recipe_of(tmp / "mlp.gm").hash() == recipe_of(files[0]).hash()     # what `serve` reads and serves
     _register()
-    res = CliRunner().invoke(app, ["run", "--model", str(tmp / "mlp.gm")])
-    assert res.exit_code == 2 and "group's file holds no model" in res.output, res.output
+    res = CliRunner().invoke(app, ["run", "--model", str(tmp / "mlp.gm"), "--mode", "graph"])   # before any rank starts
+    assert res.exit_code == 2 and "--mode does not apply to an artifact" in res.output, res.output

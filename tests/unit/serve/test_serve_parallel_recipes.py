@@ -1,8 +1,8 @@
-"""Which `parallel` recipes the server takes, checked before anything compiles: a decoder recipe
-(memory.kv_cache) under `parallel.tensor: 2` is served on rank processes; an encoder's is refused
-naming parallel.tensor and what does run it; an artifact cannot hold the ranks' shards; Ray Serve
-replicas refuse every `parallel` recipe and say why. (The ranks serving end to end:
-tests/e2e/test_serve_tensor_parallel.py, slow.)"""
+"""Which `parallel` recipes the server takes, checked before anything compiles: any recipe under
+`parallel.tensor: 2` is served on rank processes (a decoder decodes there, an encoder answers
+/v1/infer there, from the model or a saved group's file); a decoder's group is never saved, so an
+artifact of one is refused; Ray Serve replicas refuse every `parallel` recipe and say why. (The
+ranks serving end to end: tests/e2e/test_serve_tensor_parallel.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -25,22 +25,18 @@ def recipe(tensor: int, decoder: bool) -> object:
     return load_recipe(r)
 
 
-def test_a_decoder_recipe_on_ranks_is_served_and_one_process_always_is():
+def test_every_recipe_on_ranks_is_served_and_one_process_always_is():
     servable_parallel(recipe(2, decoder=True))
+    servable_parallel(recipe(2, decoder=False))
+    servable_parallel(recipe(2, decoder=False), artifact=True)       # a saved group's file
     servable_parallel(recipe(1, decoder=False))
     servable_parallel(recipe(1, decoder=True), artifact=True)
 
 
-def test_an_encoder_on_ranks_is_refused_naming_the_field_and_what_runs_it():
-    with pytest.raises(RecipeError, match="decoder recipes only") as e:
-        servable_parallel(recipe(2, decoder=False))
-    assert e.value.where == "parallel.tensor" and "graphmode run" in e.value.fix
-
-
-def test_an_artifact_cannot_serve_the_ranks_shards():
-    with pytest.raises(RecipeError, match="each rank's shard") as e:
+def test_a_decoder_groups_artifact_is_refused_naming_the_field_and_what_serves_it():
+    with pytest.raises(RecipeError, match="decoder's rank group .* is not saved") as e:
         servable_parallel(recipe(2, decoder=True), artifact=True)
-    assert "--model" in e.value.fix
+    assert e.value.where == "parallel.tensor" and "--model" in e.value.fix
 
 
 def test_ray_serve_replicas_refuse_every_parallel_recipe_saying_why():
