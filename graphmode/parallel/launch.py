@@ -237,6 +237,7 @@ class TensorParallelModel:
         self.last_comm: list[dict] = []      # per rank, after the last call: collectives, bytes, seconds
         self.last_path: dict = {}
         self.input_bounds: tuple | None = None   # rank 0's request checks (runtime/bounds.py), once started
+        self.threads: int | None = None          # each rank's, once started
         self._source = None
         self._down: str | None = None
 
@@ -488,6 +489,7 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
         conns.append(_Plain(parent))
     tp = TensorParallelModel(model, recipe, procs, conns, target, resolve_model=driver.resolve_model,
                              save_group=driver.save)
+    tp.threads = threads                      # each rank's
     tp.ranks = [rep[1] for rep in tp._collect(None, "start")]
     tp.collectives = tp.ranks[0].pop("collectives", ())
     tp.input_bounds = tp.ranks[0].pop("input_bounds", None)

@@ -187,7 +187,8 @@ def test_the_server_answers_an_encoder_on_its_ranks_and_503s_once_a_rank_dies(tm
 
     from graphmode.serve import ModelServer, ServeConfig, ServerThread
     rec = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS)
-    server = ModelServer(f"{SPEC}:mlp", rec, config=ServeConfig(batch_window_ms=0, cache_dir=tmp_path))
+    server = ModelServer(f"{SPEC}:mlp", rec, config=ServeConfig(batch_window_ms=0, cache_dir=tmp_path,
+                                                               kb=tmp_path / "kb.sqlite"))
     running = ServerThread(server).start()
     try:
         running.wait_ready(600)
@@ -209,6 +210,8 @@ def test_the_server_answers_an_encoder_on_its_ranks_and_503s_once_a_rank_dies(tm
             r = c.post("/v1/infer", json={"inputs": {"input": torch.randn(1, 15).tolist()}})
             assert r.status_code == 422 and "inputs.input.shape" in r.text, r.text
             assert group.last_comm is runs            # refused in the server's process: nothing crossed the pipes
+            assert server.kb.tick(server.active, force=True) is None     # the knowledge base's summary of it
+            assert (tmp_path / "kb.sqlite").stat().st_size > 0
             os.kill(pids[1], signal.SIGKILL)
             group.procs[1].join(30)
             r = c.post("/v1/infer", json={"inputs": {"input": x.tolist()}})
