@@ -3,7 +3,8 @@ with a decoder recipe under `parallel.tensor: 2` start 2 rank processes (each co
 of the tiny GPT-2 of tiny_tp.py); rank 0 schedules and samples, driven from the CLI's process
 (graphmode/decode/tp_engine.py).
 
-- generate: the same tokens as one process (`parallel` dropped), and as transformers' greedy.
+- generate: the same tokens as one process (`parallel` dropped), and as transformers' greedy;
+  with prompt-lookup drafts (decode.speculative) too, which rank 0's engine verifies.
 - serve: two concurrent completions (one streamed) give transformers' greedy tokens and share
   decode steps (continuous batching on rank 0); /healthz and /metrics report both ranks; a
   killed rank fails /healthz and answers requests 503 naming it, never a hang; SIGTERM ends the
@@ -99,6 +100,20 @@ def test_generate_cli_on_two_ranks_prints_one_process_s_tokens(tmp_path):
     for got, prompt in zip(two, (P1, P2)):
         want = greedy(prompt, 8)
         assert got[:len(want)] == want, (got, want)
+
+
+def test_speculative_decoding_on_two_ranks_gives_greedy_tokens_and_accepts_drafts(tmp_path):
+    import graphmode
+    r = yaml.safe_load(write_recipe(tmp_path / "tp2.yaml", 2).read_text())
+    r["decode"] = {"speculative": {"method": "ngram", "num_tokens": 3}}
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]                  # a repeating prompt: drafts to look up
+    with graphmode.compile(SPEC, r, cache_dir=tmp_path / "cache") as tp:
+        out = tp.generate(torch.tensor([prompt]), max_new_tokens=16)
+        stats = tp.last_stats
+    want = greedy(prompt, 16)
+    assert out[0, len(prompt):len(prompt) + len(want)].tolist() == want
+    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats      # rank 0's engine verified drafts
+    assert stats["decode_steps"] < stats["generated_tokens"] - 1, stats
 
 
 # ---- serve ---------------------------------------------------------------------------------------------------
