@@ -52,6 +52,31 @@ def test_claimable_loops_become_pool_calls():
                                    "  for (long t = gm_lo; t < gm_hi; ++t) f(t);\n  });", 1, 0)   # chunk 0: one per thread
 
 
+def test_a_kernels_operands_are_cast_again_inside_its_lambda_unless_moved():
+    src = "\n".join([
+        "GM_EXPORT void gm_k(void* p0, void* p1, void* p2) {",
+        "  const float* i0 = (const float*)p0;",
+        "  const float* __restrict i1 = (const float*)p1;",
+        "  float* o0 = (float*)p2;",
+        "  i1 += 4;",
+        "  " + PRAGMA,
+        "  for (int64_t r = 0; r < 64; ++r) o0[r] = i0[r] + i1[r];",
+        "}",
+        "void other(const float* x, float* y) {",
+        "  " + PRAGMA,
+        "  for (int64_t r = 0; r < 64; ++r) y[r] = x[r];",
+        "}",
+    ])
+    out, done, _ = claim_loops(src)
+    assert done == 2
+    assert ("  gm_parallel_for((long)(0), (long)(64), 2L, gm_nt(), [&](long gm_lo, long gm_hi) {\n"
+            "    const float* i0 = (const float*)p0;\n    float* o0 = (float*)p2;\n"
+            "  for (int64_t r = gm_lo; r < gm_hi; ++r) o0[r] = i0[r] + i1[r];") in out     # i1 moved: the outer one
+    assert ("void other(const float* x, float* y) {\n"
+            "  gm_parallel_for((long)(0), (long)(64), 2L, gm_nt(), [&](long gm_lo, long gm_hi) {\n"
+            "  for (int64_t r = gm_lo;") in out                                  # nothing of gm_k's
+
+
 def test_a_region_around_one_claimable_loop_becomes_a_pool_call():
     """Its own lines (per-thread scratch) run per chunk, around the chunk's iterations."""
     src = "\n".join([
