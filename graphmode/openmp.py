@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import MutableMapping
 
 SPIN_COUNT = 1000          # ~25 us of `pause` on the EPYC hosts: a step's dispatch, not a time slice
+SPIN_BOUND = 10_000        # spins (~0.25 ms) up to which torch's idle team leaves the cores to graphmode's pool
 WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
@@ -43,9 +44,19 @@ def apply_defaults(environ: MutableMapping[str, str]) -> dict[str, str]:
     return add
 
 
+def bounded_wait(environ: MutableMapping[str, str]) -> bool:
+    """Whether libgomp's idle threads sleep within about SPIN_BOUND spins under `environ`:
+    OMP_WAIT_POLICY=passive, or a GOMP_SPINCOUNT no larger than that (a program that imported
+    torch without either spins 300,000, OMP_WAIT_POLICY=active for ever)."""
+    if environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive":
+        return True
+    count = environ.get("GOMP_SPINCOUNT", "").strip()
+    return count.isdigit() and int(count) <= SPIN_BOUND
+
+
 def in_effect(environ: MutableMapping[str, str]) -> dict[str, str | None]:
     """The wait settings a run started with (None: libgomp's own default)."""
     return {v: environ.get(v) for v in WAIT_VARS}
 
 
-__all__ = ["SPIN_COUNT", "WAIT_VARS", "defaults", "apply_defaults", "in_effect"]
+__all__ = ["SPIN_COUNT", "SPIN_BOUND", "WAIT_VARS", "defaults", "apply_defaults", "bounded_wait", "in_effect"]

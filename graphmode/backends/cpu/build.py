@@ -82,7 +82,7 @@ class KernelBuilder:
     every kernel takes that ISA's code path; a cap the host cannot run is still built
     (what tests of that path do here), and running it is the caller's to refuse. `schedule`:
     how the kernels' claimable parallel loops hand out iterations (omp_loops.SCHEDULES; None or
-    auto = omp_loops.DEFAULT_SCHEDULE), a compile flag, so part of every library's key.
+    auto = omp_loops.auto_schedule()), a compile flag, so part of every library's key.
     """
 
     def __init__(self, cache_dir: Path | str, compiler: str | None = None,

@@ -20,13 +20,16 @@ iterations, so a kernel's results are bit-identical at every schedule.
 from __future__ import annotations
 
 import math
+import os
 import re
+from typing import Mapping
 
 from graphmode.errors import BackendError
+from graphmode.openmp import bounded_wait
 
 SCHEDULES = ("static", "dynamic", "guided", "claim")
-# what `auto` builds: graphmode's own pool, whose join does not wait for a thread that claimed
-# nothing. Quiet host, 2026-12-03 23:26 and 23:34 UTC (docs/performance-contention.md): contended <= 1.0x the
+# what `auto` builds where OpenMP's idle threads sleep soon (auto_schedule): graphmode's own pool,
+# whose join does not wait for a thread that claimed nothing. Quiet host, 2026-12-03 23:26 and 23:34 UTC (docs/performance-contention.md): contended <= 1.0x the
 # best other engine on 7 of 7 shapes in both runs (dynamic 5 and 4 of 7), and MiniLM (1,16) 1.6 ms
 # against dynamic's 3.5 ms when ONNX Runtime and OpenVINO ran in the same rounds (2.2 ms alone).
 DEFAULT_SCHEDULE = "claim"
@@ -38,9 +41,19 @@ _FLAGS = {"static": (), "dynamic": ("-DGM_SCHEDULE_DYNAMIC",), "guided": ("-DGM_
           "claim": ("-DGM_SCHEDULE_CLAIM",)}
 
 
+def auto_schedule(environ: Mapping[str, str] | None = None) -> str:
+    """What `auto` builds: DEFAULT_SCHEDULE where OpenMP's idle threads sleep soon (the
+    `graphmode` command sees to it, graphmode/openmp.py), else `dynamic`. A program that imported
+    torch with libgomp's default wait keeps torch's team spinning ~7 ms after each ATen op, on
+    the cores the pool's workers need; `dynamic` runs the kernels on that same team. MiniLM
+    (1,128), 2 threads, 2026-12-04: 11.8 ms a call under claim against 8.2 ms under dynamic
+    with the default wait; 7.4 and 7.1 ms with GOMP_SPINCOUNT=1000."""
+    return DEFAULT_SCHEDULE if bounded_wait(os.environ if environ is None else environ) else "dynamic"
+
+
 def resolve_schedule(schedule: str | None) -> str:
-    """`schedule` (None / auto = DEFAULT_SCHEDULE) checked against SCHEDULES."""
-    s = DEFAULT_SCHEDULE if schedule in (None, "auto") else schedule
+    """`schedule` (None / auto = `auto_schedule()`) checked against SCHEDULES."""
+    s = auto_schedule() if schedule in (None, "auto") else schedule
     if s not in SCHEDULES:
         raise BackendError(f"unknown loop schedule {schedule!r}", where="codegen.schedule", value=schedule,
                            fix=f"one of auto, {', '.join(SCHEDULES)}")
@@ -230,5 +243,5 @@ def claim_loops(source: str) -> tuple[str, int, int]:
     return "\n".join(out), done, left
 
 
-__all__ = ["SCHEDULES", "DEFAULT_SCHEDULE", "resolve_schedule", "schedule_flags", "chunk_for", "schedule_clause",
+__all__ = ["SCHEDULES", "DEFAULT_SCHEDULE", "auto_schedule", "resolve_schedule", "schedule_flags", "chunk_for", "schedule_clause",
            "omp_for", "claim_loops"]

@@ -53,6 +53,17 @@ def test_gemm_tasks_are_split_finer_where_panels_allow():
     assert chunks_for(16, 12, 2) == 1 and chunks_for(1, 12, 1) == 1
 
 
+def test_auto_builds_the_pool_only_where_openmp_threads_sleep_soon():
+    from graphmode.backends.cpu.omp_loops import DEFAULT_SCHEDULE, auto_schedule
+    assert DEFAULT_SCHEDULE == "claim"
+    for env in ({"GOMP_SPINCOUNT": "1000"}, {"OMP_WAIT_POLICY": "passive"}, {"OMP_WAIT_POLICY": "PASSIVE "},
+                {"GOMP_SPINCOUNT": "0"}):
+        assert auto_schedule(env) == "claim", env
+    for env in ({}, {"GOMP_SPINCOUNT": "300000"}, {"GOMP_SPINCOUNT": "infinite"}, {"OMP_WAIT_POLICY": "active"},
+                {"GOMP_SPINCOUNT": "-5"}):    # torch's team spins for ms after each ATen op: kernels share it
+        assert auto_schedule(env) == "dynamic", env
+
+
 def test_schedule_names_and_flags():
     assert resolve_schedule(None) == resolve_schedule("auto") in SCHEDULES
     assert schedule_flags("static") == ()
