@@ -110,6 +110,7 @@ def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any,
             "collectives": driver.collectives(g) if g else ()}
     if rank == 0 and recipe.memory.kv_cache is None and hasattr(cm, "bounds"):
         info["input_bounds"] = cm.bounds()    # the whole model's tables: a caller checks requests with them
+        info["output_names"] = list(getattr(cm, "output_names", []) or [])
     return cm, comm, info
 
 
@@ -238,6 +239,7 @@ class TensorParallelModel:
         self.last_path: dict = {}
         self.input_bounds: tuple | None = None   # rank 0's request checks (runtime/bounds.py), once started
         self.threads: int | None = None          # each rank's, once started
+        self.output_names: list[str] = []        # rank 0's (a saved group's source has none of its own)
         self._source = None
         self._down: str | None = None
 
@@ -250,6 +252,8 @@ class TensorParallelModel:
         """The model in this process (inputs, eager reference), loaded on first use."""
         if self._source is None:
             self._source = self._resolve_model(self.model, self.recipe)
+            if not getattr(self._source, "output_names", None) and self.output_names:
+                self._source.output_names = list(self.output_names)
         return self._source
 
     def warmup(self) -> None:
@@ -493,6 +497,7 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
     tp.ranks = [rep[1] for rep in tp._collect(None, "start")]
     tp.collectives = tp.ranks[0].pop("collectives", ())
     tp.input_bounds = tp.ranks[0].pop("input_bounds", None)
+    tp.output_names = tp.ranks[0].pop("output_names", [])
     for r in tp.ranks[1:]:
         r.pop("collectives", None)
     return tp

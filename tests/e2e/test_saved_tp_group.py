@@ -76,6 +76,7 @@ def test_a_saved_bert_group_keeps_its_bounds_runs_against_the_interpreter_and_is
     report = json.loads(res.stdout[res.stdout.index("{"):])
     assert report["numerics_ok"] and report["parallel"]["ranks"] == 2
     assert "reference interpreter on the ranks" in report["median_ms"]
+    assert [o["output"] for o in report["outputs"]] == ["last_hidden_state"]      # rank 0's names, not positions
 
     server = ModelServer(str(out), None, config=ServeConfig(batch_window_ms=0, cache_dir=tmp_path / "fresh"))
     running = ServerThread(server).start()
