@@ -201,12 +201,8 @@ class RemoteEngine:
         """None while every rank is up; else why not (the group is then stopped). Never waits
         for a step: between steps it also reads an error rank 0 reported (a failed keep-alive)."""
         tp = self.tp
-        if tp._down is not None:
+        if tp.down() is not None:
             return tp._down
-        dead = next((d for d in map(tp._death, range(tp.world)) if d), None)
-        if dead:
-            tp._stop(dead)
-            return dead
         if self.lock.acquire(blocking=False):
             try:
                 if tp._down is None and tp.conns[0].poll():
@@ -220,7 +216,7 @@ class RemoteEngine:
 
     def ranks(self) -> list[dict[str, Any]]:
         """Per rank: its pid and whether its process is alive."""
-        return [{"rank": r, "pid": p.pid, "alive": p.is_alive()} for r, p in enumerate(self.tp.procs)]
+        return self.tp.rank_states()
 
     def close(self) -> dict[str, Any] | None:
         """End rank 0's loop and release the other ranks (the group stays up for other work);

@@ -360,6 +360,19 @@ class TensorParallelModel:
             self._fail_with(rep[1], 0)
         return rep[1]
 
+    def down(self) -> str | None:
+        """None while every rank process is up; else why not (a death found here stops the group).
+        Never waits on a call in flight."""
+        if self._down is None:
+            dead = next((d for d in map(self._death, range(self.world)) if d), None)
+            if dead:
+                self._stop(dead)
+        return self._down
+
+    def rank_states(self) -> list[dict[str, Any]]:
+        """Per rank: its pid and whether its process is alive (what /healthz lists)."""
+        return [{"rank": r, "pid": p.pid, "alive": p.is_alive()} for r, p in enumerate(self.procs)]
+
     def _check_up(self) -> None:
         if self._down is not None:
             raise RankFailure(f"the tensor-parallel group is down: {self._down}", where="parallel",

@@ -9,6 +9,7 @@ import threading
 from typing import Any, Mapping
 
 from graphmode.capture.source import constant_inputs
+from graphmode.plan.memory import bucket_key
 from graphmode.runtime.contract import InputContract
 
 
@@ -42,21 +43,16 @@ class ServedGroup(InputContract):
         with self._lock:
             return self.group(*args, **kwargs)
 
-    @staticmethod
-    def bucket_key(env: Mapping[str, int]) -> str:
-        return ",".join(f"{k}={v}" for k, v in sorted(env.items()))
+    bucket_key = staticmethod(bucket_key)
 
     def is_built(self, env: Mapping[str, int]) -> bool:
         return True
 
     def ranks(self) -> list[dict[str, Any]]:
-        """Per rank: its pid and whether its process is alive."""
-        return [{"rank": r, "pid": p.pid, "alive": p.is_alive()} for r, p in enumerate(self.group.procs)]
+        return self.group.rank_states()
 
     def health(self) -> str | None:
-        """None while every rank is up; else why not. Never waits on a call in flight."""
-        g = self.group
-        return g._down or next((d for d in map(g._death, range(g.world)) if d), None)
+        return self.group.down()
 
     def close(self) -> None:
         self.group.close()
