@@ -118,6 +118,14 @@ def rank_cmd(
                                                                      "ignore it"),
     out: Optional[Path] = typer.Option(None, "--out", help="rank 0: where the answers go, one JSON line each "
                                                            "(default: stdout)"),
+    serve_port: Optional[int] = typer.Option(None, "--serve-port", min=0, max=65535,
+                                             help="rank 0: serve the group over HTTP on this port (graphmode serve's "
+                                                  "endpoints, decoders' completions included) instead of --requests"),
+    host: str = typer.Option("127.0.0.1", "--host", help="rank 0's address for --serve-port"),
+    admin_token: Optional[str] = typer.Option(None, "--admin-token", envvar="GRAPHMODE_ADMIN_TOKEN",
+                                              show_default=False, help="with --serve-port: as graphmode serve's"),
+    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth",
+                                          help="with --serve-port: listen beyond loopback without an admin token"),
     target: str = typer.Option("host", "--target"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1,
                                           help="per rank (default: this node's cores / LOCAL_WORLD_SIZE)"),
@@ -125,7 +133,7 @@ def rank_cmd(
 ) -> None:
     """One rank of a tensor-parallel group started by torchrun (docs/tensor-parallel.md, "Several
     machines"): joins the group at torchrun's rendezvous, compiles only its shard, runs rank 0's
-    requests with the other ranks until the file ends."""
+    requests with the other ranks until the file ends, or until rank 0's server stops (--serve-port)."""
     from graphmode.compiler import rank_driver
     from graphmode.parallel.torchrun import run_rank
     from graphmode.recipe import load_recipe
@@ -146,19 +154,32 @@ def rank_cmd(
     if rec.parallel is None or rec.parallel.tensor < 2:
         raise GraphmodeError("the recipe has no tensor-parallel split (parallel.tensor < 2): there is nothing for "
                              "several ranks to share", where="parallel.tensor", fix="graphmode run --recipe")
-    if env["rank"] == 0 and requests is None:
-        raise GraphmodeError("rank 0 takes the requests", where="--requests",
-                             fix="pass --requests FILE (JSONL, one {\"inputs\": {...}} a line) to every rank")
-    if env["rank"] == 0 and str(requests) != "-" and not requests.is_file():
+    if rec.memory.kv_cache is not None:         # every rank builds a decode engine; rank 0 schedules
+        if serve_port is None:
+            raise GraphmodeError("a decoder recipe (memory.kv_cache) is served: its ranks decode completions, not "
+                                 "requests of a file", where="--requests", fix="pass --serve-port PORT to every rank "
+                                 "and POST /v1/completions to rank 0")
+        from graphmode.decode.tensor_parallel import decoder_driver
+        driver = decoder_driver()
+    if env["rank"] == 0 and (requests is None) == (serve_port is None):
+        raise GraphmodeError("rank 0 takes its requests from a file or serves them over HTTP, one of the two",
+                             where="--requests / --serve-port", value={"requests": requests, "serve_port": serve_port},
+                             fix="pass --requests FILE (JSONL, one {\"inputs\": {...}} a line), or --serve-port PORT, "
+                                 "to every rank")
+    if env["rank"] == 0 and requests is not None and str(requests) != "-" and not requests.is_file():
         raise GraphmodeError("no such requests file", where="--requests", value=str(requests),
                              fix="pass a JSONL file, one {\"inputs\": {...}} a line, or - for stdin")
     threads = threads or max(1, (os.cpu_count() or 1) // max(1, env["local_world"]))
+    serve = None
+    if env["rank"] == 0 and serve_port is not None:
+        serve = http_server(model, rec, target, host, serve_port, cache_dir, threads, admin_token, insecure_no_auth)
     sink = open(out, "w") if env["rank"] == 0 and out is not None else sys.stdout
     try:
-        feed = RequestFile(requests, {i.name: i.dtype for i in rec.inputs}, sink) if env["rank"] == 0 else None
+        feed = RequestFile(requests, {i.name: i.dtype for i in rec.inputs}, sink) \
+            if env["rank"] == 0 and requests is not None else None
         info = run_rank(spec, rec, target, rank=env["rank"], world=env["world"], master_addr=env["master_addr"],
                         master_port=env["master_port"], driver=driver, requests=feed,
-                        answer=feed.answer if feed else None, cache_dir=cache_dir, threads=threads)
+                        answer=feed.answer if feed else None, serve=serve, cache_dir=cache_dir, threads=threads)
     finally:
         if sink is not sys.stdout:
             sink.close()
@@ -168,3 +189,25 @@ def rank_cmd(
                  f"{info['kernel_compiles']} kernel(s) compiled)")
     err_console.print(f"rank {env['rank']}/{env['world']}: {info['weights_bytes'] / 2**20:.2f} MiB of weights{done}",
                       highlight=False)
+
+
+def http_server(model: str, recipe: Any, target: str, host: str, port: int, cache_dir: Any, threads: int,
+                admin_token: str | None, insecure_no_auth: bool) -> Any:
+    """Rank 0's `serve(group)` for run_rank: graphmode serve's server over the group torchrun
+    started (a decoder recipe's as a decode engine on the ranks), until Ctrl-C or SIGTERM. The
+    address is checked now, before anything compiles."""
+    from graphmode.cli.serve_cmd import run_http
+    from graphmode.serve.app import check_exposure
+    from graphmode.serve.server import ModelServer, ServeConfig
+
+    config = ServeConfig(target=target, cache_dir=cache_dir, threads=threads, admin_token=admin_token,
+                         insecure_no_auth=insecure_no_auth)
+    check_exposure(host, config)
+
+    def serve(group: Any) -> None:
+        if recipe.memory.kv_cache is not None:
+            from graphmode.decode.tensor_parallel import TensorParallelDecoder
+            group = TensorParallelDecoder(group, threads=threads)
+        run_http(lambda on_state, on_stage: ModelServer(model, recipe, config=config, on_state=on_state,
+                                                        on_stage=on_stage, group=group), host, port, "INFO")
+    return serve

@@ -102,8 +102,7 @@ def serve_cmd(
     import torch
 
     from graphmode.errors import GraphmodeError
-    from graphmode.recipe.buckets import plans_count
-    from graphmode.serve.app import bind, check_exposure, create_app, uvicorn_server
+    from graphmode.serve.app import check_exposure
     from graphmode.serve.server import ModelServer, ServeConfig, artifact_path
 
     level = log_level.upper()
@@ -149,6 +148,19 @@ def serve_cmd(
     if cluster is not None:
         _serve_cluster(model, recipe, config, cluster)
         return
+    run_http(lambda on_state, on_stage: ModelServer(model, recipe, variants=list(variant), config=config,
+                                                    on_state=on_state, on_stage=on_stage), host, port, level)
+
+
+def run_http(make_server: Any, host: str, port: int, level: str) -> None:
+    """Build the server (make_server(on_state, on_stage): a ModelServer that warms up in the
+    background) and serve it on host:port until Ctrl-C or SIGTERM; its load failure is raised."""
+    import logging
+
+    from graphmode.errors import GraphmodeError
+    from graphmode.recipe.buckets import plans_count
+    from graphmode.serve.app import bind, create_app, uvicorn_server
+
     failure: list[GraphmodeError] = []
     holder: dict = {}
 
@@ -166,15 +178,17 @@ def serve_cmd(
 
     with progress(live=False) as on_stage:
         # the background warm-up's progress: plain lines (the server's log shares stderr), bucket N of M
-        server = ModelServer(model, recipe, variants=list(variant), config=config, on_state=on_state, on_stage=on_stage)
+        server = make_server(on_state, on_stage)
+        config = server.config
         sock = bind(host, port)
         bound_port = sock.getsockname()[1]
         holder["url"] = f"http://{host}:{bound_port}"
         holder["uvicorn"] = uv = uvicorn_server(create_app(server), log_level="warning" if level != "DEBUG" else "info")
+        put = "needs the admin token" if config.admin_token else "is open: no admin token"
+        if server.group is not None:
+            put = "is refused: the ranks serve the recipe they compiled"
         console.print(f"graphmode serve: {server.recipe.name} on {holder['url']} (live now; warming up "
-                      f"{plans_count(server.recipe)} bucket(s) before ready; PUT /v1/recipe "
-                      f"{'needs the admin token' if config.admin_token else 'is open: no admin token'})",
-                      highlight=False)
+                      f"{plans_count(server.recipe)} bucket(s) before ready; PUT /v1/recipe {put})", highlight=False)
         # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal into the
         # handler it found: make SIGTERM end like Ctrl-C (exit 0), not kill the process
         previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -301,12 +301,16 @@ def launch_decoder(model: Any, recipe: Any, target: Any, *, cache_dir: Any = Non
                    threads: int | None = None) -> TensorParallelDecoder:
     """Start the `parallel.tensor` ranks of a decoder recipe (module doc); returns once every
     rank has built its engine and plans, or raises the first rank's error (typed)."""
-    from graphmode.capture.source import resolve_model
-    from graphmode.compile_report import graph_collectives
     if recipe.memory.kv_cache is None:
         raise GraphmodeError("tensor-parallel decoding needs a paged KV cache", where="memory.kv_cache",
                              fix="add memory.kv_cache to the recipe")
-    driver = RankDriver(compile=compile_rank, resolve_model=resolve_model, collectives=graph_collectives)
     threads = threads or max(1, (os.cpu_count() or 1) // recipe.parallel.tensor)
-    return TensorParallelDecoder(launch(model, recipe, target, driver=driver, mode="graph", cache_dir=cache_dir,
-                                       threads=threads), threads=threads)
+    return TensorParallelDecoder(launch(model, recipe, target, driver=decoder_driver(), mode="graph",
+                                       cache_dir=cache_dir, threads=threads), threads=threads)
+
+
+def decoder_driver() -> RankDriver:
+    """What a decoder recipe's rank needs (its decode engine: `compile_rank`), for `launch` and torchrun."""
+    from graphmode.capture.source import resolve_model
+    from graphmode.compile_report import graph_collectives
+    return RankDriver(compile=compile_rank, resolve_model=resolve_model, collectives=graph_collectives)

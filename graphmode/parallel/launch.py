@@ -134,7 +134,8 @@ def answer_requests(cm: Any, comm: Any, conn: Any, rank: int) -> None:
     until ("close",) or the end of `conn` (EOFError). `conn` is the parent's pipe under `launch`,
     rank 0's broadcasts under torchrun (graphmode/parallel/torchrun.py). Messages: ("run", args,
     kwargs) -> ("ok", rank 0's outputs, counters) or ("error", err); ("sample", env, seed);
-    ("method", name, args): cm.rank_<name>(conn, *args); ("link", sizes, reps); ("interpret", args,
+    ("method", name, args): cm.rank_<name>(conn, *args) (conn.direct where it has one: rank 0's pipe
+    when its own process serves under torchrun); ("link", sizes, reps); ("interpret", args,
     kwargs): rank 0's outputs of every rank's shard graph interpreted; ("save", path):
     the rank's shard as an artifact (runtime/rank_artifacts.py); ("cancel",): nothing."""
     import torch
@@ -158,7 +159,7 @@ def answer_requests(cm: Any, comm: Any, conn: Any, rank: int) -> None:
             continue
         if msg[0] == "method":        # the rank's own protocol: cm.rank_<name>(pipe, *args) sends its replies
             try:
-                getattr(cm, f"rank_{msg[1]}")(conn, *msg[2])
+                getattr(cm, f"rank_{msg[1]}")(getattr(conn, "direct", conn), *msg[2])
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 conn.send(("error", _portable(e, rank)))
             continue
@@ -232,6 +233,7 @@ class TensorParallelModel:
         self.ranks: list[dict] = []          # per rank once started: pid, weights_bytes
         self.collectives: tuple = ()         # rank 0's sharded graph's (compile_report.graph_collectives)
         self.world = len(procs)
+        self.replying = list(range(self.world))  # the ranks that answer each message (rank 0 only under torchrun)
         self.timeout_s = float(recipe.parallel.comm.timeout_s)
         self.mode = "graph"
         self.graph = None                    # each rank holds its own shard
@@ -260,12 +262,7 @@ class TensorParallelModel:
         """Every rank has built every bucket's plan at start; nothing is left to do."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_up()
-        for r, c in enumerate(self.conns):
-            try:
-                c.send(("run", args, kwargs))
-            except (BrokenPipeError, ConnectionResetError, OSError):
-                self._fail(self._death(r) or f"rank {r} stopped reading requests")
+        self.send({r: ("run", args, kwargs) for r in range(self.world)})
         replies = self._collect(self.timeout_s + _MARGIN_S, "run")
         self.last_comm = [rep[2] for rep in replies]
         self.last_path = dict(replies[0][2].get("path") or {})
@@ -288,12 +285,7 @@ class TensorParallelModel:
         """Per rank, (bytes, seconds of each of `reps`) f32 all_reduces of each size between the
         ranks, each after `gap_s` of compute (`graphmode.parallel.link`): what the recipe's
         `links` stand for, measured; `link.link_samples` makes them one mean per size."""
-        self._check_up()
-        for r, c in enumerate(self.conns):
-            try:
-                c.send(("link", tuple(sizes), reps, gap_s))
-            except (BrokenPipeError, ConnectionResetError, OSError):
-                self._fail(self._death(r) or f"rank {r} stopped reading requests")
+        self.send({r: ("link", tuple(sizes), reps, gap_s) for r in range(self.world)})
         return [rep[1] for rep in self._collect(self.timeout_s * len(sizes) + reps * len(sizes) * gap_s + _MARGIN_S,
                                                 "link measurement")]
 
@@ -322,7 +314,7 @@ class TensorParallelModel:
             ready = wait([self.conns[r]] + [p.sentinel for p in self.procs], max(0.0, deadline - time.monotonic()))
             if self.conns[r] in ready or self.conns[r].poll():
                 return self._read(r)
-            dead = next((d for d in map(self._death, range(self.world)) if d), None)
+            dead = next((d for d in map(self._death, self.replying) if d), None)
             if dead:
                 self._fail(dead)
             if not ready:
@@ -340,17 +332,13 @@ class TensorParallelModel:
         return rep
 
     def collect(self, ranks: list[int], timeout_s: float, what: str) -> list:
-        """One reply from each of `ranks` (as `receive`, each within `timeout_s`)."""
-        return [self.receive(r, timeout_s, what) for r in ranks]
+        """One reply from each of `ranks` that answers (as `receive`, each within `timeout_s`)."""
+        return [self.receive(r, timeout_s, what) for r in ranks if r in self.replying]
 
     def sample_inputs(self, env: Mapping[str, int], seed: int = 0) -> dict[str, Any]:
         """Rank 0's sample inputs at `env`: index inputs drawn inside the tables of the model
         as captured (its shard's tables are split)."""
-        self._check_up()
-        try:
-            self.conns[0].send(("sample", dict(env), seed))
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            self._fail(self._death(0) or "rank 0 stopped reading requests")
+        self.send({0: ("sample", dict(env), seed)})
         deadline = time.monotonic() + self.timeout_s + _MARGIN_S
         while not self.conns[0].poll(0.1):
             if self._death(0) or time.monotonic() > deadline:
@@ -364,7 +352,7 @@ class TensorParallelModel:
         """None while every rank process is up; else why not (a death found here stops the group).
         Never waits on a call in flight."""
         if self._down is None:
-            dead = next((d for d in map(self._death, range(self.world)) if d), None)
+            dead = next((d for d in map(self._death, self.replying) if d), None)
             if dead:
                 self._stop(dead)
         return self._down
@@ -389,9 +377,9 @@ class TensorParallelModel:
         """One reply per rank; the first death, error or overrun stops the group and raises. A
         request every rank refuses (a ContractViolation, raised before anything runs) is raised
         with the group kept up."""
-        replies: list = [None] * self.world
+        got: dict[int, Any] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        waiting = set(range(self.world))
+        waiting = set(self.replying)
         while waiting:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = wait([self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting], left)
@@ -400,13 +388,14 @@ class TensorParallelModel:
                            f"{timeout_s:g} s")
             for r in sorted(waiting):
                 if self.conns[r] in ready or self.conns[r].poll():
-                    replies[r] = self._read(r)
+                    got[r] = self._read(r)
                     waiting.discard(r)
                 elif self.procs[r].sentinel in ready:
                     self.procs[r].join(1)
                     self._fail(self._death(r) or f"rank {r} stopped")
+        replies = [got[r] for r in self.replying]
         refused = [rep[1] for rep in replies if rep[0] == "error"]
-        if refused and len(refused) == self.world:
+        if refused and len(refused) == len(replies):
             raise refused[0]          # every rank refused the request before running it: the group stays up
         if refused:                   # some ranks ran it, some did not: their states may differ
             self._fail_with(refused[0], next(r for r, rep in enumerate(replies) if rep[0] == "error"))
@@ -416,7 +405,7 @@ class TensorParallelModel:
         """A rank's own error: a dead peer is the cause when a collective failed and one died."""
         if isinstance(err, RankFailure):     # a peer's sockets close a moment before its exit is seen
             wait([p.sentinel for i, p in enumerate(self.procs) if i != rank], 1.0)
-        dead = [d for d in (self._death(r) for r in range(self.world) if r != rank) if d]
+        dead = [d for d in (self._death(r) for r in self.replying if r != rank) if d]
         if isinstance(err, RankFailure) and dead:
             self._fail(f"{dead[0]}; {err.message}")
         self._stop(str(err).splitlines()[0])

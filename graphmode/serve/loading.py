@@ -69,6 +69,8 @@ class Loading:
         (checked now, so the answer to PUT says it instead of a failed background compile)."""
         from graphmode.capture.source import resolve_model
         servable_parallel(recipe, artifact=self.artifact is not None)
+        if self.group is not None:
+            self._group_serves(recipe)
         if self.artifact is not None:
             self._artifact_serves(recipe)
             return
@@ -96,6 +98,15 @@ class Loading:
                               fix="compile the new recipe into an artifact (graphmode compile --save) and serve "
                                   "that, or serve the model itself (--model SPEC) to hot-reload recipes")
 
+    def _group_serves(self, recipe: Any) -> None:
+        """A group started before the server (torchrun's ranks) serves the recipe its ranks compiled, once."""
+        started = self.group.recipe
+        if getattr(self, "active", None) is not None or self._resolved(recipe).hash() != self._resolved(started).hash():
+            raise RecipeError(f"the ranks torchrun started serve the recipe they compiled ({started.name} "
+                              f"#{self._resolved(started).hash()}); a reload would need every rank to compile again",
+                              where="recipe", fix="stop the group and start it again with the new recipe "
+                                                  "(torchrun ... graphmode rank --recipe NEW --serve-port)")
+
     def precheck(self, recipe: Any) -> Any:
         """Layers 1-3 with the running model's facts; raises RecipeErrors / ConstraintError."""
         self.fits_model(recipe)
@@ -109,8 +120,11 @@ class Loading:
         from graphmode.runtime.artifact import load as load_artifact
         t0 = time.perf_counter()
         ranks = tensor_parallel(recipe)
-        with stage(self.on_stage, "ranks", detail=f"{ranks} processes start") if ranks > 1 else nullcontext():
-            if self.artifact is not None:           # a group file starts its ranks from their own files
+        with stage(self.on_stage, "ranks", detail=f"{ranks} processes start") \
+                if ranks > 1 and self.group is None else nullcontext():
+            if self.group is not None:              # started before the server (graphmode rank --serve-port)
+                cm = self.group
+            elif self.artifact is not None:         # a group file starts its ranks from their own files
                 cm = load_artifact(self.artifact, cache_dir=self.config.cache_dir, threads=self.config.threads,
                                    on_stage=self.on_stage)
                 self._artifact_serves(cm.recipe)         # the file replaced since it was read: refused

@@ -131,13 +131,17 @@ class ModelServer(Loading, Reloading, Serving):
     def __init__(self, model: Any, recipe: Any, *, variants: list[Any] = (), config: ServeConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  on_state: Callable[[str, GraphmodeError | None], None] | None = None,
-                 on_stage: OnStage | None = None):
+                 on_stage: OnStage | None = None, group: Any = None):
         """`on_state` hears the server's state changes; `on_stage` the progress of each recipe's
         build: capture, passes, proof, plans bucket N of M (graphmode/progress.py).
 
         `model` may be a `.gm` artifact (graphmode compile --save): it is loaded, not compiled
         (no capture, no kernel build), and it serves only the recipe it was compiled with
-        (`recipe` None means that one; any other is refused, a hot reload included)."""
+        (`recipe` None means that one; any other is refused, a hot reload included).
+
+        `group` is a tensor-parallel group started before the server (torchrun's ranks, from
+        `graphmode rank --serve-port`: graphmode/parallel/torchrun.py): it is served as it is,
+        with its recipe only, and never started or compiled here."""
         from graphmode.recipe import load_recipe
         from graphmode.recipe.targets import pick_target
         from graphmode.runtime.artifact import recipe_of
@@ -154,6 +158,7 @@ class ModelServer(Loading, Reloading, Serving):
         self.target_name = getattr(self.target, "name", str(self.target))
         self.model = self._resolve_model(model)
         self.model_spec = model if isinstance(model, str) else None     # what rank processes resolve again
+        self.group = group
         self.recipe = self._checked(first, "recipe")
         self.variants = [self._checked(load_recipe(v), f"variant[{i}]") for i, v in enumerate(variants)]
         self.active: Deployment | None = None

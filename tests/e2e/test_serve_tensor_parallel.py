@@ -24,6 +24,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -119,18 +120,19 @@ def test_speculative_decoding_on_two_ranks_gives_greedy_tokens_and_accepts_draft
 # ---- serve ---------------------------------------------------------------------------------------------------
 
 class Served:
-    """`graphmode serve` in a process of its own on a free loopback port."""
+    """`graphmode serve` in a process of its own on a free loopback port (`command(port)`: another
+    command that serves there, e.g. torchrun's ranks)."""
 
-    def __init__(self, recipe: Path, cache: Path, log: Path):
+    def __init__(self, recipe: Path, cache: Path, log: Path, command: Any = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "graphmode", "serve", "--model", SPEC, "--recipe", str(recipe), "--port",
-             str(self.port), "--shutdown-grace-s", "1"], env=env(cache), cwd=ROOT, stdout=log.open("w"),
-            stderr=subprocess.STDOUT)
+        cmd = command(self.port) if command is not None else [
+            sys.executable, "-m", "graphmode", "serve", "--model", SPEC, "--recipe", str(recipe), "--port",
+            str(self.port), "--shutdown-grace-s", "1"]
+        self.proc = subprocess.Popen(cmd, env=env(cache), cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
         self.client = httpx.Client(base_url=self.url, timeout=EVENT_S)
         eventually(self._ready, READY_S, f"the server's /readyz (log: {log})")
 

@@ -68,6 +68,37 @@ def test_while_rank_0_waits_for_a_request_every_rank_gets_keepalives():
     assert got0 == got1 == [1, 2] and waits0 == waits1 >= 2
 
 
+def test_a_message_naming_its_ranks_reaches_each_its_own_part_and_rank_0s_alone_crosses_nothing():
+    """{rank: message}: the decode engine's start (rank 0 runs the engine, the others follow);
+    a message for rank 0 alone (sample inputs) is not broadcast, so rank 1 skips it unseen."""
+    msgs = [{0: ("method", "engine", ()), 1: ("method", "follow", ())}, {0: ("sample", {"batch": 2}, 0)},
+            ("run", (), {"n": 1})]
+
+    def rank(r, comm):
+        ch = Broadcasts(comm, msgs if r == 0 else None)
+        got = []
+        while (msg := ch.recv()) != CLOSE:
+            got.append(msg[:2])
+        return got, ch.received
+    (got0, crossed0), (got1, crossed1) = run_ranks(2, rank, timeout_s=30)
+    assert got0 == [("method", "engine"), ("sample", {"batch": 2}), ("run", ())]
+    assert got1 == [("method", "follow"), ("run", ())]
+    assert crossed0 == crossed1 == 3                   # the engine's start, the run and the close
+
+
+def test_a_decoder_recipe_under_torchrun_is_served_not_fed_a_file(tmp_path, monkeypatch):
+    r = tiny_tp.recipe("gpt2-tp2", dims={"batch": {"buckets": [1]}, "seq": {"buckets": [8], "min": 2}})
+    r["memory"] = {"kv_cache": {"page_size": 4, "max_pages_per_seq": 6, "pages": 16, "layers": 2, "kv_heads": 4,
+                                "head_dim": 8}}
+    (tmp_path / "tp2.yaml").write_text(yaml.safe_dump(r))
+    (tmp_path / "req.jsonl").write_text("")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    res = CliRunner().invoke(app, ["rank", "--model", "x:y", "--recipe", str(tmp_path / "tp2.yaml"), "--requests",
+                                   str(tmp_path / "req.jsonl")])
+    assert res.exit_code == 2 and "--serve-port" in res.output and "memory.kv_cache" in res.output, res.output
+
+
 def test_a_refusal_is_answered_and_any_other_error_stops_the_rank():
     answers: list = []
 
@@ -116,7 +147,9 @@ def test_the_rank_command_refuses_a_wrong_world_before_joining(tmp_path, monkeyp
     assert res.exit_code == 2 and "WORLD_SIZE 3" in res.output and "parallel.tensor 2" in res.output, res.output
     monkeypatch.setenv("WORLD_SIZE", "2")
     res = CliRunner().invoke(app, args[:-2])
-    assert res.exit_code == 2 and "rank 0 takes the requests" in res.output, res.output
+    assert res.exit_code == 2 and "from a file or serves them over HTTP" in res.output, res.output
+    res = CliRunner().invoke(app, args + ["--serve-port", "0"])          # both: which one is meant?
+    assert res.exit_code == 2 and "--requests / --serve-port" in res.output, res.output
     res = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "missing.jsonl")])
     assert res.exit_code == 2 and "no such requests file" in res.output, res.output
 
