@@ -111,6 +111,7 @@ def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any,
     if rank == 0 and recipe.memory.kv_cache is None and hasattr(cm, "bounds"):
         info["input_bounds"] = cm.bounds()    # the whole model's tables: a caller checks requests with them
         info["output_names"] = list(getattr(cm, "output_names", []) or [])
+        info["output_types"] = [(g.values[o].type.dtype, g.values[o].type.shape) for o in g.outputs] if g else []
     return cm, comm, info
 
 
@@ -242,6 +243,7 @@ class TensorParallelModel:
         self.input_bounds: tuple | None = None   # rank 0's request checks (runtime/bounds.py), once started
         self.threads: int | None = None          # each rank's, once started
         self.output_names: list[str] = []        # rank 0's (a saved group's source has none of its own)
+        self.output_types: list[tuple] = []      # rank 0's (dtype, shape) per output: what KServe metadata lists
         self._source = None
         self._down: str | None = None
 
@@ -500,6 +502,7 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
     tp.collectives = tp.ranks[0].pop("collectives", ())
     tp.input_bounds = tp.ranks[0].pop("input_bounds", None)
     tp.output_names = tp.ranks[0].pop("output_names", [])
+    tp.output_types = tp.ranks[0].pop("output_types", [])
     for r in tp.ranks[1:]:
         r.pop("collectives", None)
     return tp

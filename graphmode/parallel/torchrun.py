@@ -213,6 +213,7 @@ class TorchrunGroup(TensorParallelModel):
         self.collectives = self.ranks[0].pop("collectives", ())
         self.input_bounds = self.ranks[0].pop("input_bounds", None)
         self.output_names = self.ranks[0].pop("output_names", [])
+        self.output_types = self.ranks[0].pop("output_types", [])
         for r in self.ranks[1:]:
             r.pop("collectives", None)
 

@@ -173,9 +173,10 @@ def kserve_routes(server: Any) -> list[Route]:
             await server.whole_sequence(dep)        # a decoder's outputs: its whole-sequence graph's
         except GraphmodeError as e:                  # ServeErrors, and a recipe that graph refuses (422)
             return v2_error(e)
-        g = dep.cm.graph
-        outputs = [] if g is None else [_tensor_meta(n, g.values[o].type.dtype, g.values[o].type.shape)
-                                        for n, o in zip(dep.names_for(len(g.outputs)), g.outputs)]
+        g = dep.cm.graph          # a tensor-parallel group holds none: rank 0 reported its outputs' types
+        types = [(g.values[o].type.dtype, g.values[o].type.shape) for o in g.outputs] if g is not None \
+            else list(getattr(dep.cm, "output_types", None) or [])
+        outputs = [_tensor_meta(n, dtype, shape) for n, (dtype, shape) in zip(dep.names_for(len(types)), types)]
         return _json({"name": request.path_params["name"], "versions": [dep.version], "platform": "graphmode",
                       "parameters": {"recipe_name": dep.name, "decoder": dep.decoder is not None},
                       "inputs": [_tensor_meta(i.name, i.dtype, i.shape) for i in dep.recipe.inputs],

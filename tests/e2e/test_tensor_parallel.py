@@ -206,6 +206,8 @@ def test_the_server_answers_an_encoder_on_its_ranks_and_503s_once_a_rank_dies(tm
             got = torch.tensor(got)
             assert rel_l2(got, want) < 1e-5 and r.json()["bucket"] == {"batch": 2}    # padded to the bucket
             assert group.last_comm[0]["collectives"] == 1                          # it ran on the ranks
+            meta = c.get("/v2/models/mlp-tp2").json()               # rank 0 reported its outputs' types
+            assert meta["outputs"] == [{"name": group.output_names[0], "datatype": "FP32", "shape": [-1, 4]}], meta
             runs = group.last_comm
             r = c.post("/v1/infer", json={"inputs": {"input": torch.randn(1, 15).tolist()}})
             assert r.status_code == 422 and "inputs.input.shape" in r.text, r.text
