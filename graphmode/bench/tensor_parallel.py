@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from graphmode.parallel.link import (REPS, SIZES, compare, compute_gap, fit_link, link_samples, link_time, merge_probes,
-                                     plan_sizes, predict_comm)
+from graphmode.parallel.link import (REPS, SIZES, around, compare, compute_gap, fit_link, link_time, plan_sizes,
+                                     predict_comm, round_samples)
 
 
 @dataclass
@@ -122,8 +122,8 @@ def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, cfg: TPConf
             got = tp(**inputs)
             tn.append(time.perf_counter() - t0)
             calls.append(tp.last_comm)
-            probes.append(probe(tp, sizes, per_call_reps(cfg.link_reps, cfg.iters), warm + calls))
-    link = probed_link(probes, spec, tp.world, compute_gap(warm + calls))
+            probes.append(probe(tp, sizes, per_call_reps(cfg.link_reps, cfg.iters, tp.collectives), warm + calls))
+    link = probed_link(probes, spec, tp.world, compute_gap(warm + calls), plan_sizes(tp.collectives, spec, env))
     table, rank0 = comm_tables(tp, calls, spec, env, link)
     whole = weights_bytes(one)
     lat1, latn = statistics.median(t1), statistics.median(tn)
@@ -163,19 +163,23 @@ def probe(tp: Any, sizes: Sequence[int], reps: int, calls: Sequence[Any]) -> lis
     return tp.measure_link(tuple(sizes), reps, compute_gap(calls))
 
 
-def per_call_reps(reps: int, calls: int) -> int:
+def per_call_reps(reps: int, calls: int, collectives: Sequence[Any] = ()) -> int:
     """All_reduces of each size after each of `calls` timed calls: `reps` over the run, at least
-    three each (their mean is what counts, and the tail is long on a shared host)."""
-    return max(3, -(-reps // max(1, calls)))
+    three, and at least as many as a call makes (`collectives`, rank 0's graph's): each round is
+    then summed as a call is (`link.round_samples`)."""
+    return max(3, -(-reps // max(1, calls)), sum(c.op == "all_reduce" for c in collectives))
 
 
-def probed_link(probes: Sequence[Any], spec: Any, world: int, gap_s: float) -> dict[str, Any]:
+def probed_link(probes: Sequence[Any], spec: Any, world: int, gap_s: float,
+                sizes: Sequence[int] = ()) -> dict[str, Any]:
     """The link fitted (`link.fit_link`) to probe rounds (`tp.measure_link` results, merged,
-    `link.link_samples`) beside the recipe's (resolved) link."""
-    samples = link_samples(merge_probes(probes))
+    `link.link_samples`) beside the recipe's (resolved) link; with `sizes` (a plan's), fitted
+    at those sizes and their neighbours (`link.around`)."""
+    samples = round_samples(probes)
+    fitted = around(samples, sizes)
     name, ls = spec.link_for()
     return {"gap_ms": gap_s * 1e3, "samples": [{"bytes": b, "ms": s * 1e3} for b, s in samples],
-            **fit_link(samples, world),
+            "fit_bytes": [b for b, _ in fitted], **fit_link(fitted, world),
             "nominal": {"name": name, "bandwidth_gbps": float(ls.bandwidth_gbps), "latency_us": float(ls.latency_us)}}
 
 
@@ -203,8 +207,9 @@ def profile_tp(case: Any, recipe: Any, target: Any, runs: int, threads: int | No
                 lat.append(time.perf_counter() - t0)
                 calls.append(tp.last_comm)
                 if link:
-                    probes.append(probe(tp, sizes, per_call_reps(REPS, runs), warm + calls))
-            fit = probed_link(probes, spec, tp.world, compute_gap(warm + calls)) if link else None
+                    probes.append(probe(tp, sizes, per_call_reps(REPS, runs, tp.collectives), warm + calls))
+            fit = probed_link(probes, spec, tp.world, compute_gap(warm + calls),
+                              plan_sizes(tp.collectives, spec, env)) if link else None
             table, rank0 = comm_tables(tp, calls, spec, env, fit)
             out.append({"model": case.name, "bucket": dict(env), "runs": runs, "call_ms": statistics.median(lat) * 1e3,
                         "rank_run_ms": [statistics.median(c[r]["run_s"] for c in calls) * 1e3 for r in range(tp.world)],
@@ -257,9 +262,9 @@ def markdown(res: dict[str, Any]) -> str:
                     "ranks, which the `shard` pass keeps whole)."]
     if link:
         out += ["", f"Loopback link (f32 all_reduce, {len(link['samples'])} sizes), back to back: "
-                f"{_link(link)} (nominal {link['nominal']['bandwidth_gbps']:g} GB/s, "
+                f"{link_text(link)} (nominal {link['nominal']['bandwidth_gbps']:g} GB/s, "
                 f"{link['nominal']['latency_us']:g} us)."]
-    lines = [f"- {r['model']} {r['shape']}: {r['link']['gap_ms']:.2f} ms apart, {_link(r['link'])}"
+    lines = [f"- {r['model']} {r['shape']}: {r['link']['gap_ms']:.2f} ms apart, {link_text(r['link'])}"
              for r in res["rows"] if r.get("link")]
     if lines:
         out += ["", "As the calls meet it (the calibrated column): probed after every timed call, each all_reduce "
@@ -267,10 +272,17 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _link(link: dict) -> str:
+def link_text(link: dict) -> str:
     bw = f"{link['bandwidth_gbps']:.2f} GB/s" if link.get("bandwidth_resolved", True) else \
         "bandwidth not resolved (the times did not grow with size)"
-    return f"{bw}, {link['latency_us']:.0f} us, fit within {link['worst_err'] * 100:.0f}% of every size"
+    sizes = link.get("fit_bytes")
+    over = "every size" if not sizes or len(sizes) == len(link["samples"]) else \
+        "the sizes " + ", ".join(_size(b) for b in sizes)
+    return f"{bw}, {link['latency_us']:.0f} us, fit within {link['worst_err'] * 100:.0f}% of {over}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes} B" if nbytes < 1024 else f"{nbytes / 1024:g} KiB"
 
 
 def _pct(e: float | None) -> str:

@@ -61,6 +61,8 @@ def print_tp_profile(profiles: Sequence[dict]) -> None:
     from rich import box
     from rich.table import Table
 
+    from graphmode.bench.tensor_parallel import link_text
+
     def pct(e):
         return "-" if e is None else f"{e * 100:+.0f}%"
     for p in profiles:
@@ -93,7 +95,6 @@ def print_tp_profile(profiles: Sequence[dict]) -> None:
                 continue
             console.print(f"  link {n['name']}: recipe {n['bandwidth_gbps']:g} GB/s, {n['latency_us']:g} us; measured "
                           f"(f32 all_reduces {link['gap_ms']:.2f} ms apart, as this bucket's calls) "
-                          f"{link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.0f} us "
-                          f"(fit within {link['worst_err'] * 100:.0f}% of every size). For this host's recipes: "
+                          f"{link_text(link)}. For this host's recipes: "
                           f"links: {{{n['name']}: {{bandwidth_gbps: {link['bandwidth_gbps']:.2g}, latency_us: "
                           f"{link['latency_us']:.0f}}}}}", highlight=False)

@@ -9,12 +9,13 @@ scheduler to wake the peer blocked in its receive and give it a core after it ha
 (docs/tensor-parallel.md, "Measuring it"). `link_samples` keeps, of each all_reduce, the least
 time any rank spent in it (that rank arrived last: the other's wait for it is not link time,
 the rule `link_time` applies to a call), and the mean per size. `graphmode bench
---tensor-parallel` and `graphmode profile` probe a few all_reduces after every timed call
-(`merge_probes`), so the probe and the calls meet the same load. `fit_link` fits the cost
+--tensor-parallel` and `graphmode profile` probe after every timed call as many all_reduces
+of each size as a call makes (`round_samples`), so the probe and the calls meet the same load. `fit_link` fits the cost
 model's ring all_reduce (`recipe/parallel_cost.py`: 2 (n-1)/n * bytes / B + 2 (n-1) L) to those
 means, weighting every size by its own time so the small messages decide the latency and the
 large ones the bandwidth: the numbers a recipe's `links` entry (or the host target's nominal
-`loopback`) should hold. `compute_gap` is the gap a call's own traces show.
+`loopback`) should hold; for a plan, `around` keeps the sizes it sends and their neighbours
+(the link as its calls meet it). `compute_gap` is the gap a call's own traces show.
 
 `predict_comm` prices the collectives of a rank's sharded graph at one shape on a link, and
 `compare` lines them up per collective with what the communicator measured in a call
@@ -70,10 +71,14 @@ def link_samples(per_rank: Probe) -> list[tuple[int, float]]:
             for row in zip(*per_rank)]
 
 
-def merge_probes(probes: Sequence[Probe]) -> list[list[tuple[int, list[float]]]]:
-    """Several `measure_link` rounds (each per rank, the same sizes) as one: per rank and size,
-    every round's times in order."""
-    return [[(rows[0][0], [x for _, ts in rows for x in ts]) for rows in zip(*rounds)] for rounds in zip(*probes)]
+def round_samples(probes: Sequence[Probe]) -> list[tuple[int, float]]:
+    """(bytes, seconds) per size from several `measure_link` rounds (one after each timed call):
+    each round's `link_samples` mean, then the median over rounds. That is the statistic a call's
+    communication is measured with (its collectives summed, the median over calls), so a round
+    of as many all_reduces as a call makes meets the long tail as a call does; a mean over every
+    round's all_reduces swung by 30% between two runs of MiniLM 1x16 (one 30 ms wake-up in 60)."""
+    per_round = [link_samples(p) for p in probes]
+    return [(rows[0][0], statistics.median(t for _, t in rows)) for rows in zip(*per_round)]
 
 
 def compute_gap(calls: Sequence[Sequence[Mapping[str, Any]]]) -> float:
@@ -87,6 +92,21 @@ def compute_gap(calls: Sequence[Sequence[Mapping[str, Any]]]) -> float:
         if r["collectives"]:
             gaps.append(max(0.0, r["run_s"] - r["comm_s"]) / (r["collectives"] + 1))
     return statistics.median(gaps) if gaps else 0.0
+
+
+def around(samples: Sequence[tuple[int, float]], sizes: Sequence[int]) -> list[tuple[int, float]]:
+    """The samples a link is fitted to for a plan that sends `sizes`: at each size, and the
+    nearest probed size below and above it. On a shared host an all_reduce's time is not
+    linear in its size over 4 B-2 MiB (the scheduler's wake-ups, not the wire, set it; a fit
+    over every size missed a call's by 57-67% at MiniLM batch 1), so the line is drawn where the
+    calls are. All of them when `sizes` is empty or none was probed."""
+    got = sorted(samples)
+    keep: set[int] = set()
+    for size in sizes:
+        at = [i for i, (b, _) in enumerate(got) if b == size]
+        if at:
+            keep.update(i for i in (at[0] - 1, at[0], at[0] + 1) if 0 <= i < len(got))
+    return [got[i] for i in sorted(keep)] or got
 
 
 def fit_link(samples: Sequence[tuple[int, float]], world: int) -> dict[str, float]:

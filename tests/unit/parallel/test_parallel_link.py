@@ -7,8 +7,8 @@ import sympy
 
 import graphmode.recipe  # noqa: F401  (first: the recipe package and graphmode.parallel import each other)
 from graphmode.recipe.parallel_cost import Collective
-from graphmode.parallel.link import (compare, compute_gap, fit_link, link_samples, link_time, median_per_op,
-                                     merge_probes, plan_sizes, predict_comm)
+from graphmode.parallel.link import (around, compare, compute_gap, fit_link, link_samples, link_time, median_per_op,
+                                     plan_sizes, predict_comm, round_samples)
 from graphmode.recipe.parallel_spec import ParallelSpec
 
 
@@ -31,6 +31,23 @@ def test_times_that_do_not_grow_with_size_fit_the_latency_alone():
     fit = fit_link([(4, 2e-3), (4096, 1e-3), (1 << 20, 1e-3)], 2)     # noise: the largest is not the slowest
     assert not fit["bandwidth_resolved"] and fit["bandwidth_gbps"] > 1e5
     assert 1e-3 / 2 * 1e6 < fit["latency_us"] < 2e-3 / 2 * 1e6
+
+
+def test_a_plans_link_is_fitted_at_the_sizes_it_sends_and_their_neighbours():
+    """The probe of a busy 2-core host (MiniLM 1x16, ms): not linear over 4 B-2 MiB; a fit over
+    every size priced the call's 24 KiB all_reduces at a third of the probe's own 1.31 ms."""
+    samples = [(4, 0.258e-3), (4096, 1.025e-3), (24576, 1.306e-3), (65536, 1.69e-3), (524288, 2.952e-3),
+               (2097152, 2.801e-3)]
+    near = around(samples, [24576])
+    assert [b for b, _ in near] == [4096, 24576, 65536]
+    local, every = fit_link(near, 2), fit_link(samples, 2)
+
+    def at(fit, b):
+        return (b / (fit["bandwidth_gbps"] * 1e9) + 2 * fit["latency_us"] * 1e-6) * 1e3
+    assert at(local, 24576) == pytest.approx(1.306, rel=0.1)
+    assert at(every, 24576) < 0.6 * 1.306
+    assert [b for b, _ in around(samples, [4, 2097152])] == [4, 4096, 524288, 2097152]   # the ends: one neighbour
+    assert around(samples, []) == around(samples, [100]) == sorted(samples)     # none probed: every size
 
 
 def test_probe_samples_keep_each_all_reduces_least_wait_over_ranks_then_the_mean():
@@ -87,9 +104,9 @@ def test_link_time_takes_each_collectives_least_wait_over_ranks():
     assert t["all_gather"] == {"calls": 1, "bytes": 128, "seconds": pytest.approx(0.002)}
 
 
-def test_probe_rounds_merge_per_rank_and_size_in_order():
-    round1 = [[(4, [1.0]), (8, [2.0])], [(4, [3.0]), (8, [4.0])]]       # per rank: (bytes, times)
-    round2 = [[(4, [5.0]), (8, [6.0])], [(4, [7.0]), (8, [0.5])]]
-    merged = merge_probes([round1, round2])
-    assert merged == [[(4, [1.0, 5.0]), (8, [2.0, 6.0])], [(4, [3.0, 7.0]), (8, [4.0, 0.5])]]
-    assert link_samples(merged) == [(4, 3.0), (8, 1.25)]               # min over ranks per all_reduce, then mean
+def test_probe_rounds_are_each_a_mean_then_the_median_over_rounds_as_calls_are_measured():
+    round1 = [[(4, [1.0, 3.0]), (8, [2.0])], [(4, [3.0, 1.0]), (8, [4.0])]]       # per rank: (bytes, times)
+    round2 = [[(4, [5.0, 5.0]), (8, [6.0])], [(4, [7.0, 9.0]), (8, [0.5])]]
+    round3 = [[(4, [30.0, 2.0]), (8, [1.0])], [(4, [30.0, 2.0]), (8, [1.0])]]    # one long wake-up
+    # min over ranks per all_reduce, each round's mean (1, 5, 16 | 2, 0.5, 1), the median of the rounds
+    assert round_samples([round1, round2, round3]) == [(4, 5.0), (8, 1.0)]
