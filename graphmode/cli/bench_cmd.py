@@ -163,6 +163,9 @@ def bench_cmd(
     if between_buckets:
         res.meta["between_buckets"] = {"batch_buckets": between.BATCH_BUCKETS, "seq": between.SEQ_DIM,
                                        "samples": samples, "summary": between.summary(quiet_rows(res))}
+        res.meta["recipe"] = (f"per model: batch buckets {between.BATCH_BUCKETS}, seq {between.SEQ_DIM['min']}-"
+                              f"{between.SEQ_DIM['max']} under max_padding {between.SEQ_DIM['max_padding']}; the "
+                              "request shapes fall between the buckets")
     paths = write_results(res, out or default_out_dir(),
                           name or ("quick" if quick else "between" if between_buckets else "bench"))
     if as_json:
