@@ -260,6 +260,16 @@ class TensorParallelModel:
                 self._source.output_names = list(self.output_names)
         return self._source
 
+    def started(self, infos: list[dict]) -> None:
+        """Every rank's start report (`start_rank`), in rank order: what rank 0 alone reports of the
+        whole model (collectives, request bounds, outputs) is kept here, the rest per rank."""
+        self.ranks = [dict(i) for i in infos]
+        first = self.ranks[0]
+        self.collectives, self.input_bounds = first.pop("collectives", ()), first.pop("input_bounds", None)
+        self.output_names, self.output_types = first.pop("output_names", []), first.pop("output_types", [])
+        for r in self.ranks[1:]:
+            r.pop("collectives", None)
+
     def warmup(self) -> None:
         """Every rank has built every bucket's plan at start; nothing is left to do."""
 
@@ -498,11 +508,5 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
     tp = TensorParallelModel(model, recipe, procs, conns, target, resolve_model=driver.resolve_model,
                              save_group=driver.save)
     tp.threads = threads                      # each rank's
-    tp.ranks = [rep[1] for rep in tp._collect(None, "start")]
-    tp.collectives = tp.ranks[0].pop("collectives", ())
-    tp.input_bounds = tp.ranks[0].pop("input_bounds", None)
-    tp.output_names = tp.ranks[0].pop("output_names", [])
-    tp.output_types = tp.ranks[0].pop("output_types", [])
-    for r in tp.ranks[1:]:
-        r.pop("collectives", None)
+    tp.started([rep[1] for rep in tp._collect(None, "start")])
     return tp

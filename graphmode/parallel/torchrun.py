@@ -209,13 +209,7 @@ class TorchrunGroup(TensorParallelModel):
         loop = RankLoop(cm, comm, _Plain(loops), comm.timeout_s / 4)
         super().__init__(model, recipe, [loop], [_Plain(mine)], target, resolve_model=driver.resolve_model)
         self.world, self.replying, self.threads = comm.world, [0], threads
-        self.ranks = [dict(i) for i in infos]
-        self.collectives = self.ranks[0].pop("collectives", ())
-        self.input_bounds = self.ranks[0].pop("input_bounds", None)
-        self.output_names = self.ranks[0].pop("output_names", [])
-        self.output_types = self.ranks[0].pop("output_types", [])
-        for r in self.ranks[1:]:
-            r.pop("collectives", None)
+        self.started(infos)
 
     def send(self, msgs: Mapping[int, Any]) -> None:
         """One {rank: message} to rank 0's loop, which hands each rank its own."""
