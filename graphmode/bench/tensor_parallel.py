@@ -112,7 +112,8 @@ def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, cfg: TPConf
             one(**inputs)
             tp(**inputs)
             warm.append(tp.last_comm)
-        sizes = sorted({*cfg.link_sizes, *plan_sizes(tp.collectives, spec, env)})
+        sent = plan_sizes(tp.collectives, spec, env)
+        sizes = sorted({*cfg.link_sizes, *sent})
         t1, tn, calls, probes = [], [], [], []
         for _ in range(cfg.iters):
             t0 = time.perf_counter()
@@ -123,7 +124,7 @@ def _bench_shape(case: Any, env: dict, one: Any, tp: Any, spec: Any, cfg: TPConf
             tn.append(time.perf_counter() - t0)
             calls.append(tp.last_comm)
             probes.append(probe(tp, sizes, per_call_reps(cfg.link_reps, cfg.iters, tp.collectives), warm + calls))
-    link = probed_link(probes, spec, tp.world, compute_gap(warm + calls), plan_sizes(tp.collectives, spec, env))
+    link = probed_link(probes, spec, tp.world, compute_gap(warm + calls), sent)
     table, rank0 = comm_tables(tp, calls, spec, env, link)
     whole = weights_bytes(one)
     lat1, latn = statistics.median(t1), statistics.median(tn)
@@ -199,7 +200,8 @@ def profile_tp(case: Any, recipe: Any, target: Any, runs: int, threads: int | No
             for _ in range(2):
                 tp(**inputs)
                 warm.append(tp.last_comm)
-            sizes = sorted({*SIZES, *plan_sizes(tp.collectives, spec, env)})
+            sent = plan_sizes(tp.collectives, spec, env)
+            sizes = sorted({*SIZES, *sent})
             lat, calls, probes = [], [], []
             for _ in range(runs):
                 t0 = time.perf_counter()
@@ -208,8 +210,7 @@ def profile_tp(case: Any, recipe: Any, target: Any, runs: int, threads: int | No
                 calls.append(tp.last_comm)
                 if link:
                     probes.append(probe(tp, sizes, per_call_reps(REPS, runs, tp.collectives), warm + calls))
-            fit = probed_link(probes, spec, tp.world, compute_gap(warm + calls),
-                              plan_sizes(tp.collectives, spec, env)) if link else None
+            fit = probed_link(probes, spec, tp.world, compute_gap(warm + calls), sent) if link else None
             table, rank0 = comm_tables(tp, calls, spec, env, fit)
             out.append({"model": case.name, "bucket": dict(env), "runs": runs, "call_ms": statistics.median(lat) * 1e3,
                         "rank_run_ms": [statistics.median(c[r]["run_s"] for c in calls) * 1e3 for r in range(tp.world)],
