@@ -12,7 +12,7 @@ from graphmode.version import __version__  # noqa: F401
 
 _API = {"capture": "graphmode.compiler", "optimize": "graphmode.compiler", "compile": "graphmode.api",
         "load_recipe": "graphmode.recipe", "CompiledModel": "graphmode.runtime.compiled",
-        "load": "graphmode.runtime.artifact"}
+        "load": "graphmode.api"}
 
 
 def __getattr__(name):

@@ -41,3 +41,15 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
         from graphmode.decode import api as decoding
         cm.decoding = decoding
     return cm
+
+
+def load(path: str | Path, **kw: Any):
+    """A `.gm` artifact (graphmode/runtime/artifact.py `load`: cache_dir, threads, on_stage);
+    a decoder's decodes (`generate`, `stream`) with the tokenizer it was saved with
+    (graphmode/decode/saved.py)."""
+    from graphmode.runtime.artifact import load as load_artifact
+    cm = load_artifact(path, **kw)
+    if (getattr(cm, "artifact", None) or {}).get("decoder") is not None:
+        from graphmode.decode.saved import attach
+        attach(cm)
+    return cm

@@ -234,11 +234,15 @@ def save_artifact(src, recipe, target: Optional[str], graph, rep, cache_dir: Opt
     """The compiled model of this report, every bucket built through the cache (bucket N of M to
     `on_stage`), as a .gm file. Under `parallel.tensor` N > 1 (the report is rank 0's shard) the
     N ranks are started from `spec` (the --model), each compiling its shard, and save the group:
-    one file per rank and the group file at `path` (runtime/rank_artifacts.py)."""
+    one file per rank and the group file at `path` (runtime/rank_artifacts.py). A decoder
+    recipe saves its decode engine's paged graph and plans (graphmode/decode/saved.py)."""
     from graphmode.paths import cache_layout
     from graphmode.recipe.targets import pick_target
     from graphmode.runtime.compiled import CompiledModel
     tgt = pick_target(recipe, target, cache_dir=cache_layout(cache_dir).targets)
+    if recipe.memory.kv_cache is not None and (recipe.parallel is None or recipe.parallel.tensor == 1):
+        from graphmode.api import compile as gm_decoder      # what is saved is its decode engine's paged graph
+        return gm_decoder(src, recipe, tgt, cache_dir=cache_dir, on_stage=on_stage).save(path)
     if recipe.parallel is not None and recipe.parallel.tensor > 1:
         from graphmode.compiler import compile as gm_compile
         with gm_compile(spec or src, recipe, tgt, cache_dir=cache_dir) as tp:     # each rank loads the model

@@ -56,7 +56,8 @@ class Request:
     that can be refused before a compile."""
 
     bundle: Any
-    lm: Any
+    lm: Any                                       # None for a .gm artifact: `cfg` holds its sizes
+    cfg: dict[str, Any]                           # decode/lm.py lm_config: vocabulary, end-of-sequence ids
     tokenizer: Any
     flag: str                                     # the prompt's flag, for errors
     prompts: list[list[int]]
@@ -69,24 +70,30 @@ class Request:
 
     @classmethod
     def checked(cls, model: str, rec: Any, prompt: list[str], prompt_ids: list[str], stop: list[str],
-                stop_ids: list[str]) -> "Request":
+                stop_ids: list[str], loaded: Any = None) -> "Request":
+        """`loaded`: the `.gm` artifact `model` names, loaded (its sizes and tokenizer are saved in it)."""
         from graphmode.capture.spec import resolve_model_spec
         from graphmode.decode.api import causal_lm
+        from graphmode.decode.lm import lm_config
         flag = "--prompt" if prompt else "--prompt-ids"
         stops = [parse_ids(s, "--stop-ids") for s in stop_ids]
-        bundle = resolve_model_spec(model)
-        lm = causal_lm(bundle, "--model")
-        tok = getattr(bundle, "tokenizer", None)
+        if loaded is not None:
+            bundle = lm = None
+            cfg, tok = dict(loaded.artifact["decoder"]), loaded.tokenizer
+        else:
+            bundle = resolve_model_spec(model)
+            lm = causal_lm(bundle, "--model")
+            cfg, tok = lm_config(lm), getattr(bundle, "tokenizer", None)
         if tok is None and (prompt or stop):
             raise GraphmodeError(f"model {model!r} has no tokenizer, so text cannot become token ids",
                                  where="--prompt" if prompt else "--stop",
                                  fix="send token ids: --prompt-ids 464,2068 (and --stop-ids 13), or use a model spec "
-                                     "whose bundle carries a tokenizer")
+                                     "whose bundle carries a tokenizer (a .gm keeps the one it was saved with)")
         prompts = [list(tok.encode(p)) for p in prompt] if prompt else [parse_ids(p, flag) for p in prompt_ids]
-        vocab = int(lm.config.vocab_size)
+        vocab = int(cfg["vocab"])
         check_ids(prompts, vocab, flag)
         check_ids(stops, vocab, "--stop-ids")
-        req = cls(bundle, lm, tok, flag, prompts, tuple(stop), stops)
+        req = cls(bundle, lm, cfg, tok, flag, prompts, tuple(stop), stops)
         lo, hi = rec.dim_range("seq") if "seq" in rec.dims else (None, None)
         if hi is not None and req.longest > hi:
             raise ContractViolation(f"a prompt has {req.longest} tokens, the recipe's seq allows at most {hi}",
@@ -111,6 +118,26 @@ class Request:
                                         "memory.kv_cache.max_pages_per_seq")
 
 
+def artifact_recipe(model: str, recipe: Optional[str]) -> Any:
+    """The recipe a `.gm` `model` was compiled with (None when `model` is not one); a
+    `--recipe` other than it is refused: the artifact's plans are that recipe's."""
+    from graphmode.recipe import load_recipe
+    from graphmode.runtime.artifact import SUFFIX, recipe_of
+    if not model.endswith(SUFFIX):
+        return None
+    own = recipe_of(model)
+    if own.memory.kv_cache is None:
+        raise RecipeError("this .gm was compiled under a recipe without a KV cache: it answers forward calls, "
+                          "not generation", where="--model", value=model,
+                          fix="save the causal LM under a decoder recipe (graphmode compile --recipe "
+                              "examples/recipes/gpt2_decoder.yaml --save lm.gm), or graphmode run it")
+    if recipe is not None and load_recipe(recipe).hash() != own.hash():
+        raise RecipeError(f"--recipe {recipe} is not the recipe the artifact was compiled with ({own.name} "
+                          f"#{own.hash()})", where="--recipe", value=recipe,
+                          fix="drop --recipe (the artifact holds its own), or compile and save again under it")
+    return own
+
+
 def _as_flag(e: GraphmodeError, prompt_flag: str) -> GraphmodeError:
     """The same error, `where` naming the flag behind the field."""
     if e.where not in FLAGS:
@@ -118,14 +145,13 @@ def _as_flag(e: GraphmodeError, prompt_flag: str) -> GraphmodeError:
     return type(e)(e.message, where=FLAGS[e.where] or prompt_flag, value=e.value, fix=e.fix)
 
 
-def sampling(lm: Any, max_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
+def sampling(cfg: dict[str, Any], max_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
              seed: Optional[int], stop_ids: list[list[int]]):
     """SamplingParams from the flags (temperature 0 = greedy), ending at the model's
     end-of-sequence token as `generate` does; built before the compile, so bad values fail fast."""
     from types import SimpleNamespace
 
     from graphmode.decode.api import sampling_params
-    from graphmode.decode.lm import lm_config
     if temperature < 0:
         raise GraphmodeError("temperature must be >= 0", where="--temperature", value=temperature,
                              fix="0 for greedy decoding, > 0 to sample")
@@ -135,7 +161,7 @@ def sampling(lm: Any, max_tokens: int, temperature: float, top_k: Optional[int],
                              where="--top-k" if top_k is not None else "--top-p",
                              fix="set --temperature above 0 (e.g. 0.8) to sample, or drop --top-k/--top-p")
     try:
-        return sampling_params(SimpleNamespace(cfg=lm_config(lm)), max_tokens, not greedy,
+        return sampling_params(SimpleNamespace(cfg=cfg), max_tokens, not greedy,
                                1.0 if greedy else temperature, top_k, top_p, None, seed, stop_ids)
     except GraphmodeError as e:
         raise _as_flag(e, "--prompt") from None
@@ -242,8 +268,9 @@ def printer(as_json: bool, text: bool, batch: bool) -> Callable[[Row, list[int],
 @app.command("generate")
 def generate_cmd(
     model: str = typer.Option(..., "--model", help="gpt2 | path/to/file.py:function | package.module:function "
-                              "(a causal LM)"),
-    recipe: str = typer.Option(..., "--recipe", help="a decoder recipe: one with memory.kv_cache"),
+                              "(a causal LM) | a decoder's .gm (graphmode compile --save)"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="a decoder recipe: one with memory.kv_cache (a .gm "
+                                         "holds its own)"),
     prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="prompt text (needs the model's tokenizer); "
                                                "repeat for a batch"),
     prompt_ids: Optional[List[str]] = typer.Option(None, "--prompt-ids", help="prompt token ids, e.g. 464,2068; "
@@ -275,7 +302,12 @@ def generate_cmd(
         raise GraphmodeError("give the prompt as text or as token ids (one of the two)", where="--prompt/--prompt-ids",
                              fix="--prompt 'some text' (a model with a tokenizer) or --prompt-ids 464,2068; "
                                  "repeat either for a batch")
-    rec = load_recipe(recipe)
+    rec = artifact_recipe(model, recipe)
+    if rec is None:
+        if recipe is None:
+            raise RecipeError("generating needs a decoder recipe", where="--recipe",
+                              fix="--recipe examples/recipes/gpt2_decoder.yaml (or --model a decoder's .gm)")
+        rec = load_recipe(recipe)
     if rec.memory.kv_cache is None:
         raise RecipeError("generating needs a paged KV cache, and this recipe has none", where="memory.kv_cache",
                           value=recipe, fix="add memory.kv_cache {page_size, max_pages_per_seq, layers, kv_heads, "
@@ -284,8 +316,10 @@ def generate_cmd(
                                                                       soft_wrap=True))
     with progress() as on_stage:     # loading the model, then the decode engine's capture, passes and plans
         with stage(on_stage, "load", detail=model):
-            req = Request.checked(model, rec, prompt or [], prompt_ids or [], stop or [], stop_ids or [])
-        params = sampling(req.lm, max_tokens, temperature, top_k, top_p, seed, req.stop_ids)
+            loaded = graphmode.load(model, cache_dir=cache_dir, threads=threads, on_stage=on_stage) \
+                if model.endswith(".gm") else None
+            req = Request.checked(model, rec, prompt or [], prompt_ids or [], stop or [], stop_ids or [], loaded)
+        params = sampling(req.cfg, max_tokens, temperature, top_k, top_p, seed, req.stop_ids)
         req.check_room(rec, max_tokens)
 
         t0 = time.perf_counter()
@@ -293,7 +327,9 @@ def generate_cmd(
         with stage(on_stage, "proof"):
             validate(rec, host).raise_for_errors()       # a recipe that is not proved is never loaded
         ranks = tensor_parallel(rec)
-        if ranks > 1:      # graphmode.compile starts the ranks; rank 0's engine is driven from here
+        if loaded is not None:      # its plans are built: nothing to capture or compile
+            cm = loaded
+        elif ranks > 1:      # graphmode.compile starts the ranks; rank 0's engine is driven from here
             with stage(on_stage, "ranks", detail=f"{ranks} processes compile their shards"):
                 # the transformers model crosses to the ranks pickled (a bundle's wrapper need not pickle)
                 cm = graphmode.compile(req.lm, rec, host, cache_dir=cache_dir, threads=threads)
@@ -309,7 +345,8 @@ def generate_cmd(
                 cm.close()           # a refused prompt: the ranks stop too
             raise
     setup_s = time.perf_counter() - t0
-    log(f"{model}: compiled under recipe {rec.name} and built its plans in {setup_s:.1f}s"
+    log(f"{model}: {'loaded' if loaded is not None else 'compiled'} under recipe {rec.name} and built its plans "
+        f"in {setup_s:.1f}s"
         + (f" ({ranks} tensor-parallel ranks)" if ranks > 1 else ""))
 
     text, batch = req.tokenizer is not None, len(req.prompts) > 1

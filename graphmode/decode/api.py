@@ -37,7 +37,10 @@ def engine_of(cm: Any):
     # a DeferredModel's lowering lock too: its whole-sequence lowering and this one never overlap
     with _ENGINE_LOCK, getattr(cm, "lowering_lock", None) or nullcontext():
         eng = getattr(cm, "_decoder", None)
-        if eng is None:
+        if eng is None and (getattr(cm, "artifact", None) or {}).get("decoder") is not None:
+            from graphmode.decode.saved import engine_over      # a loaded .gm: its plans, no module
+            eng = cm._decoder = engine_over(cm)
+        elif eng is None:
             from graphmode.decode.engine import DecodeEngine
             lm = causal_lm(cm.source)
             eng = DecodeEngine.build(lm, cm.recipe, cm.target, cache_dir=cm.cache_dir, threads=cm.threads,
@@ -125,6 +128,12 @@ def generate(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tok
     for i, n in enumerate(new):
         out[i, ids.shape[1]:ids.shape[1] + len(n)] = torch.tensor(n, dtype=ids.dtype)
     return out
+
+
+def save(cm: Any, path: Any, **kw: Any) -> dict[str, Any]:
+    """`CompiledModel.save` of a decoder: its decode engine's paged graph and plans (decode/saved.py)."""
+    from graphmode.decode.saved import save as save_decoder
+    return save_decoder(cm, path, **kw)
 
 
 def stream(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,

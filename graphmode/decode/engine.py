@@ -121,6 +121,33 @@ def _pools(graph: Any, layers: int) -> tuple[list[torch.Tensor], list[torch.Tens
                              fix="a graphmode bug: the to_paged pass makes one pool per layer") from None
 
 
+def _shape(recipe: Any, cfg: dict[str, Any]) -> tuple[KVLayout, int | None, tuple[int, int]]:
+    """(this process's KV pool, the model's positions, the prompt lengths the recipe admits),
+    or RecipeError naming what does not fit the decode graph (dims batch and seq, a prompt
+    with room for a new token)."""
+    par = recipe.parallel
+    world = par.tensor if par is not None and par.strategy.get("attention") == "head" else 1
+    layout = kv_layout(recipe, cfg, world)
+    dims = {d: recipe.dim_range(d) for d in recipe.dims}
+    kv = recipe.memory.kv_cache
+    bd, sd = kv.batch_dim, kv.seq_dim
+    if bd not in dims or sd not in dims:
+        raise RecipeError(f"a decoder recipe needs dims {bd} and {sd}", where="dims",
+                          fix=f"declare dims {bd} (sequences per step) and {sd} (prompt length), the "
+                              "memory.kv_cache batch_dim and seq_dim")
+    if (bd, sd) != ("batch", "seq"):
+        raise RecipeError(f"the decode graph's dims are batch and seq; memory.kv_cache names {bd} and {sd}",
+                          where="memory.kv_cache.batch_dim", value=[bd, sd],
+                          fix="name the decoder recipe's dims batch and seq (batch_dim: batch, seq_dim: seq)")
+    context = int(cfg["context"]) if cfg.get("context") else None   # the model's positions
+    min_prompt, max_prompt = dims[sd]
+    if context is not None and max_prompt + 1 > context:
+        raise RecipeError(f"dims.{sd} admits prompts of {max_prompt} tokens, but the model has "
+                          f"{context} positions: no room for a new token", where=f"dims.{sd}.max",
+                          value=max_prompt, fix=f"{sd} at most {context - 1}")
+    return layout, context, (min_prompt, max_prompt)
+
+
 class DecodeEngine:
     """A thin composition: requests in (`add`), one scheduled step at a time (`step`), `cancel`,
     `stats`. `DecodeEngine.build` compiles a causal LM under a decoder recipe; the parts can be
@@ -161,30 +188,20 @@ class DecodeEngine:
                                      "ranks, and this process has none", where="parallel.tensor", value=par.tensor,
                                      fix="graphmode.compile(model, recipe) starts the ranks (its generate / stream "
                                          "decode on them), or parallel.tensor: 1 for one process")
-        world = par.tensor if par is not None and par.strategy.get("attention") == "head" else 1
-        layout = kv_layout(recipe, cfg, world)
-        dims = {d: recipe.dim_range(d) for d in recipe.dims}
-        kv = recipe.memory.kv_cache
-        bd, sd = kv.batch_dim, kv.seq_dim
-        if bd not in dims or sd not in dims:
-            raise RecipeError(f"a decoder recipe needs dims {bd} and {sd}", where="dims",
-                              fix=f"declare dims {bd} (sequences per step) and {sd} (prompt length), the "
-                                  "memory.kv_cache batch_dim and seq_dim")
-        if (bd, sd) != ("batch", "seq"):
-            raise RecipeError(f"the decode graph's dims are batch and seq; memory.kv_cache names {bd} and {sd}",
-                              where="memory.kv_cache.batch_dim", value=[bd, sd],
-                              fix="name the decoder recipe's dims batch and seq (batch_dim: batch, seq_dim: seq)")
-        context = int(cfg["context"]) if cfg.get("context") else None   # the model's positions
-        min_prompt, max_prompt = dims[sd]
-        if context is not None and max_prompt + 1 > context:
-            raise RecipeError(f"dims.{sd} admits prompts of {max_prompt} tokens, but the model has "
-                              f"{context} positions: no room for a new token", where=f"dims.{sd}.max",
-                              value=max_prompt, fix=f"{sd} at most {context - 1}")
+        _shape(recipe, cfg)           # refused before the capture
         low = lower_decoder(lm, recipe, target, on_stage=on_stage, rank=rank)
-        cache = PagedKVCache(layout, pools=_pools(low.graph, layout.layers))
         cm = CompiledModel.from_lowered(low, recipe, target, mode="graph", cache_dir=cache_dir, threads=threads,
                                         on_stage=on_stage)
         cm.spill_constants()          # the transposed weights the passes made: the kernels pack their own
+        return cls.over(cm, recipe, cfg, lowered=low)
+
+    @classmethod
+    def over(cls, cm: Any, recipe: Any, cfg: dict[str, Any], *, lowered: Any = None) -> "DecodeEngine":
+        """The engine over a compiled paged graph: a fresh lowering's (`build`, which passes its
+        `lowered`) or a loaded `.gm` artifact's (decode/saved.py: no lowering, no module)."""
+        layout, context, (min_prompt, max_prompt) = _shape(recipe, cfg)
+        kv = recipe.memory.kv_cache
+        cache = PagedKVCache(layout, pools=_pools(cm.graph, layout.layers))
         buckets = recipe.dim_buckets()
         # batch_invariant: every prompt is prefilled alone, every sequence holds the pages of its
         # whole answer from admission (never preempted and recomputed under another shape), and
@@ -193,12 +210,12 @@ class DecodeEngine:
         # bit-identical whoever else is running
         invariant = getattr(recipe, "determinism", "default") == "batch_invariant"
         prefix = prefix_caching(kv, invariant)
-        scheduler = Scheduler(cache, buckets[bd][-1], invariant=invariant,
+        scheduler = Scheduler(cache, buckets["batch"][-1], invariant=invariant,
                               prefix_cache=PagedPrefixCache(cache) if prefix else None)
-        runner = ModelRunner(cm, cache, buckets[bd], buckets[sd], invariant=invariant)
-        return cls(runner, scheduler, cfg, max_prompt=max_prompt, min_prompt=min_prompt, seq_dim=sd,
-                   context=context, lowered=low, speculator=speculator_of(recipe, buckets[bd][-1],
-                                                                          invariant=invariant))
+        runner = ModelRunner(cm, cache, buckets["batch"], buckets["seq"], invariant=invariant)
+        return cls(runner, scheduler, cfg, max_prompt=max_prompt, min_prompt=min_prompt, seq_dim="seq",
+                   context=context, lowered=lowered, speculator=speculator_of(recipe, buckets["batch"][-1],
+                                                                              invariant=invariant))
 
     @property
     def batch_buckets(self) -> list[int]:

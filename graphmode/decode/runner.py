@@ -133,8 +133,12 @@ class ModelRunner:
         self._build([{"batch": top, "seq": bucket(self.seq_buckets, longest, "seq")}]
                     + [{"batch": b, "seq": 1} for b in self.batch_buckets if b <= dec])
 
+    def envs(self) -> list[dict[str, int]]:
+        """Every plan the engine may run: each batch bucket at seq 1 (decode) and at each prompt bucket."""
+        return [{"batch": b, "seq": s} for b in self.batch_buckets for s in dict.fromkeys((1, *self.seq_buckets))]
+
     def warmup(self) -> None:
-        self._build([{"batch": b, "seq": s} for b in self.batch_buckets for s in (1, *self.seq_buckets)])
+        self._build(self.envs())
 
     def _build(self, envs: list[dict[str, int]]) -> None:
         """Build these plans now, as one `plans` stage (bucket N of M) to the model's `on_stage`."""

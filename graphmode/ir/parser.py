@@ -140,6 +140,9 @@ def parse_graph(text: str, constants: Mapping[str, torch.Tensor] | None = None) 
                 t = _data_tensor(c["data"], ty)
             else:
                 t = constants.get(c["name"])
+                if t is None and c["role"] == "state":
+                    # run-time state (a decoder's KV pool) is not stored: it starts empty, as at compile
+                    t = torch.zeros(tuple(int(d) for d in ty.shape), dtype=DTYPES[ty.dtype])
                 if t is None:
                     raise IRError(f"constant %{c['name']} has no data", line=lineno,
                                   fix="pass its tensor in `constants` (serialize.load_graph does)")

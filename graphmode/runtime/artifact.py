@@ -19,6 +19,12 @@ The file is a zip (stored, not deflated: libraries and weights barely compress):
     plans/<bucket>.json      one execution plan per bucket
     kernels/<key>.so         kernel libraries
     tactics/*.json           the GEMM/conv timing cache the plans were tuned with
+    tokenizer/*              a decoder's tokenizer files, when its model had one
+
+A decoder (a recipe with memory.kv_cache) is saved as the paged graph its decode engine runs,
+with a plan per prefill and decode bucket (`bucket_envs`) and the model's sizes (`decoder`);
+its KV pools are run-time state, stored as their types only and zero at load
+(graphmode/decode/saved.py builds the engine over it).
 
 A `.gm` is untrusted input until checked: the manifest is read within a size bound and
 every field is checked against `Manifest` (types, enums, thread count, sizes, counts; an
@@ -42,7 +48,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -61,10 +67,11 @@ MAX_RANKS = 64          # parallel.tensor's bound
 MANIFEST_MAX_BYTES = 1 * MiB
 # what one member may hold, by where it lives (constants.pt: anything up to the archive's size)
 MEMBER_MAX_BYTES = {"recipe.json": 16 * MiB, "graph.ir": 1 * GiB, "plans": 256 * MiB, "kernels": 512 * MiB,
-                    "tactics": 16 * MiB}
+                    "tactics": 16 * MiB, "tokenizer": 64 * MiB}
 _MEMBER = re.compile(r"recipe\.json|graph\.ir|constants\.pt|plans/[A-Za-z0-9_.,=-]{1,200}\.json"
-                     r"|kernels/[0-9a-f]{32}\.so|tactics/[A-Za-z0-9_.-]{1,200}\.json")
-_EXTRACTED = ("constants.pt", "kernels", "tactics")
+                     r"|kernels/[0-9a-f]{32}\.so|tactics/[A-Za-z0-9_.-]{1,200}\.json"
+                     r"|tokenizer/[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
+_EXTRACTED = ("constants.pt", "kernels", "tactics", "tokenizer")
 GROUP_MEMBER = "group.json"      # a tensor-parallel group's file (runtime/rank_artifacts.py) holds only this      # what is mapped or loaded by path: written to disk
 
 
@@ -125,6 +132,19 @@ class InputBounds(_Strict):
     dims: list[DimBound] = Field(max_length=MAX_ITEMS)
 
 
+class DecoderFacts(_Strict):
+    """A decoder's sizes (decode/lm.py `lm_config`): what its engine needs besides the graph."""
+
+    layers: int = Field(ge=1, le=1 << 16)
+    heads: Optional[int] = Field(ge=1, le=1 << 16)
+    kv_heads: Optional[int] = Field(ge=1, le=1 << 16)
+    head_dim: Optional[int] = Field(ge=1, le=1 << 16)
+    vocab: Optional[int] = Field(ge=1, le=1 << 31)
+    context: Optional[int] = Field(ge=1, le=1 << 31)
+    eos: Union[int, list[int], None] = None
+    pad: Optional[int] = None
+
+
 class Manifest(_Strict):
     """What a manifest may hold: every field typed and bounded."""
 
@@ -152,6 +172,8 @@ class Manifest(_Strict):
     rank: Optional[int] = Field(default=None, ge=0, le=MAX_RANKS)     # a rank's shard of a tensor-parallel group
     world: Optional[int] = Field(default=None, ge=2, le=MAX_RANKS)    # (runtime/rank_artifacts.py)
     input_bounds: Optional[InputBounds] = None     # absent in artifacts saved before them: derived from the graph
+    bucket_envs: Optional[list[dict[str, int]]] = Field(default=None, max_length=MAX_ITEMS)   # else the recipe's
+    decoder: Optional[DecoderFacts] = None         # a decoder's paged graph (decode/saved.py)
 
 
 def _host() -> dict[str, Any]:
@@ -183,10 +205,13 @@ class _Hashing:
         return {"bytes": self.bytes, "sha256": self.sha.hexdigest()}
 
 
-def save(cm: Any, path: str | Path, *, rank: int | None = None) -> dict[str, Any]:
+def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[str, int]] | None = None,
+         decoder: dict[str, Any] | None = None, tokenizer: Path | None = None) -> dict[str, Any]:
     """Build every bucket of `cm` (from its cache where it can) and write them into one file.
     Returns the manifest. `rank`: `cm` is that rank's shard of a tensor-parallel group, saved
-    by the group (runtime/rank_artifacts.py), which loads it back on that rank only."""
+    by the group (runtime/rank_artifacts.py), which loads it back on that rank only. A
+    decoder's paged graph (decode/saved.py) comes with its plans' `envs`, its sizes
+    (`decoder`) and a folder of tokenizer files (`tokenizer`, or None)."""
     from graphmode.runtime.build import cache_key
     path = Path(path)
     if cm.mode == "eager" or cm.graph is None:
@@ -194,14 +219,15 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None) -> dict[str, Any
                             fix="compile with exe_mode graph or hybrid")
     if rank is None:
         refuse_tensor_parallel(cm.recipe, str(path))
-    if cm.recipe.memory.kv_cache is not None:
+    if cm.recipe.memory.kv_cache is not None and decoder is None:
         raise ArtifactError("decoder artifacts (memory.kv_cache) are not supported yet: the decode engine builds "
                             "its prefill/decode graphs from the module", where="memory.kv_cache",
                             fix="deploy decoders with `graphmode serve` on the model itself")
     t0 = time.perf_counter()
-    cm.warmup()
+    if envs is None:
+        cm.warmup()
     graph = cm.graph
-    buckets = cm.recipe.buckets()
+    buckets = envs if envs is not None else cm.recipe.buckets()
     plans: dict[str, Any] = {}
     libraries: dict[str, Path] = {}
     for env in buckets:
@@ -221,7 +247,9 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None) -> dict[str, Any
                 "out_spec": out_spec, "output_structure": cm.output_structure,
                 "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims), "kernels": sorted(libraries),
                 # the compile's checks: a rank's shard (its table split over the ranks) cannot derive them again
-                "input_bounds": bounds_doc(*cm.bounds())}
+                "input_bounds": bounds_doc(*cm.bounds()) if decoder is None else None}
+    if decoder is not None:
+        manifest.update(bucket_envs=[dict(e) for e in buckets], decoder=decoder)
     if rank is not None:
         manifest.update(rank=rank, world=cm.recipe.parallel.tensor)
     files: dict[str, dict[str, Any]] = {}
@@ -238,7 +266,9 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None) -> dict[str, Any
             put("graph.ir", graph.text().encode())
             with z.open("constants.pt", "w", force_zip64=True) as f:   # streamed: no in-memory copy of the weights
                 out = _Hashing(f)
-                torch.save({k: v.contiguous() for k, v in graph.constants.items()}, out)
+                # run-time state (KV pools) is not saved: its type is in graph.ir, and it loads as zeros
+                torch.save({k: v.contiguous() for k, v in graph.constants.items()
+                            if graph.values[k].role != "state"}, out)
             files["constants.pt"] = out.member()
             for k, text in plans.items():
                 put(_bucket_file(k), json.dumps(text).encode())
@@ -247,6 +277,9 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None) -> dict[str, Any
             tactics = _tactics_dir(libraries)
             for f in sorted(tactics.glob("*.json")) if tactics is not None else []:
                 put(f"tactics/{f.name}", f.read_bytes())
+            for f in sorted(tokenizer.iterdir()) if tokenizer is not None else []:
+                if f.is_file():
+                    put(f"tokenizer/{f.name}", f.read_bytes())
             manifest["files"] = files
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
         tmp.replace(path)                 # a reader never sees a half-written artifact
@@ -258,6 +291,14 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None) -> dict[str, Any
     manifest["seconds"] = round(time.perf_counter() - t0, 3)
     manifest["bytes"] = path.stat().st_size
     return manifest
+
+
+def not_a_forward(path: str) -> GraphmodeError:
+    """What a forward call of a loaded decoder gets: its file holds the paged decode graph only."""
+    return GraphmodeError("a decoder's .gm holds the paged graph its decode engine runs, not the whole-sequence "
+                          "forward", where="model", value=path,
+                          fix="cm.generate(input_ids) / cm.stream(...), graphmode generate or serve it; for logits "
+                              "at every position compile the model itself")
 
 
 def refuse_tensor_parallel(recipe: Any, where: str) -> None:
@@ -514,6 +555,9 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     if manifest.get("input_bounds") is not None:
         cm._bounds = bounds_from_doc(manifest["input_bounds"])
     cm.artifact = {"path": str(path), "digest": digest, **{k: manifest[k] for k in ("created", "host", "buckets")}}
+    if manifest.get("decoder") is not None:       # decode/saved.py builds its engine over this model
+        cm.artifact.update(decoder=manifest["decoder"],
+                           tokenizer=str(root / "tokenizer") if (root / "tokenizer").is_dir() else None)
     if manifest.get("out_spec"):
         import torch.utils._pytree as pytree
         try:
@@ -532,7 +576,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     extra: dict[str, Any] = backend_options(backend, recipe)
     if backend.capabilities.kernel_selection:       # a backend with tactics: the saved choices are final
         extra["frozen"] = True
-    buckets = recipe.buckets()
+    buckets = manifest.get("bucket_envs") or recipe.buckets()
     with stage(on_stage, "plans", total=len(buckets)) as progress_plans:
         for env in buckets:
             key = cm.bucket_key(env)

@@ -203,6 +203,9 @@ class CompiledModel(InputContract, Shaping):
 
     # ---- calling ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if (getattr(self, "artifact", None) or {}).get("decoder") is not None:
+            from graphmode.runtime.artifact import not_a_forward
+            raise not_a_forward(self.artifact["path"])
         inputs = self.bind_inputs(args, kwargs)
         self.events["calls"] += 1
         dims = self.shape_of(inputs) if self.mode != "eager" else {}
@@ -308,11 +311,14 @@ class CompiledModel(InputContract, Shaping):
                              fix="compile the causal LM with graphmode.compile under its decoder recipe (a loaded "
                                  "artifact holds plans, not the module decoding captures)")
 
-    def save(self, path: Any, *, rank: int | None = None) -> dict[str, Any]:
+    def save(self, path: Any, *, rank: int | None = None, **kw: Any) -> dict[str, Any]:
         """Write a deployable `.gm` artifact (every bucket built); `graphmode.load` reads it.
-        `rank`: this is that rank's shard, saved by its group (runtime/rank_artifacts.py)."""
+        `rank`: this is that rank's shard, saved by its group (runtime/rank_artifacts.py). A
+        decoder saves its decode engine's paged graph (graphmode/decode/saved.py; `tokenizer=`)."""
+        if self.decoding is not None:
+            return self.decoding.save(self, path, rank=rank, **kw)
         from graphmode.runtime.artifact import save
-        return save(self, path, rank=rank)
+        return save(self, path, rank=rank, **kw)
 
     def metrics(self) -> dict[str, Any]:
         ops = self.events["calls"]

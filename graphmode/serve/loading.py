@@ -117,7 +117,7 @@ class Loading:
     def _build(self, recipe: Any, origin: str, ticket: ReloadTicket | None = None) -> Deployment:
         """Compile (the driver proves with the new graph's facts), warm up every bucket, check memory."""
         from graphmode.compiler import compile as gm_compile
-        from graphmode.runtime.artifact import load as load_artifact
+        from graphmode.api import load as load_artifact
         t0 = time.perf_counter()
         ranks = tensor_parallel(recipe)
         with stage(self.on_stage, "ranks", detail=f"{ranks} processes start") \
@@ -158,8 +158,8 @@ class Loading:
         if decoding:
             # one lowering: the paged graph completions run, proved with its own facts; the
             # whole-sequence graph (/v1/infer, KServe) is lowered on first use (runtime/deferred.py)
-            low = self._engine(cm).lowered
-            facts, recipe = low.facts, self._resolved(recipe)
+            low = self._engine(cm).lowered       # None for a loaded decoder .gm: proved at its compile
+            facts, recipe = (low.facts if low is not None else None), self._resolved(recipe)
         else:
             facts = self._facts(cm)
             # the driver proved it with the new graph's facts and the model keeps that proof: it is

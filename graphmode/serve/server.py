@@ -252,7 +252,11 @@ class ModelServer(Loading, Reloading, Serving):
 
     @property
     def tokenizer(self) -> Any:
-        """The model's tokenizer (a ModelBundle's), or None: then prompts are token ids."""
+        """The model's tokenizer (a ModelBundle's, or the one a decoder's .gm was saved with), or
+        None: then prompts are token ids."""
+        if self.artifact is not None:
+            dep = self.active
+            return getattr(dep.cm, "tokenizer", None) if dep is not None else None
         return getattr(self.model, "tokenizer", None)
 
     def current(self) -> Deployment:

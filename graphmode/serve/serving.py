@@ -60,7 +60,11 @@ class Serving:
             raise GraphmodeError("a tensor-parallel decoder's ranks hold only the paged decode graph: /v1/infer and "
                                  "KServe are not served on them", where="parallel.tensor",
                                  fix="POST /v1/completions, or serve with parallel.tensor: 1 for /v1/infer")
-        if not dep.cm.pending:
+        if (getattr(dep.cm, "artifact", None) or {}).get("decoder") is not None:
+            raise GraphmodeError("a decoder's .gm holds only the paged decode graph: /v1/infer and KServe are not "
+                                 "served from it", where="model", value=dep.cm.artifact["path"],
+                                 fix="POST /v1/completions, or serve the model itself for /v1/infer")
+        if not getattr(dep.cm, "pending", False):
             return
         fut = self._once((dep.version, WHOLE_SEQUENCE), self._lower_whole_sequence, dep)
         if deadline is None:

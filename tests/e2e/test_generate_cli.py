@@ -7,17 +7,15 @@ are built once per module."""
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from typer.testing import CliRunner
 
 from graphmode.cli.app import _register, app
 
-from tiny_decoders import VOCAB, gpt2, recipe, tokenizer
+from tiny_decoders import VOCAB, greedy_reference, recipe, tokenizer
 
 _register()
 runner = CliRunner()
@@ -45,13 +43,7 @@ def gen(files, *args: str, model: str = "gpt2", recipe_key: str = "recipe"):
 
 
 def reference(prompt: list[int]) -> list[int]:
-    """transformers' greedy generate on the same weights: the new tokens."""
-    lm = gpt2()[0]
-    with warnings.catch_warnings(), torch.inference_mode():
-        warnings.simplefilter("ignore")
-        out = lm.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return greedy_reference(prompt, NEW)
 
 
 @pytest.fixture(scope="module")

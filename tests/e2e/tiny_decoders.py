@@ -32,6 +32,16 @@ def gpt2():
     return _lm(), ex, dims
 
 
+def greedy_reference(prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generate on the same weights: the new tokens."""
+    lm = gpt2()[0]
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("ignore")
+        out = lm.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def tokenizer():
     """Words `w3` ... `w99` split on whitespace; decoding joins them with spaces."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -45,6 +45,19 @@ def test_text_round_trip_is_identical():
     assert g2.structural_hash() == g.structural_hash()
 
 
+def test_run_time_state_parses_without_its_bytes_as_zeros_and_other_constants_do_not():
+    """A decoder's KV pool is run-time state: a .gm stores its type only (runtime/artifact.py)."""
+    g = small_graph()
+    g.add_constant("pool", torch.randn(3, 2, 4).to(torch.bfloat16), role="state")
+    text = g.text()
+    g2 = parse_graph(text, {k: v for k, v in g.constants.items() if k != "pool"})
+    pool = g2.constants["pool"]
+    assert pool.shape == (3, 2, 4) and pool.dtype == torch.bfloat16 and not pool.any()
+    assert g2.structural_hash() == g.structural_hash()        # state bytes are not in the hash
+    with pytest.raises(IRError, match="has no data"):
+        parse_graph(text, {k: v for k, v in g.constants.items() if k != "w"})
+
+
 def test_text_form_is_readable_and_typed():
     text = small_graph().text()
     assert "graph @small(%x: f32[batch,seq,8], %mask: bool[batch,seq]) -> (%where) {" in text

@@ -1,0 +1,143 @@
+"""A decoder saved as a `.gm` and decoded without the model's code (graphmode/decode/saved.py).
+
+The tiny GPT-2 and the grouped-query Llama of test_decode.py, compiled under a decoder recipe,
+saved and loaded into a fresh cache folder: greedy and streamed tokens equal the model's own
+(and transformers'), no kernel is compiled at load, the KV pools are not in the file (their
+types are), and the forward call a decoder's artifact cannot answer is refused. Through the
+CLI: `graphmode compile --save` of a model with a tokenizer, `graphmode generate --model x.gm`
+(text in, the tokenizer saved in the file) gives the model spec's tokens, a `--recipe` other
+than the artifact's is refused, and `graphmode serve` of the file answers completions with
+transformers' tokens and /v1/infer with a 422 that says why."""
+from __future__ import annotations
+
+import json
+import warnings
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import yaml
+from test_decode import MASK, PROMPTS, _compile
+from test_serve import serve_cache
+from test_serve_hardening import serving
+from tiny_decoders import greedy_reference, recipe, tokenizer
+from typer.testing import CliRunner
+
+import graphmode
+from graphmode.backends.cpu.build import builder_for
+from graphmode.cli.app import _register, app
+from graphmode.errors import GraphmodeError
+from graphmode.serve import ModelServer, ServeConfig
+
+_register()
+runner = CliRunner()
+TINY = str(Path(__file__).with_name("tiny_decoders.py"))
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def saved(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"decoder-gm-{request.param}")
+    lm, cm = _compile(request.param, d / "cache")
+    path = d / f"{request.param}.gm"
+    manifest = cm.save(path)
+    return lm, cm, path, manifest, d
+
+
+def test_a_loaded_decoder_generates_the_saved_models_tokens_without_compiling(saved):
+    lm, cm, path, manifest, d = saved
+    assert manifest["decoder"]["layers"] == 2 and "batch=4,seq=1" in manifest["buckets"]
+    loaded = graphmode.load(path, cache_dir=d / "fresh")
+    ours = loaded.generate(PROMPTS, MASK, max_new_tokens=12)
+    kernels = d / "fresh" / "artifacts" / loaded.artifact["digest"] / "kernels"
+    assert builder_for(kernels, loaded.threads).stats["compiles"] == 0     # every library came from the file
+    assert loaded.events["artifact_load"] == len(manifest["buckets"])
+    assert torch.equal(ours, cm.generate(PROMPTS, MASK, max_new_tokens=12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = lm.generate(PROMPTS, attention_mask=MASK, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, ref), (ours.tolist(), ref.tolist())
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for step in loaded.stream(PROMPTS, MASK, max_new_tokens=12):
+        for row, toks in step.items():
+            streamed[row] += toks
+    assert [ours[i, PROMPTS.shape[1]:].tolist()[:len(streamed[i])] for i in range(3)] == \
+        [streamed[i] for i in range(3)]
+
+
+def test_the_kv_pools_are_stored_as_types_not_bytes(saved):
+    _, cm, path, _, _ = saved
+    from graphmode.decode.api import engine_of
+    graph = engine_of(cm).runner.cm.graph
+    pools = [k for k in graph.constants if graph.values[k].role == "state"]
+    assert pools and all(k.startswith("kv.") for k in pools)
+    with zipfile.ZipFile(path) as z:
+        text = z.read("graph.ir").decode()
+        with z.open("constants.pt") as f:
+            stored = torch.load(f, weights_only=True)
+    assert not set(pools) & set(stored)
+    assert all(f"state %{k}:" in text for k in pools)
+
+
+def test_a_decoder_artifact_refuses_a_forward_call_and_says_what_it_answers(saved):
+    _, _, path, _, d = saved
+    loaded = graphmode.load(path, cache_dir=d / "fresh")
+    with pytest.raises(GraphmodeError, match="paged graph") as e:
+        loaded(PROMPTS, MASK)
+    assert "generate" in e.value.fix
+
+
+# ---- the command line and the server, on the tiny GPT-2 with a word tokenizer ----------------
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory):
+    d = tmp_path_factory.mktemp("decoder-gm-cli")
+    rec = d / "decoder.yaml"
+    rec.write_text(yaml.safe_dump(recipe()))
+    other = d / "other.yaml"
+    other.write_text(yaml.safe_dump(recipe("another-name")))
+    path = d / "words.gm"
+    res = runner.invoke(app, ["compile", "--model", f"{TINY}:gpt2_words", "--recipe", str(rec), "--save", str(path),
+                              "--cache-dir", str(d / "cache")])
+    assert res.exit_code == 0, res.output
+    with zipfile.ZipFile(path) as z:
+        assert "tokenizer/tokenizer.json" in z.namelist()
+    return {"gm": str(path), "recipe": str(rec), "other": str(other), "dir": d}
+
+
+def _generate(words, model: str, *args: str) -> dict:
+    res = runner.invoke(app, ["generate", "--model", model, *args, "--prompt", "w5 w6 w7", "--max-tokens", "8",
+                              "--json", "--cache-dir", str(words["dir"] / "cache-gen")])
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    return json.loads(res.output[res.output.index("{"):])["choices"][0]
+
+
+def test_generate_from_the_artifact_uses_its_tokenizer_and_gives_the_models_tokens(words):
+    from_file = _generate(words, words["gm"])
+    from_spec = _generate(words, f"{TINY}:gpt2_words", "--recipe", words["recipe"])
+    assert from_file["tokens"] == from_spec["tokens"] == greedy_reference(tokenizer().encode("w5 w6 w7"), 8)
+    assert from_file["text"] == from_spec["text"]
+
+
+def test_generate_refuses_a_recipe_other_than_the_artifacts(words):
+    res = runner.invoke(app, ["generate", "--model", words["gm"], "--recipe", words["other"], "--prompt-ids", "5,6",
+                              "--cache-dir", str(words["dir"] / "cache-gen")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "--recipe" in res.output and "not the recipe the artifact was compiled with" in res.output
+
+
+def test_serving_the_artifact_answers_completions_and_refuses_infer(words, tmp_path_factory):
+    server = ModelServer(words["gm"], None, config=ServeConfig(cache_dir=serve_cache(tmp_path_factory),
+                                                               shutdown_grace_s=1.0))
+    with serving(server) as (running, _client, tracebacks):
+        r = httpx.post(running.url + "/v1/completions", timeout=60,
+                       json={"prompt": "w5 w6 w7", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == greedy_reference(tokenizer().encode("w5 w6 w7"), 8)
+        assert choice["text"] == tokenizer().decode(choice["token_ids"])
+        r = httpx.post(running.url + "/v1/infer", timeout=60,
+                       json={"inputs": {"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]]}})
+        assert r.status_code == 422 and "paged decode graph" in r.json()["message"], r.text
+        assert not tracebacks
