@@ -45,9 +45,13 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
 
 def load(path: str | Path, **kw: Any):
     """A `.gm` artifact (graphmode/runtime/artifact.py `load`: cache_dir, threads, on_stage);
-    a decoder's decodes (`generate`, `stream`) with the tokenizer it was saved with
-    (graphmode/decode/saved.py)."""
-    from graphmode.runtime.artifact import load as load_artifact
+    a decoder's decodes (`generate`, `stream`) with the tokenizer it was saved with, a decoder
+    group's ranks start from their files (graphmode/decode/saved.py)."""
+    from graphmode.runtime.artifact import load as load_artifact, recipe_of
+    from graphmode.runtime.rank_artifacts import is_group
+    if is_group(path) and recipe_of(path).memory.kv_cache is not None:     # a decoder's ranks, each from its file
+        from graphmode.decode.saved import load_group
+        return load_group(path, cache_dir=kw.get("cache_dir"), threads=kw.get("threads"))
     cm = load_artifact(path, **kw)
     if (getattr(cm, "artifact", None) or {}).get("decoder") is not None:
         from graphmode.decode.saved import attach

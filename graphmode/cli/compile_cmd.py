@@ -240,9 +240,12 @@ def save_artifact(src, recipe, target: Optional[str], graph, rep, cache_dir: Opt
     from graphmode.recipe.targets import pick_target
     from graphmode.runtime.compiled import CompiledModel
     tgt = pick_target(recipe, target, cache_dir=cache_layout(cache_dir).targets)
-    if recipe.memory.kv_cache is not None and (recipe.parallel is None or recipe.parallel.tensor == 1):
+    if recipe.memory.kv_cache is not None:
         from graphmode.api import compile as gm_decoder      # what is saved is its decode engine's paged graph
-        return gm_decoder(src, recipe, tgt, cache_dir=cache_dir, on_stage=on_stage).save(path)
+        if recipe.parallel is None or recipe.parallel.tensor == 1:
+            return gm_decoder(src, recipe, tgt, cache_dir=cache_dir, on_stage=on_stage).save(path)
+        with gm_decoder(spec or src, recipe, tgt, cache_dir=cache_dir) as group:     # each rank loads the model
+            return group.save(path)
     if recipe.parallel is not None and recipe.parallel.tensor > 1:
         from graphmode.compiler import compile as gm_compile
         with gm_compile(spec or src, recipe, tgt, cache_dir=cache_dir) as tp:     # each rank loads the model

@@ -79,7 +79,9 @@ class Request:
         stops = [parse_ids(s, "--stop-ids") for s in stop_ids]
         if loaded is not None:
             bundle = lm = None
-            cfg, tok = dict(loaded.artifact["decoder"]), loaded.tokenizer
+            # one process's file holds its sizes; a group's rank 0 reported them at start
+            cfg = dict(loaded.artifact["decoder"]) if hasattr(loaded, "artifact") else dict(loaded.cfg)
+            tok = getattr(loaded, "tokenizer", None)
         else:
             bundle = resolve_model_spec(model)
             lm = causal_lm(bundle, "--model")

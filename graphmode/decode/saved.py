@@ -26,12 +26,17 @@ def save(cm: Any, path: Any, *, tokenizer: Any = None, rank: int | None = None) 
     """Build the decode engine's every plan and write its paged graph as one `.gm` file; the
     tokenizer is `tokenizer`, or the model bundle's when it has one."""
     from graphmode.decode.api import engine_of
-    from graphmode.runtime.artifact import save as save_artifact
     if rank is not None:
-        raise GraphmodeError("a decoder's rank is saved by its group, and decoder groups are not saved yet",
-                             where="parallel.tensor", fix="save the decoder with parallel.tensor: 1")
-    eng = engine_of(cm)
-    tok = tokenizer if tokenizer is not None else tokenizer_of(cm)
+        raise GraphmodeError("a rank's decode engine is saved by its group", where="parallel.tensor",
+                             fix="save the group: graphmode.compile(lm, recipe).save(path)")
+    return save_engine(engine_of(cm), path, tokenizer=tokenizer if tokenizer is not None else tokenizer_of(cm))
+
+
+def save_engine(eng: Any, path: Any, *, tokenizer: Any = None, rank: int | None = None) -> dict[str, Any]:
+    """`eng`'s paged graph, every plan of it and its sizes as one `.gm` (under `rank`: that rank's
+    shard, written by its group: runtime/rank_artifacts.py)."""
+    from graphmode.runtime.artifact import save as save_artifact
+    tok = tokenizer
     with tempfile.TemporaryDirectory(prefix="graphmode-tokenizer-") as folder:
         if tok is not None:
             try:
@@ -41,7 +46,7 @@ def save(cm: Any, path: Any, *, tokenizer: Any = None, rank: int | None = None) 
                                      f"{type(e).__name__}: {str(e)[:200]}", where="tokenizer",
                                      fix="pass a transformers tokenizer, or none (prompts are then token ids)"
                                      ) from None
-        return save_artifact(eng.runner.cm, path, envs=eng.runner.envs(), decoder=facts(eng.cfg),
+        return save_artifact(eng.runner.cm, path, rank=rank, envs=eng.runner.envs(), decoder=facts(eng.cfg),
                              tokenizer=Path(folder) if tok is not None else None)
 
 
@@ -66,20 +71,58 @@ def attach(cm: Any) -> Any:
     from graphmode.decode import api
     cm.decoding = api
     folder = cm.artifact.get("tokenizer")
-    cm.tokenizer = None
-    if folder is not None:
-        try:
-            from transformers import AutoTokenizer
-            cm.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-        except Exception as e:  # noqa: BLE001 - tokenizer files from another transformers, or damaged
-            from graphmode.runtime.artifact import ArtifactError
-            raise ArtifactError(f"its tokenizer does not load: {type(e).__name__}: {str(e)[:200]}",
-                                where=f"{cm.artifact['path']}:tokenizer/",
-                                fix="save the artifact again with this transformers version") from None
+    cm.tokenizer = _tokenizer(folder, cm.artifact["path"]) if folder is not None else None
     return cm
+
+
+def _tokenizer(folder: str, path: str) -> Any:
+    """The tokenizer an artifact was saved with, from its extracted `tokenizer/` folder."""
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - tokenizer files from another transformers, or damaged
+        from graphmode.runtime.artifact import ArtifactError
+        raise ArtifactError(f"its tokenizer does not load: {type(e).__name__}: {str(e)[:200]}",
+                            where=f"{path}:tokenizer/", fix="save the artifact again with this transformers version"
+                            ) from None
 
 
 def engine_over(cm: Any) -> Any:
     """The decode engine over a loaded artifact's paged graph and plans (no capture, no compile)."""
     from graphmode.decode.engine import DecodeEngine
     return DecodeEngine.over(cm, cm.recipe, dict(cm.artifact["decoder"]))
+
+
+# ---- a tensor-parallel decoder's group: one file per rank and the group file -----------------
+
+def load_group(path: Any, *, cache_dir: Any = None, threads: int | None = None) -> Any:
+    """Start the decoder group saved at `path` (runtime/rank_artifacts.py's format): every rank
+    loads its own file and builds its engine over it; a `TensorParallelDecoder`, as
+    `graphmode.compile` gives, with rank 0's tokenizer (`.tokenizer`)."""
+    from graphmode.decode.tensor_parallel import launch_decoder
+    from graphmode.runtime.rank_artifacts import group_files
+    files, recipe = group_files(path)
+    dec = launch_decoder(files, recipe, "host", cache_dir=cache_dir, threads=threads, driver=saved_group_driver())
+    folder = dec.tp.ranks[0].get("tokenizer")
+    dec.tokenizer = _tokenizer(folder, files[0]) if folder else None
+    return dec
+
+
+def saved_group_driver() -> Any:
+    """What a rank of a saved decoder group runs in place of compiling: its file, loaded."""
+    from graphmode.compile_report import graph_collectives
+    from graphmode.parallel.launch import RankDriver
+    from graphmode.runtime.rank_artifacts import artifact_source, save_group
+    return RankDriver(compile=load_rank, resolve_model=artifact_source, collectives=graph_collectives, save=save_group)
+
+
+def load_rank(files: Any, recipe: Any, target: Any, *, rank: int, cache_dir: Any = None, threads: int | None = None,
+              **_: Any) -> Any:
+    """A rank's decode engine over its own file (no capture, no compile), as `compile_rank` gives."""
+    from graphmode.decode.tensor_parallel import RankDecoder
+    from graphmode.parallel.comm import active
+    from graphmode.runtime.rank_artifacts import load_rank as load_file
+    cm = load_file(files, recipe, target, rank=rank, cache_dir=cache_dir, threads=threads)
+    dec = RankDecoder(engine_over(cm), rank, active(), float(recipe.parallel.comm.timeout_s))
+    dec.rank_info.update(cm.rank_info, tokenizer=cm.artifact.get("tokenizer"))
+    return dec

@@ -90,19 +90,25 @@ class RankDecoder:
     """What one rank holds: its decode engine (the launcher's `cm` for a decoder recipe). Rank 0
     runs requests (`rank_generate`), the others follow its steps (`rank_follow`)."""
 
-    def __init__(self, engine: DecodeEngine, rank: int, comm: Any, comm_timeout_s: float = 60.0):
+    def __init__(self, engine: DecodeEngine, rank: int, comm: Any, comm_timeout_s: float = 60.0, *,
+                 tokenizer: Any = None):
         self.engine, self.rank, self.comm, self.comm_timeout_s = engine, rank, comm, comm_timeout_s
+        self.tokenizer = tokenizer      # saved with the rank's file (decode/saved.py), rank 0's read at load
         layout = engine.layout
         runner = engine.runner
         self.codec = StepCodec(runner.batch_buckets[-1], runner.seq_buckets[-1], layout.max_pages_per_seq)
         if rank == 0:
             engine.runner = BroadcastRunner(runner, comm, self.codec)
-        self.graph = engine.lowered.graph
+        self.graph = runner.cm.graph
         self.last_path: dict = {}
-        proof = engine.lowered.proof
         self.rank_info = {"kv_heads": layout.kv_heads, "kv_pool_bytes": engine.cache.bytes,
-                          "proof_kv_bytes": int(proof.model.memory_terms["kv_cache"]),
-                          "eos": engine.cfg.get("eos"), "vocab": engine.cfg.get("vocab")}
+                          "proof_kv_bytes": proof_kv_bytes(engine), "eos": engine.cfg.get("eos"),
+                          "vocab": engine.cfg.get("vocab")}
+
+    def save(self, path: Any, *, rank: int) -> dict:
+        """This rank's shard as its `.gm` (the group's "save" message: runtime/rank_artifacts.py)."""
+        from graphmode.decode.saved import save_engine
+        return save_engine(self.engine, path, rank=rank, tokenizer=self.tokenizer)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotOnRanks("a tensor-parallel decoder's ranks hold the paged decode graph, not the whole-sequence "
@@ -168,17 +174,29 @@ class RankDecoder:
         conn.send(("ok", None, self._meta(before, steps=steps)))
 
 
+def proof_kv_bytes(engine: DecodeEngine) -> int:
+    """The KV term of the rank's memory proof: its lowering's, or for a loaded file (proved at
+    its compile) the same term of the recipe (recipe/constraints.py: the pool over the ranks)."""
+    if engine.lowered is not None:
+        return int(engine.lowered.proof.model.memory_terms["kv_cache"])
+    from graphmode.recipe.facts import kv_cache_bytes
+    rec = engine.runner.cm.recipe
+    return -(-int(kv_cache_bytes(rec)) // rec.parallel.tensor)
+
+
 def compile_rank(model: Any, recipe: Any, target: Any, *, mode: str | None = None, cache_dir: Any = None,
                  threads: int | None = None, warmup: bool = True, rank: int = 0) -> RankDecoder:
     """A rank's decode engine (`RankDriver.compile` for a decoder recipe): its shard, its plans.
     `model` is anything graphmode.compile takes, or the transformers causal LM itself."""
     from graphmode.capture.source import resolve_model
     from graphmode.decode.api import causal_lm
-    lm = model if hasattr(model, "get_output_embeddings") else causal_lm(resolve_model(model, recipe))
+    src = model if hasattr(model, "get_output_embeddings") else resolve_model(model, recipe)
+    lm = src if src is model else causal_lm(src)
     eng = DecodeEngine.build(lm, recipe, target, cache_dir=cache_dir, threads=threads, rank=rank)
     if warmup:
         eng.warmup()
-    return RankDecoder(eng, rank, active(), float(recipe.parallel.comm.timeout_s))
+    return RankDecoder(eng, rank, active(), float(recipe.parallel.comm.timeout_s),
+                       tokenizer=getattr(getattr(src, "bundle", None), "tokenizer", None))
 
 
 class TensorParallelDecoder:
@@ -298,14 +316,14 @@ class TensorParallelDecoder:
 
 
 def launch_decoder(model: Any, recipe: Any, target: Any, *, cache_dir: Any = None,
-                   threads: int | None = None) -> TensorParallelDecoder:
+                   threads: int | None = None, driver: RankDriver | None = None) -> TensorParallelDecoder:
     """Start the `parallel.tensor` ranks of a decoder recipe (module doc); returns once every
     rank has built its engine and plans, or raises the first rank's error (typed)."""
     if recipe.memory.kv_cache is None:
         raise GraphmodeError("tensor-parallel decoding needs a paged KV cache", where="memory.kv_cache",
                              fix="add memory.kv_cache to the recipe")
     threads = threads or max(1, (os.cpu_count() or 1) // recipe.parallel.tensor)
-    return TensorParallelDecoder(launch(model, recipe, target, driver=decoder_driver(), mode="graph",
+    return TensorParallelDecoder(launch(model, recipe, target, driver=driver or decoder_driver(), mode="graph",
                                        cache_dir=cache_dir, threads=threads), threads=threads)
 
 
@@ -313,4 +331,6 @@ def decoder_driver() -> RankDriver:
     """What a decoder recipe's rank needs (its decode engine: `compile_rank`), for `launch` and torchrun."""
     from graphmode.capture.source import resolve_model
     from graphmode.compile_report import graph_collectives
-    return RankDriver(compile=compile_rank, resolve_model=resolve_model, collectives=graph_collectives)
+    from graphmode.runtime.rank_artifacts import save_group
+    return RankDriver(compile=compile_rank, resolve_model=resolve_model, collectives=graph_collectives,
+                      save=save_group)

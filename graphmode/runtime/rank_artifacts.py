@@ -146,6 +146,9 @@ def load_group(path: str | Path, *, cache_dir: Any = None, threads: int | None =
     their own files."""
     from graphmode.parallel.launch import launch
     files, recipe = group_files(path)
+    if recipe.memory.kv_cache is not None:
+        raise ArtifactError("a decoder group's ranks build decode engines over their files", where=str(path),
+                            fix="graphmode.load(path) (it starts them), or graphmode serve/generate --model path")
     return launch(files, recipe, "host", driver=group_driver(), cache_dir=cache_dir, threads=threads)
 
 

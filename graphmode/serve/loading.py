@@ -68,7 +68,6 @@ class Loading:
         """The recipe must declare the model's inputs, with the model's rank and fixed dims
         (checked now, so the answer to PUT says it instead of a failed background compile)."""
         from graphmode.capture.source import resolve_model
-        servable_parallel(recipe, artifact=self.artifact is not None)
         if self.group is not None:
             self._group_serves(recipe)
         if self.artifact is not None:
@@ -238,18 +237,6 @@ def served_group(cm: Any) -> bool:
     """Whether `cm` is an encoder's rank group (runtime/served_group.py; not imported here: the
     server starts without the compiler)."""
     return getattr(cm, "group", None) is not None
-
-
-def servable_parallel(recipe: Any, *, artifact: bool = False) -> None:
-    """`parallel.tensor` > 1 is served by starting the ranks: a decoder recipe (memory.kv_cache)
-    decodes on them, any other answers /v1/infer, KServe and embeddings on them, from the model
-    or from a saved group's file. A decoder group is never saved, so an artifact of one cannot
-    be served (RecipeError)."""
-    n = tensor_parallel(recipe)
-    if n > 1 and artifact and recipe.memory.kv_cache is not None:
-        raise RecipeError(f"a decoder's rank group (tensor {n}) is not saved: its ranks build their decode graphs "
-                          "from the module", where="parallel.tensor", line=recipe.line_of("parallel"),
-                          fix="serve the model itself (--model SPEC) with this recipe: the server starts the ranks")
 
 
 def refuse_tensor_parallel(recipe: Any) -> None:

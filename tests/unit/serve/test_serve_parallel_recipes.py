@@ -1,15 +1,13 @@
-"""Which `parallel` recipes the server takes, checked before anything compiles: any recipe under
-`parallel.tensor: 2` is served on rank processes (a decoder decodes there, an encoder answers
-/v1/infer there, from the model or a saved group's file); a decoder's group is never saved, so an
-artifact of one is refused; Ray Serve replicas refuse every `parallel` recipe and say why. (The
-ranks serving end to end: tests/e2e/test_serve_tensor_parallel.py.)"""
+"""Ray Serve replicas refuse every `parallel` recipe and say why (one server serves any recipe
+under `parallel.tensor: 2` on rank processes, from the model or a saved group's file: end to end
+in tests/e2e/test_serve_tensor_parallel.py and test_decode_artifact_tp.py)."""
 from __future__ import annotations
 
 import pytest
 
 from graphmode.errors import RecipeError
 from graphmode.recipe import load_recipe
-from graphmode.serve.loading import refuse_tensor_parallel, servable_parallel
+from graphmode.serve.loading import refuse_tensor_parallel
 
 
 def recipe(tensor: int, decoder: bool) -> object:
@@ -23,20 +21,6 @@ def recipe(tensor: int, decoder: bool) -> object:
         r["parallel"] = {"tensor": tensor, "device_group": [f"rank{i}" for i in range(tensor)],
                          "links": {"loopback": {"bandwidth_gbps": 10, "latency_us": 20}}}
     return load_recipe(r)
-
-
-def test_every_recipe_on_ranks_is_served_and_one_process_always_is():
-    servable_parallel(recipe(2, decoder=True))
-    servable_parallel(recipe(2, decoder=False))
-    servable_parallel(recipe(2, decoder=False), artifact=True)       # a saved group's file
-    servable_parallel(recipe(1, decoder=False))
-    servable_parallel(recipe(1, decoder=True), artifact=True)
-
-
-def test_a_decoder_groups_artifact_is_refused_naming_the_field_and_what_serves_it():
-    with pytest.raises(RecipeError, match="decoder's rank group .* is not saved") as e:
-        servable_parallel(recipe(2, decoder=True), artifact=True)
-    assert e.value.where == "parallel.tensor" and "--model" in e.value.fix
 
 
 def test_ray_serve_replicas_refuse_every_parallel_recipe_saying_why():
