@@ -173,6 +173,9 @@ class Manifest(_Strict):
     world: Optional[int] = Field(default=None, ge=2, le=MAX_RANKS)    # (runtime/rank_artifacts.py)
     input_bounds: Optional[InputBounds] = None     # absent in artifacts saved before them: derived from the graph
     bucket_envs: Optional[list[dict[str, int]]] = Field(default=None, max_length=MAX_ITEMS)   # else the recipe's
+    # the kernels' loop schedule (backends/cpu/omp_loops.py): `auto` resolves by the process's OpenMP
+    # wait, and it is part of every library's key, so a load in another kind of process uses this one
+    schedule: Optional[Literal["static", "dynamic", "guided", "claim"]] = None
     decoder: Optional[DecoderFacts] = None         # a decoder's paged graph (decode/saved.py)
 
 
@@ -230,9 +233,12 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
     buckets = envs if envs is not None else cm.recipe.buckets()
     plans: dict[str, Any] = {}
     libraries: dict[str, Path] = {}
+    schedules: set[str] = set()
     for env in buckets:
         exe = cm.executable(env)
         plans[cm.bucket_key(env)] = exe.plan.to_json()
+        if getattr(exe, "schedule", None) is not None:
+            schedules.add(exe.schedule)
         for lib in getattr(exe, "libraries", []):
             libraries.setdefault(Path(lib).name, Path(lib))
     key = cache_key(cm, buckets[0])
@@ -250,6 +256,8 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
                 "input_bounds": bounds_doc(*cm.bounds()) if decoder is None else None}
     if decoder is not None:
         manifest.update(bucket_envs=[dict(e) for e in buckets], decoder=decoder)
+    if len(schedules) == 1:
+        manifest["schedule"] = schedules.pop()
     if rank is not None:
         manifest.update(rank=rank, world=cm.recipe.parallel.tensor)
     files: dict[str, dict[str, Any]] = {}
@@ -576,6 +584,8 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     extra: dict[str, Any] = backend_options(backend, recipe)
     if backend.capabilities.kernel_selection:       # a backend with tactics: the saved choices are final
         extra["frozen"] = True
+    if manifest.get("schedule") is not None and backend.capabilities.generates_kernels:
+        extra["schedule"] = manifest["schedule"]     # the libraries' own, whatever `auto` means in this process
     buckets = manifest.get("bucket_envs") or recipe.buckets()
     with stage(on_stage, "plans", total=len(buckets)) as progress_plans:
         for env in buckets:

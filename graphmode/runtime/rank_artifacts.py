@@ -20,6 +20,7 @@ compile on the same host. The result is a `TensorParallelModel`, as `graphmode.c
 from __future__ import annotations
 
 import json
+import os
 import time
 import zipfile
 from pathlib import Path
@@ -30,7 +31,7 @@ from pydantic import Field, ValidationError
 
 from graphmode.runtime.artifact import (FORMAT, GROUP_MEMBER, MANIFEST_MAX_BYTES, MAX_RANKS, ArtifactError, Member,
                                         _check_versions, _open, _Strict, _stream, _text, recipe_of)
-from graphmode.untrusted import UntrustedFileError, file_sha256
+from graphmode.untrusted import UntrustedFileError, file_sha256, open_file
 from graphmode.version import __version__
 
 _RANK_FILE = r"^[A-Za-z0-9_][A-Za-z0-9_.,=+-]{0,250}\.gm$"      # a plain name in the group file's folder
@@ -51,11 +52,12 @@ class GroupManifest(_Strict):
 
 
 def is_group(path: str | Path) -> bool:
-    """Whether `path` is a group file (not checked further: `read_group` does that)."""
+    """Whether `path` is a group file (not checked further: `read_group` does that). Anything
+    but a regular zip file is not (opened as untrusted input: a FIFO must not block it)."""
     try:
-        with zipfile.ZipFile(path) as z:
+        with open_file(path, limit=1 << 48) as f, os.fdopen(os.dup(f.fd), "rb") as fo, zipfile.ZipFile(fo) as z:
             return GROUP_MEMBER in z.namelist()
-    except (OSError, zipfile.BadZipFile):
+    except Exception:  # noqa: BLE001 - not a zip (zipfile raises many types); `load` says what it is
         return False
 
 

@@ -38,6 +38,27 @@ def saved(tmp_path_factory):
     return cm, tmp / "mlp.gm", manifest, tmp
 
 
+def test_a_load_in_a_process_of_another_openmp_wait_uses_the_kernels_schedule_and_compiles_nothing(
+        saved, monkeypatch):
+    """`auto` builds `claim` under a bounded OpenMP wait (the graphmode command, make test) and
+    `dynamic` in a program that imported torch without one; the schedule is in every library's
+    key, so the manifest names it and a load anywhere uses it (it recompiled every kernel)."""
+    from graphmode.backends.cpu.omp_loops import auto_schedule
+    cm, path, manifest, tmp = saved
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    built = auto_schedule()
+    assert manifest["schedule"] == built == "claim"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert auto_schedule() == "dynamic"
+    loaded = graphmode.load(path, cache_dir=tmp / "other-wait-cache")
+    kernels = tmp / "other-wait-cache" / "artifacts" / loaded.artifact["digest"] / "kernels"
+    for schedule in ("claim", "dynamic"):
+        assert builder_for(kernels, loaded.threads, schedule=schedule).stats["compiles"] == 0, schedule
+    x = torch.randn(2, 16)
+    assert torch.equal(loaded(x), cm(x))
+
+
 def test_loaded_artifact_matches_and_compiles_nothing(saved):
     cm, path, manifest, tmp = saved
     assert manifest["buckets"] == ["batch=1", "batch=2", "batch=4"] and manifest["kernels"]

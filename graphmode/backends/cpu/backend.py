@@ -47,6 +47,7 @@ class CpuBackend:
         exe = CpuExecutable(plan, constants, builder=builder, threads=threads, tactics=kernel_selection)
         exe.events = builder.events[seen:]
         exe.libraries = list(dict.fromkeys(builder.used[used:]))   # what an artifact must carry
+        exe.schedule = builder.schedule         # part of every library's key: an artifact loads under the same
         return exe
 
 
