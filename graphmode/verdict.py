@@ -64,6 +64,8 @@ class Verdict:
     restrictions: list[Issue] = field(default_factory=list)   # accepted, with requests steered to eager
     padding: PaddingReport | None = None
     exact_dims: list[str] = field(default_factory=list)       # never padded: off-bucket values run eagerly
+    masked_dims: list[str] = field(default_factory=list)      # padded unless a request masks a row whole
+    query_key_dims: list[str] = field(default_factory=list)   # ... or, along these, holds its pad value at all
     index: IndexReport | None = None                          # index inputs and position dims (runtime checks)
 
     @property
@@ -78,7 +80,9 @@ class Verdict:
         out = []
         if self.padding is not None:
             for d, v in self.padding.dims.items():
-                note = " (requests off a bucket value run eagerly)" if d in self.exact_dims else ""
+                note = (" (requests off a bucket value run eagerly)" if d in self.exact_dims else
+                        " (by masking: a request whose inputs hold their pad value along it is not padded)"
+                        if d in self.masked_dims else "")
                 out.append(f"padding {d}: {v.status}{note}")
         out += [f"refused: {i.render()}" for i in self.refusals]
         out += [f"restricted: {i.render()}" for i in self.restrictions]
@@ -87,8 +91,14 @@ class Verdict:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "mode": self.mode, "refusals": [i.__dict__ for i in self.refusals],
                 "restrictions": [i.__dict__ for i in self.restrictions], "exact_dims": self.exact_dims,
+                "masked_dims": self.masked_dims,
                 "padding": self.padding.to_json() if self.padding else None,
                 "index": self.index.to_json() if self.index else None}
+
+
+def mask_inputs(recipe: Any) -> list[str]:
+    """The inputs that mask (role attention_mask, or named like a mask): runtime/shaping.py checks them."""
+    return [i.name for i in recipe.inputs if i.role == "attention_mask" or "mask" in i.name.lower()]
 
 
 def padded_dims(recipe: Any) -> list[str]:
@@ -116,7 +126,9 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
         return v        # a decode graph masks its own padding (the KV cache's lengths)
     pads = padded_dims(recipe)
     v.padding = analyze_padding(graph, {i.name: i.pad_value for i in recipe.inputs}, pads,
-                                locs=getattr(capture_report, "locs", {}) or {})
+                                locs=getattr(capture_report, "locs", {}) or {}, masks=mask_inputs(recipe))
+    v.masked_dims = list(v.padding.masked)
+    v.query_key_dims = list(v.padding.query_key)
     for d in v.padding.unsafe_dims:
         findings = v.padding.dims[d].findings
         first = findings[0]

@@ -59,6 +59,16 @@ class DimVerdict:
 @dataclass
 class PaddingReport:
     dims: dict[str, DimVerdict]
+    # safe dims whose proof rests on masked logits (a softmax or attention over masked padding):
+    # it holds while every real row keeps a real unmasked position. A row masked whole (its mask
+    # all zeros, or a query row of a query x key mask) spreads a softmax evenly over every
+    # position, the padded ones too, so the runtime does not pad a request whose inputs already
+    # hold their pad value along these dims (runtime/compiled.py `pad_hazards`)
+    masked: list[str] = field(default_factory=list)
+    # of those, dims along which a value computed from the masks alone has two padded axes (a
+    # query x key mask, as DeBERTa builds): a real query row is masked whole wherever its mask
+    # is, so any pad value in a request's mask is a hazard, not only a row of them
+    query_key: list[str] = field(default_factory=list)
 
     @property
     def unsafe_dims(self) -> list[str]:
@@ -76,7 +86,8 @@ class PaddingReport:
         return out
 
     def to_json(self) -> dict:
-        return {d: {"status": v.status, "findings": [f.__dict__ for f in v.findings]} for d, v in self.dims.items()}
+        return {d: {"status": v.status, "findings": [f.__dict__ for f in v.findings],
+                    **({"masked": True} if d in self.masked else {})} for d, v in self.dims.items()}
 
 
 # ---------------------------------------------------------------------------------- analysis
@@ -91,6 +102,9 @@ class _Analyzer:
         for g in [graph] + [n.body for n in graph.iter_nodes(True) if n.body is not None]:
             self.types.update({k: v.type for k, v in g.values.items()})
         self.padded = list(padded)
+        self.masked: set[str] = set()      # dims made safe by masked logits (PaddingReport.masked)
+        self.pure: set[str] = set()        # values computed from the mask inputs and constants alone
+        self.query_key: set[str] = set()   # dims a pure mask value has two padded axes along
         self.lo = dict(lo)
         self.locs = locs
 
@@ -125,6 +139,12 @@ class _Analyzer:
                 for d, f in s.taint.items():
                     taint.setdefault(d, f)
             outs = self.node(n, ins, taint)
+            if n.inputs and all(i in self.pure or i in g.constants for i in n.inputs) and \
+                    any(i in self.pure for i in n.inputs):
+                self.pure.update(n.outputs)
+                for s in outs:
+                    along = [f.dim for ax in s.axes for f in ax.padded]
+                    self.query_key.update(d for d in set(along) if along.count(d) >= 2)
             for o, s in zip(n.outputs, outs):
                 for d, f in taint.items():
                     s.taint.setdefault(d, f)
@@ -171,13 +191,15 @@ class _Analyzer:
 
 
 def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: Iterable[str], *,
-                    locs: Mapping[str, str] | None = None, arbitrary: bool = False) -> PaddingReport:
+                    locs: Mapping[str, str] | None = None, arbitrary: bool = False,
+                    masks: Iterable[str] = ()) -> PaddingReport:
     """Per-dim verdict for padding the graph's inputs along `padded_dims` with `pad_values`.
     `arbitrary`: the padded positions hold any values and a request may have no real position
     at all (see `positions_independent`)."""
     padded = [d for d in padded_dims]
     lo = {d: (0 if arbitrary and d in padded else r[0]) for d, r in graph.dims.items()}
     an = _Analyzer(graph, padded, lo, locs or {})
+    an.pure = {m for m in masks if m in graph.inputs}
     states: dict[str, State] = {}
     for name in graph.inputs:
         ty = graph.values[name].type
@@ -209,7 +231,10 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
                     if fd not in findings[g.dim]:
                         findings[g.dim].append(fd)
     all_dims = list(graph.dims) or padded
-    return PaddingReport({d: DimVerdict(d, d in padded, findings.get(d, [])) for d in all_dims})
+    report = PaddingReport({d: DimVerdict(d, d in padded, findings.get(d, [])) for d in all_dims})
+    report.masked = [d for d in padded if d in an.masked and report.dims[d].safe]
+    report.query_key = [d for d in report.masked if d in an.query_key]
+    return report
 
 
 def positions_independent(graph: Graph, dim: str) -> bool:

@@ -126,6 +126,10 @@ def _dim_range(d: str, bundle: Any, example: dict[str, int], decoder: bool = Fal
                     return 1, hi, (f"1 .. {hi}: config.{key} = {v} positions less one for a new token"
                                    + (f", capped at {DECODER_CONTEXT} (every sequence's KV cache is sized for it: "
                                       "widen it if memory allows)" if v > DECODER_CONTEXT else ""))
+                offset = _position_offset(bundle)
+                if offset:            # RoBERTa numbers positions from padding_idx + 1: fewer fit the table
+                    return 1, v - offset, (f"1 .. config.{key} = {v} less the {offset} positions the model's "
+                                           "table reserves below its first (padding_idx + 1)")
                 return 1, v, f"1 .. config.{key}"
     ranges = getattr(bundle, "dim_ranges", None) or {}
     if d in ranges:
@@ -151,6 +155,17 @@ def _dim_range(d: str, bundle: Any, example: dict[str, int], decoder: bool = Fal
 POSITION_TABLES = ("position_embed", "pos_embed", "wpe")
 
 
+def _position_offset(bundle: Any) -> int:
+    """The rows a position table reserves below the first position: padding_idx + 1 where its
+    nn.Embedding has a padding_idx (RoBERTa and its family count positions from there), else 0."""
+    import torch
+    module = getattr(bundle, "raw_module", None) or getattr(bundle, "module", None)
+    for n, m in module.named_modules() if module is not None else ():
+        if isinstance(m, torch.nn.Embedding) and "position" in n.lower() and m.padding_idx is not None:
+            return int(m.padding_idx) + 1
+    return 0
+
+
 def _position_table(bundle: Any) -> tuple[str, int] | None:
     """(name, rows) of a learned position-embedding table, the longest sequence the model takes,
     for a model without a config saying it: an nn.Embedding or a 2-D ONNX initializer named so."""
@@ -170,6 +185,10 @@ def _position_table(bundle: Any) -> tuple[str, int] | None:
     graph = onnx.load(str(path), load_external_data=False).graph
     found = [(i.name, int(i.dims[0])) for i in graph.initializer if len(i.dims) == 2 and named(i.name)]
     return found[0] if found else None
+
+
+def _pad_token(bundle: Any) -> Any:
+    return getattr(getattr(getattr(bundle, "raw_module", None), "config", None), "pad_token_id", None)
 
 
 def _safe_name(text: str) -> str:
@@ -291,6 +310,9 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
         if _is_mask(n, dtypes[n], shape):
             spec.update(pad_value=0, role="attention_mask")
             notes[f"inputs[{i}]"] = "named like a mask: padded positions read 0 (masked out)"
+        elif n == "input_ids" and isinstance(pad := _pad_token(bundle), int) and pad != 0:
+            spec.update(pad_value=pad)      # positions and masks a model derives from ids treat it as padding
+            notes[f"inputs[{i}]"] = f"token ids: padded with config.pad_token_id = {pad}"
         data["inputs"].append(spec)
     lm = _causal_lm(bundle)
     data["dims"], ranges = _dims(dims_of, ranges, bundle, example, max_padding, max_buckets, bounded, lm is not None,

@@ -167,6 +167,8 @@ class Manifest(_Strict):
     output_structure: Optional[OutputSpec] = None
     mutated_inputs: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
     exact_dims: list[str] = Field(max_length=MAX_ITEMS)
+    masked_dims: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)   # runtime/shaping.py pad_hazard
+    query_key_dims: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
     kernels: list[str] = Field(max_length=MAX_ITEMS)
     files: dict[str, Member] = Field(max_length=4 * MAX_ITEMS)
     rank: Optional[int] = Field(default=None, ge=0, le=MAX_RANKS)     # a rank's shard of a tensor-parallel group
@@ -251,7 +253,9 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
                 "isa": cm.recipe.codegen.isa,
                 "threads": cm.threads, "buckets": list(plans), "outputs": cm.output_names,
                 "out_spec": out_spec, "output_structure": cm.output_structure,
-                "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims), "kernels": sorted(libraries),
+                "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims),
+                "masked_dims": list(getattr(cm, "masked_dims", [])),
+                "query_key_dims": list(getattr(cm, "query_key_dims", [])), "kernels": sorted(libraries),
                 # the compile's checks: a rank's shard (its table split over the ranks) cannot derive them again
                 "input_bounds": bounds_doc(*cm.bounds()) if decoder is None else None}
     if decoder is not None:
@@ -558,6 +562,8 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
                        cache_dir=root, threads=threads if threads is not None else manifest.get("threads"),
                        device=manifest.get("device") or "cpu", on_stage=on_stage)
     cm.exact_dims = list(manifest.get("exact_dims") or [])
+    cm.masked_dims = list(manifest.get("masked_dims") or [])
+    cm.query_key_dims = list(manifest.get("query_key_dims") or [])
     cm.output_structure = manifest.get("output_structure")
     cm.mutated_inputs = list(manifest.get("mutated_inputs") or [])
     if manifest.get("input_bounds") is not None:

@@ -88,6 +88,8 @@ class CompiledModel(InputContract, Shaping):
         self.verdict = verdict
         # dims the verdict found unsafe to pad (on_violation: eager): off-bucket values run eagerly
         self.exact_dims = list(getattr(verdict, "exact_dims", []) or [])
+        self.masked_dims = list(getattr(verdict, "masked_dims", []) or [])
+        self.query_key_dims = list(getattr(verdict, "query_key_dims", []) or [])
         out_spec = None
         if capture_report is not None and getattr(capture_report, "out_spec", None):
             try:
@@ -222,16 +224,12 @@ class CompiledModel(InputContract, Shaping):
         if bucket is not None and getattr(self, "artifact", None) is None:    # a .gm's plans are frozen: no more
             bucket = self.exact_values.refine(dims, bucket, self.exact_dims)
         unsafe = [d for d in self.exact_dims if bucket is not None and dims[d] != bucket[d]]
-        if bucket is None or unsafe:
+        hazard = None if unsafe else self.pad_hazard(inputs, dims, bucket)
+        if bucket is None or unsafe or hazard:
             if bucket is None:
                 err, kind, reason = self._violation(dims), "shape", "shape outside contract"
             else:
-                d = unsafe[0]
-                reason = f"unsafe padding on {d}"     # bounded: it labels a Prometheus series
-                err, kind = ContractViolation(f"padding {d} from {dims[d]} to {bucket[d]} is unsafe for this model",
-                                              where=f"dims.{d}", value=dims[d],
-                                              fix=f"send {d} equal to a bucket value {self.recipe.dim_buckets()[d]}"
-                                                  ", or see the compile report's padding verdict"), "padding"
+                err, kind, reason = self.padding_violation(dims, bucket, unsafe[0] if unsafe else None, hazard)
             self.events["violated_calls"] += 1
             self._event("violation", kind=kind, dims=dict(dims))
             if self.recipe.on_violation == "eager":

@@ -3,6 +3,8 @@ to the real dims, or run a batch between buckets as batches that fill buckets (r
 and give the flat outputs back in the structure eager returns."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Mapping
 
 import torch
@@ -15,9 +17,68 @@ from graphmode.runtime.split import chunks, output_axes
 SPLIT_DIM = "batch"     # the dim a request between buckets may be cut along (runtime/split.py)
 
 
+# set while the server runs requests it merged (serve/serving.py): each was checked alone, and the
+# pad values merging put between them are padding, not a request's own masked positions
+MERGED = contextvars.ContextVar("graphmode_merged_requests", default=False)
+
+
+@contextlib.contextmanager
+def merged_requests(merged: bool = True):
+    """Calls inside run requests merged by the server (MERGED)."""
+    token = MERGED.set(merged)
+    try:
+        yield
+    finally:
+        MERGED.reset(token)
+
+
 class Shaping:
     """CompiledModel's padding, slicing, splitting and output structure (a mixin: it reads the
     model's graph, recipe, dims and capture report)."""
+
+    def pad_hazard(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],
+                   bucket: Mapping[str, int] | None) -> tuple[str, str] | None:
+        """(dim, input) when padding this request up to `bucket` is unsafe though the verdict
+        padded the dim safely by masking (`masked_dims`, analysis/padding.py): a mask input
+        (verdict.mask_inputs) masks a row whole along it (every position its pad value), or, along
+        a dim the model builds a query x key mask over (`query_key_dims`), holds its pad value at
+        all: a softmax over a row masked whole spreads evenly over the padded positions too."""
+        from graphmode.verdict import mask_inputs
+        if bucket is None or MERGED.get():
+            return None
+        masks = mask_inputs(self.recipe)
+        for d in getattr(self, "masked_dims", ()):
+            if dims.get(d) == bucket.get(d):
+                continue
+            for name, axes in self._dim_axes.items():
+                t, pv = inputs.get(name), self.pad_values.get(name)
+                ax = next((a for a, dd in axes if dd == d), None)
+                if name not in masks or t is None or pv is None or ax is None or t.is_floating_point():
+                    continue
+                hit = t == pv
+                if bool(hit.any() if d in getattr(self, "query_key_dims", ()) else hit.all(dim=ax).any()):
+                    return d, name
+        return None
+
+    def padding_violation(self, dims: Mapping[str, int], bucket: Mapping[str, int], unsafe: str | None,
+                          hazard: tuple[str, str] | None) -> tuple[Any, str, str]:
+        """(the ContractViolation, its kind, the fallback's reason) of a request its bucket's
+        padding would change: along a dim the verdict found unsafe, or a `pad_hazard`."""
+        from graphmode.errors import ContractViolation
+        buckets = self.recipe.dim_buckets()
+        if hazard is None:
+            d = str(unsafe)
+            err = ContractViolation(f"padding {d} from {dims[d]} to {bucket[d]} is unsafe for this model",
+                                    where=f"dims.{d}", value=dims[d], fix=f"send {d} equal to a bucket value "
+                                    f"{buckets[d]}, or see the compile report's padding verdict")
+        else:
+            d, name = hazard
+            err = ContractViolation(
+                f"input {name!r} already holds its pad value {self.pad_values.get(name)!r} along {d}: a row it masks "
+                f"whole would change if {d} were padded from {dims[d]} to {bucket[d]}", where=f"dims.{d}",
+                value=dims[d], fix=f"send {d} equal to a bucket value {buckets[d]}, or on_violation: eager (such "
+                                   "requests then run in eager PyTorch)")
+        return err, "padding", f"unsafe padding on {d}"     # bounded: it labels a Prometheus series
 
     def _pad(self, inputs: Mapping[str, torch.Tensor], bucket: Mapping[str, int]) -> dict[str, torch.Tensor]:
         out = {}

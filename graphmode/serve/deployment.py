@@ -102,6 +102,10 @@ class Deployment:
             self.monitor.refused(e.kind)
             raise
         rows = dims.get(self.batch_dim, 1) if self.batch_dim else 1
+        hazard = getattr(cm, "pad_hazard", None)      # a rank group's ranks check their own
+        if cm.mode != "eager" and hazard is not None and hazard(bound, dims, cm.bucket_for(dims)) is not None:
+            # its own masked positions: not merged with others, and run unpadded (runtime/shaping.py)
+            return Pending(self, bound, dims, rows, alone=True)
         if cm.mode == "eager":
             return Pending(self, bound, dims, rows, alone=self.batch_dim is None)
         if cm.bucket_for(dims) is None:

@@ -13,6 +13,7 @@ import torch
 
 from graphmode.errors import ContractViolation, GraphmodeError, RankFailure
 from graphmode.monitor import bucket_label
+from graphmode.runtime.shaping import merged_requests
 from graphmode.serve.batching import Pending, merge, split
 from graphmode.serve.deployment import Deployment
 from graphmode.serve.errors import NotReady, RequestTimeout
@@ -146,7 +147,7 @@ class Serving:
         t0 = time.perf_counter()
         with dep.monitor.collect() as kinds:
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), merged_requests(len(batch) > 1):
                     out = cm(**inputs)
             except ContractViolation:
                 dep.monitor.record_operation(kinds or {"shape"})

@@ -65,6 +65,8 @@ def sdpa(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
             m = mask.axes[-1].single
             covered = m.dim == d and m.prefix and (falsy(m.content) if m.content.kind == "const"
                                                    and isinstance(m.content.value, bool) else neg_huge(m.content))
+            if covered:
+                an.masked.add(d)            # safe while each real query keeps a real unmasked key
         if not covered and n.attrs.get("is_causal"):
             qf = q.axes[-2].single
             covered = (qf is not None and qf.dim == d and qf.prefix and f.prefix

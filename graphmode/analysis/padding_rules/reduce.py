@@ -79,6 +79,8 @@ def along(an, n: Node, x: State, taint: dict[str, Finding]) -> State:
         else:
             ok = f.prefix and neg_huge(f.content)
             why = why_unsafe(op)
+            if ok:
+                an.masked.add(f.dim)        # safe while each real row keeps a real unmasked logit
         if not ok:
             taint.setdefault(f.dim, an.finding(f.dim, n, why.format(d=f.dim)))
     if masks and ax.padded:

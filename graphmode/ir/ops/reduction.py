@@ -16,6 +16,15 @@ def _reduce_infer(ins, attrs):
     return [t.with_shape(shape)]
 
 
+_INTEGRAL = ("bool", "u8", "u16", "u32", "i8", "i16", "i32")
+
+
+def _sum_infer(ins, attrs):
+    """torch.sum and prod widen bool and every integer type to int64 (counting a mask is a sum)."""
+    out = _reduce_infer(ins, attrs)[0]
+    return [out.with_dtype("i64") if ins[0].dtype in _INTEGRAL else out]
+
+
 def _mk_reduce(fn):
     def ref(ins, a, env):
         dims = a.get("dims", list(range(ins[0].dim())))
@@ -34,7 +43,8 @@ _REDUCE = {"sum": (torch.sum, {"precision_sensitive"}, ("aten.sum.dim_IntList",)
            "amax": (torch.amax, set(), ("aten.amax.default",), "max", "masked"),
            "amin": (torch.amin, set(), ("aten.amin.default",), "min", None)}
 for _name, (_fn, _traits, _aten, _what, _identity) in _REDUCE.items():
-    register(OpSpec(_name, "reduction", (1, 1), _reduce_infer, _mk_reduce(_fn), attrs=("dims", "keepdim"),
+    register(OpSpec(_name, "reduction", (1, 1), _sum_infer if _name == "sum" else _reduce_infer, _mk_reduce(_fn),
+                    attrs=("dims", "keepdim"),
                     doc=f"{_what} over dims", traits=frozenset(_traits | {"row_reduction"}), aten=_aten,
                     samples=_reduce_samples, padding="reduce", pad_identity=_identity,
                     pad_why="the padded length changes the divisor" if _name == "mean" else ""))
@@ -46,7 +56,7 @@ def _prod(x: torch.Tensor, dim: list[int], keepdim: bool) -> torch.Tensor:
     return x
 
 
-register(OpSpec("prod", "reduction", (1, 1), _reduce_infer, _mk_reduce(_prod), attrs=("dims", "keepdim"),
+register(OpSpec("prod", "reduction", (1, 1), _sum_infer, _mk_reduce(_prod), attrs=("dims", "keepdim"),
                 doc="product over dims (1 over an empty axis)", traits=frozenset({"precision_sensitive"}),
                 aten=("aten.prod.dim_int",), samples=lambda: [Sample(randn((2, 3, 5)), {"dims": [2]}),
                                                               Sample(randn((2, 3, 4)), {"dims": [0, 2],

@@ -99,6 +99,7 @@ def test_additive_mask_makes_softmax_over_keys_safe():
         "dims b=1..4 s=2..16\n", "dims b=1..4 s=2..16\n  const %one: f32[] = 1.0\n  const %min: f32[] = -3.4028234663852886e+38\n")
     consts = {"one": torch.tensor(1.0), "min": torch.tensor(torch.finfo(torch.float32).min)}
     assert status(verdict(text, constants=consts), "s") == "safe"
+    assert verdict(text, constants=consts).masked == ["s"]
     unmasked = text.replace("%sm: f32[b,s,s] = add(%sc, %neg3)", "%sm: f32[b,s,s] = add(%sc, %sc)")
     rep = verdict(unmasked, constants=consts)
     assert status(rep, "s") == "unsafe" and rep.dims["s"].findings[0].op == "softmax"
@@ -111,7 +112,9 @@ def test_sdpa_needs_a_mask_covering_the_keys_or_causal_attention():
                 f'  %y: f32[b,2,s,8] = sdpa(%q, %q, %q{mask}) {{"is_causal": {causal}, "scale": 0.5}}\n'
                 '  return %y\n}')
     assert status(verdict(text(", %m4", "false")), "s") == "safe"
+    assert verdict(text(", %m4", "false")).masked == ["s"]     # safe by the mask: the runtime checks requests
     assert status(verdict(text("", "true")), "s") == "safe"
+    assert verdict(text("", "true")).masked == []              # causal with padding at the end: always safe
     rep = verdict(text("", "false"))
     assert status(rep, "s") == "unsafe" and "no mask covers" in rep.dims["s"].findings[0].reason
     # a mask padded with True (attend) does not cover the padding

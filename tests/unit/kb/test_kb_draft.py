@@ -123,6 +123,21 @@ def test_a_causal_lm_draft_leaves_a_position_for_the_new_token():
     assert kv.max_pages_per_seq * kv.page_size >= 64 and d.report.verdict == "valid"
 
 
+def test_a_roberta_draft_fits_its_offset_positions_and_pads_ids_with_its_pad_token():
+    """RoBERTa counts positions from padding_idx + 1 over the ids that are not its pad token
+    (1): a draft of seq up to max_position_embeddings with ids padded by 0 ran padded positions
+    past the table (a raw IndexError at seq 40 of 66)."""
+    from transformers import RobertaConfig, RobertaModel
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = RobertaModel(RobertaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                       intermediate_size=64, max_position_embeddings=66)).eval()
+        d = draft_recipe(m)
+    assert d.recipe.dim_range("seq") == (1, 64)
+    assert {i.name: i.pad_value for i in d.recipe.inputs}["input_ids"] == 1
+
+
 def test_a_causal_lm_with_a_fixed_example_drafts_its_forward_without_a_kv_cache():
     """(model, example) with fixed shapes has no batch/seq dims for a decoder recipe: the draft
     compiles the forward pass at that shape and says how to get a decoder draft."""

@@ -1,0 +1,105 @@
+"""Padding made safe by a mask holds only while every real row keeps a real unmasked position
+(analysis/padding.py `masked`). A request whose mask already holds its pad value can mask a
+row whole (a batch row of zeros, or the query rows of a query x key mask, as DeBERTa builds);
+a softmax over such a row spreads evenly over every position, the padded ones too, so padding
+it changed the answer silently (rel L2 0.2-0.4). Such a request now runs unpadded: in eager
+PyTorch under on_violation: eager, else refused naming the input; a key mask with a real
+position in every row is still padded (a tokenizer's padded batch), and the server does not
+merge a hazardous request with others."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphmode
+from graphmode.capture.spec import bundle_from_module
+from graphmode.errors import ContractViolation
+from graphmode.verify.numerics import rel_l2
+
+
+class QueryKeyMask(nn.Module):
+    """DeBERTa's pattern: mask[:, None, :] * mask[:, :, None], masked_fill with finfo.min."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        m = mask[:, None, :] * mask[:, :, None]
+        sc = (self.q(x) @ self.k(x).transpose(-1, -2)).masked_fill(m == 0, torch.finfo(torch.float32).min)
+        return sc.softmax(-1) @ x
+
+
+class KeyMask(nn.Module):
+    """BERT's pattern: an additive key mask; a batch row whose mask is all zeros."""
+
+    def forward(self, x, mask):
+        sc = x @ x.transpose(-1, -2) + (1 - mask[:, None, :].float()) * torch.finfo(torch.float32).min
+        return sc.softmax(-1) @ x
+
+
+def _compile(model: nn.Module, on_violation: str, cache):
+    r = {"version": 1, "name": "masked", "exe_mode": "graph", "on_violation": on_violation,
+         "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 8]},
+                    {"name": "mask", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0,
+                     "role": "attention_mask"}],
+         "dims": {"batch": {"buckets": [2]}, "seq": {"buckets": [8, 16], "min": 1}}}
+    ex = {"x": torch.randn(2, 8, 8), "mask": torch.ones(2, 8, dtype=torch.long)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return graphmode.compile(bundle_from_module(model, ex, {"x": ["batch", "seq", None], "mask": ["batch", "seq"]}),
+                                 r, cache_dir=cache)
+
+
+@pytest.mark.parametrize("kind", [QueryKeyMask, KeyMask])
+def test_a_request_with_masked_positions_is_not_padded_and_gets_eagers_answer(kind, tmp_path):
+    torch.manual_seed(0)
+    model = kind().eval()
+    cm = _compile(model, "eager", tmp_path)
+    assert cm.masked_dims == ["seq"] and "seq" not in cm.exact_dims
+    assert cm.query_key_dims == (["seq"] if kind is QueryKeyMask else [])
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.long)
+    assert rel_l2(cm(x, mask), model(x, mask)) < 1e-5 and cm.last_path["path"] == "graph"   # still padded
+    mask[1, 2:] = 0
+    if kind is KeyMask:              # a key mask with a real position in every row: still padded, still right
+        with torch.no_grad():
+            assert rel_l2(cm(x, mask), model(x, mask)) < 1e-5 and cm.last_path["path"] == "graph"
+        mask[1] = 0                  # a row masked whole
+    with torch.no_grad():
+        want = model(x, mask)
+    assert rel_l2(cm(x, mask), want) < 1e-5
+    assert cm.last_path == {"path": "eager", "reason": "unsafe padding on seq"}
+    x8, m8 = torch.randn(2, 8, 8), mask.new_zeros(2, 8)        # at a bucket value: nothing is padded
+    m8[0, :3] = 1
+    with torch.no_grad():
+        assert rel_l2(cm(x8, m8), model(x8, m8)) < 1e-5 and cm.last_path["path"] == "graph"
+
+
+def test_without_eager_fallback_the_request_is_refused_naming_the_input(tmp_path):
+    cm = _compile(QueryKeyMask().eval(), "error", tmp_path)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[0, 4] = 0
+    with pytest.raises(ContractViolation, match="input 'mask' already holds its pad value 0 along seq") as e:
+        cm(torch.randn(2, 5, 8), mask)
+    assert e.value.where == "dims.seq" and "[8, 16]" in e.value.fix
+
+
+class CountMask(nn.Module):
+    def forward(self, ids, mask):
+        return mask.bool().sum(-1), (ids != 0).sum(), (ids > 3).to(torch.int32).prod(-1)
+
+
+def test_counting_a_mask_compiles_and_widens_to_int64_as_torch_does(tmp_path):
+    """sum / prod of bool and narrower integers give int64 (the canonicalize pass refused the
+    graph: 'declared type i64 differs from inferred bool')."""
+    model = CountMask().eval()
+    ex = (torch.randint(0, 9, (2, 6)), torch.ones(2, 6, dtype=torch.long))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile((model, ex), cache_dir=tmp_path)
+    ids, mask = torch.randint(0, 9, (3, 6)), torch.randint(0, 2, (3, 6))
+    for got, want in zip(cm(ids, mask), model(ids, mask)):
+        assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
