@@ -133,6 +133,8 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
         console.print(f"worst arena / lower bound: {worst.ratio:.3f} at {worst.bucket}")
     v = rep.validation
     console.print(f"verdict: [bold]{v.verdict}[/]")
+    for e in v.errors:                 # a malformed recipe: each field, value and fix
+        console.print(f"  error: {e}", markup=False)
     for p in v.proofs:
         console.print(f"  {p.name}: {p.status} — {p.message}", markup=False)
     console.print("time: " + ", ".join(f"{k} {s:.2f}s" for k, s in rep.seconds.items()))

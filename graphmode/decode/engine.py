@@ -78,7 +78,8 @@ def decode_contract(recipe: Any) -> Any:
     its KV cache, precision, SLAs) is the recipe's, so its proof is the recipe's."""
     from graphmode.recipe.schema import InputSpec
     inputs = [InputSpec(name=n, dtype="i64", shape=["batch", "seq"]) for n in ("input_ids", "position_ids")]
-    optimize = recipe.optimize.model_copy(update={"passes": ["to_paged", *recipe.pipeline()]})
+    # the preset's passes, spelled out (a recipe gives a preset or a pass list, not both)
+    optimize = recipe.optimize.model_copy(update={"passes": ["to_paged", *recipe.pipeline()], "preset": None})
     return recipe.model_copy(update={"inputs": inputs, "outputs": {}, "optimize": optimize})
 
 
@@ -140,6 +141,15 @@ def _shape(recipe: Any, cfg: dict[str, Any]) -> tuple[KVLayout, int | None, tupl
                           where="memory.kv_cache.batch_dim", value=[bd, sd],
                           fix="name the decoder recipe's dims batch and seq (batch_dim: batch, seq_dim: seq)")
     context = int(cfg["context"]) if cfg.get("context") else None   # the model's positions
+    window = cfg.get("sliding_window")
+    longest = min(layout.page_size * layout.max_pages_per_seq, context or 1 << 62)
+    if window is not None and longest > window:
+        # the paged attention attends every cached token: past the window it would answer other tokens
+        raise RecipeError(f"the model attends over a sliding window of {window} tokens, which graphmode's paged "
+                          f"attention does not apply, and a sequence may hold {longest}", where=
+                          "memory.kv_cache.max_pages_per_seq", value=layout.max_pages_per_seq,
+                          fix=f"max_pages_per_seq at most {window // layout.page_size} (sequences within the window "
+                              "decode exactly)")
     min_prompt, max_prompt = dims[sd]
     if context is not None and max_prompt + 1 > context:
         raise RecipeError(f"dims.{sd} admits prompts of {max_prompt} tokens, but the model has "
@@ -217,6 +227,10 @@ class DecodeEngine:
                    context=context, lowered=lowered, speculator=speculator_of(recipe, buckets["batch"][-1],
                                                                               invariant=invariant))
 
+    def room(self, prompt: int) -> int:
+        """New tokens a prompt of `prompt` tokens leaves: within its pages and the model's positions."""
+        return min(self.layout.max_tokens, self.context or self.layout.max_tokens) - prompt
+
     @property
     def batch_buckets(self) -> list[int]:
         return self.runner.batch_buckets
@@ -292,15 +306,15 @@ class DecodeEngine:
                                     f"least {self.min_prompt}", where=f"dims.{self.seq_dim}", value=len(prompt),
                                     fix=f"send at least {self.min_prompt} prompt tokens (or lower dims."
                                         f"{self.seq_dim}.min in the recipe)")
+        most = self.room(len(prompt))          # the hint names a value both limits admit
         if self.context is not None and len(prompt) + params.max_new_tokens > self.context:
             raise ContractViolation(f"{len(prompt)} prompt + {params.max_new_tokens} new tokens exceed the model's "
                                     f"{self.context} positions", where="max_new_tokens", value=params.max_new_tokens,
-                                    fix=f"ask for at most {self.context - len(prompt)} new tokens")
+                                    fix=f"ask for at most {most} new tokens")
         if len(prompt) + params.max_new_tokens > self.layout.max_tokens:
             raise ContractViolation(f"{len(prompt)} prompt + {params.max_new_tokens} new tokens exceed the "
                                     f"{self.layout.max_tokens} tokens a sequence's pages hold", where="max_new_tokens",
-                                    value=params.max_new_tokens,
-                                    fix=f"ask for at most {self.layout.max_tokens - len(prompt)} new tokens")
+                                    value=params.max_new_tokens, fix=f"ask for at most {most} new tokens")
         if self.cache.pages_for(len(prompt) + params.max_new_tokens) > self.layout.pages:
             raise ContractViolation("this request alone needs more pages than the pool has", where="max_new_tokens",
                                     value=params.max_new_tokens, fix="ask for fewer tokens")

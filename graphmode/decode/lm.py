@@ -39,4 +39,13 @@ def lm_config(lm: nn.Module) -> dict[str, Any]:
             "kv_heads": get("num_key_value_heads", default=heads),
             "head_dim": get("head_dim", default=hidden // heads if hidden and heads else None),
             "vocab": get("vocab_size"), "context": get("max_position_embeddings", "n_positions"),
-            "eos": get("eos_token_id"), "pad": get("pad_token_id")}
+            "eos": get("eos_token_id"), "pad": get("pad_token_id"), "sliding_window": sliding_window(cfg)}
+
+
+def sliding_window(cfg: Any) -> int | None:
+    """The tokens a query attends back over when the model limits it (Mistral's, Phi-3's and
+    Gemma 2's `sliding_window`; Qwen2's when `use_sliding_window`), else None."""
+    w = getattr(cfg, "sliding_window", None)
+    if not isinstance(w, int) or isinstance(w, bool) or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return w

@@ -184,6 +184,13 @@ class Completion:
         return {**self._doc(choices, False), "usage": self.usage()}
 
 
+def usable_tokens(engine: Any) -> int:
+    """The tokens a sequence may reach: its pages, within the model's positions (a recipe may give
+    pages for more tokens than the model has positions: chat's default answer fills the smaller)."""
+    context = getattr(engine, "context", None) or (getattr(engine, "cfg", None) or {}).get("context")
+    return min(engine.layout.max_tokens, int(context)) if context else engine.layout.max_tokens
+
+
 def _in_request_terms(e: ContractViolation, index: int | None, prompt_field: str | None = None) -> None:
     """The engine's refusal in the request's field names: `prompt` (or `prompt[i]` of several)
     for a prompt longer than the contract or bad token ids, `max_tokens` for more tokens than
@@ -233,7 +240,7 @@ def completion_routes(server: Any) -> list[Route]:
     def parse_chat_body(body: bytes, decoder: Any, eos: Any) -> CompletionRequest:
         tok = server.tokenizer
         return parse_chat(body, tokenizer=tok, eos=eos, render=functools.partial(chat.render, tok),
-                          context=decoder.engine.layout.max_tokens)
+                          context=usable_tokens(decoder.engine))
 
     def endpoint(parse: Any) -> Any:
         async def handle(request: Request) -> Response:

@@ -1,0 +1,83 @@
+"""Decoder recipes as users write them: one naming an optimize preset (what `graphmode recipe
+init` drafts) decodes, where the decode contract added a pass list beside the preset and was
+refused ("give either a preset or a pass list"); a model attending over a sliding window
+(Mistral) decodes exactly while its sequences fit the window, and a recipe whose sequences may
+outgrow it is refused naming max_pages_per_seq (the paged attention attends every cached
+token: it answered the no-window model's tokens, silently)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import graphmode
+from graphmode.capture.families import _DECODER, _hf
+from graphmode.errors import RecipeError
+from tiny_decoders import greedy_reference, recipe
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def test_a_decoder_recipe_with_an_optimize_preset_decodes(tmp_path):
+    from tiny_decoders import gpt2
+    lm = gpt2()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(lm, recipe(optimize={"preset": "default"}), cache_dir=tmp_path)
+    out = cm.generate(torch.tensor([PROMPT]), max_new_tokens=6)
+    assert out[0, len(PROMPT):].tolist() == greedy_reference(PROMPT, 6)
+
+
+def _mistral():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _hf("MistralForCausalLM", "MistralConfig", **_DECODER, sliding_window=8, initializer_range=0.3)
+
+
+def _mistral_recipe(pages: int) -> dict:
+    return recipe("mistral", dims={"batch": {"buckets": [1]}, "seq": {"buckets": [6], "min": 2}},
+                  memory={"kv_cache": {"page_size": 4, "max_pages_per_seq": pages, "layers": 2, "kv_heads": 2,
+                                       "head_dim": 8}})
+
+
+def test_a_sliding_window_model_decodes_exactly_within_its_window_and_is_refused_past_it(tmp_path):
+    lm = _mistral()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(lm, _mistral_recipe(2), cache_dir=tmp_path)           # 8 tokens: the window
+        ids = torch.tensor([PROMPT])
+        ours = cm.generate(ids, max_new_tokens=3)
+        ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                          pad_token_id=0)
+        assert torch.equal(ours, ref), (ours.tolist(), ref.tolist())
+        wide = graphmode.compile(lm, _mistral_recipe(12), cache_dir=tmp_path)
+        with pytest.raises(RecipeError, match="sliding window of 8 tokens") as e:
+            wide.generate(ids, max_new_tokens=3)
+    assert e.value.where == "memory.kv_cache.max_pages_per_seq" and "at most 2" in e.value.fix
+
+
+def test_pages_for_more_tokens_than_the_model_has_positions_bound_the_answer_by_the_positions(tmp_path):
+    """A chat without max_tokens fills what is usable (vLLM's rule), and the hint for too many
+    new tokens names a count both limits admit (it named the pages' room, also refused)."""
+    from graphmode.decode.api import engine_of
+    from graphmode.decode.sampling import SamplingParams
+    from graphmode.errors import ContractViolation
+    from graphmode.serve.completions import usable_tokens
+    from tiny_decoders import gpt2
+    rec = recipe(memory={"kv_cache": {"page_size": 4, "max_pages_per_seq": 20, "layers": 2, "kv_heads": 4,
+                                      "head_dim": 8}})          # 80 tokens of pages, 64 positions
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = engine_of(graphmode.compile(gpt2()[0], rec, cache_dir=tmp_path))
+    assert usable_tokens(eng) == 64 and eng.room(3) == 61
+    with pytest.raises(ContractViolation, match="exceed the model's 64 positions") as e:
+        eng.add([5, 6, 7], SamplingParams(max_new_tokens=70))
+    assert "at most 61 new tokens" in e.value.fix
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        small = engine_of(graphmode.compile(gpt2()[0], recipe(), cache_dir=tmp_path))     # 48 tokens of pages
+    with pytest.raises(ContractViolation, match="exceed the model's 64 positions") as e:
+        small.add([5, 6, 7], SamplingParams(max_new_tokens=100))
+    assert "at most 45 new tokens" in e.value.fix                # not 61: the pages hold 48
