@@ -63,7 +63,7 @@ class PaddingReport:
     # it holds while every real row keeps a real unmasked position. A row masked whole (its mask
     # all zeros, or a query row of a query x key mask) spreads a softmax evenly over every
     # position, the padded ones too, so the runtime does not pad a request whose inputs already
-    # hold their pad value along these dims (runtime/compiled.py `pad_hazards`)
+    # hold their pad value along these dims (runtime/shaping.py `pad_hazard`)
     masked: list[str] = field(default_factory=list)
     # of those, dims along which a value computed from the masks alone has two padded axes (a
     # query x key mask, as DeBERTa builds): a real query row is masked whole wherever its mask
