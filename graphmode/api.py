@@ -47,11 +47,15 @@ def load(path: str | Path, **kw: Any):
     """A `.gm` artifact (graphmode/runtime/artifact.py `load`: cache_dir, threads, on_stage);
     a decoder's decodes (`generate`, `stream`) with the tokenizer it was saved with, a decoder
     group's ranks start from their files (graphmode/decode/saved.py)."""
-    from graphmode.runtime.artifact import load as load_artifact, recipe_of
-    from graphmode.runtime.rank_artifacts import is_group
-    if is_group(path) and recipe_of(path).memory.kv_cache is not None:     # a decoder's ranks, each from its file
-        from graphmode.decode.saved import load_group
-        return load_group(path, cache_dir=kw.get("cache_dir"), threads=kw.get("threads"))
+    from graphmode.runtime.artifact import load as load_artifact
+    from graphmode.runtime import rank_artifacts
+    if rank_artifacts.is_group(path):           # checked once (every rank file hashed), then started
+        files, recipe = rank_artifacts.group_files(path)
+        opts = {"cache_dir": kw.get("cache_dir"), "threads": kw.get("threads")}
+        if recipe.memory.kv_cache is not None:      # a decoder's ranks, each building its engine over its file
+            from graphmode.decode.saved import start_group
+            return start_group(files, recipe, **opts)
+        return rank_artifacts.start_group(files, recipe, **opts)
     cm = load_artifact(path, **kw)
     if (getattr(cm, "artifact", None) or {}).get("decoder") is not None:
         from graphmode.decode.saved import attach

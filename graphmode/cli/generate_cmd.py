@@ -304,7 +304,7 @@ def generate_cmd(
         raise GraphmodeError("give the prompt as text or as token ids (one of the two)", where="--prompt/--prompt-ids",
                              fix="--prompt 'some text' (a model with a tokenizer) or --prompt-ids 464,2068; "
                                  "repeat either for a batch")
-    rec = artifact_recipe(model, recipe)
+    rec = saved = artifact_recipe(model, recipe)
     if rec is None:
         if recipe is None:
             raise RecipeError("generating needs a decoder recipe", where="--recipe",
@@ -319,7 +319,7 @@ def generate_cmd(
     with progress() as on_stage:     # loading the model, then the decode engine's capture, passes and plans
         with stage(on_stage, "load", detail=model):
             loaded = graphmode.load(model, cache_dir=cache_dir, threads=threads, on_stage=on_stage) \
-                if model.endswith(".gm") else None
+                if saved is not None else None
             req = Request.checked(model, rec, prompt or [], prompt_ids or [], stop or [], stop_ids or [], loaded)
         params = sampling(req.cfg, max_tokens, temperature, top_k, top_p, seed, req.stop_ids)
         req.check_room(rec, max_tokens)

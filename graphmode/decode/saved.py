@@ -36,18 +36,17 @@ def save_engine(eng: Any, path: Any, *, tokenizer: Any = None, rank: int | None 
     """`eng`'s paged graph, every plan of it and its sizes as one `.gm` (under `rank`: that rank's
     shard, written by its group: runtime/rank_artifacts.py)."""
     from graphmode.runtime.artifact import save as save_artifact
-    tok = tokenizer
     with tempfile.TemporaryDirectory(prefix="graphmode-tokenizer-") as folder:
-        if tok is not None:
+        if tokenizer is not None:
             try:
-                tok.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
             except Exception as e:  # noqa: BLE001 - a tokenizer that cannot save its files
-                raise GraphmodeError(f"the tokenizer ({type(tok).__name__}) cannot write its files: "
+                raise GraphmodeError(f"the tokenizer ({type(tokenizer).__name__}) cannot write its files: "
                                      f"{type(e).__name__}: {str(e)[:200]}", where="tokenizer",
                                      fix="pass a transformers tokenizer, or none (prompts are then token ids)"
                                      ) from None
         return save_artifact(eng.runner.cm, path, rank=rank, envs=eng.runner.envs(), decoder=facts(eng.cfg),
-                             tokenizer=Path(folder) if tok is not None else None)
+                             tokenizer=Path(folder) if tokenizer is not None else None)
 
 
 def facts(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -95,13 +94,11 @@ def engine_over(cm: Any) -> Any:
 
 # ---- a tensor-parallel decoder's group: one file per rank and the group file -----------------
 
-def load_group(path: Any, *, cache_dir: Any = None, threads: int | None = None) -> Any:
-    """Start the decoder group saved at `path` (runtime/rank_artifacts.py's format): every rank
+def start_group(files: tuple[str, ...], recipe: Any, *, cache_dir: Any = None, threads: int | None = None) -> Any:
+    """Start a saved decoder group (runtime/rank_artifacts.py `group_files`: checked): every rank
     loads its own file and builds its engine over it; a `TensorParallelDecoder`, as
     `graphmode.compile` gives, with rank 0's tokenizer (`.tokenizer`)."""
     from graphmode.decode.tensor_parallel import launch_decoder
-    from graphmode.runtime.rank_artifacts import group_files
-    files, recipe = group_files(path)
     dec = launch_decoder(files, recipe, "host", cache_dir=cache_dir, threads=threads, driver=saved_group_driver())
     folder = dec.tp.ranks[0].get("tokenizer")
     dec.tokenizer = _tokenizer(folder, files[0]) if folder else None

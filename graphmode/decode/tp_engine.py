@@ -91,7 +91,7 @@ def start_info(eng: Any) -> dict[str, Any]:
     return {"cfg": dict(eng.cfg), "max_prompt": eng.max_prompt, "min_prompt": eng.min_prompt,
             "layout": {"max_tokens": lay.max_tokens, "pages": lay.pages, "page_size": lay.page_size,
                        "max_pages_per_seq": lay.max_pages_per_seq, "batch_buckets": list(eng.batch_buckets)},
-            "kv_pool_bytes": eng.cache.bytes, "lowered": eng.lowered is not None,     # a loaded .gm: not lowered
+            "kv_pool_bytes": eng.cache.bytes,       # a loaded .gm's engine was not lowered here: no facts or proof
             "facts": getattr(eng.lowered, "facts", None), "proof": getattr(eng.lowered, "proof", None),
             "view": describe(eng)}
 
@@ -114,7 +114,7 @@ class RemoteEngine:
         self.layout = SimpleNamespace(**info["layout"])
         self.cache = SimpleNamespace(layout=self.layout, used_pages=0, bytes=info["kv_pool_bytes"])
         self.lowered = SimpleNamespace(facts=info["facts"], proof=info["proof"]) \
-            if info.get("lowered", True) else None        # rank 0's shard's (None: loaded from its .gm)
+            if info["proof"] is not None else None        # rank 0's shard's (None: loaded from its .gm)
         self.speculator = None
         self._live: dict[int, Sequence_] = {}
         self._view: dict[str, Any] = info["view"]

@@ -146,10 +146,14 @@ def read_group(path: Path, rank: int | None = None) -> dict[str, Any]:
 def load_group(path: str | Path, *, cache_dir: Any = None, threads: int | None = None) -> Any:
     """Start the group saved at `path` (module doc): a TensorParallelModel whose ranks loaded
     their own files."""
+    return start_group(*group_files(path), cache_dir=cache_dir, threads=threads)
+
+
+def start_group(files: tuple[str, ...], recipe: Any, *, cache_dir: Any = None, threads: int | None = None) -> Any:
+    """The ranks of a checked group (`group_files`), each loading its own file."""
     from graphmode.parallel.launch import launch
-    files, recipe = group_files(path)
     if recipe.memory.kv_cache is not None:
-        raise ArtifactError("a decoder group's ranks build decode engines over their files", where=str(path),
+        raise ArtifactError("a decoder group's ranks build decode engines over their files", where=files[0],
                             fix="graphmode.load(path) (it starts them), or graphmode serve/generate --model path")
     return launch(files, recipe, "host", driver=group_driver(), cache_dir=cache_dir, threads=threads)
 

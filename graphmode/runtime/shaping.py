@@ -43,13 +43,12 @@ class Shaping:
         (verdict.mask_inputs) masks a row whole along it (every position its pad value), or, along
         a dim the model builds a query x key mask over (`query_key_dims`), holds its pad value at
         all: a softmax over a row masked whole spreads evenly over the padded positions too."""
-        from graphmode.verdict import mask_inputs
-        if bucket is None or MERGED.get():
+        padded = [d for d in getattr(self, "masked_dims", ()) if bucket is not None and dims.get(d) != bucket.get(d)]
+        if not padded or MERGED.get():        # every call asks: nothing more unless a masked dim is padded
             return None
+        from graphmode.verdict import mask_inputs
         masks = mask_inputs(self.recipe)
-        for d in getattr(self, "masked_dims", ()):
-            if dims.get(d) == bucket.get(d):
-                continue
+        for d in padded:
             for name, axes in self._dim_axes.items():
                 t, pv = inputs.get(name), self.pad_values.get(name)
                 ax = next((a for a, dd in axes if dd == d), None)
