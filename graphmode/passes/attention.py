@@ -22,7 +22,8 @@ Why the finite fills are exact: a masked score s becomes `s*scale + fill` instea
 (every key masked) the original averages v uniformly; so does the rewrite whenever
 `s*scale + fill` rounds to `fill`, which holds for `finfo.min` (|s| < 1e31) and -1e9
 (|s| < 32) — with -10000 such a row follows the scores instead. A -inf fill gives NaN on
-such rows, sdpa gives 0 (as torch does).
+such rows where torch's sdpa gives 0: every sdpa made here is `nan_empty_rows`, so the
+rewrite answers what the softmax written out answers.
 
 Every intermediate must have one reader (the block is rewritten whole or not at all); the
 nodes the block consumed are erased by the engine.
@@ -129,7 +130,7 @@ def _sdpa(rw: Rewriter, m: Match, mask: str | None = None) -> str | None:
         return None
     scale = factor(m, "s_scale") * factor(m, "q_scale") * factor(m, "k_scale") * factor(m, "kt_scale")
     return rw.add("sdpa", [m["q"], k, m["v"]] + ([mask] if mask is not None else []),
-                  {"is_causal": False, "scale": scale})
+                  {"is_causal": False, "scale": scale, "nan_empty_rows": True})
 
 
 def _logits_keep_scores(m: Match) -> bool:

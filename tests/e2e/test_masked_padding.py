@@ -103,3 +103,24 @@ def test_counting_a_mask_compiles_and_widens_to_int64_as_torch_does(tmp_path):
     ids, mask = torch.randint(0, 9, (3, 6)), torch.randint(0, 2, (3, 6))
     for got, want in zip(cm(ids, mask), model(ids, mask)):
         assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
+
+
+class KeyMaskNegInf(nn.Module):
+    """Attention written out with masked_fill(-inf): a row with every key masked is NaN in eager."""
+
+    def forward(self, x, mask):
+        sc = (x @ x.transpose(-1, -2)).masked_fill(mask[:, None, :] == 0, float("-inf"))
+        return sc.softmax(-1) @ x
+
+
+def test_a_row_masked_whole_answers_nan_as_the_softmax_written_out_does(tmp_path):
+    """The attention pass turns the block into one sdpa, whose torch answer for a row with no
+    key is 0; the block's own answer is NaN, and that is what the compiled model returns."""
+    model = KeyMaskNegInf().eval()
+    cm = _compile(model, "error", tmp_path)
+    x, mask = torch.randn(2, 8, 8), torch.ones(2, 8, dtype=torch.long)
+    mask[1] = 0
+    got, want = cm(x, mask), model(x, mask)
+    assert cm.last_path["path"] == "graph" and "native:sdpa" in cm.executable({"batch": 2, "seq": 8}).step_names
+    assert torch.isnan(want[1]).all() and torch.isnan(got[1]).all()
+    assert rel_l2(got[0], want[0]) < 1e-5

@@ -451,6 +451,7 @@ def test_attention_causal_where_mask_and_transposed_key():
     new, kept = sorted(sd, key=lambda n: n.outputs[0])
     assert kept.inputs == ("q", "v", "v") and kept.attrs == {"is_causal": False, "scale": 0.5}
     assert new.inputs[0] == "q" and new.inputs[2:] == ("v", "causal") and new.attrs["scale"] == 0.25
+    assert new.attrs["nan_empty_rows"]            # made from a softmax written out: its NaN rows
     k = new.inputs[1]
     (perm,) = [n for n in r.graph.nodes if n.outputs == (k,)]
     assert perm.op == "permute" and perm.inputs == ("kt",) and perm.attrs == {"perm": [0, 2, 1]}
@@ -471,7 +472,7 @@ def sdpa_nodes(g: Graph):
 def test_attention_scales_on_q_and_k_fold_into_sdpa():
     r = fuse(parse_graph(ATTENTION_QK_SCALED))
     (sd,) = sdpa_nodes(r.graph)
-    assert sd.inputs == ("q", "k", "v") and sd.attrs == {"is_causal": False, "scale": 0.25}
+    assert sd.inputs == ("q", "k", "v") and sd.attrs == {"is_causal": False, "scale": 0.25, "nan_empty_rows": True}
     assert top_ops(r.graph) == {"sdpa": 1} and r.stats["attention"] == 1
     # a scaled q that is also read elsewhere stays, and sdpa reads it unscaled by the rule
     g = parse_graph(ATTENTION_QK_SCALED.replace("-> (%o)", "-> (%o, %qq)").replace("return %o", "return %o, %qq"))

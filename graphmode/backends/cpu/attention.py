@@ -12,7 +12,8 @@ Semantics are exactly `F.scaled_dot_product_attention` as the IR op's reference 
 leading dims (at most two: batch, heads); the mask is bool (True = attend) or f32 (added),
 broadcast to [B, H, Sq, Sk] from the right; `is_causal` keeps key j for query i iff j <= i
 (top-left aligned, combined with a mask when both are given, as torch does); a row with no
-attended key (all False, or all -inf) is 0, as torch returns; a NaN score anywhere in a row
+attended key (all False, or all -inf) is 0, as torch returns (NaN under `nan_empty_rows`, which
+the attention pass sets on an sdpa made from a softmax written out, whose answer it is); a NaN score anywhere in a row
 makes that row NaN (a bool mask is applied as torch's dispatcher applies it, by adding 0 or
 -inf, so a masked NaN or +inf score still poisons its row, as in torch's flash kernel; torch
 itself differs between its kernels only on such non-finite inputs). One deliberate difference:
@@ -104,6 +105,7 @@ class AttnProblem:
     causal: bool
     mask: str = ""
     mstrides: tuple[int, int, int, int] = (0, 0, 0, 0)
+    empty_nan: bool = False          # a row attending no key is NaN (a decomposed softmax), not 0 (torch's sdpa)
 
     @property
     def flops(self) -> float:
@@ -113,7 +115,8 @@ class AttnProblem:
     def text(self) -> str:
         m = f" mask {self.mask} strides {list(self.mstrides)}" if self.mask else ""
         c = " causal" if self.causal else ""
-        return f"sdpa [{self.b},{self.h}] q {self.sq}x{self.d} kv {self.sk}x{self.e}{c}{m} scale {self.scale!r}"
+        n = " empty rows NaN" if self.empty_nan else ""
+        return f"sdpa [{self.b},{self.h}] q {self.sq}x{self.d} kv {self.sk}x{self.e}{c}{m} scale {self.scale!r}{n}"
 
 
 # ------------------------------------------------------------------------------ generation
@@ -218,6 +221,7 @@ def generate_attention(p: AttnProblem, *, parallel: bool | None = None) -> str:
              f"constexpr float SCALE = {lit(p.scale, 'f32')};",
              f"constexpr int MASK = {dict(zip(('', 'bool', 'f32'), range(3)))[p.mask]};  // 0 none, 1 bool, 2 additive f32",
              f"constexpr bool CAUSAL = {'true' if p.causal else 'false'};",
+             f"constexpr bool EMPTY_NAN = {'true' if p.empty_nan else 'false'};  // a row attending no key: NaN, not 0",
              f"typedef {mtype} mask_t;"]
     for isa in ("avx512", "avx2"):
         lines.append(("#if " if isa == "avx512" else "#elif ") + ISA_GUARD[isa])
@@ -264,7 +268,7 @@ def problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attr
     cover it (ATen runs the op)."""
     if len(ins_t) not in (3, 4) or len(outs) != 1:
         return None
-    if any(bool(v) for k, v in attrs.items() if k not in ("is_causal", "scale")):
+    if any(bool(v) for k, v in attrs.items() if k not in ("is_causal", "scale", "nan_empty_rows")):
         return None                                   # dropout, gqa, ...: not this kernel's semantics
     q, k, v = ins_t[:3]
     o = outs[0]
@@ -307,7 +311,8 @@ def problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attr
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not math.isfinite(scale):
         return None
-    return AttnProblem(b, h, sq, sk, d, e, scale, bool(attrs.get("is_causal", False)), kind, strides)
+    return AttnProblem(b, h, sq, sk, d, e, scale, bool(attrs.get("is_causal", False)), kind, strides,
+                       bool(attrs.get("nan_empty_rows", False)))
 
 
 def attention_source(p: AttnProblem, inputs: Sequence[str], outputs: Sequence[str],

@@ -122,9 +122,9 @@ declare("avg_pool2d")(lambda a, t: ("aten.avg_pool2d.default", _ins(t) + [
     a.get("count_include_pad", True)], {}))
 declare("adaptive_avg_pool2d")(lambda a, t: ("aten.adaptive_avg_pool2d.default",
                                              _ins(t) + [pair(a["output_size"])], {}))
-declare("sdpa")(lambda a, t: ("aten.scaled_dot_product_attention.default",
-                              _ins(t)[:3] + [_ins(t)[3] if len(t) > 3 else None, 0.0, a.get("is_causal", False)],
-                              {"scale": a.get("scale")}))
+declare("sdpa")(lambda a, t: None if a.get("nan_empty_rows") else (   # torch's sdpa gives 0 on such rows
+    "aten.scaled_dot_product_attention.default",
+    _ins(t)[:3] + [_ins(t)[3] if len(t) > 3 else None, 0.0, a.get("is_causal", False)], {"scale": a.get("scale")}))
 declare("einsum")(lambda a, t: ("aten.einsum.default", [a["equation"], _ins(t)], {}))
 
 # ---------------------------------------------------------------------------------- layout and data

@@ -1,6 +1,8 @@
 """Contractions and windows: matmul, linear, conv2d, pools, scaled dot-product attention."""
 from __future__ import annotations
 
+import math
+
 import sympy
 import torch
 import torch.nn.functional as F
@@ -205,20 +207,38 @@ def _sdpa_infer(ins, a):
 
 
 def _sdpa_ref(ins, a, env):
+    q, k, v = ins[:3]
     mask = ins[3] if len(ins) > 3 else None
-    return [F.scaled_dot_product_attention(ins[0], ins[1], ins[2], attn_mask=mask,
-                                           is_causal=a.get("is_causal", False), scale=a.get("scale"))]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a.get("is_causal", False),
+                                         scale=a.get("scale"))
+    if not a.get("nan_empty_rows"):
+        return [out]
+    # a row that attends no key: torch's sdpa gives 0, the softmax it was written as gives NaN
+    scale = a.get("scale")
+    logits = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else logits + mask
+    if a.get("is_causal", False):
+        logits = logits.masked_fill(torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    empty = ~(logits > -math.inf).any(-1, keepdim=True)
+    return [out.masked_fill(empty, math.nan)]
 
 
-register(OpSpec("sdpa", "attention", (3, 4), _sdpa_infer, _sdpa_ref, attrs=("is_causal", "scale"),
+register(OpSpec("sdpa", "attention", (3, 4), _sdpa_infer, _sdpa_ref, attrs=("is_causal", "scale", "nan_empty_rows"),
                 traits=frozenset({"precision_sensitive"}),
-                doc="scaled dot-product attention softmax(q k^T * scale + mask) v; mask bool (keep) or additive",
+                doc="scaled dot-product attention softmax(q k^T * scale + mask) v; mask bool (keep) or additive; "
+                    "a row attending no key is 0 as in torch, NaN under nan_empty_rows (a decomposed softmax's answer)",
                 samples=lambda: [Sample(randn((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))),
                                  Sample(randn((1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8)), {"is_causal": True}),
                                  Sample(lambda g: [torch.randn(2, 2, 4, 8, generator=g), torch.randn(2, 2, 4, 8, generator=g),
                                                    torch.randn(2, 2, 4, 8, generator=g),
                                                    torch.tensor([True, True, False, True]).reshape(1, 1, 1, 4)
-                                                   .expand(2, 1, 1, 4).clone()], {"scale": 0.3})], padding="attention"))
+                                                   .expand(2, 1, 1, 4).clone()], {"scale": 0.3}),
+                                 Sample(lambda g: [torch.randn(2, 2, 3, 8, generator=g), torch.randn(2, 2, 4, 8, generator=g),
+                                                   torch.randn(2, 2, 4, 8, generator=g),
+                                                   torch.tensor([[True] * 4, [False] * 4, [True, False, False, True]])
+                                                   .reshape(1, 1, 3, 4)], {"nan_empty_rows": True})],
+                padding="attention"))
 
 
 def _conv_t_infer(ins, a):

@@ -320,7 +320,10 @@ def test_aten_fallback_round_trips(op):
     for i, s in _cases(op):
         g, feeds, (case,) = _graph([(op, i, s)], groups=False)
         types = [g.type_of(o) for o in case.outputs]
-        target, args, kwargs = aten_call(op, s.attrs, [g.type_of(x) for x in case.inputs])
+        call = aten_call(op, s.attrs, [g.type_of(x) for x in case.inputs])
+        if call is None:             # attributes no single ATen call computes (sdpa's nan_empty_rows)
+            continue
+        target, args, kwargs = call
         attrs = {"target": target, "args": args, "kwargs": kwargs}
         with torch.inference_mode():
             raw = run_fallback([t.clone() for t in case.ins], attrs, {})

@@ -47,7 +47,7 @@ void task(const float* __restrict q, const float* __restrict k, const float* __r
     kend = ext;
   }
   if (kend == 0) {   // no row of the block attends any key: torch returns zeros
-    for (long x = 0; x < nrows * E; ++x) op[x] = 0.0f;
+    for (long x = 0; x < nrows * E; ++x) op[x] = EMPTY_NAN ? GM_NAN : 0.0f;
     return;
   }
   if (*cached != bh) {
@@ -75,7 +75,7 @@ void task(const float* __restrict q, const float* __restrict k, const float* __r
     if (!(mx > -GM_INF)) {   // no attended key (or only NaN scores): 0 like torch, NaN if a NaN
       bool nan = false;
       for (long j = 0; j < kend; ++j) { nan |= sr[j] != sr[j]; sr[j] = 0.0f; }
-      rs[r] = nan ? GM_NAN : 0.0f;
+      rs[r] = nan || EMPTY_NAN ? GM_NAN : 0.0f;
       continue;
     }
     for (long j = kend; j < kend16; ++j) sr[j] = -GM_INF;

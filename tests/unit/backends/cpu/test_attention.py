@@ -24,6 +24,7 @@ from graphmode.backends.cpu.build import DEFAULT_FLAGS, KernelBuilder
 from graphmode.backends.cpu.kernels import run_with_tensors
 from graphmode.backends.cpu.catalog import native_source
 from graphmode.backends.cpu.lowering import NATIVE, ops_in
+from graphmode.ir.ops import OPS
 from graphmode.verify.numerics import rel_l2
 
 _PROBE = KernelBuilder(Path(tempfile.gettempdir()) / "graphmode-test-probe")
@@ -59,6 +60,7 @@ class Case:
     mask: torch.Tensor | None = None
     causal: bool = False
     scale: float | None = None
+    nan_empty: bool = False           # the IR op's nan_empty_rows (an sdpa the attention pass made)
 
     @property
     def ins(self):
@@ -70,7 +72,7 @@ class Case:
 
     @property
     def attrs(self):
-        return {"is_causal": self.causal, "scale": self.scale}
+        return {"is_causal": self.causal, "scale": self.scale} | ({"nan_empty_rows": True} if self.nan_empty else {})
 
     def ref(self):
         return F.scaled_dot_product_attention(self.q, self.k, self.v, attn_mask=self.mask, is_causal=self.causal,
@@ -151,6 +153,9 @@ def _nan_cases() -> list[Case]:
 
 
 NAN_CASES = _nan_cases()
+# the dead-row cases again as the attention pass makes them from a softmax written out: NaN rows
+EMPTY_NAN_CASES = [Case(c.name + "_empty_nan", c.q, c.k, c.v, c.mask, c.causal, c.scale, nan_empty=True)
+                   for c in CASES if c.name in ("bool_2d_rows_masked", "f32_2d_rows_neg_inf", "masked_query_block")]
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +163,7 @@ def built(tmp_path_factory):
     if not _PROBE.compiler_available():
         pytest.skip("no C++ compiler")
     builder = KernelBuilder(tmp_path_factory.mktemp("kcache"), threads=2)
-    sources = {c.name: c.source() for c in CASES + NAN_CASES}
+    sources = {c.name: c.source() for c in CASES + NAN_CASES + EMPTY_NAN_CASES}
     assert all(s is not None for s in sources.values()), [n for n, s in sources.items() if s is None]
     return sources, builder.build_many(list(sources.values()))
 
@@ -192,6 +197,23 @@ def test_fully_masked_rows_are_zero_like_torch(built):
             assert dead.nonzero().flatten().tolist() == rows
         assert dead.any()
         assert (ref[..., dead, :] == 0).all() and (got[..., dead, :] == 0).all()
+
+
+@needs_cxx
+def test_empty_rows_are_nan_where_the_softmax_was_written_out(built):
+    """`nan_empty_rows`: a row attending no key is NaN, as `softmax(masked scores) @ v` gives in
+    eager (torch's sdpa gives 0); the kernel agrees with the op's reference and with the
+    decomposed softmax row for row, also where a whole query block is dead."""
+    sources, kernels = built
+    for case in EMPTY_NAN_CASES:
+        got = _run(case, sources[case.name], kernels)
+        (ref,) = OPS["sdpa"].ref(case.ins, case.attrs, {})
+        s = (case.q @ case.k.transpose(-2, -1)) * (case.scale or case.q.shape[-1] ** -0.5)
+        s = s.masked_fill(~case.mask, NEG) if case.mask.dtype == torch.bool else s + case.mask
+        eager = s.softmax(-1) @ case.v
+        dead = torch.isnan(eager)
+        assert dead.any() and torch.equal(torch.isnan(got), dead) and torch.equal(torch.isnan(ref), dead), case.name
+        assert (got[~dead] - eager[~dead]).abs().max() < 1e-5 and (ref[~dead] - eager[~dead]).abs().max() < 1e-5
 
 
 @needs_cxx
