@@ -246,7 +246,8 @@ def gather(call: OpCall) -> Claim:
                 f"else {{ dst[{pos}] = 0; __atomic_fetch_add(&@SYM@_bad, 1L, __ATOMIC_RELAXED); }}"]
         par = y.numel() >= COPY_PAR_ELEMS
         lines += loop_nest([(v, int(n), 1) for v, n in zip(names, idx.shape)], body, par=par)
-        return finish("gather", call, lines, pre=status_export("@SYM@_bad"), parallel=par, status="index out of range",
+        return finish("gather", call, lines, pre=status_export("@SYM@_bad"), parallel=par,
+                      status=f"index out of range: dim {dim} takes 0 to {size - 1}",
                       pattern=f"gather {shape_text(x)} dim{dim} {shape_text(idx)}")
     return claimed(make)
 
@@ -278,7 +279,8 @@ def index_select(call: OpCall) -> Claim:
         par = y.numel() >= COPY_PAR_ELEMS and pre * n > 1
         lines += loop_nest([("p", pre, 1), ("b", n, 1)], body, par=par)
         return finish("index_select", call, lines, pre=status_export("@SYM@_bad"), parallel=par,
-                      status="index out of range", pattern=f"index_select {shape_text(x)} dim{dim} [{n}]")
+                      status=f"index out of range: dim {dim} takes 0 to {size - 1}",
+                      pattern=f"index_select {shape_text(x)} dim{dim} [{n}]")
     return claimed(make)
 
 

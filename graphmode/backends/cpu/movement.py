@@ -225,7 +225,9 @@ def _index(call: OpCall, dims: list[int], bshape: list[int], pre_shape: list[int
     par = y.numel() >= COPY_PAR_ELEMS and npre * nb > 1
     lines += loop_nest([("p", npre, 1), ("b", nb, 1)], body, par=par)
     return finish("index", call, lines, pre=status_export("@SYM@_bad"), parallel=par,
-                  pattern=f"index {shape_text(x)} dims{dims} -> {shape_text(y)}", status="index out of range")
+                  pattern=f"index {shape_text(x)} dims{dims} -> {shape_text(y)}",
+                  status="index out of range: dims " + ", ".join(f"{d} take {-int(x.shape[d])} to {int(x.shape[d]) - 1}"
+                                                                 for d in dims))
 
 
 # ------------------------------------------------------------------------- small elementwise
