@@ -117,8 +117,9 @@ def _static_infer(op: str):
         for t in ins:
             if not all(isinstance(d, int) for d in t.shape):
                 raise IRError(f"{op} with a symbolic dim in input {t.text()}: its output types are derived "
-                              "for static shapes only", fix="keep the op as an eager island (hybrid mode), or "
-                                                            "make the dim static in the recipe")
+                              "for static shapes only",
+                              fix="make that dim static in the recipe (one value); a PyTorch model can instead keep "
+                                  "the op in eager under exe_mode: hybrid (an ONNX model has no eager module)")
         return _types(op, [_meta(t, t.shape) for t in ins], attrs)
     return infer
 
