@@ -37,7 +37,12 @@ def checked_capture(model: Any, recipe: Recipe | str | Path, mode: str | None = 
 
 def capture(model: Any, recipe: Recipe | str | Path) -> tuple[Graph, CaptureReport, ModelSource]:
     """Model -> IR graph with the recipe's dynamic dims and capture include/exclude lists."""
+    from graphmode.errors import RecipeErrors
+    from graphmode.recipe.shape_checks import shape_errors
     recipe = as_recipe(recipe)
+    errors = shape_errors(recipe)
+    if errors:                       # before the model is loaded: export would blame the model
+        raise RecipeErrors(errors)
     src = resolve_model(model, recipe)
     dims = src.capture_dims or {d: recipe.dim_range(d) for d in recipe.dims}
     if src.onnx_path is not None:

@@ -214,4 +214,13 @@ def _pad_problem(dtype: str, v: int | float) -> tuple[str, str] | None:
     return None
 
 
-__all__ = ["check_dims", "check_inputs"]
+def shape_errors(recipe: Any) -> list[RecipeError]:
+    """The dims' and inputs' own problems (no target, no model): what capture checks first, as
+    it exports the model with the dims' ranges (a min above max read as the model's fault)."""
+    f = Findings(recipe, None)
+    check_dims(f)
+    check_inputs(f)
+    return f.errors
+
+
+__all__ = ["check_dims", "check_inputs", "shape_errors"]

@@ -231,6 +231,15 @@ def test_recipe_init_dim_goes_on_an_axis_the_model_fixed():
     assert "@INPUT:AXIS" in e.value.fix
 
 
+def test_a_recipe_whose_dims_are_wrong_is_refused_by_field_before_the_model_is_exported():
+    """A dim with min above max reached torch.export, whose complaint blamed the model."""
+    r = {"version": 1, "name": "minmax", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16]}],
+         "dims": {"batch": {"min": 8, "max": 4}}}
+    with pytest.raises(graphmode.errors.RecipeErrors) as e:
+        graphmode.compile(bundle_from_module(MLP().eval(), {"x": torch.randn(2, 16)}, {"x": ["batch", None]}), r)
+    assert [(x.where, x.value) for x in e.value.errors] == [("dims.batch.max", 4)] and "max >= 8" in e.value.render()
+
+
 def test_an_hf_encoder_compiles_as_loaded_and_returns_its_model_output():
     import transformers as T
     torch.manual_seed(0)
