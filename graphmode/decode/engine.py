@@ -148,8 +148,9 @@ def _shape(recipe: Any, cfg: dict[str, Any]) -> tuple[KVLayout, int | None, tupl
         raise RecipeError(f"the model attends over a sliding window of {window} tokens, which graphmode's paged "
                           f"attention does not apply, and a sequence may hold {longest}", where=
                           "memory.kv_cache.max_pages_per_seq", value=layout.max_pages_per_seq,
-                          fix=f"max_pages_per_seq at most {window // layout.page_size} (sequences within the window "
-                              "decode exactly)")
+                          fix=(f"max_pages_per_seq at most {window // layout.page_size}" if window >= layout.page_size
+                               else f"page_size at most {1 << (window.bit_length() - 1)} with pages that hold at most "
+                                    f"{window} tokens") + " (sequences within the window decode exactly)")
     min_prompt, max_prompt = dims[sd]
     if context is not None and max_prompt + 1 > context:
         raise RecipeError(f"dims.{sd} admits prompts of {max_prompt} tokens, but the model has "

@@ -348,6 +348,12 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
                                     "fixed, so this draft compiles its forward pass at that shape; for decoding, "
                                     "pass the model itself or add --dim batch=1:4 --dim seq=1:512")
     low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)   # the budget does not change it
+    if "kv_cache" in data["memory"] and not _attends_as_sdpa(low.graph):
+        del data["memory"]["kv_cache"]        # decoding puts each sdpa on the cache: there is none to put
+        notes["memory.kv_cache"] = (f"none: {type(lm).__name__}'s attention does not capture as one sdpa (soft-capped "
+                                    "or otherwise rewritten logits), which decoding on a KV cache needs; this draft "
+                                    "compiles its forward pass")
+        low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)
     graph = low.graph
     if memory_mb is not None:
         data["memory"]["budget_mb"] = memory_mb
@@ -546,18 +552,32 @@ def _memory_need(data: dict, notes: dict, graph: Any, target: Any) -> None:
                                  f"{recipe.memory.weight_growth:g}x the weights, what tactic selection may use)")
 
 
+def _attends_as_sdpa(graph: Any) -> bool:
+    return any(n.op == "sdpa" or (n.body is not None and _attends_as_sdpa(n.body)) for n in graph.nodes)
+
+
 def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int]]) -> None:
     """memory.kv_cache of a causal LM from its config: its layers, KV heads and head dim, pages
     enough for the longest sequence the dims admit."""
     from graphmode.decode.lm import lm_config
     cfg = lm_config(lm)
     context = ranges.get("seq", (1, (cfg["context"] or DECODER_CONTEXT) - 1))[1] + 1   # the longest prompt + a token
-    data["memory"]["kv_cache"] = {"page_size": KV_PAGE, "max_pages_per_seq": math.ceil(context / KV_PAGE),
+    window = cfg.get("sliding_window")
+    if window is not None and context > window:
+        # the paged attention attends every cached token; decoding past the window is refused
+        notes["memory.kv_cache"] = (f"none: {type(lm).__name__} attends over a sliding window of {window} tokens, "
+                                    f"which graphmode's paged attention does not apply, and prompts of the seq range "
+                                    f"make sequences of {context}; for decoding, give --dim seq=1:{window - 1}")
+        return
+    page = KV_PAGE
+    while window is not None and page > 1 and math.ceil(context / page) * page > window:
+        page //= 2                   # every page of a sequence within the window
+    data["memory"]["kv_cache"] = {"page_size": page, "max_pages_per_seq": math.ceil(context / page),
                                   "dtype": "f32", "layers": cfg["layers"], "kv_heads": cfg["kv_heads"],
                                   "head_dim": cfg["head_dim"]}
     notes["memory.kv_cache"] = (f"a causal LM ({type(lm).__name__}): layers, KV heads and head dim from its config, "
-                                f"{KV_PAGE}-token pages for up to {context} tokens a sequence (`generate` and "
-                                "`serve` decode with it)")
+                                f"{page}-token pages for up to {context} tokens a sequence (`generate` and "
+                                "`serve` decode with it)" + (f"; within its sliding window of {window}" if window else ""))
 
 
 def _sla(data: dict, notes: dict, p99_ms: float | None, ratio: float | None) -> None:

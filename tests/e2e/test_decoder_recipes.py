@@ -81,3 +81,23 @@ def test_pages_for_more_tokens_than_the_model_has_positions_bound_the_answer_by_
     with pytest.raises(ContractViolation, match="exceed the model's 64 positions") as e:
         small.add([5, 6, 7], SamplingParams(max_new_tokens=100))
     assert "at most 45 new tokens" in e.value.fix                # not 61: the pages hold 48
+
+
+def test_a_draft_for_a_sliding_window_model_keeps_its_sequences_within_the_window_or_drafts_no_cache(tmp_path):
+    """`recipe init` drafted 16-token pages for a model with an 8-token window: a decoder recipe
+    every entry point then refused, whatever max_pages_per_seq (the fix said 'at most 0')."""
+    from graphmode.kb.draft import draft_recipe
+    lm = _mistral()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        past = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 20)}, kb_path=None)
+        within = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None)
+    assert "kv_cache" not in past.data["memory"] and "--dim seq=1:7" in past.notes["memory.kv_cache"]
+    kv = within.data["memory"]["kv_cache"]
+    assert kv["page_size"] * kv["max_pages_per_seq"] <= 8 and kv["page_size"] * kv["max_pages_per_seq"] >= 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(lm, within.recipe, cache_dir=tmp_path)
+        ids = torch.tensor([PROMPT])
+        ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        assert torch.equal(cm.generate(ids, max_new_tokens=2), ref)
