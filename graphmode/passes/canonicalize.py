@@ -12,6 +12,12 @@ collapse in one sweep):
   only when the result has exactly x's type (so broadcasting or type promotion by the
   constant keeps the node), and only for `const` literals: a `param` that happens to be
   zero today (a freshly initialised bias) is data, not program structure.
+- a product by a constant matrix is a `linear`, whatever way the model wrote it:
+  `matmul(x, permute(W, [1, 0]))` (Falcon's `x @ self.weight.T`) -> `linear(x, W)`, and
+  `matmul(x, W)` -> `linear(x, permute(W))` (constant_fold stores W^T); then
+  `add(linear(x, W), b)` with a 1-d constant bias of the output's width -> `linear(x, W, b)`.
+  Weight-only precision, linear merging, tensor-parallel sharding and the GEMM tactics all
+  work on `linear`: a matmul by a weight was left f32 under `precision.weights: int8`.
 
 "Same type" is `TensorType.matches` (dtype, symbolic dims and layout), so rules hold on
 symbolic shapes. Nodes a rule leaves unused (the inner reshape of a chain) stay for `dce`.
@@ -21,6 +27,7 @@ engine renames the value that replaces it, or keeps the node: `kept_for_output`)
 from __future__ import annotations
 
 from graphmode.ir.graph import Graph
+from graphmode.ir.types import FLOAT_DTYPES, same_dims
 from graphmode.passes.base import PassContext, PassResult, register_pass
 from graphmode.passes.pattern import Match, Pat
 from graphmode.passes.rewrite import Rewriter, Rule, RuleSet, rewrite_graph
@@ -72,7 +79,38 @@ def _algebra(op: str, value: float, commute: bool) -> Rule:
     return Rule(f"{op}_{value}", pat, _source)
 
 
+def _by_matrix(m: Match) -> bool:
+    """x [.., in] times a 2-d constant of x's float dtype: what linear computes."""
+    x, w = m.type("x"), m.type("w")
+    return m.role("w") in ("param", "const") and w.rank == 2 and x.rank >= 2 and x.dtype == w.dtype and \
+        x.dtype in FLOAT_DTYPES
+
+
+def _linear_of_transposed(rw: Rewriter, m: Match) -> str:
+    return rw.add("linear", [m["x"], m["w"]])
+
+
+def _linear_of_matrix(rw: Rewriter, m: Match) -> str:
+    wt = rw.add("permute", [m["w"]], {"perm": [1, 0]}, name=rw.fresh(f"{m['w']}_t"))
+    return rw.add("linear", [m["x"], wt])
+
+
+def _bias_of_width(m: Match) -> bool:
+    lin, b = m.type("lin"), m.type("b")
+    return len(m.node("lin").inputs) == 2 and b.rank == 1 and b.dtype == lin.dtype and \
+        m.type("root").matches(lin) and same_dims(b.shape, lin.shape[-1:])
+
+
+_TRANSPOSED = Pat("permute", Pat.const("w"), name="wt", where=lambda m: list(m.node("wt").attrs["perm"]) == [1, 0])
+
 RULES = RuleSet([
+    Rule("linear_of_transposed", Pat("matmul", Pat.var("x"), _TRANSPOSED, name="root", where=_by_matrix),
+         _linear_of_transposed),
+    Rule("linear_of_matrix", Pat("matmul", Pat.var("x"), Pat.const("w"), name="root", where=_by_matrix),
+         _linear_of_matrix),
+    Rule("linear_bias", Pat("add", Pat("linear", Pat.var("x"), Pat.var("w"), name="lin", single_use=True),
+                            Pat.const("b"), commute=True, name="root", where=_bias_of_width),
+         lambda rw, m: rw.add("linear", [m["x"], m["w"], m["b"]])),
     Rule("identity", Pat("identity", Pat.var("x")), _source),
     Rule("cast_noop", _noop("cast"), _source),
     Rule("reshape_noop", _noop("reshape", through="reshape"), _source),

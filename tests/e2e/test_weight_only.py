@@ -113,3 +113,37 @@ def test_top1_counts_only_confident_flips():
     (bad,) = compare_outputs(["logits"], [far], [want], weights="int8")
     (hidden,) = compare_outputs(["hidden"], [far], [want], weights="int8")    # not logits: the error bound only
     assert ok.ok and not bad.ok and bad.rel_l2 < WEIGHT_ONLY["int8"] and hidden.ok and not hidden.judge_top1
+
+
+class _TransposedLinear(torch.nn.Linear):
+    """Falcon's FalconLinear: `x @ self.weight.T + self.bias`, captured as matmul + add."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class _ByMatrix(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.w = _TransposedLinear(32, 64), torch.nn.Parameter(torch.randn(64, 16) / 8)
+
+    def forward(self, x):
+        return torch.relu(self.a(x)) @ self.w
+
+
+@pytest.mark.parametrize("wd", ["int8", "bf16"])
+def test_weights_a_model_multiplies_by_directly_are_narrowed_too(wd, tmp_path):
+    """Under int8 a Falcon model kept every projection f32 (only its LM head, an nn.Linear, was
+    narrowed), silently: a product by a weight matrix is now a linear like any other."""
+    torch.manual_seed(0)
+    model = _ByMatrix().eval()
+    x = torch.randn(2, 5, 32)
+    r = {"version": 1, "name": "by-matrix", "precision": {"weights": wd},
+         "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 5, 32]}], "dims": {"batch": {"buckets": [2]}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile((model, (x,), {"x": ["batch", 5, 32]}), r, cache_dir=tmp_path)
+    ops = [n.op for n in cm.graph.nodes]
+    assert ops.count("qlinear") == 2 and "matmul" not in ops
+    with torch.no_grad():
+        assert rel_l2(cm(x), model(x)) < WEIGHT_ONLY[wd]

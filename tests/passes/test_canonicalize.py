@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from graphmode.ir import interpret, parse_graph
+from graphmode.ir.graph import constant_digest
 from graphmode.passes import PASSES, PassContext
 
 
@@ -101,6 +102,39 @@ graph @t(%x: f32[b,s,4], %i: i64[b,s]) -> (%o1, %o2, %o3, %o4, %o5) {
     assert res.stats["mul_1"] == 1 and res.stats["add_0"] == 1 and res.stats["div_1"] == 1
     ops = [n.op for n in res.graph.nodes]
     assert ops.count("add") == 2 and ops.count("mul") == 1
+
+
+def test_products_by_a_constant_matrix_become_linears(golden):
+    """Falcon's `x @ self.weight.T + self.bias` and a custom `x @ self.W` are linears (a bias of
+    the output's width folds in): weight-only precision and the GEMM passes see them. A product
+    by an activation, a broadcasting add and a bias of another width stay."""
+    g = torch.Generator().manual_seed(0)
+    consts = {k: torch.randn(*shape, generator=g) for k, shape in
+              (("w", (3, 4)), ("b", (3,)), ("m", (4, 3)), ("c", (1, 1, 3)), ("b2", (1,)))}
+    d = {k: constant_digest(t) for k, t in consts.items()}
+    res = run_case(golden, "linear_forms", f"""
+graph @t(%x: f32[b,s,4], %y: f32[b,4,3]) -> (%o1, %o2, %o3, %o4, %o5) {{
+  param %w: f32[3,4] #{d["w"]}
+  param %b: f32[3] #{d["b"]}
+  param %m: f32[4,3] #{d["m"]}
+  param %c: f32[1,1,3] #{d["c"]}
+  param %b2: f32[1] #{d["b2"]}
+  %wt: f32[4,3] = permute(%w) {{"perm": [1, 0]}}
+  %mm: f32[b,s,3] = matmul(%x, %wt)
+  %o1: f32[b,s,3] = add(%mm, %b)
+  %mm2: f32[b,s,3] = matmul(%x, %m)
+  %o2: f32[b,s,3] = add(%b, %mm2)
+  %o3: f32[b,s,3] = matmul(%x, %y)
+  %mm4: f32[b,s,3] = matmul(%x, %m)
+  %o4: f32[b,s,3] = add(%mm4, %c)
+  %mm5: f32[b,s,3] = matmul(%x, %wt)
+  %o5: f32[b,s,3] = add(%mm5, %b2)
+  return %o1, %o2, %o3, %o4, %o5
+}}""", constants=consts)
+    assert res.stats == {"linear_of_transposed": 2, "linear_of_matrix": 2, "linear_bias": 2}
+    lin = [n for n in res.graph.nodes if n.op == "linear"]
+    assert sorted(len(n.inputs) for n in lin) == [2, 2, 3, 3]
+    assert [n.op for n in res.graph.nodes if n.outputs[0] == "o3"] == ["matmul"]
 
 
 def test_graph_output_names_kept(golden):
