@@ -36,10 +36,17 @@ def lm_config(lm: nn.Module) -> dict[str, Any]:
     heads = get("num_attention_heads", "n_head")
     hidden = get("hidden_size", "n_embd")
     return {"layers": get("num_hidden_layers", "n_layer"), "heads": heads,
-            "kv_heads": get("num_key_value_heads", default=heads),
+            "kv_heads": get("num_key_value_heads", default=1 if _multi_query(cfg) else heads),
             "head_dim": get("head_dim", default=hidden // heads if hidden and heads else None),
             "vocab": get("vocab_size"), "context": get("max_position_embeddings", "n_positions"),
             "eos": get("eos_token_id"), "pad": get("pad_token_id"), "sliding_window": sliding_window(cfg)}
+
+
+def _multi_query(cfg: Any) -> bool:
+    """One K/V head for every query head, said only by a flag: Falcon's original architecture
+    (falcon-7b/40b: `multi_query` without `new_decoder_architecture`, which expands K/V to
+    every head before attention)."""
+    return getattr(cfg, "multi_query", False) is True and not getattr(cfg, "new_decoder_architecture", False)
 
 
 def sliding_window(cfg: Any) -> int | None:
