@@ -296,6 +296,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
            ranges: dict[str, tuple[int, int]], bounded: bool) -> Draft:
     from graphmode.compiler import capture_model, relower, reprove
     from graphmode.kb.fingerprint import hardware_of, model_of, recipe_inputs
+    from graphmode.passes.to_paged import not_causal
     from graphmode.recipe import load_recipe
     from graphmode.recipe.targets import pick_target
 
@@ -348,11 +349,13 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
                                     "fixed, so this draft compiles its forward pass at that shape; for decoding, "
                                     "pass the model itself or add --dim batch=1:4 --dim seq=1:512")
     low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)   # the budget does not change it
-    if "kv_cache" in data["memory"] and not _attends_as_sdpa(low.graph):
-        del data["memory"]["kv_cache"]        # decoding puts each sdpa on the cache: there is none to put
-        notes["memory.kv_cache"] = (f"none: {type(lm).__name__}'s attention does not capture as one sdpa (soft-capped "
-                                    "or otherwise rewritten logits), which decoding on a KV cache needs; this draft "
-                                    "compiles its forward pass")
+    why_not = None if "kv_cache" not in data["memory"] else (
+        None if _attends_as_sdpa(low.graph) else "its attention does not capture as one sdpa (soft-capped or "
+                                                  "otherwise rewritten logits)") or not_causal(low.captured)
+    if why_not is not None:
+        del data["memory"]["kv_cache"]        # the decode engine would refuse it
+        notes["memory.kv_cache"] = (f"none: {type(lm).__name__} cannot decode on graphmode's KV cache: {why_not}; "
+                                    "this draft compiles its forward pass")
         low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)
     graph = low.graph
     if memory_mb is not None:

@@ -20,6 +20,7 @@ import torch
 
 from graphmode.errors import CaptureError, PassError
 from graphmode.ir.graph import Graph, Node
+from graphmode.ir.interpreter import interpret
 from graphmode.ir.types import DTYPES, TensorType, dim_str
 from graphmode.passes.base import PassContext, PassResult, register_pass
 
@@ -51,8 +52,75 @@ class PagedLM:
     head_dim: int
 
 
+CAUSAL_PROBE_SEQ = 8      # the prompt length each attention's mask is evaluated at (ALiBi shows from 2 tokens)
+
+
+def _masks_at(g: Graph, names: list[str], seq: int) -> dict[str, torch.Tensor]:
+    """The values `names` take for one sequence of `seq` tokens at positions 0.. (the graph's
+    i64 [batch, seq] inputs: `position_ids` counts, any other holds small token ids)."""
+    prod = _producers(g)
+    need: set[str] = set()
+    todo = list(names)
+    while todo:
+        n = prod.get(todo.pop())
+        if n is not None and n.outputs[0] not in need:
+            need.update(n.outputs)
+            todo.extend(n.inputs)
+    sub = g.clone(nodes=[n for n in g.nodes if n.outputs[0] in need])
+    sub.outputs = list(names)
+    pos = torch.arange(seq).unsqueeze(0)
+    feeds = {i: pos if i == "position_ids" else torch.ones_like(pos) if "mask" in i else (pos % 7 + 3)
+             for i in g.inputs}
+    return interpret(sub.prune_values(), feeds)
+
+
+def not_causal(g: Graph) -> str | None:
+    """Why the attention of an LM graph (inputs i64 [batch, seq]: ids, positions, a padding mask)
+    is not the causal attention the paged cache answers, or None. See `_refuse_non_causal`."""
+    if any(g.type_of(i).dtype != "i64" or g.type_of(i).rank != 2 for i in g.inputs):
+        return None                                     # not a token graph this probe can feed
+    try:
+        _refuse_non_causal(g, [n for n in g.nodes if n.op == "sdpa"])
+    except CaptureError as e:
+        return e.message
+    return None
+
+
+def _refuse_non_causal(g: Graph, attn: list[Node]) -> None:
+    """Every attention must attend causally and by nothing else: the paged attention applies the
+    causal mask and drops the sdpa's own. A mask holding more (ALiBi's position biases, a
+    bidirectional or chunked mask) or no mask without `is_causal` would be answered wrongly."""
+    seq = CAUSAL_PROBE_SEQ
+    dims = g.type_of(g.inputs[0]).shape
+    if not isinstance(dims[1], int):
+        seq = max(2, min(seq, g.dims.get(dim_str(dims[1]), (1, seq))[1]))
+    masks = [n.inputs[3] for n in attn if len(n.inputs) > 3]
+    values = _masks_at(g, masks, seq) if masks else {}
+    below = torch.ones(seq, seq, dtype=torch.bool).tril()
+    for layer, n in enumerate(attn):
+        causal = bool(n.attrs.get("is_causal", False))
+        if len(n.inputs) <= 3:
+            ok = causal
+        else:
+            m = values[n.inputs[3]]
+            if tuple(m.shape[-2:]) != (seq, seq):
+                ok = False                              # one row for every query: not causal
+            else:
+                m = m.reshape(-1, seq, seq)
+                kept = m if m.dtype == torch.bool else m == 0
+                dropped = ~m if m.dtype == torch.bool else m <= -1e4
+                ok = bool(kept[:, below].all()) and (causal or bool(dropped[:, ~below].all()))
+        if not ok:
+            raise CaptureError(f"attention layer {layer} ({n.outputs[0]}) attends by more than the causal mask "
+                               "(ALiBi position biases, a bidirectional, chunked or custom mask): graphmode's paged "
+                               "attention applies the causal mask only and would answer other tokens", where="model",
+                               fix="this architecture does not decode on graphmode's KV cache yet; compile its "
+                                   "forward pass (a recipe without memory.kv_cache)")
+
+
 def to_paged(g: Graph, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], max_pages: int) -> PagedLM:
     """The captured LM graph with every sdpa on the paged cache and the head at `last` only."""
+    _refuse_non_causal(g, [n for n in g.nodes if n.op == "sdpa"])
     out = g.clone()
     prod = _producers(out)
     batch = out.type_of(out.inputs[0]).shape[0]

@@ -119,3 +119,20 @@ def test_a_multi_query_falcon_drafts_one_kv_head_and_decodes_exactly(tmp_path):
         ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(cm.generate(ids, max_new_tokens=6), ref), ref.tolist()
     assert len(set(ref[0, len(PROMPT):].tolist())) > 1           # the tokens say something
+
+
+def test_attention_biased_by_position_is_refused_not_decoded_without_its_bias(tmp_path):
+    """Falcon with ALiBi adds its position biases in the sdpa's mask; the paged attention dropped
+    that mask and decoded other tokens (logits off by ~0.4), silently."""
+    from graphmode.errors import PassError
+    lm = _hf("FalconForCausalLM", "FalconConfig", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             alibi=True, multi_query=False, new_decoder_architecture=False, parallel_attn=False, bias=True,
+             vocab_size=100, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    rec = recipe("falcon-alibi", memory={"kv_cache": {"page_size": 4, "max_pages_per_seq": 4, "layers": 2,
+                                                      "kv_heads": 4, "head_dim": 8}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(lm, rec, cache_dir=tmp_path)
+        with pytest.raises(PassError, match="attends by more than the causal mask") as e:
+            cm.generate(torch.tensor([PROMPT]), max_new_tokens=2)
+    assert "without memory.kv_cache" in e.value.fix

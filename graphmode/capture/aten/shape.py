@@ -134,6 +134,22 @@ def _cat(imp, node, a):
     return True
 
 
+@converts("aten.stack.default")
+def _stack(imp, node, a):
+    """stack = each tensor with a unit axis at `dim`, concatenated there (GPT-J's rotary)."""
+    out = node.meta["val"]
+    dim = int(a.get("dim", 0)) % len(out.shape)
+    parts = []
+    for t in a["tensors"]:
+        x = imp.operand(t)
+        xt = imp.g.type_of(x)
+        shape = list(xt.shape[:dim]) + [1] + list(xt.shape[dim:])
+        p, = imp.g.add_node("reshape", [x], [xt.with_shape(tuple(shape))], {"shape": [imp.attr_dim(d) for d in shape]})
+        parts.append(p)
+    imp.emit(node, "concat", parts, {"dim": dim})
+    return True
+
+
 @converts("aten.sym_size.int")
 def _sym_size(imp, node, a):
     imp.env[node] = imp.dim(node.meta["val"])
