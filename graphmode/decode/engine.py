@@ -83,6 +83,11 @@ def decode_contract(recipe: Any) -> Any:
     return recipe.model_copy(update={"inputs": inputs, "outputs": {}, "optimize": optimize})
 
 
+def decode_mode(recipe: Any) -> str:
+    """graph, or hybrid where the recipe keeps ops without a lowering as eager islands (MoE routing)."""
+    return "hybrid" if recipe.exe_mode == "hybrid" else "graph"
+
+
 def lower_decoder(lm: torch.nn.Module, recipe: Any, target: Any = None, *, on_stage: OnStage | None = None,
                   rank: int = 0) -> Any:
     """The causal LM's paged graph through `compiler.lower_model` (a `Lowered`); `on_stage` hears
@@ -96,7 +101,7 @@ def lower_decoder(lm: torch.nn.Module, recipe: Any, target: Any = None, *, on_st
     src = ModelSource("lm", fwd, ex, {k: ["batch", "seq"] for k in ex}, masks_padding=True,
                       capture_dims={"batch": (max(1, dims["batch"][0]), max(2, dims["batch"][1])),
                                     "seq": (2, max(3, dims["seq"][1]))})
-    return lower_model(src, decode_contract(recipe), target, mode="graph", on_stage=on_stage, rank=rank)
+    return lower_model(src, decode_contract(recipe), target, mode=decode_mode(recipe), on_stage=on_stage, rank=rank)
 
 
 def prefix_caching(kv: Any, invariant: bool) -> bool:
@@ -201,7 +206,7 @@ class DecodeEngine:
                                          "decode on them), or parallel.tensor: 1 for one process")
         _shape(recipe, cfg)           # refused before the capture
         low = lower_decoder(lm, recipe, target, on_stage=on_stage, rank=rank)
-        cm = CompiledModel.from_lowered(low, recipe, target, mode="graph", cache_dir=cache_dir, threads=threads,
+        cm = CompiledModel.from_lowered(low, recipe, target, mode=decode_mode(recipe), cache_dir=cache_dir, threads=threads,
                                         on_stage=on_stage)
         cm.spill_constants()          # the transposed weights the passes made: the kernels pack their own
         return cls.over(cm, recipe, cfg, lowered=low)

@@ -136,3 +136,25 @@ def test_attention_biased_by_position_is_refused_not_decoded_without_its_bias(tm
         with pytest.raises(PassError, match="attends by more than the causal mask") as e:
             cm.generate(torch.tensor([PROMPT]), max_new_tokens=2)
     assert "without memory.kv_cache" in e.value.fix
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gptj"])
+def test_drafted_recipes_decode_families_with_islands_and_stacks_exactly(family, tmp_path):
+    """A mixture of experts routes tokens with ops graphmode runs as eager islands: its draft is
+    hybrid and decodes so (decoding forced graph mode, and the fix it named was the recipe's own
+    mode). GPT-J's rotary stacks its halves: torch.stack fell to an island, so it could not decode."""
+    from graphmode.kb.draft import draft_recipe
+    if family == "mixtral":
+        lm = _hf("MixtralForCausalLM", "MixtralConfig", **_DECODER, num_local_experts=4, num_experts_per_tok=2,
+                 sliding_window=None, initializer_range=0.3)
+    else:
+        lm = _hf("GPTJForCausalLM", "GPTJConfig", n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64,
+                 vocab_size=100, initializer_range=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None)
+        assert d.data["exe_mode"] == ("hybrid" if family == "mixtral" else "graph") and "kv_cache" in d.data["memory"]
+        cm = graphmode.compile(lm, d.recipe, cache_dir=tmp_path)
+        ids = torch.tensor([PROMPT, [9, 8, 7, 6, 5]])
+        ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(cm.generate(ids, max_new_tokens=5), ref), ref.tolist()

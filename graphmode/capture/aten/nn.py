@@ -114,11 +114,17 @@ def _cumsum(imp, node, a):
     x = _operand_as(imp, a)
     if x is None:
         return False
-    rank = imp.g.type_of(x).rank
-    if rank == 0:
+    xt = imp.g.type_of(x)
+    if xt.rank == 0:
         emit_on_rank1(imp, node, "cumsum", x, {"dim": 0})
-    else:
-        imp.emit(node, "cumsum", [x], {"dim": axis(a["dim"], rank)})
+        return True
+    attrs = {"dim": axis(a["dim"], xt.rank)}
+    acc, = OPS["cumsum"].infer([xt], attrs)
+    if a.get("dtype") is None or acc.dtype == xt.dtype:
+        imp.emit(node, "cumsum", [x], attrs)
+    else:       # cumsum(x, dtype=int32): the IR's op accumulates in i64, the same bits modulo 2**32
+        s, = imp.g.add_node("cumsum", [x], [acc], attrs)
+        imp.emit(node, "cast", [s], {"dtype": xt.dtype})
     return True
 
 

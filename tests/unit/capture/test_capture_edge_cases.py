@@ -61,6 +61,12 @@ CASES = {
     "argmin_flat_keepdim": (lambda x, y: torch.argmin(x * y, keepdim=True) + y, torch.randn(3, 4), torch.randn(4)),
     # cumsum with a dtype casts first (int64: the float input truncated, then summed)
     "cumsum_dtype": (lambda x, y: torch.cumsum(x * 4, 1, dtype=torch.int64) + y, torch.randn(3, 4), torch.randn(4)),
+    # ... to a narrower integer (Mixtral's routing counts): the result keeps that dtype
+    "cumsum_int32": (lambda x, y: torch.cumsum(x * 4, 1, dtype=torch.int32) + torch.cumsum(x > 0, 0, dtype=torch.int32)
+                     + y, torch.randn(3, 4), torch.randn(4)),
+    # torch.stack along a new middle and last dim (GPT-J's rotary)
+    "stack": (lambda x, y: torch.stack((-x[:, 1::2], x[:, ::2]), -1).flatten(-2) + torch.stack([x, x * y], 1).sum(1),
+              torch.randn(3, 4), torch.randn(4)),
     # matmul with 1-d operands: vector-matrix, matrix-vector, batched, dot
     "matmul_mv": (torch.matmul, torch.randn(3, 4), torch.randn(4)),
     "matmul_vm_batched": (torch.matmul, torch.randn(4), torch.randn(2, 4, 5)),
