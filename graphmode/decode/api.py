@@ -4,7 +4,7 @@
 Prompts come as transformers gives them: `input_ids` [batch, length] with an optional
 `attention_mask` (left or right padding, or none). The result is transformers' too: each
 row as it was given, followed by its new tokens; a row that finished early (end-of-sequence)
-is padded with `pad_token_id`. Each sequence is computed as if it ran alone (its own
+is padded with `pad_token_id` (the model config's, else its end-of-sequence id). Each sequence is computed as if it ran alone (its own
 positions from 0, its own pages), batched with the others at every step.
 """
 from __future__ import annotations
@@ -121,7 +121,8 @@ def generate(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tok
     for step in _steps(eng, prompts, params):
         for i, toks in step.items():
             new[i].extend(toks)
-    pad = pad_token_id if pad_token_id is not None else (min(params.eos) if params.eos else 0)
+    pad = next((p for p in (pad_token_id, eng.cfg.get("pad"), min(params.eos) if params.eos else None)
+                if p is not None), 0)     # as transformers: the config's pad token, else end-of-sequence
     width = max(len(n) for n in new)
     out = torch.full((ids.shape[0], ids.shape[1] + width), pad, dtype=ids.dtype)
     out[:, :ids.shape[1]] = ids

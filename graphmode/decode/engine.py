@@ -137,6 +137,16 @@ def _shape(recipe: Any, cfg: dict[str, Any]) -> tuple[KVLayout, int | None, tupl
     dims = {d: recipe.dim_range(d) for d in recipe.dims}
     kv = recipe.memory.kv_cache
     bd, sd = kv.batch_dim, kv.seq_dim
+    narrow = {op: d for op, d in recipe.precision.overrides.items() if d != "f32"}
+    if recipe.precision.compute != "f32" or narrow:
+        # the paged attention and its KV pools are f32 kernels; only the weights narrow (quantize_weights)
+        raise RecipeError("decoding computes in f32 (its paged attention and KV pools are f32 kernels): "
+                          f"precision.compute {recipe.precision.compute}"
+                          + (f", overrides {narrow}" if narrow else "") + " is for a forward pass",
+                          where="precision.compute" if not narrow else "precision.overrides",
+                          value=recipe.precision.compute if not narrow else narrow,
+                          fix="set precision.compute: f32 (and no narrower overrides); precision.weights: bf16, int8 "
+                              "or int4 narrows the weights decoding reads")
     if bd not in dims or sd not in dims:
         raise RecipeError(f"a decoder recipe needs dims {bd} and {sd}", where="dims",
                           fix=f"declare dims {bd} (sequences per step) and {sd} (prompt length), the "

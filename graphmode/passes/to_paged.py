@@ -21,6 +21,7 @@ import torch
 from graphmode.errors import CaptureError, PassError
 from graphmode.ir.graph import Graph, Node
 from graphmode.ir.interpreter import interpret
+from graphmode.ir.ops import get_op
 from graphmode.ir.types import DTYPES, TensorType, dim_str
 from graphmode.passes.base import PassContext, PassResult, register_pass
 
@@ -162,10 +163,29 @@ def to_paged(g: Graph, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
     return PagedLM(out, layer, int(kv_heads), int(head_dim))
 
 
+def _after_head(g: Graph, prod: dict[str, Node]) -> list[Node]:
+    """The elementwise nodes between the LM head and the logits, last first: a scale by a
+    constant (Granite's logits_scaling, Cohere's logit_scale) or a soft cap (tanh(x / c) * c)."""
+    chain: list[Node] = []
+    n = prod.get(g.outputs[0])
+    while n is not None and n.op != "linear":
+        if get_op(n.op).kind != "elementwise" or len(_data_inputs(g, n)) != 1 or len(n.outputs) != 1:
+            return []
+        chain.append(n)
+        n = prod.get(_data_inputs(g, n)[0])
+    return chain
+
+
+def _data_inputs(g: Graph, n: Node) -> list[str]:
+    return [i for i in n.inputs if not (i in g.constants and g.constants[i].numel() == 1)]
+
+
 def _head_at_last(g: Graph, last: str, batch) -> None:
-    """logits = head(hidden[b, last[b]]) instead of head(hidden) over every position."""
+    """logits = head(hidden[b, last[b]]) instead of head(hidden) over every position (and the
+    constant scale or soft cap after the head, on that one position)."""
     prod = _producers(g)
-    head = prod.get(g.outputs[0])
+    after = _after_head(g, prod)
+    head = prod.get(_data_inputs(g, after[-1])[0] if after else g.outputs[0])
     if head is None or head.op != "linear":
         raise CaptureError("the model's output is not a linear head over hidden states",
                            where="model", fix="decoding needs a causal LM whose logits come from a linear head")
@@ -179,11 +199,30 @@ def _head_at_last(g: Graph, last: str, batch) -> None:
     picked3, = g.add_node("reshape", [picked], [ht.with_shape((batch, 1, ht.shape[2]))],
                           {"shape": [b, 1, ht.shape[2]]})
     logits_t = g.type_of(g.outputs[0])
-    new = head.with_(inputs=(picked3,) + tuple(head.inputs[1:]), outputs=("logits",))
-    g.add_value("logits", logits_t.with_shape((batch, 1, logits_t.shape[2])), "output")
-    g.nodes.remove(head)
-    g.nodes.append(new)           # after the nodes that compute its new input
+    one = logits_t.with_shape((batch, 1, logits_t.shape[2]))
+    chain = [head] + after[::-1]          # head, then the elementwise nodes in order
+    prev = picked3
+    for k, n in enumerate(chain):
+        name = "logits" if k == len(chain) - 1 else g.fresh_name("logits_head")
+        ins = (picked3,) + tuple(n.inputs[1:]) if k == 0 else tuple(prev if i == chain[k - 1].outputs[0] else i
+                                                                       for i in n.inputs)
+        g.add_value(name, one.with_dtype(g.type_of(n.outputs[0]).dtype), "output" if name == "logits" else "intermediate")
+        g.nodes.remove(n)
+        g.nodes.append(n.with_(inputs=ins, outputs=(name,)))   # after the nodes that compute its new input
+        prev = name
     g.outputs = ["logits"]
+
+
+def _attention_as_sdpa(graph: Graph) -> Graph:
+    """The graph with each attention block written out as matmul -> softmax -> matmul turned
+    into one sdpa by the fuse pass's attention rules (after canonicalize drops the casts and
+    copies between them), so the paged attention can take its place."""
+    from graphmode.passes.attention import rules
+    from graphmode.passes.canonicalize import RULES
+    from graphmode.passes.rewrite import rewrite_graph
+    g, _ = rewrite_graph(graph, RULES)
+    g, _ = rewrite_graph(g, rules())
+    return g.clone().prune_values() if g is not graph else g
 
 
 @register_pass("to_paged")
@@ -196,6 +235,9 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
         raise PassError(f"unknown KV cache dtype {o.dtype!r}", where="memory.kv_cache.dtype", value=o.dtype,
                         fix=f"one of {', '.join(sorted(DTYPES))}")
     sdpa = [n for n in graph.nodes if n.op == "sdpa"]
+    if not sdpa:                  # attention written out (Gemma 2's eager attention): in sdpa form first
+        graph = _attention_as_sdpa(graph)
+        sdpa = [n for n in graph.nodes if n.op == "sdpa"]
     if not sdpa:
         raise CaptureError("the model has no attention (sdpa) to put on a KV cache", where="model",
                            fix="decoding needs a causal LM whose attention captures as sdpa")

@@ -158,3 +158,32 @@ def test_drafted_recipes_decode_families_with_islands_and_stacks_exactly(family,
         ids = torch.tensor([PROMPT, [9, 8, 7, 6, 5]])
         ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
         assert torch.equal(cm.generate(ids, max_new_tokens=5), ref), ref.tolist()
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere", "gemma2"])
+def test_logits_scaled_or_capped_after_the_head_decode_exactly(family, tmp_path):
+    """Granite divides its logits by logits_scaling, Cohere multiplies by logit_scale, Gemma 2
+    soft-caps them (tanh(x / c) * c): decoding refused them all ('the model's output is not a
+    linear head') after the draft had promised a KV cache."""
+    from graphmode.kb.draft import draft_recipe
+    cfg = {"granite": ("GraniteForCausalLM", "GraniteConfig", {"logits_scaling": 4.0}),
+           "cohere": ("CohereForCausalLM", "CohereConfig", {"logit_scale": 0.5}),
+           "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {"final_logit_softcapping": 3.0, "head_dim": 8,
+                                                            "attn_logit_softcapping": None, "sliding_window": 64})}
+    cls, conf, extra = cfg[family]
+    lm = _hf(cls, conf, **_DECODER, **extra, initializer_range=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None)
+        assert "kv_cache" in d.data["memory"], d.notes["memory.kv_cache"]
+        cm = graphmode.compile(lm, d.recipe, cache_dir=tmp_path)
+        ids = torch.tensor([PROMPT])
+        ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(cm.generate(ids, max_new_tokens=5), ref), ref.tolist()
+        out = lm(ids).logits[0, -1]
+        with torch.no_grad():
+            first = []
+            from graphmode.decode.api import engine_of
+            engine_of(cm).on_logits = lambda s, lg: first.append(lg.clone())
+            cm.generate(ids, max_new_tokens=1)
+        assert (first[0].reshape(-1) - out).abs().max() < 1e-4
