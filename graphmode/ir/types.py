@@ -60,6 +60,7 @@ def normalize_dim(d) -> Dim:
     if isinstance(d, str):
         return _parse_dim_text(d.strip())
     if isinstance(d, sympy.Basic):
+        d = _as_sympy_functions(d)
         e = sympy.expand(d) if not d.is_Symbol else d
         if e.is_Integer:
             return int(e)
@@ -70,6 +71,20 @@ def normalize_dim(d) -> Dim:
         return int(d)
     except (TypeError, ValueError):
         raise IRError(f"unsupported dim {d!r} of type {type(d).__name__}") from None
+
+
+_TORCH_DIVISIONS = {"FloorDiv": sympy.floor, "CeilDiv": sympy.ceiling}
+
+
+def _as_sympy_functions(d: sympy.Basic) -> sympy.Basic:
+    """torch.export's own sympy functions (FloorDiv, CeilDiv: a strided conv's or a pool's
+    output size) as sympy's floor / ceiling, so they compare equal to what the IR infers."""
+    def torchy(x) -> bool:
+        return type(x).__name__ in ("FloorDiv", "CeilDiv") and len(x.args) == 2
+
+    def plain(x):
+        return _TORCH_DIVISIONS[type(x).__name__](x.args[0] / x.args[1])
+    return d.replace(torchy, plain) if d.atoms(sympy.Function) else d
 
 
 def dim_str(d: Dim) -> str:

@@ -240,6 +240,20 @@ def test_a_recipe_whose_dims_are_wrong_is_refused_by_field_before_the_model_is_e
     assert [(x.where, x.value) for x in e.value.errors] == [("dims.batch.max", 4)] and "max >= 8" in e.value.render()
 
 
+@pytest.mark.parametrize("layer,shape", [(nn.Conv1d(1, 4, 10, stride=5), [2, 1, "n"]),
+                                         (nn.Conv2d(3, 4, 3, stride=2, padding=1), [1, 3, "n", 16]),
+                                         (nn.MaxPool2d(2), [1, 3, "n", 16])], ids=["conv1d", "conv2d", "pool"])
+def test_a_strided_window_over_a_dynamic_dim_compiles(layer, shape, tmp_path):
+    """Its output size is a floor division of the dim: torch's FloorDiv and sympy's floor were
+    compared as text, and canonicalize called the captured graph invalid ('a graphmode bug')."""
+    r = {"version": 1, "name": "strided", "inputs": [{"name": "input", "dtype": "f32", "shape": shape}],
+         "dims": {"n": {"buckets": [32, 64], "min": 16}}, "on_violation": "eager"}     # a window over padding
+    cm = graphmode.compile(layer.eval(), r, cache_dir=tmp_path)
+    x = torch.randn(*[64 if d == "n" else d for d in shape])
+    with torch.no_grad():
+        assert rel(cm(x), layer(x)) < 1e-5 and cm.last_path["path"] == "graph"
+
+
 def test_an_hf_encoder_compiles_as_loaded_and_returns_its_model_output():
     import transformers as T
     torch.manual_seed(0)
