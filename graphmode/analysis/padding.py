@@ -103,6 +103,7 @@ class _Analyzer:
             self.types.update({k: v.type for k, v in g.values.items()})
         self.padded = list(padded)
         self.masked: set[str] = set()      # dims made safe by masked logits (PaddingReport.masked)
+        self.cut = False                   # positions_independent: the real rows may come after padded ones
         self.pure: set[str] = set()        # values computed from the mask inputs and constants alone
         self.query_key: set[str] = set()   # dims a pure mask value has two padded axes along
         self.lo = dict(lo)
@@ -194,11 +195,12 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
                     locs: Mapping[str, str] | None = None, arbitrary: bool = False,
                     masks: Iterable[str] = ()) -> PaddingReport:
     """Per-dim verdict for padding the graph's inputs along `padded_dims` with `pad_values`.
-    `arbitrary`: the padded positions hold any values and a request may have no real position
-    at all (see `positions_independent`)."""
+    `arbitrary`: the padded positions hold any values, anywhere along the dim (not only after
+    the real ones), and a request may have no real position at all (see `positions_independent`)."""
     padded = [d for d in padded_dims]
     lo = {d: (0 if arbitrary and d in padded else r[0]) for d, r in graph.dims.items()}
     an = _Analyzer(graph, padded, lo, locs or {})
+    an.cut = arbitrary
     an.pure = {m for m in masks if m in graph.inputs}
     states: dict[str, State] = {}
     for name in graph.inputs:
@@ -241,10 +243,12 @@ def positions_independent(graph: Graph, dim: str) -> bool:
     """Whether every output position along `dim` is computed from the inputs at that position
     alone (a batch whose rows never meet), so a request may be cut along `dim` into smaller
     buckets and its outputs concatenated. Proved as padding safety of `dim` where the padded
-    positions hold arbitrary values and no position need be real: any op that reads across
-    the dim — a reduction or contraction over it, a gather, a shift, a slice of fixed
-    positions, a sum over padding that only zeros make harmless — then reads a position it
-    knows nothing about and taints the dim."""
+    positions hold arbitrary values, before the real ones as well as after (a later piece's
+    rows come after an earlier piece's), and no position need be real: any op that reads
+    across the dim — a reduction or contraction over it, a gather, a shift, a slice of fixed
+    positions, a sum over padding that only zeros make harmless, a prefix scan or causal
+    attention along it (safe for padding at the end, not for a cut) — then reads a position
+    it knows nothing about and taints the dim."""
     if dim not in graph.dims:
         return False
     return analyze_padding(graph, {}, [dim], arbitrary=True).dims[dim].safe

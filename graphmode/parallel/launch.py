@@ -110,6 +110,10 @@ def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any,
             "collectives": driver.collectives(g) if g else ()}
     if rank == 0 and recipe.memory.kv_cache is None and hasattr(cm, "bounds"):
         info["input_bounds"] = cm.bounds()    # the whole model's tables: a caller checks requests with them
+        from graphmode.analysis.padding import positions_independent
+        bd = recipe.model.batch_dim if recipe.model is not None else "batch"
+        whole = getattr(cm, "captured_graph", None)
+        info["rows_independent"] = whole is not None and positions_independent(whole, bd)   # a server may merge
         info["output_names"] = list(getattr(cm, "output_names", []) or [])
         info["output_types"] = [(g.values[o].type.dtype, g.values[o].type.shape) for o in g.outputs] if g else []
     return cm, comm, info
@@ -241,6 +245,7 @@ class TensorParallelModel:
         self.last_comm: list[dict] = []      # per rank, after the last call: collectives, bytes, seconds
         self.last_path: dict = {}
         self.input_bounds: tuple | None = None   # rank 0's request checks (runtime/bounds.py), once started
+        self.rows_independent = False            # rank 0's: requests may be merged along the batch dim
         self.threads: int | None = None          # each rank's, once started
         self.output_names: list[str] = []        # rank 0's (a saved group's source has none of its own)
         self.output_types: list[tuple] = []      # rank 0's (dtype, shape) per output: what KServe metadata lists
@@ -266,6 +271,7 @@ class TensorParallelModel:
         self.ranks = [dict(i) for i in infos]
         first = self.ranks[0]
         self.collectives, self.input_bounds = first.pop("collectives", ()), first.pop("input_bounds", None)
+        self.rows_independent = bool(first.pop("rows_independent", False))
         self.output_names, self.output_types = first.pop("output_names", []), first.pop("output_types", [])
         for r in self.ranks[1:]:
             r.pop("collectives", None)

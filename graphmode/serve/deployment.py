@@ -51,6 +51,7 @@ class Deployment:
             if max_batch is not None:
                 self.max_rows = max(1, min(self.max_rows, max_batch))
         self._outputs: tuple[list[str], list[list[str | None]]] | None = None
+        self._independent: bool | None = None
 
     @property
     def output_names(self) -> list[str]:
@@ -107,7 +108,7 @@ class Deployment:
             # its own masked positions: not merged with others, and run unpadded (runtime/shaping.py)
             return Pending(self, bound, dims, rows, alone=True)
         if cm.mode == "eager":
-            return Pending(self, bound, dims, rows, alone=self.batch_dim is None)
+            return Pending(self, bound, dims, rows, alone=not self.merges)
         if cm.bucket_for(dims) is None:
             if self.recipe.on_violation == "eager" and cm.source.module is not None:
                 return Pending(self, bound, dims, rows, alone=True)   # the runtime counts it
@@ -118,7 +119,23 @@ class Deployment:
             raise ContractViolation(f"{self.batch_dim} = {rows} is more than the server's --max-batch "
                                     f"{self.max_rows}", where=f"dims.{self.batch_dim}", value=rows,
                                     fix=f"split the request into parts of at most {self.max_rows} rows")
-        return Pending(self, bound, dims, rows, alone=self.batch_dim is None)
+        return Pending(self, bound, dims, rows, alone=not self.merges)
+
+    @property
+    def merges(self) -> bool:
+        """Whether requests may be merged along the batch dim: only where the model's rows never
+        meet (analysis.padding.positions_independent). `x - x.sum(0)`, a prefix scan or a
+        sequence-first encoder whose leading dim is called batch would answer each request
+        with the others' rows in it."""
+        if self.batch_dim is None:
+            return False
+        if self._independent is None:
+            from graphmode.analysis.padding import positions_independent
+            told = getattr(self.cm, "rows_independent", None)        # a rank group's rank 0 judged it
+            graph = getattr(self.cm, "captured_graph", None) if told is None else None
+            self._independent = bool(told) if told is not None else (
+                graph is not None and positions_independent(graph, self.batch_dim))
+        return self._independent
 
     def flatten(self, out: Any) -> list[torch.Tensor]:
         return [t for t in pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]

@@ -614,6 +614,42 @@ def test_minilm_requests_of_different_lengths_batch_and_match_eager(bundle, tmp_
         assert rel_l2(torch.tensor(r["outputs"]["pooler_output"]), ref[1]) < 1e-4
 
 
+class _RowsMeet(torch.nn.Module):
+    """Each row minus the sum of every row: a request's answer depends on the rows beside it."""
+
+    def forward(self, x):
+        return x - x.sum(0)
+
+
+def test_requests_are_not_merged_where_the_models_rows_meet(tmp_path_factory):
+    """Merging two requests along batch gave each the other's rows in its answer (40 of 40
+    concurrent answers wrong); the server merges only where the rows never meet
+    (analysis.padding.positions_independent)."""
+    from graphmode.capture.spec import bundle_from_module
+    b = bundle_from_module(_RowsMeet().eval(), {"x": torch.randn(2, 4)}, {"x": ["batch", 4]})
+    rec = {"version": 1, "name": "rows-meet", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 4]}],
+           "dims": {"batch": {"buckets": [1, 2, 4], "exact_plans": None}}, "targets": ["host"]}
+    server = ModelServer(b, rec, config=ServeConfig(batch_window_ms=300, cache_dir=serve_cache(tmp_path_factory)))
+    reqs = [torch.randn(1, 4), torch.randn(2, 4)]
+    with ServerThread(server) as running:
+        running.wait_ready(READY_S)
+        assert not running.server.current().merges
+        gate, res = threading.Barrier(2), [None, None]
+
+        def go(i: int) -> None:
+            with httpx.Client(base_url=running.url, timeout=EVENT_S) as cl:
+                gate.wait()
+                res[i] = cl.post("/v1/infer", json={"inputs": {"x": reqs[i].tolist()}}).json()
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(EVENT_S)
+    for x, r in zip(reqs, res):
+        assert r["batch"]["requests"] == 1 and rel_l2(torch.tensor(r["outputs"]["output"]), x - x.sum(0)) < 1e-6
+
+
 # ---- the command -----------------------------------------------------------------------------------------
 
 ADMIN_TOKEN = "test-admin-token-0123456789"

@@ -67,7 +67,7 @@ def sdpa(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
                                                    and isinstance(m.content.value, bool) else neg_huge(m.content))
             if covered:
                 an.masked.add(d)            # safe while each real query keeps a real unmasked key
-        if not covered and n.attrs.get("is_causal"):
+        if not covered and n.attrs.get("is_causal") and not an.cut:    # a later row reads the earlier ones
             qf = q.axes[-2].single
             covered = (qf is not None and qf.dim == d and qf.prefix and f.prefix
                        and same_dim(qf.extent, f.extent))

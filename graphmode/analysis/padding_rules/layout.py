@@ -156,7 +156,7 @@ def triangle(an, n: Node, x: State) -> State:
     k = n.attrs.get("diagonal", 0)
     axes = list(an.garbage(x.axes))
     r, c = x.axes[-2].single, x.axes[-1].single
-    if r is not None and c is not None and r.dim == c.dim and r.prefix and c.prefix:
+    if r is not None and c is not None and r.dim == c.dim and r.prefix and c.prefix and not an.cut:
         zero = const(False) if x.uniform is not UNKNOWN and isinstance(x.uniform, bool) else const(0.0)
         if n.op == "tril":           # keeps j <= i + k
             col = zero if k <= 0 else GARBAGE

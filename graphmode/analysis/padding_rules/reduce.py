@@ -73,8 +73,8 @@ def along(an, n: Node, x: State, taint: dict[str, Finding]) -> State:
     axes = list(an.garbage(x.axes))
     ax = x.axes[dim]
     for f in ax.padded:
-        if not masks:
-            ok = f.prefix and len(ax.factors) == 1
+        if not masks:                   # a scan reads every earlier position: no cut along it
+            ok = f.prefix and len(ax.factors) == 1 and not an.cut
             why = "scan over padded dim {d} whose padding is not at the end"
         else:
             ok = f.prefix and neg_huge(f.content)

@@ -34,6 +34,18 @@ class _FirstRow(_Rows):
         return y + y[0:1]
 
 
+class _Scan(_Rows):
+    """A prefix scan along the batch: padding at the end is safe, a cut is not (the second
+    piece's rows lose the first piece's); so is a seq-first causal encoder named `batch`."""
+
+    def forward(self, x):
+        return self.a(x).cumsum(0)
+
+
+def scan():
+    return _Scan().eval(), {"x": torch.randn(2, 16)}, {"x": ["batch", 16]}
+
+
 def rows():
     return _Rows().eval(), {"x": torch.randn(2, 16)}, {"x": ["batch", 16]}
 
@@ -104,12 +116,14 @@ def test_a_batch_of_3_runs_padded_and_split_and_matches_eager(tmp_path):
     assert cm.events["eager_choice"] == 0 and not cm.eager_candidate           # graph mode never runs eager
 
 
-def test_rows_that_meet_are_never_split(tmp_path):
-    cm = graphmode.compile(f"{HERE}:first_row", RECIPE, "host", cache_dir=tmp_path)
+@pytest.mark.parametrize("spec,cls", [("first_row", _FirstRow), ("scan", _Scan)])
+def test_rows_that_meet_are_never_split(spec, cls, tmp_path):
+    cm = graphmode.compile(f"{HERE}:{spec}", RECIPE, "host", cache_dir=tmp_path)
     assert cm.exact_dims == [] and not positions_independent(cm.graph, "batch")
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
-    ref = _FirstRow().eval()(x)
-    for _ in range(4):
+    with torch.no_grad():
+        ref = cls().eval()(x)
+    for _ in range(6):
         got = cm(x=x)
         got = got[0] if isinstance(got, (tuple, list)) else got
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6) and "split" not in cm.last_path
