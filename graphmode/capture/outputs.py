@@ -9,13 +9,16 @@ Key/value caches in an output (transformers' `DynamicCache` and friends) are lef
 flat list and come back as None.
 
 The spec is plain JSON (it is stored in `.gm` artifacts): {"t": "tensor"} | {"t": "none"} |
-{"t": "tuple" | "list", "items": [...]} | {"t": "dict", "keys": [...], "items": [...]} |
-{"t": "model_output", "class": "module.Class", "keys": [...], "items": [...]}.
+{"t": "tuple" | "list", "items": [...]} | {"t": "dict", "keys": [...], "items": [...][, "key_kind":
+"int"][, "ordered": true]} | {"t": "model_output" | "namedtuple", "class": "module.Class", "keys": [...],
+"items": [...]} | {"t": "structseq", "class": "torch.return_types.sort", "items": [...]}: a NamedTuple,
+torch's (values, indices) results, an OrderedDict and int keys come back as eager returns them.
 """
 from __future__ import annotations
 
 import importlib
 import re
+from collections import OrderedDict, namedtuple
 from typing import Any
 
 import torch
@@ -53,10 +56,22 @@ def describe(out: Any) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
             items = [walk(obj[k], _key_name(k) if name is None else f"{name}_{_key_name(k)}") for k in keys]
             spec = {"t": "dict", "keys": [str(k) for k in keys], "items": items}
             if not isinstance(obj, dict) or hasattr(obj, "to_tuple"):
-                spec.update(t="model_output", **{"class": f"{type(obj).__module__}.{type(obj).__qualname__}"})
+                spec.update(t="model_output", **{"class": _path(type(obj))})
+            else:
+                if keys and all(type(k) is int for k in keys):
+                    spec["key_kind"] = "int"
+                if isinstance(obj, OrderedDict):
+                    spec["ordered"] = True
             return spec
         if isinstance(obj, (tuple, list)):
-            items = [walk(v, f"{name or TOP}_{i}") for i, v in enumerate(obj)]
+            fields = getattr(type(obj), "_fields", None)
+            keys = list(fields) if isinstance(obj, tuple) and isinstance(fields, tuple) else None
+            items = [walk(v, f"{name or TOP}_{keys[i] if keys else i}") for i, v in enumerate(obj)]
+            if keys is not None:                         # a NamedTuple: rebuilt with its fields
+                _LIVE[_path(type(obj))] = type(obj)
+                return {"t": "namedtuple", "class": _path(type(obj)), "keys": keys, "items": items}
+            if type(obj).__module__ == "torch.return_types":    # sort / topk / max(dim): .values, .indices
+                return {"t": "structseq", "class": _path(type(obj)), "items": items}
             return {"t": "list" if isinstance(obj, list) else "tuple", "items": items}
         raise TypeError(f"model output of type {type(obj).__name__} is not a tensor, tuple, list or dict of tensors")
 
@@ -77,6 +92,30 @@ def count(spec: dict) -> int:
     if t == "tensor":
         return 1
     return sum(count(s) for s in spec.get("items", []))
+
+
+def _path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# NamedTuple classes seen in this process's outputs: rebuilt as themselves; a loaded artifact's
+# are rebuilt as a namedtuple of the same name and fields (no module is imported for them)
+_LIVE: dict[str, type] = {}
+
+
+def _tuple_class(s: dict) -> Any:
+    path, fields = s["class"], tuple(s["keys"])
+    live = _LIVE.get(path)
+    if live is not None and getattr(live, "_fields", None) == fields:
+        return live
+    name = path.rpartition(".")[2].split(".")[-1]
+    return namedtuple(name if name.isidentifier() else "Output", fields, rename=True)
+
+
+def _structseq(path: str) -> Any:
+    mod, _, name = path.rpartition(".")
+    cls = getattr(torch.return_types, name, None) if mod == "torch.return_types" else None
+    return cls if isinstance(cls, type) else tuple
 
 
 def _class(path: str) -> Any:
@@ -109,8 +148,16 @@ def rebuild(spec: dict, flat: list[Any]) -> Any:
             return tuple(items)
         if t == "list":
             return items
+        if t == "namedtuple":
+            return _tuple_class(s)(*items)
+        if t == "structseq":
+            cls = _structseq(s["class"])
+            return cls(items) if cls is not tuple else tuple(items)
         fields = {k: v for k, v in zip(s["keys"], items) if v is not None}
         cls = _class(s["class"]) if t == "model_output" else None
-        return cls(**fields) if cls is not None else dict(zip(s["keys"], items))
+        if cls is not None:
+            return cls(**fields)
+        keys = [int(k) for k in s["keys"]] if s.get("key_kind") == "int" else s["keys"]
+        return (OrderedDict if s.get("ordered") else dict)(zip(keys, items))
 
     return build(spec)

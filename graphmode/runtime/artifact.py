@@ -102,12 +102,15 @@ class Member(_Strict):
 
 class OutputSpec(_Strict):
     """How the model's outputs nest (capture/outputs.py `describe`). Its class is only imported
-    when it names a transformers ModelOutput (`outputs._class`); anything else loads as a dict."""
+    when it names a transformers ModelOutput (`outputs._class`); anything else loads as a dict
+    (a NamedTuple as a namedtuple of its fields, torch.return_types from torch itself)."""
 
-    t: Literal["tensor", "none", "tuple", "list", "dict", "model_output"]
+    t: Literal["tensor", "none", "tuple", "list", "dict", "model_output", "namedtuple", "structseq"]
     keys: Optional[list[str]] = Field(default=None, max_length=MAX_ITEMS)
     items: Optional[list["OutputSpec"]] = Field(default=None, max_length=MAX_ITEMS)
     class_: Optional[str] = Field(default=None, alias="class", max_length=512)
+    key_kind: Optional[Literal["int"]] = None
+    ordered: Optional[bool] = None
 
 
 class ValueBound(_Strict):

@@ -3,6 +3,8 @@ what eager returned, caches left out."""
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -48,3 +50,24 @@ def test_a_saved_spec_imports_only_transformers_model_outputs():
     for cls in ("os.system", "subprocess.Popen", "transformers.AutoModel", "collections.OrderedDict"):
         spec = {"t": "model_output", "class": cls, "keys": ["logits"], "items": [{"t": "tensor"}]}
         assert rebuild(spec, [x]) == {"logits": x}
+
+
+class Stats(NamedTuple):
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def test_named_tuples_return_types_ordered_and_int_keyed_dicts_come_back_as_eager_returns_them():
+    """They came back as a plain tuple (no `.mean`, no `.values`), a dict, and str keys."""
+    a, b = torch.ones(2), torch.zeros(2)
+    out = {"stats": Stats(a, b), "sort": torch.sort(torch.tensor([3.0, 1.0])),
+           "by_id": {0: a, 1: b}, "ordered": OrderedDict([("z", a), ("y", b)])}
+    spec, flat = describe(out)
+    assert [n for n, _ in flat][:2] == ["stats_mean", "stats_std"]
+    back = rebuild(json.loads(json.dumps(spec)), [t for _, t in flat])
+    assert type(back["stats"]) is Stats and back["stats"].mean is a
+    assert type(back["sort"]) is torch.return_types.sort and torch.equal(back["sort"].values, torch.tensor([1.0, 3.0]))
+    assert list(back["by_id"]) == [0, 1] and type(back["ordered"]) is OrderedDict and list(back["ordered"]) == ["z", "y"]
+    elsewhere = dict(spec, items=[dict(spec["items"][0], **{"class": "not.loaded.Stats"})] + spec["items"][1:])
+    other = rebuild(elsewhere, [t for _, t in flat])["stats"]       # a .gm loaded where the class is not defined
+    assert type(other).__name__ == "Stats" and other._fields == ("mean", "std") and other.std is b
