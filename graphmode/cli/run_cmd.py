@@ -14,6 +14,7 @@ from graphmode.cli.app import app, console
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
+from graphmode.verify.eager import run_reference
 
 
 def parse_shape(text: str, dims: list[str]) -> dict[str, int]:
@@ -160,7 +161,7 @@ def run_cmd(
             out = cm(**inputs)           # builds the request's bucket unless warm-up did
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
     reference, ref_name = _reference(cm)
-    refs = reference(inputs)
+    refs = run_reference(reference, inputs, env or {})
     outs = pytree.tree_leaves(out)
     labels = output_labels(cm.source, cm.graph, len(outs))
     checks = compare_outputs(labels, outs, refs, rec.precision.compute, rec.precision.weights)

@@ -17,9 +17,9 @@ from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import KbPath, kb_file
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
-from graphmode.errors import GraphmodeError
 from graphmode.progress import stage
 from graphmode.recipe.buckets import all_buckets, bucket_for, dim_buckets, dim_range
+from graphmode.verify.eager import run_reference
 
 
 def _merge(base: dict, change: dict) -> dict:
@@ -109,13 +109,7 @@ def verify_cmd(
         checking = stack.enter_context(stage(on_stage, "verify", total=len(cases)))
         for shape, env in cases:
             inputs = cm.sample_inputs(shape, seed=seed)      # index inputs inside the tables they pick from
-            try:
-                refs = src.reference(inputs)
-            except Exception as e:  # noqa: BLE001 - the model's own error, at a shape the recipe admits
-                raise GraphmodeError(f"eager PyTorch fails at {shape}, a shape the recipe admits: "
-                                     f"{type(e).__name__}: {str(e)[:200]}", where="dims", value=shape,
-                                     fix="narrow the recipe's dims to the shapes the model takes (e.g. seq up to "
-                                         "its position table)") from None
+            refs = run_reference(src.reference, inputs, shape)
             if shape == env:     # the plan itself, so a mismatch can be bisected to a pass or an instruction
                 exe = cm.executable(env)
                 got_map = exe.run(inputs)

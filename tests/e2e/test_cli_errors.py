@@ -118,3 +118,35 @@ def test_bad_arguments(files, args, needle):
     res, out = run(args)
     assert res.exit_code == 2, (args, out)
     assert needle.lower() in out.lower(), (args, out)
+
+
+def _nested_encoder():
+    """nn.TransformerEncoder's nested-tensor fast path raises in eager on a mask that masks a row
+    whole, which graphmode's random bool samples may hold."""
+    import torch
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 1)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = enc
+
+        def forward(self, x, mask):
+            return self.e(x, src_key_padding_mask=mask)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[1, 5:] = True
+    return M().eval(), {"x": torch.randn(2, 8, 16), "mask": mask}
+
+
+@pytest.mark.parametrize("cmd", ["run", "verify"])
+def test_eager_failing_on_the_sample_inputs_is_an_error_not_a_traceback(cmd, tmp_path):
+    (tmp_path / "te.py").write_text("import sys\nsys.path.insert(0, %r)\nfrom test_cli_errors import _nested_encoder\n"
+                                    % str(Path(__file__).parent))
+    rec = recipe("te", [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 16]},
+                        {"name": "mask", "dtype": "bool", "shape": ["batch", "seq"]}],
+                 {"batch": {"buckets": [2]}, "seq": {"buckets": [8], "min": 8}})
+    (tmp_path / "te.yaml").write_text(yaml.safe_dump(rec))
+    res, out = run([cmd, "--model", f"{tmp_path / 'te.py'}:_nested_encoder", "--recipe", str(tmp_path / "te.yaml"),
+                    "--cache-dir", str(tmp_path / "cache")])
+    assert res.exit_code == 2 and "eager PyTorch fails at" in out and "sample inputs" in out, out
