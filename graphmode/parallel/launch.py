@@ -110,10 +110,8 @@ def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any,
             "collectives": driver.collectives(g) if g else ()}
     if rank == 0 and recipe.memory.kv_cache is None and hasattr(cm, "bounds"):
         info["input_bounds"] = cm.bounds()    # the whole model's tables: a caller checks requests with them
-        from graphmode.analysis.padding import positions_independent
         bd = recipe.model.batch_dim if recipe.model is not None else "batch"
-        whole = getattr(cm, "captured_graph", None)
-        info["rows_independent"] = whole is not None and positions_independent(whole, bd)   # a server may merge
+        info["rows_independent"] = bool(cm.independent_along(bd))     # whether a server may merge requests
         info["output_names"] = list(getattr(cm, "output_names", []) or [])
         info["output_types"] = [(g.values[o].type.dtype, g.values[o].type.shape) for o in g.outputs] if g else []
     return cm, comm, info

@@ -147,6 +147,16 @@ class Shaping:
         parts = chunks(dims[SPLIT_DIM], self.recipe.dim_buckets().get(SPLIT_DIM, []))
         return parts if len(parts) > 1 else []
 
+    def independent_along(self, dim: str) -> bool:
+        """Whether the model's rows along `dim` never meet (analysis.padding.positions_independent),
+        so requests may be merged or cut along it; judged once per dim, on the captured graph."""
+        known = self.__dict__.setdefault("_independent", {})
+        if dim not in known:
+            from graphmode.analysis.padding import positions_independent
+            graph = self.captured_graph if self.captured_graph is not None else self.graph
+            known[dim] = graph is not None and positions_independent(graph, dim)
+        return known[dim]
+
     def _splittable(self) -> bool:
         if self._split_axes is False:
             from graphmode.analysis.padding import positions_independent

@@ -130,11 +130,9 @@ class Deployment:
         if self.batch_dim is None:
             return False
         if self._independent is None:
-            from graphmode.analysis.padding import positions_independent
             told = getattr(self.cm, "rows_independent", None)        # a rank group's rank 0 judged it
-            graph = getattr(self.cm, "captured_graph", None) if told is None else None
-            self._independent = bool(told) if told is not None else (
-                graph is not None and positions_independent(graph, self.batch_dim))
+            judge = getattr(self.cm, "independent_along", None)
+            self._independent = bool(told) if told is not None else bool(judge and judge(self.batch_dim))
         return self._independent
 
     def flatten(self, out: Any) -> list[torch.Tensor]:
