@@ -84,7 +84,36 @@ def _as_sympy_functions(d: sympy.Basic) -> sympy.Basic:
 
     def plain(x):
         return _TORCH_DIVISIONS[type(x).__name__](x.args[0] / x.args[1])
-    return d.replace(torchy, plain) if d.atoms(sympy.Function) else d
+    if not d.atoms(sympy.Function):
+        return d
+    d = d.replace(torchy, plain)
+    for _ in range(8):              # floors of floors (stacked strided convs, pools): flattened
+        flat = d.replace(lambda x: isinstance(x, sympy.floor), _floor_of_floor)
+        if flat == d:
+            break
+        d = flat
+    return d
+
+
+def _integral(t: sympy.Expr) -> bool:
+    """An expression of integer dim symbols, floors and integers only (an integer for every value)."""
+    return all(isinstance(a, (sympy.Symbol, sympy.floor, sympy.ceiling, sympy.Integer)) or
+               (isinstance(a, sympy.Pow) and a.exp.is_Integer and a.exp > 0)
+               for a in sympy.Mul.make_args(t)) and all(s.is_integer for s in t.free_symbols)
+
+
+def _floor_of_floor(f: sympy.floor) -> sympy.Expr:
+    """floor(floor(y) / c + k / c) = floor((y + k) / c) for a positive integer c and an integer
+    k: the outer floor of a strided window over an inner one's output size."""
+    terms = sympy.Add.make_args(sympy.expand(f.args[0]))
+    inner = [(c, r) for c, r in (t.as_coeff_Mul() for t in terms) if isinstance(r, sympy.floor)]
+    if len(inner) != 1 or not (inner[0][0].is_Rational and inner[0][0] > 0 and inner[0][0].p == 1):
+        return f
+    c, r = inner[0]
+    rest = [t for t in terms if t.as_coeff_Mul() != (c, r)]
+    if not all((t.as_coeff_Mul()[0] / c).is_Integer and _integral(t.as_coeff_Mul()[1]) for t in rest):
+        return f
+    return sympy.floor(r.args[0] * c + sympy.Add(*rest))
 
 
 def dim_str(d: Dim) -> str:

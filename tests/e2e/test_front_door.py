@@ -242,14 +242,19 @@ def test_a_recipe_whose_dims_are_wrong_is_refused_by_field_before_the_model_is_e
 
 @pytest.mark.parametrize("layer,shape", [(nn.Conv1d(1, 4, 10, stride=5), [2, 1, "n"]),
                                          (nn.Conv2d(3, 4, 3, stride=2, padding=1), [1, 3, "n", 16]),
-                                         (nn.MaxPool2d(2), [1, 3, "n", 16])], ids=["conv1d", "conv2d", "pool"])
+                                         (nn.MaxPool2d(2), [1, 3, "n", 16]),
+                                         (nn.Sequential(nn.Conv1d(1, 4, 10, stride=5), nn.Conv1d(4, 4, 2, stride=2)),
+                                          [2, 1, "n"]),
+                                         (nn.Sequential(nn.MaxPool2d(2), nn.MaxPool2d(2)), [1, 3, "n", 16])],
+                         ids=["conv1d", "conv2d", "pool", "stacked_conv1d", "stacked_pools"])
 def test_a_strided_window_over_a_dynamic_dim_compiles(layer, shape, tmp_path):
     """Its output size is a floor division of the dim: torch's FloorDiv and sympy's floor were
-    compared as text, and canonicalize called the captured graph invalid ('a graphmode bug')."""
+    compared as text, and canonicalize called the captured graph invalid ('a graphmode bug');
+    stacked, torch's floor(n/10) met the IR's floor(floor(n/5)/2)."""
     r = {"version": 1, "name": "strided", "inputs": [{"name": "input", "dtype": "f32", "shape": shape}],
-         "dims": {"n": {"buckets": [32, 64], "min": 16}}, "on_violation": "eager"}     # a window over padding
+         "dims": {"n": {"buckets": [40, 80], "min": 40}}, "on_violation": "eager"}     # a window over padding
     cm = graphmode.compile(layer.eval(), r, cache_dir=tmp_path)
-    x = torch.randn(*[64 if d == "n" else d for d in shape])
+    x = torch.randn(*[80 if d == "n" else d for d in shape])
     with torch.no_grad():
         assert rel(cm(x), layer(x)) < 1e-5 and cm.last_path["path"] == "graph"
 
