@@ -21,8 +21,38 @@ def resolve_target(target: str):
         packet = getattr(getattr(torch.ops, ns), op_name)
         return getattr(packet, overload or "default")
     except AttributeError:
+        if ns not in ("aten", "prims"):
+            raise IRError(f"fallback target {target!r} is not a torch op in this process: a library registers "
+                          f"torch.ops.{ns}.{op_name} when one of its modules is imported",
+                          fix=f"import the {ns} module that defines it before loading (a .gm saved since "
+                              "graphmode records it: op_modules)") from None
         raise IRError(f"fallback target {target!r} is not a torch op",
                       fix="fallback targets look like 'aten.cumsum.default'") from None
+
+
+def op_module(target: str) -> str | None:
+    """The Python module that defines custom op `target` (torch.library.custom_op: a model
+    library's own op, such as transformers' grouped_mm_fallback), or None for torch's own."""
+    from torch._library import custom_ops
+    ns, _, rest = target.partition(".")
+    opdef = custom_ops.OPDEFS.get(f"{ns}::{rest.partition('.')[0]}")
+    module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+    return module if isinstance(module, str) and module.split(".")[0] == ns else None
+
+
+def import_op_modules(modules: list[str], targets: list[str]) -> None:
+    """Import the modules a saved graph's custom ops come from, so their ops exist: only a module
+    of the package its op's namespace names (transformers.* for torch.ops.transformers)."""
+    import importlib
+    spaces = {t.partition(".")[0] for t in targets}
+    for m in modules:
+        if m.split(".")[0] in spaces and m.split(".")[0] not in ("aten", "prims"):
+            try:
+                importlib.import_module(m)
+            except Exception as e:  # noqa: BLE001 - reported with the module it came from
+                raise IRError(f"module {m}, which defines a custom op the graph runs, does not import: "
+                              f"{type(e).__name__}: {str(e)[:200]}", where="op_modules", value=m,
+                              fix=f"install the package {m.split('.')[0]} this artifact was saved with") from None
 
 
 def _materialise(arg: Any, ins: list[torch.Tensor], env: Mapping[str, int]) -> Any:

@@ -48,10 +48,10 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from graphmode.errors import GraphmodeError, short_value
 from graphmode.progress import OnStage, StageReporter, stage
@@ -181,6 +181,9 @@ class Manifest(_Strict):
     # the kernels' loop schedule (backends/cpu/omp_loops.py): `auto` resolves by the process's OpenMP
     # wait, and it is part of every library's key, so a load in another kind of process uses this one
     schedule: Optional[Literal["static", "dynamic", "guided", "claim"]] = None
+    # the modules defining custom ops the graph's fallback nodes call (ir/fallback.py op_module)
+    op_modules: list[Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z_][\w.]*$")]] = \
+        Field(default_factory=list, max_length=MAX_ITEMS)
     decoder: Optional[DecoderFacts] = None         # a decoder's paged graph (decode/saved.py)
 
 
@@ -265,6 +268,10 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
         manifest.update(bucket_envs=[dict(e) for e in buckets], decoder=decoder)
     if len(schedules) == 1:
         manifest["schedule"] = schedules.pop()
+    from graphmode.ir.fallback import op_module
+    modules = sorted({m for n in graph.nodes if n.op == "fallback" for m in [op_module(n.attrs["target"])] if m})
+    if modules:
+        manifest["op_modules"] = modules     # imported at load, so a library's custom ops exist there
     if rank is not None:
         manifest.update(rank=rank, world=cm.recipe.parallel.tensor)
     files: dict[str, dict[str, Any]] = {}
@@ -665,6 +672,9 @@ def _graph(root: Path, text: str, manifest: dict[str, Any], where: Path):
             raise ArtifactError("its constants are not a mapping of names to tensors", where=f"{where}:constants.pt",
                                 fix="save the artifact again")
         graph = parse_graph(text, constants)
+        from graphmode.ir.fallback import import_op_modules
+        import_op_modules(manifest.get("op_modules") or [],
+                          [n.attrs["target"] for n in graph.nodes if n.op == "fallback"])
     except ArtifactError:
         raise
     except GraphmodeError as e:

@@ -141,3 +141,30 @@ def test_serving_the_artifact_answers_completions_and_refuses_infer(words, tmp_p
                        json={"inputs": {"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]]}})
         assert r.status_code == 422 and "paged decode graph" in r.json()["message"], r.text
         assert not tracebacks
+
+
+def test_a_mixture_of_experts_saved_with_its_custom_op_loads_in_a_fresh_process(tmp_path):
+    """Mixtral routes tokens through transformers' own torch op (an eager island); a fresh
+    process has no torch.ops.transformers until transformers.integrations.moe is imported, and
+    the load failed: the manifest now names the module, and loading imports it."""
+    import subprocess
+    import sys
+    from graphmode.capture.families import _DECODER, _hf
+    from graphmode.kb.draft import draft_recipe
+    lm = _hf("MixtralForCausalLM", "MixtralConfig", **_DECODER, num_local_experts=4, num_experts_per_tok=2,
+             sliding_window=None, initializer_range=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None)
+        cm = graphmode.compile(lm, d.recipe, cache_dir=tmp_path / "cache")
+        want = cm.generate(torch.tensor([PROMPTS[0][:5].tolist()]), max_new_tokens=4)[0].tolist()
+        cm.save(tmp_path / "moe.gm")
+    with zipfile.ZipFile(tmp_path / "moe.gm") as z:
+        assert json.loads(z.read("manifest.json"))["op_modules"] == ["transformers.integrations.moe"]
+    code = ("import sys, torch, graphmode\n"
+            f"cm = graphmode.load({str(tmp_path / 'moe.gm')!r}, cache_dir={str(tmp_path / 'cache')!r})\n"
+            f"print(cm.generate(torch.tensor([{PROMPTS[0][:5].tolist()}]), max_new_tokens=4)[0].tolist())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**__import__("os").environ, "PYTHONPATH": str(Path(graphmode.__file__).parents[1])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(want)
