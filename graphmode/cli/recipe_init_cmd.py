@@ -41,7 +41,16 @@ def parse_ranges(items: List[str]) -> dict[str, tuple]:
             raise GraphmodeError("expected NAME=MIN:MAX[@INPUT:AXIS,...] with 1 <= MIN <= MAX", where="--dim",
                                  value=it, fix="e.g. --dim seq=2:128, or --dim seq=2:128@input_ids:1 to add the dim "
                                                "on axis 1 of input_ids")
-        out[name.strip()] = (lo_i, hi_i, axes) if axes else (lo_i, hi_i)
+        name = name.strip()
+        if name in out:               # the same dim again: its axes join, its range must agree
+            before = out[name]
+            if before[:2] != (lo_i, hi_i) or len(before) == 2 or not axes:
+                raise GraphmodeError(f"--dim {name} is given twice, with different ranges or without the axes it "
+                                     "goes on", where="--dim", value=it,
+                                     fix=f"give it once with every axis: --dim {name}={lo_i}:{hi_i}@INPUT:AXIS,INPUT:AXIS")
+            out[name] = (lo_i, hi_i, before[2] + [a for a in axes if a not in before[2]])
+            continue
+        out[name] = (lo_i, hi_i, axes) if axes else (lo_i, hi_i)
     return out
 
 

@@ -125,3 +125,17 @@ def test_python_m_graphmode_subprocess():
     assert proc.returncode == 1, proc.stderr
     assert json.loads(proc.stdout)["proofs"][2]["counterexample"] == {"batch": 32, "seq": 512}
     assert "Traceback" not in proc.stderr
+
+
+def test_a_dim_given_twice_for_two_inputs_goes_on_both_or_is_refused():
+    """`--dim n=..@x:1 --dim n=..@mask:1` kept only the last, so the draft fixed x's axis (and
+    refused every request of another length) or failed in torch."""
+    import pytest
+    from graphmode.cli.recipe_init_cmd import parse_ranges
+    from graphmode.errors import GraphmodeError
+    assert parse_ranges(["n=4:32@x:1", "n=4:32@mask:1", "b=1:4"]) == {"n": (4, 32, [("x", 1), ("mask", 1)]),
+                                                                       "b": (1, 4)}
+    for again in (["n=4:32@x:1", "n=4:16@mask:1"], ["n=4:32", "n=4:32"]):
+        with pytest.raises(GraphmodeError, match="given twice") as e:
+            parse_ranges(again)
+        assert e.value.where == "--dim" and "@INPUT:AXIS,INPUT:AXIS" in e.value.fix
