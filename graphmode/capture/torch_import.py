@@ -58,6 +58,15 @@ _SKIP = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
          "aten._assert_async.msg"}
 
 
+def dim_value(g: Graph, d: sympy.Expr) -> str:
+    """A dim expression used as a number (`x.sum(1) / x.shape[1]`): a 0-d i64 tensor holding it,
+    as arange(d, d + 1) read as a scalar (the padding analysis knows that value is the dim's)."""
+    one, = g.add_node("arange", [], [TensorType("i64", (1,))],
+                      {"start": dim_str(d), "end": dim_str(d + 1), "step": 1, "dtype": "i64"})
+    out, = g.add_node("reshape", [one], [TensorType("i64", ())], {"shape": []})
+    return out
+
+
 class _Importer:
     def __init__(self, ep: torch.export.ExportedProgram, name: str, input_dims: Mapping[str, Sequence],
                  dims: Mapping[str, tuple[int, int]], excluded: Callable[[str, str], bool]):
@@ -134,7 +143,10 @@ class _Importer:
                 return v
             if isinstance(v, (int, float, bool)):
                 return self.const(v)
-            raise CaptureError(f"symbolic value {v} used as a tensor", fix="unsupported dynamic scalar")
+            if isinstance(v, sympy.Expr) and v.is_integer is not False:
+                return dim_value(self.g, v)
+            raise CaptureError(f"symbolic value {v} used as a tensor", where=f"node {a.name}",
+                               fix="compute it from tensors (a float size, such as x.shape[1] / 2, is not captured)")
         if isinstance(a, (int, float, bool)):
             return self.const(a)
         raise CaptureError(f"unsupported operand {a!r}")

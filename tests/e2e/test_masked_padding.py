@@ -124,3 +124,29 @@ def test_a_row_masked_whole_answers_nan_as_the_softmax_written_out_does(tmp_path
     assert cm.last_path["path"] == "graph" and "native:sdpa" in cm.executable({"batch": 2, "seq": 8}).step_names
     assert torch.isnan(want[1]).all() and torch.isnan(got[1]).all()
     assert rel_l2(got[0], want[0]) < 1e-5
+
+
+class SizeAsNumber(nn.Module):
+    """A mean written with the size: `x.sum(1) / x.shape[1]` (and a scale by it)."""
+
+    def forward(self, x):
+        return x.sum(1) / x.shape[1], x * (x.shape[1] - 1)
+
+
+def test_a_dims_size_used_as_a_number_compiles_and_is_never_padded(tmp_path):
+    """It was refused ('symbolic value seq used as a tensor'); captured, the size is the
+    bucket's when padded, so a request that would be padded along it runs unpadded."""
+    r = {"version": 1, "name": "size", "on_violation": "eager",
+         "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq"]}],
+         "dims": {"batch": {"buckets": [2, 4]}, "seq": {"buckets": [8, 16], "min": 1}}}
+    model = SizeAsNumber().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(bundle_from_module(model, {"x": torch.randn(2, 8)}, {"x": ["batch", "seq"]}), r,
+                               cache_dir=tmp_path)
+    assert cm.exact_dims == ["seq"]
+    for shape, path in (((2, 8), "graph"), ((4, 16), "graph"), ((2, 5), "eager"), ((3, 8), "graph")):
+        x = torch.randn(*shape)
+        for got, want in zip(cm(x), model(x)):
+            assert rel_l2(got, want) < 1e-5, shape
+        assert cm.last_path["path"] == path, (shape, cm.last_path)

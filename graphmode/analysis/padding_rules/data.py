@@ -11,7 +11,7 @@ import sympy
 import torch
 
 from graphmode.analysis.padding_lattice import (GARBAGE, Axis, Content, Factor, Finding, State, const, is_one,
-                                                mul_dims, plain, same_dim)
+                                                mul_dims, plain, same_dim, symbols)
 from graphmode.analysis.padding_rules import rule
 from graphmode.ir.graph import Node
 from graphmode.ir.ops import norm_axis
@@ -158,13 +158,14 @@ def full(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State
                   lower=float(v) if isinstance(v, (int, float)) else None)]
 
 
-def arange(an, a: Mapping[str, Any], out_shape: Sequence[Dim]) -> State:
+def arange(an, n: Node, out_shape: Sequence[Dim], taint: dict[str, Finding]) -> State:
+    a = n.attrs
     end = normalize_dim(a["end"])
     start, step = a.get("start", 0), a.get("step", 1)
     e = out_shape[0]
     start_d = normalize_dim(start)
     if same_dim(e, 1):            # one element: the value `start` (e.g. arange(seq, seq + 1) is `seq`)
-        return State((plain(1),), uniform=start_d)
+        return State((plain(1),), uniform=start_d)     # pointwise.py taints it where it meets data
     d = next((p for p in an.padded if not isinstance(end, int) and same_dim(end, sympy.Symbol(
         p, integer=True, positive=True))), None)
     if d is not None and start_d == 0 and step == 1:
@@ -222,5 +223,5 @@ def opaque(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[Sta
 
 
 rule("gather")(lambda an, n, ins, taint: [gather(an, n, ins, an.shape(n.outputs[0]), taint)])
-rule("arange")(lambda an, n, ins, taint: [arange(an, n.attrs, an.shape(n.outputs[0]))])
+rule("arange")(lambda an, n, ins, taint: [arange(an, n, an.shape(n.outputs[0]), taint)])
 rule("island")(fallback)

@@ -12,7 +12,7 @@ from graphmode.analysis.padding_lattice import (GARBAGE, UNKNOWN, Axis, Content,
 from graphmode.analysis.padding_rules import rule
 from graphmode.ir.graph import Node
 from graphmode.ir.ops import OPS
-from graphmode.ir.types import normalize_dim
+from graphmode.ir.types import FLOAT_DTYPES, normalize_dim
 
 
 @rule("pointwise")
@@ -31,6 +31,13 @@ def pointwise(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[
         keep = op == "identity" or (op == "cast" and a.get("dtype") in ("i64", "i32"))
         return [State(axes, uniform, s.affine if keep else None, lower=unary_lower(op, a, s),
                       bound=s.bound if keep else None, offset=s.offset if keep else None)]
+    if an.types[n.outputs[0]].dtype in FLOAT_DTYPES:
+        # a padded dim's size as a number in float arithmetic (x.sum(1) / x.shape[1]): padded, the
+        # size is the bucket's, not the request's (index arithmetic with it stays: it indexes the
+        # padded tensor)
+        for d in sorted({d for x in ins if isinstance(x.uniform, sympy.Expr) for d in symbols(x.uniform)}
+                        & set(an.padded)):
+            taint.setdefault(d, an.finding(d, n, f"the size of padded dim {d} used as a value"))
     return [elementwise(an, n, ins)]
 
 
