@@ -399,7 +399,7 @@ def drafted(model: Any, target: Any) -> tuple[Any, Any]:
         _ANNOUNCED.add(stamp)
         warnings.warn(RecipeDrafted(
             f"graphmode.compile: no recipe given, so one was drafted for {d.model['name']}: {d.recipe.name} "
-            f"({stamp}), {d.report.plans} plan(s), {'; '.join(d.verdict.lines())}. It is cm.recipe; "
+            f"({stamp}), {'; '.join([f'{d.report.plans} plan(s)'] + d.verdict.lines())}. It is cm.recipe; "
             "`graphmode recipe init` writes it out with where each value came from"), stacklevel=3)
     return d.source.bundle, d.recipe
 
