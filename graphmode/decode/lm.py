@@ -51,8 +51,11 @@ def _multi_query(cfg: Any) -> bool:
 
 def sliding_window(cfg: Any) -> int | None:
     """The tokens a query attends back over when the model limits it (Mistral's, Phi-3's and
-    Gemma 2's `sliding_window`; Qwen2's when `use_sliding_window`), else None."""
+    Gemma 2's `sliding_window`; Qwen2's when `use_sliding_window`; GPT-Neo's `window_size` on
+    its local layers), else None."""
     w = getattr(cfg, "sliding_window", None)
+    if "local" in (getattr(cfg, "attention_layers", None) or ()):      # GPT-Neo's local layers
+        w = getattr(cfg, "window_size", None)
     if not isinstance(w, int) or isinstance(w, bool) or getattr(cfg, "use_sliding_window", True) is False:
         return None
     return w
