@@ -97,7 +97,7 @@ class _CheckedBound(_Bound):
 
 def _raise_if_invalid(bad: int, source: KernelSource) -> None:
     if bad:
-        raise BackendError(f"{source.status} ({bad} lookup(s) outside it)", where=source.pattern,
+        raise BackendError(f"{source.status} ({bad} invalid)", where=source.pattern,
                            fix="check the model inputs (an index or id outside its table)")
 
 
