@@ -47,6 +47,9 @@ class InputContract:
                                         f"{len(self.input_names)}", fix=f"inputs: {', '.join(self.input_names)}")
             named = dict(zip(self.input_names, args))
             named.update(kwargs)
+        params = self._signature.parameters if self._signature is not None else {}
+        named = {k: v for k, v in named.items()       # an explicit None (unless a default says otherwise): omitted
+                 if v is not None or (k in params and params[k].default not in (None, params[k].empty))}
         unknown = [k for k in named if k not in self.input_names]
         if unknown:
             raise ContractViolation(f"unknown inputs {unknown}", where="inputs",

@@ -289,6 +289,8 @@ def test_inputs_an_hf_model_takes_as_optional_may_be_left_out_as_in_eager():
     assert rel(y.last_hidden_state, ref.last_hidden_state) < 1e-5 and rel(y.pooler_output, ref.pooler_output) < 1e-5
     y = cm(ids, attention_mask=torch.ones_like(ids))          # one given, one left out
     assert rel(y.last_hidden_state, ref.last_hidden_state) < 1e-5
+    y = cm(input_ids=ids, attention_mask=None, token_type_ids=None)    # None, as eager takes it: left out
+    assert rel(y.last_hidden_state, ref.last_hidden_state) < 1e-5
 
 
 class MaskMeansDrop(nn.Module):
@@ -310,6 +312,8 @@ def test_an_input_whose_absence_means_something_else_is_still_required():
                             {"ids": ["batch", "seq"], "mask": ["batch", "seq"]}))
     with pytest.raises(ContractViolation, match="missing inputs \\['mask'\\]"):
         cm(ids=ids)
+    with pytest.raises(ContractViolation, match="missing inputs \\['mask'\\]"):
+        cm(ids=ids, mask=None)                                  # None is its default: as omitted, still required
 
 
 def test_a_causal_lm_with_its_default_cache_compiles_under_a_recipe():
