@@ -169,10 +169,11 @@ def _after_head(g: Graph, prod: dict[str, Node]) -> list[Node]:
     chain: list[Node] = []
     n = prod.get(g.outputs[0])
     while n is not None and n.op != "linear":
-        if get_op(n.op).kind != "elementwise" or len(_data_inputs(g, n)) != 1 or len(n.outputs) != 1:
+        data = _data_inputs(g, n)
+        if get_op(n.op).kind != "elementwise" or len(data) != 1 or len(n.outputs) != 1:
             return []
         chain.append(n)
-        n = prod.get(_data_inputs(g, n)[0])
+        n = prod.get(data[0])
     return chain
 
 

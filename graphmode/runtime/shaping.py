@@ -159,12 +159,11 @@ class Shaping:
 
     def _splittable(self) -> bool:
         if self._split_axes is False:
-            from graphmode.analysis.padding import positions_independent
             ok = (self.graph is not None and SPLIT_DIM in self.recipe.dim_buckets() and SPLIT_DIM not in self.exact_dims
                   and not self.mutated_inputs
                   and all(sum(d == SPLIT_DIM for _, d in axes) <= 1 for axes in self._dim_axes.values()))
             axes = output_axes(self.graph, SPLIT_DIM) if ok else None
-            self._split_axes = axes if axes is not None and positions_independent(self.graph, SPLIT_DIM) else None
+            self._split_axes = axes if axes is not None and self.independent_along(SPLIT_DIM) else None
         return self._split_axes is not None
 
     def _run_split(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int], bucket: Mapping[str, int],
