@@ -27,6 +27,13 @@ rewrite answers what the softmax written out answers.
 
 Every intermediate must have one reader (the block is rewritten whole or not at all); the
 nodes the block consumed are erased by the engine.
+
+Then, on every sdpa (made here or captured): `attention_heads_layout` folds the heads/seq
+swaps around it — permute [0, 2, 1, 3] on each of q, k and v, and on the result when that is
+its only reader — into `layout: bshd`, where q, k, v and the result stay [batch, seq, heads,
+dim] as the projections write them. BERT- and GPT-style layers permute four times per layer
+only to get heads first; the kernel reads the rows strided instead (MiniLM (8,128): 24
+copies, 1.1 ms of 55 ms).
 """
 from __future__ import annotations
 
@@ -172,6 +179,37 @@ class _FillMasks:
         return out
 
 
+HEAD_SWAP = [0, 2, 1, 3]
+
+
+def _is_head_swap(perm) -> bool:
+    return [d + 4 if d < 0 else d for d in perm or ()] == HEAD_SWAP
+
+
+def _head_swap(rw: Rewriter, value: str):
+    """The permute [0, 2, 1, 3] that made `value`, or None."""
+    p = rw.producer(value)
+    if p is None or p.op != "permute" or rw.type_of(value).rank != 4:
+        return None
+    return p if _is_head_swap(p.attrs.get("perm")) else None
+
+
+def _heads_layout(rw: Rewriter, m: Match) -> str | None:
+    """permute(sdpa(permute(q), permute(k), permute(v)[, mask]), [0, 2, 1, 3]), every permute
+    the heads/seq swap -> sdpa(q, k, v[, mask]) {layout: bshd}: the kernel reads the heads in
+    place (strided rows) instead of four copies per layer."""
+    att = m.node("att")
+    if att.attrs.get("layout", "bhsd") != "bhsd":
+        return None
+    perms = [_head_swap(rw, x) for x in att.inputs[:3]]
+    if any(p is None for p in perms):
+        return None
+    for p in {id(p): p for p in perms}.values():
+        if rw.single_use(p.outputs[0]):
+            rw.claim(p)
+    return rw.add("sdpa", [p.inputs[0] for p in perms] + list(att.inputs[3:]), {**att.attrs, "layout": "bshd"})
+
+
 def rules() -> RuleSet:
     """The attention rules, with a fresh cache of built masks (one per pass run)."""
     fill_mask = _FillMasks()
@@ -189,4 +227,8 @@ def rules() -> RuleSet:
              attention(Pat("where", Pat.var("cond"), Pat.const("fill"), SCORES, single_use=True, name="logits",
                            where=_logits_keep_scores)),
              lambda rw, m: fill_mask(rw, m, keep=False)),
+        Rule("attention_heads_layout",
+             Pat("permute", Pat("sdpa", name="att", single_use=True), name="root",
+                 where=lambda m: m.type("root").rank == 4 and _is_head_swap(m.root.attrs.get("perm"))),
+             _heads_layout),
     ])

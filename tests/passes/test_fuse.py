@@ -358,6 +358,28 @@ graph @output_kept(%x: f32[batch,seq], %s: f32[seq]) -> (%b, %c, %total) {
 }
 """
 
+# an sdpa as BERT / GPT-2 call it: heads split by reshape + permute [0,2,1,3] on q, k and v, the
+# result permuted back; the second layer's v is not permuted (it stays bhsd), the third's
+# result is read as heads-first too (its permute back stays and the sdpa stays bhsd)
+ATTENTION_HEADS = """
+graph @attention_heads(%x: f32[batch,seq,8], %mask: bool[batch,1,seq,seq], %vh: f32[batch,2,seq,4]) -> (%o, %o2, %a3, %o3) {
+  dims batch=1..4 seq=1..16
+  %x4: f32[batch,seq,2,4] = reshape(%x) {"shape": ["batch", "seq", 2, 4]}
+  %q: f32[batch,2,seq,4] = permute(%x4) {"perm": [0, 2, 1, 3]}
+  %k: f32[batch,2,seq,4] = permute(%x4) {"perm": [0, 2, 1, 3]}
+  %v: f32[batch,2,seq,4] = permute(%x4) {"perm": [0, 2, 1, 3]}
+  %a: f32[batch,2,seq,4] = sdpa(%q, %k, %v, %mask) {"is_causal": false, "scale": 0.5}
+  %t: f32[batch,seq,2,4] = permute(%a) {"perm": [0, 2, 1, 3]}
+  %o: f32[batch,seq,8] = reshape(%t) {"shape": ["batch", "seq", 8]}
+  %a2: f32[batch,2,seq,4] = sdpa(%q, %k, %vh) {"is_causal": true, "scale": null}
+  %t2: f32[batch,seq,2,4] = permute(%a2) {"perm": [0, 2, 1, -1]}
+  %o2: f32[batch,seq,8] = reshape(%t2) {"shape": ["batch", "seq", 8]}
+  %a3: f32[batch,2,seq,4] = sdpa(%q, %k, %v) {"is_causal": true}
+  %o3: f32[batch,seq,2,4] = permute(%a3) {"perm": [0, 2, 1, 3]}
+  return %o, %o2, %a3, %o3
+}
+"""
+
 # (case name, IR text, fuse options)
 CASES = [
     ("elementwise_tanh_gelu", TANH_GELU, {}),
@@ -377,6 +399,7 @@ CASES = [
     ("attention_mqa", ATTENTION_MQA, {}),
     ("attention_gqa_repeat", ATTENTION_GQA_REPEAT, {}),
     ("attention_small_fill", ATTENTION_SMALL_FILL, {}),
+    ("attention_heads", ATTENTION_HEADS, {}),
     ("max_ops_2", CHAIN5, {"max_ops": 2}),
     ("diamond", DIAMOND, {}),
     ("output_kept", OUTPUT_KEPT, {}),
@@ -432,6 +455,18 @@ def test_norm_keeps_residual_as_output():
     assert norm.attrs["kind"] == "norm" and norm.outputs == ("r", "ln")
     assert norm.attrs["pattern"] == "identity+add+layer_norm"
     assert epi.attrs == {"kind": "gemm_epilogue", "pattern": "linear+add"} and "r" in epi.inputs
+
+
+def test_attention_reads_heads_in_place():
+    """The head permutes around an sdpa fold into its `bshd` layout: the first sdpa's (in and out),
+    not the second's (its v arrives heads-first) nor the third's (its result is an output too)."""
+    r = fuse(parse_graph(ATTENTION_HEADS))
+    sd = [n for n in r.graph.nodes if n.op == "sdpa"]
+    assert [n.attrs.get("layout", "bhsd") for n in sd] == ["bshd", "bhsd", "bhsd"]
+    assert sd[0].inputs == ("x4", "x4", "x4", "mask") and sd[0].outputs == ("t",)
+    assert r.stats["attention_heads_layout"] == 1
+    # q, k and v are still read by the other two sdpa: their permutes stay
+    assert {"q", "k", "v"} <= {i for n in r.graph.nodes for i in n.inputs}
 
 
 def test_attention_becomes_sdpa():

@@ -54,7 +54,21 @@ def broadcast_batch(an, groups: list[Sequence[Axis]], out: Sequence[Dim]) -> tup
     return tuple(axes)
 
 
+def _heads_first(s: State) -> State:
+    """[batch, seq, heads, dim] axes as [batch, heads, seq, dim] (sdpa's `bshd` layout)."""
+    a = s.axes
+    return State((a[0], a[2], a[1], a[3]))
+
+
 def sdpa(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
+    if n.attrs.get("layout", "bhsd") == "bshd":       # the same attention with the head permutes folded in
+        qkv = [_heads_first(s) for s in ins[:3]]
+        b, sq, h, e = an.shape(n.outputs[0])
+        return _heads_first(_sdpa(an, n, qkv + list(ins[3:]), taint, (b, h, sq, e)))
+    return _sdpa(an, n, ins, taint, None)
+
+
+def _sdpa(an, n: Node, ins: list[State], taint: dict[str, Finding], out_shape: tuple | None) -> State:
     q, k, v = ins[:3]
     mask = ins[3] if len(ins) > 3 else None
     an.taint(taint, n, [q.axes[-1], k.axes[-1]], "attention head dim {dim} is padded")
@@ -74,7 +88,7 @@ def sdpa(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
         if not covered:
             taint.setdefault(d, an.finding(d, n, f"attention over padded keys ({d}) that no mask covers: "
                                                  "declare the attention mask input, or use causal attention"))
-    out_shape = an.shape(n.outputs[0])
+    out_shape = an.shape(n.outputs[0]) if out_shape is None else out_shape
     groups = [q.axes[:-2], k.axes[:-2], v.axes[:-2]] + ([mask.axes[:-2]] if mask is not None else [])
     batch = broadcast_batch(an, groups, out_shape[:-2])
     return State(batch + an.garbage([q.axes[-2]]) + (plain(out_shape[-1]),))

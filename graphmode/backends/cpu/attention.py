@@ -19,8 +19,11 @@ makes that row NaN (a bool mask is applied as torch's dispatcher applies it, by 
 itself differs between its kernels only on such non-finite inputs). One deliberate difference:
 keys after the last key any row of a query block attends are never read, so a non-finite
 value in, say, a padded key's K or V does not reach the output (in torch it would).
-Anything else (other dtypes, broadcast q/k/v batch dims, a mask that does not broadcast to
-the scores, dropout, huge sizes) returns None and ATen runs the op.
+Under `layout: bshd` q, k, v and the output are [B, Sq|Sk, H, D|E] (the head permutes the fuse
+pass folded in): the same problem, read and written with rows H * D apart (every operand's
+batch, head and row strides are constants of the kernel). Anything else (other dtypes,
+broadcast q/k/v batch dims, a mask that does not broadcast to the scores, dropout, huge
+sizes) returns None and the reference op runs it.
 
 Loops: a task is one (batch, head, query block of QB rows); tasks are split over an OpenMP
 team (`num_threads(gm_nt())`, static shares or claimed chunks of whole heads: omp_loops) so each
@@ -106,6 +109,13 @@ class AttnProblem:
     mask: str = ""
     mstrides: tuple[int, int, int, int] = (0, 0, 0, 0)
     empty_nan: bool = False          # a row attending no key is NaN (a decomposed softmax), not 0 (torch's sdpa)
+    layout: str = "bhsd"             # "bshd": q, k, v, out are [batch, seq, heads, dim] (head permutes folded in)
+
+    def strides(self, seq: int, width: int) -> tuple[int, int, int]:
+        """(batch, head, row) element strides of an operand with `seq` rows of `width`."""
+        if self.layout == "bshd":
+            return seq * self.h * width, width, self.h * width
+        return self.h * seq * width, seq * width, width
 
     @property
     def flops(self) -> float:
@@ -116,7 +126,9 @@ class AttnProblem:
         m = f" mask {self.mask} strides {list(self.mstrides)}" if self.mask else ""
         c = " causal" if self.causal else ""
         n = " empty rows NaN" if self.empty_nan else ""
-        return f"sdpa [{self.b},{self.h}] q {self.sq}x{self.d} kv {self.sk}x{self.e}{c}{m} scale {self.scale!r}{n}"
+        lay = " bshd" if self.layout == "bshd" else ""
+        return (f"sdpa{lay} [{self.b},{self.h}] q {self.sq}x{self.d} kv {self.sk}x{self.e}{c}{m} "
+                f"scale {self.scale!r}{n}")
 
 
 # ------------------------------------------------------------------------------ generation
@@ -145,7 +157,7 @@ def _isa_section(isa: str, p: AttnProblem, qb: int) -> list[str]:
            "  long i = 0;"]
 
     def qk_rows(mr: int, indent: str) -> list[str]:
-        args = f"D, q + i * D, D, kt + jv * {L}, SKP, s + i * SKP + jv * {L}, SKP, SCALE"
+        args = f"D, q + i * QLD, QLD, kt + jv * {L}, SKP, s + i * SKP + jv * {L}, SKP, SCALE"
         body = [f"{indent}long jv = 0;",
                 f"{indent}for (; jv + {t.qk_nv} <= nvec; jv += {t.qk_nv}) gm_attn_qk<{tr}, {mr}, {t.qk_nv}>({args});"]
         if t.qk_nv > 1:
@@ -177,7 +189,7 @@ def _isa_section(isa: str, p: AttnProblem, qb: int) -> list[str]:
     for ci, nv in enumerate(_chunks(nvec, t.pv_nv)):
         cols = min(nv * L, p.e - e0)
         last = cols - (nv - 1) * L
-        args = f"kj, pm + i * SKP, SKP, v + {e0}, E, r + i, o + i * E + {e0}, E"
+        args = f"kj, pm + i * SKP, SKP, v + {e0}, VLD, r + i, o + i * OLD + {e0}, OLD"
         out.append("  {")
         out.append("    long i = 0;")
         out.append(f"    for (; i + {t.pv_mr} <= nrows; i += {t.pv_mr}) "
@@ -218,6 +230,9 @@ def generate_attention(p: AttnProblem, *, parallel: bool | None = None) -> str:
              f"constexpr long H = {p.h}, SQ = {p.sq}, SK = {p.sk}, D = {p.d}, E = {p.e};",
              f"constexpr long QB = {qb}, NQB = {nqb}, SKP = {skp}, TASKS = {tasks};",
              f"constexpr long MSB = {msb}, MSH = {msh}, MSI = {msi}, MSJ = {msj};",
+             *(f"constexpr long {x}_SB = {sb}, {x}_SH = {sh}, {x}LD = {ld};"
+               for x, (sb, sh, ld) in (("Q", p.strides(p.sq, p.d)), ("K", p.strides(p.sk, p.d)),
+                                       ("V", p.strides(p.sk, p.e)), ("O", p.strides(p.sq, p.e)))),
              f"constexpr float SCALE = {lit(p.scale, 'f32')};",
              f"constexpr int MASK = {dict(zip(('', 'bool', 'f32'), range(3)))[p.mask]};  // 0 none, 1 bool, 2 additive f32",
              f"constexpr bool CAUSAL = {'true' if p.causal else 'false'};",
@@ -268,10 +283,17 @@ def problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attr
     cover it (ATen runs the op)."""
     if len(ins_t) not in (3, 4) or len(outs) != 1:
         return None
-    if any(bool(v) for k, v in attrs.items() if k not in ("is_causal", "scale", "nan_empty_rows")):
+    if any(bool(v) for k, v in attrs.items() if k not in ("is_causal", "scale", "nan_empty_rows", "layout")):
         return None                                   # dropout, gqa, ...: not this kernel's semantics
+    layout = attrs.get("layout", "bhsd")
+    if layout not in ("bhsd", "bshd"):
+        return None
     q, k, v = ins_t[:3]
     o = outs[0]
+    if layout == "bshd":                              # as [batch, heads, seq, dim] views: the same sizes
+        if not q.dim() == k.dim() == v.dim() == o.dim() == 4:
+            return None
+        q, k, v, o = (t.transpose(1, 2) for t in (q, k, v, o))
     mask = ins_t[3] if len(ins_t) == 4 else None
     if any(t.dtype != torch.float32 for t in (q, k, v, o)):
         return None
@@ -312,7 +334,7 @@ def problem_of(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attr
     if not math.isfinite(scale):
         return None
     return AttnProblem(b, h, sq, sk, d, e, scale, bool(attrs.get("is_causal", False)), kind, strides,
-                       bool(attrs.get("nan_empty_rows", False)))
+                       bool(attrs.get("nan_empty_rows", False)), layout)
 
 
 def attention_source(p: AttnProblem, inputs: Sequence[str], outputs: Sequence[str],

@@ -122,7 +122,8 @@ declare("avg_pool2d")(lambda a, t: ("aten.avg_pool2d.default", _ins(t) + [
     a.get("count_include_pad", True)], {}))
 declare("adaptive_avg_pool2d")(lambda a, t: ("aten.adaptive_avg_pool2d.default",
                                              _ins(t) + [pair(a["output_size"])], {}))
-declare("sdpa")(lambda a, t: None if a.get("nan_empty_rows") else (   # torch's sdpa gives 0 on such rows
+# torch's sdpa gives 0 on a row attending no key; it has no [batch, seq, heads, dim] layout
+declare("sdpa")(lambda a, t: None if a.get("nan_empty_rows") or a.get("layout", "bhsd") != "bhsd" else (
     "aten.scaled_dot_product_attention.default",
     _ins(t)[:3] + [_ins(t)[3] if len(t) > 3 else None, 0.0, a.get("is_causal", False)], {"scale": a.get("scale")}))
 declare("einsum")(lambda a, t: ("aten.einsum.default", [a["equation"], _ins(t)], {}))

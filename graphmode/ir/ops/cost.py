@@ -18,6 +18,8 @@ def flops_of(op: str, in_shapes: list[tuple[int, ...]], out_shapes: list[tuple[i
         return 2.0 * out_n * w[1] * w[2] * w[3]
     if spec.kind == "attention":
         q, k = in_shapes[0], in_shapes[1]
+        if (attrs or {}).get("layout") == "bshd":     # [batch, seq, heads, dim]
+            q, k = (q[0], q[2], q[1], q[3]), (k[0], k[2], k[1], k[3])
         lq, lk, d = q[-2], k[-2], q[-1]
         batch = math.prod(q[:-2])
         return 4.0 * batch * lq * lk * d + 5.0 * batch * lq * lk

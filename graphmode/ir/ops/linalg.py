@@ -201,12 +201,25 @@ register(OpSpec("adaptive_avg_pool2d", "pool", (1, 1),
                                  Sample(randn((2, 3, 1, 9)), {"output_size": [1, 3]})], padding="window"))
 
 
+SDPA_LAYOUTS = ("bhsd", "bshd")
+
+
 def _sdpa_infer(ins, a):
     q, k, v = ins[:3]
+    layout = a.get("layout", "bhsd")
+    if layout not in SDPA_LAYOUTS:
+        raise IRError(f"sdpa layout {layout!r} is not one of {', '.join(SDPA_LAYOUTS)}")
+    if layout == "bshd" and not q.rank == k.rank == v.rank == 4:
+        raise IRError(f"sdpa layout 'bshd' takes 4-d q, k, v [batch, seq, heads, dim], got {q.text()}, "
+                      f"{k.text()}, {v.text()}")
     return [TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))]
 
 
 def _sdpa_ref(ins, a, env):
+    if a.get("layout", "bhsd") == "bshd":     # the head permutes the layout pass folded in
+        heads = [t.transpose(1, 2) for t in ins[:3]]
+        out = _sdpa_ref(heads + list(ins[3:]), {**a, "layout": "bhsd"}, env)[0]
+        return [out.transpose(1, 2).contiguous()]
     q, k, v = ins[:3]
     mask = ins[3] if len(ins) > 3 else None
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a.get("is_causal", False),
@@ -224,10 +237,13 @@ def _sdpa_ref(ins, a, env):
     return [out.masked_fill(empty, math.nan)]
 
 
-register(OpSpec("sdpa", "attention", (3, 4), _sdpa_infer, _sdpa_ref, attrs=("is_causal", "scale", "nan_empty_rows"),
+register(OpSpec("sdpa", "attention", (3, 4), _sdpa_infer, _sdpa_ref,
+                attrs=("is_causal", "scale", "nan_empty_rows", "layout"),
                 traits=frozenset({"precision_sensitive"}),
                 doc="scaled dot-product attention softmax(q k^T * scale + mask) v; mask bool (keep) or additive; "
-                    "a row attending no key is 0 as in torch, NaN under nan_empty_rows (a decomposed softmax's answer)",
+                    "a row attending no key is 0 as in torch, NaN under nan_empty_rows (a decomposed softmax's answer); "
+                    "layout bshd: q, k, v and the result are [batch, seq, heads, dim] (the head permutes folded in), "
+                    "the mask stays [batch, heads, q, k]",
                 samples=lambda: [Sample(randn((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))),
                                  Sample(randn((1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8)), {"is_causal": True}),
                                  Sample(lambda g: [torch.randn(2, 2, 4, 8, generator=g), torch.randn(2, 2, 4, 8, generator=g),
@@ -237,7 +253,10 @@ register(OpSpec("sdpa", "attention", (3, 4), _sdpa_infer, _sdpa_ref, attrs=("is_
                                  Sample(lambda g: [torch.randn(2, 2, 3, 8, generator=g), torch.randn(2, 2, 4, 8, generator=g),
                                                    torch.randn(2, 2, 4, 8, generator=g),
                                                    torch.tensor([[True] * 4, [False] * 4, [True, False, False, True]])
-                                                   .reshape(1, 1, 3, 4)], {"nan_empty_rows": True})],
+                                                   .reshape(1, 1, 3, 4)], {"nan_empty_rows": True}),
+                                 Sample(lambda g: [torch.randn(2, 5, 3, 8, generator=g), torch.randn(2, 6, 3, 8, generator=g),
+                                                   torch.randn(2, 6, 3, 4, generator=g),
+                                                   torch.rand(2, 1, 5, 6, generator=g) > 0.3], {"layout": "bshd"})],
                 padding="attention"))
 
 

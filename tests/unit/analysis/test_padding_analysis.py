@@ -121,6 +121,25 @@ def test_sdpa_needs_a_mask_covering_the_keys_or_causal_attention():
     assert status(verdict(text(", %m4", "false"), pad_values={"m": True}), "s") == "unsafe"
 
 
+def test_sdpa_in_the_heads_layout_is_judged_on_its_seq_axis():
+    """`layout: bshd` (q, k, v [b, s, heads, d]): the keys are axis 1, and padding the heads or
+    the head dim is found there too."""
+    def text(mask: str, causal: str, shape: str = "b,s,2,8") -> str:
+        return (f'graph @t(%q: f32[{shape}], %m: bool[b,s]) -> (%y) {{\n  dims b=1..4 s=2..16\n'
+                '  %m4: bool[b,1,1,s] = reshape(%m) {"shape": ["b", 1, 1, "s"]}\n'
+                f'  %y: f32[{shape}] = sdpa(%q, %q, %q{mask}) {{"is_causal": {causal}, "layout": "bshd", "scale": 0.5}}\n'
+                '  return %y\n}')
+    assert status(verdict(text(", %m4", "false")), "s") == "safe"
+    assert verdict(text(", %m4", "false")).masked == ["s"]
+    assert status(verdict(text("", "true")), "s") == "safe"
+    rep = verdict(text("", "false"))
+    assert status(rep, "s") == "unsafe" and "no mask covers" in rep.dims["s"].findings[0].reason
+    rep = verdict(text("", "true", "b,2,s,8"))        # s as the heads axis: no causal cover for that
+    assert status(rep, "s") == "safe"                  # heads are batch-like: each on its own
+    rep = verdict(text("", "true", "b,2,8,s"))        # s as the head dim
+    assert status(rep, "s") == "unsafe" and "head dim" in rep.dims["s"].findings[0].reason
+
+
 def test_unpadded_dims_are_not_analysed():
     rep = verdict(ir('%y: f32[b,4] = mean(%x) {"dims": [1]}'), pads=("b",))
     assert status(rep, "s") == "not padded" and rep.safe

@@ -159,18 +159,20 @@ GM_INLINE void gm_attn_pv(long kj, const float* __restrict p, long ldp, const fl
   }
 }
 
-// K^T [d][ldt] from K [sk][d] (row-major): whole L x L blocks in registers, the edges scalar.
+// K^T [d][ldt] from K [sk][d] (rows `ldk` floats apart): whole L x L blocks in registers, the
+// edges scalar.
 template <class T>
-GM_INLINE void gm_attn_transpose(const float* __restrict k, long sk, long d, float* __restrict kt, long ldt) {
+GM_INLINE void gm_attn_transpose(const float* __restrict k, long sk, long d, long ldk, float* __restrict kt,
+                                 long ldt) {
   constexpr long L = T::L;
   const long sk0 = sk - sk % L, d0 = d - d % L;
   for (long j = 0; j < sk0; j += L) {
-    for (long c = 0; c < d0; c += L) T::tblock(k + j * d + c, d, kt + c * ldt + j, ldt);
+    for (long c = 0; c < d0; c += L) T::tblock(k + j * ldk + c, ldk, kt + c * ldt + j, ldt);
     for (long c = d0; c < d; ++c)
-      for (long jj = j; jj < j + L; ++jj) kt[c * ldt + jj] = k[jj * d + c];
+      for (long jj = j; jj < j + L; ++jj) kt[c * ldt + jj] = k[jj * ldk + c];
   }
   for (long c = 0; c < d; ++c)
-    for (long jj = sk0; jj < sk; ++jj) kt[c * ldt + jj] = k[jj * d + c];
+    for (long jj = sk0; jj < sk; ++jj) kt[c * ldt + jj] = k[jj * ldk + c];
 }
 // s[0 .. n16) <- exp(s - mx), returning their sum; n16 is a multiple of 16. Arguments below
 // -87 give exactly 0 (s - mx <= 0: only weights under 1.7e-38 of the row's largest, and

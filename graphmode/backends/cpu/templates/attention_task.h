@@ -1,6 +1,7 @@
 // graphmode generated CPU kernels: the body of a fused attention kernel (attention.py).
 // Instantiated inside each kernel's own namespace, after the shape constants (H, SQ, SK, D,
-// E, QB, NQB, SKP, MSB..MSJ, MASK, CAUSAL, mask_t) and the tile loops @SYM@_qk / @SYM@_pv
+// E, QB, NQB, SKP, MSB..MSJ, MASK, CAUSAL, mask_t, and each operand's batch / head / row
+// strides: Q_SB, Q_SH, QLD, ...) and the tile loops @SYM@_qk / @SYM@_pv
 // that attention.py writes for those shapes; @SYM@ is the kernel's symbol.
 // row_extent finds how far a mask row attends (causal and right-padded masks skip dead
 // keys); task runs one (batch, head, query block): K^T packed once per head, S = Q K^T,
@@ -29,11 +30,11 @@ void task(const float* __restrict q, const float* __restrict k, const float* __r
           const mask_t* __restrict m, float* __restrict o, long t, float* __restrict kt,
           float* __restrict s, float* __restrict rs, long* cached) {
   (void)m;
-  const long bh = t / NQB, i0 = (t % NQB) * QB;
+  const long bh = t / NQB, i0 = (t % NQB) * QB, b = bh / H, h = bh % H;
   const long nrows = SQ - i0 < QB ? SQ - i0 : QB;
-  const float* qp = q + (bh * SQ + i0) * D;
-  const float* vp = v + bh * SK * E;
-  float* op = o + (bh * SQ + i0) * E;
+  const float* qp = q + b * Q_SB + h * Q_SH + i0 * QLD;
+  const float* vp = v + b * V_SB + h * V_SH;
+  float* op = o + b * O_SB + h * O_SH + i0 * OLD;
   const mask_t* mp = m ? m + (bh / H) * MSB + (bh % H) * MSH + i0 * MSI : (const mask_t*)0;
   long kend = SK;
   if (CAUSAL) kend = i0 + nrows < SK ? i0 + nrows : SK;
@@ -51,7 +52,7 @@ void task(const float* __restrict q, const float* __restrict k, const float* __r
     return;
   }
   if (*cached != bh) {
-    gm_attn_transpose<VT>(k + bh * SK * D, SK, D, kt, SKP);
+    gm_attn_transpose<VT>(k + b * K_SB + h * K_SH, SK, D, KLD, kt, SKP);
     *cached = bh;
   }
   const long nvec = (kend + VL - 1) / VL;

@@ -4,7 +4,8 @@ Every case is generated from tensors exactly as the CPU binding does for a plan 
 compiled into ONE library (a module fixture), and compared with
 `F.scaled_dot_product_attention` (the IR op's reference): shapes with Sq != Sk and head dims
 16/32/64/80 (and E != D), bool and additive masks broadcast over batch / heads / query rows /
-keys, is_causal alone and with a mask, custom scales, fully masked rows, NaN scores. The same
+keys, is_causal alone and with a mask, custom scales, fully masked rows, NaN scores, and the
+`bshd` layout (q, k, v and the output [b, s, h, d], the head permutes folded in). The same
 kernels are then built for AVX2 and for plain x86-64 (the `#if` fallbacks), what the generator
 refuses is checked, and a compiled MiniLM runs its attention as `native:sdpa` steps.
 Nothing here asserts on a timing.
@@ -61,10 +62,14 @@ class Case:
     causal: bool = False
     scale: float | None = None
     nan_empty: bool = False           # the IR op's nan_empty_rows (an sdpa the attention pass made)
+    layout: str = "bhsd"              # "bshd": the kernel reads q, k, v and writes out as [b, s, h, d]
 
     @property
     def ins(self):
-        return [self.q, self.k, self.v] + ([self.mask] if self.mask is not None else [])
+        qkv = [self.q, self.k, self.v]
+        if self.layout == "bshd":
+            qkv = [t.transpose(1, 2).contiguous() for t in qkv]
+        return qkv + ([self.mask] if self.mask is not None else [])
 
     @property
     def names(self):
@@ -72,14 +77,17 @@ class Case:
 
     @property
     def attrs(self):
-        return {"is_causal": self.causal, "scale": self.scale} | ({"nan_empty_rows": True} if self.nan_empty else {})
+        return ({"is_causal": self.causal, "scale": self.scale} | ({"nan_empty_rows": True} if self.nan_empty else {})
+                | ({"layout": "bshd"} if self.layout == "bshd" else {}))
 
     def ref(self):
-        return F.scaled_dot_product_attention(self.q, self.k, self.v, attn_mask=self.mask, is_causal=self.causal,
-                                              scale=self.scale)
+        out = F.scaled_dot_product_attention(self.q, self.k, self.v, attn_mask=self.mask, is_causal=self.causal,
+                                             scale=self.scale)
+        return out.transpose(1, 2).contiguous() if self.layout == "bshd" else out
 
     def source(self):
-        out = torch.empty(self.q.shape[:-1] + (self.v.shape[-1],))
+        q, v = self.ins[0], self.ins[2]
+        out = torch.empty(q.shape[:-1] + (v.shape[-1],))
         return native_source("sdpa", self.ins, [out], self.attrs, {}, self.names, ["out"])
 
 
@@ -134,7 +142,13 @@ def _cases() -> list[Case]:
     return c
 
 
+# the same problems with the head permutes folded in (the fuse pass's attention_heads_layout):
+# q, k, v and the output [b, s, h, d], read and written with strided rows
+BSHD = ("minilm_1x128", "minilm_2x16_padded", "gpt2_causal_mask", "gpt2_is_causal", "sq_gt_sk_d80_e24",
+        "causal_sq_lt_sk", "bool_full", "bool_all_false_block", "f32_full_random", "long_sk_300")
 CASES = _cases()
+CASES += [Case(c.name + "_bshd", c.q, c.k, c.v, c.mask, c.causal, c.scale, layout="bshd")
+          for c in CASES if c.name in BSHD]
 
 
 def _nan_cases() -> list[Case]:
@@ -236,7 +250,7 @@ def test_isa_fallbacks(march, tmp_path):
     builder = KernelBuilder(tmp_path, flags=flags, threads=2)
     if f"-march={march}" not in builder.flags:
         pytest.skip(f"compiler rejects -march={march}")
-    picked = [c for c in CASES if c.name in ("sq_gt_sk_d80_e24", "gpt2_causal_mask")]
+    picked = [c for c in CASES if c.name in ("sq_gt_sk_d80_e24", "gpt2_causal_mask", "sq_gt_sk_d80_e24_bshd")]
     sources = {c.name: c.source() for c in picked}
     kernels = builder.build_many(list(sources.values()))
     for c in picked:
