@@ -352,8 +352,9 @@ def _plan_exe(cm, env, kdir):
 @needs_cxx
 @pytest.mark.parametrize("model", ["minilm", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_transformer_data_ops_run_native_and_match_eager(bundle, model, tmp_path):
-    """Head permutes, the qkv slices and the attention-mask chain (arange, cast, index,
-    logical_and) of a real plan all become native steps, and the outputs stay eager's."""
+    """The qkv slices and the attention-mask chain (arange, cast, index, logical_and) of a real
+    plan all become native steps, the head permutes are read in place by the sdpa (layout
+    bshd: no permute step is left), and the outputs stay eager's."""
     import graphmode
     from graphmode.recipe import load_recipe
     b = bundle(model)
@@ -366,7 +367,8 @@ def test_transformer_data_ops_run_native_and_match_eager(bundle, model, tmp_path
     aten = {n for n in exe.step_names if n.startswith("aten:")}
     for op in ("permute", "slice", "index", "cast", "arange", "logical_and"):
         assert f"aten:{op}" not in aten
-    assert "native:permute" in exe.step_names and not exe.kernel_report["fallbacks"]
+    assert "native:sdpa" in exe.step_names and not exe.kernel_report["fallbacks"]
+    assert not [n for n in exe.step_names if "permute" in n]
     x = b.make_inputs(env, seed=4)
     out = exe.run(x)
     with torch.inference_mode():
