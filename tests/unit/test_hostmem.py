@@ -1,6 +1,7 @@
 """graphmode/hostmem.py: constants spilled to a file-backed mapping, their pages released,
-and the refusals (tmpfs, unwritable folder). Nothing here asserts on RSS: the values must
-survive every release, and a tensor that is not spilled must never be touched."""
+and the refusals (tmpfs, unwritable folder); fresh outputs advised huge pages. Nothing here
+asserts on RSS: the values must survive every release, and a tensor that is not spilled must
+never be touched."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphmode.hostmem import MIN_SPILL_BYTES, load_mapped, memory_backed, release, spill_constants, trim_heap
+import sys
+
+from graphmode.hostmem import (HUGE_PAGE, MIN_HUGE_BYTES, MIN_SPILL_BYTES, empty_huge, load_mapped, memory_backed,
+                               release, spill_constants, trim_heap)
 
 
 def _consts():
@@ -88,3 +92,31 @@ def test_an_unwritable_folder_keeps_constants_in_memory(tmp_path):
 
 def test_min_spill_bytes_is_a_page_multiple():
     assert MIN_SPILL_BYTES % 4096 == 0
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping holding `addr` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
+
+
+def test_fresh_outputs_are_advised_huge_pages():
+    big = empty_huge((3, MIN_HUGE_BYTES // 4 + 1000), torch.float32)
+    assert big.shape == (3, MIN_HUGE_BYTES // 4 + 1000) and big.dtype == torch.float32 and big.is_contiguous()
+    assert big.storage_offset() == 0
+    small = empty_huge((10, 10), torch.int64)
+    assert small.shape == (10, 10) and small.dtype == torch.int64
+    big.fill_(2.5)
+    assert bool((big == 2.5).all())
+    if not sys.platform.startswith("linux"):
+        pytest.skip("madvise is Linux's")
+    interior = -(-big.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    assert "hg" in _vm_flags(interior)            # the 2 MiB-aligned interior carries MADV_HUGEPAGE
+    assert "hg" not in _vm_flags(small.data_ptr())
