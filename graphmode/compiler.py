@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -252,6 +253,17 @@ def reprove(lowered: Lowered, recipe: Recipe | str | Path, target: Any = None, *
                                timings={**lowered.timings, "proof": time.perf_counter() - t0})
 
 
+def _warn_if_no_weight_narrowed(opt: OptimizeReport) -> None:
+    """A recipe asking for narrow weights (precision.weights) whose model had no linear to
+    narrow would otherwise run f32 without a word."""
+    from graphmode.capture.spec import GraphmodeNotice
+    from graphmode.passes.quantize_weights import weights_summary
+    for p in opt.passes.passes:
+        said = weights_summary(p.stats) if p.name == "quantize_weights" else None
+        if said is not None and said[1]:
+            warnings.warn(GraphmodeNotice(said[0]), stacklevel=3)
+
+
 def _lower(start: Lowered, recipe: Recipe, target: Any, *, refuse: bool, prove_graph: bool,
            keep_snapshots: bool = False, on_stage: OnStage | None = None, rank: int = 0,
            dump_dir: str | Path | None = None, dump_before: Sequence[str] | str = (),
@@ -268,6 +280,7 @@ def _lower(start: Lowered, recipe: Recipe, target: Any, *, refuse: bool, prove_g
                           dump_after=dump_after)
     t2 = time.perf_counter()
     timings["passes"] = t2 - t1
+    _warn_if_no_weight_narrowed(opt)
     facts = graph_facts(recipe, graph)
     low = dataclasses.replace(start, graph=graph, optimize_report=opt, facts=facts, timings=timings)
     if not prove_graph:

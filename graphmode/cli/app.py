@@ -100,6 +100,19 @@ def fail(err: GraphmodeError, as_json: bool = False) -> None:
     raise SystemExit(err.exit_code)
 
 
+def _notices_as_lines(warnings) -> None:
+    """graphmode's own notices (GraphmodeNotice: what it did for the user, and how to silence
+    it) print as one `notice:` line on stderr, without Python's file and source line."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__name__ == "GraphmodeNotice":
+            err_console.print(f"notice: {message}", markup=False, highlight=False, soft_wrap=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> None:
     import os
     import warnings
@@ -109,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     # torch.export's own deprecation noise is not the user's concern
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
+    _notices_as_lines(warnings)
     _register()
     try:
         app(args=argv)  # standalone: usage errors print and exit 2 inside typer; _Commands maps ours

@@ -108,6 +108,11 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
         stats = ", ".join(f"{k}={v}" for k, v in p.stats.items() if not isinstance(v, (dict, list)))
         t.add_row(str(i), p.name, str(p.nodes_before), str(p.nodes_after), f"{p.seconds * 1e3:.1f}", stats[:80])
     console.print(t)
+    from graphmode.passes.quantize_weights import weights_summary
+    for p in rep.passes.passes:
+        said = weights_summary(p.stats) if p.name == "quantize_weights" else None
+        if said is not None and not said[1]:       # storing none is a notice, printed as it happens
+            console.print(said[0], markup=False, highlight=False, soft_wrap=True)
     if rep.fused_groups:
         kinds: dict[str, int] = {}
         for g in rep.fused_groups:

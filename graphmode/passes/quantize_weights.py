@@ -55,14 +55,16 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
     nodes = []
     stored = 0
     left = 0
+    kept: dict[str, int] = {}         # why a linear stays f32 -> how many
     for n in g.nodes:
         w = n.inputs[1] if n.op == "linear" and len(n.inputs) >= 2 else None
-        ok = (w is not None and g.is_constant(w) and g.type_of(w).dtype == "f32" and g.type_of(w).rank == 2
-              and g.type_of(n.inputs[0]).dtype == "f32"
-              and (len(n.inputs) < 3 or g.type_of(n.inputs[2]).dtype == "f32"))
-        if ok and weights == "int4" and g.type_of(w).shape[1] % opts.group_size:
-            ok, left = False, left + 1
-        if not ok:
+        why = _kept_f32(g, n, w)
+        if why is None and weights == "int4" and g.type_of(w).shape[1] % opts.group_size:
+            why = f"in features not a multiple of group_size {opts.group_size}"
+            left += 1
+        if why is not None:
+            if n.op == "linear":
+                kept[why] = kept.get(why, 0) + 1
             nodes.append(n)
             continue
         if w not in made:
@@ -83,7 +85,43 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
         if weights == "int4" else {}
     return PassResult(g, bool(made), {"weights": weights, **stats, "quantized": len(made),
                                       "linears": sum(1 for n in nodes if n.op == "qlinear"),
-                                      "bytes_before": f32, "bytes_after": stored})
+                                      "bytes_before": f32, "bytes_after": stored, "kept_f32": kept})
 
 
-__all__ = ["quantize"]
+def _kept_f32(g: Graph, n, w: str | None) -> str | None:
+    """Why linear node `n` (weight `w`) cannot be stored narrow, or None when it can."""
+    if w is None:
+        return "not a linear"
+    if not g.is_constant(w):
+        return "its weight is computed, not a constant"
+    if g.type_of(w).dtype != "f32" or g.type_of(w).rank != 2:
+        return f"its weight is {g.type_of(w).text()}, not an f32 [out, in] matrix"
+    if g.type_of(n.inputs[0]).dtype != "f32" or (len(n.inputs) > 2 and g.type_of(n.inputs[2]).dtype != "f32"):
+        return "its input or bias is not f32"
+    return None
+
+
+def weights_summary(stats: dict) -> tuple[str, bool] | None:
+    """A line on what `precision.weights` stored narrow (from this pass's stats), and whether it
+    stored nothing (a recipe asking for narrow weights that changed no linear: worth a warning).
+    None when the recipe keeps f32 weights."""
+    weights = stats.get("weights")
+    if weights in (None, "f32"):
+        return None
+    kept = stats.get("kept_f32") or {}
+    done = int(stats.get("linears", 0))
+    total = done + sum(kept.values())
+    why = "; ".join(f"{n} {'stays' if n == 1 else 'stay'} f32 ({r})" for r, n in kept.items())
+    if done:
+        mb = lambda b: f"{b / 2**20:.1f} MiB"      # noqa: E731
+        return (f"precision.weights {weights}: {done} of {total} linear(s) stored {weights} "
+                f"({mb(stats.get('bytes_before', 0))} -> {mb(stats.get('bytes_after', 0))})"
+                + (f"; {why}" if why else ""), False)
+    fix = ("; set precision.group_size to one that divides the in features, or use weights int8 (per output "
+           "channel)") if stats.get("left_f32") else ""
+    return (f"precision.weights {weights} stored no weight narrow: "
+            + (why if why else "the model has no linear layer (convolutions and embeddings keep f32)")
+            + f"; it runs with f32 weights{fix}", True)
+
+
+__all__ = ["quantize", "weights_summary"]

@@ -103,3 +103,40 @@ def test_int4_q8_activations_mark_the_qlinears():
     h = torch.nn.functional.gelu(torch.nn.functional.linear(inputs["x"], g.constants["w1"], g.constants["b1"]))
     assert torch.allclose(got["y"], int4.q8_linear(h, out.constants[y.inputs[1]], out.constants[y.inputs[2]]))
     assert 0 < rel_l2(got["y"], want["y"]) < WEIGHT_ONLY["int4"]
+
+
+def test_what_stays_f32_is_said_and_storing_nothing_warns():
+    """The pass counts why each linear keeps f32 weights (a computed weight, in features that
+    hold no whole group); `weights_summary` says it, and flags a recipe that narrowed nothing;
+    compiling such a recipe warns (GraphmodeNotice) instead of running f32 in silence."""
+    from graphmode.passes.quantize_weights import weights_summary
+    g = _graph()
+    res = PASSES["quantize_weights"](g, PassContext(options={"quantize_weights": {"weights": "int4", "group_size": 32}}))
+    assert res.stats["kept_f32"] == {"in features not a multiple of group_size 32": 2,
+                                     "its weight is computed, not a constant": 1}
+    line, nothing = weights_summary(res.stats)
+    assert not nothing and line.startswith("precision.weights int4: 1 of 4 linear(s) stored int4")
+    assert "2 stay f32 (in features not a multiple of group_size 32)" in line
+    res = PASSES["quantize_weights"](g, PassContext(options={"quantize_weights": {"weights": "int4", "group_size": 64}}))
+    line, nothing = weights_summary(res.stats)
+    assert nothing and "stored no weight narrow" in line and "precision.group_size" in line
+    assert weights_summary(PASSES["quantize_weights"](g, PassContext()).stats) is None
+
+
+def test_compiling_a_recipe_that_narrows_nothing_warns(tmp_path):
+    import warnings
+
+    import graphmode
+    from graphmode.capture.spec import GraphmodeNotice
+    m = torch.nn.Linear(20, 8).eval()
+    rec = {"version": 1, "name": "int4-nothing", "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 20]}],
+           "dims": {"batch": {"buckets": [2]}}, "exe_mode": "graph", "targets": ["host"],
+           "precision": {"compute": "f32", "weights": "int4"}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cm = graphmode.compile((m, {"input": torch.randn(2, 20)}), rec, cache_dir=tmp_path)
+    said = [str(w.message) for w in caught if w.category is GraphmodeNotice]
+    assert len(said) == 1 and "int4 stored no weight narrow" in said[0] and "group_size 32" in said[0]
+    x = torch.randn(2, 20)
+    with torch.no_grad():
+        assert torch.allclose(cm(input=x), m(x), rtol=1e-5, atol=1e-5)
