@@ -8,8 +8,8 @@ capture report with the model's source line.
 """
 from __future__ import annotations
 
-import os
 import operator
+import re
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphmode.capture.aten import convert
+from graphmode.capture.export_errors import export_failure, quiet_export_logs, shown_path
 from graphmode.errors import CaptureError
 from graphmode.ir.graph import Graph, clean_name
 from graphmode.ir.types import TORCH_TO_DTYPE, TensorType, dim_str, normalize_dim, sym
@@ -83,6 +84,7 @@ class _Importer:
         self._const_cache: dict[tuple, str] = {}
         self.fqn_prefix = ""                   # "model." when the module is graphmode's output-flattening wrapper
         self.mutated_inputs: list[str] = []    # inputs updated in place: one graph output each, after the user's
+        self._node: torch.fx.Node | None = None   # the node being translated (for messages)
 
     # ---- symbols ---------------------------------------------------------------------
     def _bind_symbols(self, user_inputs: list[tuple[str, torch.fx.Node]]) -> None:
@@ -103,8 +105,7 @@ class _Importer:
             expr = v.node.expr.xreplace(self.subs)
             unknown = [s for s in expr.free_symbols if s.name not in self.g.dims]
             if unknown:
-                raise CaptureError(f"symbolic size {expr} uses symbols {unknown} that map to no recipe dim",
-                                   fix="declare every dynamic input dim in the recipe's inputs/dims")
+                raise _unmapped_size(expr, unknown, self._node)
             return normalize_dim(expr)
         if isinstance(v, torch.fx.Node):
             r = self.env[v]
@@ -296,7 +297,7 @@ class _Importer:
                 else:
                     raise CaptureError(f"unsupported placeholder {n.name}")
             elif n.op == "call_function":
-                first = len(self.g.nodes)
+                first, self._node = len(self.g.nodes), n
                 self.translate(n)
                 if len(self.g.nodes) > first:
                     loc = _source_loc(n)
@@ -375,6 +376,21 @@ def _maker(node: Any) -> tuple[str, str]:
     return str(node.target), _source_loc(node)
 
 
+def _unmapped_size(expr: Any, unknown: list, node: torch.fx.Node | None) -> CaptureError:
+    """A size over symbols no recipe dim names: torch's unbacked symbols (u0, u1, ...) are sizes
+    known only from the data (a boolean-mask index, nonzero, unique); others are dims the
+    recipe does not declare."""
+    at = f" at {_source_loc(node)} ({node.target})" if node is not None else ""
+    if all(re.fullmatch(r"u\d+", str(s)) for s in unknown):
+        return CaptureError(f"a tensor's size{at} depends on the data ({expr}: the count of elements a boolean "
+                            "mask, nonzero or unique selects), which no recipe dim bounds: graphmode plans every "
+                            "buffer from the recipe's dims", where="model",
+                            fix="keep the shape fixed: torch.where(mask, x, 0) or a masked sum instead of x[mask], "
+                                "or run the model with exe_mode: eager")
+    return CaptureError(f"symbolic size {expr}{at} uses symbols {unknown} that map to no recipe dim",
+                        fix="declare every dynamic input dim in the recipe's inputs/dims")
+
+
 def _source_loc(node: torch.fx.Node) -> str:
     """The innermost frame of the model's own code (not torch's internals) that made `node`."""
     trace = node.meta.get("stack_trace") or ""
@@ -387,26 +403,12 @@ def _source_loc(node: torch.fx.Node) -> str:
     own = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
     if own or frames:
         path, line = (own or frames)[-1]
-        return f"{_shown_path(path)}:{line}"
+        return f"{shown_path(path)}:{line}"
     stack = node.meta.get("nn_module_stack")
     if stack:
         last = list(stack.values())[-1]
         return last[0] if isinstance(last, tuple) else str(stack)
     return node.name
-
-
-def _shown_path(path: str) -> str:
-    """A source path as a user reads it: relative to the working directory when the model's code
-    is there, from the package on for an installed library (transformers/models/...), else whole."""
-    p = os.path.abspath(path)
-    cwd = os.getcwd()
-    if p.startswith(cwd + os.sep):
-        return os.path.relpath(p, cwd)
-    for marker in ("site-packages", "dist-packages"):
-        head, sep, tail = p.partition(os.sep + marker + os.sep)
-        if sep:
-            return tail
-    return path
 
 
 def make_excluder(include_ops: Sequence[str] = (), exclude_ops: Sequence[str] = ()) -> Callable[[str, str], bool]:
@@ -433,21 +435,13 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
     for inp in example_inputs:
         names = input_dims.get(inp, [])
         dynamic[inp] = {i: tdims[d] for i, d in enumerate(names) if isinstance(d, str) and d in tdims} or None
-    import logging
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)     # a failing export logs a traceback there; the CaptureError says it
     try:
-        with torch.no_grad():
+        with torch.no_grad(), quiet_export_logs():
             ep = torch.export.export(module, (), dict(example_inputs), dynamic_shapes=dynamic, strict=False)
             ep = ep.run_decompositions(decomp_table={})
     except Exception as e:  # noqa: BLE001 - torch raises many types; report them uniformly
-        msg = str(e).strip().splitlines()
-        raise CaptureError(f"torch.export failed: {type(e).__name__}: {msg[0] if msg else ''}",
-                           fix="check the recipe's dims against the model (a dim the model specialises must "
-                               "be static in the recipe), or exclude the offending op") from e
-    finally:
-        fake_log.setLevel(level)
+        raise export_failure(e, "check the recipe's dims against the model (a dim the model specialises must "
+                                "be static in the recipe), or exclude the offending op") from e
     return ep
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from graphmode.capture.export_errors import export_failure, quiet_export_logs
 from graphmode.capture.outputs import describe, is_cache
 from graphmode.errors import CaptureError
 
@@ -567,16 +568,15 @@ def export_program(bundle: ModelBundle, ranges: dict[str, tuple[int, int]] | Non
     NOTES_capture.md) or ``"core_full"`` (the stock default table).
     """
     try:
-        ep = torch.export.export(bundle.module, (), dict(bundle.example_inputs),
-                                 dynamic_shapes=bundle.dynamic_shapes(ranges, static),
-                                 strict=False)
+        with quiet_export_logs():
+            ep = torch.export.export(bundle.module, (), dict(bundle.example_inputs),
+                                     dynamic_shapes=bundle.dynamic_shapes(ranges, static),
+                                     strict=False)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise CaptureError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0]}",
-                           where=f"model {bundle.name}",
-                           fix="narrow the dim ranges (the message names the guard), or mark "
-                               "the dim static") from e
+        raise export_failure(e, "narrow the dim ranges (the message names the guard), or mark the dim static",
+                             where=f"model {bundle.name}") from e
     if decompose is None:
         return ep
     try:

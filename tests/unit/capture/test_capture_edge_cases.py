@@ -190,12 +190,66 @@ def test_an_op_returning_a_list_of_tensors_is_refused_naming_it(tmp_path):
 
 def test_source_locations_read_as_a_user_writes_them(tmp_path, monkeypatch):
     """A fallback's source line names the model's file relative to the working directory, or
-    from the package on for an installed library, never this machine's site-packages prefix."""
+    from the package on for an installed library (also one in a virtualenv under the working
+    directory), never this machine's site-packages prefix."""
     import os
-    from graphmode.capture.torch_import import _shown_path
+    from graphmode.capture.export_errors import shown_path
     monkeypatch.chdir(tmp_path)
-    assert _shown_path(str(tmp_path / "models" / "net.py")) == os.path.join("models", "net.py")
+    assert shown_path(str(tmp_path / "models" / "net.py")) == os.path.join("models", "net.py")
     lib = os.path.join(os.sep, "opt", "py", "lib", "site-packages", "transformers", "models", "llama.py")
-    assert _shown_path(lib) == os.path.join("transformers", "models", "llama.py")
+    assert shown_path(lib) == os.path.join("transformers", "models", "llama.py")
+    venv = str(tmp_path / ".venv" / "lib" / "python3.11" / "site-packages" / "transformers" / "x.py")
+    assert shown_path(venv) == os.path.join("transformers", "x.py")
     elsewhere = os.path.join(os.sep, "srv", "code", "net.py")
-    assert _shown_path(elsewhere) == elsewhere
+    assert shown_path(elsewhere) == elsewhere
+
+
+class _Branch(torch.nn.Module):
+    def forward(self, x, y):
+        if x.sum() > 0:                          # a branch on a value: no one graph holds it
+            return x * 2 + y
+        return x - y
+
+
+def test_a_branch_on_a_tensor_value_names_the_line_that_branches(tmp_path, capfd):
+    x, y = torch.ones(3, 4), torch.randn(3, 4)
+    with pytest.raises(CaptureError) as e:
+        graphmode.compile(_Branch(), _recipe(x, y, "graph"), cache_dir=tmp_path)
+    msg = str(e.value)
+    assert "branches on the value of a tensor at" in msg and "test_capture_edge_cases.py" in msg
+    assert "`if x.sum() > 0:" in msg and "torch.cond" in e.value.fix
+    assert "def forward(" not in capfd.readouterr().err        # torch's partial graph is not printed
+
+
+def test_a_data_dependent_size_is_refused_as_such(tmp_path):
+    """x[mask] has as many rows as the mask selects: torch names that size u0, which is no
+    recipe dim; the refusal says what it is and where."""
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    with pytest.raises(CaptureError, match=r"size at .*test_capture_edge_cases\.py:\d+ \(aten\.index.*depends on "
+                                           r"the data") as e:
+        _compiled(lambda x, y: x[y > 0].sum(0, keepdim=True) + x, x, y, tmp_path)
+    assert "torch.where" in e.value.fix
+
+
+def test_a_dynamic_rope_is_refused_with_its_fix(tmp_path):
+    """Hugging Face's rope_type 'dynamic' recomputes its frequencies from the largest position of
+    each call: the refusal names the rope and a rope type that captures (linear does)."""
+    transformers = pytest.importorskip("transformers")
+
+    def llama(rope):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1, vocab_size=64, max_position_embeddings=64,
+                                       rope_scaling={"rope_type": rope, "factor": 2.0}, use_cache=False)
+        cfg._attn_implementation = "sdpa"
+        return transformers.LlamaForCausalLM(cfg).eval()
+    rec = {"version": 1, "name": "rope", "inputs": [{"name": "input_ids", "dtype": "i64", "shape": [1, "seq"]}],
+           "dims": {"seq": {"min": 2, "max": 8, "buckets": list(range(2, 9))}}, "exe_mode": "graph",
+           "targets": ["host"]}
+    ids = {"input_ids": torch.randint(0, 64, (1, 8))}
+    with pytest.raises(CaptureError, match=r"rope_type 'dynamic' or 'longrope'") as e:
+        graphmode.compile((llama("dynamic"), ids), rec, cache_dir=tmp_path)
+    assert e.value.where == "model.config.rope_scaling" and "'linear'" in e.value.fix
+    assert "modeling_rope_utils.py" in str(e.value) and "site-packages" not in str(e.value)
+    cm = graphmode.compile((llama("linear"), ids), rec, cache_dir=tmp_path)
+    assert cm(**ids).logits.shape == (1, 8, 64)

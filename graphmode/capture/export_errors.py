@@ -1,0 +1,91 @@
+"""Why torch.export refused a model, said in the user's terms.
+
+torch.export's first line is often about its own symbols: "Could not guard on data-dependent
+expression Eq(u0, 1)" names a symbol no recipe dim is called, and the line of model code that
+raised it is further down the message ("The following call raised this error"). A branch on a
+tensor's value cannot be one graph, so the error names that line, shows it, and says what
+to change; Hugging Face's rotary embeddings that recompute their frequencies from the
+positions of each call (rope_type `dynamic`, `longrope`) get their own fix. While export runs,
+torch's fake-tensor and symbolic-shape loggers are quieted and its stderr is held back: a
+failing export logs a traceback and prints a whole partial graph, and the CaptureError says
+what matters.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import linecache
+import logging
+import os
+import re
+import sys
+from typing import Iterator
+
+from graphmode.errors import CaptureError
+
+_DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "DataDependentOutputException", "PendingUnbackedSymbolNotFound")
+_CALL = re.compile(r'The following call raised this error:\s*\n\s*File "([^"]+)", line (\d+), in (\S+)')
+_ROPE = re.compile(r"dynamic_frequency_update|longrope_frequency_update|dynamic_rope_update")
+_QUIET = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
+
+
+@contextlib.contextmanager
+def quiet_export_logs() -> Iterator[None]:
+    """torch's fake-tensor and symbolic-shape loggers at CRITICAL while export runs, and what it
+    prints to stderr held back: written out after a successful export, dropped after a failed
+    one (torch prints the failed trace's partial graph there, hundreds of lines)."""
+    loggers = [logging.getLogger(n) for n in _QUIET]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+        sys.stderr.write(held.getvalue())
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def shown_path(path: str) -> str:
+    """A source path as a user reads it: relative to the working directory when the model's code
+    is there, from the package on for an installed library (transformers/models/...), else whole."""
+    p = os.path.abspath(path)
+    for marker in ("site-packages", "dist-packages"):
+        head, sep, tail = p.partition(os.sep + marker + os.sep)
+        if sep:
+            return tail
+    cwd = os.getcwd()
+    if p.startswith(cwd + os.sep):
+        return os.path.relpath(p, cwd)
+    return path
+
+
+def export_failure(e: BaseException, fix: str, where: str | None = None) -> CaptureError:
+    """The CaptureError for torch.export's exception `e`: its first line, or for a branch on a
+    tensor's value the model line that branches (with `fix` replaced by what to change there)."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    name = type(e).__name__
+    call = _CALL.search(text)
+    if not (name in _DATA_DEPENDENT or "data-dependent" in first) or call is None:
+        return CaptureError(f"torch.export failed: {name}: {first}", where=where, fix=fix)
+    path, line, fn = call.group(1), int(call.group(2)), call.group(3)
+    src = linecache.getline(path, line).strip()
+    at = f"{shown_path(path)}:{line} in {fn}" + (f": `{src}`" if src else "")
+    msg = (f"torch.export failed: the model branches on the value of a tensor at {at} (data-dependent control "
+           f"flow; torch.export: {first})")
+    if _ROPE.search(fn) or "rope" in path.rsplit(os.sep, 1)[-1]:
+        return CaptureError(
+            msg + ". This rotary embedding (Hugging Face rope_type 'dynamic' or 'longrope') recomputes its "
+            "frequencies from the largest position of each call, which one graph cannot hold",
+            where=where or "model.config.rope_scaling",
+            fix="compile the model with a rope type whose frequencies are fixed (rope_scaling rope_type 'linear', "
+                "'yarn' or 'llama3', or none), or run it with exe_mode: eager")
+    return CaptureError(msg, where=where,
+                        fix="write that branch without reading tensor values (torch.where, or torch.cond for "
+                            "two paths), or run the model with exe_mode: eager")
+
+
+__all__ = ["export_failure", "quiet_export_logs", "shown_path"]
