@@ -6,6 +6,7 @@ artifact, the server, the rank processes) resolves models here, below the driver
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,9 +112,14 @@ def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
     """Whatever the user passed (built-in name, .onnx path, 'pkg.mod:fn' spec, nn.Module,
     (module, example_inputs[, input_dims]), Hugging Face model, ModelBundle) -> ModelSource.
     A plain nn.Module takes its example inputs from the recipe's declared inputs."""
-    from graphmode.capture.spec import OnnxModelSpec, as_model, bundle_from_module
+    from graphmode.capture.spec import BareModuleError, OnnxModelSpec, as_model, bundle_from_module, resolve_model_spec
     if isinstance(model, ModelSource):
         return model
+    if isinstance(model, (str, os.PathLike)):
+        try:
+            model = resolve_model_spec(model)
+        except BareModuleError as e:          # 'pkg.mod:fn' returning a module alone: the recipe has its inputs
+            model = e.module
     if isinstance(model, torch.nn.Module):
         ex = example_inputs_from_recipe(recipe, model)
         try:                                   # forward's order: the compiled model binds positional args like it

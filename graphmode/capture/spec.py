@@ -311,7 +311,14 @@ def as_model(model: Any) -> ModelBundle | OnnxModelSpec:
     A plain nn.Module has no example inputs: it needs them, or a recipe (compiler.resolve_model)."""
     from graphmode.capture import hf
     if isinstance(model, (str, os.PathLike)):
-        return resolve_model_spec(model)
+        try:
+            return resolve_model_spec(model)
+        except BareModuleError as e:
+            if not hf.is_hf_model(e.module):
+                raise
+            bundle = as_model(e.module)       # a Hugging Face model alone: its inputs from its config
+            bundle.source = f"callable:{model}"
+            return bundle
     if isinstance(model, (ModelBundle, OnnxModelSpec)):
         return model
     if isinstance(model, (tuple, list)):
@@ -402,6 +409,16 @@ def _import_callable(spec: str) -> tuple[Any, str]:
     return obj, fn_part
 
 
+class BareModuleError(CaptureError):
+    """A model spec's function returned an nn.Module alone: a recipe declaring its inputs can
+    still compile it (capture.source.resolve_model takes `module`), and a Hugging Face model
+    has its inputs in its config (`as_model`)."""
+
+    def __init__(self, module: nn.Module, message: str, **kw: Any):
+        super().__init__(message, **kw)
+        self.module = module
+
+
 def _from_callable(spec: str) -> ModelBundle:
     fn, fn_name = _import_callable(spec)
     try:
@@ -417,9 +434,10 @@ def _from_callable(spec: str) -> ModelBundle:
             ret.source = f"callable:{spec}"
         return ret
     if isinstance(ret, nn.Module):
-        raise CaptureError(f"{fn_name}() returned a bare nn.Module without example inputs",
-                           where=f"model spec {spec!r}",
-                           fix=f"return (module, example_inputs) from {fn_name}()")
+        raise BareModuleError(ret, f"{fn_name}() returned a bare {type(ret).__name__} without example inputs",
+                              where=f"model spec {spec!r}",
+                              fix=f"return (module, example_inputs) from {fn_name}(), or give a recipe that "
+                                  "declares its inputs (--recipe)")
     if not isinstance(ret, (tuple, list)) or len(ret) not in (2, 3):
         raise CaptureError(f"{fn_name}() returned {type(ret).__name__}, expected {expected}",
                            where=f"model spec {spec!r}", fix=f"return {expected}")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from graphmode.capture import onnx_export, zoo
-from graphmode.capture.spec import OnnxModelSpec, bundle_from_module, resolve_model_spec
+from graphmode.capture.spec import OnnxModelSpec, as_model, bundle_from_module, resolve_model_spec
 from graphmode.capture.zoo import ModelBundle
 from graphmode.errors import CaptureError
 
@@ -341,7 +341,7 @@ def test_callable_spec_from_py_file(user_pkg):
     ("no_such_pkg_xyz.models:build", ["no_such_pkg_xyz", "PYTHONPATH"]),
     ("zoo_user_models:biuld_tiny", ["biuld_tiny", "build_tiny"]),
     ("zoo_user_models:returns_int", ["returns_int", "int", "example_inputs"]),
-    ("zoo_user_models:returns_module", ["bare nn.Module", "example_inputs"]),
+    ("zoo_user_models:returns_module", ["bare Tiny", "example_inputs", "--recipe"]),
     ("zoo_user_models:returns_bad_module", ["str", "nn.Module"]),
     ("zoo_user_models:raises", ["raises()", "RuntimeError", "boom"]),
     ("zoo_user_models:returns_non_tensor_output", ["not made of tensors"]),
@@ -357,6 +357,40 @@ def test_bad_callable_specs(user_pkg, spec, needles):
     for n in needles:
         assert n in msg, msg
     assert ei.value.fix  # and says how to fix it
+
+
+def test_a_spec_returning_a_module_alone_compiles_from_the_recipe(user_pkg, tmp_path):
+    """'pkg.mod:fn' whose fn returns the module alone: with a recipe declaring its inputs it
+    compiles like a module handed to graphmode.compile (inputs from the recipe)."""
+    import graphmode
+    from graphmode.capture.source import resolve_model
+    from graphmode.recipe import load_recipe
+    rec = load_recipe({"version": 1, "name": "bare", "targets": ["host"], "exe_mode": "graph",
+                       "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 8]},
+                                  {"name": "y", "dtype": "f32", "shape": ["batch", 4]}],
+                       "dims": {"batch": {"buckets": [2, 3]}}})
+    assert list(resolve_model("zoo_user_models:returns_module", rec).example_inputs) == ["x", "y"]
+    cm = graphmode.compile("zoo_user_models:returns_module", rec, cache_dir=tmp_path)
+    x, y = torch.randn(3, 8), torch.randn(3, 4)
+    from torch.utils._pytree import tree_leaves
+    got, want = tree_leaves(cm(x=x, y=y)), tree_leaves(cm.source.module(x=x, y=y))
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_spec_returning_a_hugging_face_model_alone_takes_its_inputs_from_the_config(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "hf_user_model.py").write_text(
+        "import transformers\n"
+        "def build():\n"
+        "    cfg = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,\n"
+        "                                  num_attention_heads=2, vocab_size=50)\n"
+        "    return transformers.BertModel(cfg).eval()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    b = as_model("hf_user_model:build")
+    assert "BertModel" in type(b.module).__name__ and "input_ids" in b.input_names
+    assert b.source == "callable:hf_user_model:build"
 
 
 def test_bundle_from_module_validates():
