@@ -48,7 +48,8 @@ void task(const float* __restrict q, const float* __restrict k, const float* __r
     kend = ext;
   }
   if (kend == 0) {   // no row of the block attends any key: torch returns zeros
-    for (long x = 0; x < nrows * E; ++x) op[x] = EMPTY_NAN ? GM_NAN : 0.0f;
+    for (long r = 0; r < nrows; ++r)
+      for (long x = 0; x < E; ++x) op[r * OLD + x] = EMPTY_NAN ? GM_NAN : 0.0f;
     return;
   }
   if (*cached != bh) {

@@ -145,7 +145,8 @@ def _cases() -> list[Case]:
 # the same problems with the head permutes folded in (the fuse pass's attention_heads_layout):
 # q, k, v and the output [b, s, h, d], read and written with strided rows
 BSHD = ("minilm_1x128", "minilm_2x16_padded", "gpt2_causal_mask", "gpt2_is_causal", "sq_gt_sk_d80_e24",
-        "causal_sq_lt_sk", "bool_full", "bool_all_false_block", "f32_full_random", "long_sk_300")
+        "causal_sq_lt_sk", "bool_full", "bool_all_false_block", "f32_full_random", "long_sk_300",
+        "masked_query_block", "bool_2d_rows_masked")
 CASES = _cases()
 CASES += [Case(c.name + "_bshd", c.q, c.k, c.v, c.mask, c.causal, c.scale, layout="bshd")
           for c in CASES if c.name in BSHD]
@@ -203,14 +204,18 @@ def test_matches_torch(case, built):
 @needs_cxx
 def test_fully_masked_rows_are_zero_like_torch(built):
     sources, kernels = built
-    for name, rows in (("bool_2d_rows_masked", None), ("f32_2d_rows_neg_inf", [3]), ("masked_query_block", None)):
+    for name, rows in (("bool_2d_rows_masked", None), ("f32_2d_rows_neg_inf", [3]), ("masked_query_block", None),
+                       ("masked_query_block_bshd", None), ("bool_2d_rows_masked_bshd", None)):
         case = next(c for c in CASES if c.name == name)
         got, ref = _run(case, sources[name], kernels), case.ref()
+        if case.layout == "bshd":                # rows of every head, heads-first again
+            got, ref = got.transpose(1, 2), ref.transpose(1, 2)
         dead = ~(case.mask if case.mask.dtype == torch.bool else case.mask > NEG).any(-1)
         if rows is not None:
             assert dead.nonzero().flatten().tolist() == rows
         assert dead.any()
         assert (ref[..., dead, :] == 0).all() and (got[..., dead, :] == 0).all()
+        assert rel_l2(got, ref) < 1e-5, name          # and the rows around them untouched
 
 
 @needs_cxx
