@@ -210,9 +210,14 @@ def _heads_layout(rw: Rewriter, m: Match) -> str | None:
     return rw.add("sdpa", [p.inputs[0] for p in perms] + list(att.inputs[3:]), {**att.attrs, "layout": "bshd"})
 
 
-def rules() -> RuleSet:
-    """The attention rules, with a fresh cache of built masks (one per pass run)."""
+def rules(heads_layout: bool = True) -> RuleSet:
+    """The attention rules, with a fresh cache of built masks (one per pass run); without
+    `heads_layout` every sdpa stays heads-first (to_paged reads heads from its q, k, v)."""
     fill_mask = _FillMasks()
+    layout = [Rule("attention_heads_layout",
+                   Pat("permute", Pat("sdpa", name="att", single_use=True), name="root",
+                       where=lambda m: m.type("root").rank == 4 and _is_head_swap(m.root.attrs.get("perm"))),
+                   _heads_layout)] if heads_layout else []
     return RuleSet([
         Rule("attention", attention(SCORES), _sdpa),
         Rule("attention_additive_mask",
@@ -227,8 +232,4 @@ def rules() -> RuleSet:
              attention(Pat("where", Pat.var("cond"), Pat.const("fill"), SCORES, single_use=True, name="logits",
                            where=_logits_keep_scores)),
              lambda rw, m: fill_mask(rw, m, keep=False)),
-        Rule("attention_heads_layout",
-             Pat("permute", Pat("sdpa", name="att", single_use=True), name="root",
-                 where=lambda m: m.type("root").rank == 4 and _is_head_swap(m.root.attrs.get("perm"))),
-             _heads_layout),
-    ])
+    ] + layout)

@@ -222,7 +222,7 @@ def _attention_as_sdpa(graph: Graph) -> Graph:
     from graphmode.passes.canonicalize import RULES
     from graphmode.passes.rewrite import rewrite_graph
     g, _ = rewrite_graph(graph, RULES)
-    g, _ = rewrite_graph(g, rules())
+    g, _ = rewrite_graph(g, rules(heads_layout=False))     # the pass reads heads from q, k, v [b, h, s, d]
     return g.clone().prune_values() if g is not graph else g
 
 

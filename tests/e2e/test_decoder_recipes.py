@@ -187,3 +187,19 @@ def test_logits_scaled_or_capped_after_the_head_decode_exactly(family, tmp_path)
             engine_of(cm).on_logits = lambda s, lg: first.append(lg.clone())
             cm.generate(ids, max_new_tokens=1)
         assert (first[0].reshape(-1) - out).abs().max() < 1e-4
+
+
+def test_gpt2_with_its_attention_written_out_decodes_exactly(tmp_path):
+    """GPT-2 with attn_implementation 'eager' (matmul, softmax, matmul): to_paged puts it in sdpa
+    form itself and reads the heads from q, k, v, so that sdpa must stay heads-first (the fuse
+    pass's heads layout folded its permutes, and to_paged then read seq as the KV heads)."""
+    from tiny_decoders import _lm
+    lm = _lm()
+    lm.config._attn_implementation = "eager"
+    cm = graphmode.compile(lm, recipe(name="gpt2-eager-attn"), cache_dir=tmp_path)
+    for prompt in ([5, 6, 7, 8, 9], list(range(10, 30))):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                              pad_token_id=0)
+        assert torch.equal(cm.generate(ids, max_new_tokens=6), ref), ref.tolist()
