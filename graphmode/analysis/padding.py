@@ -66,8 +66,9 @@ class PaddingReport:
     # hold their pad value along these dims (runtime/shaping.py `pad_hazard`)
     masked: list[str] = field(default_factory=list)
     # of those, dims along which a value computed from the masks alone has two padded axes (a
-    # query x key mask, as DeBERTa builds): a real query row is masked whole wherever its mask
-    # is, so any pad value in a request's mask is a hazard, not only a row of them
+    # query x key mask, as DeBERTa builds), or a causal triangle masks a softmax written out: a
+    # query row is masked whole wherever its mask is (before the first real token, under left
+    # padding), so any pad value in a request's mask is a hazard, not only a row of them
     query_key: list[str] = field(default_factory=list)
 
     @property
@@ -106,6 +107,9 @@ class _Analyzer:
         self.cut = False                   # positions_independent: the real rows may come after padded ones
         self.pure: set[str] = set()        # values computed from the mask inputs and constants alone
         self.query_key: set[str] = set()   # dims a pure mask value has two padded axes along
+        self.positional: set[str] = set()  # values computed from no input (aranges, their comparisons)
+        self.triangle: set[str] = set()    # dims a positional value has two padded axes along (causal)
+        self.softmax_masked: set[str] = set()   # dims a softmax written out is safe along by its mask
         self.lo = dict(lo)
         self.locs = locs
 
@@ -146,6 +150,11 @@ class _Analyzer:
                 for s in outs:
                     along = [f.dim for ax in s.axes for f in ax.padded]
                     self.query_key.update(d for d in set(along) if along.count(d) >= 2)
+            if all(i in self.positional or i in g.constants for i in n.inputs) and n.op != "fallback":
+                self.positional.update(n.outputs)
+                for s in outs:
+                    along = [f.dim for ax in s.axes for f in ax.padded]
+                    self.triangle.update(d for d in set(along) if along.count(d) >= 2)
             for o, s in zip(n.outputs, outs):
                 for d, f in taint.items():
                     s.taint.setdefault(d, f)
@@ -235,7 +244,12 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
     all_dims = list(graph.dims) or padded
     report = PaddingReport({d: DimVerdict(d, d in padded, findings.get(d, [])) for d in all_dims})
     report.masked = [d for d in padded if d in an.masked and report.dims[d].safe]
-    report.query_key = [d for d in report.masked if d in an.query_key]
+    # a causal mask (a position triangle) under a softmax written out: a query row whose every
+    # earlier position is padding (left padding) is masked whole, and with a finite fill
+    # (finfo.min) eager spreads it over every key, the bucket's padded ones too; attention as
+    # one sdpa gives such a row 0 either way
+    report.query_key = [d for d in report.masked if d in an.query_key
+                        or (d in an.triangle and d in an.softmax_masked)]
     return report
 
 

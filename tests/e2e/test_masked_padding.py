@@ -2,7 +2,8 @@
 (analysis/padding.py `masked`). A request whose mask already holds its pad value can mask a
 row whole (a batch row of zeros, or the query rows of a query x key mask, as DeBERTa builds);
 a softmax over such a row spreads evenly over every position, the padded ones too, so padding
-it changed the answer silently (rel L2 0.2-0.4). Such a request now runs unpadded: in eager
+it changed the answer silently (rel L2 0.2-0.4); so do the query rows before the first real
+token of a left-padded request under a causal mask written out with a finite fill. Such a request now runs unpadded: in eager
 PyTorch under on_violation: eager, else refused naming the input; a key mask with a real
 position in every row is still padded (a tokenizer's padded batch), and the server does not
 merge a hazardous request with others."""
@@ -41,6 +42,31 @@ class KeyMask(nn.Module):
         return sc.softmax(-1) @ x
 
 
+class CausalMask(nn.Module):
+    """A decoder's eager attention (GPT-2, Llama, Mistral, Qwen2 with attn_implementation eager):
+    a position triangle and the key mask, filled with finfo.min. With left padding the query
+    rows before the first real token are masked whole: eager spreads them over every key, and
+    padding seq added keys there (rel L2 0.1-0.2 at those rows)."""
+
+    def forward(self, x, mask):
+        s = x.shape[1]
+        pos = torch.arange(s)
+        keep = (pos[None, :] <= pos[:, None])[None] & mask[:, None, :].bool()
+        sc = (x @ x.transpose(-1, -2)).masked_fill(~keep, torch.finfo(torch.float32).min)
+        return sc.softmax(-1) @ x
+
+
+class CausalSdpa(nn.Module):
+    """The same mask into one sdpa: a row masked whole is 0 whatever the keys, so padding stays."""
+
+    def forward(self, x, mask):
+        s = x.shape[1]
+        pos = torch.arange(s)
+        keep = (pos[None, :] <= pos[:, None])[None] & mask[:, None, :].bool()
+        return torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None],
+                                                                attn_mask=keep[:, None])[:, 0]
+
+
 def _compile(model: nn.Module, on_violation: str, cache):
     r = {"version": 1, "name": "masked", "exe_mode": "graph", "on_violation": on_violation,
          "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 8]},
@@ -54,13 +80,13 @@ def _compile(model: nn.Module, on_violation: str, cache):
                                  r, cache_dir=cache)
 
 
-@pytest.mark.parametrize("kind", [QueryKeyMask, KeyMask])
+@pytest.mark.parametrize("kind", [QueryKeyMask, KeyMask, CausalMask])
 def test_a_request_with_masked_positions_is_not_padded_and_gets_eagers_answer(kind, tmp_path):
     torch.manual_seed(0)
     model = kind().eval()
     cm = _compile(model, "eager", tmp_path)
     assert cm.masked_dims == ["seq"] and "seq" not in cm.exact_dims
-    assert cm.query_key_dims == (["seq"] if kind is QueryKeyMask else [])
+    assert cm.query_key_dims == (["seq"] if kind is not KeyMask else [])
     x, mask = torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.long)
     assert rel_l2(cm(x, mask), model(x, mask)) < 1e-5 and cm.last_path["path"] == "graph"   # still padded
     mask[1, 2:] = 0
@@ -76,6 +102,17 @@ def test_a_request_with_masked_positions_is_not_padded_and_gets_eagers_answer(ki
     m8[0, :3] = 1
     with torch.no_grad():
         assert rel_l2(cm(x8, m8), model(x8, m8)) < 1e-5 and cm.last_path["path"] == "graph"
+
+
+def test_a_left_padded_request_to_causal_attention_in_one_sdpa_is_still_padded(tmp_path):
+    torch.manual_seed(0)
+    model = CausalSdpa().eval()
+    cm = _compile(model, "error", tmp_path)
+    assert cm.query_key_dims == []
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.long)
+    mask[0, :3] = 0                          # left padding: rows 0-2 of batch 0 attend no key
+    with torch.no_grad():
+        assert rel_l2(cm(x, mask), model(x, mask)) < 1e-5 and cm.last_path["path"] == "graph"
 
 
 def test_without_eager_fallback_the_request_is_refused_naming_the_input(tmp_path):

@@ -81,6 +81,7 @@ def along(an, n: Node, x: State, taint: dict[str, Finding]) -> State:
             why = why_unsafe(op)
             if ok:
                 an.masked.add(f.dim)        # safe while each real row keeps a real unmasked logit
+                an.softmax_masked.add(f.dim)
         if not ok:
             taint.setdefault(f.dim, an.finding(f.dim, n, why.format(d=f.dim)))
     if masks and ax.padded:
