@@ -73,6 +73,8 @@ def one_to_one(imp, node: torch.fx.Node, op: str) -> bool:
         v = a[arg.name]
         ty = str(arg.type)
         if arg.name in spec.attrs:
+            if isinstance(v, torch.fx.Node):
+                return False                # a size computed at run time (tril(diagonal=sk - sq)): no attribute holds it
             attrs[arg.name] = v
         elif ty.startswith("List[Tensor]") or ty == "Tensor[]":
             inputs += [imp.operand(t) for t in v]

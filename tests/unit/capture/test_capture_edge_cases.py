@@ -253,3 +253,30 @@ def test_a_dynamic_rope_is_refused_with_its_fix(tmp_path):
     assert "modeling_rope_utils.py" in str(e.value) and "site-packages" not in str(e.value)
     cm = graphmode.compile((llama("linear"), ids), rec, cache_dir=tmp_path)
     assert cm(**ids).logits.shape == (1, 8, 64)
+
+
+class _SymbolicTril(torch.nn.Module):
+    def forward(self, x, mem):
+        s, sk = x.shape[1], mem.shape[1]
+        keep = torch.ones(s, sk, dtype=torch.bool).tril(diagonal=sk - s)
+        return (x @ mem.transpose(1, 2)).masked_fill(~keep, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["graph", "hybrid"])
+def test_an_op_argument_computed_from_two_dims_is_an_island_not_a_broken_attribute(mode, tmp_path):
+    """tril(diagonal=sk - s) over two symbolic dims: the diagonal is a size computed at run time,
+    which the op's int attribute cannot hold (it became an fx node in the graph: every call then
+    failed 'Object of type Node is not JSON serializable'). Graph mode refuses naming the op;
+    hybrid runs it as an eager island and matches eager."""
+    rec = {"version": 1, "name": "tril", "exe_mode": mode,
+           "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 8]},
+                      {"name": "mem", "dtype": "f32", "shape": ["batch", "mseq", 8]}],
+           "dims": {"batch": {"buckets": [2]}, "seq": {"min": 4, "max": 6, "buckets": [4, 5, 6]},
+                    "mseq": {"min": 8, "max": 10, "buckets": [8, 9, 10]}}}
+    if mode == "graph":
+        with pytest.raises(ContractRefused, match=r"aten\.tril"):
+            graphmode.compile(_SymbolicTril(), rec, cache_dir=tmp_path)
+        return
+    cm = graphmode.compile(_SymbolicTril(), rec, cache_dir=tmp_path)
+    x, mem = torch.randn(2, 5, 8), torch.randn(2, 9, 8)
+    assert torch.allclose(cm(x=x, mem=mem), _SymbolicTril()(x, mem), rtol=1e-5, atol=1e-5)
