@@ -47,15 +47,19 @@ class ArenaExecutable:
         output named in `index`, only `view[index[name]]` (a padded request's real rows: the
         padding is never copied out of the arena)."""
         index = index or {}
-        with self.lock, torch.inference_mode():
-            for name in self.plan.inputs:
-                self.views[name].copy_(inputs[name])
-            for step in self.steps:
-                step()
-            outs = {}
-            for o in self.plan.outputs:
-                v = self.views[o][index[o]] if o in index else self.views[o]
-                outs[o] = empty_huge(v.shape, v.dtype).copy_(v)
+        with self.lock:
+            with torch.inference_mode():
+                for name in self.plan.inputs:
+                    self.views[name].copy_(inputs[name])
+                for step in self.steps:
+                    step()
+            # outside inference mode: the caller gets ordinary tensors, which it may update in place
+            # (an inference tensor refuses that outside inference mode); none records autograd
+            with torch.no_grad():
+                outs = {}
+                for o in self.plan.outputs:
+                    v = self.views[o][index[o]] if o in index else self.views[o]
+                    outs[o] = empty_huge(v.shape, v.dtype).copy_(v)
             return outs
 
 

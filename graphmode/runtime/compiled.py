@@ -282,7 +282,7 @@ class CompiledModel(InputContract, Shaping):
             origin = "it was loaded from an artifact" if getattr(self, "artifact", None) else "it came from ONNX"
             raise ContractViolation(f"eager execution needs the original torch module ({origin})",
                                     fix="keep requests inside the recipe's dims")
-        with torch.inference_mode():
+        with torch.no_grad():              # not inference mode: the caller may update the outputs in place
             out = self.source.module(**inputs)
         if self.output_structure is not None and isinstance(out, tuple):    # the flattening wrapper's tuple
             return self.structured(list(out))

@@ -109,6 +109,20 @@ def test_on_violation_eager_falls_back_and_counts(small_resnet, tmp_path):
     assert cm.metrics()["health_score"] == 0.0
 
 
+def test_outputs_are_ordinary_tensors_the_caller_may_update(small_resnet, tmp_path):
+    """Graph-mode outputs and an eager fallback's are plain tensors, as eager under no_grad gives:
+    they were inference tensors, which refuse an in-place update outside inference mode."""
+    cm = graphmode.compile(small_resnet, load_recipe(resnet_recipe(on_violation="eager")), cache_dir=tmp_path)
+    for batch in (2, 6):                         # 2: a bucket (graph); 6: outside it (eager)
+        x = torch.randn(batch, 3, 64, 64)
+        y = _first(cm(pixel_values=x))
+        assert not y.is_inference() and not y.requires_grad
+        want = y.clone() * 2
+        y.mul_(2)                                # an inference tensor raised here
+        assert torch.equal(y, want)
+    assert cm.events["fallback"] == 1
+
+
 def test_hybrid_mode_runs_excluded_op_as_eager_island(small_resnet, tmp_path):
     rec = resnet_recipe(exe_mode="hybrid", capture={"exclude_ops": ["max_pool2d"]})
     cm = graphmode.compile(small_resnet, load_recipe(rec), cache_dir=tmp_path)
