@@ -258,10 +258,9 @@ def _warn_if_no_weight_narrowed(opt: OptimizeReport) -> None:
     narrow would otherwise run f32 without a word."""
     from graphmode.capture.spec import GraphmodeNotice
     from graphmode.passes.quantize_weights import weights_summary
-    for p in opt.passes.passes:
-        said = weights_summary(p.stats) if p.name == "quantize_weights" else None
-        if said is not None and said[1]:
-            warnings.warn(GraphmodeNotice(said[0]), stacklevel=3)
+    said = weights_summary(opt.passes.stats_of("quantize_weights"))
+    if said is not None and said[1]:
+        warnings.warn(GraphmodeNotice(said[0]), stacklevel=3)
 
 
 def _lower(start: Lowered, recipe: Recipe, target: Any, *, refuse: bool, prove_graph: bool,

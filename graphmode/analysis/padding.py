@@ -94,6 +94,15 @@ class PaddingReport:
 # ---------------------------------------------------------------------------------- analysis
 
 
+def _twice_padded(states: Sequence[State]) -> set[str]:
+    """Dims that pad two axes of one of `states` (a query x key or position x position value)."""
+    out: set[str] = set()
+    for s in states:
+        along = [f.dim for ax in s.axes for f in ax.padded]
+        out.update(d for d in along if along.count(d) >= 2)
+    return out
+
+
 class _Analyzer:
     """The driver: states from types, findings, and one op at a time through its padding rule
     (analysis/padding_rules, named by the op table)."""
@@ -147,14 +156,10 @@ class _Analyzer:
             if n.inputs and all(i in self.pure or i in g.constants for i in n.inputs) and \
                     any(i in self.pure for i in n.inputs):
                 self.pure.update(n.outputs)
-                for s in outs:
-                    along = [f.dim for ax in s.axes for f in ax.padded]
-                    self.query_key.update(d for d in set(along) if along.count(d) >= 2)
+                self.query_key.update(_twice_padded(outs))
             if all(i in self.positional or i in g.constants for i in n.inputs) and n.op != "fallback":
                 self.positional.update(n.outputs)
-                for s in outs:
-                    along = [f.dim for ax in s.axes for f in ax.padded]
-                    self.triangle.update(d for d in set(along) if along.count(d) >= 2)
+                self.triangle.update(_twice_padded(outs))
             for o, s in zip(n.outputs, outs):
                 for d, f in taint.items():
                     s.taint.setdefault(d, f)

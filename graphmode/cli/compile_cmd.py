@@ -109,10 +109,9 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
         t.add_row(str(i), p.name, str(p.nodes_before), str(p.nodes_after), f"{p.seconds * 1e3:.1f}", stats[:80])
     console.print(t)
     from graphmode.passes.quantize_weights import weights_summary
-    for p in rep.passes.passes:
-        said = weights_summary(p.stats) if p.name == "quantize_weights" else None
-        if said is not None and not said[1]:       # storing none is a notice, printed as it happens
-            console.print(said[0], markup=False, highlight=False, soft_wrap=True)
+    said = weights_summary(rep.passes.stats_of("quantize_weights"))
+    if said is not None and not said[1]:           # storing none is a notice, printed as it happens
+        console.print(said[0], markup=False, highlight=False, soft_wrap=True)
     if rep.fused_groups:
         kinds: dict[str, int] = {}
         for g in rep.fused_groups:

@@ -31,6 +31,10 @@ class PassReport:
     def total_seconds(self) -> float:
         return sum(p.seconds for p in self.passes)
 
+    def stats_of(self, name: str) -> dict:
+        """The stats of the first run of pass `name` ({} when the pipeline has none)."""
+        return next((p.stats for p in self.passes if p.name == name), {})
+
     def to_json(self) -> list[dict]:
         return [{"name": p.name, "seconds": round(p.seconds, 4), "nodes_before": p.nodes_before,
                  "nodes_after": p.nodes_after, "modified": p.modified, "stats": p.stats} for p in self.passes]
