@@ -6,7 +6,10 @@ call up for its whole time slice, even when the caller could have run every chun
 (docs/performance-contention.md). The pool (templates/claim_pool.h) joins differently: the
 caller claims chunks too and returns when every chunk is claimed and every claimed chunk has
 finished, so a late worker finds nothing left and goes back to sleep; idle workers spin
-`openmp.SPIN_COUNT` pauses, then block.
+`openmp.SPIN_COUNT` pauses, then block. Each thread first claims its own share of a loop (the
+caller the first 1/T of the chunks, worker i the (i+2)-th), then steals from the back of the
+others': with every thread running, a thread gets the same rows of consecutive loops, as under
+`schedule(static)`, and its data stays in its core's caches.
 
 There is one pool per process, in a library of its own built (and cached, sealed and
 trial-loaded) like any kernel library, once; every kernel library built with the `claim`

@@ -177,3 +177,43 @@ def test_concurrent_callers_and_a_single_thread(folder):
     run their loops alone; and a 1-thread build never starts a worker."""
     _stress(folder, threads=3, callers=3, reps=500, n=9)
     _stress(folder, threads=1, callers=1, reps=50, n=9)
+
+
+# One kernel: a loop of 4 chunks on 2 threads, each chunk writing the id of the thread that ran
+# it; the c-th chunk to start waits (yielding, bounded) until the (c + c % 2)-th has started, so
+# both threads hold a chunk before either can finish one and claim the next.
+_HOMES = textwrap.dedent("""
+    import sys, threading, torch
+    from graphmode.backends.cpu.abi import entry_point, kernel_source
+    from graphmode.backends.cpu.build import KernelBuilder
+    from graphmode.ir.types import TensorType
+    body = ["  long* out = (long*)p1;",
+            "  #pragma omp parallel for schedule(GM_SCHED(1)) num_threads(gm_nt())",
+            "  for (long i = 0; i < 4; ++i) {",
+            "    out[i] = (long)syscall(SYS_gettid);",
+            "    const long c = __atomic_add_fetch(&out[4], 1, __ATOMIC_SEQ_CST), pair = c + (c & 1);",
+            "    for (long s = 0; __atomic_load_n(&out[4], __ATOMIC_SEQ_CST) < pair && s < 100000000L; ++s) sched_yield();",
+            "  }"]
+    text = "#include <sched.h>\\n#include <sys/syscall.h>\\n#include <unistd.h>\\n" + "\\n".join(entry_point(2, body)) + "\\n"
+    src = kernel_source("homes", text, inputs=("x",), outputs=("out",),
+                        types={"x": TensorType("i64", (1,)), "out": TensorType("i64", (5,))}, kind="native",
+                        parallel=True)
+    k = KernelBuilder(sys.argv[1], threads=2, schedule="claim").build(src)
+    x = torch.zeros(1, dtype=torch.int64)
+    me = threading.get_native_id()
+    for _ in range(20):
+        out = torch.zeros(5, dtype=torch.int64)
+        k([x.data_ptr(), out.data_ptr()])
+        tids = out[:4].tolist()
+        assert tids[0] == tids[1] == me and tids[2] == tids[3] != me, (tids, me)
+    print("ok")
+""")
+
+
+@needs_cxx
+def test_each_thread_runs_its_home_range_when_all_run(folder):
+    """The caller takes the first half of a job's chunks and the worker the second, in every
+    job: consecutive loops over the same rows keep them on the same core (one shared counter
+    handed them out in claim order, to whichever thread came first)."""
+    res = subprocess.run([sys.executable, "-c", _HOMES, str(folder)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
