@@ -21,7 +21,8 @@ import torch.utils._pytree as pytree
 
 from graphmode.capture.aten import convert
 from graphmode.capture.export_errors import export_failure, quiet_export_logs, shown_path
-from graphmode.errors import CaptureError
+from graphmode.capture.fast_paths import eager_fast_paths
+from graphmode.errors import CaptureError, GraphmodeError
 from graphmode.ir.graph import Graph, clean_name
 from graphmode.ir.types import TORCH_TO_DTYPE, TensorType, dim_str, normalize_dim, sym
 
@@ -436,9 +437,11 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
         names = input_dims.get(inp, [])
         dynamic[inp] = {i: tdims[d] for i, d in enumerate(names) if isinstance(d, str) and d in tdims} or None
     try:
-        with torch.no_grad(), quiet_export_logs():
+        with torch.no_grad(), quiet_export_logs(), eager_fast_paths(module):
             ep = torch.export.export(module, (), dict(example_inputs), dynamic_shapes=dynamic, strict=False)
             ep = ep.run_decompositions(decomp_table={})
+    except GraphmodeError:
+        raise                   # a refusal of ours, raised while the model was traced: already says what to do
     except Exception as e:  # noqa: BLE001 - torch raises many types; report them uniformly
         raise export_failure(e, "check the recipe's dims against the model (a dim the model specialises must "
                                 "be static in the recipe), or exclude the offending op") from e
