@@ -73,7 +73,6 @@ inline void gm_futex_wake(std::atomic<uint32_t>* a) {
 struct GmPool {
   std::atomic<uint64_t> word{0};         // the current job's: {epoch, 0, chunks}
   GmRange ranges[GM_POOL_MAX_WORKERS + 1];  // the current job's home ranges, one per taker
-  std::atomic<int> takers{1};           // threads the current job is cut for, the caller one of them
   std::atomic<uint32_t> done{0};        // chunks of the current job finished
   std::atomic<uint32_t> caller_asleep{0};
   // the current job, written by its caller before it publishes `word`, read after a claim
@@ -124,8 +123,8 @@ struct GmPool {
       uint64_t w = word.load(std::memory_order_acquire);
       if (w != seen) {
         seen = w;
-        if (index < helpers.load(std::memory_order_relaxed))
-          work(w, index + 1, takers.load(std::memory_order_relaxed), true);
+        const int h = helpers.load(std::memory_order_relaxed);
+        if (index < h) work(w, index + 1, h + 1, true);   // the job is cut for its helpers and the caller
         continue;
       }
       const int s = spin.load(std::memory_order_relaxed);
@@ -166,7 +165,6 @@ struct GmPool {
     hi.store(h, std::memory_order_relaxed);
     chunk.store(c, std::memory_order_relaxed);
     helpers.store(nt - 1, std::memory_order_relaxed);
-    takers.store(nt, std::memory_order_relaxed);
     done.store(0, std::memory_order_relaxed);
     ++epoch;
     for (int t = 0; t < nt; ++t)        // taker t's home: chunks [t*n/nt, (t+1)*n/nt)
