@@ -154,22 +154,13 @@ def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
                        list(model.output_names), bundle=model)
 
 
-def _marks_padding(name: str) -> bool:
-    """An input named like PyTorch's key padding masks (`src_key_padding_mask`, `pad_mask`), where
-    true marks a padded position: all ones would mask every key, and nn.TransformerEncoder's
-    eager fast path then fails on the example ("at least one constituent tensor should have
-    non-zero numel")."""
-    n = name.lower()
-    return n.endswith("mask") and "pad" in n
-
-
 def example_inputs_from_recipe(recipe: Recipe, module: Any = None, *, sizes: dict[str, int] | None = None,
                                seed: int = 0) -> dict[str, torch.Tensor]:
     """One example per declared input at `sizes` (default: small sizes of the recipe's dims):
-    floats random, masks ones, token types and padding masks (`*pad*_mask`: true marks a padded
-    position, as nn.Transformer's key_padding_mask) zeros, token ids inside the module's
-    vocabulary (its config's), other integers ones."""
+    floats random, token types zeros, bools `zoo.bool_sample` (key padding masks nothing padded),
+    masks ones, token ids inside the module's vocabulary (its config's), other integers ones."""
     from graphmode.capture.torch_import import example_sizes
+    from graphmode.capture.zoo import bool_sample
     from graphmode.ir.types import DTYPES
     sizes = sizes or example_sizes({d: recipe.dim_range(d) for d in recipe.dims})
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)
@@ -180,9 +171,11 @@ def example_inputs_from_recipe(recipe: Recipe, module: Any = None, *, sizes: dic
         dt = DTYPES[spec.dtype]
         if dt.is_floating_point:
             out[spec.name] = torch.randn(shape, generator=g).to(dt)
-        elif "type" in spec.name or _marks_padding(spec.name):
+        elif "type" in spec.name:
             out[spec.name] = torch.zeros(shape, dtype=dt)
-        elif spec.name.endswith("ids") and isinstance(vocab, int) and vocab > 3 and dt != torch.bool:
+        elif dt == torch.bool:
+            out[spec.name] = bool_sample(spec.name, shape)
+        elif spec.name.endswith("ids") and isinstance(vocab, int) and vocab > 3:
             out[spec.name] = torch.randint(3, vocab, shape, generator=g).to(dt)
         else:
             out[spec.name] = torch.ones(shape, dtype=dt)

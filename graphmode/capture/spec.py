@@ -87,7 +87,7 @@ class OnnxModelSpec:
     def make_inputs(self, shape: dict[str, int], seed: int = 0, *, int_high: int = 1000
                     ) -> dict[str, torch.Tensor]:
         """Random inputs: floats randn; ints in ``[0, int_high)`` except names containing
-        ``mask`` (ones) or ``type`` (zeros); bools True."""
+        ``mask`` (ones) or ``type`` (zeros); bools `zoo.bool_sample`."""
         g = torch.Generator().manual_seed(seed)
         out = {}
         for t in self.inputs:
@@ -102,7 +102,7 @@ class OnnxModelSpec:
                                        value=dict(shape), fix=f"give every dim: {self.dim_names}")
             dt = getattr(torch, t.dtype)
             if dt == torch.bool:
-                out[t.name] = torch.ones(shp, dtype=dt)
+                out[t.name] = zoo.bool_sample(t.name, shp)
             elif dt.is_floating_point:
                 out[t.name] = torch.randn(shp, generator=g).to(dt)
             elif "mask" in t.name:

@@ -40,7 +40,7 @@ from graphmode.errors import CaptureError
 __all__ = [
     "ModelBundle", "BUILTINS", "builtin_names", "build", "build_minilm", "build_gpt2",
     "build_resnet18", "ResNet18", "BasicBlock", "OutputFlattener", "sentence_embeddings",
-    "minilm_path", "random_token_inputs", "DEFAULT_DIM_RANGES", "export_program",
+    "minilm_path", "random_token_inputs", "DEFAULT_DIM_RANGES", "export_program", "marks_padding", "bool_sample",
     "dim_symbol_map",
 ]
 
@@ -219,16 +219,30 @@ class ModelBundle:
                 f"outputs={self.output_names}, source={self.source!r})")
 
 
+def marks_padding(name: str) -> bool:
+    """An input named like PyTorch's key padding masks (`src_key_padding_mask`, `pad_mask`), where
+    true marks a padded position: all ones would mask every key, and nn.TransformerEncoder's
+    eager fast path then fails ("at least one constituent tensor should have non-zero numel")."""
+    n = name.lower()
+    return n.endswith("mask") and "pad" in n
+
+
+def bool_sample(name: str, shape: list[int]) -> torch.Tensor:
+    """A bool input's sample: all true (an attend mask keeping every position), all false for a
+    key padding mask (nothing padded)."""
+    return (torch.zeros if marks_padding(name) else torch.ones)(shape, dtype=torch.bool)
+
+
 def _generic_inputs(bundle: ModelBundle, shape: dict[str, int], seed: int
                     ) -> dict[str, torch.Tensor]:
     """Inputs for a user model: same dtype as the example; ints drawn within the example's
-    value range, floats from randn, bools all True."""
+    value range, floats from randn, bools `bool_sample`."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, ex in bundle.example_inputs.items():
         shp = bundle.input_shape(name, shape) if name in bundle.input_dims else list(ex.shape)
         if ex.dtype == torch.bool:
-            out[name] = torch.ones(shp, dtype=torch.bool)
+            out[name] = bool_sample(name, shp)
         elif ex.dtype.is_floating_point:
             out[name] = torch.randn(shp, generator=g).to(ex.dtype)
         else:

@@ -7,6 +7,8 @@ back (graphmode/capture/fast_paths.py): before it, a right-padded request answer
 off eager."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -78,3 +80,24 @@ def test_mask_check_off_is_refused_with_the_reason():
     with pytest.raises(GraphmodeError) as e:
         graphmode.compile(Encoder(mask_check=False).eval(), _recipe(3, 8))
     assert "mask_check" in str(e.value)
+
+
+def build_encoder():
+    """`graphmode verify --model` spec: the encoder alone (the recipe declares its inputs)."""
+    return Encoder().eval()
+
+
+def test_graphmode_verify_on_a_key_padding_mask_model(tmp_path):
+    """verify's samples give a key padding mask nothing padded (all true masked every key, and
+    eager's fast path failed on them before graphmode was compared at all)."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from graphmode.cli.app import _register, app
+    _register()
+    (tmp_path / "enc.py").write_text("import sys\nsys.path.insert(0, %r)\n"
+                                     "from test_transformer_encoder_padding import build_encoder\n" % str(Path(__file__).parent))
+    (tmp_path / "enc.yaml").write_text(yaml.safe_dump(_recipe(2, 8)))
+    res = CliRunner().invoke(app, ["--no-progress", "verify", "--model", f"{tmp_path / 'enc.py'}:build_encoder",
+                                   "--recipe", str(tmp_path / "enc.yaml"), "--cache-dir", str(tmp_path / "cache")])
+    assert res.exit_code == 0 and "all shapes match eager" in res.output, res.output
