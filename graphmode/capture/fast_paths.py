@@ -45,8 +45,10 @@ def _zeroing_forward(enc: torch.nn.TransformerEncoder, forward: Any) -> Any:
         finally:
             enc.norm = norm
         keep = src_key_padding_mask.logical_not()           # a bool mask: True pads; a float one: nonzero pads
-        pos = torch.arange(keep.shape[1], device=keep.device)
-        misplaced = (keep != (pos < keep.sum(1, keepdim=True))).sum()   # kept positions after a padded one
+        # left aligned: no kept position after a padded one. Written as a scan and a mask so that
+        # bucket padding (masked positions, whole masked rows) provably adds none
+        padded_before = torch.cumsum(keep.logical_not(), 1) > 0
+        misplaced = torch.logical_and(keep, padded_before).sum()
         aligned = misplaced == 0
         out = out.masked_fill((keep.logical_not() & aligned).unsqueeze(-1), 0.0)
         return norm(out) if norm is not None else out

@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from graphmode.capture.export_errors import export_failure, quiet_export_logs
+from graphmode.capture.fast_paths import eager_fast_paths
 from graphmode.capture.outputs import describe, is_cache
-from graphmode.errors import CaptureError
+from graphmode.errors import CaptureError, GraphmodeError
 
 __all__ = [
     "ModelBundle", "BUILTINS", "builtin_names", "build", "build_minilm", "build_gpt2",
@@ -582,11 +583,11 @@ def export_program(bundle: ModelBundle, ranges: dict[str, tuple[int, int]] | Non
     NOTES_capture.md) or ``"core_full"`` (the stock default table).
     """
     try:
-        with quiet_export_logs():
+        with quiet_export_logs(), eager_fast_paths(bundle.module):
             ep = torch.export.export(bundle.module, (), dict(bundle.example_inputs),
                                      dynamic_shapes=bundle.dynamic_shapes(ranges, static),
                                      strict=False)
-    except CaptureError:
+    except GraphmodeError:
         raise
     except Exception as e:  # noqa: BLE001
         raise export_failure(e, "narrow the dim ranges (the message names the guard), or mark the dim static",

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from graphmode.capture.zoo import marks_padding
 from graphmode.errors import CaptureError, RecipeError
 
 DEFAULT_MAX_PADDING = 0.25
@@ -308,7 +309,10 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     data["inputs"] = []
     for i, (n, shape) in enumerate(dims_of.items()):
         spec: dict[str, Any] = {"name": n, "dtype": dtypes[n], "shape": shape}
-        if _is_mask(n, dtypes[n], shape):
+        if _is_mask(n, dtypes[n], shape) and marks_padding(n):
+            spec.update(pad_value=True if dtypes[n] == "bool" else 1)
+            notes[f"inputs[{i}]"] = "named like a key padding mask (true marks padding): padded positions read padding"
+        elif _is_mask(n, dtypes[n], shape):
             spec.update(pad_value=0, role="attention_mask")
             notes[f"inputs[{i}]"] = "named like a mask: padded positions read 0 (masked out)"
         elif n == "input_ids" and isinstance(pad := _pad_token(bundle), int) and pad != 0:
@@ -410,7 +414,7 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
     """Each dim's range (given, from the config or a default) and bucket policy. With `bounded`
     (no padding or bucket limit given) the plans stay at most MAX_DRAFT_PLANS: past that, each
     dim gets a bucket count (the smallest padding those buckets allow) instead of the padding bound."""
-    from graphmode.recipe.buckets import synthesize_buckets
+    from graphmode.recipe.buckets import synthesize_buckets, worst_padding
     names = list(dict.fromkeys(x for v in dims_of.values() for x in v if isinstance(x, str)))
     dims: dict[str, Any] = {}
     ranges: dict[str, tuple[int, int]] = {}
@@ -437,9 +441,16 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
         for d, k in counts.items():
             lo, hi = ranges[d]
             syn = synthesize_buckets(lo, hi, max_buckets=k)
+            buckets, worst = list(syn.buckets), syn.worst_padding
             dims[d] = {"min": lo, "max": hi, "max_buckets": k}
-            notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; buckets")[0] + f"; {k} bucket(s) {list(syn.buckets)} "
-                                  f"(padding <= {float(syn.worst_padding):.0%}) keep the draft at "
+            if d == "batch" and k > 1 and buckets[0] != lo:
+                # the fewest-padding split pads a lone request (batch 1) to 2; it is the latency
+                # case, so it keeps a bucket of its own and the rest split the others
+                buckets = [lo, *synthesize_buckets(lo + 1, hi, max_buckets=k - 1).buckets]
+                worst, _ = worst_padding(buckets, lo, hi)
+                dims[d] = {"min": lo, "max": hi, "buckets": buckets}
+            notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; buckets")[0] + f"; {k} bucket(s) {buckets} "
+                                  f"(padding <= {float(worst):.0%}) keep the draft at "
                                   f"{math.prod(counts.values())} plans to build at warm-up (at most "
                                   f"{MAX_DRAFT_PLANS}); give --max-padding or --max-buckets for others")
     return dims, ranges

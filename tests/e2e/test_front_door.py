@@ -268,6 +268,10 @@ def test_an_hf_encoder_compiles_as_loaded_and_returns_its_model_output():
     assert d.data["dims"]["seq"]["max"] == 64 and "config.max_position_embeddings" in d.notes["dims.seq"]
     assert [i["name"] for i in d.data["inputs"]] == ["input_ids", "attention_mask", "token_type_ids"]
     assert d.report.plans <= MAX_DRAFT_PLANS and d.report.verdict == "valid"
+    # 16 plans over batch 1..32 x seq 1..64: the fewest-padding split would pad a lone request to
+    # batch 2; it keeps a bucket of its own
+    assert d.recipe.dim_buckets()["batch"][0] == 1 and len(d.recipe.dim_buckets()["batch"]) > 1
+    assert "bucket(s) [1, " in d.notes["dims.batch"]
     cm = graphmode.compile(d.source.bundle, dict(d.data, **FAST))
     ids = torch.randint(3, 100, (2, 7))
     kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}

@@ -63,17 +63,38 @@ def test_padded_rows_match_eager_in_graph_mode(norm):
             assert bool((out[0, 5:] == 0).all())       # the rows eager zeroes
 
 
-def test_a_request_between_buckets_matches_eager_or_runs_eager():
+def test_a_request_between_buckets_runs_padded_in_graph_mode():
+    """Bucket padding adds masked rows and positions: the padding analysis proves the
+    alignment check and the zeroing unchanged by them, so batch and seq pad to their buckets."""
     m = Encoder().eval()
     cm = graphmode.compile(m, _recipe("batch", "seq", dims={"batch": {"buckets": [1, 2, 4]},
-                                                           "seq": {"buckets": [8, 16]}},
-                                      on_violation="eager"))
-    for b, s in ((2, 8), (3, 5), (2, 12)):
+                                                           "seq": {"buckets": [8, 16]}}))
+    assert cm.mode == "graph"
+    for b, s in ((2, 8), (3, 5), (2, 12), (3, 8)):
         x = torch.randn(b, s, 32)
         for name, mask in _masks(b, s).items():
             with torch.no_grad():
                 ref = m(x, mask)
             assert _rel(cm(x, mask), ref) < 1e-5, (b, s, name)
+            assert cm.last_path["path"] == "graph", (b, s, name, cm.last_path)
+
+
+def test_a_drafted_recipe_pads_the_key_padding_mask_as_padding():
+    """Without a recipe: the mask (true marks padding) pads with true, not as an attention mask
+    (0 would unmask the padded keys and every padded request would run eager)."""
+    m = Encoder().eval()
+    x, mask = torch.randn(2, 8, 32), torch.zeros(2, 8, dtype=torch.bool)
+    cm = graphmode.compile((m, {"x": x, "src_key_padding_mask": mask},
+                            {"x": ["batch", "seq", 32], "src_key_padding_mask": ["batch", "seq"]}))
+    spec = {i.name: i for i in cm.recipe.inputs}["src_key_padding_mask"]
+    assert spec.pad_value == 1 and spec.role == "data"
+    for b, s in ((1, 7), (3, 5)):
+        x = torch.randn(b, s, 32)
+        for name, mk in _masks(b, s).items():
+            with torch.no_grad():
+                ref = m(x, mk)
+            assert _rel(cm(x, mk), ref) < 1e-5, (b, s, name)
+            assert cm.last_path["path"] == "graph", (b, s, name, cm.last_path)
 
 
 def test_mask_check_off_is_refused_with_the_reason():
