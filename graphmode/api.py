@@ -27,9 +27,10 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     bound communicator). A model under a recipe with a KV cache decodes: `cm.generate` /
     `cm.stream` (its decode engine is built on first use, graphmode/decode/api.py)."""
     tgt = compiler.resolve_target(target)
+    notes: dict[str, str] = {}
     if recipe is None:
         from graphmode.kb.draft import drafted
-        model, recipe = drafted(model, tgt)
+        model, recipe, notes = drafted(model, tgt)
     recipe = compiler.as_recipe(recipe)
     if (compiler.tensor_parallel(recipe) > 1 and rank is None and recipe.memory.kv_cache is not None
             and (mode or recipe.exe_mode) != "eager"):
@@ -40,6 +41,8 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     if getattr(cm, "decoding", False) is None and cm.recipe.memory.kv_cache is not None:
         from graphmode.decode import api as decoding
         cm.decoding = decoding
+    if notes and hasattr(cm, "draft_notes"):
+        cm.draft_notes = notes          # why a drafted recipe has no KV cache, for `generate` to say
     return cm
 
 

@@ -389,8 +389,8 @@ class RecipeDrafted(UserWarning):
     """graphmode.compile(model) ran without a recipe and drafted one."""
 
 
-def drafted(model: Any, target: Any) -> tuple[Any, Any]:
-    """(model as drafted, recipe) for `graphmode.compile(model)` without a recipe: a draft,
+def drafted(model: Any, target: Any) -> tuple[Any, Any, dict[str, str]]:
+    """(model as drafted, recipe, its notes) for `graphmode.compile(model)` without a recipe: a draft,
     announced by one RecipeDrafted warning (no knowledge base: the Python API reads no
     environment). The model comes back as the bundle the draft named the dims of, so
     `(module, example_inputs)` compiles too."""
@@ -405,7 +405,7 @@ def drafted(model: Any, target: Any) -> tuple[Any, Any]:
             f"graphmode.compile: no recipe given, so one was drafted for {d.model['name']}: {d.recipe.name} "
             f"({stamp}), {'; '.join([f'{d.report.plans} plan(s)'] + d.verdict.lines())}. It is cm.recipe; "
             "`graphmode recipe init` writes it out with where each value came from"), stacklevel=3)
-    return d.source.bundle, d.recipe
+    return d.source.bundle, d.recipe, d.notes
 
 
 def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: Any, example: dict[str, int],

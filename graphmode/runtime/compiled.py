@@ -51,6 +51,7 @@ class CompiledModel(InputContract, Shaping):
         # declares memory.kv_cache: `generate` and `stream` run it (decode builds on runtime, not
         # the other way round)
         self.decoding: Any = None
+        self.draft_notes: dict[str, str] = {}    # a drafted recipe's notes (kb/draft.py): where values came from
         self.last_path: dict[str, Any] = {}      # how the last call ran: graph, or eager and why
         self.events: Counter[str] = Counter()
         self.event_log: list[dict] = []
@@ -300,14 +301,9 @@ class CompiledModel(InputContract, Shaping):
         return self._decoding().stream(self, input_ids, attention_mask, **kw)
 
     def _decoding(self) -> Any:
-        if self.decoding is not None:
-            return self.decoding
-        if getattr(self.recipe.memory, "kv_cache", None) is None:
-            raise RecipeError("decoding needs a paged KV cache in the recipe", where="memory.kv_cache",
-                              fix="add memory.kv_cache {page_size, max_pages_per_seq, layers, kv_heads, head_dim}")
-        raise GraphmodeError("this model was not compiled for decoding", where="model",
-                             fix="compile the causal LM with graphmode.compile under its decoder recipe (a loaded "
-                                 "artifact holds plans, not the module decoding captures)")
+        if self.decoding is None:
+            raise _why_no_decoding(self)
+        return self.decoding
 
     def save(self, path: Any, *, rank: int | None = None, **kw: Any) -> dict[str, Any]:
         """Write a deployable `.gm` artifact (every bucket built); `graphmode.load` reads it.
@@ -331,3 +327,20 @@ class CompiledModel(InputContract, Shaping):
         if self.monitor is not None:
             out["contract"] = self.monitor.snapshot()
         return out
+
+
+def _why_no_decoding(cm: CompiledModel) -> GraphmodeError:
+    """Why `cm` cannot generate: its recipe has no KV cache (a drafted one says why the drafter
+    left it out), or it was not compiled for decoding (a loaded artifact holds plans only)."""
+    if getattr(cm.recipe.memory, "kv_cache", None) is None:
+        why = cm.draft_notes.get("memory.kv_cache", "")
+        if why.startswith("none:"):
+            return RecipeError(f"decoding needs a paged KV cache, and the drafted recipe has none: "
+                               f"{why[len('none:'):].strip()}", where="memory.kv_cache",
+                               fix="call the compiled model for its forward pass (logits), or run generate on the "
+                                   "eager model; where the note names a narrower range, draft with it")
+        return RecipeError("decoding needs a paged KV cache in the recipe", where="memory.kv_cache",
+                           fix="add memory.kv_cache {page_size, max_pages_per_seq, layers, kv_heads, head_dim}")
+    return GraphmodeError("this model was not compiled for decoding", where="model",
+                          fix="compile the causal LM with graphmode.compile under its decoder recipe (a loaded "
+                              "artifact holds plans, not the module decoding captures)")

@@ -415,3 +415,19 @@ def test_every_draft_validates_and_compiles(name, tmp_path):
 
 def _is_lm(name: str) -> bool:
     return name in ("gpt2", "llama", "qwen2")
+
+
+def test_generate_on_a_draft_without_a_kv_cache_says_why():
+    """BLOOM's ALiBi attention does not capture as one sdpa: the draft compiles its forward pass
+    and no KV cache, and `generate` says so with the drafter's reason (not "add memory.kv_cache",
+    which the decode engine would then refuse)."""
+    import transformers as T
+    from graphmode.errors import RecipeError
+    torch.manual_seed(0)
+    m = T.BloomForCausalLM(T.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=100)).eval()
+    cm = graphmode.compile(m)
+    ids = torch.randint(3, 100, (1, 6))
+    assert rel(cm(input_ids=ids).logits, m(input_ids=ids).logits) < 1e-5
+    with pytest.raises(RecipeError) as e:
+        cm.generate(ids, max_new_tokens=2)
+    assert "drafted recipe has none" in str(e.value) and "sdpa" in str(e.value)
