@@ -30,6 +30,7 @@ from graphmode.runtime.contract import InputContract
 from graphmode.runtime.shaping import SPLIT_DIM, Shaping
 from graphmode.runtime.exact import ExactValues
 from graphmode.runtime.split import Chooser, shape_key
+from graphmode.runtime.weights import FrozenWeights
 
 log = logging.getLogger("graphmode.runtime")
 
@@ -69,6 +70,8 @@ class CompiledModel(InputContract, Shaping):
         self.shape_chooser = Chooser()
         self.exact_values = ExactValues(recipe)     # dims.D.exact_plans: recurring values as buckets
         self._signature = None
+        # the module's weights as compiled: a call refuses once they were updated in place (weights.py)
+        self.frozen_weights = FrozenWeights(source.module) if source.module is not None else None
         if source.module is not None:
             try:
                 self._signature = inspect.signature(source.module.forward)
@@ -210,6 +213,8 @@ class CompiledModel(InputContract, Shaping):
             from graphmode.runtime.artifact import not_a_forward
             raise not_a_forward(self.artifact["path"])
         inputs = self.bind_inputs(args, kwargs)
+        if self.frozen_weights is not None:
+            self.frozen_weights.check()
         self.events["calls"] += 1
         dims = self.shape_of(inputs) if self.mode != "eager" else {}
         try:
