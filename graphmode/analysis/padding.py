@@ -252,7 +252,8 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
     # a causal mask (a position triangle) under a softmax written out: a query row whose every
     # earlier position is padding (left padding) is masked whole, and with a finite fill
     # (finfo.min) eager spreads it over every key, the bucket's padded ones too; attention as
-    # one sdpa gives such a row 0 either way
+    # one sdpa gives such a row 0 either way under a bool mask (a float query x key mask: the
+    # sdpa rule adds its dim to `query_key`)
     report.query_key = [d for d in report.masked if d in an.query_key
                         or (d in an.triangle and d in an.softmax_masked)]
     return report

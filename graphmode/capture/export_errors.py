@@ -62,6 +62,12 @@ def shown_path(path: str) -> str:
     return path
 
 
+ROPE_WHY = ("This rotary embedding (Hugging Face rope_type 'dynamic' or 'longrope') recomputes its frequencies "
+            "from the largest position of each call, which one graph cannot hold")
+ROPE_FIX = ("compile the model with a rope type whose frequencies are fixed (rope_scaling rope_type 'linear', "
+            "'yarn' or 'llama3', or none), or run it with exe_mode: eager")
+
+
 def export_failure(e: BaseException, fix: str, where: str | None = None) -> CaptureError:
     """The CaptureError for torch.export's exception `e`: its first line, or for a branch on a
     tensor's value the model line that branches (with `fix` replaced by what to change there)."""
@@ -77,15 +83,10 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
     msg = (f"torch.export failed: the model branches on the value of a tensor at {at} (data-dependent control "
            f"flow; torch.export: {first})")
     if _ROPE.search(fn) or "rope" in path.rsplit(os.sep, 1)[-1]:
-        return CaptureError(
-            msg + ". This rotary embedding (Hugging Face rope_type 'dynamic' or 'longrope') recomputes its "
-            "frequencies from the largest position of each call, which one graph cannot hold",
-            where=where or "model.config.rope_scaling",
-            fix="compile the model with a rope type whose frequencies are fixed (rope_scaling rope_type 'linear', "
-                "'yarn' or 'llama3', or none), or run it with exe_mode: eager")
+        return CaptureError(msg + ". " + ROPE_WHY, where=where or "model.config.rope_scaling", fix=ROPE_FIX)
     return CaptureError(msg, where=where,
                         fix="write that branch without reading tensor values (torch.where, or torch.cond for "
                             "two paths), or run the model with exe_mode: eager")
 
 
-__all__ = ["export_failure", "quiet_export_logs", "shown_path"]
+__all__ = ["export_failure", "quiet_export_logs", "shown_path", "ROPE_WHY", "ROPE_FIX"]

@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphmode.capture.aten import convert
-from graphmode.capture.export_errors import export_failure, quiet_export_logs, shown_path
+from graphmode.capture.export_errors import ROPE_FIX, ROPE_WHY, export_failure, quiet_export_logs, shown_path
 from graphmode.capture.fast_paths import eager_fast_paths
 from graphmode.errors import CaptureError, GraphmodeError
 from graphmode.ir.graph import Graph, clean_name
@@ -341,6 +341,9 @@ class _Importer:
                 what = "buffer" if kind == "BUFFER_MUTATION" else "parameter"
                 op, loc = _maker(o)
                 fqn = spec.target[len(self.fqn_prefix):] if spec.target.startswith(self.fqn_prefix) else spec.target
+                if fqn.endswith("inv_freq"):      # a rotary embedding that rescales with each call's positions
+                    raise CaptureError(f"the model updates its rotary embedding's {fqn!r} in place ({op} at {loc}). "
+                                       + ROPE_WHY, where="model.config.rope_scaling", fix=ROPE_FIX)
                 raise CaptureError(f"the model updates its {what} {fqn!r} in place ({op} at {loc}); a "
                                    f"compiled graph holds its {what}s as constants, so the update would be lost",
                                    where=f"model {self.g.name}",

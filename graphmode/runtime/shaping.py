@@ -72,9 +72,15 @@ class Shaping:
                                     f"{buckets[d]}, or see the compile report's padding verdict")
         else:
             d, name = hazard
+            pv = self.pad_values.get(name)
+            why = (f"holds its pad value {pv!r} along {d}, and the model builds a query x key mask from it: a "
+                   f"position whose every key is masked (left padding) is spread over every key by eager, so "
+                   f"padding {d} from {dims[d]} to {bucket[d]} would change it"
+                   if d in getattr(self, "query_key_dims", ()) else
+                   f"masks a whole row along {d} (every position its pad value {pv!r}), which would change if {d} "
+                   f"were padded from {dims[d]} to {bucket[d]}")
             err = ContractViolation(
-                f"input {name!r} already holds its pad value {self.pad_values.get(name)!r} along {d}: a row it masks "
-                f"whole would change if {d} were padded from {dims[d]} to {bucket[d]}", where=f"dims.{d}",
+                f"input {name!r} {why}", where=f"dims.{d}",
                 value=dims[d], fix=f"send {d} equal to a bucket value {buckets[d]}, or on_violation: eager (such "
                                    "requests then run in eager PyTorch)")
         return err, "padding", f"unsafe padding on {d}"     # bounded: it labels a Prometheus series

@@ -67,6 +67,19 @@ class CausalSdpa(nn.Module):
                                                                 attn_mask=keep[:, None])[:, 0]
 
 
+class CausalSdpaFloatMask(nn.Module):
+    """The same mask as an additive float mask with a finite fill (Falcon's ALiBi path): eager
+    spreads a row masked whole over every key, so padding keys changes it."""
+
+    def forward(self, x, mask):
+        s = x.shape[1]
+        pos = torch.arange(s)
+        keep = (pos[None, :] <= pos[:, None])[None] & mask[:, None, :].bool()
+        bias = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+        return torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None],
+                                                                attn_mask=bias[:, None])[:, 0]
+
+
 def _compile(model: nn.Module, on_violation: str, cache):
     r = {"version": 1, "name": "masked", "exe_mode": "graph", "on_violation": on_violation,
          "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 8]},
@@ -115,11 +128,25 @@ def test_a_left_padded_request_to_causal_attention_in_one_sdpa_is_still_padded(t
         assert rel_l2(cm(x, mask), model(x, mask)) < 1e-5 and cm.last_path["path"] == "graph"
 
 
+def test_a_left_padded_request_under_a_float_query_key_mask_runs_eager(tmp_path):
+    torch.manual_seed(0)
+    model = CausalSdpaFloatMask().eval()
+    cm = _compile(model, "eager", tmp_path)
+    assert cm.query_key_dims == ["seq"]
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.long)
+    mask[0, :3] = 0                          # rows 0-2 of batch 0: every key masked, spread evenly by eager
+    with torch.no_grad():
+        assert rel_l2(cm(x, mask), model(x, mask)) < 1e-5 and cm.last_path["path"] == "eager"
+        assert rel_l2(cm(x, torch.ones(2, 5, dtype=torch.long)), model(x, torch.ones(2, 5, dtype=torch.long))) < 1e-5
+    assert cm.last_path["path"] == "graph"
+
+
 def test_without_eager_fallback_the_request_is_refused_naming_the_input(tmp_path):
     cm = _compile(QueryKeyMask().eval(), "error", tmp_path)
     mask = torch.ones(2, 5, dtype=torch.long)
     mask[0, 4] = 0
-    with pytest.raises(ContractViolation, match="input 'mask' already holds its pad value 0 along seq") as e:
+    with pytest.raises(ContractViolation, match="input 'mask' holds its pad value 0 along seq, and the model builds "
+                                                "a query x key mask") as e:
         cm(torch.randn(2, 5, 8), mask)
     assert e.value.where == "dims.seq" and "[8, 16]" in e.value.fix
 

@@ -81,6 +81,11 @@ def _sdpa(an, n: Node, ins: list[State], taint: dict[str, Finding], out_shape: t
                                                    and isinstance(m.content.value, bool) else neg_huge(m.content))
             if covered:
                 an.masked.add(d)            # safe while each real query keeps a real unmasked key
+                qm = mask.axes[-2].single if len(mask.axes) >= 2 else None
+                if not isinstance(m.content.value, bool) and qm is not None and qm.dim == d:
+                    # a query x key mask with a finite fill (Falcon's ALiBi bias): a query row masked
+                    # whole (left padding) is not 0 but spread over every key, the bucket's padded ones too
+                    an.query_key.add(d)
         if not covered and n.attrs.get("is_causal") and not an.cut:    # a later row reads the earlier ones
             qf = q.axes[-2].single
             covered = (qf is not None and qf.dim == d and qf.prefix and f.prefix

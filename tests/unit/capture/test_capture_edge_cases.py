@@ -280,3 +280,22 @@ def test_an_op_argument_computed_from_two_dims_is_an_island_not_a_broken_attribu
     cm = graphmode.compile(_SymbolicTril(), rec, cache_dir=tmp_path)
     x, mem = torch.randn(2, 5, 8), torch.randn(2, 9, 8)
     assert torch.allclose(cm(x=x, mem=mem), _SymbolicTril()(x, mem), rtol=1e-5, atol=1e-5)
+
+
+def test_a_longrope_buffer_update_is_refused_as_a_rope_not_as_training_state(tmp_path):
+    """Phi-3's longrope writes its inv_freq buffer in the forward (a buffer mutation, not a
+    branch): the refusal names the rope type, not eval mode (the model already is in it)."""
+    transformers = pytest.importorskip("transformers")
+    hd = 8
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
+                                  original_max_position_embeddings=16, sliding_window=None, pad_token_id=0,
+                                  rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 16,
+                                                "short_factor": [1.0] * (hd // 2), "long_factor": [2.0] * (hd // 2)})
+    m = transformers.Phi3ForCausalLM(cfg).eval()
+    rec = {"version": 1, "name": "longrope", "inputs": [{"name": "input_ids", "dtype": "i64", "shape": [1, "seq"]}],
+           "dims": {"seq": {"buckets": [8, 32]}}, "exe_mode": "graph", "targets": ["host"]}
+    with pytest.raises(CaptureError, match=r"rope_type 'dynamic' or 'longrope'") as e:
+        graphmode.compile((m, {"input_ids": torch.randint(0, 64, (1, 8))}), rec, cache_dir=tmp_path)
+    assert e.value.where == "model.config.rope_scaling" and "eval mode" not in e.value.fix
