@@ -399,11 +399,13 @@ def drafted(model: Any, target: Any) -> tuple[Any, Any, dict[str, str]]:
     from graphmode.recipe import recipe_hash
     d = draft_recipe(model, target=target or "host")
     stamp = recipe_hash(d.recipe)
+    # dims asked dynamic that torch.export could not keep so: said here, not only in the notes
+    fixed = [p.strip() for p in d.notes.get("inputs", "").split(";") if "fixed at the example's size" in p]
     if stamp not in _ANNOUNCED:           # once per draft and process (a warnings filter reset would repeat it)
         _ANNOUNCED.add(stamp)
         warnings.warn(RecipeDrafted(
             f"graphmode.compile: no recipe given, so one was drafted for {d.model['name']}: {d.recipe.name} "
-            f"({stamp}), {'; '.join([f'{d.report.plans} plan(s)'] + d.verdict.lines())}. It is cm.recipe; "
+            f"({stamp}), {'; '.join([f'{d.report.plans} plan(s)'] + d.verdict.lines() + fixed)}. It is cm.recipe; "
             "`graphmode recipe init` writes it out with where each value came from"), stacklevel=3)
     return d.source.bundle, d.recipe, d.notes
 

@@ -106,6 +106,21 @@ def test_compile_without_a_recipe_drafts_one_and_says_so_once(kb_cache, monkeypa
     assert "(module, example_inputs" in e.value.fix
 
 
+class _FixedWidth(torch.nn.Module):
+    def forward(self, x):
+        return x.reshape(x.shape[0], 4, 25).sum(-1)        # axis 1 must be 100: export cannot keep it dynamic
+
+
+def test_a_dim_asked_dynamic_but_fixed_is_said_in_the_warning(kb_cache, monkeypatch):
+    import graphmode
+    import graphmode.kb.draft as draft_module
+    monkeypatch.setattr(draft_module, "_ANNOUNCED", set())
+    x = torch.randn(2, 100)
+    with pytest.warns(RecipeDrafted, match="n fixed at the example's size"):
+        cm = graphmode.compile((_FixedWidth(), {"x": x}, {"x": ["batch", "n"]}), cache_dir=kb_cache)
+    assert "n" not in cm.recipe.dims and "batch" in cm.recipe.dims
+
+
 def _tiny_llama(positions: int):
     import transformers
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
