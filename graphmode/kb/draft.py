@@ -320,6 +320,11 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
             notes[f"inputs[{i}]"] = f"token ids: padded with config.pad_token_id = {pad}"
         data["inputs"].append(spec)
     lm = _causal_lm(bundle)
+    raw = getattr(bundle, "raw_module", None)
+    if lm is None and getattr(getattr(raw, "config", None), "is_encoder_decoder", False):
+        notes["memory.kv_cache"] = (f"none: {type(raw).__name__} is an encoder-decoder model, and graphmode decodes "
+                                    "decoder-only causal LMs (one decoder stack over a paged KV cache); this draft "
+                                    "compiles its forward pass")
     data["dims"], ranges = _dims(dims_of, ranges, bundle, example, max_padding, max_buckets, bounded, lm is not None,
                                  notes)
     if not data["dims"]:

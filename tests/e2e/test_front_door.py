@@ -431,3 +431,14 @@ def test_generate_on_a_draft_without_a_kv_cache_says_why():
     with pytest.raises(RecipeError) as e:
         cm.generate(ids, max_new_tokens=2)
     assert "drafted recipe has none" in str(e.value) and "sdpa" in str(e.value)
+
+
+def test_generate_on_an_encoder_decoder_says_graphmode_decodes_causal_lms():
+    import transformers as T
+    from graphmode.errors import RecipeError
+    torch.manual_seed(0)
+    cfg = T.BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+    cm = graphmode.compile(T.BartForConditionalGeneration(cfg).eval())
+    with pytest.raises(RecipeError, match="encoder-decoder model, and graphmode decodes decoder-only causal LMs"):
+        cm.generate(torch.randint(3, 100, (1, 5)), max_new_tokens=2)
