@@ -33,13 +33,15 @@ def lm_config(lm: nn.Module) -> dict[str, Any]:
                            where="model", fix="pass a transformers *ForCausalLM model (or a ModelBundle of one)")
     get = lambda *names, default=None: next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None),  # noqa: E731
                                             default)
+    gen = getattr(lm, "generation_config", None)    # transformers' generate reads its tokens from here first
+    tok = lambda name: next((v for v in (getattr(gen, name, None), get(name)) if v is not None), None)  # noqa: E731
     heads = get("num_attention_heads", "n_head")
     hidden = get("hidden_size", "n_embd")
     return {"layers": get("num_hidden_layers", "n_layer"), "heads": heads,
             "kv_heads": get("num_key_value_heads", default=1 if _multi_query(cfg) else heads),
             "head_dim": get("head_dim", default=hidden // heads if hidden and heads else None),
             "vocab": get("vocab_size"), "context": get("max_position_embeddings", "n_positions"),
-            "eos": get("eos_token_id"), "pad": get("pad_token_id"), "sliding_window": sliding_window(cfg)}
+            "eos": tok("eos_token_id"), "pad": tok("pad_token_id"), "sliding_window": sliding_window(cfg)}
 
 
 def _multi_query(cfg: Any) -> bool:

@@ -315,3 +315,13 @@ def test_a_model_without_a_kv_cache_does_not_decode(tmp_path):
         with pytest.raises(RecipeError, match="paged KV cache") as e:
             call(PROMPTS, MASK)
         assert e.value.where == "memory.kv_cache"
+
+
+def test_end_and_pad_tokens_come_from_the_generation_config_first():
+    """transformers' generate pads finished rows with generation_config.pad_token_id (set there
+    only, the model config has none); the engine read the model config and padded with EOS."""
+    from graphmode.decode.lm import lm_config
+    lm, _ = _lm("gpt2")
+    lm.generation_config.pad_token_id, lm.generation_config.eos_token_id = 7, 3
+    cfg = lm_config(lm)
+    assert lm.config.pad_token_id is None and (cfg["pad"], cfg["eos"]) == (7, 3)

@@ -96,6 +96,10 @@ def binary(call: OpCall) -> Claim:
     if y.dtype != torch.result_type(x0, x1):
         return refused(f"{call.op} into {y.dtype}: ATen's out= would cast", value=str(y.dtype))
     f = _BINARY_OUT[call.op]
+    if call.op == "pow" and x1.dim() == 0 and x1.dtype.is_floating_point and x0.dtype == x1.dtype:
+        # x.pow(0.5) is captured with a 0-d exponent: eager's scalar path takes sqrt (and its other
+        # special exponents), so pow(-inf, 0.5) is NaN there, +inf through the tensor-tensor kernel
+        return claimed(lambda: lambda: f(x0, x1.item(), out=y))
     return claimed(lambda: lambda: f(x0, x1, out=y))
 
 

@@ -195,8 +195,12 @@ def _hardsigmoid(imp, node, a):
 
 @converts("aten.hardswish.default", "aten.hardswish_.default")
 def _hardswish(imp, node, a):
-    x = imp.operand(a["self"])
-    imp.emit(node, "mul", [x, _hard_sigmoid(imp, x)])
+    x = imp.operand(a["self"])                  # x * relu6(x + 3) / 6 in ATen's order: x * 6 may overflow
+    ty = imp.g.type_of(x)
+    t, = imp.g.add_node("add", [x, imp.const(3.0)], [ty])
+    t, = imp.g.add_node("clamp", [t], [ty], {"min": 0.0, "max": 6.0})
+    t, = imp.g.add_node("mul", [x, t], [ty])
+    imp.emit(node, "div", [t, imp.const(6.0)])
     return True
 
 
