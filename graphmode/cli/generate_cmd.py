@@ -72,7 +72,7 @@ class Request:
     def checked(cls, model: str, rec: Any, prompt: list[str], prompt_ids: list[str], stop: list[str],
                 stop_ids: list[str], loaded: Any = None) -> "Request":
         """`loaded`: the `.gm` artifact `model` names, loaded (its sizes and tokenizer are saved in it)."""
-        from graphmode.capture.spec import resolve_model_spec
+        from graphmode.capture.spec import BareModuleError, as_model, resolve_model_spec
         from graphmode.decode.api import causal_lm
         from graphmode.decode.lm import lm_config
         flag = "--prompt" if prompt else "--prompt-ids"
@@ -83,7 +83,10 @@ class Request:
             cfg = dict(loaded.artifact["decoder"]) if hasattr(loaded, "artifact") else dict(loaded.cfg)
             tok = getattr(loaded, "tokenizer", None)
         else:
-            bundle = resolve_model_spec(model)
+            try:
+                bundle = resolve_model_spec(model)
+            except BareModuleError as e:    # 'pkg.mod:fn' returning the module alone: a causal LM's config
+                bundle = as_model(e.module)  # names its inputs, as `compile`, `run` and `verify` take it
             lm = causal_lm(bundle, "--model")
             cfg, tok = lm_config(lm), getattr(bundle, "tokenizer", None)
         if tok is None and (prompt or stop):

@@ -151,3 +151,11 @@ def test_bad_requests_are_refused_before_compiling(files, tmp_path, rec, args, w
     err = json.loads(res.stdout)
     assert err["where"] == where and needle in err["message"] + err["fix"], err
     assert not cache.exists()                             # refused before the compile wrote anything
+
+
+def test_a_spec_returning_the_model_alone_generates(files):
+    """`pkg.mod:fn` returning a bare causal LM: compile, run and verify took it with --recipe,
+    generate refused it (BareModuleError) though --recipe was given."""
+    res = gen(files, "--prompt-ids", ",".join(map(str, P0)), "--max-tokens", str(NEW), "--json", model="gpt2_alone")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["choices"][0]["tokens"] == reference(P0)

@@ -32,6 +32,11 @@ def gpt2():
     return _lm(), ex, dims
 
 
+def gpt2_alone():
+    """The model alone, no example inputs: a causal LM's config names them."""
+    return _lm()
+
+
 def greedy_reference(prompt: list[int], n: int) -> list[int]:
     """transformers' greedy generate on the same weights: the new tokens."""
     lm = gpt2()[0]
