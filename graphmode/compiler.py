@@ -19,6 +19,7 @@ from graphmode.capture.source import (ModelSource, constant_inputs, example_inpu
 from graphmode.capture.torch_import import CaptureReport, import_torch
 from graphmode.ir.graph import Graph
 from graphmode.progress import OnStage, PassProgress, stage
+from graphmode.errors import RecipeErrors
 from graphmode.recipe import Recipe, load_recipe
 
 
@@ -263,6 +264,16 @@ def _warn_if_no_weight_narrowed(opt: OptimizeReport) -> None:
         warnings.warn(GraphmodeNotice(said[0]), stacklevel=3)
 
 
+def refuse_inconsistent(recipe: Recipe, target: Any) -> None:
+    """RecipeErrors for the recipe's cross-field errors (what `recipe validate` refuses without a
+    model), raised before the passes: else a pass meets the combination first and reports it as
+    its own bug."""
+    from graphmode.recipe import check_semantics
+    errors = check_semantics(recipe, target).errors
+    if errors:
+        raise RecipeErrors(errors)
+
+
 def _lower(start: Lowered, recipe: Recipe, target: Any, *, refuse: bool, prove_graph: bool,
            keep_snapshots: bool = False, on_stage: OnStage | None = None, rank: int = 0,
            dump_dir: str | Path | None = None, dump_before: Sequence[str] | str = (),
@@ -271,6 +282,7 @@ def _lower(start: Lowered, recipe: Recipe, target: Any, *, refuse: bool, prove_g
     timings = dict(start.timings)
     if refuse:
         start.verdict.raise_for_refusal()
+        refuse_inconsistent(recipe, target)
     elif not start.verdict.ok:
         return start
     t1 = time.perf_counter()

@@ -36,7 +36,7 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
     """The driver's result as a compile report: (report, optimized graph, recipe, source).
     `on_stage` hears capture, passes, proof and memory plans (bucket N of M)."""
     from graphmode.compile_report import bucket_memory, report_of
-    from graphmode.compiler import lower_model
+    from graphmode.compiler import lower_model, refuse_inconsistent
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe
     from graphmode.recipe.targets import pick_target
@@ -45,6 +45,7 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
     before = dump_selection(dump_before, "--dump-ir-before", recipe.pipeline())
     after = dump_selection(dump_after, "--dump-ir-after", recipe.pipeline())
     tgt = pick_target(recipe, target, cache_dir=cache_layout(cache_dir).targets)
+    refuse_inconsistent(recipe, tgt)        # as `recipe validate` and graphmode.compile refuse it
     low = lower_model(model, recipe, tgt, refuse=False, on_stage=on_stage,
                       dump_dir=dump_dir or Path("graphmode-ir-dumps"), dump_before=before, dump_after=after)
     secs = {k: low.timings[k] for k in ("capture", "passes") if k in low.timings}

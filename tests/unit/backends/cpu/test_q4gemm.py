@@ -202,3 +202,25 @@ def test_recipe_fields():
         assert any("precision.int4_activations" in str(e) and "group_size: 32" in str(e) for e in errors), errors
     report = validate(load_recipe(_recipe(weights="int8", group_size=64)))
     assert any("precision.group_size" in w for w in report.warnings), report.warnings
+
+
+def test_compile_refuses_what_validate_refuses_before_any_pass(tmp_path):
+    """int4 asymmetric codes with q8 activations: `recipe validate` refused it with the field and
+    the fix, while `compile` ran quantize_weights into it and blamed that pass as a bug."""
+    import yaml
+    from typer.testing import CliRunner
+
+    import graphmode
+    from graphmode.cli.app import _register, app
+    rec = _recipe(weights="int4", int4_scheme="asymmetric", int4_activations="q8")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)).eval()
+    with pytest.raises(RecipeErrors, match="precision.int4_activations"):
+        graphmode.compile(model, rec, cache_dir=tmp_path).lower_now()
+    (tmp_path / "m.py").write_text("import torch\ndef build():\n    torch.manual_seed(0)\n    return torch.nn.Sequential("
+                                   "torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)).eval()\n")
+    (tmp_path / "q.yaml").write_text(yaml.safe_dump(rec))
+    _register()
+    res = CliRunner().invoke(app, ["--no-progress", "compile", "--model", f"{tmp_path / 'm.py'}:build", "--recipe",
+                                   str(tmp_path / "q.yaml"), "--cache-dir", str(tmp_path / "c")])
+    assert res.exit_code == 2 and "precision.int4_activations" in res.output and "PassError" not in res.output, \
+        res.output
