@@ -27,6 +27,9 @@ _DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "DataDependentOutputException"
 _CALL = re.compile(r'The following call raised this error:\s*\n\s*File "([^"]+)", line (\d+), in (\S+)')
 _ROPE = re.compile(r"dynamic_frequency_update|longrope_frequency_update|dynamic_rope_update")
 _QUIET = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
+# torch.export's "Suggested fixes:" lines: a narrower range (`seq = Dim('seq', min=3, max=16)`) or a value
+_RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'(?:, min=(\d+))?(?:, max=(\d+))?\)\s*$", re.M)
+_VALUE_FIX = re.compile(r"^\s*(\w+) = (\d+)\s*$", re.M)
 
 
 @contextlib.contextmanager
@@ -62,6 +65,15 @@ def shown_path(path: str) -> str:
     return path
 
 
+def _constraint_fixes(text: str) -> list[str]:
+    """torch.export's suggested dim ranges and values, as recipe terms ("seq min 3, max 16")."""
+    out = [f"{d} " + ", ".join(f"{k} {v}" for k, v in (("min", lo), ("max", hi)) if v)
+           for d, lo, hi in _RANGE_FIX.findall(text)]
+    # a value alone only when no range is suggested: beside one, it is the capture's own narrow
+    # example range for another dim (graphmode exports batch 1..2 as 2..2), not the model's need
+    return out or [f"{d} fixed at {v} (a static shape)" for d, v in _VALUE_FIX.findall(text)]
+
+
 ROPE_WHY = ("This rotary embedding (Hugging Face rope_type 'dynamic' or 'longrope') recomputes its frequencies "
             "from the largest position of each call, which one graph cannot hold")
 ROPE_FIX = ("compile the model with a rope type whose frequencies are fixed (rope_scaling rope_type 'linear', "
@@ -75,6 +87,15 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
     first = text.splitlines()[0] if text else ""
     name = type(e).__name__
     call = _CALL.search(text)
+    if "Constraints violated" in first and "Suggested fixes:" in text:
+        narrowed = _constraint_fixes(text.split("Suggested fixes:", 1)[1])
+        if narrowed:
+            return CaptureError(f"torch.export failed: one graph of this model holds for part of the recipe's "
+                                f"dims only, {'; '.join(narrowed)} (elsewhere the model takes another path, e.g. "
+                                f"a slice shorter than it asks for; torch.export: {first})",
+                                where=f"dims.{narrowed[0].split()[0]}",
+                                fix="narrow the recipe's dims to " + "; ".join(narrowed)
+                                    + " (or run the model with exe_mode: eager)")
     if not (name in _DATA_DEPENDENT or "data-dependent" in first) or call is None:
         return CaptureError(f"torch.export failed: {name}: {first}", where=where, fix=fix)
     path, line, fn = call.group(1), int(call.group(2)), call.group(3)

@@ -299,3 +299,19 @@ def test_a_longrope_buffer_update_is_refused_as_a_rope_not_as_training_state(tmp
     with pytest.raises(CaptureError, match=r"rope_type 'dynamic' or 'longrope'") as e:
         graphmode.compile((m, {"input_ids": torch.randint(0, 64, (1, 8))}), rec, cache_dir=tmp_path)
     assert e.value.where == "model.config.rope_scaling" and "eval mode" not in e.value.fix
+
+
+class _LastThree(torch.nn.Module):
+    def forward(self, x):
+        return x[:, -3:].sum(1)
+
+
+def test_a_dim_range_export_narrows_is_refused_with_the_range_it_suggests(tmp_path):
+    """A slice of the last 3 on a dynamic seq holds for seq >= 3 only: torch.export's own
+    suggested range, in recipe terms, instead of its first line about its symbols."""
+    rec = {"version": 1, "name": "t", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 16]}],
+           "dims": {"batch": {"buckets": [1, 2]}, "seq": {"min": 1, "max": 16, "buckets": [4, 8, 16]}},
+           "exe_mode": "graph", "targets": ["host"]}
+    with pytest.raises(CaptureError) as e:
+        graphmode.compile(_LastThree(), rec, cache_dir=tmp_path)
+    assert e.value.where == "dims.seq" and "seq min 3, max 16" in e.value.fix and "batch" not in e.value.fix
