@@ -249,7 +249,9 @@ def _generic_inputs(bundle: ModelBundle, shape: dict[str, int], seed: int
         else:
             lo = int(ex.min()) if ex.numel() else 0
             hi = int(ex.max()) if ex.numel() else 1
-            out[name] = torch.randint(lo, hi + 1, shp, generator=g, dtype=ex.dtype)
+            top = torch.iinfo(ex.dtype).max        # randint's high is exclusive: at the type's top, draw below it
+            out[name] = torch.randint(lo, min(hi, top - 1) + 1, shp, generator=g, dtype=ex.dtype) if lo < top \
+                else torch.full(shp, top, dtype=ex.dtype)
     return out
 
 

@@ -64,6 +64,11 @@ class InputContract:
             if not isinstance(t, torch.Tensor):
                 raise ContractViolation(f"input {spec.name!r} must be a tensor", where=f"inputs.{spec.name}",
                                         value=type(t).__name__)
+            if t.is_meta:               # shapes without data: nothing to compute on
+                raise ContractViolation(f"input {spec.name!r} is a meta tensor (a shape without data)",
+                                        where=f"inputs.{spec.name}", value="device meta",
+                                        fix="pass a tensor with data (materialise it, e.g. torch.empty_like(x, "
+                                            "device='cpu'), or load the real values)")
             from graphmode.ir.types import DTYPES
             if t.dtype != DTYPES[spec.dtype]:
                 raise ContractViolation(f"input {spec.name!r} has dtype {t.dtype}, the recipe declares {spec.dtype}",

@@ -315,3 +315,28 @@ def test_a_dim_range_export_narrows_is_refused_with_the_range_it_suggests(tmp_pa
     with pytest.raises(CaptureError) as e:
         graphmode.compile(_LastThree(), rec, cache_dir=tmp_path)
     assert e.value.where == "dims.seq" and "seq min 3, max 16" in e.value.fix and "batch" not in e.value.fix
+
+
+class _Twice(torch.nn.Module):
+    def forward(self, v):
+        return v.float() * 2
+
+
+def test_an_example_holding_int64_max_compiles(tmp_path):
+    """Samples are drawn within the example's values: randint's exclusive top overflowed at the
+    type's largest value (a raw 'Overflow when unpacking long long')."""
+    v = torch.tensor([[1, 2, 3, 2**63 - 1]])
+    rec = {"version": 1, "name": "o", "inputs": [{"name": "v", "dtype": "i64", "shape": [1, 4]}], "exe_mode": "graph",
+           "targets": ["host"]}
+    cm = graphmode.compile((_Twice(), (v,)), rec, cache_dir=tmp_path)
+    assert torch.equal(cm(v), _Twice()(v))
+
+
+def test_a_meta_tensor_input_is_refused_naming_it(tmp_path):
+    from graphmode.errors import ContractViolation
+    rec = {"version": 1, "name": "o", "inputs": [{"name": "v", "dtype": "i64", "shape": [1, 4]}], "exe_mode": "graph",
+           "targets": ["host"]}
+    cm = graphmode.compile((_Twice(), (torch.tensor([[1, 2, 3, 4]]),)), rec, cache_dir=tmp_path)
+    with pytest.raises(ContractViolation, match="meta tensor") as e:
+        cm(torch.empty(1, 4, dtype=torch.int64, device="meta"))
+    assert e.value.where == "inputs.v"
