@@ -246,8 +246,11 @@ class RowGen(Gen):
             row.lines.append(f"for (int64_t j = 0; j < {N}; ++j) {{")
             row.lines += indent(list(sb.lines) + [f"const {ct} d = {xb} - mean;", "sq += d * d;"], 2) + ["}"]
             eps = float(self.red.attrs.get("eps", 1e-5))
-            row.lines.append(f"const {ct} rstd = (({ct})1) / {fn('sqrt', self.acc_dt)}(sq / (({ct}){N}) + "
-                             f"{lit(eps, self.acc_dt)});")
+            # a variance past f32's range: eager (ATen's moments in f32) gives the row NaN, not b
+            row.lines.append(f"const {ct} var = sq / (({ct}){N});")
+            row.lines.append(f"const {ct} rstd = var <= (({ct})3.4028234663852886e+38) ? (({ct})1) / "
+                             f"{fn('sqrt', self.acc_dt)}(var + {lit(eps, self.acc_dt)}) : "
+                             f"(({ct})__builtin_nan(\"\"));")
         else:
             if op == "sum":
                 val = "acc"

@@ -39,3 +39,29 @@ def test_a_lone_pow_by_one_half_is_a_square_root_as_in_eager(tmp_path):
 
 def test_hardswish_multiplies_before_it_divides_as_aten_does(tmp_path):
     _same(_HardSwish(), tmp_path)    # hardswish(1e38): inf in eager (x * 6 overflows), was 1e38
+
+
+class _NormAfterRelu(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.ln(torch.relu(x))
+
+
+def test_a_fused_layer_norm_whose_variance_overflows_gives_nan_as_eager(tmp_path):
+    """ATen's f32 moments overflow to a NaN row; the fused kernel gave the bias (0), hiding it."""
+    torch.manual_seed(0)
+    model = _NormAfterRelu().eval()
+    r = {"version": 1, "name": "o", "inputs": [{"name": "x", "dtype": "f32", "shape": [2, 32]}], "exe_mode": "graph",
+         "targets": ["host"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(model, r, cache_dir=tmp_path)
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
+    x[0] *= 1e20                               # row 0 overflows, row 1 does not
+    with torch.no_grad():
+        want, got = model(x), cm(x)
+    assert bool(torch.isnan(want[0]).all()) and bool(torch.isnan(got[0]).all())
+    assert torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
