@@ -84,9 +84,13 @@ def _as_sympy_functions(d: sympy.Basic) -> sympy.Basic:
 
     def plain(x):
         return _TORCH_DIVISIONS[type(x).__name__](x.args[0] / x.args[1])
-    if not d.atoms(sympy.Function):
+    def torch_minmax(x) -> bool:     # torch's own Min / Max (a linalg op's min(m, n) size): sympy's compare equal
+        return type(x).__name__ in ("Min", "Max") and type(x).__module__.startswith("torch")
+
+    if d.is_Atom or not (d.atoms(sympy.Function) or d.atoms(sympy.core.operations.LatticeOp)):
         return d
     d = d.replace(torchy, plain)
+    d = d.replace(torch_minmax, lambda x: (sympy.Min if type(x).__name__ == "Min" else sympy.Max)(*x.args))
     for _ in range(8):              # floors of floors (stacked strided convs, pools): flattened
         flat = d.replace(lambda x: isinstance(x, sympy.floor), _floor_of_floor)
         if flat == d:
