@@ -122,6 +122,7 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
         return v
     v.index = analyze_indices(graph)
     v.refusals += _index_issues(recipe, v.index)
+    v.refusals += _short_slices(recipe, graph, capture_report)
     if v.refusals or getattr(source, "masks_padding", False):
         return v        # a decode graph masks its own padding (the KV cache's lengths)
     pads = padded_dims(recipe)
@@ -292,3 +293,58 @@ def _fallbacks(cap: Any, mode: str) -> list[Issue]:
         out.append(Issue("fallback", f"op {f.target} (x{f.count}) cannot run in exe_mode 'graph': {f.reason}",
                          "exe_mode", mode, fix=fix, loc=f.loc))
     return out
+
+
+def _slice_needs(start: int, end: Any) -> int | None:
+    """The extent a slice [start:end] needs for the length the IR gives it (`end - start`, or
+    `extent - start`, ...) to be python's: a constant end or a start from the end assumes the
+    axis holds at least that many positions (torch.export proves it for its example's range,
+    from 2 up; a recipe may admit 1)."""
+    big = isinstance(end, int) and end >= 2 ** 31
+    if not isinstance(end, int):
+        return None                           # a symbolic end (x[:, :seq]): its own dim
+    if start >= 0 and big:
+        return start or None
+    if start >= 0 and end >= 0:
+        return end
+    if start >= 0:
+        return start - end
+    return -start
+
+
+def _short_slices(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
+    """Slices with constant bounds over a dynamic axis that some admissible dim value makes
+    shorter than the bound: the plan would read past the axis (x[:2] at batch 1 answered two
+    rows, the second one garbage)."""
+    import sympy
+    from graphmode.ir.types import sym
+    lows = {d: recipe.dim_range(d)[0] for d in recipe.dims}
+    out, seen = [], set()
+    for n in graph.nodes:
+        if n.op != "slice":
+            continue
+        t = graph.type_of(n.inputs[0])
+        size = t.shape[n.attrs["dim"] % t.rank]
+        need = _slice_needs(int(n.attrs.get("start", 0)), n.attrs.get("end", 2 ** 62))
+        if isinstance(size, int) or need is None:
+            continue
+        free = [s.name for s in sympy.sympify(size).free_symbols if s.name in lows]
+        if len(free) != 1 or free[0] in seen:
+            continue
+        d = free[0]
+        at_low = int(sympy.sympify(size).subs(sym(d), lows[d]))
+        if at_low >= need:
+            continue
+        lo, hi = recipe.dim_range(d)
+        fits = next((v for v in range(lo, min(hi, lo + 4096) + 1)
+                     if int(sympy.sympify(size).subs(sym(d), v)) >= need), None)
+        seen.add(d)
+        loc = (getattr(cap, "locs", {}) or {}).get(n.outputs[0])
+        end = n.attrs.get("end", 2 ** 62)
+        out.append(Issue("model", f"slice {n.attrs.get('start', 0)}:{'' if end >= 2 ** 31 else end} of an axis of "
+                                  f"{dim_str(size)} positions takes {need}, but the recipe admits {d} = {lo}, where "
+                                  f"the axis has {at_low}: that plan would read past it", f"dims.{d}.min", lo,
+                         fix=(f"dims.{d}.min: {fits} (and no smaller bucket)" if fits is not None else
+                              f"keep dims.{d} where the axis holds {need}") + ", or exe_mode: eager", loc=loc))
+    return out
+

@@ -356,3 +356,22 @@ def test_a_dim_of_torchs_own_min_compares_equal_to_the_irs(tmp_path):
     cm = graphmode.compile(_SvdBias(), rec, cache_dir=tmp_path)
     x = torch.randn(2, 8, 16)
     assert torch.allclose(cm(x), _SvdBias()(x), rtol=1e-5, atol=1e-5) and cm.last_path["path"] == "graph"
+
+
+class _FirstTwo(torch.nn.Module):
+    def forward(self, x):
+        return x[:2] * 3
+
+
+def test_a_constant_slice_past_the_smallest_admitted_dim_is_refused(tmp_path):
+    """x[:2] over batch 1..4: torch.export proves length 2 from batch 2 up, and the plan at batch
+    1 answered two rows (the second read past the input) where eager answers one."""
+    from graphmode.verdict import ContractRefused
+    rec = {"version": 1, "name": "b", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 6]}],
+           "dims": {"batch": {"min": 1, "max": 4}}}
+    with pytest.raises(ContractRefused) as e:
+        graphmode.compile(_FirstTwo(), rec, cache_dir=tmp_path)
+    assert "dims.batch.min: 2" in str(e.value)
+    cm = graphmode.compile(_FirstTwo(), dict(rec, dims={"batch": {"min": 2, "max": 4}}), cache_dir=tmp_path)
+    x = torch.randn(3, 6)
+    assert torch.equal(cm(x), _FirstTwo()(x))
