@@ -183,6 +183,10 @@ def _check_split(nd: CheckedNode) -> None:
     if any(s < 0 for s in sizes) or isinstance(dim, int) and sum(sizes) != dim or len(sizes) != len(nd.n.output):
         raise nd.fail(f"split sizes {sizes} must be >= 0, one per output ({len(nd.n.output)}), and sum to the "
                       f"split dim ({dim})", sizes, "fix the split sizes in the model")
+    if not isinstance(dim, int):       # eager and ONNX Runtime refuse any other extent; a plan would not
+        raise nd.fail(f"split sizes {sizes} fix the split axis at {sum(sizes)}, which the recipe leaves dynamic "
+                      f"({dim_str(dim)})", sizes, f"declare that axis as the fixed size {sum(sizes)} in the recipe's "
+                      "inputs, or export the model without a dynamic axis there")
 
 
 @_handles("Split", check=_check_split)

@@ -2,6 +2,8 @@
 matches eager PyTorch exactly, or is refused at capture with a graphmode error naming the op."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -375,3 +377,22 @@ def test_a_constant_slice_past_the_smallest_admitted_dim_is_refused(tmp_path):
     cm = graphmode.compile(_FirstTwo(), dict(rec, dims={"batch": {"min": 2, "max": 4}}), cache_dir=tmp_path)
     x = torch.randn(3, 6)
     assert torch.equal(cm(x), _FirstTwo()(x))
+
+
+def test_an_onnx_split_with_fixed_sizes_over_a_dynamic_axis_is_refused(tmp_path):
+    """ONNX Runtime and eager refuse an extent the sizes do not sum to; the plan answered."""
+    from graphmode.errors import CaptureError
+
+    class Split(torch.nn.Module):
+        def forward(self, x):
+            a, b = torch.split(x, [2, 2], 0)
+            return a - b
+    p = tmp_path / "split.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Split(), (torch.randn(4, 6),), str(p), dynamo=False, opset_version=17, input_names=["x"],
+                          dynamic_axes={"x": {0: "batch"}})
+    rec = {"version": 1, "name": "s", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 6]}],
+           "dims": {"batch": {"min": 4, "max": 6}}}
+    with pytest.raises(CaptureError, match=r"fix the split axis at 4"):
+        graphmode.compile(str(p), rec, cache_dir=tmp_path)
