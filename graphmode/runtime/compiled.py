@@ -284,10 +284,13 @@ class CompiledModel(InputContract, Shaping):
         return [outs[name] for name in self.graph.outputs]
 
     def _eager(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+        if self.source.module is None and getattr(self.source, "onnx_path", None) is not None \
+                and getattr(self, "artifact", None) is None:
+            return self.structured(self.source.reference(dict(inputs)))     # an ONNX model's eager: ONNX Runtime
         if self.source.module is None:
-            origin = "it was loaded from an artifact" if getattr(self, "artifact", None) else "it came from ONNX"
-            raise ContractViolation(f"eager execution needs the original torch module ({origin})",
-                                    fix="keep requests inside the recipe's dims")
+            raise ContractViolation("this request needs the eager model (on_violation: eager), and a model loaded "
+                                    "from an artifact has none", fix="send shapes at the recipe's bucket values, or "
+                                    "serve the model from its source (the torch module or the ONNX file)")
         with torch.no_grad():              # not inference mode: the caller may update the outputs in place
             out = self.source.module(**inputs)
         if self.output_structure is not None and isinstance(out, tuple):    # the flattening wrapper's tuple

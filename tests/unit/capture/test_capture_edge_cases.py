@@ -396,3 +396,25 @@ def test_an_onnx_split_with_fixed_sizes_over_a_dynamic_axis_is_refused(tmp_path)
            "dims": {"batch": {"min": 4, "max": 6}}}
     with pytest.raises(CaptureError, match=r"fix the split axis at 4"):
         graphmode.compile(str(p), rec, cache_dir=tmp_path)
+
+
+def test_an_onnx_model_runs_its_fallback_requests_in_onnx_runtime(tmp_path):
+    """on_violation: eager for an ONNX file (the drafter picks it for a mean over seq): a request
+    the padding cannot serve ran nowhere ("needs the original torch module"); ONNX Runtime is
+    its eager."""
+    class SeqMean(torch.nn.Module):
+        def forward(self, x):
+            return x.mean(1)
+    p = tmp_path / "mean.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(SeqMean(), (torch.randn(2, 5, 8),), str(p), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "batch", 1: "seq"}})
+    rec = {"version": 1, "name": "m", "on_violation": "eager",
+           "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 8]}],
+           "dims": {"batch": {"buckets": [1, 2]}, "seq": {"buckets": [4, 8], "min": 1}}}
+    cm = graphmode.compile(str(p), rec, cache_dir=tmp_path)
+    x = torch.randn(2, 6, 8)                                    # seq 6: between buckets, unsafe to pad
+    assert torch.allclose(cm(x=x), x.mean(1), rtol=1e-5, atol=1e-6) and cm.last_path["path"] == "eager"
+    x = torch.randn(2, 8, 8)
+    assert torch.allclose(cm(x=x), x.mean(1), rtol=1e-5, atol=1e-6) and cm.last_path["path"] == "graph"
