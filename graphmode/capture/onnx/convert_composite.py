@@ -9,7 +9,7 @@ import torch
 
 from graphmode.capture.onnx.convert_nn import _pads
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES, _Known
-from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
+from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _handles, _shape_attr
 from graphmode.capture.onnx.pooling import pool_by_windows
 from graphmode.capture.onnx.checks import ONNX_DTYPES, CheckedNode
 from graphmode.ir.ops import norm_axis
@@ -26,7 +26,7 @@ def _const(imp: _Importer, t: torch.Tensor, hint: str) -> str:
 
 def _static(imp: _Importer, size, what: str) -> int:
     if not isinstance(size, int):
-        raise imp.fail(f"{what} over a symbolic extent", fix="pin the dim in the recipe (a bucket per value)")
+        raise imp.fail(f"{what} over a symbolic extent", fix=STATIC_AXIS_FIX)
     return size
 
 

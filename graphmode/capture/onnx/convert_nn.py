@@ -11,7 +11,7 @@ from graphmode.ir.types import Dim, TensorType
 from graphmode.capture.onnx.checks import MAX_DIM, MAX_WINDOW, CheckedNode, check_window, spatial_rank
 from graphmode.capture.onnx.fold import _Known, _objarr
 from graphmode.capture.onnx.convert_core import _empty_extreme
-from graphmode.capture.onnx.importer import _Importer, _attr_dim, _handles, _shape_attr, _vname
+from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _attr_dim, _handles, _shape_attr, _vname
 from graphmode.capture.onnx.pooling import pool_by_windows
 
 
@@ -498,7 +498,7 @@ def _max_unpool(imp: _Importer, n) -> None:
     pads = list(imp.attr(n, "pads", [0, 0, 0, 0]))
     sizes = list(xt.shape)
     if not all(isinstance(d, int) for d in sizes):
-        raise imp.fail(f"MaxUnpool of {xt.text()}: symbolic dims", fix="pin the dims in the recipe")
+        raise imp.fail(f"MaxUnpool of {xt.text()}: symbolic dims", fix=STATIC_AXIS_FIX)
     size = [(sizes[2 + i] - 1) * strides[i] - pads[i] - pads[i + 2] + kernel[i] for i in range(2)]
     extra = [0, 0]
     if imp.opt_in(n, 2):

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from graphmode.capture.onnx.importer import _Importer, _handles
+from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _handles
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES, _Known
 from graphmode.ir.types import DTYPES
 
@@ -105,7 +105,7 @@ def _resize(imp: _Importer, n) -> None:
     shape = list(xt.shape)
     if not all(isinstance(d, int) for d in shape):
         raise imp.fail(f"Resize of {xt.text()}: the resized extents must be static",
-                       fix="pin the dims in the recipe (a bucket per value)")
+                       fix=STATIC_AXIS_FIX)
     mode = _s(imp.attr(n, "mode", b"nearest"))
     transform = _s(imp.attr(n, "coordinate_transformation_mode", b"half_pixel"))
     if mode not in _MODES or transform not in _TRANSFORMS:

@@ -15,7 +15,7 @@ from graphmode.ir.types import DTYPES, Dim, dim_str, normalize_dim
 
 from graphmode.capture.onnx.checks import CheckedNode, axis_check, check_axes
 from graphmode.capture.onnx.fold import BIG_END, KNOWN_LIMIT, _INT_DTYPES, _Known, _is_sym
-from graphmode.capture.onnx.importer import _Importer, _attr_dim, _handles, _same_shape, _shape_attr
+from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _attr_dim, _handles, _same_shape, _shape_attr
 
 
 # ---- shape / data movement
@@ -259,7 +259,7 @@ def _slice(imp: _Importer, n) -> None:
             size = imp.type_of(src).shape[a]
             if not isinstance(size, int) or not isinstance(e, int):
                 raise imp.fail("Slice with a negative step over a symbolic extent",
-                               fix="pin the dim in the recipe (a bucket per value)")
+                               fix=STATIC_AXIS_FIX)
             picks = imp.materialise(_Known.of(torch.arange(size)[list(range(size))[s:e:st]]), f"{n.output[0]}_picks")
             cur = imp.emit("index_select", [cur, picks], {"dim": a}, out=n.output[0] if last else None,
                            hint=n.output[0])
@@ -475,7 +475,7 @@ def _pad_by_index(imp: _Importer, n, mode: str, t, per_axis: dict[int, tuple[int
         size = t.shape[a]
         if not isinstance(size, int) or size < 1:
             raise imp.fail(f"Pad mode {mode!r} along a symbolic or empty axis {a}",
-                           fix="pin the dim in the recipe (a bucket per value)")
+                           fix=STATIC_AXIS_FIX)
         period = max(2 * size - 2, 1)
         idx = []
         for i in range(-b, size + e):

@@ -50,6 +50,11 @@ class OnnxCaptureReport(CaptureReport):
 # ------------------------------------------------------------------------------ importer
 
 
+# an op the importer needs a static extent for: a recipe dim (buckets or not) stays a symbol
+STATIC_AXIS_FIX = ("write that axis as a fixed size in the recipe's inputs[].shape (an integer, e.g. "
+                   "[batch, 7, 16]): a dim with buckets stays symbolic in the graph")
+
+
 class _Importer(ValueState, Emitter, InputBinder):
     def __init__(self, model, label: str, name: str, dims: Mapping[str, tuple[int, int]] | None,
                  input_dims: Mapping[str, Sequence] | None, excluded: Callable[[str, str], bool],
