@@ -328,16 +328,17 @@ def _short_slices(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
         need = _slice_needs(int(n.attrs.get("start", 0)), n.attrs.get("end", 2 ** 62))
         if isinstance(size, int) or need is None:
             continue
-        free = [s.name for s in sympy.sympify(size).free_symbols if s.name in lows]
-        if len(free) != 1 or free[0] in seen:
-            continue
+        expr = sympy.sympify(size)
+        free = [s.name for s in expr.free_symbols]
+        if len(free) != 1 or free[0] not in lows or free[0] in seen:
+            continue                              # one recipe dim: its smallest value decides
         d = free[0]
-        at_low = int(sympy.sympify(size).subs(sym(d), lows[d]))
-        if at_low >= need:
+        at = lambda v: expr.subs(sym(d), v)       # noqa: E731
+        if not at(lows[d]).is_Integer or int(at(lows[d])) >= need:
             continue
+        at_low = int(at(lows[d]))
         lo, hi = recipe.dim_range(d)
-        fits = next((v for v in range(lo, min(hi, lo + 4096) + 1)
-                     if int(sympy.sympify(size).subs(sym(d), v)) >= need), None)
+        fits = next((v for v in range(lo, min(hi, lo + 4096) + 1) if at(v).is_Integer and int(at(v)) >= need), None)
         seen.add(d)
         loc = (getattr(cap, "locs", {}) or {}).get(n.outputs[0])
         end = n.attrs.get("end", 2 ** 62)
