@@ -50,7 +50,7 @@ class ModelRunner:
         self._variant: dict[int, list[str]] = {}   # decode bucket -> why it may not batch (empty: it may)
 
     def _run(self, env: dict[str, int], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        if getattr(self.cm, "frozen_weights", None) is not None:
+        if self.cm.frozen_weights is not None:
             self.cm.frozen_weights.check()      # the model updated in place since compile: refused
         exe = self.cm.executable(env)
         return exe.run(inputs)["logits"][:, 0, :]

@@ -65,6 +65,7 @@ class Draft:
     source: Any = None                    # graphmode.compiler.ModelSource
     graph: Any = None                     # the captured IR
     warnings: list[str] = field(default_factory=list)
+    fixed_dims: list[str] = field(default_factory=list)   # asked dynamic, fixed at the example's size
 
     def yaml(self) -> str:
         from graphmode.kb.render import render
@@ -236,10 +237,10 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
             if i == len(tries) - 1:
                 raise
             continue
-        fixed = [d for d in bundle.dim_names if d not in b.dim_names]
-        if fixed:
-            draft.notes["inputs"] += (f"; {', '.join(fixed)} fixed at the example's size: torch.export cannot keep "
-                                      "it dynamic for this model")
+        draft.fixed_dims = [d for d in bundle.dim_names if d not in b.dim_names]
+        if draft.fixed_dims:
+            draft.notes["inputs"] += (f"; {', '.join(draft.fixed_dims)} fixed at the example's size: torch.export "
+                                      "cannot keep it dynamic for this model")
         return draft
     raise AssertionError("unreachable")
 
@@ -405,7 +406,7 @@ def drafted(model: Any, target: Any) -> tuple[Any, Any, dict[str, str]]:
     d = draft_recipe(model, target=target or "host")
     stamp = recipe_hash(d.recipe)
     # dims asked dynamic that torch.export could not keep so: said here, not only in the notes
-    fixed = [p.strip() for p in d.notes.get("inputs", "").split(";") if "fixed at the example's size" in p]
+    fixed = [f"{', '.join(d.fixed_dims)} fixed at the example's size"] if d.fixed_dims else []
     if stamp not in _ANNOUNCED:           # once per draft and process (a warnings filter reset would repeat it)
         _ANNOUNCED.add(stamp)
         warnings.warn(RecipeDrafted(

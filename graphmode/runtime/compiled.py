@@ -284,8 +284,7 @@ class CompiledModel(InputContract, Shaping):
         return [outs[name] for name in self.graph.outputs]
 
     def _eager(self, inputs: Mapping[str, torch.Tensor]) -> Any:
-        if self.source.module is None and getattr(self.source, "onnx_path", None) is not None \
-                and getattr(self, "artifact", None) is None:
+        if self.source.module is None and self.source.onnx_path is not None and getattr(self, "artifact", None) is None:
             return self.structured(self.source.reference(dict(inputs)))     # an ONNX model's eager: ONNX Runtime
         if self.source.module is None:
             raise ContractViolation("this request needs the eager model (on_violation: eager), and a model loaded "

@@ -120,7 +120,6 @@ class PreparedWeights:
             t = self.scratch.pop(scratch_key, None)
             t = self.carried.pop(scratch_key, None) if t is None else t
             holder = _Packed(src, t if t is not None else prepare())
-            self._checked[key] = True
             _PACKED[key] = holder
             release(src)     # a spilled constant's pages go (graphmode/hostmem.py); others stay as they are
             if t is None:
