@@ -123,6 +123,7 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
     v.index = analyze_indices(graph)
     v.refusals += _index_issues(recipe, v.index)
     v.refusals += _short_slices(recipe, graph, capture_report)
+    v.refusals += _short_extents(recipe, graph, capture_report)
     if v.refusals or getattr(source, "masks_padding", False):
         return v        # a decode graph masks its own padding (the KV cache's lengths)
     pads = padded_dims(recipe)
@@ -349,3 +350,16 @@ def _short_slices(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
                               f"keep dims.{d} where the axis holds {need}") + ", or exe_mode: eager", loc=loc))
     return out
 
+
+def _short_extents(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
+    """Dim minimums the graph cannot take: a window wider than its input (analysis/extents.py)."""
+    from graphmode.analysis.extents import short_extents
+    out = []
+    for s in short_extents(graph, {d: recipe.dim_range(d) for d in recipe.dims}):
+        lo, _ = recipe.dim_range(s.dim)
+        loc = (getattr(cap, "locs", {}) or {}).get(s.output)
+        out.append(Issue("model", s.reason(lo), f"dims.{s.dim}.min", lo, loc=loc,
+                         fix=(f"dims.{s.dim}.min: {s.fits} (and no smaller bucket): the smallest {s.dim} the model "
+                              "takes" if s.fits is not None else f"no {s.dim} in the recipe's range fits: widen it")
+                             + ", or exe_mode: eager"))
+    return out

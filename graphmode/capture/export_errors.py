@@ -88,14 +88,19 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
     name = type(e).__name__
     call = _CALL.search(text)
     if "Constraints violated" in first and "Suggested fixes:" in text:
-        narrowed = _constraint_fixes(text.split("Suggested fixes:", 1)[1])
+        suggested = text.split("Suggested fixes:", 1)[1]
+        narrowed = _constraint_fixes(suggested)
         if narrowed:
-            return CaptureError(f"torch.export failed: one graph of this model holds for part of the recipe's "
-                                f"dims only, {'; '.join(narrowed)} (elsewhere the model takes another path, e.g. "
-                                f"a slice shorter than it asks for; torch.export: {first})",
-                                where=f"dims.{narrowed[0].split()[0]}",
-                                fix="narrow the recipe's dims to " + "; ".join(narrowed)
-                                    + " (or run the model with exe_mode: eager)")
+            err = CaptureError(f"torch.export failed: one graph of this model holds for part of the recipe's "
+                               f"dims only, {'; '.join(narrowed)} (elsewhere the model takes another path, e.g. "
+                               f"a slice shorter than it asks for; torch.export: {first})",
+                               where=f"dims.{narrowed[0].split()[0]}",
+                               fix="narrow the recipe's dims to " + "; ".join(narrowed)
+                                   + " (or run the model with exe_mode: eager)")
+            # the ranges themselves, for a drafter that can take them ({dim: (min, max)}, None: not said)
+            err.suggested_ranges = {d: (int(lo) if lo else None, int(hi) if hi else None)
+                                    for d, lo, hi in _RANGE_FIX.findall(suggested)}
+            return err
     if not (name in _DATA_DEPENDENT or "data-dependent" in first) or call is None:
         return CaptureError(f"torch.export failed: {name}: {first}", where=where, fix=fix)
     path, line, fn = call.group(1), int(call.group(2)), call.group(3)

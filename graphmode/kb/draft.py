@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from graphmode.capture.zoo import marks_padding
-from graphmode.errors import CaptureError, RecipeError
+from graphmode.errors import CaptureError, GraphmodeError, RecipeError
 
 DEFAULT_MAX_PADDING = 0.25
 MAX_EXACT = 64                 # an unsafe-to-pad dim gets every value as a bucket up to this many values
@@ -230,11 +230,16 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
     else:                                     # handed with static shapes: try a dynamic batch, else keep them
         tries = [b for b in (_with_batch_axis(bundle), bundle) if b is not None]
     tries = [b for i, b in enumerate(tries) if b.input_dims not in [t.input_dims for t in tries[:i]]]
-    for i, b in enumerate(tries):
+    queue: list[tuple[Any, dict | None]] = [(b, None) for b in tries]
+    while queue:
+        b, narrowed = queue.pop(0)
         try:
-            draft = _draft(b, **opts)
-        except CaptureError:
-            if i == len(tries) - 1:
+            draft = _draft(b, **opts, narrowed=narrowed)
+        except CaptureError as e:
+            hint = None if narrowed else (_export_ranges(e, b, opts["ranges"]) or _window_probe(e, b, opts))
+            if hint:                          # torch.export named the range one graph holds for: take it
+                queue.insert(0, (b, hint))
+            elif not queue:
                 raise
             continue
         draft.fixed_dims = [d for d in bundle.dim_names if d not in b.dim_names]
@@ -243,6 +248,37 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
                                       "cannot keep it dynamic for this model")
         return draft
     raise AssertionError("unreachable")
+
+
+# torch's convolutions and pools refuse a symbolic input their window may not fit, at trace time
+_WINDOW_ERROR = re.compile(r"Kernel size can't be greater than actual input size|Output size is too small")
+
+
+def _window_probe(e: CaptureError, bundle: Any, opts: dict) -> dict[str, tuple] | None:
+    """For a model torch.export refused because a window may not fit: its graph captured from the
+    example's size up, read for the smallest sizes its windows take (analysis/extents.py)."""
+    example = bundle.example_shape()
+    # from the example's size up, and one below it where the draft's range ends there (a range, not a size)
+    probe = {d: (max(example[d] - 1, 1), None, "") for d in bundle.dim_names
+             if d != "batch" and d not in opts["ranges"]}
+    if not probe or not _WINDOW_ERROR.search(str(e)):
+        return None
+    try:
+        return _draft(bundle, **opts, narrowed=probe, probe=True) or None
+    except GraphmodeError:
+        return None
+
+
+def _export_ranges(e: CaptureError, bundle: Any, given: dict) -> dict[str, tuple] | None:
+    """torch.export's suggested ranges (capture/export_errors.py) for the dims this draft chose
+    itself, where they still hold the example's size; None when there is nothing to narrow."""
+    example = bundle.example_shape()
+    out = {}
+    for d, (lo, hi) in (getattr(e, "suggested_ranges", None) or {}).items():
+        if d in bundle.dim_names and d not in given and (lo or 1) <= example.get(d, lo or 1) <= (hi or 2 ** 62):
+            out[d] = (lo, hi, "torch.export's range for this model (outside it the model takes another path, "
+                              "e.g. a window wider than the input)")
+    return out or None
 
 
 def _pin(bundle: Any, names: list[str]) -> Any:
@@ -295,7 +331,8 @@ def _default_axes(d: str, dims: dict[str, list]) -> list[tuple[str, int]]:
 def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float | None,
            max_p99_over_p50: float | None, max_padding: float, max_buckets: int | None, kb_path: Any,
            objective: str, name: str | None, target_cache_dir: Any, record: bool,
-           ranges: dict[str, tuple[int, int]], bounded: bool) -> Draft:
+           ranges: dict[str, tuple[int, int]], bounded: bool,
+           narrowed: dict[str, tuple[int | None, int | None, str]] | None = None, probe: bool = False) -> Any:
     from graphmode.compiler import capture_model, relower, reprove
     from graphmode.kb.fingerprint import hardware_of, model_of, recipe_inputs
     from graphmode.passes.to_paged import not_causal
@@ -326,8 +363,9 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
         notes["memory.kv_cache"] = (f"none: {type(raw).__name__} is an encoder-decoder model, and graphmode decodes "
                                     "decoder-only causal LMs (one decoder stack over a paged KV cache); this draft "
                                     "compiles its forward pass")
-    data["dims"], ranges = _dims(dims_of, ranges, bundle, example, max_padding, max_buckets, bounded, lm is not None,
-                                 notes)
+    given, narrowed = ranges, dict(narrowed or {})
+    dim_args = (dims_of, given, bundle, example, max_padding, max_buckets, bounded, lm is not None, notes)
+    data["dims"], ranges = _dims(*dim_args, narrowed)
     if not data["dims"]:
         del data["dims"]
         notes["inputs"] = "names, dtypes and shapes from the model's signature: every shape is fixed (no dims)"
@@ -339,6 +377,13 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     notes["targets"] = f"checked against {tgt.name}"
     low = capture_model(bundle, skeleton)
     graph0, cap, src = low.captured, low.capture_report, low.source
+    if probe:                              # captured at narrowed ranges: where would the windows fit?
+        return {d: r for d, r in _window_minimums(graph0, _dims(*dim_args[:-1], {})[1], given, 2).items()
+                if r[0] <= example[d]}        # 2: torch.export keeps no window output of 1 dynamic
+    fit = _window_minimums(graph0, ranges, given)
+    if fit:                                # an ONNX file's axes say nothing of where its windows fit
+        narrowed.update(fit)
+        data["dims"], ranges = _dims(*dim_args, narrowed)
     model_row, hw_row = model_of(graph0, src, recipe_inputs(skeleton)), hardware_of(tgt)
     recs = _knobs_from_kb(data, notes, model_row, hw_row, kb_path, objective)
     if cap.fallbacks:
@@ -418,7 +463,8 @@ def drafted(model: Any, target: Any) -> tuple[Any, Any, dict[str, str]]:
 
 def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: Any, example: dict[str, int],
           max_padding: float, max_buckets: int | None, bounded: bool, decoder: bool,
-          notes: dict[str, str]) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+          notes: dict[str, str], narrowed: dict[str, tuple] | None = None
+          ) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
     """Each dim's range (given, from the config or a default) and bucket policy. With `bounded`
     (no padding or bucket limit given) the plans stay at most MAX_DRAFT_PLANS: past that, each
     dim gets a bucket count (the smallest padding those buckets allow) instead of the padding bound."""
@@ -432,6 +478,10 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
             why = f"range given (--dim {d}={lo}:{hi})"
         else:
             lo, hi, why = _dim_range(d, bundle, example, decoder)
+            nlo, nhi, nwhy = (narrowed or {}).get(d, (None, None, ""))
+            new = max(lo, nlo or lo), min(hi, nhi or hi)
+            if new[0] <= new[1] and new != (lo, hi):
+                (lo, hi), why = new, f"{new[0]} .. {new[1]}: {nwhy}"
         dims[d] = {"min": lo, "max": hi}
         if lo < hi:
             dims[d]["max_padding"] = max_padding
@@ -462,6 +512,18 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
                                   f"{math.prod(counts.values())} plans to build at warm-up (at most "
                                   f"{MAX_DRAFT_PLANS}); give --max-padding or --max-buckets for others")
     return dims, ranges
+
+
+def _window_minimums(graph: Any, ranges: dict[str, tuple[int, int]], given: dict,
+                     window_floor: int = 1) -> dict[str, tuple]:
+    """{dim: (min, None, why)} for the dims this draft chose whose minimum leaves a window wider
+    than its input (analysis/extents.py): the draft starts them where the model runs."""
+    from graphmode.analysis.extents import short_extents
+    return {s.dim: (s.fits, None, f"from the smallest {s.dim} the model takes (below it {s.op} -> %{s.output} "
+                                  f"has {s.extent} < {s.floor} positions: "
+                                  + ("its window is wider than its input)" if s.floor == 1 else
+                                     "torch.export keeps no extent of 1 dynamic)"))
+            for s in short_extents(graph, ranges, window_floor) if s.fits is not None and s.dim not in given}
 
 
 _ORDER = ("version", "name", "description", "model", "inputs", "outputs", "dims", "exe_mode", "on_violation",
@@ -537,8 +599,8 @@ def _settle_padding(data: dict, notes: dict, graph: Any, cap: Any, src: Any,
             reason = issue.message.split(": ", 1)[-1]
             if hi - lo + 1 <= MAX_EXACT:
                 data["dims"][d] = {"min": lo, "max": hi}
-                notes[f"dims.{d}"] = (f"every value a bucket ({hi - lo + 1} plans): padding {d} is unsafe for this "
-                                      f"model: {reason}{at}")
+                notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; ")[0] + f"; every value a bucket ({hi - lo + 1} "
+                                      f"plans): padding {d} is unsafe for this model: {reason}{at}")
             else:
                 data["on_violation"] = "eager"
                 notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}) and [{lo}, {hi}] "

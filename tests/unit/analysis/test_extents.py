@@ -1,0 +1,76 @@
+"""Dim values too small for a model's windows (graphmode/analysis/extents.py): refused by the
+verdict naming the smallest value that fits, and started there by the drafter."""
+import warnings
+
+import pytest
+import torch
+
+import graphmode
+from graphmode.verdict import ContractRefused
+
+
+class _Windows(torch.nn.Module):
+    """Windows that need h, w >= 11: a 5x5 conv (-4), a dilated 3x3 (-4), a 3x3 max pool (-2)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = torch.nn.Conv2d(3, 4, 5)
+        self.c2 = torch.nn.Conv2d(4, 4, 3, dilation=2)
+        self.p = torch.nn.MaxPool2d(3, stride=1)
+
+    def forward(self, x):
+        return torch.nn.functional.adaptive_avg_pool2d(self.p(torch.relu(self.c2(torch.relu(self.c1(x))))),
+                                                       1).flatten(1)
+
+
+def _onnx(tmp_path, size=16):
+    p = tmp_path / "windows.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Windows().eval(), (torch.randn(1, 3, size, size),), str(p), dynamo=False,
+                          opset_version=17, input_names=["x"], dynamic_axes={"x": {0: "batch", 2: "h", 3: "w"}})
+    return str(p)
+
+
+def _recipe(h_min, w_min):
+    return {"version": 1, "name": "w", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 3, "h", "w"]}],
+            "dims": {"batch": {"min": 1, "max": 2}, "h": {"min": h_min, "max": 16}, "w": {"min": w_min, "max": 16}}}
+
+
+def test_a_minimum_the_windows_cannot_take_is_refused_naming_the_one_that_fits(tmp_path):
+    """An ONNX file's dynamic axes carry no range: h = 4 reached ATen's conv, which raised."""
+    path = _onnx(tmp_path)
+    with pytest.raises(ContractRefused) as e:
+        graphmode.compile(path, _recipe(4, 8), cache_dir=tmp_path)
+    text = str(e.value)
+    assert "dims.h.min: 11" in text and "dims.w.min: 11" in text
+    assert "max_pool2d" in text and "window is wider" in text
+    cm = graphmode.compile(path, _recipe(11, 11), cache_dir=tmp_path)
+    x = torch.randn(1, 3, 11, 11)
+    torch.testing.assert_close(cm(x), _Windows().eval()(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_draft_for_an_onnx_cnn_starts_its_spatial_dims_where_the_windows_fit(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(_onnx(tmp_path), cache_dir=tmp_path)
+    assert cm.recipe.dims["h"].min == 11 and cm.recipe.dims["w"].min == 11
+    x = torch.randn(1, 3, 11, 13)
+    torch.testing.assert_close(cm(x), _Windows().eval()(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(graphmode.errors.ContractViolation, match=r"dims.h"):
+        cm(torch.randn(1, 3, 10, 13))
+
+
+def test_a_draft_for_a_torch_cnn_keeps_its_spatial_dims_dynamic_from_where_export_holds(tmp_path):
+    """torch.export refused the range 1..16 (a 5x5 kernel may not fit); the drafter used to fix h
+    and w at the example's size. It probes the graph from the example down and takes the sizes
+    whose window outputs are 2 or more (torch.export keeps no extent of 1 dynamic)."""
+    model = _Windows().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile((model, (torch.randn(1, 3, 16, 16),), {"x": ["batch", 3, "h", "w"]}),
+                               cache_dir=tmp_path)
+    assert (cm.recipe.dims["h"].min, cm.recipe.dims["h"].max) == (12, 16)
+    x = torch.randn(2, 3, 12, 15)
+    torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-6)
