@@ -161,7 +161,8 @@ def run_cmd(
             out = cm(**inputs)           # builds the request's bucket unless warm-up did
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
     reference, ref_name = _reference(cm)
-    refs = run_reference(reference, inputs, env or {})
+    refs = run_reference(reference, inputs, env or {}, {"eager": "eager PyTorch", "onnxruntime": "ONNX Runtime"}
+                         .get(ref_name, f"the {ref_name}"))
     outs = pytree.tree_leaves(out)
     labels = output_labels(cm.source, cm.graph, len(outs))
     checks = compare_outputs(labels, outs, refs, rec.precision.compute, rec.precision.weights)

@@ -109,7 +109,8 @@ def verify_cmd(
         checking = stack.enter_context(stage(on_stage, "verify", total=len(cases)))
         for shape, env in cases:
             inputs = cm.sample_inputs(shape, seed=seed)      # index inputs inside the tables they pick from
-            refs = run_reference(src.reference, inputs, shape)
+            refs = run_reference(src.reference, inputs, shape,
+                                 "eager PyTorch" if src.module is not None else "ONNX Runtime")
             if shape == env:     # the plan itself, so a mismatch can be bisected to a pass or an instruction
                 exe = cm.executable(env)
                 got_map = exe.run(inputs)

@@ -30,3 +30,17 @@ def test_rel_l2_edges():
     assert rel_l2(torch.ones(3), torch.zeros(3)) == pytest.approx(math.sqrt(3))        # reference 0: the error
     assert rel_l2(torch.tensor([1, 2]), torch.tensor([1, 2])) == 0.0
     assert rel_l2(torch.tensor([1, 2]), torch.tensor([1, 3])) == 1.0
+
+
+def test_a_failing_reference_is_named_as_what_it_is():
+    """An ONNX model's reference is ONNX Runtime: its failure was reported as eager PyTorch's."""
+    import pytest
+    import torch
+
+    from graphmode.errors import GraphmodeError
+    from graphmode.verify.eager import run_reference
+
+    def ort(inputs):
+        raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT")
+    with pytest.raises(GraphmodeError, match=r"^dims: ONNX Runtime fails at \{'seq': 3\}.*INVALID_ARGUMENT"):
+        run_reference(ort, {"x": torch.ones(1, 3)}, {"seq": 3}, "ONNX Runtime")
