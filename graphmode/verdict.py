@@ -141,8 +141,9 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
         if recipe.on_violation == "eager":
             v.exact_dims.append(d)
             v.restrictions.append(Issue("padding", msg, where, loc=first.loc,
-                                        fix=f"requests whose {d} is not a bucket value run in eager PyTorch "
-                                            "(on_violation: eager); declare a mask or exact buckets to avoid it"))
+                                        fix=f"requests whose {d} is not a bucket value run eagerly (on_violation: "
+                                            f"eager: {'ONNX Runtime' if _is_onnx(source) else 'eager PyTorch'}); "
+                                            "declare a mask or exact buckets to avoid it"))
             continue
         masks = [i.name for i in recipe.inputs if getattr(i, "role", "data") == "attention_mask"]
         fixes = [f"give dims.{d} exact buckets (every admissible value a bucket: {hi - lo + 1} plan(s) for "
@@ -153,6 +154,10 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
         fixes.append(f"set on_violation: eager so requests that would need padding on {d} run in eager PyTorch")
         v.refusals.append(Issue("padding", msg, where, loc=first.loc, fix="; or ".join(fixes)))
     return v
+
+
+def _is_onnx(source: Any) -> bool:
+    return getattr(source, "module", None) is None and getattr(source, "onnx_path", None) is not None
 
 
 # ---------------------------------------------------------------------------------- checks

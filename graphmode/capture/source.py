@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphmode.errors import CaptureError, RecipeError
+from graphmode.errors import CaptureError, GraphmodeError, RecipeError
 
 if TYPE_CHECKING:
     from graphmode.recipe import Recipe
@@ -96,15 +96,22 @@ class ModelSource:
                 out = self.module(**inputs)
             return list(out) if isinstance(out, (tuple, list)) else [out]
         import onnxruntime as ort
+        def first_line(e: Exception) -> str:
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         try:
             if getattr(self, "_ort", None) is None:
                 self._ort = ort.InferenceSession(str(self.onnx_path), providers=["CPUExecutionProvider"])
-            res = self._ort.run(None, {k: v.numpy() for k, v in inputs.items()})
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
-            raise CaptureError(f"ONNX Runtime cannot run this model for reference: {type(e).__name__}: "
-                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+            raise CaptureError(f"ONNX Runtime cannot load this model for reference: {first_line(e)}",
                                where=f"model {self.onnx_path}",
                                fix="check the model with onnx.checker and onnxruntime directly") from None
+        try:
+            res = self._ort.run(None, {k: v.numpy() for k, v in inputs.items()})
+        except Exception as e:  # noqa: BLE001 - the model itself refuses these inputs (a window wider than one)
+            shapes = {k: list(v.shape) for k, v in inputs.items()}
+            raise GraphmodeError(f"ONNX Runtime fails on these inputs ({shapes}): {first_line(e)}", where="inputs",
+                                 value=shapes, fix="send inputs the model takes (ONNX Runtime runs it as it is: "
+                                                   "this is the model's own limit)") from None
         return [torch.from_numpy(r) for r in res]
 
 

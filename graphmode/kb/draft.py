@@ -46,6 +46,8 @@ SEQ_DIMS = ("seq", "sequence", "seq_len", "tokens", "length", "positions")
 CONFIG_MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
 MB = 2**20
 MAX_DRAFT_PLANS = 16           # plans a draft builds at warm-up when no padding or bucket limit is given
+MAX_EXACT_PLANS = 64           # ... and at most this many where a dim unsafe to pad takes every value
+EXACT_PLANS = 16               # past it: values of such a dim that recur become plans (dims.D.exact_plans)
 DEFAULT_OTHER_MAX = 64         # a dim the model names with no range, no example and no default
 DECODER_BATCH = (1, 8)         # a causal LM's draft: sequences per step (each holds KV pages)
 DECODER_CONTEXT = 1024         # ... and its longest sequence, where the config allows more
@@ -394,7 +396,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     if outputs:
         data["outputs"] = outputs
         notes["outputs"] = "from the captured graph: dim axes are sliced back after padding"
-    verdict = _settle_padding(data, notes, graph0, cap, src, ranges)
+    verdict = _settle_padding(data, notes, graph0, cap, src, ranges, bounded)
     _sla(data, notes, p99_ms, max_p99_over_p50)
     data["memory"] = {}
     if lm is not None and {"batch", "seq"} <= set(data.get("dims") or {}):
@@ -579,9 +581,11 @@ def _outputs(graph: Any, cap: Any, ranges: dict[str, tuple[int, int]]) -> dict[s
 
 
 def _settle_padding(data: dict, notes: dict, graph: Any, cap: Any, src: Any,
-                    ranges: dict[str, tuple[int, int]]) -> Any:
+                    ranges: dict[str, tuple[int, int]], bounded: bool = False) -> Any:
     """Decide the draft with the verdict; a dim whose padding is unsafe gets exact buckets
-    (or on_violation: eager when it has more than MAX_EXACT values). Returns the verdict."""
+    (or on_violation: eager when it has more than MAX_EXACT values, or, `bounded`, when the
+    draft would hold more than MAX_EXACT_PLANS plans: a CNN's h and w, 54 values each, made
+    5,832 plans for warm-up to build; there its values that recur become plans). Returns the verdict."""
     from graphmode.recipe import load_recipe
     from graphmode.verdict import ContractRefused, decide
     for _ in range(2):
@@ -597,10 +601,19 @@ def _settle_padding(data: dict, notes: dict, graph: Any, cap: Any, src: Any,
             lo, hi = ranges[d]
             at = f" ({issue.loc})" if issue.loc else ""
             reason = issue.message.split(": ", 1)[-1]
-            if hi - lo + 1 <= MAX_EXACT:
+            plans = len(load_recipe(_ordered(data)).buckets()) // len(load_recipe(_ordered(data)).dim_buckets()[d])
+            if hi - lo + 1 <= MAX_EXACT and not (bounded and plans * (hi - lo + 1) > MAX_EXACT_PLANS):
                 data["dims"][d] = {"min": lo, "max": hi}
                 notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; ")[0] + f"; every value a bucket ({hi - lo + 1} "
                                       f"plans): padding {d} is unsafe for this model: {reason}{at}")
+            elif hi - lo + 1 <= MAX_EXACT:        # bounded: warm-up builds the buckets, use the values sent
+                data["on_violation"] = "eager"
+                data["dims"][d] = {k: v for k, v in data["dims"][d].items() if k != "max_padding"} | {
+                    "max_buckets": len(load_recipe(_ordered(data)).dim_buckets()[d]), "exact_plans": EXACT_PLANS}
+                notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}), and every value of "
+                                         f"[{lo}, {hi}] a bucket would make {plans * (hi - lo + 1)} plans: requests "
+                                         f"off a bucket run eagerly, and up to {EXACT_PLANS} values of {d} that recur "
+                                         f"become plans of their own (dims.{d}.exact_plans)")
             else:
                 data["on_violation"] = "eager"
                 notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}) and [{lo}, {hi}] "
