@@ -29,8 +29,11 @@ class Loading:
         if self.artifact is not None:
             return None                          # no module: the artifact holds the graph and its plans
         if isinstance(model, str):
-            from graphmode.capture.spec import resolve_model_spec
-            return resolve_model_spec(model)     # built once, reused by every reload
+            from graphmode.capture.spec import BareModuleError, resolve_model_spec
+            try:
+                return resolve_model_spec(model)     # built once, reused by every reload
+            except BareModuleError as e:         # 'pkg.mod:fn' returning the module alone: the recipe
+                return e.module                  # declares its inputs, as for compile, run and generate
         return model
 
     def _checked(self, recipe: Any, what: str) -> Any:

@@ -128,3 +128,21 @@ def test_reprove_proves_the_same_graph_under_a_recipe_that_lowers_alike():
     assert proved.graph is low.graph and proved.proof.ok and proved.recipe is budget and "proof" in proved.timings
     with pytest.raises(RecipeError, match="changes the passes"):
         reprove(low, load_recipe(dict(RECIPE, optimize={"fusion": {"enabled": False}})))
+
+
+def test_the_server_takes_a_spec_returning_the_module_alone(tmp_path):
+    """`graphmode serve --model file.py:fn` with fn returning the module alone and a recipe that
+    declares its inputs: compile, run and generate took it; the server raised BareModuleError."""
+    from graphmode.serve.server import ModelServer, ServeConfig
+    spec = tmp_path / "bare_mlp.py"
+    spec.write_text("import torch\n\ndef mlp():\n    torch.manual_seed(0)\n"
+                    "    return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))\n")
+    srv = ModelServer(f"{spec}:mlp", RECIPE, config=ServeConfig(cache_dir=tmp_path, target="host"))
+    try:
+        dep = srv._build(srv.recipe, "initial")
+        x = torch.randn(2, 16)
+        torch.testing.assert_close(dep.cm(x), _mlp()[0](x), rtol=1e-5, atol=1e-6)
+    finally:
+        srv.executor.shutdown(wait=False)
+        srv.builder.shutdown(wait=False)
+        srv.sandbox.close()
