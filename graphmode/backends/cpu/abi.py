@@ -68,6 +68,9 @@ class KernelSource:
     folded: tuple[str, ...] = ()
     pattern: str = ""
     status: str = ""   # set: the library exports `symbol_status()`; a bound step raises this message
+    # (arg, float offset): an int the kernel sets on a call it could not compute as eager does
+    # (a Winograd tile holding inf); the bound step then runs its fallback for that call
+    fallback_flag: tuple[str, int] | None = None
 
     @property
     def args(self) -> tuple[str, ...]:

@@ -95,6 +95,23 @@ class _CheckedBound(_Bound):
         _raise_if_invalid(self._status(), self._source)
 
 
+class _FallbackBound(_Bound):
+    """A bound kernel that flags inputs it cannot compute as eager does (a Winograd tile
+    holding inf): after a call that set `flag`, `fallback` (the step's ATen default) computes
+    the output again."""
+
+    __slots__ = ("_flag", "_fallback")
+
+    def __init__(self, packed, arr, flag: ctypes.c_int32, fallback: Callable[[], None]):
+        super().__init__(packed, arr)
+        self._flag, self._fallback = flag, fallback
+
+    def __call__(self) -> None:
+        self._packed(self._arr)
+        if self._flag.value:
+            self._fallback()
+
+
 def _raise_if_invalid(bad: int, source: KernelSource) -> None:
     if bad:
         raise BackendError(f"{source.status} ({bad} invalid)", where=source.pattern,
@@ -125,10 +142,16 @@ class CompiledKernel:
         if self._status is not None:
             _raise_if_invalid(self._status(), self.source)
 
-    def bind(self, ptrs: Sequence[int]) -> Callable[[], None]:
+    def bind(self, ptrs: Sequence[int], fallback: Callable[[], None] | None = None) -> Callable[[], None]:
+        """The kernel bound to `ptrs`; `fallback` runs after a call that set the kernel's
+        fallback flag (KernelSource.fallback_flag)."""
         if len(ptrs) != self.nargs:
             raise BackendError(f"kernel {self.symbol} takes {self.nargs} buffers", value=len(ptrs))
         arr = (ctypes.c_void_p * self.nargs)(*ptrs)
+        flag = self.source.fallback_flag
+        if flag is not None and fallback is not None:   # the flag lives in a buffer the step keeps
+            at = ctypes.c_int32.from_address(ptrs[self.args.index(flag[0])] + 4 * flag[1])
+            return _FallbackBound(self._packed, arr, at, fallback)
         if self._status is not None:
             return _CheckedBound(self._packed, arr, self._status, self.source)
         return _Bound(self._packed, arr)

@@ -43,6 +43,13 @@ from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
 
 VEC = 16          # channels per vector of the transforms (GCC vector type; split on narrower ISAs)
+# The transforms mix a tile's values with + and -, and its weight transform has zeros: one inf
+# in a patch makes inf - inf and inf * 0, NaN over the whole tile, where eager's direct sum
+# gives inf at the inputs' 3x3 neighbours. The kernel flags a call where the sum of a tile's
+# transformed input is not finite (an inf or NaN in it, or a finite overflow: either way eager's
+# answer is the direct sum's) (in its own workspace, so plans running at once keep their own), and the
+# step runs its ATen default for that call (backends/cpu/kernels.py).
+FLAG_FLOATS = 16    # the workspace's last floats: the flag (an int) the kernel sets for such a call
 TILES = (2, 4)    # supported output tile sizes m of F(m x m, 3 x 3)
 
 # F(m, 3) matrices: B^T (alpha x alpha), G (alpha x 3), A^T (m x alpha); points 0, +-1, +-2, inf
@@ -151,12 +158,13 @@ def geometry(p: ConvProblem, m: int) -> _Geometry:
 
 
 def workspace_numel(p: ConvProblem, cfg: WinogradConfig) -> int:
+    """Floats of the workspace: padded input, V and M, then the call's non-finite flag."""
     g = geometry(p, cfg.m)
     xp, v, mm = g.sizes(p.n)
     if cfg.chunk:          # per thread: V and M of one block of tiles
         a2 = g.alpha * g.alpha
-        return xp + cfg.nt * a2 * cfg.chunk * (g.cp + g.cop)
-    return xp + v + mm
+        return xp + cfg.nt * a2 * cfg.chunk * (g.cp + g.cop) + FLAG_FLOATS
+    return xp + v + mm + FLAG_FLOATS
 
 
 def gemm_problem(p: ConvProblem, m: int, chunk: int = 0) -> GemmProblem:
@@ -263,7 +271,7 @@ def _blocked_body(cfg: WinogradConfig, g: _Geometry, ca: ConvArgs) -> list[str]:
         "    " + omp_for(-(-g.t // cfg.chunk), region=False),
         "    for (long b = 0; b < NB; ++b) {",
         f"      const long t0 = b * {cfg.chunk}, t1 = t0 + {cfg.chunk} < @SYM@_T ? t0 + {cfg.chunk} : @SYM@_T;",
-        "      @SYM@_in(xp, Vb, t0, t1);",
+        "      @SYM@_in(xp, Vb, t0, t1, bad);",
         "      @SYM@_g(Vb, p1, Mb);",
         f"      @SYM@_out(Mb, {ca.bias}, {ca.out}, t0, t1{ca.stage_args});",
         "    }",
@@ -301,19 +309,27 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         f"constexpr long @SYM@_CP = {g.cp}, @SYM@_COP = {g.cop}, @SYM@_HP = {g.hp}, @SYM@_WP = {g.wp};",
         *nhwc_pack_lines(p, g.cp, g.hp, g.wp, par),
         # 2. input transform of tiles [t0, t1) into V rows t - t0
-        "void @SYM@_in(const float* __restrict xp, float* __restrict V, long t0, long t1) {",
+        "void @SYM@_in(const float* __restrict xp, float* __restrict V, long t0, long t1, int* bad) {",
         stage_par,
         "  for (long t = t0; t < t1; ++t) {",
         "    const long n = t / (@SYM@_TH * @SYM@_TW), ty = (t / @SYM@_TW) % @SYM@_TH, tx = t % @SYM@_TW;",
         f"    const float* base = xp + ((n * @SYM@_HP + ty * {g.m}) * @SYM@_WP + tx * {g.m}) * @SYM@_CP;",
+        "    gm_v16 chk{};     // the sum of the tile's transformed values: not finite if one is not",
         "    for (long cv = 0; cv < @SYM@_CP; cv += 16) {",
         f"      gm_v16 d[{a}][{a}];",
         f"      for (int r = 0; r < {a}; ++r)",
         f"        for (int c = 0; c < {a}; ++c) d[r][c] = gm_ld16(base + (r * @SYM@_WP + c) * @SYM@_CP + cv);",
         *("      " + ln for ln in in_tr),
         f"      for (int i = 0; i < {a}; ++i)",
-        f"        for (int j = 0; j < {a}; ++j) gm_st16(V + ((i * {a} + j) * @SYM@_S + t - t0) * @SYM@_CP + cv, v[i][j]);",
+        f"        for (int j = 0; j < {a}; ++j) {{",
+        f"          gm_st16(V + ((i * {a} + j) * @SYM@_S + t - t0) * @SYM@_CP + cv, v[i][j]);",
+        "          chk += v[i][j];",
+        "        }",
         "    }",
+        "    float cb[16];",
+        "    gm_st16(cb, chk);",
+        "    for (int l = 0; l < 16; ++l)",
+        "      if (cb[l] - cb[l] != 0.0f) { __atomic_store_n(bad, 1, __ATOMIC_RELAXED); break; }",
         "  }",
         "}",
         # 4. output transform (+ bias, epilogue) of tiles [t0, t1) back to NCHW
@@ -355,9 +371,11 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
         f"  float* xp = (float*){ca.ws};",
         f"  float* V = xp + {xp_n}L;",
         *([] if chunked else [f"  float* M = V + {v_n}L;"]),
+        f"  int* bad = (int*)((float*){ca.ws} + {workspace_numel(p, cfg) - FLAG_FLOATS}L);",
+        "  *bad = 0;",
         "  @SYM@_pack((const float*)p0, xp);",
         *(_blocked_body(cfg, g, ca) if chunked else [
-            "  @SYM@_in(xp, V, 0, @SYM@_T);",
+            "  @SYM@_in(xp, V, 0, @SYM@_T, bad);",
             "  @SYM@_g(V, p1, M);",
             f"  @SYM@_out(M, {ca.bias}, {ca.out}, 0, @SYM@_T{ca.stage_args});"]),
     ])
@@ -370,7 +388,7 @@ def generate_winograd(p: ConvProblem, cfg: WinogradConfig, threads: int) -> Kern
     types.update(epilogue_types(p))
     return kernel_source("wino", gemm_text + template("winograd.h") + "\n".join(lines) + "\n", inputs=ca.inputs,
                          outputs=("y",), types=types, kind="winograd", parallel=threads != 1,
-                         pattern=f"{p.text} [{cfg.name}]")
+                         pattern=f"{p.text} [{cfg.name}]", fallback_flag=("ws", workspace_numel(p, cfg) - FLAG_FLOATS))
 
 
 __all__ = ["WinogradConfig", "generate_winograd", "transform_weight",

@@ -151,7 +151,7 @@ class PreparedWeights:
                 b = step.b
             bufs = [step.a, b] + ([step.bias] if p.bias else []) + list(step.ops) + [step.c]
         step.keep = tuple(bufs)
-        step.fn = kernel.bind([t.data_ptr() for t in bufs])
+        step.fn = kernel.bind([t.data_ptr() for t in bufs], fallback=step.default)
         step.tactic = sel.winner
 
     def packed_bytes(self) -> int:

@@ -85,6 +85,41 @@ def test_winograd_matches_direct_conv(built, shape):
             assert err < (1e-6 if cfg.m == 2 else 5e-6), (p.text, cfg.name, err)
 
 
+@needs_cxx
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan")])
+def test_a_non_finite_input_runs_the_direct_convolution_for_that_call(built, value):
+    """inf in a patch made inf - inf and inf * 0 in the transforms: NaN over whole tiles where
+    eager's direct sum gives +-inf at the pixel's neighbours. The kernel flags the call in its
+    workspace and the bound step runs its fallback (the ATen default); finite calls do not."""
+    cases, kernels = built
+    shape = SHAPES[2]
+    n, cin, h, w, cout, pad, has_bias = shape
+    g = torch.Generator().manual_seed(7)
+    wt, x = torch.randn(cout, cin, 3, 3, generator=g), torch.randn(n, cin, h, w, generator=g)
+    for s, cfg, src in cases:
+        if s != shape:
+            continue
+        u, ws, y = transform_weight(wt, cfg.m, cfg.gemm.nr), torch.zeros(workspace_numel(_problem(*s), cfg)), \
+            torch.empty(n, cout, h, w)
+        xi = x.clone()
+        fell_back = []
+
+        def direct():
+            fell_back.append(1)
+            y.copy_(torch.nn.functional.conv2d(xi, wt, padding=pad))
+        step = kernels[src.symbol].bind([t.data_ptr() for t in (xi, u, ws, y)], fallback=direct)
+        step()
+        assert not fell_back and rel_l2(y, torch.nn.functional.conv2d(xi, wt, padding=pad)) < 5e-6
+        xi[0, 3, 5, 6] = value
+        step()
+        ref = torch.nn.functional.conv2d(xi, wt, padding=pad)
+        assert fell_back == [1], cfg.name
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf()), cfg.name
+        xi[0, 3, 5, 6] = 0.0
+        step()                                  # the flag is the call's: a finite call does not fall back
+        assert fell_back == [1], cfg.name
+
+
 # (n, cin, h, w, cout, k, stride, padding, dilation, bias)
 IM2COL = [
     (1, 3, 23, 20, 16, 7, 2, 3, 1, True),     # a ResNet-like stem
