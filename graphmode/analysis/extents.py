@@ -44,17 +44,18 @@ class ShortExtent:
                 f"at {self.dim} = {lo}: {what}")
 
 
-def short_extents(graph: Graph, ranges: Mapping[str, tuple[int, int]], window_floor: int = 1) -> list[ShortExtent]:
+def short_extents(graph: Graph, ranges: Mapping[str, tuple[int, int]], export: bool = False) -> list[ShortExtent]:
     """One ShortExtent per dim whose minimum some node cannot take: a windowed op's (padding rule
     'window': convolutions, pools) output extent under 1, any other op's under 0. It names the
     node that binds: the one whose smallest fitting value is the largest (every node fits there).
-    `window_floor` 2 asks windowed outputs of 2 or more: torch.export specialises an extent of 1."""
+    `export` asks every extent derived from the dims to be 2 or more: torch.export specialises
+    one that may be 1 (a graph for a model it refused over the whole range)."""
     lows = {d: lo for d, (lo, _) in ranges.items()}
     checked: set[tuple[Any, int]] = set()
     out: dict[str, ShortExtent] = {}
     for n in graph.nodes:
         spec = OPS.get(n.op)
-        floor = window_floor if spec is not None and spec.padding == "window" else 0
+        floor = 2 if export else 1 if spec is not None and spec.padding == "window" else 0
         for v in n.outputs:
             for size in graph.type_of(v).shape:
                 if isinstance(size, (int, sympy.Symbol)) or (size, floor) in checked:

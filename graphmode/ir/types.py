@@ -6,6 +6,8 @@ shapes print, hash and compare the same.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Mapping, Union
@@ -152,13 +154,61 @@ def dims_equal(a: Dim, b: Dim) -> bool:
         return True
     if diff.is_polynomial():
         return False
-    return sympy.simplify(diff) == 0
+    return sympy.simplify(diff) == 0 or _quasi_zero(diff)
 
 
-def same_dims(a: Iterable[Dim], b: Iterable[Dim]) -> bool:
-    """Equal rank and pairwise equal dims (`dims_equal`)."""
+QUASI_POINTS = 4096         # integer points a dim identity may take to decide (exact, by substitution)
+
+
+def _quasi_zero(diff: sympy.Expr) -> bool:
+    """Whether `diff`, of floors, ceilings and Mods over integer dims, is 0 at every integer
+    point: sympy.simplify does not see ceiling(H/2) = floor(H/2 + 1/2) (a strided slice's
+    length, a ceil-mode pool's). Such a dim is a quasi-polynomial: with L a multiple of its
+    period (the product of its rationals' denominators), on each residue class mod L it is a
+    polynomial in H of its degree d, which is zero everywhere when zero at d + 1 points, so
+    (d + 1) * L consecutive values of each symbol decide it."""
+    syms = sorted(diff.free_symbols, key=lambda x: x.name)
+    if not syms or not all(x.is_integer for x in syms):
+        return False
+    steps = [f for f in diff.atoms(sympy.floor, sympy.ceiling, sympy.Mod)]
+    flat = diff.replace(lambda x: isinstance(x, (sympy.floor, sympy.ceiling)), lambda x: x.args[0])
+    flat = flat.replace(lambda x: isinstance(x, sympy.Mod), lambda x: x.args[0])
+    if not steps or not flat.is_polynomial(*syms):
+        return False
+    period = math.prod(r.q for r in diff.atoms(sympy.Rational)) or 1
+    period *= math.prod(int(m.args[1]) for m in diff.atoms(sympy.Mod) if m.args[1].is_Integer)
+    spans = [(max(int(sympy.degree(flat, x)), 0) + 1) * period if flat != 0 else period for x in syms]
+    if math.prod(spans) > QUASI_POINTS:
+        return False
+    return _zero_at(diff, syms, [range(1, n + 1) for n in spans])
+
+
+def dims_equal_on(a: Dim, b: Dim, ranges: Mapping[str, tuple[int, int]]) -> bool:
+    """`dims_equal`, or equal at every value of `ranges` its symbols take: torch.export
+    specialises a size by the recipe's range (floor(H/32) is 1 for H in 32..63), which the
+    IR's formula equals there only."""
+    if dims_equal(a, b):
+        return True
+    diff = sympy.sympify(a) - sympy.sympify(b)
+    syms = sorted(diff.free_symbols, key=lambda x: x.name)
+    if not syms or any(x.name not in ranges for x in syms):
+        return False
+    spans = [range(ranges[x.name][0], ranges[x.name][1] + 1) for x in syms]
+    if math.prod(len(r) for r in spans) > QUASI_POINTS:
+        return False
+    return _zero_at(diff, syms, spans)
+
+
+def _zero_at(diff: sympy.Expr, syms: list, spans: list) -> bool:
+    """`diff` is 0 at every point of the grid (exact: integers substituted, no floats)."""
+    return all(diff.xreplace(dict(zip(syms, map(sympy.Integer, pt)))) == 0 for pt in itertools.product(*spans))
+
+
+def same_dims(a: Iterable[Dim], b: Iterable[Dim], ranges: Mapping[str, tuple[int, int]] | None = None) -> bool:
+    """Equal rank and pairwise equal dims (`dims_equal`; with `ranges`, `dims_equal_on` them)."""
     a, b = tuple(a), tuple(b)
-    return len(a) == len(b) and all(dims_equal(x, y) for x, y in zip(a, b))
+    eq = dims_equal if ranges is None else (lambda x, y: dims_equal_on(x, y, ranges))
+    return len(a) == len(b) and all(eq(x, y) for x, y in zip(a, b))
 
 
 def dim_symbols(dims: Iterable[Dim]) -> set[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from graphmode.errors import IRError
 from graphmode.ir.graph import Graph, Node
 from graphmode.ir.ops import get_op
-from graphmode.ir.types import TORCH_TO_DTYPE
+from graphmode.ir.types import TORCH_TO_DTYPE, same_dims
 
 COMMON_ATTRS = frozenset({"loc", "precision"})
 
@@ -36,7 +36,7 @@ def _check_node(g: Graph, n: Node, defined: set[str], where: str) -> None:
             raise IRError("fused node without a body", where=where)
         if list(n.body.inputs) != list(n.inputs) or list(n.body.outputs) != list(n.outputs):
             raise IRError("fused body inputs/outputs differ from the node's", where=where)
-        verify_graph(n.body, _outer={i: g.values[i].type for i in n.inputs})
+        verify_graph(n.body, _outer={i: g.values[i].type for i in n.inputs}, _ranges=g.dims)
         for o in n.outputs:
             if not n.body.values[o].type.matches(g.values[o].type):
                 raise IRError(f"fused output %{o} type differs from its body", where=where)
@@ -47,14 +47,23 @@ def _check_node(g: Graph, n: Node, defined: set[str], where: str) -> None:
             raise IRError(e.message, where=where, fix=e.fix) from None
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise IRError(f"{n.op}: bad attributes or inputs ({type(e).__name__}: {e})", where=where) from None
-        if len(inferred) != len(declared) or not all(a.matches(b, layout=False) for a, b in zip(inferred, declared)):
+        if len(inferred) != len(declared) or not all(_agree(a, b, g.dims) for a, b in zip(inferred, declared)):
             raise IRError(f"declared type {[t.text() for t in declared]} differs from inferred "
                           f"{[t.text() for t in inferred]}", where=where)
     defined.update(n.outputs)
 
 
-def verify_graph(g: Graph, _outer: dict | None = None) -> None:
+def _agree(inferred, declared, ranges) -> bool:
+    """The op set's type and the declared one: equal, or equal over the graph's dim ranges
+    (torch.export specialises a size the range fixes: floor(H/32) is 1 for H in 32..63)."""
+    return inferred.matches(declared, layout=False) or bool(ranges) and inferred.dtype == declared.dtype \
+        and same_dims(inferred.shape, declared.shape, ranges)
+
+
+def verify_graph(g: Graph, _outer: dict | None = None, _ranges: dict | None = None) -> None:
     """Raise IRError naming the first broken invariant (node index, op and outputs)."""
+    if _ranges and not g.dims:
+        g = _with_dims(g, _ranges)
     defined: set[str] = set(g.inputs)
     for name, t in g.constants.items():
         v = g.values.get(name)
@@ -74,3 +83,9 @@ def verify_graph(g: Graph, _outer: dict | None = None) -> None:
     for o in g.outputs:
         if o not in defined:
             raise IRError(f"output %{o} is never defined", where=f"graph @{g.name}")
+
+
+def _with_dims(g: Graph, ranges: dict) -> Graph:
+    """A fused body checked over its parent's dim ranges (a shallow copy: the body is unchanged)."""
+    import dataclasses
+    return dataclasses.replace(g, dims=dict(ranges))

@@ -238,7 +238,7 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
         try:
             draft = _draft(b, **opts, narrowed=narrowed)
         except CaptureError as e:
-            hint = None if narrowed else (_export_ranges(e, b, opts["ranges"]) or _window_probe(e, b, opts))
+            hint = None if narrowed else (_export_ranges(e, b, opts["ranges"]) or _extent_probe(e, b, opts))
             if hint:                          # torch.export named the range one graph holds for: take it
                 queue.insert(0, (b, hint))
             elif not queue:
@@ -253,17 +253,21 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
 
 
 # torch's convolutions and pools refuse a symbolic input their window may not fit, at trace time
-_WINDOW_ERROR = re.compile(r"Kernel size can't be greater than actual input size|Output size is too small")
+# torch's convolutions and pools refuse a symbolic input their window may not fit, at trace time;
+# a size that may be 1 (a strided slice's (H + 1) // 2) is a guard torch.export gives no range for
+_SMALL_SIZE_ERROR = re.compile(r"Kernel size can't be greater than actual input size|Output size is too small"
+                               r"|Constraints violated")
 
 
-def _window_probe(e: CaptureError, bundle: Any, opts: dict) -> dict[str, tuple] | None:
-    """For a model torch.export refused because a window may not fit: its graph captured from the
-    example's size up, read for the smallest sizes its windows take (analysis/extents.py)."""
+def _extent_probe(e: CaptureError, bundle: Any, opts: dict) -> dict[str, tuple] | None:
+    """For a model torch.export refused because a size may be too small (a window wider than its
+    input, an extent that may be 1): its graph captured from the example's size down by one,
+    read for the smallest sizes where every extent is 2 or more (analysis/extents.py)."""
     example = bundle.example_shape()
     # from the example's size up, and one below it where the draft's range ends there (a range, not a size)
     probe = {d: (max(example[d] - 1, 1), None, "") for d in bundle.dim_names
              if d != "batch" and d not in opts["ranges"]}
-    if not probe or not _WINDOW_ERROR.search(str(e)):
+    if not probe or not _SMALL_SIZE_ERROR.search(str(e)):
         return None
     try:
         return _draft(bundle, **opts, narrowed=probe, probe=True) or None
@@ -380,9 +384,9 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     low = capture_model(bundle, skeleton)
     graph0, cap, src = low.captured, low.capture_report, low.source
     if probe:                              # captured at narrowed ranges: where would the windows fit?
-        return {d: r for d, r in _window_minimums(graph0, _dims(*dim_args[:-1], {})[1], given, 2).items()
-                if r[0] <= example[d]}        # 2: torch.export keeps no window output of 1 dynamic
-    fit = _window_minimums(graph0, ranges, given)
+        return {d: r for d, r in _extent_minimums(graph0, _dims(*dim_args[:-1], {})[1], given, True).items()
+                if r[0] <= example[d]}
+    fit = _extent_minimums(graph0, ranges, given)
     if fit:                                # an ONNX file's axes say nothing of where its windows fit
         narrowed.update(fit)
         data["dims"], ranges = _dims(*dim_args, narrowed)
@@ -516,16 +520,16 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
     return dims, ranges
 
 
-def _window_minimums(graph: Any, ranges: dict[str, tuple[int, int]], given: dict,
-                     window_floor: int = 1) -> dict[str, tuple]:
+def _extent_minimums(graph: Any, ranges: dict[str, tuple[int, int]], given: dict,
+                     export: bool = False) -> dict[str, tuple]:
     """{dim: (min, None, why)} for the dims this draft chose whose minimum leaves a window wider
-    than its input (analysis/extents.py): the draft starts them where the model runs."""
+    than its input, or with `export` any extent under 2 (analysis/extents.py): the draft
+    starts them where the model runs."""
     from graphmode.analysis.extents import short_extents
+    why = {0: "a negative size", 1: "its window is wider than its input", 2: "torch.export keeps no extent of 1 dynamic"}
     return {s.dim: (s.fits, None, f"from the smallest {s.dim} the model takes (below it {s.op} -> %{s.output} "
-                                  f"has {s.extent} < {s.floor} positions: "
-                                  + ("its window is wider than its input)" if s.floor == 1 else
-                                     "torch.export keeps no extent of 1 dynamic)"))
-            for s in short_extents(graph, ranges, window_floor) if s.fits is not None and s.dim not in given}
+                                  f"has {s.extent} < {s.floor} positions: {why[s.floor]})")
+            for s in short_extents(graph, ranges, export) if s.fits is not None and s.dim not in given}
 
 
 _ORDER = ("version", "name", "description", "model", "inputs", "outputs", "dims", "exe_mode", "on_violation",

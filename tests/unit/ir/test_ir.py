@@ -177,3 +177,35 @@ def test_graph_hash_is_stable_across_processes(captured):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == g.structural_hash()
 
+
+
+def test_dims_equal_decides_floors_and_ceilings_over_the_integers():
+    """A strided slice's ceiling(H/2) is floor(H/2 + 1/2), a ceil-mode pool's ceiling(H/2 - 5/2) + 1
+    is floor(H/2) - 1: sympy.simplify does not see it, and the verifier called graphmode's own
+    pass broken (x[:, :, ::2, ::2] over a dynamic H)."""
+    import sympy
+
+    from graphmode.ir.types import dims_equal, dims_equal_on, sym
+    h, w = sym("H"), sym("W")
+    half = sympy.Rational(1, 2)
+    assert dims_equal(sympy.floor(h / 2 + half), sympy.ceiling(h / 2))
+    assert dims_equal(sympy.ceiling(h / 2 - 5 * half) + 1, sympy.floor(h / 2) - 1)
+    assert dims_equal(sympy.floor(sympy.floor(h / 2) / 4), sympy.floor(h / 8))
+    assert not dims_equal(sympy.floor(h / 2), sympy.floor(h / 3))
+    assert not dims_equal(sympy.floor(h / 2) * w, sympy.floor(h * w / 2))        # H = 1, W = 2
+    # torch.export's specialisation by a range: equal there only
+    assert dims_equal_on(sympy.floor(h / 32), 1, {"H": (32, 40)})
+    assert not dims_equal_on(sympy.floor(h / 32), 1, {"H": (32, 64)}) and not dims_equal(sympy.floor(h / 32), 1)
+
+
+def test_a_strided_slice_over_dynamic_dims_compiles_and_matches_eager(tmp_path):
+    import graphmode
+
+    class _Every2nd(torch.nn.Module):
+        def forward(self, x):
+            return (x * 2 + 1)[:, :, ::2, ::2]
+    rec = {"version": 1, "name": "s", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 3, "H", "W"]}],
+           "dims": {"batch": {"buckets": [1, 2]}, "H": {"min": 4, "max": 16}, "W": {"min": 4, "max": 16}}}
+    cm = graphmode.compile(_Every2nd(), rec, cache_dir=tmp_path)
+    x = torch.randn(1, 3, 7, 9)
+    assert torch.equal(cm(x), _Every2nd()(x))
