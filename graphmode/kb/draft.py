@@ -564,11 +564,29 @@ def _knobs_from_kb(data: dict, notes: dict, model_row: dict, hw_row: dict, kb_pa
                                           "fusion": opt.get("fusion", {"enabled": True})}.items() if v is not None}
     if "passes" in data["optimize"]:
         data["optimize"].pop("preset")
-    data["precision"] = body["precision"] if isinstance(body.get("precision"), dict) else {"compute": "f32"}
     data["codegen"] = body["codegen"] if isinstance(body.get("codegen"), dict) else data["codegen"]
-    for k in ("optimize", "precision", "codegen"):
+    for k in ("optimize", "codegen"):
         notes[k] = src
+    prec = body["precision"] if isinstance(body.get("precision"), dict) else {"compute": "f32"}
+    if _keeps_f32(prec):
+        data["precision"], notes["precision"] = prec, src
+    else:       # a draft holds the model's numerics: trading them is the user's call (an int4 entry
+        data["precision"] = {"compute": "f32"}      # drafted another model's wrong greedy tokens)
+        notes["precision"] = (f"f32: the numerics contract of the captured model; the nearest measured recipe "
+                              f"{top.recipe['hash']} ({top.recipe['name']}) runs {_precision_text(prec)}, which "
+                              "changes the answer: set precision yourself (and `graphmode verify` it) for that")
     return recs
+
+
+def _keeps_f32(prec: dict) -> bool:
+    """A precision section that computes what the f32 model computes (no narrow weights or casts)."""
+    return (prec.get("compute", "f32") == "f32" and prec.get("weights", "f32") in ("f32", None)
+            and prec.get("accumulate") in ("f32", None)
+            and all(v == "f32" for v in (prec.get("overrides") or {}).values()))
+
+
+def _precision_text(prec: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in prec.items() if v not in (None, {}, []))
 
 
 def _outputs(graph: Any, cap: Any, ranges: dict[str, tuple[int, int]]) -> dict[str, list]:

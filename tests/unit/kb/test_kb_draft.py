@@ -78,6 +78,23 @@ def test_precision_fusion_and_kernels_from_the_nearest_measured_recipe(tmp_path)
     assert d.report.verdict == "valid"
 
 
+def test_a_draft_never_takes_a_precision_that_changes_the_answer_from_the_knowledge_base(tmp_path):
+    """An int4 Llama recorded in the knowledge base made `recipe init` draft int4 weights for a
+    Mistral, whose greedy tokens then differed from transformers'. Fusion and kernels still come."""
+    from graphmode.compiler import capture
+    from graphmode.kb.record import Subject, perf, record
+    from graphmode.targets import get_target
+    kb = tmp_path / "kb.sqlite"
+    near = draft_recipe(spec("encoder_small"), max_padding=0.5).data
+    near.update(name="small-bf16", codegen={"kernel_selection": "heuristic"}, precision={"compute": "bf16"})
+    rec = load_recipe(near)
+    g, _, src = capture(spec("encoder_small"), rec)
+    assert record(kb, Subject(rec, get_target("host"), src, g, None), [perf("tune", p50_ms=1.0, p99_ms=2.0)]) is None
+    d = draft_recipe(spec("encoder_large"), max_padding=0.5, kb_path=kb)
+    assert d.data["precision"] == {"compute": "f32"} and d.data["codegen"] == {"kernel_selection": "heuristic"}
+    assert "compute bf16, which changes the answer" in d.notes["precision"]
+
+
 def test_an_sla_the_cost_model_refutes_is_refused():
     with pytest.raises(ConstraintError) as e:
         draft_recipe(spec("mlp"), p99_ms=1e-6)
