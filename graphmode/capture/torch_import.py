@@ -24,7 +24,7 @@ from graphmode.capture.export_errors import ROPE_FIX, ROPE_WHY, export_failure, 
 from graphmode.capture.fast_paths import eager_fast_paths
 from graphmode.errors import CaptureError, GraphmodeError
 from graphmode.ir.graph import Graph, clean_name
-from graphmode.ir.types import TORCH_TO_DTYPE, TensorType, dim_str, normalize_dim, sym
+from graphmode.ir.types import TORCH_TO_DTYPE, TensorType, dim_str, normalize_dim, settle_on, sym
 
 
 @dataclass
@@ -107,7 +107,7 @@ class _Importer:
             unknown = [s for s in expr.free_symbols if s.name not in self.g.dims]
             if unknown:
                 raise _unmapped_size(expr, unknown, self._node)
-            return normalize_dim(expr)
+            return settle_on(normalize_dim(expr), self.g.dims)
         if isinstance(v, torch.fx.Node):
             r = self.env[v]
             return r
@@ -213,7 +213,7 @@ class _Importer:
             raise CaptureError(f"unsupported python op {node.target} at {node.name}",
                                fix="rewrite the model code to avoid it, or exclude the region")
         r = fn(*[sympy.sympify(a) if not isinstance(a, (int, float)) else a for a in args])
-        self.env[node] = normalize_dim(r) if isinstance(r, (sympy.Basic, int)) else r
+        self.env[node] = settle_on(normalize_dim(r), self.g.dims) if isinstance(r, (sympy.Basic, int)) else r
 
     def encode_call(self, node: torch.fx.Node) -> tuple[list[str], list, dict]:
         """The node's arguments as JSON (tensors as {"$in": i} into the returned inputs, sizes as

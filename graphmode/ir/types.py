@@ -204,6 +204,36 @@ def _zero_at(diff: sympy.Expr, syms: list, spans: list) -> bool:
     return all(diff.xreplace(dict(zip(syms, map(sympy.Integer, pt)))) == 0 for pt in itertools.product(*spans))
 
 
+def settle_on(d: Dim, ranges: Mapping[str, tuple[int, int]]) -> Dim:
+    """`d` with each Min / Max whose winner is the same at every value of `ranges` replaced by
+    it: torch.export's length of x[..., -seq:] over a 128-row table is 128 - Max(0, 128 - seq),
+    which is seq for seq <= 128, and only as seq does it broadcast against the model's other
+    seq-long axes."""
+    if isinstance(d, int) or not d.atoms(sympy.Min, sympy.Max):
+        return d
+
+    def pick(m: sympy.Expr) -> sympy.Expr:
+        for a in m.args:
+            if all(_nonneg_on(b - a if isinstance(m, sympy.Min) else a - b, ranges) for b in m.args if b is not a):
+                return a
+        return m
+    return normalize_dim(d.replace(lambda x: isinstance(x, (sympy.Min, sympy.Max)), pick))
+
+
+def _nonneg_on(e: sympy.Expr, ranges: Mapping[str, tuple[int, int]]) -> bool:
+    """e >= 0 at every value of `ranges`: at the box's corners for a linear e, else at every point."""
+    e = sympy.expand(e)
+    syms = sorted(e.free_symbols, key=lambda x: x.name)
+    if any(x.name not in ranges for x in syms):
+        return False
+    linear = e.is_polynomial(*syms) and all(sympy.degree(e, x) <= 1 for x in syms) if syms else True
+    spans = [(ranges[x.name][0], ranges[x.name][1]) if linear else range(ranges[x.name][0], ranges[x.name][1] + 1)
+             for x in syms]
+    if not linear and math.prod(len(r) for r in spans) > QUASI_POINTS:
+        return False
+    return all(e.xreplace(dict(zip(syms, map(sympy.Integer, pt)))) >= 0 for pt in itertools.product(*spans))
+
+
 def same_dims(a: Iterable[Dim], b: Iterable[Dim], ranges: Mapping[str, tuple[int, int]] | None = None) -> bool:
     """Equal rank and pairwise equal dims (`dims_equal`; with `ranges`, `dims_equal_on` them)."""
     a, b = tuple(a), tuple(b)

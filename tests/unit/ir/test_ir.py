@@ -209,3 +209,36 @@ def test_a_strided_slice_over_dynamic_dims_compiles_and_matches_eager(tmp_path):
     cm = graphmode.compile(_Every2nd(), rec, cache_dir=tmp_path)
     x = torch.randn(1, 3, 7, 9)
     assert torch.equal(cm(x), _Every2nd()(x))
+
+
+def test_a_min_or_max_the_ranges_decide_settles_to_its_winner():
+    """MPT's ALiBi table sliced x[..., -seq:] has torch.export's length 128 - Max(0, 128 - seq):
+    seq over seq <= 128, and only as seq did it broadcast against the scores (a PassError)."""
+    import sympy
+
+    from graphmode.ir.types import settle_on, sym
+    seq = sym("seq")
+    assert settle_on(128 - sympy.Max(0, 128 - seq), {"seq": (1, 128)}) == seq
+    assert settle_on(sympy.Min(seq, 16), {"seq": (1, 16)}) == seq
+    kept = sympy.Min(seq, 16)
+    assert settle_on(kept, {"seq": (1, 64)}) == kept         # both win somewhere: kept as it is
+    assert settle_on(sympy.Max(seq * seq, 2 * seq), {"seq": (2, 8)}) == seq ** 2
+
+
+def test_mpt_with_alibi_compiles_its_forward_pass(tmp_path):
+    import warnings
+
+    import transformers
+
+    import graphmode
+    torch.manual_seed(0)
+    m = transformers.MptForCausalLM(transformers.MptConfig(vocab_size=100, d_model=32, n_layers=1, n_heads=4,
+                                                           max_seq_len=32)).eval()
+    rec = {"version": 1, "name": "mpt", "inputs": [{"name": "input_ids", "dtype": "i64", "shape": [1, "seq"]}],
+           "dims": {"seq": {"min": 1, "max": 24, "buckets": [8, 24]}}, "on_violation": "eager",
+           "exe_mode": "hybrid"}           # its ALiBi slice starts at 32 - seq: an eager island
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(m, rec, cache_dir=tmp_path)
+    ids = torch.randint(0, 100, (1, 8))
+    torch.testing.assert_close(cm(input_ids=ids).logits, m(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
