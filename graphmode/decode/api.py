@@ -79,12 +79,38 @@ def _prompts(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, list[li
 
 def sampling_params(eng: Any, max_new_tokens: int, do_sample: bool, temperature: float, top_k: int | None,
                     top_p: float | None, eos_token_id: Any, seed: int | None,
-                    stop: Sequence[Sequence[int]] = ()) -> SamplingParams:
+                    stop: Sequence[Sequence[int]] = (), **more: Any) -> SamplingParams:
     eos = eos_token_id if eos_token_id is not None else eng.cfg.get("eos")
     if isinstance(eos, (list, tuple)):
         eos = tuple(int(e) for e in eos)
     return SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                          top_p=top_p, eos_token_id=eos, seed=seed, stop=tuple(tuple(s) for s in stop))
+                          top_p=top_p, eos_token_id=eos, seed=seed, stop=tuple(tuple(s) for s in stop), **more)
+
+
+# transformers' generate arguments graphmode's decode engine does not run, and what does
+_NOT_RUN = {"num_beams": "beam search is not implemented: greedy (do_sample=False) or sampling (do_sample=True)",
+            "num_return_sequences": "repeat the prompt in input_ids: each row samples on its own",
+            "no_repeat_ngram_size": "repetition_penalty, or the server's presence/frequency penalties",
+            "max_length": "max_new_tokens (tokens after the prompt)",
+            "output_scores": "the server's logprobs (/v1/completions)",
+            "return_dict_in_generate": "the token ids tensor is what generate returns"}
+
+
+def _transformers_kwargs(fn: str, kw: dict[str, Any]) -> dict[str, Any]:
+    """transformers' names the engine runs (repetition_penalty, min_new_tokens), as its
+    SamplingParams; any other argument is refused naming it (it was a bare TypeError)."""
+    more = {}
+    for k, v in kw.items():
+        if k == "repetition_penalty":
+            more["repetition_penalty"] = v
+        elif k == "min_new_tokens":
+            more["min_tokens"] = v
+        else:
+            raise GraphmodeError(f"{fn}() does not take {k}", where=k, value=v,
+                                 fix=_NOT_RUN.get(k, "its arguments: max_new_tokens, do_sample, temperature, top_k, "
+                                                     "top_p, eos_token_id, pad_token_id, seed, repetition_penalty, "
+                                                     "min_new_tokens"))
+    return more
 
 
 def _steps(eng: Any, prompts: list[list[int]], params: SamplingParams) -> Iterator[dict[int, list[int]]]:
@@ -113,10 +139,11 @@ def _steps(eng: Any, prompts: list[list[int]], params: SamplingParams) -> Iterat
 def generate(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
-             seed: int | None = None) -> torch.Tensor:
+             seed: int | None = None, **kw: Any) -> torch.Tensor:
+    more = _transformers_kwargs("generate", kw)
     eng = engine_of(cm)
     ids, prompts = _prompts(input_ids, attention_mask)
-    params = sampling_params(eng, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, seed)
+    params = sampling_params(eng, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, seed, **more)
     new: list[list[int]] = [[] for _ in prompts]
     for step in _steps(eng, prompts, params):
         for i, toks in step.items():
@@ -139,10 +166,12 @@ def save(cm: Any, path: Any, **kw: Any) -> dict[str, Any]:
 
 def stream(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
            do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-           top_p: float | None = None, eos_token_id: Any = None, seed: int | None = None
-           ) -> Iterator[dict[int, list[int]]]:
-    """Yields {row: new tokens} after every decode step (TTFT is the first yield)."""
+           top_p: float | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
+           seed: int | None = None, **kw: Any) -> Iterator[dict[int, list[int]]]:
+    """Yields {row: new tokens} after every decode step (TTFT is the first yield); it pads
+    nothing, so `pad_token_id` (taken as generate takes it) changes nothing."""
+    more = _transformers_kwargs("stream", kw)
     eng = engine_of(cm)
     _, prompts = _prompts(input_ids, attention_mask)
-    params = sampling_params(eng, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, seed)
+    params = sampling_params(eng, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, seed, **more)
     yield from _steps(eng, prompts, params)

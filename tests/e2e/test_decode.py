@@ -136,6 +136,22 @@ def test_bad_requests_are_refused(model, kw, err, needle):
         cm.generate(PROMPTS, MASK, **kw)
 
 
+def test_transformers_repetition_penalty_and_min_new_tokens_decode_as_transformers(model):
+    """generate took no repetition_penalty or min_new_tokens (a bare TypeError), though the
+    engine runs both for the server; other transformers arguments are refused naming them."""
+    lm, cm = model
+    eos = lm.generation_config.eos_token_id
+    kw = {"max_new_tokens": 10, "repetition_penalty": 1.5, "min_new_tokens": 6}
+    ours = cm.generate(PROMPTS, MASK, eos_token_id=eos, **kw)
+    ref = lm.generate(PROMPTS, attention_mask=MASK, do_sample=False, pad_token_id=0, eos_token_id=eos, **kw)
+    assert torch.equal(ours, ref), (ours.tolist(), ref.tolist())
+    with pytest.raises(GraphmodeError, match=r"generate\(\) does not take num_beams") as e:
+        cm.generate(PROMPTS, MASK, num_beams=2)
+    assert "beam search is not implemented" in e.value.fix
+    steps = list(cm.stream(PROMPTS[:1], MASK[:1], max_new_tokens=3, pad_token_id=0))   # documented: taken
+    assert sum(len(v) for s in steps for v in s.values()) == 3
+
+
 def test_a_prompt_longer_than_the_contract_is_refused(model):
     _, cm = model
     with pytest.raises(ContractViolation, match="dims.seq|prompt"):
