@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from graphmode.capture.source import (ModelSource, constant_inputs, example_inpu
 from graphmode.capture.torch_import import CaptureReport, import_torch
 from graphmode.ir.graph import Graph
 from graphmode.progress import OnStage, PassProgress, stage
-from graphmode.errors import RecipeErrors
+from graphmode.errors import CaptureError, RecipeErrors
 from graphmode.recipe import Recipe, load_recipe
 
 
@@ -53,11 +54,57 @@ def capture(model: Any, recipe: Recipe | str | Path) -> tuple[Graph, CaptureRepo
                              include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops,
                              input_values=constant_inputs(recipe))
         return g, rep, src
-    g, rep = import_torch(src.module, src.example_inputs, src.input_dims, dims, name=src.name,
-                          include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops,
-                          output_names=src.output_names,
-                          output_structure=getattr(src.bundle, "output_structure", None))
+    def imported(examples, ranges):
+        return import_torch(src.module, examples, src.input_dims, ranges, name=src.name,
+                            include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops,
+                            output_names=src.output_names,
+                            output_structure=getattr(src.bundle, "output_structure", None))
+    try:
+        g, rep = imported(src.example_inputs, dims)
+    except CaptureError as e:
+        raise (_where_export_holds(e, src, recipe, dims, imported) or e) from None
     return g, rep, src
+
+
+# torch's convolutions and pools refuse a symbolic input their window may not fit, at trace time;
+# a size that may be 1 (a strided conv's (H - 1) // 2 + 1) is a guard torch.export names no range for
+_SMALL_SIZES = re.compile(r"Kernel size can't be greater than actual input size|Output size is too small"
+                          r"|Constraints violated")
+
+
+def _where_export_holds(e: CaptureError, src: Any, recipe: Recipe, dims: dict, imported: Any) -> Any:
+    """A CaptureError naming the smallest dim values one graph holds from, when torch.export
+    refused the recipe's range for sizes it may make too small (a window wider than its input,
+    an extent that may be 1), or None. torch.export's own suggestion is a range around
+    graphmode's small examples (3, 5, 7...): a model that takes H from 5 on was told "H max 4".
+    So the model is captured again near the top of the range, and the sizes that graph derives
+    from the dims are read for where each is 2 or more (analysis/extents.py)."""
+    suggested = getattr(e, "suggested_ranges", None) or {}
+    if not _SMALL_SIZES.search(str(e)) or any(lo is not None for lo, _ in suggested.values()):
+        return None             # a range with a minimum is torch.export's own answer
+    # distinct (not merged), and 2 or more (torch.export specialises a size of 1)
+    top = {d: max(lo, min(2, hi), hi - i) for i, (d, (lo, hi)) in enumerate(sorted(dims.items()))}
+    near = {d: (max(dims[d][0], v - 1), dims[d][1]) for d, v in top.items()}
+    examples = (src.bundle.make_inputs(top, seed=0) if src.bundle is not None
+                else example_inputs_from_recipe(recipe, src.module, sizes=top))
+    try:
+        g, _ = imported(examples, near)
+    except CaptureError:
+        return None
+    from graphmode.analysis.extents import short_extents
+    short = [s for s in short_extents(g, dims, export=True) if s.fits is not None]
+    if not short:
+        return None
+    s = short[0]
+    err = CaptureError(f"torch.export holds one graph of this model only where the sizes it derives from the dims "
+                       f"are 2 or more: at {s.dim} = {dims[s.dim][0]}, {s.op} -> %{s.output} has {s.extent} = "
+                       f"{s.value} positions" + ("" if len(short) == 1 else
+                                                 f" (and {', '.join(x.dim for x in short[1:])} likewise)"),
+                       where=f"dims.{s.dim}.min", value=dims[s.dim][0],
+                       fix="; ".join(f"dims.{x.dim}.min: {x.fits}" for x in short)
+                           + " (and no smaller bucket), or run the model with exe_mode: eager")
+    err.suggested_ranges = {x.dim: (x.fits, None) for x in short}   # the drafter starts its dims there
+    return err
 
 
 @dataclass

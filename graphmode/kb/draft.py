@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from graphmode.capture.zoo import marks_padding
-from graphmode.errors import CaptureError, GraphmodeError, RecipeError
+from graphmode.errors import CaptureError, RecipeError
 
 DEFAULT_MAX_PADDING = 0.25
 MAX_EXACT = 64                 # an unsafe-to-pad dim gets every value as a bucket up to this many values
@@ -238,7 +238,7 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
         try:
             draft = _draft(b, **opts, narrowed=narrowed)
         except CaptureError as e:
-            hint = None if narrowed else (_export_ranges(e, b, opts["ranges"]) or _extent_probe(e, b, opts))
+            hint = None if narrowed else _export_ranges(e, b, opts["ranges"])
             if hint:                          # torch.export named the range one graph holds for: take it
                 queue.insert(0, (b, hint))
             elif not queue:
@@ -253,31 +253,10 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
 
 
 # torch's convolutions and pools refuse a symbolic input their window may not fit, at trace time
-# torch's convolutions and pools refuse a symbolic input their window may not fit, at trace time;
-# a size that may be 1 (a strided slice's (H + 1) // 2) is a guard torch.export gives no range for
-_SMALL_SIZE_ERROR = re.compile(r"Kernel size can't be greater than actual input size|Output size is too small"
-                               r"|Constraints violated")
-
-
-def _extent_probe(e: CaptureError, bundle: Any, opts: dict) -> dict[str, tuple] | None:
-    """For a model torch.export refused because a size may be too small (a window wider than its
-    input, an extent that may be 1): its graph captured from the example's size down by one,
-    read for the smallest sizes where every extent is 2 or more (analysis/extents.py)."""
-    example = bundle.example_shape()
-    # from the example's size up, and one below it where the draft's range ends there (a range, not a size)
-    probe = {d: (max(example[d] - 1, 1), None, "") for d in bundle.dim_names
-             if d != "batch" and d not in opts["ranges"]}
-    if not probe or not _SMALL_SIZE_ERROR.search(str(e)):
-        return None
-    try:
-        return _draft(bundle, **opts, narrowed=probe, probe=True) or None
-    except GraphmodeError:
-        return None
-
-
 def _export_ranges(e: CaptureError, bundle: Any, given: dict) -> dict[str, tuple] | None:
-    """torch.export's suggested ranges (capture/export_errors.py) for the dims this draft chose
-    itself, where they still hold the example's size; None when there is nothing to narrow."""
+    """torch.export's suggested ranges (capture/export_errors.py), or the minimums where its graph
+    holds (compiler._where_export_holds), for the dims this draft chose itself, where they still
+    hold the example's size; None when there is nothing to narrow."""
     example = bundle.example_shape()
     out = {}
     for d, (lo, hi) in (getattr(e, "suggested_ranges", None) or {}).items():
@@ -338,7 +317,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
            max_p99_over_p50: float | None, max_padding: float, max_buckets: int | None, kb_path: Any,
            objective: str, name: str | None, target_cache_dir: Any, record: bool,
            ranges: dict[str, tuple[int, int]], bounded: bool,
-           narrowed: dict[str, tuple[int | None, int | None, str]] | None = None, probe: bool = False) -> Any:
+           narrowed: dict[str, tuple[int | None, int | None, str]] | None = None) -> Draft:
     from graphmode.compiler import capture_model, relower, reprove
     from graphmode.kb.fingerprint import hardware_of, model_of, recipe_inputs
     from graphmode.passes.to_paged import not_causal
@@ -383,9 +362,6 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     notes["targets"] = f"checked against {tgt.name}"
     low = capture_model(bundle, skeleton)
     graph0, cap, src = low.captured, low.capture_report, low.source
-    if probe:                              # captured at narrowed ranges: where would the windows fit?
-        return {d: r for d, r in _extent_minimums(graph0, _dims(*dim_args[:-1], {})[1], given, True).items()
-                if r[0] <= example[d]}
     fit = _extent_minimums(graph0, ranges, given)
     if fit:                                # an ONNX file's axes say nothing of where its windows fit
         narrowed.update(fit)
@@ -520,16 +496,14 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
     return dims, ranges
 
 
-def _extent_minimums(graph: Any, ranges: dict[str, tuple[int, int]], given: dict,
-                     export: bool = False) -> dict[str, tuple]:
+def _extent_minimums(graph: Any, ranges: dict[str, tuple[int, int]], given: dict) -> dict[str, tuple]:
     """{dim: (min, None, why)} for the dims this draft chose whose minimum leaves a window wider
-    than its input, or with `export` any extent under 2 (analysis/extents.py): the draft
-    starts them where the model runs."""
+    than its input (analysis/extents.py): the draft starts them where the model runs."""
     from graphmode.analysis.extents import short_extents
-    why = {0: "a negative size", 1: "its window is wider than its input", 2: "torch.export keeps no extent of 1 dynamic"}
     return {s.dim: (s.fits, None, f"from the smallest {s.dim} the model takes (below it {s.op} -> %{s.output} "
-                                  f"has {s.extent} < {s.floor} positions: {why[s.floor]})")
-            for s in short_extents(graph, ranges, export) if s.fits is not None and s.dim not in given}
+                                  f"has {s.extent} < {s.floor} positions: "
+                                  + ("its window is wider than its input)" if s.floor else "a negative size)"))
+            for s in short_extents(graph, ranges) if s.fits is not None and s.dim not in given}
 
 
 _ORDER = ("version", "name", "description", "model", "inputs", "outputs", "dims", "exe_mode", "on_violation",

@@ -82,3 +82,34 @@ def test_a_draft_for_a_torch_cnn_keeps_its_spatial_dims_dynamic_from_where_expor
     assert (cm.recipe.dims["h"].min, cm.recipe.dims["h"].max) == (12, 16)
     x = torch.randn(2, 3, 12, 15)
     torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+class _Strided(torch.nn.Module):
+    """Two stride-2 convs and a global pool: torch.export keeps one graph for H, W >= 5 only
+    (below, a conv's output is 1, which it specialises)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.b = torch.nn.Conv2d(4, 4, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return torch.nn.functional.adaptive_avg_pool2d(self.b(self.a(x)), 1).flatten(1)
+
+
+def test_a_range_torch_export_refuses_for_small_sizes_is_refused_naming_where_it_holds(tmp_path):
+    """Buckets [16, 32] with no min (1): torch.export's suggestion around graphmode's small
+    example (5) was "H max 4", the side the buckets are not on."""
+    from graphmode.errors import CaptureError
+    hw = {"buckets": [16, 32]}
+    rec = {"version": 1, "name": "s", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 3, "H", "W"]}],
+           "dims": {"batch": {"buckets": [1, 2]}, "H": hw, "W": hw}, "on_violation": "eager"}
+    with pytest.raises(CaptureError) as e:
+        graphmode.compile(_Strided(), rec, cache_dir=tmp_path)
+    assert e.value.where == "dims.H.min" and "dims.H.min: 5; dims.W.min: 5" in e.value.fix
+    hw = {"buckets": [16, 32], "min": 5}
+    cm = graphmode.compile(_Strided(), dict(rec, dims={"batch": {"buckets": [1, 2]}, "H": hw, "W": hw}),
+                           cache_dir=tmp_path)
+    x = torch.randn(2, 3, 16, 32)
+    torch.testing.assert_close(cm(x), _Strided()(x), rtol=1e-5, atol=1e-6)
