@@ -14,6 +14,7 @@ from graphmode.capture.onnx.fold import KNOWN_LIMIT, _Known, _is_sym, _objarr, _
 from graphmode.capture.onnx.checks import ONNX_DTYPES as _ONNX_DTYPES
 from graphmode.errors import IRError
 from graphmode.ir.graph import clean_name
+from graphmode.ir.ops import OPS
 from graphmode.ir.types import Dim, TensorType, dim_str, dims_equal, normalize_dim
 
 
@@ -163,7 +164,11 @@ class ValueState:
             else:
                 run.append(v)
         flush()
-        out = parts[0] if len(parts) == 1 else self.emit("concat", parts, {"dim": 0}, hint=hint)
+        most = OPS["concat"].arity[1]
+        while len(parts) > 1:        # a concat takes at most `most` inputs: a tree of them (the 782
+            parts = [p[0] if len(p) == 1 else self.emit("concat", p, {"dim": 0}, hint=hint)   # indices of a resize)
+                     for p in (parts[i:i + most] for i in range(0, len(parts), most))]
+        out = parts[0]
         if k.shape != (k.arr.size,):
             out = self.emit("reshape", [out], {"shape": list(k.shape)}, hint=hint)
         return out

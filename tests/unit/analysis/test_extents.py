@@ -113,3 +113,24 @@ def test_a_range_torch_export_refuses_for_small_sizes_is_refused_naming_where_it
                            cache_dir=tmp_path)
     x = torch.randn(2, 3, 16, 32)
     torch.testing.assert_close(cm(x), _Strided()(x), rtol=1e-5, atol=1e-6)
+
+
+def test_an_onnx_resize_whose_indices_follow_the_dims_imports_them_as_a_tree_of_concats(tmp_path):
+    """nearest-exact to a fixed 5x7 from a dynamic H, W (dynamo's ONNX export): 70 index values
+    computed from the dims made one concat of 71 inputs, past the op's 64, reported as a
+    graphmode bug in canonicalize."""
+    from torch.export import Dim
+
+    class _Resize(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.interpolate(x, size=(5, 7), mode="nearest-exact")
+    p = tmp_path / "resize.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Resize(), (torch.randn(2, 3, 13, 11),), str(p), dynamo=True, input_names=["x"],
+                          dynamic_shapes={"x": {2: Dim("H", min=8, max=40), 3: Dim("W", min=8, max=40)}})
+    rec = {"version": 1, "name": "r", "inputs": [{"name": "x", "dtype": "f32", "shape": [2, 3, "H", "W"]}],
+           "dims": {"H": {"min": 8, "max": 40}, "W": {"min": 8, "max": 40}}}          # every value a plan
+    cm = graphmode.compile(str(p), rec, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 13, 11)
+    assert torch.equal(cm(x), _Resize()(x))
