@@ -115,6 +115,30 @@ class ModelSource:
         return [torch.from_numpy(r) for r in res]
 
 
+def _bundle_from_recipe(module: torch.nn.Module, ex: dict, recipe: Recipe, params: list[str]) -> Any:
+    """A module handed without examples, run on inputs the recipe declares: where it does not
+    take them, the recipe's inputs are what is wrong (a name forward does not have, a channel
+    count or dtype its first layer refuses), so the error names them, not "example inputs"."""
+    from graphmode.capture.spec import bundle_from_module
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                    for p in inspect.signature(module.forward).parameters.values()) if params else True
+    for i, spec in enumerate(recipe.inputs):
+        if not takes_any and spec.name not in params:
+            raise RecipeError(f"inputs[{i}].name {spec.name!r} is not a parameter of "
+                              f"{type(module).__name__}.forward", where=f"inputs[{i}].name", value=spec.name,
+                              fix=f"name the recipe's inputs as forward's parameters: {params}")
+    try:
+        return bundle_from_module(module, ex, {i.name: list(i.shape) for i in recipe.inputs})
+    except CaptureError as e:
+        if not e.message.startswith("running the model on its example inputs failed"):
+            raise
+        declared = "; ".join(f"{s.name} {s.dtype} {list(s.shape)}" for s in recipe.inputs)
+        raise RecipeError(f"{type(module).__name__} does not run on inputs as the recipe declares them ({declared}): "
+                          f"{e.message.split(': ', 1)[1]}", where="inputs", value=[s.name for s in recipe.inputs],
+                          fix="declare each input as the model takes it (inputs[].dtype, and inputs[].shape: "
+                              "channels and fixed sizes)") from None
+
+
 def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
     """Whatever the user passed (built-in name, .onnx path, 'pkg.mod:fn' spec, nn.Module,
     (module, example_inputs[, input_dims]), Hugging Face model, ModelBundle) -> ModelSource.
@@ -134,7 +158,7 @@ def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
         except (TypeError, ValueError):
             params = []
         ex = dict(sorted(ex.items(), key=lambda kv: params.index(kv[0]) if kv[0] in params else len(params)))
-        model = bundle_from_module(model, ex, {i.name: list(i.shape) for i in recipe.inputs})
+        model = _bundle_from_recipe(model, ex, recipe, params)
     model = as_model(model)
     if isinstance(model, OnnxModelSpec):
         return ModelSource(model.path.stem, onnx_path=model.path,

@@ -418,3 +418,23 @@ def test_an_onnx_model_runs_its_fallback_requests_in_onnx_runtime(tmp_path):
     assert torch.allclose(cm(x=x), x.mean(1), rtol=1e-5, atol=1e-6) and cm.last_path["path"] == "eager"
     x = torch.randn(2, 8, 8)
     assert torch.allclose(cm(x=x), x.mean(1), rtol=1e-5, atol=1e-6) and cm.last_path["path"] == "graph"
+
+
+def test_a_module_the_recipe_declares_wrongly_is_refused_naming_the_recipe_inputs(tmp_path):
+    """A module handed with a recipe runs on inputs the recipe declares: a wrong channel count,
+    name or dtype was reported as 'running the model on its example inputs failed'."""
+    from graphmode.errors import RecipeError
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval()
+
+    def rec(name="input", dtype="f32", channels=3):
+        return {"version": 1, "name": "r", "dims": {"batch": {"buckets": [1, 2]}},
+                "inputs": [{"name": name, "dtype": dtype, "shape": ["batch", channels, 16, 16]}]}
+    with pytest.raises(RecipeError, match=r"does not run on inputs as the recipe declares them "
+                                          r"\(input f32 \['batch', 4, 16, 16\]\).*3 channels") as e:
+        graphmode.compile(m, rec(channels=4), cache_dir=tmp_path)
+    assert e.value.where == "inputs"
+    with pytest.raises(RecipeError, match=r"inputs\[0\].name 'images' is not a parameter of Sequential.forward") as e:
+        graphmode.compile(m, rec(name="images"), cache_dir=tmp_path)
+    assert "['input']" in e.value.fix
+    with pytest.raises(RecipeError, match=r"input f16"):
+        graphmode.compile(m, rec(dtype="f16"), cache_dir=tmp_path)
