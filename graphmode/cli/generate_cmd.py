@@ -70,9 +70,9 @@ class Request:
 
     @classmethod
     def checked(cls, model: str, rec: Any, prompt: list[str], prompt_ids: list[str], stop: list[str],
-                stop_ids: list[str], loaded: Any = None) -> "Request":
-        """`loaded`: the `.gm` artifact `model` names, loaded (its sizes and tokenizer are saved in it)."""
-        from graphmode.capture.spec import BareModuleError, as_model, resolve_model_spec
+                stop_ids: list[str], loaded: Any = None, bundle: Any = None) -> "Request":
+        """`loaded`: the `.gm` artifact `model` names, loaded (its sizes and tokenizer are saved in it);
+        `bundle`: the model as a draft already resolved it."""
         from graphmode.decode.api import causal_lm
         from graphmode.decode.lm import lm_config
         flag = "--prompt" if prompt else "--prompt-ids"
@@ -83,10 +83,7 @@ class Request:
             cfg = dict(loaded.artifact["decoder"]) if hasattr(loaded, "artifact") else dict(loaded.cfg)
             tok = getattr(loaded, "tokenizer", None)
         else:
-            try:
-                bundle = resolve_model_spec(model)
-            except BareModuleError as e:    # 'pkg.mod:fn' returning the module alone: a causal LM's config
-                bundle = as_model(e.module)  # names its inputs, as `compile`, `run` and `verify` take it
+            bundle = bundle or model_bundle(model)
             lm = causal_lm(bundle, "--model")
             cfg, tok = lm_config(lm), getattr(bundle, "tokenizer", None)
         if tok is None and (prompt or stop):
@@ -121,6 +118,28 @@ class Request:
                                     "sequence's KV pages hold", where="--max-tokens", value=max_tokens,
                                     fix=f"ask for at most {room - self.longest} new tokens, or raise "
                                         "memory.kv_cache.max_pages_per_seq")
+
+
+def model_bundle(model: str) -> Any:
+    from graphmode.capture.spec import BareModuleError, as_model, resolve_model_spec
+    try:
+        return resolve_model_spec(model)
+    except BareModuleError as e:    # 'pkg.mod:fn' returning the module alone: a causal LM's config
+        return as_model(e.module)   # names its inputs, as `compile`, `run` and `verify` take it
+
+
+def drafted_decoder(model: str) -> tuple[Any, Any]:
+    """(the model, its drafted recipe) for `generate` without --recipe, as `graphmode.compile(model)`
+    drafts one: a causal LM gets memory.kv_cache; one the decode engine cannot run is refused
+    with the drafter's reason."""
+    from graphmode.kb.draft import draft_recipe
+    d = draft_recipe(model_bundle(model), target="host", record=False)
+    if d.recipe.memory.kv_cache is None:
+        raise RecipeError(f"no --recipe, and the recipe drafted for {model} has no KV cache: "
+                          f"{d.notes.get('memory.kv_cache', 'the model is not a causal LM')}", where="--recipe",
+                          fix="give a decoder recipe (--recipe, with memory.kv_cache), or run the model's forward "
+                              "pass with graphmode run")
+    return d.source.bundle, d.recipe
 
 
 def artifact_recipe(model: str, recipe: Optional[str]) -> Any:
@@ -275,7 +294,7 @@ def generate_cmd(
     model: str = typer.Option(..., "--model", help="gpt2 | path/to/file.py:function | package.module:function "
                               "(a causal LM) | a decoder's .gm (graphmode compile --save)"),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="a decoder recipe: one with memory.kv_cache (a .gm "
-                                         "holds its own)"),
+                                         "holds its own; without one, drafted as graphmode.compile(model) does)"),
     prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="prompt text (needs the model's tokenizer); "
                                                "repeat for a batch"),
     prompt_ids: Optional[List[str]] = typer.Option(None, "--prompt-ids", help="prompt token ids, e.g. 464,2068; "
@@ -307,23 +326,26 @@ def generate_cmd(
         raise GraphmodeError("give the prompt as text or as token ids (one of the two)", where="--prompt/--prompt-ids",
                              fix="--prompt 'some text' (a model with a tokenizer) or --prompt-ids 464,2068; "
                                  "repeat either for a batch")
+    log = (lambda s: None) if as_json else (lambda s: err_console.print(s, markup=False, highlight=False,
+                                                                      soft_wrap=True))
     rec = saved = artifact_recipe(model, recipe)
-    if rec is None:
-        if recipe is None:
-            raise RecipeError("generating needs a decoder recipe", where="--recipe",
-                              fix="--recipe examples/recipes/gpt2_decoder.yaml (or --model a decoder's .gm)")
+    bundle = None
+    if rec is None and recipe is None:       # as graphmode.compile(model): a drafted decoder recipe
+        bundle, rec = drafted_decoder(model)
+        log(f"no --recipe: drafted {rec.name} ({rec.hash()}); `graphmode recipe init --model {model} -o r.yaml` "
+            "writes it out with where each value came from")
+    elif rec is None:
         rec = load_recipe(recipe)
     if rec.memory.kv_cache is None:
         raise RecipeError("generating needs a paged KV cache, and this recipe has none", where="memory.kv_cache",
                           value=recipe, fix="add memory.kv_cache {page_size, max_pages_per_seq, layers, kv_heads, "
                                             "head_dim} (see examples/recipes/gpt2_decoder.yaml)")
-    log = (lambda s: None) if as_json else (lambda s: err_console.print(s, markup=False, highlight=False,
-                                                                      soft_wrap=True))
     with progress() as on_stage:     # loading the model, then the decode engine's capture, passes and plans
         with stage(on_stage, "load", detail=model):
             loaded = graphmode.load(model, cache_dir=cache_dir, threads=threads, on_stage=on_stage) \
                 if saved is not None else None
-            req = Request.checked(model, rec, prompt or [], prompt_ids or [], stop or [], stop_ids or [], loaded)
+            req = Request.checked(model, rec, prompt or [], prompt_ids or [], stop or [], stop_ids or [], loaded,
+                                  bundle)
         params = sampling(req.cfg, max_tokens, temperature, top_k, top_p, seed, req.stop_ids)
         req.check_room(rec, max_tokens)
 

@@ -159,3 +159,11 @@ def test_a_spec_returning_the_model_alone_generates(files):
     res = gen(files, "--prompt-ids", ",".join(map(str, P0)), "--max-tokens", str(NEW), "--json", model="gpt2_alone")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["choices"][0]["tokens"] == reference(P0)
+
+
+def test_without_a_recipe_generate_drafts_one_as_the_python_api_does(files):
+    """It refused, pointing at GPT-2's recipe, whose KV sizes other models then failed on."""
+    res = runner.invoke(app, ["generate", "--model", f"{TINY}:gpt2", "--cache-dir", files["cache"],
+                              "--prompt-ids", ",".join(map(str, P0)), "--max-tokens", str(NEW), "--json"])
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    assert json.loads(res.stdout)["choices"][0]["tokens"] == reference(P0)
