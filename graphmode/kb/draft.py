@@ -384,7 +384,8 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     elif lm is not None:                  # a decoder recipe needs dims batch and seq (the KV cache's)
         notes["memory.kv_cache"] = (f"none: {type(lm).__name__} is a causal LM, but its example's shapes are "
                                     "fixed, so this draft compiles its forward pass at that shape; for decoding, "
-                                    "pass the model itself or add --dim batch=1:4 --dim seq=1:512")
+                                    "pass the model itself, or give dims batch and seq in a recipe (`graphmode recipe init "
+                                    "--dim batch=1:4 --dim seq=1:512` drafts it)")
     low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)   # the budget does not change it
     why_not = None if "kv_cache" not in data["memory"] else (
         None if _attends_as_sdpa(low.graph) else "its attention does not capture as one sdpa (soft-capped or "
@@ -660,7 +661,9 @@ def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int
         # the paged attention attends every cached token; decoding past the window is refused
         notes["memory.kv_cache"] = (f"none: {type(lm).__name__} attends over a sliding window of {window} tokens, "
                                     f"which graphmode's paged attention does not apply, and prompts of the seq range "
-                                    f"make sequences of {context}; for decoding, give --dim seq=1:{window - 1}")
+                                    f"make sequences of {context}; for decoding, keep seq inside the window: "
+                                    f"dims.seq.max: {window - 1} in a recipe (`graphmode recipe init --dim "
+                                    f"seq=1:{window - 1}` drafts it)")
         return
     page = KV_PAGE
     while window is not None and page > 1 and math.ceil(context / page) * page > window:
