@@ -134,3 +134,25 @@ def test_an_onnx_resize_whose_indices_follow_the_dims_imports_them_as_a_tree_of_
     cm = graphmode.compile(str(p), rec, cache_dir=tmp_path)
     x = torch.randn(2, 3, 13, 11)
     assert torch.equal(cm(x), _Resize()(x))
+
+
+def test_verify_reports_the_plan_each_request_ran_in(tmp_path):
+    """An unsafe-to-pad dim under on_violation: eager: a request off its buckets runs eagerly at
+    its own shape (the report named the bucket it would pad to)."""
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from graphmode.cli.app import _register, app
+    _register()
+    rec = _recipe(11, 11)
+    rec.update(on_violation="eager", dims={"batch": {"buckets": [1]}, "h": {"min": 11, "max": 16, "buckets": [11, 16]},
+                                           "w": {"min": 11, "max": 11}})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(rec))
+    res = CliRunner().invoke(app, ["verify", "--model", _onnx(tmp_path), "--recipe", str(tmp_path / "r.yaml"),
+                                   "--cache-dir", str(tmp_path / "c"), "--json"])
+    assert res.exit_code == 0, res.output
+    cases = json.loads(res.stdout)["cases"]
+    off = [c for c in cases if c["shape"]["h"] not in (11, 16)]
+    assert off and all(c["path"] == "eager" and c["bucket"] == c["shape"] for c in off), cases
