@@ -252,7 +252,6 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
     raise AssertionError("unreachable")
 
 
-# torch's convolutions and pools refuse a symbolic input their window may not fit, at trace time
 def _export_ranges(e: CaptureError, bundle: Any, given: dict) -> dict[str, tuple] | None:
     """torch.export's suggested ranges (capture/export_errors.py), or the minimums where its graph
     holds (compiler._where_export_holds), for the dims this draft chose itself, where they still
@@ -384,8 +383,8 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     elif lm is not None:                  # a decoder recipe needs dims batch and seq (the KV cache's)
         notes["memory.kv_cache"] = (f"none: {type(lm).__name__} is a causal LM, but its example's shapes are "
                                     "fixed, so this draft compiles its forward pass at that shape; for decoding, "
-                                    "pass the model itself, or give dims batch and seq in a recipe (`graphmode recipe init "
-                                    "--dim batch=1:4 --dim seq=1:512` drafts it)")
+                                    "pass the model itself, or give dims batch and seq in a recipe "
+                                    "(`graphmode recipe init --dim batch=1:4 --dim seq=1:512` drafts it)")
     low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)   # the budget does not change it
     why_not = None if "kv_cache" not in data["memory"] else (
         None if _attends_as_sdpa(low.graph) else "its attention does not capture as one sdpa (soft-capped or "
