@@ -225,7 +225,10 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
                 kb_path=kb_path, objective=objective, name=name, target_cache_dir=target_cache_dir, record=record,
                 ranges={d: tuple(r[:2]) for d, r in (ranges or {}).items()}, bounded=bounded)
     if not hasattr(bundle, "module"):          # ONNX: the file's axes are what they are
-        return _draft(bundle, **opts)
+        try:
+            return _draft(bundle, **opts)
+        except CaptureError as e:
+            raise _static_axis_advice(e, bundle) from None
     if given.dim_names:                       # a dim torch.export cannot keep dynamic is fixed at the example's
         free = [d for d in bundle.dim_names if d not in (ranges or {})]
         tries = [bundle, _pin(bundle, [d for d in free if d != "batch"]), _pin(bundle, free)]
@@ -250,6 +253,20 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
                                       "cannot keep it dynamic for this model")
         return draft
     raise AssertionError("unreachable")
+
+
+def _static_axis_advice(e: CaptureError, bundle: Any) -> CaptureError:
+    """An ONNX file whose op needs an axis static (a Resize, an LSTM): a draft keeps the file's
+    dynamic axes dynamic, so the fix is a recipe the user writes with that axis a number."""
+    from graphmode.capture.onnx.importer import STATIC_AXIS_FIX
+    if e.fix != STATIC_AXIS_FIX:
+        return e
+    _, dims_of, _ = _signature(bundle)
+    shapes = "; ".join(f"{n}: {shape}" for n, shape in dims_of.items())
+    return CaptureError(e.message, where=e.where, value=e.value,
+                        fix=f"a drafted recipe keeps the file's dynamic axes ({shapes}) dynamic: write the recipe "
+                            "with the axis this op reads as a fixed size in inputs[].shape (e.g. [batch, 3, 224, "
+                            "224]), or re-export the model with that axis static")
 
 
 def _export_ranges(e: CaptureError, bundle: Any, given: dict) -> dict[str, tuple] | None:

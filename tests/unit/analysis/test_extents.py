@@ -156,3 +156,20 @@ def test_verify_reports_the_plan_each_request_ran_in(tmp_path):
     cases = json.loads(res.stdout)["cases"]
     off = [c for c in cases if c["shape"]["h"] not in (11, 16)]
     assert off and all(c["path"] == "eager" and c["bucket"] == c["shape"] for c in off), cases
+
+
+def test_a_draft_for_an_onnx_file_whose_op_needs_a_static_axis_says_how_to_write_the_recipe(tmp_path):
+    """The fix pointed at 'the recipe's inputs[].shape' of a recipe the user never wrote."""
+    from graphmode.errors import CaptureError
+
+    class _Up(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.interpolate(x, scale_factor=2, mode="nearest")
+    p = tmp_path / "up.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Up(), (torch.randn(1, 3, 8, 8),), str(p), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "batch", 2: "H", 3: "W"}})
+    with pytest.raises(CaptureError, match="must be static") as e:
+        graphmode.compile(str(p), cache_dir=tmp_path)
+    assert "a drafted recipe keeps the file's dynamic axes (x: ['batch', 3, 'H', 'W'])" in e.value.fix
