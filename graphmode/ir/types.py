@@ -6,6 +6,7 @@ shapes print, hash and compare the same.
 """
 from __future__ import annotations
 
+import fractions
 import itertools
 import math
 from dataclasses import dataclass
@@ -92,6 +93,7 @@ def _as_sympy_functions(d: sympy.Basic) -> sympy.Basic:
     if d.is_Atom or not (d.atoms(sympy.Function) or d.atoms(sympy.core.operations.LatticeOp)):
         return d
     d = d.replace(torchy, plain)
+    d = _float_sizes(d)
     d = d.replace(torch_minmax, lambda x: (sympy.Min if type(x).__name__ == "Min" else sympy.Max)(*x.args))
     for _ in range(8):              # floors of floors (stacked strided convs, pools): flattened
         flat = d.replace(lambda x: isinstance(x, sympy.floor), _floor_of_floor)
@@ -99,6 +101,27 @@ def _as_sympy_functions(d: sympy.Basic) -> sympy.Basic:
             break
         d = flat
     return d
+
+
+_TO_INT = {"TruncToInt": sympy.floor, "FloorToInt": sympy.floor, "CeilToInt": sympy.ceiling}
+
+
+def _float_sizes(d: sympy.Basic) -> sympy.Basic:
+    """torch's size of F.interpolate(scale_factor=1.5), TruncToInt(1.5 * ToFloat(H)), as
+    floor(3 * H / 2): sizes are positive (trunc is floor), and a scale whose double is a
+    fraction of 16 at most makes the same product exactly in doubles. Other floats (1/3) stay
+    torch's, so they compare equal to nothing graphmode infers (the op stays an eager island)."""
+    names = {type(x).__name__ for x in d.atoms(sympy.Function)}
+    if "ToFloat" not in names or not names & set(_TO_INT):
+        return d
+    floats = d.atoms(sympy.Float)
+    exact = {f: sympy.Rational(*fractions.Fraction(float(f)).as_integer_ratio()) for f in floats}
+    if any(r.q > 16 for r in exact.values()):
+        return d
+    d = d.replace(lambda x: type(x).__name__ == "ToFloat" and len(x.args) == 1, lambda x: x.args[0])
+    d = d.replace(lambda x: type(x).__name__ in _TO_INT and len(x.args) == 1,
+                  lambda x: _TO_INT[type(x).__name__](x.args[0]))
+    return d.xreplace(exact)
 
 
 def _integral(t: sympy.Expr) -> bool:

@@ -25,16 +25,18 @@ differ stays an eager island (never a guess).
 """
 from __future__ import annotations
 
+import fractions
 import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 
 from graphmode.errors import IRError
 from graphmode.ir.ops.spec import OpSpec, Sample, broadcast_shapes, register
-from graphmode.ir.types import DTYPES, TORCH_TO_DTYPE, TensorType
+from graphmode.ir.types import DTYPES, TORCH_TO_DTYPE, TensorType, normalize_dim
 
 TRAIT = "aten_reference"
 
@@ -116,12 +118,36 @@ def _static_infer(op: str):
     def infer(ins: list[TensorType], attrs):
         for t in ins:
             if not all(isinstance(d, int) for d in t.shape):
+                resampled = _resampled(op, ins, attrs)
+                if resampled is not None:
+                    return [resampled]
                 raise IRError(f"{op} with a symbolic dim in input {t.text()}: its output types are derived "
                               "for static shapes only",
                               fix="make that dim static in the recipe (one value); a PyTorch model can instead keep "
                                   "the op in eager under exe_mode: hybrid (an ONNX model has no eager module)")
         return _types(op, [_meta(t, t.shape) for t in ins], attrs)
     return infer
+
+
+def _resampled(op: str, ins: list[TensorType], attrs: Mapping[str, Any]) -> TensorType | None:
+    """The type of `F.interpolate` over symbolic spatial dims, where it is exact: to a fixed size,
+    or by scale factors whose doubles are fractions of 16 at most, for which torch's
+    floor(size * scale) in doubles is the exact floor (a 2x upsample: 2 * H). None otherwise."""
+    args = list(attrs.get("args", []))
+    if "upsample" not in op or attrs.get("overload") != "vec" or len(ins) != 1 or len(args) < 3 or attrs.get("kwargs"):
+        return None
+    x, (size, scales) = ins[0], (args[1], args[-1])
+    k = x.rank - 2
+    if isinstance(size, list) and len(size) == k and all(isinstance(v, int) for v in size):
+        return x.with_shape(x.shape[:2] + tuple(size))
+    if size is not None or not (isinstance(scales, list) and len(scales) == k):
+        return None
+    exact = [fractions.Fraction(float(v)) for v in scales]
+    if any(f.denominator > 16 or f <= 0 for f in exact):
+        return None
+    return x.with_shape(x.shape[:2] + tuple(normalize_dim(sympy.floor(sympy.sympify(d) * sympy.Rational(f.numerator,
+                                                                                                      f.denominator)))
+                                            for d, f in zip(x.shape[2:], exact)))
 
 
 # ---------------------------------------------------------------------------------- samples
@@ -725,5 +751,7 @@ _STATIC_KINDS = {"elementwise_static": "misc", "gemm_static": "linalg", "pool_st
 
 for _name, (_kind, _ovl, _samples, _doc) in STATIC.items():
     _checked(_name, _ovl)
-    _register(_name, _STATIC_KINDS.get(_kind, _kind), _ovl, _samples, f"{_doc} (ATen {_name}; static shapes)",
+    _shapes = ("static shapes, or dynamic sizes to a fixed size or by a scale whose double is k/16"
+               if "upsample" in _name else "static shapes")
+    _register(_name, _STATIC_KINDS.get(_kind, _kind), _ovl, _samples, f"{_doc} (ATen {_name}; {_shapes})",
               _static_infer, (0, 8))

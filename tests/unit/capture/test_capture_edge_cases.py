@@ -438,3 +438,37 @@ def test_a_module_the_recipe_declares_wrongly_is_refused_naming_the_recipe_input
     assert "['input']" in e.value.fix
     with pytest.raises(RecipeError, match=r"input f16"):
         graphmode.compile(m, rec(dtype="f16"), cache_dir=tmp_path)
+
+
+class _Interpolate(torch.nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.kw = kw
+
+    def forward(self, x):
+        return torch.nn.functional.interpolate(x * 2, **self.kw)
+
+
+@pytest.mark.parametrize("kw", [{"scale_factor": 1.5, "mode": "nearest"}, {"size": (17, 23), "mode": "nearest"},
+                                {"scale_factor": 0.5, "mode": "bilinear", "align_corners": True}],
+                         ids=["nearest-1.5", "to-a-size", "bilinear-0.5"])
+def test_interpolate_over_dynamic_sizes_runs_in_graph_mode(tmp_path, kw):
+    """F.interpolate over a dynamic H, W had no lowering (an eager island, refused in graph mode):
+    torch.export's size TruncToInt(1.5 * ToFloat(H)) is floor(3H / 2) exactly."""
+    rec = {"version": 1, "name": "i", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 3, "H", "W"]}],
+           "dims": {"batch": {"buckets": [1, 2]}, "H": {"min": 8, "max": 16}, "W": {"min": 8, "max": 16}}}
+    m = _Interpolate(**kw)
+    cm = graphmode.compile(m, rec, cache_dir=tmp_path)
+    assert not cm.capture_report.fallbacks
+    for hw in [(9, 13), (16, 11)]:
+        x = torch.randn(2, 3, *hw)
+        torch.testing.assert_close(cm(x), m(x), rtol=1e-5, atol=1e-6)
+
+
+def test_interpolate_by_a_scale_doubles_do_not_hold_exactly_stays_an_eager_island(tmp_path):
+    """1/3 as a double times H rounds before torch floors it: no exact size formula, so no graph."""
+    from graphmode.verdict import ContractRefused
+    rec = {"version": 1, "name": "i", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 3, "H", "W"]}],
+           "dims": {"batch": {"buckets": [1, 2]}, "H": {"min": 8, "max": 16}, "W": {"min": 8, "max": 16}}}
+    with pytest.raises(ContractRefused, match="upsample_nearest2d"):
+        graphmode.compile(_Interpolate(scale_factor=1 / 3, mode="nearest"), rec, cache_dir=tmp_path)
