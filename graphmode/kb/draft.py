@@ -621,8 +621,9 @@ def _settle_padding(data: dict, notes: dict, graph: Any, cap: Any, src: Any,
                                       f"plans): padding {d} is unsafe for this model: {reason}{at}")
             elif hi - lo + 1 <= MAX_EXACT:        # bounded: warm-up builds the buckets, use the values sent
                 data["on_violation"] = "eager"
-                data["dims"][d] = {k: v for k, v in data["dims"][d].items() if k != "max_padding"} | {
-                    "max_buckets": len(load_recipe(_ordered(data)).dim_buckets()[d]), "exact_plans": EXACT_PLANS}
+                # synthesised buckets (exact_plans refines those; explicit ones are the recipe's own)
+                data["dims"][d] = {"min": lo, "max": hi, "exact_plans": EXACT_PLANS,
+                                   "max_buckets": len(load_recipe(_ordered(data)).dim_buckets()[d])}
                 notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}), and every value of "
                                          f"[{lo}, {hi}] a bucket would make {plans * (hi - lo + 1)} plans: requests "
                                          f"off a bucket run eagerly, and up to {EXACT_PLANS} values of {d} that recur "

@@ -177,3 +177,16 @@ def test_a_causal_lm_with_a_fixed_example_drafts_its_forward_without_a_kv_cache(
     d = draft_recipe((_tiny_llama(64), {"input_ids": torch.randint(0, 64, (1, 9))}))
     assert d.recipe.memory.kv_cache is None and d.report.verdict == "valid"
     assert "--dim seq" in d.notes["memory.kv_cache"]
+
+
+def test_a_bounded_draft_whose_batch_is_unsafe_to_pad_stays_a_valid_recipe():
+    """batch keeps an explicit bucket of 1 in a bounded draft; the exact_plans a dim unsafe to pad
+    gets past MAX_EXACT_PLANS were added beside it, which the recipe schema refuses."""
+    import torch
+
+    class TopK(torch.nn.Module):
+        def forward(self, x):
+            return torch.topk(x, 3, dim=-1)
+    d = draft_recipe((TopK(), (torch.randn(2, 6, 16),), {"x": ["batch", "seq", 16]}), record=False)
+    assert d.data["on_violation"] == "eager" and d.data["dims"]["batch"]["exact_plans"] == 16
+    assert "buckets" not in d.data["dims"]["batch"] and load_recipe(d.data) == d.recipe
