@@ -3,7 +3,8 @@
 The input is the model's `main_input_name`: token ids (`input_ids`, with `attention_mask` and
 `token_type_ids` when forward takes them, named dims `batch` and `seq`), images
 (`pixel_values` [batch, channels, size, size] from `num_channels` and `image_size`), or audio
-(`input_features` [batch, mel bins, frames] for Whisper-style encoders, `input_values`
+(`input_features` [batch, mel bins, frames] for Whisper-style encoders, with `decoder_input_ids`
+[batch, decoder_seq] for the encoder-decoder, `input_values`
 [batch, samples] for raw-waveform models). Example sizes are 2 and 8 (never 1: torch.export
 specialises a dim of size 1).
 """
@@ -67,8 +68,13 @@ def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
     if main == "input_features":
         mels = int(getattr(cfg, "num_mel_bins", 80))
         frames = 2 * int(getattr(cfg, "max_source_positions", 1500))   # Whisper's encoder takes exactly this
-        return ({"input_features": torch.randn(BATCH, mels, frames, generator=g)},
-                {"input_features": ["batch", mels, frames]})
+        ex, dims = {"input_features": torch.randn(BATCH, mels, frames, generator=g)}, {
+            "input_features": ["batch", mels, frames]}
+        if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+            vocab = int(getattr(cfg, "vocab_size", None) or 100)     # the decoder's tokens (Whisper's transcript)
+            ex["decoder_input_ids"] = torch.randint(min(3, vocab - 1), vocab, (BATCH, SEQ), generator=g)
+            dims["decoder_input_ids"] = ["batch", "decoder_seq"]
+        return ex, dims
     if main == "input_values":
         return ({"input_values": torch.randn(BATCH, SAMPLES, generator=g)}, {"input_values": ["batch", "samples"]})
     raise CaptureError(f"{type(module).__name__} takes {main!r} first, and graphmode does not know how to make "

@@ -43,7 +43,8 @@ MAX_EXACT = 64                 # an unsafe-to-pad dim gets every value as a buck
 MEMORY_HEADROOM = 1.25
 MAX_KNOB_DISTANCE = 1.5        # farther knowledge-base entries say nothing about this model
 SEQ_DIMS = ("seq", "sequence", "seq_len", "tokens", "length", "positions")
-CONFIG_MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
+CONFIG_MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
+                        "max_target_positions")         # Whisper's decoder: its tokens' position table
 MB = 2**20
 MAX_DRAFT_PLANS = 16           # plans a draft builds at warm-up when no padding or bucket limit is given
 MAX_EXACT_PLANS = 64           # ... and at most this many where a dim unsafe to pad takes every value

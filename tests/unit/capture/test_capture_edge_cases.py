@@ -472,3 +472,22 @@ def test_interpolate_by_a_scale_doubles_do_not_hold_exactly_stays_an_eager_islan
            "dims": {"batch": {"buckets": [1, 2]}, "H": {"min": 8, "max": 16}, "W": {"min": 8, "max": 16}}}
     with pytest.raises(ContractRefused, match="upsample_nearest2d"):
         graphmode.compile(_Interpolate(scale_factor=1 / 3, mode="nearest"), rec, cache_dir=tmp_path)
+
+
+def test_whisper_for_conditional_generation_compiles_without_example_inputs(tmp_path):
+    """Its inputs from the config had no decoder_input_ids, so the example run raised (a forward
+    needs decoder ids or embeddings); decoder_seq now spans the decoder's position table."""
+    import transformers
+    cfg = transformers.WhisperConfig(vocab_size=100, num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2,
+                                     decoder_layers=1, decoder_attention_heads=2, d_model=32, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_source_positions=30, max_target_positions=40,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    torch.manual_seed(0)
+    m = transformers.WhisperForConditionalGeneration(cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(m, cache_dir=tmp_path)
+    assert (cm.recipe.dims["decoder_seq"].min, cm.recipe.dims["decoder_seq"].max) == (1, 40)
+    x, ids = torch.randn(3, 16, 60), torch.randint(3, 100, (3, 7))
+    torch.testing.assert_close(cm(input_features=x, decoder_input_ids=ids).logits,
+                               m(input_features=x, decoder_input_ids=ids).logits, rtol=1e-5, atol=1e-5)
