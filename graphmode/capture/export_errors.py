@@ -111,8 +111,8 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
     if _ROPE.search(fn) or "rope" in path.rsplit(os.sep, 1)[-1]:
         return CaptureError(msg + ". " + ROPE_WHY, where=where or "model.config.rope_scaling", fix=ROPE_FIX)
     return CaptureError(msg, where=where,
-                        fix="write that branch without reading tensor values (torch.where, or torch.cond for "
-                            "two paths), or run the model with exe_mode: eager")
+                        fix="write that branch without reading tensor values (both paths, picked with "
+                            "torch.where), or run the model with exe_mode: eager")
 
 
 __all__ = ["export_failure", "quiet_export_logs", "shown_path", "ROPE_WHY", "ROPE_FIX"]

@@ -174,6 +174,12 @@ class _Importer:
                 raise CaptureError(f"output {idx} of {getattr(src, 'target', src)} taken at {node.name}, which "
                                    f"graphmode holds as {held}", fix="report this as a capture bug, with the model")
             return
+        if isinstance(target, torch._ops.HigherOrderOperator):    # torch.cond, while_loop, map: a graph each
+            raise CaptureError(f"{getattr(target, '__name__', tname)} at {_source_loc(node)}: graphmode captures "
+                               "one graph without control flow, and cannot run this op's branches",
+                               where=f"node {node.name}",
+                               fix="compute both branches and pick with torch.where (one graph), or run the model "
+                                   "with exe_mode: eager")
         if not isinstance(target, torch._ops.OpOverload):
             self._sym_op(node)
             return

@@ -219,8 +219,20 @@ def test_a_branch_on_a_tensor_value_names_the_line_that_branches(tmp_path, capfd
         graphmode.compile(_Branch(), _recipe(x, y, "graph"), cache_dir=tmp_path)
     msg = str(e.value)
     assert "branches on the value of a tensor at" in msg and "test_capture_edge_cases.py" in msg
-    assert "`if x.sum() > 0:" in msg and "torch.cond" in e.value.fix
+    assert "`if x.sum() > 0:" in msg and "torch.where" in e.value.fix
     assert "def forward(" not in capfd.readouterr().err        # torch's partial graph is not printed
+
+
+def test_torch_cond_is_refused_naming_it(tmp_path):
+    """torch.cond raised a bare KeyError (its branch graphs) from the importer; and the advice
+    for a data-dependent branch suggested it."""
+    class _Cond(torch.nn.Module):
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda t: t.relu(), lambda t: t.sigmoid(), (x,))
+    rec = {"version": 1, "name": "c", "inputs": [{"name": "x", "dtype": "f32", "shape": [2, 8]}], "exe_mode": "hybrid"}
+    with pytest.raises(CaptureError, match=r"cond at .*: graphmode captures one graph without control flow") as e:
+        graphmode.compile(_Cond(), rec, cache_dir=tmp_path)
+    assert "torch.where" in e.value.fix
 
 
 def test_a_data_dependent_size_is_refused_as_such(tmp_path):
