@@ -71,7 +71,17 @@ def _materialise(arg: Any, ins: list[torch.Tensor], env: Mapping[str, int]) -> A
     return arg
 
 
+def _whole_elements(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy where its storage is not a whole number of its elements: an arena holds
+    values of every dtype (a bool output beside f32 ones), and some ATen kernels view the
+    storage itself (index_put with accumulate asserted `nbytes % dtype_size == 0`)."""
+    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() % t.element_size():
+        return t.clone()
+    return t
+
+
 def run_fallback(ins: list[torch.Tensor], attrs: Mapping[str, Any], env: Mapping[str, int]) -> list[torch.Tensor]:
+    ins = [_whole_elements(t) for t in ins]
     fn = resolve_target(attrs["target"])
     args = _materialise(attrs.get("args", []), ins, env)
     kwargs = _materialise(attrs.get("kwargs", {}), ins, env)

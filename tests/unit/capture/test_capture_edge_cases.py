@@ -503,3 +503,22 @@ def test_whisper_for_conditional_generation_compiles_without_example_inputs(tmp_
     x, ids = torch.randn(3, 16, 60), torch.randint(3, 100, (3, 7))
     torch.testing.assert_close(cm(input_features=x, decoder_input_ids=ids).logits,
                                m(input_features=x, decoder_input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_an_eager_island_beside_a_bool_output_runs_at_every_batch(tmp_path):
+    """index_put(accumulate=True) as an eager island on an arena view whose storage also holds a
+    bool output: ATen asserted 'nbytes % dtype_size == 0' at every batch but the example's."""
+    class _Scatter(torch.nn.Module):
+        def forward(self, x, idx):
+            y = x.clone()
+            y[:, 3] = 0.0
+            y = y.index_put((torch.arange(x.shape[0]), idx % 8), torch.ones(x.shape[0]), accumulate=True)
+            return y, (x > 2).any(-1)
+    m = _Scatter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile((m, (torch.randn(4, 8), torch.tensor([1, 5, 2, 7]))), cache_dir=tmp_path)
+    for b in (1, 3):
+        x, idx = torch.randn(b, 8), torch.randint(0, 8, (b,))
+        got, want = cm(x, idx), m(x, idx)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
