@@ -71,7 +71,9 @@ def _constraint_fixes(text: str) -> list[str]:
            for d, lo, hi in _RANGE_FIX.findall(text)]
     # a value alone only when no range is suggested: beside one, it is the capture's own narrow
     # example range for another dim (graphmode exports batch 1..2 as 2..2), not the model's need
-    return out or [f"{d} fixed at {v} (a static shape)" for d, v in _VALUE_FIX.findall(text)]
+    # the value is the size of graphmode's example, not one the model needs: the dim is static
+    return out or [f"{d} static (one value: min = max; torch.export keeps it at the example's {v})"
+                   for d, v in _VALUE_FIX.findall(text)]
 
 
 ROPE_WHY = ("This rotary embedding (Hugging Face rope_type 'dynamic' or 'longrope') recomputes its frequencies "
