@@ -65,7 +65,7 @@ def bench_cmd(
                                "(absorbs the switch from the previous engine)"),
     budget_s: float = typer.Option(90.0, "--budget-s", help="per shape: stop rounds after this many seconds "
                                    "(at least 5 rounds)"),
-    threads: int = typer.Option(2, "--threads", min=1, help="intra-op threads for every engine"),
+    threads: int = typer.Option(2, "--threads", min=1, max=1024, help="intra-op threads for every engine"),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="graphmode recipe (default: one with buckets "
                                           "exactly at the benchmarked shapes)"),
     out: Optional[Path] = typer.Option(None, "--out", help="results folder (default bench/results)"),

@@ -50,7 +50,7 @@ def decode_cmd(
     min_iters: Optional[int] = typer.Option(None, "--min-iters", min=1, help="rounds run whatever the budget "
                                             "(default 3)"),
     budget_s: float = typer.Option(300.0, "--budget-s", help="per scenario: stop rounds after this many seconds"),
-    threads: int = typer.Option(2, "--threads", min=1, help="intra-op threads for every engine"),
+    threads: int = typer.Option(2, "--threads", min=1, max=1024, help="intra-op threads for every engine"),
     out: Optional[Path] = typer.Option(None, "--out", help="results folder (default bench/results)"),
     name: Optional[str] = typer.Option(None, "--name", help="file stem (default decode, or decode-quick)"),
     quick: bool = typer.Option(False, "--quick", help="smoke run on tiny models and sizes, 2 rounds; exit 1 unless "

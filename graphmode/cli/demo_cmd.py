@@ -29,7 +29,7 @@ DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "recipes" / 
 def demo_cmd(
     recipe: Path = typer.Option(DEFAULT_RECIPE, "--recipe", help="recipe for all-MiniLM-L6-v2"),
     iters: int = typer.Option(20, "--iters", help="timed runs per engine"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024),
     cache_dir: Optional[Path] = CacheDir,
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:

@@ -309,7 +309,7 @@ def generate_cmd(
     stop_ids: Optional[List[str]] = typer.Option(None, "--stop-ids", help="stop token-id sequence, e.g. 13,13, cut "
                                                  "from the output; repeatable"),
     stream: bool = typer.Option(False, "--stream", help="print tokens as they are generated"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024),
     cache_dir: Optional[Path] = CacheDir,
     as_json: bool = typer.Option(False, "--json", help="tokens, text, finish_reason and timings as JSON "
                                  "(with --stream: one JSON line per chunk, then the result on one line)"),

@@ -193,7 +193,7 @@ def profile_cmd(
     shape: Optional[List[str]] = typer.Option(None, "--shape", help="first-input shape, e.g. 1x128 (repeatable; "
                                               "default: the model's benchmark shapes)"),
     runs: int = typer.Option(20, "--runs", min=1, help="timed runs (median per instruction)"),
-    threads: int = typer.Option(2, "--threads", min=1),
+    threads: int = typer.Option(2, "--threads", min=1, max=1024),
     top: int = typer.Option(15, "--top", min=1, help="instructions to list"),
     calibrate: bool = typer.Option(False, "--calibrate", help="add these measurements to the target's samples, "
                                    "refit and save its calibration"),

@@ -127,7 +127,7 @@ def rank_cmd(
     insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth",
                                           help="with --serve-port: listen beyond loopback without an admin token"),
     target: str = typer.Option("host", "--target"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024,
                                           help="per rank (default: this node's cores / LOCAL_WORLD_SIZE)"),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:

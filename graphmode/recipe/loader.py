@@ -291,10 +291,15 @@ def _looks_like_path(source: str) -> bool:
         return False
     if source.endswith((".yaml", ".yml")) and ": " not in source:
         return True
+    if "/" in source and ": " not in source and not source.lstrip().startswith(("{", "[", "-", "#")):
+        return True               # a path that is missing or not a file: said so, not parsed as YAML
     try:
         return Path(source).is_file()
     except OSError:
         return False
+
+
+MAX_RECIPE_BYTES = 4 << 20        # a recipe is a page of YAML: more is not one
 
 
 def load_recipe(source: Union[str, Path, bytes, dict, Recipe]) -> Recipe:
@@ -310,10 +315,11 @@ def load_recipe(source: Union[str, Path, bytes, dict, Recipe]) -> Recipe:
     name = None
     if isinstance(source, Path) or (isinstance(source, str) and _looks_like_path(source)):
         name = str(source)
-        try:
-            source = Path(source).read_bytes()
-        except OSError as e:
-            raise RecipeError(f"cannot read recipe: {e.strerror}", where=name,
-                              fix="check the path") from None
+        from graphmode.untrusted import UntrustedFileError, read_bytes
+        try:      # a regular file of a recipe's size: not /dev/zero, not a FIFO that blocks
+            source = read_bytes(source, limit=MAX_RECIPE_BYTES)
+        except UntrustedFileError as e:
+            raise RecipeError(f"cannot read recipe: {e.message}", where=name,
+                              fix="give the path of a recipe YAML file") from None
     data, lines, dups = parse_yaml(source, name)
     return build_recipe(data, lines, name, dups)

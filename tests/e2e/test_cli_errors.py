@@ -26,7 +26,11 @@ def files(tmp_path_factory):
         "wrong_type": d / "wrong_type.yaml", "unknown_key": d / "unknown_key.yaml", "binary": d / "binary.yaml",
         "list": d / "list.yaml", "huge": d / "huge.yaml", "broken_py": d / "broken_model.py",
         "raising_py": d / "raising_model.py", "bad_onnx": d / "bad.onnx", "dir": d / "adir",
+        "fifo": d / "fifo.yaml", "zeros": d / "zeros.yaml",
     }
+    import os
+    os.mkfifo(f["fifo"])                         # opened, it blocked until something wrote to it
+    f["zeros"].symlink_to("/dev/zero")           # read whole, it took every byte of memory
     f["good"].write_text(yaml.safe_dump(MLP))
     f["malformed_yaml"].write_text("version: 1\nname: [unclosed\n")
     f["empty"].write_text("")
@@ -50,7 +54,8 @@ def run(args: list[str]):
     return res, out
 
 
-RECIPE_CASES = ["malformed_yaml", "empty", "wrong_type", "unknown_key", "binary", "list", "huge", "dir", "missing"]
+RECIPE_CASES = ["malformed_yaml", "empty", "wrong_type", "unknown_key", "binary", "list", "huge", "dir", "missing",
+                "fifo", "zeros"]
 
 
 @pytest.mark.parametrize("case", RECIPE_CASES)
@@ -112,6 +117,8 @@ def test_broken_models(files, cmd, case):
     (["serve", "--model", "MLP", "--recipe", "GOOD", "--port", "-5"], "port"),
     (["serve", "--model", "MLP", "--recipe", "GOOD", "--batch-window-ms", "-1"], "batch-window"),
     (["bench", "--model", "MLP", "--shape", "axb"], "shape"),
+    (["run", "--model", "MLP", "--recipe", "GOOD", "--threads", "100000"], "--threads"),    # was a segfault
+    (["serve", "--model", "MLP", "--recipe", "GOOD", "--threads", "-1"], "--threads"),
 ])
 def test_bad_arguments(files, args, needle):
     args = [a.replace("MLP", f"{TINY}:mlp").replace("GOOD", files["good"]) for a in args]
