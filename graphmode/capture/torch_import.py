@@ -175,11 +175,7 @@ class _Importer:
                                    f"graphmode holds as {held}", fix="report this as a capture bug, with the model")
             return
         if isinstance(target, torch._ops.HigherOrderOperator):    # torch.cond, while_loop, map: a graph each
-            raise CaptureError(f"{getattr(target, '__name__', tname)} at {_source_loc(node)}: graphmode captures "
-                               "one graph without control flow, and cannot run this op's branches",
-                               where=f"node {node.name}",
-                               fix="compute both branches and pick with torch.where (one graph), or run the model "
-                                   "with exe_mode: eager")
+            raise _control_flow(node, tname)
         if not isinstance(target, torch._ops.OpOverload):
             self._sym_op(node)
             return
@@ -419,6 +415,13 @@ def _source_loc(node: torch.fx.Node) -> str:
         last = list(stack.values())[-1]
         return last[0] if isinstance(last, tuple) else str(stack)
     return node.name
+
+
+def _control_flow(node: torch.fx.Node, tname: str) -> CaptureError:
+    return CaptureError(f"{getattr(node.target, '__name__', tname)} at {_source_loc(node)}: graphmode captures one "
+                        "graph without control flow, and cannot run this op's branches", where=f"node {node.name}",
+                        fix="compute both branches and pick with torch.where (one graph), or run the model with "
+                            "exe_mode: eager")
 
 
 def make_excluder(include_ops: Sequence[str] = (), exclude_ops: Sequence[str] = ()) -> Callable[[str, str], bool]:
