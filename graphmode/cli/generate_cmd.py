@@ -91,6 +91,13 @@ class Request:
                                  where="--prompt" if prompt else "--stop",
                                  fix="send token ids: --prompt-ids 464,2068 (and --stop-ids 13), or use a model spec "
                                      "whose bundle carries a tokenizer (a .gm keeps the one it was saved with)")
+        for text in [*prompt, *stop]:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise GraphmodeError("the text is not valid Unicode (a lone surrogate: bytes the shell could not "
+                                     "decode)", where=flag if text in prompt else "--stop", value=text.encode(
+                                         "utf-8", "backslashreplace").decode(), fix="send UTF-8 text") from None
         prompts = [list(tok.encode(p)) for p in prompt] if prompt else [parse_ids(p, flag) for p in prompt_ids]
         vocab = int(cfg["vocab"])
         check_ids(prompts, vocab, flag)

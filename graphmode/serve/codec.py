@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import math
 from typing import Any, Mapping
 
@@ -245,7 +246,7 @@ def parse_json(body: bytes, fix: str, parse_constant: Any = None) -> Any:
     not UTF-8, nested too deeply, an integer of thousands of digits. `parse_constant` sees
     NaN / Infinity (None: accepted here, refused later with the index they sit at)."""
     try:
-        return json.loads(body, parse_constant=parse_constant) if parse_constant else json.loads(body)
+        doc = json.loads(body, parse_constant=parse_constant) if parse_constant else json.loads(body)
     except json.JSONDecodeError as e:
         raise BadRequest(f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}", reason="malformed_json",
                          where="body", fix=fix) from None
@@ -258,6 +259,34 @@ def parse_json(body: bytes, fix: str, parse_constant: Any = None) -> Any:
     except ValueError as e:                   # an integer literal of more than 4300 digits
         raise BadRequest(f"malformed JSON: {clip(e, 120)}", reason="malformed_json", where="body",
                          fix="send numbers of at most a few dozen digits") from None
+    if _SURROGATE.search(body) and not _all_text(doc):
+        raise BadRequest("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair): it is not "
+                         "text", reason="malformed_json", where="body",
+                         fix="send valid Unicode (a character outside the BMP as its \\ud8xx\\udcxx pair)")
+    return doc
+
+
+# an escaped surrogate in the raw body: only then are the strings walked (a tokenizer raised a
+# TypeError on a lone one: HTTP 500)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _all_text(doc: Any) -> bool:
+    """Every string in `doc` (keys too) encodes as UTF-8: no lone surrogate."""
+    stack = [doc]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return True
 
 
 def decode_json(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torch.Tensor]:

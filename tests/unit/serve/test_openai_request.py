@@ -139,6 +139,14 @@ def test_malformed_json_is_a_400_naming_the_body():
         assert e.value.status == 400 and e.value.where == "body", body
 
 
+def test_a_lone_surrogate_in_text_is_a_400_not_a_tokenizer_error(tok):
+    """The tokenizer raised a TypeError on it: HTTP 500. A surrogate pair is text and stays."""
+    with pytest.raises(BadRequest, match="lone UTF-16 surrogate") as e:
+        parse_completion(b'{"prompt": "w5 \\ud800 w6", "max_tokens": 2}', tokenizer=tok, eos=EOS)
+    assert e.value.status == 400 and e.value.where == "body"
+    assert parse_completion(b'{"prompt": "w5 \\ud83d\\ude00", "max_tokens": 2}', tokenizer=tok, eos=EOS)
+
+
 def feed(out: ChoiceOutput, tokens: list[int], reason: str | None = None) -> tuple[list[int], str]:
     out.tokens += tokens
     return out.release(reason)
