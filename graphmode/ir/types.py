@@ -11,7 +11,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping, Union
 
 import sympy
 import torch
@@ -106,6 +106,14 @@ def _as_sympy_functions(d: sympy.Basic) -> sympy.Basic:
 _TO_INT = {"TruncToInt": sympy.floor, "FloorToInt": sympy.floor, "CeilToInt": sympy.ceiling}
 
 
+def exact_scale(v: float) -> sympy.Rational | None:
+    """A positive double `v` as the fraction it is, when its denominator is at most 16: then
+    size * v is exact in doubles, so torch's floor(size * v) is the exact floor. None otherwise
+    (1/3 times 3 rounds to 1.0 before torch floors it)."""
+    f = fractions.Fraction(float(v))
+    return sympy.Rational(f.numerator, f.denominator) if 0 < f and f.denominator <= 16 else None
+
+
 def _float_sizes(d: sympy.Basic) -> sympy.Basic:
     """torch's size of F.interpolate(scale_factor=1.5), TruncToInt(1.5 * ToFloat(H)), as
     floor(3 * H / 2): sizes are positive (trunc is floor), and a scale whose double is a
@@ -114,9 +122,8 @@ def _float_sizes(d: sympy.Basic) -> sympy.Basic:
     names = {type(x).__name__ for x in d.atoms(sympy.Function)}
     if "ToFloat" not in names or not names & set(_TO_INT):
         return d
-    floats = d.atoms(sympy.Float)
-    exact = {f: sympy.Rational(*fractions.Fraction(float(f)).as_integer_ratio()) for f in floats}
-    if any(r.q > 16 for r in exact.values()):
+    exact = {f: exact_scale(f) for f in d.atoms(sympy.Float)}
+    if any(r is None for r in exact.values()):
         return d
     d = d.replace(lambda x: type(x).__name__ == "ToFloat" and len(x.args) == 1, lambda x: x.args[0])
     d = d.replace(lambda x: type(x).__name__ in _TO_INT and len(x.args) == 1,
@@ -193,7 +200,7 @@ def _quasi_zero(diff: sympy.Expr) -> bool:
     syms = sorted(diff.free_symbols, key=lambda x: x.name)
     if not syms or not all(x.is_integer for x in syms):
         return False
-    steps = [f for f in diff.atoms(sympy.floor, sympy.ceiling, sympy.Mod)]
+    steps = diff.has(sympy.floor, sympy.ceiling, sympy.Mod)
     flat = diff.replace(lambda x: isinstance(x, (sympy.floor, sympy.ceiling)), lambda x: x.args[0])
     flat = flat.replace(lambda x: isinstance(x, sympy.Mod), lambda x: x.args[0])
     if not steps or not flat.is_polynomial(*syms):
@@ -203,7 +210,7 @@ def _quasi_zero(diff: sympy.Expr) -> bool:
     spans = [(max(int(sympy.degree(flat, x)), 0) + 1) * period if flat != 0 else period for x in syms]
     if math.prod(spans) > QUASI_POINTS:
         return False
-    return _zero_at(diff, syms, [range(1, n + 1) for n in spans])
+    return _holds_at(diff, syms, [range(1, n + 1) for n in spans], lambda v: v == 0)
 
 
 def dims_equal_on(a: Dim, b: Dim, ranges: Mapping[str, tuple[int, int]]) -> bool:
@@ -219,12 +226,12 @@ def dims_equal_on(a: Dim, b: Dim, ranges: Mapping[str, tuple[int, int]]) -> bool
     spans = [range(ranges[x.name][0], ranges[x.name][1] + 1) for x in syms]
     if math.prod(len(r) for r in spans) > QUASI_POINTS:
         return False
-    return _zero_at(diff, syms, spans)
+    return _holds_at(diff, syms, spans, lambda v: v == 0)
 
 
-def _zero_at(diff: sympy.Expr, syms: list, spans: list) -> bool:
-    """`diff` is 0 at every point of the grid (exact: integers substituted, no floats)."""
-    return all(diff.xreplace(dict(zip(syms, map(sympy.Integer, pt)))) == 0 for pt in itertools.product(*spans))
+def _holds_at(e: sympy.Expr, syms: list, spans: list, test: Any) -> bool:
+    """`test` holds for `e` at every point of the grid (exact: integers substituted, no floats)."""
+    return all(test(e.xreplace(dict(zip(syms, map(sympy.Integer, pt))))) for pt in itertools.product(*spans))
 
 
 def settle_on(d: Dim, ranges: Mapping[str, tuple[int, int]]) -> Dim:
@@ -254,7 +261,7 @@ def _nonneg_on(e: sympy.Expr, ranges: Mapping[str, tuple[int, int]]) -> bool:
              for x in syms]
     if not linear and math.prod(len(r) for r in spans) > QUASI_POINTS:
         return False
-    return all(e.xreplace(dict(zip(syms, map(sympy.Integer, pt)))) >= 0 for pt in itertools.product(*spans))
+    return _holds_at(e, syms, spans, lambda v: v >= 0)
 
 
 def same_dims(a: Iterable[Dim], b: Iterable[Dim], ranges: Mapping[str, tuple[int, int]] | None = None) -> bool:

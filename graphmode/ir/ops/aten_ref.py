@@ -25,7 +25,6 @@ differ stays an eager island (never a guess).
 """
 from __future__ import annotations
 
-import fractions
 import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
@@ -36,7 +35,7 @@ import torch.utils._pytree as pytree
 
 from graphmode.errors import IRError
 from graphmode.ir.ops.spec import OpSpec, Sample, broadcast_shapes, register
-from graphmode.ir.types import DTYPES, TORCH_TO_DTYPE, TensorType, normalize_dim
+from graphmode.ir.types import DTYPES, TORCH_TO_DTYPE, TensorType, exact_scale, normalize_dim
 
 TRAIT = "aten_reference"
 
@@ -142,11 +141,10 @@ def _resampled(op: str, ins: list[TensorType], attrs: Mapping[str, Any]) -> Tens
         return x.with_shape(x.shape[:2] + tuple(size))
     if size is not None or not (isinstance(scales, list) and len(scales) == k):
         return None
-    exact = [fractions.Fraction(float(v)) for v in scales]
-    if any(f.denominator > 16 or f <= 0 for f in exact):
+    exact = [exact_scale(v) for v in scales]
+    if None in exact:
         return None
-    return x.with_shape(x.shape[:2] + tuple(normalize_dim(sympy.floor(sympy.sympify(d) * sympy.Rational(f.numerator,
-                                                                                                      f.denominator)))
+    return x.with_shape(x.shape[:2] + tuple(normalize_dim(sympy.floor(sympy.sympify(d) * f))
                                             for d, f in zip(x.shape[2:], exact)))
 
 
