@@ -188,8 +188,9 @@ def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
 def example_inputs_from_recipe(recipe: Recipe, module: Any = None, *, sizes: dict[str, int] | None = None,
                                seed: int = 0) -> dict[str, torch.Tensor]:
     """One example per declared input at `sizes` (default: small sizes of the recipe's dims):
-    floats random, token types zeros, bools `zoo.bool_sample` (key padding masks nothing padded),
-    masks ones, token ids inside the module's vocabulary (its config's), other integers ones."""
+    floats random, token types zeros, bools `zoo.bool_sample` (key padding masks nothing padded;
+    a bool with a declared pad_value is the other value everywhere), masks ones, token ids inside
+    the module's vocabulary (its config's), other integers ones."""
     from graphmode.capture.torch_import import example_sizes
     from graphmode.capture.zoo import bool_sample
     from graphmode.ir.types import DTYPES
@@ -204,6 +205,8 @@ def example_inputs_from_recipe(recipe: Recipe, module: Any = None, *, sizes: dic
             out[spec.name] = torch.randn(shape, generator=g).to(dt)
         elif "type" in spec.name:
             out[spec.name] = torch.zeros(shape, dtype=dt)
+        elif dt == torch.bool and "pad_value" in spec.model_fields_set:
+            out[spec.name] = torch.full(shape, not bool(spec.pad_value), dtype=dt)
         elif dt == torch.bool:
             out[spec.name] = bool_sample(spec.name, shape)
         elif spec.name.endswith("ids") and isinstance(vocab, int) and vocab > 3:

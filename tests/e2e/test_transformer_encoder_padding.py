@@ -120,3 +120,65 @@ def test_graphmode_verify_on_a_key_padding_mask_model(tmp_path):
     res = CliRunner().invoke(app, ["--no-progress", "verify", "--model", f"{tmp_path / 'enc.py'}:build_encoder",
                                    "--recipe", str(tmp_path / "enc.yaml"), "--cache-dir", str(tmp_path / "cache")])
     assert res.exit_code == 0 and "all shapes match eager" in res.output, res.output
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, need_weights: bool, causal: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.need_weights, self.causal = need_weights, causal
+
+    def forward(self, x, src_key_padding_mask):
+        rows = torch.arange(x.shape[1])
+        am = (rows[None, :] > rows[:, None]) | (rows[:, None] == 0) if self.causal else None   # row 0 sees no key
+        return self.attn(x, x, x, key_padding_mask=src_key_padding_mask, attn_mask=am, need_weights=self.need_weights)[0]
+
+
+def _whole_rows_masked(b, s):
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    mask[1, :] = True               # every key of batch item 1 masked
+    mask[0, s - 3:] = True
+    return mask
+
+
+@pytest.mark.parametrize("model", [SelfAttention(False), SelfAttention(True), SelfAttention(False, causal=True),
+                                   Encoder(), Encoder(norm=True)],
+                         ids=["mha", "mha-weights", "mha-causal", "encoder", "encoder-norm"])
+@pytest.mark.parametrize("nested", [True, False])
+def test_rows_with_every_key_masked_are_nan_as_in_eager(model, nested):
+    """Eager's native attention kernels (nn.MultiheadAttention as self-attention with boolean masks,
+    an encoder layer in eval) answer NaN in a query row whose keys are all masked, where the traced
+    path's scaled_dot_product_attention answered finite values: a wrong answer in graph mode until
+    the capture put the NaN back (graphmode/capture/fast_paths.py)."""
+    model.eval()
+    if isinstance(model, Encoder):
+        model.enc.use_nested_tensor = nested
+    elif not nested:
+        pytest.skip("no nested-tensor path outside nn.TransformerEncoder")
+    cm = graphmode.compile(model, _recipe(3, 8, name="masked"))
+    assert cm.mode == "graph"
+    x, mask = torch.randn(3, 8, 32), _whole_rows_masked(3, 8)
+    with torch.no_grad():
+        ref = model(x, mask)
+    out = cm(x, mask)
+    assert cm.last_path["path"] == "graph"
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    live = ~torch.isnan(ref).any(-1)
+    assert live.any() and _rel(out[live], ref[live]) < 1e-5
+
+
+def test_a_declared_pad_value_gives_the_example_nothing_padded():
+    """A module handed without examples runs on inputs from the recipe: a bool input whose
+    pad_value is 1 gets all zeros (nothing padded); all ones masked every key, and the encoder's
+    eager nested-tensor path failed on them, whatever the input's name."""
+    class Named(Encoder):
+        def forward(self, x, mask):
+            return self.enc(x, src_key_padding_mask=mask)
+    rec = _recipe(2, 8)
+    rec["inputs"][1]["name"] = "mask"
+    m = Named().eval()
+    cm = graphmode.compile(m, rec)
+    x, mask = torch.randn(2, 8, 32), _masks(2, 8)["right"]
+    with torch.no_grad():
+        assert _rel(cm(x, mask), m(x, mask)) < 1e-5
