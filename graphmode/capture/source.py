@@ -70,18 +70,24 @@ class ModelSource:
         # graphmode's wrapper of a transformers model names every input; its base forward passes
         # on only those given, as the user's own call of the model would
         fwd = (lambda **kw: OutputFlattener.forward(m, **kw)) if isinstance(m, OutputFlattener) else m
-        rest = {k: v for k, v in self.example_inputs.items() if k != name}
-        try:
-            with torch.inference_mode():
-                full, without = fwd(**self.example_inputs), fwd(**rest)
-        except Exception:  # noqa: BLE001 - a forward that needs the input: it is not optional
-            return None
-        full, without = [list(o) if isinstance(o, (tuple, list)) else [o] for o in (full, without)]
-        same = len(full) == len(without) and all(
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-            and (torch.equal(a, b) if not a.is_floating_point() else rel_l2(b, a) < 1e-6)
-            for a, b in zip(full, without))
-        return int(value) if same else None
+        for i, given in enumerate(_id_variants(self.example_inputs, name, self.module)):
+            rest = {k: v for k, v in given.items() if k != name}
+            try:
+                with torch.inference_mode():
+                    full, without = fwd(**given), fwd(**rest)
+            except Exception:  # noqa: BLE001 - a forward that needs the input: it is not optional
+                if i == 0:
+                    return None
+                continue      # ids a variant put past the model's tables: no evidence either way
+            full, without = [list(o) if isinstance(o, (tuple, list)) else [o] for o in (full, without)]
+            same = len(full) == len(without) and all(
+                isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and (torch.equal(a, b) if not a.is_floating_point() else bool(torch.equal(a.isnan(), b.isnan()))
+                     and rel_l2(b.nan_to_num(), a.nan_to_num()) < 1e-6)
+                for a, b in zip(full, without))
+            if not same:
+                return None
+        return int(value)
 
     def make_inputs(self, env: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
         if self.bundle is not None:
@@ -113,6 +119,27 @@ class ModelSource:
                                  value=shapes, fix="send inputs the model takes (ONNX Runtime runs it as it is: "
                                                    "this is the model's own limit)") from None
         return [torch.from_numpy(r) for r in res]
+
+
+def _id_variants(example: dict[str, torch.Tensor], omitted: str, module: Any) -> list[dict[str, torch.Tensor]]:
+    """The examples, and copies whose integer inputs hold a pad id in their second half (0, 1, 2 and
+    the config's pad_token_id): a model may build the omitted input from its ids (XLM's mask is
+    `ids != pad_index`), which examples without a pad id cannot show."""
+    config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
+    pads = {0, 1, 2} | {p for p in [getattr(config, "pad_token_id", None), getattr(config, "pad_index", None)]
+                        if isinstance(p, int) and p >= 0}
+    out = [example]
+    for pad in sorted(pads):
+        variant, changed = dict(example), False
+        for k, v in example.items():
+            if k == omitted or v.is_floating_point() or v.dtype == torch.bool or v.dim() == 0 or v.shape[-1] < 2:
+                continue
+            v = v.clone()
+            v[..., v.shape[-1] // 2:] = pad
+            variant[k], changed = v, True
+        if changed:
+            out.append(variant)
+    return out
 
 
 def _bundle_from_recipe(module: torch.nn.Module, ex: dict, recipe: Recipe, params: list[str]) -> Any:

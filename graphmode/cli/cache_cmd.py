@@ -32,8 +32,15 @@ def _max_bytes(text: str) -> int:
 
 
 def _cache(cache_dir: Optional[Path]):
+    """The cache these commands inspect: a root that is a file is an error here (a compile runs on
+    without caching there, with an `unusable` event; listing it would show an empty cache)."""
     from graphmode.runtime.cache import ArtifactCache
-    return ArtifactCache(cache_dir)
+    cache = ArtifactCache(cache_dir)
+    if cache.root.exists() and not cache.root.is_dir():
+        raise CacheError("the cache root is not a folder", where="--cache-dir" if cache_dir is not None else
+                         "$GRAPHMODE_CACHE_DIR", value=str(cache.root),
+                         fix="give the folder a compile used (--cache-dir), or leave it out for the default cache")
+    return cache
 
 
 @cache_app.command("ls")

@@ -162,6 +162,9 @@ def compile_cmd(
     as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
 ) -> None:
     """Compile a model with a recipe and print the compile report."""
+    if save is not None and not dry_run:
+        from graphmode.runtime.artifact import check_writable
+        check_writable(save)
     with progress() as on_stage:
         rep, graph, recipe_obj, src = build_report(model, recipe, target, dump_dir=dump_dir,
                                                    dump_before=dump_ir_before, dump_after=dump_ir_after,

@@ -169,6 +169,7 @@ class Manifest(_Strict):
     out_spec: Optional[str] = _text(1 << 20)
     output_structure: Optional[OutputSpec] = None
     mutated_inputs: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
+    positional: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)   # forward's parameters, in order
     exact_dims: list[str] = Field(max_length=MAX_ITEMS)
     masked_dims: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)   # runtime/shaping.py pad_hazard
     query_key_dims: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
@@ -216,6 +217,34 @@ class _Hashing:
         return {"bytes": self.bytes, "sha256": self.sha.hexdigest()}
 
 
+def positional_names(cm: Any) -> list[str]:
+    """The parameters a call's positional arguments bind to, as the model's forward has them (a
+    loaded artifact has no forward; the recipe may list the inputs in another order)."""
+    sig = getattr(cm, "_signature", None)
+    if sig is None:
+        return list(getattr(cm, "positional", None) or [])
+    import inspect
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [n for n, p in sig.parameters.items() if p.kind in positional]
+
+
+def check_writable(path: str | Path, where: str = "--save") -> Path:
+    """Refuse an artifact path that cannot be written before the buckets are built (minutes), not after:
+    a folder, or a parent that cannot be created or written."""
+    path = Path(path)
+    if path.is_dir():
+        raise ArtifactError("the artifact path is a folder", where=where, value=str(path),
+                            fix=f"give a file path, e.g. {path / 'model.gm'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as e:
+        raise ArtifactError(f"cannot write the artifact there: {e.strerror or e}", where=where,
+                            value=str(path), fix="give a path in a folder you can write") from None
+    return path
+
+
 def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[str, int]] | None = None,
          decoder: dict[str, Any] | None = None, tokenizer: Path | None = None) -> dict[str, Any]:
     """Build every bucket of `cm` (from its cache where it can) and write them into one file.
@@ -224,7 +253,7 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
     decoder's paged graph (decode/saved.py) comes with its plans' `envs`, its sizes
     (`decoder`) and a folder of tokenizer files (`tokenizer`, or None)."""
     from graphmode.runtime.build import cache_key
-    path = Path(path)
+    path = check_writable(path, "path")
     if cm.mode == "eager" or cm.graph is None:
         raise ArtifactError("an eager-mode model has no plans to save", where="exe_mode", value=cm.mode,
                             fix="compile with exe_mode graph or hybrid")
@@ -260,6 +289,7 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
                 "threads": cm.threads, "buckets": list(plans), "outputs": cm.output_names,
                 "out_spec": out_spec, "output_structure": cm.output_structure,
                 "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims),
+                "positional": positional_names(cm),
                 "masked_dims": list(getattr(cm, "masked_dims", [])),
                 "query_key_dims": list(getattr(cm, "query_key_dims", [])), "kernels": sorted(libraries),
                 # the compile's checks: a rank's shard (its table split over the ranks) cannot derive them again
@@ -576,6 +606,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     cm.query_key_dims = list(manifest.get("query_key_dims") or [])
     cm.output_structure = manifest.get("output_structure")
     cm.mutated_inputs = list(manifest.get("mutated_inputs") or [])
+    cm.positional = list(manifest.get("positional") or [])
     if manifest.get("input_bounds") is not None:
         cm._bounds = bounds_from_doc(manifest["input_bounds"])
     cm.artifact = {"path": str(path), "digest": digest, **{k: manifest[k] for k in ("created", "host", "buckets")}}

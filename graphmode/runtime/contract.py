@@ -41,11 +41,16 @@ class InputContract:
             except TypeError as e:
                 raise ContractViolation(f"arguments do not match the model's signature: {e}",
                                         fix=f"call with {', '.join(self.input_names)}") from None
-        else:
-            if len(args) > len(self.input_names):
-                raise ContractViolation(f"got {len(args)} positional inputs, the recipe declares "
-                                        f"{len(self.input_names)}", fix=f"inputs: {', '.join(self.input_names)}")
-            named = dict(zip(self.input_names, args))
+        else:      # an ONNX model or a loaded artifact: positions as the model's forward had them
+            order = list(getattr(self, "positional", None) or self.input_names)
+            if len(args) > len(order):
+                raise ContractViolation(f"got {len(args)} positional inputs, the model takes {len(order)}",
+                                        fix=f"inputs: {', '.join(order)}")
+            named = dict(zip(order, args))
+            twice = [k for k in kwargs if k in named]
+            if twice:
+                raise ContractViolation(f"inputs {twice} given both by position and by name", where="inputs",
+                                        fix=f"give each input once (positions: {', '.join(order)})")
             named.update(kwargs)
         params = self._signature.parameters if self._signature is not None else {}
         named = {k: v for k, v in named.items()       # an explicit None (unless a default says otherwise): omitted
@@ -56,7 +61,11 @@ class InputContract:
                                     fix=f"the recipe declares {', '.join(self.input_names)}")
         missing = [k for k in self.input_names if k not in named and not self._fill_omitted(k, named)]
         if missing:
-            raise ContractViolation(f"missing inputs {missing}", where="inputs",
+            optional = [k for k in missing if k in _none_defaults(getattr(getattr(self, "source", None), "module", None))]
+            why = (f": forward takes {optional} as optional, but the model's answer without them is not its "
+                   "answer with any one constant (e.g. a mask it builds from the ids), so a compiled call "
+                   "cannot stand in for None" if optional else "")
+            raise ContractViolation(f"missing inputs {missing}{why}", where="inputs",
                                     fix=f"pass every declared input: {', '.join(self.input_names)}")
         out = {}
         for spec in self.recipe.inputs:
@@ -83,6 +92,9 @@ class InputContract:
                                         value=t.tolist() if t.numel() <= 16 else tuple(t.shape),
                                         fix=f"send {spec.value}, or compile with a recipe declaring the new value")
             out[spec.name] = t
+        mutated = getattr(self, "mutated_inputs", None)
+        if mutated:
+            refuse_aliased_updates(out, mutated)
         return out
 
     def bounds(self) -> tuple[list, list]:
@@ -149,3 +161,44 @@ class InputContract:
                                              f"or set on_violation: eager")
         return ContractViolation(f"no bucket holds shape {dict(dims)}", where="dims", value=dict(dims),
                                  fix="add a bucket that covers it")
+
+
+def _none_defaults(module: Any) -> set[str]:
+    """The parameters the user's forward (inside graphmode's wrapper, if any) defaults to None."""
+    import inspect
+    inner = getattr(module, "model", module)
+    try:
+        return {n for n, p in inspect.signature(inner.forward).parameters.items() if p.default is None}
+    except (AttributeError, TypeError, ValueError):
+        return set()
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage address, first byte, end byte) of the memory `t` reads."""
+    size = t.element_size()
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return t.untyped_storage().data_ptr(), t.storage_offset() * size, (last + 1) * size
+
+
+def refuse_aliased_updates(inputs: Mapping[str, torch.Tensor], mutated: list[str]) -> None:
+    """The model updates `mutated` in place. A compiled call runs each input from its own copy and
+    writes the update back after, so an updated input that shares memory with another input (one
+    tensor passed twice, overlapping views) or with itself (an expanded tensor) would not see the
+    update where eager does: refused, naming the inputs."""
+    for name in mutated:
+        t = inputs.get(name)
+        if t is None or t.numel() == 0:
+            continue
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            raise ContractViolation(f"the model updates input {name!r} in place, and its elements share memory "
+                                    "(an expanded tensor: stride 0)", where=f"inputs.{name}", value=tuple(t.stride()),
+                                    fix=f"pass {name}.clone() (or .contiguous())")
+        mine = _extent(t)
+        for other, u in inputs.items():
+            if other == name or u.numel() == 0:
+                continue
+            theirs = _extent(u)
+            if mine[0] == theirs[0] and mine[1] < theirs[2] and theirs[1] < mine[2]:
+                raise ContractViolation(f"the model updates input {name!r} in place, and it shares memory with input "
+                                        f"{other!r}: eager sees the update through both, a compiled call would not",
+                                        where=f"inputs.{name}", fix=f"pass separate tensors, e.g. {other}.clone()")

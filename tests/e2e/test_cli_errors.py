@@ -119,6 +119,7 @@ def test_broken_models(files, cmd, case):
     (["bench", "--model", "MLP", "--shape", "axb"], "shape"),
     (["run", "--model", "MLP", "--recipe", "GOOD", "--threads", "100000"], "--threads"),    # was a segfault
     (["serve", "--model", "MLP", "--recipe", "GOOD", "--threads", "-1"], "--threads"),
+    (["cache", "ls", "--cache-dir", "GOOD"], "not a folder"),        # a file as the root: was an empty listing
 ])
 def test_bad_arguments(files, args, needle):
     args = [a.replace("MLP", f"{TINY}:mlp").replace("GOOD", files["good"]) for a in args]
@@ -157,3 +158,12 @@ def test_eager_failing_on_the_sample_inputs_is_an_error_not_a_traceback(cmd, tmp
     res, out = run([cmd, "--model", f"{tmp_path / 'te.py'}:_nested_encoder", "--recipe", str(tmp_path / "te.yaml"),
                     "--cache-dir", str(tmp_path / "cache")])
     assert res.exit_code == 2 and "eager PyTorch fails at" in out and "sample inputs" in out, out
+
+
+@pytest.mark.parametrize("where,needle", [("dir", "is a folder"), ("good", "cannot write")])
+def test_an_unwritable_save_path_is_refused_before_compiling(files, where, needle):
+    """`compile --save` built every bucket (minutes) and then failed on the path with a raw OSError."""
+    path = files["dir"] if where == "dir" else files["good"] + "/x.gm"        # a file as the folder
+    res, out = run(["compile", "--model", f"{TINY}:mlp", "--recipe", files["good"], "--save", path])
+    assert res.exit_code == 1 and needle in out and "--save" in out, out
+    assert "plan for bucket" not in out, out

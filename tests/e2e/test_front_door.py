@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import graphmode
 from graphmode.capture.spec import bundle_from_module
-from graphmode.errors import CaptureError
+from graphmode.errors import CaptureError, ContractViolation
 from graphmode.kb.draft import MAX_DRAFT_PLANS, draft_recipe
 from graphmode.verdict import ContractRefused
 
@@ -150,6 +150,24 @@ def test_inputs_updated_in_place_reach_the_caller_and_buffer_updates_are_refused
     with pytest.raises(CaptureError, match="running_mean"):      # batch statistics, whatever the module's mode
         graphmode.compile(TrainingNorm(), {"version": 1, "name": "bn", **FAST,
                                            "inputs": [{"name": "x", "dtype": "f32", "shape": [4, 3]}]})
+
+
+def test_an_input_updated_in_place_that_shares_memory_is_refused_by_name():
+    """Eager sees `x.mul_(2)` through every argument sharing x's memory; a compiled call runs each
+    input from its own copy (cm(x, x) answered rel L2 0.4 off eager), and an expanded x made
+    torch's copy-back raise after the plan ran."""
+    cm = graphmode.compile((Scale(), (torch.ones(2, 3), torch.ones(2, 3))))
+    x = torch.ones(2, 3)
+    with pytest.raises(ContractViolation, match="shares memory with input 'y'"):
+        cm(x, x)
+    with pytest.raises(ContractViolation, match="shares memory with input 'y'"):
+        base = torch.ones(3, 3)
+        cm(base[:2], base[1:])                                      # overlapping views
+    with pytest.raises(ContractViolation, match="expanded tensor") as e:
+        cm(torch.ones(1, 3).expand(2, 3), torch.ones(2, 3))
+    assert "clone()" in e.value.fix
+    assert torch.equal(x, torch.ones(2, 3))                          # refused before anything ran
+    assert torch.equal(cm(x, x.clone()), torch.full((2, 3), 3.0))
 
 
 def test_a_static_model_drafts_without_dims_and_saves(tmp_path):
@@ -318,6 +336,34 @@ def test_an_input_whose_absence_means_something_else_is_still_required():
         cm(ids=ids)
     with pytest.raises(ContractViolation, match="missing inputs \\['mask'\\]"):
         cm(ids=ids, mask=None)                                  # None is its default: as omitted, still required
+
+
+class MaskFromIds(nn.Module):
+    """`mask=None` means "build it from the ids" (XLM, Flaubert: ids != pad index): no one constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+
+    def forward(self, ids, mask=None):
+        if mask is None:
+            mask = (ids != 0).long()
+        m = mask[..., None].float()
+        return (self.emb(ids) * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+
+def test_an_input_the_model_derives_from_the_ids_is_not_filled_with_a_constant():
+    """The examples hold no pad id, so without and with a mask of ones agreed there; a request
+    with padded rows then got ones where eager masked them (rel L2 0.66). The check now also runs
+    the examples with pad ids in them, and the omitted mask stays required, saying why."""
+    from graphmode.errors import ContractViolation
+    ex = {"ids": torch.randint(1, 50, (2, 8)), "mask": torch.ones(2, 8, dtype=torch.long)}
+    cm = graphmode.compile((MaskFromIds().eval(), ex, {"ids": ["batch", "seq"], "mask": ["batch", "seq"]}))
+    ids = torch.randint(1, 50, (2, 8))
+    ids[0, 5:] = 0
+    for call in (lambda: cm(ids), lambda: cm(ids, None), lambda: cm(ids=ids, mask=None)):
+        with pytest.raises(ContractViolation, match="missing inputs \\['mask'\\]: forward takes"):
+            call()
 
 
 def test_a_causal_lm_with_its_default_cache_compiles_under_a_recipe():

@@ -85,3 +85,15 @@ def test_test_modules_have_unique_basenames():
     for f in sorted((REPO / "tests").rglob("test_*.py")):
         other = seen.setdefault(f.name, f)
         assert other == f, f"{f.relative_to(REPO)} and {other.relative_to(REPO)}: rename one"
+
+
+def test_no_model_or_build_output_is_tracked():
+    """Models, artifacts, caches and objects are made by the code and tests at run time: one
+    committed by accident (an ONNX file a session wrote at the repo root) is data nothing reads."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"not a git checkout: {e}")
+    made = re.compile(r"\.(onnx|gm|gguf|pt|pth|safetensors|sqlite|so|o|pyc)$")
+    bad = [n for n in out.decode().split("\0") if made.search(n)]
+    assert not bad, f"tracked files that the code makes at run time (git rm them): {bad}"
