@@ -33,7 +33,8 @@ from torch import nn
 from graphmode.capture import zoo
 from graphmode.capture.outputs import describe
 from graphmode.capture.zoo import ModelBundle
-from graphmode.errors import CaptureError
+from graphmode.capture.self_changes import refuse_self_changes
+from graphmode.errors import CaptureError, GraphmodeError
 
 __all__ = ["resolve_model_spec", "as_model", "OnnxModelSpec", "OnnxTensorSpec", "load_onnx_spec",
            "bundle_from_module", "describe_spec_forms"]
@@ -261,8 +262,10 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
                            value=sorted(dims), fix=f"give dims for exactly {list(ex)}")
     dims = {k: dims[k] for k in ex}
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), refuse_self_changes(module, where, "running on its example inputs"):
             raw = module(*ex.values()) if positional else module(**ex)
+    except GraphmodeError:
+        raise
     except Exception as e:  # noqa: BLE001
         call = "module(*example_inputs)" if positional else "module(**example_inputs)"
         raise CaptureError(f"running the model on its example inputs failed: "

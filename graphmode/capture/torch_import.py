@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from graphmode.capture.aten import convert
 from graphmode.capture.export_errors import ROPE_FIX, ROPE_WHY, export_failure, quiet_export_logs, shown_path
 from graphmode.capture.fast_paths import eager_fast_paths
+from graphmode.capture.self_changes import refuse_self_changes
 from graphmode.errors import CaptureError, GraphmodeError
 from graphmode.ir.graph import Graph, clean_name
 from graphmode.ir.types import TORCH_TO_DTYPE, TensorType, dim_str, normalize_dim, settle_on, sym
@@ -449,7 +450,8 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
         names = input_dims.get(inp, [])
         dynamic[inp] = {i: tdims[d] for i, d in enumerate(names) if isinstance(d, str) and d in tdims} or None
     try:
-        with torch.no_grad(), quiet_export_logs(), eager_fast_paths(module):
+        with torch.no_grad(), quiet_export_logs(), eager_fast_paths(module), \
+                refuse_self_changes(module, "model", "torch.export traced it"):
             ep = torch.export.export(module, (), dict(example_inputs), dynamic_shapes=dynamic, strict=False)
             ep = ep.run_decompositions(decomp_table={})
     except GraphmodeError:
