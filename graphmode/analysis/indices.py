@@ -17,7 +17,9 @@ valid request).
 
 The same trail from `arange(start, end=dim)` gives *dim limits*: positions 0..seq-1 that
 index a position table of N rows bound `seq` by N, so a shape past the model's positions
-is refused before anything (an eager fallback included) runs it.
+is refused before anything (an eager fallback included) runs it. A count along seq of 0/1
+values (`cumsum` of a bool cast, times those values: RoBERTa's positions from its ids) holds
+0..seq and bounds seq the same way.
 """
 from __future__ import annotations
 
@@ -138,6 +140,9 @@ def _follow(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | 
     """The trail of `node`'s output, when it holds a traced value's values plus a constant."""
     if node.op == "arange":
         return _arange(node)
+    if node.op == "cast" and node.inputs and graph.values[node.inputs[0]].type.dtype == "bool" \
+            and graph.values[node.outputs[0]].type.dtype in INT_LIMITS:
+        return _INDICATOR
     if not node.inputs or not any(i in trails for i in node.inputs):
         return None
     out_dt = graph.values[node.outputs[0]].type.dtype
@@ -147,8 +152,14 @@ def _follow(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | 
         return trails.get(node.inputs[0])
     if node.op == "where":
         return _wrapped(graph, node, trails)
+    if node.op == "cumsum":
+        return _counted(graph, node, trails.get(node.inputs[0]))
+    if node.op == "mul" and len(node.inputs) == 2:
+        return _masked_count(node, trails)
     if node.op in ("add", "sub") and len(node.inputs) == 2:
         a, b = node.inputs
+        if _INDICATOR in (trails.get(a), trails.get(b)):
+            return None                        # no longer 0 or 1
         if a in trails and (c := _int_scalar(graph, b)) is not None:
             t = trails[a]
             return _Trail(t.source, t.offset + (c if node.op == "add" else -c), t.kind, t.start)
@@ -158,14 +169,46 @@ def _follow(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | 
     return None
 
 
+_INDICATOR = _Trail("", 0, "indicator")      # a bool cast to an integer: 0 or 1
+
+
+def _counted(graph: Graph, node: Node, t: _Trail | None) -> _Trail | None:
+    """cumsum of 0/1 values along an axis of dim D: counts 0..D, a positions trail on D (RoBERTa
+    numbers its positions so: cumsum(ids != pad) * (ids != pad) + pad)."""
+    if t is None or t.kind != "indicator":
+        return None
+    shape = graph.values[node.inputs[0]].type.shape
+    axis = node.attr("dim", 0)
+    if not isinstance(axis, int) or not -len(shape) <= axis < len(shape):
+        return None
+    trail = _positions_of(shape[axis], 0)
+    if trail is None:
+        return None
+    # arange's trail on D + k holds 0 .. D + k - 1; a count holds 0 .. D + k: one more, from 0
+    return _Trail(trail.source, trail.offset + 1, "positions", -(trail.offset + 1))
+
+
+def _masked_count(node: Node, trails: Mapping[str, _Trail]) -> _Trail | None:
+    """A count from 0 times 0/1 values: still 0 .. its largest."""
+    a, b = (trails.get(i) for i in node.inputs)
+    for t, other in ((a, b), (b, a)):
+        if t is not None and t.kind == "positions" and t.start + t.offset == 0 and other == _INDICATOR:
+            return t
+    return None
+
+
 def _wrapped(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | None:
-    """`where(x < 0, x + n, x)` on an unshifted trail x: x's values, negatives counted from n."""
+    """`where(x < 0, x + n, x)` on an unshifted trail x: x's values, negatives counted from n; on
+    positions that start at 0 or above, x itself."""
     if len(node.inputs) != 3:
         return None
     cond, shifted, x = node.inputs
     t = trails.get(x)
     made = graph.producers()
     lt, add = made.get(cond), made.get(shifted)
+    if t is not None and t.kind == "positions" and t.start + t.offset >= 0 and lt is not None \
+            and lt.op == "lt" and list(lt.inputs[:1]) == [x] and _int_scalar(graph, lt.inputs[1]) == 0:
+        return t
     if t is None or t.kind != "input" or t.offset or t.wrap is not None or lt is None or add is None:
         return None
     if lt.op != "lt" or list(lt.inputs[:1]) != [x] or _int_scalar(graph, lt.inputs[1]) != 0:
@@ -180,8 +223,13 @@ def _arange(node: Node) -> _Trail | None:
     start, step = node.attr("start", 0), node.attr("step", 1)
     if not isinstance(start, int) or step != 1:
         return None
+    return _positions_of(node.attr("end"), start)
+
+
+def _positions_of(end: Any, start: int) -> _Trail | None:
+    """The trail of start .. end - 1 where `end` is one recipe dim plus an integer."""
     try:
-        end = normalize_dim(node.attr("end"))
+        end = normalize_dim(end)
     except Exception:  # noqa: BLE001 - an end the IR cannot read: not a position trail
         return None
     if isinstance(end, int) or len(end.free_symbols) != 1:
@@ -220,7 +268,7 @@ def _index_use(graph: Graph, node: Node, trails: Mapping[str, _Trail], report: I
         if rows == 0:
             report.empty_tables.append(IndexUse(node.op, node.outputs[0], table, axis, 0, 0, -1, negative_ok))
             continue
-        if trail is None:
+        if trail is None or trail.kind == "indicator":
             continue
         if trail.wrap is not None:            # negatives counted from the end: only provable for its own table
             if trail.wrap != rows:

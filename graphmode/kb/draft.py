@@ -379,8 +379,10 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     notes["targets"] = f"checked against {tgt.name}"
     low = capture_model(bundle, skeleton)
     graph0, cap, src = low.captured, low.capture_report, low.source
-    fit = _extent_minimums(graph0, ranges, given)
-    if fit:                                # an ONNX file's axes say nothing of where its windows fit
+    fit = _position_maximums(graph0, ranges, given)
+    for d, (lo, _, why) in _extent_minimums(graph0, ranges, given).items():
+        fit[d] = (lo, fit[d][1], f"{why}; {fit[d][2]}") if d in fit else (lo, None, why)
+    if fit:                     # an ONNX file's axes say nothing of where its windows fit or its positions end
         narrowed.update(fit)
         data["dims"], ranges = _dims(*dim_args, narrowed)
     model_row, hw_row = model_of(graph0, src, recipe_inputs(skeleton)), hardware_of(tgt)
@@ -522,6 +524,16 @@ def _extent_minimums(graph: Any, ranges: dict[str, tuple[int, int]], given: dict
                                   f"has {s.extent} < {s.floor} positions: "
                                   + ("its window is wider than its input)" if s.floor else "a negative size)"))
             for s in short_extents(graph, ranges) if s.fits is not None and s.dim not in given}
+
+
+def _position_maximums(graph: Any, ranges: dict[str, tuple[int, int]], given: dict) -> dict[str, tuple]:
+    """{dim: (None, max, why)} for the dims this draft chose past the positions the model's tables
+    hold (analysis/indices.py: an ONNX RoBERTa numbers positions from its pad id + 1, so 2 of its
+    128 rows are not positions; a draft up to 128 failed in a kernel at every padded request)."""
+    from graphmode.analysis.indices import analyze_indices
+    return {d: (None, lim.max, f"the most the model takes: {lim.describe()}")
+            for d, lim in analyze_indices(graph).dims.items()
+            if d in ranges and d not in given and lim.max < ranges[d][1]}
 
 
 _ORDER = ("version", "name", "description", "model", "inputs", "outputs", "dims", "exe_mode", "on_violation",

@@ -89,6 +89,44 @@ def test_analysis_finds_ids_token_types_and_the_position_limit():
     assert rep.dims["seq"].max == 16 and rep.dims["seq"].rows == 16
 
 
+class _CountedPositions(nn.Module):
+    """RoBERTa's positions: counted from the ids that are not padding, from pad + 1."""
+
+    def __init__(self, pad: int = 1, rows: int = 20):
+        super().__init__()
+        self.pad = pad
+        self.pos = nn.Embedding(rows, 4, padding_idx=pad)
+
+    def forward(self, ids, scale):
+        keep = ids.ne(self.pad).int()
+        positions = (torch.cumsum(keep, dim=1).type_as(keep) * keep).long() + self.pad
+        counted = torch.cumsum(keep, dim=1) + 3      # + a constant after the count: still a count, from 3
+        return self.pos(positions).sum(-1) * scale + counted * (keep + 1)     # keep + 1 is no longer 0/1
+
+
+@pytest.mark.parametrize("onnx", [False, True])
+def test_positions_counted_from_the_ids_bound_the_seq_dim(onnx, tmp_path):
+    """0..seq counted by a cumsum of a bool cast (times it) and shifted by the pad id pick rows
+    1..seq+1: seq <= rows - 2. An XLM-R ONNX draft went to the table's 128 rows, and every request
+    padded to that bucket failed in the gather kernel."""
+    from graphmode.capture.spec import bundle_from_module
+    ex = {"ids": torch.randint(2, 9, (2, 6)), "scale": torch.ones(2, 6)}
+    bundle = bundle_from_module(_CountedPositions().eval(), ex, {"ids": ["batch", "seq"], "scale": ["batch", "seq"]})
+    model = bundle
+    if onnx:
+        from graphmode.capture.onnx_export import export_onnx
+        model = export_onnx(bundle, tmp_path / "counted.onnx").path
+    inputs = [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"]},
+              {"name": "scale", "dtype": "f32", "shape": ["batch", "seq"]}]
+    g, _, _ = capture(model, recipe("counted", inputs, {"batch": {"buckets": [1, 2]}, "seq": {"buckets": [4, 8]}}))
+    rep = analyze_indices(g)
+    assert rep.dims["seq"].max == 18 and rep.dims["seq"].rows == 20, rep.to_json()
+    if onnx:                                        # an ONNX file has no config: the draft stops there too
+        from graphmode.kb.draft import draft_recipe
+        d = draft_recipe(model, kb_path=None)
+        assert d.recipe.dims["seq"].max == 18 and "20 rows" in d.notes["dims.seq"], d.notes["dims.seq"]
+
+
 # ---- the runtime check -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,bad", [("ids", 50), ("ids", -1), ("ids", 10**9), ("ids", 2**63 - 1),
