@@ -55,7 +55,7 @@ def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
         ex = {"input_ids": torch.randint(min(3, vocab - 1), vocab, (BATCH, SEQ), generator=g)}
         if "attention_mask" in params:
             ex["attention_mask"] = torch.ones(BATCH, SEQ, dtype=torch.long)
-        if "token_type_ids" in params and getattr(cfg, "type_vocab_size", 0):
+        if "token_type_ids" in params:         # a tokenizer returns them, whether or not the model uses them
             ex["token_type_ids"] = torch.zeros(BATCH, SEQ, dtype=torch.long)
         if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
             ex["decoder_input_ids"] = torch.randint(min(3, vocab - 1), vocab, (BATCH, SEQ), generator=g)

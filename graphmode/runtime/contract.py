@@ -39,8 +39,9 @@ class InputContract:
                 bound = self._signature.bind_partial(*args, **kwargs)
                 named = dict(bound.arguments)
             except TypeError as e:
-                raise ContractViolation(f"arguments do not match the model's signature: {e}",
-                                        fix=f"call with {', '.join(self.input_names)}") from None
+                raise self._not_compiled_with(kwargs) or ContractViolation(
+                    f"arguments do not match the model's signature: {e}",
+                    fix=f"call with {', '.join(self.input_names)}") from None
         else:      # an ONNX model or a loaded artifact: positions as the model's forward had them
             order = list(getattr(self, "positional", None) or self.input_names)
             if len(args) > len(order):
@@ -96,6 +97,27 @@ class InputContract:
         if mutated:
             refuse_aliased_updates(out, mutated)
         return out
+
+    def _not_compiled_with(self, kwargs: Mapping[str, Any]) -> ContractViolation | None:
+        """Arguments the user's forward takes that the compiled model was not compiled with (an
+        input the draft or the examples left out, LayoutLM's bbox; an option such as return_dict):
+        named as such, with how to compile with them, or None."""
+        module = getattr(getattr(self, "source", None), "module", None)
+        inner = getattr(module, "model", module)
+        import inspect
+        try:
+            params = inspect.signature(inner.forward).parameters
+        except (AttributeError, TypeError, ValueError):
+            return None
+        extra = [k for k in kwargs if k not in self.input_names and k in params]
+        if not extra:
+            return None
+        return ContractViolation(
+            f"{extra} {'is a parameter' if len(extra) == 1 else 'are parameters'} of {type(inner).__name__}.forward "
+            f"that this model was not compiled with (it takes {', '.join(self.input_names)})", where="inputs",
+            value=extra, fix="compile with example inputs that include them, e.g. graphmode.compile((model, "
+                             "{'input_ids': ids, '" + extra[0] + "': ...})); a call option (return_dict, "
+                             "output_attentions) is fixed at compile: set it in the model's config")
 
     def bounds(self) -> tuple[list, list]:
         """(value checks, dim checks) of runtime/bounds.py, from the verdict's index analysis (or

@@ -366,6 +366,29 @@ def test_an_input_the_model_derives_from_the_ids_is_not_filled_with_a_constant()
             call()
 
 
+def test_what_a_tokenizer_returns_is_taken_and_a_parameter_left_out_is_named():
+    """DeBERTa-v2 ignores token types (type_vocab_size 0), but its tokenizer returns them: a draft
+    left them out and cm(**tokenizer(...)) was refused as "arguments do not match the model's
+    signature", as was LayoutLM's bbox, a parameter the draft does not know to give."""
+    import transformers as T
+    torch.manual_seed(0)
+    c = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+             max_position_embeddings=64)
+    m = T.DebertaV2Model(T.DebertaV2Config(**c)).eval()
+    cm = graphmode.compile(m)
+    batch = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long),
+             "token_type_ids": torch.zeros(2, 8, dtype=torch.long)}
+    with torch.no_grad():
+        ref = m(**batch).last_hidden_state
+    assert rel(cm(**batch).last_hidden_state, ref) < 1e-5
+    lm = T.LayoutLMModel(T.LayoutLMConfig(**c)).eval()
+    cm = graphmode.compile(lm)
+    with pytest.raises(ContractViolation, match="'bbox'.* parameter of LayoutLMModel.forward that this model was not "
+                                                "compiled with") as e:
+        cm(input_ids=batch["input_ids"], bbox=torch.zeros(2, 8, 4, dtype=torch.long))
+    assert "example inputs that include them" in e.value.fix
+
+
 def test_a_causal_lm_with_its_default_cache_compiles_under_a_recipe():
     import transformers as T
     torch.manual_seed(0)
