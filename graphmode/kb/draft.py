@@ -635,8 +635,9 @@ def _settle_padding(data: dict, notes: dict, graph: Any, cap: Any, src: Any,
             elif hi - lo + 1 <= MAX_EXACT:        # bounded: warm-up builds the buckets, use the values sent
                 data["on_violation"] = "eager"
                 # synthesised buckets (exact_plans refines those; explicit ones are the recipe's own)
-                data["dims"][d] = {"min": lo, "max": hi, "exact_plans": EXACT_PLANS,
-                                   "max_buckets": len(load_recipe(_ordered(data)).dim_buckets()[d])}
+                # the buckets the draft chose (a batch's start at 1, the most common request: max_buckets
+                # alone would synthesise the least padding, [2, 6, 14, 32] for 1..32), refined by use
+                data["dims"][d] = {**data["dims"][d], "exact_plans": EXACT_PLANS}
                 notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}), and every value of "
                                          f"[{lo}, {hi}] a bucket would make {plans * (hi - lo + 1)} plans: requests "
                                          f"off a bucket run eagerly, and up to {EXACT_PLANS} values of {d} that recur "

@@ -41,10 +41,6 @@ def check_dims(f: Findings) -> None:
             if d.max_buckets is not None and len(set(b)) > d.max_buckets:
                 f.err(f"{p}.max_buckets", f"{len(set(b))} explicit buckets exceed max_buckets",
                       d.max_buckets)
-            if d.exact_plans is not None:
-                f.err(f"{p}.exact_plans", "exact_plans refines buckets graphmode synthesises; explicit buckets "
-                                          "are the recipe's own choice", d.exact_plans,
-                      fix="drop exact_plans, or give min/max with max_padding instead of buckets")
             if not _plans(f, per_dim, name, dim_synthesis(d).buckets):
                 return
             continue

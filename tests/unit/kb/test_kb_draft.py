@@ -180,8 +180,9 @@ def test_a_causal_lm_with_a_fixed_example_drafts_its_forward_without_a_kv_cache(
 
 
 def test_a_bounded_draft_whose_batch_is_unsafe_to_pad_stays_a_valid_recipe():
-    """batch keeps an explicit bucket of 1 in a bounded draft; the exact_plans a dim unsafe to pad
-    gets past MAX_EXACT_PLANS were added beside it, which the recipe schema refuses."""
+    """batch keeps an explicit bucket of 1 in a bounded draft, and the exact_plans a dim unsafe to pad
+    gets past MAX_EXACT_PLANS go beside it (the schema refused them there once, and a draft of
+    max_buckets alone lost the bucket of 1: a lone request ran eagerly)."""
     import torch
 
     class TopK(torch.nn.Module):
@@ -189,4 +190,4 @@ def test_a_bounded_draft_whose_batch_is_unsafe_to_pad_stays_a_valid_recipe():
             return torch.topk(x, 3, dim=-1)
     d = draft_recipe((TopK(), (torch.randn(2, 6, 16),), {"x": ["batch", "seq", 16]}), record=False)
     assert d.data["on_violation"] == "eager" and d.data["dims"]["batch"]["exact_plans"] == 16
-    assert "buckets" not in d.data["dims"]["batch"] and load_recipe(d.data) == d.recipe
+    assert d.data["dims"]["batch"]["buckets"][0] == 1 and load_recipe(d.data) == d.recipe

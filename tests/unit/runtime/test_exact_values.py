@@ -52,10 +52,15 @@ def test_a_value_gets_its_bucket_on_its_third_request_and_holds_smaller_ones():
                        ).refine({"seq": 6, "batch": 1}, {"seq": 16, "batch": 1}) == {"seq": 16, "batch": 1}
 
 
-def test_exact_plans_needs_buckets_graphmode_synthesises():
-    rec = load_recipe(dict(RECIPE, dims={"batch": {"buckets": [1, 2], "exact_plans": 2}, "seq": RECIPE["dims"]["seq"]}))
-    errs = [e for e in check_semantics(rec).errors if e.where == "dims.batch.exact_plans"]
-    assert errs and "explicit buckets" in errs[0].message
+def test_exact_plans_refine_explicit_buckets_too():
+    """A draft keeps batch 1 as a bucket of its own beside exact_plans (a recipe of max_buckets
+    alone synthesised [2, 6, 14, 32], and a lone request ran eagerly)."""
+    rec = load_recipe(dict(RECIPE, dims={"batch": {"buckets": [1, 4], "exact_plans": 2}, "seq": RECIPE["dims"]["seq"]}))
+    assert not [e for e in check_semantics(rec).errors if e.where.startswith("dims.batch")]
+    ev = ExactValues(rec)
+    for _ in range(RECUR):
+        got = ev.refine({"batch": 3, "seq": 16}, {"batch": 4, "seq": 16})
+    assert got == {"batch": 3, "seq": 16}
     assert load_recipe(RECIPE).hash() != load_recipe(dict(RECIPE, dims={**RECIPE["dims"], "seq": {
         "min": 2, "max": 16, "max_padding": 0.5}})).hash()
 
