@@ -18,6 +18,7 @@ import torch
 from graphmode.errors import CaptureError
 
 BATCH, SEQ = 2, 8
+CHOICES = 4             # a multiple-choice model's answers per question (a dim up to it)
 SAMPLES = 4000          # raw-audio example: a quarter second at 16 kHz
 AUDIO_SAMPLES = (1600, 160_000)    # raw audio a draft admits: 0.1 s .. 10 s at 16 kHz
 
@@ -46,6 +47,22 @@ def dim_ranges(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
     return {"samples": AUDIO_SAMPLES} if module.main_input_name == "input_values" else {}
 
 
+def _ignores_zero_types(module: torch.nn.Module, ex: dict[str, torch.Tensor]) -> bool:
+    """A model without token type embeddings whose answer is the same with zero token types: its
+    tokenizer returns them (DeBERTa-v2 with type_vocab_size 0), so a compiled model takes them too.
+    XLM embeds them with its word table: None is not zeros there, and they stay out."""
+    try:
+        with torch.inference_mode():
+            a = module(**ex, token_type_ids=torch.zeros_like(ex["input_ids"]))
+            b = module(**ex)
+    except Exception:  # noqa: BLE001 - a model that cannot take them
+        return False
+    a, b = (getattr(o, "last_hidden_state", None) if not isinstance(o, torch.Tensor) else o for o in (a, b))
+    if a is None or b is None:
+        a, b = (o[0] if isinstance(o, (tuple, list)) else next(iter(o.values()), None) for o in (a, b))
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+
+
 def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
     """(example inputs, input_dims) for a transformers model, from its config."""
     cfg, main, params = module.config, module.main_input_name, _params(module)
@@ -55,11 +72,14 @@ def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
         ex = {"input_ids": torch.randint(min(3, vocab - 1), vocab, (BATCH, SEQ), generator=g)}
         if "attention_mask" in params:
             ex["attention_mask"] = torch.ones(BATCH, SEQ, dtype=torch.long)
-        if "token_type_ids" in params:         # a tokenizer returns them, whether or not the model uses them
+        if "token_type_ids" in params and (getattr(cfg, "type_vocab_size", 0) or _ignores_zero_types(module, ex)):
             ex["token_type_ids"] = torch.zeros(BATCH, SEQ, dtype=torch.long)
         if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
             ex["decoder_input_ids"] = torch.randint(min(3, vocab - 1), vocab, (BATCH, SEQ), generator=g)
             return ex, {k: ["batch", "decoder_seq" if k == "decoder_input_ids" else "seq"] for k in ex}
+        if type(module).__name__.endswith("ForMultipleChoice"):     # [batch, choices, seq]: one row per answer
+            ex = {k: v.unsqueeze(1).expand(BATCH, CHOICES, SEQ).contiguous() for k, v in ex.items()}
+            return ex, {k: ["batch", "choices", "seq"] for k in ex}
         return ex, {k: ["batch", "seq"] for k in ex}
     if main == "pixel_values":
         c = int(getattr(cfg, "num_channels", 3) or 3)

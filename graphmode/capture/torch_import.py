@@ -56,6 +56,11 @@ class CaptureReport:
                 "fallbacks": [f.__dict__ for f in self.fallbacks], "output_names": self.output_names}
 
 
+_SYM_FNS = {operator.mul: operator.mul, operator.add: operator.add, operator.sub: operator.sub,
+            operator.floordiv: lambda a, b: sympy.floor(sympy.sympify(a) / b),
+            operator.truediv: operator.truediv, operator.neg: operator.neg}
+_COMPARISONS = {operator.le: sympy.Le, operator.lt: sympy.Lt, operator.ge: sympy.Ge, operator.gt: sympy.Gt,
+                operator.eq: sympy.Eq, operator.ne: sympy.Ne}
 _SKIP = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
          "aten.sym_constrain_range_for_size.default", "aten.sym_constrain_range.default",
          "aten._assert_async.msg"}
@@ -206,17 +211,9 @@ class _Importer:
     def _sym_op(self, node: torch.fx.Node) -> None:
         """Python arithmetic on SymInts (operator.mul, sym_size...) evaluated symbolically."""
         args = [self.env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
-        fns = {operator.mul: operator.mul, operator.add: operator.add, operator.sub: operator.sub,
-               operator.floordiv: lambda a, b: sympy.floor(sympy.sympify(a) / b),
-               operator.truediv: operator.truediv, operator.neg: operator.neg}
-        fn = fns.get(node.target)
-        if fn is None and getattr(node.target, "__name__", "") in ("sym_max", "sym_min"):
-            fn = sympy.Max if node.target.__name__ == "sym_max" else sympy.Min
-        if fn is None:
-            raise CaptureError(f"unsupported python op {node.target} at {node.name}",
-                               fix="rewrite the model code to avoid it, or exclude the region")
-        r = fn(*[sympy.sympify(a) if not isinstance(a, (int, float)) else a for a in args])
-        self.env[node] = settle_on(normalize_dim(r), self.g.dims) if isinstance(r, (sympy.Basic, int)) else r
+        r = sym_value(node, args)
+        self.env[node] = settle_on(normalize_dim(r), self.g.dims) if isinstance(r, (sympy.Basic, int)) \
+            and not isinstance(r, sympy.logic.boolalg.Boolean) else r
 
     def encode_call(self, node: torch.fx.Node) -> tuple[list[str], list, dict]:
         """The node's arguments as JSON (tensors as {"$in": i} into the returned inputs, sizes as
@@ -396,6 +393,24 @@ def _unmapped_size(expr: Any, unknown: list, node: torch.fx.Node | None) -> Capt
                                 "or run the model with exe_mode: eager")
     return CaptureError(f"symbolic size {expr}{at} uses symbols {unknown} that map to no recipe dim",
                         fix="declare every dynamic input dim in the recipe's inputs/dims")
+
+
+def sym_value(node: torch.fx.Node, args: list) -> Any:
+    """The value of a Python op on sizes: arithmetic, sym_max/sym_min, or a comparison (what an
+    assert on sizes checks; aten._assert_scalar is skipped, so an operand that is no size is None)."""
+    if node.target in _COMPARISONS:
+        try:
+            return _COMPARISONS[node.target](*[sympy.sympify(a) for a in args])
+        except (TypeError, sympy.SympifyError):
+            return None
+    fn = _SYM_FNS.get(node.target)
+    if fn is None and getattr(node.target, "__name__", "") in ("sym_max", "sym_min"):
+        fn = sympy.Max if node.target.__name__ == "sym_max" else sympy.Min
+    if fn is None:
+        raise CaptureError(f"unsupported python op {getattr(node.target, '__name__', node.target)} on sizes "
+                           f"at {_source_loc(node)}", where=node.name,
+                           fix="rewrite that line to compute on tensors, or run the model with exe_mode: eager")
+    return fn(*[sympy.sympify(a) if not isinstance(a, (int, float)) else a for a in args])
 
 
 def _source_loc(node: torch.fx.Node) -> str:

@@ -389,6 +389,21 @@ def test_what_a_tokenizer_returns_is_taken_and_a_parameter_left_out_is_named():
     assert "example inputs that include them" in e.value.fix
 
 
+def test_a_multiple_choice_head_compiles_without_examples():
+    """*ForMultipleChoice takes [batch, choices, seq]; the draft gave it [batch, seq] and said to
+    check module(**example_inputs), which the user never gave."""
+    import transformers as T
+    torch.manual_seed(0)
+    m = T.ErnieForMultipleChoice(T.ErnieConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                               intermediate_size=64, vocab_size=100, max_position_embeddings=64)).eval()
+    cm = graphmode.compile(m)
+    assert [list(i.shape) for i in cm.recipe.inputs][0] == ["batch", "choices", "seq"]
+    ids, mask = torch.randint(3, 100, (1, 4, 10)), torch.ones(1, 4, 10, dtype=torch.long)
+    with torch.no_grad():
+        ref = m(input_ids=ids, attention_mask=mask).logits
+    assert rel(cm(input_ids=ids, attention_mask=mask).logits, ref) < 1e-5
+
+
 def test_a_causal_lm_with_its_default_cache_compiles_under_a_recipe():
     import transformers as T
     torch.manual_seed(0)

@@ -117,6 +117,7 @@ def slice_axis(an, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str,
 
 def concat(an, n: Node, ins: list[State], out_shape: Sequence[Dim]) -> State:
     dim = norm_axis(n.attrs["dim"], len(out_shape))
+    ins = [s for s in ins if len(s.axes) == len(out_shape)]   # torch.cat skips 1-d empty inputs of any rank
     axes = []
     for i, e in enumerate(out_shape):
         srcs = [s.axes[i] for s in ins]

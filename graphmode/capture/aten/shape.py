@@ -130,8 +130,16 @@ def _split(imp, node, a):
 
 @converts("aten.cat.default")
 def _cat(imp, node, a):
-    imp.emit(node, "concat", [imp.operand(t) for t in a["tensors"]], {"dim": int(a["dim"]) % len(node.meta["val"].shape)})
+    rank = len(node.meta["val"].shape)
+    # torch.cat skips 1-d empty tensors beside tensors of another rank (legacy; XLM concatenates one)
+    parts = [t for t in a["tensors"] if not (rank != 1 and _legacy_empty(t))]
+    imp.emit(node, "concat", [imp.operand(t) for t in parts], {"dim": int(a["dim"]) % rank})
     return True
+
+
+def _legacy_empty(t) -> bool:
+    val = getattr(t, "meta", {}).get("val") if hasattr(t, "meta") else None
+    return val is not None and tuple(val.shape) == (0,)
 
 
 @converts("aten.stack.default")

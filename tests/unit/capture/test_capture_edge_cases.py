@@ -522,3 +522,34 @@ def test_an_eager_island_beside_a_bool_output_runs_at_every_batch(tmp_path):
         x, idx = torch.randn(b, 8), torch.randint(0, 8, (b,))
         got, want = cm(x, idx), m(x, idx)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+
+class _LegacyCat(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 4)
+
+    def forward(self, ids):
+        e = self.emb(ids)
+        return torch.cat([e, e.new_zeros(0)], dim=1)      # torch.cat skips a 1-d empty tensor (legacy)
+
+
+def test_a_legacy_empty_cat_and_an_item_assert_capture_and_match_eager():
+    """XLM concatenates a 1-d empty tensor (the padding analysis raised IndexError on a concat of
+    two ranks) and asserts lengths.max().item() <= slen (was "unsupported python op
+    <built-in function le> at le_1", without a line)."""
+    import graphmode
+    import transformers as T
+    m = _LegacyCat().eval()
+    cm = graphmode.compile((m, {"ids": torch.randint(1, 20, (2, 6))}, {"ids": ["batch", "seq"]}))
+    x = torch.randint(1, 20, (3, 5))
+    assert cm.mode == "graph" and cm.capture_report.fallbacks == [] and torch.allclose(cm(x), m(x), atol=1e-6)
+    torch.manual_seed(0)
+    xlm = T.XLMModel(T.XLMConfig(emb_dim=32, n_layers=1, n_heads=2, vocab_size=100, max_position_embeddings=64)).eval()
+    cm = graphmode.compile(xlm)
+    ids, mask = torch.randint(5, 100, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    with torch.no_grad():
+        ref = xlm(input_ids=ids, attention_mask=mask).last_hidden_state
+    out = cm(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert float((out - ref).norm() / ref.norm()) < 1e-5
