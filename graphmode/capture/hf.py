@@ -57,10 +57,9 @@ def _ignores_zero_types(module: torch.nn.Module, ex: dict[str, torch.Tensor]) ->
             b = module(**ex)
     except Exception:  # noqa: BLE001 - a model that cannot take them
         return False
-    a, b = (getattr(o, "last_hidden_state", None) if not isinstance(o, torch.Tensor) else o for o in (a, b))
-    if a is None or b is None:
-        a, b = (o[0] if isinstance(o, (tuple, list)) else next(iter(o.values()), None) for o in (a, b))
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    from graphmode.capture.zoo import _flatten_output
+    a, b = ([t for _, t in _flatten_output(o) if isinstance(t, torch.Tensor)] for o in (a, b))
+    return len(a) == len(b) > 0 and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
 
 
 def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
