@@ -67,7 +67,7 @@ def _mha_fast_path(mha: torch.nn.MultiheadAttention, query: Any, key: Any, value
     return (torch.backends.mha.get_fastpath_enabled() and query.dim() == 3 and query is key and key is value
             and all(m is None or not torch.is_floating_point(m) for m in masks)
             and mha.in_proj_weight is not None and query.dtype == mha.in_proj_weight.dtype
-            and (mha.in_proj_bias is None or query.dtype == mha.in_proj_bias.dtype)
+            and mha.in_proj_bias is not None and query.dtype == mha.in_proj_bias.dtype     # bias=False: no kernel
             and not mha.training and mha.num_heads % 2 == 0 and mha.batch_first and mha.bias_k is None
             and mha.bias_v is None and not mha.add_zero_attn and mha._qkv_same_embed_dim
             and not torch.is_autocast_enabled())
