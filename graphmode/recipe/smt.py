@@ -3,7 +3,7 @@
 `to_z3(expr, vars)` returns (z, d): a Z3 Int term and a positive Python int with
 expr == z / d for every integer assignment of the symbols. Handled: integers, rationals,
 floats (as their decimal value), symbols, +, *, -, integer powers, Max/Min, floor and
-ceiling of anything converted (so `ceiling(seq/16)` and `floor((a+b)/3)`), Mod by a
+ceiling of anything converted (so `ceiling(seq/16)`, `floor((a+b)/3)` and `floor(-1/seq)`), Mod by a
 positive constant, Abs, and rational division by constants. Anything else is a SmtError naming the node.
 """
 from __future__ import annotations
@@ -66,6 +66,8 @@ def to_z3(expr, vars: dict[str, z3.ArithRef]) -> tuple[z3.ArithRef, int]:
             z = z * bz
         return z, bd ** n
     if isinstance(expr, (sympy.floor, sympy.ceiling)):
+        if _over_dims(expr.args[0]):
+            return _floor_of_quotient(expr, vars), 1
         z, d = to_z3(expr.args[0], vars)
         if d == 1:
             return z, 1
@@ -92,6 +94,26 @@ def to_z3(expr, vars: dict[str, z3.ArithRef]) -> tuple[z3.ArithRef, int]:
         return z3.If(z < 0, -z, z), d
     raise SmtError(f"cannot translate {type(expr).__name__} ({expr}) to Z3; "
                    f"use + - * integer powers, Max/Min, floor/ceiling")
+
+
+def _over_dims(arg) -> bool:
+    return any(isinstance(p, sympy.Pow) and p.exp.is_negative and p.free_symbols for p in arg.atoms(sympy.Pow))
+
+
+def _floor_of_quotient(expr, vars: dict[str, z3.ArithRef]) -> z3.ArithRef:
+    """floor / ceiling of a quotient by dims, e.g. torch's arange(0, b*s, s) length
+    floor((b*s + s - 1)/s), which sympy keeps as b + 1 + floor(-1/s): the argument as one
+    fraction N/D and Z3's integer division, exact when D is positive for every positive dim."""
+    num, den = sympy.fraction(sympy.together(expr.args[0]))
+    den = sympy.expand(den)
+    if not (den.is_polynomial() and all(c > 0 for c in sympy.Poly(den, *den.free_symbols).coeffs())):
+        raise SmtError(f"the divisor of {expr} is not positive for every dim value")
+    nz, nd = to_z3(sympy.expand(num), vars)
+    dz, dd = to_z3(den, vars)
+    top, bottom = nz * dd, dz * nd                   # N/D = (nz/nd) / (dz/dd)
+    if isinstance(expr, sympy.floor):
+        return top / bottom                          # Z3 Int division: floor for a positive divisor
+    return -((-top) / bottom)
 
 
 def evaluate(expr, values: dict[str, int]) -> sympy.Rational:

@@ -277,6 +277,15 @@ def test_a_strided_window_over_a_dynamic_dim_compiles(layer, shape, tmp_path):
         assert rel(cm(x), layer(x)) < 1e-5 and cm.last_path["path"] == "graph"
 
 
+def test_a_size_divided_by_a_dim_is_proved(tmp_path):
+    """nn.EmbeddingBag's offsets are arange(0, batch*seq, seq): its length, floor((b*s + s - 1)/s),
+    reached the memory proof as b + 1 + floor(-1/s), and graphmode refused its own draft."""
+    bag = nn.EmbeddingBag(50, 8, mode="mean").eval()
+    cm = graphmode.compile((bag, (torch.randint(0, 50, (2, 5)),), {"input": ["batch", "seq"]}), cache_dir=tmp_path)
+    ids = torch.randint(0, 50, (2, 5))
+    assert torch.equal(cm(ids), bag(ids))
+
+
 def test_an_hf_encoder_compiles_as_loaded_and_returns_its_model_output():
     import transformers as T
     torch.manual_seed(0)

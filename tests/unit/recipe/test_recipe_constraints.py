@@ -39,6 +39,8 @@ def z3_value(expr, values):
     sympy.Max(B * 7, S) + sympy.Min(B, 5), sympy.Rational(3, 7) * S + sympy.Rational(1, 2),
     sympy.Float(0.25) * B * S, sympy.ceiling(sympy.Rational(5, 3) * S - B / 2), sympy.Abs(B - S), B**3,
     sympy.Mod(S, 64), sympy.Mod(B * S - 100, 7) + 1, sympy.Mod(S / 3, sympy.Rational(5, 2)),
+    # quotients by dims: torch's arange(0, b*s, s) length (nn.EmbeddingBag), which sympy keeps as b + 1 + floor(-1/s)
+    sympy.floor((B * S + S - 1) / S), sympy.ceiling(B * S / (S + 1)) + sympy.floor(sympy.Rational(7, 2) / (B * S)),
 ])
 def test_to_z3_matches_sympy(expr):
     for b, s in [(1, 1), (3, 17), (32, 512), (7, 100)]:
@@ -61,6 +63,8 @@ def test_to_z3_rejects_unsupported():
         to_z3(sympy.log(B), {"batch": z3.Int("batch")})
     with pytest.raises(SmtError):
         to_z3(1 / B, {"batch": z3.Int("batch")})
+    with pytest.raises(SmtError, match="not positive"):
+        to_z3(sympy.floor(B / (B - S)), {"batch": z3.Int("batch"), "seq": z3.Int("seq")})
 
 
 # ---- memory ----------------------------------------------------------------------------------
