@@ -65,6 +65,34 @@ def shown_path(path: str) -> str:
     return path
 
 
+# "Not all values of seq = L['x'].size()[1] in the specified range 4 <= seq <= 64 satisfy the
+# generated guard (16*L['x'].size()[1]) != 64.": a guard that holds everywhere but at one value
+_EXCLUDED = re.compile(r"Not all values of (\w+) = (\S+) in the specified range (\d+) <= \1 <= (\d+) "
+                       r"satisfy the generated guard (.+) != (.+?)\.?$", re.M)
+
+
+def _excluded_ends(text: str) -> str:
+    """torch.export's fixes, as its "Suggested fixes:" lines, for a guard `size != v` where v is
+    an end of the dim's range: `x[:, :4]` guards seq != 4 (there the slice is the whole tensor),
+    and torch suggests nothing once the range starts at 4. The range without that end holds."""
+    import sympy
+    fixes = []
+    for d, source, lo, hi, lhs, rhs in _EXCLUDED.findall(text):
+        x = sympy.Symbol(d, integer=True, positive=True)
+        try:
+            eq = sympy.sympify(lhs.replace(source, d), locals={d: x}) - sympy.sympify(rhs.replace(source, d),
+                                                                                       locals={d: x})
+            roots = [r for r in sympy.solve(eq, x) if r.is_Integer]
+        except (sympy.SympifyError, SyntaxError, TypeError, NotImplementedError):
+            continue
+        lo, hi = int(lo), int(hi)
+        if roots == [lo] and lo < hi:
+            fixes.append(f"{d} = Dim('{d}', min={lo + 1}, max={hi})")
+        elif roots == [hi] and lo < hi:
+            fixes.append(f"{d} = Dim('{d}', min={lo}, max={hi - 1})")
+    return "\n".join(fixes)
+
+
 def _constraint_fixes(text: str) -> list[str]:
     """torch.export's suggested dim ranges and values, as recipe terms ("seq min 3, max 16")."""
     out = [f"{d} " + ", ".join(f"{k} {v}" for k, v in (("min", lo), ("max", hi)) if v)
@@ -89,8 +117,8 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
     first = text.splitlines()[0] if text else ""
     name = type(e).__name__
     call = _CALL.search(text)
-    if "Constraints violated" in first and "Suggested fixes:" in text:
-        suggested = text.split("Suggested fixes:", 1)[1]
+    if "Constraints violated" in first and ("Suggested fixes:" in text or _excluded_ends(text)):
+        suggested = text.partition("Suggested fixes:")[2] + "\n" + _excluded_ends(text)
         narrowed = _constraint_fixes(suggested)
         if narrowed:
             err = CaptureError(f"torch.export failed: one graph of this model holds for part of the recipe's "

@@ -237,13 +237,18 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
         tries = [b for b in (_with_batch_axis(bundle), bundle) if b is not None]
     tries = [b for i, b in enumerate(tries) if b.input_dims not in [t.input_dims for t in tries[:i]]]
     queue: list[tuple[Any, dict | None]] = [(b, None) for b in tries]
+    rounds = 0
     while queue:
         b, narrowed = queue.pop(0)
         try:
             draft = _draft(b, **opts, narrowed=narrowed)
         except CaptureError as e:
-            hint = None if narrowed else _export_ranges(e, b, opts["ranges"])
+            hint = _export_ranges(e, b, opts["ranges"])
+            if hint and narrowed:             # a second guard inside the first range (x[:, :4]: seq >= 4, != 4)
+                hint = {**narrowed, **hint} if all(narrowed.get(d, ())[:2] != r[:2] for d, r in hint.items()) \
+                    and len(narrowed) + rounds < 8 else None
             if hint:                          # torch.export named the range one graph holds for: take it
+                rounds += 1
                 queue.insert(0, (b, hint))
             elif not queue:
                 raise

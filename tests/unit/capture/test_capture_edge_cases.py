@@ -331,6 +331,30 @@ def test_a_dim_range_export_narrows_is_refused_with_the_range_it_suggests(tmp_pa
     assert e.value.where == "dims.seq" and "seq min 3, max 16" in e.value.fix and "batch" not in e.value.fix
 
 
+class _FirstFour(torch.nn.Module):
+    def forward(self, x):
+        return x[:, :4] * 2
+
+
+def test_a_range_torch_export_excludes_one_end_of_is_narrowed_past_it(tmp_path):
+    """x[:, :4] holds for seq >= 4 but torch.export also guards seq != 4 (there the slice is the
+    whole tensor) and suggests nothing for a range from 4: the recipe is told to start at 5, and
+    a draft keeps seq dynamic from 5 instead of fixing it at the example's size."""
+    rec = {"version": 1, "name": "t", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 16]}],
+           "dims": {"batch": {"buckets": [1, 2]}, "seq": {"min": 4, "max": 16, "buckets": [8, 16]}},
+           "exe_mode": "graph", "targets": ["host"]}
+    with pytest.raises(CaptureError) as e:
+        graphmode.compile(_FirstFour(), rec, cache_dir=tmp_path)
+    assert e.value.where == "dims.seq" and "seq min 5, max 16" in e.value.fix
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile((_FirstFour(), (torch.randn(2, 7, 16),), {"x": ["batch", "seq", 16]}),
+                               cache_dir=tmp_path)
+    assert cm.recipe.dims["seq"].min == 5
+    x = torch.randn(2, 11, 16)
+    assert torch.equal(cm(x), _FirstFour()(x))
+
+
 class _Twice(torch.nn.Module):
     def forward(self, v):
         return v.float() * 2
