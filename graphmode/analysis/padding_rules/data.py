@@ -22,6 +22,10 @@ _PER_SAMPLE_ATEN = {"max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adap
                     "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "instance_norm",
                     "upsample_nearest2d", "upsample_bilinear2d", "pixel_shuffle",
                     "_native_batch_norm_legit_no_training"}
+# ops whose `dim` names the one axis kept apart while every other axis is mixed (renorm normalises
+# each x.select(dim, i) over all the rest): not "along dim" ops
+_MIXES_OTHER_DIMS = {"renorm", "_weight_norm", "_weight_norm_interface", "norm_except_dim", "unique_dim",
+                     "unique_consecutive", "unique_dim_consecutive"}
 
 
 def _island_dims(target: str, args: list, kwargs: Mapping[str, Any], rank: int) -> tuple[bool, list[int] | None]:
@@ -180,7 +184,8 @@ def fallback(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[S
     the other axes independent (same shape in and out); anything else is opaque."""
     target = str(n.attrs.get("target", ""))
     shapes = [an.shape(o) for o in n.outputs]
-    if len(shapes) == 1 and ins:
+    short = target.split(".")[1] if target.startswith("aten.") and "." in target else target
+    if len(shapes) == 1 and ins and short not in _MIXES_OTHER_DIMS:
         rank = len(shapes[0])
         pointwise, along = _island_dims(target, list(n.attrs.get("args", [])), n.attrs.get("kwargs", {}), rank)
         same_shape = pointwise or (along is not None and all(len(s.axes) == rank for s in ins))
@@ -194,7 +199,9 @@ def fallback(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[S
                 axes.append(an.garbage([src])[0] if src is not None and i not in (along or [])
                             else an.fresh_axis(e, GARBAGE))
             return [State(tuple(axes))]
-    short = target.split(".")[1] if target.startswith("aten.") and "." in target else target
+    along_dim = _along_dim(an, n, ins, shapes, target, taint) if short not in _MIXES_OTHER_DIMS else None
+    if along_dim is not None:
+        return along_dim
     if short in _PER_SAMPLE_ATEN and ins and ins[0].axes:
         for s in ins:
             an.taint(taint, n, s.axes[1:] if s is ins[0] else s.axes,
@@ -205,6 +212,32 @@ def fallback(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[S
         an.taint(taint, n, s.axes, f"eager island {target} over padded dim {{dim}}: graphmode cannot see "
                                    "how it uses padded positions")
     return [State(an.from_type(sh)) for sh in shapes]
+
+
+def _along_dim(an, n: Node, ins: list[State], shapes: list, target: str,
+               taint: dict[str, Finding]) -> list[State] | None:
+    """An island working along `dim` of inputs of one rank, whose outputs keep every axis (sort,
+    topk, max.dim with keepdim) or drop the `dim` axes (var, median, argmax, select, unbind):
+    the other axes pass through position for position. None when the op is not of that kind."""
+    if not ins or not ins[0].axes:
+        return None
+    rank = len(ins[0].axes)
+    pointwise, along = _island_dims(target, list(n.attrs.get("args", [])), n.attrs.get("kwargs", {}), rank)
+    if pointwise or not along or any(len(s.axes) not in (0, rank) for s in ins):
+        return None
+    kept = [i for i in range(rank) if i not in along]
+    if not shapes or any(len(sh) not in (rank, len(kept)) for sh in shapes):
+        return None
+    srcs = [next((s.axes[i] for s in ins if s.axes and s.axes[i].padded), None) for i in range(rank)]
+    for i in along:
+        if srcs[i] is not None:
+            an.taint(taint, n, [srcs[i]], f"eager island {target} along padded dim {{dim}}")
+    outs = []
+    for sh in shapes:
+        axes = range(rank) if len(sh) == rank else kept
+        outs.append(State(tuple(an.garbage([srcs[i]])[0] if srcs[i] is not None and i not in along
+                                else an.fresh_axis(e, GARBAGE) for i, e in zip(axes, sh))))
+    return outs
 
 
 @rule("region")

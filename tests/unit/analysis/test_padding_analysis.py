@@ -68,6 +68,25 @@ def test_rules(body, want):
     assert status(rep, "b") == "safe", rep.lines()
 
 
+def _island(target: str, args: str, outs: str = "%y: f32[b,s]") -> str:
+    return ir(f'{outs} = fallback(%x) {{"target": "{target}", "args": [{{"$in": 0}}, {args}]}}')
+
+
+@pytest.mark.parametrize("text,b,s", [
+    # eager islands along `dim` that drop it or keep it, with one or two outputs: other axes pass through
+    (_island("aten.var.dim", "[2]"), "safe", "safe"),
+    (_island("aten.var.dim", "[1]", "%y: f32[b,4]"), "safe", "unsafe"),
+    (_island("aten.topk.default", "2, -1", "%y: f32[b,s,2], %i: i64[b,s,2]"), "safe", "safe"),
+    (_island("aten.median.dim", "2", "%y: f32[b,s], %i: i64[b,s]"), "safe", "safe"),
+    (_island("aten.sort.default", "1", "%y: f32[b,s,4], %i: i64[b,s,4]"), "safe", "unsafe"),
+    # renorm's `dim` is the axis kept apart: each x[:, :, k] is normalised over batch and seq
+    (_island("aten.renorm.default", "2, 2, 1.0", "%y: f32[b,s,4]"), "unsafe", "unsafe"),
+])
+def test_islands_along_a_dim(text, b, s):
+    rep = verdict(text)
+    assert (status(rep, "b"), status(rep, "s")) == (b, s), rep.lines()
+
+
 def test_static_aten_reference_ops_are_opaque_to_padding():
     """Their types come from torch's meta kernels on concrete shapes, so inference refuses a
     symbolic dim (capture keeps such a use an eager island); and a graph that hands one a
@@ -177,10 +196,14 @@ class Pool(nn.Module):
             return F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(h.shape)
         if k == "first_token":
             return h[:, 0]
+        if k == "row_stats":              # eager islands along the feature axis only
+            return h.var(-1) + h.topk(2, -1).values.sum(-1), h.median(-1).values, h.sort(-1).indices
+        if k == "renorm":                 # each feature column normalised over batch and seq together
+            return (torch.renorm(h, 2, 2, 1.0),)
         raise ValueError(k)
 
 
-SAFE = ["masked_mean", "eager_attention", "masked_fill_attention", "causal", "first_token"]
+SAFE = ["masked_mean", "eager_attention", "masked_fill_attention", "causal", "first_token", "row_stats"]
 UNSAFE = ["mean", "softmax_pool", "cumsum_last"]
 RECIPE = {"version": 1, "name": "pad", "dims": {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [8, 16], "min": 2}},
           "inputs": [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0},
@@ -225,6 +248,15 @@ def test_verdict_matches_what_padding_does(kind):
         f = pr.dims["seq"].findings[0]
         assert f.loc and f.loc.endswith(".py:" + f.loc.rsplit(":", 1)[1]) and "test_padding_analysis.py" in f.loc
         assert err > 1e-3, (kind, err)       # the refusal is not a false alarm
+
+
+def test_an_island_whose_dim_is_the_one_kept_apart_is_unsafe_on_every_other():
+    """renorm(h, p, dim=2) normalises each h[:, :, k] over batch and seq: read as an op along
+    dim 2, padded batch and seq were called safe and the padded plan answered 0.1-0.3 off."""
+    b, g, rep = _capture("renorm")
+    pr = analyze_padding(g, {"ids": 0, "mask": 0}, ["batch", "seq"], locs=rep.locs)
+    assert pr.unsafe_dims == ["batch", "seq"], pr.lines()
+    assert _padded_error(b, g) > 1e-3
 
 
 @pytest.mark.parametrize("name", ["minilm", "gpt2"])
