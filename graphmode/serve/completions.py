@@ -41,6 +41,7 @@ from graphmode.serve import chat
 from graphmode.serve.errors import BadRequest, RequestTimeout, openai_error
 from graphmode.serve.generation import Generation
 from graphmode.serve.openai_request import CompletionRequest, parse_chat, parse_completion
+from graphmode.serve.token_text import TokenText
 
 Update = tuple[int, list[int], list[Any], str, "str | None"]   # index, tokens, their logprobs, text, finish
 
@@ -60,7 +61,9 @@ class Completion:
         self.outputs = [ChoiceOutput(i, tokenizer, req.stop_text, req.params.stop, req.params.min_tokens)
                         for i in range(len(gens))]
         self.logprobs: list[list[Any]] = [[] for _ in gens]     # per token of outputs[i].tokens
-        self.offsets = [0] * len(gens)                          # text_offset of the next logprobs entry
+        self.token_text = TokenText(tokenizer)
+        self.shown: list[list[int]] = [[] for _ in gens]        # completion tokens given logprobs so far
+        self.echoed = [0] * len(gens)                            # characters of the echoed prompt
         self.opened = [False] * len(gens)                       # a choice's first chunk was written
 
     @property
@@ -109,28 +112,28 @@ class Completion:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": self.version, "choices": choices}
 
-    def _token(self, t: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{t}"                   # vLLM's spelling without a tokenizer
-        return self.tokenizer.decode([t], clean_up_tokenization_spaces=False)
-
-    def _logprobs(self, i: int, tokens: list[int], lps: list[Any]) -> dict[str, Any] | None:
-        """OpenAI's logprobs of these tokens: completions' {tokens, token_logprobs, top_logprobs,
-        text_offset}, or chat's {content: [{token, logprob, bytes, top_logprobs}]}."""
+    def _logprobs(self, i: int, tokens: list[int], lps: list[Any], echoed: list[int]) -> dict[str, Any] | None:
+        """OpenAI's logprobs of the prompt tokens `echoed` and then `tokens`: completions'
+        {tokens, token_logprobs, top_logprobs, text_offset}, or chat's {content: [{token,
+        logprob, bytes, top_logprobs}]}."""
         if self.req.params.logprobs is None:
             return None
-        names = [self._token(t) for t in tokens]
+        tt = self.token_text
+        names = [tt.name(t) for t in echoed + tokens]
         if self.req.chat:
-            def entry(name: str, lp: float) -> dict[str, Any]:
-                return {"token": name, "logprob": lp, "bytes": list(name.encode())}
-            return {"content": [{**entry(name, lp), "top_logprobs": [entry(self._token(t), v) for t, v in top]}
-                                for name, (lp, top) in zip(names, lps)]}
-        offsets = []
-        for name in names:
-            offsets.append(self.offsets[i])
-            self.offsets[i] += len(name)
+            def entry(t: int, name: str, lp: float) -> dict[str, Any]:
+                raw = tt.bytes(t)
+                return {"token": name, "logprob": lp, "bytes": None if raw is None else list(raw)}
+            return {"content": [{**entry(t, name, lp), "top_logprobs": [
+                entry(u, n, v) for (u, v), n in zip(top, tt.names([u for u, _ in top]))]}
+                for t, name, (lp, top) in zip(echoed + tokens, names, lps)]}
+        offsets = tt.offsets(echoed, 0, 0)
+        start = len(self.shown[i])
+        self.shown[i] += tokens
+        offsets += tt.offsets(self.shown[i], start, self.echoed[i])
         return {"tokens": names, "token_logprobs": [lp for lp, _ in lps],
-                "top_logprobs": [None if top is None else {self._token(t): v for t, v in top} for _, top in lps],
+                "top_logprobs": [None if top is None else dict(zip(tt.names([u for u, _ in top]), (v for _, v in top)))
+                                 for _, top in lps],
                 "text_offset": offsets}
 
     def _choice(self, i: int, tokens: list[int], lps: list[Any], text: str, finish: str | None,
@@ -138,11 +141,13 @@ class Completion:
         first = not self.opened[i]
         self.opened[i] = True
         if self.req.echo and first and self.tokenizer is not None:
-            text = self.tokenizer.decode(self.prompts[i], skip_special_tokens=True,
-                                         clean_up_tokenization_spaces=False) + text
-        shown, shown_lps = tokens, lps
+            prompt = self.tokenizer.decode(self.prompts[i], skip_special_tokens=True,
+                                           clean_up_tokenization_spaces=False)
+            self.echoed[i] = len(prompt)
+            text = prompt + text
+        echoed, shown_lps = [], lps
         if first and self.prompt_logprobs is not None:
-            shown, shown_lps = self.prompts[i] + tokens, self.prompt_logprobs[i] + lps
+            echoed, shown_lps = self.prompts[i], self.prompt_logprobs[i] + lps
         body: dict[str, Any] = {"index": i}
         if not self.req.chat:
             body["text"] = text
@@ -150,7 +155,8 @@ class Completion:
             body["delta"] = {"content": text} if text or tokens else {}
         else:
             body["message"] = {"role": "assistant", "content": text}
-        return {**body, "token_ids": tokens, "logprobs": self._logprobs(i, shown, shown_lps), "finish_reason": finish}
+        return {**body, "token_ids": tokens, "logprobs": self._logprobs(i, tokens, shown_lps, echoed),
+                "finish_reason": finish}
 
     def _event(self, doc: dict[str, Any]) -> bytes:
         return b"data: " + dumps(doc) + b"\n\n"
