@@ -35,8 +35,14 @@ class Subject:
 
     @classmethod
     def of(cls, cm: Any, target: Any = None, **kw: Any) -> "Subject":
+        """A decoder's whole-sequence graph not lowered yet stays so (the model is described by its
+        parameters): reading it lowered the graph, minutes on a real model, at every server's
+        first knowledge-base tick and at its shutdown, though no request needed it."""
+        target = target if target is not None else cm.target
+        if getattr(cm, "pending", False):
+            return cls(cm.recipe, target, cm.source, None, None, **kw)
         ir = getattr(cm, "_graph_hash", None) or (cm.graph.structural_hash() if cm.graph is not None else None)
-        return cls(cm.recipe, target if target is not None else cm.target, cm.source, cm.captured_graph, ir, **kw)
+        return cls(cm.recipe, target, cm.source, cm.captured_graph, ir, **kw)
 
     def entities(self) -> tuple[dict, dict, dict]:
         import torch

@@ -199,6 +199,21 @@ class Frozen:
 
 # ---- one lowering at start -----------------------------------------------------------------------------------
 
+def test_a_knowledge_base_summary_leaves_the_whole_sequence_graph_unlowered(dec, tmp_path):
+    """serve's periodic (and shutdown) knowledge-base summary read the model's graph, which
+    lowered the whole-sequence graph no request had asked for: minutes of CPU on a real model."""
+    from graphmode.kb import KnowledgeBase
+    from graphmode.kb.record import ServeRecorder
+    if not dec.server.active.cm.pending:
+        pytest.skip("the whole-sequence graph was lowered by an earlier test on this worker")
+    complete(dec, prompt=[5, 6, 7], max_tokens=2, **GREEDY)
+    rec = ServeRecorder(tmp_path / "kb.sqlite", dec.server.target)
+    assert rec.tick(dec.server.active, force=True) is None
+    assert dec.server.active.cm.pending and dec.lowerings.count == 1
+    with KnowledgeBase(tmp_path / "kb.sqlite") as kb:
+        assert kb.rows("SELECT source FROM performance") == [{"source": "serve"}]
+
+
 def test_the_decoder_lowers_one_graph_at_start_and_the_whole_sequence_on_its_first_infer(dec):
     """Issue 25 ("the server compiles the model twice"): ready after one lowering, the decode
     engine's paged graph; the first /v1/infer (or KServe request) lowers the whole-sequence
