@@ -245,7 +245,7 @@ class DecodeEngine:
 
     def room(self, prompt: int) -> int:
         """New tokens a prompt of `prompt` tokens leaves: within its pages and the model's positions."""
-        return min(self.layout.max_tokens, self.context or self.layout.max_tokens) - prompt
+        return min(self.layout.sequence_tokens, self.context or self.layout.max_tokens) - prompt
 
     @property
     def batch_buckets(self) -> list[int]:
@@ -313,6 +313,10 @@ class DecodeEngine:
         if bias:
             raise ContractViolation(f"logit_bias token ids must be in [0, {vocab})", where="logit_bias",
                                     value=bias[:5], fix="bias token ids the model knows")
+        stops = [t for seq in params.stop for t in seq if vocab and not 0 <= t < vocab]
+        if stops:                                # a token the model never makes: that stop could never match
+            raise ContractViolation(f"stop token ids must be in [0, {vocab})", where="stop", value=stops[:5],
+                                    fix="stop on token ids the model knows")
         if len(prompt) > self.max_prompt:
             raise ContractViolation(f"the prompt has {len(prompt)} tokens, the contract's {self.seq_dim} allows at "
                                     f"most {self.max_prompt}", where=f"dims.{self.seq_dim}", value=len(prompt),
@@ -332,8 +336,9 @@ class DecodeEngine:
                                     f"{self.layout.max_tokens} tokens a sequence's pages hold", where="max_new_tokens",
                                     value=params.max_new_tokens, fix=f"ask for at most {most} new tokens")
         if self.cache.pages_for(len(prompt) + params.max_new_tokens) > self.layout.pages:
-            raise ContractViolation("this request alone needs more pages than the pool has", where="max_new_tokens",
-                                    value=params.max_new_tokens, fix="ask for fewer tokens")
+            raise ContractViolation(f"{len(prompt)} prompt + {params.max_new_tokens} new tokens need more pages than "
+                                    f"the pool's {self.layout.pages} hold", where="max_new_tokens",
+                                    value=params.max_new_tokens, fix=f"ask for at most {most} new tokens")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         with self.lock:
             s = Sequence_(next(self._ids), prompt, params, gen=gen, on_token=on_token)

@@ -45,6 +45,11 @@ class KVLayout:
     def max_tokens(self) -> int:
         return self.page_size * self.max_pages_per_seq
 
+    @property
+    def sequence_tokens(self) -> int:
+        """The tokens one sequence can reach: its pages, within a pool that may hold fewer."""
+        return self.page_size * min(self.max_pages_per_seq, self.pages)
+
 
 class Reclaimer(Protocol):
     """Keeps pages no sequence holds but that still hold reusable K/V (the prefix cache)."""

@@ -40,7 +40,7 @@ from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.serve.codec import (answer_kind, body_kind, clip, decode_json, decode_safetensors, dumps, encode_json,
                                    encode_safetensors, media_type)
 from graphmode.serve.errors import (BadRequest, NotReady, ServeError, Unauthorized, error_dict, http_status,
-                                    openai_error)
+                                    openai_error, openai_status)
 from graphmode.serve.server import ModelServer, ServeConfig
 
 log = logging.getLogger("graphmode.serve")
@@ -67,7 +67,7 @@ class JSONAnswer(Response):
 def error_response(e: BaseException, *, openai: bool = False) -> Response:
     """The error's JSON answer: graphmode's body, or with `openai` OpenAI's
     `{"error": {"message", "type", "param", "code", ...}}` (the OpenAI endpoints)."""
-    status = http_status(e)
+    status = openai_status(e) if openai else http_status(e)
     if openai:
         body = {"error": openai_error(e)}
     else:

@@ -191,10 +191,12 @@ class Completion:
 
 
 def usable_tokens(engine: Any) -> int:
-    """The tokens a sequence may reach: its pages, within the model's positions (a recipe may give
-    pages for more tokens than the model has positions: chat's default answer fills the smaller)."""
+    """The tokens a sequence may reach: its pages, within the pool and the model's positions (a
+    recipe may give pages for more tokens than either: chat's default answer fills the smallest)."""
     context = getattr(engine, "context", None) or (getattr(engine, "cfg", None) or {}).get("context")
-    return min(engine.layout.max_tokens, int(context)) if context else engine.layout.max_tokens
+    lay = engine.layout                               # a pool smaller than one sequence's pages: what it holds
+    held = min(lay.max_tokens, lay.pages * lay.page_size)
+    return min(held, int(context)) if context else held
 
 
 def _in_request_terms(e: ContractViolation, index: int | None, prompt_field: str | None = None) -> None:

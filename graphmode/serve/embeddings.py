@@ -114,7 +114,14 @@ def embedding_routes(server: Any) -> list[Route]:
                 try:
                     result = await server.infer(dep, {k: v for k, v in inputs.items() if k in names})
                 except ContractViolation as e:
+                    dim = (e.where or "").removeprefix("dims.")
                     e.where = "input" if len(ids) == 1 else f"input[{i}]"
+                    if dim in dep.recipe.dims and x.shape[1] == e.value:       # its length, in the request's terms
+                        lo, hi = dep.recipe.dim_range(dim)
+                        e.message = f"the input has {len(toks)} tokens, this model takes {lo} to {hi}"
+                        e.fix = (f"send at most {hi} tokens per input (split longer texts)" if len(toks) > hi
+                                 else f"send at least {lo} tokens per input")
+                        e.args = (e.render(),)
                     raise
                 return sentence_embeddings(result["outputs"][out_name].float(), mask)[0]
 

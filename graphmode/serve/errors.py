@@ -99,7 +99,7 @@ def openai_error(e: BaseException) -> dict[str, Any]:
     the field, the value and the fix: the `openai` client shows only this), `type`, `param`
     (the request field) and `code`, with graphmode's own fields (`where`, `value`, `fix`,
     `kind`, `status`, `graphmode_error`: the error's class) beside them."""
-    status = http_status(e)
+    status = openai_status(e)
     try:
         d = error_dict(e)
     except ValueError:                    # a value too long to print
@@ -115,7 +115,7 @@ def openai_error(e: BaseException) -> dict[str, Any]:
     if isinstance(e, ServeError):
         code = e.reason
     elif isinstance(e, ContractViolation):
-        code = f"contract_{e.kind or 'input'}"
+        code = "context_length_exceeded" if _too_long(e) else f"contract_{e.kind or 'input'}"
     else:
         code = type(e).__name__
     out = {"message": message, "type": OPENAI_TYPES.get(status, "server_error" if status >= 500
@@ -123,6 +123,21 @@ def openai_error(e: BaseException) -> dict[str, Any]:
            "param": where, "code": code, **{k: v for k, v in d.items() if k not in ("error", "message")},
            "detail": d.get("message"), "graphmode_error": d.get("error"), "status": status}
     return out
+
+
+def openai_status(e: BaseException) -> int:
+    """The status an OpenAI endpoint answers: a request the contract refuses (a prompt past the
+    context, token ids outside the vocabulary) is OpenAI's and vLLM's 400, which clients map to
+    their own errors (context window exceeded); graphmode's own endpoints answer it 422."""
+    status = http_status(e)
+    return 400 if status == 422 and isinstance(e, ContractViolation) else status
+
+
+def _too_long(e: ContractViolation) -> bool:
+    """A prompt, or a prompt and its answer, longer than a sequence may be."""
+    where = (e.where or "").split("[")[0]
+    return e.kind == "shape" and where in ("prompt", "max_tokens", "messages", "input") and "at most" in (
+        e.fix or "") + e.message
 
 
 def http_status(e: BaseException) -> int:

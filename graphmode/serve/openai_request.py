@@ -219,7 +219,8 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
         raise bad("best_of", f"best_of ({best_of}) other than n ({n}) is not supported (vLLM's V1 engine dropped it "
                               "too)", best_of, fix="leave best_of out and send n: the number of choices you want")
     if len(prompts) * n > MAX_PROMPTS:
-        raise bad("n", f"{len(prompts)} prompt(s) x n = {n} is more than {MAX_PROMPTS} sequences", n, fix=SPLIT)
+        raise bad("n", f"{len(prompts)} prompt(s) x n {n} = {len(prompts) * n} sequences, more than {MAX_PROMPTS}",
+                  n, fix=SPLIT)
     stop_text, stop_ids = _stops(doc, tokenizer)
     stream = _bool(doc, "stream")
     opts = doc.get("stream_options")

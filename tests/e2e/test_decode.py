@@ -98,6 +98,12 @@ def test_pool_that_runs_out_makes_requests_wait_not_fail(cache):
     assert all(torch.equal(ours[i], alone[i]) for i in range(3))
     assert eng.stats["preemptions"] >= 1, eng.stats                      # someone gave its pages back
     assert eng.cache.free_pages == eng.layout.pages                       # every page came back
+    # a sequence reaches 36 tokens here, not its 12 pages' 48: a chat's default answer fills what the pool holds
+    from graphmode.serve.completions import usable_tokens
+    assert usable_tokens(eng) == 36 and eng.room(8) == 28
+    with pytest.raises(ContractViolation, match="the pool's 9 hold") as e:
+        cm.generate(PROMPTS[:1, :8], MASK[:1, :8], max_new_tokens=40)
+    assert f"at most {36 - int(MASK[0, :8].sum())} new tokens" in e.value.fix
 
 
 def test_pool_is_the_size_the_proof_counts(model):

@@ -357,13 +357,14 @@ def test_stop_strings_and_stop_token_ids_end_with_stop(dec):
 
 
 ERRORS = [   # (body, status, where, words in the message); every answer must also carry a fix
-    ({"prompt": P1, "max_tokens": 46}, 422, "max_tokens", "pages hold"),
-    ({"prompt": list(range(3, 36)), "max_tokens": 2}, 422, "prompt", "at most 32"),
-    ({"prompt": [P1, list(range(3, 36))]}, 422, "prompt[1]", "at most 32"),
-    ({"prompt": [5, 100, 7]}, 422, "prompt", "[0, 100)"),
-    ({"prompt": [[5, 6], [6, -1]]}, 422, "prompt[1]", "[0, 100)"),
-    ({"prompt": [5]}, 422, "prompt", "at least 2"),
-    ({"prompt": ""}, 422, "prompt", "empty"),
+    # the contract's refusals are OpenAI's and vLLM's 400 (graphmode's own endpoints: 422)
+    ({"prompt": P1, "max_tokens": 46}, 400, "max_tokens", "pages hold"),
+    ({"prompt": list(range(3, 36)), "max_tokens": 2}, 400, "prompt", "at most 32"),
+    ({"prompt": [P1, list(range(3, 36))]}, 400, "prompt[1]", "at most 32"),
+    ({"prompt": [5, 100, 7]}, 400, "prompt", "[0, 100)"),
+    ({"prompt": [[5, 6], [6, -1]]}, 400, "prompt[1]", "[0, 100)"),
+    ({"prompt": [5]}, 400, "prompt", "at least 2"),
+    ({"prompt": ""}, 400, "prompt", "empty"),
     ({"prompt": P1, "model": "no-such-model"}, 404, "model", "not served"),
     ({"prompt": 5}, 400, "prompt", "prompt must be"),
     ({"prompt": [5, True]}, 400, "prompt", "prompt must be"),
@@ -679,7 +680,7 @@ def test_models_retrieve_and_list(srv):
 
 
 REFUSALS = [   # (call, kwargs, the client's error class, param, words the message must show)
-    ("completions", {"prompt": P1, "max_tokens": 46}, "UnprocessableEntityError", "max_tokens", "pages hold"),
+    ("completions", {"prompt": P1, "max_tokens": 46}, "BadRequestError", "max_tokens", "pages hold"),
     ("completions", {"prompt": P1, "temperature": -1}, "BadRequestError", "temperature", "number in"),
     ("completions", {"prompt": P1, "best_of": 3}, "BadRequestError", "best_of", "not supported"),
     ("completions", {"prompt": P1, "n": 100}, "BadRequestError", "n", "integer"),
@@ -688,7 +689,8 @@ REFUSALS = [   # (call, kwargs, the client's error class, param, words the messa
      "min_tokens", "more than"),
     ("completions", {"prompt": P1, "model": "gpt-4"}, "NotFoundError", "model", "not served"),
     ("completions", {"prompt": P1, "presence_penalty": 3}, "BadRequestError", "presence_penalty", "[-2, 2]"),
-    ("completions", {"prompt": P1, "logit_bias": {"100": 1}}, "UnprocessableEntityError", "logit_bias", "[0, 100)"),
+    ("completions", {"prompt": P1, "logit_bias": {"100": 1}}, "BadRequestError", "logit_bias", "[0, 100)"),
+    ("completions", {"prompt": P1, "extra_body": {"stop_token_ids": [100]}}, "BadRequestError", "stop", "[0, 100)"),
     ("completions", {"prompt": P1, "extra_body": {"response_format": {"type": "json_object"}}}, "BadRequestError",
      "response_format", "structured output"),
     ("chat", {"messages": []}, "BadRequestError", "messages", "non-empty"),
@@ -703,7 +705,7 @@ REFUSALS = [   # (call, kwargs, the client's error class, param, words the messa
     ("chat", {"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 3}, "BadRequestError",
      "max_completion_tokens", "disagree"),
     ("chat", {"messages": MESSAGES, "top_logprobs": 2}, "BadRequestError", "top_logprobs", "logprobs: true"),
-    ("chat", {"messages": [{"role": "user", "content": " ".join(["w5"] * 40)}]}, "UnprocessableEntityError",
+    ("chat", {"messages": [{"role": "user", "content": " ".join(["w5"] * 40)}]}, "BadRequestError",
      "messages", "at most 32"),
 ]
 
@@ -719,6 +721,7 @@ def test_refusals_reach_the_client_as_openai_errors(srv, call, kw, cls, param, w
         err = e.value
         assert err.param == param and words in err.message and "fix:" in err.message, (kw, err.message)
         assert err.type in ("invalid_request_error",) and err.code, err.body
+        assert (err.code == "context_length_exceeded") == (words in ("pages hold", "at most 32")), err.body
 
 
 def test_unknown_openai_paths_answer_openai_errors(srv):
@@ -748,7 +751,7 @@ def test_python_client_against_the_real_servers(dec, enc):
         assert "".join(ch.text for ch in chunks) == done.text
         with pytest.raises(ServerError) as e:
             c.complete(P1, max_tokens=100)
-        assert e.value.status == 422 and e.value.where == "max_tokens" and e.value.fix and e.value.exit_code == 1
+        assert e.value.status == 400 and e.value.where == "max_tokens" and e.value.fix and e.value.exit_code == 1
         with pytest.raises(ServerError) as e:
             list(c.stream(P1, max_tokens=2, top_k="x"))
         assert e.value.status == 400 and e.value.where == "top_k"

@@ -57,13 +57,14 @@ def test_embeddings_equal_sentence_transformers(minilm):
     assert r.usage.prompt_tokens == sum(len(minilm.tok(s)["input_ids"]) for s in SENTENCES)
     plain = minilm.http.post("/v1/embeddings", json={"input": ids, "encoding_format": "float"}).json()
     assert torch.allclose(torch.tensor(plain["data"][0]["embedding"]), got[0], atol=1e-6)
-    for kw, param, words in [({"input": ["a " * 40]}, "input", "outside"),
+    for kw, param, words in [({"input": ["a " * 40]}, "input", "the input has 42 tokens, this model takes"),
                              ({"input": "x", "dimensions": 8}, "dimensions", "384"),
                              ({"input": []}, "input", "input must be"),
                              ({"input": "x", "model": "gpt-4"}, "model", "not served")]:
         with pytest.raises(openai.APIStatusError) as e:
             minilm.oa.embeddings.create(model=kw.pop("model", "minilm"), **kw)
         assert e.value.param == param and words in e.value.message and "fix:" in e.value.message, e.value.message
+        assert (e.value.code == "context_length_exceeded") == ("42" in words) and e.value.status_code != 422
     r = minilm.http.post("/v1/chat/completions", json={"messages": MESSAGES})
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_a_decoder", r.text
 
