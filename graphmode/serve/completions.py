@@ -293,8 +293,8 @@ def completion_routes(server: Any) -> list[Route]:
             where = "messages" if req.chat else None
             _in_request_terms(e, getattr(e, "prompt_index", 0) // req.n if len(req.prompts) > 1 else None, where)
             raise
-        comp = Completion(req, gens, queue, dep.decoder, server.model_names()[0], dep.version, server.tokenizer,
-                          scored)
+        comp = Completion(req, gens, queue, dep.decoder, req.model or server.model_names()[0], dep.version,
+                          server.tokenizer, scored)      # the name the client used, as vLLM echoes it
         watcher = asyncio.ensure_future(_disconnected(request))
         updates = comp.updates()
         parts: dict[int, list[Update]] = {}
@@ -395,8 +395,8 @@ def completion_routes(server: Any) -> list[Route]:
 
     def _prompt_only(dep: Any, req: CompletionRequest, scored: list[list[Any]] | None) -> Response:
         """max_tokens 0 with echo: each choice is its prompt (scored), finished by length."""
-        comp = Completion(req, [None] * len(req.sequences), asyncio.Queue(), dep.decoder, server.model_names()[0],
-                          dep.version, server.tokenizer, scored)
+        comp = Completion(req, [None] * len(req.sequences), asyncio.Queue(), dep.decoder,
+                          req.model or server.model_names()[0], dep.version, server.tokenizer, scored)
         for o in comp.outputs:
             o.finish_reason = "length"
         _count(dep, "ok")

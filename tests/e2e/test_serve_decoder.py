@@ -273,7 +273,9 @@ def test_greedy_completions_are_transformers_tokens(dec):
     n = sum(map(len, refs))
     assert doc["usage"] == {"prompt_tokens": 11, "completion_tokens": n, "total_tokens": 11 + n}
 
-    one = complete(dec, prompt=P2, max_tokens=12, **GREEDY)["choices"]
+    one = complete(dec, prompt=P2, max_tokens=12, model="tiny-decoder", **GREEDY)     # by the recipe's name
+    assert one["model"] == "tiny-decoder"                                # the name asked by, as vLLM answers
+    one = one["choices"]
     assert len(one) == 1 and one[0]["token_ids"] == refs[1]             # alone = batched with others
     text = complete(dec, prompt=["w5 w6 w7", "w21 w22"], max_tokens=12, model=MODEL, **GREEDY)
     assert [c["token_ids"] for c in text["choices"]] == [refs[0], refs[2]]
