@@ -4,8 +4,8 @@ The input is the model's `main_input_name`: token ids (`input_ids`, with `attent
 `token_type_ids` when forward takes them, named dims `batch` and `seq`), images
 (`pixel_values` [batch, channels, size, size] from `num_channels` and `image_size`), or audio
 (`input_features` [batch, mel bins, frames] for Whisper-style encoders, with `decoder_input_ids`
-[batch, decoder_seq] for the encoder-decoder, `input_values`
-[batch, samples] for raw-waveform models). Example sizes are 2 and 8 (never 1: torch.export
+[batch, decoder_seq] for the encoder-decoder, `input_values` [batch, samples] for raw-waveform
+models, [batch, frames, mel bins] for a spectrogram's). Example sizes are 2 and 8 (never 1: torch.export
 specialises a dim of size 1).
 """
 from __future__ import annotations
@@ -42,9 +42,16 @@ def _size(value: Any, default: int) -> tuple[int, int]:
     return default, default
 
 
+def _is_spectrogram(cfg: Any) -> bool:
+    """An `input_values` that is a spectrogram of a fixed size (the Audio Spectrogram Transformer's
+    `max_length` frames x `num_mel_bins`), not a raw waveform."""
+    return isinstance(getattr(cfg, "max_length", None), int) and isinstance(getattr(cfg, "num_mel_bins", None), int)
+
+
 def dim_ranges(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """Ranges of the dims `example_inputs` names that no config states (raw audio's length)."""
-    return {"samples": AUDIO_SAMPLES} if module.main_input_name == "input_values" else {}
+    raw = module.main_input_name == "input_values" and not _is_spectrogram(module.config)
+    return {"samples": AUDIO_SAMPLES} if raw else {}
 
 
 def _ignores_zero_types(module: torch.nn.Module, ex: dict[str, torch.Tensor]) -> bool:
@@ -94,6 +101,10 @@ def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
             ex["decoder_input_ids"] = torch.randint(min(3, vocab - 1), vocab, (BATCH, SEQ), generator=g)
             dims["decoder_input_ids"] = ["batch", "decoder_seq"]
         return ex, dims
+    if main == "input_values" and _is_spectrogram(cfg):     # AST: [batch, frames, mel bins], both fixed
+        frames, mels = int(cfg.max_length), int(cfg.num_mel_bins)
+        return ({"input_values": torch.randn(BATCH, frames, mels, generator=g)},
+                {"input_values": ["batch", frames, mels]})
     if main == "input_values":
         return ({"input_values": torch.randn(BATCH, SAMPLES, generator=g)}, {"input_values": ["batch", "samples"]})
     raise CaptureError(f"{type(module).__name__} takes {main!r} first, and graphmode does not know how to make "

@@ -333,7 +333,16 @@ def as_model(model: Any) -> ModelBundle | OnnxModelSpec:
     if isinstance(model, nn.Module):
         if hf.is_hf_model(model):
             ex, dims = hf.example_inputs(model)
-            bundle = bundle_from_module(model, ex, dims)
+            try:
+                bundle = bundle_from_module(model, ex, dims)
+            except CaptureError as e:         # examples graphmode made from the config: the user gave none
+                if not e.message.startswith("running the model on its example inputs failed"):
+                    raise
+                shapes = ", ".join(f"{k} {list(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in ex.items())
+                raise CaptureError(f"{type(model).__name__} did not run on the example inputs graphmode made from its "
+                                   f"config ({shapes}): {e.message.split(': ', 1)[1]}", where="model",
+                                   fix="pass (model, example_inputs) with tensors shaped as the model expects, e.g. "
+                                       "what its processor returns") from None
             bundle.dim_ranges = hf.dim_ranges(model)
             return bundle
         raise CaptureError(f"a bare {type(model).__name__} has no example inputs to read its input dtypes and "

@@ -145,7 +145,7 @@ def _dim_range(d: str, bundle: Any, example: dict[str, int], decoder: bool = Fal
         name, rows = table
         return 1, rows, f"1 .. the {rows} rows of the model's position table {name}"
     from graphmode.capture.zoo import DEFAULT_DIM_RANGES
-    key = "seq" if d in SEQ_DIMS else d
+    key = "seq" if d in SEQ_DIMS or "seq" in d else d       # T5's decoder_seq: a sequence, relative positions
     if key in DEFAULT_DIM_RANGES:
         lo, hi = DEFAULT_DIM_RANGES[key]
         hi = max(hi, example.get(d, hi))

@@ -529,6 +529,34 @@ def test_whisper_for_conditional_generation_compiles_without_example_inputs(tmp_
                                m(input_features=x, decoder_input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def _ast():
+    import transformers
+    torch.manual_seed(0)
+    return transformers.ASTForAudioClassification(transformers.ASTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, num_mel_bins=16, max_length=48,
+        patch_size=16, frequency_stride=8, time_stride=8, num_labels=3)).eval()
+
+
+def test_a_spectrogram_models_examples_come_from_its_config(tmp_path):
+    """AST's input_values is a [batch, frames, mel bins] spectrogram: drafted as raw audio [2, 4000],
+    its example run failed with 'check that module(**example_inputs) runs', examples the user never gave."""
+    m = _ast()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(m, cache_dir=tmp_path)
+    x = torch.randn(3, 48, 16)
+    torch.testing.assert_close(cm(input_values=x).logits, m(input_values=x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_an_hf_model_that_does_not_run_graphmodes_examples_says_they_were_graphmodes(monkeypatch):
+    from graphmode.capture import hf
+    monkeypatch.setattr(hf, "_is_spectrogram", lambda cfg: False)      # AST's input drafted as raw audio
+    with pytest.raises(CaptureError) as e:
+        graphmode.compile(_ast())
+    assert "graphmode made from its config (input_values [2, 4000] float32)" in e.value.message
+    assert e.value.where == "model" and "pass (model, example_inputs)" in e.value.fix
+
+
 def test_an_eager_island_beside_a_bool_output_runs_at_every_batch(tmp_path):
     """index_put(accumulate=True) as an eager island on an arena view whose storage also holds a
     bool output: ATen asserted 'nbytes % dtype_size == 0' at every batch but the example's."""

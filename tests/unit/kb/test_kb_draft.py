@@ -155,6 +155,19 @@ def test_a_causal_lm_draft_leaves_a_position_for_the_new_token():
     assert kv.max_pages_per_seq * kv.page_size >= 64 and d.report.verdict == "valid"
 
 
+def test_a_decoder_sequence_with_relative_positions_gets_the_default_sequence_range():
+    """T5 has no position table: its decoder_seq was capped at graphmode's example size (8), and
+    decoder_input_ids of 9 tokens were refused while eager runs them."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                num_heads=4, decoder_start_token_id=0)).eval()
+        d = draft_recipe(m)
+    assert d.recipe.dim_range("decoder_seq") == d.recipe.dim_range("seq") == (1, 512)
+
+
 def test_a_roberta_draft_fits_its_offset_positions_and_pads_ids_with_its_pad_token():
     """RoBERTa counts positions from padding_idx + 1 over the ids that are not its pad token
     (1): a draft of seq up to max_position_embeddings with ids padded by 0 ran padded positions
@@ -185,9 +198,9 @@ def test_a_bounded_draft_whose_batch_is_unsafe_to_pad_stays_a_valid_recipe():
     max_buckets alone lost the bucket of 1: a lone request ran eagerly)."""
     import torch
 
-    class TopK(torch.nn.Module):
+    class AcrossBatch(torch.nn.Module):
         def forward(self, x):
-            return torch.topk(x, 3, dim=-1)
-    d = draft_recipe((TopK(), (torch.randn(2, 6, 16),), {"x": ["batch", "seq", 16]}), record=False)
+            return x - x.mean(0, keepdim=True)       # every row reads the padded ones
+    d = draft_recipe((AcrossBatch(), (torch.randn(2, 6, 16),), {"x": ["batch", "seq", 16]}), record=False)
     assert d.data["on_violation"] == "eager" and d.data["dims"]["batch"]["exact_plans"] == 16
     assert d.data["dims"]["batch"]["buckets"][0] == 1 and load_recipe(d.data) == d.recipe
