@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from graphmode.analysis.padding_lattice import (GARBAGE, UNKNOWN, Axis, Content, Factor, Finding, State, const, plain,
-                                                prefix_offset, symbols)
+                                                is_one, prefix_offset, same_dim, symbols)
 from graphmode.analysis.padding_rules import RULES
 from graphmode.ir.graph import Graph, Node
 from graphmode.ir.ops import get_op
@@ -94,11 +94,33 @@ class PaddingReport:
 # ---------------------------------------------------------------------------------- analysis
 
 
-def _twice_padded(states: Sequence[State]) -> set[str]:
-    """Dims that pad two axes of one of `states` (a query x key or position x position value)."""
+_KEEPS_TRUE = frozenset({"logical_and", "reshape", "expand", "identity", "permute", "cast"})
+_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+
+
+def _keeps_values(op: str) -> bool:
+    """An op that moves values or does arithmetic on them, making no new pattern of masked
+    positions from values that hold none (a comparison, a triangle, a scan can)."""
+    return op in ("reshape", "expand", "permute", "identity", "slice") or (
+        get_op(op).padding == "pointwise" and op not in _COMPARISONS and op != "where")
+
+
+def _always_true(n: Node, ins: Sequence[State]) -> bool:
+    """`x >= c` (or `>`) where x's lower bound decides it: T5's mask keeps every query with
+    arange(seq) >= 0, which masks nothing."""
+    if n.op not in ("ge", "gt") or len(ins) != 2 or ins[0].lower is None:
+        return False
+    c = ins[1].uniform
+    return isinstance(c, (int, float)) and not isinstance(c, bool) and (
+        ins[0].lower >= c if n.op == "ge" else ins[0].lower > c)
+
+
+def _twice_padded(states: Sequence[State], axes: Iterable[int] | None = None) -> set[str]:
+    """Dims that pad two axes of one of `states` (a query x key or position x position value),
+    counting only `axes` when given."""
     out: set[str] = set()
     for s in states:
-        along = [f.dim for ax in s.axes for f in ax.padded]
+        along = [f.dim for i, ax in enumerate(s.axes) for f in ax.padded if axes is None or i in axes]
         out.update(d for d in along if along.count(d) >= 2)
     return out
 
@@ -115,6 +137,8 @@ class _Analyzer:
         self.masked: set[str] = set()      # dims made safe by masked logits (PaddingReport.masked)
         self.cut = False                   # positions_independent: the real rows may come after padded ones
         self.pure: set[str] = set()        # values computed from the mask inputs and constants alone
+        self.varying: dict[str, frozenset[int]] = {}   # axes along which a value's masked pattern may vary
+        self.always_true: set[str] = set()     # positional values true everywhere (T5's arange(seq) >= 0)
         self.query_key: set[str] = set()   # dims a pure mask value has two padded axes along
         self.positional: set[str] = set()  # values computed from no input (aranges, their comparisons)
         self.triangle: set[str] = set()    # dims a positional value has two padded axes along (causal)
@@ -153,11 +177,28 @@ class _Analyzer:
                 for d, f in s.taint.items():
                     taint.setdefault(d, f)
             outs = self.node(n, ins, taint)
+            positional = all(i in self.positional or i in g.constants for i in n.inputs) and n.op != "fallback"
+            if positional and (_always_true(n, ins) or n.op in _KEEPS_TRUE and n.inputs and all(
+                    i in self.always_true or states[i].uniform is True for i in n.inputs)):
+                self.always_true.update(n.outputs)
+            tracked = [i for i in n.inputs if i in self.varying]
+            for o, st in zip(n.outputs, outs):
+                if o in self.always_true or st.uniform is not UNKNOWN:
+                    if tracked or positional:
+                        self.varying[o] = frozenset()
+                elif any(self.varying[i] for i in tracked):
+                    self.varying[o] = self._varying(n, o, g)
+                elif positional and not (tracked and _keeps_values(n.op)):
+                    # made from positions (a triangle, a slice of a mask buffer, a comparison): a pattern
+                    self.varying[o] = frozenset(i for i, e in enumerate(self.shape(o)) if not is_one(e))
+                elif tracked:              # arithmetic on values that hold no pattern (a position bias)
+                    self.varying[o] = frozenset()
             if n.inputs and all(i in self.pure or i in g.constants for i in n.inputs) and \
                     any(i in self.pure for i in n.inputs):
                 self.pure.update(n.outputs)
-                self.query_key.update(_twice_padded(outs))
-            if all(i in self.positional or i in g.constants for i in n.inputs) and n.op != "fallback":
+                for o, st in zip(n.outputs, outs):      # two axes along which the mask itself varies
+                    self.query_key.update(_twice_padded([st], self.varying.get(o, frozenset())))
+            if positional:
                 self.positional.update(n.outputs)
                 self.triangle.update(_twice_padded(outs))
             for o, s in zip(n.outputs, outs):
@@ -166,6 +207,38 @@ class _Analyzer:
                 self.check_gaps(n, o, s)
                 states[o] = s
         return states
+
+    def _varying(self, n: Node, out: str, g: Graph) -> frozenset[int]:
+        """The axes of `out` along which the pattern of masked positions may vary (with a mask
+        input, or with positions): through broadcasting elementwise ops, expand, permute and
+        unsqueeze axis by axis (a mask over keys broadcast along queries and added to a position
+        bias varies along the keys only); a lookup in a constant table of finite values that are
+        no mask fill (T5's position bias picked by relative position buckets) holds none; every
+        axis after any other op."""
+        shape = self.shape(out)
+        rank = len(shape)
+        op = n.op
+        table = g.constants.get(n.inputs[0]) if get_op(op).padding == "gather" else None
+        if table is not None and table.is_floating_point() and bool(torch.isfinite(table).all()) and \
+                float(table.min()) > -1e4:       # finite values picked by position: no masked entry among them
+            return frozenset()
+        if op == "permute":
+            src = self.varying.get(n.inputs[0], frozenset())
+            return frozenset(i for i, p in enumerate(n.attrs["perm"]) if p in src)
+        if op == "reshape":                 # an unsqueeze or squeeze: the other axes keep their order
+            src, ishape = self.varying.get(n.inputs[0], frozenset()), self.shape(n.inputs[0])
+            kept_in = [j for j, e in enumerate(ishape) if not is_one(e)]
+            kept_out = [i for i, e in enumerate(shape) if not is_one(e)]
+            if len(kept_in) == len(kept_out) and all(same_dim(ishape[j], shape[i]) for j, i in zip(kept_in, kept_out)):
+                return frozenset(i for j, i in zip(kept_in, kept_out) if j in src)
+        if op == "expand" or get_op(op).padding == "pointwise":
+            axes = set()
+            for i in n.inputs if op != "expand" else n.inputs[:1]:
+                src, ishape = self.varying.get(i, frozenset()), self.shape(i)
+                lead = rank - len(ishape)
+                axes |= {j + lead for j in src if not is_one(ishape[j]) or is_one(shape[j + lead])}
+            return frozenset(axes)
+        return frozenset(range(rank))
 
     def constant(self, g: Graph, name: str) -> State:
         t = g.constants[name]
@@ -216,6 +289,7 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
     an = _Analyzer(graph, padded, lo, locs or {})
     an.cut = arbitrary
     an.pure = {m for m in masks if m in graph.inputs}
+    an.varying = {m: frozenset(range(len(graph.values[m].type.shape))) for m in an.pure}
     states: dict[str, State] = {}
     for name in graph.inputs:
         ty = graph.values[name].type

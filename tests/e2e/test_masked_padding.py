@@ -80,6 +80,25 @@ class CausalSdpaFloatMask(nn.Module):
                                                                 attn_mask=bias[:, None])[:, 0]
 
 
+class KeyMaskPositionBias(nn.Module):
+    """T5's pattern: a relative position bias [q, k] and a key mask broadcast along the queries,
+    one float mask into sdpa. Only keys are masked: a request's own padding positions keep real
+    keys, so padding the request further changes nothing (it was refused as a query x key mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Embedding(33, 1)
+
+    def forward(self, x, mask):
+        s = x.shape[1]
+        pos = torch.arange(s)
+        b = self.bias((pos[None, :] - pos[:, None]).clamp(-16, 16) + 16)[..., 0]
+        keep = mask[:, None, :].bool().expand(-1, s, -1)
+        m = torch.where(keep, b, torch.finfo(torch.float32).min)
+        return torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None],
+                                                                attn_mask=m[:, None])[:, 0]
+
+
 def _compile(model: nn.Module, on_violation: str, cache):
     r = {"version": 1, "name": "masked", "exe_mode": "graph", "on_violation": on_violation,
          "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 8]},
@@ -117,6 +136,44 @@ def test_a_request_with_masked_positions_is_not_padded_and_gets_eagers_answer(ki
         assert rel_l2(cm(x8, m8), model(x8, m8)) < 1e-5 and cm.last_path["path"] == "graph"
 
 
+def test_a_key_mask_beside_a_position_bias_is_padded_until_a_row_is_masked_whole(tmp_path):
+    torch.manual_seed(0)
+    model = KeyMaskPositionBias().eval()
+    cm = _compile(model, "eager", tmp_path)
+    assert cm.masked_dims == ["seq"] and cm.query_key_dims == []
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.long)
+    mask[1, 2:] = 0                                          # the request's own padding, right and left
+    mask[0, :2] = 0
+    with torch.no_grad():
+        assert rel_l2(cm(x, mask), model(x, mask)) < 1e-5 and cm.last_path["path"] == "graph"
+        mask[1] = 0                                          # a row masked whole: eager spreads it over the keys
+        assert rel_l2(cm(x, mask), model(x, mask)) < 1e-5
+    assert cm.last_path == {"path": "eager", "reason": "unsafe padding on seq"}
+
+
+def test_t5s_key_mask_beside_its_relative_position_bias_pads_a_padded_batch(tmp_path):
+    """A tokenizer-padded batch of T5 (its mask masks keys; the relative position bias comes from
+    positions and a table) was refused at every seq between buckets as a query x key mask."""
+    import transformers
+    torch.manual_seed(0)
+    m = transformers.T5EncoderModel(transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64,
+                                                          num_layers=1, num_heads=4)).eval()
+    r = {"version": 1, "name": "t5", "exe_mode": "graph", "on_violation": "error",
+         "inputs": [{"name": n, "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0}
+                    for n in ("input_ids", "attention_mask")],
+         "dims": {"batch": {"buckets": [2]}, "seq": {"buckets": [8, 16], "min": 1}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(m, r, cache_dir=tmp_path)
+    assert cm.masked_dims == ["seq"] and cm.query_key_dims == []
+    ids, mask = torch.randint(3, 100, (2, 11)), torch.ones(2, 11, dtype=torch.long)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        want = m(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert rel_l2(cm(input_ids=ids, attention_mask=mask).last_hidden_state, want) < 1e-5
+    assert cm.last_path == {"path": "graph", "bucket": {"batch": 2, "seq": 16}}
+
+
 def test_a_left_padded_request_to_causal_attention_in_one_sdpa_is_still_padded(tmp_path):
     torch.manual_seed(0)
     model = CausalSdpa().eval()
@@ -128,9 +185,29 @@ def test_a_left_padded_request_to_causal_attention_in_one_sdpa_is_still_padded(t
         assert rel_l2(cm(x, mask), model(x, mask)) < 1e-5 and cm.last_path["path"] == "graph"
 
 
-def test_a_left_padded_request_under_a_float_query_key_mask_runs_eager(tmp_path):
+class CausalTrilFloatMask(nn.Module):
+    """The triangle from tril of ones, or sliced from a buffer (older Hugging Face decoders): a
+    pattern made from positions, as the comparison is."""
+
+    def __init__(self, buffer: bool):
+        super().__init__()
+        self.register_buffer("tri", torch.ones(32, 32).tril().bool())
+        self.buffer = buffer
+
+    def forward(self, x, mask):
+        s = x.shape[1]
+        tri = self.tri[:s, :s] if self.buffer else torch.ones(s, s).tril().bool()
+        keep = tri[None] & mask[:, None, :].bool()
+        bias = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+        return torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None],
+                                                                attn_mask=bias[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("make", [CausalSdpaFloatMask, lambda: CausalTrilFloatMask(False),
+                                  lambda: CausalTrilFloatMask(True)], ids=["compare", "tril", "buffer"])
+def test_a_left_padded_request_under_a_float_query_key_mask_runs_eager(make, tmp_path):
     torch.manual_seed(0)
-    model = CausalSdpaFloatMask().eval()
+    model = make().eval()
     cm = _compile(model, "eager", tmp_path)
     assert cm.query_key_dims == ["seq"]
     x, mask = torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.long)

@@ -82,9 +82,11 @@ def _sdpa(an, n: Node, ins: list[State], taint: dict[str, Finding], out_shape: t
             if covered:
                 an.masked.add(d)            # safe while each real query keeps a real unmasked key
                 qm = mask.axes[-2].single if len(mask.axes) >= 2 else None
-                if not isinstance(m.content.value, bool) and qm is not None and qm.dim == d:
+                by_query = len(mask.axes) - 2 in an.varying.get(n.inputs[3], range(len(mask.axes)))
+                if not isinstance(m.content.value, bool) and qm is not None and qm.dim == d and by_query:
                     # a query x key mask with a finite fill (Falcon's ALiBi bias): a query row masked
-                    # whole (left padding) is not 0 but spread over every key, the bucket's padded ones too
+                    # whole (left padding) is not 0 but spread over every key, the bucket's padded ones too;
+                    # not where only the keys are masked (T5: a key mask plus a position bias)
                     an.query_key.add(d)
         if not covered and n.attrs.get("is_causal") and not an.cut:    # a later row reads the earlier ones
             qf = q.axes[-2].single

@@ -61,7 +61,7 @@ def reshape(an, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str, Fi
                 break
             moved[hits[0]] = c
         affine = tuple(sorted(moved.items())) if moved else None
-    return State(tuple(axes), x.uniform, affine, bound=x.bound, offset=x.offset)
+    return State(tuple(axes), x.uniform, affine, bound=x.bound, offset=x.offset, lower=x.lower)   # same values
 
 
 @rule("permute")
