@@ -43,6 +43,7 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
         cm.decoding = decoding
     if notes and hasattr(cm, "draft_notes"):
         cm.draft_notes = notes          # why a drafted recipe has no KV cache, for `generate` to say
+        cm.drafted = True               # a request outside its guessed ranges is said once (OutsideDraft)
     return cm
 
 

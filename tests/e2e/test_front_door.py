@@ -440,6 +440,29 @@ def test_an_onnx_path_compiles_without_a_recipe(tmp_path):
     assert rel(cm(x), m(x)) < 1e-5
 
 
+def test_a_request_outside_a_drafted_range_is_said_once(tmp_path):
+    """An ONNX file's free axis gets a guessed range (1..64); requests past it ran in ONNX Runtime
+    without a word, and the model looked compiled."""
+    from graphmode.runtime.compiled import OutsideDraft
+
+    class Mean(nn.Module):
+        def forward(self, x):
+            return x.mean(1) * 2
+    path = tmp_path / "mean.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Mean(), (torch.randn(2, 8, 4),), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "batch", 1: "n"}})
+        cm = graphmode.compile(str(path), cache_dir=tmp_path)
+    lo, hi = cm.recipe.dim_range("n")
+    x = torch.randn(2, hi + 36, 4)
+    with pytest.warns(OutsideDraft, match=rf"'n' = {hi + 36} is outside.*ONNX Runtime.*--dim n=LO:HI"):
+        assert rel(cm(x), Mean()(x)) < 1e-5 and cm.last_path["path"] == "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cm(torch.randn(2, hi + 40, 4))                  # said once per dim
+
+
 # ---- the zoo: every draft validates and compiles (slow) --------------------------------------------------
 
 def _hf(cls: str, cfg: str, **kw):
