@@ -22,6 +22,9 @@ _PER_SAMPLE_ATEN = {"max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adap
                     "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "instance_norm",
                     "upsample_nearest2d", "upsample_bilinear2d", "pixel_shuffle",
                     "_native_batch_norm_legit_no_training"}
+# ATen ops that map each element of their first input on its own, appending this many axes
+# (one_hot's classes; bucketize's boundaries are a second input that is not padded)
+_PER_ELEMENT = {"one_hot": 1, "bucketize": 0}
 # ops whose `dim` names the one axis kept apart while every other axis is mixed (renorm normalises
 # each x.select(dim, i) over all the rest): not "along dim" ops
 _MIXES_OTHER_DIMS = {"renorm", "_weight_norm", "_weight_norm_interface", "norm_except_dim", "unique_dim",
@@ -202,6 +205,11 @@ def fallback(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[S
     along_dim = _along_dim(an, n, ins, shapes, target, taint) if short not in _MIXES_OTHER_DIMS else None
     if along_dim is not None:
         return along_dim
+    if short in _PER_ELEMENT and ins and len(shapes) == 1 and not any(ax.padded for s in ins[1:] for ax in s.axes) \
+            and _valid_padding(short, ins[0], list(n.attrs.get("args", []))):
+        rank = len(ins[0].axes)             # each element of the first input on its own (+ trailing new axes)
+        if len(shapes[0]) == rank + _PER_ELEMENT[short]:
+            return [State(an.garbage(ins[0].axes) + an.from_type(shapes[0][rank:]))]
     if short in _PER_SAMPLE_ATEN and ins and ins[0].axes:
         for s in ins:
             an.taint(taint, n, s.axes[1:] if s is ins[0] else s.axes,
@@ -212,6 +220,17 @@ def fallback(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[S
         an.taint(taint, n, s.axes, f"eager island {target} over padded dim {{dim}}: graphmode cannot see "
                                    "how it uses padded positions")
     return [State(an.from_type(sh)) for sh in shapes]
+
+
+def _valid_padding(short: str, x: State, args: list) -> bool:
+    """one_hot raises on a class outside [0, num_classes): padded positions must hold one (the
+    input's pad value, not values computed from padding)."""
+    if short != "one_hot":
+        return True
+    classes = args[1] if len(args) > 1 else -1
+    return isinstance(classes, int) and classes > 0 and all(
+        f.content.kind == "const" and isinstance(f.content.value, int) and 0 <= f.content.value < classes
+        for ax in x.axes for f in ax.padded)
 
 
 def _along_dim(an, n: Node, ins: list[State], shapes: list, target: str,

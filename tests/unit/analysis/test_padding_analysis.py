@@ -87,6 +87,20 @@ def test_islands_along_a_dim(text, b, s):
     assert (status(rep, "b"), status(rep, "s")) == (b, s), rep.lines()
 
 
+def test_islands_on_each_element():
+    """one_hot and bucketize map each element on its own; one_hot raises on a class outside its
+    range, so padding must hold one (the mask input's pad value 0 here, not 12)."""
+    one_hot = ir('%h: i64[b,s,10] = fallback(%m) {"target": "aten.one_hot.default", "args": [{"$in": 0}, 10]}',
+                 '%y: f32[b,s,10] = cast(%h) {"dtype": "f32"}')
+    assert verdict(one_hot).safe
+    rep = verdict(one_hot, pad_values={"x": 0.5, "m": 12})
+    assert status(rep, "b") == status(rep, "s") == "unsafe"
+    bucketize = ir('%y: i64[b,s,4] = fallback(%x, %bounds) {"target": "aten.bucketize.Tensor", '
+                   '"args": [{"$in": 0}, {"$in": 1}]}').replace("s=2..16\n", "s=2..16\n  param %bounds: f32[3] = "
+                                                                   "[-0.5, 0.0, 0.5]\n")
+    assert verdict(bucketize).safe
+
+
 def test_static_aten_reference_ops_are_opaque_to_padding():
     """Their types come from torch's meta kernels on concrete shapes, so inference refuses a
     symbolic dim (capture keeps such a use an eager island); and a graph that hands one a
