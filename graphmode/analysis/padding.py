@@ -36,7 +36,7 @@ from graphmode.analysis.padding_lattice import (GARBAGE, UNKNOWN, Axis, Content,
 from graphmode.analysis.padding_rules import RULES
 from graphmode.ir.graph import Graph, Node
 from graphmode.ir.ops import get_op
-from graphmode.ir.types import Dim
+from graphmode.ir.types import Dim, normalize_dim
 
 # ---------------------------------------------------------------------------------- report
 
@@ -95,6 +95,9 @@ class PaddingReport:
 
 
 _KEEPS_TRUE = frozenset({"logical_and", "reshape", "expand", "identity", "permute", "cast"})
+# integer index arithmetic and layout: a size used as a value may pass (b * seq + argmax indexes the padded tensor)
+_INDEX_ARITHMETIC = frozenset({"add", "sub", "mul", "neg", "floor_divide", "remainder", "reshape", "expand",
+                               "permute", "identity", "slice", "concat"})
 _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 
 
@@ -139,6 +142,7 @@ class _Analyzer:
         self.pure: set[str] = set()        # values computed from the mask inputs and constants alone
         self.varying: dict[str, frozenset[int]] = {}   # axes along which a value's masked pattern may vary
         self.always_true: set[str] = set()     # positional values true everywhere (T5's arange(seq) >= 0)
+        self.sized: dict[str, set[str]] = {}   # padded dims whose size a value's real elements depend on
         self.query_key: set[str] = set()   # dims a pure mask value has two padded axes along
         self.positional: set[str] = set()  # values computed from no input (aranges, their comparisons)
         self.triangle: set[str] = set()    # dims a positional value has two padded axes along (causal)
@@ -193,6 +197,7 @@ class _Analyzer:
                     self.varying[o] = frozenset(i for i, e in enumerate(self.shape(o)) if not is_one(e))
                 elif tracked:              # arithmetic on values that hold no pattern (a position bias)
                     self.varying[o] = frozenset()
+            self._follow_sizes(n, taint)
             if n.inputs and all(i in self.pure or i in g.constants for i in n.inputs) and \
                     any(i in self.pure for i in n.inputs):
                 self.pure.update(n.outputs)
@@ -207,6 +212,37 @@ class _Analyzer:
                 self.check_gaps(n, o, s)
                 states[o] = s
         return states
+
+    def _follow_sizes(self, n: Node, taint: dict[str, Finding]) -> None:
+        """A padded dim's size used as a value (`torch.full((B,), T)`, `arange(T - 1, -1, -1)`,
+        `arange(T) == T - 1`, `T - arange(T)`) is the bucket's once padded: the value may move
+        through integer index arithmetic and layout ops and index a tensor (its padded layout
+        is the bucket's too), anything else that reads it (a comparison, a cast to float, an op
+        of its own, an output) makes the dim unsafe to pad."""
+        index_args = {"embedding": 1, "gather": 1, "index_select": 1, "index": 1}.get(n.op)
+        data = n.inputs if index_args is None else n.inputs[:index_args]
+        dims = set().union(*(self.sized.get(i, set()) for i in data)) if data else set()
+        keeps = n.op in _INDEX_ARITHMETIC or (n.op == "cast" and n.attrs.get("dtype") in ("i64", "i32"))
+        if dims and not keeps and index_args is None:
+            for d in sorted(dims):
+                taint.setdefault(d, self.finding(d, n, f"the size of padded dim {d} used as a value (padded, it "
+                                                       "is the bucket's size, not the request's)"))
+            return
+        dims |= self._sizes_read(n)
+        if dims:
+            for o in n.outputs:
+                self.sized[o] = dims
+
+    def _sizes_read(self, n: Node) -> set[str]:
+        """Padded dims an op reads as a value: an arange's start, a `$dim` argument of an
+        eager island that is not a size list (full's fill value, arange's start)."""
+        if n.op == "arange":
+            return symbols(normalize_dim(n.attrs.get("start", 0))) & set(self.padded)
+        if n.op != "fallback":
+            return set()
+        args = list(n.attrs.get("args", [])) + list(n.attrs.get("kwargs", {}).values())
+        return {d for a in args if isinstance(a, dict) and "$dim" in a
+                for d in symbols(normalize_dim(a["$dim"])) & set(self.padded)}
 
     def _varying(self, n: Node, out: str, g: Graph) -> frozenset[int]:
         """The axes of `out` along which the pattern of masked positions may vary (with a mask
@@ -306,6 +342,11 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
     findings: dict[str, list[Finding]] = {d: [] for d in padded}
     for out in graph.outputs:
         s = states[out]
+        for d in sorted(an.sized.get(out, ())):
+            fd = Finding(d, "output", out, f"the output holds the size of padded dim {d} as a value (padded, it "
+                                          "is the bucket's size, not the request's)", an.locs.get(out))
+            if fd not in findings[d]:
+                findings[d].append(fd)
         for d, f in s.taint.items():
             if d in findings and f not in findings[d]:
                 findings[d].append(f)

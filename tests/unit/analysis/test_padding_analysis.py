@@ -212,13 +212,20 @@ class Pool(nn.Module):
             return h[:, 0]
         if k == "row_stats":              # eager islands along the feature axis only
             return h.var(-1) + h.topk(2, -1).values.sum(-1), h.median(-1).values, h.sort(-1).indices
+        if k == "last_token":             # the size as a value: padded, it is the bucket's
+            t = h.shape[1]
+            return h * (torch.arange(t) == t - 1)[None, :, None]
+        if k == "from_the_end":
+            return h + (h.shape[1] - torch.arange(h.shape[1]))[None, :, None]
+        if k == "length":
+            return h + torch.full((h.shape[0], 1, 1), h.shape[1])
         if k == "renorm":                 # each feature column normalised over batch and seq together
             return (torch.renorm(h, 2, 2, 1.0),)
         raise ValueError(k)
 
 
 SAFE = ["masked_mean", "eager_attention", "masked_fill_attention", "causal", "first_token", "row_stats"]
-UNSAFE = ["mean", "softmax_pool", "cumsum_last"]
+UNSAFE = ["mean", "softmax_pool", "cumsum_last", "last_token", "from_the_end", "length"]
 RECIPE = {"version": 1, "name": "pad", "dims": {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [8, 16], "min": 2}},
           "inputs": [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0},
                      {"name": "mask", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0}]}
