@@ -40,6 +40,24 @@ class OutsideDraft(UserWarning):
     """A request outside the ranges of a recipe graphmode drafted ran uncompiled."""
 
 
+def _say_outside_draft(cm: Any, err: ContractViolation, bucket: Any) -> None:
+    """Once per dim: a request outside a recipe graphmode drafted itself (`cm.drafted`, set by
+    graphmode.compile) ran uncompiled. A draft's ranges are guesses where the model states none:
+    an ONNX file's free axes got 1..64, and every real request fell back without a word."""
+    if bucket is not None or not getattr(cm, "drafted", False):
+        return
+    said = cm.__dict__.setdefault("_said_outside", set())
+    where = err.where or "dims"
+    if where in said:
+        return
+    said.add(where)
+    engine = "ONNX Runtime" if cm.source.module is None else "eager PyTorch"
+    d = where.removeprefix("dims.")
+    warnings.warn(f"graphmode: {err.message}, so it ran in {engine}, not compiled (said once per dim); give "
+                  f"a recipe whose dims cover such requests, e.g. `graphmode recipe init --dim {d}=LO:HI`",
+                  OutsideDraft, stacklevel=3)
+
+
 class CompiledModel(InputContract, Shaping):
     def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
                  *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None,
@@ -58,8 +76,6 @@ class CompiledModel(InputContract, Shaping):
         # the other way round)
         self.decoding: Any = None
         self.draft_notes: dict[str, str] = {}    # a drafted recipe's notes (kb/draft.py): where values came from
-        self.drafted = False                     # graphmode drafted the recipe: say requests outside it once
-        self._said_outside: set[str] = set()
         self.last_path: dict[str, Any] = {}      # how the last call ran: graph, or eager and why
         self.events: Counter[str] = Counter()
         self.event_log: list[dict] = []
@@ -248,8 +264,7 @@ class CompiledModel(InputContract, Shaping):
             if self.recipe.on_violation == "eager":
                 self._event("fallback", reason=reason, dims=dict(dims))
                 self.last_path = {"path": "eager", "reason": reason}
-                if bucket is None and self.drafted:
-                    self._say_outside_draft(err)
+                _say_outside_draft(self, err, bucket)
                 return self._eager(inputs)
             raise err
         ways, parts = self._ways(dims, bucket)
@@ -291,20 +306,6 @@ class CompiledModel(InputContract, Shaping):
         index = {name: ix for name in self.graph.outputs if (ix := self._real_index(name, dims, bucket)) is not None}
         outs = exe.run(padded, index)        # the real rows only are copied out of the arena
         return [outs[name] for name in self.graph.outputs]
-
-    def _say_outside_draft(self, err: ContractViolation) -> None:
-        """Once per dim: a request outside a recipe graphmode drafted itself ran uncompiled (a
-        draft's ranges are guesses where the model states none: an ONNX file's free axes got
-        1..64, and every real request fell back without a word)."""
-        where = err.where or "dims"
-        if where in self._said_outside:
-            return
-        self._said_outside.add(where)
-        engine = "ONNX Runtime" if self.source.module is None else "eager PyTorch"
-        d = where.removeprefix("dims.")
-        warnings.warn(f"graphmode: {err.message}, so it ran in {engine}, not compiled (said once per dim); give "
-                      f"a recipe whose dims cover such requests, e.g. `graphmode recipe init --dim {d}=LO:HI`",
-                      OutsideDraft, stacklevel=3)
 
     def _eager(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         if self.source.module is None and self.source.onnx_path is not None and getattr(self, "artifact", None) is None:
