@@ -67,14 +67,16 @@ def shown_path(path: str) -> str:
 
 # "Not all values of seq = L['x'].size()[1] in the specified range 4 <= seq <= 64 satisfy the
 # generated guard (16*L['x'].size()[1]) != 64.": a guard that holds everywhere but at one value
-_EXCLUDED = re.compile(r"Not all values of (\w+) = (\S+) in the specified range (\d+) <= \1 <= (\d+) "
+_EXCLUDED = re.compile(r"Not all values of (\w+) = (\S+) in the specified range (?:(\d+) <= )?\1 <= (\d+) "
                        r"satisfy the generated guard (.+) != (.+?)\.?$", re.M)
+_EXPORT_MIN = 2         # a range torch.export prints without a minimum starts at 2 (it specialises 0 and 1)
 
 
 def _excluded_ends(text: str) -> str:
     """torch.export's fixes, as its "Suggested fixes:" lines, for a guard `size != v` where v is
     an end of the dim's range: `x[:, :4]` guards seq != 4 (there the slice is the whole tensor),
-    and torch suggests nothing once the range starts at 4. The range without that end holds."""
+    and torch suggests nothing once the range starts at 4; `buffer[:seq]` of a 512-row buffer
+    guards seq != 512. The range without that end holds."""
     import sympy
     fixes = []
     for d, source, lo, hi, lhs, rhs in _EXCLUDED.findall(text):
@@ -85,7 +87,7 @@ def _excluded_ends(text: str) -> str:
             roots = [r for r in sympy.solve(eq, x) if r.is_Integer]
         except (sympy.SympifyError, SyntaxError, TypeError, NotImplementedError):
             continue
-        lo, hi = int(lo), int(hi)
+        lo, hi = int(lo or _EXPORT_MIN), int(hi)
         if roots == [lo] and lo < hi:
             fixes.append(f"{d} = Dim('{d}', min={lo + 1}, max={hi})")
         elif roots == [hi] and lo < hi:

@@ -355,6 +355,20 @@ def test_a_range_torch_export_excludes_one_end_of_is_narrowed_past_it(tmp_path):
     assert torch.equal(cm(x), _FirstFour()(x))
 
 
+@pytest.mark.parametrize("text,fix", [
+    ("in the specified range 4 <= seq <= 16 satisfy the generated guard (4*L['x'].size()[1]) != 16.",
+     "seq = Dim('seq', min=5, max=16)"),
+    ("in the specified range seq <= 512 satisfy the generated guard (4*L['x'].size()[1]) != 8.",     # x[:, :2]
+     "seq = Dim('seq', min=3, max=512)"),
+    ("in the specified range seq <= 512 satisfy the generated guard 512 != L['x'].size()[1].",       # buffer[:seq]
+     "seq = Dim('seq', min=2, max=511)"),
+    ("in the specified range 4 <= seq <= 16 satisfy the generated guard L['x'].size()[1] != 9.", ""),  # inside
+])
+def test_a_guard_excluding_one_end_of_the_range_narrows_past_it(text, fix):
+    from graphmode.capture.export_errors import _excluded_ends
+    assert _excluded_ends(f"  - Not all values of seq = L['x'].size()[1] {text}") == fix
+
+
 class _Twice(torch.nn.Module):
     def forward(self, v):
         return v.float() * 2
