@@ -22,6 +22,7 @@ _PER_SAMPLE_ATEN = {"max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adap
                     "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "instance_norm",
                     "upsample_nearest2d", "upsample_bilinear2d", "pixel_shuffle",
                     "_native_batch_norm_legit_no_training"}
+_SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}     # prefix scans along `dim`
 # ATen ops that map each element of their first input on its own, appending this many axes
 # (one_hot's classes; bucketize's boundaries are a second input that is not padded)
 _PER_ELEMENT = {"one_hot": 1, "bucketize": 0}
@@ -188,7 +189,7 @@ def fallback(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[S
     target = str(n.attrs.get("target", ""))
     shapes = [an.shape(o) for o in n.outputs]
     short = target.split(".")[1] if target.startswith("aten.") and "." in target else target
-    if len(shapes) == 1 and ins and short not in _MIXES_OTHER_DIMS:
+    if len(shapes) == 1 and ins and short not in _MIXES_OTHER_DIMS and short not in _SCANS:
         rank = len(shapes[0])
         pointwise, along = _island_dims(target, list(n.attrs.get("args", [])), n.attrs.get("kwargs", {}), rank)
         same_shape = pointwise or (along is not None and all(len(s.axes) == rank for s in ins))
@@ -248,13 +249,19 @@ def _along_dim(an, n: Node, ins: list[State], shapes: list, target: str,
     if not shapes or any(len(sh) not in (rank, len(kept)) for sh in shapes):
         return None
     srcs = [next((s.axes[i] for s in ins if s.axes and s.axes[i].padded), None) for i in range(rank)]
+    scan = target.split(".")[1] in _SCANS and len(ins) == 1 and all(len(sh) == rank for sh in shapes)
+    scanned = set()                      # a scan reads earlier positions only: padding at the end stays there
     for i in along:
-        if srcs[i] is not None:
+        if srcs[i] is None:
+            continue
+        if scan and srcs[i].single is not None and srcs[i].single.prefix and not an.cut:
+            scanned.add(i)
+        else:
             an.taint(taint, n, [srcs[i]], f"eager island {target} along padded dim {{dim}}")
     outs = []
     for sh in shapes:
         axes = range(rank) if len(sh) == rank else kept
-        outs.append(State(tuple(an.garbage([srcs[i]])[0] if srcs[i] is not None and i not in along
+        outs.append(State(tuple(an.garbage([srcs[i]])[0] if srcs[i] is not None and (i not in along or i in scanned)
                                 else an.fresh_axis(e, GARBAGE) for i, e in zip(axes, sh))))
     return outs
 

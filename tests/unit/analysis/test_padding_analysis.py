@@ -79,6 +79,10 @@ def _island(target: str, args: str, outs: str = "%y: f32[b,s]") -> str:
     (_island("aten.topk.default", "2, -1", "%y: f32[b,s,2], %i: i64[b,s,2]"), "safe", "safe"),
     (_island("aten.median.dim", "2", "%y: f32[b,s], %i: i64[b,s]"), "safe", "safe"),
     (_island("aten.sort.default", "1", "%y: f32[b,s,4], %i: i64[b,s,4]"), "safe", "unsafe"),
+    # prefix scans: padding at the end stays at the end (values and indices)
+    (_island("aten.cumprod.default", "1", "%y: f32[b,s,4]"), "safe", "safe"),
+    (_island("aten.cummax.default", "1", "%y: f32[b,s,4], %i: i64[b,s,4]"), "safe", "safe"),
+    (_island("aten.logcumsumexp.default", "0", "%y: f32[b,s,4]"), "safe", "safe"),
     # renorm's `dim` is the axis kept apart: each x[:, :, k] is normalised over batch and seq
     (_island("aten.renorm.default", "2, 2, 1.0", "%y: f32[b,s,4]"), "unsafe", "unsafe"),
 ])
@@ -219,12 +223,14 @@ class Pool(nn.Module):
             return h + (h.shape[1] - torch.arange(h.shape[1]))[None, :, None]
         if k == "length":
             return h + torch.full((h.shape[0], 1, 1), h.shape[1])
+        if k == "scans":                  # prefix scans as eager islands, read at the first position
+            return (h.cumprod(1)[:, 0] + h.logcumsumexp(1)[:, 0], h.cummax(1).indices[:, 0])
         if k == "renorm":                 # each feature column normalised over batch and seq together
             return (torch.renorm(h, 2, 2, 1.0),)
         raise ValueError(k)
 
 
-SAFE = ["masked_mean", "eager_attention", "masked_fill_attention", "causal", "first_token", "row_stats"]
+SAFE = ["masked_mean", "eager_attention", "masked_fill_attention", "causal", "first_token", "row_stats", "scans"]
 UNSAFE = ["mean", "softmax_pool", "cumsum_last", "last_token", "from_the_end", "length"]
 RECIPE = {"version": 1, "name": "pad", "dims": {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [8, 16], "min": 2}},
           "inputs": [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0},
