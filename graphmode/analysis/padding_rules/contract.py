@@ -107,7 +107,7 @@ def window(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[Sta
     x = ins[0]
     an.taint(taint, n, x.axes[1:], "convolution/pooling window over padded dim {dim}")
     an.taint(taint, n, [ax for s in ins[1:] for ax in s.axes], "padded convolution weights")
-    return [State((an.garbage(x.axes[:1]) + an.from_type(an.shape(n.outputs[0])[1:])))]
+    return [State((an.garbage(x.axes[:1]) + an.from_type(an.shape(o)[1:]))) for o in n.outputs]   # and indices
 
 
 rule("linear")(lambda an, n, ins, taint: [linear(an, n, ins, taint)])

@@ -21,7 +21,15 @@ _PER_SAMPLE_ATEN = {"max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adap
                     "adaptive_max_pool2d", "conv1d", "conv2d", "conv3d", "convolution", "conv_transpose2d",
                     "layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "instance_norm",
                     "upsample_nearest2d", "upsample_bilinear2d", "pixel_shuffle",
-                    "_native_batch_norm_legit_no_training"}
+                    "_native_batch_norm_legit_no_training",
+                    # padding, pooling, resizing and patches over the axes after the leading one
+                    "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d",
+                    "replication_pad2d", "replication_pad3d", "avg_pool1d", "max_pool1d", "max_pool1d_with_indices",
+                    "avg_pool3d", "max_pool3d", "max_pool3d_with_indices", "adaptive_avg_pool1d", "adaptive_max_pool1d",
+                    "adaptive_avg_pool3d", "adaptive_max_pool3d", "upsample_nearest1d", "upsample_linear1d",
+                    "upsample_bicubic2d", "upsample_nearest3d", "upsample_trilinear3d", "_upsample_nearest_exact1d",
+                    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa",
+                    "_upsample_bicubic2d_aa", "im2col", "col2im", "pixel_unshuffle", "channel_shuffle", "pad"}
 _SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}     # prefix scans along `dim`
 # ATen ops that map each element of their first input on its own, appending this many axes
 # (one_hot's classes; bucketize's boundaries are a second input that is not padded)

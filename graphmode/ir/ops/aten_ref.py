@@ -215,7 +215,14 @@ def _register(name: str, kind: str, overloads: Sequence[str], samples: Callable[
     aten = [a for n in (name,) + ALIASES.get(name, ()) for o in overloads if (a := f"aten.{n}.{o}") not in taken]
     register(OpSpec(name, kind, arity, infer_fn(name), _ref(name, infer_fn is _static_infer), attrs=ATTRS, doc=doc,
                     traits=frozenset({TRAIT}), aten=tuple(aten), samples=samples,
-                    padding="pointwise" if kind == "elementwise" else "opaque", aten_call=_own_call(name)))
+                    padding=_PADDING.get(kind, "opaque") if not name.startswith(_EDGE_PADS) else "window",
+                    aten_call=_own_call(name)))
+
+
+# padding rules by kind: elementwise ops keep padding where it is; pools, resampling and
+# convolutions (`window`) keep each sample (axis 0) on its own, as reflect and edge padding do
+_PADDING = {"elementwise": "pointwise", "window": "window"}
+_EDGE_PADS = ("reflection_pad", "replication_pad")
 
 
 def _own_call(name: str):

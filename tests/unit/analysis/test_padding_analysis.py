@@ -286,6 +286,28 @@ def test_an_island_whose_dim_is_the_one_kept_apart_is_unsafe_on_every_other():
     assert _padded_error(b, g) > 1e-3
 
 
+class PerSample(nn.Module):
+    """Reflect and edge padding, resampling and 1-d pools (ATen-reference ops): each sample alone."""
+
+    def forward(self, x):
+        y = F.pad(x, (2, 2), mode="reflect") + F.pad(x, (2, 2), mode="replicate")
+        y = F.interpolate(y, scale_factor=2, mode="linear") + F.interpolate(y, scale_factor=2, mode="nearest")
+        v, i = F.max_pool1d(y, 3, return_indices=True)
+        return F.avg_pool1d(y, 3) + v, i
+
+
+def test_per_sample_reference_ops_pad_the_batch(tmp_path):
+    """They had no padding rule, so a batch between buckets ran eagerly."""
+    import graphmode
+    rec = {"version": 1, "name": "ps", "exe_mode": "hybrid", "on_violation": "error",
+           "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 4, 16]}], "dims": {"batch": {"buckets": [4]}}}
+    cm = graphmode.compile(PerSample(), rec, cache_dir=tmp_path)
+    x = torch.randn(3, 4, 16)
+    got, want = cm(x), PerSample()(x)
+    assert rel_l2(got[0], want[0]) < 1e-6 and torch.equal(got[1], want[1])
+    assert cm.last_path == {"path": "graph", "bucket": {"batch": 4}}
+
+
 @pytest.mark.parametrize("name", ["minilm", "gpt2"])
 def test_builtin_transformers_are_safe_to_pad(captured, name):
     g, rep = captured(name)
