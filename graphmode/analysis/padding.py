@@ -108,6 +108,17 @@ def _keeps_values(op: str) -> bool:
         get_op(op).padding == "pointwise" and op not in _COMPARISONS and op != "where")
 
 
+def _lower_triangle(t: torch.Tensor) -> bool:
+    """Ones (or True) on and below the diagonal of a square last two dims, zeros above; any
+    leading dims of size 1 (a causal mask buffer, tril(ones(N, N)).view(1, 1, N, N))."""
+    if t.dim() < 2 or t.shape[-1] != t.shape[-2] or t.shape[-1] < 2 or any(e != 1 for e in t.shape[:-2]) \
+            or t.is_complex() or t.numel() > 1 << 22:
+        return False
+    m = t.reshape(t.shape[-2:])
+    tri = torch.ones(m.shape, dtype=torch.bool).tril()
+    return bool((m[tri] == 1).all()) and bool((m[~tri] == 0).all())
+
+
 def _always_true(n: Node, ins: Sequence[State]) -> bool:
     """`x >= c` (or `>`) where x's lower bound decides it: T5's mask keeps every query with
     arange(seq) >= 0, which masks nothing."""
@@ -143,6 +154,8 @@ class _Analyzer:
         self.varying: dict[str, frozenset[int]] = {}   # axes along which a value's masked pattern may vary
         self.always_true: set[str] = set()     # positional values true everywhere (T5's arange(seq) >= 0)
         self.sized: dict[str, set[str]] = {}   # padded dims whose size a value's real elements depend on
+        # a lower-triangular constant (nanoGPT's `bias` buffer) and its slices from 0: the axes sliced
+        self.triangles: dict[str, set[int]] = {}
         self.query_key: set[str] = set()   # dims a pure mask value has two padded axes along
         self.positional: set[str] = set()  # values computed from no input (aranges, their comparisons)
         self.triangle: set[str] = set()    # dims a positional value has two padded axes along (causal)
@@ -278,6 +291,8 @@ class _Analyzer:
 
     def constant(self, g: Graph, name: str) -> State:
         t = g.constants[name]
+        if _lower_triangle(t):
+            self.triangles[name] = set()          # a causal mask buffer: slices of it are a triangle
         uniform = UNKNOWN
         if t.numel() == 1:
             v = t.reshape(()).item()

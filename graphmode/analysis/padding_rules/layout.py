@@ -93,6 +93,9 @@ def slice_axis(an, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str,
     end = normalize_dim(a.get("end", 2 ** 62))
     axes = list(x.axes)
     out_e = out_shape[dim]
+    tri = _causal_buffer(an, n, x, dim, out_e) if start == 0 and step == 1 and not ax.padded else None
+    if tri is not None:
+        return tri
     if not ax.padded:
         axes[dim] = an.fresh_axis(out_e, padded_view(x.real_content()))
         return State(tuple(axes), x.uniform)
@@ -113,6 +116,32 @@ def slice_axis(an, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str,
                                                      f"{f.dim} ({an.lo.get(f.dim, 1)}): it can read padding"))
         axes[dim] = an.fresh_axis(out_e, GARBAGE)
     return State(tuple(axes), x.uniform)
+
+
+def _causal_buffer(an, n: Node, x: State, dim: int, out_e: Dim) -> State | None:
+    """`buffer[..., :T, :T]` of a lower-triangular constant (a causal mask kept as a buffer)
+    sliced by one padded dim: the first slice is remembered, the second is the triangle that
+    tril(ones(T, T)) makes (padded columns of real rows 0)."""
+    src = an.triangles.get(n.inputs[0])
+    rank = len(x.axes)
+    if src is not None and same_dim(out_e, an.shape(n.inputs[0])[dim]):
+        an.triangles[n.outputs[0]] = set(src)          # a slice that keeps the whole axis (bias[:, :, ...])
+        return None
+    d = next((p for p in an.padded if same_dim(out_e, sympy.Symbol(p, integer=True, positive=True))), None)
+    if src is None or d is None or dim not in (rank - 2, rank - 1) or dim in src or an.cut:
+        return None
+    if not src:                              # the first slice: rows or columns
+        an.triangles[n.outputs[0]] = {dim}
+        return None
+    other = x.axes[(rank - 2) if dim == rank - 1 else rank - 1].single
+    if other is None or other.dim != d or not other.prefix:
+        return None
+    bool_mask = an.types[n.outputs[0]].dtype == "bool"
+    one, zero = const(True if bool_mask else 1.0), const(False if bool_mask else 0.0)
+    axes = list(an.garbage(x.axes))
+    axes[rank - 2] = Axis((Factor(out_e if dim == rank - 2 else other.extent, d, one, True),))   # padded rows
+    axes[rank - 1] = Axis((Factor(out_e if dim == rank - 1 else other.extent, d, zero, True),))  # padded columns
+    return State(tuple(axes))
 
 
 def concat(an, n: Node, ins: list[State], out_shape: Sequence[Dim]) -> State:

@@ -286,6 +286,37 @@ def test_an_island_whose_dim_is_the_one_kept_apart_is_unsafe_on_every_other():
     assert _padded_error(b, g) > 1e-3
 
 
+class BufferCausal(nn.Module):
+    """nanoGPT's attention: the causal mask a buffer, sliced to the sequence."""
+
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        self.register_buffer("bias", mask.view(1, 1, 32, 32))
+
+    def forward(self, x):
+        t = x.shape[1]
+        q = x[:, None]
+        att = (q @ q.transpose(-2, -1)).masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        return (att.softmax(-1) @ q)[:, 0]
+
+
+@pytest.mark.parametrize("mask,safe", [(torch.ones(32, 32).tril(), True), (torch.ones(32, 32).tril().bool(), True),
+                                       (torch.ones(32, 32).triu(), False)], ids=["tril", "bool", "triu"])
+def test_a_causal_mask_kept_as_a_buffer_pads_the_sequence(mask, safe, tmp_path):
+    """Sliced from a constant, its padded columns were unknown to the analysis, so every seq
+    between buckets ran eagerly; a buffer that is not lower-triangular stays unsafe."""
+    import graphmode
+    model = BufferCausal(mask).eval()
+    rec = {"version": 1, "name": "bc", "exe_mode": "hybrid", "on_violation": "eager",
+           "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 8]}],
+           "dims": {"batch": {"buckets": [2]}, "seq": {"buckets": [8, 16], "min": 1}}}
+    cm = graphmode.compile(model, rec, cache_dir=tmp_path)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        assert rel_l2(cm(x), model(x)) < 1e-5
+    assert cm.last_path["path"] == ("graph" if safe else "eager"), cm.last_path
+
+
 class PerSample(nn.Module):
     """Reflect and edge padding, resampling and 1-d pools (ATen-reference ops): each sample alone."""
 
