@@ -41,6 +41,41 @@ def matmul(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
     return State(batch + (keep_zero(a.axes[-2]), keep_zero(b.axes[-1])))
 
 
+def einsum(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
+    """A letter kept in the output passes its padding through (a batch, the tokens); a letter
+    summed over is safe where some operand holds zeros at its padded positions, as matmul's
+    contraction; a repeated letter (a diagonal), an ellipsis or a letter padded by two dims is
+    refused along its dims."""
+    out_shape = an.shape(n.outputs[0])
+    eq = str(n.attrs.get("equation", "")).replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if not arrow or "." in eq or len(terms) != len(ins) or len(rhs) != len(out_shape) or \
+            any(len(t) != len(s.axes) for t, s in zip(terms, ins)):
+        for s in ins:
+            an.taint(taint, n, s.axes, "einsum over padded dim {dim} in a form graphmode does not follow")
+        return State(an.from_type(out_shape))
+    seen: dict[str, list[Axis]] = {}
+    for t, s in zip(terms, ins):
+        for ch, ax in zip(t, s.axes):
+            if ax.padded:
+                seen.setdefault(ch, []).append(ax)
+    kept: dict[str, Axis] = {}
+    for ch, axes in seen.items():
+        facs = [ax.single for ax in axes]
+        one_dim = all(f is not None and f.prefix for f in facs) and len({f.dim for f in facs}) == 1
+        diagonal = any(t.count(ch) > 1 for t in terms)
+        if ch in rhs and one_dim and not diagonal:
+            kept[ch] = axes[0]
+        elif ch not in rhs and one_dim and not diagonal and any(falsy(f.content) for f in facs):
+            continue                        # summed over zeros: the real sums are eager's
+        else:
+            an.taint(taint, n, axes, "einsum sums over padded dim {dim} whose padded positions are not zero"
+                     if ch not in rhs else "einsum reads padded dim {dim} along a diagonal or with another dim")
+    return State(tuple(an.garbage([kept[ch]])[0] if ch in kept else an.fresh_axis(e, GARBAGE)
+                       for ch, e in zip(rhs, out_shape)))
+
+
 def broadcast_batch(an, groups: list[Sequence[Axis]], out: Sequence[Dim]) -> tuple[Axis, ...]:
     axes = []
     for i, e in enumerate(out):
@@ -112,4 +147,5 @@ def window(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[Sta
 
 rule("linear")(lambda an, n, ins, taint: [linear(an, n, ins, taint)])
 rule("matmul")(lambda an, n, ins, taint: [matmul(an, n, ins, taint)])
+rule("einsum")(lambda an, n, ins, taint: [einsum(an, n, ins, taint)])
 rule("attention")(lambda an, n, ins, taint: [sdpa(an, n, ins, taint)])

@@ -55,6 +55,8 @@ PADDING_RULES = {
     "norm": "normalises over its trailing axes (layer_norm) or channels (batch_norm): a padded one is unsafe",
     "linear": "contracts the last axis with a weight: safe when the padded positions are zero",
     "matmul": "contracts a[-1] with b[-2]: safe when either side's padded positions are zero",
+    "einsum": "letters kept in the output pass their padding through; a letter summed over is safe when an "
+              "operand's padded positions are zero",
     "attention": "attention: padded keys must be masked (a mask input, or causal with padding at the end)",
     "window": "convolution / pooling: samples (axis 0) independent, a window over every other axis",
     "reshape": "follows padded factors through merged axes; a split of a padded axis is unsafe",

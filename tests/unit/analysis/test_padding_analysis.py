@@ -61,6 +61,11 @@ def ir(*lines: str, out_type: str = "") -> str:
       '"kwargs": {"value": 0.5}}'], "safe"),
     (['%e: f32[b,s,4] = erfc(%x) {"overload": "default", "args": [{"$in": 0}], "kwargs": {}}',
       '%y: f32[b,4] = sum(%e) {"dims": [1]}'], "unsafe"),
+    # einsum: kept letters pass padding through; a sum over padded positions that are not zero is unsafe
+    (['%y: f32[b,s,s] = einsum(%x, %x) {"equation": "bsd,btd->bst"}'], "safe"),
+    (['%y: f32[b,s] = einsum(%x, %x) {"equation": "bsd,bsd->bs"}'], "safe"),
+    (['%y: f32[b,4,4] = einsum(%x, %x) {"equation": "bsd,bse->bde"}'], "unsafe"),
+    (['%y: f32[b,4] = einsum(%x) {"equation": "bsd->bd"}'], "unsafe"),
 ])
 def test_rules(body, want):
     rep = verdict(ir(*body))
