@@ -384,7 +384,8 @@ def create_app(server: ModelServer) -> Starlette:
     from graphmode.serve.completions import completion_routes    # (they use this module's helpers)
     from graphmode.serve.embeddings import embedding_routes
     from graphmode.serve.kserve import kserve_routes
-    routes += completion_routes(server) + embedding_routes(server) + kserve_routes(server)
+    from graphmode.serve.tokenize import tokenize_routes
+    routes += completion_routes(server) + embedding_routes(server) + kserve_routes(server) + tokenize_routes(server)
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = server

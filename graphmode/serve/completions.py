@@ -223,9 +223,10 @@ def completion_routes(server: Any) -> list[Route]:
     cfg = server.config
 
     def model_doc(name: str) -> dict[str, Any]:
+        from graphmode.serve.tokenize import max_model_len
         dep = server.active
         return {"id": name, "object": "model", "created": int(dep.created) if dep else 0, "owned_by": "graphmode",
-                "root": dep.version if dep else None}
+                "root": dep.version if dep else None, "max_model_len": max_model_len(server)}
 
     async def models(request: Request) -> Response:
         data = [model_doc(name) for name in server.model_names()]

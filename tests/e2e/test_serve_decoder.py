@@ -726,6 +726,27 @@ def test_refusals_reach_the_client_as_openai_errors(srv, call, kw, cls, param, w
         assert (err.code == "context_length_exceeded") == (words in ("pages hold", "at most 32")), err.body
 
 
+def test_tokenize_and_detokenize_as_vllm_serves_them(srv):
+    """A client counts its prompt against the context before sending it (vLLM's /tokenize), and
+    /v1/models says that context (max_model_len)."""
+    from graphmode.serve.completions import usable_tokens
+    most = usable_tokens(srv.server.active.decoder.engine)
+    r = srv.http.post("/tokenize", json={"prompt": "w5 w6 w7", "model": MODEL})
+    assert r.status_code == 200 and r.json() == {"count": 3, "max_model_len": most, "tokens": [5, 6, 7]}, r.text
+    r = srv.http.post("/tokenize", json={"messages": MESSAGES})
+    assert r.json()["tokens"] == chat_prompt(srv, MESSAGES), r.text
+    r = srv.http.post("/detokenize", json={"tokens": [5, 6, 7]})
+    assert r.status_code == 200 and r.json() == {"prompt": "w5 w6 w7"}, r.text
+    assert srv.oa.models.retrieve(MODEL).max_model_len == most
+    for path, body, param in [("/tokenize", {"prompt": "w5", "messages": MESSAGES}, "prompt"),
+                              ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"prompt": "w5", "model": "x"}, "model"),
+                              ("/detokenize", {"tokens": [5, 10**6]}, "tokens"), ("/detokenize", {}, "tokens")]:
+        r = srv.http.post(path, json=body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and "fix:" in err["message"], (path, body, r.text)
+
+
 def test_unknown_openai_paths_answer_openai_errors(srv):
     r = srv.http.get("/v1/audio/speech")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error", r.text
