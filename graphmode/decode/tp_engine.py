@@ -89,7 +89,8 @@ def start_info(eng: Any) -> dict[str, Any]:
     bounds, the pool's layout, the proof and the facts it was checked against."""
     lay = eng.layout
     return {"cfg": dict(eng.cfg), "max_prompt": eng.max_prompt, "min_prompt": eng.min_prompt,
-            "layout": {"max_tokens": lay.max_tokens, "pages": lay.pages, "page_size": lay.page_size,
+            "layout": {"max_tokens": lay.max_tokens, "sequence_tokens": lay.sequence_tokens, "pages": lay.pages,
+                       "page_size": lay.page_size,
                        "max_pages_per_seq": lay.max_pages_per_seq, "batch_buckets": list(eng.batch_buckets)},
             "kv_pool_bytes": eng.cache.bytes,       # a loaded .gm's engine was not lowered here: no facts or proof
             "facts": getattr(eng.lowered, "facts", None), "proof": getattr(eng.lowered, "proof", None),

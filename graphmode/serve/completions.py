@@ -194,8 +194,7 @@ def usable_tokens(engine: Any) -> int:
     """The tokens a sequence may reach: its pages, within the pool and the model's positions (a
     recipe may give pages for more tokens than either: chat's default answer fills the smallest)."""
     context = getattr(engine, "context", None) or (getattr(engine, "cfg", None) or {}).get("context")
-    lay = engine.layout                               # a pool smaller than one sequence's pages: what it holds
-    held = min(lay.max_tokens, lay.pages * lay.page_size)
+    held = engine.layout.sequence_tokens              # a pool smaller than one sequence's pages: what it holds
     return min(held, int(context)) if context else held
 
 

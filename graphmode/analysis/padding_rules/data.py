@@ -193,24 +193,18 @@ def arange(an, n: Node, out_shape: Sequence[Dim], taint: dict[str, Finding]) -> 
 
 def fallback(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State]:
     """Eager islands: pointwise ops broadcast like elementwise ones; an op along `dim` keeps
-    the other axes independent (same shape in and out); anything else is opaque."""
+    the other axes independent (`_along_dim`); anything else is opaque."""
     target = str(n.attrs.get("target", ""))
     shapes = [an.shape(o) for o in n.outputs]
     short = target.split(".")[1] if target.startswith("aten.") and "." in target else target
-    if len(shapes) == 1 and ins and short not in _MIXES_OTHER_DIMS and short not in _SCANS:
+    if len(shapes) == 1 and ins:
         rank = len(shapes[0])
-        pointwise, along = _island_dims(target, list(n.attrs.get("args", [])), n.attrs.get("kwargs", {}), rank)
-        same_shape = pointwise or (along is not None and all(len(s.axes) == rank for s in ins))
-        if same_shape:
-            axes = []
-            for i, e in enumerate(shapes[0]):
-                src = next((s.axes[j] for s in ins if (j := i - (rank - len(s.axes))) >= 0
-                            and s.axes[j].padded), None)
-                if src is not None and i in (along or []):
-                    an.taint(taint, n, [src], f"eager island {target} along padded dim {{dim}}")
-                axes.append(an.garbage([src])[0] if src is not None and i not in (along or [])
-                            else an.fresh_axis(e, GARBAGE))
-            return [State(tuple(axes))]
+        pointwise, _ = _island_dims(target, list(n.attrs.get("args", [])), n.attrs.get("kwargs", {}), rank)
+        if pointwise:                       # broadcasting: each output position reads the same of its inputs
+            srcs = [next((s.axes[j] for s in ins if (j := i - (rank - len(s.axes))) >= 0 and s.axes[j].padded),
+                         None) for i in range(rank)]
+            return [State(tuple(an.garbage([src])[0] if src is not None else an.fresh_axis(e, GARBAGE)
+                                for src, e in zip(srcs, shapes[0])))]
     along_dim = _along_dim(an, n, ins, shapes, target, taint) if short not in _MIXES_OTHER_DIMS else None
     if along_dim is not None:
         return along_dim
