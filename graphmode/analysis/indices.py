@@ -2,14 +2,18 @@
 
 An integer input that reaches the index operand of `embedding`, `index_select`, `gather` or
 `index` picks rows of a table whose size is fixed by the model (a vocabulary, a type
-vocabulary, a position table): a value outside it fails deep inside a kernel. This module
+vocabulary, a position table), and one that reaches the index of a write (`scatter`,
+`index_copy`, ...: a KV cache's write positions) picks the rows it writes: a value outside
+it fails deep inside a kernel. This module
 finds those inputs in the IR, so the runtime can check them against the table *before* a
 plan runs (one vectorised range check per input) and name the input, the bad value, its
 position and the valid range.
 
 A value is followed from an input only through ops that keep its values: views (reshape,
 permute, expand, identity), integer casts, and the addition or subtraction of an integer
-scalar constant (which shifts the valid range), and the ONNX importer's wrap of negative
+scalar constant (which shifts the valid range), the addition of a fixed run of integers that
+every value meets (`w[:, None] + arange(S)` over broadcast axes: each write index starts S
+steps, so the valid range ends S - 1 earlier), and the ONNX importer's wrap of negative
 indices, `where(x < 0, x + n, x)` (then -n..n-1 is valid for a table of n rows). Anything
 else ends the trail: an input
 whose index use cannot be proved this way gets no check (never a check that could refuse a
@@ -23,7 +27,7 @@ values (`cumsum` of a bool cast, times those values: RoBERTa's positions from it
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import sympy
@@ -36,6 +40,9 @@ from graphmode.recipe.limits import INT_LIMITS
 # ops whose output holds exactly the values of their first input (rearranged or repeated)
 _VIEWS = frozenset({"reshape", "permute", "expand", "identity"})
 _INDEX_OPS = frozenset({"embedding", "index_select", "gather", "index"})
+# ATen-reference writes: (self, dim, index, ...) with the index at args[2] (index_fill's too)
+_WRITE_OPS = frozenset({"scatter", "scatter_add", "scatter_reduce", "index_copy", "index_add", "index_fill",
+                        "index_reduce"})
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,8 @@ class IndexUse:
 
     def describe(self) -> str:
         axis = f" along axis {self.axis}" if self.axis else ""
-        return f"{self.op} %{self.output} picks from the {self.rows} rows of %{self.table}{axis}"
+        verb = "writes into" if self.op in _WRITE_OPS else "picks from"
+        return f"{self.op} %{self.output} {verb} the {self.rows} rows of %{self.table}{axis}"
 
 
 @dataclass
@@ -107,6 +115,7 @@ class _Trail:
     kind: str          # input | positions
     start: int = 0     # positions: arange's start
     wrap: int | None = None   # where(x < 0, x + wrap, x): negative values count from the end of `wrap` rows
+    spread: int = 0    # input: each value also reaches value + offset + 1 .. value + offset + spread
 
 
 def analyze_indices(graph: Graph) -> IndexReport:
@@ -129,7 +138,7 @@ def _walk(graph: Graph, trails: dict[str, _Trail], report: IndexReport) -> None:
             _walk(node.body, inner, report)
             trails.update({o: inner[b] for b, o in zip(node.body.outputs, node.outputs) if b in inner})
             continue
-        if node.op in _INDEX_OPS:
+        if node.op in _INDEX_OPS or node.op in _WRITE_OPS:
             _index_use(graph, node, trails, report)
         t = _follow(graph, node, trails)
         if t is not None:
@@ -162,11 +171,39 @@ def _follow(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | 
             return None                        # no longer 0 or 1
         if a in trails and (c := _int_scalar(graph, b)) is not None:
             t = trails[a]
-            return _Trail(t.source, t.offset + (c if node.op == "add" else -c), t.kind, t.start)
+            return replace(t, offset=t.offset + (c if node.op == "add" else -c))
         if node.op == "add" and b in trails and (c := _int_scalar(graph, a)) is not None:
             t = trails[b]
-            return _Trail(t.source, t.offset + c, t.kind, t.start)
+            return replace(t, offset=t.offset + c)
+        if node.op == "add":
+            return _spread(graph, node, trails)
     return None
+
+
+def _spread(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | None:
+    """An input's trail plus a static arange(lo, hi) that every one of its values meets: the
+    two broadcast against each other on disjoint axes (where one has extent > 1 the other has
+    1), so each value v becomes v + lo .. v + hi - 1, all of them read."""
+    a, b = node.inputs
+    t, run = (trails.get(a), b) if a in trails else (trails.get(b), a)
+    if t is None or t.kind != "input" or t.wrap is not None or run in trails:
+        return None
+    producers = graph.producers()
+    made = producers.get(run)
+    while made is not None and made.op in _VIEWS:          # arange(S) reshaped onto its axis
+        made = producers.get(made.inputs[0])
+    if made is None or made.op != "arange" or made.attr("step", 1) != 1:
+        return None
+    lo, hi = made.attr("start", 0), made.attr("end")
+    if not isinstance(lo, int) or not isinstance(hi, int) or hi <= lo:
+        return None
+    src = graph.values[a if run == b else b].type.shape
+    other = graph.values[run].type.shape
+    width = max(len(src), len(other))
+    src, other = (1,) * (width - len(src)) + tuple(src), (1,) * (width - len(other)) + tuple(other)
+    if any(x != 1 and y != 1 for x, y in zip(src, other)):
+        return None
+    return replace(t, offset=t.offset + lo, spread=t.spread + hi - 1 - lo)
 
 
 _INDICATOR = _Trail("", 0, "indicator")      # a bool cast to an integer: 0 or 1
@@ -254,6 +291,13 @@ def _index_use(graph: Graph, node: Node, trails: Mapping[str, _Trail], report: I
     shape = graph.values[table].type.shape
     if node.op == "embedding":
         pairs = [(node.inputs[1], 0)] if len(node.inputs) > 1 else []
+    elif node.op in _WRITE_OPS:
+        args = list(node.attr("args", []))
+        index = args[2] if len(args) > 2 else None
+        if not isinstance(index, dict) or not isinstance(index.get("$in"), int) or not isinstance(args[1], int) \
+                or args[0] != {"$in": 0} or not 0 < index["$in"] < len(node.inputs):
+            return
+        pairs = [(node.inputs[index["$in"]], norm_axis(args[1], len(shape)))]
     elif node.op in ("index_select", "gather"):
         pairs = [(node.inputs[1], norm_axis(node.attr("dim", 0), len(shape)))]
     else:  # index: input k + 1 indexes axis dims[k]
@@ -274,8 +318,8 @@ def _index_use(graph: Graph, node: Node, trails: Mapping[str, _Trail], report: I
             if trail.wrap != rows:
                 continue
             lo, negative_ok = -rows, True
-        use = IndexUse(node.op, node.outputs[0], table, axis, rows, lo - trail.offset, hi - trail.offset,
-                       negative_ok)
+        use = IndexUse(node.op, node.outputs[0], table, axis, rows, lo - trail.offset,
+                       hi - trail.offset - trail.spread, negative_ok)
         if trail.kind == "input":
             b = report.inputs.get(trail.source)
             if b is None:

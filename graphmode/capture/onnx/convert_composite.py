@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from graphmode.capture.onnx.convert_core import _bind
 from graphmode.capture.onnx.convert_nn import _pads
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES, _Known
 from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _handles, _shape_attr
@@ -28,11 +29,6 @@ def _static(imp: _Importer, size, what: str) -> int:
     if not isinstance(size, int):
         raise imp.fail(f"{what} over a symbolic extent", fix=STATIC_AXIS_FIX)
     return size
-
-
-def _bind(imp: _Importer, onnx_name: str, v: str) -> None:
-    imp.ir[onnx_name] = v
-    imp.check_declared(onnx_name)
 
 
 @_handles("Mean")

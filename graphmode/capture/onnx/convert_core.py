@@ -172,6 +172,32 @@ def _elementwise(imp: _Importer, n) -> None:
         imp.emit("cast", [cur], {"dtype": out_dtype}, out=n.output[0])
 
 
+def _bind(imp: _Importer, onnx_name: str, v: str) -> None:
+    """ONNX value `onnx_name` is IR value `v` (checked against the model's declared type)."""
+    imp.ir[onnx_name] = v
+    imp.check_declared(onnx_name)
+
+
+@_handles("BitCast")
+def _bitcast(imp: _Importer, n) -> None:
+    """The input's bytes read as another element type of the same width (opset 26): a copy that
+    reinterprets, never converts."""
+    x = imp.operand(n.input[0])
+    src, to = imp.type_of(n.input[0]).dtype, _ONNX_DTYPES.get(imp.attr(n, "to"))
+    if to is None:
+        raise imp.fail(f"BitCast to element type {imp.attr(n, 'to')} is not supported",
+                       fix=f"use one of {sorted(set(_ONNX_DTYPES.values()))}")
+    width = DTYPES[src].itemsize, DTYPES[to].itemsize
+    if width[0] != width[1]:
+        raise imp.fail(f"BitCast from {src} to {to} changes the element width ({width[0]} to {width[1]} bytes)",
+                       value=to, fix="BitCast needs types of one bit width; use Cast to convert values")
+    if src == to:
+        imp.alias(n.output[0], n.input[0])
+        return
+    _bind(imp, n.output[0], imp.emit_aten("view_copy", [x], [{"$in": 0}, {"$dtype": to}], overload="dtype",
+                                          hint=n.output[0])[0])
+
+
 @_handles("Cast", "CastLike")
 def _cast(imp: _Importer, n) -> None:
     src = n.input[0]

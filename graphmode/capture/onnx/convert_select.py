@@ -1,5 +1,5 @@
 """ONNX ops that select, reorder or write elements by index: TopK, ScatterElements / Scatter,
-ScatterND, ReverseSequence, Tile, CumProd and Det.
+ScatterND, TensorScatter, ReverseSequence, Tile, CumProd and Det.
 
 Where a core op fits they are written as core ops (Tile as reshape + expand, ReverseSequence
 as a gather of computed positions, ScatterND as a scatter along the flattened index axes);
@@ -110,6 +110,42 @@ def _scatter_nd(imp: _Importer, n) -> None:
     upd = imp.emit("reshape", [upd], {"shape": _shape_attr([count] + rest)}, hint=f"{h}_upd")
     y = _scatter(imp, n, flat, 0, pos, upd, h)
     imp.emit("reshape", [y], {"shape": _shape_attr(list(dt.shape))}, out=h)
+
+
+@_handles("TensorScatter")
+def _tensor_scatter(imp: _Importer, n) -> None:
+    """A KV-cache write (opset 24): `update`'s steps along `axis` written into the cache from each
+    batch row's write index on (0 without write_indices), wrapped modulo the cache length in
+    circular mode: a scatter along `axis` at `write_indices[b] + t`. An index past the cache in
+    linear mode is never written around: the scatter step raises, as the op's contract asks."""
+    cache, upd = imp.operand(n.input[0]), imp.operand(n.input[1])
+    ct, ut = imp.g.type_of(cache), imp.g.type_of(upd)
+    axis = norm_axis(int(imp.attr(n, "axis", -2)), ct.rank)
+    mode = _s(imp.attr(n, "mode", b"linear"))
+    if mode not in ("linear", "circular"):
+        raise imp.fail(f"TensorScatter mode={mode!r} is not linear or circular", value=mode)
+    if axis == 0:
+        raise imp.fail("TensorScatter axis 0 is the batch axis; the sequence axis must be another", value=0,
+                       fix="set axis to the cache's sequence axis (default -2)")
+    _no_unsigned(imp, cache, "TensorScatter")
+    h = n.output[0]
+    steps = _static(imp, ut.shape[axis], "TensorScatter update length")
+    length = _static(imp, ct.shape[axis], "TensorScatter cache length")
+    if steps > length:
+        raise imp.fail(f"TensorScatter writes {steps} steps into a cache of {length}", value=steps,
+                       fix="the update's sequence length must not exceed the cache's")
+    pos = _along(imp, imp.emit("arange", [], {"start": 0, "end": steps, "step": 1, "dtype": "i64"}, hint=f"{h}_t"),
+                 axis, ct.rank, f"{h}_t")
+    if len(n.input) > 2 and n.input[2]:
+        start = imp.operand(n.input[2])
+        if imp.g.type_of(start).dtype != "i64":
+            start = imp.emit("cast", [start], {"dtype": "i64"}, hint=f"{h}_start")
+        pos = imp.emit("add", [_along(imp, start, 0, ct.rank, f"{h}_start"), pos], {}, hint=f"{h}_pos")
+    if mode == "circular":
+        pos = imp.emit("remainder", [pos, imp.scalar(length, "i64", f"{h}_len")], {}, hint=f"{h}_pos")
+    pos = imp.emit("expand", [pos], {"shape": _shape_attr(list(ut.shape))}, hint=f"{h}_pos")
+    _bind(imp, h, imp.emit_aten("scatter", [cache, pos, upd], [_IN[0], axis, _IN[1], _IN[2]], overload="src",
+                                hint=h)[0])
 
 
 def _along(imp: _Importer, v: str, axis: int, rank: int, hint: str) -> str:

@@ -12,16 +12,47 @@ from graphmode.ir.graph import clean_name
 from graphmode.ir.types import Dim, TensorType, dim_str, normalize_dim, sym
 
 
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def dim_names(params) -> dict[str, str]:
+    """A recipe dim name for each of a model's dim_params (in input order): the param itself where it
+    is an identifier, else its letters, digits and '_' ("p2o.DynamicDimension.0" ->
+    "p2o_DynamicDimension_0", "batch size" -> "batch_size", "2" -> "d_2"), made distinct from
+    every other; a param with none of those ("?") is left out (an unnamed dim)."""
+    params = list(dict.fromkeys(params))
+    taken = {p for p in params if _IDENT.fullmatch(p)}
+    out = {p: p for p in taken}
+    for p in params:
+        if p in out:
+            continue
+        name = re.sub(r"[^A-Za-z0-9_]+", "_", p).strip("_")
+        if not name:
+            continue
+        name = f"d_{name}" if name[0].isdigit() else name
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        out[p] = name
+    return out
+
+
 class InputBinder:
     """Mixin of _Importer: `bind_inputs` runs once, before any node is translated."""
 
     def bind_inputs(self, init_names: set[str]) -> None:
         onnx_inputs = [vi for vi in self.gp.input if vi.name not in init_names]
         names = [vi.name for vi in onnx_inputs]
+        # a recipe names an input as the IR spells it ("x:0" -> "x_0")
+        spelled = {clean_name(n): n for n in names if clean_name(n) not in names}
+        self.input_dims = {spelled.get(k, k): v for k, v in self.input_dims.items()}
+        self.input_values = {spelled.get(k, k): v for k, v in self.input_values.items()}
         unknown = [n for n in self.input_dims if n not in names]
         if unknown:
             raise CaptureError(f"input_dims names input(s) {unknown} that the ONNX model does not have",
                                where=f"onnx {self.label}", fix=f"the model's inputs are {names}")
+        named = dim_names(d.dim_param for vi in onnx_inputs if vi.type.tensor_type.HasField("shape")
+                          for d in vi.type.tensor_type.shape.dim if d.HasField("dim_param"))
         for vi in onnx_inputs:   # validate_onnx checked: tensor types with a graphmode dtype
             tt = vi.type.tensor_type
             dtype = _ONNX_DTYPES[tt.elem_type]
@@ -54,10 +85,10 @@ class InputBinder:
                 elif static is not None:
                     dim = static
                 elif param is not None:
-                    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", param):
+                    if param not in named:
                         raise CaptureError(f"input {vi.name!r} dim {i} is named {param!r}, which is not a dim name",
                                            where=f"onnx {self.label}", fix="pass input_dims to name the dims")
-                    dim = sym(param)
+                    dim = sym(named[param])
                 else:
                     raise CaptureError(f"input {vi.name!r} dim {i} has neither a size nor a name",
                                        where=f"onnx {self.label}", fix="pass input_dims to name the dims")

@@ -117,7 +117,7 @@ def _static_infer(op: str):
     def infer(ins: list[TensorType], attrs):
         for t in ins:
             if not all(isinstance(d, int) for d in t.shape):
-                resampled = _resampled(op, ins, attrs)
+                resampled = _resampled(op, ins, attrs) if "upsample" in op else _written(op, ins, attrs)
                 if resampled is not None:
                     return [resampled]
                 raise IRError(f"{op} with a symbolic dim in input {t.text()}: its output types are derived "
@@ -126,6 +126,27 @@ def _static_infer(op: str):
                                   "the op in eager under exe_mode: hybrid (an ONNX model has no eager module)")
         return _types(op, [_meta(t, t.shape) for t in ins], attrs)
     return infer
+
+
+# writes into a copy of `self` (args[0] is input 0): the output has self's shape at every size
+WRITES = frozenset({"scatter", "scatter_add", "scatter_reduce", "index_copy", "index_add", "index_fill",
+                    "index_reduce", "select_scatter", "slice_scatter", "diagonal_scatter", "masked_scatter"})
+
+
+def _written(op: str, ins: list[TensorType], attrs: Mapping[str, Any]) -> TensorType | None:
+    """The type of a write op over symbolic dims: self's shape, and the dtype the op gives at one
+    size of each dim (the call is checked there; other sizes are ATen's to check at run time).
+    None for other ops."""
+    if op not in WRITES or not ins or list(attrs.get("args", []))[:1] != [{"$in": 0}]:
+        return None
+    syms = sorted({s for t in ins for d in t.shape if not isinstance(d, int) for s in sympy.sympify(d).free_symbols},
+                  key=str)
+    at = {s: 5 + 2 * k for k, s in enumerate(syms)}
+    sizes = [[d if isinstance(d, int) else int(sympy.sympify(d).subs(at)) for d in t.shape] for t in ins]
+    if any(v < 0 for shape in sizes for v in shape):
+        return None
+    out = _types(op, [_meta(t, shape) for t, shape in zip(ins, sizes)], attrs)
+    return ins[0].with_dtype(out[0].dtype) if len(out) == 1 and list(out[0].shape) == sizes[0] else None
 
 
 def _resampled(op: str, ins: list[TensorType], attrs: Mapping[str, Any]) -> TensorType | None:
@@ -480,7 +501,9 @@ STATIC: dict[str, tuple] = {
     "block_diag": ("shape", ("default",), lambda: [sample("default", [T(2, 3), T(1, 2)])], "block-diagonal matrix"),
     "narrow_copy": ("shape", ("default",), lambda: [sample("default", _x, 1, 1, 3)], "a narrowed copy along dim"),
     "permute_copy": ("shape", ("default",), lambda: [sample("default", _x3, [2, 0, 1])], "a permuted copy"),
-    "view_copy": ("shape", ("default",), lambda: [sample("default", _x3, [4, 6])], "a reshaped copy"),
+    "view_copy": ("shape", ("default", "dtype"), lambda: [sample("default", _x3, [4, 6]),
+                                                         sample("dtype", _x3, torch.int32)],
+                  "a reshaped copy, or the bytes read as another dtype of the same width"),
     "expand_copy": ("shape", ("default",), lambda: [sample("default", T(3, 1), [2, 3, 4])], "an expanded copy"),
     "alias_copy": ("shape", ("default",), lambda: [sample("default", _x)], "a copy"),
     "squeeze_copy": ("shape", ("default", "dim", "dims"), lambda: [sample("dim", T(3, 1, 5), 1),

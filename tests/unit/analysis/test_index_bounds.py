@@ -81,6 +81,40 @@ def test_analysis_follows_views_casts_and_constant_shifts_only():
     assert rep.inputs["d"].uses[0].negative_ok and not rep.inputs["a"].uses[0].negative_ok
 
 
+class _Writes(nn.Module):
+    """KV-cache style writes: rows copied in at given positions, steps written from a start
+    index (w + arange over its own axis: each start writes 3 rows), and a sum the analysis
+    must not read as one (u + arange along the same axis pairs each value with one step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(2, 8, 4))
+
+    def forward(self, pos, k, w, v, u):
+        a = self.cache.index_copy(1, pos, k)
+        idx = (w[:, None] + torch.arange(3))[:, :, None].expand(-1, -1, 4)
+        b = torch.scatter(self.cache, 1, idx, v)
+        c = self.cache.index_copy(1, u + torch.arange(2), v[:, :2])
+        return a + b + c
+
+
+def test_analysis_bounds_the_positions_a_write_takes():
+    ex = {"pos": torch.tensor([0, 3]), "k": torch.randn(2, 2, 4), "w": torch.tensor([0, 5]),
+          "v": torch.randn(2, 3, 4), "u": torch.tensor([0, 2])}
+    from graphmode.capture.spec import bundle_from_module
+    dims = {k: (["n"] + list(v.shape[1:]) if k == "pos" else ["2", "n", 4] if k == "k" else list(v.shape))
+            for k, v in ex.items()}
+    dims["k"] = [2, "n", 4]
+    bundle = bundle_from_module(_Writes(), ex, dims)
+    inputs = [{"name": k, "dtype": "i64" if v.dtype == torch.long else "f32", "shape": dims[k]} for k, v in ex.items()]
+    g, _, _ = capture(bundle, recipe("writes", inputs, {"n": {"min": 1, "max": 8}}))
+    assert not [n for n in g.nodes if n.op == "fallback"], "a write over a symbolic dim is a graph op"
+    rep = analyze_indices(g)
+    got = {n: (b.lo, b.hi) for n, b in rep.inputs.items()}
+    assert got == {"pos": (0, 7), "w": (0, 5)}, rep.to_json()
+    assert "writes into the 8 rows" in rep.inputs["w"].describe()
+
+
 def test_analysis_finds_ids_token_types_and_the_position_limit():
     g, _, _ = capture(SPEC, _recipe())
     rep = analyze_indices(g)

@@ -141,3 +141,56 @@ def test_max_unpool_of_max_pool_indices_over_several_planes():
     p, i = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     assert i.max() >= 4 * 6              # indices past the first plane
     _check("MaxUnpool", {"p": p, "i": i}, kernel_shape=[2, 2], strides=[2, 2])
+
+
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_tensor_scatter_writes_each_rows_steps_from_its_index(mode):
+    rng = np.random.default_rng(0)
+    past, upd = rng.standard_normal((2, 3, 8, 4), dtype=np.float32), rng.standard_normal((2, 3, 3, 4), dtype=np.float32)
+    start = np.array([5, 0] if mode == "linear" else [7, 2], dtype=np.int64)
+    _check("TensorScatter", {"past": past, "upd": upd, "w": start}, opset=24, mode=mode)
+    _check("TensorScatter", {"past": past, "upd": upd}, opset=24, mode=mode)          # no write_indices: from 0
+    _check("TensorScatter", {"past": past.transpose(0, 2, 1, 3).copy(), "upd": upd.transpose(0, 2, 1, 3).copy(),
+                             "w": start}, opset=24, mode=mode, axis=1)
+
+
+@pytest.mark.parametrize("src,dst", [(np.float32, np.int32), (np.int64, np.float64), (np.uint16, np.int16),
+                                     (np.int8, np.uint8)])
+def test_bitcast_keeps_the_bytes(src, dst):
+    x = (np.arange(-6, 6).reshape(3, 4) * 37).astype(src)
+    graph, _ = import_onnx(_model("BitCast", {"x": x}, {}, 1, 26, to=helper.np_dtype_to_tensor_dtype(np.dtype(dst))))
+    (out,) = graph.outputs
+    got = interpret(graph, {graph.inputs[0]: torch.from_numpy(x)})[out].numpy()
+    assert got.dtype == np.dtype(dst) and got.tobytes() == x.view(dst).tobytes()
+
+
+def test_bitcast_between_widths_is_refused():
+    g = helper.make_graph([helper.make_node("BitCast", ["x"], ["y"], to=TensorProto.INT64)], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, [4])])
+    with pytest.raises(CaptureError, match="same bit-width"):
+        import_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 26)]))
+
+
+def test_tensor_scatter_over_a_dynamic_batch_checks_its_write_indices(tmp_path):
+    """A symbolic batch compiles (the write keeps the cache's type at every size); a write past
+    the cache's end in linear mode is refused before the plan runs, naming the input and range."""
+    import graphmode
+    from graphmode.errors import ContractViolation
+    onnx_path = tmp_path / "cache.onnx"
+    from onnx import save
+    io = [helper.make_tensor_value_info("past", TensorProto.FLOAT, ["batch", 3, 8, 4]),
+          helper.make_tensor_value_info("upd", TensorProto.FLOAT, ["batch", 3, 2, 4]),
+          helper.make_tensor_value_info("w", TensorProto.INT64, ["batch"])]
+    g = helper.make_graph([helper.make_node("TensorScatter", ["past", "upd", "w"], ["present"])], "g", io,
+                          [helper.make_tensor_value_info("present", TensorProto.FLOAT, ["batch", 3, 8, 4])])
+    save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 24)]), onnx_path)
+    cm = graphmode.compile(str(onnx_path))
+    for b in (1, 3):
+        past, upd, w = torch.randn(b, 3, 8, 4), torch.randn(b, 3, 2, 4), torch.arange(b) * 3
+        want = past.clone()
+        for i in range(b):
+            want[i, :, w[i]:w[i] + 2] = upd[i]
+        assert torch.equal(cm(past=past, upd=upd, w=w), want)
+    with pytest.raises(ContractViolation, match=r"'w' holds 7 .* valid range \[0, 6\].*writes into the 8 rows"):
+        cm(past=torch.zeros(2, 3, 8, 4), upd=torch.zeros(2, 3, 2, 4), w=torch.tensor([0, 7]))

@@ -76,7 +76,8 @@ REFERENCE_STEPS = (ATEN_REFERENCE - NATIVE_ATEN_REFERENCE) | frozenset({
 ONNX_NO_INPUTS = frozenset({"arange", "full"})
 # samples whose ONNX round trip fails, and why (an op the importer lacks, or the legacy exporter refuses)
 ONNX_FAILS = {**{(op, 0): f"aten::{op}' to ONNX" for op in ("acosh", "asinh", "atanh", "cosh", "sinh", "bitwise_xor",
-                                                                 "cumprod", "max_unpool2d")},
+                                                                 "cumprod", "max_unpool2d", "view_copy")},
+              ("view_copy", 1): "aten::view_copy' to ONNX",
               ("bitwise_xor", 1): "aten::bitwise_xor' to ONNX", ("bitwise_not", 0): "bitwise Not for non-boolean",
               ("bitwise_or", 0): "bitwise OR for non-boolean", ("bitwise_or", 1): "bitwise OR for non-boolean",
               ("sort", 1): "Sort, Out parameter is not supported",
