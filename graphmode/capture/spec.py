@@ -35,6 +35,7 @@ from graphmode.capture.outputs import describe
 from graphmode.capture.zoo import ModelBundle
 from graphmode.capture.self_changes import refuse_self_changes
 from graphmode.errors import CaptureError, GraphmodeError
+from graphmode.ir.graph import clean_name
 
 __all__ = ["resolve_model_spec", "as_model", "OnnxModelSpec", "OnnxTensorSpec", "load_onnx_spec",
            "bundle_from_module", "describe_spec_forms"]
@@ -141,6 +142,19 @@ def _tensor_spec(vi: Any) -> OnnxTensorSpec:
     return OnnxTensorSpec(vi.name, shape, _onnx_dtype_name(tt.elem_type))
 
 
+def _name_dims(inputs: list[OnnxTensorSpec]) -> None:
+    """Every dynamic dim of `inputs` named as a recipe dim (an identifier): the model's dim_param
+    made one, or `<input>_d<i>` for a dim without a usable name."""
+    from graphmode.capture.onnx.inputs import dim_names
+    named = dim_names(d for t in inputs for d in t.shape if isinstance(d, str))
+    unnamed = {(t.name, i): f"{t.name}_d{i}" for t in inputs for i, d in enumerate(t.shape)
+               if not isinstance(d, int) and named.get(d) is None}
+    extra = dim_names([*named.values(), *unnamed.values()])
+    for t in inputs:
+        t.shape = [d if isinstance(d, int) else named[d] if named.get(d) is not None
+                   else extra[unnamed[t.name, i]] for i, d in enumerate(t.shape)]
+
+
 def load_onnx_spec(path: str | os.PathLike, *, spec: str | None = None) -> OnnxModelSpec:
     """Read an ONNX file's signature (no weights). Raises CaptureError if it is not ONNX."""
     import onnx
@@ -171,8 +185,12 @@ def load_onnx_spec(path: str | os.PathLike, *, spec: str | None = None) -> OnnxM
     check_signature(m, f"model spec {label!r}")
     inits = {i.name for i in m.graph.initializer}
     opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
+    inputs = [_tensor_spec(i) for i in m.graph.input if i.name not in inits]
+    for t in inputs:     # the IR's (and the recipe's) name: "x:0" -> "x_0"; calls may use either
+        t.name = clean_name(t.name)
+    _name_dims(inputs)
     return OnnxModelSpec(
-        path=p.resolve(), inputs=[_tensor_spec(i) for i in m.graph.input if i.name not in inits],
+        path=p.resolve(), inputs=inputs,
         outputs=[_tensor_spec(o) for o in m.graph.output], opset=opset,
         producer=f"{m.producer_name} {m.producer_version}".strip(), ir_version=m.ir_version,
         name=p.stem)

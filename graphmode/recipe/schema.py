@@ -34,6 +34,9 @@ FUSION_PATTERNS = ("elementwise", "reduction", "gemm_epilogue", "attention")   #
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")        # matched with fullmatch: `$` accepts a trailing newline
 _OPNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+# a model input's or output's name as the IR spells it: "input.1" (torch.onnx) as is; other
+# characters of an ONNX name as "_" ("x:0" -> "x_0", graphmode.ir.graph.clean_name)
+_VALUE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 
 # ---- scalar types with teaching messages -------------------------------------------------
@@ -218,6 +221,8 @@ DType = Annotated[str, BeforeValidator(_dtype)]
 FloatDType = Annotated[str, BeforeValidator(_float_dtype)]
 Ident = Annotated[str, BeforeValidator(_pattern(_IDENT, "an identifier (letters, digits, _)"))]
 OpName = Annotated[str, BeforeValidator(_pattern(_OPNAME, "an op name (letters, digits, _ and .)"))]
+ValueName = Annotated[str, BeforeValidator(_pattern(_VALUE_NAME, "a name of letters, digits, _ and . (an ONNX "
+                                                                 "name's other characters as _)", MAX_NAME_CHARS))]
 PosInt = Annotated[int, BeforeValidator(_number(int, ge=1, le=MAX_DIM, why="int32"))]
 MAX_EXACT_PLANS = 64      # values of one dim with plans of their own (each value: a plan per other bucket)
 SymPosInt = Annotated[Any, BeforeValidator(_number(int, ge=1, le=MAX_DIM, why="int32", symbolic_ok=True))]
@@ -266,7 +271,7 @@ class InputSpec(_Spec):
     the batch axis); the padding-safety analysis relies on it. `value` declares the input
     constant (shape-like data a model takes as an input: axes, sizes, pads): the model is
     compiled for that value, and a call with another value is a contract violation."""
-    name: Ident
+    name: ValueName
     dtype: DType
     shape: Annotated[list[ShapeEntry], _limited(MAX_RANK, f"rank at most {MAX_RANK}, as ONNX runtimes, "
                                                           "TensorRT and cuDNN allow")]
@@ -513,7 +518,7 @@ class Recipe(_Spec):
     description: str = ""
     model: Optional[ModelSpec] = None
     inputs: Annotated[list[InputSpec], _limited(MAX_INPUTS, "model inputs")] = Field(min_length=1)
-    outputs: Annotated[dict[Ident, Annotated[list[OutAxis], _limited(MAX_RANK, f"rank at most {MAX_RANK}")]],
+    outputs: Annotated[dict[ValueName, Annotated[list[OutAxis], _limited(MAX_RANK, f"rank at most {MAX_RANK}")]],
                        _limited(MAX_INPUTS, "model outputs")] = {}
     dims: Annotated[dict[Ident, Annotated[DimSpec, BeforeValidator(_dim_before)]],
                     _limited(MAX_DIMS, "each dim is a variable of every proof")] = {}

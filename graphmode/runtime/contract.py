@@ -56,6 +56,7 @@ class InputContract:
         params = self._signature.parameters if self._signature is not None else {}
         named = {k: v for k, v in named.items()       # an explicit None (unless a default says otherwise): omitted
                  if v is not None or (k in params and params[k].default not in (None, params[k].empty))}
+        named = _ir_spelled(named, self.input_names)
         unknown = [k for k in named if k not in self.input_names]
         if unknown:
             raise ContractViolation(f"unknown inputs {unknown}", where="inputs",
@@ -224,3 +225,16 @@ def refuse_aliased_updates(inputs: Mapping[str, torch.Tensor], mutated: list[str
                 raise ContractViolation(f"the model updates input {name!r} in place, and it shares memory with input "
                                         f"{other!r}: eager sees the update through both, a compiled call would not",
                                         where=f"inputs.{name}", fix=f"pass separate tensors, e.g. {other}.clone()")
+
+
+def _ir_spelled(named: dict[str, Any], declared: list[str]) -> dict[str, Any]:
+    """`named` with an ONNX input's own name ("x:0", as ONNX Runtime takes it) put as the IR spells
+    it ("x_0", the recipe's name) where only that is declared."""
+    from graphmode.ir.graph import clean_name
+    if all(k in declared for k in named):
+        return named
+    out = {}
+    for k, v in named.items():
+        c = clean_name(k) if k not in declared else k
+        out[c if c in declared and c not in named else k] = v
+    return out

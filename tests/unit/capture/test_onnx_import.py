@@ -523,3 +523,37 @@ def test_unsupported_opset_and_data_dependent_shape():
     with pytest.raises(CaptureError) as e:
         import_onnx(m)
     assert "dyn_reshape" in str(e.value) and "run-time tensor data" in str(e.value)
+
+
+def test_exporters_names_compile_and_answer_by_either_spelling(tmp_path):
+    """Input names and dim_params as other exporters write them ("x:0" from tf2onnx, "input.1"
+    from torch.onnx, Paddle2ONNX's "p2o.DynamicDimension.0", a "?" or "batch size"): the drafted
+    recipe names the dims as identifiers and the inputs as the IR spells them, and a call takes
+    the model's own names (as ONNX Runtime does) or the recipe's."""
+    import onnx
+    import graphmode
+    from onnx import TensorProto, helper
+    ins = [helper.make_tensor_value_info("x:0", TensorProto.FLOAT, ["p2o.DynamicDimension.0", 4]),
+           helper.make_tensor_value_info("input.1", TensorProto.FLOAT, ["batch size", "?"])]
+    g = helper.make_graph([helper.make_node("Relu", ["x:0"], ["a"]), helper.make_node("ReduceSum", ["input.1"], ["b"],
+                                                                                     keepdims=0)], "g", ins,
+                          [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["p2o.DynamicDimension.0", 4]),
+                           helper.make_tensor_value_info("b", TensorProto.FLOAT, [])])
+    path = tmp_path / "names.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    cm = graphmode.compile(str(path))
+    assert [i.name for i in cm.recipe.inputs] == ["x_0", "input.1"]
+    assert [list(i.shape) for i in cm.recipe.inputs] == [["p2o_DynamicDimension_0", 4], ["batch_size", "input_1_d1"]]
+    x, y = torch.randn(3, 4), torch.randn(2, 5)
+    for call in (lambda: cm(**{"x:0": x, "input.1": y}), lambda: cm(x_0=x, **{"input.1": y}), lambda: cm(x, y)):
+        a, b = call()
+        assert torch.equal(a, x.relu()) and torch.allclose(b, y.sum())
+
+
+def test_a_recipe_input_name_with_other_characters_is_refused_with_the_spelling_to_use():
+    from graphmode.errors import RecipeError
+    from graphmode.recipe import load_recipe
+    base = {"version": 1, "name": "r", "dims": {"b": {"min": 1, "max": 4}}}
+    load_recipe({**base, "inputs": [{"name": "input.1", "dtype": "f32", "shape": ["b"]}]})
+    with pytest.raises(RecipeError, match=r"inputs\[0\]\.name.*other characters as _"):
+        load_recipe({**base, "inputs": [{"name": "x:0", "dtype": "f32", "shape": ["b"]}]})
