@@ -112,6 +112,20 @@ ROPE_FIX = ("compile the model with a rope type whose frequencies are fixed (rop
             "'yarn' or 'llama3', or none), or run it with exe_mode: eager")
 
 
+# torch.export failures whose cause is in how the model was built, not in the recipe's dims:
+# (text in the error, what it means, fix)
+_KNOWN_CAUSES = (
+    ("inference tensor", "the model's weights are inference tensors (made under torch.inference_mode()), which "
+     "torch.export cannot trace", "build or load the model outside torch.inference_mode() and wrap only the calls "
+     "in it"),
+    ("__obj_flatten__", "the model holds packed quantized weights (torch.ao quantize_dynamic / prepacked "
+     "linear params), which torch.export cannot trace", "compile the float model with precision.weights: int8 in "
+     "the recipe (graphmode's own weight-only int8)"),
+    ("lifted_custom", "the model makes a script object in forward (a torch.Generator, a packed parameter), which "
+     "torch.export cannot trace", "create it outside forward, or draw random numbers without a generator object"),
+)
+
+
 def export_failure(e: BaseException, fix: str, where: str | None = None) -> CaptureError:
     """The CaptureError for torch.export's exception `e`: its first line, or for a branch on a
     tensor's value the model line that branches (with `fix` replaced by what to change there)."""
@@ -133,6 +147,9 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
             err.suggested_ranges = {d: (int(lo) if lo else None, int(hi) if hi else None)
                                     for d, lo, hi in _RANGE_FIX.findall(suggested)}
             return err
+    for needle, why, cause_fix in _KNOWN_CAUSES:
+        if needle in text:
+            return CaptureError(f"torch.export failed: {why} ({name}: {first})", where=where, fix=cause_fix)
     if not (name in _DATA_DEPENDENT or "data-dependent" in first) or call is None:
         return CaptureError(f"torch.export failed: {name}: {first}", where=where, fix=fix)
     path, line, fn = call.group(1), int(call.group(2)), call.group(3)

@@ -1,60 +1,187 @@
-"""A model that changes its own settings while graphmode runs it, refused and put back.
+"""A model that changes itself while graphmode runs it: put back, and refused where it matters.
 
-Some models switch themselves to another algorithm on an input they cannot take as configured,
-for good: transformers' BigBird, given a sequence too short for block-sparse attention, sets its
-`attention_type` to "original_full" and keeps it. graphmode runs the model on small examples
-(to learn its outputs, to capture it), so the compiled model held full attention at every length
-while the user's configured model answered with block-sparse attention (rel L2 7.5e-3 at 128
-tokens), and the user's own model object had been switched without a word. While graphmode runs
-it, every submodule's switches (its public str and bool attributes, and its submodules) are
-watched; a change is undone and refused, naming the attribute. Numbers are not watched: a lazy
-module fills in its sizes on its first call, and a counter counts calls.
+graphmode runs the model on small examples (to learn its outputs, to capture it). Those runs
+must leave the user's model as it was, and a compiled model cannot follow a model whose answer
+depends on what its earlier calls changed. So while graphmode runs it:
+
+- switches (every submodule's public str and bool attributes, and its submodules) are watched;
+  a change is undone and refused, naming the attribute. transformers' BigBird, given a sequence
+  too short for block-sparse attention, sets its `attention_type` to "original_full" and keeps
+  it: the compiled model held full attention at every length (rel L2 7.5e-3 at 128 tokens).
+- state (public int and float attributes, buffers updated in place, and parameters, buffers
+  and tensor attributes replaced by other tensors) is put back after every run. A change of
+  state alone is not refused (a lazy module fills in its sizes, a counter counts calls for a
+  log): where the run that changed it can be repeated, it is, from the changed state, and an
+  answer that differs (a running mean the output subtracts, a step counter it scales by) is
+  refused, since the compiled model would answer with the state of one moment forever.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 
 from graphmode.errors import CaptureError
 
 SWITCHES = (str, bool)
 IGNORED = {"training"}          # graphmode puts the model in eval mode itself
+SNAPSHOT_BYTES = 256 << 20      # buffers kept aside to put back: up to this much (a KV cache buffer may be GBs)
+
+
+def _modules(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """The Python submodules (a TorchScript module keeps its state in C++ wrappers: not watched)."""
+    return ((p, m) for p, m in module.named_modules() if not isinstance(m, torch.jit.ScriptModule))
 
 
 def _settings(module: torch.nn.Module) -> dict[tuple[str, str], Any]:
-    return {(path, k): v for path, sub in module.named_modules() for k, v in vars(sub).items()
+    return {(path, k): v for path, sub in _modules(module) for k, v in vars(sub).items()
             if isinstance(v, SWITCHES) and not k.startswith("_") and k not in IGNORED}
 
 
+def _numbers(module: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    return {(path, k): v for path, sub in _modules(module) for k, v in vars(sub).items()
+            if type(v) in (int, float) and not k.startswith("_")}
+
+
+def _tensors(module: torch.nn.Module) -> dict[tuple[str, str, str], torch.Tensor]:
+    """Every tensor a submodule holds, by (path, where, name): its parameters, buffers and plain
+    tensor attributes."""
+    out = {}
+    for path, sub in _modules(module):
+        for where, d in (("_parameters", sub._parameters), ("_buffers", sub._buffers), ("__dict__", vars(sub))):
+            out.update({(path, where, k): t for k, t in d.items() if isinstance(t, torch.Tensor)})
+    return out
+
+
+def _label(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+@dataclass
+class Probe:
+    """What the body of `refuse_self_changes` ran: its answer, and how to run it again."""
+
+    answer: Any = None
+    again: Callable[[], Any] | None = None
+
+
+class _State:
+    """The model's state before a run, and how to put it back."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.numbers = _numbers(module)
+        self.tensors = _tensors(module)
+        buffers = [t for (p, w, k), t in self.tensors.items() if w == "_buffers" and not t.is_inference()]
+        self.versions = {id(t): t._version for t in buffers}
+        size = sum(t.numel() * t.element_size() for t in buffers)
+        self.saved = {id(t): t.detach().clone() for t in buffers} if size <= SNAPSHOT_BYTES else {}
+
+    def changes(self) -> tuple[list[str], list[str], list[str]]:
+        """(numbers changed, buffers updated in place, tensors replaced), as labels."""
+        now = _numbers(self.module)
+        numbers = [_label(p, k) for (p, k), v in self.numbers.items() if now.get((p, k), v) != v]
+        tensors = _tensors(self.module)
+        replaced = [_label(p, k) for key, t in self.tensors.items() for p, _, k in [key]
+                    if tensors.get(key, t) is not t]
+        inplace = [_label(p, k) for (p, w, k), t in self.tensors.items()
+                   if id(t) in self.versions and t._version != self.versions[id(t)]]
+        return numbers, inplace, replaced
+
+    def restore(self) -> list[str]:
+        """Put every number, tensor and saved buffer value back; the buffers it could not restore."""
+        subs = dict(_modules(self.module))
+        for (p, k), v in self.numbers.items():
+            if p in subs and getattr(subs[p], k, v) != v:
+                setattr(subs[p], k, v)
+        for (p, where, k), t in self.tensors.items():
+            if p in subs:
+                d = vars(subs[p]) if where == "__dict__" else getattr(subs[p], where)
+                d[k] = t
+        lost = []
+        with torch.no_grad():
+            for (p, w, k), t in self.tensors.items():
+                if id(t) in self.versions and t._version != self.versions[id(t)]:
+                    if id(t) in self.saved:
+                        t.copy_(self.saved[id(t)])
+                    else:
+                        lost.append(_label(p, k))
+        return lost
+
+
+def _same(a: Any, b: Any) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+        for x, y in zip(la, lb))
+
+
 @contextlib.contextmanager
-def refuse_self_changes(module: Any, where: str, during: str) -> Iterator[None]:
-    """Run the body; if it changed a setting of `module`, put every changed one back and raise."""
+def refuse_self_changes(module: Any, where: str, during: str) -> Iterator[Probe]:
+    """Run the body; put back what it changed of `module`; raise where the change matters (see
+    the module's docstring). The body may fill the yielded Probe so a change of state is judged
+    by a second run."""
+    probe = Probe()
     if not isinstance(module, torch.nn.Module):
-        yield
+        yield probe
         return
     before = _settings(module)
-    children = {sub: dict(sub._modules) for sub in module.modules()}     # a switch may swap submodules too
-    yield
-    after = _settings(module)
-    changed = [(key, before[key], after.get(key)) for key in before if after.get(key, before[key]) != before[key]]
-    if not changed:
-        return
+    children = {sub: dict(sub._modules) for _, sub in _modules(module)}     # a switch may swap submodules too
+    state = _State(module)
+    try:
+        yield probe
+    except BaseException:
+        _put_back(children, state)
+        raise
+    _settle(module, where, during, probe, before, children, state)
+
+
+def _put_back(children: dict, state: _State) -> list[str]:
     for sub, kept in children.items():
-        if sub._modules != kept:
+        if dict(sub._modules) != kept:
             sub._modules.clear()
             sub._modules.update(kept)
-    subs = dict(module.named_modules())
-    for (path, attr), old, _ in changed:
-        setattr(subs[path], attr, old)
-    shown = ", ".join(f"{(path + '.') if path else ''}{attr}: {old!r} -> {new!r}" for (path, attr), old, new in changed[:4])
-    raise CaptureError(f"the model changed its own settings while {during} ({shown}); the compiled model would "
-                       "keep the changed behaviour at every shape, where the model as configured behaves otherwise "
-                       "(graphmode put the settings back)", where=where,
-                       fix="set those attributes yourself before compiling (e.g. BigBird: "
-                           "config.attention_type='original_full'), or give example inputs the model takes "
-                           "as configured")
+    return state.restore()
 
 
-__all__ = ["refuse_self_changes"]
+def _settle(module, where: str, during: str, probe: Probe, before: dict, children: dict, state: _State) -> None:
+    after = _settings(module)
+    changed = [(key, before[key], after.get(key)) for key in before if after.get(key, before[key]) != before[key]]
+    numbers, inplace, replaced = state.changes()
+    differs = None
+    if not changed and (numbers or inplace or replaced) and probe.again is not None:
+        try:
+            differs = not _same(probe.answer, probe.again())
+        except Exception:  # noqa: BLE001 - a second run that fails: the first one's changes are the cause
+            differs = True
+    lost = _put_back(children, state)
+    if changed:
+        subs = dict(_modules(module))
+        for (path, attr), old, _ in changed:
+            setattr(subs[path], attr, old)
+        shown = ", ".join(f"{(path + '.') if path else ''}{attr}: {old!r} -> {new!r}"
+                          for (path, attr), old, new in changed[:4])
+        raise CaptureError(f"the model changed its own settings while {during} ({shown}); the compiled model would "
+                           "keep the changed behaviour at every shape, where the model as configured behaves "
+                           "otherwise (graphmode put the settings back)", where=where,
+                           fix="set those attributes yourself before compiling (e.g. BigBird: "
+                               "config.attention_type='original_full'), or give example inputs the model takes "
+                               "as configured")
+    if differs:
+        what = ", ".join((numbers + inplace + replaced)[:4])
+        if any(label.endswith("inv_freq") for label in inplace + replaced):
+            from graphmode.capture.export_errors import ROPE_FIX, ROPE_WHY
+            raise CaptureError(f"the model updates its rotary embedding's frequencies ({what}) while {during}. "
+                               + ROPE_WHY, where="model.config.rope_scaling", fix=ROPE_FIX)
+        back = f"; graphmode put them back, except {', '.join(lost)}" if lost else "; graphmode put them back"
+        raise CaptureError(f"the model changes its own state each call ({what}, while {during}) and its answer "
+                           f"depends on it: a compiled model answers with the state of one moment at every call"
+                           f"{back}", where=where,
+                           fix="keep that state outside the model and pass it in as an input (and take the new "
+                               "value as an output), or fix it before compiling")
+
+
+__all__ = ["Probe", "refuse_self_changes"]

@@ -243,6 +243,36 @@ def _make_wrapper(model: nn.Module, names: list[str], positional: bool,
     return cls(model, call_kwargs=call_kwargs)
 
 
+def _notice_hooks(module: nn.Module) -> None:
+    """Forward hooks are traced into the graph as they act at capture: what they compute into the
+    output is compiled; whatever else they do (a feature stored in a dict, a call counted) happens
+    only while graphmode runs the model, and a dict a hook fills is left holding trace values."""
+    from torch.nn.modules import module as registry
+    hooked = [repr(path) if path else type(module).__name__ for path, sub in module.named_modules()
+              if sub._forward_hooks or sub._forward_pre_hooks]
+    hooked += ["every module (global hooks)"] if registry._global_forward_hooks or \
+        registry._global_forward_pre_hooks else []
+    if hooked:
+        warnings.warn(GraphmodeNotice(
+            f"forward hooks on module {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} are compiled as they act "
+            "on the output; anything else they do (store a feature, count calls) does not happen on compiled calls, "
+            "and what they stored while graphmode traced the model is not a real value. For features, return them "
+            "from forward (a wrapper module) instead of collecting them in a hook."), stacklevel=3)
+
+
+def _unwrapped(module: nn.Module, where: str) -> nn.Module:
+    """The module graphmode compiles in place of a wrapper: torch.compile's OptimizedModule holds
+    the user's module (compiled here instead of by Dynamo); a TorchScript module has no Python
+    forward to export."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return module._orig_mod
+    if isinstance(module, torch.jit.RecursiveScriptModule):
+        raise CaptureError(f"{type(module).__name__} is a scripted module (torch.jit.script's output), whose forward "
+                           "is TorchScript, which torch.export cannot trace", where=where, value=type(module).__name__,
+                           fix="pass the nn.Module you scripted (graphmode captures it with torch.export itself)")
+    return module
+
+
 def bundle_from_module(module: nn.Module, example_inputs: Any,
                        input_dims: dict[str, list[str | int]] | None = None, *,
                        name: str | None = None, output_names: list[str] | None = None,
@@ -254,6 +284,8 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
     if not isinstance(module, nn.Module):
         raise CaptureError("expected an nn.Module", where=where, value=type(module).__name__,
                            fix="return (module, example_inputs) with module an nn.Module")
+    module = _unwrapped(module, where)
+    _notice_hooks(module)
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     if isinstance(example_inputs, dict):
@@ -280,8 +312,9 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
                            value=sorted(dims), fix=f"give dims for exactly {list(ex)}")
     dims = {k: dims[k] for k in ex}
     try:
-        with torch.inference_mode(), refuse_self_changes(module, where, "running on its example inputs"):
-            raw = module(*ex.values()) if positional else module(**ex)
+        with torch.inference_mode(), refuse_self_changes(module, where, "running on its example inputs") as probe:
+            probe.again = (lambda: module(*ex.values())) if positional else (lambda: module(**ex))
+            raw = probe.answer = probe.again()
     except GraphmodeError:
         raise
     except Exception as e:  # noqa: BLE001

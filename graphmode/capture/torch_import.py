@@ -296,7 +296,11 @@ class _Importer:
                         raise CaptureError(f"input {nm!r} is not a tensor", fix="pass tensors only")
                     self.env[n] = self.g.add_input(clean_name(nm), self.ttype(val))
                 else:
-                    raise CaptureError(f"unsupported placeholder {n.name}")
+                    raise CaptureError(f"torch.export lifted {n.name!r} out of the model: an object that is neither "
+                                       "a tensor input, a parameter nor a buffer (a torch.Generator or another script "
+                                       "object made in forward)", where="model",
+                                       fix="create it outside forward, or draw random numbers without a generator "
+                                           "object")
             elif n.op == "call_function":
                 first, self._node = len(self.g.nodes), n
                 self.translate(n)

@@ -173,6 +173,8 @@ def _digest_key(t: torch.Tensor) -> tuple:
 
 
 def _known_digest(t: torch.Tensor) -> str | None:
+    if t.is_inference():      # no version counter: an in-place change could not be told from the cached digest
+        return None
     hit = _DIGESTS.get(_digest_key(t))
     # the entry must belong to this very tensor: a freed tensor's id and address are reused
     # by new tensors, whose contents (and digest) differ
@@ -190,7 +192,8 @@ def constant_digest(t: torch.Tensor) -> str:
         d = h.hexdigest()[:16]
         if len(_DIGESTS) > 100_000:
             _DIGESTS.clear()
-        _DIGESTS[_digest_key(t)] = (weakref.ref(t), d)
+        if not t.is_inference():
+            _DIGESTS[_digest_key(t)] = (weakref.ref(t), d)
     return d
 
 

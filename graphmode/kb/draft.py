@@ -84,6 +84,13 @@ class Draft:
 
 # ---- the model's signature ------------------------------------------------------------------------
 
+
+def _module_of(bundle: Any) -> Any:
+    """The user's module (`is None` tests: a Sequential of no layers, or a module whose __len__
+    fails, must not read as missing)."""
+    raw = getattr(bundle, "raw_module", None)
+    return getattr(bundle, "module", None) if raw is None else raw
+
 def as_bundle(model: Any) -> Any:
     """What drafting reads a signature from: a ModelBundle or an ONNX spec."""
     from graphmode.capture.spec import as_model
@@ -164,7 +171,7 @@ def _position_offset(bundle: Any) -> int:
     """The rows a position table reserves below the first position: padding_idx + 1 where its
     nn.Embedding has a padding_idx (RoBERTa and its family count positions from there), else 0."""
     import torch
-    module = getattr(bundle, "raw_module", None) or getattr(bundle, "module", None)
+    module = _module_of(bundle)
     for n, m in module.named_modules() if module is not None else ():
         if isinstance(m, torch.nn.Embedding) and "position" in n.lower() and m.padding_idx is not None:
             return int(m.padding_idx) + 1
@@ -178,7 +185,7 @@ def _position_table(bundle: Any) -> tuple[str, int] | None:
 
     def named(n: str) -> bool:
         return any(k in n.lower() for k in POSITION_TABLES)
-    module = getattr(bundle, "raw_module", None) or getattr(bundle, "module", None)
+    module = _module_of(bundle)
     if module is not None:
         found = [(n, m.num_embeddings) for n, m in module.named_modules()
                  if isinstance(m, torch.nn.Embedding) and named(n)]

@@ -78,7 +78,8 @@ def family_of(source: Any) -> str:
     """The architecture family: a transformers config's `model_type` (bert, gpt2, ...), else the
     class name of the user's module, else the model's name (ONNX files)."""
     bundle = getattr(source, "bundle", source)
-    raw = getattr(bundle, "raw_module", None) or getattr(source, "module", None)
+    raw = getattr(bundle, "raw_module", None)
+    raw = getattr(source, "module", None) if raw is None else raw      # `is None`: a module may define __len__
     cfg = getattr(raw, "config", None)
     mtype = getattr(cfg, "model_type", None)
     if isinstance(mtype, str) and mtype:

@@ -111,6 +111,15 @@ class InputContract:
         except (AttributeError, TypeError, ValueError):
             return None
         extra = [k for k in kwargs if k not in self.input_names and k in params]
+        options = [k for k in extra if not isinstance(kwargs[k], torch.Tensor)]
+        if options:       # a Python option: part of the model's code, fixed when it was compiled
+            return ContractViolation(
+                f"{options} {'is an option' if len(options) == 1 else 'are options'} of {type(inner).__name__}.forward "
+                f"(not tensors), which a compiled model holds at the value it was compiled with (its default)",
+                where="inputs", value=options,
+                fix="compile a module with the option set, e.g. functools.partial of forward or a small wrapper "
+                    f"module whose forward calls the model with {options[0]}={kwargs[options[0]]!r}; a config option "
+                    "(return_dict, output_attentions): set it in the model's config")
         if not extra:
             return None
         return ContractViolation(

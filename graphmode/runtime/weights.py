@@ -1,18 +1,36 @@
-"""The weights a compiled model was built with, and the check that its module still holds them.
+"""The module a compiled model was built from, and the check that it is still that module.
 
 The captured graph shares storage with the module's parameters and buffers (no second copy of
 the weights), while each plan's kernels pack their own copies when the plan is built. An
 in-place update of the module after compile (`load_state_dict`, `param.copy_`, an optimizer
 step) then reaches the steps that read the shared storage and not the packed ones, and plans
 built later see only the new values: answers that match neither the old model nor the new one.
-So a call compares the tensors' version counters with the ones at compile (about 10 us for 150
-tensors) and refuses when one moved.
+A tensor, submodule or hook *replaced* after compile (`load_state_dict(assign=True)`, `m.fc =
+nn.Linear(...)`, a hook added or removed) is never seen by the compiled plans at all. So a call
+compares the tensors' version counters, the module tree's slots (which tensor, submodule and
+how many hooks each holds) with the ones at compile, and refuses when one moved (about 15 us
+for 150 tensors).
 """
 from __future__ import annotations
 
 from typing import Any
 
+from operator import attrgetter, is_not
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
 from graphmode.errors import GraphmodeError
+
+_VERSION = attrgetter("_version")
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
+
+
+def _global_hook_dicts() -> list[dict]:
+    from torch.nn.modules import module as m
+    return [getattr(m, name) for name in _GLOBAL_HOOKS if isinstance(getattr(m, name, None), dict)]
 
 
 class FrozenWeights:
@@ -22,16 +40,50 @@ class FrozenWeights:
         self._names = [n for n, _ in named]
         self._tensors = [t for _, t in named]
         self._versions = [t._version for t in self._tensors]
+        # (label, the dict that holds it, key, what it held at compile)
+        python = [(p, m) for p, m in module.named_modules() if not isinstance(m, torch.jit.ScriptModule)]
+        self._slots = [(f"{path}.{k}" if path else k, d, k, v) for path, sub in python
+                       for d in (sub._parameters, sub._buffers, sub._modules) for k, v in d.items()]
+        self._slot_dicts, self._slot_keys, self._slot_values = (list(c) for c in zip(*[(d, k, v) for _, d, k, v
+                                                                                      in self._slots])) \
+            if self._slots else ([], [], [])
+        self._hooks = [(path or type(module).__name__, getattr(sub, h)) for path, sub in python
+                       for h in _HOOK_DICTS] + [("torch.nn.modules.module", d) for d in _global_hook_dicts()]
+        self._hook_marks = self._marks()
+        self._held = [d for _, d in self._hooks if d]      # hooks that can be removed
+        self._held_marks = [(len(d), next(reversed(d))) for d in self._held]
+        self._next_hook = RemovableHandle.next_id           # moves with every hook registered anywhere
 
     def check(self) -> None:
-        """Raise when a parameter or buffer was updated in place since compile."""
-        if [t._version for t in self._tensors] == self._versions:
+        """Raise when a parameter or buffer was updated in place, or a tensor, submodule or hook
+        replaced, since compile."""
+        if list(map(_VERSION, self._tensors)) != self._versions:
+            changed = [n for n, t, v in zip(self._names, self._tensors, self._versions) if t._version != v]
+            self._refuse(changed, "were updated in place (load_state_dict, copy_, an optimizer step)")
+        if any(map(is_not, map(dict.get, self._slot_dicts, self._slot_keys), self._slot_values)):
+            changed = [label for label, d, k, v in self._slots if d.get(k) is not v]
+            self._refuse(changed, "were replaced (load_state_dict(assign=True), an attribute set to a new tensor "
+                                  "or module)")
+        if RemovableHandle.next_id == self._next_hook and \
+                [(len(d), next(reversed(d), None)) for d in self._held] == self._held_marks:
             return
-        changed = [n for n, t, v in zip(self._names, self._tensors, self._versions) if t._version != v]
+        marks = self._marks()
+        if marks != self._hook_marks:
+            changed = [where for (where, _), a, b in zip(self._hooks, marks, self._hook_marks) if a != b]
+            self._refuse(changed, "gained or lost forward hooks (register_forward_hook, handle.remove())")
+        self._next_hook = RemovableHandle.next_id           # a hook registered elsewhere: this model's are as they were
+
+    def _marks(self) -> list:
+        """Per hook dict, its size and newest handle id: a hook removed and another added moves it."""
+        return [(len(d), next(reversed(d), None)) for _, d in self._hooks]
+
+    def _refuse(self, changed: list[str], how: str) -> None:
         more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
-        raise GraphmodeError(f"the model's weights changed after graphmode.compile: {', '.join(changed[:3])}{more} "
-                             "were updated in place (load_state_dict, copy_, an optimizer step); the compiled plans "
-                             "hold the weights they were built with, so answering would mix old and new",
+        raise GraphmodeError(f"the model changed after graphmode.compile: {', '.join(changed[:3])}{more} {how}; "
+                             "the compiled plans hold the model as it was, so answering would mix old and new",
                              where=f"model.{changed[0]}",
-                             fix="compile again after loading or updating the weights: load the checkpoint first, "
-                                 "then graphmode.compile(model, recipe)")
+                             fix="compile again after changing the model: load the checkpoint or set the hooks "
+                                 "first, then graphmode.compile(model, recipe)")
+
+
+__all__ = ["FrozenWeights"]

@@ -66,3 +66,49 @@ def test_decoding_after_an_update_in_place_is_refused():
         next(m.parameters()).mul_(2)
     with pytest.raises(GraphmodeError, match="changed after graphmode.compile"):
         cm.generate(ids, max_new_tokens=3)
+
+
+def _linear():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    return m, graphmode.compile((m, (torch.randn(2, 8),)))
+
+
+def _replace_weight(m):
+    m[0].weight = torch.nn.Parameter(torch.randn(8, 8))
+
+
+def _swap_layer(m):
+    m[2] = torch.nn.Linear(8, 4)
+
+
+def _assign_state(m):
+    m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()}, assign=True)
+
+
+def _swap_hooks(m):
+    h = m[2].register_forward_hook(lambda mod, i, o: o + 100)
+    h.remove()
+    m[2].register_forward_hook(lambda mod, i, o: o * 0)
+
+
+@pytest.mark.parametrize("change,needle", [(_replace_weight, "0.weight were replaced"),
+                                           (_swap_layer, "2 were replaced"),
+                                           (_assign_state, "were replaced"),
+                                           (_swap_hooks, "'2'|2 gained or lost forward hooks")])
+def test_a_model_changed_by_replacing_its_parts_after_compile_is_refused(change, needle):
+    """A tensor, submodule or hook replaced after compile is never seen by the compiled plans
+    (it was answered with the old one, silently)."""
+    m, cm = _linear()
+    x = torch.randn(3, 8)
+    assert torch.allclose(cm(x), m(x), atol=1e-6)
+    change(m)
+    with pytest.raises(GraphmodeError, match=needle):
+        cm(x)
+
+
+def test_a_hook_on_another_model_leaves_this_one_answering():
+    m, cm = _linear()
+    torch.nn.Linear(2, 2).register_forward_hook(lambda mod, i, o: o)
+    x = torch.randn(3, 8)
+    assert torch.allclose(cm(x), m(x), atol=1e-6)

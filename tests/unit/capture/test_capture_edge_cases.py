@@ -619,3 +619,48 @@ def test_a_legacy_empty_cat_and_an_item_assert_capture_and_match_eager():
         ref = xlm(input_ids=ids, attention_mask=mask).last_hidden_state
     out = cm(input_ids=ids, attention_mask=mask).last_hidden_state
     assert float((out - ref).norm() / ref.norm()) < 1e-5
+
+
+def _lin():
+    torch.manual_seed(0)
+    return torch.nn.Linear(16, 8).eval()
+
+
+def test_wrapped_and_built_under_inference_mode_modules_at_the_front_door():
+    """torch.compile's wrapper is compiled as the module it wraps (it crashed on the wrapper's
+    __len__); a scripted module, weights made under inference_mode, and a compile called under
+    inference_mode each get a clear answer."""
+    m, x = _lin(), torch.randn(3, 16)
+    cm = graphmode.compile((torch.compile(m), (torch.randn(2, 16),)))
+    assert torch.allclose(cm(x), m(x), atol=1e-6)
+    with pytest.raises(CaptureError, match="(?s)scripted module.*pass the nn.Module you scripted"):
+        graphmode.compile((torch.jit.script(m), (torch.randn(2, 16),)))
+    traced = torch.jit.trace(m, torch.randn(2, 16))
+    assert torch.allclose(graphmode.compile((traced, (torch.randn(2, 16),)))(x), m(x), atol=1e-6)
+    with torch.inference_mode():
+        built_inside = _lin()
+        cm = graphmode.compile((_lin(), (torch.randn(2, 16),)))
+        assert torch.allclose(cm(x), m(x), atol=1e-6)
+    with pytest.raises(CaptureError, match="(?s)inference tensors.*outside torch.inference_mode"):
+        graphmode.compile((built_inside, (torch.randn(2, 16),)))
+
+
+def test_hooks_are_named_at_compile_and_a_python_option_at_call():
+    from graphmode.capture.spec import GraphmodeNotice
+    from graphmode.errors import ContractViolation
+    m = torch.nn.Sequential(_lin(), torch.nn.ReLU()).eval()
+    feats = {}
+    m[0].register_forward_hook(lambda mod, i, o: feats.__setitem__("h", o))
+    with pytest.warns(GraphmodeNotice, match="forward hooks on module '0'.*does not happen on compiled calls"):
+        graphmode.compile((m, (torch.randn(2, 16),)))
+
+    class Option(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = _lin()
+
+        def forward(self, x, double: bool = False):
+            return self.lin(x) * (2 if double else 1)
+    cm = graphmode.compile((Option().eval(), (torch.randn(2, 16),)))
+    with pytest.raises(ContractViolation, match=r"(?s)\[.double.\] is an option .* wrapper module .*double=True"):
+        cm(torch.randn(2, 16), double=True)

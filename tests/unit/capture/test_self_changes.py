@@ -52,8 +52,60 @@ class CountsCalls(torch.nn.Module):
 def test_numbers_a_module_counts_are_not_switches():
     m = CountsCalls().eval()
     cm = graphmode.compile((m, (torch.randn(2, 8),)))
+    assert m.calls == 0, "graphmode's own runs leave the counter as it was"
     x = torch.randn(2, 8)
     assert torch.allclose(cm(x), m(x), atol=1e-6)
+
+
+class RunningMean(torch.nn.Module):
+    """State the answer depends on, replaced each call (`self.rm = ...`, not an in-place update)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rm", torch.zeros(4))
+
+    def forward(self, x):
+        self.rm = self.rm * 0.9 + 0.1 * x.mean(0)
+        return x - self.rm
+
+
+class ScalesBySteps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.step = 1
+
+    def forward(self, x):
+        self.step += 1
+        return x * self.step
+
+
+class CountsInBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return x * 2
+
+
+@pytest.mark.parametrize("make,what", [(RunningMean, "rm"), (ScalesBySteps, "step")])
+def test_state_the_answer_depends_on_is_refused_and_put_back(make, what):
+    """The compiled model would answer with the state of one moment (the running mean after the
+    example run; the step count at capture) while eager moves on each call."""
+    m = make().eval()
+    before = copy.deepcopy(m)
+    with pytest.raises(CaptureError, match=rf"changes its own state each call \({what}.*answer depends on it"):
+        graphmode.compile((m, (torch.randn(2, 4),)))
+    x = torch.randn(3, 4)
+    assert torch.equal(m(x), before(x)), "graphmode's runs left the state as it was"
+
+
+def test_a_buffer_updated_in_place_is_put_back_when_the_compile_is_refused():
+    m = CountsInBuffer().eval()
+    with pytest.raises(CaptureError, match="updates its buffer 'count' in place"):
+        graphmode.compile((m, (torch.randn(2, 4),)))
+    assert float(m.count) == 0.0
 
 
 def test_bigbird_block_sparse_captured_on_a_short_example_is_refused():
