@@ -155,9 +155,17 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_json(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+_NONFINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _nonfinite(name: str) -> float:
+    return _NONFINITE[name]
+
+
+def parse_json(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH, nonfinite: bool = False) -> Any:
     """Strict JSON: finite numbers only (no NaN, Infinity or 1e999), integers of at most 4300
-    digits, nesting at most `max_depth`. ValueError says what is wrong."""
+    digits, nesting at most `max_depth`. ValueError says what is wrong. `nonfinite` reads the
+    Infinity, -Infinity and NaN Python's json writes (a plan's pad value of -inf)."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -166,7 +174,7 @@ def parse_json(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if ("[" in text or "{" in text) and _depth(text) > max_depth:
         raise ValueError(f"nested more than {max_depth} levels deep")
     try:
-        return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+        return json.loads(text, parse_float=_finite, parse_constant=_nonfinite if nonfinite else _no_constant)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 

@@ -640,7 +640,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
             if key not in plans:
                 raise ArtifactError(f"no plan for bucket {key}", where=str(path), fix="save the artifact again")
             try:
-                doc = parse_json(plans[key])
+                doc = parse_json(plans[key], nonfinite=True)    # json.dumps writes -inf as -Infinity
                 if not isinstance(doc, dict):
                     raise ValueError(f"a JSON {type(doc).__name__}, not an object")
                 plan = load_plan(doc, graph, env, built_for=cache_key(cm, env),

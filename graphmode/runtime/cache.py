@@ -152,7 +152,7 @@ class ArtifactCache:
             except UntrustedFileError as e:
                 raise CacheError(f"checksum mismatch in {PLAN_FILE}" if "sha256" in e.message
                                  else f"{PLAN_FILE}: {e.message}") from None
-            plan = parse_json(data)
+            plan = parse_json(data, nonfinite=True)     # json.dumps writes a -inf pad value as -Infinity
             if not isinstance(plan, dict):
                 raise CacheError(f"{PLAN_FILE} holds a JSON {type(plan).__name__}, not an object")
         except (OSError, ValueError, GraphmodeError) as e:

@@ -341,3 +341,21 @@ def test_a_loaded_artifact_binds_positions_as_the_models_forward_did(tmp_path):
     assert torch.allclose(loaded(a, b), ref, atol=1e-6) and torch.allclose(loaded(a, y=b), ref, atol=1e-6)
     with pytest.raises(ContractViolation, match="given both by position and by name"):
         loaded(a, b, y=b)
+
+
+class _PadsWithMinusInf(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.pad(x, (1, 1), value=float("-inf")).amax(-1) + x.sum(-1)
+
+
+def test_a_plan_holding_minus_inf_saves_caches_and_loads(tmp_path):
+    """json writes a -inf pad value as -Infinity; the strict reader refused its own files (the
+    artifact could not load, the plan cache was called corrupt and rebuilt in every process)."""
+    m, x = _PadsWithMinusInf(), torch.randn(3, 5)
+    cm = graphmode.compile((m, (torch.randn(2, 5),)), cache_dir=tmp_path / "cache")
+    assert torch.allclose(cm(x), m(x))
+    cm.save(tmp_path / "pad.gm")
+    assert torch.allclose(graphmode.load(tmp_path / "pad.gm")(x), m(x))
+    again = graphmode.compile((m, (torch.randn(2, 5),)), cache_dir=tmp_path / "cache")
+    assert torch.allclose(again(x), m(x))
+    assert not [e for e in again.cache_events if e["event"] == "corrupt"]

@@ -8,7 +8,8 @@ context-dependent bodies that depend on the node's attributes and input types) b
 model is validated, so the body's ops go through the same checks and converters as any other
 node. Inlining repeats while a body brings in another such op (SoftmaxCrossEntropyLoss ->
 NegativeLogLikelihoodLoss). `import_onnx` also falls back to the body of an op whose converter
-refuses a node (an attribute or an output it does not cover).
+refuses a node (an attribute or an output it does not cover). Functions the model defines
+itself (onnxscript's, a custom domain's) are inlined the same way.
 """
 from __future__ import annotations
 
@@ -154,6 +155,11 @@ def expand_functions(model, handled: Collection[str]):
     from onnx import inliner
 
     from graphmode.capture.onnx.opsets import model_opset
+    if model.functions:     # the model's own functions (onnxscript writes them): their bodies, first
+        try:
+            model = inliner.inline_local_functions(model)
+        except Exception:  # noqa: BLE001 - a body the inliner cannot build: its node is refused by name
+            pass
     for _ in range(MAX_ROUNDS):
         opset = model_opset(model) or 0
         todo = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")

@@ -91,3 +91,19 @@ def test_built_body_with_a_scan_subgraph():
     ins.append(helper.make_tensor_value_info("decay", FL, [2, 4, 2]))
     graph = _against_ort(node, ins, ["y", "state"], {"q": q, "k": k, "v": v, "decay": decay}, opset=27)
     assert all(n.op != "LinearAttention" for n in graph.nodes)
+
+
+def test_a_function_the_model_defines_is_inlined():
+    """onnxscript writes a helper as a model-local function (domain 'this'): its body is imported
+    (it was refused as an unknown op type)."""
+    from onnx import helper as h
+    fn = h.make_function("this", "gated", ["x"], ["y"], [h.make_node("Sigmoid", ["x"], ["s"]),
+                                                           h.make_node("Mul", ["x", "s"], ["y"])],
+                         [h.make_opsetid("", 18)])
+    g = h.make_graph([h.make_node("gated", ["x"], ["g"], domain="this"), h.make_node("Add", ["g", "x"], ["y"])], "g",
+                     [h.make_tensor_value_info("x", FL, [3, 4])], [h.make_tensor_value_info("y", FL, [3, 4])])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("this", 1)], functions=[fn])
+    graph, _ = import_onnx(m)
+    x = torch.randn(3, 4)
+    assert torch.allclose(interpret(graph, {graph.inputs[0]: x})[graph.outputs[0]], x * torch.sigmoid(x) + x,
+                          atol=1e-6)
