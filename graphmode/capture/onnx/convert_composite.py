@@ -14,7 +14,7 @@ from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _handles
 from graphmode.capture.onnx.pooling import pool_by_windows
 from graphmode.capture.onnx.checks import ONNX_DTYPES, CheckedNode
 from graphmode.ir.ops import norm_axis
-from graphmode.ir.types import DTYPES
+from graphmode.ir.types import DTYPES, normalize_dim
 
 
 def _s(v) -> str:
@@ -287,3 +287,65 @@ def _arg(imp: _Importer, n) -> None:
 def _einsum(imp: _Importer, n) -> None:
     eq = _s(imp.attr(n, "equation"))
     imp.emit("einsum", [imp.operand(i) for i in n.input], {"equation": eq}, out=n.output[0])
+
+
+@_handles("DeformConv")
+def _deform_conv(imp: _Importer, n) -> None:
+    """A 2-d convolution whose taps read the input at learned fractional offsets (opset 19): each
+    tap's samples are one bilinear grid_sampler call per offset group (zeros outside, corners
+    aligned, as ONNX defines it: (H - 1) and (W - 1) map to the far edges), weighted by the mask,
+    then a grouped matmul with the weights. Static channels, kernel and spatial sizes."""
+    h = n.output[0]
+    x, w, off = (imp.operand(n.input[i]) for i in range(3))
+    xt, wt, ot = imp.g.type_of(x), imp.g.type_of(w), imp.g.type_of(off)
+    if xt.rank != 4:
+        raise imp.fail(f"DeformConv over {xt.text()}: 2-d images are supported", value=xt.rank)
+    c, ih, iw = (_static(imp, d, "DeformConv input") for d in xt.shape[1:])
+    oc, cpg, kh, kw = (_static(imp, d, "DeformConv weight") for d in wt.shape)
+    oh, ow = (_static(imp, d, "DeformConv offset") for d in ot.shape[2:])
+    group, og = int(imp.attr(n, "group", 1)), int(imp.attr(n, "offset_group", 1))
+    sh, sw = imp.attr(n, "strides", [1, 1])
+    dh, dw = imp.attr(n, "dilations", [1, 1])
+    pads = list(imp.attr(n, "pads", [0, 0, 0, 0]))
+    k = kh * kw
+    geometry = ((ih + pads[0] + pads[2] - (kh - 1) * dh - 1) // sh + 1, (iw + pads[1] + pads[3] - (kw - 1) * dw - 1) // sw + 1)
+    if geometry != (oh, ow):
+        raise imp.fail(f"DeformConv offset {ot.text()} is laid out for an output of {oh} x {ow}, but the window, "
+                       f"strides and pads make {geometry[0]} x {geometry[1]}", value=ot.text(),
+                       fix="give the offset (and mask) the convolution's output size")
+    if ih < 2 or iw < 2 or c != cpg * group or oc % group or c % og or ot.shape[1] != 2 * og * k:
+        raise imp.fail(f"DeformConv shapes do not fit: input {xt.text()}, weight {wt.text()}, offset {ot.text()}, "
+                       f"group {group}, offset_group {og} (and an image of at least 2 x 2)", value=xt.text())
+
+    def shape(*dims) -> list:
+        return _shape_attr([normalize_dim(d) for d in dims])
+
+    def emit(op: str, ins: list[str], attrs: dict | None = None, tag: str = "") -> str:
+        return imp.emit(op, ins, attrs or {}, hint=f"{h}_{tag or op}")
+    nb = xt.shape[0]
+    # where tap (a, b) of output (i, j) reads before its offset
+    ys = torch.arange(oh).reshape(1, oh, 1) * sh - pads[0] + torch.arange(kh).repeat_interleave(kw).reshape(k, 1, 1) * dh
+    xs = torch.arange(ow).reshape(1, 1, ow) * sw - pads[1] + torch.arange(kw).repeat(kh).reshape(k, 1, 1) * dw
+    parts = emit("reshape", [off], {"shape": shape(nb, og, k, 2, oh, ow)}, "offsets")
+    grid = []
+    for axis, base, size in ((1, xs, iw), (0, ys, ih)):       # grid_sampler takes (x, y), -1..1 over 0..size-1
+        d = emit("slice", [parts], {"dim": 3, "start": axis, "end": axis + 1, "step": 1}, "d")
+        pos = emit("add", [emit("reshape", [d], {"shape": shape(nb, og, k, oh, ow, 1)}, "d"),
+                           _const(imp, base.expand(k, oh, ow).to(DTYPES[xt.dtype]).reshape(1, 1, k, oh, ow, 1),
+                                                     f"{h}_base")], tag="pos")
+        grid.append(emit("sub", [emit("mul", [pos, imp.scalar(2.0 / (size - 1), xt.dtype, f"{h}_scale")], tag="scaled"),
+                                 imp.scalar(1.0, xt.dtype, f"{h}_one")], tag="grid"))
+    grid = emit("reshape", [emit("concat", grid, {"dim": 5}, "grid")], {"shape": shape(nb * og, k * oh, ow, 2)}, "grid")
+    planes = emit("reshape", [x], {"shape": shape(nb * og, c // og, ih, iw)}, "planes")
+    taps = emit("grid_sampler", [planes, grid], {"mode": "bilinear", "padding_mode": "zeros", "align_corners": True},
+                "taps")
+    taps = emit("reshape", [taps], {"shape": shape(nb, og, c // og, k, oh, ow)}, "taps")
+    if imp.opt_in(n, 4):
+        taps = emit("mul", [taps, emit("reshape", [imp.operand(n.input[4])], {"shape": shape(nb, og, 1, k, oh, ow)},
+                                       "mask")], tag="masked")
+    cols = emit("reshape", [taps], {"shape": shape(nb, group, cpg * k, oh * ow)}, "cols")
+    weights = emit("reshape", [w], {"shape": [group, oc // group, cpg * k]}, "w")
+    y = emit("reshape", [emit("matmul", [weights, cols], tag="mm")], {"shape": shape(nb, oc, oh, ow)}, "y")
+    if imp.opt_in(n, 3):
+        y = emit("add", [y, emit("reshape", [imp.operand(n.input[3])], {"shape": [1, oc, 1, 1]}, "b")], tag="biased")
+    _bind(imp, h, y)

@@ -319,13 +319,13 @@ def _check_pool(nd: CheckedNode) -> None:
 
 @_handles("MaxPool", "AveragePool", check=_check_pool)
 def _pool(imp: _Importer, n) -> None:
-    if len(n.output) > 1 and n.output[1] and imp.consumers.get(n.output[1]):
-        raise imp.fail("MaxPool indices output is used", fix="only the pooled values are supported")
     is_max = n.op_type == "MaxPool"
     count_pad = bool(imp.attr(n, "count_include_pad", 0))
-    if is_max and imp.attr(n, "storage_order", 0):
-        raise imp.fail("MaxPool storage_order=1 is not supported")
     xt = imp.type_of(n.input[0])
+    if is_max and len(n.output) > 1 and n.output[1] and (imp.consumers.get(n.output[1]) or
+                                                          n.output[1] in {o.name for o in imp.gp.output}):
+        _max_pool_with_indices(imp, n, xt)
+        return
     rank, kernel = xt.rank - 2, list(imp.attr(n, "kernel_shape"))
     strides = list(imp.attr(n, "strides", [1] * rank))
     dil = list(imp.attr(n, "dilations", [1] * rank))
@@ -352,6 +352,45 @@ def _pool(imp: _Importer, n) -> None:
     else:
         _emit_window(imp, n, "avg_pool2d", [x], {"kernel": kernel, "stride": strides, "padding": pads,
                                                  "ceil_mode": ceil, "count_include_pad": count_pad}, lifted)
+
+
+def _max_pool_with_indices(imp: _Importer, n, xt) -> None:
+    """MaxPool's second output: each max's position in the whole input flattened (row-major, or
+    column-major over H and W with storage_order=1): torch's per-plane index plus the plane's
+    offset. 2-d windows with symmetric pads of at most half the window (torch's own pool)."""
+    kernel = list(imp.attr(n, "kernel_shape"))
+    strides, dil = list(imp.attr(n, "strides", [1] * len(kernel))), list(imp.attr(n, "dilations", [1] * len(kernel)))
+    pads = _pads(imp, n, xt, kernel, strides, dil)
+    plane = [d for d in xt.shape[1:]]
+    if len(kernel) != 2 or pads[:2] != pads[2:] or any(p > ((k - 1) * d + 1) // 2 for p, k, d in
+                                                       zip(pads, kernel, dil)) or not all(isinstance(d, int)
+                                                                                          for d in plane):
+        raise imp.fail("MaxPool's indices output is supported for 2-d windows with symmetric pads of at most half "
+                       "the window over static channels, height and width", value=xt.text(),
+                       fix="use only the pooled values, or re-export with such a window")
+    c, h, w = plane
+    vals, idx = imp.emit_aten("max_pool2d_with_indices", [imp.operand(n.input[0])],
+                              [{"$in": 0}, kernel, strides, pads[:2], dil, bool(imp.attr(n, "ceil_mode", 0))],
+                              hint=n.output[0])
+    y = n.output[1]
+    if imp.attr(n, "storage_order", 0):           # (row, col) -> col * H + row
+        col = imp.emit("remainder", [idx, imp.scalar(w, "i64", f"{y}_w")], {}, hint=f"{y}_col")
+        rows = imp.emit("cast", [imp.emit("sub", [idx, col], {}, hint=f"{y}_rows")], {"dtype": "f64"}, hint=f"{y}_rows")
+        row = imp.emit("cast", [imp.emit("div", [rows, imp.scalar(float(w), "f64", f"{y}_wf")], {}, hint=f"{y}_row")],
+                       {"dtype": "i64"}, hint=f"{y}_row")     # (idx - col) / W is exact in f64
+        idx = imp.emit("add", [imp.emit("mul", [col, imp.scalar(h, "i64", f"{y}_h")], {}, hint=f"{y}_cols"), row],
+                       {}, hint=f"{y}_cm")
+    planes = imp.emit("arange", [], {"start": 0, "end": c, "step": 1, "dtype": "i64"}, hint=f"{y}_c")
+    planes = imp.emit("mul", [imp.emit("reshape", [planes], {"shape": [1, c, 1, 1]}, hint=f"{y}_c"),
+                              imp.scalar(h * w, "i64", f"{y}_hw")], {}, hint=f"{y}_coff")
+    batch = imp.emit("arange", [], {"start": 0, "end": _shape_attr([xt.shape[0]])[0], "step": 1, "dtype": "i64"},
+                     hint=f"{y}_n")
+    batch = imp.emit("mul", [imp.emit("reshape", [batch], {"shape": _shape_attr([xt.shape[0], 1, 1, 1])},
+                                      hint=f"{y}_n"), imp.scalar(c * h * w, "i64", f"{y}_chw")], {}, hint=f"{y}_noff")
+    idx = imp.emit("add", [idx, imp.emit("add", [batch, planes], {}, hint=f"{y}_off")], {}, hint=y)
+    for out, v in ((n.output[0], vals), (y, idx)):
+        imp.ir[out] = v
+        imp.check_declared(out)
 
 
 @_handles("GlobalAveragePool", "GlobalMaxPool")

@@ -63,3 +63,24 @@ def test_a_window_too_large_to_unroll_is_refused():
     with pytest.raises(CaptureError, match="window positions"):
         import_onnx(_model("MaxPool", [1, 1, 20, 20, 20], {"kernel_shape": [11, 11, 11]}, TensorProto.FLOAT,
                            [1, 1, 10, 10, 10]))
+
+
+@pytest.mark.parametrize("storage_order", [0, 1])
+def test_max_pool_indices_count_over_the_whole_input(storage_order):
+    """MaxPool's indices output: each max's position in the input flattened over batch and
+    channels too (row-major, or column-major over H and W), as ONNX Runtime gives it."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 6, 5)).astype(np.float32)
+    attrs = {"kernel_shape": [3, 2], "strides": [2, 1], "pads": [1, 0, 1, 0], "storage_order": storage_order}
+    node = helper.make_node("MaxPool", ["x"], ["y", "i"], **attrs)
+    io = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None), helper.make_tensor_value_info("i", TensorProto.INT64, None)]
+    m = helper.make_model(helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 6, 5])],
+                                            io), opset_imports=[helper.make_opsetid("", 12)])
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for vi, w in zip(m.graph.output, want):
+        vi.type.tensor_type.shape.Clear()
+        for d in w.shape:
+            vi.type.tensor_type.shape.dim.add().dim_value = d
+    graph, _ = import_onnx(m)
+    got = interpret(graph, {graph.inputs[0]: torch.from_numpy(x)})
+    assert np.array_equal(got[graph.outputs[0]].numpy(), want[0])
+    assert np.array_equal(got[graph.outputs[1]].numpy(), want[1])

@@ -194,3 +194,19 @@ def test_tensor_scatter_over_a_dynamic_batch_checks_its_write_indices(tmp_path):
         assert torch.equal(cm(past=past, upd=upd, w=w), want)
     with pytest.raises(ContractViolation, match=r"'w' holds 7 .* valid range \[0, 6\].*writes into the 8 rows"):
         cm(past=torch.zeros(2, 3, 8, 4), upd=torch.zeros(2, 3, 2, 4), w=torch.tensor([0, 7]))
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_deform_conv_samples_each_tap_at_its_offset(with_mask):
+    """DeformConv against ONNX Runtime: groups and offset groups, stride, dilation, pads, offsets
+    that leave the image (zeros there), a mask and a bias."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 4, 7, 6), dtype=np.float32)
+    w = rng.standard_normal((6, 2, 3, 2), dtype=np.float32)
+    oh, ow = (7 + 2 - 5) // 2 + 1, (6 + 2 - 2) // 1 + 1        # dilation 2 on H: a 5-tall window
+    feeds = {"x": x, "w": w, "off": (rng.standard_normal((2, 2 * 2 * 6, oh, ow)) * 2).astype(np.float32),
+             "b": rng.standard_normal(6).astype(np.float32)}
+    if with_mask:
+        feeds["mask"] = rng.random((2, 2 * 6, oh, ow), dtype=np.float32)
+    _check("DeformConv", feeds, opset=22, group=2, offset_group=2, strides=[2, 1], dilations=[2, 1],
+           pads=[1, 1, 1, 1], kernel_shape=[3, 2])
