@@ -58,6 +58,20 @@ def _say_outside_draft(cm: Any, err: ContractViolation, bucket: Any) -> None:
                   OutsideDraft, stacklevel=3)
 
 
+def _fallback(cm: Any, inputs: Mapping[str, torch.Tensor], err: ContractViolation, reason: str) -> Any:
+    """The eager answer of a request the plans do not take (on_violation: eager). ONNX Runtime
+    failing there is not the request's fault alone: graphmode's own plan may run it."""
+    try:
+        return cm._eager(inputs)
+    except GraphmodeError as e:
+        if cm.source.module is not None or getattr(cm, "artifact", None) is not None:
+            raise
+        raise GraphmodeError(f"this request left the compiled plans ({reason}: {err.message}) and ran in ONNX Runtime "
+                             f"(on_violation: eager), which failed on it: {e.message}", where=err.where or "dims",
+                             fix="give a recipe whose buckets hold this shape exactly (a bucket value per size you "
+                                 "send, or dims.<d>.exact_plans), so graphmode's own plan runs it") from None
+
+
 class CompiledModel(InputContract, Shaping):
     def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
                  *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None,
@@ -265,7 +279,7 @@ class CompiledModel(InputContract, Shaping):
                 self._event("fallback", reason=reason, dims=dict(dims))
                 self.last_path = {"path": "eager", "reason": reason}
                 _say_outside_draft(self, err, bucket)
-                return self._eager(inputs)
+                return _fallback(self, inputs, err, reason)
             raise err
         ways, parts = self._ways(dims, bucket)
         if len(ways) > 1:
