@@ -151,7 +151,8 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
         if not masks:
             fixes.append(f"if the model takes a mask over {d}, declare it (inputs[].role: attention_mask, "
                          "pad_value: 0) and make sure the model uses it where it reduces over the padding")
-        fixes.append(f"set on_violation: eager so requests that would need padding on {d} run in eager PyTorch")
+        engine = "ONNX Runtime" if _is_onnx(source) else "eager PyTorch"
+        fixes.append(f"set on_violation: eager so requests that would need padding on {d} run in {engine}")
         v.refusals.append(Issue("padding", msg, where, loc=first.loc, fix="; or ".join(fixes)))
     return v
 

@@ -299,7 +299,8 @@ class _Analyzer:
         if t.numel() == 1:
             v = t.reshape(()).item()
             uniform = bool(v) if t.dtype == torch.bool else float(v) if t.is_floating_point() else int(v)
-        lower = float(t.min()) if 0 < t.numel() and not t.is_complex() else None
+        wide = t.to(torch.int64) if t.dtype in (torch.uint16, torch.uint32) else t   # no min() kernel for them
+        lower = float(wide.min()) if 0 < t.numel() and not t.is_complex() and t.dtype != torch.uint64 else None
         return State(tuple(plain(e) for e in t.shape), uniform=uniform, lower=lower)
 
     def check_gaps(self, n: Node, out: str, s: State) -> None:

@@ -83,7 +83,7 @@ class Shaping:
             err = ContractViolation(
                 f"input {name!r} {why}", where=f"dims.{d}",
                 value=dims[d], fix=f"send {d} equal to a bucket value {buckets[d]}, or on_violation: eager (such "
-                                   "requests then run in eager PyTorch)")
+                                   f"requests then run in {_engine(self)})")
         return err, "padding", f"unsafe padding on {d}"     # bounded: it labels a Prometheus series
 
     def _pad(self, inputs: Mapping[str, torch.Tensor], bucket: Mapping[str, int]) -> dict[str, torch.Tensor]:
@@ -208,3 +208,8 @@ class Shaping:
         n_user = len(self.graph.outputs) - len(self.mutated_inputs) if self.graph is not None else len(names)
         return names if len(names) == n_user else (["output"] if n_user == 1 else
                                                    [f"output_{i}" for i in range(n_user)])
+
+
+def _engine(cm: Any) -> str:
+    """What runs a request the plans do not take."""
+    return "ONNX Runtime" if cm.source.module is None else "eager PyTorch"

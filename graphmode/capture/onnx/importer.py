@@ -20,7 +20,7 @@ from graphmode.capture.onnx.inputs import InputBinder
 from graphmode.capture.onnx.values import (ValueState, _attr_dim, _same_shape, _shape_attr,  # noqa: F401
                                            _to_tensor, _vname)   # the handlers' helpers, imported from here
 from graphmode.capture.onnx.checks import CheckedNode, node_where
-from graphmode.capture.onnx.validate import validate_onnx
+from graphmode.capture.onnx.validate import topo_sorted, validate_onnx
 from graphmode.capture.torch_import import CaptureReport, Fallback
 from graphmode.errors import CaptureError, IRError
 from graphmode.ir.graph import Graph, clean_name
@@ -331,7 +331,7 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
         raise CaptureError("the onnx package is not installed", fix="pip install onnx") from None
     is_path = isinstance(path_or_model, (str, os.PathLike))
     label = str(path_or_model) if is_path else (name or "<in-memory model>")
-    loaded = _load(path_or_model, label)
+    loaded = topo_sorted(_load(path_or_model, label))
     converted = set(supported_onnx_ops())
     while True:
         model = expand_functions(loaded, converted)

@@ -13,6 +13,7 @@ does not, onnx's version converter upgrades the model; otherwise CaptureError na
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 from graphmode.errors import CaptureError
 
@@ -164,6 +165,22 @@ def _relabel(model, version: int):
     return out
 
 
+def _lifted(model, opset: int) -> tuple[Any, int]:
+    """A model that uses an op newer than the opset it imports (ONNX Runtime's optimizer writes
+    LayerNormalization, an opset-17 op, into opset-14 models, and ORT runs them): read at the
+    opset that defines every op, when each other node means the same there as at its own."""
+    nodes = [n for n in model.graph.node if n.domain in ("", "ai.onnx")]
+    later = [next((v for v in _versions(n.op_type, n.domain) if v > opset), None) for n in nodes
+             if _schema(n.op_type, opset, n.domain) is None]
+    if not later or None in later:
+        return model, opset
+    lift = max(later)
+    spans = [node_span(n, opset) for n in nodes]
+    if any(span is not None and span[1] < lift for span in spans):
+        return model, opset
+    return _relabel(model, lift), lift
+
+
 def bring_in(model, label: str):
     """`model` as the importer reads it (relabelled or converted when needed) and its opset as
     written; CaptureError when no known definition fits a node."""
@@ -172,6 +189,7 @@ def bring_in(model, label: str):
     if opset is None:
         raise CaptureError("the model imports no default-domain (ai.onnx) opset", where=where,
                            fix="re-export the model with an opset_import for the default domain")
+    model, opset = _lifted(model, opset)
     if KNOWN_MIN <= opset <= KNOWN_MAX:
         return model, opset
     if opset < 7:

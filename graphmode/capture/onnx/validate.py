@@ -306,6 +306,62 @@ def _check_inferred_dims(inferred, model, label: str) -> None:
 # ---------------------------------------------------------------------------- entry point
 
 
+def _reads(node) -> set[str]:
+    """The values `node` reads: its inputs, and what its subgraphs (If, Loop, Scan bodies) read
+    from outside themselves."""
+    out = set(node.input)
+    for a in node.attribute:
+        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            inner = {v.name for v in sub.input} | {t.name for t in sub.initializer} | \
+                {o for n in sub.node for o in n.output}
+            out |= {x for n in sub.node for x in _reads(n)} - inner
+    return out
+
+
+def topo_sorted(model):
+    """`model` with its top-level nodes in an order where each comes after the nodes it reads
+    (the order kept where it already is one). ONNX asks for that order, ONNX Runtime does not:
+    onnxconverter's fp16 pass with keep_io_types appends the input casts at the end. A graph
+    with a cycle, or a node reading a value nothing makes, is left for the checker to name."""
+    import onnx
+    g = model.graph
+    made = {v.name for v in g.input} | {t.name for t in g.initializer} | {""}
+    maker = {o: i for i, n in enumerate(g.node) for o in n.output}
+    reads = [_reads(n) for n in g.node]
+    seen = set(made)
+    for n, r in zip(g.node, reads):
+        if not r <= seen | {x for x in r if x not in maker}:
+            break
+        seen.update(n.output)
+    else:
+        return model                               # already in order
+    import heapq
+    if any(x not in made and x not in maker for n in g.node for x in n.input):
+        return model
+    needs = [{maker[x] for x in r if x not in made and x in maker} for r in reads]
+    users: dict[int, list[int]] = {}
+    for i, deps in enumerate(needs):
+        for d in deps:
+            users.setdefault(d, []).append(i)
+    waiting = [len(d) for d in needs]
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    order = []
+    while ready:                                  # Kahn's order, the model's own among the ready ones
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users.get(i, ()):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(g.node):                  # a cycle
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(g.node[i] for i in order)
+    return out
+
+
 def validate_onnx(model, label: str, supported_ops: Collection[str],
                   checks: Mapping[str, Callable[[CheckedNode], None]]) -> tuple[Any, int, list]:
     """Refuse `model` with a CaptureError unless graphmode can import and run it; `checks`

@@ -84,3 +84,29 @@ def test_an_old_add_broadcasts_only_where_it_says_so():
             import_onnx(_add_bias(opset))
         assert torch.allclose(_run(_add_bias(opset, broadcast=1), x), x + torch.tensor([1.0, 2.0, 3.0]))
     assert torch.allclose(_run(_add_bias(7), x), x + torch.tensor([1.0, 2.0, 3.0]))   # opset 7: always broadcasts
+
+
+def test_an_op_newer_than_the_models_opset_is_read_where_every_node_means_the_same():
+    """ONNX Runtime's optimizer writes LayerNormalization (opset 17) into an opset-14 model and
+    runs it: read at opset 17, where its other nodes mean what they meant at 14."""
+    nodes = [helper.make_node("LayerNormalization", ["x", "s", "b"], ["n"], axis=-1),
+             helper.make_node("Relu", ["n"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+                          [helper.make_tensor("s", TensorProto.FLOAT, [8], np.ones(8)),
+                           helper.make_tensor("b", TensorProto.FLOAT, [8], np.zeros(8))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    graph, _ = import_onnx(m)
+    x = torch.randn(2, 8)
+    got = interpret(graph, {graph.inputs[0]: x})[graph.outputs[0]]
+    assert torch.allclose(got, torch.nn.functional.layer_norm(x, (8,)).relu(), atol=1e-5)
+
+
+def test_nodes_out_of_order_are_sorted_as_onnx_runtime_runs_them():
+    """onnxconverter's fp16 pass with keep_io_types appends the input cast after its readers."""
+    nodes = [helper.make_node("Relu", ["h"], ["y"]), helper.make_node("Neg", ["x"], ["h"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    graph, _ = import_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    x = torch.tensor([-1.0, 0.5, 2.0])
+    assert torch.equal(interpret(graph, {graph.inputs[0]: x})[graph.outputs[0]], (-x).relu())

@@ -52,3 +52,22 @@ def test_dequantize_and_qlinear_matmul():
              "yz": np.array(90, np.uint8)}
     _check(helper.make_node("QLinearMatMul", ["x", "as", "az", "b", "bs", "bz", "ys", "yz"], ["y"]), a, inits,
            TensorProto.UINT8)
+
+
+def test_uint16_zero_points_compile(tmp_path):
+    """quantize_static(activation_type=QUInt16) writes uint16 zero points, which the padding
+    analysis read with a min() torch has no uint16 kernel for (a raw NotImplementedError)."""
+    import onnx
+    import onnxruntime as ort
+    import graphmode
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sc", "zp"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "sc", "zp"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+                          [numpy_helper.from_array(np.array(0.5, np.float32), "sc"),
+                           numpy_helper.from_array(np.array(32768, np.uint16), "zp")])
+    path = tmp_path / "u16.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), path)
+    x = np.array([[0.25, 0.75, -3.0, 1e6], [1.0, -1e6, 0.0, 7.3]], np.float32)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.array_equal(graphmode.compile(str(path))(x=torch.from_numpy(x)).numpy(), want)
