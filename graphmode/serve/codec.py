@@ -308,10 +308,20 @@ def decode_json(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torch.Tenso
                          reason="malformed_body", where="inputs", value=type(inputs).__name__)
     out = {}
     for name, value in inputs.items():
-        if name not in dtypes:
-            raise _refuse(name, "is not an input of the recipe", fix=f"the recipe declares {', '.join(dtypes)}")
+        name = _declared(name, dtypes)
         out[name] = _json_tensor(name, value, _torch_dtype(dtypes[name]))
     return out
+
+
+def _declared(name: str, dtypes: Mapping[str, str]) -> str:
+    """The recipe's name of input `name`: itself, or an ONNX model's own spelling ("x:0") of the
+    recipe's "x_0"."""
+    if name in dtypes:
+        return name
+    from graphmode.ir.graph import clean_name
+    if clean_name(name) in dtypes:
+        return clean_name(name)
+    raise _refuse(name, "is not an input of the recipe", fix=f"the recipe declares {', '.join(dtypes)}")
 
 
 def decode_safetensors(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torch.Tensor]:
@@ -325,9 +335,11 @@ def decode_safetensors(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torc
     except (SafetensorError, ValueError, RuntimeError, OSError, TypeError, OverflowError) as e:
         raise BadRequest(f"not a safetensors buffer: {clip(e, 200)}", reason="malformed_body", where="body",
                          fix="send the bytes of safetensors.torch.save({name: tensor, ...})") from None
-    for name, t in tensors.items():
-        if name not in dtypes:
-            raise _refuse(name, "is not an input of the recipe", fix=f"the recipe declares {', '.join(dtypes)}")
+    for name, t in list(tensors.items()):
+        declared = _declared(name, dtypes)
+        if declared != name:
+            tensors[declared] = tensors.pop(name)
+        name = declared
         want = _torch_dtype(dtypes[name])
         if t.dtype != want:
             raise _refuse(name, f"has dtype {_dtype_label(t.dtype)}, the recipe declares {dtypes[name]}",

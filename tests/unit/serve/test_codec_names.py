@@ -1,0 +1,27 @@
+"""A served ONNX model's inputs by the model's own names ("x:0", as ONNX Runtime and tf2onnx
+clients send them) or by the recipe's ("x_0"), in every body format."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from graphmode.serve.codec import decode_json, decode_safetensors
+from graphmode.serve.errors import BadRequest
+
+DTYPES = {"x_0": "f32", "input.1": "i64"}
+
+
+def test_json_and_safetensors_take_either_spelling():
+    body = json.dumps({"inputs": {"x:0": [[1.0, 2.0]], "input.1": [3]}}).encode()
+    got = decode_json(body, DTYPES)
+    assert set(got) == {"x_0", "input.1"} and torch.equal(got["x_0"], torch.tensor([[1.0, 2.0]]))
+    got = decode_safetensors(save({"x:0": torch.ones(2), "input.1": torch.tensor([1])}), DTYPES)
+    assert set(got) == {"x_0", "input.1"}
+
+
+def test_a_name_that_is_neither_is_refused_naming_the_recipes():
+    with pytest.raises(BadRequest, match="x:1.*is not an input of the recipe"):
+        decode_json(json.dumps({"inputs": {"x:1": [1.0]}}).encode(), DTYPES)
