@@ -66,8 +66,9 @@ class ChoiceOutput:
     sequence; while streaming, a tail that may still start a stop sequence is held back."""
 
     def __init__(self, index: int, tokenizer: Any, stop_text: tuple[str, ...], stop_ids: tuple[tuple[int, ...], ...],
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, keep_stop: bool = False):
         self.index = index
+        self.keep_stop = keep_stop                     # vLLM's include_stop_str_in_output
         self.min_tokens = min_tokens                   # a stop string counts from this many tokens on
         self.tokenizer = tokenizer
         self.stop_text = stop_text
@@ -84,7 +85,7 @@ class ChoiceOutput:
         cancel reached it are dropped, so the answer does not depend on timing)."""
         final = engine_reason is not None
         n = len(self.tokens)
-        if engine_reason == "stop":
+        if engine_reason == "stop" and not self.keep_stop:
             n -= max((len(s) for s in self.stop_ids if s and self.tokens[-len(s):] == list(s)), default=0)
         elif not final:
             n -= self._held_ids()
@@ -95,7 +96,10 @@ class ChoiceOutput:
                      if self._stop_at(self._decode(self.tokens[:m])) >= 0)
             del self.tokens[n:]
             text = self._decode(self.tokens)
-            text, final = text[:self._stop_at(text)], True
+            at = self._stop_at(text)
+            end = at + max((len(s) for s in self.stop_text if text.startswith(s, at)), default=0) if self.keep_stop \
+                else at
+            text, final = text[:end], True
             self.finish_reason = "stop"
         elif final:
             self.finish_reason = FINISH.get(engine_reason, engine_reason)

@@ -27,12 +27,17 @@ def chat_template(tokenizer: Any) -> str:
     return own if isinstance(own, str) and own.strip() else DEFAULT_CHAT_TEMPLATE
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+           continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt's token ids. A template that fails on these messages (many refuse a role
-    order, e.g. two user messages in a row) is the client's 400, with the template's words."""
+    order, e.g. two user messages in a row) is the client's 400, with the template's words.
+    `continue_final_message` leaves the last message open (no end-of-turn after it);
+    `template_kwargs` are extra variables the template reads."""
     try:
         text = tokenizer.apply_chat_template(messages, chat_template=chat_template(tokenizer), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - jinja's errors (raise_exception in the template, undefined names)
         raise BadRequest(f"the chat template refused these messages: {str(e)[:300]}", reason="chat_template",
                          where="messages", fix="send the roles in the order the model's template expects") from None

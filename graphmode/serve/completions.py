@@ -58,8 +58,8 @@ class Completion:
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompts = [p for p, _ in req.sequences]
-        self.outputs = [ChoiceOutput(i, tokenizer, req.stop_text, req.params.stop, req.params.min_tokens)
-                        for i in range(len(gens))]
+        self.outputs = [ChoiceOutput(i, tokenizer, req.stop_text, req.params.stop, req.params.min_tokens,
+                                     keep_stop=req.keep_stop) for i in range(len(gens))]
         self.logprobs: list[list[Any]] = [[] for _ in gens]     # per token of outputs[i].tokens
         self.token_text = TokenText(tokenizer)
         self.shown: list[list[int]] = [[] for _ in gens]        # completion tokens given logprobs so far
@@ -140,6 +140,8 @@ class Completion:
                 chunk: bool) -> dict[str, Any]:
         first = not self.opened[i]
         self.opened[i] = True
+        if first and self.req.echo_text:                 # chat echo: the last assistant message, then the answer
+            text = self.req.echo_text + text
         if self.req.echo and first and self.tokenizer is not None:
             prompt = self.tokenizer.decode(self.prompts[i], skip_special_tokens=True,
                                            clean_up_tokenization_spaces=False)

@@ -7,13 +7,15 @@ log-probability and the k most likely; with `echo`, the prompt's tokens' too, th
 null), `max_tokens: 0` with `echo` (the prompt scored, nothing generated: what evaluation
 harnesses send), `suffix` (null only). Chat: `messages` (rendered by the
 chat template, graphmode/serve/chat.py), `max_completion_tokens` (= `max_tokens`),
-`logprobs` (true/false) with `top_logprobs`, `tools` / `tool_choice` (none only),
-`add_generation_prompt` (vLLM's). Both: `max_tokens` (default 16, chat: what the sequence's
+`logprobs` (true/false) with `top_logprobs`, `tools` / `tool_choice` (none only), and vLLM's
+`add_generation_prompt`, `continue_final_message` (the last assistant message left open for the
+answer to go on), `chat_template_kwargs` (extra template variables, e.g. `enable_thinking`) and
+`echo` (the answer starts with the last message's content when it is the assistant's). Both: `max_tokens` (default 16, chat: what the sequence's
 pages hold), `temperature` (default 1; 0 = greedy), `top_p`, `top_k` (vLLM's; -1 or 0 = off),
 `seed`, `n` (choices per prompt; with a seed, choice j samples with seed + j), `best_of` (only
 null or equal to `n`), `presence_penalty`, `frequency_penalty`, `repetition_penalty` (vLLM's),
 `min_tokens` (vLLM's), `stop` (strings with a tokenizer, or token-id lists `[[id, ...], ...]`),
-`stop_token_ids` and `ignore_eos` (vLLM's), `stream`, `stream_options.include_usage`,
+`stop_token_ids`, `ignore_eos` and `include_stop_str_in_output` (vLLM's), `stream`, `stream_options.include_usage`,
 `response_format` (`{"type": "text"}` only), `logit_bias`, `model` and `user`.
 Anything else is refused, and so is a value graphmode does not implement: a request never
 silently means something else. Every refusal is a BadRequest (400) naming the field, the
@@ -45,12 +47,15 @@ GREEDY_BELOW = 1e-5
 NEUTRAL = {"suffix": ()}
 SHARED = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
           "stream_options", "model", "user", "n", "best_of", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "min_tokens", "response_format", "logit_bias"}
+          "repetition_penalty", "min_tokens", "response_format", "logit_bias", "include_stop_str_in_output"}
 FIELDS = {"prompt", "echo", "logprobs", "suffix", *SHARED}
 CHAT_NEUTRAL = {"tools": ([],), "tool_choice": ("none",), "functions": ([],),
                 "function_call": ("none",), "parallel_tool_calls": (True, False), "store": (False,)}
 CHAT_FIELDS = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
-               *CHAT_NEUTRAL, *SHARED}
+               "continue_final_message", "chat_template_kwargs", "echo", *CHAT_NEUTRAL, *SHARED}
+TEMPLATE_OWN = {"messages", "add_generation_prompt", "continue_final_message", "tokenize", "chat_template",
+                "tools", "documents", "return_dict", "tokenizer_kwargs"}     # apply_chat_template's own arguments
+MAX_TEMPLATE_KWARGS = 32
 ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_KEYS = {"role", "content", "name"}
 NO_TOKENIZER = "this model has no tokenizer; send token ids"
@@ -72,6 +77,8 @@ class CompletionRequest:
     echo: bool = False
     chat: bool = False
     prompt_only: bool = False              # max_tokens 0 with echo: the prompt (and its logprobs), no tokens
+    keep_stop: bool = False                # include_stop_str_in_output: a matched stop sequence stays in the text
+    echo_text: str = ""                    # chat echo: the last (assistant) message the answer goes on from
 
     @property
     def sequences(self) -> list[tuple[list[int], SamplingParams]]:
@@ -260,7 +267,8 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
             logit_bias=tuple((int(k), float(v)) for k, v in (lb or {}).items()))
     except GraphmodeError as e:          # the engine's own checks (kept in step with ours)
         raise bad(e.where or "body", e.message, e.value, fix=e.fix or USAGE) from None
-    return CompletionRequest(prompts, params, stream, include_usage, stop_text, model, n=n, echo=echo, chat=chat)
+    return CompletionRequest(prompts, params, stream, include_usage, stop_text, model, n=n, echo=echo, chat=chat,
+                             keep_stop=_bool(doc, "include_stop_str_in_output"))
 
 
 def parse_completion(body: bytes, *, tokenizer: Any, eos: Any) -> CompletionRequest:
@@ -342,13 +350,37 @@ def parse_chat(body: bytes, *, tokenizer: Any, eos: Any, render: Any, context: i
     want = _bool(doc, "logprobs")
     if top is not None and not want:
         raise bad("top_logprobs", "top_logprobs needs logprobs: true", top, fix="send logprobs: true too")
+    add, cont, kwargs = template_options(doc)
+    prompt = render(messages, add, cont, kwargs)
+    if not prompt:
+        raise bad("messages", "the chat template rendered no tokens", fix="send a message with content")
+    given = a if a is not None else b
+    req = _common(doc, [prompt], tokenizer, eos, max_tokens=given if given is not None else max(1, context - len(prompt)),
+                  logprobs=(top or 0) if want else None, chat=True)
+    if _bool(doc, "echo") and messages[-1]["role"] == "assistant":
+        req.echo_text = messages[-1]["content"]          # vLLM's: the answer goes on from the last message
+    return req
+
+
+def template_options(doc: dict) -> tuple[bool, bool, dict[str, Any]]:
+    """(add_generation_prompt, continue_final_message, chat_template_kwargs) of a chat or
+    /tokenize request, checked as vLLM checks them."""
     add = doc.get("add_generation_prompt", True)
     if type(add) is not bool:
         raise bad("add_generation_prompt", "add_generation_prompt must be true or false", add,
                    fix="send true or false")
-    prompt = render(messages, add)
-    if not prompt:
-        raise bad("messages", "the chat template rendered no tokens", fix="send a message with content")
-    given = a if a is not None else b
-    return _common(doc, [prompt], tokenizer, eos, max_tokens=given if given is not None else max(1, context - len(prompt)),
-                   logprobs=(top or 0) if want else None, chat=True)
+    cont = _bool(doc, "continue_final_message")
+    if cont and add:
+        raise bad("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true",
+                  True, fix="send add_generation_prompt: false with continue_final_message: true (the answer goes on "
+                            "from the last message instead of opening a new one)")
+    kwargs = doc.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS or \
+            not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise bad("chat_template_kwargs", f"chat_template_kwargs must map at most {MAX_TEMPLATE_KWARGS} names to "
+                                          "values", clip(str(kwargs)), fix='send {"enable_thinking": false, ...}')
+    own = sorted(TEMPLATE_OWN & set(kwargs))
+    if own:
+        raise bad("chat_template_kwargs", f"{own} are the request's own fields, not template variables", own,
+                  fix="send them as top-level fields (add_generation_prompt, continue_final_message, ...)")
+    return add, cont, kwargs

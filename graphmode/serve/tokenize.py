@@ -18,7 +18,7 @@ from starlette.routing import Route
 from graphmode.serve import chat
 from graphmode.serve.app import openai_failure, read_body
 from graphmode.serve.codec import dumps
-from graphmode.serve.openai_request import _bool, _id_list, bad, load_object, parse_messages
+from graphmode.serve.openai_request import _bool, _id_list, bad, load_object, parse_messages, template_options
 
 TOKENIZE_USAGE = 'send {"prompt": "text"} or {"messages": [{"role": "user", "content": "..."}]}'
 DETOKENIZE_USAGE = 'send {"tokens": [id, id, ...]}'
@@ -49,14 +49,14 @@ def tokenize_routes(server: Any) -> list[Route]:
 
     def tokenize_body(body: bytes) -> dict[str, Any]:
         doc = load_object(body, TOKENIZE_USAGE, {"model", "prompt", "messages", "add_special_tokens",
-                                                 "add_generation_prompt"})
+                                                 "add_generation_prompt", "continue_final_message",
+                                                 "chat_template_kwargs"})
         tok = tokenizer_of(doc.get("model"))
         if ("prompt" in doc) == ("messages" in doc):
             raise bad("prompt", "send one of prompt or messages", sorted(k for k in ("prompt", "messages") if k in doc),
                       fix=TOKENIZE_USAGE)
         if "messages" in doc:
-            gen = _bool(doc, "add_generation_prompt") if "add_generation_prompt" in doc else True
-            ids = chat.render(tok, parse_messages(doc["messages"]), add_generation_prompt=gen)
+            ids = chat.render(tok, parse_messages(doc["messages"]), *template_options(doc))
         else:
             if not isinstance(doc["prompt"], str):
                 raise bad("prompt", "prompt must be a string", type(doc["prompt"]).__name__, fix=TOKENIZE_USAGE)

@@ -561,6 +561,27 @@ def test_chat_completions_plain_and_streamed(srv):
     assert long.usage.total_tokens == srv.server.active.decoder.engine.layout.max_tokens
 
 
+def test_vllm_chat_and_stop_options_through_the_openai_client(srv):
+    """continue_final_message (the answer goes on from an open assistant turn), chat echo,
+    chat_template_kwargs and include_stop_str_in_output, sent as vLLM's clients send them."""
+    turns = MESSAGES + [{"role": "assistant", "content": "w10 w11"}]
+    text = srv.tok.apply_chat_template(turns, chat_template=DEFAULT_CHAT_TEMPLATE, tokenize=False,
+                                       add_generation_prompt=False, continue_final_message=True)
+    prompt = srv.tok.encode(text, add_special_tokens=False)
+    ref = reference(srv, prompt, 6)
+    r = srv.oa.chat.completions.create(model=MODEL, messages=turns, max_tokens=6, temperature=0, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True, "echo": True,
+        "chat_template_kwargs": {"unused": 1}})
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.choices[0].message.content == "w10 w11" + srv.tok.decode(ref, skip_special_tokens=True)
+    ref = reference(srv, P1, 8)
+    stop = srv.tok.decode(ref[2:4], skip_special_tokens=True)
+    kept = srv.oa.completions.create(model=MODEL, prompt=P1, max_tokens=8, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True}).choices[0]
+    cut = srv.oa.completions.create(model=MODEL, prompt=P1, max_tokens=8, temperature=0, stop=[stop]).choices[0]
+    assert kept.finish_reason == cut.finish_reason == "stop" and kept.text == cut.text + stop
+
+
 def test_completions_one_event_per_token_n_logprobs_echo(srv):
     ref = reference(srv, P1, 10)
     events = []

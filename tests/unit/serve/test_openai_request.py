@@ -63,7 +63,7 @@ def test_sampling_parameters_a_request_means(tok):
 
 def chat(doc, tokenizer=None, context=48):
     return parse_chat(json.dumps(doc).encode(), tokenizer=tokenizer, eos=EOS, context=context,
-                      render=lambda m, add: render(tokenizer, m, add))
+                      render=lambda m, *options: render(tokenizer, m, *options))
 
 
 MSG = [{"role": "user", "content": "w5 w6"}]
@@ -197,3 +197,38 @@ def test_a_stop_string_counts_only_from_min_tokens_on(tok):
     assert feed(out, [5, 12]) == ([5, 12], "w5 w12")              # " w12" before 3 tokens: text, not a stop (vLLM)
     assert feed(out, [13]) == ([13], " w13") and out.finish_reason is None
     assert feed(out, [12]) == ([12], "") and out.finish_reason == "stop"
+
+
+def test_include_stop_str_in_output_keeps_the_matched_stop(tok):
+    """vLLM's include_stop_str_in_output: the stop string (or stop sequence) that ended the
+    answer stays in its text and tokens."""
+    assert parse({"prompt": [5], "include_stop_str_in_output": True}).keep_stop
+    assert not parse({"prompt": [5]}).keep_stop
+    out = ChoiceOutput(0, tok, (" w12",), (), keep_stop=True)
+    assert feed(out, [5, 6]) == ([5, 6], "w5 w6")
+    assert feed(out, [12, 13]) == ([12], " w12") and out.finish_reason == "stop"
+    ids = ChoiceOutput(0, tok, (), ((7, 8),), keep_stop=True)
+    assert feed(ids, [5, 7, 8]) == ([5], "w5")                   # held while it may be the stop
+    assert feed(ids, [], "stop") == ([7, 8], " w7 w8") and ids.finish_reason == "stop"
+
+
+def test_chat_template_options_as_vllm_takes_them(tok):
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, unk_token="<unk>", eos_token="</s>")
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% if not loop.last or not open %} w3 {% endif %}"
+                         "{% endfor %}{% if add_generation_prompt %}w4{% endif %}{% if thinking %} w9{% endif %}")
+    turns = MESSAGES + [{"role": "assistant", "content": "w10 w11"}]
+    closed = render(tok, turns, add_generation_prompt=False)
+    assert closed == [5, 6, 3, 7, 8, 9, 3, 10, 11, 3]
+    # continue_final_message: the last message left open (transformers cuts after its content)
+    assert render(tok, turns, False, True) == [5, 6, 3, 7, 8, 9, 3, 10, 11]
+    assert render(tok, MESSAGES, True, False, {"thinking": True})[-1] == 9
+    r = chat({"messages": turns, "add_generation_prompt": False, "continue_final_message": True, "echo": True,
+              "chat_template_kwargs": {"thinking": False}}, tok)
+    assert r.prompts[0] == [5, 6, 3, 7, 8, 9, 3, 10, 11] and r.echo_text == "w10 w11"
+    assert chat({"messages": MESSAGES, "echo": True}, tok).echo_text == ""      # the last message is the user's
+    for doc, needle in (({"continue_final_message": True}, "cannot both be true"),
+                        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "request's own fields"),
+                        ({"chat_template_kwargs": [1]}, "must map")):
+        with pytest.raises(BadRequest, match=needle):
+            chat({"messages": turns, **doc}, tok)
