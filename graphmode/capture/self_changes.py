@@ -18,6 +18,7 @@ depends on what its earlier calls changed. So while graphmode runs it:
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -25,6 +26,16 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphmode.errors import CaptureError
+
+_BUSY: dict[int, int] = {}      # id(module) -> graphmode runs of it in progress (a compile in another thread)
+_BUSY_LOCK = threading.Lock()
+
+
+def busy_modules() -> dict[int, int]:
+    """The modules graphmode is running or tracing now: torch.export swaps their parameters for
+    its own while it traces, which a served model of the same module must not read as a change."""
+    return _BUSY
+
 
 SWITCHES = (str, bool)
 IGNORED = {"training"}          # graphmode puts the model in eval mode itself
@@ -132,12 +143,20 @@ def refuse_self_changes(module: Any, where: str, during: str) -> Iterator[Probe]
     before = _settings(module)
     children = {sub: dict(sub._modules) for _, sub in _modules(module)}     # a switch may swap submodules too
     state = _State(module)
+    with _BUSY_LOCK:
+        _BUSY[id(module)] = _BUSY.get(id(module), 0) + 1
     try:
-        yield probe
-    except BaseException:
-        _put_back(children, state)
-        raise
-    _settle(module, where, during, probe, before, children, state)
+        try:
+            yield probe
+        except BaseException:
+            _put_back(children, state)
+            raise
+        _settle(module, where, during, probe, before, children, state)
+    finally:
+        with _BUSY_LOCK:
+            _BUSY[id(module)] -= 1
+            if not _BUSY[id(module)]:
+                del _BUSY[id(module)]
 
 
 def _put_back(children: dict, state: _State) -> list[str]:
@@ -185,4 +204,4 @@ def _settle(module, where: str, during: str, probe: Probe, before: dict, childre
                                "value as an output), or fix it before compiling")
 
 
-__all__ = ["Probe", "refuse_self_changes"]
+__all__ = ["Probe", "busy_modules", "refuse_self_changes"]

@@ -61,7 +61,7 @@ class ModelRunner:
         tokens from `cached` on computed (padding positions stay 0: never read)."""
         lens = [len(s.tokens) - s.cached for s in seqs]
         b = bucket(self.batch_buckets, len(seqs), "batch")
-        L = bucket(self.seq_buckets, max(lens), "seq")
+        L = 1 if max(lens) == 1 else bucket(self.seq_buckets, max(lens), "seq")   # one token: the decode step's plan
         ids = torch.zeros(b, L, dtype=torch.int64)
         pos = torch.zeros(b, L, dtype=torch.int64)
         start = torch.zeros(b, dtype=torch.int64)

@@ -20,6 +20,7 @@ from operator import attrgetter, is_not
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from graphmode.capture.self_changes import busy_modules
 from graphmode.errors import GraphmodeError
 
 _VERSION = attrgetter("_version")
@@ -42,6 +43,7 @@ class FrozenWeights:
         self._versions = [t._version for t in self._tensors]
         # (label, the dict that holds it, key, what it held at compile)
         python = [(p, m) for p, m in module.named_modules() if not isinstance(m, torch.jit.ScriptModule)]
+        self._module_ids = {id(m) for _, m in module.named_modules()}
         self._slots = [(f"{path}.{k}" if path else k, d, k, v) for path, sub in python
                        for d in (sub._parameters, sub._buffers, sub._modules) for k, v in d.items()]
         self._slot_dicts, self._slot_keys, self._slot_values = (list(c) for c in zip(*[(d, k, v) for _, d, k, v
@@ -60,6 +62,9 @@ class FrozenWeights:
         if list(map(_VERSION, self._tensors)) != self._versions:
             changed = [n for n, t, v in zip(self._names, self._tensors, self._versions) if t._version != v]
             self._refuse(changed, "were updated in place (load_state_dict, copy_, an optimizer step)")
+        busy = busy_modules()
+        if busy and not self._module_ids.isdisjoint(busy):
+            return                  # graphmode compiles it in another thread: torch.export's swaps are not changes
         if any(map(is_not, map(dict.get, self._slot_dicts, self._slot_keys), self._slot_values)):
             changed = [label for label, d, k, v in self._slots if d.get(k) is not v]
             self._refuse(changed, "were replaced (load_state_dict(assign=True), an attribute set to a new tensor "

@@ -347,3 +347,20 @@ def test_end_and_pad_tokens_come_from_the_generation_config_first():
     lm.generation_config.pad_token_id, lm.generation_config.eos_token_id = 7, 3
     cfg = lm_config(lm)
     assert lm.config.pad_token_id is None and (cfg["pad"], cfg["eos"]) == (7, 3)
+
+
+def test_a_one_token_prompt_prefills_on_the_decode_steps_plan(cache):
+    """A recipe whose seq starts at 1 (the shipped decoder recipes: a BOS alone starts an
+    unconditional sample) prefills a one-token prompt on the decode step's plan: tokens equal
+    transformers', beside longer prompts in the same step."""
+    lm, kvh = _lm("llama")
+    ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    r = recipe(kvh)
+    r["dims"]["seq"] = {"buckets": [1, 8, 16, 32], "min": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(bundle_from_module(lm, ex, {k: ["batch", "seq"] for k in ex}), r, cache_dir=cache)
+    for prompt in (torch.tensor([[1]]), torch.tensor([[0, 0, 5], [0, 0, 1]])):
+        mask = (prompt != 0).long()
+        ref = lm.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(cm.generate(prompt, mask, max_new_tokens=6), ref)

@@ -89,7 +89,7 @@ def test_validate_malformed_exit_2(tmp_path):
 def test_show_lists_buckets_and_plans():
     res = run("show", EX / "gpt2_decoder.yaml", "--target", CPU)
     assert res.exit_code == 0, res.output
-    assert "worst padding" in res.output and "plans: 36" in res.output and "kv_cache" in res.output
+    assert "worst padding" in res.output and "plans: 40" in res.output and "kv_cache" in res.output
     res = run("show", DATA / "symbolic.yaml", "--target", str(DATA / "gpu_target.yaml"), "--json")
     out = json.loads(res.stdout)
     assert out["recipe"]["memory"]["budget_mb"] == 4096 and out["recipe"]["memory"]["bank_affinity"] == list(
