@@ -108,12 +108,15 @@ def _signature(bundle: Any) -> tuple[dict[str, str], dict[str, list], dict[str, 
 
 def _with_batch_axis(bundle: Any) -> Any:
     """A bundle handed with static shapes only, with its leading axis named `batch` when every
-    input shares that extent (>= 2: torch.export specialises 1), else None."""
-    lead = {v[0] if v else None for v in bundle.input_dims.values()}
-    n = next(iter(lead))
+    input of rank 1 or more shares that extent (>= 2: torch.export specialises 1), else None.
+    A 0-d input (a scalar temperature, a step) has no batch axis and keeps its shape."""
+    ranked = {k: v for k, v in bundle.input_dims.items() if v}
+    lead = {v[0] for v in ranked.values()}
+    n = next(iter(lead), None)
     if len(lead) != 1 or not isinstance(n, int) or n < 2 or "batch" in bundle.dim_names:
         return None
-    return dataclasses.replace(bundle, input_dims={k: ["batch"] + list(v[1:]) for k, v in bundle.input_dims.items()})
+    return dataclasses.replace(bundle, input_dims={k: ["batch"] + list(v[1:]) if k in ranked else list(v)
+                                                   for k, v in bundle.input_dims.items()})
 
 
 def _causal_lm(bundle: Any) -> Any:

@@ -664,3 +664,15 @@ def test_hooks_are_named_at_compile_and_a_python_option_at_call():
     cm = graphmode.compile((Option().eval(), (torch.randn(2, 16),)))
     with pytest.raises(ContractViolation, match=r"(?s)\[.double.\] is an option .* wrapper module .*double=True"):
         cm(torch.randn(2, 16), double=True)
+
+
+def test_a_scalar_input_leaves_the_drafted_batch_axis_to_the_others():
+    """A 0-d input (a temperature) has no batch axis: the draft still makes the others' leading
+    axis `batch` (it dropped the dynamic batch for every input)."""
+    class Scaled(torch.nn.Module):
+        def forward(self, x, t):
+            return x * t
+    cm = graphmode.compile((Scaled().eval(), (torch.randn(2, 16), torch.tensor(2.0))))
+    assert "batch" in cm.recipe.dims and [list(i.shape) for i in cm.recipe.inputs] == [["batch", 16], []]
+    x = torch.randn(5, 16)
+    assert torch.equal(cm(x, torch.tensor(3.0)), x * 3) and cm.last_path["path"] == "graph"
