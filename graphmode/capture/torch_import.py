@@ -456,6 +456,19 @@ def make_excluder(include_ops: Sequence[str] = (), exclude_ops: Sequence[str] = 
     return excluded
 
 
+def _refuse_grad_regions(ep) -> None:
+    """torch.export records a `with torch.enable_grad():` inside forward as a grad-mode region,
+    which its own decomposition then fails on with an IndexError: say what it is instead."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    for n in ep.graph.nodes:
+        if hop is not None and n.target is hop:
+            raise CaptureError("the model switches autograd on inside forward (torch.enable_grad() or "
+                               "torch.set_grad_enabled(True)), which torch.export keeps as a grad-mode region that "
+                               "its decomposition cannot take", where="model",
+                               fix="leave autograd as the caller has it in the inference forward (remove the "
+                                   "enable_grad block); gradients are not part of a compiled inference call")
+
+
 def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.Tensor],
                    input_dims: Mapping[str, Sequence], dims: Mapping[str, tuple[int, int]]):
     """torch.export with one torch Dim per recipe dim (dims with min == max stay static)."""
@@ -472,6 +485,7 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
         with torch.no_grad(), quiet_export_logs(), eager_fast_paths(module), \
                 refuse_self_changes(module, "model", "torch.export traced it"):
             ep = torch.export.export(module, (), dict(example_inputs), dynamic_shapes=dynamic, strict=False)
+            _refuse_grad_regions(ep)
             ep = ep.run_decompositions(decomp_table={})
     except GraphmodeError:
         raise                   # a refusal of ours, raised while the model was traced: already says what to do

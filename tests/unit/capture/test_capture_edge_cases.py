@@ -676,3 +676,16 @@ def test_a_scalar_input_leaves_the_drafted_batch_axis_to_the_others():
     assert "batch" in cm.recipe.dims and [list(i.shape) for i in cm.recipe.inputs] == [["batch", 16], []]
     x = torch.randn(5, 16)
     assert torch.equal(cm(x, torch.tensor(3.0)), x * 3) and cm.last_path["path"] == "graph"
+
+
+def test_autograd_switched_on_inside_forward_is_named():
+    class Grad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = _lin()
+
+        def forward(self, x):
+            with torch.enable_grad():
+                return self.lin(x)
+    with pytest.raises(CaptureError, match="switches autograd on inside forward"):
+        graphmode.compile((Grad().eval(), (torch.randn(2, 16),)))
