@@ -4,11 +4,13 @@ Per direction: the input projection of every step in one matmul, then one step p
 h = f(x_t W^T + h R^T + Wb + Rb) for RNN (GRU and LSTM: their gates, `_gru_step`, `_lstm_step`),
 in ONNX's order (reversed for the backward direction), the steps concatenated into Y and the last
 one into Y_h (LSTM: the last cell state into Y_c). What this does not cover (clip, activations
-with alpha/beta, sequence_lens shorter than the sequence, LSTM's input_forget) is refused by name.
+with alpha/beta, LSTM's input_forget) is refused by name. sequence_lens: past its length a
+sequence's state is kept and its output is 0; the backward direction starts at its last step.
 """
 from __future__ import annotations
 
 from graphmode.capture.onnx.convert_composite import _bind, _s, _static
+from graphmode.capture.onnx.convert_select import reversed_by_length
 from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
 
 _ACTIVATIONS = ("Tanh", "Relu", "Sigmoid")
@@ -61,12 +63,7 @@ def _unroll(imp: _Importer, n, gates: int, cell: dict) -> None:
     xt = imp.g.type_of(x)
     seq = _static(imp, xt.shape[0], f"{n.op_type} sequence length")
     batch = xt.shape[1]
-    lens = imp.opt_in(n, 4)
-    if lens:
-        k = imp.kn(lens)
-        if k is None or not k.concrete or any(int(v) != seq for v in k.tensor().reshape(-1).tolist()):
-            raise imp.fail(f"{n.op_type} sequence_lens shorter than the sequence (or known only at run time) is not "
-                           "supported", fix="pad every sequence to the full length, or drop sequence_lens")
+    lens = _lengths(imp, n, seq, h)
     w, r = imp.operand(n.input[1]), imp.operand(n.input[2])
     hidden = imp.g.type_of(r).shape[2]
     bias = imp.operand(n.input[3]) if imp.opt_in(n, 3) else None
@@ -83,7 +80,11 @@ def _unroll(imp: _Importer, n, gates: int, cell: dict) -> None:
     for d, backward in enumerate(dirs):
         wd = imp.emit("permute", [_row(imp, w, d, h)], {"perm": [1, 0]}, hint=h)
         rd = imp.emit("permute", [_row(imp, r, d, h)], {"perm": [1, 0]}, hint=h)
-        proj = imp.emit("matmul", [x, wd], {}, hint=f"{h}_xw")
+        # with lengths, the backward direction reads each sequence from its own last step: reversed
+        # by length, run forward with the steps past its length masked, and its outputs reversed back
+        flip = backward and lens is not None
+        xd = reversed_by_length(imp, x, lens, 0, 1, f"{h}_rx") if flip else x
+        proj = imp.emit("matmul", [xd, wd], {}, hint=f"{h}_xw")
         rb = None
         if bias is not None:
             b = _row(imp, bias, d, h)
@@ -93,19 +94,28 @@ def _unroll(imp: _Importer, n, gates: int, cell: dict) -> None:
             proj = imp.emit("add", [proj, wb], {}, hint=f"{h}_xw")
         state = tuple(_row(imp, v, d, h) if v is not None else zero for v in init)
         steps = []
-        for t in (reversed(range(seq)) if backward else range(seq)):
+        for t in (reversed(range(seq)) if backward and not flip else range(seq)):
             pre = imp.emit("slice", [proj], {"dim": 0, "start": t, "end": t + 1, "step": 1}, hint=h)
             pre = imp.emit("reshape", [pre], {"shape": _shape_attr([batch, gates * hidden])}, hint=h)
             rec = imp.emit("matmul", [state[0], rd], {}, hint=h)
             if n.op_type == "GRU":
-                state = _gru_step(imp, cell, d, pre, rec, state, rd, rb, hidden, h)
+                new = _gru_step(imp, cell, d, pre, rec, state, rd, rb, hidden, h)
             elif n.op_type == "LSTM":
-                state = _lstm_step(imp, cell, d, pre, rec, state, rb, hidden, h)
+                new = _lstm_step(imp, cell, d, pre, rec, state, rb, hidden, h)
             else:
-                state = _rnn_step(imp, cell, d, pre, rec, state, rb, h)
-            steps.append((t, imp.emit("reshape", [state[0]], {"shape": step_shape}, hint=h)))
+                new = _rnn_step(imp, cell, d, pre, rec, state, rb, h)
+            out = new[0]
+            if lens is not None:           # past a sequence's length: its state stays, its output is 0
+                live = imp.emit("reshape", [imp.emit("lt", [imp.scalar(t, "i64", f"{h}_t"), lens], {}, hint=h)],
+                                {"shape": _shape_attr([batch, 1])}, hint=f"{h}_live")
+                new = tuple(imp.emit("where", [live, v, old], {}, hint=h) for v, old in zip(new, state))
+                out = imp.emit("where", [live, new[0], zero], {}, hint=h)
+            state = new
+            steps.append((t, imp.emit("reshape", [out], {"shape": step_shape}, hint=h)))
         steps.sort()
         y = imp.emit("concat", [s for _, s in steps], {"dim": 0}, hint=h) if seq > 1 else steps[0][1]
+        if flip:
+            y = reversed_by_length(imp, y, lens, 0, 1, f"{h}_ry")
         ys.append(imp.emit("reshape", [y], {"shape": _shape_attr([seq, 1, batch, hidden])}, hint=h))
         lasts.append(imp.emit("reshape", [state[0]], {"shape": step_shape}, hint=h))
         cells.append(imp.emit("reshape", [state[1]], {"shape": step_shape}, hint=h))
@@ -117,6 +127,18 @@ def _unroll(imp: _Importer, n, gates: int, cell: dict) -> None:
     for name, v in zip(n.output, outs):
         if name:
             _bind(imp, name, v)
+
+
+def _lengths(imp: _Importer, n, seq: int, h: str) -> str | None:
+    """sequence_lens as i64 [batch], or None where it is absent or every entry is the full length."""
+    if not imp.opt_in(n, 4):
+        return None
+    k = imp.kn(n.input[4])
+    if k is not None and k.concrete and all(int(v) == seq for v in k.tensor().reshape(-1).tolist()):
+        return None
+    lens = imp.operand(n.input[4])
+    return lens if imp.g.type_of(lens).dtype == "i64" else imp.emit("cast", [lens], {"dtype": "i64"},
+                                                                     hint=f"{h}_lens")
 
 
 @_handles("GRU")

@@ -157,14 +157,17 @@ def _along(imp: _Importer, v: str, axis: int, rank: int, hint: str) -> str:
 
 @_handles("ReverseSequence")
 def _reverse_sequence(imp: _Importer, n) -> None:
-    """Per batch entry b, the first lens[b] steps along the time axis reversed, the rest kept:
-    a gather along time of `lens[b] - 1 - t` where t < lens[b], else t."""
     x = imp.operand(n.input[0])
     xt = imp.g.type_of(x)
     t_ax = norm_axis(int(imp.attr(n, "time_axis", 0)), xt.rank)
     b_ax = norm_axis(int(imp.attr(n, "batch_axis", 1)), xt.rank)
-    h = n.output[0]
-    lens = imp.operand(n.input[1])
+    _bind(imp, n.output[0], reversed_by_length(imp, x, imp.operand(n.input[1]), t_ax, b_ax, n.output[0]))
+
+
+def reversed_by_length(imp: _Importer, x: str, lens: str, t_ax: int, b_ax: int, h: str) -> str:
+    """Per batch entry b, the first lens[b] steps along the time axis reversed, the rest kept:
+    a gather along time of `lens[b] - 1 - t` where t < lens[b], else t."""
+    xt = imp.g.type_of(x)
     if imp.g.type_of(lens).dtype != "i64":
         lens = imp.emit("cast", [lens], {"dtype": "i64"}, hint=f"{h}_lens")
     steps = imp.emit("arange", [], {"start": 0, "end": _shape_attr([xt.shape[t_ax]])[0], "step": 1, "dtype": "i64"},
@@ -175,7 +178,7 @@ def _reverse_sequence(imp: _Importer, n) -> None:
                    hint=f"{h}_rev")
     idx = imp.emit("where", [imp.emit("lt", [t, lens], {}, hint=f"{h}_in"), rev, t], {}, hint=f"{h}_idx")
     idx = imp.emit("expand", [idx], {"shape": _shape_attr(list(xt.shape))}, hint=f"{h}_idx")
-    imp.emit("gather", [x, idx], {"dim": t_ax}, out=h)
+    return imp.emit("gather", [x, idx], {"dim": t_ax}, hint=h)
 
 
 @_handles("Tile")

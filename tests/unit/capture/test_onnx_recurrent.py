@@ -115,3 +115,46 @@ def test_gru_and_lstm_match_onnxruntime(op, attrs, dirs, peepholes):
 def test_lstm_input_forget_is_refused_by_name():
     with pytest.raises(CaptureError, match="input_forget"):
         import_onnx(_gated("LSTM", {"input_forget": 1}, 1, 0))
+
+
+def _with_lens(op: str, gates: int, direction: str, layout: int, x: np.ndarray):
+    rng = np.random.default_rng(1)
+    hid, inp, dirs = 6, x.shape[-1], 2 if direction == "bidirectional" else 1
+    inits = [numpy_helper.from_array(rng.standard_normal((dirs, gates * hid, k)).astype(np.float32) * 0.5, name)
+             for name, k in (("W", inp), ("R", hid))]
+    inits.append(numpy_helper.from_array(rng.standard_normal((dirs, 2 * gates * hid)).astype(np.float32) * 0.1, "B"))
+    outs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+    node = helper.make_node(op, ["x", "W", "R", "B", "lens"], outs, hidden_size=hid, direction=direction,
+                            layout=layout)
+    io = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape)),
+          helper.make_tensor_value_info("lens", TensorProto.INT32, [x.shape[1 - layout]])]
+    m = helper.make_model(helper.make_graph([node], "g", io, [helper.make_value_info(o, helper.TypeProto())
+                                                              for o in outs], inits),
+                          opset_imports=[helper.make_opsetid("", 22)])
+    return m, outs
+
+
+@pytest.mark.parametrize("op,gates", [("RNN", 1), ("GRU", 3), ("LSTM", 4)])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+def test_sequence_lens_given_at_run_time_match_onnxruntime(op, gates, direction):
+    """Shorter sequences in one batch: past its length a sequence keeps its state and outputs 0;
+    the backward direction starts at its own last step (Y, Y_h and LSTM's Y_c as ORT gives them;
+    layout 1, which ORT does not run, as layout 0 transposed)."""
+    x = np.random.default_rng(2).standard_normal((5, 3, 4)).astype(np.float32)
+    lens = np.array([5, 2, 3], np.int32)
+    m, outs = _with_lens(op, gates, direction, 0, x)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, "lens": lens})
+    for layout in (0, 1):
+        m, _ = _with_lens(op, gates, direction, layout, x.transpose(1, 0, 2).copy() if layout else x)
+        shapes = [w.shape if not layout else (w.transpose(2, 0, 1, 3) if w.ndim == 4 else w.transpose(1, 0, 2)).shape
+                  for w in want]
+        for vi, shape in zip(m.graph.output, shapes):
+            vi.CopyFrom(helper.make_tensor_value_info(vi.name, TensorProto.FLOAT, list(shape)))
+        graph, _ = import_onnx(m)
+        feed = torch.from_numpy(x.transpose(1, 0, 2).copy() if layout else x)
+        got = interpret(graph, dict(zip(graph.inputs, (feed, torch.from_numpy(lens)))))
+        for name, w in zip(graph.outputs, want):
+            g = got[name].numpy()
+            if layout:
+                g = g.transpose(1, 2, 0, 3) if g.ndim == 4 else g.transpose(1, 0, 2)
+            assert np.allclose(g, w, atol=1e-5), (layout, name)
