@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from graphmode.analysis.padding_lattice import (GARBAGE, Axis, Factor, Finding, State, falsy, neg_huge, plain,
+from graphmode.analysis.padding_lattice import (GARBAGE, Axis, Factor, Finding, State, falsy, finite, neg_huge, plain,
                                                 same_dim)
 from graphmode.analysis.padding_rules import rule
 from graphmode.ir.graph import Node
@@ -28,10 +28,14 @@ def matmul(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
     a, b = ins
     for side, other in ((a.axes[-1], b.axes[-2]), (b.axes[-2], a.axes[-1])):
         for f in side.padded:
-            zero_other = any(falsy(g.content) and g.prefix for g in other.padded if g.dim == f.dim)
-            if not ((falsy(f.content) and f.prefix) or zero_other):
+            facing = [g for g in other.padded if g.dim == f.dim]
+            # zeros on one side mask the other only where it is finite there (0 * NaN, 0 * inf are NaN)
+            zero_other = any(falsy(g.content) and g.prefix for g in facing) and finite(f.content)
+            zero_here = falsy(f.content) and f.prefix and all(finite(g.content) for g in facing)
+            if not (zero_here or zero_other):
                 taint.setdefault(f.dim, an.finding(f.dim, n, f"contraction over padded dim {f.dim} "
-                                                             "whose padded positions are not zero"))
+                                                             "whose padded positions are not zero (times a finite "
+                                                             "value on the other side)"))
     out_shape = an.shape(n.outputs[0])
     batch = broadcast_batch(an, [a.axes[:-2], b.axes[:-2]], out_shape[:-2])
 
@@ -67,8 +71,9 @@ def einsum(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> State:
         diagonal = any(t.count(ch) > 1 for t in terms)
         if ch in rhs and one_dim and not diagonal:
             kept[ch] = axes[0]
-        elif ch not in rhs and one_dim and not diagonal and any(falsy(f.content) for f in facs):
-            continue                        # summed over zeros: the real sums are eager's
+        elif ch not in rhs and one_dim and not diagonal and any(falsy(f.content) for f in facs) and \
+                all(falsy(f.content) or finite(f.content) for f in facs):
+            continue                        # summed over zeros times finite values: the real sums are eager's
         else:
             an.taint(taint, n, axes, "einsum sums over padded dim {dim} whose padded positions are not zero"
                      if ch not in rhs else "einsum reads padded dim {dim} along a diagonal or with another dim")
@@ -108,6 +113,10 @@ def _sdpa(an, n: Node, ins: list[State], taint: dict[str, Finding], out_shape: t
     mask = ins[3] if len(ins) > 3 else None
     an.taint(taint, n, [q.axes[-1], k.axes[-1]], "attention head dim {dim} is padded")
     keys = {f.dim: f for ax in (k.axes[-2], v.axes[-2]) for f in ax.padded}
+    for f in v.axes[-2].padded:            # a masked key's weight is 0, and 0 * NaN or inf is NaN
+        if not finite(f.content):
+            taint.setdefault(f.dim, an.finding(f.dim, n, f"attention values at padded keys ({f.dim}) are not "
+                                                         "finite, which a mask's zero weight does not cancel"))
     for d, f in keys.items():
         covered = False
         if mask is not None and mask.axes and mask.axes[-1].single is not None:

@@ -107,7 +107,14 @@ def slice_axis(an, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str,
     off = prefix_offset(f.extent, f.dim)
     to_end = (isinstance(end, int) and (end >= 2 ** 31 or end < 0)) or (
         not isinstance(end, int) and prefix_offset(end, f.dim) is not None) or same_dim(end, f.extent)
-    if to_end:
+    end_off = prefix_offset(end, f.dim) if not isinstance(end, int) else None
+    shortened = (isinstance(end, int) and -2 ** 31 < end < 0) or (
+        end_off is not None and off is not None and end_off > off)       # (offsets count back from d)
+    if to_end and shortened:
+        # an end counted from the padded size (x[:, :-1], x[:, :T - 1]): the padded run keeps real
+        # positions past the request's end in the result's padding, which then holds real values
+        axes[dim] = Axis((Factor(out_e, f.dim, GARBAGE, True),))
+    elif to_end:
         axes[dim] = Axis((Factor(out_e, f.dim, f.content, True),))
     elif isinstance(end, int) and off is not None and end <= an.lo.get(f.dim, 1) - off:
         axes[dim] = plain(out_e)      # every position read is real for every admissible request

@@ -43,6 +43,21 @@ def ir(*lines: str, out_type: str = "") -> str:
     (['%y: f32[b,1,4] = slice(%x) {"dim": 1, "start": 0, "end": 3, "step": 1}'], "unsafe"),   # s may be 2
     (['%y: f32[b,1,4] = slice(%x) {"dim": 1, "start": -1, "end": 4611686018427387904, "step": 1}'], "unsafe"),
     (['%y: f32[b,s-1,4] = slice(%x) {"dim": 1, "start": 1, "end": 4611686018427387904, "step": 1}'], "safe"),
+    # an end counted from the padded size keeps real positions in the result's padding (x[:, :-1].sum(1))
+    (['%z: f32[b,s-1,4] = slice(%x) {"dim": 1, "start": 0, "end": -1, "step": 1}',
+      '%y: f32[b,4] = sum(%z) {"dims": [1]}'], "unsafe"),
+    (['%z: f32[b,s-1,4] = slice(%x) {"dim": 1, "start": 0, "end": "s-1", "step": 1}',
+      '%y: f32[b,4] = sum(%z) {"dims": [1]}'], "unsafe"),
+    (['%y: f32[b,s-1,4] = slice(%x) {"dim": 1, "start": 0, "end": -1, "step": 1}'], "safe"),
+    # a mask's zeros cancel a contraction only where the other side is finite (0 * NaN = NaN)
+    (['%mf: f32[b,s] = cast(%m) {"dtype": "f32"}', '%y: f32[b,4] = einsum(%mf, %x) {"equation": "bs,bsd->bd"}'],
+     "safe"),
+    (['%mf: f32[b,s] = cast(%m) {"dtype": "f32"}', '%z: f32[b,s,4] = sub(%x, %x)', '%r: f32[b,s,4] = div(%x, %z)',
+      '%y: f32[b,4] = einsum(%mf, %r) {"equation": "bs,bsd->bd"}'], "unsafe"),          # 0.5 / 0 = inf there
+    (['%mf: f32[b,s] = cast(%m) {"dtype": "f32"}', '%m3: f32[b,1,s] = reshape(%mf) {"shape": ["b", 1, "s"]}',
+      '%z: f32[b,s,4] = sub(%x, %x)', '%r: f32[b,s,4] = div(%x, %z)', '%y: f32[b,1,4] = matmul(%m3, %r)'], "unsafe"),
+    (['%mf: f32[b,s] = cast(%m) {"dtype": "f32"}', '%m3: f32[b,1,s] = reshape(%mf) {"shape": ["b", 1, "s"]}',
+      '%y: f32[b,1,4] = matmul(%m3, %x)'], "safe"),
     # a masked sum: the mask's padded positions are the pad value 0
     (['%mf: f32[b,s] = cast(%m) {"dtype": "f32"}', '%m3: f32[b,s,1] = reshape(%mf) {"shape": ["b", "s", 1]}',
       '%xm: f32[b,s,4] = mul(%x, %m3)', '%y: f32[b,4] = sum(%xm) {"dims": [1]}'], "safe"),
