@@ -302,58 +302,20 @@ def _fallbacks(cap: Any, mode: str) -> list[Issue]:
     return out
 
 
-def _slice_needs(start: int, end: Any) -> int | None:
-    """The extent a slice [start:end] needs for the length the IR gives it (`end - start`, or
-    `extent - start`, ...) to be python's: a constant end or a start from the end assumes the
-    axis holds at least that many positions (torch.export proves it for its example's range,
-    from 2 up; a recipe may admit 1)."""
-    big = isinstance(end, int) and end >= 2 ** 31
-    if not isinstance(end, int):
-        return None                           # a symbolic end (x[:, :seq]): its own dim
-    if start >= 0 and big:
-        return start or None
-    if start >= 0 and end >= 0:
-        return end
-    if start >= 0:
-        return start - end
-    return -start
-
-
 def _short_slices(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
     """Slices with constant bounds over a dynamic axis that some admissible dim value makes
     shorter than the bound: the plan would read past the axis (x[:2] at batch 1 answered two
     rows, the second one garbage)."""
-    import sympy
-    from graphmode.ir.types import sym
-    lows = {d: recipe.dim_range(d)[0] for d in recipe.dims}
-    out, seen = [], set()
-    for n in graph.nodes:
-        if n.op != "slice":
-            continue
-        t = graph.type_of(n.inputs[0])
-        size = t.shape[n.attrs["dim"] % t.rank]
-        need = _slice_needs(int(n.attrs.get("start", 0)), n.attrs.get("end", 2 ** 62))
-        if isinstance(size, int) or need is None:
-            continue
-        expr = sympy.sympify(size)
-        free = [s.name for s in expr.free_symbols]
-        if len(free) != 1 or free[0] not in lows or free[0] in seen:
-            continue                              # one recipe dim: its smallest value decides
-        d = free[0]
-        at = lambda v: expr.subs(sym(d), v)       # noqa: E731
-        if not at(lows[d]).is_Integer or int(at(lows[d])) >= need:
-            continue
-        at_low = int(at(lows[d]))
-        lo, hi = recipe.dim_range(d)
-        fits = next((v for v in range(lo, min(hi, lo + 4096) + 1) if at(v).is_Integer and int(at(v)) >= need), None)
-        seen.add(d)
-        loc = (getattr(cap, "locs", {}) or {}).get(n.outputs[0])
-        end = n.attrs.get("end", 2 ** 62)
-        out.append(Issue("model", f"slice {n.attrs.get('start', 0)}:{'' if end >= 2 ** 31 else end} of an axis of "
-                                  f"{dim_str(size)} positions takes {need}, but the recipe admits {d} = {lo}, where "
-                                  f"the axis has {at_low}: that plan would read past it", f"dims.{d}.min", lo,
-                         fix=(f"dims.{d}.min: {fits} (and no smaller bucket)" if fits is not None else
-                              f"keep dims.{d} where the axis holds {need}") + ", or exe_mode: eager", loc=loc))
+    from graphmode.analysis.extents import short_slices
+    out = []
+    for s in short_slices(graph, {d: recipe.dim_range(d) for d in recipe.dims}):
+        lo = recipe.dim_range(s.dim)[0]
+        loc = (getattr(cap, "locs", {}) or {}).get(s.output)
+        out.append(Issue("model", f"slice {s.start}:{'' if s.end >= 2 ** 31 else s.end} of an axis of {s.extent} "
+                                  f"positions takes {s.need}, but the recipe admits {s.dim} = {lo}, where the axis "
+                                  f"has {s.at_low}: that plan would read past it", f"dims.{s.dim}.min", lo,
+                         fix=(f"dims.{s.dim}.min: {s.fits} (and no smaller bucket)" if s.fits is not None else
+                              f"keep dims.{s.dim} where the axis holds {s.need}") + ", or exe_mode: eager", loc=loc))
     return out
 
 

@@ -82,4 +82,67 @@ def short_extents(graph: Graph, ranges: Mapping[str, tuple[int, int]], export: b
     return list(out.values())
 
 
-__all__ = ["ShortExtent", "short_extents"]
+@dataclass(frozen=True)
+class ShortSlice:
+    """A slice with constant bounds over an axis of `extent` positions that needs `need` of them,
+    which `dim`'s minimum leaves at `at_low`; `fits` is the smallest dim value where it holds."""
+
+    dim: str
+    output: str
+    start: int
+    end: int
+    extent: str
+    need: int
+    at_low: int
+    fits: int | None
+
+
+def slice_needs(start: int, end: Any) -> int | None:
+    """The extent a slice [start:end] needs for the length the IR gives it (`end - start`, or
+    `extent - start`, ...) to be python's: a constant end or a start from the end assumes the
+    axis holds at least that many positions (torch.export proves it for its example's range,
+    from 2 up; a recipe may admit 1)."""
+    big = isinstance(end, int) and end >= 2 ** 31
+    if not isinstance(end, int):
+        return None                           # a symbolic end (x[:, :seq]): its own dim
+    if start >= 0 and big:
+        return start or None
+    if start >= 0 and end >= 0:
+        return end
+    if start >= 0:
+        return start - end
+    return -start
+
+
+def short_slices(graph: Graph, ranges: Mapping[str, tuple[int, int]]) -> list[ShortSlice]:
+    """Slices with constant bounds over an axis of one dim that the dim's minimum makes shorter
+    than the bound (x[:, -2] at seq 1): the plan would read past the axis. One per dim."""
+    out, seen = [], set()
+    for n in graph.nodes:
+        if n.op != "slice":
+            continue
+        t = graph.type_of(n.inputs[0])
+        size = t.shape[n.attrs["dim"] % t.rank]
+        need = slice_needs(int(n.attrs.get("start", 0)), n.attrs.get("end", 2 ** 62))
+        if isinstance(size, int) or need is None:
+            continue
+        expr = sympy.sympify(size)
+        free = [s.name for s in expr.free_symbols]
+        if len(free) != 1 or free[0] not in ranges or free[0] in seen:
+            continue                              # one dim: its smallest value decides
+        d = free[0]
+        lo, hi = ranges[d]
+
+        def at(v: int) -> Any:
+            return expr.subs(sym(d), v)
+        if not at(lo).is_Integer or int(at(lo)) >= need:
+            continue
+        fits = next((v for v in range(lo, min(hi, lo + SEARCH) + 1) if at(v).is_Integer and int(at(v)) >= need),
+                    None)
+        seen.add(d)
+        out.append(ShortSlice(d, n.outputs[0], int(n.attrs.get("start", 0)), n.attrs.get("end", 2 ** 62),
+                              dim_str(size), need, int(at(lo)), fits))
+    return out
+
+
+__all__ = ["ShortExtent", "ShortSlice", "short_extents", "short_slices", "slice_needs"]

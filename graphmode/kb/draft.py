@@ -534,11 +534,16 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
 def _extent_minimums(graph: Any, ranges: dict[str, tuple[int, int]], given: dict) -> dict[str, tuple]:
     """{dim: (min, None, why)} for the dims this draft chose whose minimum leaves a window wider
     than its input (analysis/extents.py): the draft starts them where the model runs."""
-    from graphmode.analysis.extents import short_extents
-    return {s.dim: (s.fits, None, f"from the smallest {s.dim} the model takes (below it {s.op} -> %{s.output} "
-                                  f"has {s.extent} < {s.floor} positions: "
-                                  + ("its window is wider than its input)" if s.floor else "a negative size)"))
-            for s in short_extents(graph, ranges) if s.fits is not None and s.dim not in given}
+    from graphmode.analysis.extents import short_extents, short_slices
+    out = {s.dim: (s.fits, None, f"from the smallest {s.dim} the model takes (below it {s.op} -> %{s.output} "
+                                 f"has {s.extent} < {s.floor} positions: "
+                                 + ("its window is wider than its input)" if s.floor else "a negative size)"))
+           for s in short_extents(graph, ranges) if s.fits is not None and s.dim not in given}
+    for s in short_slices(graph, ranges):      # x[:, -2]: the axis must hold the positions it reads
+        if s.fits is not None and s.dim not in given and s.fits > out.get(s.dim, (0,))[0]:
+            out[s.dim] = (s.fits, None, f"from the smallest {s.dim} the model takes (a slice of {s.extent} "
+                                        f"positions reads {s.need} of them: %{s.output})")
+    return out
 
 
 def _position_maximums(graph: Any, ranges: dict[str, tuple[int, int]], given: dict) -> dict[str, tuple]:

@@ -689,3 +689,15 @@ def test_autograd_switched_on_inside_forward_is_named():
                 return self.lin(x)
     with pytest.raises(CaptureError, match="switches autograd on inside forward"):
         graphmode.compile((Grad().eval(), (torch.randn(2, 16),)))
+
+
+def test_a_draft_starts_a_dim_where_a_slice_from_its_end_has_positions():
+    """x.select(1, -2) reads two positions from the end: the draft starts seq at 2 (it refused its
+    own draft, which admitted seq 1)."""
+    class SecondLast(torch.nn.Module):
+        def forward(self, x):
+            return x.select(1, -2) * 2
+    cm = graphmode.compile((SecondLast(), (torch.randn(2, 12),), {"x": ["batch", "seq"]}))
+    assert cm.recipe.dim_range("seq")[0] == 2
+    x = torch.randn(3, 5)
+    assert torch.equal(cm(x), x[:, -2] * 2)
