@@ -264,7 +264,8 @@ def _unwrapped(module: nn.Module, where: str) -> nn.Module:
     """The module graphmode compiles in place of a wrapper: torch.compile's OptimizedModule holds
     the user's module (compiled here instead of by Dynamo); a TorchScript module has no Python
     forward to export."""
-    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+    frames = sys.modules.get("torch._dynamo.eval_frame")     # not imported: nothing was torch.compile'd
+    if frames is not None and isinstance(module, frames.OptimizedModule):
         return module._orig_mod
     if isinstance(module, torch.jit.RecursiveScriptModule):
         raise CaptureError(f"{type(module).__name__} is a scripted module (torch.jit.script's output), whose forward "

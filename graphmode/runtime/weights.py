@@ -13,9 +13,8 @@ for 150 tensors).
 """
 from __future__ import annotations
 
-from typing import Any
-
 from operator import attrgetter, is_not
+from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
