@@ -131,6 +131,7 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
                                 locs=getattr(capture_report, "locs", {}) or {}, masks=mask_inputs(recipe))
     v.masked_dims = list(v.padding.masked)
     v.query_key_dims = list(v.padding.query_key)
+    engine = "ONNX Runtime" if _is_onnx(source) else "eager PyTorch"     # what runs a request the plans do not take
     for d in v.padding.unsafe_dims:
         findings = v.padding.dims[d].findings
         first = findings[0]
@@ -142,7 +143,7 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
             v.exact_dims.append(d)
             v.restrictions.append(Issue("padding", msg, where, loc=first.loc,
                                         fix=f"requests whose {d} is not a bucket value run eagerly (on_violation: "
-                                            f"eager: {'ONNX Runtime' if _is_onnx(source) else 'eager PyTorch'}); "
+                                            f"eager: {engine}); "
                                             "declare a mask or exact buckets to avoid it"))
             continue
         masks = [i.name for i in recipe.inputs if getattr(i, "role", "data") == "attention_mask"]
@@ -151,7 +152,6 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
         if not masks:
             fixes.append(f"if the model takes a mask over {d}, declare it (inputs[].role: attention_mask, "
                          "pad_value: 0) and make sure the model uses it where it reduces over the padding")
-        engine = "ONNX Runtime" if _is_onnx(source) else "eager PyTorch"
         fixes.append(f"set on_violation: eager so requests that would need padding on {d} run in {engine}")
         v.refusals.append(Issue("padding", msg, where, loc=first.loc, fix="; or ".join(fixes)))
     return v

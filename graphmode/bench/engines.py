@@ -54,6 +54,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphmode.errors import GraphmodeError
+from graphmode.ir.graph import declared_name
 
 ENGINE_NAMES = ("eager", "torch_compile", "onnxruntime", "openvino", "graphmode")
 TORCH_COMPILE_VARIANTS = ("default", "max-autotune", "freezing", "max-autotune+freezing")
@@ -237,8 +238,7 @@ class OnnxRuntimeEngine(Engine):
         t0 = time.perf_counter()
         sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         names = [i.name for i in sess.get_inputs()]
-        from graphmode.ir.graph import clean_name
-        feed = {n: inputs[n if n in inputs else clean_name(n)].numpy() for n in names}   # the recipe's "x_0" is "x:0"
+        feed = {n: inputs[declared_name(n, inputs) or n].numpy() for n in names}   # the recipe's "x_0" is "x:0"
         self.setup_detail = {**detail, "session_s": round(time.perf_counter() - t0, 3),
                              "setup_includes": "onnx export (from its cache record) + session + first call"}
         self._sess = sess
@@ -269,8 +269,7 @@ class OpenVinoEngine(Engine):
         compiled = core.compile_model(path, "CPU", {"INFERENCE_NUM_THREADS": shared.threads,
                                                     "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"})
         names = [p.get_any_name() for p in compiled.inputs]
-        from graphmode.ir.graph import clean_name
-        feed = {n: inputs[n if n in inputs else clean_name(n)].numpy() for n in names}   # the recipe's "x_0" is "x:0"
+        feed = {n: inputs[declared_name(n, inputs) or n].numpy() for n in names}   # the recipe's "x_0" is "x:0"
         req = compiled.create_infer_request()
         self.setup_detail = {**detail, "compile_s": round(time.perf_counter() - t0, 3)}
         self._req = req

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphmode.errors import CaptureError, GraphmodeError, RecipeError
-from graphmode.ir.graph import clean_name
+from graphmode.ir.graph import declared_name
 
 if TYPE_CHECKING:
     from graphmode.recipe import Recipe
@@ -112,9 +112,10 @@ class ModelSource:
             raise CaptureError(f"ONNX Runtime cannot load this model for reference: {first_line(e)}",
                                where=f"model {self.onnx_path}",
                                fix="check the model with onnx.checker and onnxruntime directly") from None
-        own = {clean_name(i.name): i.name for i in self._ort.get_inputs()}    # recipe "x_0" -> model "x:0"
+        own = [i.name for i in self._ort.get_inputs()]     # the model's "x:0" is the recipe's "x_0"
         try:
-            res = self._ort.run(None, {own.get(k, k): v.numpy() for k, v in inputs.items()})
+            res = self._ort.run(None, {n: inputs[k].numpy() for n in own if (k := declared_name(n, inputs) or n)
+                                       in inputs})
         except Exception as e:  # noqa: BLE001 - the model itself refuses these inputs (a window wider than one)
             shapes = {k: list(v.shape) for k, v in inputs.items()}
             raise GraphmodeError(f"ONNX Runtime fails on these inputs ({shapes}): {first_line(e)}", where="inputs",

@@ -27,6 +27,14 @@ def clean_name(name: str) -> str:
     return n if n and not n[0].isdigit() else f"v{n}"
 
 
+def declared_name(name: str, declared) -> str | None:
+    """Which of `declared` (names as the IR spells them: a recipe's inputs) `name` is: itself, or
+    an ONNX model's own spelling of one ("x:0" for "x_0"); None when neither."""
+    if name in declared:
+        return name
+    return clean_name(name) if clean_name(name) in declared else None
+
+
 @dataclass(frozen=True, eq=True)
 class Node:
     op: str

@@ -28,7 +28,7 @@ from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.ir.graph import Graph
 from graphmode.progress import OnStage, stage
 from graphmode.runtime.contract import InputContract
-from graphmode.runtime.shaping import SPLIT_DIM, Shaping
+from graphmode.runtime.shaping import SPLIT_DIM, Shaping, fallback_engine
 from graphmode.runtime.exact import ExactValues
 from graphmode.runtime.split import Chooser, shape_key
 from graphmode.runtime.weights import FrozenWeights
@@ -51,7 +51,7 @@ def _say_outside_draft(cm: Any, err: ContractViolation, bucket: Any) -> None:
     if where in said:
         return
     said.add(where)
-    engine = "ONNX Runtime" if cm.source.module is None else "eager PyTorch"
+    engine = fallback_engine(cm)
     d = where.removeprefix("dims.")
     warnings.warn(f"graphmode: {err.message}, so it ran in {engine}, not compiled (said once per dim); give "
                   f"a recipe whose dims cover such requests, e.g. `graphmode recipe init --dim {d}=LO:HI`",

@@ -239,11 +239,11 @@ def refuse_aliased_updates(inputs: Mapping[str, torch.Tensor], mutated: list[str
 def _ir_spelled(named: dict[str, Any], declared: list[str]) -> dict[str, Any]:
     """`named` with an ONNX input's own name ("x:0", as ONNX Runtime takes it) put as the IR spells
     it ("x_0", the recipe's name) where only that is declared."""
-    from graphmode.ir.graph import clean_name
+    from graphmode.ir.graph import declared_name
     if all(k in declared for k in named):
         return named
     out = {}
     for k, v in named.items():
-        c = clean_name(k) if k not in declared else k
-        out[c if c in declared and c not in named else k] = v
+        c = declared_name(k, declared)
+        out[c if c is not None and (c == k or c not in named) else k] = v
     return out

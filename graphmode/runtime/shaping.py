@@ -83,7 +83,7 @@ class Shaping:
             err = ContractViolation(
                 f"input {name!r} {why}", where=f"dims.{d}",
                 value=dims[d], fix=f"send {d} equal to a bucket value {buckets[d]}, or on_violation: eager (such "
-                                   f"requests then run in {_engine(self)})")
+                                   f"requests then run in {fallback_engine(self)})")
         return err, "padding", f"unsafe padding on {d}"     # bounded: it labels a Prometheus series
 
     def _pad(self, inputs: Mapping[str, torch.Tensor], bucket: Mapping[str, int]) -> dict[str, torch.Tensor]:
@@ -210,6 +210,6 @@ class Shaping:
                                                    [f"output_{i}" for i in range(n_user)])
 
 
-def _engine(cm: Any) -> str:
+def fallback_engine(cm: Any) -> str:
     """What runs a request the plans do not take."""
     return "ONNX Runtime" if cm.source.module is None else "eager PyTorch"

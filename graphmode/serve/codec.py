@@ -316,11 +316,10 @@ def decode_json(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torch.Tenso
 def _declared(name: str, dtypes: Mapping[str, str]) -> str:
     """The recipe's name of input `name`: itself, or an ONNX model's own spelling ("x:0") of the
     recipe's "x_0"."""
-    if name in dtypes:
-        return name
-    from graphmode.ir.graph import clean_name
-    if clean_name(name) in dtypes:
-        return clean_name(name)
+    from graphmode.ir.graph import declared_name
+    found = declared_name(name, dtypes)
+    if found is not None:
+        return found
     raise _refuse(name, "is not an input of the recipe", fix=f"the recipe declares {', '.join(dtypes)}")
 
 

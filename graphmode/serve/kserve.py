@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 import graphmode
 from graphmode.errors import ContractViolation, GraphmodeError
-from graphmode.ir.graph import clean_name
+from graphmode.ir.graph import declared_name
 from graphmode.ir.types import DTYPES, TORCH_TO_DTYPE
 from graphmode.serve.app import read_body
 from graphmode.serve.codec import _json_tensor, body_kind, clip, dumps
@@ -91,8 +91,7 @@ def parse_infer(body: bytes, dtypes: dict[str, str], outputs: list[str]) -> tupl
             raise BadRequest("the binary tensor extension is not supported", status=415,
                              reason="unsupported_media_type", where=f"{where}.parameters.binary_data_size",
                              fix="send the tensor's values in data (JSON)")
-        if name not in dtypes and clean_name(name) in dtypes:     # an ONNX model's own spelling ("x:0" of x_0)
-            name = clean_name(name)
+        name = declared_name(name, dtypes) or name     # an ONNX model's own spelling ("x:0" of x_0)
         if name not in dtypes:
             raise BadRequest(f"input {clip(name)!r} is not an input of the recipe", status=422, reason="input",
                              where=f"{where}.name", fix=f"the recipe declares {', '.join(dtypes)}")

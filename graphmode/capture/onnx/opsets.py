@@ -30,6 +30,7 @@ def _versions(op: str, domain: str) -> tuple[int, ...]:
                          if s.name == op and s.domain == domain}))
 
 
+@lru_cache(maxsize=None)
 def _schema(op: str, version: int, domain: str = ""):
     from onnx import defs
     try:
