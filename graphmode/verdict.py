@@ -202,7 +202,7 @@ def _mismatches(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
         issues.append(Issue("mismatch", f"the model takes inputs {extra} that the recipe does not declare", "inputs",
                             fix=f"declare every model input: {model_inputs}"))
     names = list(getattr(cap, "output_names", None) or graph.outputs)
-    by_name = dict(zip(names, graph.outputs))
+    by_name = dict(zip(names, user_output_types(graph, cap)))
     for name, axes in recipe.outputs.items():
         where = f"outputs.{name}"
         if name not in by_name:
@@ -211,7 +211,7 @@ def _mismatches(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
                                     "returns: `output` for one tensor, `output_0`, ... for a tuple, the keys of a "
                                     "dict or ModelOutput)"))
             continue
-        ty = graph.values[by_name[name]].type
+        ty = by_name[name]
         if len(axes) != len(ty.shape):
             issues.append(Issue("mismatch", f"output {name!r} has rank {len(ty.shape)} in the model ({ty.text()}), "
                                             f"the recipe declares {list(axes)}", where, list(axes),
@@ -288,10 +288,35 @@ def _index_issues(recipe: Any, rep: IndexReport) -> list[Issue]:
     return out
 
 
+def describe(tail: Graph) -> str:
+    """A data-dependent tail's (capture/tail.py) first op, where the model makes it, and how many follow."""
+    first = tail.nodes[0]
+    more = len(tail.nodes) - 1
+    return f"{first.attrs.get('target')} at {first.attrs.get('loc')}" + (f" and {more} op(s) after it" if more else "")
+
+
+def user_output_types(graph: Graph, cap: Any) -> list:
+    """The types of the outputs the model returns: the tail's where it has one (a data-dependent
+    axis is a `data_u*` dim there), else the graph's first outputs (before in-place updates)."""
+    tail = getattr(cap, "tail", None)
+    if tail is not None:
+        return [tail.values[o].type for o in tail.outputs]
+    users = graph.outputs[:len(graph.outputs) - len(getattr(cap, "mutated_inputs", None) or [])]
+    return [graph.values[o].type for o in users]
+
+
 def _fallbacks(cap: Any, mode: str) -> list[Issue]:
     if mode != "graph" or cap is None:
         return []
     out = []
+    tail = getattr(cap, "tail", None)
+    if tail is not None and tail.nodes:
+        out.append(Issue("fallback", f"the model makes a size only its data decides ({describe(tail)}): graphmode "
+                                     "plans every buffer from the recipe's dims, so exe_mode 'graph' cannot run it",
+                         "exe_mode", mode, fix="set exe_mode: hybrid (the plan runs up to that op, the rest runs "
+                                               "eagerly on the plan's outputs), or keep the shape fixed: "
+                                               "torch.where(mask, x, 0) or a masked sum instead of x[mask]",
+                         loc=tail.nodes[0].attrs.get("loc")))
     for f in cap.fallbacks:
         excluded = getattr(f, "excluded", False)
         fix = ("remove it from capture.exclude_ops, or set exe_mode: hybrid to run it as an eager island"

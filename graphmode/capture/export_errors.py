@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from typing import Iterator
 
 from graphmode.errors import CaptureError
@@ -43,7 +44,10 @@ def quiet_export_logs() -> Iterator[None]:
         lg.setLevel(logging.CRITICAL)
     held = io.StringIO()
     try:
-        with contextlib.redirect_stderr(held):
+        with contextlib.redirect_stderr(held), warnings.catch_warnings():
+            # torch's own deepcopy of its pytree specs in run_decompositions warns about torch's API
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
             yield
         sys.stderr.write(held.getvalue())
     finally:

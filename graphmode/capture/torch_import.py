@@ -23,6 +23,7 @@ from graphmode.capture.aten import convert
 from graphmode.capture.export_errors import ROPE_FIX, ROPE_WHY, export_failure, quiet_export_logs, shown_path
 from graphmode.capture.fast_paths import eager_fast_paths
 from graphmode.capture.self_changes import refuse_self_changes
+from graphmode.capture.tail import DataNumber, Tail, as_tail_dim, unbacked
 from graphmode.errors import CaptureError, GraphmodeError
 from graphmode.ir.graph import Graph, clean_name
 from graphmode.ir.types import TORCH_TO_DTYPE, TensorType, dim_str, normalize_dim, settle_on, sym
@@ -50,6 +51,8 @@ class CaptureReport:
     # inputs the model updates in place: the graph's last outputs are their new values, in this order
     mutated_inputs: list[str] = field(default_factory=list)
     locs: dict[str, str] = field(default_factory=dict)   # IR value -> the model source line that made it
+    # ops after a size only the data decides (capture/tail.py): the graph's outputs are its inputs
+    tail: Graph | None = None
 
     def to_json(self) -> dict:
         return {"source": self.source, "seconds": round(self.seconds, 3), "aten_ops": self.aten_ops,
@@ -92,6 +95,8 @@ class _Importer:
         self.fqn_prefix = ""                   # "model." when the module is graphmode's output-flattening wrapper
         self.mutated_inputs: list[str] = []    # inputs updated in place: one graph output each, after the user's
         self._node: torch.fx.Node | None = None   # the node being translated (for messages)
+        self.tail = Tail(self)                 # what runs after the plan: ops on data-dependent sizes
+        self.unbacked_ok = False               # True while the tail is translated
 
     # ---- symbols ---------------------------------------------------------------------
     def _bind_symbols(self, user_inputs: list[tuple[str, torch.fx.Node]]) -> None:
@@ -111,6 +116,8 @@ class _Importer:
         if isinstance(v, torch.SymInt):
             expr = v.node.expr.xreplace(self.subs)
             unknown = [s for s in expr.free_symbols if s.name not in self.g.dims]
+            if unknown and self.unbacked_ok and len(unbacked(expr)) == len(unknown):
+                return normalize_dim(as_tail_dim(expr))
             if unknown:
                 raise _unmapped_size(expr, unknown, self._node)
             return settle_on(normalize_dim(expr), self.g.dims)
@@ -153,6 +160,8 @@ class _Importer:
                 return self.const(v)
             if isinstance(v, sympy.Expr) and v.is_integer is not False:
                 return dim_value(self.g, v)
+            if isinstance(v, DataNumber):
+                raise v.refusal()
             raise CaptureError(f"symbolic value {v} used as a tensor", where=f"node {a.name}",
                                fix="compute it from tensors (a float size, such as x.shape[1] / 2, is not captured)")
         if isinstance(a, (int, float, bool)):
@@ -211,41 +220,13 @@ class _Importer:
     def _sym_op(self, node: torch.fx.Node) -> None:
         """Python arithmetic on SymInts (operator.mul, sym_size...) evaluated symbolically."""
         args = [self.env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
-        r = sym_value(node, args)
+        read = [a for a in args if isinstance(a, DataNumber)]
+        r = read[0] if read else sym_value(node, args)
         self.env[node] = settle_on(normalize_dim(r), self.g.dims) if isinstance(r, (sympy.Basic, int)) \
             and not isinstance(r, sympy.logic.boolalg.Boolean) else r
 
     def encode_call(self, node: torch.fx.Node) -> tuple[list[str], list, dict]:
-        """The node's arguments as JSON (tensors as {"$in": i} into the returned inputs, sizes as
-        {"$dim": ...}, dtypes as {"$dtype": ...}): how eager islands and ATen-reference ops keep them."""
-        ins: list[str] = []
-
-        def enc(a):
-            if isinstance(a, torch.fx.Node):
-                v = self.env[a]
-                if isinstance(v, str):
-                    ins.append(v)
-                    return {"$in": len(ins) - 1}
-                if isinstance(v, sympy.Basic):
-                    return {"$dim": dim_str(v)}
-                return v
-            if isinstance(a, torch.SymInt):
-                return {"$dim": dim_str(self.dim(a))}
-            if isinstance(a, torch.dtype):
-                return {"$dtype": TORCH_TO_DTYPE[a]}
-            if isinstance(a, torch.device):
-                return {"$device": str(a)}
-            if isinstance(a, (list, tuple)):
-                return [enc(x) for x in a]
-            if a is None or isinstance(a, (int, float, bool, str)):
-                return a
-            return str(a)
-
-        args = [enc(a) for a in node.args]
-        kwargs = {k: enc(v) for k, v in node.kwargs.items()
-                  if k not in ("layout", "pin_memory", "memory_format") or v is not None and k == "memory_format"}
-        kwargs.pop("memory_format", None)
-        return ins, args, kwargs
+        return encode_call(self, node)
 
     def _fallback(self, node: torch.fx.Node, reason: str, excluded: bool = False) -> None:
         ins, args, kwargs = self.encode_call(node)
@@ -257,6 +238,9 @@ class _Importer:
                                "island cannot return", where=loc,
                                fix="exclude the op from the model (or compute it outside the compiled part)")
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        if not tensors and isinstance(node.meta["val"], (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            self.env[node] = DataNumber(str(node.target), loc)      # t.item(): fine for an assert only
+            return
         names = [clean_name(node.name if i == 0 else f"{node.name}_{i}") for i in range(len(tensors))]
         outs = self.g.add_node("fallback", ins, [self.ttype(v) for v in tensors],
                                {"target": str(node.target), "args": args, "kwargs": kwargs, "loc": loc},
@@ -302,6 +286,8 @@ class _Importer:
                                        fix="create it outside forward, or draw random numbers without a generator "
                                            "object")
             elif n.op == "call_function":
+                if self.tail.takes(n):
+                    continue
                 first, self._node = len(self.g.nodes), n
                 self.translate(n)
                 if len(self.g.nodes) > first:
@@ -310,6 +296,8 @@ class _Importer:
                         for o in made.outputs:
                             self.locs[o] = loc
             elif n.op == "output":
+                if self.tail:
+                    self.tail.translate()
                 self._outputs(n, {p.name: nm for p, nm in zip(user_inputs, user_names)})
         for o in self.g.outputs:
             v = self.g.values[o]
@@ -358,6 +346,13 @@ class _Importer:
                 raise CaptureError(f"the exported program has a {kind} output ({spec.target})",
                                    where=f"model {self.g.name}", fix="compile the inference forward pass")
         self.mutated_inputs = [name for name, _ in mutated]
+        if self.tail:
+            late = [name for name, v in mutated if v not in self.g.values]
+            if late:
+                raise CaptureError(f"the model updates its input {late[0]!r} in place after a size only the data "
+                                   "decides (x[mask], nonzero, unique)", where=f"inputs.{late[0]}",
+                                   fix="return the new value instead of updating the input in place")
+            user = self.tail.finish(user, self.g)
         self.g.outputs = user + [v for _, v in mutated]
 
     def _user_input_names(self, user_inputs: list[torch.fx.Node]) -> list[str]:
@@ -370,6 +365,41 @@ class _Importer:
         if len(keys) == len(user_inputs):
             return keys
         return [n.name for n in user_inputs]
+
+
+def encode_call(imp: _Importer, node: torch.fx.Node) -> tuple[list[str], list, dict]:
+    """The node's arguments as JSON (tensors as {"$in": i} into the returned inputs, sizes as
+    {"$dim": ...}, dtypes as {"$dtype": ...}): how eager islands and ATen-reference ops keep them."""
+    ins: list[str] = []
+
+    def enc(a):
+        if isinstance(a, torch.fx.Node):
+            v = imp.env[a]
+            if isinstance(v, str):
+                ins.append(v)
+                return {"$in": len(ins) - 1}
+            if isinstance(v, sympy.Basic):
+                return {"$dim": dim_str(v)}
+            if isinstance(v, DataNumber):
+                raise v.refusal()
+            return v
+        if isinstance(a, torch.SymInt):
+            return {"$dim": dim_str(imp.dim(a))}
+        if isinstance(a, torch.dtype):
+            return {"$dtype": TORCH_TO_DTYPE[a]}
+        if isinstance(a, torch.device):
+            return {"$device": str(a)}
+        if isinstance(a, (list, tuple)):
+            return [enc(x) for x in a]
+        if a is None or isinstance(a, (int, float, bool, str)):
+            return a
+        return str(a)
+
+    args = [enc(a) for a in node.args]
+    kwargs = {k: enc(v) for k, v in node.kwargs.items()
+              if k not in ("layout", "pin_memory", "memory_format") or v is not None and k == "memory_format"}
+    kwargs.pop("memory_format", None)
+    return ins, args, kwargs
 
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
@@ -530,7 +560,8 @@ def import_torch(module: torch.nn.Module, example_inputs: Mapping[str, torch.Ten
     except Exception:  # noqa: BLE001 - optional metadata
         report.out_spec = None
     report.mutated_inputs = list(imp.mutated_inputs)
-    users = g.outputs[:len(g.outputs) - len(imp.mutated_inputs)]
+    report.tail = imp.tail.graph if imp.tail else None
+    users = report.tail.outputs if report.tail is not None else g.outputs[:len(g.outputs) - len(imp.mutated_inputs)]
     report.output_names = list(output_names) or (["output"] if len(users) == 1 else
                                                  [f"output_{i}" for i in range(len(users))])
     report.output_structure = output_structure

@@ -406,6 +406,12 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
         data["exe_mode"] = "hybrid"
         notes["exe_mode"] = (f"{len(cap.fallbacks)} op(s) have no graphmode lowering "
                              f"({', '.join(sorted({f.target for f in cap.fallbacks}))}): they run as eager islands")
+    if getattr(cap, "tail", None) is not None:
+        from graphmode.verdict import describe
+        data["exe_mode"] = "hybrid"
+        notes["exe_mode"] = ((notes["exe_mode"] + "; " if "exe_mode" in notes else "") +
+                             f"the model makes a size only its data decides ({describe(cap.tail)}): that op and "
+                             "what reads it run eagerly after the plan")
     outputs = _outputs(graph0, cap, ranges)
     if outputs:
         data["outputs"] = outputs
@@ -615,14 +621,14 @@ def _precision_text(prec: dict) -> str:
 
 def _outputs(graph: Any, cap: Any, ranges: dict[str, tuple[int, int]]) -> dict[str, list]:
     from graphmode.ir.types import dim_str
+    from graphmode.verdict import user_output_types
     names = list(getattr(cap, "output_names", None) or graph.outputs)
-    users = graph.outputs[:len(graph.outputs) - len(getattr(cap, "mutated_inputs", []))]
-    if len(names) != len(users) or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
+    types = user_output_types(graph, cap)
+    if len(names) != len(types) or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
         return {}
     out = {}
-    for n, v in zip(names, users):
-        out[n] = [d if isinstance(d, int) else (dim_str(d) if dim_str(d) in ranges else "*")
-                  for d in graph.values[v].type.shape]
+    for n, ty in zip(names, types):
+        out[n] = [d if isinstance(d, int) else (dim_str(d) if dim_str(d) in ranges else "*") for d in ty.shape]
     return out
 
 

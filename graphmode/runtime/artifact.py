@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from graphmode.errors import GraphmodeError, short_value
 from graphmode.progress import OnStage, StageReporter, stage
 from graphmode.runtime.bounds import bounds_doc, bounds_from_doc
+from graphmode.runtime.tail import MEMBERS as TAIL_MEMBERS, read_tail, tail_members
 from graphmode.untrusted import GiB, MiB, UntrustedFileError, file_sha256, open_file, parse_json, read_bytes
 from graphmode.version import __version__
 
@@ -67,8 +68,8 @@ MAX_RANKS = 64          # parallel.tensor's bound
 MANIFEST_MAX_BYTES = 1 * MiB
 # what one member may hold, by where it lives (constants.pt: anything up to the archive's size)
 MEMBER_MAX_BYTES = {"recipe.json": 16 * MiB, "graph.ir": 1 * GiB, "plans": 256 * MiB, "kernels": 512 * MiB,
-                    "tactics": 16 * MiB, "tokenizer": 64 * MiB}
-_MEMBER = re.compile(r"recipe\.json|graph\.ir|constants\.pt|plans/[A-Za-z0-9_.,=-]{1,200}\.json"
+                    "tactics": 16 * MiB, "tokenizer": 64 * MiB, "tail.ir": 64 * MiB, "tail.pt": 1 * GiB}
+_MEMBER = re.compile(r"recipe\.json|graph\.ir|constants\.pt|tail\.ir|tail\.pt|plans/[A-Za-z0-9_.,=-]{1,200}\.json"
                      r"|kernels/[0-9a-f]{32}\.so|tactics/[A-Za-z0-9_.-]{1,200}\.json"
                      r"|tokenizer/[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 _EXTRACTED = ("constants.pt", "kernels", "tactics", "tokenizer")
@@ -322,6 +323,8 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
                 torch.save({k: v.contiguous() for k, v in graph.constants.items()
                             if graph.values[k].role != "state"}, out)
             files["constants.pt"] = out.member()
+            for name, data in (tail_members(cm.tail) if getattr(cm, "tail", None) is not None else {}).items():
+                put(name, data)        # what runs after the plan on data-dependent sizes (runtime/tail.py)
             for k, text in plans.items():
                 put(_bucket_file(k), json.dumps(text).encode())
             for name, lib in sorted(libraries.items()):
@@ -596,17 +599,15 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
             raise _damaged(path, "graph.ir", "it is not UTF-8 text") from None
         graph, spill = _graph(root, text, manifest, path)
         plans = {key: _member(z, _bucket_file(key), path, manifest, size) for key in manifest["buckets"]}
+        tail = _tail(z, path, manifest, size)
     source = ModelSource(manifest.get("model") or graph.name, input_dims={i.name: list(i.shape) for i in recipe.inputs},
                          output_names=list(manifest.get("outputs") or []))
     cm = CompiledModel(source, recipe, _target(manifest.get("target")), None, graph, None, mode=manifest["mode"],
                        cache_dir=root, threads=threads if threads is not None else manifest.get("threads"),
                        device=manifest.get("device") or "cpu", on_stage=on_stage)
-    cm.exact_dims = list(manifest.get("exact_dims") or [])
-    cm.masked_dims = list(manifest.get("masked_dims") or [])
-    cm.query_key_dims = list(manifest.get("query_key_dims") or [])
-    cm.output_structure = manifest.get("output_structure")
-    cm.mutated_inputs = list(manifest.get("mutated_inputs") or [])
-    cm.positional = list(manifest.get("positional") or [])
+    for field in ("exact_dims", "masked_dims", "query_key_dims", "mutated_inputs", "positional"):
+        setattr(cm, field, list(manifest.get(field) or []))
+    cm.output_structure, cm.tail = manifest.get("output_structure"), tail
     if manifest.get("input_bounds") is not None:
         cm._bounds = bounds_from_doc(manifest["input_bounds"])
     cm.artifact = {"path": str(path), "digest": digest, **{k: manifest[k] for k in ("created", "host", "buckets")}}
@@ -689,6 +690,19 @@ def _recipe(z: zipfile.ZipFile, path: Path, manifest: dict[str, Any], size: int)
         raise ArtifactError("its recipe does not match the manifest's hash (edited?)", where=f"{path}:recipe.json",
                             fix="save the artifact again")
     return recipe
+
+
+def _tail(z: zipfile.ZipFile, where: Path, manifest: dict[str, Any], size: int) -> Any:
+    if not any(m in manifest["files"] for m in TAIL_MEMBERS):
+        return None
+    try:
+        return read_tail(*(_member(z, m, where, manifest, size) for m in TAIL_MEMBERS))
+    except ArtifactError:
+        raise
+    except GraphmodeError as e:
+        raise _damaged(where, "tail.ir", e.message) from None
+    except Exception as e:  # noqa: BLE001 - torch.load and the parser raise many types for a damaged file
+        raise _damaged(where, "tail.pt", f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _graph(root: Path, text: str, manifest: dict[str, Any], where: Path):

@@ -32,6 +32,7 @@ from graphmode.runtime.shaping import SPLIT_DIM, Shaping, fallback_engine
 from graphmode.runtime.exact import ExactValues
 from graphmode.runtime.split import Chooser, shape_key
 from graphmode.runtime.weights import FrozenWeights
+from graphmode.runtime.tail import run_tail
 
 log = logging.getLogger("graphmode.runtime")
 
@@ -76,12 +77,8 @@ class CompiledModel(InputContract, Shaping):
     def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
                  *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None,
                  device: str = DEFAULT_DEVICE, on_stage: OnStage | None = None, lowered: Any = None):
-        self.source = source
-        self.recipe = recipe
-        self.target = target
-        self.mode = mode
-        self.cache_dir = cache_dir
-        self.threads = threads
+        self.source, self.recipe, self.target, self.mode = source, recipe, target, mode
+        self.cache_dir, self.threads = cache_dir, threads
         self.device = device     # the backend (backends/registry.py) that builds and runs the plans
         # hears plan builds (graphmode/progress.py): warm-up's "bucket N of M", one on first use
         self.on_stage = on_stage
@@ -141,6 +138,7 @@ class CompiledModel(InputContract, Shaping):
         # what eager returns (capture/outputs.py spec) and the inputs the model updates in place
         self.output_structure = getattr(capture_report, "output_structure", None)
         self.mutated_inputs = list(getattr(capture_report, "mutated_inputs", None) or [])
+        self.tail = getattr(capture_report, "tail", None)     # ops on sizes only the data decides: tail.py
 
     @classmethod
     def from_lowered(cls, low: Any, recipe: Any, target: Any, **kw: Any) -> "CompiledModel":
@@ -310,7 +308,8 @@ class CompiledModel(InputContract, Shaping):
         for name, new in zip(self.mutated_inputs, flat[n_user:]):
             with torch.no_grad():
                 inputs[name].copy_(new)         # the caller's tensor, updated as eager updates it
-        return self.structured(flat[:n_user])
+        user = flat[:n_user] if self.tail is None else run_tail(self.tail, flat[:n_user], inputs, dims)
+        return self.structured(user)
 
     def _run_bucket(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],
                     bucket: Mapping[str, int]) -> list[torch.Tensor]:

@@ -161,7 +161,9 @@ class Shaping:
         if dim not in known:
             from graphmode.analysis.padding import positions_independent
             graph = self.captured_graph if self.captured_graph is not None else self.graph
-            known[dim] = graph is not None and positions_independent(graph, dim)
+            # a data-dependent tail (capture/tail.py) runs eagerly, unanalysed: nonzero over merged
+            # requests numbers one request's rows after another's
+            known[dim] = graph is not None and getattr(self, "tail", None) is None and positions_independent(graph, dim)
         return known[dim]
 
     def _splittable(self) -> bool:
@@ -205,7 +207,8 @@ class Shaping:
         """One name per output the model returns, named by its structure (capture/outputs.py)."""
         names = list(getattr(self.capture_report, "output_names", None) or getattr(self.source, "output_names", None)
                      or [])
-        n_user = len(self.graph.outputs) - len(self.mutated_inputs) if self.graph is not None else len(names)
+        n_user = (len(self.tail.outputs) if getattr(self, "tail", None) is not None else
+                  len(self.graph.outputs) - len(self.mutated_inputs) if self.graph is not None else len(names))
         return names if len(names) == n_user else (["output"] if n_user == 1 else
                                                    [f"output_{i}" for i in range(n_user)])
 

@@ -70,9 +70,11 @@ class Deployment:
             g = cm.graph
             src_names = list(getattr(cm.source, "output_names", []) or [])
             if g is not None:     # the model's own outputs (the new values of inputs it updates in place follow them)
-                users = g.outputs[:len(g.outputs) - len(getattr(cm, "mutated_inputs", []))]
+                tail = getattr(cm, "tail", None)      # a data-dependent tail's outputs are the model's
+                n_user = len(g.outputs) - len(getattr(cm, "mutated_inputs", []))
+                users = tail.outputs if tail is not None else g.outputs[:n_user]
                 names = src_names if len(src_names) == len(users) else list(users)
-                axes = [[_axis_name(d) for d in g.values[o].type.shape] for o in users]
+                axes = [[_axis_name(d) for d in (tail or g).values[o].type.shape] for o in users]
             else:
                 names = src_names or list(recipe.outputs)
                 axes = [[d if isinstance(d, str) and d != "*" else None for d in recipe.outputs.get(n, [])]

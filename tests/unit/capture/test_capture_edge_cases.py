@@ -235,14 +235,19 @@ def test_torch_cond_is_refused_naming_it(tmp_path):
     assert "torch.where" in e.value.fix
 
 
-def test_a_data_dependent_size_is_refused_as_such(tmp_path):
+def test_a_data_dependent_size_is_refused_in_graph_mode_and_runs_after_the_plan_in_hybrid(tmp_path):
     """x[mask] has as many rows as the mask selects: torch names that size u0, which is no
-    recipe dim; the refusal says what it is and where."""
+    recipe dim. Graph mode refuses it, naming the op, where the model makes it and both fixes;
+    hybrid runs it and what reads it after the plan (capture/tail.py), equal to eager."""
+    from graphmode.verdict import ContractRefused
     x, y = torch.randn(3, 4), torch.randn(3, 4)
-    with pytest.raises(CaptureError, match=r"size at .*test_capture_edge_cases\.py:\d+ \(aten\.index.*depends on "
-                                           r"the data") as e:
-        _compiled(lambda x, y: x[y > 0].sum(0, keepdim=True) + x, x, y, tmp_path)
-    assert "torch.where" in e.value.fix
+    fn = lambda x, y: x[y > 0].sum(0, keepdim=True) + x  # noqa: E731
+    with pytest.raises(ContractRefused, match=r"size only its data decides \(aten\.index\.Tensor at "
+                                              r".*test_capture_edge_cases\.py:\d+ and 2 op\(s\) after it\)") as e:
+        _compiled(fn, x, y, tmp_path)
+    assert "exe_mode: hybrid" in str(e.value) and "torch.where" in str(e.value)
+    cm = _compiled(fn, x, y, tmp_path, mode="hybrid")
+    assert torch.equal(cm(x, y), fn(x, y)) and cm.last_path["path"] == "graph"
 
 
 def test_a_dynamic_rope_is_refused_with_its_fix(tmp_path):
@@ -701,3 +706,15 @@ def test_a_draft_starts_a_dim_where_a_slice_from_its_end_has_positions():
     assert cm.recipe.dim_range("seq")[0] == 2
     x = torch.randn(3, 5)
     assert torch.equal(cm(x), x[:, -2] * 2)
+
+
+def test_capture_shows_no_warning_about_torch_internals(tmp_path):
+    """torch.export's run_decompositions deep-copies its own pytree specs, which warned
+    "`isinstance(treespec, LeafSpec)` is deprecated" twice on every PyTorch compile: about
+    torch's code, nothing a user can act on."""
+    import warnings
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _compiled(lambda x, y: x + y, x, y, tmp_path)
+    assert not [w for w in seen if issubclass(w.category, FutureWarning)], [str(w.message) for w in seen]

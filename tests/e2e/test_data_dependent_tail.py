@@ -1,0 +1,108 @@
+"""Sizes only the data decides (x[mask], nonzero, unique, masked_select, where(cond)): under
+exe_mode hybrid the plan runs up to them and the rest runs eagerly after it (capture/tail.py,
+runtime/tail.py), with answers equal to eager at padded batches, from a draft and from a .gm."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphmode
+from graphmode.errors import CaptureError
+from graphmode.runtime.artifact import ArtifactError
+
+
+class Select(torch.nn.Module):
+    """The heavy part (a linear, tanh) in the plan; what the masks select after it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, ids, x):
+        h = torch.tanh(self.proj(x))
+        vals, counts = torch.unique(ids, return_counts=True)
+        rows, cols = torch.where(h[..., 0] > 0)
+        picked = h[h > 0.2] * 2 + 1                           # ops after the size: in the tail too
+        found = torch.nonzero(h > 0.5)
+        ones = torch.ones(found.shape[0], 2)                  # a size read from a tail tensor
+        return {"vals": vals, "counts": counts, "rows": rows, "cols": cols, "picked": picked,
+                "found": found, "ones": ones, "masked": torch.masked_select(x, x > 0), "h": h}
+
+
+RECIPE = {"version": 1, "name": "select", "exe_mode": "hybrid",
+          "inputs": [{"name": "ids", "dtype": "i64", "shape": ["batch", 6], "range": [0, 9]},
+                     {"name": "x", "dtype": "f32", "shape": ["batch", 6, 4]}],
+          "dims": {"batch": {"buckets": [4, 8]}}}
+
+
+def _inputs(batch: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"ids": torch.randint(0, 10, (batch, 6), generator=g), "x": torch.randn(batch, 6, 4, generator=g)}
+
+
+def _same(cm, model, inputs) -> None:
+    want, got = model(**inputs), cm(**inputs)
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    model = Select().eval()
+    return model, graphmode.compile((model, _inputs(4, 0)), RECIPE, cache_dir=tmp_path_factory.mktemp("c"))
+
+
+def test_the_tail_answers_as_eager_at_padded_batches(compiled):
+    model, cm = compiled
+    for batch, seed in ((1, 1), (3, 2), (4, 3), (5, 4), (8, 5)):
+        _same(cm, model, _inputs(batch, seed))
+        assert cm.last_path["path"] == "graph" and cm.last_path["bucket"]["batch"] in (4, 8)
+    tail = cm.tail.text()
+    assert "data_u0" in tail and "aten.nonzero.default" in tail and "aten._unique2.default" in tail
+    # the plan outputs what the tail reads (h, the masks), the tail's outputs are the model's
+    assert set(cm.graph.outputs) == set(cm.tail.inputs) - {"ids", "x"}
+    assert cm.output_names == ["vals", "counts", "rows", "cols", "picked", "found", "ones", "masked", "h"]
+    # the tail is not analysed: requests are neither merged nor cut along the batch
+    assert not cm.independent_along("batch")
+
+
+def test_a_saved_tail_runs_from_the_artifact_and_a_damaged_one_is_named(compiled, tmp_path):
+    model, cm = compiled
+    path = tmp_path / "select.gm"
+    cm.save(path)
+    loaded = graphmode.load(path, cache_dir=tmp_path / "cache")
+    _same(loaded, model, _inputs(6, 7))
+    data = path.read_bytes()
+    assert data.count(b"aten.nonzero.default") == 1
+    (tmp_path / "edited.gm").write_bytes(data.replace(b"aten.nonzero.default", b"aten.nonzerp.default"))
+    with pytest.raises(ArtifactError, match=r"tail\.ir is damaged or edited"):
+        graphmode.load(tmp_path / "edited.gm", cache_dir=tmp_path / "cache2")
+
+
+def test_the_draft_runs_a_tail_in_hybrid_and_graph_mode_refuses_it(tmp_path):
+    class Rows(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x)[x[:, 0] > 0]
+    x = torch.randn(5, 3)
+    cm = graphmode.compile((Rows(), (x,)), cache_dir=tmp_path)
+    assert cm.recipe.exe_mode == "hybrid" and "aten.index.Tensor" in cm.draft_notes["exe_mode"]
+    for batch in (1, 5, 9):
+        x = torch.randn(batch, 3)
+        assert torch.equal(cm(x), torch.relu(x)[x[:, 0] > 0])
+    from graphmode.verdict import ContractRefused
+    with pytest.raises(ContractRefused, match=r"exe_mode: the model makes a size only its data decides") as e:
+        graphmode.compile((Rows(), (x,)), cache_dir=tmp_path, mode="graph")
+    assert "exe_mode: hybrid" in str(e.value)
+
+
+def test_a_number_read_out_of_the_data_is_refused_naming_the_op(tmp_path):
+    class Scaled(torch.nn.Module):
+        def forward(self, x):
+            return x * (x > 0).sum().item()
+    with pytest.raises(CaptureError, match=r"aten\.(item|_local_scalar_dense)\S* at .*test_data_dependent_tail\.py:"
+                                           r"\d+ turns tensor data into a Python number") as e:
+        graphmode.compile((Scaled(), (torch.randn(2, 5),)), cache_dir=tmp_path, mode="hybrid")
+    assert "x * t.sum()" in e.value.fix
