@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 PREFIX = "data_"      # data_u0: torch's unbacked u0 as a tail dim (apart from any recipe dim)
 _UNBACKED = re.compile(r"u\d+")
+_DATA_DIM = re.compile(PREFIX + r"u\d+")
 
 
 def unbacked(expr: Any) -> list[sympy.Symbol]:
@@ -67,17 +68,104 @@ class DataNumber:
                                 "model with exe_mode: eager")
 
 
-class Tail:
+class TailGraph:
+    """The tail's IR graph, built beside the head it reads from."""
+
+    def __init__(self, head: Graph):
+        self.graph = Graph(head.name + "_tail")
+        self.graph.dims = dict(head.dims)
+        self.reads: list[str] = []       # head values the tail reads: the plan's outputs, in this order
+        self.inputs: list[str] = []      # model inputs the tail reads (the request's own tensors)
+
+    def _from_head(self, name: str, head: Graph) -> None:
+        """A value the tail reads that the head makes: a constant copied, else a tail input (a
+        plan output, or a model input the request carries)."""
+        if name in self.graph.values:
+            return
+        v = head.values[name]
+        if name in head.constants:
+            self.graph.add_constant(name, head.constants[name], role=v.role)
+        else:
+            self.graph.add_input(name, v.type)
+            (self.inputs if name in head.inputs else self.reads).append(name)
+
+    def finish(self, user: list[str], head: Graph) -> list[str]:
+        """The tail's outputs are the model's; returns what the plan must output for it."""
+        for name in user:
+            self._from_head(name, head)
+        self.graph.inputs = self.reads + self.inputs
+        self.graph.outputs = list(user)
+        self._check_bound()
+        self.graph.prune_values()
+        return list(self.reads)
+
+    def _check_bound(self) -> None:
+        """Every data-dependent length a call or a size uses is an axis of a tensor made before it."""
+        bound: set[str] = set()
+        for node in self.graph.nodes:
+            used = {s for s in _dim_names(node.attrs) if _DATA_DIM.fullmatch(s)}
+            if used - bound:
+                what = f"{node.attrs.get('target')} at {node.attrs.get('loc')}" if node.op == "fallback" else node.op
+                raise CaptureError(f"{what} uses the data-dependent size {sorted(used - bound)[0]}, which no tensor "
+                                   "made before it has as an axis", where="model",
+                                   fix="compute it from a tensor's shape after x[mask], nonzero or unique, or run "
+                                       "the model with exe_mode: eager")
+            for o in node.outputs:
+                bound |= {d.name for d in self.graph.values[o].type.shape
+                          if isinstance(d, sympy.Symbol) and d.name.startswith(PREFIX)}
+
+
+def split_tail(g: Graph) -> Graph | None:
+    """Move every node of `g` that makes a data-dependent extent, or reads what such a node made,
+    into a tail graph (None when there is none); `g` keeps the rest and outputs what the tail
+    reads. For an importer that types data-dependent extents as it goes (ONNX's NonZero)."""
+    def data_sized(o: str) -> bool:
+        return any(not isinstance(d, int) and any(x.name.startswith(PREFIX) for x in d.free_symbols)
+                   for d in g.values[o].type.shape)
+    moved: set[str] = set()
+    nodes = []
+    for n in g.nodes:
+        if any(i in moved for i in n.inputs) or any(data_sized(o) for o in n.outputs):
+            nodes.append(n)
+            moved.update(n.outputs)
+    if not nodes:
+        return None
+    tail = TailGraph(g)
+    producer = {o: n for n in g.nodes for o in n.outputs}
+    free = set(g.constants)     # values computed from the weights and the dims alone (a size as a value)
+    for n in g.nodes:
+        if all(i in free for i in n.inputs):
+            free.update(n.outputs)
+
+    def add(n: Any) -> None:
+        for i in n.inputs:
+            if i in free and i not in g.constants and i not in moved:
+                moved.add(i)        # computed again in the tail at the request's own dims, not read padded
+                add(producer[i])
+            elif i not in moved:
+                tail._from_head(i, g)
+        tail.graph.nodes.append(n)
+        for o in n.outputs:
+            tail.graph.values[o] = g.values[o].__class__(o, g.values[o].type, "intermediate")
+    for n in nodes:
+        add(n)
+    moved = {o for n in nodes for o in n.outputs}
+    keep = [n for n in g.nodes if not any(o in moved for o in n.outputs)]
+    user = list(g.outputs)
+    g.outputs = tail.finish(user, g)
+    g.nodes[:] = keep
+    g.prune_values()
+    return tail.graph
+
+
+class Tail(TailGraph):
     """The FX nodes that go to the tail, in order, and the IR graph built from them."""
 
     def __init__(self, imp: "_Importer"):
+        super().__init__(imp.g)
         self.imp = imp
         self.nodes: list[torch.fx.Node] = []
         self.members: set[torch.fx.Node] = set()
-        self.graph = Graph(imp.g.name + "_tail")
-        self.graph.dims = dict(imp.g.dims)
-        self.reads: list[str] = []       # head values the tail reads: the plan's outputs, in this order
-        self.inputs: list[str] = []      # model inputs the tail reads (the request's own tensors)
 
     def takes(self, node: torch.fx.Node) -> bool:
         """Put `node` in the tail when it reads a tail value or makes a data-dependent size."""
@@ -130,51 +218,14 @@ class Tail:
             self._from_head(name, head)
         self.imp._fallback(n, "its output size depends on the data: it runs after the plan (exe_mode hybrid)")
 
-    def _from_head(self, name: str, head: Graph) -> None:
-        """A value the tail reads that the head makes: a constant copied, else a tail input (a
-        plan output, or a model input the request carries)."""
-        if name in self.graph.values:
-            return
-        v = head.values[name]
-        if name in head.constants:
-            self.graph.add_constant(name, head.constants[name], role=v.role)
-        else:
-            self.graph.add_input(name, v.type)
-            (self.inputs if name in head.inputs else self.reads).append(name)
-
-    def finish(self, user: list[str], head: Graph) -> list[str]:
-        """The tail's outputs are the model's; returns what the plan must output for it."""
-        for name in user:
-            self._from_head(name, head)
-        self.graph.inputs = self.reads + self.inputs
-        self.graph.outputs = list(user)
-        self._check_bound()
-        self.graph.prune_values()
-        return list(self.reads)
-
-    def _check_bound(self) -> None:
-        """Every data-dependent length a call or a size uses is an axis of a tensor made before it."""
-        bound: set[str] = set()
-        for node in self.graph.nodes:
-            used = {s for s in _dim_names(node.attrs) if s.startswith(PREFIX)}
-            if used - bound:
-                raise CaptureError(f"{node.attrs.get('target')} at {node.attrs.get('loc')} uses the data-dependent "
-                                   f"size {sorted(used - bound)[0]}, which no tensor made before it has as an axis",
-                                   where="model", fix="compute it from a tensor's shape after x[mask], nonzero or "
-                                                      "unique, or run the model with exe_mode: eager")
-            for o in node.outputs:
-                bound |= {d.name for d in self.graph.values[o].type.shape
-                          if isinstance(d, sympy.Symbol) and d.name.startswith(PREFIX)}
-
 
 def _dim_names(args: Any) -> set[str]:
-    out: set[str] = set()
-    if isinstance(args, dict):
-        if "$dim" in args:
-            return set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", str(args["$dim"])))
-        for v in args.values():
-            out |= _dim_names(v)
-    elif isinstance(args, list):
-        for v in args:
-            out |= _dim_names(v)
-    return out
+    """The names in a node's attributes' size expressions (a fallback's {"$dim": ...}, a core op's
+    dim strings)."""
+    if isinstance(args, str):
+        return set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", args))
+    if isinstance(args, dict):        # a fallback's target and source line name no size
+        return set().union(set(), *(_dim_names(v) for k, v in args.items() if k not in ("target", "loc")))
+    if isinstance(args, (list, tuple)):
+        return set().union(set(), *map(_dim_names, args))
+    return set()

@@ -160,7 +160,8 @@ def shape_like_inputs(model) -> set[str]:
 def draft_recipe(model, inputs: list[np.ndarray]) -> dict[str, Any]:
     """The recipe a user would write for exactly these inputs: their dtypes and shapes, the
     shape-like ones declared constant (`value`), the first axis of the first other input named
-    `d0` and pinned to its extent (a recipe needs a dim)."""
+    `d0` and pinned to its extent (a recipe needs a dim); `exe_mode: hybrid`, as `graphmode recipe
+    init` drafts it, where an op's output size only the data decides (NonZero, Compress)."""
     init = {i.name for i in model.graph.initializer}
     names = [v.name for v in model.graph.input if v.name not in init]
     constant = shape_like_inputs(model)
@@ -179,7 +180,10 @@ def draft_recipe(model, inputs: list[np.ndarray]) -> dict[str, Any]:
             dims["d0"] = shape[0]
             shape[0] = "d0"
         specs.append(spec)
-    return {"version": 1, "name": "onnx-node-test", "inputs": specs, "dims": dims}
+    from graphmode.capture.onnx.convert_data import DATA_SIZED_OPS
+    tail = any(n.op_type in DATA_SIZED_OPS for n in model.graph.node)
+    return {"version": 1, "name": "onnx-node-test", "inputs": specs, "dims": dims,
+            **({"exe_mode": "hybrid"} if tail else {})}
 
 
 class OnnxSuite:

@@ -106,3 +106,56 @@ def test_a_number_read_out_of_the_data_is_refused_naming_the_op(tmp_path):
                                            r"\d+ turns tensor data into a Python number") as e:
         graphmode.compile((Scaled(), (torch.randn(2, 5),)), cache_dir=tmp_path, mode="hybrid")
     assert "x * t.sum()" in e.value.fix
+
+
+def _onnx_select(path) -> None:
+    """y = relu(x @ W); the positions of y > 0.5 (NonZero) and the rows of x whose y peaks
+    above 1 (Compress along the batch), as exporters write x[mask]."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+    w = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Relu", ["h"], ["y"]),
+             helper.make_node("Greater", ["y", "half"], ["m"]), helper.make_node("NonZero", ["m"], ["nz"]),
+             helper.make_node("Transpose", ["nz"], ["nzt"], perm=[1, 0]),
+             helper.make_node("GatherND", ["y", "nzt"], ["sel"]),
+             helper.make_node("ReduceMax", ["y"], ["peak"], axes=[1, 2], keepdims=0),
+             helper.make_node("Greater", ["peak", "one"], ["keep"]),
+             helper.make_node("Compress", ["x", "keep"], ["rows"], axis=0)]
+    graph = helper.make_graph(
+        nodes, "select", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6, 4])],
+        [helper.make_tensor_value_info("sel", TensorProto.FLOAT, ["n"]),
+         helper.make_tensor_value_info("nz", TensorProto.INT64, [3, "n"]),
+         helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["k", 6, 4])],
+        [helper.make_tensor("W", TensorProto.FLOAT, [4, 4], w.flatten()),
+         helper.make_tensor("half", TensorProto.FLOAT, [], [0.5]), helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+
+
+def test_an_onnx_nonzero_and_compress_run_after_the_plan_as_onnx_runtime_answers(tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+    path = tmp_path / "select.onnx"
+    _onnx_select(path)
+    from graphmode.kb.draft import draft_recipe
+    drafted = draft_recipe(str(path))
+    assert drafted.data["exe_mode"] == "hybrid" and "aten.nonzero.default" in drafted.notes["exe_mode"]
+    recipe = {"version": 1, "name": "select", "exe_mode": "hybrid", "dims": {"batch": {"buckets": [4, 8]}},
+              "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 6, 4]}]}
+    cm = graphmode.compile(str(path), recipe, cache_dir=tmp_path)
+    cm.save(tmp_path / "select.gm")
+    loaded = graphmode.load(tmp_path / "select.gm", cache_dir=tmp_path / "cache")
+    sess = ort.InferenceSession(str(path))
+    rng = np.random.default_rng(1)
+    for batch in (1, 3, 7):
+        x = rng.standard_normal((batch, 6, 4)).astype(np.float32)
+        want = sess.run(None, {"x": x})
+        for model in (cm, loaded):
+            got = model(torch.from_numpy(x))
+            got = list(got.values()) if isinstance(got, dict) else list(got)
+            assert [tuple(g.shape) for g in got] == [w.shape for w in want]
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-6)
+        assert cm.last_path == {"path": "graph", "bucket": {"batch": 4 if batch <= 4 else 8}}

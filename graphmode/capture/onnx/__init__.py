@@ -43,8 +43,8 @@ from __future__ import annotations
 from graphmode.capture.onnx.importer import OnnxCaptureReport, import_onnx, supported_onnx_ops
 from graphmode.capture.onnx.opsets import KNOWN_MAX, KNOWN_MIN
 from graphmode.capture.onnx.validate import MIN_OPSET
-from graphmode.capture.onnx import (convert_composite, convert_control, convert_core, convert_nn,  # noqa: F401,E402
-                                    convert_quant, convert_recurrent, convert_resize, convert_select,
+from graphmode.capture.onnx import (convert_composite, convert_control, convert_core, convert_data,  # noqa: F401,E402
+                                    convert_nn, convert_quant, convert_recurrent, convert_resize, convert_select,
                                     convert_shape)   # register handlers
 
 __all__ = ["import_onnx", "OnnxCaptureReport", "supported_onnx_ops", "MIN_OPSET", "KNOWN_MIN", "KNOWN_MAX"]

@@ -22,6 +22,7 @@ from graphmode.capture.onnx.values import (ValueState, _attr_dim, _same_shape, _
 from graphmode.capture.onnx.checks import CheckedNode, node_where
 from graphmode.capture.onnx.validate import topo_sorted, validate_onnx
 from graphmode.capture.torch_import import CaptureReport, Fallback
+from graphmode.capture.tail import split_tail
 from graphmode.errors import CaptureError, IRError
 from graphmode.ir.graph import Graph, clean_name
 from graphmode.ir.types import Dim
@@ -145,6 +146,7 @@ class _Importer(ValueState, Emitter, InputBinder):
                 self.g.values[o] = val.__class__(o, val.type, "output")
         self._dead_code()
         self.g.prune_values()
+        self.tail = split_tail(self.g)     # NonZero, Compress and what reads them: run after the plan
         return self.g
 
     def translate(self, n) -> None:
@@ -356,5 +358,6 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
                                output_names=[o.name for o in model.graph.output], opset=opset,
                                producer=f"{model.producer_name} {model.producer_version}".strip(),
                                folded_nodes=imp.folded, runtime_dims=imp.runtime_dims,
-                               op_map={k: dict(sorted(v.items())) for k, v in sorted(imp.op_map.items())})
+                               op_map={k: dict(sorted(v.items())) for k, v in sorted(imp.op_map.items())},
+                               tail=imp.tail)
     return g, report
