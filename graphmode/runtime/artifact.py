@@ -300,7 +300,8 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
     if len(schedules) == 1:
         manifest["schedule"] = schedules.pop()
     from graphmode.ir.fallback import op_module
-    modules = sorted({m for n in graph.nodes if n.op == "fallback" for m in [op_module(n.attrs["target"])] if m})
+    nodes = list(graph.nodes) + list(cm.tail.nodes if getattr(cm, "tail", None) is not None else [])
+    modules = sorted({m for n in nodes if n.op == "fallback" for m in [op_module(n.attrs["target"])] if m})
     if modules:
         manifest["op_modules"] = modules     # imported at load, so a library's custom ops exist there
     if rank is not None:
@@ -696,13 +697,12 @@ def _tail(z: zipfile.ZipFile, where: Path, manifest: dict[str, Any], size: int) 
     if not any(m in manifest["files"] for m in TAIL_MEMBERS):
         return None
     try:
-        return read_tail(*(_member(z, m, where, manifest, size) for m in TAIL_MEMBERS))
+        members = [_member(z, m, where, manifest, size) for m in TAIL_MEMBERS]
+        return read_tail(*members, manifest.get("op_modules"))
     except ArtifactError:
         raise
-    except GraphmodeError as e:
-        raise _damaged(where, "tail.ir", e.message) from None
-    except Exception as e:  # noqa: BLE001 - torch.load and the parser raise many types for a damaged file
-        raise _damaged(where, "tail.pt", f"{type(e).__name__}: {str(e)[:200]}") from None
+    except Exception as e:  # noqa: BLE001 - the parser, torch.load and an op's module raise many types
+        raise _damaged(where, "tail.ir", getattr(e, "message", None) or f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _graph(root: Path, text: str, manifest: dict[str, Any], where: Path):

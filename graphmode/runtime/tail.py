@@ -65,13 +65,16 @@ def tail_members(tail: Graph) -> dict[str, bytes]:
     return {"tail.ir": tail.text().encode(), "tail.pt": buf.getvalue()}
 
 
-def read_tail(text: bytes, constants: bytes) -> Graph:
+def read_tail(text: bytes, constants: bytes, op_modules: list[str] | None = None) -> Graph:
     """The tail a `.gm` holds (its members already checked against the manifest's hashes): eager
     ATen calls, and core ops (an ONNX tail's), run by their reference."""
     import io
+    from graphmode.ir.fallback import import_op_modules
     from graphmode.ir.parser import parse_graph
     consts = torch.load(io.BytesIO(constants), weights_only=True)
     if not isinstance(consts, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                for k, v in consts.items()):
         raise IRError("tail.pt is not a mapping of names to tensors", fix="save the artifact again")
-    return parse_graph(text.decode(), consts)
+    tail = parse_graph(text.decode(), consts)
+    import_op_modules(op_modules or [], [n.attrs["target"] for n in tail.nodes if n.op == "fallback"])
+    return tail

@@ -108,11 +108,18 @@ def test_a_number_read_out_of_the_data_is_refused_naming_the_op(tmp_path):
     assert "x * t.sum()" in e.value.fix
 
 
+def _save(graph, path) -> None:
+    import onnx
+    from onnx import helper
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+
+
 def _onnx_select(path) -> None:
     """y = relu(x @ W); the positions of y > 0.5 (NonZero) and the rows of x whose y peaks
     above 1 (Compress along the batch), as exporters write x[mask]."""
     import numpy as np
-    import onnx
     from onnx import TensorProto, helper
     w = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Relu", ["h"], ["y"]),
@@ -129,9 +136,7 @@ def _onnx_select(path) -> None:
          helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["k", 6, 4])],
         [helper.make_tensor("W", TensorProto.FLOAT, [4, 4], w.flatten()),
          helper.make_tensor("half", TensorProto.FLOAT, [], [0.5]), helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.checker.check_model(model, full_check=True)
-    onnx.save(model, str(path))
+    _save(graph, path)
 
 
 def test_an_onnx_nonzero_and_compress_run_after_the_plan_as_onnx_runtime_answers(tmp_path):
@@ -159,3 +164,57 @@ def test_an_onnx_nonzero_and_compress_run_after_the_plan_as_onnx_runtime_answers
             for g, w in zip(got, want):
                 np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-6)
         assert cm.last_path == {"path": "graph", "bucket": {"batch": 4 if batch <= 4 else 8}}
+
+
+def _onnx_detector(path) -> None:
+    """Boxes and class scores from the plan; NonMaxSuppression, the kept boxes' rows, and the
+    distinct classes kept (Unique, first-occurrence order) after it, as a detector's export ends."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+    rng = np.random.default_rng(0)
+    consts = {"Wb": rng.standard_normal((8, 4)).astype(np.float32),
+              "Ws": rng.standard_normal((8, 2)).astype(np.float32),
+              "max_out": np.array([3], np.int64), "iou": np.array([0.3], np.float32),
+              "score": np.array([0.4], np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "Wb"], ["boxes"]), helper.make_node("MatMul", ["x", "Ws"], ["logits"]),
+             helper.make_node("Sigmoid", ["logits"], ["prob"]),
+             helper.make_node("Transpose", ["prob"], ["scores"], perm=[0, 2, 1]),
+             helper.make_node("NonMaxSuppression", ["boxes", "scores", "max_out", "iou", "score"], ["sel"],
+                              center_point_box=1),
+             helper.make_node("Gather", ["sel", "one"], ["cls"], axis=1),
+             helper.make_node("Unique", ["cls"], ["classes"], sorted=0)]
+    graph = helper.make_graph(
+        nodes, "detector", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 10, 8])],
+        [helper.make_tensor_value_info("sel", TensorProto.INT64, ["n", 3]),
+         helper.make_tensor_value_info("classes", TensorProto.INT64, ["k"])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in consts.items()]
+        + [helper.make_tensor("one", TensorProto.INT64, [], [1])])
+    _save(graph, path)
+
+
+def test_an_onnx_detector_ends_in_nms_and_unique_and_its_gm_loads_in_a_fresh_process(tmp_path):
+    import subprocess
+    import sys
+    import numpy as np
+    import onnxruntime as ort
+    path = tmp_path / "detector.onnx"
+    _onnx_detector(path)
+    recipe = {"version": 1, "name": "detector", "exe_mode": "hybrid", "dims": {"batch": {"buckets": [2, 4]}},
+              "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 10, 8]}]}
+    cm = graphmode.compile(str(path), recipe, cache_dir=tmp_path)
+    sess = ort.InferenceSession(str(path))
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal((b, 10, 8)).astype(np.float32) for b in (1, 3, 4)]
+    for x in xs:
+        got, want = cm(torch.from_numpy(x)), sess.run(None, {"x": x})
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+        assert len(want[0]) > 0 and cm.last_path["path"] == "graph"
+    cm.save(tmp_path / "detector.gm")
+    np.save(tmp_path / "x.npy", xs[1])
+    script = ("import graphmode, numpy, torch, sys; m = graphmode.load(sys.argv[1], cache_dir=sys.argv[2]); "
+              "print([t.tolist() for t in m(torch.from_numpy(numpy.load(sys.argv[3])))])")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "detector.gm"), str(tmp_path / "c2"),
+                          str(tmp_path / "x.npy")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str([w.tolist() for w in sess.run(None, {"x": xs[1]})])
