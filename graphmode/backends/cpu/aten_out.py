@@ -89,6 +89,8 @@ def conv_transpose(call: OpCall) -> Claim:
     if why is not None:
         return why
     x, w, y = call.ins[0], call.ins[1], call.outs[0]
+    if x.dim() == w.dim() - 1:     # an unbatched input (F.conv_transpose*d takes one): a batch of 1, as views
+        x, y = x.unsqueeze(0), y.unsqueeze(0)
     b = call.ins[2] if bias is not None else None
     conv = torch.ops.aten.convolution.out
 

@@ -89,8 +89,9 @@ def _rows(call: OpCall, outer: int, widths: list[int], pattern: str, sources: li
                             f"{w * item});")
             off += w
         par = call.outs[0].numel() >= COPY_PAR_ELEMS and outer > 1
-        if not body:
-            return finish(call.op, call, ["  (void)dst;"], pattern=pattern)
+        if not body:            # every piece empty: nothing to copy (the declarations keep the pointers used)
+            return finish(call.op, call, lines + ["  (void)dst;"] + [f"  (void)s{k};" for k in range(n)],
+                          pattern=pattern)
         lines += loop_nest([("o", outer, 1)], body, par=par)
         return finish(call.op, call, lines, parallel=par, pattern=pattern)
     return claimed(make)

@@ -47,6 +47,9 @@ CASES = {
     "conv_t1d_groups": ("conv_transpose1d", [randn(1, 4, 5), randn(4, 1, 3)],
                         aten("default", T(0), T(1), None, [2], [1], [1], 2, [2])),
     "conv_t3d": ("conv_transpose3d", [randn(1, 2, 3, 4, 3), randn(2, 2, 2, 2, 2)], aten("input", T(0), T(1))),
+    # unbatched inputs, which F.conv_transpose*d take (aten.convolution.out asked for a batch)
+    "conv_t1d_unbatched": ("conv_transpose1d", [randn(4, 5), randn(4, 8, 3)], aten("default", T(0), T(1))),
+    "conv_t3d_unbatched": ("conv_transpose3d", [randn(4, 5, 5, 5), randn(4, 8, 3, 3, 3)], aten("input", T(0), T(1))),
 }
 
 

@@ -63,6 +63,7 @@ CASES = {
     "concat_first": ("concat", [randn(3, 5), randn(1, 5)], {"dim": 0}),
     "concat_bool": ("concat", [randint(0, 2, 4, 3) > 0, randint(0, 2, 4, 2) > 0], {"dim": 1}),
     "concat_big": ("concat", [randn(8, 128, 96), randn(8, 128, 32)], {"dim": 2}),
+    "concat_all_empty": ("concat", [randn(0, 1, 0), randn(0, 1, 0)], {"dim": 2}),   # no copy; still compiles
     # stack: new first / middle / last dim, int32
     "stack_first": ("stack", [randn(3, 5), randn(3, 5)], aten("default", [T(0), T(1)])),
     "stack_mid": ("stack", [randn(3, 5), randn(3, 5), randn(3, 5)], aten("default", [T(0), T(1), T(2)], 1)),
