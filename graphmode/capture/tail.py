@@ -4,8 +4,8 @@
 the op has run (torch.export calls it an unbacked symbol, u0). graphmode plans every buffer from
 the recipe's dims, so such an op, and every op after it that reads what it made, cannot be in a
 plan. In `exe_mode: hybrid` they become the tail: an IR graph of eager ATen calls (`fallback`
-nodes) that runs after the plan, on the plan's unpadded outputs and the request's own inputs
-(graphmode/runtime/tail.py). Its types name each data-dependent length `data_u0`, `data_u1`, ...;
+nodes; an ONNX tail, `split_tail`, also core ops, run by their reference) that runs after the
+plan, on the plan's unpadded outputs and the request's own inputs (graphmode/runtime/tail.py). Its types name each data-dependent length `data_u0`, `data_u1`, ...;
 the run binds each from the first tensor that has it as an axis. Everything before the first
 such op (the model's heavy part, as a rule) stays in the plan; graph mode refuses a tail.
 
