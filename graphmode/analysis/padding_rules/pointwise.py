@@ -38,7 +38,25 @@ def pointwise(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[
         for d in sorted({d for x in ins if isinstance(x.uniform, sympy.Expr) for d in symbols(x.uniform)}
                         & set(an.padded)):
             taint.setdefault(d, an.finding(d, n, f"the size of padded dim {d} used as a value"))
+    elif op in INTEGER_DIVISIONS and len(ins) == 2:
+        _divides_by_padding(an, n, ins[1], taint)
     return [elementwise(an, n, ins)]
+
+
+# integer division raises on a zero divisor (ZeroDivisionError; UB in C): padding must not put one there
+INTEGER_DIVISIONS = frozenset({"remainder", "fmod", "floor_divide"})
+
+
+def _divides_by_padding(an, n: Node, divisor: State, taint: dict[str, Finding]) -> None:
+    """An integer division whose divisor's padded positions may hold 0 (the pad value 0, or
+    unknown values): a padded run would raise where eager, without the padding, answers."""
+    for ax in divisor.axes:
+        for f in ax.padded:
+            c = f.content
+            if not (c.kind == "const" and not isinstance(c.value, bool) and c.value != 0):
+                taint.setdefault(f.dim, an.finding(
+                    f.dim, n, f"integer {n.op} divides by padded positions holding {c}: a zero divisor raises "
+                              "(give the divisor's input a nonzero pad_value, e.g. 1)"))
 
 
 def unary_lower(op: str, a: Mapping[str, Any], s: State) -> float | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphmode.capture.aten.emit import axis, emit_checked
+from graphmode.capture.aten.emit import axis, emit_aten_reference, emit_checked
 from graphmode.capture.aten.registry import converts
 from graphmode.errors import GraphmodeError
 from graphmode.ir.ops import OPS
@@ -25,19 +25,46 @@ def _add_sub(imp, node, a):
 
 @converts("aten.rsub.Scalar", "aten.rsub.Tensor")
 def _rsub(imp, node, a):
+    """other - alpha * self."""
+    x = imp.operand(a["self"])
     if a.get("alpha", 1) != 1:
-        return False
-    imp.emit(node, "sub", [imp.operand(a["other"]), imp.operand(a["self"])])
-    return True
+        x, = imp.g.add_node("mul", [x, imp.const(a["alpha"])], [imp.g.type_of(x)])
+    return emit_checked(imp, node, "sub", [imp.operand(a["other"]), x])
+
+
+@converts("aten.max.other", "aten.min.other")
+def _max_min_other(imp, node, a):
+    """torch.max(a, b) / torch.min(a, b): the elementwise maximum / minimum (NaN propagates)."""
+    op = "maximum" if node.target._overloadpacket.__name__ == "max" else "minimum"
+    return emit_checked(imp, node, op, [imp.operand(a["self"]), imp.operand(a["other"])])
 
 
 @converts("aten.div.Tensor", "aten.div.Scalar", "aten.div.Tensor_mode", "aten.div_.Tensor", "aten.divide.Tensor",
           "aten.divide.Scalar", "aten.true_divide.Tensor", "aten.true_divide.Scalar")
 def _div(imp, node, a):
-    if a.get("rounding_mode") is not None:
+    """True division; rounding 'floor' is ATen's floor_divide (its very kernel, exact where
+    floor(a / b) is not), 'trunc' of floats trunc(a / b) as ATen computes it, of integers the
+    floor division of a - fmod(a, b), which b divides exactly."""
+    x, y = imp.operand(a["self"]), imp.operand(a["other"])
+    mode = a.get("rounding_mode")
+    if mode is None:
+        imp.emit(node, "div", [x, y])
+        return True
+    call = {"overload": "default", "args": [{"$in": 0}, {"$in": 1}], "kwargs": {}}
+    if mode == "floor":
+        return emit_aten_reference(imp, node, "floor_divide", [x, y], call)
+    want = TORCH_TO_DTYPE[node.meta["val"].dtype]
+    if mode != "trunc":
         return False
-    imp.emit(node, "div", [imp.operand(a["self"]), imp.operand(a["other"])])
-    return True
+    if want not in ("f32", "f64", "f16", "bf16"):     # integers: (a - fmod(a, b)) is a multiple of b
+        types = [imp.g.type_of(x), imp.g.type_of(y)]
+        r, = imp.g.add_node("fmod", [x, y], OPS["fmod"].infer(types, {}))
+        m, = imp.g.add_node("sub", [x, r], OPS["sub"].infer([types[0], imp.g.type_of(r)], {}))
+        return emit_aten_reference(imp, node, "floor_divide", [m, y], call)
+    q, = imp.g.add_node("div", [x, y], OPS["div"].infer([imp.g.type_of(x), imp.g.type_of(y)], {}))
+    if imp.g.type_of(q).dtype != want:
+        return False
+    return emit_aten_reference(imp, node, "trunc", [q], dict(call, args=[{"$in": 0}]))
 
 
 @converts("aten.gelu.default", "aten.gelu_.default")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 
-from graphmode.capture.aten.emit import aten_reference, axis, emit_on_rank1, repeat_heads
+from graphmode.capture.aten.emit import aten_reference, axis, emit_checked, emit_on_rank1, repeat_heads
 from graphmode.capture.aten.registry import converts
 from graphmode.ir.graph import clean_name
 from graphmode.ir.ops import OPS, pair
@@ -195,12 +195,26 @@ def _matmul(imp, node, a):
 @converts("aten.addmm.default")
 def _addmm(imp, node, a):
     if a["beta"] != 1 or a["alpha"] != 1:
-        return False
+        return _scaled_addmm(imp, node, a)
     w = imp.operand(a["mat2"])
     wt = imp.g.type_of(w)
     w_t, = imp.g.add_node("permute", [w], [wt.with_shape((wt.shape[1], wt.shape[0]))], {"perm": [1, 0]})
     imp.emit(node, "linear", [imp.operand(a["mat1"]), w_t, imp.operand(a["self"])])
     return True
+
+
+def _scaled_addmm(imp, node, a) -> bool:
+    """beta * self + alpha * (mat1 @ mat2); beta 0 ignores self (its NaN and inf too), as torch does."""
+    m1, m2 = imp.operand(a["mat1"]), imp.operand(a["mat2"])
+    mm, = imp.g.add_node("matmul", [m1, m2], OPS["matmul"].infer([imp.g.type_of(m1), imp.g.type_of(m2)], {}))
+    if a["beta"] == 0:
+        return emit_checked(imp, node, "mul", [mm, imp.const(a["alpha"])])
+    if a["alpha"] != 1:
+        mm, = imp.g.add_node("mul", [mm, imp.const(a["alpha"])], [imp.g.type_of(mm)])
+    x = imp.operand(a["self"])
+    if a["beta"] != 1:
+        x, = imp.g.add_node("mul", [x, imp.const(a["beta"])], [imp.g.type_of(x)])
+    return emit_checked(imp, node, "add", [x, mm])
 
 
 def _conv(imp, node, a, spatial: int) -> bool:

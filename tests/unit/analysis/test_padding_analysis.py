@@ -88,6 +88,19 @@ def test_rules(body, want):
     assert status(rep, "b") == "safe", rep.lines()
 
 
+@pytest.mark.parametrize("op", ["remainder", "fmod", "floor_divide"])
+def test_an_integer_division_by_the_pad_value_zero_is_unsafe(op):
+    """Padded with 0, an integer divisor raises in the padded run (ZeroDivisionError) where eager,
+    with no padding, answers: unsafe unless the divisor's input pads with a nonzero value."""
+    attrs = ' {"overload": "default", "args": [{"$in": 0}, {"$in": 1}], "kwargs": {}}' if op == "floor_divide" else ""
+    body = ir(f"%y: i64[b,s] = {op}(%m, %m){attrs}")
+    rep = verdict(body)
+    assert status(rep, "s") == status(rep, "b") == "unsafe", rep.lines()
+    assert "zero divisor raises" in rep.dims["s"].findings[0].reason and "pad_value" in rep.dims["s"].findings[0].reason
+    rep = verdict(body, pad_values={"x": 0.5, "m": 1})
+    assert status(rep, "s") == status(rep, "b") == "safe", rep.lines()
+
+
 def _island(target: str, args: str, outs: str = "%y: f32[b,s]") -> str:
     return ir(f'{outs} = fallback(%x) {{"target": "{target}", "args": [{{"$in": 0}}, {args}]}}')
 

@@ -96,6 +96,18 @@ CASES = {
                                    torch.randn(3, 4), torch.randn(4)),
     # dropout outside training is the identity
     "dropout_eval": (lambda x, y: F.dropout(x, 0.5, training=False) + y, torch.randn(3, 4), torch.randn(4)),
+    # rounding divisions (floor: ATen's own kernel; integer trunc through fmod), torch.max(a, b), rsub
+    # with alpha, addmm with beta / alpha (beta 0 drops self's NaN): graph ops, not eager islands
+    "div_rounding": (lambda x, y: torch.div(x * 10, y, rounding_mode="floor")
+                     + torch.div(x * 10, y, rounding_mode="trunc")
+                     + torch.div(_i32(x), _i32(y).abs() + 1, rounding_mode="trunc")
+                     + torch.div(-_i32(x), _i32(y).abs() + 1, rounding_mode="floor")
+                     + torch.div(x, 0.3, rounding_mode="floor"), torch.randn(3, 4), torch.randn(4)),
+    "max_min_other_rsub": (lambda x, y: torch.max(x, y) - torch.min(x, y) + torch.rsub(x, y, alpha=2),
+                           torch.randn(3, 4), torch.tensor([0.5, float("nan"), -1.0, 2.0])),
+    "addmm_scaled": (lambda x, y: torch.addmm(y.expand(3, 4), x, x.T @ x, beta=0.5, alpha=-2.0)
+                     + torch.addmm(y.reshape(1, 4) * float("nan"), x, x.T @ x, beta=0),
+                     torch.randn(3, 4), torch.randn(4)),
 }
 
 
@@ -103,7 +115,9 @@ CASES = {
 def test_graph_mode_matches_eager(name, tmp_path):
     fn, x, y = CASES[name]
     want = fn(x, y)
-    got = _compiled(fn, x, y, tmp_path)(x, y)
+    cm = _compiled(fn, x, y, tmp_path)
+    assert cm.capture_report.fallbacks == []
+    got = cm(x, y)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
 
