@@ -222,9 +222,12 @@ def _mismatches(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
                 continue
             ok = (got == want) if isinstance(want, int) else (not isinstance(got, int) and dim_str(got) == want)
             if not ok:
+                data = not isinstance(got, int) and any(x.name.startswith("data_") for x in got.free_symbols)
                 issues.append(Issue("mismatch", f"output {name!r} axis {ax} is {dim_str(got)} in the model, the recipe "
                                                 f"declares {want}", f"{where}[{ax}]", want,
-                                    fix=f"use {dim_str(got)!r} there (or '*' for an axis that is not sliced back)"))
+                                    fix="use '*' there: its length only the data decides (x[mask], nonzero, unique)"
+                                        if data else f"use {dim_str(got)!r} there (or '*' for an axis that is not "
+                                                     "sliced back)"))
     return issues
 
 

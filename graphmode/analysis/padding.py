@@ -371,8 +371,8 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
         for i, ax in enumerate(s.axes):
             if not ax.padded:
                 continue
-            f = ax.single
-            if f is None or not f.prefix:
+            # cut along the dim (arbitrary), outputs are rejoined along an axis that is the dim alone
+            if not (ax.single is not None and ax.single.prefix if arbitrary else ax.sliceable):
                 for g in ax.padded:
                     why = (f"output axis {i} holds padding of {', '.join(sorted({p.dim for p in ax.padded}))} "
                            "in a layout that cannot be sliced back")

@@ -67,6 +67,14 @@ class Axis:
         return [f for f in self.factors if f.dim is not None]
 
     @property
+    def sliceable(self) -> bool:
+        """The real positions are the axis's first ones, so slicing it to its real extent keeps
+        them: one padded factor with its real positions first, outermost where reshape merged
+        axes (batch-major `[b * t]` with only b padded; a padded inner factor interleaves)."""
+        f = self.factors[0]
+        return f.dim is not None and f.prefix and all(g.dim is None for g in self.factors[1:])
+
+    @property
     def single(self) -> Factor | None:
         """The axis's one padded factor when it is the whole axis (sliceable, reducible)."""
         return self.factors[0] if len(self.factors) == 1 and self.factors[0].dim is not None else None

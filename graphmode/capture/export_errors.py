@@ -154,9 +154,10 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
     for needle, why, cause_fix in _KNOWN_CAUSES:
         if needle in text:
             return CaptureError(f"torch.export failed: {why} ({name}: {first})", where=where, fix=cause_fix)
-    if not (name in _DATA_DEPENDENT or "data-dependent" in first) or call is None:
+    frame = (call.group(1), int(call.group(2)), call.group(3)) if call is not None else _model_frame(e)
+    if not (name in _DATA_DEPENDENT or "data-dependent" in first) or frame is None:
         return CaptureError(f"torch.export failed: {name}: {first}", where=where, fix=fix)
-    path, line, fn = call.group(1), int(call.group(2)), call.group(3)
+    path, line, fn = frame
     src = linecache.getline(path, line).strip()
     at = f"{shown_path(path)}:{line} in {fn}" + (f": `{src}`" if src else "")
     msg = (f"torch.export failed: the model branches on the value of a tensor at {at} (data-dependent control "
@@ -166,6 +167,21 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
     return CaptureError(msg, where=where,
                         fix="write that branch without reading tensor values (both paths, picked with "
                             "torch.where), or run the model with exe_mode: eager")
+
+
+def _model_frame(e: BaseException) -> tuple[str, int, str] | None:
+    """(file, line, function) of the innermost traceback frame in the model's code, not torch's or
+    graphmode's (a branch on a size only the data decides is raised from inside torch, whose
+    message names torch's module call)."""
+    import torch
+    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+    found, tb = None, e.__traceback__
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not path.startswith(skip) and not path.startswith("<"):
+            found = (path, tb.tb_lineno, tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return found
 
 
 __all__ = ["export_failure", "quiet_export_logs", "shown_path", "ROPE_WHY", "ROPE_FIX"]

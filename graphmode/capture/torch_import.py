@@ -61,7 +61,8 @@ class CaptureReport:
 
 _SYM_FNS = {operator.mul: operator.mul, operator.add: operator.add, operator.sub: operator.sub,
             operator.floordiv: lambda a, b: sympy.floor(sympy.sympify(a) / b),
-            operator.truediv: operator.truediv, operator.neg: operator.neg}
+            operator.truediv: operator.truediv, operator.neg: operator.neg,
+            operator.mod: lambda a, b: sympy.Mod(sympy.sympify(a), b)}
 _COMPARISONS = {operator.le: sympy.Le, operator.lt: sympy.Lt, operator.ge: sympy.Ge, operator.gt: sympy.Gt,
                 operator.eq: sympy.Eq, operator.ne: sympy.Ne}
 _SKIP = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
@@ -438,8 +439,13 @@ def sym_value(node: torch.fx.Node, args: list) -> Any:
         except (TypeError, sympy.SympifyError):
             return None
     fn = _SYM_FNS.get(node.target)
-    if fn is None and getattr(node.target, "__name__", "") in ("sym_max", "sym_min"):
-        fn = sympy.Max if node.target.__name__ == "sym_max" else sympy.Min
+    name = getattr(node.target, "__name__", "")
+    if name in ("sym_not", "and_", "or_"):    # torch's own checks on sizes (x[m].argmax(0): not empty)
+        if not all(isinstance(a, (bool, sympy.logic.boolalg.Boolean)) for a in args):
+            return None
+        return {"sym_not": sympy.Not, "and_": sympy.And, "or_": sympy.Or}[name](*args)
+    if fn is None and name in ("sym_max", "sym_min"):
+        fn = sympy.Max if name == "sym_max" else sympy.Min
     if fn is None:
         raise CaptureError(f"unsupported python op {getattr(node.target, '__name__', node.target)} on sizes "
                            f"at {_source_loc(node)}", where=node.name,

@@ -95,8 +95,12 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
         for f in cap.fallbacks:
             console.print(f"  {f.target} x{f.count}: {f.reason}", markup=False, highlight=False, soft_wrap=True)
             console.print(f"    at {f.loc}", markup=False, highlight=False, soft_wrap=True)
-    else:
+    elif getattr(cap, "tail", None) is None:
         console.print("fallbacks: none (the whole model runs as one graph)")
+    if getattr(cap, "tail", None) is not None:
+        from graphmode.verdict import describe
+        console.print(f"eager tail (sizes only the data decides, run after the plan): {len(cap.tail.nodes)} op(s), "
+                      f"from {describe(cap.tail)}", markup=False, highlight=False, soft_wrap=True)
     if rep.contract is not None:
         print_contract(rep.contract)
     if rep.passes is None:

@@ -104,11 +104,16 @@ def _reference(cm):
         return src.reference, ("eager" if src.module is not None else "onnxruntime")
     if getattr(cm, "world", 1) > 1:           # a saved group: each rank interprets its own shard
         return (lambda inputs: cm.interpret(**inputs)), "reference interpreter on the ranks"
-    from graphmode.ir.interpreter import interpret
+    from graphmode.ir.interpreter import bind_dims, interpret
 
     def interpreted(inputs):
         res = interpret(cm.graph, inputs)
-        return [res[o] for o in cm.graph.outputs]
+        outs = [res[o] for o in cm.graph.outputs]
+        if cm.tail is None:
+            return outs
+        from graphmode.runtime.tail import run_tail    # the model's outputs: after the plan, its tail
+        n_user = len(outs) - len(cm.mutated_inputs)
+        return run_tail(cm.tail, outs[:n_user], inputs, bind_dims(cm.graph, inputs)) + outs[n_user:]
     return interpreted, "reference interpreter"
 
 

@@ -305,10 +305,11 @@ class CompiledModel(InputContract, Shaping):
         if way == "split":
             self.last_path["split"] = list(parts)
         n_user = len(flat) - len(self.mutated_inputs)
+        # the tail reads the inputs as the model received them (the captured graph is functional)
+        user = flat[:n_user] if self.tail is None else run_tail(self.tail, flat[:n_user], inputs, dims)
         for name, new in zip(self.mutated_inputs, flat[n_user:]):
             with torch.no_grad():
                 inputs[name].copy_(new)         # the caller's tensor, updated as eager updates it
-        user = flat[:n_user] if self.tail is None else run_tail(self.tail, flat[:n_user], inputs, dims)
         return self.structured(user)
 
     def _run_bucket(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],

@@ -170,13 +170,15 @@ def kserve_routes(server: Any) -> list[Route]:
         return _json({"ready": ready()}, 200 if ready() else 503)
 
     async def model_meta(request: Request) -> Response:
+        from graphmode.verdict import user_output_types
         try:
             dep = deployment(request)
             await server.whole_sequence(dep)        # a decoder's outputs: its whole-sequence graph's
         except GraphmodeError as e:                  # ServeErrors, and a recipe that graph refuses (422)
             return v2_error(e)
         g = dep.cm.graph          # a tensor-parallel group holds none: rank 0 reported its outputs' types
-        types = [(g.values[o].type.dtype, g.values[o].type.shape) for o in g.outputs] if g is not None \
+        # the model's outputs (a data-dependent tail's, where it has one), not its in-place updates
+        types = [(t.dtype, t.shape) for t in user_output_types(g, dep.cm)] if g is not None \
             else list(getattr(dep.cm, "output_types", None) or [])
         outputs = [_tensor_meta(n, dtype, shape) for n, (dtype, shape) in zip(dep.names_for(len(types)), types)]
         return _json({"name": request.path_params["name"], "versions": [dep.version], "platform": "graphmode",

@@ -12,8 +12,8 @@ def run_reference(reference: Callable[[Any], Any], inputs: Mapping[str, Any], sh
     when the model itself raises: at a shape the recipe admits, the cause is the model's limit
     (a position table) or a value the samples drew (a bool mask that masks a row whole). `name`
     says which reference failed (ONNX Runtime for an ONNX file)."""
-    try:
-        return reference(inputs)
+    try:     # on copies: a model that updates an input in place must not change what graphmode then runs
+        return reference({k: v.clone() if hasattr(v, "clone") else v for k, v in inputs.items()})
     except Exception as e:  # noqa: BLE001 - the model's own error, reported with what it was given
         drawn = ", ".join(f"{k} {getattr(v, 'dtype', type(v).__name__)}".replace("torch.", "")
                           for k, v in inputs.items())

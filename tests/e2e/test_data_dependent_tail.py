@@ -135,7 +135,8 @@ def _onnx_select(path) -> None:
          helper.make_tensor_value_info("nz", TensorProto.INT64, [3, "n"]),
          helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["k", 6, 4])],
         [helper.make_tensor("W", TensorProto.FLOAT, [4, 4], w.flatten()),
-         helper.make_tensor("half", TensorProto.FLOAT, [], [0.5]), helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+         helper.make_tensor("half", TensorProto.FLOAT, [], [0.5]),
+         helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
     _save(graph, path)
 
 
@@ -218,3 +219,111 @@ def test_an_onnx_detector_ends_in_nms_and_unique_and_its_gm_loads_in_a_fresh_pro
                           str(tmp_path / "x.npy")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str([w.tolist() for w in sess.run(None, {"x": xs[1]})])
+
+
+class MutatesAfter(torch.nn.Module):
+    def forward(self, x):
+        y = x[x > 0]        # selected from the x the model received
+        x.mul_(2)           # then updated in place (computed in the plan)
+        return y
+
+
+def test_an_input_updated_after_the_selection_is_read_as_received(tmp_path):
+    """The tail read the caller's x after the plan's update was copied into it: twice eager's."""
+    cm = graphmode.compile((MutatesAfter(), (torch.randn(4, 8),)), cache_dir=tmp_path)
+    for batch in (1, 3, 6):
+        x = torch.randn(batch, 8)
+        xe, xg = x.clone(), x.clone()
+        assert torch.equal(cm(xg), MutatesAfter()(xe)) and torch.equal(xg, xe)
+
+
+class Pooled(torch.nn.Module):
+    """A view of the selection (BART's eos pooling: x[mask].view(b, -1, d)) and a reduction over
+    it: torch's own checks on the data-dependent size (mod, not, and) were 'unsupported python op'."""
+
+    def forward(self, x, ids):
+        h = torch.tanh(x)
+        sel = h[ids.eq(2), :]
+        return sel.view(-1, 2, 4).sum(1), sel.argmax(0)
+
+
+MODEL_FILE = '''
+import torch
+from test_data_dependent_tail import Pooled
+
+def make():
+    ids = torch.randint(2, 4, (4, 6)); ids[:, -1] = 2
+    return Pooled().eval(), {"x": torch.randn(4, 6, 8), "ids": ids}
+'''
+POOLED = {"version": 1, "name": "pooled", "exe_mode": "hybrid",
+          "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 6, 8]},
+                     {"name": "ids", "dtype": "i64", "shape": ["batch", 6], "range": [2, 3], "pad_value": 3}],
+          "dims": {"batch": {"buckets": [2, 4]}}}
+
+
+def test_a_tail_through_the_cli_and_the_v2_metadata(tmp_path, monkeypatch):
+    """compile names the tail, verify and `run FILE.gm` compare the model's outputs (not the plan's
+    inner ones), and the KServe metadata lists the model's outputs."""
+    import json
+    import sys
+
+    import httpx
+    import yaml
+    from typer.testing import CliRunner
+
+    from graphmode.cli.app import _register, app
+    from graphmode.serve import ModelServer, ServeConfig, ServerThread
+    (tmp_path / "pooled_model.py").write_text(MODEL_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(POOLED))
+    spec, rec, gm, cache = f"{tmp_path}/pooled_model.py:make", str(tmp_path / "r.yaml"), str(tmp_path / "p.gm"), \
+        str(tmp_path / "cache")
+    _register()
+    runner = CliRunner()
+    res = runner.invoke(app, ["compile", "--model", spec, "--recipe", rec, "--save", gm, "--cache-dir", cache])
+    assert res.exit_code == 0, res.output
+    assert "eager tail (sizes only the data decides, run after the plan): " in res.output
+    res = runner.invoke(app, ["verify", "--model", spec, "--recipe", rec, "--json", "--cache-dir", cache])
+    assert res.exit_code == 0 and json.loads(res.stdout)["ok"], res.output
+    res = runner.invoke(app, ["run", "--model", gm, "--shape", "3", "--iters", "1", "--json", "--cache-dir", cache])
+    assert res.exit_code == 0, res.output
+    outs = json.loads(res.stdout)["outputs"]
+    assert [o["output"] for o in outs] == ["output_0", "output_1"] and all(o["rel_l2_vs_eager"] == 0 for o in outs)
+    sys.modules.pop("pooled_model", None)
+    from graphmode.capture.spec import resolve_model_spec
+    server = ModelServer(resolve_model_spec(spec), POOLED, config=ServeConfig(cache_dir=cache))
+    running = ServerThread(server).start()
+    try:
+        running.wait_ready(600)
+        with httpx.Client(base_url=running.url, timeout=300) as client:
+            meta = client.get("/v2/models/pooled").json()
+    finally:
+        running.stop()
+    assert [(o["name"], o["shape"]) for o in meta["outputs"]] == [("output_0", [-1, 4]), ("output_1", [8])]
+
+
+def test_a_branch_on_a_data_dependent_size_names_its_line_and_an_output_axis_asks_for_star(tmp_path):
+    from graphmode.verdict import ContractRefused
+
+    class Branches(torch.nn.Module):
+        def forward(self, x):
+            a = torch.argwhere(x > 1.0)
+            if a.shape[0] > 0:
+                return a.float().mean(0)
+            return a.float().sum(0)
+    with pytest.raises(CaptureError, match=r"branches on the value of a tensor at .*test_data_dependent_tail\.py:\d+ "
+                                           r"in forward: `if a\.shape\[0\] > 0:`"):
+        graphmode.compile((Branches(), (torch.randn(4, 3),)), cache_dir=tmp_path, mode="hybrid")
+
+    class Doubled(torch.nn.Module):
+        def forward(self, x):
+            return x[x > 0] * 2
+    recipe = {"version": 1, "name": "doubled", "exe_mode": "hybrid", "outputs": {"output": ["batch"]},
+              "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}], "dims": {"batch": {"min": 1, "max": 8}}}
+    with pytest.raises(ContractRefused, match=r"(?s)outputs\.output\[0\].*fix: use '\*' there: its length only"):
+        graphmode.compile((Doubled(), (torch.randn(4, 8),)), recipe, cache_dir=tmp_path)
+    cm = graphmode.compile((Doubled(), (torch.randn(4, 8),)), dict(recipe, outputs={"output": ["*"]}),
+                           cache_dir=tmp_path)
+    x = torch.randn(5, 8)
+    assert torch.equal(cm(x), x[x > 0] * 2)

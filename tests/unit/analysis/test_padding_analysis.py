@@ -67,7 +67,9 @@ def ir(*lines: str, out_type: str = "") -> str:
     (['%f: f32[b*s,4] = reshape(%x) {"shape": ["b*s", 4]}', '%y: f32[b,s,4] = reshape(%f) {"shape": ["b", "s", 4]}'],
      "safe"),
     (['%f: f32[b*s*4] = reshape(%x) {"shape": ["b*s*4"]}', '%y: f32[b,s*4] = reshape(%f) {"shape": ["b", "s*4"]}'],
-     "unsafe"),     # the output axis holds padding in the middle: it cannot be sliced back
+     "safe"),       # each row's real positions come first (s outer, 4 inner): sliced back to s*4
+    (['%t: f32[b,4,s] = permute(%x) {"perm": [0, 2, 1]}', '%y: f32[b,4*s] = reshape(%t) {"shape": ["b", "4*s"]}'],
+     "unsafe"),     # s inner: every row's padding sits between real positions
     # concatenating along the padded axis puts padding in the middle
     (['%y: f32[b,2*s,4] = concat(%x, %x) {"dim": 1}'], "unsafe"),
     # ATen-reference pointwise ops keep padding where it is (padded positions: unknown values)
@@ -395,3 +397,14 @@ def test_verdict_for_one_dim_does_not_depend_on_padding_another():
             '  return %y\n}')
     for pads in (("s",), ("b", "s")):
         assert status(verdict(text, pads=pads, pad_values={"x": 0.5}), "s") == "safe", pads
+
+
+def test_a_batch_major_merge_slices_back_but_rows_cut_apart_do_not_rejoin():
+    """[b*s, 4] with only b padded holds its real rows first (flash-attention's unpadding
+    flattens so): safe to pad b and slice back; with s padded too the padding interleaves. Cut
+    into pieces (a split request, merged serving), such an output cannot be rejoined by rows."""
+    from graphmode.analysis.padding import positions_independent
+    text = ir('%y: f32[b*s,4] = reshape(%x) {"shape": ["b*s", 4]}')
+    assert status(verdict(text, pads=("b",)), "b") == "safe"
+    assert status(verdict(text), "b") == "unsafe"
+    assert not positions_independent(parse_graph(text), "b")
