@@ -246,6 +246,20 @@ def _full(imp, node, a):
     return True
 
 
+@converts("aten.eye.default", "aten.eye.m")
+def _eye(imp, node, a):
+    """torch.eye at fixed sizes: a constant (at a symbolic size it stays an eager island)."""
+    val = node.meta["val"]
+    if not all(isinstance(s, int) for s in val.shape):
+        return False
+    eye = torch.eye(*val.shape, dtype=val.dtype) if val.dim() == 2 else None
+    if eye is None:
+        return False
+    name = imp.g.add_constant(imp.g.fresh_name(clean_name(node.name)), eye, role="const")
+    imp.env[node] = name
+    return True
+
+
 @converts("aten.diff.default")
 def _diff(imp, node, a):
     """diff(x, n=1, dim, prepend, append) = y[1:] - y[:-1] with y = cat(prepend, x, append)."""

@@ -105,6 +105,7 @@ CASES = {
                      + torch.div(x, 0.3, rounding_mode="floor"), torch.randn(3, 4), torch.randn(4)),
     "max_min_other_rsub": (lambda x, y: torch.max(x, y) - torch.min(x, y) + torch.rsub(x, y, alpha=2),
                            torch.randn(3, 4), torch.tensor([0.5, float("nan"), -1.0, 2.0])),
+    "eye": (lambda x, y: x @ torch.eye(4) + torch.eye(3, 4) * y, torch.randn(3, 4), torch.randn(4)),   # a constant
     "addmm_scaled": (lambda x, y: torch.addmm(y.expand(3, 4), x, x.T @ x, beta=0.5, alpha=-2.0)
                      + torch.addmm(y.reshape(1, 4) * float("nan"), x, x.T @ x, beta=0),
                      torch.randn(3, 4), torch.randn(4)),

@@ -25,7 +25,12 @@ def test_blockwise_rel_l2_is_the_whole_tensor_value(monkeypatch, chunk):
 
 
 def test_rel_l2_edges():
-    assert math.isnan(rel_l2(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])))
+    nan, inf = float("nan"), float("inf")
+    assert rel_l2(torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0])) == inf        # a NaN eager does not have
+    assert rel_l2(torch.tensor([1.0, 2.0]), torch.tensor([1.0, nan])) == inf        # a NaN eager has, missing
+    assert rel_l2(torch.tensor([1.0, nan, -inf]), torch.tensor([1.0, nan, -inf])) == 0.0    # eager's own
+    assert rel_l2(torch.tensor([1.1, nan]), torch.tensor([1.0, nan])) == pytest.approx(0.1)
+    assert rel_l2(torch.tensor([1.0, inf]), torch.tensor([1.0, -inf])) == inf
     assert rel_l2(torch.ones(3), torch.ones(4)) == float("inf")
     assert rel_l2(torch.ones(3), torch.zeros(3)) == pytest.approx(math.sqrt(3))        # reference 0: the error
     assert rel_l2(torch.tensor([1, 2]), torch.tensor([1, 2])) == 0.0
