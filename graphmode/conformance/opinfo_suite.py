@@ -201,17 +201,17 @@ _DTYPE_NAMES = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16"
 
 
 def recipe_for(inputs: dict[str, torch.Tensor]) -> dict:
-    """The sample's own shapes, static (0-d inputs as shape [], empty axes as 0). A recipe needs
-    one dim, used by an input: the first axis of extent >= 1, pinned at its extent (none: a
-    placeholder dim the recipe refuses, naming it)."""
+    """The sample's own shapes, static (0-d inputs as shape [], empty axes as 0), the first axis
+    of extent >= 1 named `n` and pinned at its extent (a recipe with a dim, as most users write);
+    a sample whose every axis is empty gets a recipe without dims (fully static)."""
     specs = [{"name": name, "dtype": _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", "")),
               "shape": [int(s) for s in t.shape]} for name, t in inputs.items()]
-    n = 1
+    dims = {}
     pinned = next(((sp, ax) for sp in specs for ax, e in enumerate(sp["shape"]) if e >= 1), None)
     if pinned is not None:
         sp, ax = pinned
-        n, sp["shape"][ax] = sp["shape"][ax], "n"
-    return {"version": 1, "name": "opinfo-case", "inputs": specs, "dims": {"n": n},
+        dims["n"], sp["shape"][ax] = sp["shape"][ax], "n"
+    return {"version": 1, "name": "opinfo-case", "inputs": specs, "dims": dims,
             "codegen": {"kernel_selection": "heuristic"}, "memory": {"budget_mb": 1024}}
 
 
