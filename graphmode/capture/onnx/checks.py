@@ -20,6 +20,8 @@ MAX_WINDOW = 2 ** 16 - 1    # kernel / stride / dilation / pad bound (the kernel
 
 ONNX_DTYPES = {1: "f32", 2: "u8", 3: "i8", 4: "u16", 5: "i16", 6: "i32", 7: "i64", 9: "bool", 10: "f16", 11: "f64",
                12: "u32", 13: "u64", 16: "bf16"}
+# initializers read one value a byte: UINT4 / INT4 (4-bit QDQ weights and zero points)
+WIDENED = {21: "u8", 22: "i8"}
 _AUTO_PAD = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
 
 

@@ -1,8 +1,11 @@
 """ONNX's quantization ops (QuantizeLinear, DequantizeLinear, QLinearMatMul, MatMulInteger,
 ConvInteger) written as core ops: the scale and zero point broadcast per tensor, per axis or
 per block, arithmetic in floating point (integers up to 2**24 are exact there; the integer
-matmuls run in f64), rounding half to even and saturation exactly as ONNX defines them. Types
-graphmode has no dtype for (int4, float8, ...) are refused when the model is validated.
+matmuls run in f64), rounding half to even and saturation exactly as ONNX defines them. INT4 /
+UINT4 initializers (4-bit QDQ weights and zero points) are read one value a byte (int8 / uint8);
+other types graphmode has no dtype for (a 4-bit graph input, float8, ...) are refused when the
+model is validated. (ONNX Runtime's own 4-bit kernels round: its MatMul over 4-bit QDQ weights
+differs from the exact dequantization by up to ~1e-2 relative; graphmode's is exact.)
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ import re
 from collections import Counter, defaultdict
 from typing import Any, Callable, Collection, Mapping
 
-from graphmode.capture.onnx.checks import (MAX_DIM, ONNX_DTYPES, SUPPORTED_TYPES, CheckedNode, ValueTypes,
+from graphmode.capture.onnx.checks import (MAX_DIM, ONNX_DTYPES, SUPPORTED_TYPES, WIDENED, CheckedNode, ValueTypes,
                                            node_attrs, node_where, type_name)
 from graphmode.errors import CaptureError
 
@@ -67,7 +67,7 @@ def check_signature(model, where: str) -> None:
         for vi in vis:
             _check_value_type(vi, kind, where)
     for init in g.initializer:
-        if init.data_type not in ONNX_DTYPES:
+        if init.data_type not in ONNX_DTYPES and init.data_type not in WIDENED:
             raise CaptureError(f"initializer {init.name!r} has element type {type_name(init.data_type)}, which "
                                "graphmode has no dtype for", where=where, value=type_name(init.data_type),
                                fix=f"store it as one of {SUPPORTED_TYPES}")

@@ -11,7 +11,7 @@ import sympy
 import torch
 
 from graphmode.capture.onnx.fold import KNOWN_LIMIT, _Known, _is_sym, _objarr, _py
-from graphmode.capture.onnx.checks import ONNX_DTYPES as _ONNX_DTYPES
+from graphmode.capture.onnx.checks import ONNX_DTYPES as _ONNX_DTYPES, WIDENED
 from graphmode.errors import IRError
 from graphmode.ir.graph import clean_name
 from graphmode.ir.ops import OPS
@@ -25,6 +25,8 @@ def _to_tensor(arr: np.ndarray, onnx_type: int | None = None) -> torch.Tensor:
         return torch.from_numpy(np.array(arr, copy=True).view(np.int16)).view(torch.bfloat16)
     if onnx_type == 16:   # an onnx that widened bf16 to float32
         return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).to(torch.bfloat16)
+    if onnx_type in WIDENED:      # int4 / uint4 weights (QDQ 4-bit): one byte each, the same values
+        return torch.from_numpy(np.array(arr, dtype=np.int8 if WIDENED[onnx_type] == "i8" else np.uint8))
     return torch.from_numpy(np.array(arr, copy=True))
 
 
