@@ -115,17 +115,30 @@ class TailGraph:
                           if isinstance(d, sympy.Symbol) and d.name.startswith(PREFIX)}
 
 
+def data_symbols(n: Any, g: Graph) -> set[str]:
+    """The data-dependent lengths node `n` uses: in its attributes (a size as a value, an arange's
+    end) or its outputs' types."""
+    used = {s for s in _dim_names(n.attrs) if _DATA_DIM.fullmatch(s)}
+    for o in n.outputs:
+        used |= {x.name for d in g.values[o].type.shape if not isinstance(d, int) for x in d.free_symbols
+                 if _DATA_DIM.fullmatch(x.name)}
+    return used
+
+
+def binds(n: Any, g: Graph) -> set[str]:
+    """The data-dependent lengths node `n` makes: its outputs' axes that are one alone."""
+    return {d.name for o in n.outputs for d in g.values[o].type.shape
+            if isinstance(d, sympy.Symbol) and _DATA_DIM.fullmatch(d.name)}
+
+
 def split_tail(g: Graph) -> Graph | None:
     """Move every node of `g` that makes a data-dependent extent, or reads what such a node made,
     into a tail graph (None when there is none); `g` keeps the rest and outputs what the tail
     reads. For an importer that types data-dependent extents as it goes (ONNX's NonZero)."""
-    def data_sized(o: str) -> bool:
-        return any(not isinstance(d, int) and any(x.name.startswith(PREFIX) for x in d.free_symbols)
-                   for d in g.values[o].type.shape)
     moved: set[str] = set()
     nodes = []
     for n in g.nodes:
-        if any(i in moved for i in n.inputs) or any(data_sized(o) for o in n.outputs):
+        if any(i in moved for i in n.inputs) or data_symbols(n, g):
             nodes.append(n)
             moved.update(n.outputs)
     if not nodes:

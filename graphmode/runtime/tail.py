@@ -33,8 +33,9 @@ def run_tail(tail: Graph, reads: Sequence[torch.Tensor], inputs: Mapping[str, to
             except IRError:
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised naming the op and the model's line
-                raise IRError(f"{type(e).__name__}: {e}", where=f"data-dependent tail, node #{idx} "
-                              f"{n.attrs.get('target')} at {n.attrs.get('loc')}") from e
+                what = f"{n.attrs.get('target')} at {n.attrs.get('loc')}" if n.op == "fallback" else \
+                    f"{n.op} -> %{n.outputs[0]}"
+                raise IRError(f"{type(e).__name__}: {e}", where=f"data-dependent tail, node #{idx} {what}") from e
             for o, t in zip(n.outputs, outs):
                 ty = tail.values[o].type
                 want = DTYPES[ty.dtype]

@@ -327,3 +327,63 @@ def test_a_branch_on_a_data_dependent_size_names_its_line_and_an_output_axis_ask
                            cache_dir=tmp_path)
     x = torch.randn(5, 8)
     assert torch.equal(cm(x), x[x > 0] * 2)
+
+
+def _onnx_cases():
+    """ONNX graphs as exporters write them around a NonZero (helper-found: each crashed at every
+    call or was refused), by name: (nodes, outputs, initializers)."""
+    import numpy as np
+    from onnx import TensorProto as T, helper
+    n = helper.make_node
+    f32 = lambda v: np.array(v, np.float32)  # noqa: E731
+    mask = [n("Relu", ["x"], ["h"]), n("Greater", ["h", "thr"], ["m"])]
+    return {
+        # the count of a selection as a value: Size(NonZero(m)) * 2 (a size the plan could not evaluate)
+        "count": (mask + [n("NonZero", ["m"], ["nz"]), n("Size", ["nz"], ["c"]), n("Mul", ["c", "two"], ["y"])],
+                  [("y", T.INT64, [])], {"thr": f32(0.1), "two": np.array(2, np.int64)}),
+        # only the count is read (Range over it): the NonZero itself was dropped as dead code
+        "shape_only": (mask + [n("NonZero", ["m"], ["nz"]), n("Shape", ["nz"], ["s"]),
+                               n("Gather", ["s", "one"], ["k"], axis=0), n("Range", ["zero", "k", "one"], ["y"])],
+                       [("y", T.INT64, ["k"])], {"thr": f32(0.1), "zero": np.array(0, np.int64),
+                                                 "one": np.array(1, np.int64)}),
+        # two NonZero of one mask (TorchScript's x[m] * y[m]): one length, broadcasting together
+        "same_mask": (mask + [n("NonZero", ["m"], ["a"]), n("NonZero", ["m"], ["b"]),
+                              n("Transpose", ["a"], ["at"], perm=[1, 0]), n("Transpose", ["b"], ["bt"], perm=[1, 0]),
+                              n("GatherND", ["x", "at"], ["xa"]), n("GatherND", ["h", "bt"], ["hb"]),
+                              n("Mul", ["xa", "hb"], ["y"])], [("y", T.FLOAT, ["k"])], {"thr": f32(0.1)}),
+        # Compress without an axis (its flatten was an eager island the padding analysis refused)
+        "compress_flat": (mask + [n("Reshape", ["m", "minus1"], ["mf"]), n("Compress", ["x", "mf"], ["y"])],
+                          [("y", T.FLOAT, ["k"])], {"thr": f32(0.1), "minus1": np.array([-1], np.int64)}),
+        # a float multiple of the batch size (x.shape[0] * 0.25) as a threshold: no tail at all
+        "float_size": ([n("Shape", ["x"], ["s"]), n("Gather", ["s", "zero"], ["b"], axis=0),
+                        n("Cast", ["b"], ["bf"], to=T.FLOAT), n("Mul", ["bf", "quarter"], ["t"]),
+                        n("Sigmoid", ["x"], ["g"]), n("Greater", ["g", "t"], ["m"]),
+                        n("Cast", ["m"], ["mf"], to=T.FLOAT), n("Mul", ["x", "mf"], ["y"])],
+                       [("y", T.FLOAT, ["batch", 3])], {"zero": np.array(0, np.int64), "quarter": f32(0.25)}),
+    }
+
+
+@pytest.mark.parametrize("name", ["count", "shape_only", "same_mask", "compress_flat", "float_size"])
+def test_onnx_graphs_around_nonzero_answer_as_onnx_runtime_at_padded_batches(name, tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    nodes, outs, inits = _onnx_cases()[name]
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+                              [helper.make_tensor_value_info(*o) for o in outs],
+                              [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    path = tmp_path / f"{name}.onnx"
+    _save(graph, path)
+    # the batch size as a value changes with padding (refused so): every batch its own bucket there
+    buckets = [1, 2, 3, 4] if name == "float_size" else [2, 4]
+    recipe = {"version": 1, "name": name, "exe_mode": "hybrid", "dims": {"batch": {"buckets": buckets}},
+              "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 3]}]}
+    cm = graphmode.compile(str(path), recipe, cache_dir=tmp_path)
+    sess = ort.InferenceSession(str(path))
+    for batch in (1, 3, 4):
+        x = np.random.default_rng(batch).standard_normal((batch, 3)).astype(np.float32)
+        want = sess.run(None, {"x": x})[0]
+        got = cm(torch.from_numpy(x)).numpy()
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert cm.last_path["path"] == "graph"

@@ -48,9 +48,19 @@ def _call(imp: _Importer, target: str, inputs: list[str], args: list, otype: Ten
 
 
 def _nonzero(imp: _Importer, x: str, hint: str) -> str:
-    """torch.nonzero: i64[count, rank], the positions in row-major order."""
+    """torch.nonzero: i64[count, rank], the positions in row-major order. Two NonZero of one value
+    (the TorchScript exporter writes one per x[m], y[m]) count the same: one length, so what they
+    select broadcasts together."""
     rank = imp.g.type_of(x).rank
-    return _call(imp, "aten.nonzero.default", [x], [_IN[0]], TensorType("i64", (_data_dim(imp), rank)), hint)
+    counts = imp.__dict__.setdefault("nonzero_counts", {})
+    count = counts.setdefault(x, _data_dim(imp))
+    return _call(imp, "aten.nonzero.default", [x], [_IN[0]], TensorType("i64", (count, rank)), hint)
+
+
+def _flat(imp: _Importer, x: str, hint: str) -> str:
+    """`x` as one axis: a core reshape, so the plan keeps it and the padding analysis follows it."""
+    flat = normalize_dim(sympy.Mul(*[sympy.sympify(d) for d in imp.g.type_of(x).shape]))
+    return imp.emit("reshape", [x], {"shape": [flat if isinstance(flat, int) else dim_str(flat)]}, hint=hint)
 
 
 @_handles("NonZero")
@@ -73,10 +83,8 @@ def _compress(imp: _Importer, n) -> None:
         raise imp.fail(f"Compress condition must be 1-d, got {ct.text()}", fix="flatten the condition")
     axis = imp.attr(n, "axis", None)
     if axis is None:
-        flat = normalize_dim(sympy.Mul(*[sympy.sympify(d) for d in xt.shape]))
-        x = _call(imp, "aten.reshape.default", [x], [_IN[0], [-1]], TensorType(xt.dtype, (flat,)),
-                  f"{n.output[0]}_flat")
-        xt, axis = imp.g.type_of(x), 0
+        x, axis = _flat(imp, x, f"{n.output[0]}_flat"), 0
+        xt = imp.g.type_of(x)
     axis = norm_axis(int(axis), xt.rank)
     nz = _nonzero(imp, cond, f"{n.output[0]}_picked")
     count = imp.g.type_of(nz).shape[0]
@@ -98,9 +106,8 @@ def _unique(imp: _Importer, n) -> None:
     axis = imp.attr(n, "axis", None)
     h = n.output[0] or "unique"
     if axis is None:
-        flat = normalize_dim(sympy.Mul(*[sympy.sympify(d) for d in xt.shape]))
-        x = _call(imp, "aten.reshape.default", [x], [_IN[0], [-1]], TensorType(xt.dtype, (flat,)), f"{h}_flat")
-        xt, axis = imp.g.type_of(x), 0
+        x, axis = _flat(imp, x, f"{h}_flat"), 0
+        xt = imp.g.type_of(x)
         target, args = "aten._unique2.default", [_IN[0], True, True, True]
     else:
         axis = norm_axis(int(axis), xt.rank)

@@ -22,7 +22,7 @@ from graphmode.capture.onnx.values import (ValueState, _attr_dim, _same_shape, _
 from graphmode.capture.onnx.checks import CheckedNode, node_where
 from graphmode.capture.onnx.validate import topo_sorted, validate_onnx
 from graphmode.capture.torch_import import CaptureReport, Fallback
-from graphmode.capture.tail import split_tail
+from graphmode.capture.tail import binds, data_symbols, split_tail
 from graphmode.errors import CaptureError, IRError
 from graphmode.ir.graph import Graph, clean_name
 from graphmode.ir.types import Dim
@@ -206,12 +206,15 @@ class _Importer(ValueState, Emitter, InputBinder):
         return want
 
     def _dead_code(self) -> None:
-        live = set(self.g.outputs)
+        """Drop nodes nothing reads; keep a NonZero whose count alone is used (Size(NonZero(m))):
+        the tail learns the count from the tensor it makes."""
+        live, used = set(self.g.outputs), set()
         keep = []
         for n in reversed(self.g.nodes):
-            if any(o in live for o in n.outputs):
+            if any(o in live for o in n.outputs) or binds(n, self.g) & used:
                 keep.append(n)
                 live.update(n.inputs)
+                used |= data_symbols(n, self.g)
         self.g.nodes = keep[::-1]
 
     # ---- helpers for handlers --------------------------------------------------------------

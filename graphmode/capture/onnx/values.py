@@ -4,7 +4,7 @@ and the cross-check of every value's type against the model's declared types."""
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import sympy
@@ -161,8 +161,7 @@ class ValueState:
             if _is_sym(v):
                 self.runtime_dims += 1
                 flush()
-                parts.append(self.emit("arange", [], {"start": dim_str(v), "end": dim_str(normalize_dim(v + 1)),
-                                                      "step": 1, "dtype": k.dtype}, hint=f"{hint}_dim"))
+                parts.append(self._dim_as_value(v, k.dtype, hint))
             else:
                 run.append(v)
         flush()
@@ -173,6 +172,23 @@ class ValueState:
         out = parts[0]
         if k.shape != (k.arr.size,):
             out = self.emit("reshape", [out], {"shape": list(k.shape)}, hint=hint)
+        return out
+
+    def _dim_as_value(self, v: Any, dtype: str, hint: str) -> str:
+        """A size used as a number: a one-element arange at the dims' values; a float multiple of
+        one (x.shape[0] * 0.25, exported as Cast then Mul) as that arange times the same f32
+        constant, so it rounds as the exporter's own product does."""
+        coeff, term = sympy.sympify(v).as_coeff_Mul()
+        if not (term.is_integer and (coeff.is_Integer or coeff.is_Float or coeff.is_Rational)) or \
+                (not coeff.is_Integer and dtype not in ("f32", "f64", "f16", "bf16")):
+            raise self.fail(f"the model uses {dim_str(v)} as a value, which is no whole multiple of its dims",
+                            fix="compute it from tensors (cast the size to float before scaling it)")
+        term = normalize_dim(term)
+        out = self.emit("arange", [], {"start": dim_str(term), "end": dim_str(normalize_dim(term + 1)),
+                                       "step": 1, "dtype": dtype}, hint=f"{hint}_dim")
+        if coeff != 1:
+            c = self.scalar(float(coeff) if not coeff.is_Integer else int(coeff), dtype, f"{hint}_scale")
+            out = self.emit("mul", [out, c], {}, hint=f"{hint}_dim")
         return out
 
     def set_known(self, name: str, k: _Known) -> None:

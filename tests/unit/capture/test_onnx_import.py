@@ -498,17 +498,17 @@ def test_checker_failure_names_the_node(tmp_path):
 
 
 def test_unsupported_ops_listed_with_counts_and_names(tmp_path):
-    nodes = [helper.make_node("Unique", ["x"], ["nz"], name="nz_1"),
+    nodes = [helper.make_node("Multinomial", ["p"], ["nz"], name="nz_1"),
              helper.make_node("RandomNormalLike", ["x"], ["m1"], name="rnd_a"),
              helper.make_node("RandomNormalLike", ["m1"], ["m2"], name="rnd_b"),
              helper.make_node("Relu", ["m2"], ["y"])]
-    m = _model(nodes, [_vi("x", F, [4])], [_vi("y", F, [4]), _vi("nz", F, [None])])
+    m = _model(nodes, [_vi("x", F, [4]), _vi("p", F, [1, 4])], [_vi("y", F, [4]), _vi("nz", TensorProto.INT32, [1, 1])])
     p = tmp_path / "unsup.onnx"
     onnx.save(m, p)
     with pytest.raises(CaptureError) as e:
         import_onnx(p)
     msg = str(e.value)
-    assert "unsup.onnx" in msg and "RandomNormalLike x2 (rnd_a, rnd_b)" in msg and "Unique x1 (nz_1)" in msg
+    assert "unsup.onnx" in msg and "RandomNormalLike x2 (rnd_a, rnd_b)" in msg and "Multinomial x1 (nz_1)" in msg
     assert "Relu" not in msg.split("fix:")[0] and "fix:" in msg
     assert "RandomNormalLike" not in supported_onnx_ops() and "Gemm" in supported_onnx_ops()
 
