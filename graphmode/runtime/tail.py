@@ -46,6 +46,11 @@ def run_tail(tail: Graph, reads: Sequence[torch.Tensor], inputs: Mapping[str, to
 
 def _bind(env: dict[str, int], declared: Sequence, actual: Sequence[int], n) -> None:
     for d, size in zip(declared, actual):
+        if isinstance(d, int) and d != size:     # (TopK of a constant K past what a mask kept)
+            raise IRError(f"{n.attrs.get('target', n.op)} at {n.attrs.get('loc')} made an axis of {size} where the "
+                          f"model asks for {d}", where="data-dependent tail",
+                          fix="keep the request's data within what the model expects (e.g. enough selected "
+                              "elements for a TopK's K), or run the model with exe_mode: eager")
         if isinstance(d, sympy.Symbol):
             have = env.setdefault(d.name, int(size))
             if have != size:

@@ -354,6 +354,22 @@ def _onnx_cases():
         # Compress without an axis (its flatten was an eager island the padding analysis refused)
         "compress_flat": (mask + [n("Reshape", ["m", "minus1"], ["mf"]), n("Compress", ["x", "mf"], ["y"])],
                           [("y", T.FLOAT, ["k"])], {"thr": f32(0.1), "minus1": np.array([-1], np.int64)}),
+        # the max minus the min of what a mask kept: -inf - inf where it kept nothing, as ONNX defines
+        "max_min_empty": (mask + [n("NonZero", ["m"], ["nz"]), n("Transpose", ["nz"], ["t"], perm=[1, 0]),
+                                  n("GatherND", ["h", "t"], ["s"]), n("ReduceMax", ["s"], ["hi"], keepdims=0),
+                                  n("ReduceMin", ["s"], ["lo"], keepdims=0), n("Sub", ["hi", "lo"], ["y"])],
+                          [("y", T.FLOAT, [])], {"thr": f32(100.0)}),
+        # sorting what a mask kept (TopK with K = its length, as exporters write sort) and torchvision's
+        # pre-NMS top-n (K = min(3, length)): refused as 'K must be concrete' before
+        "sort_topn": (mask + [n("NonZero", ["m"], ["nz"]), n("Transpose", ["nz"], ["t"], perm=[1, 0]),
+                              n("GatherND", ["h", "t"], ["s"]), n("Shape", ["s"], ["len"]),
+                              n("TopK", ["s", "len"], ["sorted", "order"]), n("Min", ["len", "three"], ["k"]),
+                              n("TopK", ["sorted", "k"], ["top", "top_i"], largest=0),
+                              n("Cast", ["order"], ["order_f"], to=T.FLOAT),
+                              n("ReduceSum", ["top"], ["tsum"], keepdims=0),
+                              n("ReduceSum", ["order_f"], ["o2"], keepdims=0),
+                              n("Add", ["o2", "tsum"], ["y"])],
+                      [("y", T.FLOAT, [])], {"thr": f32(0.1), "three": np.array([3], np.int64)}),
         # a float multiple of the batch size (x.shape[0] * 0.25) as a threshold: no tail at all
         "float_size": ([n("Shape", ["x"], ["s"]), n("Gather", ["s", "zero"], ["b"], axis=0),
                         n("Cast", ["b"], ["bf"], to=T.FLOAT), n("Mul", ["bf", "quarter"], ["t"]),
@@ -363,7 +379,8 @@ def _onnx_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["count", "shape_only", "same_mask", "compress_flat", "float_size"])
+@pytest.mark.parametrize("name", ["count", "shape_only", "same_mask", "compress_flat", "max_min_empty", "sort_topn",
+                                  "float_size"])
 def test_onnx_graphs_around_nonzero_answer_as_onnx_runtime_at_padded_batches(name, tmp_path):
     import numpy as np
     import onnxruntime as ort

@@ -11,6 +11,7 @@ from graphmode.capture.onnx.convert_core import _bind
 from graphmode.capture.onnx.convert_nn import _pads
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES, _Known
 from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _handles, _shape_attr
+from graphmode.capture.onnx.values import _data_sized, data_length_error
 from graphmode.capture.onnx.pooling import pool_by_windows
 from graphmode.capture.onnx.checks import ONNX_DTYPES, CheckedNode
 from graphmode.ir.ops import norm_axis
@@ -26,6 +27,8 @@ def _const(imp: _Importer, t: torch.Tensor, hint: str) -> str:
 
 
 def _static(imp: _Importer, size, what: str) -> int:
+    if not isinstance(size, int) and _data_sized(size):
+        raise data_length_error(imp, what, size)
     if not isinstance(size, int):
         raise imp.fail(f"{what} over a symbolic extent", fix=STATIC_AXIS_FIX)
     return size

@@ -15,6 +15,7 @@ from graphmode.ir.types import DTYPES, normalize_dim
 
 from graphmode.capture.onnx.fold import KNOWN_LIMIT, _FLOAT_DTYPES, _INT_DTYPES, _Known, _Unfoldable, _decide, _fold_elementwise, _is_sym, _objarr, _smax, _smin, _ufunc
 from graphmode.capture.onnx.importer import _Importer, _attr_dim, _handles, _shape_attr, _to_tensor
+from graphmode.capture.onnx.values import _data_sized
 
 
 def _check_constant(nd: CheckedNode) -> None:
@@ -466,6 +467,15 @@ def _reduce(imp: _Importer, n) -> None:
                               "dtype": t.dtype}, out=n.output[0])
         return
     x = imp.operand(x_name)
+    data_axes = [a for a in axes if _data_sized(t.shape[a])]
+    if op in ("amax", "amin") and data_axes:
+        # over a length only the data decides (the max score of what a mask kept): one element of the
+        # identity appended, so an empty selection answers it as ONNX does and a real one is unchanged
+        shape = list(t.shape)
+        shape[data_axes[0]] = 1
+        fill = imp.emit("full", [], {"shape": _shape_attr(shape), "value": _empty_extreme(t.dtype, op == "amax"),
+                                     "dtype": t.dtype}, hint=f"{n.output[0]}_identity")
+        x = imp.emit("concat", [x, fill], {"dim": data_axes[0]}, hint=f"{n.output[0]}_or_identity")
     if op is not None:
         imp.emit(op, [x], attrs, out=n.output[0])
     elif n.op_type in ("ReduceL2", "ReduceSumSquare"):

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import math
 
+import sympy
 import torch
 
 from graphmode.capture.onnx.convert_composite import _bind, _const, _s, _static
 from graphmode.capture.onnx.convert_shape import _wrap_negative
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES
 from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
+from graphmode.capture.onnx.values import _data_sized
 from graphmode.ir.ops import norm_axis
+from graphmode.ir.types import TensorType, dim_str, normalize_dim
 
 _IN = [{"$in": i} for i in range(4)]
 # ONNX reduction attribute -> scatter_reduce's reduce argument
@@ -38,10 +41,13 @@ def _topk(imp: _Importer, n) -> None:
     x = imp.operand(n.input[0])
     xt = imp.g.type_of(x)
     _no_unsigned(imp, x, "TopK")
-    k = imp.ints_of(n.input[1], "TopK K")[0]
     axis = norm_axis(int(imp.attr(n, "axis", -1)), xt.rank)
     largest = bool(imp.attr(n, "largest", 1))
     h = n.output[0] or n.output[1]
+    if _data_sized(xt.shape[axis]):
+        _topk_of_data(imp, n, x, axis, largest, h)
+        return
+    k = imp.ints_of(n.input[1], "TopK K")[0]
     size = _static(imp, xt.shape[axis], "TopK")
     if not 0 <= k <= size:
         raise imp.fail(f"TopK K={k} is outside 0..{size} (the axis' extent)", value=k)
@@ -50,6 +56,29 @@ def _topk(imp: _Importer, n) -> None:
     for out, v in zip(n.output, (vals, idx)):
         if out:
             imp.emit("slice", [v], {"dim": axis, "start": 0, "end": k, "step": 1}, out=out)
+
+
+def _topk_of_data(imp: _Importer, n, x: str, axis: int, largest: bool, h: str) -> None:
+    """TopK along a length only the data decides (sorting what a mask kept; its K the length
+    itself, a constant, or torchvision's min(k, length)): the same stable sort and first K, as
+    eager calls in the tail (capture/tail.py)."""
+    from graphmode.capture.onnx.convert_data import _calls
+    kk = imp.kn(n.input[1])
+    if kk is None or kk.arr.size != 1:
+        raise imp.fail("TopK K along a data-dependent length must be known at import (a constant, or a "
+                       "size of the model's tensors)", fix="compute K from shapes, not from tensor values")
+    k = normalize_dim(kk.arr.flat[0])
+    xt = imp.g.type_of(x)
+    vals, idx = _calls(imp, "aten.sort.stable", [x], [_IN[0]], [xt, TensorType("i64", xt.shape)], f"{h}_sorted",
+                       kwargs={"stable": True, "dim": axis, "descending": largest})
+    # a constant K is that many (ONNX Runtime refuses a K past the length: so does the tail's run)
+    shape = list(xt.shape)
+    shape[axis] = k
+    end = {"$dim": dim_str(k)} if not isinstance(k, int) else k
+    for out, v, dt in zip(n.output, (vals, idx), (xt.dtype, "i64")):
+        if out:
+            r, = _calls(imp, "aten.slice.Tensor", [v], [_IN[0], axis, 0, end], [TensorType(dt, tuple(shape))], out)
+            imp.ir[out] = r
 
 
 @_handles("ScatterElements", "Scatter")

@@ -16,6 +16,7 @@ from graphmode.ir.types import DTYPES, Dim, dim_str, normalize_dim
 from graphmode.capture.onnx.checks import CheckedNode, axis_check, check_axes
 from graphmode.capture.onnx.fold import BIG_END, KNOWN_LIMIT, _INT_DTYPES, _Known, _is_sym
 from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _attr_dim, _handles, _same_shape, _shape_attr
+from graphmode.capture.onnx.values import _data_sized, data_length_error
 
 
 # ---- shape / data movement
@@ -257,6 +258,8 @@ def _slice(imp: _Importer, n) -> None:
         last = j == len(todo) - 1
         if st < 0:      # the positions Python's slicing picks (ONNX clamps the same way), gathered
             size = imp.type_of(src).shape[a]
+            if not isinstance(size, int) and _data_sized(size):
+                raise data_length_error(imp, "Slice with a negative step", size)
             if not isinstance(size, int) or not isinstance(e, int):
                 raise imp.fail("Slice with a negative step over a symbolic extent",
                                fix=STATIC_AXIS_FIX)

@@ -259,6 +259,13 @@ class ValueState:
                                     "with dynamic axes on every dynamic input dim")
 
 
+def data_length_error(imp, what: str, size: Dim):
+    """The refusal of an op the importer needs a known extent for, over a data-dependent length."""
+    return imp.fail(f"{what} over a length only the data decides ({dim_str(size)}: what a NonZero, Compress or "
+                    "Unique kept) is not imported yet", fix="apply it before the selection (on the whole tensor, "
+                    "then select), or run the model with exe_mode: eager (ONNX Runtime)")
+
+
 def _data_sized(d: Dim) -> bool:
     """A dim only the data decides (capture/tail.py's data_u<k>)."""
     from graphmode.capture.tail import PREFIX
