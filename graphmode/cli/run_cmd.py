@@ -109,11 +109,9 @@ def _reference(cm):
     def interpreted(inputs):
         res = interpret(cm.graph, inputs)
         outs = [res[o] for o in cm.graph.outputs]
-        if cm.tail is None:
-            return outs
-        from graphmode.runtime.tail import run_tail    # the model's outputs: after the plan, its tail
-        n_user = len(outs) - len(cm.mutated_inputs)
-        return run_tail(cm.tail, outs[:n_user], inputs, bind_dims(cm.graph, inputs)) + outs[n_user:]
+        from graphmode.runtime.tail import model_outputs     # the model's outputs: after the plan, its tail
+        updates = outs[len(outs) - len(cm.mutated_inputs):]
+        return model_outputs(cm, outs, inputs, bind_dims(cm.graph, inputs)) + updates
     return interpreted, "reference interpreter"
 
 

@@ -114,11 +114,8 @@ def verify_cmd(
             if shape == env:     # the plan itself, so a mismatch can be bisected to a pass or an instruction
                 exe = cm.executable(env)
                 got_map = exe.run(inputs)
-                got = [got_map[o] for o in graph.outputs]
-                got = got[:len(got) - len(cm.mutated_inputs)]     # the model's outputs, not its input updates
-                if cm.tail is not None:       # what runs after the plan on sizes only the data decides
-                    from graphmode.runtime.tail import run_tail
-                    got = run_tail(cm.tail, got, inputs, env)
+                from graphmode.runtime.tail import model_outputs     # (not its input updates; its tail)
+                got = model_outputs(cm, [got_map[o] for o in graph.outputs], inputs, env)
                 path = "graph"
             else:                # through the runtime: pad, run the bucket's plan, slice back
                 got = pytree.tree_leaves(cm(**inputs))

@@ -32,7 +32,7 @@ from graphmode.runtime.shaping import SPLIT_DIM, Shaping, fallback_engine
 from graphmode.runtime.exact import ExactValues
 from graphmode.runtime.split import Chooser, shape_key
 from graphmode.runtime.weights import FrozenWeights
-from graphmode.runtime.tail import run_tail
+from graphmode.runtime.tail import model_outputs
 
 log = logging.getLogger("graphmode.runtime")
 
@@ -306,7 +306,7 @@ class CompiledModel(InputContract, Shaping):
             self.last_path["split"] = list(parts)
         n_user = len(flat) - len(self.mutated_inputs)
         # the tail reads the inputs as the model received them (the captured graph is functional)
-        user = flat[:n_user] if self.tail is None else run_tail(self.tail, flat[:n_user], inputs, dims)
+        user = model_outputs(self, flat, inputs, dims)
         for name, new in zip(self.mutated_inputs, flat[n_user:]):
             with torch.no_grad():
                 inputs[name].copy_(new)         # the caller's tensor, updated as eager updates it

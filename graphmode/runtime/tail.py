@@ -44,6 +44,14 @@ def run_tail(tail: Graph, reads: Sequence[torch.Tensor], inputs: Mapping[str, to
     return [vals[o] for o in tail.outputs]
 
 
+def model_outputs(cm, flat: Sequence[torch.Tensor], inputs: Mapping[str, torch.Tensor],
+                  dims: Mapping[str, int]) -> list[torch.Tensor]:
+    """The model's outputs from its plan's (in `graph.outputs` order): the new values of inputs it
+    updates in place left off, and its tail run, where it has one."""
+    user = list(flat[:len(flat) - len(cm.mutated_inputs)])
+    return user if cm.tail is None else run_tail(cm.tail, user, inputs, dims)
+
+
 def _bind(env: dict[str, int], declared: Sequence, actual: Sequence[int], n) -> None:
     for d, size in zip(declared, actual):
         if isinstance(d, int) and d != size:     # (TopK of a constant K past what a mask kept)
