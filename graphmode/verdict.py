@@ -9,6 +9,7 @@ source line and the fix.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -222,7 +223,7 @@ def _mismatches(recipe: Any, graph: Graph, cap: Any) -> list[Issue]:
                 continue
             ok = (got == want) if isinstance(want, int) else (not isinstance(got, int) and dim_str(got) == want)
             if not ok:
-                data = not isinstance(got, int) and any(x.name.startswith("data_") for x in got.free_symbols)
+                data = not isinstance(got, int) and any(re.fullmatch(r"data_u\d+", x.name) for x in got.free_symbols)
                 issues.append(Issue("mismatch", f"output {name!r} axis {ax} is {dim_str(got)} in the model, the recipe "
                                                 f"declares {want}", f"{where}[{ax}]", want,
                                     fix="use '*' there: its length only the data decides (x[mask], nonzero, unique)"

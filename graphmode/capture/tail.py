@@ -35,6 +35,11 @@ _UNBACKED = re.compile(r"u\d+")
 _DATA_DIM = re.compile(PREFIX + r"u\d+")
 
 
+def is_data_dim(name: str) -> bool:
+    """A tail's data-dependent length (data_u0, ...), told apart from a recipe dim named data_*."""
+    return bool(_DATA_DIM.fullmatch(name))
+
+
 def unbacked(expr: Any) -> list[sympy.Symbol]:
     """torch's data-dependent symbols (u0, u1, ...) in a size expression."""
     return [s for s in getattr(expr, "free_symbols", ()) if _UNBACKED.fullmatch(s.name)]
@@ -112,7 +117,7 @@ class TailGraph:
                                        "the model with exe_mode: eager")
             for o in node.outputs:
                 bound |= {d.name for d in self.graph.values[o].type.shape
-                          if isinstance(d, sympy.Symbol) and d.name.startswith(PREFIX)}
+                          if isinstance(d, sympy.Symbol) and is_data_dim(d.name)}
 
 
 def data_symbols(n: Any, g: Graph) -> set[str]:

@@ -404,3 +404,17 @@ def test_onnx_graphs_around_nonzero_answer_as_onnx_runtime_at_padded_batches(nam
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_allclose(got, want, rtol=1e-6)
         assert cm.last_path["path"] == "graph"
+
+
+def test_a_recipe_dim_named_data_something_is_no_data_dependent_length(tmp_path):
+    """The tail names its lengths data_u0, data_u1...: a model's own dim named data_len is a recipe
+    dim (planned, padded), not a length to run after the plan."""
+    from onnx import TensorProto, helper
+    graph = helper.make_graph([helper.make_node("ReduceMax", ["x"], ["y"], axes=[1], keepdims=0)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "data_len"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])])
+    _save(graph, tmp_path / "m.onnx")
+    cm = graphmode.compile(str(tmp_path / "m.onnx"), cache_dir=tmp_path)
+    assert cm.tail is None and [n.op for n in cm.graph.nodes] == ["amax"]
+    x = torch.randn(3, 5)
+    assert torch.equal(cm(x), x.amax(1))

@@ -268,5 +268,5 @@ def data_length_error(imp, what: str, size: Dim):
 
 def _data_sized(d: Dim) -> bool:
     """A dim only the data decides (capture/tail.py's data_u<k>)."""
-    from graphmode.capture.tail import PREFIX
-    return not isinstance(d, int) and any(x.name.startswith(PREFIX) for x in d.free_symbols)
+    from graphmode.capture.tail import is_data_dim
+    return not isinstance(d, int) and any(is_data_dim(x.name) for x in d.free_symbols)
