@@ -348,31 +348,50 @@ def seal_path(lib: Path) -> Path:
 
 def _seal_key(folder: Path) -> bytes:
     """The folder's secret (32 random bytes, made once, mode 0600; linked into place so two
-    processes making it at once agree on one). A damaged one is replaced, voiding every seal."""
+    processes making it at once agree on one). A damaged one is replaced, voiding every seal.
+
+    A key that is missing at one look and present at the next was made by a peer (ranks and
+    workers share a cache): it is read, never taken for damage, so no process deletes the key
+    another has just sealed with."""
     path = folder / SEAL_KEY
-    try:
-        key = read_bytes(path, limit=64, root=folder)
-        if len(key) == 32:
-            return key
-    except UntrustedFileError:
-        pass
-    if os.path.lexists(path):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink()
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".seal-key.", dir=folder)
+    for look in range(4):
+        try:
+            key = read_bytes(path, limit=64, root=folder)
+            if len(key) == 32:
+                return key
+        except UntrustedFileError:
+            pass
+        if not os.path.lexists(path):
+            _place_seal_key(folder, path, replace=False)
+        elif look > 0:
+            _place_seal_key(folder, path, replace=True)
+    raise UntrustedFileError("the kernel cache's seal key cannot be made or read; fix: remove the folder's "
+                             f"{SEAL_KEY} (every library in it is then rebuilt) or use another --cache-dir",
+                             where=str(path))
+
+
+def _place_seal_key(folder: Path, path: Path, *, replace: bool) -> None:
+    """Put a new key at `path`: linked where none is (the first of racing makers wins), or over
+    a damaged file in one rename, so a reader never finds it missing (a directory in its place
+    is removed first). Makers repairing at once may void each other's seals: a rebuild, no harm."""
+    if replace and path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+        replace = False
+    fd, tmp = tempfile.mkstemp(prefix=SEAL_KEY + ".", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(os.urandom(32))
+        if replace:
+            os.replace(tmp, path)
+            return
         try:
             os.link(tmp, path)
         except FileExistsError:
             pass
     finally:
-        os.unlink(tmp)
-    return read_bytes(path, limit=64, root=folder)
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
 
 
 def library_seal(folder: Path, key: str, data: bytes) -> str:

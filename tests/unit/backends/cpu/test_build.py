@@ -159,3 +159,52 @@ def test_unwritable_kernel_folder_builds_uncached_once(tmp_path, monkeypatch, ca
     assert [e["event"] for e in b.events] == ["unwritable", "unwritable"]
     assert len([r for r in caplog.records if "uncached" in r.getMessage()]) == 1
     assert (tmp_path / "cache").read_text().startswith("a file")
+
+
+def _seal_keys_made_at_once(folder: Path, makers: int) -> list:
+    """What `makers` threads released together get from `_seal_key(folder)` (an exception or the key)."""
+    import threading
+    start, got = threading.Barrier(makers), [None] * makers
+
+    def make(i):
+        start.wait()
+        try:
+            got[i] = build_mod._seal_key(folder)
+        except Exception as e:     # noqa: BLE001 - the test reports whatever a maker raised
+            got[i] = e
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(makers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
+def test_makers_of_a_new_seal_key_at_once_all_get_the_one_that_stays(tmp_path):
+    """Ranks sharing a cache made the key at once: one took the key a peer had just linked for
+    damage, deleted it, and the peer's read failed (CI: both ranks died 'cannot open .seal-key')."""
+    for n in range(40):
+        folder = tmp_path / f"k{n}"
+        got = _seal_keys_made_at_once(folder, 6)
+        assert all(isinstance(k, bytes) for k in got), got
+        assert len(set(got)) == 1 and got[0] == (folder / build_mod.SEAL_KEY).read_bytes()
+
+
+@pytest.mark.parametrize("damage", ["short", "folder", "link"])
+def test_a_damaged_seal_key_is_replaced_once(tmp_path, damage):
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    path = folder / build_mod.SEAL_KEY
+    if damage == "short":
+        path.write_bytes(b"12345")
+    elif damage == "folder":
+        (path / "inside").mkdir(parents=True)
+    else:
+        (tmp_path / "elsewhere").write_bytes(b"k" * 32)
+        path.symlink_to(tmp_path / "elsewhere")
+    got = _seal_keys_made_at_once(folder, 4)
+    assert all(isinstance(k, bytes) and len(k) == 32 for k in got), got
+    assert path.is_file() and not path.is_symlink() and path.read_bytes() in got
+    assert path.read_bytes() != b"k" * 32 and (path.stat().st_mode & 0o777) == 0o600
+    assert (tmp_path / "elsewhere").exists() or damage != "link"
+    assert [p.name for p in folder.iterdir()] == [build_mod.SEAL_KEY]    # no temporary left behind
