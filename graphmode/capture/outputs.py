@@ -57,6 +57,7 @@ def describe(out: Any) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
             spec = {"t": "dict", "keys": [str(k) for k in keys], "items": items}
             if not isinstance(obj, dict) or hasattr(obj, "to_tuple"):
                 spec.update(t="model_output", **{"class": _path(type(obj))})
+                _LIVE[_path(type(obj))] = type(obj)      # a model's own ModelOutput subclass too
             else:
                 if keys and all(type(k) is int for k in keys):
                     spec["key_kind"] = "int"
@@ -98,8 +99,9 @@ def _path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-# NamedTuple classes seen in this process's outputs: rebuilt as themselves; a loaded artifact's
-# are rebuilt as a namedtuple of the same name and fields (no module is imported for them)
+# NamedTuple and ModelOutput classes seen in this process's outputs: rebuilt as themselves; a
+# loaded artifact's are rebuilt as a namedtuple of the same name and fields, or as a transformers
+# class (no other module is imported for them: an artifact's spec is untrusted)
 _LIVE: dict[str, type] = {}
 
 
@@ -119,8 +121,11 @@ def _structseq(path: str) -> Any:
 
 
 def _class(path: str) -> Any:
-    """The ModelOutput class `path` names, or None (then a plain dict is returned): only a
-    transformers class with `to_tuple` is rebuilt, whatever a saved spec says."""
+    """The ModelOutput class `path` names, or None (then a plain dict is returned): a class this
+    process's model returned, or a transformers class with `to_tuple`, whatever a saved spec says."""
+    live = _LIVE.get(path)
+    if live is not None and hasattr(live, "to_tuple"):
+        return live
     mod, _, name = path.rpartition(".")
     if mod.split(".")[0] != "transformers":
         return None

@@ -4,11 +4,13 @@ structure and named by it, in-place updates, static models, and drafts that vali
 The zoo sweep over every architecture is `slow` (`pytest -m slow`)."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+from transformers.utils import ModelOutput
 
 import graphmode
 from graphmode.capture.spec import bundle_from_module
@@ -109,6 +111,33 @@ def test_outputs_keep_their_structure_and_names():
         graphmode.compile(m, r)
     text = str(e.value)
     assert "has no output 'out'" in text and "(got" not in text and "pair_0" in text
+
+
+@dataclasses.dataclass
+class OwnOutput(ModelOutput):
+    """A model's own ModelOutput subclass (outside transformers): came back as a dict."""
+    logits: torch.Tensor = None
+    hidden: torch.Tensor | None = None
+
+
+class OwnHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return OwnOutput(logits=h.relu(), hidden=h)
+
+
+def test_a_models_own_model_output_class_comes_back_as_itself(tmp_path):
+    torch.manual_seed(0)
+    m, x = OwnHead().eval(), torch.randn(2, 8)
+    cm = graphmode.compile((m, (x,)))
+    y, ref = cm(torch.randn(3, 8)), m(x)
+    assert type(y) is OwnOutput and list(y.keys()) == ["logits", "hidden"] and y.logits.shape == (3, 4)
+    y = cm(x)
+    assert rel(y.logits, ref.logits) < 1e-5 and rel(y[1], ref[1]) < 1e-5 and y.to_tuple()[0] is y.logits
 
 
 class Counter(nn.Module):
