@@ -531,6 +531,41 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
     return ep
 
 
+def _import_decomposing(ep, importer: Callable[[Any], "_Importer"], prefix: str):
+    """(program, importer, graph): `ep` imported, then imported again with the ops it could not
+    lower decomposed by torch where that lowers more of them (graphmode/capture/decompose.py);
+    a few rounds, since a decomposition may bring ops of its own with no lowering."""
+    from graphmode.capture.decompose import decomposable, decompose
+
+    def run(ep):
+        imp = importer(ep)
+        imp.fqn_prefix = prefix
+        g = imp.run()
+        g.prune_values()
+        return imp, g
+
+    def islands(imp) -> int:
+        return sum(f.count for f in imp.fallbacks.values())
+
+    best = cur = (ep, *run(ep))
+    tried: set = set()
+    for _ in range(4):
+        table = decomposable(cur[0], {f.target for f in cur[1].fallbacks.values() if not f.excluded})
+        table = {op: fn for op, fn in table.items() if op not in tried}
+        tried |= set(table)
+        new = decompose(cur[0], table) if table else None
+        if new is None:
+            break
+        try:
+            cur = (new, *run(new))
+        except GraphmodeError:
+            break               # the decomposition's own ops refuse (a complex intermediate): keep the island
+        if islands(cur[1]) < islands(best[1]):
+            best = cur
+    ep, imp, g = best
+    return ep, imp, g
+
+
 def example_sizes(dims: Mapping[str, tuple[int, int]]) -> dict[str, int]:
     """Distinct, non-1 sizes inside each range so export does not specialise or merge dims."""
     primes = [3, 5, 7, 11, 13, 17, 19, 23]
@@ -551,12 +586,10 @@ def import_torch(module: torch.nn.Module, example_inputs: Mapping[str, torch.Ten
     eager returns them (default: `output`, or `output_0`, `output_1`, ...)."""
     t0 = time.perf_counter()
     ep = export_program(module, example_inputs, input_dims, dims)
-    imp = _Importer(ep, name, input_dims, dims, make_excluder(include_ops, exclude_ops))
     from graphmode.capture.zoo import OutputFlattener
-    if isinstance(module, OutputFlattener):
-        imp.fqn_prefix = "model."
-    g = imp.run()
-    g.prune_values()
+    prefix = "model." if isinstance(module, OutputFlattener) else ""
+    ep, imp, g = _import_decomposing(ep, lambda ep: _Importer(ep, name, input_dims, dims,
+                                                              make_excluder(include_ops, exclude_ops)), prefix)
     report = CaptureReport(source="torch.export", seconds=time.perf_counter() - t0,
                            aten_ops=dict(sorted(imp.aten_ops.items())),
                            fallbacks=sorted(imp.fallbacks.values(), key=lambda f: (f.target, f.loc)),

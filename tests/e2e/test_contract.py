@@ -17,7 +17,7 @@ from graphmode.cli.app import _register, app
 from graphmode.verdict import ContractRefused
 from graphmode.verify.numerics import rel_l2
 
-from tiny_models import POOL_DIMS, POOL_INPUTS, glu, masked_mean_pool, mean_pool, mlp, recipe
+from tiny_models import POOL_DIMS, POOL_INPUTS, masked_mean_pool, mean_pool, mlp, recipe, rrelu
 
 TINY = str(Path(__file__).with_name("tiny_models.py"))
 runner = CliRunner()
@@ -100,17 +100,17 @@ def test_recipe_model_mismatch_is_a_field_error(tmp_path, change, where):
 
 
 def test_fallback_in_graph_mode_points_at_the_model_code(tmp_path):
-    r = recipe("glu", [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}], {"batch": {"buckets": [1, 4]}})
+    r = recipe("rrelu", [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}], {"batch": {"buckets": [1, 4]}})
     with pytest.raises(ContractRefused) as e:
-        graphmode.compile(bundle(glu), r, cache_dir=tmp_path)
+        graphmode.compile(bundle(rrelu), r, cache_dir=tmp_path)
     issue = e.value.issues[0]
-    assert issue.kind == "fallback" and "glu" in issue.message
+    assert issue.kind == "fallback" and "rrelu" in issue.message
     assert "tiny_models.py:" in issue.loc and "torch" not in issue.loc.split("tiny_models.py")[0].rsplit("/", 3)[-2:]
     assert "exe_mode: hybrid" in issue.fix and "exclude_ops" not in issue.fix
-    cm = graphmode.compile(bundle(glu), {**r, "exe_mode": "hybrid"}, cache_dir=tmp_path)
+    cm = graphmode.compile(bundle(rrelu), {**r, "exe_mode": "hybrid"}, cache_dir=tmp_path)
     x = torch.randn(3, 8)
     assert rel_l2(first(cm(x=x)), cm.source.reference({"x": x})[0]) < 1e-5
-    res = invoke("verify", "--model", f"{TINY}:glu", "--recipe", write(tmp_path, r))
+    res = invoke("verify", "--model", f"{TINY}:rrelu", "--recipe", write(tmp_path, r))
     assert res.exit_code == 1 and "exe_mode: hybrid" in res.output
 
 

@@ -68,20 +68,20 @@ def test_the_server_reads_the_proof_instead_of_proving_again(tmp_path, proofs):
     srv.sandbox.close()
 
 
-class _Glu(nn.Module):
+class _Rrelu(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 16)
 
     def forward(self, x):
-        return nn.functional.glu(self.lin(x), dim=-1)      # aten.glu has no lowering: a graph break
+        return nn.functional.rrelu(self.lin(x), training=False)   # aten.rrelu has no lowering: a graph break
 
 
 def test_a_refused_verdict_is_reported_without_passes_or_proof():
     from graphmode.compile_report import report_of
     from graphmode.errors import GraphmodeError
     r = load_recipe(dict(RECIPE, exe_mode="graph", inputs=[{"name": "x", "dtype": "f32", "shape": ["batch", 8]}]))
-    model = (_Glu().eval(), (torch.randn(2, 8),))
+    model = (_Rrelu().eval(), (torch.randn(2, 8),))
     with pytest.raises(GraphmodeError):
         lower_model(model, r)                              # refused at the verdict by default
     low = lower_model(model, r, refuse=False)

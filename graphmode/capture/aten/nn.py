@@ -137,9 +137,15 @@ def _layer_norm(imp, node, a):
     return True
 
 
+def _reads_statistics(node) -> bool:
+    """A norm whose mean/rstd outputs (1 and 2) are read: the IR's norm makes the normalised
+    output only, so the op is left to torch's decomposition (graphmode/capture/decompose.py)."""
+    return any(u.target is operator.getitem and u.args[1] != 0 for u in node.users)
+
+
 @converts("aten.native_layer_norm.default")
 def _native_layer_norm(imp, node, a):
-    if a["weight"] is None and a["bias"] is not None:
+    if a["weight"] is None and a["bias"] is not None or _reads_statistics(node):
         return False
     ins = [imp.operand(a["input"])] + [imp.operand(t) for t in (a["weight"], a["bias"]) if t is not None]
     out, = imp.g.add_node("layer_norm", ins, [imp.ttype(node.meta["val"][0])],
@@ -151,7 +157,7 @@ def _native_layer_norm(imp, node, a):
 
 @converts("aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default")
 def _batch_norm(imp, node, a):
-    if a.get("training"):
+    if a.get("training") or _reads_statistics(node):
         return False
     ins = [imp.operand(a[k]) for k in ("input", "weight", "bias", "running_mean", "running_var")]
     val = node.meta["val"]

@@ -130,7 +130,8 @@ def _static_infer(op: str):
 
 # writes into a copy of `self` (args[0] is input 0): the output has self's shape at every size
 WRITES = frozenset({"scatter", "scatter_add", "scatter_reduce", "index_copy", "index_add", "index_fill",
-                    "index_reduce", "select_scatter", "slice_scatter", "diagonal_scatter", "masked_scatter"})
+                    "index_reduce", "select_scatter", "slice_scatter", "diagonal_scatter", "masked_scatter",
+                    "index_put", "put"})
 
 
 def _written(op: str, ins: list[TensorType], attrs: Mapping[str, Any]) -> TensorType | None:
@@ -494,6 +495,11 @@ STATIC: dict[str, tuple] = {
                      "x with rows reduced in at indices along dim"),
     "masked_scatter": ("data", ("default",), lambda: [sample("default", _x, T(3, 5, dtype=torch.bool), T(15))],
                        "x with the source's leading values written where mask is true"),
+    "index_put": ("data", ("default",), lambda: [sample("default", _x, [_i(2, high=3)], T(2, 5)),
+                                                 sample("default", _x, [None, _i(3, high=5)], T(3), True)],
+                  "x with values written (or added: accumulate) at advanced indices: x[i] = v"),
+    "put": ("data", ("default",), lambda: [sample("default", _x, _i(4, high=15), T(4), True)],
+            "x with values written (or added) at indices of its flattened form"),
     "take": ("data", ("default",), lambda: [sample("default", _x, _i(2, 3, high=15))], "x.flatten()[index]"),
     "take_along_dim": ("data", ("default",), lambda: [sample("default", _x, _i(3, 2, high=5), 1)],
                        "gather along dim, broadcasting"),

@@ -297,23 +297,25 @@ class _SymbolicTril(torch.nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["graph", "hybrid"])
-def test_an_op_argument_computed_from_two_dims_is_an_island_not_a_broken_attribute(mode, tmp_path):
+def test_an_op_argument_computed_from_two_dims_is_decomposed_not_a_broken_attribute(mode, tmp_path):
     """tril(diagonal=sk - s) over two symbolic dims: the diagonal is a size computed at run time,
     which the op's int attribute cannot hold (it became an fx node in the graph: every call then
-    failed 'Object of type Node is not JSON serializable'). Graph mode refuses naming the op;
-    hybrid runs it as an eager island and matches eager."""
+    failed 'Object of type Node is not JSON serializable'; later an island, refused in graph
+    mode). torch's decomposition of tril (an arange comparison) is lowered in both modes and
+    matches eager at every bucket; padding seq would move the diagonal, so it is refused."""
     rec = {"version": 1, "name": "tril", "exe_mode": mode,
            "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 8]},
                       {"name": "mem", "dtype": "f32", "shape": ["batch", "mseq", 8]}],
            "dims": {"batch": {"buckets": [2]}, "seq": {"min": 4, "max": 6, "buckets": [4, 5, 6]},
                     "mseq": {"min": 8, "max": 10, "buckets": [8, 9, 10]}}}
-    if mode == "graph":
-        with pytest.raises(ContractRefused, match=r"aten\.tril"):
-            graphmode.compile(_SymbolicTril(), rec, cache_dir=tmp_path)
-        return
     cm = graphmode.compile(_SymbolicTril(), rec, cache_dir=tmp_path)
-    x, mem = torch.randn(2, 5, 8), torch.randn(2, 9, 8)
-    assert torch.allclose(cm(x=x, mem=mem), _SymbolicTril()(x, mem), rtol=1e-5, atol=1e-5)
+    assert not cm.capture_report.fallbacks
+    for s, sk in [(4, 8), (5, 9), (6, 10), (4, 10)]:
+        x, mem = torch.randn(2, s, 8), torch.randn(2, sk, 8)
+        assert torch.allclose(cm(x=x, mem=mem), _SymbolicTril()(x, mem), rtol=1e-5, atol=1e-5)
+    rec["dims"]["seq"]["buckets"] = [6]
+    with pytest.raises(ContractRefused, match=r"padding seq up to its bucket can change the outputs"):
+        graphmode.compile(_SymbolicTril(), rec, cache_dir=tmp_path)
 
 
 def test_a_longrope_buffer_update_is_refused_as_a_rope_not_as_training_state(tmp_path):

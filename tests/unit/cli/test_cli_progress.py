@@ -124,13 +124,13 @@ def test_a_long_source_line_of_a_fallback_survives_piping(tmp_path):
     folder = tmp_path / ("a_model_folder_with_a_name_long_enough_to_overflow_eighty_columns_" * 2)
     folder.mkdir()
     (folder / "model.py").write_text(TINY.read_text())
-    r = {**RECIPE, "name": "glu", "exe_mode": "hybrid", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}]}
+    r = {**RECIPE, "name": "rrelu", "exe_mode": "hybrid", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}]}
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(r))
-    res = CliRunner().invoke(app, ["compile", "--model", f"{folder / 'model.py'}:glu", "--recipe", str(recipe),
+    res = CliRunner().invoke(app, ["compile", "--model", f"{folder / 'model.py'}:rrelu", "--recipe", str(recipe),
                                    "--dry-run", "--cache-dir", str(tmp_path / "cache")])
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
-    assert any(ln.strip().startswith("aten.glu.default x1:") for ln in lines), res.stdout
+    assert any(ln.strip().startswith("aten.rrelu.default x1:") for ln in lines), res.stdout
     loc = next(ln.strip()[len("at "):] for ln in lines if ln.strip().startswith("at "))
     assert loc.startswith(str(folder / "model.py") + ":") and loc.split(":")[-1].isdigit(), loc
