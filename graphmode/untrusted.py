@@ -74,7 +74,11 @@ def open_file(path: str | os.PathLike, *, limit: int, root: str | os.PathLike | 
     """`path` opened for reading if it is a regular file of at most `limit` bytes (and, with
     `root`, really inside `root` after following every link); else UntrustedFileError."""
     path = Path(path)
-    if root is not None and not _inside(path, Path(root)):
+    try:
+        inside = root is None or _inside(path, Path(root))
+    except OSError as e:      # a link replaced while it was resolved (realpath's readlink: EINVAL)
+        raise UntrustedFileError(f"cannot resolve it: {e.strerror or e}", where=str(path)) from None
+    if not inside:
         raise UntrustedFileError(f"it resolves to {os.path.realpath(path)}, outside {root}", where=str(path),
                                  fix="remove the link; graphmode only reads its own folder there")
     try:
