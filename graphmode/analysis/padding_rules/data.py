@@ -1,6 +1,7 @@
 """Padding rules of data ops: `gather` (embedding, index_select, index, gather: safe where the
 index reads real positions only), `full` and `arange` (values made with a padded extent),
-`island` (eager `fallback` nodes, read from the ATen op's tags and schema), `region` (a fused
+`island` (eager `fallback` nodes, read from the ATen op's tags and schema; `aten`: the
+ATen-reference ops kept in the graph, read the same way), `region` (a fused
 body) and `opaque` (refuses every padded dim that reaches the op).
 """
 from __future__ import annotations
@@ -192,37 +193,68 @@ def arange(an, n: Node, out_shape: Sequence[Dim], taint: dict[str, Finding]) -> 
 
 
 def fallback(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State]:
-    """Eager islands: pointwise ops broadcast like elementwise ones; an op along `dim` keeps
-    the other axes independent (`_along_dim`); anything else is opaque."""
-    target = str(n.attrs.get("target", ""))
+    """Eager islands: read from the ATen op they call (`aten_call`)."""
+    return aten_call(an, n, ins, taint, str(n.attrs.get("target", "")), list(n.attrs.get("args", [])),
+                     n.attrs.get("kwargs", {}), "eager island ")
+
+
+def aten_reference(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State]:
+    """ATen-reference ops kept in the graph as themselves (sort, topk, cummax, ...): read as the
+    island calling the same ATen op would be."""
+    return aten_call(an, n, ins, taint, f"aten.{n.op}.{n.attrs.get('overload', 'default')}",
+                     list(n.attrs.get("args", [])), n.attrs.get("kwargs", {}), "")
+
+
+def aten_call(an, n: Node, ins: list[State], taint: dict[str, Finding], target: str, args: list,
+              kwargs: Mapping[str, Any], label: str) -> list[State]:
+    """A node that calls ATen op `target`: pointwise ops broadcast like elementwise ones; an op
+    along `dim` keeps the other axes independent (`_along_dim`); anything else is opaque."""
     shapes = [an.shape(o) for o in n.outputs]
     short = target.split(".")[1] if target.startswith("aten.") and "." in target else target
     if len(shapes) == 1 and ins:
         rank = len(shapes[0])
-        pointwise, _ = _island_dims(target, list(n.attrs.get("args", [])), n.attrs.get("kwargs", {}), rank)
+        pointwise, _ = _island_dims(target, args, kwargs, rank)
         if pointwise:                       # broadcasting: each output position reads the same of its inputs
             srcs = [next((s.axes[j] for s in ins if (j := i - (rank - len(s.axes))) >= 0 and s.axes[j].padded),
                          None) for i in range(rank)]
             return [State(tuple(an.garbage([src])[0] if src is not None else an.fresh_axis(e, GARBAGE)
                                 for src, e in zip(srcs, shapes[0])))]
-    along_dim = _along_dim(an, n, ins, shapes, target, taint) if short not in _MIXES_OTHER_DIMS else None
+    if short == "repeat" and len(ins) == 1 and len(shapes) == 1 and len(args) > 1 and isinstance(args[1], list):
+        return [_repeat(an, n, ins[0], args[1], shapes[0], f"{label}{target}", taint)]
+    along_dim = _along_dim(an, n, ins, shapes, target, args, kwargs, label, taint) \
+        if short not in _MIXES_OTHER_DIMS else None
     if along_dim is not None:
         return along_dim
     if short in _PER_ELEMENT and ins and len(shapes) == 1 and not any(ax.padded for s in ins[1:] for ax in s.axes) \
-            and _valid_padding(short, ins[0], list(n.attrs.get("args", []))):
+            and _valid_padding(short, ins[0], args):
         rank = len(ins[0].axes)             # each element of the first input on its own (+ trailing new axes)
         if len(shapes[0]) == rank + _PER_ELEMENT[short]:
             return [State(an.garbage(ins[0].axes) + an.from_type(shapes[0][rank:]))]
     if short in _PER_SAMPLE_ATEN and ins and ins[0].axes:
         for s in ins:
             an.taint(taint, n, s.axes[1:] if s is ins[0] else s.axes,
-                     f"eager island {target} mixes positions along padded dim {{dim}}")
+                     f"{label}{target} mixes positions along padded dim {{dim}}")
         lead = an.garbage(ins[0].axes[:1])
         return [State(lead + an.from_type(sh[1:])) if sh else State(()) for sh in shapes]
     for s in ins:
-        an.taint(taint, n, s.axes, f"eager island {target} over padded dim {{dim}}: graphmode cannot see "
+        an.taint(taint, n, s.axes, f"{label}{target} over padded dim {{dim}}: graphmode cannot see "
                                    "how it uses padded positions")
     return [State(an.from_type(sh)) for sh in shapes]
+
+
+def _repeat(an, n: Node, x: State, repeats: list, shape: Sequence[Dim], what: str,
+            taint: dict[str, Finding]) -> State:
+    """x.repeat(r): an axis repeated once keeps its positions (and padding); one tiled puts
+    the padding in the middle of the copies (unsafe); leading new axes are plain."""
+    lead = len(repeats) - len(x.axes)
+    axes = list(an.from_type(shape[:lead])) if lead > 0 else []
+    for i, ax in enumerate(x.axes):
+        if repeats[lead + i] == 1:
+            axes.append(an.garbage([ax])[0])
+            continue
+        an.taint(taint, n, [ax], f"{what} tiles padded dim {{dim}}")
+        axes.append(an.fresh_axis(shape[lead + i], GARBAGE))
+    return State(tuple(axes))
 
 
 def _valid_padding(short: str, x: State, args: list) -> bool:
@@ -236,15 +268,15 @@ def _valid_padding(short: str, x: State, args: list) -> bool:
         for ax in x.axes for f in ax.padded)
 
 
-def _along_dim(an, n: Node, ins: list[State], shapes: list, target: str,
-               taint: dict[str, Finding]) -> list[State] | None:
+def _along_dim(an, n: Node, ins: list[State], shapes: list, target: str, args: list, kwargs: Mapping[str, Any],
+               label: str, taint: dict[str, Finding]) -> list[State] | None:
     """An island working along `dim` of inputs of one rank, whose outputs keep every axis (sort,
     topk, max.dim with keepdim) or drop the `dim` axes (var, median, argmax, select, unbind):
     the other axes pass through position for position. None when the op is not of that kind."""
     if not ins or not ins[0].axes:
         return None
     rank = len(ins[0].axes)
-    pointwise, along = _island_dims(target, list(n.attrs.get("args", [])), n.attrs.get("kwargs", {}), rank)
+    pointwise, along = _island_dims(target, args, kwargs, rank)
     if pointwise or not along or any(len(s.axes) not in (0, rank) for s in ins):
         return None
     kept = [i for i in range(rank) if i not in along]
@@ -259,7 +291,7 @@ def _along_dim(an, n: Node, ins: list[State], shapes: list, target: str,
         if scan and srcs[i].single is not None and srcs[i].single.prefix and not an.cut:
             scanned.add(i)
         else:
-            an.taint(taint, n, [srcs[i]], f"eager island {target} along padded dim {{dim}}")
+            an.taint(taint, n, [srcs[i]], f"{label}{target} along padded dim {{dim}}")
     outs = []
     for sh in shapes:
         axes = range(rank) if len(sh) == rank else kept
@@ -286,3 +318,4 @@ def opaque(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[Sta
 rule("gather")(lambda an, n, ins, taint: [gather(an, n, ins, an.shape(n.outputs[0]), taint)])
 rule("arange")(lambda an, n, ins, taint: [arange(an, n, an.shape(n.outputs[0]), taint)])
 rule("island")(fallback)
+rule("aten")(aten_reference)

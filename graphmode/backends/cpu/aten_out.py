@@ -19,7 +19,7 @@ from graphmode.backends.cpu.attrs import int_attr
 from graphmode.backends.cpu.layout_kernels import aten_args, is_input
 from graphmode.backends.cpu.lowering import ATEN, Claim, OpCall, claimed, lowers, refused
 from graphmode.backends.cpu.tensors import overlaps
-from graphmode.ir.ops.aten_ref import arguments, call as aten_call, overload
+from graphmode.ir.ops.aten_meta import arguments, call as aten_call, overload
 
 OUT_VARIANT_OPS = ("topk", "sort", "scatter", "scatter_add", "scatter_reduce")
 

@@ -20,7 +20,7 @@ from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowe
 from graphmode.backends.cpu.movement import COPY_PAR_ELEMS, ELEM_TYPES
 from graphmode.backends.cpu.native import finish, lin, loop_nest
 from graphmode.backends.cpu.tensors import overlaps, row_major_strides, shape_text
-from graphmode.ir.ops.aten_ref import call as aten_call
+from graphmode.ir.ops.aten_meta import call as aten_call
 
 INDEX_MAP_OPS = ("reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d",
                  "replication_pad2d", "replication_pad3d", "_pad_circular", "flip", "upsample_nearest1d",

@@ -23,7 +23,7 @@ from graphmode.backends.cpu.movement import COPY_PAR_ELEMS, ELEM_TYPES, copy_bod
 from graphmode.backends.cpu.native import finish, lin, loop_nest
 from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.backends.cpu.tensors import dtype_of, overlaps, row_major_strides, shape_text
-from graphmode.ir.ops.aten_ref import overload
+from graphmode.ir.ops.aten_meta import overload
 
 
 def aten_args(call: OpCall) -> dict[str, Any] | None:

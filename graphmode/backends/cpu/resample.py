@@ -26,7 +26,7 @@ from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowe
 from graphmode.backends.cpu.movement import COPY_PAR_ELEMS
 from graphmode.backends.cpu.native import finish, loop_nest
 from graphmode.backends.cpu.tensors import dtype_of, overlaps, shape_text
-from graphmode.ir.ops.aten_ref import call as aten_call
+from graphmode.ir.ops.aten_meta import call as aten_call
 
 _F32 = np.float32
 

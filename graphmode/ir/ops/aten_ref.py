@@ -15,8 +15,12 @@ Two families, told apart by how their output types are derived:
   input dtypes and ranks. The padding analysis follows them as any elementwise op (padded
   positions hold unknown values, which stay in padding).
 - static (other kinds): output types are the op's own meta-tensor result on the input
-  shapes, so every input dim must be an int: a symbolic dim makes inference refuse and the
-  capture keeps the op as an eager island. The padding analysis has no rule for them, so a
+  shapes (graphmode/ir/ops/aten_meta.py). Over symbolic dims, only where that is exact: a
+  write keeps self's shape, a resampling goes to a fixed size or by an exact scale, or every
+  output size is a constant or one of the inputs' dims at three sizes of each symbol (sort,
+  topk, median along a dim); otherwise inference refuses and the capture keeps the op an
+  eager island. The padding analysis reads them as it reads an island calling the same ATen
+  op (rule `aten`): pointwise by its tags, along its `dim` argument by its schema, else a
   padded dim reaching one is reported unsafe.
 
 Every op here carries the `aten_reference` trait: at capture, the types inference derives
@@ -25,53 +29,17 @@ differ stays an eager island (never a guess).
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-import sympy
 import torch
-import torch.utils._pytree as pytree
 
 from graphmode.errors import IRError
+from graphmode.ir.ops.aten_meta import call, meta, meta_types, overload, static_types
 from graphmode.ir.ops.spec import OpSpec, Sample, broadcast_shapes, register
-from graphmode.ir.types import DTYPES, TORCH_TO_DTYPE, TensorType, exact_scale, normalize_dim
+from graphmode.ir.types import TORCH_TO_DTYPE, TensorType
 
 TRAIT = "aten_reference"
-
-
-@functools.lru_cache(maxsize=None)
-def overload(op: str, name: str):
-    """torch.ops.aten.<op>.<name>."""
-    return getattr(getattr(torch.ops.aten, op), name)
-
-
-def _materialise(arg: Any, ins: Sequence[Any]) -> Any:
-    if isinstance(arg, dict):
-        if "$in" in arg:
-            return ins[arg["$in"]]
-        if "$dtype" in arg:
-            return DTYPES[arg["$dtype"]]
-        if "$device" in arg:
-            return torch.device(arg["$device"])
-        if "$dim" in arg:
-            raise IRError("an ATen-reference op got a symbolic size argument", fix="static sizes only")
-        return {k: _materialise(v, ins) for k, v in arg.items()}
-    if isinstance(arg, list):
-        return [_materialise(a, ins) for a in arg]
-    return arg
-
-
-def arguments(ins: Sequence[Any], attrs: Mapping[str, Any]) -> tuple[list, dict]:
-    """The positional and keyword arguments the attributes describe, on `ins`."""
-    return _materialise(list(attrs.get("args", [])), ins), _materialise(dict(attrs.get("kwargs", {})), ins)
-
-
-def call(op: str, ins: Sequence[Any], attrs: Mapping[str, Any]) -> list:
-    """The ATen call the attributes describe, on `ins` (tensors, real or meta); its tensor outputs."""
-    args, kwargs = arguments(ins, attrs)
-    out = overload(op, attrs.get("overload", "default"))(*args, **kwargs)
-    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -87,87 +55,18 @@ def _ref(op: str, static: bool):
     return ref
 
 
-def _meta(t: TensorType, shape: Sequence[int]) -> torch.Tensor:
-    return torch.empty(tuple(shape), dtype=DTYPES[t.dtype], device="meta")
-
-
-def _types(op: str, metas: list[torch.Tensor], attrs: Mapping[str, Any]) -> list[TensorType]:
-    try:
-        outs = call(op, metas, attrs)
-    except IRError:
-        raise
-    except Exception as e:  # noqa: BLE001 - torch's own refusal of these arguments, or no meta kernel
-        raise IRError(f"{op}: torch cannot derive the output types of {attrs}: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}", fix="keep the op as an eager island") from None
-    bad = [o.dtype for o in outs if o.dtype not in TORCH_TO_DTYPE]
-    if bad:
-        raise IRError(f"{op} makes a {bad[0]} tensor, which graphmode has no dtype for")
-    return [TensorType(TORCH_TO_DTYPE[o.dtype], tuple(int(s) for s in o.shape)) for o in outs]
-
-
 def _pointwise_infer(op: str):
     def infer(ins: list[TensorType], attrs):
         shape = broadcast_shapes(*(t.shape for t in ins)) if ins else ()
-        types = _types(op, [_meta(t, (1,) * t.rank) for t in ins], attrs)
+        types = meta_types(op, [meta(t, (1,) * t.rank) for t in ins], attrs)
         return [t.with_shape(shape) for t in types]
     return infer
 
 
 def _static_infer(op: str):
     def infer(ins: list[TensorType], attrs):
-        for t in ins:
-            if not all(isinstance(d, int) for d in t.shape):
-                resampled = _resampled(op, ins, attrs) if "upsample" in op else _written(op, ins, attrs)
-                if resampled is not None:
-                    return [resampled]
-                raise IRError(f"{op} with a symbolic dim in input {t.text()}: its output types are derived "
-                              "for static shapes only",
-                              fix="make that dim static in the recipe (one value); a PyTorch model can instead keep "
-                                  "the op in eager under exe_mode: hybrid (an ONNX model has no eager module)")
-        return _types(op, [_meta(t, t.shape) for t in ins], attrs)
+        return static_types(op, ins, attrs)
     return infer
-
-
-# writes into a copy of `self` (args[0] is input 0): the output has self's shape at every size
-WRITES = frozenset({"scatter", "scatter_add", "scatter_reduce", "index_copy", "index_add", "index_fill",
-                    "index_reduce", "select_scatter", "slice_scatter", "diagonal_scatter", "masked_scatter",
-                    "index_put", "put"})
-
-
-def _written(op: str, ins: list[TensorType], attrs: Mapping[str, Any]) -> TensorType | None:
-    """The type of a write op over symbolic dims: self's shape, and the dtype the op gives at one
-    size of each dim (the call is checked there; other sizes are ATen's to check at run time).
-    None for other ops."""
-    if op not in WRITES or not ins or list(attrs.get("args", []))[:1] != [{"$in": 0}]:
-        return None
-    syms = sorted({s for t in ins for d in t.shape if not isinstance(d, int) for s in sympy.sympify(d).free_symbols},
-                  key=str)
-    at = {s: 5 + 2 * k for k, s in enumerate(syms)}
-    sizes = [[d if isinstance(d, int) else int(sympy.sympify(d).subs(at)) for d in t.shape] for t in ins]
-    if any(v < 0 for shape in sizes for v in shape):
-        return None
-    out = _types(op, [_meta(t, shape) for t, shape in zip(ins, sizes)], attrs)
-    return ins[0].with_dtype(out[0].dtype) if len(out) == 1 and list(out[0].shape) == sizes[0] else None
-
-
-def _resampled(op: str, ins: list[TensorType], attrs: Mapping[str, Any]) -> TensorType | None:
-    """The type of `F.interpolate` over symbolic spatial dims, where it is exact: to a fixed size,
-    or by scale factors whose doubles are fractions of 16 at most, for which torch's
-    floor(size * scale) in doubles is the exact floor (a 2x upsample: 2 * H). None otherwise."""
-    args = list(attrs.get("args", []))
-    if "upsample" not in op or attrs.get("overload") != "vec" or len(ins) != 1 or len(args) < 3 or attrs.get("kwargs"):
-        return None
-    x, (size, scales) = ins[0], (args[1], args[-1])
-    k = x.rank - 2
-    if isinstance(size, list) and len(size) == k and all(isinstance(v, int) for v in size):
-        return x.with_shape(x.shape[:2] + tuple(size))
-    if size is not None or not (isinstance(scales, list) and len(scales) == k):
-        return None
-    exact = [exact_scale(v) for v in scales]
-    if None in exact:
-        return None
-    return x.with_shape(x.shape[:2] + tuple(normalize_dim(sympy.floor(sympy.sympify(d) * f))
-                                            for d, f in zip(x.shape[2:], exact)))
 
 
 # ---------------------------------------------------------------------------------- samples
@@ -237,7 +136,7 @@ def _register(name: str, kind: str, overloads: Sequence[str], samples: Callable[
     aten = [a for n in (name,) + ALIASES.get(name, ()) for o in overloads if (a := f"aten.{n}.{o}") not in taken]
     register(OpSpec(name, kind, arity, infer_fn(name), _ref(name, infer_fn is _static_infer), attrs=ATTRS, doc=doc,
                     traits=frozenset({TRAIT}), aten=tuple(aten), samples=samples,
-                    padding=_PADDING.get(kind, "opaque") if not name.startswith(_EDGE_PADS) else "window",
+                    padding=_PADDING.get(kind, "aten") if not name.startswith(_EDGE_PADS) else "window",
                     aten_call=_own_call(name)))
 
 
@@ -786,6 +685,6 @@ _STATIC_KINDS = {"elementwise_static": "misc", "gemm_static": "linalg", "pool_st
 for _name, (_kind, _ovl, _samples, _doc) in STATIC.items():
     _checked(_name, _ovl)
     _shapes = ("static shapes, or dynamic sizes to a fixed size or by a scale whose double is k/16"
-               if "upsample" in _name else "static shapes")
+               if "upsample" in _name else "dynamic sizes where each output size is an input's")
     _register(_name, _STATIC_KINDS.get(_kind, _kind), _ovl, _samples, f"{_doc} (ATen {_name}; {_shapes})",
               _static_infer, (0, 8))

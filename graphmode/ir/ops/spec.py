@@ -70,6 +70,7 @@ PADDING_RULES = {
     "full": "a constant made with (possibly padded) extents",
     "arange": "an index along a padded extent (its padded positions are past the real end)",
     "island": "an eager fallback: pointwise or per-dim ATen ops from their tags and schema, else opaque",
+    "aten": "an ATen-reference op of a static kind: read as an island calling the same ATen op would be",
     "region": "a fused region: analysed through its body",
     "opaque": "not modelled: any padded dim reaching the op is reported unsafe",
 }

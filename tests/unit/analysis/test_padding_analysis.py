@@ -140,21 +140,31 @@ def test_islands_on_each_element():
     assert verdict(bucketize).safe
 
 
-def test_static_aten_reference_ops_are_opaque_to_padding():
-    """Their types come from torch's meta kernels on concrete shapes, so inference refuses a
-    symbolic dim (capture keeps such a use an eager island); and a graph that hands one a
-    padded dim anyway is unsafe to pad along it: the analysis has no rule for them."""
+def test_static_aten_reference_ops_follow_symbolic_dims_and_are_read_as_their_aten_op():
+    """Their types come from torch's meta kernels on concrete shapes: over symbolic dims, an
+    output size that is an input's dim at three sizes of each symbol follows it (logsumexp over
+    s keeps b), one that follows none (repeat's 2*b) is refused. Padding reads the ATen op's
+    schema as an island's: along `dim` unsafe, the other axes pass through."""
     from graphmode.errors import GraphmodeError
     from graphmode.ir.ops import OPS
     from graphmode.ir.types import TensorType
+    x = parse_graph(ir('%y: f32[b,s,4] = identity(%x)')).values["x"].type
     attrs = {"overload": "default", "args": [{"$in": 0}, [1], True], "kwargs": {}}
-    with pytest.raises(GraphmodeError, match="static shapes only"):
-        OPS["logsumexp"].infer([parse_graph(ir('%y: f32[b,s,4] = identity(%x)')).values["x"].type], attrs)
+    assert [t.text() for t in OPS["logsumexp"].infer([x], attrs)] == ["f32[b,1,4]"]
     assert OPS["logsumexp"].infer([TensorType("f32", (2, 5, 4))], attrs) == [TensorType("f32", (2, 1, 4))]
+    with pytest.raises(GraphmodeError, match="static shapes only"):
+        OPS["repeat"].infer([x], {"overload": "default", "args": [{"$in": 0}, [2, 1, 1]], "kwargs": {}})
     rep = verdict(ir('%y: f32[b,1,4] = logsumexp(%x) {"overload": "default", "args": [{"$in": 0}, [1], true], '
                      '"kwargs": {}}'))
-    assert status(rep, "s") == "unsafe" and "no padding rule for logsumexp" in "\n".join(rep.lines())
-    assert status(rep, "b") == "unsafe"
+    assert status(rep, "s") == "unsafe" and "aten.logsumexp.default along padded dim s" in "\n".join(rep.lines())
+    assert status(rep, "b") == "safe"
+    rep = verdict(ir('%y: f32[b,2*s,4] = repeat(%x) {"overload": "default", "args": [{"$in": 0}, [1, 2, 1]], '
+                     '"kwargs": {}}'))
+    assert status(rep, "b") == "safe" and status(rep, "s") == "unsafe"
+    assert "aten.repeat.default tiles padded dim s" in "\n".join(rep.lines())
+    rep = verdict(ir('%y: f32[b,s,4] = cartesian_prod(%x) {"overload": "default", "args": [[{"$in": 0}]], '
+                     '"kwargs": {}}'))
+    assert status(rep, "b") == "unsafe" and "graphmode cannot see how it uses padded positions" in "\n".join(rep.lines())
 
 
 def test_additive_mask_makes_softmax_over_keys_safe():

@@ -126,3 +126,38 @@ def test_a_norm_whose_statistics_are_read_is_decomposed(tmp_path):
     x, w, b = torch.randn(3, 8), torch.randn(8), torch.randn(8)
     for got, want in zip(cm(x=x, w=w, b=b), NormStatistics()(x, w, b)):
         assert got.shape == want.shape and rel_l2(got, want) < 1e-5
+
+
+class Router(torch.nn.Module):
+    """A mixture-of-experts router over a dynamic token count: topk over the experts, a sort,
+    a median and a tile along static axes (ATen-reference ops with a symbolic dim)."""
+
+    def forward(self, x):
+        w, idx = torch.topk(x.softmax(-1), 2, dim=-1)
+        s, order = torch.sort(x, dim=-1, descending=True)
+        return w, idx, s, order, torch.median(x, dim=-1).values, x.repeat(1, 2), torch.cummax(x, -1).values
+
+
+def test_aten_reference_ops_follow_a_symbolic_dim_and_pad_along_the_other_axes(tmp_path):
+    """Their types follow the token dim (torch's types at three sizes, checked against
+    torch.export's); padding tokens is proved safe as for an island calling the same op (each
+    token's row is read alone); a graph that reads along the padded dim is refused."""
+    rec = _recipe(["tokens", 8], dims={"tokens": {"min": 1, "max": 64, "buckets": [16, 64]}})
+    cm = graphmode.compile(Router(), rec, cache_dir=tmp_path)
+    assert not cm.capture_report.fallbacks
+    assert {"aten.topk.default", "aten.sort.default", "aten.median.dim"} <= set(cm.capture_report.aten_ops)
+    for n in (1, 10, 40):
+        x = torch.randn(n, 8)
+        for got, want in zip(cm(x), Router()(x)):
+            assert torch.equal(got, want)
+    with pytest.raises(ContractRefused, match=r"aten\.sort\.stable along padded dim tokens"):
+        graphmode.compile(lambda_module(lambda x: torch.sort(x, dim=0, stable=True).values), rec, cache_dir=tmp_path)
+    with pytest.raises(ContractRefused, match=r"padding tokens up to its bucket can change the outputs"):
+        graphmode.compile(lambda_module(lambda x: x.repeat(2, 1)), rec, cache_dir=tmp_path)   # tokens tiled
+
+
+def lambda_module(fn) -> torch.nn.Module:
+    class Fn(torch.nn.Module):
+        def forward(self, x):
+            return fn(x)
+    return Fn()
