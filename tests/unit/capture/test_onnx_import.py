@@ -557,3 +557,16 @@ def test_a_recipe_input_name_with_other_characters_is_refused_with_the_spelling_
     load_recipe({**base, "inputs": [{"name": "input.1", "dtype": "f32", "shape": ["b"]}]})
     with pytest.raises(RecipeError, match=r"inputs\[0\]\.name.*other characters as _"):
         load_recipe({**base, "inputs": [{"name": "x:0", "dtype": "f32", "shape": ["b"]}]})
+
+
+def test_a_mask_over_past_plus_seq_is_refused_naming_both_sizes():
+    """A KV-cache export: the keys are past + seq long, the mask's axis is its own dim `total`.
+    graphmode cannot relate dims, so this is refused; the message says why (not 'insert an
+    explicit expand/reshape', which no user can do to an exported file)."""
+    nodes = [helper.make_node("Concat", ["past", "x"], ["keys"], axis=1),
+             helper.make_node("Add", ["keys", "mask"], ["y"])]
+    m = _model(nodes, [_vi("x", TensorProto.FLOAT, ["batch", "seq"]), _vi("past", TensorProto.FLOAT, ["batch", "past"]),
+                       _vi("mask", TensorProto.FLOAT, ["batch", "total"])], [_vi("y", TensorProto.FLOAT, 2)])
+    with pytest.raises(CaptureError) as e:
+        import_onnx(m)
+    assert "sizes past + seq and total meet here" in str(e.value) and "make those dims static" in e.value.fix
