@@ -360,7 +360,14 @@ def _avg_pool(imp, node, a):
 
 @converts("aten.adaptive_avg_pool2d.default", "aten._adaptive_avg_pool2d.default")
 def _adaptive_pool(imp, node, a):
-    imp.emit(node, "adaptive_avg_pool2d", [imp.operand(a["self"])], {"output_size": [int(v) for v in a["output_size"]]})
+    x = imp.operand(a["self"])
+    attrs = {"output_size": [int(v) for v in a["output_size"]]}
+    if imp.g.type_of(x).rank == 3:                # unbatched [C, H, W]: the IR op's layout is [N, C, H, W]
+        _unbatched(imp, node, "adaptive_avg_pool2d", x, attrs)
+        return True
+    if imp.g.type_of(x).rank != 4:
+        return False
+    imp.emit(node, "adaptive_avg_pool2d", [x], attrs)
     return True
 
 

@@ -161,3 +161,14 @@ def lambda_module(fn) -> torch.nn.Module:
         def forward(self, x):
             return fn(x)
     return Fn()
+
+
+@pytest.mark.parametrize("fn, shape", [(lambda x: torch.nn.functional.adaptive_avg_pool2d(x, (5, 5)), [8, 9, 7]),
+                                       (lambda x: torch.nn.functional.adaptive_avg_pool1d(x, 3), [8, 7])])
+def test_unbatched_adaptive_pools_compile(fn, shape, tmp_path):
+    """adaptive_avg_pool2d of an unbatched [C, H, W] input (and adaptive_avg_pool1d of [C, L],
+    which torch decomposes into it) failed the IR check after canonicalize (a PassError: the
+    IR op is [N, C, H, W]); it now runs on the [1, C, H, W] view."""
+    cm = graphmode.compile(lambda_module(fn), _recipe(shape), cache_dir=tmp_path)
+    x = torch.randn(*shape)
+    assert torch.equal(cm(x), fn(x))
