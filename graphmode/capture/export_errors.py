@@ -151,10 +151,11 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
             err.suggested_ranges = {d: (int(lo) if lo else None, int(hi) if hi else None)
                                     for d, lo, hi in _RANGE_FIX.findall(suggested)}
             return err
+    frame = (call.group(1), int(call.group(2)), call.group(3)) if call is not None else _model_frame(e)
     for needle, why, cause_fix in _KNOWN_CAUSES:
         if needle in text:
-            return CaptureError(f"torch.export failed: {why} ({name}: {first})", where=where, fix=cause_fix)
-    frame = (call.group(1), int(call.group(2)), call.group(3)) if call is not None else _model_frame(e)
+            at = f" at {shown_path(frame[0])}:{frame[1]} in {frame[2]}" if frame is not None else ""
+            return CaptureError(f"torch.export failed: {why}{at} ({name}: {first})", where=where, fix=cause_fix)
     if not (name in _DATA_DEPENDENT or "data-dependent" in first) or frame is None:
         return CaptureError(f"torch.export failed: {name}: {first}", where=where, fix=fix)
     path, line, fn = frame

@@ -86,10 +86,19 @@ class _State:
         self.module = module
         self.numbers = _numbers(module)
         self.tensors = _tensors(module)
+        self.kinds = {key: (t.dtype, t.device) for key, t in self.tensors.items()}
         buffers = [t for (p, w, k), t in self.tensors.items() if w == "_buffers" and not t.is_inference()]
         self.versions = {id(t): t._version for t in buffers}
         size = sum(t.numel() * t.element_size() for t in buffers)
         self.saved = {id(t): t.detach().clone() for t in buffers} if size <= SNAPSHOT_BYTES else {}
+
+    def recast(self) -> list[str]:
+        """Tensors the run cast or moved in place (`module.to(float64)` in forward), as labels."""
+        tensors = _tensors(self.module)
+        return [f"{_label(p, k)}: {str(d).removeprefix('torch.')} -> {str(t.dtype).removeprefix('torch.')}"
+                + (f" on {t.device}" if t.device != dev else "")
+                for key, (d, dev) in self.kinds.items() for p, _, k in [key]
+                if (t := tensors.get(key)) is not None and (t.dtype, t.device) != (d, dev)]
 
     def changes(self) -> tuple[list[str], list[str], list[str]]:
         """(numbers changed, buffers updated in place, tensors replaced), as labels."""
@@ -177,7 +186,14 @@ def _settle(module, where: str, during: str, probe: Probe, before: dict, childre
             differs = not _same(probe.answer, probe.again())
         except Exception:  # noqa: BLE001 - a second run that fails: the first one's changes are the cause
             differs = True
+    recast = state.recast()
     lost = _put_back(children, state)
+    if recast:
+        raise CaptureError(f"the model casts or moves its own weights while {during} ({', '.join(recast[:4])}); "
+                           "eager keeps them that way from its first call on, so the model as handed in is not "
+                           "the one that answers", where=where,
+                           fix="cast or move the model before compiling (e.g. model.to(torch.float64)), so the "
+                               "call in forward changes nothing")
     if changed:
         subs = dict(_modules(module))
         for (path, attr), old, _ in changed:

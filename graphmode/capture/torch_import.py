@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from graphmode.capture.aten import convert
 from graphmode.capture.export_errors import ROPE_FIX, ROPE_WHY, export_failure, quiet_export_logs, shown_path
 from graphmode.capture.fast_paths import eager_fast_paths
+from graphmode.capture.module_moves import unchanged_moves_kept
 from graphmode.capture.self_changes import refuse_self_changes
 from graphmode.capture.tail import DataNumber, Tail, as_tail_dim, unbacked
 from graphmode.errors import CaptureError, GraphmodeError
@@ -518,7 +519,7 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
         names = input_dims.get(inp, [])
         dynamic[inp] = {i: tdims[d] for i, d in enumerate(names) if isinstance(d, str) and d in tdims} or None
     try:
-        with torch.no_grad(), quiet_export_logs(), eager_fast_paths(module), \
+        with torch.no_grad(), quiet_export_logs(), eager_fast_paths(module), unchanged_moves_kept(), \
                 refuse_self_changes(module, "model", "torch.export traced it"):
             ep = torch.export.export(module, (), dict(example_inputs), dynamic_shapes=dynamic, strict=False)
             _refuse_grad_regions(ep)

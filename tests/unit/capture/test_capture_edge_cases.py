@@ -735,3 +735,37 @@ def test_capture_shows_no_warning_about_torch_internals(tmp_path):
         warnings.simplefilter("always")
         _compiled(lambda x, y: x + y, x, y, tmp_path)
     assert not [w for w in seen if issubclass(w.category, FutureWarning)], [str(w.message) for w in seen]
+
+
+class _CastsItsHead(torch.nn.Module):
+    """SwitchTransformers' router casts its classifier in forward: `self.classifier = self.classifier.to(dtype)`."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.head, self.dtype = torch.nn.Linear(8, 4), dtype
+
+    def forward(self, x):
+        self.head = self.head.to(self.dtype)
+        return self.head(x.to(self.dtype))
+
+
+def test_a_module_cast_in_forward_to_the_dtype_it_has_compiles_and_a_real_cast_is_named(tmp_path):
+    """A `.to()` that changes nothing was refused 'Couldn't swap Linear.weight' with a fix about
+    dims; it is a no-op in eager and now in the capture too. A cast that changes the weights (in
+    eager, for good, from the first call on) is refused naming them, not as inference tensors."""
+    rec = {"version": 1, "name": "cast", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}],
+           "dims": {"batch": {"buckets": [2, 4]}}, "exe_mode": "graph", "targets": ["host"]}
+    m = _CastsItsHead(torch.float32).eval()
+    cm = graphmode.compile(m, rec, cache_dir=tmp_path)
+    x = torch.randn(3, 8)
+    assert torch.allclose(cm(x), m(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(CaptureError, match=r"casts or moves its own weights .*head\.weight: float32 -> float64"):
+        graphmode.compile(_CastsItsHead(torch.float64).eval(), rec, cache_dir=tmp_path)
+
+
+def test_a_real_cast_met_by_the_exporter_itself_names_the_model_line():
+    """Where no example run came first (the importer on its own), the cast fails inside
+    torch.export; the refusal names the line in forward, not a dims problem."""
+    from graphmode.capture.torch_import import import_torch
+    with pytest.raises(CaptureError, match=r"moves or casts a Linear inside forward at .*test_capture_edge_cases\.py"):
+        import_torch(_CastsItsHead(torch.float64).eval(), {"x": torch.randn(3, 8)}, {"x": [3, 8]}, {})
