@@ -300,8 +300,10 @@ class _Analyzer:
             v = t.reshape(()).item()
             uniform = bool(v) if t.dtype == torch.bool else float(v) if t.is_floating_point() else int(v)
         wide = t.to(torch.int64) if t.dtype in (torch.uint16, torch.uint32) else t   # no min() kernel for them
-        lower = float(wide.min()) if 0 < t.numel() and not t.is_complex() and t.dtype != torch.uint64 else None
-        return State(tuple(plain(e) for e in t.shape), uniform=uniform, lower=lower)
+        ordered = 0 < t.numel() and not t.is_complex() and t.dtype != torch.uint64
+        lower = float(wide.min()) if ordered else None
+        upper = float(wide.max()) if ordered else None
+        return State(tuple(plain(e) for e in t.shape), uniform=uniform, lower=lower, upper=upper)
 
     def check_gaps(self, n: Node, out: str, s: State) -> None:
         """Conservative net under every rule: an axis whose extent mentions a padded dim that no

@@ -107,6 +107,7 @@ class State:
     affine: tuple[tuple[int, Any], ...] | None = None
     taint: dict[str, Finding] = field(default_factory=dict)
     lower: float | None = None                 # no real element is smaller (bools count as 0/1)
+    upper: float | None = None                 # no element is larger (known for constants only)
     bound: str | None = None                   # every real element indexes a real position of this dim
     offset: str | None = None                  # affine index plus a term bounded like `bound` (b*seq + argmax)
 

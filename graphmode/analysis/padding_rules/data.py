@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from graphmode.analysis.padding_lattice import (GARBAGE, Axis, Content, Factor, Finding, State, const, is_one,
-                                                mul_dims, plain, same_dim, symbols)
+                                                mul_dims, plain, prefix_offset, same_dim, symbols)
 from graphmode.analysis.padding_rules import rule
 from graphmode.ir.graph import Node
 from graphmode.ir.ops import norm_axis
@@ -37,6 +37,9 @@ _SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}     # prefix 
 _PER_ELEMENT = {"one_hot": 1, "bucketize": 0}
 # ops whose `dim` names the one axis kept apart while every other axis is mixed (renorm normalises
 # each x.select(dim, i) over all the rest): not "along dim" ops
+# ops along `dim` that take a 1-d index along it (rank 1 whatever self's rank): self and the
+# source line up position for position on every other axis
+_INDEXED_ALONG = {"index_add", "index_copy", "index_fill", "index_reduce"}
 _MIXES_OTHER_DIMS = {"renorm", "_weight_norm", "_weight_norm_interface", "norm_except_dim", "unique_dim",
                      "unique_consecutive", "unique_dim_consecutive"}
 
@@ -75,8 +78,9 @@ def gather(an, n: Node, ins: list[State], out_shape: Sequence[Dim], taint: dict[
         dim = norm_axis(n.attrs["dim"], len(x.axes))
         idx = ins[1]
         for f in x.axes[dim].padded:
-            if idx.bound != f.dim:
-                taint.setdefault(f.dim, an.finding(f.dim, n, f"data-dependent gather over padded dim {f.dim}"))
+            if idx.bound != f.dim and not _below_smallest(an, x.axes[dim], idx):
+                taint.setdefault(f.dim, an.finding(f.dim, n, f"gather over padded dim {f.dim} at indices that can "
+                                                             "name padded positions"))
         return State(an.garbage(idx.axes))
     if op == "index_select":
         dim = norm_axis(n.attrs["dim"], len(x.axes))
@@ -96,9 +100,12 @@ def gather(an, n: Node, ins: list[State], out_shape: Sequence[Dim], taint: dict[
         reads = unflatten(data_ax, s)
         if reads is None and data_ax.single is not None and s.bound == data_ax.single.dim:
             continue              # the index only names real positions (e.g. an argmax over them)
+        if reads is None and _below_smallest(an, data_ax, s):
+            continue              # constant indices every admissible size holds
         if reads is None:
             first = data_ax.padded[0].dim
-            taint.setdefault(first, an.finding(first, n, f"data-dependent gather over padded dim {first}"))
+            taint.setdefault(first, an.finding(first, n, f"gather over padded dim {first} at indices that can "
+                                                         "name padded positions"))
             continue
         for ax, c in reads.items():
             content_of[ax + (bshape_rank - len(s.axes))] = c
@@ -221,6 +228,10 @@ def aten_call(an, n: Node, ins: list[State], taint: dict[str, Finding], target: 
                                 for src, e in zip(srcs, shapes[0])))]
     if short == "repeat" and len(ins) == 1 and len(shapes) == 1 and len(args) > 1 and isinstance(args[1], list):
         return [_repeat(an, n, ins[0], args[1], shapes[0], f"{label}{target}", taint)]
+    if short == "select_scatter" and len(ins) == 2 and len(args) > 2 and isinstance(args[2], int) \
+            and ins[0].axes and len(ins[1].axes) == len(ins[0].axes) - 1:
+        index = args[3] if len(args) > 3 and isinstance(args[3], int) else -1
+        return [_select_scatter(an, n, ins[0], ins[1], args[2] % len(ins[0].axes), index, f"{label}{target}", taint)]
     along_dim = _along_dim(an, n, ins, shapes, target, args, kwargs, label, taint) \
         if short not in _MIXES_OTHER_DIMS else None
     if along_dim is not None:
@@ -242,6 +253,15 @@ def aten_call(an, n: Node, ins: list[State], taint: dict[str, Finding], target: 
     return [State(an.from_type(sh)) for sh in shapes]
 
 
+def _below_smallest(an, ax: Axis, index: State) -> bool:
+    """Every index is a known constant in [0, the dim's smallest admissible size): it names
+    real positions whatever the request (x.index_select(1, tensor([1, 3])) with seq >= 4)."""
+    f = ax.single
+    off = prefix_offset(f.extent, f.dim) if f is not None and f.prefix else None
+    return (off is not None and index.lower is not None and index.upper is not None and index.lower >= 0
+            and index.upper < an.lo.get(f.dim, 1) - off)
+
+
 def _repeat(an, n: Node, x: State, repeats: list, shape: Sequence[Dim], what: str,
             taint: dict[str, Finding]) -> State:
     """x.repeat(r): an axis repeated once keeps its positions (and padding); one tiled puts
@@ -254,6 +274,25 @@ def _repeat(an, n: Node, x: State, repeats: list, shape: Sequence[Dim], what: st
             continue
         an.taint(taint, n, [ax], f"{what} tiles padded dim {{dim}}")
         axes.append(an.fresh_axis(shape[lead + i], GARBAGE))
+    return State(tuple(axes))
+
+
+def _select_scatter(an, n: Node, x: State, src: State, dim: int, index: int, what: str,
+                    taint: dict[str, Finding]) -> State:
+    """x with x.select(dim, index) replaced by src (`x[:, 0] = v`): every other axis of x lines
+    up with src's, position for position; along `dim` the write stays real where the index is
+    below the dim's smallest admissible size (0 is; -1 names a padded position)."""
+    f = x.axes[dim].single
+    off = prefix_offset(f.extent, f.dim) if f is not None and f.prefix else None
+    if off is None or not 0 <= index < an.lo.get(f.dim, 1) - off:
+        an.taint(taint, n, [x.axes[dim]], f"{what} writes at index {index} along padded dim {{dim}}")
+    axes = []
+    for i, ax in enumerate(x.axes):
+        if i == dim:
+            axes.append(an.garbage([ax])[0])
+            continue
+        other = src.axes[i if i < dim else i - 1]
+        axes.append(an.garbage([ax if ax.padded or not other.padded else other])[0])
     return State(tuple(axes))
 
 
@@ -277,6 +316,11 @@ def _along_dim(an, n: Node, ins: list[State], shapes: list, target: str, args: l
         return None
     rank = len(ins[0].axes)
     pointwise, along = _island_dims(target, args, kwargs, rank)
+    if target.split(".")[1] in _INDEXED_ALONG and along and len(along) == 1 and rank > 1:
+        index = [s for s in ins if len(s.axes) == 1]        # their 1-d index runs along `dim` only
+        for s in index:       # padded, it could name padded positions
+            an.taint(taint, n, s.axes, f"{label}{target} with an index padded along {{dim}}")
+        ins = [s for s in ins if len(s.axes) != 1]
     if pointwise or not along or any(len(s.axes) not in (0, rank) for s in ins):
         return None
     kept = [i for i in range(rank) if i not in along]

@@ -30,7 +30,8 @@ def pointwise(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[
             uniform = c.value if c.kind == "const" else UNKNOWN
         keep = op == "identity" or (op == "cast" and a.get("dtype") in ("i64", "i32"))
         return [State(axes, uniform, s.affine if keep else None, lower=unary_lower(op, a, s),
-                      bound=s.bound if keep else None, offset=s.offset if keep else None)]
+                      upper=s.upper if keep else None, bound=s.bound if keep else None,
+                      offset=s.offset if keep else None)]
     if an.types[n.outputs[0]].dtype in FLOAT_DTYPES:
         # a padded dim's size as a number in float arithmetic (x.sum(1) / x.shape[1]): padded, the
         # size is the bucket's, not the request's (index arithmetic with it stays: it indexes the

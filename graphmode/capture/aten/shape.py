@@ -7,7 +7,7 @@ import torch
 from graphmode.capture.aten.emit import emit_aten_reference, repeat_axis
 from graphmode.capture.aten.registry import converts
 from graphmode.ir.graph import clean_name
-from graphmode.ir.types import TORCH_TO_DTYPE, dim_str
+from graphmode.ir.types import TORCH_TO_DTYPE, dim_str, dims_equal
 
 
 # ---------------------------------------------------------------------------------- shape
@@ -230,10 +230,10 @@ _FILL = {"zeros": 0, "new_zeros": 0, "zeros_like": 0, "zero": 0, "ones": 1, "new
 @converts("aten.full.default", "aten.zeros.default", "aten.ones.default", "aten.new_ones.default",
           "aten.new_zeros.default", "aten.new_full.default", "aten.ones_like.default", "aten.zeros_like.default",
           "aten.full_like.default", "aten.scalar_tensor.default", "aten.empty.memory_format", "aten.zero.default",
-          "aten.fill.Scalar")
+          "aten.fill.Scalar", "aten.empty_like.default", "aten.new_empty.default", "aten.empty_permuted.default")
 def _full(imp, node, a):
     short = str(node.target).split(".")[1]
-    if short == "empty":
+    if short in ("empty", "empty_like", "new_empty", "empty_permuted"):
         value = 0                    # uninitialised in eager: any value is as good; zeros keep results finite
     else:
         value = _FILL.get(short, a.get("fill_value", a.get("s", a.get("value"))))
@@ -243,6 +243,26 @@ def _full(imp, node, a):
     dt = TORCH_TO_DTYPE[val.dtype]
     value = bool(value) if dt == "bool" else (int(value) if dt.startswith(("i", "u")) else float(value))
     imp.emit(node, "full", [], {"shape": [imp.attr_dim(s) for s in val.shape], "value": value, "dtype": dt})
+    return True
+
+
+@converts("aten.fill.Tensor", "aten.copy.default")
+def _fill_from(imp, node, a):
+    """x.fill_(v) with a 0-d tensor v (`x[:, -1] = 7.0`) and copy(x, src) (a write into a slice):
+    the source broadcast to x's shape, in x's dtype."""
+    src = a["value"] if "value" in a else a["src"]
+    if not isinstance(src, torch.fx.Node):
+        return False
+    val = node.meta["val"]
+    s = imp.operand(src)
+    st = imp.g.type_of(s)
+    dt = TORCH_TO_DTYPE[val.dtype]
+    if st.dtype != dt:
+        s, = imp.g.add_node("cast", [s], [st.with_dtype(dt)], {"dtype": dt})
+    if st.rank == val.dim() and all(dims_equal(x, imp.dim(y)) for x, y in zip(st.shape, val.shape)):
+        imp.emit(node, "identity", [s])
+    else:
+        imp.emit(node, "expand", [s], {"shape": [imp.attr_dim(d) for d in val.shape]})
     return True
 
 

@@ -418,3 +418,14 @@ def test_a_batch_major_merge_slices_back_but_rows_cut_apart_do_not_rejoin():
     assert status(verdict(text, pads=("b",)), "b") == "safe"
     assert status(verdict(text), "b") == "unsafe"
     assert not positions_independent(parse_graph(text), "b")
+
+
+@pytest.mark.parametrize("index, want", [("[0, 1]", "safe"), ("[1, 2]", "unsafe"), ("[-1, 0]", "unsafe")])
+def test_constant_indices_below_the_smallest_size_read_real_positions(index, want):
+    """x.index_select(1, tensor([0, 1])) with s >= 2: every admissible request holds both
+    positions, so padding s cannot reach them (index 2, or -1, could name a padded position)."""
+    rep = verdict(ir(f'param %i: i64[2] = {index}', '%c: i64[2] = identity(%i)',
+                     '%y: f32[b,2,4] = index_select(%x, %c) {"dim": 1}'))
+    assert status(rep, "s") == want and status(rep, "b") == "safe"
+    if want == "unsafe":
+        assert "gather over padded dim s at indices that can name padded positions" in "\n".join(rep.lines())
