@@ -35,11 +35,11 @@ _SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}     # prefix 
 # ATen ops that map each element of their first input on its own, appending this many axes
 # (one_hot's classes; bucketize's boundaries are a second input that is not padded)
 _PER_ELEMENT = {"one_hot": 1, "bucketize": 0}
-# ops whose `dim` names the one axis kept apart while every other axis is mixed (renorm normalises
-# each x.select(dim, i) over all the rest): not "along dim" ops
 # ops along `dim` that take a 1-d index along it (rank 1 whatever self's rank): self and the
 # source line up position for position on every other axis
 _INDEXED_ALONG = {"index_add", "index_copy", "index_fill", "index_reduce"}
+# ops whose `dim` names the one axis kept apart while every other axis is mixed (renorm normalises
+# each x.select(dim, i) over all the rest): not "along dim" ops
 _MIXES_OTHER_DIMS = {"renorm", "_weight_norm", "_weight_norm_interface", "norm_except_dim", "unique_dim",
                      "unique_consecutive", "unique_dim_consecutive"}
 
@@ -316,7 +316,8 @@ def _along_dim(an, n: Node, ins: list[State], shapes: list, target: str, args: l
         return None
     rank = len(ins[0].axes)
     pointwise, along = _island_dims(target, args, kwargs, rank)
-    if target.split(".")[1] in _INDEXED_ALONG and along and len(along) == 1 and rank > 1:
+    if target.startswith("aten.") and target.split(".")[1] in _INDEXED_ALONG and along and len(along) == 1 \
+            and rank > 1:
         index = [s for s in ins if len(s.axes) == 1]        # their 1-d index runs along `dim` only
         for s in index:       # padded, it could name padded positions
             an.taint(taint, n, s.axes, f"{label}{target} with an index padded along {{dim}}")
