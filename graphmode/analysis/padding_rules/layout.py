@@ -61,7 +61,8 @@ def reshape(an, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str, Fi
                 break
             moved[hits[0]] = c
         affine = tuple(sorted(moved.items())) if moved else None
-    return State(tuple(axes), x.uniform, affine, bound=x.bound, offset=x.offset, lower=x.lower)   # same values
+    return State(tuple(axes), x.uniform, affine, bound=x.bound, offset=x.offset, lower=x.lower,   # same values
+                 upper=x.upper)
 
 
 @rule("permute")
@@ -69,7 +70,8 @@ def permute(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[St
     s = ins[0]
     perm = list(n.attrs["perm"])
     affine = tuple((perm.index(ax), c) for ax, c in s.affine) if s.affine else None
-    return [State(tuple(s.axes[p] for p in perm), s.uniform, affine, bound=s.bound, offset=s.offset)]
+    return [State(tuple(s.axes[p] for p in perm), s.uniform, affine, bound=s.bound, offset=s.offset,
+                  lower=s.lower, upper=s.upper)]
 
 
 def expand(an, x: State, out_shape: Sequence[Dim]) -> State:
@@ -82,7 +84,7 @@ def expand(an, x: State, out_shape: Sequence[Dim]) -> State:
         else:
             axes.append(an.fresh_axis(e, padded_view(x.real_content())))
     affine = tuple((ax + lead, c) for ax, c in x.affine) if x.affine else None
-    return State(tuple(axes), x.uniform, affine, bound=x.bound, offset=x.offset)
+    return State(tuple(axes), x.uniform, affine, bound=x.bound, offset=x.offset, lower=x.lower, upper=x.upper)
 
 
 def slice_axis(an, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str, Finding]) -> State:

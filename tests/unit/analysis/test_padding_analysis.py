@@ -429,3 +429,11 @@ def test_constant_indices_below_the_smallest_size_read_real_positions(index, wan
     assert status(rep, "s") == want and status(rep, "b") == "safe"
     if want == "unsafe":
         assert "gather over padded dim s at indices that can name padded positions" in "\n".join(rep.lines())
+
+
+def test_constant_indices_keep_their_bounds_through_reshape_and_expand():
+    """torch.gather(m, 1, tensor([[0, 1]]).expand(b, 2)): the bounds of a constant index survive
+    the layout ops that only copy its values."""
+    rep = verdict(ir('param %i: i64[2] = [0, 1]', '%r: i64[1,2] = reshape(%i) {"shape": [1, 2]}',
+                     '%e: i64[b,2] = expand(%r) {"shape": ["b", 2]}', '%y: i64[b,2] = gather(%m, %e) {"dim": 1}'))
+    assert status(rep, "s") == "safe" and status(rep, "b") == "safe"
