@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Iterator
 
 import torch
@@ -34,29 +35,44 @@ def _changes_nothing(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
     return True
 
 
+_REAL_TO = torch.nn.Module.to
+_LOCK = threading.Lock()
+_USERS = [0]                 # exports under way in this process (the wrapper is installed while > 0)
+_HERE = threading.local()    # this thread's depth: other threads' `to` calls pass straight through
+
+
+def _to(self, *args, **kwargs):
+    if not getattr(_HERE, "depth", 0):
+        return _REAL_TO(self, *args, **kwargs)
+    if _changes_nothing(self, args, kwargs):
+        return self
+    caller = sys._getframe(1)
+    try:
+        return _REAL_TO(self, *args, **kwargs)
+    except GraphmodeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch.export's many ways of failing a parameter swap
+        at = f"{shown_path(caller.f_code.co_filename)}:{caller.f_lineno} in {caller.f_code.co_name}"
+        raise CaptureError(f"the model moves or casts a {type(self).__name__} inside forward at {at}, which "
+                           f"torch.export cannot trace ({type(e).__name__}: {str(e).splitlines()[0]})",
+                           where="model", fix="cast or move the model once before compiling (model.to(dtype)) so "
+                                              "the call in forward changes nothing, or run the model with "
+                                              "exe_mode: eager") from None
+
+
 @contextlib.contextmanager
 def unchanged_moves_kept() -> Iterator[None]:
-    """While exporting: `Module.to` that would change no parameter or buffer returns the module."""
-    real = torch.nn.Module.to
-
-    def to(self, *args, **kwargs):
-        if _changes_nothing(self, args, kwargs):
-            return self
-        caller = sys._getframe(1)
-        try:
-            return real(self, *args, **kwargs)
-        except GraphmodeError:
-            raise
-        except Exception as e:  # noqa: BLE001 - torch.export's many ways of failing a parameter swap
-            at = f"{shown_path(caller.f_code.co_filename)}:{caller.f_lineno} in {caller.f_code.co_name}"
-            raise CaptureError(f"the model moves or casts a {type(self).__name__} inside forward at {at}, which "
-                               f"torch.export cannot trace ({type(e).__name__}: {str(e).splitlines()[0]})",
-                               where="model", fix="cast or move the model once before compiling "
-                                                  "(model.to(dtype)) so the call in forward changes nothing, or "
-                                                  "run the model with exe_mode: eager") from None
-
-    torch.nn.Module.to = to
+    """While this thread exports: `Module.to` that would change no parameter or buffer returns
+    the module (installed once for concurrent exports, removed after the last)."""
+    with _LOCK:
+        _USERS[0] += 1
+        torch.nn.Module.to = _to
+    _HERE.depth = getattr(_HERE, "depth", 0) + 1
     try:
         yield
     finally:
-        torch.nn.Module.to = real
+        _HERE.depth -= 1
+        with _LOCK:
+            _USERS[0] -= 1
+            if not _USERS[0]:
+                torch.nn.Module.to = _REAL_TO

@@ -769,3 +769,19 @@ def test_a_real_cast_met_by_the_exporter_itself_names_the_model_line():
     from graphmode.capture.torch_import import import_torch
     with pytest.raises(CaptureError, match=r"moves or casts a Linear inside forward at .*test_capture_edge_cases\.py"):
         import_torch(_CastsItsHead(torch.float64).eval(), {"x": torch.randn(3, 8)}, {"x": [3, 8]}, {})
+
+
+def test_the_export_time_to_wrapper_is_per_thread_and_removed_after_the_last_export():
+    """Module.to is wrapped only while an export runs, and only the exporting thread's calls
+    are read as the model's: another thread's cast runs as torch's own."""
+    import threading
+    from graphmode.capture import module_moves
+    real = torch.nn.Module.to
+    done = []
+    with module_moves.unchanged_moves_kept():
+        with module_moves.unchanged_moves_kept():
+            t = threading.Thread(target=lambda: done.append(torch.nn.Linear(2, 2).to(torch.float64).weight.dtype))
+            t.start()
+            t.join()
+        assert torch.nn.Module.to is not real
+    assert torch.nn.Module.to is real and done == [torch.float64]
