@@ -168,6 +168,13 @@ class _Analyzer:
     def shape(self, value: str) -> tuple[Dim, ...]:
         return self.types[value].shape
 
+    def always_real(self, ax: Axis) -> int | None:
+        """How many leading positions of `ax` are real for every admissible request (an axis
+        padded at the end along one dim: its smallest size), or None (not such an axis)."""
+        f = ax.single
+        off = prefix_offset(f.extent, f.dim) if f is not None and f.prefix else None
+        return None if off is None else self.lo.get(f.dim, 1) - off
+
     # -- construction of states from types
     def fresh_axis(self, extent: Dim, content: Content) -> Axis:
         """An axis that appears with a padded extent (expand, full, arange, slice of a param)."""

@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from graphmode.analysis.padding_lattice import (GARBAGE, Axis, Content, Factor, Finding, State, const, is_one,
-                                                mul_dims, plain, prefix_offset, same_dim, symbols)
+                                                mul_dims, plain, same_dim, symbols)
 from graphmode.analysis.padding_rules import rule
 from graphmode.ir.graph import Node
 from graphmode.ir.ops import norm_axis
@@ -256,10 +256,9 @@ def aten_call(an, n: Node, ins: list[State], taint: dict[str, Finding], target: 
 def _below_smallest(an, ax: Axis, index: State) -> bool:
     """Every index is a known constant in [0, the dim's smallest admissible size): it names
     real positions whatever the request (x.index_select(1, tensor([1, 3])) with seq >= 4)."""
-    f = ax.single
-    off = prefix_offset(f.extent, f.dim) if f is not None and f.prefix else None
-    return (off is not None and index.lower is not None and index.upper is not None and index.lower >= 0
-            and index.upper < an.lo.get(f.dim, 1) - off)
+    real = an.always_real(ax)
+    return (real is not None and index.lower is not None and index.upper is not None and index.lower >= 0
+            and index.upper < real)
 
 
 def _repeat(an, n: Node, x: State, repeats: list, shape: Sequence[Dim], what: str,
@@ -282,9 +281,8 @@ def _select_scatter(an, n: Node, x: State, src: State, dim: int, index: int, wha
     """x with x.select(dim, index) replaced by src (`x[:, 0] = v`): every other axis of x lines
     up with src's, position for position; along `dim` the write stays real where the index is
     below the dim's smallest admissible size (0 is; -1 names a padded position)."""
-    f = x.axes[dim].single
-    off = prefix_offset(f.extent, f.dim) if f is not None and f.prefix else None
-    if off is None or not 0 <= index < an.lo.get(f.dim, 1) - off:
+    real = an.always_real(x.axes[dim])
+    if real is None or not 0 <= index < real:
         an.taint(taint, n, [x.axes[dim]], f"{what} writes at index {index} along padded dim {{dim}}")
     axes = []
     for i, ax in enumerate(x.axes):
