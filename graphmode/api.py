@@ -14,11 +14,14 @@ from graphmode.progress import OnStage
 from graphmode.recipe import Recipe
 
 
-def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any = "host", *, mode: str | None = None,
-            cache_dir: str | Path | None = None, threads: int | None = None, warmup: bool = False,
-            on_stage: OnStage | None = None, rank: int | None = None):
+def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any = "host", *,
+            example_inputs: Any = None, mode: str | None = None, cache_dir: str | Path | None = None,
+            threads: int | None = None, warmup: bool = False, on_stage: OnStage | None = None,
+            rank: int | None = None):
     """Capture, optimise and wrap a model; plans are built per bucket on first use (or warm-up).
     Without a recipe, one is drafted as `graphmode recipe init` does (said once, `cm.recipe`).
+    `example_inputs` (a tensor, tuple or dict of forward's keyword arguments) is the same as
+    passing `(model, example_inputs)`: what TensorRT's `inputs=` and OpenVINO's `example_input=` are.
     `on_stage` hears the capture, passes, proof and plans stages (graphmode/progress.py).
     Under `parallel.tensor` N > 1: without `rank`, the N rank processes are started and the
     result is a `graphmode.parallel.launch.TensorParallelModel` (rank 0 answers), or for a recipe
@@ -27,6 +30,7 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     bound communicator). A model under a recipe with a KV cache decodes: `cm.generate` /
     `cm.stream` (its decode engine is built on first use, graphmode/decode/api.py)."""
     tgt = compiler.resolve_target(target)
+    model = _with_examples(model, recipe, example_inputs)
     notes: dict[str, str] = {}
     if recipe is None:
         from graphmode.kb.draft import drafted
@@ -45,6 +49,33 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
         cm.draft_notes = notes          # why a drafted recipe has no KV cache, for `generate` to say
         cm.drafted = True               # a request outside its guessed ranges is said once (OutsideDraft)
     return cm
+
+
+def _with_examples(model: Any, recipe: Any, example_inputs: Any) -> Any:
+    """`(model, example_inputs)` when they were given apart; example inputs passed where the
+    recipe goes (`graphmode.compile(model, x)`, as torch habits write it) are refused saying where
+    they go: the recipe slot would otherwise read a tensor as YAML."""
+    import torch
+    from graphmode.errors import RecipeError
+
+    def tensors(v: Any) -> bool:
+        if isinstance(v, torch.Tensor):
+            return True
+        if isinstance(v, (tuple, list)):
+            return any(tensors(x) for x in v)
+        return isinstance(v, dict) and any(tensors(x) for x in v.values())
+    if recipe is not None and tensors(recipe):
+        raise RecipeError("the recipe argument holds tensors: example inputs go in `example_inputs=`",
+                          where="graphmode.compile(recipe=...)", value=type(recipe).__name__,
+                          fix="graphmode.compile(model, example_inputs=(x,)) (or graphmode.compile((model, (x,)))); "
+                              "the second positional argument is the recipe: a path, YAML text, a dict or a Recipe")
+    if example_inputs is None:
+        return model
+    if isinstance(model, (tuple, list)) or not isinstance(model, torch.nn.Module):
+        raise RecipeError("example_inputs go with an nn.Module; this model already names its inputs",
+                          where="graphmode.compile(example_inputs=...)", value=type(model).__name__,
+                          fix="pass example_inputs with the module alone: graphmode.compile(module, example_inputs=(x,))")
+    return (model, example_inputs)
 
 
 def load(path: str | Path, **kw: Any):

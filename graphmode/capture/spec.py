@@ -399,8 +399,8 @@ def as_model(model: Any) -> ModelBundle | OnnxModelSpec:
             return bundle
         raise CaptureError(f"a bare {type(model).__name__} has no example inputs to read its input dtypes and "
                            "shapes from", where="model",
-                           fix="pass (module, example_inputs[, input_dims]), e.g. graphmode.compile((model, "
-                               "(torch.randn(2, 16),))), or give a recipe declaring its inputs")
+                           fix="pass its example inputs, e.g. graphmode.compile(model, example_inputs=(torch.randn(2, "
+                               "16),)) or (module, example_inputs[, input_dims]), or give a recipe declaring them")
     raise CaptureError(f"cannot compile a {type(model).__name__}", where="model",
                        fix=f"pass an nn.Module with example inputs or a recipe, {describe_spec_forms()}, "
                            "or a ModelBundle")

@@ -312,6 +312,10 @@ def load_recipe(source: Union[str, Path, bytes, dict, Recipe]) -> Recipe:
         return source
     if isinstance(source, dict):
         return build_recipe(source, source="<dict>")
+    if not isinstance(source, (str, bytes, Path)):
+        raise RecipeError("a recipe is a path, YAML text, bytes, a dict or a Recipe", where="recipe",
+                          value=type(source).__name__,
+                          fix="pass the recipe's path (examples/recipes/*.yaml) or leave it out to have one drafted")
     name = None
     if isinstance(source, Path) or (isinstance(source, str) and _looks_like_path(source)):
         name = str(source)

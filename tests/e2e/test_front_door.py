@@ -14,7 +14,7 @@ from transformers.utils import ModelOutput
 
 import graphmode
 from graphmode.capture.spec import bundle_from_module
-from graphmode.errors import CaptureError, ContractViolation
+from graphmode.errors import CaptureError, ContractViolation, RecipeError
 from graphmode.kb.draft import MAX_DRAFT_PLANS, draft_recipe
 from graphmode.verdict import ContractRefused
 
@@ -87,11 +87,31 @@ def test_a_module_every_way_in_returns_what_eager_returns():
         assert isinstance(y, torch.Tensor), what                # not a 1-tuple
         assert rel(y, m(x)) < 1e-5, what
         assert cm.output_names == ["output"], what
+    for examples in [(x,), x, {"x": x}]:                         # TensorRT's inputs=, OpenVINO's example_input=
+        cm = graphmode.compile(m, example_inputs=examples)
+        z = torch.randn(5, 16)                                   # another batch: the draft made it dynamic
+        assert rel(cm(z), m(z)) < 1e-5 and rel(cm(x), m(x)) < 1e-5
     with pytest.raises(CaptureError, match="no example inputs") as e:
         graphmode.compile(m)                                     # nothing says what it takes
-    assert "recipe" in e.value.fix
+    assert "recipe" in e.value.fix and "example_inputs=" in e.value.fix
     with pytest.raises(CaptureError, match="cannot compile a tuple of 1"):
         graphmode.compile((m,), mlp_recipe())
+
+
+@pytest.mark.parametrize("where_examples_went", ["tensor", "tuple", "dict", "list"])
+def test_examples_in_the_recipe_slot_are_refused_saying_where_they_go(where_examples_went):
+    """`graphmode.compile(model, x)`, as torch habits write it, reached YAML's parser: a bare
+    'TypeError: a string or stream input is required'."""
+    m, x = _mlp(), torch.randn(3, 16)
+    given = {"tensor": x, "tuple": (x,), "dict": {"x": x}, "list": [x]}[where_examples_went]
+    with pytest.raises(RecipeError, match="example inputs go in `example_inputs=`") as e:
+        graphmode.compile(m, given)
+    assert "graphmode.compile(model, example_inputs=(x,))" in e.value.fix
+    with pytest.raises(RecipeError, match="this model already names its inputs"):
+        graphmode.compile((m, (x,)), example_inputs=(x,))
+    with pytest.raises(RecipeError, match="a recipe is a path, YAML text") as e:
+        graphmode.compile(m, 42)
+    assert e.value.value == "int"
 
 
 def test_outputs_keep_their_structure_and_names():

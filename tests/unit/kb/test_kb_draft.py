@@ -120,7 +120,7 @@ def test_compile_without_a_recipe_drafts_one_and_says_so_once(kb_cache, monkeypa
         assert drafted((m, (x,)), None)[1] == cm.recipe                   # the same draft again: said once
     with pytest.raises(CaptureError, match="no example inputs") as e:
         graphmode.compile(m)
-    assert "(module, example_inputs" in e.value.fix
+    assert "(module, example_inputs" in e.value.fix and "example_inputs=(" in e.value.fix
 
 
 class _FixedWidth(torch.nn.Module):
