@@ -39,7 +39,7 @@ from graphmode.recipe.limits import INT_LIMITS
 
 # ops whose output holds exactly the values of their first input (rearranged or repeated)
 _VIEWS = frozenset({"reshape", "permute", "expand", "identity"})
-_INDEX_OPS = frozenset({"embedding", "index_select", "gather", "index"})
+_INDEX_OPS = frozenset({"embedding", "index_select", "gather", "index", "embedding_bag"})
 # ATen-reference writes: (self, dim, index, ...) with the index at args[2] (index_fill's too)
 _WRITE_OPS = frozenset({"scatter", "scatter_add", "scatter_reduce", "index_copy", "index_add", "index_fill",
                         "index_reduce"})
@@ -291,6 +291,13 @@ def _index_use(graph: Graph, node: Node, trails: Mapping[str, _Trail], report: I
     shape = graph.values[table].type.shape
     if node.op == "embedding":
         pairs = [(node.inputs[1], 0)] if len(node.inputs) > 1 else []
+    elif node.op == "embedding_bag":        # ATen-reference (weight, indices, offsets, ...): rows of the weight
+        args = list(node.attr("args", []))
+        index = args[1] if len(args) > 1 else None
+        if args[:1] != [{"$in": 0}] or not isinstance(index, dict) or not isinstance(index.get("$in"), int) \
+                or not 0 < index["$in"] < len(node.inputs):
+            return
+        pairs = [(node.inputs[index["$in"]], 0)]
     elif node.op in _WRITE_OPS:
         args = list(node.attr("args", []))
         index = args[2] if len(args) > 2 else None

@@ -8,10 +8,11 @@ views, so a run is one Python loop of calls. `steps` / `step_names` / `views` / 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 
+from graphmode.errors import BackendError, ContractViolation, GraphmodeError
 from graphmode.hostmem import empty_huge
 from graphmode.ir.types import DTYPES
 from graphmode.plan.execution import ExecutionPlan
@@ -51,8 +52,15 @@ class ArenaExecutable:
             with torch.inference_mode():
                 for name in self.plan.inputs:
                     self.views[name].copy_(inputs[name])
-                for step in self.steps:
-                    step()
+                done = 0
+                try:
+                    for step in self.steps:
+                        step()
+                        done += 1
+                except GraphmodeError:
+                    raise
+                except Exception as e:
+                    raise self.rejected(done, e) or e from None
             # outside inference mode: the caller gets ordinary tensors, which it may update in place
             # (an inference tensor refuses that outside inference mode); none records autograd
             with torch.no_grad():
@@ -63,16 +71,40 @@ class ArenaExecutable:
             return outs
 
 
-def reference_step(compute: Callable[[], list[torch.Tensor]], outs: list[torch.Tensor]) -> Callable[[], None]:
-    """A step computing its outputs with reference ops (`compute`) and copying them into
-    their slots."""
-    if len(outs) == 1:
-        y = outs[0]
-        return lambda: y.copy_(compute()[0])
+    def rejected(self, index: int, err: Exception) -> ContractViolation | None:
+        """An ATen call's own check of the request's values (embedding_bag's offsets, a sort of
+        indices) as an error naming the op: eager raises the same there. None for any other
+        step (a generated kernel or a copy failing is graphmode's fault, left as it is)."""
+        name = self.step_names[index] if index < len(self.step_names) else ""
+        kind, _, op = name.partition(":")
+        if kind not in _ATEN_CALLS or not isinstance(err, (RuntimeError, IndexError, ValueError)):
+            return None
+        outs = [ins.outputs for ins in self.plan.instructions if ins.kind != "view"][index]
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return ContractViolation(f"{op} (%{outs[0]}) rejected this request's values: {first}", kind="input",
+                                 where=f"step {index + 1} of {len(self.steps)}, {name}",
+                                 fix="send values the op accepts (eager PyTorch checks the same ones)")
 
+
+# step kinds that call a torch operator with the request's values (its own checks then apply)
+_ATEN_CALLS = frozenset({"aten", "ref", "fallback"})
+
+
+def reference_step(compute: Callable[[], list[torch.Tensor]],
+                   outs: Sequence[torch.Tensor | None]) -> Callable[[], None]:
+    """A step computing its outputs with reference ops (`compute`) and copying them into
+    their slots. An output nothing reads is None and not copied: an ATen call's extra results
+    (embedding_bag's max_indices) can have another size in torch's kernel than its shape
+    functions gave at capture. A result of another shape than its slot is graphmode's error,
+    never broadcast into the slot."""
     def step() -> None:
         for o, r in zip(outs, compute()):
-            o.copy_(r)
+            if o is not None:
+                if r.shape != o.shape:
+                    raise BackendError(f"a step's result has shape {list(r.shape)} where the plan holds "
+                                       f"{list(o.shape)}", fix="report it with the model; exe_mode: eager runs the "
+                                       "model meanwhile")
+                o.copy_(r)
     return step
 
 

@@ -89,6 +89,7 @@ class Binder:
         self.generated = 0
         self.reference_groups: set[int] = set()    # fused groups run by their reference ops (node indices)
         self._special: dict[int, Node] = {}     # node_index -> the fused node at this bucket
+        self._read = {i for x in plan.instructions for i in x.inputs} | set(plan.outputs)
 
     def bind(self) -> tuple[list[Callable[[], None]], list[str]]:
         """The plan's steps and their names (`kind:op`), one per instruction that is not a view."""
@@ -122,6 +123,7 @@ class Binder:
     def _step(self, ins: Instruction, ks: KernelSource | None, kernel) -> tuple[Callable[[], None], str]:
         v, env = self.views, self.plan.env
         ins_t, outs = [v[i] for i in ins.inputs], [v[o] for o in ins.outputs]
+        unread = frozenset(o for o in ins.outputs if o not in self._read) if len(ins.outputs) > 1 else frozenset()
         if ins.kind == "kernel":
             if kernel is not None:
                 self.generated += 1
@@ -133,12 +135,13 @@ class Binder:
             self.reference_groups.add(ins.node_index)
             return reference_step(lambda: run_node(node, ins_t, env), outs), "kernel"
         if ins.kind == "fallback":
-            return reference_step(lambda: run_fallback(ins_t, ins.attrs, env), outs), "fallback"
+            return reference_step(lambda: run_fallback(ins_t, ins.attrs, env),
+                                  [None if o in unread else t for o, t in zip(ins.outputs, outs)]), "fallback"
         if kernel is not None:     # a generated kernel for this single op (a native lowering)
             self.generated += 1
             self.report["native"] = self.report.get("native", 0) + 1
             return kernel.bind([v[a].data_ptr() for a in ks.args]), "native"
-        return op_step(op_call(ins, v, env, tactics=self.tactics)), "aten"
+        return op_step(op_call(ins, v, env, tactics=self.tactics, unread=unread)), "aten"
 
     def _bind_group(self, ks: KernelSource, kernel, node: Node) -> Callable[[], None]:
         """A generated group kernel bound to its buffers; for a gemm_epilogue group, the GEMM

@@ -38,7 +38,8 @@ def op_step(call: OpCall) -> Callable[[], None]:
     if c:
         return c.make()
     spec, ins, attrs, env = get_op(call.op), list(call.ins), call.attrs, call.env
-    return reference_step(lambda: spec.ref(ins, attrs, env), list(call.outs))
+    outs = [None if n in call.unread else o for n, o in zip(call.outputs, call.outs)] if call.unread else call.outs
+    return reference_step(lambda: spec.ref(ins, attrs, env), list(outs))
 
 
 def native_source(op: str, ins, outs, attrs, env, inputs, outputs) -> KernelSource | None:

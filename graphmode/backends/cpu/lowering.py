@@ -66,6 +66,7 @@ class OpCall:
     outputs: Sequence[str] = ()
     tactics: Any = None
     epilogue: Any = None
+    unread: frozenset = frozenset()      # outputs nothing reads (a reference step need not write them)
 
 
 @dataclass(frozen=True)

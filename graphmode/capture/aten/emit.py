@@ -2,6 +2,8 @@
 type is torch.export's, dim ops on 0-d tensors, ATen-reference ops, repeated axes and heads."""
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -45,14 +47,27 @@ def emit_aten_reference(imp, node: torch.fx.Node, op: str, ins: list[str], attrs
         got = OPS[op].infer([imp.g.type_of(i) for i in ins], attrs)
     except GraphmodeError:
         return False
+    read = _read_outputs(node, len(want))
     if len(got) != len(want) or not all(g.dtype == w.dtype and len(g.shape) == len(w.shape)
                                         and all(dims_equal(x, y) for x, y in zip(g.shape, w.shape))
-                                        for g, w in zip(got, want)):
+                                        for k, (g, w) in enumerate(zip(got, want)) if k in read):
         return False
+    want = [w if k in read else g for k, (g, w) in enumerate(zip(got, want))]
     outs = imp.g.add_node(op, ins, want, attrs,
                           names=[clean_name(node.name if i == 0 else f"{node.name}_{i}") for i in range(len(want))])
     imp.env[node] = outs[0] if len(outs) == 1 and not isinstance(node.meta["val"], (tuple, list)) else tuple(outs)
     return True
+
+
+def _read_outputs(node: torch.fx.Node, n: int) -> set[int]:
+    """The outputs of a multi-output call the program reads: only their types must be torch.export's.
+    An output nothing reads keeps the type inference gives it and is never written (an ATen call's
+    extra results, such as embedding_bag's bag_size, whose fake and real sizes differ)."""
+    if n == 1 or not isinstance(node.meta["val"], (tuple, list)):
+        return set(range(n))
+    if any(u.target is not operator.getitem for u in node.users):
+        return set(range(n))
+    return {u.args[1] for u in node.users}
 
 
 def emit_checked(imp, node: torch.fx.Node, op: str, ins: list[str], attrs: dict | None = None) -> bool:

@@ -311,14 +311,21 @@ def _sdpa(imp, node, a):
 
 # ---------------------------------------------------------------------------------- pools
 
-def _unbatched(imp, node, op: str, x: str, attrs: dict) -> None:
-    """A 2-d window op on an unbatched [C, H, W] input, run on its [1, C, H, W] view."""
+def _pooled(imp, op: str, x: str, attrs: dict) -> str:
+    """A 2-d window op over `x`; an unbatched [C, H, W] input runs on its [1, C, H, W] view."""
     xt = imp.g.type_of(x)
+    if xt.rank == 4:
+        return imp.g.add_node(op, [x], [OPS[op].infer([xt], attrs)[0]], attrs)[0]
     x4, = imp.g.add_node("reshape", [x], [xt.with_shape((1,) + xt.shape)], {"shape": [1] + [imp.attr_dim(d) for d in
                                                                                            xt.shape]})
     out_t = OPS[op].infer([imp.g.type_of(x4)], attrs)[0]
     y4, = imp.g.add_node(op, [x4], [out_t], attrs)
-    imp.emit(node, "reshape", [y4], {"shape": [imp.attr_dim(d) for d in out_t.shape[1:]]})
+    return imp.g.add_node("reshape", [y4], [out_t.with_shape(out_t.shape[1:])],
+                          {"shape": [imp.attr_dim(d) for d in out_t.shape[1:]]})[0]
+
+
+def _unbatched(imp, node, op: str, x: str, attrs: dict) -> None:
+    imp.env[node] = _pooled(imp, op, x, attrs)
 
 
 @converts("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default")
@@ -343,18 +350,41 @@ def _max_pool(imp, node, a):
 
 @converts("aten.avg_pool2d.default")
 def _avg_pool(imp, node, a):
-    if a.get("divisor_override") is not None:
-        return False
     k = pair(a["kernel_size"])
+    divisor = a.get("divisor_override")
+    if divisor is not None and a["ceil_mode"]:
+        return False            # a window past the edge: not a fixed multiple of the window's mean
     attrs = {"kernel": k, "stride": pair(a["stride"]) if a["stride"] else k, "padding": pair(a["padding"]),
-             "ceil_mode": bool(a["ceil_mode"]), "count_include_pad": bool(a["count_include_pad"])}
+             "ceil_mode": bool(a["ceil_mode"]),
+             "count_include_pad": bool(a["count_include_pad"]) or divisor is not None}
     x = imp.operand(a["self"])
-    if imp.g.type_of(x).rank == 3:
-        _unbatched(imp, node, "avg_pool2d", x, attrs)
-        return True
-    if imp.g.type_of(x).rank != 4:
+    if imp.g.type_of(x).rank not in (3, 4):
         return False
-    imp.emit(node, "avg_pool2d", [x], attrs)
+    if divisor is None:
+        if imp.g.type_of(x).rank == 3:
+            _unbatched(imp, node, "avg_pool2d", x, attrs)
+        else:
+            imp.emit(node, "avg_pool2d", [x], attrs)
+        return True
+    # sum / divisor: every window lies inside the padded input (no ceil mode), so the mean over
+    # the window with its padding counted is sum / (kh * kw)
+    mean = _pooled(imp, "avg_pool2d", x, attrs)
+    imp.emit(node, "mul", [mean, imp.const(k[0] * k[1] / divisor, imp.g.type_of(x).dtype)])
+    return True
+
+
+_GRID_MODES = ("bilinear", "nearest", "bicubic")
+_GRID_PADDING = ("zeros", "border", "reflection")
+
+
+@converts("aten.grid_sampler.default", "aten.grid_sampler_3d.default")
+def _grid_sampler(imp, node, a):
+    """F.grid_sample's ATen form: mode and padding as torch's enum values."""
+    mode, pad = a["interpolation_mode"], a["padding_mode"]
+    if not (0 <= mode < len(_GRID_MODES) and 0 <= pad < len(_GRID_PADDING)):
+        return False
+    imp.emit(node, "grid_sampler", [imp.operand(a["input"]), imp.operand(a["grid"])],
+             {"mode": _GRID_MODES[mode], "padding_mode": _GRID_PADDING[pad], "align_corners": bool(a["align_corners"])})
     return True
 
 

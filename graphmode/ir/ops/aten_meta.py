@@ -53,9 +53,20 @@ def meta(t: TensorType, shape: Sequence[int]) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=DTYPES[t.dtype], device="meta")
 
 
+# ops whose meta kernel sizes some outputs otherwise than the CPU kernel and torch.export's fake
+# tensors do (embedding_bag's offset2bag and max_indices in sum/mean mode): typed on fake CPU tensors
+_FAKE_TYPED = frozenset({"embedding_bag"})
+
+
+def _on_fake_cpu(op: str, metas: list[torch.Tensor], attrs: Mapping[str, Any]) -> list[torch.Tensor]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        return call(op, [torch.empty(m.shape, dtype=m.dtype) for m in metas], attrs)
+
+
 def meta_types(op: str, metas: list[torch.Tensor], attrs: Mapping[str, Any]) -> list[TensorType]:
     try:
-        outs = call(op, metas, attrs)
+        outs = _on_fake_cpu(op, metas, attrs) if op in _FAKE_TYPED else call(op, metas, attrs)
     except IRError:
         raise
     except Exception as e:  # noqa: BLE001 - torch's own refusal of these arguments, or no meta kernel

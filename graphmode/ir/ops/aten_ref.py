@@ -308,6 +308,7 @@ _x3 = T(2, 3, 4)
 _img = T(1, 2, 4, 5)
 _vol = T(1, 2, 3, 4, 3)
 _seq = T(2, 3, 6)
+_offsets = T(2, dtype=torch.int64, dist="arange", high=5)      # bags start at 0 and 1
 # name: (kind, overloads, samples, doc)
 STATIC: dict[str, tuple] = {
     # reductions and scans
@@ -397,6 +398,10 @@ STATIC: dict[str, tuple] = {
     "index_put": ("data", ("default",), lambda: [sample("default", _x, [_i(2, high=3)], T(2, 5)),
                                                  sample("default", _x, [None, _i(3, high=5)], T(3), True)],
                   "x with values written (or added: accumulate) at advanced indices: x[i] = v"),
+    "embedding_bag": ("data", ("default", "padding_idx"),
+                      lambda: [sample("default", T(6, 4), _i(5, high=6), _offsets, False, 1),
+                               sample("padding_idx", T(6, 4), _i(5, high=6), _offsets, False, 0, False, T(5), False, 0)],
+                      "(sum, mean or max of each bag's rows, offset2bag, bag_size, max_indices)"),
     "put": ("data", ("default",), lambda: [sample("default", _x, _i(4, high=15), T(4), True)],
             "x with values written (or added) at indices of its flattened form"),
     "take": ("data", ("default",), lambda: [sample("default", _x, _i(2, 3, high=15))], "x.flatten()[index]"),

@@ -109,6 +109,16 @@ CASES = {
     "addmm_scaled": (lambda x, y: torch.addmm(y.expand(3, 4), x, x.T @ x, beta=0.5, alpha=-2.0)
                      + torch.addmm(y.reshape(1, 4) * float("nan"), x, x.T @ x, beta=0),
                      torch.randn(3, 4), torch.randn(4)),
+    # avg_pool2d's divisor_override (sum / divisor), batched and unbatched; grid_sample as torch writes it
+    "avg_pool_divisor": (lambda x, y: F.avg_pool2d(x.reshape(1, 1, 3, 4), 2, stride=1, padding=1, divisor_override=3)
+                         .sum() + F.avg_pool2d(x.reshape(1, 3, 4), (2, 3), divisor_override=5).sum() + y,
+                         torch.randn(3, 4), torch.randn(4)),
+    "grid_sample": (lambda x, y: F.grid_sample(x.reshape(1, 1, 3, 4), y.reshape(1, 1, 2, 2) * 1.2, align_corners=False)
+                    .sum() + F.grid_sample(x.reshape(1, 1, 3, 4), y.reshape(1, 2, 1, 2).tanh(), mode="nearest",
+                                           padding_mode="border", align_corners=True).sum()
+                    + F.grid_sample(x.reshape(1, 1, 1, 3, 4), y.reshape(1, 1, 1, 1, 4)[..., :3], mode="bilinear",
+                                    padding_mode="reflection", align_corners=False).sum() + y,
+                    torch.randn(3, 4), torch.randn(4)),
 }
 
 
