@@ -12,7 +12,8 @@ from graphmode.version import __version__  # noqa: F401
 
 _API = {"capture": "graphmode.compiler", "optimize": "graphmode.compiler", "compile": "graphmode.api",
         "load_recipe": "graphmode.recipe", "CompiledModel": "graphmode.runtime.compiled",
-        "load": "graphmode.api"}
+        "load": "graphmode.api", "GraphmodeError": "graphmode.errors", "ContractViolation": "graphmode.errors",
+        "RecipeError": "graphmode.errors", "CaptureError": "graphmode.errors"}
 
 
 def __getattr__(name):

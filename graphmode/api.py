@@ -6,12 +6,16 @@ drafted when none is given (graphmode/kb/draft.py, as `graphmode recipe init` dr
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from graphmode import compiler
 from graphmode.progress import OnStage
 from graphmode.recipe import Recipe
+from graphmode.runtime.habits import AUTOCAST_NOTE, AutocastIgnored
 
 
 def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any = "host", *,
@@ -29,6 +33,15 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     stream); with `rank`, this process compiles that rank's shard only (its collectives need a
     bound communicator). A model under a recipe with a KV cache decodes: `cm.generate` /
     `cm.stream` (its decode engine is built on first use, graphmode/decode/api.py)."""
+    if torch.is_autocast_enabled("cpu"):
+        warnings.warn(AutocastIgnored(f"graphmode.compile under torch.autocast: {AUTOCAST_NOTE}"), stacklevel=2)
+    with torch.autocast("cpu", enabled=False):     # the capture sees the model as its weights are
+        return _compile(model, recipe, target, example_inputs=example_inputs, mode=mode, cache_dir=cache_dir,
+                        threads=threads, warmup=warmup, on_stage=on_stage, rank=rank)
+
+
+def _compile(model: Any, recipe: Any, target: Any, *, example_inputs: Any, mode: str | None, cache_dir: Any,
+             threads: int | None, warmup: bool, on_stage: OnStage | None, rank: int | None):
     tgt = compiler.resolve_target(target)
     model = _with_examples(model, recipe, example_inputs)
     notes: dict[str, str] = {}
@@ -55,7 +68,6 @@ def _with_examples(model: Any, recipe: Any, example_inputs: Any) -> Any:
     """`(model, example_inputs)` when they were given apart; example inputs passed where the
     recipe goes (`graphmode.compile(model, x)`, as torch habits write it) are refused saying where
     they go: the recipe slot would otherwise read a tensor as YAML."""
-    import torch
     from graphmode.errors import RecipeError
 
     def tensors(v: Any) -> bool:
@@ -71,11 +83,15 @@ def _with_examples(model: Any, recipe: Any, example_inputs: Any) -> Any:
                               "the second positional argument is the recipe: a path, YAML text, a dict or a Recipe")
     if example_inputs is None:
         return model
-    if isinstance(model, (tuple, list)) or not isinstance(model, torch.nn.Module):
+    if isinstance(model, torch.nn.Module):
+        return (model, example_inputs)
+    if isinstance(model, (tuple, list, str, Path)) or hasattr(model, "example_inputs"):
         raise RecipeError("example_inputs go with an nn.Module; this model already names its inputs",
                           where="graphmode.compile(example_inputs=...)", value=type(model).__name__,
                           fix="pass example_inputs with the module alone: graphmode.compile(module, example_inputs=(x,))")
-    return (model, example_inputs)
+    raise RecipeError(f"graphmode compiles an nn.Module (or an ONNX file, a Hugging Face model), not a "
+                      f"{type(model).__name__}", where="model", value=type(model).__name__,
+                      fix="wrap the function in a module: class M(torch.nn.Module): def forward(self, x): return f(x)")
 
 
 def load(path: str | Path, **kw: Any):

@@ -72,18 +72,20 @@ class ArenaExecutable:
 
 
     def rejected(self, index: int, err: Exception) -> ContractViolation | None:
-        """An ATen call's own check of the request's values (embedding_bag's offsets, a sort of
-        indices) as an error naming the op: eager raises the same there. None for any other
-        step (a generated kernel or a copy failing is graphmode's fault, left as it is)."""
+        """A torch operator's own check failing on a request (embedding_bag's offsets, indices
+        past a table no analysis bounds) as an error naming the op, instead of torch's bare
+        exception from inside the plan. None for any other step (a generated kernel, a copy):
+        left as it is."""
         name = self.step_names[index] if index < len(self.step_names) else ""
         kind, _, op = name.partition(":")
         if kind not in _ATEN_CALLS or not isinstance(err, (RuntimeError, IndexError, ValueError)):
             return None
         outs = [ins.outputs for ins in self.plan.instructions if ins.kind != "view"][index]
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return ContractViolation(f"{op} (%{outs[0]}) rejected this request's values: {first}", kind="input",
+        return ContractViolation(f"{op} (%{outs[0]}) failed on this request: {first}", kind="input",
                                  where=f"step {index + 1} of {len(self.steps)}, {name}",
-                                 fix="send values the op accepts (eager PyTorch checks the same ones)")
+                                 fix="send values the op accepts (eager PyTorch raises on the same ones); if eager "
+                                     "answers this request, report it with the model")
 
 
 # step kinds that call a torch operator with the request's values (its own checks then apply)

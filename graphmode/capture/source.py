@@ -125,12 +125,16 @@ class ModelSource:
 
 
 def _id_variants(example: dict[str, torch.Tensor], omitted: str, module: Any) -> list[dict[str, torch.Tensor]]:
-    """The examples, and copies whose integer inputs hold a pad id in their second half (0, 1, 2 and
-    the config's pad_token_id): a model may build the omitted input from its ids (XLM's mask is
-    `ids != pad_index`), which examples without a pad id cannot show."""
+    """The examples, and copies whose integer inputs hold a pad id in their second half (0, 1, 2,
+    the config's pad_token_id and the padding_idx of the model's embeddings): a model may build the
+    omitted input from its ids (XLM's mask is `ids != pad_index`), which examples without a pad id
+    cannot show."""
     config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
-    pads = {0, 1, 2} | {p for p in [getattr(config, "pad_token_id", None), getattr(config, "pad_index", None)]
-                        if isinstance(p, int) and p >= 0}
+    tables = [m for m in module.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))] \
+        if isinstance(module, torch.nn.Module) else []
+    named = [getattr(config, "pad_token_id", None), getattr(config, "pad_index", None)] + \
+        [m.padding_idx % m.num_embeddings for m in tables if m.padding_idx is not None][:8]
+    pads = {0, 1, 2} | {p for p in named if isinstance(p, int) and p >= 0}
     out = [example]
     for pad in sorted(pads):
         variant, changed = dict(example), False

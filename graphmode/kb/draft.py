@@ -108,15 +108,22 @@ def _signature(bundle: Any) -> tuple[dict[str, str], dict[str, list], dict[str, 
 
 def _with_batch_axis(bundle: Any) -> Any:
     """A bundle handed with static shapes only, with its leading axis named `batch` when every
-    input of rank 1 or more shares that extent (>= 2: torch.export specialises 1), else None.
-    A 0-d input (a scalar temperature, a step) has no batch axis and keeps its shape."""
+    input of rank 1 or more shares that extent, else None. torch.export specialises an extent of
+    1, so a batch-1 example (as torch users write one) is captured from its rows repeated to 2;
+    the bundle as handed stays the next try. A 0-d input (a scalar temperature, a step) has no
+    batch axis and keeps its shape."""
     ranked = {k: v for k, v in bundle.input_dims.items() if v}
     lead = {v[0] for v in ranked.values()}
     n = next(iter(lead), None)
-    if len(lead) != 1 or not isinstance(n, int) or n < 2 or "batch" in bundle.dim_names:
+    if len(lead) != 1 or not isinstance(n, int) or n < 1 or "batch" in bundle.dim_names:
         return None
-    return dataclasses.replace(bundle, input_dims={k: ["batch"] + list(v[1:]) if k in ranked else list(v)
-                                                   for k, v in bundle.input_dims.items()})
+    examples = bundle.example_inputs
+    if n == 1:
+        import torch
+        examples = {k: torch.cat([v, v]) if k in ranked else v for k, v in examples.items()}
+    return dataclasses.replace(bundle, example_inputs=examples,
+                               input_dims={k: ["batch"] + list(v[1:]) if k in ranked else list(v)
+                                           for k, v in bundle.input_dims.items()})
 
 
 def _causal_lm(bundle: Any) -> Any:
@@ -480,7 +487,7 @@ def drafted(model: Any, target: Any) -> tuple[Any, Any, dict[str, str]]:
         warnings.warn(RecipeDrafted(
             f"graphmode.compile: no recipe given, so one was drafted for {d.model['name']}: {d.recipe.name} "
             f"({stamp}), {'; '.join([f'{d.report.plans} plan(s)'] + d.verdict.lines() + fixed)}. It is cm.recipe; "
-            "`graphmode recipe init` writes it out with where each value came from"), stacklevel=3)
+            "`graphmode recipe init` writes it out with where each value came from"), stacklevel=4)
     return d.source.bundle, d.recipe, d.notes
 
 

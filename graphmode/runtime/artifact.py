@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from graphmode.errors import GraphmodeError, short_value
 from graphmode.progress import OnStage, StageReporter, stage
 from graphmode.runtime.bounds import bounds_doc, bounds_from_doc
+from graphmode.runtime.contract import omitted_constants, positional_names
 from graphmode.runtime.tail import MEMBERS as TAIL_MEMBERS, read_tail, tail_members
 from graphmode.untrusted import GiB, MiB, UntrustedFileError, file_sha256, open_file, parse_json, read_bytes
 from graphmode.version import __version__
@@ -171,6 +172,7 @@ class Manifest(_Strict):
     output_structure: Optional[OutputSpec] = None
     mutated_inputs: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
     positional: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)   # forward's parameters, in order
+    omitted: dict[str, int] = Field(default_factory=dict, max_length=MAX_ITEMS)  # optional inputs' constants
     exact_dims: list[str] = Field(max_length=MAX_ITEMS)
     masked_dims: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)   # runtime/shaping.py pad_hazard
     query_key_dims: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
@@ -216,17 +218,6 @@ class _Hashing:
 
     def member(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "sha256": self.sha.hexdigest()}
-
-
-def positional_names(cm: Any) -> list[str]:
-    """The parameters a call's positional arguments bind to, as the model's forward has them (a
-    loaded artifact has no forward; the recipe may list the inputs in another order)."""
-    sig = getattr(cm, "_signature", None)
-    if sig is None:
-        return list(getattr(cm, "positional", None) or [])
-    import inspect
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [n for n, p in sig.parameters.items() if p.kind in positional]
 
 
 def check_writable(path: str | Path, where: str = "--save") -> Path:
@@ -290,7 +281,7 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
                 "threads": cm.threads, "buckets": list(plans), "outputs": cm.output_names,
                 "out_spec": out_spec, "output_structure": cm.output_structure,
                 "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims),
-                "positional": positional_names(cm),
+                "positional": positional_names(cm), "omitted": omitted_constants(cm),
                 "masked_dims": list(getattr(cm, "masked_dims", [])),
                 "query_key_dims": list(getattr(cm, "query_key_dims", [])), "kernels": sorted(libraries),
                 # the compile's checks: a rank's shard (its table split over the ranks) cannot derive them again
@@ -603,6 +594,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
         tail = _tail(z, path, manifest, size)
     source = ModelSource(manifest.get("model") or graph.name, input_dims={i.name: list(i.shape) for i in recipe.inputs},
                          output_names=list(manifest.get("outputs") or []))
+    source.__dict__["_omitted"] = dict(manifest.get("omitted") or {})     # what omitted_value found at save
     cm = CompiledModel(source, recipe, _target(manifest.get("target")), None, graph, None, mode=manifest["mode"],
                        cache_dir=root, threads=threads if threads is not None else manifest.get("threads"),
                        device=manifest.get("device") or "cpu", on_stage=on_stage)

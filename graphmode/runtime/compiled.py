@@ -30,6 +30,7 @@ from graphmode.progress import OnStage, stage
 from graphmode.runtime.contract import InputContract
 from graphmode.runtime.shaping import SPLIT_DIM, Shaping, fallback_engine
 from graphmode.runtime.exact import ExactValues
+from graphmode.runtime.habits import TorchHabits
 from graphmode.runtime.split import Chooser, shape_key
 from graphmode.runtime.weights import FrozenWeights
 from graphmode.runtime.tail import model_outputs
@@ -73,7 +74,7 @@ def _fallback(cm: Any, inputs: Mapping[str, torch.Tensor], err: ContractViolatio
                                  "send, or dims.<d>.exact_plans), so graphmode's own plan runs it") from None
 
 
-class CompiledModel(InputContract, Shaping):
+class CompiledModel(InputContract, Shaping, TorchHabits):
     def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
                  *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None,
                  device: str = DEFAULT_DEVICE, on_stage: OnStage | None = None, lowered: Any = None):
@@ -136,7 +137,8 @@ class CompiledModel(InputContract, Shaping):
                 out_spec = None
         self._out_spec = out_spec
         # what eager returns (capture/outputs.py spec) and the inputs the model updates in place
-        self.output_structure = getattr(capture_report, "output_structure", None)
+        self.output_structure = getattr(capture_report, "output_structure", None) or \
+            getattr(getattr(self.source, "bundle", None), "output_structure", None)     # exe_mode eager: no capture
         self.mutated_inputs = list(getattr(capture_report, "mutated_inputs", None) or [])
         self.tail = getattr(capture_report, "tail", None)     # ops on sizes only the data decides: tail.py
 
@@ -244,6 +246,8 @@ class CompiledModel(InputContract, Shaping):
 
     # ---- calling ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_autocast_enabled("cpu"):
+            return self._call_without_autocast(args, kwargs)
         if (getattr(self, "artifact", None) or {}).get("decoder") is not None:
             from graphmode.runtime.artifact import not_a_forward
             raise not_a_forward(self.artifact["path"])
@@ -339,16 +343,11 @@ class CompiledModel(InputContract, Shaping):
         """Greedy or sampled decoding over the recipe's paged KV cache, like transformers'
         `generate` (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
         pad_token_id, seed). See graphmode/decode/api.py."""
-        return self._decoding().generate(self, input_ids, attention_mask, **kw)
+        return _decoder(self).generate(self, input_ids, attention_mask, **kw)
 
     def stream(self, input_ids: Any, attention_mask: Any = None, **kw: Any):
         """`generate`, as {row: new tokens} after every decode step."""
-        return self._decoding().stream(self, input_ids, attention_mask, **kw)
-
-    def _decoding(self) -> Any:
-        if self.decoding is None:
-            raise _why_no_decoding(self)
-        return self.decoding
+        return _decoder(self).stream(self, input_ids, attention_mask, **kw)
 
     def save(self, path: Any, *, rank: int | None = None, **kw: Any) -> dict[str, Any]:
         """Write a deployable `.gm` artifact (every bucket built); `graphmode.load` reads it.
@@ -372,6 +371,12 @@ class CompiledModel(InputContract, Shaping):
         if self.monitor is not None:
             out["contract"] = self.monitor.snapshot()
         return out
+
+
+def _decoder(cm: CompiledModel) -> Any:
+    if cm.decoding is None:
+        raise _why_no_decoding(cm)
+    return cm.decoding
 
 
 def _why_no_decoding(cm: CompiledModel) -> GraphmodeError:

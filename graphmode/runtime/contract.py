@@ -3,6 +3,7 @@ dtypes, ranks, constants and fixed dims, the values the model's tables and the r
 admit (runtime/bounds.py), and find the bucket a shape runs in."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping
 
 import torch
@@ -39,6 +40,9 @@ class InputContract:
                 bound = self._signature.bind_partial(*args, **kwargs)
                 named = dict(bound.arguments)
             except TypeError as e:
+                trimmed = _at_compiled_values(self, args, kwargs)
+                if trimmed is not None:
+                    return self.bind_inputs(*trimmed)
                 raise self._not_compiled_with(kwargs) or ContractViolation(
                     f"arguments do not match the model's signature: {e}",
                     fix=f"call with {', '.join(self.input_names)}") from None
@@ -80,6 +84,12 @@ class InputContract:
                                         where=f"inputs.{spec.name}", value="device meta",
                                         fix="pass a tensor with data (materialise it, e.g. torch.empty_like(x, "
                                             "device='cpu'), or load the real values)")
+            if t.layout != torch.strided or t.is_nested:
+                how = "nested" if t.is_nested else str(t.layout).replace("torch.", "").strip("_")
+                raise ContractViolation(f"input {spec.name!r} is a {how} tensor; the plans read dense strided "
+                                        "tensors", where=f"inputs.{spec.name}", value=how, kind="input",
+                                        fix="send x.to_dense() (a nested tensor: torch.nested.to_padded_tensor(x, 0), "
+                                            "with a mask where the model takes one)")
             from graphmode.ir.types import DTYPES
             if t.dtype != DTYPES[spec.dtype]:
                 raise ContractViolation(f"input {spec.name!r} has dtype {t.dtype}, the recipe declares {spec.dtype}",
@@ -186,6 +196,11 @@ class InputContract:
     def _violation(self, dims: Mapping[str, int]) -> ContractViolation:
         for d, v in dims.items():
             lo, hi = self.recipe.dim_range(d)
+            if v == 0:          # a recipe's dims start at 1: widening cannot admit it
+                return ContractViolation(f"dim {d!r} = 0: an empty request is outside every recipe (dims start at 1)",
+                                         where=f"dims.{d}", value=v,
+                                         fix=f"send at least one along {d}, or set on_violation: eager (eager "
+                                             "PyTorch answers empty requests)")
             if not lo <= v <= hi:
                 return ContractViolation(f"dim {d!r} = {v} is outside the recipe's range [{lo}, {hi}]",
                                          where=f"dims.{d}", value=v,
@@ -195,9 +210,50 @@ class InputContract:
                                  fix="add a bucket that covers it")
 
 
+def positional_names(cm: Any) -> list[str]:
+    """The parameters a call's positional arguments bind to, as the model's forward has them (a
+    loaded artifact has no forward; the recipe may list the inputs in another order)."""
+    sig = getattr(cm, "_signature", None)
+    if sig is None:
+        return list(getattr(cm, "positional", None) or [])
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [n for n, p in sig.parameters.items() if p.kind in positional]
+
+
+def omitted_constants(cm: Any) -> dict[str, int]:
+    """The inputs a call may leave out, with the constant each stands for (ModelSource.omitted_value,
+    which runs the eager model): what a saved artifact, without the model, still fills in."""
+    source = getattr(cm, "source", None)
+    if source is None or getattr(source, "module", None) is None:
+        return dict(getattr(source, "__dict__", {}).get("_omitted") or {})
+    optional = _none_defaults(source.module)
+    found = {n: source.omitted_value(n) for n in cm.input_names if n in optional}
+    return {n: v for n, v in found.items() if v is not None}
+
+
+def _at_compiled_values(cm: Any, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict] | None:
+    """The call without the Python options it passes at the value the model was compiled with (its
+    forward's default: `temperature=1.0` where forward says `temperature: float = 1.0`), by keyword
+    or by position, as keywords; None when there are none (the call is refused as it was)."""
+    module = getattr(getattr(cm, "source", None), "module", None)
+    try:
+        sig = inspect.signature(getattr(module, "model", module).forward)
+        bound = sig.bind_partial(*args, **kwargs).arguments
+    except (AttributeError, TypeError, ValueError):
+        return None
+    params = sig.parameters
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        return None
+    same = [k for k, v in bound.items() if k not in cm.input_names and not isinstance(v, torch.Tensor)
+            and params[k].default is not params[k].empty and type(v) is type(params[k].default)
+            and v == params[k].default]
+    if not same:
+        return None
+    return (), {k: v for k, v in bound.items() if k not in same}
+
+
 def _none_defaults(module: Any) -> set[str]:
     """The parameters the user's forward (inside graphmode's wrapper, if any) defaults to None."""
-    import inspect
     inner = getattr(module, "model", module)
     try:
         return {n for n, p in inspect.signature(inner.forward).parameters.items() if p.default is None}
@@ -221,6 +277,10 @@ def refuse_aliased_updates(inputs: Mapping[str, torch.Tensor], mutated: list[str
         t = inputs.get(name)
         if t is None or t.numel() == 0:
             continue
+        if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+            raise ContractViolation(f"the model updates input {name!r} in place, and it is a leaf tensor that "
+                                    "requires grad: eager PyTorch refuses that in-place update", where=f"inputs.{name}",
+                                    fix=f"call under torch.no_grad() (as eager allows), or pass {name}.detach().clone()")
         if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
             raise ContractViolation(f"the model updates input {name!r} in place, and its elements share memory "
                                     "(an expanded tensor: stride 0)", where=f"inputs.{name}", value=tuple(t.stride()),
