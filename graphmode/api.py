@@ -88,7 +88,8 @@ def _with_examples(model: Any, recipe: Any, example_inputs: Any) -> Any:
     if isinstance(model, (tuple, list, str, Path)) or hasattr(model, "example_inputs"):
         raise RecipeError("example_inputs go with an nn.Module; this model already names its inputs",
                           where="graphmode.compile(example_inputs=...)", value=type(model).__name__,
-                          fix="pass example_inputs with the module alone: graphmode.compile(module, example_inputs=(x,))")
+                          fix="pass example_inputs with the module alone: "
+                              "graphmode.compile(module, example_inputs=(x,))")
     raise RecipeError(f"graphmode compiles an nn.Module (or an ONNX file, a Hugging Face model), not a "
                       f"{type(model).__name__}", where="model", value=type(model).__name__,
                       fix="wrap the function in a module: class M(torch.nn.Module): def forward(self, x): return f(x)")

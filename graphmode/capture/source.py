@@ -92,9 +92,22 @@ class ModelSource:
 
     def make_inputs(self, env: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
         if self.bundle is not None:
-            return {**self.bundle.make_inputs(env, seed=seed), **self.constants}
+            return {**self.bundle.make_inputs(self._bundle_dims(env), seed=seed), **self.constants}
         raise CaptureError("no input generator for this model", where=f"model {self.name}",
                            fix="use a built-in model, an .onnx file or a ModelBundle (it has make_inputs)")
+
+    def _bundle_dims(self, env: dict[str, int]) -> dict[str, int]:
+        """`env` (the recipe's dims) with the sizes of the dims the bundle's own shapes name: an
+        ONNX file's `ids_dynamic_axes_1` where the recipe says `seq` for the same axis."""
+        own = getattr(self.bundle, "input_dims", None) or {}
+        out = dict(env)
+        for name, shape in self.input_dims.items():
+            for mine, theirs in zip(shape, own.get(name) or []):
+                if isinstance(theirs, str) and theirs not in out:
+                    size = env.get(mine) if isinstance(mine, str) else mine
+                    if size is not None:
+                        out[theirs] = int(size)
+        return out
 
     def reference(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The ground truth outputs: eager PyTorch, or ONNX Runtime for an ONNX model."""

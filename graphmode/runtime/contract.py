@@ -280,7 +280,8 @@ def refuse_aliased_updates(inputs: Mapping[str, torch.Tensor], mutated: list[str
         if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
             raise ContractViolation(f"the model updates input {name!r} in place, and it is a leaf tensor that "
                                     "requires grad: eager PyTorch refuses that in-place update", where=f"inputs.{name}",
-                                    fix=f"call under torch.no_grad() (as eager allows), or pass {name}.detach().clone()")
+                                    fix=f"call under torch.no_grad() (as eager allows), or pass "
+                                        f"{name}.detach().clone()")
         if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
             raise ContractViolation(f"the model updates input {name!r} in place, and its elements share memory "
                                     "(an expanded tensor: stride 0)", where=f"inputs.{name}", value=tuple(t.stride()),
