@@ -237,6 +237,9 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
     (e.g. `p99_ms` below what the cost model predicts), naming why."""
     bounded = max_padding is None and max_buckets is None     # graphmode chooses: keep warm-up bounded
     given = as_bundle(model)
+    if not hasattr(given, "module"):           # an ONNX file: one dim per axis the exporter named per input
+        from graphmode.kb.onnx_axes import unified
+        given = unified(given)
     bundle = _place_dims(given, dict(ranges or {}))
     opts = dict(target=target, p99_ms=p99_ms, memory_mb=memory_mb, max_p99_over_p50=max_p99_over_p50,
                 max_padding=DEFAULT_MAX_PADDING if max_padding is None else max_padding, max_buckets=max_buckets,
@@ -318,10 +321,9 @@ def _place_dims(bundle: Any, ranges: dict[str, tuple]) -> Any:
     new = {d: r for d, r in ranges.items() if d not in names or len(r) > 2}
     if not new:
         return bundle
-    if not hasattr(bundle, "module"):
-        raise RecipeError(f"an ONNX model's axes are fixed in the file: graphmode cannot add dim(s) {sorted(new)}",
-                          where="--dim", value=sorted(new),
-                          fix=f"its dims: {', '.join(sorted(names)) or 'none'}; re-export it with dynamic axes")
+    if not hasattr(bundle, "module"):          # an ONNX file: its symbolic axes take the names
+        from graphmode.kb.onnx_axes import placed
+        return placed(bundle, new)
     dims = {k: list(v) for k, v in bundle.input_dims.items()}
     for d, r in new.items():
         axes = list(r[2]) if len(r) > 2 else _default_axes(d, dims)

@@ -1,0 +1,55 @@
+"""Drafts for an ONNX file whose exporter named every input's axes on its own (`dynamic_axes=
+{"x": [0, 1], "mask": [0, 1]}`): the per-input names of one axis are one dim, so the draft
+compiles (before: "shapes ... do not broadcast ... graphmode cannot know they are equal"), and
+`--dim batch=...` / `--dim seq=...` name the file's dynamic axes (before: refused, "an ONNX
+model's axes are fixed in the file")."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import graphmode
+from graphmode.errors import RecipeError
+from graphmode.kb.draft import draft_recipe
+
+
+class Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(30, 4)
+
+    def forward(self, ids, mask):
+        return (self.emb(ids) * mask.unsqueeze(-1)).sum(1)
+
+
+@pytest.fixture(scope="module")
+def onnx_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("axes") / "masked.onnx"
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Masked().eval(), (torch.randint(0, 30, (2, 5)), torch.ones(2, 5)), str(path), dynamo=False,
+                          input_names=["ids", "mask"], dynamic_axes={"ids": [0, 1], "mask": [0, 1]})
+    return path
+
+
+def test_the_exporters_per_input_axis_names_draft_as_one_dim_each(onnx_file, tmp_path):
+    draft = draft_recipe(str(onnx_file), record=False)
+    assert {i.name: list(i.shape) for i in draft.recipe.inputs} == {"ids": ["batch", "seq"], "mask": ["batch", "seq"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(str(onnx_file), cache_dir=tmp_path)
+    ids, mask = torch.randint(0, 30, (3, 7)), torch.ones(3, 7)
+    want = ort.InferenceSession(str(onnx_file)).run(None, {"ids": ids.numpy(), "mask": mask.numpy()})[0]
+    np.testing.assert_allclose(cm(ids=ids, mask=mask).numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_dims_given_name_the_files_dynamic_axes(onnx_file):
+    draft = draft_recipe(str(onnx_file), record=False, ranges={"batch": (1, 8), "seq": (1, 64)})
+    assert draft.recipe.dim_range("batch") == (1, 8) and draft.recipe.dim_range("seq") == (1, 64)
+    with pytest.raises(RecipeError, match="no dynamic axis where dim 'h' goes"):
+        draft_recipe(str(onnx_file), record=False, ranges={"h": (1, 8)})
