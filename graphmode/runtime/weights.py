@@ -45,6 +45,10 @@ class FrozenWeights:
         self._module_ids = {id(m) for _, m in module.named_modules()}
         self._slots = [(f"{path}.{k}" if path else k, d, k, v) for path, sub in python
                        for d in (sub._parameters, sub._buffers, sub._modules) for k, v in d.items()]
+        # plain tensor attributes (not parameters or buffers: `self.scale = torch.full(...)`), which the
+        # graph holds as constants: one replaced is refused as a buffer is (a Python number is not checked)
+        self._slots += [(f"{path}.{k}" if path else k, sub.__dict__, k, v) for path, sub in python
+                        for k, v in sub.__dict__.items() if isinstance(v, torch.Tensor)]
         self._slot_dicts, self._slot_keys, self._slot_values = (list(c) for c in zip(*[(d, k, v) for _, d, k, v
                                                                                       in self._slots])) \
             if self._slots else ([], [], [])

@@ -92,6 +92,27 @@ def _swap_hooks(m):
     m[2].register_forward_hook(lambda mod, i, o: o * 0)
 
 
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.scale = torch.full((8,), 2.0)          # a plain tensor attribute, neither parameter nor buffer
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_plain_tensor_attribute_replaced_after_compile_is_refused():
+    """It was answered with the old tensor, silently (an in-place update of it was seen)."""
+    m = Scaled().eval()
+    cm = graphmode.compile(m, example_inputs=(torch.randn(2, 8),))
+    x = torch.randn(3, 8)
+    assert torch.allclose(cm(x), m(x), atol=1e-6)
+    m.scale = torch.full((8,), 10.0)
+    with pytest.raises(GraphmodeError, match="scale were replaced"):
+        cm(x)
+
+
 @pytest.mark.parametrize("change,needle", [(_replace_weight, "0.weight were replaced"),
                                            (_swap_layer, "2 were replaced"),
                                            (_assign_state, "were replaced"),
