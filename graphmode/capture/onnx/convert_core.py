@@ -138,6 +138,9 @@ def _elementwise(imp: _Importer, n) -> None:
             imp.emit("full", [], {"shape": _shape_attr(imp.g.type_of(x).shape), "value": False, "dtype": "bool"},
                      out=n.output[0])
         return
+    if op == "Sign" and in_dtype in _FLOAT_DTYPES:
+        _sign(imp, n)
+        return
     irop = _UNARY.get(op) or _BINARY[op]
     if op == "Mod" and imp.attr(n, "fmod", 0):
         irop = "fmod"
@@ -153,10 +156,7 @@ def _elementwise(imp: _Importer, n) -> None:
         imp.emit(irop, [imp.operand(ins[0])], {}, out=n.output[0])
         return
     if op == "Div" and in_dtype in _INT_DTYPES:
-        # ONNX integer division truncates; the core div is true division
-        fs = [imp.emit("cast", [imp.operand(i)], {"dtype": "f64"}, hint=f"{n.output[0]}_f") for i in ins]
-        q = imp.emit("div", fs, {}, hint=f"{n.output[0]}_q")
-        imp.emit("cast", [q], {"dtype": in_dtype}, out=n.output[0])
+        _int_div(imp, n, ins, in_dtype)
         return
     vals = [imp.operand(i) for i in ins]
     if len(vals) == 1:   # variadic Sum/Max/Min with one input
@@ -171,6 +171,64 @@ def _elementwise(imp: _Importer, n) -> None:
     else:   # torch promotion differs from ONNX (e.g. int ** float): cast back to ONNX's type
         cur = imp.emit(irop, [cur, vals[-1]], {}, hint=n.output[0])
         imp.emit("cast", [cur], {"dtype": out_dtype}, out=n.output[0])
+
+
+def _sign(imp: _Importer, n) -> None:
+    """Sign of a float: ONNX (and ONNX Runtime) give NaN at NaN, torch.sign gives 0 there, so NaN
+    passes through around the core op."""
+    k = imp.kn(n.input[0])
+    if k is not None and k.concrete:
+        t = k.tensor()
+        imp.set_tensor(n.output[0], torch.where(t.isnan(), t, t.sign()))
+        return
+    x, h = imp.operand(n.input[0]), n.output[0]
+    nan = imp.emit("ne", [x, x], {}, hint=f"{h}_nan")
+    imp.emit("where", [nan, x, imp.emit("sign", [x], {}, hint=h)], {}, out=h)
+
+
+def _int_div(imp: _Importer, n, ins: list[str], dtype: str) -> None:
+    """ONNX integer Div truncates toward zero (C's `/`, what ONNX Runtime computes), for every value:
+    the core `div` is true division, and a float detour rounds quotients above 2**53."""
+    h = n.output[0]
+    a, b = (imp.operand(i) for i in ins)
+    if dtype == "u64":
+        a, b = (imp.emit("cast", [v], {"dtype": "i64"}, hint=f"{h}_bits") for v in (a, b))
+        imp.emit("cast", [_u64_div(imp, a, b, h)], {"dtype": dtype}, out=h)
+        return
+    if dtype in ("u16", "u32"):       # torch has no floor_divide for them; their values fit int64
+        a, b = (imp.emit("cast", [v], {"dtype": "i64"}, hint=f"{h}_i64") for v in (a, b))
+        q = _trunc_div(imp, a, b, h)
+        imp.emit("cast", [q], {"dtype": dtype}, out=h)
+        return
+    _bind(imp, h, _trunc_div(imp, a, b, h))
+
+
+def _u64_div(imp: _Importer, a: str, b: str, h: str) -> str:
+    """uint64 a // b on their int64 bit patterns (torch has no uint64 division, and int64's differs
+    above 2**63): halve a (a logical shift, which fits int64), divide, double, and add the one the
+    halving may have lost (r = a - q * b, wrapping, is below 2 * b); a divisor of 2**63 or more
+    gives 0 or 1. Unsigned order is signed order after adding -2**63 to both sides."""
+    top = imp.scalar(-2 ** 63, "i64", f"{h}_2p63")
+
+    def at_least(x: str, y: str) -> str:      # x >= y as unsigned, 0 or 1
+        ge = imp.emit("ge", [imp.emit("add", [x, top], {}, hint=h), imp.emit("add", [y, top], {}, hint=h)], {},
+                      hint=f"{h}_ge")
+        return imp.emit("cast", [ge], {"dtype": "i64"}, hint=f"{h}_ge")
+    half = imp.emit("bitwise_and", [imp.emit("bitwise_right_shift", [a, imp.scalar(1, "i64", f"{h}_one")], {},
+                                             hint=h), imp.scalar(2 ** 63 - 1, "i64", f"{h}_low")], {}, hint=h)
+    q = imp.emit_aten("floor_divide", [half, b], [{"$in": 0}, {"$in": 1}], hint=f"{h}_q")[0]
+    q = imp.emit("add", [q, q], {}, hint=f"{h}_q")
+    r = imp.emit("sub", [a, imp.emit("mul", [q, b], {}, hint=h)], {}, hint=f"{h}_r")
+    q = imp.emit("add", [q, at_least(r, b)], {}, hint=f"{h}_q")
+    big = imp.emit("lt", [b, imp.scalar(0, "i64", f"{h}_zero")], {}, hint=f"{h}_big")
+    return imp.emit("where", [big, at_least(a, b), q], {}, hint=f"{h}_q")
+
+
+def _trunc_div(imp: _Importer, a: str, b: str, hint: str) -> str:
+    """a / b rounded toward zero, exact for integers: taking off the remainder with a's sign (fmod)
+    leaves a multiple of b, whose floor division is exact and equals the truncated quotient."""
+    exact = imp.emit("sub", [a, imp.emit("fmod", [a, b], {}, hint=f"{hint}_rem")], {}, hint=f"{hint}_exact")
+    return imp.emit_aten("floor_divide", [exact, b], [{"$in": 0}, {"$in": 1}], hint=f"{hint}_q")[0]
 
 
 def _bind(imp: _Importer, onnx_name: str, v: str) -> None:
@@ -312,10 +370,9 @@ def _activations(imp: _Importer, n) -> None:
         else:
             t = imp.emit("clamp", [t], {"min": 0.0, "max": 1.0}, hint=f"{out}_hs")
             imp.emit("mul", [x, t], {}, out=out)
-    else:  # Softplus = log(exp(x) + 1)
-        e = imp.emit("exp", [x], {}, hint=f"{out}_exp")
-        e = imp.emit("add", [e, c(1.0)], {}, hint=f"{out}_p1")
-        imp.emit("log", [e], {}, out=out)
+    else:  # Softplus: log(exp(x) + 1) overflows to inf above x ~ 88.7 in f32; torch's softplus is
+        # log1p(exp(x)) below 20 and x above, accurate for large and very negative x alike
+        _bind(imp, out, imp.emit_aten("softplus", [x], [{"$in": 0}], hint=out)[0])
 
 
 # ---- softmax / norms / reductions
@@ -419,44 +476,41 @@ def _batch_norm_training(imp: _Importer, n) -> None:
 
 
 _REDUCE = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax", "ReduceMin": "amin",
-           "ReduceProd": "prod", "ReduceL2": None, "ReduceSumSquare": None}
+           "ReduceProd": "prod", "ReduceL2": None, "ReduceSumSquare": None, "ReduceL1": None}
+# element terms before the sum: |x| (L1), x * x (SumSquare, L2)
+_ABS_TERMS, _SQUARE_TERMS = ("ReduceL1",), ("ReduceSumSquare", "ReduceL2")
+_TERMS = ("ReduceL1", "ReduceSumSquare", "ReduceL2")
+_INT_ARITH = frozenset({"ReduceSum", "ReduceProd", "ReduceMean", "ReduceL1", "ReduceSumSquare", "ReduceL2"})
 
 
-@_handles(*_REDUCE, check=check_axes)
-def _reduce(imp: _Importer, n) -> None:
-    x_name = n.input[0]
-    t = imp.type_of(x_name)
+def _reduce_axes(imp: _Importer, n, rank: int) -> list[int] | None:
+    """The sorted axes a Reduce* node reduces; None where empty axes mean no reduction at all."""
     axes_in = imp.opt_in(n, 1)
     if axes_in:
         axes = imp.ints_of(axes_in, f"{n.op_type} axes")
     else:
         axes = imp.attr(n, "axes", None)
         axes = list(axes) if axes is not None else []
-    keep = bool(imp.attr(n, "keepdims", 1))
     if not axes:
         if imp.attr(n, "noop_with_empty_axes", 0):
-            imp.alias(n.output[0], x_name)
-            return
-        axes = list(range(t.rank))
-    axes = sorted({norm_axis(a, t.rank) for a in axes})
-    k = imp.kn(x_name)
-    if k is not None and not k.concrete and n.op_type in ("ReduceSum", "ReduceProd", "ReduceMax", "ReduceMin"):
-        fn = {"ReduceSum": lambda a, b: a + b, "ReduceProd": lambda a, b: a * b,
-              "ReduceMax": _smax, "ReduceMin": _smin}[n.op_type]
-        arr = k.arr
-        for ax in reversed(axes):
-            arr = np.frompyfunc(fn, 2, 1).reduce(arr, axis=ax, keepdims=keep)
-            arr = arr if isinstance(arr, np.ndarray) else _objarr([arr], ())
-        imp.set_known(n.output[0], _Known(np.asarray(arr, dtype=object), k.dtype))
+            return None
+        axes = list(range(rank))
+    return sorted({norm_axis(a, rank) for a in axes})
+
+
+@_handles(*_REDUCE, check=check_axes)
+def _reduce(imp: _Importer, n) -> None:
+    x_name = n.input[0]
+    t = imp.type_of(x_name)
+    keep = bool(imp.attr(n, "keepdims", 1))
+    axes = _reduce_axes(imp, n, t.rank)
+    if axes is None:
+        _reduce_noop(imp, n, t)
         return
-    if k is not None and k.concrete:
-        tt = k.tensor()
-        fns = {"ReduceMean": lambda: tt.float().mean(axes, keepdim=keep).to(tt.dtype) if not tt.is_floating_point()
-               else tt.mean(axes, keepdim=keep), "ReduceSum": lambda: tt.sum(axes, keepdim=keep).to(tt.dtype),
-               "ReduceMax": lambda: tt.amax(axes, keepdim=keep), "ReduceMin": lambda: tt.amin(axes, keepdim=keep),
-               "ReduceProd": lambda: _prod(tt, axes, keep), "ReduceL2": lambda: (tt * tt).sum(axes, keepdim=keep).sqrt(),
-               "ReduceSumSquare": lambda: (tt * tt).sum(axes, keepdim=keep)}
-        imp.set_tensor(n.output[0], fns[n.op_type]())
+    if _fold_reduce(imp, n, t, axes, keep):
+        return
+    if n.op_type in _INT_ARITH and t.dtype in _INT_DTYPES:
+        _int_reduce(imp, n, t, axes, keep)
         return
     attrs = {"dims": axes, "keepdim": keep}
     op = _REDUCE[n.op_type]
@@ -478,13 +532,135 @@ def _reduce(imp: _Importer, n) -> None:
         x = imp.emit("concat", [x, fill], {"dim": data_axes[0]}, hint=f"{n.output[0]}_or_identity")
     if op is not None:
         imp.emit(op, [x], attrs, out=n.output[0])
-    elif n.op_type in ("ReduceL2", "ReduceSumSquare"):
-        sq = imp.emit("mul", [x, x], {}, hint=f"{n.output[0]}_sq")
-        if n.op_type == "ReduceSumSquare":
-            imp.emit("sum", [sq], attrs, out=n.output[0])
-        else:
-            s = imp.emit("sum", [sq], attrs, hint=f"{n.output[0]}_sum")
-            imp.emit("sqrt", [s], {}, out=n.output[0])
+        return
+    s = imp.emit("sum", [_reduce_terms(imp, n.op_type, x, n.output[0])], attrs,
+                 out=n.output[0] if n.op_type != "ReduceL2" else None, hint=f"{n.output[0]}_sum")
+    if n.op_type == "ReduceL2":
+        imp.emit("sqrt", [s], {}, out=n.output[0])
+
+
+def _reduce_terms(imp: _Importer, op_type: str, x: str, hint: str) -> str:
+    """What a Reduce* sums: |x| for L1, x * x for SumSquare and L2, else x."""
+    if op_type in _ABS_TERMS:
+        return imp.emit("abs", [x], {}, hint=f"{hint}_abs")
+    if op_type in _SQUARE_TERMS:
+        return imp.emit("mul", [x, x], {}, hint=f"{hint}_sq")
+    return x
+
+
+def _reduce_noop(imp: _Importer, n, t) -> None:
+    """noop_with_empty_axes=1 with no axes: nothing is reduced, but the per-element part still applies
+    (onnx.reference and ONNX Runtime: x * x for SumSquare, sqrt(x * x) for L2, |x| for L1)."""
+    op = n.op_type           # (one name a line: the coverage table reads which ops each ONNX op emits)
+    h = n.output[0]
+    if op not in _TERMS:
+        imp.alias(h, n.input[0])
+        return
+    if t.dtype in _INT_DTYPES:
+        _int_reduce(imp, n, t, [], False)
+        return
+    v = _reduce_terms(imp, op, imp.operand(n.input[0]), h)
+    _bind(imp, h, imp.emit("sqrt", [v], {}, hint=h) if op == "ReduceL2" else v)
+
+
+def _fold_reduce(imp: _Importer, n, t, axes: list[int], keep: bool) -> bool:
+    """Reduce a value known at import time (shape arithmetic): symbolic sums, products and extremes
+    of dims (exact); concrete tensors as the emitted ops would (integers as `_int_reduce` does)."""
+    k = imp.kn(n.input[0])
+    if k is None:
+        return False
+    if not k.concrete:
+        if n.op_type not in ("ReduceSum", "ReduceProd", "ReduceMax", "ReduceMin"):
+            return False
+        fn = {"ReduceSum": lambda a, b: a + b, "ReduceProd": lambda a, b: a * b,
+              "ReduceMax": _smax, "ReduceMin": _smin}[n.op_type]
+        arr = k.arr
+        for ax in reversed(axes):
+            arr = np.frompyfunc(fn, 2, 1).reduce(arr, axis=ax, keepdims=keep)
+            arr = arr if isinstance(arr, np.ndarray) else _objarr([arr], ())
+        imp.set_known(n.output[0], _Known(np.asarray(arr, dtype=object), k.dtype))
+        return True
+    tt = k.tensor()
+    if n.op_type in _INT_ARITH and t.dtype in _INT_DTYPES:
+        if t.dtype in ("u16", "u32", "u64"):
+            return False       # torch has few kernels for them: the emitted ops run instead
+        imp.set_tensor(n.output[0], _int_reduce_now(n.op_type, tt, axes, keep))
+        return True
+
+    def total(v: torch.Tensor) -> torch.Tensor:
+        return v.sum(axes, keepdim=keep).to(tt.dtype)
+    fns = {"ReduceMean": lambda: tt.mean(axes, keepdim=keep), "ReduceSum": lambda: total(tt),
+           "ReduceL1": lambda: total(tt.abs()), "ReduceSumSquare": lambda: total(tt * tt),
+           "ReduceMax": lambda: tt.amax(axes, keepdim=keep), "ReduceMin": lambda: tt.amin(axes, keepdim=keep),
+           "ReduceProd": lambda: _prod(tt, axes, keep), "ReduceL2": lambda: total(tt * tt).sqrt()}
+    imp.set_tensor(n.output[0], fns[n.op_type]())
+    return True
+
+
+def _int_reduce(imp: _Importer, n, t, axes: list[int], keep: bool) -> None:
+    """Integer Sum/Prod/Mean/L1/SumSquare/L2 as ONNX Runtime computes them: in double, the result
+    truncated toward zero and saturated at the input dtype's bounds (an int32 sum of 2**30 three times
+    is 2**31 - 1, not a wrapped value; torch would also widen the result to int64). Exact wherever the
+    partial results stay below 2**53; above, ONNX Runtime's own double sums round by their order."""
+    op = n.op_type
+    h = n.output[0]
+    if t.dtype == "u64":
+        raise imp.fail(f"{op} of uint64 values is not supported (ONNX Runtime has no kernel for it either)",
+                       value=t.dtype, fix="cast the values to int64 in the model where they fit")
+    v = _reduce_terms(imp, op, imp.emit("cast", [imp.operand(n.input[0])], {"dtype": "f64"}, hint=f"{h}_f64"), h)
+    if axes:
+        attrs = {"dims": axes, "keepdim": keep}
+        v = imp.emit("prod" if op == "ReduceProd" else "mean" if op == "ReduceMean" else "sum", [v], attrs, hint=h)
+    if op == "ReduceL2":
+        v = imp.emit("sqrt", [v], {}, hint=h)
+    _bind(imp, h, _saturate(imp, v, t.dtype, h))
+
+
+def _int_reduce_now(op: str, t: torch.Tensor, axes: list[int], keep: bool) -> torch.Tensor:
+    """`_int_reduce` at import time, for a known input: the same double arithmetic and saturation."""
+    v = t.double()
+    v = v.abs() if op in _ABS_TERMS else v * v if op in _SQUARE_TERMS else v
+    if axes:
+        v = _prod(v, axes, keep) if op == "ReduceProd" else v.mean(axes, keepdim=keep) if op == "ReduceMean" \
+            else v.sum(axes, keepdim=keep)
+    v = v.sqrt() if op == "ReduceL2" else v
+    info = torch.iinfo(t.dtype)
+    q = v.clamp(float(info.min), _top(info)).to(t.dtype)
+    return torch.where(v >= 2.0 ** 63, info.max, q) if info.bits == 64 else q
+
+
+def _top(info) -> float:
+    """The largest double an integer type holds (below 2**63 for the 64-bit types)."""
+    return float(info.max) if info.bits < 64 else float(2 ** 63 - 1024)
+
+
+def _saturate(imp: _Importer, v: str, dtype: str, hint: str) -> str:
+    """f64 `v` as integer `dtype`, truncated toward zero and saturated at the type's bounds (a plain
+    cast wraps, or is undefined, out of range)."""
+    info = torch.iinfo(DTYPES[dtype])
+    q = imp.emit("clamp", [v], {"min": float(info.min), "max": _top(info)}, hint=f"{hint}_sat")
+    q = imp.emit("cast", [q], {"dtype": dtype}, hint=hint)
+    if info.bits < 64:
+        return q
+    over = imp.emit("ge", [v, imp.scalar(2.0 ** 63, "f64", f"{hint}_2p63")], {}, hint=f"{hint}_over")
+    return imp.emit("where", [over, imp.scalar(info.max, dtype, f"{hint}_max"), q], {}, hint=hint)
+
+
+@_handles("ReduceLogSumExp", check=check_axes)
+def _reduce_log_sum_exp(imp: _Importer, n) -> None:
+    """log(sum(exp(x))) shifted by the maximum (torch.logsumexp), as ONNX Runtime computes it: ONNX's
+    function body, Log(ReduceSum(Exp(x))), overflows to inf once an element passes ~88 in f32. Integer
+    inputs are left to that body (refused here, the importer falls back to it)."""
+    t = imp.type_of(n.input[0])
+    if t.dtype not in _FLOAT_DTYPES:
+        raise imp.fail(f"ReduceLogSumExp of {t.dtype} values: only float inputs have a converter",
+                       fix="the importer imports it through ONNX's function body")
+    axes, h = _reduce_axes(imp, n, t.rank), n.output[0]
+    if axes is None:        # log(exp(x)) = x, element by element
+        imp.alias(h, n.input[0])
+        return
+    keep = bool(imp.attr(n, "keepdims", 1))
+    _bind(imp, h, imp.emit_aten("logsumexp", [imp.operand(n.input[0])], [{"$in": 0}, axes, keep], hint=h)[0])
 
 
 def _empty_extreme(dtype: str, is_max: bool):

@@ -84,6 +84,41 @@ def _quantize_linear(imp: _Importer, n) -> None:
     _quantize(imp, x, scale, zp, out_dt, h, n.output[0])
 
 
+@_handles("DynamicQuantizeLinear")
+def _dynamic_quantize_linear(imp: _Importer, n) -> None:
+    """uint8 quantization with parameters from the data, as ONNX Runtime computes them: the range
+    [min(x, 0), max(x, 0)] over 255 steps, and a scale of 1 where that range is empty (an all-zero
+    input: ONNX's function body divides by a zero scale there, and everything after reads inf / NaN).
+    The zero point (qmin - min / scale, clamped to [0, 255], rounded half to even) is 255 where that
+    quotient is NaN (a range of denormals whose scale underflows to 0), as ONNX Runtime's clamp makes it."""
+    x = imp.operand(n.input[0])
+    xt = imp.g.type_of(x)
+    if any(d == 0 for d in xt.shape):
+        raise imp.fail(f"DynamicQuantizeLinear of an empty tensor {xt.text()} has no range to quantize",
+                       value=xt.text(), fix="skip the node for empty inputs in the model")
+    h, dt = n.output[0], xt.dtype
+    everything = {"dims": list(range(xt.rank)), "keepdim": False}
+    zero = imp.scalar(0.0, dt, f"{h}_zero")
+    lo = imp.emit("minimum", [imp.emit("amin", [x], everything, hint=f"{h}_min"), zero], {}, hint=f"{h}_min")
+    hi = imp.emit("maximum", [imp.emit("amax", [x], everything, hint=f"{h}_max"), zero], {}, hint=f"{h}_max")
+    steps = imp.emit("div", [imp.emit("sub", [hi, lo], {}, hint=f"{h}_range"), imp.scalar(255.0, dt, f"{h}_255")],
+                     {}, hint=f"{h}_scale")
+    empty = imp.emit("eq", [hi, lo], {}, hint=f"{h}_empty")
+    scale = imp.emit("where", [empty, imp.scalar(1.0, dt, f"{h}_one"), steps], {}, out=n.output[1] or None,
+                     hint=f"{h}_scale")
+    zp = imp.emit("sub", [zero, imp.emit("div", [lo, scale], {}, hint=f"{h}_zp")], {}, hint=f"{h}_zp")
+    zp = imp.emit("clamp", [zp], {"min": 0.0, "max": 255.0}, hint=f"{h}_zp")
+    zp = imp.emit("where", [imp.emit("ne", [zp, zp], {}, hint=f"{h}_zp_nan"), imp.scalar(255.0, dt, f"{h}_top"),
+                            imp.emit("round", [zp], {}, hint=f"{h}_zp")], {}, hint=f"{h}_zp")
+    if len(n.output) > 2 and n.output[2]:
+        imp.emit("cast", [zp], {"dtype": "u8"}, out=n.output[2])
+    q = imp.emit("add", [imp.emit("round", [imp.emit("div", [x, scale], {}, hint=h)], {}, hint=h), zp], {}, hint=h)
+    q = imp.emit("clamp", [q], {"min": 0.0, "max": 255.0}, hint=h)
+    # x / scale is NaN only at 0 / 0 (a zero input over an underflowed scale): ONNX Runtime writes 0 there
+    q = imp.emit("where", [imp.emit("ne", [q, q], {}, hint=f"{h}_nan"), zero, q], {}, hint=h)
+    imp.emit("cast", [q], {"dtype": "u8"}, out=n.output[0])
+
+
 @_handles("DequantizeLinear")
 def _dequantize_linear(imp: _Importer, n) -> None:
     x = imp.operand(n.input[0])

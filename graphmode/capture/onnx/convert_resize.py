@@ -18,7 +18,8 @@ import torch
 
 from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _handles
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES, _Known
-from graphmode.ir.types import DTYPES
+from graphmode.capture.onnx.values import _deq
+from graphmode.ir.types import DTYPES, Dim, dim_str
 
 _MODES = ("nearest", "linear", "cubic")
 _TRANSFORMS = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric",
@@ -60,14 +61,15 @@ def _axis_map(length: int, out_len: int, scale: float, coeffs, roi, extrapolatio
     return w, b[:, 0]
 
 
-def _plan(imp: _Importer, n, shape: list[int]) -> tuple[list[int], list[float], list[int], list | None]:
+def _plan(imp: _Importer, n, shape: list[Dim]) -> tuple[list[Dim], list[float], list[int], list | None]:
     """Per axis of the input: output extent and scale, the axes resized, and the roi pairs (as
-    onnx.reference's _interpolate_nd computes them)."""
+    onnx.reference's _interpolate_nd computes them). An axis left at its extent (scale 1, or a
+    size equal to the input's) may be symbolic: a dynamic batch passes through unresized."""
     r = len(shape)
     roi = _floats(imp, imp.opt_in(n, 1), "roi")
     scales = _floats(imp, imp.opt_in(n, 2), "scales")
     sizes_n = imp.opt_in(n, 3)
-    sizes = imp.ints_of(sizes_n, "Resize sizes") if sizes_n else None
+    sizes = imp.need_known(sizes_n, "Resize sizes").dims() if sizes_n else None
     sizes = sizes or None
     axes = imp.attr(n, "axes", None)
     axes = [a + r if a < 0 else a for a in axes] if axes is not None else list(range(r))
@@ -78,17 +80,19 @@ def _plan(imp: _Importer, n, shape: list[int]) -> tuple[list[int], list[float], 
     if scales is not None:
         for a, s in zip(axes, scales):
             full_scales[a] = s
-        out = [int(math.floor(full_scales[i] * shape[i])) for i in range(r)]
+        out = [shape[i] if full_scales[i] == 1.0 else
+               int(math.floor(full_scales[i] * _static(imp, shape, i))) for i in range(r)]
     else:
         for a, s in zip(axes, sizes):
             out[a] = s
-        full_scales = [out[i] / shape[i] if shape[i] else 1.0 for i in range(r)]
+        full_scales = [1.0 if _deq(out[i], shape[i]) else _size_scale(imp, shape, out, i) for i in range(r)]
         policy = _s(imp.attr(n, "keep_aspect_ratio_policy", b"stretch"))
         if policy != "stretch":
             pick = min if policy == "not_larger" else max
             scale = pick(full_scales[a] for a in axes)
             full_scales = [scale if i in axes else 1.0 for i in range(r)]
-            out = [int(scale * shape[i] + 0.5) if i in axes else shape[i] for i in range(r)]
+            out = [int(scale * _static(imp, shape, i) + 0.5) if i in axes and scale != 1.0 else shape[i]
+                   for i in range(r)]
     rois = None
     if roi is not None:
         full = [0.0] * r + [1.0] * r
@@ -98,14 +102,31 @@ def _plan(imp: _Importer, n, shape: list[int]) -> tuple[list[int], list[float], 
     return out, full_scales, axes, rois
 
 
+def _static(imp: _Importer, shape: list[Dim], axis: int) -> int:
+    """The extent of an axis Resize changes: the interpolation weights are built at import time for
+    one input length, so a resized axis must have a static extent (an unresized one need not)."""
+    if not isinstance(shape[axis], int):
+        raise imp.fail(f"Resize of {list(map(dim_str, shape))} resizes axis {axis}, whose extent "
+                       f"{dim_str(shape[axis])} is symbolic: the resized extents must be static",
+                       value=dim_str(shape[axis]), fix=STATIC_AXIS_FIX)
+    return shape[axis]
+
+
+def _size_scale(imp: _Importer, shape: list[Dim], out: list[Dim], axis: int) -> float:
+    size = out[axis]
+    if not isinstance(size, int):
+        raise imp.fail(f"Resize sizes gives axis {axis} the symbolic extent {dim_str(size)}, not its input's "
+                       f"{dim_str(shape[axis])}: graphmode resizes to static extents only", value=dim_str(size),
+                       fix="give Resize constant sizes (or scales) for the axes it resizes")
+    length = _static(imp, shape, axis)
+    return size / length if length else 1.0
+
+
 @_handles("Resize")
 def _resize(imp: _Importer, n) -> None:
     x_name = n.input[0]
     xt = imp.type_of(x_name)
     shape = list(xt.shape)
-    if not all(isinstance(d, int) for d in shape):
-        raise imp.fail(f"Resize of {xt.text()}: the resized extents must be static",
-                       fix=STATIC_AXIS_FIX)
     mode = _s(imp.attr(n, "mode", b"nearest"))
     transform = _s(imp.attr(n, "coordinate_transformation_mode", b"half_pixel"))
     if mode not in _MODES or transform not in _TRANSFORMS:
@@ -125,10 +146,11 @@ def _resize(imp: _Importer, n) -> None:
     maps = []
     for a in axes:
         roi = rois[a] if rois is not None else None
-        if math.isclose(scales[a], 1.0) and out[a] == shape[a] and \
+        if math.isclose(scales[a], 1.0) and _deq(out[a], shape[a]) and \
                 (roi is None or (math.isclose(roi[0], 0.0) and math.isclose(roi[1], 1.0))):
             continue
-        maps.append((a, *_axis_map(shape[a], out[a], scales[a], coeffs, roi, extrapolation, transform, exclude)))
+        length = _static(imp, shape, a)
+        maps.append((a, *_axis_map(length, out[a], scales[a], coeffs, roi, extrapolation, transform, exclude)))
     hint = n.output[0]
     cast_back = False
     for a, w, b in maps:

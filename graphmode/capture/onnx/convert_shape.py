@@ -463,6 +463,11 @@ def _pad(imp: _Importer, n) -> None:
     if not any(b or e for b, e in per_axis.values()):
         imp.alias(n.output[0], n.input[0])
         return
+    if any(isinstance(t.shape[a], int) and t.shape[a] + min(b, 0) + min(e, 0) < 0 for a, (b, e) in per_axis.items()):
+        # a negative pad crops past the whole axis: only the pad value is left (torch's pad refuses that)
+        shape = [normalize_dim(d + sum(per_axis.get(a, (0, 0)))) for a, d in enumerate(t.shape)]
+        imp.emit("full", [], {"shape": _shape_attr(shape), "value": value, "dtype": t.dtype}, out=n.output[0])
+        return
     first = min(a for a, (b, e) in per_axis.items() if b or e)      # F.pad order: last axis first
     order = [v for a in range(t.rank - 1, first - 1, -1) for v in per_axis.get(a, (0, 0))]
     imp.emit("pad", [imp.operand(n.input[0])], {"pads": order, "value": value}, out=n.output[0])
@@ -470,7 +475,9 @@ def _pad(imp: _Importer, n) -> None:
 
 def _pad_by_index(imp: _Importer, n, mode: str, t, per_axis: dict[int, tuple[int, int]]) -> None:
     """edge / reflect / wrap padding: along each padded axis, an index_select of the source
-    position every output position copies (a negative pad crops)."""
+    position every output position copies. As ONNX Runtime does it, negative pads crop first and
+    the positive pads then edge / reflect / wrap the cropped extent ([0 1 2 3 4] with pads (2, -1)
+    wraps to [2 3 0 1 2 3]); what it refuses is refused here too."""
     x = imp.operand(n.input[0])
     for a, (b, e) in sorted(per_axis.items()):
         if not b and not e:
@@ -479,17 +486,8 @@ def _pad_by_index(imp: _Importer, n, mode: str, t, per_axis: dict[int, tuple[int
         if not isinstance(size, int) or size < 1:
             raise imp.fail(f"Pad mode {mode!r} along a symbolic or empty axis {a}",
                            fix=STATIC_AXIS_FIX)
-        period = max(2 * size - 2, 1)
-        idx = []
-        for i in range(-b, size + e):
-            if mode == "edge":
-                j = min(max(i, 0), size - 1)
-            elif mode == "wrap":
-                j = i % size
-            else:
-                j = i % period
-                j = j if j < size else period - j
-            idx.append(j)
+        lo = max(-b, 0)
+        idx = [lo + j for j in _pad_positions(imp, mode, a, size - lo - max(-e, 0), max(b, 0), max(e, 0))]
         x = imp.emit("index_select", [x, imp.materialise(_Known.of(torch.tensor(idx)), f"{n.output[0]}_idx{a}")],
                      {"dim": a}, hint=n.output[0])
     if x == imp.operand(n.input[0]):
@@ -497,6 +495,32 @@ def _pad_by_index(imp: _Importer, n, mode: str, t, per_axis: dict[int, tuple[int
         return
     imp.ir[n.output[0]] = x
     imp.check_declared(n.output[0])
+
+
+def _pad_positions(imp: _Importer, mode: str, axis: int, kept: int, before: int, after: int) -> list[int]:
+    """The position in the cropped extent (`kept` elements) each output position copies."""
+    if kept < 1 and (before or after):
+        raise imp.fail(f"Pad mode {mode!r} crops axis {axis} to {kept} elements and then pads it: there is "
+                       "nothing left to copy (ONNX Runtime refuses it too)", value=kept,
+                       fix="make the negative pads of that axis leave at least one element")
+    if mode == "reflect" and max(before, after) >= kept:
+        raise imp.fail(f"Pad mode 'reflect' pads axis {axis} by {max(before, after)}, but only {kept} elements are "
+                       "left to reflect (after any negative pad): a reflection needs pads smaller than the extent "
+                       "(ONNX Runtime refuses it, and its reference implementation reflects again)",
+                       value=max(before, after), fix="pad by less than the axis's extent, or use mode 'edge' or "
+                                                      "'wrap'")
+    period = max(2 * kept - 2, 1)
+    out = []
+    for i in range(-before, kept + after):
+        if mode == "edge":
+            j = min(max(i, 0), kept - 1)
+        elif mode == "wrap":
+            j = i % kept
+        else:
+            j = i % period
+            j = j if j < kept else period - j
+        out.append(j)
+    return out
 
 
 @_handles("GatherElements")

@@ -165,10 +165,23 @@ def _sym_div(is_int: bool):
         if not _is_sym(a) and not _is_sym(b):
             return _trunc_div(int(a), int(b)) if is_int else a / b
         if is_int:
-            q = sympy.floor(sympy.sympify(a) / b)   # dims are positive: floor == trunc
-            return q
+            return _sym_trunc_div(sympy.sympify(a), sympy.sympify(b))
         return sympy.sympify(a) / b
     return div
+
+
+def _sym_trunc_div(a, b):
+    """ONNX's integer a / b (rounded toward zero) over dims. A floor, which is the truncation
+    wherever the numerator is not negative (sizes made from dims, whose sign the symbols may not
+    decide: seq - 2); a numerator the dims make negative (-seq / 2) rounds up instead."""
+    try:
+        if _decide(b, "lt"):
+            a, b = -a, -b
+        if _decide(a, "lt"):
+            return -sympy.floor(-a / b)
+    except _Unfoldable:
+        pass
+    return sympy.floor(a / b)
 
 
 _SYM_BINARY: dict[str, Callable[[bool], Callable]] = {

@@ -45,12 +45,9 @@ class InputBinder:
         names = [vi.name for vi in onnx_inputs]
         # a recipe names an input as the IR spells it ("x:0" -> "x_0")
         spelled = {clean_name(n): n for n in names if clean_name(n) not in names}
+        self._check_recipe_names(names, spelled)
         self.input_dims = {spelled.get(k, k): v for k, v in self.input_dims.items()}
         self.input_values = {spelled.get(k, k): v for k, v in self.input_values.items()}
-        unknown = [n for n in self.input_dims if n not in names]
-        if unknown:
-            raise CaptureError(f"input_dims names input(s) {unknown} that the ONNX model does not have",
-                               where=f"onnx {self.label}", fix=f"the model's inputs are {names}")
         named = dim_names(d.dim_param for vi in onnx_inputs if vi.type.tensor_type.HasField("shape")
                           for d in vi.type.tensor_type.shape.dim if d.HasField("dim_param"))
         for vi in onnx_inputs:   # validate_onnx checked: tensor types with a graphmode dtype
@@ -58,14 +55,15 @@ class InputBinder:
             dtype = _ONNX_DTYPES[tt.elem_type]
             want = self.input_dims.get(vi.name)
             dims_p = list(tt.shape.dim) if tt.HasField("shape") else None
+            field = f"the recipe's {self.recipe_field.get(vi.name, 'inputs[]')}.shape"
             if dims_p is None and want is None:
                 raise CaptureError(f"input {vi.name!r} has no shape in the model", where=f"onnx {self.label}",
-                                   fix="pass input_dims={name: [dim names or ints]}")
+                                   fix=f"give its dims in {field} (dim names or integers)")
             rank = len(dims_p) if dims_p is not None else len(want)
             if want is not None and len(want) != rank:
-                raise CaptureError(f"input {vi.name!r} has rank {rank} in the model but input_dims gives "
+                raise CaptureError(f"input {vi.name!r} has rank {rank} in the model but {field} gives "
                                    f"{len(want)} dims", where=f"onnx {self.label}", value=list(want),
-                                   fix="give one entry per dim")
+                                   fix=f"give {field} one entry per dim of the model's input ({rank})")
             shape: list[Dim] = []
             for i in range(rank):
                 d = dims_p[i] if dims_p is not None else None
@@ -78,7 +76,7 @@ class InputBinder:
                         wd = static     # a recipe dim pinned to the model's own fixed extent
                     if static is not None and (not isinstance(wd, int) or wd != static):
                         raise CaptureError(f"input {vi.name!r} dim {i} is fixed to {static} in the model, but "
-                                           f"input_dims says {w!r}", where=f"onnx {self.label}", value=static,
+                                           f"{field}[{i}] says {w!r}", where=f"onnx {self.label}", value=w,
                                            fix="re-export with a dynamic axis there (dynamic_axes / dynamic_shapes)"
                                                f" or declare it as {static} in the recipe")
                     dim = wd
@@ -87,18 +85,18 @@ class InputBinder:
                 elif param is not None:
                     if param not in named:
                         raise CaptureError(f"input {vi.name!r} dim {i} is named {param!r}, which is not a dim name",
-                                           where=f"onnx {self.label}", fix="pass input_dims to name the dims")
+                                           where=f"onnx {self.label}", fix=f"name the dim in {field}[{i}]")
                     dim = sym(named[param])
                 else:
                     raise CaptureError(f"input {vi.name!r} dim {i} has neither a size nor a name",
-                                       where=f"onnx {self.label}", fix="pass input_dims to name the dims")
+                                       where=f"onnx {self.label}", fix=f"name the dim in {field}[{i}]")
                 if param is not None:
                     prev = self.dimmap.setdefault(param, dim)
                     if not _deq(prev, dim):
                         raise CaptureError(f"model dim {param!r} maps to both {dim_str(prev) if not isinstance(prev, int) else prev} "
                                            f"and {dim_str(dim) if not isinstance(dim, int) else dim}",
                                            where=f"onnx {self.label} input {vi.name!r}",
-                                           fix="make input_dims consistent across inputs")
+                                           fix="use one dim name for it in every recipe inputs[].shape")
                 shape.append(dim)
             ty = TensorType(dtype, tuple(shape))
             self.ir[vi.name] = self.g.add_input(self.g.fresh_name(clean_name(vi.name)), ty)
@@ -115,11 +113,22 @@ class InputBinder:
                 raise CaptureError(f"input dims {missing} have no range in dims", where=f"onnx {self.label}",
                                    value=sorted(self.user_dims),
                                    fix="declare every dynamic dim in the recipe's dims (or map the model's dim "
-                                       "names with input_dims)")
+                                       "names in the recipe's inputs[].shape)")
             self.g.dims = dict(self.user_dims)
         else:
             from graphmode.capture.zoo import DEFAULT_DIM_RANGES
             self.g.dims = {d: DEFAULT_DIM_RANGES.get(d, DEFAULT_RANGE) for d in sorted(used)}
+
+    def _check_recipe_names(self, names: list[str], spelled: dict[str, str]) -> None:
+        """Every input the recipe declares is one of the model's. `input_dims` holds the recipe's inputs
+        in its order, so errors name the fields a user writes (inputs[k].name, inputs[k].shape)."""
+        self.recipe_field = {spelled.get(k, k): f"inputs[{i}]" for i, k in enumerate(self.input_dims)}
+        unknown = [(f"inputs[{i}]", k) for i, k in enumerate(self.input_dims) if spelled.get(k, k) not in names]
+        if unknown:
+            said = ", ".join(f"{f}.name {k!r}" for f, k in unknown)
+            raise CaptureError(f"the recipe's {said}: an input the ONNX model does not have",
+                               where=f"onnx {self.label}", value=[k for _, k in unknown],
+                               fix=f"name the model's inputs in the recipe's inputs[].name: they are {names}")
 
     def _bind_constant_input(self, name: str, ty: TensorType) -> None:
         """An input the recipe declares constant: known to the converters (shape-like data folds),

@@ -255,7 +255,7 @@ class ValueState:
             if not _deq(want, g):
                 raise self.fail(f"value {name!r} dim {i}: the importer inferred {dim_str(g)}, the ONNX model "
                                 f"declares {dim_str(want) if not isinstance(want, int) else want}",
-                                fix="map the model's dim names to the recipe dims with input_dims, or re-export "
+                                fix="name the model's dims with the recipe's dims in inputs[].shape, or re-export "
                                     "with dynamic axes on every dynamic input dim")
 
 
