@@ -114,3 +114,31 @@ def shown(path: str | os.PathLike) -> str:
             continue
         return str(Path(prefix) / rel) if prefix else str(rel)
     return str(path)
+
+
+def writable_output(path: str | os.PathLike, where: str, *, folder: bool = False) -> Path:
+    """`path` once it is known to be writable, checked before any work is done: a file where a
+    folder goes (or a folder where a file goes), a parent that is a file, or a place this process
+    cannot create or write is refused naming which (not a bare OSError after minutes of work)."""
+    from graphmode.errors import GraphmodeError
+    path = Path(path)
+    if not folder and path.is_dir():
+        raise GraphmodeError("that path is a folder; a file goes there", where=where, value=str(path),
+                             fix=f"give a file path, e.g. {path / 'out'}")
+    if folder and path.exists() and not path.is_dir():
+        raise GraphmodeError("that path is a file; a folder goes there", where=where, value=str(path),
+                             fix="give a folder path (it is created if missing)")
+    parent = path if folder else path.parent
+    blocker = next((p for p in [parent, *parent.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise GraphmodeError(f"{blocker} is a file, not a folder", where=where, value=str(path),
+                             fix="give a path whose parent folders are folders")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = parent / f".{path.name}.{os.getpid()}.probe"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise GraphmodeError(f"cannot write there: {e.strerror or e}", where=where, value=str(path),
+                             fix="give a path in a folder you can write") from None
+    return path

@@ -98,6 +98,18 @@ def parse_shape(text: str, bundle: Any) -> dict[str, int] | None:
     return None
 
 
+def _with_recipe_dims(bundle: Any, recipe: Any) -> Any:
+    """The bundle with the recipe's symbolic input shapes where it names no dims of its own and
+    the recipe declares each input at its rank."""
+    if recipe is None or bundle.dim_names:
+        return bundle
+    declared = {i.name: list(i.shape) for i in recipe.inputs}
+    if set(declared) != set(bundle.input_dims) or any(len(declared[k]) != len(v) for k, v in bundle.input_dims.items()):
+        return bundle
+    import dataclasses
+    return dataclasses.replace(bundle, input_dims=declared)
+
+
 def default_envs(name: str, bundle: Any) -> list[dict[str, int]]:
     shapes = DEFAULT_SHAPES.get(name)
     if shapes is None:
@@ -105,13 +117,16 @@ def default_envs(name: str, bundle: Any) -> list[dict[str, int]]:
     return [parse_shape("x".join(map(str, s)), bundle) for s in shapes]
 
 
-def load_cases(models: Sequence[str], shapes: Sequence[str], *, quick: bool = False) -> list[ModelCase]:
-    """Build every selected model once; attach the shapes that fit it (or its defaults)."""
+def load_cases(models: Sequence[str], shapes: Sequence[str], *, quick: bool = False,
+               recipe: Any = None) -> list[ModelCase]:
+    """Build every selected model once; attach the shapes that fit it (or its defaults). Under a
+    `recipe`, a model handed with static example shapes takes the recipe's dims (`--shape 2x16`
+    reads as its batch x seq, as `run --shape` does)."""
     cases = []
     unused = list(shapes)
     for spec in models:
         t0 = time.perf_counter()
-        bundle = resolve_bundle(spec)
+        bundle = _with_recipe_dims(resolve_bundle(spec), recipe)
         load_s = time.perf_counter() - t0
         name = canonical_name(spec, bundle)
         if shapes:

@@ -146,7 +146,7 @@ def bench_cmd(
     if zoo:
         from graphmode.capture.families import FAMILIES
         models += [f"graphmode.capture.families:{n}" for n in FAMILIES]
-    cases = load_cases(models, shape or [], quick=quick)
+    cases = load_cases(models, shape or [], quick=quick, recipe=load_recipe(recipe) if recipe else None)
     if between_buckets:
         for c in cases:
             c.recipe = between.contract_recipe(c.bundle, c.name)

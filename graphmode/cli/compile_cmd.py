@@ -169,6 +169,9 @@ def compile_cmd(
     if save is not None and not dry_run:
         from graphmode.runtime.artifact import check_writable
         check_writable(save)
+    if dump_ir_before or dump_ir_after:
+        from graphmode.paths import writable_output
+        writable_output(dump_dir, "--dump-dir", folder=True)
     with progress() as on_stage:
         rep, graph, recipe_obj, src = build_report(model, recipe, target, dump_dir=dump_dir,
                                                    dump_before=dump_ir_before, dump_after=dump_ir_after,

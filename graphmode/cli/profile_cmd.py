@@ -239,7 +239,8 @@ def profile_cmd(
             raise GraphmodeError("--decode profiles the decode engine of a decoder recipe", where="--decode",
                                  value=list(decode), fix="give --recipe with memory.kv_cache, and no --shape")
         steps = [_decode_shape(d) for d in decode or []]
-        for case in load_cases(model or [], shape or []) if model else []:
+        for case in load_cases(model or [], shape or [], recipe=load_recipe(recipe) if recipe else None) \
+                if model else []:
             rec = load_recipe(recipe if recipe is not None else auto_recipe(case.bundle, case.envs))
             if rec.parallel is not None and rec.parallel.tensor > 1 and not steps:
                 from graphmode.bench.tensor_parallel import profile_tp

@@ -89,6 +89,9 @@ def init_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | res
     if out is not None and out.exists() and not force:
         raise GraphmodeError("the output file exists", where="--out", value=str(out),
                              fix="pass --force to overwrite it, or another --out")
+    if out is not None:
+        from graphmode.paths import writable_output
+        writable_output(out, "--out")
     with progress() as on_stage, stage(on_stage, "draft", detail=f"{model}: capture, passes, proof"):
         draft = draft_recipe(model, target=target or "host", p99_ms=p99_ms, memory_mb=memory_mb,
                              ranges=parse_ranges(dim), max_p99_over_p50=max_p99_over_p50, max_padding=max_padding,

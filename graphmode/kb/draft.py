@@ -454,7 +454,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     report = reprove(low, recipe, tgt).proof          # refused unless proved
     if "dims" in data:
         notes["dims"] = (f"{report.plans} plan(s): one per bucket, built on first use or all at warm-up "
-                         f"(`compile --warmup`, `serve`)")
+                         f"(`run --warmup`, `compile --save`, `serve`)")
     draft = Draft(_ordered(data), notes, recipe, report, verdict, model_row, hw_row, recs, src, graph0)
     if kb_path is not None and record:
         from graphmode.kb.record import Subject

@@ -180,8 +180,8 @@ def _out_axis(v: Any) -> int | str:
     try:
         return _shape_entry(v)
     except ValueError:
-        raise ValueError("expected a dim name (sliced back), a positive integer (fixed), "
-                         "or '*' (any extent, not sliced)") from None
+        raise ValueError("expected a dim name (the axis follows it), a positive integer (fixed), "
+                         "or '*' (any extent, not checked)") from None
 
 
 def _bank(v: Any) -> int | str:

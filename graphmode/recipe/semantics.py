@@ -6,6 +6,8 @@ The checks of the dims and inputs (buckets, values, masks) are in shape_checks.p
 """
 from __future__ import annotations
 
+import functools
+
 import importlib.metadata
 import importlib.util
 import platform
@@ -109,6 +111,37 @@ class SemanticResult:
     requires: list[RequireCheck] = field(default_factory=list)
 
 
+def _known_op(name: str) -> bool:
+    """Whether an op list entry can match anything: a graphmode op, an ONNX op type (as written,
+    lower-cased or `onnx::Type`), an ATen op by short name or `aten.op[.overload]`. Another
+    namespace's op (a library's custom op) is taken on trust: its library may not be loaded yet."""
+    from graphmode.ir.ops import OPS
+    if name in OPS:
+        return True
+    import onnx.defs
+    base = name[len("onnx::"):] if name.startswith("onnx::") else name
+    if onnx.defs.has(base) or base in _onnx_lower():
+        return True
+    parts = name.split(".")
+    if len(parts) > 3 or parts[0] in ("torch", "nn", "F"):     # a Python path, not an operator's name
+        return False
+    if len(parts) > 1 and parts[0] != "aten":
+        return True
+    import torch
+    short = parts[1] if len(parts) > 1 else parts[0]
+    try:
+        packet = getattr(torch.ops.aten, short)
+    except (AttributeError, RuntimeError):
+        return False
+    return len(parts) < 3 or parts[2] in packet.overloads()
+
+
+@functools.lru_cache(maxsize=1)
+def _onnx_lower() -> frozenset[str]:
+    import onnx.defs
+    return frozenset(s.name.lower() for s in onnx.defs.get_all_schemas())
+
+
 class _Checker(Findings):
     """The cross-field checks of one recipe; the dims and inputs are shape_checks.py's."""
 
@@ -121,6 +154,13 @@ class _Checker(Findings):
         if c.exclude_ops and self.r.exe_mode == "graph":
             self.err("capture.exclude_ops", "excluded ops run as eager islands, which exe_mode 'graph' "
                                             "does not allow", c.exclude_ops, fix="set exe_mode: hybrid")
+        for field_name, ops in (("include_ops", c.include_ops), ("exclude_ops", c.exclude_ops)):
+            for i, op in enumerate(ops):
+                if not _known_op(op):
+                    self.err(f"capture.{field_name}[{i}]", "no ATen, ONNX or graphmode op has this name (a typo "
+                             "would match nothing, silently)", op,
+                             fix="name an ATen op ('gelu', 'aten.gelu.default'), an ONNX op type ('Gelu') or a "
+                                 "graphmode op (`graphmode ops` lists them)")
 
     def optimize(self) -> None:
         from graphmode.passes.registry import PRESETS, check_order

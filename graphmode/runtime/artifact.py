@@ -223,18 +223,11 @@ class _Hashing:
 def check_writable(path: str | Path, where: str = "--save") -> Path:
     """Refuse an artifact path that cannot be written before the buckets are built (minutes), not after:
     a folder, or a parent that cannot be created or written."""
-    path = Path(path)
-    if path.is_dir():
-        raise ArtifactError("the artifact path is a folder", where=where, value=str(path),
-                            fix=f"give a file path, e.g. {path / 'model.gm'}")
+    from graphmode.paths import writable_output
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
-            pass
-    except OSError as e:
-        raise ArtifactError(f"cannot write the artifact there: {e.strerror or e}", where=where,
-                            value=str(path), fix="give a path in a folder you can write") from None
-    return path
+        return writable_output(path, where)
+    except GraphmodeError as e:
+        raise ArtifactError(e.message, where=where, value=e.value, fix=e.fix) from None
 
 
 def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[str, int]] | None = None,

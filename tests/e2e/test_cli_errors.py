@@ -160,10 +160,20 @@ def test_eager_failing_on_the_sample_inputs_is_an_error_not_a_traceback(cmd, tmp
     assert res.exit_code == 2 and "eager PyTorch fails at" in out and "sample inputs" in out, out
 
 
-@pytest.mark.parametrize("where,needle", [("dir", "is a folder"), ("good", "cannot write")])
+@pytest.mark.parametrize("where,needle", [("dir", "is a folder"), ("good", "is a file, not a folder")])
 def test_an_unwritable_save_path_is_refused_before_compiling(files, where, needle):
     """`compile --save` built every bucket (minutes) and then failed on the path with a raw OSError."""
     path = files["dir"] if where == "dir" else files["good"] + "/x.gm"        # a file as the folder
     res, out = run(["compile", "--model", f"{TINY}:mlp", "--recipe", files["good"], "--save", path])
     assert res.exit_code == 1 and needle in out and "--save" in out, out
     assert "plan for bucket" not in out, out
+
+
+@pytest.mark.parametrize("args", [["recipe", "init", "--model", "MLP", "--out", "GOOD/x.yaml"],
+                                  ["compile", "--model", "MLP", "--recipe", "GOOD", "--dump-ir-after", "all",
+                                   "--dump-dir", "GOOD/dumps"]])
+def test_an_output_path_under_a_file_is_refused_before_the_work(files, args):
+    """recipe init --out and compile --dump-dir ended in a raw NotADirectoryError traceback."""
+    args = [a.replace("MLP", f"{TINY}:mlp").replace("GOOD", files["good"]) for a in args]
+    res, out = run(args)
+    assert res.exit_code == 2 and "is a file, not a folder" in out and "Traceback" not in out, out

@@ -70,6 +70,11 @@ def test_base_is_clean():
      "capture.exclude_ops", "exe_mode: hybrid"),
     ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\nexe_mode: hybrid\ncapture: {include_ops: [gelu], "
      "exclude_ops: [gelu]}", "capture.exclude_ops[0]", "both included and excluded"),
+    # an op name that matches nothing (a typo, a Python path) was accepted and ignored
+    ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\nexe_mode: hybrid\ncapture: {exclude_ops: [Gelu, gellu]}",
+     "capture.exclude_ops[1]", "no ATen, ONNX or graphmode op"),
+    ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\nexe_mode: hybrid\ncapture: {exclude_ops: "
+     "[aten.gelu.default, torch.nn.functional.gelu]}", "capture.exclude_ops[1]", "no ATen, ONNX or graphmode op"),
     ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\noptimize: {passes: [fuse, canonicalize]}",
      "optimize.passes[0]", "put canonicalize before it"),
     ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\noptimize: {passes: [canonicalize, fuse]}",

@@ -1,0 +1,26 @@
+"""`graphmode bench` / `profile --model file.py:fn --recipe r.yaml --shape 2x16` for a model handed
+with static example shapes: the shape reads as the recipe's dims (as `run --shape` does). Before,
+"no --shape fits model", and its fix led to "shape {} is outside the recipe's dims"."""
+from __future__ import annotations
+
+from graphmode.bench.models import load_cases
+from graphmode.recipe import load_recipe
+
+MODEL = '''
+import torch
+def build():
+    m = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 4)).eval()
+    return m, {"input": torch.randint(0, 50, (2, 12))}
+'''
+
+
+def test_a_static_example_takes_the_recipes_dims(tmp_path):
+    (tmp_path / "m.py").write_text(MODEL)
+    recipe = load_recipe({"version": 1, "name": "m", "inputs": [{"name": "input", "dtype": "i64",
+                                                                 "shape": ["batch", "seq"]}],
+                          "dims": {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [8, 16, 32], "min": 2}}})
+    case, = load_cases([f"{tmp_path / 'm.py'}:build"], ["2x16"], recipe=recipe)
+    assert case.envs == [{"batch": 2, "seq": 16}]
+    assert case.bundle.make_inputs(case.envs[0])["input"].shape == (2, 16)
+    plain, = load_cases([f"{tmp_path / 'm.py'}:build"], [])          # no recipe: the example's shape
+    assert plain.bundle.dim_names == []
