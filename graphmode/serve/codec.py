@@ -45,17 +45,18 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";", 1)[0].strip().lower()
 
 
-def body_kind(content_type: str | None) -> str:
-    """'json' or 'safetensors' for a request body; BadRequest 415 for anything else."""
+def body_kind(content_type: str | None, json_only: bool = False) -> str:
+    """'json' or 'safetensors' for a request body; BadRequest 415 for anything else (or, with
+    `json_only`, an endpoint that reads JSON only: anything but JSON)."""
     mt = media_type(content_type)
     if mt in ("", "application/x-www-form-urlencoded") or mt in JSON_TYPES or mt.endswith("+json"):
         # (curl -d sends the form type: its body is read as JSON too)
         return "json"
-    if mt in BINARY_TYPES:
+    if mt in BINARY_TYPES and not json_only:
         return "safetensors"
     raise BadRequest(f"unsupported content type {clip(mt)!r}", status=415, reason="unsupported_media_type",
-                     where="Content-Type", fix="send application/json or application/octet-stream "
-                                               "(safetensors bytes)")
+                     where="Content-Type", fix="send application/json" if json_only else
+                     "send application/json or application/octet-stream (safetensors bytes)")
 
 
 def answer_kind(request_kind: str, accept: str | None) -> str:

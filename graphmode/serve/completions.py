@@ -264,9 +264,7 @@ def completion_routes(server: Any) -> list[Route]:
                                      where="recipe.memory.kv_cache",
                                      fix="serve a causal LM with a recipe that declares memory.kv_cache; encoders "
                                          "answer POST /v1/embeddings, /v1/infer and /v2/models/{name}/infer")
-                if body_kind(request.headers.get("content-type")) != "json":
-                    raise BadRequest("completions take a JSON body", status=415, reason="unsupported_media_type",
-                                     where="Content-Type", fix="send application/json")
+                body_kind(request.headers.get("content-type"), json_only=True)
                 body = await read_body(request, server.max_body_bytes, cfg.body_timeout_s)
                 eos = decoder.engine.cfg.get("eos")
                 req = await run_in_threadpool(parse, body, decoder, tuple(eos) if isinstance(eos, list) else eos)

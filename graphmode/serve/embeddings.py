@@ -96,9 +96,7 @@ def embedding_routes(server: Any) -> list[Route]:
                                  where="model", fix="embeddings need a model taking input_ids that answers "
                                                     "last_hidden_state (e.g. minilm); decoders answer "
                                                     "/v1/completions and /v1/chat/completions")
-            if body_kind(request.headers.get("content-type")) != "json":
-                raise BadRequest("embeddings take a JSON body", status=415, reason="unsupported_media_type",
-                                 where="Content-Type", fix="send application/json")
+            body_kind(request.headers.get("content-type"), json_only=True)
             body = await read_body(request, server.max_body_bytes, cfg.body_timeout_s)
             ids, opts = await run_in_threadpool(parse_inputs, body, server.tokenizer)
             if opts["model"] is not None and opts["model"] not in server.model_names():

@@ -25,3 +25,17 @@ def test_json_and_safetensors_take_either_spelling():
 def test_a_name_that_is_neither_is_refused_naming_the_recipes():
     with pytest.raises(BadRequest, match="x:1.*is not an input of the recipe"):
         decode_json(json.dumps({"inputs": {"x:1": [1.0]}}).encode(), DTYPES)
+
+
+def test_a_json_only_endpoints_415_names_json_only():
+    """completions and embeddings answered text/plain with 'send application/json or
+    application/octet-stream', and octet-stream then with another 415."""
+    import pytest
+    from graphmode.serve.codec import body_kind
+    from graphmode.serve.errors import BadRequest
+    assert body_kind("application/octet-stream") == "safetensors"
+    assert body_kind("application/json; charset=utf-8", json_only=True) == "json"
+    for kind in ("text/plain", "application/octet-stream"):
+        with pytest.raises(BadRequest) as e:
+            body_kind(kind, json_only=True)
+        assert e.value.status == 415 and e.value.fix == "send application/json"
