@@ -90,6 +90,9 @@ class DimLimit:
     output: str
 
     def describe(self) -> str:
+        if self.op == "slice":
+            return (f"slice %{self.output} takes its first {self.dim}-long run of the {self.rows} positions of "
+                    f"%{self.table}")
         return f"its positions pick from the {self.rows} rows of %{self.table} ({self.op} %{self.output})"
 
 
@@ -140,6 +143,8 @@ def _walk(graph: Graph, trails: dict[str, _Trail], report: IndexReport) -> None:
             continue
         if node.op in _INDEX_OPS or node.op in _WRITE_OPS:
             _index_use(graph, node, trails, report)
+        if node.op == "slice":
+            _slice_limit(graph, node, report)
         t = _follow(graph, node, trails)
         if t is not None:
             trails[node.outputs[0]] = t
@@ -342,3 +347,22 @@ def _index_use(graph: Graph, node: Node, trails: Mapping[str, _Trail], report: I
                 report.dims[limit.dim] = limit
 
 
+def _slice_limit(graph: Graph, node: Node, report: IndexReport) -> None:
+    """A slice whose end counts a dim (pos[:seq], a buffer's position_ids[:, :seq]) over an axis
+    of N positions: the IR's length is end - start, python's min(end, N) - start, so the graph
+    holds only while end <= N. torch.export guards it; an ONNX file does not (dynamo writes the
+    length as Min(N, seq)), so it bounds the dim like a position table does."""
+    t = graph.values[node.inputs[0]].type
+    axis = node.attr("dim", 0)
+    if not isinstance(axis, int) or not -t.rank <= axis < t.rank or not isinstance(t.shape[axis], int):
+        return
+    if node.attr("step", 1) != 1 or not isinstance(node.attr("start", 0), int):
+        return
+    trail = _positions_of(node.attr("end"), 0)
+    if trail is None:
+        return
+    rows = t.shape[axis]
+    limit = DimLimit(trail.source, rows - trail.offset, node.inputs[0], rows, "slice", node.outputs[0])
+    old = report.dims.get(limit.dim)
+    if old is None or limit.max < old.max:
+        report.dims[limit.dim] = limit

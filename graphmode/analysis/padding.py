@@ -99,6 +99,9 @@ _KEEPS_TRUE = frozenset({"logical_and", "reshape", "expand", "identity", "permut
 _INDEX_ARITHMETIC = frozenset({"add", "sub", "mul", "neg", "floor_divide", "remainder", "reshape", "expand",
                                "permute", "identity", "slice", "concat"})
 _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+# products that sum over an axis (padding rules): one of data (scores q @ k, attention weights @ v,
+# a projection of hidden states a softmax made) holds values, not a pattern of masked positions
+_CONTRACTIONS = frozenset({"matmul", "linear", "einsum", "attention"})
 
 
 def _keeps_values(op: str) -> bool:
@@ -162,6 +165,7 @@ class _Analyzer:
         self.positional: set[str] = set()  # values computed from no input (aranges, their comparisons)
         self.triangle: set[str] = set()    # dims a positional value has two padded axes along (causal)
         self.softmax_masked: set[str] = set()   # dims a softmax written out is safe along by its mask
+        self.softmax_qk: set[str] = set()   # ... whose masked pattern may vary along its rows too
         self.lo = dict(lo)
         self.locs = locs
 
@@ -271,14 +275,18 @@ class _Analyzer:
         input, or with positions): through broadcasting elementwise ops, expand, permute and
         unsqueeze axis by axis (a mask over keys broadcast along queries and added to a position
         bias varies along the keys only); a lookup in a constant table of finite values that are
-        no mask fill (T5's position bias picked by relative position buckets) holds none; every
-        axis after any other op."""
+        no mask fill (T5's position bias picked by relative position buckets) holds none, nor does
+        a product with the model's data (the hidden states after a masked attention: the next
+        layer's scores are data again, and only what is added to them masks); every axis after
+        any other op."""
         shape = self.shape(out)
         rank = len(shape)
         op = n.op
         table = g.constants.get(n.inputs[0]) if get_op(op).padding == "gather" else None
         if table is not None and table.is_floating_point() and bool(torch.isfinite(table).all()) and \
                 float(table.min()) > -1e4:       # finite values picked by position: no masked entry among them
+            return frozenset()
+        if get_op(op).padding in _CONTRACTIONS and any(self._data(i, g) for i in n.inputs):
             return frozenset()
         if op == "permute":
             src = self.varying.get(n.inputs[0], frozenset())
@@ -297,6 +305,10 @@ class _Analyzer:
                 axes |= {j + lead for j in src if not is_one(ishape[j]) or is_one(shape[j + lead])}
             return frozenset(axes)
         return frozenset(range(rank))
+
+    def _data(self, name: str, g: Graph) -> bool:
+        """A value computed from the model's data (not from the masks, positions and constants alone)."""
+        return name not in self.pure and name not in self.positional and name not in g.constants
 
     def constant(self, g: Graph, name: str) -> State:
         t = g.constants[name]
@@ -395,9 +407,11 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
     # earlier position is padding (left padding) is masked whole, and with a finite fill
     # (finfo.min) eager spreads it over every key, the bucket's padded ones too; attention as
     # one sdpa gives such a row 0 either way under a bool mask (a float query x key mask: the
-    # sdpa rule adds its dim to `query_key`)
+    # sdpa rule adds its dim to `query_key`). Only where the softmax's masked pattern varies along
+    # its rows: T5's relative positions are a position x position value too, but looked up in a
+    # table of finite biases and added to a key mask, its softmax rows are masked by keys alone
     report.query_key = [d for d in report.masked if d in an.query_key
-                        or (d in an.triangle and d in an.softmax_masked)]
+                        or (d in an.triangle and d in an.softmax_qk)]
     return report
 
 

@@ -82,12 +82,26 @@ def along(an, n: Node, x: State, taint: dict[str, Finding]) -> State:
             if ok:
                 an.masked.add(f.dim)        # safe while each real row keeps a real unmasked logit
                 an.softmax_masked.add(f.dim)
+                if _masked_by_row(an, n, x, dim, f.dim):
+                    an.softmax_qk.add(f.dim)
         if not ok:
             taint.setdefault(f.dim, an.finding(f.dim, n, why.format(d=f.dim)))
     if masks and ax.padded:
         out = at_masked(op) or GARBAGE
         axes[dim] = Axis(tuple(Factor(f.extent, f.dim, out if f.dim else f.content, f.prefix) for f in ax.factors))
     return State(tuple(axes))
+
+
+def _masked_by_row(an, n: Node, x: State, dim: int, d: str) -> bool:
+    """Whether the masked pattern of a softmax's logits may vary along another axis padded along
+    `d` (its rows, the queries: a causal triangle), not only along the softmax's own (a key mask
+    broadcast over the queries, T5's beside its position bias): then a row is masked whole
+    wherever the mask says so, not only where a mask row is all padding. True where the
+    analysis did not follow the pattern."""
+    varying = an.varying.get(n.inputs[0])
+    if varying is None:
+        return True
+    return any(j != dim and any(f.dim == d for f in x.axes[j].padded) for j in varying if j < len(x.axes))
 
 
 def argreduce(an, n: Node, x: State, taint: dict[str, Finding]) -> State:

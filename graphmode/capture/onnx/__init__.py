@@ -26,6 +26,11 @@ Before any node is translated, `validate.validate_onnx` refuses a malformed mode
 (onnx.checker, strict shape inference, attribute ranges, graph signature): the handlers
 below may trust attribute values and types.
 
+Inputs the file gives no shape (ONNX Runtime takes any) take the recipe's `inputs[].shape`;
+dims the file declares as expressions (dynamo's `Min(32, s27)`) are checked over the dims'
+ranges, and one that holds only on part of them is advisory (the index analysis bounds the dim);
+an error inside the function body an op is imported through names the op of the file.
+
 Limitations (each raises CaptureError naming the file, node and fix):
 ops outside `supported_onnx_ops()` (all are listed with counts and node names before
 anything is translated: ONNX has no eager fallback, so they cannot become `fallback`

@@ -30,6 +30,16 @@ def node_where(label: str, idx: int, n) -> str:
     return f"onnx {label} node #{idx} {n.op_type} {n.name or (n.output[0] if n.output else '')!r}"
 
 
+def body_where(label: str, idx: int, n, origins: dict) -> str:
+    """`node_where`, for a node a function body brought in (`origins`, functions.body_origins):
+    the node of the user's file it expands, then the body's node."""
+    origin = origins.get(n.output[0]) if n.output else None
+    if origin is None:
+        return node_where(label, idx, n)
+    inner = n.name or (n.output[0] if n.output else "")
+    return f"{node_where(label, *origin)} (its function body's {n.op_type} {inner!r})"
+
+
 def type_name(elem: int) -> str:
     from onnx import TensorProto
     try:
@@ -63,8 +73,8 @@ class CheckedNode:
         self.attrs = node_attrs(n)
 
     def fail(self, msg: str, value: Any, fix: str) -> CaptureError:
-        return CaptureError(f"{self.op} {msg}", where=node_where(self.g.label, self.idx, self.n), value=value,
-                            fix=fix)
+        return CaptureError(f"{self.op} {msg}", where=body_where(self.g.label, self.idx, self.n, self.g.origins),
+                            value=value, fix=fix)
 
     def input(self, i: int) -> str | None:
         return self.n.input[i] if len(self.n.input) > i and self.n.input[i] else None
@@ -106,9 +116,10 @@ class CheckedNode:
 class ValueTypes:
     """The model as the rules see it: value types (initializers, then inferred) and small constants."""
 
-    def __init__(self, model, light, label: str):
+    def __init__(self, model, light, label: str, origins: dict | None = None):
         self.label = label
         self.model = model
+        self.origins = dict(origins or {})     # a function body's node -> the file's node (functions.py)
         self.dims: dict[str, Dims | None] = {}
         self.elem: dict[str, int] = {}
         for init in model.graph.initializer:

@@ -93,11 +93,21 @@ def _linear(imp: _Importer, n, x: str, w: str, bias: str | None, out: str) -> No
     imp.emit("linear", [x, w] + ([bias] if bias else []), {}, out=out)
 
 
+def _inner_dims(imp: _Importer, k_a: Dim, k_b: Dim, a_n: str, b_n: str) -> None:
+    """A product's inner dims where one is a size and the other a dim of the recipe's: ONNX Runtime
+    runs it only at that size (a [None, None] input times a [4, 5] weight takes 4 columns), so
+    the recipe must say so where it declares the input."""
+    for d, size, of in ((k_a, k_b, b_n), (k_b, k_a, a_n)):
+        if isinstance(size, int) and not isinstance(d, int):
+            raise imp.static_dim_error(d, size, f"the inner dim of this product (set by {of!r})")
+
+
 @_handles("MatMul")
 def _matmul(imp: _Importer, n) -> None:
     a_n, b_n = n.input[0], n.input[1]
     at, bt = imp.type_of(a_n), imp.type_of(b_n)
     out = n.output[0]
+    _inner_dims(imp, at.shape[-1], bt.shape[-2] if bt.rank >= 2 else bt.shape[0], a_n, b_n)
     if imp.is_const(b_n) and bt.rank == 2 and at.rank >= 2 and not imp.is_const(a_n):
         _linear(imp, n, imp.operand(a_n), _weight_t(imp, b_n, True), None, out)
         return
@@ -149,6 +159,8 @@ def _gemm(imp: _Importer, n) -> None:
     alpha, beta = float(imp.attr(n, "alpha", 1.0)), float(imp.attr(n, "beta", 1.0))
     ta, tb = bool(imp.attr(n, "transA", 0)), bool(imp.attr(n, "transB", 0))
     out = n.output[0]
+    at, bt = imp.type_of(a_n), imp.type_of(b_n)
+    _inner_dims(imp, at.shape[0 if ta else 1], bt.shape[1 if tb else 0], a_n, b_n)
     a = imp.operand(a_n)
     if ta:
         a = imp.emit("permute", [a], {"perm": [1, 0]}, hint=f"{out}_aT")

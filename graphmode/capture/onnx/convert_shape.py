@@ -429,10 +429,38 @@ def _range(imp: _Importer, n) -> None:
     if all(not _is_sym(v) for v in (start, limit, delta)):
         imp.set_tensor(n.output[0], torch.arange(start, limit, delta, dtype=DTYPES[dtype]))
         return
-    if _is_sym(delta) or dtype not in _INT_DTYPES or int(delta) != delta:
+    if dtype in ("f32", "f64"):
+        start, limit, delta = _whole_range(imp, start, limit, delta)
+    elif _is_sym(delta) or dtype not in _INT_DTYPES or int(delta) != delta:
         raise imp.fail("Range with a symbolic or non-integer step is not supported")
     imp.emit("arange", [], {"start": _attr_dim(normalize_dim(start)), "end": _attr_dim(normalize_dim(limit)),
                             "step": int(delta), "dtype": dtype}, out=n.output[0])
+
+
+def _whole_range(imp: _Importer, start, limit, delta) -> tuple:
+    """A float Range over a dim (torch.arange(x.shape[1], dtype=float): Cast(size) as its limit) as
+    the integer arange it is: ONNX Runtime counts ceil((limit - start) / delta) elements and adds
+    delta to start one at a time, which for whole-number start and delta and a limit made of dims
+    gives exactly the integers arange makes (below 2**24, far past any dim). Any other float Range
+    (a fractional step, a size scaled by 0.5) rounds in ways the IR's arange does not repeat."""
+    whole = all(not _is_sym(v) and float(v).is_integer() for v in (start, delta)) and int(delta) != 0
+    if not (whole and _dim_expr(limit)):
+        shown = [_show(v) for v in (start, limit, delta)]
+        raise imp.fail(f"a float Range from {shown[0]} to {shown[1]} by {shown[2]} over a size the dims decide: "
+                       "graphmode imports one whose start and delta are whole numbers and whose limit is a size "
+                       "(Cast of a Shape element), which ONNX Runtime counts exactly", value=shown,
+                       fix="compute the range as int64 (torch.arange(n)) and Cast the result to float, or scale it "
+                           "after the Range (torch.arange(n).float() * 0.5)")
+    return int(start), normalize_dim(sympy.sympify(limit)), int(delta)
+
+
+def _dim_expr(v) -> bool:
+    """A size expression of the recipe's dims: a whole number at every dim value."""
+    return _is_sym(v) and bool(sympy.sympify(v).is_integer)
+
+
+def _show(v) -> str:
+    return dim_str(normalize_dim(v)) if _dim_expr(v) else str(v)
 
 
 @_handles("Trilu")

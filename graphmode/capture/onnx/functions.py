@@ -175,3 +175,41 @@ def expand_functions(model, handled: Collection[str]):
                 return model
             model = expanded
     return model
+
+
+def body_origins(before, after) -> dict[str, tuple[int, object]]:
+    """{first output of each node a function body brought into `after`: (index, node) of the node
+    of `before` (the user's file) it stands for}, so an error inside a body names what the user
+    wrote (a Bernoulli, not its body's RandomUniformLike). Bodies replace their node in place, in
+    order, and every other node is copied unchanged: the nodes between two unchanged ones are the
+    bodies of the expanded nodes between them, each ending once it has made all its node's outputs."""
+    if after is before:
+        return {}
+    orig = list(before.graph.node)
+    same = {n.SerializeToString(): i for i, n in enumerate(orig)}
+    out: dict[str, tuple[int, object]] = {}
+    pending: list = []
+    at = 0
+    for n in after.graph.node:
+        j = same.get(n.SerializeToString())
+        if j is None:
+            pending.append(n)
+            continue
+        _attribute(pending, [(i, orig[i]) for i in range(at, j)], out)
+        pending, at = [], j + 1
+    _attribute(pending, [(i, orig[i]) for i in range(at, len(orig))], out)
+    return out
+
+
+def _attribute(nodes: list, calls: list, out: dict) -> None:
+    """Give each of `nodes` (bodies, in order) the call of `calls` whose body it belongs to."""
+    k, made = 0, set()
+    for n in nodes:
+        if k >= len(calls):
+            return
+        i, call = calls[k]
+        if n.output and not (n.op_type == call.op_type and list(n.output) == list(call.output)):
+            out[n.output[0]] = (i, call)
+        made.update(n.output)
+        if {o for o in call.output if o} <= made and k + 1 < len(calls):
+            k, made = k + 1, set()

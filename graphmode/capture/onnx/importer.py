@@ -15,17 +15,17 @@ import torch
 
 from graphmode.capture.onnx.emission import Emitter
 from graphmode.capture.onnx.fold import KNOWN_LIMIT, _Known, _Unfoldable, _objarr
-from graphmode.capture.onnx.functions import expand_functions, has_body
-from graphmode.capture.onnx.inputs import InputBinder
+from graphmode.capture.onnx.functions import body_origins, expand_functions, has_body
+from graphmode.capture.onnx.inputs import InputBinder, with_shapes
 from graphmode.capture.onnx.values import (ValueState, _attr_dim, _same_shape, _shape_attr,  # noqa: F401
                                            _to_tensor, _vname)   # the handlers' helpers, imported from here
-from graphmode.capture.onnx.checks import CheckedNode, node_where
+from graphmode.capture.onnx.checks import CheckedNode, body_where
 from graphmode.capture.onnx.validate import topo_sorted, validate_onnx
 from graphmode.capture.torch_import import CaptureReport, Fallback
 from graphmode.capture.tail import binds, data_symbols, split_tail
 from graphmode.errors import CaptureError, IRError
 from graphmode.ir.graph import Graph, clean_name
-from graphmode.ir.types import Dim
+from graphmode.ir.types import Dim, dim_str
 
 
 # ------------------------------------------------------------------------------ report
@@ -88,17 +88,38 @@ class _Importer(ValueState, Emitter, InputBinder):
         self.node = None
         self.node_idx = -1
         self.extra_value_info: list = []
+        self.origins: dict[str, tuple[int, Any]] = {}    # a function body's node -> the file's node it expands
+        self.advised: dict[tuple, bool] = {}             # (declared, inferred) dims: do they agree anywhere
 
     # ---- errors --------------------------------------------------------------------------
     def where(self) -> str:
         if self.node is None:
             return f"onnx {self.label}"
-        return node_where(self.label, self.node_idx, self.node)
+        return body_where(self.label, self.node_idx, self.node, self.origins)
 
     def fail(self, msg: str, fix: str | None = None, value: Any = None) -> CaptureError:
         return CaptureError(msg, where=self.where(), value=value,
                             fix=fix or "re-export the model so this node has static attributes, or import the "
                                        "PyTorch module with import_torch")
+
+    def static_dim_error(self, d: Dim, size: int, what: str) -> CaptureError:
+        """The refusal of a node that needs `d` (a recipe dim) to be `size`: naming the recipe field
+        (inputs[k].shape[axis]) of the input axis that carries it, where one does."""
+        axes = [(v, ax) for v in self.g.inputs for ax, x in enumerate(self.g.values[v].type.shape) if x == d]
+        shown, rng = dim_str(d), self.g.dims.get(dim_str(d))
+        msg = f"{what} must be {size}, but it is {shown} here" + (f", which ranges over {list(rng)}" if rng else "")
+        if not axes:
+            return self.fail(msg + f": ONNX Runtime runs this node only where {shown} = {size}",
+                             fix=f"make {shown} {size} in the recipe (the input dims it is made of)")
+        v, ax = axes[0]
+        onnx_name = next((k for k, x in self.ir.items() if x == v), v)
+        field = f"{self.recipe_field.get(onnx_name, 'inputs[]')}.shape"
+        example = [size if i == ax else dim_str(x) if not isinstance(x, int) else x
+                   for i, x in enumerate(self.g.values[v].type.shape)]
+        return self.fail(msg + f" (input {onnx_name!r} axis {ax}): ONNX Runtime runs the model only with {size} there",
+                         value=shown, fix=f"declare {size} in {field}[{ax}] (e.g. {example}) and compile with that "
+                                          "recipe; a recipe drafted from the file takes an axis it leaves unnamed "
+                                          "as a dim")
 
     # ---- driver --------------------------------------------------------------------------
     def run(self) -> Graph:
@@ -301,6 +322,20 @@ def _load(path_or_model, label: str):
                                "keep external-data files next to the .onnx file") from None
 
 
+def _refusal_of(e: CaptureError, n, origins: Mapping[str, tuple[int, Any]],
+                refused: Mapping[str, CaptureError]) -> CaptureError:
+    """The error to raise for `e`: where the function body of an op whose converter refused it fails
+    too (a float Range's body is a Loop), the converter's own refusal, which names the node of the
+    file and says what it takes; else `e`. `n` is the failing node (None: the validator failed,
+    which after a refusal only the bodies brought in can make it do)."""
+    if not refused:
+        return e
+    if n is None:
+        return list(refused.values())[-1]
+    origin = origins.get(n.output[0]) if n.output else None
+    return refused.get(origin[1].op_type, e) if origin is not None else e
+
+
 def make_onnx_excluder(include_ops: Sequence[str] = (), exclude_ops: Sequence[str] = ()) -> Callable[[str, str], bool]:
     """An ONNX node is excluded when its op type ('Softmax'), lower-cased type ('softmax') or the core
     op it lowers to ('softmax', 'layer_norm') is excluded (or missing from a non-empty include list)."""
@@ -336,24 +371,31 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
         raise CaptureError("the onnx package is not installed", fix="pip install onnx") from None
     is_path = isinstance(path_or_model, (str, os.PathLike))
     label = str(path_or_model) if is_path else (name or "<in-memory model>")
-    loaded = topo_sorted(_load(path_or_model, label))
+    loaded = topo_sorted(with_shapes(_load(path_or_model, label), input_dims, label))
     converted = set(supported_onnx_ops())
+    refused: dict[str, CaptureError] = {}    # op -> its converter's refusal, the op then imported by its body
     while True:
         model = expand_functions(loaded, converted)
-        model, opset, inferred = validate_onnx(model, label, converted, _CHECKS)
+        origins = body_origins(loaded, model)
+        try:
+            model, opset, inferred = validate_onnx(model, label, converted, _CHECKS, origins)
+        except CaptureError as e:
+            raise _refusal_of(e, None, origins, refused) from None
         gname = name or (Path(str(path_or_model)).stem if is_path else (model.graph.name or "onnx_model"))
         imp = _Importer(model, label, gname, dims, input_dims, make_onnx_excluder(include_ops, exclude_ops),
                         input_values)
         imp.extra_value_info = inferred if check_types else []
+        imp.origins = origins
         try:
             g = imp.run()
             break
-        except CaptureError:
+        except CaptureError as e:
             # a converter that refuses a node (an attribute or output it does not cover) leaves the
             # op to its function body, when the schema has one
             n = imp.node
             if n is None or n.op_type not in converted or not has_body(n.op_type, n.domain, opset):
-                raise
+                raise _refusal_of(e, n, origins, refused) from None
+            refused[n.op_type] = e
             converted.discard(n.op_type)
     ops = Counter(n.op_type for n in model.graph.node)
     report = OnnxCaptureReport(source="onnx", seconds=time.perf_counter() - t0, aten_ops=dict(sorted(ops.items())),

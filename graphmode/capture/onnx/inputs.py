@@ -144,3 +144,86 @@ class InputBinder:
         """The one value a recipe dim admits (`d: 3` or min == max), else None."""
         lo_hi = (self.user_dims or {}).get(name)
         return lo_hi[0] if lo_hi is not None and lo_hi[0] == lo_hi[1] else None
+
+
+def _unshaped(vis, skip=frozenset()) -> list:
+    return [vi for vi in vis if vi.name not in skip and vi.type.HasField("tensor_type")
+            and not vi.type.tensor_type.HasField("shape")]
+
+
+def with_shapes(model, input_dims, label: str):
+    """`model` (a copy, where it changes) with a shape on every graph input and output that has none.
+
+    ONNX Runtime runs a model whose inputs have no shape at all (any shape is taken); onnx.checker
+    requires one. An input's shape is the recipe's (inputs[k].shape: a recipe must declare it, there
+    is nothing to draft it from); an output's is what ONNX's shape inference finds for it."""
+    inits = {i.name for i in model.graph.initializer}
+    ins, outs = _unshaped(model.graph.input, inits), _unshaped(model.graph.output)
+    if not ins and not outs:
+        return model
+    import onnx
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    spelled = {clean_name(vi.name): vi.name for vi in model.graph.input}
+    given = {spelled.get(k, k): (v, f"inputs[{i}]") for i, (k, v) in enumerate((input_dims or {}).items())}
+    for vi in _unshaped(out.graph.input, inits):
+        if vi.name not in given:
+            raise CaptureError(f"input {vi.name!r} has no shape in the ONNX model (ONNX Runtime takes any), so "
+                               "graphmode cannot tell its rank or dims", where=f"onnx {label}",
+                               fix=f"declare it in a recipe's inputs[] (name: {vi.name}, and its shape as dim names "
+                                   "or integers, e.g. [batch, 4]) and compile with that recipe; a recipe drafted "
+                                   "from the file has nothing to take it from")
+        _set_shape(vi.type.tensor_type, given[vi.name][0])
+    scalars = [(vi.name, given[vi.name][1]) for vi in ins if not list(given[vi.name][0])]
+    if scalars:
+        _check_scalars(out, scalars, label)
+    if outs:
+        _infer_output_shapes(out, label)
+    return out
+
+
+def _check_scalars(model, scalars: list[tuple[str, str]], label: str) -> None:
+    """Inputs without a shape that the recipe declares 0-d (shape []: what a draft writes for an input
+    the file gives no shape, having nothing to take one from): refused, naming the recipe field,
+    where ONNX's shape inference finds a node that cannot take a 0-d tensor there."""
+    import onnx
+    try:
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except Exception as e:  # noqa: BLE001 - onnx.shape_inference.InferenceError and friends
+        name, field = scalars[0]
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(f"input {name!r} has no shape in the ONNX model (ONNX Runtime takes any), and the recipe's "
+                           f"{field}.shape is [] (a 0-d tensor), which the model cannot take: {text}",
+                           where=f"onnx {label}", value=[],
+                           fix=f"declare its shape in the recipe's {field}.shape (dim names or integers, e.g. "
+                               "[batch, 4]) and compile with that recipe: a recipe drafted from the file has nothing "
+                               "to take the shape from") from None
+
+
+def _set_shape(tt, dims) -> None:
+    shape = tt.shape
+    del shape.dim[:]
+    for d in dims:
+        entry = shape.dim.add()
+        if isinstance(d, int):
+            entry.dim_value = d
+        else:
+            entry.dim_param = str(d)
+
+
+def _infer_output_shapes(model, label: str) -> None:
+    """Each output without a shape gets the one ONNX's shape inference finds (refused where none)."""
+    import onnx
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001 - the validator names what is inconsistent
+        inferred = model.graph
+    found = {v.name: v.type.tensor_type for v in (*inferred.output, *inferred.value_info)
+             if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
+    for vi in _unshaped(model.graph.output):
+        if vi.name not in found:
+            raise CaptureError(f"output {vi.name!r} has no shape in the ONNX model and ONNX's shape inference "
+                               "finds none", where=f"onnx {label}",
+                               fix="give it a shape in the model (one entry per axis, None where unknown: "
+                                   "onnx.helper.make_tensor_value_info(name, elem_type, [None, None]))")
+        vi.type.tensor_type.shape.CopyFrom(found[vi.name].shape)

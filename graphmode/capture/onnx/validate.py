@@ -214,12 +214,19 @@ def _check_opset(model, label: str):
     return bring_in(model, label)
 
 
-def _check_op_types(model, label: str, supported: Collection[str]) -> None:
+def _check_op_types(model, label: str, supported: Collection[str], origins: Mapping[str, tuple[int, Any]]) -> None:
     bad: dict[str, list[str]] = defaultdict(list)
     for i, n in enumerate(model.graph.node):
+        if n.domain in ("", "ai.onnx") and n.op_type in supported:
+            continue
         key = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
-        if n.domain not in ("", "ai.onnx") or n.op_type not in supported:
-            bad[key].append(n.name or f"#{i} -> {n.output[0] if n.output else '?'}")
+        origin = origins.get(n.output[0]) if n.output else None
+        if origin is not None:      # a node of a function body: the file's node it expands, named
+            j, call = origin
+            bad[call.op_type].append(f"{call.name or f'#{j} -> {call.output[0]}'}: its function body uses {key}")
+            continue
+        bad[key].append(n.name or f"#{i} -> {n.output[0] if n.output else '?'}")
+    bad = {k: list(dict.fromkeys(v)) for k, v in bad.items()}
     if bad:
         parts = []
         for op, names in sorted(bad.items()):
@@ -363,9 +370,12 @@ def topo_sorted(model):
 
 
 def validate_onnx(model, label: str, supported_ops: Collection[str],
-                  checks: Mapping[str, Callable[[CheckedNode], None]]) -> tuple[Any, int, list]:
+                  checks: Mapping[str, Callable[[CheckedNode], None]],
+                  origins: Mapping[str, tuple[int, Any]] | None = None) -> tuple[Any, int, list]:
     """Refuse `model` with a CaptureError unless graphmode can import and run it; `checks`
-    holds each op type's attribute check (the importer's, registered with the handlers).
+    holds each op type's attribute check (the importer's, registered with the handlers);
+    `origins` maps the nodes function bodies brought in to the file's nodes they expand
+    (functions.body_origins), so an error names the node the user wrote.
 
     Returns the model as the importer reads it (relabelled or converted to a known opset),
     its default-domain opset as written and ONNX's inferred value_info (the importer
@@ -375,8 +385,8 @@ def validate_onnx(model, label: str, supported_ops: Collection[str],
     model, opset = _check_opset(model, label)
     light = _light(model)
     _run_checker(light, model, label)
-    _check_op_types(model, label, supported_ops)
-    types = ValueTypes(model, light, label)
+    _check_op_types(model, label, supported_ops, origins or {})
+    types = ValueTypes(model, light, label, origins)
     data_prop = _constant_sizes(types)
     types.add_types(_lenient_types(light, data_prop))
     _check_attributes(types, checks)

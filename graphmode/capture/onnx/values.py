@@ -3,6 +3,7 @@ time, an IR value, or a large constant not yet in the graph), how one becomes an
 and the cross-check of every value's type against the model's declared types."""
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any, Sequence
 
@@ -12,7 +13,6 @@ import torch
 
 from graphmode.capture.onnx.fold import KNOWN_LIMIT, _Known, _is_sym, _objarr, _py
 from graphmode.capture.onnx.checks import ONNX_DTYPES as _ONNX_DTYPES, WIDENED
-from graphmode.errors import IRError
 from graphmode.ir.graph import clean_name
 from graphmode.ir.ops import OPS
 from graphmode.ir.types import Dim, TensorType, dim_str, dims_equal, normalize_dim
@@ -222,14 +222,7 @@ class ValueState:
             p = d.dim_param
             if p in self.dimmap:
                 return self.dimmap[p]
-            try:   # an expression over the model's dim names (dynamo exports: "2*seq")
-                e = normalize_dim(p)
-            except IRError:
-                return None
-            free = getattr(e, "free_symbols", set())
-            if not free or any(s.name not in self.dimmap for s in free):
-                return None   # unk__N and other names the inputs do not define
-            return normalize_dim(e.xreplace({s: sympy.sympify(self.dimmap[s.name]) for s in free}))
+            return declared_expr(p, self.dimmap)   # dynamo's "2*s27", "Min(32, s27)", "(s27//2)"
         return None
 
     def check_declared(self, name: str) -> None:
@@ -252,11 +245,90 @@ class ValueState:
             want = self._declared_dim(d)
             if want is None or _data_sized(g):     # NonZero's count: the exporter's sample, not a contract
                 continue
-            if not _deq(want, g):
+            if not _deq(want, g) and not self._advisory(want, g):
                 raise self.fail(f"value {name!r} dim {i}: the importer inferred {dim_str(g)}, the ONNX model "
                                 f"declares {dim_str(want) if not isinstance(want, int) else want}",
                                 fix="name the model's dims with the recipe's dims in inputs[].shape, or re-export "
                                     "with dynamic axes on every dynamic input dim")
+
+    def _advisory(self, want: Dim, got: Dim) -> bool:
+        """Whether a declared dim with Min / Max / floor / Mod that differs from the importer's may be
+        passed over: dynamo writes the length of pos[:seq] over a 32-row table as Min(32, seq), which
+        is the importer's seq wherever the model runs (seq <= 32: the IR's slice assumes it, and the
+        index analysis bounds seq by it). It is advisory where the two agree at some dim values of
+        the ranges; where they agree at none the importer and the model disagree, which is refused.
+        The declared expression never replaces the importer's type."""
+        if isinstance(want, int) or not want.has(sympy.Min, sympy.Max, sympy.floor, sympy.ceiling, sympy.Mod):
+            return False
+        if (want, got) not in self.advised:
+            self.advised[want, got] = agrees_somewhere(want, got, self.g.dims)
+        return self.advised[want, got]
+
+
+_TORCH_SIZE_FUNCS = {
+    "Min": sympy.Min, "Max": sympy.Max, "Mod": sympy.Mod, "PythonMod": sympy.Mod, "floor": sympy.floor,
+    "ceiling": sympy.ceiling, "Abs": sympy.Abs, "FloorDiv": lambda a, b: sympy.floor(a / b),
+    "CeilDiv": lambda a, b: sympy.ceiling(a / b), "IntTrueDiv": lambda a, b: a / b,
+    "FloatTrueDiv": lambda a, b: a / b, "ToFloat": lambda a: a, "FloorToInt": sympy.floor,
+    "CeilToInt": sympy.ceiling, "TruncToInt": sympy.floor,    # sizes are not negative: trunc is floor
+}
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# what a size expression is written with: names, numbers, + - * / // %, parentheses and commas
+# (the text is the file's, and is evaluated: no attribute, subscript, string, power or long text)
+_SIZE_TEXT = re.compile(r"[A-Za-z0-9_+\-*/%(), ]{1,200}")
+
+
+def declared_expr(text: str, dimmap: dict) -> Dim | None:
+    """A value_info dim_param written as an expression over the model's dim names (torch.export's
+    size expressions as dynamo writes them: Min, Max, Mod, //, FloorDiv, CeilToInt(IntTrueDiv(..)))
+    with each name replaced by the importer's dim for it; None where it names another (unk__N) or
+    does not parse: such a declaration says nothing the importer can check."""
+    if not _SIZE_TEXT.fullmatch(text) or "**" in text or "__" in text:
+        return None
+    names = [t for t in dict.fromkeys(_NAME.findall(text)) if t not in _TORCH_SIZE_FUNCS]
+    if not names or any(t not in dimmap for t in names):
+        return None
+    local = {t: sympy.Symbol(f"_d{i}", integer=True, positive=True) for i, t in enumerate(names)}
+    try:
+        e = sympy.parse_expr(text, local_dict={**local, **_TORCH_SIZE_FUNCS})
+        e = sympy.sympify(e).xreplace({local[t]: sympy.sympify(dimmap[t]) for t in names})
+        return normalize_dim(e)
+    except Exception:  # noqa: BLE001 - SyntaxError, TypeError, IRError...: not a size expression
+        return None
+
+
+SAMPLES = 512       # grid points agrees_somewhere evaluates at most
+
+
+def _sample_values(lo: int, hi: int, n: int) -> list[int]:
+    """The smallest and largest values of [lo, hi] and points spread between (powers of two and
+    their neighbours: where Min / Max / floor change winner for tables and strides)."""
+    pts = set(range(lo, min(hi, lo + 8) + 1)) | {hi, max(lo, hi - 1)}
+    k = 1
+    while k <= hi:
+        pts |= {v for v in (k - 1, k, k + 1) if lo <= v <= hi}
+        k *= 2
+    pts |= {lo + (hi - lo) * i // 8 for i in range(9)}
+    ordered = sorted(pts)
+    if len(ordered) <= n:
+        return ordered
+    return sorted({ordered[i * (len(ordered) - 1) // (n - 1)] for i in range(n)})   # both ends kept
+
+
+def agrees_somewhere(a: Dim, b: Dim, ranges: dict) -> bool:
+    """Whether dims `a` and `b` are equal at some point of `ranges` (sampled: the value of every
+    symbol at the ends of its range and spread inside it); symbols without a range take 1..4096."""
+    diff = sympy.sympify(a) - sympy.sympify(b)
+    syms = sorted(diff.free_symbols, key=lambda x: x.name)
+    if not syms:
+        return diff == 0
+    per = max(2, int(SAMPLES ** (1 / len(syms))))
+    spans = [_sample_values(*ranges.get(x.name, (1, 4096)), per) for x in syms]
+    for pt in itertools.islice(itertools.product(*spans), SAMPLES):
+        v = diff.xreplace(dict(zip(syms, map(sympy.Integer, pt))))
+        if v == 0 or (not v.is_Number and sympy.simplify(v) == 0):
+            return True
+    return False
 
 
 def data_length_error(imp, what: str, size: Dim):
