@@ -186,6 +186,10 @@ def sampling(cfg: dict[str, Any], max_tokens: int, temperature: float, top_k: Op
     if temperature < 0:
         raise GraphmodeError("temperature must be >= 0", where="--temperature", value=temperature,
                              fix="0 for greedy decoding, > 0 to sample")
+    if top_p is not None and not 0 < top_p <= 1:          # the value first: then whether it applies
+        raise GraphmodeError("--top-p is a probability mass", where="--top-p", value=top_p, fix="a number in (0, 1]")
+    if top_k is not None and top_k < 1:
+        raise GraphmodeError("--top-k counts tokens", where="--top-k", value=top_k, fix="a positive integer")
     greedy = temperature == 0
     if greedy and (top_k is not None or top_p is not None):
         raise GraphmodeError("--top-k and --top-p shape sampling, and --temperature 0 decodes greedily",

@@ -275,7 +275,10 @@ def _fmt_shape(ce: dict[str, int]) -> str:
 
 
 def _mb(x) -> str:
-    return f"{float(x) / MB:.1f} MB"
+    """Bytes in MB: one decimal, and three significant digits below 10 MB (a tiny budget and what it
+    refuses would both read 0.0 MB)."""
+    v = float(x) / MB
+    return f"{v:.1f} MB" if v >= 10 or v == 0 else f"{v:.3g} MB"
 
 
 def _vars(cm: ConstraintModel) -> dict[str, z3.ArithRef]:
@@ -328,7 +331,8 @@ def prove_memory(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> P
             raise AssertionError(f"internal: Z3 memory counter-example {ce} does not reproduce ({need} <= {budget})")
         breakdown = " + ".join(f"{k} {_mb(x)}" for k, x in parts.items())
         per = f" per device (rank of {cm.ranks})" if cm.ranks > 1 else ""
-        msg = f"{_fmt_shape(ce)}: needs {_mb(need)} > {budget / MB:g} MB budget{per} ({breakdown})"
+        shown = f"{budget / MB:g}" if budget >= 10 * MB else f"{budget / MB:.3g}"     # no float noise below 10
+        msg = f"{_fmt_shape(ce)}: needs {_mb(need)} > {shown} MB budget{per} ({breakdown})"
         return Proof("memory", "refuted", msg, ce, dt,
                      {"needed_bytes": int(need), "budget_bytes": budget,
                       "terms": {k: float(x) for k, x in parts.items()}})

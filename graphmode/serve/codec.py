@@ -222,6 +222,14 @@ def _json_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
     elif not dtype.is_floating_point:
         if kinds - {int}:
             got = _kinds(kinds - {int})
+            if kinds - {int} == {float}:         # NaN / Infinity (or 1e400) read as floats: name the value
+                t = torch.tensor(value, dtype=torch.float64)
+                odd = ~torch.isfinite(t)
+                if bool(odd.any()):
+                    where = _first_bad(~odd)
+                    raise _refuse(name, f"holds {float(t[tuple(where)])} at index {where}; integers "
+                                        f"({_dtype_label(dtype)}) are finite", where=".dtype",
+                                  fix="send whole numbers (no NaN, Infinity or exponent)")
             raise _refuse(name, f"holds integers ({_dtype_label(dtype)}); got {got}", where=".dtype",
                           fix="send whole numbers (no decimal point)")
         t = _ints(name, value, dtype)

@@ -139,6 +139,7 @@ LONG = ",".join(str(3 + i % 90) for i in range(40))           # the recipe's seq
     ("recipe", ["--prompt-ids", "5", "--stop", "w9"], "--stop", "no tokenizer"),
     ("recipe", [], "--prompt/--prompt-ids", "text or as token ids"),
     ("recipe", ["--prompt-ids", "5,6", "--top-k", "5"], "--top-k", "--temperature"),
+    ("recipe", ["--prompt-ids", "5,6", "--top-p", "1.5"], "--top-p", "(0, 1]"),      # the value, not the temperature
     ("recipe", ["--prompt-ids", "5,6", "--temperature", "-1"], "--temperature", "temperature"),
     ("recipe", ["--prompt-ids", "5,6", "--max-tokens", "0"], "--max-tokens", "max_new_tokens"),
     ("recipe", ["--prompt-ids", "5,6", "--max-tokens", "60"], "--max-tokens", "KV pages"),

@@ -85,6 +85,15 @@ def test_over_budget_counterexample_checked_by_evaluation():
     assert ei.value.exit_code == 1 and ei.value.counterexample == ce and "batch=32, seq=512" in str(ei.value)
 
 
+def test_a_tiny_budget_and_what_it_refuses_read_as_numbers():
+    """'needs 0.0 MB > 0.00999928 MB budget': the need rounded away and the budget showed float noise."""
+    import yaml
+    data = yaml.safe_load((DATA / "minilm_over_budget.yaml").read_text())
+    data["memory"]["budget_mb"] = 0.01
+    mem = next(p for p in validate(load_recipe(data), CPU).proofs if p.name == "memory")
+    assert "> 0.01 MB budget" in mem.message and "needs 0.0 MB" not in mem.message, mem.message
+
+
 def test_memory_proof_with_headroom_and_enumeration_agree():
     rep = validate(load_recipe(ROOT / "examples/recipes/minilm_cpu.yaml"), CPU)
     mem = next(p for p in rep.proofs if p.name == "memory")

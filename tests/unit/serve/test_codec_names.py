@@ -39,3 +39,16 @@ def test_a_json_only_endpoints_415_names_json_only():
         with pytest.raises(BadRequest) as e:
             body_kind(kind, json_only=True)
         assert e.value.status == 415 and e.value.fix == "send application/json"
+
+
+def test_non_finite_values_in_an_integer_input_are_named_with_their_index():
+    """They were refused as 'fractional numbers'; a float input already named NaN and its index."""
+    import pytest
+    import torch
+    from graphmode.serve.codec import _json_tensor
+    from graphmode.serve.errors import BadRequest
+    for bad, shown in ((float("nan"), "nan"), (float("inf"), "inf")):
+        with pytest.raises(BadRequest, match=f"holds {shown} at index \\[0, 1\\]"):
+            _json_tensor("ids", [[1, bad]], torch.int64)
+    with pytest.raises(BadRequest, match="fractional numbers"):
+        _json_tensor("ids", [[1, 2.5]], torch.int64)
