@@ -44,7 +44,7 @@ def engine_of(cm: Any):
             from graphmode.decode.engine import DecodeEngine
             lm = causal_lm(cm.source)
             eng = DecodeEngine.build(lm, cm.recipe, cm.target, cache_dir=cm.cache_dir, threads=cm.threads,
-                                     on_stage=cm.on_stage)
+                                     on_stage=cm.on_stage, name=getattr(cm.source, "name", None) or "lm")
             cm._decoder = eng
     return eng
 

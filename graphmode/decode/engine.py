@@ -89,16 +89,16 @@ def decode_mode(recipe: Any) -> str:
 
 
 def lower_decoder(lm: torch.nn.Module, recipe: Any, target: Any = None, *, on_stage: OnStage | None = None,
-                  rank: int = 0) -> Any:
+                  rank: int = 0, name: str = "lm") -> Any:
     """The causal LM's paged graph through `compiler.lower_model` (a `Lowered`); `on_stage` hears
     its capture, passes and proof (graphmode/progress.py). Under `parallel`, `rank`'s shard (its
-    pools hold its KV heads only)."""
+    pools hold its KV heads only). `name`: the model's (a saved .gm answers to it when served)."""
     from graphmode.compiler import ModelSource, lower_model
     cfg = lm_config(lm)
     dims = {d: recipe.dim_range(d) for d in recipe.dims}
     fwd = CausalLMForward(lm).eval()
     ex = {"input_ids": torch.randint(0, int(cfg["vocab"] or 2), (2, 3)), "position_ids": torch.arange(3).repeat(2, 1)}
-    src = ModelSource("lm", fwd, ex, {k: ["batch", "seq"] for k in ex}, masks_padding=True,
+    src = ModelSource(name, fwd, ex, {k: ["batch", "seq"] for k in ex}, masks_padding=True,
                       capture_dims={"batch": (max(1, dims["batch"][0]), max(2, dims["batch"][1])),
                                     "seq": (2, max(3, dims["seq"][1]))})
     return lower_model(src, decode_contract(recipe), target, mode=decode_mode(recipe), on_stage=on_stage, rank=rank)
@@ -199,7 +199,8 @@ class DecodeEngine:
 
     @classmethod
     def build(cls, lm: torch.nn.Module, recipe: Any, target: Any = None, *, cache_dir=None,
-              threads: int | None = None, on_stage: OnStage | None = None, rank: int = 0) -> "DecodeEngine":
+              threads: int | None = None, on_stage: OnStage | None = None, rank: int = 0,
+              name: str = "lm") -> "DecodeEngine":
         """Compiled prefill and decode plans of one causal LM under one recipe; `on_stage` hears
         the decoder graph's capture, passes and proof, and its plan builds (graphmode/progress.py).
         Under `parallel.tensor` N > 1, `rank`'s engine: its shard of the graph and its pool of
@@ -215,7 +216,7 @@ class DecodeEngine:
                                      fix="graphmode.compile(model, recipe) starts the ranks (its generate / stream "
                                          "decode on them), or parallel.tensor: 1 for one process")
         _shape(recipe, cfg)           # refused before the capture
-        low = lower_decoder(lm, recipe, target, on_stage=on_stage, rank=rank)
+        low = lower_decoder(lm, recipe, target, on_stage=on_stage, rank=rank, name=name)
         cm = CompiledModel.from_lowered(low, recipe, target, mode=decode_mode(recipe), cache_dir=cache_dir, threads=threads,
                                         on_stage=on_stage)
         cm.spill_constants()          # the transposed weights the passes made: the kernels pack their own

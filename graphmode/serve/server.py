@@ -246,8 +246,10 @@ class ModelServer(Loading, Reloading, Serving):
     def model_names(self) -> list[str]:
         """The names clients address the model by (OpenAI `model`, KServe `/v2/models/{name}`):
         the model's, then the serving recipe's."""
-        names = [n for n in (getattr(self.model, "name", None), self.active.name if self.active else self.recipe.name)
-                 if isinstance(n, str) and n]
+        saved = getattr(getattr(getattr(self.active, "cm", None), "source", None), "name", None) \
+            if self.artifact is not None else None        # a .gm keeps the name of the model it was saved from
+        names = [n for n in (getattr(self.model, "name", None), saved,
+                             self.active.name if self.active else self.recipe.name) if isinstance(n, str) and n]
         return list(dict.fromkeys(names))
 
     @property

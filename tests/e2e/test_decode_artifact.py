@@ -137,6 +137,10 @@ def test_serving_the_artifact_answers_completions_and_refuses_infer(words, tmp_p
         choice = r.json()["choices"][0]
         assert choice["token_ids"] == greedy_reference(tokenizer().encode("w5 w6 w7"), 8)
         assert choice["text"] == tokenizer().decode(choice["token_ids"])
+        # the name the model was served by from its spec still addresses it (it was the recipe's only)
+        names = {m["id"] for m in httpx.get(running.url + "/v1/models", timeout=60).json()["data"]}
+        spec_name = ModelServer(f"{TINY}:gpt2_words", words["recipe"]).model_names()[0]
+        assert spec_name in names, (spec_name, names)
         r = httpx.post(running.url + "/v1/infer", timeout=60,
                        json={"inputs": {"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]]}})
         assert r.status_code == 422 and "paged decode graph" in r.json()["message"], r.text
