@@ -120,11 +120,15 @@ class Request:
         from graphmode.recipe.facts import kv_params
         kv = kv_params(rec)
         room = kv["page_size"] * kv["max_pages_per_seq"]
+        context = self.cfg.get("context")
         if self.longest + max_tokens > room:
+            more = "" if isinstance(context, int) and context <= room else \
+                ", or raise memory.kv_cache.max_pages_per_seq"        # pages past the model's positions never help
             raise ContractViolation(f"{self.longest} prompt + {max_tokens} new tokens exceed the {room} tokens a "
-                                    "sequence's KV pages hold", where="--max-tokens", value=max_tokens,
-                                    fix=f"ask for at most {room - self.longest} new tokens, or raise "
-                                        "memory.kv_cache.max_pages_per_seq")
+                                    "sequence's KV pages hold" + (f" (the model has {context} positions)"
+                                                                  if not more else ""),
+                                    where="--max-tokens", value=max_tokens,
+                                    fix=f"ask for at most {room - self.longest} new tokens{more}")
 
 
 def model_bundle(model: str) -> Any:

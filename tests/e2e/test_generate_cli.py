@@ -168,3 +168,18 @@ def test_without_a_recipe_generate_drafts_one_as_the_python_api_does(files):
                               "--prompt-ids", ",".join(map(str, P0)), "--max-tokens", str(NEW), "--json"])
     assert res.exit_code == 0 and "Traceback" not in res.output, res.output
     assert json.loads(res.stdout)["choices"][0]["tokens"] == reference(P0)
+
+
+@pytest.mark.parametrize("context,pages_help", [(64, True), (32, False)])
+def test_a_request_past_the_pages_names_pages_only_where_more_would_help(context, pages_help):
+    """generate --max-tokens past the pages said 'or raise max_pages_per_seq', and a recipe with more
+    pages was then refused for the model's positions: more pages cannot help a model of 32 positions."""
+    from graphmode.cli.generate_cmd import Request
+    from graphmode.errors import ContractViolation
+    from graphmode.recipe import load_recipe
+    rec = load_recipe(recipe())
+    room = rec.memory.kv_cache.page_size * rec.memory.kv_cache.max_pages_per_seq
+    req = Request(None, None, {"context": context}, None, "--prompt-ids", [[5, 6]], (), [])
+    with pytest.raises(ContractViolation) as e:
+        req.check_room(rec, room)
+    assert ("max_pages_per_seq" in e.value.fix) == pages_help and f"at most {room - 2}" in e.value.fix
