@@ -40,6 +40,8 @@ _PER_ELEMENT = {"one_hot": 1, "bucketize": 0}
 _INDEXED_ALONG = {"index_add", "index_copy", "index_fill", "index_reduce"}
 # ops whose `dim` names the one axis kept apart while every other axis is mixed (renorm normalises
 # each x.select(dim, i) over all the rest): not "along dim" ops
+# norms over the trailing len(normalized_shape) axes (args[1]); every leading axis is a row of its own
+_NORMALIZED_LAST = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 _MIXES_OTHER_DIMS = {"renorm", "_weight_norm", "_weight_norm_interface", "norm_except_dim", "unique_dim",
                      "unique_consecutive", "unique_dim_consecutive"}
 
@@ -232,6 +234,9 @@ def aten_call(an, n: Node, ins: list[State], taint: dict[str, Finding], target: 
             and ins[0].axes and len(ins[1].axes) == len(ins[0].axes) - 1:
         index = args[3] if len(args) > 3 and isinstance(args[3], int) else -1
         return [_select_scatter(an, n, ins[0], ins[1], args[2] % len(ins[0].axes), index, f"{label}{target}", taint)]
+    if short in _NORMALIZED_LAST and ins and len(args) > 1 and args[0] == {"$in": 0} \
+            and isinstance(args[1], list) and 0 < len(args[1]) <= len(ins[0].axes):
+        return _normalized_last(an, n, ins, shapes, len(args[1]), f"{label}{target}", taint)
     along_dim = _along_dim(an, n, ins, shapes, target, args, kwargs, label, taint) \
         if short not in _MIXES_OTHER_DIMS else None
     if along_dim is not None:
@@ -251,6 +256,22 @@ def aten_call(an, n: Node, ins: list[State], taint: dict[str, Finding], target: 
         an.taint(taint, n, s.axes, f"{label}{target} over padded dim {{dim}}: graphmode cannot see "
                                    "how it uses padded positions")
     return [State(an.from_type(sh)) for sh in shapes]
+
+
+def _normalized_last(an, n: Node, ins: list[State], shapes: list, k: int, what: str,
+                     taint: dict[str, Finding]) -> list[State]:
+    """A layer or RMS norm: each row's statistics over its last k axes, so a padded axis among
+    those is mixed into real rows, and every other axis passes through position for position
+    (its padded rows hold what padding computes). The statistics outputs (native_layer_norm's
+    mean and rstd) keep the leading axes too."""
+    x = ins[0]
+    rank = len(x.axes)
+    an.taint(taint, n, x.axes[rank - k:], f"{what} normalises over padded dim {{dim}}")
+    for s in ins[1:]:                   # weight and bias: padded, they would scale by padding
+        an.taint(taint, n, s.axes, f"{what} with weights padded along {{dim}}")
+    lead = an.garbage(x.axes[:rank - k])
+    return [State(lead + an.from_type(sh[rank - k:])) if len(sh) == rank else State(an.from_type(sh))
+            for sh in shapes]
 
 
 def _below_smallest(an, ax: Axis, index: State) -> bool:
