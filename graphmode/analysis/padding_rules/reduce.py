@@ -12,8 +12,11 @@ from graphmode.ir.graph import Node
 from graphmode.ir.ops import get_op, norm_axis
 
 # how a padded content is recognised as the identity the op table declares (OpSpec.pad_identity)
-IDENTITY = {"zero": falsy, "masked": neg_huge}
-IDENTITY_MISSING = {"zero": "whose padded positions are not zero", "masked": "whose padded positions are not masked"}
+IDENTITY = {"zero": falsy, "masked": neg_huge,
+            "one": lambda c: c.kind == "const" and not isinstance(c.value, bool) and c.value == 1}
+IDENTITY_MISSING = {"zero": "whose padded positions are not zero", "masked": "whose padded positions are not masked",
+                    "one": "whose padded positions are not one"}
+_COUNTED = ("sum", "prod")       # their result depends on how many positions there are
 
 
 def identity_test(op: str):
@@ -51,11 +54,13 @@ def reduce(an, n: Node, x: State, taint: dict[str, Finding]) -> State:
         else:
             axes.append(Axis(tuple(Factor(f.extent, f.dim, reduced_content(op, f.content) if f.dim
                                           else f.content, f.prefix) for f in ax.factors)))
-    return State(tuple(axes), x.uniform if op != "sum" else UNKNOWN)
+    return State(tuple(axes), x.uniform if op not in _COUNTED else UNKNOWN)
 
 
 def reduced_content(op: str, c: Content) -> Content:
-    if c.kind == "const" and (op != "sum" or falsy(c)):
+    """What the reduction of padded positions holding `c` holds: a constant stays itself under a
+    max, min or mean, under a sum only as 0, under a product as 0 or 1."""
+    if c.kind == "const" and (op not in _COUNTED or falsy(c) or (op == "prod" and IDENTITY["one"](c))):
         return c
     if neg_huge(c) and get_op(op).pad_identity == "masked":     # a max of masked values stays masked
         return NEG_HUGE

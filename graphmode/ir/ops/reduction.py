@@ -61,7 +61,7 @@ register(OpSpec("prod", "reduction", (1, 1), _sum_infer, _mk_reduce(_prod), attr
                 aten=("aten.prod.dim_int",), samples=lambda: [Sample(randn((2, 3, 5)), {"dims": [2]}),
                                                               Sample(randn((2, 3, 4)), {"dims": [0, 2],
                                                                                         "keepdim": True})],
-                padding="opaque"))
+                padding="reduce", pad_identity="one"))
 
 
 def _arg_infer(ins, attrs):

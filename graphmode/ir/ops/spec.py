@@ -78,6 +78,7 @@ PADDING_RULES = {
 PAD_IDENTITIES = {
     "zero": "zeros (a sum)",
     "masked": "masked values, at or below -1e4 (a max, a softmax's logits, argmax)",
+    "one": "ones (a product)",
 }
 
 
