@@ -179,7 +179,8 @@ def verify_cmd(
             if narrow:
                 top = [o["top1"] for o in r["outputs"] if o.get("top1") is not None]
                 low = min(top, key=lambda t: t["share"]) if top else None
-                row.append(f"{low['share']:.1%}, {low['confident_flips']} flip(s)" if low else "-")
+                row.append(f"{low['share']:.1%}, {low['confident_flips']} flip(s)"
+                           + ("" if low["judged"] else " (not judged)") if low else "-")
             t.add_row(*row, "yes" if r["ok"] else "[red]NO[/]")
         console.print(t)
         if failure:
@@ -192,8 +193,11 @@ def verify_cmd(
                 else:
                     console.print("no recipe change is known to remove it; this is a graphmode bug — report it")
         else:
+            judged = any((o.get("top1") or {}).get("judged") for r in results for o in r["outputs"])
+            top1 = (f"; {rec.precision.weights} weights: no logit position's top-1 moved by more than the rounding "
+                    "noise" if judged else f"; {rec.precision.weights} weights: within the weight-only error bound, "
+                    "and no top-1 check ran (only an output named logits is judged on its decisions: name a "
+                    "classifier's output logits, e.g. return {'logits': y})")
             console.print("all shapes match eager within tolerance (every bucket filled, padded, and the "
-                          "smallest admissible shape)" + (f"; {rec.precision.weights} weights: no logit position's "
-                                                          "top-1 moved by more than the rounding noise" if narrow
-                                                          else ""))
+                          "smallest admissible shape)" + (top1 if narrow else ""))
     raise typer.Exit(0 if ok else 1)

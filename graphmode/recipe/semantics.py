@@ -208,9 +208,15 @@ class _Checker(Findings):
         if p.weights != "int4" and (p.group_size != 32 or p.int4_scheme != "symmetric"):
             field = "precision.group_size" if p.group_size != 32 else "precision.int4_scheme"
             self.warn(field, f"{field.split('.')[1]} applies to weights: int4 only; weights is {p.weights}")
+        for op in p.overrides:
+            if not _known_op(op):
+                self.err(f"precision.overrides.{op}", "no ATen, ONNX or graphmode op has this name (the override "
+                         "would narrow nothing, silently)", op,
+                         fix="name a graphmode op (`graphmode ops` lists them: softmax, layer_norm, linear, ...)")
         if self.t is None:
             return
-        supported = ", ".join(self.t.dtypes)
+        floats = [d for d in self.t.dtypes if d.startswith(("f", "bf"))]
+        supported = ", ".join(floats)
         checks = [("precision.compute", p.compute)]
         if p.accumulate:
             checks.append(("precision.accumulate", p.accumulate))

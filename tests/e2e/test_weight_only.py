@@ -147,3 +147,20 @@ def test_weights_a_model_multiplies_by_directly_are_narrowed_too(wd, tmp_path):
     assert ops.count("qlinear") == 2 and "matmul" not in ops
     with torch.no_grad():
         assert rel_l2(cm(x), model(x)) < WEIGHT_ONLY[wd]
+
+
+def test_verify_says_when_no_output_was_judged_on_top1(tmp_path):
+    """A classifier returning a bare tensor has no output named logits: verify printed 'no logit
+    position's top-1 moved' for a check that never ran (a confident flip went unjudged)."""
+    _register()
+    (tmp_path / "m.py").write_text("import torch\ndef mlp():\n    torch.manual_seed(0)\n"
+                                   "    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),"
+                                   " torch.nn.Linear(32, 8)).eval()\n    return m, (torch.randn(4, 16),)\n")
+    rec = tmp_path / "int8.yaml"
+    rec.write_text(yaml.safe_dump({"version": 1, "name": "mlp-int8", "precision": {"weights": "int8"},
+                                   "codegen": {"kernel_selection": "heuristic"},
+                                   "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}],
+                                   "dims": {"batch": {"buckets": [4]}}}))
+    res = CliRunner().invoke(app, ["verify", "--model", f"{tmp_path / 'm.py'}:mlp", "--recipe", str(rec),
+                                   "--cache-dir", str(tmp_path / "c")])
+    assert "no top-1 check ran" in res.output and "no logit position's top-1 moved" not in res.output, res.output

@@ -75,6 +75,8 @@ def test_base_is_clean():
      "capture.exclude_ops[1]", "no ATen, ONNX or graphmode op"),
     ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\nexe_mode: hybrid\ncapture: {exclude_ops: "
      "[aten.gelu.default, torch.nn.functional.gelu]}", "capture.exclude_ops[1]", "no ATen, ONNX or graphmode op"),
+    ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\nprecision: {overrides: {softmaxx: f32}}",
+     "precision.overrides.softmaxx", "no ATen, ONNX or graphmode op"),
     ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\noptimize: {passes: [fuse, canonicalize]}",
      "optimize.passes[0]", "put canonicalize before it"),
     ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\noptimize: {passes: [canonicalize, fuse]}",
