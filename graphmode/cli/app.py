@@ -49,6 +49,7 @@ class CliConsole(Console):
         # rich turns an inherited COLUMNS (CI runners export COLUMNS=80) into a fixed width; that
         # describes a terminal, not the pipe we may be writing to, so only an explicit width counts.
         self._explicit_width = kwargs.get("width") is not None
+        kwargs.setdefault("emoji", False)     # user text stays text: a spec `dec.py:llama` is not a llama emoji
         super().__init__(*args, **kwargs)
 
     @property
