@@ -19,6 +19,7 @@ from graphmode.capture.onnx import import_onnx
 from graphmode.capture.onnx.values import agrees_somewhere, declared_expr
 from graphmode.errors import CaptureError, ContractViolation, GraphmodeError
 from graphmode.ir.types import sym
+from onnx_compile import compile_onnx
 
 ort = pytest.importorskip("onnxruntime")
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -41,12 +42,6 @@ def _pos_model(path, declared: str = "Min(32, s27)"):
                                       helper.make_tensor_value_info("mm", F, ["s77", "s27", 16])])
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return str(path)
-
-
-def _compile(path, cache, recipe=None):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return graphmode.compile(path, recipe, cache_dir=cache) if recipe else graphmode.compile(path, cache_dir=cache)
 
 
 def _matches_ort(cm, path, shapes):
@@ -87,7 +82,7 @@ def test_agreement_is_decided_over_the_dims_ranges():
 
 def test_a_draft_takes_the_range_the_model_runs_for_and_matches_onnxruntime(tmp_path):
     path = _pos_model(tmp_path / "pos.onnx")
-    cm = _compile(path, tmp_path / "cache")
+    cm = compile_onnx(path, tmp_path / "cache")
     assert (cm.recipe.dims["s27"].min, cm.recipe.dims["s27"].max) == (1, 32)
     _matches_ort(cm, path, [(1, 1), (2, 5), (3, 17), (2, 32)])
     with pytest.raises(ContractViolation, match="32 positions"):
@@ -101,9 +96,9 @@ def test_a_recipe_past_the_table_is_refused_naming_the_dim(tmp_path):
     r = {"version": 1, "name": "pos", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 16]}],
          "dims": {"batch": {"min": 1, "max": 4}, "seq": {"min": 1, "max": 64, "buckets": [16, 64]}}}
     with pytest.raises(GraphmodeError, match="at most 32"):
-        _compile(path, tmp_path / "cache", r)
+        compile_onnx(path, tmp_path / "cache", r)
     r["dims"]["seq"] = {"min": 1, "max": 32, "buckets": [8, 32]}
-    _matches_ort(_compile(path, tmp_path / "cache", r), path, [(1, 3), (4, 32)])
+    _matches_ort(compile_onnx(path, tmp_path / "cache", r), path, [(1, 3), (4, 32)])
 
 
 def test_a_declaration_that_agrees_nowhere_is_still_refused(tmp_path):
@@ -129,7 +124,7 @@ def test_dynamos_own_export_of_a_position_table_slice_compiles(tmp_path):
         warnings.simplefilter("ignore")
         torch.onnx.export(M().eval(), (torch.randn(2, 8, 16),), path, dynamo=True,
                           dynamic_shapes={"x": {0: Dim.AUTO, 1: Dim.AUTO}})
-    cm = _compile(path, tmp_path / "cache")
+    cm = compile_onnx(path, tmp_path / "cache")
     seq = next(d for d, s in cm.recipe.dims.items() if s.max == 32)
     assert cm.recipe.dims[seq].min == 1
     _matches_ort(cm, path, [(1, 1), (2, 9), (3, 32)])

@@ -18,6 +18,7 @@ from graphmode.capture.onnx import import_onnx, supported_onnx_ops
 from graphmode.capture.onnx.functions import body_origins, expand_functions
 from graphmode.errors import CaptureError
 from graphmode.ir import interpret
+from onnx_compile import compile_onnx
 
 ort = pytest.importorskip("onnxruntime")
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -27,12 +28,6 @@ def _save(path, nodes, inputs, outputs, inits=()):
     g = helper.make_graph(nodes, "m", inputs, outputs, list(inits))
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return str(path)
-
-
-def _compile(path, cache, recipe=None):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return graphmode.compile(path, recipe, cache_dir=cache) if recipe else graphmode.compile(path, cache_dir=cache)
 
 
 def _check(cm, path, feeds):
@@ -59,7 +54,7 @@ def test_a_float_range_over_a_dim_compiles_and_matches_onnxruntime(tmp_path):
         torch.onnx.export(FloatArange(), (torch.rand(2, 5),), path, dynamo=False, input_names=["x"],
                           dynamic_axes={"x": {0: "b", 1: "s"}}, opset_version=17)
     assert "Range" in {n.op_type for n in onnx.load(path).graph.node}
-    cm = _compile(path, tmp_path / "cache")
+    cm = compile_onnx(path, tmp_path / "cache")
     _check(cm, path, [torch.rand(1, 1), torch.rand(2, 5), torch.rand(3, 17), torch.rand(2, 64)])
 
 
@@ -145,13 +140,13 @@ RECIPE = {"version": 1, "name": "mm", "inputs": [{"name": "x", "dtype": "f32", "
 def test_an_input_without_a_shape_takes_the_recipes(tmp_path, y_shape):
     path = _matmul_model(tmp_path / "noshape.onnx", None, y_shape)
     assert not onnx.load(path).graph.input[0].type.tensor_type.HasField("shape")
-    _check(_compile(path, tmp_path / "cache", RECIPE), path, [torch.randn(3, 4), torch.randn(8, 4), torch.randn(1, 4)])
+    _check(compile_onnx(path, tmp_path / "cache", RECIPE), path, [torch.randn(3, 4), torch.randn(8, 4), torch.randn(1, 4)])
 
 
 def test_without_a_recipe_an_input_without_a_shape_is_refused_saying_a_recipe_must_declare_it(tmp_path):
     path = _matmul_model(tmp_path / "noshape.onnx", None, [None, 5])
     with pytest.raises(CaptureError) as e:
-        _compile(path, tmp_path / "cache")
+        compile_onnx(path, tmp_path / "cache")
     assert "'x' has no shape" in e.value.message and "inputs[0].shape" in e.value.fix and "recipe" in e.value.fix
     with pytest.raises(CaptureError, match="has no shape") as e:
         import_onnx(path)
@@ -162,7 +157,7 @@ def test_without_a_recipe_an_input_without_a_shape_is_refused_saying_a_recipe_mu
 def test_an_unnamed_axis_a_weight_fixes_is_refused_naming_the_recipe_field(tmp_path, y_shape):
     path = _matmul_model(tmp_path / "any.onnx", [None, None], y_shape)
     with pytest.raises(CaptureError) as e:
-        _compile(path, tmp_path / "cache")
+        compile_onnx(path, tmp_path / "cache")
     assert "must be 4" in e.value.message and "MatMul" in e.value.where
     assert "inputs[0].shape[1]" in e.value.fix and "4" in e.value.fix
-    _check(_compile(path, tmp_path / "cache", RECIPE), path, [torch.randn(3, 4), torch.randn(6, 4)])
+    _check(compile_onnx(path, tmp_path / "cache", RECIPE), path, [torch.randn(3, 4), torch.randn(6, 4)])
