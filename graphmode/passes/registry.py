@@ -23,11 +23,13 @@ class PassInfo:
     invalidates: frozenset[str] = field(default_factory=frozenset)
     options: type[PassOptions] | None = None   # None: the pass takes no options
     options_at: str = ""                       # where a recipe sets them ("" = only via PassContext)
+    not_after: dict[str, str] = field(default_factory=dict)    # pass -> why this one finds nothing after it
 
 
-def _info(name, summary, requires=(), provides=(), invalidates=("memory_planned",), options=None, options_at=""):
+def _info(name, summary, requires=(), provides=(), invalidates=("memory_planned",), options=None, options_at="",
+          not_after=None):
     return PassInfo(name, summary, frozenset(requires), frozenset(provides), frozenset(invalidates), options,
-                    options_at)
+                    options_at, dict(not_after or {}))
 
 
 PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
@@ -46,10 +48,14 @@ PASS_INFOS: dict[str, PassInfo] = {p.name: p for p in [
           "heads across ranks, vocab-parallel embedding and LM head, or the batch; inserts the collectives",
           provides=("sharded",), options=ShardOptions, options_at="parallel"),
     _info("merge_linears", "linears that read the same input over constant weights (q/k/v, gate/up) become one "
-          "GEMM over the concatenated weight (and bias), its output sliced back", provides=("linears_merged",)),
+          "GEMM over the concatenated weight (and bias), its output sliced back", provides=("linears_merged",),
+          not_after={"quantize_weights": "its qlinears are no longer linears to merge",
+                     "fuse": "it finds no linear inside a fused region"}),
+    # its weights must be constants: before constant_fold a captured addmm's weight is a transpose
     _info("quantize_weights", "store constant linear weights as bf16, int8 (per-output-channel scale) or int4 "
-          "(group-wise scales), read narrow by the kernel; activations stay f32", provides=("weights_quantized",),
-          options=QuantizeWeightsOptions, options_at="precision.weights"),
+          "(group-wise scales), read narrow by the kernel; activations stay f32", requires=("folded",),
+          provides=("weights_quantized",), options=QuantizeWeightsOptions, options_at="precision.weights",
+          not_after={"fuse": "it finds no linear inside a fused region"}),
     _info("cse", "merge nodes that compute the same value", provides=("cse",), options=CseOptions),
     _info("dce", "remove nodes whose results are never used", provides=("dce",)),
     _info("layout", "eliminate transposes and pick target-preferred layouts",
@@ -90,6 +96,9 @@ def check_order(names: list[str]) -> list[tuple[int, str]]:
         if info is None:
             problems.append((i, f"unknown pass {name!r}; known passes: {', '.join(sorted(PASS_INFOS))}"))
             continue
+        for before, why in info.not_after.items():
+            if before in names[:i]:
+                problems.append((i, f"pass {name!r} after {before!r}: {why}; put {name} before {before}"))
         missing = info.requires - have
         if missing:
             providers = sorted({p.name for p in PASS_INFOS.values() if p.provides & missing})

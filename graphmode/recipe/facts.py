@@ -122,6 +122,56 @@ def io_floor(recipe: Recipe, sym: dict[str, sympy.Symbol]) -> Expr:
     return sympy.Max(sympy.expand(ins), sympy.expand(outs)) if recipe.outputs else sympy.expand(ins)
 
 
+def linear_params(m) -> int:
+    """Weights of a transformer's linear layers (attention q/k/v/o, a two-matrix MLP) from the
+    `model` section: the part `precision.weights` stores narrow. A gated MLP's third matrix and an
+    LM head are left out, so the estimate errs towards more f32 bytes, never fewer."""
+    if not (m and m.layers and m.hidden):
+        return 0
+    h = m.hidden
+    kv = (m.kv_heads * (m.head_dim or h // (m.heads or max(1, h // 64)))) if m.kv_heads else h
+    return m.layers * (2 * h * h + 2 * h * kv + 2 * h * (m.intermediate or 4 * h))
+
+
+def stored_bytes_per_weight(recipe: Recipe) -> sympy.Rational:
+    """Bytes one linear weight takes as `precision.weights` stores it, its scales included
+    (quantize_weights: a f32 scale per output row for bf16/int8, per group for int4, and a
+    zero point per group for asymmetric int4); an upper bound (rows of at least `hidden`)."""
+    p, m = recipe.precision, recipe.model
+    if p.weights == "f32":
+        return sympy.Integer(DTYPE_SIZES[p.compute])
+    if p.weights == "int4":
+        return sympy.Rational(1, 2) + sympy.Rational(4 if p.int4_scheme == "symmetric" else 8, p.group_size)
+    row = min(m.hidden, m.intermediate or m.hidden) if m and m.hidden else 1
+    return sympy.Integer(2 if p.weights == "bf16" else 1) + sympy.Rational(4, row)
+
+
+def stored_weights_bytes(recipe: Recipe, notes: list[str]) -> int:
+    """The model's resident weights before it is loaded: `model.weights_mb` (the weights as the
+    model holds them, at the compute dtype) or `params_m` or a transformer's count, with the
+    linear part at the bytes `precision.weights` stores it in. A decoder's LM head counts twice:
+    tied to the embedding, it keeps the f32 table for the lookup beside its narrow copy."""
+    m = recipe.model
+    cb = DTYPE_SIZES[recipe.precision.compute]
+    if m and m.weights_mb:
+        total = _mb(m.weights_mb) // cb
+    elif m and m.params_m:
+        total = int(round(m.params_m * 1e6))
+    elif m and m.layers and m.hidden:
+        total = 12 * m.layers * m.hidden**2 + (m.vocab or 0) * m.hidden
+    else:
+        notes.append("no model.weights_mb/params_m: weights counted as 0 MB")
+        return 0
+    if recipe.precision.weights == "f32":
+        return _mb(m.weights_mb) if m.weights_mb else total * cb
+    linear = min(linear_params(m), total)
+    if not linear:
+        notes.append(f"precision.weights {recipe.precision.weights} stores linear weights narrow, but without "
+                     "model.layers and model.hidden every weight is counted at the compute dtype")
+    head = m.vocab * m.hidden if m.kind == "decoder" and m.vocab and m.hidden else 0    # a tied LM head's narrow copy
+    return int(sympy.ceiling((linear + head) * stored_bytes_per_weight(recipe))) + (total - linear) * cb
+
+
 def estimate_facts(recipe: Recipe) -> ModelFacts:
     """Crude facts from the recipe's `model` section (and inputs) when no compiled model exists."""
     m = recipe.model
@@ -131,15 +181,7 @@ def estimate_facts(recipe: Recipe) -> ModelFacts:
     b = sym.get(m.batch_dim, 1) if m else sym.get("batch", 1)
     notes: list[str] = []
 
-    weights = 0
-    if m and m.weights_mb:
-        weights = _mb(m.weights_mb)
-    elif m and m.params_m:
-        weights = int(round(m.params_m * 1e6)) * cb
-    elif m and m.layers and m.hidden:
-        weights = (12 * m.layers * m.hidden**2 + (m.vocab or 0) * m.hidden) * cb
-    else:
-        notes.append("no model.weights_mb/params_m: weights counted as 0 MB")
+    weights = stored_weights_bytes(recipe, notes)
 
     if m and m.kind in ("encoder", "decoder") and m.hidden and m.layers and m.seq_dim in sym:
         s = sym[m.seq_dim]

@@ -197,9 +197,12 @@ class _Checker(Findings):
                          f"{p.compute}", p.weights, fix="compute: f32 with weights: " + p.weights +
                          ", or weights: f32 with a low-precision compute")
             if "quantize_weights" not in self.r.pipeline():
+                o = self.r.optimize
+                where = "optimize.passes" if o.passes is not None else f"optimize.preset {o.preset}"
                 self.err("precision.weights", f"weights: {p.weights} needs the quantize_weights pass, which "
-                         "optimize.passes leaves out", p.weights,
-                         fix="add quantize_weights to optimize.passes after constant_fold (or use a preset)")
+                         f"{where} leaves out", p.weights,
+                         fix="add quantize_weights to optimize.passes after constant_fold (or use a preset)"
+                         if o.passes is not None else "preset: default (or list optimize.passes with quantize_weights)")
         if p.int4_activations == "q8" and (p.weights, p.group_size, p.int4_scheme) != ("int4", 32, "symmetric"):
             self.err("precision.int4_activations", "q8 activations meet symmetric int4 codes of group 32 only "
                      f"(llama.cpp q4_0 x q8_0); weights is {p.weights}, group_size {p.group_size}, int4_scheme "
@@ -208,11 +211,19 @@ class _Checker(Findings):
         if p.weights != "int4" and (p.group_size != 32 or p.int4_scheme != "symmetric"):
             field = "precision.group_size" if p.group_size != 32 else "precision.int4_scheme"
             self.warn(field, f"{field.split('.')[1]} applies to weights: int4 only; weights is {p.weights}")
-        for op in p.overrides:
-            if not _known_op(op):
-                self.err(f"precision.overrides.{op}", "no ATen, ONNX or graphmode op has this name (the override "
-                         "would narrow nothing, silently)", op,
-                         fix="name a graphmode op (`graphmode ops` lists them: softmax, layer_norm, linear, ...)")
+        from graphmode.ir.ops import OPS
+        for op, dt in p.overrides.items():
+            if op not in OPS:       # the precision pass reads the captured graph's ops, never ATen/ONNX names
+                what = "an ATen or ONNX name, not a graphmode op" if _known_op(op) else "no op has this name"
+                self.err(f"precision.overrides.{op}", f"{what}: overrides apply to the ops of the captured graph "
+                         "(the override would narrow nothing, silently)", op,
+                         fix="name a graphmode op (`graphmode ops` lists them: softmax, layer_norm, linear, matmul, "
+                             "...; matrix products by a weight are linear)")
+            elif op == "linear" and dt != "f32" and p.weights != "f32":
+                self.err(f"precision.overrides.{op}", f"runs every linear in {dt}, while weights: {p.weights} "
+                         "stores linear weights narrow for f32 activations: no weight would be stored "
+                         f"{p.weights}, silently", dt,
+                         fix=f"remove the linear override (keep weights: {p.weights}), or weights: f32")
         if self.t is None:
             return
         floats = [d for d in self.t.dtypes if d.startswith(("f", "bf"))]

@@ -28,6 +28,24 @@ class LayerResult:
                 "summary": self.summary}
 
 
+def memory_fix(recipe: Recipe, terms: dict[str, float]) -> str:
+    """The fix for a refused memory proof: the levers of the terms that hold a tenth or more of
+    the need, largest first."""
+    weights = terms.get("weights", 0) + terms.get("prepared_weights", 0)
+    groups = {"weights": weights, "kv_cache": terms.get("kv_cache", 0),
+              "activations": terms.get("activations", 0) + terms.get("workspace", 0)}
+    need = sum(groups.values())
+    narrow = {"f32": "int8 or int4", "bf16": "int8 or int4", "int8": "int4"}.get(recipe.precision.weights)
+    levers = {"weights": [f"store linear weights narrow (precision.weights: {narrow})" if narrow else None,
+                          f"lower memory.weight_growth ({recipe.memory.weight_growth:g}x the weights: the "
+                          "kernels' prepared copies)" if terms.get("prepared_weights") else None],
+              "kv_cache": ["shrink the KV pool (memory.kv_cache.pages, max_pages_per_seq or dtype)"],
+              "activations": ["shrink the largest buckets"]}
+    out = [x for g in sorted(groups, key=groups.get, reverse=True) if need and groups[g] >= need / 10
+           for x in levers[g] if x]
+    return ", ".join(out + ["or raise memory.budget_mb"])
+
+
 @dataclass
 class ValidationReport:
     """What each layer found. `verdict`: valid | malformed | refused | unproved."""
@@ -80,7 +98,7 @@ class ValidationReport:
             msg = "; ".join(f"{p.name}: {p.message}" for p in bad)
             fix = None
             if first.name == "memory":
-                fix = "raise memory.budget_mb, shrink the largest buckets, or lower precision"
+                fix = memory_fix(self.recipe, first.detail.get("terms", {}))
             elif first.name.startswith("sla") and first.detail.get("link"):
                 fix = (f"relax the SLA, shrink the largest buckets, give the group a faster link than "
                        f"{first.detail['link']!r} (parallel.links) or a narrower parallel.comm.dtype")

@@ -164,3 +164,21 @@ def test_verify_says_when_no_output_was_judged_on_top1(tmp_path):
     res = CliRunner().invoke(app, ["verify", "--model", f"{tmp_path / 'm.py'}:mlp", "--recipe", str(rec),
                                    "--cache-dir", str(tmp_path / "c")])
     assert "no top-1 check ran" in res.output and "no logit position's top-1 moved" not in res.output, res.output
+
+
+@pytest.mark.parametrize("weights", ["f32", "bf16", "int8", "int4"])
+def test_the_proof_before_loading_counts_weights_as_stored(weights, tmp_path):
+    """Before the model is loaded the memory proof counted every weight at the compute dtype,
+    whatever precision.weights said, so an int4 recipe that fits was refused and the fix 'lower
+    precision' changed nothing: the estimate from the model section is now at least the compiled
+    graph's weight bytes and within a tenth of them."""
+    from graphmode.recipe import estimate_facts, load_recipe
+    lm, ex, dims = tiny_decoders.gpt2()
+    model = {"kind": "decoder", "params_m": sum(p.numel() for p in lm.parameters()) / 1e6, "layers": 2,
+             "hidden": 32, "heads": 4, "vocab": tiny_decoders.VOCAB}
+    rec = tiny_decoders.recipe(f"tiny-{weights}", precision={"compute": "f32", "weights": weights}, model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile((lm, ex, dims), rec, cache_dir=tmp_path)
+    estimate, compiled = estimate_facts(load_recipe(rec)).weights_bytes, _weight_bytes(cm.graph)
+    assert compiled * 0.9 <= estimate <= compiled * 1.1, (estimate, compiled)

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import sympy
+import yaml
 import z3
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -92,6 +93,35 @@ def test_a_tiny_budget_and_what_it_refuses_read_as_numbers():
     data["memory"]["budget_mb"] = 0.01
     mem = next(p for p in validate(load_recipe(data), CPU).proofs if p.name == "memory")
     assert "> 0.01 MB budget" in mem.message and "needs 0.0 MB" not in mem.message, mem.message
+
+
+def test_a_refused_memory_proof_leads_with_the_lever_of_its_largest_term():
+    """The fix was one sentence whatever held the memory ('or lower precision', also for an
+    int4 recipe whose weights were the smallest term)."""
+    def fix(path, **over):
+        data = yaml.safe_load(path.read_text())
+        for k, v in over.items():
+            data.setdefault(k, {}).update(v)
+        with pytest.raises(ConstraintError) as ei:
+            validate(load_recipe(data), CPU).raise_for_errors()
+        return ei.value.fix
+    activations = fix(DATA / "minilm_over_budget.yaml")
+    assert activations.startswith("shrink the largest buckets") and "precision.weights: int8 or int4" in activations
+    weights = fix(ROOT / "examples/recipes/gpt2_decoder.yaml", memory={"budget_mb": 900})
+    assert weights.startswith("store linear weights narrow (precision.weights: int8 or int4)")
+    kv = fix(ROOT / "examples/recipes/gpt2_decoder_int4.yaml", memory={"budget_mb": 900, "weight_growth": 1})
+    assert kv.startswith("shrink the KV pool") and "int4)" not in kv and kv.endswith("or raise memory.budget_mb")
+
+
+def test_quantized_weights_shrink_the_estimate_before_loading():
+    """precision.weights stores the linear weights narrow; the estimate counted them at f32."""
+    base = yaml.safe_load((ROOT / "examples/recipes/gpt2_decoder.yaml").read_text())
+    est = {w: estimate_facts(load_recipe({**base, "precision": {**base["precision"], "weights": w}})).weights_bytes
+           for w in ("f32", "bf16", "int8", "int4")}
+    assert est["f32"] > est["bf16"] > est["int8"] > est["int4"] and est["int4"] < est["f32"] / 2
+    no_shape = {**base, "model": {"kind": "decoder", "params_m": 124.4}, "precision": {"weights": "int4"}}
+    facts = estimate_facts(load_recipe(no_shape))
+    assert facts.weights_bytes == est["f32"] and any("model.layers and model.hidden" in n for n in facts.notes)
 
 
 def test_memory_proof_with_headroom_and_enumeration_agree():

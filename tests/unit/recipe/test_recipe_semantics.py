@@ -76,7 +76,13 @@ def test_base_is_clean():
     ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\nexe_mode: hybrid\ncapture: {exclude_ops: "
      "[aten.gelu.default, torch.nn.functional.gelu]}", "capture.exclude_ops[1]", "no ATen, ONNX or graphmode op"),
     ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\nprecision: {overrides: {softmaxx: f32}}",
-     "precision.overrides.softmaxx", "no ATen, ONNX or graphmode op"),
+     "precision.overrides.softmaxx", "no op has this name"),
+    # the precision pass reads graphmode ops: an ATen name (addmm) was accepted and narrowed nothing
+    ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\nprecision: {overrides: {addmm: f64}}",
+     "precision.overrides.addmm", "an ATen or ONNX name, not a graphmode op"),
+    # a bf16 linear takes no int8 weight: nothing was stored int8, silently
+    ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\nprecision: {weights: int8, overrides: {linear: f64}}",
+     "precision.overrides.linear", "no weight would be stored int8"),
     ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\noptimize: {passes: [fuse, canonicalize]}",
      "optimize.passes[0]", "put canonicalize before it"),
     ("memory: {budget_mb: 2048}", "memory: {budget_mb: 2048}\noptimize: {passes: [canonicalize, fuse]}",
@@ -201,6 +207,14 @@ def test_weight_only_precision_needs_f32_compute_and_its_pass():
     e = err(BASE + "precision: {weights: bf16}\noptimize: {passes: [canonicalize, constant_fold, memory_plan]}\n",
             "precision.weights")
     assert "quantize_weights" in e.message and "quantize_weights" in e.fix
+    e = err(BASE + "precision: {weights: int8}\noptimize: {preset: none}\n", "precision.weights")
+    assert "optimize.preset none leaves out" in e.message and e.fix.startswith("preset: default")
+    # before constant_fold a captured weight is a transpose, after fuse a linear sits in a region:
+    # either way most weights stayed f32 (the docs said such a list is refused; it was accepted)
+    for passes, at, why in (("[canonicalize, quantize_weights, constant_fold, memory_plan]", 1, "put constant_fold before"),
+                            ("[canonicalize, constant_fold, fuse, quantize_weights, memory_plan]", 3, "before fuse")):
+        e = err(BASE + f"precision: {{weights: int8}}\noptimize: {{passes: {passes}}}\n", f"optimize.passes[{at}]")
+        assert why in e.message
     stamp = canonical_json(load_recipe(BASE)).replace(" ", "")
     assert '"precision":{"accumulate":null,"compute":"f32","overrides":{}}' in stamp
     assert '"weights":"int8"' in canonical_json(load_recipe(ok)).replace(" ", "")
