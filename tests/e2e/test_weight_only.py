@@ -115,6 +115,25 @@ def test_top1_counts_only_confident_flips():
     assert ok.ok and not bad.ok and bad.rel_l2 < WEIGHT_ONLY["int8"] and hidden.ok and not hidden.judge_top1
 
 
+def test_top1_judges_a_few_classes_by_the_whole_outputs_error():
+    """With 4 classes or fewer a position's own RMS error excused any flip it made (two errors
+    differ by at most 2.83x their RMS): a 2-class output whose one position a large error flips
+    far from a tie now counts the flip; noise flipping a near-tie still does not."""
+    g = torch.Generator().manual_seed(0)
+    want = torch.randn(64, 2, generator=g)
+    want[0] = torch.tensor([0.0, 0.001])                        # a near-tie
+    want[1] = torch.tensor([0.0, 2.0])                          # class 1 far ahead
+    got = want + 0.01 * torch.randn(64, 2, generator=g)
+    got[0] = torch.tensor([0.004, 0.0])                         # the near-tie flips: rounding
+    t = top1_agreement(got, want)
+    assert t.positions - t.agree == 1 and t.flips == 0
+    got[1] = torch.tensor([1.5, 0.5])                           # a confident decision flips
+    t = top1_agreement(got, want)
+    assert t.positions - t.agree == 2 and t.flips == 1
+    # an offset every class shares moves no decision, and no longer excuses the confident flip
+    assert top1_agreement(got + 3.0, want).flips == 1
+
+
 class _TransposedLinear(torch.nn.Linear):
     """Falcon's FalconLinear: `x @ self.weight.T + self.bias`, captured as matmul + add."""
 

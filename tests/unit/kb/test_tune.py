@@ -148,3 +148,13 @@ def test_violating_and_failing_trials_are_kept_and_the_fix_is_written(kb_cache, 
     assert next_version_path(path) == next_version_path(out) == tmp_path / "pool.v3.yaml"
     assert write_version(path, data, base, best, objective="latency", hardware="host", trials=1)[::2] == (out, False)
     assert key_of(best.config) == best.key
+
+
+def test_a_weight_only_trial_is_held_to_the_weight_only_contract(kb_cache):
+    """tune compared an int8 recipe with eager at the f32 tolerance, so the trial that
+    `graphmode verify` passes was recorded 'violates' (and the knowledge base learnt it)."""
+    data = recipe_data(dims={"batch": {"buckets": [2, 4]}}, precision={"weights": "int8"})
+    runner = TrialRunner(spec("mlp"), data, get_target("host"), tol=1e-5, measure_s=0.1, cache_dir=kb_cache)
+    res = runner.run(baseline([]), 0)
+    assert res.status == "ok", res.reason
+    assert 1e-5 < res.metrics["numerics_err"] < 6e-2      # a rounding error, within int8's bound

@@ -49,3 +49,30 @@ def test_a_failing_reference_is_named_as_what_it_is():
         raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT")
     with pytest.raises(GraphmodeError, match=r"^dims: ONNX Runtime fails at \{'seq': 3\}.*INVALID_ARGUMENT"):
         run_reference(ort, {"x": torch.ones(1, 3)}, {"seq": 3}, "ONNX Runtime")
+
+
+def test_a_proposed_fix_is_a_recipe_graphmode_accepts():
+    """verify --fix proposed dropping quantize_weights for an int8 error beyond its bound (a
+    pass list the recipe then refused), and `mul: f32` again for a mul already overridden."""
+    from graphmode.recipe import load_recipe
+    from graphmode.recipe.semantics import check_semantics
+    from graphmode.verify.bisect import Divergence, propose_fix
+    base = {"version": 1, "name": "m", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}],
+            "dims": {"batch": {"buckets": [2]}}}
+
+    def fixed(precision, div):
+        rec = load_recipe({**base, "precision": precision})
+        change = propose_fix(rec, div)
+        data = {**base, "precision": {**precision, **change.get("precision", {})}, **{
+            k: v for k, v in change.items() if k != "precision"}}
+        data["optimize"] = {k: v for k, v in data.get("optimize", {}).items() if v is not None}
+        assert not check_semantics(load_recipe(data)).errors, change
+        return change
+    assert fixed({"weights": "int8"}, Divergence("quantize_weights", "%y = qlinear(%x)", "qlinear", 0.2, "pass")) \
+        == {"precision": {"weights": "bf16"}}
+    assert fixed({"compute": "bf16"}, Divergence("precision", "%y = mul(%x)", "mul", 0.1, "pass")) \
+        == {"precision": {"overrides": {"mul": "f32"}}}
+    assert fixed({"compute": "bf16", "overrides": {"mul": "f32"}}, Divergence("precision", "%y = mul(%x)", "mul",
+                                                                             0.1, "pass"))["precision"]["compute"] == "f32"
+    change = fixed({"weights": "int8"}, Divergence("constant_fold", "%y = add(%x)", "add", 0.1, "pass"))
+    assert "constant_fold" not in change["optimize"]["passes"] and change["precision"] == {"weights": "f32"}
