@@ -89,7 +89,8 @@ def verify_cmd(
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe, pick_target
     from graphmode.runtime.compiled import CompiledModel
-    from graphmode.verify.bisect import bisect, bisect_plan, compare_outputs, output_labels, propose_fix
+    from graphmode.recipe.fixes import propose_fix
+    from graphmode.verify.bisect import bisect, bisect_plan, compare_outputs, output_labels
 
     rec = load_recipe(recipe)
     mode = "graph" if rec.exe_mode == "eager" else rec.exe_mode

@@ -112,3 +112,14 @@ def check_order(names: list[str]) -> list[tuple[int, str]]:
         problems.append((len(names) - 1, "the pipeline must end with 'memory_plan' "
                                          "(every rewriting pass invalidates the memory plan)"))
     return problems
+
+
+def without(passes: list[str], name: str) -> list[str]:
+    """`passes` less `name` and the passes that need what only it provided (quantize_weights
+    needs constant_fold's folded weights): a list the recipe accepts."""
+    out = [p for p in passes if p != name]
+    while True:
+        bad = [i for i, _ in check_order(out) if out[i] != "memory_plan"]
+        if not bad:
+            return out
+        out.pop(bad[0])

@@ -152,39 +152,3 @@ def bisect_plan(graph: Graph, executable, inputs: Mapping[str, torch.Tensor], to
                         return Divergence(None, f"%{o} = {ins.op}({args})", ins.op, e, "plan",
                                           {"instruction": ins.kind})
     return Divergence(None, None, None, 0.0, "plan")
-
-
-def propose_fix(recipe, divergence: Divergence) -> dict[str, Any] | None:
-    """A recipe change that removes the divergence: wider stored weights for a weight-only
-    top-1 flip, an fp32 override for the diverging op when compute precision is reduced, else
-    dropping the pass that introduced it."""
-    compute = recipe.precision.compute
-    if divergence.stage == "weights" or divergence.pass_name == "quantize_weights":
-        wider = {"int4": "int8", "int8": "bf16"}.get(recipe.precision.weights, "f32")   # one step wider
-        return {"precision": {"weights": wider}}     # (dropping the pass leaves a recipe refused)
-    if divergence.op and compute != "f32":
-        op = divergence.op.split("[")[0]
-        if op == "fused":
-            op = "softmax"
-        if recipe.precision.overrides.get(op) == "f32":     # already f32 and still diverging: all of it
-            return {"precision": {"compute": "f32", "overrides": {}}}
-        return {"precision": {"overrides": {**dict(recipe.precision.overrides), op: "f32"}}}
-    if divergence.pass_name:
-        passes = _without(recipe.pipeline(), divergence.pass_name)
-        change: dict[str, Any] = {"optimize": {"passes": passes, "preset": None}}
-        if recipe.precision.weights != "f32" and "quantize_weights" not in passes:
-            change["precision"] = {"weights": "f32"}       # narrow weights need the pass the change drops
-        return change
-    return None
-
-
-def _without(passes: list[str], name: str) -> list[str]:
-    """`passes` less `name` and the passes that need what only it provided (quantize_weights
-    needs constant_fold's folded weights): a list the recipe accepts."""
-    from graphmode.passes.registry import check_order
-    out = [p for p in passes if p != name]
-    while True:
-        bad = [i for i, _ in check_order(out) if out[i] != "memory_plan"]
-        if not bad:
-            return out
-        out.pop(bad[0])

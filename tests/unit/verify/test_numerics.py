@@ -56,7 +56,8 @@ def test_a_proposed_fix_is_a_recipe_graphmode_accepts():
     pass list the recipe then refused), and `mul: f32` again for a mul already overridden."""
     from graphmode.recipe import load_recipe
     from graphmode.recipe.semantics import check_semantics
-    from graphmode.verify.bisect import Divergence, propose_fix
+    from graphmode.recipe.fixes import propose_fix
+    from graphmode.verify.bisect import Divergence
     base = {"version": 1, "name": "m", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}],
             "dims": {"batch": {"buckets": [2]}}}
 
