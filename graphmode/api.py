@@ -19,13 +19,15 @@ from graphmode.runtime.habits import AUTOCAST_NOTE, AutocastIgnored
 
 
 def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any = "host", *,
-            example_inputs: Any = None, mode: str | None = None, cache_dir: str | Path | None = None,
-            threads: int | None = None, warmup: bool = False, on_stage: OnStage | None = None,
-            rank: int | None = None):
+            example_inputs: Any = None, dynamic_shapes: Any = None, mode: str | None = None,
+            cache_dir: str | Path | None = None, threads: int | None = None, warmup: bool = False,
+            on_stage: OnStage | None = None, rank: int | None = None):
     """Capture, optimise and wrap a model; plans are built per bucket on first use (or warm-up).
     Without a recipe, one is drafted as `graphmode recipe init` does (said once, `cm.recipe`).
     `example_inputs` (a tensor, tuple or dict of forward's keyword arguments) is the same as
     passing `(model, example_inputs)`: what TensorRT's `inputs=` and OpenVINO's `example_input=` are.
+    `dynamic_shapes` (torch.export's form: `{"ids": {0: Dim("batch"), 1: Dim("seq", max=512)}}`)
+    names the example's dynamic axes for the drafted recipe (graphmode/capture/dynamic_shapes.py).
     `on_stage` hears the capture, passes, proof and plans stages (graphmode/progress.py).
     Under `parallel.tensor` N > 1: without `rank`, the N rank processes are started and the
     result is a `graphmode.parallel.launch.TensorParallelModel` (rank 0 answers), or for a recipe
@@ -36,18 +38,22 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     if torch.is_autocast_enabled("cpu"):
         warnings.warn(AutocastIgnored(f"graphmode.compile under torch.autocast: {AUTOCAST_NOTE}"), stacklevel=2)
     with torch.autocast("cpu", enabled=False):     # the capture sees the model as its weights are
-        return _compile(model, recipe, target, example_inputs=example_inputs, mode=mode, cache_dir=cache_dir,
-                        threads=threads, warmup=warmup, on_stage=on_stage, rank=rank)
+        return _compile(model, recipe, target, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
+                        mode=mode, cache_dir=cache_dir, threads=threads, warmup=warmup, on_stage=on_stage,
+                        rank=rank)
 
 
-def _compile(model: Any, recipe: Any, target: Any, *, example_inputs: Any, mode: str | None, cache_dir: Any,
-             threads: int | None, warmup: bool, on_stage: OnStage | None, rank: int | None):
+def _compile(model: Any, recipe: Any, target: Any, *, example_inputs: Any, dynamic_shapes: Any, mode: str | None,
+             cache_dir: Any, threads: int | None, warmup: bool, on_stage: OnStage | None, rank: int | None):
     tgt = compiler.resolve_target(target)
     model = _with_examples(model, recipe, example_inputs)
+    ranges = _with_dynamic_shapes(model, recipe, dynamic_shapes)
+    if ranges is not None:
+        model, ranges = ranges
     notes: dict[str, str] = {}
     if recipe is None:
         from graphmode.kb.draft import drafted
-        model, recipe, notes = drafted(model, tgt)
+        model, recipe, notes = drafted(model, tgt, ranges=ranges)
     recipe = compiler.as_recipe(recipe)
     if (compiler.tensor_parallel(recipe) > 1 and rank is None and recipe.memory.kv_cache is not None
             and (mode or recipe.exe_mode) != "eager"):
@@ -93,6 +99,25 @@ def _with_examples(model: Any, recipe: Any, example_inputs: Any) -> Any:
     raise RecipeError(f"graphmode compiles an nn.Module (or an ONNX file, a Hugging Face model), not a "
                       f"{type(model).__name__}", where="model", value=type(model).__name__,
                       fix="wrap the function in a module: class M(torch.nn.Module): def forward(self, x): return f(x)")
+
+
+def _with_dynamic_shapes(model: Any, recipe: Any, dynamic_shapes: Any) -> tuple[Any, dict] | None:
+    """((module, examples, input_dims), the ranges its Dims bound) for torch.export's
+    `dynamic_shapes`; None without them."""
+    from graphmode.errors import RecipeError
+    if dynamic_shapes is None:
+        return None
+    if recipe is not None:
+        raise RecipeError("dynamic_shapes drafts a recipe's dims; this call gives a recipe, whose inputs[].shape "
+                          "and dims say which axes are dynamic", where="graphmode.compile(dynamic_shapes=...)",
+                          value="a recipe and dynamic_shapes", fix="leave out dynamic_shapes, or the recipe")
+    if not (isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], torch.nn.Module)):
+        raise RecipeError("dynamic_shapes names axes of example inputs: pass the module with example_inputs=",
+                          where="graphmode.compile(dynamic_shapes=...)", value=type(model).__name__,
+                          fix="graphmode.compile(module, example_inputs=(x,), dynamic_shapes=...)")
+    from graphmode.capture.dynamic_shapes import input_dims_from
+    dims, ranges = input_dims_from(model[0], model[1], dynamic_shapes)
+    return (model[0], model[1], dims), ranges
 
 
 def load(path: str | Path, **kw: Any):

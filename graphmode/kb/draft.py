@@ -472,7 +472,7 @@ class RecipeDrafted(UserWarning):
     """graphmode.compile(model) ran without a recipe and drafted one."""
 
 
-def drafted(model: Any, target: Any) -> tuple[Any, Any, dict[str, str]]:
+def drafted(model: Any, target: Any, ranges: dict[str, tuple] | None = None) -> tuple[Any, Any, dict[str, str]]:
     """(model as drafted, recipe, its notes) for `graphmode.compile(model)` without a recipe: a draft,
     announced by one RecipeDrafted warning (no knowledge base: the Python API reads no
     environment). The model comes back as the bundle the draft named the dims of, so
@@ -480,7 +480,7 @@ def drafted(model: Any, target: Any) -> tuple[Any, Any, dict[str, str]]:
     import warnings
 
     from graphmode.recipe import recipe_hash
-    d = draft_recipe(model, target=target or "host")
+    d = draft_recipe(model, target=target or "host", ranges=ranges or None)
     stamp = recipe_hash(d.recipe)
     # dims asked dynamic that torch.export could not keep so: said here, not only in the notes
     fixed = [f"{', '.join(d.fixed_dims)} fixed at the example's size"] if d.fixed_dims else []

@@ -17,6 +17,7 @@ from graphmode.capture.spec import bundle_from_module
 from graphmode.errors import CaptureError, ContractViolation, RecipeError
 from graphmode.kb.draft import MAX_DRAFT_PLANS, draft_recipe
 from graphmode.verdict import ContractRefused
+from graphmode.verify.numerics import rel_l2
 
 FAST = {"codegen": {"kernel_selection": "heuristic"}}      # tactics are timed in their own tests
 
@@ -112,6 +113,43 @@ def test_examples_in_the_recipe_slot_are_refused_saying_where_they_go(where_exam
     with pytest.raises(RecipeError, match="a recipe is a path, YAML text") as e:
         graphmode.compile(m, 42)
     assert e.value.value == "int"
+
+
+class _MaskedMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.Embedding(50, 16), nn.Linear(16, 5)
+
+    def forward(self, ids, mask):
+        h = self.out(self.emb(ids)) * mask[..., None]
+        return h.sum(1) / mask.sum(1, keepdim=True)
+
+
+def test_torch_export_dynamic_shapes_name_the_dims_of_a_draft():
+    """`dynamic_shapes=`, as a torch.export user writes it, was a TypeError: its Dims name the
+    axes (bounds become the dim's range), Dim.AUTO axes a mask shares with its ids get one name,
+    and what has no counterpart (a derived dim, an unknown input, beside a recipe) is refused."""
+    from torch.export import Dim
+    m, ids, mask = _MaskedMean().eval(), torch.randint(0, 50, (2, 12)), torch.ones(2, 12)
+    seq = Dim("seq", min=2, max=40)
+    x, mk = torch.randint(0, 50, (3, 17)), torch.ones(3, 17)
+    mk[0, 10:] = 0
+    for ds in ({"ids": {0: Dim("batch"), 1: seq}, "mask": {0: Dim("batch"), 1: seq}},
+               ({0: Dim.AUTO, 1: Dim.AUTO}, [Dim.AUTO, Dim.AUTO])):
+        cm = graphmode.compile(m, example_inputs=(ids, mask), dynamic_shapes=ds)
+        assert [i.shape for i in cm.recipe.inputs] == [["batch", "seq"]] * 2
+        with torch.no_grad():
+            assert rel_l2(cm(x, mk), m(x, mk)) < 1e-5 and cm.last_path["path"] == "graph"
+    assert (cm.recipe.dims["seq"].min, cm.recipe.dims["seq"].max) != (2, 40)     # AUTO: the draft's range
+    bounded = graphmode.compile(m, example_inputs=(ids, mask), dynamic_shapes={"ids": {1: seq}, "mask": {1: seq}})
+    assert (bounded.recipe.dims["seq"].min, bounded.recipe.dims["seq"].max) == (2, 40)
+    for ds, match in (({"idz": {0: "batch"}}, "inputs the examples do not have"), ({"ids": {1: 2 * seq}}, "derived"),
+                      ({"ids": {2: "seq"}}, "no axis 2"), ([{0: "batch"}], "1 entries for 2")):
+        with pytest.raises(RecipeError, match=match):
+            graphmode.compile(m, example_inputs=(ids, mask), dynamic_shapes=ds)
+    with pytest.raises(RecipeError, match="this call gives a recipe"):
+        graphmode.compile(m, mlp_recipe(), example_inputs=(ids, mask), dynamic_shapes={"ids": {0: "batch"}})
 
 
 def test_outputs_keep_their_structure_and_names():
