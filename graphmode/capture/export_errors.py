@@ -165,9 +165,23 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
            f"flow; torch.export: {first})")
     if _ROPE.search(fn) or "rope" in path.rsplit(os.sep, 1)[-1]:
         return CaptureError(msg + ". " + ROPE_WHY, where=where or "model.config.rope_scaling", fix=ROPE_FIX)
+    if "_detect_is_causal_mask" in _frame_names(e):
+        return CaptureError(msg + ". nn.Transformer's layers compare a mask given without is_causal with a causal "
+                            "mask, value by value, to detect one", where=where,
+                            fix="say it in the call: tgt_is_causal=True (nn.Transformer, TransformerDecoder) or "
+                                "is_causal=True (TransformerEncoder) with a causal mask, False with another")
     return CaptureError(msg, where=where,
                         fix="write that branch without reading tensor values (both paths, picked with "
                             "torch.where), or run the model with exe_mode: eager")
+
+
+def _frame_names(e: BaseException) -> set[str]:
+    """The functions `e`'s traceback passed through (torch's own included)."""
+    names, tb = set(), e.__traceback__
+    while tb is not None:
+        names.add(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return names
 
 
 def _model_frame(e: BaseException) -> tuple[str, int, str] | None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import graphmode
 from graphmode.errors import CaptureError
 from graphmode.verdict import ContractRefused
+from graphmode.verify.numerics import rel_l2
 
 
 class Fn(torch.nn.Module):
@@ -246,6 +247,33 @@ def test_a_branch_on_a_tensor_value_names_the_line_that_branches(tmp_path, capfd
     assert "branches on the value of a tensor at" in msg and "test_capture_edge_cases.py" in msg
     assert "`if x.sum() > 0:" in msg and "torch.where" in e.value.fix
     assert "def forward(" not in capfd.readouterr().err        # torch's partial graph is not printed
+
+
+class _Seq2Seq(torch.nn.Module):
+    def __init__(self, causal):
+        super().__init__()
+        self.t, self.causal = torch.nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                                   dim_feedforward=32, batch_first=True), causal
+
+    def forward(self, src, tgt):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        return self.t(src, tgt, tgt_mask=mask, tgt_is_causal=self.causal)
+
+
+def test_nn_transformer_detecting_a_causal_mask_is_refused_with_the_argument_that_says_it(tmp_path):
+    """nn.Transformer given a mask without tgt_is_causal compares it with a causal mask value by
+    value: the refusal named the user's call and suggested torch.where, not the argument."""
+    src, tgt = torch.randn(2, 7, 16), torch.randn(2, 5, 16)
+    rec = {"version": 1, "name": "s2s", "codegen": {"kernel_selection": "heuristic"},
+           "inputs": [{"name": "src", "dtype": "f32", "shape": [2, 7, 16]},
+                      {"name": "tgt", "dtype": "f32", "shape": [2, 5, 16]}]}
+    with pytest.raises(CaptureError, match="compare a mask given without is_causal") as e:
+        graphmode.compile(_Seq2Seq(None).eval(), rec, cache_dir=tmp_path)
+    assert "tgt_is_causal=True" in e.value.fix
+    m = _Seq2Seq(True).eval()
+    cm = graphmode.compile(m, rec, cache_dir=tmp_path)
+    with torch.no_grad():
+        assert rel_l2(cm(src, tgt), m(src, tgt)) < 1e-5
 
 
 def test_torch_cond_is_refused_naming_it(tmp_path):
