@@ -92,12 +92,19 @@ def decode_cmd(
     from graphmode.paths import cache_layout
     from graphmode.targets import get_target
 
+    chosen = parse_decode_engines(engines)
+    missing = [e for e in ("eager", "graphmode") if quick and not speculative and tensor_parallel == 1
+               and e not in {b for b, _ in chosen}]
+    if missing:       # the check --quick makes compares graphmode's tokens with eager's: both must run
+        raise GraphmodeError(f"--quick checks graphmode's greedy tokens against transformers eager's; --engines "
+                             f"leaves out {' and '.join(missing)}", where="--engines", value=engines,
+                             fix=f"add {','.join(missing)} to --engines (or drop --quick)")
     base = DecodeConfig(**QUICK) if quick else DecodeConfig()
     given = {"prompt_lens": _ints(prompt_lens, "--prompt-lens"), "batches": _ints(batches, "--batches"),
              "context": context, "new_tokens": new_tokens, "iters": iters, "min_iters": min_iters}
     layout = cache_layout(cache_dir)
     cfg = DecodeConfig(**{**base.__dict__, **{k: v for k, v in given.items() if v is not None},
-                          "engines": parse_decode_engines(engines), "threads": threads, "budget_s": budget_s,
+                          "engines": chosen, "threads": threads, "budget_s": budget_s,
                           "quick": quick, "cache_dir": layout.root if warm_cache else None, "contend": contend,
                           "prefix_cache": prefix_cache})
     log = ((lambda s: err_console.print(s, markup=False, highlight=False, soft_wrap=True)) if not as_json

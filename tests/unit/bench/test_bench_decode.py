@@ -166,7 +166,10 @@ def test_bad_arguments_exit_2():
     import graphmode.cli.bench_cmd  # noqa: F401  (registers `bench decode`)
     from graphmode.cli.app import app
     for args, needle in ((["--prompt-lens", "8,x"], "--prompt-lens"), (["--batches", "0"], "--batches"),
-                         (["--engines", "eager,vllm"], "unknown decode engine")):
+                         (["--engines", "eager,vllm"], "unknown decode engine"),
+                         # it ran llama.cpp alone and said graphmode's tokens equal eager's
+                         (["--engines", "llama_cpp"], "leaves out eager and graphmode"),
+                         (["--engines", "graphmode"], "leaves out eager")):
         res = CliRunner().invoke(app, ["bench", "decode", "--quick", *args])
         assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output
 
