@@ -133,11 +133,14 @@ class BenchResult:
     rows: list[dict[str, Any]]
     meta: dict[str, Any]
 
-    def quick_failures(self) -> list[str]:
+    def quick_failures(self, engine: str | None = None) -> list[str]:
         """Why a --quick run fails: an engine that did not run (not counting 'not installed')
-        or whose outputs do not match eager. Never a timing."""
+        or whose outputs do not match eager. Never a timing. `engine`: its rows only (a full
+        run fails on graphmode's own failures; another engine's is a row of the report)."""
         bad = []
         for r in self.rows:
+            if engine is not None and r.get("engine") != engine:
+                continue
             where = self._where(r)
             if r["status"] != "ok":
                 if not r["skipped"]:

@@ -188,6 +188,12 @@ def bench_cmd(
             raise SystemExit(1)
         if not as_json:
             console.print("quick check: every engine ran and matched eager")
+    else:
+        bad = res.quick_failures("graphmode")     # written above beside the alternatives; still a failed run
+        for b in bad:
+            err_console.print(f"graphmode failed: {b}", markup=False, highlight=False)
+        if bad:
+            raise SystemExit(1)
 
 
 from graphmode.cli.bench_decode_cmd import decode_cmd  # noqa: E402  (its own module: `bench decode`)

@@ -140,6 +140,12 @@ def decode_cmd(
         if not as_json:
             console.print("quick check: every installed engine ran; graphmode's greedy tokens equal transformers "
                           "eager's")
+    else:
+        bad = [b for b in res.quick_failures("graphmode") if "no transformers eager tokens" not in b]
+        for b in bad:
+            err_console.print(f"graphmode failed: {b}", markup=False, highlight=False)
+        if bad:
+            raise SystemExit(1)
 
 
 def _one_engine(cases, cfg, speculative: int, tensor_parallel: int, out: Path, name: str, as_json: bool,

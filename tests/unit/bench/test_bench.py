@@ -100,17 +100,19 @@ def test_quick_bench_rows_files_and_ratios(cli, tmp_path):
     assert (out / "quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_quick_fails_when_an_engine_fails(cli, tmp_path):
+@pytest.mark.parametrize("quick", [True, False])
+def test_a_run_fails_when_graphmode_fails(cli, tmp_path, quick):
     """A recipe whose buckets miss the shape: graphmode is reported failed with the reason and
-    --quick exits non-zero; the other engines still ran."""
+    the run exits non-zero (a full run exited 0); the other engines still ran."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text("version: 1\nname: tiny\ninputs: [{name: x, dtype: f32, shape: [batch, 32]}]\n"
                       "dims: {batch: {buckets: [1, 2]}}\n")
     out = tmp_path / "results"
-    res = cli("bench", "--model", TINY, "--shape", "4x32", "--engines", "eager,graphmode", "--quick",
+    res = cli("bench", "--model", TINY, "--shape", "4x32", "--engines", "eager,graphmode",
+              *(["--quick"] if quick else ["--iters", "2", "--warmup", "1", "--name", "quick"]),
               "--threads", "1", "--recipe", str(recipe), "--out", str(out))
     assert res.exit_code == 1
-    assert "quick check failed" in res.output and "graphmode" in res.output
+    assert ("quick check failed" if quick else "graphmode failed") in res.output and "graphmode" in res.output
     rows = json.loads((out / "quick.json").read_text())
     g = next(r for r in rows if r["engine"] == "graphmode")
     assert g["status"] == "failed" and "outside the recipe" in g["reason"] and not g["skipped"]
