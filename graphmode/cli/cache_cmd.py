@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from graphmode.cli.app import app, console
+from graphmode.cli.app import app, console, err_console
+from graphmode.errors import GraphmodeError
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
 from graphmode.errors import CacheError, GraphmodeError
@@ -119,12 +120,22 @@ def cache_explain(
     from graphmode.compiler import lower_model
     from graphmode.paths import cache_layout
     from graphmode.recipe import load_recipe, pick_target
-    from graphmode.recipe.buckets import all_buckets
+    from graphmode.recipe.buckets import all_buckets, bucket_for
     from graphmode.recipe.hashing import recipe_hash
     from graphmode.runtime.cache import make_key
 
     rec = load_recipe(recipe)
     env = parse_shape(bucket, list(rec.dims)) if bucket else dict(all_buckets(rec)[0])
+    planned = bucket_for(rec, env)
+    if planned is None:
+        raise GraphmodeError(f"{bucket} is outside the recipe's contract: no plan is built or cached for it",
+                             where="--bucket", value=bucket,
+                             fix="a bucket of the recipe: " + ", ".join("x".join(map(str, b.values()))
+                                                                        for b in all_buckets(rec)[:12]))
+    if planned != env:          # a request between buckets runs (and is cached) as its bucket
+        err_console.print(f"{bucket} runs in bucket {'x'.join(map(str, planned.values()))}: explaining that plan",
+                          markup=False, highlight=False)
+        env = planned
     with progress() as on_stage:
         graph = lower_model(model, rec, pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets),
                             on_stage=on_stage).graph

@@ -115,6 +115,9 @@ def test_cache_explain_after_run(tmp_path):
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     assert d["result"] == "miss" and list(d["differs"]) == ["bucket"]
+    # not a bucket: it reported a miss against another bucket's entry
+    res = invoke("cache", "explain", "--model", "resnet18", "--recipe", rec, "--bucket", "7", "--cache-dir", str(cache))
+    assert res.exit_code == 2 and "outside the recipe's contract" in res.output and "1, 2" in res.output, res.output
     res = invoke("cache", "ls", "--cache-dir", str(cache), "--json")
     assert len(json.loads(res.stdout)) == 1
     assert invoke("cache", "prune", "--max-size", "0B", "--cache-dir", str(cache)).exit_code == 0
