@@ -377,14 +377,27 @@ def _gather_nd(imp: _Importer, n) -> None:
         pos = imp.emit("reshape", [pos], {"shape": _shape_attr([1] * j + [lead[j]] + [1] * (len(lead) - j - 1))},
                        hint=f"{n.output[0]}_b{j}")
         idx.append(imp.emit("expand", [pos], {"shape": _shape_attr(lead)}, hint=f"{n.output[0]}_b{j}"))
+    columns = _concat_columns(imp, ind, it.rank - 1, depth)
     for j in range(depth):
-        s = imp.emit("slice", [ind], {"dim": it.rank - 1, "start": j, "end": j + 1, "step": 1},
-                     hint=f"{n.output[0]}_i{j}")
+        s = columns[j] if columns else imp.emit("slice", [ind], {"dim": it.rank - 1, "start": j, "end": j + 1,
+                                                                 "step": 1}, hint=f"{n.output[0]}_i{j}")
         i_j = imp.emit("reshape", [s], {"shape": _shape_attr(lead)}, hint=f"{n.output[0]}_i{j}")
         if imp.g.type_of(i_j).dtype != "i64":
             i_j = imp.emit("cast", [i_j], {"dtype": "i64"}, hint=f"{n.output[0]}_i{j}")
         idx.append(_wrap_negative(imp, i_j, xt.shape[batch + j], f"{n.output[0]}_i{j}"))
     imp.emit("index", [x] + idx, {"dims": list(range(batch + depth))}, out=n.output[0])
+
+
+def _concat_columns(imp: _Importer, ind: str, axis: int, depth: int) -> list[str] | None:
+    """The index tuples' columns as they were built, where the indices are a concat of `depth`
+    one-wide columns along their last axis (dynamo's `x[arange(B)[:, None], arange(S)]`): indexing
+    by the columns themselves keeps what the padding analysis knows of them (an arange over a
+    padded dim), which a slice of the concat loses."""
+    node = imp.g.producers().get(ind)
+    if node is None or node.op != "concat" or node.attrs.get("dim") not in (axis, -1) or len(node.inputs) != depth:
+        return None
+    cols = list(node.inputs)
+    return cols if all(imp.g.type_of(c).shape[-1] == 1 for c in cols) else None
 
 
 @_handles("Expand")
