@@ -106,7 +106,8 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
         self.exact_values = ExactValues(recipe)     # dims.D.exact_plans: recurring values as buckets
         self._signature = None
         # the module's weights as compiled: a call refuses once they were updated in place (weights.py)
-        self.frozen_weights = FrozenWeights(source.module) if source.module is not None else None
+        self.frozen_weights = FrozenWeights(source.module, captured.constants if captured is not None else None) \
+            if source.module is not None else None
         if source.module is not None:
             try:
                 self._signature = inspect.signature(source.module.forward)

@@ -34,7 +34,10 @@ def _global_hook_dicts() -> list[dict]:
 
 
 class FrozenWeights:
-    def __init__(self, module: Any):
+    def __init__(self, module: Any, held: Any = None):
+        """`held`: the captured graph's constants ({name: tensor}), when known: a plain tensor
+        attribute the graph does not hold is state the model's own forward may replace on every
+        call (RecurrentGemma's conv1d_state), not a weight the plans froze."""
         named = [(n, t) for n, t in (*module.named_parameters(), *module.named_buffers())
                  if not t.is_inference()]    # an inference tensor keeps no version (and cannot change outside one)
         self._names = [n for n, _ in named]
@@ -47,8 +50,10 @@ class FrozenWeights:
                        for d in (sub._parameters, sub._buffers, sub._modules) for k, v in d.items()]
         # plain tensor attributes (not parameters or buffers: `self.scale = torch.full(...)`), which the
         # graph holds as constants: one replaced is refused as a buffer is (a Python number is not checked)
-        self._slots += [(f"{path}.{k}" if path else k, sub.__dict__, k, v) for path, sub in python
-                        for k, v in sub.__dict__.items() if isinstance(v, torch.Tensor)]
+        storages = None if held is None else {t.untyped_storage().data_ptr() for t in held.values()}
+        self._slots += [(label, sub.__dict__, k, v) for path, sub in python for k, v in sub.__dict__.items()
+                        if isinstance(v, torch.Tensor) and (label := f"{path}.{k}" if path else k)
+                        and (held is None or label in held or v.untyped_storage().data_ptr() in storages)]
         self._slot_dicts, self._slot_keys, self._slot_values = (list(c) for c in zip(*[(d, k, v) for _, d, k, v
                                                                                       in self._slots])) \
             if self._slots else ([], [], [])

@@ -113,6 +113,36 @@ def test_a_plain_tensor_attribute_replaced_after_compile_is_refused():
         cm(x)
 
 
+class Stateful(torch.nn.Module):
+    """A recurrent block that sets its own state attribute on every call (RecurrentGemma's
+    conv1d_state and recurrent_states are reset at position 0 and reassigned)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.state = torch.zeros(1, 8)
+
+    def forward(self, x):
+        self.state = torch.zeros(x.shape[0], 8)
+        for t in range(x.shape[1]):
+            self.state = torch.tanh(self.lin(x[:, t]) + self.state)
+        return self.state
+
+
+def test_state_the_model_sets_itself_on_every_call_is_not_a_replaced_weight():
+    """After one eager call of the user's model every compiled call was refused as 'the model
+    changed after graphmode.compile': the state it reassigns is no constant of the graph."""
+    m = Stateful().eval()
+    cm = graphmode.compile(m, example_inputs=(torch.randn(2, 5, 8),))
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        want = m(x)                                 # reassigns m.state
+        assert torch.allclose(cm(x), want, atol=1e-6)
+        m.lin.weight.mul_(2)                        # a weight the graph holds still is one
+    with pytest.raises(GraphmodeError, match="lin.weight were updated in place"):
+        cm(x)
+
+
 @pytest.mark.parametrize("change,needle", [(_replace_weight, "0.weight were replaced"),
                                            (_swap_layer, "2 were replaced"),
                                            (_assign_state, "were replaced"),
