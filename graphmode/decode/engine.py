@@ -52,6 +52,11 @@ def kv_layout(recipe: Any, cfg: dict[str, Any], world: int = 1) -> KVLayout:
     if p is None:
         raise RecipeError("decoding needs a paged KV cache in the recipe", where="memory.kv_cache",
                           fix="add memory.kv_cache {page_size, max_pages_per_seq, layers, kv_heads, head_dim}")
+    if cfg.get("v_head_dim", cfg["head_dim"]) != cfg["head_dim"]:
+        raise RecipeError(f"the model's value heads are {cfg['v_head_dim']} wide and its key heads {cfg['head_dim']} "
+                          "(multi-head latent attention): a cache page holds K and V heads of one head_dim",
+                          where="memory.kv_cache", value=cfg["head_dim"],
+                          fix="remove memory.kv_cache and compile the forward pass (logits); decode it eagerly")
     want = {"layers": cfg["layers"], "kv_heads": cfg["kv_heads"], "head_dim": cfg["head_dim"]}
     for k, v in want.items():
         if p.get(k) is not None and v is not None and p[k] != v:

@@ -37,9 +37,13 @@ def lm_config(lm: nn.Module) -> dict[str, Any]:
     tok = lambda name: next((v for v in (getattr(gen, name, None), get(name)) if v is not None), None)  # noqa: E731
     heads = get("num_attention_heads", "n_head")
     hidden = get("hidden_size", "n_embd")
+    # multi-head latent attention (DeepSeek-V2/V3): a key head is its no-position part and its
+    # rotary part (config.head_dim is the rotary part alone), a value head v_head_dim wide
+    nope, rope = get("qk_nope_head_dim"), get("qk_rope_head_dim")
+    head_dim = nope + rope if nope and rope else get("head_dim", default=hidden // heads if hidden and heads else None)
     return {"layers": get("num_hidden_layers", "n_layer"), "heads": heads,
             "kv_heads": get("num_key_value_heads", default=1 if _multi_query(cfg) else heads),
-            "head_dim": get("head_dim", default=hidden // heads if hidden and heads else None),
+            "head_dim": head_dim, "v_head_dim": get("v_head_dim", default=head_dim) if nope and rope else head_dim,
             "vocab": get("vocab_size"), "context": get("max_position_embeddings", "n_positions"),
             "eos": tok("eos_token_id"), "pad": tok("pad_token_id"), "sliding_window": sliding_window(cfg)}
 

@@ -277,6 +277,11 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
         if draft.fixed_dims:
             draft.notes["inputs"] += (f"; {', '.join(draft.fixed_dims)} fixed at the example's size: torch.export "
                                       "cannot keep it dynamic for this model")
+            if "seq" in draft.fixed_dims and "example's shapes are fixed" in draft.notes.get("memory.kv_cache", ""):
+                draft.notes["memory.kv_cache"] = (   # not the user's fixed example: giving dims cannot help
+                    "none: torch.export cannot keep seq dynamic for this model (its code fixes the length: a "
+                    "recurrent or state-space layer), so it cannot decode on graphmode's KV cache; this draft "
+                    "compiles its forward pass at the example's length")
         return draft
     raise AssertionError("unreachable")
 
@@ -436,11 +441,14 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
                                     "pass the model itself, or give dims batch and seq in a recipe "
                                     "(`graphmode recipe init --dim batch=1:4 --dim seq=1:512` drafts it)")
     low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)   # the budget does not change it
-    why_not = None if "kv_cache" not in data["memory"] else (
+    # a window the dims could keep inside is said only when nothing else stops decoding (GPT-Neo's
+    # hint to narrow seq led to a draft refused for its attention)
+    windowed = "sliding window" in notes.get("memory.kv_cache", "")
+    why_not = None if "kv_cache" not in data["memory"] and not windowed else (
         None if _attends_as_sdpa(low.graph) else "its attention does not capture as one sdpa (soft-capped or "
                                                   "otherwise rewritten logits)") or not_causal(low.captured)
     if why_not is not None:
-        del data["memory"]["kv_cache"]        # the decode engine would refuse it
+        data["memory"].pop("kv_cache", None)        # the decode engine would refuse it
         notes["memory.kv_cache"] = (f"none: {type(lm).__name__} cannot decode on graphmode's KV cache: {why_not}; "
                                     "this draft compiles its forward pass")
         low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)
@@ -723,6 +731,12 @@ def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int
     cfg = lm_config(lm)
     context = ranges.get("seq", (1, (cfg["context"] or DECODER_CONTEXT) - 1))[1] + 1   # the longest prompt + a token
     window = cfg.get("sliding_window")
+    if cfg["v_head_dim"] != cfg["head_dim"]:
+        notes["memory.kv_cache"] = (f"none: {type(lm).__name__} cannot decode on graphmode's KV cache: its value heads "
+                                    f"are {cfg['v_head_dim']} wide and its key heads {cfg['head_dim']} (multi-head "
+                                    "latent attention), and a cache page holds K and V heads of one head_dim; this "
+                                    "draft compiles its forward pass")
+        return
     if window is not None and context > window:
         # the paged attention attends every cached token; decoding past the window is refused
         notes["memory.kv_cache"] = (f"none: {type(lm).__name__} attends over a sliding window of {window} tokens, "

@@ -203,3 +203,62 @@ def test_gpt2_with_its_attention_written_out_decodes_exactly(tmp_path):
             ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                               pad_token_id=0)
         assert torch.equal(cm.generate(ids, max_new_tokens=6), ref), ref.tolist()
+
+
+def _deepseek_v3(v_head_dim: int):
+    lm = _hf("DeepseekV3ForCausalLM", "DeepseekV3Config", vocab_size=100, hidden_size=32, num_hidden_layers=1,
+             num_attention_heads=2, num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=16,
+             n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=8,
+             q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=v_head_dim, n_group=1, topk_group=1,
+             max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+             initializer_range=0.3)
+    return lm
+
+
+def test_multi_head_latent_attention_drafts_the_key_width_and_decodes_exactly(tmp_path):
+    """DeepSeek-V3's config.head_dim is the rotary part of a key head only: the draft asked for a
+    cache of 8, to_paged said 16, and the fix to 16 was refused ('the model has 8'), a loop. Value
+    heads of another width cannot share a page's head_dim: no cache is drafted, saying why."""
+    from graphmode.kb.draft import draft_recipe
+    lm = _deepseek_v3(16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None)
+        assert d.data["memory"]["kv_cache"]["head_dim"] == 16
+        cm = graphmode.compile(lm, d.recipe, cache_dir=tmp_path)
+        ids = torch.tensor([PROMPT])
+        ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(cm.generate(ids, max_new_tokens=6), ref), ref.tolist()
+        wide_v = draft_recipe(_deepseek_v3(24), ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None)
+    assert "kv_cache" not in wide_v.data["memory"]
+    assert "value heads are 24 wide and its key heads 16" in wide_v.notes["memory.kv_cache"]
+
+
+def test_a_window_note_gives_way_to_what_stops_decoding_anyway(tmp_path):
+    """GPT-Neo (a local-attention window, attention written as matmuls): the draft said to keep
+    seq inside the window, and the recipe that did was drafted without a cache for its attention."""
+    from graphmode.kb.draft import draft_recipe
+    lm = _hf("GPTNeoForCausalLM", "GPTNeoConfig", hidden_size=32, num_layers=2, num_heads=4, vocab_size=100,
+             max_position_embeddings=64, attention_types=[[["global", "local"], 1]], window_size=8,
+             bos_token_id=1, eos_token_id=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        past = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 20)}, kb_path=None)
+        within = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None)
+    assert "kv_cache" not in within.data["memory"] and "one sdpa" in within.notes["memory.kv_cache"]
+    assert "kv_cache" not in past.data["memory"] and "one sdpa" in past.notes["memory.kv_cache"]
+    assert "--dim seq=" not in past.notes["memory.kv_cache"]
+
+
+@pytest.mark.slow
+def test_a_state_space_lm_is_not_told_to_give_dims_for_decoding():
+    """Mamba passed as itself: torch.export fixes seq (its scan), and the draft's note told the
+    user to pass the model itself or give dims batch and seq, which fails the same way."""
+    from graphmode.kb.draft import draft_recipe
+    lm = _hf("MambaForCausalLM", "MambaConfig", hidden_size=16, state_size=4, num_hidden_layers=1, vocab_size=100,
+             expand=2, conv_kernel=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = draft_recipe(lm, kb_path=None, record=False)
+    note = d.notes["memory.kv_cache"]
+    assert d.fixed_dims == ["seq"] and "cannot keep seq dynamic" in note and "--dim" not in note
