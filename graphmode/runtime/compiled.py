@@ -65,6 +65,14 @@ def _fallback(cm: Any, inputs: Mapping[str, torch.Tensor], err: ContractViolatio
     failing there is not the request's fault alone: graphmode's own plan may run it."""
     try:
         return cm._eager(inputs)
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        if cm.source.module is None:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]    # the model's own refusal, said as what it is
+        raise ContractViolation(f"{err.message}; run eagerly (on_violation: eager), the model itself fails on it: "
+                                f"{type(e).__name__}: {first}", where=err.where,
+                                fix="send a request inside the recipe's contract (the eager model refuses this one "
+                                    "too)") from e
     except GraphmodeError as e:
         if cm.source.module is not None or getattr(cm, "artifact", None) is not None:
             raise

@@ -645,3 +645,21 @@ def test_generate_on_an_encoder_decoder_says_graphmode_decodes_causal_lms():
     cm = graphmode.compile(T.BartForConditionalGeneration(cfg).eval())
     with pytest.raises(RecipeError, match="encoder-decoder model, and graphmode decodes decoder-only causal LMs"):
         cm.generate(torch.randint(3, 100, (1, 5)), max_new_tokens=2)
+
+
+def test_a_request_outside_the_contract_that_eager_refuses_too_is_a_contract_violation(tmp_path):
+    """Under on_violation: eager (every hybrid draft) eager's own RuntimeError reached the user
+    bare (MPT past its ALiBi table); it is a ContractViolation naming the range and eager's error."""
+    class AtMost16(nn.Module):
+        def forward(self, x):
+            if x.shape[1] > 16:                  # as transformers' models check their inputs
+                raise ValueError(f"sequence of {x.shape[1]} is longer than the 16 this model takes")
+            return x * 2
+    m = AtMost16().eval()
+    rec = {"version": 1, "name": "table", "on_violation": "eager", **FAST,
+           "inputs": [{"name": "x", "dtype": "f32", "shape": [1, "seq", 8]}], "dims": {"seq": {"buckets": [8, 16]}}}
+    cm = graphmode.compile((m, (torch.randn(1, 16, 8),), {"x": [1, "seq", 8]}), rec, cache_dir=tmp_path)
+    with pytest.raises(ContractViolation, match=r"outside the recipe's range .*the model itself fails on it: "
+                                                r"ValueError: sequence of 20") as e:
+        cm(torch.randn(1, 20, 8))
+    assert isinstance(e.value.__cause__, ValueError)
