@@ -106,19 +106,26 @@ def test_a_draft_for_a_sliding_window_model_keeps_its_sequences_within_the_windo
 def test_a_multi_query_falcon_drafts_one_kv_head_and_decodes_exactly(tmp_path):
     """Falcon's original architecture says multi-query by a flag only: the draft asked for 4 KV
     heads, to_paged found 1 and said so, and the fix it gave was then refused ('the model has 4')."""
-    from graphmode.kb.draft import draft_recipe
     lm = _hf("FalconForCausalLM", "FalconConfig", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
              multi_query=True, new_decoder_architecture=False, parallel_attn=True, vocab_size=100,
              max_position_embeddings=64, bos_token_id=1, eos_token_id=2, initializer_range=0.5)
+    d, ref = _drafted_decodes_exactly(lm, tmp_path)
+    assert d.data["memory"]["kv_cache"]["kv_heads"] == 1
+    assert len(set(ref[0, len(PROMPT):].tolist())) > 1           # the tokens say something
+
+
+def _drafted_decodes_exactly(lm, tmp_path):
+    """(the draft for prompts of 2-6 tokens, transformers' greedy tokens) once graphmode's
+    generate on the draft gave the same tokens."""
+    from graphmode.kb.draft import draft_recipe
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         d = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None)
-        assert d.data["memory"]["kv_cache"]["kv_heads"] == 1
         cm = graphmode.compile(lm, d.recipe, cache_dir=tmp_path)
         ids = torch.tensor([PROMPT])
         ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(cm.generate(ids, max_new_tokens=6), ref), ref.tolist()
-    assert len(set(ref[0, len(PROMPT):].tolist())) > 1           # the tokens say something
+    return d, ref
 
 
 def test_attention_biased_by_position_is_refused_not_decoded_without_its_bias(tmp_path):
@@ -220,15 +227,10 @@ def test_multi_head_latent_attention_drafts_the_key_width_and_decodes_exactly(tm
     cache of 8, to_paged said 16, and the fix to 16 was refused ('the model has 8'), a loop. Value
     heads of another width cannot share a page's head_dim: no cache is drafted, saying why."""
     from graphmode.kb.draft import draft_recipe
-    lm = _deepseek_v3(16)
+    d, _ = _drafted_decodes_exactly(_deepseek_v3(16), tmp_path)
+    assert d.data["memory"]["kv_cache"]["head_dim"] == 16
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        d = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None)
-        assert d.data["memory"]["kv_cache"]["head_dim"] == 16
-        cm = graphmode.compile(lm, d.recipe, cache_dir=tmp_path)
-        ids = torch.tensor([PROMPT])
-        ref = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert torch.equal(cm.generate(ids, max_new_tokens=6), ref), ref.tolist()
         wide_v = draft_recipe(_deepseek_v3(24), ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None)
     assert "kv_cache" not in wide_v.data["memory"]
     assert "value heads are 24 wide and its key heads 16" in wide_v.notes["memory.kv_cache"]
