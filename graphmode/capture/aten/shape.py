@@ -43,7 +43,21 @@ def _dropout(imp, node, a):
           "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.flatten.using_ints",
           "aten.unflatten.int", "aten.view_as.default")
 def _view(imp, node, a):
-    imp.emit(node, "reshape", [imp.operand(a["self"])], {"shape": [imp.attr_dim(s) for s in node.meta["val"].shape]})
+    x = imp.operand(a["self"])
+    xt, out = imp.g.type_of(x), imp.ttype(node.meta["val"])
+    if not dims_equal(xt.numel(), out.numel()):
+        # torch.export kept a size computed from the example's shape (DPT: int(n ** 0.5) for a square
+        # grid) while leaving the dims free: the view holds at the example only, and a reshape that
+        # moves elements between rows at other shapes must never reach a plan
+        from graphmode.capture.torch_import import _source_loc
+        from graphmode.errors import CaptureError
+        raise CaptureError(f"the view at {_source_loc(node)} reshapes {xt.text()} to {out.text()}, which holds at "
+                           "the example's shape only: the model computes a size there from its input's shape that "
+                           "torch.export fixed at the example's value", where=f"node {node.name}",
+                           fix="fix the dims this view reads at the example's sizes in the recipe (inputs[].shape), "
+                               "or send only shapes for which the model's own size computation holds (e.g. square "
+                               "images) as separate recipes")
+    imp.emit(node, "reshape", [x], {"shape": [imp.attr_dim(s) for s in node.meta["val"].shape]})
     return True
 
 

@@ -276,6 +276,33 @@ def test_nn_transformer_detecting_a_causal_mask_is_refused_with_the_argument_tha
         assert rel_l2(cm(src, tgt), m(src, tgt)) < 1e-5
 
 
+class _SquareGrid(torch.nn.Module):
+    """DPT's neck: a square grid side from the token count (int(n ** 0.5)), which torch.export
+    fixes at the example's value while H and W stay free."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, 8, 4, stride=4)
+
+    def forward(self, x):
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        side = int(h.shape[1] ** 0.5)
+        return h.reshape(h.shape[0], side, side, 8).sum((1, 2))
+
+
+def test_a_view_that_holds_at_the_example_shape_only_is_refused_at_its_line(tmp_path):
+    """The importer built the reshape from torch.export's shape without checking it kept the
+    element count: canonicalize then failed calling itself a graphmode bug (a view whose count
+    happened to agree would have moved elements between rows)."""
+    from torch.export import Dim
+    with pytest.raises(CaptureError, match=r"the view at .*test_capture_edge_cases.py:\d+ reshapes .* which holds "
+                                           r"at the example's shape only") as e:
+        graphmode.compile(_SquareGrid().eval(), example_inputs=(torch.randn(2, 3, 16, 16),),
+                          dynamic_shapes={"x": {0: Dim("batch", max=8), 2: Dim("H", min=8, max=64),
+                                                3: Dim("W", min=8, max=64)}})
+    assert "inputs[].shape" in e.value.fix
+
+
 def test_torch_cond_is_refused_naming_it(tmp_path):
     """torch.cond raised a bare KeyError (its branch graphs) from the importer; and the advice
     for a data-dependent branch suggested it."""
