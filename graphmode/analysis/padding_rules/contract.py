@@ -147,11 +147,26 @@ def _sdpa(an, n: Node, ins: list[State], taint: dict[str, Finding], out_shape: t
 
 @rule("window")
 def window(an, n: Node, ins: list[State], taint: dict[str, Finding]) -> list[State]:
-    """Convolution and pooling: each sample (axis 0) on its own, a window over every other axis."""
+    """Convolution and pooling: each sample (axis 0) on its own, a window over every other axis,
+    except a convolution's spatial axis of kernel 1, stride 1 and no padding (SqueezeBERT's
+    position-wise conv1d), where each output position reads its own input position only."""
     x = ins[0]
-    an.taint(taint, n, x.axes[1:], "convolution/pooling window over padded dim {dim}")
+    own = {0} | _one_by_one(an, n)
+    an.taint(taint, n, [ax for i, ax in enumerate(x.axes) if i not in own], "convolution/pooling window over "
+                                                                             "padded dim {dim}")
     an.taint(taint, n, [ax for s in ins[1:] for ax in s.axes], "padded convolution weights")
-    return [State((an.garbage(x.axes[:1]) + an.from_type(an.shape(o)[1:]))) for o in n.outputs]   # and indices
+    return [State(tuple(an.garbage([x.axes[i]])[0] if i in own else an.from_type([d])[0]
+                        for i, d in enumerate(an.shape(o)))) for o in n.outputs]      # and indices
+
+
+def _one_by_one(an, n: Node) -> set[int]:
+    """The spatial axes of a conv2d that map each position to itself (kernel 1, stride 1, no padding)."""
+    if n.op != "conv2d" or len(n.inputs) < 2:
+        return set()
+    w = an.shape(n.inputs[1])
+    pair = lambda v: list(v) if isinstance(v, (list, tuple)) else [v, v]       # noqa: E731
+    stride, pad = pair(n.attrs.get("stride", 1)), pair(n.attrs.get("padding", 0))
+    return {2 + i for i in range(2) if w[2 + i] == 1 and stride[i] == 1 and pad[i] == 0}
 
 
 rule("linear")(lambda an, n, ins, taint: [linear(an, n, ins, taint)])

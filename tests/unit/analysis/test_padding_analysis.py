@@ -437,3 +437,22 @@ def test_constant_indices_keep_their_bounds_through_reshape_and_expand():
     rep = verdict(ir('param %i: i64[2] = [0, 1]', '%r: i64[1,2] = reshape(%i) {"shape": [1, 2]}',
                      '%e: i64[b,2] = expand(%r) {"shape": ["b", 2]}', '%y: i64[b,2] = gather(%m, %e) {"dim": 1}'))
     assert status(rep, "s") == "safe" and status(rep, "b") == "safe"
+
+
+@pytest.mark.parametrize("kernel,attrs,out_s,want", [
+    ((1, 1), {}, "s", "safe"),                                # SqueezeBERT's position-wise conv1d
+    ((1, 3), {"padding": [0, 1]}, "s", "unsafe"),              # a window over seq
+    ((1, 1), {"stride": [1, 2]}, "floor((s+1)/2)", "unsafe"),  # a stride folds positions together
+    ((1, 1), {"padding": [0, 1]}, "s+2", "unsafe"),            # zeros before position 0 shift it
+])
+def test_a_convolution_of_kernel_one_along_the_padded_axis_pads_it(kernel, attrs, out_s, want):
+    """Every conv window tainted every spatial axis: SqueezeBERT (kernel 1, stride 1) was drafted
+    with seq unsafe to pad, and every request between buckets ran eagerly."""
+    import json
+    kh, kw = kernel
+    text = (f'graph @t(%x: f32[b,s,4], %w: f32[8,4,{kh},{kw}]) -> (%y) {{\n  dims b=1..4 s=2..16\n'
+            '  %t: f32[b,4,s] = permute(%x) {"perm": [0, 2, 1]}\n'
+            '  %u: f32[b,4,1,s] = reshape(%t) {"shape": ["b", 4, 1, "s"]}\n'
+            f'  %y: f32[b,8,1,{out_s}] = conv2d(%u, %w) {json.dumps(attrs)}\n  return %y\n}}')
+    rep = analyze_padding(parse_graph(text), {"x": 0.5}, ("b", "s"))
+    assert status(rep, "s") == want and status(rep, "b") == "safe", rep.lines()
