@@ -31,6 +31,7 @@ _QUIET = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shape
 # torch.export's "Suggested fixes:" lines: a narrower range (`seq = Dim('seq', min=3, max=16)`) or a value
 _RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'(?:, min=(\d+))?(?:, max=(\d+))?\)\s*$", re.M)
 _VALUE_FIX = re.compile(r"^\s*(\w+) = (\d+)\s*$", re.M)
+_DERIVED_FIX = re.compile(r"^\s*(\w+) = (\d+)\*(\w+)(?: \+ (\d+))?\s*$", re.M)
 
 
 @contextlib.contextmanager
@@ -99,10 +100,24 @@ def _excluded_ends(text: str) -> str:
     return "\n".join(fixes)
 
 
+def _derived(text: str) -> dict[str, tuple[str, int, int]]:
+    """torch.export's derived dims (`samples = 10*_samples`, `W = 2*_W + 1`): {base: (dim, k, c)}."""
+    return {base: (d, int(k), int(c or 0)) for d, k, base, c in _DERIVED_FIX.findall(text)}
+
+
 def _constraint_fixes(text: str) -> list[str]:
-    """torch.export's suggested dim ranges and values, as recipe terms ("seq min 3, max 16")."""
-    out = [f"{d} " + ", ".join(f"{k} {v}" for k, v in (("min", lo), ("max", hi)) if v)
-           for d, lo, hi in _RANGE_FIX.findall(text)]
+    """torch.export's suggested dim ranges and values, as recipe terms ("seq min 3, max 16"); a
+    range of a derived dim's base (`_samples`, no dim of the recipe) as the dim's own terms."""
+    derived = _derived(text)
+    out = []
+    for d, lo, hi in _RANGE_FIX.findall(text):
+        if d in derived:            # samples = 10*_samples: what it asks of samples itself
+            dim, k, c = derived[d]
+            span = " in [" + ", ".join(str(k * int(v) + c) if v else "?" for v in (lo, hi)) + "]"
+            out.append(f"{dim} a multiple of {k}" + (f" plus {c}" if c else "") + span + " (graphmode's dims do "
+                       f"not take such a step: fix {dim} in the recipe, or give it a narrower range)")
+            continue
+        out.append(f"{d} " + ", ".join(f"{k} {v}" for k, v in (("min", lo), ("max", hi)) if v))
     # a value alone only when no range is suggested: beside one, it is the capture's own narrow
     # example range for another dim (graphmode exports batch 1..2 as 2..2), not the model's need
     # the value is the size of graphmode's example, not one the model needs: the dim is static
@@ -149,7 +164,7 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
                                    + " (or run the model with exe_mode: eager)")
             # the ranges themselves, for a drafter that can take them ({dim: (min, max)}, None: not said)
             err.suggested_ranges = {d: (int(lo) if lo else None, int(hi) if hi else None)
-                                    for d, lo, hi in _RANGE_FIX.findall(suggested)}
+                                    for d, lo, hi in _RANGE_FIX.findall(suggested) if d not in _derived(suggested)}
             return err
     frame = (call.group(1), int(call.group(2)), call.group(3)) if call is not None else _model_frame(e)
     for needle, why, cause_fix in _KNOWN_CAUSES:

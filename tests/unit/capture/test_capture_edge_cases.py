@@ -850,3 +850,15 @@ def test_the_export_time_to_wrapper_is_per_thread_and_removed_after_the_last_exp
             t.join()
         assert torch.nn.Module.to is not real
     assert torch.nn.Module.to is real and done == [torch.float64]
+
+
+def test_a_derived_dim_torch_export_suggests_is_said_in_the_recipes_own_dim():
+    """torch.export suggests `_samples = Dim(...)` and `samples = 10*_samples` (Wav2Vec2's conv
+    strides): the refusal named a dim `_samples` with a tenth of the range, which no recipe has."""
+    from graphmode.capture.export_errors import export_failure
+    text = ("Constraints violated (samples)! For more information, run with TORCH_LOGS=\"+dynamic\".\n"
+            "  - Not all values of samples satisfy the generated guard.\nSuggested fixes:\n"
+            "  _samples = Dim('_samples', min=160, max=16000)\n  samples = 10*_samples\n")
+    e = export_failure(RuntimeError(text), fix="generic")
+    assert "samples a multiple of 10 in [1600, 160000]" in e.message and "_samples" not in e.message
+    assert e.where == "dims.samples" and e.suggested_ranges == {}
