@@ -264,3 +264,15 @@ def test_a_state_space_lm_is_not_told_to_give_dims_for_decoding():
         d = draft_recipe(lm, kb_path=None, record=False)
     note = d.notes["memory.kv_cache"]
     assert d.fixed_dims == ["seq"] and "cannot keep seq dynamic" in note and "--dim" not in note
+
+
+def test_attention_that_is_not_one_sdpa_is_said_as_it_is_written():
+    """XGLM clamps its scores at the float minimum before the softmax: the refusal to draft a KV
+    cache said 'soft-capped or otherwise rewritten logits' without the ops."""
+    from graphmode.kb.draft import draft_recipe
+    lm = _hf("XGLMForCausalLM", "XGLMConfig", d_model=32, num_layers=1, attention_heads=4, ffn_dim=64, vocab_size=100,
+             max_position_embeddings=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = draft_recipe(lm, ranges={"batch": (1, 2), "seq": (2, 6)}, kb_path=None, record=False)
+    assert "written as matmul -> add -> maximum -> softmax" in d.notes["memory.kv_cache"]
