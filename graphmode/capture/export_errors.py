@@ -164,8 +164,14 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
                                fix="narrow the recipe's dims to " + "; ".join(narrowed)
                                    + " (or run the model with exe_mode: eager)")
             # the ranges themselves, for a drafter that can take them ({dim: (min, max)}, None: not said)
+            derived = _derived(suggested)
             err.suggested_ranges = {d: (int(lo) if lo else None, int(hi) if hi else None)
-                                    for d, lo, hi in _RANGE_FIX.findall(suggested) if d not in _derived(suggested)}
+                                    for d, lo, hi in _RANGE_FIX.findall(suggested) if d not in derived}
+            # a dim torch.export keeps only as a multiple (its solver gave up on a floor guard over the
+            # range): the range it spans, for a drafter that may try a shorter one
+            err.derived_ranges = {derived[b][0]: (derived[b][1] * int(lo) + derived[b][2],
+                                                  derived[b][1] * int(hi) + derived[b][2])
+                                  for b, lo, hi in _RANGE_FIX.findall(suggested) if b in derived and lo and hi}
             return err
     frame = (call.group(1), int(call.group(2)), call.group(3)) if call is not None else _model_frame(e)
     for needle, why, cause_fix in _KNOWN_CAUSES:

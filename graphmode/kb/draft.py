@@ -310,6 +310,11 @@ def _export_ranges(e: CaptureError, bundle: Any, given: dict) -> dict[str, tuple
         if d in bundle.dim_names and d not in given and (lo or 1) <= example.get(d, lo or 1) <= (hi or 2 ** 62):
             out[d] = (lo, hi, "torch.export's range for this model (outside it the model takes another path, "
                               "e.g. a window wider than the input)")
+    for d, (lo, hi) in (getattr(e, "derived_ranges", None) or {}).items():
+        shorter = max(example.get(d, lo), hi // 4)       # its solver proves a floor guard over a shorter range
+        if d in bundle.dim_names and d not in given and lo <= example.get(d, lo) and shorter < hi:
+            out[d] = (lo, shorter, "the range torch.export keeps this dim dynamic over (over a longer one it asks "
+                                   "for a multiple of a stride, which graphmode's dims do not take)")
     return out or None
 
 

@@ -862,3 +862,11 @@ def test_a_derived_dim_torch_export_suggests_is_said_in_the_recipes_own_dim():
     e = export_failure(RuntimeError(text), fix="generic")
     assert "samples a multiple of 10 in [1600, 160000]" in e.message and "_samples" not in e.message
     assert e.where == "dims.samples" and e.suggested_ranges == {}
+    # a draft tries a shorter range (its solver proves the floor guard there): Wav2Vec2's samples
+    # were fixed at the example's 4000 where 1600..40000 exports
+    from types import SimpleNamespace
+    from graphmode.kb.draft import _export_ranges
+    assert e.derived_ranges == {"samples": (1600, 160000)}
+    bundle = SimpleNamespace(dim_names=["batch", "samples"], example_shape=lambda: {"batch": 2, "samples": 4000})
+    assert _export_ranges(e, bundle, {})["samples"][:2] == (1600, 40000)
+    assert _export_ranges(e, bundle, {"samples": (1600, 160000)}) is None        # the user's own range stays
