@@ -141,6 +141,9 @@ def stored_bytes_per_weight(recipe: Recipe) -> sympy.Rational:
     if p.weights == "f32":
         return sympy.Integer(DTYPE_SIZES[p.compute])
     if p.weights == "int4":
+        rows = [d for d in (m.hidden, m.intermediate) if d] if m else []
+        if not rows or any(d % p.group_size for d in rows):   # a linear whose in features split no group stays f32
+            return sympy.Integer(DTYPE_SIZES[p.compute])
         return sympy.Rational(1, 2) + sympy.Rational(4 if p.int4_scheme == "symmetric" else 8, p.group_size)
     row = min(m.hidden, m.intermediate or m.hidden) if m and m.hidden else 1
     return sympy.Integer(2 if p.weights == "bf16" else 1) + sympy.Rational(4, row)
