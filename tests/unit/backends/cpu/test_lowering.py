@@ -128,3 +128,16 @@ def test_aten_linear_with_an_empty_inner_or_output_dim(k, n):
     y = torch.empty(2, 5, n)
     gemm_closure("linear", [x, w, b], y)()
     assert torch.equal(y, torch.nn.functional.linear(x, w, b))
+
+
+def test_aten_matmul_into_a_slot_whose_unit_axes_differ_is_not_resized():
+    """Mamba at batch 1: a [128, 8] x [1, 8, 1] product into a [128, 1] slot made torch resize
+    `out` (deprecated: a later torch refuses it, or writes elsewhere than the arena)."""
+    import warnings
+    from graphmode.backends.cpu.aten import gemm_closure
+    x, w, y = torch.randn(128, 8), torch.randn(1, 8, 1), torch.empty(128, 1)
+    ptr = y.data_ptr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gemm_closure("matmul", [x, w], y)()
+    assert y.shape == (128, 1) and y.data_ptr() == ptr and torch.equal(y, torch.matmul(x, w).view(128, 1))
