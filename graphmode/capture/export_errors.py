@@ -179,7 +179,8 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
             at = f" at {shown_path(frame[0])}:{frame[1]} in {frame[2]}" if frame is not None else ""
             return CaptureError(f"torch.export failed: {why}{at} ({name}: {first})", where=where, fix=cause_fix)
     if not (name in _DATA_DEPENDENT or "data-dependent" in first) or frame is None:
-        return CaptureError(f"torch.export failed: {name}: {first}", where=where, fix=fix)
+        at = f" (at {shown_path(frame[0])}:{frame[1]} in {frame[2]})" if frame is not None else ""
+        return CaptureError(f"torch.export failed: {name}: {first}{at}", where=where, fix=fix)
     path, line, fn = frame
     src = linecache.getline(path, line).strip()
     at = f"{shown_path(path)}:{line} in {fn}" + (f": `{src}`" if src else "")

@@ -870,3 +870,19 @@ def test_a_derived_dim_torch_export_suggests_is_said_in_the_recipes_own_dim():
     bundle = SimpleNamespace(dim_names=["batch", "samples"], example_shape=lambda: {"batch": 2, "samples": 4000})
     assert _export_ranges(e, bundle, {})["samples"][:2] == (1600, 40000)
     assert _export_ranges(e, bundle, {"samples": (1600, 160000)}) is None        # the user's own range stays
+
+
+def _levit_like_forward():
+    raise RuntimeError("Expected size for first two dimensions of batch2 tensor to be: [2, 4] but got: [2, 3].")
+
+
+def test_a_torch_export_failure_names_the_models_line_where_it_happened():
+    """LeViT with dynamic sizes: 'torch.export failed: RuntimeError: Expected size for first two
+    dimensions of batch2 ...' with no place in the model to look at."""
+    from graphmode.capture.export_errors import export_failure
+    try:
+        _levit_like_forward()
+    except RuntimeError as err:
+        e = export_failure(err, fix="generic")
+    assert e.message.startswith("torch.export failed: RuntimeError: Expected size")
+    assert "test_capture_edge_cases.py:" in e.message and "in _levit_like_forward)" in e.message
