@@ -47,9 +47,7 @@ def _compile(model: Any, recipe: Any, target: Any, *, example_inputs: Any, dynam
              cache_dir: Any, threads: int | None, warmup: bool, on_stage: OnStage | None, rank: int | None):
     tgt = compiler.resolve_target(target)
     model = _with_examples(model, recipe, example_inputs)
-    ranges = _with_dynamic_shapes(model, recipe, dynamic_shapes)
-    if ranges is not None:
-        model, ranges = ranges
+    model, ranges = _with_dynamic_shapes(model, recipe, dynamic_shapes)
     notes: dict[str, str] = {}
     if recipe is None:
         from graphmode.kb.draft import drafted
@@ -101,12 +99,12 @@ def _with_examples(model: Any, recipe: Any, example_inputs: Any) -> Any:
                       fix="wrap the function in a module: class M(torch.nn.Module): def forward(self, x): return f(x)")
 
 
-def _with_dynamic_shapes(model: Any, recipe: Any, dynamic_shapes: Any) -> tuple[Any, dict] | None:
+def _with_dynamic_shapes(model: Any, recipe: Any, dynamic_shapes: Any) -> tuple[Any, dict | None]:
     """((module, examples, input_dims), the ranges its Dims bound) for torch.export's
-    `dynamic_shapes`; None without them."""
+    `dynamic_shapes`; (the model as given, None) without them."""
     from graphmode.errors import RecipeError
     if dynamic_shapes is None:
-        return None
+        return model, None
     if recipe is not None:
         raise RecipeError("dynamic_shapes drafts a recipe's dims; this call gives a recipe, whose inputs[].shape "
                           "and dims say which axes are dynamic", where="graphmode.compile(dynamic_shapes=...)",

@@ -277,7 +277,7 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
         if draft.fixed_dims:
             draft.notes["inputs"] += (f"; {', '.join(draft.fixed_dims)} fixed at the example's size: torch.export "
                                       "cannot keep it dynamic for this model")
-            if "seq" in draft.fixed_dims and "example's shapes are fixed" in draft.notes.get("memory.kv_cache", ""):
+            if "seq" in draft.fixed_dims and "memory.kv_cache" in draft.notes:    # an LM whose seq export fixed
                 draft.notes["memory.kv_cache"] = (   # not the user's fixed example: giving dims cannot help
                     "none: torch.export cannot keep seq dynamic for this model (its code fixes the length: a "
                     "recurrent or state-space layer), so it cannot decode on graphmode's KV cache; this draft "
@@ -438,17 +438,16 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     verdict = _settle_padding(data, notes, graph0, cap, src, ranges, bounded)
     _sla(data, notes, p99_ms, max_p99_over_p50)
     data["memory"] = {}
+    windowed = False          # left out for a window only: said when nothing else stops decoding
     if lm is not None and {"batch", "seq"} <= set(data.get("dims") or {}):
-        _kv_cache(data, notes, lm, ranges)
+        windowed = _kv_cache(data, notes, lm, ranges)
     elif lm is not None:                  # a decoder recipe needs dims batch and seq (the KV cache's)
         notes["memory.kv_cache"] = (f"none: {type(lm).__name__} is a causal LM, but its example's shapes are "
                                     "fixed, so this draft compiles its forward pass at that shape; for decoding, "
                                     "pass the model itself, or give dims batch and seq in a recipe "
                                     "(`graphmode recipe init --dim batch=1:4 --dim seq=1:512` drafts it)")
     low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)   # the budget does not change it
-    # a window the dims could keep inside is said only when nothing else stops decoding (GPT-Neo's
-    # hint to narrow seq led to a draft refused for its attention)
-    windowed = "sliding window" in notes.get("memory.kv_cache", "")
+    # GPT-Neo's hint to narrow seq inside its window led to a draft refused for its attention
     why_not = None if "kv_cache" not in data["memory"] and not windowed else (
         None if _attends_as_sdpa(low.graph) else "its attention does not capture as one sdpa (soft-capped or "
                                                   f"otherwise rewritten logits{_scores_written(low.captured)})"
@@ -746,9 +745,10 @@ def _scores_written(graph: Any) -> str:
     return ""
 
 
-def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int]]) -> None:
+def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int]]) -> bool:
     """memory.kv_cache of a causal LM from its config: its layers, KV heads and head dim, pages
-    enough for the longest sequence the dims admit."""
+    enough for the longest sequence the dims admit. True when the cache is left out only for a
+    sliding window the seq range outgrows (narrowing seq would decode, unless more stops it)."""
     from graphmode.decode.lm import lm_config
     cfg = lm_config(lm)
     context = ranges.get("seq", (1, (cfg["context"] or DECODER_CONTEXT) - 1))[1] + 1   # the longest prompt + a token
@@ -758,7 +758,7 @@ def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int
                                     f"are {cfg['v_head_dim']} wide and its key heads {cfg['head_dim']} (multi-head "
                                     "latent attention), and a cache page holds K and V heads of one head_dim; this "
                                     "draft compiles its forward pass")
-        return
+        return False
     if window is not None and context > window:
         # the paged attention attends every cached token; decoding past the window is refused
         notes["memory.kv_cache"] = (f"none: {type(lm).__name__} attends over a sliding window of {window} tokens, "
@@ -766,7 +766,7 @@ def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int
                                     f"make sequences of {context}; for decoding, keep seq inside the window: "
                                     f"dims.seq.max: {window - 1} in a recipe (`graphmode recipe init --dim "
                                     f"seq=1:{window - 1}` drafts it)")
-        return
+        return True
     page = KV_PAGE
     while window is not None and page > 1 and math.ceil(context / page) * page > window:
         page //= 2                   # every page of a sequence within the window
@@ -776,6 +776,7 @@ def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int
     notes["memory.kv_cache"] = (f"a causal LM ({type(lm).__name__}): layers, KV heads and head dim from its config, "
                                 f"{page}-token pages for up to {context} tokens a sequence (`generate` and "
                                 "`serve` decode with it)" + (f"; within its sliding window of {window}" if window else ""))
+    return False
 
 
 def _sla(data: dict, notes: dict, p99_ms: float | None, ratio: float | None) -> None:

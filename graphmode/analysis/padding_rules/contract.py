@@ -10,6 +10,7 @@ from graphmode.analysis.padding_lattice import (GARBAGE, Axis, Factor, Finding, 
                                                 same_dim)
 from graphmode.analysis.padding_rules import rule
 from graphmode.ir.graph import Node
+from graphmode.ir.ops.spec import pair
 from graphmode.ir.types import Dim
 
 
@@ -164,7 +165,6 @@ def _one_by_one(an, n: Node) -> set[int]:
     if n.op != "conv2d" or len(n.inputs) < 2:
         return set()
     w = an.shape(n.inputs[1])
-    pair = lambda v: list(v) if isinstance(v, (list, tuple)) else [v, v]       # noqa: E731
     stride, pad = pair(n.attrs.get("stride", 1)), pair(n.attrs.get("padding", 0))
     return {2 + i for i in range(2) if w[2 + i] == 1 and stride[i] == 1 and pad[i] == 0}
 
