@@ -171,7 +171,9 @@ def _region_loop(lines: list[str], i: int) -> tuple[list[str], int] | None:
     inner = lines[i + 2:end]
     pragmas = [k for k, ln in enumerate(inner) if ln.lstrip().startswith("#pragma omp")
                and not ln.lstrip().startswith("#pragma omp simd")]
-    if len(pragmas) != 1 or any("omp_get_thread_num" in ln for ln in inner):
+    # a region indexing per-thread scratch by its OpenMP thread number stays OpenMP: a claiming
+    # pool's threads have other numbers, and two would share a block
+    if len(pragmas) != 1 or any("omp_get_thread_num" in ln or "gm_thread_num" in ln for ln in inner):
         return None
     k = pragmas[0]
     work = _REGION_FOR.match(inner[k])

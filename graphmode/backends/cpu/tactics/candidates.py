@@ -20,6 +20,8 @@ import torch
 from graphmode.backends.cpu.conv import ConvConfig, ConvProblem
 from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm, packed_numel
 from graphmode.backends.cpu.im2col import Im2colConfig
+from graphmode.backends.cpu.im2col import blocked_rows as im2col_rows
+from graphmode.backends.cpu.im2col import chunk_for as im2col_chunk
 from graphmode.backends.cpu.im2col import gemm_problem as im2col_gemm
 from graphmode.backends.cpu.im2col import prepared_numel as im2col_prepared
 from graphmode.backends.cpu.isa import host_isas, registers
@@ -59,10 +61,11 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
 
 
 def conv_config(name: str) -> ConvConfig:
-    """The conv candidate a name denotes (`wino4_<gemm>`, `wino2_<gemm>`, `im2col_<gemm>`)."""
+    """The conv candidate a name denotes (`wino4_<gemm>`, `wino2_<gemm>`, `im2col_<gemm>`, each
+    with its blocked schedule's `c<chunk>x<threads>` after the algorithm where it has one)."""
     if name.startswith("wino"):
         return WinogradConfig.parse(name)
-    if name.startswith("im2col_"):
+    if name.startswith("im2col"):
         return Im2colConfig.parse(name)
     raise BackendError(f"not a generated conv candidate: {name!r}", value=name,
                        fix="wino<m>_<gemm config> or im2col_<gemm config>")
@@ -70,7 +73,7 @@ def conv_config(name: str) -> ConvConfig:
 
 def conv_kind(name: str) -> str:
     """The algorithm of a conv candidate: `wino4`, `wino2` or `im2col` (its blocking aside)."""
-    return "im2col" if name.startswith("im2col_") else name.split("_")[0].split("c")[0]
+    return "im2col" if name.startswith("im2col") else name.split("_")[0].split("c")[0]
 
 
 def candidate_names(p: GemmProblem, *, simd: Sequence[str], threads: int,
@@ -130,6 +133,10 @@ def _conv_names(p: ConvProblem, simd: Sequence[str], threads: int,
             if threads > 1 and geometry(p, m).t >= chunk * threads:
                 out.append(WinogradConfig(m, fit(winograd_gemm(p, m, chunk), serial=True), chunk, threads).name)
     out.append(Im2colConfig(fit(im2col_gemm(p))).name)
+    chunk = im2col_chunk(p, base.mr, threads)
+    blocked = Im2colConfig(fit(im2col_gemm(p, chunk), serial=True), chunk, max(1, threads))
+    if blocked.applies(p) and im2col_rows(p) >= chunk * max(2, threads):
+        out.append(blocked.name)
     return list(dict.fromkeys(out))
 
 

@@ -16,6 +16,7 @@ typedef __SIZE_TYPE__ size_t;
 
 #ifdef _OPENMP
 extern "C" int omp_get_max_threads(void);
+extern "C" int omp_get_thread_num(void);
 #endif
 extern "C" void* malloc(size_t) noexcept;
 extern "C" void free(void*) noexcept;
@@ -26,6 +27,13 @@ GM_INLINE int gm_nt(void) {
   return gm_threads > 0 ? gm_threads : omp_get_max_threads();
 #else
   return 1;
+#endif
+}
+GM_INLINE long gm_thread_num(void) {    // this thread's scratch block in a blocked schedule
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
 #endif
 }
 

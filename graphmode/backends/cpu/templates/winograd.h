@@ -1,13 +1,9 @@
 // graphmode generated CPU kernels: helpers of the Winograd convolutions (winograd.py).
 // 16-channel GCC vectors for the input and output transforms (lowered to the host's widest
-// ISA) and the OpenMP calls of the tile-blocked schedule.
+// ISA).
 
 #ifndef GM_WINO_COMMON_H
 #define GM_WINO_COMMON_H
-#ifdef _OPENMP
-extern "C" int omp_get_thread_num(void);
-extern "C" int omp_get_num_threads(void);
-#endif
 typedef float gm_v16 __attribute__((vector_size(64)));
 typedef float gm_v16u __attribute__((vector_size(64), aligned(4)));
 GM_INLINE gm_v16 gm_ld16(const float* p) { return *(const gm_v16u*)p; }

@@ -96,7 +96,7 @@ def test_a_region_around_one_claimable_loop_becomes_a_pool_call():
         "  });",
     ]), 1, 0)
     for other in ("    #pragma omp barrier", "    #pragma omp for schedule(static)\n    for (long i = 0; i < 4; ++i) f(i);",
-                  "    int me = omp_get_thread_num();"):
+                  "    int me = omp_get_thread_num();", "    const long me = gm_thread_num();"):
         kept = src.replace("    done(buf);", other)
         assert claim_loops(kept)[:2] == (kept, 0)          # another construct, or thread identity: OpenMP's
 

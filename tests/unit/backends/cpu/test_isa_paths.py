@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -203,6 +203,8 @@ def cases(isa: str) -> dict[str, Case]:
         "conv_winograd2": _conv(ConvProblem(2, 5, 7, 8, 9, 3, 3, (1, 1), (1, 1), bias=True),
                                 WinogradConfig(2, conv_cfg)),
         "conv_im2col": _conv(ConvProblem(1, 3, 15, 13, 20, 3, 3, (2, 2), (1, 1), bias=True), Im2colConfig(conv_cfg)),
+        "conv_im2col_rows": _conv(ConvProblem(2, 3, 15, 13, 20, 3, 3, (2, 2), (1, 1), bias=True),
+                                  Im2colConfig(replace(conv_cfg, par="serial"), first.mr * 2, 2)),
         "attention": _native("sdpa", [randn(1, 2, 20, 32), randn(1, 2, 37, 32), randn(1, 2, 37, 24), mask],
                              {"is_causal": False, "scale": None},
                              lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),

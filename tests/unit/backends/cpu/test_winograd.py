@@ -20,7 +20,7 @@ from graphmode.backends.cpu.gemm import GemmConfig
 from graphmode.backends.cpu.conv import ConvProblem, conv_problem_of
 from graphmode.backends.cpu.im2col import Im2colConfig, prepared_numel
 from graphmode.backends.cpu.tactics import ATEN, ConvStep, TacticsContext
-from graphmode.backends.cpu.tactics.candidates import conv_config, conv_kind
+from graphmode.backends.cpu.tactics.candidates import CONFIGS, candidate_names, conv_config, conv_kind
 from graphmode.backends.cpu.winograd import (WinogradConfig, generate_winograd, transform_weight,
                                              transformed_numel, workspace_numel)
 from graphmode.errors import BackendError
@@ -129,7 +129,10 @@ IM2COL = [
     (1, 8, 10, 10, 8, 3, 1, 2, 2, True),      # dilated
     (1, 5, 6, 7, 9, 3, 1, 1, 1, False),
 ]
-IM2COL_CFGS = [Im2colConfig(GemmConfig("avx512", 8, 32)), Im2colConfig(GemmConfig("avx2", 6, 16, 16, 12, par="serial"))]
+IM2COL_CFGS = [Im2colConfig(GemmConfig("avx512", 8, 32)), Im2colConfig(GemmConfig("avx2", 6, 16, 16, 12, par="serial")),
+               # the row-blocked schedule: blocks that cross images, a last block shorter than the chunk
+               Im2colConfig(GemmConfig("avx512", 8, 32, par="serial"), 16, 2),
+               Im2colConfig(GemmConfig("avx2", 6, 16, 16, 12, par="serial"), 12, 3)]
 
 
 def _im2col_problem(n, cin, h, w, cout, k, s, pad, d, bias) -> ConvProblem:
@@ -139,7 +142,9 @@ def _im2col_problem(n, cin, h, w, cout, k, s, pad, d, bias) -> ConvProblem:
 @needs_cxx
 def test_im2col_matches_direct_conv(tmp_path):
     builder = KernelBuilder(tmp_path / "k", threads=2)
-    cases = [(s, cfg, cfg.generate(_im2col_problem(*s), 2)) for s in IM2COL for cfg in IM2COL_CFGS]
+    cases = [(s, cfg, cfg.generate(_im2col_problem(*s), 2)) for s in IM2COL for cfg in IM2COL_CFGS
+             if cfg.applies(_im2col_problem(*s))]
+    assert len(cases) == len(IM2COL) * len(IM2COL_CFGS) - 2      # no row blocks without a patch matrix
     kernels = builder.build_many([c[2] for c in cases])
     for shape, cfg, src in cases:
         n, cin, h, w, cout, k, st, pad, d, has_bias = shape
@@ -151,11 +156,34 @@ def test_im2col_matches_direct_conv(tmp_path):
         p = _im2col_problem(*shape)
         wp = cfg.prepare_weight(wt)
         assert wp.numel() == prepared_numel(p, cfg.gemm.nr) and (p.ho, p.wo) == tuple(ref.shape[2:])
-        ws = torch.zeros(cfg.workspace_numel(p))
+        ws = torch.full((cfg.workspace_numel(p),), float("nan"))     # any contents: every call writes what it reads
         for _ in range(2):
             y = torch.full_like(ref, float("nan"))
             kernels[src.symbol]([t.data_ptr() for t in [x, wp] + ([bias] if has_bias else []) + [ws, y]])
             assert rel_l2(y, ref) < 1e-6, (p.text, cfg.name, rel_l2(y, ref))
+
+
+def test_the_row_blocked_im2col_is_offered_where_the_patch_matrix_outgrows_l2():
+    """ResNet's 7x7 stem at batch 1: a 7.4 MB patch matrix and a 3.2 MB result, each written
+    and read back once by the whole-image schedule; the row-blocked one keeps a block of each
+    in half a core's L2, in a number of blocks every thread gets the same share of."""
+    from graphmode.backends.cpu.im2col import chunk_for
+    stem = ConvProblem(1, 3, 224, 224, 64, 7, 7, (2, 2), (3, 3), bias=True)
+    for threads in (1, 2, 3):
+        c = chunk_for(stem, 8, threads)
+        blocks = -(-stem.ho * stem.wo // c)
+        assert c % 8 == 0 and c * (147 + 64) * 4 <= 512 << 10 and blocks % threads == 0, (threads, c)
+    names = candidate_names(stem, simd=["avx2", "fma", "avx512f"], threads=2, configs=CONFIGS, generated=True)
+    blocked = [n for n in names if n.startswith("im2colc")]
+    assert blocked == [f"im2colc{chunk_for(stem, 8, 2)}x2_avx512_8x32_kall_mall_serial"]
+    assert conv_kind(blocked[0]) == "im2col" and conv_config(blocked[0]).chunk == chunk_for(stem, 8, 2)
+    small = ConvProblem(1, 8, 9, 9, 8, 3, 3, (2, 2), (1, 1))          # 25 pixels: one block is the whole
+    names = candidate_names(small, simd=["avx2", "fma", "avx512f"], threads=2, configs=CONFIGS, generated=True)
+    assert not [n for n in names if n.startswith("im2colc")]
+    with pytest.raises(BackendError, match="multiple of mr"):
+        Im2colConfig(GemmConfig("avx512", 8, 32, par="serial"), 12, 2)
+    direct = ConvProblem(1, 16, 8, 8, 16, 1, 1, (1, 1), (0, 0))
+    assert not IM2COL_CFGS[2].applies(direct) and IM2COL_CFGS[0].applies(direct)
 
 
 def test_problem_and_names():
