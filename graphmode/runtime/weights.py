@@ -8,8 +8,11 @@ built later see only the new values: answers that match neither the old model no
 A tensor, submodule or hook *replaced* after compile (`load_state_dict(assign=True)`, `m.fc =
 nn.Linear(...)`, a hook added or removed) is never seen by the compiled plans at all. So a call
 compares the tensors' version counters, the module tree's slots (which tensor, submodule and
-how many hooks each holds) with the ones at compile, and refuses when one moved (about 15 us
-for 150 tensors).
+how many hooks each holds) and its switches (public bools and strings: `training`, a flag the
+forward branches on; torch.export fixed the values it read) with the ones at compile, and
+refuses when one moved (about 15 us for 150 tensors). A write through `param.data` moves no
+version counter and is not seen, nor is a Python number set after compile (a forward may set
+its numbers itself: they are its state, capture/self_changes.py).
 """
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from graphmode.capture.self_changes import busy_modules
+from graphmode.capture.self_changes import SWITCHES, busy_modules
 from graphmode.errors import GraphmodeError
 
 _VERSION = attrgetter("_version")
+_MISSING = object()
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
@@ -57,6 +61,14 @@ class FrozenWeights:
         self._slot_dicts, self._slot_keys, self._slot_values = (list(c) for c in zip(*[(d, k, v) for _, d, k, v
                                                                                       in self._slots])) \
             if self._slots else ([], [], [])
+        # switches a forward may read (`self.use_cache`, `training`: public bools and strings, which no
+        # forward may change itself, capture/self_changes.py): torch.export fixed the values it read in
+        # the plans, so one set to another value since compile is refused too. Numbers are not checked:
+        # they are state a forward may set itself on every call (Swin's shift_size follows the input)
+        self._scalars = [(f"{path}.{k}" if path else k, sub.__dict__, k, v) for path, sub in python
+                         for k, v in sub.__dict__.items() if type(v) in SWITCHES and not k.startswith("_")]
+        self._scalar_dicts, self._scalar_keys, self._scalar_values = (
+            [d for _, d, _, _ in self._scalars], [k for _, _, k, _ in self._scalars], [v for *_, v in self._scalars])
         self._hooks = [(path or type(module).__name__, getattr(sub, h)) for path, sub in python
                        for h in _HOOK_DICTS] + [("torch.nn.modules.module", d) for d in _global_hook_dicts()]
         self._hook_marks = self._marks()
@@ -77,6 +89,8 @@ class FrozenWeights:
             changed = [label for label, d, k, v in self._slots if d.get(k) is not v]
             self._refuse(changed, "were replaced (load_state_dict(assign=True), an attribute set to a new tensor "
                                   "or module)")
+        if any(map(is_not, map(dict.get, self._scalar_dicts, self._scalar_keys), self._scalar_values)):
+            self._check_scalars()
         if RemovableHandle.next_id == self._next_hook and \
                 [(len(d), next(reversed(d), None)) for d in self._held] == self._held_marks:
             return
@@ -85,6 +99,21 @@ class FrozenWeights:
             changed = [where for (where, _), a, b in zip(self._hooks, marks, self._hook_marks) if a != b]
             self._refuse(changed, "gained or lost forward hooks (register_forward_hook, handle.remove())")
         self._next_hook = RemovableHandle.next_id           # a hook registered elsewhere: this model's are as they were
+
+    def _check_scalars(self) -> None:
+        """An attribute holding another object than at compile: refused where its value differs
+        (an equal value set again is the same answer), else remembered."""
+        for i, (label, d, k, v) in enumerate(self._scalars):
+            now = d.get(k, _MISSING)
+            if now is v:
+                continue
+            same = type(now) is type(v) and now == v
+            if not same:
+                self._refuse([label], f"was set to {now!r} (it was {v!r} at compile; torch.export fixed the "
+                                      "value the forward read in the plans)" if now is not _MISSING else
+                             f"was deleted (it was {v!r} at compile)")
+            self._scalar_values[i] = now
+            self._scalars[i] = (label, d, k, now)
 
     def _marks(self) -> list:
         """Per hook dict, its size and newest handle id: a hook removed and another added moves it."""
@@ -95,8 +124,8 @@ class FrozenWeights:
         raise GraphmodeError(f"the model changed after graphmode.compile: {', '.join(changed[:3])}{more} {how}; "
                              "the compiled plans hold the model as it was, so answering would mix old and new",
                              where=f"model.{changed[0]}",
-                             fix="compile again after changing the model: load the checkpoint or set the hooks "
-                                 "first, then graphmode.compile(model, recipe)")
+                             fix="compile again after changing the model: load the checkpoint, set the hooks "
+                                 "or attributes first, then graphmode.compile(model, recipe)")
 
 
 __all__ = ["FrozenWeights"]

@@ -163,3 +163,38 @@ def test_a_hook_on_another_model_leaves_this_one_answering():
     torch.nn.Linear(2, 2).register_forward_hook(lambda mod, i, o: o)
     x = torch.randn(3, 8)
     assert torch.allclose(cm(x), m(x), atol=1e-6)
+
+
+class Tempered(torch.nn.Module):
+    """A temperature, a flag and a string read by the forward as Python values: torch.export fixes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.temperature, self.use_relu, self.act, self.drop = 1.0, True, "relu", torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.drop(self.lin(x)) / self.temperature
+        if not self.use_relu:
+            return y
+        return torch.relu(y) if self.act == "relu" else torch.nn.functional.gelu(y)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda m: setattr(m, "use_relu", False), "use_relu was set to False \\(it was True"),
+    (lambda m: setattr(m, "act", "gelu"), "act was set to 'gelu'"),
+    (lambda m: m.train(), "training was set to True"),
+    (lambda m: delattr(m, "use_relu"), "use_relu was deleted")])
+def test_a_switch_the_forward_reads_changed_after_compile_is_refused(change, needle):
+    """It was answered with the value at compile, silently (ReLU kept after use_relu = False,
+    eval mode after train()); the same value set again (another str object) answers. Numbers
+    are state a forward may set itself (Swin's shift_size): not checked."""
+    m = Tempered().eval()
+    cm = graphmode.compile(m, example_inputs=(torch.randn(2, 8),))
+    x = torch.randn(3, 8)
+    m.act = "".join(["re", "lu"])                   # equal: still the compiled model
+    m.temperature = 1.0
+    assert torch.allclose(cm(x), m(x), atol=1e-6)
+    change(m)
+    with pytest.raises(GraphmodeError, match=needle):
+        cm(x)
