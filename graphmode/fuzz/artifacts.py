@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from graphmode.fuzz.worker import special_file
+from graphmode.runtime.artifact import manifest_digest
 
 MANIFEST_EDITS: list[tuple[str, Any]] = [
     ("mode", "turbo"), ("mode", "eager"), ("mode", None), ("threads", 10 ** 9), ("threads", -1), ("threads", 0),
@@ -88,12 +89,13 @@ def cases(rng: random.Random, n: int, ctx: dict[str, Any]) -> list[dict[str, Any
 def _rewrite(src: Path, dst: Path, replace: dict[str, bytes], manifest_edit: dict[str, Any] | None = None,
              add: list[tuple[str, bytes, bool, bool]] = ()) -> None:
     """`src` rewritten to `dst` with members replaced (their hashes updated in the manifest:
-    a consistent edit), manifest fields set, members added (deflated?, listed?)."""
+    a consistent edit, its digest too), manifest fields set, members added (deflated?, listed?)."""
     with zipfile.ZipFile(src) as zin:
         manifest = json.loads(zin.read("manifest.json"))
         for name, data in list(replace.items()) + [(a[0], a[1]) for a in add if a[3]]:
             manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         manifest.update(manifest_edit or {})
+        manifest["digest"] = manifest_digest(manifest)
         with zipfile.ZipFile(dst, "w") as zout:
             for info in zin.infolist():
                 data = json.dumps(manifest).encode() if info.filename == "manifest.json" else \

@@ -11,8 +11,9 @@ archive is refused rather than run.
 
 The file is a zip (stored, not deflated: libraries and weights barely compress):
 
-    manifest.json            versions, host, recipe hash, graph hash, buckets, outputs, and
-                             `files`: every other member's size and sha256
+    manifest.json            versions, host, recipe hash, graph hash, buckets, outputs,
+                             `files`: every other member's size and sha256, and `digest`:
+                             the sha256 of its other fields (a hand edit shows)
     recipe.json              the recipe (its hash must equal the manifest's)
     graph.ir                 the optimised graph as IR text
     constants.pt             its constants (weights), loaded with weights_only=True
@@ -61,7 +62,7 @@ from graphmode.runtime.tail import MEMBERS as TAIL_MEMBERS, read_tail, tail_memb
 from graphmode.untrusted import GiB, MiB, UntrustedFileError, file_sha256, open_file, parse_json, read_bytes
 from graphmode.version import __version__
 
-FORMAT = 2              # 2: the manifest lists every member's size and sha256
+FORMAT = 3              # 2: the manifest lists every member's size and sha256; 3: and its own digest
 SUFFIX = ".gm"
 MAX_THREADS = 1024
 MAX_ITEMS = 4096        # buckets, outputs, kernels, members
@@ -189,6 +190,14 @@ class Manifest(_Strict):
     op_modules: list[Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z_][\w.]*$")]] = \
         Field(default_factory=list, max_length=MAX_ITEMS)
     decoder: Optional[DecoderFacts] = None         # a decoder's paged graph (decode/saved.py)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")  # manifest_digest: the other fields' sha256
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The sha256 of a manifest's fields but `digest`, as canonical JSON: mutated_inputs or the
+    output structure edited by hand reached the call as a bare traceback or another structure."""
+    body = json.dumps({k: v for k, v in manifest.items() if k != "digest"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def _host() -> dict[str, Any]:
@@ -321,6 +330,7 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
                 if f.is_file():
                     put(f"tokenizer/{f.name}", f.read_bytes())
             manifest["files"] = files
+            manifest["digest"] = manifest_digest(manifest)
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
         tmp.replace(path)                 # a reader never sees a half-written artifact
         writing.finish()
@@ -448,6 +458,10 @@ def read_manifest(z: zipfile.ZipFile, where: Path) -> dict[str, Any]:
         field = ".".join(str(x) for x in err["loc"])
         raise ArtifactError(f"manifest field {field}: {err['msg']}", where=f"{where}:manifest.json",
                             value=err.get("input"), fix="save the artifact again") from None
+    if manifest["digest"] != manifest_digest(manifest):
+        raise ArtifactError("the manifest's fields differ from the ones it was written with (its digest does "
+                            "not match): it was edited or damaged", where=f"{where}:manifest.json",
+                            fix="save the artifact again (graphmode compile ... --save)")
     problem = _members_problem(z, manifest)
     if problem is not None:
         raise ArtifactError(problem, where=str(where), fix="save the artifact again")
@@ -781,5 +795,5 @@ def _target(name: str | None):
         return None
 
 
-__all__ = ["ArtifactError", "FORMAT", "Manifest", "SUFFIX", "check_manifest", "load", "needed_simd", "read_manifest",
-           "save"]
+__all__ = ["ArtifactError", "FORMAT", "Manifest", "SUFFIX", "check_manifest", "load", "manifest_digest", "needed_simd",
+           "read_manifest", "save"]

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from graphmode.errors import ContractViolation
+from graphmode.runtime.shaping import has_eager, or_eager
 
 
 class InputContract:
@@ -199,13 +200,13 @@ class InputContract:
             if v == 0:          # a recipe's dims start at 1: widening cannot admit it
                 return ContractViolation(f"dim {d!r} = 0: an empty request is outside every recipe (dims start at 1)",
                                          where=f"dims.{d}", value=v,
-                                         fix=f"send at least one along {d}, or set on_violation: eager (eager "
-                                             "PyTorch answers empty requests)")
+                                         fix=f"send at least one along {d}, {or_eager(self, d)}")
             if not lo <= v <= hi:
                 return ContractViolation(f"dim {d!r} = {v} is outside the recipe's range [{lo}, {hi}]",
                                          where=f"dims.{d}", value=v,
                                          fix=f"send {d} within [{lo}, {hi}], widen dims.{d} in the recipe, "
-                                             f"or set on_violation: eager")
+                                             f"{or_eager(self, d)}" if has_eager(self) else
+                                         f"send {d} within [{lo}, {hi}], {or_eager(self, d)}")
         return ContractViolation(f"no bucket holds shape {dict(dims)}", where="dims", value=dict(dims),
                                  fix="add a bucket that covers it")
 

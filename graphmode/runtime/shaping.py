@@ -82,8 +82,7 @@ class Shaping:
                    f"were padded from {dims[d]} to {bucket[d]}")
             err = ContractViolation(
                 f"input {name!r} {why}", where=f"dims.{d}",
-                value=dims[d], fix=f"send {d} equal to a bucket value {buckets[d]}, or on_violation: eager (such "
-                                   f"requests then run in {fallback_engine(self)})")
+                value=dims[d], fix=f"send {d} equal to a bucket value {buckets[d]}, {or_eager(self, d)}")
         return err, "padding", f"unsafe padding on {d}"     # bounded: it labels a Prometheus series
 
     def _pad(self, inputs: Mapping[str, torch.Tensor], bucket: Mapping[str, int]) -> dict[str, torch.Tensor]:
@@ -216,3 +215,20 @@ class Shaping:
 def fallback_engine(cm: Any) -> str:
     """What runs a request the plans do not take."""
     return "ONNX Runtime" if cm.source.module is None else "eager PyTorch"
+
+
+def has_eager(cm: Any) -> bool:
+    """Whether `on_violation: eager` can run this model: a model loaded from an artifact has
+    neither the module nor the ONNX file (runtime/compiled.py `_eager`)."""
+    src = getattr(cm, "source", None)
+    return getattr(cm, "artifact", None) is None and src is not None and (
+        src.module is not None or src.onnx_path is not None)
+
+
+def or_eager(cm: Any, d: str) -> str:
+    """The end of a fix for a request outside the plans: on_violation: eager where the model has
+    an eager; else compiling again from the source, since an artifact keeps its recipe."""
+    if has_eager(cm):
+        return f"or set on_violation: eager (such requests then run in {fallback_engine(cm)})"
+    return (f"or compile the model again from its source with dims.{d} changed or on_violation: eager (a loaded "
+            "artifact keeps the recipe it was saved with)")

@@ -20,7 +20,7 @@ from graphmode.capture.spec import bundle_from_module
 from graphmode.cli.app import _register, app
 from graphmode.errors import ContractViolation
 from graphmode.ir.printer import INLINE_LIMIT
-from graphmode.runtime.artifact import ArtifactError, check_manifest
+from graphmode.runtime.artifact import ArtifactError, check_manifest, manifest_digest
 
 from tiny_models import mlp, recipe
 
@@ -105,13 +105,20 @@ def test_weights_are_mapped_from_the_extracted_file_and_repaired_there(saved):
 
 def _rewrite(src: Path, dst: Path, **replace: bytes) -> Path:
     """A copy of the artifact with some members replaced, the manifest's sizes and hashes of
-    them updated (a consistent edit: what the checks after the hashes must catch)."""
+    them updated and its digest too (a consistent edit: what the checks after the hashes must
+    catch)."""
     with zipfile.ZipFile(src) as zin:
         manifest = json.loads(zin.read("manifest.json"))
         for name, data in replace.items():
             if name != "manifest.json":
                 manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         replace.setdefault("manifest.json", json.dumps(manifest).encode())
+        try:
+            edited = json.loads(replace["manifest.json"])
+        except ValueError:
+            edited = None                       # an unreadable manifest stays so
+        if isinstance(edited, dict):
+            replace["manifest.json"] = json.dumps(dict(edited, digest=manifest_digest(edited))).encode()
         with zipfile.ZipFile(dst, "w") as zout:
             for info in zin.infolist():
                 zout.writestr(info, replace.get(info.filename, zin.read(info.filename)))
@@ -221,6 +228,24 @@ def test_every_damaged_member_is_refused_naming_it(saved):
         with pytest.raises(ArtifactError) as e:
             graphmode.load(bad, cache_dir=tmp / "flipped")
         assert member in str(e.value), (member, str(e.value))
+
+
+@pytest.mark.parametrize("fields", [{"mutated_inputs": ["x"]}, {"positional": ["y"]}, {"exact_dims": ["batch"]},
+                                    {"threads": 999}, {"out_spec": "garbage"}])
+def test_a_manifest_edited_by_hand_is_refused_by_its_digest(saved, fields):
+    """Fields the schema accepts but the artifact was not saved with: mutated_inputs reached the
+    call as a bare RuntimeError from a copy_, an edited output structure returned a tuple for
+    eager's tensor, exact_dims refused a request as unsafe padding."""
+    _, path, _, tmp = saved
+    with zipfile.ZipFile(path) as zin, zipfile.ZipFile(tmp / "hand.gm", "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename == "manifest.json":
+                data = json.dumps(dict(json.loads(data), **fields)).encode()
+            zout.writestr(info, data)
+    with pytest.raises(ArtifactError, match="digest does not match") as e:
+        graphmode.load(tmp / "hand.gm", cache_dir=tmp / "hand")
+    assert "manifest.json" in e.value.where and "save the artifact again" in e.value.fix
 
 
 def _edit_manifest(saved, name: str, **fields) -> Path:
@@ -359,3 +384,15 @@ def test_a_plan_holding_minus_inf_saves_caches_and_loads(tmp_path):
     again = graphmode.compile((m, (torch.randn(2, 5),)), cache_dir=tmp_path / "cache")
     assert torch.allclose(again(x), m(x))
     assert not [e for e in again.cache_events if e["event"] == "corrupt"]
+
+
+def test_a_request_outside_a_loaded_artifacts_range_is_not_told_to_run_eagerly(saved):
+    """The fix said "set on_violation: eager": an artifact has no model to run eagerly, and its
+    recipe cannot be changed at load; the compiled model itself still says so."""
+    cm, path, _, tmp = saved
+    loaded = graphmode.load(path, cache_dir=tmp / "range")
+    for model, eager in ((cm, True), (loaded, False)):
+        with pytest.raises(ContractViolation) as e:
+            model(torch.randn(7, 16))
+        assert ("set on_violation: eager" in e.value.fix) is eager
+        assert eager or "compile the model again from its source" in e.value.fix

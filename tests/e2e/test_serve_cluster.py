@@ -99,7 +99,8 @@ def test_a_replica_that_cannot_load_the_artifact_fails_the_start_with_its_error(
         for info in zin.infolist():
             data = zin.read(info.filename)
             if info.filename == "manifest.json":
-                data = json.dumps(dict(manifest, host={**manifest["host"], "arch": "riscv64"})).encode()
+                edited = dict(manifest, host={**manifest["host"], "arch": "riscv64"})
+                data = json.dumps(dict(edited, digest=artifact_module.manifest_digest(edited))).encode()
             zout.writestr(info, data)
     config = ServeConfig(cache_dir=tmp / "other-cache")
     server = ClusterServer(Served(str(other), None, False, 0.0), config,
