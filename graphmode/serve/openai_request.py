@@ -147,6 +147,9 @@ def _prompts(v: Any, tokenizer: Any) -> list[list[int]]:
         if len(v) > MAX_PROMPTS:
             raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request", len(v), fix=SPLIT)
         return [_id_list(p, f"prompt[{i}]") for i, p in enumerate(v)]
+    if v == []:
+        raise bad("prompt", "the prompt is empty: a completion continues at least one token", v,
+                  fix='send "prompt": [id, ...] with one token or more (a BOS token id alone starts from nothing)')
     raise bad("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of token-id "
                          "lists", v if v is not None else "nothing", fix=USAGE)
 

@@ -232,3 +232,11 @@ def test_chat_template_options_as_vllm_takes_them(tok):
                         ({"chat_template_kwargs": [1]}, "must map")):
         with pytest.raises(BadRequest, match=needle):
             chat({"messages": turns, **doc}, tok)
+
+
+def test_an_empty_prompt_is_called_empty():
+    """It was told a prompt "must be a string, a list of strings, a list of token ids or ...",
+    which an empty list of token ids is."""
+    with pytest.raises(BadRequest) as e:
+        parse({"prompt": []})
+    assert "the prompt is empty" in e.value.message and e.value.where == "prompt"
