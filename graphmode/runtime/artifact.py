@@ -22,10 +22,9 @@ The file is a zip (stored, not deflated: libraries and weights barely compress):
     tactics/*.json           the GEMM/conv timing cache the plans were tuned with
     tokenizer/*              a decoder's tokenizer files, when its model had one
 
-A decoder (a recipe with memory.kv_cache) is saved as the paged graph its decode engine runs,
-with a plan per prefill and decode bucket (`bucket_envs`) and the model's sizes (`decoder`);
-its KV pools are run-time state, stored as their types only and zero at load
-(graphmode/decode/saved.py builds the engine over it).
+A decoder (a recipe with memory.kv_cache) is saved as the paged graph its decode engine runs, with a
+plan per prefill and decode bucket (`bucket_envs`) and the model's sizes (`decoder`); its KV pools
+are run-time state, stored as their types only and zero at load (decode/saved.py builds the engine).
 
 A `.gm` is untrusted input until checked: the manifest is read within a size bound and
 every field is checked against `Manifest` (types, enums, thread count, sizes, counts; an
@@ -35,7 +34,6 @@ bounded chunks and checked against its sha256 before anything parses, maps or lo
 What fails is one ArtifactError naming the member, never a traceback. The hashes catch
 damage and inconsistent edits; loading a `.gm` runs the native code it carries, so a file
 rewritten consistently by someone else is as trusted as its source (docs/robustness.md).
-
 Out-of-contract requests cannot run eagerly (there is no module): they are refused.
 """
 from __future__ import annotations
@@ -553,9 +551,12 @@ def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
     try:
         z = zipfile.ZipFile(fobj)
     except Exception as e:  # noqa: BLE001 - a damaged central directory raises many types
+        cut = fobj.seek(0) == 0 and fobj.read(4) == b"PK\x03\x04"   # a zip's first member, no directory at its end
         fobj.close()
-        raise ArtifactError(f"not a graphmode artifact: {type(e).__name__}: {str(e)[:200]}", where=str(path),
-                            fix="pass a file written by graphmode compile --save / CompiledModel.save") from None
+        raise ArtifactError(f"{'a zip archive without its end: truncated' if cut else 'not a graphmode artifact'}: "
+                            f"{type(e).__name__}: {str(e)[:200]}", where=str(path),
+                            fix="copy it again whole, or save it again" if cut else
+                            "pass a file written by graphmode compile --save / CompiledModel.save") from None
     return z, sha.hexdigest()[:24], f.size
 
 

@@ -259,9 +259,12 @@ class ArtifactCache:
         near = min(entries, key=distance)
         differs = {k: {"wanted": key[k], "nearest_entry": near.key.get(k)} for k in KEY_FIELDS
                    if near.key.get(k) != key[k]}
-        return {"result": "miss", "nearest": near.digest, "differs": differs,
-                "reason": "; ".join(f"{k} differs ({v['nearest_entry']} cached, {v['wanted']} wanted)"
-                                    for k, v in differs.items())}
+        reason = "; ".join(f"{k} differs ({v['nearest_entry']} cached, {v['wanted']} wanted)"
+                           for k, v in differs.items())
+        if "graph_hash" in differs:      # the nearest entry is another model's (or this one's before a change)
+            reason = ("no entry holds this graph; the nearest holds another (another model, or this one "
+                      f"changed): {reason}")
+        return {"result": "miss", "nearest": near.digest, "differs": differs, "reason": reason}
 
 
 def _size(path: Path) -> int:

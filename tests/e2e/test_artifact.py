@@ -396,3 +396,17 @@ def test_a_request_outside_a_loaded_artifacts_range_is_not_told_to_run_eagerly(s
             model(torch.randn(7, 16))
         assert ("set on_violation: eager" in e.value.fix) is eager
         assert eager or "compile the model again from its source" in e.value.fix
+
+
+def test_a_truncated_artifact_is_called_truncated(saved):
+    """A copy cut short (its zip directory gone) was called "not a graphmode artifact"."""
+    _, path, _, tmp = saved
+    cut = tmp / "cut.gm"
+    cut.write_bytes(path.read_bytes()[:-10])            # the end of its zip directory cut off
+    with pytest.raises(ArtifactError, match="without its end: truncated") as e:
+        graphmode.load(cut, cache_dir=tmp / "cut")
+    assert "copy it again whole" in e.value.fix
+    other = tmp / "other.gm"
+    other.write_bytes(b"not a zip at all")
+    with pytest.raises(ArtifactError, match="not a graphmode artifact"):
+        graphmode.load(other, cache_dir=tmp / "other")

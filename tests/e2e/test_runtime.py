@@ -177,6 +177,8 @@ def test_cache_explain_names_the_differing_field(small_resnet, tmp_path):
     res = cache.explain(key)
     assert res["result"] == "miss" and list(res["differs"]) == ["bucket"]
     assert cache.explain(make_key(cm._graph_hash, rec.hash(), "host", {"batch": 1}))["result"] == "hit"
+    other = cache.explain(make_key("0" * 16, rec.hash(), "host", {"batch": 1}))   # another model's graph
+    assert list(other["differs"]) == ["graph_hash"] and other["reason"].startswith("no entry holds this graph")
     assert cache.prune(0) and cache.entries() == []
 
 
