@@ -770,12 +770,14 @@ def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int
     page = KV_PAGE
     while window is not None and page > 1 and math.ceil(context / page) * page > window:
         page //= 2                   # every page of a sequence within the window
-    data["memory"]["kv_cache"] = {"page_size": page, "max_pages_per_seq": math.ceil(context / page),
+    pages = math.ceil(context / page)
+    data["memory"]["kv_cache"] = {"page_size": page, "max_pages_per_seq": pages,
                                   "dtype": "f32", "layers": cfg["layers"], "kv_heads": cfg["kv_heads"],
                                   "head_dim": cfg["head_dim"]}
     notes["memory.kv_cache"] = (f"a causal LM ({type(lm).__name__}): layers, KV heads and head dim from its config, "
-                                f"{page}-token pages for up to {context} tokens a sequence (`generate` and "
-                                "`serve` decode with it)" + (f"; within its sliding window of {window}" if window else ""))
+                                f"{pages} pages of {page} tokens a sequence: up to {pages * page} tokens (the seq "
+                                f"range's {context} in whole pages; `generate` and `serve` decode with it)"
+                                + (f"; within its sliding window of {window}" if window else ""))
     return False
 
 

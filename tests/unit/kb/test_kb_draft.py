@@ -153,6 +153,8 @@ def test_a_causal_lm_draft_leaves_a_position_for_the_new_token():
     kv = d.recipe.memory.kv_cache
     assert d.recipe.dim_range("seq") == (1, 63) and kv is not None
     assert kv.max_pages_per_seq * kv.page_size >= 64 and d.report.verdict == "valid"
+    # the note says what the pages hold (it said "up to 65 tokens" of pages holding 80)
+    assert f"up to {kv.max_pages_per_seq * kv.page_size} tokens" in d.notes["memory.kv_cache"]
 
 
 def test_a_decoder_sequence_with_relative_positions_gets_the_default_sequence_range():
