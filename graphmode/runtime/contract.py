@@ -202,11 +202,10 @@ class InputContract:
                                          where=f"dims.{d}", value=v,
                                          fix=f"send at least one along {d}, {or_eager(self, d)}")
             if not lo <= v <= hi:
+                widen = f"widen dims.{d} in the recipe, " if has_eager(self) else ""   # an artifact keeps its recipe
                 return ContractViolation(f"dim {d!r} = {v} is outside the recipe's range [{lo}, {hi}]",
                                          where=f"dims.{d}", value=v,
-                                         fix=f"send {d} within [{lo}, {hi}], widen dims.{d} in the recipe, "
-                                             f"{or_eager(self, d)}" if has_eager(self) else
-                                         f"send {d} within [{lo}, {hi}], {or_eager(self, d)}")
+                                         fix=f"send {d} within [{lo}, {hi}], {widen}{or_eager(self, d)}")
         return ContractViolation(f"no bucket holds shape {dict(dims)}", where="dims", value=dict(dims),
                                  fix="add a bucket that covers it")
 

@@ -65,10 +65,10 @@ class FrozenWeights:
         # forward may change itself, capture/self_changes.py): torch.export fixed the values it read in
         # the plans, so one set to another value since compile is refused too. Numbers are not checked:
         # they are state a forward may set itself on every call (Swin's shift_size follows the input)
-        self._scalars = [(f"{path}.{k}" if path else k, sub.__dict__, k, v) for path, sub in python
-                         for k, v in sub.__dict__.items() if type(v) in SWITCHES and not k.startswith("_")]
-        self._scalar_dicts, self._scalar_keys, self._scalar_values = (
-            [d for _, d, _, _ in self._scalars], [k for _, _, k, _ in self._scalars], [v for *_, v in self._scalars])
+        switches = [(f"{path}.{k}" if path else k, sub.__dict__, k, v) for path, sub in python
+                    for k, v in sub.__dict__.items() if type(v) in SWITCHES and not k.startswith("_")]
+        self._scalar_labels, self._scalar_dicts, self._scalar_keys, self._scalar_values = (
+            [s[i] for s in switches] for i in range(4))
         self._hooks = [(path or type(module).__name__, getattr(sub, h)) for path, sub in python
                        for h in _HOOK_DICTS] + [("torch.nn.modules.module", d) for d in _global_hook_dicts()]
         self._hook_marks = self._marks()
@@ -103,17 +103,16 @@ class FrozenWeights:
     def _check_scalars(self) -> None:
         """An attribute holding another object than at compile: refused where its value differs
         (an equal value set again is the same answer), else remembered."""
-        for i, (label, d, k, v) in enumerate(self._scalars):
+        for i, (label, d, k, v) in enumerate(zip(self._scalar_labels, self._scalar_dicts, self._scalar_keys,
+                                                 self._scalar_values)):
             now = d.get(k, _MISSING)
             if now is v:
                 continue
-            same = type(now) is type(v) and now == v
-            if not same:
+            if not (type(now) is type(v) and now == v):
                 self._refuse([label], f"was set to {now!r} (it was {v!r} at compile; torch.export fixed the "
                                       "value the forward read in the plans)" if now is not _MISSING else
                              f"was deleted (it was {v!r} at compile)")
             self._scalar_values[i] = now
-            self._scalars[i] = (label, d, k, now)
 
     def _marks(self) -> list:
         """Per hook dict, its size and newest handle id: a hook removed and another added moves it."""
