@@ -147,6 +147,7 @@ def test_serving_the_artifact_answers_completions_and_refuses_infer(words, tmp_p
         assert not tracebacks
 
 
+@pytest.mark.slow     # ~70 s on 2 busy cores (a MoE decoder compiled twice); Mixtral decodes in test_decoder_recipes
 def test_a_mixture_of_experts_saved_with_its_custom_op_loads_in_a_fresh_process(tmp_path):
     """Mixtral routes tokens through transformers' own torch op (an eager island); a fresh
     process has no torch.ops.transformers until transformers.integrations.moe is imported, and

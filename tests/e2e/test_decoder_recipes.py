@@ -83,6 +83,7 @@ def test_pages_for_more_tokens_than_the_model_has_positions_bound_the_answer_by_
     assert "at most 45 new tokens" in e.value.fix                # not 61: the pages hold 48
 
 
+@pytest.mark.slow     # ~40 s on 2 busy cores (two drafts and a decode); the window's refusal is the next tests'
 def test_a_draft_for_a_sliding_window_model_keeps_its_sequences_within_the_window_or_drafts_no_cache(tmp_path):
     """`recipe init` drafted 16-token pages for a model with an 8-token window: a decoder recipe
     every entry point then refused, whatever max_pages_per_seq (the fix said 'at most 0')."""
@@ -145,7 +146,7 @@ def test_attention_biased_by_position_is_refused_not_decoded_without_its_bias(tm
     assert "without memory.kv_cache" in e.value.fix
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gptj"])
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("gptj", marks=pytest.mark.slow)])   # gptj: ~20 s
 def test_drafted_recipes_decode_families_with_islands_and_stacks_exactly(family, tmp_path):
     """A mixture of experts routes tokens with ops graphmode runs as eager islands: its draft is
     hybrid and decodes so (decoding forced graph mode, and the fix it named was the recipe's own

@@ -162,6 +162,7 @@ def test_a_spec_returning_the_model_alone_generates(files):
     assert json.loads(res.stdout)["choices"][0]["tokens"] == reference(P0)
 
 
+@pytest.mark.slow     # ~30 s on 2 busy cores; the Python API's draft decodes in test_decoder_recipes
 def test_without_a_recipe_generate_drafts_one_as_the_python_api_does(files):
     """It refused, pointing at GPT-2's recipe, whose KV sizes other models then failed on."""
     res = runner.invoke(app, ["generate", "--model", f"{TINY}:gpt2", "--cache-dir", files["cache"],
