@@ -3,9 +3,10 @@
 Why matrices: with static input and output extents, every Resize mode (nearest with each
 rounding rule, linear, cubic, antialiased, every coordinate transformation, crop-and-resize
 with an extrapolation value) is separable: along one axis the output is `W @ x + b`, with `W`
-(out x in) and `b` known at import time. They are computed with onnx's own reference
-coefficients (onnx.reference.ops.op_resize, the code the node tests' expected outputs come
-from), by resizing the identity, so graphmode's Resize means exactly what ONNX's does. A
+(out x in) and `b` known at import time. The source coordinates are computed as ONNX
+Runtime computes them (and PyTorch, whose F.interpolate most Resize nodes come from), the
+kernel coefficients with onnx's own reference functions (onnx.reference.ops.op_resize, the
+code the node tests' expected outputs come from), so graphmode's Resize means what ONNX's does. A
 selection matrix (nearest) becomes an `index_select`, the rest a `matmul` over the axis moved
 last (`b` is nonzero only where crop-and-resize extrapolates).
 """
@@ -50,15 +51,68 @@ def _coeffs(mode: str, nearest_mode: str, antialias: bool, a: float):
     return ref._linear_coeffs_antialias if antialias else ref._linear_coeffs
 
 
+_TWO_READINGS_FIX = ("give Resize sizes instead of scales (F.interpolate(size=...) rather than scale_factor=, "
+                     "which every reading agrees on), or compile the PyTorch module itself")
+# the modes whose coordinates divide by the resized length (onnx/onnx#2462): the output's integer
+# length for ONNX Runtime and PyTorch, the unfloored scale * length for onnx's reference
+_BY_RESIZED_LENGTH = ("align_corners", "tf_crop_and_resize")
+
+
+def _source_coords(transform: str, out_len: int, length: int, scale: float, roi,
+                   resized: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Where each output position samples the input, and which positions extrapolate. Computed
+    in float32 as ONNX Runtime does (onnx's reference computes in float64, and at scale 0.6 its
+    nearest picked another pixel than ONNX Runtime and PyTorch, whose F.interpolate most Resize
+    nodes come from). `resized` is the length align_corners and tf_crop_and_resize divide by:
+    the output's own unless given."""
+    f = np.float32
+    y = np.arange(out_len, dtype=f)
+    s, n, one, half = f(scale), f(length), f(1), f(0.5)
+    m = f(out_len if resized is None else resized)
+    outside = np.zeros(out_len, dtype=bool)
+    if transform == "align_corners":
+        x = y * (n - one) / (m - one) if m != one else np.zeros_like(y)
+    elif transform == "asymmetric":
+        x = y / s
+    elif transform == "pytorch_half_pixel":
+        x = (y + half) / s - half if out_len > 1 else np.zeros_like(y)
+    elif transform == "half_pixel":
+        x = (y + half) / s - half
+    elif transform == "half_pixel_symmetric":
+        offset = n / f(2) * (one - m / (s * n))
+        x = offset + (y + half) / s - half
+    else:                                   # tf_crop_and_resize
+        r0, r1 = (f(0), f(1)) if roi is None else (f(roi[0]), f(roi[1]))
+        x = r0 * (n - one) + y * (r1 - r0) * (n - one) / (m - one) if m != one else \
+            np.full_like(y, half * (r0 + r1) * (n - one))
+        outside = (x < 0) | (x > n - one)
+    return x.astype(np.float64), outside
+
+
 def _axis_map(length: int, out_len: int, scale: float, coeffs, roi, extrapolation: float, transform: str,
-              exclude_outside: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(W, b) with resize(x) == W @ x + b along one axis of `length` elements."""
-    from onnx.reference.ops import op_resize as ref
-    kw = dict(roi=roi, coordinate_transformation_mode=transform, exclude_outside=exclude_outside)
-    w = ref._interpolate_1d_along_axis(np.eye(length), 0, scale, out_len, coeffs, extrapolation_value=0.0, **kw)
-    b = ref._interpolate_1d_along_axis(np.zeros((length, 1)), 0, scale, out_len, coeffs,
-                                       extrapolation_value=extrapolation, **kw)
-    return w, b[:, 0]
+              exclude_outside: bool, resized: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(W, b) with resize(x) == W @ x + b along one axis of `length` elements: each output takes
+    the kernel's n taps nearest its source coordinate (ties to the left, as onnx's reference
+    picks them), taps past an edge reading the edge element."""
+    x, outside = _source_coords(transform, out_len, length, scale, roi, resized)
+    w = np.zeros((out_len, length))
+    b = np.where(outside, extrapolation, 0.0)
+    for i, xi in enumerate(x):
+        if outside[i]:
+            continue
+        base = math.floor(xi)
+        c = np.asarray(coeffs(1.0 if xi == base else xi - base, scale), dtype=np.float64)
+        k = len(c)
+        if k % 2 == 0:
+            start = base - k // 2 + (0 if xi == base else 1)
+        else:
+            start = base - (k - 1) // 2 + (0 if xi - base <= 0.5 else 1)
+        taps = np.arange(start, start + k)
+        if exclude_outside:
+            c = np.where((taps < 0) | (taps >= length), 0.0, c)
+            c = c / (c.sum() or 1.0)
+        np.add.at(w[i], np.clip(taps, 0, length - 1), c)
+    return w, b
 
 
 def _plan(imp: _Importer, n, shape: list[Dim]) -> tuple[list[Dim], list[float], list[int], list | None]:
@@ -80,8 +134,8 @@ def _plan(imp: _Importer, n, shape: list[Dim]) -> tuple[list[Dim], list[float], 
     if scales is not None:
         for a, s in zip(axes, scales):
             full_scales[a] = s
-        out = [shape[i] if full_scales[i] == 1.0 else
-               int(math.floor(full_scales[i] * _static(imp, shape, i))) for i in range(r)]
+        out = [shape[i] if full_scales[i] == 1.0 else _scaled_length(imp, full_scales[i], _static(imp, shape, i), i)
+               for i in range(r)]
     else:
         for a, s in zip(axes, sizes):
             out[a] = s
@@ -102,6 +156,19 @@ def _plan(imp: _Importer, n, shape: list[Dim]) -> tuple[list[Dim], list[float], 
     return out, full_scales, axes, rois
 
 
+def _scaled_length(imp: _Importer, scale: float, length: int, axis: int) -> int:
+    """floor(scale x length), which ONNX Runtime computes in float32 and onnx (its shape inference
+    and reference) in float64: for the float32 scale 0.7 on 10 rows that is 7 (as PyTorch says)
+    against 6, and a file that means two sizes is refused rather than answered with one."""
+    f32 = int(np.float32(scale) * np.float32(length))
+    f64 = math.floor(scale * length)
+    if f32 != f64:
+        raise imp.fail(f"Resize at scale {scale:g} on axis {axis} of length {length} reads two ways: ONNX Runtime "
+                       f"and PyTorch compute {f32} rows (in float32), onnx's shape inference and reference {f64}",
+                       value=f"{scale:g}", fix=_TWO_READINGS_FIX)
+    return f32
+
+
 def _static(imp: _Importer, shape: list[Dim], axis: int) -> int:
     """The extent of an axis Resize changes: the interpolation weights are built at import time for
     one input length, so a resized axis must have a static extent (an unresized one need not)."""
@@ -120,6 +187,24 @@ def _size_scale(imp: _Importer, shape: list[Dim], out: list[Dim], axis: int) -> 
                        fix="give Resize constant sizes (or scales) for the axes it resizes")
     length = _static(imp, shape, axis)
     return size / length if length else 1.0
+
+
+def _one_reading(imp: _Importer, n, axis: int, length: int, out_len: int, scale: float, ours: np.ndarray,
+                 spec: np.ndarray) -> None:
+    """Refuse a Resize that reads two ways: align_corners or tf_crop_and_resize at a scale whose
+    output length is not scale x length. ONNX Runtime and PyTorch divide by the output's length,
+    onnx's reference (the node tests' expected outputs; its authors' intent, onnx/onnx#2462) by
+    the unfloored product: a file exported from F.interpolate(scale_factor=1.7, align_corners=True)
+    means one thing to its source and another to the spec, and either answer is wrong to someone."""
+    gap = float(np.abs(ours - spec).max())
+    if gap <= 1e-6:
+        return
+    mode = _s(imp.attr(n, "coordinate_transformation_mode", b"half_pixel"))
+    raise imp.fail(f"Resize with coordinate_transformation_mode {mode!r} at scale {scale:g} on axis {axis} "
+                   f"({length} -> {out_len}) reads two ways: ONNX Runtime and PyTorch divide by the output "
+                   f"length {out_len} - 1, the ONNX reference by {scale * length:g} - 1 (onnx/onnx#2462); "
+                   f"their weights differ by up to {gap:.3g}", value=f"{scale:g}",
+                   fix=_TWO_READINGS_FIX)
 
 
 @_handles("Resize")
@@ -150,7 +235,12 @@ def _resize(imp: _Importer, n) -> None:
                 (roi is None or (math.isclose(roi[0], 0.0) and math.isclose(roi[1], 1.0))):
             continue
         length = _static(imp, shape, a)
-        maps.append((a, *_axis_map(length, out[a], scales[a], coeffs, roi, extrapolation, transform, exclude)))
+        w, b = _axis_map(length, out[a], scales[a], coeffs, roi, extrapolation, transform, exclude)
+        if transform in _BY_RESIZED_LENGTH and scales[a] * length != out[a]:
+            _one_reading(imp, n, a, length, out[a], scales[a], w,
+                         _axis_map(length, out[a], scales[a], coeffs, roi, extrapolation, transform, exclude,
+                                   resized=scales[a] * length)[0])
+        maps.append((a, w, b))
     hint = n.output[0]
     cast_back = False
     for a, w, b in maps:
