@@ -19,7 +19,7 @@ def _renamed(graph, prefix: str) -> tuple[list, dict[str, str]]:
     """The subgraph's nodes with its inputs and internal values renamed under `prefix` (outer
     values keep their names), and the renaming."""
     import onnx
-    mapping = {v.name: prefix + v.name for v in graph.input}
+    mapping = {v.name: prefix + v.name for v in [*graph.input, *graph.initializer]}
     mapping.update({o: prefix + o for n in graph.node for o in n.output if o})
     nodes = []
     for n in graph.node:
@@ -56,6 +56,7 @@ def _known_scalar(imp: _Importer, name: str, what: str):
 def _run_body(imp: _Importer, graph, prefix: str) -> list[str]:
     """Translate one copy of `graph` (its inputs already bound under `prefix`); its outputs' names."""
     nodes, mapping = _renamed(graph, prefix)
+    imp.bind_initializers(graph, mapping)       # a branch's or body's own constants
     imp.translate_subgraph(nodes)
     return [mapping.get(o.name, o.name) for o in graph.output]
 

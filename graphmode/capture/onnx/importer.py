@@ -81,6 +81,7 @@ class _Importer(ValueState, Emitter, InputBinder):
         self.const_cache: dict[tuple, str] = {}
         self.transposed: dict[str, str] = {}
         self.mat_cache: dict[int, str] = {}              # id(known value / array) -> IR constant
+        self.init_values: dict[tuple[int, str], tuple] = {}   # (id(graph), name) -> (graph, value): read once
         self.folded = 0
         self.runtime_dims = 0                            # symbolic shape values used as tensor data
         self.op_map: dict[str, Counter] = defaultdict(Counter)
@@ -130,12 +131,7 @@ class _Importer(ValueState, Emitter, InputBinder):
             if vi.type.HasField("tensor_type"):
                 self.declared[vi.name] = vi.type.tensor_type
         self.bind_inputs(init_names)
-        for init in gp.initializer:
-            t = self._init_tensor(init, numpy_helper)
-            if t.numel() <= KNOWN_LIMIT:
-                self.known[init.name] = _Known.of(t, source=init.name)
-            else:
-                self.big[init.name] = (t, "param")
+        self.bind_initializers(gp)
         for idx, n in enumerate(gp.node):
             for i in n.input:
                 if i:
@@ -169,6 +165,21 @@ class _Importer(ValueState, Emitter, InputBinder):
         self.g.prune_values()
         self.tail = split_tail(self.g)     # NonZero, Compress and what reads them: run after the plan
         return self.g
+
+    def bind_initializers(self, graph, names: dict[str, str] | None = None) -> None:
+        """A graph's initializers as values (small ones known, for folding); `names` renames a
+        subgraph's. Each is read once per graph: an unrolled body's copies share one constant
+        (keyed by the graph proto, held so its id stays unique: a proto's wrappers are not)."""
+        from onnx import numpy_helper
+        for init in graph.initializer:
+            key = (id(graph), init.name)
+            if key not in self.init_values:
+                name = (names or {}).get(init.name, init.name)
+                t = self._init_tensor(init, numpy_helper)
+                value = _Known.of(t, source=name) if t.numel() <= KNOWN_LIMIT else (t, "param")
+                self.init_values[key] = (graph, value)
+            value = self.init_values[key][1]
+            (self.known if isinstance(value, _Known) else self.big)[(names or {}).get(init.name, init.name)] = value
 
     def translate(self, n) -> None:
         """Run node `n`'s converter; every failure becomes a CaptureError naming the node."""
@@ -257,8 +268,12 @@ class _Importer(ValueState, Emitter, InputBinder):
     def need_known(self, name: str, what: str) -> _Known:
         k = self.kn(name)
         if k is None:
-            raise self.fail(f"{what} ({name!r}) depends on run-time tensor data, so it cannot be an attribute",
-                            fix="the IR needs shapes/axes known at compile time; re-export with the value constant")
+            raise self.fail(f"{what} ({name!r}) is computed from run-time tensor data, and graphmode needs it "
+                            "when it imports the model (shapes, axes, counts and control flow are fixed at "
+                            "compile time)",
+                            fix="make it a constant in the file (an initializer or Constant node; onnx-simplifier "
+                                "folds one computed from static shapes), or declare the graph input it comes "
+                                "from constant in the recipe (inputs[].value)")
         return k
 
     def ints_of(self, name: str, what: str) -> list[int]:

@@ -71,5 +71,37 @@ def test_run_time_condition_is_refused():
     g = helper.make_graph([helper.make_node("If", ["c"], ["out"], then_branch=br, else_branch=br, name="branch")], "g",
                           [helper.make_tensor_value_info("x", F, [3]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
                           [helper.make_tensor_value_info("out", F, [3])])
-    with pytest.raises(CaptureError, match="If condition .* depends on run-time tensor data"):
+    with pytest.raises(CaptureError, match="If condition .* is computed from run-time tensor data") as e:
         import_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
+    assert "inputs[].value" in e.value.fix
+
+
+def test_initializers_of_a_branch_and_of_a_loop_body_are_read_and_shared_across_iterations():
+    """A branch's or a body's own initializers were 'used before defined' (ONNX Runtime runs such
+    a file); an unrolled body reads one constant, not one copy per iteration."""
+    from graphmode.capture.onnx.importer import KNOWN_LIMIT
+    n = KNOWN_LIMIT + 1
+    big = numpy_helper.from_array(np.linspace(-1, 1, n, dtype=np.float32), "w")
+    body = helper.make_graph([helper.make_node("Mul", ["acc", "w"], ["m"]), helper.make_node("Add", ["m", "one"], ["acc2"]),
+                              helper.make_node("Identity", ["cin"], ["cout"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("cin", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("acc", F, [n])],
+                             [helper.make_tensor_value_info("cout", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("acc2", F, [n])],
+                             [big, numpy_helper.from_array(np.array(0.5, np.float32), "one")])
+    then = helper.make_graph([helper.make_node("Sub", ["x", "k"], ["y"])], "then", [],
+                             [helper.make_tensor_value_info("y", F, [n])], [numpy_helper.from_array(np.float32(3), "k")])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "else", [], [helper.make_tensor_value_info("y", F, [n])])
+    nodes = [helper.make_node("If", ["c"], ["b"], then_branch=then, else_branch=other),
+             helper.make_node("Loop", ["M", "go", "b"], ["out"], body=body)]
+    inits = [numpy_helper.from_array(np.array(True), "c"), numpy_helper.from_array(np.array(3, np.int64), "M"),
+             numpy_helper.from_array(np.array(True), "go")]
+    x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    _run(nodes, [helper.make_tensor_value_info("x", F, [n])], [helper.make_tensor_value_info("out", F, [n])],
+         {"x": x}, inits)
+    m = helper.make_model(helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [n])],
+                                            [helper.make_tensor_value_info("out", F, [n])], inits),
+                          opset_imports=[helper.make_opsetid("", 18)])
+    graph, _ = import_onnx(m)
+    assert sum(1 for c in graph.constants.values() if c.numel() == n) == 1
