@@ -109,8 +109,12 @@ class ModelSource:
                         out[theirs] = int(size)
         return out
 
-    def reference(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The ground truth outputs: eager PyTorch, or ONNX Runtime for an ONNX model."""
+    def reference(self, inputs: dict[str, torch.Tensor], optimized: bool = False) -> list[torch.Tensor]:
+        """The ground truth outputs: eager PyTorch, or ONNX Runtime for an ONNX model. ONNX Runtime
+        runs the file node by node (its graph optimisations off) unless `optimized`: its fusions
+        round otherwise (a QDQ pair fused into a QLinear op moves an element by one quantization
+        step), and the file's own meaning is what graphmode is checked against; the eager fallback
+        and timings use ONNX Runtime as it ships."""
         if self.module is not None:
             with torch.inference_mode():
                 out = self.module(**inputs)
@@ -118,16 +122,21 @@ class ModelSource:
         import onnxruntime as ort
         def first_line(e: Exception) -> str:
             return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        sessions = self.__dict__.setdefault("_ort", {})
         try:
-            if getattr(self, "_ort", None) is None:
-                self._ort = ort.InferenceSession(str(self.onnx_path), providers=["CPUExecutionProvider"])
+            if optimized not in sessions:
+                so = ort.SessionOptions()
+                if not optimized:
+                    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+                sessions[optimized] = ort.InferenceSession(str(self.onnx_path), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
             raise CaptureError(f"ONNX Runtime cannot load this model for reference: {first_line(e)}",
                                where=f"model {self.onnx_path}",
                                fix="check the model with onnx.checker and onnxruntime directly") from None
-        own = [i.name for i in self._ort.get_inputs()]     # the model's "x:0" is the recipe's "x_0"
+        sess = sessions[optimized]
+        own = [i.name for i in sess.get_inputs()]     # the model's "x:0" is the recipe's "x_0"
         try:
-            res = self._ort.run(None, {n: inputs[k].numpy() for n in own if (k := declared_name(n, inputs) or n)
+            res = sess.run(None, {n: inputs[k].numpy() for n in own if (k := declared_name(n, inputs) or n)
                                        in inputs})
         except Exception as e:  # noqa: BLE001 - the model itself refuses these inputs (a window wider than one)
             shapes = {k: list(v.shape) for k, v in inputs.items()}

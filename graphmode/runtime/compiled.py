@@ -336,7 +336,7 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
 
     def _eager(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         if self.source.module is None and self.source.onnx_path is not None and getattr(self, "artifact", None) is None:
-            return self.structured(self.source.reference(dict(inputs)))     # an ONNX model's eager: ONNX Runtime
+            return self.structured(self.source.reference(dict(inputs), optimized=True))   # ONNX Runtime, as it ships
         if self.source.module is None:
             raise ContractViolation("this request needs the eager model (on_violation: eager), and a model loaded "
                                     "from an artifact has none", fix="send shapes at the recipe's bucket values, or "
