@@ -146,6 +146,16 @@ _KNOWN_CAUSES = (
 )
 
 
+_UNMET = re.compile(r"Not all values of (\w+) = (\S+) in the specified range .*? satisfy the generated guard (.+?)\.?$",
+                    re.MULTILINE)
+
+
+def _unmet_guards(text: str) -> list[tuple[str, str]]:
+    """(dim, condition) for each guard torch.export states but cannot prove over a dim's range
+    (XLNet's `((-1) + 2*seq) % seq != 0`), its size expression written as the dim's name."""
+    return [(d, guard.replace(expr, d)) for d, expr, guard in _UNMET.findall(text)]
+
+
 def export_failure(e: BaseException, fix: str, where: str | None = None) -> CaptureError:
     """The CaptureError for torch.export's exception `e`: its first line, or for a branch on a
     tensor's value the model line that branches (with `fix` replaced by what to change there)."""
@@ -173,6 +183,14 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
                                                   derived[b][1] * int(hi) + derived[b][2])
                                   for b, lo, hi in _RANGE_FIX.findall(suggested) if b in derived and lo and hi}
             return err
+    unmet = _unmet_guards(text) if "Constraints violated" in first else []
+    if unmet:
+        dims = sorted({d for d, _ in unmet})
+        return CaptureError(f"torch.export failed: the model's graph holds only where "
+                            f"{'; '.join(g for _, g in unmet)}, which torch.export cannot prove "
+                            f"for every value of the recipe's range ({first})", where=where or f"dims.{dims[0]}",
+                            value=dims, fix=f"make {', '.join(dims)} static in the recipe (min = max, or the model's "
+                                            "example size), or a range on which the condition always holds")
     frame = (call.group(1), int(call.group(2)), call.group(3)) if call is not None else _model_frame(e)
     for needle, why, cause_fix in _KNOWN_CAUSES:
         if needle in text:

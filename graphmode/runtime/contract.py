@@ -137,8 +137,8 @@ class InputContract:
             f"{extra} {'is a parameter' if len(extra) == 1 else 'are parameters'} of {type(inner).__name__}.forward "
             f"that this model was not compiled with (it takes {', '.join(self.input_names)})", where="inputs",
             value=extra, fix="compile with example inputs that include them, e.g. graphmode.compile((model, "
-                             "{'input_ids': ids, '" + extra[0] + "': ...})); a call option (return_dict, "
-                             "output_attentions) is fixed at compile: set it in the model's config")
+                             "{" + ", ".join(f"'{k}': ..." for k in [*self.input_names[:1], extra[0]]) + "})); a call "
+                             "option (return_dict, output_attentions) is fixed at compile: set it in the model's config")
 
     def bounds(self) -> tuple[list, list]:
         """(value checks, dim checks) of runtime/bounds.py, from the verdict's index analysis (or

@@ -235,9 +235,10 @@ def _check_op_types(model, label: str, supported: Collection[str], origins: Mapp
         raise CaptureError(f"ONNX model uses {sum(len(v) for v in bad.values())} node(s) of "
                            f"{len(bad)} op type(s) graphmode cannot import: " + "; ".join(parts),
                            where=f"onnx {label}", value=sorted(bad),
-                           fix="ONNX models have no eager fallback: re-export without these ops (another opset or "
-                               "exporter), replace them in the model, or compile the PyTorch module instead "
-                               "(import_torch keeps unsupported ATen ops as fallback nodes)")
+                           fix="an ONNX file's nodes have no per-op fallback (a PyTorch model's unsupported ATen ops run "
+                               "eagerly as islands): re-export without these ops (another opset or exporter; "
+                               "ONNX Runtime's QOperator format -> its QDQ format), replace them in the model, "
+                               "or compile the PyTorch module instead")
 
 
 # ---------------------------------------------------------------------------- 4. attribute ranges

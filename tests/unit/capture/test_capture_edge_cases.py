@@ -611,6 +611,7 @@ def test_interpolate_by_a_scale_doubles_do_not_hold_exactly_stays_an_eager_islan
         graphmode.compile(_Interpolate(scale_factor=1 / 3, mode="nearest"), rec, cache_dir=tmp_path)
 
 
+@pytest.mark.slow     # ~35 s on 2 busy cores; Whisper's encoder is in the family tests
 def test_whisper_for_conditional_generation_compiles_without_example_inputs(tmp_path):
     """Its inputs from the config had no decoder_input_ids, so the example run raised (a forward
     needs decoder ids or embeddings); decoder_seq now spans the decoder's position table."""
@@ -874,6 +875,18 @@ def test_a_derived_dim_torch_export_suggests_is_said_in_the_recipes_own_dim():
 
 def _levit_like_forward():
     raise RuntimeError("Expected size for first two dimensions of batch2 tensor to be: [2, 4] but got: [2, 3].")
+
+
+def test_a_guard_torch_export_cannot_prove_is_named_in_the_dims_own_name():
+    """XLNet with a dynamic seq: 'Constraints violated (seq)!' and nothing else, the condition the
+    model needs dropped from the message."""
+    from graphmode.capture.export_errors import export_failure
+    text = ("Constraints violated (seq)! For more information, run with TORCH_LOGS=\"+dynamic\".\n"
+            "  - Not all values of seq = L['input_ids'].size()[1] in the specified range seq <= 64 satisfy the "
+            "generated guard (((-1) + 2*L['input_ids'].size()[1]) % L['input_ids'].size()[1]) != 0.\n")
+    e = export_failure(RuntimeError(text), fix="generic")
+    assert "holds only where (((-1) + 2*seq) % seq) != 0, which torch.export cannot prove" in e.message
+    assert e.where == "dims.seq" and "make seq static" in e.fix
 
 
 def test_a_torch_export_failure_names_the_models_line_where_it_happened():
