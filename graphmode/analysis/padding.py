@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+import sympy
 import torch
 
 from graphmode.analysis.padding_lattice import (GARBAGE, UNKNOWN, Axis, Content, Factor, Finding, State, const, plain,
@@ -186,6 +187,11 @@ class _Analyzer:
         if not dims:
             return plain(extent)
         d = dims[0]
+        if len(dims) == 1:      # c x d: its real positions are its first c x d_real, the layout of [d, c]
+            sym = next(x for x in sympy.sympify(extent).free_symbols if x.name == d)
+            c = sympy.simplify(sympy.sympify(extent) / sym)
+            if c.is_Integer and int(c) > 1:   # (DeBERTa's position index expanded to batch x heads rows)
+                return Axis((Factor(sym, d, content, True), Factor(int(c))))
         prefix = len(dims) == 1 and prefix_offset(extent, d) is not None
         return Axis((Factor(extent, d, content, prefix),))
 

@@ -294,3 +294,30 @@ def test_a_dims_size_used_as_a_number_compiles_and_is_never_padded(tmp_path):
         for got, want in zip(cm(x), model(x)):
             assert torch.equal(got, want) if not want.is_floating_point() else rel_l2(got, want) < 1e-5, shape
         assert cm.last_path["path"] == path, (shape, cm.last_path)
+
+
+def test_deberta_with_relative_attention_pads_its_batch(tmp_path):
+    """DeBERTa-v2's relative position index is expanded to batch x heads rows; that axis read as
+    one padded extent 4*batch with no known layout, its batch was called unsafe to pad ('a layout
+    that cannot be sliced back') and every batch off a bucket ran eagerly."""
+    import transformers as T
+    torch.manual_seed(0)
+    m = T.DebertaV2Model(T.DebertaV2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           intermediate_size=64, vocab_size=100, max_position_embeddings=64,
+                                           relative_attention=True, pos_att_type=["p2c", "c2p"],
+                                           position_buckets=8)).eval()
+    r = {"version": 1, "name": "deberta", "exe_mode": "graph", "on_violation": "error",
+         "codegen": {"kernel_selection": "heuristic"},
+         "inputs": [{"name": n, "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0}
+                    for n in ("input_ids", "attention_mask")],
+         "dims": {"batch": {"buckets": [1, 4]}, "seq": {"buckets": [8]}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(m, r, cache_dir=tmp_path)
+    assert cm.verdict.padding.dims["batch"].safe
+    ids, mask = torch.randint(3, 100, (3, 8)), torch.ones(3, 8, dtype=torch.long)
+    mask[2, 5:] = 0
+    with torch.no_grad():
+        want = m(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert rel_l2(cm(input_ids=ids, attention_mask=mask).last_hidden_state, want) < 1e-5
+    assert cm.last_path == {"path": "graph", "bucket": {"batch": 4, "seq": 8}}
