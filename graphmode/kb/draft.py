@@ -15,8 +15,8 @@ all call `draft_recipe`:
    knowledge base, whose precision, fusion and kernel selection the draft takes;
 4. the verdict every entry point uses decides the rest: an input named like a mask is
    declared `role: attention_mask`; a dim the padding analysis still finds unsafe gets exact
-   buckets (or, past `MAX_EXACT` values, `on_violation: eager`); ops without a lowering make
-   the draft `exe_mode: hybrid`; a causal LM gets `memory.kv_cache` from its config;
+   buckets (or, past `MAX_EXACT` values, `on_violation: eager`: kb/draft_padding.py); ops
+   without a lowering make the draft `exe_mode: hybrid`; a causal LM gets `memory.kv_cache` from its config;
 5. the memory budget (unless given) is what the memory proof counts (weights, their prepared
    copies at `memory.weight_growth`, activation peak, workspace, KV cache) at the bucket that
    needs most, with headroom; the draft is then proved like any recipe and refused if it fails.
@@ -37,9 +37,9 @@ from typing import Any
 
 from graphmode.capture.zoo import marks_padding
 from graphmode.errors import CaptureError, RecipeError
+from graphmode.kb.draft_padding import settle_padding
 
 DEFAULT_MAX_PADDING = 0.25
-MAX_EXACT = 64                 # an unsafe-to-pad dim gets every value as a bucket up to this many values
 MEMORY_HEADROOM = 1.25
 MAX_KNOB_DISTANCE = 1.5        # farther knowledge-base entries say nothing about this model
 SEQ_DIMS = ("seq", "sequence", "seq_len", "tokens", "length", "positions")
@@ -47,8 +47,6 @@ CONFIG_MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len",
                         "max_target_positions")         # Whisper's decoder: its tokens' position table
 MB = 2**20
 MAX_DRAFT_PLANS = 16           # plans a draft builds at warm-up when no padding or bucket limit is given
-MAX_EXACT_PLANS = 64           # ... and at most this many where a dim unsafe to pad takes every value
-EXACT_PLANS = 16               # past it: values of such a dim that recur become plans (dims.D.exact_plans)
 DEFAULT_OTHER_MAX = 64         # a dim the model names with no range, no example and no default
 DECODER_BATCH = (1, 8)         # a causal LM's draft: sequences per step (each holds KV pages)
 DECODER_CONTEXT = 1024         # ... and its longest sequence, where the config allows more
@@ -296,8 +294,8 @@ def _static_axis_advice(e: CaptureError, bundle: Any) -> CaptureError:
     shapes = "; ".join(f"{n}: {shape}" for n, shape in dims_of.items())
     return CaptureError(e.message, where=e.where, value=e.value,
                         fix=f"a drafted recipe keeps the file's dynamic axes ({shapes}) dynamic: write the recipe "
-                            "with the axis this op reads as a fixed size in inputs[].shape (e.g. [batch, 3, 224, "
-                            "224]), or re-export the model with that axis static")
+                            "with the axis this op reads as a fixed size in inputs[].shape (an integer in place of its "
+                            "dim name), or re-export the model with that axis static")
 
 
 def _export_ranges(e: CaptureError, bundle: Any, given: dict) -> dict[str, tuple] | None:
@@ -435,7 +433,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     if outputs:
         data["outputs"] = outputs
         notes["outputs"] = "from the captured graph: dim axes are sliced back after padding"
-    verdict = _settle_padding(data, notes, graph0, cap, src, ranges, bounded)
+    verdict = settle_padding(data, notes, lambda d: load_recipe(_ordered(d)), graph0, cap, src, ranges, bounded)
     _sla(data, notes, p99_ms, max_p99_over_p50)
     data["memory"] = {}
     windowed = False          # left out for a window only: said when nothing else stops decoding
@@ -652,49 +650,6 @@ def _outputs(graph: Any, cap: Any, ranges: dict[str, tuple[int, int]]) -> dict[s
     for n, ty in zip(names, types):
         out[n] = [d if isinstance(d, int) else (dim_str(d) if dim_str(d) in ranges else "*") for d in ty.shape]
     return out
-
-
-def _settle_padding(data: dict, notes: dict, graph: Any, cap: Any, src: Any,
-                    ranges: dict[str, tuple[int, int]], bounded: bool = False) -> Any:
-    """Decide the draft with the verdict; a dim whose padding is unsafe gets exact buckets
-    (or on_violation: eager when it has more than MAX_EXACT values, or, `bounded`, when the
-    draft would hold more than MAX_EXACT_PLANS plans: a CNN's h and w, 54 values each, made
-    5,832 plans for warm-up to build; there its values that recur become plans). Returns the verdict."""
-    from graphmode.recipe import load_recipe
-    from graphmode.verdict import ContractRefused, decide
-    for _ in range(2):
-        v = decide(load_recipe(_ordered(data)), graph, cap, src, data["exe_mode"])
-        unsafe = [i for i in v.refusals if i.kind == "padding"]
-        other = [i for i in v.refusals if i.kind != "padding"]
-        if other:
-            raise ContractRefused(other)
-        if not unsafe:
-            return v
-        for issue in unsafe:
-            d = issue.where.split(".", 1)[1]
-            lo, hi = ranges[d]
-            at = f" ({issue.loc})" if issue.loc else ""
-            reason = issue.message.split(": ", 1)[-1]
-            plans = len(load_recipe(_ordered(data)).buckets()) // len(load_recipe(_ordered(data)).dim_buckets()[d])
-            if hi - lo + 1 <= MAX_EXACT and not (bounded and plans * (hi - lo + 1) > MAX_EXACT_PLANS):
-                data["dims"][d] = {"min": lo, "max": hi}
-                notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; ")[0] + f"; every value a bucket ({hi - lo + 1} "
-                                      f"plans): padding {d} is unsafe for this model: {reason}{at}")
-            elif hi - lo + 1 <= MAX_EXACT:        # bounded: warm-up builds the buckets, use the values sent
-                data["on_violation"] = "eager"
-                # synthesised buckets (exact_plans refines those; explicit ones are the recipe's own)
-                # the buckets the draft chose (a batch's start at 1, the most common request: max_buckets
-                # alone would synthesise the least padding, [2, 6, 14, 32] for 1..32), refined by use
-                data["dims"][d] = {**data["dims"][d], "exact_plans": EXACT_PLANS}
-                notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}), and every value of "
-                                         f"[{lo}, {hi}] a bucket would make {plans * (hi - lo + 1)} plans: requests "
-                                         f"off a bucket run eagerly, and up to {EXACT_PLANS} values of {d} that recur "
-                                         f"become plans of their own (dims.{d}.exact_plans)")
-            else:
-                data["on_violation"] = "eager"
-                notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}) and [{lo}, {hi}] "
-                                         f"has too many values for exact buckets: requests off a bucket run eagerly")
-    raise ContractRefused(v.refusals)
 
 
 def _memory_need(data: dict, notes: dict, graph: Any, target: Any) -> None:

@@ -477,6 +477,16 @@ def test_what_a_tokenizer_returns_is_taken_and_a_parameter_left_out_is_named():
     with torch.no_grad():
         ref = m(**batch).last_hidden_state
     assert rel(cm(**batch).last_hidden_state, ref) < 1e-5
+    # a tokenizer's padded batch between buckets: the draft said seq pads safely, then refused it
+    # (DeBERTa builds a query x key mask from its mask: such a request is not padded); it runs eagerly
+    seq = next(v for v in range(2, 64) if v not in cm.recipe.dim_buckets()["seq"])
+    padded = {k: torch.randint(3, 100, (3, seq)) if k == "input_ids" else torch.zeros(3, seq, dtype=torch.long)
+              for k in batch}
+    padded["attention_mask"][:, : seq // 2 + 1] = 1
+    assert cm.recipe.on_violation == "eager" and "query x key mask" in cm.draft_notes["on_violation"]
+    with torch.no_grad():
+        assert rel(cm(**padded).last_hidden_state, m(**padded).last_hidden_state) < 1e-5
+    assert cm.last_path["path"] == "eager"
     lm = T.LayoutLMModel(T.LayoutLMConfig(**c)).eval()
     cm = graphmode.compile(lm)
     with pytest.raises(ContractViolation, match="'bbox'.* parameter of LayoutLMModel.forward that this model was not "

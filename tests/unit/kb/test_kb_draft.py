@@ -11,7 +11,8 @@ from kb_helpers import spec
 
 from graphmode.errors import CaptureError, ConstraintError
 from graphmode.kb import KnowledgeBase
-from graphmode.kb.draft import MAX_EXACT, RecipeDrafted, draft_recipe, drafted
+from graphmode.kb.draft import RecipeDrafted, draft_recipe, drafted
+from graphmode.kb.draft_padding import MAX_EXACT
 from graphmode.recipe import load_recipe, recipe_hash
 from graphmode.recipe.buckets import dim_buckets
 

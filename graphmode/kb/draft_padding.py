@@ -1,0 +1,72 @@
+"""How a draft settles padding: a dim unsafe to pad gets exact buckets or an eager fallback, and
+one padded safely by masking along a query x key mask sends masked requests off a bucket to
+eager (graphmode/kb/draft.py drafts the rest of the recipe)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+MAX_EXACT = 64                 # an unsafe-to-pad dim gets every value as a bucket up to this many values
+MAX_EXACT_PLANS = 64           # ... and at most this many where a dim unsafe to pad takes every value
+EXACT_PLANS = 16               # past it: values of such a dim that recur become plans (dims.D.exact_plans)
+
+
+def settle_padding(data: dict, notes: dict, load: Callable[[dict], Any], graph: Any, cap: Any, src: Any,
+                   ranges: dict[str, tuple[int, int]], bounded: bool = False) -> Any:
+    """Decide the draft with the verdict; a dim whose padding is unsafe gets exact buckets
+    (or on_violation: eager when it has more than MAX_EXACT values, or, `bounded`, when the
+    draft would hold more than MAX_EXACT_PLANS plans: a CNN's h and w, 54 values each, made
+    5,832 plans for warm-up to build; there its values that recur become plans). `load` makes
+    the draft's data a recipe. Returns the verdict."""
+    from graphmode.verdict import ContractRefused, decide
+    for _ in range(2):
+        v = decide(load(data), graph, cap, src, data["exe_mode"])
+        unsafe = [i for i in v.refusals if i.kind == "padding"]
+        other = [i for i in v.refusals if i.kind != "padding"]
+        if other:
+            raise ContractRefused(other)
+        if not unsafe:
+            _query_key_eager(data, notes, v)
+            return v
+        for issue in unsafe:
+            d = issue.where.split(".", 1)[1]
+            lo, hi = ranges[d]
+            at = f" ({issue.loc})" if issue.loc else ""
+            reason = issue.message.split(": ", 1)[-1]
+            plans = len(load(data).buckets()) // len(load(data).dim_buckets()[d])
+            if hi - lo + 1 <= MAX_EXACT and not (bounded and plans * (hi - lo + 1) > MAX_EXACT_PLANS):
+                data["dims"][d] = {"min": lo, "max": hi}
+                notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; ")[0] + f"; every value a bucket ({hi - lo + 1} "
+                                      f"plans): padding {d} is unsafe for this model: {reason}{at}")
+            elif hi - lo + 1 <= MAX_EXACT:        # bounded: warm-up builds the buckets, use the values sent
+                data["on_violation"] = "eager"
+                # synthesised buckets (exact_plans refines those; explicit ones are the recipe's own)
+                # the buckets the draft chose (a batch's start at 1, the most common request: max_buckets
+                # alone would synthesise the least padding, [2, 6, 14, 32] for 1..32), refined by use
+                data["dims"][d] = {**data["dims"][d], "exact_plans": EXACT_PLANS}
+                notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}), and every value of "
+                                         f"[{lo}, {hi}] a bucket would make {plans * (hi - lo + 1)} plans: requests "
+                                         f"off a bucket run eagerly, and up to {EXACT_PLANS} values of {d} that recur "
+                                         f"become plans of their own (dims.{d}.exact_plans)")
+            else:
+                data["on_violation"] = "eager"
+                notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}) and [{lo}, {hi}] "
+                                         f"has too many values for exact buckets: requests off a bucket run eagerly")
+    raise ContractRefused(v.refusals)
+
+
+def _query_key_eager(data: dict, notes: dict, verdict: Any) -> None:
+    """A dim padded safely by masking along which the model builds a query x key mask from its
+    mask (DeBERTa's, a causal triangle under a softmax written out): a request whose mask holds a
+    pad value there and whose extent is not a bucket is not padded (runtime/shaping.py
+    pad_hazard). A draft that refused it refused the most common request there is, a tokenizer's
+    padded batch: such requests run eagerly instead."""
+    dims = data.get("dims") or {}
+    qk = [d for d in getattr(verdict, "query_key_dims", None) or [] if d in dims and set(dims[d]) != {"min", "max"}]
+    if not qk or data.get("on_violation") == "eager":
+        return
+    data["on_violation"] = "eager"
+    d = qk[0]
+    notes["on_violation"] = (f"padding {d} is safe by masking, but this model builds a query x key mask from its "
+                             f"mask: a request whose mask holds its pad value and whose {d} is not a bucket value "
+                             "runs eagerly (padding could change its padded positions' outputs); unmasked requests "
+                             "and bucket values run in graph mode")
