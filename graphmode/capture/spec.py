@@ -376,6 +376,8 @@ def as_model(model: Any) -> ModelBundle | OnnxModelSpec:
             return bundle
     if isinstance(model, (ModelBundle, OnnxModelSpec)):
         return model
+    if type(model).__name__ == "ModelProto" and type(model).__module__.startswith("onnx"):
+        return load_onnx_spec(_saved_proto(model))
     if isinstance(model, (tuple, list)):
         if 2 <= len(model) <= 3 and isinstance(model[0], nn.Module):
             return bundle_from_module(*model)
@@ -406,6 +408,27 @@ def as_model(model: Any) -> ModelBundle | OnnxModelSpec:
                            "or a ModelBundle")
 
 
+
+
+def _saved_proto(model: Any) -> Path:
+    """An in-memory onnx.ModelProto (what onnxruntime.InferenceSession takes as bytes) as a file
+    named by its content: the import, the ONNX Runtime reference and the cache key read a file."""
+    import hashlib
+    import tempfile
+    try:
+        data = model.SerializeToString()
+    except ValueError as e:           # protobuf's 2 GB limit
+        raise CaptureError(f"this onnx.ModelProto cannot be serialized in one piece: {e}", where="model",
+                           fix="save it with onnx.save(model, path, save_as_external_data=True) and compile the "
+                               "path") from None
+    name = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in (model.graph.name or "model"))[:40] or "model"
+    path = Path(tempfile.gettempdir()) / "graphmode-onnx" / f"{name}-{hashlib.sha256(data).hexdigest()[:16]}.onnx"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)         # a concurrent compile of the same model writes the same bytes
+    return path
 
 
 def describe_spec_forms() -> str:

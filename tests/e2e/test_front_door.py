@@ -673,3 +673,19 @@ def test_a_request_outside_the_contract_that_eager_refuses_too_is_a_contract_vio
                                                 r"ValueError: sequence of 20") as e:
         cm(torch.randn(1, 20, 8))
     assert isinstance(e.value.__cause__, ValueError)
+
+
+def test_an_onnx_model_in_memory_compiles_as_its_file_does(tmp_path):
+    """onnxruntime.InferenceSession takes a model in memory; graphmode.compile(onnx.load(p))
+    said 'cannot compile a ModelProto'."""
+    import onnx
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (torch.randn(2, 8),), tmp_path / "m.onnx", input_names=["x"],
+                          dynamic_axes={"x": {0: "batch"}}, dynamo=False)
+        cm = graphmode.compile(onnx.load(tmp_path / "m.onnx"), cache_dir=tmp_path / "c")
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert rel(cm(x=x), m(x)) < 1e-5
