@@ -3,9 +3,11 @@ floats, bools or sympy expressions over the recipe dims) and the folds over them
 from __future__ import annotations
 
 
+import itertools
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 import sympy
@@ -24,6 +26,13 @@ DEFAULT_RANGE = (1, 4096)   # dim range when neither `dims` nor the zoo defaults
 
 _INT_DTYPES = frozenset({"u8", "u16", "u32", "u64", "i8", "i16", "i32", "i64"})
 _FLOAT_DTYPES = frozenset({"f16", "bf16", "f32", "f64"})
+
+
+# the recipe's dim ranges while a model is imported under one: a comparison of dims that positivity
+# alone leaves open (an If on `batch > 2`) is decided where it holds over the whole range, as the
+# contract keeps every request inside it (ranges the import guessed decide nothing)
+DIM_RANGES: ContextVar[Mapping[str, tuple[int, int]] | None] = ContextVar("onnx_dim_ranges", default=None)
+MAX_DECIDE_POINTS = 4096
 
 
 class _Unfoldable(Exception):
@@ -130,9 +139,30 @@ def _decide(expr, kind: str) -> bool:
         return {"eq": v == 0, "lt": v < 0, "le": v <= 0}[kind]
     res = {"eq": e.is_zero, "lt": e.is_negative, "le": e.is_nonpositive}[kind]
     if res is None:
+        res = _decide_over_ranges(e, kind)
+    if res is None:
+        ranges = DIM_RANGES.get() or {}
+        over = ", ".join(f"{s} in [{ranges[str(s)][0]}, {ranges[str(s)][1]}]" for s in sorted(e.free_symbols, key=str)
+                         if str(s) in ranges)
         raise _Unfoldable(f"cannot decide {dim_str(normalize_dim(e))} {'==' if kind == 'eq' else '<' if kind == 'lt' else '<='} 0 "
-                          "for every dim value")
+                          f"for every dim value{f' ({over})' if over else ''}")
     return bool(res)
+
+
+def _decide_over_ranges(e, kind: str) -> bool | None:
+    """The comparison at every point of the recipe's dim ranges, where it is the same at all
+    (at most MAX_DECIDE_POINTS of them); None where it varies or no range is known."""
+    ranges = DIM_RANGES.get()
+    syms = sorted(e.free_symbols, key=str)
+    if not ranges or not syms or any(str(x) not in ranges for x in syms):
+        return None
+    grids = [range(ranges[str(x)][0], ranges[str(x)][1] + 1) for x in syms]
+    if math.prod(len(g) for g in grids) > MAX_DECIDE_POINTS:
+        return None
+    f = sympy.lambdify(syms, e, modules="math")
+    test = {"eq": lambda v: v == 0, "lt": lambda v: v < 0, "le": lambda v: v <= 0}[kind]
+    seen = {bool(test(f(*pt))) for pt in itertools.product(*grids)}
+    return seen.pop() if len(seen) == 1 else None
 
 
 def _smax(a, b):
@@ -241,7 +271,8 @@ def _fold_elementwise(imp: _Importer, n, irop: str, ins: list[str], out_dtype: s
             res = ks[0].arr
             for k in ks[1:]:
                 res = _ufunc(f, res, k.arr)
-    except _Unfoldable:
+    except _Unfoldable as e:
+        imp.undecided[n.output[0]] = str(e)       # said where a node needs the value known
         return False
     res = res.reshape(tuple(int(s) for s in shape))
     imp.set_known(n.output[0], _Known(res, out_dtype))

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from graphmode.capture.onnx.emission import Emitter
-from graphmode.capture.onnx.fold import KNOWN_LIMIT, _Known, _Unfoldable, _objarr
+from graphmode.capture.onnx.fold import DIM_RANGES, KNOWN_LIMIT, _Known, _Unfoldable, _objarr
 from graphmode.capture.onnx.functions import body_origins, expand_functions, has_body
 from graphmode.capture.onnx.inputs import InputBinder, with_shapes
 from graphmode.capture.onnx.values import (ValueState, _attr_dim, _same_shape, _shape_attr,  # noqa: F401
@@ -82,6 +82,7 @@ class _Importer(ValueState, Emitter, InputBinder):
         self.transposed: dict[str, str] = {}
         self.mat_cache: dict[int, str] = {}              # id(known value / array) -> IR constant
         self.init_values: dict[tuple[int, str], tuple] = {}   # (id(graph), name) -> (graph, value): read once
+        self.undecided: dict[str, str] = {}    # a value computed from dims whose fold the recipe's ranges left open
         self.folded = 0
         self.runtime_dims = 0                            # symbolic shape values used as tensor data
         self.op_map: dict[str, Counter] = defaultdict(Counter)
@@ -267,6 +268,10 @@ class _Importer(ValueState, Emitter, InputBinder):
 
     def need_known(self, name: str, what: str) -> _Known:
         k = self.kn(name)
+        if k is None and name in self.undecided:
+            raise self.fail(f"{what} ({name!r}) is computed from the dims, and the recipe's ranges leave it open: "
+                            f"{self.undecided[name]}", fix="narrow the recipe's range of those dims to one side of "
+                            "the condition (a recipe for each side), or make the value a constant in the file")
         if k is None:
             raise self.fail(f"{what} ({name!r}) is computed from run-time tensor data, and graphmode needs it "
                             "when it imports the model (shapes, axes, counts and control flow are fixed at "
@@ -401,6 +406,7 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
                         input_values)
         imp.extra_value_info = inferred if check_types else []
         imp.origins = origins
+        ranges = DIM_RANGES.set(dict(dims) if dims is not None else None)
         try:
             g = imp.run()
             break
@@ -412,6 +418,8 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
                 raise _refusal_of(e, n, origins, refused) from None
             refused[n.op_type] = e
             converted.discard(n.op_type)
+        finally:
+            DIM_RANGES.reset(ranges)
     ops = Counter(n.op_type for n in model.graph.node)
     report = OnnxCaptureReport(source="onnx", seconds=time.perf_counter() - t0, aten_ops=dict(sorted(ops.items())),
                                fallbacks=sorted(imp.fallbacks.values(), key=lambda f: (f.target, f.loc)),

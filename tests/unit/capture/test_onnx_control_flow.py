@@ -105,3 +105,27 @@ def test_initializers_of_a_branch_and_of_a_loop_body_are_read_and_shared_across_
                           opset_imports=[helper.make_opsetid("", 18)])
     graph, _ = import_onnx(m)
     assert sum(1 for c in graph.constants.values() if c.numel() == n) == 1
+
+
+def test_an_if_on_a_dim_is_decided_over_the_recipes_range_or_refused_naming_it():
+    """`If(batch > 2)` (a Shape -> Gather -> Greater condition) was called run-time data: over a
+    range on one side of it the branch is known at import; over one across it, refused saying so."""
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    then = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", F, ["batch", 4])])
+    other = helper.make_graph([helper.make_node("Sub", ["x", "two"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", F, ["batch", 4])])
+    nodes = [helper.make_node("Shape", ["x"], ["sh"]), helper.make_node("Gather", ["sh", "i0"], ["b"], axis=0),
+             helper.make_node("Greater", ["b", "k2"], ["cond"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)]
+    m = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, ["batch", 4])],
+        [helper.make_tensor_value_info("y", F, ["batch", 4])],
+        [two, numpy_helper.from_array(np.array(0, np.int64), "i0"), numpy_helper.from_array(np.array(2, np.int64), "k2")]),
+        opset_imports=[helper.make_opsetid("", 18)])
+    for lo, hi, want in ((3, 8, "mul"), (1, 2, "sub")):
+        graph, _ = import_onnx(m, dims={"batch": (lo, hi)})
+        assert [n.op for n in graph.nodes] == [want]
+    with pytest.raises(CaptureError, match=r"If condition .* the recipe's ranges leave it open: cannot decide "
+                                           r".*batch.* \(batch in \[1, 8\]\)"):
+        import_onnx(m, dims={"batch": (1, 8)})
