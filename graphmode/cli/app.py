@@ -103,12 +103,15 @@ def fail(err: GraphmodeError, as_json: bool = False) -> None:
 
 def _notices_as_lines(warnings) -> None:
     """graphmode's own notices (GraphmodeNotice: what it did for the user, and how to silence
-    it) print as one `notice:` line on stderr, without Python's file and source line."""
+    it) and warnings (a host probe it could not cache, ...) print as one `notice:` / `warning:`
+    line on stderr, without Python's file and source line, which name graphmode's code."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
         if category.__name__ == "GraphmodeNotice":
             err_console.print(f"notice: {message}", markup=False, highlight=False, soft_wrap=True)
+        elif category.__module__.split(".")[0] == "graphmode":
+            err_console.print(f"warning: {message}", markup=False, highlight=False, soft_wrap=True)
         else:
             shown(message, category, filename, lineno, file, line)
     warnings.showwarning = show

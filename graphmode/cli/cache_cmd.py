@@ -64,6 +64,9 @@ def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(
                   k.get("bucket", "?"), f"gm {k.get('graphmode', '?')} / torch {k.get('torch', '?')}",
                   f"{e.size / 1024:.1f}", time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)))
     console.print(t)
+    libraries = _cache(cache_dir).libraries()
+    console.print(f"and {_said(libraries).replace('nothing', 'no kernel libraries')} beside them "
+                  "(`cache prune --max-size` weighs all of it)", highlight=False)
 
 
 @cache_app.command("clear")
@@ -71,10 +74,11 @@ def cache_clear(cache_dir: Optional[Path] = CacheDir,
                 timings: bool = typer.Option(False, "--timings", help="also remove the GEMM/conv timing cache "
                                              "(<cache>/tactics): the next compile times every shape again, e.g. "
                                              "after timings were taken on a busy machine")) -> None:
-    """Remove every cached plan (and with --timings the tactic timing cache)."""
+    """Remove every cached plan, kernel library and extracted artifact (and with --timings the
+    tactic timing cache)."""
     from graphmode.paths import cache_layout
     cache = _cache(cache_dir)
-    console.print(f"removed {cache.clear()} entries")
+    console.print(f"removed {_said(cache.clear())}")
     if timings:
         files = sorted(cache_layout(cache.root).tactics.glob("gemm-*.json"))
         try:
@@ -89,9 +93,19 @@ def cache_clear(cache_dir: Optional[Path] = CacheDir,
 @cache_app.command("prune")
 def cache_prune(max_size: str = typer.Option(..., "--max-size", help="e.g. 200MB"),
                 cache_dir: Optional[Path] = CacheDir) -> None:
-    """Remove least-recently-used plans until the cache fits --max-size."""
+    """Remove the least recently used plans, kernel libraries and extracted artifacts until the
+    cache fits --max-size."""
     removed = _cache(cache_dir).prune(_max_bytes(max_size))
-    console.print(f"removed {len(removed)} entries ({sum(e.size for e in removed) / 1024:.1f} KiB)")
+    console.print(f"removed {_said(removed)}")
+
+
+def _said(removed) -> str:
+    """'3 plans, 5 kernel libraries (1.2 MiB)': what a clear or prune removed, by kind."""
+    names = {"plan": ("plan", "plans"), "kernel": ("kernel library", "kernel libraries"),
+             "artifact": ("extracted artifact", "extracted artifacts")}
+    counts = [(k, sum(1 for e in removed if e.kind == k)) for k in names]
+    parts = [f"{n} {names[k][n != 1]}" for k, n in counts if n] or ["nothing"]
+    return f"{', '.join(parts)} ({sum(e.size for e in removed) / 2**20:.2f} MiB)"
 
 
 @cache_app.command("explain")

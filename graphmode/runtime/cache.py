@@ -101,6 +101,8 @@ class Entry:
     size: int
     created: float
     last_used: float
+    kind: str = "plan"                 # or "kernel" (a library: its .so, seal and source), "artifact"
+    files: tuple[Path, ...] = ()       # what removing it removes (default: `path`)
 
 
 class ArtifactCache:
@@ -108,12 +110,14 @@ class ArtifactCache:
         self.root = cache_root(root)
         self.plans = self.root / "plans"
         self.kernels = self.root / "kernels"
+        self.artifacts = self.root / "artifacts"
         self.events: list[dict[str, Any]] = []
 
     def report(self, kind: str, **info: Any) -> None:
         """Record a cache event (a warning for corrupt entries and an unusable cache)."""
         self.events.append({"event": kind, **info})
-        (log.warning if kind in _WARN else log.info)("cache %s %s", kind, info)
+        said = "; ".join(f"{k} {v}" for k, v in info.items())     # read by a person: no dict repr
+        (log.warning if kind in _WARN else log.info)("cache %s: %s", kind, said)
 
     def unusable(self) -> str | None:
         """Why this cache cannot be read and written (reported once), or None when it can."""
@@ -222,25 +226,47 @@ class ArtifactCache:
             out.append(Entry(name, d, key, size, created, used))
         return out
 
-    def clear(self) -> int:
-        """Remove every entry (whatever is in the way, even a file in place of the folder)."""
+    def libraries(self) -> list[Entry]:
+        """Every kernel library under kernels/ (its .so, seal and source as one entry), last used
+        when a load last touched its seal (backends/cpu/build.py), and every .gm extracted under
+        artifacts/, last used when it was extracted."""
+        out = []
+        groups: dict[str, list[Path]] = {}
+        for p in _listed(self.kernels):
+            if not p.name.startswith("."):          # the folder's seal key, a build's temporary
+                groups.setdefault(p.name.split(".")[0], []).append(p)
+        for stem, files in sorted(groups.items()):
+            times = [_mtime(f) for f in files]
+            out.append(Entry(stem, self.kernels / f"{stem}.so", {"kind": "kernel"}, sum(_size(f) for f in files),
+                             min(times), max(times), "kernel", tuple(files)))
+        for d in _listed(self.artifacts):
+            if not d.name.startswith("."):
+                t = _mtime(d / "complete") or _mtime(d)
+                out.append(Entry(d.name, d, {"kind": "artifact"}, _size(d), t, t, "artifact"))
+        return out
+
+    def clear(self) -> list[Entry]:
+        """Remove every plan, kernel library and extracted artifact (whatever is in the way, even
+        a file in place of a folder); the timing cache, host probe and knowledge base stay."""
         try:
-            n = len(self.entries())
+            gone = self.entries() + self.libraries()
         except CacheError:
-            n = 0
-        if not _remove(self.plans):
-            raise CacheError(f"could not remove {self.plans}", where="cache_dir", fix="check its permissions")
-        return n
+            gone = []
+        for d in (self.plans, self.kernels, self.artifacts):
+            if not _remove(d):
+                raise CacheError(f"could not remove {d}", where="cache_dir", fix="check its permissions")
+        return gone
 
     def prune(self, max_bytes: int) -> list[Entry]:
-        """Remove least-recently-used entries until the total size fits `max_bytes`."""
-        entries = sorted(self.entries(), key=lambda e: e.last_used)
+        """Remove the least recently used plans, kernel libraries and extracted artifacts until
+        the cache fits `max_bytes` (a plan whose kernels went rebuilds them on its next load)."""
+        entries = sorted(self.entries() + self.libraries(), key=lambda e: e.last_used)
         total = sum(e.size for e in entries)
         removed = []
         for e in entries:
             if total <= max_bytes:
                 break
-            if _remove(e.path):
+            if all([_remove(p) for p in e.files or (e.path,)]):
                 total -= e.size
                 removed.append(e)
         return removed
@@ -265,6 +291,21 @@ class ArtifactCache:
             reason = ("no entry holds this graph; the nearest holds another (another model, or this one "
                       f"changed): {reason}")
         return {"result": "miss", "nearest": near.digest, "differs": differs, "reason": reason}
+
+
+def _listed(folder: Path) -> list[Path]:
+    """The folder's entries (none where it is missing or unreadable: prune and clear go on)."""
+    try:
+        return sorted(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []
+    except OSError:
+        return []
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _size(path: Path) -> int:

@@ -209,6 +209,7 @@ class KernelBuilder:
             why = library_problem(path, key)
             if why is None:
                 try:
+                    _touch(seal_path(path))      # when it was last used: `cache prune` removes the oldest
                     lib = self._load(path)
                     self.stats["cache_hits"] += 1
                     return lib
@@ -326,6 +327,13 @@ class KernelBuilder:
             keep = src
         raise BackendError(f"C++ compilation failed ({self.toolchain.cxx}): {(res.stderr or res.stdout)[-3000:]}",
                            where=str(keep), fix="this is a code generator bug; the group falls back to ATen")
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:        # a read-only cache: the library still loads
+        pass
 
 
 def _signature(path: Path) -> tuple | None:

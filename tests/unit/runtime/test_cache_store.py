@@ -134,7 +134,7 @@ def test_prune_and_clear_remove_damaged_entries(cache):
     assert len(removed) == 3 and cache.entries() == []
     cache.put(KEY, PLAN)
     stray.write_text("x")
-    assert cache.clear() == 2 and not cache.plans.exists()
+    assert len(cache.clear()) == 2 and not cache.plans.exists()
 
 
 def test_unusable_cache_root_is_one_event(tmp_path):
@@ -182,7 +182,38 @@ def test_cli_cache_ls_shows_damage_and_prune_clears_it(cache):
     res = runner.invoke(app, ["cache", "ls", "--json", "--cache-dir", str(cache.root)])
     assert res.exit_code == 0 and len(json.loads(res.stdout)) == 2
     res = runner.invoke(app, ["cache", "prune", "--max-size", "0", "--cache-dir", str(cache.root)])
-    assert res.exit_code == 0 and "removed 2 entries" in res.output
+    assert res.exit_code == 0 and "removed 2 plans" in res.output
+
+
+def test_prune_and_clear_weigh_kernel_libraries_and_extracted_artifacts(cache):
+    """`cache prune --max-size 100KB` removed nothing where kernels/ held 836 KB, and `cache clear`
+    left them: the cache grew without bound. The least recently used go first, a library's
+    .so, seal and source together; the timing cache stays."""
+    import os
+    import time
+    cache.put(KEY, PLAN)
+    cache.kernels.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    for i, stem in enumerate(("a" * 32, "b" * 32)):            # a is older than b
+        for suffix, n in ((".so", 40_000), (".so.seal", 64), (".cpp", 5_000)):
+            p = cache.kernels / f"{stem}{suffix}"
+            p.write_bytes(b"x" * n)
+            os.utime(p, (now - 100 + i * 50, now - 100 + i * 50))
+    (cache.kernels / ".seal-key").write_bytes(b"k" * 32)
+    (cache.artifacts / "d1").mkdir(parents=True)
+    (cache.artifacts / "d1" / "complete").write_text("ok")
+    (cache.root / "tactics").mkdir()
+    (cache.root / "tactics" / "gemm-x.json").write_text("{}")
+    assert sorted(e.kind for e in cache.libraries()) == ["artifact", "kernel", "kernel"]
+    res = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache.root)])
+    assert "2 kernel libraries, 1 extracted artifact" in res.output, res.output
+    res = runner.invoke(app, ["cache", "prune", "--max-size", "50KB", "--cache-dir", str(cache.root)])
+    assert res.exit_code == 0 and "1 kernel library" in res.output, res.output
+    assert not list(cache.kernels.glob("a*")) and len(list(cache.kernels.glob("b*"))) == 3
+    res = runner.invoke(app, ["cache", "clear", "--cache-dir", str(cache.root)])
+    assert res.exit_code == 0 and "1 kernel library" in res.output and "2 plans" in res.output, res.output
+    assert not cache.kernels.exists() and not cache.artifacts.exists() and not cache.plans.exists()
+    assert (cache.root / "tactics" / "gemm-x.json").exists()
 
 
 def test_cli_cache_ls_on_a_broken_cache_folder_is_a_typed_error_and_clear_fixes_it(tmp_path):
