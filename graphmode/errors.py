@@ -79,6 +79,17 @@ class RecipeErrors(RecipeError):
         return {"error": "RecipeErrors", "errors": [e.to_dict() for e in self.errors]}
 
 
+class ArtifactError(GraphmodeError):
+    """An artifact that cannot be written, read or run here (exit 2 where the path holds none)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, exit_code: int | None = None, **kw):
+        if exit_code is not None:
+            self.exit_code = exit_code
+        super().__init__(message, **kw)
+
+
 class ConstraintError(GraphmodeError):
     """A recipe constraint is refuted (with a counter-example) or could not be proved."""
 

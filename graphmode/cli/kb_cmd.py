@@ -138,11 +138,13 @@ def ls_cmd(model: Optional[str] = typer.Option(None, "--model", help="model name
             WHERE (? IS NULL OR m.name = ?) AND (? IS NULL OR m.family = ?) AND (? IS NULL OR r.origin = ?)
               AND (? IS NULL OR h.name = ? OR h.cpu_model LIKE '%' || ? || '%')
             ORDER BY r.created DESC LIMIT ?""",
-                       (model, model, family, family, origin, origin, hardware, hardware, hardware, limit))
+                       (model, model, family, family, origin, origin, hardware, hardware, hardware, limit + 1))
+    more, rows = len(rows) > limit, rows[:limit]      # one past the limit: whether there are more
     if as_json:
         print(json.dumps(rows, indent=1))
         return
-    t = _table(f"{len(rows)} recipe(s) in {db.path}", "hash", "name", "origin", "model", "generated on", "measured",
+    t = _table(f"{len(rows)} recipe(s) in {db.path}" + (f" (the newest {limit}; --limit shows more)" if more else ""),
+               "hash", "name", "origin", "model", "generated on", "measured",
                "ok", "machines", "best p99 ms", "best items/s", "created")
     for r in rows:
         t.add_row(r["hash"], r["name"], r["origin"] + (f" from {r['parent']}" if r["parent"] else ""),
@@ -258,11 +260,13 @@ def query_cmd(model: Optional[str] = typer.Option(None, "--model", help="model n
     if db is not None:
         with db:
             rows = db.rows(_PERF_SQL + f" WHERE {' AND '.join(conds)} ORDER BY p.{sort} IS NULL, p.{sort} {desc} "
-                           "LIMIT ?", args + [limit])
+                           "LIMIT ?", args + [limit + 1])
+    more, rows = len(rows) > limit, rows[:limit]
     if as_json:
         print(json.dumps([_perf_json(r) for r in rows], indent=1))
         return
-    console.print(_perf_table(f"{len(rows)} measurement(s)", rows))
+    console.print(_perf_table(f"{len(rows)} measurement(s)" + (f" (the first {limit} by {sort}; --limit shows more)"
+                                                                if more else ""), rows))
     _reasons(rows)
 
 

@@ -115,10 +115,10 @@ def tune_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | res
     model_row = model_of(runner.graph0, runner.src, recipe_inputs(base))
     run_key = digest({"recipe": recipe_hash(base), "model": model_row["fingerprint"], "hardware": hardware_of(tgt)
                       ["fingerprint"], "objective": objective, "tol": tol, "axes": [[a.name, a.values] for a in axes],
-                      "workload": runner.shapes, "fresh": time.time() if fresh else None})
+                      "workload": runner.shapes})
     journal = Journal(recipe.with_name(recipe.stem + ".tune.jsonl"), run_key)
     journal.start({"recipe": str(recipe), "hash": recipe_hash(base), "model": model, "objective": objective,
-                   "budget_s": budget_s, "target": tgt.name, "time": time.time()})
+                   "budget_s": budget_s, "target": tgt.name, "time": time.time(), "fresh": fresh})
     for a in axes:
         for n in a.notes:
             log(f"search space: {a.name}: {n}")
@@ -157,8 +157,9 @@ def tune_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | res
     except KeyboardInterrupt:
         if bar is not None:
             bar.stop()
-        err_console.print(f"interrupted: the finished trials are in {journal.path}; run the same command again to "
-                          "resume", markup=False, highlight=False)
+        again = "run the same command without --fresh to resume" if fresh else "run the same command again to resume"
+        err_console.print(f"interrupted: the finished trials are in {journal.path}; {again}", markup=False,
+                          highlight=False)
         raise SystemExit(130)
     finally:
         if bar is not None:

@@ -52,7 +52,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from graphmode.errors import GraphmodeError, short_value
+from graphmode.errors import ArtifactError, GraphmodeError, short_value
 from graphmode.progress import OnStage, StageReporter, stage
 from graphmode.runtime.bounds import bounds_doc, bounds_from_doc
 from graphmode.runtime.contract import omitted_constants, positional_names
@@ -72,14 +72,8 @@ MEMBER_MAX_BYTES = {"recipe.json": 16 * MiB, "graph.ir": 1 * GiB, "plans": 256 *
 _MEMBER = re.compile(r"recipe\.json|graph\.ir|constants\.pt|tail\.ir|tail\.pt|plans/[A-Za-z0-9_.,=-]{1,200}\.json"
                      r"|kernels/[0-9a-f]{32}\.so|tactics/[A-Za-z0-9_.-]{1,200}\.json"
                      r"|tokenizer/[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
-_EXTRACTED = ("constants.pt", "kernels", "tactics", "tokenizer")
-GROUP_MEMBER = "group.json"      # a tensor-parallel group's file (runtime/rank_artifacts.py) holds only this      # what is mapped or loaded by path: written to disk
-
-
-class ArtifactError(GraphmodeError):
-    """An artifact that cannot be written, read or run here."""
-
-    exit_code = 1
+_EXTRACTED = ("constants.pt", "kernels", "tactics", "tokenizer")      # what is mapped or loaded by path: written to disk
+GROUP_MEMBER = "group.json"      # a tensor-parallel group's file (runtime/rank_artifacts.py) holds only this
 
 
 def _text(n: int):
@@ -537,8 +531,8 @@ def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
         f = open_file(path, limit=1 << 48)
     except UntrustedFileError as e:
         if not Path(path).exists() and not Path(path).is_symlink():
-            raise ArtifactError("no such artifact", where=str(path), fix="check the path") from None
-        raise ArtifactError(f"not an artifact: {e.message}", where=str(path),
+            raise ArtifactError("no such artifact", where=str(path), fix="check the path", exit_code=2) from None
+        raise ArtifactError(f"not an artifact: {e.message}", where=str(path), exit_code=2,
                             fix="pass a file written by graphmode compile --save / CompiledModel.save") from None
     with f:
         try:

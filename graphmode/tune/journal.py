@@ -23,13 +23,15 @@ class Journal:
         self.skipped = 0            # unreadable lines (a trial cut off mid-write)
 
     def load(self) -> dict[str, TrialResult]:
-        """This run's finished trials by configuration key."""
+        """This run's finished trials by configuration key (since its last fresh start)."""
         out: dict[str, TrialResult] = {}
         if not self.path.is_file():
             return out
         for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 d = json.loads(line)
+                if d.get("run") == self.run_key and d.get("kind") == "start" and d.get("fresh"):
+                    out.clear()            # `tune --fresh` started this run over: what came before is not it
                 if d.get("run") == self.run_key and d.get("kind") == "trial":
                     r = TrialResult.from_json(d["trial"])
                     out[r.key] = r

@@ -191,3 +191,13 @@ def test_an_export_round_trips_through_import(kb, tmp_path):
     assert invoke("kb", "import", f, "--kb", target).exit_code == 0
     with KnowledgeBase(kb) as a, KnowledgeBase(target) as b:
         assert a.counts() == b.counts()
+
+
+def test_a_listing_cut_at_its_limit_says_so(kb):
+    """`kb ls` printed '50 recipe(s)' for a knowledge base of 60 (its --limit), as a total."""
+    res = invoke("kb", "ls", "--kb", kb, "--limit", "1")
+    assert "1 recipe(s)" in res.output and "--limit shows more" in res.output, res.output
+    assert "--limit shows more" not in invoke("kb", "ls", "--kb", kb).output
+    res = invoke("kb", "query", "--kb", kb, "--limit", "3")
+    assert "3 measurement(s)" in res.output and "--limit shows more" in res.output, res.output
+    assert "--limit shows more" not in invoke("kb", "query", "--kb", kb, "--limit", "4").output

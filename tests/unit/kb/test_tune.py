@@ -84,6 +84,13 @@ def test_interrupted_search_resumes_from_the_journal(mlp_runner, tmp_path):
     assert [t.replayed for t in res.trials[:2]] == [True, True] and not any(t.replayed for t in res.trials[2:])
     assert [t.key for t in res.trials[:2]] == [r.key for r in seen]
     assert res.trials[0].metrics == seen[0].metrics and res.resumed == 2
+    # `tune --fresh` starts the run over; interrupted, the same command without --fresh resumes it
+    # (the fresh run had a key of its own, so nothing ever matched its trials)
+    fresh = Journal(journal.path, "run-1")
+    fresh.start({"fresh": True})
+    assert fresh.load() == {}
+    fresh.append(res.trials[0])
+    assert list(Journal(journal.path, "run-1").load()) == [res.trials[0].key]
     alternatives = sum(len(a.values) - 1 for a in axes)
     assert len(res.trials) >= 1 + alternatives and res.stopped == "converged"
     assert len({t.key for t in res.trials}) == len(res.trials)
