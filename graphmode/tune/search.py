@@ -57,13 +57,21 @@ def better(a: TrialResult, b: TrialResult | None, objective: str) -> bool:
     return sa < sb - abs(sb) * MIN_GAIN
 
 
+def _vec(r: TrialResult) -> tuple[float, ...]:
+    """What the Pareto set weighs, lower better: p99, -throughput, peak memory, compile time."""
+    m = r.metrics
+    inf = float("inf")
+    return (m.get("p99_ms") or inf, -(m.get("throughput") or 0.0), m.get("peak_memory_mb") or inf,
+            m.get("compile_s") or inf)
+
+
+def _dominates(a: TrialResult, b: TrialResult) -> bool:
+    return all(x <= y for x, y in zip(_vec(a), _vec(b))) and _vec(a) != _vec(b)
+
+
 def pareto(trials: list[TrialResult]) -> list[TrialResult]:
     """Trials that kept the contract and are not dominated on (p99, -throughput, memory, compile)."""
-    def vec(r: TrialResult) -> tuple[float, ...]:
-        m = r.metrics
-        inf = float("inf")
-        return (m.get("p99_ms") or inf, -(m.get("throughput") or 0.0), m.get("peak_memory_mb") or inf,
-                m.get("compile_s") or inf)
+    vec = _vec
     ok = [r for r in trials if r.status == "ok"]
     out = []
     for r in ok:
@@ -128,5 +136,11 @@ def run_search(run: Callable[[dict[str, Any], int, float], TrialResult], axes: l
                         current, best, changed = cand, r, True
     except _OutOfBudget:
         stopped = "budget"
-    return TuneResult(trials, base, best, stopped, sum(t.replayed for t in trials), pareto(trials),
-                      cut[0] if cut else None)
+    front = pareto(trials)
+    # the descent keeps a change only past MIN_GAIN on the objective, so a trial within it that is as
+    # good on every axis and better on one (13% more items/s, a tenth of the compile) was left out
+    # while the best it dominates was written (and missing from the Pareto table it printed)
+    ahead = [t for t in front if best is not None and _dominates(t, best)]
+    if ahead:
+        best = min(ahead, key=lambda t: score(t, objective))
+    return TuneResult(trials, base, best, stopped, sum(t.replayed for t in trials), front, cut[0] if cut else None)
