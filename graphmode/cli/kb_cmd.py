@@ -318,8 +318,14 @@ def recommend_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 
         console.print(t)
         _say(f"why #1: {recs[0].why(objective)}")
     if out is not None:
+        from graphmode.kb.draft import MAX_KNOB_DISTANCE
+        near = [r for r in draft.recommendations if r.model_distance <= MAX_KNOB_DISTANCE]
+        knobs = (f"precision, fusion and kernel selection from {near[0].recipe['hash']} {near[0].recipe['name']}"
+                 if near else f"graphmode's defaults: #1 is at distance {recs[0].model_distance:g}, farther than "
+                 f"{MAX_KNOB_DISTANCE:g}, and its knobs say nothing about this model" if recs else
+                 "graphmode's defaults (nothing measured yet)")
         console.print(f"wrote {out} (recipe {recipe_hash(draft.recipe)}, {draft.report.verdict} on "
-                      f"{draft.report.target.name})", markup=False, highlight=False)
+                      f"{draft.report.target.name}) with {knobs}", markup=False, highlight=False, soft_wrap=True)
 
 
 @kb_app.command("export")

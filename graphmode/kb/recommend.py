@@ -27,10 +27,13 @@ class Recommendation:
     hardware: dict[str, Any]           # the hardware it was measured on
     model_distance: float
     hardware_similarity: float
-    best: dict[str, Any] = field(default_factory=dict)   # best of each metric over its measurements
+    # the metrics of its best measurement on the objective, together: the best of each metric over
+    # different measurements paired a p99 with a p50 never measured with it (threads 1 and 2)
+    best: dict[str, Any] = field(default_factory=dict)
     measurements: int = 0
     sources: list[str] = field(default_factory=list)
-    threads: dict[str, int | None] = field(default_factory=dict)   # metric -> threads of its best measurement
+    threads: int | None = None                 # ... and that measurement's threads and source
+    best_source: str | None = None
 
     def objective_value(self, objective: str) -> float | None:
         if objective == "throughput":
@@ -42,21 +45,33 @@ class Recommendation:
         metric = ("throughput" if objective == "throughput"
                   else "p99_ms" if self.best.get("p99_ms") is not None else "p50_ms")
         shown = "not measured" if v is None else f"{v:.4g}" + (" items/s" if objective == "throughput" else " ms")
-        threads = self.threads.get(metric)
+        threads = self.threads
         return (f"model {self.model['name']} ({self.model['family']}) at distance {self.model_distance:g}, "
                 f"hardware {self.hardware['name']} ({self.hardware.get('cpu_model') or self.hardware['kind']}) "
                 f"similarity {self.hardware_similarity:g}, {metric} {shown}"
-                + (f" with {threads} thread(s)" if threads else "")
-                + f" over {self.measurements} measurement(s) from {', '.join(self.sources)}")
+                + (f" with {threads} thread(s)" if threads else "") + (f" ({self.best_source})" if self.best_source else "")
+                + f", the best of {self.measurements} measurement(s) from {', '.join(self.sources)}")
 
     def to_json(self, objective: str) -> dict[str, Any]:
         return {"recipe": {k: self.recipe[k] for k in ("hash", "name", "origin")}, "body": self.recipe["body"],
                 "model": {k: self.model[k] for k in ("name", "family", "fingerprint")},
                 "hardware": {k: self.hardware[k] for k in ("name", "cpu_model", "fingerprint")},
                 "model_distance": self.model_distance, "hardware_similarity": self.hardware_similarity,
-                "best": self.best, "threads": self.threads, "measurements": self.measurements,
+                "best": self.best, "threads": self.threads, "best_source": self.best_source,
+                "measurements": self.measurements,
                 "sources": self.sources,
                 "objective_value": self.objective_value(objective), "why": self.why(objective)}
+
+
+METRICS = ("p50_ms", "p99_ms", "p99_over_p50", "throughput", "peak_memory_mb", "compile_s")
+
+
+def _rank(m: Any, objective: str) -> tuple[float, float]:
+    """A measurement's place on the objective, lower better (unmeasured last)."""
+    if objective == "throughput":
+        return (-(m["throughput"] or 0.0), 0.0)
+    p99, p50 = m["p99_ms"], m["p50_ms"]
+    return (p99 if p99 is not None else p50 if p50 is not None else math.inf, p50 if p50 is not None else math.inf)
 
 
 def check_objective(objective: str) -> str:
@@ -86,10 +101,9 @@ def recommend(kb: KnowledgeBase, model: dict[str, Any], hardware: dict[str, Any]
         rec.measurements += 1
         if p["source"] not in rec.sources:
             rec.sources.append(p["source"])
-        for k, better in (("p50_ms", min), ("p99_ms", min), ("p99_over_p50", min), ("throughput", max),
-                          ("peak_memory_mb", min), ("compile_s", min)):
-            if p[k] is not None and (rec.best.get(k) is None or better(rec.best[k], p[k]) != rec.best[k]):
-                rec.best[k], rec.threads[k] = p[k], p["threads"]
+        if not rec.best or _rank(p, objective) < _rank(rec.best, objective):
+            rec.best = {k: p[k] for k in METRICS}
+            rec.threads, rec.best_source = p["threads"], p["source"]
     sign = -1.0 if objective == "throughput" else 1.0
 
     def key(r: Recommendation) -> tuple:

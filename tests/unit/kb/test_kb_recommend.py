@@ -92,3 +92,22 @@ def test_recommend_ranks_nearest_model_then_hardware_then_objective(tmp_path, ca
     assert top.hardware_similarity == 1.0 and 0 < top.model_distance < 1.0 and top.best["p99_ms"] == 2.0
     assert "encoder_small" in top.why("latency") and "p99_ms 2 ms" in top.why("latency")
     assert all(r.recipe["name"] != "broken" for r in lat)                   # a violating run is no evidence
+
+
+def test_a_recommendation_shows_one_measurements_metrics_together(tmp_path, captured):
+    """A row paired the p99 of a 1-thread measurement (0.0859) with the p50 of a 2-thread one
+    (0.0346): the best of each metric over different measurements, never measured together."""
+    from graphmode.kb.record import Subject
+    from graphmode.recipe import load_recipe
+    path = tmp_path / "kb.sqlite"
+    g, src, data = captured["mlp"]
+    s = Subject(load_recipe(dict(data, name="mlp")), get_target("cpu_avx2"), src, g, None)
+    rows = [perf("bench", p50_ms=0.0346, p99_ms=0.1083, throughput=100.0, threads=2),
+            perf("bench", p50_ms=0.0351, p99_ms=0.0859, throughput=90.0, threads=1)]
+    assert record(path, s, rows) is None
+    with KnowledgeBase(path) as kb:
+        lat, = recommend(kb, _row(captured, "mlp"), hardware_of(get_target("cpu_avx2")), "latency")
+        tput, = recommend(kb, _row(captured, "mlp"), hardware_of(get_target("cpu_avx2")), "throughput")
+    assert (lat.best["p99_ms"], lat.best["p50_ms"], lat.threads) == (0.0859, 0.0351, 1)
+    assert (tput.best["throughput"], tput.best["p50_ms"], tput.threads) == (100.0, 0.0346, 2)
+    assert "with 1 thread(s) (bench), the best of 2 measurement(s)" in lat.why("latency")
