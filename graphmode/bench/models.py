@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from graphmode.capture.spec import with_batch_axis
 from graphmode.errors import GraphmodeError
 
 # The issue's default matrix: model -> shapes of the first input.
@@ -110,6 +111,11 @@ def _with_recipe_dims(bundle: Any, recipe: Any) -> Any:
     return dataclasses.replace(bundle, input_dims=declared)
 
 
+def _fitting(bundle: Any, shapes: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Each --shape that fits the bundle, with its dims."""
+    return {s: env for s in shapes if (env := parse_shape(s, bundle)) is not None}
+
+
 def default_envs(name: str, bundle: Any) -> list[dict[str, int]]:
     shapes = DEFAULT_SHAPES.get(name)
     if shapes is None:
@@ -130,18 +136,18 @@ def load_cases(models: Sequence[str], shapes: Sequence[str], *, quick: bool = Fa
         load_s = time.perf_counter() - t0
         name = canonical_name(spec, bundle)
         if shapes:
-            envs = []
-            for s in shapes:
-                env = parse_shape(s, bundle)
-                if env is not None:
-                    envs.append(env)
-                    if s in unused:
-                        unused.remove(s)
+            fits = _fitting(bundle, shapes)
+            batched = with_batch_axis(bundle) if len(fits) < len(shapes) and recipe is None else None
+            if batched is not None and len(_fitting(batched, shapes)) > len(fits):
+                bundle, fits = batched, _fitting(batched, shapes)   # static examples: a leading batch, as drafts take
+            envs = list(fits.values())
+            unused[:] = [s for s in unused if s not in fits]
             if not envs:
                 first = bundle.input_names[0]
                 raise GraphmodeError(f"no --shape fits model {spec!r}", where="--shape", value=list(shapes),
                                      fix=f"its first input {first!r} is {bundle.input_dims[first]}; e.g. "
-                                         f"{'x'.join(str(x) for x in bundle.input_shape(first, bundle.example_shape()))}")
+                                         f"{'x'.join(str(x) for x in bundle.input_shape(first, bundle.example_shape()))}"
+                                         "; or give --recipe (graphmode recipe init) to name its dims")
         else:
             envs = default_envs(name, bundle)
         if quick:

@@ -410,6 +410,27 @@ def as_model(model: Any) -> ModelBundle | OnnxModelSpec:
 
 
 
+def with_batch_axis(bundle: Any) -> Any:
+    """A bundle handed with static shapes only, with its leading axis named `batch` when every
+    input of rank 1 or more shares that extent, else None. torch.export specialises an extent of
+    1, so a batch-1 example (as torch users write one) is captured from its rows repeated to 2;
+    the bundle as handed stays the next try. A 0-d input (a scalar temperature, a step) has no
+    batch axis and keeps its shape."""
+    ranked = {k: v for k, v in bundle.input_dims.items() if v}
+    lead = {v[0] for v in ranked.values()}
+    n = next(iter(lead), None)
+    if len(lead) != 1 or not isinstance(n, int) or n < 1 or "batch" in bundle.dim_names:
+        return None
+    examples = bundle.example_inputs
+    if n == 1:
+        import torch
+        examples = {k: torch.cat([v, v]) if k in ranked else v for k, v in examples.items()}
+    import dataclasses
+    return dataclasses.replace(bundle, example_inputs=examples,
+                               input_dims={k: ["batch"] + list(v[1:]) if k in ranked else list(v)
+                                           for k, v in bundle.input_dims.items()})
+
+
 def _saved_proto(model: Any) -> Path:
     """An in-memory onnx.ModelProto (what onnxruntime.InferenceSession takes as bytes) as a file
     named by its content: the import, the ONNX Runtime reference and the cache key read a file."""

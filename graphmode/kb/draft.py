@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from graphmode.capture.spec import with_batch_axis
 from graphmode.capture.zoo import marks_padding
 from graphmode.errors import CaptureError, RecipeError
 from graphmode.kb.draft_padding import settle_padding
@@ -102,26 +103,6 @@ def _signature(bundle: Any) -> tuple[dict[str, str], dict[str, list], dict[str, 
     if hasattr(bundle, "example_inputs"):
         return {k: TORCH_TO_DTYPE[bundle.example_inputs[k].dtype] for k in dims}, dims, bundle.example_shape()
     return {k: TORCH_TO_DTYPE[v] for k, v in bundle.input_dtypes.items()}, dims, {}
-
-
-def _with_batch_axis(bundle: Any) -> Any:
-    """A bundle handed with static shapes only, with its leading axis named `batch` when every
-    input of rank 1 or more shares that extent, else None. torch.export specialises an extent of
-    1, so a batch-1 example (as torch users write one) is captured from its rows repeated to 2;
-    the bundle as handed stays the next try. A 0-d input (a scalar temperature, a step) has no
-    batch axis and keeps its shape."""
-    ranked = {k: v for k, v in bundle.input_dims.items() if v}
-    lead = {v[0] for v in ranked.values()}
-    n = next(iter(lead), None)
-    if len(lead) != 1 or not isinstance(n, int) or n < 1 or "batch" in bundle.dim_names:
-        return None
-    examples = bundle.example_inputs
-    if n == 1:
-        import torch
-        examples = {k: torch.cat([v, v]) if k in ranked else v for k, v in examples.items()}
-    return dataclasses.replace(bundle, example_inputs=examples,
-                               input_dims={k: ["batch"] + list(v[1:]) if k in ranked else list(v)
-                                           for k, v in bundle.input_dims.items()})
 
 
 def _causal_lm(bundle: Any) -> Any:
@@ -252,7 +233,7 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
         free = [d for d in bundle.dim_names if d not in (ranges or {})]
         tries = [bundle, _pin(bundle, [d for d in free if d != "batch"]), _pin(bundle, free)]
     else:                                     # handed with static shapes: try a dynamic batch, else keep them
-        tries = [b for b in (_with_batch_axis(bundle), bundle) if b is not None]
+        tries = [b for b in (with_batch_axis(bundle), bundle) if b is not None]
     tries = [b for i, b in enumerate(tries) if b.input_dims not in [t.input_dims for t in tries[:i]]]
     queue: list[tuple[Any, dict | None]] = [(b, None) for b in tries]
     rounds = 0

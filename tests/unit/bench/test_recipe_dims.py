@@ -24,3 +24,16 @@ def test_a_static_example_takes_the_recipes_dims(tmp_path):
     assert case.bundle.make_inputs(case.envs[0])["input"].shape == (2, 16)
     plain, = load_cases([f"{tmp_path / 'm.py'}:build"], [])          # no recipe: the example's shape
     assert plain.bundle.dim_names == []
+
+
+def test_without_a_recipe_a_static_example_takes_a_leading_batch(tmp_path):
+    """`bench --model m.py:build --shape 4x12` for an example of batch 2 said 'no --shape fits'
+    (its fix: 2x12), where compile and recipe init take the leading axis as a batch."""
+    (tmp_path / "m.py").write_text(MODEL)
+    case, = load_cases([f"{tmp_path / 'm.py'}:build"], ["4x12", "2x12"])
+    assert case.envs == [{"batch": 4}, {"batch": 2}] and case.bundle.make_inputs(case.envs[0])["input"].shape == (4, 12)
+    import pytest
+    from graphmode.errors import GraphmodeError
+    with pytest.raises(GraphmodeError, match="no --shape fits") as e:
+        load_cases([f"{tmp_path / 'm.py'}:build"], ["4x13"])
+    assert "--recipe" in e.value.fix
