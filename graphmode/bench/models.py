@@ -52,10 +52,12 @@ def resolve_bundle(spec: str):
     from graphmode.capture.spec import OnnxModelSpec, resolve_model_spec
     b = resolve_model_spec(spec)
     if isinstance(b, OnnxModelSpec):
-        raise GraphmodeError("the benchmark needs a PyTorch model (eager is the reference)",
+        raise GraphmodeError("bench and profile take a PyTorch model: every engine and plan is timed and "
+                             "checked against the eager module (--no-eager too: the sample inputs come from it)",
                              where="--model", value=spec,
-                             fix="give a built-in name or 'package.module:function' returning "
-                                 "(module, example_inputs[, input_dims])")
+                             fix="give a built-in name or 'package.module:function' returning (module, "
+                                 "example_inputs[, input_dims]); `graphmode run --model x.onnx` times an ONNX file "
+                                 "against ONNX Runtime")
     return b
 
 

@@ -600,6 +600,11 @@ def resolve_model_spec(spec: str | os.PathLike, *, seed: int = 0, **build_kwargs
                                    where=f"model spec {spec!r}", value=str(p.resolve()),
                                    fix=f"write '{s}:function' where function() returns "
                                        "(module, example_inputs) or a ModelBundle")
+            if p.suffix == ".gm":      # run, verify and serve load one; this command compiles from a source
+                raise CaptureError("a saved .gm holds plans compiled already, and this command compiles the model "
+                                   "from its source", where=f"model spec {spec!r}", value=str(p.resolve()),
+                                   fix="give the model it was saved from, or run the .gm with `graphmode run` / "
+                                       "`verify` / `serve` (which time and check it)")
             raise CaptureError(f"unsupported model file type {p.suffix or '(none)'!r}",
                                where=f"model spec {spec!r}", value=str(p.resolve()),
                                fix="give an .onnx file, or a 'module:function' that loads this "

@@ -308,6 +308,11 @@ def test_directory_and_unsupported_file(tmp_path):
     f.write_bytes(b"x")
     with pytest.raises(CaptureError, match="unsupported model file type"):
         resolve_model_spec(str(f))
+    gm = tmp_path / "m.gm"                       # it said: give an .onnx file
+    gm.write_bytes(b"x")
+    with pytest.raises(CaptureError, match="a saved .gm holds plans compiled already") as e:
+        resolve_model_spec(str(gm))
+    assert "graphmode run" in e.value.fix
 
 
 def test_callable_spec_returning_tuple(user_pkg):
