@@ -167,6 +167,14 @@ def cache_explain(
             console.print(f"  {k}: cached {v['nearest_entry']!r}, wanted {v['wanted']!r}")
 
 
+# a timing-cache key's fields: its shape, what tells two entries of one shape apart (packed or
+# batched B, a bias, an epilogue, cold caches, the dtype...), and what every entry shares
+_SHAPE_FIELDS = ("batch", "m", "n", "k", "cin", "h", "w", "cout", "kh", "kw", "stride", "padding", "dilation",
+                 "groups")
+_NOT_VARIANT = frozenset({"op", "threads", "candidates", "compiler", "target", "version", "statistic",
+                          *_SHAPE_FIELDS})
+
+
 def _explain_timings(cache_dir: Optional[Path], as_json: bool) -> None:
     """One line per timing-cache entry (read through TimingCache.get, so a file it would not
     use is listed as unreadable)."""
@@ -188,7 +196,8 @@ def _explain_timings(cache_dir: Optional[Path], as_json: bool) -> None:
             continue
         fastest = min(e["timings_s"], key=e["timings_s"].get) if e["timings_s"] else None
         cond = "starved" if e["starved"] else "busy host" if timed_busy(e) else "noisy" if e["noisy"] else "quiet"
-        out.append({"file": f.name, "op": key.get("op"), "shape": {k: key.get(k) for k in ("batch", "m", "n", "k")},
+        out.append({"file": f.name, "op": key.get("op"), "shape": {k: key[k] for k in _SHAPE_FIELDS if k in key},
+                    "variant": {k: v for k, v in key.items() if k not in _NOT_VARIANT},
                     "threads": key.get("threads"), "fastest": fastest,
                     "fastest_us": round(e["timings_s"][fastest] * 1e6, 2) if fastest else None,
                     "conditions": cond, "load": e["load"], "cores": e["cores"], "cpu_per_wall": e["cpu_per_wall"],
@@ -198,15 +207,17 @@ def _explain_timings(cache_dir: Optional[Path], as_json: bool) -> None:
         print(json.dumps(out, indent=1))
         return
     t = Table(title=f"{len(out)} timing-cache entries in {folder} (host now: load {load} on {cores} cores)")
-    for c in ("op", "b x m x n x k", "threads", "fastest", "us", "timed", "load/cores", "CPU/wall", "tries",
+    for c in ("op", "shape", "variant", "threads", "fastest", "us", "timed", "load/cores", "CPU/wall", "tries",
               "next build"):
         t.add_column(c)
     for r in out:
         if r.get("unreadable"):
-            t.add_row(r["file"], "unreadable: the next build times it again", *[""] * 8)
+            t.add_row(r["file"], "unreadable: the next build times it again", *[""] * 9)
             continue
         s = r["shape"]
-        t.add_row(str(r["op"]), f"{s['batch']}x{s['m']}x{s['n']}x{s['k']}", str(r["threads"]), str(r["fastest"]),
+        t.add_row(str(r["op"]), " ".join(f"{k}={v}" for k, v in s.items()),
+                  ", ".join(k if v is True else f"{k}={v}" for k, v in r["variant"].items() if v is not False),
+                  str(r["threads"]), str(r["fastest"]),
                   str(r["fastest_us"]), r["conditions"], f"{r['load']}/{r['cores']}",
                   "-" if r["cpu_per_wall"] is None else f"{r['cpu_per_wall']:.2f}", str(r["tries"]), r["next_build"])
     (console if console.is_terminal else Console(width=200)).print(t)

@@ -45,6 +45,11 @@ def test_entries_say_how_they_were_timed_and_what_the_next_build_does(tmp_path, 
     res = CliRunner().invoke(app, ["cache", "explain", "--timings", "--cache-dir", str(tmp_path), "--json"])
     busy = {r.get("shape", {}).get("m"): r for r in json.loads(res.output)}
     assert busy[2]["next_build"] == "uses it until a build finds the host quiet"
+    # two entries of one shape told apart: the field that differs is shown (it looked like a duplicate)
+    cache.put(dict(_key(1), bias=True, epilogue="relu"), _entry(), reps=3)
+    res = CliRunner().invoke(app, ["cache", "explain", "--timings", "--cache-dir", str(tmp_path), "--json"])
+    variants = [r["variant"] for r in json.loads(res.output) if r.get("shape", {}).get("m") == 1]
+    assert sorted(map(str, variants)) == ["{'bias': True, 'epilogue': 'relu'}", "{}"]
 
 
 def test_the_retiming_policy():
