@@ -161,7 +161,10 @@ def _decide_over_ranges(e, kind: str) -> bool | None:
         return None
     f = sympy.lambdify(syms, e, modules="math")
     test = {"eq": lambda v: v == 0, "lt": lambda v: v < 0, "le": lambda v: v <= 0}[kind]
-    seen = {bool(test(f(*pt))) for pt in itertools.product(*grids)}
+    try:
+        seen = {bool(test(f(*pt))) for pt in itertools.product(*grids)}
+    except (ArithmeticError, ValueError, TypeError):      # 1 / (seq - 1) at seq 1: undecided, not a crash
+        return None
     return seen.pop() if len(seen) == 1 else None
 
 

@@ -125,7 +125,6 @@ class _Importer(ValueState, Emitter, InputBinder):
 
     # ---- driver --------------------------------------------------------------------------
     def run(self) -> Graph:
-        from onnx import numpy_helper
         gp = self.gp
         init_names = {i.name for i in gp.initializer}
         for vi in list(self.extra_value_info) + list(gp.value_info) + list(gp.output):
