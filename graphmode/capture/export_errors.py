@@ -121,8 +121,9 @@ def _constraint_fixes(text: str) -> list[str]:
     # a value alone only when no range is suggested: beside one, it is the capture's own narrow
     # example range for another dim (graphmode exports batch 1..2 as 2..2), not the model's need
     # the value is the size of graphmode's example, not one the model needs: the dim is static
-    return out or [f"{d} static (one value: min = max; torch.export keeps it at {v}, the size of the example it "
-                   "was captured with, which graphmode makes inside the recipe's range)"
+    return out or [f"{d} static (one value: min = max; torch.export keeps it at {v}, the size of the example "
+                   "graphmode captured it with, made inside the recipe's range, which need not be the example "
+                   "you gave)"
                    for d, v in _VALUE_FIX.findall(text)]
 
 
