@@ -433,9 +433,17 @@ def with_batch_axis(bundle: Any) -> Any:
 
 def _saved_proto(model: Any) -> Path:
     """An in-memory onnx.ModelProto (what onnxruntime.InferenceSession takes as bytes) as a file
-    named by its content: the import, the ONNX Runtime reference and the cache key read a file."""
+    under the cache's onnx/ folder, named by its content: the import, the ONNX Runtime reference
+    and the cache key read a file."""
     import hashlib
-    import tempfile
+
+    from graphmode.paths import cache_layout
+    external = [t.name for t in model.graph.initializer if t.data_location == 1]     # onnx.TensorProto.EXTERNAL
+    if external:
+        raise CaptureError(f"this onnx.ModelProto refers to weights it does not hold ({len(external)} tensor(s) "
+                           f"stored outside it, e.g. {external[0]!r})", where="model",
+                           fix="load it with its data (onnx.load(path), load_external_data=True, the default), or "
+                               "compile the .onnx file's path")
     try:
         data = model.SerializeToString()
     except ValueError as e:           # protobuf's 2 GB limit
@@ -443,7 +451,7 @@ def _saved_proto(model: Any) -> Path:
                            fix="save it with onnx.save(model, path, save_as_external_data=True) and compile the "
                                "path") from None
     name = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in (model.graph.name or "model"))[:40] or "model"
-    path = Path(tempfile.gettempdir()) / "graphmode-onnx" / f"{name}-{hashlib.sha256(data).hexdigest()[:16]}.onnx"
+    path = cache_layout().onnx / "in-memory" / f"{name}-{hashlib.sha256(data).hexdigest()[:16]}.onnx"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

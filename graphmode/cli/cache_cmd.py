@@ -66,7 +66,8 @@ def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(
     console.print(t)
     libraries = _cache(cache_dir).libraries()
     console.print(f"and {_said(libraries).replace('nothing', 'no kernel libraries')} beside them "
-                  "(`cache prune --max-size` weighs all of it)", highlight=False)
+                  "(`cache prune --max-size` weighs these and the plans; the timing cache, host probe and knowledge "
+                  "base stay)", highlight=False)
 
 
 @cache_app.command("clear")

@@ -265,7 +265,7 @@ def query_cmd(model: Optional[str] = typer.Option(None, "--model", help="model n
     if as_json:
         print(json.dumps([_perf_json(r) for r in rows], indent=1))
         return
-    console.print(_perf_table(f"{len(rows)} measurement(s)" + (f" (the first {limit} by {sort}; --limit shows more)"
+    console.print(_perf_table(f"{len(rows)} measurement(s)" + (f" (the first {limit} by {sort}, {'highest' if desc == 'DESC' else 'lowest'} first; --limit shows more)"
                                                                 if more else ""), rows))
     _reasons(rows)
 

@@ -548,7 +548,7 @@ def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
         cut = fobj.seek(0) == 0 and fobj.read(4) == b"PK\x03\x04"   # a zip's first member, no directory at its end
         fobj.close()
         raise ArtifactError(f"{'a zip archive without its end: truncated' if cut else 'not a graphmode artifact'}: "
-                            f"{type(e).__name__}: {str(e)[:200]}", where=str(path),
+                            f"{type(e).__name__}: {str(e)[:200]}", where=str(path), exit_code=2,
                             fix="copy it again whole, or save it again" if cut else
                             "pass a file written by graphmode compile --save / CompiledModel.save") from None
     return z, sha.hexdigest()[:24], f.size

@@ -689,3 +689,8 @@ def test_an_onnx_model_in_memory_compiles_as_its_file_does(tmp_path):
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert rel(cm(x=x), m(x)) < 1e-5
+    # loaded without its external data: said, not a file written beside a temp copy that lacks it
+    onnx.save(onnx.load(tmp_path / "m.onnx"), tmp_path / "ext.onnx", save_as_external_data=True,
+              size_threshold=0, location="ext.bin")
+    with pytest.raises(CaptureError, match="refers to weights it does not hold"):
+        graphmode.compile(onnx.load(tmp_path / "ext.onnx", load_external_data=False))

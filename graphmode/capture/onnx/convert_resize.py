@@ -51,8 +51,8 @@ def _coeffs(mode: str, nearest_mode: str, antialias: bool, a: float):
     return ref._linear_coeffs_antialias if antialias else ref._linear_coeffs
 
 
-_TWO_READINGS_FIX = ("give Resize sizes instead of scales (F.interpolate(size=...) rather than scale_factor=, "
-                     "which every reading agrees on), or compile the PyTorch module itself")
+_TWO_READINGS_FIX = ("give the Resize node sizes instead of scales, which every reading agrees on (from PyTorch: "
+                     "F.interpolate(size=...) rather than scale_factor=, or compile the PyTorch module itself)")
 # the modes whose coordinates divide by the resized length (onnx/onnx#2462): the output's integer
 # length for ONNX Runtime and PyTorch, the unfloored scale * length for onnx's reference
 _BY_RESIZED_LENGTH = ("align_corners", "tf_crop_and_resize")
@@ -200,8 +200,9 @@ def _one_reading(imp: _Importer, n, axis: int, length: int, out_len: int, scale:
     if gap <= 1e-6:
         return
     mode = _s(imp.attr(n, "coordinate_transformation_mode", b"half_pixel"))
+    who = "ONNX Runtime and PyTorch divide" if mode == "align_corners" else "ONNX Runtime divides"
     raise imp.fail(f"Resize with coordinate_transformation_mode {mode!r} at scale {scale:g} on axis {axis} "
-                   f"({length} -> {out_len}) reads two ways: ONNX Runtime and PyTorch divide by the output "
+                   f"({length} -> {out_len}) reads two ways: {who} by the output "
                    f"length {out_len} - 1, the ONNX reference by {scale * length:g} - 1 (onnx/onnx#2462); "
                    f"their weights differ by up to {gap:.3g}", value=f"{scale:g}",
                    fix=_TWO_READINGS_FIX)

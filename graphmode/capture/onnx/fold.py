@@ -274,8 +274,9 @@ def _fold_elementwise(imp: _Importer, n, irop: str, ins: list[str], out_dtype: s
             res = ks[0].arr
             for k in ks[1:]:
                 res = _ufunc(f, res, k.arr)
-    except _Unfoldable as e:
-        imp.undecided[n.output[0]] = str(e)       # said where a node needs the value known
+    except _Unfoldable as e:              # said where a node needs the value known, in the file's terms
+        shown = [dim_str(normalize_dim(v)) if _is_sym(v) else v for k in ks for v in k.arr.flat][:8]
+        imp.undecided[n.output[0]] = f"{n.op_type}({', '.join(map(str, shown))}): {e}"
         return False
     res = res.reshape(tuple(int(s) for s in shape))
     imp.set_known(n.output[0], _Known(res, out_dtype))

@@ -269,8 +269,9 @@ class _Importer(ValueState, Emitter, InputBinder):
         k = self.kn(name)
         if k is None and name in self.undecided:
             raise self.fail(f"{what} ({name!r}) is computed from the dims, and the recipe's ranges leave it open: "
-                            f"{self.undecided[name]}", fix="narrow the recipe's range of those dims to one side of "
-                            "the condition (a recipe for each side), or make the value a constant in the file")
+                            f"{self.undecided[name]}", fix="narrow those dims to one side of it with dims.D.min / max "
+                            "(buckets alone admit every value from min, 1 unless given, up to the largest: a smaller "
+                            "request is padded), a recipe for each side; or make the value a constant in the file")
         if k is None:
             raise self.fail(f"{what} ({name!r}) is computed from run-time tensor data, and graphmode needs it "
                             "when it imports the model (shapes, axes, counts and control flow are fixed at "
