@@ -189,7 +189,7 @@ class _Analyzer:
         d = dims[0]
         if len(dims) == 1:      # c x d: its real positions are its first c x d_real, the layout of [d, c]
             sym = next(x for x in sympy.sympify(extent).free_symbols if x.name == d)
-            c = sympy.simplify(sympy.sympify(extent) / sym)
+            c = sympy.sympify(extent) / sym                   # 4*batch / batch is 4 as built
             if c.is_Integer and int(c) > 1:   # (DeBERTa's position index expanded to batch x heads rows)
                 return Axis((Factor(sym, d, content, True), Factor(int(c))))
         prefix = len(dims) == 1 and prefix_offset(extent, d) is not None

@@ -103,6 +103,8 @@ def test_verify_bisects_a_broken_pass_and_proposes_a_fix(tmp_path, monkeypatch):
     assert "-  preset" in f["diff"] or "+  passes" in f["diff"]
 
 
+# ~17 s (ResNet-18 with timed tactics): slow set; explain, prune, clear: test_runtime.py, unit/runtime, unit/cli
+@pytest.mark.slow
 def test_cache_explain_after_run(tmp_path):
     rec = small_recipe(tmp_path, codegen={"kernel_selection": "latency_first"})   # fills the timing cache
     cache = tmp_path / "cache"
