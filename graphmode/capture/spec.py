@@ -437,8 +437,10 @@ def _saved_proto(model: Any) -> Path:
     and the cache key read a file."""
     import hashlib
 
+    import onnx
+
     from graphmode.paths import cache_layout
-    external = [t.name for t in model.graph.initializer if t.data_location == 1]     # onnx.TensorProto.EXTERNAL
+    external = [t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     if external:
         raise CaptureError(f"this onnx.ModelProto refers to weights it does not hold ({len(external)} tensor(s) "
                            f"stored outside it, e.g. {external[0]!r})", where="model",

@@ -158,20 +158,29 @@ def test_t5s_key_mask_beside_its_relative_position_bias_pads_a_padded_batch(tmp_
     torch.manual_seed(0)
     m = transformers.T5EncoderModel(transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64,
                                                           num_layers=1, num_heads=4)).eval()
-    r = {"version": 1, "name": "t5", "exe_mode": "graph", "on_violation": "error",
+    cm = _compiled_on_tokens(m, {"batch": {"buckets": [2]}, "seq": {"buckets": [8, 16], "min": 1}}, tmp_path)
+    assert cm.masked_dims == ["seq"] and cm.query_key_dims == []
+    _padded_batch_matches_eager(cm, m, 2, 11, masked_from=6)
+    assert cm.last_path == {"path": "graph", "bucket": {"batch": 2, "seq": 16}}
+
+
+def _compiled_on_tokens(m, dims: dict, tmp_path, **extra):
+    """`m` compiled for input_ids and attention_mask [batch, seq] (pad 0) over `dims`."""
+    r = {"version": 1, "name": "tokens", "exe_mode": "graph", "on_violation": "error", **extra,
          "inputs": [{"name": n, "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0}
-                    for n in ("input_ids", "attention_mask")],
-         "dims": {"batch": {"buckets": [2]}, "seq": {"buckets": [8, 16], "min": 1}}}
+                    for n in ("input_ids", "attention_mask")], "dims": dims}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cm = graphmode.compile(m, r, cache_dir=tmp_path)
-    assert cm.masked_dims == ["seq"] and cm.query_key_dims == []
-    ids, mask = torch.randint(3, 100, (2, 11)), torch.ones(2, 11, dtype=torch.long)
-    mask[1, 6:] = 0
+        return graphmode.compile(m, r, cache_dir=tmp_path)
+
+
+def _padded_batch_matches_eager(cm, m, batch: int, seq: int, masked_from: int) -> None:
+    """A tokenizer's padded batch (its last row right-padded from `masked_from`) answers as eager."""
+    ids, mask = torch.randint(3, 100, (batch, seq)), torch.ones(batch, seq, dtype=torch.long)
+    mask[-1, masked_from:] = 0
     with torch.no_grad():
         want = m(input_ids=ids, attention_mask=mask).last_hidden_state
     assert rel_l2(cm(input_ids=ids, attention_mask=mask).last_hidden_state, want) < 1e-5
-    assert cm.last_path == {"path": "graph", "bucket": {"batch": 2, "seq": 16}}
 
 
 def test_a_left_padded_request_to_causal_attention_in_one_sdpa_is_still_padded(tmp_path):
@@ -306,18 +315,8 @@ def test_deberta_with_relative_attention_pads_its_batch(tmp_path):
                                            intermediate_size=64, vocab_size=100, max_position_embeddings=64,
                                            relative_attention=True, pos_att_type=["p2c", "c2p"],
                                            position_buckets=8)).eval()
-    r = {"version": 1, "name": "deberta", "exe_mode": "graph", "on_violation": "error",
-         "codegen": {"kernel_selection": "heuristic"},
-         "inputs": [{"name": n, "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0}
-                    for n in ("input_ids", "attention_mask")],
-         "dims": {"batch": {"buckets": [1, 4]}, "seq": {"buckets": [8]}}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cm = graphmode.compile(m, r, cache_dir=tmp_path)
+    cm = _compiled_on_tokens(m, {"batch": {"buckets": [1, 4]}, "seq": {"buckets": [8]}}, tmp_path,
+                             codegen={"kernel_selection": "heuristic"})
     assert cm.verdict.padding.dims["batch"].safe
-    ids, mask = torch.randint(3, 100, (3, 8)), torch.ones(3, 8, dtype=torch.long)
-    mask[2, 5:] = 0
-    with torch.no_grad():
-        want = m(input_ids=ids, attention_mask=mask).last_hidden_state
-    assert rel_l2(cm(input_ids=ids, attention_mask=mask).last_hidden_state, want) < 1e-5
+    _padded_batch_matches_eager(cm, m, 3, 8, masked_from=5)
     assert cm.last_path == {"path": "graph", "bucket": {"batch": 4, "seq": 8}}
