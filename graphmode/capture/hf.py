@@ -111,3 +111,51 @@ def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
                        "an example of it", where="model", value=main,
                        fix="pass (model, example_inputs) with tensors shaped as the model expects")
 
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def load_folder(path: Any) -> tuple[torch.nn.Module, Any]:
+    """(model, tokenizer or None) from a `save_pretrained` folder, as vLLM and TEI take one: the
+    class its config's `architectures` names, its weights, and its tokenizer when the folder has one."""
+    import warnings
+    from pathlib import Path
+
+    import transformers
+    folder = Path(path)
+    where = f"model folder {str(folder)!r}"
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot read
+        raise CaptureError(f"config.json could not be read by transformers: {type(e).__name__}: {e}", where=where,
+                           fix="save the model with save_pretrained(), or give a 'file.py:function' that loads "
+                               "it") from None
+    archs = [a for a in (getattr(cfg, "architectures", None) or []) if hasattr(transformers, a)]
+    if not archs:
+        raise CaptureError("config.json names no model class transformers has (its `architectures`)", where=where,
+                           value=getattr(cfg, "architectures", None),
+                           fix="save the model with save_pretrained() (which writes `architectures`), or give a "
+                               "'file.py:function' that builds the model class you mean")
+    cls, hf_logging = getattr(transformers, archs[0]), transformers.utils.logging
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()         # graphmode's own progress says what is loading
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = cls.from_pretrained(folder, local_files_only=True).eval()
+    except Exception as e:  # noqa: BLE001 - missing or mismatched weights
+        raise CaptureError(f"{archs[0]}.from_pretrained failed: {type(e).__name__}: {e}", where=where,
+                           fix="check that the folder holds the weights save_pretrained() wrote") from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    tokenizer = None
+    if any((folder / f).is_file() for f in TOKENIZER_FILES):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - the model still compiles; say why text is refused
+            warnings.warn(f"graphmode: the tokenizer in {folder} could not be loaded ({type(e).__name__}: {e}); "
+                          "text prompts will be refused", stacklevel=2)
+    return model, tokenizer

@@ -8,7 +8,9 @@ Accepted specs (tried in this order):
    symbolic shapes and dtypes read from the graph; weights are not loaded);
 3. ``package.module:function`` or ``path/to/file.py:function``: the function is called
    with no arguments and must return a ``ModelBundle``, ``(module, example_inputs)`` or
-   ``(module, example_inputs, input_dims)`` -> ``ModelBundle``.
+   ``(module, example_inputs, input_dims)`` -> ``ModelBundle``;
+4. a folder ``save_pretrained()`` wrote (``config.json`` beside the weights) -> ``ModelBundle``
+   of the class its config names, with its tokenizer when the folder holds one.
 
 Every failure is a :class:`graphmode.errors.CaptureError` naming the spec, what was
 tried and the fix.
@@ -463,8 +465,8 @@ def _saved_proto(model: Any) -> Path:
 
 
 def describe_spec_forms() -> str:
-    return (f"a built-in name ({', '.join(zoo.builtin_names())}), a path to an .onnx file, "
-            "or 'package.module:function' / 'path/to/file.py:function' returning "
+    return (f"a built-in name ({', '.join(zoo.builtin_names())}), a path to an .onnx file, a folder "
+            "save_pretrained() wrote, or 'package.module:function' / 'path/to/file.py:function' returning "
             "(module, example_inputs) or a ModelBundle")
 
 
@@ -575,6 +577,14 @@ def _from_callable(spec: str) -> ModelBundle:
     return bundle_from_module(module, ex, dims, name=name, source=f"callable:{spec}")
 
 
+def _from_hf_folder(folder: Path) -> ModelBundle:
+    from graphmode.capture import hf
+    module, tokenizer = hf.load_folder(folder)
+    bundle = as_model(module)
+    bundle.name, bundle.source, bundle.tokenizer = folder.resolve().name, f"hf:{folder.resolve()}", tokenizer
+    return bundle
+
+
 def resolve_model_spec(spec: str | os.PathLike, *, seed: int = 0, **build_kwargs: Any
                        ) -> ModelBundle | OnnxModelSpec:
     """Turn a model spec into a ModelBundle (built-in or callable) or an OnnxModelSpec.
@@ -619,9 +629,12 @@ def resolve_model_spec(spec: str | os.PathLike, *, seed: int = 0, **build_kwargs
                                where=f"model spec {spec!r}", value=str(p.resolve()),
                                fix="give an .onnx file, or a 'module:function' that loads this "
                                    "file and returns (module, example_inputs)")
-        raise CaptureError("model spec is a directory", where=f"model spec {spec!r}",
-                           value=str(p.resolve()),
-                           fix="point at the .onnx file inside it, or use a built-in name")
+        if (p / "config.json").is_file():
+            return _from_hf_folder(p)
+        raise CaptureError("model spec is a directory without a config.json (not a Hugging Face save_pretrained "
+                           "folder)", where=f"model spec {spec!r}", value=str(p.resolve()),
+                           fix="point at the .onnx file inside it, a 'file.py:function' that loads it, or a folder "
+                               "save_pretrained() wrote")
     near = difflib.get_close_matches(s.lower(), zoo.builtin_names() + list(zoo.ALIASES), n=1)
     hint = f"did you mean {zoo.ALIASES.get(near[0], near[0])!r}? " if near else ""
     tried = ("not a built-in name, not an existing file, not an .onnx path and not a "

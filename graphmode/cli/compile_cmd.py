@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from graphmode.cli.app import app, console
-from graphmode.cli.options import CacheDir
+from graphmode.cli.options import MODEL_SPEC_HELP, CacheDir
 from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
 from graphmode.progress import OnStage, stage
@@ -151,7 +151,7 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
 
 @app.command("compile")
 def compile_cmd(
-    model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | package.module:function"),
+    model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
     recipe: str = typer.Option(..., "--recipe", help="recipe YAML"),
     target: Optional[str] = typer.Option(None, "--target", help="target name (default: the recipe's first)"),
     emit_ir: bool = typer.Option(False, "--emit-ir", help="print the optimised IR"),

@@ -17,6 +17,9 @@ CacheDir = typer.Option(None, "--cache-dir", show_default=False,
                              "knowledge base (default: $GRAPHMODE_CACHE_DIR, else $XDG_CACHE_HOME/graphmode or "
                              "~/.cache/graphmode; the Python API uses the same one)")
 
+MODEL_SPEC_HELP = ("minilm | gpt2 | resnet18 | path.onnx | a folder save_pretrained() wrote (config.json, "
+                   "weights, tokenizer) | path/file.py:function | package.module:function")
+
 KbPath = typer.Option(None, "--kb", envvar="GRAPHMODE_KB", show_envvar=True,
                       help="knowledge base file, shareable by a team (default <cache root>/kb/kb.sqlite)")
 

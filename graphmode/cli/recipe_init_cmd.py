@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from graphmode.cli.app import console, err_console
-from graphmode.cli.options import KbPath, kb_file
+from graphmode.cli.options import MODEL_SPEC_HELP, KbPath, kb_file
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
 from graphmode.cli.recipe_cmd import recipe_app
@@ -55,7 +55,7 @@ def parse_ranges(items: List[str]) -> dict[str, tuple]:
 
 
 @recipe_app.command("init")
-def init_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | module:function"),
+def init_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
              target: Optional[str] = typer.Option(None, "--target", "-t", help="target name or file (default host)"),
              p99_ms: Optional[float] = typer.Option(None, "--p99-ms", help="latency bound for sla.p99_ms (proved "
                                                     "with the target's cost model)"),

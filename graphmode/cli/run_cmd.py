@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from graphmode.cli.app import app, console
-from graphmode.cli.options import CacheDir
+from graphmode.cli.options import MODEL_SPEC_HELP, CacheDir
 from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
 from graphmode.verify.eager import run_reference
@@ -118,8 +118,8 @@ def _reference(cm):
 
 @app.command("run")
 def run_cmd(
-    model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | package.module:function "
-                                                   "| FILE.gm (an artifact: graphmode compile --save)"),
+    model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP
+                                                   + " | FILE.gm (an artifact: graphmode compile --save)"),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="required unless --model is a .gm file (it carries "
                                                               "its own)"),
     mode: Optional[str] = typer.Option(None, "--mode", help="eager | graph | hybrid (default: the recipe's)"),

@@ -19,14 +19,14 @@ from typing import Any, List, Optional
 import typer
 
 from graphmode.cli.app import app, console, err_console
-from graphmode.cli.options import CacheDir, KbPath, kb_file
+from graphmode.cli.options import MODEL_SPEC_HELP, CacheDir, KbPath, kb_file
 from graphmode.cli.progress import progress
 
 
 @app.command("serve")
 def serve_cmd(
-    model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | package.module:function "
-                                                   "| FILE.gm (an artifact: graphmode compile --save)"),
+    model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP
+                                                   + " | FILE.gm (an artifact: graphmode compile --save)"),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="the recipe (YAML) to serve (an artifact's own when "
                                                                 "--model is a .gm file)"),
     host: str = typer.Option("127.0.0.1", "--host"),

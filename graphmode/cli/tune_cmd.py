@@ -18,7 +18,7 @@ from rich import box
 from rich.table import Table
 
 from graphmode.cli.app import app, console, err_console
-from graphmode.cli.options import KbPath, kb_file
+from graphmode.cli.options import MODEL_SPEC_HELP, KbPath, kb_file
 from graphmode.cli.options import CacheDir
 from graphmode.kb.render import shown
 
@@ -56,7 +56,7 @@ def _trial_table(title: str, trials: list, base_cfg: dict) -> Table:
 
 
 @app.command("tune")
-def tune_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | module:function"),
+def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
              recipe: Optional[Path] = typer.Option(None, "--recipe", help="the recipe to tune (its next version is "
                                                    "written beside it; default: a draft, as `recipe init` writes it, "
                                                    "in ./<model>-draft.yaml)"),

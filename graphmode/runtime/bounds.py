@@ -127,11 +127,16 @@ def draw_within(inputs: Mapping[str, torch.Tensor], checks: list[ValueCheck], se
     return out
 
 
-def check_dims(dims: Mapping[str, int], checks: list[DimCheck]) -> None:
+def check_dims(dims: Mapping[str, int], checks: list[DimCheck],
+               admitted: Mapping[str, tuple[int, int]] | None = None) -> None:
+    """`admitted`: the dims' ranges the recipe serves (without an eager fallback beyond them), so
+    the fix names the tighter of the two limits."""
     for c in checks:
         v = dims.get(c.dim)
         if v is not None and v > c.max:
+            lo, hi = (admitted or {}).get(c.dim, (1, c.max))
+            fix = (f"send {c.dim} of at most {hi} (the recipe's range [{lo}, {hi}]; the model itself cannot take "
+                   f"more than {c.max})" if hi < c.max else
+                   f"send {c.dim} of at most {c.max}: the model itself cannot take more, in a plan or in eager PyTorch")
             raise ContractViolation(f"dim {c.dim!r} = {v} is past the model's {c.max} positions ({c.why})",
-                                    where=f"dims.{c.dim}", value=v,
-                                    fix=f"send {c.dim} of at most {c.max}: the model itself cannot take more, "
-                                        "in a plan or in eager PyTorch")
+                                    where=f"dims.{c.dim}", value=v, fix=fix)

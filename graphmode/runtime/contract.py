@@ -159,7 +159,9 @@ class InputContract:
         values, limits = self.bounds()
         if limits:
             from graphmode.runtime.bounds import check_dims
-            check_dims(self.shape_of(inputs) if dims is None else dims, limits)
+            admitted = {c.dim: self.recipe.dim_range(c.dim) for c in limits
+                        if self.recipe.on_violation == "error" and c.dim in self.recipe.dims}
+            check_dims(self.shape_of(inputs) if dims is None else dims, limits, admitted)
         if values:
             from graphmode.runtime.bounds import check_values
             check_values(inputs, values)

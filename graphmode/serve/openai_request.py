@@ -12,7 +12,8 @@ chat template, graphmode/serve/chat.py), `max_completion_tokens` (= `max_tokens`
 answer to go on), `chat_template_kwargs` (extra template variables, e.g. `enable_thinking`) and
 `echo` (the answer starts with the last message's content when it is the assistant's). Both: `max_tokens` (default 16, chat: what the sequence's
 pages hold), `temperature` (default 1; 0 = greedy), `top_p`, `top_k` (vLLM's; -1 or 0 = off),
-`seed`, `n` (choices per prompt; with a seed, choice j samples with seed + j), `best_of` (only
+`seed`, `n` (choices per prompt; with a seed, choice 0 samples with it, choice j with a seed hashed
+from (seed, j)), `best_of` (only
 null or equal to `n`), `presence_penalty`, `frequency_penalty`, `repetition_penalty` (vLLM's),
 `min_tokens` (vLLM's), `stop` (strings with a tokenizer, or token-id lists `[[id, ...], ...]`),
 `stop_token_ids`, `ignore_eos` and `include_stop_str_in_output` (vLLM's), `stream`, `stream_options.include_usage`,
@@ -26,6 +27,7 @@ overflow to inf, and the sampling step it shares with other requests would fail 
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -83,13 +85,22 @@ class CompletionRequest:
     @property
     def sequences(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, in OpenAI's order: choice i * n + j is prompt i's
-        j-th sample; with a seed, the j-th samples with seed + j (choice 0 is the n = 1 answer)."""
+        j-th sample; with a seed, choice 0 samples with it (the n = 1 answer) and the j-th with a
+        seed hashed from (seed, j), so requests numbered by consecutive seeds share no samples."""
         out = []
         for p in self.prompts:
             for j in range(self.n):
                 seed = self.params.seed
-                out.append((p, self.params if not j or seed is None else replace(self.params, seed=seed + j)))
+                out.append((p, self.params if not j or seed is None else replace(self.params,
+                                                                                  seed=choice_seed(seed, j))))
         return out
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of a request's j-th choice (j >= 1): 63 bits of a hash of both, the same on every
+    host and Python (not `hash()`, which is salted per process)."""
+    digest = hashlib.blake2b(f"{seed}:{j}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def bad(where: str, message: str, value: Any = None, *, fix: str) -> BadRequest:
@@ -262,7 +273,7 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
             max_new_tokens=max_tokens, do_sample=sample,
             temperature=temperature if sample else 1.0, top_k=top_k if top_k and top_k > 0 else None,
             top_p=top_p if top_p < 1 else None, eos_token_id=None if _bool(doc, "ignore_eos") else eos,
-            seed=_int(doc, "seed", None, -MAX_INT, MAX_INT - MAX_N), stop=tuple(stop_ids),
+            seed=_int(doc, "seed", None, -MAX_INT, MAX_INT), stop=tuple(stop_ids),
             presence_penalty=_num(doc, "presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=_num(doc, "frequency_penalty", 0.0, -2.0, 2.0),
             repetition_penalty=_num(doc, "repetition_penalty", 1.0, 0.0, open_lo=True),

@@ -537,6 +537,28 @@ def test_an_onnx_path_compiles_without_a_recipe(tmp_path):
     assert rel(cm(x), m(x)) < 1e-5
 
 
+def test_a_save_pretrained_folder_compiles_as_the_model_it_holds(tmp_path):
+    import transformers as T
+    torch.manual_seed(0)
+    m = T.BertModel(T.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                 vocab_size=100, max_position_embeddings=64)).eval()
+    m.save_pretrained(tmp_path / "bert")
+    inputs = [{"name": n, "dtype": "i64", "shape": ["batch", "seq"]}
+              for n in ("input_ids", "attention_mask", "token_type_ids")]
+    cm = graphmode.compile(str(tmp_path / "bert"), {"version": 1, "name": "bert-folder", "inputs": inputs, **FAST,
+                                                    "dims": {"batch": {"buckets": [2]}, "seq": {"buckets": [11]}}})
+    ids = torch.randint(0, 100, (2, 11))
+    kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+    with torch.inference_mode():
+        want = m(**kw)
+    got = cm(**kw)
+    assert type(got) is type(want) and rel(got.last_hidden_state, want.last_hidden_state) < 1e-5
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(CaptureError, match="without a config.json") as e:
+        graphmode.compile(str(tmp_path / "plain"))
+    assert "save_pretrained" in e.value.fix
+
+
 def test_a_request_outside_a_drafted_range_is_said_once(tmp_path):
     """An ONNX file's free axis gets a guessed range (1..64); requests past it ran in ONNX Runtime
     without a word, and the model looked compiled."""

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from graphmode.cli.app import _register, app
 
-from tiny_decoders import VOCAB, greedy_reference, recipe, tokenizer
+from tiny_decoders import VOCAB, _lm, greedy_reference, recipe, tokenizer
 
 _register()
 runner = CliRunner()
@@ -160,6 +160,21 @@ def test_a_spec_returning_the_model_alone_generates(files):
     res = gen(files, "--prompt-ids", ",".join(map(str, P0)), "--max-tokens", str(NEW), "--json", model="gpt2_alone")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["choices"][0]["tokens"] == reference(P0)
+
+
+def test_a_save_pretrained_folder_generates_from_text_with_its_own_tokenizer(files, tmp_path):
+    """A folder as vLLM takes one: the class its config names, its weights and its tokenizer (it
+    was refused as "a directory", and a model of one's own had no way to bring a tokenizer)."""
+    folder = tmp_path / "tiny-gpt2"
+    _lm().save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    res = runner.invoke(app, ["generate", "--model", str(folder), "--recipe", files["recipe"], "--cache-dir",
+                              files["cache"], "--prompt", " ".join(f"w{t}" for t in P0), "--max-tokens", str(NEW),
+                              "--json"])
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    choice = json.loads(res.stdout)["choices"][0]
+    assert choice["tokens"] == reference(P0)
+    assert choice["text"].split() == [f"w{t}" for t in reference(P0)]
 
 
 @pytest.mark.slow     # ~30 s on 2 busy cores; the Python API's draft decodes in test_decoder_recipes

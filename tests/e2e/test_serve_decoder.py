@@ -598,7 +598,7 @@ def test_completions_one_event_per_token_n_logprobs_echo(srv):
     r = srv.oa.completions.create(model=MODEL, prompt=P1, max_tokens=6, n=3, temperature=0.9, seed=11)
     assert [c.index for c in r.choices] == [0, 1, 2]
     one = srv.oa.completions.create(model=MODEL, prompt=P1, max_tokens=6, temperature=0.9, seed=11)
-    assert r.choices[0].text == one.choices[0].text                     # choice j samples with seed + j
+    assert r.choices[0].text == one.choices[0].text                     # choice 0 samples with the seed itself
     assert len({c.text for c in r.choices}) > 1
     texts: dict[int, str] = {}
     for ch in srv.oa.completions.create(model=MODEL, prompt=P1, max_tokens=6, n=3, temperature=0.9, seed=11,

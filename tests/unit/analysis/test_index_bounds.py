@@ -221,6 +221,14 @@ def test_a_dim_past_the_models_positions_is_refused_before_the_eager_fallback(tm
     with pytest.raises(ContractViolation) as e:
         m(**x)
     assert e.value.where == "dims.seq" and "16 positions" in e.value.message and e.value.value == 20
+    assert e.value.fix.startswith("send seq of at most 16: the model itself")
+
+
+def test_past_the_positions_the_fix_names_the_recipes_tighter_range(cm):
+    """The fix said "at most 16" where the recipe admits 8: following it met another refusal."""
+    with pytest.raises(ContractViolation) as e:
+        cm(**_ok_inputs(1, 20))
+    assert e.value.fix.startswith("send seq of at most 8 (the recipe's range [2, 8]"), e.value.fix
 
 
 def test_sample_inputs_are_drawn_inside_the_tables(cm):

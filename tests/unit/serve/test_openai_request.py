@@ -11,7 +11,7 @@ import pytest
 from graphmode.decode.output import ChoiceOutput
 from graphmode.serve.chat import render
 from graphmode.serve.errors import BadRequest
-from graphmode.serve.openai_request import GREEDY_BELOW, parse_chat, parse_completion
+from graphmode.serve.openai_request import GREEDY_BELOW, choice_seed, parse_chat, parse_completion
 
 EOS = 2
 
@@ -52,8 +52,11 @@ def test_sampling_parameters_a_request_means(tok):
     p = r.params
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens, p.logprobs) == (
         -1, 0.5, 1.2, 2, 3)
-    # choice i * n + j is prompt i's j-th sample, seeded seed + j
-    assert [(q, s.seed) for q, s in r.sequences] == [([5], 4), ([5], 5), ([6], 4), ([6], 5)]
+    # choice i * n + j is prompt i's j-th sample; choice 0 seeded as asked, the others by a hash of (seed, j)
+    # (seed + j gave request seed 5's answer as request seed 4's second choice)
+    assert [(q, s.seed) for q, s in r.sequences] == [([5], 4), ([5], choice_seed(4, 1)), ([6], 4),
+                                                     ([6], choice_seed(4, 1))]
+    assert len({4, 5, choice_seed(4, 1), choice_seed(5, 1)}) == 4 and 0 <= choice_seed(2**63 - 1, 15) < 2**63
     assert parse({"prompt": [5], "echo": True}).echo
     scored = parse({"prompt": [5, 6], "echo": True, "logprobs": 0, "max_tokens": 0})      # score the prompt only
     assert scored.prompt_only and scored.echo and scored.params.logprobs == 0
