@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from graphmode.cli.app import app, console
+from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import MODEL_SPEC_HELP, CacheDir
 from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
@@ -176,7 +176,7 @@ def compile_cmd(
         rep, graph, recipe_obj, src = build_report(model, recipe, target, dump_dir=dump_dir,
                                                    dump_before=dump_ir_before, dump_after=dump_ir_after,
                                                    cache_dir=cache_dir, on_stage=on_stage)
-        if rep.contract.ok and not dry_run:
+        if rep.contract.ok and rep.validation.ok and not dry_run:      # a refused recipe builds no plan
             built, exe = first_plan(graph, recipe_obj, cache_dir, on_stage)
             rep.seconds["first_plan"] = built["seconds"]
         else:
@@ -216,6 +216,13 @@ def compile_cmd(
         if emit_ir:
             console.print(graph.text(), markup=False, highlight=False)
     verdict = rep.validation.verdict
+    if not rep.validation.ok and not as_json and not rep.validation.errors:
+        from graphmode.errors import ConstraintError
+        try:
+            rep.validation.raise_for_errors()
+        except ConstraintError as e:            # the refusal's field, line and fix, as `recipe validate` says it
+            err_console.print(f"[bold red]refused:[/] {type(e).__name__}", highlight=False)
+            err_console.print(e.render(), markup=False, highlight=False, soft_wrap=True)
     if save is not None and rep.validation.ok and not dry_run:
         with progress() as on_stage:
             saved = save_artifact(src, recipe_obj, target, graph, rep, cache_dir, save, on_stage, spec=model)

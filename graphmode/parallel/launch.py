@@ -494,6 +494,8 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
     """Start the `parallel.tensor` ranks of `recipe` on this machine (module doc); returns when
     every rank has compiled its shard, or raises the first rank's error (a refusal keeps its type)."""
     world = check_group(recipe)
+    from graphmode.parallel.main_guard import check_main_guard
+    check_main_guard()
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     ctx = mp.get_context("spawn")
     port = _free_port()

@@ -103,6 +103,7 @@ class ConstraintModel:
     facts_source: str = ""
     comm: list[CommTerm] = field(default_factory=list)  # the step's collectives under `parallel`
     ranks: int = 1                                      # memory terms are per rank when > 1
+    weights_unknown: bool = False                       # no model loaded or declared: weights counted as 0
 
     def comm_s(self) -> Any:
         return sympy.Add(*[t.seconds for t in self.comm])
@@ -159,7 +160,8 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
     cm = ConstraintModel(domains=dim_buckets(recipe), memory_terms=terms, budget_bytes=budget_bytes,
                          budget_source=src, flops=facts.flops, bytes_moved=facts.bytes_moved,
                          n_ops=facts.n_ops or 0, compute_dtype=recipe.precision.compute,
-                         facts_source=facts.source)
+                         facts_source=facts.source,
+                         weights_unknown=not facts.weights_bytes and any("counted as 0" in n for n in facts.notes))
     if par is not None:
         cm.comm, cm.ranks = comm, par.tensor
         cm.budget_source += f" per device ({par.tensor} ranks)"
@@ -274,6 +276,11 @@ def _fmt_shape(ce: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in ce.items())
 
 
+def _small(x: float, places: int = 2) -> str:
+    """Fixed places, or 3 significant digits where that would print 0 (a 2 us plan's 0.00 ms)."""
+    return f"{x:.{places}f}" if x == 0 or abs(x) >= 10.0 ** (1 - places) else f"{x:.3g}"
+
+
 def _mb(x) -> str:
     """Bytes in MB: one decimal, and three significant digits below 10 MB (a tiny budget and what it
     refuses would both read 0.0 MB)."""
@@ -344,6 +351,9 @@ def prove_memory(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> P
     if worst:
         detail.update(worst_bytes=worst[0], worst_at=worst[1])
         msg += f" (worst {_mb(worst[0])} at {_fmt_shape(worst[1])})"
+    if cm.weights_unknown:
+        msg += (", without the weights (no model given or declared): `recipe validate --model` or "
+                "model.weights_mb counts them")
     return Proof("memory", "proved", msg, seconds=time.perf_counter() - t0, detail=detail)
 
 
@@ -353,8 +363,9 @@ def _latency_breakdown(cm: ConstraintModel, ce: dict[str, int]) -> str:
     n = smt.evaluate(cm.n_ops, ce)
     c = float(fl) / float(cm.peak_flops) * 1e3
     m = float(moved) / float(cm.bandwidth) * 1e3
-    out = (f"compute {float(fl) / 1e9:.2f} GFLOP at {float(cm.peak_flops) / 1e9:.1f} GFLOP/s {cm.compute_dtype} "
-           f"= {c:.2f} ms, memory {float(moved) / 1e9:.3f} GB at {float(cm.bandwidth) / 1e9:.1f} GB/s = {m:.2f} ms, "
+    out = (f"compute {_small(float(fl) / 1e9)} GFLOP at {float(cm.peak_flops) / 1e9:.1f} GFLOP/s {cm.compute_dtype} "
+           f"= {_small(c)} ms, memory {_small(float(moved) / 1e9, 3)} GB at {float(cm.bandwidth) / 1e9:.1f} GB/s = "
+           f"{_small(m)} ms, "
            f"{int(n)} launches x {float(cm.launch_overhead_s) * 1e6:g} us")
     top = _largest_comm(cm, ce)
     if top is not None:
@@ -421,7 +432,7 @@ def prove_latency(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS,
             pred = smt.evaluate(lat, ce)
             if not pred > thr:
                 raise AssertionError(f"internal: Z3 latency counter-example {ce} does not reproduce")
-            msg = (f"{_fmt_shape(ce)}: predicted {float(pred) * 1e3:.2f} ms > {b.which} {b.bound_ms:g} ms{scope} "
+            msg = (f"{_fmt_shape(ce)}: predicted {_small(float(pred) * 1e3)} ms > {b.which} {b.bound_ms:g} ms{scope} "
                    f"({_latency_breakdown(cm, ce)})")
             out.append(Proof(name, "refuted", msg, ce, dt, {"predicted_ms": float(pred) * 1e3,
                                                               "bound_ms": b.bound_ms, **comm_detail(cm, ce)}))

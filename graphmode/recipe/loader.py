@@ -7,6 +7,7 @@ Line numbers come from PyYAML's composed node marks (path -> line).
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -23,7 +24,16 @@ from graphmode.recipe.schema import Recipe
 MAX_BYTES = 256 << 10        # a recipe is a small file (the shipped ones are ~2 KB); parsing is bounded by it
 MAX_NODES = 50_000           # guards against alias bombs
 _MERGE_TAG = "tag:yaml.org,2002:merge"
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)     # libyaml: the pure-Python one takes seconds
+
+
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):   # libyaml: the pure-Python one takes seconds
+    """YAML 1.1 reads `1e9` (an exponent without a dot) as a string; YAML 1.2, JSON and every
+    user read it as a number."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+_LOADER = _Loader
 
 
 # ---- YAML -----------------------------------------------------------------------------------

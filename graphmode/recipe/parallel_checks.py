@@ -25,6 +25,17 @@ def check_parallel(recipe: Any, target: Any, dim_buckets: dict[str, list[int]]) 
         out.append(("parallel.device_group", f"{len(p.device_group)} device(s) for tensor {n}: every rank needs "
                     "a device of its own", p.device_group,
                     f"list at least {n} devices, or lower parallel.tensor to {len(p.device_group)}"))
+    if not p.links:
+        out.append(("parallel.links", "missing: the proofs price every collective on the link it crosses", None,
+                    'add links: {loopback: {bandwidth_gbps: "${target.groups.interconnects.loopback.bandwidth_gbps}", '
+                    'latency_us: "${target.groups.interconnects.loopback.latency_us}"}} (docs/tensor-parallel.md)'))
+    for name, link in p.links.items():
+        stray = [d for d in link.devices if d not in p.device_group]
+        if stray:
+            out.append((f"parallel.links.{name}.devices", f"{', '.join(stray)} not in parallel.device_group "
+                        f"{p.device_group}", link.devices, "name devices of the group (or leave devices out: the "
+                                                           "link joins every pair)"))
+    if out:
         return out
     pair = unlinked_pair(p)
     if pair is not None:

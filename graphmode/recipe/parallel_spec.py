@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 import graphmode.recipe.symbolic as symbolic
+from graphmode.targets.units import number_hint
 
 LAYER_CLASSES = ("attention", "mlp", "embedding", "conv")
 STRATEGIES = ("head", "batch", "replicate")
@@ -35,7 +36,7 @@ MAX_TIMEOUT_S = 3600.0
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]*")
 
 
-def _sym_number(*, gt: float | None = None, ge: float | None = None, le: float, what: str):
+def _sym_number(*, gt: float | None = None, ge: float | None = None, le: float, what: str, unit: str):
     """A finite number in range, or a `${target...}` expression resolved on the target."""
     def check(v: Any) -> Any:
         if symbolic.is_symbolic(v):
@@ -45,12 +46,22 @@ def _sym_number(*, gt: float | None = None, ge: float | None = None, le: float, 
                 raise ValueError(str(e)) from None
             return v.strip()
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"expected {what} (a finite number) or a ${{target...}} expression")
+            hint = f"; fix: {number_hint(v, unit)}" if isinstance(v, str) else ""
+            raise ValueError(f"expected {what} (a finite number) or a ${{target...}} expression{hint}")
         if (gt is not None and not v > gt) or (ge is not None and not v >= ge) or v > le:
             lo = f"> {gt:g}" if gt is not None else f">= {ge:g}"
             raise ValueError(f"out of range: must be {lo} and <= {le:g}; fix: use a value in that range")
         return float(v)
     return check
+
+
+def _degree(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("expected a whole number of ranks; fix: e.g. tensor: 2")
+    if not 1 <= v <= MAX_TENSOR:
+        raise ValueError(f"out of range: ranks a model is split across, 1 to {MAX_TENSOR}; fix: tensor: 2 on a "
+                         f"two-device group (1 runs unsplit)")
+    return v
 
 
 def _device(v: Any) -> str:
@@ -84,8 +95,8 @@ class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-Bandwidth = Annotated[Any, BeforeValidator(_sym_number(gt=0, le=1e6, what="a bandwidth in GB/s"))]
-Latency = Annotated[Any, BeforeValidator(_sym_number(ge=0, le=1e7, what="a latency in microseconds"))]
+Bandwidth = Annotated[Any, BeforeValidator(_sym_number(gt=0, le=1e6, what="a bandwidth in GB/s", unit="GB/s"))]
+Latency = Annotated[Any, BeforeValidator(_sym_number(ge=0, le=1e7, what="a latency in microseconds", unit="us"))]
 Device = Annotated[str, BeforeValidator(_device)]
 
 
@@ -101,16 +112,17 @@ class CommSpec(_Part):
     """How tensors cross links: `dtype` on the wire (bf16 halves the bytes, int8 packs each row
     with an f32 scale), `timeout_s` for every collective (a dead or hung rank fails the others)."""
     dtype: Literal["f32", "bf16", "int8"] = "f32"
-    timeout_s: Annotated[float, BeforeValidator(_sym_number(gt=0, le=MAX_TIMEOUT_S, what="seconds"))] = 60.0
+    timeout_s: Annotated[float, BeforeValidator(_sym_number(gt=0, le=MAX_TIMEOUT_S, what="seconds", unit="s"))] = 60.0
 
 
 class ParallelSpec(_Part):
-    tensor: Annotated[int, Field(ge=1, le=MAX_TENSOR)]
+    tensor: Annotated[int, BeforeValidator(_degree)]
     strategy: Annotated[dict[str, Literal["head", "batch", "replicate"]], BeforeValidator(_strategy)] = {
         c: "head" for c in LAYER_CLASSES}
     device_group: Annotated[list[Device], Field(min_length=1, max_length=4 * MAX_TENSOR)]
     backend: Literal["gloo", "nccl"] = "gloo"
-    links: Annotated[dict[Annotated[str, BeforeValidator(_device)], LinkSpec], Field(min_length=1, max_length=64)]
+    # may be left out here so that semantics names it beside the group's other problems (with the fix)
+    links: Annotated[dict[Annotated[str, BeforeValidator(_device)], LinkSpec], Field(max_length=64)] = {}
     comm: CommSpec = CommSpec()
 
     @field_validator("device_group")

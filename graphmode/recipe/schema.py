@@ -26,6 +26,7 @@ from graphmode.recipe.limits import (DTYPE_ALIASES, DTYPE_SIZES, FLOAT_DTYPES, F
 from graphmode.recipe.lines import nearest_line
 from graphmode.targets.registry import target_from_dict
 from graphmode.targets.schema import Target
+from graphmode.targets.units import number_hint
 
 SCHEMA_VERSION = 1
 
@@ -75,7 +76,7 @@ def _fmt(x: float) -> str:
 
 
 def _number(kind: type | None, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
-            le: float | None = None, why: str = "", symbolic_ok: bool = False):
+            le: float | None = None, why: str = "", symbolic_ok: bool = False, unit: str = ""):
     """A number (int or float per `kind`; None keeps the type), optionally a `${...}` expression.
     The range is checked before any conversion, so 10**400 is an error, not an OverflowError."""
     def check(v: Any) -> Any:
@@ -87,7 +88,8 @@ def _number(kind: type | None, *, gt: float | None = None, ge: float | None = No
             return v.strip()
         alt = " or a ${target...} expression" if symbolic_ok else ""
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-            raise ValueError(f"expected {'an integer' if kind is int else 'a number'}{alt}")
+            hint = f"; fix: {number_hint(v, unit or 'units')}" if isinstance(v, str) else ""
+            raise ValueError(f"expected {'an integer' if kind is int else 'a number'}{alt}{hint}")
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError("expected a finite number; fix: write a number (not .inf or .nan)")
         bounds = [f"> {_fmt(gt)}" if gt is not None else "", f">= {_fmt(ge)}" if ge is not None else "",
@@ -226,9 +228,9 @@ ValueName = Annotated[str, BeforeValidator(_pattern(_VALUE_NAME, "a name of lett
 PosInt = Annotated[int, BeforeValidator(_number(int, ge=1, le=MAX_DIM, why="int32"))]
 MAX_EXACT_PLANS = 64      # values of one dim with plans of their own (each value: a plan per other bucket)
 SymPosInt = Annotated[Any, BeforeValidator(_number(int, ge=1, le=MAX_DIM, why="int32", symbolic_ok=True))]
-SymMB = Annotated[Any, BeforeValidator(_number(float, gt=0, le=MAX_MB, why="1 PiB", symbolic_ok=True))]
-SymMs = Annotated[Any, BeforeValidator(_number(float, gt=0, le=MAX_MS, why="one day", symbolic_ok=True))]
-Megabytes = Annotated[float, BeforeValidator(_number(float, gt=0, le=MAX_MB, why="1 PiB"))]
+SymMB = Annotated[Any, BeforeValidator(_number(float, gt=0, le=MAX_MB, why="1 PiB", symbolic_ok=True, unit="MB"))]
+SymMs = Annotated[Any, BeforeValidator(_number(float, gt=0, le=MAX_MS, why="one day", symbolic_ok=True, unit="ms"))]
+Megabytes = Annotated[float, BeforeValidator(_number(float, gt=0, le=MAX_MB, why="1 PiB", unit="MB"))]
 Ratio = Annotated[float, BeforeValidator(_number(float, ge=0, lt=1))]
 Pow2 = Annotated[int, BeforeValidator(_pow2)]
 PadValue = Annotated[Any, BeforeValidator(_pad_value)]      # int stays int, float stays float

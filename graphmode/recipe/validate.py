@@ -97,7 +97,10 @@ class ValidationReport:
             first = bad[0]
             msg = "; ".join(f"{p.name}: {p.message}" for p in bad)
             fix = None
-            if first.name == "memory":
+            if first.status == "unproved" and "no FLOP count" in first.message:
+                fix = ("give the model (`recipe validate --model`: the compiled graph counts its FLOPs) or declare "
+                       "model.gflops_per_item")
+            elif first.name == "memory":
                 fix = memory_fix(self.recipe, first.detail.get("terms", {}))
             elif first.name.startswith("sla") and first.detail.get("link"):
                 fix = (f"relax the SLA, shrink the largest buckets, give the group a faster link than "

@@ -130,3 +130,26 @@ def normalize_target_dict(d: dict[str, Any]) -> tuple[dict[str, Any], list[tuple
         out["groups"] = {g: _normalize_group_value(g, v, f"groups.{g}", errors) if isinstance(v, dict) else v
                          for g, v in out["groups"].items()}
     return out, errors
+
+
+def number_hint(value: Any, unit: str) -> str:
+    """The fix for a string where a recipe field takes a plain number of `unit` ("MB" = 2^20
+    bytes, "GB/s", "ms", "us"): the number to write, when the string says it."""
+    s = str(value).strip()
+    try:
+        x = float(s)
+    except ValueError:
+        x = None
+    if x is not None and math.isfinite(x):
+        return f"write the number without quotes: {s}"
+    try:
+        if unit == "MB":                        # the recipe's MB is 2^20 bytes: a G, GB or GiB is 1024 of them
+            num, u = _split(s, "size", "")
+            power = "kmgt".find(u[:1]) if u in BYTE_UNITS and u not in ("", "b") else -1
+            if power >= 0:
+                return f"write {num * 1024 ** (power - 1):.6g} (the field takes a number of MB, 1 MB = 2^20 bytes)"
+        if unit == "GB/s" and re.search(r"B/s|Bps", s):            # bytes, not bits (Gb/s)
+            return f"write {parse_bandwidth_gbps(s):.6g} ({s} in GB/s; the field takes a number of GB/s)"
+    except UnitError:
+        pass
+    return f"write a plain number of {unit}, without units or quotes"

@@ -70,8 +70,28 @@ def test_a_group_with_fewer_ranks_than_tensor_is_refused():
     assert e.where == "parallel.device_group" and "1 device(s) for tensor 2" in e.message and "at least 2" in e.fix
 
 
+def test_a_short_group_without_links_names_both_at_once():
+    """It said only "missing links"; the group's size came after fixing that."""
+    r = gpt2_recipe(tensor=4)
+    del r["parallel"]["links"]
+    rep = validate(load_recipe(r), get_target("cpu_avx2"))
+    by = {e.where: e for e in rep.errors}
+    assert set(by) == {"parallel.device_group", "parallel.links"}, [e.render() for e in rep.errors]
+    assert "loopback" in by["parallel.links"].fix
+
+
+@pytest.mark.parametrize("tensor", [0, 65, "two"])
+def test_a_tensor_degree_out_of_range_says_the_range_and_a_fix(tensor):
+    with pytest.raises(RecipeErrors) as e:
+        load_recipe(gpt2_recipe(tensor=tensor))
+    err = e.value.errors[0]
+    assert err.where == "parallel.tensor" and "Input should" not in err.message and "tensor: 2" in err.fix
+
+
 @pytest.mark.parametrize("over, where, words", [
-    ({"links": {"a": {"bandwidth_gbps": 5, "devices": ["rank0", "x"]}}}, "parallel.links", "no link joins"),
+    ({"links": {"a": {"bandwidth_gbps": 5, "devices": ["rank0", "x"]}}}, "parallel.links.a.devices",
+     "x not in parallel.device_group"),
+    ({"links": {"a": {"bandwidth_gbps": 5, "devices": ["rank0"]}}}, "parallel.links", "no link joins"),
     ({"tensor": 5, "device_group": ["a", "b", "c", "d", "e"]}, "parallel.tensor", "model.heads = 12"),
     ({"backend": "nccl"}, "parallel.backend", "nccl runs on GPUs"),
 ])

@@ -187,6 +187,14 @@ def test_all_errors_collected_with_path_value_line_fix():
     ("layer_norm: float32", "layer_norm: f33", "precision.overrides.layer_norm", "unknown dtype"),
     ("budget_mb: 4096", "budget_mb: 0", "memory.budget_mb", "> 0"),
     ("budget_mb: 4096", "budget_mb: lots", "memory.budget_mb", "${target"),
+    # a size with a unit, or a quoted number: the number to write (it said "expected a number" alone)
+    ("budget_mb: 4096", "budget_mb: 2 GiB", "memory.budget_mb", "fix: write 2048 (the field takes a number of MB"),
+    ("budget_mb: 4096", "budget_mb: 1.5g", "memory.budget_mb", "fix: write 1536 ("),
+    ("budget_mb: 4096", "budget_mb: 512MB", "memory.budget_mb", "fix: write 512 ("),
+    ("budget_mb: 4096", "budget_mb: '256'", "memory.budget_mb", "fix: write the number without quotes: 256"),
+    ("p99_ms: 200", "p99_ms: 2 s", "sla.p99_ms", "fix: write a plain number of ms"),
+    # YAML 1.1 read an exponent without a dot as a string ("expected a number (got '1e30')")
+    ("budget_mb: 4096", "budget_mb: 1e30", "memory.budget_mb", "out of range"),
     ("budget_mb: 4096", "budget_mb: '${os.system(1)}'", "memory.budget_mb", "only these functions"),
     ("max_pages_per_seq: 32", "max_pages_per_seq: 2.5", "memory.kv_cache.max_pages_per_seq", "integer"),
     ("bank_affinity: [high_bandwidth, 3]", "bank_affinity: [-1]", "memory.bank_affinity[0]", "bank"),
@@ -281,3 +289,8 @@ def test_memory_weight_growth_defaults_keeps_old_stamps_and_refuses_below_one():
     assert tight.memory.weight_growth == 1.5 and tight.hash() != plain.hash()
     with pytest.raises(RecipeErrors, match="memory.weight_growth"):
         load_recipe({**base, "memory": {"weight_growth": 0.5}})
+
+
+def test_an_exponent_without_a_dot_is_a_number_as_in_yaml_1_2():
+    r = load_recipe(FULL.replace("budget_mb: 4096", "budget_mb: 4e3", 1))
+    assert r.memory.budget_mb == 4000.0
