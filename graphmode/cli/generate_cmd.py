@@ -146,10 +146,12 @@ def drafted_decoder(model: str) -> tuple[Any, Any]:
     from graphmode.kb.draft import draft_recipe
     d = draft_recipe(model_bundle(model), target="host", record=False)
     if d.recipe.memory.kv_cache is None:
-        raise RecipeError(f"no --recipe, and the recipe drafted for {model} has no KV cache: "
-                          f"{d.notes.get('memory.kv_cache', 'the model is not a causal LM')}", where="--recipe",
-                          fix="give a decoder recipe (--recipe, with memory.kv_cache), or run the model's forward "
-                              "pass with graphmode run")
+        why = d.notes.get("memory.kv_cache", "the model is not a causal LM")
+        fix = ("run the model's forward pass with graphmode run" if "cannot decode on graphmode's KV cache" in why
+               else "give a decoder recipe (--recipe, with memory.kv_cache), or run the model's forward pass with "
+                    "graphmode run")
+        raise RecipeError(f"no --recipe, and the recipe drafted for {model} has no KV cache: {why}", where="--recipe",
+                          fix=fix)
     return d.source.bundle, d.recipe
 
 

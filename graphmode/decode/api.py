@@ -83,6 +83,8 @@ def sampling_params(eng: Any, max_new_tokens: int, do_sample: bool, temperature:
     eos = eos_token_id if eos_token_id is not None else eng.cfg.get("eos")
     if isinstance(eos, (list, tuple)):
         eos = tuple(int(e) for e in eos)
+    if top_k == 0 and type(top_k) is int:       # transformers' generate: 0 filters nothing
+        top_k = None
     return SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
                           top_p=top_p, eos_token_id=eos, seed=seed, stop=tuple(tuple(s) for s in stop), **more)
 

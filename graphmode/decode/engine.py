@@ -99,6 +99,8 @@ def lower_decoder(lm: torch.nn.Module, recipe: Any, target: Any = None, *, on_st
     its capture, passes and proof (graphmode/progress.py). Under `parallel`, `rank`'s shard (its
     pools hold its KV heads only). `name`: the model's (a saved .gm answers to it when served)."""
     from graphmode.compiler import ModelSource, lower_model
+    from graphmode.decode.lm import refuse_alibi
+    refuse_alibi(lm)
     cfg = lm_config(lm)
     dims = {d: recipe.dim_range(d) for d in recipe.dims}
     fwd = CausalLMForward(lm).eval()

@@ -48,6 +48,26 @@ def lm_config(lm: nn.Module) -> dict[str, Any]:
             "eos": tok("eos_token_id"), "pad": tok("pad_token_id"), "sliding_window": sliding_window(cfg)}
 
 
+def alibi(cfg: Any) -> bool:
+    """Attention scores biased by ALiBi's per-head position slopes (Bloom always, MPT's and
+    Falcon's when their config says so): the paged attention applies the causal mask only."""
+    attn = getattr(cfg, "attn_config", None)
+    return (getattr(cfg, "model_type", None) == "bloom" or getattr(cfg, "alibi", False) is True
+            or getattr(attn, "alibi", False) is True)
+
+
+ALIBI_WHY = ("adds ALiBi position biases to its attention scores, which graphmode's paged attention does not apply "
+             "(it would answer other tokens)")
+
+
+def refuse_alibi(lm: nn.Module) -> None:
+    """Before capture: an ALiBi model cannot decode on the KV cache, whatever else its capture meets."""
+    if alibi(getattr(lm, "config", None)):
+        raise CaptureError(f"{type(lm).__name__} {ALIBI_WHY}", where="memory.kv_cache",
+                           fix="compile its forward pass (a recipe without memory.kv_cache); decoding it runs "
+                               "eagerly in transformers")
+
+
 def _multi_query(cfg: Any) -> bool:
     """One K/V head for every query head, said only by a flag: Falcon's original architecture
     (falcon-7b/40b: `multi_query` without `new_decoder_architecture`, which expands K/V to

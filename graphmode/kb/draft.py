@@ -350,6 +350,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
            narrowed: dict[str, tuple[int | None, int | None, str]] | None = None) -> Draft:
     from graphmode.compiler import capture_model, relower, reprove
     from graphmode.kb.fingerprint import hardware_of, model_of, recipe_inputs
+    from graphmode.decode.lm import ALIBI_WHY, alibi
     from graphmode.passes.to_paged import not_causal
     from graphmode.recipe import load_recipe
     from graphmode.recipe.targets import pick_target
@@ -428,6 +429,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     low = relower(low, load_recipe(_ordered(data)), tgt, prove_graph=False)   # the budget does not change it
     # GPT-Neo's hint to narrow seq inside its window led to a draft refused for its attention
     why_not = None if "kv_cache" not in data["memory"] and not windowed else (
+        f"it {ALIBI_WHY}" if alibi(getattr(lm, "config", None)) else
         None if _attends_as_sdpa(low.graph) else "its attention does not capture as one sdpa (soft-capped or "
                                                   f"otherwise rewritten logits{_scores_written(low.captured)})"
     ) or not_causal(low.captured)

@@ -121,6 +121,7 @@ def _rank_main(rank: int, world: int, port: int, conn, model: bytes, recipe: Any
                cache_dir: Any, threads: int, driver: RankDriver) -> None:
     """One rank process of `launch`: start (above), report ready, answer the parent's requests."""
     conn = _Plain(conn)
+    _warnings_as_lines(rank)
     try:
         cm, comm, info = start_rank(rank, world, f"tcp://127.0.0.1:{port}", pickle.loads(model), recipe, target,
                                     mode, cache_dir, threads, driver)
@@ -130,6 +131,23 @@ def _rank_main(rank: int, world: int, port: int, conn, model: bytes, recipe: Any
         return
     answer_requests(cm, comm, conn, rank)
     stop_rank()
+
+
+def _warnings_as_lines(rank: int) -> None:
+    """graphmode's notices and warnings in a rank as one line each, named by rank (not Python's
+    file and source line); a notice once, from rank 0, since every rank meets the same ones."""
+    import sys
+    import warnings
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__module__.split(".")[0] != "graphmode":
+            shown(message, category, filename, lineno, file, line)
+        elif category.__name__ != "GraphmodeNotice":
+            print(f"rank {rank} warning: {message}", file=sys.stderr)
+        elif rank == 0:
+            print(f"notice: {message}", file=sys.stderr)
+    warnings.showwarning = show
 
 
 def answer_requests(cm: Any, comm: Any, conn: Any, rank: int) -> None:

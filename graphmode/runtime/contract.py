@@ -12,6 +12,9 @@ from graphmode.errors import ContractViolation
 from graphmode.runtime.shaping import has_eager, or_eager
 
 
+# options a Hugging Face forward takes through **kwargs (transformers 5): fixed when it was compiled
+HF_CALL_OPTIONS = ("return_dict", "output_hidden_states", "output_attentions", "use_cache")
+
 class InputContract:
     """CompiledModel's input checks (a mixin: it reads the model's recipe, signature, verdict,
     graphs and source)."""
@@ -121,7 +124,8 @@ class InputContract:
             params = inspect.signature(inner.forward).parameters
         except (AttributeError, TypeError, ValueError):
             return None
-        extra = [k for k in kwargs if k not in self.input_names and k in params]
+        takes_kw = any(p.kind is p.VAR_KEYWORD for p in params.values()) and hasattr(inner, "config")
+        extra = [k for k in kwargs if k not in self.input_names and (k in params or takes_kw and k in HF_CALL_OPTIONS)]
         options = [k for k in extra if not isinstance(kwargs[k], torch.Tensor)]
         if options:       # a Python option: part of the model's code, fixed when it was compiled
             return ContractViolation(
@@ -139,6 +143,17 @@ class InputContract:
             value=extra, fix="compile with example inputs that include them, e.g. graphmode.compile((model, "
                              "{" + ", ".join(f"'{k}': ..." for k in [*self.input_names[:1], extra[0]]) + "})); a call "
                              "option (return_dict, output_attentions) is fixed at compile: set it in the model's config")
+
+    def call_options(self, kwargs: dict[str, Any]) -> bool:
+        """Pop `return_dict` from a call of a Hugging Face model compiled without it as an input;
+        True when the caller asked for a tuple (`return_dict=False`), as eager answers then."""
+        if "return_dict" not in kwargs or "return_dict" in self.input_names:
+            return False
+        module = getattr(getattr(self, "source", None), "module", None)
+        inner = getattr(module, "model", module)          # the capture's wrapper holds the model
+        if not hasattr(getattr(inner, "config", None), "return_dict"):
+            return False
+        return kwargs.pop("return_dict") is False
 
     def bounds(self) -> tuple[list, list]:
         """(value checks, dim checks) of runtime/bounds.py, from the verdict's index analysis (or

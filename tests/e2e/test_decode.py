@@ -75,6 +75,9 @@ def test_sampling_with_a_seed_repeats_and_streaming_matches(model):
     a = cm.generate(PROMPTS, MASK, seed=7, **kw)
     assert torch.equal(a, cm.generate(PROMPTS, MASK, seed=7, **kw))
     assert not torch.equal(a, cm.generate(PROMPTS, MASK, seed=8, **kw))
+    # top_k=0 filters nothing, as in transformers' generate (it was refused as invalid)
+    assert torch.equal(cm.generate(PROMPTS, MASK, seed=7, **{**kw, "top_k": 0}),
+                       cm.generate(PROMPTS, MASK, seed=7, **{**kw, "top_k": None}))
     greedy = cm.generate(PROMPTS, MASK, max_new_tokens=6)
     got: dict[int, list[int]] = {0: [], 1: [], 2: []}
     steps = 0

@@ -553,6 +553,16 @@ def test_a_save_pretrained_folder_compiles_as_the_model_it_holds(tmp_path):
         want = m(**kw)
     got = cm(**kw)
     assert type(got) is type(want) and rel(got.last_hidden_state, want.last_hidden_state) < 1e-5
+    # transformers 5 takes these through **kwargs: return_dict=False answers eager's tuple, and an
+    # option fixed at compile is named as one (both read "unexpected keyword argument")
+    with torch.inference_mode():
+        want_tuple = m(**kw, return_dict=False)
+    got_tuple = cm(**kw, return_dict=False)
+    assert type(got_tuple) is tuple and len(got_tuple) == len(want_tuple) == 2
+    assert all(rel(a, b) < 1e-5 for a, b in zip(got_tuple, want_tuple))
+    with pytest.raises(ContractViolation, match="output_hidden_states") as e:
+        cm(**kw, output_hidden_states=True)
+    assert "config" in e.value.fix
     (tmp_path / "plain").mkdir()
     with pytest.raises(CaptureError, match="without a config.json") as e:
         graphmode.compile(str(tmp_path / "plain"))
@@ -653,9 +663,9 @@ def _is_lm(name: str) -> bool:
 
 
 def test_generate_on_a_draft_without_a_kv_cache_says_why():
-    """BLOOM's ALiBi attention does not capture as one sdpa: the draft compiles its forward pass
-    and no KV cache, and `generate` says so with the drafter's reason (not "add memory.kv_cache",
-    which the decode engine would then refuse)."""
+    """BLOOM's ALiBi attention: the draft compiles its forward pass and no KV cache, and `generate`
+    says so with the drafter's reason, naming ALiBi (not "add memory.kv_cache", which the decode
+    engine would then refuse, nor "does not capture as one sdpa")."""
     import transformers as T
     from graphmode.errors import RecipeError
     torch.manual_seed(0)
@@ -665,7 +675,12 @@ def test_generate_on_a_draft_without_a_kv_cache_says_why():
     assert rel(cm(input_ids=ids).logits, m(input_ids=ids).logits) < 1e-5
     with pytest.raises(RecipeError) as e:
         cm.generate(ids, max_new_tokens=2)
-    assert "drafted recipe has none" in str(e.value) and "sdpa" in str(e.value)
+    assert "drafted recipe has none" in str(e.value) and "ALiBi position biases" in str(e.value)
+    from graphmode.decode.engine import lower_decoder
+    from graphmode.errors import CaptureError
+    with pytest.raises(CaptureError, match="ALiBi") as e:      # a decoder recipe: refused before capture
+        lower_decoder(m, cm.recipe)
+    assert "without memory.kv_cache" in e.value.fix
 
 
 def test_generate_on_an_encoder_decoder_says_graphmode_decodes_causal_lms():
