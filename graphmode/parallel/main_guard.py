@@ -43,8 +43,9 @@ def check_main_guard(frame: FrameType | None = None) -> None:
     """Raise when this call comes from the top level of a script file outside its main guard."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if not path or not str(path).endswith(".py"):
-        return                                # python -c, a REPL, a notebook: spawn does not re-run them
+    spec = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if not path or not str(path).endswith(".py") or spec == "__main__" or spec.endswith(".__main__"):
+        return        # python -c, a REPL, a notebook, `python -m package`: spawn does not run them again
     top = _main_module_frame(frame or sys._getframe(1))
     if top is None or Path(top.f_code.co_filename).resolve() != Path(path).resolve():
         return

@@ -260,11 +260,8 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
         if (getattr(self, "artifact", None) or {}).get("decoder") is not None:
             from graphmode.runtime.artifact import not_a_forward
             raise not_a_forward(self.artifact["path"])
-        if "return_dict" in kwargs:
-            kwargs = dict(kwargs)
-            if self.call_options(kwargs):          # return_dict=False: eager's tuple of the set fields
-                out = self(*args, **kwargs)
-                return out.to_tuple() if hasattr(out, "to_tuple") else out
+        if "return_dict" in kwargs and self.takes_return_dict():
+            return self.call_with_return_dict(args, kwargs)
         inputs = self.bind_inputs(args, kwargs)
         if self.frozen_weights is not None:
             self.frozen_weights.check()

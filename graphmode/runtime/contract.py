@@ -144,16 +144,18 @@ class InputContract:
                              "{" + ", ".join(f"'{k}': ..." for k in [*self.input_names[:1], extra[0]]) + "})); a call "
                              "option (return_dict, output_attentions) is fixed at compile: set it in the model's config")
 
-    def call_options(self, kwargs: dict[str, Any]) -> bool:
-        """Pop `return_dict` from a call of a Hugging Face model compiled without it as an input;
-        True when the caller asked for a tuple (`return_dict=False`), as eager answers then."""
-        if "return_dict" not in kwargs or "return_dict" in self.input_names:
-            return False
+    def takes_return_dict(self) -> bool:
+        """A Hugging Face model compiled without `return_dict` as an input: its forward takes it."""
         module = getattr(getattr(self, "source", None), "module", None)
         inner = getattr(module, "model", module)          # the capture's wrapper holds the model
-        if not hasattr(getattr(inner, "config", None), "return_dict"):
-            return False
-        return kwargs.pop("return_dict") is False
+        return "return_dict" not in self.input_names and hasattr(getattr(inner, "config", None), "return_dict")
+
+    def call_with_return_dict(self, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        """The call without `return_dict`; with `return_dict=False`, eager's tuple of the set fields."""
+        kw = dict(kwargs)
+        as_tuple = kw.pop("return_dict") is False
+        out = self(*args, **kw)
+        return out.to_tuple() if as_tuple and hasattr(out, "to_tuple") else out
 
     def bounds(self) -> tuple[list, list]:
         """(value checks, dim checks) of runtime/bounds.py, from the verdict's index analysis (or

@@ -131,8 +131,10 @@ def _drafted_decodes_exactly(lm, tmp_path):
 
 def test_attention_biased_by_position_is_refused_not_decoded_without_its_bias(tmp_path):
     """Falcon with ALiBi adds its position biases in the sdpa's mask; the paged attention dropped
-    that mask and decoded other tokens (logits off by ~0.4), silently."""
-    from graphmode.errors import PassError
+    that mask and decoded other tokens (logits off by ~0.4), silently. Its config says ALiBi: refused
+    before capture; with a config that does not say it (the module keeps its biases), the mask
+    evaluated at 8 tokens refuses it."""
+    from graphmode.errors import CaptureError, PassError
     lm = _hf("FalconForCausalLM", "FalconConfig", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
              alibi=True, multi_query=False, new_decoder_architecture=False, parallel_attn=False, bias=True,
              vocab_size=100, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
@@ -140,6 +142,11 @@ def test_attention_biased_by_position_is_refused_not_decoded_without_its_bias(tm
                                                       "kv_heads": 4, "head_dim": 8}})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        cm = graphmode.compile(lm, rec, cache_dir=tmp_path)
+        with pytest.raises(CaptureError, match="ALiBi position biases") as e:
+            cm.generate(torch.tensor([PROMPT]), max_new_tokens=2)
+        assert "without memory.kv_cache" in e.value.fix
+        lm.config.alibi = False                   # what the config says; FalconModel.use_alibi stays
         cm = graphmode.compile(lm, rec, cache_dir=tmp_path)
         with pytest.raises(PassError, match="attends by more than the causal mask") as e:
             cm.generate(torch.tensor([PROMPT]), max_new_tokens=2)

@@ -54,3 +54,16 @@ def test_a_guarded_call_and_a_call_from_a_guarded_function_pass(tmp_path):
             main()
     """)
     assert res.returncode == 0 and "STARTED" in res.stdout, res.stdout + res.stderr
+
+
+def test_python_dash_m_of_a_package_passes(tmp_path):
+    """`python -m package` (graphmode's own __main__ calls main() unguarded): spawn does not run a
+    package's __main__ again, so its ranks start."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("from graphmode.parallel.main_guard import check_main_guard\n"
+                                     "check_main_guard()\nprint('STARTED')\n")
+    res = subprocess.run([sys.executable, "-m", "userpkg"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env={"PYTHONPATH": f"{ROOT}:{tmp_path}", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0 and "STARTED" in res.stdout, res.stdout + res.stderr
