@@ -10,7 +10,7 @@ flat list and come back as None.
 
 The spec is plain JSON (it is stored in `.gm` artifacts): {"t": "tensor"} | {"t": "none"} |
 {"t": "tuple" | "list", "items": [...]} | {"t": "dict", "keys": [...], "items": [...][, "key_kind":
-"int"][, "ordered": true]} | {"t": "model_output" | "namedtuple", "class": "module.Class", "keys": [...],
+"int" | "key_kinds": ["int", "str", ...]][, "ordered": true]} | {"t": "model_output" | "namedtuple", "class": "module.Class", "keys": [...],
 "items": [...]} | {"t": "structseq", "class": "torch.return_types.sort", "items": [...]}: a NamedTuple,
 torch's (values, indices) results, an OrderedDict and int keys come back as eager returns them.
 """
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 TOP = "output"
+_KEY_KINDS = {str: "str", int: "int"}
 
 
 def is_cache(obj: Any) -> bool:
@@ -59,8 +60,15 @@ def describe(out: Any) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
                 spec.update(t="model_output", **{"class": _path(type(obj))})
                 _LIVE[_path(type(obj))] = type(obj)      # a model's own ModelOutput subclass too
             else:
-                if keys and all(type(k) is int for k in keys):
+                kinds = [_KEY_KINDS.get(type(k)) for k in keys]
+                if None in kinds:
+                    bad = keys[kinds.index(None)]
+                    raise TypeError(f"model output dict key {bad!r} is a {type(bad).__name__}; graphmode hands "
+                                    "back dicts keyed by str or int (return those keys)")
+                if keys and set(kinds) == {"int"}:
                     spec["key_kind"] = "int"
+                elif len(set(kinds)) > 1:        # str and int together: each key as it was ({0: .., "0": ..})
+                    spec["key_kinds"] = kinds
                 if isinstance(obj, OrderedDict):
                     spec["ordered"] = True
             return spec
@@ -162,7 +170,8 @@ def rebuild(spec: dict, flat: list[Any]) -> Any:
         cls = _class(s["class"]) if t == "model_output" else None
         if cls is not None:
             return cls(**fields)
-        keys = [int(k) for k in s["keys"]] if s.get("key_kind") == "int" else s["keys"]
+        kinds = s.get("key_kinds") or [s.get("key_kind", "str")] * len(s["keys"])
+        keys = [int(k) if kind == "int" else k for k, kind in zip(s["keys"], kinds)]
         return (OrderedDict if s.get("ordered") else dict)(zip(keys, items))
 
     return build(spec)

@@ -71,3 +71,16 @@ def test_named_tuples_return_types_ordered_and_int_keyed_dicts_come_back_as_eage
     elsewhere = dict(spec, items=[dict(spec["items"][0], **{"class": "not.loaded.Stats"})] + spec["items"][1:])
     other = rebuild(elsewhere, [t for _, t in flat])["stats"]       # a .gm loaded where the class is not defined
     assert type(other).__name__ == "Stats" and other._fields == ("mean", "std") and other.std is b
+
+
+def test_str_and_int_keys_together_come_back_as_eager_returns_them():
+    """{0: .., "a": ..} came back keyed "0"; {"0": .., 0: ..} came back as one key holding the
+    wrong value: silently, both."""
+    a, b = torch.ones(2), torch.zeros(2)
+    for out in ({0: a, "a": b}, {"0": a, 0: b}):
+        spec, flat = describe(out)
+        back = rebuild(json.loads(json.dumps(spec)), [t for _, t in flat])
+        assert list(back) == list(out) and all(back[k] is out[k] for k in out)
+    import pytest
+    with pytest.raises(TypeError, match="key 1.5 is a float"):
+        describe({1.5: a})
