@@ -203,7 +203,16 @@ class _Importer:
             self._fallback(node, "excluded by recipe capture settings", excluded=True)
             return
         if not convert(self, node, tname):
-            self._fallback(node, "no graphmode lowering for this op")
+            sym = [a for a in pytree.tree_leaves((node.args, node.kwargs))
+                   if isinstance(a, torch.SymInt) or isinstance(getattr(a, "meta", {}).get("val"), torch.SymInt)]
+            self._fallback(node, "no graphmode lowering for this op with an argument computed from a dynamic dim "
+                                 f"({self._sym_text(sym[0])})" if sym else "no graphmode lowering for this op")
+
+    def _sym_text(self, arg: Any) -> str:
+        try:
+            return dim_str(normalize_dim(self.dim(arg)))
+        except Exception:  # noqa: BLE001 - naming it is a courtesy
+            return str(arg)
 
     def _check_dtypes(self, node: torch.fx.Node, tname: str) -> None:
         """Every tensor the op makes or takes has an IR dtype (no complex, no float8, ...): refuse

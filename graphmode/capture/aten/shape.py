@@ -2,6 +2,7 @@
 padding, indexing, ranges, fills and repeats."""
 from __future__ import annotations
 
+import sympy
 import torch
 
 from graphmode.capture.aten.emit import emit_aten_reference, repeat_axis
@@ -86,12 +87,25 @@ def _expand(imp, node, a):
     return True
 
 
+def from_end(index, size) -> int | None:
+    """An index computed from its axis's size (`x[:, x.shape[1] - 1]`, `x[:, T - 2:]`) as the
+    negative index the IR counts from the end (-1, -2), or None when it is not size - k."""
+    if isinstance(index, int):
+        return index
+    try:
+        d = sympy.simplify(sympy.sympify(index) - sympy.sympify(size))
+    except (sympy.SympifyError, TypeError):
+        return None
+    return int(d) if d.is_Integer and int(d) < 0 else None
+
+
 @converts("aten.slice.Tensor")
 def _slice(imp, node, a):
     start = a["start"] if a["start"] is not None else 0
     end = a["end"] if a["end"] is not None else 2 ** 62
-    start_d = imp.dim(start)
-    if not isinstance(start_d, int):
+    src_type = imp.g.type_of(imp.operand(a["self"]))
+    start_d = from_end(imp.dim(start), src_type.shape[int(a["dim"]) % src_type.rank])
+    if start_d is None:
         return False
     end_d = imp.dim(end) if not (isinstance(end, int) and end >= 2 ** 62) else 2 ** 62
     imp.emit(node, "slice", [imp.operand(a["self"])],
@@ -105,8 +119,8 @@ def _select(imp, node, a):
     src = imp.operand(a["self"])
     st = imp.g.type_of(src)
     dim = int(a["dim"]) % st.rank
-    idx = imp.dim(a["index"])
-    if not isinstance(idx, int):
+    idx = from_end(imp.dim(a["index"]), st.shape[dim])
+    if idx is None:
         return False
     shape = list(st.shape)
     shape[dim] = 1

@@ -899,3 +899,34 @@ def test_a_torch_export_failure_names_the_models_line_where_it_happened():
         e = export_failure(err, fix="generic")
     assert e.message.startswith("torch.export failed: RuntimeError: Expected size")
     assert "test_capture_edge_cases.py:" in e.message and "in _levit_like_forward)" in e.message
+
+
+class _FromEnd(torch.nn.Module):
+    def forward(self, x):
+        return x[:, x.shape[1] - 1] * 2, x[:, x.shape[1] - 3:] + 1
+
+
+def test_an_index_computed_from_the_axis_size_is_taken_from_the_end(tmp_path):
+    """`x[:, x.shape[1] - 1]` under a dynamic seq was refused as "no lowering for aten.select.int"
+    (torch.compile(dynamic=True) runs it); it is the IR's index -1."""
+    rec = {"version": 1, "name": "from-end", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
+           "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", "seq", 6]}],
+           "dims": {"batch": {"buckets": [2]}, "seq": {"min": 4, "max": 8, "max_padding": 0}}}
+    cm = graphmode.compile(_FromEnd(), rec, cache_dir=tmp_path)
+    for t in (4, 6, 8):
+        x = torch.randn(2, t, 6)
+        assert all(torch.equal(a, b) for a, b in zip(cm(x), _FromEnd()(x)))
+
+
+class _Reversed(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.arange(x.shape[1] - 1, -1, -1)[None, :, None]
+
+
+def test_an_op_refused_for_a_dim_computed_argument_says_so(tmp_path):
+    rec = {"version": 1, "name": "rev", "exe_mode": "graph", "inputs": [{"name": "x", "dtype": "f32",
+                                                                        "shape": ["batch", "seq", 6]}],
+           "dims": {"batch": {"buckets": [2]}, "seq": {"min": 4, "max": 8, "max_padding": 0}}}
+    with pytest.raises(ContractRefused, match=r"argument computed from a dynamic dim \(seq-1\)") as e:
+        graphmode.compile(_Reversed(), rec, cache_dir=tmp_path)
+    assert "hybrid" in e.value.render()
