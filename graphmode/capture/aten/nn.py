@@ -209,6 +209,16 @@ def _addmm(imp, node, a):
     return True
 
 
+@converts("aten.baddbmm.default")
+def _baddbmm(imp, node, a):
+    """beta * self + alpha * (batch1 @ batch2): known ops, so padding a batch axis is analysed
+    (an aten reference op is opaque to it: nn.MultiheadAttention's weights were refused)."""
+    if not all(imp.g.type_of(imp.operand(a[k])).dtype in ("f32", "f16", "bf16", "f64") for k in ("batch1", "batch2")):
+        return False
+    return _scaled_addmm(imp, node, {"self": a["self"], "mat1": a["batch1"], "mat2": a["batch2"],
+                                     "beta": a["beta"], "alpha": a["alpha"]})
+
+
 def _scaled_addmm(imp, node, a) -> bool:
     """beta * self + alpha * (mat1 @ mat2); beta 0 ignores self (its NaN and inf too), as torch does."""
     m1, m2 = imp.operand(a["mat1"]), imp.operand(a["mat2"])

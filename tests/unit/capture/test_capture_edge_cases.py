@@ -930,3 +930,19 @@ def test_an_op_refused_for_a_dim_computed_argument_says_so(tmp_path):
     with pytest.raises(ContractRefused, match=r"argument computed from a dynamic dim \(seq-1\)") as e:
         graphmode.compile(_Reversed(), rec, cache_dir=tmp_path)
     assert "hybrid" in e.value.render()
+
+
+class _Baddbmm(torch.nn.Module):
+    def forward(self, x, y):
+        return torch.baddbmm(y, x, x.transpose(1, 2), beta=0.5, alpha=2.0)
+
+
+def test_baddbmm_is_known_ops_so_a_padded_batch_is_proved_safe(tmp_path):
+    """It ran as an opaque aten reference op, and the padding analysis refused a batch bucket
+    (nn.MultiheadAttention with need_weights=True)."""
+    rec = {"version": 1, "name": "baddbmm", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
+           "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 5, 6]},
+                      {"name": "y", "dtype": "f32", "shape": ["batch", 5, 5]}], "dims": {"batch": {"buckets": [1, 4]}}}
+    cm = graphmode.compile(_Baddbmm(), rec, cache_dir=tmp_path)
+    x, y = torch.randn(3, 5, 6), torch.randn(3, 5, 5)
+    assert rel_l2(cm(x, y), _Baddbmm()(x, y)) < 1e-5 and cm.last_path["path"] == "graph"
