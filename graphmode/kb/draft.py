@@ -244,8 +244,8 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
         except CaptureError as e:
             hint = _export_ranges(e, b, opts["ranges"])
             if hint and narrowed:             # a second guard inside the first range (x[:, :4]: seq >= 4, != 4)
-                hint = {**narrowed, **hint} if all(narrowed.get(d, ())[:2] != r[:2] for d, r in hint.items()) \
-                    and len(narrowed) + rounds < 8 else None
+                merged = _tighter(narrowed, hint)
+                hint = merged if merged != narrowed and len(narrowed) + rounds < 8 else None
             if hint:                          # torch.export named the range one graph holds for: take it
                 rounds += 1
                 queue.insert(0, (b, hint))
@@ -263,6 +263,20 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
                     "compiles its forward pass at the example's length")
         return draft
     raise AssertionError("unreachable")
+
+
+def _tighter(narrowed: dict[str, tuple], hint: dict[str, tuple]) -> dict[str, tuple]:
+    """Both guards' ranges at once: a dim torch.export bounds below in one try (x[1]: batch >= 2)
+    and above in the next (cdist: batch <= 25) keeps both bounds (the second replaced the first)."""
+    out = dict(narrowed)
+    for d, (lo, hi, why) in hint.items():
+        if d not in out:
+            out[d] = (lo, hi, why)
+            continue
+        lo0, hi0, why0 = out[d]
+        pick = lambda a, b, f: a if b is None else b if a is None else f(a, b)  # noqa: E731
+        out[d] = (pick(lo0, lo, max), pick(hi0, hi, min), why0 if why == why0 else f"{why0}; {why}")
+    return out
 
 
 def _static_axis_advice(e: CaptureError, bundle: Any) -> CaptureError:
@@ -397,7 +411,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     for d, (lo, _, why) in _extent_minimums(graph0, ranges, given).items():
         fit[d] = (lo, fit[d][1], f"{why}; {fit[d][2]}") if d in fit else (lo, None, why)
     if fit:                     # an ONNX file's axes say nothing of where its windows fit or its positions end
-        narrowed.update(fit)
+        narrowed = _tighter(narrowed, fit)
         data["dims"], ranges = _dims(*dim_args, narrowed)
     model_row, hw_row = model_of(graph0, src, recipe_inputs(skeleton)), hardware_of(tgt)
     recs = _knobs_from_kb(data, notes, model_row, hw_row, kb_path, objective)

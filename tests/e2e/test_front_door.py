@@ -731,3 +731,19 @@ def test_an_onnx_model_in_memory_compiles_as_its_file_does(tmp_path):
               size_threshold=0, location="ext.bin")
     with pytest.raises(CaptureError, match="refers to weights it does not hold"):
         graphmode.compile(onnx.load(tmp_path / "ext.onnx", load_external_data=False))
+
+
+class BoundedBothWays(nn.Module):
+    """x[1] holds for batch >= 2; cdist takes another path past 25 rows."""
+
+    def forward(self, x):
+        return torch.cdist(x, x), x[1] * 2
+
+
+def test_a_draft_keeps_a_lower_and_an_upper_bound_torch_export_finds_in_turn():
+    """The second bound found replaced the first (batch min 2 max 32), and the compile failed."""
+    m = BoundedBothWays()
+    cm = graphmode.compile(m, example_inputs=(torch.randn(4, 6),))
+    assert (cm.recipe.dims["batch"].min, cm.recipe.dims["batch"].max) == (2, 25)
+    x = torch.randn(7, 6)
+    assert all(rel(a, b) < 1e-5 for a, b in zip(cm(x), m(x)))
