@@ -203,7 +203,10 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
     path, line, fn = frame
     src = linecache.getline(path, line).strip()
     at = f"{shown_path(path)}:{line} in {fn}" + (f": `{src}`" if src else "")
-    msg = (f"torch.export failed: the model branches on the value of a tensor at {at} (data-dependent control "
+    reads = re.search(r"\b(int|float|bool)\(|\.item\(\)|\.tolist\(\)", src)
+    msg = (f"torch.export failed: the model reads the value of a tensor as a Python number at {at} (a size or "
+           f"branch that depends on the data; torch.export: {first})" if reads else
+           f"torch.export failed: the model branches on the value of a tensor at {at} (data-dependent control "
            f"flow; torch.export: {first})")
     if _ROPE.search(fn) or "rope" in path.rsplit(os.sep, 1)[-1]:
         return CaptureError(msg + ". " + ROPE_WHY, where=where or "model.config.rope_scaling", fix=ROPE_FIX)
@@ -213,8 +216,10 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
                             fix="say it in the call: tgt_is_causal=True (nn.Transformer, TransformerDecoder) or "
                                 "is_causal=True (TransformerEncoder) with a causal mask, False with another")
     return CaptureError(msg, where=where,
-                        fix="write that branch without reading tensor values (both paths, picked with "
-                            "torch.where), or run the model with exe_mode: eager")
+                        fix=("keep it a tensor (a mask, torch.where, or a slice of a fixed size), or run the model "
+                             "with exe_mode: eager") if reads else
+                        "write that branch without reading tensor values (both paths, picked with "
+                        "torch.where), or run the model with exe_mode: eager")
 
 
 def _frame_names(e: BaseException) -> set[str]:

@@ -72,11 +72,15 @@ class InputContract:
         missing = [k for k in self.input_names if k not in named and not self._fill_omitted(k, named)]
         if missing:
             optional = [k for k in missing if k in _none_defaults(getattr(getattr(self, "source", None), "module", None))]
-            why = (f": forward takes {optional} as optional, but the model's answer without them is not its "
-                   "answer with any one constant (e.g. a mask it builds from the ids), so a compiled call "
-                   "cannot stand in for None" if optional else "")
-            raise ContractViolation(f"missing inputs {missing}{why}", where="inputs",
-                                    fix=f"pass every declared input: {', '.join(self.input_names)}")
+            why = (f": forward takes {optional} as optional, and the compiled graph takes them as inputs; "
+                   "graphmode fills one in only with a constant it checked against eager at capture (an "
+                   "integer example holding one value, as a mask of ones; not a mask the model builds from "
+                   "the ids), so here a compiled call cannot stand in for None" if optional else "")
+            fix = f"pass every declared input: {', '.join(self.input_names)}"
+            if optional:
+                fix += (f" (the value None means for your model, e.g. {optional[0]}=torch.zeros(...)), or compile "
+                        f"with example inputs that leave {optional[0]} out")
+            raise ContractViolation(f"missing inputs {missing}{why}", where="inputs", fix=fix)
         out = {}
         for spec in self.recipe.inputs:
             t = named[spec.name]
@@ -201,9 +205,14 @@ class InputContract:
                 size = int(t.shape[ax])
                 if isinstance(d, int):
                     if size != d:
+                        drafted = getattr(self, "draft_notes", None)
                         raise ContractViolation(f"input {spec.name!r} axis {ax} must be {d}",
                                                 where=f"inputs.{spec.name}.shape[{ax}]", value=size,
-                                                fix=f"send {spec.name} shaped {spec.shape}")
+                                                fix=f"send {spec.name} shaped {spec.shape}" + (
+                                                    "; graphmode drafted the recipe from your example and kept this "
+                                                    f"axis at its size ({drafted.get('inputs', '')}): to vary it, "
+                                                    "compile with dynamic_shapes= (torch.export's Dims) or "
+                                                    "(module, example_inputs, input_dims)" if drafted else ""))
                 elif dims.setdefault(d, size) != size:
                     raise ContractViolation(f"dim {d!r} is {dims[d]} in one input but {size} in {spec.name!r}",
                                             where=f"inputs.{spec.name}.shape[{ax}]", value=size,

@@ -74,9 +74,9 @@ class Shaping:
             d, name = hazard
             pv = self.pad_values.get(name)
             why = (f"holds its pad value {pv!r} along {d}, and the model may build a query x key mask from it: "
-                   f"at a padding position of the request (right or left), where every key may be masked, eager "
-                   f"attends evenly over all {dims[d]} keys, so padding {d} from {dims[d]} to {bucket[d]} could "
-                   "change the output there"
+                   f"at a padding position of the request (right or left), where every key may be masked, "
+                   f"eager's answer depends on how many keys there are (even attention over {dims[d]}, or NaN "
+                   f"with a -inf fill), so padding {d} from {dims[d]} to {bucket[d]} could change the output there"
                    if d in getattr(self, "query_key_dims", ()) else
                    f"masks a whole row along {d} (every position its pad value {pv!r}), which would change if {d} "
                    f"were padded from {dims[d]} to {bucket[d]}")

@@ -747,3 +747,17 @@ def test_a_draft_keeps_a_lower_and_an_upper_bound_torch_export_finds_in_turn():
     assert (cm.recipe.dims["batch"].min, cm.recipe.dims["batch"].max) == (2, 25)
     x = torch.randn(7, 6)
     assert all(rel(a, b) < 1e-5 for a, b in zip(cm(x), m(x)))
+
+
+class MatTimesWeight(nn.Module):
+    def forward(self, a, w):
+        return a @ w
+
+
+def test_a_draft_that_keeps_every_shape_says_why_when_a_call_meets_it():
+    """Leading axes 3 and 7: no batch axis; the draft said nothing, the call's fix only the shape."""
+    cm = graphmode.compile(MatTimesWeight(), example_inputs=(torch.randn(3, 7), torch.randn(7, 2)))
+    assert cm.recipe.dims == {}
+    with pytest.raises(ContractViolation) as e:
+        cm(torch.randn(5, 7), torch.randn(7, 2))
+    assert "leading axes differ (a 3, w 7)" in e.value.fix and "dynamic_shapes=" in e.value.fix

@@ -249,6 +249,18 @@ def test_a_branch_on_a_tensor_value_names_the_line_that_branches(tmp_path, capfd
     assert "def forward(" not in capfd.readouterr().err        # torch's partial graph is not printed
 
 
+class _ReadsANumber(torch.nn.Module):
+    def forward(self, x, y):
+        return x[:, : int((x > 0).sum())]
+
+
+def test_a_tensor_read_as_a_python_number_is_named_so_not_as_a_branch(tmp_path):
+    x, y = torch.ones(3, 4), torch.randn(3, 4)
+    with pytest.raises(CaptureError) as e:
+        graphmode.compile(_ReadsANumber(), _recipe(x, y, "graph"), cache_dir=tmp_path)
+    assert "reads the value of a tensor as a Python number at" in str(e.value) and "keep it a tensor" in e.value.fix
+
+
 class _Seq2Seq(torch.nn.Module):
     def __init__(self, causal):
         super().__init__()
