@@ -193,6 +193,15 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
                             value=dims, fix=f"make {', '.join(dims)} static in the recipe (min = max, or the model's "
                                             "example size), or a range on which the condition always holds")
     frame = (call.group(1), int(call.group(2)), call.group(3)) if call is not None else _model_frame(e)
+    line_src = linecache.getline(frame[0], frame[1]) if frame is not None else ""
+    if "packed_sequence" in line_src or "pack_padded_sequence" in line_src or \
+            {"pack_padded_sequence", "pad_packed_sequence"} & _frame_names(e):
+        at = f" at {shown_path(frame[0])}:{frame[1]} in {frame[2]}" if frame is not None else ""
+        return CaptureError(f"torch.export failed: the model packs variable-length sequences (nn.utils.rnn."
+                            f"pack_padded_sequence){at}, whose per-step batch sizes come from the lengths' values, "
+                            f"which torch.export cannot trace ({name}: {first})", where=where,
+                            fix="run the recurrent layer on the padded batch and take each sequence's outputs at "
+                                "its length (a mask or a gather), or run the model with exe_mode: eager")
     for needle, why, cause_fix in _KNOWN_CAUSES:
         if needle in text:
             at = f" at {shown_path(frame[0])}:{frame[1]} in {frame[2]}" if frame is not None else ""

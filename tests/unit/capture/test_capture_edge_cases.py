@@ -958,3 +958,20 @@ def test_baddbmm_is_known_ops_so_a_padded_batch_is_proved_safe(tmp_path):
     cm = graphmode.compile(_Baddbmm(), rec, cache_dir=tmp_path)
     x, y = torch.randn(3, 5, 6), torch.randn(3, 5, 5)
     assert rel_l2(cm(x, y), _Baddbmm()(x, y)) < 1e-5 and cm.last_path["path"] == "graph"
+
+
+class _Packed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(4, 6, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return torch.nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+
+
+def test_packed_sequences_are_named_with_what_to_do_instead():
+    """torch.export's TypeError inside zeros() came with "check the recipe's dims" (no recipe was given)."""
+    with pytest.raises(CaptureError, match="packs variable-length sequences") as e:
+        graphmode.compile(_Packed(), example_inputs=(torch.randn(3, 7, 4), torch.tensor([7, 3, 5])))
+    assert "padded batch" in e.value.fix
