@@ -121,10 +121,17 @@ def _constraint_fixes(text: str) -> list[str]:
     # a value alone only when no range is suggested: beside one, it is the capture's own narrow
     # example range for another dim (graphmode exports batch 1..2 as 2..2), not the model's need
     # the value is the size of graphmode's example, not one the model needs: the dim is static
-    return out or [f"{d} static (one value: min = max; torch.export keeps it at {v}, the size of the example "
-                   "graphmode captured it with, made inside the recipe's range, which need not be the example "
-                   "you gave)"
-                   for d, v in _VALUE_FIX.findall(text)]
+    return out or [f"{d} static (torch.export keeps it at {v}, the size graphmode captured it with, inside the "
+                   "recipe's range)" for d, v in _VALUE_FIX.findall(text)]
+
+
+def _narrow_fix(suggested: str, narrowed: list[str]) -> str:
+    """What to write: the ranges torch.export holds one graph over, or for a dim it keeps static
+    one value per recipe (the value is the capture's, not one the model needs)."""
+    if _RANGE_FIX.findall(suggested):
+        return "narrow the recipe's dims to " + "; ".join(narrowed) + " (or run the model with exe_mode: eager)"
+    return ("give " + " and ".join(f"{d} one value (e.g. {d}: {{buckets: [{v}]}})" for d, v in _VALUE_FIX.findall(
+        suggested)) + ", a recipe per size you serve, or run the model with exe_mode: eager")
 
 
 ROPE_WHY = ("This rotary embedding (Hugging Face rope_type 'dynamic' or 'longrope') recomputes its frequencies "
@@ -172,8 +179,7 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
                                f"dims only, {'; '.join(narrowed)} (elsewhere the model takes another path, e.g. "
                                f"a slice shorter than it asks for; torch.export: {first})",
                                where=f"dims.{narrowed[0].split()[0]}",
-                               fix="narrow the recipe's dims to " + "; ".join(narrowed)
-                                   + " (or run the model with exe_mode: eager)")
+                               fix=_narrow_fix(suggested, narrowed))
             # the ranges themselves, for a drafter that can take them ({dim: (min, max)}, None: not said)
             derived = _derived(suggested)
             err.suggested_ranges = {d: (int(lo) if lo else None, int(hi) if hi else None)

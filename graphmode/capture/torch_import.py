@@ -80,6 +80,26 @@ def dim_value(g: Graph, d: sympy.Expr) -> str:
     return out
 
 
+def float_dim_value(g: Graph, d: sympy.Expr, where: str) -> str:
+    """A float computed from dims (a resize's scale, 4 / floor(W / 8)) as a 0-d f32 tensor: its
+    numerator and denominator as dim values, divided. It was taken for an integer and failed
+    at every call (an arange of 1/2)."""
+    num, den = sympy.fraction(sympy.together(d))
+    if any(sympy.sympify(x).is_integer is False for x in (num, den)) or \
+            not all(sympy.sympify(x).free_symbols or sympy.sympify(x).is_Integer for x in (num, den)):
+        raise CaptureError(f"a float computed from the dims ({d}) that graphmode cannot write as a ratio of sizes",
+                           where=f"node {where}", fix="compute it from tensors, or run the model with exe_mode: eager")
+    f32 = TensorType("f32", ())
+    parts = []
+    for x in (num, den):
+        v, = g.add_node("cast", [dim_value(g, sympy.sympify(x))], [f32], {"dtype": "f32"})
+        parts.append(v)
+    if den == 1:
+        return parts[0]
+    out, = g.add_node("div", parts, [f32])
+    return out
+
+
 class _Importer:
     def __init__(self, ep: torch.export.ExportedProgram, name: str, input_dims: Mapping[str, Sequence],
                  dims: Mapping[str, tuple[int, int]], excluded: Callable[[str, str], bool]):
@@ -160,6 +180,8 @@ class _Importer:
                 return v
             if isinstance(v, (int, float, bool)):
                 return self.const(v)
+            if isinstance(v, sympy.Expr) and isinstance(a.meta.get("val"), torch.SymFloat):
+                return float_dim_value(self.g, v, where=a.name)
             if isinstance(v, sympy.Expr) and v.is_integer is not False:
                 return dim_value(self.g, v)
             if isinstance(v, DataNumber):

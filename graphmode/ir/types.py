@@ -207,10 +207,16 @@ def _quasi_zero(diff: sympy.Expr) -> bool:
         return False
     period = math.prod(r.q for r in diff.atoms(sympy.Rational)) or 1
     period *= math.prod(int(m.args[1]) for m in diff.atoms(sympy.Mod) if m.args[1].is_Integer)
-    spans = [(max(int(sympy.degree(flat, x)), 0) + 1) * period if flat != 0 else period for x in syms]
+    spans = [(_degree(flat, x) + 1) * period for x in syms]
     if math.prod(spans) > QUASI_POINTS:
         return False
     return _holds_at(diff, syms, [range(1, n + 1) for n in spans], lambda v: v == 0)
+
+
+def _degree(expr: sympy.Expr, x: sympy.Symbol) -> int:
+    """The polynomial degree in x, 0 for an expression that is zero once expanded (sympy says -oo)."""
+    d = sympy.degree(expr, x)
+    return int(d) if d.is_finite else 0
 
 
 def dims_equal_on(a: Dim, b: Dim, ranges: Mapping[str, tuple[int, int]]) -> bool:

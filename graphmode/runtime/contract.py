@@ -205,19 +205,25 @@ class InputContract:
                 size = int(t.shape[ax])
                 if isinstance(d, int):
                     if size != d:
-                        drafted = getattr(self, "draft_notes", None)
                         raise ContractViolation(f"input {spec.name!r} axis {ax} must be {d}",
                                                 where=f"inputs.{spec.name}.shape[{ax}]", value=size,
-                                                fix=f"send {spec.name} shaped {spec.shape}" + (
-                                                    "; graphmode drafted the recipe from your example and kept this "
-                                                    f"axis at its size ({drafted.get('inputs', '')}): to vary it, "
-                                                    "compile with dynamic_shapes= (torch.export's Dims) or "
-                                                    "(module, example_inputs, input_dims)" if drafted else ""))
+                                                fix=f"send {spec.name} shaped {spec.shape}" + self._drafted_axis())
                 elif dims.setdefault(d, size) != size:
                     raise ContractViolation(f"dim {d!r} is {dims[d]} in one input but {size} in {spec.name!r}",
                                             where=f"inputs.{spec.name}.shape[{ax}]", value=size,
                                             fix="inputs sharing a dim must agree on its size")
         return dims
+
+    def _drafted_axis(self) -> str:
+        """Why a drafted recipe kept an axis at the example's size, and what would make it vary."""
+        note = (getattr(self, "draft_notes", None) or {}).get("inputs")
+        if not note:
+            return ""
+        if "cannot keep it dynamic" in note:     # torch.export fixed it: no way of compiling varies it
+            return (f"; graphmode drafted the recipe from your example ({note}): compile once per size you send, "
+                    "or run the model with exe_mode: eager")
+        return (f"; graphmode drafted the recipe from your example and kept this axis at its size ({note}): to vary "
+                "it, compile with dynamic_shapes= (torch.export's Dims) or (module, example_inputs, input_dims)")
 
     def bucket_for(self, dims: Mapping[str, int]) -> dict[str, int] | None:
         return self.recipe.bucket_for(dict(dims))

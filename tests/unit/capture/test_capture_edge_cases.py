@@ -975,3 +975,31 @@ def test_packed_sequences_are_named_with_what_to_do_instead():
     with pytest.raises(CaptureError, match="packs variable-length sequences") as e:
         graphmode.compile(_Packed(), example_inputs=(torch.randn(3, 7, 4), torch.tensor([7, 3, 5])))
     assert "padded batch" in e.value.fix
+
+
+class _PositionsResized(torch.nn.Module):
+    """DINOv2's position table resized to the image's patch grid: the resize's scale is a float
+    computed from the dims (4 / floor(W / 8))."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(1, 4, 4, 4))
+
+    def forward(self, x):
+        grid = F.avg_pool2d(x, 8)
+        return grid + F.interpolate(self.pos, size=(x.shape[2] // 8, x.shape[3] // 8), mode="bicubic",
+                                    align_corners=False)
+
+
+def test_a_float_computed_from_dims_is_a_float(tmp_path):
+    """It was taken for an integer: compiled, then every call failed (an arange of 1/2)."""
+    rec = {"version": 1, "name": "resized", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
+           "inputs": [{"name": "x", "dtype": "f32", "shape": [1, 4, "H", "W"]}],
+           "dims": {"H": {"min": 64, "max": 128, "buckets": [64, 128]}, "W": {"min": 64, "max": 128,
+                                                                              "buckets": [64, 128]}},
+           "on_violation": "eager"}
+    m = _PositionsResized()
+    cm = graphmode.compile(m, rec, cache_dir=tmp_path)
+    for h, w in ((64, 64), (128, 64)):
+        x = torch.randn(1, 4, h, w)
+        assert rel_l2(cm(x), m(x)) < 1e-5 and cm.last_path["path"] == "graph"

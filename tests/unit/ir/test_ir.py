@@ -242,3 +242,13 @@ def test_mpt_with_alibi_compiles_its_forward_pass(tmp_path):
         cm = graphmode.compile(m, rec, cache_dir=tmp_path)
     ids = torch.randint(0, 100, (1, 8))
     torch.testing.assert_close(cm(input_ids=ids).logits, m(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_difference_that_expands_to_zero_has_degree_zero_not_a_crash():
+    """MobileViT's dims: sympy's degree of a zero polynomial is -oo, and int() of it raised TypeError."""
+    import sympy
+
+    from graphmode.ir.types import _degree
+    h = sympy.Symbol("H", integer=True, positive=True)
+    assert _degree((h + 1) ** 2 - h ** 2 - 2 * h - 1, h) == 0
+    assert _degree(h ** 2 + 3 * h, h) == 2
