@@ -7,6 +7,7 @@ shapes print, hash and compare the same.
 from __future__ import annotations
 
 import fractions
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -254,6 +255,30 @@ def settle_on(d: Dim, ranges: Mapping[str, tuple[int, int]]) -> Dim:
                 return a
         return m
     return normalize_dim(d.replace(lambda x: isinstance(x, (sympy.Min, sympy.Max)), pick))
+
+
+def constant_on(d: Dim, ranges: Mapping[str, tuple[int, int]]) -> int | None:
+    """The one value a step function of one dim takes over its whole range (EfficientNet's pool of
+    a whole map, floor(H/10240 - 1/320) + 1, is 1 for H in 64..128), else None."""
+    if isinstance(d, int):
+        return d
+    if not d.has(sympy.floor, sympy.ceiling):
+        return None
+    return _constant_on(d, tuple(sorted((k, tuple(v)) for k, v in ranges.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _constant_on(d: sympy.Expr, ranges: tuple) -> int | None:
+    syms = list(d.free_symbols)
+    span = dict(ranges).get(syms[0].name) if len(syms) == 1 else None
+    if span is None or span[1] - span[0] >= QUASI_POINTS:
+        return None
+    x, (lo, hi) = syms[0], span
+    lo = 1 if lo == 2 else lo      # torch.export's captures start at 2 (it specialises 1) and still serve 1
+    first = d.xreplace({x: sympy.Integer(lo)})
+    if not first.is_Integer or d.xreplace({x: sympy.Integer(hi)}) != first:
+        return None           # the ends differ: not constant (the cheap test most dims stop at)
+    return int(first) if _holds_at(d - first, [x], [range(lo, hi + 1)], lambda v: v == 0) else None
 
 
 def _nonneg_on(e: sympy.Expr, ranges: Mapping[str, tuple[int, int]]) -> bool:

@@ -8,7 +8,7 @@ import torch
 from graphmode.capture.aten.emit import emit_aten_reference, repeat_axis
 from graphmode.capture.aten.registry import converts
 from graphmode.ir.graph import clean_name
-from graphmode.ir.types import TORCH_TO_DTYPE, dim_str, dims_equal
+from graphmode.ir.types import TORCH_TO_DTYPE, constant_on, dim_str, dims_equal
 
 
 # ---------------------------------------------------------------------------------- shape
@@ -40,12 +40,28 @@ def _dropout(imp, node, a):
     return True
 
 
+def _settled(imp, x: str) -> str:
+    """`x` sliced to the one value each axis takes over the dims' ranges, where its formula alone
+    does not say it (EfficientNet's pool of a whole map: floor(H/10240 - 1/320) + 1 is 1 for every
+    H of the recipe's range): a slice [0:c] of an axis of c positions is the axis itself."""
+    for ax, d in enumerate(imp.g.type_of(x).shape):
+        c = None if isinstance(d, int) else constant_on(d, imp.g.dims)
+        if c is not None:
+            xt = imp.g.type_of(x)
+            x, = imp.g.add_node("slice", [x], [xt.with_shape(xt.shape[:ax] + (c,) + xt.shape[ax + 1:])],
+                                {"dim": ax, "start": 0, "end": c, "step": 1})
+    return x
+
+
 @converts("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.unsqueeze.default",
           "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.flatten.using_ints",
           "aten.unflatten.int", "aten.view_as.default")
 def _view(imp, node, a):
     x = imp.operand(a["self"])
     xt, out = imp.g.type_of(x), imp.ttype(node.meta["val"])
+    if not dims_equal(xt.numel(), out.numel()):
+        x = _settled(imp, x)
+        xt = imp.g.type_of(x)
     if not dims_equal(xt.numel(), out.numel()):
         # torch.export kept a size computed from the example's shape (DPT: int(n ** 0.5) for a square
         # grid) while leaving the dims free: the view holds at the example only, and a reshape that

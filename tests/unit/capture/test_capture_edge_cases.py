@@ -1003,3 +1003,29 @@ def test_a_float_computed_from_dims_is_a_float(tmp_path):
     for h, w in ((64, 64), (128, 64)):
         x = torch.randn(1, 4, h, w)
         assert rel_l2(cm(x), m(x)) < 1e-5 and cm.last_path["path"] == "graph"
+
+
+class _PooledWhole(torch.nn.Module):
+    """EfficientNet's head: a ceil-mode pool wider than any image of the range, then a view to
+    [batch, channels]: the pooled extent floor(H/320 - ...) + 1 is 1 for every H of the range."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool, self.fc = torch.nn.AvgPool2d(320, ceil_mode=True), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(self.pool(x).view(x.shape[0], 4))
+
+
+def test_a_size_constant_over_the_dims_range_is_that_constant(tmp_path):
+    """The view was refused as holding "at the example's shape only"."""
+    rec = {"version": 1, "name": "pooled", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
+           "inputs": [{"name": "x", "dtype": "f32", "shape": [2, 4, "H", "W"]}],
+           "dims": {"H": {"min": 64, "max": 128, "buckets": [64, 128]}, "W": {"min": 64, "max": 128,
+                                                                              "buckets": [64, 128]}},
+           "on_violation": "eager"}
+    m = _PooledWhole()
+    cm = graphmode.compile(m, rec, cache_dir=tmp_path)
+    for h, w in ((64, 64), (128, 64)):
+        x = torch.randn(2, 4, h, w)
+        assert rel_l2(cm(x), m(x)) < 1e-5 and cm.last_path["path"] == "graph"
