@@ -343,11 +343,22 @@ def prove_memory(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> P
         return Proof("memory", "refuted", msg, ce, dt,
                      {"needed_bytes": int(need), "budget_bytes": budget,
                       "terms": {k: float(x) for k, x in parts.items()}})
+    table = _table(total, cm.domains)
     if status == "unknown":
-        return Proof("memory", "unproved", f"unproved ({res})", seconds=dt)
-    worst = _worst(_table(total, cm.domains))
+        if table is None:
+            return Proof("memory", "unproved", f"unproved ({res})", seconds=dt)
+        # plans exist at the buckets only: every one of them, evaluated exactly, decides it
+        need, at = table[0]
+        if need > budget:
+            parts = {k: smt.evaluate(e, at) for k, e in cm.memory_terms.items()}
+            return Proof("memory", "refuted", f"{_fmt_shape(at)}: needs {_mb(need)} > {budget / MB:.3g} MB budget "
+                         f"(Z3: {res}; decided at each of the {len(table)} buckets)", at, time.perf_counter() - t0,
+                         {"needed_bytes": int(need), "budget_bytes": budget,
+                          "terms": {k: float(x) for k, x in parts.items()}})
+    worst = _worst(table)
     detail = {"budget_bytes": budget}
-    msg = f"fits {cm.budget_source} for every bucket"
+    msg = f"fits {cm.budget_source} for every bucket" + (
+        f" (Z3: {res}; decided at each of the {len(table)} buckets)" if status == "unknown" else "")
     if worst:
         detail.update(worst_bytes=worst[0], worst_at=worst[1])
         msg += f" (worst {_mb(worst[0])} at {_fmt_shape(worst[1])})"

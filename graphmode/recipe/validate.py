@@ -100,6 +100,8 @@ class ValidationReport:
             if first.status == "unproved" and "no FLOP count" in first.message:
                 fix = ("give the model (`recipe validate --model`: the compiled graph counts its FLOPs) or declare "
                        "model.gflops_per_item")
+            elif first.status == "unproved":
+                fix = "raise the proof timeout (--timeout-ms) or give fewer buckets; an unproved recipe is not loaded"
             elif first.name == "memory":
                 fix = memory_fix(self.recipe, first.detail.get("terms", {}))
             elif first.name.startswith("sla") and first.detail.get("link"):
@@ -107,8 +109,6 @@ class ValidationReport:
                        f"{first.detail['link']!r} (parallel.links) or a narrower parallel.comm.dtype")
             elif first.name.startswith("sla"):
                 fix = "relax the SLA, shrink the largest buckets, or pick a faster target"
-            elif first.status == "unproved":
-                fix = "raise the proof timeout or simplify the recipe; an unproved recipe is not loaded"
             raise ConstraintError(f"recipe {'refused' if first.status == 'refuted' else 'unproved'}: {msg}",
                                   counterexample=first.counterexample, where=first.name,
                                   line=self.recipe.line_of(first.name.split(".p50")[0].split(".p99")[0]), fix=fix)
