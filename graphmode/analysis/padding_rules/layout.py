@@ -20,11 +20,13 @@ def reshape(an, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str, Fi
     queue = [f for ax in x.axes for f in ax.factors if not (is_one(f.extent) and f.dim is None)]
     axes: list[Axis] = []
     ok = True
+    pending: list[Factor] = []            # the factors of the output axis being matched, when it fails
     for e in out_shape:
         if is_one(e):
             axes.append(plain(1))
             continue
         taken: list[Factor] = []
+        pending = taken
         prod: Dim = 1
         while ok and not same_dim(prod, e):
             if not queue:
@@ -41,15 +43,21 @@ def reshape(an, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str, Fi
                 queue.insert(0, Factor(normalize_dim(sympy.sympify(f.extent) / sympy.sympify(need))))
                 prod = mul_dims(prod, need)
                 continue
+            queue.insert(0, f)                 # not followed: it is among what the failure taints
             ok = False
         if not ok:
             break
         axes.append(Axis(tuple(taken)) if any(f.dim for f in taken) else plain(e))
+        pending = []
     if ok and any(f.dim for f in queue):
         ok = False
     if not ok:
-        an.taint(taint, n, x.axes, "reshape splits padded dim {dim} in a way graphmode cannot follow")
-        return State(an.from_type(out_shape), x.uniform)
+        # the output axes before the one it could not follow keep the leading factors whole, in order
+        # (SegFormer's flatten(2) of [batch, C, h, w]: batch stays a row), so only the rest is tainted
+        rest = pending + queue
+        an.taint(taint, n, [Axis(tuple(rest))] if rest else x.axes,
+                 "reshape splits padded dim {dim} in a way graphmode cannot follow")
+        return State(tuple(axes) + an.from_type(out_shape)[len(axes):], x.uniform)
     affine = None
     if x.affine is not None:      # follow axes that survive whole (unsqueeze/squeeze-like reshapes)
         moved = {}

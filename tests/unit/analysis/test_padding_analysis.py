@@ -70,6 +70,10 @@ def ir(*lines: str, out_type: str = "") -> str:
      "safe"),       # each row's real positions come first (s outer, 4 inner): sliced back to s*4
     (['%t: f32[b,4,s] = permute(%x) {"perm": [0, 2, 1]}', '%y: f32[b,4*s] = reshape(%t) {"shape": ["b", "4*s"]}'],
      "unsafe"),     # s inner: every row's padding sits between real positions
+    # a split of s it cannot follow taints s, not the leading b it followed whole (SegFormer's
+    # batch was refused for its h * w split back into h and w)
+    (['%f: f32[b,s*4] = reshape(%x) {"shape": ["b", "s*4"]}', '%y: f32[b,2,2*s] = reshape(%f) {"shape": ["b", 2, "2*s"]}'],
+     "unsafe"),
     # concatenating along the padded axis puts padding in the middle
     (['%y: f32[b,2*s,4] = concat(%x, %x) {"dim": 1}'], "unsafe"),
     # ATen-reference pointwise ops keep padding where it is (padded positions: unknown values)
