@@ -216,18 +216,19 @@ def _tile(imp: _Importer, n) -> None:
     in front of it, broadcast there (expand), then each pair merged (reshape)."""
     x = imp.operand(n.input[0])
     xt = imp.g.type_of(x)
-    reps = imp.ints_of(n.input[1], "Tile repeats")
-    if len(reps) != xt.rank or any(r < 0 for r in reps):
+    # a count may be computed from a dim (DeBERTa's relative positions repeated batch times)
+    reps = [r if isinstance(r, int) else normalize_dim(r) for r in imp.need_known(n.input[1], "Tile repeats").dims()]
+    if len(reps) != xt.rank or any(isinstance(r, int) and r < 0 for r in reps):
         raise imp.fail(f"Tile repeats {reps} must give one count >= 0 per axis of {xt.text()}", value=reps)
     h = n.output[0]
-    if all(r == 1 for r in reps):
+    if all(isinstance(r, int) and r == 1 for r in reps):
         imp.alias(h, n.input[0])
         return
     split = [d for s in xt.shape for d in (1, s)]
     wide = [d for r, s in zip(reps, xt.shape) for d in (r, s)]
     y = imp.emit("reshape", [x], {"shape": _shape_attr(split)}, hint=f"{h}_split")
     y = imp.emit("expand", [y], {"shape": _shape_attr(wide)}, hint=f"{h}_wide")
-    imp.emit("reshape", [y], {"shape": _shape_attr([r * s for r, s in zip(reps, xt.shape)])}, out=h)
+    imp.emit("reshape", [y], {"shape": _shape_attr([normalize_dim(r * s) for r, s in zip(reps, xt.shape)])}, out=h)
 
 
 @_handles("CumProd")

@@ -101,8 +101,8 @@ class _Importer(ValueState, Emitter, InputBinder):
 
     def fail(self, msg: str, fix: str | None = None, value: Any = None) -> CaptureError:
         return CaptureError(msg, where=self.where(), value=value,
-                            fix=fix or "re-export the model so this node has static attributes, or import the "
-                                       "PyTorch module with import_torch")
+                            fix=fix or "re-export the model so this node has static attributes, or compile the "
+                                       "PyTorch module itself with graphmode.compile(module)")
 
     def static_dim_error(self, d: Dim, size: int, what: str) -> CaptureError:
         """The refusal of a node that needs `d` (a recipe dim) to be `size`: naming the recipe field

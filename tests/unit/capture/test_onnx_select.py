@@ -210,3 +210,24 @@ def test_deform_conv_samples_each_tap_at_its_offset(with_mask):
         feeds["mask"] = rng.random((2, 2 * 6, oh, ow), dtype=np.float32)
     _check("DeformConv", feeds, opset=22, group=2, offset_group=2, strides=[2, 1], dilations=[2, 1],
            pads=[1, 1, 1, 1], kernel_shape=[3, 2])
+
+
+def test_tile_by_a_count_computed_from_a_dim_repeats_a_table_batch_times():
+    """DeBERTa-v2's dynamo export: relative positions [2, 3] tiled [batch, 1] ("Tile repeats must
+    be concrete integers"); ONNX Runtime runs it."""
+    table = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "table")
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Gather", ["shape", "zero"], ["b"], axis=0),
+             helper.make_node("Concat", ["b", "one"], ["reps"], axis=0),
+             helper.make_node("Tile", ["table", "reps"], ["y"])]
+    consts = [table, numpy_helper.from_array(np.array([0], dtype=np.int64), "zero"),
+              numpy_helper.from_array(np.array([1], dtype=np.int64), "one")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], consts)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    graph, _ = import_onnx(m, dims={"batch": (1, 8)})
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    for b in (1, 3):
+        x = np.zeros((b, 4), dtype=np.float32)
+        got = interpret(graph, {graph.inputs[0]: torch.from_numpy(x)})[graph.outputs[0]].numpy()
+        assert np.array_equal(got, sess.run(None, {"x": x})[0])
