@@ -10,8 +10,9 @@ flat list and come back as None.
 
 The spec is plain JSON (it is stored in `.gm` artifacts): {"t": "tensor"} | {"t": "none"} |
 {"t": "tuple" | "list", "items": [...]} | {"t": "dict", "keys": [...], "items": [...][, "key_kind":
-"int" | "key_kinds": ["int", "str", ...]][, "ordered": true]} | {"t": "model_output" | "namedtuple", "class": "module.Class", "keys": [...],
-"items": [...]} | {"t": "structseq", "class": "torch.return_types.sort", "items": [...]}: a NamedTuple,
+"int" | "key_kinds": ["int", "str", ...]][, "ordered": true]} | {"t": "model_output" | "namedtuple",
+"class": "module.Class", "keys": [...], "items": [...]} | {"t": "structseq", "class":
+"torch.return_types.sort", "items": [...]}: a NamedTuple,
 torch's (values, indices) results, an OrderedDict and int keys come back as eager returns them.
 """
 from __future__ import annotations

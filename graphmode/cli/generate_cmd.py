@@ -308,7 +308,8 @@ def printer(as_json: bool, text: bool, batch: bool) -> Callable[[Row, list[int],
 
 @app.command("generate")
 def generate_cmd(
-    model: str = typer.Option(..., "--model", help="gpt2 | HF folder (save_pretrained) | path/to/file.py:function | module:function "
+    model: str = typer.Option(..., "--model", help="gpt2 | HF folder (save_pretrained) | file.py:function | "
+                              "module:function "
                               "(a causal LM) | a decoder's .gm (graphmode compile --save)"),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="a decoder recipe: one with memory.kv_cache (a .gm "
                                          "holds its own; without one, drafted as graphmode.compile(model) does)"),
