@@ -991,18 +991,21 @@ class _PositionsResized(torch.nn.Module):
                                     align_corners=False)
 
 
-def test_a_float_computed_from_dims_is_a_float(tmp_path):
-    """It was taken for an integer: compiled, then every call failed (an arange of 1/2)."""
-    rec = {"version": 1, "name": "resized", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
-           "inputs": [{"name": "x", "dtype": "f32", "shape": [1, 4, "H", "W"]}],
-           "dims": {"H": {"min": 64, "max": 128, "buckets": [64, 128]}, "W": {"min": 64, "max": 128,
-                                                                              "buckets": [64, 128]}},
+def _in_graph_over_images(m: torch.nn.Module, batch: int, tmp_path) -> None:
+    """`m` compiled with H and W in 64..128 (buckets 64, 128) runs in graph mode as eager does."""
+    hw = {"min": 64, "max": 128, "buckets": [64, 128]}
+    rec = {"version": 1, "name": "images", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
+           "inputs": [{"name": "x", "dtype": "f32", "shape": [batch, 4, "H", "W"]}], "dims": {"H": hw, "W": hw},
            "on_violation": "eager"}
-    m = _PositionsResized()
     cm = graphmode.compile(m, rec, cache_dir=tmp_path)
     for h, w in ((64, 64), (128, 64)):
-        x = torch.randn(1, 4, h, w)
+        x = torch.randn(batch, 4, h, w)
         assert rel_l2(cm(x), m(x)) < 1e-5 and cm.last_path["path"] == "graph"
+
+
+def test_a_float_computed_from_dims_is_a_float(tmp_path):
+    """It was taken for an integer: compiled, then every call failed (an arange of 1/2)."""
+    _in_graph_over_images(_PositionsResized(), 1, tmp_path)
 
 
 class _PooledWhole(torch.nn.Module):
@@ -1019,13 +1022,4 @@ class _PooledWhole(torch.nn.Module):
 
 def test_a_size_constant_over_the_dims_range_is_that_constant(tmp_path):
     """The view was refused as holding "at the example's shape only"."""
-    rec = {"version": 1, "name": "pooled", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
-           "inputs": [{"name": "x", "dtype": "f32", "shape": [2, 4, "H", "W"]}],
-           "dims": {"H": {"min": 64, "max": 128, "buckets": [64, 128]}, "W": {"min": 64, "max": 128,
-                                                                              "buckets": [64, 128]}},
-           "on_violation": "eager"}
-    m = _PooledWhole()
-    cm = graphmode.compile(m, rec, cache_dir=tmp_path)
-    for h, w in ((64, 64), (128, 64)):
-        x = torch.randn(2, 4, h, w)
-        assert rel_l2(cm(x), m(x)) < 1e-5 and cm.last_path["path"] == "graph"
+    _in_graph_over_images(_PooledWhole(), 2, tmp_path)
