@@ -176,7 +176,8 @@ def test_drafted_recipes_decode_families_with_islands_and_stacks_exactly(family,
 
 
 # granite scales the logits after the head as cohere does: slow set
-@pytest.mark.parametrize("family", [pytest.param("granite", marks=pytest.mark.slow), "cohere", "gemma2"])
+@pytest.mark.parametrize("family", [pytest.param("granite", marks=pytest.mark.slow), "cohere",
+                                    pytest.param("gemma2", marks=pytest.mark.slow)])   # one after-head tail is enough
 def test_logits_scaled_or_capped_after_the_head_decode_exactly(family, tmp_path):
     """Granite divides its logits by logits_scaling, Cohere multiplies by logit_scale, Gemma 2
     soft-caps them (tanh(x / c) * c): decoding refused them all ('the model's output is not a
