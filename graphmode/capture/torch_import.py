@@ -85,8 +85,9 @@ def float_dim_value(g: Graph, d: sympy.Expr, where: str) -> str:
     numerator and denominator as dim values, divided. It was taken for an integer and failed
     at every call (an arange of 1/2)."""
     num, den = sympy.fraction(sympy.together(d))
-    if any(sympy.sympify(x).is_integer is False for x in (num, den)) or \
-            not all(sympy.sympify(x).free_symbols or sympy.sympify(x).is_Integer for x in (num, den)):
+    roots = any(not p.exp.is_Integer for p in sympy.sympify(d).atoms(sympy.Pow))      # sqrt(seq): no ratio
+    if roots or sympy.sympify(d).has(sympy.Float) or any(sympy.sympify(x).is_integer is False for x in (num, den)) \
+            or not all(sympy.sympify(x).free_symbols or sympy.sympify(x).is_Integer for x in (num, den)):
         raise CaptureError(f"a float computed from the dims ({d}) that graphmode cannot write as a ratio of sizes",
                            where=f"node {where}", fix="compute it from tensors, or run the model with exe_mode: eager")
     f32 = TensorType("f32", ())
