@@ -141,3 +141,13 @@ class RankFailure(GraphmodeError):
     the ranks still alive stop with this instead of waiting for it."""
 
     exit_code = 1
+
+
+def warning_line(message: Any, category: type) -> str | None:
+    """graphmode's own notice or warning as the one line it prints (`notice: ...`, `warning: ...`),
+    without Python's file and source line, which name graphmode's code; None for others' warnings."""
+    if category.__name__ == "GraphmodeNotice":
+        return f"notice: {message}"
+    if category.__module__.split(".")[0] == "graphmode":
+        return f"warning: {message}"
+    return None

@@ -107,11 +107,12 @@ def _notices_as_lines(warnings) -> None:
     line on stderr, without Python's file and source line, which name graphmode's code."""
     shown = warnings.showwarning
 
+    from graphmode.errors import warning_line
+
     def show(message, category, filename, lineno, file=None, line=None):
-        if category.__name__ == "GraphmodeNotice":
-            err_console.print(f"notice: {message}", markup=False, highlight=False, soft_wrap=True)
-        elif category.__module__.split(".")[0] == "graphmode":
-            err_console.print(f"warning: {message}", markup=False, highlight=False, soft_wrap=True)
+        said = warning_line(message, category)
+        if said is not None:
+            err_console.print(said, markup=False, highlight=False, soft_wrap=True)
         else:
             shown(message, category, filename, lineno, file, line)
     warnings.showwarning = show

@@ -138,15 +138,18 @@ def _warnings_as_lines(rank: int) -> None:
     file and source line); a notice once, from rank 0, since every rank meets the same ones."""
     import sys
     import warnings
+
+    from graphmode.errors import warning_line
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if category.__module__.split(".")[0] != "graphmode":
+        said = warning_line(message, category)
+        if said is None:
             shown(message, category, filename, lineno, file, line)
-        elif category.__name__ != "GraphmodeNotice":
-            print(f"rank {rank} warning: {message}", file=sys.stderr)
+        elif said.startswith("warning:"):
+            print(f"rank {rank} {said}", file=sys.stderr)
         elif rank == 0:
-            print(f"notice: {message}", file=sys.stderr)
+            print(said, file=sys.stderr)
     warnings.showwarning = show
 
 

@@ -67,3 +67,15 @@ def test_python_dash_m_of_a_package_passes(tmp_path):
     res = subprocess.run([sys.executable, "-m", "userpkg"], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path, env={"PYTHONPATH": f"{ROOT}:{tmp_path}", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0 and "STARTED" in res.stdout, res.stdout + res.stderr
+
+
+def test_graphmode_warnings_print_as_one_line_each_and_others_as_python_prints_them():
+    """What the CLI and each tensor-parallel rank print for a warning (not Python's file and line)."""
+    from graphmode.errors import warning_line
+    from graphmode.runtime.compiled import OutsideDraft
+
+    class GraphmodeNotice(UserWarning):
+        pass
+    assert warning_line("dropped the cache", GraphmodeNotice) == "notice: dropped the cache"
+    assert warning_line("outside the draft", OutsideDraft) == "warning: outside the draft"
+    assert warning_line("deprecated", DeprecationWarning) is None
