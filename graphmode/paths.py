@@ -116,12 +116,20 @@ def shown(path: str | os.PathLike) -> str:
     return str(path)
 
 
-def writable_output(path: str | os.PathLike, where: str, *, folder: bool = False) -> Path:
+def writable_output(path: str | os.PathLike, where: str, *, folder: bool = False, replaced: bool = False) -> Path:
     """`path` once it is known to be writable, checked before any work is done: a file where a
     folder goes (or a folder where a file goes), a parent that is a file, or a place this process
-    cannot create or write is refused naming which (not a bare OSError after minutes of work)."""
+    cannot create or write is refused naming which (not a bare OSError after minutes of work).
+    `replaced`: the file is written beside and renamed over `path`, so a link is followed (its
+    target is the file replaced) and a FIFO or device, which a rename would replace, is refused."""
     from graphmode.errors import GraphmodeError
     path = Path(path)
+    if replaced:
+        from graphmode.untrusted import file_kind
+        path = Path(os.path.realpath(path)) if path.is_symlink() else path
+        if path.exists() and not path.is_dir() and not path.is_file():
+            raise GraphmodeError(f"it is a {file_kind(path.stat().st_mode)}, not a regular file", where=where,
+                                 value=str(path), fix="give the path of a new or regular file")
     if not folder and path.is_dir():
         raise GraphmodeError("that path is a folder; a file goes there", where=where, value=str(path),
                              fix=f"give a file path, e.g. {path / 'out'}")

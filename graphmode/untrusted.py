@@ -18,6 +18,7 @@ import json
 import math
 import os
 import stat
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -193,5 +194,31 @@ def read_json(path: str | os.PathLike, *, limit: int, root: str | os.PathLike | 
         raise UntrustedFileError(f"it is not valid JSON: {e}", where=str(path)) from None
 
 
-__all__ = ["GiB", "KiB", "MiB", "OpenFile", "UntrustedFileError", "file_kind", "file_sha256", "open_file", "parse_json",
-           "read_bytes", "read_json"]
+ARTIFACT_SUFFIX = ".gm"
+GROUP_MEMBER = "group.json"      # a tensor-parallel group's file (runtime/rank_artifacts.py) holds only this
+
+
+def is_artifact(model: Any) -> bool:
+    """`model` names a `.gm` artifact: by its suffix, or by its content (a zip holding a manifest
+    and a graph, or a tensor-parallel group's file) when it was renamed, so `run x.bin` loads it
+    rather than asking for a recipe."""
+    if not isinstance(model, (str, os.PathLike)):
+        return False
+    if str(model).endswith(ARTIFACT_SUFFIX):
+        return True
+    p = Path(model)
+    try:
+        if not p.is_file():
+            return False
+        with open(p, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return False
+        with zipfile.ZipFile(p) as z:
+            names = set(z.namelist())
+            return {"manifest.json", "graph.ir"} <= names or names == {GROUP_MEMBER}
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+__all__ = ["ARTIFACT_SUFFIX", "GROUP_MEMBER", "GiB", "KiB", "MiB", "OpenFile", "UntrustedFileError", "file_kind",
+           "file_sha256", "is_artifact", "open_file", "parse_json", "read_bytes", "read_json"]

@@ -607,7 +607,8 @@ def resolve_model_spec(spec: str | os.PathLike, *, seed: int = 0, **build_kwargs
     if build_kwargs:
         raise CaptureError(f"build options {sorted(build_kwargs)} only apply to built-in models",
                            where=f"model spec {spec!r}")
-    if s.lower().endswith(".onnx"):
+    from graphmode.untrusted import is_artifact
+    if s.lower().endswith(".onnx") and not is_artifact(s):
         return load_onnx_spec(s, spec=spec)
     p = Path(s)
     # "module:function" (a Windows drive letter "C:\\..." is not one)
@@ -620,11 +621,12 @@ def resolve_model_spec(spec: str | os.PathLike, *, seed: int = 0, **build_kwargs
                                    where=f"model spec {spec!r}", value=str(p.resolve()),
                                    fix=f"write '{s}:function' where function() returns "
                                        "(module, example_inputs) or a ModelBundle")
-            if p.suffix == ".gm":      # run, verify and serve load one; this command compiles from a source
-                raise CaptureError("a saved .gm holds plans compiled already, and this command compiles the model "
-                                   "from its source", where=f"model spec {spec!r}", value=str(p.resolve()),
-                                   fix="give the model it was saved from, or run the .gm with `graphmode run` / "
-                                       "`verify` / `serve` (which time and check it)")
+            if is_artifact(p):      # run, generate and serve load one; this command compiles from a source
+                raise CaptureError("a saved .gm holds plans compiled already, and this compiles the model from its "
+                                   "source", where=f"model spec {spec!r}", value=str(p.resolve()),
+                                   fix="give the model it was saved from, or load the .gm: graphmode.load(path) in "
+                                       "Python; `graphmode run` (which times it and checks it with the reference "
+                                       "interpreter), `generate` or `serve` on the command line")
             raise CaptureError(f"unsupported model file type {p.suffix or '(none)'!r}",
                                where=f"model spec {spec!r}", value=str(p.resolve()),
                                fix="give an .onnx file, or a 'module:function' that loads this "

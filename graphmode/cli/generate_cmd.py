@@ -22,6 +22,7 @@ import typer
 from graphmode.cli.app import app, err_console
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
+from graphmode.decode.output import encode_text
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.progress import stage
 
@@ -98,7 +99,7 @@ class Request:
                 raise GraphmodeError("the text is not valid Unicode (a lone surrogate: bytes the shell could not "
                                      "decode)", where=flag if text in prompt else "--stop", value=text.encode(
                                          "utf-8", "backslashreplace").decode(), fix="send UTF-8 text") from None
-        prompts = [list(tok.encode(p)) for p in prompt] if prompt else [parse_ids(p, flag) for p in prompt_ids]
+        prompts = [encode_text(tok, p, flag) for p in prompt] if prompt else [parse_ids(p, flag) for p in prompt_ids]
         vocab = int(cfg["vocab"])
         check_ids(prompts, vocab, flag)
         check_ids(stops, vocab, "--stop-ids")
@@ -159,8 +160,8 @@ def artifact_recipe(model: str, recipe: Optional[str]) -> Any:
     """The recipe a `.gm` `model` was compiled with (None when `model` is not one); a
     `--recipe` other than it is refused: the artifact's plans are that recipe's."""
     from graphmode.recipe import load_recipe
-    from graphmode.runtime.artifact import SUFFIX, recipe_of
-    if not model.endswith(SUFFIX):
+    from graphmode.runtime.artifact import is_artifact, recipe_of
+    if not is_artifact(model):
         return None
     own = recipe_of(model)
     if own.memory.kv_cache is None:

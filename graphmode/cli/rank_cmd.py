@@ -137,11 +137,11 @@ def rank_cmd(
     from graphmode.compiler import rank_driver
     from graphmode.parallel.torchrun import run_rank
     from graphmode.recipe import load_recipe
-    from graphmode.runtime.artifact import SUFFIX
+    from graphmode.runtime.artifact import is_artifact
     from graphmode.runtime.rank_artifacts import group_driver, group_files
 
     env = torchrun_env(os.environ)
-    if model.endswith(SUFFIX):        # a saved group: this rank's own file, checked against the group file
+    if is_artifact(model):        # a saved group: this rank's own file, checked against the group file
         if recipe is not None:
             raise GraphmodeError("--recipe does not apply to a saved group: it carries its recipe", where="--recipe",
                                  value=recipe, fix="drop --recipe")

@@ -38,6 +38,7 @@ Out-of-contract requests cannot run eagerly (there is no module): they are refus
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -45,6 +46,7 @@ import re
 import shutil
 import tempfile
 import time
+import uuid
 import zipfile
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -57,11 +59,11 @@ from graphmode.progress import OnStage, StageReporter, stage
 from graphmode.runtime.bounds import bounds_doc, bounds_from_doc
 from graphmode.runtime.contract import omitted_constants, positional_names
 from graphmode.runtime.tail import MEMBERS as TAIL_MEMBERS, read_tail, tail_members
-from graphmode.untrusted import GiB, MiB, UntrustedFileError, file_sha256, open_file, parse_json, read_bytes
+from graphmode.untrusted import (ARTIFACT_SUFFIX as SUFFIX, GROUP_MEMBER, GiB, MiB, UntrustedFileError, file_sha256,
+                                 is_artifact, open_file, parse_json, read_bytes)
 from graphmode.version import __version__
 
 FORMAT = 3              # 2: the manifest lists every member's size and sha256; 3: and its own digest
-SUFFIX = ".gm"
 MAX_THREADS = 1024
 MAX_ITEMS = 4096        # buckets, outputs, kernels, members
 MAX_RANKS = 64          # parallel.tensor's bound
@@ -73,7 +75,6 @@ _MEMBER = re.compile(r"recipe\.json|graph\.ir|constants\.pt|tail\.ir|tail\.pt|pl
                      r"|kernels/[0-9a-f]{32}\.so|tactics/[A-Za-z0-9_.-]{1,200}\.json"
                      r"|tokenizer/[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 _EXTRACTED = ("constants.pt", "kernels", "tactics", "tokenizer")      # what is mapped or loaded by path: written to disk
-GROUP_MEMBER = "group.json"      # a tensor-parallel group's file (runtime/rank_artifacts.py) holds only this
 
 
 def _text(n: int):
@@ -105,6 +106,7 @@ class OutputSpec(_Strict):
     items: Optional[list["OutputSpec"]] = Field(default=None, max_length=MAX_ITEMS)
     class_: Optional[str] = Field(default=None, alias="class", max_length=512)
     key_kind: Optional[Literal["int"]] = None
+    key_kinds: Optional[list[Literal["int", "str"]]] = Field(default=None, max_length=MAX_ITEMS)
     ordered: Optional[bool] = None
 
 
@@ -223,10 +225,11 @@ class _Hashing:
 
 def check_writable(path: str | Path, where: str = "--save") -> Path:
     """Refuse an artifact path that cannot be written before the buckets are built (minutes), not after:
-    a folder, or a parent that cannot be created or written."""
+    a folder, a FIFO or device (the atomic replace would put a file in its place), or a parent that
+    cannot be created or written. A link is followed: the file it points to is the one replaced."""
     from graphmode.paths import writable_output
     try:
-        return writable_output(path, where)
+        return writable_output(path, where, replaced=True)
     except GraphmodeError as e:
         raise ArtifactError(e.message, where=where, value=e.value, fix=e.fix) from None
 
@@ -293,11 +296,11 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
         manifest.update(rank=rank, world=cm.recipe.parallel.tensor)
     files: dict[str, dict[str, Any]] = {}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")   # two saves never share one
     writing = StageReporter(getattr(cm, "on_stage", None), "write", None, str(path))
     writing.start()
     try:
-        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
+        with zipfile.ZipFile(tmp, "x", compression=zipfile.ZIP_STORED) as z:
             def put(name: str, data: bytes) -> None:
                 z.writestr(name, data)
                 files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -327,9 +330,11 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
         tmp.replace(path)                 # a reader never sees a half-written artifact
         writing.finish()
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ArtifactError(f"cannot write the artifact: {e.strerror or e}", where=str(path),
-                            fix="write it to a folder you can write to") from None
+        fix = ("free space on that disk, or save it on another" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+               else "write it to a folder you can write to")
+        raise ArtifactError(f"cannot write the artifact: {e.strerror or e}", where=str(path), fix=fix) from None
+    finally:
+        tmp.unlink(missing_ok=True)       # an error of any kind (or ^C) leaves no half-written file behind
     manifest["seconds"] = round(time.perf_counter() - t0, 3)
     manifest["bytes"] = path.stat().st_size
     return manifest
@@ -790,5 +795,5 @@ def _target(name: str | None):
         return None
 
 
-__all__ = ["ArtifactError", "FORMAT", "Manifest", "SUFFIX", "check_manifest", "load", "manifest_digest", "needed_simd",
+__all__ = ["ArtifactError", "FORMAT", "Manifest", "SUFFIX", "check_manifest", "is_artifact", "load", "manifest_digest", "needed_simd",
            "read_manifest", "save"]

@@ -62,7 +62,14 @@ def _say_outside_draft(cm: Any, err: ContractViolation, bucket: Any) -> None:
 
 def _fallback(cm: Any, inputs: Mapping[str, torch.Tensor], err: ContractViolation, reason: str) -> Any:
     """The eager answer of a request the plans do not take (on_violation: eager). ONNX Runtime
-    failing there is not the request's fault alone: graphmode's own plan may run it."""
+    failing there is not the request's fault alone: graphmode's own plan may run it. A loaded
+    artifact has no eager model: the request's refusal names what the plans do not take."""
+    if cm.source.module is None and getattr(cm, "artifact", None) is not None:
+        raise ContractViolation(f"{err.message}; on_violation: eager would run it on the eager model, and a model "
+                                "loaded from an artifact has none", kind=err.kind, where=err.where, value=err.value,
+                                fix=f"{err.fix}; or serve the model from its source (the torch module or the ONNX "
+                                    "file)" if err.fix else "send shapes at the recipe's bucket values, or serve the "
+                                "model from its source (the torch module or the ONNX file)")
     try:
         return cm._eager(inputs)
     except (RuntimeError, ValueError, IndexError, TypeError) as e:

@@ -256,7 +256,7 @@ def refuse_tensor_parallel(recipe: Any) -> None:
 
 def artifact_path(model: Any) -> Path | None:
     """`model` as a `.gm` artifact's path, or None when it is anything else."""
-    from graphmode.runtime.artifact import SUFFIX
-    if isinstance(model, (str, Path)) and str(model).endswith(SUFFIX):
+    from graphmode.runtime.artifact import is_artifact
+    if is_artifact(model):
         return Path(model)
     return None

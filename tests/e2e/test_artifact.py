@@ -203,6 +203,12 @@ def test_cli_run_takes_an_artifact_and_checks_it_with_the_reference_interpreter(
     assert out["outputs"][0]["shape"] == [3, 4] and out["outputs"][0]["rel_l2_vs_eager"] < 1e-6
     res = CliRunner().invoke(app, ["run", "--model", str(path), "--recipe", "r.yaml"])
     assert res.exit_code != 0 and "--recipe does not apply to an artifact" in res.output
+    renamed, own = tmp / "renamed.bin", tmp / "own.yaml"       # known by its content; its own recipe is taken
+    renamed.write_bytes(path.read_bytes())
+    own.write_text(yaml.safe_dump(RECIPE))
+    res = CliRunner().invoke(app, ["run", "--model", str(renamed), "--recipe", str(own), "--shape", "batch=1",
+                                   "--iters", "1", "--cache-dir", str(tmp / "run-cache")])
+    assert res.exit_code == 0, res.output
 
 
 def _flip_inside(src: Path, dst: Path, member: str) -> Path:
@@ -410,3 +416,22 @@ def test_a_truncated_artifact_is_called_truncated(saved):
     other.write_bytes(b"not a zip at all")
     with pytest.raises(ArtifactError, match="not a graphmode artifact"):
         graphmode.load(other, cache_dir=tmp / "other")
+
+
+def test_a_save_never_puts_a_file_in_place_of_a_fifo_and_writes_through_a_link(saved):
+    """A FIFO (or a device, as root) was replaced by a regular file, and a link by a copy that
+    left its target stale; two saves to one path shared one temporary file."""
+    cm, path, _, tmp = saved
+    tmp = tmp / "special"
+    tmp.mkdir()
+    fifo = tmp / "fifo.gm"
+    os.mkfifo(fifo)
+    with pytest.raises(ArtifactError, match="it is a FIFO, not a regular file") as e:
+        cm.save(fifo)
+    assert e.value.where == "path" and fifo.is_fifo()
+    target, link = tmp / "target.gm", tmp / "link.gm"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    cm.save(link)
+    assert link.is_symlink() and zipfile.is_zipfile(target)
+    assert not [p.name for p in tmp.iterdir() if p.name.endswith(".tmp")]    # no temporary file left
