@@ -12,11 +12,23 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from graphmode.decode.sampling import adjusted, choose, top_logprobs
+from graphmode.errors import GraphmodeError
 
 if TYPE_CHECKING:
     from graphmode.decode.scheduler import Sequence_
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}      # engine reason -> OpenAI's
+
+
+def encode_text(tokenizer: Any, text: str, where: str, **options: Any) -> list[int]:
+    """`text`'s token ids; a tokenizer that cannot encode it (a WordLevel vocabulary without its
+    unknown token, a malformed special token) is the request's error, naming the tokenizer's words."""
+    try:
+        return list(tokenizer.encode(text, **options))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        raise GraphmodeError(f"the model's tokenizer cannot encode this text: {str(e)[:200]}", where=where,
+                             value=text[:80], fix="send token ids instead, or text the tokenizer's vocabulary "
+                                                  "covers") from None
 
 
 def stop_reason(s: "Sequence_") -> str | None:

@@ -45,8 +45,33 @@ def save_engine(eng: Any, path: Any, *, tokenizer: Any = None, rank: int | None 
                                      f"{type(e).__name__}: {str(e)[:200]}", where="tokenizer",
                                      fix="pass a transformers tokenizer, or none (prompts are then token ids)"
                                      ) from None
+            check_reloads(tokenizer, folder)
         return save_artifact(eng.runner.cm, path, rank=rank, envs=eng.runner.envs(), decoder=facts(eng.cfg),
                              tokenizer=Path(folder) if tokenizer is not None else None)
+
+
+_PROBE = "Hello world, 123 -- Grüße, 東京! <unk> zzz"
+
+
+def check_reloads(tokenizer: Any, folder: str) -> None:
+    """Refuse to save a tokenizer whose saved files load back as another one (a vocabulary with
+    two tokens on one id keeps one of them): the artifact would then encode prompts differently,
+    or fail on text the tokenizer passed to save encodes."""
+    def seen(tok: Any) -> tuple[Any, Any]:
+        try:
+            probe: Any = list(tok.encode(_PROBE))
+        except Exception as e:  # noqa: BLE001 - compared, not raised: both may refuse the probe
+            probe = f"{type(e).__name__}: {str(e)[:120]}"
+        return tok.get_vocab(), probe
+    back = _tokenizer(folder, "tokenizer")
+    (vocab, probe), (vocab_back, probe_back) = seen(tokenizer), seen(back)
+    if vocab != vocab_back or probe != probe_back:
+        what = (f"its vocabulary ({len(vocab)} entries) loads back as {len(vocab_back)} entries"
+                if vocab != vocab_back else f"{_PROBE!r} encodes as {probe} but loads back as {probe_back}")
+        raise GraphmodeError(f"the tokenizer ({type(tokenizer).__name__}) does not load back from its saved files as "
+                             f"it is: {what}", where="tokenizer",
+                             fix="pass a tokenizer that AutoTokenizer.from_pretrained loads back as itself from its "
+                                 "save_pretrained files, or save without one (prompts are then token ids)")
 
 
 def facts(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphmode.decode.output import encode_text
 from graphmode.serve.errors import BadRequest
 
 DEFAULT_CHAT_TEMPLATE = ("{%- for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -41,4 +42,4 @@ def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt
     except Exception as e:  # noqa: BLE001 - jinja's errors (raise_exception in the template, undefined names)
         raise BadRequest(f"the chat template refused these messages: {str(e)[:300]}", reason="chat_template",
                          where="messages", fix="send the roles in the order the model's template expects") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_text(tokenizer, text, "messages", add_special_tokens=False)

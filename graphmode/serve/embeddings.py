@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from graphmode.capture.zoo import sentence_embeddings
+from graphmode.decode.output import encode_text
 from graphmode.errors import ContractViolation
 from graphmode.serve.app import openai_failure, read_body
 from graphmode.serve.codec import body_kind, clip, dumps
@@ -56,7 +57,7 @@ def parse_inputs(body: bytes, tokenizer: Any) -> tuple[list[list[int]], dict[str
                        fix='send "input": [id, ...] or [[id, ...], ...]')
         if not all(texts):
             raise _bad("input", "an input is empty", fix="send non-empty texts")
-        ids = [list(tokenizer(t)["input_ids"]) for t in texts[:MAX_INPUTS + 1]]
+        ids = [encode_text(tokenizer, t, "input") for t in texts[:MAX_INPUTS + 1]]
     elif isinstance(v, list) and v and all(type(t) is int for t in v):
         ids = [v]
     elif isinstance(v, list) and v and all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in v):

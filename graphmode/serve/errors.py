@@ -127,10 +127,11 @@ def openai_error(e: BaseException) -> dict[str, Any]:
 
 def openai_status(e: BaseException) -> int:
     """The status an OpenAI endpoint answers: a request the contract refuses (a prompt past the
-    context, token ids outside the vocabulary) is OpenAI's and vLLM's 400, which clients map to
-    their own errors (context window exceeded); graphmode's own endpoints answer it 422."""
+    context, token ids outside the vocabulary, text the tokenizer cannot encode) is OpenAI's and
+    vLLM's 400, which clients map to their own errors (context window exceeded); graphmode's own
+    endpoints answer it 422."""
     status = http_status(e)
-    return 400 if status == 422 and isinstance(e, ContractViolation) else status
+    return 400 if status == 422 else status
 
 
 def _too_long(e: ContractViolation) -> bool:

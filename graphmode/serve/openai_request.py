@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from graphmode.decode.output import encode_text
 from graphmode.decode.sampling import MAX_LOGPROBS, SamplingParams
 from graphmode.errors import GraphmodeError
 from graphmode.serve.codec import clip
@@ -151,7 +152,7 @@ def _prompts(v: Any, tokenizer: Any) -> list[list[int]]:
             raise bad("prompt", NO_TOKENIZER, v, fix='send "prompt": [id, id, ...] (or a list of such lists)')
         if len(texts) > MAX_PROMPTS:
             raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request", len(texts), fix=SPLIT)
-        return [list(tokenizer.encode(t)) for t in texts]
+        return [encode_text(tokenizer, t, "prompt") for t in texts]
     if isinstance(v, list) and v and all(type(t) is int for t in v):
         return [v]
     if isinstance(v, list) and v and all(isinstance(p, list) for p in v):

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from graphmode.decode.output import encode_text
 from graphmode.serve import chat
 from graphmode.serve.app import openai_failure, read_body
 from graphmode.serve.codec import dumps
@@ -61,7 +62,7 @@ def tokenize_routes(server: Any) -> list[Route]:
             if not isinstance(doc["prompt"], str):
                 raise bad("prompt", "prompt must be a string", type(doc["prompt"]).__name__, fix=TOKENIZE_USAGE)
             special = _bool(doc, "add_special_tokens") if "add_special_tokens" in doc else True
-            ids = tok(doc["prompt"], add_special_tokens=special)["input_ids"]
+            ids = encode_text(tok, doc["prompt"], "prompt", add_special_tokens=special)
         return {"count": len(ids), "max_model_len": max_model_len(server), "tokens": list(ids)}
 
     def detokenize_body(body: bytes) -> dict[str, Any]:

@@ -150,6 +150,26 @@ def test_a_lone_surrogate_in_text_is_a_400_not_a_tokenizer_error(tok):
     assert parse_completion(b'{"prompt": "w5 \\ud83d\\ude00", "max_tokens": 2}', tokenizer=tok, eos=EOS)
 
 
+def test_text_the_tokenizer_cannot_encode_is_a_400_naming_the_tokenizers_words():
+    """A WordLevel vocabulary without an unknown token raised a bare Exception on a word it
+    lacks: HTTP 500, and a traceback from `graphmode generate --prompt`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from graphmode.errors import GraphmodeError
+    from graphmode.serve.errors import openai_status
+    t = Tokenizer(models.WordLevel({"a": 0, "b": 1, "</s>": 2}))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    no_unk = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>")
+    assert parse({"prompt": "a b"}, no_unk).prompts == [[0, 1]]
+    with pytest.raises(GraphmodeError, match="tokenizer cannot encode this text: .*Missing") as e:
+        parse({"prompt": "a zzz"}, no_unk)
+    assert e.value.where == "prompt" and "token ids" in e.value.fix and openai_status(e.value) == 400
+    with pytest.raises(GraphmodeError, match="cannot encode") as e:
+        render(no_unk, [{"role": "user", "content": "zzz"}])
+    assert e.value.where == "messages"
+
+
 def feed(out: ChoiceOutput, tokens: list[int], reason: str | None = None) -> tuple[list[int], str]:
     out.tokens += tokens
     return out.release(reason)
