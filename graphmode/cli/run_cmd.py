@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.utils._pytree as pytree
@@ -82,12 +82,38 @@ def _recipe(recipe: str | None):
     return load_recipe(recipe)
 
 
+def sla_misses(recipe: Any, dims: dict[str, int], times_ms: list[float]) -> list[dict[str, Any]]:
+    """The SLA bounds this shape's measured calls missed (p50 against the median, p99 against the
+    nearest-rank p99 of the calls): the proof's cost model is a prediction, this is the host."""
+    from graphmode.monitor.drift import quantile, sla_target
+    target = sla_target(recipe, dims)
+    if target is None or not times_ms:
+        return []
+    ordered = sorted(times_ms)
+    out = []
+    for which, bound in (("p50", target.p50_ms), ("p99", target.p99_ms)):
+        got = quantile(ordered, 0.5 if which == "p50" else 0.99)
+        if bound is not None and got > bound:
+            out.append({"field": f"{target.key}.{which}_ms", "which": which, "bound_ms": bound, "measured_ms": got})
+    return out
+
+
+def _same_recipe(path: str, own: Any) -> bool:
+    from graphmode.recipe import load_recipe
+    try:
+        return load_recipe(path).hash() == own.hash()
+    except GraphmodeError:            # unreadable: refused below as a recipe that does not apply
+        return False
+
+
 def _artifact(model: str, recipe: str | None, mode: str | None, cache_dir: Path | None, threads: int | None):
     """The loaded artifact when --model is a .gm file (nothing compiled), else None."""
-    from graphmode.runtime.artifact import SUFFIX
+    from graphmode.runtime.artifact import is_artifact, recipe_of
     from graphmode.runtime.artifact import load as load_artifact
-    if not str(model).endswith(SUFFIX):
+    if not is_artifact(model):
         return None
+    if recipe is not None and _same_recipe(recipe, recipe_of(model)):
+        recipe = None                   # the recipe it was compiled with, as `generate` takes it
     for flag, value in (("--recipe", recipe), ("--mode", mode)):
         if value is not None:
             raise GraphmodeError(f"{flag} does not apply to an artifact: it carries the recipe and mode it was "
@@ -179,7 +205,8 @@ def run_cmd(
                      "rel_l2_vs_eager": c.rel_l2, **({"top1_vs_eager": c.to_json()["top1"]} if c.top1 is not None else {})})
     numerics_ok = len(outs) == len(refs) and all(c.ok for c in checks)
     ran_graph = path.get("path") == "graph"
-    t_graph = median(time_ms(lambda: cm(**inputs), iters=iters))
+    graph_ms = time_ms(lambda: cm(**inputs), iters=iters)
+    t_graph = median(graph_ms)
     timed = (lambda: cm.source.reference(inputs, optimized=True)) if ref_name == "onnxruntime" else \
         (lambda: reference(inputs))          # ONNX Runtime timed as it ships (checked node by node)
     t_eager = median(time_ms(timed, iters=iters))
@@ -197,6 +224,9 @@ def run_cmd(
         result["metrics"] = cm.metrics()
     if parallel:
         result["parallel"] = parallel
+    over = sla_misses(cm.recipe, env, graph_ms)
+    if over:
+        result["sla_missed"] = over
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -225,6 +255,11 @@ def run_cmd(
                           f"{', '.join(f'{b / 1e6:.2f} MB' for b in parallel['weights_bytes_per_rank'])}; "
                           f"{parallel['collectives_per_call']} collectives, {parallel['comm_bytes_per_call']} bytes "
                           "sent by rank 0 per call")
+        for m in over:
+            console.print(f"[yellow]{m['field']} {m['bound_ms']:g} ms missed[/]: measured {m['which']} "
+                          f"{m['measured_ms']:.3g} ms over {len(graph_ms)} calls at this shape. The recipe's SLA "
+                          "proof predicts with the target's cost model; `graphmode profile` calibrates it on this "
+                          "host, so that the proof judges the bound by this host's speed", highlight=False)
         if not numerics_ok:
             console.print(f"[red]numerics check failed[/]: an output differs from {ref_name} by more than "
                           f"rel L2 {tol:.0e}; run `graphmode verify` to find where")

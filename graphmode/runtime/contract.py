@@ -69,6 +69,13 @@ class InputContract:
         if unknown:
             raise ContractViolation(f"unknown inputs {unknown}", where="inputs",
                                     fix=f"the recipe declares {', '.join(self.input_names)}")
+        for k, t in named.items():      # before the omitted inputs are filled in: they copy a given tensor's shape
+            if not isinstance(t, torch.Tensor):
+                kind = type(t).__name__
+                raise ContractViolation(f"input {k!r} must be a tensor", where=f"inputs.{k}", value=kind,
+                                        fix=f"pass torch.from_numpy({k})" if kind == "ndarray"
+                                        else f"pass torch.tensor({k})" if isinstance(t, (list, tuple, int, float, bool))
+                                        else "pass a torch.Tensor")
         missing = [k for k in self.input_names if k not in named and not self._fill_omitted(k, named)]
         if missing:
             optional = [k for k in missing if k in _none_defaults(getattr(getattr(self, "source", None), "module", None))]
@@ -84,9 +91,6 @@ class InputContract:
         out = {}
         for spec in self.recipe.inputs:
             t = named[spec.name]
-            if not isinstance(t, torch.Tensor):
-                raise ContractViolation(f"input {spec.name!r} must be a tensor", where=f"inputs.{spec.name}",
-                                        value=type(t).__name__)
             if t.is_meta:               # shapes without data: nothing to compute on
                 raise ContractViolation(f"input {spec.name!r} is a meta tensor (a shape without data)",
                                         where=f"inputs.{spec.name}", value="device meta",
