@@ -171,6 +171,7 @@ class KernelBuilder:
     def _syntax_failures(self, sources: list[KernelSource]) -> dict[str, str]:
         """Which kernels the compiler rejects on their own (`-fsyntax-only`, in parallel)."""
         bad: dict[str, str] = {}
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".check-", dir=self.cache_dir))
         try:
             for start in range(0, len(sources), self.jobs):
@@ -217,8 +218,14 @@ class KernelBuilder:
                     why = f"it does not load: {e}"
             self._corrupt(path, why)
         try:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            self._compile(key, path, sources, tu)
+            try:
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+                self._compile(key, path, sources, tu)
+            except FileNotFoundError:        # the build folder went mid-build (`graphmode cache clear`): again
+                log.warning("the kernel cache %s was removed while %s was built; building it again",
+                            self.cache_dir, path.name)
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+                self._compile(key, path, sources, tu)
         except OSError as e:
             if e.errno not in _UNWRITABLE:
                 raise BackendError(f"cannot build the kernel library: {e}", where=str(path)) from None
@@ -320,6 +327,8 @@ class KernelBuilder:
     def _check(self, res: subprocess.CompletedProcess, src: Path, key: str) -> None:
         if res.returncode == 0:
             return
+        if not src.parent.is_dir():          # not the compiler's fault: its folder was removed under it
+            raise FileNotFoundError(errno.ENOENT, "the build folder was removed", str(src.parent))
         keep = self.cache_dir / f"failed-{key[:16]}.cpp"
         try:
             shutil.copyfile(src, keep)

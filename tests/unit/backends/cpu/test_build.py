@@ -208,3 +208,24 @@ def test_a_damaged_seal_key_is_replaced_once(tmp_path, damage):
     assert path.read_bytes() != b"k" * 32 and (path.stat().st_mode & 0o777) == 0o600
     assert (tmp_path / "elsewhere").exists() or damage != "link"
     assert [p.name for p in folder.iterdir()] == [build_mod.SEAL_KEY]    # no temporary left behind
+
+
+@needs_cxx
+def test_a_cache_cleared_in_the_middle_of_a_build_builds_again(tmp_path, monkeypatch, caplog):
+    """`graphmode cache clear` in another process removed the build folder under the compiler:
+    a raw FileNotFoundError traceback (from the fallback's own temporary folder)."""
+    real, calls = build_mod.run, []
+
+    def cleared_first(cmd, **kw):
+        calls.append(cmd)
+        if len(calls) == 1:
+            shutil.rmtree(tmp_path / "kernels")          # as `cache clear` does, while the compiler runs
+        return real(cmd, **kw)
+    monkeypatch.setattr(build_mod, "run", cleared_first)
+    b = KernelBuilder(tmp_path / "kernels")
+    with caplog.at_level("WARNING", logger="graphmode.backends.cpu"):
+        k = b.build(_kernel("sigmoid"))
+    x = torch.randn(4, 8)
+    assert rel_l2(run_with_tensors(k, {"x": x})["y"], torch.sigmoid(x)) < 1e-6
+    assert b.stats["compiles"] == 1 and b.library_path([_kernel("sigmoid")]).is_file()
+    assert [r.getMessage() for r in caplog.records if "was removed while" in r.getMessage()]
