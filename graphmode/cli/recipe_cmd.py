@@ -135,6 +135,12 @@ def _model_facts(model: str, recipe):
     the model must pass the same verdict as compile (mismatches, fallbacks, padding) first;
     the command then proves with its own timeout and calibration."""
     from graphmode.compiler import lower_model
+    if recipe.memory.kv_cache is not None:      # a decoder recipe: what generate and serve refuse, refused here
+        from graphmode.capture.source import resolve_model
+        from graphmode.decode.api import causal_lm
+        from graphmode.decode.engine import check_decoder_recipe
+        model = resolve_model(model, recipe)
+        check_decoder_recipe(causal_lm(model, "--model"), recipe)
     with progress() as on_stage:
         return lower_model(model, recipe, None, on_stage=on_stage, prove_graph=False).facts
 

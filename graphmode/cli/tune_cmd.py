@@ -164,6 +164,9 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
     finally:
         if bar is not None:
             bar.stop()
+    if journal.skipped:
+        log(f"{journal.path}: {journal.skipped} line(s) are not trials graphmode wrote (cut off, or edited); "
+            "they were not replayed")
     _report(result, base_cfg, recipe, base_data, objective, tgt, as_json, out, journal)
 
 

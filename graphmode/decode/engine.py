@@ -88,6 +88,15 @@ def decode_contract(recipe: Any) -> Any:
     return recipe.model_copy(update={"inputs": inputs, "outputs": {}, "optimize": optimize})
 
 
+def check_decoder_recipe(lm: torch.nn.Module, recipe: Any) -> None:
+    """What `generate` and `serve` refuse of a decoder recipe for `lm` before they capture it (ALiBi,
+    a KV cache of other sizes than the model's, a narrower compute, dims the paged graph cannot
+    take): `recipe validate --model` refuses the same, for the same reasons."""
+    from graphmode.decode.lm import refuse_alibi
+    refuse_alibi(lm)
+    _shape(recipe, lm_config(lm))
+
+
 def decode_mode(recipe: Any) -> str:
     """graph, or hybrid where the recipe keeps ops without a lowering as eager islands (MoE routing)."""
     return "hybrid" if recipe.exe_mode == "hybrid" else "graph"

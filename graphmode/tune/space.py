@@ -95,7 +95,9 @@ def search_space(recipe: Any, target: Any, *, objective: str, tol: float, max_bu
     own_prec = {"compute": prec.compute, **({"overrides": dict(prec.overrides)} if prec.overrides else {})}
     if prec.compute == "f32":
         why = []
-        if not target.supports_dtype("bf16"):
+        if recipe.memory.kv_cache is not None:
+            why.append("bf16: decoding computes in f32 (precision.weights narrows what a decoder reads)")
+        elif not target.supports_dtype("bf16"):
             why.append(f"bf16: target {target.name} does not compute in bf16")
         elif tol < TOLERANCE["bf16"]:
             why.append(f"bf16: needs --tol >= {TOLERANCE['bf16']:g} (rel L2 vs eager), tolerance is {tol:g}")

@@ -15,6 +15,7 @@ determinism or numerics, with the reason) or `failed` (an error, with its messag
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from graphmode.verify.numerics import WEIGHT_ONLY
 
 WORKLOAD = 6              # request shapes per trial
 MIN_ROUNDS, MAX_ROUNDS = 3, 200
+STATUSES = ("ok", "violates", "failed")
 
 
 class TrialCutOff(Exception):
@@ -64,8 +66,23 @@ class TrialResult:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "TrialResult":
-        return cls(int(d["index"]), dict(d["config"]), str(d["status"]), d.get("reason"), dict(d.get("metrics") or {}),
-                   d.get("recipe_hash"), float(d.get("seconds") or 0.0), int(d.get("samples") or 0), replayed=True)
+        """A journaled trial, read back only when every field is what a trial writes: a line
+        edited by hand (a p99 of "fast" or -5 ms, a NaN) raises ValueError and is skipped, so it
+        neither crashes the report nor wins the search."""
+        metrics = dict(d.get("metrics") or {})
+        for k, v in metrics.items():
+            if v is not None and not (type(v) in (int, float) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"metric {k} = {v!r} is not a finite number >= 0")
+        if d["status"] not in STATUSES or type(d["index"]) is not int or not isinstance(d["config"], dict):
+            raise ValueError("not a trial graphmode wrote")
+        seconds, samples = d.get("seconds") or 0.0, d.get("samples") or 0
+        if type(seconds) not in (int, float) or not math.isfinite(seconds) or type(samples) is not int:
+            raise ValueError("not a trial graphmode wrote")
+        reason, rhash = d.get("reason"), d.get("recipe_hash")
+        if not all(v is None or isinstance(v, str) for v in (reason, rhash)):
+            raise ValueError("not a trial graphmode wrote")
+        return cls(d["index"], dict(d["config"]), d["status"], reason, metrics, rhash, float(seconds), samples,
+                   replayed=True)
 
 
 def jitter(times: list[list[float]]) -> float | None:

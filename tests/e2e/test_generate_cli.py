@@ -199,3 +199,15 @@ def test_a_request_past_the_pages_names_pages_only_where_more_would_help(context
     with pytest.raises(ContractViolation) as e:
         req.check_room(rec, room)
     assert ("max_pages_per_seq" in e.value.fix) == pages_help and f"at most {room - 2}" in e.value.fix
+
+
+@pytest.mark.parametrize("over,where", [
+    ({"memory": {"kv_cache": dict(recipe()["memory"]["kv_cache"], kv_heads=3)}}, "memory.kv_cache.kv_heads"),
+    ({"precision": {"compute": "bf16"}}, "precision.compute"),
+])
+def test_recipe_validate_with_the_model_refuses_the_decoder_recipes_generate_refuses(tmp_path, over, where):
+    """`recipe validate --model` said valid; `generate` then refused the same recipe."""
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump(recipe(**over)))
+    res = runner.invoke(app, ["recipe", "validate", "--model", f"{TINY}:gpt2", str(rec), "--json"])
+    assert res.exit_code == 2 and json.loads(res.stdout)["where"] == where, res.output

@@ -81,6 +81,24 @@ def _axes(data):
     return [a for a in axes if a.name == "fusion.max_ops"]
 
 
+def test_a_journal_line_edited_by_hand_is_skipped_not_replayed(tmp_path):
+    """A p99 of "fast" crashed the report with a raw traceback; -5 ms and NaN won the search and
+    were written into the tuned recipe's header."""
+    from graphmode.tune.trial import TrialResult
+    good = TrialResult(0, {"threads": 1}, "ok", None, {"p50_ms": 0.5, "p99_ms": 0.6, "throughput": None}, "h", 1.0, 3)
+    j = Journal(tmp_path / "r.tune.jsonl", "r")
+    j.append(good)
+    for i, bad in enumerate(("fast", -5, float("nan"), True)):
+        forged = dict(good.to_json(), index=i + 1, config={"threads": i + 2},
+                      metrics=dict(good.metrics, p99_ms=bad))
+        with open(j.path, "a") as f:
+            f.write(json.dumps({"run": "r", "kind": "trial", "trial": forged}) + "\n")
+    with open(j.path, "a") as f:
+        f.write(json.dumps({"run": "r", "kind": "trial", "trial": dict(good.to_json(), status="best")}) + "\n")
+    back = Journal(j.path, "r")
+    assert list(back.load()) == [good.key] and back.skipped == 5
+
+
 def test_interrupted_search_resumes_from_the_journal(mlp_runner, tmp_path):
     data, runner = mlp_runner
     axes = _axes(data)
