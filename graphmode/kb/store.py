@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import stat
 import time
@@ -183,8 +184,11 @@ class KnowledgeBase:
         if mode is not None and not stat.S_ISREG(mode):
             raise KbError(f"the knowledge base path is a {file_kind(mode)}, not a file", where=str(self.path),
                           fix="pass the path of a knowledge-base file (or of one to create), e.g. --kb team.sqlite")
+        # a file this process cannot write (a read-only mount of a team's file): read, never migrated or written
+        self.readonly = mode is not None and not (os.access(self.path, os.W_OK) and os.access(self.path.parent,
+                                                                                             os.W_OK))
         try:
-            self.db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            self.db = self._connect()
         except sqlite3.Error as e:
             raise kb_error(e, self.path, "opening it") from None
         self.db.row_factory = sqlite3.Row
@@ -193,6 +197,18 @@ class KnowledgeBase:
         except BaseException:
             self.db.close()
             raise
+
+    def _connect(self) -> sqlite3.Connection:
+        if not self.readonly:
+            return sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        uri = f"{self.path.resolve().as_uri()}?mode=ro"
+        db = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        try:
+            db.execute("PRAGMA user_version").fetchone()
+            return db
+        except sqlite3.OperationalError:  # a WAL file whose -shm cannot be made there: nobody can write it either
+            db.close()
+            return sqlite3.connect(uri + "&immutable=1", uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
 
     def __enter__(self) -> "KnowledgeBase":
         return self
@@ -211,7 +227,8 @@ class KnowledgeBase:
         if [r[0] for r in rows] != ["ok"]:
             raise KbError(f"the knowledge base file is damaged: {rows[0][0]}; graphmode left it untouched",
                           where=str(self.path), fix=_fix_corrupt(self.path))
-        self._retry_busy(self._use_wal, "switching it to WAL mode")
+        if not self.readonly:
+            self._retry_busy(self._use_wal, "switching it to WAL mode")
         with self._guard("turning on foreign keys"):
             self.db.execute("PRAGMA foreign_keys=ON")
         version = self._version()
@@ -222,6 +239,11 @@ class KnowledgeBase:
             raise KbError(f"the knowledge base has schema version {version}, this graphmode reads up to "
                           f"{SCHEMA_VERSION}", where=str(self.path),
                           fix="upgrade graphmode, or pass another --kb PATH")
+        if version < SCHEMA_VERSION and self.readonly:
+            raise KbError(f"the knowledge base has schema version {version} and cannot be written here to move it to "
+                          f"{SCHEMA_VERSION}", where=str(self.path),
+                          fix="open it once where it can be written (any graphmode command migrates it), or pass "
+                              "another --kb PATH")
         if version < SCHEMA_VERSION:
             with self.transaction("migrating its schema"):
                 version = self._version()          # another process may have migrated meanwhile

@@ -176,3 +176,20 @@ def test_a_folder_or_unwritable_place_is_a_clear_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(KbError, match="cannot create the folder"):
         KnowledgeBase(tmp_path / "file" / "kb.sqlite")
+
+
+def test_a_file_this_process_cannot_write_is_read_and_never_written(tmp_path, monkeypatch):
+    """A team's file on a read-only mount: every read (kb ls, recommend, recipe init) failed with
+    "cannot write the knowledge base while reading its header". (The mount is not made here:
+    `os.access` answers as it does on one; SQLite opens the real file read-only.)"""
+    import os
+    path = tmp_path / "team.sqlite"
+    _measure(path, subject(), n=2)
+    before = path.read_bytes()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if mode == os.W_OK else real(p, mode, **kw))
+    with KnowledgeBase(path) as kb:
+        assert kb.readonly and kb.counts()["performance"] == 2
+    said = record(path, subject(), [perf("bench", bucket={"batch": 2}, p50_ms=1.0, p99_ms=2.0, throughput=1.0)])
+    assert "not recorded" in said and "cannot write the knowledge base" in said     # a warning; the command goes on
+    assert path.read_bytes() == before
