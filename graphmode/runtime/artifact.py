@@ -49,24 +49,22 @@ import time
 import uuid
 import zipfile
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import ValidationError
 
 from graphmode.errors import ArtifactError, GraphmodeError, short_value
 from graphmode.progress import OnStage, StageReporter, stage
 from graphmode.runtime.bounds import bounds_doc, bounds_from_doc
 from graphmode.runtime.contract import omitted_constants, positional_names
+from graphmode.runtime.manifest import MAX_ITEMS, MAX_RANKS, MAX_THREADS, Manifest, OutputSpec, manifest_digest
 from graphmode.runtime.tail import MEMBERS as TAIL_MEMBERS, read_tail, tail_members
 from graphmode.untrusted import (ARTIFACT_SUFFIX as SUFFIX, GROUP_MEMBER, GiB, MiB, UntrustedFileError, file_sha256,
                                  is_artifact, open_file, parse_json, read_bytes)
 from graphmode.version import __version__
 
 FORMAT = 3              # 2: the manifest lists every member's size and sha256; 3: and its own digest
-MAX_THREADS = 1024
-MAX_ITEMS = 4096        # buckets, outputs, kernels, members
-MAX_RANKS = 64          # parallel.tensor's bound
 MANIFEST_MAX_BYTES = 1 * MiB
 # what one member may hold, by where it lives (constants.pt: anything up to the archive's size)
 MEMBER_MAX_BYTES = {"recipe.json": 16 * MiB, "graph.ir": 1 * GiB, "plans": 256 * MiB, "kernels": 512 * MiB,
@@ -75,123 +73,6 @@ _MEMBER = re.compile(r"recipe\.json|graph\.ir|constants\.pt|tail\.ir|tail\.pt|pl
                      r"|kernels/[0-9a-f]{32}\.so|tactics/[A-Za-z0-9_.-]{1,200}\.json"
                      r"|tokenizer/[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 _EXTRACTED = ("constants.pt", "kernels", "tactics", "tokenizer")      # what is mapped or loaded by path: written to disk
-
-
-def _text(n: int):
-    return Field(max_length=n)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class HostFacts(_Strict):
-    cpu: str = _text(256)
-    arch: str = _text(32)
-    simd: list[str] = Field(max_length=64)
-
-
-class Member(_Strict):
-    bytes: int = Field(ge=0, le=1 << 40)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-
-
-class OutputSpec(_Strict):
-    """How the model's outputs nest (capture/outputs.py `describe`). Its class is only imported
-    when it names a transformers ModelOutput (`outputs._class`); anything else loads as a dict
-    (a NamedTuple as a namedtuple of its fields, torch.return_types from torch itself)."""
-
-    t: Literal["tensor", "none", "tuple", "list", "dict", "model_output", "namedtuple", "structseq"]
-    keys: Optional[list[str]] = Field(default=None, max_length=MAX_ITEMS)
-    items: Optional[list["OutputSpec"]] = Field(default=None, max_length=MAX_ITEMS)
-    class_: Optional[str] = Field(default=None, alias="class", max_length=512)
-    key_kind: Optional[Literal["int"]] = None
-    key_kinds: Optional[list[Literal["int", "str"]]] = Field(default=None, max_length=MAX_ITEMS)
-    ordered: Optional[bool] = None
-
-
-class ValueBound(_Strict):
-    input: str = _text(256)
-    lo: int
-    hi: int
-    model: Optional[list[int]] = Field(min_length=2, max_length=2)
-    model_why: str = _text(1024)
-    declared: Optional[list[int]] = Field(min_length=2, max_length=2)
-
-
-class DimBound(_Strict):
-    dim: str = _text(256)
-    max: int
-    why: str = _text(1024)
-
-
-class InputBounds(_Strict):
-    """The request checks of runtime/bounds.py, as the compile derived them from the whole model."""
-
-    values: list[ValueBound] = Field(max_length=MAX_ITEMS)
-    dims: list[DimBound] = Field(max_length=MAX_ITEMS)
-
-
-class DecoderFacts(_Strict):
-    """A decoder's sizes (decode/lm.py `lm_config`): what its engine needs besides the graph."""
-
-    layers: int = Field(ge=1, le=1 << 16)
-    heads: Optional[int] = Field(ge=1, le=1 << 16)
-    kv_heads: Optional[int] = Field(ge=1, le=1 << 16)
-    head_dim: Optional[int] = Field(ge=1, le=1 << 16)
-    vocab: Optional[int] = Field(ge=1, le=1 << 31)
-    context: Optional[int] = Field(ge=1, le=1 << 31)
-    eos: Union[int, list[int], None] = None
-    pad: Optional[int] = None
-
-
-class Manifest(_Strict):
-    """What a manifest may hold: every field typed and bounded."""
-
-    format: int
-    graphmode: str = _text(64)
-    torch: str = _text(64)
-    created: str = _text(64)
-    host: HostFacts
-    model: str = _text(256)
-    recipe_hash: str = Field(pattern=r"^[0-9a-f]{8,64}$")
-    graph_hash: str = Field(pattern=r"^[0-9a-f]{8,64}$")
-    target: Optional[str] = Field(pattern=r"^[^./\\\x00-\x1f][^/\\\x00-\x1f]{0,127}$")     # a target's name, not a path
-    mode: Literal["graph", "hybrid"]
-    device: str = Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")
-    isa: str = _text(32)                # one of backends.cpu.isa.CAPS (checked with the members)
-    threads: Optional[int] = Field(ge=1, le=MAX_THREADS)
-    buckets: list[str] = Field(min_length=1, max_length=MAX_ITEMS)
-    outputs: list[str] = Field(max_length=MAX_ITEMS)
-    out_spec: Optional[str] = _text(1 << 20)
-    output_structure: Optional[OutputSpec] = None
-    mutated_inputs: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
-    positional: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)   # forward's parameters, in order
-    omitted: dict[str, int] = Field(default_factory=dict, max_length=MAX_ITEMS)  # optional inputs' constants
-    exact_dims: list[str] = Field(max_length=MAX_ITEMS)
-    masked_dims: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)   # runtime/shaping.py pad_hazard
-    query_key_dims: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
-    kernels: list[str] = Field(max_length=MAX_ITEMS)
-    files: dict[str, Member] = Field(max_length=4 * MAX_ITEMS)
-    rank: Optional[int] = Field(default=None, ge=0, le=MAX_RANKS)     # a rank's shard of a tensor-parallel group
-    world: Optional[int] = Field(default=None, ge=2, le=MAX_RANKS)    # (runtime/rank_artifacts.py)
-    input_bounds: Optional[InputBounds] = None     # absent in artifacts saved before them: derived from the graph
-    bucket_envs: Optional[list[dict[str, int]]] = Field(default=None, max_length=MAX_ITEMS)   # else the recipe's
-    # the kernels' loop schedule (backends/cpu/omp_loops.py): `auto` resolves by the process's OpenMP
-    # wait, and it is part of every library's key, so a load in another kind of process uses this one
-    schedule: Optional[Literal["static", "dynamic", "guided", "claim"]] = None
-    # the modules defining custom ops the graph's fallback nodes call (ir/fallback.py op_module)
-    op_modules: list[Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z_][\w.]*$")]] = \
-        Field(default_factory=list, max_length=MAX_ITEMS)
-    decoder: Optional[DecoderFacts] = None         # a decoder's paged graph (decode/saved.py)
-    digest: str = Field(pattern=r"^[0-9a-f]{64}$")  # manifest_digest: the other fields' sha256
-
-
-def manifest_digest(manifest: dict[str, Any]) -> str:
-    """The sha256 of a manifest's fields but `digest`, as canonical JSON: mutated_inputs or the
-    output structure edited by hand reached the call as a bare traceback or another structure."""
-    body = json.dumps({k: v for k, v in manifest.items() if k != "digest"}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def _host() -> dict[str, Any]:
@@ -231,7 +112,7 @@ def check_writable(path: str | Path, where: str = "--save") -> Path:
     try:
         return writable_output(path, where, replaced=True)
     except GraphmodeError as e:
-        raise ArtifactError(e.message, where=where, value=e.value, fix=e.fix) from None
+        raise ArtifactError(e.message, where=where, value=e.value, fix=e.fix, exit_code=2) from None
 
 
 def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[str, int]] | None = None,
@@ -390,7 +271,7 @@ def _tactics_dir(libraries: dict[str, Path]) -> Path | None:
 
 def _damaged(where: Path, name: str, why: str) -> ArtifactError:
     return ArtifactError(f"{name} is damaged or edited: {why}", where=f"{where}:{name}",
-                         fix="the file was damaged in transit or edited: save the artifact again")
+                         fix="the file was damaged in transit or edited: save the artifact again", exit_code=2)
 
 
 def _member_limit(name: str, archive_bytes: int) -> int:
@@ -405,7 +286,7 @@ def _stream(z: zipfile.ZipFile, name: str, where: Path, limit: int, want: dict[s
         info = z.getinfo(name)
     except KeyError:
         raise ArtifactError(f"the artifact has no {name}", where=str(where),
-                            fix="it is truncated or not a graphmode artifact: save it again") from None
+                            fix="it is truncated or not a graphmode artifact: save it again", exit_code=2) from None
     if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
         raise _damaged(where, name, "it is compressed or encrypted; graphmode stores every member as is")
     if info.file_size > limit or info.file_size != info.compress_size:
@@ -443,10 +324,10 @@ def read_manifest(z: zipfile.ZipFile, where: Path) -> dict[str, Any]:
         manifest = parse_json(raw)
     except ValueError as e:
         raise ArtifactError(f"unreadable manifest: {e}", where=f"{where}:manifest.json",
-                            fix="save the artifact again") from None
+                            fix="save the artifact again", exit_code=2) from None
     if not isinstance(manifest, dict):
         raise ArtifactError(f"the manifest is a JSON {type(manifest).__name__}, not an object",
-                            where=f"{where}:manifest.json", fix="save the artifact again")
+                            where=f"{where}:manifest.json", fix="save the artifact again", exit_code=2)
     _check_versions(manifest, where)        # before the fields: another version may have other fields
     try:
         Manifest.model_validate(manifest)
@@ -454,14 +335,14 @@ def read_manifest(z: zipfile.ZipFile, where: Path) -> dict[str, Any]:
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"])
         raise ArtifactError(f"manifest field {field}: {err['msg']}", where=f"{where}:manifest.json",
-                            value=err.get("input"), fix="save the artifact again") from None
+                            value=err.get("input"), fix="save the artifact again", exit_code=2) from None
     if manifest["digest"] != manifest_digest(manifest):
         raise ArtifactError("the manifest's fields differ from the ones it was written with (its digest does "
                             "not match): it was edited or damaged", where=f"{where}:manifest.json",
-                            fix="save the artifact again (graphmode compile ... --save)")
+                            fix="save the artifact again (graphmode compile ... --save)", exit_code=2)
     problem = _members_problem(z, manifest)
     if problem is not None:
-        raise ArtifactError(problem, where=str(where), fix="save the artifact again")
+        raise ArtifactError(problem, where=str(where), fix="save the artifact again", exit_code=2)
     return manifest
 
 
@@ -505,6 +386,9 @@ def needed_simd(built: list[str], isa: str) -> list[str]:
 
 
 def _check_versions(manifest: dict[str, Any], where: Path) -> None:
+    if manifest.get("format") is None:
+        raise ArtifactError("its manifest names no format: a zip, but not one graphmode wrote", where=str(where),
+                            fix="pass a file written by graphmode compile --save / CompiledModel.save", exit_code=2)
     if manifest.get("format") != FORMAT:
         raise ArtifactError(f"artifact format {short_value(manifest.get('format'))!r}, this graphmode reads format "
                             f"{FORMAT}", where=str(where), fix="save it again with this graphmode version")
@@ -547,6 +431,10 @@ def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
             fobj = os.fdopen(os.dup(f.fd), "rb")
         except (OSError, GraphmodeError) as e:
             raise ArtifactError(f"cannot read it: {getattr(e, 'message', e)}", where=str(path)) from None
+    if f.size == 0:
+        fobj.close()
+        raise ArtifactError("the file is empty (0 bytes)", where=str(path), exit_code=2,
+                            fix="copy it again whole, or save it again (graphmode compile ... --save)")
     try:
         z = zipfile.ZipFile(fobj)
     except Exception as e:  # noqa: BLE001 - a damaged central directory raises many types
@@ -639,7 +527,8 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
         for env in buckets:
             key = cm.bucket_key(env)
             if key not in plans:
-                raise ArtifactError(f"no plan for bucket {key}", where=str(path), fix="save the artifact again")
+                raise ArtifactError(f"no plan for bucket {key}", where=str(path), fix="save the artifact again",
+                                    exit_code=2)
             try:
                 doc = parse_json(plans[key], nonfinite=True)    # json.dumps writes -inf as -Infinity
                 if not isinstance(doc, dict):
@@ -648,7 +537,8 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
                                  reuse=recipe.optimize.memory_reuse, alias_groups=[list(g) for g in recipe.alias_groups])
             except (PlanError, ValueError, TypeError, KeyError, AttributeError) as e:
                 raise ArtifactError(f"the plan for bucket {key} is not a plan of its graph: "
-                                    f"{getattr(e, 'message', e)}", where=str(path), fix="save the artifact again") from None
+                                    f"{getattr(e, 'message', e)}", where=str(path), fix="save the artifact again",
+                                    exit_code=2) from None
             t0 = time.perf_counter()
             exe = backend.executable(plan, graph.constants, kernel_dir=root / "kernels", threads=cm.threads,
                                      kernel_selection=recipe.codegen.kernel_selection, **extra)
@@ -685,10 +575,10 @@ def _recipe(z: zipfile.ZipFile, path: Path, manifest: dict[str, Any], size: int)
         recipe = Recipe.model_validate(recipe_doc)
     except (ValueError, TypeError) as e:
         raise ArtifactError(f"unreadable recipe: {str(e).splitlines()[0][:300]}", where=f"{path}:recipe.json",
-                            fix="save the artifact again") from None
+                            fix="save the artifact again", exit_code=2) from None
     if recipe.hash() != manifest.get("recipe_hash"):
         raise ArtifactError("its recipe does not match the manifest's hash (edited?)", where=f"{path}:recipe.json",
-                            fix="save the artifact again")
+                            fix="save the artifact again", exit_code=2)
     return recipe
 
 
@@ -714,7 +604,7 @@ def _graph(root: Path, text: str, manifest: dict[str, Any], where: Path):
         if not isinstance(constants, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                       for k, v in constants.items()):
             raise ArtifactError("its constants are not a mapping of names to tensors", where=f"{where}:constants.pt",
-                                fix="save the artifact again")
+                                fix="save the artifact again", exit_code=2)
         graph = parse_graph(text, constants)
         from graphmode.ir.fallback import import_op_modules
         import_op_modules(manifest.get("op_modules") or [],
@@ -723,13 +613,13 @@ def _graph(root: Path, text: str, manifest: dict[str, Any], where: Path):
         raise
     except GraphmodeError as e:
         raise ArtifactError(f"its graph or weights are damaged or edited: {e.message}", where=str(where),
-                            fix="save the artifact again") from None
+                            fix="save the artifact again", exit_code=2) from None
     except Exception as e:  # noqa: BLE001 - torch.load and the parser raise many types for a damaged file
         raise ArtifactError(f"its graph or constants do not load: {type(e).__name__}: {str(e)[:200]}",
-                            where=f"{where}:constants.pt", fix="save the artifact again") from None
+                            where=f"{where}:constants.pt", fix="save the artifact again", exit_code=2) from None
     if graph.structural_hash() != manifest.get("graph_hash"):
         raise ArtifactError("its graph or weights do not match the manifest's hash (edited?)", where=str(where),
-                            fix="save the artifact again")
+                            fix="save the artifact again", exit_code=2)
     return graph, spill
 
 

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from pydantic import Field, ValidationError
 
-from graphmode.runtime.artifact import (FORMAT, GROUP_MEMBER, MANIFEST_MAX_BYTES, MAX_RANKS, ArtifactError, Member,
-                                        _check_versions, _open, _Strict, _stream, _text, recipe_of)
+from graphmode.runtime.artifact import (FORMAT, GROUP_MEMBER, MANIFEST_MAX_BYTES, ArtifactError, _check_versions, _open,
+                                        _stream, recipe_of)
+from graphmode.runtime.manifest import MAX_RANKS, Member, _Strict, _text
 from graphmode.untrusted import UntrustedFileError, file_sha256, open_file
 from graphmode.version import __version__
 

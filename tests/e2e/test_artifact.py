@@ -416,6 +416,14 @@ def test_a_truncated_artifact_is_called_truncated(saved):
     other.write_bytes(b"not a zip at all")
     with pytest.raises(ArtifactError, match="not a graphmode artifact"):
         graphmode.load(other, cache_dir=tmp / "other")
+    empty, bare = tmp / "empty.gm", tmp / "bare.gm"        # "BadZipFile"; "format None: save it again with this version"
+    empty.write_bytes(b"")
+    with zipfile.ZipFile(bare, "w") as z:
+        z.writestr("manifest.json", "{}")
+    for f, needle in ((empty, "the file is empty"), (bare, "names no format: a zip, but not one graphmode wrote")):
+        with pytest.raises(ArtifactError, match=needle) as e:
+            graphmode.load(f, cache_dir=tmp / "other")
+        assert e.value.exit_code == 2
 
 
 def test_a_save_never_puts_a_file_in_place_of_a_fifo_and_writes_through_a_link(saved):

@@ -64,7 +64,7 @@ def test_named_tuples_return_types_ordered_and_int_keyed_dicts_come_back_as_eage
            "by_id": {0: a, 1: b}, "ordered": OrderedDict([("z", a), ("y", b)])}
     spec, flat = describe(out)
     assert [n for n, _ in flat][:2] == ["stats_mean", "stats_std"]
-    from graphmode.runtime.artifact import OutputSpec
+    from graphmode.runtime.manifest import OutputSpec
     OutputSpec.model_validate(spec)
     back = rebuild(json.loads(json.dumps(spec)), [t for _, t in flat])
     assert type(back["stats"]) is Stats and back["stats"].mean is a
@@ -78,7 +78,7 @@ def test_named_tuples_return_types_ordered_and_int_keyed_dicts_come_back_as_eage
 def test_str_and_int_keys_together_come_back_as_eager_returns_them():
     """{0: .., "a": ..} came back keyed "0"; {"0": .., 0: ..} came back as one key holding the
     wrong value: silently, both."""
-    from graphmode.runtime.artifact import OutputSpec
+    from graphmode.runtime.manifest import OutputSpec
     a, b = torch.ones(2), torch.zeros(2)
     for out in ({0: a, "a": b}, {"0": a, 0: b}):
         spec, flat = describe(out)
