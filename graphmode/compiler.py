@@ -372,6 +372,10 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
                       threads=threads)  # warm
     if mode == "eager":
         src = resolve_model(model, recipe)
+        if recipe.precision.weights != "f32":       # the passes narrow weights; eager runs the module as it is
+            from graphmode.capture.spec import GraphmodeNotice
+            warnings.warn(GraphmodeNotice(f"precision.weights {recipe.precision.weights} applies to graph and hybrid "
+                                          "mode: exe_mode eager runs the module with its f32 weights"), stacklevel=2)
         return CompiledModel(src, recipe, tgt, None, None, None, mode="eager", cache_dir=cache_dir,
                              threads=threads, on_stage=on_stage)
     if recipe.memory.kv_cache is not None and not warmup:

@@ -140,7 +140,7 @@ def cache_explain(
     from graphmode.runtime.cache import make_key
 
     rec = load_recipe(recipe)
-    env = parse_shape(bucket, list(rec.dims)) if bucket else dict(all_buckets(rec)[0])
+    env = parse_shape(bucket, list(rec.dims), "--bucket") if bucket else dict(all_buckets(rec)[0])
     planned = bucket_for(rec, env)
     if planned is None:
         raise GraphmodeError(f"{bucket} is outside the recipe's contract: no plan is built or cached for it",

@@ -33,7 +33,7 @@ def plan_show(
     from graphmode.runtime.build import build_plan
 
     rec = load_recipe(recipe)
-    env = parse_shape(shape, list(rec.dims)) if shape else dict(all_buckets(rec)[0])
+    env = parse_shape(shape, list(rec.dims), "--bucket") if shape else dict(all_buckets(rec)[0])
     bucket = bucket_for(rec, env)
     if bucket is None:
         raise GraphmodeError(f"shape {env} is outside the recipe's dims", where="--bucket",

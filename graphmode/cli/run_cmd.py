@@ -17,8 +17,9 @@ from graphmode.errors import GraphmodeError
 from graphmode.verify.eager import run_reference
 
 
-def parse_shape(text: str, dims: list[str]) -> dict[str, int]:
-    """'batch=2,seq=16' or '2x16' (in the recipe's dim order) -> {dim: value}, every dim given once."""
+def parse_shape(text: str, dims: list[str], flag: str = "--shape") -> dict[str, int]:
+    """'batch=2,seq=16' or '2x16' (in the recipe's dim order) -> {dim: value}, every dim given once;
+    errors name `flag`, the option the text came from."""
     text = text.strip()
     example = f"{'x'.join(['2'] * len(dims))} or {','.join(f'{d}=2' for d in dims)}"
     try:
@@ -31,17 +32,17 @@ def parse_shape(text: str, dims: list[str]) -> dict[str, int]:
         else:
             names, vals = list(dims), [int(v) for v in text.lower().split("x")]
     except ValueError:
-        raise GraphmodeError(f"cannot parse shape {text!r}", where="--shape", fix=f"write e.g. {example}") from None
+        raise GraphmodeError(f"cannot parse shape {text!r}", where=flag, fix=f"write e.g. {example}") from None
     unknown = [n for n in names if n not in dims]
     if unknown:
-        raise GraphmodeError(f"unknown dim(s) {unknown}", where="--shape", value=text,
+        raise GraphmodeError(f"unknown dim(s) {unknown}", where=flag, value=text,
                              fix=f"the recipe's dims are {dims}")
     if len(vals) != len(dims) or len(set(names)) != len(names):
         raise GraphmodeError(f"shape {text!r} must give each of the recipe's dims {dims} exactly once",
-                             where="--shape", fix=f"write e.g. {example}")
+                             where=flag, fix=f"write e.g. {example}")
     bad = {n: v for n, v in zip(names, vals) if v < 1}
     if bad:
-        raise GraphmodeError("dims must be positive", where="--shape", value=bad, fix=f"write e.g. {example}")
+        raise GraphmodeError("dims must be positive", where=flag, value=bad, fix=f"write e.g. {example}")
     return dict(zip(names, vals))
 
 

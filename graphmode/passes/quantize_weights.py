@@ -56,12 +56,15 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
     stored = 0
     left = 0
     kept: dict[str, int] = {}         # why a linear stays f32 -> how many
+    widths: set[int] = set()          # in features no int4 group of group_size divides
+    islands = sum(1 for n in g.nodes if n.op == "fallback" and "linear" in str(n.attrs.get("target", "")))
     for n in g.nodes:
         w = n.inputs[1] if n.op == "linear" and len(n.inputs) >= 2 else None
         why = _kept_f32(g, n, w)
         if why is None and weights == "int4" and g.type_of(w).shape[1] % opts.group_size:
             why = f"in features not a multiple of group_size {opts.group_size}"
             left += 1
+            widths.add(int(g.type_of(w).shape[1]))
         if why is not None:
             if n.op == "linear":
                 kept[why] = kept.get(why, 0) + 1
@@ -81,9 +84,9 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
     g.prune_values()
     f32 = sum(graph.constants[w].numel() * 4 for w in made)
     stats = {"group_size": opts.group_size, "int4_scheme": opts.int4_scheme,
-             "int4_activations": opts.int4_activations, "left_f32": left} \
+             "int4_activations": opts.int4_activations, "left_f32": left, "left_widths": sorted(widths)} \
         if weights == "int4" else {}
-    return PassResult(g, bool(made), {"weights": weights, **stats, "quantized": len(made),
+    return PassResult(g, bool(made), {"weights": weights, **stats, "quantized": len(made), "eager_linears": islands,
                                       "linears": sum(1 for n in nodes if n.op == "qlinear"),
                                       "bytes_before": f32, "bytes_after": stored, "kept_f32": kept})
 
@@ -102,9 +105,10 @@ def _kept_f32(g: Graph, n, w: str | None) -> str | None:
 
 
 def weights_summary(stats: dict) -> tuple[str, bool] | None:
-    """A line on what `precision.weights` stored narrow (from this pass's stats), and whether it
-    stored nothing (a recipe asking for narrow weights that changed no linear: worth a warning).
-    None when the recipe keeps f32 weights."""
+    """A line on what `precision.weights` stored narrow (from this pass's stats), and whether it is
+    worth a warning: a recipe asking for narrow weights that changed no linear, or left some f32
+    for want of a group size that divides them (with the group size that would). None when the
+    recipe keeps f32 weights."""
     weights = stats.get("weights")
     if weights in (None, "f32"):
         return None
@@ -112,16 +116,33 @@ def weights_summary(stats: dict) -> tuple[str, bool] | None:
     done = int(stats.get("linears", 0))
     total = done + sum(kept.values())
     why = "; ".join(f"{n} {'stays' if n == 1 else 'stay'} f32 ({r})" for r, n in kept.items())
+    fix = _group_fix(stats) if stats.get("left_f32") else ""
     if done:
-        mb = lambda b: f"{b / 2**20:.1f} MiB"      # noqa: E731
         return (f"precision.weights {weights}: {done} of {total} linear(s) stored {weights} "
-                f"({mb(stats.get('bytes_before', 0))} -> {mb(stats.get('bytes_after', 0))})"
-                + (f"; {why}" if why else ""), False)
-    fix = ("; set precision.group_size to one that divides the in features, or use weights int8 (per output "
-           "channel)") if stats.get("left_f32") else ""
-    return (f"precision.weights {weights} stored no weight narrow: "
-            + (why if why else "the model has no linear layer (convolutions and embeddings keep f32)")
+                f"({_size(stats.get('bytes_before', 0))} -> {_size(stats.get('bytes_after', 0))})"
+                + (f"; {why}{fix}" if why else ""), bool(fix))      # left f32 by the group size: worth a warning
+    none = ("its linear layers run as eager islands (capture.exclude_ops), in f32" if stats.get("eager_linears")
+            else "the model has no linear layer (convolutions and embeddings keep f32)")
+    return (f"precision.weights {weights} stored no weight narrow: " + (why if why else none)
             + f"; it runs with f32 weights{fix}", True)
+
+
+def _group_fix(stats: dict) -> str:
+    """The group size that narrows every linear left f32 by the group, or int8 where none can."""
+    widths = stats.get("left_widths") or []
+    fits = [g for g in (128, 64, 32) if widths and all(w % g == 0 for w in widths)]
+    if fits:
+        return f"; precision.group_size: {fits[0]} divides every in features ({', '.join(map(str, widths))})"
+    some = [g for g in (128, 64, 32) if any(w % g == 0 for w in widths)]
+    none = ", ".join(str(w) for w in widths if not some or w % some[0])
+    return ((f"; precision.group_size: {some[0]} narrows in features "
+             f"{', '.join(str(w) for w in widths if w % some[0] == 0)}" if some else "")
+            + f"; no int4 group size (32, 64, 128) divides in features {none}: precision.weights int8 (per output "
+              "channel) narrows every linear")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 __all__ = ["quantize", "weights_summary"]

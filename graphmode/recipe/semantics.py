@@ -173,8 +173,9 @@ class _Checker(Findings):
         if o.passes is not None:
             if not o.passes:
                 self.err("optimize.passes", "empty pass list", [], fix="use `preset: none` for the minimal pipeline")
-            for i, msg in check_order(o.passes):
-                self.err(f"optimize.passes[{i}]", msg, o.passes[i])
+            for i, msg in check_order(o.passes):     # "<why>; put <a> before <b>": the last clause is the fix
+                why, _, fix = msg.rpartition("; put ")
+                self.err(f"optimize.passes[{i}]", why or msg, o.passes[i], fix=f"put {fix}" if why else None)
         f = o.fusion
         if f.min_ops > f.max_ops:
             self.err("optimize.fusion.max_ops", f"max_ops is below min_ops {f.min_ops}", f.max_ops,

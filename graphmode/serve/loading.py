@@ -96,7 +96,7 @@ class Loading:
         # resolved on this target both (a rank's file keeps its recipe's ${target...} values unresolved)
         if self._resolved(recipe).hash() != self._resolved(built).hash():
             raise RecipeError(f"the artifact {self.artifact.name} serves only the recipe it was compiled with "
-                              f"({built.name} #{built.hash()}), not {recipe.name} #{recipe.hash()}", where="recipe",
+                              f"({built.name} #{built.hash()}), not {recipe.name} #{recipe.hash()}",
                               fix="compile the new recipe into an artifact (graphmode compile --save) and serve "
                                   "that, or serve the model itself (--model SPEC) to hot-reload recipes")
 

@@ -114,12 +114,13 @@ def test_what_stays_f32_is_said_and_storing_nothing_warns():
     res = PASSES["quantize_weights"](g, PassContext(options={"quantize_weights": {"weights": "int4", "group_size": 32}}))
     assert res.stats["kept_f32"] == {"in features not a multiple of group_size 32": 2,
                                      "its weight is computed, not a constant": 1}
-    line, nothing = weights_summary(res.stats)
-    assert not nothing and line.startswith("precision.weights int4: 1 of 4 linear(s) stored int4")
+    line, warn = weights_summary(res.stats)         # some left f32 by the group size: a warning (it was silent)
+    assert warn and line.startswith("precision.weights int4: 1 of 4 linear(s) stored int4 (2.0 KiB -> 0.3 KiB)")
     assert "2 stay f32 (in features not a multiple of group_size 32)" in line
+    assert "no int4 group size (32, 64, 128) divides in features 16: precision.weights int8" in line
     res = PASSES["quantize_weights"](g, PassContext(options={"quantize_weights": {"weights": "int4", "group_size": 64}}))
-    line, nothing = weights_summary(res.stats)
-    assert nothing and "stored no weight narrow" in line and "precision.group_size" in line
+    line, warn = weights_summary(res.stats)
+    assert warn and "stored no weight narrow" in line and "precision.group_size: 32 narrows in features 32" in line
     assert weights_summary(PASSES["quantize_weights"](g, PassContext()).stats) is None
 
 
