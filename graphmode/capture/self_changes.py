@@ -31,10 +31,14 @@ _BUSY: dict[int, int] = {}      # id(module) -> graphmode runs of it in progress
 _BUSY_LOCK = threading.Lock()
 
 
-def busy_modules() -> dict[int, int]:
-    """The modules graphmode is running or tracing now: torch.export swaps their parameters for
-    its own while it traces, which a served model of the same module must not read as a change."""
-    return _BUSY
+def busy_modules() -> frozenset[int]:
+    """The ids of the modules graphmode is running or tracing now: torch.export swaps their
+    parameters for its own while it traces, which a served model of the same module must not
+    read as a change. A copy: another thread's capture may start or end meanwhile."""
+    if not _BUSY:
+        return frozenset()
+    with _BUSY_LOCK:
+        return frozenset(_BUSY)
 
 
 SWITCHES = (str, bool)
@@ -152,8 +156,12 @@ def refuse_self_changes(module: Any, where: str, during: str) -> Iterator[Probe]
     before = _settings(module)
     children = {sub: dict(sub._modules) for _, sub in _modules(module)}     # a switch may swap submodules too
     state = _State(module)
+    # every submodule: a served model watches the ones it runs (a decoder's paged wrapper holds the
+    # LM's submodules, not this top-level object), and torch.export swaps parameters in all of them
+    ids = [id(module)] + [id(sub) for _, sub in _modules(module) if sub is not module]
     with _BUSY_LOCK:
-        _BUSY[id(module)] = _BUSY.get(id(module), 0) + 1
+        for i in ids:
+            _BUSY[i] = _BUSY.get(i, 0) + 1
     try:
         try:
             yield probe
@@ -163,9 +171,10 @@ def refuse_self_changes(module: Any, where: str, during: str) -> Iterator[Probe]
         _settle(module, where, during, probe, before, children, state)
     finally:
         with _BUSY_LOCK:
-            _BUSY[id(module)] -= 1
-            if not _BUSY[id(module)]:
-                del _BUSY[id(module)]
+            for i in ids:
+                _BUSY[i] -= 1
+                if not _BUSY[i]:
+                    del _BUSY[i]
 
 
 def _put_back(children: dict, state: _State) -> list[str]:

@@ -198,3 +198,42 @@ def test_a_switch_the_forward_reads_changed_after_compile_is_refused(change, nee
     change(m)
     with pytest.raises(GraphmodeError, match=needle):
         cm(x)
+
+
+class _Outer(torch.nn.Module):
+    """Another top-level module over the same model: a decoder server's second capture (a reload,
+    the first /v1/infer) exports such a wrapper while its paged wrapper serves the model."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_capture_of_another_wrapper_of_the_model_is_not_a_change_of_it():
+    """torch.export swaps the parameters of every submodule it traces: the served wrapper read the
+    swap as 'the model changed after graphmode.compile', and every concurrent completion got a 500."""
+    import threading
+    from graphmode.runtime.weights import FrozenWeights
+    m = Scaled().eval()
+    cm = graphmode.compile(_Outer(m), example_inputs=(torch.randn(2, 8),))
+    served = FrozenWeights(_Outer(m))                 # a second wrapper, as the decode runner's paged one
+    errors, done = [], threading.Event()
+
+    def serve():
+        while not done.is_set():
+            try:
+                served.check()
+            except GraphmodeError as e:
+                errors.append(e)
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        for _ in range(3):                             # captures of yet another wrapper of the same model
+            graphmode.compile(_Outer(m), example_inputs=(torch.randn(2, 8),), cache_dir=None)
+    finally:
+        done.set()
+        t.join()
+    assert errors == [] and torch.allclose(cm(torch.ones(1, 8)), m(torch.ones(1, 8)))
