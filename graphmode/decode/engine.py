@@ -344,14 +344,14 @@ class DecodeEngine:
                                     fix=f"send at least {self.min_prompt} prompt tokens (or lower dims."
                                         f"{self.seq_dim}.min in the recipe)")
         most = self.room(len(prompt))          # the hint names a value both limits admit
-        if self.context is not None and len(prompt) + params.max_new_tokens > self.context:
-            raise ContractViolation(f"{len(prompt)} prompt + {params.max_new_tokens} new tokens exceed the model's "
-                                    f"{self.context} positions", where="max_new_tokens", value=params.max_new_tokens,
-                                    fix=f"ask for at most {most} new tokens")
-        if len(prompt) + params.max_new_tokens > self.layout.max_tokens:
-            raise ContractViolation(f"{len(prompt)} prompt + {params.max_new_tokens} new tokens exceed the "
-                                    f"{self.layout.max_tokens} tokens a sequence's pages hold", where="max_new_tokens",
-                                    value=params.max_new_tokens, fix=f"ask for at most {most} new tokens")
+        limits = [(self.layout.max_tokens, "tokens a sequence's pages hold")]
+        if self.context is not None:
+            limits.append((self.context, "positions of the model"))
+        for limit, what in sorted(limits):        # the tighter limit is the one named
+            if len(prompt) + params.max_new_tokens > limit:
+                raise ContractViolation(f"{len(prompt)} prompt + {params.max_new_tokens} new tokens exceed the "
+                                        f"{limit} {what}", where="max_new_tokens", value=params.max_new_tokens,
+                                        fix=f"ask for at most {most} new tokens")
         if self.cache.pages_for(len(prompt) + params.max_new_tokens) > self.layout.pages:
             raise ContractViolation(f"{len(prompt)} prompt + {params.max_new_tokens} new tokens need more pages than "
                                     f"the pool's {self.layout.pages} hold", where="max_new_tokens",
