@@ -107,11 +107,13 @@ def _transformers_kwargs(fn: str, kw: dict[str, Any]) -> dict[str, Any]:
             more["repetition_penalty"] = v
         elif k == "min_new_tokens":
             more["min_tokens"] = v
+        elif k == "min_p":
+            more["min_p"] = v or None             # transformers' generate: 0 or None filters nothing
         else:
             raise GraphmodeError(f"{fn}() does not take {k}", where=k, value=v,
                                  fix=_NOT_RUN.get(k, "its arguments: max_new_tokens, do_sample, temperature, top_k, "
-                                                     "top_p, eos_token_id, pad_token_id, seed, repetition_penalty, "
-                                                     "min_new_tokens"))
+                                                     "top_p, min_p, eos_token_id, pad_token_id, seed, "
+                                                     "repetition_penalty, min_new_tokens"))
     return more
 
 

@@ -20,6 +20,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None                   # vLLM's / transformers': drop tokens under min_p x the top probability
     eos_token_id: int | tuple[int, ...] | None = None
     seed: int | None = None
     stop: tuple[tuple[int, ...], ...] = ()       # token-id sequences that end generation (not emitted)
@@ -43,6 +44,8 @@ class SamplingParams:
             bad("top_k", self.top_k, "a positive integer or null")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             bad("top_p", self.top_p, "a number in (0, 1] or null")
+        if self.min_p is not None and not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            bad("min_p", self.min_p, "a number in [0, 1] or null (0: off)")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and -2 <= v <= 2):
@@ -132,4 +135,6 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         drop[-1] = False                              # always keep the most likely token
         x = x.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(x, -1)
+    if params.min_p:                                  # after temperature, top-k and top-p, as vLLM applies it
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=gen))

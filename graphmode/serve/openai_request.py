@@ -11,7 +11,7 @@ chat template, graphmode/serve/chat.py), `max_completion_tokens` (= `max_tokens`
 `add_generation_prompt`, `continue_final_message` (the last assistant message left open for the
 answer to go on), `chat_template_kwargs` (extra template variables, e.g. `enable_thinking`) and
 `echo` (the answer starts with the last message's content when it is the assistant's). Both: `max_tokens` (default 16, chat: what the sequence's
-pages hold), `temperature` (default 1; 0 = greedy), `top_p`, `top_k` (vLLM's; -1 or 0 = off),
+pages hold), `temperature` (default 1; 0 = greedy), `top_p`, `top_k` (vLLM's; -1 or 0 = off), `min_p`,
 `seed`, `n` (choices per prompt; with a seed, choice 0 samples with it, choice j with a seed hashed
 from (seed, j)), `best_of` (only
 null or equal to `n`), `presence_penalty`, `frequency_penalty`, `repetition_penalty` (vLLM's),
@@ -48,7 +48,7 @@ MAX_N = 16                         # choices per prompt
 MAX_LOGIT_BIAS = 300               # OpenAI's limit
 GREEDY_BELOW = 1e-5
 NEUTRAL = {"suffix": ()}
-SHARED = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
+SHARED = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
           "stream_options", "model", "user", "n", "best_of", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "min_tokens", "response_format", "logit_bias", "include_stop_str_in_output"}
 FIELDS = {"prompt", "echo", "logprobs", "suffix", *SHARED}
@@ -273,7 +273,8 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
         params = SamplingParams(
             max_new_tokens=max_tokens, do_sample=sample,
             temperature=temperature if sample else 1.0, top_k=top_k if top_k and top_k > 0 else None,
-            top_p=top_p if top_p < 1 else None, eos_token_id=None if _bool(doc, "ignore_eos") else eos,
+            top_p=top_p if top_p < 1 else None, min_p=_num(doc, "min_p", 0.0, 0.0, 1.0) or None,
+            eos_token_id=None if _bool(doc, "ignore_eos") else eos,
             seed=_int(doc, "seed", None, -MAX_INT, MAX_INT), stop=tuple(stop_ids),
             presence_penalty=_num(doc, "presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=_num(doc, "frequency_penalty", 0.0, -2.0, 2.0),

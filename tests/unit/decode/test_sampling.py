@@ -66,3 +66,26 @@ def test_bad_parameters_are_refused_naming_the_field(field, value):
     with pytest.raises(GraphmodeError) as e:
         SamplingParams(**{field: value})
     assert e.value.where == field and e.value.fix
+
+
+def test_min_p_keeps_the_tokens_transformers_keeps():
+    """vLLM clients send min_p (it was a 400 'unknown field'); transformers' generate takes it."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+    torch.manual_seed(0)
+    x = torch.randn(40) * 2
+    params = SamplingParams(do_sample=True, temperature=0.7, min_p=0.15)
+    kept = MinPLogitsWarper(0.15)(None, (x / 0.7)[None])[0] > float("-inf")
+    gen = torch.Generator().manual_seed(0)
+    drawn = {choose(x, params, gen) for _ in range(3000)}
+    assert drawn <= set(kept.nonzero().flatten().tolist()) and len(drawn) > 1 and 1 < int(kept.sum()) < 40
+    with pytest.raises(GraphmodeError, match="min_p"):
+        SamplingParams(min_p=1.5)
+
+
+def test_a_request_takes_min_p():
+    import json
+
+    from graphmode.serve.openai_request import parse_completion
+    doc = {"prompt": [5, 6], "temperature": 0.8, "min_p": 0.1}
+    assert parse_completion(json.dumps(doc).encode(), tokenizer=None, eos=2).params.min_p == 0.1
+    assert parse_completion(json.dumps(dict(doc, min_p=0)).encode(), tokenizer=None, eos=2).params.min_p is None
