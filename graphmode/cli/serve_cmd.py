@@ -177,10 +177,14 @@ def run_http(make_server: Any, host: str, port: int, level: str) -> None:
                 holder["uvicorn"].should_exit = True
 
     with progress(live=False) as on_stage:
-        # the background warm-up's progress: plain lines (the server's log shares stderr), bucket N of M
-        server = make_server(on_state, on_stage)
+        sock = bind(host, port)          # before the model loads: a taken port is said at once, not minutes later
+        try:
+            # the background warm-up's progress: plain lines (the server's log shares stderr), bucket N of M
+            server = make_server(on_state, on_stage)
+        except BaseException:
+            sock.close()
+            raise
         config = server.config
-        sock = bind(host, port)
         bound_port = sock.getsockname()[1]
         holder["url"] = f"http://{host}:{bound_port}"
         holder["uvicorn"] = uv = uvicorn_server(create_app(server), log_level="warning" if level != "DEBUG" else "info")

@@ -744,3 +744,12 @@ def test_graphmode_serve_refuses_bad_settings_before_listening(tmp_path, tmp_pat
             main(["serve", "--model", never, "--port", "0", *args])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and expect in err and "Traceback" not in err, (args, err)
+    import socket
+    with socket.socket() as taken:               # a port in use: said before the model loads (minutes for a real one)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--model", never, "--recipe", str(tmp_path / "ok.yaml"), "--port",
+                  str(taken.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "cannot listen on 127.0.0.1" in err and "no-such-model" not in err, err
