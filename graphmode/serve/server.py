@@ -93,24 +93,29 @@ class ServeConfig:
     shutdown_grace_s: float = 5.0      # on shutdown, open requests and generations get this long to finish
 
     def __post_init__(self) -> None:
-        checks = [("batch_window_ms", _finite(self.batch_window_ms) and self.batch_window_ms >= 0),
-                  ("max_body_mb", _finite(self.max_body_mb) and self.max_body_mb > 0),
-                  ("request_timeout_s", _finite(self.request_timeout_s) and self.request_timeout_s > 0),
-                  ("max_batch", self.max_batch is None or self.max_batch >= 1),
-                  ("renegotiate_interval_s", _finite(self.renegotiate_interval_s) and self.renegotiate_interval_s > 0),
-                  ("renegotiate_burst", self.renegotiate_burst >= 1),
-                  ("header_timeout_s", _finite(self.header_timeout_s) and self.header_timeout_s > 0),
-                  ("body_timeout_s", _finite(self.body_timeout_s) and self.body_timeout_s > 0),
-                  ("recipe_check_cpu_s", _finite(self.recipe_check_cpu_s) and self.recipe_check_cpu_s >= 1),
+        at_least = "a finite number >= {}"
+        above = "a finite number > {}"
+        checks = [("batch_window_ms", _finite(self.batch_window_ms) and self.batch_window_ms >= 0, at_least, 0),
+                  ("max_body_mb", _finite(self.max_body_mb) and self.max_body_mb > 0, above, 0),
+                  ("request_timeout_s", _finite(self.request_timeout_s) and self.request_timeout_s > 0, above, 0),
+                  ("max_batch", self.max_batch is None or self.max_batch >= 1, "an integer >= {}", 1),
+                  ("renegotiate_interval_s", _finite(self.renegotiate_interval_s) and self.renegotiate_interval_s > 0,
+                   above, 0),
+                  ("renegotiate_burst", self.renegotiate_burst >= 1, "an integer >= {}", 1),
+                  ("header_timeout_s", _finite(self.header_timeout_s) and self.header_timeout_s > 0, above, 0),
+                  ("body_timeout_s", _finite(self.body_timeout_s) and self.body_timeout_s > 0, above, 0),
+                  ("recipe_check_cpu_s", _finite(self.recipe_check_cpu_s) and self.recipe_check_cpu_s >= 1,
+                   at_least, 1),
                   ("recipe_check_memory_mb",
-                   _finite(self.recipe_check_memory_mb) and self.recipe_check_memory_mb >= 64),
-                  ("max_plans", self.max_plans >= 1),
-                  ("kb_period_s", _finite(self.kb_period_s) and self.kb_period_s > 0),
-                  ("shutdown_grace_s", _finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0)]
-        for name, ok in checks:
+                   _finite(self.recipe_check_memory_mb) and self.recipe_check_memory_mb >= 64, at_least, 64),
+                  ("max_plans", self.max_plans >= 1, "an integer >= {}", 1),
+                  ("kb_period_s", _finite(self.kb_period_s) and self.kb_period_s > 0, above, 0),
+                  ("shutdown_grace_s", _finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0, at_least, 0)]
+        for name, ok, want, bound in checks:
             if not ok:
-                raise GraphmodeError("invalid server option", where=f"--{name.replace('_', '-')}",
-                                     value=getattr(self, name))
+                raise GraphmodeError("invalid server option",
+                                     where=f"--{name.replace('_', '-')}", value=getattr(self, name),
+                                     fix=f"pass {want.format(bound)}")
         tok = self.admin_token      # an empty one is refused like a short one: it must not mean "no token"
         if tok is not None and (len(tok) < MIN_TOKEN_CHARS or not tok.isascii() or not tok.isprintable()
                                 or any(c.isspace() for c in tok)):

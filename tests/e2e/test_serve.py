@@ -738,7 +738,8 @@ def test_graphmode_serve_refuses_bad_settings_before_listening(tmp_path, tmp_pat
     cases = [(["--recipe", str(tmp_path / "bad.yaml")], "bucketz"),
              (["--recipe", str(tmp_path / "ok.yaml"), "--host", "0.0.0.0"], "without an admin token"),
              (["--recipe", str(tmp_path / "ok.yaml"), "--host", "0.0.0.0", "--admin-token", "short"],
-              "at least 16")]
+              "at least 16"),
+             (["--recipe", str(tmp_path / "ok.yaml"), "--batch-window-ms", "-5"], "fix: pass a finite number >= 0")]
     for args, expect in cases:
         with pytest.raises(SystemExit) as exit_:
             main(["serve", "--model", never, "--port", "0", *args])
