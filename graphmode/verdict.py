@@ -67,6 +67,7 @@ class Verdict:
     exact_dims: list[str] = field(default_factory=list)       # never padded: off-bucket values run eagerly
     masked_dims: list[str] = field(default_factory=list)      # padded unless a request masks a row whole
     query_key_dims: list[str] = field(default_factory=list)   # ... or, along these, holds its pad value at all
+    mask_sources: list[str] = field(default_factory=list)     # the inputs a request's mask is read from
     index: IndexReport | None = None                          # index inputs and position dims (runtime checks)
 
     @property
@@ -102,6 +103,25 @@ def mask_inputs(recipe: Any) -> list[str]:
     return [i.name for i in recipe.inputs if i.role == "attention_mask" or "mask" in i.name.lower()]
 
 
+def _mask_sources(recipe: Any, graph: Graph, pads: list[str], capture_report: Any, masked: list[str]) -> list[str]:
+    """The inputs whose pad value the masked verdict rests on: the declared masks, and any integer
+    or bool input the model builds its mask from itself (`ids == 0`, as XLM-style models do),
+    found by analysing again with that input's padding unknown: a dim no longer masked-safe then
+    is one its mask comes from. runtime/shaping.py checks a request's rows in each of them."""
+    named = mask_inputs(recipe)
+    out = list(named)
+    locs = getattr(capture_report, "locs", {}) or {}
+    for i in recipe.inputs:
+        dims = {d for d in i.shape if isinstance(d, str)}
+        if i.name in named or i.name not in graph.inputs or i.dtype.startswith(("f", "bf")) or not dims & set(masked):
+            continue
+        alt = analyze_padding(graph, {j.name: j.pad_value for j in recipe.inputs}, pads, locs=locs, masks=named,
+                              unknown={i.name})
+        if any(d not in alt.masked for d in masked if d in dims):
+            out.append(i.name)
+    return out
+
+
 def padded_dims(recipe: Any) -> list[str]:
     """Dims along which some admissible request is padded up to a larger bucket."""
     out = []
@@ -132,6 +152,7 @@ def decide(recipe: Any, graph: Graph | None, capture_report: Any, source: Any, m
                                 locs=getattr(capture_report, "locs", {}) or {}, masks=mask_inputs(recipe))
     v.masked_dims = list(v.padding.masked)
     v.query_key_dims = list(v.padding.query_key)
+    v.mask_sources = _mask_sources(recipe, graph, pads, capture_report, v.masked_dims)
     engine = "ONNX Runtime" if _is_onnx(source) else "eager PyTorch"     # what runs a request the plans do not take
     for d in v.padding.unsafe_dims:
         findings = v.padding.dims[d].findings

@@ -361,10 +361,13 @@ class _Analyzer:
 
 def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: Iterable[str], *,
                     locs: Mapping[str, str] | None = None, arbitrary: bool = False,
-                    masks: Iterable[str] = ()) -> PaddingReport:
+                    masks: Iterable[str] = (), unknown: Iterable[str] = ()) -> PaddingReport:
     """Per-dim verdict for padding the graph's inputs along `padded_dims` with `pad_values`.
     `arbitrary`: the padded positions hold any values, anywhere along the dim (not only after
-    the real ones), and a request may have no real position at all (see `positions_independent`)."""
+    the real ones), and a request may have no real position at all (see `positions_independent`).
+    `unknown`: inputs whose padded positions are taken to hold any value (verdict.py asks which
+    inputs a masked verdict rests on: those the model builds its mask from)."""
+    unknown = set(unknown)
     padded = [d for d in padded_dims]
     lo = {d: (0 if arbitrary and d in padded else r[0]) for d, r in graph.dims.items()}
     an = _Analyzer(graph, padded, lo, locs or {})
@@ -378,7 +381,7 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
         if ty.dtype == "bool":
             pv = bool(pv)
         states[name] = State(tuple(
-            Axis((Factor(e, e.name, GARBAGE if arbitrary else const(pv), True),))
+            Axis((Factor(e, e.name, GARBAGE if arbitrary or name in unknown else const(pv), True),))
             if not isinstance(e, int) and e.is_Symbol and e.name in padded
             else an.fresh_axis(e, GARBAGE) for e in ty.shape))
     for name in graph.constants:

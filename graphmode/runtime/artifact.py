@@ -160,7 +160,7 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
                 "out_spec": out_spec, "output_structure": cm.output_structure,
                 "mutated_inputs": list(cm.mutated_inputs), "exact_dims": list(cm.exact_dims),
                 "positional": positional_names(cm), "omitted": omitted_constants(cm),
-                "masked_dims": list(getattr(cm, "masked_dims", [])),
+                "masked_dims": list(getattr(cm, "masked_dims", [])), "mask_sources": getattr(cm, "mask_sources", None),
                 "query_key_dims": list(getattr(cm, "query_key_dims", [])), "kernels": sorted(libraries),
                 # the compile's checks: a rank's shard (its table split over the ranks) cannot derive them again
                 "input_bounds": bounds_doc(*cm.bounds()) if decoder is None else None}
@@ -495,6 +495,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
                        device=manifest.get("device") or "cpu", on_stage=on_stage)
     for field in ("exact_dims", "masked_dims", "query_key_dims", "mutated_inputs", "positional"):
         setattr(cm, field, list(manifest.get(field) or []))
+    cm.mask_sources = manifest.get("mask_sources")
     cm.output_structure, cm.tail = manifest.get("output_structure"), tail
     if manifest.get("input_bounds") is not None:
         cm._bounds = bounds_from_doc(manifest["input_bounds"])

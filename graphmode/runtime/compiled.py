@@ -141,10 +141,10 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
         capture_report, self.optimize_report = reports if reports else (None, None)
         self.capture_report = capture_report
         self.verdict = verdict
-        # dims the verdict found unsafe to pad (on_violation: eager): off-bucket values run eagerly
-        self.exact_dims = list(getattr(verdict, "exact_dims", []) or [])
-        self.masked_dims = list(getattr(verdict, "masked_dims", []) or [])
-        self.query_key_dims = list(getattr(verdict, "query_key_dims", []) or [])
+        # the verdict's dims unsafe to pad (off-bucket values run eagerly), and padded unless a request masks
+        self.exact_dims, self.masked_dims, self.query_key_dims = (list(getattr(verdict, k, []) or []) for k in
+                                                                  ("exact_dims", "masked_dims", "query_key_dims"))
+        self.mask_sources = getattr(verdict, "mask_sources", None)       # None: the inputs named like masks
         out_spec = None
         if capture_report is not None and getattr(capture_report, "out_spec", None):
             try:

@@ -24,7 +24,8 @@ log = logging.getLogger("graphmode.runtime")
 
 # what CompiledModel._adopt sets from the lowering: reading one lowers the graph
 LOWERED_FIELDS = frozenset({"lowered", "captured_graph", "graph", "capture_report", "optimize_report", "verdict",
-                            "exact_dims", "masked_dims", "query_key_dims", "_out_spec", "output_structure", "mutated_inputs"})
+                            "exact_dims", "masked_dims", "query_key_dims", "mask_sources", "_out_spec",
+                            "output_structure", "mutated_inputs"})
 
 
 class DeferredModel(CompiledModel):

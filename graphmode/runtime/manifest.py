@@ -107,6 +107,7 @@ class Manifest(_Strict):
     omitted: dict[str, int] = Field(default_factory=dict, max_length=MAX_ITEMS)  # optional inputs' constants
     exact_dims: list[str] = Field(max_length=MAX_ITEMS)
     masked_dims: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)   # runtime/shaping.py pad_hazard
+    mask_sources: Optional[list[str]] = Field(default=None, max_length=MAX_ITEMS)  # the inputs it checks
     query_key_dims: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
     kernels: list[str] = Field(max_length=MAX_ITEMS)
     files: dict[str, Member] = Field(max_length=4 * MAX_ITEMS)

@@ -39,15 +39,16 @@ class Shaping:
     def pad_hazard(self, inputs: Mapping[str, torch.Tensor], dims: Mapping[str, int],
                    bucket: Mapping[str, int] | None) -> tuple[str, str] | None:
         """(dim, input) when padding this request up to `bucket` is unsafe though the verdict
-        padded the dim safely by masking (`masked_dims`, analysis/padding.py): a mask input
-        (verdict.mask_inputs) masks a row whole along it (every position its pad value), or, along
+        padded the dim safely by masking (`masked_dims`, analysis/padding.py): an input the mask is
+        read from (`mask_sources`, verdict.py) masks a row whole along it (every position its pad value), or, along
         a dim the model builds a query x key mask over (`query_key_dims`), holds its pad value at
         all: a softmax over a row masked whole spreads evenly over the padded positions too."""
         padded = [d for d in getattr(self, "masked_dims", ()) if bucket is not None and dims.get(d) != bucket.get(d)]
         if not padded or MERGED.get():        # every call asks: nothing more unless a masked dim is padded
             return None
         from graphmode.verdict import mask_inputs
-        masks = mask_inputs(self.recipe)
+        masks = getattr(self, "mask_sources", None)
+        masks = mask_inputs(self.recipe) if masks is None else masks     # an artifact saved before they were known
         for d in padded:
             for name, axes in self._dim_axes.items():
                 t, pv = inputs.get(name), self.pad_values.get(name)
