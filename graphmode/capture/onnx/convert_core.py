@@ -311,13 +311,17 @@ def _where(imp: _Importer, n) -> None:
 
 @_handles("Clip")
 def _clip(imp: _Importer, n) -> None:
-    """min(max(x, lo), hi): constant bounds become a clamp, run-time ones maximum/minimum, none
-    at all the input itself."""
+    """min(max(x, lo), hi): constant bounds become a clamp, run-time ones maximum/minimum. A
+    bound left out is the type's lowest / largest value (ONNX's default), which on floats takes
+    -inf and inf to the largest finite values, as ONNX Runtime does; on integers it is none."""
     lo_n, hi_n = imp.opt_in(n, 1), imp.opt_in(n, 2)
-    if not lo_n and not hi_n:
+    dt = DTYPES.get(imp.type_of(n.input[0]).dtype)
+    fin = torch.finfo(dt) if dt is not None and dt.is_floating_point else None
+    if not lo_n and not hi_n and fin is None:
         imp.alias(n.output[0], n.input[0])
         return
-    bounds: dict[str, float | int | None] = {"min": None, "max": None}
+    bounds: dict[str, float | int | None] = {"min": None if lo_n or fin is None else float(fin.min),
+                                             "max": None if hi_n or fin is None else float(fin.max)}
     runtime: list[tuple[str, str]] = []
     for which, nm in (("min", lo_n), ("max", hi_n)):
         if not nm:

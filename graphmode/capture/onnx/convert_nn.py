@@ -168,7 +168,7 @@ def _gemm(imp: _Importer, n) -> None:
     c_done = c_n is None or beta == 0.0
     if c_n and not c_done and imp.is_const(c_n):
         ct = imp.type_of(c_n)
-        if ct.rank <= 2 and (ct.rank == 1 or ct.shape[0] == 1):
+        if ct.rank <= 2 and (ct.rank <= 1 or ct.shape[0] == 1):          # a scalar, a row or one value per output
             cvec = imp.const_tensor(c_n).reshape(-1)
             if beta != 1.0:
                 cvec = cvec * beta

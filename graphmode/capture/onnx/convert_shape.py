@@ -121,6 +121,12 @@ def _squeeze(imp: _Importer, n) -> None:
     t = imp.type_of(n.input[0])
     axes = _axes_arg(imp, n, "Squeeze")
     if axes is None:
+        dynamic = [dim_str(d) for d in t.shape if not isinstance(d, int)]
+        if dynamic:       # ONNX squeezes every axis of size 1 at run time: the output's rank follows the sizes
+            raise imp.fail(f"Squeeze without axes of an input with dynamic dim(s) {', '.join(dynamic)}: each of them "
+                           "is squeezed too when it is 1, so the output's rank depends on the request",
+                           fix="give Squeeze its axes (an `axes` input from opset 13, the attribute before), or fix "
+                               f"{dynamic[0]} in the model (or export it with a static size)")
         axes = [i for i, d in enumerate(t.shape) if isinstance(d, int) and d == 1]
     axes = {norm_axis(a, t.rank) for a in axes}
     for a in axes:
@@ -570,3 +576,51 @@ def _gather_elements(imp: _Importer, n) -> None:
     axis = norm_axis(imp.attr(n, "axis", 0), t.rank)
     idx = _wrap_negative(imp, imp.operand(n.input[1]), t.shape[axis], n.output[0])
     imp.emit("gather", [imp.operand(n.input[0]), idx], {"dim": axis}, out=n.output[0])
+
+
+def _block_args(imp: _Importer, n) -> tuple[int, list[Dim]]:
+    t = imp.type_of(n.input[0])
+    b = imp.attr(n, "blocksize", None)
+    if t.rank != 4 or not isinstance(b, int) or b < 1:
+        raise imp.fail(f"{n.op_type} takes a rank-4 [N, C, H, W] input and a positive blocksize (got rank {t.rank}, "
+                       f"blocksize {b})", fix="give a 4-D NCHW input and blocksize >= 1")
+    return b, list(t.shape)
+
+
+@_handles("DepthToSpace")
+def _depth_to_space(imp: _Importer, n) -> None:
+    """[N, C, H, W] -> [N, C / b^2, H * b, W * b]: a reshape, a transpose and a reshape, in DCR
+    (depth-column-row, the default) or CRD order, at every opset (opset 28's function body only
+    from there)."""
+    b, (N, C, H, W) = _block_args(imp, n)
+    mode = imp.attr(n, "mode", b"DCR")
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    if not isinstance(C, int) or C % (b * b) or mode not in ("DCR", "CRD"):
+        raise imp.fail(f"DepthToSpace of {dim_str(C) if not isinstance(C, int) else C} channels by blocksize {b} "
+                       f"in mode {mode}", fix=f"channels a multiple of {b * b}, mode DCR or CRD")
+    c = C // (b * b)
+    split, perm = ([N, b, b, c, H, W], [0, 3, 4, 1, 5, 2]) if mode == "DCR" else ([N, c, b, b, H, W], [0, 1, 4, 2, 5, 3])
+    x = imp.emit("reshape", [imp.operand(n.input[0])], {"shape": _shape_attr(split)}, hint=n.output[0])
+    x = imp.emit("permute", [x], {"perm": perm}, hint=n.output[0])
+    imp.emit("reshape", [x], {"shape": _shape_attr([N, c, normalize_dim(H * b), normalize_dim(W * b)])},
+             out=n.output[0])
+
+
+@_handles("SpaceToDepth")
+def _space_to_depth(imp: _Importer, n) -> None:
+    """[N, C, H, W] -> [N, C * b^2, H / b, W / b], DepthToSpace's inverse in its mode (DCR, or
+    CRD from opset 28)."""
+    b, (N, C, H, W) = _block_args(imp, n)
+    mode = imp.attr(n, "mode", b"DCR")
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    if mode not in ("DCR", "CRD"):
+        raise imp.fail(f"SpaceToDepth mode {mode!r}", fix="mode DCR or CRD")
+    if not all(isinstance(d, int) and d % b == 0 for d in (H, W)):
+        raise imp.fail(f"SpaceToDepth of H, W = {dim_str(H)}, {dim_str(W)} by blocksize {b}: each must be a fixed "
+                       f"multiple of {b}", fix=f"export the model with static H and W, multiples of {b}")
+    x = imp.emit("reshape", [imp.operand(n.input[0])], {"shape": _shape_attr([N, C, H // b, b, W // b, b])},
+                 hint=n.output[0])
+    x = imp.emit("permute", [x], {"perm": [0, 3, 5, 1, 2, 4] if mode == "DCR" else [0, 1, 3, 5, 2, 4]},
+                 hint=n.output[0])
+    imp.emit("reshape", [x], {"shape": _shape_attr([N, normalize_dim(C * b * b), H // b, W // b])},
+             out=n.output[0])

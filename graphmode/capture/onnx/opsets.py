@@ -20,7 +20,7 @@ from graphmode.errors import CaptureError
 KNOWN_MIN, KNOWN_MAX = 11, 22
 OLDEST = 1                   # opsets below KNOWN_MIN go through the version converter when a node needs it
 # ops defined after KNOWN_MAX: the newest definition their converter knows
-NEWER: dict[str, int] = {"CumProd": 26, "TensorScatter": 24, "BitCast": 26}
+NEWER: dict[str, int] = {"CumProd": 26, "TensorScatter": 24, "BitCast": 26, "DepthToSpace": 28, "SpaceToDepth": 28}
 
 
 @lru_cache(maxsize=None)

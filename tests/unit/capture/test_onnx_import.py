@@ -300,6 +300,47 @@ def test_gemm_variants(ta, tb, alpha, beta, const_b):
         assert "linear" in g.op_counts() and "matmul" not in g.op_counts()
 
 
+@pytest.mark.parametrize("c_shape", [(), (1,), (1, 4), (3, 1)])
+def test_gemm_bias_of_every_broadcastable_shape(c_shape):
+    """A 0-d C (a scalar bias) was 'cannot translate: IndexError: tuple index out of range'."""
+    w = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    c = np.random.default_rng(1).standard_normal(c_shape).astype(np.float32)
+    m = _model([helper.make_node("Gemm", ["a", "w", "c"], ["y"], transB=1, alpha=0.5, beta=2.0)],
+               [_vi("a", F, [3, 6])], [_vi("y", F, [3, 4])], [_init("w", w), _init("c", c)])
+    _against_ort(m, [{"a": _rand((3, 6))}])
+
+
+@pytest.mark.parametrize("opset", [11, 13, 17])
+def test_depth_to_space_and_back_below_opset_28(opset):
+    """Every torch export of nn.PixelShuffle was refused: only opset 28 gives these ops a function body."""
+    nodes = [helper.make_node("DepthToSpace", ["x"], ["dcr"], blocksize=2),
+             helper.make_node("DepthToSpace", ["x"], ["crd"], blocksize=2, mode="CRD"),
+             helper.make_node("SpaceToDepth", ["dcr"], ["back"], blocksize=2)]
+    m = _model(nodes, [_vi("x", F, ["n", 8, 3, 5])],
+               [_vi("dcr", F, ["n", 2, 6, 10]), _vi("crd", F, ["n", 2, 6, 10]), _vi("back", F, ["n", 8, 3, 5])],
+               opset=opset)
+    _against_ort(m, [{"x": _rand((2, 8, 3, 5))}, {"x": _rand((1, 8, 3, 5), seed=1)}])
+
+
+def test_clip_without_a_bound_takes_infinities_to_the_largest_finite_values():
+    """ONNX's default bounds are the type's lowest and largest values: inf came back inf."""
+    nodes = [helper.make_node("Clip", ["x", "", "hi"], ["a"]), helper.make_node("Clip", ["x"], ["b"])]
+    m = _model(nodes, [_vi("x", F, [1, 4])], [_vi("a", F, [1, 4]), _vi("b", F, [1, 4])],
+               [_init("hi", np.array(0.5, np.float32))])
+    _against_ort(m, [{"x": torch.tensor([[float("inf"), float("-inf"), 0.25, 2.0]])}])
+
+
+def test_squeeze_without_axes_over_a_dynamic_dim_is_refused():
+    """At n = 1 ONNX squeezes n too: graphmode kept it and answered [1, 4] where ONNX Runtime gives [4]."""
+    from graphmode.errors import CaptureError
+    m = _model([helper.make_node("Squeeze", ["x"], ["y"])], [_vi("x", F, ["n", 1, 4])], [_vi("y", F, ["n", 4])], [])
+    with pytest.raises(CaptureError, match="Squeeze without axes of an input with dynamic dim.* n") as e:
+        import_onnx(m)
+    assert "axes" in e.value.fix
+    static = _model([helper.make_node("Squeeze", ["x"], ["y"])], [_vi("x", F, [2, 1, 4])], [_vi("y", F, [2, 4])], [])
+    _against_ort(static, [{"x": _rand((2, 1, 4))}])
+
+
 def test_matmul_bias_folds_into_linear_and_rank1_matmul():
     w = np.random.default_rng(0).standard_normal((8, 5)).astype(np.float32)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Add", ["bias", "mm"], ["y"]),
