@@ -216,8 +216,9 @@ def _resize(imp: _Importer, n) -> None:
     mode = _s(imp.attr(n, "mode", b"nearest"))
     transform = _s(imp.attr(n, "coordinate_transformation_mode", b"half_pixel"))
     if mode not in _MODES or transform not in _TRANSFORMS:
-        raise imp.fail(f"Resize mode {mode!r} with coordinate_transformation_mode {transform!r}",
-                       fix=f"mode one of {_MODES}, transformation one of {_TRANSFORMS}")
+        what = f"mode {mode!r}" if mode not in _MODES else f"coordinate_transformation_mode {transform!r}"
+        raise imp.fail(f"Resize {what} is not one graphmode imports (mode {mode!r}, coordinate_transformation_mode "
+                       f"{transform!r})", fix=f"mode one of {_MODES}, transformation one of {_TRANSFORMS}")
     antialias = bool(imp.attr(n, "antialias", 0))
     if antialias and mode == "nearest":
         raise imp.fail("Resize antialias with mode nearest is not defined", fix="antialias 0, or mode linear/cubic")

@@ -220,7 +220,17 @@ def _infer_output_shapes(model, label: str) -> None:
         inferred = model.graph
     found = {v.name: v.type.tensor_type for v in (*inferred.output, *inferred.value_info)
              if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
+    local = {(f.domain, f.name) for f in model.functions}
     for vi in _unshaped(model.graph.output):
+        made = next(((i, n) for i, n in enumerate(model.graph.node) if vi.name in n.output), None)
+        if vi.name not in found and made is not None and made[1].domain not in ("", "ai.onnx") \
+                and (made[1].domain, made[1].op_type) not in local:
+            i, n = made        # the op itself is what fails: ONNX infers no shape through another domain's op
+            kind = "ONNX Runtime's contrib ops" if n.domain == "com.microsoft" else "a custom domain"
+            raise CaptureError(f"output {vi.name!r} is made by #{i} {n.op_type} of domain {n.domain!r} ({kind}), an op "
+                               "outside ONNX's default domain, which graphmode does not import", where=f"onnx {label}",
+                               fix="export the model without ONNX Runtime's graph optimizations (the file "
+                                   "torch.onnx.export or your exporter wrote, before onnxruntime fused it)")
         if vi.name not in found:
             raise CaptureError(f"output {vi.name!r} has no shape in the ONNX model and ONNX's shape inference "
                                "finds none", where=f"onnx {label}",

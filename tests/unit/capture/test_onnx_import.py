@@ -330,6 +330,18 @@ def test_clip_without_a_bound_takes_infinities_to_the_largest_finite_values():
     _against_ort(m, [{"x": torch.tensor([[float("inf"), float("-inf"), 0.25, 2.0]])}])
 
 
+def test_an_output_of_an_onnx_runtime_contrib_op_names_the_op_not_the_missing_shape():
+    """An ORT-optimized file (FusedMatMul, Attention, ...) with an unshaped output was refused as
+    'output has no shape', hiding the op graphmode cannot import."""
+    from graphmode.errors import CaptureError
+    g = helper.make_graph([helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft")], "t",
+                          [_vi("a", F, [2, 3]), _vi("b", F, [3, 4])], [helper.make_tensor_value_info("y", F, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 8
+    with pytest.raises(CaptureError, match="#0 FusedMatMul of domain 'com.microsoft' .ONNX Runtime's contrib ops."):
+        import_onnx(m)
+
+
 def test_squeeze_without_axes_over_a_dynamic_dim_is_refused():
     """At n = 1 ONNX squeezes n too: graphmode kept it and answered [1, 4] where ONNX Runtime gives [4]."""
     from graphmode.errors import CaptureError
