@@ -78,8 +78,9 @@ class ChoiceOutput:
     sequence; while streaming, a tail that may still start a stop sequence is held back."""
 
     def __init__(self, index: int, tokenizer: Any, stop_text: tuple[str, ...], stop_ids: tuple[tuple[int, ...], ...],
-                 min_tokens: int = 0, keep_stop: bool = False):
+                 min_tokens: int = 0, keep_stop: bool = False, skip_special: bool = True):
         self.index = index
+        self.skip_special = skip_special               # vLLM's skip_special_tokens
         self.keep_stop = keep_stop                     # vLLM's include_stop_str_in_output
         self.min_tokens = min_tokens                   # a stop string counts from this many tokens on
         self.tokenizer = tokenizer
@@ -131,7 +132,7 @@ class ChoiceOutput:
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None or not ids:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
 
     def _held_ids(self) -> int:
         """Length of the longest tail of tokens that may be (or already is) a stop sequence: a

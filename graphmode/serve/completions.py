@@ -59,7 +59,7 @@ class Completion:
         self.created = int(time.time())
         self.prompts = [p for p, _ in req.sequences]
         self.outputs = [ChoiceOutput(i, tokenizer, req.stop_text, req.params.stop, req.params.min_tokens,
-                                     keep_stop=req.keep_stop) for i in range(len(gens))]
+                                     keep_stop=req.keep_stop, skip_special=req.skip_special) for i in range(len(gens))]
         self.logprobs: list[list[Any]] = [[] for _ in gens]     # per token of outputs[i].tokens
         self.token_text = TokenText(tokenizer)
         self.shown: list[list[int]] = [[] for _ in gens]        # completion tokens given logprobs so far
@@ -143,7 +143,7 @@ class Completion:
         if first and self.req.echo_text:                 # chat echo: the last assistant message, then the answer
             text = self.req.echo_text + text
         if self.req.echo and first and self.tokenizer is not None:
-            prompt = self.tokenizer.decode(self.prompts[i], skip_special_tokens=True,
+            prompt = self.tokenizer.decode(self.prompts[i], skip_special_tokens=self.req.skip_special,
                                            clean_up_tokenization_spaces=False)
             self.echoed[i] = len(prompt)
             text = prompt + text

@@ -16,7 +16,8 @@ pages hold), `temperature` (default 1; 0 = greedy), `top_p`, `top_k` (vLLM's; -1
 from (seed, j)), `best_of` (only
 null or equal to `n`), `presence_penalty`, `frequency_penalty`, `repetition_penalty` (vLLM's),
 `min_tokens` (vLLM's), `stop` (strings with a tokenizer, or token-id lists `[[id, ...], ...]`),
-`stop_token_ids`, `ignore_eos` and `include_stop_str_in_output` (vLLM's), `stream`, `stream_options.include_usage`,
+`stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` and `skip_special_tokens` (vLLM's), `stream`,
+`stream_options.include_usage`,
 `response_format` (`{"type": "text"}` only), `logit_bias`, `model` and `user`.
 Anything else is refused, and so is a value graphmode does not implement: a request never
 silently means something else. Every refusal is a BadRequest (400) naming the field, the
@@ -48,7 +49,8 @@ MAX_N = 16                         # choices per prompt
 MAX_LOGIT_BIAS = 300               # OpenAI's limit
 GREEDY_BELOW = 1e-5
 NEUTRAL = {"suffix": ()}
-SHARED = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
+SHARED = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "skip_special_tokens", "seed", "stop",
+          "stop_token_ids", "ignore_eos", "stream",
           "stream_options", "model", "user", "n", "best_of", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "min_tokens", "response_format", "logit_bias", "include_stop_str_in_output"}
 FIELDS = {"prompt", "echo", "logprobs", "suffix", *SHARED}
@@ -81,6 +83,7 @@ class CompletionRequest:
     chat: bool = False
     prompt_only: bool = False              # max_tokens 0 with echo: the prompt (and its logprobs), no tokens
     keep_stop: bool = False                # include_stop_str_in_output: a matched stop sequence stays in the text
+    skip_special: bool = True              # vLLM's skip_special_tokens: special tokens left out of the text
     echo_text: str = ""                    # chat echo: the last (assistant) message the answer goes on from
 
     @property
@@ -284,7 +287,8 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
     except GraphmodeError as e:          # the engine's own checks (kept in step with ours)
         raise bad(e.where or "body", e.message, e.value, fix=e.fix or USAGE) from None
     return CompletionRequest(prompts, params, stream, include_usage, stop_text, model, n=n, echo=echo, chat=chat,
-                             keep_stop=_bool(doc, "include_stop_str_in_output"))
+                             keep_stop=_bool(doc, "include_stop_str_in_output"),
+                             skip_special=_bool(doc, "skip_special_tokens") if "skip_special_tokens" in doc else True)
 
 
 def parse_completion(body: bytes, *, tokenizer: Any, eos: Any) -> CompletionRequest:

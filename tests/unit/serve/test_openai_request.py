@@ -263,3 +263,15 @@ def test_an_empty_prompt_is_called_empty():
     with pytest.raises(BadRequest) as e:
         parse({"prompt": []})
     assert "the prompt is empty" in e.value.message and e.value.where == "prompt"
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(tok):
+    """vLLM clients send skip_special_tokens (a 400 'unknown field'); false keeps </s> in the text."""
+    assert parse({"prompt": [5]}).skip_special and not parse({"prompt": [5], "skip_special_tokens": False}).skip_special
+    with pytest.raises(BadRequest, match="skip_special_tokens"):
+        parse({"prompt": [5], "skip_special_tokens": "no"})
+    texts = []
+    for skip in (True, False):
+        out = ChoiceOutput(0, tok, (), (), skip_special=skip)
+        texts.append(feed(out, [5, EOS, 6], "length")[1])
+    assert "</s>" not in texts[0] and "</s>" in texts[1] and "w5" in texts[0]
