@@ -323,7 +323,9 @@ def parse_messages(v: Any) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(where, "a message must be an object {role, content}", m, fix=CHAT_USAGE)
-        extra = sorted(set(m) - MESSAGE_KEYS)
+        # an assistant's empty tool_calls / null function_call (clients echo its previous answer with them) is none
+        extra = sorted(k for k in set(m) - MESSAGE_KEYS if not (k in ("tool_calls", "function_call") and not m[k]
+                                                                 and m.get("role") == "assistant"))
         if extra:
             raise bad(f"{where}.{clip(extra[0], 40)}", f"message field(s) {[clip(k, 40) for k in extra[:5]]} are not "
                        "supported (no tools or function calls)", fix="send role, content and optionally name")

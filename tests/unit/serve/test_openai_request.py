@@ -275,3 +275,14 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(tok):
         out = ChoiceOutput(0, tok, (), (), skip_special=skip)
         texts.append(feed(out, [5, EOS, 6], "length")[1])
     assert "</s>" not in texts[0] and "</s>" in texts[1] and "w5" in texts[0]
+
+
+def test_an_assistant_message_echoed_with_empty_tool_calls_is_taken(tok):
+    """Clients send the assistant's previous answer back as they got it: "tool_calls": [] was a 400."""
+    msgs = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6", "tool_calls": [],
+                                                "function_call": None}, {"role": "user", "content": "w7"}]
+    from graphmode.serve.openai_request import parse_messages
+    assert parse_messages(msgs)[1] == {"role": "assistant", "content": "w6"}
+    with pytest.raises(BadRequest, match="tool_calls"):
+        parse_messages([dict(msgs[1], tool_calls=[{"id": "x"}])])
+
