@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -92,11 +92,14 @@ def init_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
     if out is not None:
         from graphmode.paths import writable_output
         writable_output(out, "--out")
-    with progress() as on_stage, stage(on_stage, "draft", detail=f"{model}: capture, passes, proof"):
-        draft = draft_recipe(model, target=target or "host", p99_ms=p99_ms, memory_mb=memory_mb,
-                             ranges=parse_ranges(dim), max_p99_over_p50=max_p99_over_p50, max_padding=max_padding,
-                             max_buckets=max_buckets, kb_path=kb_file(kb, cache_dir), objective=objective, name=name,
-                             target_cache_dir=cache_layout(cache_dir).targets)
+    try:
+        with progress() as on_stage, stage(on_stage, "draft", detail=f"{model}: capture, passes, proof"):
+            draft = draft_recipe(model, target=target or "host", p99_ms=p99_ms, memory_mb=memory_mb,
+                                 ranges=parse_ranges(dim), max_p99_over_p50=max_p99_over_p50, max_padding=max_padding,
+                                 max_buckets=max_buckets, kb_path=kb_file(kb, cache_dir), objective=objective,
+                                 name=name, target_cache_dir=cache_layout(cache_dir).targets)
+    except GraphmodeError as e:
+        raise _in_flags(e, memory_mb) from None
     text = draft.yaml()
     if out is not None:
         out.write_text(text, encoding="utf-8")
@@ -116,3 +119,19 @@ def init_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
                f"{draft.report.verdict} on {draft.report.target.name}, {draft.report.plans} plan(s)"
                + "".join(f"; {line}" for line in draft.verdict.lines()))
     err_console.print(summary, markup=False, highlight=False, soft_wrap=True)
+
+
+def _in_flags(e: Any, memory_mb: Optional[float]) -> Any:
+    """A refusal of the drafted recipe's fields, its fix said in this command's flags (the user
+    wrote --memory-mb and --dim, not memory.budget_mb and dims.seq); each field error of several."""
+    for err in getattr(e, "errors", None) or [e]:
+        where, fix = err.where or "", err.fix or ""
+        if "memory.budget_mb" in where + fix:
+            err.fix = (f"{fix} (here: --memory-mb)" if memory_mb is not None else
+                       "the draft sizes memory.budget_mb for the largest request its dims admit: lower a --dim's "
+                       "MAX (or pass --memory-mb)")
+        elif where.startswith("dims."):
+            err.fix = f"{fix or 'change its range'} (here: --dim {where.split('.')[1]}=MIN:MAX)"
+        err.args = (err.render(),)
+    e.args = (e.render(),)
+    return e

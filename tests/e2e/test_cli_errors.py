@@ -177,3 +177,10 @@ def test_an_output_path_under_a_file_is_refused_before_the_work(files, args):
     args = [a.replace("MLP", f"{TINY}:mlp").replace("GOOD", files["good"]) for a in args]
     res, out = run(args)
     assert res.exit_code == 2 and "is a file, not a folder" in out and "Traceback" not in out, out
+
+
+def test_a_refused_draft_says_its_fix_in_the_flags_recipe_init_takes(tmp_path):
+    """recipe init --memory-mb 0.0001 was told to 'raise memory.budget_mb', a field the user never wrote."""
+    res, out = run(["recipe", "init", "--model", f"{TINY}:mlp", "--memory-mb", "0.0001", "--kb", str(tmp_path / "kb"),
+                    "--cache-dir", str(tmp_path / "cache")])
+    assert res.exit_code == 1 and "budget" in out and "(here: --memory-mb)" in out, out
