@@ -181,10 +181,10 @@ def verify_cmd(
                    ",".join(f"{k}={v}" for k, v in r["bucket"].items()), r["path"], f"{worst['rel_l2']:.2e}",
                    f"{worst['tolerance']:.0e}"]
             if narrow:
-                top = [o["top1"] for o in r["outputs"] if o.get("top1") is not None]
+                # logits only: a top-1 over a hidden state's features (BERT's last_hidden_state) means nothing
+                top = [o["top1"] for o in r["outputs"] if (o.get("top1") or {}).get("judged")]
                 low = min(top, key=lambda t: t["share"]) if top else None
-                row.append(f"{low['share']:.1%}, {low['confident_flips']} flip(s)"
-                           + ("" if low["judged"] else " (not judged)") if low else "-")
+                row.append(f"{low['share']:.1%}, {low['confident_flips']} flip(s)" if low else "- (no logits)")
             t.add_row(*row, "yes" if r["ok"] else "[red]NO[/]")
         console.print(t)
         if failure:

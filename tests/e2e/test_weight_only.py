@@ -203,6 +203,7 @@ def test_verify_says_when_no_output_was_judged_on_top1(tmp_path):
     res = CliRunner().invoke(app, ["verify", "--model", f"{tmp_path / 'm.py'}:mlp", "--recipe", str(rec),
                                    "--cache-dir", str(tmp_path / "c")])
     assert "no top-1 check ran" in res.output and "no logit position's top-1 moved" not in res.output, res.output
+    assert "- (no logits)" in res.output and "0.0%" not in res.output     # a share over features was printed
 
 
 @pytest.mark.parametrize("weights", ["f32", "bf16", "int8", "int4"])
