@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from graphmode.errors import ContractViolation
+from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.runtime.shaping import has_eager, or_eager
 
 
@@ -70,6 +70,12 @@ class InputContract:
             raise ContractViolation(f"unknown inputs {unknown}", where="inputs",
                                     fix=f"the recipe declares {', '.join(self.input_names)}")
         for k, t in named.items():      # before the omitted inputs are filled in: they copy a given tensor's shape
+            if isinstance(t, torch.Tensor) and _traced(t):
+                raise GraphmodeError("the compiled model was called while torch traces a model around it "
+                                     "(torch.export, make_fx: its inputs are fake tensors): its plans would be "
+                                     "recorded as constants, answering every later call the same",
+                                     where=f"inputs.{k}", fix="export or trace the eager model itself, or "
+                                     "graphmode.compile the module that calls it")
             if not isinstance(t, torch.Tensor):
                 kind = type(t).__name__
                 raise ContractViolation(f"input {k!r} must be a tensor", where=f"inputs.{k}", value=kind,
@@ -346,3 +352,13 @@ def _ir_spelled(named: dict[str, Any], declared: list[str]) -> dict[str, Any]:
         c = declared_name(k, declared)
         out[c if c is not None and (c == k or c not in named) else k] = v
     return out
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """`t` is a tracer's tensor (a FakeTensor, or one functionalization wraps): no data to run on.
+    Not under torch.compile's dynamo: it breaks its graph at the compiled model's data-dependent
+    steps and runs them on the real tensors (checked: the same answers as eager)."""
+    from torch._subclasses.fake_tensor import is_fake
+    return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) and \
+        not torch.compiler.is_dynamo_compiling() and is_fake(t)
+

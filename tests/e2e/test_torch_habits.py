@@ -169,3 +169,20 @@ def test_a_saved_model_fills_an_omitted_optional_input_as_the_compiled_one_does(
     cm.save(tmp_path / "bert.gm")
     loaded = graphmode.load(tmp_path / "bert.gm")
     torch.testing.assert_close(loaded(ids).last_hidden_state, want, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_export_of_a_module_calling_a_compiled_model_is_refused_not_frozen():
+    """torch.export traced the compiled model with fake tensors: its answer became a lifted
+    constant, and the exported program answered every input the same (max error 1.5-2.1)."""
+    m = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU()).eval()
+    cm = graphmode.compile(m, example_inputs=(torch.randn(2, 16),))
+    cm(torch.randn(2, 16))
+
+    class Calls(torch.nn.Module):
+        def forward(self, x):
+            return cm(x) * 2
+    with pytest.raises(GraphmodeError, match="called while torch traces a model around it") as e:
+        torch.export.export(Calls(), (torch.randn(2, 16),))
+    assert "export or trace the eager model itself" in e.value.fix
+    x = torch.randn(3, 16)
+    assert torch.allclose(cm(x), m(x), atol=1e-6)          # a real call after it still runs the plans
