@@ -22,6 +22,7 @@ environment). A value the user set is never overridden.
 """
 from __future__ import annotations
 
+import os
 from typing import MutableMapping
 
 SPIN_COUNT = 1000          # ~25 us of `pause` on the EPYC hosts: a step's dispatch, not a time slice
@@ -60,3 +61,36 @@ def in_effect(environ: MutableMapping[str, str]) -> dict[str, str | None]:
 
 
 __all__ = ["SPIN_COUNT", "SPIN_BOUND", "WAIT_VARS", "defaults", "apply_defaults", "bounded_wait", "in_effect"]
+
+
+# ---- a process forked after OpenMP ran ------------------------------------------------------
+# libgomp's thread team does not survive fork(): in the child the first parallel region waits
+# for threads that do not exist. A plan build runs ATen's parallel ops (tactic selection), so a
+# build in a child forked from a process that had built one hung for ever (`multiprocessing`'s
+# default start method on Linux). Plans built before the fork run in the child.
+_STATE = {"ran": False, "forked_after_run": False}
+
+
+def ran_parallel() -> None:
+    """Note that this process has run OpenMP's parallel regions (a plan build)."""
+    _STATE["ran"] = True
+
+
+def _after_fork_in_child() -> None:
+    _STATE["forked_after_run"] = _STATE["ran"]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def check_fork_safe(what: str) -> None:
+    """Refuse `what` (a plan build) in a child forked after its parent ran OpenMP: it would hang."""
+    if _STATE["forked_after_run"]:
+        from graphmode.errors import GraphmodeError
+        raise GraphmodeError(f"{what} would hang here: this process was forked from one that had already run "
+                             "OpenMP's threads (building plans), and libgomp's threads do not survive fork()",
+                             where="process", fix="build every bucket before forking (cm.warmup()), or start the "
+                                                  "workers with the 'spawn' method (multiprocessing.set_start_method"
+                                                  "('spawn'))")
+

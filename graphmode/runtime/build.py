@@ -81,6 +81,9 @@ def backend_options(backend, recipe) -> dict:
 def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
     """(executable, came_from_cache). The backend is the one registered as `cm.device`; its
     compiled kernels go to the artifact cache's kernel folder."""
+    from graphmode.openmp import check_fork_safe, ran_parallel
+    check_fork_safe(f"building the plan of bucket {env}")
+    ran_parallel()
     cache = _open_cache(cm)
     plan = None
     key = cache_key(cm, env)
