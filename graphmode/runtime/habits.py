@@ -45,13 +45,31 @@ class TorchHabits:
     def to(self, *args: Any, **kwargs: Any) -> "TorchHabits":
         target = kwargs.get("device", args[0] if args else None)
         dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
-        device = None if target is None or isinstance(target, torch.dtype) else torch.device(target)
+        if isinstance(target, torch.Tensor):         # nn.Module.to(tensor): that tensor's device and dtype
+            target, dtype = target.device, dtype or (target.dtype if target.dtype != torch.float32 else None)
+        try:
+            device = None if target is None or isinstance(target, torch.dtype) else torch.device(target)
+        except (RuntimeError, TypeError):
+            raise GraphmodeError("not a device", where="to()", value=str(target),
+                                 fix="cm.to('cpu') (a compiled model runs where it was compiled for)") from None
+        from graphmode.ir.types import DTYPES
+        if dtype is not None and DTYPES.get(self.recipe.precision.compute) == dtype:
+            dtype = None                                # the dtype it computes in already
         if (device is None or device.type == "cpu") and dtype is None:
             return self
         raise GraphmodeError("a compiled model stays where it was compiled for: its plans, kernels and weights are "
                              "the target's", where="to()", value=str(dtype or device),
                              fix="compile for that target (targets in the recipe, graphmode.compile(target=...)), "
                                  "or for another dtype set precision in the recipe")
+
+    def half(self) -> "TorchHabits":
+        return self.to(torch.float16)
+
+    def float(self) -> "TorchHabits":
+        return self.to(torch.float32)
+
+    def cpu(self) -> "TorchHabits":
+        return self.to("cpu")
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise _no_copy("copy.deepcopy")

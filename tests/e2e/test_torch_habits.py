@@ -69,9 +69,11 @@ def test_module_habits_work_or_are_refused_naming_the_way(tmp_path):
     m, x = _model(), torch.randn(3, 8)
     cm = graphmode.compile(m, _recipe(), cache_dir=tmp_path)
     assert cm.eval() is cm and cm.to("cpu") is cm and cm.train(False) is cm
+    assert cm.cpu() is cm and cm.float() is cm and cm.to(x) is cm and cm.to(torch.float32) is cm   # where it is
     torch.testing.assert_close(cm.forward(x)["a"], m(x)["a"], rtol=1e-5, atol=1e-6)
     for act in (lambda: copy.deepcopy(cm), lambda: pickle.dumps(cm), lambda: cm.train(),
-                lambda: cm.to(torch.float16), lambda: cm.to("meta")):
+                lambda: cm.to(torch.float16), lambda: cm.to("meta"), lambda: cm.half(), lambda: cm.to("bogus"),
+                lambda: cm.to(x.half())):       # a raw RuntimeError from torch.device, or no half() at all
         with pytest.raises(GraphmodeError) as e:
             act()
         assert e.value.fix
