@@ -19,6 +19,8 @@ class InputContract:
     """CompiledModel's input checks (a mixin: it reads the model's recipe, signature, verdict,
     graphs and source)."""
 
+    _grad_said = False
+
     def _fill_omitted(self, name: str, named: dict[str, Any]) -> bool:
         """Put in an input the call left out that the eager model treats as optional (an HF
         attention_mask of ones, token types of zeros: ModelSource.omitted_value), shaped like a
@@ -76,6 +78,15 @@ class InputContract:
                                      "recorded as constants, answering every later call the same",
                                      where=f"inputs.{k}", fix="export or trace the eager model itself, or "
                                      "graphmode.compile the module that calls it")
+            if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled() and not self._grad_said:
+                self._grad_said = True          # said once: the outputs are cut from autograd, as plans run no backward
+                import warnings
+
+                from graphmode.capture.spec import GraphmodeNotice
+                warnings.warn(GraphmodeNotice(f"input {k!r} requires grad, and a compiled model runs inference only: "
+                                              "its outputs carry no gradient (backward() through them fails). "
+                                              "Call it under torch.no_grad() or inference_mode(), or train the eager "
+                                              "module"), stacklevel=4)
             if not isinstance(t, torch.Tensor):
                 kind = type(t).__name__
                 raise ContractViolation(f"input {k!r} must be a tensor", where=f"inputs.{k}", value=kind,

@@ -188,3 +188,19 @@ def test_torch_export_of_a_module_calling_a_compiled_model_is_refused_not_frozen
     assert "export or trace the eager model itself" in e.value.fix
     x = torch.randn(3, 16)
     assert torch.allclose(cm(x), m(x), atol=1e-6)          # a real call after it still runs the plans
+
+
+def test_an_input_that_requires_grad_is_told_the_outputs_carry_none(tmp_path):
+    """Autograd was cut in silence: backward() then failed with torch's generic 'does not require grad'."""
+    import warnings
+
+    from graphmode.capture.spec import GraphmodeNotice
+    m, x = _model(), torch.randn(3, 8, requires_grad=True)
+    cm = graphmode.compile(m, _recipe(), cache_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        cm(x), cm(x)
+        with torch.no_grad():
+            cm(x)
+    notes = [str(w.message) for w in said if w.category is GraphmodeNotice]
+    assert len(notes) == 1 and "carry no gradient" in notes[0] and "torch.no_grad()" in notes[0]
