@@ -372,7 +372,9 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
                       threads=threads)  # warm
     if mode == "eager":
         src = resolve_model(model, recipe)
-        if recipe.precision.weights != "f32":       # the passes narrow weights; eager runs the module as it is
+        # the passes narrow weights; eager runs the module as it is (said where the recipe asks for eager: the
+        # decode engine's own eager model of a hybrid recipe is not the user's choice)
+        if recipe.precision.weights != "f32" and recipe.exe_mode == "eager":
             from graphmode.capture.spec import GraphmodeNotice
             warnings.warn(GraphmodeNotice(f"precision.weights {recipe.precision.weights} applies to graph and hybrid "
                                           "mode: exe_mode eager runs the module with its f32 weights"), stacklevel=2)

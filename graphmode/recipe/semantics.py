@@ -253,6 +253,11 @@ class _Checker(Findings):
             self.err("determinism", "batch_invariant is kept by the decode engine only (recipes with "
                      "memory.kv_cache)", self.r.determinism,
                      fix="remove determinism, or add memory.kv_cache to decode a causal LM")
+        kv = self.r.memory.kv_cache
+        if self.r.determinism == "batch_invariant" and getattr(kv, "prefix_caching", None):
+            self.err("memory.kv_cache.prefix_caching", "prefix caching prefills a prompt after a prefix another "
+                     "sequence computed, under another shape than alone: batch_invariant cannot keep its logits",
+                     True, fix="remove prefix_caching (off under batch_invariant) or determinism")
 
     def memory(self) -> None:
         m = self.r.memory

@@ -218,3 +218,13 @@ def test_weight_only_precision_needs_f32_compute_and_its_pass():
     stamp = canonical_json(load_recipe(BASE)).replace(" ", "")
     assert '"precision":{"accumulate":null,"compute":"f32","overrides":{}}' in stamp
     assert '"weights":"int8"' in canonical_json(load_recipe(ok)).replace(" ", "")
+
+
+def test_prefix_caching_under_batch_invariant_is_refused_by_validate_as_generate_refuses_it():
+    """The docs said both are refused together; only `generate` did, `recipe validate` said valid."""
+    import yaml
+    doc = yaml.safe_load((Path(__file__).parents[3] / "examples" / "recipes" / "gpt2_decoder.yaml").read_text())
+    doc["determinism"] = "batch_invariant"
+    doc["memory"]["kv_cache"]["prefix_caching"] = True
+    e = err(yaml.safe_dump(doc), "memory.kv_cache.prefix_caching")
+    assert "batch_invariant cannot keep its logits" in e.message and "remove prefix_caching" in e.fix
