@@ -64,7 +64,7 @@ RECIPE_CASES = ["malformed_yaml", "empty", "wrong_type", "unknown_key", "binary"
                                  ["run", "--model", "MODEL", "--recipe"], ["verify", "--model", "MODEL", "--recipe"],
                                  ["plan", "show", "--model", "MODEL", "--recipe"],
                                  ["cache", "explain", "--model", "MODEL", "--recipe"],
-                                 ["serve", "--model", "MODEL", "--recipe"], ["demo", "--recipe"]])
+                                 ["serve", "--port", "0", "--model", "MODEL", "--recipe"], ["demo", "--recipe"]])
 def test_broken_recipes(files, cmd, case):
     path = files.get(case, "/nonexistent/recipe.yaml")
     args = [a.replace("MODEL", f"{TINY}:mlp") for a in cmd] + [path]
@@ -88,7 +88,8 @@ MODEL_CASES = {
 
 @pytest.mark.parametrize("case", sorted(MODEL_CASES))
 @pytest.mark.parametrize("cmd", [["compile"], ["run"], ["verify"], ["plan", "show"], ["cache", "explain"],
-                                 ["recipe", "validate", "RECIPE", "--model"], ["serve"], ["profile"], ["bench"]])
+                                 ["recipe", "validate", "RECIPE", "--model"], ["serve", "--port", "0"], ["profile"],
+                                 ["bench"]])      # serve binds its port before it loads the model: any free one
 def test_broken_models(files, cmd, case):
     spec, needle = MODEL_CASES[case]
     spec = spec.format(**files)

@@ -57,7 +57,7 @@ def test_streamed_offsets_continue_where_the_last_chunk_ended(tok):
     """The offsets of a choice's second chunk start where the first chunk's text ended."""
     ids = tok.encode(" 日本語 über")
     req = SimpleNamespace(sequences=[([1, 2], None)], stop_text=(), params=SimpleNamespace(
-        stop=(), min_tokens=0, logprobs=2), chat=False, echo=False, keep_stop=False, echo_text="")
+        stop=(), min_tokens=0, logprobs=2), chat=False, echo=False, keep_stop=False, echo_text="", skip_special=True)
 
     def lp(t):
         return (-1.0, [(t, -1.0), (stray_byte(tok, 0x97), -2.0)])
