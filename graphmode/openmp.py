@@ -60,9 +60,6 @@ def in_effect(environ: MutableMapping[str, str]) -> dict[str, str | None]:
     return {v: environ.get(v) for v in WAIT_VARS}
 
 
-__all__ = ["SPIN_COUNT", "SPIN_BOUND", "WAIT_VARS", "defaults", "apply_defaults", "bounded_wait", "in_effect"]
-
-
 # ---- a process forked after OpenMP ran ------------------------------------------------------
 # libgomp's thread team does not survive fork(): in the child the first parallel region waits
 # for threads that do not exist. A plan build runs ATen's parallel ops (tactic selection), so a
@@ -94,3 +91,6 @@ def check_fork_safe(what: str) -> None:
                                                   "workers with the 'spawn' method (multiprocessing.set_start_method"
                                                   "('spawn'))")
 
+
+__all__ = ["SPIN_COUNT", "SPIN_BOUND", "WAIT_VARS", "defaults", "apply_defaults", "bounded_wait", "in_effect",
+           "ran_parallel", "check_fork_safe"]

@@ -372,4 +372,3 @@ def _traced(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
     return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) and \
         not torch.compiler.is_dynamo_compiling() and is_fake(t)
-

@@ -285,4 +285,3 @@ def test_an_assistant_message_echoed_with_empty_tool_calls_is_taken(tok):
     assert parse_messages(msgs)[1] == {"role": "assistant", "content": "w6"}
     with pytest.raises(BadRequest, match="tool_calls"):
         parse_messages([dict(msgs[1], tool_calls=[{"id": "x"}])])
-
