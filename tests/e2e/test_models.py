@@ -62,8 +62,10 @@ def test_pytorch_models_every_bucket(name, tmp_path):
     _check_every_bucket(cm, lambda env: b.make_inputs(env, seed=sum(env.values())), reference)
 
 
-# ResNet-18 from ONNX (20-40 s): slow set; its PyTorch twin above and MiniLM from ONNX stay in
-@pytest.mark.parametrize("name", ["minilm", pytest.param("resnet18", marks=pytest.mark.slow)])
+# from ONNX (20-40 s each): slow set; their PyTorch twins above and the families' ONNX exports (llama,
+# swin: tests/e2e/test_families.py) stay in the default run
+@pytest.mark.parametrize("name", [pytest.param("minilm", marks=pytest.mark.slow),
+                                  pytest.param("resnet18", marks=pytest.mark.slow)])
 def test_onnx_models_every_bucket(name, tmp_path):
     from graphmode.capture.onnx_export import export_onnx
     from graphmode.capture.spec import resolve_model_spec
