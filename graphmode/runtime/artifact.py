@@ -414,8 +414,9 @@ def check_manifest(manifest: dict[str, Any], where: Path, host: dict[str, Any] |
                             fix="compile again on this host (graphmode compile ... --save)")
 
 
-def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
-    """(the archive, its digest, its size): a regular file, hashed and opened from one descriptor."""
+def _open(path: Path, digest: bool = True) -> tuple[zipfile.ZipFile, str, int]:
+    """(the archive, its digest, its size): a regular file, hashed and opened from one descriptor.
+    Without `digest` the whole file is not read (its digest is ""): a caller after one member."""
     try:
         f = open_file(path, limit=1 << 48)
     except UntrustedFileError as e:
@@ -426,7 +427,7 @@ def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
     with f:
         try:
             sha = hashlib.sha256()
-            for b in f.chunks():
+            for b in f.chunks() if digest else ():
                 sha.update(b)
             fobj = os.fdopen(os.dup(f.fd), "rb")
         except (OSError, GraphmodeError) as e:
@@ -444,7 +445,7 @@ def _open(path: Path) -> tuple[zipfile.ZipFile, str, int]:
                             f"{type(e).__name__}: {str(e)[:200]}", where=str(path), exit_code=2,
                             fix="copy it again whole, or save it again" if cut else
                             "pass a file written by graphmode compile --save / CompiledModel.save") from None
-    return z, sha.hexdigest()[:24], f.size
+    return z, sha.hexdigest()[:24] if digest else "", f.size
 
 
 def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int | None = None,
@@ -557,7 +558,7 @@ def recipe_of(path: str | Path):
     checked (fields, members, versions, host), the recipe member within its bound, sha256 and hash.
     A tensor-parallel group's file: its ranks' recipe (runtime/rank_artifacts.py)."""
     path = Path(path)
-    z, _, size = _open(path)
+    z, _, size = _open(path, digest=False)
     with z:
         if GROUP_MEMBER in z.namelist():
             from graphmode.runtime.rank_artifacts import group_files
