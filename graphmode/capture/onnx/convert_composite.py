@@ -18,10 +18,6 @@ from graphmode.ir.ops import norm_axis
 from graphmode.ir.types import DTYPES, normalize_dim
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _const(imp: _Importer, t: torch.Tensor, hint: str) -> str:
     return imp.materialise(_Known.of(t), hint)
 
@@ -285,10 +281,9 @@ def _arg(imp: _Importer, n) -> None:
     imp.emit("sub", [imp.scalar(size - 1, "i64", f"{h}_last"), i], {}, out=n.output[0])
 
 
-
 @_handles("Einsum")
 def _einsum(imp: _Importer, n) -> None:
-    eq = _s(imp.attr(n, "equation"))
+    eq = imp.attr_text(n, "equation")
     imp.emit("einsum", [imp.operand(i) for i in n.input], {"equation": eq}, out=n.output[0])
 
 

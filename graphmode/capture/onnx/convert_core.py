@@ -145,8 +145,7 @@ def _elementwise(imp: _Importer, n) -> None:
     if op == "Mod" and imp.attr(n, "fmod", 0):
         irop = "fmod"
     if op == "BitShift":
-        direction = imp.attr(n, "direction", b"")
-        direction = direction.decode() if isinstance(direction, bytes) else str(direction)
+        direction = imp.attr_text(n, "direction", "")
         if direction not in ("LEFT", "RIGHT"):
             raise imp.fail(f"BitShift direction {direction!r}", fix="LEFT or RIGHT")
         irop = "bitwise_left_shift" if direction == "LEFT" else "bitwise_right_shift"
@@ -344,8 +343,7 @@ def _clip(imp: _Importer, n) -> None:
 
 @_handles("Gelu")
 def _gelu(imp: _Importer, n) -> None:
-    approx = imp.attr(n, "approximate", b"none")
-    approx = approx.decode() if isinstance(approx, bytes) else str(approx)
+    approx = imp.attr_text(n, "approximate", "none")
     if approx not in ("none", "tanh"):
         raise imp.fail(f"Gelu approximate={approx!r}", fix="use 'none' or 'tanh'")
     imp.emit("gelu", [imp.operand(n.input[0])], {"approximate": approx}, out=n.output[0])

@@ -215,8 +215,7 @@ def _gemm(imp: _Importer, n) -> None:
 def _pads(imp: _Importer, n, x_t: TensorType, kernel: list[int], strides: list[int], dil: list[int]) -> list[int]:
     """ONNX pads [x1_begin, x2_begin, ..., x1_end, x2_end] for the node's spatial dims."""
     rank = len(kernel)
-    auto = imp.attr(n, "auto_pad", b"NOTSET")
-    auto = auto.decode() if isinstance(auto, bytes) else auto
+    auto = imp.attr_text(n, "auto_pad", "NOTSET")
     if auto in ("NOTSET", ""):
         return list(imp.attr(n, "pads", [0] * (2 * rank)))
     if auto == "VALID":
@@ -444,8 +443,7 @@ def _conv_transpose(imp: _Importer, n) -> None:
     dil = list(imp.attr(n, "dilations", [1] * rank))
     out_pad = list(imp.attr(n, "output_padding", [0] * rank))
     out_shape = imp.attr(n, "output_shape", None)
-    auto = imp.attr(n, "auto_pad", b"NOTSET")
-    auto = auto.decode() if isinstance(auto, bytes) else str(auto)
+    auto = imp.attr_text(n, "auto_pad", "NOTSET")
     full = [(sizes[i] - 1) * strides[i] + dil[i] * (kernel[i] - 1) + 1 for i in range(rank)]
     if out_shape is not None or auto in ("SAME_UPPER", "SAME_LOWER"):
         if not all(isinstance(s, int) for s in sizes):
@@ -502,10 +500,8 @@ _GRID_MODES = {"bilinear": "bilinear", "linear": "bilinear", "nearest": "nearest
 
 @_handles("GridSample")
 def _grid_sample(imp: _Importer, n) -> None:
-    mode = imp.attr(n, "mode", b"linear")
-    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
-    pad = imp.attr(n, "padding_mode", b"zeros")
-    pad = pad.decode() if isinstance(pad, bytes) else str(pad)
+    mode = imp.attr_text(n, "mode", "linear")
+    pad = imp.attr_text(n, "padding_mode", "zeros")
     xt = imp.type_of(n.input[0])
     if mode not in _GRID_MODES or pad not in ("zeros", "border", "reflection"):
         raise imp.fail(f"GridSample mode {mode!r} padding_mode {pad!r}")

@@ -9,9 +9,9 @@ sequence's state is kept and its output is 0; the backward direction starts at i
 """
 from __future__ import annotations
 
-from graphmode.capture.onnx.convert_composite import _bind, _s, _static
+from graphmode.capture.onnx.convert_composite import _bind, _static
 from graphmode.capture.onnx.convert_select import reversed_by_length
-from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
+from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr, as_text
 
 _ACTIVATIONS = ("Tanh", "Relu", "Sigmoid")
 
@@ -30,7 +30,7 @@ def _check_common(imp: _Importer, n, dirs: list, acts_per_dir: int, defaults: li
         raise imp.fail(f"{op} clip is not supported", fix="export without clip")
     if imp.attr(n, "activation_alpha", None) or imp.attr(n, "activation_beta", None):
         raise imp.fail(f"{op} activation_alpha / activation_beta are not supported")
-    acts = [_s(a) for a in imp.attr(n, "activations", defaults * len(dirs))]
+    acts = [as_text(a) for a in imp.attr(n, "activations", defaults * len(dirs))]
     if len(acts) != acts_per_dir * len(dirs) or any(a not in _ACTIVATIONS for a in acts):
         raise imp.fail(f"{op} activations {acts}: {acts_per_dir} per direction, each of {', '.join(_ACTIVATIONS)}",
                        value=acts)
@@ -51,7 +51,7 @@ def _unroll(imp: _Importer, n, gates: int, cell: dict) -> None:
     time index (`_<op>_step`: state = (h, c), c unused but by LSTM) and the outputs. `cell`: the
     op's activations and options."""
     h = next(o for o in n.output if o)
-    direction = _s(imp.attr(n, "direction", b"forward"))
+    direction = imp.attr_text(n, "direction", "forward")
     dirs = {"forward": [False], "reverse": [True], "bidirectional": [False, True]}.get(direction)
     if dirs is None:
         raise imp.fail(f"{n.op_type} direction={direction!r} is not forward, reverse or bidirectional",
@@ -145,7 +145,7 @@ def _lengths(imp: _Importer, n, seq: int, h: str) -> str | None:
 def _gru(imp: _Importer, n) -> None:
     """z = f(x Wz + h Rz + b), r = f(x Wr + h Rr + b), h~ = g(x Wh + (r h) Rh + b) (with
     linear_before_reset: g(x Wh + r (h Rh + Rbh) + Wbh)), h' = (1 - z) h~ + z h."""
-    dirs = [0, 1] if _s(imp.attr(n, "direction", b"forward")) == "bidirectional" else [0]
+    dirs = [0, 1] if imp.attr_text(n, "direction", "forward") == "bidirectional" else [0]
     cell = {"acts": _check_common(imp, n, dirs, 2, [b"Sigmoid", b"Tanh"]),
             "before_reset": bool(imp.attr(n, "linear_before_reset", 0))}
     _unroll(imp, n, 3, cell)
@@ -155,7 +155,7 @@ def _gru(imp: _Importer, n) -> None:
 def _lstm(imp: _Importer, n) -> None:
     """i = f(x Wi + h Ri + Pi c + b), f = f(x Wf + h Rf + Pf c + b), c~ = g(x Wc + h Rc + b),
     c' = f c + i c~, o = f(x Wo + h Ro + Po c' + b), h' = o h(c') (ONNX gate order i, o, f, c)."""
-    dirs = [0, 1] if _s(imp.attr(n, "direction", b"forward")) == "bidirectional" else [0]
+    dirs = [0, 1] if imp.attr_text(n, "direction", "forward") == "bidirectional" else [0]
     cell = {"acts": _check_common(imp, n, dirs, 3, [b"Sigmoid", b"Tanh", b"Tanh"]),
             "peep": imp.operand(n.input[7]) if imp.opt_in(n, 7) else None}
     if imp.attr(n, "input_forget", 0):
@@ -166,7 +166,7 @@ def _lstm(imp: _Importer, n) -> None:
 @_handles("RNN")
 def _rnn(imp: _Importer, n) -> None:
     """h' = f(x W + h R + Wb + Rb)."""
-    dirs = [0, 1] if _s(imp.attr(n, "direction", b"forward")) == "bidirectional" else [0]
+    dirs = [0, 1] if imp.attr_text(n, "direction", "forward") == "bidirectional" else [0]
     _unroll(imp, n, 1, {"acts": _check_common(imp, n, dirs, 1, [b"Tanh"])})
 
 

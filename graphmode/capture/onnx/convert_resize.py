@@ -27,10 +27,6 @@ _TRANSFORMS = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "alig
                "tf_crop_and_resize")
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _floats(imp: _Importer, name: str | None, what: str) -> list[float] | None:
     if not name:
         return None
@@ -140,7 +136,7 @@ def _plan(imp: _Importer, n, shape: list[Dim]) -> tuple[list[Dim], list[float], 
         for a, s in zip(axes, sizes):
             out[a] = s
         full_scales = [1.0 if _deq(out[i], shape[i]) else _size_scale(imp, shape, out, i) for i in range(r)]
-        policy = _s(imp.attr(n, "keep_aspect_ratio_policy", b"stretch"))
+        policy = imp.attr_text(n, "keep_aspect_ratio_policy", "stretch")
         if policy != "stretch":
             pick = min if policy == "not_larger" else max
             scale = pick(full_scales[a] for a in axes)
@@ -199,7 +195,7 @@ def _one_reading(imp: _Importer, n, axis: int, length: int, out_len: int, scale:
     gap = float(np.abs(ours - spec).max())
     if gap <= 1e-6:
         return
-    mode = _s(imp.attr(n, "coordinate_transformation_mode", b"half_pixel"))
+    mode = imp.attr_text(n, "coordinate_transformation_mode", "half_pixel")
     who = "ONNX Runtime and PyTorch divide" if mode == "align_corners" else "ONNX Runtime divides"
     raise imp.fail(f"Resize with coordinate_transformation_mode {mode!r} at scale {scale:g} on axis {axis} "
                    f"({length} -> {out_len}) reads two ways: {who} by the output "
@@ -213,8 +209,8 @@ def _resize(imp: _Importer, n) -> None:
     x_name = n.input[0]
     xt = imp.type_of(x_name)
     shape = list(xt.shape)
-    mode = _s(imp.attr(n, "mode", b"nearest"))
-    transform = _s(imp.attr(n, "coordinate_transformation_mode", b"half_pixel"))
+    mode = imp.attr_text(n, "mode", "nearest")
+    transform = imp.attr_text(n, "coordinate_transformation_mode", "half_pixel")
     if mode not in _MODES or transform not in _TRANSFORMS:
         what = f"mode {mode!r}" if mode not in _MODES else f"coordinate_transformation_mode {transform!r}"
         raise imp.fail(f"Resize {what} is not one graphmode imports (mode {mode!r}, coordinate_transformation_mode "
@@ -222,7 +218,7 @@ def _resize(imp: _Importer, n) -> None:
     antialias = bool(imp.attr(n, "antialias", 0))
     if antialias and mode == "nearest":
         raise imp.fail("Resize antialias with mode nearest is not defined", fix="antialias 0, or mode linear/cubic")
-    coeffs = _coeffs(mode, _s(imp.attr(n, "nearest_mode", b"round_prefer_floor")), antialias,
+    coeffs = _coeffs(mode, imp.attr_text(n, "nearest_mode", "round_prefer_floor"), antialias,
                      float(imp.attr(n, "cubic_coeff_a", -0.75)))
     out, scales, axes, rois = _plan(imp, n, shape)
     extrapolation = float(imp.attr(n, "extrapolation_value", 0.0))

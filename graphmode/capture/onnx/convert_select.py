@@ -14,7 +14,7 @@ import math
 import sympy
 import torch
 
-from graphmode.capture.onnx.convert_composite import _bind, _const, _s, _static
+from graphmode.capture.onnx.convert_composite import _bind, _const, _static
 from graphmode.capture.onnx.convert_shape import _wrap_negative
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES
 from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
@@ -98,7 +98,7 @@ def _scatter_elements(imp: _Importer, n) -> None:
 
 
 def _scatter(imp: _Importer, n, data: str, axis: int, idx: str, upd: str, h: str) -> str:
-    reduction = _s(imp.attr(n, "reduction", b"none"))
+    reduction = imp.attr_text(n, "reduction", "none")
     if reduction == "none":
         return imp.emit_aten("scatter", [data, idx, upd], [_IN[0], axis, _IN[1], _IN[2]], overload="src", hint=h)[0]
     if reduction not in _REDUCE:
@@ -150,7 +150,7 @@ def _tensor_scatter(imp: _Importer, n) -> None:
     cache, upd = imp.operand(n.input[0]), imp.operand(n.input[1])
     ct, ut = imp.g.type_of(cache), imp.g.type_of(upd)
     axis = norm_axis(int(imp.attr(n, "axis", -2)), ct.rank)
-    mode = _s(imp.attr(n, "mode", b"linear"))
+    mode = imp.attr_text(n, "mode", "linear")
     if mode not in ("linear", "circular"):
         raise imp.fail(f"TensorScatter mode={mode!r} is not linear or circular", value=mode)
     if axis == 0:

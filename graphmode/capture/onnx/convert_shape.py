@@ -491,8 +491,7 @@ def _trilu(imp: _Importer, n) -> None:
 
 @_handles("Pad")
 def _pad(imp: _Importer, n) -> None:
-    mode = imp.attr(n, "mode", b"constant")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = imp.attr_text(n, "mode", "constant")
     if mode not in ("constant", "edge", "reflect", "wrap"):
         raise imp.fail(f"Pad mode {mode!r} is not supported", fix="constant, edge, reflect or wrap")
     t = imp.type_of(n.input[0])
@@ -593,8 +592,7 @@ def _depth_to_space(imp: _Importer, n) -> None:
     (depth-column-row, the default) or CRD order, at every opset (opset 28's function body only
     from there)."""
     b, (N, C, H, W) = _block_args(imp, n)
-    mode = imp.attr(n, "mode", b"DCR")
-    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    mode = imp.attr_text(n, "mode", "DCR")
     if not isinstance(C, int) or C % (b * b) or mode not in ("DCR", "CRD"):
         raise imp.fail(f"DepthToSpace of {dim_str(C) if not isinstance(C, int) else C} channels by blocksize {b} "
                        f"in mode {mode}", fix=f"channels a multiple of {b * b}, mode DCR or CRD")
@@ -611,8 +609,7 @@ def _space_to_depth(imp: _Importer, n) -> None:
     """[N, C, H, W] -> [N, C * b^2, H / b, W / b], DepthToSpace's inverse in its mode (DCR, or
     CRD from opset 28)."""
     b, (N, C, H, W) = _block_args(imp, n)
-    mode = imp.attr(n, "mode", b"DCR")
-    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    mode = imp.attr_text(n, "mode", "DCR")
     if mode not in ("DCR", "CRD"):
         raise imp.fail(f"SpaceToDepth mode {mode!r}", fix="mode DCR or CRD")
     if not all(isinstance(d, int) and d % b == 0 for d in (H, W)):

@@ -56,6 +56,11 @@ STATIC_AXIS_FIX = ("write that axis as a fixed size in the recipe's inputs[].sha
                    "[batch, 7, 16]): a dim with buckets stays symbolic in the graph")
 
 
+def as_text(v: Any) -> str:
+    """An ONNX string attribute (stored as bytes) as text."""
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 class _Importer(ValueState, Emitter, InputBinder):
     def __init__(self, model, label: str, name: str, dims: Mapping[str, tuple[int, int]] | None,
                  input_dims: Mapping[str, Sequence] | None, excluded: Callable[[str, str], bool],
@@ -261,6 +266,10 @@ class _Importer(ValueState, Emitter, InputBinder):
             if a.name == key:
                 return helper.get_attribute_value(a)
         return default
+
+    def attr_text(self, n, key: str, default: str = "") -> str:
+        """A string attribute as text: ONNX stores them as bytes."""
+        return as_text(self.attr(n, key, default))
 
     def opt_in(self, n, i: int) -> str | None:
         return n.input[i] if len(n.input) > i and n.input[i] else None
