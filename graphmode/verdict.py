@@ -111,12 +111,12 @@ def _mask_sources(recipe: Any, graph: Graph, pads: list[str], capture_report: An
     named = mask_inputs(recipe)
     out = list(named)
     locs = getattr(capture_report, "locs", {}) or {}
+    pad_values = {j.name: j.pad_value for j in recipe.inputs}
     for i in recipe.inputs:
         dims = {d for d in i.shape if isinstance(d, str)}
         if i.name in named or i.name not in graph.inputs or i.dtype.startswith(("f", "bf")) or not dims & set(masked):
             continue
-        alt = analyze_padding(graph, {j.name: j.pad_value for j in recipe.inputs}, pads, locs=locs, masks=named,
-                              unknown={i.name})
+        alt = analyze_padding(graph, pad_values, pads, locs=locs, masks=named, unknown={i.name})
         if any(d not in alt.masked for d in masked if d in dims):
             out.append(i.name)
     return out
