@@ -148,7 +148,7 @@ def _nested_encoder():
     return M().eval(), {"x": torch.randn(2, 8, 16), "mask": mask}
 
 
-@pytest.mark.parametrize("cmd", ["run", "verify"])
+@pytest.mark.parametrize("cmd", [pytest.param("run", marks=pytest.mark.slow), "verify"])   # one path, 11 s each
 def test_eager_failing_on_the_sample_inputs_is_an_error_not_a_traceback(cmd, tmp_path):
     (tmp_path / "te.py").write_text("import sys\nsys.path.insert(0, %r)\nfrom test_cli_errors import _nested_encoder\n"
                                     % str(Path(__file__).parent))

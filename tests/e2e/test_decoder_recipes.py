@@ -104,6 +104,7 @@ def test_a_draft_for_a_sliding_window_model_keeps_its_sequences_within_the_windo
         assert torch.equal(cm.generate(ids, max_new_tokens=2), ref)
 
 
+@pytest.mark.slow     # ~13 s; grouped KV heads (Llama's) decode in test_decode.py
 def test_a_multi_query_falcon_drafts_one_kv_head_and_decodes_exactly(tmp_path):
     """Falcon's original architecture says multi-query by a flag only: the draft asked for 4 KV
     heads, to_paged found 1 and said so, and the fix it gave was then refused ('the model has 4')."""
@@ -176,8 +177,8 @@ def test_drafted_recipes_decode_families_with_islands_and_stacks_exactly(family,
 
 
 # granite scales the logits after the head as cohere does: slow set
-@pytest.mark.parametrize("family", [pytest.param("granite", marks=pytest.mark.slow), "cohere",
-                                    pytest.param("gemma2", marks=pytest.mark.slow)])   # one after-head tail is enough
+@pytest.mark.slow      # ~21 s each on 2 busy cores; decoding exactly stays in test_decode.py
+@pytest.mark.parametrize("family", ["granite", "cohere", "gemma2"])
 def test_logits_scaled_or_capped_after_the_head_decode_exactly(family, tmp_path):
     """Granite divides its logits by logits_scaling, Cohere multiplies by logit_scale, Gemma 2
     soft-caps them (tanh(x / c) * c): decoding refused them all ('the model's output is not a

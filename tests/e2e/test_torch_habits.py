@@ -158,6 +158,7 @@ def test_an_omitted_mask_the_model_builds_from_its_padding_idx_is_refused_not_fi
         cm(torch.tensor([[5, 7, 9, PAD, PAD, PAD]]))
 
 
+@pytest.mark.slow     # ~12 s: a save and a load; the compiled model's filling is the tests' above
 def test_a_saved_model_fills_an_omitted_optional_input_as_the_compiled_one_does(tmp_path):
     from transformers import BertConfig, BertModel
     torch.manual_seed(0)

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import graphmode
@@ -57,6 +58,7 @@ def _rank(rank: int, port: int, cache: str, results: "mp.Queue") -> None:
     results.put({"exit": rank})
 
 
+@pytest.mark.slow     # ~28 s: two ranks compiled and served; the spawned group serves in test_tensor_parallel.py
 def test_rank_0_serves_its_group_from_its_own_process(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

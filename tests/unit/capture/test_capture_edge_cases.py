@@ -373,7 +373,7 @@ class _SymbolicTril(torch.nn.Module):
         return (x @ mem.transpose(1, 2)).masked_fill(~keep, 0.0)
 
 
-@pytest.mark.parametrize("mode", ["graph", "hybrid"])
+@pytest.mark.parametrize("mode", ["graph", pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_an_op_argument_computed_from_two_dims_is_decomposed_not_a_broken_attribute(mode, tmp_path):
     """tril(diagonal=sk - s) over two symbolic dims: the diagonal is a size computed at run time,
     which the op's int attribute cannot hold (it became an fx node in the graph: every call then

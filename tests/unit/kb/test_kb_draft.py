@@ -158,6 +158,7 @@ def test_a_causal_lm_draft_leaves_a_position_for_the_new_token():
     assert f"up to {kv.max_pages_per_seq * kv.page_size} tokens" in d.notes["memory.kv_cache"]
 
 
+@pytest.mark.slow     # ~10 s: a T5 capture
 def test_a_decoder_sequence_with_relative_positions_gets_the_default_sequence_range():
     """T5 has no position table: its decoder_seq was capped at graphmode's example size (8), and
     decoder_input_ids of 9 tokens were refused while eager runs them."""
