@@ -29,6 +29,7 @@ overflow to inf, and the sampling step it shares with other requests would fail 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -107,7 +108,17 @@ def choice_seed(seed: int, j: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+class _AsSent(str):
+    """A value's JSON text, shown as it is (not quoted again as a Python string)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 def bad(where: str, message: str, value: Any = None, *, fix: str) -> BadRequest:
+    """A refused field, its value shown as the client sent it: JSON (`true`, `"1"`), not Python."""
+    if value is not None and not isinstance(value, _AsSent):
+        value = _AsSent(json.dumps(value, default=str, ensure_ascii=False))
     return BadRequest(message, reason="bad_parameter", where=where, value=value, fix=fix)
 
 

@@ -135,6 +135,15 @@ def test_every_refusal_names_the_field_and_the_fix(doc, where):
     assert e.value.status == 400 and e.value.where == where and e.value.fix, e.value.to_dict()
 
 
+def test_a_refused_value_is_shown_as_the_client_sent_it_in_json():
+    for doc, shown in (({"prompt": [5], "max_tokens": True}, "true"),
+                       ({"prompt": [5], "response_format": {"type": "json_object"}}, '{"type": "json_object"}'),
+                       ({"prompt": [5], "frequency_penalty": "1"}, '"1"'), ({"prompt": [5], "n": 0}, "0")):
+        with pytest.raises(BadRequest) as e:
+            parse(doc)
+        assert e.value.to_dict()["value"] == shown, e.value.to_dict()
+
+
 def test_malformed_json_is_a_400_naming_the_body():
     for body in (b"", b"{", b'{"prompt": NaN}', b"\xff"):
         with pytest.raises(BadRequest) as e:
