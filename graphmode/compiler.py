@@ -208,11 +208,19 @@ def graph_facts(recipe: Recipe, graph: Graph):
     return model_facts(graph, act)
 
 
-def prove(recipe: Recipe, target: Any, graph: Graph, facts: Any = None):
+def prove(recipe: Recipe, target: Any, graph: Graph, facts: Any = None, cache_dir: str | Path | None = None):
     """The recipe's three verification layers with the compiled graph's own facts: the same
-    proof `graphmode compile` prints."""
+    proof `graphmode compile` prints, its SLA predicted with the calibration `graphmode profile
+    --calibrate` saved under `cache_dir` for the target, as `recipe validate` predicts it."""
     from graphmode.recipe import validate
-    return validate(recipe, target, facts if facts is not None else graph_facts(recipe, graph))
+    from graphmode.recipe.targets import pick_target
+    from graphmode.targets.cost import saved_calibration
+    tgt = pick_target(recipe, target)
+    cal, note = saved_calibration(tgt, cache_dir) if recipe.sla is not None else (None, "")
+    rep = validate(recipe, tgt, facts if facts is not None else graph_facts(recipe, graph), calibration=cal)
+    if any(p.name.startswith("sla") for p in rep.proofs):
+        rep.notes.append(note)
+    return rep
 
 
 @dataclass
@@ -235,18 +243,20 @@ class Lowered:
 def lower_model(model: Any, recipe: Recipe | str | Path, target: Any = None, *, mode: str | None = None,
                 keep_snapshots: bool = False, on_stage: OnStage | None = None, rank: int = 0,
                 refuse: bool = True, prove_graph: bool = True, dump_dir: str | Path | None = None,
-                dump_before: Sequence[str] | str = (), dump_after: Sequence[str] | str = ()) -> Lowered:
+                dump_before: Sequence[str] | str = (), dump_after: Sequence[str] | str = (),
+                cache_dir: str | Path | None = None) -> Lowered:
     """capture -> verdict -> passes -> proof: the one path compile, verify, run, serve, decode,
     `recipe validate --model` and `plan show` share. With `refuse` (the default) it refuses
     (typed errors) at the first that fails; without, a report reads how far it got: a refused
     verdict stops before the passes (`graph` and `proof` None), an unproved recipe keeps its
     proof. `prove_graph=False` stops after the graph's facts (the caller proves with its own
     options). `on_stage` hears the capture, passes and proof stages (graphmode/progress.py);
-    `dump_*` write the IR around passes (`optimize`). Under `parallel`, `rank`'s shard."""
+    `dump_*` write the IR around passes (`optimize`). Under `parallel`, `rank`'s shard.
+    `cache_dir`: where the proof finds a saved SLA calibration (`prove`)."""
     recipe = as_recipe(recipe)
     return _lower(capture_model(model, recipe, mode=mode, on_stage=on_stage), recipe, target, refuse=refuse,
                   prove_graph=prove_graph, keep_snapshots=keep_snapshots, on_stage=on_stage, rank=rank,
-                  dump_dir=dump_dir, dump_before=dump_before, dump_after=dump_after)
+                  dump_dir=dump_dir, dump_before=dump_before, dump_after=dump_after, cache_dir=cache_dir)
 
 
 def capture_model(model: Any, recipe: Recipe | str | Path, *, mode: str | None = None,
@@ -324,7 +334,7 @@ def refuse_inconsistent(recipe: Recipe, target: Any) -> None:
 def _lower(start: Lowered, recipe: Recipe, target: Any, *, refuse: bool, prove_graph: bool,
            keep_snapshots: bool = False, on_stage: OnStage | None = None, rank: int = 0,
            dump_dir: str | Path | None = None, dump_before: Sequence[str] | str = (),
-           dump_after: Sequence[str] | str = ()) -> Lowered:
+           dump_after: Sequence[str] | str = (), cache_dir: str | Path | None = None) -> Lowered:
     """passes -> proof after a verdict decided for `recipe` (`start` holds it)."""
     timings = dict(start.timings)
     if refuse:
@@ -344,7 +354,7 @@ def _lower(start: Lowered, recipe: Recipe, target: Any, *, refuse: bool, prove_g
     if not prove_graph:
         return low
     with stage(on_stage, "proof"):
-        proof = prove(recipe, target, graph, facts)
+        proof = prove(recipe, target, graph, facts, cache_dir)
     timings["proof"] = time.perf_counter() - t2
     if refuse:
         proof.raise_for_errors()      # a recipe that is not proved is never loaded
@@ -385,10 +395,11 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
         # waits for a forward call (runtime/deferred.py)
         from graphmode.runtime.deferred import DeferredModel
         src = resolve_model(model, recipe)
-        lower = functools.partial(lower_model, src, recipe, tgt, mode=mode, on_stage=on_stage, rank=rank or 0)
+        lower = functools.partial(lower_model, src, recipe, tgt, mode=mode, on_stage=on_stage, rank=rank or 0,
+                                  cache_dir=cache_dir)
         return DeferredModel(src, recipe, tgt, lower, mode=mode, cache_dir=cache_dir, threads=threads,
                              on_stage=on_stage)
-    low = lower_model(model, recipe, tgt, mode=mode, on_stage=on_stage, rank=rank or 0)
+    low = lower_model(model, recipe, tgt, mode=mode, on_stage=on_stage, rank=rank or 0, cache_dir=cache_dir)
     cm = CompiledModel.from_lowered(low, recipe, tgt, mode=mode, cache_dir=cache_dir, threads=threads,
                                     on_stage=on_stage)
     cm.spill_constants()

@@ -47,7 +47,8 @@ def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_di
     tgt = pick_target(recipe, target, cache_dir=cache_layout(cache_dir).targets)
     refuse_inconsistent(recipe, tgt)        # as `recipe validate` and graphmode.compile refuse it
     low = lower_model(model, recipe, tgt, refuse=False, on_stage=on_stage,
-                      dump_dir=dump_dir or Path("graphmode-ir-dumps"), dump_before=before, dump_after=after)
+                      dump_dir=dump_dir or Path("graphmode-ir-dumps"), dump_before=before, dump_after=after,
+                      cache_dir=cache_dir)
     secs = {k: low.timings[k] for k in ("capture", "passes") if k in low.timings}
     memory = []
     if low.graph is not None:

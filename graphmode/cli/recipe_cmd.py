@@ -105,11 +105,12 @@ def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
                  cache_dir: Optional[Path] = CacheDir) -> None:
     """Check a recipe in three layers (schema, semantics, Z3 proofs): exit 0 valid, 1 refused, 2 malformed."""
     from graphmode.recipe import load_recipe, validate
+    from graphmode.targets.cost import saved_calibration
     try:
         recipe = load_recipe(path)
         facts = _model_facts(model, recipe) if model else None
         tgt = _target(recipe, target, cache_dir)
-        cal, cal_note = _calibration(calibration, tgt, cache_dir)
+        cal, cal_note = saved_calibration(tgt, cache_dir, calibration)
         rep = validate(recipe, tgt, facts, timeout_ms=timeout_ms, calibration=cal)
         if recipe.sla is not None and any(p.name.startswith("sla") for p in rep.proofs):
             rep.notes.append(cal_note)
@@ -128,22 +129,6 @@ def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
             raise SystemExit(e.exit_code)
     except GraphmodeError as e:
         fail(e, as_json)
-
-
-def _calibration(path: Optional[Path], target: Any, cache_dir: Optional[Path]) -> tuple[Any, str]:
-    """(the cost-model calibration the SLA proof uses, a note saying which): --calibration, else
-    the one `graphmode profile --calibrate` saved for this target, else none (the roofline alone
-    predicts a time this host may not reach)."""
-    from graphmode.paths import cache_layout
-    from graphmode.targets.cost import Calibration
-    name = getattr(target, "name", None)
-    saved = cache_layout(cache_dir).calibration(name) if name else None
-    use = path if path is not None else saved if saved is not None and saved.is_file() else None
-    if use is None:
-        return None, ("sla: predicted with the target's roofline, uncalibrated: `graphmode profile --model M "
-                      "--calibrate` fits it to this host (the proof then uses it); `graphmode run` names a measured "
-                      "p50/p99 over the bound")
-    return Calibration.load(use), f"sla: predicted with the calibration {use}"
 
 
 def _model_facts(model: str, recipe):

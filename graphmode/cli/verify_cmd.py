@@ -97,7 +97,8 @@ def verify_cmd(
     proved_on = pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets)   # the recipe's default target
     with ExitStack() as stack:
         on_stage = stack.enter_context(progress())
-        low = lower_model(model, rec, proved_on, mode=mode, keep_snapshots=True, on_stage=on_stage)
+        low = lower_model(model, rec, proved_on, mode=mode, keep_snapshots=True, on_stage=on_stage,
+                          cache_dir=cache_dir)
         src, graph, opt, contract = low.source, low.graph, low.optimize_report, low.verdict
         cm = CompiledModel(src, rec, None, low.captured, graph, (low.capture_report, opt), mode=mode,
                            cache_dir=cache_dir, verdict=contract)

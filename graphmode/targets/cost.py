@@ -188,6 +188,21 @@ def _roofline(target: Target, op: OpCost, calibration: Calibration | None = None
     return compute, memory, max(compute, memory)
 
 
+def saved_calibration(target: Target, cache_dir: str | Path | None = None,
+                      path: str | Path | None = None) -> tuple[Calibration | None, str]:
+    """(the calibration an SLA proof uses, a note saying which): `path`, else the one `graphmode
+    profile --calibrate` saved for `target` under the cache, else none (the roofline alone then
+    predicts a time this host may not reach). compile and `recipe validate` both prove with it."""
+    from graphmode.paths import cache_layout
+    saved = cache_layout(cache_dir).calibration(target.name)
+    use = path if path is not None else saved if saved.is_file() else None
+    if use is None:
+        return None, ("sla: predicted with the target's roofline, uncalibrated: `graphmode profile --model M "
+                      "--calibrate` fits it to this host (the proof then uses it); `graphmode run` names a measured "
+                      "p50/p99 over the bound")
+    return Calibration.load(use), f"sla: predicted with the calibration {use}"
+
+
 def _check_calibration(target: Target, calibration: Calibration | None) -> None:
     if calibration is not None and calibration.target != target.name:
         raise TargetError("calibration belongs to another target", where="calibration.target",

@@ -155,3 +155,28 @@ def test_the_sla_proof_uses_the_calibration_profile_saved_and_says_which(tmp_pat
     out = json.loads(res.stdout)
     assert res.exit_code == 1 and f"predicted with the calibration {saved}" in " ".join(out["notes"])
     assert next(p for p in out["proofs"] if p["name"] == "sla.p99_ms")["status"] == "refuted"
+
+
+def test_compile_proves_the_sla_with_the_saved_calibration_as_validate_does(tmp_path):
+    """compile proved the SLA on the uncalibrated roofline while `recipe validate` used the
+    calibration `graphmode profile --calibrate` saved: one recipe, two verdicts."""
+    import torch
+    from graphmode.compiler import lower_model
+    from graphmode.paths import cache_layout
+    from graphmode.recipe import load_recipe
+    from graphmode.targets.cost import Calibration
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+    recipe = load_recipe({"version": 1, "name": "r", "inputs": [{"name": "input", "dtype": "f32",
+                                                                    "shape": ["batch", 16]}],
+                          "dims": {"batch": {"buckets": [1, 4]}}, "sla": {"p99_ms": 1}})
+
+    def sla_proof(cache):
+        proof = lower_model(model, recipe, "host", refuse=False, cache_dir=cache).proof
+        return next(p for p in proof.proofs if p.name == "sla.p99_ms").status, " ".join(proof.notes)
+    status, notes = sla_proof(tmp_path)
+    assert status == "proved" and "roofline, uncalibrated" in notes
+    saved = cache_layout(tmp_path).calibration("host")
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(Calibration(target="host", model_efficiency=1e-9).model_dump_json())     # a very slow host
+    status, notes = sla_proof(tmp_path)
+    assert status == "refuted" and f"predicted with the calibration {saved}" in notes
