@@ -208,7 +208,7 @@ def graph_facts(recipe: Recipe, graph: Graph):
     return model_facts(graph, act)
 
 
-def prove(recipe: Recipe, target: Any, graph: Graph, facts: Any = None, cache_dir: str | Path | None = None):
+def prove(recipe: Recipe, target: Any, graph: Graph | None, facts: Any = None, cache_dir: str | Path | None = None):
     """The recipe's three verification layers with the compiled graph's own facts: the same
     proof `graphmode compile` prints, its SLA predicted with the calibration `graphmode profile
     --calibrate` saved under `cache_dir` for the target, as `recipe validate` predicts it."""
@@ -217,7 +217,9 @@ def prove(recipe: Recipe, target: Any, graph: Graph, facts: Any = None, cache_di
     from graphmode.targets.cost import saved_calibration
     tgt = pick_target(recipe, target)
     cal, note = saved_calibration(tgt, cache_dir) if recipe.sla is not None else (None, "")
-    rep = validate(recipe, tgt, facts if facts is not None else graph_facts(recipe, graph), calibration=cal)
+    if facts is None and graph is not None:
+        facts = graph_facts(recipe, graph)
+    rep = validate(recipe, tgt, facts, calibration=cal)
     if any(p.name.startswith("sla") for p in rep.proofs):
         rep.notes.append(note)
     return rep

@@ -57,8 +57,8 @@ class Loading:
         return graph_facts(cm.recipe, cm.graph)
 
     def _prove(self, recipe: Any, facts: Any) -> Any:
-        from graphmode.recipe import validate
-        report = validate(recipe, self.target, facts)
+        from graphmode.compiler import prove
+        report = prove(recipe, self.target, None, facts, self.config.cache_dir)
         if not report.ok:
             try:
                 report.raise_for_errors()
