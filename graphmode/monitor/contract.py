@@ -139,6 +139,10 @@ class ContractMonitor:
         self.request_status("contract", bucket)
 
     def request_status(self, status: str, bucket: str = "none") -> None:
+        """A request's outcome. One that failed (a 5xx: `error`, or `timeout`) is an operation
+        that did not hold, so health falls with it: a model whose every request fails is not healthy."""
+        if status in ("error", "timeout"):
+            self.record_operation({status})
         with self._lock:
             self.requests[status] += 1
         if self.metrics is not None:

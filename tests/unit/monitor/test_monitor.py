@@ -192,6 +192,18 @@ def test_a_busy_reload_gives_the_token_back_and_keeps_the_position():
 
 # ---- ContractMonitor --------------------------------------------------------------------------------
 
+def test_failed_and_timed_out_requests_lower_health():
+    """Health counted contract violations only: a server whose every request failed with a 500
+    reported graphmode_health_score 1.0."""
+    mon = ContractMonitor(recipe(), version="v1", target="host", metrics=PromMetrics())
+    mon.observe_request(0.001, "batch=1", {"batch": 1})
+    mon.request_status("error")
+    mon.request_status("timeout")
+    mon.request_status("cancelled")          # the client went away: not the model's failure
+    assert (mon.operations, mon.violated_operations) == (3, 2) and mon.health_score == pytest.approx(1 / 3)
+    assert not mon.violations               # not contract violations: failures
+
+
 def test_monitor_counts_operations_violations_and_health_into_its_own_registry():
     r = recipe(sla={"p99_ms": 10})
     m1, m2 = PromMetrics(), PromMetrics()     # two registries in one process: no clash
