@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from graphmode.capture.onnx.convert_core import _bind
+from graphmode.capture.onnx.convert_core import _bind, coerced_2d
 from graphmode.capture.onnx.convert_nn import _pads
 from graphmode.capture.onnx.fold import _FLOAT_DTYPES, _Known
 from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _handles, _shape_attr
@@ -70,17 +70,27 @@ def _arange_along(imp: _Importer, size: int, axis: int, rank: int, hint: str) ->
 
 @_handles("Hardmax")
 def _hardmax(imp: _Importer, n) -> None:
-    """1 at the first maximum along axis, 0 elsewhere (opset 13: one axis)."""
+    """1 at the first maximum along axis, 0 elsewhere; before opset 13 over the input coerced to
+    2-d at axis (default 1), as Softmax then."""
     x = imp.operand(n.input[0])
     xt = imp.g.type_of(x)
-    if imp.opset < 13:
-        raise imp.fail("Hardmax before opset 13 (over the input coerced to 2-d)", fix="export with opset 13 or later")
-    axis = norm_axis(imp.attr(n, "axis", -1), xt.rank)
-    size = _static(imp, xt.shape[axis], "Hardmax")
     h = n.output[0]
+    axis = norm_axis(imp.attr(n, "axis", -1 if imp.opset >= 13 else 1), xt.rank)
+    if imp.opset >= 13 or axis == xt.rank - 1:
+        _first_max(imp, x, axis, out=h)
+        return
+    flat = _first_max(imp, coerced_2d(imp, x, axis, h), 1, hint=h)
+    imp.emit("reshape", [flat], {"shape": _shape_attr(xt.shape)}, out=h)
+
+
+def _first_max(imp: _Importer, x: str, axis: int, **where: str) -> str:
+    """One-hot of the first maximum along `axis` (`where`: out= or hint=)."""
+    xt = imp.g.type_of(x)
+    size = _static(imp, xt.shape[axis], "Hardmax")
+    h = where.get("out") or where["hint"]
     idx = imp.emit("argmax", [x], {"dim": axis, "keepdim": True}, hint=h)
     hit = imp.emit("eq", [idx, _arange_along(imp, size, axis, xt.rank, f"{h}_pos")], {}, hint=h)
-    imp.emit("cast", [hit], {"dtype": xt.dtype}, out=n.output[0])
+    return imp.emit("cast", [hit], {"dtype": xt.dtype}, **where)
 
 
 @_handles("LpNormalization")

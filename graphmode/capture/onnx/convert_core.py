@@ -389,12 +389,17 @@ def _softmax(imp: _Importer, n) -> None:
     if imp.opset >= 13 or axis == t.rank - 1:
         imp.emit(op, [x], {"dim": axis}, out=n.output[0])
         return
-    # opset < 13: softmax over the input coerced to 2-d at `axis`
+    s = imp.emit(op, [coerced_2d(imp, x, axis, n.output[0])], {"dim": 1}, hint=f"{n.output[0]}_sm")
+    imp.emit("reshape", [s], {"shape": _shape_attr(t.shape)}, out=n.output[0])
+
+
+def coerced_2d(imp: _Importer, x: str, axis: int, hint: str) -> str:
+    """`x` as [prod(shape[:axis]), prod(shape[axis:])]: how Softmax, LogSoftmax and Hardmax before
+    opset 13 read their axis (the op then runs over dim 1)."""
+    t = imp.g.type_of(x)
     lead = normalize_dim(math.prod(t.shape[:axis]) if all(isinstance(d, int) for d in t.shape[:axis])
                          else sympy.Mul(*t.shape[:axis]))
-    flat = imp.emit("reshape", [x], {"shape": [_attr_dim(lead), -1]}, hint=f"{n.output[0]}_2d")
-    s = imp.emit(op, [flat], {"dim": 1}, hint=f"{n.output[0]}_sm")
-    imp.emit("reshape", [s], {"shape": _shape_attr(t.shape)}, out=n.output[0])
+    return imp.emit("reshape", [x], {"shape": [_attr_dim(lead), -1]}, hint=f"{hint}_2d")
 
 
 def _check_layer_norm(nd: CheckedNode) -> None:

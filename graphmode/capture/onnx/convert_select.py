@@ -16,7 +16,7 @@ import torch
 
 from graphmode.capture.onnx.convert_composite import _bind, _const, _static
 from graphmode.capture.onnx.convert_shape import _wrap_negative
-from graphmode.capture.onnx.fold import _FLOAT_DTYPES
+from graphmode.capture.onnx.fold import _FLOAT_DTYPES, _Unfoldable, _decide
 from graphmode.capture.onnx.importer import _Importer, _handles, _shape_attr
 from graphmode.capture.onnx.values import _data_sized
 from graphmode.ir.ops import norm_axis
@@ -48,14 +48,29 @@ def _topk(imp: _Importer, n) -> None:
         _topk_of_data(imp, n, x, axis, largest, h)
         return
     k = imp.ints_of(n.input[1], "TopK K")[0]
-    size = _static(imp, xt.shape[axis], "TopK")
-    if not 0 <= k <= size:
+    size = xt.shape[axis]
+    if isinstance(size, int) and not 0 <= k <= size:
         raise imp.fail(f"TopK K={k} is outside 0..{size} (the axis' extent)", value=k)
+    if not isinstance(size, int) and not _at_least(k, size):
+        lo = imp.g.dims.get(dim_str(size), (None,))[0]
+        raise imp.fail(f"TopK K={k} along {dim_str(size)}, which the recipe lets be shorter than K"
+                       + (f" (down to {lo})" if lo is not None else "") + ": ONNX Runtime fails there", value=k,
+                       fix=f"give the dims of {dim_str(size)} ranges that keep it at least {k} (dims.<name>.min)")
     vals, idx = imp.emit_aten("sort", [x], [_IN[0]], {"stable": True, "dim": axis, "descending": largest},
                           overload="stable", hint=h)
     for out, v in zip(n.output, (vals, idx)):
         if out:
             imp.emit("slice", [v], {"dim": axis, "start": 0, "end": k, "step": 1}, out=out)
+
+
+def _at_least(k: int, size) -> bool:
+    """Whether a symbolic extent is >= k at every point of the recipe's ranges."""
+    if k < 0:
+        return False
+    try:
+        return _decide(k - sympy.sympify(size), "le")
+    except _Unfoldable:
+        return False
 
 
 def _topk_of_data(imp: _Importer, n, x: str, axis: int, largest: bool, h: str) -> None:

@@ -40,6 +40,20 @@ def test_softmax_at_a_new_opset_keeps_the_opset_13_axis():
     assert torch.allclose(y, torch.softmax(x, -1))
 
 
+def test_hardmax_before_opset_13_reads_its_axis_over_the_input_coerced_to_2d():
+    """Hardmax-11 (axis 1 by default) takes one maximum over all the trailing axes flattened,
+    first one on ties, as ONNX Runtime does; it was refused."""
+    x = torch.randn(2, 3, 4)
+    x[1] = 0.0                                                   # a tie: the first position wins
+    for axis, shape in ((1, (2, 12)), (0, (1, 24)), (2, (6, 4))):
+        y = _run(_model(helper.make_node("Hardmax", ["x"], ["y"], axis=axis), [2, 3, 4], 11), x)
+        flat = x.reshape(shape)
+        want = torch.nn.functional.one_hot(flat.argmax(1), shape[1]).float().reshape(2, 3, 4)
+        assert torch.equal(y, want), axis
+    default = _run(_model(helper.make_node("Hardmax", ["x"], ["y"]), [2, 3, 4], 11), x)
+    assert torch.equal(default, torch.nn.functional.one_hot(x.reshape(2, 12).argmax(1), 12).float().reshape(2, 3, 4))
+
+
 def test_an_old_node_that_differs_is_converted():
     x = torch.randn(5) * 3
     m = _model(helper.make_node("Clip", ["x"], ["y"], min=-1.0, max=0.5), [5], 9)   # bounds were attributes

@@ -48,6 +48,28 @@ def test_topk_keeps_the_lower_index_first_among_ties(largest):
     _check("TopK", {"x": X}, {"k": np.array([3], dtype=np.int64)}, n_out=2, axis=-1, largest=largest)
 
 
+def test_topk_along_a_dynamic_axis_is_taken_where_the_recipe_keeps_it_at_least_k():
+    """TopK over a symbolic extent was refused; it is the same stable sort and first K where the
+    recipe's range keeps the extent >= K, and refused naming the range where it does not (ONNX
+    Runtime fails on a shorter row)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])
+    node = helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=1)
+    outs = [helper.make_tensor_value_info("v", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("i", TensorProto.INT64, ["batch", 3])]
+    g = helper.make_graph([node], "g", [x], outs, [numpy_helper.from_array(np.array([3], dtype=np.int64), "k")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    graph, _ = import_onnx(m, dims={"batch": (1, 4), "n": (3, 16)})
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    for n in (3, 5, 16):
+        feed = np.random.default_rng(n).standard_normal((2, n)).astype(np.float32)
+        feed[0, :2] = 9.0                                        # a tie: the lower index first
+        got = interpret(graph, {graph.inputs[0]: torch.from_numpy(feed)})
+        for out, want in zip(graph.outputs, sess.run(None, {"x": feed})):
+            assert np.array_equal(got[out].numpy(), want), n
+    with pytest.raises(CaptureError, match=r"TopK K=3 along n, which the recipe lets be shorter than K \(down to 2\)"):
+        import_onnx(m, dims={"batch": (1, 4), "n": (2, 16)})
+
+
 @pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
 def test_scatter_elements_reductions_and_negative_indices(reduction):
     idx = np.array([[1, -1], [0, 0]], dtype=np.int64) if reduction != "none" else np.array([[1, -1], [0, 2]],
