@@ -69,6 +69,13 @@ class InputContract:
         named = _ir_spelled(named, self.input_names)
         unknown = [k for k in named if k not in self.input_names]
         if unknown:
+            consts = _file_constants(getattr(self.source, "onnx_path", None), unknown)
+            if consts:
+                raise ContractViolation(f"inputs {consts} are initializers of the ONNX file (graph inputs with a "
+                                        "stored value): graphmode compiles them as constants, so a value given "
+                                        "for them would not be used", where="inputs", value=consts,
+                                        fix="leave them out (the file's values are used), or re-export the model "
+                                            "with them as graph inputs without an initializer to feed them")
             raise ContractViolation(f"unknown inputs {unknown}", where="inputs",
                                     fix=f"the recipe declares {', '.join(self.input_names)}")
         for k, t in named.items():      # before the omitted inputs are filled in: they copy a given tensor's shape
@@ -372,3 +379,17 @@ def _traced(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
     return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) and \
         not torch.compiler.is_dynamo_compiling() and is_fake(t)
+
+
+def _file_constants(onnx_path: Any, names: list[str]) -> list[str]:
+    """Which of `names` an ONNX file stores as initializers (read when a call names them: the
+    refusal says why such an input, which ONNX Runtime lets a caller override, is not taken)."""
+    if onnx_path is None:
+        return []
+    try:
+        import onnx
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - the file moved or changed: the plain refusal stands
+        return []
+    stored = {t.name for t in model.graph.initializer}
+    return [n for n in names if n in stored]

@@ -79,3 +79,21 @@ def test_a_fully_static_model_compiles_from_a_recipe_without_dims(tmp_path):
     assert torch.allclose(y, torch.arange(1.0, 9.0, 2.0) * x)
     with pytest.raises(ContractViolation, match="inputs.x"):
         cm(start=torch.tensor(1.0), limit=torch.tensor(9.0), delta=torch.tensor(2.0), x=torch.randn(5))
+
+
+def test_an_initializer_listed_as_an_input_is_a_constant_and_a_value_for_it_is_refused_saying_so(tmp_path):
+    """Old exporters list initializers among the graph inputs too (ONNX Runtime lets a caller
+    override them). graphmode folds them as constants: a call that gives one is refused naming
+    it as the file's initializer, not as an unknown input."""
+    g = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "m",
+                          [helper.make_tensor_value_info("x", F, ["batch", 4]), helper.make_tensor_value_info("w", F, [4])],
+                          [helper.make_tensor_value_info("y", F, ["batch", 4])],
+                          [helper.make_tensor("w", F, [4], [1.0, 2.0, 3.0, 4.0])])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
+    cm = _compile(str(path), None, tmp_path)
+    x = torch.randn(2, 4)
+    assert torch.equal(cm(x=x), x * torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    with pytest.raises(ContractViolation, match=r"inputs \['w'\] are initializers of the ONNX file") as e:
+        cm(x=x, w=torch.ones(4))
+    assert "leave them out" in e.value.fix
