@@ -26,3 +26,15 @@ def test_a_per_bucket_entry_governs_the_shapes_it_matches():
     no_sla = load_recipe({"version": 1, "name": "r", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 4]}],
                           "dims": {"batch": {"buckets": [1, 4]}}})
     assert sla_misses(no_sla, {"batch": 1}, [1e6]) == []
+
+
+def test_the_reported_path_is_the_one_the_timed_calls_took():
+    """A hybrid model ran its first call in graph mode, then chose eager (faster at this shape):
+    `run` labelled the eager time as graph-mode latency."""
+    from graphmode.cli.run_cmd import _timed_path
+    first = {"path": "graph", "bucket": {"batch": 64}}
+    eager = {"path": "eager", "reason": "faster at this shape", "bucket": {"batch": 64}}
+    assert _timed_path(first, [eager] * 3) == {**eager, "timed_calls": {"eager": 3}}
+    assert _timed_path(first, [first] * 2 + [eager])["path"] == "graph"
+    assert _timed_path(first, [first] * 2) == first
+    assert _timed_path(first, []) == first
