@@ -111,7 +111,14 @@ def contract_recipe(bundle: Any, name: str, mode: str = "hybrid") -> dict:
     mode (the default here) a request between buckets may run eager PyTorch at its own shape
     where that measured faster than padded or split (runtime/split.py); `graph` never does. Up
     to EXACT_PLANS recurring seq values get buckets of their own (runtime/exact.py)."""
+    from graphmode.errors import GraphmodeError
     from graphmode.ir.types import TORCH_TO_DTYPE
+    dims_of = set(bundle.dim_names)
+    if not dims_of or not dims_of <= {"batch", "seq"}:
+        raise GraphmodeError(f"{name}'s dims are {sorted(dims_of) or 'none'}: --between-buckets samples requests "
+                             "over a batch and a seq dim only", where="--model", value=name,
+                             fix="name the model's dynamic axes batch (axis 0) and seq (bundle input_dims), or "
+                                 "bench it without --between-buckets")
     inputs = []
     for n in bundle.input_names:
         spec: dict[str, Any] = {"name": n, "dtype": TORCH_TO_DTYPE[bundle.example_inputs[n].dtype],
@@ -119,7 +126,7 @@ def contract_recipe(bundle: Any, name: str, mode: str = "hybrid") -> dict:
         if n == "attention_mask":
             spec["role"] = "attention_mask"
         inputs.append(spec)
-    dims: dict[str, Any] = {"batch": {"buckets": list(BATCH_BUCKETS)}}
+    dims: dict[str, Any] = {"batch": {"buckets": list(BATCH_BUCKETS)}} if "batch" in bundle.dim_names else {}
     if "seq" in bundle.dim_names:
         dims["seq"] = {**SEQ_DIM, "exact_plans": EXACT_PLANS}
     return {"version": 1, "name": f"between-{name}".replace("_", "-"), "inputs": inputs, "dims": dims,
@@ -158,7 +165,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         worst, wr = max(ratios, key=lambda x: x[0])
         mean = statistics.fmean(x for x, _ in ratios)
         complete = len(ratios) == len(gm)
-        chosen = Counter(str(((r.get("execution") or {}).get("ways") or {}).get("chosen", "padded")) for _, r in ratios)
+        chosen = Counter(_way(r) for _, r in ratios)
         out.append({"model": model, "shapes": len(gm), "timed": len(ratios), "max": round(worst, 4),
                     "chosen": dict(chosen),
                     "max_at": wr["shape"], "max_bucket": (wr.get("execution") or {}).get("ran_in")
@@ -166,6 +173,15 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "mean": round(mean, 4),
                     "met": (worst <= MAX_RATIO_GOAL and mean <= MEAN_RATIO_GOAL) if complete else None})
     return out
+
+
+def _way(row: dict[str, Any]) -> str:
+    """How a graphmode row's timed calls ran: the chooser's way (padded, split, eager), or with
+    one way only, in a plan of the request's own value (runtime/exact.py) or padded."""
+    ways = (row.get("execution") or {}).get("ways") or {}
+    if "chosen" in ways:
+        return str(ways["chosen"])
+    return "in its own plan" if (row.get("setup_detail") or {}).get("exact_plan") else "padded"
 
 
 def summary_lines(rows: Sequence[dict[str, Any]]) -> list[str]:

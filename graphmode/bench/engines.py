@@ -48,7 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -357,7 +357,10 @@ class GraphmodeEngine(Engine):
             return cm(**inputs)
         self.call = call
         if cm.mode != "eager" and dict(bucket) != dict(env):
+            t0 = time.perf_counter()
             self.setup_detail["settle_calls"] = self._settle(cm, call)
+            self.setup_detail["settle_s"] = round(time.perf_counter() - t0, 3)
+            self._after_settle(cm, bucket)
         self._calls0, self._fallbacks0 = cm.events["calls"], cm.events["fallback"] + cm.events["eager_choice"]
 
     def _settle(self, cm: Any, call: Callable[[], Any], most: int = 32) -> int:
@@ -373,6 +376,18 @@ class GraphmodeEngine(Engine):
             if len(cm._executables) == built and (len(ways) == 1 or cm.shape_chooser.settled(key, ways)):
                 return n
         return most
+
+    def _after_settle(self, cm: Any, bucket: Mapping[str, int]) -> None:
+        """What the timed calls run once settled: a recurring value may have got a plan of its own
+        (runtime/exact.py: built during the settle calls, setup time), so the request is no longer
+        padded into the recipe's bucket; a split runs the buckets it fills."""
+        ran = dict(cm.last_bucket or bucket)
+        path = getattr(cm, "last_path", None) or {}
+        graph = path.get("path") == "graph"
+        self.setup_detail.update({"bucket": ran, "padded": graph and ran != self._env and "split" not in path,
+                                  "exact_plan": graph and ran != dict(bucket)})
+        if "split" in path:
+            self.setup_detail["split"] = list(path["split"])
 
     def execution(self) -> dict[str, Any]:
         """From the CompiledModel's own events: calls that ran eager PyTorch (exe_mode eager, or

@@ -269,7 +269,8 @@ def markdown(res: BenchResult) -> str:
     if m.get("between_buckets"):
         from graphmode.bench.between import summary_lines, way_lines
         lines += ["", "Between buckets (graphmode padded to its bucket, split, or in hybrid mode eager, whichever "
-                  "measured fastest per shape; eager at the request's own shape):", ""]
+                  "measured fastest per shape, or in a plan of the request's own value once it recurs "
+                  "(runtime/exact.py, built during setup); eager at the request's own shape):", ""]
         lines += [f"- {x}" for x in summary_lines(quiet_rows(res))]
         if ways := way_lines(quiet_rows(res)):
             lines += ["", "Per shape, the ways graphmode tried (best ms of each) and the one it runs:", ""]

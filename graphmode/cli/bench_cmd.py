@@ -86,11 +86,12 @@ def bench_cmd(
                                 "side by side, with each engine's slowdown"),
     between_buckets: bool = typer.Option(False, "--between-buckets", help="requests between buckets: each model "
                                          "compiled with batch buckets 1,2,4 and seq buckets under max_padding 0.5, "
-                                         "timed at random request shapes inside that contract (padded by graphmode, "
-                                         "eager at the request's own shape); default models: models the tests never "
+                                         "timed at random request shapes inside that contract (graphmode's chosen way: padded, split, eager, or "
+                                         "once a value recurs a plan of its own, built in setup; eager at the "
+                                         "request's own shape); default models: models the tests never "
                                          "build (T5 encoder, Llama-style LM, DistilBERT, ViT, MLP-Mixer)"),
-    samples: int = typer.Option(6, "--samples", min=1, help="--between-buckets: random request shapes per model "
-                                "(besides batch 3 x seq 50)"),
+    samples: Optional[int] = typer.Option(None, "--samples", min=1, help="--between-buckets: random request shapes "
+                                          "per model (besides batch 3 x seq 50; default 6)"),
     tensor_parallel: int = typer.Option(1, "--tensor-parallel", min=1, max=64, help="time the models at TP=1 "
                                         "(--threads threads) against N rank processes (--threads / N each): "
                                         "latency, weights per rank, communication per collective measured vs the "
@@ -125,6 +126,10 @@ def bench_cmd(
                  out=out or default_out_dir(), name=name or f"tp{tensor_parallel}", cache_dir=cache_dir,
                  warm_cache=warm_cache, as_json=as_json, quick=quick, tol=tol)
         return
+    if samples is not None and not between_buckets:
+        raise GraphmodeError("--samples is the number of request shapes --between-buckets draws", where="--samples",
+                             value=samples, fix="add --between-buckets, or leave out --samples")
+    samples = samples or 6
     if between_buckets and (zoo or shape or recipe is not None):
         raise GraphmodeError("--between-buckets samples its own shapes under its own contract",
                              where="--between-buckets", fix="leave out --zoo, --shape and --recipe")
@@ -151,6 +156,8 @@ def bench_cmd(
         for c in cases:
             c.recipe = between.contract_recipe(c.bundle, c.name)
             c.envs = between.sample_envs(c.bundle, 1 if quick else samples, 0, load_recipe(c.recipe).dim_buckets())
+            if len(c.envs) < (1 if quick else samples):
+                log(f"{c.name}: only {len(c.envs)} request shape(s) fall between its buckets")
     target = get_target("host", cache_dir=layout.targets)
     why = cap_problem(isa, target.simd)
     if why is not None:

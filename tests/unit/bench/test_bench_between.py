@@ -72,6 +72,25 @@ def test_the_report_says_which_way_each_shape_runs():
     assert between.contract_recipe(resolve_model_spec(TINY), "tiny")["exe_mode"] == "hybrid"
 
 
+def test_a_shape_that_runs_in_a_plan_of_its_own_is_not_called_padded():
+    """The settle calls build a recurring value's own plan (runtime/exact.py): the summary said
+    'ran 3 padded' for shapes timed in exact plans."""
+    own = _row("t5", [3, 50], "graphmode", 0.6, {"batch": 4, "seq": 50})
+    own["setup_detail"]["exact_plan"] = True
+    rows = [own, _row("t5", [1, 7], "graphmode", 0.5, {"batch": 1, "seq": 10})]
+    assert between.summary(rows)[0]["chosen"] == {"in its own plan": 1, "padded": 1}
+
+
+def test_a_model_without_batch_or_seq_dims_is_refused_by_name():
+    from graphmode.errors import GraphmodeError
+
+    class _Static:
+        dim_names: list[str] = []
+    with pytest.raises(GraphmodeError, match="dims are none") as e:
+        between.contract_recipe(_Static(), "static")
+    assert e.value.where == "--model"
+
+
 @pytest.mark.slow                    # a graphmode compile: ~15 s quiet, ~55 s on 2 loaded cores
 def test_harness_runs_each_case_with_its_own_recipe(tmp_path):
     """A case's recipe (batch buckets 1, 2, 4) wins over the run's: batch 3 runs in bucket 4."""
@@ -83,7 +102,8 @@ def test_harness_runs_each_case_with_its_own_recipe(tmp_path):
     res = harness.run_bench([case], cfg, probe=QUIET)
     g = next(r for r in res.rows if r["engine"] == "graphmode")
     assert g["status"] == "ok" and g["numerics_ok"] and g["setup_detail"]["bucket"] == {"batch": 4}
-    assert g["setup_detail"]["padded"] and g["ratio_vs_eager"] > 0
-    assert between.summary(res.rows)[0]["timed"] == 1
+    assert g["ratio_vs_eager"] > 0 and between.summary(res.rows)[0]["timed"] == 1
     ways = g["execution"]["ways"]            # settled in setup: every way timed, the chosen one named
     assert g["setup_detail"]["settle_calls"] >= 2 and ways["chosen"] in ways and {"padded", "eager"} <= set(ways)
+    # `padded` says how the timed calls ran (the chosen way), not that the shape needed a bigger bucket
+    assert g["setup_detail"]["padded"] == (ways["chosen"] == "padded") and not g["setup_detail"]["exact_plan"]
