@@ -541,13 +541,20 @@ def fit_calibration(target: Any, buckets: Iterable[Mapping[str, Any]], note: str
                 k = "|".join(parts[:i])
                 num[k] = num.get(k, 0.0) + roof
                 den[k] = den.get(k, 0.0) + t
-    eff = {k: _round(num[k] / den[k]) for k in sorted(num) if den[k] > 0}
+    raw = {k: num[k] / den[k] for k in sorted(num) if den[k] > 0}
+    over = sorted(k for k, v in raw.items() if v > 1.0)
+    eff = {k: _round(min(1.0, v)) for k, v in raw.items()}
+    if over:    # faster than the roofline: data the cache held (a small model), not what a larger one gets
+        note = (note + "; " if note else "") + (f"{len(over)} step class(es) ran faster than the roofline "
+                                                 f"({', '.join(over[:3])}{', ...' if len(over) > 3 else ''}): "
+                                                 "capped at efficiency 1, a prediction never under the floor")
     cal = Calibration(target=target.name, op_efficiency=eff,
-                      default_efficiency=_round(tot_r / tot_t) if tot_t > 0 else 1.0,
+                      default_efficiency=_round(min(1.0, tot_r / tot_t)) if tot_t > 0 else 1.0,
                       overhead_us=round(gap * 1e6, 3), samples=n, **Calibration.reference_of(target),
                       created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                      note=note or f"fitted by graphmode profile from {len(buckets)} bucket(s): "
-                                   + ", ".join(sorted(f"{bk['model']} {_bk(bk['bucket'])}" for bk in buckets)))
+                      note=(f"fitted by graphmode profile from {len(buckets)} bucket(s): "
+                            + ", ".join(sorted(f"{bk['model']} {_bk(bk['bucket'])}" for bk in buckets))
+                            + (f"; {note}" if note else "")))
     model_eff = []
     for bk in buckets:
         fa = bk.get("facts") or {}
@@ -558,7 +565,7 @@ def fit_calibration(target: Any, buckets: Iterable[Mapping[str, Any]], note: str
         if roof > 0 and work > 0:
             model_eff.append(roof / work)
     if model_eff:
-        cal.model_efficiency = _round(statistics.median(model_eff))
+        cal.model_efficiency = _round(min(1.0, statistics.median(model_eff)))
     return cal
 
 

@@ -151,6 +151,8 @@ def print_predictions(rows, cal, source: str) -> None:
     eff += f" (+{refined} refined keys in the file)" if refined else ""
     console.print(f"  calibration ({source}): overhead {cal.overhead_us} µs/instruction, efficiency {eff}, default "
                   f"{cal.default_efficiency:.3g}, whole-model {cal.model_efficiency}", highlight=False)
+    if "capped at efficiency 1" in (cal.note or ""):
+        err_console.print(f"[yellow]note[/]: {cal.note.split('; ', 1)[-1]}", highlight=False)
 
 
 def _decode_shape(text: str) -> tuple[int, int]:

@@ -325,6 +325,23 @@ def test_calibration_fit_recovers_known_efficiencies():
     assert predict_bucket(t, sample, None) < 0.5 * run_s
 
 
+def test_steps_faster_than_the_roofline_are_capped_at_efficiency_one():
+    """A tiny model whose weights sit in cache fitted gemm efficiencies of 1.4-1.9: the proof of
+    a larger model then predicted a latency below the physical floor."""
+    from graphmode.bench.profile import _roof, cost_key, fit_calibration
+    from graphmode.targets import get_target
+    t = get_target("cpu_avx2")
+    work = [("gemm", 2 * 64**3, 3 * 4 * 64**2, 1.8), ("elementwise", 1e6, 8e6, 0.5)]
+    steps = [[k, f, b, _roof(t, k, f, b) / e] for k, f, b, e in work]
+    sample = {"model": "tiny", "bucket": {"batch": 1}, "threads": 1, "run_s": sum(s[3] for s in steps),
+              "gap_s": 0.0, "n_steps": len(steps), "steps": steps, "facts": {}}
+    cal = fit_calibration(t, [sample])
+    assert cal.efficiency(cost_key(t, *work[0][:3])) == 1.0
+    assert cal.efficiency(cost_key(t, *work[1][:3])) == pytest.approx(0.5, rel=1e-3)
+    assert max(cal.op_efficiency.values()) <= 1.0 and cal.default_efficiency <= 1.0
+    assert "ran faster than the roofline" in cal.note and "capped at efficiency 1" in cal.note
+
+
 def test_recipe_latency_model_uses_the_calibration():
     from graphmode.recipe import load_recipe
     from graphmode.recipe.constraints import build_constraint_model
