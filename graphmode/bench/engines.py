@@ -431,13 +431,16 @@ def _named(text: str, known: Any, names: Sequence[str], kind: str) -> list[tuple
             raise GraphmodeError(f"unknown {kind} {base!r}", where="--engines", value=text,
                                  fix=f"choose from {', '.join(names)}")
         out.append((base, var.rstrip("]") or None))
+    if not out:
+        raise GraphmodeError(f"no {kind} named", where="--engines", value=text,
+                             fix=f"name at least one of {', '.join(names)} (or leave --engines out for the default)")
     return out
 
 
 def parse_engines(text: str | None, extra: Sequence[str] = (), quick: bool = False) -> list[tuple[str, str | None]]:
     """`eager,onnxruntime,graphmode` (+ `--with max-autotune` adds torch_compile[max-autotune]);
     no text: DEFAULT_ENGINES (without torch.compile's variants when `quick`)."""
-    out = _named(text, ENGINE_NAMES, ENGINE_NAMES, "engine") if text else \
+    out = _named(text, ENGINE_NAMES, ENGINE_NAMES, "engine") if text is not None else \
         [e for e in DEFAULT_ENGINES if not (quick and e[1])]
     for w in extra:
         if w not in TORCH_COMPILE_VARIANTS or w == "default":
@@ -771,8 +774,8 @@ def parse_decode_engines(text: str | None) -> list[tuple[str, str | None]]:
     """`eager,llama_cpp[q8_0],graphmode`; plain `llama_cpp` means every variant (f32, q8_0, q4_0,
     q4_K_M)."""
     out: list[tuple[str, str | None]] = []
-    for base, var in _named(text or ",".join(DECODE_ENGINE_NAMES), DECODE_ENGINES, DECODE_ENGINE_NAMES,
-                            "decode engine"):
+    for base, var in _named(text if text is not None else ",".join(DECODE_ENGINE_NAMES), DECODE_ENGINES,
+                            DECODE_ENGINE_NAMES, "decode engine"):
         n = f"{base}[{var}]" if var else base
         if base == "graphmode" and var is not None and var not in GRAPHMODE_VARIANTS:
             raise GraphmodeError(f"unknown graphmode variant {var!r}", where="--engines", value=n,

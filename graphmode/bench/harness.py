@@ -141,8 +141,18 @@ def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: 
     bundle = case.bundle
     inputs = bundle.make_inputs(env, seed=cfg.seed)
     shape = case.shape_of(env)
-    with torch.inference_mode():
-        ref = [t.clone() for t in bundle.run(inputs)]
+    try:
+        with torch.inference_mode():
+            ref = [t.clone() for t in bundle.run(inputs)]
+    except Exception as e:  # noqa: BLE001 - a shape the model cannot take is a failed result, not a crash
+        reason = (f"eager PyTorch fails at this shape, so nothing can be checked against it: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''}; fix: a --shape the model takes")
+        log(f"  {reason}")
+        return [{"model": case.name, "model_name": PRETTY.get(case.name, case.name), "shape": shape,
+                 "dims": dict(env), "engine": name, "variant": variant or "default",
+                 "label": make_engine(name, variant).label, "status": "failed", "reason": reason, "skipped": False,
+                 "threads": cfg.threads, "condition": phase, "contend": phases.burners.n if phase == "contended" else 0}
+                for phase in phases.names for name, variant in cfg.engines]
     if any(name == "torch_compile" for name, _ in cfg.engines):
         import torch._dynamo as dynamo
         dynamo.reset()    # earlier cases' compiles would count against the recompile limit

@@ -21,6 +21,17 @@ def default_out_dir() -> Path:
     return (repo_bench if repo_bench.is_dir() else Path.cwd() / "bench") / "results"
 
 
+def results_place(out: Optional[Path], name: Optional[str]) -> Path:
+    """The results folder, checked before anything is measured (a file there failed the write
+    after the whole run), and `--name` a plain file stem (a path in it wrote outside --out)."""
+    from graphmode.errors import GraphmodeError
+    from graphmode.paths import writable_output
+    if name is not None and (not name or Path(name).name != name or name in (".", "..")):
+        raise GraphmodeError("--name is the results' file stem, not a path", where="--name", value=name,
+                             fix="give a plain name (letters, digits, -, _), and the folder with --out")
+    return writable_output(out or default_out_dir(), "--out", folder=True)
+
+
 def _mark_isa(res, cap: str, labelled: bool, simd) -> None:
     """Each graphmode row says which code path its kernels ran; an `--isa` run's rows are
     labelled `graphmode[<isa>]` in the tables too, and its warnings say which of the other
@@ -63,7 +74,7 @@ def bench_cmd(
     warmup: int = typer.Option(2, "--warmup", min=1, help="untimed calls per engine before timing"),
     rewarm: int = typer.Option(2, "--rewarm", min=0, help="untimed calls per engine before each timed call "
                                "(absorbs the switch from the previous engine)"),
-    budget_s: float = typer.Option(90.0, "--budget-s", help="per shape: stop rounds after this many seconds "
+    budget_s: float = typer.Option(90.0, "--budget-s", min=0.001, help="per shape: stop rounds after this many seconds "
                                    "(at least 5 rounds)"),
     threads: int = typer.Option(2, "--threads", min=1, max=1024, help="intra-op threads for every engine"),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="graphmode recipe (default: one with buckets "
@@ -74,7 +85,7 @@ def bench_cmd(
                              "configs) at its example shape: graph-mode coverage, numerics and speed in one table"),
     quick: bool = typer.Option(False, "--quick", help="smoke run: one shape per model, 3 rounds; exit 1 unless "
                                "every engine ran and matched eager (its timings are not measurements)"),
-    tol: float = typer.Option(1e-4, "--tol", help="relative L2 vs eager that counts as matching"),
+    tol: float = typer.Option(1e-4, "--tol", min=0.0, help="relative L2 vs eager that counts as matching"),
     cache_dir: Optional[Path] = CacheDir,
     kb: Optional[Path] = KbPath,
     warm_cache: bool = typer.Option(False, "--warm-cache", help="compile graphmode through the plan and kernel "
@@ -104,6 +115,7 @@ def bench_cmd(
     `graphmode bench decode` benchmarks generation (TTFT, tokens/s) instead."""
     if ctx.invoked_subcommand is not None:
         return
+    out = results_place(out, name)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from graphmode.backends.cpu.isa import CAPS, cap_problem
     from graphmode.bench.engines import parse_engines
@@ -123,7 +135,7 @@ def bench_cmd(
                                  fix="leave out --between-buckets, --zoo, --contend, --engines, --with and --isa")
         from graphmode.cli.bench_tp import bench_tp
         bench_tp(model, shape, tensor_parallel, threads=threads, iters=3 if quick else iters, recipe=recipe,
-                 out=out or default_out_dir(), name=name or f"tp{tensor_parallel}", cache_dir=cache_dir,
+                 out=out, name=name or f"tp{tensor_parallel}", cache_dir=cache_dir,
                  warm_cache=warm_cache, as_json=as_json, quick=quick, tol=tol)
         return
     if samples is not None and not between_buckets:
@@ -133,7 +145,8 @@ def bench_cmd(
     if between_buckets and (zoo or shape or recipe is not None):
         raise GraphmodeError("--between-buckets samples its own shapes under its own contract",
                              where="--between-buckets", fix="leave out --zoo, --shape and --recipe")
-    eng = parse_engines(engines or ("eager,graphmode" if between_buckets else None), with_ or [], quick=quick)
+    eng = parse_engines(engines if engines is not None else ("eager,graphmode" if between_buckets else None),
+                        with_ or [], quick=quick)
     if isa is not None and isa not in CAPS:
         raise GraphmodeError(f"unknown ISA {isa!r}", where="--isa", value=isa, fix=f"one of {', '.join(CAPS)}")
     layout = cache_layout(cache_dir)
@@ -173,7 +186,7 @@ def bench_cmd(
         res.meta["recipe"] = (f"per model: batch buckets {between.BATCH_BUCKETS}, seq {between.SEQ_DIM['min']}-"
                               f"{between.SEQ_DIM['max']} under max_padding {between.SEQ_DIM['max_padding']}; the "
                               "request shapes fall between the buckets")
-    paths = write_results(res, out or default_out_dir(),
+    paths = write_results(res, out,
                           name or ("quick" if quick else "between" if between_buckets else "bench"))
     if as_json:
         print(json.dumps(res.rows, indent=1, default=str))

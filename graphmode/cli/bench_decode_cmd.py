@@ -50,7 +50,7 @@ def decode_cmd(
                                         "(default 5)"),
     min_iters: Optional[int] = typer.Option(None, "--min-iters", min=1, help="rounds run whatever the budget "
                                             "(default 3)"),
-    budget_s: float = typer.Option(300.0, "--budget-s", help="per scenario: stop rounds after this many seconds"),
+    budget_s: float = typer.Option(300.0, "--budget-s", min=0.001, help="per scenario: stop rounds after this many seconds"),
     threads: int = typer.Option(2, "--threads", min=1, max=1024, help="intra-op threads for every engine"),
     out: Optional[Path] = typer.Option(None, "--out", help="results folder (default bench/results)"),
     name: Optional[str] = typer.Option(None, "--name", help="file stem (default decode, or decode-quick)"),
@@ -88,10 +88,12 @@ def decode_cmd(
     from graphmode.bench.models import load_decode_cases
     from graphmode.bench.prefix import prefix_line
     from graphmode.bench.report import decode_failures, decode_rich_tables, write_decode_results
-    from graphmode.cli.bench_cmd import console, default_out_dir
+    from graphmode.cli.bench_cmd import console, results_place
     from graphmode.openmp import in_effect
     from graphmode.paths import cache_layout
     from graphmode.targets import get_target
+
+    out = results_place(out, name)
 
     chosen = parse_decode_engines(engines)
     missing = [e for e in ("eager", "graphmode") if quick and not speculative and tensor_parallel == 1
@@ -113,13 +115,13 @@ def decode_cmd(
     cases = load_decode_cases(model or [], quick)
     target = get_target("host", cache_dir=layout.targets)
     if speculative or tensor_parallel > 1:
-        return _one_engine(cases, cfg, speculative, tensor_parallel, out or default_out_dir(),
+        return _one_engine(cases, cfg, speculative, tensor_parallel, out,
                            name or ("decode-quick" if quick else "decode"), as_json, log)
     with progress(measuring=True) as on_stage:     # graphmode's decoder build, between the engines' setup lines
         cfg.on_stage = on_stage
         res = run_decode_bench(cases, cfg, log=log, target=target)
     res.meta["openmp_env"] = in_effect(os.environ)
-    paths = write_decode_results(res, out or default_out_dir(), name or ("decode-quick" if quick else "decode"))
+    paths = write_decode_results(res, out, name or ("decode-quick" if quick else "decode"))
     if as_json:
         print(json.dumps(res.rows, indent=1, default=str))
     else:

@@ -57,6 +57,37 @@ def cli(tmp_path, monkeypatch):
     return run
 
 
+class _EightPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x):
+        return x + self.pos[: x.shape[1]]          # eager fails past 8 positions, as a model past its max positions
+
+
+def eight_positions():
+    return _EightPositions().eval(), {"x": torch.randn(2, 8, 4)}, {"x": ["batch", "seq", 4]}
+
+
+def test_a_shape_eager_cannot_run_is_a_failed_row_and_bad_outputs_are_refused_first(cli, tmp_path):
+    """`bench --shape 1x600` on MiniLM (512 positions) ended in a 29-frame traceback; `--out` a
+    file failed after the whole run, losing it; `--name ../x` wrote outside --out; `--engines ""`
+    ran every engine."""
+    spec = f"{Path(__file__).resolve()}:eight_positions"
+    res = cli("bench", "--model", spec, "--shape", "2x9x4", "--engines", "eager", "--quick", "--out",
+              str(tmp_path / "r"), "--json")
+    rows = json.loads(res.stdout)
+    assert rows and all(r["status"] == "failed" and "eager PyTorch fails at this shape" in r["reason"] for r in rows)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for args, where in ((["--out", str(afile)], "--out"), (["--name", "../escape"], "--name"),
+                        (["--engines", ""], "--engines")):
+        res = cli("bench", "--model", TINY, *args)
+        assert res.exit_code == 2 and where in res.output and "Traceback" not in res.output, res.output
+    assert afile.read_text() == "x" and not (tmp_path.parent / "escape.json").exists()
+
+
 def test_quick_bench_rows_files_and_ratios(cli, tmp_path):
     out = tmp_path / "results"
     res = cli("bench", "--model", TINY, "--shape", "4x32", "--engines", "eager,onnxruntime,openvino,graphmode",
