@@ -68,18 +68,41 @@ def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(
     console.print(f"and {_said(libraries).replace('nothing', 'no kernel libraries')} beside them "
                   "(`cache prune --max-size` weighs these and the plans; the timing cache, host probe and knowledge "
                   "base stay)", highlight=False)
+    n, size = _onnx_exports(cache_dir)
+    if n:
+        console.print(f"ONNX exports (the bench's and profile's ONNX Runtime models, in-memory ONNX models): {n} "
+                      f"file(s), {size / 2**20:.2f} MiB (`cache clear --onnx` removes them)", highlight=False)
+
+
+def _onnx_exports(cache_dir: Optional[Path]) -> tuple[int, int]:
+    from graphmode.paths import cache_layout
+    files = [f for f in cache_layout(cache_dir).onnx.rglob("*") if f.is_file()]
+    return len(files), sum(f.stat().st_size for f in files)
 
 
 @cache_app.command("clear")
 def cache_clear(cache_dir: Optional[Path] = CacheDir,
                 timings: bool = typer.Option(False, "--timings", help="also remove the GEMM/conv timing cache "
                                              "(<cache>/tactics): the next compile times every shape again, e.g. "
-                                             "after timings were taken on a busy machine")) -> None:
+                                             "after timings were taken on a busy machine"),
+                onnx: bool = typer.Option(False, "--onnx", help="also remove the ONNX exports (<cache>/onnx): "
+                                          "made again when next needed")) -> None:
     """Remove every cached plan, kernel library and extracted artifact (and with --timings the
-    tactic timing cache)."""
+    tactic timing cache, with --onnx the ONNX exports)."""
+    import shutil
+
     from graphmode.paths import cache_layout
     cache = _cache(cache_dir)
     console.print(f"removed {_said(cache.clear())}")
+    if onnx:
+        n, size = _onnx_exports(cache.root)
+        try:
+            if n:
+                shutil.rmtree(cache_layout(cache.root).onnx)
+        except OSError as e:
+            raise CacheError(f"cannot remove the ONNX exports: {e}", where="--onnx",
+                             fix="check the permissions of <cache>/onnx") from None
+        console.print(f"removed {n} ONNX export file(s) ({size / 2**20:.2f} MiB)")
     if timings:
         files = sorted(cache_layout(cache.root).tactics.glob("gemm-*.json"))
         try:
@@ -139,6 +162,8 @@ def cache_explain(
     from graphmode.recipe.hashing import recipe_hash
     from graphmode.runtime.cache import make_key
 
+    from graphmode.targets import get_target
+    get_target(target, cache_dir=cache_layout(cache_dir).targets)       # an unknown name is refused, not a miss
     rec = load_recipe(recipe)
     env = parse_shape(bucket, list(rec.dims), "--bucket") if bucket else dict(all_buckets(rec)[0])
     planned = bucket_for(rec, env)

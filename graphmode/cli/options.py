@@ -12,7 +12,17 @@ from typing import Optional
 
 import typer
 
-CacheDir = typer.Option(None, "--cache-dir", show_default=False,
+def _cache_folder(value: Optional[Path]) -> Optional[Path]:
+    """A --cache-dir that is (or sits under) a file is refused here: the commands would run
+    uncached with only a log line saying so."""
+    if value is not None:
+        blocker = next((p for p in [value, *value.parents] if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise typer.BadParameter(f"{blocker} is a file; the cache root is a folder (created if missing)")
+    return value
+
+
+CacheDir = typer.Option(None, "--cache-dir", show_default=False, callback=_cache_folder,
                         help="cache root: plans, kernels, timing cache, host probe, calibration, ONNX exports, "
                              "knowledge base (default: $GRAPHMODE_CACHE_DIR, else $XDG_CACHE_HOME/graphmode or "
                              "~/.cache/graphmode; the Python API uses the same one)")

@@ -49,8 +49,10 @@ def print_profile(prof, top: int) -> None:
     load = f", machine load {prof.loadavg[0]:.2f}" if prof.loadavg else ""
     console.print(f"\n[bold]{prof.model}[/] bucket {b}: {prof.n_steps} steps, {prof.threads} thread(s), "
                   f"median of {prof.runs} runs{load}", highlight=False)
-    line = (f"  plan run {_ms(prof.run_s)} ms = steps {_ms(prof.steps_sum_s)} ms + executor {_ms(prof.gap_s)} ms "
-            f"(input copies {_ms(prof.copy_in_s)}, output clones {_ms(prof.clone_out_s)})")
+    # medians of different samples: they need not add up (the run's median is not steps' + executor's)
+    line = (f"  plan run {_ms(prof.run_s)} ms (median run); steps {_ms(prof.steps_sum_s)} ms (sum of each step's "
+            f"median); executor {_ms(prof.gap_s)} ms (median of a run less its steps: input copies "
+            f"{_ms(prof.copy_in_s)}, output clones {_ms(prof.clone_out_s)})")
     if prof.call_s is not None:
         line += f"; CompiledModel call {_ms(prof.call_s)} ms"
         if prof.check_s is not None:
@@ -84,8 +86,8 @@ def print_profile(prof, top: int) -> None:
                   "-" if gf is None else f"{gf:.1f}", _ms(a["roofline_s"]))
     console.print(k)
     floor = prof.dispatch_floor_us()
-    console.print(f"  executor overhead: {prof.gap_per_instruction_us:.1f} µs per instruction (run - steps) / "
-                  f"{prof.n_steps}; {prof.executor_overhead_us:.1f} µs without input copies and output clones"
+    console.print(f"  executor overhead: {prof.gap_per_instruction_us:.1f} µs per instruction (executor / "
+                  f"{prof.n_steps} steps); {prof.executor_overhead_us:.1f} µs without input copies and output clones"
                   + (f"; dispatch floor of a step with no work {floor:.1f} µs" if floor is not None else ""),
                   highlight=False)
     if prof.dispatch_us is not None:

@@ -131,7 +131,7 @@ class ArtifactCache:
         except OSError as e:
             why = f"cannot use the cache folder {self.root}: {e}"
             self.report("unusable", path=str(self.root), reason=why,
-                        fix="fix its permissions or pass another cache_dir; running uncached meanwhile")
+                        fix="make it a folder you can write, or pass another cache_dir; running uncached meanwhile")
             return why
         return None
 
@@ -204,7 +204,7 @@ class ArtifactCache:
             names = sorted(os.listdir(self.plans))
         except OSError as e:
             raise CacheError(f"cannot list the cache folder {self.plans}: {e}", where="cache_dir",
-                             fix="fix its permissions, or pass another --cache-dir") from None
+                             fix="make it a folder you can write, or pass another --cache-dir") from None
         out = []
         for name in names:
             if name.startswith((".tmp-", ".probe-")):

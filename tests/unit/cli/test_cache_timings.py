@@ -66,3 +66,21 @@ def test_the_retiming_policy():
 def test_explain_without_a_model_or_timings_is_a_clear_error(tmp_path):
     res = CliRunner().invoke(app, ["cache", "explain", "--cache-dir", str(tmp_path)])
     assert res.exit_code == 2 and "--timings" in res.output
+
+
+def test_onnx_exports_are_listed_and_cleared_with_onnx_and_a_file_cache_dir_is_refused(tmp_path):
+    """The ONNX exports were most of a cache (87 of 88 MB) and neither `cache ls` nor `clear`
+    named them; `--cache-dir` a file ran uncached with a log line only."""
+    exports = cache_layout(tmp_path).onnx / "bench"
+    exports.mkdir(parents=True)
+    (exports / "m.onnx").write_bytes(b"\0" * 4096)
+    res = CliRunner().invoke(app, ["cache", "ls", "--cache-dir", str(tmp_path)])
+    assert res.exit_code == 0 and "ONNX exports" in res.output and "1 file(s)" in res.output, res.output
+    res = CliRunner().invoke(app, ["cache", "clear", "--cache-dir", str(tmp_path)])
+    assert res.exit_code == 0 and (exports / "m.onnx").exists()                 # only with --onnx
+    res = CliRunner().invoke(app, ["cache", "clear", "--onnx", "--cache-dir", str(tmp_path)])
+    assert res.exit_code == 0 and "removed 1 ONNX export file(s)" in res.output and not exports.exists()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    res = CliRunner().invoke(app, ["cache", "ls", "--cache-dir", str(afile / "sub")])
+    assert res.exit_code == 2 and "is a file" in " ".join(res.output.replace("│", " ").split())
