@@ -204,6 +204,8 @@ def run_cmd(
         inputs = cm.sample_inputs(env, seed=0)
         with torch.inference_mode():
             out = cm(**inputs)           # builds the request's bucket unless warm-up did
+        if metrics and cm.graph is not None and getattr(cm, "last_bucket", None):
+            cm.monitor.check_memory(cm.cm, [dict(cm.last_bucket)])   # its plan's arena vs memory.budget_mb
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
     reference, ref_name = _reference(cm)
     refs = run_reference(reference, inputs, env or {}, {"eager": "eager PyTorch", "onnxruntime": "ONNX Runtime"}
