@@ -109,7 +109,13 @@ def _legend(res: BenchResult) -> list[str]:
     return [f"{code}: {text}" for code, text in LEGEND.items() if code in used]
 
 
-def rich_table(res: BenchResult):
+NARROW_DROPS = ("p90", "floor", "xfloor", "setup", "RSS")    # left out under NARROW_COLUMNS (in the .md and .json)
+NARROW_COLUMNS = 120
+
+
+def rich_table(res: BenchResult, width: int | None = None):
+    """The terminal table; on a terminal narrower than NARROW_COLUMNS the secondary columns
+    (NARROW_DROPS) are left out rather than every column squeezed past reading."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
@@ -129,7 +135,11 @@ def rich_table(res: BenchResult):
         caption += "\nflags: " + "; ".join(legend)
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
               caption=caption, caption_justify="left")
-    for c in SHORT[:-1] + (CONTENDED_SHORT if busy else ()) + SHORT[-1:]:
+    cols = SHORT[:-1] + (CONTENDED_SHORT if busy else ()) + SHORT[-1:]
+    keep = [i for i, c in enumerate(cols) if not (width is not None and width < NARROW_COLUMNS and c in NARROW_DROPS)]
+    if len(keep) < len(cols):
+        t.caption = (t.caption or "") + f"\n(narrow terminal: {', '.join(NARROW_DROPS)} are in the .md and .json)"
+    for c in (cols[i] for i in keep):
         t.add_column(c, justify="right" if c not in ("model", "shape", "engine", "status", "flags") else "left",
                      no_wrap=c not in ("engine", "flags"), overflow="fold")
     prev = None
@@ -146,7 +156,7 @@ def rich_table(res: BenchResult):
         style = "dim" if r["status"] != "ok" else ("bold" if r["engine"] == "graphmode" else None)
         if r.get("flags") and r["status"] == "ok" and not m.get("quick"):
             style = "yellow" if style is None else f"{style} yellow"
-        t.add_row(*map(escape, cells), style=style)     # engine labels such as graphmode[avx2] are not markup
+        t.add_row(*(escape(cells[i]) for i in keep), style=style)   # labels like graphmode[avx2] are not markup
         if r["status"] != "ok":
             notes.append(f"{r['model']} {cells[1]} {r['label']}: {r['reason']}")
     return t, notes

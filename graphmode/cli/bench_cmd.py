@@ -191,7 +191,7 @@ def bench_cmd(
     if as_json:
         print(json.dumps(res.rows, indent=1, default=str))
     else:
-        table, notes = rich_table(res)
+        table, notes = rich_table(res, console.width)
         console.print(table)
         for n in notes:
             console.print(f"  {n}", markup=False, highlight=False)

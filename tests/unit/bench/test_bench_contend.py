@@ -187,3 +187,5 @@ def test_a_run_without_contend_has_no_contended_columns():
                              "method": {"warmup": 1, "iters": 3, "min_iters": 3, "budget_s_per_shape": 1.0},
                              "warnings": []})
     assert "contended" not in markdown(res) and "busy" not in {c.header for c in rich_table(res)[0].columns}
+    narrow = [c.header for c in rich_table(res, 80)[0].columns]   # an 80-column terminal: the secondary columns go
+    assert "engine" in narrow and "median" in narrow and "floor" not in narrow and "RSS" not in narrow
