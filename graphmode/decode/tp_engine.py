@@ -256,4 +256,15 @@ class RemoteEngine:
                               fix="start the group again (graphmode.compile with the recipe)")
 
     def _reply(self, what: str) -> Any:
-        return self.tp.receive(0, self._wait_s, what)
+        """Rank 0's answer. An error there (a refusal comes back as "refused") ended its decode
+        loop, so the ranks no longer follow this engine's messages: the group is stopped and the
+        call fails as a group failure, not as an answer read out of step."""
+        rep = self.tp.receive(0, self._wait_s, what)
+        if rep[0] == "error":
+            self._open = False
+            err = rep[1]
+            why = f"rank 0's decode loop ended at the {what}: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            self.tp._stop(why)
+            raise RankFailure(why, where="parallel", fix="the group is stopped; start it again (and see the error "
+                              "above: a bug to report where it is not the request's)") from None
+        return rep

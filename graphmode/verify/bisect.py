@@ -80,6 +80,18 @@ def output_labels(source: Any, graph: Graph | None, count: int) -> list[str]:
     return [str(i) for i in range(count)]
 
 
+def checked_precision(recipe: Any) -> tuple[str, str]:
+    """(compute, weights) the outputs are judged at: the recipe's precision, with a tensor-parallel
+    group's narrow wire dtype (parallel.comm.dtype bf16 / int8, rounding every collective) judged
+    as weights that narrow are, when it rounds more than they do."""
+    compute, weights = recipe.precision.compute, recipe.precision.weights
+    par = getattr(recipe, "parallel", None)
+    comm = par.comm.dtype if par is not None and par.tensor > 1 else "f32"
+    if WEIGHT_ONLY.get(comm, 0.0) > WEIGHT_ONLY.get(weights, 0.0):
+        weights = comm
+    return compute, weights
+
+
 def compare_outputs(names: list[str], got: list[torch.Tensor], want: list[torch.Tensor],
                     compute: str = "f32", weights: str = "f32") -> list[OutputCheck]:
     """Each output against eager at its dtype's tolerance; with narrow weights

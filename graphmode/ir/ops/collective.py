@@ -102,7 +102,10 @@ def _all_gather_ref(ins, attrs, env):
     out = comm.all_gather(q, ax)
     if scale is None and q.dtype == x.dtype:
         return [out]
-    return [_unpack(out, comm.all_gather(scale, ax) if scale is not None else None, x)]
+    scales = comm.all_gather(scale, ax) if scale is not None else None
+    if scales is not None and ax == x.dim() - 1:     # one scale per rank's row part: spread over its columns
+        scales = scales.repeat_interleave(x.shape[-1], dim=-1)
+    return [_unpack(out, scales, x)]
 
 
 def _scatter_infer(ins, attrs):

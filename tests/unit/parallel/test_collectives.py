@@ -49,6 +49,18 @@ def test_narrow_wire_dtypes_round_but_agree(dtype, tol):
     assert 0 < err < tol and torch.equal(got[0], got[1])
 
 
+@pytest.mark.parametrize("dtype, tol", [("bf16", 1e-2), ("int8", 2e-2)])
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_narrow_all_gather_along_every_axis(dtype, tol, axis):
+    """An int8 all_gather along the last axis (a column-parallel output) failed on every call:
+    each rank's per-row scales were gathered beside the columns, not spread over them."""
+    xs = parts(2, (3, 4, 64))
+    got = on_ranks("all_gather", xs, axis=axis, comm_dtype=dtype)
+    want = torch.cat(xs, axis)
+    assert got[0].shape == want.shape and torch.equal(got[0], got[1])
+    assert 0 < ((got[0] - want).norm() / want.norm()).item() < tol
+
+
 def test_a_collective_without_a_communicator_is_refused():
     with pytest.raises(IRError, match="no communicator is bound"):
         get_op("all_reduce").ref([torch.ones(2)], {"world": 2, "comm_dtype": "f32"}, {})
