@@ -71,6 +71,26 @@ class BucketMemory:
         return self.arena_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
 
 
+def graph_facts(recipe: Any, graph: Graph):
+    """The optimized graph's own facts (real weights, the memory planner's symbolic activation
+    peak, FLOPs): what the recipe's proofs are checked against once the graph exists."""
+    from graphmode.plan.memory import activation_peak_expr
+    act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
+                               alias_groups=[list(g) for g in recipe.alias_groups])
+    return model_facts(graph, act)
+
+
+def facts_of(cm: Any) -> Any:
+    """The facts a compiled model's proof rests on: its lowering's, or a loaded artifact's graph's
+    own (None for an eager model: no graph). A tensor-parallel rank's: its shard's."""
+    low = getattr(cm, "lowered", None)
+    if low is not None and low.facts is not None:
+        return low.facts
+    if getattr(cm, "graph", None) is None:
+        return None
+    return graph_facts(cm.recipe, cm.graph)
+
+
 def bucket_memory(graph: Graph, recipe: Any, on_stage: Any = None) -> list[BucketMemory]:
     """Each bucket's memory plan against the planner's lower bound (`on_stage` hears "memory
     plans", bucket N of M)."""

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from graphmode.capture.source import (ModelSource, constant_inputs, example_inputs_from_recipe,  # noqa: F401
                                      resolve_model)
 from graphmode.capture.torch_import import CaptureReport, import_torch
+from graphmode.compile_report import graph_facts
 from graphmode.ir.graph import Graph
 from graphmode.progress import OnStage, PassProgress, stage
 from graphmode.errors import CaptureError, RecipeErrors
@@ -196,16 +197,6 @@ def optimize(graph: Graph, recipe: Recipe | str | Path, target: Any = None, *,
     if snaps:
         rep.snapshots = snaps.snapshots  # type: ignore[attr-defined]
     return out, rep
-
-
-def graph_facts(recipe: Recipe, graph: Graph):
-    """The optimized graph's own facts (real weights, the memory planner's symbolic activation
-    peak, FLOPs): what the recipe's proofs are checked against once the graph exists."""
-    from graphmode.compile_report import model_facts
-    from graphmode.plan.memory import activation_peak_expr
-    act = activation_peak_expr(graph, reuse=recipe.optimize.memory_reuse,
-                               alias_groups=[list(g) for g in recipe.alias_groups])
-    return model_facts(graph, act)
 
 
 def prove(recipe: Recipe, target: Any, graph: Graph | None, facts: Any = None, cache_dir: str | Path | None = None):
@@ -413,10 +404,11 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
 def rank_driver():
     """What a rank process needs from this driver (graphmode/parallel/launch.py `RankDriver`):
     the launcher and torchrun's ranks sit below it in the layers."""
-    from graphmode.compile_report import graph_collectives
+    from graphmode.compile_report import facts_of, graph_collectives
     from graphmode.parallel.launch import RankDriver
     from graphmode.runtime.rank_artifacts import save_group
-    return RankDriver(compile=compile, resolve_model=resolve_model, collectives=graph_collectives, save=save_group)
+    return RankDriver(compile=compile, resolve_model=resolve_model, collectives=graph_collectives, save=save_group,
+                      facts=facts_of)
 
 
 def resolve_target(target: Any):

@@ -81,6 +81,7 @@ class RankDriver:
     resolve_model: Callable[[Any, Any], Any]    # capture.source.resolve_model (the parent's eager model)
     collectives: Callable[[Any], tuple]         # compile_report.graph_collectives
     save: Callable[..., Any] | None = None      # runtime.rank_artifacts.save_group (TensorParallelModel.save)
+    facts: Callable[[Any], Any] | None = None   # compiler.facts_of (what a rank's proof rested on)
 
 
 def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any, target: Any, mode: str | None,
@@ -114,6 +115,8 @@ def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any,
         info["rows_independent"] = bool(cm.independent_along(bd))     # whether a server may merge requests
         info["output_names"] = list(getattr(cm, "output_names", []) or [])
         info["output_types"] = [(g.values[o].type.dtype, g.values[o].type.shape) for o in g.outputs] if g else []
+        # what a server proves the recipe with again: the facts rank 0's own proof rested on
+        info["facts"] = driver.facts(cm) if driver.facts is not None else None
     return cm, comm, info
 
 
@@ -292,6 +295,7 @@ class TensorParallelModel:
         self.collectives, self.input_bounds = first.pop("collectives", ()), first.pop("input_bounds", None)
         self.rows_independent = bool(first.pop("rows_independent", False))
         self.output_names, self.output_types = first.pop("output_names", []), first.pop("output_types", [])
+        self.facts = first.pop("facts", None)       # rank 0's shard's: what its proof rested on
         for r in self.ranks[1:]:
             r.pop("collectives", None)
 

@@ -179,10 +179,10 @@ def group_files(path: str | Path, rank: int | None = None) -> tuple[tuple[str, .
 def group_driver() -> Any:
     """What a rank of a saved group runs in place of compiling (graphmode/parallel/launch.py
     `RankDriver`): its own file, loaded."""
-    from graphmode.compile_report import graph_collectives
+    from graphmode.compile_report import facts_of, graph_collectives
     from graphmode.parallel.launch import RankDriver
     return RankDriver(compile=load_rank, resolve_model=artifact_source, collectives=graph_collectives,
-                      save=save_group)
+                      save=save_group, facts=facts_of)
 
 
 def load_rank(files: Any, recipe: Any, target: Any, *, rank: int, cache_dir: Any = None, threads: int | None = None,

@@ -32,6 +32,7 @@ class ServedGroup(InputContract):
         self._constants = constant_inputs(self.recipe)
         self._signature = None                  # requests come by input name
         self._bounds = group.input_bounds or ([], [])
+        self.facts = getattr(group, "facts", None)     # rank 0's shard's facts: the server's proof uses them
         self._lock = threading.Lock()
         self.monitor: Any = None
 

@@ -49,12 +49,10 @@ class Loading:
     def _facts(self, cm: Any) -> Any:
         """The facts the recipe's proofs are checked against: the driver's (`cm.lowered`), or for
         a loaded artifact its graph's own (None for an eager model: no graph)."""
-        if cm.lowered is not None:
-            return cm.lowered.facts
-        if cm.graph is None:
-            return None
-        from graphmode.compiler import graph_facts
-        return graph_facts(cm.recipe, cm.graph)
+        if getattr(cm, "facts", None) is not None:      # a tensor-parallel group: rank 0's shard's
+            return cm.facts
+        from graphmode.compile_report import facts_of
+        return facts_of(cm)
 
     def _prove(self, recipe: Any, facts: Any) -> Any:
         from graphmode.compiler import prove

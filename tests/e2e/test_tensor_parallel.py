@@ -186,7 +186,8 @@ def test_the_server_answers_an_encoder_on_its_ranks_and_503s_once_a_rank_dies(tm
     import httpx
 
     from graphmode.serve import ModelServer, ServeConfig, ServerThread
-    rec = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS)
+    # an SLA: the server proves it again with rank 0's facts (it was 'unproved: no FLOP count')
+    rec = {**tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS), "sla": {"p99_ms": 60000}}
     server = ModelServer(f"{SPEC}:mlp", rec, config=ServeConfig(batch_window_ms=0, cache_dir=tmp_path,
                                                                kb=tmp_path / "kb.sqlite"))
     running = ServerThread(server).start()
