@@ -371,7 +371,11 @@ def generate_cmd(
         t0 = time.perf_counter()
         host = get_target("host", cache_dir=cache_layout(cache_dir).targets)
         with stage(on_stage, "proof"):
-            validate(rec, host).raise_for_errors()       # a recipe that is not proved is never loaded
+            # refused or malformed stops here; a bound left unproved for want of the model's facts
+            # (no `model:` section) is proved by the decode engine with its graph's own (a .gm: at its compile)
+            rep = validate(rec, host)
+            if rep.verdict in ("malformed", "refused"):
+                rep.raise_for_errors()
         ranks = tensor_parallel(rec)
         if loaded is not None:      # its plans are built: nothing to capture or compile
             cm = loaded
