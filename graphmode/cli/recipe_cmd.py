@@ -166,6 +166,11 @@ def _print_parallel(par: dict) -> None:
     budget = f" of {par['budget_mb']:.0f} MB" if par["budget_mb"] else ""
     mem.add_row("total", f"{par['memory_total_mb']:.1f}{budget}")
     console.print(mem)
+    if not par["comm"]:          # the collectives come from the model's shapes: none known, none estimated
+        console.print("communication per step: not estimated (no model: section in the recipe, whose shapes size "
+                      "the collectives; `graphmode compile --dry-run --model M` shows the sharded graph's)",
+                      highlight=False, markup=False)
+        return
     comm = _table(f"communication per step at {at}", "collective", "what", "count", "MB each", "link", "ms")
     for c in par["comm"]:
         comm.add_row(c["collective"], c["what"], str(c["count"]), f"{c['bytes'] / 1e6:.3f}", c["link"],
