@@ -297,8 +297,11 @@ def create_app(server: ModelServer) -> Starlette:
         view = server.readiness()
         group = await run_in_threadpool(server.group_health)
         ready = server.state == "ready" and server.active is not None and (group is None or group["down"] is None)
-        if group is not None and group["down"] is not None:
-            view["error"] = {"error": "RankFailure", "message": group["down"], "where": "parallel"}
+        if group is not None:
+            view["ranks"] = group["ranks"]
+            if group["down"] is not None:
+                view["error"] = {"error": "RankFailure", "message": group["down"], "where": "parallel"}
+                view["state"] = "failed"         # the server's state reads ready: its group is down
         view["status"] = "ready" if ready else "not ready"
         if not ready and server.state == "warming" and server.active is None:
             view["progress"] = "compiling and warming up the recipe's buckets"

@@ -221,6 +221,9 @@ def test_the_server_answers_an_encoder_on_its_ranks_and_503s_once_a_rank_dies(tm
             assert r.status_code == 503 and re.search(r"rank 1 \(pid \d+\) was killed by signal 9", r.text), r.text
             h = c.get("/healthz")
             assert h.status_code == 503 and "rank 1" in h.text, h.text
+            ready = c.get("/readyz")                  # the ranks, and a state that agrees with the status
+            assert ready.status_code == 503 and ready.json()["state"] == "failed", ready.text
+            assert [r["pid"] for r in ready.json()["ranks"]] == pids
     finally:
         running.stop()
         if server.active is not None:
