@@ -91,7 +91,9 @@ def print_tp_profile(profiles: Sequence[dict]) -> None:
             if not link.get("bandwidth_resolved", True):
                 console.print(f"  link {n['name']}: recipe {n['bandwidth_gbps']:g} GB/s, {n['latency_us']:g} us; "
                               f"measured: {link['latency_us']:.0f} us, the bandwidth not resolved (the times did not "
-                              "grow with size: a busy host); profile again for a `links` entry", highlight=False)
+                              f"grow with size up to {max(link.get('fit_bytes') or [0])} bytes: messages this small, or "
+                              "a busy host); for a `links` entry, keep the bandwidth and set latency_us from this",
+                              highlight=False)
                 continue
             console.print(f"  link {n['name']}: recipe {n['bandwidth_gbps']:g} GB/s, {n['latency_us']:g} us; measured "
                           f"(f32 all_reduces {link['gap_ms']:.2f} ms apart, as this bucket's calls) "

@@ -113,7 +113,8 @@ def fit_link(samples: Sequence[tuple[int, float]], world: int) -> dict[str, floa
     """{bandwidth_gbps, latency_us, worst_err, bandwidth_resolved}: the ring all_reduce model
     fitted to (bytes, seconds) samples by least squares on relative error; worst_err is the
     largest |model / measured - 1| over the samples. Samples whose time does not grow with
-    size fit the latency alone (bandwidth_resolved False, the bandwidth ~unbounded)."""
+    size, or grows by under a tenth of the latency at the largest (messages too small for the
+    wire to show), leave the bandwidth unresolved (bandwidth_resolved False)."""
     import numpy as np
     n = max(2, world)
     b = np.array([float(s[0]) for s in samples])
@@ -124,6 +125,8 @@ def fit_link(samples: Sequence[tuple[int, float]], world: int) -> dict[str, floa
     if not resolved:                 # the times did not grow with size (noise): latency alone
         c0, c1 = float(np.sum(1 / t) / np.sum(1 / t ** 2)), 1e-15
     c0, c1 = max(float(c0), 1e-9), max(float(c1), 1e-15)
+    if resolved and c1 * float(b.max()) < 0.1 * c0:     # messages too small for the wire to show: latency decides
+        resolved = False
     model = c0 + c1 * b
     return {"bandwidth_gbps": 2 * (n - 1) / n / c1 / 1e9, "latency_us": c0 / (2 * (n - 1)) * 1e6,
             "worst_err": float(np.max(np.abs(model / t - 1))), "bandwidth_resolved": resolved}
