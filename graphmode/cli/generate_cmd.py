@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional
 import typer
 
 from graphmode.cli.app import app, err_console
-from graphmode.cli.options import CacheDir
+from graphmode.cli.options import THREADS_HELP, CacheDir
 from graphmode.cli.progress import progress
 from graphmode.decode.output import encode_text
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
@@ -328,7 +328,7 @@ def generate_cmd(
     stop_ids: Optional[List[str]] = typer.Option(None, "--stop-ids", help="stop token-id sequence, e.g. 13,13, cut "
                                                  "from the output; repeatable"),
     stream: bool = typer.Option(False, "--stream", help="print tokens as they are generated"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024, help=THREADS_HELP),
     cache_dir: Optional[Path] = CacheDir,
     as_json: bool = typer.Option(False, "--json", help="tokens, text, finish_reason and timings as JSON "
                                  "(with --stream: one JSON line per chunk, then the result on one line)"),

@@ -38,3 +38,6 @@ def kb_file(kb: Optional[Path], cache_dir: Optional[Path]) -> Path:
     """The knowledge base every measuring command records into."""
     from graphmode.paths import cache_layout
     return kb if kb is not None else cache_layout(cache_dir).kb_file
+
+THREADS_HELP = ("kernel threads (default: the cores this process may use); under parallel.tensor, each rank's "
+                "(default: cores / ranks)")

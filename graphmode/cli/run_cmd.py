@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from graphmode.cli.app import app, console
-from graphmode.cli.options import MODEL_SPEC_HELP, CacheDir
+from graphmode.cli.options import MODEL_SPEC_HELP, THREADS_HELP, CacheDir
 from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
 from graphmode.verify.eager import run_reference
@@ -166,7 +166,7 @@ def run_cmd(
     mode: Optional[str] = typer.Option(None, "--mode", help="eager | graph | hybrid (default: the recipe's)"),
     shape: Optional[str] = typer.Option(None, "--shape", help="e.g. 2x16 or batch=2,seq=16"),
     iters: int = typer.Option(10, "--iters", min=1, help="timed calls per engine"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024, help=THREADS_HELP),
     metrics: bool = typer.Option(False, "--metrics", help="print the runtime contract metrics"),
     warmup: bool = typer.Option(False, "--warmup", help="build every bucket's plan first"),
     cache_dir: Optional[Path] = CacheDir,

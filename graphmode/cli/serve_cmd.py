@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 import typer
 
 from graphmode.cli.app import app, console, err_console
-from graphmode.cli.options import MODEL_SPEC_HELP, CacheDir, KbPath, kb_file
+from graphmode.cli.options import MODEL_SPEC_HELP, THREADS_HELP, CacheDir, KbPath, kb_file
 from graphmode.cli.progress import progress
 
 
@@ -43,7 +43,7 @@ def serve_cmd(
     kb: Optional[Path] = KbPath,
     kb_period_s: float = typer.Option(60.0, "--kb-period-s", help="seconds between knowledge-base summaries of "
                                       "the serving recipe version (p50/p99, throughput, P99/P50)"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024, help=THREADS_HELP),
     request_timeout_s: float = typer.Option(60.0, "--request-timeout-s"),
     sla_window_s: float = typer.Option(10.0, "--sla-window-s", help="drift probe: sliding window length"),
     sla_step_s: Optional[float] = typer.Option(None, "--sla-step-s", help="drift probe: evaluation period "
