@@ -250,8 +250,9 @@ def check_world(recipe: Any, world: int, rank: int) -> None:
     if world != want:
         raise GraphmodeError(f"torchrun started {world} rank(s) (WORLD_SIZE {world}), the recipe splits the model "
                              f"over parallel.tensor {want}", where="parallel.tensor", value=world,
-                             fix=f"start {want} ranks in all (--nnodes x --nproc-per-node = {want}), or set "
-                                 f"parallel.tensor: {world}")
+                             fix=f"start {want} ranks in all (--nnodes x --nproc-per-node = {want}), or a recipe "
+                                 f"of parallel.tensor: {world} where it divides the model's heads (recipe validate "
+                                 "--model says)")
     if not 0 <= rank < world:
         raise GraphmodeError(f"rank {rank} is outside the group of {world}", where="RANK", value=rank,
                              fix="start the rank with torchrun, which sets RANK")
