@@ -40,7 +40,7 @@ from graphmode.serve.codec import body_kind, clip, dumps
 from graphmode.serve import chat
 from graphmode.serve.errors import BadRequest, RequestTimeout, openai_error
 from graphmode.serve.generation import Generation
-from graphmode.serve.openai_request import CompletionRequest, parse_chat, parse_completion
+from graphmode.serve.openai_request import CompletionRequest, as_sent, parse_chat, parse_completion
 from graphmode.serve.token_text import TokenText
 
 Update = tuple[int, list[int], list[Any], str, "str | None"]   # index, tokens, their logprobs, text, finish
@@ -241,7 +241,7 @@ def completion_routes(server: Any) -> list[Route]:
 
     def _unknown_model(name: str) -> BadRequest:
         return BadRequest(f"model {clip(name, 60)!r} is not served here", status=404, reason="model_not_found",
-                          where="model", value=clip(name, 60),
+                          where="model", value=as_sent(clip(name, 60)),
                           fix=f"send model {server.model_names()[0]!r} (or leave it out); GET /v1/models lists them")
 
     def parse_text(body: bytes, decoder: Any, eos: Any) -> CompletionRequest:

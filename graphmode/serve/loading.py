@@ -55,8 +55,12 @@ class Loading:
         return facts_of(cm)
 
     def _prove(self, recipe: Any, facts: Any) -> Any:
-        from graphmode.compiler import prove
-        report = prove(recipe, self.target, None, facts, self.config.cache_dir)
+        from graphmode.recipe import validate
+        from graphmode.recipe.targets import pick_target
+        from graphmode.targets.cost import saved_calibration
+        tgt = pick_target(recipe, self.target)       # the SLA as compile proves it: with a saved calibration
+        cal = saved_calibration(tgt, self.config.cache_dir)[0] if recipe.sla is not None else None
+        report = validate(recipe, tgt, facts, calibration=cal)
         if not report.ok:
             try:
                 report.raise_for_errors()

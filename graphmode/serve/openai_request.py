@@ -115,10 +115,17 @@ class _AsSent(str):
         return str(self)
 
 
+def as_sent(value: Any) -> Any:
+    """A request field's value as an error shows it: as the client sent it, JSON (`true`, `"1"`),
+    not Python (`True`, `'1'`)."""
+    if value is None or isinstance(value, _AsSent):
+        return value
+    return _AsSent(json.dumps(value, default=str, ensure_ascii=False))
+
+
 def bad(where: str, message: str, value: Any = None, *, fix: str) -> BadRequest:
-    """A refused field, its value shown as the client sent it: JSON (`true`, `"1"`), not Python."""
-    if value is not None and not isinstance(value, _AsSent):
-        value = _AsSent(json.dumps(value, default=str, ensure_ascii=False))
+    """A refused field, its value shown as the client sent it (`as_sent`)."""
+    value = as_sent(value)
     return BadRequest(message, reason="bad_parameter", where=where, value=value, fix=fix)
 
 
