@@ -114,6 +114,7 @@ def _generate(words, model: str, *args: str) -> dict:
     return json.loads(res.output[res.output.index("{"):])["choices"][0]
 
 
+@pytest.mark.slow     # the tokenizer artifact: ~35 s; its reading is tests/unit/decode/test_saved_tokenizer.py
 def test_generate_from_the_artifact_uses_its_tokenizer_and_gives_the_models_tokens(words):
     from_file = _generate(words, words["gm"])
     from_spec = _generate(words, f"{TINY}:gpt2_words", "--recipe", words["recipe"])
@@ -121,6 +122,7 @@ def test_generate_from_the_artifact_uses_its_tokenizer_and_gives_the_models_toke
     assert from_file["text"] == from_spec["text"]
 
 
+@pytest.mark.slow     # the tokenizer artifact: ~35 s; its reading is tests/unit/decode/test_saved_tokenizer.py
 def test_generate_refuses_a_recipe_other_than_the_artifacts(words):
     res = runner.invoke(app, ["generate", "--model", words["gm"], "--recipe", words["other"], "--prompt-ids", "5,6",
                               "--cache-dir", str(words["dir"] / "cache-gen")])
@@ -128,6 +130,7 @@ def test_generate_refuses_a_recipe_other_than_the_artifacts(words):
     assert "--recipe" in res.output and "not the recipe the artifact was compiled with" in res.output
 
 
+@pytest.mark.slow     # the tokenizer artifact: ~35 s; its reading is tests/unit/decode/test_saved_tokenizer.py
 def test_serving_the_artifact_answers_completions_and_refuses_infer(words, tmp_path_factory):
     server = ModelServer(words["gm"], None, config=ServeConfig(cache_dir=serve_cache(tmp_path_factory),
                                                                shutdown_grace_s=1.0))

@@ -233,6 +233,7 @@ def _deepseek_v3(v_head_dim: int):
     return lm
 
 
+@pytest.mark.slow     # ~19 s: a DeepSeek-style decode
 def test_multi_head_latent_attention_drafts_the_key_width_and_decodes_exactly(tmp_path):
     """DeepSeek-V3's config.head_dim is the rotary part of a key head only: the draft asked for a
     cache of 8, to_paged said 16, and the fix to 16 was refused ('the model has 8'), a loop. Value

@@ -67,6 +67,7 @@ def test_a_qdq_file_answers_what_its_nodes_compute(qdq_mlp, tmp_path):
         == fused.tolist()
 
 
+@pytest.mark.slow     # ~13 s: verify over every shape; the QDQ file's numerics are the tests above
 def test_verify_passes_a_qdq_file_on_every_shape(qdq_mlp, tmp_path):
     rec = tmp_path / "qdq.yaml"
     res = invoke("recipe", "init", "--model", str(qdq_mlp), "--dim", "batch=1:8", "--out", str(rec))

@@ -141,6 +141,7 @@ def test_eager_mode_runs_the_original_module(small_resnet, tmp_path):
     assert rel_l2(_first(cm(**x)), _eager(small_resnet, x)) == 0.0
 
 
+@pytest.mark.slow     # ~14 s; corrupt and tampered entries: tests/e2e/test_cache_tamper.py
 def test_cache_hit_and_corrupt_entry_rebuilt(small_resnet, tmp_path):
     rec = load_recipe(resnet_recipe())
     cm1 = graphmode.compile(small_resnet, rec, cache_dir=tmp_path)
