@@ -18,7 +18,7 @@ def _cache_folder(value: Optional[Path]) -> Optional[Path]:
     if value is not None:
         blocker = next((p for p in [value, *value.parents] if p.exists() and not p.is_dir()), None)
         if blocker is not None:
-            raise typer.BadParameter(f"{blocker} is a file, not a folder: the cache root is a folder (created if "
+            raise typer.BadParameter(f"not a folder: {blocker} is a file (the cache root is a folder, created if "
                                      "missing)")
     return value
 
