@@ -248,6 +248,7 @@ def test_multi_head_latent_attention_drafts_the_key_width_and_decodes_exactly(tm
     assert "value heads are 24 wide and its key heads 16" in wide_v.notes["memory.kv_cache"]
 
 
+@pytest.mark.slow     # ~9 s; the window's refusal: the sliding-window test
 def test_a_window_note_gives_way_to_what_stops_decoding_anyway(tmp_path):
     """GPT-Neo (a local-attention window, attention written as matmuls): the draft said to keep
     seq inside the window, and the recipe that did was drafted without a cache for its attention."""

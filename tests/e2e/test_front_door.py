@@ -683,6 +683,7 @@ def test_generate_on_a_draft_without_a_kv_cache_says_why():
     assert "without memory.kv_cache" in e.value.fix
 
 
+@pytest.mark.slow     # ~9 s: a T5 build for one refusal
 def test_generate_on_an_encoder_decoder_says_graphmode_decodes_causal_lms():
     import transformers as T
     from graphmode.errors import RecipeError

@@ -120,6 +120,7 @@ def mlp_group(tmp_path, timeout_s: float):
     return graphmode.compile(f"{SPEC}:mlp", rec, cache_dir=tmp_path)
 
 
+@pytest.mark.slow     # ~15 s; a killed rank's 503 and health: the server test above
 def test_a_killed_rank_fails_the_call_at_once(tmp_path):
     x = torch.randn(2, 16)
     with mlp_group(tmp_path, 60) as tp:

@@ -56,6 +56,7 @@ def test_a_fresh_compile_after_a_write_through_data_uses_the_new_weights():
     assert cm_old is not None
 
 
+@pytest.mark.slow     # ~9 s; updates in place refused on forward calls: the tests above
 def test_decoding_after_an_update_in_place_is_refused():
     m = _model(0)
     cm = graphmode.compile(m)                              # drafted: a KV cache, so generate decodes
