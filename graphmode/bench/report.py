@@ -430,6 +430,8 @@ def _write(out_dir: str | Path, name: str, rows: list[dict], meta: dict, md: str
 
 def write_results(res: BenchResult, out_dir: str | Path, name: str = "bench") -> dict[str, Path]:
     paths = _write(out_dir, name, res.rows, res.meta, markdown(res))
+    if not any(r.get("status") == "ok" for r in res.rows):
+        return paths                       # nothing measured: no chart
     paths["png"] = Path(out_dir) / f"{name}.png"
     try:
         chart(res, paths["png"])
