@@ -204,16 +204,10 @@ def prove(recipe: Recipe, target: Any, graph: Graph | None, facts: Any = None, c
     proof `graphmode compile` prints, its SLA predicted with the calibration `graphmode profile
     --calibrate` saved under `cache_dir` for the target, as `recipe validate` predicts it."""
     from graphmode.recipe import validate
-    from graphmode.recipe.targets import pick_target
-    from graphmode.targets.cost import saved_calibration
-    tgt = pick_target(recipe, target)
-    cal, note = saved_calibration(tgt, cache_dir) if recipe.sla is not None else (None, "")
+    from graphmode.recipe.validate import SAVED
     if facts is None and graph is not None:
         facts = graph_facts(recipe, graph)
-    rep = validate(recipe, tgt, facts, calibration=cal)
-    if any(p.name.startswith("sla") for p in rep.proofs):
-        rep.notes.append(note)
-    return rep
+    return validate(recipe, target, facts, calibration=SAVED, cache_dir=cache_dir)
 
 
 @dataclass

@@ -116,6 +116,12 @@ def shown(path: str | os.PathLike) -> str:
     return str(path)
 
 
+def file_in_the_way(folder: str | os.PathLike) -> Path | None:
+    """The first of `folder` and its parents that exists and is not a folder (it cannot be made)."""
+    folder = Path(folder)
+    return next((p for p in [folder, *folder.parents] if p.exists() and not p.is_dir()), None)
+
+
 def writable_output(path: str | os.PathLike, where: str, *, folder: bool = False, replaced: bool = False) -> Path:
     """`path` once it is known to be writable, checked before any work is done: a file where a
     folder goes (or a folder where a file goes), a parent that is a file, or a place this process
@@ -137,7 +143,7 @@ def writable_output(path: str | os.PathLike, where: str, *, folder: bool = False
         raise GraphmodeError("that path is a file; a folder goes there", where=where, value=str(path),
                              fix="give a folder path (it is created if missing)")
     parent = path if folder else path.parent
-    blocker = next((p for p in [parent, *parent.parents] if p.exists() and not p.is_dir()), None)
+    blocker = file_in_the_way(parent)
     if blocker is not None:
         raise GraphmodeError(f"{blocker} is a file, not a folder", where=where, value=str(path),
                              fix="give a path whose parent folders are folders")

@@ -148,10 +148,8 @@ def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: 
         reason = (f"eager PyTorch fails at this shape, so nothing can be checked against it: {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:200] if str(e) else ''}; fix: a --shape the model takes")
         log(f"  {reason}")
-        return [{"model": case.name, "model_name": PRETTY.get(case.name, case.name), "shape": shape,
-                 "dims": dict(env), "engine": name, "variant": variant or "default",
-                 "label": make_engine(name, variant).label, "status": "failed", "reason": reason, "skipped": False,
-                 "threads": cfg.threads, "condition": phase, "contend": phases.burners.n if phase == "contended" else 0}
+        return [{**_row(case, shape, env, name, variant, make_engine(name, variant).label, cfg), "status": "failed",
+                 "reason": reason, "condition": phase, "contend": phases.burners.n if phase == "contended" else 0}
                 for phase in phases.names for name, variant in cfg.engines]
     if any(name == "torch_compile" for name, _ in cfg.engines):
         import torch._dynamo as dynamo
@@ -159,9 +157,7 @@ def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: 
     slots: list[_Slot] = []
     for name, variant in cfg.engines:
         eng = make_engine(name, variant)
-        row = {"model": case.name, "model_name": PRETTY.get(case.name, case.name), "shape": shape,
-               "dims": dict(env), "engine": name, "variant": variant or "default", "label": eng.label,
-               "status": "ok", "reason": None, "skipped": False, "threads": cfg.threads}
+        row = _row(case, shape, env, name, variant, eng.label, cfg)
         slot = _Slot(eng, row)
         slots.append(slot)
         log(f"  setup {eng.label} ...")
@@ -226,6 +222,14 @@ def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: 
         log(f"  flagged: {', '.join(r['label'] + ' (' + ','.join(r['flags']) + ')' for r in rows if r.get('flags'))}")
     gc.collect()
     return rows
+
+
+def _row(case: ModelCase, shape: Any, env: dict[str, int], name: str, variant: str | None, label: str,
+         cfg: BenchConfig) -> dict[str, Any]:
+    """A (model, shape, engine) row before it is measured."""
+    return {"model": case.name, "model_name": PRETTY.get(case.name, case.name), "shape": shape, "dims": dict(env),
+            "engine": name, "variant": variant or "default", "label": label, "status": "ok", "reason": None,
+            "skipped": False, "threads": cfg.threads}
 
 
 def slowdowns(rows: list[dict[str, Any]]) -> None:

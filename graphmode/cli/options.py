@@ -15,8 +15,9 @@ import typer
 def _cache_folder(value: Optional[Path]) -> Optional[Path]:
     """A --cache-dir that is (or sits under) a file is refused here: the commands would run
     uncached with only a log line saying so."""
+    from graphmode.paths import file_in_the_way
     if value is not None:
-        blocker = next((p for p in [value, *value.parents] if p.exists() and not p.is_dir()), None)
+        blocker = file_in_the_way(value)
         if blocker is not None:
             raise typer.BadParameter(f"not a folder: {blocker} is a file (the cache root is a folder, created if "
                                      "missing)")

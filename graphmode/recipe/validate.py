@@ -130,11 +130,17 @@ class ValidationReport:
         }
 
 
+SAVED = "saved"     # validate(calibration=SAVED): the SLA predicted with the saved calibration, as compile proves it
+
+
 def validate(recipe: Recipe, target: Any = None, model_facts: ModelFacts | None = None, *,
              env: Environment | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS,
-             calibration: Any = None) -> ValidationReport:
+             calibration: Any = None, cache_dir: Any = None) -> ValidationReport:
     """Run semantics and the Z3 proofs of a loaded recipe on `target` (default: the recipe's
     first target, else `host`). Symbolic values are resolved on the target first.
+
+    `calibration`: a Calibration, or SAVED for the one `profile --calibrate` saved under
+    `cache_dir` (a note says which the SLA was predicted with).
 
     Never raises for recipe problems: inspect `report.verdict` or call `report.raise_for_errors()`.
     Raises TargetError when the target cannot be found.
@@ -164,7 +170,13 @@ def validate(recipe: Recipe, target: Any = None, model_facts: ModelFacts | None 
         return report
     report.dims = {d: dim_synthesis(s) for d, s in resolved.dims.items()}
     t0 = time.perf_counter()
+    note = None
+    if calibration == SAVED:     # the one `graphmode profile --calibrate` saved for the target, if any
+        from graphmode.targets.cost import saved_calibration
+        calibration, note = saved_calibration(tgt, cache_dir) if recipe.sla is not None else (None, None)
     report.model, report.proofs = prove_all(resolved, tgt, model_facts, timeout_ms, calibration=calibration)
+    if note and any(p.name.startswith("sla") for p in report.proofs):
+        report.notes.append(note)
     status = {"valid": "ok", "refused": "refuted", "unproved": "unproved"}[report.verdict]
     counts = {s: sum(p.status == s for p in report.proofs) for s in ("proved", "refuted", "unproved")}
     report.layers.append(LayerResult("constraints", status, time.perf_counter() - t0,

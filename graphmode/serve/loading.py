@@ -56,11 +56,8 @@ class Loading:
 
     def _prove(self, recipe: Any, facts: Any) -> Any:
         from graphmode.recipe import validate
-        from graphmode.recipe.targets import pick_target
-        from graphmode.targets.cost import saved_calibration
-        tgt = pick_target(recipe, self.target)       # the SLA as compile proves it: with a saved calibration
-        cal = saved_calibration(tgt, self.config.cache_dir)[0] if recipe.sla is not None else None
-        report = validate(recipe, tgt, facts, calibration=cal)
+        from graphmode.recipe.validate import SAVED       # the SLA as compile proves it: with a saved calibration
+        report = validate(recipe, self.target, facts, calibration=SAVED, cache_dir=self.config.cache_dir)
         if not report.ok:
             try:
                 report.raise_for_errors()
