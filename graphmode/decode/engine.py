@@ -78,16 +78,16 @@ def kv_layout(recipe: Any, cfg: dict[str, Any], world: int = 1) -> KVLayout:
 
 def _check_pools_split(pools: Any, layout: KVLayout, recipe: Any) -> None:
     """Under tensor parallelism each rank's pools hold its share of the KV heads (what the memory
-    proof counts per rank). Where the shard pass left a layer's attention whole (a fused QKV
-    projection of unequal blocks: Phi-3's qkv_proj with fewer KV heads than query heads), the
-    pools are whole: refused naming why, not as a mismatch of recipes."""
+    proof counts per rank). Where the shard pass left a layer's attention whole (a projection
+    it has no rule to split by heads), the pools are whole: refused naming why, not as a
+    mismatch of recipes."""
     world = recipe.parallel.tensor if recipe.parallel is not None else 1
     heads = {int(t.shape[2]) for t in (*pools[0], *pools[1]) if t.dim() == 4}
     if world > 1 and heads == {layout.kv_heads * world}:
         raise RecipeError(f"parallel.tensor {world}: this model's attention is not split by heads in its decode "
                           f"graph (each rank would hold all {layout.kv_heads * world} KV heads, beyond the "
-                          "per-rank KV pool the memory proof counts); e.g. a fused QKV projection whose query and "
-                          "key/value blocks differ in width (grouped KV heads, Phi-3) is not split across ranks yet",
+                          "per-rank KV pool the memory proof counts): a projection ahead of its attention has no "
+                          "rule to split it by heads",
                           where="parallel.tensor", value=world,
                           fix="decode this model with parallel.tensor: 1 (its forward pass runs tensor-parallel)")
 

@@ -1,8 +1,9 @@
 """shard: rewrite a graph into what one rank of a tensor-parallel group computes.
 
 Every value gets a placement on the rank: whole (`R`, every rank holds all of it) or split
-(`S(axis, blocks)`: the rank holds 1/world of `axis`; with blocks k > 1 the axis is k equal
-blocks, each split, as a fused QKV projection's output is). Walking the graph in order:
+(`S(axis, blocks)`: the rank holds 1/world of `axis`; with blocks the axis is made of blocks of
+those widths, each split, as a fused QKV projection's output is: q | k | v, the key and value
+blocks narrower than the query's under grouped KV heads). Walking the graph in order:
 
 - `linear` with a whole input and a constant weight is column-parallel (Megatron): the rank
   keeps its rows of the weight (per block), so its output is split on the last axis.
@@ -49,7 +50,7 @@ _LOOKAHEAD = 8
 @dataclass(frozen=True)
 class Split:
     axis: int
-    blocks: int = 1
+    blocks: tuple[int, ...] = ()     # the widths of the blocks `axis` is made of; () = one block
     cls: str = ""
     pad: int = 0          # padding entries at the end of the gathered axis (a padded vocabulary)
 
@@ -102,15 +103,15 @@ class _ShardWalk:
             self.place[name] = None
         return self.local[name]
 
-    def slice_constant(self, name: str, axis: int, blocks: int = 1) -> str:
-        """The rank's part of a constant split along `axis` (each of `blocks` blocks split). One
+    def slice_constant(self, name: str, axis: int, blocks: tuple[int, ...] = ()) -> str:
+        """The rank's part of a constant split along `axis` (each of the blocks split). One
         block that does not divide is padded: ceil(extent / world) entries a rank, the last
         rank's part ending in zeros (a padded vocabulary)."""
         key = (name, axis, blocks)
         if key not in self.sliced:
             t = self.g.constants[name]
-            if blocks > 1:
-                parts = [b.chunk(self.n, axis)[self.rank] for b in t.chunk(blocks, axis)]
+            if blocks:
+                parts = [b.chunk(self.n, axis)[self.rank] for b in t.split(list(blocks), axis)]
                 local = torch.cat(parts, axis).contiguous()
             else:
                 local = _padded_part(t, axis, self.rank, self.n)
@@ -119,12 +120,15 @@ class _ShardWalk:
         return self.sliced[key]
 
     # ------------------------------------------------------------------ placements
-    def split_extent(self, full: Dim, blocks: int = 1) -> bool:
-        """Whether `full` splits evenly: ints by arithmetic; a symbolic extent only under the batch
-        strategy (the recipe proves every batch bucket a multiple of the group size)."""
+    def split_extent(self, full: Dim, blocks: tuple[int, ...] = ()) -> bool:
+        """Whether `full` splits evenly (each of its blocks): ints by arithmetic; a symbolic extent
+        only under the batch strategy (the recipe proves every batch bucket a multiple of the
+        group size)."""
+        if blocks:
+            return isinstance(full, int) and sum(blocks) == full and all(w % self.n == 0 for w in blocks)
         if isinstance(full, int):
-            return full % (self.n * blocks) == 0
-        return self.batch and blocks == 1
+            return full % self.n == 0
+        return self.batch
 
     def get_whole(self, name: str, why: str) -> str:
         """`name` whole on this rank: a split value is gathered (once)."""
@@ -141,27 +145,35 @@ class _ShardWalk:
                 full = self.type_of(x).shape[p.axis]
                 x = self.emit("slice", [x], {"dim": p.axis, "start": 0, "end": full - p.pad, "step": 1},
                               f"{name}.whole")
-            if p.blocks > 1:                         # [rank][block][part] -> [block][rank][part]
-                t = self.type_of(x)
-                full = t.shape[p.axis]
-                part = full // (self.n * p.blocks)
-                pre, post = list(t.shape[:p.axis]), list(t.shape[p.axis + 1:])
-                x = self.emit("reshape", [x], {"shape": _attr_shape(pre + [self.n, p.blocks, part] + post)},
-                              f"{name}.blocks")
-                perm = list(range(len(pre))) + [len(pre) + 1, len(pre)] + list(range(len(pre) + 2, len(pre) + 3 + len(post)))
-                x = self.emit("permute", [x], {"perm": perm}, f"{name}.order")
-                x = self.emit("reshape", [x], {"shape": _attr_shape(pre + [full] + post)}, f"{name}.whole")
+            if p.blocks:
+                x = self.blocks_in_order(x, p, name)
             self.whole[name] = x
         return self.whole[name]
 
-    def local_split(self, name: str, axis: int, blocks: int = 1) -> str | None:
+    def blocks_in_order(self, x: str, p: Split, name: str) -> str:
+        """A gathered value of blocks, [rank][block][part], put back in [block][rank][part] order:
+        seen as [ranks, local extent], each block's columns of every rank are one slice, which
+        reshapes to the whole block; the blocks then concatenate."""
+        t = self.type_of(x)
+        pre, post = list(t.shape[:p.axis]), list(t.shape[p.axis + 1:])
+        local = sum(p.blocks) // self.n
+        x = self.emit("reshape", [x], {"shape": _attr_shape(pre + [self.n, local] + post)}, f"{name}.ranks")
+        parts, at = [], 0
+        for j, w in enumerate(p.blocks):
+            cols = self.emit("slice", [x], {"dim": p.axis + 1, "start": at, "end": at + w // self.n, "step": 1},
+                             f"{name}.block{j}")
+            parts.append(self.emit("reshape", [cols], {"shape": _attr_shape(pre + [w] + post)}, f"{name}.whole{j}"))
+            at += w // self.n
+        return self.emit("concat", parts, {"dim": p.axis}, f"{name}.whole")
+
+    def local_split(self, name: str, axis: int, blocks: tuple[int, ...] = ()) -> str | None:
         """A whole value cut to this rank's part of `axis`: constants by slicing their data, other
         values by a slice node; None when that is not possible (the caller gathers instead)."""
         if name in self.g.constants:
             if not self.split_extent(self.g.values[name].type.shape[axis], blocks):
                 return None
             return self.slice_constant(name, axis, blocks)
-        if blocks != 1:
+        if blocks:
             return None
         t = self.type_of(self.local[name])
         full = t.shape[axis]
@@ -235,7 +247,7 @@ class _ShardWalk:
         if not t.rank or isinstance(t.shape[0], int) or str(t.shape[0]) != self.batch_dim:
             return
         x = self.cut(name, 0, f"{name}.rank{self.rank}")
-        self.local[name], self.place[name] = x, Split(0, 1, "batch")
+        self.local[name], self.place[name] = x, Split(0, (), "batch")
         self.stats["batch_inputs"] += 1
 
 
@@ -262,7 +274,7 @@ class _LayerRules(_ShardWalk):
             if self.strategy[cls] != "head":
                 return False
             if not self.split_extent(out_f, blocks):
-                if cls != "embedding" or blocks != 1 or not isinstance(out_f, int):
+                if cls != "embedding" or blocks or not isinstance(out_f, int):
                     return False
                 pad = _padding(out_f, self.n)                   # the LM head over a padded vocabulary
             ins = [self.operand(x), self.slice_constant(w, 0, blocks)]
@@ -309,11 +321,12 @@ class _LayerRules(_ShardWalk):
             frontier = nxt
         return "mlp"
 
-    def blocks(self, n: Node) -> int:
-        """k when the linear's output (through reshapes keeping the last axis) is only read as k
-        equal slices of the last axis (a fused QKV projection: k = 3), else 1."""
+    def blocks(self, n: Node) -> tuple[int, ...]:
+        """The widths of the blocks the linear's output is read as, when (through reshapes keeping
+        the last axis) it is only read as slices of the last axis that tile it (a fused QKV
+        projection: q | k | v); () otherwise."""
         out_f = self.g.values[n.outputs[0]].type.shape[-1]
-        frontier, slices = [n.outputs[0]], []
+        frontier, slices = [n.outputs[0]], set()
         while frontier:
             v = frontier.pop()
             for u in self.users.get(v, []):
@@ -321,18 +334,18 @@ class _LayerRules(_ShardWalk):
                 if u.op == "reshape" and ut.rank and dims_equal(ut.shape[-1], out_f):
                     frontier.append(u.outputs[0])
                 elif (u.op == "slice" and norm_axis(u.attrs["dim"], ut.rank) == ut.rank - 1
-                      and u.attrs.get("step", 1) == 1):
-                    slices.append((u.attrs.get("start", 0), ut.shape[-1]))
+                      and u.attrs.get("step", 1) == 1 and isinstance(ut.shape[-1], int)):
+                    slices.add((_slice_start(u, out_f), ut.shape[-1]))
                 else:
-                    return 1
+                    return ()
         if len(slices) < 2 or not isinstance(out_f, int):
-            return 1
-        width = slices[0][1]
-        k = out_f // width if isinstance(width, int) and width and out_f % width == 0 else 0
-        if k < 2 or sorted(s for s, _ in slices) != sorted({s for s, _ in slices}) or \
-                any(w != width or s % width for s, w in slices):
-            return 1
-        return k
+            return ()
+        at = 0
+        for start, width in sorted(slices):              # the slices tile [0, out_f): no gap, no overlap
+            if start != at or width <= 0:
+                return ()
+            at += width
+        return tuple(w for _, w in sorted(slices)) if at == out_f else ()
 
     # ---- embeddings
     def _vocab_table(self) -> tuple[str, int] | None:
@@ -376,7 +389,7 @@ class _LayerRules(_ShardWalk):
         q, k, v = n.inputs[:3]
         ps = [self.placement(x) for x in (q, k, v)]
         rank = self.g.values[q].type.rank
-        if ps[0] is None or any(p is None or p.axis != ps[0].axis or p.blocks != 1 for p in ps):
+        if ps[0] is None or any(p is None or p.axis != ps[0].axis or p.blocks for p in ps):
             return False
         ax = ps[0].axis
         if ax >= rank - 2:                                   # split along the sequence or head_dim: not by head
@@ -396,7 +409,7 @@ class _LayerRules(_ShardWalk):
         positions are whole: every rank's pool has the same pages."""
         q, k, v, kp, vp = n.inputs[:5]
         ps = [self.placement(x) for x in (q, k, v)]
-        if ps[0] is None or any(p is None or p.axis != 1 or p.blocks != 1 or p.pad for p in ps):
+        if ps[0] is None or any(p is None or p.axis != 1 or p.blocks or p.pad for p in ps):
             return False
         if any(x not in self.g.constants or x in self.local or
                not self.split_extent(self.g.values[x].type.shape[2]) for x in (kp, vp)):
@@ -405,7 +418,7 @@ class _LayerRules(_ShardWalk):
         for x in (kp, vp):
             part = self.g.constants[x].chunk(self.n, 2)[self.rank].clone()
             pools.append(self.out.add_constant(x, part, self.g.values[x].role))
-            self.local[x], self.place[x] = x, Split(2, 1, "attention")
+            self.local[x], self.place[x] = x, Split(2, (), "attention")
         rest = [self.operand(x) if self.placement(x) is None else self.get_whole(x, n.op) for x in n.inputs[5:]]
         return self.same(n, [self.local[q], self.local[k], self.local[v], *pools, *rest], dict(n.attrs), ps[0])
 
@@ -499,9 +512,7 @@ class _ShapeRules(_ShardWalk):
             return False
         src, dst = self.g.values[x].type.shape, self.g.values[n.outputs[0]].type.shape
         o = _reshape_axis(src, dst, p.axis)
-        if o is None or not self.split_extent(dst[o], p.blocks):
-            return False
-        if p.blocks > 1 and not dims_equal(src[p.axis], dst[o]):
+        if o is None or not (dims_equal(src[p.axis], dst[o]) if p.blocks else self.split_extent(dst[o])):
             return False
         shape = list(dst)
         shape[o] = _part(dst[o], self.n)
@@ -530,21 +541,20 @@ class _ShapeRules(_ShardWalk):
         d = norm_axis(n.attrs["dim"], t.rank)
         if d != p.axis:
             return self.same(n, [self.local[x]], dict(n.attrs), p)
-        full = t.shape[d]
         width = self.g.values[n.outputs[0]].type.shape[d]
-        start = n.attrs.get("start", 0)
-        if (p.blocks < 2 or p.pad or n.attrs.get("step", 1) != 1 or not isinstance(full, int)
-                or not isinstance(width, int) or width * p.blocks != full or start % width):
+        if not p.blocks or p.pad or n.attrs.get("step", 1) != 1 or not isinstance(width, int):
             return False
-        part = width // self.n
-        j = start // width
-        return self.same(n, [self.local[x]], {"dim": d, "start": j * part, "end": (j + 1) * part, "step": 1},
-                         Split(d, 1, p.cls))
+        start = _slice_start(n, t.shape[d])
+        offsets = [sum(p.blocks[:j]) for j in range(len(p.blocks))]
+        if (start, width) not in zip(offsets, p.blocks):   # exactly one block: the rank's part of it
+            return False
+        return self.same(n, [self.local[x]], {"dim": d, "start": start // self.n, "end": (start + width) // self.n,
+                                              "step": 1}, Split(d, (), p.cls))
 
     def on_concat(self, n: Node) -> bool:
         ps = [self.placement(i) for i in n.inputs]
         split = next((p for p in ps if p is not None), None)
-        if split is None or split.blocks != 1 or split.pad:
+        if split is None or split.blocks or split.pad:
             return False
         rank = self.g.values[n.outputs[0]].type.rank
         if norm_axis(n.attrs["dim"], rank) == split.axis:
@@ -552,7 +562,7 @@ class _ShapeRules(_ShardWalk):
         ins = []
         for i, p in zip(n.inputs, ps):
             if p is not None:
-                if p.axis != split.axis or p.blocks != 1:
+                if p.axis != split.axis or p.blocks:
                     return False
                 ins.append(self.local[i])
             else:
@@ -599,6 +609,12 @@ def _padded_part(t: torch.Tensor, axis: int, rank: int, n: int) -> torch.Tensor:
         shape[axis] = part - local.shape[axis]
         local = torch.cat([local, t.new_zeros(shape)], axis)
     return local.contiguous()
+
+
+def _slice_start(n: Node, full: Dim) -> Any:
+    """A slice's first index, a negative one counted from the end of the axis."""
+    start = n.attrs.get("start", 0)
+    return start + full if isinstance(start, int) and start < 0 and isinstance(full, int) else start
 
 
 def _part(d: Dim, n: int) -> Dim:

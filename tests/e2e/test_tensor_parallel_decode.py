@@ -1,5 +1,6 @@
 """Tensor-parallel decoding end to end: graphmode starts 2 rank processes for a decoder recipe
-(GPT-2, and a Llama with grouped-query attention); each builds the paged decode graph of its
+(GPT-2, a Llama with grouped-query attention, and a Phi-3 whose grouped heads come through
+one fused qkv_proj); each builds the paged decode graph of its
 shard, its KV pools holding half the KV heads (the proof's per-rank KV term, to the byte); rank 0
 schedules and samples, one broadcast a step carries the step's inputs to rank 1. Greedy tokens
 equal one process's and transformers' generate, token for token, with a pool small enough that
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import tiny_tp  # noqa: E402
 
 SPEC = str(Path(__file__).with_name("tiny_tp.py"))
-KV_HEADS = {"gpt2": 4, "llama": 2}
+KV_HEADS = {"gpt2": 4, "llama": 2, "phi3": 2}
 PROMPTS = torch.tensor([[0, 0, 0, 5, 6, 7], [9, 10, 11, 12, 13, 14], [0, 0, 0, 0, 21, 22]])
 MASK = (PROMPTS != 0).long()
 
@@ -41,7 +42,7 @@ def recipe(name: str, tensor: int) -> dict:
     return r
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "phi3"])
 def models(request, tmp_path_factory):
     cache = tmp_path_factory.mktemp("tp-decode")
     name = request.param

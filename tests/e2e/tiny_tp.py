@@ -1,7 +1,7 @@
 """Tiny transformers for the tensor-parallel tests, loadable as `path/to/tiny_tp.py:function`
 model specs: a two-layer MLP, a BERT encoder (MiniLM's architecture: 2 layers, 4 heads of 8, vocab 96), the
 GPT-2 LM of tiny_decoders.py (2 layers, 4 heads of 8, vocab 100; and with an odd vocab, 257), a Llama-style GQA
-decoder (4 query heads, 2 KV heads) and ResNet-18 on 32x32 images; random weights."""
+decoder (4 query heads, 2 KV heads), a Phi-3 one (the same heads through a fused qkv_proj) and ResNet-18 on 32x32 images; random weights."""
 from __future__ import annotations
 
 import warnings
@@ -57,6 +57,21 @@ def llama():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = LlamaForCausalLM(cfg).eval()
+    ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    return model, ex, {k: ["batch", "seq"] for k in ex}
+
+
+def phi3():
+    """A Phi-3 decoder with grouped-query attention (4 query heads over 2 KV heads): its fused
+    qkv_proj is read as blocks of unequal width (q 32 | k 16 | v 16), each split across ranks."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, use_cache=False,
+                     initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = Phi3ForCausalLM(cfg).eval()
     ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
     return model, ex, {k: ["batch", "seq"] for k in ex}
 

@@ -192,6 +192,52 @@ def test_fused_qkv_splits_each_block(golden):
     assert [n.attrs["start"] for n in g.nodes if n.op == "slice"] == [0, 4, 8]
 
 
+GQA_QKV = """
+graph @gqa(%x: f32[b,s,8]) -> (%y) {
+  param %w: f32[16,8] #?
+  param %wo: f32[8,8] #?
+  param %wkv: f32[8,4] #?
+  %qkv: f32[b,s,16] = linear(%x, %w)
+  %q: f32[b,s,8] = slice(%qkv) {"dim": -1, "start": 0, "end": 8, "step": 1}
+  %k: f32[b,s,4] = slice(%qkv) {"dim": -1, "start": 8, "end": 12, "step": 1}
+  %v: f32[b,s,4] = slice(%qkv) {"dim": -1, "start": -4, "end": 16, "step": 1}
+  %kv: f32[b,s,4] = mul(%k, %v)
+  %yq: f32[b,s,8] = linear(%q, %wo)
+  %ykv: f32[b,s,8] = linear(%kv, %wkv)
+  %y: f32[b,s,8] = add(%yq, %ykv)
+  return %y
+}"""
+
+
+def test_fused_qkv_of_unequal_blocks_splits_each_block(golden):
+    """Grouped KV heads through one projection (Phi-3's qkv_proj): q 8 | k 4 | v 4 wide. Each
+    rank keeps its rows of every block (4 | 2 | 2) and reads its blocks at the local offsets."""
+    w = weights(w=(16, 8), wo=(8, 8), wkv=(8, 4))
+    res = shard_case(golden, "gqa_qkv", GQA_QKV, w)
+    g = res[1].graph
+    torch.testing.assert_close(g.constants["w.rank1"], torch.cat([w["w"][4:8], w["w"][10:12], w["w"][14:16]]))
+    assert [(n.attrs["start"], n.attrs["end"]) for n in g.nodes if n.op == "slice"] == [(0, 4), (4, 6), (6, 8)]
+    assert res[1].stats["collectives"] == {"all_reduce": 2} and not res[1].stats["gathered_for"]
+
+
+def test_a_gathered_projection_of_unequal_blocks_is_in_the_original_order():
+    """Where a split projection must be whole (here: it is a graph output), the gathered
+    [rank][block] columns are put back in [block][rank] order, exactly the unsharded value."""
+    from graphmode.passes.shard import _Sharder
+    text = GQA_QKV.replace("-> (%y)", "-> (%y, %qkv)").replace("return %y", "return %y, %qkv")
+    w = weights(w=(16, 8), wo=(8, 8), wkv=(8, 4))
+    g = parse_graph(ir(text, w), w)
+    ranks = [_Sharder(g, r, 2, HEAD, "f32", "b") for r in range(2)]
+    graphs = [s.run() for s in ranks]
+    assert all(s.place["qkv"].blocks == (8, 4, 4) for s in ranks)
+    inputs = random_inputs(g, {"b": 2, "s": 3}, 0)
+    want = interpret(g, inputs)
+    got = run_ranks(2, lambda r, comm: interpret(graphs[r], inputs), timeout_s=30)
+    for r in range(2):
+        verify_graph(graphs[r])
+        assert all(rel_l2(got[r][o], want[o]) < 1e-6 for o in ("y", "qkv")), r
+
+
 VOCAB = """
 graph @lm(%ids: i64[b,s]) -> (%logits) {
   param %table: f32[16,8] #?

@@ -1,5 +1,5 @@
-"""A tensor-parallel decode graph whose attention the shard pass left whole (Phi-3's fused
-qkv_proj with grouped KV heads) has whole KV pools on each rank: refused naming parallel.tensor,
+"""A tensor-parallel decode graph whose attention the shard pass left whole (a projection it
+has no rule to split by heads) has whole KV pools on each rank: refused naming parallel.tensor,
 where it was a mismatch 'the pools and the cache must come from the same recipe'."""
 from __future__ import annotations
 
