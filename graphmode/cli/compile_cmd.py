@@ -83,6 +83,21 @@ def print_contract(contract) -> None:
         console.print(f"[red]refused[/] {issue.render()}", highlight=False, soft_wrap=True)
 
 
+def _print_shard(stats: dict) -> None:
+    """What the shard pass did for this rank: its collectives, and the values it gathered whole
+    for an op with no rule for a split input (correct, but that op's work is not split: three
+    heads over two ranks, say, run whole on every rank)."""
+    if not stats:
+        return
+    said = ", ".join(f"{op} x{n}" for op, n in sorted(stats.get("collectives", {}).items())) or "none"
+    console.print(f"tensor parallel (this rank's graph): collectives {said}", markup=False, highlight=False)
+    gathered = stats.get("gathered_for", {})
+    if gathered:
+        console.print("  gathered whole first (no rule splits the value for these ops; they run unsplit on "
+                      "every rank): " + ", ".join(f"{op} x{n}" for op, n in sorted(gathered.items())),
+                      markup=False, highlight=False, soft_wrap=True)
+
+
 def print_report(rep, *, max_buckets: int = 12) -> None:
     cap = rep.capture
     console.print(f"[bold]graphmode compile[/] model [cyan]{rep.model}[/] recipe [cyan]{rep.recipe_name}[/] "
@@ -114,6 +129,7 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
         stats = ", ".join(f"{k}={v}" for k, v in p.stats.items() if not isinstance(v, (dict, list)))
         t.add_row(str(i), p.name, str(p.nodes_before), str(p.nodes_after), f"{p.seconds * 1e3:.1f}", stats[:80])
     console.print(t)
+    _print_shard(rep.passes.stats_of("shard"))
     from graphmode.passes.quantize_weights import weights_summary
     said = weights_summary(rep.passes.stats_of("quantize_weights"))
     if said is not None and not said[1]:           # storing none is a notice, printed as it happens

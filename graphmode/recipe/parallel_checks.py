@@ -2,9 +2,10 @@
 
 Each problem is (field path, message, value, fix); `recipe/semantics.py` turns them into
 RecipeErrors with the YAML line. What the checks need from the model (heads, KV heads,
-intermediate size) comes from the recipe's `model` section; the `shard` pass checks the
-captured graph itself and refuses what these cannot see. A vocabulary need not divide: the
-`shard` pass pads it (ceil(vocab / tensor) rows a rank).
+intermediate size) comes from the recipe's `model` section. Without one, the `shard` pass finds
+what the captured graph lets it split and gathers the rest whole (correct; the compile report
+lists what was gathered). A vocabulary need not divide: the `shard` pass pads it
+(ceil(vocab / tensor) rows a rank).
 """
 from __future__ import annotations
 

@@ -183,6 +183,23 @@ def test_graphmode_run_starts_the_ranks_and_checks_rank_0_against_eager(tmp_path
     assert w[0] == w[1] == 4 * (16 * 16 + 16 + 16 * 4 + 4)        # half of each linear, the second's bias whole
 
 
+def test_the_compile_report_names_what_the_ranks_gather_whole(tmp_path):
+    """Three heads over two ranks: correct (the attention runs whole on every rank), and the
+    dry-run report says so, with the rank's collectives, instead of leaving it to the stats."""
+    import yaml
+    from typer.testing import CliRunner
+
+    import graphmode.cli.compile_cmd  # noqa: F401  (registers `compile`)
+    from graphmode.cli.app import app
+    path = tmp_path / "tp2.yaml"
+    path.write_text(yaml.safe_dump(tiny_tp.recipe("bert3-tp2")))
+    res = CliRunner().invoke(app, ["compile", "--model", f"{SPEC}:bert_three_heads", "--recipe", str(path),
+                                   "--dry-run", "--cache-dir", str(tmp_path / "cache")])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"collectives all_gather x\d+, all_reduce x\d+", res.output), res.output
+    assert re.search(r"gathered whole first .*reshape x3", res.output.replace("\n", " ")), res.output
+
+
 def test_the_server_answers_an_encoder_on_its_ranks_and_503s_once_a_rank_dies(tmp_path):
     import httpx
 

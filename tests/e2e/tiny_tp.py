@@ -24,6 +24,20 @@ def bert():
     return model, ex, {k: ["batch", "seq"] for k in ex}
 
 
+def bert_three_heads():
+    """The BERT encoder with 3 heads of 8: they do not split over 2 ranks, so the shard pass
+    gathers the projections and every rank runs the whole attention."""
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=24, num_hidden_layers=1, num_attention_heads=3, intermediate_size=48,
+                     vocab_size=96, max_position_embeddings=64, initializer_range=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = BertModel(cfg, add_pooling_layer=False).eval()
+    ex = {"input_ids": torch.randint(0, 96, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    return model, ex, {k: ["batch", "seq"] for k in ex}
+
+
 def gpt2():
     import importlib.util
     from pathlib import Path
