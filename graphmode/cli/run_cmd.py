@@ -198,12 +198,12 @@ def run_cmd(
         cm = loaded or gm_compile(model, rec, host, mode=mode, cache_dir=cache_dir, threads=threads, on_stage=on_stage)
         if warmup and cm.mode != "eager":
             cm.warmup()
-        if metrics:   # the contract monitor times and counts every call (same as the server's)
-            from graphmode.monitor import monitored
-            cm = monitored(cm)
         inputs = cm.sample_inputs(env, seed=0)
         with torch.inference_mode():
             out = cm(**inputs)           # builds the request's bucket unless warm-up did
+        if metrics:   # the contract monitor times and counts the timed calls (as the server's, once warm)
+            from graphmode.monitor import monitored
+            cm = monitored(cm)
         if metrics and cm.graph is not None and getattr(cm, "last_bucket", None):
             cm.monitor.check_memory(cm.cm, [dict(cm.last_bucket)])   # its plan's arena vs memory.budget_mb
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
