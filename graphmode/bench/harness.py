@@ -281,7 +281,7 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
     ratios(rows, ("median_ms", "p90_ms", "mean_ms", "min_ms", "iters", "ratio_vs_eager", "speedup_vs_eager",
                   "ratio_vs_best_other", "best_other_engine", "rel_l2_err", "numerics_ok", "setup_s", "setup_detail",
                   "peak_rss_mb", "run_peak_rss_mb", "rss_exact", "rounds_ms", "spread", "load_max", "cpu_per_wall",
-                  "eager_fallback", "eager_islands", "ratio_vs_best_other_ci95"), paired=True)
+                  "waited_per_wall", "eager_fallback", "eager_islands", "ratio_vs_best_other_ci95"), paired=True)
 
 
 
@@ -349,7 +349,8 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
                 "flags": dict(LEGEND),
                 "conditions": "per row: load_max = highest 1-minute load average sampled at the start of "
                               "its rounds; cpu_per_wall = process CPU seconds / wall seconds over its timed "
-                              "calls; spread = p90 / median of its rounds (rounds_ms)"},
+                              "calls; waited_per_wall = seconds its threads waited on a run queue (summed) / "
+                              "wall seconds over its timed calls; spread = p90 / median of its rounds (rounds_ms)"},
         recipe=str(cfg.recipe) if cfg.recipe is not None else "auto: buckets exactly at the benchmarked shapes")
     return BenchResult(rows, meta)
 
@@ -579,7 +580,8 @@ def _decode_ratios(rows: list[dict[str, Any]]) -> None:
     """`speedup_vs_eager` (what quality.judge bounds) and `ratio_vs_best_other` on the
     scenario's time metric (TTFT ms, or ms per decode step)."""
     ratios(rows, ("median_ms", "p90_ms", "speedup_vs_eager", "ratio_vs_eager", "ratio_vs_best_other",
-                  "best_other_engine", "decode_tok_s", "spread", "load_max", "cpu_per_wall", "ttft_ms"))
+                  "best_other_engine", "decode_tok_s", "spread", "load_max", "cpu_per_wall", "waited_per_wall",
+                  "ttft_ms"))
 
 
 @dataclass

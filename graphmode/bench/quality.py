@@ -10,9 +10,12 @@ per round, the process's CPU seconds per wall second, the spread of its rounds),
 
 - `load`: the 1-minute load average exceeded the usable cores during the row's rounds
   (or the engine ran more threads than there are cores);
-- `starved`: the process got less than STARVED CPU-seconds per wall-second while its
-  timed calls ran, i.e. its threads waited for a CPU (a compute call that has the
-  machine uses at least one full core);
+- `starved`: the process's threads waited on a run queue (runnable, no CPU free) for more
+  than WAITED_LIMIT seconds per wall-second of its timed calls, summed over threads
+  (`/proc/self/task/*/schedstat`): a 2-thread engine given one core waits about 1. Where
+  the kernel does not expose it: the process got less than STARVED CPU-seconds per
+  wall-second (a compute call that has the machine uses at least one full core), which
+  misses a many-thread engine given one core;
 - `spread`: p90 / median of its rounds above SPREAD_LIMIT: the rounds disagree;
 - `ratio`: faster or slower than eager by more than RATIO_CAP: beyond a sanity bound
   for fp32 CPU inference of the same model on the same threads;
@@ -35,12 +38,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from graphmode.targets.host import load_average, usable_cores
+from graphmode.targets.host import load_average, run_queue_wait_s, usable_cores
 
 SPREAD_LIMIT = 1.5     # p90 / median of an engine's rounds
 RATIO_CAP = 20.0       # speed-up (or slow-down) vs eager
 GAP_LIMIT = 5.0        # fastest engine vs the next one
 STARVED = 0.75         # process CPU-seconds per wall-second of the timed calls
+WAITED_LIMIT = 0.25    # run-queue seconds of the process's threads per wall-second of the timed calls
 
 QUICK_NOTE = ("--quick is a smoke run (few rounds, no re-warm): it checks that every engine runs and matches "
               "eager; its timings are not measurements")
@@ -50,7 +54,8 @@ QUICK_SILENT = RATIO_FLAGS + ("floor",)       # about timings: not warned about 
 FLOOR_FIELDS = ("floor_ms", "floor_bound", "floor_flops", "floor_bytes", "floor_note")
 LEGEND = {
     "load": "load average above the usable cores during its rounds",
-    "starved": f"the process got < {STARVED:g} CPU-s per wall-s of its timed calls (waited for a CPU)",
+    "starved": f"its threads waited for a CPU > {WAITED_LIMIT:g} s per wall-s of its timed calls "
+               f"(or, unexposed, got < {STARVED:g} CPU-s per wall-s)",
     "spread": f"p90 / median of its rounds > {SPREAD_LIMIT:g} (rounds disagree)",
     "ratio": f"more than {RATIO_CAP:g}x faster or slower than eager: beyond a sanity bound",
     "gap": f"more than {GAP_LIMIT:g}x faster than the next engine of the shape",
@@ -70,6 +75,7 @@ class Probe:
 
     loadavg: Callable[[], list[float] | None] = load_average
     cpu_time: Callable[[], float] = time.process_time
+    waited: Callable[[], float | None] = run_queue_wait_s
     cores: int = field(default_factory=usable_cores)
 
     def load1(self) -> float | None:
@@ -84,10 +90,14 @@ class Conditions:
     loads: list[float] = field(default_factory=list)
     cpu_s: float = 0.0
     wall_s: float = 0.0
+    waited_s: float | None = 0.0        # None once a call's run-queue wait could not be read
 
     def to_row(self) -> dict[str, Any]:
+        per_wall = self.wall_s > 0
         return {"load_max": round(max(self.loads), 2) if self.loads else None,
-                "cpu_per_wall": round(self.cpu_s / self.wall_s, 3) if self.wall_s > 0 else None}
+                "cpu_per_wall": round(self.cpu_s / self.wall_s, 3) if per_wall else None,
+                "waited_per_wall": round(self.waited_s / self.wall_s, 3)
+                if per_wall and self.waited_s is not None else None}
 
 
 def _flag(row: dict, code: str, note: str) -> None:
@@ -116,7 +126,11 @@ def judge(rows: list[dict[str, Any]], cores: int, quick: bool = False, contended
                 _flag(r, "load", f"load average reached {r['load_max']:.2f} on {cores} usable core(s) during its rounds")
             elif threads > cores:
                 _flag(r, "load", f"{threads} threads on {cores} usable core(s)")
-            if r.get("cpu_per_wall") is not None and r["cpu_per_wall"] < STARVED:
+            if r.get("waited_per_wall") is not None:
+                if r["waited_per_wall"] > WAITED_LIMIT:
+                    _flag(r, "starved", f"its threads waited for a CPU {r['waited_per_wall']:.2f} s per wall-s of "
+                                        f"its timed calls")
+            elif r.get("cpu_per_wall") is not None and r["cpu_per_wall"] < STARVED:
                 _flag(r, "starved", f"the process got {r['cpu_per_wall']:.2f} CPU-s per wall-s of its timed calls")
         if r.get("spread") is not None and r["spread"] > SPREAD_LIMIT:
             _flag(r, "spread", f"its rounds disagree: p90 / median = {r['spread']:.2f}")

@@ -65,11 +65,14 @@ def interleave(slots: Sequence[Any], iters: int, min_iters: int, budget_s: float
 def measured(cond: Conditions, probe: Probe, load: float | None, fn: Callable[[], Any]) -> tuple[Any, float]:
     """`fn()` and its wall seconds; its CPU and wall seconds and the round's load go to `cond`
     (the conditions quality.judge flags)."""
+    w0 = probe.waited()
     c0 = probe.cpu_time()
     t0 = time.perf_counter()
     out = fn()
     dt = time.perf_counter() - t0
     cond.cpu_s += probe.cpu_time() - c0
+    w1 = probe.waited()
+    cond.waited_s = None if w0 is None or w1 is None or cond.waited_s is None else cond.waited_s + max(0.0, w1 - w0)
     cond.wall_s += dt
     if load is not None:
         cond.loads.append(load)

@@ -49,6 +49,25 @@ def load_average() -> list[float] | None:
         return None
 
 
+def run_queue_wait_s(proc: str | Path = "/proc/self/task") -> float | None:
+    """Seconds this process's threads have waited on a run queue, runnable but not running
+    (`/proc/<pid>/task/*/schedstat`, second field): what "starved" means, whatever the thread
+    count; CPU seconds per wall second cannot tell a thread that waited for a CPU from one that
+    had nothing to do. None where the kernel does not expose it."""
+    total, seen = 0, False
+    try:
+        tasks = list(Path(proc).iterdir())
+    except OSError:
+        return None
+    for t in tasks:
+        text = _read(t / "schedstat")
+        fields = text.split() if text else []
+        if len(fields) >= 2 and fields[1].isdigit():
+            total += int(fields[1])
+            seen = True
+    return total / 1e9 if seen else None
+
+
 def usable_cores() -> int:
     """CPUs this process may run on (its affinity mask; a container may allow fewer than the host
     has; its CPU quota is targets.quota's)."""

@@ -14,7 +14,7 @@ from graphmode.capture.spec import resolve_model_spec
 from graphmode.recipe import load_recipe
 
 TINY = f"{Path(__file__).resolve().parent / 'test_bench.py'}:tiny_mlp"
-QUIET = Probe(loadavg=lambda: [0.1, 0.1, 0.1], cores=2)
+QUIET = Probe(loadavg=lambda: [0.1, 0.1, 0.1], waited=lambda: 0.0, cores=2)
 
 
 class _Text:

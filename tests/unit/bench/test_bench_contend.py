@@ -22,7 +22,7 @@ from graphmode.bench.report import contended_goals, goals, markdown, rich_table
 from graphmode.errors import GraphmodeError
 
 TINY = f"{Path(__file__).resolve().parent / 'test_bench.py'}:tiny_mlp"
-QUIET = Probe(loadavg=lambda: [0.1, 0.1, 0.1], cores=2)
+QUIET = Probe(loadavg=lambda: [0.1, 0.1, 0.1], waited=lambda: 0.0, cores=2)
 DEADLINE_S = 60.0
 
 

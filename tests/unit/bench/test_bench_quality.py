@@ -17,8 +17,9 @@ from graphmode.bench.quality import RATIO_CAP, Probe, judge, warning_lines
 from graphmode.bench.report import bars, markdown, rich_table
 
 TINY = f"{Path(__file__).resolve().parent / 'test_bench.py'}:tiny_mlp"
-# a quiet machine whatever the host's load: its CPU clock moves with the wall clock (never starved)
-QUIET = Probe(loadavg=lambda: [0.1, 0.1, 0.1], cpu_time=time.perf_counter, cores=2)
+# a quiet machine whatever the host's load: its CPU clock moves with the wall clock, its threads never
+# wait for a CPU (never starved)
+QUIET = Probe(loadavg=lambda: [0.1, 0.1, 0.1], cpu_time=time.perf_counter, waited=lambda: 0.0, cores=2)
 
 
 def _row(engine: str, median: float, **kw) -> dict:
@@ -81,6 +82,40 @@ def test_each_timing_condition_flags_its_row(kw, flag):
         [] if flag == "load" else [flag])           # on 8 cores neither load 2.5 nor 4 threads is too many
 
 
+def test_starved_is_time_waited_for_a_cpu_whatever_the_thread_count():
+    """A 2-thread engine given one core gets ~1 CPU-s per wall-s (not under 0.75) but its threads
+    waited ~1 s per wall-s on the run queue: starved. An engine whose threads idled (0.4 CPU-s
+    per wall-s) without waiting is not."""
+    by = _judged([_row("eager", 10.0), _row("graphmode", 8.0, cpu_per_wall=1.0, waited_per_wall=0.95),
+                  _row("onnxruntime", 9.0, cpu_per_wall=0.4, waited_per_wall=0.01)])
+    assert by["graphmode"]["flags"] == ["starved"] and "waited for a CPU 0.95 s" in by["graphmode"]["notes"][0]
+    assert by["onnxruntime"]["flags"] == [] and by["eager"]["flags"] == []
+
+
+def test_the_run_queue_wait_is_summed_over_the_process_s_threads(tmp_path):
+    from graphmode.targets.host import run_queue_wait_s
+    for tid, stat in (("101", "5000 2500000000 7\n"), ("102", "9 500000000 1\n"), ("103", "garbage")):
+        (tmp_path / tid).mkdir()
+        (tmp_path / tid / "schedstat").write_text(stat)
+    assert run_queue_wait_s(tmp_path) == pytest.approx(3.0)
+    assert run_queue_wait_s(tmp_path / "missing") is None
+    live = run_queue_wait_s()
+    assert live is None or live >= 0.0
+
+
+def test_a_busy_probe_s_run_queue_wait_flags_the_harness_s_rows():
+    """The real harness with a run-queue clock that grows a second per reading: every timed
+    call waited; the row says how much and is starved."""
+    from graphmode.capture.spec import resolve_model_spec
+    case = ModelCase(TINY, "tiny", resolve_model_spec(TINY), [{"batch": 2}])
+    cfg = harness.BenchConfig(engines=[("eager", None)], threads=1, iters=3, min_iters=3, warmup=1, rewarm=0)
+    clock = iter(range(10**6))
+    probe = Probe(loadavg=lambda: [0.1, 0.1, 0.1], cpu_time=time.perf_counter, waited=lambda: float(next(clock)),
+                  cores=2)
+    (row,) = harness.run_bench([case], cfg, probe=probe).rows
+    assert row["waited_per_wall"] > 1 and "starved" in row["flags"], row
+
+
 def test_eager_fallback_row_has_no_ratio_and_no_bar():
     rows = [_row("eager", 10.0), _row("graphmode", 10.1, eager_fallback="20/20 calls (shape outside contract)")]
     by = _judged(rows)
@@ -121,9 +156,10 @@ def test_harness_flags_rows_from_an_injected_busy_machine():
     from graphmode.capture.spec import resolve_model_spec
     case = ModelCase(TINY, "tiny", resolve_model_spec(TINY), [{"batch": 2}])
     cfg = harness.BenchConfig(engines=[("eager", None)], threads=1, iters=4, min_iters=4, warmup=1, rewarm=0)
-    busy = Probe(loadavg=lambda: [9.0, 8.0, 7.0], cpu_time=lambda: 1.0, cores=2)
+    busy = Probe(loadavg=lambda: [9.0, 8.0, 7.0], cpu_time=lambda: 1.0, waited=lambda: None, cores=2)
     (row,) = harness.run_bench([case], cfg, probe=busy).rows
     assert row["load_max"] == 9.0 and row["cpu_per_wall"] == 0.0 and len(row["rounds_ms"]) == 4
+    assert row["waited_per_wall"] is None              # no run-queue figure: judged by CPU per wall
     assert {"load", "starved"} <= set(row["flags"])
     res = harness.run_bench([case], cfg, probe=QUIET)
     (row,) = res.rows
