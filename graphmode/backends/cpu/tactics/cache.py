@@ -11,8 +11,8 @@ of range or does not match its key is a miss (timed again, then overwritten). En
 before a field existed still load (the field reads as empty). `digests`: each passing
 candidate's check output digest (candidates.Checker), so a hit re-checks its winner without ATen.
 Each entry records the conditions it was timed under: `load` and `cores`, `cpu_per_wall` (the
-process's CPU-s per wall-s while the candidates ran) and `starved` (below selection.STARVED: the
-samples timed the scheduler too); the context decides from them when an entry is timed again.
+process's CPU-s per wall-s while the candidates ran), `waited_per_wall` (its threads' run-queue
+s per wall-s) and `starved` (selection.starved: the samples timed the scheduler too); the context decides from them when an entry is timed again.
 """
 from __future__ import annotations
 
@@ -88,6 +88,7 @@ class TimingCache:
                 "cores": cores if _count(cores) else None,
                 "noisy": d.get("noisy") is True, "tries": tries if _count(tries) else 1,
                 "cpu_per_wall": float(cpw) if _seconds(cpw := d.get("cpu_per_wall")) else None,
+                "waited_per_wall": float(q) if _seconds(q := d.get("waited_per_wall")) else None,
                 "starved": d.get("starved") is True}
 
     def put(self, key: Mapping, entry: Mapping, *, reps: int) -> None:
