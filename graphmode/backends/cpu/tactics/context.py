@@ -61,9 +61,8 @@ class TacticsContext:
     taken while the machine was that busy (median/min of the samples above NOISY for most
     candidates) is cached as `noisy` and measured again by the next `retune_noisy` plan
     builds, so one load spike does not decide a shape for good. A timing during which the
-    process's threads waited for CPUs that other processes had (`waited_clock`: more than
-    WAITED_LIMIT run-queue s per wall-s; where the kernel does not say, `cpu_clock` under
-    STARVED CPU-s per wall-s) is measured once more at once; if it
+    process's threads waited for CPUs other processes had (`waited_clock` over WAITED_LIMIT
+    s per wall-s, or unexposed, `cpu_clock` under STARVED) is measured once more at once; if it
     stays starved it is cached as `starved`, never replaces an entry that was not, and is
     measured again by the first later build that finds the host quiet (`_retime`).
     """
@@ -72,10 +71,9 @@ class TacticsContext:
                  target: Any = None, simd: Sequence[str] | None = None, builder: KernelBuilder | None = None,
                  cold: bool | None = None, llc_bytes: int | None = None, reps: int = 5,
                  configs: Mapping[str, Sequence[GemmConfig]] | None = None, tolerance: float = TOLERANCE_F32,
-                 statistic: str = "median", sample_s: float = 5e-4, budget_s: float = 0.01,
-                 retune_noisy: int = RETUNE_NOISY, seed: int = 0, weight_growth: float | None = None,
-                 cpu_clock: Callable[[], float] = time.process_time,
-                 waited_clock: Callable[[], float | None] = run_queue_wait_s, invariant: bool = False):
+                 statistic: str = "median", sample_s: float = 5e-4, budget_s: float = 0.01, seed: int = 0,
+                 retune_noisy: int = RETUNE_NOISY, weight_growth: float | None = None, invariant: bool = False,
+                 cpu_clock: Callable[[], float] = time.process_time, waited_clock: Callable = run_queue_wait_s):
         if policy not in POLICIES:
             raise BackendError(f"unknown kernel selection policy {policy!r}", where="codegen.kernel_selection",
                                value=policy, fix=f"one of {', '.join(POLICIES)}")
@@ -102,8 +100,7 @@ class TacticsContext:
                       "rejected": 0, "tune_s": 0.0, "build_s": 0.0}
         self.failures: dict[str, str] = {}
         self._checker = Checker(self.weights.scratch, seed, tolerance, self.weights.pack, self.weights.conv_weight)
-        # cpu_clock / waited_clock: the process's CPU seconds and its threads' run-queue seconds (a
-        # test feeds ones that say "starved")
+        # cpu_clock, waited_clock: the process's CPU s, its threads' run-queue s (tests feed "starved")
         self._tuner = ShapeTuner(self.cache, self._checker, self.weights, self.stats, policy=policy,
                                  statistic=statistic, reps=max(1, int(reps)), sample_s=float(sample_s),
                                  budget_s=float(budget_s), retune_noisy=int(retune_noisy), seed=seed,
