@@ -179,7 +179,7 @@ def run_cmd(
     from graphmode.recipe.buckets import all_buckets
     from graphmode.runtime.timing import median, time_ms
     from graphmode.targets import get_target
-    from graphmode.verify.bisect import checked_precision, compare_outputs, output_labels
+    from graphmode.verify.bisect import checked_precision, compare_outputs, logit_outputs, output_labels
 
     if mode not in (None, "eager", "graph", "hybrid"):
         raise GraphmodeError(f"unknown mode {mode!r}", where="--mode", fix="eager, graph or hybrid")
@@ -212,7 +212,7 @@ def run_cmd(
                          .get(ref_name, f"the {ref_name}"))
     outs = pytree.tree_leaves(out)
     labels = output_labels(cm.source, cm.graph, len(outs))
-    checks = compare_outputs(labels, outs, refs, *checked_precision(rec))
+    checks = compare_outputs(labels, outs, refs, *checked_precision(rec), logits=logit_outputs(cm.graph, len(outs)))
     tol = max([c.tolerance for c in checks], default=0.0)
     rows = []
     for label, o, c in zip(labels, outs, checks):

@@ -90,7 +90,8 @@ def verify_cmd(
     from graphmode.recipe import load_recipe, pick_target
     from graphmode.runtime.compiled import CompiledModel
     from graphmode.recipe.fixes import propose_fix
-    from graphmode.verify.bisect import bisect, bisect_plan, checked_precision, compare_outputs, output_labels
+    from graphmode.verify.bisect import (bisect, bisect_plan, checked_precision, compare_outputs, logit_outputs,
+                                         output_labels)
 
     rec = load_recipe(recipe)
     mode = "graph" if rec.exe_mode == "eager" else rec.exe_mode
@@ -127,7 +128,8 @@ def verify_cmd(
                 env = dict(shape if path == "eager" else cm.last_path.get("bucket") or env)
                 if path == "eager" and src.module is None:     # the fallback: ONNX Runtime as it ships
                     refs = run_reference(lambda x: src.reference(x, optimized=True), inputs, shape, "ONNX Runtime")
-            checks = compare_outputs(output_labels(src, graph, len(got)), got, refs, *checked_precision(rec))
+            checks = compare_outputs(output_labels(src, graph, len(got)), got, refs, *checked_precision(rec),
+                                     logits=logit_outputs(graph, len(got)))
             ok = len(got) == len(refs) and all(c.ok for c in checks)
             results.append({"shape": shape, "bucket": env, "path": path, "ok": ok,
                             "outputs": [c.to_json() for c in checks]})

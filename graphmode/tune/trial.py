@@ -197,14 +197,15 @@ class TrialRunner:
         """The worst rel L2 vs eager over the workload, and the confident top-1 flips of logits
         where the recipe stores weights narrow: the contract `graphmode verify` holds it to
         (a verify-passing int8 recipe was recorded `violates` at the f32 tolerance)."""
-        from graphmode.verify.bisect import compare_outputs, output_labels
+        from graphmode.verify.bisect import compare_outputs, logit_outputs, output_labels
         err, flips = 0.0, 0
         for x, ref in zip(self._inputs, self._refs):
             got = [t for t in pytree.tree_leaves(cm(**x)) if isinstance(t, torch.Tensor)]
             if len(got) != len(ref) or any(g.shape != r.shape for g, r in zip(got, ref)):
                 return float("inf"), flips
             for c in compare_outputs(output_labels(self.src, graph, len(got)), got, ref,
-                                     recipe.precision.compute, recipe.precision.weights):
+                                     recipe.precision.compute, recipe.precision.weights,
+                                     logits=logit_outputs(graph, len(got))):
                 err = max(err, c.rel_l2)
                 flips += c.top1.flips if c.judge_top1 and c.top1 is not None else 0
         return err, flips

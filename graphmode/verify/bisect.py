@@ -7,7 +7,7 @@ values on the captured graph can be compared name by name with any later graph's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -80,6 +80,25 @@ def output_labels(source: Any, graph: Graph | None, count: int) -> list[str]:
     return [str(i) for i in range(count)]
 
 
+def logit_outputs(graph: Graph | None, count: int) -> list[bool]:
+    """Which of `count` outputs are logits over a vocabulary, whatever they are called: as long
+    on their last axis as the model's token table (the rows of the largest table an `embedding`
+    looks up), as an LM head's output is. An ONNX export names it `out` or `output_0`; its
+    top-1 is judged as a `logits` output's."""
+    if graph is None or len(graph.outputs) != count:
+        return [False] * count
+    tables = [graph.values[n.inputs[0]].type.shape for n in graph.iter_nodes(True)
+              if n.op == "embedding" and n.inputs[0] in graph.values]
+    rows = [s[0] for s in tables if len(s) == 2 and isinstance(s[0], int)]
+    vocab = max(rows, default=None)
+    out = []
+    for o in graph.outputs:
+        t = graph.values[o].type
+        out.append(vocab is not None and vocab > 1 and t.rank >= 2 and t.dtype.startswith(("f", "bf"))
+                   and isinstance(t.shape[-1], int) and t.shape[-1] == vocab)
+    return out
+
+
 def checked_precision(recipe: Any) -> tuple[str, str]:
     """(compute, weights) the outputs are judged at: the recipe's precision, with a tensor-parallel
     group's narrow wire dtype (parallel.comm.dtype bf16 / int8, rounding every collective) judged
@@ -93,11 +112,13 @@ def checked_precision(recipe: Any) -> tuple[str, str]:
 
 
 def compare_outputs(names: list[str], got: list[torch.Tensor], want: list[torch.Tensor],
-                    compute: str = "f32", weights: str = "f32") -> list[OutputCheck]:
+                    compute: str = "f32", weights: str = "f32", logits: Sequence[bool] = ()) -> list[OutputCheck]:
     """Each output against eager at its dtype's tolerance; with narrow weights
-    (precision.weights) at numerics.WEIGHT_ONLY's error bound, and logits also on top-1."""
+    (precision.weights) at numerics.WEIGHT_ONLY's error bound, and logits (named so, or flagged
+    in `logits`: logit_outputs) also on top-1."""
     out = []
-    for n, g, w in zip(names, got, want):
+    flagged = list(logits) + [False] * (len(names) - len(logits))
+    for n, g, w, is_logits in zip(names, got, want, flagged):
         dt = str(w.dtype).replace("torch.", "")
         short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}.get(dt, dt)
         tol = tolerance_for(short, compute)
@@ -105,7 +126,7 @@ def compare_outputs(names: list[str], got: list[torch.Tensor], want: list[torch.
         if narrow:
             tol = max(tol, WEIGHT_ONLY[weights])
         top1 = top1_agreement(g, w) if narrow else None
-        out.append(OutputCheck(n, short, rel_l2(g, w), tol, top1, judge_top1=top1 is not None and "logits" in n))
+        out.append(OutputCheck(n, short, rel_l2(g, w), tol, top1, judge_top1=top1 is not None and ("logits" in n or is_logits)))
     return out
 
 

@@ -113,6 +113,30 @@ def test_top1_counts_only_confident_flips():
     (bad,) = compare_outputs(["logits"], [far], [want], weights="int8")
     (hidden,) = compare_outputs(["hidden"], [far], [want], weights="int8")    # not logits: the error bound only
     assert ok.ok and not bad.ok and bad.rel_l2 < WEIGHT_ONLY["int8"] and hidden.ok and not hidden.judge_top1
+    (unnamed,) = compare_outputs(["out"], [far], [want], weights="int8", logits=[True])   # an ONNX LM head's
+    assert unnamed.judge_top1 and not unnamed.ok
+
+
+def test_an_output_as_wide_as_the_token_table_is_judged_as_logits_whatever_its_name():
+    """An exported LM names its logits `out` or `output_0`: the output whose last axis is the
+    rows of the largest table an embedding looks up is logits; the hidden states are not."""
+    from graphmode.ir import parse_graph
+    from graphmode.verify.bisect import logit_outputs
+    text = """
+graph @lm(%ids: i64[b,s]) -> (%out, %hidden) {
+  param %table: f32[50,8] #{table}
+  param %head: f32[50,8] #{head}
+  %e: f32[b,s,8] = embedding(%table, %ids)
+  %hidden: f32[b,s,8] = tanh(%e)
+  %out: f32[b,s,50] = linear(%hidden, %head)
+  return %out, %hidden
+}"""
+    from graphmode.ir.graph import constant_digest
+    consts = {"table": torch.zeros(50, 8), "head": torch.ones(50, 8)}
+    g = parse_graph(text.replace("{table}", constant_digest(consts["table"]))
+                    .replace("{head}", constant_digest(consts["head"])), consts)
+    assert logit_outputs(g, 2) == [True, False]
+    assert logit_outputs(g, 3) == [False] * 3 and logit_outputs(None, 1) == [False]
 
 
 def test_top1_allows_a_large_vocabularys_largest_noise_errors():
