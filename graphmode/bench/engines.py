@@ -53,6 +53,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from graphmode.capture.onnx.runtime import ort_session
 from graphmode.errors import GraphmodeError
 from graphmode.ir.graph import declared_name
 
@@ -236,7 +237,7 @@ class OnnxRuntimeEngine(Engine):
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")
         t0 = time.perf_counter()
-        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        sess = ort_session(path, so)      # an external-data file ORT cannot parse: its data inlined
         names = [i.name for i in sess.get_inputs()]
         feed = {n: inputs[declared_name(n, inputs) or n].numpy() for n in names}   # the recipe's "x_0" is "x:0"
         self.setup_detail = {**detail, "session_s": round(time.perf_counter() - t0, 3),

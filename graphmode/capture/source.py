@@ -120,6 +120,9 @@ class ModelSource:
                 out = self.module(**inputs)
             return list(out) if isinstance(out, (tuple, list)) else [out]
         import onnxruntime as ort
+
+        from graphmode.capture.onnx.runtime import ort_session
+
         def first_line(e: Exception) -> str:
             return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         sessions = self.__dict__.setdefault("_ort", {})
@@ -128,7 +131,7 @@ class ModelSource:
                 so = ort.SessionOptions()
                 if not optimized:
                     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-                sessions[optimized] = ort.InferenceSession(str(self.onnx_path), so, providers=["CPUExecutionProvider"])
+                sessions[optimized] = ort_session(self.onnx_path, so)
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
             raise CaptureError(f"ONNX Runtime cannot load this model for reference: {first_line(e)}",
                                where=f"model {self.onnx_path}",
