@@ -47,6 +47,7 @@ SEQ_DIMS = ("seq", "sequence", "seq_len", "tokens", "length", "positions")
 CONFIG_MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
                         "max_target_positions")         # Whisper's decoder: its tokens' position table
 MB = 2**20
+_MAX_TIES = 16                 # exporter axes an ONNX draft joins, one pair the graph ties at a time
 MAX_DRAFT_PLANS = 16           # plans a draft builds at warm-up when no padding or bucket limit is given
 DEFAULT_OTHER_MAX = 64         # a dim the model names with no range, no example and no default
 DECODER_BATCH = (1, 8)         # a causal LM's draft: sequences per step (each holds KV pages)
@@ -225,10 +226,17 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
                 kb_path=kb_path, objective=objective, name=name, target_cache_dir=target_cache_dir, record=record,
                 ranges={d: tuple(r[:2]) for d, r in (ranges or {}).items()}, bounded=bounded)
     if not hasattr(bundle, "module"):          # ONNX: the file's axes are what they are
-        try:
-            return _draft(bundle, **opts)
-        except CaptureError as e:
-            raise _static_axis_advice(e, bundle) from None
+        from graphmode.kb.onnx_axes import tied
+        for _ in range(_MAX_TIES):
+            try:
+                return _draft(bundle, **opts)
+            except CaptureError as e:
+                joined = tied(bundle, e)          # two exporter axes the graph ties: one dim
+                if joined is None:
+                    raise _static_axis_advice(e, bundle) from None
+                bundle = joined
+        raise CaptureError(f"the ONNX model's axes kept meeting after {_MAX_TIES} ties", where="inputs",
+                           fix="name the axes that share a size with one dim (--dim NAME=LO:HI@INPUT:AXIS, ...)")
     if given.dim_names:                       # a dim torch.export cannot keep dynamic is fixed at the example's
         free = [d for d in bundle.dim_names if d not in (ranges or {})]
         tries = [bundle, _pin(bundle, [d for d in free if d != "batch"]), _pin(bundle, free)]

@@ -1,12 +1,15 @@
 """An ONNX file's dynamic axes as a draft names them.
 
 An exporter names each input's axes on its own (`torch.onnx.export(dynamic_axes={"ids": [0, 1],
-"mask": [0, 1]})` writes `ids_dynamic_axes_1`, `mask_dynamic_axes_1`, ...), so the two axes a
-model multiplies together are two dims that graphmode cannot know are equal, and a draft failed.
-A recipe may name the file's axes as it likes (the importer maps them by position), so a draft
-names them: the exporter's per-input names of one axis become one dim (`batch` for the leading
-axis, `seq` for axis 1 where token ids have it), and `--dim batch=...` / `--dim seq=...` name the
-symbolic axes where `graphmode recipe init` puts those dims for a PyTorch model.
+"mask": [0, 1]})` writes `ids_dynamic_axes_1`, `mask_dynamic_axes_1`, ...), so two axes the
+model ties (ids and mask of one sequence, added or masked together) are two dims that graphmode
+cannot know are equal, while two it keeps apart (a query and a document of their own lengths)
+must stay two. A recipe may name the file's axes as it likes (the importer maps them by
+position), so a draft names them: the leading axes are one `batch`; every other exporter axis
+starts as a dim of its own, and each pair the graph ties (the importer's "sizes A and B meet
+here") becomes one dim (`tied`: `seq` for axis 1 of token ids) until the graph imports.
+`--dim batch=...` / `--dim seq=...` name the symbolic axes where `graphmode recipe init` puts
+those dims for a PyTorch model.
 """
 from __future__ import annotations
 
@@ -20,23 +23,42 @@ _EXPORTER_AXIS = re.compile(r"^(?P<input>.+)_dynamic_axes_(?P<k>\d+)$")
 
 
 def unified(bundle: Any) -> Any:
-    """The bundle with the exporter's per-input names of one axis index as one dim, where more
-    than one input has that axis (a single input's names stay as the file has them)."""
+    """The bundle with the exporter's per-input names of the leading axis as one `batch`, where
+    more than one input has one (the other axes stay apart until the graph ties them: `tied`)."""
+    axes = [a for a, k in _exporter_axes(bundle).items() if k == 1]
+    if len({n for n, _ in axes}) < 2:
+        return bundle
+    return _renamed(bundle, {a: "batch" for a in axes})
+
+
+def tied(bundle: Any, error: Exception) -> Any | None:
+    """The bundle with the two dims an import `error` says meet (`meeting`: two sizes the graph
+    adds, masks or multiplies together) as one, where one of them is an exporter's axis name;
+    None otherwise (the error stands). Both become `seq` where they are axis 1 of inputs among
+    which are token ids, else the first name."""
+    pair = getattr(error, "meeting", None)
     dims = bundle.input_dims
-    groups: dict[int, list[tuple[str, int]]] = {}
-    for name, shape in dims.items():
+    named = {d for shape in dims.values() for d in shape if isinstance(d, str)}
+    if not pair or len(set(pair)) != 2 or not set(pair) <= named:
+        return None
+    exporter = _exporter_axes(bundle)
+    ours = {a: k for a, k in exporter.items() if dims[a[0]][a[1]] in pair}
+    if not ours:
+        return None
+    tokens = all(k == 2 for k in ours.values()) and any(not _floating(bundle, n) for n, _ in ours)
+    name = "seq" if tokens and len(ours) == sum(1 for s in dims.values() for d in s if d in pair) else pair[0]
+    return _renamed(bundle, {(n, ax): name for n, shape in dims.items() for ax, d in enumerate(shape) if d in pair})
+
+
+def _exporter_axes(bundle: Any) -> dict[tuple[str, int], int]:
+    """(input, axis) -> k of each axis the exporter named `<input>_dynamic_axes_<k>`."""
+    out = {}
+    for name, shape in bundle.input_dims.items():
         for ax, d in enumerate(shape):
             m = _EXPORTER_AXIS.match(d) if isinstance(d, str) else None
             if m and m.group("input") == name:
-                groups.setdefault(int(m.group("k")), []).append((name, ax))
-    rename = {}
-    for k, axes in groups.items():
-        if len({n for n, _ in axes}) < 2:
-            continue
-        tokens = any(not _floating(bundle, n) for n, _ in axes)
-        name = "batch" if k == 1 else "seq" if k == 2 and tokens else f"dynamic_axes_{k}"
-        rename.update({a: name for a in axes})
-    return _renamed(bundle, rename) if rename else bundle
+                out[(name, ax)] = int(m.group("k"))
+    return out
 
 
 def placed(bundle: Any, new: dict[str, tuple]) -> Any:

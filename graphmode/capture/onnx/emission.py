@@ -32,9 +32,11 @@ class Emitter:
         try:
             otype = spec.infer(types, attrs)[0]
         except IRError as e:
-            raise self.fail(e.message if e.message.startswith(f"{op}:") else f"{op}: {e.message}",
+            err = self.fail(e.message if e.message.startswith(f"{op}:") else f"{op}: {e.message}",
                             fix=e.fix or "the node's inputs do not fit together for the recipe's dims: fix the "
-                                         "shapes named above in the model (or the dims in the recipe)") from None
+                                         "shapes named above in the model (or the dims in the recipe)")
+            err.meeting = getattr(e, "meeting", None)       # two dims the graph ties (a draft joins them)
+            raise err from None
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise self.fail(f"{op}: cannot infer the output type ({type(e).__name__}: {e})") from None
         name = self.g.fresh_name(_vname(out or hint or op))

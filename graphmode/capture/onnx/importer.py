@@ -199,8 +199,9 @@ class _Importer(ValueState, Emitter, InputBinder):
         except _Unfoldable as e:
             raise self.fail(str(e)) from None
         except IRError as e:   # shapes that do not broadcast, bad axes...
-            raise self.fail(e.message, fix=e.fix or "check the model with onnx.checker.check_model("
-                                                    "m, full_check=True)") from None
+            err = self.fail(e.message, fix=e.fix or "check the model with onnx.checker.check_model(m, full_check=True)")
+            err.meeting = getattr(e, "meeting", None)       # two dims the graph ties (a draft joins them)
+            raise err from None
         except Exception as e:  # noqa: BLE001 - every failure names the node
             raise self.fail(f"cannot translate: {type(e).__name__}: {e}",
                             fix="report this as an importer bug, with the model") from e

@@ -196,12 +196,14 @@ def _no_broadcast(shapes: Sequence[Sequence[Dim]], i: int, a: Dim, b: Dim) -> IR
     what = f"shapes {[list(map(str, s)) for s in shapes]} do not broadcast at dim {i}"
     if isinstance(a, int) or isinstance(b, int):
         return IRError(what, fix="insert an explicit expand/reshape")
-    return IRError(f"{what}: sizes {a} and {b} meet here, and graphmode cannot know they are equal (every recipe "
+    err = IRError(f"{what}: sizes {a} and {b} meet here, and graphmode cannot know they are equal (every recipe "
                    "dim varies on its own, and a size made of two dims, such as a mask over a KV cache's past + "
                    "seq, cannot be a recipe dim)",
                    fix="where the two axes always have the same size, give them one dim name in the recipe's "
                        "inputs; where one is a sum of dims (past + seq), make those dims static (min = max) or "
                        "export the model without the cache inputs")
+    err.meeting = (str(a), str(b))       # a draft ties the two axes into one dim (kb/onnx_axes.tied)
+    return err
 
 
 def result_dtype(types: list[TensorType]) -> str:

@@ -1,6 +1,7 @@
 """Drafts for an ONNX file whose exporter named every input's axes on its own (`dynamic_axes=
-{"x": [0, 1], "mask": [0, 1]}`): the per-input names of one axis are one dim, so the draft
-compiles (before: "shapes ... do not broadcast ... graphmode cannot know they are equal"), and
+{"x": [0, 1], "mask": [0, 1]}`): the per-input names of axes the graph ties are one dim, so the
+draft compiles (before: "shapes ... do not broadcast ... graphmode cannot know they are equal"),
+axes it keeps apart stay two dims (a query and a document of their own lengths), and
 `--dim batch=...` / `--dim seq=...` name the file's dynamic axes (before: refused, "an ONNX
 model's axes are fixed in the file")."""
 from __future__ import annotations
@@ -53,3 +54,31 @@ def test_dims_given_name_the_files_dynamic_axes(onnx_file):
     assert draft.recipe.dim_range("batch") == (1, 8) and draft.recipe.dim_range("seq") == (1, 64)
     with pytest.raises(RecipeError, match="no dynamic axis where dim 'h' goes"):
         draft_recipe(str(onnx_file), record=False, ranges={"h": (1, 8)})
+
+
+class QueryAndDocument(torch.nn.Module):
+    """Two token inputs of their own lengths, pooled apart, multiplied per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(30, 4)
+
+    def forward(self, query, doc):
+        return (self.emb(query).mean(1) * self.emb(doc).amax(1)).sum(-1)
+
+
+def test_axes_the_graph_keeps_apart_stay_two_dims(tmp_path):
+    path = tmp_path / "dual.onnx"
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(QueryAndDocument().eval(), (torch.randint(0, 30, (2, 5)), torch.randint(0, 30, (2, 9))),
+                          str(path), dynamo=False, input_names=["query", "doc"],
+                          dynamic_axes={"query": [0, 1], "doc": [0, 1]})
+    draft = draft_recipe(str(path), record=False, ranges={"batch": (1, 4)})
+    shapes = {i.name: list(i.shape) for i in draft.recipe.inputs}
+    assert shapes["query"][0] == shapes["doc"][0] == "batch" and shapes["query"][1] != shapes["doc"][1], shapes
+    cm = graphmode.compile(str(path), draft.recipe, cache_dir=tmp_path / "cache")
+    q, d = torch.randint(0, 30, (3, 4)), torch.randint(0, 30, (3, 11))          # lengths 4 and 11 in one call
+    want = ort.InferenceSession(str(path)).run(None, {"query": q.numpy(), "doc": d.numpy()})[0]
+    np.testing.assert_allclose(cm(query=q, doc=d).numpy(), want, rtol=1e-5, atol=1e-6)
