@@ -414,6 +414,21 @@ def check_manifest(manifest: dict[str, Any], where: Path, host: dict[str, Any] |
                             fix="compile again on this host (graphmode compile ... --save)")
 
 
+class _OwnedZip(zipfile.ZipFile):
+    """A ZipFile that closes the file object it reads (ZipFile leaves one passed to it open: a
+    ResourceWarning at every load)."""
+
+    def __init__(self, fobj: Any):
+        super().__init__(fobj)
+        self._owned = fobj
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._owned.close()
+
+
 def _open(path: Path, digest: bool = True) -> tuple[zipfile.ZipFile, str, int]:
     """(the archive, its digest, its size): a regular file, hashed and opened from one descriptor.
     Without `digest` the whole file is not read (its digest is ""): a caller after one member."""
@@ -437,7 +452,7 @@ def _open(path: Path, digest: bool = True) -> tuple[zipfile.ZipFile, str, int]:
         raise ArtifactError("the file is empty (0 bytes)", where=str(path), exit_code=2,
                             fix="copy it again whole, or save it again (graphmode compile ... --save)")
     try:
-        z = zipfile.ZipFile(fobj)
+        z = _OwnedZip(fobj)
     except Exception as e:  # noqa: BLE001 - a damaged central directory raises many types
         cut = fobj.seek(0) == 0 and fobj.read(4) == b"PK\x03\x04"   # a zip's first member, no directory at its end
         fobj.close()

@@ -75,9 +75,15 @@ def test_loaded_artifact_matches_and_compiles_nothing(saved):
 
 
 def test_a_second_load_reuses_the_extracted_copy(saved):
+    import gc
+    import warnings
     _, path, _, tmp = saved
-    a = graphmode.load(path, cache_dir=tmp / "again")
-    b = graphmode.load(path, cache_dir=tmp / "again")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        a = graphmode.load(path, cache_dir=tmp / "again")
+        b = graphmode.load(path, cache_dir=tmp / "again")
+        gc.collect()
+    assert not [w for w in seen if w.category is ResourceWarning], [str(w.message) for w in seen]   # file closed
     assert a.artifact["digest"] == b.artifact["digest"]
     assert (tmp / "again" / "artifacts" / a.artifact["digest"] / "complete").is_file()
 
