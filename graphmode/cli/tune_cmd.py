@@ -34,7 +34,10 @@ def _threads(text: Optional[str]) -> list[int]:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         vals = []
-    if not vals or any(v < 1 for v in vals):
+    if vals and any(v < 1 for v in vals):
+        raise GraphmodeError("a thread count must be at least 1", where="--threads", value=text,
+                             fix=f"e.g. --threads {cores},1 (the first is the recipe's baseline)")
+    if not vals:
         raise GraphmodeError("expected a comma list of thread counts", where="--threads", value=text,
                              fix=f"e.g. --threads {cores},1 (the first is the recipe's baseline)")
     return list(dict.fromkeys(vals))

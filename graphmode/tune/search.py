@@ -117,6 +117,8 @@ def run_search(run: Callable[[dict[str, Any], int, float], TrialResult], axes: l
         raise GraphmodeError(f"the budget of {budget_s:g} s ended before the recipe as written was measured "
                              f"({clock() - start:.1f} s spent on capture and compiling)", where="--budget-s",
                              value=budget_s, fix="raise --budget-s; the journal keeps every finished trial") from None
+    if best.status == "failed" and best.error is not None and best.error.exit_code == 2:
+        raise best.error        # the recipe as written does not describe the model: no knob changes that
     if best.status != "ok":
         best = None
     stopped = "converged"

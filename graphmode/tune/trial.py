@@ -54,6 +54,7 @@ class TrialResult:
     replayed: bool = False                   # read back from the journal, not run now
     recipe: Any = None                       # the trial's Recipe (not journaled)
     ir_hash: str | None = None
+    error: GraphmodeError | None = None      # why it failed, where graphmode said (not journaled)
 
     @property
     def key(self) -> str:
@@ -141,7 +142,7 @@ class TrialRunner:
             raise
         except GraphmodeError as e:
             res.status = "violates" if e.exit_code == 1 else "failed"
-            res.reason = f"{type(e).__name__}: {e.render()}"
+            res.reason, res.error = f"{type(e).__name__}: {e.render()}", e
         except Exception as e:  # noqa: BLE001 - a trial that crashes is a recorded result, not the end of tuning
             first = (str(e).strip().splitlines() or [""])[0]
             res.status, res.reason = "failed", f"{type(e).__name__}: {first}"

@@ -69,6 +69,23 @@ def test_the_best_is_never_a_trial_another_beats_on_every_axis(tmp_path):
     assert res.best.config == {"a": 2} and res.best in res.pareto
 
 
+def test_a_recipe_that_does_not_describe_the_model_stops_at_the_baseline(tmp_path):
+    """A recipe naming an input the model lacks (exit 2): each of 13 trials failed the same way
+    and the run ended 'no configuration kept the contract'. No knob fixes it: the baseline's
+    own error is raised, and nothing else runs."""
+    from graphmode.verdict import ContractRefused, Issue
+    ran = []
+
+    def run(cfg, index, deadline):
+        ran.append(cfg)
+        err = ContractRefused([Issue("mismatch", "the model has no input 'token_type_ids'", "inputs[2].name",
+                                     "token_type_ids", "name the model's inputs")])
+        return TrialResult(index, cfg, "failed", f"ContractRefused: {err.render()}", error=err)
+    with pytest.raises(ContractRefused) as e:
+        run_search(run, [Axis("a", [0, 1, 2])], budget_s=60, objective="latency", journal=Journal(tmp_path / "j", "r"))
+    assert e.value.exit_code == 2 and len(ran) == 1
+
+
 @pytest.fixture(scope="module")
 def mlp_runner(kb_cache):
     data = recipe_data(dims={"batch": {"min": 1, "max": 8, "max_padding": 0.5}})
