@@ -190,6 +190,25 @@ def _draft_to_start(model: str, target: Optional[str], kb_path: Path, objective:
     return path
 
 
+def _confirmation_json(c: Optional[dict]) -> Optional[dict]:
+    if c is None:
+        return None
+    return {"held": c["held"], "best": c["best"].to_json(), "baseline": c["baseline"].to_json()}
+
+
+def _print_confirmation(c: Optional[dict], describe: Any, base_cfg: dict) -> None:
+    """The best and the recipe as written, measured again one after the other: the change is
+    kept only where it wins again."""
+    if c is None:
+        return
+    b, a = c["best"].metrics, c["baseline"].metrics
+    said = (f"measured again: {describe(c['best'].config, base_cfg)} p99 {shown(b.get('p99_ms'))} ms, "
+            f"{shown(b.get('throughput'))} items/s; the recipe as written p99 {shown(a.get('p99_ms'))} ms, "
+            f"{shown(a.get('throughput'))} items/s")
+    console.print(f"{said}: {'confirmed' if c['held'] else 'the gain did not repeat, so the recipe as written stays'}",
+                  markup=False, highlight=False, soft_wrap=True)
+
+
 def _report(result: Any, base_cfg: dict, recipe: Path, base_data: dict, objective: str, tgt: Any, as_json: bool,
             out: Optional[Path], journal: Any) -> None:
     from graphmode.errors import ConstraintError
@@ -198,8 +217,11 @@ def _report(result: Any, base_cfg: dict, recipe: Path, base_data: dict, objectiv
     from graphmode.tune.version import write_version
     written, new = None, False
     best = result.best
-    if best is not None and best.key != result.baseline.key:
-        written, _, new = write_version(recipe, base_data, result.baseline, best, objective=objective,
+    knobs = {k for k, v in (best.config if best else {}).items() if result.baseline.config.get(k) != v}
+    if best is not None and best.key != result.baseline.key and knobs != {"threads"}:
+        c = result.confirmation          # the header states the numbers measured again, one after the other
+        written, _, new = write_version(recipe, base_data, c["baseline"] if c else result.baseline,
+                                        c["best"] if c else best, objective=objective,
                                         hardware=tgt.name, trials=len(result.trials), out=out)
     counts = {s: sum(t.status == s for t in result.trials) for s in ("ok", "violates", "failed")}
     if as_json:
@@ -210,6 +232,7 @@ def _report(result: Any, base_cfg: dict, recipe: Path, base_data: dict, objectiv
                           "pareto": [t.index for t in result.pareto], "best": best.index if best else None,
                           "cut_off": describe(result.cut_off, base_cfg) if result.cut_off else None,
                           "written": str(written) if written else None,
+                          "confirmation": _confirmation_json(result.confirmation),
                           "diff": [c.to_dict() for c in changes]}, indent=1, default=str))
     else:
         console.print(_trial_table(f"Pareto set: {len(result.pareto)} of {counts['ok']} trial(s) that kept the "
@@ -228,7 +251,12 @@ def _report(result: Any, base_cfg: dict, recipe: Path, base_data: dict, objectiv
                       f"{counts['ok']} ok, {counts['violates']} violate, {counts['failed']} failed; stopped: "
                       f"{'budget spent' if result.stopped == 'budget' else 'no change improves the best'}",
                       markup=False, highlight=False, soft_wrap=True)
-        if written:
+        _print_confirmation(result.confirmation, describe, base_cfg)
+        if knobs == {"threads"}:
+            console.print(f"best (trial {best.index}, {objective}-first): {describe(best.config, base_cfg)}, not a "
+                          f"recipe field: the recipe as written stays; run and serve it with --threads "
+                          f"{best.config['threads']}", markup=False, highlight=False, soft_wrap=True)
+        elif written:
             console.print(f"best (trial {best.index}, {objective}-first): {describe(best.config, base_cfg)}; "
                           f"{'wrote' if new else 'already written as'} {written}", markup=False, highlight=False,
                           soft_wrap=True)

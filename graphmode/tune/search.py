@@ -6,7 +6,10 @@ contract and beats the current best by more than `MIN_GAIN` on the objective (la
 p99, then p50; throughput-first: items per second). Passes repeat until one changes nothing.
 
 Budget: a trial is not started when the time spent plus the longest trial so far would pass
-`budget_s` (the baseline always runs). Trials found in the journal are replayed instantly and
+`budget_s` (the baseline always runs). A best other than the recipe as written is confirmed
+after the search: the two are measured again, one after the other, and the change is kept only
+when it wins again by more than MIN_GAIN (a trial timed once in a quiet moment beat the same
+configuration timed in a busy one; two runs of one command recommended different changes). Trials found in the journal are replayed instantly and
 cost nothing, so the same command after an interrupt continues the same path. The result
 keeps every trial (ok, violates, failed) and the Pareto set of the ones that kept the contract
 over p99, throughput, peak memory and compile time.
@@ -38,6 +41,7 @@ class TuneResult:
     resumed: int = 0                         # trials replayed from the journal
     pareto: list[TrialResult] = field(default_factory=list)
     cut_off: dict[str, Any] | None = None    # the configuration the budget ended inside (not a result)
+    confirmation: dict[str, Any] | None = None   # the best and the baseline measured again: their results
 
 
 def score(r: TrialResult, objective: str) -> tuple[float, ...]:
@@ -145,4 +149,11 @@ def run_search(run: Callable[[dict[str, Any], int, float], TrialResult], axes: l
     ahead = [t for t in front if best is not None and _dominates(t, best)]
     if ahead:
         best = min(ahead, key=lambda t: score(t, objective))
-    return TuneResult(trials, base, best, stopped, sum(t.replayed for t in trials), front, cut[0] if cut else None)
+    confirmation = None
+    if best is not None and best.key != base.key and base.status == "ok":
+        again, base_again = run(best.config, best.index, float("inf")), run(base.config, base.index, float("inf"))
+        confirmation = {"best": again, "baseline": base_again, "held": better(again, base_again, objective)}
+        if not confirmation["held"]:
+            best = base             # the gain did not repeat: the recipe as written stays
+    return TuneResult(trials, base, best, stopped, sum(t.replayed for t in trials), front, cut[0] if cut else None,
+                      confirmation)
