@@ -125,6 +125,9 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
     for a in axes:
         for n in a.notes:
             log(f"search space: {a.name}: {n}")
+    if base.memory.kv_cache is not None:
+        log("note: a decoder recipe: trials time its whole-sequence forward pass (the prefill), not the decode "
+            "steps generate and serve run token by token (graphmode bench decode measures those)")
     warned: list[str] = []
 
     def on_trial(r) -> None:
