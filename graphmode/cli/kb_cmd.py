@@ -354,16 +354,18 @@ def import_cmd(files: List[Path] = typer.Argument(..., help="files written by `g
     from graphmode.untrusted import UntrustedFileError, parse_json, read_bytes
     path = kb_file(kb, cache_dir)
     totals: list[dict[str, Any]] = []
+    texts = []              # every export read before the knowledge base is opened (or created)
+    for f in files:
+        try:
+            texts.append((f, read_bytes(f, limit=MAX_IMPORT_BYTES).decode("utf-8")))
+        except UntrustedFileError as e:
+            raise KbError(f"cannot read the export: {e.message}", where=str(f),
+                          fix="pass a file written by `graphmode kb export`; nothing was imported") from None
+        except UnicodeDecodeError as e:
+            raise KbError(f"the export is not UTF-8 text ({e.reason} at byte {e.start})", where=str(f),
+                          fix="pass a file written by `graphmode kb export`; nothing was imported") from None
     with KnowledgeBase(path) as db:
-        for f in files:
-            try:
-                text = read_bytes(f, limit=MAX_IMPORT_BYTES).decode("utf-8")
-            except UntrustedFileError as e:
-                raise KbError(f"cannot read the export: {e.message}", where=str(f),
-                              fix="pass a file written by `graphmode kb export`") from None
-            except UnicodeDecodeError as e:
-                raise KbError(f"the export is not UTF-8 text ({e.reason} at byte {e.start})", where=str(f),
-                              fix="pass a file written by `graphmode kb export`") from None
+        for f, text in texts:
 
             def items(text: str = text, f: Path = f):
                 for n, line in enumerate(text.splitlines(), 1):
@@ -383,4 +385,4 @@ def import_cmd(files: List[Path] = typer.Argument(..., help="files written by `g
     for c in totals:
         console.print(f"{c['file']}: added {c['hardware']} hardware, {c['model']} model(s), {c['recipe']} recipe(s), "
                       f"{c['performance']} measurement(s); {c['skipped']} already present", highlight=False)
-    console.print(f"{path}: " + ", ".join(f"{n} {t}" for t, n in counts.items()), highlight=False)
+    console.print(f"{path} now holds " + ", ".join(f"{n} {t}" for t, n in counts.items()), highlight=False)

@@ -168,9 +168,15 @@ def test_a_wrongly_typed_field_is_refused_and_nothing_is_imported(kb, tmp_path, 
 def test_a_knowledge_base_path_that_is_not_a_file_is_refused(tmp_path):
     fifo = tmp_path / "kb.fifo"
     os.mkfifo(fifo)
+    (tmp_path / "empty.jsonl").write_text("")
     for path, kind in ((fifo, "FIFO"), ("/dev/zero", "character device")):
-        for cmd in (["ls"], ["import", str(tmp_path / "none.jsonl")]):
+        for cmd in (["ls"], ["import", str(tmp_path / "empty.jsonl")]):
             _refused(invoke("kb", *cmd, "--kb", path), f"is a {kind}, not a file")
+
+
+def test_an_import_that_cannot_be_read_creates_no_knowledge_base(tmp_path):
+    _refused(invoke("kb", "import", tmp_path / "none.jsonl", "--kb", tmp_path / "new.sqlite"), "No such file")
+    assert not (tmp_path / "new.sqlite").exists()
 
 
 def test_special_files_are_refused_as_imports(kb, tmp_path):
