@@ -148,6 +148,11 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
             schedules.add(exe.schedule)
         for lib in getattr(exe, "libraries", []):
             libraries.setdefault(Path(lib).name, Path(lib))
+    if "claim" in schedules:        # the work-claiming pool those kernels run on: shipped, not built at load
+        from graphmode.backends.cpu.claim_pool import library_path
+        pool = library_path()
+        if pool is not None:
+            libraries.setdefault(pool.name, pool)
     key = cache_key(cm, buckets[0])
     out_spec = getattr(cm.capture_report, "out_spec", None) if cm.capture_report is not None else None
     manifest = {"format": FORMAT, "graphmode": __version__, "torch": torch.__version__,

@@ -3,8 +3,9 @@ model's code, get the same numbers with no kernel compile; refuse what cannot ru
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
+import sys
 import zipfile
 from pathlib import Path
 
@@ -57,6 +58,21 @@ def test_a_load_in_a_process_of_another_openmp_wait_uses_the_kernels_schedule_an
         assert builder_for(kernels, loaded.threads, schedule=schedule).stats["compiles"] == 0, schedule
     x = torch.randn(2, 16)
     assert torch.equal(loaded(x), cm(x))
+
+
+def test_a_fresh_process_loads_and_runs_an_artifact_without_building_a_library(saved):
+    """The work-claiming pool the `claim` kernels run on is a library of its own: it was built at
+    the first load in every new process (serve and generate from a .gm logged 'compiled 1
+    kernels'); the artifact ships it."""
+    import subprocess
+    _, path, manifest, tmp = saved
+    assert manifest["schedule"] == "claim"
+    code = ("import logging, sys, torch, graphmode; logging.basicConfig(level=logging.INFO); "
+            f"m = graphmode.load({str(path)!r}, cache_dir={str(tmp / 'fresh-process')!r}); m(torch.randn(2, 16))")
+    env = dict(os.environ, GOMP_SPINCOUNT="1000")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "compiled" not in res.stderr, res.stderr
 
 
 def test_loaded_artifact_matches_and_compiles_nothing(saved):

@@ -72,6 +72,12 @@ def attach(lib: CompiledLibrary, builder: Any) -> bool:
     return True
 
 
+def library_path() -> Any:
+    """The loaded pool library's file (None before a `claim` kernel library needed it): an
+    artifact ships it beside its kernels, so a load builds nothing."""
+    return _POOL[0].path if _POOL else None
+
+
 def stats() -> dict[str, int] | None:
     """The pool's counters (None before it is loaded): jobs it ran, chunks its workers ran,
     loops a caller ran alone (one chunk, one thread, nested or concurrent), workers started,
@@ -83,4 +89,4 @@ def stats() -> dict[str, int] | None:
     return dict(zip(("jobs", "worker_chunks", "inline_jobs", "workers", "caller_waits", "wakes"), (int(v) for v in out)))
 
 
-__all__ = ["pool_source", "attach", "stats"]
+__all__ = ["pool_source", "attach", "library_path", "stats"]
