@@ -178,11 +178,13 @@ def load_onnx_spec(path: str | os.PathLike, *, spec: str | None = None) -> OnnxM
     except Exception as e:  # noqa: BLE001 - protobuf DecodeError and friends
         raise CaptureError(f"not a readable ONNX model: {type(e).__name__}: {e}",
                            where=f"model spec {label!r}", value=str(p),
-                           fix="re-export the model (e.g. `graphmode` export / torch.onnx.export)"
+                           fix="re-export the model (torch.onnx.export), or copy the file again whole"
                            ) from e
     if not m.graph.node and not m.graph.input:
-        raise CaptureError("ONNX file holds an empty graph", where=f"model spec {label!r}",
-                           value=str(p), fix="re-export the model")
+        empty = p.stat().st_size == 0
+        raise CaptureError("the file is empty (0 bytes)" if empty else "ONNX file holds an empty graph",
+                           where=f"model spec {label!r}", value=str(p),
+                           fix="copy the file again whole, or re-export the model" if empty else "re-export the model")
     # the spec feeds make_inputs / input_dtypes: refuse here what they could not bind
     check_signature(m, f"model spec {label!r}")
     inits = {i.name for i in m.graph.initializer}

@@ -54,6 +54,7 @@ def parse_ranges(items: List[str]) -> dict[str, tuple]:
     return out
 
 
+@recipe_app.command("draft", hidden=True, help="the same as `graphmode recipe init` (drafts a recipe)")
 @recipe_app.command("init")
 def init_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
              target: Optional[str] = typer.Option(None, "--target", "-t", help="target name or file (default host)"),
