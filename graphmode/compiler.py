@@ -54,6 +54,7 @@ def capture(model: Any, recipe: Recipe | str | Path) -> tuple[Graph, CaptureRepo
         g, rep = import_onnx(src.onnx_path, dims=dims, input_dims=src.input_dims, name=src.name,
                              include_ops=recipe.capture.include_ops, exclude_ops=recipe.capture.exclude_ops,
                              input_values=constant_inputs(recipe))
+        _warn_unmatched_excludes(rep, src)
         return g, rep, src
     def imported(examples, ranges):
         return import_torch(src.module, examples, src.input_dims, ranges, name=src.name,
@@ -64,7 +65,19 @@ def capture(model: Any, recipe: Recipe | str | Path) -> tuple[Graph, CaptureRepo
         g, rep = imported(src.example_inputs, dims)
     except CaptureError as e:
         raise (_where_export_holds(e, src, recipe, dims, imported) or e) from None
+    _warn_unmatched_excludes(rep, src)
     return g, rep, src
+
+
+def _warn_unmatched_excludes(rep: CaptureReport, src: ModelSource) -> None:
+    """capture.exclude_ops entries that met no op: nothing runs as that eager island (an ONNX
+    file writes GELU as Erf and a few Mul/Add; torch names ops by ATen's names)."""
+    if rep.unmatched_excludes:
+        from graphmode.capture.spec import GraphmodeNotice
+        names = "ONNX op types (Softmax) or graphmode's core ops (softmax)" if src.onnx_path is not None else \
+            "ATen names (softmax, aten.softmax.int)"
+        warnings.warn(GraphmodeNotice(f"capture.exclude_ops {rep.unmatched_excludes} matched no op of the model, so "
+                                      f"nothing runs eagerly for them; ops are matched by {names}"), stacklevel=3)
 
 
 # torch's convolutions and pools refuse a symbolic input their window may not fit, at trace time;

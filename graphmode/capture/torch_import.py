@@ -54,6 +54,8 @@ class CaptureReport:
     locs: dict[str, str] = field(default_factory=dict)   # IR value -> the model source line that made it
     # ops after a size only the data decides (capture/tail.py): the graph's outputs are its inputs
     tail: Graph | None = None
+    # capture.exclude_ops entries no op of the model matched (a notice: nothing runs as that island)
+    unmatched_excludes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"source": self.source, "seconds": round(self.seconds, 3), "aten_ops": self.aten_ops,
@@ -516,12 +518,15 @@ def _control_flow(node: torch.fx.Node, tname: str) -> CaptureError:
 def make_excluder(include_ops: Sequence[str] = (), exclude_ops: Sequence[str] = ()) -> Callable[[str, str], bool]:
     """Ops are named by ATen short name ('softmax') or full overload ('aten.softmax.int')."""
     inc, exc = set(include_ops), set(exclude_ops)
+    matched: set[str] = set()
 
     def excluded(full: str, short: str) -> bool:
         names = {full, short, full.rsplit(".", 1)[0]}
         if inc and not (names & inc):
             return True
+        matched.update(names & exc)
         return bool(names & exc)
+    excluded.matched = matched            # type: ignore[attr-defined]  # what exclude_ops met (a notice)
     return excluded
 
 
@@ -621,12 +626,12 @@ def import_torch(module: torch.nn.Module, example_inputs: Mapping[str, torch.Ten
     ep = export_program(module, example_inputs, input_dims, dims)
     from graphmode.capture.zoo import OutputFlattener
     prefix = "model." if isinstance(module, OutputFlattener) else ""
-    ep, imp, g = _import_decomposing(ep, lambda ep: _Importer(ep, name, input_dims, dims,
-                                                              make_excluder(include_ops, exclude_ops)), prefix)
+    excluder = make_excluder(include_ops, exclude_ops)
+    ep, imp, g = _import_decomposing(ep, lambda ep: _Importer(ep, name, input_dims, dims, excluder), prefix)
     report = CaptureReport(source="torch.export", seconds=time.perf_counter() - t0,
                            aten_ops=dict(sorted(imp.aten_ops.items())),
                            fallbacks=sorted(imp.fallbacks.values(), key=lambda f: (f.target, f.loc)),
-                           locs=imp.locs)
+                           locs=imp.locs, unmatched_excludes=[e for e in exclude_ops if e not in excluder.matched])
     try:
         report.out_spec = pytree.treespec_dumps(ep.call_spec.out_spec)
     except Exception:  # noqa: BLE001 - optional metadata

@@ -96,7 +96,8 @@ class Emitter:
         if key in self.fallbacks:
             self.fallbacks[key].count += 1
         else:
-            self.fallbacks[key] = Fallback(target, f"ONNX {n.op_type} excluded by recipe capture settings", loc)
+            self.fallbacks[key] = Fallback(target, f"ONNX {n.op_type} excluded by recipe capture settings", loc,
+                                           excluded=True)
 
     def emit_aten(self, op: str, inputs: list[str], args: list, kwargs: dict | None = None, *,
                   overload: str = "default", hint: str) -> list[str]:

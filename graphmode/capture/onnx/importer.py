@@ -370,12 +370,15 @@ def make_onnx_excluder(include_ops: Sequence[str] = (), exclude_ops: Sequence[st
     """An ONNX node is excluded when its op type ('Softmax'), lower-cased type ('softmax') or the core
     op it lowers to ('softmax', 'layer_norm') is excluded (or missing from a non-empty include list)."""
     inc, exc = set(include_ops), set(exclude_ops)
+    matched: set[str] = set()
 
     def excluded(onnx_op: str, ir_op: str) -> bool:
         names = {onnx_op, onnx_op.lower(), ir_op, f"onnx::{onnx_op}"}
         if inc and not (names & inc):
             return True
+        matched.update(names & exc)
         return bool(names & exc)
+    excluded.matched = matched            # type: ignore[attr-defined]  # what exclude_ops met (a notice)
     return excluded
 
 
@@ -404,6 +407,7 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
     loaded = topo_sorted(with_shapes(_load(path_or_model, label), input_dims, label))
     converted = set(supported_onnx_ops())
     refused: dict[str, CaptureError] = {}    # op -> its converter's refusal, the op then imported by its body
+    excluder = make_onnx_excluder(include_ops, exclude_ops)
     while True:
         model = expand_functions(loaded, converted)
         origins = body_origins(loaded, model)
@@ -412,8 +416,7 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
         except CaptureError as e:
             raise _refusal_of(e, None, origins, refused) from None
         gname = name or (Path(str(path_or_model)).stem if is_path else (model.graph.name or "onnx_model"))
-        imp = _Importer(model, label, gname, dims, input_dims, make_onnx_excluder(include_ops, exclude_ops),
-                        input_values)
+        imp = _Importer(model, label, gname, dims, input_dims, excluder, input_values)
         imp.extra_value_info = inferred if check_types else []
         imp.origins = origins
         ranges = DIM_RANGES.set(dict(dims) if dims is not None else None)
@@ -437,5 +440,5 @@ def import_onnx(path_or_model, *, dims: Mapping[str, tuple[int, int]] | None = N
                                producer=f"{model.producer_name} {model.producer_version}".strip(),
                                folded_nodes=imp.folded, runtime_dims=imp.runtime_dims,
                                op_map={k: dict(sorted(v.items())) for k, v in sorted(imp.op_map.items())},
-                               tail=imp.tail)
+                               tail=imp.tail, unmatched_excludes=[e for e in exclude_ops if e not in excluder.matched])
     return g, report
