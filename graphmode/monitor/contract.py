@@ -10,7 +10,9 @@ budget) and the contract violations among them, by kind:
   fallback  the request ran eagerly instead of on a plan (`on_violation: eager`)
 
 A request inside the contract that hybrid mode ran eagerly because eager measured faster at its
-shape (runtime/split.py) is counted in `fallbacks` under its reason, not as a violation.
+shape (runtime/split.py), or that the contract itself sends to eager (inside the recipe's range,
+a value of a dim that is never padded, or inputs padding would change: `steered`), is counted in
+`fallbacks` under its reason, not as a violation.
 
 `health_score = 1 - violated operations / operations` (an operation with several
 violations counts once). A CompiledModel carries its monitor as `cm.monitor`: the runtime
@@ -198,7 +200,8 @@ class ContractMonitor:
                 self.fallbacks[reason] += 1
             if self.metrics is not None:
                 self.metrics.fallbacks.labels(*self._base, "eager", reason).inc()
-            self.violation("fallback", "eager")
+            if not info.get("steered"):
+                self.violation("fallback", "eager")
         elif event == "eager_choice":       # hybrid: eager measured faster at a shape inside the contract
             reason = str(info.get("reason") or "faster at this shape")
             with self._lock:

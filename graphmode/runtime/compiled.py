@@ -289,14 +289,14 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
         unsafe = [d for d in self.exact_dims if bucket is not None and dims[d] != bucket[d]]
         hazard = None if unsafe else self.pad_hazard(inputs, dims, bucket)
         if bucket is None or unsafe or hazard:
-            if bucket is None:
-                err, kind, reason = self._violation(dims), "shape", "shape outside contract"
-            else:
-                err, kind, reason = self.padding_violation(dims, bucket, unsafe[0] if unsafe else None, hazard)
-            self.events["violated_calls"] += 1
-            self._event("violation", kind=kind, dims=dict(dims))
+            err, kind, reason = (self._violation(dims), "shape", "shape outside contract") if bucket is None else \
+                self.padding_violation(dims, bucket, unsafe[0] if unsafe else None, hazard)
+            steered = bucket is not None and self.recipe.on_violation == "eager"   # in range: eager by contract
+            if not steered:
+                self.events["violated_calls"] += 1
+                self._event("violation", kind=kind, dims=dict(dims))
             if self.recipe.on_violation == "eager":
-                self._event("fallback", reason=reason, dims=dict(dims))
+                self._event("fallback", reason=reason, dims=dict(dims), steered=steered)
                 self.last_path = {"path": "eager", "reason": reason}
                 _say_outside_draft(self, err, bucket)
                 return _fallback(self, inputs, err, reason)
@@ -377,8 +377,7 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
         return save(self, path, rank=rank, **kw)
 
     def metrics(self) -> dict[str, Any]:
-        ops = self.events["calls"]
-        bad = self.events["violated_calls"]
+        ops, bad = self.events["calls"], self.events["violated_calls"]
         out = {"events": dict(self.events), "health_score": 1.0 - bad / ops if ops else 1.0,
                "buckets_compiled": sorted(self._executables)}
         ways = self.shape_chooser.report()
