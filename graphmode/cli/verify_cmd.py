@@ -180,8 +180,8 @@ def verify_cmd(
             worst = max(r["outputs"], key=lambda o: o["rel_l2"]) if r["outputs"] else {"rel_l2": float("inf"),
                                                                                      "tolerance": 0.0}
             row = [",".join(f"{k}={v}" for k, v in r["shape"].items()),
-                   ",".join(f"{k}={v}" for k, v in r["bucket"].items()), r["path"], f"{worst['rel_l2']:.2e}",
-                   f"{worst['tolerance']:.0e}"]
+                   "- (no plan)" if r["path"] == "eager" else ",".join(f"{k}={v}" for k, v in r["bucket"].items()),
+                   r["path"], f"{worst['rel_l2']:.2e}", f"{worst['tolerance']:.0e}"]
             if narrow:
                 # logits only: a top-1 over a hidden state's features (BERT's last_hidden_state) means nothing
                 top = [o["top1"] for o in r["outputs"] if (o.get("top1") or {}).get("judged")]
@@ -202,8 +202,14 @@ def verify_cmd(
             judged = any((o.get("top1") or {}).get("judged") for r in results for o in r["outputs"])
             top1 = (f"; {rec.precision.weights} weights: no logit position's top-1 moved by more than the rounding "
                     "noise" if judged else f"; {rec.precision.weights} weights: within the weight-only error bound, "
-                    "and no top-1 check ran (only an output named logits is judged on its decisions: name a "
-                    "classifier's output logits, e.g. return {'logits': y})")
+                    "and no top-1 check ran (only logits are judged on their decisions: an output named logits, or "
+                    "as wide as the model's token table; name a classifier's output logits, e.g. return "
+                    "{'logits': y})")
+            eager = sum(r["path"] == "eager" for r in results)
             console.print("all shapes match eager within tolerance (every bucket filled, padded, and the "
                           "smallest admissible shape)" + (top1 if narrow else ""))
+            if eager:
+                console.print(f"{eager} of {len(results)} request(s) ran eagerly, where the contract sends them (no "
+                              "plan holds those shapes): their rows compare the reference with itself, as it "
+                              "ships, and check nothing graphmode compiled", markup=False, highlight=False)
     raise typer.Exit(0 if ok else 1)
