@@ -259,11 +259,16 @@ def run_cmd(
             console.print(f"[bold]{model}[/] mode {cm.mode}, request {env} [yellow]ran in {'ONNX Runtime' if ref_name == 'onnxruntime' else 'eager PyTorch'}[/]: "
                           f"{path.get('reason', 'exe_mode eager')}", highlight=False)
         t = Table()
-        for c in ("output", "shape", "dtype", "mean", "std", f"rel L2 vs {ref_name}"):
+        top = any("top1_vs_eager" in r for r in rows)      # narrow weights: logits also judged on top-1
+        for c in ("output", "shape", "dtype", "mean", "std", f"rel L2 vs {ref_name}", "tolerance") + (
+                ("top-1 agree",) if top else ()):
             t.add_column(c, overflow="fold")
-        for r in rows:
+        for r, c in zip(rows, checks):
+            t1 = r.get("top1_vs_eager")
             t.add_row(str(r["output"]), str(r["shape"]), r["dtype"], f"{r['mean']:.4g}", f"{r['std']:.4g}",
-                      f"{r['rel_l2_vs_eager']:.2e}")
+                      f"{r['rel_l2_vs_eager']:.2e}", f"{c.tolerance:.0e}",
+                      *((f"{t1['share']:.1%}, {t1['confident_flips']} flip(s)" if t1 and t1.get("judged")
+                         else "- (not logits)",) if top else ()))
         console.print(t)
         if ran_graph:
             console.print(f"median latency: graphmode {t_graph:.2f} ms, {ref_name} {t_eager:.2f} ms "
