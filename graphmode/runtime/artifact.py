@@ -133,6 +133,13 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
         raise ArtifactError("decoder artifacts (memory.kv_cache) are not supported yet: the decode engine builds "
                             "its prefill/decode graphs from the module", where="memory.kv_cache",
                             fix="deploy decoders with `graphmode serve` on the model itself")
+    if cm.recipe.on_violation == "eager" and decoder is None:
+        import warnings
+
+        from graphmode.capture.spec import GraphmodeNotice
+        warnings.warn(GraphmodeNotice(f"{path.name}: on_violation: eager has nothing to fall back to once saved (the "
+                                      "file holds plans, not the model): a request outside the contract, or one it "
+                                      "sends to eager, is refused when run from it"), stacklevel=3)
     t0 = time.perf_counter()
     if envs is None:
         cm.warmup()

@@ -465,3 +465,20 @@ def test_a_save_never_puts_a_file_in_place_of_a_fifo_and_writes_through_a_link(s
     cm.save(link)
     assert link.is_symlink() and zipfile.is_zipfile(target)
     assert not [p.name for p in tmp.iterdir() if p.name.endswith(".tmp")]    # no temporary file left
+
+
+def test_saving_an_eager_fallback_recipe_says_the_file_cannot_fall_back(tmp_path):
+    """on_violation: eager needs the model; the file holds plans: saved without a word, the
+    first request outside the contract was refused where the recipe promised eager."""
+    import warnings
+
+    from graphmode.capture.spec import GraphmodeNotice
+    m, ex = mlp()
+    cm = graphmode.compile(bundle_from_module(m, ex), dict(RECIPE, on_violation="eager"), cache_dir=tmp_path / "c")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cm.save(tmp_path / "eager.gm")
+    said = [str(w.message) for w in seen if w.category is GraphmodeNotice]
+    assert any("nothing to fall back to" in s for s in said), said
+    with pytest.raises(ContractViolation):
+        graphmode.load(tmp_path / "eager.gm", cache_dir=tmp_path / "l")(torch.randn(7, 16))
