@@ -29,6 +29,30 @@ kb_app = typer.Typer(name="kb", no_args_is_help=True, add_completion=False,
 app.add_typer(kb_app, name="kb")
 
 
+SOURCES = ("bench", "profile", "verify", "tune", "serve")       # what writes measurements
+STATUSES = ("ok", "violates", "failed")
+ORIGINS = ("init", "tune", "measured")                            # how a recipe came to the base
+
+
+def _one_of(value: Optional[str], choices: tuple[str, ...], flag: str) -> None:
+    """A filter of a fixed vocabulary: an unknown value is refused, not answered with no rows."""
+    if value is not None and value not in choices:
+        from graphmode.errors import GraphmodeError
+        raise GraphmodeError(f"unknown value {value!r}", where=flag, fix=f"one of {', '.join(choices)}")
+
+
+def _nothing_named(db: Any, model: Optional[str], family: Optional[str]) -> None:
+    """When a --model or --family filter matched nothing: the names the base holds."""
+    for col, v, flag in (("name", model, "--model"), ("family", family, "--family")):
+        if v is None:
+            continue
+        known = sorted({r[col] for r in db.rows(f"SELECT DISTINCT {col} FROM models") if r[col]})
+        if v not in known:
+            console.print(f"{flag} {v!r}: no such {col} in the knowledge base; it holds "
+                          f"{', '.join(known[:20]) or 'none'}" + (" ..." if len(known) > 20 else ""),
+                          markup=False, highlight=False)
+
+
 def _open(path: Path):
     """The knowledge base for reading, or None (said on stderr) when there is none yet."""
     from graphmode.kb import KnowledgeBase
@@ -121,6 +145,7 @@ def ls_cmd(model: Optional[str] = typer.Option(None, "--model", help="model name
            kb: Optional[Path] = KbPath, cache_dir: Optional[Path] = CacheDir,
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Recipes in the knowledge base, newest first, with how many measurements and the best numbers."""
+    _one_of(origin, ORIGINS, "--origin")
     db = _open(kb_file(kb, cache_dir))
     if db is None:
         if as_json:
@@ -139,6 +164,8 @@ def ls_cmd(model: Optional[str] = typer.Option(None, "--model", help="model name
               AND (? IS NULL OR h.name = ? OR h.cpu_model LIKE '%' || ? || '%')
             ORDER BY r.created DESC LIMIT ?""",
                        (model, model, family, family, origin, origin, hardware, hardware, hardware, limit + 1))
+        if not rows and not as_json:
+            _nothing_named(db, model, family)
     more, rows = len(rows) > limit, rows[:limit]      # one past the limit: whether there are more
     if as_json:
         print(json.dumps(rows, indent=1))
@@ -236,6 +263,8 @@ def query_cmd(model: Optional[str] = typer.Option(None, "--model", help="model n
               as_json: bool = typer.Option(False, "--json")) -> None:
     """Measurements, filtered: by model, family, recipe, hardware, source, status and metric bounds."""
     from graphmode.errors import GraphmodeError
+    _one_of(source, SOURCES, "--source")
+    _one_of(status, STATUSES, "--status")
     if sort not in ("created",) + _WHERE_FIELDS:
         raise GraphmodeError(f"cannot sort by {sort!r}", where="--sort",
                              fix=f"one of created, {', '.join(_WHERE_FIELDS)}")
@@ -261,6 +290,8 @@ def query_cmd(model: Optional[str] = typer.Option(None, "--model", help="model n
         with db:
             rows = db.rows(_PERF_SQL + f" WHERE {' AND '.join(conds)} ORDER BY p.{sort} IS NULL, p.{sort} {desc} "
                            "LIMIT ?", args + [limit + 1])
+            if not rows and not as_json:
+                _nothing_named(db, model, family)
     more, rows = len(rows) > limit, rows[:limit]
     if as_json:
         print(json.dumps([_perf_json(r) for r in rows], indent=1))

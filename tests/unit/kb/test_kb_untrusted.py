@@ -207,3 +207,15 @@ def test_a_listing_cut_at_its_limit_says_so(kb):
     res = invoke("kb", "query", "--kb", kb, "--limit", "3")
     assert "3 measurement(s)" in res.output and "--limit shows more" in res.output, res.output
     assert "--limit shows more" not in invoke("kb", "query", "--kb", kb, "--limit", "4").output
+
+
+def test_filters_of_a_fixed_vocabulary_refuse_unknown_values_and_unknown_names_are_said(kb):
+    """--source bogus, --status maybe, --origin x answered 0 rows and exit 0; an unknown --model
+    or --family now says which the base holds."""
+    _refused(invoke("kb", "query", "--source", "bogus", "--kb", kb), "--source", "bench, profile")
+    _refused(invoke("kb", "query", "--status", "maybe", "--kb", kb), "ok, violates, failed")
+    _refused(invoke("kb", "ls", "--origin", "x", "--kb", kb), "init, tune, measured")
+    res = invoke("kb", "query", "--model", "nosuchmodel", "--kb", kb)
+    assert res.exit_code == 0 and "'nosuchmodel': no such name in the knowledge base; it holds" in res.output
+    res = invoke("kb", "ls", "--family", "nosuch", "--kb", kb)
+    assert res.exit_code == 0 and "no such family" in res.output
