@@ -12,11 +12,11 @@ LOOPBACK = {"bandwidth_gbps": "${target.groups.interconnects.loopback.bandwidth_
             "latency_us": "${target.groups.interconnects.loopback.latency_us}"}
 
 
-def bert():
+def bert(hidden: int = 32, heads: int = 4, layers: int = 2):
     from transformers import BertConfig, BertModel
     torch.manual_seed(0)
-    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                     vocab_size=96, max_position_embeddings=64, initializer_range=0.3)
+    cfg = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=2 * hidden, vocab_size=96, max_position_embeddings=64, initializer_range=0.3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = BertModel(cfg, add_pooling_layer=False).eval()
@@ -27,15 +27,7 @@ def bert():
 def bert_three_heads():
     """The BERT encoder with 3 heads of 8: they do not split over 2 ranks, so the shard pass
     gathers the projections and every rank runs the whole attention."""
-    from transformers import BertConfig, BertModel
-    torch.manual_seed(0)
-    cfg = BertConfig(hidden_size=24, num_hidden_layers=1, num_attention_heads=3, intermediate_size=48,
-                     vocab_size=96, max_position_embeddings=64, initializer_range=0.3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = BertModel(cfg, add_pooling_layer=False).eval()
-    ex = {"input_ids": torch.randint(0, 96, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
-    return model, ex, {k: ["batch", "seq"] for k in ex}
+    return bert(hidden=24, heads=3, layers=1)
 
 
 def gpt2():
