@@ -137,6 +137,7 @@ def check_dims(dims: Mapping[str, int], checks: list[DimCheck],
             lo, hi = (admitted or {}).get(c.dim, (1, c.max))
             fix = (f"send {c.dim} of at most {hi} (the recipe's range [{lo}, {hi}]; the model itself cannot take "
                    f"more than {c.max})" if hi < c.max else
-                   f"send {c.dim} of at most {c.max}: the model itself cannot take more, in a plan or run eagerly (PyTorch or ONNX Runtime)")
+                   f"send {c.dim} of at most {c.max}: the model itself cannot take more, in a plan or run eagerly "
+                   "(PyTorch or ONNX Runtime)")
             raise ContractViolation(f"dim {c.dim!r} = {v} is past the model's {c.max} positions ({c.why})",
                                     where=f"dims.{c.dim}", value=v, fix=fix)

@@ -9,11 +9,11 @@ Budget: a trial is not started when the time spent plus the longest trial so far
 `budget_s` (the baseline always runs). A best other than the recipe as written is confirmed
 after the search: the two are measured again, one after the other, and the change is kept only
 when it wins again by more than MIN_GAIN (a trial timed once in a quiet moment beat the same
-configuration timed in a busy one; two runs of one command recommended different changes). Trials found in the journal are replayed instantly and
-cost nothing, so the same command after an interrupt continues the same path. The result
-keeps every trial (ok, violates, failed) and the Pareto set of the ones that kept the contract
-over p99, throughput, peak memory and compile time.
-"""
+configuration timed in a busy one; two runs of one command recommended different changes).
+Trials found in the journal are replayed instantly and cost nothing, so the same command after
+an interrupt continues the same path. The result keeps every trial (ok, violates, failed) and
+the Pareto set of the ones that kept the contract over p99, throughput, peak memory and compile
+time."""
 from __future__ import annotations
 
 import time

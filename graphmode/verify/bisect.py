@@ -126,7 +126,8 @@ def compare_outputs(names: list[str], got: list[torch.Tensor], want: list[torch.
         if narrow:
             tol = max(tol, WEIGHT_ONLY[weights])
         top1 = top1_agreement(g, w) if narrow else None
-        out.append(OutputCheck(n, short, rel_l2(g, w), tol, top1, judge_top1=top1 is not None and ("logits" in n or is_logits)))
+        out.append(OutputCheck(n, short, rel_l2(g, w), tol, top1,
+                               judge_top1=top1 is not None and ("logits" in n or is_logits)))
     return out
 
 

@@ -224,5 +224,6 @@ def _bare_margin(measured: float) -> dict:
     return Margin(float(measured)).to_json()
 
 
-__all__ = ["POLICIES", "NOISY", "STARVED", "WAITED_LIMIT", "starved", "MARGIN_CAP", "Selection", "Margin", "margin_text", "timing_doubts", "pick",
+__all__ = ["POLICIES", "NOISY", "STARVED", "WAITED_LIMIT", "starved", "MARGIN_CAP", "Selection", "Margin",
+           "margin_text", "timing_doubts", "pick",
            "report_lines"]
