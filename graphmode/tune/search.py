@@ -13,7 +13,8 @@ configuration timed in a busy one; two runs of one command recommended different
 Trials found in the journal are replayed instantly and cost nothing, so the same command after
 an interrupt continues the same path. The result keeps every trial (ok, violates, failed) and
 the Pareto set of the ones that kept the contract over p99, throughput, peak memory and compile
-time."""
+time.
+"""
 from __future__ import annotations
 
 import time
