@@ -38,13 +38,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from graphmode.targets.host import load_average, run_queue_wait_s, usable_cores
+from graphmode.targets.host import STARVED, WAITED_LIMIT, load_average, run_queue_wait_s, starved, usable_cores
 
 SPREAD_LIMIT = 1.5     # p90 / median of an engine's rounds
 RATIO_CAP = 20.0       # speed-up (or slow-down) vs eager
 GAP_LIMIT = 5.0        # fastest engine vs the next one
-STARVED = 0.75         # process CPU-seconds per wall-second of the timed calls
-WAITED_LIMIT = 0.25    # run-queue seconds of the process's threads per wall-second of the timed calls
 
 QUICK_NOTE = ("--quick is a smoke run (few rounds, no re-warm): it checks that every engine runs and matches "
               "eager; its timings are not measurements")
@@ -126,12 +124,10 @@ def judge(rows: list[dict[str, Any]], cores: int, quick: bool = False, contended
                 _flag(r, "load", f"load average reached {r['load_max']:.2f} on {cores} usable core(s) during its rounds")
             elif threads > cores:
                 _flag(r, "load", f"{threads} threads on {cores} usable core(s)")
-            if r.get("waited_per_wall") is not None:
-                if r["waited_per_wall"] > WAITED_LIMIT:
-                    _flag(r, "starved", f"its threads waited for a CPU {r['waited_per_wall']:.2f} s per wall-s of "
-                                        f"its timed calls")
-            elif r.get("cpu_per_wall") is not None and r["cpu_per_wall"] < STARVED:
-                _flag(r, "starved", f"the process got {r['cpu_per_wall']:.2f} CPU-s per wall-s of its timed calls")
+            if starved(r.get("cpu_per_wall"), r.get("waited_per_wall")):
+                _flag(r, "starved", f"its threads waited for a CPU {r['waited_per_wall']:.2f} s per wall-s of its timed "
+                                    "calls" if r.get("waited_per_wall") is not None else
+                                    f"the process got {r['cpu_per_wall']:.2f} CPU-s per wall-s of its timed calls")
         if r.get("spread") is not None and r["spread"] > SPREAD_LIMIT:
             _flag(r, "spread", f"its rounds disagree: p90 / median = {r['spread']:.2f}")
         x = r.get("speedup_vs_eager")

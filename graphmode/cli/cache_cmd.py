@@ -227,8 +227,7 @@ def _explain_timings(cache_dir: Optional[Path], as_json: bool) -> None:
                     "threads": key.get("threads"), "fastest": fastest,
                     "fastest_us": round(e["timings_s"][fastest] * 1e6, 2) if fastest else None,
                     "conditions": cond, "load": e["load"], "cores": e["cores"], "cpu_per_wall": e["cpu_per_wall"],
-                    "waited_per_wall": e["waited_per_wall"], "tries": e["tries"],
-                    "next_build": retime_reason(e, RETUNE_NOISY, load, cores)
+                    "tries": e["tries"], "next_build": retime_reason(e, RETUNE_NOISY, load, cores)
                     or ("uses it until a build finds the host quiet" if timed_busy(e) else "uses it")})
     if as_json:
         print(json.dumps(out, indent=1))

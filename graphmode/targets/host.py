@@ -49,6 +49,21 @@ def load_average() -> list[float] | None:
         return None
 
 
+STARVED = 0.75         # CPU-s per wall-s of timed calls below which the process waited for CPUs
+WAITED_LIMIT = 0.25    # run-queue s of the process's threads per wall-s above which it did
+
+
+def starved(cpu_per_wall: float | None, waited_per_wall: float | None) -> bool:
+    """Whether timed calls waited for CPUs other processes had (what the bench's `starved` flag
+    and tactic timing judge alike): by the threads' run-queue wait where the kernel says
+    (`run_queue_wait_s`: a 2-thread call given one core waits ~1 s per s, though it gets a
+    full CPU-second per second), else by the CPU the process got (a compute call that has the
+    machine uses at least one full core)."""
+    if waited_per_wall is not None:
+        return waited_per_wall > WAITED_LIMIT
+    return cpu_per_wall is not None and cpu_per_wall < STARVED
+
+
 def run_queue_wait_s(proc: str | Path = "/proc/self/task") -> float | None:
     """Seconds this process's threads have waited on a run queue, runnable but not running
     (`/proc/<pid>/task/*/schedstat`, second field): what "starved" means, whatever the thread

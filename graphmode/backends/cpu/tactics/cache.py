@@ -1,19 +1,18 @@
 """The timing cache: what a shape's candidates measured, one JSON file per key on disk.
 
-Keyed by the target identity with its SIMD flags, the compiler and its flags, thread count, op,
-shape, dtype, whether weights are timed cold, and the candidate set including each generated
-kernel's symbol (a hash of its source), so the next plan build with those shapes does no timing,
-and any change to what would be timed is a miss. Files live in the cache dir's `tactics/` folder
-as `gemm-<sha256 of the key>.json`, written to a temporary name and renamed; an entry is read
-through graphmode/untrusted.py (a regular file inside the folder, at most MAX_ENTRY_BYTES,
-strict JSON), and one that fails, does not parse, holds numbers out of range or does not match
-its key is a miss (timed again, then overwritten). Entries written before a field existed still
-load (the field reads as empty). `digests`: each passing candidate's check output digest
-(candidates.Checker), so a hit re-checks its winner without ATen. Each entry records the
-conditions it was timed under: `load` and `cores`, `cpu_per_wall` (the process's CPU-s per
-wall-s while the candidates ran), `waited_per_wall` (its threads' run-queue s per wall-s) and
-`starved` (selection.starved: the samples timed the scheduler too); the context decides from
-them when an entry is timed again.
+Keyed by the target identity with its SIMD flags, the compiler and its flags, thread count,
+op, shape, dtype, whether weights are timed cold, and the candidate set including each
+generated kernel's symbol (a hash of its source), so the next plan build with those shapes
+does no timing, and any change to what would be timed is a miss. Files live in the cache
+dir's `tactics/` folder as `gemm-<sha256 of the key>.json`, written to a temporary name and
+renamed; an entry is read through graphmode/untrusted.py (a regular file inside the folder,
+at most MAX_ENTRY_BYTES, strict JSON), and one that fails, does not parse, holds numbers out
+of range or does not match its key is a miss (timed again, then overwritten). Entries written
+before a field existed still load (the field reads as empty). `digests`: each passing
+candidate's check output digest (candidates.Checker), so a hit re-checks its winner without ATen.
+Each entry records the conditions it was timed under: `load` and `cores`, `cpu_per_wall` (the
+process's CPU-s per wall-s while the candidates ran) and `starved` (below selection.STARVED: the
+samples timed the scheduler too); the context decides from them when an entry is timed again.
 """
 from __future__ import annotations
 
@@ -89,7 +88,6 @@ class TimingCache:
                 "cores": cores if _count(cores) else None,
                 "noisy": d.get("noisy") is True, "tries": tries if _count(tries) else 1,
                 "cpu_per_wall": float(cpw) if _seconds(cpw := d.get("cpu_per_wall")) else None,
-                "waited_per_wall": float(q) if _seconds(q := d.get("waited_per_wall")) else None,
                 "starved": d.get("starved") is True}
 
     def put(self, key: Mapping, entry: Mapping, *, reps: int) -> None:

@@ -37,7 +37,6 @@ from graphmode.backends.cpu.tactics.tuning import STATISTICS, ShapeTuner
 from graphmode.backends.cpu.tactics.weights import PreparedWeights
 from graphmode.errors import BackendError
 from graphmode.hostmem import release, trim_heap
-from graphmode.targets.host import run_queue_wait_s
 
 
 class TacticsContext:
@@ -61,8 +60,8 @@ class TacticsContext:
     taken while the machine was that busy (median/min of the samples above NOISY for most
     candidates) is cached as `noisy` and measured again by the next `retune_noisy` plan
     builds, so one load spike does not decide a shape for good. A timing during which the
-    process's threads waited for CPUs other processes had (`waited_clock` over WAITED_LIMIT
-    s per wall-s, or unexposed, `cpu_clock` under STARVED) is measured once more at once; if it
+    process got less than STARVED CPU-s per wall-s (`cpu_clock` over the wall clock: its
+    threads waited for CPUs that other processes had) is measured once more at once; if it
     stays starved it is cached as `starved`, never replaces an entry that was not, and is
     measured again by the first later build that finds the host quiet (`_retime`).
     """
@@ -71,9 +70,9 @@ class TacticsContext:
                  target: Any = None, simd: Sequence[str] | None = None, builder: KernelBuilder | None = None,
                  cold: bool | None = None, llc_bytes: int | None = None, reps: int = 5,
                  configs: Mapping[str, Sequence[GemmConfig]] | None = None, tolerance: float = TOLERANCE_F32,
-                 statistic: str = "median", sample_s: float = 5e-4, budget_s: float = 0.01, seed: int = 0,
-                 retune_noisy: int = RETUNE_NOISY, weight_growth: float | None = None, invariant: bool = False,
-                 cpu_clock: Callable[[], float] = time.process_time, waited_clock: Callable = run_queue_wait_s):
+                 statistic: str = "median", sample_s: float = 5e-4, budget_s: float = 0.01,
+                 retune_noisy: int = RETUNE_NOISY, seed: int = 0, weight_growth: float | None = None,
+                 cpu_clock: Callable[[], float] = time.process_time, invariant: bool = False):
         if policy not in POLICIES:
             raise BackendError(f"unknown kernel selection policy {policy!r}", where="codegen.kernel_selection",
                                value=policy, fix=f"one of {', '.join(POLICIES)}")
@@ -100,11 +99,11 @@ class TacticsContext:
                       "rejected": 0, "tune_s": 0.0, "build_s": 0.0}
         self.failures: dict[str, str] = {}
         self._checker = Checker(self.weights.scratch, seed, tolerance, self.weights.pack, self.weights.conv_weight)
-        # cpu_clock, waited_clock: the process's CPU s, its threads' run-queue s (tests feed "starved")
+        # cpu_clock: the process's CPU seconds (a test feeds one that says "starved")
         self._tuner = ShapeTuner(self.cache, self._checker, self.weights, self.stats, policy=policy,
                                  statistic=statistic, reps=max(1, int(reps)), sample_s=float(sample_s),
                                  budget_s=float(budget_s), retune_noisy=int(retune_noisy), seed=seed,
-                                 cpu_clock=cpu_clock, waited_clock=waited_clock, invariant=invariant)
+                                 cpu_clock=cpu_clock, invariant=invariant)
 
     # ---- setup -----------------------------------------------------------------------------
     @property

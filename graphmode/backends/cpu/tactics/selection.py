@@ -19,19 +19,11 @@ from typing import Any, Mapping, Sequence
 
 from graphmode.backends.cpu.gemm import GemmProblem
 from graphmode.backends.cpu.tactics.steps import ATEN
+from graphmode.targets.host import STARVED  # noqa: F401 - re-exported: the CPU-per-wall bound the bench flags too
 
 POLICIES = ("latency_first", "throughput_first", "heuristic")
 NOISY = 1.5        # median/min of the timing samples above which a measurement counts as noisy
-STARVED = 0.75     # process CPU-s per wall-s while candidates were timed below which the timing was starved
-WAITED_LIMIT = 0.25  # run-queue s of the process's threads per wall-s above which it was (where the kernel says)
 MARGIN_CAP = 20.0  # a margin between two candidates of one shape beyond this is shown as "> 20x", suspect
-
-
-def starved(cpu_per_wall: float | None, waited_per_wall: float | None) -> bool:
-    """Whether a timing's process waited for CPUs (Selection.starved)."""
-    if waited_per_wall is not None:
-        return waited_per_wall > WAITED_LIMIT
-    return cpu_per_wall is not None and cpu_per_wall < STARVED
 
 
 def pick(policy: str, p: GemmProblem, timings: Mapping[str, float], *, invariant: bool = False) -> str:
@@ -66,20 +58,13 @@ class Selection:
     load: float | None = None                                   # 1-minute load average when it was timed
     cores: int | None = None                                    # CPUs this process could use then
     cpu_per_wall: float | None = None                           # process CPU-s per wall-s of the timing
-    waited_per_wall: float | None = None                        # its threads' run-queue s per wall-s
 
     @property
     def starved(self) -> bool:
-        """Timed while this process waited for a CPU (the bench's `starved` flag): its threads
-        waited on a run queue more than WAITED_LIMIT s per wall-s (a 2-thread timing given one
-        core waits ~1); where the kernel does not say, below STARVED CPU-s per wall-s (a compute
-        call that has the machine uses at least one full core)."""
-        return starved(self.cpu_per_wall, self.waited_per_wall)
-
-    def starved_text(self) -> str:
-        if self.waited_per_wall is not None:
-            return f"its threads waited for a CPU {self.waited_per_wall:.2f} s per wall-s"
-        return f"{self.cpu_per_wall:.2f} CPU-s per wall-s"
+        """Timed while this process waited for a CPU (the bench's `starved` flag): a compute
+        call that has the machine uses at least one full core, so below STARVED CPU-s per
+        wall-s the samples timed the scheduler too."""
+        return self.cpu_per_wall is not None and self.cpu_per_wall < STARVED
 
     @property
     def runner_up(self) -> str | None:
@@ -113,8 +98,7 @@ class Selection:
                 "margins": {k: m.to_json() for k, m in (("aten", vs_aten), ("runner_up", vs_next)) if m},
                 "runner_up": self.runner_up, "load": self.load, "cores": self.cores,
                 "rejected": dict(self.rejected), "tune_s": round(self.tune_s, 3), "noisy": self.noisy,
-                "cpu_per_wall": _r(self.cpu_per_wall), "waited_per_wall": _r(self.waited_per_wall),
-                "starved": self.starved}
+                "cpu_per_wall": _r(self.cpu_per_wall), "starved": self.starved}
 
     def text(self) -> str:
         s = f"{self.problem.text}: {self.winner}"
@@ -175,7 +159,7 @@ def timing_doubts(sel: Selection, names: Sequence[str]) -> list[str]:
         if med and lo and med / lo > NOISY:
             out.append(f"{n} samples {_us(lo)}..{_us(med)} (median/min {med / lo:.1f})")
     if sel.starved:
-        out.append(f"timed starved ({sel.starved_text()})")
+        out.append(f"timed starved ({sel.cpu_per_wall:.2f} CPU-s per wall-s)")
     if sel.load is not None and sel.cores and sel.load > sel.cores:
         out.append(f"timed at load {sel.load:.1f} on {sel.cores} cores")
     elif sel.noisy and not out:
@@ -224,6 +208,5 @@ def _bare_margin(measured: float) -> dict:
     return Margin(float(measured)).to_json()
 
 
-__all__ = ["POLICIES", "NOISY", "STARVED", "WAITED_LIMIT", "starved", "MARGIN_CAP", "Selection", "Margin",
-           "margin_text", "timing_doubts", "pick",
+__all__ = ["POLICIES", "NOISY", "STARVED", "MARGIN_CAP", "Selection", "Margin", "margin_text", "timing_doubts", "pick",
            "report_lines"]

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 from graphmode.backends.cpu.gemm import GemmProblem
 from graphmode.backends.cpu.tactics.cache import TimingCache, retime_reason
 from graphmode.backends.cpu.tactics.candidates import Checker
-from graphmode.backends.cpu.tactics.selection import NOISY, Selection, pick, starved, timing_doubts
+from graphmode.backends.cpu.tactics.selection import NOISY, Selection, pick, timing_doubts
 from graphmode.backends.cpu.tactics.steps import ATEN, ConvStep, GemmStep
 from graphmode.backends.cpu.tactics.timing import ColdPool, conv_timing_fns, gemm_timing_fns, machine_load, measure
 from graphmode.backends.cpu.tactics.weights import PreparedWeights
@@ -32,12 +32,11 @@ class ShapeTuner:
 
     def __init__(self, cache: TimingCache, checker: Checker, weights: PreparedWeights, stats: dict, *,
                  policy: str, statistic: str, reps: int, sample_s: float, budget_s: float, retune_noisy: int,
-                 seed: int, cpu_clock: Callable[[], float], waited_clock: Callable[[], float | None],
-                 invariant: bool = False):
+                 seed: int, cpu_clock: Callable[[], float], invariant: bool = False):
         self.cache, self.checker, self.weights, self.stats = cache, checker, weights, stats
         self.policy, self.statistic, self.reps = policy, statistic, reps
         self.sample_s, self.budget_s, self.retune_noisy = sample_s, budget_s, retune_noisy
-        self.seed, self.cpu_clock, self.waited_clock = seed, cpu_clock, waited_clock
+        self.seed, self.cpu_clock = seed, cpu_clock
         self.invariant = invariant          # ATen does not win a shape a generated kernel passed
 
     def check(self, p: GemmProblem, name: str, step: GemmStep, kernels: Mapping,
@@ -91,13 +90,12 @@ class ShapeTuner:
             del scratch[k]      # the checks' operands and ATen's result: not the timing's
         keep: list = []   # the timing buffers live until the timing is done
         fns = self._timing_fns(p, names, step, kernels, sel.rejected, keep, pool)
-        samples, sel.cpu_per_wall, sel.waited_per_wall = self._measure(fns)
+        samples, sel.cpu_per_wall = self._measure(fns)
         if sel.starved:       # another process had the CPUs: once more, the burst may have passed
-            log.info("timing of %s was starved (%s); measuring again", p.text, sel.starved_text())
-            again, cpw, waited = self._measure(fns)
-            if (waited <= sel.waited_per_wall if waited is not None and sel.waited_per_wall is not None
-                    else cpw >= sel.cpu_per_wall):
-                samples, sel.cpu_per_wall, sel.waited_per_wall = again, cpw, waited
+            log.info("timing of %s was starved (%.2f CPU-s per wall-s); measuring again", p.text, sel.cpu_per_wall)
+            again, cpw = self._measure(fns)
+            if cpw >= sel.cpu_per_wall:
+                samples, sel.cpu_per_wall = again, cpw
         del keep, fns
         self.stats["timing_runs"] += sum(len(v) for v in samples.values())
         sel.load, sel.cores = machine_load()
@@ -120,7 +118,7 @@ class ShapeTuner:
         self.cache.put(key, {"timings_s": sel.timings_s, "medians_s": sel.medians_s, "rejected": sel.rejected,
                              "noisy": sel.noisy, "tries": tries, "mins_s": sel.mins_s, "load": sel.load,
                              "cores": sel.cores, "digests": digests, "cpu_per_wall": sel.cpu_per_wall,
-                             "waited_per_wall": sel.waited_per_wall, "starved": sel.starved}, reps=self.reps)
+                             "starved": sel.starved}, reps=self.reps)
         sel.tune_s = time.perf_counter() - t0
         self.stats["tune_s"] += sel.tune_s
         return sel
@@ -136,7 +134,7 @@ class ShapeTuner:
         sel = Selection(p, ATEN, self.policy, dict(cached["timings_s"]), {**cached["rejected"], **excluded},
                         from_cache=True, medians_s=dict(cached["medians_s"]), noisy=cached["noisy"],
                         mins_s=dict(cached["mins_s"]), load=cached["load"], cores=cached["cores"],
-                        cpu_per_wall=cached.get("cpu_per_wall"), waited_per_wall=cached.get("waited_per_wall"))
+                        cpu_per_wall=cached.get("cpu_per_wall"))
         sel.winner = pick(self.policy, p, sel.timings_s, invariant=self.invariant)
         # a stale cache must not hand out a wrong kernel: the winner is checked again (one run;
         # ATen runs too unless the output has the bits that passed when it was timed)
@@ -148,17 +146,12 @@ class ShapeTuner:
         log.warning("timing cache entry for %s names %s, which now fails its check; tuning again", p.text, sel.winner)
         return None
 
-    def _measure(self, fns: Mapping[str, Callable[[], None]]) -> tuple[dict[str, list[float]], float, float | None]:
-        """`measure`'s samples, the process's CPU-s per wall-s while it ran and its threads'
-        run-queue s per wall-s (None where the kernel does not say)."""
-        q0 = self.waited_clock()
+    def _measure(self, fns: Mapping[str, Callable[[], None]]) -> tuple[dict[str, list[float]], float]:
+        """`measure`'s samples and the process's CPU-s per wall-s while it ran."""
         c0, w0 = self.cpu_clock(), time.perf_counter()
         samples = measure(fns, reps=self.reps, sample_s=self.sample_s, budget_s=self.budget_s)
         wall = time.perf_counter() - w0
-        cpw = (self.cpu_clock() - c0) / wall if wall > 0 else 0.0
-        q1 = self.waited_clock()
-        waited = max(0.0, q1 - q0) / wall if q0 is not None and q1 is not None and wall > 0 else None
-        return samples, cpw, waited
+        return samples, (self.cpu_clock() - c0) / wall if wall > 0 else 0.0
 
     def _timing_fns(self, p, names: Sequence[str], step: GemmStep, kernels: Mapping, rejected: Mapping[str, str],
                     keep: list, pool: ColdPool) -> dict[str, Callable[[], None]]:

@@ -188,8 +188,6 @@ def _ctx(tmp_path: Path, **kw) -> TacticsContext:
     kw.setdefault("reps", 3)
     kw.setdefault("budget_s", 0.0)
     kw.setdefault("retune_noisy", 0)     # this machine is shared: a noisy first timing must still be reused
-    if "cpu_clock" in kw:                # a fed CPU clock decides: the host's run-queue wait is not read
-        kw.setdefault("waited_clock", lambda: None)
     return TacticsContext(tmp_path / "tactics", 2, **kw)
 
 
@@ -244,22 +242,6 @@ def _stopped_clock() -> float:
 
 
 _full_clock = time.perf_counter      # CPU time as fast as the wall clock: the process had a CPU throughout
-
-
-@needs_cxx
-def test_a_timing_whose_threads_waited_for_a_cpu_is_starved_though_it_got_a_full_core(tmp_path, monkeypatch):
-    """Two threads given one core: a full CPU-second per second (not under 0.75), but its threads
-    waited a second per second on the run queue: starved, measured again, and the entry says so."""
-    monkeypatch.setattr(tac_tuning, "machine_load", lambda: (0.5, 2))
-    waits = iter(range(10**6))                 # a run-queue clock that moves a second per reading
-    ctx = _ctx(tmp_path, cpu_clock=_full_clock, waited_clock=lambda: float(next(waits)))
-    sel = ctx.select(SMALL)
-    assert sel.starved and sel.cpu_per_wall == pytest.approx(1.0, rel=0.05) and sel.waited_per_wall > 0.25
-    assert "its threads waited for a CPU" in " ".join(tac.timing_doubts(sel, (ATEN,)))
-    entry = json.loads(next((tmp_path / "tactics").glob("gemm-*.json")).read_text())
-    assert entry["starved"] is True and entry["waited_per_wall"] > 0.25
-    quiet = _ctx(tmp_path / "q", cpu_clock=_full_clock, waited_clock=lambda: 0.0).select(SMALL)
-    assert not quiet.starved and quiet.waited_per_wall == 0.0
 
 
 @needs_cxx
