@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from graphmode.cli.app import app, console, err_console
-from graphmode.cli.options import CacheDir, KbPath, kb_file
+from graphmode.cli.options import MODEL_SPEC_HELP, CacheDir, KbPath, kb_file
 from graphmode.cli.progress import progress
 from graphmode.kb.render import shown, terminal_safe
 from graphmode.progress import stage
@@ -302,8 +302,7 @@ def query_cmd(model: Optional[str] = typer.Option(None, "--model", help="model n
 
 
 @kb_app.command("recommend")
-def recommend_cmd(model: str = typer.Option(..., "--model", help="minilm | gpt2 | resnet18 | path.onnx | "
-                                            "module:function"),
+def recommend_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
                   target: Optional[str] = typer.Option(None, "--target", help="target name or file (default host)"),
                   objective: str = typer.Option("latency", "--objective", help="latency | throughput"),
                   limit: int = typer.Option(5, "--limit", min=1, max=10 ** 9),
