@@ -356,6 +356,25 @@ def recommend_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP
                  "graphmode's defaults (nothing measured yet)")
         console.print(f"wrote {out} (recipe {recipe_hash(draft.recipe)}, {draft.report.verdict} on "
                       f"{draft.report.target.name}) with {knobs}", markup=False, highlight=False, soft_wrap=True)
+        if near:
+            _say_other_ranges(draft.recipe, near[0])
+
+
+def _say_other_ranges(written: Any, top: Any) -> None:
+    """The written recipe's dims are the draft's, not the measured recipe's: where their ranges
+    differ, #1's numbers were measured at other shapes than the written recipe admits."""
+    from graphmode.recipe import load_recipe
+    try:
+        body = top.recipe["body"]
+        measured = load_recipe(json.loads(body) if isinstance(body, str) else body)
+    except Exception:  # noqa: BLE001 - a damaged body: nothing to compare (kb show says why)
+        return
+    differ = [f"{d} {written.dim_range(d)[0]}..{written.dim_range(d)[1]} (#1: {measured.dim_range(d)[0]}.."
+              f"{measured.dim_range(d)[1]})" for d in written.dims if d in measured.dims
+              and written.dim_range(d) != measured.dim_range(d)]
+    if differ:
+        console.print(f"its dims are this draft's, not #1's: {', '.join(differ)}; #1's p99 was measured at #1's "
+                      f"shapes (--dim NAME=LO:HI writes other ranges)", markup=False, highlight=False, soft_wrap=True)
 
 
 @kb_app.command("export")

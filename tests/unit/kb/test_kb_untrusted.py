@@ -219,3 +219,18 @@ def test_filters_of_a_fixed_vocabulary_refuse_unknown_values_and_unknown_names_a
     assert res.exit_code == 0 and "'nosuchmodel': no such name in the knowledge base; it holds" in res.output
     res = invoke("kb", "ls", "--family", "nosuch", "--kb", kb)
     assert res.exit_code == 0 and "no such family" in res.output
+
+
+def test_a_recommended_recipe_says_where_its_ranges_differ_from_the_measured_one():
+    """kb recommend --out writes the draft's dims: #1's p99 was measured at #1's (batch 1..2),
+    not at the written batch 1..8, and the output now says so."""
+    from types import SimpleNamespace
+
+    from graphmode.cli.kb_cmd import _say_other_ranges, console
+    from graphmode.recipe import load_recipe
+    written = load_recipe(recipe_data())
+    top = SimpleNamespace(recipe={"body": json.dumps(recipe_data(dims={"batch": {"min": 1, "max": 2}}))})
+    with console.capture() as cap:
+        _say_other_ranges(written, top)
+        _say_other_ranges(written, SimpleNamespace(recipe={"body": recipe_data()}))    # same ranges: nothing
+    assert cap.get().count("dims are this draft's") == 1 and "batch 1..8 (#1: 1..2)" in cap.get()
