@@ -226,15 +226,17 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
                 kb_path=kb_path, objective=objective, name=name, target_cache_dir=target_cache_dir, record=record,
                 ranges={d: tuple(r[:2]) for d, r in (ranges or {}).items()}, bounded=bounded)
     if not hasattr(bundle, "module"):          # ONNX: the file's axes are what they are
-        from graphmode.kb.onnx_axes import tied
+        from graphmode.kb.onnx_axes import named, tied
+        raw = bundle
         for _ in range(_MAX_TIES):
+            bundle = named(raw)                   # made-up names left: by the axis's role (seq, height, ...)
             try:
                 return _draft(bundle, **opts)
             except CaptureError as e:
-                joined = tied(bundle, e)          # two exporter axes the graph ties: one dim
+                joined = tied(raw, e, shown=bundle)       # two made-up axes the graph ties: one dim
                 if joined is None:
                     raise _static_axis_advice(e, bundle) from None
-                bundle = joined
+                raw = joined
         raise CaptureError(f"the ONNX model's axes kept meeting after {_MAX_TIES} ties", where="inputs",
                            fix="name the axes that share a size with one dim (--dim NAME=LO:HI@INPUT:AXIS, ...)")
     if given.dim_names:                       # a dim torch.export cannot keep dynamic is fixed at the example's

@@ -7,7 +7,9 @@ cannot know are equal, while two it keeps apart (a query and a document of their
 must stay two. A recipe may name the file's axes as it likes (the importer maps them by
 position), so a draft names them: the leading axes are one `batch`; every other exporter axis
 starts as a dim of its own, and each pair the graph ties (the importer's "sizes A and B meet
-here") becomes one dim (`tied`: `seq` for axis 1 of token ids) until the graph imports.
+here") becomes one dim (`tied`: `seq` for axis 1 of token ids) until the graph imports. The
+same holds for torch.export's symbols (`s18`, `s43` in a dynamo export); names still made up
+then take the axis's role (`named`: seq, samples, height, width).
 `--dim batch=...` / `--dim seq=...` name the symbolic axes where `graphmode recipe init` puts
 those dims for a PyTorch model.
 """
@@ -20,44 +22,77 @@ from typing import Any
 from graphmode.errors import RecipeError
 
 _EXPORTER_AXIS = re.compile(r"^(?P<input>.+)_dynamic_axes_(?P<k>\d+)$")
+_SYMBOL = re.compile(r"^(s\d+|unk__\d+)$")       # torch.export's Dim.AUTO symbols; onnx shape inference's
 
 
 def unified(bundle: Any) -> Any:
-    """The bundle with the exporter's per-input names of the leading axis as one `batch`, where
-    more than one input has one (the other axes stay apart until the graph ties them: `tied`)."""
-    axes = [a for a, k in _exporter_axes(bundle).items() if k == 1]
-    if len({n for n, _ in axes}) < 2:
-        return bundle
-    return _renamed(bundle, {a: "batch" for a in axes})
+    """The bundle with the leading axes the exporter named (per input, or dynamo's `s18`, `s43`)
+    as one `batch`; the other axes stay apart until the graph ties them (`tied`), then take
+    names by what they are (`named`)."""
+    axes = [a for a in _anonymous_axes(bundle) if a[1] == 0 and len(bundle.input_dims[a[0]]) >= 2]
+    return _renamed(bundle, {a: "batch" for a in axes}) if axes else bundle
 
 
-def tied(bundle: Any, error: Exception) -> Any | None:
+def tied(bundle: Any, error: Exception, shown: Any = None) -> Any | None:
     """The bundle with the two dims an import `error` says meet (`meeting`: two sizes the graph
-    adds, masks or multiplies together) as one, where one of them is an exporter's axis name;
+    adds, masks or multiplies together) as one, where one of them is a name the exporter made up;
     None otherwise (the error stands). Both become `seq` where they are axis 1 of inputs among
-    which are token ids, else the first name."""
+    which are token ids, else the first name. `shown`: the bundle the import saw (`named(bundle)`),
+    whose names the error uses."""
     pair = getattr(error, "meeting", None)
     dims = bundle.input_dims
+    if pair and shown is not None:          # the names the import saw, back to this bundle's
+        back = [{dims[n][ax] for n, shape in shown.input_dims.items() for ax, d in enumerate(shape) if d == p}
+                for p in pair]
+        pair = tuple(next(iter(b)) for b in back) if all(len(b) == 1 for b in back) else None
     named = {d for shape in dims.values() for d in shape if isinstance(d, str)}
     if not pair or len(set(pair)) != 2 or not set(pair) <= named:
         return None
-    exporter = _exporter_axes(bundle)
-    ours = {a: k for a, k in exporter.items() if dims[a[0]][a[1]] in pair}
+    ours = [a for a in _anonymous_axes(bundle) if dims[a[0]][a[1]] in pair]
     if not ours:
         return None
-    tokens = all(k == 2 for k in ours.values()) and any(not _floating(bundle, n) for n, _ in ours)
-    name = "seq" if tokens and len(ours) == sum(1 for s in dims.values() for d in s if d in pair) else pair[0]
-    return _renamed(bundle, {(n, ax): name for n, shape in dims.items() for ax, d in enumerate(shape) if d in pair})
+    every = [(n, ax) for n, shape in dims.items() for ax, d in enumerate(shape) if d in pair]
+    tokens = all(ax == 1 for _, ax in every) and any(not _floating(bundle, n) for n, _ in every)
+    name = "seq" if tokens and len(ours) == len(every) and "seq" not in named else pair[0]
+    return _renamed(bundle, {a: name for a in every})
 
 
-def _exporter_axes(bundle: Any) -> dict[tuple[str, int], int]:
-    """(input, axis) -> k of each axis the exporter named `<input>_dynamic_axes_<k>`."""
-    out = {}
+def named(bundle: Any) -> Any:
+    """Names the exporter made up that are still there, by what the axis is where the inputs that
+    have it agree: axis 1 of token ids `seq` (their float mask too), of a 2-d float signal
+    `samples`, axes 2 and 3 of an image `height` and `width`; a name that would be taken, or
+    meant for two axes the graph keeps apart, stays."""
+    dims = bundle.input_dims
+    taken = {d for shape in dims.values() for d in shape if isinstance(d, str)}
+    signal = all(_floating(bundle, n) for n in dims)       # no token ids: a 2-d float input is a signal
+    roles: dict[str, set[str]] = {}
+    for n, ax in _anonymous_axes(bundle):
+        shape, floating = dims[n], _floating(bundle, n)
+        role = ("seq" if ax == 1 and len(shape) == 2 and not floating else
+                "samples" if ax == 1 and len(shape) == 2 and signal else
+                {2: "height", 3: "width"}.get(ax) if len(shape) == 4 and floating else None)
+        roles.setdefault(shape[ax], set()).add(role)
+    rename, given = {}, set()
+    for old, rs in roles.items():
+        role = "seq" if "seq" in rs else next(iter(rs)) if len(rs) == 1 else None    # ids and their float mask
+        if role is None or role in taken or role in given or sum(role in r for r in roles.values()) > 1:
+            continue
+        given.add(role)
+        rename.update({(n, ax): role for n, shape in dims.items() for ax, d in enumerate(shape) if d == old})
+    return _renamed(bundle, rename) if rename else bundle
+
+
+def _anonymous_axes(bundle: Any) -> list[tuple[str, int]]:
+    """(input, axis) of each axis named by an exporter rather than a person: `<input>_dynamic_axes_<k>`
+    on its own input, or a symbol (`s76`, `unk__3`)."""
+    out = []
     for name, shape in bundle.input_dims.items():
         for ax, d in enumerate(shape):
-            m = _EXPORTER_AXIS.match(d) if isinstance(d, str) else None
-            if m and m.group("input") == name:
-                out[(name, ax)] = int(m.group("k"))
+            if not isinstance(d, str):
+                continue
+            m = _EXPORTER_AXIS.match(d)
+            if (m and m.group("input") == name) or _SYMBOL.match(d):
+                out.append((name, ax))
     return out
 
 

@@ -82,3 +82,49 @@ def test_axes_the_graph_keeps_apart_stay_two_dims(tmp_path):
     q, d = torch.randint(0, 30, (3, 4)), torch.randint(0, 30, (3, 11))          # lengths 4 and 11 in one call
     want = ort.InferenceSession(str(path)).run(None, {"query": q.numpy(), "doc": d.numpy()})[0]
     np.testing.assert_allclose(cm(query=q, doc=d).numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def _symbolic_file(path, ids_dims, mask_dims):
+    """ids -> embedding rows times the unsqueezed float mask: what the axes are called is the
+    file's (dynamo writes torch's symbols: `s18`, `s43`)."""
+    from onnx import TensorProto, helper, numpy_helper
+    table = numpy_helper.from_array(np.arange(120, dtype=np.float32).reshape(30, 4) / 50, "table")
+    axes = numpy_helper.from_array(np.array([2], dtype=np.int64), "axes")
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["e"]), helper.make_node("Unsqueeze", ["mask", "axes"], ["m"]),
+         helper.make_node("Mul", ["e", "m"], ["y"])], "sym",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ids_dims),
+         helper.make_tensor_value_info("mask", TensorProto.FLOAT, mask_dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=[table, axes])
+    import onnx
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_torch_export_symbols_draft_as_batch_and_seq(tmp_path):
+    """A dynamo export names axes by torch's symbols, a batch of its own per input (s18, s43)
+    and a sequence shared or not (s41 / s70 with s53): the draft reads batch and seq, and
+    compiles (the graph ties what it multiplies)."""
+    for ids_dims, mask_dims in ((["s18", "s41"], ["s43", "s41"]), (["s72", "s70"], ["s43", "s53"])):
+        path = tmp_path / f"{ids_dims[1]}.onnx"
+        _symbolic_file(path, ids_dims, mask_dims)
+        draft = draft_recipe(str(path), record=False)
+        assert {i.name: list(i.shape) for i in draft.recipe.inputs} == {"ids": ["batch", "seq"],
+                                                                         "mask": ["batch", "seq"]}, ids_dims
+    cm = graphmode.compile(str(path), draft.recipe, cache_dir=tmp_path / "cache")
+    ids, mask = torch.randint(0, 30, (3, 7)), torch.rand(3, 7)
+    want = ort.InferenceSession(str(path)).run(None, {"ids": ids.numpy(), "mask": mask.numpy()})[0]
+    np.testing.assert_allclose(cm(ids=ids, mask=mask).numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_image_s_made_up_axes_are_height_and_width(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from graphmode.capture.spec import as_model
+    from graphmode.kb.onnx_axes import named, unified
+    g = helper.make_graph([helper.make_node("Relu", ["pixel_values"], ["y"])], "img",
+                          [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["s99", 3, "s100", "s4"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "img.onnx"))
+    assert named(unified(as_model(str(tmp_path / "img.onnx")))).input_dims == {
+        "pixel_values": ["batch", 3, "height", "width"]}
