@@ -36,8 +36,8 @@ def unified(bundle: Any) -> Any:
 def tied(bundle: Any, error: Exception, shown: Any = None) -> Any | None:
     """The bundle with the two dims an import `error` says meet (`meeting`: two sizes the graph
     adds, masks or multiplies together) as one, where one of them is a name the exporter made up;
-    None otherwise (the error stands). Both become `seq` where they are axis 1 of inputs among
-    which are token ids, else the first name. `shown`: the bundle the import saw (`named(bundle)`),
+    None otherwise (the error stands). Both take the name that was not made up, else `seq` where
+    they are axis 1 of inputs among which are token ids, else the first name. `shown`: the bundle the import saw (`named(bundle)`),
     whose names the error uses."""
     pair = getattr(error, "meeting", None)
     dims = bundle.input_dims
@@ -53,7 +53,8 @@ def tied(bundle: Any, error: Exception, shown: Any = None) -> Any | None:
         return None
     every = [(n, ax) for n, shape in dims.items() for ax, d in enumerate(shape) if d in pair]
     tokens = all(ax == 1 for _, ax in every) and any(not _floating(bundle, n) for n, _ in every)
-    name = "seq" if tokens and len(ours) == len(every) and "seq" not in named else pair[0]
+    kept = [p for p in pair if p not in {dims[n][ax] for n, ax in ours}]    # a name not made up stays
+    name = kept[0] if kept else "seq" if tokens and "seq" not in named else pair[0]
     return _renamed(bundle, {a: name for a in every})
 
 
