@@ -109,7 +109,7 @@ def placed(bundle: Any, new: dict[str, tuple]) -> Any:
             axes = [(k, a % len(dims.get(k) or [1])) for k, a in r[2]]
         elif d == "batch":
             axes = [(k, 0) for k, v in dims.items() if v]
-        elif "seq" in d or d in ("tokens", "length", "time", "frames"):
+        elif "seq" in d or d in ("tokens", "length", "time", "frames", "samples"):
             axes = [(k, 1) for k, v in dims.items() if len(v) >= 2]
         else:
             axes = []
