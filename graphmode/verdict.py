@@ -83,7 +83,7 @@ class Verdict:
         if self.padding is not None:
             for d, v in self.padding.dims.items():
                 note = (" (requests off a bucket value run eagerly)" if d in self.exact_dims else
-                        " (by masking: a request whose inputs hold their pad value along it is not padded)"
+                        " (the mask hides padded positions; a request whose mask hides a whole row is not padded)"
                         if d in self.masked_dims else "")
                 out.append(f"padding {d}: {v.status}{note}")
         out += [f"refused: {i.render()}" for i in self.refusals]
