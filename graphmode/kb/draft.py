@@ -533,8 +533,9 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
             lo, hi, why = _dim_range(d, bundle, example, decoder)
             nlo, nhi, nwhy = (narrowed or {}).get(d, (None, None, ""))
             new = max(lo, nlo or lo), min(hi, nhi or hi)
-            if new[0] <= new[1] and new != (lo, hi):
-                (lo, hi), why = new, f"{new[0]} .. {new[1]}: {nwhy}"
+            if new[0] <= new[1] and new != (lo, hi):      # a bound the model set; the other one's reason stays
+                kept = "" if nhi is not None and new[1] < hi else f"; the max: {why}"
+                (lo, hi), why = new, f"{new[0]} .. {new[1]}: {nwhy}{kept}"
         dims[d] = {"min": lo, "max": hi}
         if lo < hi:
             dims[d]["max_padding"] = max_padding
