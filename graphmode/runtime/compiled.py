@@ -60,11 +60,16 @@ def _say_outside_draft(cm: Any, err: ContractViolation, bucket: Any) -> None:
                   OutsideDraft, stacklevel=3)
 
 
+def _runs_eagerly(cm: Any) -> bool:
+    """Whether on_violation: eager has a model to run: a loaded artifact holds plans only."""
+    return cm.source.module is not None or getattr(cm, "artifact", None) is None
+
+
 def _fallback(cm: Any, inputs: Mapping[str, torch.Tensor], err: ContractViolation, reason: str) -> Any:
     """The eager answer of a request the plans do not take (on_violation: eager). ONNX Runtime
     failing there is not the request's fault alone: graphmode's own plan may run it. A loaded
     artifact has no eager model: the request's refusal names what the plans do not take."""
-    if cm.source.module is None and getattr(cm, "artifact", None) is not None:
+    if not _runs_eagerly(cm):
         raise ContractViolation(f"{err.message}; on_violation: eager would run it on the eager model, and a model "
                                 "loaded from an artifact has none", kind=err.kind, where=err.where, value=err.value,
                                 fix=f"{err.fix}; or serve the model from its source (the torch module or the ONNX "
@@ -291,7 +296,7 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
         if bucket is None or unsafe or hazard:
             err, kind, reason = (self._violation(dims), "shape", "shape outside contract") if bucket is None else \
                 self.padding_violation(dims, bucket, unsafe[0] if unsafe else None, hazard)
-            steered = bucket is not None and self.recipe.on_violation == "eager"   # in range: eager by contract
+            steered = bucket is not None and self.recipe.on_violation == "eager" and _runs_eagerly(self)   # by contract
             if not steered:
                 self.events["violated_calls"] += 1
                 self._event("violation", kind=kind, dims=dict(dims))
