@@ -189,7 +189,7 @@ def sampling(cfg: dict[str, Any], max_tokens: int, temperature: float, top_k: Op
     end-of-sequence token as `generate` does; built before the compile, so bad values fail fast."""
     from types import SimpleNamespace
 
-    from graphmode.decode.api import sampling_params
+    from graphmode.decode.api import MODEL_EOS, sampling_params
     if temperature < 0:
         raise GraphmodeError("temperature must be >= 0", where="--temperature", value=temperature,
                              fix="0 for greedy decoding, > 0 to sample")
@@ -204,7 +204,7 @@ def sampling(cfg: dict[str, Any], max_tokens: int, temperature: float, top_k: Op
                              fix="set --temperature above 0 (e.g. 0.8) to sample, or drop --top-k/--top-p")
     try:
         return sampling_params(SimpleNamespace(cfg=cfg), max_tokens, not greedy,
-                               1.0 if greedy else temperature, top_k, top_p, None, seed, stop_ids)
+                               1.0 if greedy else temperature, top_k, top_p, MODEL_EOS, seed, stop_ids)
     except GraphmodeError as e:
         raise _as_flag(e, "--prompt") from None
 

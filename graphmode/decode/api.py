@@ -23,6 +23,17 @@ from graphmode.errors import ContractViolation, GraphmodeError
 _ENGINE_LOCK = threading.Lock()      # one engine per model, whichever thread asks first
 
 
+class _ModelEos:
+    """`eos_token_id` left out: the model's own (its generation config's, else its config's).
+    An explicit None stops at no token, as transformers' generate does."""
+
+    def __repr__(self) -> str:
+        return "the model's eos_token_id"
+
+
+MODEL_EOS: Any = _ModelEos()
+
+
 def engine_of(cm: Any):
     """The model's decode engine, built once, on first use, from its recipe's KV cache: its own
     lowering of the paged graph (the whole-sequence graph of a decoder recipe is lowered only
@@ -80,7 +91,7 @@ def _prompts(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, list[li
 def sampling_params(eng: Any, max_new_tokens: int, do_sample: bool, temperature: float, top_k: int | None,
                     top_p: float | None, eos_token_id: Any, seed: int | None,
                     stop: Sequence[Sequence[int]] = (), **more: Any) -> SamplingParams:
-    eos = eos_token_id if eos_token_id is not None else eng.cfg.get("eos")
+    eos = eng.cfg.get("eos") if eos_token_id is MODEL_EOS else eos_token_id
     if isinstance(eos, (list, tuple)):
         eos = tuple(int(e) for e in eos)
     if top_k == 0 and type(top_k) is int:       # transformers' generate: 0 filters nothing
@@ -142,7 +153,7 @@ def _steps(eng: Any, prompts: list[list[int]], params: SamplingParams) -> Iterat
 
 def generate(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
+             top_p: float | None = None, eos_token_id: Any = MODEL_EOS, pad_token_id: int | None = None,
              seed: int | None = None, **kw: Any) -> torch.Tensor:
     more = _transformers_kwargs("generate", kw)
     eng = engine_of(cm)
@@ -170,7 +181,7 @@ def save(cm: Any, path: Any, **kw: Any) -> dict[str, Any]:
 
 def stream(cm: Any, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
            do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-           top_p: float | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
+           top_p: float | None = None, eos_token_id: Any = MODEL_EOS, pad_token_id: int | None = None,
            seed: int | None = None, **kw: Any) -> Iterator[dict[int, list[int]]]:
     """Yields {row: new tokens} after every decode step (TTFT is the first yield); it pads
     nothing, so `pad_token_id` (taken as generate takes it) changes nothing."""

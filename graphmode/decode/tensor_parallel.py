@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from graphmode.decode.api import _steps
+from graphmode.decode.api import MODEL_EOS, _steps
 from graphmode.decode.engine import DecodeEngine
 from graphmode.decode.lm import INPUTS
 from graphmode.decode.runner import ModelRunner
@@ -228,7 +228,7 @@ class TensorParallelDecoder:
 
     def stream(self, input_ids: Any, attention_mask: Any = None, *, max_new_tokens: int = 20,
                do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None, eos_token_id: Any = None, seed: int | None = None
+               top_p: float | None = None, eos_token_id: Any = MODEL_EOS, seed: int | None = None
                ) -> Iterator[dict[int, list[int]]]:
         """Yields {row: new tokens} after every decode step that chose any."""
         from graphmode.decode.api import _prompts, sampling_params
@@ -243,7 +243,7 @@ class TensorParallelDecoder:
         from graphmode.decode.api import _prompts, sampling_params
         ids, prompts = _prompts(input_ids, attention_mask)
         params = sampling_params(self, max_new_tokens, kw.pop("do_sample", False), kw.pop("temperature", 1.0),
-                                 kw.pop("top_k", None), kw.pop("top_p", None), kw.pop("eos_token_id", None),
+                                 kw.pop("top_k", None), kw.pop("top_p", None), kw.pop("eos_token_id", MODEL_EOS),
                                  kw.pop("seed", None))
         if kw:
             raise ContractViolation(f"unknown generate argument(s) {sorted(kw)}", where="generate",

@@ -342,6 +342,27 @@ def test_a_model_without_a_kv_cache_does_not_decode(tmp_path):
         assert e.value.where == "memory.kv_cache"
 
 
+def test_an_explicit_eos_token_id_none_stops_at_no_token(model):
+    """transformers' generate(eos_token_id=None) stops at no token; graphmode took None for
+    "the model's", so a token-for-token comparison set up so stopped early (finish "eos")."""
+    from types import SimpleNamespace
+
+    from graphmode.decode.api import sampling_params
+    lm, cm = model
+    eng = SimpleNamespace(cfg={"eos": 5})
+    assert sampling_params(eng, 4, False, 1.0, None, None, None, None).eos == frozenset()
+    assert sampling_params(eng, 4, False, 1.0, None, None, [], None).eos == frozenset()
+    ref = lm.generate(PROMPTS, attention_mask=MASK, do_sample=False, max_new_tokens=6, pad_token_id=0)
+    first = int(ref[1, PROMPTS.shape[1]])          # row 1's first greedy token, taken as end-of-sequence
+    stopped = cm.generate(PROMPTS[1:2], MASK[1:2], max_new_tokens=6, eos_token_id=first)
+    assert stopped.shape[1] == PROMPTS.shape[1] + 1
+    for eos in (None, []):
+        ours = cm.generate(PROMPTS, MASK, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
+        theirs = lm.generate(PROMPTS, attention_mask=MASK, do_sample=False, max_new_tokens=6, pad_token_id=0,
+                             eos_token_id=eos)
+        assert torch.equal(ours, theirs) and ours.shape[1] == PROMPTS.shape[1] + 6, (eos, ours.tolist())
+
+
 def test_end_and_pad_tokens_come_from_the_generation_config_first():
     """transformers' generate pads finished rows with generation_config.pad_token_id (set there
     only, the model config has none); the engine read the model config and padded with EOS."""
