@@ -152,13 +152,22 @@ def serve_cmd(
                                                     on_state=on_state, on_stage=on_stage), host, port, level)
 
 
+def warm_count(recipe: Any) -> int:
+    """The plans a server builds before ready: one per bucket, or a decoder's prefill/decode plans."""
+    from graphmode.recipe.buckets import plans_count
+    if recipe.memory.kv_cache is None:
+        return plans_count(recipe)
+    from graphmode.decode.runner import plan_envs
+    buckets = recipe.dim_buckets()
+    return len(plan_envs(buckets["batch"], buckets.get("seq", [])))
+
+
 def run_http(make_server: Any, host: str, port: int, level: str) -> None:
     """Build the server (make_server(on_state, on_stage): a ModelServer that warms up in the
     background) and serve it on host:port until Ctrl-C or SIGTERM; its load failure is raised."""
     import logging
 
     from graphmode.errors import GraphmodeError
-    from graphmode.recipe.buckets import plans_count
     from graphmode.serve.app import bind, create_app, uvicorn_server
 
     failure: list[GraphmodeError] = []
@@ -192,7 +201,7 @@ def run_http(make_server: Any, host: str, port: int, level: str) -> None:
         if server.group is not None:
             put = "is refused: the ranks serve the recipe they compiled"
         console.print(f"graphmode serve: {server.recipe.name} on {holder['url']} (live now; warming up "
-                      f"{plans_count(server.recipe)} bucket(s) before ready; PUT /v1/recipe {put})", highlight=False)
+                      f"{warm_count(server.recipe)} plan(s) before ready; PUT /v1/recipe {put})", highlight=False)
         # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal into the
         # handler it found: make SIGTERM end like Ctrl-C (exit 0), not kill the process
         previous = signal.signal(signal.SIGTERM, _interrupt)

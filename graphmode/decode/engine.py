@@ -330,8 +330,8 @@ class DecodeEngine:
     def prepare(self, rows: int, longest: int) -> None:
         self.runner.prepare(rows, longest, self.runner.batch_buckets[-1] if self.speculator is not None else None)
 
-    def warmup(self) -> None:
-        self.runner.warmup()
+    def warmup(self, built: Callable[[int, int], None] | None = None) -> None:
+        self.runner.warmup(built)
 
     # ---- requests -----------------------------------------------------------------------
     def add(self, prompt: Sequence[int], params: SamplingParams,

@@ -18,7 +18,7 @@ once per bucket and kept in `variant_buckets`, so bit-identity is never silently
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -28,6 +28,11 @@ from graphmode.errors import ContractViolation
 from graphmode.progress import stage
 
 log = logging.getLogger("graphmode.decode")
+
+
+def plan_envs(batch_buckets: Sequence[int], seq_buckets: Sequence[int]) -> list[dict[str, int]]:
+    """Every plan a decode engine may run: each batch bucket at seq 1 (decode) and at each prompt bucket."""
+    return [{"batch": b, "seq": s} for b in batch_buckets for s in dict.fromkeys((1, *seq_buckets))]
 
 
 def bucket(values: Sequence[int], n: int, what: str) -> int:
@@ -137,16 +142,18 @@ class ModelRunner:
                     + [{"batch": b, "seq": 1} for b in self.batch_buckets if b <= dec])
 
     def envs(self) -> list[dict[str, int]]:
-        """Every plan the engine may run: each batch bucket at seq 1 (decode) and at each prompt bucket."""
-        return [{"batch": b, "seq": s} for b in self.batch_buckets for s in dict.fromkeys((1, *self.seq_buckets))]
+        return plan_envs(self.batch_buckets, self.seq_buckets)
 
-    def warmup(self) -> None:
-        self._build(self.envs())
+    def warmup(self, built: Callable[[int, int], None] | None = None) -> None:
+        self._build(self.envs(), built)
 
-    def _build(self, envs: list[dict[str, int]]) -> None:
-        """Build these plans now, as one `plans` stage (bucket N of M) to the model's `on_stage`."""
+    def _build(self, envs: list[dict[str, int]], built: Callable[[int, int], None] | None = None) -> None:
+        """Build these plans now, as one `plans` stage (bucket N of M) to the model's `on_stage`;
+        `built(n, of)` after each (a server's reload progress)."""
         envs = [e for i, e in enumerate(envs) if e not in envs[:i]]
         with stage(self.cm.on_stage, "plans", total=len(envs)) as plans:
-            for env in envs:
+            for i, env in enumerate(envs):
                 self.cm.executable(env, report_build=False)
                 plans.step(self.cm.bucket_key(env))
+                if built is not None:
+                    built(i + 1, len(envs))

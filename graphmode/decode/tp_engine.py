@@ -147,7 +147,7 @@ class RemoteEngine:
     def prepare(self, rows: int, longest: int) -> None:
         """Every rank built every bucket's plan before it reported ready."""
 
-    def warmup(self) -> None:
+    def warmup(self, built: Any = None) -> None:
         """As `prepare`."""
 
     def add(self, prompt: Sequence[int], params: Any, on_token: Callable[[int, int], None] | None = None

@@ -39,6 +39,7 @@ class Deployment:
         self.facts_key = _facts_key(recipe)
         self.created = time.time()
         self.buckets = recipe.buckets()
+        self.plans = len(self.buckets)     # what warming up builds (a decoder: its prefill/decode plans)
         self.warmed = 0
         self.decoder: Any = None           # a DecodeLoop when the recipe has memory.kv_cache (completions)
         self.dtypes = {i.name: i.dtype for i in recipe.inputs}
@@ -84,7 +85,7 @@ class Deployment:
 
     def describe(self) -> dict[str, Any]:
         return {"version": self.version, "name": self.name, "origin": self.origin,
-                "created": self.created, "buckets": len(self.buckets), "warmed": self.warmed}
+                "created": self.created, "buckets": self.plans, "warmed": self.warmed}
 
     # ---- requests ----------------------------------------------------------------------------
     def prepare(self, inputs: Mapping[str, torch.Tensor]) -> Pending:

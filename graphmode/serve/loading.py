@@ -174,7 +174,7 @@ class Loading:
         cm.monitor = mon
         dep = Deployment(recipe, cm, mon, origin=origin, facts=facts, max_batch=cfg.max_batch)
         if decoding:
-            dep.decoder = self._decoder(dep)   # its prefill/decode plans, not the whole-sequence buckets
+            dep.decoder = self._decoder(dep, ticket)   # its prefill/decode plans, not the whole-sequence buckets
         elif served_group(cm):                   # every rank built every bucket's plan at start
             dep.warmed = len(dep.buckets)
         elif cm.mode != "eager":
@@ -189,8 +189,8 @@ class Loading:
             over = mon.check_memory(cm, dep.buckets)
             if over:
                 log.warning("recipe %s: plans over the memory budget in buckets %s", dep.version, over)
-        log.info("recipe %s (%s) compiled and warm: %d bucket(s) in %.1fs", recipe.name, dep.version,
-                 len(dep.buckets), time.perf_counter() - t0)
+        log.info("recipe %s (%s) compiled and warm: %d plan(s) in %.1fs", recipe.name, dep.version,
+                 dep.plans, time.perf_counter() - t0)
         return dep
 
     def _engine(self, cm: Any) -> Any:
@@ -214,12 +214,21 @@ class Loading:
         from graphmode.recipe.targets import pick_target
         return resolve(recipe, pick_target(recipe, self.target))
 
-    def _decoder(self, dep: Deployment) -> Any:
+    def _decoder(self, dep: Deployment, ticket: ReloadTicket | None) -> Any:
         """The deployment's decode engine, warmed up, behind its decode thread (completions)."""
+        from graphmode.decode.runner import plan_envs
         from graphmode.serve.generation import DecodeLoop
         eng = self._engine(dep.cm)
+        buckets = dep.recipe.dim_buckets()
+        dep.plans = len(plan_envs(buckets["batch"], buckets.get("seq", [])))
+
+        def built(n: int, of: int) -> None:
+            dep.warmed, dep.plans = n, of
+            if ticket is not None:
+                ticket.progress = (n, of)
         self._unless_stopping()
-        eng.warmup()
+        eng.warmup(built)
+        built(dep.plans, dep.plans)        # a tensor-parallel group's ranks built theirs before ready
         loop = DecodeLoop(eng, self.metrics.decode_series(dep.version, self.target_name), name=f"decode-{dep.version}")
         self._decoders.add(loop)
         return loop

@@ -351,7 +351,7 @@ class ModelServer(Loading, Reloading, Serving):
         dep = self.active
         out: dict[str, Any] = {"state": self.state, "target": self.target_name}
         if dep is not None:
-            out.update(version=dep.version, name=dep.name, buckets=len(dep.buckets))
+            out.update(version=dep.version, name=dep.name, buckets=dep.plans)
         if self.error is not None:
             out["error"] = error_dict(self.error)
         return out

@@ -897,6 +897,15 @@ def test_a_request_whose_bucket_outlasts_its_timeout_gets_503_and_the_build_goes
     assert r.status_code == 200 and r.json()["bucket"] == bucket, r.text
 
 
+def test_a_decoders_warm_up_counts_its_prefill_and_decode_plans(dec):
+    """A decoder's reload result and /readyz said "warmed": 0 of its whole-sequence bucket
+    count; it builds its prefill/decode plans before ready, and counts them."""
+    dep = dec.server.active
+    plans = len(dep.decoder.engine.runner.envs())
+    assert plans > len(dep.buckets) and dep.describe()["warmed"] == dep.describe()["buckets"] == plans
+    assert dec.client.get("/readyz").json()["buckets"] == plans
+
+
 @pytest.mark.slow
 def test_hot_reload_while_a_stream_is_open(dec):
     """The open stream finishes on the deployment it started on (its engine frozen meanwhile),
@@ -905,10 +914,11 @@ def test_hot_reload_while_a_stream_is_open(dec):
     idle(dec)
     old = dec.server.active
     old_version, old_engine = old.version, old.decoder.engine
-    ref = greedy(dec, [5], 40)
+    ref = greedy(dec, [5, 6], 40)
     with Frozen(dec.url, {"prompt": [5, 6], "max_tokens": 40, **GREEDY}, old_engine) as f:
         r = dec.client.put(f"/v1/recipe?wait=1&timeout={READY_S}", json=tiny_decoders.recipe("tiny-decoder-reloaded"))
         assert r.status_code == 200 and r.json()["status"] == "swapped", r.text
+        assert r.json()["warmed"] == r.json()["buckets"] > 0, r.text
         new_version = r.json()["version"]
         assert new_version != old_version and version(dec) == new_version
         doc = complete(dec, prompt=P1, max_tokens=6, **GREEDY)         # served while the old engine is frozen
