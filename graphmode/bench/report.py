@@ -642,7 +642,7 @@ def decode_goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[s
                    key=lambda r: r["decode_tok_s"], default=None)
         goal("decode b1 fp32 vs best fp32 alternative", ">= 1.2x",
              _div(gm1 and gm1["decode_tok_s"], alt1 and alt1["decode_tok_s"]), 1.2,
-             _vs(gm1, alt1, "decode_tok_s", "tok/s"))
+             _vs(gm1, alt1, "decode_tok_s", "tok/s", ("graphmode decode b1", "fp32 alternative's decode b1")))
         goal("decode b1 fp32 vs the floor", ">= 0.8", gm1 and gm1["of_floor"], 0.8,
              f"graphmode {gm1['decode_tok_s']:.1f} tok/s, floor {gm1['floor_tok_s']:.1f}"
              if gm1 and gm1.get("floor_tok_s") else "not measured: no graphmode decode b1 row with a floor")
@@ -668,11 +668,12 @@ def decode_goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[s
         sc16 = next(iter(pick("decode", batch=16, engine="static_compile")), None)
         goal("decode b16 throughput vs static-cache torch.compile", ">= 1.5x",
              _div(gm16 and gm16["decode_tok_s"], sc16 and sc16["decode_tok_s"]), 1.5,
-             _vs(gm16, sc16, "decode_tok_s", "tok/s"))
+             _vs(gm16, sc16, "decode_tok_s", "tok/s", ("graphmode decode b16 (--batches)",
+                                                        "static_compile decode b16 (--engines)")))
         gm512 = next(iter(pick("ttft", prompt=512, engine="graphmode")), None)
         alt512 = min(pick("ttft", prompt=512, not_engine="graphmode"), key=lambda r: r["ttft_ms"], default=None)
         goal("TTFT p512 vs best alternative", "<= 0.8x", _div(gm512 and gm512["ttft_ms"], alt512 and alt512["ttft_ms"]),
-             0.8, _vs(gm512, alt512, "ttft_ms", "ms"))
+             0.8, _vs(gm512, alt512, "ttft_ms", "ms", ("graphmode TTFT p512 (--prompt-lens)", "alternative's TTFT p512")))
         for b in sorted({r["batch"] for r in busy if r["kind"] == "decode"} & {1, 4}):
             q, c = _vs_llama(mine, b), _vs_llama(busy, b)
             goal(f"decode b{b} vs llama.cpp f32, contended / quiet", ">= 1.0x", _div(c and c[0], q and q[0]), 1.0,
@@ -696,7 +697,8 @@ def _div(a, b):
     return round(a / b, 4) if a and b else None
 
 
-def _vs(mine, other, key, unit):
+def _vs(mine, other, key, unit, rows=("graphmode", "alternative")):
+    """The goal's comparison, or which of its two rows (`rows`: what each is) this run lacks."""
     if mine is None or other is None:
-        return "not measured: " + ("no graphmode row" if mine is None else "no alternative row")
+        return "not measured: no " + " and no ".join(w for w, r in zip(rows, (mine, other)) if r is None) + " row"
     return f"graphmode {mine[key]:.1f} {unit} vs {other['label']} {other[key]:.1f} {unit}"

@@ -33,7 +33,8 @@ def _ints(text: Optional[str], where: str) -> tuple[int, ...] | None:
 
 def decode_cmd(
     model: Optional[List[str]] = typer.Option(None, "--model", help="gpt2 | llama | tiny-gpt2 | tiny-llama | "
-                                              "package.module:function returning a causal LM (repeatable; default "
+                                              "package.module:function returning a causal LM | a transformers "
+                                              "save_pretrained folder (repeatable; default "
                                               "gpt2 and llama, under --quick tiny-gpt2 and tiny-llama)"),
     engines: Optional[str] = typer.Option(None, "--engines", help="comma list of eager,static_compile,llama_cpp,"
                                           "ort_genai,openvino_genai,graphmode; llama_cpp\\[f32], \\[q8_0], "

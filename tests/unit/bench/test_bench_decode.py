@@ -98,6 +98,9 @@ def test_goals_are_judged_only_outside_quick():
     assert full["TTFT p512 vs best alternative"]["value"] == 0.5 and full["TTFT p512 vs best alternative"]["met"]
     b16 = full["decode b16 throughput vs static-cache torch.compile"]
     assert b16["met"] is None and "not measured" in b16["detail"]
+    # the missing rows are named: graphmode's decode row exists, only b16 and static_compile are absent
+    assert b16["detail"] == ("not measured: no graphmode decode b16 (--batches) and no static_compile decode b16 "
+                             "(--engines) row")
     quick = {g["goal"]: g for g in report.decode_goals(rows, quick=True)}
     assert all(g["met"] is None for g in quick.values())
     assert quick["decode b1 fp32 vs best fp32 alternative"]["detail"].startswith("not judged (--quick)")
