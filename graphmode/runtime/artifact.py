@@ -431,8 +431,8 @@ class _OwnedZip(zipfile.ZipFile):
     ResourceWarning at every load)."""
 
     def __init__(self, fobj: Any):
+        self._owned = fobj              # first: a file that is no zip raises in __init__, then __del__ closes
         super().__init__(fobj)
-        self._owned = fobj
 
     def close(self) -> None:
         try:
