@@ -220,6 +220,8 @@ class ValueState:
             return int(d.dim_value)
         if d.HasField("dim_param"):
             p = d.dim_param
+            if not isinstance(p, str):             # not UTF-8 (protobuf gives bytes): a name that checks nothing
+                return None
             if p in self.dimmap:
                 return self.dimmap[p]
             return declared_expr(p, self.dimmap)   # dynamo's "2*s27", "Min(32, s27)", "(s27//2)"
@@ -246,10 +248,16 @@ class ValueState:
             if want is None or _data_sized(g):     # NonZero's count: the exporter's sample, not a contract
                 continue
             if not _deq(want, g) and not self._advisory(want, g):
+                fixed = isinstance(g, int) and not isinstance(want, int)
                 raise self.fail(f"value {name!r} dim {i}: the importer inferred {dim_str(g)}, the ONNX model "
-                                f"declares {dim_str(want) if not isinstance(want, int) else want}",
-                                fix="name the model's dims with the recipe's dims in inputs[].shape, or re-export "
-                                    "with dynamic axes on every dynamic input dim")
+                                f"declares {dim_str(want) if not isinstance(want, int) else want}"
+                                + (" (a dynamic axis where the graph's arithmetic gives a fixed size: the "
+                                   "file's declared shape is wrong)" if fixed else ""),
+                                fix=f"clear {name!r}'s declared shape in the file (its graph output or value_info "
+                                    "entry: ONNX Runtime passes over it with a warning, graphmode checks it against "
+                                    "its own), or re-export with dynamic axes only where sizes vary" if fixed
+                                else "name the model's dims with the recipe's dims in inputs[].shape, or re-export "
+                                     "with dynamic axes on every dynamic input dim")
 
     def _advisory(self, want: Dim, got: Dim) -> bool:
         """Whether a declared dim with Min / Max / floor / Mod that differs from the importer's may be

@@ -130,3 +130,45 @@ def test_dynamos_own_export_of_a_position_table_slice_compiles(tmp_path):
     _matches_ort(cm, path, [(1, 1), (2, 9), (3, 32)])
     with pytest.raises(ContractViolation, match="32 positions"):
         cm(torch.randn(2, 40, 16))
+
+
+
+def _pooled_model(y: list, x: tuple = ("batch", 4, 8), m: list | None = None) -> bytes:
+    """y = Relu(ReduceMean(x, axis 2, keepdims)): [batch, 4, 1], with the shapes the file declares
+    (`m`: the intermediate's value_info); a dim named zzqqd is renamed with a byte that is not UTF-8."""
+    g = helper.make_graph([helper.make_node("ReduceMean", ["x"], ["m"], axes=[2], keepdims=1),
+                           helper.make_node("Relu", ["m"], ["y"])], "pool",
+                          [helper.make_tensor_value_info("x", F, list(x))], [helper.make_tensor_value_info("y", F, y)],
+                          value_info=[helper.make_tensor_value_info("m", F, m)] if m else [])
+    raw = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    return raw.replace(b"zzqqd", b"zz\x8bqd")
+
+
+def test_a_declared_dynamic_axis_the_graph_computes_fixed_is_called_a_wrong_declaration():
+    """A legacy export of MobileNetV2 declares its pooled output [batch, 1280, batch, d]; the
+    fix said "re-export with dynamic axes on every dynamic input dim", which it had."""
+    with pytest.raises(CaptureError, match="the file's declared shape is wrong") as e:
+        import_onnx(_pooled_model(["batch", 4, "batch"]), dims={"batch": (1, 4)})
+    assert "dim 2: the importer inferred 1, the ONNX model declares batch" in e.value.message
+    assert "clear 'y''s declared shape" in e.value.fix
+
+
+def test_a_declared_dim_name_that_is_not_utf8_checks_nothing():
+    """One flipped byte in a value's declared dim name (ONNX Runtime runs the file) was an
+    importer bug: "TypeError: cannot use a string pattern on a bytes-like object"."""
+    raw = _pooled_model(["batch", 4, 1], m=["batch", 4, "zzqqd"])
+    assert not isinstance(onnx.load_model_from_string(raw).graph.value_info[0].type.tensor_type.shape.dim[2].dim_param,
+                          str)
+    g, _ = import_onnx(raw, dims={"batch": (1, 4)})
+    assert [str(d) for d in g.values[g.outputs[0]].type.shape] == ["batch", "4", "1"]
+
+
+@pytest.mark.parametrize("shapes", [{"x": ("zzqqd", 4, 8)}, {"y": ["batch", "zzqqd", 1]}], ids=["input", "output"])
+def test_an_input_or_output_dim_name_that_is_not_utf8_is_called_damaged(tmp_path, shapes):
+    """An input's: a raw TypeError traceback from `recipe init`; an output's is the model's
+    signature, refused the same way."""
+    path = tmp_path / "damaged.onnx"
+    path.write_bytes(_pooled_model(**{"y": ["batch", 4, 1], **shapes}))
+    with pytest.raises(CaptureError, match="name is not UTF-8 text: the file is damaged") as e:
+        graphmode.compile(str(path))
+    assert "re-export" in e.value.fix
