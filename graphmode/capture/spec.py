@@ -483,6 +483,9 @@ def _import_callable(spec: str) -> tuple[Any, str]:
             raise CaptureError("Python file not found", where=f"model spec {spec!r}",
                                value=str(file.resolve()), fix="check the path")
         modname = f"_graphmode_user_{abs(hash(str(file.resolve())))}"
+        folder = str(file.resolve().parent)
+        if folder not in sys.path:     # its own modules import as under `python file.py` (after installed ones)
+            sys.path.append(folder)
         try:
             ispec = importlib.util.spec_from_file_location(modname, file)
             assert ispec is not None and ispec.loader is not None

@@ -342,6 +342,21 @@ def test_callable_spec_from_py_file(user_pkg):
         resolve_model_spec(str(user_pkg / "zoo_user_models.py"))
 
 
+def test_a_py_file_spec_imports_the_modules_beside_it(tmp_path):
+    """`models_ex.py` doing `import sibling_layers_xyz` (a file in its folder) failed with
+    ModuleNotFoundError, though `python models_ex.py` runs: its folder is on sys.path now."""
+    (tmp_path / "sibling_layers_xyz.py").write_text("import torch\nWIDTH = 6\n")
+    (tmp_path / "models_ex.py").write_text(textwrap.dedent("""
+        import torch
+        import sibling_layers_xyz
+
+        def build():
+            return torch.nn.Linear(sibling_layers_xyz.WIDTH, 2), (torch.randn(1, sibling_layers_xyz.WIDTH),)
+    """))
+    b = resolve_model_spec(f"{tmp_path / 'models_ex.py'}:build")
+    assert tuple(next(iter(b.example_inputs.values())).shape) == (1, 6)
+
+
 @pytest.mark.parametrize("spec,needles", [
     ("no_such_pkg_xyz.models:build", ["no_such_pkg_xyz", "PYTHONPATH"]),
     ("zoo_user_models:biuld_tiny", ["biuld_tiny", "build_tiny"]),
