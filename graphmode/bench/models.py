@@ -46,11 +46,19 @@ class ModelCase:
         return self.bundle.input_shape(first, env)
 
 
-def resolve_bundle(spec: str):
-    """A built-in name or `package.module:function` / `file.py:function` -> ModelBundle.
-    ONNX files are refused: every engine is compared with the eager torch module."""
-    from graphmode.capture.spec import OnnxModelSpec, resolve_model_spec
-    b = resolve_model_spec(spec)
+def resolve_bundle(spec: str, recipe: Any = None):
+    """A built-in name or `package.module:function` / `file.py:function` -> ModelBundle (a
+    function returning a module alone: a Hugging Face model's inputs from its config, another's
+    from `recipe`, as compile takes them). ONNX files are refused: every engine is compared with
+    the eager torch module."""
+    from graphmode.capture.spec import BareModuleError, OnnxModelSpec, as_model
+    try:
+        b = as_model(spec)
+    except BareModuleError as e:
+        if recipe is None:
+            raise
+        from graphmode.capture.source import resolve_model
+        b = resolve_model(e.module, recipe).bundle
     if isinstance(b, OnnxModelSpec):
         raise GraphmodeError("bench and profile take a PyTorch model: every engine and plan is timed and "
                              "checked against the eager module (--no-eager too: the sample inputs come from it)",
@@ -134,7 +142,7 @@ def load_cases(models: Sequence[str], shapes: Sequence[str], *, quick: bool = Fa
     unused = list(shapes)
     for spec in models:
         t0 = time.perf_counter()
-        bundle = _with_recipe_dims(resolve_bundle(spec), recipe)
+        bundle = _with_recipe_dims(resolve_bundle(spec, recipe), recipe)
         load_s = time.perf_counter() - t0
         name = canonical_name(spec, bundle)
         if shapes:
@@ -146,10 +154,15 @@ def load_cases(models: Sequence[str], shapes: Sequence[str], *, quick: bool = Fa
             unused[:] = [s for s in unused if s not in fits]
             if not envs:
                 first = bundle.input_names[0]
+                declared = [i.name for i in recipe.inputs] if recipe is not None else None
                 raise GraphmodeError(f"no --shape fits model {spec!r}", where="--shape", value=list(shapes),
                                      fix=f"its first input {first!r} is {bundle.input_dims[first]}; e.g. "
                                          f"{'x'.join(str(x) for x in bundle.input_shape(first, bundle.example_shape()))}"
-                                         "; or give --recipe (graphmode recipe init) to name its dims")
+                                         + ("; or give --recipe (graphmode recipe init) to name its dims"
+                                            if recipe is None or bundle.dim_names else
+                                            f"; the recipe's dims name none of its axes: it declares inputs "
+                                            f"{declared}, the model's examples are {bundle.input_names} (declare "
+                                            "each, at its rank)"))
         else:
             envs = default_envs(name, bundle)
         if quick:
