@@ -83,6 +83,9 @@ class Verdict:
         if self.padding is not None:
             for d, v in self.padding.dims.items():
                 note = (" (requests off a bucket value run eagerly)" if d in self.exact_dims else
+                        f" (the mask hides padded positions, but the model builds a query x key mask: a request whose "
+                        f"mask hides any position and whose {d} is off a bucket value is not padded)"
+                        if d in self.masked_dims and d in self.query_key_dims else
                         " (the mask hides padded positions; a request whose mask hides a whole row is not padded)"
                         if d in self.masked_dims else "")
                 out.append(f"padding {d}: {v.status}{note}")

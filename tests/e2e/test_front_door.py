@@ -484,6 +484,8 @@ def test_what_a_tokenizer_returns_is_taken_and_a_parameter_left_out_is_named():
               for k in batch}
     padded["attention_mask"][:, : seq // 2 + 1] = 1
     assert cm.recipe.on_violation == "eager" and "query x key mask" in cm.draft_notes["on_violation"]
+    seq_line = next(x for x in cm.verdict.lines() if x.startswith("padding seq"))     # the RecipeDrafted summary's
+    assert "query x key mask: a request whose mask hides any position and whose seq is off a bucket" in seq_line
     with torch.no_grad():
         assert rel(cm(**padded).last_hidden_state, m(**padded).last_hidden_state) < 1e-5
     assert cm.last_path["path"] == "eager"
