@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from graphmode.backends.cpu.conv import ConvConfig, ConvProblem
+from graphmode.backends.cpu.depthwise import DepthwiseConfig, is_depthwise
 from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm, packed_numel
 from graphmode.backends.cpu.im2col import Im2colConfig
 from graphmode.backends.cpu.im2col import blocked_rows as im2col_rows
@@ -62,7 +63,9 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
 
 def conv_config(name: str) -> ConvConfig:
     """The conv candidate a name denotes (`wino4_<gemm>`, `wino2_<gemm>`, `im2col_<gemm>`, each
-    with its blocked schedule's `c<chunk>x<threads>` after the algorithm where it has one)."""
+    with its blocked schedule's `c<chunk>x<threads>` after the algorithm where it has one; `dw`)."""
+    if name == "dw":
+        return DepthwiseConfig()
     if name.startswith("wino"):
         return WinogradConfig.parse(name)
     if name.startswith("im2col"):
@@ -72,8 +75,8 @@ def conv_config(name: str) -> ConvConfig:
 
 
 def conv_kind(name: str) -> str:
-    """The algorithm of a conv candidate: `wino4`, `wino2` or `im2col` (its blocking aside)."""
-    return "im2col" if name.startswith("im2col") else name.split("_")[0].split("c")[0]
+    """The algorithm of a conv candidate: `wino4`, `wino2`, `im2col` or `dw` (its blocking aside)."""
+    return "dw" if name == "dw" else "im2col" if name.startswith("im2col") else name.split("_")[0].split("c")[0]
 
 
 def candidate_names(p: GemmProblem, *, simd: Sequence[str], threads: int,
@@ -106,7 +109,10 @@ def _conv_names(p: ConvProblem, simd: Sequence[str], threads: int,
     """For 3x3 stride 1: Winograd F(4x4) and F(2x2), each as whole-image passes (GEMMs
     parallel over tile positions) and tile-blocked (when there are blocks for every
     thread); then im2col for any ungrouped conv. One GEMM blocking each (the host ISA's
-    first): every candidate is a compiled kernel, and compile time counts."""
+    first): every candidate is a compiled kernel, and compile time counts. A depthwise conv
+    (groups = input channels): the depthwise kernel; other grouped convs: none."""
+    if p.groups != 1:
+        return [DepthwiseConfig().name] if is_depthwise(p) else []
     isa = host_isas(simd)[0]
     cfgs = [c for c in configs.get(isa, ()) if c.par == "omp"
             and (c.registers <= registers(isa, simd) or isa == "portable")]
@@ -205,6 +211,8 @@ def prepared_bytes(p: GemmProblem, name: str) -> int | None:
         cfg = conv_config(name)
         if isinstance(cfg, WinogradConfig):
             return transformed_numel(p, cfg.m, cfg.gemm.nr) * 4
+        if isinstance(cfg, DepthwiseConfig):
+            return p.cout * p.kh * p.kw * 4
         return im2col_prepared(p, cfg.gemm.nr) * 4
     return packed_numel(p.n, p.k, GemmConfig.parse(name).nr) * 4 * (p.batch if p.b_batched else 1)
 

@@ -16,6 +16,7 @@ import torch
 
 from graphmode.backends.cpu.aten import conv_closure, gemm_closure
 from graphmode.backends.cpu.conv import ConvConfig, ConvProblem, conv_problem_of
+from graphmode.backends.cpu.depthwise import is_depthwise
 from graphmode.backends.cpu.epilogue import Epilogue
 from graphmode.backends.cpu.gemm import GemmProblem
 from graphmode.backends.cpu.tensors import overlaps
@@ -144,7 +145,7 @@ def conv_step(ins_t: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], attrs
               default: Callable[[], None], epilogue: FusedEpilogue | None, constant_ptrs: set[int]) -> ConvStep | None:
     """The tunable step of an executor's conv2d, or None when no generated kernel covers it."""
     p = conv_problem_of(ins_t, outs, attrs, constant_ptrs)
-    if p is None or p.groups != 1:
+    if p is None or p.groups != 1 and not is_depthwise(p):
         return None
     bias = ins_t[2] if len(ins_t) > 2 else None
     c = outs[0]
