@@ -457,6 +457,26 @@ def test_norm_keeps_residual_as_output():
     assert epi.attrs == {"kind": "gemm_epilogue", "pattern": "linear+add"} and "r" in epi.inputs
 
 
+# ConvNeXt's norm: channels last by a permute, a layer_norm alone, then the MLP's linear
+LONE_NORM = """
+graph @lone_norm(%x: f32[batch,8,4,4], %g: f32[8], %b: f32[8], %w: f32[16,8]) -> (%y) {
+  dims batch=1..4
+  %p: f32[batch,4,4,8] = permute(%x) {"perm": [0, 2, 3, 1]}
+  %ln: f32[batch,4,4,8] = layer_norm(%p, %g, %b) {"eps": 1e-06, "normalized_rank": 1}
+  %y: f32[batch,4,4,16] = linear(%ln, %w)
+  return %y
+}
+"""
+
+
+def test_a_lone_layer_norm_is_a_group_of_its_own_under_the_default_min_ops():
+    """Its generated row kernel spares ATen's dispatch and thread team (ConvNeXt's 35 us each);
+    a recipe that asks for groups of 3 or more keeps it ATen's."""
+    r = fuse(parse_graph(LONE_NORM))
+    assert [(n.attrs["kind"], n.attrs["pattern"]) for n in fused_nodes(r.graph)] == [("norm", "layer_norm")]
+    assert not fused_nodes(fuse(parse_graph(LONE_NORM), min_ops=3).graph)
+
+
 def test_attention_reads_heads_in_place():
     """The head permutes around an sdpa fold into its `bshd` layout: the first sdpa's (in and out),
     not the second's (its v arrives heads-first) nor the third's (its result is an output too)."""
