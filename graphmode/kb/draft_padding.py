@@ -59,14 +59,17 @@ def _query_key_eager(data: dict, notes: dict, verdict: Any) -> None:
     mask (DeBERTa's, a causal triangle under a softmax written out): a request whose mask holds a
     pad value there and whose extent is not a bucket is not padded (runtime/shaping.py
     pad_hazard). A draft that refused it refused the most common request there is, a tokenizer's
-    padded batch: such requests run eagerly instead."""
+    padded batch: such requests run eagerly instead, and lengths that recur get plans."""
     dims = data.get("dims") or {}
     qk = [d for d in getattr(verdict, "query_key_dims", None) or [] if d in dims and set(dims[d]) != {"min", "max"}]
     if not qk or data.get("on_violation") == "eager":
         return
     data["on_violation"] = "eager"
     d = qk[0]
+    for q in qk:          # a tokenizer's padded batches at a length that recurs: a plan of its own, unpadded
+        dims[q] = {**dims[q], "exact_plans": dims[q].get("exact_plans") or EXACT_PLANS}
     notes["on_violation"] = (f"padding {d} is safe by masking, but this model builds a query x key mask from its "
                              f"mask: a request whose mask holds its pad value and whose {d} is not a bucket value "
-                             "runs eagerly (padding could change its padded positions' outputs); unmasked requests "
-                             "and bucket values run in graph mode")
+                             "runs eagerly (padding could change its padded positions' outputs), until that value "
+                             f"recurs: up to {EXACT_PLANS} values of {d} become plans of their own (dims.{d}."
+                             "exact_plans); unmasked requests and bucket values run in graph mode")
