@@ -135,4 +135,7 @@ def load(path: str | Path, **kw: Any):
     if (getattr(cm, "artifact", None) or {}).get("decoder") is not None:
         from graphmode.decode.saved import attach
         attach(cm)
+    elif cm.artifact.get("tokenizer"):            # an encoder's: /v1/embeddings takes text with it
+        from graphmode.runtime.tokenizer_files import load_tokenizer
+        cm.tokenizer = load_tokenizer(cm.artifact["tokenizer"], str(path))
     return cm

@@ -13,11 +13,10 @@ assembles (`DecodeEngine.over`): token-exact with the model it was saved from.
 """
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from graphmode.errors import GraphmodeError
+from graphmode.runtime.tokenizer_files import load_tokenizer, tokenizer_files, tokenizer_of
 
 _FACTS = ("layers", "heads", "kv_heads", "head_dim", "vocab", "context", "eos", "pad")
 
@@ -36,42 +35,9 @@ def save_engine(eng: Any, path: Any, *, tokenizer: Any = None, rank: int | None 
     """`eng`'s paged graph, every plan of it and its sizes as one `.gm` (under `rank`: that rank's
     shard, written by its group: runtime/rank_artifacts.py)."""
     from graphmode.runtime.artifact import save as save_artifact
-    with tempfile.TemporaryDirectory(prefix="graphmode-tokenizer-") as folder:
-        if tokenizer is not None:
-            try:
-                tokenizer.save_pretrained(folder)
-            except Exception as e:  # noqa: BLE001 - a tokenizer that cannot save its files
-                raise GraphmodeError(f"the tokenizer ({type(tokenizer).__name__}) cannot write its files: "
-                                     f"{type(e).__name__}: {str(e)[:200]}", where="tokenizer",
-                                     fix="pass a transformers tokenizer, or none (prompts are then token ids)"
-                                     ) from None
-            check_reloads(tokenizer, folder)
+    with tokenizer_files(tokenizer) as folder:
         return save_artifact(eng.runner.cm, path, rank=rank, envs=eng.runner.envs(), decoder=facts(eng.cfg),
-                             tokenizer=Path(folder) if tokenizer is not None else None)
-
-
-_PROBE = "Hello world, 123 -- Grüße, 東京! <unk> zzz"
-
-
-def check_reloads(tokenizer: Any, folder: str) -> None:
-    """Refuse to save a tokenizer whose saved files load back as another one (a vocabulary with
-    two tokens on one id keeps one of them): the artifact would then encode prompts differently,
-    or fail on text the tokenizer passed to save encodes."""
-    def seen(tok: Any) -> tuple[Any, Any]:
-        try:
-            probe: Any = list(tok.encode(_PROBE))
-        except Exception as e:  # noqa: BLE001 - compared, not raised: both may refuse the probe
-            probe = f"{type(e).__name__}: {str(e)[:120]}"
-        return tok.get_vocab(), probe
-    back = _tokenizer(folder, "tokenizer")
-    (vocab, probe), (vocab_back, probe_back) = seen(tokenizer), seen(back)
-    if vocab != vocab_back or probe != probe_back:
-        what = (f"its vocabulary ({len(vocab)} entries) loads back as {len(vocab_back)} entries"
-                if vocab != vocab_back else f"{_PROBE!r} encodes as {probe} but loads back as {probe_back}")
-        raise GraphmodeError(f"the tokenizer ({type(tokenizer).__name__}) does not load back from its saved files as "
-                             f"it is: {what}", where="tokenizer",
-                             fix="pass a tokenizer that AutoTokenizer.from_pretrained loads back as itself from its "
-                                 "save_pretrained files, or save without one (prompts are then token ids)")
+                             tokenizer=folder)
 
 
 def facts(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -82,33 +48,13 @@ def facts(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def tokenizer_of(cm: Any) -> Any:
-    """The model's tokenizer: a built-in bundle's or a loaded artifact's, else None."""
-    own = getattr(cm, "tokenizer", None)
-    if own is not None:
-        return own
-    return getattr(getattr(getattr(cm, "source", None), "bundle", None), "tokenizer", None)
-
-
 def attach(cm: Any) -> Any:
     """A loaded decoder artifact made to decode (`generate`, `stream`) with its tokenizer."""
     from graphmode.decode import api
     cm.decoding = api
     folder = cm.artifact.get("tokenizer")
-    cm.tokenizer = _tokenizer(folder, cm.artifact["path"]) if folder is not None else None
+    cm.tokenizer = load_tokenizer(folder, cm.artifact["path"]) if folder is not None else None
     return cm
-
-
-def _tokenizer(folder: str, path: str) -> Any:
-    """The tokenizer an artifact was saved with, from its extracted `tokenizer/` folder."""
-    try:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - tokenizer files from another transformers, or damaged
-        from graphmode.runtime.artifact import ArtifactError
-        raise ArtifactError(f"its tokenizer does not load: {type(e).__name__}: {str(e)[:200]}",
-                            where=f"{path}:tokenizer/", fix="save the artifact again with this transformers version"
-                            ) from None
 
 
 def engine_over(cm: Any) -> Any:
@@ -126,7 +72,7 @@ def start_group(files: tuple[str, ...], recipe: Any, *, cache_dir: Any = None, t
     from graphmode.decode.tensor_parallel import launch_decoder
     dec = launch_decoder(files, recipe, "host", cache_dir=cache_dir, threads=threads, driver=saved_group_driver())
     folder = dec.tp.ranks[0].get("tokenizer")
-    dec.tokenizer = _tokenizer(folder, files[0]) if folder else None
+    dec.tokenizer = load_tokenizer(folder, files[0]) if folder else None
     return dec
 
 

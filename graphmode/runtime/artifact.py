@@ -20,7 +20,7 @@ The file is a zip (stored, not deflated: libraries and weights barely compress):
     plans/<bucket>.json      one execution plan per bucket
     kernels/<key>.so         kernel libraries
     tactics/*.json           the GEMM/conv timing cache the plans were tuned with
-    tokenizer/*              a decoder's tokenizer files, when its model had one
+    tokenizer/*              the model's tokenizer files, when it had one
 
 A decoder (a recipe with memory.kv_cache) is saved as the paged graph its decode engine runs, with a
 plan per prefill and decode bucket (`bucket_envs`) and the model's sizes (`decoder`); its KV pools
@@ -528,9 +528,9 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
     if manifest.get("input_bounds") is not None:
         cm._bounds = bounds_from_doc(manifest["input_bounds"])
     cm.artifact = {"path": str(path), "digest": digest, **{k: manifest[k] for k in ("created", "host", "buckets")}}
+    cm.artifact["tokenizer"] = str(root / "tokenizer") if (root / "tokenizer").is_dir() else None
     if manifest.get("decoder") is not None:       # decode/saved.py builds its engine over this model
-        cm.artifact.update(decoder=manifest["decoder"],
-                           tokenizer=str(root / "tokenizer") if (root / "tokenizer").is_dir() else None)
+        cm.artifact["decoder"] = manifest["decoder"]
     if manifest.get("out_spec"):
         import torch.utils._pytree as pytree
         try:

@@ -378,8 +378,8 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
         decoder saves its decode engine's paged graph (graphmode/decode/saved.py; `tokenizer=`)."""
         if self.decoding is not None:
             return self.decoding.save(self, path, rank=rank, **kw)
-        from graphmode.runtime.artifact import save
-        return save(self, path, rank=rank, **kw)
+        from graphmode.runtime.tokenizer_files import save_model
+        return save_model(self, path, rank=rank, **kw)
 
     def metrics(self) -> dict[str, Any]:
         ops, bad = self.events["calls"], self.events["violated_calls"]

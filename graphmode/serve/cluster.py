@@ -9,8 +9,8 @@ coordinator actor (cluster_control) rolls a hot reload across the replicas and m
 
   * an encoder is compiled once by the driver and saved as one `.gm` artifact (or the
     `--model` given is one already); every replica, a restarted one included, loads that
-    file: no capture, no kernel build (`graphmode.runtime.artifact`);
-  * a decoder (no artifacts for decoders yet) is compiled and warmed once by the driver into
+    file: no capture, no kernel build (`graphmode.runtime.artifact`), the tokenizer included;
+  * a decoder (replicas do not serve decoder artifacts yet) is compiled and warmed once by the driver into
     the shared plan cache; the replicas capture its graphs again but take every plan and
     kernel library from that cache.
 

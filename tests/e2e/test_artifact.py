@@ -490,3 +490,24 @@ def test_saving_an_eager_fallback_recipe_says_the_file_cannot_fall_back(tmp_path
     assert any("nothing to fall back to" in s for s in said), said
     with pytest.raises(ContractViolation):
         graphmode.load(tmp_path / "eager.gm", cache_dir=tmp_path / "l")(torch.randn(7, 16))
+
+
+def test_an_encoder_artifact_keeps_its_tokenizer(bundle, tmp_path):
+    """Encoder .gm files dropped the tokenizer (only decoders kept one), so `serve --replicas`,
+    which serves the artifact it saves, answered every text /v1/embeddings request "this model
+    has no tokenizer"; `serve --model x.gm` too."""
+    import transformers as T
+    tok = bundle("minilm").tokenizer
+    torch.manual_seed(0)
+    bert = T.BertModel(T.BertConfig(vocab_size=tok.vocab_size, hidden_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=32)).eval()
+    ex = {"input_ids": torch.randint(0, 100, (1, 8)), "attention_mask": torch.ones(1, 8, dtype=torch.long)}
+    b = bundle_from_module(bert, ex, {k: ["batch", "seq"] for k in ex})
+    b.tokenizer = tok
+    rec = {"version": 1, "name": "tiny-bert", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
+           "inputs": [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"]},
+                      {"name": "attention_mask", "dtype": "i64", "shape": ["batch", "seq"], "role": "attention_mask"}],
+           "dims": {"batch": {"buckets": [1]}, "seq": {"buckets": [8]}}}
+    graphmode.compile(b, rec, cache_dir=tmp_path / "c").save(tmp_path / "bert.gm")
+    loaded = graphmode.load(tmp_path / "bert.gm", cache_dir=tmp_path / "c2")
+    assert loaded.tokenizer("A man is eating food.")["input_ids"] == tok("A man is eating food.")["input_ids"]

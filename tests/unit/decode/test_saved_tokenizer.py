@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from graphmode.decode.saved import check_reloads
+from graphmode.runtime.tokenizer_files import check_reloads
 from graphmode.errors import GraphmodeError
 
 
