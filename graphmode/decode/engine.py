@@ -82,14 +82,20 @@ def _check_pools_split(pools: Any, layout: KVLayout, recipe: Any) -> None:
     it has no rule to split by heads), the pools are whole: refused naming why, not as a
     mismatch of recipes."""
     world = recipe.parallel.tensor if recipe.parallel is not None else 1
-    heads = {int(t.shape[2]) for t in (*pools[0], *pools[1]) if t.dim() == 4}
-    if world > 1 and heads == {layout.kv_heads * world}:
-        raise RecipeError(f"parallel.tensor {world}: this model's attention is not split by heads in its decode "
-                          f"graph (each rank would hold all {layout.kv_heads * world} KV heads, beyond the "
-                          "per-rank KV pool the memory proof counts): a projection ahead of its attention has no "
-                          "rule to split it by heads",
+    whole = sorted({i for pool in pools for i, t in enumerate(pool)
+                    if t.dim() == 4 and int(t.shape[2]) != layout.kv_heads})
+    if world > 1 and whole:
+        every = len(whole) == len(pools[0])
+        raise RecipeError(f"parallel.tensor {world}: {'this model' if every else f'layer(s) {whole} of this model'}'s "
+                          f"attention is not split by heads in its decode graph (each rank would hold all "
+                          f"{layout.kv_heads * world} KV heads, beyond the per-rank KV pool the memory proof counts): "
+                          + ("a projection ahead of its attention has no rule to split it by heads" if every else
+                             "a layer before it has a width that does not split over the ranks (an MLP intermediate "
+                             "size, say), which leaves the next layer's input split and its projections whole"),
                           where="parallel.tensor", value=world,
-                          fix="decode this model with parallel.tensor: 1 (its forward pass runs tensor-parallel)")
+                          fix="decode this model with parallel.tensor: 1 (its forward pass runs tensor-parallel)"
+                          if every else "parallel.strategy {mlp: replicate} (the MLP whole on every rank), or "
+                                        "parallel.tensor: 1")
 
 
 def decode_contract(recipe: Any) -> Any:
