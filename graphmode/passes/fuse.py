@@ -23,7 +23,7 @@ Order of the patterns (not the order of the `patterns` option, which only select
 Groups are formed greedily in topological order over a contracted view of the graph
 (`fusion_patterns.Dag`): a node joins a group only if no path leaves the group and comes
 back, so the rewritten graph is acyclic. Groups smaller than `min_ops` stay unfused, but for
-a lone layer_norm or softmax under the default `min_ops` (2): its generated row kernel spares
+a lone layer_norm under the default `min_ops` (2): its generated row kernel spares
 ATen's dispatch and thread team (ConvNeXt's layer_norm after a permute, 4096 values: 35 us in
 ATen); none grows past `max_ops`. Members of a group share one element grid: their types match up
 to dtype (`TensorType.matches(dtype=False)`).
@@ -64,7 +64,9 @@ def _drop_unreferenced(before: Graph, g: Graph) -> None:
 # -------------------------------------------------------------------------------- groups
 
 
-LONE_ROW_OPS = frozenset({"layer_norm", "softmax", "log_softmax"})
+# a lone softmax stays ATen's: it often feeds a top-k or an argmax (a router), where eager's
+# own bits keep near-ties in eager's order
+LONE_ROW_OPS = frozenset({"layer_norm"})
 
 
 def _reduction_groups(dag: Dag, o: FuseOptions) -> list[tuple[str, list[int]]]:
