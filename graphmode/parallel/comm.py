@@ -15,6 +15,7 @@ run on a server's worker thread), both kept in graphmode/ir/communicator.py, whe
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Optional
@@ -26,6 +27,8 @@ from graphmode.ir.communicator import Communicator, active, bind, bind_process  
 
 
 # ---- torch.distributed -------------------------------------------------------------------------
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
 
 class TorchDistributed:
     """The default process group of this process (`init_process_group` done by the launcher)."""
@@ -47,8 +50,12 @@ class TorchDistributed:
         try:
             out = fn()
         except RuntimeError as e:
-            raise RankFailure(f"{what} over {self.world} ranks failed after "
-                              f"{time.perf_counter() - t0:.1f} s: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}",
+            first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            first = _SOURCE_PREFIX.sub("", first)        # gloo's "[/__w/pytorch/.../unbound_buffer.cc:78] "
+            others = [r for r in range(self.world) if r != self.rank]
+            raise RankFailure(f"{what} over {self.world} ranks failed after {time.perf_counter() - t0:.1f} s, "
+                              f"waiting on rank{'s' if len(others) > 1 else ''} "
+                              f"{', '.join(map(str, others))}: {first}",
                               where=f"rank {self.rank}", fix="another rank died, hung past parallel.comm.timeout_s "
                               f"({self.timeout_s:g} s) or was not started; see its error above, then restart "
                               "every rank") from None

@@ -85,3 +85,18 @@ def test_a_rank_that_fails_stops_the_others():
     with pytest.raises(RankFailure, match="broken"):
         run_ranks(2, lambda r, c: waits(r, c) if r == 0 else c.abort())
     assert err
+
+
+def test_a_timed_out_collective_names_the_ranks_it_waited_on_without_gloos_source_path():
+    """A rank stopped by SIGSTOP: the others' error said "rank 0: all_reduce over 2 ranks failed
+    after 30.0 s: [/__w/pytorch/pytorch/third_party/gloo/.../unbound_buffer.cc:78] Timed out ...",
+    never which rank it waited on."""
+    from graphmode.parallel.comm import TorchDistributed
+
+    def hung():
+        raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                           "Timed out waiting 30000ms for recv operation to complete")
+    for world, waited in ((2, "rank 1:"), (3, "ranks 1, 2:")):
+        with pytest.raises(RankFailure) as e:
+            TorchDistributed(0, world, 30.0)._run("all_reduce", torch.zeros(2), hung)
+        assert f"waiting on {waited} Timed out waiting 30000ms" in e.value.message and "__w" not in e.value.message
