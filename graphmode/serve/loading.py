@@ -258,8 +258,8 @@ def refuse_tensor_parallel(recipe: Any) -> None:
                           "each replica is one process that Ray places, restarts and scales, and its ranks would be "
                           "processes outside Ray's placement and health checks", where="parallel.tensor",
                           line=recipe.line_of("parallel"),
-                          fix="tensor: 1 for replicas; `graphmode serve` (one server) starts the ranks of a decoder "
-                              "recipe (docs/tensor-parallel.md)")
+                          fix="tensor: 1 for replicas; `graphmode serve` without --replicas (one server) starts the "
+                              "ranks of a tensor-parallel recipe, encoder or decoder (docs/tensor-parallel.md)")
 
 
 def artifact_path(model: Any) -> Path | None:
