@@ -673,7 +673,8 @@ def decode_goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[s
         gm512 = next(iter(pick("ttft", prompt=512, engine="graphmode")), None)
         alt512 = min(pick("ttft", prompt=512, not_engine="graphmode"), key=lambda r: r["ttft_ms"], default=None)
         goal("TTFT p512 vs best alternative", "<= 0.8x", _div(gm512 and gm512["ttft_ms"], alt512 and alt512["ttft_ms"]),
-             0.8, _vs(gm512, alt512, "ttft_ms", "ms", ("graphmode TTFT p512 (--prompt-lens)", "alternative's TTFT p512")))
+             0.8, _vs(gm512, alt512, "ttft_ms", "ms",
+                      ("graphmode TTFT p512 (--prompt-lens)", "alternative's TTFT p512")))
         for b in sorted({r["batch"] for r in busy if r["kind"] == "decode"} & {1, 4}):
             q, c = _vs_llama(mine, b), _vs_llama(busy, b)
             goal(f"decode b{b} vs llama.cpp f32, contended / quiet", ">= 1.0x", _div(c and c[0], q and q[0]), 1.0,

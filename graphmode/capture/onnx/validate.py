@@ -96,7 +96,8 @@ def _check_value_type(vi, kind: str, where: str) -> None:
     if tt.HasField("shape"):
         for i, d in enumerate(tt.shape.dim):
             if d.HasField("dim_param") and not isinstance(d.dim_param, str):      # protobuf's bytes: not UTF-8
-                raise CaptureError(f"{head} dim {i}'s name is not UTF-8 text: the file is damaged", where=where, value=d.dim_param,
+                raise CaptureError(f"{head} dim {i}'s name is not UTF-8 text: the file is damaged", where=where,
+                                   value=d.dim_param,
                                    fix="copy the file again whole, or re-export the model")
             if d.HasField("dim_value") and not 0 <= d.dim_value <= MAX_DIM:
                 raise CaptureError(f"{head} dim {i} is {d.dim_value}; a static dim must be in [0, {MAX_DIM}]",

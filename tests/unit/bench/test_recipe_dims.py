@@ -58,13 +58,15 @@ def test_a_module_alone_takes_its_inputs_from_the_recipe_or_its_config(tmp_path)
     import pytest
     from graphmode.errors import GraphmodeError
     (tmp_path / "bare_models.py").write_text(BARE)
-    recipe = load_recipe({"version": 1, "name": "m", "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 8]}],
+    recipe = load_recipe({"version": 1, "name": "m",
+                          "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 8]}],
                           "dims": {"batch": {"buckets": [1, 4]}}})
     case, = load_cases([f"{tmp_path / 'bare_models.py'}:bare"], ["4"], recipe=recipe)
     assert case.envs == [{"batch": 4}] and case.bundle.make_inputs(case.envs[0])["input"].shape == (4, 8)
     hf, = load_cases([f"{tmp_path / 'bare_models.py'}:bert"], ["2x12"])
     assert hf.bundle.make_inputs(hf.envs[0])["input_ids"].shape == (2, 12)
-    other = load_recipe({"version": 1, "name": "m", "inputs": [{"name": "x", "dtype": "i64", "shape": ["batch", "seq"]}],
+    other = load_recipe({"version": 1, "name": "m",
+                         "inputs": [{"name": "x", "dtype": "i64", "shape": ["batch", "seq"]}],
                          "dims": {"batch": {"buckets": [1, 2]}, "seq": {"buckets": [8, 16]}}})
     (tmp_path / "m.py").write_text(MODEL)
     with pytest.raises(GraphmodeError, match="no --shape fits") as e:      # it was silently not applied
