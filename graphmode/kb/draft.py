@@ -38,7 +38,7 @@ from typing import Any
 from graphmode.capture.spec import with_batch_axis
 from graphmode.capture.zoo import marks_padding
 from graphmode.errors import CaptureError, RecipeError
-from graphmode.kb.draft_padding import settle_padding
+from graphmode.kb.draft_padding import EXACT_PLANS, settle_padding
 
 DEFAULT_MAX_PADDING = 0.25
 MEMORY_HEADROOM = 1.25
@@ -443,6 +443,13 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
         data["outputs"] = outputs
         notes["outputs"] = "from the captured graph: dim axes are sliced back after padding"
     verdict = settle_padding(data, notes, lambda d: load_recipe(_ordered(d)), graph0, cap, src, ranges, bounded)
+    exact = {d: example.get(d, ranges[d][1]) for d in verdict.exact_dims
+             if (data.get("dims") or {}).get(d, {}).get("exact_plans") and "buckets" not in data["dims"][d]}
+    if bounded and exact:        # their synthesised buckets served exact values only: the budget goes to batch
+        data["dims"], ranges = _dims(*dim_args, narrowed, exact)
+        for d in exact:
+            data["dims"][d]["exact_plans"] = EXACT_PLANS
+        verdict = settle_padding(data, notes, lambda d: load_recipe(_ordered(d)), graph0, cap, src, ranges, bounded)
     _sla(data, notes, p99_ms, max_p99_over_p50)
     data["memory"] = {}
     windowed = False          # left out for a window only: said when nothing else stops decoding
@@ -516,11 +523,13 @@ def drafted(model: Any, target: Any, ranges: dict[str, tuple] | None = None) -> 
 
 def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: Any, example: dict[str, int],
           max_padding: float, max_buckets: int | None, bounded: bool, decoder: bool,
-          notes: dict[str, str], narrowed: dict[str, tuple] | None = None
+          notes: dict[str, str], narrowed: dict[str, tuple] | None = None, pinned: dict[str, int] | None = None
           ) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
     """Each dim's range (given, from the config or a default) and bucket policy. With `bounded`
     (no padding or bucket limit given) the plans stay at most MAX_DRAFT_PLANS: past that, each
-    dim gets a bucket count (the smallest padding those buckets allow) instead of the padding bound."""
+    dim gets a bucket count (the smallest padding those buckets allow) instead of the padding bound.
+    `pinned` dims (unsafe to pad, their recurring values planned by `exact_plans`) get one bucket,
+    their example's value, and leave the plan budget to the others."""
     from graphmode.recipe.buckets import synthesize_buckets, worst_padding
     names = list(dict.fromkeys(x for v in dims_of.values() for x in v if isinstance(x, str)))
     dims: dict[str, Any] = {}
@@ -544,8 +553,15 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
             why += f"; buckets synthesised with padding <= {max_padding}"
         notes[f"dims.{d}"] = why
         ranges[d] = (lo, hi)
+    for d, v in (pinned or {}).items():
+        lo, hi = ranges[d]
+        v = min(max(v, lo), hi)
+        dims[d] = {"min": lo, "max": hi, "buckets": [v]}
+        notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; buckets")[0] + f"; one bucket, {v} (the draft's example "
+                              f"size): padding {d} is unsafe, so other values run eagerly until they recur and get "
+                              "plans of their own")
     counts = {d: len(synthesize_buckets(lo, hi, max_padding=max_padding).buckets)
-              for d, (lo, hi) in ranges.items() if lo < hi}
+              for d, (lo, hi) in ranges.items() if lo < hi and d not in (pinned or {})}
     if bounded and math.prod(counts.values()) > MAX_DRAFT_PLANS:
         while math.prod(counts.values()) > MAX_DRAFT_PLANS:
             top = max(counts, key=lambda d: (counts[d], d == "batch"))

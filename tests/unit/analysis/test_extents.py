@@ -60,6 +60,10 @@ def test_a_draft_for_an_onnx_cnn_starts_its_spatial_dims_where_the_windows_fit(t
     assert cm.recipe.dims["h"].min == 11 and cm.recipe.dims["w"].min == 11
     assert len(cm.recipe.buckets()) <= 16 and cm.recipe.on_violation == "eager"
     assert cm.recipe.dims["h"].exact_plans == 16
+    # h and w serve exact values only: one bucket each (an ONNX file's example size: the range's max),
+    # and batch takes the plan budget (it had [1, 32]: 8 padded to 32, 3 ran as 1 + 1 + 1)
+    buckets = cm.recipe.dim_buckets()
+    assert buckets["h"] == buckets["w"] == [cm.recipe.dims["h"].max] and len(buckets["batch"]) > 2
     model = _Windows().eval()
     for _ in range(3):                        # a size off the buckets: eager, then its own plan
         x = torch.randn(1, 3, 11, 13)
