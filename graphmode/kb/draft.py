@@ -528,8 +528,8 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
     """Each dim's range (given, from the config or a default) and bucket policy. With `bounded`
     (no padding or bucket limit given) the plans stay at most MAX_DRAFT_PLANS: past that, each
     dim gets a bucket count (the smallest padding those buckets allow) instead of the padding bound.
-    `pinned` dims (unsafe to pad, their recurring values planned by `exact_plans`) get one bucket,
-    their example's value, and leave the plan budget to the others."""
+    `pinned` dims (unsafe to pad, their recurring values planned by `exact_plans`) get their
+    example's value and their max as buckets, and leave the plan budget to the others."""
     from graphmode.recipe.buckets import synthesize_buckets, worst_padding
     names = list(dict.fromkeys(x for v in dims_of.values() for x in v if isinstance(x, str)))
     dims: dict[str, Any] = {}
@@ -555,11 +555,11 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
         ranges[d] = (lo, hi)
     for d, v in (pinned or {}).items():
         lo, hi = ranges[d]
-        v = min(max(v, lo), hi)
-        dims[d] = {"min": lo, "max": hi, "buckets": [v]}
-        notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; buckets")[0] + f"; one bucket, {v} (the draft's example "
-                              f"size): padding {d} is unsafe, so other values run eagerly until they recur and get "
-                              "plans of their own")
+        kept = sorted({min(max(v, lo), hi), hi})      # the max too: a value above every bucket has none
+        dims[d] = {"min": lo, "max": hi, "buckets": kept}
+        notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; buckets")[0] + f"; buckets {kept} (the draft's example "
+                              f"size and the max): padding {d} is unsafe, so other values run eagerly until they "
+                              "recur and get plans of their own")
     counts = {d: len(synthesize_buckets(lo, hi, max_padding=max_padding).buckets)
               for d, (lo, hi) in ranges.items() if lo < hi and d not in (pinned or {})}
     if bounded and math.prod(counts.values()) > MAX_DRAFT_PLANS:
