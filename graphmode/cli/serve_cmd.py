@@ -157,9 +157,8 @@ def warm_count(recipe: Any) -> int:
     from graphmode.recipe.buckets import plans_count
     if recipe.memory.kv_cache is None:
         return plans_count(recipe)
-    from graphmode.decode.runner import plan_envs
-    buckets = recipe.dim_buckets()
-    return len(plan_envs(buckets["batch"], buckets.get("seq", [])))
+    from graphmode.decode.runner import plan_count
+    return plan_count(recipe)
 
 
 def run_http(make_server: Any, host: str, port: int, level: str) -> None:

@@ -35,6 +35,12 @@ def plan_envs(batch_buckets: Sequence[int], seq_buckets: Sequence[int]) -> list[
     return [{"batch": b, "seq": s} for b in batch_buckets for s in dict.fromkeys((1, *seq_buckets))]
 
 
+def plan_count(recipe: Any) -> int:
+    """How many plans a decoder recipe's engine builds at warm-up."""
+    buckets = recipe.dim_buckets()
+    return len(plan_envs(buckets["batch"], buckets.get("seq", [])))
+
+
 def bucket(values: Sequence[int], n: int, what: str) -> int:
     """The smallest of `values` (ascending) that holds `n`."""
     for v in values:

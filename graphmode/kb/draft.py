@@ -447,8 +447,6 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
              if (data.get("dims") or {}).get(d, {}).get("exact_plans") and "buckets" not in data["dims"][d]}
     if bounded and exact:        # their synthesised buckets served exact values only: the budget goes to batch
         data["dims"], ranges = _dims(*dim_args, narrowed, exact)
-        for d in exact:
-            data["dims"][d]["exact_plans"] = EXACT_PLANS
         verdict = settle_padding(data, notes, lambda d: load_recipe(_ordered(d)), graph0, cap, src, ranges, bounded)
     _sla(data, notes, p99_ms, max_p99_over_p50)
     data["memory"] = {}
@@ -556,7 +554,7 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
     for d, v in (pinned or {}).items():
         lo, hi = ranges[d]
         kept = sorted({min(max(v, lo), hi), hi})      # the max too: a value above every bucket has none
-        dims[d] = {"min": lo, "max": hi, "buckets": kept}
+        dims[d] = {"min": lo, "max": hi, "buckets": kept, "exact_plans": EXACT_PLANS}
         notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; buckets")[0] + f"; buckets {kept} (the draft's example "
                               f"size and the max): padding {d} is unsafe, so other values run eagerly until they "
                               "recur and get plans of their own")

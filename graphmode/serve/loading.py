@@ -216,11 +216,10 @@ class Loading:
 
     def _decoder(self, dep: Deployment, ticket: ReloadTicket | None) -> Any:
         """The deployment's decode engine, warmed up, behind its decode thread (completions)."""
-        from graphmode.decode.runner import plan_envs
+        from graphmode.decode.runner import plan_count
         from graphmode.serve.generation import DecodeLoop
         eng = self._engine(dep.cm)
-        buckets = dep.recipe.dim_buckets()
-        dep.plans = len(plan_envs(buckets["batch"], buckets.get("seq", [])))
+        dep.plans = plan_count(dep.recipe)
 
         def built(n: int, of: int) -> None:
             dep.warmed, dep.plans = n, of

@@ -28,8 +28,6 @@ from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
 
 PAR_FLOPS = 1 << 18     # below this one thread: a team's wake-up costs more than the planes
-
-
 PLANE_BYTES = 128 << 10  # a plane's padded copy lives on the thread's stack: larger maps stay ATen
 
 
