@@ -90,8 +90,8 @@ def _check_pools_split(pools: Any, layout: KVLayout, recipe: Any) -> None:
                           f"attention is not split by heads in its decode graph (each rank would hold all "
                           f"{layout.kv_heads * world} KV heads, beyond the per-rank KV pool the memory proof counts): "
                           + ("a projection ahead of its attention has no rule to split it by heads" if every else
-                             "a layer before it has a width that does not split over the ranks (an MLP intermediate "
-                             "size, say), which leaves the next layer's input split and its projections whole"),
+                             "a projection ahead of those layers' attention has no rule to split it by heads (or a "
+                             "width before it, an MLP intermediate size say, does not split over the ranks)"),
                           where="parallel.tensor", value=world,
                           fix="decode this model with parallel.tensor: 1 (its forward pass runs tensor-parallel)"
                           if every else "parallel.strategy {mlp: replicate} (the MLP whole on every rank), or "

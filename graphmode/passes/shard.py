@@ -271,7 +271,7 @@ class _LayerRules(_ShardWalk):
             cls = self.classify(n)
             blocks = self.blocks(n)
             pad = 0
-            if self.strategy[cls] != "head":
+            if self.strategy[cls] != "head" or self.would_cut_a_whole_stream(n):
                 return False
             if not self.split_extent(out_f, blocks):
                 if cls != "embedding" or blocks or not isinstance(out_f, int):
@@ -291,6 +291,28 @@ class _LayerRules(_ShardWalk):
         self.stats["row_parallel"] += 1
         self.bind(n, y, None)
         return True
+
+    def would_cut_a_whole_stream(self, n: Node) -> bool:
+        """Whether the linear's output, split column-parallel, would meet a whole value of full
+        width in an elementwise op (a residual add) before anything consumes the split: the
+        residual stream would be cut, and every later layer would see its input split (its
+        projections row-parallel, its attention and KV heads whole). A down projection whose
+        MLP did not split (an intermediate size the ranks do not divide) runs whole instead."""
+        frontier = [n.outputs[0]]
+        for _ in range(_LOOKAHEAD):
+            nxt = []
+            for v in frontier:
+                for u in self.users.get(v, []):
+                    if u.op not in ("identity", "cast") and get_op(u.op).kind != "elementwise":
+                        continue
+                    for other in u.inputs:
+                        t = self.g.values[other].type
+                        if (other != v and other not in self.g.constants and self.place.get(other, 0) is None
+                                and t.rank and not (isinstance(t.shape[-1], int) and t.shape[-1] == 1)):
+                            return True
+                    nxt.append(u.outputs[0])
+            frontier = nxt
+        return False
 
     def on_matmul(self, n: Node) -> bool:
         a, b = n.inputs

@@ -53,11 +53,11 @@ def gpt2_odd_vocab():
     return model, ex, {k: ["batch", "seq"] for k in ex}
 
 
-def llama():
+def llama(intermediate: int = 64):
     """A Llama-style decoder with grouped-query attention: 4 query heads over 2 KV heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, use_cache=False,
                       initializer_range=0.3)
     with warnings.catch_warnings():
@@ -65,6 +65,11 @@ def llama():
         model = LlamaForCausalLM(cfg).eval()
     ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
     return model, ex, {k: ["batch", "seq"] for k in ex}
+
+
+def llama_odd_mlp():
+    """An MLP 65 wide: it does not split over 2 ranks and runs whole; the attention still splits."""
+    return llama(65)
 
 
 def phi3():

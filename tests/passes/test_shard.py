@@ -76,6 +76,34 @@ def test_mlp_column_then_row(golden):
     assert not torch.equal(res[0].graph.constants["w1.rank0"], res[1].graph.constants["w1.rank1"])
 
 
+RESIDUAL = """
+graph @residual(%x: f32[b,s,8]) -> (%y) {
+  param %w1: f32[9,8] #?
+  param %w2: f32[8,9] #?
+  param %w3: f32[16,8] #?
+  param %w4: f32[8,16] #?
+  %h: f32[b,s,9] = linear(%x, %w1)
+  %a: f32[b,s,9] = gelu(%h)
+  %d: f32[b,s,8] = linear(%a, %w2)
+  %r: f32[b,s,8] = add(%x, %d)
+  %h2: f32[b,s,16] = linear(%r, %w3)
+  %a2: f32[b,s,16] = gelu(%h2)
+  %d2: f32[b,s,8] = linear(%a2, %w4)
+  %y: f32[b,s,8] = add(%r, %d2)
+  return %y
+}"""
+
+
+def test_an_mlp_that_does_not_split_keeps_the_residual_stream_whole():
+    """An intermediate size of 9 over two ranks: the first MLP runs whole, and its down projection
+    too. Split column-parallel, it cut the residual stream, so the next MLP ran row-parallel then
+    whole (a Llama's next attention kept every KV head, and TP decoding was refused)."""
+    res = shard_case(None, "residual", RESIDUAL, weights(w1=(9, 8), w2=(8, 9), w3=(16, 8), w4=(8, 16)))
+    s = res[0].stats
+    assert (s["column_parallel"], s["row_parallel"], s["collectives"]) == (1, 1, {"all_reduce": 1})
+    assert not s["gathered_for"]
+
+
 ATTENTION = """
 graph @attn(%x: f32[b,s,8], %mask: bool[b,1,s,s]) -> (%y) {
   param %wq: f32[8,8] #?

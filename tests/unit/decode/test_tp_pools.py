@@ -27,8 +27,9 @@ def test_whole_pools_under_tensor_parallelism_are_refused_naming_the_degree():
 
 
 def test_pools_whole_in_some_layers_name_them_and_the_mlp_strategy():
-    """A Llama whose MLP is 129 wide at TP=2: its second layer's attention stayed whole, and the
-    refusal was "a KV pool is (8, 16, 2, 16), the layout needs ... (8, 16, 1, 16)"."""
+    """Some layers' attention whole at TP=2 (a Llama whose MLP was 129 wide did that until the
+    shard pass kept such a down projection whole): the refusal was "a KV pool is (8, 16, 2, 16),
+    the layout needs ... (8, 16, 1, 16)"."""
     layout = KVLayout(layers=2, kv_heads=1, head_dim=4, page_size=4, pages=8, max_pages_per_seq=2)
     mixed = ([torch.zeros(8, 4, 1, 4), torch.zeros(8, 4, 2, 4)], [torch.zeros(8, 4, 1, 4), torch.zeros(8, 4, 2, 4)])
     with pytest.raises(RecipeError, match=r"layer\(s\) \[1\] of this model's attention is not split") as e:
