@@ -287,11 +287,19 @@ def count_eager_ops(module: torch.nn.Module, inputs: Mapping[str, torch.Tensor])
     return _Count.n
 
 
+def _ran_as(name: str, step: Any) -> str:
+    """A step's kind as it runs now: an op bound as an ATen call whose tuned step chose a
+    generated kernel (a depthwise conv's `dw`) is a kernel, not ATen."""
+    tactic = getattr(step, "tactic", None)
+    kind, _, op = name.partition(":")
+    return f"kernel:{op}" if kind == "aten" and isinstance(tactic, str) and tactic != "aten" else name
+
+
 def profile_executable(exe: Any, inputs: Mapping[str, torch.Tensor], target: Any, *, runs: int = 20,
                        model: str = "model", threads: int = 1) -> BucketProfile:
     """Paired total / per-step timing of one bucket's CpuExecutable (inputs at the bucket's shape)."""
     instrs = step_instructions(exe)
-    steps, names = exe.steps, exe.step_names
+    steps, names = exe.steps, [_ran_as(name, step) for name, step in zip(exe.step_names, exe.steps)]
     n = len(steps)
     per: list[list[float]] = [[] for _ in range(n)]
     totals, gaps, copies, clones = [], [], [], []

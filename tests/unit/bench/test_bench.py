@@ -243,6 +243,18 @@ def test_profile_rows_sum_to_the_run(tiny_profile):
     assert len(d["top"]) == 2 and d["top"][0]["time_s"] >= d["top"][1]["time_s"]
 
 
+def test_an_op_whose_tuned_step_chose_a_generated_kernel_is_named_a_kernel():
+    """A depthwise conv is bound as an ATen call whose step tuning may switch to the `dw`
+    kernel: the profile named it `aten:conv2d` while the generated kernel ran."""
+    from types import SimpleNamespace
+
+    from graphmode.bench.profile import _ran_as
+    assert _ran_as("aten:conv2d", SimpleNamespace(tactic="dw")) == "kernel:conv2d"
+    assert _ran_as("aten:conv2d", SimpleNamespace(tactic="aten")) == "aten:conv2d"
+    assert _ran_as("aten:mean", lambda: None) == "aten:mean"
+    assert _ran_as("kernel:gemm_epilogue", SimpleNamespace(tactic="aten")) == "kernel:gemm_epilogue"
+
+
 def _step(index, kind, flops, nbytes, const_bytes, time_s, name=None, in_shapes=(), out_shapes=()):
     from graphmode.bench.profile import StepRow
     return StepRow(index=index, node_index=index, name=name or f"aten:{kind}", cost_kind=kind, body_ops=[],
