@@ -227,13 +227,13 @@ def tiny_profile():
 def test_profile_rows_sum_to_the_run(tiny_profile):
     target, profs = tiny_profile
     p = profs[1]
-    assert p.n_steps >= 3 and {s.name for s in p.steps} >= {"aten:linear"} | {s.name for s in p.steps
-                                                                               if s.name.startswith("kernel:")}
+    # a lone linear is ATen's, or a generated kernel once its step's tuning chose one
+    assert p.n_steps >= 3 and {s.name for s in p.steps} & {"aten:linear", "kernel:linear"}
     assert sum(s.time_s for s in p.steps) == pytest.approx(p.steps_sum_s)
     assert sum(s.share for s in p.steps) == pytest.approx(1.0)
     # the steps plus the executor's own (paired) gap account for the run, within noise
     assert 0.25 * p.run_s <= p.steps_sum_s + max(p.gap_s, 0.0) <= 4 * p.run_s
-    lin = next(s for s in p.steps if s.name == "aten:linear")
+    lin = next(s for s in p.steps if s.name.endswith(":linear"))
     assert lin.flops > 0 and lin.bytes > 0
     assert lin.roofline_s > 0 and lin.bound in ("compute", "memory") and lin.gflops > 0
     assert lin.shape_class == "narrow" and lin.cost_kind == "gemm"      # 32x64 and 64x16 weights
