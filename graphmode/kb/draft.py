@@ -40,6 +40,8 @@ from graphmode.capture.zoo import marks_padding
 from graphmode.errors import CaptureError, RecipeError
 from graphmode.kb.draft_padding import EXACT_PLANS, settle_padding
 
+COARSE_PADDING = 0.5    # a dim whose few buckets pad more than this gets exact_plans for the values that recur
+
 DEFAULT_MAX_PADDING = 0.25
 MEMORY_HEADROOM = 1.25
 MAX_KNOB_DISTANCE = 1.5        # farther knowledge-base entries say nothing about this model
@@ -575,10 +577,16 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
                 buckets = [lo, *synthesize_buckets(lo + 1, hi, max_buckets=k - 1).buckets]
                 worst, _ = worst_padding(buckets, lo, hi)
                 dims[d] = {"min": lo, "max": hi, "buckets": buckets}
+            coarse = float(worst) > COARSE_PADDING
+            if coarse:        # a request of batch 2 padded to 32 ran 43x eager: its recurring values get plans
+                dims[d]["exact_plans"] = EXACT_PLANS
             notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; buckets")[0] + f"; {k} bucket(s) {buckets} "
                                   f"(padding <= {float(worst):.0%}) keep the draft at "
                                   f"{math.prod(counts.values())} plans to build at warm-up (at most "
-                                  f"{MAX_DRAFT_PLANS}); give --max-padding or --max-buckets for others")
+                                  f"{MAX_DRAFT_PLANS}); give --max-padding or --max-buckets for others"
+                                  + (f"; up to {EXACT_PLANS} values of {d} that recur get plans of their own "
+                                     "(exact_plans), so a shape that keeps coming is not padded that far"
+                                     if coarse else ""))
     return dims, ranges
 
 

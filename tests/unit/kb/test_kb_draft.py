@@ -208,3 +208,24 @@ def test_a_bounded_draft_whose_batch_is_unsafe_to_pad_stays_a_valid_recipe():
     d = draft_recipe((AcrossBatch(), (torch.randn(2, 6, 16),), {"x": ["batch", "seq", 16]}), record=False)
     assert d.data["on_violation"] == "eager" and d.data["dims"]["batch"]["exact_plans"] == 16
     assert d.data["dims"]["batch"]["buckets"][0] == 1 and load_recipe(d.data) == d.recipe
+
+
+def test_coarse_buckets_of_a_bounded_draft_plan_the_values_that_recur():
+    """Three dims share the draft's 16 plans, so each gets two or three buckets: a T5 request of
+    batch 2 x seq 64 x decoder_seq 31 ran padded to 32 x 512 x 72, 43x eager's time, on every
+    call. Each dim whose buckets pad more than half gets exact_plans: a shape that keeps coming
+    runs on plans of its own (from its third request)."""
+    import torch
+
+    class ThreeDims(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x, y):
+            return self.lin(x), self.lin(y)               # rows apart: padding is safe
+    ex = (torch.randn(2, 5, 8), torch.randn(2, 7, 8))
+    d = draft_recipe((ThreeDims(), ex, {"x": ["batch", "seq", 8], "y": ["batch", "decoder_seq", 8]}), record=False)
+    dims = d.data["dims"]
+    assert all(dims[k].get("exact_plans") == 16 for k in ("batch", "seq", "decoder_seq")), dims
+    assert "that recur get plans of their own" in d.notes["dims.seq"] and load_recipe(d.data) == d.recipe
