@@ -94,8 +94,10 @@ def _where_export_holds(e: CaptureError, src: Any, recipe: Recipe, dims: dict, i
     So the model is captured again near the top of the range, and the sizes that graph derives
     from the dims are read for where each is 2 or more (analysis/extents.py)."""
     suggested = getattr(e, "suggested_ranges", None) or {}
-    if not _SMALL_SIZES.search(str(e)) or any(lo is not None for lo, _ in suggested.values()):
-        return None             # a range with a minimum is torch.export's own answer
+    if not _SMALL_SIZES.search(str(e)):
+        return None
+    if any(lo is not None for lo, _ in suggested.values()):   # torch.export's own answer: the part
+        return _two_parts(e, src, recipe, dims, imported)    # around the example, maybe with one above it
     # distinct (not merged), and 2 or more (torch.export specialises a size of 1)
     top = {d: max(lo, min(2, hi), hi - i) for i, (d, (lo, hi)) in enumerate(sorted(dims.items()))}
     near = {d: (max(dims[d][0], v - 1), dims[d][1]) for d, v in top.items()}
@@ -118,6 +120,42 @@ def _where_export_holds(e: CaptureError, src: Any, recipe: Recipe, dims: dict, i
                        fix="; ".join(f"dims.{x.dim}.min: {x.fits}" for x in short)
                            + " (and no smaller bucket), or run the model with exe_mode: eager")
     err.suggested_ranges = {x.dim: (x.fits, None) for x in short}   # the drafter starts its dims there
+    return err
+
+
+def _two_parts(e: CaptureError, src: Any, recipe: Recipe, dims: dict, imported: Any) -> Any:
+    """torch.export's range ends below the recipe's max (ConvNeXt's H 48..63, where the last
+    stage's extent is 1, which torch.export specialises): a second capture near the top tells
+    whether the sizes above hold one graph of their own. If so the refusal names both parts, and
+    the drafter takes the one holding the model's example size; else None (torch.export's)."""
+    lower = {d: r for d, r in e.suggested_ranges.items() if d in dims}
+    for d, r in dims.items():        # a dim over the same range as one named (W beside H) is taken alike
+        same = next((lower[k] for k in sorted(lower) if dims[k] == r), None)
+        if d not in lower and same is not None:
+            lower[d] = same
+    upper = {d: (hi + 1, dims[d][1]) for d, (_, hi) in lower.items() if hi is not None and hi < dims[d][1]}
+    if not upper:
+        return None
+    top = {d: max(lo, min(2, hi), hi - i) for i, (d, (lo, hi)) in enumerate(sorted({**dims, **upper}.items()))}
+    examples = (src.bundle.make_inputs(top, seed=0) if src.bundle is not None
+                else example_inputs_from_recipe(recipe, src.module, sizes=top))
+    try:
+        imported(examples, {**dims, **upper})
+    except CaptureError:
+        return None
+
+    def part(r: dict) -> str:
+        return ", ".join(f"{d} {lo if lo is not None else dims[d][0]}..{hi if hi is not None else dims[d][1]}"
+                         for d, (lo, hi) in sorted(r.items()))
+    example = src.bundle.example_shape() if src.bundle is not None else {}
+    above = all(lo <= example.get(d, -1) <= hi for d, (lo, hi) in upper.items())
+    err = CaptureError(f"torch.export holds one graph of this model for {part(lower)} and another for {part(upper)} "
+                       "(at the smaller sizes the model takes another path, e.g. an extent of 1 torch.export "
+                       "specialises): the recipe's range spans both, and one compiled model serves one graph",
+                       where=f"dims.{sorted(upper)[0]}",
+                       fix=f"narrow the recipe's dims to one part: {part(upper)}, or {part(lower)} (a recipe, and a "
+                           "compiled model, for each part serves both), or run the model with exe_mode: eager")
+    err.suggested_ranges = upper if above else lower
     return err
 
 

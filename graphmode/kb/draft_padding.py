@@ -15,7 +15,7 @@ def settle_padding(data: dict, notes: dict, load: Callable[[dict], Any], graph: 
     """Decide the draft with the verdict; a dim whose padding is unsafe gets exact buckets
     (or on_violation: eager when it has more than MAX_EXACT values, or, `bounded`, when the
     draft would hold more than MAX_EXACT_PLANS plans: a CNN's h and w, 54 values each, made
-    5,832 plans for warm-up to build; there its values that recur become plans). `load` makes
+    5,832 plans for warm-up to build; then its values that recur become plans). `load` makes
     the draft's data a recipe. Returns the verdict."""
     from graphmode.verdict import ContractRefused, decide
     for _ in range(2):
@@ -37,20 +37,14 @@ def settle_padding(data: dict, notes: dict, load: Callable[[dict], Any], graph: 
                 data["dims"][d] = {"min": lo, "max": hi}
                 notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; ")[0] + f"; every value a bucket ({hi - lo + 1} "
                                       f"plans): padding {d} is unsafe for this model: {reason}{at}")
-            elif hi - lo + 1 <= MAX_EXACT:        # bounded: warm-up builds the buckets, use the values sent
+            else:       # the buckets the draft chose, refined by the values requests send
                 data["on_violation"] = "eager"
-                # synthesised buckets (exact_plans refines those; explicit ones are the recipe's own)
-                # the buckets the draft chose (a batch's start at 1, the most common request: max_buckets
-                # alone would synthesise the least padding, [2, 6, 14, 32] for 1..32), refined by use
                 data["dims"][d] = {**data["dims"][d], "exact_plans": EXACT_PLANS}
-                notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}), and every value of "
-                                         f"[{lo}, {hi}] a bucket would make {plans * (hi - lo + 1)} plans: requests "
+                why = (f"[{lo}, {hi}] has too many values for exact buckets" if hi - lo + 1 > MAX_EXACT else
+                       f"every value of [{lo}, {hi}] a bucket would make {plans * (hi - lo + 1)} plans")
+                notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}), and {why}: requests "
                                          f"off a bucket run eagerly, and up to {EXACT_PLANS} values of {d} that recur "
                                          f"become plans of their own (dims.{d}.exact_plans)")
-            else:
-                data["on_violation"] = "eager"
-                notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}) and [{lo}, {hi}] "
-                                         f"has too many values for exact buckets: requests off a bucket run eagerly")
     raise ContractRefused(v.refusals)
 
 

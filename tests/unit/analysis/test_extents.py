@@ -177,3 +177,31 @@ def test_a_draft_for_an_onnx_file_whose_op_needs_a_static_axis_says_how_to_write
     with pytest.raises(CaptureError, match="must be static") as e:
         graphmode.compile(str(p), cache_dir=tmp_path)
     assert "a drafted recipe keeps the file's dynamic axes (x: ['batch', 3, 'H', 'W'])" in e.value.fix
+
+
+def test_a_range_spanning_two_graphs_is_refused_naming_both_parts(tmp_path):
+    """H 3..16: at 3..4 a stride-2 conv's output is 1 (torch.export specialises it), from 5 on
+    another graph holds. torch.export named the part around the example only ("H min 3, max 4");
+    a ConvNeXt at 48..96 was told to narrow to 48..63, leaving out its own image size 64."""
+    from graphmode.errors import CaptureError
+    hw = {"min": 3, "max": 16, "buckets": [3, 16]}
+    rec = {"version": 1, "name": "s", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 3, "H", "W"]}],
+           "dims": {"batch": {"buckets": [1, 2]}, "H": hw, "W": hw}, "on_violation": "eager"}
+    with pytest.raises(CaptureError, match="one graph of this model for H 3..4, W 3..4 and another for H 5..16") as e:
+        graphmode.compile(_Strided(), rec, cache_dir=tmp_path)
+    assert "H 5..16, W 5..16, or H 3..4, W 3..4" in e.value.fix
+
+
+def test_a_draft_over_many_sizes_unsafe_to_pad_plans_the_recurring_ones():
+    """--dim H=64:160 on a CNN (97 values, unsafe to pad): the draft ran every size off its
+    buckets eagerly, for good; it now keeps the range's ends as buckets and plans the sizes that
+    recur (exact_plans), leaving the plan budget to batch."""
+    from graphmode.kb.draft import draft_recipe
+    model = _Windows().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = draft_recipe((model, (torch.randn(1, 3, 64, 64),), {"x": ["batch", 3, "h", "w"]}), record=False,
+                         ranges={"h": (64, 160), "w": (64, 160)})
+    assert d.data["on_violation"] == "eager"
+    for k in ("h", "w"):
+        assert d.data["dims"][k]["exact_plans"] == 16 and d.data["dims"][k]["buckets"] == [64, 160], d.data["dims"]
