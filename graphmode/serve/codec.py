@@ -36,8 +36,8 @@ INT_RANGE = {torch.int64: (-2**63, 2**63 - 1), torch.int32: (-2**31, 2**31 - 1),
              torch.int16: (-2**15, 2**15 - 1), torch.int8: (-128, 127), torch.uint8: (0, 255)}
 MAX_RANK = 16
 NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
-JSON_KINDS = {str: "strings", type(None): "null", dict: "objects", bool: "booleans", float: "fractional numbers",
-              int: "integers"}
+JSON_KINDS = {str: "strings", type(None): "null", dict: "objects", bool: "booleans",
+              float: "numbers written with a decimal point or an exponent (3.0, 1e3)", int: "integers"}
 
 
 def media_type(content_type: str | None) -> str:
