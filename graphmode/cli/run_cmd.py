@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -18,9 +18,11 @@ from graphmode.errors import GraphmodeError
 from graphmode.verify.eager import run_reference
 
 
-def parse_shape(text: str, dims: list[str], flag: str = "--shape") -> dict[str, int]:
+def parse_shape(text: str, dims: list[str], flag: str = "--shape", first: Sequence[Any] = ()) -> dict[str, int]:
     """'batch=2,seq=16' or '2x16' (in the recipe's dim order) -> {dim: value}, every dim given once;
-    errors name `flag`, the option the text came from."""
+    with `first` (the first input's declared shape), also that input's whole shape, as `bench` and
+    `profile` take it ('3x3x64x64' for [batch, 3, h, w]). Errors name `flag`, the option the
+    text came from."""
     text = text.strip()
     example = f"{'x'.join(['2'] * len(dims))} or {','.join(f'{d}=2' for d in dims)}"
     try:
@@ -32,6 +34,8 @@ def parse_shape(text: str, dims: list[str], flag: str = "--shape") -> dict[str, 
             vals = [int(v.strip()) for _, v in pairs]
         else:
             names, vals = list(dims), [int(v) for v in text.lower().split("x")]
+            if len(vals) != len(dims) and len(vals) == len(first):
+                names, vals = _whole_shape(text, vals, first, flag)
     except ValueError:
         raise GraphmodeError(f"cannot parse shape {text!r}", where=flag, fix=f"write e.g. {example}") from None
     unknown = [n for n in names if n not in dims]
@@ -45,6 +49,21 @@ def parse_shape(text: str, dims: list[str], flag: str = "--shape") -> dict[str, 
     if bad:
         raise GraphmodeError("dims must be positive", where=flag, value=bad, fix=f"write e.g. {example}")
     return dict(zip(names, vals))
+
+
+def _whole_shape(text: str, vals: list[int], first: Sequence[Any], flag: str) -> tuple[list[str], list[int]]:
+    """The dims of the first input's whole shape: its named axes; its fixed ones must match."""
+    names, got = [], []
+    for axis, (want, v) in enumerate(zip(first, vals)):
+        if isinstance(want, int):
+            if want != v:
+                raise GraphmodeError(f"shape {text!r} read as the first input's {list(first)}: axis {axis} is "
+                                     f"{want}, not {v}", where=flag, fix=f"write {want} there, or give the dims "
+                                                                        "alone (e.g. batch=2)")
+        elif want not in names:
+            names.append(str(want))
+            got.append(v)
+    return names, got
 
 
 MAX_EAGER_INPUT_BYTES = 2**32    # a request outside the contract still has to fit in memory to run eagerly
@@ -164,7 +183,8 @@ def run_cmd(
     recipe: Optional[str] = typer.Option(None, "--recipe", help="required unless --model is a .gm file (it carries "
                                                               "its own)"),
     mode: Optional[str] = typer.Option(None, "--mode", help="eager | graph | hybrid (default: the recipe's)"),
-    shape: Optional[str] = typer.Option(None, "--shape", help="e.g. 2x16 or batch=2,seq=16"),
+    shape: Optional[str] = typer.Option(None, "--shape", help="the dims, e.g. 2x16 or batch=2,seq=16, or the "
+                                                               "first input's whole shape (2x3x224x224)"),
     iters: int = typer.Option(10, "--iters", min=1, help="timed calls per engine"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024, help=THREADS_HELP),
     metrics: bool = typer.Option(False, "--metrics", help="print the runtime contract metrics"),
@@ -191,7 +211,8 @@ def run_cmd(
     if metrics and ranks > 1:
         raise GraphmodeError("--metrics reads one process's contract monitor; this recipe runs "
                              f"{ranks} rank processes", where="--metrics", fix="drop --metrics, or run with tensor: 1")
-    env = parse_shape(shape, list(rec.dims)) if shape else dict(all_buckets(rec)[0])
+    env = parse_shape(shape, list(rec.dims), first=rec.inputs[0].shape if rec.inputs else ()) if shape \
+        else dict(all_buckets(rec)[0])
     check_request(rec, env)      # before compiling or allocating anything
     host = get_target("host", cache_dir=cache_layout(cache_dir).targets)
     with progress() as on_stage:

@@ -30,3 +30,18 @@ def test_the_timed_plan_is_checked_not_only_the_first_eager_call(tmp_path):
     out = json.loads(res.stdout)
     assert out["path"]["path"] == "graph" and out["path"]["timed_calls"].get("eager"), out["path"]
     assert out["checked_paths"] == ["graph", "eager"] and out["numerics_ok"]
+
+
+def test_run_takes_the_first_input_s_whole_shape_as_bench_and_profile_do():
+    """`bench --shape 3x3x64x64` and `profile --shape` take the first input's whole shape; `run`
+    refused it ("must give each of the recipe's dims ['batch'] exactly once")."""
+    import pytest
+
+    from graphmode.cli.run_cmd import parse_shape
+    from graphmode.errors import GraphmodeError
+    first = ["batch", 3, "h", "w"]
+    assert parse_shape("3x3x64x48", ["batch", "h", "w"], first=first) == {"batch": 3, "h": 64, "w": 48}
+    assert parse_shape("3x3x64x64", ["batch"], first=["batch", 3, 64, 64]) == {"batch": 3}
+    assert parse_shape("2x16", ["batch", "seq"], first=["batch", "seq"]) == {"batch": 2, "seq": 16}
+    with pytest.raises(GraphmodeError, match="axis 1 is 3, not 4"):
+        parse_shape("3x4x64x64", ["batch"], first=["batch", 3, 64, 64])
