@@ -171,7 +171,8 @@ def verify_cmd(
     else:
         from graphmode.cli.compile_cmd import print_contract
         print_contract(contract)
-        t = Table(title=f"graph vs eager: {model} with {rec.name} ({len(buckets)} buckets, {len(results)} shapes)")
+        ref = "eager" if src.module is not None else "ONNX Runtime"      # what an ONNX file is checked against
+        t = Table(title=f"graph vs {ref}: {model} with {rec.name} ({len(buckets)} buckets, {len(results)} shapes)")
         narrow = rec.precision.weights != "f32"     # then logits are also judged on top-1 agreement
         for c in ("request", "bucket", "path", "worst rel L2", "tolerance") + (("top-1 agree",) if narrow else ()) + (
                 "ok",):
@@ -206,7 +207,7 @@ def verify_cmd(
                     "as wide as the model's token table; name a classifier's output logits, e.g. return "
                     "{'logits': y})")
             eager = sum(r["path"] == "eager" for r in results)
-            console.print("all shapes match eager within tolerance (every bucket filled, padded, and the "
+            console.print(f"all shapes match {ref} within tolerance (every bucket filled, padded, and the "
                           "smallest admissible shape)" + (top1 if narrow else ""))
             if eager:
                 console.print(f"{eager} of {len(results)} request(s) ran eagerly, where the contract sends them (no "

@@ -74,4 +74,4 @@ def test_verify_passes_a_qdq_file_on_every_shape(qdq_mlp, tmp_path):
     assert res.exit_code == 0, res.output
     res = invoke("verify", "--model", str(qdq_mlp), "--recipe", str(rec), "--cache-dir", str(tmp_path / "c"))
     assert res.exit_code == 0 and "Traceback" not in res.output, res.output
-    assert "all shapes match" in res.output
+    assert "all shapes match ONNX Runtime" in res.output      # an ONNX file is checked against ORT, not eager
