@@ -2,7 +2,8 @@
 
 The input is the model's `main_input_name`: token ids (`input_ids`, with `attention_mask` and
 `token_type_ids` when forward takes them, named dims `batch` and `seq`), images
-(`pixel_values` [batch, channels, size, size] from `num_channels` and `image_size`), or audio
+(`pixel_values` [batch, channels, size, size] from `num_channels` and `image_size`; both for a two-tower
+model such as CLIP, from its `text_config` and `vision_config`), or audio
 (`input_features` [batch, mel bins, frames] for Whisper-style encoders, with `decoder_input_ids`
 [batch, decoder_seq] for the encoder-decoder, `input_values` [batch, samples] for raw-waveform
 models, [batch, frames, mel bins] for a spectrogram's). Example sizes are 2 and 8 (never 1: torch.export
@@ -74,10 +75,17 @@ def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
     cfg, main, params = module.config, module.main_input_name, _params(module)
     g = torch.Generator().manual_seed(0)
     if main == "input_ids":
-        vocab = int(getattr(cfg, "vocab_size", None) or 100)
+        text, vision = getattr(cfg, "text_config", None), getattr(cfg, "vision_config", None)
+        vocab = int(getattr(cfg, "vocab_size", None) or getattr(text, "vocab_size", None) or 100)
         ex = {"input_ids": torch.randint(min(3, vocab - 1), vocab, (BATCH, SEQ), generator=g)}
         if "attention_mask" in params:
             ex["attention_mask"] = torch.ones(BATCH, SEQ, dtype=torch.long)
+        if "pixel_values" in params and vision is not None:     # a two-tower model (CLIP, SigLIP): both towers
+            c = int(getattr(vision, "num_channels", 3) or 3)
+            h, w = _size(getattr(vision, "image_size", None), 224)
+            dims = {k: ["batch", "seq"] for k in ex}
+            ex["pixel_values"] = torch.randn(BATCH, c, h, w, generator=g)
+            return ex, {**dims, "pixel_values": ["batch", c, h, w]}
         if "token_type_ids" in params and (getattr(cfg, "type_vocab_size", 0) or _ignores_zero_types(module, ex)):
             ex["token_type_ids"] = torch.zeros(BATCH, SEQ, dtype=torch.long)
         if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:

@@ -517,6 +517,24 @@ def test_a_multiple_choice_head_compiles_without_examples():
     assert rel(cm(input_ids=ids, attention_mask=mask).logits, ref) < 1e-5
 
 
+def test_a_two_tower_model_compiles_without_examples():
+    """CLIPModel takes token ids and images: graphmode made the ids alone from its config, and the
+    capture failed inside the vision tower ('NoneType' object has no attribute 'shape')."""
+    import transformers as T
+    torch.manual_seed(0)
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    m = T.CLIPModel(T.CLIPConfig(text_config=dict(tower, vocab_size=99, max_position_embeddings=32),
+                                 vision_config=dict(tower, image_size=32, patch_size=8))).eval()
+    cm = graphmode.compile(m)
+    assert [i.name for i in cm.recipe.inputs] == ["input_ids", "attention_mask", "pixel_values"]
+    kw = dict(input_ids=torch.randint(3, 99, (3, 7)), attention_mask=torch.ones(3, 7, dtype=torch.long),
+              pixel_values=torch.randn(3, 3, 32, 32))
+    with torch.no_grad():
+        ref = m(**kw)
+    got = cm(**kw)
+    assert type(got) is type(ref) and rel(got.logits_per_image, ref.logits_per_image) < 1e-5
+
+
 def test_a_causal_lm_with_its_default_cache_compiles_under_a_recipe():
     import transformers as T
     torch.manual_seed(0)
