@@ -192,7 +192,7 @@ def _profile_decode(case, rec, steps, target, runs: int, threads: int, cache: st
 @app.command("profile")
 def profile_cmd(
     model: Optional[List[str]] = typer.Option(None, "--model", help="minilm | gpt2 | resnet18 | "
-                                              "package.module:function (repeatable)"),
+                                              "path/file.py:function | package.module:function (repeatable)"),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="recipe (default: buckets exactly at the shapes)"),
     shape: Optional[List[str]] = typer.Option(None, "--shape", help="first-input shape, e.g. 1x128 (repeatable; "
                                               "default: the model's benchmark shapes)"),
