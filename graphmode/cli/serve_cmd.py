@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -228,6 +229,27 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _answering_signals(work: Any) -> None:
+    """`work()` in a daemon thread, this (main) thread waiting in short steps: a call blocked in
+    native code runs no Python signal handler, so Ctrl-C / SIGTERM meanwhile would wait for it (a
+    Ray cluster ended by a signal to the whole process group held Ray's calls for a minute, then
+    Ray ended the process with exit 1)."""
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:       # raised in this thread below
+            failed.append(e)
+        finally:
+            done.set()
+    threading.Thread(target=run, name="graphmode-cluster-start", daemon=True).start()
+    while not done.wait(0.25):
+        pass
+    if failed:
+        raise failed[0]
+
+
 def _serve_cluster(model: str, recipe: Optional[str], config: Any, cluster: Any) -> None:
     """`--replicas`: compile once here, then Ray Serve's replicas behind its proxy until Ctrl-C /
     SIGTERM; the Ray cluster this started (no --address) stops with it."""
@@ -237,14 +259,15 @@ def _serve_cluster(model: str, recipe: Optional[str], config: Any, cluster: Any)
     with progress(live=False) as on_stage:
         served = prepare(model, recipe, config, on_stage=on_stage)
     what = "compiled once" if served.compiled_by_driver else "checked"
-    console.print(f"graphmode serve: {served.model} {what} in {served.seconds:.1f} s; starting "
-                  f"{cluster.replicas} replica(s) on Ray Serve "
-                  f"({'cluster ' + cluster.address if cluster.address else 'a local Ray cluster'})", highlight=False)
     server = ClusterServer(served, config, cluster)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt)     # from here on SIGTERM stops what started
     try:
-        server.start()
-        signal.signal(signal.SIGTERM, _interrupt)     # again: ray.init installed its own, which aborts the process
+        console.print(f"graphmode serve: {served.model} {what} in {served.seconds:.1f} s; starting "
+                      f"{cluster.replicas} replica(s) on Ray Serve "
+                      f"({'cluster ' + cluster.address if cluster.address else 'a local Ray cluster'})",
+                      highlight=False)
+        server.connect()
+        _answering_signals(server.launch)
         lo, hi = cluster.bounds
         scale = f"autoscaling {lo}..{hi}" if cluster.autoscaling else f"{cluster.replicas} replica(s)"
         console.print(f"[bold green]ready[/] {scale} on {server.url} (GET /v1/replica says which answered)",

@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import socket
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -441,21 +442,45 @@ class ClusterServer:
     def __init__(self, served: Served, config: Any, cluster: ClusterConfig):
         self.served, self.config, self.cluster = served, replica_config(config, cluster), cluster
         self.started_ray = False
+        self.cluster_gone = False          # the Ray cluster it started ended with its process group
+        self._stopping = threading.Lock()
         self.coordinator: Any = None       # the Ray actor of cluster_control.Coordinator, while started
         self.url = f"http://{cluster.host}:{cluster.port}"
 
     def start(self) -> "ClusterServer":
+        self.connect()
+        return self.launch()
+
+    def connect(self) -> None:
+        """Ray started here or joined (in the main thread: ray.init installs signal handlers)."""
         import ray
-        serve = require_ray()
-        from graphmode.serve.cluster_control import COORDINATOR, NAMESPACE, Coordinator
-        if not ray.is_initialized():
+        require_ray()
+        if ray.is_initialized():
+            return
+        keep = _SigtermKept()
+        try:
             if self.cluster.address is None:
                 bound = (self.cluster.max_replicas or self.cluster.replicas) + SURGE
+                self.started_ray = True      # from its first process on: stop() ends what it started
                 ray.init(num_cpus=max(os.cpu_count() or 1, int(bound * self.cluster.replica_cpus + 0.999)),
                          include_dashboard=False, log_to_driver=False, configure_logging=False)
-                self.started_ray = True
             else:
                 self._join(ray)
+        except SystemExit as e:
+            if e.code != signal.SIGTERM:
+                raise
+            raise KeyboardInterrupt from None    # Ray's own SIGTERM handler ran before ours was back
+        finally:
+            keep.restore()
+
+    def launch(self) -> "ClusterServer":
+        """Serve's proxy, the coordinator and the replicas, until every replica is warm. Its Ray
+        calls block in native code, where no signal reaches Python: a caller that must stop on
+        SIGTERM meanwhile runs it in another thread (`graphmode serve` does)."""
+        import ray
+        from ray import serve
+
+        from graphmode.serve.cluster_control import COORDINATOR, NAMESPACE, Coordinator
         serve.start(http_options={"host": self.cluster.host, "port": self.cluster.port})
         try:
             recipe = served_recipe(self.served)
@@ -492,26 +517,100 @@ class ClusterServer:
                       and f"#{DEPLOYMENT}#" in a["name"])
 
     def stop(self) -> None:
+        with self._stopping:         # once at a time: a launch that fails as the caller stops stops too
+            self._stop()
+
+    def _stop(self) -> None:
+        import ray
+        if self.cluster_gone or self.started_ray and ray.is_initialized() and _local_cluster_gone():
+            self._gone("the local Ray cluster stopped with this process: nothing to undeploy")
+            return
+        if not ray.is_initialized():
+            return
+        finished = threading.Event()
+        failed: list[BaseException] = []
+
+        def undeploy() -> None:
+            try:
+                self._undeploy()
+            except BaseException as e:      # raised below, in the caller's thread
+                failed.append(e)
+            finally:
+                finished.set()
+        threading.Thread(target=undeploy, name="graphmode-undeploy", daemon=True).start()
+        wait_s = self.config.shutdown_grace_s + UNDEPLOY_S
+        if not finished.wait(wait_s):
+            self._gone(f"Ray did not answer the stop within {wait_s:g} s (its cluster may have stopped with this "
+                       "process group): not waiting for it")
+            return
+        try:
+            if failed:
+                raise failed[0]
+        finally:
+            if self.started_ray:
+                ray.shutdown()
+                self.started_ray = False
+
+    def _undeploy(self) -> None:
         import ray
         from ray import serve
-        if ray.is_initialized():
-            try:
-                serve.delete(APP_NAME)
-                if self.coordinator is not None:
-                    ray.kill(self.coordinator)
-                    self.coordinator = None
-                if self.started_ray:
-                    serve.shutdown()
-            finally:
-                if self.started_ray:
-                    ray.shutdown()
-                    self.started_ray = False
+        serve.delete(APP_NAME)
+        if self.coordinator is not None:
+            ray.kill(self.coordinator)
+            self.coordinator = None
+        if self.started_ray:
+            serve.shutdown()
+
+    def _gone(self, why: str) -> None:
+        """A signal to the whole process group (Ctrl-C, `kill -- -PGID`, a container's stop) ended the
+        Ray cluster this process started along with it: nothing is left to undeploy, and Serve's calls
+        would wait on the dead GCS for a minute, then end the process with exit 1."""
+        if not self.cluster_gone:
+            log.info(why)
+        self.coordinator, self.started_ray, self.cluster_gone = None, False, True
 
     def __enter__(self) -> "ClusterServer":
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+UNDEPLOY_S = 20.0        # past the replicas' shutdown grace: Ray's stop calls get this long to answer
+
+
+def _local_cluster_gone(within_s: float = 1.5) -> bool:
+    """Whether a process of the Ray cluster this process started exits within `within_s` (a
+    signal to the process group reached them as it reached this process, which may notice it
+    first; the GCS then stops answering before it exits). Ray's own record of the processes it
+    started; False where it keeps none."""
+    try:
+        from ray._private import worker
+        node = worker._global_node
+        if node is None:
+            return False
+        end = time.monotonic() + within_s
+        while not node.dead_processes():
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.05)
+        return True
+    except Exception:       # another Ray version's internals: undeploy as usual
+        return False
+
+
+class _SigtermKept:
+    """The process's SIGTERM handler across `ray.init`, which installs its own (one that aborts the
+    process, exit 134, with a C++ stack): a SIGTERM while the replicas start (Kubernetes, `kill`, a
+    supervisor) stops the server as Ctrl-C does."""
+
+    def __init__(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        self.handler = signal.getsignal(signal.SIGTERM) if main else None
+
+    def restore(self) -> None:
+        if self.handler is not None:
+            signal.signal(signal.SIGTERM, self.handler)
 
 
 def served_recipe(served: Served) -> Any:

@@ -133,6 +133,33 @@ def _wait_line(q: "queue.Queue[str | None]", needle: str, seen: list[str], timeo
             return
 
 
+@pytest.mark.parametrize("when", ["starting 2 replica", "replica(s) on http"])    # while starting; once ready
+def test_sigterm_to_the_process_group_stops_the_server_cleanly(artifact, tmp_path, when):
+    """A signal to the whole process group (Ctrl-C in a terminal, `kill -- -PGID`, a container's
+    stop) reaches the local Ray cluster's processes too. While the replicas started, Ray's own
+    SIGTERM handler aborted the process (exit 134, a C++ stack); once ready, the stop waited a
+    minute on the dead cluster and exited 1. Both now stop at once with exit 0."""
+    path, _, _ = artifact
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", str(path), "--replicas", "2",
+                             "--port", str(port), "--cache-dir", str(tmp_path / "cache")], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: list[str] = []
+    try:
+        q = _lines(proc)
+        _wait_line(q, when, seen)
+        os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(120)
+        while (line := q.get(timeout=30)) is not None:
+            seen.append(line)
+        assert rc == 0 and "graphmode serve: stopped" in "".join(seen), "".join(seen[-40:])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
 def test_cli_serves_a_decoder_on_two_replicas_from_the_shared_cache(tmp_path):
     """`graphmode serve --replicas 2` on the tiny GPT-2: compiled and warmed once by the driver
     into the shared cache; both replicas answer transformers' greedy tokens, whole and streamed
@@ -263,7 +290,7 @@ def test_two_replicas_answer_like_eager_from_one_artifact(cluster):
     print(f"local Ray cluster + 2 warm replicas in {server.start_s:.1f} s")
     assert server.replica_states() == {"RUNNING": 2} and len(server.replica_actors()) == 2
     seen: dict[str, dict] = {}
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:          # a busy host: the proxy may take seconds
         assert client.get(server.url + "/readyz").status_code == 200
 
         def both_answered():

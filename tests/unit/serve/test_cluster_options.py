@@ -142,3 +142,44 @@ def test_a_tensor_parallel_recipe_is_refused_before_the_driver_compiles():
     with pytest.raises(RecipeError, match="tensor-parallel") as e:
         prepare("tests/e2e/tiny_models.py:mlp", dict(RECIPE, parallel=PARALLEL), ServeConfig())
     assert e.value.where == "parallel.tensor"
+
+
+def _fake_ray_node(monkeypatch, dead):
+    """ray._private.worker._global_node as Ray keeps it: the processes of the cluster it started."""
+    import types
+    worker = types.SimpleNamespace(_global_node=types.SimpleNamespace(dead_processes=dead))
+    private = types.SimpleNamespace(worker=worker)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(_private=private))
+    monkeypatch.setitem(sys.modules, "ray._private", private)
+    monkeypatch.setitem(sys.modules, "ray._private.worker", worker)
+
+
+def test_a_local_ray_cluster_ended_by_the_group_s_signal_is_seen_as_gone(monkeypatch):
+    """A signal to the process group reaches the Ray cluster the server started: its processes
+    exit (the dashboard first, while the GCS stops answering), and the stop then skips Serve's
+    calls, which waited a minute on the dead GCS and ended the process with exit 1."""
+    from graphmode.serve.cluster import _local_cluster_gone
+    calls = iter([[], [], [("dashboard", object())]])
+    _fake_ray_node(monkeypatch, lambda: next(calls))
+    assert _local_cluster_gone(within_s=30)
+    _fake_ray_node(monkeypatch, lambda: [])
+    assert not _local_cluster_gone(within_s=0.1)
+    monkeypatch.setitem(sys.modules, "ray._private.worker", None)      # another Ray's internals: stop as usual
+    assert not _local_cluster_gone(within_s=0.1)
+
+
+def test_ray_init_keeps_the_process_s_sigterm_handler():
+    """ray.init installs a SIGTERM handler that aborts the process (exit 134): the server's own
+    handler (SIGTERM ends like Ctrl-C) is put back after it."""
+    import signal
+
+    from graphmode.serve.cluster import _SigtermKept
+    mine = lambda signum, frame: None       # noqa: E731
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        keep = _SigtermKept()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)          # what ray.init does, as far as Python sees
+        keep.restore()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
