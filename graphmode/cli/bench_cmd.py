@@ -61,8 +61,9 @@ app.add_typer(bench_app, name="bench")
 @bench_app.callback(invoke_without_command=True)
 def bench_cmd(
     ctx: typer.Context,
-    model: Optional[List[str]] = typer.Option(None, "--model", help="minilm | gpt2 | resnet18 | path/file.py:function | "
-                                              "package.module:function (repeatable; default: the three built-ins)"),
+    model: Optional[List[str]] = typer.Option(None, "--model", help="minilm | gpt2 | resnet18 | "
+                                              "path/file.py:function | package.module:function (repeatable; "
+                                              "default: the three built-ins)"),
     shape: Optional[List[str]] = typer.Option(None, "--shape", help="first-input shape, e.g. 1x128 or 8x3x224x224 "
                                               "(repeatable; default: each model's standard shapes)"),
     engines: Optional[str] = typer.Option(None, "--engines", help="comma list of eager,torch_compile,onnxruntime,"

@@ -255,7 +255,8 @@ def run_cmd(
         rows.append({"output": label, "shape": list(o.shape), "dtype": str(o.dtype).replace("torch.", ""),
                      "mean": float(o.float().mean()) if o.numel() else 0.0,
                      "std": float(o.float().std()) if o.numel() > 1 else 0.0,
-                     "rel_l2_vs_eager": c.rel_l2, **({"top1_vs_eager": c.to_json()["top1"]} if c.top1 is not None else {})})
+                     "rel_l2_vs_eager": c.rel_l2,
+                     **({"top1_vs_eager": c.to_json()["top1"]} if c.top1 is not None else {})})
     numerics_ok = all(len(pytree.tree_leaves(o)) == len(refs) and all(c.ok for c in cs) for o, cs in zip(judged, every))
     timed = (lambda: cm.source.reference(inputs, optimized=True)) if ref_name == "onnxruntime" else \
         (lambda: reference(inputs))          # ONNX Runtime timed as it ships (checked node by node)
