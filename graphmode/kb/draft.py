@@ -562,8 +562,10 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
                               "recur and get plans of their own")
     counts = {d: len(synthesize_buckets(lo, hi, max_padding=max_padding).buckets)
               for d, (lo, hi) in ranges.items() if lo < hi and d not in (pinned or {})}
-    if bounded and math.prod(counts.values()) > MAX_DRAFT_PLANS:
-        while math.prod(counts.values()) > MAX_DRAFT_PLANS:
+    held = math.prod(len(dims[d]["buckets"]) for d in (pinned or {}))    # the pinned dims' plans
+    budget = MAX_DRAFT_PLANS // held
+    if bounded and counts and math.prod(counts.values()) > budget:
+        while math.prod(counts.values()) > budget and max(counts.values()) > 1:
             top = max(counts, key=lambda d: (counts[d], d == "batch"))
             counts[top] -= 1
         for d, k in counts.items():
@@ -582,7 +584,7 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
                 dims[d]["exact_plans"] = EXACT_PLANS
             notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; buckets")[0] + f"; {k} bucket(s) {buckets} "
                                   f"(padding <= {float(worst):.0%}) keep the draft at "
-                                  f"{math.prod(counts.values())} plans to build at warm-up (at most "
+                                  f"{math.prod(counts.values()) * held} plans to build at warm-up (at most "
                                   f"{MAX_DRAFT_PLANS}); give --max-padding or --max-buckets for others"
                                   + (f"; up to {EXACT_PLANS} values of {d} that recur get plans of their own "
                                      "(exact_plans), so a shape that keeps coming is not padded that far"
