@@ -600,9 +600,9 @@ def _local_cluster_gone(within_s: float = 1.5) -> bool:
 
 
 class _SigtermKept:
-    """The process's SIGTERM handler across `ray.init`, which installs its own (one that aborts the
-    process, exit 134, with a C++ stack): a SIGTERM while the replicas start (Kubernetes, `kill`, a
-    supervisor) stops the server as Ctrl-C does."""
+    """The process's SIGTERM handler across `ray.init`, which installs its own (ending the process
+    with exit 15, or 134 and a C++ stack): a SIGTERM while the replicas start (Kubernetes, `kill`,
+    a supervisor) stops the server as Ctrl-C does."""
 
     def __init__(self) -> None:
         main = threading.current_thread() is threading.main_thread()
