@@ -51,7 +51,8 @@ def _comment(note: str | None) -> str:
 
 def _within(notes: dict[str, str], path: str) -> str | None:
     """The notes of `path` and of everything inside it: a one-line value carries them all."""
-    found = [n for k, n in notes.items() if k == path or k.startswith((f"{path}.", f"{path}["))]
+    found = [n if not k.startswith(f"{path}.") else f"{k[len(path) + 1:]}: {n}"     # whose note it is
+             for k, n in notes.items() if k == path or k.startswith((f"{path}.", f"{path}["))]
     return "; ".join(found) or None
 
 
