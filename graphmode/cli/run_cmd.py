@@ -35,7 +35,7 @@ def parse_shape(text: str, dims: list[str], flag: str = "--shape", first: Sequen
         else:
             names, vals = list(dims), [int(v) for v in text.lower().split("x")]
             if len(vals) != len(dims) and len(vals) == len(first):
-                names, vals = _whole_shape(text, vals, first, flag)
+                names, vals = _whole_shape(text, vals, first, dims, flag)
     except ValueError:
         raise GraphmodeError(f"cannot parse shape {text!r}", where=flag, fix=f"write e.g. {example}") from None
     unknown = [n for n in names if n not in dims]
@@ -51,15 +51,16 @@ def parse_shape(text: str, dims: list[str], flag: str = "--shape", first: Sequen
     return dict(zip(names, vals))
 
 
-def _whole_shape(text: str, vals: list[int], first: Sequence[Any], flag: str) -> tuple[list[str], list[int]]:
+def _whole_shape(text: str, vals: list[int], first: Sequence[Any], dims: list[str],
+                 flag: str) -> tuple[list[str], list[int]]:
     """The dims of the first input's whole shape: its named axes; its fixed ones must match."""
     names, got = [], []
     for axis, (want, v) in enumerate(zip(first, vals)):
         if isinstance(want, int):
             if want != v:
-                raise GraphmodeError(f"shape {text!r} read as the first input's {list(first)}: axis {axis} is "
-                                     f"{want}, not {v}", where=flag, fix=f"write {want} there, or give the dims "
-                                                                        "alone (e.g. batch=2)")
+                raise GraphmodeError(f"shape {text!r} must give each of the recipe's dims {dims} exactly once, or "
+                                     f"be the first input's whole shape {list(first)}, whose axis {axis} is {want}, "
+                                     f"not {v}", where=flag, fix=f"write e.g. {','.join(f'{d}=2' for d in dims)}")
         elif want not in names:
             names.append(str(want))
             got.append(v)
