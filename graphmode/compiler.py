@@ -98,14 +98,8 @@ def _where_export_holds(e: CaptureError, src: Any, recipe: Recipe, dims: dict, i
         return None
     if any(lo is not None for lo, _ in suggested.values()):   # torch.export's own answer: the part
         return _two_parts(e, src, recipe, dims, imported)    # around the example, maybe with one above it
-    # distinct (not merged), and 2 or more (torch.export specialises a size of 1)
-    top = {d: max(lo, min(2, hi), hi - i) for i, (d, (lo, hi)) in enumerate(sorted(dims.items()))}
-    near = {d: (max(dims[d][0], v - 1), dims[d][1]) for d, v in top.items()}
-    examples = (src.bundle.make_inputs(top, seed=0) if src.bundle is not None
-                else example_inputs_from_recipe(recipe, src.module, sizes=top))
-    try:
-        g, _ = imported(examples, near)
-    except CaptureError:
+    g = _captured_near_top(src, recipe, dims, imported, near=True)
+    if g is None:
         return None
     from graphmode.analysis.extents import short_extents
     short = [s for s in short_extents(g, dims, export=True) if s.fits is not None]
@@ -123,6 +117,21 @@ def _where_export_holds(e: CaptureError, src: Any, recipe: Recipe, dims: dict, i
     return err
 
 
+def _captured_near_top(src: Any, recipe: Recipe, ranges: dict, imported: Any, near: bool = False) -> Any:
+    """The graph torch.export captures from examples at the top of `ranges` (distinct values, not
+    merged, and 2 or more: torch.export specialises a size of 1), over `ranges` or, `near`, over
+    each range from just below its example; None when it refuses that too."""
+    top = {d: max(lo, min(2, hi), hi - i) for i, (d, (lo, hi)) in enumerate(sorted(ranges.items()))}
+    over = {d: (max(ranges[d][0], v - 1), ranges[d][1]) for d, v in top.items()} if near else ranges
+    examples = (src.bundle.make_inputs(top, seed=0) if src.bundle is not None
+                else example_inputs_from_recipe(recipe, src.module, sizes=top))
+    try:
+        g, _ = imported(examples, over)
+    except CaptureError:
+        return None
+    return g
+
+
 def _two_parts(e: CaptureError, src: Any, recipe: Recipe, dims: dict, imported: Any) -> Any:
     """torch.export's range ends below the recipe's max (ConvNeXt's H 48..63, where the last
     stage's extent is 1, which torch.export specialises): a second capture near the top tells
@@ -136,12 +145,7 @@ def _two_parts(e: CaptureError, src: Any, recipe: Recipe, dims: dict, imported: 
     upper = {d: (hi + 1, dims[d][1]) for d, (_, hi) in lower.items() if hi is not None and hi < dims[d][1]}
     if not upper:
         return None
-    top = {d: max(lo, min(2, hi), hi - i) for i, (d, (lo, hi)) in enumerate(sorted({**dims, **upper}.items()))}
-    examples = (src.bundle.make_inputs(top, seed=0) if src.bundle is not None
-                else example_inputs_from_recipe(recipe, src.module, sizes=top))
-    try:
-        imported(examples, {**dims, **upper})
-    except CaptureError:
+    if _captured_near_top(src, recipe, {**dims, **upper}, imported) is None:
         return None
 
     def part(r: dict) -> str:

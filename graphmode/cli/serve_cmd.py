@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -234,16 +233,8 @@ def _answering_signals(work: Any) -> None:
     native code runs no Python signal handler, so Ctrl-C / SIGTERM meanwhile would wait for it (a
     Ray cluster ended by a signal to the whole process group held Ray's calls for a minute, then
     Ray ended the process with exit 1)."""
-    done, failed = threading.Event(), []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as e:       # raised in this thread below
-            failed.append(e)
-        finally:
-            done.set()
-    threading.Thread(target=run, name="graphmode-cluster-start", daemon=True).start()
+    from graphmode.serve.cluster import in_thread
+    done, failed = in_thread(work, "graphmode-cluster-start")
     while not done.wait(0.25):
         pass
     if failed:

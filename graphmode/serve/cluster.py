@@ -527,17 +527,7 @@ class ClusterServer:
             return
         if not ray.is_initialized():
             return
-        finished = threading.Event()
-        failed: list[BaseException] = []
-
-        def undeploy() -> None:
-            try:
-                self._undeploy()
-            except BaseException as e:      # raised below, in the caller's thread
-                failed.append(e)
-            finally:
-                finished.set()
-        threading.Thread(target=undeploy, name="graphmode-undeploy", daemon=True).start()
+        finished, failed = in_thread(self._undeploy, "graphmode-undeploy")
         wait_s = self.config.shutdown_grace_s + UNDEPLOY_S
         if not finished.wait(wait_s):
             self._gone(f"Ray did not answer the stop within {wait_s:g} s (its cluster may have stopped with this "
@@ -574,6 +564,23 @@ class ClusterServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def in_thread(work: Any, name: str) -> tuple[threading.Event, list[BaseException]]:
+    """`work()` started in a daemon thread: the event set when it ends, and what it raised (for the
+    caller to raise in its own thread). Ray's calls block in native code, where no signal reaches
+    Python and no timeout applies: a caller waits on the event in bounded steps instead."""
+    finished, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:
+            failed.append(e)
+        finally:
+            finished.set()
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return finished, failed
 
 
 UNDEPLOY_S = 20.0        # past the replicas' shutdown grace: Ray's stop calls get this long to answer
