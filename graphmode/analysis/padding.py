@@ -406,7 +406,7 @@ def analyze_padding(graph: Graph, pad_values: Mapping[str, Any], padded_dims: It
                 for g in ax.padded:
                     why = (f"output axis {i} holds padding of {', '.join(sorted({p.dim for p in ax.padded}))} "
                            "in a layout that cannot be sliced back")
-                    fd = Finding(g.dim, "output", out, why)
+                    fd = Finding(g.dim, "output", out, why, an.locs.get(out))
                     if fd not in findings[g.dim]:
                         findings[g.dim].append(fd)
     all_dims = list(graph.dims) or padded

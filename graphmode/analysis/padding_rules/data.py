@@ -142,7 +142,26 @@ def gather(an, n: Node, ins: list[State], out_shape: Sequence[Dim], taint: dict[
         for i, ax in enumerate(b_axes):
             axes[mid_start + i] = ax
         axes = [ax if ax is not None else an.fresh_axis(out_shape[i], GARBAGE) for i, ax in enumerate(axes)]
+        affine = _relabelled_affine(x, pairs, mid_start + bshape_rank)
+        if affine is not None:
+            return State(tuple(axes), affine=affine, lower=x.lower)
     return State(tuple(axes))
+
+
+def _relabelled_affine(x: State, pairs: list, end: int) -> tuple[tuple[int, Any], ...] | None:
+    """x[arange, arange] of a position index (an arange broadcast to [batch, seq], indexed as
+    transformers' mask functions do) is that index again, along the output axes the aranges
+    run along: keep its affine form so position comparisons (k <= q) stay known."""
+    if not x.affine:
+        return None
+    along = {}
+    for d, s, _ in pairs:
+        if s.affine is None or len(s.affine) != 1 or s.affine[0][1] != 1 or s.offset is not None:
+            return None
+        along[d] = end - len(s.axes) + s.affine[0][0]
+    if any(ax not in along for ax, _ in x.affine):
+        return None
+    return tuple(sorted((along[ax], c) for ax, c in x.affine))
 
 
 def unflatten(data_ax: Axis, idx: State) -> dict[int, Content] | None:

@@ -170,6 +170,9 @@ def concat(an, n: Node, ins: list[State], out_shape: Sequence[Dim]) -> State:
         padded = [ax for ax in srcs if ax.padded]
         if not padded:
             axes.append(plain(e) if not (symbols(e) & set(an.padded)) else an.fresh_axis(e, GARBAGE))
+        elif i == dim and _padding_last(an, srcs):   # fixed-size parts, then the padded one: padding stays last
+            f = srcs[-1].single                       # (torch.diff with prepend: cat([x[:, :1] - 1, x], 1))
+            axes.append(Axis((Factor(e, f.dim, f.content, True),)))
         elif i == dim:   # padding lands in the middle of the result
             d = padded[0].padded[0].dim
             axes.append(Axis((Factor(e, d, GARBAGE, False),)))
@@ -178,6 +181,16 @@ def concat(an, n: Node, ins: list[State], out_shape: Sequence[Dim]) -> State:
             same = all(ax.factors == f for ax in srcs)
             axes.append(Axis(f) if same else an.garbage([padded[0]])[0])
     return State(tuple(axes))
+
+
+def _padding_last(an, srcs: list[Axis]) -> bool:
+    """Only the last part is padded along the concat dim, whole (its real positions first), and
+    every part before it has a size no padded dim changes: the result's real positions come first."""
+    last = srcs[-1].single
+    if last is None or not last.prefix or len(srcs[-1].factors) != 1:
+        return False
+    fixed = [f.extent for ax in srcs[:-1] for f in ax.factors]
+    return all(not ax.padded for ax in srcs[:-1]) and not any(symbols(e) & set(an.padded) for e in fixed)
 
 
 def shift(an, n: Node, x: State, out_shape: Sequence[Dim], taint: dict[str, Finding]) -> State:

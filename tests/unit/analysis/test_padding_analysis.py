@@ -261,6 +261,19 @@ class Pool(nn.Module):
         if k == "causal":
             q = h.view(h.shape[0], h.shape[1], 2, 8).transpose(1, 2)
             return F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(h.shape)
+        if k == "packed_causal":          # transformers' packed-sequence mask (position ids, no attention mask)
+            b, t = ids.shape
+            pos = torch.arange(t)[None].expand(b, t)
+            seg = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+            bi, qi, ki = torch.arange(b)[:, None, None, None], torch.arange(t)[None, None, :, None], \
+                torch.arange(t)[None, None, None, :]
+            m = (pos[bi, ki] <= pos[bi, qi]) & (seg[bi, qi] == seg[bi, ki])
+            q = h.view(b, t, 2, 8).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=m).transpose(1, 2).reshape(h.shape)
+        if k == "cat_before":             # fixed rows, then the padded ones: the padding stays last
+            return torch.cat([h[:, :1] * 2, h], 1)
+        if k == "cat_after":              # the padded rows, then fixed ones: padding in the middle
+            return torch.cat([h, h[:, :1]], 1)
         if k == "first_token":
             return h[:, 0]
         if k == "row_stats":              # eager islands along the feature axis only
@@ -279,8 +292,9 @@ class Pool(nn.Module):
         raise ValueError(k)
 
 
-SAFE = ["masked_mean", "eager_attention", "masked_fill_attention", "causal", "first_token", "row_stats", "scans"]
-UNSAFE = ["mean", "softmax_pool", "cumsum_last", "last_token", "from_the_end", "length"]
+SAFE = ["masked_mean", "eager_attention", "masked_fill_attention", "causal", "packed_causal", "cat_before",
+        "first_token", "row_stats", "scans"]
+UNSAFE = ["mean", "softmax_pool", "cumsum_last", "last_token", "from_the_end", "length", "cat_after"]
 RECIPE = {"version": 1, "name": "pad", "dims": {"batch": {"buckets": [1, 2, 4]}, "seq": {"buckets": [8, 16], "min": 2}},
           "inputs": [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0},
                      {"name": "mask", "dtype": "i64", "shape": ["batch", "seq"], "pad_value": 0}]}
