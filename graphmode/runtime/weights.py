@@ -10,9 +10,11 @@ nn.Linear(...)`, a hook added or removed) is never seen by the compiled plans at
 compares the tensors' version counters, the module tree's slots (which tensor, submodule and
 how many hooks each holds) and its switches (public bools and strings: `training`, a flag the
 forward branches on; torch.export fixed the values it read) with the ones at compile, and
-refuses when one moved (about 15 us for 150 tensors). A write through `param.data` moves no
-version counter and is not seen, nor is a Python number set after compile (a forward may set
-its numbers itself: they are its state, capture/self_changes.py).
+refuses when one moved (about 15 us for 150 tensors). `param.data = t` (and `m.half()`, which
+does that to every tensor) moves no version counter but moves the tensor's storage: the data
+pointers are compared too. A write *into* `param.data` (`param.data.copy_(t)`) moves neither
+and is not seen, nor is a Python number set after compile (a forward may set its numbers
+itself: they are its state, capture/self_changes.py).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from graphmode.capture.self_changes import SWITCHES, busy_modules
 from graphmode.errors import GraphmodeError
 
 _VERSION = attrgetter("_version")
+_STORAGE = torch.Tensor.data_ptr
 _MISSING = object()
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
@@ -47,6 +50,7 @@ class FrozenWeights:
         self._names = [n for n, _ in named]
         self._tensors = [t for _, t in named]
         self._versions = [t._version for t in self._tensors]
+        self._storages = list(map(_STORAGE, self._tensors))
         # (label, the dict that holds it, key, what it held at compile)
         python = [(p, m) for p, m in module.named_modules() if not isinstance(m, torch.jit.ScriptModule)]
         self._module_ids = {id(m) for _, m in module.named_modules()}
@@ -85,6 +89,9 @@ class FrozenWeights:
         busy = busy_modules()
         if busy and not self._module_ids.isdisjoint(busy):
             return                  # graphmode compiles it in another thread: torch.export's swaps are not changes
+        if list(map(_STORAGE, self._tensors)) != self._storages:
+            changed = [n for n, t, p in zip(self._names, self._tensors, self._storages) if t.data_ptr() != p]
+            self._refuse(changed, "were given new data (param.data = t, module.half() or .to(dtype))")
         if any(map(is_not, map(dict.get, self._slot_dicts, self._slot_keys), self._slot_values)):
             changed = [label for label, d, k, v in self._slots if d.get(k) is not v]
             self._refuse(changed, "were replaced (load_state_dict(assign=True), an attribute set to a new tensor "

@@ -87,6 +87,10 @@ def _assign_state(m):
     m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()}, assign=True)
 
 
+def _rebind_data(m):
+    m[0].weight.data = torch.randn(8, 8)        # same Parameter, same version counter, new storage
+
+
 def _swap_hooks(m):
     h = m[2].register_forward_hook(lambda mod, i, o: o + 100)
     h.remove()
@@ -147,7 +151,9 @@ def test_state_the_model_sets_itself_on_every_call_is_not_a_replaced_weight():
 @pytest.mark.parametrize("change,needle", [(_replace_weight, "0.weight were replaced"),
                                            (_swap_layer, "2 were replaced"),
                                            (_assign_state, "were replaced"),
-                                           (_swap_hooks, "'2'|2 gained or lost forward hooks")])
+                                           (_swap_hooks, "'2'|2 gained or lost forward hooks"),
+                                           (_rebind_data, "0.weight were given new data"),
+                                           (lambda m: m.double(), "were given new data")])
 def test_a_model_changed_by_replacing_its_parts_after_compile_is_refused(change, needle):
     """A tensor, submodule or hook replaced after compile is never seen by the compiled plans
     (it was answered with the old one, silently)."""
