@@ -19,7 +19,8 @@ The file is a zip (stored, not deflated: libraries and weights barely compress):
     constants.pt             its constants (weights), loaded with weights_only=True
     plans/<bucket>.json      one execution plan per bucket
     kernels/<key>.so         kernel libraries
-    tactics/*.json           the GEMM/conv timing cache the plans were tuned with
+    tactics/*.json           the GEMM/conv timing cache entries these plans were tuned with (not the rest
+                             of the shared cache: other models' shapes stay out)
     tokenizer/*              the model's tokenizer files, when it had one
 
 A decoder (a recipe with memory.kv_cache) is saved as the paged graph its decode engine runs, with a
@@ -148,6 +149,7 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
     plans: dict[str, Any] = {}
     libraries: dict[str, Path] = {}
     schedules: set[str] = set()
+    tactic_files: set[str] = set()      # this model's entries of the shared timing cache, not its neighbours'
     for env in buckets:
         exe = cm.executable(env)
         plans[cm.bucket_key(env)] = exe.plan.to_json()
@@ -155,6 +157,7 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
             schedules.add(exe.schedule)
         for lib in getattr(exe, "libraries", []):
             libraries.setdefault(Path(lib).name, Path(lib))
+        tactic_files |= getattr(exe, "tactic_files", frozenset())
     if "claim" in schedules:        # the work-claiming pool those kernels run on: shipped, not built at load
         from graphmode.backends.cpu.claim_pool import library_path
         pool = library_path()
@@ -212,8 +215,9 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
             for name, lib in sorted(libraries.items()):
                 put(f"kernels/{name}", lib.read_bytes())
             tactics = _tactics_dir(libraries)
-            for f in sorted(tactics.glob("*.json")) if tactics is not None else []:
-                put(f"tactics/{f.name}", f.read_bytes())
+            for name in sorted(tactic_files) if tactics is not None else []:
+                if (tactics / name).is_file():
+                    put(f"tactics/{name}", (tactics / name).read_bytes())
             for f in sorted(tokenizer.iterdir()) if tokenizer is not None else []:
                 if f.is_file():
                     put(f"tokenizer/{f.name}", f.read_bytes())

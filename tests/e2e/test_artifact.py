@@ -90,6 +90,30 @@ def test_loaded_artifact_matches_and_compiles_nothing(saved):
         loaded(torch.randn(5, 16))
 
 
+def test_an_artifact_ships_its_own_timing_entries_not_the_shared_caches(saved):
+    """The timing cache folder is shared by every model compiled with one cache dir: a .gm
+    shipped all of it (127 entries for a one-linear model, other models' shapes among them)."""
+    cm, path, manifest, tmp = saved
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(96, 160), torch.nn.GELU(), torch.nn.Linear(160, 96)).eval()
+    timed = graphmode.compile(bundle_from_module(other, {"input": torch.randn(8, 96)}),
+                              recipe("other", [{"name": "input", "dtype": "f32", "shape": ["batch", 96]}],
+                                     {"batch": {"buckets": [16]}}, codegen={"kernel_selection": "latency_first"}),
+                              cache_dir=tmp / "build-cache")
+    own = timed.save(tmp / "other.gm")            # its two GEMM shapes were timed into the shared folder
+    entries = {f"tactics/{p.name}" for p in (tmp / "build-cache" / "tactics").glob("*.json")}
+    timed_entries = {f"tactics/{n}" for n in timed.executable({"batch": 16}).tactic_files}
+    assert timed_entries and {n for n in own["files"] if n.startswith("tactics/")} == timed_entries <= entries
+    again = cm.save(tmp / "again.gm")             # the MLP saved after: none of the other model's entries
+    assert {n for n in again["files"] if n.startswith("tactics/")} == \
+        {n for n in manifest["files"] if n.startswith("tactics/")} and not timed_entries & set(again["files"])
+    loaded = graphmode.load(tmp / "other.gm", cache_dir=tmp / "own-entries")
+    x = torch.randn(16, 96)
+    assert torch.equal(loaded(x), timed(x))
+    stats = loaded.executable({"batch": 16}).tactics_report["stats"]
+    assert stats["cache_misses"] == 0 and stats["timing_runs"] == 0, stats     # what it shipped was enough
+
+
 def test_a_second_load_reuses_the_extracted_copy(saved):
     from graphmode.runtime.artifact import _open
     _, path, _, tmp = saved

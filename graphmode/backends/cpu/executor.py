@@ -52,6 +52,7 @@ class CpuExecutable(ArenaExecutable):
                 self.tactics_report["error"] = str(e)
             self.tactics_report.update(self.tactics.report())
             self.tactics_report["seconds"] = round(time.perf_counter() - t0, 3)
+        self.tactic_files = frozenset(self.tactics.cache.used) if self.tactics is not None else frozenset()
 
     def memory_report(self) -> dict[str, int]:
         """The arena, plus the winners' prepared weights (shared with other buckets' executables

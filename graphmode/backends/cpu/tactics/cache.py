@@ -49,10 +49,13 @@ def _count(v: Any) -> bool:
 
 
 class TimingCache:
-    """The timing cache in folder `root` (None: nothing is persisted)."""
+    """The timing cache in folder `root` (None: nothing is persisted). `used`: the entries'
+    file names this cache read or wrote, what a `.gm` of the plans built with it ships (the
+    folder is shared by every model compiled with the same cache dir)."""
 
     def __init__(self, root: str | Path | None):
         self.root = Path(root) if root is not None else None
+        self.used: set[str] = set()
 
     def path(self, key: Mapping) -> Path | None:
         if self.root is None:
@@ -80,6 +83,7 @@ class TimingCache:
         lo = d.get("mins_s") if isinstance(d.get("mins_s"), dict) else {}
         load, cores, tries = d.get("load"), d.get("cores"), d.get("tries", 1)
         dg = d.get("digests") if isinstance(d.get("digests"), dict) else {}
+        self.used.add(path.name)
         return {"digests": {k: v for k, v in dg.items() if isinstance(v, str)},
                 "timings_s": {k: float(v) for k, v in t.items()}, "rejected": {k: str(v) for k, v in r.items()},
                 "medians_s": {k: float(v) for k, v in med.items() if _seconds(v)},
@@ -104,6 +108,7 @@ class TimingCache:
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(tmp, path)
+            self.used.add(path.name)
         except OSError as e:
             log.warning("cannot write the GEMM timing cache %s: %s", path, e)
 
