@@ -59,6 +59,17 @@ def _float_dtype(v: Any) -> str:
     return v
 
 
+KV_DTYPES = ("f64", "f32", "f16", "bf16")      # what a paged pool stores (passes/to_paged.py): no fp8 or tf32 tensors
+
+
+def _kv_dtype(v: Any) -> str:
+    v = _float_dtype(v)
+    if v not in KV_DTYPES:
+        raise ValueError(f"a KV cache stores {', '.join(KV_DTYPES)}; {v} has no tensor type a pool could hold "
+                         "(bf16 halves the f32 pool)")
+    return v
+
+
 def _pattern(rx: re.Pattern, what: str, max_chars: int | None = None):
     def check(v: Any) -> str:
         if not isinstance(v, str) or not rx.fullmatch(v):
@@ -221,6 +232,7 @@ def _version(v: Any) -> int:
 
 DType = Annotated[str, BeforeValidator(_dtype)]
 FloatDType = Annotated[str, BeforeValidator(_float_dtype)]
+KVDType = Annotated[str, BeforeValidator(_kv_dtype)]
 Ident = Annotated[str, BeforeValidator(_pattern(_IDENT, "an identifier (letters, digits, _)"))]
 OpName = Annotated[str, BeforeValidator(_pattern(_OPNAME, "an op name (letters, digits, _ and .)"))]
 ValueName = Annotated[str, BeforeValidator(_pattern(_VALUE_NAME, "a name of letters, digits, _ and . (an ONNX "
@@ -394,7 +406,7 @@ class KVCacheSpec(_Spec):
     page_size: Pow2 = 16
     max_pages_per_seq: SymPosInt
     pages: Optional[PosInt] = None
-    dtype: Optional[FloatDType] = None
+    dtype: Optional[KVDType] = None
     layers: Optional[PosInt] = None
     kv_heads: Optional[PosInt] = None
     head_dim: Optional[PosInt] = None

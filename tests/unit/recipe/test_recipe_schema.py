@@ -197,6 +197,9 @@ def test_all_errors_collected_with_path_value_line_fix():
     ("budget_mb: 4096", "budget_mb: 1e30", "memory.budget_mb", "out of range"),
     ("budget_mb: 4096", "budget_mb: '${os.system(1)}'", "memory.budget_mb", "only these functions"),
     ("max_pages_per_seq: 32", "max_pages_per_seq: 2.5", "memory.kv_cache.max_pages_per_seq", "integer"),
+    # a float dtype no pool can store passed validate and failed inside the to_paged pass
+    ("dtype: f32, layers: 12", "dtype: fp8_e4m3, layers: 12", "memory.kv_cache.dtype",
+     "a KV cache stores f64, f32, f16, bf16"),
     ("bank_affinity: [high_bandwidth, 3]", "bank_affinity: [-1]", "memory.bank_affinity[0]", "bank"),
     ("p99_ms: 200", "p99_ms: -1", "sla.p99_ms", "> 0"),
     ("match: {batch: 1, seq: [2, 64]}", "match: {batch: 1, seq: [2, 64, 9]}",
