@@ -356,6 +356,11 @@ def generate_cmd(
     elif rec is None:
         rec = load_recipe(recipe)
     if rec.memory.kv_cache is None:
+        if saved is None:           # a model that cannot decode says why, not "add a KV cache" (then refused)
+            from graphmode.decode.api import causal_lm
+            from graphmode.decode.lm import refuse_alibi
+            bundle = bundle or model_bundle(model)
+            refuse_alibi(causal_lm(bundle, "--model"))
         raise RecipeError("generating needs a paged KV cache, and this recipe has none", where="memory.kv_cache",
                           value=recipe, fix="add memory.kv_cache {page_size, max_pages_per_seq, layers, kv_heads, "
                                             "head_dim} (see examples/recipes/gpt2_decoder.yaml)")

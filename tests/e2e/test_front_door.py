@@ -708,6 +708,33 @@ def test_generate_on_a_draft_without_a_kv_cache_says_why():
     assert "without memory.kv_cache" in e.value.fix
 
 
+def tiny_bloom():
+    import transformers as T
+    torch.manual_seed(0)
+    return T.BloomForCausalLM(T.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=100)).eval()
+
+
+def test_graphmode_generate_with_a_recipe_without_a_kv_cache_says_why_the_model_cannot_decode(tmp_path):
+    """`graphmode generate --recipe` (the draft `recipe init` wrote: no kv_cache, for ALiBi) told
+    the user to add memory.kv_cache; done, the decode engine refused it for ALiBi."""
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from graphmode.cli.app import _register, app
+    _register()
+    rec = tmp_path / "bloom.yaml"
+    rec.write_text(yaml.safe_dump({"version": 1, "name": "bloom", "dims": {"batch": {"buckets": [1]},
+                                                                          "seq": {"min": 1, "max": 16}},
+                                   "inputs": [{"name": "input_ids", "dtype": "i64", "shape": ["batch", "seq"]}]}))
+    res = CliRunner().invoke(app, ["generate", "--model", f"{__file__}:tiny_bloom", "--recipe", str(rec),
+                                   "--prompt-ids", "5,6", "--json"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    err = json.loads(res.stdout)
+    assert "ALiBi position biases" in err["message"] and "without memory.kv_cache" in err["fix"], err
+
+
 @pytest.mark.slow     # ~9 s: a T5 build for one refusal
 def test_generate_on_an_encoder_decoder_says_graphmode_decodes_causal_lms():
     import transformers as T
