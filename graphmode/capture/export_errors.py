@@ -20,7 +20,9 @@ import os
 import re
 import sys
 import warnings
-from typing import Iterator
+from typing import Any, Iterator
+
+import torch
 
 from graphmode.errors import CaptureError
 
@@ -114,8 +116,9 @@ def _constraint_fixes(text: str) -> list[str]:
         if d in derived:            # samples = 10*_samples: what it asks of samples itself
             dim, k, c = derived[d]
             span = " in [" + ", ".join(str(k * int(v) + c) if v else "?" for v in (lo, hi)) + "]"
-            out.append(f"{dim} a multiple of {k}" + (f" plus {c}" if c else "") + span + " (graphmode's dims do "
-                       f"not take such a step: fix {dim} in the recipe, or give it a narrower range)")
+            out.append(f"{dim} a multiple of {k}" + (f" plus {c}" if c else "") + span + " (a graphmode dim takes "
+                       f"every size in [min, max]; its `step` spaces the buckets, it does not limit the sizes "
+                       f"requests bring: fix {dim} in the recipe, one size per compile)")
             continue
         out.append(f"{d} " + ", ".join(f"{k} {v}" for k, v in (("min", lo), ("max", hi)) if v))
     # a value alone only when no range is suggested: beside one, it is the capture's own narrow
@@ -164,9 +167,19 @@ def _unmet_guards(text: str) -> list[tuple[str, str]]:
     return [(d, guard.replace(expr, d)) for d, expr, guard in _UNMET.findall(text)]
 
 
-def export_failure(e: BaseException, fix: str, where: str | None = None) -> CaptureError:
+def _recurrent(module: Any) -> str | None:
+    """Why a sequence dim stays static when the model runs nn.LSTM/GRU/RNN: torch.export
+    specializes their one fused ATen op (the recurrence) on the sequence length."""
+    rnn = next((m for m in module.modules() if isinstance(m, torch.nn.RNNBase)), None) \
+        if isinstance(module, torch.nn.Module) else None
+    return None if rnn is None else (f"its nn.{type(rnn).__name__} runs the recurrence as one ATen op, which "
+                                     "torch.export specializes on the sequence length")
+
+
+def export_failure(e: BaseException, fix: str, where: str | None = None, module: Any = None) -> CaptureError:
     """The CaptureError for torch.export's exception `e`: its first line, or for a branch on a
-    tensor's value the model line that branches (with `fix` replaced by what to change there)."""
+    tensor's value the model line that branches (with `fix` replaced by what to change there).
+    `module`: the model exported, where known (its recurrent layers say why a dim stayed static)."""
     text = str(e).strip()
     first = text.splitlines()[0] if text else ""
     name = type(e).__name__
@@ -175,9 +188,11 @@ def export_failure(e: BaseException, fix: str, where: str | None = None) -> Capt
         suggested = text.partition("Suggested fixes:")[2] + "\n" + _excluded_ends(text)
         narrowed = _constraint_fixes(suggested)
         if narrowed:
+            static = any("static (torch.export keeps it" in n for n in narrowed)
+            why = (static and _recurrent(module)) or ("elsewhere the model takes another path, e.g. a slice "
+                                                      "shorter than it asks for")
             err = CaptureError(f"torch.export failed: one graph of this model holds for part of the recipe's "
-                               f"dims only, {'; '.join(narrowed)} (elsewhere the model takes another path, e.g. "
-                               f"a slice shorter than it asks for; torch.export: {first})",
+                               f"dims only, {'; '.join(narrowed)} ({why}; torch.export: {first})",
                                where=f"dims.{narrowed[0].split()[0]}",
                                fix=_narrow_fix(suggested, narrowed))
             # the ranges themselves, for a drafter that can take them ({dim: (min, max)}, None: not said)

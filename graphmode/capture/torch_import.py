@@ -565,7 +565,7 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
         raise                   # a refusal of ours, raised while the model was traced: already says what to do
     except Exception as e:  # noqa: BLE001 - torch raises many types; report them uniformly
         raise export_failure(e, "check the recipe's dims against the model (a dim the model specialises must "
-                                "be static in the recipe), or exclude the offending op") from e
+                                "be static in the recipe), or exclude the offending op", module=module) from e
     return ep
 
 

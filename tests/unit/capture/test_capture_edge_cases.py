@@ -977,6 +977,16 @@ def test_packed_sequences_are_named_with_what_to_do_instead():
     assert "padded batch" in e.value.fix
 
 
+def test_a_recurrent_layer_over_a_dynamic_length_says_torch_export_specializes_it():
+    """It said "e.g. a slice shorter than it asks for" of an nn.GRU whose length export fixes."""
+    from torch.export import Dim
+    rnn = torch.nn.GRU(4, 6, batch_first=True).eval()
+    with pytest.raises(CaptureError, match="nn.GRU runs the recurrence as one ATen op") as e:
+        graphmode.compile(rnn, example_inputs=(torch.randn(2, 6, 4),),
+                          dynamic_shapes={"input": {1: Dim("seq", min=2, max=32)}})
+    assert "seq static" in e.value.message and "slice shorter" not in e.value.message
+
+
 class _PositionsResized(torch.nn.Module):
     """DINOv2's position table resized to the image's patch grid: the resize's scale is a float
     computed from the dims (4 / floor(W / 8))."""
