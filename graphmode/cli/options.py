@@ -8,7 +8,7 @@ Python API does, so both share one cache.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -43,3 +43,17 @@ def kb_file(kb: Optional[Path], cache_dir: Optional[Path]) -> Path:
 
 THREADS_HELP = ("kernel threads (default: the cores this process may use); under parallel.tensor, each rank's "
                 "(default: cores / ranks)")
+
+
+def recipe_or_draft(recipe: Optional[str], model: str, log) -> Any:
+    """The recipe at `recipe`, or without one the recipe `graphmode.compile(model)` would draft
+    (as `generate`, `profile` and the Python API do); `log` hears which."""
+    from graphmode.cli.generate_cmd import model_bundle
+    from graphmode.kb.draft import draft_recipe
+    from graphmode.recipe import load_recipe
+    if recipe is not None:
+        return load_recipe(recipe)
+    d = draft_recipe(model_bundle(model), target="host", record=False)
+    log(f"no --recipe: drafted {d.recipe.name} ({d.recipe.hash()}); `graphmode recipe init --model {model} "
+        "-o r.yaml` writes it out with where each value came from")
+    return d.recipe

@@ -11,8 +11,8 @@ import torch.utils._pytree as pytree
 import typer
 from rich.table import Table
 
-from graphmode.cli.app import app, console
-from graphmode.cli.options import MODEL_SPEC_HELP, THREADS_HELP, CacheDir
+from graphmode.cli.app import app, console, err_console
+from graphmode.cli.options import MODEL_SPEC_HELP, THREADS_HELP, CacheDir, recipe_or_draft
 from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
 from graphmode.verify.eager import run_reference
@@ -96,14 +96,6 @@ def check_request(rec, env: dict[str, int]) -> None:
                                 fix="send a smaller shape")
 
 
-def _recipe(recipe: str | None):
-    from graphmode.recipe import load_recipe
-    if recipe is None:
-        raise GraphmodeError("no recipe given", where="--recipe",
-                             fix="pass --recipe FILE (only a .gm artifact carries its own)")
-    return load_recipe(recipe)
-
-
 def sla_misses(recipe: Any, dims: dict[str, int], times_ms: list[float]) -> list[dict[str, Any]]:
     """The SLA bounds this shape's measured calls missed (p50 against the median, p99 against the
     nearest-rank p99 of the calls): the proof's cost model is a prediction, this is the host."""
@@ -181,8 +173,8 @@ def _reference(cm):
 def run_cmd(
     model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP
                                                    + " | FILE.gm (an artifact: graphmode compile --save)"),
-    recipe: Optional[str] = typer.Option(None, "--recipe", help="required unless --model is a .gm file (it carries "
-                                                              "its own)"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="default: a .gm file's own; for a model, the "
+                                                              "recipe graphmode.compile would draft"),
     mode: Optional[str] = typer.Option(None, "--mode", help="eager | graph | hybrid (default: the recipe's)"),
     shape: Optional[str] = typer.Option(None, "--shape", help="the dims, e.g. 2x16 or batch=2,seq=16, or the "
                                                                "first input's whole shape (2x3x224x224)"),
@@ -207,7 +199,8 @@ def run_cmd(
     if threads:
         torch.set_num_threads(threads)
     loaded = _artifact(model, recipe, mode, cache_dir, threads)
-    rec = loaded.recipe if loaded is not None else _recipe(recipe)
+    rec = loaded.recipe if loaded is not None else recipe_or_draft(
+        recipe, model, lambda text: err_console.print(text, markup=False, highlight=False, soft_wrap=True))
     ranks = rec.parallel.tensor if rec.parallel is not None else 1
     if metrics and ranks > 1:
         raise GraphmodeError("--metrics reads one process's contract monitor; this recipe runs "

@@ -14,7 +14,7 @@ import yaml
 from rich.table import Table
 
 from graphmode.cli.app import app, console, err_console
-from graphmode.cli.options import KbPath, kb_file
+from graphmode.cli.options import KbPath, kb_file, recipe_or_draft
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
 from graphmode.progress import stage
@@ -72,7 +72,7 @@ def verify_cases(rec, buckets: list[dict[str, int]]) -> list[tuple[dict[str, int
 @app.command("verify")
 def verify_cmd(
     model: str = typer.Option(..., "--model"),
-    recipe: str = typer.Option(..., "--recipe"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="default: the recipe graphmode.compile would draft"),
     max_buckets: Optional[int] = typer.Option(None, "--max-buckets", help="check only the first N buckets"),
     seed: int = typer.Option(0, "--seed"),
     fix: bool = typer.Option(False, "--fix", help="propose the recipe change that removes a mismatch"),
@@ -87,13 +87,14 @@ def verify_cmd(
     from graphmode.compiler import lower_model
     from graphmode.kb.record import record_verify
     from graphmode.paths import cache_layout
-    from graphmode.recipe import load_recipe, pick_target
+    from graphmode.recipe import pick_target
     from graphmode.runtime.compiled import CompiledModel
     from graphmode.recipe.fixes import propose_fix
     from graphmode.verify.bisect import (bisect, bisect_plan, checked_precision, compare_outputs, logit_outputs,
                                          output_labels)
 
-    rec = load_recipe(recipe)
+    rec = recipe_or_draft(recipe, model, lambda text: err_console.print(text, markup=False, highlight=False,
+                                                                        soft_wrap=True))
     mode = "graph" if rec.exe_mode == "eager" else rec.exe_mode
     proved_on = pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets)   # the recipe's default target
     with ExitStack() as stack:
@@ -155,7 +156,8 @@ def verify_cmd(
     if failure and fix:
         change = propose_fix(rec, failure["divergence"])
         failure["fix"] = change
-        failure["diff"] = recipe_diff_text(recipe, change) if change else ""
+        failure["diff"] = "" if not change else recipe_diff_text(recipe, change) if recipe is not None else \
+            yaml.safe_dump(change, sort_keys=False)      # a drafted recipe: the change to make in its file
     ok = failure is None
     note = record_verify(kb_file(kb, cache_dir), cm, proved_on, results, failure)
     if note:

@@ -76,6 +76,18 @@ def test_verify_passes_on_a_correct_pipeline(tmp_path):
     assert d["ok"] and [c["shape"] for c in d["cases"]] == [{"batch": 1}, {"batch": 2}]
 
 
+def test_run_and_verify_without_a_recipe_draft_one_as_the_python_api_does(tmp_path):
+    """`run`/`verify --model file.py:build` required --recipe where graphmode.compile drafts one."""
+    spec = f"{ROOT / 'tests' / 'e2e' / 'tiny_models.py'}:mlp"
+    res = invoke("run", "--model", spec, "--iters", "2", "--json", "--cache-dir", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["outputs"][0]["rel_l2_vs_eager"] < 1e-5
+    assert "no --recipe: drafted" in res.stderr and "graphmode recipe init" in res.stderr
+    res = invoke("verify", "--model", spec, "--max-buckets", "2", "--json", "--cache-dir", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["ok"]
+
+
 def test_verify_bisects_a_broken_pass_and_proposes_a_fix(tmp_path, monkeypatch):
     """A deliberately wrong `layout` pass (changes relu to sigmoid) must be named, with the node."""
     import graphmode.passes.base as base
