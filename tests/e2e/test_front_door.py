@@ -462,6 +462,7 @@ def test_an_input_the_model_derives_from_the_ids_is_not_filled_with_a_constant()
             call()
 
 
+@pytest.mark.slow     # ~30-50 s on a busy 2-core host: several HF encoders
 def test_what_a_tokenizer_returns_is_taken_and_a_parameter_left_out_is_named():
     """DeBERTa-v2 ignores token types (type_vocab_size 0), but its tokenizer returns them: a draft
     left them out and cm(**tokenizer(...)) was refused as "arguments do not match the model's
@@ -502,6 +503,7 @@ def test_what_a_tokenizer_returns_is_taken_and_a_parameter_left_out_is_named():
     assert "example inputs that include them" in e.value.fix
 
 
+@pytest.mark.slow     # ~30-50 s on a busy 2-core host: a draft of every bucket
 def test_a_multiple_choice_head_compiles_without_examples():
     """*ForMultipleChoice takes [batch, choices, seq]; the draft gave it [batch, seq] and said to
     check module(**example_inputs), which the user never gave."""
@@ -517,6 +519,7 @@ def test_a_multiple_choice_head_compiles_without_examples():
     assert rel(cm(input_ids=ids, attention_mask=mask).logits, ref) < 1e-5
 
 
+@pytest.mark.slow     # ~30-50 s on a busy 2-core host: CLIP: two towers
 def test_a_two_tower_model_compiles_without_examples():
     """CLIPModel takes token ids and images: graphmode made the ids alone from its config, and the
     capture failed inside the vision tower ('NoneType' object has no attribute 'shape')."""
@@ -687,6 +690,7 @@ def _is_lm(name: str) -> bool:
     return name in ("gpt2", "llama", "qwen2")
 
 
+@pytest.mark.slow     # ~30-50 s on a busy 2-core host: the CLI case is in the default set
 def test_generate_on_a_draft_without_a_kv_cache_says_why():
     """BLOOM's ALiBi attention: the draft compiles its forward pass and no KV cache, and `generate`
     says so with the drafter's reason, naming ALiBi (not "add memory.kv_cache", which the decode

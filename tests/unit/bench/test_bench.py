@@ -131,7 +131,7 @@ def test_quick_bench_rows_files_and_ratios(cli, tmp_path):
     assert (out / "quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("quick", [True, pytest.param(False, marks=pytest.mark.slow)])   # one run: ~20 s
 def test_a_run_fails_when_graphmode_fails(cli, tmp_path, quick):
     """A recipe whose buckets miss the shape: graphmode is reported failed with the reason and
     the run exits non-zero (a full run exited 0); the other engines still ran."""

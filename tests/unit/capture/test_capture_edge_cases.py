@@ -342,6 +342,7 @@ def test_a_data_dependent_size_is_refused_in_graph_mode_and_runs_after_the_plan_
     assert torch.equal(cm(x, y), fn(x, y)) and cm.last_path["path"] == "graph"
 
 
+@pytest.mark.slow     # ~30-50 s on a busy 2-core host: a Llama capture per rope type
 def test_a_dynamic_rope_is_refused_with_its_fix(tmp_path):
     """Hugging Face's rope_type 'dynamic' recomputes its frequencies from the largest position of
     each call: the refusal names the rope and a rope type that captures (linear does)."""
@@ -701,6 +702,7 @@ class _LegacyCat(torch.nn.Module):
         return torch.cat([e, e.new_zeros(0)], dim=1)      # torch.cat skips a 1-d empty tensor (legacy)
 
 
+@pytest.mark.slow     # ~30-50 s on a busy 2-core host: two compiles
 def test_a_legacy_empty_cat_and_an_item_assert_capture_and_match_eager():
     """XLM concatenates a 1-d empty tensor (the padding analysis raised IndexError on a concat of
     two ranks) and asserts lengths.max().item() <= slen (was "unsupported python op
@@ -1013,6 +1015,7 @@ def _in_graph_over_images(m: torch.nn.Module, batch: int, tmp_path) -> None:
         assert rel_l2(cm(x), m(x)) < 1e-5 and cm.last_path["path"] == "graph"
 
 
+@pytest.mark.slow     # ~30-50 s on a busy 2-core host: a range of images
 def test_a_float_computed_from_dims_is_a_float(tmp_path):
     """It was taken for an integer: compiled, then every call failed (an arange of 1/2)."""
     _in_graph_over_images(_PositionsResized(), 1, tmp_path)

@@ -153,6 +153,7 @@ def test_minilm_ir_is_folded_and_linear(exported):
     assert report.source == "onnx" and report.opset == 17 and report.op_map["MatMul"].get("linear")
 
 
+@pytest.mark.slow     # ~30-50 s on a busy 2-core host: a GPT-2 through the dynamo exporter
 def test_gpt2_dynamo_export_imports(exported):
     """The torch.export-based exporter (opset 18, GatherND, value_info everywhere) also imports."""
     path = exported("gpt2", True, "dynamo")
