@@ -309,6 +309,13 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
                            fix="pass only tensors (bake other arguments into the module)")
     if not ex:
         raise CaptureError("no example inputs", where=where, fix="give at least one tensor")
+    training = [n or type(module).__name__ for n, m in module.named_modules() if m.training]
+    if training:        # dropout and batch statistics are a training forward: graphmode compiles inference
+        warnings.warn(GraphmodeNotice(
+            f"{type(module).__name__} was in training mode ({', '.join(training[:3])}"
+            f"{f' and {len(training) - 3} more' if len(training) > 3 else ''}): graphmode set it to eval(), as it "
+            "compiles the inference forward (dropout off, batch norm on its running statistics). Call "
+            "model.eval() before compiling to silence this"), stacklevel=3)
     module.eval()
     dims = {k: list(v.shape) for k, v in ex.items()} if input_dims is None else {
         k: list(v) for k, v in input_dims.items()}

@@ -53,6 +53,17 @@ def test_eager_mode_returns_eagers_structure(tmp_path):
     torch.testing.assert_close(out["a"], ref["a"])
 
 
+def test_a_module_in_training_mode_is_compiled_in_eval_and_told(tmp_path):
+    """It was set to eval() silently (the user's own module, dropout off from then on)."""
+    from graphmode.capture.spec import GraphmodeNotice
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))        # train() by default
+    with pytest.warns(GraphmodeNotice, match=r"Sequential was in training mode \(Sequential, 0, 1\).*model.eval\(\)"):
+        cm = graphmode.compile(m, _recipe(), cache_dir=tmp_path)
+    x = torch.randn(3, 8)
+    assert not m.training and torch.allclose(cm(x), m(x), atol=1e-6)
+
+
 def test_autocast_around_compile_or_a_call_is_ignored_with_a_warning(tmp_path):
     m, x = _model(), torch.randn(3, 8)
     with warnings.catch_warnings(record=True) as said:
