@@ -114,7 +114,10 @@ def example_inputs(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
         return ({"input_values": torch.randn(BATCH, frames, mels, generator=g)},
                 {"input_values": ["batch", frames, mels]})
     if main == "input_values":
-        return ({"input_values": torch.randn(BATCH, SAMPLES, generator=g)}, {"input_values": ["batch", "samples"]})
+        ex = {"input_values": torch.randn(BATCH, SAMPLES, generator=g)}
+        if "attention_mask" in params and getattr(cfg, "feat_extract_norm", None) == "layer":
+            ex["attention_mask"] = torch.ones(BATCH, SAMPLES, dtype=torch.long)   # what its feature extractor returns
+        return ex, {k: ["batch", "samples"] for k in ex}
     raise CaptureError(f"{type(module).__name__} takes {main!r} first, and graphmode does not know how to make "
                        "an example of it", where="model", value=main,
                        fix="pass (model, example_inputs) with tensors shaped as the model expects")

@@ -663,6 +663,23 @@ def test_a_spectrogram_models_examples_come_from_its_config(tmp_path):
     torch.testing.assert_close(cm(input_values=x).logits, m(input_values=x).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm,masked", [("layer", True), ("group", False)])
+def test_raw_audio_examples_take_the_attention_mask_its_feature_extractor_returns(norm, masked):
+    """A Wav2Vec2 with layer-normed features (large/lv60: its feature extractor returns an
+    attention mask) was drafted without one, so cm(**features) was refused naming it; group-normed
+    ones (base) take none (transformers' docs: do not pass it)."""
+    import transformers
+
+    from graphmode.capture.hf import example_inputs
+    m = transformers.Wav2Vec2Model(transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2, feat_extract_norm=norm,
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2))
+    ex, dims = example_inputs(m)
+    assert ("attention_mask" in ex) is masked and set(dims) == set(ex)
+    assert all(d == ["batch", "samples"] for d in dims.values())
+
+
 def test_an_hf_model_that_does_not_run_graphmodes_examples_says_they_were_graphmodes(monkeypatch):
     from graphmode.capture import hf
     monkeypatch.setattr(hf, "_is_spectrogram", lambda cfg: False)      # AST's input drafted as raw audio
