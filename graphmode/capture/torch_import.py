@@ -543,6 +543,17 @@ def _refuse_grad_regions(ep) -> None:
                                    "enable_grad block); gradients are not part of a compiled inference call")
 
 
+def _refuse_sparse_constants(ep) -> None:
+    """A sparse (or other non-strided) parameter or buffer the forward reads: graphmode's graph
+    holds dense tensors (the padding analysis and the planner crashed on one)."""
+    for name, t in (*ep.state_dict.items(), *ep.constants.items()):
+        if isinstance(t, torch.Tensor) and t.layout is not torch.strided:
+            raise CaptureError(f"the model's {name} is a {str(t.layout).replace('torch.', '')} tensor, and graphmode "
+                               "compiles dense ones", where=f"model.{name}", value=str(t.layout),
+                               fix="keep it dense in the module (register the buffer as t.to_dense()), or run the "
+                                   "model with exe_mode: eager")
+
+
 def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.Tensor],
                    input_dims: Mapping[str, Sequence], dims: Mapping[str, tuple[int, int]]):
     """torch.export with one torch Dim per recipe dim (dims with min == max stay static)."""
@@ -560,6 +571,7 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
                 refuse_self_changes(module, "model", "torch.export traced it"):
             ep = torch.export.export(module, (), dict(example_inputs), dynamic_shapes=dynamic, strict=False)
             _refuse_grad_regions(ep)
+            _refuse_sparse_constants(ep)
             ep = ep.run_decompositions(decomp_table={})
     except GraphmodeError:
         raise                   # a refusal of ours, raised while the model was traced: already says what to do

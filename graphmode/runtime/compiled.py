@@ -193,7 +193,8 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
         keep = {t.untyped_storage().data_ptr() for k, t in self.graph.constants.items()
                 if self.graph.values[k].role == "state"}
         if module is not None:
-            keep |= {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+            keep |= {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
+                     if t.layout is torch.strided}      # a sparse buffer has no storage of its own
         folder = None if self.cache_dir is False else cache_layout(self.cache_dir).spill
         self.graph.constants, self.constant_spill = spill_constants(self.graph.constants, folder, keep=keep)
 

@@ -1006,6 +1006,24 @@ def test_a_recurrent_layer_over_a_dynamic_length_says_torch_export_specializes_i
     assert "seq static" in e.value.message and "slice shorter" not in e.value.message
 
 
+class _SparseBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("adjacency", torch.eye(4).to_sparse())
+
+    def forward(self, x):
+        return self.lin(x) + (self.adjacency @ x.T).T
+
+
+def test_a_sparse_buffer_the_forward_reads_is_refused_naming_it():
+    """It reached the padding analysis and crashed there (RuntimeError: reshape is not implemented
+    for sparse tensors), a raw traceback from graphmode.compile."""
+    with pytest.raises(CaptureError, match="adjacency is a sparse_coo tensor") as e:
+        graphmode.compile(_SparseBuffer().eval(), example_inputs=(torch.randn(2, 4),))
+    assert "to_dense()" in e.value.fix
+
+
 class _PositionsResized(torch.nn.Module):
     """DINOv2's position table resized to the image's patch grid: the resize's scale is a float
     computed from the dims (4 / floor(W / 8))."""
