@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional
 import typer
 
 from graphmode.cli.app import app, err_console
-from graphmode.cli.options import THREADS_HELP, CacheDir
+from graphmode.cli.options import THREADS_HELP, CacheDir, model_bundle
 from graphmode.cli.progress import progress
 from graphmode.decode.output import encode_text
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
@@ -130,14 +130,6 @@ class Request:
                                                                   if not more else ""),
                                     where="--max-tokens", value=max_tokens,
                                     fix=f"ask for at most {room - self.longest} new tokens{more}")
-
-
-def model_bundle(model: str) -> Any:
-    from graphmode.capture.spec import BareModuleError, as_model, resolve_model_spec
-    try:
-        return resolve_model_spec(model)
-    except BareModuleError as e:    # 'pkg.mod:fn' returning the module alone: a causal LM's config
-        return as_model(e.module)   # names its inputs, as `compile`, `run` and `verify` take it
 
 
 def drafted_decoder(model: str) -> tuple[Any, Any]:

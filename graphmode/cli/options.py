@@ -45,10 +45,17 @@ THREADS_HELP = ("kernel threads (default: the cores this process may use); under
                 "(default: cores / ranks)")
 
 
+def model_bundle(model: str) -> Any:
+    from graphmode.capture.spec import BareModuleError, as_model, resolve_model_spec
+    try:
+        return resolve_model_spec(model)
+    except BareModuleError as e:    # 'pkg.mod:fn' returning the module alone: a causal LM's config
+        return as_model(e.module)   # names its inputs, as `compile`, `run` and `verify` take it
+
+
 def recipe_or_draft(recipe: Optional[str], model: str, log) -> Any:
     """The recipe at `recipe`, or without one the recipe `graphmode.compile(model)` would draft
     (as `generate`, `profile` and the Python API do); `log` hears which."""
-    from graphmode.cli.generate_cmd import model_bundle
     from graphmode.kb.draft import draft_recipe
     from graphmode.recipe import load_recipe
     if recipe is not None:

@@ -28,7 +28,7 @@ from graphmode.capture.self_changes import SWITCHES, busy_modules
 from graphmode.errors import GraphmodeError
 
 _VERSION = attrgetter("_version")
-_STORAGE = torch.Tensor.data_ptr
+_DATA_PTR = torch.Tensor.data_ptr
 _MISSING = object()
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
@@ -50,7 +50,10 @@ class FrozenWeights:
         self._names = [n for n, _ in named]
         self._tensors = [t for _, t in named]
         self._versions = [t._version for t in self._tensors]
-        self._storages = list(map(_STORAGE, self._tensors))
+        # a sparse tensor has no data pointer of its own: its version counter is all there is
+        self._stored = [(n, t) for n, t in named if t.layout is torch.strided]
+        self._stored_tensors = [t for _, t in self._stored]
+        self._storages = list(map(_DATA_PTR, self._stored_tensors))
         # (label, the dict that holds it, key, what it held at compile)
         python = [(p, m) for p, m in module.named_modules() if not isinstance(m, torch.jit.ScriptModule)]
         self._module_ids = {id(m) for _, m in module.named_modules()}
@@ -58,7 +61,8 @@ class FrozenWeights:
                        for d in (sub._parameters, sub._buffers, sub._modules) for k, v in d.items()]
         # plain tensor attributes (not parameters or buffers: `self.scale = torch.full(...)`), which the
         # graph holds as constants: one replaced is refused as a buffer is (a Python number is not checked)
-        storages = None if held is None else {t.untyped_storage().data_ptr() for t in held.values()}
+        storages = None if held is None else {t.untyped_storage().data_ptr() for t in held.values()
+                                               if t.layout is torch.strided}
         self._slots += [(label, sub.__dict__, k, v) for path, sub in python for k, v in sub.__dict__.items()
                         if isinstance(v, torch.Tensor) and (label := f"{path}.{k}" if path else k)
                         and (held is None or label in held or v.untyped_storage().data_ptr() in storages)]
@@ -89,8 +93,8 @@ class FrozenWeights:
         busy = busy_modules()
         if busy and not self._module_ids.isdisjoint(busy):
             return                  # graphmode compiles it in another thread: torch.export's swaps are not changes
-        if list(map(_STORAGE, self._tensors)) != self._storages:
-            changed = [n for n, t, p in zip(self._names, self._tensors, self._storages) if t.data_ptr() != p]
+        if list(map(_DATA_PTR, self._stored_tensors)) != self._storages:
+            changed = [n for (n, t), p in zip(self._stored, self._storages) if t.data_ptr() != p]
             self._refuse(changed, "were given new data (param.data = t, module.half() or .to(dtype))")
         if any(map(is_not, map(dict.get, self._slot_dicts, self._slot_keys), self._slot_values)):
             changed = [label for label, d, k, v in self._slots if d.get(k) is not v]
