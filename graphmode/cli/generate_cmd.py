@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional
 import typer
 
 from graphmode.cli.app import app, err_console
-from graphmode.cli.options import THREADS_HELP, CacheDir, model_bundle
+from graphmode.cli.options import THREADS_HELP, CacheDir, drafted, model_bundle
 from graphmode.cli.progress import progress
 from graphmode.decode.output import encode_text
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
@@ -136,8 +136,7 @@ def drafted_decoder(model: str) -> tuple[Any, Any]:
     """(the model, its drafted recipe) for `generate` without --recipe, as `graphmode.compile(model)`
     drafts one: a causal LM gets memory.kv_cache; one the decode engine cannot run is refused
     with the drafter's reason."""
-    from graphmode.kb.draft import draft_recipe
-    d = draft_recipe(model_bundle(model), target="host", record=False)
+    d = drafted(model)
     if d.recipe.memory.kv_cache is None:
         why = d.notes.get("memory.kv_cache", "the model is not a causal LM")
         fix = ("run the model's forward pass with graphmode run" if "cannot decode on graphmode's KV cache" in why

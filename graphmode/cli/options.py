@@ -53,14 +53,19 @@ def model_bundle(model: str) -> Any:
         return as_model(e.module)   # names its inputs, as `compile`, `run` and `verify` take it
 
 
+def drafted(model: str) -> Any:
+    """The draft `graphmode.compile(model)` makes without a recipe (kb/draft.py), for a command's model spec."""
+    from graphmode.kb.draft import draft_recipe
+    return draft_recipe(model_bundle(model), target="host", record=False)
+
+
 def recipe_or_draft(recipe: Optional[str], model: str, log) -> Any:
     """The recipe at `recipe`, or without one the recipe `graphmode.compile(model)` would draft
     (as `generate`, `profile` and the Python API do); `log` hears which."""
-    from graphmode.kb.draft import draft_recipe
     from graphmode.recipe import load_recipe
     if recipe is not None:
         return load_recipe(recipe)
-    d = draft_recipe(model_bundle(model), target="host", record=False)
+    d = drafted(model)
     log(f"no --recipe: drafted {d.recipe.name} ({d.recipe.hash()}); `graphmode recipe init --model {model} "
         "-o r.yaml` writes it out with where each value came from")
     return d.recipe
