@@ -56,7 +56,7 @@ def _compile(model: Any, recipe: Any, target: Any, *, example_inputs: Any, dynam
     if (compiler.tensor_parallel(recipe) > 1 and rank is None and recipe.memory.kv_cache is not None
             and (mode or recipe.exe_mode) != "eager"):
         from graphmode.decode.tensor_parallel import launch_decoder   # the ranks decode in step
-        return launch_decoder(model, recipe, tgt, cache_dir=cache_dir, threads=threads)
+        return launch_decoder(model, recipe, tgt, cache_dir=cache_dir, threads=threads, on_stage=on_stage)
     cm = compiler.compile(model, recipe, tgt, mode=mode, cache_dir=cache_dir, threads=threads, warmup=warmup,
                           on_stage=on_stage, rank=rank)
     if getattr(cm, "decoding", False) is None and cm.recipe.memory.kv_cache is not None:

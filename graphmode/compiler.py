@@ -421,7 +421,7 @@ def compile(model: Any, recipe: Recipe | str | Path, target: Any = "host", *, mo
     if tensor_parallel(recipe) > 1 and rank is None and mode != "eager":
         from graphmode.parallel.launch import launch
         return launch(model, recipe, tgt, driver=rank_driver(), mode=mode, cache_dir=cache_dir,
-                      threads=threads)  # warm
+                      threads=threads, on_stage=on_stage)  # warm
     if mode == "eager":
         src = resolve_model(model, recipe)
         # the passes narrow weights; eager runs the module as it is (said where the recipe asks for eager: the

@@ -378,7 +378,7 @@ def generate_cmd(
         elif ranks > 1:      # graphmode.compile starts the ranks; rank 0's engine is driven from here
             with stage(on_stage, "ranks", detail=f"{ranks} processes compile their shards"):
                 # the transformers model crosses to the ranks pickled (a bundle's wrapper need not pickle)
-                cm = graphmode.compile(req.lm, rec, host, cache_dir=cache_dir, threads=threads)
+                cm = graphmode.compile(req.lm, rec, host, cache_dir=cache_dir, threads=threads, on_stage=on_stage)
         else:              # no whole-sequence graph: it would never run; the decode engine captures its own
             cm = gm_compile(req.bundle, rec, host, mode="eager", cache_dir=cache_dir, threads=threads,
                             on_stage=on_stage)

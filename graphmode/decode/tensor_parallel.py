@@ -185,14 +185,15 @@ def proof_kv_bytes(engine: DecodeEngine) -> int:
 
 
 def compile_rank(model: Any, recipe: Any, target: Any, *, mode: str | None = None, cache_dir: Any = None,
-                 threads: int | None = None, warmup: bool = True, rank: int = 0) -> RankDecoder:
+                 threads: int | None = None, warmup: bool = True, rank: int = 0,
+                 on_stage: Any = None) -> RankDecoder:
     """A rank's decode engine (`RankDriver.compile` for a decoder recipe): its shard, its plans.
     `model` is anything graphmode.compile takes, or the transformers causal LM itself."""
     from graphmode.capture.source import resolve_model
     from graphmode.decode.api import causal_lm
     src = model if hasattr(model, "get_output_embeddings") else resolve_model(model, recipe)
     lm = src if src is model else causal_lm(src)
-    eng = DecodeEngine.build(lm, recipe, target, cache_dir=cache_dir, threads=threads, rank=rank)
+    eng = DecodeEngine.build(lm, recipe, target, cache_dir=cache_dir, threads=threads, rank=rank, on_stage=on_stage)
     if warmup:
         eng.warmup()
     return RankDecoder(eng, rank, active(), float(recipe.parallel.comm.timeout_s),
@@ -315,16 +316,17 @@ class TensorParallelDecoder:
         self.close()
 
 
-def launch_decoder(model: Any, recipe: Any, target: Any, *, cache_dir: Any = None,
-                   threads: int | None = None, driver: RankDriver | None = None) -> TensorParallelDecoder:
+def launch_decoder(model: Any, recipe: Any, target: Any, *, cache_dir: Any = None, threads: int | None = None,
+                   driver: RankDriver | None = None, on_stage: Any = None) -> TensorParallelDecoder:
     """Start the `parallel.tensor` ranks of a decoder recipe (module doc); returns once every
-    rank has built its engine and plans, or raises the first rank's error (typed)."""
+    rank has built its engine and plans (`on_stage` hears rank 0's), or raises the first rank's
+    error (typed)."""
     if recipe.memory.kv_cache is None:
         raise GraphmodeError("tensor-parallel decoding needs a paged KV cache", where="memory.kv_cache",
                              fix="add memory.kv_cache to the recipe")
     threads = threads or max(1, (os.cpu_count() or 1) // recipe.parallel.tensor)
     return TensorParallelDecoder(launch(model, recipe, target, driver=driver or decoder_driver(), mode="graph",
-                                       cache_dir=cache_dir, threads=threads), threads=threads)
+                                       cache_dir=cache_dir, threads=threads, on_stage=on_stage), threads=threads)
 
 
 def decoder_driver() -> RankDriver:

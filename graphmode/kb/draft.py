@@ -444,12 +444,12 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     if outputs:
         data["outputs"] = outputs
         notes["outputs"] = "from the captured graph: dim axes are sliced back after padding"
-    verdict = settle_padding(data, notes, lambda d: load_recipe(_ordered(d)), graph0, cap, src, ranges, bounded)
+    verdict = settle_padding(data, notes, lambda d: load_recipe(_ordered(d)), graph0, cap, src, ranges)
     exact = {d: example.get(d, ranges[d][1]) for d in verdict.exact_dims
              if (data.get("dims") or {}).get(d, {}).get("exact_plans") and "buckets" not in data["dims"][d]}
     if bounded and exact:        # their synthesised buckets served exact values only: the budget goes to batch
         data["dims"], ranges = _dims(*dim_args, narrowed, exact)
-        verdict = settle_padding(data, notes, lambda d: load_recipe(_ordered(d)), graph0, cap, src, ranges, bounded)
+        verdict = settle_padding(data, notes, lambda d: load_recipe(_ordered(d)), graph0, cap, src, ranges)
     _sla(data, notes, p99_ms, max_p99_over_p50)
     data["memory"] = {}
     windowed = False          # left out for a window only: said when nothing else stops decoding

@@ -11,12 +11,14 @@ EXACT_PLANS = 16               # past it: values of such a dim that recur become
 
 
 def settle_padding(data: dict, notes: dict, load: Callable[[dict], Any], graph: Any, cap: Any, src: Any,
-                   ranges: dict[str, tuple[int, int]], bounded: bool = False) -> Any:
+                   ranges: dict[str, tuple[int, int]]) -> Any:
     """Decide the draft with the verdict; a dim whose padding is unsafe gets exact buckets
-    (or on_violation: eager when it has more than MAX_EXACT values, or, `bounded`, when the
-    draft would hold more than MAX_EXACT_PLANS plans: a CNN's h and w, 54 values each, made
-    5,832 plans for warm-up to build; then its values that recur become plans). `load` makes
-    the draft's data a recipe. Returns the verdict."""
+    (or on_violation: eager when it has more than MAX_EXACT values, more than the dim's
+    max_buckets (`recipe init --max-buckets`), or when the draft would hold more than
+    MAX_EXACT_PLANS plans: a CNN's h and w, 54 values each, made 5,832 plans for warm-up to
+    build, and a MoE LM's batch 1-4 x seq 1-63, 252 plans a tensor-parallel group built at start;
+    then its values that recur become plans). `load` makes the draft's data a recipe. Returns
+    the verdict."""
     from graphmode.verdict import ContractRefused, decide
     for _ in range(2):
         v = decide(load(data), graph, cap, src, data["exe_mode"])
@@ -33,15 +35,17 @@ def settle_padding(data: dict, notes: dict, load: Callable[[dict], Any], graph: 
             at = f" ({issue.loc})" if issue.loc else ""
             reason = issue.message.split(": ", 1)[-1]
             plans = len(load(data).buckets()) // len(load(data).dim_buckets()[d])
-            if hi - lo + 1 <= MAX_EXACT and not (bounded and plans * (hi - lo + 1) > MAX_EXACT_PLANS):
+            values, most = hi - lo + 1, data["dims"][d].get("max_buckets")
+            if values <= min(MAX_EXACT, most or MAX_EXACT) and plans * values <= MAX_EXACT_PLANS:
                 data["dims"][d] = {"min": lo, "max": hi}
-                notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; ")[0] + f"; every value a bucket ({hi - lo + 1} "
+                notes[f"dims.{d}"] = (notes[f"dims.{d}"].split("; ")[0] + f"; every value a bucket ({values} "
                                       f"plans): padding {d} is unsafe for this model: {reason}{at}")
             else:       # the buckets the draft chose, refined by the values requests send
                 data["on_violation"] = "eager"
                 data["dims"][d] = {**data["dims"][d], "exact_plans": EXACT_PLANS}
-                why = (f"[{lo}, {hi}] has too many values for exact buckets" if hi - lo + 1 > MAX_EXACT else
-                       f"every value of [{lo}, {hi}] a bucket would make {plans * (hi - lo + 1)} plans")
+                why = (f"[{lo}, {hi}] has too many values for exact buckets" if values > MAX_EXACT else
+                       f"[{lo}, {hi}] has more values than its max_buckets {most}" if most and values > most else
+                       f"every value of [{lo}, {hi}] a bucket would make {plans * values} plans")
                 notes["on_violation"] = (f"padding {d} is unsafe for this model ({reason}{at}), and {why}: requests "
                                          f"off a bucket run eagerly, and up to {EXACT_PLANS} values of {d} that recur "
                                          f"become plans of their own (dims.{d}.exact_plans)")

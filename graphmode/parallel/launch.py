@@ -85,11 +85,12 @@ class RankDriver:
 
 
 def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any, target: Any, mode: str | None,
-               cache_dir: Any, threads: int, driver: RankDriver) -> tuple[Any, Any, dict]:
+               cache_dir: Any, threads: int, driver: RankDriver, on_stage: Any = None) -> tuple[Any, Any, dict]:
     """Join the group (`init_method`: tcp://host:port), bind this process's communicator and
     compile this rank's shard with every bucket's plan (so a call never waits on a peer's plan
-    build past the collective timeout). Returns (the rank's CompiledModel, its communicator,
-    what it reports: pid, weights and KV bytes, collectives). Shared by `launch` and torchrun."""
+    build past the collective timeout); `on_stage` hears its capture, passes, proof and plans.
+    Returns (the rank's CompiledModel, its communicator, what it reports: pid, weights and KV
+    bytes, collectives). Shared by `launch` and torchrun."""
     import torch
     import torch.distributed as dist
 
@@ -102,7 +103,9 @@ def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any,
                             timeout=datetime.timedelta(seconds=timeout))
     comm = TorchDistributed(rank, world, timeout)
     bind_process(comm)
-    cm = driver.compile(model, recipe, target, mode=mode, cache_dir=cache_dir, threads=threads, warmup=True, rank=rank)
+    heard = {"on_stage": on_stage} if on_stage is not None else {}      # a saved group's load has no stages
+    cm = driver.compile(model, recipe, target, mode=mode, cache_dir=cache_dir, threads=threads, warmup=True, rank=rank,
+                        **heard)
     g = cm.graph
     held = {k: t.numel() * t.element_size() for k, t in (g.constants.items() if g else ())}
     state = sum(n for k, n in held.items() if g.values[k].role == "state")     # a decoder's KV pools
@@ -121,19 +124,35 @@ def start_rank(rank: int, world: int, init_method: str, model: Any, recipe: Any,
 
 
 def _rank_main(rank: int, world: int, port: int, conn, model: bytes, recipe: Any, target: Any, mode: str | None,
-               cache_dir: Any, threads: int, driver: RankDriver) -> None:
-    """One rank process of `launch`: start (above), report ready, answer the parent's requests."""
+               cache_dir: Any, threads: int, driver: RankDriver, report: bool = False) -> None:
+    """One rank process of `launch`: start (above), report ready, answer the parent's requests.
+    With `report`, its start's progress events go to the parent as ("stage", Stage) first."""
     conn = _Plain(conn)
     _warnings_as_lines(rank)
     try:
+        heard = _StartProgress(conn) if report else None
         cm, comm, info = start_rank(rank, world, f"tcp://127.0.0.1:{port}", pickle.loads(model), recipe, target,
-                                    mode, cache_dir, threads, driver)
+                                    mode, cache_dir, threads, driver, on_stage=heard)
+        if heard is not None:
+            heard.starting = False
         conn.send(("ready", info))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", _portable(e, rank)))
         return
     answer_requests(cm, comm, conn, rank)
     stop_rank()
+
+
+class _StartProgress:
+    """A rank's progress events to the parent while it starts; a plan built later (a recurring
+    value's, dims.D.exact_plans) is not reported: the pipe then carries requests and answers."""
+
+    def __init__(self, conn: Any):
+        self.conn, self.starting = conn, True
+
+    def __call__(self, s: Any) -> None:
+        if self.starting:
+            self.conn.send(("stage", s))
 
 
 def _warnings_as_lines(rank: int) -> None:
@@ -273,6 +292,7 @@ class TensorParallelModel:
         self.output_types: list[tuple] = []      # rank 0's (dtype, shape) per output: what KServe metadata lists
         self._source = None
         self._down: str | None = None
+        self.on_stage: Any = None                # hears rank 0's start progress (`launch`)
 
     @property
     def pids(self) -> list[int]:
@@ -429,7 +449,12 @@ class TensorParallelModel:
                            f"{timeout_s:g} s")
             for r in sorted(waiting):
                 if self.conns[r] in ready or self.conns[r].poll():
-                    got[r] = self._read(r)
+                    rep = self._read(r)
+                    if rep[0] == "stage":          # a start's progress (`launch(on_stage=)`): not the reply
+                        if self.on_stage is not None:
+                            self.on_stage(rep[1])
+                        continue
+                    got[r] = rep
                     waiting.discard(r)
                 elif self.procs[r].sentinel in ready:
                     self.procs[r].join(1)
@@ -515,9 +540,11 @@ def check_group(recipe: Any) -> int:
 
 
 def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver, mode: str | None = None,
-           cache_dir: Any = None, threads: int | None = None) -> TensorParallelModel:
+           cache_dir: Any = None, threads: int | None = None, on_stage: Any = None) -> TensorParallelModel:
     """Start the `parallel.tensor` ranks of `recipe` on this machine (module doc); returns when
-    every rank has compiled its shard, or raises the first rank's error (a refusal keeps its type)."""
+    every rank has compiled its shard, or raises the first rank's error (a refusal keeps its type).
+    `on_stage` hears rank 0's capture, passes, proof and plans as they happen (the ranks build
+    theirs side by side): a start that builds hundreds of plans says so."""
     world = check_group(recipe)
     from graphmode.parallel.main_guard import check_main_guard
     check_main_guard()
@@ -531,7 +558,8 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
     for r in range(world):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_rank_main, name=f"graphmode-rank{r}", daemon=True,
-                        args=(r, world, port, child, blob, recipe, target, mode, cache_dir, threads, driver))
+                        args=(r, world, port, child, blob, recipe, target, mode, cache_dir, threads, driver,
+                              r == 0 and on_stage is not None))
         p.start()
         child.close()
         procs.append(p)
@@ -539,5 +567,6 @@ def launch(model: Any, recipe: Any, target: Any = "host", *, driver: RankDriver,
     tp = TensorParallelModel(model, recipe, procs, conns, target, resolve_model=driver.resolve_model,
                              save_group=driver.save)
     tp.threads = threads                      # each rank's
+    tp.on_stage = on_stage
     tp.started([rep[1] for rep in tp._collect(None, "start")])
     return tp

@@ -130,10 +130,11 @@ class Loading:
                                    on_stage=self.on_stage)
                 self._artifact_serves(cm.recipe)         # the file replaced since it was read: refused
             elif ranks > 1 and recipe.memory.kv_cache is not None:
-                cm = self._ranks(recipe)
+                cm = self._ranks(recipe, self._heard(ticket))
             else:     # rank processes resolve a spec themselves: a resolved bundle's wrapper need not pickle
                 cm = gm_compile(self.model_spec if ranks > 1 and self.model_spec else self.model, recipe, self.target,
-                                cache_dir=self.config.cache_dir, threads=self.config.threads, on_stage=self.on_stage)
+                                cache_dir=self.config.cache_dir, threads=self.config.threads,
+                                on_stage=self._heard(ticket) if ranks > 1 else self.on_stage)
         if ranks > 1 and recipe.memory.kv_cache is None:
             from graphmode.runtime.served_group import ServedGroup
             cm = ServedGroup(cm)                 # requests checked here, run on the ranks
@@ -144,14 +145,27 @@ class Loading:
                 cm.close()                       # its rank processes too
             raise
 
-    def _ranks(self, recipe: Any) -> Any:
+    def _ranks(self, recipe: Any, on_stage: Any) -> Any:
         """A decoder recipe's `parallel.tensor` rank processes, started once for the deployment:
         each compiles its shard and builds its plans (decode/tensor_parallel.py)."""
         from graphmode.decode.api import causal_lm
         from graphmode.decode.tensor_parallel import launch_decoder
         # the transformers model crosses to the ranks (a bundle's wrapper need not pickle)
         return launch_decoder(causal_lm(self.model), recipe, self.target, cache_dir=self.config.cache_dir,
-                              threads=self.config.threads)
+                              threads=self.config.threads, on_stage=on_stage)
+
+    def _heard(self, ticket: ReloadTicket | None) -> Any:
+        """The server's progress callback for a rank group's start; a reload's ticket follows rank
+        0's plan builds too (the ranks build every plan before they report ready)."""
+        if ticket is None:
+            return self.on_stage
+
+        def on_stage(s: Any) -> None:
+            if s.name == "plans" and s.total:
+                ticket.progress = (s.done, s.total)
+            if self.on_stage is not None:
+                self.on_stage(s)
+        return on_stage
 
     def _deploy(self, cm: Any, recipe: Any, origin: str, ticket: ReloadTicket | None, t0: float) -> Deployment:
         self._unless_stopping()

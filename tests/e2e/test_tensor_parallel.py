@@ -120,6 +120,21 @@ def mlp_group(tmp_path, timeout_s: float):
     return graphmode.compile(f"{SPEC}:mlp", rec, cache_dir=tmp_path)
 
 
+def test_the_ranks_start_reports_rank_0s_progress_and_calls_answer_after_it(tmp_path):
+    """A group that builds many plans sat at "ranks compile their shards" with nothing shown for
+    minutes; rank 0's capture, passes, proof and plan builds now reach the caller's on_stage."""
+    heard = []
+    rec = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims={"batch": {"buckets": [1, 2], "min": 1}})
+    x = torch.randn(2, 16)
+    with graphmode.compile(f"{SPEC}:mlp", rec, cache_dir=tmp_path, on_stage=heard.append) as tp:
+        names = [s.name for s in heard]
+        assert {"capture", "passes", "proof", "plans"} <= set(names), names
+        plans = [s for s in heard if s.name == "plans"]
+        assert plans[-1].finished and plans[-1].done == plans[-1].total == 2, plans
+        n = len(heard)
+        assert tp(input=x) is not None and len(heard) == n        # a call reports nothing
+
+
 @pytest.mark.slow     # ~15 s; a killed rank's 503 and health: the server test above
 def test_a_killed_rank_fails_the_call_at_once(tmp_path):
     x = torch.randn(2, 16)

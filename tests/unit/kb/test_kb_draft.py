@@ -210,6 +210,26 @@ def test_a_bounded_draft_whose_batch_is_unsafe_to_pad_stays_a_valid_recipe():
     assert d.data["dims"]["batch"]["buckets"][0] == 1 and load_recipe(d.data) == d.recipe
 
 
+def test_a_dim_unsafe_to_pad_keeps_the_users_max_buckets():
+    """`recipe init --dim seq=1:63 --dim batch=1:4 --max-buckets 3` of a MoE LM (its routing sorts
+    along batch and seq) drafted every value a bucket: 252 plans, which a tensor-parallel group
+    built before its first request. A given max_buckets (and the plan cap) holds: values off a
+    bucket run eagerly and those that recur get plans of their own."""
+    import torch
+
+    class SortsTokens(torch.nn.Module):
+        def forward(self, x):
+            return x.flatten(0, 1).sort(0).values.reshape(x.shape)    # every token reads the padded ones
+    m = (SortsTokens().eval(), (torch.randn(2, 6, 4),), {"x": ["batch", "seq", 4]})
+    d = draft_recipe(m, ranges={"batch": (1, 4), "seq": (1, 63)}, max_buckets=3, max_padding=0.9, record=False)
+    dims = d.data["dims"]
+    assert d.data["on_violation"] == "eager" and dims["seq"]["exact_plans"] == 16, dims
+    assert len(d.recipe.buckets()) <= 9 and "more values than its max_buckets 3" in d.notes["on_violation"]
+    few = draft_recipe(m, ranges={"batch": (1, 4), "seq": (1, 3)}, max_buckets=4, max_padding=0.9, record=False)
+    assert few.data["on_violation"] != "eager" and few.recipe.dim_buckets() == {"batch": [1, 2, 3, 4],
+                                                                                "seq": [1, 2, 3]}
+
+
 def test_coarse_buckets_of_a_bounded_draft_plan_the_values_that_recur():
     """Three dims share the draft's 16 plans, so each gets two or three buckets: a T5 request of
     batch 2 x seq 64 x decoder_seq 31 ran padded to 32 x 512 x 72, 43x eager's time, on every
