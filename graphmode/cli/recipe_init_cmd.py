@@ -72,6 +72,8 @@ def init_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
                                            "--dim seq=2:128@x:1 (repeatable; default: the model's config or "
                                            "graphmode's defaults)"),
              objective: str = typer.Option("latency", "--objective", help="latency | throughput"),
+             tensor: int = typer.Option(1, "--tensor", min=1, help="tensor-parallel ranks on this machine: writes "
+                                        "the parallel section (strategy, device group, loopback link)"),
              name: Optional[str] = typer.Option(None, "--name", help="recipe name (default <model>-draft)"),
              out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the recipe here (default stdout)"),
              force: bool = typer.Option(False, "--force", help="overwrite --out if it exists"),
@@ -83,6 +85,7 @@ def init_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
     with a comment on every value saying where it came from."""
     from graphmode.errors import GraphmodeError
     from graphmode.kb.draft import draft_recipe
+    from graphmode.kb.draft_parallel import with_tensor
     from graphmode.kb.recommend import check_objective
     from graphmode.paths import cache_layout
     from graphmode.recipe import recipe_hash
@@ -99,6 +102,7 @@ def init_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
                                  ranges=parse_ranges(dim), max_p99_over_p50=max_p99_over_p50, max_padding=max_padding,
                                  max_buckets=max_buckets, kb_path=kb_file(kb, cache_dir), objective=objective,
                                  name=name, target_cache_dir=cache_layout(cache_dir).targets)
+            draft = with_tensor(draft, tensor, draft.report.target)
     except GraphmodeError as e:
         raise _in_flags(e, memory_mb) from None
     text = draft.yaml()

@@ -135,6 +135,35 @@ def test_the_ranks_start_reports_rank_0s_progress_and_calls_answer_after_it(tmp_
         assert tp(input=x) is not None and len(heard) == n        # a call reports nothing
 
 
+def test_recipe_init_tensor_writes_a_group_recipe_that_runs_on_its_ranks(tmp_path):
+    """`recipe init --tensor 2` writes the parallel section (it was pasted from the docs by hand):
+    a column- then row-parallel MLP, and the group's outputs equal eager's."""
+    import yaml
+    from typer.testing import CliRunner
+
+    import graphmode.cli.recipe_init_cmd  # noqa: F401  (registers `recipe init`)
+    from graphmode.cli.app import app
+    out = tmp_path / "tp2.yaml"
+    res = CliRunner().invoke(app, ["recipe", "init", "--model", f"{SPEC}:mlp", "--tensor", "2", "--out", str(out),
+                                   "--cache-dir", str(tmp_path / "cache")])
+    assert res.exit_code == 0, res.output
+    par = yaml.safe_load(out.read_text())["parallel"]
+    assert par["tensor"] == 2 and par["strategy"] == "head" and par["device_group"] == ["rank0", "rank1"], par
+    model, _, _ = tiny_tp.mlp()
+    x = torch.randn(3, 16)
+    with graphmode.compile(f"{SPEC}:mlp", str(out), cache_dir=tmp_path / "cache") as tp:
+        assert rel_l2(first(tp(input=x)), model(x)) < 1e-5
+        assert tp.last_comm[0]["collectives"] >= 1
+
+
+def test_a_cnn_drafted_for_two_ranks_splits_by_batch():
+    from graphmode.kb.draft import draft_recipe
+    from graphmode.kb.draft_parallel import with_tensor
+    d = draft_recipe(f"{SPEC}:resnet18", ranges={"batch": (1, 5)}, record=False)
+    rec = with_tensor(d, 2, d.report.target).recipe
+    assert rec.parallel.split() == "batch" and rec.dim_buckets()["batch"] == [2, 4]
+
+
 @pytest.mark.slow     # ~15 s; a killed rank's 503 and health: the server test above
 def test_a_killed_rank_fails_the_call_at_once(tmp_path):
     x = torch.randn(2, 16)
