@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -129,6 +130,7 @@ def _rank_main(rank: int, world: int, port: int, conn, model: bytes, recipe: Any
     With `report`, its start's progress events go to the parent as ("stage", Stage) first."""
     conn = _Plain(conn)
     _warnings_as_lines(rank)
+    _thread_lock_for_bars()
     try:
         heard = _StartProgress(conn) if report else None
         cm, comm, info = start_rank(rank, world, f"tcp://127.0.0.1:{port}", pickle.loads(model), recipe, target,
@@ -141,6 +143,18 @@ def _rank_main(rank: int, world: int, port: int, conn, model: bytes, recipe: Any
         return
     answer_requests(cm, comm, conn, rank)
     stop_rank()
+
+
+def _thread_lock_for_bars() -> None:
+    """tqdm (torch.fx's interpreter draws a bar during capture) makes a multiprocessing lock on
+    first use: a named semaphore that a rank stopped by a kill leaves behind, and the parent's
+    resource tracker then warns of "leaked semaphore objects" after every failed start. A rank's
+    bars never cross processes: a thread lock serves."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 class _StartProgress:
