@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -29,6 +30,24 @@ from graphmode.errors import CaptureError
 
 _BUSY: dict[int, int] = {}      # id(module) -> graphmode runs of it in progress (a compile in another thread)
 _BUSY_LOCK = threading.Lock()
+_WRITES: dict[int, set[str]] = {}          # id(module) -> attributes its forward set while graphmode ran it
+_STATE_NUMBERS: "weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]]" = weakref.WeakKeyDictionary()  # by submodule
+_MODULE_SETATTR = torch.nn.Module.__setattr__
+
+
+def _recording_setattr(self: torch.nn.Module, name: str, value: Any) -> None:
+    """nn.Module.__setattr__ while graphmode runs a model: which attributes its forward sets
+    (Swin sets shift_size on every call, to the same value at most shapes, so a value compared
+    before and after cannot tell)."""
+    if id(self) in _BUSY:
+        _WRITES.setdefault(id(self), set()).add(name)
+    _MODULE_SETATTR(self, name, value)
+
+
+def state_numbers(module: torch.nn.Module) -> frozenset[str]:
+    """The number attributes of this (sub)module that a forward set while graphmode ran it: its
+    own state, which a compiled model does not hold the user to (runtime/weights.py guards the rest)."""
+    return _STATE_NUMBERS.get(module, frozenset())
 
 
 def busy_modules() -> frozenset[int]:
@@ -42,6 +61,7 @@ def busy_modules() -> frozenset[int]:
 
 
 SWITCHES = (str, bool)
+NUMBERS = (int, float)
 IGNORED = {"training"}          # graphmode puts the model in eval mode itself
 SNAPSHOT_BYTES = 256 << 20      # buffers kept aside to put back: up to this much (a KV cache buffer may be GBs)
 
@@ -58,7 +78,7 @@ def _settings(module: torch.nn.Module) -> dict[tuple[str, str], Any]:
 
 def _numbers(module: torch.nn.Module) -> dict[tuple[str, str], Any]:
     return {(path, k): v for path, sub in _modules(module) for k, v in vars(sub).items()
-            if type(v) in (int, float) and not k.startswith("_")}
+            if type(v) in NUMBERS and not k.startswith("_")}
 
 
 def _tensors(module: torch.nn.Module) -> dict[tuple[str, str, str], torch.Tensor]:
@@ -158,8 +178,11 @@ def refuse_self_changes(module: Any, where: str, during: str) -> Iterator[Probe]
     state = _State(module)
     # every submodule: a served model watches the ones it runs (a decoder's paged wrapper holds the
     # LM's submodules, not this top-level object), and torch.export swaps parameters in all of them
-    ids = [id(module)] + [id(sub) for _, sub in _modules(module) if sub is not module]
+    subs = list(_modules(module))
+    ids = [id(module)] + [id(sub) for _, sub in subs if sub is not module]
     with _BUSY_LOCK:
+        if not _BUSY:
+            torch.nn.Module.__setattr__ = _recording_setattr
         for i in ids:
             _BUSY[i] = _BUSY.get(i, 0) + 1
     try:
@@ -168,13 +191,21 @@ def refuse_self_changes(module: Any, where: str, during: str) -> Iterator[Probe]
         except BaseException:
             _put_back(children, state)
             raise
+        moved = {(p, k) for (p, k), v in _numbers(module).items() if state.numbers.get((p, k), v) != v}
         _settle(module, where, during, probe, before, children, state)
+        for p, sub in subs:        # per submodule: a served wrapper may hold the LM's submodules, not this object
+            mine = {k for k in _WRITES.get(id(sub), ()) if (p, k) in state.numbers} | {k for q, k in moved if q == p}
+            if mine:
+                _STATE_NUMBERS[sub] = state_numbers(sub) | mine
     finally:
         with _BUSY_LOCK:
             for i in ids:
                 _BUSY[i] -= 1
                 if not _BUSY[i]:
                     del _BUSY[i]
+                    _WRITES.pop(i, None)
+            if not _BUSY:
+                torch.nn.Module.__setattr__ = _MODULE_SETATTR
 
 
 def _put_back(children: dict, state: _State) -> list[str]:

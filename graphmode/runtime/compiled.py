@@ -60,6 +60,12 @@ def _say_outside_draft(cm: Any, err: ContractViolation, bucket: Any) -> None:
                   OutsideDraft, stacklevel=3)
 
 
+def _no_eager_model() -> ContractViolation:
+    return ContractViolation("this request needs the eager model (on_violation: eager), and a model loaded from an "
+                             "artifact has none", fix="send shapes at the recipe's bucket values, or serve the model "
+                             "from its source (the torch module or the ONNX file)")
+
+
 def _runs_eagerly(cm: Any) -> bool:
     """Whether on_violation: eager has a model to run: a loaded artifact holds plans only."""
     return cm.source.module is not None or getattr(cm, "artifact", None) is None
@@ -353,11 +359,11 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
         if self.source.module is None and self.source.onnx_path is not None and getattr(self, "artifact", None) is None:
             return self.structured(self.source.reference(dict(inputs), optimized=True))   # ONNX Runtime, as it ships
         if self.source.module is None:
-            raise ContractViolation("this request needs the eager model (on_violation: eager), and a model loaded "
-                                    "from an artifact has none", fix="send shapes at the recipe's bucket values, or "
-                                    "serve the model from its source (the torch module or the ONNX file)")
+            raise _no_eager_model()
         with torch.no_grad():              # not inference mode: the caller may update the outputs in place
             out = self.source.module(**inputs)
+        if self.frozen_weights is not None:
+            self.frozen_weights.eager_ran()
         if self.output_structure is not None and isinstance(out, tuple):    # the flattening wrapper's tuple
             return self.structured(list(out))
         return out

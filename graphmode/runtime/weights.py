@@ -12,9 +12,11 @@ how many hooks each holds) and its switches (public bools and strings: `training
 forward branches on; torch.export fixed the values it read) with the ones at compile, and
 refuses when one moved (about 15 us for 150 tensors). `param.data = t` (and `m.half()`, which
 does that to every tensor) moves no version counter but moves the tensor's storage: the data
-pointers are compared too. A write *into* `param.data` (`param.data.copy_(t)`) moves neither
-and is not seen, nor is a Python number set after compile (a forward may set its numbers
-itself: they are its state, capture/self_changes.py).
+pointers are compared too. Public Python numbers (`m.eps = 1e-3`, `attn.scale = 2.0`) are
+compared as the switches are, except those a forward set itself while graphmode ran it (Swin's
+shift_size: its own state, capture/self_changes.py), and a number graphmode's own eager run of
+the model set (an eager fallback) is taken as the model's new state. A write *into*
+`param.data` (`param.data.copy_(t)`) moves nothing and is not seen.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from graphmode.capture.self_changes import SWITCHES, busy_modules
+from graphmode.capture.self_changes import NUMBERS, SWITCHES, busy_modules, state_numbers
 from graphmode.errors import GraphmodeError
 
 _VERSION = attrgetter("_version")
@@ -70,11 +72,13 @@ class FrozenWeights:
                                                                                       in self._slots])) \
             if self._slots else ([], [], [])
         # switches a forward may read (`self.use_cache`, `training`: public bools and strings, which no
-        # forward may change itself, capture/self_changes.py): torch.export fixed the values it read in
-        # the plans, so one set to another value since compile is refused too. Numbers are not checked:
-        # they are state a forward may set itself on every call (Swin's shift_size follows the input)
+        # forward may change itself, capture/self_changes.py) and numbers (`self.eps`): torch.export fixed
+        # the values it read in the plans, so one set to another value since compile is refused too. The
+        # numbers a forward set itself while graphmode ran it are its state (Swin's shift_size follows
+        # the input), not checked
         switches = [(f"{path}.{k}" if path else k, sub.__dict__, k, v) for path, sub in python
-                    for k, v in sub.__dict__.items() if type(v) in SWITCHES and not k.startswith("_")]
+                    for k, v in sub.__dict__.items() if not k.startswith("_") and (
+                        type(v) in SWITCHES or type(v) in NUMBERS and k not in state_numbers(sub))]
         self._scalar_labels, self._scalar_dicts, self._scalar_keys, self._scalar_values = (
             [s[i] for s in switches] for i in range(4))
         self._hooks = [(path or type(module).__name__, getattr(sub, h)) for path, sub in python
@@ -119,11 +123,19 @@ class FrozenWeights:
             now = d.get(k, _MISSING)
             if now is v:
                 continue
-            if not (type(now) is type(v) and now == v):
+            if not (type(now) is type(v) and (now == v or now != now and v != v)):     # NaN set again: equal
                 self._refuse([label], f"was set to {now!r} (it was {v!r} at compile; torch.export fixed the "
                                       "value the forward read in the plans)" if now is not _MISSING else
                              f"was deleted (it was {v!r} at compile)")
             self._scalar_values[i] = now
+
+    def eager_ran(self) -> None:
+        """graphmode ran the model eagerly (a request off the plans): the numbers its forward set
+        there are its own state, the ones later calls compare with. Checked first: a number the
+        user set before the call is still refused."""
+        for i, (d, k, v) in enumerate(zip(self._scalar_dicts, self._scalar_keys, self._scalar_values)):
+            if type(v) in NUMBERS and d.get(k, _MISSING) is not v and type(d.get(k)) in NUMBERS:
+                self._scalar_values[i] = d[k]
 
     def _marks(self) -> list:
         """Per hook dict, its size and newest handle id: a hook removed and another added moves it."""

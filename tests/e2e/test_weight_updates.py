@@ -191,11 +191,12 @@ class Tempered(torch.nn.Module):
     (lambda m: setattr(m, "use_relu", False), "use_relu was set to False \\(it was True"),
     (lambda m: setattr(m, "act", "gelu"), "act was set to 'gelu'"),
     (lambda m: m.train(), "training was set to True"),
-    (lambda m: delattr(m, "use_relu"), "use_relu was deleted")])
+    (lambda m: delattr(m, "use_relu"), "use_relu was deleted"),
+    (lambda m: setattr(m, "temperature", 2.0), "temperature was set to 2.0 \\(it was 1.0")])
 def test_a_switch_the_forward_reads_changed_after_compile_is_refused(change, needle):
     """It was answered with the value at compile, silently (ReLU kept after use_relu = False,
-    eval mode after train()); the same value set again (another str object) answers. Numbers
-    are state a forward may set itself (Swin's shift_size): not checked."""
+    eval mode after train(), the output divided by the old temperature: rel L2 0.5); the same
+    value set again (another str object) answers."""
     m = Tempered().eval()
     cm = graphmode.compile(m, example_inputs=(torch.randn(2, 8),))
     x = torch.randn(3, 8)
@@ -205,6 +206,32 @@ def test_a_switch_the_forward_reads_changed_after_compile_is_refused(change, nee
     change(m)
     with pytest.raises(GraphmodeError, match=needle):
         cm(x)
+
+
+class SetsItsOwnNumbers(torch.nn.Module):
+    """Swin's blocks set shift_size and window_size on every call, from the input's size."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.shift, self.calls = 1, 0                    # shift: set again to the same value
+
+    def forward(self, x):
+        self.shift = 1 if x.shape[-1] == 8 else 0       # the same value at every shape it is compiled for
+        self.calls += 1                                 # a counter for a log: state the answer does not read
+        return torch.roll(self.lin(x), self.shift, -1)
+
+
+def test_numbers_a_forward_sets_itself_are_its_state_not_a_change():
+    m = SetsItsOwnNumbers().eval()
+    cm = graphmode.compile(m, example_inputs=(torch.randn(2, 8),))
+    x = torch.randn(3, 8)
+    for _ in range(2):
+        with torch.no_grad():
+            want = m(x)                                 # sets shift and counts: the user's own eager calls
+        assert torch.allclose(cm(x), want, atol=1e-6)
+    m.shift = 5                                         # the forward sets it again before reading it
+    assert torch.allclose(cm(x), m(x), atol=1e-6)
 
 
 class _Outer(torch.nn.Module):
