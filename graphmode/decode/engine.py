@@ -114,7 +114,8 @@ def check_decoder_recipe(lm: torch.nn.Module, recipe: Any) -> None:
     """What `generate` and `serve` refuse of a decoder recipe for `lm` before they capture it (ALiBi,
     a KV cache of other sizes than the model's, a narrower compute, dims the paged graph cannot
     take): `recipe validate --model` refuses the same, for the same reasons."""
-    from graphmode.decode.lm import refuse_alibi
+    from graphmode.decode.lm import refuse_alibi, refuse_no_lm_head
+    refuse_no_lm_head(lm)
     refuse_alibi(lm)
     _shape(recipe, lm_config(lm))
 
@@ -253,6 +254,8 @@ class DecodeEngine:
                                      "ranks, and this process has none", where="parallel.tensor", value=par.tensor,
                                      fix="graphmode.compile(model, recipe) starts the ranks (its generate / stream "
                                          "decode on them), or parallel.tensor: 1 for one process")
+        from graphmode.decode.lm import refuse_no_lm_head
+        refuse_no_lm_head(lm)
         _shape(recipe, cfg)           # refused before the capture
         low = lower_decoder(lm, recipe, target, on_stage=on_stage, rank=rank, name=name)
         cm = CompiledModel.from_lowered(low, recipe, target, mode=decode_mode(recipe), cache_dir=cache_dir, threads=threads,

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphmode.errors import CaptureError
+from graphmode.errors import CaptureError, RecipeError
 
 INPUTS = ("input_ids", "position_ids", "block_table", "start", "lens", "last")
 
@@ -58,6 +58,23 @@ def alibi(cfg: Any) -> bool:
 
 ALIBI_WHY = ("adds ALiBi position biases to its attention scores, which graphmode's paged attention does not apply "
              "(it would answer other tokens)")
+
+
+def refuse_no_lm_head(lm: nn.Module) -> None:
+    """A decoder recipe for a model whose forward returns no logits (an encoder: DistilBertModel)
+    was refused by the KV cache's sizes first, and with those fixed, by a capture error about a
+    missing `logits`; neither said the model is no causal LM."""
+    head = getattr(lm, "get_output_embeddings", None)
+    try:
+        missing = head is None or head() is None
+    except Exception:  # noqa: BLE001 - a model whose own accessor fails has no head we can read either
+        missing = True
+    if missing:
+        raise RecipeError(f"{type(lm).__name__} has no language-model head (get_output_embeddings() is None), so it "
+                          "cannot decode: memory.kv_cache is for a causal LM whose forward returns logits",
+                          where="memory.kv_cache", value=type(lm).__name__,
+                          fix="remove memory.kv_cache to serve its forward pass (/v1/infer, /v1/embeddings), or "
+                              "load the model's *ForCausalLM class")
 
 
 def refuse_alibi(lm: nn.Module) -> None:

@@ -86,7 +86,11 @@ class ContractMonitor:
         self.memory_budget_bytes: int | None = None
         self.drift_events: list[DriftEvent] = []
         if metrics is not None:
-            metrics.health.labels(*self._base).set(1.0)
+            # a version served again (a reload back to it) continues the operations its series counted,
+            # so the score stays 1 - violated / operations of the exported counters
+            self.operations = metrics.counted(metrics.operations, *self._base)
+            self.violated_operations = metrics.counted(metrics.violated_operations, *self._base)
+            metrics.health.labels(*self._base).set(self.health_score)
             metrics.operations.labels(*self._base)
             metrics.violated_operations.labels(*self._base)
 

@@ -123,6 +123,12 @@ class PromMetrics:
                                 "cancelled = the client went away or timed out, error)", L + ("finish_reason",),
                                 registry=r)
 
+    def counted(self, fam: Any, version: str, target: str) -> int:
+        """What counter `fam` has counted for one recipe version so far (a version served again
+        after a reload continues its series)."""
+        return int(sum(s.value for m in fam.collect() for s in m.samples if s.name.endswith("_total")
+                       and s.labels.get("version") == version and s.labels.get("target") == target))
+
     def decode_series(self, version: str, target: str) -> "DecodeSeries":
         """The decoding series of one recipe version, bound once (the decode loop updates them
         for every token)."""

@@ -69,7 +69,7 @@ class Shaping:
         if hazard is None:
             d = str(unsafe)
             err = ContractViolation(f"padding {d} from {dims[d]} to {bucket[d]} is unsafe for this model",
-                                    where=f"dims.{d}", value=dims[d], fix=f"send {d} equal to a bucket value "
+                                    kind="padding", where=f"dims.{d}", value=dims[d], fix=f"send {d} equal to a bucket value "
                                     f"{buckets[d]}, or see the compile report's padding verdict")
         else:
             d, name = hazard
@@ -82,7 +82,7 @@ class Shaping:
                    f"masks a whole row along {d} (every position its pad value {pv!r}), which would change if {d} "
                    f"were padded from {dims[d]} to {bucket[d]}")
             err = ContractViolation(
-                f"input {name!r} {why}", where=f"dims.{d}",
+                f"input {name!r} {why}", kind="padding", where=f"dims.{d}",
                 value=dims[d], fix=f"send {d} equal to a bucket value {buckets[d]}, {or_eager(self, d)}")
         return err, "padding", f"unsafe padding on {d}"     # bounded: it labels a Prometheus series
 

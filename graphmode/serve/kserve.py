@@ -148,12 +148,12 @@ def kserve_routes(server: Any) -> list[Route]:
     def deployment(request: Request) -> Any:
         name = request.path_params["name"]
         if name not in server.model_names():
-            raise BadRequest(f"model {clip(name, 60)!r} is not served here", status=404, reason="unknown_model",
+            raise BadRequest(f"model {clip(name, 60)!r} is not served here", status=404, reason="model_not_found",
                              where="name", fix=f"the model is {server.model_names()[0]!r}")
         dep = server.current()
         version = request.path_params.get("version")
         if version is not None and version != dep.version:
-            raise BadRequest(f"version {clip(version, 40)!r} is not serving", status=404, reason="unknown_model",
+            raise BadRequest(f"version {clip(version, 40)!r} is not serving", status=404, reason="model_not_found",
                              where="version", fix=f"the serving recipe version is {dep.version}")
         return dep
 

@@ -76,6 +76,10 @@ class Loading:
             self._artifact_serves(recipe)
             return
         resolve_model(self.model, recipe)                  # names (RecipeError)
+        if recipe.memory.kv_cache is not None and recipe.exe_mode != "eager" and tensor_parallel(recipe) == 1:
+            from graphmode.decode.api import causal_lm
+            from graphmode.decode.engine import check_decoder_recipe
+            check_decoder_recipe(causal_lm(self.model, where="--model"), recipe)
         dims = getattr(self.model, "input_dims", None)
         if not isinstance(dims, dict):
             return

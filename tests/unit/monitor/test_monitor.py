@@ -204,6 +204,22 @@ def test_failed_and_timed_out_requests_lower_health():
     assert not mon.violations               # not contract violations: failures
 
 
+def test_a_version_served_again_continues_its_health_from_the_exported_counters():
+    """A reload back to an earlier version made a new monitor whose score restarted at 1.0 while
+    graphmode_operations_total of the same version kept counting: the gauge disagreed with it."""
+    metrics = PromMetrics()
+    first = ContractMonitor(recipe(), version="v1", target="host", metrics=metrics)
+    for _ in range(2):
+        first.refused("shape")
+        first.observe_request(0.001, "batch=1", {"batch": 1})
+    again = ContractMonitor(recipe(), version="v1", target="host", metrics=metrics)    # v2 served between
+    for _ in range(4):
+        again.observe_request(0.001, "batch=1", {"batch": 1})
+    assert (again.operations, again.violated_operations) == (8, 2) and again.health_score == pytest.approx(0.75)
+    assert total(metrics.text(), "graphmode_health_score", version="v1") == pytest.approx(0.75)
+    assert total(metrics.text(), "graphmode_operations_total", version="v1") == 8
+
+
 def test_monitor_counts_operations_violations_and_health_into_its_own_registry():
     r = recipe(sla={"p99_ms": 10})
     m1, m2 = PromMetrics(), PromMetrics()     # two registries in one process: no clash
