@@ -90,7 +90,7 @@ class OnnxModelSpec:
 
     def make_inputs(self, shape: dict[str, int], seed: int = 0, *, int_high: int = 1000
                     ) -> dict[str, torch.Tensor]:
-        """Random inputs: floats randn; ints in ``[0, int_high)`` except names containing
+        """Random inputs: floats randn; ints in ``[0, int_high)`` (and the dtype) except names containing
         ``mask`` (ones) or ``type`` (zeros); bools `zoo.bool_sample`."""
         g = torch.Generator().manual_seed(seed)
         out = {}
@@ -113,8 +113,9 @@ class OnnxModelSpec:
                 out[t.name] = torch.ones(shp, dtype=dt)
             elif "type" in t.name:
                 out[t.name] = torch.zeros(shp, dtype=dt)
-            else:
-                out[t.name] = torch.randint(0, int_high, shp, generator=g, dtype=dt)
+            else:     # within the dtype too: an int8 / uint8 input holds up to 127 / 255
+                high = min(int_high, int(torch.iinfo(dt).max) + 1)
+                out[t.name] = torch.randint(0, high, shp, generator=g, dtype=dt)
         return out
 
 

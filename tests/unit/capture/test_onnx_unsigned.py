@@ -56,3 +56,20 @@ def test_uint64_division_is_refused_by_name():
     a = np.array([4, 9], dtype=np.uint64)
     with pytest.raises(CaptureError, match="remainder on uint64 values is not supported"):
         _run("Mod", a, a, None)
+
+
+@pytest.mark.parametrize("elem", [TensorProto.UINT8, TensorProto.INT8])
+def test_sample_inputs_of_an_8_bit_input_stay_within_its_dtype(tmp_path, elem):
+    """`graphmode run` / `verify` of a file with a uint8 input crashed with a raw traceback: the
+    sample ints were drawn below 1000, which a uint8 cannot hold."""
+    import onnx
+
+    from graphmode.capture.spec import load_onnx_spec
+    x = helper.make_tensor_value_info("x", elem, ["batch", 4])
+    y = helper.make_tensor_value_info("y", elem, ["batch", 4])
+    path = tmp_path / "abs8.onnx"
+    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Abs", ["x"], ["y"])], "g", [x], [y]),
+                                opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    got = load_onnx_spec(path).make_inputs({"batch": 3})["x"]
+    assert got.shape == (3, 4) and got.dtype in (torch.uint8, torch.int8) and int(got.max()) <= 127 + 128 * (
+        got.dtype == torch.uint8)
