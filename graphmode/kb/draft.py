@@ -143,6 +143,10 @@ def _dim_range(d: str, bundle: Any, example: dict[str, int], decoder: bool = Fal
     if table is not None:
         name, rows = table
         return 1, rows, f"1 .. the {rows} rows of the model's position table {name}"
+    if d == "samples" and not hasattr(bundle, "module"):    # an ONNX file's raw audio axis (onnx_axes.named)
+        from graphmode.capture.hf import AUDIO_SAMPLES
+        return (*AUDIO_SAMPLES, f"{AUDIO_SAMPLES[0]:,} .. {AUDIO_SAMPLES[1]:,}: raw audio of 0.1 .. 10 s at 16 kHz "
+                                "(narrow it to the clips you expect)")
     from graphmode.capture.zoo import DEFAULT_DIM_RANGES
     key = "seq" if d in SEQ_DIMS or "seq" in d else d       # T5's decoder_seq: a sequence, relative positions
     if key in DEFAULT_DIM_RANGES:

@@ -250,6 +250,9 @@ class InputContract:
         if "cannot keep it dynamic" in note:     # torch.export fixed it: no way of compiling varies it
             return (f"; graphmode drafted the recipe from your example ({note}): compile once per size you send, "
                     "or run the model with exe_mode: eager")
+        if getattr(getattr(self, "source", None), "onnx_path", None) is not None:     # the file fixed it
+            return ("; the ONNX file fixes this axis (its exporter wrote a number, not a name): export it again with "
+                    "the axis dynamic (torch.onnx.export(..., dynamic_axes= / dynamic_shapes=)), then draft again")
         return (f"; graphmode drafted the recipe from your example and kept this axis at its size ({note}): to vary "
                 "it, compile with dynamic_shapes= (torch.export's Dims) or (module, example_inputs, input_dims)")
 

@@ -55,7 +55,9 @@ def _topk(imp: _Importer, n) -> None:
         lo = imp.g.dims.get(dim_str(size), (None,))[0]
         raise imp.fail(f"TopK K={k} along {dim_str(size)}, which the recipe lets be shorter than K"
                        + (f" (down to {lo})" if lo is not None else "") + ": ONNX Runtime fails there", value=k,
-                       fix=f"give the dims of {dim_str(size)} ranges that keep it at least {k} (dims.<name>.min)")
+                       fix=f"dims.{dim_str(size)}.min: {k} or more (--dim {dim_str(size)}={k}:MAX)"
+                       if dim_str(size).isidentifier() else
+                       f"give the dims of {dim_str(size)} ranges that keep it at least {k} (raise their min)")
     vals, idx = imp.emit_aten("sort", [x], [_IN[0]], {"stable": True, "dim": axis, "descending": largest},
                           overload="stable", hint=h)
     for out, v in zip(n.output, (vals, idx)):

@@ -172,3 +172,20 @@ def test_an_input_or_output_dim_name_that_is_not_utf8_is_called_damaged(tmp_path
     with pytest.raises(CaptureError, match="name is not UTF-8 text: the file is damaged") as e:
         graphmode.compile(str(path))
     assert "re-export" in e.value.fix
+
+
+def test_an_axis_the_onnx_file_fixes_is_refused_with_an_export_fix(tmp_path):
+    """A DeiT exported with only batch dynamic, called at 64x64: the fix told an ONNX user to
+    compile with dynamic_shapes= or example inputs, which a file has neither of."""
+    from graphmode.errors import ContractViolation
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])
+    path = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                                opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(str(path))
+    with pytest.raises(ContractViolation, match="axis 1 must be 8") as e:
+        cm(torch.randn(2, 9))
+    assert "export it again with the axis dynamic" in e.value.fix and "dynamic_shapes=" in e.value.fix

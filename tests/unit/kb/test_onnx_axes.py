@@ -128,3 +128,18 @@ def test_an_image_s_made_up_axes_are_height_and_width(tmp_path):
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "img.onnx"))
     assert named(unified(as_model(str(tmp_path / "img.onnx")))).input_dims == {
         "pixel_values": ["batch", 3, "height", "width"]}
+
+
+def test_a_raw_audio_axis_drafts_as_seconds_of_audio(tmp_path):
+    """A Wav2Vec2 file's `samples` axis drafted as 20..64 (an unnamed axis' default): every real
+    clip ran in ONNX Runtime. Raw audio gets 0.1 .. 10 s at 16 kHz, as a Hugging Face model does."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from graphmode.capture.hf import AUDIO_SAMPLES
+    g = helper.make_graph([helper.make_node("Relu", ["input_values"], ["y"])], "audio",
+                          [helper.make_tensor_value_info("input_values", TensorProto.FLOAT, ["s0", "s1"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "audio.onnx"))
+    d = draft_recipe(str(tmp_path / "audio.onnx"), record=False)
+    assert d.recipe.dim_range("samples") == AUDIO_SAMPLES and "16 kHz" in d.notes["dims.samples"]
