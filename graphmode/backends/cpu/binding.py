@@ -159,13 +159,14 @@ class Binder:
         # then the GEMM needs its own scratch buffer, or it would overwrite that operand first
         shares_operand = any(views[i].data_ptr() == out_view.data_ptr() for i in node.inputs
                              if i not in operands and i in views)
-        if (gemm_out in ks.may_alias.get(out, ()) and not shares_operand
+        viewed = ks.inputs[0]          # the GEMM's buffer as the epilogue reads it (a reshape of it: a view)
+        if (viewed in ks.may_alias.get(out, ()) and not shares_operand
                 and out_view.numel() == numel(gemm_ty) and out_view.dtype == DTYPES[gemm_ty.dtype]):
             buf = out_view.view(gemm_ty.concrete(env))
         else:
             buf = torch.empty(gemm_ty.concrete(env), dtype=DTYPES[gemm_ty.dtype])
             self.report["scratch_bytes"] += buf.numel() * buf.element_size()
-        buffers[gemm_out] = buf
+        buffers[gemm_out] = buffers[viewed] = buf
         gemm_in = [views[i].view(node.body.values[i].type.concrete(env)) if i in node.body.values
                    else views[i] for i in g.inputs]
         run = kernel.bind([buffers[a].data_ptr() for a in ks.args])

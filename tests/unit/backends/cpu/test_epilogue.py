@@ -184,3 +184,32 @@ def test_scalar_constants_are_inlined(tmp_path):
     assert exe.kernel_report.get("fused_epilogues") == 1
     (g,) = exe.tactics_report["gemms"]
     assert g["shape"]["epilogue_kinds"] == [] and g["shape"]["epilogue"] == epi.digest   # the plan inlined them too
+
+
+class _Conv1dGelu(torch.nn.Module):
+    """Whisper's stem: Conv1d arrives as a 1xW conv2d and a reshape dropping the unit dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv1d(16, 32, 3, padding=1)
+        self.c2 = torch.nn.Conv1d(32, 32, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.c2(torch.nn.functional.gelu(self.c1(x))))
+
+
+@needs_cxx
+def test_a_conv1d_epilogue_reads_its_conv_through_the_reshape(tmp_path):
+    """The reshape between the conv and its GELU sent the whole group, conv included, to the
+    reference interpreter ("op 'reshape' is not supported"): 10x ONNX Runtime's time."""
+    torch.manual_seed(4)
+    m = _Conv1dGelu().eval()
+    cm = graphmode.compile(m, _recipe("conv1d", ["batch", 16, 32], {"batch": {"buckets": [3]}}), cache_dir=tmp_path,
+                           threads=2)
+    assert all("reshape" in n.attrs["pattern"] for n in cm.graph.nodes if n.op == "fused")
+    x = torch.randn(3, 16, 32)
+    with torch.inference_mode():
+        assert rel_l2(cm(x), m(x)) < 1e-5
+    exe = cm.executable({"batch": 3})
+    assert exe.kernel_report["generated"] == 2 and not exe.kernel_report["fallbacks"], exe.kernel_report
+    assert [g["shape"]["op"] for g in exe.tactics_report["gemms"]] == ["conv2d", "conv2d"]
