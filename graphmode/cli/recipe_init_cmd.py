@@ -136,7 +136,9 @@ def _in_flags(e: Any, memory_mb: Optional[float]) -> Any:
                        "the draft sizes memory.budget_mb for the largest request its dims admit: lower a --dim's "
                        "MAX (or pass --memory-mb)")
         elif where.startswith("dims."):
-            err.fix = f"{fix or 'change its range'} (here: --dim {where.split('.')[1]}=MIN:MAX)"
+            said = fix.replace("max_buckets: ", "--max-buckets ").replace("max_padding: ", "--max-padding ")
+            err.fix = (f"{said}, or --dim {where.split('.')[1]}=MIN:MAX" if said != fix else
+                       f"{fix or 'change its range'} (here: --dim {where.split('.')[1]}=MIN:MAX)")
         err.args = (err.render(),)
     e.args = (e.render(),)
     return e

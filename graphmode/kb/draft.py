@@ -769,8 +769,9 @@ def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int
                                   "dtype": "f32", "layers": cfg["layers"], "kv_heads": cfg["kv_heads"],
                                   "head_dim": cfg["head_dim"]}
     notes["memory.kv_cache"] = (f"a causal LM ({type(lm).__name__}): layers, KV heads and head dim from its config, "
-                                f"{pages} pages of {page} tokens a sequence: up to {pages * page} tokens (the seq "
-                                f"range's {context} in whole pages; `generate` and `serve` decode with it)"
+                                f"{pages} pages of {page} tokens a sequence: up to {pages * page} tokens (a prompt of "
+                                f"the seq range's {context - 1} and one new token, in whole pages; `generate` and "
+                                "`serve` decode with it)"
                                 + (f"; within its sliding window of {window}" if window else ""))
     return False
 

@@ -226,6 +226,10 @@ class ModelServer(Loading, Reloading, Serving):
             m.recipe_active.labels(old.version, self.target_name, old.name, old.origin).set(0)
             if self.kb is not None:              # the last window of the version swapped out
                 self.kb.tick(old, force=True)
+        for smp in [x for fam in m.recipe_active.collect() for x in fam.samples]:   # one series per version:
+            lab = smp.labels                                     # a version swapped back in by another origin
+            if lab.get("version") == dep.version and (lab.get("name"), lab.get("origin")) != (dep.name, dep.origin):
+                m.recipe_active.remove(dep.version, lab["target"], lab["name"], lab["origin"])
         m.recipe_active.labels(dep.version, self.target_name, dep.name, dep.origin).set(1)
         m.ready.labels(self.target_name).set(1)
         self.history.append({"time": time.time(), "version": dep.version, "name": dep.name, "origin": dep.origin,
