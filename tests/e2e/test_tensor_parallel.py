@@ -120,39 +120,31 @@ def mlp_group(tmp_path, timeout_s: float):
     return graphmode.compile(f"{SPEC}:mlp", rec, cache_dir=tmp_path)
 
 
-def test_the_ranks_start_reports_rank_0s_progress_and_calls_answer_after_it(tmp_path):
-    """A group that builds many plans sat at "ranks compile their shards" with nothing shown for
-    minutes; rank 0's capture, passes, proof and plan builds now reach the caller's on_stage."""
-    heard = []
-    rec = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims={"batch": {"buckets": [1, 2], "min": 1}})
-    x = torch.randn(2, 16)
-    with graphmode.compile(f"{SPEC}:mlp", rec, cache_dir=tmp_path, on_stage=heard.append) as tp:
-        names = [s.name for s in heard]
-        assert {"capture", "passes", "proof", "plans"} <= set(names), names
-        plans = [s for s in heard if s.name == "plans"]
-        assert plans[-1].finished and plans[-1].done == plans[-1].total == 2, plans
-        n = len(heard)
-        assert tp(input=x) is not None and len(heard) == n        # a call reports nothing
-
-
-def test_recipe_init_tensor_writes_a_group_recipe_that_runs_on_its_ranks(tmp_path):
+def test_recipe_init_tensor_writes_a_group_recipe_whose_ranks_report_their_start(tmp_path):
     """`recipe init --tensor 2` writes the parallel section (it was pasted from the docs by hand):
-    a column- then row-parallel MLP, and the group's outputs equal eager's."""
+    a column- then row-parallel MLP, whose group's outputs equal eager's. A group that builds many
+    plans sat at "ranks compile their shards" with nothing shown for minutes; rank 0's capture,
+    passes, proof and plan builds now reach the caller's on_stage, and calls report nothing."""
     import yaml
     from typer.testing import CliRunner
 
     import graphmode.cli.recipe_init_cmd  # noqa: F401  (registers `recipe init`)
     from graphmode.cli.app import app
     out = tmp_path / "tp2.yaml"
-    res = CliRunner().invoke(app, ["recipe", "init", "--model", f"{SPEC}:mlp", "--tensor", "2", "--out", str(out),
-                                   "--cache-dir", str(tmp_path / "cache")])
+    res = CliRunner().invoke(app, ["recipe", "init", "--model", f"{SPEC}:mlp", "--tensor", "2", "--dim", "batch=1:4",
+                                   "--max-buckets", "2", "--max-padding", "0.5", "--out", str(out), "--cache-dir", str(tmp_path / "cache")])
     assert res.exit_code == 0, res.output
     par = yaml.safe_load(out.read_text())["parallel"]
     assert par["tensor"] == 2 and par["strategy"] == "head" and par["device_group"] == ["rank0", "rank1"], par
     model, _, _ = tiny_tp.mlp()
-    x = torch.randn(3, 16)
-    with graphmode.compile(f"{SPEC}:mlp", str(out), cache_dir=tmp_path / "cache") as tp:
-        assert rel_l2(first(tp(input=x)), model(x)) < 1e-5
+    x, heard = torch.randn(3, 16), []
+    with graphmode.compile(f"{SPEC}:mlp", str(out), cache_dir=tmp_path / "cache", on_stage=heard.append) as tp:
+        names = [s.name for s in heard]
+        assert {"capture", "passes", "proof", "plans"} <= set(names), names
+        plans = [s for s in heard if s.name == "plans"]
+        assert plans[-1].finished and plans[-1].done == plans[-1].total == 2, plans
+        n = len(heard)
+        assert rel_l2(first(tp(input=x)), model(x)) < 1e-5 and len(heard) == n
         assert tp.last_comm[0]["collectives"] >= 1
 
 

@@ -19,6 +19,7 @@ import torch
 
 from graphmode.backends.cpu.conv import ConvConfig, ConvProblem
 from graphmode.backends.cpu.depthwise import DepthwiseConfig, is_depthwise
+from graphmode.backends.cpu.pointwise_conv import PointwiseConfig, is_pointwise
 from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm, packed_numel
 from graphmode.backends.cpu.im2col import Im2colConfig
 from graphmode.backends.cpu.im2col import blocked_rows as im2col_rows
@@ -63,20 +64,22 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
 
 def conv_config(name: str) -> ConvConfig:
     """The conv candidate a name denotes (`wino4_<gemm>`, `wino2_<gemm>`, `im2col_<gemm>`, each
-    with its blocked schedule's `c<chunk>x<threads>` after the algorithm where it has one; `dw`)."""
+    with its blocked schedule's `c<chunk>x<threads>` after the algorithm where it has one; `dw`; `pw`)."""
     if name == "dw":
         return DepthwiseConfig()
+    if name == "pw":
+        return PointwiseConfig()
     if name.startswith("wino"):
         return WinogradConfig.parse(name)
     if name.startswith("im2col"):
         return Im2colConfig.parse(name)
     raise BackendError(f"not a generated conv candidate: {name!r}", value=name,
-                       fix="wino<m>_<gemm config> or im2col_<gemm config>")
+                       fix="wino<m>_<gemm config>, im2col_<gemm config>, dw or pw")
 
 
 def conv_kind(name: str) -> str:
-    """The algorithm of a conv candidate: `wino4`, `wino2`, `im2col` or `dw` (its blocking aside)."""
-    return "dw" if name == "dw" else "im2col" if name.startswith("im2col") else name.split("_")[0].split("c")[0]
+    """The algorithm of a conv candidate: `wino4`, `wino2`, `im2col`, `dw` or `pw` (its blocking aside)."""
+    return name if name in ("dw", "pw") else "im2col" if name.startswith("im2col") else name.split("_")[0].split("c")[0]
 
 
 def candidate_names(p: GemmProblem, *, simd: Sequence[str], threads: int,
@@ -138,6 +141,8 @@ def _conv_names(p: ConvProblem, simd: Sequence[str], threads: int,
             chunk = chunk_for(p, m, base.mr)
             if threads > 1 and geometry(p, m).t >= chunk * threads:
                 out.append(WinogradConfig(m, fit(winograd_gemm(p, m, chunk), serial=True), chunk, threads).name)
+    if is_pointwise(p):         # a 1x1 on NCHW as it is, beside im2col's NHWC GEMM
+        out.append(PointwiseConfig().name)
     out.append(Im2colConfig(fit(im2col_gemm(p))).name)
     chunk = im2col_chunk(p, base.mr, threads)
     blocked = Im2colConfig(fit(im2col_gemm(p, chunk), serial=True), chunk, max(1, threads))
@@ -213,6 +218,8 @@ def prepared_bytes(p: GemmProblem, name: str) -> int | None:
             return transformed_numel(p, cfg.m, cfg.gemm.nr) * 4
         if isinstance(cfg, DepthwiseConfig):
             return p.cout * p.kh * p.kw * 4
+        if isinstance(cfg, PointwiseConfig):
+            return p.cout * p.cin * 4
         return im2col_prepared(p, cfg.gemm.nr) * 4
     return packed_numel(p.n, p.k, GemmConfig.parse(name).nr) * 4 * (p.batch if p.b_batched else 1)
 
