@@ -62,7 +62,7 @@ def with_tensor(draft: Any, tensor: int, target: Any) -> Any:
 def _split_batch(dim: dict, tensor: int) -> dict:
     """A batch dim whose buckets split evenly over the ranks: the multiples of `tensor` up to its
     max (a request of 1 runs padded to `tensor`, so padding batch must be safe)."""
-    if dim.get("exact_plans") or "buckets" in dim and set(dim) == {"min", "max", "buckets"}:
+    if dim.get("exact_plans") or set(dim) <= {"min", "max"} and dim["min"] < dim["max"]:    # every value a bucket
         raise RecipeError("--tensor: this CNN would split by batch, but padding its batch is unsafe (the draft gave "
                           "it exact buckets)", where="--tensor", fix="leave --tensor out, or write the parallel "
                           "section with strategy replicate")

@@ -324,3 +324,13 @@ def test_bench_and_profile_report_tp_communication_beside_the_cost_model(tmp_pat
     assert res.exit_code == 0, res.output
     prof = json.loads(res.stdout[res.stdout.index("{"):])["tensor_parallel"][0]
     assert [c["collective"] for c in prof["comm"]] == ["all_reduce", "total"] and prof["comm"][0]["calls"] == 5
+
+
+def test_a_cnn_whose_batch_is_unsafe_to_pad_is_not_split_by_batch():
+    from graphmode.errors import RecipeError
+    from graphmode.kb.draft_parallel import _split_batch
+    with pytest.raises(RecipeError, match="padding its batch is unsafe"):
+        _split_batch({"min": 1, "max": 4}, 2)                       # every value a bucket
+    with pytest.raises(RecipeError, match="padding its batch is unsafe"):
+        _split_batch({"min": 1, "max": 4, "buckets": [4], "exact_plans": 16}, 2)
+    assert _split_batch({"min": 1, "max": 5, "max_padding": 0.25}, 2) == {"min": 1, "max": 4, "buckets": [2, 4]}
