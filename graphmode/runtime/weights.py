@@ -94,16 +94,17 @@ class FrozenWeights:
         if list(map(_VERSION, self._tensors)) != self._versions:
             changed = [n for n, t, v in zip(self._names, self._tensors, self._versions) if t._version != v]
             self._refuse(changed, "were updated in place (load_state_dict, copy_, an optimizer step)")
-        busy = busy_modules()
-        if busy and not self._module_ids.isdisjoint(busy):
+        if self._compiling():
             return                  # graphmode compiles it in another thread: torch.export's swaps are not changes
         if list(map(_DATA_PTR, self._stored_tensors)) != self._storages:
             changed = [n for (n, t), p in zip(self._stored, self._storages) if t.data_ptr() != p]
-            self._refuse(changed, "were given new data (param.data = t, module.half() or .to(dtype))")
+            if changed and not self._compiling():       # a capture that began after the look above
+                self._refuse(changed, "were given new data (param.data = t, module.half() or .to(dtype))")
         if any(map(is_not, map(dict.get, self._slot_dicts, self._slot_keys), self._slot_values)):
             changed = [label for label, d, k, v in self._slots if d.get(k) is not v]
-            self._refuse(changed, "were replaced (load_state_dict(assign=True), an attribute set to a new tensor "
-                                  "or module)")
+            if changed and not self._compiling():
+                self._refuse(changed, "were replaced (load_state_dict(assign=True), an attribute set to a new "
+                                      "tensor or module)")
         if any(map(is_not, map(dict.get, self._scalar_dicts, self._scalar_keys), self._scalar_values)):
             self._check_scalars()
         if RemovableHandle.next_id == self._next_hook and \
@@ -128,6 +129,11 @@ class FrozenWeights:
                                       "value the forward read in the plans)" if now is not _MISSING else
                              f"was deleted (it was {v!r} at compile)")
             self._scalar_values[i] = now
+
+    def _compiling(self) -> bool:
+        """Whether graphmode runs or traces one of these modules in another thread now."""
+        busy = busy_modules()
+        return bool(busy) and not self._module_ids.isdisjoint(busy)
 
     def eager_ran(self) -> None:
         """graphmode ran the model eagerly (a request off the plans): the numbers its forward set
