@@ -207,6 +207,7 @@ def test_logits_scaled_or_capped_after_the_head_decode_exactly(family, tmp_path)
         assert (first[0].reshape(-1) - out).abs().max() < 1e-4
 
 
+@pytest.mark.slow     # ~15 s; GPT-2's sdpa form decodes exactly in test_decode.py
 def test_gpt2_with_its_attention_written_out_decodes_exactly(tmp_path):
     """GPT-2 with attn_implementation 'eager' (matmul, softmax, matmul): to_paged puts it in sdpa
     form itself and reads the heads from q, k, v, so that sdpa must stay heads-first (the fuse
