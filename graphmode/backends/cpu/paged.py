@@ -44,6 +44,7 @@ from graphmode.backends.cpu.tensors import overlaps
 
 MAX_HEAD_DIM = 256       # a row's P V accumulators and its query live in registers
 ROWS_PER_TASK = 16       # query rows (all heads of a kv head together) per task
+SPLIT = 64               # cache positions per task of a decode row: a Llama's 512-token context in 8 x 3 kv heads
 STATUS = "paged_attention: sequence positions outside its block table or pool"
 _TRAITS = {"avx512": "gm_attn_v512", "avx2": "gm_attn_v256", "portable": "gm_attn_vc"}
 _KV = {torch.float32: ("f32", "float"), torch.bfloat16: ("bf16", "gm_u16")}   # pool dtype: name, C type
@@ -119,6 +120,7 @@ def generate_paged(p: PagedProblem) -> tuple[str, str]:
              f"constexpr long PAGES = {p.pages}, PAGE = {p.page}, MAXP = {p.max_pages};",
              f"constexpr long TB = {tb}, NTB = {ntb}, TASKS = {p.b * p.kvh * ntb};",
              f"constexpr float SCALE = {lit(p.scale, 'f32')};",
+             f"constexpr long SPLIT = {SPLIT};   // cache positions per task of a decode row (S == 1)",
              "typedef __UINT16_TYPE__ gm_u16;",
              f"typedef {dict(_KV.values())[p.kv]} KV;",
              f"constexpr double PAR_WORK = {float(PAR_FLOPS)!r};   // flops below which one thread runs the call"]
@@ -145,17 +147,51 @@ def generate_paged(p: PagedProblem) -> tuple[str, str]:
         "    work += 2.0 * H * (D + E) * (double)n * ((double)s0 + 0.5 * (double)(n + 1));",
         "  }",
         "  if (bad) __atomic_fetch_add(&@SYM@_bad, bad, __ATOMIC_RELAXED);",
+        *(_decode_split() if p.s == 1 else _row_tasks(p.b * p.kvh * ntb)),
+    ]
+    return text, body
+
+
+def _decode_split() -> list[str]:
+    """Decode rows: tasks over (sequence, kv head, SPLIT positions), claimable by the pool, then
+    the caller merges each head's parts (templates/paged_attention.h)."""
+    return [
+        "  long off[B + 1], nparts = 1;",
+        "  off[0] = 0;",
+        "  for (long i = 0; i < B; ++i) {",
+        "    const long ns = ok[i] == 1 && lens[i] > 0 ? (start[i] + SPLIT) / SPLIT : 0;",
+        "    off[i + 1] = off[i] + KVH * ns;",
+        "    nparts = ns > nparts ? ns : nparts;",
+        "  }",
+        "  const long ntasks = off[B];",
+        "  float* part = (float*)malloc((size_t)(B * H * nparts * (2 + E)) * sizeof(float) + 64);",
+        "  const int nt = work >= PAR_WORK && ntasks > 1 ? gm_nt() : 1;",
+        "  #pragma omp parallel for schedule(GM_SCHED(1)) num_threads(nt)",
+        "  for (long t = 0; t < ntasks; ++t) split_task(q, kp, vp, table, start, off, nparts, part, t);",
+        "  for (long i = 0; i < B; ++i)",
+        "    for (long h = 0; h < H; ++h) {",
+        "      float* orow = o + (i * H + h) * E;",
+        "      const long ns = (off[i + 1] - off[i]) / KVH;",
+        "      if (ns) merge(part + (i * H + h) * nparts * (2 + E), ns, orow);",
+        "      else for (long x = 0; x < E; ++x) orow[x] = 0.0f;",
+        "    }",
+        "  free(part);",
+    ]
+
+
+def _row_tasks(tasks: int) -> list[str]:
+    """Rows of a prefill (S > 1): one task per (sequence, kv head, block of query rows)."""
+    return [
         "  const size_t scratch = (size_t)((ctx + 15) & ~15L) * sizeof(float) + 64;",
         "  #pragma omp parallel if(work >= PAR_WORK && TASKS > 1) num_threads(gm_nt())",
         "  {",
         "    char* raw = (char*)malloc(scratch);",
         "    float* s = (float*)(((size_t)raw + 63) & ~(size_t)63);",
-        "    " + omp_for(p.b * p.kvh * ntb, region=False, fixed="dynamic"),
+        "    " + omp_for(tasks, region=False, fixed="dynamic"),
         "    for (long t = 0; t < TASKS; ++t) task(q, kp, vp, table, start, lens, ok, o, t, s);",
         "    free(raw);",
         "  }",
     ]
-    return text, body
 
 
 @lowers("paged_attention", tier=NATIVE)

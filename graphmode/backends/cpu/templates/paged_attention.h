@@ -156,3 +156,85 @@ GM_INLINE void task(const float* __restrict q, const KV* __restrict kp, const KV
     }
   }
 }
+
+// Decode rows (S == 1) split the context instead (paged.py: generate_paged): one task per
+// (sequence, kv head, SPLIT cache positions), each the partial softmax of its G query heads over
+// its positions, written as {max, sum of e^(score - max), sum of e^(score - max) v} to `part`;
+// the caller merges a head's parts in position order (merge()). Rows of one kv head, one task
+// each, left a 2-thread team one long task behind the other (3 kv heads) and read the cache at
+// one thread's rate. A row's parts depend on its own context only: bits equal alone or batched.
+GM_INLINE void partial(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
+                       const int64_t* __restrict tab, long g, long j0, long j1, float* __restrict part) {
+  typedef VT::V V;
+  constexpr long L = VT::L;
+  alignas(64) float s[SPLIT + 16];
+  V qv[DV + 1];
+  GM_ATTN_UNROLL for (long c = 0; c < DV; ++c) qv[c] = VT::load(q + c * L);
+  if (DT) qv[DV] = VT::loadn<DT ? DT : 1>(q + DV * L);
+  const V sc = VT::set1(SCALE);
+  const long n = j1 - j0;
+  for (long b0 = 0; b0 < n; b0 += L) {
+    V acc[L];
+    GM_ATTN_UNROLL for (long u = 0; u < L; ++u) {
+      acc[u] = VT::zero();
+      if (b0 + u < n) {
+        const KV* kr = kp + pool_row(tab, j0 + b0 + u, g, D);
+        GM_ATTN_UNROLL for (long c = 0; c < DV; ++c) acc[u] = VT::fma(qv[c], kv_load(kr + c * L), acc[u]);
+        if (DT) acc[u] = VT::fma(qv[DV], kv_loadn<DT ? DT : 1>(kr + DV * L), acc[u]);
+      }
+    }
+    VT::store(s + b0, VT::mul(hsums(acc), sc));
+  }
+  const long n16 = (n + 15) & ~15L;
+  float mx = -GM_INF;
+  #pragma omp simd reduction(max:mx)
+  for (long j = 0; j < n; ++j) mx = mx > s[j] ? mx : s[j];
+  for (long j = n; j < n16; ++j) s[j] = -GM_INF;
+  const float sum = gm_attn_exp_sum(s, n16, mx);
+  V acc[NE];
+  GM_ATTN_UNROLL for (long u = 0; u < NE; ++u) acc[u] = VT::zero();
+  for (long j = 0; j < n; ++j) {
+    const KV* vr = vp + pool_row(tab, j0 + j, g, E);
+    const V pj = VT::set1(s[j]);
+    GM_ATTN_UNROLL for (long u = 0; u < EV; ++u) acc[u] = VT::fma(pj, kv_load(vr + u * L), acc[u]);
+    if (ET) acc[EV] = VT::fma(pj, kv_loadn<ET ? ET : 1>(vr + EV * L), acc[EV]);
+  }
+  part[0] = mx;
+  part[1] = sum;
+  GM_ATTN_UNROLL for (long u = 0; u < EV; ++u) VT::store(part + 2 + u * L, acc[u]);
+  if (ET) VT::storen<ET ? ET : 1>(part + 2 + EV * L, acc[EV]);
+}
+
+// task t of the decode split: sequence i (tasks off[i] .. off[i + 1]), kv head g, part c
+GM_INLINE void split_task(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
+                          const int64_t* __restrict table, const int64_t* __restrict start,
+                          const long* __restrict off, long nparts, float* __restrict part, long t) {
+  long i = 0;
+  while (off[i + 1] <= t) ++i;
+  const long ns = (off[i + 1] - off[i]) / KVH, r = t - off[i];
+  const long g = r / ns, c = r % ns;
+  const long ext = start[i] + 1, j0 = c * SPLIT, j1 = j0 + SPLIT < ext ? j0 + SPLIT : ext;
+  for (long hh = 0; hh < G; ++hh) {
+    const long h = g * G + hh;
+    partial(q + (i * H + h) * D, kp, vp, table + i * MAXP, g, j0, j1, part + ((i * H + h) * nparts + c) * (2 + E));
+  }
+}
+
+// o[E] of one head from its ns parts: each part's sums rescaled to the largest max, in order
+GM_INLINE void merge(const float* __restrict part, long ns, float* __restrict o) {
+  float mx = -GM_INF;
+  for (long c = 0; c < ns; ++c) mx = mx > part[c * (2 + E)] ? mx : part[c * (2 + E)];
+  float sum = 0.0f;
+  float acc[E];
+  for (long x = 0; x < E; ++x) acc[x] = 0.0f;
+  for (long c = 0; c < ns; ++c) {
+    const float* p = part + c * (2 + E);
+    const float w = ns == 1 ? 1.0f : gm_expf(p[0] - mx);
+    sum = GM_FMA(p[1], w, sum);
+    #pragma omp simd
+    for (long x = 0; x < E; ++x) acc[x] = GM_FMA(p[2 + x], w, acc[x]);
+  }
+  const float r = 1.0f / sum;
+  #pragma omp simd
+  for (long x = 0; x < E; ++x) o[x] = acc[x] * r;
+}

@@ -75,6 +75,10 @@ CASES = [
     # GPT-2-like decode: one query row, contexts 16 (slot 15 of page 0), 17 (a new page), 41, 64 (full table)
     Case("decode", 1, 4, 4, 1, 64, 64, 9, 16, [[3, 0, 7, 5]], [([15], [1]), ([16], [1]), ([40], [1]), ([63], [1])],
          scale=0.125),
+    # decode rows over contexts split in parts of 64 positions (paged.SPLIT): 1, 2 and 9 parts, a part of one
+    # position, grouped-query heads with an E tail, a padded row and an empty sequence, enough work to thread
+    Case("decode_split", 4, 6, 2, 1, 64, 40, 40, 16, [[(7 * i + j) % 40 for j in range(37)] for i in range(4)],
+         [([63, 64, 520, 0], [1, 1, 1, 1]), ([127, 128, 575, 9], [1, 1, 0, 1]), ([560, 0, 200, 65], [1, 1, 1, 0])]),
     # chunked prefill: a chunk at start 13 over pages of 8, grouped-query heads (4 over 2), E != D with tails
     Case("chunked_prefill_gqa", 1, 4, 2, 20, 40, 20, 8, 8, [[6, 2, 0, 5, 1]], [([13], [20]), ([0], [7])]),
     # a batch of distinct tables: a padded row block (lens < seq), an empty sequence, decode-like rows
@@ -143,8 +147,9 @@ def test_matches_reference_and_writes_the_same_pools(lib, name):
 def test_parallel_is_decided_per_call():
     """Whether the team runs depends on lens / start, so every kernel carries the parallel region."""
     ks = BY_NAME["decode"].source()
-    assert ks.parallel and "if(work >= PAR_WORK" in ks.source and ks.status == STATUS
+    assert ks.parallel and "nt = work >= PAR_WORK" in ks.source and ks.status == STATUS
     assert ks.args == tuple(NAMES) + ("out",)
+    assert "if(work >= PAR_WORK" in BY_NAME["threaded_prefill"].source().source
 
 
 @needs_cxx
