@@ -21,7 +21,7 @@ Layout and loops (BLIS-style, with the B panels packed ahead of time):
   team torch's own ops use, so the two never compete for the CPUs; a separate
   caller-participating pool was tried and lost for exactly that reason) or no loop at all
   (`par="serial"`, which wins on a machine whose other CPUs are busy); GEMMs under
-  PAR_FLOPS always run serially.
+  PAR_FLOPS that read less than PAR_BYTES of B always run serially (`worth_threads`).
 - bias is the accumulator's initial value (no extra pass over C).
 
 ISA: AVX-512 (VL 16) or AVX2+FMA (VL 8) intrinsics, each behind `#if` on the compiler's own
@@ -47,6 +47,14 @@ from graphmode.ir.types import TensorType
 
 PARS = ("omp", "serial")
 PAR_FLOPS = 1 << 20      # below ~1 MFLOP a GEMM runs on one thread: a fork/join costs a few us
+PAR_BYTES = 1 << 18      # ... unless it reads this much B: a decode step's GEMV is bound by that read, not its flops
+
+
+def worth_threads(p: "GemmProblem") -> bool:
+    """Whether a parallel loop may pay for its fork/join. Flops alone understate a GEMV: a
+    batch-1 decode step's 576x576 f32 weight (1.3 MB, 0.66 MFLOP) takes ~40 us to read on one
+    core, which a second core's share of the memory bandwidth shortens. Timing decides."""
+    return p.flops >= PAR_FLOPS or p.batch * p.n * p.k * 4 >= PAR_BYTES
 
 
 @dataclass(frozen=True)
@@ -258,7 +266,7 @@ def generate_gemm(p: GemmProblem, cfg: GemmConfig, threads: int) -> KernelSource
     sb = (npan * cfg.nr * K if p.b_packed else K * N) if p.b_batched else 0
     ldb = cfg.nr if p.b_packed else N
     b_off = "jp * (K * NR) + pc * NR" if p.b_packed else "pc * N + jp * NR"
-    par = threads != 1 and tasks > 1 and p.flops >= PAR_FLOPS
+    par = threads != 1 and tasks > 1 and worth_threads(p)
     n_epi = len(p.epi.kinds) if p.epi is not None else 0
     inputs = ("a", "b") + (("bias",) if p.bias else ()) + tuple(f"e{i}" for i in range(n_epi))
     lines = [

@@ -20,7 +20,7 @@ import torch
 from graphmode.backends.cpu.conv import ConvConfig, ConvProblem
 from graphmode.backends.cpu.depthwise import DepthwiseConfig, is_depthwise
 from graphmode.backends.cpu.pointwise_conv import PointwiseConfig, is_pointwise
-from graphmode.backends.cpu.gemm import PAR_FLOPS, GemmConfig, GemmProblem, generate_gemm, packed_numel
+from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, packed_numel, worth_threads
 from graphmode.backends.cpu.im2col import Im2colConfig
 from graphmode.backends.cpu.im2col import blocked_rows as im2col_rows
 from graphmode.backends.cpu.im2col import chunk_for as im2col_chunk
@@ -96,7 +96,7 @@ def candidate_names(p: GemmProblem, *, simd: Sequence[str], threads: int,
         if cfg.registers > registers(isa, simd) and isa != "portable":
             continue
         # blockings this shape does not feel are the same kernel: keep one of them
-        one = threads == 1 or p.flops < PAR_FLOPS
+        one = threads == 1 or not worth_threads(p)
         eff = GemmConfig(cfg.isa, cfg.mr, cfg.nr, cfg.kc if cfg.kc < p.k else 0,
                          cfg.mc if cfg.mc < p.m else 0, cfg.split if p.n > cfg.nr and not one else 1,
                          "serial" if one else cfg.par)
@@ -125,7 +125,7 @@ def _conv_names(p: ConvProblem, simd: Sequence[str], threads: int,
     out: list[str] = []
 
     def fit(g: GemmProblem, serial: bool = False, cfg: GemmConfig = base) -> GemmConfig:
-        one = serial or threads == 1 or g.flops < PAR_FLOPS
+        one = serial or threads == 1 or not worth_threads(g)
         return GemmConfig(cfg.isa, cfg.mr, cfg.nr, cfg.kc if cfg.kc < g.k else 0,
                           cfg.mc if cfg.mc < g.m else 0, cfg.split if g.n > cfg.nr and not one else 1,
                           "serial" if one else cfg.par)

@@ -438,3 +438,16 @@ def test_executor_with_tactics_matches_eager(tmp_path, monkeypatch):
         off = CpuExecutable(exe.plan, cm.graph.constants, builder=builder_for(tmp_path / "kernels", 2),
                             threads=2, tactics=False)
         assert off.tactics is None and off.tactics_report == {}
+
+
+def test_a_decode_gemv_is_offered_threads_for_its_weights_bytes_not_its_flops():
+    """A batch-1 GEMV over a 576x576 f32 weight is 0.66 MFLOP (under PAR_FLOPS) but reads 1.3 MB:
+    threaded and serial candidates are both timed; a small one stays serial."""
+    from graphmode.backends.cpu.gemm import PAR_FLOPS, worth_threads
+    from graphmode.backends.cpu.tactics.candidates import CONFIGS, candidate_names
+    gemv, tiny = GemmProblem("linear", 1, 1, 576, 576), GemmProblem("linear", 1, 1, 64, 256)
+    assert gemv.flops < PAR_FLOPS and worth_threads(gemv) and not worth_threads(tiny)
+    names = candidate_names(gemv, simd=("avx512f", "avx2", "fma"), threads=2, configs=CONFIGS, generated=True)
+    assert any(n.endswith("_serial") for n in names) and any(not n.endswith("_serial") for n in names[1:])
+    names = candidate_names(tiny, simd=("avx512f", "avx2", "fma"), threads=2, configs=CONFIGS, generated=True)
+    assert all(n.endswith("_serial") for n in names[1:])
