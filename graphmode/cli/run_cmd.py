@@ -15,6 +15,7 @@ from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import MODEL_SPEC_HELP, THREADS_HELP, CacheDir, recipe_or_draft
 from graphmode.cli.progress import progress
 from graphmode.errors import GraphmodeError
+from graphmode.verify.bisect import top1_cell
 from graphmode.verify.eager import run_reference
 
 
@@ -290,7 +291,7 @@ def run_cmd(
             t1 = r.get("top1_vs_eager")
             t.add_row(str(r["output"]), str(r["shape"]), r["dtype"], f"{r['mean']:.4g}", f"{r['std']:.4g}",
                       f"{r['rel_l2_vs_eager']:.2e}", f"{c.tolerance:.0e}",
-                      *((f"{t1['share']:.1%}, {t1['confident_flips']} flip(s)" if t1 and t1.get("judged")
+                      *((top1_cell(t1) if t1 and t1.get("judged")
                          else "- (not logits)",) if top else ()))
         console.print(t)
         if len(result["checked_paths"]) > 1:

@@ -20,6 +20,7 @@ from graphmode.cli.progress import progress
 from graphmode.progress import stage
 from graphmode.recipe.buckets import all_buckets, bucket_for, dim_buckets, dim_range
 from graphmode.verify.eager import run_reference
+from graphmode.verify.bisect import top1_cell
 
 
 def _merge(base: dict, change: dict) -> dict:
@@ -189,7 +190,7 @@ def verify_cmd(
                 # logits only: a top-1 over a hidden state's features (BERT's last_hidden_state) means nothing
                 top = [o["top1"] for o in r["outputs"] if (o.get("top1") or {}).get("judged")]
                 low = min(top, key=lambda t: t["share"]) if top else None
-                row.append(f"{low['share']:.1%}, {low['confident_flips']} flip(s)" if low else "- (no logits)")
+                row.append(top1_cell(low) if low else "- (no logits)")
             t.add_row(*row, "yes" if r["ok"] else "[red]NO[/]")
         console.print(t)
         if failure:
@@ -203,8 +204,8 @@ def verify_cmd(
                     console.print("no recipe change is known to remove it; this is a graphmode bug — report it")
         else:
             judged = any((o.get("top1") or {}).get("judged") for r in results for o in r["outputs"])
-            top1 = (f"; {rec.precision.weights} weights: no logit position's top-1 moved by more than the rounding "
-                    "noise" if judged else f"; {rec.precision.weights} weights: within the weight-only error bound, "
+            top1 = (f"; {rec.precision.weights} weights: no logit position's top-1 that the f32 model decided "
+                    "(led by more than the rounding noise, or by 4:1 or more) changed" if judged else f"; {rec.precision.weights} weights: within the weight-only error bound, "
                     "and no top-1 check ran (only logits are judged on their decisions: an output named logits, or "
                     "as wide as the model's token table; name a classifier's output logits, e.g. return "
                     "{'logits': y})")

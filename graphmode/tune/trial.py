@@ -183,8 +183,8 @@ class TrialRunner:
         _, overall = judge(recipe, None, m, tol=tol)
         why = [overall] if overall else []
         if flips:
-            why.append(f"numerics: {recipe.precision.weights} weights move the top-1 of {flips} position(s) by more "
-                       "than the rounding noise (graphmode verify shows them)")
+            why.append(f"numerics: {recipe.precision.weights} weights change the top-1 of {flips} position(s) the "
+                       "f32 model decided (graphmode verify shows them)")
         for s, ts in zip(self.shapes, times):                # per-bucket SLA entries hold per request shape
             entry = sla_target(recipe, s)
             if entry is not None and entry.key != "sla":

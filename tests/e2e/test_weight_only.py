@@ -117,6 +117,44 @@ def test_top1_counts_only_confident_flips():
     assert unnamed.judge_top1 and not unnamed.ok
 
 
+def test_a_pick_the_f32_model_led_by_4_to_1_is_a_flip_whatever_the_error():
+    """Noise-scaled alone, the excuse grew with the error: an int4 Llama whose error was as large
+    as its logits' spread changed most of its picks, f32 leads of up to 1.84 (6:1) among them,
+    and verify said '0 flip(s)'. A lead of ln 4 or more now counts; below it, noise still excuses."""
+    from graphmode.verify.bisect import compare_outputs, top1_cell
+    from graphmode.verify.numerics import MAX_TIE_LEAD
+    g = torch.Generator().manual_seed(0)
+    want = torch.randn(4, 256, generator=g)
+    want[:, 0] = want.max(-1).values + 6.0                    # class 0 far first everywhere
+    got = want + 0.4 * torch.randn(4, 256, generator=g)      # int4-sized noise: k sigma ~ 2.4 logits
+    got[0, 0], got[0, 1] = want[0, 0], want[0, 0] + 0.1      # position 0: class 1 overtakes
+    for lead, flips in ((MAX_TIE_LEAD - 0.1, 0), (MAX_TIE_LEAD + 0.1, 1)):
+        w = want.clone()
+        w[0, 1] = w[0, 0] - lead
+        t = top1_agreement(got, w)
+        assert t.agree == 3 and t.flips == flips and abs(t.max_lead - lead) < 1e-5, (lead, t)
+    (c,) = compare_outputs(["logits"], [got], [w], weights="int4")
+    assert c.rel_l2 < WEIGHT_ONLY["int4"] and not c.ok
+    cell = top1_cell(c.to_json()["top1"])
+    assert "1 flip(s)" in cell and "f32 led <= " in cell and ":1" in cell
+
+
+def test_an_output_no_top1_check_judges_is_held_to_int8s_bound():
+    """int4's loose bound leans on the top-1 check: a hidden state or an embedding (MiniLM's
+    pooled embeddings reached cos 0.953 at int4, rel L2 0.29) is held to int8's."""
+    from graphmode.verify.bisect import compare_outputs
+    from graphmode.verify.numerics import UNJUDGED_WEIGHT_ONLY
+    g = torch.Generator().manual_seed(0)
+    want = torch.randn(2, 8, 384, generator=g)
+    got = want + 0.29 * torch.randn(2, 8, 384, generator=g)
+    (emb,) = compare_outputs(["sentence_embedding"], [got], [want], weights="int4")
+    assert emb.tolerance == UNJUDGED_WEIGHT_ONLY == WEIGHT_ONLY["int8"] and not emb.ok
+    (logits,) = compare_outputs(["logits"], [got], [want], weights="int4")
+    assert logits.tolerance == WEIGHT_ONLY["int4"] and logits.judge_top1
+    (bf16,) = compare_outputs(["hidden"], [want * 1.001], [want], weights="bf16")
+    assert bf16.tolerance == WEIGHT_ONLY["bf16"] and bf16.ok
+
+
 def test_an_output_as_wide_as_the_token_table_is_judged_as_logits_whatever_its_name():
     """An exported LM names its logits `out` or `output_0`: the output whose last axis is the
     rows of the largest table an embedding looks up is logits; the hidden states are not."""
