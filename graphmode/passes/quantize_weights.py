@@ -115,7 +115,9 @@ def weights_summary(stats: dict) -> tuple[str, bool] | None:
     kept = stats.get("kept_f32") or {}
     done = int(stats.get("linears", 0))
     total = done + sum(kept.values())
-    why = "; ".join(f"{n} {'stays' if n == 1 else 'stay'} f32 ({r})" for r, n in kept.items())
+    # a weight that is not f32 (an fp16 model's) stays as it is, not f32
+    why = "; ".join(f"{n} {'stays' if n == 1 else 'stay'} {'f32' if 'not an f32' not in r else 'unquantized'} ({r})"
+                    for r, n in kept.items())
     fix = _group_fix(stats) if stats.get("left_f32") else ""
     if done:
         return (f"precision.weights {weights}: {done} of {total} linear(s) stored {weights} "
@@ -124,7 +126,7 @@ def weights_summary(stats: dict) -> tuple[str, bool] | None:
     none = ("its linear layers run as eager islands (capture.exclude_ops), in f32" if stats.get("eager_linears")
             else "the model has no linear layer (convolutions and embeddings keep f32)")
     return (f"precision.weights {weights} stored no weight narrow: " + (why if why else none)
-            + f"; it runs with f32 weights{fix}", True)
+            + f"; it runs with its weights as they are{fix}", True)
 
 
 def _group_fix(stats: dict) -> str:
