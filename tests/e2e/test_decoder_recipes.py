@@ -70,14 +70,14 @@ def test_pages_for_more_tokens_than_the_model_has_positions_bound_the_answer_by_
                                       "head_dim": 8}})          # 80 tokens of pages, 64 positions
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        eng = engine_of(graphmode.compile(gpt2()[0], rec, cache_dir=tmp_path))
+        eng = engine_of(graphmode.compile(gpt2()[0], rec, mode="eager", cache_dir=tmp_path))   # the paged graph only
     assert usable_tokens(eng) == 64 and eng.room(3) == 61
     with pytest.raises(ContractViolation, match="exceed the 64 positions of the model") as e:
         eng.add([5, 6, 7], SamplingParams(max_new_tokens=70))
     assert "at most 61 new tokens" in e.value.fix
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        small = engine_of(graphmode.compile(gpt2()[0], recipe(), cache_dir=tmp_path))     # 48 tokens of pages
+        small = engine_of(graphmode.compile(gpt2()[0], recipe(), mode="eager", cache_dir=tmp_path))   # 48 tokens of pages
     with pytest.raises(ContractViolation, match="exceed the 48 tokens a sequence's pages hold") as e:
         small.add([5, 6, 7], SamplingParams(max_new_tokens=100))      # the tighter limit is named, not the positions
     assert "at most 45 new tokens" in e.value.fix                # not 61: the pages hold 48

@@ -120,6 +120,7 @@ def mlp_group(tmp_path, timeout_s: float):
     return graphmode.compile(f"{SPEC}:mlp", rec, cache_dir=tmp_path)
 
 
+@pytest.mark.slow     # ~27 s on 2 busy cores: the parallel draft is the next test's, a group's start the server test's
 def test_recipe_init_tensor_writes_a_group_recipe_whose_ranks_report_their_start(tmp_path):
     """`recipe init --tensor 2` writes the parallel section (it was pasted from the docs by hand):
     a column- then row-parallel MLP, whose group's outputs equal eager's. A group that builds many
