@@ -258,11 +258,6 @@ class _Checker(Findings):
             self.err("memory.kv_cache.prefix_caching", "prefix caching prefills a prompt after a prefix another "
                      "sequence computed, under another shape than alone: batch_invariant cannot keep its logits",
                      True, fix="remove prefix_caching (off under batch_invariant) or determinism")
-        if getattr(kv, "dtype", None) == "f16" and self.t is not None and self.t.kind == "cpu":
-            # the CPU's paged attention kernel (backends/cpu/paged.py) reads f32 and bf16 pools
-            self.warn("memory.kv_cache.dtype", f"f16 pools have no paged attention kernel on target {self.t.name!r}: "
-                      "each layer's attention runs the reference op (a small Llama decoded 2.7x slower than "
-                      "with f32); dtype: bf16 halves the pool alike and runs the kernel")
 
     def memory(self) -> None:
         m = self.r.memory

@@ -5,8 +5,9 @@ GPT-2 small batch-1 decoding that is ~0.45 ms per layer per token, a fifth of th
 for a few microseconds of arithmetic. With every shape baked in, one call validates, writes
 and attends.
 
-Pools are f32 or bf16 (memory.kv_cache.dtype): bf16 is written rounded to nearest even as
-torch converts and widened when read. Semantics are the reference's: for each sequence i
+Pools are f32, bf16 or f16 (memory.kv_cache.dtype): bf16 and f16 are written rounded to
+nearest even as torch converts and widened when read (f16 keeps 3 more mantissa bits than bf16
+in the same bytes, llama.cpp's default cache). Semantics are the reference's: for each sequence i
 with n = lens[i] > 0 and s0 = start[i],
 the keys/values of rows t < n go to cache position s0 + t (page table[i, pos / page_size],
 slot pos % page_size) of the pools, IN PLACE (the pools are graph `state` constants at fixed
@@ -47,7 +48,8 @@ ROWS_PER_TASK = 16       # query rows (all heads of a kv head together) per task
 SPLIT = 64               # cache positions per task of a decode row: a Llama's 512-token context in 8 x 3 kv heads
 STATUS = "paged_attention: sequence positions outside its block table or pool"
 _TRAITS = {"avx512": "gm_attn_v512", "avx2": "gm_attn_v256", "portable": "gm_attn_vc"}
-_KV = {torch.float32: ("f32", "float"), torch.bfloat16: ("bf16", "gm_u16")}   # pool dtype: name, C type
+_KV = {torch.float32: ("f32", "float"), torch.bfloat16: ("bf16", "gm_u16"),   # pool dtype: name, C type
+       torch.float16: ("f16", "gm_h16")}
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class PagedProblem:
     page: int
     max_pages: int
     scale: float
-    kv: str = "f32"                  # the pools' dtype: f32 or bf16
+    kv: str = "f32"                  # the pools' dtype: f32, bf16 or f16
 
     @property
     def text(self) -> str:
@@ -82,7 +84,7 @@ def problem_of(call: OpCall) -> PagedProblem | str:
     if any(t.dtype != torch.float32 for t in (q, k, v, o)):
         return "q, k, v and the output must be f32"
     if kp.dtype != vp.dtype or kp.dtype not in _KV:
-        return f"pools of {kp.dtype} / {vp.dtype} (the kernel reads and writes f32 or bf16 pools, both alike)"
+        return f"pools of {kp.dtype} / {vp.dtype} (the kernel reads and writes f32, bf16 or f16 pools, both alike)"
     if any(t.dtype != torch.int64 for t in (table, start, lens)):
         return "block_table, start and lens must be i64"
     if [t.dim() for t in call.ins] + [o.dim()] != [4, 4, 4, 4, 4, 2, 1, 1, 4]:
@@ -122,6 +124,7 @@ def generate_paged(p: PagedProblem) -> tuple[str, str]:
              f"constexpr float SCALE = {lit(p.scale, 'f32')};",
              f"constexpr long SPLIT = {SPLIT};   // cache positions per task of a decode row (S == 1)",
              "typedef __UINT16_TYPE__ gm_u16;",
+             "struct gm_h16 { gm_u16 b; };   // an IEEE half: its own type, so the pool's loads and stores overload",
              f"typedef {dict(_KV.values())[p.kv]} KV;",
              f"constexpr double PAR_WORK = {float(PAR_FLOPS)!r};   // flops below which one thread runs the call"]
     for isa in ("avx512", "avx2"):

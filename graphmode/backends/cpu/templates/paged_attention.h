@@ -23,6 +23,47 @@ template <int N> GM_ATTN_FI VT::V kv_loadn(const gm_u16* p) {
   GM_ATTN_UNROLL for (int l = 0; l < N; ++l) t[l] = kv_f32(p[l]);
   return VT::template loadn<N>(t);
 }
+// f16 (gm_h16: IEEE binary16), widened exactly and written rounded to nearest even as torch
+// converts (past 65504 to inf at the halfway point and beyond, a NaN as a quiet NaN of its sign).
+GM_ATTN_FI float kv_f32(gm_h16 x) {
+  const uint32_t h = x.b, sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) {                                         // zero or subnormal: m x 2^-24, exact in f32
+    const float v = (float)m * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  const uint32_t u = sign | (e == 0x1fu ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
+  return gm_bits_f32((int32_t)u);
+}
+GM_ATTN_FI VT::V kv_load(const gm_h16* p) {
+  float t[VT::L];
+  GM_ATTN_UNROLL for (int l = 0; l < VT::L; ++l) t[l] = kv_f32(p[l]);
+  return VT::load(t);
+}
+template <int N> GM_ATTN_FI VT::V kv_loadn(const gm_h16* p) {
+  float t[VT::L];
+  GM_ATTN_UNROLL for (int l = 0; l < N; ++l) t[l] = kv_f32(p[l]);
+  return VT::template loadn<N>(t);
+}
+GM_INLINE gm_h16 kv_h16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  uint32_t h;
+  if (a > 0x7f800000u) h = 0x7e00u;                     // NaN
+  else if (a >= 0x477ff000u) h = 0x7c00u;               // 65520 and up (inf too) round to inf
+  else if (a >= 0x38800000u) h = ((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - (112u << 10);   // normal: 2^-14 up
+  else {                                                // subnormal or zero: units of 2^-24, nearest even
+    float v;
+    __builtin_memcpy(&v, &a, 4);
+    h = (uint32_t)__builtin_rintf(v * 16777216.0f);
+  }
+  gm_h16 out;
+  out.b = (gm_u16)(sign | h);
+  return out;
+}
+GM_INLINE void kv_put(gm_h16* __restrict dst, const float* __restrict src, long n) {
+  for (long x = 0; x < n; ++x) dst[x] = kv_h16(src[x]);
+}
 GM_INLINE void kv_put(float* __restrict dst, const float* __restrict src, long n) {
   __builtin_memcpy(dst, src, n * sizeof(float));
 }

@@ -97,6 +97,10 @@ CASES = [
          kv=torch.bfloat16),
     Case("bf16_prefill_gqa", 2, 4, 2, 9, 40, 20, 12, 8, [[6, 2, 0, 5], [1, 3, 4, 7]], [([13, 0], [9, 5])],
          kv=torch.bfloat16),
+    # f16 pools (llama.cpp's default cache), alike (a prefill reads them through the same loads): decode
+    # split over parts, grouped-query heads, an E tail
+    Case("f16_decode_split", 2, 4, 2, 1, 64, 40, 12, 16, [[(5 * i + j) % 12 for j in range(9)] for i in range(2)],
+         [([70, 0], [1, 1]), ([140, 63], [1, 1])], kv=torch.float16),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -113,7 +117,7 @@ def _check(case: Case, kernel, ks) -> None:
         want, kp, vp = _reference(case, ins)
         got = torch.full((case.b, case.h, case.s, case.e), float("nan"))
         kernel([t.data_ptr() for t in ins + [got]])
-        bits = (lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32))   # NaN too
+        bits = (lambda t: t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32))   # NaN too
         assert torch.equal(bits(ins[3]), bits(kp)) and torch.equal(bits(ins[4]), bits(vp)), (case.name, start, lens)
         assert rel_l2(got, want) < 1e-5, (case.name, start, lens, rel_l2(got, want))
         for i, n in enumerate(lens):      # padded rows and empty sequences: exactly zero
@@ -211,8 +215,9 @@ def _refused(**over) -> bool:
 def test_what_stays_with_the_reference():
     assert not _refused()
     assert _refused(v_pool=torch.zeros(9, 16, 4, 64, dtype=torch.bfloat16))       # f32 keys, bf16 values
-    assert _refused(k_pool=torch.zeros(9, 16, 4, 64, dtype=torch.float16),
-                    v_pool=torch.zeros(9, 16, 4, 64, dtype=torch.float16))        # f16 pools
+    assert _refused(k_pool=torch.zeros(9, 16, 4, 64, dtype=torch.float16))       # f16 keys, f32 values
+    assert _refused(k_pool=torch.zeros(9, 16, 4, 64, dtype=torch.float64),
+                    v_pool=torch.zeros(9, 16, 4, 64, dtype=torch.float64))        # f64 pools
     assert _refused(lens=torch.tensor([1], dtype=torch.int32))
     assert _refused(block_table=torch.zeros(2, 4, dtype=torch.int64))             # a table row per sequence
     assert _refused(q=randn(1, 3, 1, 64))                                          # 3 heads over 4 kv heads
@@ -245,3 +250,33 @@ def test_bf16_pools_round_as_torch_does(lib):
     assert torch.equal(ins[3].isnan(), nan) and int(nan.sum()) == 1
     assert torch.equal(ins[3].view(torch.int16)[~nan], kp.view(torch.int16)[~nan])
 
+
+
+@needs_cxx
+def test_f16_pools_round_as_torch_does(lib):
+    """Keys and values written to f16 pools bit for bit as torch's .to(torch.float16): ties to
+    even at both ends of the normal range, the largest half and the halfway point past it (inf),
+    overflow, inf, -0, half subnormals (and their ties), f32 values below them; a NaN stays NaN.
+    The output reads them widened exactly, as the reference does."""
+    isa, sources, kernels = lib
+    if isa not in HOST:
+        pytest.skip(f"this host runs {', '.join(HOST)}")
+    case = BY_NAME["f16_decode_split"]
+    ks = sources[case.name]
+    ins = case.inputs([20, 3], [1, 1])
+    specials = torch.tensor([1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, -(1.0 + 2 ** -11), 65504.0, 65519.0, 65520.0,
+                             1e6, float("inf"), -float("inf"), -0.0, 2 ** -14, 2 ** -14 - 2 ** -25, 2 ** -24,
+                             1.5 * 2 ** -24, 2.5 * 2 ** -24, 2 ** -26, 1e-40, float("nan"), -3.0 * 2 ** -20])
+    ins[1][0, 0, 0, :len(specials)] = specials / 4          # the keys at the top of their range too
+    ins[1][1, 1, 0, :len(specials)] = specials
+    ins[2][0, 1, 0, :len(specials)] = specials
+    want, kp, vp = _reference(case, ins)
+    got = torch.empty(case.b, case.h, case.s, case.e)
+    kernels[ks.symbol]([t.data_ptr() for t in ins + [got]])
+    for mine, theirs in ((ins[3], kp), (ins[4], vp)):
+        nan = theirs.isnan()
+        assert torch.equal(mine.isnan(), nan)
+        assert torch.equal(mine.view(torch.int16)[~nan], theirs.view(torch.int16)[~nan])
+    assert int(vp.isnan().sum()) == 1 and bool(vp.isinf().any())
+    fine = want.isfinite()
+    assert torch.equal(got.isfinite(), fine) and rel_l2(got[fine], want[fine]) < 1e-5
