@@ -31,8 +31,8 @@ is timed from there) and when the last token was. Engines:
   (recipe `precision.weights`; int4: symmetric, group 32, as q4_0's blocks),
   `graphmode[int4_q8]` too with `int4_activations: q8` (int8 activation blocks, as q4_0 x q8_0),
   `graphmode[batch_invariant]` (determinism: batch_invariant) prefills each prompt alone and
-  batches decode steps over row-invariant kernels; `graphmode[kv_bf16]` keeps the KV pool in
-  bf16 (memory.kv_cache.dtype); `graphmode[merged]` runs the default passes with
+  batches decode steps over row-invariant kernels; `graphmode[kv_bf16]` / `graphmode[kv_f16]`
+  keep the KV pool in bf16 / f16 (memory.kv_cache.dtype; f16 is llama.cpp's default cache); `graphmode[merged]` runs the default passes with
   merge_linears (q/k/v and gate/up as one GEMV each): the A/B of that opt-in pass;
 - `ort_genai`, `openvino_genai`: reported "not installed" unless their package imports;
   the pipelines themselves are not wired up yet (reported as such).
@@ -457,7 +457,7 @@ DECODE_ENGINE_NAMES = ("eager", "static_compile", "llama_cpp", "ort_genai", "ope
 LLAMA_CPP_VARIANTS = ("f32", "q8_0", "q4_0", "q4_K_M")
 WEIGHT_VARIANTS = ("bf16", "int8", "int4")            # graphmode[int8]: recipe precision.weights
 INT4_Q8 = "int4_q8"                                    # int4 weights, precision.int4_activations q8
-GRAPHMODE_VARIANTS = ("batch_invariant", "kv_bf16", "merged") + WEIGHT_VARIANTS + (INT4_Q8,)
+GRAPHMODE_VARIANTS = ("batch_invariant", "kv_bf16", "kv_f16", "merged") + WEIGHT_VARIANTS + (INT4_Q8,)
 DECODE_LABELS = {"eager": "transformers eager", "static_compile": "transformers static+compile",
           "llama_cpp": "llama.cpp", "ort_genai": "ORT GenAI", "openvino_genai": "OpenVINO GenAI",
           "graphmode": "graphmode"}
@@ -575,7 +575,7 @@ class GraphmodeLMEngine(LMEngine):
     def __init__(self, variant: str | None = None) -> None:
         super().__init__(variant)
         self.dtype = variant if variant in WEIGHT_VARIANTS else "int4" if variant == INT4_Q8 else "f32"
-        self.kv_dtype = "bf16" if variant == "kv_bf16" else "f32"
+        self.kv_dtype = {"kv_bf16": "bf16", "kv_f16": "f16"}.get(variant or "", "f32")
 
     def setup(self, shared):
         import graphmode
@@ -593,8 +593,8 @@ class GraphmodeLMEngine(LMEngine):
             recipe = dict(recipe, precision={"compute": "f32", "weights": self.variant})
         elif self.variant == INT4_Q8:
             recipe = dict(recipe, precision={"compute": "f32", "weights": "int4", "int4_activations": "q8"})
-        elif self.variant == "kv_bf16":
-            recipe = dict(recipe, memory={"kv_cache": dict(recipe["memory"]["kv_cache"], dtype="bf16")})
+        elif self.variant in ("kv_bf16", "kv_f16"):
+            recipe = dict(recipe, memory={"kv_cache": dict(recipe["memory"]["kv_cache"], dtype=self.kv_dtype)})
         elif self.variant == "merged":
             from graphmode.passes.registry import PRESETS, with_merged_linears
             recipe = dict(recipe, optimize={"passes": with_merged_linears(PRESETS["default"])})
@@ -782,7 +782,8 @@ def parse_decode_engines(text: str | None) -> list[tuple[str, str | None]]:
             raise GraphmodeError(f"unknown graphmode variant {var!r}", where="--engines", value=n,
                                  fix="graphmode, graphmode[batch_invariant] (determinism: batch_invariant: its cost "
                                      "against graphmode), graphmode[int8], graphmode[bf16] or graphmode[int4] "
-                                     "(precision.weights), graphmode[int4_q8] (int4_activations: q8)")
+                                     "(precision.weights), graphmode[int4_q8] (int4_activations: q8), "
+                                     "graphmode[kv_bf16] or graphmode[kv_f16] (memory.kv_cache.dtype), graphmode[merged]")
         if base == "llama_cpp" and var is not None and var not in LLAMA_CPP_VARIANTS:
             raise GraphmodeError(f"unknown llama.cpp weights {var!r}", where="--engines", value=n,
                                  fix=f"llama_cpp[{'] or llama_cpp['.join(LLAMA_CPP_VARIANTS)}]")

@@ -40,7 +40,7 @@ def decode_cmd(
                                           "ort_genai,openvino_genai,graphmode; llama_cpp\\[f32], \\[q8_0], "
                                           "\\[q4_0] or \\[q4_K_M] picks one; graphmode\\[int8], \\[bf16], "
                                           "\\[int4], \\[int4_q8] (int4 with q8 activations), \\[batch_invariant], "
-                                          "\\[kv_bf16] (bf16 KV pool) or "
+                                          "\\[kv_bf16] / \\[kv_f16] (bf16 / f16 KV pool) or "
                                           "\\[merged] (with merge_linears) a variant (default: all)"),
     prompt_lens: Optional[str] = typer.Option(None, "--prompt-lens", help="TTFT prompt lengths (default 128,512)"),
     batches: Optional[str] = typer.Option(None, "--batches", help="decode batch sizes (default 1,4,16)"),

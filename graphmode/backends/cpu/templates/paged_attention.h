@@ -34,11 +34,19 @@ GM_ATTN_FI float kv_f32(gm_h16 x) {
   const uint32_t u = sign | (e == 0x1fu ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
   return gm_bits_f32((int32_t)u);
 }
+// a whole vector of halves by the ISA's own conversion (exact, like kv_f32): one instruction
+// where element by element a decode step's attention ran 1.4x (b=1) to 2.2x (b=4) the f32 pool's
+#if defined(__AVX512F__)
+GM_ATTN_FI VT::V kv_load(const gm_h16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+GM_ATTN_FI VT::V kv_load(const gm_h16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#else
 GM_ATTN_FI VT::V kv_load(const gm_h16* p) {
   float t[VT::L];
   GM_ATTN_UNROLL for (int l = 0; l < VT::L; ++l) t[l] = kv_f32(p[l]);
   return VT::load(t);
 }
+#endif
 template <int N> GM_ATTN_FI VT::V kv_loadn(const gm_h16* p) {
   float t[VT::L];
   GM_ATTN_UNROLL for (int l = 0; l < N; ++l) t[l] = kv_f32(p[l]);
