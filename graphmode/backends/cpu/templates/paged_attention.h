@@ -147,32 +147,43 @@ GM_INLINE void write(const float* __restrict k, const float* __restrict v, KV* k
 
 // o[E] = softmax(q . k_j * SCALE) v_j over cache positions j < ext of kv head g; s: ext rounded
 // up to 16 floats of scratch
-GM_INLINE void row(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
-                   const int64_t* __restrict tab, long g, long ext, float* __restrict s, float* __restrict o) {
+// s[j] = e^(score_j - max) over cache positions j0 .. j0 + n - 1 of kv head g (s: n rounded up
+// to 16 floats and one vector more); returns their sum, the max in *mx_out
+GM_INLINE float exp_scores(const float* __restrict q, const KV* __restrict kp, const int64_t* __restrict tab,
+                           long g, long j0, long n, float* __restrict s, float* mx_out) {
   typedef VT::V V;
   constexpr long L = VT::L;
   V qv[DV + 1];
   GM_ATTN_UNROLL for (long c = 0; c < DV; ++c) qv[c] = VT::load(q + c * L);
   if (DT) qv[DV] = VT::loadn<DT ? DT : 1>(q + DV * L);
   const V sc = VT::set1(SCALE);
-  for (long j0 = 0; j0 < ext; j0 += L) {
+  for (long b0 = 0; b0 < n; b0 += L) {
     V acc[L];
     GM_ATTN_UNROLL for (long u = 0; u < L; ++u) {
       acc[u] = VT::zero();
-      if (j0 + u < ext) {
-        const KV* kr = kp + pool_row(tab, j0 + u, g, D);
+      if (b0 + u < n) {
+        const KV* kr = kp + pool_row(tab, j0 + b0 + u, g, D);
         GM_ATTN_UNROLL for (long c = 0; c < DV; ++c) acc[u] = VT::fma(qv[c], kv_load(kr + c * L), acc[u]);
         if (DT) acc[u] = VT::fma(qv[DV], kv_loadn<DT ? DT : 1>(kr + DV * L), acc[u]);
       }
     }
-    VT::store(s + j0, VT::mul(hsums(acc), sc));
+    VT::store(s + b0, VT::mul(hsums(acc), sc));
   }
-  const long ext16 = (ext + 15) & ~15L;
+  const long n16 = (n + 15) & ~15L;
   float mx = -GM_INF;
   #pragma omp simd reduction(max:mx)
-  for (long j = 0; j < ext; ++j) mx = mx > s[j] ? mx : s[j];
-  for (long j = ext; j < ext16; ++j) s[j] = -GM_INF;
-  const float sum = gm_attn_exp_sum(s, ext16, mx);
+  for (long j = 0; j < n; ++j) mx = mx > s[j] ? mx : s[j];
+  for (long j = n; j < n16; ++j) s[j] = -GM_INF;
+  *mx_out = mx;
+  return gm_attn_exp_sum(s, n16, mx);
+}
+
+GM_INLINE void row(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
+                   const int64_t* __restrict tab, long g, long ext, float* __restrict s, float* __restrict o) {
+  typedef VT::V V;
+  constexpr long L = VT::L;
+  float mx;
+  const float sum = exp_scores(q, kp, tab, g, 0, ext, s, &mx);
   V acc[NE];
   GM_ATTN_UNROLL for (long u = 0; u < NE; ++u) acc[u] = VT::zero();
   for (long p0 = 0; p0 < ext; p0 += PAGE) {
@@ -217,29 +228,9 @@ GM_INLINE void partial(const float* __restrict q, const KV* __restrict kp, const
   typedef VT::V V;
   constexpr long L = VT::L;
   alignas(64) float s[SPLIT + 16];
-  V qv[DV + 1];
-  GM_ATTN_UNROLL for (long c = 0; c < DV; ++c) qv[c] = VT::load(q + c * L);
-  if (DT) qv[DV] = VT::loadn<DT ? DT : 1>(q + DV * L);
-  const V sc = VT::set1(SCALE);
   const long n = j1 - j0;
-  for (long b0 = 0; b0 < n; b0 += L) {
-    V acc[L];
-    GM_ATTN_UNROLL for (long u = 0; u < L; ++u) {
-      acc[u] = VT::zero();
-      if (b0 + u < n) {
-        const KV* kr = kp + pool_row(tab, j0 + b0 + u, g, D);
-        GM_ATTN_UNROLL for (long c = 0; c < DV; ++c) acc[u] = VT::fma(qv[c], kv_load(kr + c * L), acc[u]);
-        if (DT) acc[u] = VT::fma(qv[DV], kv_loadn<DT ? DT : 1>(kr + DV * L), acc[u]);
-      }
-    }
-    VT::store(s + b0, VT::mul(hsums(acc), sc));
-  }
-  const long n16 = (n + 15) & ~15L;
-  float mx = -GM_INF;
-  #pragma omp simd reduction(max:mx)
-  for (long j = 0; j < n; ++j) mx = mx > s[j] ? mx : s[j];
-  for (long j = n; j < n16; ++j) s[j] = -GM_INF;
-  const float sum = gm_attn_exp_sum(s, n16, mx);
+  float mx;
+  const float sum = exp_scores(q, kp, tab, g, j0, n, s, &mx);
   V acc[NE];
   GM_ATTN_UNROLL for (long u = 0; u < NE; ++u) acc[u] = VT::zero();
   for (long j = 0; j < n; ++j) {
