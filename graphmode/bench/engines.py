@@ -32,8 +32,9 @@ is timed from there) and when the last token was. Engines:
   `graphmode[int4_q8]` too with `int4_activations: q8` (int8 activation blocks, as q4_0 x q8_0),
   `graphmode[batch_invariant]` (determinism: batch_invariant) prefills each prompt alone and
   batches decode steps over row-invariant kernels; `graphmode[kv_bf16]` / `graphmode[kv_f16]`
-  keep the KV pool in bf16 / f16 (memory.kv_cache.dtype; f16 is llama.cpp's default cache); `graphmode[merged]` runs the default passes with
-  merge_linears (q/k/v and gate/up as one GEMV each): the A/B of that opt-in pass;
+  keep the KV pool in bf16 / f16 (memory.kv_cache.dtype; f16 is llama.cpp's default cache);
+  `graphmode[merged]` runs the default passes with merge_linears (q/k/v and gate/up as one
+  GEMV each): the A/B of that opt-in pass;
 - `ort_genai`, `openvino_genai`: reported "not installed" unless their package imports;
   the pipelines themselves are not wired up yet (reported as such).
 
@@ -783,7 +784,8 @@ def parse_decode_engines(text: str | None) -> list[tuple[str, str | None]]:
                                  fix="graphmode, graphmode[batch_invariant] (determinism: batch_invariant: its cost "
                                      "against graphmode), graphmode[int8], graphmode[bf16] or graphmode[int4] "
                                      "(precision.weights), graphmode[int4_q8] (int4_activations: q8), "
-                                     "graphmode[kv_bf16] or graphmode[kv_f16] (memory.kv_cache.dtype), graphmode[merged]")
+                                     "graphmode[kv_bf16] or graphmode[kv_f16] (memory.kv_cache.dtype), "
+                                     "graphmode[merged]")
         if base == "llama_cpp" and var is not None and var not in LLAMA_CPP_VARIANTS:
             raise GraphmodeError(f"unknown llama.cpp weights {var!r}", where="--engines", value=n,
                                  fix=f"llama_cpp[{'] or llama_cpp['.join(LLAMA_CPP_VARIANTS)}]")

@@ -205,7 +205,8 @@ def verify_cmd(
         else:
             judged = any((o.get("top1") or {}).get("judged") for r in results for o in r["outputs"])
             top1 = (f"; {rec.precision.weights} weights: no logit position's top-1 that the f32 model decided "
-                    "(led by more than the rounding noise, or by 4:1 or more) changed" if judged else f"; {rec.precision.weights} weights: within the weight-only error bound, "
+                    "(led by more than the rounding noise, or by 4:1 or more) changed" if judged else
+                    f"; {rec.precision.weights} weights: within the weight-only error bound, "
                     "and no top-1 check ran (only logits are judged on their decisions: an output named logits, or "
                     "as wide as the model's token table; name a classifier's output logits, e.g. return "
                     "{'logits': y})")

@@ -77,7 +77,7 @@ def test_pages_for_more_tokens_than_the_model_has_positions_bound_the_answer_by_
     assert "at most 61 new tokens" in e.value.fix
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        small = engine_of(graphmode.compile(gpt2()[0], recipe(), mode="eager", cache_dir=tmp_path))   # 48 tokens of pages
+        small = engine_of(graphmode.compile(gpt2()[0], recipe(), mode="eager", cache_dir=tmp_path))  # 48 tokens
     with pytest.raises(ContractViolation, match="exceed the 48 tokens a sequence's pages hold") as e:
         small.add([5, 6, 7], SamplingParams(max_new_tokens=100))      # the tighter limit is named, not the positions
     assert "at most 45 new tokens" in e.value.fix                # not 61: the pages hold 48

@@ -145,8 +145,6 @@ GM_INLINE void write(const float* __restrict k, const float* __restrict v, KV* k
     }
 }
 
-// o[E] = softmax(q . k_j * SCALE) v_j over cache positions j < ext of kv head g; s: ext rounded
-// up to 16 floats of scratch
 // s[j] = e^(score_j - max) over cache positions j0 .. j0 + n - 1 of kv head g (s: n rounded up
 // to 16 floats and one vector more); returns their sum, the max in *mx_out
 GM_INLINE float exp_scores(const float* __restrict q, const KV* __restrict kp, const int64_t* __restrict tab,
@@ -178,6 +176,8 @@ GM_INLINE float exp_scores(const float* __restrict q, const KV* __restrict kp, c
   return gm_attn_exp_sum(s, n16, mx);
 }
 
+// o[E] = softmax(q . k_j * SCALE) v_j over cache positions j < ext of kv head g; s: ext rounded
+// up to 16 floats of scratch
 GM_INLINE void row(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
                    const int64_t* __restrict tab, long g, long ext, float* __restrict s, float* __restrict o) {
   typedef VT::V V;
