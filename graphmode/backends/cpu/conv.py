@@ -10,7 +10,7 @@ packed), says how much zeroed workspace a step needs and generates its kernel
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, ClassVar, Mapping, Protocol, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from graphmode.backends.cpu.abi import KernelSource
 from graphmode.backends.cpu.attrs import pair
 from graphmode.backends.cpu.epilogue import Epilogue, conv_load
 from graphmode.backends.cpu.omp_loops import omp_for
+from graphmode.errors import BackendError
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,36 @@ class ConvConfig(Protocol):
     def workspace_numel(self, p: ConvProblem) -> int: ...
 
     def generate(self, p: ConvProblem, threads: int) -> KernelSource: ...
+
+
+@dataclass(frozen=True)
+class WholeWeightConfig:
+    """A conv candidate of one schedule that reads its weight as it is (the depthwise and 1x1
+    kernels): a subclass names itself (NAME, WHAT) and says which convs it covers and how it is
+    generated."""
+
+    NAME: ClassVar[str] = ""
+    WHAT: ClassVar[str] = ""
+
+    @property
+    def name(self) -> str:
+        return self.NAME
+
+    @classmethod
+    def parse(cls, name: str) -> "WholeWeightConfig":
+        if name != cls.NAME:
+            raise BackendError(f"not a {cls.WHAT} candidate name: {name!r}", value=name, fix=cls.NAME)
+        return cls()
+
+    def prepare_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """The weight as it is (a channel's weights contiguous)."""
+        return w.contiguous().reshape(-1)
+
+    def weight_key(self) -> tuple:
+        return (self.NAME,)
+
+    def workspace_numel(self, p: ConvProblem) -> int:
+        return 0
 
 
 def nhwc_pack_lines(p: ConvProblem, cp: int, hp: int, wp: int, par: bool) -> list[str]:

@@ -18,11 +18,11 @@ A channel multiplier (output channels = multiplier x groups) reads input channel
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import ClassVar
 
 from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source
-from graphmode.backends.cpu.conv import ConvProblem, conv_args, epilogue_store, epilogue_types
+from graphmode.backends.cpu.conv import (ConvProblem, WholeWeightConfig, conv_args, epilogue_store,
+                                         epilogue_types)
 from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
@@ -51,31 +51,14 @@ def is_depthwise(p: ConvProblem) -> bool:
 
 
 @dataclass(frozen=True)
-class DepthwiseConfig:
-    """The depthwise candidate (one schedule: a plane per task)."""
+class DepthwiseConfig(WholeWeightConfig):
+    """The depthwise candidate (one schedule: a plane per task; weight [Cout, 1, kh, kw])."""
 
-    @property
-    def name(self) -> str:
-        return "dw"
-
-    @staticmethod
-    def parse(name: str) -> "DepthwiseConfig":
-        if name != "dw":
-            raise BackendError(f"not a depthwise candidate name: {name!r}", value=name, fix="dw")
-        return DepthwiseConfig()
+    NAME: ClassVar[str] = "dw"
+    WHAT: ClassVar[str] = "depthwise"
 
     def applies(self, p: ConvProblem) -> bool:
         return is_depthwise(p)
-
-    def prepare_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """The weight as it is ([Cout, 1, kh, kw], taps of a channel contiguous)."""
-        return w.contiguous().reshape(-1)
-
-    def weight_key(self) -> tuple:
-        return ("dw",)
-
-    def workspace_numel(self, p: ConvProblem) -> int:
-        return 0
 
     def generate(self, p: ConvProblem, threads: int) -> KernelSource:
         return generate_depthwise(p, threads)

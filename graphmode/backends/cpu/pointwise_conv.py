@@ -16,11 +16,11 @@ tile at their own sizes (templates: every trip count is a constant the compiler 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import ClassVar
 
 from graphmode.backends.cpu.abi import KernelSource, entry_point, kernel_source
-from graphmode.backends.cpu.conv import ConvProblem, conv_args, epilogue_store, epilogue_types
+from graphmode.backends.cpu.conv import (ConvProblem, WholeWeightConfig, conv_args, epilogue_store,
+                                         epilogue_types)
 from graphmode.backends.cpu.omp_loops import omp_for
 from graphmode.errors import BackendError
 from graphmode.ir.types import TensorType
@@ -37,31 +37,14 @@ def is_pointwise(p: ConvProblem) -> bool:
 
 
 @dataclass(frozen=True)
-class PointwiseConfig:
-    """The 1x1 candidate (one schedule: tiles of CR channels x PB pixels)."""
+class PointwiseConfig(WholeWeightConfig):
+    """The 1x1 candidate (one schedule: tiles of CR channels x PB pixels; weight [Cout, Cin])."""
 
-    @property
-    def name(self) -> str:
-        return "pw"
-
-    @staticmethod
-    def parse(name: str) -> "PointwiseConfig":
-        if name != "pw":
-            raise BackendError(f"not a 1x1 conv candidate name: {name!r}", value=name, fix="pw")
-        return PointwiseConfig()
+    NAME: ClassVar[str] = "pw"
+    WHAT: ClassVar[str] = "1x1 conv"
 
     def applies(self, p: ConvProblem) -> bool:
         return is_pointwise(p)
-
-    def prepare_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """The weight as it is ([Cout, Cin], a channel's weights contiguous)."""
-        return w.contiguous().reshape(-1)
-
-    def weight_key(self) -> tuple:
-        return ("pw",)
-
-    def workspace_numel(self, p: ConvProblem) -> int:
-        return 0
 
     def generate(self, p: ConvProblem, threads: int) -> KernelSource:
         return generate_pointwise(p, threads)
