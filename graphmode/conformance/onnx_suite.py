@@ -195,7 +195,9 @@ class OnnxSuite:
     def __init__(self, cache_dir: str | None = None, threads: int = 1):
         self.cache_dir = cache_dir
         self.threads = threads
-        self._tmp = tempfile.mkdtemp(prefix="gm-onnx-conf-")
+        # the cases' files live while the suite does and go with it (a run left one folder per suite in /tmp)
+        self._tmp_dir = tempfile.TemporaryDirectory(prefix="gm-onnx-conf-")
+        self._tmp = self._tmp_dir.name
 
     def versions(self) -> dict[str, str]:
         import onnx

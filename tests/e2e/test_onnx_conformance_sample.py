@@ -9,7 +9,10 @@ from graphmode.conformance.report import markdown
 SAMPLE = 30           # about 15 s on two cores (one case per op); the full run is `make conformance`
 
 
-def test_onnx_node_test_sample_has_no_wrong_answer_crash_or_hang(tmp_path):
+def test_onnx_node_test_sample_has_no_wrong_answer_crash_or_hang(tmp_path, monkeypatch):
+    scratch = tmp_path / "tmp"                  # the workers' temporary folder: each suite must take its files away
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     run = run_suite("onnx", sample=SAMPLE, jobs=1, timeout_s=120, options={"cache_dir": str(tmp_path / "cache")},
                     log_path=tmp_path / "workers.log")
     counts = run.counts()
@@ -18,3 +21,4 @@ def test_onnx_node_test_sample_has_no_wrong_answer_crash_or_hang(tmp_path):
     assert len(run.results) == SAMPLE and len({r.op for r in run.results}) == SAMPLE   # one case per op
     assert counts["pass"] >= SAMPLE // 2, markdown(run)          # a floor: a regression shows up here first
     assert sum(r.others.get("ORT") == "pass" for r in run.results) >= SAMPLE * 3 // 4
+    assert not list(scratch.glob("gm-*")), "a worker left its case files behind"   # torch's and ORT's are theirs
