@@ -434,6 +434,9 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
         data["dims"], ranges = _dims(*dim_args, narrowed)
     model_row, hw_row = model_of(graph0, src, recipe_inputs(skeleton)), hardware_of(tgt)
     recs = _knobs_from_kb(data, notes, model_row, hw_row, kb_path, objective)
+    if data["precision"] == {"compute": "f32"} and (own := _narrow_weights(graph0)):
+        notes["precision"] += (f"; compute f32 changes no dtype: the model's {own} weights and the ops on them run "
+                               f"in {own} as in eager (compute {own} would narrow its f32 ops too)")
     if cap.fallbacks:
         data["exe_mode"] = "hybrid"
         notes["exe_mode"] = (f"{len(cap.fallbacks)} op(s) have no graphmode lowering "
@@ -665,6 +668,13 @@ def _knobs_from_kb(data: dict, notes: dict, model_row: dict, hw_row: dict, kb_pa
                               f"{top.recipe['hash']} ({top.recipe['name']}) runs {_precision_text(prec)}, which "
                               "changes the answer: set precision yourself (and `graphmode verify` it) for that")
     return recs
+
+
+def _narrow_weights(graph: Any) -> str:
+    """The float dtype(s) of the model's own weights other than f32 ('' for an f32 model)."""
+    import torch
+    names = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
+    return "/".join(sorted({names[t.dtype] for t in graph.constants.values() if t.dtype in names}))
 
 
 def _keeps_f32(prec: dict) -> bool:

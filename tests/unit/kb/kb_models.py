@@ -80,3 +80,9 @@ class MLP(nn.Module):
 def mlp():
     torch.manual_seed(0)
     return MLP().eval(), {"x": torch.randn(4, 16)}, {"x": ["batch", 16]}
+
+
+def mlp_half():
+    """An fp16 model (a user's `model.half()`): the draft's compute f32 leaves its f16 ops as they are."""
+    module, inputs, dims = mlp()
+    return module.half(), {"x": inputs["x"].half()}, dims

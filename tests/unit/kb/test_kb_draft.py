@@ -249,3 +249,11 @@ def test_coarse_buckets_of_a_bounded_draft_plan_the_values_that_recur():
     dims = d.data["dims"]
     assert all(dims[k].get("exact_plans") == 16 for k in ("batch", "seq", "decoder_seq")), dims
     assert "that recur get plans of their own" in d.notes["dims.seq"] and load_recipe(d.data) == d.recipe
+
+
+def test_the_draft_of_an_fp16_model_says_compute_f32_leaves_its_f16_ops_alone():
+    """precision.compute casts f32 values only: an fp16 model under compute f32 runs in f16 as in eager."""
+    d = draft_recipe(spec("mlp_half"))
+    assert d.data["precision"] == {"compute": "f32"}
+    assert "model's f16 weights and the ops on them run in f16 as in eager" in d.notes["precision"]
+    assert "compute f32 changes no dtype" not in draft_recipe(spec("mlp")).notes["precision"]
