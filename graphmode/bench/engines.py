@@ -371,8 +371,10 @@ class GraphmodeEngine(Engine):
         timed rounds see what a recurring request sees; the calls are setup time. Returns them."""
         from graphmode.runtime.split import shape_key
         for n in range(1, most + 1):
+            cm.wait_for_builds()            # a recurring value's plan building in the background (runtime/plans.py)
             built = len(cm._executables)
             call()
+            cm.wait_for_builds()
             key = shape_key(self._env, cm.last_bucket)
             ways, _ = cm._ways(self._env, cm.last_bucket)
             if len(cm._executables) == built and (len(ways) == 1 or cm.shape_chooser.settled(key, ways)):

@@ -7,7 +7,9 @@ buckets of a model whose rows never meet may instead run as batches that fill bu
 and in hybrid mode a request between buckets may run eager PyTorch at its own shape, whichever
 measured fastest for that shape (runtime/split.py). A shape outside
 the contract raises ContractViolation (or runs eagerly when `on_violation: eager`). Every
-compile, fallback and violation is an event counted in `events` and logged.
+compile, fallback and violation is an event counted in `events` and logged. The plans, one
+per bucket, are runtime/plans.py's (on first use, at warm-up, or in the background for a
+value that recurs).
 """
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ from graphmode.backends.registry import DEFAULT_DEVICE
 from graphmode.capture.source import constant_inputs
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.ir.graph import Graph
-from graphmode.progress import OnStage, stage
+from graphmode.progress import OnStage
 from graphmode.runtime.contract import InputContract
 from graphmode.runtime.shaping import SPLIT_DIM, Shaping, fallback_engine
 from graphmode.runtime.exact import ExactValues
 from graphmode.runtime.habits import TorchHabits
+from graphmode.runtime.plans import Plans
 from graphmode.runtime.split import Chooser, shape_key
 from graphmode.runtime.weights import FrozenWeights
 from graphmode.runtime.tail import model_outputs
@@ -100,7 +103,7 @@ def _fallback(cm: Any, inputs: Mapping[str, torch.Tensor], err: ContractViolatio
                                  "send, or dims.<d>.exact_plans), so graphmode's own plan runs it") from None
 
 
-class CompiledModel(InputContract, Shaping, TorchHabits):
+class CompiledModel(Plans, InputContract, Shaping, TorchHabits):
     def __init__(self, source, recipe, target, captured: Graph | None, graph: Graph | None, reports,
                  *, mode: str = "graph", cache_dir=None, threads: int | None = None, verdict=None,
                  device: str = DEFAULT_DEVICE, on_stage: OnStage | None = None, lowered: Any = None):
@@ -225,53 +228,6 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
         if self.monitor is not None:
             self.monitor.on_event(event, rec)
 
-    # ---- plans -----------------------------------------------------------------------------
-    @staticmethod
-    def bucket_key(env: Mapping[str, int]) -> str:
-        return ",".join(f"{k}={v}" for k, v in sorted(env.items()))
-
-    def is_built(self, env: Mapping[str, int]) -> bool:
-        """Whether the bucket's executable is built (a call to it then compiles nothing)."""
-        return self.bucket_key(env) in self._executables
-
-    def executable(self, env: Mapping[str, int], *, report_build: bool = True):
-        """The bucket's executable, built now if it is not yet; `on_stage` hears the build as a
-        one-step `plans` stage unless `report_build` is False (warm-up reports its own, N of M)."""
-        key = self.bucket_key(env)
-        exe = self._executables.get(key)
-        if exe is not None:
-            return exe
-        with self._compile_lock:
-            exe = self._executables.get(key)
-            if exe is None:
-                t0 = time.perf_counter()
-                from graphmode.runtime.build import build_executable
-                seen = len(getattr(self, "cache_events", []))
-                if self.on_stage is not None and report_build:
-                    with stage(self.on_stage, "plans", total=1, detail=key) as plans:
-                        exe, cached = build_executable(self, dict(env))
-                        plans.step(f"{key} ({'from the cache' if cached else 'built'})")
-                else:
-                    exe, cached = build_executable(self, dict(env))
-                self._executables[key] = exe
-                for ev in getattr(self, "cache_events", [])[seen:]:    # damage the cache found and repaired
-                    if ev.get("event") in ("corrupt", "unusable", "unwritable"):
-                        self._event(f"cache_{ev['event']}", bucket=key, **{k: v for k, v in ev.items() if k != "event"})
-                self._event("compile" if not cached else "cache_hit", bucket=key,
-                            seconds=round(time.perf_counter() - t0, 3))
-        return exe
-
-    def warmup(self) -> None:
-        """Build every bucket's plan now; `on_stage` hears the `plans` stage, bucket N of M."""
-        buckets = self.recipe.buckets()
-        with stage(self.on_stage, "plans", total=len(buckets)) as plans:
-            for env in buckets:
-                built, hits = self.events["compile"], self.events["cache_hit"]
-                self.executable(env, report_build=False)
-                how = " (built)" if self.events["compile"] > built else \
-                    " (from the cache)" if self.events["cache_hit"] > hits else ""
-                plans.step(self.bucket_key(env) + how)
-
     # ---- calling ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_autocast_enabled("cpu"):
@@ -297,7 +253,7 @@ class CompiledModel(InputContract, Shaping, TorchHabits):
             return self._eager(inputs)
         bucket = self.bucket_for(dims)
         if bucket is not None and getattr(self, "artifact", None) is None:    # a .gm's plans are frozen: no more
-            bucket = self.exact_values.refine(dims, bucket, self.exact_dims)
+            bucket = self.refined_bucket(dims, bucket)
         unsafe = [d for d in self.exact_dims if bucket is not None and dims[d] != bucket[d]]
         hazard = None if unsafe else self.pad_hazard(inputs, dims, bucket)
         if bucket is None or unsafe or hazard:

@@ -28,6 +28,7 @@ class ExactValues:
         self.caps = {d: s.exact_plans for d, s in recipe.dims.items() if getattr(s, "exact_plans", None)}
         self.values: dict[str, list[int]] = {d: [] for d in self.caps}
         self._seen: Counter[tuple[str, int]] = Counter()
+        self._failed: set[tuple[str, int]] = set()     # values whose plan did not build: never promoted again
         self._lock = threading.Lock()
 
     def refine(self, dims: Mapping[str, int], bucket: Mapping[str, int], exact: Sequence[str] = ()) -> dict[str, int]:
@@ -44,7 +45,7 @@ class ExactValues:
                     continue
                 if v not in self.values[d] and len(self.values[d]) < cap:
                     key = (d, v)
-                    if key in self._seen or len(self._seen) < MAX_COUNTED:
+                    if key not in self._failed and (key in self._seen or len(self._seen) < MAX_COUNTED):
                         self._seen[key] += 1
                         if self._seen[key] >= RECUR:
                             del self._seen[key]
@@ -53,6 +54,14 @@ class ExactValues:
                 if held:
                     out[d] = held[0]
         return out
+
+    def forget(self, env: Mapping[str, int]) -> None:
+        """Drop the values of `env` given plans of their own (their plan did not build), for good."""
+        with self._lock:
+            for d in self.caps:
+                if env.get(d) in self.values[d]:
+                    self.values[d].remove(env[d])
+                    self._failed.add((d, env[d]))
 
     def report(self) -> dict[str, list[int]]:
         with self._lock:

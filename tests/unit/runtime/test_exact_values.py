@@ -66,13 +66,46 @@ def test_exact_plans_refine_explicit_buckets_too():
 
 
 def test_a_recurring_seq_runs_in_its_own_bucket_and_matches_eager(tmp_path):
+    """The value's plan builds in the background from its third request on: that request and any
+    before the plan is ready run padded in the recipe's bucket, never waiting for it."""
     cm = graphmode.compile(f"{HERE}:tokens", RECIPE, "host", cache_dir=tmp_path)
     ref_model = _Tokens().eval()
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
     seqs = []
-    for _ in range(RECUR + 1):
+
+    def call():
         got = cm(x=x)
         seqs.append(cm.last_path["bucket"]["seq"])
         assert got.shape == (2, 5, 8) and torch.allclose(got, ref_model(x), rtol=1e-5, atol=1e-6)
+    for _ in range(RECUR):
+        call()
+    assert seqs[-1] > 5 and cm.metrics()["exact_values"] == {"seq": [5]}      # padded: its plan is building
+    assert cm.wait_for_builds(timeout=600) and cm.is_built({"batch": 2, "seq": 5})
+    assert cm.events["compile_failed"] == 0
+    call()
+    call()
     assert seqs[-2:] == [5, 5] and seqs[0] > 5
-    assert cm.metrics()["exact_values"] == {"seq": [5]} and cm.is_built({"batch": 2, "seq": 5})
+
+
+def test_a_recurring_value_whose_plan_fails_to_build_stays_padded_and_says_so(tmp_path, monkeypatch):
+    cm = graphmode.compile(f"{HERE}:tokens", RECIPE, "host", cache_dir=tmp_path)
+    import graphmode.runtime.build as build
+
+    real = build.build_executable
+
+    def refuse(model, env):
+        if env["seq"] == 5:
+            raise RuntimeError("no room for this plan")
+        return real(model, env)
+    monkeypatch.setattr(build, "build_executable", refuse)
+    x = torch.randn(2, 5, 16)
+    for _ in range(RECUR):
+        cm(x=x)
+    assert cm.wait_for_builds(timeout=600)
+    assert cm.events["compile_failed"] == 1 and cm.metrics()["exact_values"] == {"seq": []}
+    failed = [e for e in cm.event_log if e["event"] == "compile_failed"]
+    assert failed[0]["bucket"] == "batch=2,seq=5" and "no room for this plan" in failed[0]["error"]
+    for _ in range(RECUR):                        # not tried again
+        cm(x=x)
+    assert cm.last_path["bucket"]["seq"] > 5 and not cm.is_built({"batch": 2, "seq": 5})
+    assert cm.wait_for_builds(timeout=600) and cm.events["compile_failed"] == 1

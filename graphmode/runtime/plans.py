@@ -1,0 +1,133 @@
+"""A compiled model's plans, one executable per bucket: built on first use, at warm-up, or in
+the background for a value that recurs.
+
+A bucket's plan is built when a call first needs it (a `compile` or `cache_hit` event), or all
+at once by `warmup()`. A request between buckets whose value just earned plans of its own
+(`dims.D.exact_plans`, runtime/exact.py) does not wait for them: building one takes 0.2-5 s (the
+passes, the kernels, the tactics timed), which the third request at a new sequence length paid
+inline. It runs padded in the recipe's bucket as before, while a background thread builds the
+value's plan; requests run there once it is built. Only a dim whose padding is unsafe
+(`exact_dims`) still builds inline: its recipe bucket cannot answer the request. A background
+build that fails is an event (`compile_failed`) and a warning, and the value keeps its bucket.
+`wait_for_builds()` returns when none is in flight (tests and the benchmark's setup wait on it).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Mapping
+
+from graphmode.progress import stage
+
+log = logging.getLogger("graphmode.runtime")
+
+
+class Plans:
+    """The plans part of CompiledModel (a mixin): `_executables`, `_compile_lock`, `on_stage`,
+    `exact_values`, `exact_dims` and `_event` are the model's."""
+
+    @staticmethod
+    def bucket_key(env: Mapping[str, int]) -> str:
+        return ",".join(f"{k}={v}" for k, v in sorted(env.items()))
+
+    def is_built(self, env: Mapping[str, int]) -> bool:
+        """Whether the bucket's executable is built (a call to it then compiles nothing)."""
+        return self.bucket_key(env) in self._executables
+
+    def executable(self, env: Mapping[str, int], *, report_build: bool = True):
+        """The bucket's executable, built now if it is not yet; `on_stage` hears the build as a
+        one-step `plans` stage unless `report_build` is False (warm-up reports its own, N of M)."""
+        key = self.bucket_key(env)
+        exe = self._executables.get(key)
+        if exe is not None:
+            return exe
+        with self._compile_lock:
+            exe = self._executables.get(key)
+            if exe is None:
+                t0 = time.perf_counter()
+                from graphmode.runtime.build import build_executable
+                seen = len(getattr(self, "cache_events", []))
+                if self.on_stage is not None and report_build:
+                    with stage(self.on_stage, "plans", total=1, detail=key) as plans:
+                        exe, cached = build_executable(self, dict(env))
+                        plans.step(f"{key} ({'from the cache' if cached else 'built'})")
+                else:
+                    exe, cached = build_executable(self, dict(env))
+                self._executables[key] = exe
+                for ev in getattr(self, "cache_events", [])[seen:]:    # damage the cache found and repaired
+                    if ev.get("event") in ("corrupt", "unusable", "unwritable"):
+                        self._event(f"cache_{ev['event']}", bucket=key, **{k: v for k, v in ev.items() if k != "event"})
+                self._event("compile" if not cached else "cache_hit", bucket=key,
+                            seconds=round(time.perf_counter() - t0, 3))
+        return exe
+
+    def warmup(self) -> None:
+        """Build every bucket's plan now; `on_stage` hears the `plans` stage, bucket N of M."""
+        buckets = self.recipe.buckets()
+        with stage(self.on_stage, "plans", total=len(buckets)) as plans:
+            for env in buckets:
+                built, hits = self.events["compile"], self.events["cache_hit"]
+                self.executable(env, report_build=False)
+                how = " (built)" if self.events["compile"] > built else \
+                    " (from the cache)" if self.events["cache_hit"] > hits else ""
+                plans.step(self.bucket_key(env) + how)
+
+    # ---- a recurring value's plans ------------------------------------------------------------
+    def refined_bucket(self, dims: Mapping[str, int], bucket: Mapping[str, int]) -> dict[str, int]:
+        """The bucket a request runs in: its value's own (exact_values.refine) once built; the
+        recipe's `bucket` while it builds in the background, unless padding is unsafe there."""
+        refined = self.exact_values.refine(dims, bucket, self.exact_dims)
+        if refined == dict(bucket) or self.is_built(refined) or any(dims[d] != bucket[d] for d in self.exact_dims):
+            return refined
+        self._build_later(refined)
+        return dict(bucket)
+
+    def _builds(self) -> tuple[threading.Lock, dict[str, threading.Thread]]:
+        state = self.__dict__.get("_background")
+        if state is None:
+            state = self.__dict__.setdefault("_background", (threading.Lock(), {}))
+        return state
+
+    def _build_later(self, env: Mapping[str, int]) -> None:
+        lock, running = self._builds()
+        key = self.bucket_key(env)
+        with lock:
+            if key in running or self.is_built(env):
+                return
+            t = threading.Thread(target=self._build_in_background, args=(dict(env),), daemon=True,
+                                 name=f"graphmode-plan {key}")
+            running[key] = t
+        t.start()
+
+    def _build_in_background(self, env: dict[str, int]) -> None:
+        lock, running = self._builds()
+        key = self.bucket_key(env)
+        try:
+            self.executable(env, report_build=False)
+        except Exception as e:  # noqa: BLE001 - requests keep their recipe bucket; the failure is said
+            log.warning("the plan of recurring shape %s did not build (%s: %s); its requests stay padded in "
+                        "their recipe bucket", key, type(e).__name__, e)
+            self._event("compile_failed", bucket=key, error=f"{type(e).__name__}: {e}")
+            self.exact_values.forget(env)
+        finally:
+            with lock:
+                running.pop(key, None)
+
+    def wait_for_builds(self, timeout: float | None = None) -> bool:
+        """Wait until no plan is building in the background (or `timeout` seconds); True when none is."""
+        lock, running = self._builds()
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with lock:
+                threads = list(running.values())
+            if not threads:
+                return True
+            for t in threads:
+                t.join(None if end is None else max(0.0, end - time.monotonic()))
+            if end is not None and time.monotonic() >= end:
+                with lock:
+                    return not running
+
+
+__all__ = ["Plans"]
