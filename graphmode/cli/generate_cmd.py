@@ -181,8 +181,8 @@ def sampling(cfg: dict[str, Any], max_tokens: int, temperature: float, top_k: Op
     from types import SimpleNamespace
 
     from graphmode.decode.api import MODEL_EOS, sampling_params
-    if temperature < 0:
-        raise GraphmodeError("temperature must be >= 0", where="--temperature", value=temperature,
+    if not temperature >= 0:                               # NaN too
+        raise GraphmodeError("temperature must be a number >= 0", where="--temperature", value=temperature,
                              fix="0 for greedy decoding, > 0 to sample")
     if top_p is not None and not 0 < top_p <= 1:          # the value first: then whether it applies
         raise GraphmodeError("--top-p is a probability mass", where="--top-p", value=top_p, fix="a number in (0, 1]")
@@ -400,8 +400,10 @@ def generate_cmd(
             "weight-only contract (top-1 agreement with the f32 model)")
 
     text, batch = req.tokenizer is not None, len(req.prompts) > 1
+    before = dict(eng.stats)
     try:
         t_start, t_end = run(eng, rows, printer(as_json, text, batch) if stream else None)
+        spec = _speculation(before, dict(eng.stats))
     finally:
         if ranks > 1:
             cm.close()
@@ -410,7 +412,7 @@ def generate_cmd(
               "choices": [{"index": r.index, "prompt_tokens": len(r.prompt), "tokens": r.tokens,
                            "text": r.text if text else None, "finish_reason": r.finish_reason, **r.timings(t_start)}
                           for r in rows],
-              "timings": {**timing, "setup_s": round(setup_s, 3)}}
+              "timings": {**timing, "setup_s": round(setup_s, 3)}, **({"speculative": spec} if spec else {})}
     if as_json:
         print(json.dumps(result, indent=None if stream else 2))
         return
@@ -422,5 +424,18 @@ def generate_cmd(
             print(f"[{c['index']}] {piece}" if batch else piece)
     ttft = "-" if timing["ttft_ms"] is None else f"{timing['ttft_ms']:.1f} ms"
     tps = "-" if timing["decode_tok_s"] is None else f"{timing['decode_tok_s']:.1f} tok/s"
-    log(f"{timing['new_tokens']} new token(s), finish: {', '.join(r.finish_reason for r in rows)}; "
-        f"TTFT {ttft}, decode {tps}")
+    shown = sum(len(r.tokens) for r in rows)
+    cut = f" ({timing['new_tokens']} generated, stop sequences cut)" if shown != timing["new_tokens"] else ""
+    drafts = (f"; speculative: {spec['accepted_tokens']} of {spec['draft_tokens']} draft tokens accepted over "
+              f"{spec['decode_steps']} decode steps" if spec else "")
+    log(f"{shown} new token(s){cut}, finish: {', '.join(r.finish_reason for r in rows)}; "
+        f"TTFT {ttft}, decode {tps}{drafts}")
+
+
+def _speculation(before: dict[str, int], after: dict[str, int]) -> dict[str, Any] | None:
+    """This run's draft tokens proposed and accepted (decode.speculative), from the engine's counters."""
+    if "draft_tokens" not in after:
+        return None
+    out = {k: after.get(k, 0) - before.get(k, 0) for k in ("draft_tokens", "accepted_tokens", "decode_steps")}
+    out["accept_rate"] = round(out["accepted_tokens"] / out["draft_tokens"], 4) if out["draft_tokens"] else None
+    return out

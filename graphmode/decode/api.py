@@ -94,10 +94,26 @@ def sampling_params(eng: Any, max_new_tokens: int, do_sample: bool, temperature:
     eos = eng.cfg.get("eos") if eos_token_id is MODEL_EOS else eos_token_id
     if isinstance(eos, (list, tuple)):
         eos = tuple(int(e) for e in eos)
+    vocab = int(eng.cfg.get("vocab") or 0)
+    given = [] if eos_token_id is MODEL_EOS or eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if vocab and any(not 0 <= e < vocab for e in given):       # a token never generated: it would never stop
+        raise GraphmodeError(f"eos_token_id must be in [0, {vocab})", where="eos_token_id",
+                             value=[e for e in given if not 0 <= e < vocab][:5],
+                             fix="an id of the model's vocabulary (or leave it out: the model's own)")
     if top_k == 0 and type(top_k) is int:       # transformers' generate: 0 filters nothing
         top_k = None
-    return SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                          top_p=top_p, eos_token_id=eos, seed=seed, stop=tuple(tuple(s) for s in stop), **more)
+    try:
+        return SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                              top_k=top_k, top_p=top_p, eos_token_id=eos, seed=seed,
+                              stop=tuple(tuple(s) for s in stop), **more)
+    except GraphmodeError as e:
+        if e.where not in _OURS:
+            raise
+        raise GraphmodeError(e.message.replace(e.where, _OURS[e.where]), where=_OURS[e.where], value=e.value,
+                             fix=e.fix) from None
+
+
+_OURS = {"min_tokens": "min_new_tokens"}    # SamplingParams' field -> the generate() argument it came from
 
 
 # transformers' generate arguments graphmode's decode engine does not run, and what does
@@ -128,14 +144,28 @@ def _transformers_kwargs(fn: str, kw: dict[str, Any]) -> dict[str, Any]:
     return more
 
 
+def _of_row(e: ContractViolation, row: int, rows: int) -> ContractViolation:
+    """A prompt's refusal naming its row of input_ids (a batch's), with a fix where it had none."""
+    if e.where != "prompt":
+        return e
+    what = "input_ids" + (f" row {row}" if rows > 1 else "")
+    fix = ("send at least one token: a row of input_ids with at least one position unmasked in attention_mask"
+           if e.message == "empty prompt" else
+           e.fix or f"use token ids the model's vocabulary holds ({e.message.split('must be in ')[-1]})")
+    return ContractViolation(e.message, where=what, value=e.value, fix=fix)
+
+
 def _steps(eng: Any, prompts: list[list[int]], params: SamplingParams) -> Iterator[dict[int, list[int]]]:
     """{prompt index: tokens new in this step} after every step until every prompt is done (a
     step can add two tokens to a sequence: its prefill's and its first decode's)."""
     ready: list[tuple[int, int]] = []
     seqs = []
     try:
-        for p in prompts:
-            seqs.append(eng.add(p, params, on_token=lambda sid, tok: ready.append((sid, tok))))
+        for row, p in enumerate(prompts):
+            try:
+                seqs.append(eng.add(p, params, on_token=lambda sid, tok: ready.append((sid, tok))))
+            except ContractViolation as e:
+                raise _of_row(e, row, len(prompts)) from None
     except BaseException:
         for s in seqs:
             eng.cancel(s)

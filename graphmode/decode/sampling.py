@@ -36,9 +36,10 @@ class SamplingParams:
             raise GraphmodeError(f"invalid sampling parameter {field}", where=field, value=value, fix=fix)
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             bad("max_new_tokens", self.max_new_tokens, "a positive integer")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature > 0):
-            bad("temperature", self.temperature, "a finite number > 0 (use do_sample=False for greedy)")
+        if self.do_sample and not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                                   and self.temperature > 0):      # greedy ignores it, as transformers' generate does
+            bad("temperature", self.temperature, "a finite number > 0 to sample (greedy: do_sample=False, where "
+                                                 "temperature is not used)")
         if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
                                        or self.top_k < 1):
             bad("top_k", self.top_k, "a positive integer or null")

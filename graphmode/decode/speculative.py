@@ -50,7 +50,9 @@ class NgramProposer:
 
     def propose(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
         """Up to min(num_tokens, limit) tokens that followed the longest (n <= ngram_max, then
-        the latest) earlier match of the last n tokens; [] when none matches."""
+        the latest) earlier match of the last n tokens; [] when none matches. A match whose
+        continuation reaches the end of the sequence (a loop of period p: only p tokens follow the
+        latest match) repeats it, so a loop's draft fills every row it may."""
         k = self.num_tokens if limit is None else min(self.num_tokens, limit)
         size = len(tokens)
         if k <= 0 or size < 2:
@@ -60,7 +62,8 @@ class NgramProposer:
             tail = toks[size - n:]
             for i in range(size - n - 1, -1, -1):          # a match followed by at least one token
                 if toks[i + n - 1] == tail[-1] and toks[i:i + n] == tail:
-                    return toks[i + n:i + n + k]
+                    cont = toks[i + n:i + n + k]
+                    return cont if len(cont) == k else [cont[j % len(cont)] for j in range(k)]
         return []
 
 

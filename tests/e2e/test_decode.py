@@ -138,6 +138,9 @@ def test_engine_spills_the_weights_its_passes_made_never_the_pools(cache):
     ({"max_new_tokens": 0}, GraphmodeError, "max_new_tokens"),
     ({"do_sample": True, "temperature": 0.0}, GraphmodeError, "temperature"),
     ({"do_sample": True, "top_p": 1.5}, GraphmodeError, "top_p"),
+    ({"max_new_tokens": 3, "min_new_tokens": 5}, GraphmodeError, "min_new_tokens"),     # the argument given
+    ({"eos_token_id": 999}, GraphmodeError, r"eos_token_id must be in \[0, 100\)"),    # it could never stop
+    ({"eos_token_id": [2, -5]}, GraphmodeError, "eos_token_id"),
 ])
 def test_bad_requests_are_refused(model, kw, err, needle):
     _, cm = model
@@ -159,6 +162,25 @@ def test_transformers_repetition_penalty_and_min_new_tokens_decode_as_transforme
     assert "beam search is not implemented" in e.value.fix
     steps = list(cm.stream(PROMPTS[:1], MASK[:1], max_new_tokens=3, pad_token_id=0))   # documented: taken
     assert sum(len(v) for s in steps for v in s.values()) == 3
+
+
+def test_greedy_ignores_temperature_as_transformers_does(model):
+    """do_sample=False with temperature 0 (or any value) decodes greedily, as transformers' generate does;
+    it was refused with a fix that said to use do_sample=False."""
+    lm, cm = model
+    for t in (0.0, -1.0):
+        ours = cm.generate(PROMPTS, MASK, max_new_tokens=4, do_sample=False, temperature=t)
+        assert torch.equal(ours, cm.generate(PROMPTS, MASK, max_new_tokens=4))
+
+
+def test_a_prompt_refused_names_its_row_and_a_fix(model):
+    _, cm = model
+    with pytest.raises(ContractViolation, match="token ids must be in") as e:
+        cm.generate(torch.tensor([[5, 6, 7], [5, 600, 7]]), max_new_tokens=2)
+    assert e.value.where == "input_ids row 1" and e.value.value == [600] and "vocabulary" in e.value.fix
+    with pytest.raises(ContractViolation, match="empty prompt") as e:
+        cm.generate(torch.tensor([[5, 6], [7, 8]]), torch.tensor([[1, 1], [0, 0]]), max_new_tokens=2)
+    assert e.value.where == "input_ids row 1" and "unmasked" in e.value.fix
 
 
 def test_a_prompt_longer_than_the_contract_is_refused(model):

@@ -82,6 +82,9 @@ def test_a_stop_sequence_ends_generation_and_is_cut(files, greedy):
     assert res.exit_code == 0, res.output
     c = json.loads(res.stdout)["choices"][0]
     assert c["tokens"] == toks[:k] and c["finish_reason"] == "stop", (c, toks)
+    res = gen(files, "--prompt-ids", ",".join(map(str, P0)), "--max-tokens", str(NEW), "--stop-ids",
+              f"{toks[k]},{toks[k + 1]}")
+    assert f"{k} new token(s) ({k + 2} generated, stop sequences cut), finish: stop" in res.stderr, res.stderr
 
 
 SAMPLE = ["--prompt-ids", "5,6,7", "--max-tokens", str(NEW), "--temperature", "3", "--top-k", "50", "--top-p", "0.95",
@@ -141,6 +144,7 @@ LONG = ",".join(str(3 + i % 90) for i in range(40))           # the recipe's seq
     ("recipe", ["--prompt-ids", "5,6", "--top-k", "5"], "--top-k", "--temperature"),
     ("recipe", ["--prompt-ids", "5,6", "--top-p", "1.5"], "--top-p", "(0, 1]"),      # the value, not the temperature
     ("recipe", ["--prompt-ids", "5,6", "--temperature", "-1"], "--temperature", "temperature"),
+    ("recipe", ["--prompt-ids", "5,6", "--temperature", "nan"], "--temperature", ">= 0"),
     ("recipe", ["--prompt-ids", "5,6", "--max-tokens", "0"], "--max-tokens", "max_new_tokens"),
     ("recipe", ["--prompt-ids", "5,6", "--max-tokens", "60"], "--max-tokens", "KV pages"),
 ])
@@ -211,3 +215,16 @@ def test_recipe_validate_with_the_model_refuses_the_decoder_recipes_generate_ref
     rec.write_text(yaml.safe_dump(recipe(**over)))
     res = runner.invoke(app, ["recipe", "validate", "--model", f"{TINY}:gpt2", str(rec), "--json"])
     assert res.exit_code == 2 and json.loads(res.stdout)["where"] == where, res.output
+
+
+def test_speculative_decoding_reports_its_drafts(files, tmp_path):
+    """With decode.speculative the run says how many draft tokens it proposed and accepted (they were
+    only in the engine's stats)."""
+    rec = tmp_path / "spec.yaml"
+    rec.write_text(yaml.safe_dump(dict(recipe(), decode={"speculative": {"method": "ngram", "num_tokens": 3}})))
+    res = gen(dict(files, spec=str(rec)), "--prompt-ids", "5,6,7,5,6,7,5,6", "--max-tokens", str(NEW), "--json",
+              recipe_key="spec")
+    assert res.exit_code == 0, res.output
+    spec = json.loads(res.stdout)["speculative"]
+    assert spec["draft_tokens"] >= spec["accepted_tokens"] >= 0 and spec["draft_tokens"] > 0, spec
+    assert spec["decode_steps"] > 0 and spec["accept_rate"] == round(spec["accepted_tokens"] / spec["draft_tokens"], 4)

@@ -34,7 +34,9 @@ def test_proposer_takes_the_longest_then_latest_match():
     assert p.propose([5, 6, 7, 5, 6], limit=2) == [7, 5]
     assert p.propose([5, 6, 7, 5, 6], limit=0) == []
     assert p.propose([1, 2, 3, 4]) == [] and p.propose([7]) == []
-    assert p.propose([3, 9, 3]) == [9, 3]                          # a continuation may run into the tail
+    assert p.propose([3, 9, 3]) == [9, 3, 9]                       # a continuation that runs into the tail repeats
+    assert p.propose([4, 7, 7, 7]) == [7, 7, 7]                    # a loop of period 1 drafts every row it may
+    assert p.propose([4, 7, 7, 7], limit=2) == [7, 7]
     assert NgramProposer(3, ngram_max=3, ngram_min=2).propose([1, 2, 5, 2]) == []   # a 1-gram is below min
 
 
