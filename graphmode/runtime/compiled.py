@@ -353,6 +353,7 @@ class CompiledModel(Plans, InputContract, Shaping, TorchHabits):
             out["between_buckets"] = ways
         if self.exact_values.caps:
             out["exact_values"] = self.exact_values.report()
+            out["plans_building"] = self.building()      # their plans, building in the background
         if self.monitor is not None:
             out["contract"] = self.monitor.snapshot()
         return out

@@ -114,6 +114,12 @@ class Plans:
             with lock:
                 running.pop(key, None)
 
+    def building(self) -> list[str]:
+        """The buckets whose plans are building in the background now."""
+        lock, running = self._builds()
+        with lock:
+            return sorted(running)
+
     def wait_for_builds(self, timeout: float | None = None) -> bool:
         """Wait until no plan is building in the background (or `timeout` seconds); True when none is."""
         lock, running = self._builds()

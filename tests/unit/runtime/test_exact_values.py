@@ -81,6 +81,7 @@ def test_a_recurring_seq_runs_in_its_own_bucket_and_matches_eager(tmp_path):
         call()
     assert seqs[-1] > 5 and cm.metrics()["exact_values"] == {"seq": [5]}      # padded: its plan is building
     assert cm.wait_for_builds(timeout=600) and cm.is_built({"batch": 2, "seq": 5})
+    assert cm.metrics()["plans_building"] == [] and cm.events["compile"] >= 1
     assert cm.events["compile_failed"] == 0
     call()
     call()
