@@ -152,7 +152,7 @@ def _of_row(e: ContractViolation, row: int, rows: int) -> ContractViolation:
     fix = ("send at least one token: a row of input_ids with at least one position unmasked in attention_mask"
            if e.message == "empty prompt" else
            e.fix or f"use token ids the model's vocabulary holds ({e.message.split('must be in ')[-1]})")
-    return ContractViolation(e.message, where=what, value=e.value, fix=fix)
+    return ContractViolation(e.message, kind=e.kind, where=what, value=e.value, fix=fix)
 
 
 def _steps(eng: Any, prompts: list[list[int]], params: SamplingParams) -> Iterator[dict[int, list[int]]]:
