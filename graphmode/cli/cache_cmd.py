@@ -68,6 +68,10 @@ def cache_ls(cache_dir: Optional[Path] = CacheDir, as_json: bool = typer.Option(
     console.print(f"and {_said(libraries).replace('nothing', 'no kernel libraries')} beside them "
                   "(`cache prune --max-size` weighs these and the plans; the timing cache, host probe and knowledge "
                   "base stay)", highlight=False)
+    left = _cache(cache_dir).leftovers()
+    if left:
+        console.print(f"and {_said(left)} (a build or extraction killed mid-way; `cache prune` removes them)",
+                      highlight=False)
     n, size = _onnx_exports(cache_dir)
     if n:
         console.print(f"ONNX exports (the bench's and profile's ONNX Runtime models, in-memory ONNX models): {n} "
@@ -117,8 +121,8 @@ def cache_clear(cache_dir: Optional[Path] = CacheDir,
 @cache_app.command("prune")
 def cache_prune(max_size: str = typer.Option(..., "--max-size", help="e.g. 200MB"),
                 cache_dir: Optional[Path] = CacheDir) -> None:
-    """Remove the least recently used plans, kernel libraries and extracted artifacts until the
-    cache fits --max-size."""
+    """Remove what interrupted writes left (a build killed mid-way), then the least recently used
+    plans, kernel libraries and extracted artifacts until the cache fits --max-size."""
     removed = _cache(cache_dir).prune(_max_bytes(max_size))
     console.print(f"removed {_said(removed)}")
 
@@ -126,7 +130,8 @@ def cache_prune(max_size: str = typer.Option(..., "--max-size", help="e.g. 200MB
 def _said(removed) -> str:
     """'3 plans, 5 kernel libraries (1.2 MiB)': what a clear or prune removed, by kind."""
     names = {"plan": ("plan", "plans"), "kernel": ("kernel library", "kernel libraries"),
-             "artifact": ("extracted artifact", "extracted artifacts")}
+             "artifact": ("extracted artifact", "extracted artifacts"),
+             "leftover": ("folder an interrupted write left", "folders interrupted writes left")}
     counts = [(k, sum(1 for e in removed if e.kind == k)) for k in names]
     parts = [f"{n} {names[k][n != 1]}" for k, n in counts if n] or ["nothing"]
     return f"{', '.join(parts)} ({sum(e.size for e in removed) / 2**20:.2f} MiB)"

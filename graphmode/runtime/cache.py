@@ -34,6 +34,10 @@ from graphmode.untrusted import KiB, MiB, UntrustedFileError, parse_json, read_b
 from graphmode.version import __version__
 
 log = logging.getLogger("graphmode.cache")
+# the temporary folders of a write (a plan, a kernel build or check, an artifact's extraction); one older
+# than this outlived its writer (killed: SIGKILL, a crash), as no build runs past its compiler's timeout
+LEFTOVER_AGE_S = 3600.0
+_TEMP_PREFIXES = (".tmp-", ".build-", ".check-", ".extract-")
 KEY_FIELDS = ("graph_hash", "recipe_hash", "target", "bucket", "graphmode", "torch", "isa")
 FIELDS_SINCE_V1 = {"isa": "auto"}    # key field added later -> the value entries written before it had
 PLAN_FILE = "plan.json"
@@ -101,7 +105,7 @@ class Entry:
     size: int
     created: float
     last_used: float
-    kind: str = "plan"                 # or "kernel" (a library: its .so, seal and source), "artifact"
+    kind: str = "plan"                 # or "kernel" (a library: its .so, seal and source), "artifact", "leftover"
     files: tuple[Path, ...] = ()       # what removing it removes (default: `path`)
 
 
@@ -245,6 +249,17 @@ class ArtifactCache:
                 out.append(Entry(d.name, d, {"kind": "artifact"}, _size(d), t, t, "artifact"))
         return out
 
+    def leftovers(self, min_age_s: float = LEFTOVER_AGE_S) -> list[Entry]:
+        """The temporary folders of writes whose process died before it finished (older than
+        `min_age_s`: a live build's folder is younger): nothing reads them, prune removes them."""
+        now, out = time.time(), []
+        for folder in (self.plans, self.kernels, self.artifacts):
+            for d in _listed(folder):
+                t = _mtime(d)
+                if d.name.startswith(_TEMP_PREFIXES) and d.is_dir() and not d.is_symlink() and now - t >= min_age_s:
+                    out.append(Entry(d.name, d, {"kind": "leftover"}, _size(d), t, t, "leftover"))
+        return out
+
     def clear(self) -> list[Entry]:
         """Remove every plan, kernel library and extracted artifact (whatever is in the way, even
         a file in place of a folder); the timing cache, host probe and knowledge base stay."""
@@ -258,11 +273,12 @@ class ArtifactCache:
         return gone
 
     def prune(self, max_bytes: int) -> list[Entry]:
-        """Remove the least recently used plans, kernel libraries and extracted artifacts until
-        the cache fits `max_bytes` (a plan whose kernels went rebuilds them on its next load)."""
+        """Remove what interrupted writes left behind, then the least recently used plans, kernel
+        libraries and extracted artifacts until the cache fits `max_bytes` (a plan whose kernels
+        went rebuilds them on its next load)."""
+        removed = [e for e in self.leftovers() if _remove(e.path)]
         entries = sorted(self.entries() + self.libraries(), key=lambda e: e.last_used)
         total = sum(e.size for e in entries)
-        removed = []
         for e in entries:
             if total <= max_bytes:
                 break

@@ -5,8 +5,9 @@ A bucket's plan is built when a call first needs it (a `compile` or `cache_hit` 
 at once by `warmup()`. A request between buckets whose value just earned plans of its own
 (`dims.D.exact_plans`, runtime/exact.py) does not wait for them: building one takes 0.2-5 s (the
 passes, the kernels, the tactics timed), which the third request at a new sequence length paid
-inline. It runs padded in the recipe's bucket as before, while a background thread builds the
-value's plan; requests run there once it is built. Only a dim whose padding is unsafe
+inline. It runs padded in the recipe's bucket as before, while one background thread builds the
+queued plans one at a time (so a request that must build a plan itself waits for one at most);
+requests run there once it is built. A split's parts (runtime/shaping.py) are queued alike. Only a dim whose padding is unsafe
 (`exact_dims`) still builds inline: its recipe bucket cannot answer the request. A background
 build that fails is an event (`compile_failed`) and a warning, and the value keeps its bucket.
 `wait_for_builds()` returns when none is in flight (tests and the benchmark's setup wait on it).
@@ -83,57 +84,82 @@ class Plans:
         self._build_later(refined)
         return dict(bucket)
 
-    def _builds(self) -> tuple[threading.Lock, dict[str, threading.Thread]]:
+    def _builds(self) -> "_Background":
         state = self.__dict__.get("_background")
         if state is None:
-            state = self.__dict__.setdefault("_background", (threading.Lock(), {}))
+            state = self.__dict__.setdefault("_background", _Background(self))
         return state
 
     def _build_later(self, env: Mapping[str, int]) -> None:
-        lock, running = self._builds()
-        key = self.bucket_key(env)
-        with lock:
-            if key in running or self.is_built(env):
-                return
-            t = threading.Thread(target=self._build_in_background, args=(dict(env),), daemon=True,
-                                 name=f"graphmode-plan {key}")
-            running[key] = t
-        t.start()
+        """Queue `env`'s plan for the background builder (a loaded artifact's plans are frozen: none)."""
+        if getattr(self, "artifact", None) is None and not self.is_built(env):
+            self._builds().put(dict(env))
 
-    def _build_in_background(self, env: dict[str, int]) -> None:
-        lock, running = self._builds()
-        key = self.bucket_key(env)
+    def building(self) -> list[str]:
+        """The buckets whose plans are queued or building in the background now."""
+        return self._builds().pending()
+
+    def wait_for_builds(self, timeout: float | None = None) -> bool:
+        """Wait until no plan is queued or building in the background (or `timeout` seconds);
+        True when none is."""
+        return self._builds().wait(timeout)
+
+
+class _Background:
+    """One thread building queued plans one at a time, so a request that must build a plan
+    inline waits for at most one of them (16 threads, one per promoted value, took the compile
+    lock in turn ahead of a server's request for 27 s)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.cond = threading.Condition()
+        self.queue: list[dict[str, int]] = []
+        self.current: str | None = None
+        self.thread: threading.Thread | None = None
+
+    def put(self, env: dict[str, int]) -> None:
+        key = self.model.bucket_key(env)
+        with self.cond:
+            if key == self.current or any(self.model.bucket_key(e) == key for e in self.queue):
+                return
+            self.queue.append(env)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True, name="graphmode-plans")
+                self.thread.start()
+
+    def pending(self) -> list[str]:
+        with self.cond:
+            return sorted({*(self.model.bucket_key(e) for e in self.queue), *([self.current] if self.current else [])})
+
+    def wait(self, timeout: float | None) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: not self.queue and self.current is None, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                if not self.queue:
+                    self.thread = None
+                    self.cond.notify_all()
+                    return
+                env = self.queue.pop(0)
+                self.current = self.model.bucket_key(env)
+            try:
+                self._build(env)
+            finally:
+                with self.cond:
+                    self.current = None
+                    self.cond.notify_all()
+
+    def _build(self, env: dict[str, int]) -> None:
+        m, key = self.model, self.model.bucket_key(env)
         try:
-            self.executable(env, report_build=False)
+            m.executable(env, report_build=False)
         except Exception as e:  # noqa: BLE001 - requests keep their recipe bucket; the failure is said
             log.warning("the plan of recurring shape %s did not build (%s: %s); its requests stay padded in "
                         "their recipe bucket", key, type(e).__name__, e)
-            self._event("compile_failed", bucket=key, error=f"{type(e).__name__}: {e}")
-            self.exact_values.forget(env)
-        finally:
-            with lock:
-                running.pop(key, None)
-
-    def building(self) -> list[str]:
-        """The buckets whose plans are building in the background now."""
-        lock, running = self._builds()
-        with lock:
-            return sorted(running)
-
-    def wait_for_builds(self, timeout: float | None = None) -> bool:
-        """Wait until no plan is building in the background (or `timeout` seconds); True when none is."""
-        lock, running = self._builds()
-        end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with lock:
-                threads = list(running.values())
-            if not threads:
-                return True
-            for t in threads:
-                t.join(None if end is None else max(0.0, end - time.monotonic()))
-            if end is not None and time.monotonic() >= end:
-                with lock:
-                    return not running
+            m._event("compile_failed", bucket=key, error=f"{type(e).__name__}: {e}")
+            m.exact_values.forget(env)
 
 
 __all__ = ["Plans"]

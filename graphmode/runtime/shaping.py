@@ -123,11 +123,16 @@ class Shaping:
 
     def _ways(self, dims: Mapping[str, int], bucket: Mapping[str, int]) -> tuple[list[str], list[int]]:
         """The ways a request may run (runtime/split.py: padded, split, eager) and the batch
-        parts of a split. A request that fills its bucket runs padded (nothing is padded)."""
+        parts of a split. A request that fills its bucket runs padded (nothing is padded). Split
+        is offered once its parts' plans are built; until then they build in the background."""
         if dict(dims) == dict(bucket):
             return ["padded"], []
         parts = self._split_parts(dims, bucket)
-        return ["padded"] + (["split"] if parts else []) + (["eager"] if self.eager_candidate else []), parts
+        unbuilt = [e for e in ({**bucket, SPLIT_DIM: n} for n in dict.fromkeys(parts)) if not self.is_built(e)]
+        for env in unbuilt:        # a way is offered once its plans are built: a request never waits for them
+            self._build_later(env)
+        split = ["split"] if parts and not unbuilt else []
+        return ["padded"] + split + (["eager"] if self.eager_candidate else []), parts
 
     @property
     def eager_candidate(self) -> bool:

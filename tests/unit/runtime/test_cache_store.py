@@ -248,3 +248,26 @@ def test_special_or_huge_files_are_corrupt_entries_not_hangs(cache, what, name):
     assert any(e.key.get("bucket") == "batch=4" for e in cache.entries())     # the other entry is untouched
     cache.put(KEY, PLAN)
     assert cache.get(KEY) == PLAN
+
+
+def test_prune_removes_the_folders_of_writes_killed_mid_way_and_ls_names_them(cache):
+    """A build killed by SIGKILL left kernels/.build-*/ (72-248 KiB each) that nothing removed, and
+    `cache prune` said "removed nothing"; a folder younger than LEFTOVER_AGE_S may be a live build's."""
+    import time
+
+    from graphmode.runtime.cache import LEFTOVER_AGE_S
+    cache.put(KEY, PLAN)
+    old = time.time() - LEFTOVER_AGE_S - 60
+    folders = [cache.kernels / ".build-0123abcd-x1", cache.plans / ".tmp-y2", cache.artifacts / ".extract-z3"]
+    for d in folders:
+        d.mkdir(parents=True)
+        (d / "part0.o").write_bytes(b"o" * 2048)
+        os.utime(d, (old, old))
+    live = cache.kernels / ".build-live"
+    live.mkdir()
+    assert sorted(e.path for e in cache.leftovers()) == sorted(folders)
+    res = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache.root)])
+    assert "3 folders interrupted writes left" in res.output, res.output
+    res = runner.invoke(app, ["cache", "prune", "--max-size", "100GB", "--cache-dir", str(cache.root)])
+    assert res.exit_code == 0 and "3 folders interrupted writes left" in res.output, res.output
+    assert not any(d.exists() for d in folders) and live.exists() and cache.get(KEY) is not None
