@@ -93,6 +93,15 @@ TILES = {"avx512": AttnTiles(16, 8, 2, 8, 3), "avx2": AttnTiles(8, 6, 2, 6, 2), 
 _TRAITS = {"avx512": "gm_attn_v512", "avx2": "gm_attn_v256", "portable": "gm_attn_vc"}
 
 
+def vector_traits(name: str = "VT") -> list[str]:
+    """C++ lines typedef'ing `name` as attention.h's vector traits of the ISA the build targets
+    (AVX-512, AVX2+FMA, else portable), for other kernels written over them."""
+    lines = []
+    for isa in ("avx512", "avx2"):
+        lines += [("#if " if isa == "avx512" else "#elif ") + ISA_GUARD[isa], f"typedef {_TRAITS[isa]} {name};"]
+    return lines + ["#else", f"typedef {_TRAITS['portable']} {name};", "#endif"]
+
+
 @dataclass(frozen=True)
 class AttnProblem:
     """One sdpa instance with every size fixed. `mask`: "" (none), "bool" or "f32";

@@ -35,9 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from graphmode.backends.cpu.abi import KernelSource, status_export, template
-from graphmode.backends.cpu.attention import PAR_FLOPS
+from graphmode.backends.cpu.attention import PAR_FLOPS, vector_traits
 from graphmode.backends.cpu.cexpr import lit
-from graphmode.backends.cpu.isa import ISA_GUARD
 from graphmode.backends.cpu.lowering import NATIVE, Claim, OpCall, claimed, lowers, refused
 from graphmode.backends.cpu.native import finish
 from graphmode.backends.cpu.omp_loops import omp_for
@@ -47,7 +46,6 @@ MAX_HEAD_DIM = 256       # a row's P V accumulators and its query live in regist
 ROWS_PER_TASK = 16       # query rows (all heads of a kv head together) per task
 SPLIT = 64               # cache positions per task of a decode row: a Llama's 512-token context in 8 x 3 kv heads
 STATUS = "paged_attention: sequence positions outside its block table or pool"
-_TRAITS = {"avx512": "gm_attn_v512", "avx2": "gm_attn_v256", "portable": "gm_attn_vc"}
 _KV = {torch.float32: ("f32", "float"), torch.bfloat16: ("bf16", "gm_u16"),   # pool dtype: name, C type
        torch.float16: ("f16", "gm_h16")}
 
@@ -127,9 +125,7 @@ def generate_paged(p: PagedProblem) -> tuple[str, str]:
              "struct gm_h16 { gm_u16 b; };   // an IEEE half: its own type, so the pool's loads and stores overload",
              f"typedef {dict(_KV.values())[p.kv]} KV;",
              f"constexpr double PAR_WORK = {float(PAR_FLOPS)!r};   // flops below which one thread runs the call"]
-    for isa in ("avx512", "avx2"):
-        lines += [("#if " if isa == "avx512" else "#elif ") + ISA_GUARD[isa], f"typedef {_TRAITS[isa]} VT;"]
-    lines += ["#else", f"typedef {_TRAITS['portable']} VT;", "#endif"]
+    lines += vector_traits()
     text = "\n".join(lines) + "\n" + template("paged_attention.h") + "}  // namespace @SYM@_ns\n"
     body = [
         "  using namespace @SYM@_ns;",

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from graphmode.backends.cpu.conv import ConvConfig, ConvProblem
-from graphmode.backends.cpu.depthwise import DepthwiseConfig, is_depthwise
+from graphmode.backends.cpu.depthwise import DepthwiseConfig, DepthwiseTiledConfig, is_depthwise
 from graphmode.backends.cpu.pointwise_conv import PointwiseConfig, is_pointwise
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, packed_numel, worth_threads
 from graphmode.backends.cpu.im2col import Im2colConfig
@@ -64,9 +64,11 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
 
 def conv_config(name: str) -> ConvConfig:
     """The conv candidate a name denotes (`wino4_<gemm>`, `wino2_<gemm>`, `im2col_<gemm>`, each
-    with its blocked schedule's `c<chunk>x<threads>` after the algorithm where it has one; `dw`; `pw`)."""
+    with its blocked schedule's `c<chunk>x<threads>` after the algorithm where it has one; `dw`, `dwt`; `pw`)."""
     if name == "dw":
         return DepthwiseConfig()
+    if name == "dwt":
+        return DepthwiseTiledConfig()
     if name == "pw":
         return PointwiseConfig()
     if name.startswith("wino"):
@@ -74,12 +76,14 @@ def conv_config(name: str) -> ConvConfig:
     if name.startswith("im2col"):
         return Im2colConfig.parse(name)
     raise BackendError(f"not a generated conv candidate: {name!r}", value=name,
-                       fix="wino<m>_<gemm config>, im2col_<gemm config>, dw or pw")
+                       fix="wino<m>_<gemm config>, im2col_<gemm config>, dw, dwt or pw")
 
 
 def conv_kind(name: str) -> str:
-    """The algorithm of a conv candidate: `wino4`, `wino2`, `im2col`, `dw` or `pw` (its blocking aside)."""
-    return name if name in ("dw", "pw") else "im2col" if name.startswith("im2col") else name.split("_")[0].split("c")[0]
+    """The algorithm of a conv candidate: `wino4`, `wino2`, `im2col`, `dw`, `dwt` or `pw` (its blocking aside)."""
+    if name in ("dw", "dwt", "pw"):
+        return name
+    return "im2col" if name.startswith("im2col") else name.split("_")[0].split("c")[0]
 
 
 def candidate_names(p: GemmProblem, *, simd: Sequence[str], threads: int,
@@ -113,9 +117,10 @@ def _conv_names(p: ConvProblem, simd: Sequence[str], threads: int,
     parallel over tile positions) and tile-blocked (when there are blocks for every
     thread); then im2col for any ungrouped conv. One GEMM blocking each (the host ISA's
     first): every candidate is a compiled kernel, and compile time counts. A depthwise conv
-    (groups = input channels): the depthwise kernel; other grouped convs: none."""
+    (groups = input channels): the depthwise kernels (accumulator rows, register tiles); other
+    grouped convs: none."""
     if p.groups != 1:
-        return [DepthwiseConfig().name] if is_depthwise(p) else []
+        return [DepthwiseConfig().name, DepthwiseTiledConfig().name] if is_depthwise(p) else []
     isa = host_isas(simd)[0]
     cfgs = [c for c in configs.get(isa, ()) if c.par == "omp"
             and (c.registers <= registers(isa, simd) or isa == "portable")]

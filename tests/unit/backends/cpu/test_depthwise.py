@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphmode.backends.cpu.build import KernelBuilder
+from graphmode.backends.cpu.isa import ISAS, host_isas, host_simd
 from graphmode.backends.cpu.conv import ConvProblem
-from graphmode.backends.cpu.depthwise import DepthwiseConfig, is_depthwise
+from graphmode.backends.cpu.depthwise import DepthwiseConfig, DepthwiseTiledConfig, is_depthwise
 from graphmode.backends.cpu.tactics import ATEN, ConvStep
 from graphmode.backends.cpu.tactics.candidates import conv_config, conv_kind, prepared_bytes
 from graphmode.errors import BackendError
@@ -26,6 +26,8 @@ SHAPES = [
     (1, 4, 5, 5, 1, 7, 1, 3, 1, False),       # the map narrower than the kernel
     (1, 6, 8, 8, 1, 3, 1, 4, 1, True),        # padding past the kernel's reach: rows of bias alone
     (3, 32, 14, 14, 1, 5, 2, 2, 1, True),     # MobileNet-like stride-2 5x5
+    (1, 4, 9, 70, 1, 3, 1, 1, 1, True),       # a row of 5 vectors: a tile of 4 and one of 1 with a tail
+    (1, 2, 5, 32, 1, 3, 1, 1, 1, False),      # whole vectors only; output rows not a multiple of a tile's
 ]
 
 
@@ -34,11 +36,16 @@ def _problem(n, c, h, w, m, k, s, pad, d, bias) -> ConvProblem:
 
 
 @needs_cxx
+@pytest.mark.parametrize("cfg", [DepthwiseConfig(), DepthwiseTiledConfig()], ids=["dw", "dwt"])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_depthwise_matches_aten(tmp_path, threads):
-    cfg = DepthwiseConfig()
+def test_depthwise_matches_aten(isa_builder, isa, threads, cfg):
+    """Both bodies, every ISA path (dwt's tiles of vectors of 16, 8 or 8 portable lanes) built;
+    those the host runs are run."""
     cases = [(s, cfg.generate(_problem(*s), threads)) for s in SHAPES]
-    kernels = KernelBuilder(tmp_path / "k", threads=2).build_many([c[1] for c in cases])
+    kernels = isa_builder(isa, f"{cfg.name}{threads}").build_many([c[1] for c in cases])
+    if isa not in host_isas(host_simd()):
+        pytest.skip(f"the {isa} path is built but this host cannot run it")
     for shape, src in cases:
         n, c, h, w, m, k, st, pad, d, has_bias = shape
         g = torch.Generator().manual_seed(sum(shape))
@@ -57,6 +64,8 @@ def test_depthwise_matches_aten(tmp_path, threads):
 def test_names_kinds_and_what_is_depthwise():
     p = _problem(*SHAPES[0])
     assert conv_config("dw") == DepthwiseConfig() and conv_kind("dw") == "dw"
+    assert conv_config("dwt") == DepthwiseTiledConfig() and conv_kind("dwt") == "dwt"
+    assert prepared_bytes(p, "dwt") == prepared_bytes(p, "dw")
     assert prepared_bytes(p, "dw") == 16 * 49 * 4
     grouped = ConvProblem(1, 8, 6, 6, 8, 3, 3, (1, 1), (1, 1), groups=2)       # groups < channels: no GEMM, no dw
     assert not is_depthwise(grouped) and not is_depthwise(ConvProblem(1, 8, 6, 6, 8, 3, 3, (1, 1), (1, 1)))
@@ -72,9 +81,9 @@ def test_a_depthwise_step_gets_the_depthwise_candidate_and_runs_checked(tmp_path
     attrs = {"stride": [1, 1], "padding": [3, 3], "dilation": [1, 1], "groups": 16}
     ctx = _ctx(tmp_path)
     step = _conv_step(ctx, x, w, b, y, attrs)
-    assert isinstance(step, ConvStep) and ctx.candidates(step.problem) == [ATEN, "dw"]
+    assert isinstance(step, ConvStep) and ctx.candidates(step.problem) == [ATEN, "dw", "dwt"]
     (sel,) = ctx.finalize()
-    assert not sel.rejected and set(sel.timings_s) == {ATEN, "dw"}
+    assert not sel.rejected and set(sel.timings_s) == {ATEN, "dw", "dwt"}
     step()
     assert rel_l2(y, torch.nn.functional.conv2d(x, w, b, padding=3, groups=16)) < 1e-6
 
