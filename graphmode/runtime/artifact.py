@@ -141,6 +141,16 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
         warnings.warn(GraphmodeNotice(f"{path.name}: on_violation: eager has nothing to fall back to once saved (the "
                                       "file holds plans, not the model): a request outside the contract, or one it "
                                       "sends to eager, is refused when run from it"), stacklevel=3)
+    values = getattr(cm, "exact_values", None)
+    promoted = {d: v for d, v in values.report().items() if v} if values is not None and envs is None else {}
+    if promoted:
+        import warnings
+
+        from graphmode.capture.spec import GraphmodeNotice
+        warnings.warn(GraphmodeNotice(f"{path.name}: the plans of recurring values ({promoted}, dims.<d>.exact_plans) "
+                                      "are not saved: the file holds the recipe's buckets, and such requests run padded "
+                                      "from it (add the values to the recipe's buckets to save their plans)"),
+                      stacklevel=3)
     t0 = time.perf_counter()
     if envs is None:
         cm.warmup()

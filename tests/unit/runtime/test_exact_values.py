@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
 import graphmode
+from graphmode.capture.spec import GraphmodeNotice
 from graphmode.recipe import check_semantics, load_recipe
 from graphmode.runtime.exact import RECUR, ExactValues
 
@@ -86,6 +88,8 @@ def test_a_recurring_seq_runs_in_its_own_bucket_and_matches_eager(tmp_path):
     call()
     call()
     assert seqs[-2:] == [5, 5] and seqs[0] > 5
+    with pytest.warns(GraphmodeNotice, match=r"recurring values \(\{'seq': \[5\]\}.* are not saved"):
+        cm.save(tmp_path / "m.gm")                  # a .gm holds the recipe's buckets: said, not silent
 
 
 def test_a_recurring_value_whose_plan_fails_to_build_stays_padded_and_says_so(tmp_path, monkeypatch):
