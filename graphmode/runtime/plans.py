@@ -7,9 +7,10 @@ at once by `warmup()`. A request between buckets whose value just earned plans o
 passes, the kernels, the tactics timed), which the third request at a new sequence length paid
 inline. It runs padded in the recipe's bucket as before, while one background thread builds the
 queued plans one at a time (so a request that must build a plan itself waits for one at most);
-requests run there once it is built. A split's parts (runtime/shaping.py) are queued alike. Only a dim whose padding is unsafe
-(`exact_dims`) still builds inline: its recipe bucket cannot answer the request. A background
-build that fails is an event (`compile_failed`) and a warning, and the value keeps its bucket.
+requests run there once it is built. A split's parts (runtime/shaping.py) are queued alike.
+Only a dim whose padding is unsafe (`exact_dims`) still builds inline: its recipe bucket cannot
+answer the request. A background build that fails is an event (`compile_failed`) and a warning,
+once: the value keeps its recipe bucket and the plan is not queued again.
 `wait_for_builds()` returns when none is in flight (tests and the benchmark's setup wait on it).
 """
 from __future__ import annotations
@@ -116,11 +117,12 @@ class _Background:
         self.queue: list[dict[str, int]] = []
         self.current: str | None = None
         self.thread: threading.Thread | None = None
+        self.failed: set[str] = set()        # buckets whose build failed: not queued again (said once)
 
     def put(self, env: dict[str, int]) -> None:
         key = self.model.bucket_key(env)
         with self.cond:
-            if key == self.current or any(self.model.bucket_key(e) == key for e in self.queue):
+            if key == self.current or key in self.failed or any(self.model.bucket_key(e) == key for e in self.queue):
                 return
             self.queue.append(env)
             if self.thread is None:
@@ -160,6 +162,8 @@ class _Background:
                         "their recipe bucket", key, type(e).__name__, e)
             m._event("compile_failed", bucket=key, error=f"{type(e).__name__}: {e}")
             m.exact_values.forget(env)
+            with self.cond:
+                self.failed.add(key)
 
 
 __all__ = ["Plans"]
