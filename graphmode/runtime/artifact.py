@@ -147,10 +147,10 @@ def save(cm: Any, path: str | Path, *, rank: int | None = None, envs: list[dict[
         import warnings
 
         from graphmode.capture.spec import GraphmodeNotice
-        warnings.warn(GraphmodeNotice(f"{path.name}: the plans of recurring values ({promoted}, dims.<d>.exact_plans) "
-                                      "are not saved: the file holds the recipe's buckets, and such requests run padded "
-                                      "from it (add the values to the recipe's buckets to save their plans)"),
-                      stacklevel=3)
+        warnings.warn(GraphmodeNotice(
+            f"{path.name}: the plans of recurring values ({promoted}, dims.<d>.exact_plans) are not saved: the file "
+            "holds the recipe's buckets, and such requests run padded from it (add the values to the recipe's buckets "
+            "to save their plans)"), stacklevel=3)
     t0 = time.perf_counter()
     if envs is None:
         cm.warmup()
