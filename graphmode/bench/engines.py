@@ -371,10 +371,9 @@ class GraphmodeEngine(Engine):
         timed rounds see what a recurring request sees; the calls are setup time. Returns them."""
         from graphmode.runtime.split import shape_key
         for n in range(1, most + 1):
-            cm.wait_for_builds()            # a recurring value's plan building in the background (runtime/plans.py)
             built = len(cm._executables)
             call()
-            cm.wait_for_builds()
+            cm.wait_for_builds()            # what the call queued: a recurring value's plan, a split's (runtime/plans.py)
             key = shape_key(self._env, cm.last_bucket)
             ways, _ = cm._ways(self._env, cm.last_bucket)
             if len(cm._executables) == built and (len(ways) == 1 or cm.shape_chooser.settled(key, ways)):
