@@ -157,10 +157,16 @@ class Graph:
     def __str__(self) -> str:
         return self.text()
 
-    def structural_hash(self) -> str:
+    def structural_hash(self, *, named: bool = False) -> str:
         """sha256 over the printed IR and every constant's bytes: stable across runs. A `state`
-        value (a KV pool) is mutable run-time data: its type is in the text, its bytes are not."""
-        h = hashlib.sha256(self.text().encode())
+        value (a KV pool) is mutable run-time data: its type is in the text, its bytes are not.
+        The graph's name is a label, left out unless `named` (artifacts saved before 2026-12-07
+        hashed it): the CLI names a model after its builder, Python after its class, and the
+        same model must find the same cache entries either way."""
+        text = self.text()
+        if not named:
+            text = "graph @" + text[len(f"graph @{self.name}"):]
+        h = hashlib.sha256(text.encode())
         for name in sorted(self.constants):
             h.update(name.encode())
             if self.values[name].role != "state":

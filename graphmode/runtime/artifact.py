@@ -660,7 +660,7 @@ def _graph(root: Path, text: str, manifest: dict[str, Any], where: Path):
     except Exception as e:  # noqa: BLE001 - torch.load and the parser raise many types for a damaged file
         raise ArtifactError(f"its graph or constants do not load: {type(e).__name__}: {str(e)[:200]}",
                             where=f"{where}:constants.pt", fix="save the artifact again", exit_code=2) from None
-    if graph.structural_hash() != manifest.get("graph_hash"):
+    if manifest.get("graph_hash") not in (graph.structural_hash(), graph.structural_hash(named=True)):
         raise ArtifactError("its graph or weights do not match the manifest's hash (edited?)", where=str(where),
                             fix="save the artifact again", exit_code=2)
     return graph, spill

@@ -170,6 +170,20 @@ def _rewrite(src: Path, dst: Path, **replace: bytes) -> Path:
     return dst
 
 
+def test_an_artifact_whose_graph_hash_names_the_graph_loads_and_another_hash_does_not(saved):
+    """Artifacts saved before 2026-12-07 hashed the graph's name with its structure."""
+    cm, path, manifest, tmp = saved
+    written = {k: v for k, v in manifest.items() if k not in ("seconds", "bytes")}
+    older = _rewrite(path, tmp / "named-hash.gm", **{"manifest.json": json.dumps(
+        dict(written, graph_hash=cm.graph.structural_hash(named=True))).encode()})
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(graphmode.load(older, cache_dir=tmp / "named")(x)[0], cm(x)[0])
+    other = _rewrite(path, tmp / "other-hash.gm", **{"manifest.json": json.dumps(
+        dict(written, graph_hash="0123456789abcdef")).encode()})
+    with pytest.raises(ArtifactError, match="do not match the manifest's hash"):
+        graphmode.load(other, cache_dir=tmp / "other")
+
+
 def test_refuses_another_version_or_a_cpu_without_its_isa(saved):
     _, path, manifest, tmp = saved
     written = {k: v for k, v in manifest.items() if k not in ("seconds", "bytes")}     # save's report adds them

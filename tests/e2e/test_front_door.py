@@ -64,7 +64,7 @@ class Structured(nn.Module):
 
 
 def mlp_recipe(**over) -> dict:
-    r = {"version": 1, "name": "mlp", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16]}],
+    r = {"version": 1, "name": "mlp", "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}],
          "dims": {"batch": {"buckets": [2, 4]}}, **FAST}
     r.update(over)
     return r
@@ -338,7 +338,7 @@ def test_recipe_init_dim_goes_on_an_axis_the_model_fixed():
 
 def test_a_recipe_whose_dims_are_wrong_is_refused_by_field_before_the_model_is_exported():
     """A dim with min above max reached torch.export, whose complaint blamed the model."""
-    r = {"version": 1, "name": "minmax", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16]}],
+    r = {"version": 1, "name": "minmax", "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}],
          "dims": {"batch": {"min": 8, "max": 4}}}
     with pytest.raises(graphmode.errors.RecipeErrors) as e:
         graphmode.compile(bundle_from_module(MLP().eval(), {"x": torch.randn(2, 16)}, {"x": ["batch", None]}), r)
@@ -565,6 +565,34 @@ def test_an_onnx_path_compiles_without_a_recipe(tmp_path):
     cm = graphmode.compile(str(path))
     assert cm.recipe.dims == {}
     assert rel(cm(x), m(x)) < 1e-5
+
+
+def test_a_model_named_by_the_cli_spec_finds_the_plans_python_cached(tmp_path):
+    """`graphmode compile --model m.py:build_mlp` names the model after its builder ("mlp" here,
+    "build" for build()), graphmode.compile(module) after its class: the graph's name is a label,
+    so the same model keys the same cache entries either way (a server warmed from Python hit)."""
+    from graphmode.runtime.cache import ArtifactCache
+    (tmp_path / "mm.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))\n"
+        "    return m.eval(), (torch.randn(2, 16),)\n")
+    recipe = {"version": 1, "name": "mm", **FAST, "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}],
+              "dims": {"batch": {"buckets": [2]}}}
+    cache = tmp_path / "cache"
+    by_spec = graphmode.compile(f"{tmp_path / 'mm.py'}:build", recipe, cache_dir=cache, warmup=True)
+    entries = len(ArtifactCache(cache).entries())
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mm", tmp_path / "mm.py")
+    mm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mm)
+    module, (x,) = mm.build()
+    by_module = graphmode.compile(module, recipe, cache_dir=cache, warmup=True)
+    assert by_spec.graph.name != by_module.graph.name
+    assert by_spec.graph.structural_hash() == by_module.graph.structural_hash()
+    assert entries >= 1 and len(ArtifactCache(cache).entries()) == entries       # the second compile hit
+    assert rel(by_module(x), module(x)) < 1e-5
 
 
 def test_a_save_pretrained_folder_compiles_as_the_model_it_holds(tmp_path):

@@ -45,6 +45,17 @@ def test_text_round_trip_is_identical():
     assert g2.structural_hash() == g.structural_hash()
 
 
+def test_graph_name_is_a_label_not_structure():
+    """The CLI names a model after its builder (m.py:build_mlp -> mlp... or build), Python after
+    its class: the same model must hash alike so a cache warmed from one serves the other."""
+    g = small_graph()
+    renamed = g.clone()
+    renamed.name = "another_name"
+    assert renamed.structural_hash() == g.structural_hash()
+    assert renamed.structural_hash(named=True) != g.structural_hash(named=True)
+    assert "graph @another_name(" in renamed.text()
+
+
 def test_run_time_state_parses_without_its_bytes_as_zeros_and_other_constants_do_not():
     """A decoder's KV pool is run-time state: a .gm stores its type only (runtime/artifact.py)."""
     g = small_graph()
