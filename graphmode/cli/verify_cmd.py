@@ -83,88 +83,39 @@ def verify_cmd(
 ) -> None:
     """Check graph mode against eager PyTorch in every bucket, filled exactly and padded
     (fp32: rel L2 < 1e-5); on a mismatch, bisect to the pass and node that introduced it."""
-    import torch.utils._pytree as pytree
-
-    from graphmode.compiler import lower_model
     from graphmode.kb.record import record_verify
     from graphmode.paths import cache_layout
     from graphmode.recipe import pick_target
-    from graphmode.runtime.compiled import CompiledModel
     from graphmode.recipe.fixes import propose_fix
-    from graphmode.verify.bisect import (bisect, bisect_plan, checked_precision, compare_outputs, logit_outputs,
-                                         output_labels)
 
     rec = recipe_or_draft(recipe, model, lambda text: err_console.print(text, markup=False, highlight=False,
                                                                         soft_wrap=True))
     mode = "graph" if rec.exe_mode == "eager" else rec.exe_mode
     proved_on = pick_target(rec, None, cache_dir=cache_layout(cache_dir).targets)   # the recipe's default target
+    buckets = all_buckets(rec)[:max_buckets] if max_buckets else all_buckets(rec)
+    contract = None
     with ExitStack() as stack:
         on_stage = stack.enter_context(progress())
-        low = lower_model(model, rec, proved_on, mode=mode, keep_snapshots=True, on_stage=on_stage,
-                          cache_dir=cache_dir)
-        src, graph, opt, contract = low.source, low.graph, low.optimize_report, low.verdict
-        cm = CompiledModel(src, rec, None, low.captured, graph, (low.capture_report, opt), mode=mode,
-                           cache_dir=cache_dir, verdict=contract)
-        buckets = all_buckets(rec)
-        if max_buckets:
-            buckets = buckets[:max_buckets]
-        results = []
-        failure = None
-        cases = verify_cases(rec, buckets)
-        checking = stack.enter_context(stage(on_stage, "verify", total=len(cases)))
-        for shape, env in cases:
-            inputs = cm.sample_inputs(shape, seed=seed)      # index inputs inside the tables they pick from
-            refs = run_reference(src.reference, inputs, shape,
-                                 "eager PyTorch" if src.module is not None else "ONNX Runtime")
-            direct = shape == env
-            if direct:           # the plan itself, so a mismatch can be bisected to a pass or an instruction
-                exe = cm.executable(env)
-                got_map = exe.run(inputs)
-                from graphmode.runtime.tail import model_outputs     # (not its input updates; its tail)
-                got = model_outputs(cm, [got_map[o] for o in graph.outputs], inputs, env)
-                path = "graph"
-            else:                # through the runtime: pad, run the bucket's plan, slice back
-                got = pytree.tree_leaves(cm(**inputs))
-                path = cm.last_path.get("path", "graph")
-                # the plan that ran: a value that recurred has its own (dims.D.exact_plans), eager has none
-                env = dict(shape if path == "eager" else cm.last_path.get("bucket") or env)
-                if path == "eager" and src.module is None:     # the fallback: ONNX Runtime as it ships
-                    refs = run_reference(lambda x: src.reference(x, optimized=True), inputs, shape, "ONNX Runtime")
-            checks = compare_outputs(output_labels(src, graph, len(got)), got, refs, *checked_precision(rec),
-                                     logits=logit_outputs(graph, len(got)))
-            ok = len(got) == len(refs) and all(c.ok for c in checks)
-            results.append({"shape": shape, "bucket": env, "path": path, "ok": ok,
-                            "outputs": [c.to_json() for c in checks]})
-            if not ok and failure is None:
-                flipped = [c for c in checks if c.rel_l2 <= c.tolerance and not c.ok]
-                if flipped:          # within the error bound, but the rounding moved a confident top-1
-                    from graphmode.verify.bisect import Divergence
-                    t1 = flipped[0].top1
-                    div = Divergence("quantize_weights", None, None, flipped[0].rel_l2, "weights",
-                                     {"weights": rec.precision.weights, "flips": t1.flips, "positions": t1.positions})
-                elif direct:
-                    tol = max(c.tolerance for c in checks)
-                    with stage(on_stage, "bisect", detail=cm.bucket_key(env)):
-                        div = bisect(opt.snapshots, inputs, refs, tol)
-                        if div is None:
-                            div = bisect_plan(graph, exe, inputs, tol)
-                else:
-                    from graphmode.verify.bisect import Divergence
-                    div = Divergence(None, None, None, max(c.rel_l2 for c in checks), "padding",
-                                     {"shape": shape, "bucket": env})
-                failure = {"bucket": env, "shape": shape, "divergence": div}
-            checking.step(f"{cm.bucket_key(shape)} in bucket {cm.bucket_key(env)}: {'ok' if ok else 'MISMATCH'}")
+        if rec.parallel is not None and rec.parallel.tensor > 1:
+            cm, results, failure = _verify_ranks(model, rec, proved_on, mode, buckets, seed=seed,
+                                                 cache_dir=cache_dir, stack=stack, on_stage=on_stage)
+            src = cm.source
+        else:
+            cm, src, contract, results, failure = _verify_plans(model, rec, proved_on, mode, buckets, seed=seed,
+                                                                cache_dir=cache_dir, stack=stack, on_stage=on_stage)
     if failure and fix:
         change = propose_fix(rec, failure["divergence"])
         failure["fix"] = change
         failure["diff"] = "" if not change else recipe_diff_text(recipe, change) if recipe is not None else \
             yaml.safe_dump(change, sort_keys=False)      # a drafted recipe: the change to make in its file
     ok = failure is None
-    note = record_verify(kb_file(kb, cache_dir), cm, proved_on, results, failure)
+    # (a rank group's shards are in its processes: the knowledge base describes one process's plans)
+    note = record_verify(kb_file(kb, cache_dir), cm, proved_on, results, failure) if contract is not None else None
     if note:
         err_console.print(f"warning: {note}", markup=False, highlight=False, soft_wrap=True)
     if as_json:
-        d = {"model": model, "recipe": rec.name, "ok": ok, "cases": results, "contract": contract.to_json()}
+        d = {"model": model, "recipe": rec.name, "ok": ok, "cases": results,
+             "contract": contract.to_json() if contract is not None else None}
         if failure:
             dv = failure["divergence"]
             d["failure"] = {"bucket": failure["bucket"], "shape": failure["shape"], "stage": dv.stage,
@@ -172,49 +123,165 @@ def verify_cmd(
                             "fix": failure.get("fix"), "diff": failure.get("diff")}
         print(json.dumps(d, indent=2, default=str))
     else:
-        from graphmode.cli.compile_cmd import print_contract
-        print_contract(contract)
-        ref = "eager" if src.module is not None else "ONNX Runtime"      # what an ONNX file is checked against
-        t = Table(title=f"graph vs {ref}: {model} with {rec.name} ({len(buckets)} buckets, {len(results)} shapes)")
-        narrow = rec.precision.weights != "f32"     # then logits are also judged on top-1 agreement
-        for c in ("request", "bucket", "path", "worst rel L2", "tolerance") + (("top-1 agree",) if narrow else ()) + (
-                "ok",):
-            t.add_column(c, overflow="fold")
-        for r in results:
-            worst = max(r["outputs"], key=lambda o: o["rel_l2"]) if r["outputs"] else {"rel_l2": float("inf"),
-                                                                                     "tolerance": 0.0}
-            row = [",".join(f"{k}={v}" for k, v in r["shape"].items()),
-                   "- (no plan)" if r["path"] == "eager" else ",".join(f"{k}={v}" for k, v in r["bucket"].items()),
-                   r["path"], f"{worst['rel_l2']:.2e}", f"{worst['tolerance']:.0e}"]
-            if narrow:
-                # logits only: a top-1 over a hidden state's features (BERT's last_hidden_state) means nothing
-                top = [o["top1"] for o in r["outputs"] if (o.get("top1") or {}).get("judged")]
-                low = min(top, key=lambda t: t["share"]) if top else None
-                row.append(top1_cell(low) if low else "- (no logits)")
-            t.add_row(*row, "yes" if r["ok"] else "[red]NO[/]")
-        console.print(t)
-        if failure:
-            console.print(f"[red]mismatch[/] at request {failure['shape']} (bucket {failure['bucket']}): "
-                          f"{failure['divergence'].describe()}")
-            if fix:
-                if failure.get("diff"):
-                    console.print("proposed recipe change:")
-                    console.print(failure["diff"], markup=False, highlight=False)
-                else:
-                    console.print("no recipe change is known to remove it; this is a graphmode bug — report it")
-        else:
-            judged = any((o.get("top1") or {}).get("judged") for r in results for o in r["outputs"])
-            top1 = (f"; {rec.precision.weights} weights: no logit position's top-1 that the f32 model decided "
-                    "(led by more than the rounding noise, or by 4:1 or more) changed" if judged else
-                    f"; {rec.precision.weights} weights: within the weight-only error bound, "
-                    "and no top-1 check ran (only logits are judged on their decisions: an output named logits, or "
-                    "as wide as the model's token table; name a classifier's output logits, e.g. return "
-                    "{'logits': y})")
-            eager = sum(r["path"] == "eager" for r in results)
-            console.print(f"all shapes match {ref} within tolerance (every bucket filled, padded, and the "
-                          "smallest admissible shape)" + (top1 if narrow else ""))
-            if eager:
-                console.print(f"{eager} of {len(results)} request(s) ran eagerly, where the contract sends them (no "
-                              "plan holds those shapes): their rows compare the reference with itself, as it "
-                              "ships, and check nothing graphmode compiled", markup=False, highlight=False)
+        _print_verdict(model, rec, src, contract, buckets, results, failure, fix)
     raise typer.Exit(0 if ok else 1)
+
+
+def _verify_plans(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stack, on_stage):
+    """Every case through this process's plans; a mismatch is bisected to a pass or an instruction."""
+    import torch.utils._pytree as pytree
+
+    from graphmode.compiler import lower_model
+    from graphmode.runtime.compiled import CompiledModel
+    from graphmode.verify.bisect import (Divergence, bisect, bisect_plan, checked_precision, compare_outputs,
+                                         logit_outputs, output_labels)
+
+    low = lower_model(model, rec, proved_on, mode=mode, keep_snapshots=True, on_stage=on_stage,
+                      cache_dir=cache_dir)
+    src, graph, opt, contract = low.source, low.graph, low.optimize_report, low.verdict
+    cm = CompiledModel(src, rec, None, low.captured, graph, (low.capture_report, opt), mode=mode,
+                       cache_dir=cache_dir, verdict=contract)
+    results = []
+    failure = None
+    cases = verify_cases(rec, buckets)
+    checking = stack.enter_context(stage(on_stage, "verify", total=len(cases)))
+    for shape, env in cases:
+        inputs = cm.sample_inputs(shape, seed=seed)      # index inputs inside the tables they pick from
+        refs = run_reference(src.reference, inputs, shape,
+                             "eager PyTorch" if src.module is not None else "ONNX Runtime")
+        direct = shape == env
+        if direct:           # the plan itself, so a mismatch can be bisected to a pass or an instruction
+            exe = cm.executable(env)
+            got_map = exe.run(inputs)
+            from graphmode.runtime.tail import model_outputs     # (not its input updates; its tail)
+            got = model_outputs(cm, [got_map[o] for o in graph.outputs], inputs, env)
+            path = "graph"
+        else:                # through the runtime: pad, run the bucket's plan, slice back
+            got = pytree.tree_leaves(cm(**inputs))
+            path = cm.last_path.get("path", "graph")
+            # the plan that ran: a value that recurred has its own (dims.D.exact_plans), eager has none
+            env = dict(shape if path == "eager" else cm.last_path.get("bucket") or env)
+            if path == "eager" and src.module is None:     # the fallback: ONNX Runtime as it ships
+                refs = run_reference(lambda x: src.reference(x, optimized=True), inputs, shape, "ONNX Runtime")
+        checks = compare_outputs(output_labels(src, graph, len(got)), got, refs, *checked_precision(rec),
+                                 logits=logit_outputs(graph, len(got)))
+        ok = len(got) == len(refs) and all(c.ok for c in checks)
+        results.append({"shape": shape, "bucket": env, "path": path, "ok": ok,
+                        "outputs": [c.to_json() for c in checks]})
+        if not ok and failure is None:
+            flipped = [c for c in checks if c.rel_l2 <= c.tolerance and not c.ok]
+            if flipped:          # within the error bound, but the rounding moved a confident top-1
+                from graphmode.verify.bisect import Divergence
+                t1 = flipped[0].top1
+                div = Divergence("quantize_weights", None, None, flipped[0].rel_l2, "weights",
+                                 {"weights": rec.precision.weights, "flips": t1.flips, "positions": t1.positions})
+            elif direct:
+                tol = max(c.tolerance for c in checks)
+                with stage(on_stage, "bisect", detail=cm.bucket_key(env)):
+                    div = bisect(opt.snapshots, inputs, refs, tol)
+                    if div is None:
+                        div = bisect_plan(graph, exe, inputs, tol)
+            else:
+                from graphmode.verify.bisect import Divergence
+                div = Divergence(None, None, None, max(c.rel_l2 for c in checks), "padding",
+                                 {"shape": shape, "bucket": env})
+            failure = {"bucket": env, "shape": shape, "divergence": div}
+        checking.step(f"{cm.bucket_key(shape)} in bucket {cm.bucket_key(env)}: {'ok' if ok else 'MISMATCH'}")
+    return cm, src, contract, results, failure
+
+
+def _verify_ranks(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stack, on_stage):
+    """A tensor-parallel recipe: every case through its rank group (rank 0 answers), against
+    eager in this process. No bisection runs across ranks (each holds its own shard): a
+    mismatch names the group, and a narrow wire (comm.dtype) is what --fix widens."""
+    import torch.utils._pytree as pytree
+
+    from graphmode.compiler import compile as gm_compile
+    from graphmode.verify.bisect import Divergence, checked_precision, compare_outputs, output_labels
+
+    tp = gm_compile(model, rec, proved_on, mode=mode, cache_dir=cache_dir, on_stage=on_stage)
+    stack.callback(tp.close)
+    src = tp.source
+    compute, weights = checked_precision(rec)
+    results, failure = [], None
+    cases = verify_cases(rec, buckets)
+    checking = stack.enter_context(stage(on_stage, "verify", total=len(cases)))
+    for shape, env in cases:
+        inputs = tp.sample_inputs(shape, seed=seed)
+        refs = run_reference(src.reference, inputs, shape, "eager PyTorch" if src.module is not None else "ONNX Runtime")
+        got = pytree.tree_leaves(tp(**inputs))
+        path = tp.last_path.get("path", "graph")
+        env = dict(shape if path == "eager" else tp.last_path.get("bucket") or env)
+        if path == "eager" and src.module is None:     # the fallback: ONNX Runtime as it ships
+            refs = run_reference(lambda x: src.reference(x, optimized=True), inputs, shape, "ONNX Runtime")
+        checks = compare_outputs(output_labels(src, None, len(got)), got, refs, compute, weights)
+        ok = len(got) == len(refs) and all(c.ok for c in checks)
+        results.append({"shape": shape, "bucket": env, "path": path, "ok": ok, "outputs": [c.to_json() for c in checks]})
+        if not ok and failure is None:
+            worst = max((c.rel_l2 for c in checks), default=float("inf"))
+            flipped = next((c for c in checks if c.rel_l2 <= c.tolerance and not c.ok), None)
+            if flipped is not None and weights == rec.precision.weights != "f32":     # the stored weights' rounding
+                div = Divergence("quantize_weights", None, None, flipped.rel_l2, "weights",
+                                 {"weights": weights, "flips": flipped.top1.flips, "positions": flipped.top1.positions})
+            else:
+                div = Divergence(None, None, None, worst, "parallel",
+                                 {"ranks": rec.parallel.tensor, "comm": rec.parallel.comm.dtype})
+            failure = {"bucket": env, "shape": shape, "divergence": div}
+        key = ",".join(f"{k}={v}" for k, v in sorted(shape.items()))
+        checking.step(f"{key} on {rec.parallel.tensor} ranks: {'ok' if ok else 'MISMATCH'}")
+    return tp, results, failure
+
+
+def _print_verdict(model, rec, src, contract, buckets, results, failure, fix) -> None:
+    from graphmode.cli.compile_cmd import print_contract
+    from graphmode.verify.bisect import checked_precision
+    if contract is not None:
+        print_contract(contract)
+    else:
+        console.print(f"tensor parallel: {rec.parallel.tensor} ranks, the wire in {rec.parallel.comm.dtype}; "
+                      "every request through the rank group (rank 0 answers)", markup=False, highlight=False)
+    weights = checked_precision(rec)[1]
+    narrowed = f"{weights} weights" if weights == rec.precision.weights else f"the {weights} wire (parallel.comm.dtype)"
+    ref = "eager" if src.module is not None else "ONNX Runtime"      # what an ONNX file is checked against
+    t = Table(title=f"graph vs {ref}: {model} with {rec.name} ({len(buckets)} buckets, {len(results)} shapes)")
+    narrow = weights != "f32"     # then logits are also judged on top-1 agreement
+    for c in ("request", "bucket", "path", "worst rel L2", "tolerance") + (("top-1 agree",) if narrow else ()) + (
+            "ok",):
+        t.add_column(c, overflow="fold")
+    for r in results:
+        worst = max(r["outputs"], key=lambda o: o["rel_l2"]) if r["outputs"] else {"rel_l2": float("inf"),
+                                                                                 "tolerance": 0.0}
+        row = [",".join(f"{k}={v}" for k, v in r["shape"].items()),
+               "- (no plan)" if r["path"] == "eager" else ",".join(f"{k}={v}" for k, v in r["bucket"].items()),
+               r["path"], f"{worst['rel_l2']:.2e}", f"{worst['tolerance']:.0e}"]
+        if narrow:
+            # logits only: a top-1 over a hidden state's features (BERT's last_hidden_state) means nothing
+            top = [o["top1"] for o in r["outputs"] if (o.get("top1") or {}).get("judged")]
+            low = min(top, key=lambda t: t["share"]) if top else None
+            row.append(top1_cell(low) if low else "- (no logits)")
+        t.add_row(*row, "yes" if r["ok"] else "[red]NO[/]")
+    console.print(t)
+    if failure:
+        console.print(f"[red]mismatch[/] at request {failure['shape']} (bucket {failure['bucket']}): "
+                      f"{failure['divergence'].describe()}")
+        if fix:
+            if failure.get("diff"):
+                console.print("proposed recipe change:")
+                console.print(failure["diff"], markup=False, highlight=False)
+            else:
+                console.print("no recipe change is known to remove it; this is a graphmode bug — report it")
+    else:
+        judged = any((o.get("top1") or {}).get("judged") for r in results for o in r["outputs"])
+        top1 = (f"; {narrowed}: no logit position's top-1 that the f32 model decided "
+                "(led by more than the rounding noise, or by 4:1 or more) changed" if judged else
+                f"; {narrowed}: within the weight-only error bound, "
+                "and no top-1 check ran (only logits are judged on their decisions: an output named logits, or "
+                "as wide as the model's token table; name a classifier's output logits, e.g. return "
+                "{'logits': y})")
+        eager = sum(r["path"] == "eager" for r in results)
+        console.print(f"all shapes match {ref} within tolerance (every bucket filled, padded, and the "
+                      "smallest admissible shape)" + (top1 if narrow else ""))
+        if eager:
+            console.print(f"{eager} of {len(results)} request(s) ran eagerly, where the contract sends them (no "
+                          "plan holds those shapes): their rows compare the reference with itself, as it "
+                          "ships, and check nothing graphmode compiled", markup=False, highlight=False)

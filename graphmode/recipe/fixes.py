@@ -10,9 +10,12 @@ from graphmode.verify.bisect import Divergence
 
 def propose_fix(recipe, divergence: Divergence) -> dict[str, Any] | None:
     """A recipe change that removes the divergence: wider stored weights for a weight-only
-    top-1 flip, an fp32 override for the diverging op when compute precision is reduced, else
-    dropping the pass that introduced it."""
+    top-1 flip, an fp32 override for the diverging op when compute precision is reduced, a wider
+    wire for a rank group (parallel.comm.dtype), else dropping the pass that introduced it."""
     compute = recipe.precision.compute
+    if divergence.stage == "parallel":        # the rank group's outputs: its wire is the one recipe knob
+        wider = {"int8": "bf16", "bf16": "f32"}.get(recipe.parallel.comm.dtype)
+        return {"parallel": {"comm": {"dtype": wider}}} if wider else None
     if divergence.stage == "weights" or divergence.pass_name == "quantize_weights":
         wider = {"int4": "int8", "int8": "bf16"}.get(recipe.precision.weights, "f32")   # one step wider
         return {"precision": {"weights": wider}}     # (dropping the pass leaves a recipe refused)

@@ -57,7 +57,7 @@ class Divergence:
     node: str | None                 # "%value = op(...)" of the first diverging node
     op: str | None
     rel_l2: float
-    stage: str                       # "pass" | "plan" | "capture" | "padding" | "weights"
+    stage: str                       # "pass" | "plan" | "capture" | "padding" | "weights" | "parallel"
     detail: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -71,6 +71,12 @@ class Divergence:
             return (f"{self.detail.get('weights')} weights change the top-1 of {self.detail.get('flips')} of "
                     f"{self.detail.get('positions')} position(s) that the f32 model decided (led by more than the "
                     f"rounding noise, or by 4:1 or more) (error within bound: rel L2 {self.rel_l2:.2e})")
+        if self.stage == "parallel":
+            wire = self.detail.get("comm", "f32")
+            return (f"the {self.detail.get('ranks')} ranks' outputs differ from eager (rel L2 {self.rel_l2:.2e}; the "
+                    f"wire in {wire}); no bisection runs across ranks: verify the recipe without its parallel "
+                    "section (tensor: 1) to bisect the passes" + (", or widen parallel.comm.dtype" if wire != "f32"
+                                                                    else ""))
         if self.stage == "plan":
             return f"introduced by the backend plan (all passes match): {where} (rel L2 {self.rel_l2:.2e})"
         return f"the captured graph already differs from eager: {where} (rel L2 {self.rel_l2:.2e})"

@@ -220,6 +220,30 @@ def test_graphmode_run_starts_the_ranks_and_checks_rank_0_against_eager(tmp_path
     assert w[0] == w[1] == 4 * (16 * 16 + 16 + 16 * 4 + 4)        # half of each linear, the second's bias whole
 
 
+def test_graphmode_verify_checks_every_case_through_the_rank_group(tmp_path):
+    """verify lowered rank 0's shard in its own process, whose all_reduce then had no group
+    ('no communicator is bound to this thread', exit 2): it now starts the ranks, as run does."""
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    import graphmode.cli.verify_cmd  # noqa: F401  (registers `verify`)
+    from graphmode.cli.app import app
+    path = tmp_path / "tp2.yaml"
+    recipe = tiny_tp.recipe("mlp-tp2", inputs=tiny_tp.MLP_INPUTS, dims=tiny_tp.MLP_DIMS)
+    recipe["parallel"]["comm"] = {"dtype": "bf16", "timeout_s": 60}
+    path.write_text(yaml.safe_dump(recipe))
+    res = CliRunner().invoke(app, ["verify", "--model", f"{SPEC}:mlp", "--recipe", str(path),
+                                   "--cache-dir", str(tmp_path / "cache"), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    assert out["ok"] and [c["shape"] for c in out["cases"]] == [{"batch": 2}, {"batch": 1}]
+    checks = [o for c in out["cases"] for o in c["outputs"]]
+    # judged as bf16 rounding (the wire's), not at f32's 1e-5, and the rounding is visible
+    assert all(1e-5 < o["rel_l2"] < o["tolerance"] for o in checks), checks
+
+
 def test_the_compile_report_names_what_the_ranks_gather_whole(tmp_path):
     """Three heads over two ranks: correct (the attention runs whole on every rank), and the
     dry-run report says so, with the rank's collectives, instead of leaving it to the stats."""

@@ -77,3 +77,23 @@ def test_a_proposed_fix_is_a_recipe_graphmode_accepts():
                                                                              0.1, "pass"))["precision"]["compute"] == "f32"
     change = fixed({"weights": "int8"}, Divergence("constant_fold", "%y = add(%x)", "add", 0.1, "pass"))
     assert "constant_fold" not in change["optimize"]["passes"] and change["precision"] == {"weights": "f32"}
+
+
+def test_a_rank_group_that_differs_is_told_to_widen_its_wire_or_verify_at_one_process():
+    """verify cannot bisect across ranks (each holds its own shard): the wire is the knob."""
+    from graphmode.recipe import load_recipe
+    from graphmode.recipe.fixes import propose_fix
+    from graphmode.verify.bisect import Divergence
+    base = {"version": 1, "name": "m", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 8]}],
+            "dims": {"batch": {"buckets": [2]}}}
+
+    def group(wire):
+        return load_recipe({**base, "parallel": {"tensor": 2, "device_group": ["r0", "r1"],
+                                                 "links": {"lo": {"bandwidth_gbps": 10, "latency_us": 5}},
+                                                 "comm": {"dtype": wire}}})
+    div = Divergence(None, None, None, 0.2, "parallel", {"ranks": 2, "comm": "int8"})
+    assert propose_fix(group("int8"), div) == {"parallel": {"comm": {"dtype": "bf16"}}}
+    assert propose_fix(group("bf16"), div) == {"parallel": {"comm": {"dtype": "f32"}}}
+    assert propose_fix(group("f32"), div) is None
+    assert "tensor: 1" in div.describe() and "widen parallel.comm.dtype" in div.describe()
+    assert "widen" not in Divergence(None, None, None, 0.2, "parallel", {"ranks": 2, "comm": "f32"}).describe()
