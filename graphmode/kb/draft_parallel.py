@@ -13,6 +13,8 @@ from graphmode.errors import RecipeError
 
 _CONV = ("conv",)
 _ATTENTION = ("attention", "softmax", "sdpa", "matmul", "bmm")
+_BY_HEADS = {"attention": "attention by heads", "mlp": "the MLP column then row",
+             "embedding": "embeddings and the LM head by vocabulary"}
 
 
 def strategy_for(graph: Any) -> tuple[str, str]:
@@ -40,14 +42,21 @@ def with_tensor(draft: Any, tensor: int, target: Any) -> Any:
     dims = draft.data.get("dims") or {}
     if strategy == "batch":
         dims = {**dims, "batch": _split_batch(dims["batch"], tensor)}
+    whole: list[str] = []
+    if strategy == "head":
+        strategy, whole = _whole_classes(draft.data, tensor)
+        if whole:
+            split = [_BY_HEADS[k] for k, v in strategy.items() if v == "head"]
+            why = "; ".join(([", ".join(split)] if split else []) + whole)
     group = [f"rank{r}" for r in range(tensor)]
     loopback = "${target.groups.interconnects.loopback.%s}"
     data = {**draft.data, **({"dims": dims} if dims else {}), "parallel": {
         "tensor": tensor, "strategy": strategy, "device_group": group, "backend": "gloo",
         "links": {"loopback": {"bandwidth_gbps": loopback % "bandwidth_gbps", "latency_us": loopback % "latency_us"}},
         "comm": {"dtype": "f32", "timeout_s": 60}}}
+    shown = strategy if isinstance(strategy, str) else ", ".join(f"{k} {v}" for k, v in strategy.items())
     notes = {**draft.notes, "parallel": (f"--tensor {tensor}: {tensor} rank processes on this machine, joined by "
-                                         f"gloo over loopback; strategy {strategy}: {why}; each rank proves its "
+                                         f"gloo over loopback; strategy {shown}: {why}; each rank proves its "
                                          "shard's memory when it compiles")}
     if strategy == "batch":
         notes["dims.batch"] = (notes.get("dims.batch", "").split("; ")[0] + f"; buckets the multiples of {tensor} "
@@ -57,6 +66,29 @@ def with_tensor(draft: Any, tensor: int, target: Any) -> Any:
     if report.verdict in ("malformed", "refused"):
         report.raise_for_errors()          # names the field and its fix (a link too slow for the SLA, ...)
     return dataclasses.replace(draft, data=data, notes=notes, recipe=recipe, report=report)
+
+
+def _whole_classes(data: dict, tensor: int) -> tuple[Any, list[str]]:
+    """("head", []) when every head count and the MLP width divide by `tensor`; else a strategy
+    map that runs the layer classes that do not divide whole on every rank (as vLLM replicates
+    KV heads that do not split), and why, for the draft's note. The recipe check refuses a
+    head split of such a class."""
+    m = data.get("model") or {}
+    kv = (data.get("memory") or {}).get("kv_cache") or {}
+    heads = [(f, v) for f, v in (("model.heads", m.get("heads")), ("model.kv_heads", m.get("kv_heads")),
+                                 ("memory.kv_cache.kv_heads", kv.get("kv_heads"))) if v]
+    split = {"attention": "head", "mlp": "head", "embedding": "head"}
+    why = []
+    bad = next(((f, v) for f, v in heads if v % tensor), None)
+    if bad is not None:
+        split["attention"] = "replicate"
+        why.append(f"{bad[0]} = {bad[1]} does not split over {tensor} ranks, so attention runs whole on every rank")
+    inter = m.get("intermediate")
+    if inter and inter % tensor:
+        split["mlp"] = "replicate"
+        why.append(f"model.intermediate = {inter} does not split over {tensor} ranks, so the MLP runs whole on "
+                   "every rank")
+    return (split if why else "head"), why
 
 
 def _split_batch(dim: dict, tensor: int) -> dict:

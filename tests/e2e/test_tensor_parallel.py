@@ -157,6 +157,40 @@ def test_a_cnn_drafted_for_two_ranks_splits_by_batch():
     assert rec.parallel.split() == "batch" and rec.dim_buckets()["batch"] == [2, 4]
 
 
+def test_a_draft_whose_kv_heads_do_not_split_runs_attention_whole_on_every_rank(tmp_path):
+    """`recipe init --tensor 2` on a multi-query model was refused ('the KV cache's 1 KV heads do not
+    split over 2 ranks', fix: strategy.attention: replicate, which recipe init cannot set): the draft
+    now writes that map itself and says why in its note."""
+    from graphmode.kb.draft import draft_recipe
+    from graphmode.kb.draft_parallel import with_tensor
+    d = draft_recipe(f"{SPEC}:llama_one_kv_head", record=False)
+    tp = with_tensor(d, 2, d.report.target)
+    assert tp.data["parallel"]["strategy"] == {"attention": "replicate", "mlp": "head", "embedding": "head"}
+    assert tp.report.verdict not in ("malformed", "refused")
+    assert "kv_heads = 1 does not split over 2 ranks" in tp.notes["parallel"]
+    assert "attention by heads" not in tp.notes["parallel"]
+    assert with_tensor(draft_recipe(f"{SPEC}:llama", record=False), 2, d.report.target).data["parallel"][
+        "strategy"] == "head"
+
+
+@pytest.mark.slow     # ~35 s: 2 ranks decoding
+def test_a_multi_query_draft_at_two_ranks_decodes_as_transformers(tmp_path):
+    import yaml
+
+    from graphmode.kb.draft import draft_recipe
+    from graphmode.kb.draft_parallel import with_tensor
+    d = draft_recipe(f"{SPEC}:llama_one_kv_head", record=False)
+    path = tmp_path / "mqa.yaml"
+    path.write_text(yaml.safe_dump(with_tensor(d, 2, d.report.target).data))
+    model = tiny_tp.llama_one_kv_head()[0]
+    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(0))
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    with graphmode.compile(f"{SPEC}:llama_one_kv_head", str(path), cache_dir=tmp_path / "cache") as tp:
+        got = tp.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, eos_token_id=None)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.slow     # ~15 s; a killed rank's 503 and health: the server test above
 def test_a_killed_rank_fails_the_call_at_once(tmp_path):
     x = torch.randn(2, 16)

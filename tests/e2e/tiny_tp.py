@@ -53,12 +53,12 @@ def gpt2_odd_vocab():
     return model, ex, {k: ["batch", "seq"] for k in ex}
 
 
-def llama(intermediate: int = 64):
+def llama(intermediate: int = 64, kv_heads: int = 2):
     """A Llama-style decoder with grouped-query attention: 4 query heads over 2 KV heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, use_cache=False,
+                      num_key_value_heads=kv_heads, vocab_size=100, max_position_embeddings=64, use_cache=False,
                       initializer_range=0.3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -70,6 +70,11 @@ def llama(intermediate: int = 64):
 def llama_odd_mlp():
     """An MLP 65 wide: it does not split over 2 ranks and runs whole; the attention still splits."""
     return llama(65)
+
+
+def llama_one_kv_head():
+    """Multi-query attention (4 query heads over 1 KV head): its KV cache does not split over 2 ranks."""
+    return llama(kv_heads=1)
 
 
 def phi3():
