@@ -228,7 +228,10 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
         given = unified(given)
     bundle = _place_dims(given, dict(ranges or {}))
     opts = dict(target=target, p99_ms=p99_ms, memory_mb=memory_mb, max_p99_over_p50=max_p99_over_p50,
-                max_padding=DEFAULT_MAX_PADDING if max_padding is None else max_padding, max_buckets=max_buckets,
+                # a bucket count alone is a policy of its own: the default padding bound with it could
+                # contradict it (padding 0.25 needs 8 buckets over 1..32; --max-buckets 2 was refused)
+                max_padding=max_padding if max_padding is not None or max_buckets is not None else DEFAULT_MAX_PADDING,
+                max_buckets=max_buckets,
                 kb_path=kb_path, objective=objective, name=name, target_cache_dir=target_cache_dir, record=record,
                 ranges={d: tuple(r[:2]) for d, r in (ranges or {}).items()}, bounded=bounded)
     if not hasattr(bundle, "module"):          # ONNX: the file's axes are what they are
@@ -374,7 +377,7 @@ def _default_axes(d: str, dims: dict[str, list]) -> list[tuple[str, int]]:
 
 
 def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float | None,
-           max_p99_over_p50: float | None, max_padding: float, max_buckets: int | None, kb_path: Any,
+           max_p99_over_p50: float | None, max_padding: float | None, max_buckets: int | None, kb_path: Any,
            objective: str, name: str | None, target_cache_dir: Any, record: bool,
            ranges: dict[str, tuple[int, int]], bounded: bool,
            narrowed: dict[str, tuple[int | None, int | None, str]] | None = None) -> Draft:
@@ -529,7 +532,7 @@ def drafted(model: Any, target: Any, ranges: dict[str, tuple] | None = None) -> 
 
 
 def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: Any, example: dict[str, int],
-          max_padding: float, max_buckets: int | None, bounded: bool, decoder: bool,
+          max_padding: float | None, max_buckets: int | None, bounded: bool, decoder: bool,
           notes: dict[str, str], narrowed: dict[str, tuple] | None = None, pinned: dict[str, int] | None = None
           ) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
     """Each dim's range (given, from the config or a default) and bucket policy. With `bounded`
@@ -554,10 +557,12 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
                 (lo, hi), why = new, f"{new[0]} .. {new[1]}: {nwhy}{kept}"
         dims[d] = {"min": lo, "max": hi}
         if lo < hi:
-            dims[d]["max_padding"] = max_padding
+            if max_padding is not None:
+                dims[d]["max_padding"] = max_padding
             if max_buckets is not None:
                 dims[d]["max_buckets"] = max_buckets
-            why += f"; buckets synthesised with padding <= {max_padding}"
+            why += (f"; buckets synthesised with padding <= {max_padding}" if max_padding is not None else
+                    f"; at most {max_buckets} buckets, placed for the least padding")
         notes[f"dims.{d}"] = why
         ranges[d] = (lo, hi)
     for d, v in (pinned or {}).items():
@@ -568,7 +573,7 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
                               f"size and the max): padding {d} is unsafe, so other values run eagerly until they "
                               "recur and get plans of their own")
     counts = {d: len(synthesize_buckets(lo, hi, max_padding=max_padding).buckets)
-              for d, (lo, hi) in ranges.items() if lo < hi and d not in (pinned or {})}
+              for d, (lo, hi) in ranges.items() if lo < hi and d not in (pinned or {})} if bounded else {}
     held = math.prod(len(dims[d]["buckets"]) for d in (pinned or {}))    # the pinned dims' plans
     budget = MAX_DRAFT_PLANS // held
     if bounded and counts and math.prod(counts.values()) > budget:

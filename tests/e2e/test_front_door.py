@@ -64,7 +64,7 @@ class Structured(nn.Module):
 
 
 def mlp_recipe(**over) -> dict:
-    r = {"version": 1, "name": "mlp", "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}],
+    r = {"version": 1, "name": "mlp", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16]}],
          "dims": {"batch": {"buckets": [2, 4]}}, **FAST}
     r.update(over)
     return r
@@ -338,7 +338,7 @@ def test_recipe_init_dim_goes_on_an_axis_the_model_fixed():
 
 def test_a_recipe_whose_dims_are_wrong_is_refused_by_field_before_the_model_is_exported():
     """A dim with min above max reached torch.export, whose complaint blamed the model."""
-    r = {"version": 1, "name": "minmax", "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 16]}],
+    r = {"version": 1, "name": "minmax", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 16]}],
          "dims": {"batch": {"min": 8, "max": 4}}}
     with pytest.raises(graphmode.errors.RecipeErrors) as e:
         graphmode.compile(bundle_from_module(MLP().eval(), {"x": torch.randn(2, 16)}, {"x": ["batch", None]}), r)

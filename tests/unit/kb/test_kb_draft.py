@@ -230,6 +230,18 @@ def test_a_dim_unsafe_to_pad_keeps_the_users_max_buckets():
                                                                                 "seq": [1, 2, 3]}
 
 
+def test_a_bucket_count_alone_places_its_buckets_under_no_padding_bound():
+    """`recipe init --max-buckets 2` alone was refused ('padding 0.25 needs max_buckets >= 8'): the
+    default padding bound came with it. A count alone is the policy; padding is what it allows."""
+    import torch
+    m = (torch.nn.Linear(4, 4).eval(), (torch.randn(2, 4),), {"input": ["batch", 4]})
+    d = draft_recipe(m, ranges={"batch": (1, 32)}, max_buckets=2, record=False)
+    assert d.data["dims"]["batch"] == {"min": 1, "max": 32, "max_buckets": 2}
+    assert len(d.recipe.dim_buckets()["batch"]) == 2 and "at most 2 buckets" in d.notes["dims.batch"]
+    both = draft_recipe(m, ranges={"batch": (1, 32)}, max_buckets=9, max_padding=0.25, record=False)
+    assert both.data["dims"]["batch"]["max_padding"] == 0.25
+
+
 def test_coarse_buckets_of_a_bounded_draft_plan_the_values_that_recur():
     """Three dims share the draft's 16 plans, so each gets two or three buckets: a T5 request of
     batch 2 x seq 64 x decoder_seq 31 ran padded to 32 x 512 x 72, 43x eager's time, on every
