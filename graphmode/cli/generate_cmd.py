@@ -175,9 +175,10 @@ def _as_flag(e: GraphmodeError, prompt_flag: str) -> GraphmodeError:
 
 
 def sampling(cfg: dict[str, Any], max_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
-             seed: Optional[int], stop_ids: list[list[int]]):
+             seed: Optional[int], stop_ids: list[list[int]], ignore_eos: bool = False):
     """SamplingParams from the flags (temperature 0 = greedy), ending at the model's
-    end-of-sequence token as `generate` does; built before the compile, so bad values fail fast."""
+    end-of-sequence token as `generate` does (not with `ignore_eos`, as vLLM's); built before
+    the compile, so bad values fail fast."""
     from types import SimpleNamespace
 
     from graphmode.decode.api import MODEL_EOS, sampling_params
@@ -195,7 +196,8 @@ def sampling(cfg: dict[str, Any], max_tokens: int, temperature: float, top_k: Op
                              fix="set --temperature above 0 (e.g. 0.8) to sample, or drop --top-k/--top-p")
     try:
         return sampling_params(SimpleNamespace(cfg=cfg), max_tokens, not greedy,
-                               1.0 if greedy else temperature, top_k, top_p, MODEL_EOS, seed, stop_ids)
+                               1.0 if greedy else temperature, top_k, top_p, None if ignore_eos else MODEL_EOS,
+                               seed, stop_ids)
     except GraphmodeError as e:
         raise _as_flag(e, "--prompt") from None
 
@@ -318,6 +320,8 @@ def generate_cmd(
                                              "tokenizer); repeatable"),
     stop_ids: Optional[List[str]] = typer.Option(None, "--stop-ids", help="stop token-id sequence, e.g. 13,13, cut "
                                                  "from the output; repeatable"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="do not stop at the model's end-of-sequence token "
+                                    "(vLLM's ignore_eos): --max-tokens tokens unless a stop matches"),
     stream: bool = typer.Option(False, "--stream", help="print tokens as they are generated"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, max=1024, help=THREADS_HELP),
     cache_dir: Optional[Path] = CacheDir,
@@ -361,7 +365,7 @@ def generate_cmd(
                 if saved is not None else None
             req = Request.checked(model, rec, prompt or [], prompt_ids or [], stop or [], stop_ids or [], loaded,
                                   bundle)
-        params = sampling(req.cfg, max_tokens, temperature, top_k, top_p, seed, req.stop_ids)
+        params = sampling(req.cfg, max_tokens, temperature, top_k, top_p, seed, req.stop_ids, ignore_eos)
         req.check_room(rec, max_tokens)
 
         t0 = time.perf_counter()

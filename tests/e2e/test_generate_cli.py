@@ -67,6 +67,18 @@ def test_greedy_batch_is_token_identical_to_transformers(greedy):
     assert t["new_tokens"] == len(a["tokens"]) + len(b["tokens"])
 
 
+def test_ignore_eos_runs_to_max_tokens_past_the_models_end_token(files):
+    """vLLM's ignore_eos, which the server took and the CLI did not."""
+    from graphmode.cli.generate_cmd import sampling
+    cfg = {"eos": 2, "vocab": VOCAB}
+    assert sampling(cfg, NEW, 0.0, None, None, None, []).eos == {2}
+    assert sampling(cfg, NEW, 0.0, None, None, None, [], ignore_eos=True).eos == frozenset()
+    res = gen(files, "--prompt-ids", ",".join(map(str, P0)), "--max-tokens", str(NEW), "--ignore-eos", "--json")
+    assert res.exit_code == 0, res.output
+    (c,) = json.loads(res.stdout)["choices"]
+    assert c["tokens"] == reference(P0) and len(c["tokens"]) == NEW and c["finish_reason"] == "length"
+
+
 def test_stream_prints_the_same_tokens(files, greedy):
     res = gen(files, "--prompt-ids", ",".join(map(str, P0)), "--max-tokens", str(NEW), "--stream")
     assert res.exit_code == 0, res.output
