@@ -545,6 +545,9 @@ class _GuardedH11(H11Protocol):
                      head=self.conn.trailing_data[0][:5] == b"HEAD ", linger=False)
 
 
+FORCED_STOP_S = 10.0       # what a forced exit (a second Ctrl-C) still gives the server's own stop
+
+
 def uvicorn_server(app: Starlette, *, log_level: str = "warning") -> Any:
     import uvicorn
 
@@ -563,6 +566,14 @@ def uvicorn_server(app: Starlette, *, log_level: str = "warning") -> Any:
             timer = asyncio.get_running_loop().call_later(grace, server.end_generations)
             try:
                 await super().shutdown(sockets=sockets)
+                if self.force_exit:
+                    # a second Ctrl-C stops the wait for open requests, not graphmode's own stop (its
+                    # rank processes, the last knowledge-base window): uvicorn skips the lifespan's
+                    # shutdown there, and asyncio then cancelled its task, which starlette printed as
+                    # a traceback on the way out
+                    await asyncio.wait_for(self.lifespan.shutdown(), FORCED_STOP_S)
+            except asyncio.TimeoutError:
+                pass
             finally:
                 timer.cancel()
 

@@ -723,6 +723,37 @@ def test_graphmode_serve_command(tmp_path, tmp_path_factory):
     assert "r" in put and "Traceback" not in "".join(lines), "".join(lines)
 
 
+def test_a_second_signal_during_shutdown_still_stops_the_server_and_prints_no_traceback(tmp_path, tmp_path_factory):
+    """SIGTERM then Ctrl-C is uvicorn's forced exit: it skipped the app's lifespan shutdown (the
+    ModelServer's stop: its rank processes, the last knowledge-base window), asyncio cancelled
+    that task on the way out, and starlette printed the CancelledError as an ERROR traceback."""
+    import yaml
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(cnn_recipe("cnn-force")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", tiny_model_spec(tmp_path_factory),
+                             "--recipe", str(tmp_path / "r.yaml"), "--port", "0",
+                             "--cache-dir", str(serve_cache(tmp_path_factory)), "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, "".join(lines)
+            return any(line.startswith("ready") for line in lines)
+
+        eventually(ready, READY_S, "the ready line", every_s=0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    out = "".join(lines)
+    assert rc == 0 and "stopped" in out, out
+    assert "Traceback" not in out and "CancelledError" not in out, out
+
+
 def test_graphmode_serve_refuses_bad_settings_before_listening(tmp_path, tmp_path_factory, monkeypatch, capsys):
     """Refused before the model is built or a socket bound (exit 2, no traceback): a bad
     recipe, a non-loopback address without an admin token, a weak admin token."""
