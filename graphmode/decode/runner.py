@@ -69,16 +69,33 @@ class ModelRunner:
 
     def prefill(self, seqs: list[Sequence_]) -> torch.Tensor:
         """Logits of each sequence's next token after its whole prompt (row i: seqs[i]), its
-        tokens from `cached` on computed (padding positions stay 0: never read)."""
-        lens = [len(s.tokens) - s.cached for s in seqs]
+        tokens from `cached` on computed (padding positions stay 0: never read).
+
+        A preempted sequence comes back with its prompt and what it generated, which may be
+        longer than the largest seq bucket (the contract bounds prompts, not what they grow
+        to): its leading tokens go through in chunks of that bucket first, each attending the
+        keys and values the chunks before it cached, as a prefix-cache hit does."""
+        top = max(self.seq_buckets)
+        while True:
+            long = [s for s in seqs if len(s.tokens) - s.cached > top]
+            if not long:
+                break
+            self._prefill(long, top)
+            for s in long:
+                s.cached += top
+        return self._prefill(seqs)
+
+    def _prefill(self, seqs: list[Sequence_], chunk: int | None = None) -> torch.Tensor:
+        """One prefill step over each sequence's uncached tokens, at most `chunk` of them."""
+        lens = [len(s.tokens) - s.cached if chunk is None else min(chunk, len(s.tokens) - s.cached) for s in seqs]
         b = bucket(self.batch_buckets, len(seqs), "batch")
         L = 1 if max(lens) == 1 else bucket(self.seq_buckets, max(lens), "seq")   # one token: the decode step's plan
         ids = torch.zeros(b, L, dtype=torch.int64)
         pos = torch.zeros(b, L, dtype=torch.int64)
         start = torch.zeros(b, dtype=torch.int64)
         for i, s in enumerate(seqs):
-            ids[i, :lens[i]] = torch.tensor(s.tokens[s.cached:], dtype=torch.int64)
-            pos[i, :lens[i]] = torch.arange(s.cached, len(s.tokens))
+            ids[i, :lens[i]] = torch.tensor(s.tokens[s.cached:s.cached + lens[i]], dtype=torch.int64)
+            pos[i, :lens[i]] = torch.arange(s.cached, s.cached + lens[i])
             start[i] = s.cached
         n = torch.zeros(b, dtype=torch.int64)
         n[:len(seqs)] = torch.tensor(lens)

@@ -71,9 +71,14 @@ class BroadcastRunner(ModelRunner):
         super().__init__(base.cm, base.cache, base.batch_buckets, base.seq_buckets)
         self.comm, self.codec = comm, codec
 
+    running = False      # between a step's broadcast and the end of rank 0's own run of it
+
     def _run(self, env: dict[str, int], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.running = True
         self.comm.broadcast(self.codec.encode(env, inputs), 0)
-        return super()._run(env, inputs)
+        out = super()._run(env, inputs)
+        self.running = False
+        return out
 
     def stop(self) -> None:
         """The other ranks leave their step loop."""

@@ -67,7 +67,19 @@ def engine_loop(rd: Any, conn: Any, keepalive_s: float) -> None:
                         eng.cancel(s)
                 elif msg[0] == "step":
                     chosen.clear()
-                    finished = eng.step()
+                    try:
+                        finished = eng.step()
+                    except GraphmodeError as e:
+                        if isinstance(e, RankFailure) or getattr(eng.runner, "running", False):
+                            raise       # inside a broadcast step: the other ranks may wait in its collectives
+                        # a refusal before any rank ran the step: the other ranks wait at the next
+                        # broadcast, so every live sequence ends (as one process's server ends them)
+                        # and the group keeps serving
+                        for s in list(seqs.values()):
+                            eng.cancel(s)
+                        conn.send(("step-failed", e, sorted(seqs)))
+                        seqs.clear()
+                        continue
                     for s in finished:
                         seqs.pop(s.id, None)
                     conn.send(("stepped", list(chosen), [(s.id, s.finish_reason) for s in finished], describe(eng)))
@@ -179,7 +191,14 @@ class RemoteEngine:
         with self.lock:
             self._check_open()
             self.tp.send({0: ("step",)})
-            _, chosen, ended, view = self._reply("decode step")
+            rep = self._reply("decode step")
+            if rep[0] == "step-failed":          # rank 0 ended every live sequence; the group is up
+                for sid in rep[2]:
+                    s = self._live.pop(sid, None)
+                    if s is not None:
+                        s.state, s.finish_reason = "finished", "error"
+                raise rep[1]
+            _, chosen, ended, view = rep
             for sid, tok, lp in chosen:
                 s = self._live.get(sid)
                 if s is None:                     # cancelled here meanwhile

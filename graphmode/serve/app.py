@@ -289,8 +289,8 @@ def create_app(server: ModelServer) -> Starlette:
             body["ranks"] = group["ranks"]
             if group["down"] is not None:
                 failed = True
-                body.update(status="failed", error={"error": "RankFailure", "message": group["down"],
-                                                    "where": "parallel"})
+                body.update(status="failed", state="failed",     # as /readyz says: its group is down
+                            error={"error": "RankFailure", "message": group["down"], "where": "parallel"})
         return JSONAnswer(body, status_code=503 if failed else 200)
 
     async def readyz(request: Request) -> Response:

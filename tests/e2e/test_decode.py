@@ -88,6 +88,27 @@ def test_sampling_with_a_seed_repeats_and_streaming_matches(model):
     assert steps >= 5 and all(got[i] == greedy[i, 6:6 + len(got[i])].tolist() for i in range(3))
 
 
+def test_a_preempted_sequence_longer_than_every_seq_bucket_is_recomputed_in_chunks(cache):
+    """Two sequences growing to 30 tokens in a pool of 8 pages (32 tokens), seq buckets up to 16:
+    the one preempted comes back with 17 tokens, more than any prefill plan holds. Its recompute
+    failed the whole step ('seq 17 is above the largest bucket 16': a 500 for every request in
+    flight, a tensor-parallel server down); it now prefills in chunks of 16."""
+    lm, kvh = _lm("llama")
+    ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    rec = recipe(kvh, pages=8)
+    rec["dims"]["seq"]["buckets"] = [8, 16]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(bundle_from_module(lm, ex, {k: ["batch", "seq"] for k in ex}), rec, cache_dir=cache)
+    prompts = torch.randint(3, 100, (2, 4), generator=torch.Generator().manual_seed(5))
+    ours = cm.generate(prompts, torch.ones_like(prompts), max_new_tokens=26, eos_token_id=None)
+    eng = cm._decoder
+    assert eng.stats["preemptions"] >= 1 and eng.cache.free_pages == eng.layout.pages, eng.stats
+    ref = lm.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=26, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours, ref), (ours.tolist(), ref.tolist())
+
+
 def test_pool_that_runs_out_makes_requests_wait_not_fail(cache):
     """A pool of 9 pages (36 tokens: the longest admissible prompt, 32, and one new token) for
     three sequences of up to 24 tokens each: they cannot all run at once; the scheduler queues

@@ -233,6 +233,7 @@ def test_a_killed_rank_fails_health_and_requests_get_503_not_a_hang(tmp_path, tm
         assert "rank 1" in r.text and "killed by signal 9" in r.text, r.text
         h = s.client.get("/healthz")
         assert h.status_code == 503 and "rank 1" in h.json()["error"]["message"], h.text
+        assert h.json()["state"] == h.json()["status"] == "failed", h.text       # it read "state": "ready"
         r = s.client.post("/v1/completions", json={"prompt": P1, "max_tokens": 4, "temperature": 0})
         assert r.status_code == 503 and "tensor-parallel" in r.text, r.text
     finally:
