@@ -228,10 +228,8 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
         given = unified(given)
     bundle = _place_dims(given, dict(ranges or {}))
     opts = dict(target=target, p99_ms=p99_ms, memory_mb=memory_mb, max_p99_over_p50=max_p99_over_p50,
-                # a bucket count alone is a policy of its own: the default padding bound with it could
-                # contradict it (padding 0.25 needs 8 buckets over 1..32; --max-buckets 2 was refused)
-                max_padding=max_padding if max_padding is not None or max_buckets is not None else DEFAULT_MAX_PADDING,
-                max_buckets=max_buckets,
+                # a bucket count alone is its own policy (the default padding bound could contradict it)
+                max_padding=DEFAULT_MAX_PADDING if bounded else max_padding, max_buckets=max_buckets,
                 kb_path=kb_path, objective=objective, name=name, target_cache_dir=target_cache_dir, record=record,
                 ranges={d: tuple(r[:2]) for d, r in (ranges or {}).items()}, bounded=bounded)
     if not hasattr(bundle, "module"):          # ONNX: the file's axes are what they are
@@ -557,12 +555,10 @@ def _dims(dims_of: dict[str, list], given: dict[str, tuple[int, int]], bundle: A
                 (lo, hi), why = new, f"{new[0]} .. {new[1]}: {nwhy}{kept}"
         dims[d] = {"min": lo, "max": hi}
         if lo < hi:
-            if max_padding is not None:
-                dims[d]["max_padding"] = max_padding
-            if max_buckets is not None:
-                dims[d]["max_buckets"] = max_buckets
-            why += (f"; buckets synthesised with padding <= {max_padding}" if max_padding is not None else
-                    f"; at most {max_buckets} buckets, placed for the least padding")
+            dims[d].update((k, v) for k, v in (("max_padding", max_padding), ("max_buckets", max_buckets))
+                           if v is not None)
+            why += f"; buckets synthesised with padding <= {max_padding}" if max_padding is not None else \
+                f"; at most {max_buckets} buckets, placed for the least padding"
         notes[f"dims.{d}"] = why
         ranges[d] = (lo, hi)
     for d, v in (pinned or {}).items():
