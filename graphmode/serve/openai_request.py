@@ -173,7 +173,11 @@ def _prompts(v: Any, tokenizer: Any) -> list[list[int]]:
             raise bad("prompt", NO_TOKENIZER, v, fix='send "prompt": [id, id, ...] (or a list of such lists)')
         if len(texts) > MAX_PROMPTS:
             raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request", len(texts), fix=SPLIT)
-        return [encode_text(tokenizer, t, "prompt") for t in texts]
+        ids = [encode_text(tokenizer, t, "prompt") for t in texts]
+        if not all(ids):                # as an empty id list is: one refusal for one mistake
+            raise bad("prompt", "the prompt is empty: a completion continues at least one token", v,
+                      fix="send a prompt whose text the tokenizer turns into one token or more")
+        return ids
     if isinstance(v, list) and v and all(type(t) is int for t in v):
         return [v]
     if isinstance(v, list) and v and all(isinstance(p, list) for p in v):

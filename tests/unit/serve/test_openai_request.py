@@ -266,12 +266,14 @@ def test_chat_template_options_as_vllm_takes_them(tok):
             chat({"messages": turns, **doc}, tok)
 
 
-def test_an_empty_prompt_is_called_empty():
+def test_an_empty_prompt_is_called_empty(tok):
     """It was told a prompt "must be a string, a list of strings, a list of token ids or ...",
-    which an empty list of token ids is."""
-    with pytest.raises(BadRequest) as e:
-        parse({"prompt": []})
-    assert "the prompt is empty" in e.value.message and e.value.where == "prompt"
+    which an empty list of token ids is; an empty text got another code (the engine's
+    contract_input) than the empty id list (bad_parameter)."""
+    for doc in ({"prompt": []}, {"prompt": ""}, {"prompt": ["w5", " "]}):
+        with pytest.raises(BadRequest) as e:
+            parse(doc, tok)
+        assert "the prompt is empty" in e.value.message and e.value.where == "prompt", doc
 
 
 def test_skip_special_tokens_false_keeps_them_in_the_text(tok):
