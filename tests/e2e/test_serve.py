@@ -655,19 +655,25 @@ def test_requests_are_not_merged_where_the_models_rows_meet(tmp_path_factory):
 ADMIN_TOKEN = "test-admin-token-0123456789"
 
 
+def serve_process(tmp_path, tmp_path_factory, name: str, **env: str) -> tuple[subprocess.Popen, list[str]]:
+    """`graphmode serve` of the tiny CNN under recipe `name` on a free port, and the lines it prints."""
+    import yaml
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(cnn_recipe(name)))
+    proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", tiny_model_spec(tmp_path_factory),
+                             "--recipe", str(tmp_path / "r.yaml"), "--port", "0",
+                             "--cache-dir", str(serve_cache(tmp_path_factory)), "--log-level", "warning"],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return proc, lines
+
+
 def test_graphmode_serve_command(tmp_path, tmp_path_factory):
     """The command over the tiny CNN: ready, infer, /metrics; the admin token (from the
     environment) guards PUT; SIGTERM while a `PUT ?wait=1` is waiting on a compile stops
     the server at once (nothing waits on the compile) and exits 0."""
-    import yaml
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(cnn_recipe("cnn-cli")))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRAPHMODE_ADMIN_TOKEN": ADMIN_TOKEN}
-    proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", tiny_model_spec(tmp_path_factory),
-                             "--recipe", str(tmp_path / "r.yaml"), "--port", "0",
-                             "--cache-dir", str(serve_cache(tmp_path_factory)), "--log-level", "warning"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    proc, lines = serve_process(tmp_path, tmp_path_factory, "cnn-cli", GRAPHMODE_ADMIN_TOKEN=ADMIN_TOKEN)
     put: dict[str, Any] = {}
     try:
         def url() -> str | None:
@@ -727,15 +733,7 @@ def test_a_second_signal_during_shutdown_still_stops_the_server_and_prints_no_tr
     """SIGTERM then Ctrl-C is uvicorn's forced exit: it skipped the app's lifespan shutdown (the
     ModelServer's stop: its rank processes, the last knowledge-base window), asyncio cancelled
     that task on the way out, and starlette printed the CancelledError as an ERROR traceback."""
-    import yaml
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(cnn_recipe("cnn-force")))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", tiny_model_spec(tmp_path_factory),
-                             "--recipe", str(tmp_path / "r.yaml"), "--port", "0",
-                             "--cache-dir", str(serve_cache(tmp_path_factory)), "--log-level", "warning"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    proc, lines = serve_process(tmp_path, tmp_path_factory, "cnn-force")
     try:
         def ready() -> bool:
             assert proc.poll() is None, "".join(lines)
