@@ -118,6 +118,24 @@ def prompt_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tup
     return [(None, None)] + [top_logprobs(logits[j - 1], tokens[j], k) for j in range(1, len(tokens))]
 
 
+def ranked_prompt_logprobs(logits: torch.Tensor, tokens: list[int], k: int
+                           ) -> list[dict[int, tuple[float, int]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token after the first, {token id: (logprob, rank)}
+    of the token itself and the `k` most likely there (rank 1 = the most likely; ties share
+    the better rank), from the logits at every position; the first token has none."""
+    lp = torch.log_softmax(logits[:len(tokens) - 1].float(), -1)
+    out: list[dict[int, tuple[float, int]] | None] = [None]
+    for j in range(1, len(tokens)):
+        row, t = lp[j - 1], tokens[j]
+        d = {t: (float(row[t]), int((row > row[t]).sum()) + 1)}
+        if k:
+            top = torch.topk(row, min(k, row.numel()))
+            for r, (u, v) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
+                d.setdefault(u, (v, int((row > v).sum()) + 1) if r else (v, 1))
+        out.append(d)
+    return out
+
+
 def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
     """One token from one row of logits (already `adjusted`)."""
     x = logits.float()

@@ -33,7 +33,7 @@ from starlette.routing import Route
 import torch
 
 from graphmode.decode.output import ChoiceOutput
-from graphmode.decode.sampling import prompt_logprobs
+from graphmode.decode.sampling import prompt_logprobs, ranked_prompt_logprobs
 from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.serve.app import error_response, openai_failure, read_body
 from graphmode.serve.codec import body_kind, clip, dumps
@@ -51,9 +51,11 @@ class Completion:
     (`text_completion`, or `chat.completion` / `chat.completion.chunk` for a chat)."""
 
     def __init__(self, req: CompletionRequest, gens: list[Generation], queue: asyncio.Queue, decoder: Any,
-                 model: str, version: str, tokenizer: Any, prompt_logprobs: list[list[Any]] | None = None):
+                 model: str, version: str, tokenizer: Any, prompt_logprobs: list[list[Any]] | None = None,
+                 ranked: list[list[Any]] | None = None):
         self.req, self.gens, self.queue, self.decoder = req, gens, queue, decoder
         self.prompt_logprobs = prompt_logprobs       # per choice, with echo and logprobs: its prompt's
+        self.ranked = ranked                         # per choice, vLLM's prompt_logprobs: ranked_prompt_logprobs
         self.model, self.version, self.tokenizer = model, version, tokenizer
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -157,6 +159,10 @@ class Completion:
             body["delta"] = {"content": text} if text or tokens else {}
         else:
             body["message"] = {"role": "assistant", "content": text}
+        if first and self.ranked is not None:            # vLLM's: with the choice's first document
+            body["prompt_logprobs"] = [None if d is None else {str(t): {
+                "logprob": lp, "rank": rank, "decoded_token": self.token_text.name(t) if self.tokenizer else None}
+                for t, (lp, rank) in d.items()} for d in self.ranked[i]]
         return {**body, "token_ids": tokens, "logprobs": self._logprobs(i, tokens, shown_lps, echoed),
                 "finish_reason": finish}
 
@@ -283,9 +289,12 @@ def completion_routes(server: Any) -> list[Route]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         seqs = req.sequences
-        scored = await _prompt_logprobs(dep, req) if req.echo and req.params.logprobs is not None else None
+        scored = await _prompt_scores(dep, req, lambda lg, p: prompt_logprobs(lg, p, req.params.logprobs)) \
+            if req.echo and req.params.logprobs is not None else None
+        ranked = await _prompt_scores(dep, req, lambda lg, p: ranked_prompt_logprobs(lg, p, req.prompt_logprobs)) \
+            if req.prompt_logprobs is not None else None
         if req.prompt_only:
-            return _prompt_only(dep, req, scored)
+            return _prompt_only(dep, req, scored, ranked)
         try:
             gens = await run_in_threadpool(dep.decoder.submit, [p for p, _ in seqs], [q for _, q in seqs], arrived,
                                            queue, loop)
@@ -294,7 +303,7 @@ def completion_routes(server: Any) -> list[Route]:
             _in_request_terms(e, getattr(e, "prompt_index", 0) // req.n if len(req.prompts) > 1 else None, where)
             raise
         comp = Completion(req, gens, queue, dep.decoder, req.model or server.model_names()[0], dep.version,
-                          server.tokenizer, scored)      # the name the client used, as vLLM echoes it
+                          server.tokenizer, scored, ranked)      # the name the client used, as vLLM echoes it
         watcher = asyncio.ensure_future(_disconnected(request))
         updates = comp.updates()
         parts: dict[int, list[Update]] = {}
@@ -369,9 +378,9 @@ def completion_routes(server: Any) -> list[Route]:
             with contextlib.suppress(Exception):
                 await updates.aclose()
 
-    async def _prompt_logprobs(dep: Any, req: CompletionRequest) -> list[list[Any]]:
-        """Per choice, its prompt's logprobs: the whole-sequence graph's logits at every
-        position (the paged decode graph has the head at the last one only), once per prompt."""
+    async def _prompt_scores(dep: Any, req: CompletionRequest, score: Any) -> list[list[Any]]:
+        """Per choice, `score(logits, prompt)` of its prompt: the whole-sequence graph's logits at
+        every position (the paged decode graph has the head at the last one only), once per prompt."""
         names = {i.name for i in dep.recipe.inputs}
         by_prompt: dict[tuple[int, ...], list[Any]] = {}
         for i, p in enumerate(req.prompts):
@@ -388,15 +397,17 @@ def completion_routes(server: Any) -> list[Route]:
             logits = outs["logits"] if "logits" in outs else next(iter(outs.values())) if len(outs) == 1 else None
             if logits is None:
                 raise BadRequest(f"the model's whole-sequence outputs {sorted(outs)} have no logits to score the "
-                                 "prompt with", status=501, reason="not_implemented", where="echo",
-                                 fix="send echo or logprobs, not both")
-            by_prompt[tuple(p)] = await run_in_threadpool(prompt_logprobs, logits[0], p, req.params.logprobs)
+                                 "prompt with", status=501, reason="not_implemented",
+                                 where="echo" if req.echo else "prompt_logprobs",
+                                 fix="leave out prompt_logprobs, and echo with logprobs")
+            by_prompt[tuple(p)] = await run_in_threadpool(score, logits[0], p)
         return [by_prompt[tuple(p)] for p, _ in req.sequences]
 
-    def _prompt_only(dep: Any, req: CompletionRequest, scored: list[list[Any]] | None) -> Response:
+    def _prompt_only(dep: Any, req: CompletionRequest, scored: list[list[Any]] | None,
+                     ranked: list[list[Any]] | None) -> Response:
         """max_tokens 0 with echo: each choice is its prompt (scored), finished by length."""
         comp = Completion(req, [None] * len(req.sequences), asyncio.Queue(), dep.decoder,
-                          req.model or server.model_names()[0], dep.version, server.tokenizer, scored)
+                          req.model or server.model_names()[0], dep.version, server.tokenizer, scored, ranked)
         for o in comp.outputs:
             o.finish_reason = "length"
         _count(dep, "ok")

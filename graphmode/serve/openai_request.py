@@ -16,7 +16,8 @@ pages hold), `temperature` (default 1; 0 = greedy), `top_p`, `top_k` (vLLM's; -1
 from (seed, j)), `best_of` (only
 null or equal to `n`), `presence_penalty`, `frequency_penalty`, `repetition_penalty` (vLLM's),
 `min_tokens` (vLLM's), `stop` (strings with a tokenizer, or token-id lists `[[id, ...], ...]`),
-`stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` and `skip_special_tokens` (vLLM's), `stream`,
+`stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens` and `prompt_logprobs`
+(vLLM's: per prompt token after the first, its logprob and rank and the k most likely), `stream`,
 `stream_options.include_usage`,
 `response_format` (`{"type": "text"}` only), `logit_bias`, `model` and `user`.
 Anything else is refused, and so is a value graphmode does not implement: a request never
@@ -53,7 +54,8 @@ NEUTRAL = {"suffix": ()}
 SHARED = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "skip_special_tokens", "seed", "stop",
           "stop_token_ids", "ignore_eos", "stream",
           "stream_options", "model", "user", "n", "best_of", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "min_tokens", "response_format", "logit_bias", "include_stop_str_in_output"}
+          "repetition_penalty", "min_tokens", "response_format", "logit_bias", "include_stop_str_in_output",
+          "prompt_logprobs"}
 FIELDS = {"prompt", "echo", "logprobs", "suffix", *SHARED}
 CHAT_NEUTRAL = {"tools": ([],), "tool_choice": ("none",), "functions": ([],),
                 "function_call": ("none",), "parallel_tool_calls": (True, False), "store": (False,)}
@@ -86,6 +88,7 @@ class CompletionRequest:
     keep_stop: bool = False                # include_stop_str_in_output: a matched stop sequence stays in the text
     skip_special: bool = True              # vLLM's skip_special_tokens: special tokens left out of the text
     echo_text: str = ""                    # chat echo: the last (assistant) message the answer goes on from
+    prompt_logprobs: int | None = None     # vLLM's: each prompt token's logprob, rank and the k most likely
 
     @property
     def sequences(self) -> list[tuple[list[int], SamplingParams]]:
@@ -309,6 +312,7 @@ def _common(doc: dict, prompts: list[list[int]], tokenizer: Any, eos: Any, *, ma
     except GraphmodeError as e:          # the engine's own checks (kept in step with ours)
         raise bad(e.where or "body", e.message, e.value, fix=e.fix or USAGE) from None
     return CompletionRequest(prompts, params, stream, include_usage, stop_text, model, n=n, echo=echo, chat=chat,
+                             prompt_logprobs=_int(doc, "prompt_logprobs", None, 0, MAX_LOGPROBS + 1),
                              keep_stop=_bool(doc, "include_stop_str_in_output"),
                              skip_special=_bool(doc, "skip_special_tokens") if "skip_special_tokens" in doc else True)
 

@@ -656,6 +656,36 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(srv):
     assert chunks[0].choices[0].finish_reason == "length" and chunks[-1].usage.prompt_tokens == len(prompt)
 
 
+def test_prompt_logprobs_rank_each_prompt_token_as_vllm_does(srv):
+    """vLLM's prompt_logprobs (refused as an unknown field before): per prompt token after the
+    first, {token id: {logprob, rank, decoded_token}} of the token and the k most likely, on the
+    choice's first document, completions and chat, whole or streamed."""
+    srv.server.active.cm.lower_now()
+    prompt = [5, 6, 7, 9, 10]
+    with torch.inference_mode():
+        want = torch.log_softmax(srv.lm(torch.tensor([prompt])).logits[0].float(), -1)
+    r = srv.oa.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    for j in range(1, len(prompt)):
+        row, t = want[j - 1], prompt[j]
+        top = torch.topk(row, 2).indices.tolist()
+        assert set(got[j]) == {str(u) for u in [t, *top]}, got[j]
+        mine = got[j][str(t)]
+        assert abs(mine["logprob"] - float(row[t])) < 1e-4 and mine["decoded_token"] == f"w{t}"
+        assert mine["rank"] == int((row > row[t]).sum()) + 1 and got[j][str(top[0])]["rank"] == 1
+    assert r.choices[0].model_extra["token_ids"] == reference(srv, prompt, 2)
+    chunks = list(srv.oa.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                            extra_body={"prompt_logprobs": 2}))
+    assert chunks[0].choices[0].model_extra["prompt_logprobs"] == got
+    assert all("prompt_logprobs" not in c.choices[0].model_extra for c in chunks[1:] if c.choices)
+    chat = srv.oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6"}], max_tokens=1,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    ranks = chat.choices[0].model_extra["prompt_logprobs"]
+    assert ranks[0] is None and all(len(d) == 1 for d in ranks[1:])
+
+
 def test_penalties_and_min_tokens_match_transformers(srv):
     prompt = [5, 6, 7, 5, 6]
     rep = srv.oa.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
