@@ -230,7 +230,10 @@ def load_plan(data: Any, graph: Graph, env: Mapping[str, int], *, built_for: Map
     plan.built_for = dict(built_for)
     want = json.dumps(plan.to_json(), sort_keys=True)   # text: a NaN attribute equals itself
     try:
-        got = json.dumps(data, sort_keys=True)
+        # the graph's name is a label, not in its hash: a plan cached under another name for the
+        # same graph (graphmode.compile names a model after its class, --model m.py:fn after fn) is
+        # this graph's plan, not damage
+        got = json.dumps({**data, "graph": plan.graph_name} if isinstance(data, dict) else data, sort_keys=True)
     except (ValueError, TypeError, RecursionError) as e:
         raise PlanError(f"the plan is not plain JSON: {e}", where=where) from None
     if want != got:

@@ -592,6 +592,8 @@ def test_a_model_named_by_the_cli_spec_finds_the_plans_python_cached(tmp_path):
     assert by_spec.graph.name != by_module.graph.name
     assert by_spec.graph.structural_hash() == by_module.graph.structural_hash()
     assert entries >= 1 and len(ArtifactCache(cache).entries()) == entries       # the second compile hit
+    events = [e["event"] for e in by_module.cache_events]     # (a plan named after the other was "corrupt")
+    assert "hit" in events and "corrupt" not in events, by_module.cache_events
     assert rel(by_module(x), module(x)) < 1e-5
 
 
