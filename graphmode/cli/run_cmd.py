@@ -113,15 +113,22 @@ def sla_misses(recipe: Any, dims: dict[str, int], times_ms: list[float]) -> list
     return out
 
 
+def _way(p: dict) -> str:
+    """How one call ran: its path, and for a plan the bucket it ran ("graph batch=4,seq=84"): a
+    request between buckets runs padded until the plan of its own values is built."""
+    b = p.get("bucket") if p.get("path") == "graph" else None
+    return str(p.get("path")) + (" " + ",".join(f"{k}={v}" for k, v in sorted(b.items())) if b else "")
+
+
 def _timed_path(first: dict, took: list[dict]) -> dict:
-    """The path the timed calls ran (what the latency reported is of): the most common one, with
-    how many took it when they differ (a hybrid model learns eager is faster at a shape)."""
+    """The way the timed calls ran (what the latency reported is of): the most common one, with
+    how many took each when they differ (a hybrid model learns eager is faster at a shape)."""
     if not took:
         return first
-    counts = Counter(p.get("path") for p in took)
+    counts = Counter(map(_way, took))
     most = counts.most_common(1)[0][0]
-    out = dict(next(p for p in took if p.get("path") == most))
-    if len(counts) > 1 or first.get("path") != most:
+    out = dict(next(p for p in took if _way(p) == most))
+    if len(counts) > 1 or _way(first) != most:
         out["timed_calls"] = dict(counts)
     return out
 
@@ -226,23 +233,24 @@ def run_cmd(
     reference, ref_name = _reference(cm)
     refs = run_reference(reference, inputs, env or {}, {"eager": "eager PyTorch", "onnxruntime": "ONNX Runtime"}
                          .get(ref_name, f"the {ref_name}"))
-    took: list[dict] = []          # how each timed call ran: a hybrid model may choose eager after its first calls
-    ran: dict[Any, Any] = {path.get("path"): out}          # each path's last output: the one checked
+    took: list[dict] = []          # how each call ran: a hybrid model may choose eager after its first calls
+    ran: dict[Any, Any] = {_way(path): out}          # each way's last output: the one checked
 
     def timed_call():
         o = cm(**inputs)
         took.append(dict(getattr(cm, "last_path", {}) or {"path": cm.mode}))
-        ran[took[-1].get("path")] = o
+        ran[_way(took[-1])] = o
     for _ in range(2):          # warm-up; a recurring shape's own plan (exact_plans) builds in the background:
         timed_call()            # the timed calls are what a request sees once it is built
     getattr(cm, "wait_for_builds", lambda: True)()
+    warm = len(took)
     graph_ms = time_ms(timed_call, iters=iters, warmup=0)
     t_graph = median(graph_ms)
-    path = _timed_path(path, took)
+    path = _timed_path(path, took[warm:])
     ran_graph = path.get("path") == "graph"
-    # the outputs of the path the latency is of (the first call may have run another: a request off
-    # its bucket runs eagerly until its own plan is built), and the first call's when it differs
-    judged = [ran.get(path.get("path"), out)] + [o for p, o in ran.items() if p != path.get("path")]
+    # the outputs of the way the latency is of (the first calls may have run another: a request off
+    # its bucket runs padded or eagerly until its own plan is built), and the others' too
+    judged = [ran.get(_way(path), out)] + [o for w, o in ran.items() if w != _way(path)]
     labels = output_labels(cm.source, cm.graph, len(pytree.tree_leaves(out)))
     every = [compare_outputs(labels, pytree.tree_leaves(o), refs, *checked_precision(rec),
                              logits=logit_outputs(cm.graph, len(labels))) for o in judged]
@@ -267,7 +275,7 @@ def run_cmd(
         cm.close()
     result = {"model": model, "mode": cm.mode, "shape": env, "bucket": path.get("bucket"), "path": path,
               "outputs": rows, "tolerance": tol, "numerics_ok": numerics_ok,
-              "checked_paths": [path.get("path")] + [p for p in ran if p != path.get("path")],
+              "checked_paths": [_way(path)] + [w for w in ran if w != _way(path)],
               "median_ms": {"graphmode" if ran_graph else "graphmode (eager fallback)": t_graph, ref_name: t_eager},
               "speedup_vs_eager": (t_eager / t_graph if t_graph else None) if ran_graph else None}
     if metrics:
@@ -298,8 +306,8 @@ def run_cmd(
                          else "- (not logits)",) if top else ()))
         console.print(t)
         if len(result["checked_paths"]) > 1:
-            console.print(f"checked: the outputs of the path timed ({path.get('path')}), shown, and of the first "
-                          f"call's ({', '.join(result['checked_paths'][1:])})", highlight=False)
+            console.print(f"checked: the outputs of the way timed ({_way(path)}), shown, and of the first "
+                          f"calls' ({', '.join(result['checked_paths'][1:])})", highlight=False)
         if ran_graph:
             console.print(f"median latency: graphmode {t_graph:.2f} ms, {ref_name} {t_eager:.2f} ms "
                           f"(graphmode / {ref_name} = {t_graph / t_eager:.2f}x)")

@@ -28,8 +28,9 @@ def test_the_timed_plan_is_checked_not_only_the_first_eager_call(tmp_path):
                                    "--iters", "4", "--json", "--cache-dir", str(tmp_path / "cache")])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert out["path"]["path"] == "graph" and out["path"]["timed_calls"].get("eager"), out["path"]
-    assert out["checked_paths"] == ["graph", "eager"] and out["numerics_ok"]
+    assert out["path"]["path"] == "graph" and list(out["path"]["timed_calls"]) == ["graph batch=1,seq=6"], out["path"]
+    assert out["checked_paths"] == ["graph batch=1,seq=6", "eager"], out
+    assert out["numerics_ok"]
 
 
 def test_run_takes_the_first_input_s_whole_shape_as_bench_and_profile_do():

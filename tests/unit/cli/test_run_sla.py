@@ -38,3 +38,6 @@ def test_the_reported_path_is_the_one_the_timed_calls_took():
     assert _timed_path(first, [first] * 2 + [eager])["path"] == "graph"
     assert _timed_path(first, [first] * 2) == first
     assert _timed_path(first, []) == first
+    # a request between buckets ran padded (warm-up) and then in its own plan: the timed calls' bucket
+    own = {"path": "graph", "bucket": {"batch": 50}}
+    assert _timed_path(first, [own] * 3) == {**own, "timed_calls": {"graph batch=50": 3}}
