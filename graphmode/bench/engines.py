@@ -232,9 +232,7 @@ class OnnxRuntimeEngine(Engine):
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.log_severity_level = 3
-        # ORT's pool threads spin for a while after each run; interleaved with the other engines in
-        # one process they would steal the cores from whichever engine runs next (eager measured
-        # 2.1x slower right after ORT on 2 cores). Without spinning every engine gets the machine.
+        # no spinning (harness.ENGINE_SETTINGS says why, in every report)
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")
         t0 = time.perf_counter()

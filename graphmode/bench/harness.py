@@ -78,6 +78,12 @@ from graphmode.errors import GraphmodeError
 from graphmode.kb.record import record_bench
 from graphmode.verify.numerics import WEIGHT_ONLY
 
+# how an engine is set up beyond its defaults: said in every report, since it moves its times
+ENGINE_SETTINGS = {"onnxruntime": "intra_op and inter_op allow_spinning=0: its pool threads would spin after each "
+                                  "run and take the cores of the engine timed next (eager measured 2.1x slower "
+                                  "right after it on 2 cores); a process running ONNX Runtime alone may be faster "
+                                  "with spinning on (its default)"}
+
 
 @dataclass
 class BenchConfig:
@@ -327,7 +333,7 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
         method={"warmup": cfg.warmup, "rewarm": cfg.rewarm, "iters": cfg.iters, "min_iters": cfg.min_iters, "budget_s_per_shape": cfg.budget_s,
                 "rounds": "interleaved round-robin, rotated start each round; per engine and round "
                           f"{cfg.rewarm} untimed call(s) then 1 timed call", "seed": cfg.seed,
-                "numerics_tol": cfg.tol,
+                "numerics_tol": cfg.tol, "engine_settings": ENGINE_SETTINGS,
                 **({"contend": f"{cfg.contend} CPU burner process(es) (a fixed integer loop each) paused "
                                "(SIGSTOP) for the quiet pass of every round and resumed for a second, contended "
                                "pass of the same engines; slowdown = contended median / quiet median"}

@@ -201,13 +201,17 @@ def goals(res: BenchResult) -> list[str]:
                 note += f"; per-round ratio {ci[0]:.2f}-{ci[1]:.2f} at 95%"
                 if ci[0] <= SPEED_GOAL < ci[1] and not floor_ok:
                     note += ", which this run does not settle"
+            note += f"; goal <= {SPEED_GOAL:.2f}x" + (f", or <= {FLOOR_GOAL:.2f}x the floor" if mem_bound else "")
             parts.append(f"speed {'met' if ok else 'NOT met'} ({note})")
         ort = rows.get("onnxruntime")
         if ort is not None and ort.get("peak_rss_mb") and g.get("peak_rss_mb") is not None:
             x = g["peak_rss_mb"] / ort["peak_rss_mb"]
             parts.append(f"peak RSS {'met' if x <= RSS_GOAL else 'NOT met'} ({g['peak_rss_mb']:.0f} MB, "
-                         f"{x:.2f}x onnxruntime's {ort['peak_rss_mb']:.0f} MB)")
+                         f"{x:.2f}x onnxruntime's {ort['peak_rss_mb']:.0f} MB; goal <= {RSS_GOAL:.1f}x)")
         parts += contended_goals(busy.get((model, shape), {}))
+        shared = [f for f in g.get("flags") or () if f in ("load", "starved")]
+        if parts and shared:
+            parts.append(f"timed on a busy host ({', '.join(shared)}): rerun on a quiet one before reading these")
         if parts:
             out.append(f"{model} {'x'.join(map(str, shape))}: " + "; ".join(parts))
     return out
@@ -226,7 +230,7 @@ def contended_goals(rows: dict[str, dict]) -> list[str]:
         ci = g.get("ratio_vs_best_other_ci95")
         parts.append(f"contended speed {'met' if ratio <= CONTENDED_GOAL else 'NOT met'} ({ratio:.2f}x "
                      f"{g.get('best_other_engine')}" + (f"; per-round ratio {ci[0]:.2f}-{ci[1]:.2f} at 95%" if ci else "")
-                     + ")")
+                     + f"; goal <= {CONTENDED_GOAL:.1f}x)")
     ort = rows.get("onnxruntime")
     if g.get("slowdown") and ort is not None and ort.get("slowdown"):
         parts.append(f"slowdown {'met' if g['slowdown'] <= ort['slowdown'] else 'NOT met'} "
@@ -253,6 +257,7 @@ def markdown(res: BenchResult) -> str:
              *([f"- OpenMP wait (torch's and graphmode's threads): " + ", ".join(
                  f"{k}={x if x is not None else 'unset'}" for k, x in m["openmp_env"].items())]
                if m.get("openmp_env") else []),
+             *[f"- {k} set up with {x}" for k, x in (m.get("method", {}).get("engine_settings") or {}).items()],
              "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items() if x) +
              ("; openvino not installed" if not v.get("openvino") else ""),
              f"- method: {m['method']['warmup']} warm-up call(s), up to {m['method']['iters']} interleaved "

@@ -504,19 +504,25 @@ def test_goals_report_speed_and_peak_rss_against_the_thresholds():
             row("graphmode", median_ms=8.0, ratio_vs_best_other=0.8, best_other_engine="onnxruntime",
                 x_floor=1.5, floor_bound="compute", peak_rss_mb=130.0)]
     (line,) = goals(BenchResult(rows, {}))
-    assert line.startswith("m 1x8: speed met (0.80x onnxruntime)") and "peak RSS NOT met (130 MB, 1.30x" in line
+    # each verdict says its threshold (a "0.96x ... NOT met" read as a contradiction)
+    assert line.startswith("m 1x8: speed met (0.80x onnxruntime; goal <= 0.90x)") and \
+        "peak RSS NOT met (130 MB, 1.30x onnxruntime's 100 MB; goal <= 1.2x)" in line
     rows[1].update(ratio_vs_best_other=0.95, x_floor=1.05, floor_bound="memory", peak_rss_mb=110.0)
     (line,) = goals(BenchResult(rows, {}))
-    assert "speed met (0.95x onnxruntime, 1.05x the memory-bound floor)" in line and "peak RSS met" in line
+    assert "speed met (0.95x onnxruntime, 1.05x the memory-bound floor; goal <= 0.90x, or <= 1.10x the floor)" \
+        in line and "peak RSS met" in line
     rows[1].update(x_floor=1.2, label="graphmode[avx2]")          # an ISA-capped run labels the engine
     assert "speed NOT met" in goals(BenchResult(rows, {}))[0]
     assert goals(BenchResult(rows, {"quick": True})) == []
     # the paired interval is reported, and a verdict it straddles is called unsettled
     rows[1].update(ratio_vs_best_other=0.88, floor_bound="compute", ratio_vs_best_other_ci95=[0.84, 0.93])
-    assert "speed met (0.88x onnxruntime; per-round ratio 0.84-0.93 at 95%, which this run does not settle)" \
+    assert "speed met (0.88x onnxruntime; per-round ratio 0.84-0.93 at 95%, which this run does not settle;" \
         in goals(BenchResult(rows, {}))[0]
     rows[1].update(ratio_vs_best_other_ci95=[0.84, 0.89])
-    assert "0.84-0.89 at 95%)" in goals(BenchResult(rows, {}))[0]
+    assert "0.84-0.89 at 95%; goal" in goals(BenchResult(rows, {}))[0]
+    rows[1].update(flags=["load"])              # a verdict from a busy host says so
+    assert goals(BenchResult(rows, {}))[0].endswith("timed on a busy host (load): rerun on a quiet one before "
+                                                    "reading these")
 
 
 def test_median_interval_is_the_binomial_order_statistics():

@@ -275,3 +275,13 @@ def test_a_doubtful_host_probe_is_a_run_warning():
     busy = t.model_copy(update={"groups": {**(t.groups or {}), "cpu": {"probe_note": "the FMA chains reached 90"}}})
     (w,) = floors._probe_warning(busy)
     assert w.startswith("host probe: the FMA chains reached 90") and "floors are low" in w
+
+
+def test_the_report_says_how_an_engine_was_set_up_beyond_its_defaults():
+    """ONNX Runtime runs without spinning (it stole the next engine's cores); a reader comparing
+    with their own ORT numbers (1.75x faster with spinning on a small CNN) was not told."""
+    from graphmode.bench.harness import ENGINE_SETTINGS
+    rows = [_row("eager", 10.0), _row("onnxruntime", 6.0), _row("graphmode", 5.0)]
+    res = _result(rows)
+    res.meta["method"]["engine_settings"] = ENGINE_SETTINGS
+    assert "- onnxruntime set up with intra_op and inter_op allow_spinning=0" in markdown(res)
