@@ -182,7 +182,9 @@ def goals(res: BenchResult) -> list[str]:
     for r in res.rows:
         if r.get("condition") == "contended" and r["status"] == "ok":
             busy.setdefault((r["model"], tuple(r["shape"])), {}).setdefault(r["engine"], r)
-    out = []
+    out, firsts = [], {}
+    for model, shape in by_shape:
+        firsts.setdefault(model, shape)
     for (model, shape), rows in by_shape.items():
         g = rows.get("graphmode")
         if g is None or g.get("eager_fallback"):
@@ -204,7 +206,9 @@ def goals(res: BenchResult) -> list[str]:
             note += f"; goal <= {SPEED_GOAL:.2f}x" + (f", or <= {FLOOR_GOAL:.2f}x the floor" if mem_bound else "")
             parts.append(f"speed {'met' if ok else 'NOT met'} ({note})")
         ort = rows.get("onnxruntime")
-        if ort is not None and ort.get("peak_rss_mb") and g.get("peak_rss_mb") is not None:
+        # setup (an export, a compile) lands on a model's first shape: what later ones add is leftovers
+        if ort is not None and ort.get("peak_rss_mb") and g.get("peak_rss_mb") is not None and \
+                firsts[model] == shape:
             x = g["peak_rss_mb"] / ort["peak_rss_mb"]
             parts.append(f"peak RSS {'met' if x <= RSS_GOAL else 'NOT met'} ({g['peak_rss_mb']:.0f} MB, "
                          f"{x:.2f}x onnxruntime's {ort['peak_rss_mb']:.0f} MB; goal <= {RSS_GOAL:.1f}x)")
@@ -292,7 +296,8 @@ def markdown(res: BenchResult) -> str:
             lines += [f"- {x}" for x in ways]
     if met:
         lines += ["", f"Goals: graphmode <= {SPEED_GOAL:.2f}x the best other engine (or <= {FLOOR_GOAL:.2f}x the "
-                  f"floor on a memory-bound shape); peak RSS <= {RSS_GOAL:.1f}x ONNX Runtime's"
+                  f"floor on a memory-bound shape); peak RSS <= {RSS_GOAL:.1f}x ONNX Runtime's (at a model's first "
+                  "shape, where its setup is counted)"
                   + (f"; contended: <= {CONTENDED_GOAL:.2f}x the best other engine and a slowdown no worse than "
                      "ONNX Runtime's" if busy else "") + ":", ""]
         lines += [f"- {x}" for x in met]

@@ -186,10 +186,10 @@ def paired_interval(ok: list[dict[str, Any]], best: dict[str, Any] | None) -> No
 
 def set_ratios(ok: list[dict[str, Any]]) -> dict[str, Any] | None:
     """On rows that ran (`median_ms` set): ratio_vs_eager = median / eager's, speedup_vs_eager
-    its inverse, ratio_vs_best_other = median / the fastest engine other than graphmode (the
-    row returned)."""
+    its inverse, ratio_vs_best_other = median / the fastest engine other than graphmode whose
+    outputs matched eager's (the row returned: a fast wrong answer is no baseline)."""
     eager = next((r for r in ok if r["engine"] == "eager"), None)
-    others = [r for r in ok if r["engine"] != "graphmode"]
+    others = [r for r in ok if r["engine"] != "graphmode" and r.get("numerics_ok") is not False]
     best = min(others, key=lambda r: r["median_ms"]) if others else None
     for r in ok:
         if eager:

@@ -69,8 +69,9 @@ def bench_cmd(
     engines: Optional[str] = typer.Option(None, "--engines", help="comma list of eager,torch_compile,onnxruntime,"
                                           "openvino,graphmode (default: all, and torch_compile[max-autotune] "
                                           "unless --quick)"),
-    with_: Optional[List[str]] = typer.Option(None, "--with", help="extra torch.compile variant: max-autotune, "
-                                              "freezing, max-autotune+freezing (slow to compile)"),
+    with_: Optional[List[str]] = typer.Option(None, "--with", help="extra torch.compile variant: max-autotune (in "
+                                              "the default list already; adds it to an --engines list), freezing, "
+                                              "max-autotune+freezing (slow to compile)"),
     iters: int = typer.Option(20, "--iters", min=1, help="timed interleaved rounds per shape"),
     warmup: int = typer.Option(2, "--warmup", min=1, help="untimed calls per engine before timing"),
     rewarm: int = typer.Option(2, "--rewarm", min=0, help="untimed calls per engine before each timed call "

@@ -518,6 +518,9 @@ def test_goals_report_speed_and_peak_rss_against_the_thresholds():
     rows[1].update(ratio_vs_best_other=0.88, floor_bound="compute", ratio_vs_best_other_ci95=[0.84, 0.93])
     assert "speed met (0.88x onnxruntime; per-round ratio 0.84-0.93 at 95%, which this run does not settle;" \
         in goals(BenchResult(rows, {}))[0]
+    # a second shape of the model: its RSS is leftovers of the first's setup, not judged
+    later = [dict(r, shape=[4, 8]) for r in rows]
+    assert [("peak RSS" in line) for line in goals(BenchResult(rows + later, {}))] == [True, False]
     rows[1].update(ratio_vs_best_other_ci95=[0.84, 0.89])
     assert "0.84-0.89 at 95%; goal" in goals(BenchResult(rows, {}))[0]
     rows[1].update(flags=["load"])              # a verdict from a busy host says so
@@ -575,3 +578,13 @@ def test_isa_run_says_which_engines_keep_the_hosts_isa(monkeypatch):
     best = BenchResult([{"engine": "graphmode", "label": "graphmode"}], {})
     _mark_isa(best, "avx2", True, ["avx2", "fma"])                  # the host's best: the others run it anyway
     assert "warnings" not in best.meta and best.rows[0]["label"] == "graphmode[avx2]"
+
+
+def test_an_engine_whose_outputs_failed_the_check_is_no_baseline():
+    """'best other' could be ONNX Runtime with 'ok, numerics off': a fast wrong answer."""
+    from graphmode.bench.rounds import set_ratios
+
+    def row(engine, ms, ok=True):
+        return {"engine": engine, "label": engine, "median_ms": ms, "numerics_ok": ok}
+    rows = [row("eager", 10.0), row("onnxruntime", 2.0, ok=False), row("openvino", 4.0), row("graphmode", 3.0)]
+    assert set_ratios(rows)["engine"] == "openvino" and rows[3]["ratio_vs_best_other"] == 0.75
