@@ -171,7 +171,6 @@ def _verify_plans(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
         if not ok and failure is None:
             flipped = [c for c in checks if c.rel_l2 <= c.tolerance and not c.ok]
             if flipped:          # within the error bound, but the rounding moved a confident top-1
-                from graphmode.verify.bisect import Divergence
                 t1 = flipped[0].top1
                 div = Divergence("quantize_weights", None, None, flipped[0].rel_l2, "weights",
                                  {"weights": rec.precision.weights, "flips": t1.flips, "positions": t1.positions})
@@ -182,7 +181,6 @@ def _verify_plans(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
                     if div is None:
                         div = bisect_plan(graph, exe, inputs, tol)
             else:
-                from graphmode.verify.bisect import Divergence
                 div = Divergence(None, None, None, max(c.rel_l2 for c in checks), "padding",
                                  {"shape": shape, "bucket": env})
             failure = {"bucket": env, "shape": shape, "divergence": div}

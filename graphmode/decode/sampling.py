@@ -130,8 +130,8 @@ def ranked_prompt_logprobs(logits: torch.Tensor, tokens: list[int], k: int
         d = {t: (float(row[t]), int((row > row[t]).sum()) + 1)}
         if k:
             top = torch.topk(row, min(k, row.numel()))
-            for r, (u, v) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
-                d.setdefault(u, (v, int((row > v).sum()) + 1) if r else (v, 1))
+            for u, v in zip(top.indices.tolist(), top.values.tolist()):
+                d.setdefault(u, (v, int((row > v).sum()) + 1))
         out.append(d)
     return out
 

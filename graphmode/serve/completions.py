@@ -399,7 +399,7 @@ def completion_routes(server: Any) -> list[Route]:
                 raise BadRequest(f"the model's whole-sequence outputs {sorted(outs)} have no logits to score the "
                                  "prompt with", status=501, reason="not_implemented",
                                  where="echo" if req.echo else "prompt_logprobs",
-                                 fix="leave out prompt_logprobs, and echo with logprobs")
+                                 fix="leave out prompt_logprobs and echo-with-logprobs: they need logits")
             by_prompt[tuple(p)] = await run_in_threadpool(score, logits[0], p)
         return [by_prompt[tuple(p)] for p, _ in req.sequences]
 
