@@ -312,7 +312,8 @@ def _stream(z: zipfile.ZipFile, name: str, where: Path, limit: int, want: dict[s
         info = z.getinfo(name)
     except KeyError:
         raise ArtifactError(f"the artifact has no {name}", where=str(where),
-                            fix="it is truncated or not a graphmode artifact: save it again", exit_code=2) from None
+                            fix="it is truncated, damaged or not a graphmode artifact: save it again",
+                            exit_code=2) from None
     if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
         raise _damaged(where, name, "it is compressed or encrypted; graphmode stores every member as is")
     if info.file_size > limit or info.file_size != info.compress_size:
@@ -700,7 +701,8 @@ def _extract(z: zipfile.ZipFile, where: Path, root: Path, manifest: dict[str, An
         tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=root.parent))
     except OSError as e:
         raise ArtifactError(f"cannot extract the artifact under {root.parent}: {e.strerror or e}", where=str(where),
-                            fix="pass a cache_dir you can write to") from None
+                            fix="use a cache folder you can write to (--cache-dir, $GRAPHMODE_CACHE_DIR, or "
+                                "cache_dir= in Python)", exit_code=2) from None
     try:
         for name in _extracted(manifest):
             out = tmp / name

@@ -304,7 +304,8 @@ def create_app(server: ModelServer) -> Starlette:
                 view["state"] = "failed"         # the server's state reads ready: its group is down
         view["status"] = "ready" if ready else "not ready"
         if not ready and server.state == "warming" and server.active is None:
-            view["progress"] = "compiling and warming up the recipe's buckets"
+            view["progress"] = "loading the artifact's plans" if server.artifact is not None else \
+                "compiling and warming up the recipe's buckets"
         return JSONAnswer(view, status_code=200 if ready else 503)
 
     async def metrics_endpoint(request: Request) -> Response:

@@ -276,7 +276,8 @@ class ModelServer(Loading, Reloading, Serving):
             if self.state == "failed":
                 raise NotReady(f"the recipe could not be loaded: {self.error.message if self.error else '?'}",
                                where="startup")
-            raise NotReady("warming up: compiling the recipe's buckets", fix="retry when /readyz answers 200")
+            raise NotReady("warming up: " + ("loading the artifact's plans" if self.artifact is not None else
+                                             "compiling the recipe's buckets"), fix="retry when /readyz answers 200")
         return dep
 
     # ---- lifecycle (called from the ASGI lifespan, on the server's event loop) -----------------
