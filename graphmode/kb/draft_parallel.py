@@ -69,26 +69,19 @@ def with_tensor(draft: Any, tensor: int, target: Any) -> Any:
 
 
 def _whole_classes(data: dict, tensor: int) -> tuple[Any, list[str]]:
-    """("head", []) when every head count and the MLP width divide by `tensor`; else a strategy
-    map that runs the layer classes that do not divide whole on every rank (as vLLM replicates
-    KV heads that do not split), and why, for the draft's note. The recipe check refuses a
-    head split of such a class."""
-    m = data.get("model") or {}
-    kv = (data.get("memory") or {}).get("kv_cache") or {}
-    heads = [(f, v) for f, v in (("model.heads", m.get("heads")), ("model.kv_heads", m.get("kv_heads")),
-                                 ("memory.kv_cache.kv_heads", kv.get("kv_heads"))) if v]
-    split = {"attention": "head", "mlp": "head", "embedding": "head"}
-    why = []
-    bad = next(((f, v) for f, v in heads if v % tensor), None)
-    if bad is not None:
-        split["attention"] = "replicate"
-        why.append(f"{bad[0]} = {bad[1]} does not split over {tensor} ranks, so attention runs whole on every rank")
-    inter = m.get("intermediate")
-    if inter and inter % tensor:
-        split["mlp"] = "replicate"
-        why.append(f"model.intermediate = {inter} does not split over {tensor} ranks, so the MLP runs whole on "
-                   "every rank")
-    return (split if why else "head"), why
+    """("head", []) when every class splits by heads over `tensor` ranks (recipe/parallel_checks.py
+    `undivided`); else a strategy map running the classes that do not whole on every rank (as
+    vLLM replicates KV heads that do not split), and why, for the draft's note."""
+    from graphmode.recipe import load_recipe
+    from graphmode.recipe.parallel_checks import undivided
+    bad = undivided(load_recipe(data), tensor)
+    if not bad:
+        return "head", []
+    first = {cls: (f, v) for cls, f, v in reversed(bad)}      # each class's first count that does not divide
+    split = {"attention": "head", "mlp": "head", "embedding": "head"} | {cls: "replicate" for cls in first}
+    names = {"attention": "attention", "mlp": "the MLP"}
+    return split, [f"{f} = {v} does not split over {tensor} ranks, so {names[cls]} runs whole on every rank"
+                   for cls, (f, v) in first.items()]
 
 
 def _split_batch(dim: dict, tensor: int) -> dict:

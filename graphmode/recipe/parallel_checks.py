@@ -47,23 +47,13 @@ def check_parallel(recipe: Any, target: Any, dim_buckets: dict[str, list[int]]) 
         out.append(("parallel.backend", f"nccl runs on GPUs; target {target.name!r} is a CPU", p.backend,
                     "backend: gloo"))
     m = recipe.model
-    if p.split() == "head" and m is not None:
-        need = []
-        if p.strategy["attention"] == "head":
-            need += [("model.heads", m.heads), ("model.kv_heads", m.kv_heads)]
-        if p.strategy["mlp"] == "head":
-            need.append(("model.intermediate", m.intermediate))
-        for field, v in need:
-            if v is not None and v % n:
-                cls = {"model.heads": "attention", "model.kv_heads": "attention", "model.intermediate": "mlp"}[field]
-                out.append(("parallel.tensor", f"{field} = {v} does not split over {n} ranks", n,
+    if p.split() == "head":
+        for cls, field, v in undivided(recipe, n):
+            if p.strategy[cls] == "head":
+                what = f"the KV cache's {v} KV heads do not" if field == "memory.kv_cache.kv_heads" else \
+                    f"{field} = {v} does not"
+                out.append(("parallel.tensor", f"{what} split over {n} ranks", n,
                             f"a tensor degree dividing {v}, or strategy.{cls}: replicate"))
-    kv = recipe.memory.kv_cache
-    if p.split() == "head" and kv is not None and p.strategy["attention"] == "head":
-        heads = kv.kv_heads or (m.kv_heads or m.heads if m else None)
-        if heads is not None and heads % n:
-            out.append(("parallel.tensor", f"the KV cache's {heads} KV heads do not split over {n} ranks", n,
-                        f"a tensor degree dividing {heads}, or strategy.attention: replicate"))
     if p.split() == "batch" and n > 1:
         bdim = m.batch_dim if m is not None else "batch"
         vals = dim_buckets.get(bdim)
@@ -79,3 +69,15 @@ def check_parallel(recipe: Any, target: Any, dim_buckets: dict[str, list[int]]) 
                             f"buckets that are multiples of {n} (e.g. step: {n}); a request of {bad[0]} is padded "
                             f"up to the next one"))
     return out
+
+
+def undivided(recipe: Any, n: int) -> list[tuple[str, str, int]]:
+    """(layer class, field, count) for every count the recipe names (its `model` section's heads,
+    KV heads and MLP width, its KV cache's heads) that does not divide by `n`: the classes that
+    cannot split by heads over `n` ranks."""
+    m, kv = recipe.model, recipe.memory.kv_cache
+    counts = {"attention": [("model.heads", m.heads if m else None), ("model.kv_heads", m.kv_heads if m else None),
+                            ("memory.kv_cache.kv_heads", (kv.kv_heads or (m.kv_heads or m.heads if m else None))
+                             if kv is not None else None)],
+              "mlp": [("model.intermediate", m.intermediate if m else None)]}
+    return [(cls, f, v) for cls, named in counts.items() for f, v in named if v is not None and v % n]
