@@ -42,9 +42,11 @@ def file_kind(mode: int) -> str:
     return "special file"
 
 
-def _inside(path: Path, root: Path) -> bool:
+def _outside(path: Path, root: Path) -> str | None:
+    """Where `path` really is when that is outside `root`, else None (resolved once: a link
+    replaced meanwhile makes a second resolution fail)."""
     real, top = os.path.realpath(path), os.path.realpath(root)
-    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+    return None if real == top or real.startswith(top.rstrip(os.sep) + os.sep) else real
 
 
 class OpenFile:
@@ -76,11 +78,11 @@ def open_file(path: str | os.PathLike, *, limit: int, root: str | os.PathLike | 
     `root`, really inside `root` after following every link); else UntrustedFileError."""
     path = Path(path)
     try:
-        inside = root is None or _inside(path, Path(root))
+        real = None if root is None else _outside(path, Path(root))
     except OSError as e:      # a link replaced while it was resolved (realpath's readlink: EINVAL)
         raise UntrustedFileError(f"cannot resolve it: {e.strerror or e}", where=str(path)) from None
-    if not inside:
-        raise UntrustedFileError(f"it resolves to {os.path.realpath(path)}, outside {root}", where=str(path),
+    if real is not None:
+        raise UntrustedFileError(f"it resolves to {real}, outside {root}", where=str(path),
                                  fix="remove the link; graphmode only reads its own folder there")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))   # a FIFO opens, not blocks
