@@ -27,8 +27,9 @@ def _files(d: Path) -> list[Path]:
 def test_the_variable_moves_every_cache_a_command_writes(tmp_path, monkeypatch):
     root, home = tmp_path / "root", tmp_path / "home"
     probe = cache_layout().targets           # this machine's host probe: reused, it takes seconds
-    if probe.is_dir():
-        shutil.copytree(probe, root / "targets")
+    if (probe / "host.json").is_file():      # the record only: a peer's half-written temporary may come and go
+        (root / "targets").mkdir(parents=True)
+        shutil.copyfile(probe / "host.json", root / "targets" / "host.json")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("GRAPHMODE_CACHE_DIR", str(root))
     recipe = tmp_path / "r.yaml"
