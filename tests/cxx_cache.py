@@ -41,8 +41,12 @@ def _host_tag(cxx: str) -> str:
 def install(root: Path) -> Path | None:
     """Write the wrapper under `root` for the first C++ compiler on PATH; its folder (to put
     first on PATH), or None when there is no compiler (the tests then see that themselves)."""
-    cxx = next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
-    if cxx is None or os.environ.get("GRAPHMODE_TEST_CXX_CACHE") == "0":
+    if os.environ.get("GRAPHMODE_TEST_CXX_CACHE") == "0":
+        return None
+    outside = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                              if d and not Path(d).resolve().is_relative_to(root.resolve()))
+    cxx = next((p for p in (shutil.which(c, path=outside) for c in ("c++", "g++", "clang++")) if p), None)
+    if cxx is None:
         return None
     store = root / _host_tag(cxx)
     bindir = store / "bin"
@@ -85,6 +89,9 @@ def _key(cxx: str, args: list[str], src: int, out: int) -> str | None:
 
 
 def main(cxx: str, store: str, args: list[str]) -> int:
+    if Path(cxx).resolve().is_relative_to(Path(store).resolve().parent):
+        print(f"cxx_cache: {cxx} is a wrapper, not a compiler", file=sys.stderr)
+        return 127
     srcs = [i for i, a in enumerate(args) if a.endswith(SOURCES) and not a.startswith("-")]
     out = args.index("-o") + 1 if args.count("-o") == 1 and args.index("-o") + 1 < len(args) else None
     key = _key(cxx, args, srcs[0], out) if len(srcs) == 1 and out is not None else None
