@@ -24,21 +24,6 @@ def _bundle(name: str):
 
 
 CAPTURE_CACHE = os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "graphmode-captures")
-CXX_CACHE = os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "graphmode-cxx")
-
-
-def _cache_compiles() -> None:
-    """Tests (and the graphmode commands they start) compile through tests/cxx_cache.py."""
-    import pathlib
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
-    import cxx_cache
-    bindir = cxx_cache.install(pathlib.Path(CXX_CACHE).resolve())
-    if bindir is not None and not os.environ.get("PATH", "").startswith(str(bindir)):
-        os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
-
-
-_cache_compiles()
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,13 +81,6 @@ def captured():
 
 # ---- golden IR files (tests/golden/<pass>/<case>.txt) ---------------------------------------
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
-
-
-def pytest_configure(config):
-    if not hasattr(config, "workerinput"):          # once per run, not per pytest-xdist worker
-        import pathlib
-        import cxx_cache
-        cxx_cache.prune(pathlib.Path(CXX_CACHE))
 
 
 def pytest_addoption(parser):
