@@ -6,7 +6,8 @@ into parts compiled in parallel when there are many. The file name is sha256(sou
 flags + compiler identity, which includes what -march=native expands to on this host), so
 a cache shared between machines never hands out a library built for another CPU, and a
 library built under one ISA cap (its -march flags) is never handed to another. Files are
-written to a temporary name and `os.replace`d.
+written to a temporary name and `os.replace`d; processes sharing the folder (the ranks of a
+tensor-parallel group, a server's workers) build a library once (`build_lock`).
 
 Loading a library runs its code, so a cached one is loaded only after `library_problem`
 finds nothing wrong: it is a regular file inside the folder within `MAX_LIBRARY_BYTES`
@@ -24,6 +25,7 @@ flags: toolchain.py.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import hmac
 import logging
@@ -35,10 +37,11 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from graphmode.backends.cpu import claim_pool
 from graphmode.backends.cpu.abi import KernelSource, translation_unit
@@ -56,6 +59,7 @@ DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-c
                  "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-fvisibility=hidden", "-std=c++17")
 PART_MIN = 4            # kernels per part before a library is split for parallel compilation
 COMPILE_TIMEOUT_S = 300
+LOCK_PREFIX = ".lock-"      # build_lock's files, one per library being built
 TRIAL_LOAD_TIMEOUT_S = 120
 MAX_LIBRARY_BYTES = 512 * MiB     # what a cached kernel library may weigh before it is refused unread
 SEAL_SUFFIX = ".so.seal"
@@ -206,17 +210,34 @@ class KernelBuilder:
             self.stats["cache_hits"] += 1
             self._threads(lib)
             return lib
-        if os.path.lexists(path):
-            why = library_problem(path, key)
-            if why is None:
-                try:
-                    _touch(seal_path(path))      # when it was last used: `cache prune` removes the oldest
-                    lib = self._load(path)
-                    self.stats["cache_hits"] += 1
+        existed = os.path.lexists(path)
+        lib = self._cached(path, key)
+        if lib is not None:
+            return lib
+        with build_lock(self.cache_dir, key) as waited:
+            if waited or not existed:        # a peer (a rank, a worker) may have built it meanwhile
+                lib = self._cached(path, key)
+                if lib is not None:
                     return lib
-                except OSError as e:
-                    why = f"it does not load: {e}"
-            self._corrupt(path, why)
+            return self._build_and_load(key, path, sources, tu)
+
+    def _cached(self, path: Path, key: str) -> CompiledLibrary | None:
+        """The library at `path` when one is there and sound; a damaged one is a corrupt event."""
+        if not os.path.lexists(path):
+            return None
+        why = library_problem(path, key)
+        if why is None:
+            try:
+                _touch(seal_path(path))      # when it was last used: `cache prune` removes the oldest
+                lib = self._load(path)
+                self.stats["cache_hits"] += 1
+                return lib
+            except OSError as e:
+                why = f"it does not load: {e}"
+        self._corrupt(path, why)
+        return None
+
+    def _build_and_load(self, key: str, path: Path, sources: list[KernelSource], tu: str) -> CompiledLibrary:
         try:
             try:
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -336,6 +357,42 @@ class KernelBuilder:
             keep = src
         raise BackendError(f"C++ compilation failed ({self.toolchain.cxx}): {(res.stderr or res.stdout)[-3000:]}",
                            where=str(keep), fix="this is a code generator bug; the group falls back to ATen")
+
+
+@contextmanager
+def build_lock(folder: Path, key: str) -> Iterator[bool]:
+    """Held while library `key` is built in `folder`, across processes (the ranks of a tensor-
+    parallel group compile the same kernels for their shards): yields whether a peer held it
+    first, so the caller looks again before compiling. Advisory and bounded: a folder where no
+    lock file can be made (read-only, full) or a peer holding it past a compile's timeout
+    builds without it (the rename of a finished library is atomic, a duplicate build is harmless)."""
+    lock = folder / f"{LOCK_PREFIX}{key}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError:
+        yield False
+        return
+    waited, deadline = False, time.monotonic() + COMPILE_TIMEOUT_S + 30
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = True
+                if time.monotonic() > deadline:
+                    log.warning("kernel library %s: a peer's build held its lock past %d s; building it here too",
+                                key, COMPILE_TIMEOUT_S + 30)
+                    break
+                time.sleep(0.05)
+        yield waited
+    finally:
+        try:
+            os.unlink(lock)                  # a waiter holding the old file looks again and finds the library
+        except OSError:
+            pass
+        os.close(fd)
 
 
 def _touch(path: Path) -> None:

@@ -232,3 +232,30 @@ def test_a_cache_cleared_in_the_middle_of_a_build_builds_again(tmp_path, monkeyp
     assert rel_l2(run_with_tensors(k, {"x": x})["y"], torch.sigmoid(x)) < 1e-6
     assert b.stats["compiles"] == 1 and b.library_path([_kernel("sigmoid")]).is_file()
     assert [r.getMessage() for r in caplog.records if "was removed while" in r.getMessage()]
+
+
+@needs_cxx
+def test_builders_of_one_library_at_once_compile_it_once(tmp_path):
+    """The ranks of a tensor-parallel group compiled the same kernels for their shards, each on
+    its own: twice the cold start's compile time on a 2-core host. Builders sharing a folder
+    (separate processes or, here, separate builders in threads: each opens its own lock file
+    description) now take the library's build lock; the later one loads what the first built."""
+    import threading
+    folder, n = tmp_path / "kernels", 3
+    builders = [KernelBuilder(folder) for _ in range(n)]
+    start, got = threading.Barrier(n), [None] * n
+
+    def build(i):
+        start.wait()
+        got[i] = builders[i].build(_kernel("sigmoid"))
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(b.stats["compiles"] for b in builders) == 1, [b.stats for b in builders]
+    assert sum(b.stats["cache_hits"] for b in builders) == n - 1 and not any(b.events for b in builders)
+    x = torch.randn(4, 8)
+    for k in got:
+        assert rel_l2(run_with_tensors(k, {"x": x})["y"], torch.sigmoid(x)) < 1e-6
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(build_mod.LOCK_PREFIX)]
