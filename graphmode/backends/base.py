@@ -62,7 +62,9 @@ class Backend(Protocol):
     the code its kernels run (auto: the host's best; passed only when a recipe sets one, so
     a backend without ISA-specific code may leave it out); `weight_growth`: the recipe's
     `memory.weight_growth` cap on prepared weights (passed only to a backend whose
-    capabilities say it generates kernels); `schedule`: the recipe's `codegen.schedule`
+    capabilities say it generates kernels); `memory_budget_bytes`: the recipe's numeric
+    `memory.budget_mb` (passed only to a backend that generates kernels: its tactics keep
+    their workspace inside it); `schedule`: the recipe's `codegen.schedule`
     (passed only when a recipe sets one, to a backend that generates kernels); `batch_invariant`:
     the recipe's `determinism: batch_invariant` (passed, True, only to a backend with kernel
     selection): its GEMMs take kernels whose rows do not depend on the row count."""
@@ -73,7 +75,7 @@ class Backend(Protocol):
     def executable(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
                    kernel_dir: Path | None = None, threads: int | None = None,
                    kernel_selection: Any = None, isa: str = "auto", weight_growth: float | None = None,
-                   schedule: str = "auto") -> Executable: ...
+                   memory_budget_bytes: int | None = None, schedule: str = "auto") -> Executable: ...
 
 
 __all__ = ["Capabilities", "Executable", "Backend"]

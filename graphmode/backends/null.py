@@ -51,7 +51,8 @@ class NullBackend:
 
     def executable(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
                    kernel_dir: Path | None = None, threads: int | None = None,
-                   kernel_selection: Any = None, isa: str = "auto", weight_growth: float | None = None) -> NullExecutable:
+                   kernel_selection: Any = None, isa: str = "auto", weight_growth: float | None = None,
+                   memory_budget_bytes: int | None = None) -> NullExecutable:
         return NullExecutable(plan, constants)
 
 

@@ -63,14 +63,18 @@ def _scratch_dir() -> Path:
 
 def backend_options(backend, recipe) -> dict:
     """The recipe's optional backend arguments (see Backend): `isa` only when a recipe sets
-    one, `weight_growth` (and `schedule`, when a recipe sets one) only to a backend that
-    generates kernels (it prepares weights, its loops have a schedule), `batch_invariant` only
+    one, `weight_growth`, `memory_budget_bytes` when the budget is a number (and `schedule`,
+    when a recipe sets one) only to a backend that generates kernels (it prepares weights and
+    conv workspaces, its loops have a schedule), `batch_invariant` only
     to one with tactics and only when set, so a backend without them may leave them out of its
     signature."""
     out = {} if recipe.codegen.isa == "auto" else {"isa": recipe.codegen.isa}
     caps = getattr(backend, "capabilities", None)
     if getattr(caps, "generates_kernels", False):
         out["weight_growth"] = recipe.memory.weight_growth
+        budget = recipe.memory.budget_mb
+        if isinstance(budget, (int, float)) and not isinstance(budget, bool):
+            out["memory_budget_bytes"] = int(budget * 2**20)     # as the contract monitor counts it
         if recipe.codegen.schedule != "auto":
             out["schedule"] = recipe.codegen.schedule
     if getattr(caps, "kernel_selection", ()) and getattr(recipe, "determinism", "default") == "batch_invariant":

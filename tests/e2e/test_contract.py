@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 import graphmode
 from graphmode.capture.spec import bundle_from_module
 from graphmode.cli.app import _register, app
+from graphmode.monitor.contract import attach
 from graphmode.verdict import ContractRefused
 from graphmode.verify.numerics import rel_l2
 
@@ -192,3 +193,30 @@ def test_recipe_validate_with_the_model_reaches_the_same_verdict(tmp_path):
     assert res.exit_code == 1 and "dims.seq" in res.output and "mean" in res.output, res.output
     res = invoke("recipe", "validate", path, "--model", f"{TINY}:masked_mean_pool")
     assert res.exit_code == 0, res.output
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU()).eval()
+
+
+def test_conv_tactics_keep_their_workspace_inside_the_memory_budget(tmp_path):
+    """graphmode's own CNN draft (budget = weights, prepared copies and the batch-32 arena,
+    +25%) ran an im2col conv with a 3.3 MB workspace: 6.5 MB held against 4 MB, which only
+    the monitor's metrics said (trial S). Under a budget the workspace cannot fit in, the
+    plan holds no more than the budget; a budget with room keeps the faster tactic."""
+    m, x = _cnn(), torch.randn(32, 3, 32, 32)
+    r = {"version": 1, "name": "cnn", "exe_mode": "graph",
+         "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 3, 32, 32]}],
+         "dims": {"batch": {"buckets": [32]}}, "memory": {"budget_mb": 4}}
+    held = {}
+    for mb in (4, 24):
+        r["memory"]["budget_mb"] = mb
+        cm = graphmode.compile(m, r, example_inputs=(x,), cache_dir=tmp_path / "cache")
+        assert rel_l2(cm(x), m(x)) < 1e-5
+        held[mb] = cm.executable({"batch": 32}).memory_report()
+        monitor = attach(cm)                  # as `graphmode serve` and `run --metrics` count it
+        assert monitor.check_memory(cm) == [], monitor.snapshot()
+        assert monitor.weights_bytes + monitor.held_bytes["batch=32"] <= mb * 2**20
+    assert held[4]["arena_bytes"] > 2 << 20 and held[24]["workspace_bytes"] > held[4]["workspace_bytes"]

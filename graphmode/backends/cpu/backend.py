@@ -25,7 +25,7 @@ class CpuBackend:
                    kernel_dir: Path | None = None, threads: int | None = None,
                    kernel_selection: Any = None, isa: str = "auto", frozen: bool = False,
                    weight_growth: float | None = None, schedule: str = "auto",
-                   batch_invariant: bool = False) -> CpuExecutable:
+                   batch_invariant: bool = False, memory_budget_bytes: int | None = None) -> CpuExecutable:
         """Kernels are built in (and loaded from) `kernel_dir` (default <cache root>/kernels,
         graphmode.paths), the tactics' timing cache lives next to it in `tactics/`; `isa` caps their
         code path (the recipe's `codegen.isa`), never above what this host runs. `frozen`: use
@@ -34,7 +34,8 @@ class CpuBackend:
         `threads` None: this process's CPUs capped at its container's CPU quota (targets.quota).
         `schedule`: the recipe's `codegen.schedule`, how the kernels' parallel loops hand out work (omp_loops).
         `batch_invariant`: the recipe's determinism: no GEMM tactic whose rows depend on M
-        (tactics/context.py); the executable says which steps still do (`batch_variant_steps`)."""
+        (tactics/context.py); the executable says which steps still do (`batch_variant_steps`).
+        `memory_budget_bytes`: the recipe's memory.budget_mb, which bounds the conv workspace (CpuExecutable)."""
         threads = default_threads() if threads is None else threads
         why = cap_problem(isa, host_simd())
         if why is not None:
@@ -44,7 +45,8 @@ class CpuBackend:
             kernel_selection = tactics_context(kernel_selection, builder, threads, {}, frozen=frozen,
                                                weight_growth=weight_growth, invariant=batch_invariant)
         seen, used = len(builder.events), len(builder.used)
-        exe = CpuExecutable(plan, constants, builder=builder, threads=threads, tactics=kernel_selection)
+        exe = CpuExecutable(plan, constants, builder=builder, threads=threads, tactics=kernel_selection,
+                            memory_budget_bytes=memory_budget_bytes)
         exe.events = builder.events[seen:]
         exe.libraries = list(dict.fromkeys(builder.used[used:]))   # what an artifact must carry
         exe.schedule = builder.schedule         # part of every library's key: an artifact loads under the same

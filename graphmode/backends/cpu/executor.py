@@ -30,10 +30,13 @@ class CpuExecutable(ArenaExecutable):
     `tactics`: GEMM/conv tactic selection (tactics/context.py `tactics_context`: None = on
     when `builder` has a compiler, a policy name, a TacticsContext, or False = off).
     `kernel_report` says what was generated and why groups fell back, `tactics_report` what
-    won per GEMM/conv shape."""
+    won per GEMM/conv shape. `memory_budget_bytes`: the recipe's memory budget, which the
+    conv winners' workspace must fit in beside the weights, their prepared copies and the
+    arena, as the contract monitor counts them (None: no limit)."""
 
     def __init__(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor], *,
-                 builder: KernelBuilder | None = None, threads: int | None = None, tactics=None):
+                 builder: KernelBuilder | None = None, threads: int | None = None, tactics=None,
+                 memory_budget_bytes: int | None = None):
         super().__init__(plan, constants)
         self.threads = threads
         self.tactics = tactics_context(tactics, builder, threads, self.consts)
@@ -45,6 +48,9 @@ class CpuExecutable(ArenaExecutable):
         self.tactics_report: dict = {}
         if self.tactics is not None:
             t0 = time.perf_counter()
+            self.tactics.memory_left = None if memory_budget_bytes is None else (
+                memory_budget_bytes - int(plan.arena_bytes)
+                - sum(t.numel() * t.element_size() for t in constants.values()))
             try:
                 self.tactics.finalize()
             except Exception as e:  # noqa: BLE001 - tuning is an optimisation: every step still runs ATen

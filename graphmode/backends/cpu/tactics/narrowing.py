@@ -3,14 +3,18 @@
 Each rule returns the excluded candidates of a shape with the reason (reported among the
 shape's rejected candidates): the plan's weight budget (`weight_budget_exclusions`), the same
 conv tuned before at batch 1 (`one_image_exclusions`), and a shape that differs from one
-tuned before only in its epilogue (`sibling_exclusions`). ATen is never ruled out.
+tuned before only in its epilogue (`sibling_exclusions`). ATen is never ruled out. After
+timing, a conv winner whose workspace the memory budget cannot hold gives way to the next
+that fits (`within_workspace`).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
+from graphmode.backends.cpu.conv import ConvProblem
 from graphmode.backends.cpu.gemm import GemmProblem
-from graphmode.backends.cpu.tactics.candidates import conv_kind, prepared_bytes
+from graphmode.backends.cpu.tactics.candidates import conv_config, conv_kind, prepared_bytes
 from graphmode.backends.cpu.tactics.selection import Selection
 from graphmode.backends.cpu.tactics.steps import ATEN, GemmStep
 
@@ -116,3 +120,37 @@ def sibling_exclusions(candidates: Sequence[str], lead: Selection) -> dict[str, 
 
 __all__ = ["weight_budget_exclusions", "one_image_exclusions", "sibling_exclusions", "PACKING_SLACK",
            "BUDGET_SLACK_BYTES", "SUBPROBLEM_MARGIN", "SUBPROBLEM_KEEP", "SIBLING_MARGIN", "SIBLING_KEEP"]
+
+
+def workspace_bytes(p: GemmProblem, name: str) -> int:
+    """The conv workspace candidate `name` binds for `p` (0: ATen, a GEMM, a conv that needs none)."""
+    if name == ATEN or not isinstance(p, ConvProblem):
+        return 0
+    return conv_config(name).workspace_numel(p) * 4
+
+
+def within_workspace(selections: Sequence[Selection], weights_of: Mapping[GemmProblem, int],
+                     memory_left: int) -> list[Selection]:
+    """The selections with every conv winner whose workspace does not fit what the memory
+    budget leaves (`memory_left`: budget - weights - the plan's arena) after the winners'
+    prepared weights replaced by its fastest timed candidate whose workspace fits and whose
+    prepared weight is no larger (else ATen, which needs neither), as TensorRT keeps tactics
+    inside its workspace limit. One buffer serves every conv of a plan (weights.py), so the
+    largest winner's workspace is what the plan holds. `weights_of`: distinct constant
+    weights per shape (a prepared copy each)."""
+    prepared = sum((prepared_bytes(s.problem, s.winner) or 0) * weights_of.get(s.problem, 1) for s in selections)
+    left = memory_left - prepared
+    out = []
+    for sel in selections:
+        p, need = sel.problem, workspace_bytes(sel.problem, sel.winner)
+        if need <= max(left, 0):
+            out.append(sel)
+            continue
+        own = prepared_bytes(p, sel.winner) or 0
+        fits = [n for n, _ in sorted(sel.timings_s.items(), key=lambda kv: kv[1])
+                if n not in sel.rejected and workspace_bytes(p, n) <= max(left, 0)
+                and (prepared_bytes(p, n) or 0) <= own]
+        why = (f"its workspace ({need / 2**20:.2f} MiB) would take the plan past memory.budget_mb "
+               f"({max(left, 0) / 2**20:.2f} MiB left after the weights, their prepared copies and the activations)")
+        out.append(replace(sel, winner=fits[0] if fits else ATEN, rejected={**sel.rejected, sel.winner: why}))
+    return out

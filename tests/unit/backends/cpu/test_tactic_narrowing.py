@@ -47,3 +47,30 @@ def test_a_lead_timed_on_none_of_the_followers_candidates_narrows_nothing():
     times = {n: 90e-6 for n in lead_names if "_k256_" in n}
     assert sibling_exclusions(follower, Selection(UP, winner=next(iter(times)), policy="latency_first",
                                                   timings_s=times)) is None
+
+
+def test_a_conv_winner_whose_workspace_the_budget_cannot_hold_gives_way_to_one_that_fits():
+    """A drafted CNN recipe (budget 4 MB: weights, prepared copies and a 3 MB arena at batch
+    32, +25%) ran an im2col winner with a 3.3 MB workspace: 6.5 MB held, a memory violation the
+    monitor counted and nothing before it refused (trial S). Now the fastest candidate that
+    fits in what the budget leaves runs, else ATen; each loser says why."""
+    from graphmode.backends.cpu.conv import ConvProblem
+    from graphmode.backends.cpu.tactics.narrowing import within_workspace, workspace_bytes
+    conv = ConvProblem(32, 3, 32, 32, 16, 3, 3, (1, 1), (1, 1), bias=True)
+    cands = [n for n in names(conv) if n != ATEN]
+    by_ws = sorted(cands, key=lambda n: workspace_bytes(conv, n))
+    small, big = by_ws[0], by_ws[-1]
+    assert workspace_bytes(conv, big) > 2 * workspace_bytes(conv, small) > 0
+    times = {ATEN: 3e-3, big: 1e-3, small: 2e-3}
+    sel = Selection(conv, winner=big, policy="latency_first", timings_s=times)
+    room = workspace_bytes(conv, big) + (2 << 20)
+    assert within_workspace([sel], {conv: 1}, room)[0].winner == big            # it fits: unchanged
+    tight = workspace_bytes(conv, small) + 10 * (2 << 10)
+    out = within_workspace([sel], {conv: 1}, tight)[0]
+    assert out.winner in (small, ATEN) and "memory.budget_mb" in out.rejected[big]
+    if out.winner == small:
+        assert workspace_bytes(conv, small) <= tight
+    none = within_workspace([sel], {conv: 1}, 0)[0]
+    assert none.winner == ATEN and workspace_bytes(conv, none.winner) == 0
+    gemm = Selection(UP, winner=names(UP)[1], policy="latency_first", timings_s={})
+    assert within_workspace([gemm], {UP: 1}, 0)[0] is gemm                      # a GEMM binds no workspace
