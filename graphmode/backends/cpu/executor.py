@@ -48,7 +48,7 @@ class CpuExecutable(ArenaExecutable):
         self.tactics_report: dict = {}
         if self.tactics is not None:
             t0 = time.perf_counter()
-            self.tactics.memory_left = None if memory_budget_bytes is None else (
+            self.tactics.weights.memory_left = None if memory_budget_bytes is None else (
                 memory_budget_bytes - int(plan.arena_bytes)
                 - sum(t.numel() * t.element_size() for t in constants.values()))
             try:

@@ -88,7 +88,6 @@ class TacticsContext:
         self.aten_only: list[str] = []     # GEMM/conv steps no generated kernel covers (ATen runs them)
         self.configs = {k: tuple(v) for k, v in (configs or CONFIGS).items()}
         self.weight_growth = weight_growth      # None: no limit on the prepared weights
-        self.memory_left: int | None = None      # the plan's budget less weights and arena (None: no limit)
         self._excluded: dict[GemmProblem, dict[str, str]] = {}   # ruled out before building (narrowing.py)
         self.constant_ptrs: set[int] = set()
         self.steps: list[GemmStep] = []
@@ -244,10 +243,7 @@ class TacticsContext:
             self._checker.digests.clear()
             self._pool = None
         order = {p: i for i, p in enumerate(by_problem)}
-        new.sort(key=lambda sel: order[sel.problem])          # plan order in the report
-        if self.memory_left is not None:
-            weights_of = {p: len({(s.b.data_ptr(), tuple(s.b.shape)) for s in steps}) for p, steps in by_problem.items()}
-            new = within_workspace(new, weights_of, self.memory_left)
+        new = within_workspace(sorted(new, key=lambda sel: order[sel.problem]), by_problem, self.weights.memory_left)
         ws = self.weights.workspace(max([conv_config(sel.winner).workspace_numel(sel.problem) for sel in new
                                          if isinstance(sel.problem, ConvProblem) and sel.winner != ATEN], default=0))
         try:

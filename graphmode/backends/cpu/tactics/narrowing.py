@@ -129,15 +129,18 @@ def workspace_bytes(p: GemmProblem, name: str) -> int:
     return conv_config(name).workspace_numel(p) * 4
 
 
-def within_workspace(selections: Sequence[Selection], weights_of: Mapping[GemmProblem, int],
-                     memory_left: int) -> list[Selection]:
+def within_workspace(selections: Sequence[Selection], by_problem: Mapping[GemmProblem, Sequence[GemmStep]],
+                     memory_left: int | None) -> list[Selection]:
     """The selections with every conv winner whose workspace does not fit what the memory
     budget leaves (`memory_left`: budget - weights - the plan's arena) after the winners'
     prepared weights replaced by its fastest timed candidate whose workspace fits and whose
     prepared weight is no larger (else ATen, which needs neither), as TensorRT keeps tactics
     inside its workspace limit. One buffer serves every conv of a plan (weights.py), so the
-    largest winner's workspace is what the plan holds. `weights_of`: distinct constant
-    weights per shape (a prepared copy each)."""
+    largest winner's workspace is what the plan holds. `by_problem`: each shape's steps (a
+    prepared copy per distinct constant weight); `memory_left` None: no limit."""
+    if memory_left is None:
+        return list(selections)
+    weights_of = {p: len({(s.b.data_ptr(), tuple(s.b.shape)) for s in steps}) for p, steps in by_problem.items()}
     prepared = sum((prepared_bytes(s.problem, s.winner) or 0) * weights_of.get(s.problem, 1) for s in selections)
     left = memory_left - prepared
     out = []

@@ -41,6 +41,7 @@ class PreparedWeights:
         self.carried: dict[tuple, torch.Tensor] = {}
         self.packed: dict[tuple, _Packed] = {}
         self.workspaces: list[torch.Tensor] = []
+        self.memory_left: int | None = None   # the plan's memory budget less weights and arena (None: no limit)
         self._checked: dict[tuple, bool] = {}    # key -> the shared copy's source bytes still match
 
     def pack(self, w: torch.Tensor, p: GemmProblem, nr: int) -> torch.Tensor:

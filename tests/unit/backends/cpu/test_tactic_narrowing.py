@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from graphmode.backends.cpu.epilogue import Epilogue
 from graphmode.backends.cpu.gemm import GemmProblem
 from graphmode.backends.cpu.tactics import ATEN, Selection
@@ -49,6 +51,12 @@ def test_a_lead_timed_on_none_of_the_followers_candidates_narrows_nothing():
                                                   timings_s=times)) is None
 
 
+def _step(p):
+    """A stand-in plan step of shape `p` over one constant weight (what within_workspace reads)."""
+    import types
+    return types.SimpleNamespace(b=torch.zeros(1))
+
+
 def test_a_conv_winner_whose_workspace_the_budget_cannot_hold_gives_way_to_one_that_fits():
     """A drafted CNN recipe (budget 4 MB: weights, prepared copies and a 3 MB arena at batch
     32, +25%) ran an im2col winner with a 3.3 MB workspace: 6.5 MB held, a memory violation the
@@ -64,13 +72,13 @@ def test_a_conv_winner_whose_workspace_the_budget_cannot_hold_gives_way_to_one_t
     times = {ATEN: 3e-3, big: 1e-3, small: 2e-3}
     sel = Selection(conv, winner=big, policy="latency_first", timings_s=times)
     room = workspace_bytes(conv, big) + (2 << 20)
-    assert within_workspace([sel], {conv: 1}, room)[0].winner == big            # it fits: unchanged
+    assert within_workspace([sel], {conv: [_step(conv)]}, room)[0].winner == big     # it fits: unchanged
     tight = workspace_bytes(conv, small) + 10 * (2 << 10)
-    out = within_workspace([sel], {conv: 1}, tight)[0]
+    out = within_workspace([sel], {conv: [_step(conv)]}, tight)[0]
     assert out.winner in (small, ATEN) and "memory.budget_mb" in out.rejected[big]
     if out.winner == small:
         assert workspace_bytes(conv, small) <= tight
-    none = within_workspace([sel], {conv: 1}, 0)[0]
+    none = within_workspace([sel], {conv: [_step(conv)]}, 0)[0]
     assert none.winner == ATEN and workspace_bytes(conv, none.winner) == 0
     gemm = Selection(UP, winner=names(UP)[1], policy="latency_first", timings_s={})
-    assert within_workspace([gemm], {UP: 1}, 0)[0] is gemm                      # a GEMM binds no workspace
+    assert within_workspace([gemm], {UP: [_step(UP)]}, 0)[0] is gemm     # a GEMM binds no workspace
