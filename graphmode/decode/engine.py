@@ -401,7 +401,7 @@ class DecodeEngine:
         with self.lock:
             finished: list[Sequence_] = []
             for batch in self.scheduler.admit():
-                logits = self.runner.prefill(batch)
+                logits = self._finite(self.runner.prefill(batch), batch)
                 self._counts["prefill_steps"] += 1
                 self.scheduler.prefilled(batch)
                 finished += self._emit(batch, logits)
@@ -410,7 +410,7 @@ class DecodeEngine:
                 if any(drafts):
                     finished += self._verify(batch, drafts)
                     continue
-                logits = self.runner.decode(batch)
+                logits = self._finite(self.runner.decode(batch), batch)
                 self._counts["decode_steps"] += 1
                 self.scheduler.decoded(batch)
                 finished += self._emit(batch, logits)
@@ -419,6 +419,7 @@ class DecodeEngine:
     def _verify(self, seqs: list[Sequence_], drafts: list[list[int]]) -> list[Sequence_]:
         """One decode step over `seqs` and their drafts (decode/speculative.py)."""
         logits = self.runner.verify(seqs, drafts)
+        self._finite(logits, seqs, rows=sum(1 + len(d) for d in drafts))
         self._counts["decode_steps"] += 1
         finished = []
         for v in self.speculator.accept(seqs, drafts, logits, self.cache, self.on_logits):
@@ -429,6 +430,23 @@ class DecodeEngine:
             else:                                   # pages its accepted drafts filled are reusable
                 self.scheduler.prefix_cache.insert(v.seq)
         return finished
+
+    def _finite(self, logits: torch.Tensor, seqs: list[Sequence_], rows: int | None = None) -> torch.Tensor:
+        """`logits` when their first `rows` (default: one per sequence of `seqs`, the bucket's
+        padding rows after them) are finite. A NaN or inf row has no next token to choose (argmax
+        of NaN picked token 0, step after step): refused, naming the likely cause (an f16 KV
+        cache holds values up to 65504 only; a model whose weights hold NaN/inf)."""
+        if bool(torch.isfinite(logits[:len(seqs) if rows is None else rows]).all()):
+            return logits
+        bad = [s.id for i, s in enumerate(seqs) if rows is None and not bool(torch.isfinite(logits[i]).all())]
+        half = self.layout.dtype == "f16"
+        raise ContractViolation(
+            f"the model's logits are not finite (NaN or inf) for sequence(s) {bad or [s.id for s in seqs]}: no next "
+            "token can be chosen" + (": the f16 KV cache overflows past 65504 on this model's keys or values"
+                                     if half else ""), where="memory.kv_cache.dtype" if half else "model",
+            value=self.layout.dtype if half else None,
+            fix="memory.kv_cache.dtype: bf16 (f32's range) or f32" if half else
+                "check the model's weights for NaN/inf (eager PyTorch gives NaN here too)")
 
     def _emit(self, seqs: list[Sequence_], logits: torch.Tensor) -> list[Sequence_]:
         finished = []

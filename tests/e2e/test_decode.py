@@ -352,6 +352,31 @@ def test_half_kv_caches_decode_with_the_native_kernel(cache, kv):
     assert (new_got == new_want).double().mean() >= 0.75
 
 
+def test_an_f16_kv_cache_that_overflows_is_refused_not_decoded_as_token_0(tmp_path):
+    """The same model with its values scaled up 1e6 (and its output projection down: the same
+    function) stores values past f16's 65504 in an f16 pool: the logits went NaN and greedy
+    answered token 0 at every step, exit 0 (trial T). Now the step is refused, naming the dtype
+    and the fix; a bf16 pool (f32's range) decodes it as transformers does."""
+    from graphmode.errors import ContractViolation
+    lm, kvh = _lm("gpt2")
+    with torch.no_grad():
+        for block in lm.transformer.h:
+            block.attn.c_attn.weight[:, 64:].mul_(1e6)       # GPT-2's V columns of c_attn (n_embd 32)
+            block.attn.c_attn.bias[64:].mul_(1e6)
+            block.attn.c_proj.weight.div_(1e6)
+    ex = {"input_ids": torch.randint(3, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    b = bundle_from_module(lm, ex, {k: ["batch", "seq"] for k in ex})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = lm.generate(PROMPTS[1:2], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        half = graphmode.compile(b, recipe(kvh, dtype="f16"), cache_dir=tmp_path)
+        with pytest.raises(ContractViolation, match="f16 KV cache overflows") as e:
+            half.generate(PROMPTS[1:2], max_new_tokens=4)
+        assert e.value.where == "memory.kv_cache.dtype" and "bf16" in e.value.fix
+        wide = graphmode.compile(b, recipe(kvh, dtype="bf16"), cache_dir=tmp_path)
+        assert torch.equal(wide.generate(PROMPTS[1:2], max_new_tokens=4)[:, 6], want[:, 6])
+
+
 def test_the_engine_is_lowered_by_the_pipeline_driver(model):
     """The decode graph comes from compiler.lower_model: to_paged ran first, the verdict and
     the proof (the KV pool counted once, as the cache, not as weights) are kept."""
