@@ -22,6 +22,7 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
     overrides = dict(opts.overrides)
     if compute == "f32" and all(v == "f32" for v in overrides.values()):
         return PassResult(graph, False, {"compute": compute})
+    _unmatched(graph, {op: dt for op, dt in overrides.items() if dt != compute})
     g = graph.clone(nodes=[])
     casts: dict[tuple[str, str], str] = {}
     n_casts = 0
@@ -68,6 +69,38 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
         outputs.append(o)
     g.outputs = outputs
     return PassResult(g, True, {"compute": compute, "casts": n_casts, "lowered": dict(sorted(lowered.items()))})
+
+
+def _unmatched(graph: Graph, overrides: dict[str, str]) -> None:
+    """Say which overrides name an op this graph does not have: they narrow nothing (the
+    recipe check refuses a name no op has; one a capture replaced, softmax and matmul inside
+    an attention captured as sdpa, is only known here)."""
+    ops: set[str] = set()
+
+    def walk(gr: Graph) -> None:
+        for n in gr.nodes:
+            ops.add(n.op)
+            if n.body is not None:
+                walk(n.body)
+    walk(graph)
+    missing = sorted(op for op in overrides if op not in ops)
+    if not missing:
+        return
+    import warnings
+
+    from graphmode.capture.spec import GraphmodeNotice
+    inside = " (this graph's attention is one sdpa op: override sdpa)" if "sdpa" in ops and set(missing) & {
+        "softmax", "matmul", "bmm"} else ""
+    warnings.warn(GraphmodeNotice(
+        f"precision.overrides: {', '.join(missing)}: this graph has no such op, so the override narrows "
+        f"nothing{inside}; its ops with a compute dtype: {', '.join(sorted(o for o in ops if _computes(o)))}"))
+
+
+def _computes(op: str) -> bool:
+    try:
+        return get_op(op).has("compute_dtype")
+    except Exception:  # noqa: BLE001 - an op the registry does not know computes nothing we can cast
+        return False
 
 
 def _retype(g: Graph, n: Node) -> None:
