@@ -151,3 +151,9 @@ def warning_line(message: Any, category: type) -> str | None:
     if category.__module__.split(".")[0] == "graphmode":
         return f"warning: {message}"
     return None
+
+
+class GraphmodeNotice(UserWarning):
+    """Something graphmode did on the user's behalf that they may want to make explicit (a
+    warning, not an error: every layer may give one)."""
+

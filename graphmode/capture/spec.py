@@ -36,7 +36,7 @@ from graphmode.capture import zoo
 from graphmode.capture.outputs import describe
 from graphmode.capture.zoo import ModelBundle
 from graphmode.capture.self_changes import refuse_self_changes
-from graphmode.errors import CaptureError, GraphmodeError
+from graphmode.errors import CaptureError, GraphmodeError, GraphmodeNotice  # noqa: F401 - re-exported
 from graphmode.ir.graph import clean_name
 
 __all__ = ["resolve_model_spec", "as_model", "OnnxModelSpec", "OnnxTensorSpec", "load_onnx_spec",
@@ -204,8 +204,6 @@ def load_onnx_spec(path: str | os.PathLike, *, spec: str | None = None) -> OnnxM
 # ------------------------------------------------------------------ user module -> bundle
 
 
-class GraphmodeNotice(UserWarning):
-    """Something graphmode did on the user's behalf that they may want to make explicit."""
 
 
 def _forward_params(module: nn.Module) -> list[str]:

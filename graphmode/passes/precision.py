@@ -88,7 +88,7 @@ def _unmatched(graph: Graph, overrides: dict[str, str]) -> None:
         return
     import warnings
 
-    from graphmode.capture.spec import GraphmodeNotice
+    from graphmode.errors import GraphmodeNotice
     inside = " (this graph's attention is one sdpa op: override sdpa)" if "sdpa" in ops and set(missing) & {
         "softmax", "matmul", "bmm"} else ""
     warnings.warn(GraphmodeNotice(
