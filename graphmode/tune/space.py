@@ -69,7 +69,8 @@ def _dim_values(name: str, spec: Any, limit: int) -> Axis | None:
     else:
         bound = 0.0
     k = spec.max_buckets or max(limit, len(own.buckets))
-    base = {"min": lo, "max": hi, **({"step": spec.step} if spec.step != 1 else {})}
+    base = {"min": lo, "max": hi, **({"step": spec.step} if spec.step != 1 else {}),
+            **({"exact_plans": spec.exact_plans} if spec.exact_plans is not None else {})}   # kept by every value
     own_value = dict(base, **{x: getattr(spec, x) for x in ("max_padding", "max_buckets")
                               if getattr(spec, x) is not None})
     values, seen, notes = [own_value], {tuple(own.buckets)}, []

@@ -237,3 +237,16 @@ def test_a_weight_only_trial_is_held_to_the_weight_only_contract(kb_cache):
     res = runner.run(baseline([]), 0)
     assert res.status == "ok", res.reason
     assert 1e-5 < res.metrics["numerics_err"] < 6e-2      # a rounding error, within int8's bound
+
+
+def test_the_recipe_as_written_keeps_every_dim_field_in_every_trial():
+    """recipe init gives a dim whose few buckets pad more than half `exact_plans`; tune rebuilt
+    each dim from its range and padding only, so trial 0 ("recipe as written") was another
+    recipe (another hash, no measurements under the file's) and every version it wrote lost
+    exact_plans, unannounced (trial S)."""
+    data = recipe_data(dims={"batch": {"min": 1, "max": 16, "max_padding": 0.75, "exact_plans": 4}})
+    rec = load_recipe(data)
+    axes = search_space(rec, get_target("host"), objective="latency", tol=1e-5, max_buckets=None, threads=[1])
+    dims = next(a for a in axes if a.name == "dims.batch")
+    assert all(v["exact_plans"] == 4 for v in dims.values) and len(dims.values) > 1
+    assert load_recipe(apply(data, baseline(axes))).hash() == rec.hash()
