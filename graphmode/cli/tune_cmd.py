@@ -196,7 +196,8 @@ def _draft_to_start(model: str, target: Optional[str], kb_path: Path, objective:
 def _confirmation_json(c: Optional[dict]) -> Optional[dict]:
     if c is None:
         return None
-    return {"held": c["held"], "best": c["best"].to_json(), "baseline": c["baseline"].to_json()}
+    return {"held": c["held"], "best": c["best"].to_json(), "baseline": c["baseline"].to_json(),
+            "kept_contract_again": c.get("contract", False)}
 
 
 def _print_confirmation(c: Optional[dict], describe: Any, base_cfg: dict) -> None:
@@ -208,8 +209,12 @@ def _print_confirmation(c: Optional[dict], describe: Any, base_cfg: dict) -> Non
     said = (f"measured again: {describe(c['best'].config, base_cfg)} p99 {shown(b.get('p99_ms'))} ms, "
             f"{shown(b.get('throughput'))} items/s; the recipe as written p99 {shown(a.get('p99_ms'))} ms, "
             f"{shown(a.get('throughput'))} items/s")
-    console.print(f"{said}: {'confirmed' if c['held'] else 'the gain did not repeat, so the recipe as written stays'}",
-                  markup=False, highlight=False, soft_wrap=True)
+    if c.get("contract"):       # the recipe as written broke its contract: the best had to keep it again
+        verdict = "confirmed: it keeps the contract" if c["held"] else \
+            f"it broke the contract this time ({c['best'].reason}), so no version is written"
+    else:
+        verdict = "confirmed" if c["held"] else "the gain did not repeat, so the recipe as written stays"
+    console.print(f"{said}: {verdict}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _report(result: Any, base_cfg: dict, recipe: Path, base_data: dict, objective: str, tgt: Any, as_json: bool,

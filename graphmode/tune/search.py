@@ -151,10 +151,15 @@ def run_search(run: Callable[[dict[str, Any], int, float], TrialResult], axes: l
     if ahead:
         best = min(ahead, key=lambda t: score(t, objective))
     confirmation = None
-    if best is not None and best.key != base.key and base.status == "ok":
+    if best is not None and best.key != base.key:
         again, base_again = run(best.config, best.index, float("inf")), run(base.config, base.index, float("inf"))
-        confirmation = {"best": again, "baseline": base_again, "held": better(again, base_again, objective)}
-        if not confirmation["held"]:
-            best = base             # the gain did not repeat: the recipe as written stays
+        if base.status == "ok":
+            confirmation = {"best": again, "baseline": base_again, "held": better(again, base_again, objective)}
+            if not confirmation["held"]:
+                best = base             # the gain did not repeat: the recipe as written stays
+        else:       # the recipe as written broke its contract: the best must keep it when measured again
+            confirmation = {"best": again, "baseline": base_again, "held": again.status == "ok", "contract": True}
+            if not confirmation["held"]:
+                best = None
     return TuneResult(trials, base, best, stopped, sum(t.replayed for t in trials), front, cut[0] if cut else None,
                       confirmation)

@@ -91,6 +91,28 @@ def test_a_gain_that_does_not_repeat_leaves_the_recipe_as_written(tmp_path):
     assert res.best.config == {"a": 1} and res.confirmation["held"]
 
 
+def test_a_best_found_while_the_recipe_as_written_breaks_its_contract_must_keep_it_again(tmp_path):
+    """The recipe as written broke its jitter bound, so the best was written from one timing,
+    with no `measured again` line (trial S); the docs say the best is always confirmed. Now it
+    is measured again and must keep the contract, else no version is written."""
+    def runner(flaky: bool):
+        seen = {}
+
+        def run(cfg, index, deadline):
+            n = seen[cfg["a"]] = seen.get(cfg["a"], 0) + 1
+            ok = cfg["a"] == 1 and (n == 1 or not flaky)
+            return TrialResult(index, cfg, "ok" if ok else "violates", reason=None if ok else "p99/p50 above 2",
+                               metrics={"p99_ms": 2.0, "p50_ms": 1.0, "throughput": 1.0, "peak_memory_mb": 4,
+                                        "compile_s": 1})
+        return run
+    res = run_search(runner(True), [Axis("a", [0, 1])], budget_s=60, objective="latency",
+                     journal=Journal(tmp_path / "j", "r"))
+    assert res.best is None and res.confirmation == dict(res.confirmation, held=False, contract=True)
+    res = run_search(runner(False), [Axis("a", [0, 1])], budget_s=60, objective="latency",
+                     journal=Journal(tmp_path / "k", "r"))
+    assert res.best.config == {"a": 1} and res.confirmation["held"] and res.confirmation["best"].status == "ok"
+
+
 def test_a_recipe_that_does_not_describe_the_model_stops_at_the_baseline(tmp_path):
     """A recipe naming an input the model lacks (exit 2): each of 13 trials failed the same way
     and the run ended 'no configuration kept the contract'. No knob fixes it: the baseline's
