@@ -78,8 +78,8 @@ class Draft:
         header = [f"{self.recipe.name}: drafted by graphmode recipe init on "
                   f"{_dt.date.today().isoformat()} for model {self.model['name']} ({self.model['family']}, "
                   f"{self.model['params']:,} parameters)",
-                  f"validated on target {self.report.target.name}: {self.report.verdict}; content hash "
-                  f"{recipe_hash(self.recipe)}",
+                  f"validated with the model on target {self.report.target.name}: {self.report.verdict}; hash "
+                  f"{recipe_hash(self.recipe)}; `recipe validate` it with --model (the proofs count the model)",
                   "each comment says where its value came from; check them, then `graphmode tune` it"]
         return render(self.data, self.notes, header)
 
