@@ -150,10 +150,8 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
         t = Table(title=f"memory plan ({len(rep.memory)} buckets)")
         for c in ("bucket", "arena MiB", "lower bound MiB", "arena / bound"):
             t.add_column(c, justify="right", overflow="fold")
-        mem = rep.memory if len(rep.memory) <= max_buckets else rep.memory[:max_buckets // 2] + rep.memory[-max_buckets // 2:]
-        for m in mem:
-            t.add_row(",".join(f"{k}={v}" for k, v in m.bucket.items()), f"{m.arena_bytes / 2**20:.2f}",
-                      f"{m.lower_bound_bytes / 2**20:.2f}", f"{m.ratio:.3f}")
+        for row in memory_rows(rep.memory, max_buckets):
+            t.add_row(*row)
         console.print(t)
         worst = max(rep.memory, key=lambda m: m.ratio)
         console.print(f"worst arena / lower bound: {worst.ratio:.3f} at {worst.bucket}")
@@ -164,6 +162,17 @@ def print_report(rep, *, max_buckets: int = 12) -> None:
     for p in v.proofs:
         console.print(f"  {p.name}: {p.status} — {p.message}", markup=False)
     console.print("time: " + ", ".join(f"{k} {s:.2f}s" for k, s in rep.seconds.items()))
+
+
+def memory_rows(memory: list, most: int) -> list[tuple[str, str, str, str]]:
+    """The memory table's rows: every bucket, or the first and last `most` / 2 and a row that
+    says how many are left out between them (--json lists every bucket)."""
+    half = most // 2
+    cut = len(memory) > most
+    rows = [(",".join(f"{k}={v}" for k, v in m.bucket.items()), f"{m.arena_bytes / 2**20:.2f}",
+             f"{m.lower_bound_bytes / 2**20:.2f}", f"{m.ratio:.3f}")
+            for m in (memory[:half] + memory[-half:] if cut else memory)]
+    return rows[:half] + [(f"... {len(memory) - 2 * half} more (--json)", "", "", "")] + rows[half:] if cut else rows
 
 
 @app.command("compile")
