@@ -63,7 +63,9 @@ class Divergence:
     def describe(self) -> str:
         where = f"first diverging node {self.node}" if self.node else "no single node isolated"
         if self.stage == "pass":
-            return f"introduced by pass {self.pass_name!r}: {where} (rel L2 {self.rel_l2:.2e})"
+            own = self.detail.get("node_rel_l2")
+            at = f" (its own rel L2 {own:.2e})" if self.node and own is not None else ""
+            return f"introduced by pass {self.pass_name!r}: {where}{at}; the outputs' rel L2 {self.rel_l2:.2e}"
         if self.stage == "padding":
             return (f"a padded request differs from eager (rel L2 {self.rel_l2:.2e}) although the bucket itself "
                     "matches: padding changes this model's outputs")

@@ -97,3 +97,13 @@ def test_a_rank_group_that_differs_is_told_to_widen_its_wire_or_verify_at_one_pr
     assert propose_fix(group("f32"), div) is None
     assert "tensor: 1" in div.describe() and "widen parallel.comm.dtype" in div.describe()
     assert "widen" not in Divergence(None, None, None, 0.2, "parallel", {"ranks": 2, "comm": "f32"}).describe()
+
+
+def test_a_pass_divergence_gives_the_nodes_own_error_beside_the_outputs():
+    """'first diverging node %linear = qlinear(...) (rel L2 8.85e-02)' printed the outputs'
+    worst error as if it were the node's; the node's own stayed in the detail (trial T)."""
+    from graphmode.verify.bisect import Divergence
+    div = Divergence("quantize_weights", "%y = qlinear(%x, %w)", "qlinear", 0.0885, "pass", {"node_rel_l2": 0.003})
+    text = div.describe()
+    assert "its own rel L2 3.00e-03" in text and "the outputs' rel L2 8.85e-02" in text
+    assert "its own" not in Divergence("p", None, None, 0.5, "pass", {"node_rel_l2": 0.0}).describe()
