@@ -398,10 +398,6 @@ def generate_cmd(
     log(f"{model}: {'loaded' if loaded is not None else 'compiled'} under recipe {rec.name} and built its plans "
         f"in {setup_s:.1f}s"
         + (f" ({ranks} tensor-parallel ranks)" if ranks > 1 else ""))
-    if rec.precision.weights != "f32":      # tokens differ from the f32 model's by design: say what checks them
-        log(f"note: {rec.precision.weights} weights change the model's answers by their rounding, and generating "
-            f"checks nothing: `graphmode verify --model {model} --recipe <this recipe>` holds them to the "
-            "weight-only contract (top-1 agreement with the f32 model)")
 
     text, batch = req.tokenizer is not None, len(req.prompts) > 1
     before = dict(eng.stats)

@@ -34,6 +34,21 @@ class _ModelEos:
 MODEL_EOS: Any = _ModelEos()
 
 
+def _say_what_checks_narrow_weights(recipe: Any) -> None:
+    """Tokens from narrow weights differ from the f32 model's by design, and decoding checks
+    nothing (a model whose top-1 int8 flips was decoded from Python without a word, while
+    `graphmode verify` refused it): a notice, from the CLI, the API and the server alike."""
+    weights = recipe.precision.weights
+    if weights != "f32":
+        import warnings
+
+        from graphmode.errors import GraphmodeNotice
+        warnings.warn(GraphmodeNotice(
+            f"{weights} weights change the model's answers by their rounding, and decoding checks nothing: "
+            "`graphmode verify --model <the model> --recipe <this recipe>` holds them to the weight-only contract "
+            "(top-1 agreement with the f32 model)"), stacklevel=4)
+
+
 def engine_of(cm: Any):
     """The model's decode engine, built once, on first use, from its recipe's KV cache: its own
     lowering of the paged graph (the whole-sequence graph of a decoder recipe is lowered only
@@ -48,6 +63,8 @@ def engine_of(cm: Any):
     # a DeferredModel's lowering lock too: its whole-sequence lowering and this one never overlap
     with _ENGINE_LOCK, getattr(cm, "lowering_lock", None) or nullcontext():
         eng = getattr(cm, "_decoder", None)
+        if eng is None:
+            _say_what_checks_narrow_weights(cm.recipe)
         if eng is None and (getattr(cm, "artifact", None) or {}).get("decoder") is not None:
             from graphmode.decode.saved import engine_over      # a loaded .gm: its plans, no module
             eng = cm._decoder = engine_over(cm)
