@@ -72,7 +72,7 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
 
 
 def _unmatched(graph: Graph, overrides: dict[str, str]) -> None:
-    """Say which overrides name an op this graph does not have: they narrow nothing (the
+    """Say which overrides name an op this graph does not have: they change nothing (the
     recipe check refuses a name no op has; one a capture replaced, softmax and matmul inside
     an attention captured as sdpa, is only known here)."""
     ops: set[str] = set()
@@ -92,7 +92,7 @@ def _unmatched(graph: Graph, overrides: dict[str, str]) -> None:
     inside = " (this graph's attention is one sdpa op: override sdpa)" if "sdpa" in ops and set(missing) & {
         "softmax", "matmul", "bmm"} else ""
     warnings.warn(GraphmodeNotice(
-        f"precision.overrides: {', '.join(missing)}: this graph has no such op, so the override narrows "
+        f"precision.overrides: {', '.join(missing)}: this graph has no such op, so the override changes "
         f"nothing{inside}; its ops with a compute dtype: {', '.join(sorted(o for o in ops if _computes(o)))}"))
 
 

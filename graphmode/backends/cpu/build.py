@@ -369,7 +369,7 @@ def build_lock(folder: Path, key: str) -> Iterator[bool]:
     lock = folder / f"{LOCK_PREFIX}{key}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except OSError:
         yield False
         return

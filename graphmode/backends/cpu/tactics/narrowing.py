@@ -118,8 +118,6 @@ def sibling_exclusions(candidates: Sequence[str], lead: Selection) -> dict[str, 
             for n in candidates[1:] if n not in keep}
 
 
-__all__ = ["weight_budget_exclusions", "one_image_exclusions", "sibling_exclusions", "PACKING_SLACK",
-           "BUDGET_SLACK_BYTES", "SUBPROBLEM_MARGIN", "SUBPROBLEM_KEEP", "SIBLING_MARGIN", "SIBLING_KEEP"]
 
 
 def workspace_bytes(p: GemmProblem, name: str) -> int:
@@ -157,3 +155,8 @@ def within_workspace(selections: Sequence[Selection], by_problem: Mapping[GemmPr
                f"({max(left, 0) / 2**20:.2f} MiB left after the weights, their prepared copies and the activations)")
         out.append(replace(sel, winner=fits[0] if fits else ATEN, rejected={**sel.rejected, sel.winner: why}))
     return out
+
+
+__all__ = ["weight_budget_exclusions", "one_image_exclusions", "sibling_exclusions", "within_workspace",
+           "workspace_bytes", "PACKING_SLACK", "BUDGET_SLACK_BYTES", "SUBPROBLEM_MARGIN", "SUBPROBLEM_KEEP",
+           "SIBLING_MARGIN", "SIBLING_KEEP"]
