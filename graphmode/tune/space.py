@@ -75,10 +75,10 @@ def _dim_values(name: str, spec: Any, limit: int) -> Axis | None:
                               if getattr(spec, x) is not None})
     values, seen, notes = [own_value], {tuple(own.buckets)}, []
     for frac in PADDING_LEVELS:
-        p = round(bound * frac, 4)
+        p = bound if frac == 1.0 else round(bound * frac, 4)     # own bound unrounded: 1/3 as 0.3333 needs more buckets
         s = synthesize_buckets(lo, hi, max_padding=p, max_buckets=k, step=spec.step)
         if not s.feasible:
-            notes.append(f"padding <= {p} needs more than {k} buckets")
+            notes.append(f"padding <= {p:.4g} needs more than {k} buckets")
             continue
         if tuple(s.buckets) in seen:
             continue

@@ -272,3 +272,14 @@ def test_the_recipe_as_written_keeps_every_dim_field_in_every_trial():
     dims = next(a for a in axes if a.name == "dims.batch")
     assert all(v["exact_plans"] == 4 for v in dims.values) and len(dims.values) > 1
     assert load_recipe(apply(data, baseline(axes))).hash() == rec.hash()
+
+
+def test_the_recipes_own_padding_bound_is_tried_as_it_is():
+    """A recipe's own bound (here the 5/6 two buckets over [1, 36] pad at worst) was tried
+    rounded to 4 places, below it, which needs more buckets than the recipe has: 'padding <=
+    0.3333 needs more than 4 buckets' of a recipe at 1/3 with 4 (trial S)."""
+    data = recipe_data(dims={"batch": {"min": 1, "max": 36, "max_buckets": 2}})
+    axes = search_space(load_recipe(data), get_target("host"), objective="latency", tol=1e-5, max_buckets=None,
+                        threads=[1])
+    dims = next(a for a in axes if a.name == "dims.batch")
+    assert not any(n.startswith("padding <= 0.8333 ") for n in dims.notes), dims.notes
