@@ -54,6 +54,8 @@ def diff_recipes(a: Recipe, b: Recipe) -> list[Change]:
     out: list[Change] = []
     for path in sorted(set(fa) | set(fb)):
         x, y = fa.get(path, _MISSING), fb.get(path, _MISSING)
+        if (x is _MISSING and y is None) or (y is _MISSING and x is None):
+            continue     # a whole section added or removed (sla: null beside its fields) is said by its fields
         if x is _MISSING:
             out.append(Change(path, None, y, "added"))
         elif y is _MISSING:

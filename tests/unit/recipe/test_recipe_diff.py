@@ -64,3 +64,15 @@ def test_merge():
     with pytest.raises(RecipeErrors) as ei:
         merge_recipes(base, {"memory": {"budget_mb": -1}})
     assert ei.value.errors[0].where == "memory.budget_mb"
+
+
+def test_a_section_removed_is_said_by_its_fields_only():
+    """Removing the whole sla section printed 'sla added null' and a 'removed null' row beside
+    the fields it really removed (trial S)."""
+    from graphmode.recipe import load_recipe
+    base = {"version": 1, "name": "r", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 4]}],
+            "dims": {"batch": {"buckets": [1, 2]}}}
+    with_sla, without = load_recipe(dict(base, sla={"p99_ms": 5.0})), load_recipe(base)
+    changes = diff_recipes(with_sla, without)
+    assert changes and all(c.path.startswith("sla.") and c.kind == "removed" and c.old is not None for c in changes)
+    assert [c.kind for c in diff_recipes(without, with_sla)] == ["added"] * len(changes)
