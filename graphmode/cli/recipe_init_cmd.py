@@ -135,6 +135,9 @@ def _in_flags(e: Any, memory_mb: Optional[float]) -> Any:
             err.fix = (f"{fix} (here: --memory-mb)" if memory_mb is not None else
                        "the draft sizes memory.budget_mb for the largest request its dims admit: lower a --dim's "
                        "MAX (or pass --memory-mb)")
+        elif where.endswith((".max_padding", ".max_buckets")) and ": " not in fix:   # the flag's value itself
+            flag = "--max-padding" if where.endswith(".max_padding") else "--max-buckets"
+            err.fix = f"{fix} (here: {flag})"
         elif where.startswith("dims."):
             said = fix.replace("max_buckets: ", "--max-buckets ").replace("max_padding: ", "--max-padding ")
             err.fix = (f"{said}, or --dim {where.split('.')[1]}=MIN:MAX" if said != fix else

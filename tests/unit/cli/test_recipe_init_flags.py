@@ -15,3 +15,11 @@ def test_a_bucket_policy_fix_names_the_flags_that_set_it():
 def test_a_range_fix_names_the_dim_flag():
     e = _in_flags(RecipeError("min above max", where="dims.seq.min", fix="a min <= max"), None)
     assert e.fix == "a min <= max (here: --dim seq=MIN:MAX)"
+
+
+def test_an_out_of_range_flag_is_named_as_the_flag():
+    """`recipe init --max-padding 2` was told to fix '--dim batch=MIN:MAX' (trial S)."""
+    e = _in_flags(RecipeError("out of range: must be >= 0 and < 1", where="dims.batch.max_padding",
+                              fix="use a value >= 0 and < 1"), None)
+    assert e.fix == "use a value >= 0 and < 1 (here: --max-padding)"
+
