@@ -413,20 +413,20 @@ def import_cmd(files: List[Path] = typer.Argument(..., help="files written by `g
         except UnicodeDecodeError as e:
             raise KbError(f"the export is not UTF-8 text ({e.reason} at byte {e.start})", where=str(f),
                           fix="pass a file written by `graphmode kb export`; nothing was imported") from None
+    parsed = []             # ... and parsed: a truncated export creates no knowledge base, imports no file of several
+    for f, text in texts:
+        items = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    items.append(parse_json(line))
+                except ValueError as e:
+                    raise KbError(f"line {n} is not JSON: {e}", where=f"{f}:{n}",
+                                  fix="import a file written by `graphmode kb export`; nothing was imported") from None
+        parsed.append((f, items))
     with KnowledgeBase(path) as db:
-        for f, text in texts:
-
-            def items(text: str = text, f: Path = f):
-                for n, line in enumerate(text.splitlines(), 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield parse_json(line)
-                    except ValueError as e:
-                        raise KbError(f"line {n} is not JSON: {e}", where=f"{f}:{n}",
-                                      fix="import a file written by `graphmode kb export`; nothing was "
-                                          "imported") from None
-            totals.append({"file": str(f), **db.import_lines(items(), str(f))})
+        for f, items in parsed:
+            totals.append({"file": str(f), **db.import_lines(iter(items), str(f))})
         counts = db.counts()
     if as_json:
         print(json.dumps({"imported": totals, "now": counts}, indent=1))

@@ -179,6 +179,19 @@ def test_an_import_that_cannot_be_read_creates_no_knowledge_base(tmp_path):
     assert not (tmp_path / "new.sqlite").exists()
 
 
+def test_a_truncated_export_creates_no_knowledge_base_and_imports_no_file_of_several(kb, tmp_path):
+    """A truncated export was refused ('nothing was imported') after the knowledge base file was
+    created; of two files, the first was imported before the second's bad line (trial S)."""
+    good, cut = tmp_path / "good.jsonl", tmp_path / "cut.jsonl"
+    assert invoke("kb", "export", "--kb", kb, "--out", good).exit_code == 0
+    text = good.read_text()
+    cut.write_text(text[:len(text) - 20])
+    _refused(invoke("kb", "import", cut, "--kb", tmp_path / "new.sqlite"), "not JSON")
+    assert not (tmp_path / "new.sqlite").exists()
+    _refused(invoke("kb", "import", good, cut, "--kb", tmp_path / "two.sqlite"), "not JSON")
+    assert not (tmp_path / "two.sqlite").exists()
+
+
 def test_special_files_are_refused_as_imports(kb, tmp_path):
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
