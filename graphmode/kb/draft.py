@@ -38,13 +38,13 @@ from typing import Any
 from graphmode.capture.spec import with_batch_axis
 from graphmode.capture.zoo import marks_padding
 from graphmode.errors import CaptureError, RecipeError
+from graphmode.kb.draft_knobs import MAX_KNOB_DISTANCE, knobs_from_kb  # noqa: F401 - kb ls reads it here
 from graphmode.kb.draft_padding import EXACT_PLANS, settle_padding
 
 COARSE_PADDING = 0.5    # a dim whose few buckets pad more than this gets exact_plans for the values that recur
 
 DEFAULT_MAX_PADDING = 0.25
 MEMORY_HEADROOM = 1.25
-MAX_KNOB_DISTANCE = 1.5        # farther knowledge-base entries say nothing about this model
 SEQ_DIMS = ("seq", "sequence", "seq_len", "tokens", "length", "positions")
 CONFIG_MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
                         "max_target_positions")         # Whisper's decoder: its tokens' position table
@@ -434,7 +434,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
         narrowed = _tighter(narrowed, fit)
         data["dims"], ranges = _dims(*dim_args, narrowed)
     model_row, hw_row = model_of(graph0, src, recipe_inputs(skeleton)), hardware_of(tgt)
-    recs = _knobs_from_kb(data, notes, model_row, hw_row, kb_path, objective)
+    recs = knobs_from_kb(data, notes, model_row, hw_row, kb_path, objective)
     if data["precision"] == {"compute": "f32"} and (own := _narrow_weights(graph0)):
         notes["precision"] += (f"; compute f32 changes no dtype: the model's {own} weights and the ops on them run "
                                f"in {own} as in eager (compute {own} would narrow its f32 ops too)")
@@ -633,60 +633,11 @@ def _ordered(data: dict[str, Any]) -> dict[str, Any]:
     return {k: data[k] for k in _ORDER if k in data}
 
 
-def _knobs_from_kb(data: dict, notes: dict, model_row: dict, hw_row: dict, kb_path: Any, objective: str) -> list:
-    """Precision, fusion and kernel selection of the nearest measured recipe (if near enough)."""
-    defaults = {"optimize": "graphmode's default pipeline and fusion (no knowledge-base entry near this model)",
-                "precision": "f32: the numerics contract of the captured model (no knowledge-base entry near it)",
-                "codegen": f"{objective}-first: time GEMM/conv kernels per shape (no knowledge-base entry near it)"}
-    recs = []
-    if kb_path is not None and Path(kb_path).exists():
-        from graphmode.kb.recommend import recommend
-        from graphmode.kb.store import KnowledgeBase
-        with KnowledgeBase(kb_path) as kb:
-            recs = recommend(kb, model_row, hw_row, objective)
-    near = [r for r in recs if r.model_distance <= MAX_KNOB_DISTANCE]
-    if not near:
-        notes.update(defaults)
-        return recs
-    top = near[0]
-    body = top.recipe["body"]
-    src = (f"from knowledge base recipe {top.recipe['hash']} ({top.recipe['name']}), nearest measured: "
-           f"{top.why(objective)}")
-    opt = body.get("optimize") if isinstance(body.get("optimize"), dict) else {}
-    data["optimize"] = {k: v for k, v in {"preset": opt.get("preset", "default"), "passes": opt.get("passes"),
-                                          "fusion": opt.get("fusion", {"enabled": True})}.items() if v is not None}
-    if "passes" in data["optimize"]:
-        data["optimize"].pop("preset")
-    data["codegen"] = body["codegen"] if isinstance(body.get("codegen"), dict) else data["codegen"]
-    for k in ("optimize", "codegen"):
-        notes[k] = src
-    prec = body["precision"] if isinstance(body.get("precision"), dict) else {"compute": "f32"}
-    if _keeps_f32(prec):
-        data["precision"], notes["precision"] = prec, src
-    else:       # a draft holds the model's numerics: trading them is the user's call (an int4 entry
-        data["precision"] = {"compute": "f32"}      # drafted another model's wrong greedy tokens)
-        notes["precision"] = (f"f32: the numerics contract of the captured model; the nearest measured recipe "
-                              f"{top.recipe['hash']} ({top.recipe['name']}) runs {_precision_text(prec)}, which "
-                              "changes the answer: set precision yourself (and `graphmode verify` it) for that")
-    return recs
-
-
 def _narrow_weights(graph: Any) -> str:
     """The float dtype(s) of the model's own weights other than f32 ('' for an f32 model)."""
     import torch
     names = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
     return "/".join(sorted({names[t.dtype] for t in graph.constants.values() if t.dtype in names}))
-
-
-def _keeps_f32(prec: dict) -> bool:
-    """A precision section that computes what the f32 model computes (no narrow weights or casts)."""
-    return (prec.get("compute", "f32") == "f32" and prec.get("weights", "f32") in ("f32", None)
-            and prec.get("accumulate") in ("f32", None)
-            and all(v == "f32" for v in (prec.get("overrides") or {}).values()))
-
-
-def _precision_text(prec: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in prec.items() if v not in (None, {}, []))
 
 
 def _outputs(graph: Any, cap: Any, ranges: dict[str, tuple[int, int]]) -> dict[str, list]:

@@ -247,3 +247,17 @@ def test_a_recommended_recipe_says_where_its_ranges_differ_from_the_measured_one
         _say_other_ranges(written, top)
         _say_other_ranges(written, SimpleNamespace(recipe={"body": recipe_data()}))    # same ranges: nothing
     assert cap.get().count("dims are this draft's") == 1 and "batch 1..8 (#1: 1..2)" in cap.get()
+
+
+def test_recipe_init_drafts_without_a_damaged_knowledge_base_and_says_so(tmp_path):
+    """`recipe init` refused to draft (exit 2) where verify and tune skip a damaged knowledge base
+    with a warning, and compile drafted without a word (trials S)."""
+    from kb_helpers import spec
+    bad = tmp_path / "kb.sqlite"
+    bad.write_bytes(b"\x8f" * 4096)
+    out = tmp_path / "mlp.yaml"
+    from graphmode.errors import GraphmodeNotice
+    with pytest.warns(GraphmodeNotice, match="knowledge base .* skipped"):     # the CLI prints it as notice:
+        res = invoke("recipe", "init", "--model", spec("mlp"), "--kb", bad, "--out", out, "--cache-dir", tmp_path / "c")
+    assert res.exit_code == 0, res.output
+    assert "the knowledge base could not be read" in out.read_text() and bad.read_bytes() == b"\x8f" * 4096
