@@ -207,7 +207,7 @@ def test_conv_tactics_keep_their_workspace_inside_the_memory_budget(tmp_path):
     the monitor's metrics said (trial S). Under a budget the workspace cannot fit in, the
     plan holds no more than the budget; a budget with room keeps the faster tactic."""
     m, x = _cnn(), torch.randn(32, 3, 32, 32)
-    r = {"version": 1, "name": "cnn", "exe_mode": "graph",
+    r = {"version": 1, "name": "cnn", "exe_mode": "graph", "codegen": {"kernel_selection": "heuristic"},
          "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 3, 32, 32]}],
          "dims": {"batch": {"buckets": [32]}}, "memory": {"budget_mb": 4}}
     held = {}

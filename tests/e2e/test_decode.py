@@ -352,7 +352,7 @@ def test_half_kv_caches_decode_with_the_native_kernel(cache, kv):
     assert (new_got == new_want).double().mean() >= 0.75
 
 
-def test_an_f16_kv_cache_that_overflows_is_refused_not_decoded_as_token_0(tmp_path):
+def test_an_f16_kv_cache_that_overflows_is_refused_not_decoded_as_token_0(cache):
     """The same model with its values scaled up 1e6 (and its output projection down: the same
     function) stores values past f16's 65504 in an f16 pool: the logits went NaN and greedy
     answered token 0 at every step, exit 0 (trial T). Now the step is refused, naming the dtype
@@ -369,11 +369,11 @@ def test_an_f16_kv_cache_that_overflows_is_refused_not_decoded_as_token_0(tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = lm.generate(PROMPTS[1:2], max_new_tokens=4, do_sample=False, pad_token_id=0)
-        half = graphmode.compile(b, recipe(kvh, dtype="f16"), cache_dir=tmp_path)
+        half = graphmode.compile(b, recipe(kvh, dtype="f16"), cache_dir=cache)
         with pytest.raises(ContractViolation, match="f16 KV cache overflows") as e:
             half.generate(PROMPTS[1:2], max_new_tokens=4)
         assert e.value.where == "memory.kv_cache.dtype" and "bf16" in e.value.fix
-        wide = graphmode.compile(b, recipe(kvh, dtype="bf16"), cache_dir=tmp_path)
+        wide = graphmode.compile(b, recipe(kvh, dtype="bf16"), cache_dir=cache)
         assert torch.equal(wide.generate(PROMPTS[1:2], max_new_tokens=4)[:, 6], want[:, 6])
 
 
