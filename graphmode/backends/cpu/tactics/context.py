@@ -26,10 +26,10 @@ from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem
 from graphmode.backends.cpu.tactics.host import TuningHost
 from graphmode.backends.cpu.tactics.cache import CACHE_VERSION, RETUNE_NOISY, TimingCache
 from graphmode.backends.cpu.tactics.candidates import (CONFIGS, TOLERANCE_F32, Checker, build_candidates,
-                                                       candidate_names, candidate_sources, conv_config)
+                                                       candidate_names, candidate_sources)
 from graphmode.backends.cpu.tactics.narrowing import (  # noqa: F401 - the constants: read here too
     BUDGET_SLACK_BYTES, PACKING_SLACK, SIBLING_KEEP, SIBLING_MARGIN, SUBPROBLEM_KEEP, SUBPROBLEM_MARGIN,
-    one_image_exclusions, sibling_exclusions, weight_budget_exclusions, within_workspace)
+    one_image_exclusions, sibling_exclusions, weight_budget_exclusions, within_workspace, workspace_bytes)
 from graphmode.backends.cpu.tactics.selection import POLICIES, Selection
 from graphmode.backends.cpu.tactics.steps import ATEN, FusedEpilogue, GemmStep, conv_step, gemm_step, random_step
 from graphmode.backends.cpu.tactics.timing import ColdPool
@@ -244,8 +244,7 @@ class TacticsContext:
             self._pool = None
         order = {p: i for i, p in enumerate(by_problem)}
         new = within_workspace(sorted(new, key=lambda sel: order[sel.problem]), by_problem, self.weights.memory_left)
-        ws = self.weights.workspace(max([conv_config(sel.winner).workspace_numel(sel.problem) for sel in new
-                                         if isinstance(sel.problem, ConvProblem) and sel.winner != ATEN], default=0))
+        ws = self.weights.workspace(max([workspace_bytes(sel.problem, sel.winner) // 4 for sel in new], default=0))
         try:
             for sel in new:
                 self.selections.append(sel)
