@@ -1,7 +1,8 @@
 """Compile generated kernels into shared libraries, content-addressed on disk.
 
 One library per plan: `build_many` puts every distinct kernel of a plan in one translation
-unit (g++ start-up costs ~0.3 s per invocation, more than a small kernel's compile), split
+unit (g++ start-up costs ~0.3 s per invocation, more than a small kernel's compile; most of it
+parsing <immintrin.h>, which pch.py precompiles once per process), split
 into parts compiled in parallel when there are many. The file name is sha256(source +
 flags + compiler identity, which includes what -march=native expands to on this host), so
 a cache shared between machines never hands out a library built for another CPU, and a
@@ -43,7 +44,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from graphmode.backends.cpu import claim_pool
+from graphmode.backends.cpu import claim_pool, pch
 from graphmode.backends.cpu.abi import KernelSource, translation_unit
 from graphmode.backends.cpu.isa import CAPS, host_simd, march
 from graphmode.backends.cpu.kernels import CompiledKernel, CompiledLibrary
@@ -104,7 +105,7 @@ class KernelBuilder:
             + schedule_flags(self.schedule)
         self.threads = threads
         self.jobs = max(1, jobs or os.cpu_count() or 1)
-        self.stats = {"compiles": 0, "cache_hits": 0, "rebuilds": 0, "compile_s": 0.0}
+        self.stats = {"compiles": 0, "cache_hits": 0, "rebuilds": 0, "compile_s": 0.0, "precompiled_header": 0}
         self.used: list[Path] = []   # every library handed out, in order (an executable's share: a slice)
         self.failures: dict[str, str] = {}   # symbol -> compiler error (build_many(strict=False))
         self.events: list[dict[str, Any]] = []   # {"event": "corrupt", "path", "reason"} per rejected library
@@ -299,6 +300,25 @@ class KernelBuilder:
                  sealed_in: Path | None = None) -> None:
         t0 = time.perf_counter()
         folder = sealed_in or self.cache_dir
+        tc = self.toolchain
+        include = pch.flags_for(tc.cxx, tc.version, tc.flags, tu)
+        try:
+            self._compile_into(folder, key, path, sources, tu, include)
+        except BackendError:
+            if not include:
+                raise
+            self._compile_into(folder, key, path, sources, tu, [])     # raises what the compiler says without it
+            pch.failed(tc.flags, tc.cxx)
+            include = []
+        dt = time.perf_counter() - t0
+        self.stats["compiles"] += 1
+        self.stats["compile_s"] += dt
+        self.stats["precompiled_header"] += bool(include)
+        log.info("compiled %d kernels into %s in %.2f s", len(sources), path.name, dt)
+
+    def _compile_into(self, folder: Path, key: str, path: Path, sources: list[KernelSource], tu: str,
+                      include: list[str]) -> None:
+        """`include`: pch.flags_for's, read before the translation unit."""
         tmp = Path(tempfile.mkdtemp(prefix=f".build-{key[:8]}-", dir=folder))
         try:
             out = tmp / "lib.so"
@@ -307,8 +327,8 @@ class KernelBuilder:
             if nparts <= 1:
                 src = tmp / "kernels.cpp"
                 src.write_text(tu + mark)
-                self._check(run([self.toolchain.cxx, *self.toolchain.flags, *shared_flags(self.toolchain.flags), str(src), "-o", str(out),
-                                  "-lm"], timeout=COMPILE_TIMEOUT_S), src, key)
+                self._check(run([self.toolchain.cxx, *self.toolchain.flags, *shared_flags(self.toolchain.flags),
+                                 *include, str(src), "-o", str(out), "-lm"], timeout=COMPILE_TIMEOUT_S), src, key)
             else:
                 parts: list[list[KernelSource]] = [[] for _ in range(nparts)]
                 sizes = [0] * nparts
@@ -322,7 +342,8 @@ class KernelBuilder:
                     src = tmp / f"part{k}.cpp"
                     src.write_text(translation_unit(part, defs=(k == 0)) + (mark if k == 0 else ""))
                     obj = tmp / f"part{k}.o"
-                    procs.append((src, subprocess.Popen([self.toolchain.cxx, *cflags, "-fPIC", "-c", str(src), "-o", str(obj)],
+                    procs.append((src, subprocess.Popen([self.toolchain.cxx, *cflags, "-fPIC", *include, "-c", str(src),
+                                                         "-o", str(obj)],
                                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
                 for src, p in procs:
                     try:
@@ -340,10 +361,6 @@ class KernelBuilder:
             atomic_write(path.with_suffix(".cpp"), tu.encode())
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        dt = time.perf_counter() - t0
-        self.stats["compiles"] += 1
-        self.stats["compile_s"] += dt
-        log.info("compiled %d kernels into %s in %.2f s", len(sources), path.name, dt)
 
     def _check(self, res: subprocess.CompletedProcess, src: Path, key: str) -> None:
         if res.returncode == 0:

@@ -110,6 +110,12 @@ class Toolchain:
         return self._flags
 
     @property
+    def version(self) -> str:
+        """The first line of the compiler's --version."""
+        self._detect()
+        return self._version
+
+    @property
     def identity(self) -> str:
         self._detect()
         return self._identity

@@ -618,7 +618,7 @@ def test_cache_hit_then_corrupt_rebuild(tmp_path, monkeypatch):
     mtime = path.stat().st_mtime_ns
     b2 = KernelBuilder(tmp_path)
     b2.build(ks)
-    assert b2.stats == {"compiles": 0, "cache_hits": 1, "rebuilds": 0, "compile_s": 0.0}
+    assert b2.stats == {"compiles": 0, "cache_hits": 1, "rebuilds": 0, "compile_s": 0.0, "precompiled_header": 0}
     monkeypatch.setattr(build_mod, "_LOADED", {})   # as a fresh process: verify + dlopen from disk
     b2b = KernelBuilder(tmp_path)
     b2b.build(ks)
