@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
@@ -17,6 +18,7 @@ from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import KbPath, kb_file, recipe_or_draft
 from graphmode.cli.options import CacheDir
 from graphmode.cli.progress import progress
+from graphmode.errors import GraphmodeNotice
 from graphmode.progress import stage
 from graphmode.recipe.buckets import all_buckets, bucket_for, dim_buckets, dim_range
 from graphmode.verify.eager import run_reference
@@ -134,7 +136,7 @@ def _verify_plans(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
     from graphmode.compiler import lower_model
     from graphmode.runtime.compiled import CompiledModel
     from graphmode.verify.bisect import (Divergence, bisect, bisect_plan, checked_precision, compare_outputs,
-                                         logit_outputs, output_labels)
+                                         logit_outputs, output_labels, reference_divergence)
 
     low = lower_model(model, rec, proved_on, mode=mode, keep_snapshots=True, on_stage=on_stage,
                       cache_dir=cache_dir)
@@ -169,8 +171,11 @@ def _verify_plans(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
         results.append({"shape": shape, "bucket": env, "path": path, "ok": ok,
                         "outputs": [c.to_json() for c in checks]})
         if not ok and failure is None:
-            flipped = [c for c in checks if c.rel_l2 <= c.tolerance and not c.ok]
-            if flipped:          # within the error bound, but the rounding moved a confident top-1
+            flipped = [c for c in checks if c.rel_l2 <= c.tolerance and not c.ok and not c.vacuous]
+            div = reference_divergence(checks)       # eager NaN/inf throughout: nothing to bisect
+            if div is not None:
+                pass
+            elif flipped:          # within the error bound, but the rounding moved a confident top-1
                 t1 = flipped[0].top1
                 div = Divergence("quantize_weights", None, None, flipped[0].rel_l2, "weights",
                                  {"weights": rec.precision.weights, "flips": t1.flips, "positions": t1.positions})
@@ -195,7 +200,8 @@ def _verify_ranks(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
     import torch.utils._pytree as pytree
 
     from graphmode.compiler import compile as gm_compile
-    from graphmode.verify.bisect import Divergence, checked_precision, compare_outputs, output_labels
+    from graphmode.verify.bisect import (Divergence, checked_precision, compare_outputs, output_labels,
+                                         reference_divergence)
 
     tp = gm_compile(model, rec, proved_on, mode=mode, cache_dir=cache_dir, on_stage=on_stage)
     stack.callback(tp.close)
@@ -217,8 +223,11 @@ def _verify_ranks(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
         results.append({"shape": shape, "bucket": env, "path": path, "ok": ok, "outputs": [c.to_json() for c in checks]})
         if not ok and failure is None:
             worst = max((c.rel_l2 for c in checks), default=float("inf"))
-            flipped = next((c for c in checks if c.rel_l2 <= c.tolerance and not c.ok), None)
-            if flipped is not None and weights == rec.precision.weights != "f32":     # the stored weights' rounding
+            flipped = next((c for c in checks if c.rel_l2 <= c.tolerance and not c.ok and not c.vacuous), None)
+            div = reference_divergence(checks)
+            if div is not None:
+                pass
+            elif flipped is not None and weights == rec.precision.weights != "f32":     # the stored weights' rounding
                 div = Divergence("quantize_weights", None, None, flipped.rel_l2, "weights",
                                  {"weights": weights, "flips": flipped.top1.flips, "positions": flipped.top1.positions})
             else:
@@ -259,6 +268,13 @@ def _print_verdict(model, rec, src, contract, buckets, results, failure, fix) ->
             row.append(top1_cell(low) if low else "- (no logits)")
         t.add_row(*row, "yes" if r["ok"] else "[red]NO[/]")
     console.print(t)
+    partial = sorted({f"{o['name']!r}" for r in results for o in r["outputs"]
+                      if o.get("eager_nonfinite") and o["eager_nonfinite"]["count"] < o["eager_nonfinite"]["of"]})
+    if partial:
+        warnings.warn(GraphmodeNotice(
+            f"eager's own output(s) {', '.join(partial)} hold NaN or inf values: there the check asks only that "
+            "graphmode's are NaN or the same inf too, and the rel L2 covers the finite values (--json: "
+            "eager_nonfinite per output)"), stacklevel=1)
     if failure:
         console.print(f"[red]mismatch[/] at request {failure['shape']} (bucket {failure['bucket']}): "
                       f"{failure['divergence'].describe()}")
@@ -266,6 +282,8 @@ def _print_verdict(model, rec, src, contract, buckets, results, failure, fix) ->
             if failure.get("diff"):
                 console.print("proposed recipe change:")
                 console.print(failure["diff"], markup=False, highlight=False)
+            elif failure["divergence"].stage == "reference":
+                console.print("no recipe change can: the model's own outputs are not finite")
             else:
                 console.print("no recipe change is known to remove it; this is a graphmode bug — report it")
     else:

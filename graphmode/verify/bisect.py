@@ -14,7 +14,8 @@ import torch
 
 from graphmode.ir.graph import Graph
 from graphmode.ir.interpreter import interpret
-from graphmode.verify.numerics import TOLERANCE, UNJUDGED_WEIGHT_ONLY, WEIGHT_ONLY, Top1, rel_l2, top1_agreement
+from graphmode.verify.numerics import (TOLERANCE, UNJUDGED_WEIGHT_ONLY, WEIGHT_ONLY, Top1, nonfinite_count, rel_l2,
+                                       top1_agreement)
 
 
 @dataclass
@@ -28,14 +29,23 @@ class OutputCheck:
     tolerance: float
     top1: Top1 | None = None
     judge_top1: bool = False
+    eager_nonfinite: int = 0       # eager's own NaN/inf values: compared only as "there too"
+    size: int = 0
+
+    @property
+    def vacuous(self) -> bool:
+        """Eager is NaN/inf at every value: a rel L2 of 0 then vouches for nothing."""
+        return self.size > 0 and self.eager_nonfinite == self.size
 
     @property
     def ok(self) -> bool:
         flips = self.top1.flips if (self.judge_top1 and self.top1 is not None) else 0
-        return self.rel_l2 <= self.tolerance and flips == 0
+        return self.rel_l2 <= self.tolerance and flips == 0 and not self.vacuous
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "rel_l2": self.rel_l2, "tolerance": self.tolerance}
+        if self.eager_nonfinite:
+            d["eager_nonfinite"] = {"count": self.eager_nonfinite, "of": self.size}
         if self.top1 is not None:
             d["top1"] = {"share": self.top1.share, "agree": self.top1.agree, "positions": self.top1.positions,
                          "confident_flips": self.top1.flips, "judged": self.judge_top1,
@@ -57,7 +67,7 @@ class Divergence:
     node: str | None                 # "%value = op(...)" of the first diverging node
     op: str | None
     rel_l2: float
-    stage: str                       # "pass" | "plan" | "capture" | "padding" | "weights" | "parallel"
+    stage: str                       # "pass" | "plan" | "capture" | "padding" | "weights" | "parallel" | "reference"
     detail: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -79,6 +89,11 @@ class Divergence:
                     f"wire in {wire}); no bisection runs across ranks: verify the recipe without its parallel "
                     "section (tensor: 1) to bisect the passes" + (", or widen parallel.comm.dtype" if wire != "f32"
                                                                     else ""))
+        if self.stage == "reference":
+            return (f"eager's own output {self.detail.get('output')!r} is NaN or inf at all of its "
+                    f"{self.detail.get('count')} values, so nothing was compared (graphmode's agree, which proves "
+                    "nothing): look for NaN/inf in the model's weights or buffers, or an overflow at the inputs "
+                    "verify draws (standard normal; --seed picks others)")
         if self.stage == "plan":
             return f"introduced by the backend plan (all passes match): {where} (rel L2 {self.rel_l2:.2e})"
         return f"the captured graph already differs from eager: {where} (rel L2 {self.rel_l2:.2e})"
@@ -146,8 +161,18 @@ def compare_outputs(names: list[str], got: list[torch.Tensor], want: list[torch.
         judged = top1 is not None and ("logits" in n or is_logits)
         if narrow:
             tol = max(tol, WEIGHT_ONLY[weights] if judged else min(WEIGHT_ONLY[weights], UNJUDGED_WEIGHT_ONLY))
-        out.append(OutputCheck(n, short, rel_l2(g, w), tol, top1, judge_top1=judged))
+        bad = nonfinite_count(w)
+        out.append(OutputCheck(n, short, rel_l2(g, w), tol, top1, judge_top1=judged, eager_nonfinite=bad,
+                               size=w.numel() if torch.is_floating_point(w) else 0))
     return out
+
+
+def reference_divergence(checks: Sequence[OutputCheck]) -> Divergence | None:
+    """The failure of a case whose eager outputs are NaN/inf throughout: nothing was compared."""
+    empty = next((c for c in checks if c.vacuous), None)
+    if empty is None:
+        return None
+    return Divergence(None, None, None, empty.rel_l2, "reference", {"output": empty.name, "count": empty.size})
 
 
 def _first_bad_node(reference: Graph, ref_vals: Mapping[str, torch.Tensor], candidate: Graph,

@@ -114,6 +114,13 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+def nonfinite_count(t: torch.Tensor) -> int:
+    """NaN and inf values in a float tensor (0 for any other)."""
+    if not torch.is_floating_point(t) or t.numel() == 0:
+        return 0
+    return int(t.numel() - torch.isfinite(t).sum())
+
+
 def random_inputs(g: Graph, env: Mapping[str, int], seed: int = 0, int_high: int = 2) -> dict[str, torch.Tensor]:
     """Random tensors for a graph's inputs at concrete dims (ints drawn from [0, int_high))."""
     gen = torch.Generator().manual_seed(seed)

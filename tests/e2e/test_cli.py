@@ -88,6 +88,26 @@ def test_run_and_verify_without_a_recipe_draft_one_as_the_python_api_does(tmp_pa
     assert json.loads(res.stdout)["ok"]
 
 
+def test_verify_refuses_a_model_whose_eager_outputs_are_all_nan_and_notes_partial_ones(tmp_path):
+    """A model with a NaN weight verified "0.00e+00, ok": graphmode's NaN matched eager's, which proved
+    nothing. Outputs NaN throughout fail with the reason; NaN in part pass, with a notice."""
+    from graphmode.errors import GraphmodeNotice
+    tiny = ROOT / "tests" / "e2e" / "tiny_models.py"
+    res = invoke("verify", "--model", f"{tiny}:nan_weights", "--max-buckets", "1", "--fix", "--json",
+                 "--cache-dir", str(tmp_path))
+    assert res.exit_code == 1, res.output
+    d = json.loads(res.stdout)
+    assert d["failure"]["stage"] == "reference" and d["failure"]["fix"] is None
+    out = d["cases"][0]["outputs"][0]
+    assert out["eager_nonfinite"]["count"] == out["eager_nonfinite"]["of"] > 0
+    res = invoke("verify", "--model", f"{tiny}:nan_weights", "--max-buckets", "1", "--fix",
+                 "--cache-dir", str(tmp_path))
+    assert res.exit_code == 1 and "NaN or inf at all of its" in res.stdout and "no recipe change can" in res.stdout
+    with pytest.warns(GraphmodeNotice, match="hold NaN or inf values"):
+        res = invoke("verify", "--model", f"{tiny}:log_of_input", "--max-buckets", "1", "--cache-dir", str(tmp_path))
+    assert res.exit_code == 0, res.output
+
+
 def test_verify_bisects_a_broken_pass_and_proposes_a_fix(tmp_path, monkeypatch):
     """A deliberately wrong `layout` pass (changes relu to sigmoid) must be named, with the node."""
     import graphmode.passes.base as base

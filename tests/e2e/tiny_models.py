@@ -52,6 +52,23 @@ def mlp():
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval(), (torch.randn(4, 16),)
 
 
+def nan_weights():
+    """A model whose weights went NaN (a diverged checkpoint): eager answers NaN everywhere."""
+    model, ex = mlp()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")       # one NaN reaches every output through the second linear
+    return model, ex
+
+
+class _Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x) * 2.0            # NaN where x < 0: half of a standard normal input
+
+
+def log_of_input():
+    return _Log().eval(), (torch.randn(4, 16),)
+
+
 def recipe(name: str, inputs: list[dict], dims: dict, **over) -> dict:
     r = {"version": 1, "name": name, "inputs": inputs, "dims": dims, "codegen": {"kernel_selection": "heuristic"}}
     r.update(over)

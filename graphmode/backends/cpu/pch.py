@@ -74,12 +74,12 @@ def flags_for(cxx: str, version: str, flags: Sequence[str], tu: str) -> list[str
 
 
 def _build(cxx: str, flags: Sequence[str]) -> Path | None:
-    folder = tempfile.TemporaryDirectory(prefix="gm-pch-")
-    _FOLDERS.append(folder)          # removed at exit
-    header = Path(folder.name) / "gm_simd.h"
-    header.write_text(template(HEADER))
     cflags = [f for f in flags if f != "-shared"]
     try:
+        folder = tempfile.TemporaryDirectory(prefix="gm-pch-")
+        _FOLDERS.append(folder)          # removed at exit
+        header = Path(folder.name) / "gm_simd.h"
+        header.write_text(template(HEADER))
         res = subprocess.run([cxx, *cflags, "-fPIC", "-x", "c++-header", str(header), "-o", f"{header}.gch"],
                              capture_output=True, text=True, timeout=TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as e:

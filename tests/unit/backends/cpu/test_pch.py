@@ -76,3 +76,14 @@ def test_only_gcc_and_only_what_includes_the_intrinsics_get_it(fresh):
     for _ in range(3):
         assert pch.flags_for("/usr/bin/clang++", "Debian clang version 19.1.7", ("-O3",), simd) == []
     assert not pch._STATE             # clang: never counted, never built
+
+
+@needs_gcc
+def test_no_temporary_folder_means_no_header_not_a_failed_build(tmp_path, fresh, monkeypatch):
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(pch.tempfile, "TemporaryDirectory", full)
+    b = KernelBuilder(tmp_path)
+    _run(b, 16)
+    _run(b, 17)
+    assert b.stats["compiles"] == 2 and b.stats["precompiled_header"] == 0
