@@ -262,6 +262,7 @@ def run_cmd(
                      "mean": float(o.float().mean()) if o.numel() else 0.0,
                      "std": float(o.float().std()) if o.numel() > 1 else 0.0,
                      "rel_l2_vs_eager": c.rel_l2,
+                     **({"eager_nonfinite": c.eager_nonfinite} if c.eager_nonfinite else {}),
                      **({"top1_vs_eager": c.to_json()["top1"]} if c.top1 is not None else {})})
     numerics_ok = all(len(pytree.tree_leaves(o)) == len(refs) and all(c.ok for c in cs) for o, cs in zip(judged, every))
     timed = (lambda: cm.source.reference(inputs, optimized=True)) if ref_name == "onnxruntime" else \
@@ -326,7 +327,11 @@ def run_cmd(
                           f"{m['measured_ms']:.3g} ms over {len(graph_ms)} calls at this shape. The recipe's SLA "
                           "proof predicts with the target's cost model; `graphmode profile` calibrates it on this "
                           "host, so that the proof judges the bound by this host's speed", highlight=False)
-        if not numerics_ok:
+        empty = next((c.name for cs in every for c in cs if c.vacuous), None)
+        if empty is not None:
+            console.print(f"[red]numerics not checked[/]: {ref_name}'s own output {empty!r} is NaN or inf throughout, "
+                          "so nothing was compared: look for NaN/inf in the model's weights or inputs")
+        elif not numerics_ok:
             console.print(f"[red]numerics check failed[/]: an output differs from {ref_name} by more than "
                           f"rel L2 {tol:.0e}; run `graphmode verify` to find where")
     raise typer.Exit(0 if numerics_ok else 1)

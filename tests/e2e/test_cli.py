@@ -103,6 +103,8 @@ def test_verify_refuses_a_model_whose_eager_outputs_are_all_nan_and_notes_partia
     res = invoke("verify", "--model", f"{tiny}:nan_weights", "--max-buckets", "1", "--fix",
                  "--cache-dir", str(tmp_path))
     assert res.exit_code == 1 and "NaN or inf at all of its" in res.stdout and "no recipe change can" in res.stdout
+    res = invoke("run", "--model", f"{tiny}:nan_weights", "--iters", "1", "--cache-dir", str(tmp_path))
+    assert res.exit_code == 1 and "numerics not checked" in res.stdout
     with pytest.warns(GraphmodeNotice, match="hold NaN or inf values"):
         res = invoke("verify", "--model", f"{tiny}:log_of_input", "--max-buckets", "1", "--cache-dir", str(tmp_path))
     assert res.exit_code == 0, res.output
