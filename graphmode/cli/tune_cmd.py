@@ -130,17 +130,20 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
             "steps generate and serve run token by token (graphmode bench decode measures those)")
     warned: list[str] = []
 
+    def remember(r, **extra) -> None:
+        subj = Subject(r.recipe or base, tgt, runner.src, runner.graph0, r.ir_hash, origin="tune",
+                       parent=recipe_hash(base))
+        row = perf("tune", status=r.status, reason=r.reason, threads=r.config.get("threads"),
+                   extra={"run": run_key, "trial": r.index, "change": describe(r.config, base_cfg),
+                          "samples": r.samples, **extra}, **r.metrics)
+        w = record(kb_path, subj, [row])
+        if w and not warned:
+            warned.append(w)
+            err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)
+
     def on_trial(r) -> None:
         if not r.replayed:
-            subj = Subject(r.recipe or base, tgt, runner.src, runner.graph0, r.ir_hash, origin="tune",
-                           parent=recipe_hash(base))
-            row = perf("tune", status=r.status, reason=r.reason, threads=r.config.get("threads"),
-                       extra={"run": run_key, "trial": r.index, "change": describe(r.config, base_cfg),
-                              "samples": r.samples}, **r.metrics)
-            w = record(kb_path, subj, [row])
-            if w and not warned:
-                warned.append(w)
-                err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)
+            remember(r)
         if bar is not None:
             bar.update(task, completed=min(budget_s, time.monotonic() - t_start),
                        description=f"trial {r.index} ({'replayed' if r.replayed else r.status}): "
@@ -170,6 +173,9 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
     finally:
         if bar is not None:
             bar.stop()
+    if result.confirmation is not None:      # measured again side by side: what kb recommend ranks them by
+        for which in ("best", "baseline"):
+            remember(result.confirmation[which], confirmation=which, held=bool(result.confirmation["held"]))
     if journal.skipped:
         log(f"{journal.path}: {journal.skipped} line(s) are not trials graphmode wrote (cut off, or edited); "
             "they were not replayed")

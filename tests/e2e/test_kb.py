@@ -189,6 +189,9 @@ def test_tune_writes_the_version_that_keeps_the_contract_and_shows_the_diff(tmp_
     tuned = rows(kb, "p.source = 'tune'")
     assert tuned[0]["status"] == "violates" and "padding seq" in tuned[0]["reason"]
     assert any(r["status"] == "ok" for r in tuned) and all(r["origin"] == "tune" for r in tuned)
+    again = {r["extra"]["confirmation"]: r for r in tuned if r["extra"].get("confirmation")}   # measured again
+    assert set(again) == {"best", "baseline"} and again["best"]["extra"]["held"] is True      # (kb recommend's)
+    assert again["best"]["status"] == "ok" and again["baseline"]["status"] == "violates"
     assert (tmp_path / "pool.tune.jsonl").is_file()
     res = invoke(*[("bogus" if a == "dims" else a) for a in args])
     assert res.exit_code == 2 and "unknown knob" in res.output

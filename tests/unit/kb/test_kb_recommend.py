@@ -110,4 +110,66 @@ def test_a_recommendation_shows_one_measurements_metrics_together(tmp_path, capt
         tput, = recommend(kb, _row(captured, "mlp"), hardware_of(get_target("cpu_avx2")), "throughput")
     assert (lat.best["p99_ms"], lat.best["p50_ms"], lat.threads) == (0.0859, 0.0351, 1)
     assert (tput.best["throughput"], tput.best["p50_ms"], tput.threads) == (100.0, 0.0346, 2)
-    assert "with 1 thread(s) (bench), the best of 2 measurement(s)" in lat.why("latency")
+    assert "with 1 thread(s) (bench), the median of 1 of its 2 measurement(s)" in lat.why("latency")
+    assert "no other recipe measured under the same conditions" in lat.why("latency")
+
+
+def _ranked(tmp_path, captured, measured: dict[str, list[dict]], objective: str = "latency"):
+    """Names in recommend's order, for recipes of one model on one machine measured as given."""
+    from graphmode.kb.record import Subject
+    from graphmode.recipe import load_recipe
+    path = tmp_path / "kb.sqlite"
+    g, src, data = captured["mlp"]
+    for name, rows in measured.items():
+        s = Subject(load_recipe(dict(data, name=name)), get_target("cpu_avx2"), src, g, None)
+        assert record(path, s, rows) is None
+    with KnowledgeBase(path) as kb:
+        recs = recommend(kb, _row(captured, "mlp"), hardware_of(get_target("cpu_avx2")), objective, limit=None)
+    return [r.recipe["name"] for r in recs], recs
+
+
+def _bench(p99, batch=1, threads=2):
+    return perf("bench", p50_ms=p99 / 2, p99_ms=p99, throughput=1000.0 / p99, bucket={"batch": batch},
+                threads=threads)
+
+
+def _tune(p99, run="r1", **extra):
+    return perf("tune", p50_ms=p99 / 2, p99_ms=p99, throughput=1000.0 / p99, threads=2,
+                extra={"run": run, **extra})
+
+
+def test_recipes_are_compared_where_both_were_measured_not_by_their_best_number_anywhere(tmp_path, captured):
+    """`a` was benched at batch 1 (1 ms) and tuned beside `b` over a mixed workload (3.3 ms vs 3.0):
+    its batch-1 number ranked it first, though where the two were measured together `b` is faster."""
+    names, recs = _ranked(tmp_path, captured, {"a": [_bench(1.0), _tune(3.3)], "b": [_tune(3.0)]})
+    assert names == ["b", "a"]
+    b, a = recs
+    assert b.relative == 1.0 and a.relative == pytest.approx(1.1) and a.versus == 1
+    assert "1.1x the best of 2 recipe(s) measured under the same conditions" in a.why("latency")
+    assert b.best["p99_ms"] == 3.0 and a.best["p99_ms"] == 3.3          # shown where they were compared
+
+
+def test_a_recipe_is_judged_by_its_median_not_its_luckiest_run(tmp_path, captured):
+    names, recs = _ranked(tmp_path, captured, {"lucky": [_bench(1.0), _bench(5.0), _bench(5.2)],
+                                               "steady": [_bench(4.0), _bench(4.1), _bench(4.2)]})
+    assert names == ["steady", "lucky"] and recs[1].best["p99_ms"] == 5.0 and recs[1].samples == 3
+    names, _ = _ranked(tmp_path / "t", captured, {"lucky": [_bench(1.0), _bench(5.0), _bench(5.2)],
+                                                   "steady": [_bench(4.0), _bench(4.1), _bench(4.2)]}, "throughput")
+    assert names == ["steady", "lucky"]
+
+
+def test_a_tuning_gain_that_did_not_repeat_is_not_recommended_over_the_recipe_it_was_measured_against(
+        tmp_path, captured):
+    """Tune measured `tuned` at 2.0 ms against the recipe as written at 3.0, then both again (3.1 vs
+    3.0): the gain did not hold and tune kept the recipe as written, but kb recommend ranked `tuned`
+    first on its one lucky trial."""
+    held = {"confirmation": "best", "held": False}
+    names, _ = _ranked(tmp_path, captured, {
+        "as-written": [_tune(3.0), _tune(3.0, confirmation="baseline", held=False)],
+        "tuned": [_tune(2.0), _tune(3.1, **held)]})
+    assert names == ["as-written"]
+    held = {"confirmation": "best", "held": True}         # a gain that repeated: its confirmation counts
+    names, recs = _ranked(tmp_path / "held", captured, {
+        "as-written": [_tune(1.0), _tune(3.0, confirmation="baseline", held=True)],
+        "tuned": [_tune(2.0), _tune(2.5, **held)]})
+    assert names == ["tuned", "as-written"] and recs[1].best["p99_ms"] == 3.0
