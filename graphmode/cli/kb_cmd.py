@@ -338,11 +338,12 @@ def recommend_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP
         console.print(f"no measured recipe in {path} yet: `graphmode recipe init` drafts one, `graphmode tune` "
                       "measures it", markup=False, highlight=False)
     t = _table(f"{len(recs)} recommendation(s) from {path}", "#", "recipe", "measured with", "distance",
-               "hardware", "similarity", "p99 ms", "p50 ms", "items/s", "measurements")
+               "hardware", "similarity", "p99 ms", "p50 ms", "items/s", "vs best beside it", "measurements")
     for i, r in enumerate(recs, 1):
         t.add_row(str(i), f"{r.recipe['hash']} {r.recipe['name']}", f"{r.model['name']} ({r.model['family']})",
                   f"{r.model_distance:g}", r.hardware["name"], f"{r.hardware_similarity:g}",
                   shown(r.best.get("p99_ms")), shown(r.best.get("p50_ms")), shown(r.best.get("throughput")),
+                  f"{r.relative:.3g}x" if r.relative is not None else "- (alone)",
                   f"{r.measurements} ({', '.join(r.sources)})")
     if recs:
         console.print(t)
