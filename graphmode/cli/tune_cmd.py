@@ -142,7 +142,7 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
             err_console.print(f"warning: {w}", markup=False, highlight=False, style="yellow", soft_wrap=True)
 
     def on_trial(r) -> None:
-        if not r.replayed:
+        if not r.replayed and r.same_as is None:     # (a copy of another trial's numbers is no measurement)
             remember(r)
         if bar is not None:
             bar.update(task, completed=min(budget_s, time.monotonic() - t_start),
@@ -151,7 +151,9 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
         m = r.metrics
         log(f"trial {r.index}{' (journal)' if r.replayed else ''}: {describe(r.config, base_cfg)}: {r.status}"
             + (f", p99 {shown(m.get('p99_ms'))} ms, {shown(m.get('throughput'))} items/s" if m else "")
-            + (f" ({r.reason.splitlines()[0][:200]})" if r.reason else ""))
+            + (f" ({r.reason.splitlines()[0][:200]})" if r.reason else "")
+            + (f" (the compiled graph and plan of trial {r.same_as}: not timed again)" if r.same_as is not None
+               else ""))
 
     bar = task = None
     try:

@@ -261,6 +261,20 @@ def test_a_weight_only_trial_is_held_to_the_weight_only_contract(kb_cache):
     assert 1e-5 < res.metrics["numerics_err"] < 6e-2      # a rounding error, within int8's bound
 
 
+def test_a_knob_that_leaves_the_compiled_graph_as_it_was_is_not_timed_again(kb_cache):
+    """Dropping the attention pattern from a CNN changed nothing it compiled, and timed again its
+    noise was "confirmed +5.8%"; the same graph and plan knobs are the same trial's numbers."""
+    data = recipe_data(dims={"batch": {"buckets": [2, 4]}})
+    runner = TrialRunner(spec("mlp"), data, get_target("host"), tol=1e-5, measure_s=0.1, cache_dir=kb_cache)
+    first = runner.run({"fusion.max_ops": 64}, 0)
+    small = runner.run({"fusion.max_ops": 8}, 1)           # an MLP's groups are smaller than either
+    assert small.ir_hash == first.ir_hash and small.same_as == 0 and small.metrics == first.metrics
+    assert TrialResult.from_json(small.to_json()).same_as == 0          # journaled
+    threads = runner.run({"fusion.max_ops": 8, "threads": 1}, 2)       # another plan knob: timed
+    again = runner.run({"fusion.max_ops": 64}, 0)          # tune's confirmation of a trial: measured again
+    assert threads.same_as is None and again.same_as is None and again.samples > 0
+
+
 def test_the_recipe_as_written_keeps_every_dim_field_in_every_trial():
     """recipe init gives a dim whose few buckets pad more than half `exact_plans`; tune rebuilt
     each dim from its range and padding only, so trial 0 ("recipe as written") was another
