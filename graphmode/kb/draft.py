@@ -226,7 +226,8 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
     if not hasattr(given, "module"):           # an ONNX file: one dim per axis the exporter named per input
         from graphmode.kb.onnx_axes import unified
         given = unified(given)
-    bundle = _place_dims(given, dict(ranges or {}))
+    guessed: dict[str, list] = {}
+    bundle = _place_dims(given, dict(ranges or {}), guessed)
     opts = dict(target=target, p99_ms=p99_ms, memory_mb=memory_mb, max_p99_over_p50=max_p99_over_p50,
                 # a bucket count alone is its own policy (the default padding bound could contradict it)
                 max_padding=DEFAULT_MAX_PADDING if bounded else max_padding, max_buckets=max_buckets,
@@ -267,7 +268,7 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
                 rounds += 1
                 queue.insert(0, (b, hint))
             elif not queue:
-                raise
+                raise _guessed_axes_advice(e, guessed, given) if guessed else e
             continue
         draft.fixed_dims = [d for d in bundle.dim_names if d not in b.dim_names]
         if draft.fixed_dims:
@@ -280,6 +281,19 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
                     "compiles its forward pass at the example's length")
         return draft
     raise AssertionError("unreachable")
+
+
+def _guessed_axes_advice(e: CaptureError, guessed: dict[str, list], given: Any) -> RecipeError:
+    """A --dim placed where its name suggests (a sequence dim on axis 1) that torch.export refused
+    there: the model fixes that axis (an MLP's features), or has no such dim at all."""
+    d, axes = next(iter(guessed.items()))
+    where = ", ".join(f"axis {ax} of {inp} (size {size} in the example)" for inp, ax, size in axes)
+    first = (str(e.message).strip().splitlines() or [""])[0]
+    shapes = ", ".join(f"{k} {v}" for k, v in given.input_dims.items())
+    return RecipeError(f"--dim {d} was put on {where}, where a dim named {d!r} goes when no axes are named, and "
+                       f"the model does not take it there ({first})", where="--dim", value=d,
+                       fix=f"name the axes it is on: --dim {d}=LO:HI@INPUT:AXIS (inputs: {shapes}), or leave "
+                           f"--dim {d} out if the model has no such axis")
 
 
 def _tighter(narrowed: dict[str, tuple], hint: dict[str, tuple]) -> dict[str, tuple]:
@@ -335,8 +349,9 @@ def _pin(bundle: Any, names: list[str]) -> Any:
                                                    for k, v in bundle.input_dims.items()})
 
 
-def _place_dims(bundle: Any, ranges: dict[str, tuple]) -> Any:
-    """The bundle with every dim of `ranges` the model does not have yet named on its input axes."""
+def _place_dims(bundle: Any, ranges: dict[str, tuple], guessed: dict[str, list] | None = None) -> Any:
+    """The bundle with every dim of `ranges` the model does not have yet named on its input axes;
+    `guessed` collects the axes chosen for a dim whose axes were not named."""
     names = set(bundle.dim_names)
     new = {d: r for d, r in ranges.items() if d not in names or len(r) > 2}
     if not new:
@@ -347,6 +362,8 @@ def _place_dims(bundle: Any, ranges: dict[str, tuple]) -> Any:
     dims = {k: list(v) for k, v in bundle.input_dims.items()}
     for d, r in new.items():
         axes = list(r[2]) if len(r) > 2 else _default_axes(d, dims)
+        if len(r) <= 2 and guessed is not None:
+            guessed[d] = [(inp, ax, dims[inp][ax]) for inp, ax in axes]
         if not axes:
             raise RecipeError(f"the model has no dim {d!r} and graphmode cannot tell which input axis it is",
                               where="--dim", value=d,

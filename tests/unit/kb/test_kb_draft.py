@@ -269,3 +269,13 @@ def test_the_draft_of_an_fp16_model_says_compute_f32_leaves_its_f16_ops_alone():
     assert d.data["precision"] == {"compute": "f32"}
     assert "model's f16 weights and the ops on them run in f16 as in eager" in d.notes["precision"]
     assert "compute f32 changes no dtype" not in draft_recipe(spec("mlp")).notes["precision"]
+
+
+def test_a_sequence_dim_put_on_an_axis_the_model_fixes_says_so_at_the_flag():
+    """`recipe init --dim seq=1:8` of an MLP put seq on its feature axis (axis 1, where a sequence dim
+    goes when no axes are named) and ended in torch.export's matmul error, named nowhere near --dim."""
+    from graphmode.errors import RecipeError
+    with pytest.raises(RecipeError) as e:
+        draft_recipe(spec("mlp"), ranges={"seq": (1, 8)}, record=False)
+    assert e.value.where == "--dim" and "axis 1 of x (size 16 in the example)" in e.value.message
+    assert "--dim seq=LO:HI@INPUT:AXIS" in e.value.fix and "leave --dim seq out" in e.value.fix
