@@ -120,6 +120,7 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
                       ["fingerprint"], "objective": objective, "tol": tol, "axes": [[a.name, a.values] for a in axes],
                       "workload": runner.shapes})
     journal = Journal(recipe.with_name(recipe.stem + ".tune.jsonl"), run_key)
+    journal.hold()
     journal.start({"recipe": str(recipe), "hash": recipe_hash(base), "model": model, "objective": objective,
                    "budget_s": budget_s, "target": tgt.name, "time": time.time(), "fresh": fresh})
     for a in axes:
@@ -182,6 +183,7 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
         log(f"{journal.path}: {journal.skipped} line(s) are not trials graphmode wrote (cut off, or edited); "
             "they were not replayed")
     _report(result, base_cfg, recipe, base_data, objective, tgt, as_json, out, journal)
+    journal.release()
 
 
 def _draft_to_start(model: str, target: Optional[str], kb_path: Path, objective: str, layout: Any,

@@ -4,15 +4,19 @@ resumes where it stopped.
 Lines carry the run key (a digest of the base recipe, model, hardware, objective, tolerance,
 search space and workload): rerunning the same command replays that run's trials instead of
 measuring them again, and a changed recipe or space starts a new run in the same file. Each
-line is flushed and fsync'd when its trial ends; a line cut off by a kill is skipped.
+line is flushed and fsync'd when its trial ends; a line cut off by a kill is skipped. One tune
+at a time holds a journal (an flock on `<journal>.lock`, released at its end or when its process
+dies): two at once interleaved their trials under one run key and both wrote a version.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+from graphmode.errors import GraphmodeError
 from graphmode.tune.trial import TrialResult
 
 
@@ -21,6 +25,32 @@ class Journal:
         self.path = Path(path)
         self.run_key = run_key
         self.skipped = 0            # unreadable lines (a trial cut off mid-write)
+        self._held: int | None = None
+
+    def hold(self) -> None:
+        """Take the journal for this run, or refuse while another tune holds it."""
+        lock = self.path.with_name(self.path.name + ".lock")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return                  # a folder it cannot write: the journal's own writes will say so
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise GraphmodeError(f"another graphmode tune is running with the journal {self.path}", where="--recipe",
+                                 value=str(self.path), fix="wait for it to end (it resumes from the same journal "
+                                 "when run again), or tune a copy of the recipe file under another name") from None
+        self._held = fd
+
+    def release(self) -> None:
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
+
+    def __del__(self) -> None:
+        self.release()
 
     def load(self) -> dict[str, TrialResult]:
         """This run's finished trials by configuration key (since its last fresh start)."""

@@ -297,3 +297,17 @@ def test_the_recipes_own_padding_bound_is_tried_as_it_is():
                         threads=[1])
     dims = next(a for a in axes if a.name == "dims.batch")
     assert not any(n.startswith("padding <= 0.8333 ") for n in dims.notes), dims.notes
+
+
+def test_a_journal_is_held_by_one_tune_at_a_time(tmp_path):
+    """Two tunes of one recipe at once interleaved their trials under one run key (trial S)."""
+    from graphmode.errors import GraphmodeError
+    first = Journal(tmp_path / "r.tune.jsonl", "run")
+    first.hold()
+    second = Journal(tmp_path / "r.tune.jsonl", "run")
+    with pytest.raises(GraphmodeError, match="another graphmode tune is running") as e:
+        second.hold()
+    assert e.value.where == "--recipe" and "tune a copy" in e.value.fix
+    first.release()
+    second.hold()                  # free again once the first ends
+    second.release()
