@@ -190,7 +190,35 @@ def _verify_plans(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
                                  {"shape": shape, "bucket": env})
             failure = {"bucket": env, "shape": shape, "divergence": div}
         checking.step(f"{cm.bucket_key(shape)} in bucket {cm.bucket_key(env)}: {'ok' if ok else 'MISMATCH'}")
+    if rec.memory.kv_cache is not None and src.module is not None:     # a decoder: its decode steps too
+        with stage(on_stage, "verify decode", detail="greedy steps against eager"):
+            row, div = _verify_decode(cm, rec, seed)
+        results.append(row)
+        if div is not None and failure is None:
+            failure = {"bucket": row["bucket"], "shape": row["shape"], "divergence": div}
     return cm, src, contract, results, failure
+
+
+def _verify_decode(cm, rec, seed):
+    """The decode engine's steps against eager (decode/check.py): a results row, and the divergence
+    when they differ."""
+    from graphmode.errors import ContractViolation
+    from graphmode.verify.bisect import Divergence
+    from graphmode.decode.check import check_decode
+    try:
+        d = check_decode(cm, rec, seed=seed)
+    except ContractViolation as e:          # the engine refuses a step whose logits are not finite
+        kv = rec.memory.kv_cache.dtype or rec.precision.compute
+        row = {"shape": {"decode": "greedy"}, "bucket": {"kv": kv}, "path": "decode", "ok": False,
+               "outputs": [{"name": "decode logits", "rel_l2": float("inf"), "tolerance": 0.0, "error": e.message}]}
+        return row, Divergence(None, None, None, float("inf"), "decode", {"kv": kv, "refused": e.message})
+    row = {"shape": {"prompts": "+".join(map(str, d.prompts)), "new tokens": d.steps},
+           "bucket": {"kv": d.kv_dtype}, "path": "decode", "ok": d.ok, "outputs": [d.to_json()]}
+    if d.ok:
+        return row, None
+    return row, Divergence(None, None, None, d.rel_l2, "decode",
+                           {"kv": d.kv_dtype, "prompt": d.worst_prompt, "step": d.worst_step,
+                            "flips": d.top1.flips if d.top1 is not None else 0, "tolerance": d.tolerance})
 
 
 def _verify_ranks(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stack, on_stage):

@@ -16,6 +16,11 @@ def propose_fix(recipe, divergence: Divergence) -> dict[str, Any] | None:
     if divergence.stage == "parallel":        # the rank group's outputs: its wire is the one recipe knob
         wider = {"int8": "bf16", "bf16": "f32"}.get(recipe.parallel.comm.dtype)
         return {"parallel": {"comm": {"dtype": wider}}} if wider else None
+    if divergence.stage == "decode":          # the KV cache's rounding is the decode path's own knob
+        kv = divergence.detail.get("kv")         # f16 values past 65504 need bf16's range; drift, f32's bits
+        wider = "bf16" if kv == "f16" and divergence.detail.get("refused") else "f32" if kv in ("f16", "bf16") \
+            else None
+        return {"memory": {"kv_cache": {"dtype": wider}}} if wider else None
     if divergence.stage == "weights" or divergence.pass_name == "quantize_weights":
         wider = {"int4": "int8", "int8": "bf16"}.get(recipe.precision.weights, "f32")   # one step wider
         return {"precision": {"weights": wider}}     # (dropping the pass leaves a recipe refused)

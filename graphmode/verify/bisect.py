@@ -67,7 +67,7 @@ class Divergence:
     node: str | None                 # "%value = op(...)" of the first diverging node
     op: str | None
     rel_l2: float
-    stage: str                       # "pass" | "plan" | "capture" | "padding" | "weights" | "parallel" | "reference"
+    stage: str             # "pass" | "plan" | "capture" | "padding" | "weights" | "parallel" | "reference" | "decode"
     detail: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -89,6 +89,14 @@ class Divergence:
                     f"wire in {wire}); no bisection runs across ranks: verify the recipe without its parallel "
                     "section (tensor: 1) to bisect the passes" + (", or widen parallel.comm.dtype" if wire != "f32"
                                                                     else ""))
+        if self.stage == "decode" and self.detail.get("refused"):
+            return f"decoding was refused with the KV cache in {self.detail.get('kv')}: {self.detail['refused']}"
+        if self.stage == "decode":
+            flips = self.detail.get("flips") or 0
+            return (f"the decode steps' logits differ from eager's (rel L2 {self.rel_l2:.2e} against "
+                    f"{self.detail.get('tolerance'):.0e}" + (f", {flips} confident top-1 flip(s)" if flips else "")
+                    + f"; worst at step {self.detail.get('step')} of prompt {self.detail.get('prompt')}) with the "
+                    f"KV cache in {self.detail.get('kv')}, though the whole-sequence graph matches")
         if self.stage == "reference":
             return (f"eager's own output {self.detail.get('output')!r} is NaN or inf at all of its "
                     f"{self.detail.get('count')} values, so nothing was compared (graphmode's agree, which proves "

@@ -377,6 +377,40 @@ def test_an_f16_kv_cache_that_overflows_is_refused_not_decoded_as_token_0(cache)
         assert torch.equal(wide.generate(PROMPTS[1:2], max_new_tokens=4)[:, 6], want[:, 6])
 
 
+def test_verify_checks_the_decode_steps_at_the_kv_dtype_and_proposes_a_wider_one(tmp_path, cache):
+    """`graphmode verify` of a decoder recipe checked its whole-sequence graph only: an f16 pool that
+    overflows passed, and a narrow pool's drift was never measured (trial T). Its decode steps are
+    now checked against eager, teacher-forced, at the recipe's KV dtype."""
+    import json
+    from pathlib import Path
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from graphmode.cli.app import _register, app
+    _register()
+    spec = str(Path(__file__).with_name("tiny_decoders.py"))
+
+    def verify(model: str, dtype: str) -> tuple[int, dict]:
+        path = tmp_path / f"{model}-{dtype}.yaml"
+        path.write_text(yaml.safe_dump(recipe(4, dtype=dtype)))
+        res = CliRunner().invoke(app, ["verify", "--model", f"{spec}:{model}", "--recipe", str(path), "--json", "--fix",
+                                       "--max-buckets", "1", "--cache-dir", str(cache)])
+        return res.exit_code, json.loads(res.stdout[res.stdout.index("{"):])
+    code, d = verify("gpt2_f16_overflow", "f16")
+    assert code == 1 and d["failure"]["stage"] == "decode", d        # the whole-sequence graph (f32) matches
+    assert all(c["ok"] for c in d["cases"][:-1]) and d["failure"]["fix"] == {"memory": {"kv_cache": {"dtype": "bf16"}}}
+    assert d["cases"][-1]["path"] == "decode" and d["cases"][-1]["bucket"] == {"kv": "f16"}
+
+
+def test_the_decode_check_compares_every_step_with_eager_teacher_forced(model):
+    from graphmode.decode.check import check_decode
+    _, cm = model
+    d = check_decode(cm, cm.recipe)
+    assert d.ok and d.kv_dtype == "f32" and d.rel_l2 < 1e-5 == d.tolerance and d.top1 is None
+    assert len(d.prompts) == 2 and d.steps == 2 * 8          # two prompts, every new token's logits
+
+
 def test_the_engine_is_lowered_by_the_pipeline_driver(model):
     """The decode graph comes from compiler.lower_model: to_paged ran first, the verdict and
     the proof (the KV pool counted once, as the cache, not as weights) are kept."""

@@ -37,6 +37,18 @@ def gpt2_alone():
     return _lm()
 
 
+def gpt2_f16_overflow():
+    """`gpt2` with its attention values scaled up 1e6 and its output projection down (the same
+    function): its V cache holds values past f16's 65504."""
+    model, (ex, dims) = _lm(), _inputs()
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, 64:].mul_(1e6)       # the V columns of c_attn (n_embd 32)
+            block.attn.c_attn.bias[64:].mul_(1e6)
+            block.attn.c_proj.weight.div_(1e6)
+    return model, ex, dims
+
+
 def greedy_reference(prompt: list[int], n: int) -> list[int]:
     """transformers' greedy generate on the same weights: the new tokens."""
     lm = gpt2()[0]
