@@ -322,6 +322,10 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
         raise CaptureError("input_dims names differ from the example inputs", where=where,
                            value=sorted(dims), fix=f"give dims for exactly {list(ex)}")
     dims = {k: dims[k] for k in ex}
+    for k, axes in dims.items():          # None marks a fixed axis (torch.export's dynamic_shapes): its size
+        shape = tuple(getattr(ex[k], "shape", ()))
+        if any(a is None for a in axes) and len(axes) == len(shape):
+            dims[k] = [shape[i] if a is None else a for i, a in enumerate(axes)]
     try:
         with torch.inference_mode(), refuse_self_changes(module, where, "running on its example inputs") as probe:
             probe.again = (lambda: module(*ex.values())) if positional else (lambda: module(**ex))

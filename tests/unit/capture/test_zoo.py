@@ -427,6 +427,14 @@ def test_bundle_from_module_validates():
     assert b.input_names == ["input"] and b.output_names == ["output"]
 
 
+def test_a_fixed_axis_marked_none_takes_the_examples_size():
+    """torch.export's dynamic_shapes mark a fixed axis None; graphmode read None as a dim's name
+    ("dim None is 3 in one input and 32 in 'x'", trial U)."""
+    b = bundle_from_module(nn.Conv2d(3, 4, 3), {"input": torch.randn(2, 3, 8, 8)},
+                           {"input": ["batch", None, None, None]})
+    assert b.input_dims == {"input": ["batch", 3, 8, 8]} and b.dim_names == ["batch"]
+
+
 # ------------------------------------------------------------------------------- ONNX
 
 
