@@ -60,6 +60,25 @@ def sla_target(recipe: Any, dims: dict[str, int] | None) -> SlaTarget | None:
     return SlaTarget("sla", p50, p99)
 
 
+def window_misses(recipe: Any, window_ms: float) -> str | None:
+    """Why a server's batch window alone misses the recipe's tightest latency bound (a request may
+    wait that long for its batch before its model call starts; the SLA proof counts the model's
+    time, not the server's batching), or None."""
+    sla = getattr(recipe, "sla", None)
+    if sla is None or window_ms <= 0:
+        return None
+    bounds = [(f"sla.{q}", _num(getattr(sla, q))) for q in ("p50_ms", "p99_ms")]
+    bounds += [(f"sla.per_bucket[{i}].{q}", _num(getattr(e, q))) for i, e in enumerate(sla.per_bucket)
+               for q in ("p50_ms", "p99_ms")]
+    named = [(v, k) for k, v in bounds if v is not None]
+    if not named or min(named)[0] > window_ms:
+        return None
+    v, k = min(named)
+    return (f"the batch window (--batch-window-ms {window_ms:g}) is at least {k} {v:g} ms: a request that waits "
+            "for its batch to fill misses that bound before its model call starts (the recipe's SLA proof counts "
+            "the model's time, not the server's batching); lower --batch-window-ms (0 runs each request at once)")
+
+
 def quantile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank quantile of an ascending sequence (p99 of 100 samples is the 99th)."""
     if not sorted_values:

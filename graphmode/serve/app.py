@@ -564,7 +564,7 @@ def uvicorn_server(app: Starlette, *, log_level: str = "warning") -> Any:
 
         async def shutdown(self, sockets: Any = None) -> None:
             server.begin_stop()
-            timer = asyncio.get_running_loop().call_later(grace, server.end_generations)
+            timer = asyncio.get_running_loop().call_later(grace, server.end_requests)
             try:
                 await super().shutdown(sockets=sockets)
                 if self.force_exit:

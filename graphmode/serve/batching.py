@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from graphmode.serve.errors import NotReady
+
 
 @dataclass
 class Pending:
@@ -125,8 +127,17 @@ class Batcher:
         self.carry: deque[Pending] = deque()
         self.batches = 0
         self._task: asyncio.Task | None = None
+        self._flush: asyncio.Event | None = None
+        self._collecting: list[Pending] = []      # the batch waiting for its window to fill
+
+    def flush(self) -> None:
+        """No more waiting for a batch to fill (shutdown: nothing new arrives): run what is queued now."""
+        self.window_s = 0.0
+        if self._flush is not None:
+            self._flush.set()
 
     def start(self) -> None:
+        self._flush = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="graphmode-batcher")
 
     async def stop(self) -> None:
@@ -136,9 +147,10 @@ class Batcher:
                 await self._task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
                 pass
-        for p in list(self.carry) + self._drain():
+        for p in list(self.carry) + self._drain() + self._collecting:
             if p.future is not None and not p.future.done():
-                p.future.set_exception(ConnectionAbortedError("the server is shutting down"))
+                p.future.set_exception(NotReady("the server is shutting down", where="request",
+                                                fix="retry it (on another replica, or once the server is back)"))
 
     def _drain(self) -> list[Pending]:
         out = []
@@ -147,7 +159,7 @@ class Batcher:
         return out
 
     def depth(self) -> int:
-        return self.queue.qsize() + len(self.carry)
+        return self.queue.qsize() + len(self.carry) + len(self._collecting)
 
     def submit(self, p: Pending) -> None:
         self.queue.put_nowait(p)
@@ -159,17 +171,25 @@ class Batcher:
             return self.carry.popleft()
         if timeout is None:
             return await self.queue.get()
-        if timeout <= 0:
+        if timeout <= 0 or (self._flush is not None and self._flush.is_set()):
             return self.queue.get_nowait() if not self.queue.empty() else None
+        getter = asyncio.ensure_future(self.queue.get())
+        woken = asyncio.ensure_future(self._flush.wait()) if self._flush is not None else None
         try:
-            return await asyncio.wait_for(self.queue.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
+            await asyncio.wait({getter} | ({woken} if woken else set()), timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in (getter, woken):
+                if f is not None and not f.done():
+                    f.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        return self.queue.get_nowait() if not self.queue.empty() and woken is not None and woken.done() else None
 
     async def _collect(self) -> list[Pending]:
         first = await self._next(None)
         assert first is not None
-        batch = [first]
+        batch = self._collecting = [first]
         if first.alone:
             return batch
         limit = self.max_rows(first.deployment)
@@ -194,6 +214,7 @@ class Batcher:
         """Run one batch and answer its requests. Its own frame: once it returns nothing here
         refers to the batch, so a retired deployment is not kept alive by the last batch it ran."""
         live = [p for p in batch if p.future is None or not p.future.done()]
+        self._collecting = []
         if self.on_depth:
             self.on_depth(self.depth())
         if not live:

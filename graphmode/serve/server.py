@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 from graphmode.errors import GraphmodeError
 from graphmode.kb.record import ServeRecorder
-from graphmode.monitor import PromMetrics, Renegotiator, SlaDriftProbe, TokenBucket
+from graphmode.monitor import PromMetrics, Renegotiator, SlaDriftProbe, TokenBucket, window_misses
 from graphmode.progress import OnStage
 from graphmode.serve.batching import Batcher
 # the server's concerns, one module each; their names stay importable from here
@@ -191,6 +191,7 @@ class ModelServer(Loading, Reloading, Serving):
         self.batcher: Batcher | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ticker: asyncio.Task | None = None
+        self._ending: asyncio.Event | None = None         # set when the shutdown grace is over
         self.metrics.ready.labels(self.target_name).set(0)
         self.kb = ServeRecorder(self.config.kb, self.target, self.config.kb_period_s, clock) \
             if self.config.kb is not None else None
@@ -218,6 +219,9 @@ class ModelServer(Loading, Reloading, Serving):
     def _activate(self, dep: Deployment) -> None:
         with self._swap_lock:
             old, self.active = self.active, dep
+        late = window_misses(dep.recipe, self.config.batch_window_ms)
+        if late:
+            log.warning("recipe %s: %s", dep.version, late)
         if dep.version in self._retired:             # a version swapped back in keeps its series
             self._retired.remove(dep.version)
         dep.monitor.on_drift(functools.partial(self._on_drift, weakref.ref(dep)))   # no cycle through dep
@@ -283,6 +287,7 @@ class ModelServer(Loading, Reloading, Serving):
     # ---- lifecycle (called from the ASGI lifespan, on the server's event loop) -----------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self._ending = asyncio.Event()
         depth = self.metrics.queue_depth.labels(self.target_name)
         self.batcher = Batcher(self._run_batch, self._max_rows, window_s=self.config.batch_window_ms / 1e3,
                                executor=self.executor, on_depth=depth.set)
@@ -295,6 +300,15 @@ class ModelServer(Loading, Reloading, Serving):
         answers now (503) instead of holding the shutdown up until it is cancelled."""
         self.stopping = True
         self.sandbox.close()
+        if self.batcher is not None:
+            self.batcher.flush()
+
+    def end_requests(self) -> None:
+        """The shutdown grace is over: every request still waiting (for a batch, a build, its model
+        call) answers 503 now, where uvicorn would cancel it into a bare 500 and a traceback."""
+        if self._ending is not None:
+            self._ending.set()
+        self.end_generations()
 
     def end_generations(self, timeout: float = 0.0) -> None:
         """The shutdown grace is over: every decode loop (a retired deployment's too) ends its

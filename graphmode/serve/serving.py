@@ -37,17 +37,38 @@ class Serving:
         p.future = self.loop.create_future()
         self.batcher.submit(p)
         try:
-            return await asyncio.wait_for(p.future, max(0.0, deadline - time.monotonic()))
+            return await self._until(p.future, deadline)
         except asyncio.TimeoutError:
             dep.monitor.request_status("timeout")
             raise RequestTimeout(f"no answer within {self.config.request_timeout_s:g} s", where="request",
                                  fix="raise --request-timeout-s or lower the load") from None
 
+    async def _until(self, waited: Any, deadline: float) -> Any:
+        """`waited`'s result; asyncio.TimeoutError past `deadline`; NotReady (503) once the shutdown
+        grace is over (ModelServer.end_requests), the request's wait given up."""
+        task = asyncio.ensure_future(waited)
+        ending = getattr(self, "_ending", None)
+        stop = asyncio.ensure_future(ending.wait()) if ending is not None else None
+        try:
+            await asyncio.wait({task} | ({stop} if stop else set()), timeout=max(0.0, deadline - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if stop is not None and not stop.done():
+                stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        if stop is not None and stop.done():
+            raise NotReady("the server is shutting down: this request did not finish within its shutdown grace",
+                           where="request", fix="retry it (on another replica, or once the server is back); "
+                           "--shutdown-grace-s gives open requests longer")
+        raise asyncio.TimeoutError
+
     async def _built(self, dep: Deployment, bucket: Mapping[str, int], deadline: float) -> None:
         """Wait (without holding the serving thread) until `bucket` is built; 503 past the deadline."""
         fut = self.build_in_background(dep, bucket)
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), max(0.0, deadline - time.monotonic()))
+            await self._until(asyncio.shield(asyncio.wrap_future(fut)), deadline)
         except asyncio.TimeoutError:
             raise NotReady(f"the plan for bucket {bucket_label(bucket)} is still being built", where="bucket",
                            value=dict(bucket), fix="retry in a moment: the build goes on") from None
@@ -71,7 +92,7 @@ class Serving:
         if deadline is None:
             deadline = time.monotonic() + self.config.request_timeout_s
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), max(0.0, deadline - time.monotonic()))
+            await self._until(asyncio.shield(asyncio.wrap_future(fut)), deadline)
         except asyncio.TimeoutError:
             raise NotReady("the decoder's whole-sequence graph (/v1/infer, KServe) is still being lowered",
                            where="model", fix="retry in a moment: the lowering goes on") from None

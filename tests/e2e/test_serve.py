@@ -655,13 +655,13 @@ def test_requests_are_not_merged_where_the_models_rows_meet(tmp_path_factory):
 ADMIN_TOKEN = "test-admin-token-0123456789"
 
 
-def serve_process(tmp_path, tmp_path_factory, name: str, **env: str) -> tuple[subprocess.Popen, list[str]]:
-    """`graphmode serve` of the tiny CNN under recipe `name` on a free port, and the lines it prints."""
+def serve_process(tmp_path, tmp_path_factory, name: str, *args: str, **env: str) -> tuple[subprocess.Popen, list[str]]:
+    """`graphmode serve` of the tiny CNN under recipe `name` on a free port (and `args`), and the lines it prints."""
     import yaml
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(cnn_recipe(name)))
     proc = subprocess.Popen([sys.executable, "-m", "graphmode", "serve", "--model", tiny_model_spec(tmp_path_factory),
                              "--recipe", str(tmp_path / "r.yaml"), "--port", "0",
-                             "--cache-dir", str(serve_cache(tmp_path_factory)), "--log-level", "warning"],
+                             "--cache-dir", str(serve_cache(tmp_path_factory)), "--log-level", "warning", *args],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -750,6 +750,42 @@ def test_a_second_signal_during_shutdown_still_stops_the_server_and_prints_no_tr
     out = "".join(lines)
     assert rc == 0 and "stopped" in out, out
     assert "Traceback" not in out and "CancelledError" not in out, out
+
+
+def test_sigterm_answers_the_requests_waiting_for_a_batch_at_once(tmp_path, tmp_path_factory):
+    """A request waiting for its batch to fill (--batch-window-ms 60000) at SIGTERM waited out the
+    window past the shutdown grace; uvicorn then cancelled it into a plain-text 500 and printed a
+    traceback (trial U). Shutdown stops waiting for batches: it runs at once and answers 200."""
+    proc, lines = serve_process(tmp_path, tmp_path_factory, "cnn-term", "--batch-window-ms", "60000",
+                                "--shutdown-grace-s", "30")
+    got: dict[str, Any] = {}
+    try:
+        def url() -> str | None:
+            assert proc.poll() is None, "".join(lines)
+            m = re.search(r"http://127\.0\.0\.1:(\d+)", "".join(lines))
+            return m and f"http://127.0.0.1:{m.group(1)}"
+
+        base = eventually(url, READY_S, "the listening line")
+        with httpx.Client(base_url=base, timeout=READY_S) as c:
+            eventually(lambda: c.get("/readyz").status_code == 200, READY_S, "/readyz", every_s=0.1)
+
+            def send() -> None:
+                with httpx.Client(base_url=base, timeout=READY_S) as cl:
+                    got["r"] = post_json(cl, torch.randn(1, 3, IMG, IMG))
+            sender = threading.Thread(target=send, daemon=True)
+            sender.start()
+            eventually(lambda: re.search(r"^graphmode_queue_depth\{[^}]*\} 1\.0$", c.get("/metrics").text, re.M),
+                       EVENT_S, "the request to wait for its batch")
+        proc.send_signal(signal.SIGTERM)
+        sender.join(EVENT_S)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    out = "".join(lines)
+    assert got["r"].status_code == 200 and got["r"].json()["shapes"] == {"logits": [1, 10]}, out
+    assert rc == 0 and "Traceback" not in out, out
 
 
 def test_graphmode_serve_refuses_bad_settings_before_listening(tmp_path, tmp_path_factory, monkeypatch, capsys):

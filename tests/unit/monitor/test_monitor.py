@@ -68,6 +68,16 @@ def test_sla_target_picks_the_first_matching_entry_and_inherits_missing_bounds()
     assert sla_target(recipe(), {"batch": 1}) is None
 
 
+def test_a_batch_window_past_the_tightest_latency_bound_is_named():
+    """`serve --batch-window-ms 5` with sla.p99_ms 0.5 was proved and served, and every request that
+    waited for a batch missed the bound (trial U): the server now warns with the bound it misses."""
+    from graphmode.monitor import window_misses
+    r = recipe(sla={"p99_ms": 100, "per_bucket": [{"match": {"batch": 1}, "p50_ms": 4}]})
+    why = window_misses(r, 5.0)
+    assert why is not None and "sla.per_bucket[0].p50_ms 4 ms" in why and "--batch-window-ms 5" in why
+    assert window_misses(r, 3.0) is None and window_misses(r, 0.0) is None and window_misses(recipe(), 5.0) is None
+
+
 # ---- drift probe -----------------------------------------------------------------------------------
 
 TGT = SlaTarget("sla", None, 10.0)
