@@ -31,9 +31,8 @@ from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.ir.graph import declared_name
 from graphmode.ir.types import DTYPES, TORCH_TO_DTYPE
 from graphmode.serve.app import read_body
-from graphmode.serve.codec import _json_tensor, body_kind, clip, dumps
+from graphmode.serve.codec import _json_tensor, body_kind, clip, dumps, parse_json
 from graphmode.serve.errors import BadRequest, NotReady, ServeError, error_dict, http_status
-from graphmode.serve.jsonbody import load_json
 
 log = logging.getLogger("graphmode.serve")
 V2_DTYPES = {"BOOL": "bool", "UINT8": "u8", "INT8": "i8", "INT16": "i16", "INT32": "i32", "INT64": "i64",
@@ -64,7 +63,11 @@ def _bad(where: str, message: str, value: Any = None, fix: str | None = None) ->
 def parse_infer(body: bytes, dtypes: dict[str, str], outputs: list[str]) -> tuple[Any, dict[str, torch.Tensor],
                                                                                   list[str] | None]:
     """(request id, {input: tensor}, the outputs asked for or None for all) from a v2 request."""
-    doc = load_json(body, f"send {USAGE}")
+    if not body.strip():
+        raise BadRequest("empty body", reason="malformed_body", where="body", fix=f"send {USAGE}")
+    # NaN / Infinity read as numbers, as /v1/infer reads them: refused with the input and index they
+    # sit at (the contract's value check), where the parser said only "NaN is not a JSON value"
+    doc = parse_json(body, f"send {USAGE}")
     if not isinstance(doc, dict):
         raise _bad("body", "the body must be a JSON object")
     extra = sorted(set(doc) - {"id", "parameters", "inputs", "outputs"})

@@ -242,6 +242,13 @@ def test_non_finite_numbers_are_refused_in_and_spelled_out_in_strict_json(guarde
         assert r.status_code == status, (token[:20], r.text[:300])
         if status == 422:
             assert body["where"].startswith("inputs.pixel_values"), body
+    # KServe v2 reads them as /v1/infer does: refused at the input and index (it said "malformed JSON")
+    v2 = b'{"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": ' + json.dumps(shape).encode() + \
+        b', "data": [' + b",".join([b"0.5"] * (IMG * IMG * 3 - 1) + [b"NaN"]) + b"]}]}"
+    r = c.post("/v2/models/cnn-guarded/infer", content=v2, headers={"content-type": "application/json"})
+    body = strict_json(r)
+    assert r.status_code == 422 and body["where"] == "inputs[0]", body
+    assert "'pixel_values' holds NaN at index [767]" in body["message"], body
     # finite inputs whose outputs overflow: the JSON answer spells the non-finite values out
     big = torch.full(shape, 3e38)
     r = post_json(c, big)
