@@ -6,9 +6,9 @@
 """
 from graphmode.monitor.contract import ContractMonitor, MonitoredModel, attach, bucket_label, monitored
 from graphmode.monitor.drift import (DriftEvent, Renegotiator, SlaDriftProbe, SlaTarget, TokenBucket, quantile,
-                                     sla_target, window_misses)
+                                     sla_bounds, sla_target, window_misses)
 from graphmode.monitor.prom import VIOLATION_KINDS, PromMetrics
 
 __all__ = ["ContractMonitor", "MonitoredModel", "attach", "monitored", "bucket_label", "PromMetrics",
-           "VIOLATION_KINDS", "SlaDriftProbe", "SlaTarget", "sla_target", "window_misses", "DriftEvent", "TokenBucket",
+           "VIOLATION_KINDS", "SlaDriftProbe", "SlaTarget", "sla_bounds", "sla_target", "window_misses", "DriftEvent", "TokenBucket",
            "Renegotiator", "quantile"]

@@ -60,18 +60,22 @@ def sla_target(recipe: Any, dims: dict[str, int] | None) -> SlaTarget | None:
     return SlaTarget("sla", p50, p99)
 
 
+def sla_bounds(recipe: Any) -> list[tuple[str, str, float]]:
+    """Every numeric latency bound of the recipe: (entry: "sla" or "sla.per_bucket[i]", "p50" | "p99", ms)."""
+    sla = getattr(recipe, "sla", None)
+    if sla is None:
+        return []
+    entries = [("sla", sla)] + [(f"sla.per_bucket[{i}]", e) for i, e in enumerate(sla.per_bucket)]
+    return [(name, q, v) for name, e in entries for q in ("p50", "p99")
+            if (v := _num(getattr(e, f"{q}_ms"))) is not None]
+
+
 def window_misses(recipe: Any, window_ms: float) -> str | None:
     """Why a server's batch window alone misses the recipe's tightest latency bound (a request may
     wait that long for its batch before its model call starts; the SLA proof counts the model's
     time, not the server's batching), or None."""
-    sla = getattr(recipe, "sla", None)
-    if sla is None or window_ms <= 0:
-        return None
-    bounds = [(f"sla.{q}", _num(getattr(sla, q))) for q in ("p50_ms", "p99_ms")]
-    bounds += [(f"sla.per_bucket[{i}].{q}", _num(getattr(e, q))) for i, e in enumerate(sla.per_bucket)
-               for q in ("p50_ms", "p99_ms")]
-    named = [(v, k) for k, v in bounds if v is not None]
-    if not named or min(named)[0] > window_ms:
+    named = [(v, f"{entry}.{q}_ms") for entry, q, v in sla_bounds(recipe)]
+    if window_ms <= 0 or not named or min(named)[0] > window_ms:
         return None
     v, k = min(named)
     return (f"the batch window (--batch-window-ms {window_ms:g}) is at least {k} {v:g} ms: a request that waits "

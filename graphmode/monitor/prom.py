@@ -67,6 +67,9 @@ class PromMetrics:
                                  registry=r)
         self.weights_bytes = Gauge("graphmode_weights_bytes", "Constant (weight) bytes of the compiled graph", L,
                                    registry=r)
+        self.sla_bound = Gauge("graphmode_sla_bound_seconds", "The recipe's latency bounds (entry sla or "
+                               "sla.per_bucket[i], quantile p50 or p99), so an alert need not copy them",
+                               L + ("entry", "quantile"), registry=r)
         self.memory_budget = Gauge("graphmode_memory_budget_bytes", "The recipe's memory budget (weights + "
                                    "activations)", L, registry=r)
         self.drift = Counter("graphmode_sla_drift_events", "Sustained SLA drift detected by the probe",
@@ -144,7 +147,8 @@ class PromMetrics:
         recipes for months does not export, or keep in memory, one set of series per swap."""
         for fam in (self.requests, self.latency, self.model_latency, self.batch_requests, self.compiles,
                     self.fallbacks, self.violations, self.operations, self.violated_operations, self.health,
-                    self.arena_bytes, self.weights_bytes, self.memory_budget, self.drift, self.renegotiations,
+                    self.arena_bytes, self.weights_bytes, self.memory_budget, self.sla_bound, self.drift,
+                    self.renegotiations,
                     self.recipe_active, self.ttft, self.itl, self.tpot, self.queue_time, self.e2e, self.running,
                     self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens, self.generation_tokens,
                     self.finished, self.prefix_queries, self.prefix_hits, self.draft_tokens, self.accepted_tokens):

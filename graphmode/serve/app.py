@@ -359,10 +359,11 @@ def create_app(server: ModelServer) -> Starlette:
         fix = ("endpoints: POST /v1/infer, POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, "
                "GET /v1/models[/{id}], GET|PUT /v1/recipe, GET /healthz, /readyz, /metrics, and KServe v2: GET /v2, "
                "/v2/health/live|ready, /v2/models/{name}[/ready], POST /v2/models/{name}/infer")
+        reason = "not_found" if exc.status_code == 404 else "method_not_allowed"
+        metrics.bad_requests.labels(server.target_name, reason).inc()      # (as documented: a 405 was not)
         if is_openai_path(request.url.path):
             err = BadRequest(f"{request.method} {clip(request.url.path, 80)}: {exc.detail}", status=exc.status_code,
-                             reason="not_found" if exc.status_code == 404 else "method_not_allowed",
-                             where="path", fix=fix)
+                             reason=reason, where="path", fix=fix)
             return error_response(err, openai=True)
         return JSONAnswer({"error": "HTTPError", "message": exc.detail, "status": exc.status_code, "fix": fix},
                           status_code=exc.status_code, headers=getattr(exc, "headers", None))

@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 from graphmode.errors import GraphmodeError
 from graphmode.kb.record import ServeRecorder
-from graphmode.monitor import PromMetrics, Renegotiator, SlaDriftProbe, TokenBucket, window_misses
+from graphmode.monitor import PromMetrics, Renegotiator, SlaDriftProbe, TokenBucket, sla_bounds, window_misses
 from graphmode.progress import OnStage
 from graphmode.serve.batching import Batcher
 # the server's concerns, one module each; their names stay importable from here
@@ -222,6 +222,8 @@ class ModelServer(Loading, Reloading, Serving):
         late = window_misses(dep.recipe, self.config.batch_window_ms)
         if late:
             log.warning("recipe %s: %s", dep.version, late)
+        for entry, q, ms in sla_bounds(dep.recipe):
+            self.metrics.sla_bound.labels(dep.version, self.target_name, entry, q).set(ms / 1e3)
         if dep.version in self._retired:             # a version swapped back in keeps its series
             self._retired.remove(dep.version)
         dep.monitor.on_drift(functools.partial(self._on_drift, weakref.ref(dep)))   # no cycle through dep

@@ -337,12 +337,17 @@ def test_malformed_requests_all_get_4xx_and_are_counted(served):
     assert (total(after, "graphmode_requests_total", version=v, status="contract")
             - total(before, "graphmode_requests_total", version=v, status="contract")) == refused
     assert (total(after, "graphmode_bad_requests_total") - total(before, "graphmode_bad_requests_total")
-            == sum(1 for _, _, s, _ in cases if s != 422))
+            == sum(1 for _, _, s, _ in cases if s != 422) + 3)          # + the 405 and the two 404s
     assert total(after, "graphmode_bad_requests_total", reason="too_large") >= 1
+    for reason, n in (("method_not_allowed", 1), ("not_found", 2)):
+        assert (total(after, "graphmode_bad_requests_total", reason=reason)
+                - total(before, "graphmode_bad_requests_total", reason=reason)) == n, reason
     health = total(after, "graphmode_health_score", version=v)
     ops = total(after, "graphmode_operations_total", version=v)
     bad = total(after, "graphmode_violated_operations_total", version=v)
     assert 0 < health < 1 and health == pytest.approx(1 - bad / ops)
+    # the bound alerts compare with (the recipe's sla.p99_ms 5000): exported, not copied into the alert
+    assert total(after, "graphmode_sla_bound_seconds", version=v, entry="sla", quantile="p99") == 5.0
 
 
 def test_refused_recipes_leave_the_running_one_untouched(served):
