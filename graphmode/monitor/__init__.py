@@ -10,5 +10,6 @@ from graphmode.monitor.drift import (DriftEvent, Renegotiator, SlaDriftProbe, Sl
 from graphmode.monitor.prom import VIOLATION_KINDS, PromMetrics
 
 __all__ = ["ContractMonitor", "MonitoredModel", "attach", "monitored", "bucket_label", "PromMetrics",
-           "VIOLATION_KINDS", "SlaDriftProbe", "SlaTarget", "sla_bounds", "sla_target", "window_misses", "DriftEvent", "TokenBucket",
+           "VIOLATION_KINDS", "SlaDriftProbe", "SlaTarget", "sla_bounds", "sla_target", "window_misses", "DriftEvent",
+           "TokenBucket",
            "Renegotiator", "quantile"]
