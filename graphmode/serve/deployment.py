@@ -96,8 +96,12 @@ class Deployment:
             dims = cm.shape_of(bound)
         except ContractViolation as e:
             e.kind = "shape" if ".shape" in (e.where or "") else "input"
-            e.fix = e.fix or "send the inputs the recipe declares: " + ", ".join(
+            declared = "send the inputs the recipe declares: " + ", ".join(
                 f"{i.name} {list(i.shape)} {i.dtype}" for i in self.recipe.inputs)
+            if e.where == "inputs" and e.message.startswith("missing inputs"):
+                # the runtime's why (forward's optional arguments, torch.zeros) speaks to Python callers
+                e.message, e.fix = e.message.split(":")[0], declared
+            e.fix = e.fix or declared
             self.monitor.refused(e.kind)
             raise
         try:

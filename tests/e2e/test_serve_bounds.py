@@ -79,6 +79,16 @@ def test_out_of_range_index_values_answer_422_in_every_protocol(indexed, name, b
     assert ok.status_code == 200, ok.text
 
 
+def test_a_missing_input_is_named_for_an_http_client(indexed):
+    """The runtime's reason (forward's optional arguments, torch.zeros) was sent to HTTP clients (trial U)."""
+    x = {k: v.tolist() for k, v in _inputs().items() if k != "token_type_ids"}
+    r = indexed.client.post("/v1/infer", json={"inputs": x})
+    err = strict_json(r)
+    assert r.status_code == 422 and err["where"] == "inputs", r.text
+    assert "missing inputs ['token_type_ids']" in err["message"] and "torch" not in err["message"] + err["fix"], err
+    assert err["fix"].startswith("send the inputs the recipe declares: ids"), err
+
+
 def test_kserve_fields_of_the_wrong_type_answer_400(indexed):
     c = indexed.client
     doc = _kserve(_inputs())
