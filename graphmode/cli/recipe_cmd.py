@@ -124,7 +124,11 @@ def validate_cmd(path: Path = typer.Argument(..., help="recipe YAML file"),
             rep.raise_for_errors()
         except ConstraintError as e:
             if not as_json:
-                err_console.print(f"[bold red]refused:[/] {type(e).__name__}", highlight=False)
+                if rep.verdict == "unproved":    # nothing refuted it; a proof lacked what it needs (exit 1 all the same)
+                    err_console.print(f"[bold yellow]not proved[/] (nothing refuted; exit 1 as for a refusal): "
+                                      f"{type(e).__name__}", highlight=False)
+                else:
+                    err_console.print(f"[bold red]refused:[/] {type(e).__name__}", highlight=False)
                 err_console.print(e.render(), markup=False, highlight=False, soft_wrap=True)
             raise SystemExit(e.exit_code)
     except GraphmodeError as e:

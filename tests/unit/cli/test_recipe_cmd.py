@@ -60,6 +60,16 @@ def test_validate_refused_exit_1_with_counterexample():
     assert mem["counterexample"] == {"batch": 32, "seq": 512}
 
 
+def test_validate_says_not_proved_where_nothing_refuted_the_recipe(tmp_path):
+    """An SLA without a FLOP count is unproved, and said "refused: ConstraintError" (trial U)."""
+    r = tmp_path / "r.yaml"
+    r.write_text("version: 1\nname: r\ninputs: [{name: x, dtype: f32, shape: [batch, 8]}]\n"
+                 "dims: {batch: {buckets: [1, 2]}}\nsla: {p99_ms: 5}\n")
+    res = run("validate", r, "--target", CPU)
+    assert res.exit_code == 1 and "not proved (nothing refuted" in res.stderr and "refused:" not in res.stderr
+    assert "no FLOP count" in res.stderr
+
+
 def test_validate_malformed_exit_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((EX / "minilm_cpu.yaml").read_text().replace("exe_mode: graph", "exe_mode: grpah")
