@@ -255,7 +255,12 @@ def parse_json(body: bytes, fix: str, parse_constant: Any = None) -> Any:
     not UTF-8, nested too deeply, an integer of thousands of digits. `parse_constant` sees
     NaN / Infinity (None: accepted here, refused later with the index they sit at)."""
     try:
-        doc = json.loads(body, parse_constant=parse_constant) if parse_constant else json.loads(body)
+        doc = json.loads(body, object_pairs_hook=_once_each, **({"parse_constant": parse_constant} if parse_constant
+                                                                 else {}))
+    except _DuplicateKey as e:
+        raise BadRequest(f"the key {clip(e.args[0], 40)!r} appears twice in one object", reason="malformed_json",
+                         where="body", value=clip(e.args[0], 40),
+                         fix="send each key once (which of the two a JSON parser keeps depends on it)") from None
     except json.JSONDecodeError as e:
         raise BadRequest(f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}", reason="malformed_json",
                          where="body", fix=fix) from None
@@ -273,6 +278,19 @@ def parse_json(body: bytes, fix: str, parse_constant: Any = None) -> Any:
                          "text", reason="malformed_json", where="body",
                          fix="send valid Unicode (a character outside the BMP as its \\ud8xx\\udcxx pair)")
     return doc
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are distinct: `{"input_ids": a, "input_ids": b}` kept b silently."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
 # an escaped surrogate in the raw body: only then are the strings walked (a tokenizer raised a

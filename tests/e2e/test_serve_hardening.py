@@ -261,6 +261,15 @@ def test_non_finite_numbers_are_refused_in_and_spelled_out_in_strict_json(guarde
     no_tracebacks(guarded)
 
 
+def test_a_key_given_twice_is_refused_not_resolved_silently(guarded):
+    """{"inputs": {"x": a, "x": b}} kept b, and its error named a shape mismatch with another input (trial U)."""
+    row = json.dumps(image(1, 5, guarded.bundle).tolist()).encode()
+    body = b'{"inputs": {"pixel_values": ' + row + b', "pixel_values": ' + row + b"}}"
+    r = guarded.client.post("/v1/infer", content=body, headers={"content-type": "application/json"})
+    err = strict_json(r)
+    assert r.status_code == 400 and "'pixel_values' appears twice" in err["message"] and err["where"] == "body", err
+
+
 # ---- fuzz ----------------------------------------------------------------------------------------------
 
 JUNK: list[Any] = [None, True, False, 0, -1, 1.5, 1e308, -1e308, 2**64, "x", "", "${1/0}", "${target.nope}",
