@@ -52,6 +52,9 @@ class Serving:
         try:
             await asyncio.wait({task} | ({stop} if stop else set()), timeout=max(0.0, deadline - time.monotonic()),
                                return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:      # the client went away: its queued request is not run (as wait_for did)
+            task.cancel()
+            raise
         finally:
             if stop is not None and not stop.done():
                 stop.cancel()

@@ -55,4 +55,11 @@ def test_a_wait_open_when_the_grace_is_over_answers_503():
         assert never.cancelled()
         with pytest.raises(asyncio.TimeoutError):          # the request's own deadline is still a timeout
             await Server()._until(asyncio.get_running_loop().create_future(), time.monotonic())
+        queued = asyncio.get_running_loop().create_future()
+        gone = asyncio.ensure_future(Server()._until(queued, time.monotonic() + 3600))
+        await asyncio.sleep(0)
+        gone.cancel()                     # the client went away: its queued request is not run
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert queued.cancelled()
     asyncio.run(main())
