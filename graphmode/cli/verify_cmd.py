@@ -212,7 +212,7 @@ def _verify_decode(cm, rec, seed):
         row = {"shape": {"decode": "greedy"}, "bucket": {"kv": kv}, "path": "decode", "ok": False,
                "outputs": [{"name": "decode logits", "rel_l2": float("inf"), "tolerance": 0.0, "error": e.message}]}
         return row, Divergence(None, None, None, float("inf"), "decode", {"kv": kv, "refused": e.message})
-    row = {"shape": {"prompts": "+".join(map(str, d.prompts)), "new tokens": d.steps},
+    row = {"shape": {"prompts": "+".join(map(str, d.prompts)), "steps": d.steps},
            "bucket": {"kv": d.kv_dtype}, "path": "decode", "ok": d.ok, "outputs": [d.to_json()]}
     if d.ok:
         return row, None

@@ -8,6 +8,7 @@ bench table, the verify verdict or the served answer are unaffected.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -70,6 +71,9 @@ def perf(source: str, *, status: str = "ok", reason: str | None = None, bucket: 
     for k in ("p50_ms", "p99_ms", "p99_over_p50", "throughput", "peak_memory_mb", "compile_s", "numerics_err"):
         v = metrics.pop(k, None)
         row[k] = None if v is None else float(v)
+        if row[k] is not None and not math.isfinite(row[k]):     # (a verify whose outputs went NaN: inf error)
+            row[k] = None               # stored, it read back as a damaged row and was skipped with a warning
+            row["extra"].setdefault("not_finite", []).append(k)
     if metrics:
         raise TypeError(f"unknown metrics {sorted(metrics)}")
     return row

@@ -55,6 +55,15 @@ def test_the_same_row_is_kept_once(tmp_path):
         assert kb.counts()["performance"] == 1
 
 
+def test_a_measurement_that_is_not_finite_is_recorded_without_it_not_as_a_damaged_row(tmp_path):
+    """A verify whose outputs went NaN recorded numerics_err inf, and the row read back as damaged."""
+    path = tmp_path / "kb.sqlite"
+    assert record(path, subject(), [perf("verify", status="violates", numerics_err=float("inf"), p50_ms=1.0)]) is None
+    with KnowledgeBase(path) as kb:
+        (row,) = kb.rows("SELECT * FROM performance")          # read back, not skipped as damaged
+    assert row["numerics_err"] is None and row["p50_ms"] == 1.0 and row["extra"]["not_finite"] == ["numerics_err"]
+
+
 def test_export_import_merges_machines_and_deduplicates(tmp_path):
     a, b, team = tmp_path / "a.sqlite", tmp_path / "b.sqlite", tmp_path / "team.sqlite"
     _measure(a, subject(target="cpu_avx2"), n=3)
