@@ -272,7 +272,8 @@ def test_a_knob_that_leaves_the_compiled_graph_as_it_was_is_not_timed_again(kb_c
     assert TrialResult.from_json(small.to_json()).same_as == 0          # journaled
     threads = runner.run({"fusion.max_ops": 8, "threads": 1}, 2)       # another plan knob: timed
     again = runner.run({"fusion.max_ops": 64}, 0)          # tune's confirmation of a trial: measured again
-    assert threads.same_as is None and again.same_as is None and again.samples > 0
+    copy_again = runner.run({"fusion.max_ops": 8}, 1)      # ... even of one that took another's numbers
+    assert threads.same_as is None and again.same_as is None and again.samples > 0 and copy_again.same_as is None
 
 
 def test_the_recipe_as_written_keeps_every_dim_field_in_every_trial():
