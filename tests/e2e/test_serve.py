@@ -674,6 +674,15 @@ def serve_process(tmp_path, tmp_path_factory, name: str, *args: str, **env: str)
     return proc, lines
 
 
+def listening_url(proc: subprocess.Popen, lines: list[str]) -> str:
+    """The address `graphmode serve` printed it listens on (once it has)."""
+    def url() -> str | None:
+        assert proc.poll() is None, "".join(lines)
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", "".join(lines))
+        return m and f"http://127.0.0.1:{m.group(1)}"
+    return eventually(url, READY_S, "the listening line")
+
+
 def test_graphmode_serve_command(tmp_path, tmp_path_factory):
     """The command over the tiny CNN: ready, infer, /metrics; the admin token (from the
     environment) guards PUT; SIGTERM while a `PUT ?wait=1` is waiting on a compile stops
@@ -681,12 +690,7 @@ def test_graphmode_serve_command(tmp_path, tmp_path_factory):
     proc, lines = serve_process(tmp_path, tmp_path_factory, "cnn-cli", GRAPHMODE_ADMIN_TOKEN=ADMIN_TOKEN)
     put: dict[str, Any] = {}
     try:
-        def url() -> str | None:
-            assert proc.poll() is None, "".join(lines)
-            m = re.search(r"http://127\.0\.0\.1:(\d+)", "".join(lines))
-            return m and f"http://127.0.0.1:{m.group(1)}"
-
-        base = eventually(url, READY_S, "the listening line")
+        base = listening_url(proc, lines)
         with httpx.Client(base_url=base, timeout=EVENT_S) as c:
             def ready() -> bool:
                 assert proc.poll() is None, "".join(lines)
@@ -766,12 +770,7 @@ def test_sigterm_answers_the_requests_waiting_for_a_batch_at_once(tmp_path, tmp_
                                 "--shutdown-grace-s", "30")
     got: dict[str, Any] = {}
     try:
-        def url() -> str | None:
-            assert proc.poll() is None, "".join(lines)
-            m = re.search(r"http://127\.0\.0\.1:(\d+)", "".join(lines))
-            return m and f"http://127.0.0.1:{m.group(1)}"
-
-        base = eventually(url, READY_S, "the listening line")
+        base = listening_url(proc, lines)
         with httpx.Client(base_url=base, timeout=READY_S) as c:
             eventually(lambda: c.get("/readyz").status_code == 200, READY_S, "/readyz", every_s=0.1)
 
