@@ -164,14 +164,14 @@ def _floats(name: str, value: list, dtype: torch.dtype) -> torch.Tensor:
         at = _first_bad(finite)
         bad = float(wide[tuple(at)])
         raise _refuse(name, f"holds {NON_FINITE[repr(bad)]} at index {at}; only finite numbers are accepted",
-                      fix="send finite numbers (replace NaN/Infinity before sending)")
+                      value=NON_FINITE[repr(bad)], fix="send finite numbers (replace NaN/Infinity before sending)")
     t = wide.to(dtype)
     fits = torch.isfinite(t)
     if not bool(fits.all()):
         at = _first_bad(fits)
         raise _refuse(name, f"holds {float(wide[tuple(at)])!r} at index {at}, outside the range of "
                             f"{_dtype_label(dtype)} (largest {torch.finfo(dtype).max:.4g})",
-                      fix=f"send values within +-{torch.finfo(dtype).max:.4g}")
+                      value=float(wide[tuple(at)]), fix=f"send values within +-{torch.finfo(dtype).max:.4g}")
     return t
 
 
