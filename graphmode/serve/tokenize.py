@@ -29,8 +29,11 @@ def max_model_len(server: Any) -> int | None:
     """The tokens a request may hold: a decoder's sequence (its pages, the pool, the model's
     positions), an encoder's largest `seq`; None when the model has no sequence dim."""
     dep = server.active
-    if dep is None:
-        return None
+    if dep is None:                  # warming up: an encoder's is its recipe's; a decoder's needs its engine
+        recipe = getattr(server, "recipe", None)
+        if recipe is None or recipe.memory.kv_cache is not None or "seq" not in recipe.dims:
+            return None
+        return recipe.dim_range("seq")[1]
     if getattr(dep, "decoder", None) is not None:
         from graphmode.serve.completions import usable_tokens
         return usable_tokens(dep.decoder.engine)

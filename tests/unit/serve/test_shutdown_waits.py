@@ -63,3 +63,4 @@ def test_a_wait_open_when_the_grace_is_over_answers_503():
             await gone
         assert queued.cancelled()
     asyncio.run(main())
+
