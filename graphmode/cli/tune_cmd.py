@@ -132,8 +132,9 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
     warned: list[str] = []
 
     def remember(r, **extra) -> None:
-        subj = Subject(r.recipe or base, tgt, runner.src, runner.graph0, r.ir_hash, origin="tune",
-                       parent=recipe_hash(base))
+        written = (r.recipe_hash or recipe_hash(r.recipe or base)) == recipe_hash(base)    # the recipe as written
+        subj = Subject(r.recipe or base, tgt, runner.src, runner.graph0, r.ir_hash,
+                       origin="measured" if written else "tune", parent=None if written else recipe_hash(base))
         row = perf("tune", status=r.status, reason=r.reason, threads=r.config.get("threads"),
                    extra={"run": run_key, "trial": r.index, "change": describe(r.config, base_cfg),
                           "samples": r.samples, **extra}, **r.metrics)

@@ -123,7 +123,7 @@ def verify_cmd(
             d["failure"] = {"bucket": failure["bucket"], "shape": failure["shape"], "stage": dv.stage,
                             "pass": dv.pass_name, "node": dv.node, "op": dv.op, "rel_l2": dv.rel_l2,
                             "fix": failure.get("fix"), "diff": failure.get("diff")}
-        print(json.dumps(d, indent=2, default=str))
+        print(json.dumps(_finite_json(d), indent=2, default=str))
     else:
         _print_verdict(model, rec, src, contract, buckets, results, failure, fix)
     raise typer.Exit(0 if ok else 1)
@@ -190,13 +190,26 @@ def _verify_plans(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
                                  {"shape": shape, "bucket": env})
             failure = {"bucket": env, "shape": shape, "divergence": div}
         checking.step(f"{cm.bucket_key(shape)} in bucket {cm.bucket_key(env)}: {'ok' if ok else 'MISMATCH'}")
-    if rec.memory.kv_cache is not None and src.module is not None:     # a decoder: its decode steps too
+    nan_model = failure is not None and failure["divergence"].stage == "reference"   # decoding it says nothing more
+    if rec.memory.kv_cache is not None and src.module is not None and not nan_model:   # a decoder: its decode steps
         with stage(on_stage, "verify decode", detail="greedy steps against eager"):
             row, div = _verify_decode(cm, rec, seed)
         results.append(row)
         if div is not None and failure is None:
             failure = {"bucket": row["bucket"], "shape": row["shape"], "divergence": div}
     return cm, src, contract, results, failure
+
+
+def _finite_json(v):
+    """`v` with every non-finite float as text ("inf", "nan"): JSON has no Infinity, and strict parsers
+    (Go, JavaScript, Python's with parse_constant) refused a rel L2 of Infinity."""
+    if isinstance(v, float) and v != v or isinstance(v, float) and v in (float("inf"), float("-inf")):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _finite_json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite_json(x) for x in v]
+    return v
 
 
 def _verify_decode(cm, rec, seed):
@@ -210,9 +223,9 @@ def _verify_decode(cm, rec, seed):
     except ContractViolation as e:          # the engine refuses a step whose logits are not finite
         kv = rec.memory.kv_cache.dtype or rec.precision.compute
         row = {"shape": {"decode": "greedy"}, "bucket": {"kv": kv}, "path": "decode", "ok": False,
-               "outputs": [{"name": "decode logits", "rel_l2": float("inf"), "tolerance": 0.0, "error": e.message}]}
+               "outputs": [{"name": "decode logits", "rel_l2": float("inf"), "tolerance": None, "error": e.message}]}
         return row, Divergence(None, None, None, float("inf"), "decode", {"kv": kv, "refused": e.message})
-    row = {"shape": {"prompts": "+".join(map(str, d.prompts)), "steps": d.steps},
+    row = {"shape": {"prompts": "+".join(map(str, d.prompts)), "new tokens": d.steps},
            "bucket": {"kv": d.kv_dtype}, "path": "decode", "ok": d.ok, "outputs": [d.to_json()]}
     if d.ok:
         return row, None
@@ -288,7 +301,8 @@ def _print_verdict(model, rec, src, contract, buckets, results, failure, fix) ->
                                                                                  "tolerance": 0.0}
         row = [",".join(f"{k}={v}" for k, v in r["shape"].items()),
                "- (no plan)" if r["path"] == "eager" else ",".join(f"{k}={v}" for k, v in r["bucket"].items()),
-               r["path"], f"{worst['rel_l2']:.2e}", f"{worst['tolerance']:.0e}"]
+               r["path"], f"{worst['rel_l2']:.2e}",
+               "-" if worst["tolerance"] is None else f"{worst['tolerance']:.0e}"]
         if narrow:
             # logits only: a top-1 over a hidden state's features (BERT's last_hidden_state) means nothing
             top = [o["top1"] for o in r["outputs"] if (o.get("top1") or {}).get("judged")]

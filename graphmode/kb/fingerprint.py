@@ -140,7 +140,7 @@ def model_distance(a: dict[str, Any], b: dict[str, Any]) -> float:
     ia = {k: v[0] for k, v in a["inputs"].items()}
     ib = {k: v[0] for k, v in b["inputs"].items()}
     d += 0.5 * (ia != ib)
-    return round(d, 4)
+    return round(d, 4) + 0.0           # (+ 0.0: never -0, which a recipe comment printed as "distance -0")
 
 
 def recipe_inputs(recipe: Any) -> dict[str, Any]:

@@ -143,7 +143,7 @@ def run_search(run: Callable[[dict[str, Any], int, float], TrialResult], axes: l
                         current, best, changed = cand, r, True
     except _OutOfBudget:
         stopped = "budget"
-    front = pareto(trials)
+    front = pareto([t for t in trials if t.same_as is None])     # (a trial that is another's plan: once)
     # the descent keeps a change only past MIN_GAIN on the objective, so a trial within it that is as
     # good on every axis and better on one (13% more items/s, a tenth of the compile) was left out
     # while the best it dominates was written (and missing from the Pareto table it printed)

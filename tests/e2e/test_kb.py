@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from graphmode.cli.app import _register, app
 from graphmode.kb import KnowledgeBase
+from graphmode.recipe import load_recipe, recipe_hash
 
 from test_serve import EVENT_S, eventually
 
@@ -127,7 +128,6 @@ def test_a_damaged_kb_costs_no_result_and_is_left_alone(tmp_path, cache):
 
 def test_serve_records_a_summary_per_recipe_version(tmp_path, cache):
     from graphmode.capture.spec import resolve_model_spec
-    from graphmode.recipe import load_recipe, recipe_hash
     from graphmode.serve import ModelServer, ServeConfig, ServerThread
     kb = tmp_path / "kb.sqlite"
     first = yaml.safe_load(mlp_recipe(tmp_path).read_text())
@@ -188,7 +188,9 @@ def test_tune_writes_the_version_that_keeps_the_contract_and_shows_the_diff(tmp_
     assert invoke("recipe", "validate", str(out), "--model", spec("mean_pool")).exit_code == 0
     tuned = rows(kb, "p.source = 'tune'")
     assert tuned[0]["status"] == "violates" and "padding seq" in tuned[0]["reason"]
-    assert any(r["status"] == "ok" for r in tuned) and all(r["origin"] == "tune" for r in tuned)
+    assert any(r["status"] == "ok" for r in tuned)
+    written = recipe_hash(load_recipe(rec))                  # the recipe as written is measured, not tune's
+    assert all(r["origin"] == ("measured" if r["recipe_hash"] == written else "tune") for r in tuned)
     again = {r["extra"]["confirmation"]: r for r in tuned if r["extra"].get("confirmation")}   # measured again
     assert set(again) == {"best", "baseline"} and again["best"]["extra"]["held"] is True      # (kb recommend's)
     assert again["best"]["status"] == "ok" and again["baseline"]["status"] == "violates"
