@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphmode.backends.cpu import pch
-from graphmode.backends.cpu.build import KernelBuilder
+from graphmode.backends.cpu.build import DEFAULT_FLAGS, KernelBuilder
 from graphmode.backends.cpu.gemm import GemmConfig, GemmProblem, generate_gemm, pack_b
 
 _PROBE = KernelBuilder(Path(tempfile.gettempdir()) / "graphmode-test-probe")
@@ -22,6 +22,12 @@ needs_gcc = pytest.mark.skipif(not (_PROBE.compiler_available() and pch.is_gcc(_
 def fresh(monkeypatch):
     """As a process that has built no library yet."""
     monkeypatch.setattr(pch, "_STATE", {})
+
+
+def _builder(folder: Path) -> KernelBuilder:
+    """A builder whose flags no other in this process has: a header is one per process and flag set,
+    and a background build of an earlier test (a plan's buckets) would make it first."""
+    return KernelBuilder(folder, flags=DEFAULT_FLAGS + ("-DGM_PCH_TEST",))
 
 
 def _linear(n: int):
@@ -42,7 +48,7 @@ def _run(builder: KernelBuilder, n: int) -> None:
 
 @needs_gcc
 def test_the_second_library_reads_the_header_and_computes_the_same(tmp_path, fresh):
-    b = KernelBuilder(tmp_path)
+    b = _builder(tmp_path)
     assert pch.NEEDED_BY in _linear(16)[0].translation_unit()
     _run(b, 16)
     _run(b, 17)
@@ -56,7 +62,7 @@ def test_the_second_library_reads_the_header_and_computes_the_same(tmp_path, fre
 
 @needs_gcc
 def test_a_compile_the_header_breaks_is_retried_without_it_and_it_is_dropped(tmp_path, fresh, monkeypatch, caplog):
-    b = KernelBuilder(tmp_path)
+    b = _builder(tmp_path)
     _run(b, 16)
     _run(b, 17)                                       # made and read
     (state,) = pch._STATE.values()
@@ -83,7 +89,7 @@ def test_no_temporary_folder_means_no_header_not_a_failed_build(tmp_path, fresh,
     def full(*a, **k):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(pch.tempfile, "TemporaryDirectory", full)
-    b = KernelBuilder(tmp_path)
+    b = _builder(tmp_path)
     _run(b, 16)
     _run(b, 17)
     assert b.stats["compiles"] == 2 and b.stats["precompiled_header"] == 0
