@@ -173,19 +173,17 @@ def _verify_plans(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
         if not ok and failure is None:
             flipped = [c for c in checks if c.rel_l2 <= c.tolerance and not c.ok and not c.vacuous]
             div = reference_divergence(checks)       # eager NaN/inf throughout: nothing to bisect
-            if div is not None:
-                pass
-            elif flipped:          # within the error bound, but the rounding moved a confident top-1
+            if div is None and flipped:          # within the error bound, but the rounding moved a confident top-1
                 t1 = flipped[0].top1
                 div = Divergence("quantize_weights", None, None, flipped[0].rel_l2, "weights",
                                  {"weights": rec.precision.weights, "flips": t1.flips, "positions": t1.positions})
-            elif direct:
+            elif div is None and direct:
                 tol = max(c.tolerance for c in checks)
                 with stage(on_stage, "bisect", detail=cm.bucket_key(env)):
                     div = bisect(opt.snapshots, inputs, refs, tol)
                     if div is None:
                         div = bisect_plan(graph, exe, inputs, tol)
-            else:
+            elif div is None:
                 div = Divergence(None, None, None, max(c.rel_l2 for c in checks), "padding",
                                  {"shape": shape, "bucket": env})
             failure = {"bucket": env, "shape": shape, "divergence": div}
@@ -266,12 +264,10 @@ def _verify_ranks(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
             worst = max((c.rel_l2 for c in checks), default=float("inf"))
             flipped = next((c for c in checks if c.rel_l2 <= c.tolerance and not c.ok and not c.vacuous), None)
             div = reference_divergence(checks)
-            if div is not None:
-                pass
-            elif flipped is not None and weights == rec.precision.weights != "f32":     # the stored weights' rounding
+            if div is None and flipped is not None and weights == rec.precision.weights != "f32":   # their rounding
                 div = Divergence("quantize_weights", None, None, flipped.rel_l2, "weights",
                                  {"weights": weights, "flips": flipped.top1.flips, "positions": flipped.top1.positions})
-            else:
+            elif div is None:
                 div = Divergence(None, None, None, worst, "parallel",
                                  {"ranks": rec.parallel.tensor, "comm": rec.parallel.comm.dtype})
             failure = {"bucket": env, "shape": shape, "divergence": div}

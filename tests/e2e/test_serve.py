@@ -674,6 +674,13 @@ def serve_process(tmp_path, tmp_path_factory, name: str, *args: str, **env: str)
     return proc, lines
 
 
+def killed(proc: subprocess.Popen) -> None:
+    """A server a test leaves running is killed (a failed assertion must not leak it)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+
+
 def listening_url(proc: subprocess.Popen, lines: list[str]) -> str:
     """The address `graphmode serve` printed it listens on (once it has)."""
     def url() -> str | None:
@@ -730,9 +737,7 @@ def test_graphmode_serve_command(tmp_path, tmp_path_factory):
         rc = proc.wait(60)                   # ceiling: uvicorn's graceful shutdown is 5 s
         stopped_in = time.monotonic() - t0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        killed(proc)
     assert rc == 0, "".join(lines)
     assert stopped_in < 60 and "stopped" in "".join(lines), "".join(lines)
     waiter.join(EVENT_S)
@@ -754,9 +759,7 @@ def test_a_second_signal_during_shutdown_still_stops_the_server_and_prints_no_tr
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        killed(proc)
     out = "".join(lines)
     assert rc == 0 and "stopped" in out, out
     assert "Traceback" not in out and "CancelledError" not in out, out
@@ -785,9 +788,7 @@ def test_sigterm_answers_the_requests_waiting_for_a_batch_at_once(tmp_path, tmp_
         sender.join(EVENT_S)
         rc = proc.wait(60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        killed(proc)
     out = "".join(lines)
     assert got["r"].status_code == 200 and got["r"].json()["shapes"] == {"logits": [1, 10]}, out
     assert rc == 0 and "Traceback" not in out, out
