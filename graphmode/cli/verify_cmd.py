@@ -273,6 +273,19 @@ def _verify_ranks(model, rec, proved_on, mode, buckets, *, seed, cache_dir, stac
             failure = {"bucket": env, "shape": shape, "divergence": div}
         key = ",".join(f"{k}={v}" for k, v in sorted(shape.items()))
         checking.step(f"{key} on {rec.parallel.tensor} ranks: {'ok' if ok else 'MISMATCH'}")
+    nan_model = failure is not None and failure["divergence"].stage == "reference"
+    if rec.memory.kv_cache is not None and src.module is not None and not nan_model:
+        # a decoder's ranks decode through a group of their own (paged graphs, KV pools split by heads):
+        # the forward group is stopped first, so the two never hold the machine's memory together
+        from graphmode.api import compile as decoding_compile
+        tp.close()
+        with stage(on_stage, "verify decode", detail=f"greedy steps on {rec.parallel.tensor} ranks against eager"):
+            dec = decoding_compile(model, rec, proved_on, cache_dir=cache_dir, on_stage=on_stage)
+            stack.callback(dec.close)
+            row, div = _verify_decode(dec, rec, seed)
+        results.append(row)
+        if div is not None and failure is None:
+            failure = {"bucket": row["bucket"], "shape": row["shape"], "divergence": div}
     return tp, results, failure
 
 

@@ -5,10 +5,11 @@ The engine itself (scheduler, sampling, KV pools) runs on rank 0 (`engine_loop`)
 ranks follow its steps (`RankDecoder.rank_follow`), as for `TensorParallelDecoder.generate`.
 `RemoteEngine` offers the engine's request interface in the caller, which holds neither weights
 nor pools: `add` (the sequence's id back, or the engine's refusal), `cancel` (applied before the
-next step), `step` (the tokens chosen, with their logprobs, the sequences that finished and the
-engine's counts), `has_work`, `stats`, `lock`. Each call is one message on rank 0's pipe and
-its reply, so continuous batching is the engine's own: sequences added between two steps join
-the next one, whichever request they came from.
+next step), `step` (the tokens chosen, with their logprobs, the sequences that finished, the
+engine's counts, and the step's logit rows while `on_logits` asks for them: verify's decode
+check), `has_work`, `stats`, `lock`. Each call is one message on rank 0's pipe and its reply, so
+continuous batching is the engine's own: sequences added between two steps join the next one,
+whichever request they came from.
 
 While nobody asks for a step (an idle server), rank 0 broadcasts a keep-alive every quarter of
 `parallel.comm.timeout_s`, so the other ranks' wait for the next step never times out; a rank
@@ -43,6 +44,11 @@ def engine_loop(rd: Any, conn: Any, keepalive_s: float) -> None:
         s = seqs[sid]
         chosen.append((sid, tok, s.logprobs[-1] if s.params.logprobs is not None and s.logprobs else None))
 
+    rows: list[tuple[int, torch.Tensor]] = []          # the step's logit rows, while the caller asks for them
+
+    def on_logits(s: Any, row: torch.Tensor) -> None:
+        rows.append((s.id, row.detach().float().clone()))
+
     before, counts = rd._counters(), dict(eng.stats)
     ended = False
     conn.send(("ready", start_info(eng)))
@@ -65,8 +71,11 @@ def engine_loop(rd: Any, conn: Any, keepalive_s: float) -> None:
                     s = seqs.pop(msg[1], None)
                     if s is not None and not s.done:
                         eng.cancel(s)
+                elif msg[0] == "logits":              # verify's decode check (decode/check.py): no reply
+                    eng.on_logits = on_logits if msg[1] else None
                 elif msg[0] == "step":
                     chosen.clear()
+                    rows.clear()
                     try:
                         finished = eng.step()
                     except GraphmodeError as e:
@@ -82,7 +91,8 @@ def engine_loop(rd: Any, conn: Any, keepalive_s: float) -> None:
                         continue
                     for s in finished:
                         seqs.pop(s.id, None)
-                    conn.send(("stepped", list(chosen), [(s.id, s.finish_reason) for s in finished], describe(eng)))
+                    conn.send(("stepped", list(chosen), [(s.id, s.finish_reason) for s in finished], describe(eng),
+                               list(rows)))
                 else:                                 # ("end",)
                     break
         ended = True
@@ -100,7 +110,7 @@ def start_info(eng: Any) -> dict[str, Any]:
     """What the caller needs of rank 0's engine before its first request: the contract's
     bounds, the pool's layout, the proof and the facts it was checked against."""
     lay = eng.layout
-    return {"cfg": dict(eng.cfg), "max_prompt": eng.max_prompt, "min_prompt": eng.min_prompt,
+    return {"cfg": dict(eng.cfg), "max_prompt": eng.max_prompt, "min_prompt": eng.min_prompt, "context": eng.context,
             "layout": {"max_tokens": lay.max_tokens, "sequence_tokens": lay.sequence_tokens, "pages": lay.pages,
                        "page_size": lay.page_size,
                        "max_pages_per_seq": lay.max_pages_per_seq, "batch_buckets": list(eng.batch_buckets)},
@@ -123,12 +133,13 @@ class RemoteEngine:
         self.tp = tp
         self.lock = threading.RLock()
         self.cfg = dict(info["cfg"])
-        self.max_prompt, self.min_prompt = info["max_prompt"], info["min_prompt"]
+        self.max_prompt, self.min_prompt, self.context = info["max_prompt"], info["min_prompt"], info["context"]
         self.layout = SimpleNamespace(**info["layout"])
         self.cache = SimpleNamespace(layout=self.layout, used_pages=0, bytes=info["kv_pool_bytes"])
         self.lowered = SimpleNamespace(facts=info["facts"], proof=info["proof"]) \
             if info["proof"] is not None else None        # rank 0's shard's (None: loaded from its .gm)
         self.speculator = None
+        self._on_logits: Callable[[Sequence_, torch.Tensor], None] | None = None
         self._live: dict[int, Sequence_] = {}
         self._view: dict[str, Any] = info["view"]
         self._wait_s = tp.timeout_s + MARGIN_S
@@ -155,6 +166,23 @@ class RemoteEngine:
     @property
     def batch_buckets(self) -> list[int]:
         return list(self.layout.batch_buckets)
+
+    def room(self, prompt: int) -> int:
+        """New tokens a prompt of `prompt` tokens leaves (DecodeEngine.room)."""
+        return min(self.layout.sequence_tokens, self.context or self.layout.max_tokens) - prompt
+
+    @property
+    def on_logits(self) -> Callable[[Sequence_, torch.Tensor], None] | None:
+        return self._on_logits
+
+    @on_logits.setter
+    def on_logits(self, hook: Callable[[Sequence_, torch.Tensor], None] | None) -> None:
+        """Every step's logit rows come back from rank 0 to `hook` (a verification hook, as
+        DecodeEngine.on_logits); None stops them."""
+        with self.lock:
+            self._check_open()
+            self.tp.send({0: ("logits", hook is not None)})
+            self._on_logits = hook
 
     def prepare(self, rows: int, longest: int) -> None:
         """Every rank built every bucket's plan before it reported ready."""
@@ -198,7 +226,10 @@ class RemoteEngine:
                     if s is not None:
                         s.state, s.finish_reason = "finished", "error"
                 raise rep[1]
-            _, chosen, ended, view = rep
+            _, chosen, ended, view, rows = rep
+            for sid, row in rows:
+                if self._on_logits is not None and sid in self._live:
+                    self._on_logits(self._live[sid], row)
             for sid, tok, lp in chosen:
                 s = self._live.get(sid)
                 if s is None:                     # cancelled here meanwhile

@@ -11,6 +11,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from graphmode.decode.tp_engine import engine_loop
 from graphmode.errors import ContractViolation
@@ -26,6 +27,7 @@ class Engine:
         self.lowered, self.stats, self.running, self.waiting = None, {"decode_steps": 0}, [], []
         self.runner = SimpleNamespace(running=False, stop=lambda: None)
         self.fail, self.cancelled, self.ids = None, [], iter(range(100))
+        self.context, self.on_logits = None, None
 
     def add(self, prompt, params, on_token=None):
         return SimpleNamespace(id=next(self.ids), done=False, params=params, logprobs=[])
@@ -37,6 +39,8 @@ class Engine:
         if self.fail is not None:
             err, self.fail = self.fail, None
             raise err
+        if self.on_logits is not None:          # one sequence's row, as sampling hands it to the hook
+            self.on_logits(SimpleNamespace(id=0), torch.arange(3.0))
         return []
 
 
@@ -52,8 +56,25 @@ def run_loop(eng):
             raised.append(e)
     t = threading.Thread(target=target, daemon=True)
     t.start()
+    assert parent.poll(60), raised          # the loop's first message, or why it never came
     assert parent.recv()[0] == "ready"
     return parent, t, raised
+
+
+def test_logit_rows_come_back_with_a_step_only_while_the_caller_asks_for_them():
+    """verify's decode check on the ranks (decode/check.py): rank 0 sends each step's rows."""
+    eng = Engine()
+    conn, thread, raised = run_loop(eng)
+    conn.send(("logits", True))
+    conn.send(("step",))
+    rows = conn.recv()[4]
+    assert [sid for sid, _ in rows] == [0] and torch.equal(rows[0][1], torch.arange(3.0))
+    conn.send(("logits", False))
+    conn.send(("step",))
+    assert conn.recv()[4] == [] and eng.on_logits is None
+    conn.send(("end",))
+    thread.join(10)
+    assert not thread.is_alive() and not raised
 
 
 def test_a_refusal_before_the_broadcast_ends_the_live_sequences_and_the_loop_serves_on():
@@ -87,10 +108,10 @@ def test_the_caller_ends_its_mirrors_of_the_failed_sequences_and_the_engine_stay
     from graphmode.decode.sampling import SamplingParams
     from graphmode.decode.tp_engine import RemoteEngine
     replies = [("added", 3), ("step-failed", ContractViolation("seq 17 is above", where="dims.seq"), [3]),
-               ("stepped", [], [], {"stats": {}, "running": [], "waiting": [], "used_pages": 0})]
+               ("stepped", [], [], {"stats": {}, "running": [], "waiting": [], "used_pages": 0}, [])]
     tp = SimpleNamespace(timeout_s=5.0, _down=None, send=lambda msgs: None,
                          receive=lambda r, timeout_s, what: replies.pop(0))
-    info = {"cfg": {"eos": None, "vocab": 100}, "max_prompt": 8, "min_prompt": 2,
+    info = {"cfg": {"eos": None, "vocab": 100}, "max_prompt": 8, "min_prompt": 2, "context": None,
             "layout": {"max_tokens": 16, "pages": 8, "page_size": 4, "max_pages_per_seq": 4, "batch_buckets": [1]},
             "kv_pool_bytes": 0, "facts": None, "proof": None,
             "view": {"stats": {}, "running": [], "waiting": [], "used_pages": 0}}
