@@ -111,13 +111,16 @@ def slice_needs(start: int, end: Any) -> int | None:
         return end
     if start >= 0:
         return start - end
+    if end >= 0 and not big:                  # x[:, -2:1000]: from the end, up to a constant end
+        return max(end, -start)
     return -start
 
 
 def short_slices(graph: Graph, ranges: Mapping[str, tuple[int, int]]) -> list[ShortSlice]:
     """Slices with constant bounds over an axis of one dim that the dim's minimum makes shorter
-    than the bound (x[:, -2] at seq 1): the plan would read past the axis. One per dim."""
-    out, seen = [], set()
+    than the bound (x[:, -2] at seq 1): the plan would read past the axis. One per dim: the one
+    that binds (the largest smallest value that fits; None, no value fits, binds most)."""
+    out: dict[str, ShortSlice] = {}
     for n in graph.nodes:
         if n.op != "slice":
             continue
@@ -128,7 +131,7 @@ def short_slices(graph: Graph, ranges: Mapping[str, tuple[int, int]]) -> list[Sh
             continue
         expr = sympy.sympify(size)
         free = [s.name for s in expr.free_symbols]
-        if len(free) != 1 or free[0] not in ranges or free[0] in seen:
+        if len(free) != 1 or free[0] not in ranges:
             continue                              # one dim: its smallest value decides
         d = free[0]
         lo, hi = ranges[d]
@@ -139,10 +142,11 @@ def short_slices(graph: Graph, ranges: Mapping[str, tuple[int, int]]) -> list[Sh
             continue
         fits = next((v for v in range(lo, min(hi, lo + SEARCH) + 1) if at(v).is_Integer and int(at(v)) >= need),
                     None)
-        seen.add(d)
-        out.append(ShortSlice(d, n.outputs[0], int(n.attrs.get("start", 0)), n.attrs.get("end", 2 ** 62),
-                              dim_str(size), need, int(at(lo)), fits))
-    return out
+        seen = out.get(d)
+        if seen is None or (seen.fits is not None and (fits is None or fits > seen.fits)):
+            out[d] = ShortSlice(d, n.outputs[0], int(n.attrs.get("start", 0)), n.attrs.get("end", 2 ** 62),
+                                dim_str(size), need, int(at(lo)), fits)
+    return list(out.values())
 
 
 __all__ = ["ShortExtent", "ShortSlice", "short_extents", "short_slices", "slice_needs"]

@@ -14,7 +14,7 @@ from graphmode.ir.ops import broadcast_shapes, norm_axis, resolve_reshape
 from graphmode.ir.types import DTYPES, Dim, dim_str, normalize_dim
 
 from graphmode.capture.onnx.checks import CheckedNode, axis_check, check_axes
-from graphmode.capture.onnx.fold import BIG_END, KNOWN_LIMIT, _INT_DTYPES, _Known, _is_sym
+from graphmode.capture.onnx.fold import BIG_END, KNOWN_LIMIT, _INT_DTYPES, _decide, _Known, _is_sym, _Unfoldable
 from graphmode.capture.onnx.importer import STATIC_AXIS_FIX, _Importer, _attr_dim, _handles, _same_shape, _shape_attr
 from graphmode.capture.onnx.values import _data_sized, data_length_error
 
@@ -248,6 +248,7 @@ def _slice(imp: _Importer, n) -> None:
             e = BIG_END
         if isinstance(e, int) and e <= -BIG_END:
             e = -BIG_END
+        s, e = _clamped_over_ranges(t.shape[a], s, e, st)
         specs.append((a, s, e, st))
     if k is not None and all(isinstance(e, int) for _, _, e, _ in specs):
         idx = [slice(None)] * t.rank
@@ -275,6 +276,28 @@ def _slice(imp: _Importer, n) -> None:
             continue
         cur = imp.emit("slice", [cur], {"dim": a, "start": s, "end": _attr_dim(e), "step": st},
                        out=n.output[0] if last else None, hint=n.output[0])
+
+
+def _clamped_over_ranges(size: Dim, start: int, end: Dim, step: int) -> tuple[int, Dim]:
+    """ONNX clamps a slice's bounds to the axis; the IR's slice over a symbolic axis takes a
+    constant end as the end and a negative start as counted from the end, which holds only where
+    the axis reaches them. Where the recipe's ranges put a bound past the axis at every dim value
+    (x[:, 1:1000] with seq <= 512, x[:, -8:] with seq <= 8), it is the axis's own end (start),
+    as ONNX Runtime reads it; where they leave it open, the recipe's proof refuses the dims that
+    would read past the axis (analysis/extents.py)."""
+    if isinstance(size, int) or step < 0:
+        return start, end
+
+    def always(expr: Any) -> bool:
+        try:
+            return _decide(expr, "le")
+        except _Unfoldable:
+            return False
+    if isinstance(end, int) and 0 <= end < BIG_END and always(size - end):
+        end = BIG_END
+    if start < 0 and always(size + start):
+        start = 0
+    return start, end
 
 
 _INDEX_MOVES = ("reshape", "expand", "slice", "permute", "index_select", "concat", "identity", "cast")
