@@ -12,12 +12,17 @@ Only a dim whose padding is unsafe (`exact_dims`) still builds inline: its recip
 answer the request. A background build that fails is an event (`compile_failed`) and a warning,
 once: the value keeps its recipe bucket and the plan is not queued again.
 `wait_for_builds()` returns when none is in flight (tests and the benchmark's setup wait on it).
+At interpreter exit the queued builds are dropped and the one in flight is waited for: a daemon
+thread still inside a kernel build while the interpreter tore down aborted the process ("terminate
+called without an active exception", exit 134) after a script had printed its results.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Mapping
 
 from graphmode.progress import stage
@@ -118,11 +123,13 @@ class _Background:
         self.current: str | None = None
         self.thread: threading.Thread | None = None
         self.failed: set[str] = set()        # buckets whose build failed: not queued again (said once)
+        self.closed = False
+        _BUILDERS.add(self)
 
     def put(self, env: dict[str, int]) -> None:
         key = self.model.bucket_key(env)
         with self.cond:
-            if key == self.current or key in self.failed or any(self.model.bucket_key(e) == key for e in self.queue):
+            if self.closed or key == self.current or key in self.failed or any(self.model.bucket_key(e) == key for e in self.queue):
                 return
             self.queue.append(env)
             if self.thread is None:
@@ -136,6 +143,13 @@ class _Background:
     def wait(self, timeout: float | None) -> bool:
         with self.cond:
             return self.cond.wait_for(lambda: not self.queue and self.current is None, timeout)
+
+    def close(self, timeout: float) -> None:
+        """Drop what is queued and wait (up to `timeout` s) for the build in flight."""
+        with self.cond:
+            self.closed = True
+            self.queue.clear()
+            self.cond.wait_for(lambda: self.current is None, timeout)
 
     def _run(self) -> None:
         while True:
@@ -164,6 +178,16 @@ class _Background:
             m.exact_values.forget(env)
             with self.cond:
                 self.failed.add(key)
+
+
+_BUILDERS: "weakref.WeakSet[_Background]" = weakref.WeakSet()
+EXIT_WAIT_S = 300.0          # one plan's build at most; past it the process exits as it would have
+
+
+@atexit.register
+def _finish_builds_at_exit() -> None:
+    for b in list(_BUILDERS):
+        b.close(EXIT_WAIT_S)
 
 
 __all__ = ["Plans"]
