@@ -100,7 +100,12 @@ class TokenText:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _alone(self, t: int) -> str | None:
+        """The token decoded alone; None for an id the tokenizer has no piece for (a model's
+        vocabulary padded past its tokenizer's, as Qwen2's 151,936 rows over ~151,665 pieces),
+        which decodes to "" and would be named "" with no bytes."""
         try:
+            if self.tokenizer.convert_ids_to_tokens(t) is None:
+                return None
             return self.tokenizer.decode([t], clean_up_tokenization_spaces=False)
         except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode alone
             return None

@@ -53,6 +53,14 @@ def test_distinct_ids_get_distinct_names(tok):
     assert TokenText(None).name(7) == "token_id:7" and TokenText(None).offsets([1, 2], 0, 3) == [0, 0]
 
 
+def test_ids_past_the_tokenizers_pieces_are_named_by_id(tok):
+    """A model's vocabulary padded past its tokenizer's (Qwen2: 151,936 rows over ~151,665
+    pieces): such ids decode to "", and two of them in one top_logprobs were "" and token_id:ID."""
+    tt = TokenText(tok)
+    past = [len(tok) + 3, len(tok) + 9]
+    assert tt.names(past) == [f"token_id:{t}" for t in past] and tt.bytes(past[0]) is None
+
+
 def test_streamed_offsets_continue_where_the_last_chunk_ended(tok):
     """The offsets of a choice's second chunk start where the first chunk's text ended."""
     ids = tok.encode(" 日本語 über")
