@@ -86,7 +86,8 @@ class Verdict:
                         f" (the mask hides padded positions, but the model builds a query x key mask: a request whose "
                         f"mask hides any position and whose {d} is off a bucket value is not padded)"
                         if d in self.masked_dims and d in self.query_key_dims else
-                        " (the mask hides padded positions; a request whose mask hides a whole row is not padded)"
+                        " (the mask hides padded positions; a request whose mask hides a whole row is not padded: "
+                        "off a bucket value it runs eagerly under on_violation: eager, and is refused under error)"
                         if d in self.masked_dims else "")
                 out.append(f"padding {d}: {v.status}{note}")
         out += [f"refused: {i.render()}" for i in self.refusals]

@@ -404,6 +404,12 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     from graphmode.recipe.targets import pick_target
 
     dtypes, dims_of, example = _signature(bundle)
+    if not dims_of:
+        from graphmode.errors import RecipeError
+        raise RecipeError(f"{bundle.name} takes no inputs: its outputs are constants, so there is nothing to compile "
+                          "per request", where="inputs", value=[],
+                          fix="compute its outputs once (eager PyTorch or ONNX Runtime) and keep them; or give the "
+                              "model the input its outputs should depend on")
     notes: dict[str, str] = {"inputs": "names, dtypes and dims from the model's signature"}
     data: dict[str, Any] = {"version": 1, "name": _safe_name(name or f"{bundle.name}-draft"),
                             "description": "drafted by graphmode recipe init for "

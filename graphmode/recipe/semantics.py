@@ -271,7 +271,9 @@ class _Checker(Findings):
             for k in ("layers", "kv_heads", "head_dim"):
                 if kv[k] is None:
                     self.err(f"memory.kv_cache.{k}", f"KV cache {k} unknown",
-                             fix=f"set memory.kv_cache.{k} (or model.{k})")
+                             fix=f"set memory.kv_cache.{k} (or model.{k}): the recipe is proved before any "
+                                 "model loads; `graphmode recipe init --model M` writes them from the model's config "
+                                 "(num_hidden_layers, num_key_value_heads, head_dim)")
             for k in ("batch_dim", "seq_dim"):
                 if kv[k] not in self.r.dims and not (k == "batch_dim" and kv[k] == "batch"):
                     self.err(f"memory.kv_cache.{k}", f"dim {kv[k]!r} is not declared under dims", kv[k],

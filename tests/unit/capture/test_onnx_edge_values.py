@@ -377,3 +377,15 @@ def test_resize_of_a_symbolic_axis_it_changes_is_refused():
                [_vi("x", TP.FLOAT, ["N", 1, "H", 2])], [_vi("y", TP.FLOAT, ["N", 1, None, 4])], [scales])
     with pytest.raises(CaptureError, match="resizes axis 2, whose extent H is symbolic"):
         import_onnx(m)
+
+
+def test_a_model_without_inputs_is_refused_saying_so(tmp_path):
+    """A constant graph (Range of initializers) drafted 'inputs: must not be empty', no fix."""
+    from graphmode.errors import RecipeError
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in (("a", 0), ("b", 5), ("d", 1))]
+    m = _model([helper.make_node("Range", ["a", "b", "d"], ["y"])], [], [_vi("y", TP.INT64, [5])], inits)
+    path = tmp_path / "range.onnx"
+    onnx.save(m, path)
+    with pytest.raises(RecipeError, match="takes no inputs: its outputs are constants") as e:
+        graphmode.compile(str(path), cache_dir=tmp_path / "c")
+    assert e.value.where == "inputs" and "ONNX Runtime" in e.value.fix
