@@ -132,15 +132,17 @@ class PromMetrics:
         return int(sum(s.value for m in fam.collect() for s in m.samples if s.name.endswith("_total")
                        and s.labels.get("version") == version and s.labels.get("target") == target))
 
-    def decode_series(self, version: str, target: str) -> "DecodeSeries":
+    def decode_series(self, version: str, target: str, speculative: bool = True) -> "DecodeSeries":
         """The decoding series of one recipe version, bound once (the decode loop updates them
-        for every token)."""
+        for every token). The speculative-decoding counters only where it drafts: a version
+        without exported them at 0 beside the one that does."""
         lab = (version, target)
+        spec = {"draft_tokens": self.draft_tokens.labels(*lab),
+                "accepted_tokens": self.accepted_tokens.labels(*lab)} if speculative else {}
         return DecodeSeries(*(fam.labels(*lab) for fam in (
             self.ttft, self.itl, self.tpot, self.queue_time, self.e2e, self.running, self.waiting, self.kv_usage,
             self.preemptions, self.prompt_tokens, self.generation_tokens)), finished=self.finished, labels=lab,
-            prefix_queries=self.prefix_queries.labels(*lab), prefix_hits=self.prefix_hits.labels(*lab),
-            draft_tokens=self.draft_tokens.labels(*lab), accepted_tokens=self.accepted_tokens.labels(*lab))
+            prefix_queries=self.prefix_queries.labels(*lab), prefix_hits=self.prefix_hits.labels(*lab), **spec)
 
     def forget(self, version: str) -> None:
         """Drop every series of recipe `version` (retired long ago), so a server that swaps

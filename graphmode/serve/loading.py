@@ -246,7 +246,8 @@ class Loading:
         self._unless_stopping()
         eng.warmup(built)
         built(dep.plans, dep.plans)        # a tensor-parallel group's ranks built theirs before ready
-        loop = DecodeLoop(eng, self.metrics.decode_series(dep.version, self.target_name), name=f"decode-{dep.version}")
+        series = self.metrics.decode_series(dep.version, self.target_name, speculative="draft_tokens" in eng.stats)
+        loop = DecodeLoop(eng, series, name=f"decode-{dep.version}")
         self._decoders.add(loop)
         return loop
 

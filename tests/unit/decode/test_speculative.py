@@ -231,3 +231,16 @@ def test_draft_and_accepted_counts_reach_the_servers_metrics():
         return metrics.registry.get_sample_value(name, {"version": "v1", "target": "host"})
     assert value("graphmode_spec_decode_draft_tokens_total") == eng.stats["draft_tokens"] > 0
     assert value("graphmode_spec_decode_accepted_tokens_total") == eng.stats["accepted_tokens"] > 0
+
+
+def test_a_version_that_does_not_draft_exports_no_speculative_series():
+    """After a reload from a recipe without speculative decoding to one with it, /metrics showed
+    the old version's draft and accepted counters at 0 (trial W)."""
+    from graphmode.monitor import PromMetrics
+    metrics = PromMetrics()
+    plain = metrics.decode_series("v1", "host", speculative=False)
+    metrics.decode_series("v2", "host", speculative=True)
+    assert "draft_tokens" not in plain.counted()
+    text = metrics.text().decode()
+    assert 'graphmode_spec_decode_draft_tokens_total{target="host",version="v2"}' in text
+    assert 'version="v1"' not in "".join(ln for ln in text.splitlines() if ln.startswith("graphmode_spec_decode"))
