@@ -40,6 +40,10 @@ class InputContract:
         named[name] = torch.full(tuple(like.shape), value, dtype=DTYPES[specs[name].dtype])
         return True
 
+    def before_lowered_checks(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Checks a model whose graph is lowered on first use (runtime/deferred.py) makes before
+        that; a lowered model makes them with the rest."""
+
     def bind_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         if self._signature is not None:
             try:
@@ -140,6 +144,7 @@ class InputContract:
                                         value=t.tolist() if t.numel() <= 16 else tuple(t.shape),
                                         fix=f"send {spec.value}, or compile with a recipe declaring the new value")
             out[spec.name] = t
+        self.before_lowered_checks(out)
         mutated = getattr(self, "mutated_inputs", None)
         if mutated:
             refuse_aliased_updates(out, mutated)

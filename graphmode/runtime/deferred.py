@@ -40,6 +40,20 @@ class DeferredModel(CompiledModel):
         self.pending = True
         super().__init__(source, recipe, target, None, None, None, **kw)
 
+    def before_lowered_checks(self, inputs: Any) -> None:
+        """A request outside the recipe's ranges under on_violation: error is refused before the
+        graph is lowered for it: the server's first /v1/infer past seq's max took the seconds of a
+        lowering to answer 422. (The other checks read the lowering: aliased in-place inputs, the
+        model's tables and positions.)"""
+        if self.pending and self.recipe.on_violation == "error" and self.mode != "eager":
+            for d, v in self.shape_of(inputs).items():
+                lo, hi = self.recipe.dim_range(d)
+                if not lo <= v <= hi:
+                    self.events["calls"] += 1
+                    self.events["violated_calls"] += 1
+                    self._event("violation", kind="shape", dims={d: v})
+                    raise self._violation({d: v})
+
     def _adopt(self, captured: Any, graph: Any, reports: Any, verdict: Any, lowered: Any) -> None:
         if lowered is not None:          # CompiledModel.__init__ adopts nothing: the fields stay unset
             super()._adopt(captured, graph, reports, verdict, lowered)

@@ -89,3 +89,15 @@ def test_a_recipe_the_whole_sequence_graph_refuses_is_refused_at_the_forward_cal
         errors.append(e.value)
     assert "outputs.logits" in str(errors[0].to_dict()) and type(errors[1]) is type(errors[0])
     assert seen.count == 1 and cm.pending
+
+
+def test_a_request_outside_the_recipes_range_is_refused_before_any_lowering(tmp_path):
+    """The server's first /v1/infer past seq's max lowered the whole-sequence graph (seconds) to
+    answer 422; the recipe alone refuses it."""
+    from graphmode.errors import ContractViolation
+    _, cm, seen = _compile(tmp_path)
+    ids = torch.ones(1, 60, dtype=torch.long)
+    with pytest.raises(ContractViolation, match=r"dim 'seq' = 60 is outside the recipe's range") as e:
+        cm(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert e.value.where == "dims.seq" and seen.count == 0 and cm.pending
+    assert cm.events["violated_calls"] == 1

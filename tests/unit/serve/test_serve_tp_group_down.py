@@ -25,7 +25,7 @@ RECIPE = {"version": 1, "name": "tp",
           "parallel": {"tensor": 2, "device_group": ["rank0", "rank1"],
                        "links": {"loopback": {"bandwidth_gbps": 10, "latency_us": 20}}, "comm": {"timeout_s": 5}}}
 # what rank 0's engine reports at start (decode/tp_engine.py:start_info), for a pool of 8 pages
-INFO = {"cfg": {"eos": None, "vocab": 100}, "max_prompt": 8, "min_prompt": 2,
+INFO = {"cfg": {"eos": None, "vocab": 100}, "max_prompt": 8, "min_prompt": 2, "context": None,
         "layout": {"max_tokens": 16, "pages": 8, "page_size": 4, "max_pages_per_seq": 4, "batch_buckets": [1, 2]},
         "kv_pool_bytes": 0, "facts": None, "proof": None,
         "view": {"stats": {"decode_steps": 0}, "running": [], "waiting": [], "used_pages": 0}}
