@@ -366,6 +366,8 @@ def bundle_from_module(module: nn.Module, example_inputs: Any,
     bundle = ModelBundle(name=name or type(module).__name__.lower(), module=wrapper,
                          example_inputs=ex, input_dims=dims, output_names=list(outs),
                          source=source, raw_module=module, output_structure=structure)
+    if input_dims is not None and not bundle.dim_names:
+        bundle.meta["static"] = True      # the caller declared every axis fixed: no batch is guessed for it
     bundle.shape_of(ex)  # validates dims against the example
     return bundle
 
@@ -429,7 +431,10 @@ def with_batch_axis(bundle: Any) -> Any:
     input of rank 1 or more shares that extent, else None. torch.export specialises an extent of
     1, so a batch-1 example (as torch users write one) is captured from its rows repeated to 2;
     the bundle as handed stays the next try. A 0-d input (a scalar temperature, a step) has no
-    batch axis and keeps its shape."""
+    batch axis and keeps its shape. Shapes the caller declared fixed, axis by axis (input_dims
+    of sizes and None), stay as declared."""
+    if bundle.meta.get("static"):
+        return None
     ranked = {k: v for k, v in bundle.input_dims.items() if v}
     lead = {v[0] for v in ranked.values()}
     n = next(iter(lead), None)

@@ -441,7 +441,9 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
         leads = {k: v[0] for k, v in bundle.input_dims.items() if v}
         differ = (f": the inputs' leading axes differ ({', '.join(f'{k} {n}' for k, n in leads.items())}), so none "
                   "is taken as a batch" if len(set(leads.values())) > 1 else "")
-        notes["inputs"] = f"names, dtypes and shapes from the model's signature: every shape is fixed (no dims){differ}"
+        notes["inputs"] = ("names, dtypes and shapes as declared: every axis fixed (input_dims)"
+                           if bundle.meta.get("static") else
+                           f"names, dtypes and shapes from the model's signature: every shape is fixed (no dims){differ}")
     data.update(exe_mode="graph", on_violation="error", optimize={"preset": "default", "fusion": {"enabled": True}},
                 codegen={"kernel_selection": f"{objective}_first"}, precision={"compute": "f32"},
                 targets=[getattr(target, "name", None) or str(target)])

@@ -252,6 +252,8 @@ class InputContract:
         note = (getattr(self, "draft_notes", None) or {}).get("inputs")
         if not note:
             return ""
+        if "as declared" in note:
+            return "; the axis was declared fixed (input_dims): name it there (e.g. 'batch') to vary it"
         if "cannot keep it dynamic" in note:     # torch.export fixed it: no way of compiling varies it
             return (f"; graphmode drafted the recipe from your example ({note}): compile once per size you send, "
                     "or run the model with exe_mode: eager")

@@ -850,3 +850,17 @@ def test_a_draft_that_keeps_every_shape_says_why_when_a_call_meets_it():
     with pytest.raises(ContractViolation) as e:
         cm(torch.randn(5, 7), torch.randn(7, 2))
     assert "leading axes differ (a 3, w 7)" in e.value.fix and "dynamic_shapes=" in e.value.fix
+
+
+def test_shapes_declared_fixed_axis_by_axis_stay_static():
+    """input_dims of sizes and None declare every axis fixed: the draft guessed a dynamic batch
+    anyway (9 plans, and calls at other batches accepted), as for examples handed without them."""
+    m = torch.nn.Linear(16, 8).eval()
+    x = torch.randn(4, 16)
+    cm = graphmode.compile((m, {"input": x}, {"input": [None, 16]}))
+    assert cm.recipe.dims == {} and cm.recipe.inputs[0].shape == [4, 16]
+    assert torch.allclose(cm(x), m(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ContractViolation, match="axis 0 must be 4") as e:
+        cm(torch.randn(3, 16))
+    assert "declared fixed (input_dims)" in e.value.fix
+    assert graphmode.compile((m, {"input": x})).recipe.inputs[0].shape == ["batch", 16]   # examples alone: a batch
