@@ -76,7 +76,10 @@ class RecipeErrors(RecipeError):
         return "\n".join(e.render() for e in getattr(self, "errors", [])) or self.message
 
     def to_dict(self) -> dict[str, Any]:
-        return {"error": "RecipeErrors", "errors": [e.to_dict() for e in self.errors]}
+        """Every error's fields (the first field error's, as the summary), and each one in `errors`."""
+        first = self.errors[0].to_dict() if self.errors else {}
+        return {**first, "error": "RecipeErrors", "message": f"{self.message}; first: {first.get('message')}",
+                "errors": [e.to_dict() for e in self.errors]}
 
 
 class ArtifactError(GraphmodeError):

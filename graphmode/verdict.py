@@ -55,7 +55,10 @@ class ContractRefused(GraphmodeError):
         return "\n".join(i.render() for i in getattr(self, "issues", [])) or self.message
 
     def to_dict(self) -> dict[str, Any]:
-        return {"error": "ContractRefused", "issues": [i.__dict__ for i in self.issues]}
+        """Every error's fields (the first reason's, as the summary), and each reason in `issues`."""
+        first = self.issues[0]
+        return {**super().to_dict(), "message": f"{self.message}; first: {first.message}",
+                "issues": [i.__dict__ for i in self.issues]}
 
 
 @dataclass
