@@ -40,7 +40,8 @@ def _probe_warning(target: Any) -> list[str]:
 def shape_floor(compiled: Any, env: dict[str, int], target: Any) -> dict[str, Any]:
     """The roofline floor of one shape on `target`: `floor_ms` = max(FLOPs / peak, bytes /
     bandwidth) in the recipe's compute dtype, its `floor_bound`, and the `floor_flops` and
-    `floor_bytes` (weights + planned activations) the recipe proofs count at this shape
+    `floor_bytes` (weights + planned activations) the recipe proofs count at this shape, a lookup
+    table (token embeddings) counted for the rows the shape reads
     (profile.facts_at). Those counts come from graphmode's compile of the model: `compiled` is
     what the graphmode engine stored ((CompiledModel, recipe, seconds), the exception it
     raised, or None when it did not run); without one, `floor_note` says why there is no floor."""

@@ -344,7 +344,8 @@ def run_bench(cases: Sequence[ModelCase], cfg: BenchConfig, log: Callable[[str],
                                             "per-round time / that engine's time in the same round",
                 "floor_ms": "the shape's roofline time on the host target: max(FLOPs / peak, bytes / bandwidth) "
                             "with the probe's bandwidth (best streaming read) and theoretical peak, FLOPs and "
-                            "bytes (weights + planned activations) as graphmode's compiler counts them",
+                            "bytes (weights, a lookup table's rows a request reads, + planned activations) as "
+                            "graphmode's compiler counts them",
                 "x_floor": "median_ms / floor_ms (>= 1; below 1 is flagged `floor`)",
                 "setup_s": "engine setup + first call; shared per-model work (graphmode capture+passes, ONNX "
                            "export time from its cache record) is charged to every shape",

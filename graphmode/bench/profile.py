@@ -416,7 +416,8 @@ def model_roofline(target: Any, facts: Mapping[str, float], dtype: str = "f32") 
 
 def facts_at(cm: Any, recipe: Any, target: Any, env: Mapping[str, int]) -> dict[str, float]:
     """The recipe latency model's inputs at one bucket, from the compiler's facts: total FLOPs,
-    bytes (weights + planned activations, as the proof counts them) and instruction count."""
+    bytes (weights + planned activations, as the proof counts them, but a lookup table only
+    for the rows it picks) and instruction count."""
     from graphmode.compile_report import model_facts
     from graphmode.plan.memory import activation_peak_expr
     from graphmode.recipe import smt
@@ -427,8 +428,31 @@ def facts_at(cm: Any, recipe: Any, target: Any, env: Mapping[str, int]) -> dict[
     m = build_constraint_model(recipe, target, facts)
     vals = {k: int(v) for k, v in env.items()}
     moved = m.bytes_moved if m.bytes_moved is not None else m.resident_once_bytes
-    return {"flops": float(smt.evaluate(m.flops, vals)), "bytes": float(smt.evaluate(moved, vals)),
+    table, picked = lookup_table_bytes(cm.graph, vals)
+    return {"flops": float(smt.evaluate(m.flops, vals)), "bytes": float(smt.evaluate(moved, vals)) - table + picked,
             "n_ops": float(smt.evaluate(m.n_ops, vals))}
+
+
+LOOKUPS = frozenset({"embedding", "index_select", "gather", "index"})
+
+
+def lookup_table_bytes(graph: Any, env: Mapping[str, int]) -> tuple[int, int]:
+    """(bytes of the constants read only by indexed reads, bytes those reads pick at `env`): a
+    lookup table is read a row per index, not whole. The proofs count every weight (their
+    latency bound stays conservative); a floor that counted MiniLM's 47 MB token table at
+    (1, 16) was twice what a run reads, and a row 'at 0.91x the floor' was not near it."""
+    from graphmode.ir.types import eval_dim
+    users = graph.users()
+    table = picked = 0
+    for k, t in graph.constants.items():
+        reads = users.get(k, [])
+        if not reads or any(n.op not in LOOKUPS or n.inputs[0] != k or k in n.inputs[1:] for n in reads):
+            continue
+        table += t.numel() * t.element_size()
+        for n in reads:
+            out = graph.type_of(n.outputs[0])
+            picked += math.prod(eval_dim(d, env) for d in out.shape) * t.element_size()
+    return table, picked
 
 
 def profile_bucket(cm: Any, recipe: Any, env: Mapping[str, int], target: Any, *, runs: int = 20,

@@ -511,6 +511,9 @@ def test_goals_report_speed_and_peak_rss_against_the_thresholds():
     (line,) = goals(BenchResult(rows, {}))
     assert "speed met (0.95x onnxruntime, 1.05x the memory-bound floor; goal <= 0.90x, or <= 1.10x the floor)" \
         in line and "peak RSS met" in line
+    rows[1].update(x_floor=0.91)        # under its floor: the floor is wrong there (a trial: a whole token table)
+    assert "speed NOT met (0.95x onnxruntime, 0.91x the memory-bound floor (under it: the floor is in doubt)" \
+        in goals(BenchResult(rows, {}))[0]
     rows[1].update(x_floor=1.2, label="graphmode[avx2]")          # an ISA-capped run labels the engine
     assert "speed NOT met" in goals(BenchResult(rows, {}))[0]
     assert goals(BenchResult(rows, {"quick": True})) == []
