@@ -121,8 +121,9 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
                       "workload": runner.shapes})
     journal = Journal(recipe.with_name(recipe.stem + ".tune.jsonl"), run_key)
     journal.hold()
+    session = journal.session(fresh)           # the knowledge base's comparison: this run, resumed or not
     journal.start({"recipe": str(recipe), "hash": recipe_hash(base), "model": model, "objective": objective,
-                   "budget_s": budget_s, "target": tgt.name, "time": time.time(), "fresh": fresh})
+                   "budget_s": budget_s, "target": tgt.name, "time": time.time(), "fresh": fresh, "session": session})
     for a in axes:
         for n in a.notes:
             log(f"search space: {a.name}: {n}")
@@ -136,7 +137,7 @@ def tune_cmd(model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
         subj = Subject(r.recipe or base, tgt, runner.src, runner.graph0, r.ir_hash,
                        origin="measured" if written else "tune", parent=None if written else recipe_hash(base))
         row = perf("tune", status=r.status, reason=r.reason, threads=r.config.get("threads"),
-                   extra={"run": run_key, "trial": r.index, "change": describe(r.config, base_cfg),
+                   extra={"run": session, "trial": r.index, "change": describe(r.config, base_cfg),
                           "samples": r.samples, **extra}, **r.metrics)
         w = record(kb_path, subj, [row])
         if w and not warned:

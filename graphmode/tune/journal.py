@@ -7,12 +7,16 @@ measuring them again, and a changed recipe or space starts a new run in the same
 line is flushed and fsync'd when its trial ends; a line cut off by a kill is skipped. One tune
 at a time holds a journal (an flock on `<journal>.lock`, released at its end or when its process
 dies): two at once interleaved their trials under one run key and both wrote a version.
+A run also has a session: new at the first start and at `--fresh`, kept by a resume. The
+knowledge base compares trials within a session; two journals of one recipe's content (a copy
+under another name) are two sessions of one run key, which it had pooled as one comparison.
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +74,29 @@ class Journal:
         return out
 
     def _write(self, obj: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise GraphmodeError(f"the tuning journal cannot be written: {e.strerror or e}", where="--recipe",
+                                 value=str(self.path), fix="the journal goes beside the recipe file: tune a copy of "
+                                 "the recipe in a folder you can write (and with free space)") from None
+
+    def session(self, fresh: bool) -> str:
+        """This run's session: the last start's for a resume, a new one for a first or fresh start."""
+        last = None
+        if not fresh and self.path.is_file():
+            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    d = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(d, dict) and d.get("run") == self.run_key and d.get("kind") == "start":
+                    last = d.get("session") if isinstance(d.get("session"), str) else None
+        return last or uuid.uuid4().hex[:16]
 
     def start(self, header: dict[str, Any]) -> None:
         self._write({"run": self.run_key, "kind": "start", **header})

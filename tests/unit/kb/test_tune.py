@@ -312,3 +312,25 @@ def test_a_journal_is_held_by_one_tune_at_a_time(tmp_path):
     first.release()
     second.hold()                  # free again once the first ends
     second.release()
+
+
+def test_each_tune_session_is_its_own_comparison_and_a_resume_keeps_it(tmp_path):
+    """Two journals of one recipe's content (a copy under another name, as the concurrent-tune
+    refusal advises) had one run key, so the knowledge base pooled their trials as one run and
+    ranked a recipe by a comparison across the two (trial Z)."""
+    a, b = Journal(tmp_path / "a.tune.jsonl", "r"), Journal(tmp_path / "b.tune.jsonl", "r")
+    sa, sb = a.session(False), b.session(False)
+    assert sa != sb
+    a.start({"session": sa})
+    assert Journal(tmp_path / "a.tune.jsonl", "r").session(False) == sa          # resumed: the same session
+    assert Journal(tmp_path / "a.tune.jsonl", "r").session(True) not in (sa, sb)  # --fresh: a new one
+
+
+def test_a_journal_that_cannot_be_written_is_a_clear_error(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")                   # a file where the journal's folder should be
+    j = Journal(blocked / "r.tune.jsonl", "r")
+    j.hold()
+    with pytest.raises(GraphmodeError, match="the tuning journal cannot be written") as e:
+        j.start({"session": "s"})
+    assert e.value.where == "--recipe" and "a folder you can write" in e.value.fix
