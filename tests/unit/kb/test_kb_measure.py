@@ -32,3 +32,16 @@ def test_the_determinism_bound_is_part_of_the_contract():
     assert recipe_hash(plain) != recipe_hash(bounded)
     with pytest.raises(RecipeErrors, match="sla.max_p99_over_p50"):
         load_recipe(recipe_data(sla={"max_p99_over_p50": 0.5}))                                  # p99 >= p50 always
+
+
+def test_a_bench_row_is_recorded_with_the_median_its_table_printed():
+    """The table said median 0.3862 ms over 30 rounds; the knowledge base stored the lower
+    middle (0.3859) as p50 (trial Z)."""
+    from graphmode.kb.record import bench_perfs
+    rec = load_recipe(recipe_data())
+    rounds = [1.0, 2.0, 3.0, 4.0]
+    row = {"engine": "graphmode", "label": "graphmode", "dims": {"batch": 2}, "status": "ok", "shape": [2],
+           "median_ms": 2.5, "rounds_ms": rounds, "threads": 1, "rel_l2_err": 0.0}
+    (p,) = bench_perfs([row], None, rec)
+    assert p["p50_ms"] == 2.5 and p["p99_ms"] == 4.0 and p["p99_over_p50"] == 1.6
+    assert p["throughput"] == 2 / 2.5e-3              # the batch dim's rows per call
