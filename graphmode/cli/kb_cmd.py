@@ -382,6 +382,9 @@ def _say_other_ranges(written: Any, top: Any) -> None:
 def export_cmd(out: Optional[Path] = typer.Option(None, "--out", help="JSON-lines file (default stdout)"),
                kb: Optional[Path] = KbPath, cache_dir: Optional[Path] = CacheDir) -> None:
     """Every entity as JSON lines (referenced by fingerprint and hash, never by row id)."""
+    if out is not None:
+        from graphmode.paths import writable_output
+        out = writable_output(out, "--out")
     db = _open(kb_file(kb, cache_dir))
     lines = []
     if db is not None:

@@ -236,6 +236,9 @@ def profile_cmd(
     torch.set_num_threads(threads)
     target = get_target("host", cache_dir=layout.targets)
     cal_path = calibration or layout.calibration(target.name)
+    if calibrate or refit:        # checked before measuring: a place it cannot save lost the measurements
+        from graphmode.paths import writable_output
+        writable_output(cal_path, "--calibration" if calibration else "--cache-dir")
     log = (lambda s: err_console.print(s, markup=False, highlight=False)) if not as_json else (lambda s: None)
     profiles, tp_profiles = [], []
     with tempfile.TemporaryDirectory(prefix="graphmode-profile-") as tmp, progress(measuring=True) as on_stage:

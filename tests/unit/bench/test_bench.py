@@ -435,6 +435,11 @@ def test_profile_cli_calibrates_and_saves(cli, tmp_path):
     with pytest.raises(SystemExit) as e:                                       # neither --model nor --refit
         main(["profile", "--calibration", str(cal)])
     assert e.value.code == 2
+    # a calibration it cannot save is refused before measuring (it ended in a PermissionError after the runs)
+    res = cli("profile", "--model", TINY, "--shape", "8x32", "--runs", "3", "--calibrate",
+              "--calibration", str(cal / "inside.json"))
+    assert res.exit_code != 0 and "--calibration" in res.output and "is a file" in res.output
+    assert "top 15 instructions" not in res.output
 
 
 def test_profile_cli_flags_kernels_above_a_low_probe(cli, tmp_path):

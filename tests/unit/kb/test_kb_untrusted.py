@@ -261,3 +261,9 @@ def test_recipe_init_drafts_without_a_damaged_knowledge_base_and_says_so(tmp_pat
         res = invoke("recipe", "init", "--model", spec("mlp"), "--kb", bad, "--out", out, "--cache-dir", tmp_path / "c")
     assert res.exit_code == 0, res.output
     assert "the knowledge base could not be read" in out.read_text() and bad.read_bytes() == b"\x8f" * 4096
+
+
+def test_an_export_to_a_place_it_cannot_write_is_refused_naming_it(kb, tmp_path):
+    """A folder it could not write ended in a PermissionError traceback (trial Z)."""
+    (tmp_path / "file").write_text("")
+    _refused(invoke("kb", "export", "--kb", kb, "--out", tmp_path / "file" / "e.jsonl"), "--out", "is a file")
