@@ -167,11 +167,30 @@ def load_cases(models: Sequence[str], shapes: Sequence[str], *, quick: bool = Fa
             envs = default_envs(name, bundle)
         if quick:
             envs = envs[:1]
+        if recipe is not None:
+            _fits_recipe(spec, bundle, envs, recipe)
         cases.append(ModelCase(spec, name, bundle, envs, load_s))
     if unused:
         raise GraphmodeError(f"shape(s) {unused} fit none of the models {list(models)}", where="--shape",
                              fix="write shapes like the first input of a selected model")
     return cases
+
+
+def _fits_recipe(spec: str, bundle: Any, envs: Sequence[dict[str, int]], recipe: Any) -> None:
+    """A --recipe that cannot run the model or a shape is refused before any engine is timed (it
+    was a failed graphmode row after every other engine's minutes)."""
+    unknown = [i.name for i in recipe.inputs if i.name not in bundle.input_names]
+    if unknown:
+        raise GraphmodeError(f"the recipe declares inputs {unknown} that model {spec!r} does not take",
+                             where="--recipe", value=unknown,
+                             fix=f"name the model's inputs in the recipe's inputs[]: {bundle.input_names}")
+    for env in envs if recipe.on_violation == "error" else ():     # (eager: such a row runs eagerly, flagged)
+        for d, v in env.items():
+            if d in recipe.dims and not recipe.dim_range(d)[0] <= v <= recipe.dim_range(d)[1]:
+                lo, hi = recipe.dim_range(d)
+                raise GraphmodeError(f"shape {dict(env)} is outside the recipe's dims.{d} [{lo}, {hi}]",
+                                     where="--shape", value=dict(env),
+                                     fix=f"bench {d} within [{lo}, {hi}], or widen dims.{d} in the recipe")
 
 
 # ---- the recipe graphmode gets ---------------------------------------------------------------------

@@ -596,3 +596,21 @@ def test_an_engine_whose_outputs_failed_the_check_is_no_baseline():
         return {"engine": engine, "label": engine, "median_ms": ms, "numerics_ok": ok}
     rows = [row("eager", 10.0), row("onnxruntime", 2.0, ok=False), row("openvino", 4.0), row("graphmode", 3.0)]
     assert set_ratios(rows)["engine"] == "openvino" and rows[3]["ratio_vs_best_other"] == 0.75
+
+
+def test_a_recipe_that_cannot_run_a_shape_or_the_model_is_refused_before_timing(cli, tmp_path):
+    """It was a failed graphmode row (no fix) after every other engine had been timed (trial Z)."""
+    import yaml
+    rec = {"version": 1, "name": "r", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 32]}],
+           "dims": {"batch": {"buckets": [1, 4]}}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(rec))
+    res = cli("bench", "--model", TINY, "--recipe", str(path), "--shape", "8x32", "--engines", "eager,graphmode",
+              "--iters", "3")
+    assert res.exit_code != 0 and "outside the recipe's dims.batch [1, 4]" in res.output and "eager" not in \
+        res.output.split("error")[0]
+    rec["inputs"][0]["name"] = "y"
+    path.write_text(yaml.safe_dump(rec))
+    res = cli("bench", "--model", TINY, "--recipe", str(path), "--shape", "4x32", "--engines", "eager,graphmode",
+              "--iters", "3")
+    assert res.exit_code != 0 and "declares inputs ['y']" in res.output and "['x']" in res.output
