@@ -60,7 +60,10 @@ def _query_key_eager(data: dict, notes: dict, verdict: Any) -> None:
     padded batch: such requests run eagerly instead, and lengths that recur get plans."""
     dims = data.get("dims") or {}
     qk = [d for d in getattr(verdict, "query_key_dims", None) or [] if d in dims and set(dims[d]) != {"min", "max"}]
-    if not qk or data.get("on_violation") == "eager":
+    if data.get("on_violation") == "eager":
+        return
+    if not qk:
+        _whole_row_eager(data, notes, verdict)
         return
     data["on_violation"] = "eager"
     d = qk[0]
@@ -71,3 +74,19 @@ def _query_key_eager(data: dict, notes: dict, verdict: Any) -> None:
                              "runs eagerly (padding could change its padded positions' outputs), until that value "
                              f"recurs: up to {EXACT_PLANS} values of {d} become plans of their own (dims.{d}."
                              "exact_plans); unmasked requests and bucket values run in graph mode")
+
+
+def _whole_row_eager(data: dict, notes: dict, verdict: Any) -> None:
+    """A dim padded safely by masking: a request whose mask hides a whole row (an empty text in a
+    tokenizer's batch) is not padded, since that row's outputs read its padding. A draft with
+    on_violation: error refused that ordinary batch at every length off a bucket (trial Y: ELECTRA,
+    ALBERT, MPNet, XLM-R, T5); it runs eagerly instead, every other request in graph mode."""
+    dims = data.get("dims") or {}
+    masked = [d for d in getattr(verdict, "masked_dims", None) or [] if d in dims and set(dims[d]) != {"min", "max"}]
+    if not masked:
+        return
+    data["on_violation"] = "eager"
+    d = masked[0]
+    notes["on_violation"] = (f"padding {d} is safe by masking, but a request whose mask hides a whole row (an empty "
+                             f"text in a batch) and whose {d} is not a bucket value runs eagerly (that row's outputs "
+                             "would read its padding); every other request runs in graph mode")
