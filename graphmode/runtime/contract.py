@@ -242,9 +242,14 @@ class InputContract:
                                                 where=f"inputs.{spec.name}.shape[{ax}]", value=size,
                                                 fix=f"send {spec.name} shaped {spec.shape}" + self._drafted_axis())
                 elif dims.setdefault(d, size) != size:
+                    fix = "inputs sharing a dim must agree on its size"
+                    if getattr(self, "drafted", False):      # a draft tied them (a two-tower model's batches)
+                        fix += (f"; graphmode drafted the recipe and named both axes {d!r}: to let them differ "
+                                f"(N images x M texts), compile with dynamic_shapes= giving each input's axis a Dim "
+                                f"of its own, e.g. {{{spec.name!r}: {{{ax}: Dim('{spec.name}_{d}')}}, ...}}, or write "
+                                "a recipe with two dims")
                     raise ContractViolation(f"dim {d!r} is {dims[d]} in one input but {size} in {spec.name!r}",
-                                            where=f"inputs.{spec.name}.shape[{ax}]", value=size,
-                                            fix="inputs sharing a dim must agree on its size")
+                                            where=f"inputs.{spec.name}.shape[{ax}]", value=size, fix=fix)
         return dims
 
     def _drafted_axis(self) -> str:
@@ -260,8 +265,9 @@ class InputContract:
         if getattr(getattr(self, "source", None), "onnx_path", None) is not None:     # the file fixed it
             return ("; the ONNX file fixes this axis (its exporter wrote a number, not a name): export it again with "
                     "the axis dynamic (torch.onnx.export(..., dynamic_axes= / dynamic_shapes=)), then draft again")
-        return (f"; graphmode drafted the recipe from your example and kept this axis at its size ({note}): to vary "
-                "it, compile with dynamic_shapes= (torch.export's Dims) or (module, example_inputs, input_dims)")
+        return (f"; graphmode drafted the recipe (from your example, or the model's config) and kept this axis at its "
+                f"size ({note}): to vary it, compile with dynamic_shapes= (torch.export's Dims) or (module, "
+                "example_inputs, input_dims)")
 
     def bucket_for(self, dims: Mapping[str, int]) -> dict[str, int] | None:
         return self.recipe.bucket_for(dict(dims))

@@ -538,6 +538,9 @@ def test_a_two_tower_model_compiles_without_examples():
         ref = m(**kw)
     got = cm(**kw)
     assert type(got) is type(ref) and rel(got.logits_per_image, ref.logits_per_image) < 1e-5
+    with pytest.raises(ContractViolation, match="dim 'batch' is 3 in one input but 2") as e:    # 2 images, 3 texts
+        cm(**dict(kw, pixel_values=torch.randn(2, 3, 32, 32)))
+    assert "dynamic_shapes=" in e.value.fix and "Dim('pixel_values_batch')" in e.value.fix
 
 
 def test_a_causal_lm_with_its_default_cache_compiles_under_a_recipe():
