@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.table import Table
@@ -30,7 +30,7 @@ def dump_selection(text: Optional[str], flag: str, pipeline: list[str]):
     return names
 
 
-def build_report(model: str, recipe_path: str, target: Optional[str], *, dump_dir: Optional[Path] = None,
+def build_report(model: str, recipe_path: Any, target: Optional[str], *, dump_dir: Optional[Path] = None,
                  dump_before: Optional[str] = None, dump_after: Optional[str] = None, plan_buckets: bool = True,
                  cache_dir: Optional[Path] = None, on_stage: Optional[OnStage] = None):
     """The driver's result as a compile report: (report, optimized graph, recipe, source).
@@ -178,7 +178,8 @@ def memory_rows(memory: list, most: int) -> list[tuple[str, str, str, str]]:
 @app.command("compile")
 def compile_cmd(
     model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP),
-    recipe: str = typer.Option(..., "--recipe", help="recipe YAML"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="recipe YAML (default: the recipe graphmode.compile "
+                                         "would draft, as run and verify take)"),
     target: Optional[str] = typer.Option(None, "--target", help="target name (default: the recipe's first)"),
     emit_ir: bool = typer.Option(False, "--emit-ir", help="print the optimised IR"),
     dump_ir_before: Optional[str] = typer.Option(None, "--dump-ir-before", help="PASS[,PASS] or all"),
@@ -198,8 +199,11 @@ def compile_cmd(
     if dump_ir_before or dump_ir_after:
         from graphmode.paths import writable_output
         writable_output(dump_dir, "--dump-dir", folder=True)
+    from graphmode.cli.options import recipe_or_draft
+    given = recipe_or_draft(recipe, model, lambda text: err_console.print(text, markup=False, highlight=False,
+                                                                          soft_wrap=True))
     with progress() as on_stage:
-        rep, graph, recipe_obj, src = build_report(model, recipe, target, dump_dir=dump_dir,
+        rep, graph, recipe_obj, src = build_report(model, given, target, dump_dir=dump_dir,
                                                    dump_before=dump_ir_before, dump_after=dump_ir_after,
                                                    cache_dir=cache_dir, on_stage=on_stage)
         if rep.contract.ok and rep.validation.ok and not dry_run:      # a refused recipe builds no plan

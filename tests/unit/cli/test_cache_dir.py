@@ -83,3 +83,12 @@ def test_the_cli_and_the_python_api_share_one_root_and_an_explicit_one_wins(tmp_
     assert _events(cm) == {"compile": 2}
     assert len(list((other / "plans").iterdir())) == 2 and len(list((root / "plans").iterdir())) == 2
     assert not _files(home)
+
+
+def test_compile_without_a_recipe_compiles_the_draft(tmp_path):
+    """compile alone required --recipe, where run, verify and generate draft one (trial Y)."""
+    _register()
+    res = CliRunner().invoke(app, ["compile", "--model", TINY, "--dry-run", "--json", "--cache-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout[res.stdout.index("{"):])
+    assert rep["recipe"].endswith("-draft") and "no --recipe: drafted" in res.stderr
