@@ -194,10 +194,8 @@ def bench_shape(case: ModelCase, shared: ModelShared, env: dict[str, int], cfg: 
         _guard(s, check)
 
     def turn(s: _Slot, load: float | None, phase: str) -> None:
-        try:
-            for _ in range(cfg.rewarm):     # untimed: absorbs the switch from the previous engine
-                s.engine()
-            _, dt = measured(s.cond.setdefault(phase, Conditions()), probe, load, s.engine)
+        try:                                # the untimed calls absorb the switch from the previous engine
+            _, dt = measured(s.cond.setdefault(phase, Conditions()), probe, load, s.engine, untimed=cfg.rewarm)
         except Exception as e:  # noqa: BLE001
             _fail(s, e)
             return

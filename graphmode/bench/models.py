@@ -168,7 +168,7 @@ def load_cases(models: Sequence[str], shapes: Sequence[str], *, quick: bool = Fa
         if quick:
             envs = envs[:1]
         if recipe is not None:
-            _fits_recipe(spec, bundle, envs, recipe)
+            _fits_recipe(spec, bundle, envs if shapes else [], recipe)       # the shapes asked for
         cases.append(ModelCase(spec, name, bundle, envs, load_s))
     if unused:
         raise GraphmodeError(f"shape(s) {unused} fit none of the models {list(models)}", where="--shape",

@@ -4,14 +4,15 @@ reads from the machine to decide.
 A timing is only a measurement of an engine when the engine had the CPUs while it ran and
 its rounds agree; a ratio is only as good as both of its timings. On 2 shared cores a
 `bench --quick` under load charted 176x over eager: a number of the scheduler, printed
-like a result. So every row carries the conditions of its own timed calls (load average
-per round, the process's CPU seconds per wall second, the spread of its rounds), and
+like a result. So every row carries the conditions of its own rounds (load average per
+round, the process's CPU seconds per wall second of its untimed and timed calls, the spread of
+its rounds), and
 `judge` turns them into flags that the JSON, the Markdown, the table and the chart show:
 
 - `load`: the 1-minute load average exceeded the usable cores during the row's rounds
   (or the engine ran more threads than there are cores);
 - `starved`: the process's threads waited on a run queue (runnable, no CPU free) for more
-  than WAITED_LIMIT seconds per wall-second of its timed calls, summed over threads
+  than WAITED_LIMIT seconds per wall-second of its rounds' calls, summed over threads
   (`/proc/self/task/*/schedstat`): a 2-thread engine given one core waits about 1. Where
   the kernel does not expose it: the process got less than STARVED CPU-seconds per
   wall-second (a compute call that has the machine uses at least one full core), which

@@ -62,21 +62,28 @@ def interleave(slots: Sequence[Any], iters: int, min_iters: int, budget_s: float
             break
 
 
-def measured(cond: Conditions, probe: Probe, load: float | None, fn: Callable[[], Any]) -> tuple[Any, float]:
-    """`fn()` and its wall seconds; its CPU and wall seconds and the round's load go to `cond`
-    (the conditions quality.judge flags)."""
+def measured(cond: Conditions, probe: Probe, load: float | None, fn: Callable[[], Any],
+             untimed: int = 0) -> tuple[Any, float]:
+    """`untimed` calls of `fn`, then `fn()` timed: its result and wall seconds. The CPU and wall
+    seconds of the whole span and the round's load go to `cond` (the conditions quality.judge
+    flags). The probe reads /proc before the untimed calls, not right before the timed one:
+    there it cost a sub-millisecond call ~20% (its caches cold), and the ratios between engines
+    with it."""
     w0 = probe.waited()
     c0 = probe.cpu_time()
+    s0 = time.perf_counter()
+    for _ in range(untimed):
+        fn()
     t0 = time.perf_counter()
     out = fn()
-    dt = time.perf_counter() - t0
+    t1 = time.perf_counter()
     cond.cpu_s += probe.cpu_time() - c0
     w1 = probe.waited()
     cond.waited_s = None if w0 is None or w1 is None or cond.waited_s is None else cond.waited_s + max(0.0, w1 - w0)
-    cond.wall_s += dt
+    cond.wall_s += t1 - s0
     if load is not None:
         cond.loads.append(load)
-    return out, dt
+    return out, t1 - t0
 
 
 def summary_stats(times: list[float], *, mean_min: bool = False) -> dict[str, Any]:

@@ -133,11 +133,13 @@ def test_quick_bench_rows_files_and_ratios(cli, tmp_path):
 
 @pytest.mark.parametrize("quick", [True, pytest.param(False, marks=pytest.mark.slow)])   # one run: ~20 s
 def test_a_run_fails_when_graphmode_fails(cli, tmp_path, quick):
-    """A recipe whose buckets miss the shape: graphmode is reported failed with the reason and
-    the run exits non-zero (a full run exited 0); the other engines still ran."""
+    """A recipe graphmode cannot compile (a memory budget below the weights): graphmode is
+    reported failed with the reason and the run exits non-zero (a full run exited 0); the other
+    engines still ran. (A shape outside its dims is refused before any engine runs:
+    test_a_recipe_that_cannot_run_a_shape_or_the_model_is_refused_before_timing.)"""
     recipe = tmp_path / "r.yaml"
     recipe.write_text("version: 1\nname: tiny\ninputs: [{name: x, dtype: f32, shape: [batch, 32]}]\n"
-                      "dims: {batch: {buckets: [1, 2]}}\n")
+                      "dims: {batch: {buckets: [1, 4]}}\nmemory: {budget_mb: 0.001}\n")
     out = tmp_path / "results"
     res = cli("bench", "--model", TINY, "--shape", "4x32", "--engines", "eager,graphmode",
               *(["--quick"] if quick else ["--iters", "2", "--warmup", "1", "--name", "quick"]),
@@ -146,7 +148,7 @@ def test_a_run_fails_when_graphmode_fails(cli, tmp_path, quick):
     assert ("quick check failed" if quick else "graphmode failed") in res.output and "graphmode" in res.output
     rows = json.loads((out / "quick.json").read_text())
     g = next(r for r in rows if r["engine"] == "graphmode")
-    assert g["status"] == "failed" and "outside the recipe" in g["reason"] and not g["skipped"]
+    assert g["status"] == "failed" and "budget" in g["reason"] and not g["skipped"]
     assert next(r for r in rows if r["engine"] == "eager")["status"] == "ok"
 
 

@@ -316,3 +316,22 @@ def test_a_lookup_table_counts_the_rows_a_request_reads_not_the_whole_table(tmp_
     assert table == 20_000 * 64 * 4 and picked == 16 * 64 * 4
     facts = facts_at(cm, cm.recipe, get_target("cpu_avx2"), {"batch": 1, "seq": 16})
     assert facts["bytes"] < 100_000         # the linear's 16.6 KB, 16 rows, activations: not the 5.1 MB table
+
+
+def test_the_probe_reads_frame_the_untimed_calls_not_the_timed_one():
+    """Reading /proc right before the timed call slowed a sub-millisecond call ~20% (trial Z):
+    the reads come before the untimed calls, and the conditions cover the whole span."""
+    from graphmode.bench.rounds import Conditions, measured
+    events = []
+
+    class P:
+        def waited(self):
+            events.append("probe")
+            return 0.0
+
+        def cpu_time(self):
+            return time.process_time()
+    cond = Conditions()
+    _, dt = measured(cond, P(), 1.0, lambda: events.append("call"), untimed=2)
+    assert events == ["probe", "call", "call", "call", "probe"]
+    assert 0 <= dt <= cond.wall_s and cond.loads == [1.0]
