@@ -177,9 +177,15 @@ def bench_cmd(
     why = cap_problem(isa, target.simd)
     if why is not None:
         raise TargetError(why[0], where="--isa", value=isa, fix=why[1].replace("codegen.isa:", "--isa"))
-    with progress(measuring=True) as on_stage:          # graphmode's compile stages, between the engines' setup lines
-        cfg.on_stage = on_stage
-        res = run_bench(cases, cfg, log=log, target=target)
+    try:
+        with progress(measuring=True) as on_stage:      # graphmode's compile stages, between the engines' setup lines
+            cfg.on_stage = on_stage
+            res = run_bench(cases, cfg, log=log, target=target)
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted: nothing written to {out or default_out_dir()} and nothing recorded in the "
+                          "knowledge base (rounds cut short are not a measurement); run it again to measure",
+                          markup=False, highlight=False)
+        raise typer.Exit(130) from None
     _mark_isa(res, isa or (load_recipe(recipe).codegen.isa if recipe else "auto"), isa is not None, target.simd)
     res.meta["openmp_env"] = in_effect(os.environ)
     if between_buckets:

@@ -616,3 +616,16 @@ def test_a_recipe_that_cannot_run_a_shape_or_the_model_is_refused_before_timing(
     res = cli("bench", "--model", TINY, "--recipe", str(path), "--shape", "4x32", "--engines", "eager,graphmode",
               "--iters", "3")
     assert res.exit_code != 0 and "declares inputs ['y']" in res.output and "['x']" in res.output
+
+
+def test_an_interrupted_bench_says_so_and_writes_nothing(cli, tmp_path, monkeypatch):
+    """Ctrl-C exited 130 without a word (trial Z): it says nothing was written, and why."""
+    import graphmode.bench.harness as harness
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(harness, "run_bench", interrupted)
+    out = tmp_path / "results"
+    res = cli("bench", "--model", TINY, "--shape", "4x32", "--engines", "eager", "--iters", "2", "--out", str(out))
+    assert res.exit_code == 130 and "interrupted: nothing written" in res.output
+    assert not any(out.glob("*.json"))
