@@ -283,8 +283,10 @@ def _report(result: Any, base_cfg: dict, recipe: Path, base_data: dict, objectiv
             from graphmode.cli.recipe_cmd import diff_cmd
             diff_cmd(recipe, written, as_json=False)
         elif best is not None:
-            console.print("the recipe as written is the best configuration found: no new version written",
-                          highlight=False)
+            from graphmode.tune.search import MIN_GAIN
+            console.print(f"the recipe as written is the best configuration found: no trial beat it by more than "
+                          f"{MIN_GAIN:.0%} on the {objective} objective (and kept that gain measured again); no new "
+                          "version written", markup=False, highlight=False, soft_wrap=True)
     if best is None:
         raise ConstraintError("no configuration kept the contract", where=str(recipe),
                               fix=f"the recipe as written: {result.baseline.status}: {result.baseline.reason}; relax "
