@@ -29,6 +29,10 @@ class _Commands(TyperGroup):
             return super().invoke(ctx)
         except GraphmodeError as e:
             fail(e, getattr(self, "_json", False))
+        except KeyboardInterrupt:       # click ends it with 130 and no word (profile, compile: a silent exit)
+            err_console.print("interrupted (Ctrl-C): the command stopped before it finished", markup=False,
+                              highlight=False)
+            raise typer.Exit(130) from None
 
 
 app = typer.Typer(name="graphmode", no_args_is_help=True, add_completion=False, cls=_Commands,

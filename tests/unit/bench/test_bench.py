@@ -629,3 +629,14 @@ def test_an_interrupted_bench_says_so_and_writes_nothing(cli, tmp_path, monkeypa
     res = cli("bench", "--model", TINY, "--shape", "4x32", "--engines", "eager", "--iters", "2", "--out", str(out))
     assert res.exit_code == 130 and "interrupted: nothing written" in res.output
     assert not any(out.glob("*.json"))
+
+
+def test_any_interrupted_command_says_so(cli, monkeypatch):
+    """click ended a Ctrl-C with exit 130 and no word (profile, in a trial)."""
+    import graphmode.bench.models as models
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(models, "load_cases", interrupted)
+    res = cli("profile", "--model", TINY, "--shape", "4x32", "--runs", "2")
+    assert res.exit_code == 130 and "interrupted (Ctrl-C)" in res.output
