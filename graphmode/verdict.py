@@ -86,6 +86,9 @@ class Verdict:
         if self.padding is not None:
             for d, v in self.padding.dims.items():
                 note = (" (requests off a bucket value run eagerly)" if d in self.exact_dims else
+                        " (the model masks the padded positions itself, e.g. a causal mask: later positions, "
+                        "where padding goes, do not reach earlier ones)"
+                        if d in self.masked_dims and not self.mask_sources else
                         f" (the mask hides padded positions, but the model builds a query x key mask: a request whose "
                         f"mask hides any position and whose {d} is off a bucket value is not padded)"
                         if d in self.masked_dims and d in self.query_key_dims else
