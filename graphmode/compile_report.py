@@ -50,12 +50,16 @@ def model_facts(graph: Graph, activation_expr) -> Any:
     """The compiler's terms for the recipe's Z3 proof: real weights, planner's activation peak;
     for a rank's sharded graph, that rank's own (sharded) terms and its collectives. Run-time
     state (a decoder's KV pools) is not a weight: the proof counts the KV cache itself."""
+    from graphmode.analysis.indices import lookup_only_constants
     from graphmode.recipe import ModelFacts
     weights = sum(t.numel() * t.element_size() for k, t in graph.constants.items()
                   if graph.values[k].role != "state")
+    tables = sum(graph.constants[k].numel() * graph.constants[k].element_size() for k in lookup_only_constants(graph)
+                 if graph.values[k].role != "state")
     n_ops = sum(1 for n in graph.nodes if n.op != "reshape")
     comm = graph_collectives(graph)
-    return ModelFacts(weights_bytes=int(weights), activation_bytes=activation_expr,
+    return ModelFacts(weights_bytes=int(weights), prepared_from_bytes=int(weights - tables),
+                      activation_bytes=activation_expr,
                       flops=symbolic_flops(graph), n_ops=n_ops, source="compiler" + (", one rank" if comm else ""),
                       collectives=comm, sharded=bool(comm))
 

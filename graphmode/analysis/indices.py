@@ -40,6 +40,17 @@ from graphmode.recipe.limits import INT_LIMITS
 # ops whose output holds exactly the values of their first input (rearranged or repeated)
 _VIEWS = frozenset({"reshape", "permute", "expand", "identity"})
 _INDEX_OPS = frozenset({"embedding", "index_select", "gather", "index", "embedding_bag"})
+LOOKUPS = frozenset({"embedding", "index_select", "gather", "index"})     # the table is input 0
+
+
+def lookup_only_constants(graph: Graph) -> list[str]:
+    """Constants read only as the table of an indexed read (a token embedding): a request reads
+    the rows it picks, and no kernel prepares a copy of them (only GEMM and conv weights are
+    packed or transformed), so neither a bandwidth floor nor the prepared-weights term counts
+    them whole. A table also read otherwise (an LM head tied to it) is not one."""
+    users = graph.users()
+    return [k for k in graph.constants
+            if users.get(k) and all(n.op in LOOKUPS and n.inputs[0] == k and k not in n.inputs[1:] for n in users[k])]
 # ATen-reference writes: (self, dim, index, ...) with the index at args[2] (index_fill's too)
 _WRITE_OPS = frozenset({"scatter", "scatter_add", "scatter_reduce", "index_copy", "index_add", "index_fill",
                         "index_reduce"})

@@ -433,23 +433,19 @@ def facts_at(cm: Any, recipe: Any, target: Any, env: Mapping[str, int]) -> dict[
             "n_ops": float(smt.evaluate(m.n_ops, vals))}
 
 
-LOOKUPS = frozenset({"embedding", "index_select", "gather", "index"})
-
-
 def lookup_table_bytes(graph: Any, env: Mapping[str, int]) -> tuple[int, int]:
     """(bytes of the constants read only by indexed reads, bytes those reads pick at `env`): a
     lookup table is read a row per index, not whole. The proofs count every weight (their
     latency bound stays conservative); a floor that counted MiniLM's 47 MB token table at
     (1, 16) was twice what a run reads, and a row 'at 0.91x the floor' was not near it."""
+    from graphmode.analysis.indices import lookup_only_constants
     from graphmode.ir.types import eval_dim
     users = graph.users()
     table = picked = 0
-    for k, t in graph.constants.items():
-        reads = users.get(k, [])
-        if not reads or any(n.op not in LOOKUPS or n.inputs[0] != k or k in n.inputs[1:] for n in reads):
-            continue
+    for k in lookup_only_constants(graph):
+        t = graph.constants[k]
         table += t.numel() * t.element_size()
-        for n in reads:
+        for n in users[k]:
             out = graph.type_of(n.outputs[0])
             picked += math.prod(eval_dim(d, env) for d in out.shape) * t.element_size()
     return table, picked

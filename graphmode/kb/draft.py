@@ -702,8 +702,9 @@ def _memory_need(data: dict, notes: dict, graph: Any, target: Any) -> None:
     parts = " + ".join(f"{k.replace('_', ' ')} {v / MB:.1f}" for k, v in terms.items() if v)
     where = f" at the bucket that needs most {top}" if top else ""
     notes["memory.budget_mb"] = (f"{parts} MB{where}, +{MEMORY_HEADROOM - 1:.0%} headroom (prepared weights: "
-                                 f"memory.weight_growth {recipe.memory.weight_growth:g}x the weights, what tactic "
-                                 f"selection may use; a conv tactic's workspace must fit in what is left)")
+                                 f"memory.weight_growth {recipe.memory.weight_growth:g}x the GEMM and conv weights "
+                                 "(not lookup tables), what tactic selection may use; a conv tactic's workspace must "
+                                 "fit in what is left)")
 
 
 def _attends_as_sdpa(graph: Any) -> bool:

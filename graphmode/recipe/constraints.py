@@ -13,7 +13,10 @@ request value in [min, max].
 Memory model (bytes):  weights + prepared_weights + activations(dims) + workspace(dims) + kv_cache(dims)
                        prepared_weights = memory.weight_growth x weights: the copies generated
                        kernels read (packed panels, Winograd-transformed), which tactic selection
-                       keeps under that multiple; counted beside the originals, which a plan
+                       keeps under that multiple of the GEMM and conv weights (a lookup table,
+                       never prepared, is left out of it where the graph shows one: a token
+                       embedding counted 2.5x more asked budgets for memory nothing uses);
+                       counted beside the originals, which a plan
                        releases to a file mapping where it can but which stay readable (and
                        resident where the cache folder cannot hold the mapping)
 Latency model (s):     max(flops / peak_flops[compute dtype], bytes_moved / bandwidth)
@@ -142,8 +145,9 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
         if not facts.sharded:
             facts = shard_estimate(facts, recipe, sym)
         comm = price(list(facts.collectives) or estimate_collectives(recipe, sym), par)
+    prepared_from = facts.prepared_from_bytes if facts.prepared_from_bytes is not None else facts.weights_bytes
     terms: dict[str, Any] = {"weights": sympy.Integer(int(facts.weights_bytes)),
-                             PREPARED: sympy.Integer(math.ceil(int(facts.weights_bytes) * recipe.memory.weight_growth)),
+                             PREPARED: sympy.Integer(math.ceil(int(prepared_from) * recipe.memory.weight_growth)),
                              "activations": sympy.sympify(facts.activation_bytes)}
     if sympy.sympify(facts.workspace_bytes) != 0:
         terms["workspace"] = sympy.sympify(facts.workspace_bytes)

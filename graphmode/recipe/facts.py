@@ -41,6 +41,9 @@ class ModelFacts:
     notes: list[str] = field(default_factory=list)
     collectives: tuple = ()
     sharded: bool = False
+    # the weights kernels may prepare copies of (all but lookup tables: analysis/indices.py);
+    # None: every weight (an estimate from the recipe's `model` section)
+    prepared_from_bytes: Optional[int] = None
 
 
 def dim_symbol(name: str) -> sympy.Symbol:

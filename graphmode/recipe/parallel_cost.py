@@ -166,4 +166,5 @@ def shard_estimate(facts: Any, recipe: Any, sym: dict[str, sympy.Symbol]) -> Any
     act = facts.activation_bytes / n + resid
     moved = (w + (facts.bytes_moved - facts.weights_bytes) / n) if facts.bytes_moved is not None else None
     return replace(facts, weights_bytes=int(w), activation_bytes=act, flops=flops, bytes_moved=moved,
-                   sharded=True, source=facts.source + f"; head split over {n} ranks")
+                   sharded=True, source=facts.source + f"; head split over {n} ranks",
+                   prepared_from_bytes=None)       # (every weight of the shard, as estimated)

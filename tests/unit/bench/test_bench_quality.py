@@ -4,6 +4,7 @@ state is fed in through `Probe` (a load average and a CPU clock the test control
 synthetic rows; nothing here asserts on how fast anything ran."""
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -335,3 +336,24 @@ def test_the_probe_reads_frame_the_untimed_calls_not_the_timed_one():
     _, dt = measured(cond, P(), 1.0, lambda: events.append("call"), untimed=2)
     assert events == ["probe", "call", "call", "call", "probe"]
     assert 0 <= dt <= cond.wall_s and cond.loads == [1.0]
+
+
+def test_the_memory_proof_prepares_no_copy_of_a_lookup_table(tmp_path):
+    """memory.weight_growth counted the 5.1 MB table 2.5x over as prepared copies no kernel makes
+    (only GEMM and conv weights are packed): a draft for an embedding-heavy model asked for 3.5x
+    its weights (trial Z: 214 MB for a 51 MB table, where compile reported 0 MB prepared)."""
+    import graphmode
+    from graphmode.compile_report import model_facts
+    from graphmode.recipe.constraints import PREPARED, build_constraint_model
+    from graphmode.targets import get_target
+    rec = {"version": 1, "name": "t", "inputs": [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"]}],
+           "dims": {"batch": {"buckets": [1]}, "seq": {"buckets": [16]}}, "exe_mode": "graph",
+           "codegen": {"kernel_selection": "heuristic"}}
+    m = _BigTable().eval()
+    cm = graphmode.compile((m, {"ids": torch.randint(0, 20_000, (1, 16))}, {"ids": ["batch", "seq"]}), rec,
+                           cache_dir=tmp_path)
+    facts = model_facts(cm.graph, 0)
+    linear = (64 * 64 + 64) * 4
+    assert facts.weights_bytes == 20_000 * 64 * 4 + linear and facts.prepared_from_bytes == linear
+    terms = build_constraint_model(cm.recipe, get_target("cpu_avx2"), facts).memory_terms
+    assert int(terms[PREPARED]) == math.ceil(linear * cm.recipe.memory.weight_growth)
