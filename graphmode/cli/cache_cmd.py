@@ -98,6 +98,7 @@ def cache_clear(cache_dir: Optional[Path] = CacheDir,
     from graphmode.paths import cache_layout
     cache = _cache(cache_dir)
     console.print(f"removed {_said(cache.clear())}")
+    _say_foreign(cache)
     if onnx:
         n, size = _onnx_exports(cache.root)
         try:
@@ -123,8 +124,20 @@ def cache_prune(max_size: str = typer.Option(..., "--max-size", help="e.g. 200MB
                 cache_dir: Optional[Path] = CacheDir) -> None:
     """Remove what interrupted writes left (a build killed mid-way), then the least recently used
     plans, kernel libraries and extracted artifacts until the cache fits --max-size."""
-    removed = _cache(cache_dir).prune(_max_bytes(max_size))
+    cache = _cache(cache_dir)
+    removed = cache.prune(_max_bytes(max_size))
     console.print(f"removed {_said(removed)}")
+    _say_foreign(cache)
+
+
+def _say_foreign(cache) -> None:
+    """What clear and prune left because graphmode did not write it (a --cache-dir that holds a
+    project's own plans/ or kernels/)."""
+    other = cache.foreign()
+    if other:
+        shown = ", ".join(str(p.relative_to(cache.root)) for p in other[:5]) + (" ..." if len(other) > 5 else "")
+        console.print(f"left {len(other)} item(s) graphmode did not write ({shown}): is --cache-dir a graphmode "
+                      "cache folder? remove them yourself if they are not to be kept", markup=False, highlight=False)
 
 
 def _said(removed) -> str:

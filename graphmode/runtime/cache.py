@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -38,6 +39,11 @@ log = logging.getLogger("graphmode.cache")
 # than this outlived its writer (killed: SIGKILL, a crash), as no build runs past its compiler's timeout
 LEFTOVER_AGE_S = 3600.0
 _TEMP_PREFIXES = (".tmp-", ".build-", ".check-", ".extract-")
+# the names graphmode writes under plans/, kernels/ and artifacts/: clear and prune remove those
+# only (a --cache-dir pointed at a project folder with its own plans/ or kernels/ lost them)
+_PLAN_NAME = re.compile(r"[0-9a-f]{24}")
+_LIBRARY_STEM = re.compile(r"[0-9a-f]{32}")
+_ARTIFACT_NAME = re.compile(r"[0-9a-f]{16,64}")
 KEY_FIELDS = ("graph_hash", "recipe_hash", "target", "bucket", "graphmode", "torch", "isa")
 FIELDS_SINCE_V1 = {"isa": "auto"}    # key field added later -> the value entries written before it had
 PLAN_FILE = "plan.json"
@@ -211,8 +217,8 @@ class ArtifactCache:
                              fix="make it a folder you can write, or pass another --cache-dir") from None
         out = []
         for name in names:
-            if name.startswith((".tmp-", ".probe-")):
-                continue
+            if name.startswith((".tmp-", ".probe-")) or not _PLAN_NAME.fullmatch(name):
+                continue                          # a temporary, or not graphmode's (see foreign())
             d = self.plans / name
             size, created, used = _size(d), 0.0, 0.0
             try:
@@ -236,15 +242,15 @@ class ArtifactCache:
         artifacts/, last used when it was extracted."""
         out = []
         groups: dict[str, list[Path]] = {}
-        for p in _listed(self.kernels):
-            if not p.name.startswith("."):          # the folder's seal key, a build's temporary
+        for p in _listed(self.kernels):             # (a dot name: the folder's seal key, a build's temporary;
+            if _LIBRARY_STEM.fullmatch(p.name.split(".")[0]):     # probe-*.json: a compiler probe's record)
                 groups.setdefault(p.name.split(".")[0], []).append(p)
         for stem, files in sorted(groups.items()):
             times = [_mtime(f) for f in files]
             out.append(Entry(stem, self.kernels / f"{stem}.so", {"kind": "kernel"}, sum(_size(f) for f in files),
                              min(times), max(times), "kernel", tuple(files)))
         for d in _listed(self.artifacts):
-            if not d.name.startswith("."):
+            if _ARTIFACT_NAME.fullmatch(d.name):
                 t = _mtime(d / "complete") or _mtime(d)
                 out.append(Entry(d.name, d, {"kind": "artifact"}, _size(d), t, t, "artifact"))
         return out
@@ -260,16 +266,31 @@ class ArtifactCache:
                     out.append(Entry(d.name, d, {"kind": "leftover"}, _size(d), t, t, "leftover"))
         return out
 
+    def foreign(self) -> list[Path]:
+        """What sits under plans/, kernels/ and artifacts/ that graphmode did not write (by its
+        names): clear and prune leave it, and say so."""
+        out = []
+        for folder, named in ((self.plans, lambda n: _PLAN_NAME.fullmatch(n)),
+                              (self.kernels, lambda n: _LIBRARY_STEM.fullmatch(n.split(".")[0])
+                               or re.fullmatch(r"probe-[0-9a-f]+\.json", n)),
+                              (self.artifacts, lambda n: _ARTIFACT_NAME.fullmatch(n))):
+            if os.path.lexists(folder) and (folder.is_symlink() or not folder.is_dir()):
+                out.append(folder)
+                continue
+            out += [p for p in _listed(folder) if not p.name.startswith(".") and not named(p.name)]
+        return out
+
     def clear(self) -> list[Entry]:
-        """Remove every plan, kernel library and extracted artifact (whatever is in the way, even
-        a file in place of a folder); the timing cache, host probe and knowledge base stay."""
-        try:
-            gone = self.entries() + self.libraries()
-        except CacheError:
-            gone = []
-        for d in (self.plans, self.kernels, self.artifacts):
-            if not _remove(d):
+        """Remove every plan, kernel library and extracted artifact graphmode wrote (a damaged one
+        too), and what interrupted writes left; the timing cache, host probe and knowledge base
+        stay, and so does anything else under those folders (`foreign`)."""
+        for d in (self.plans, self.kernels, self.artifacts):      # a file or link where graphmode's folder goes
+            if os.path.lexists(d) and (d.is_symlink() or not d.is_dir()) and not _remove(d):
                 raise CacheError(f"could not remove {d}", where="cache_dir", fix="check its permissions")
+        gone = self.entries() + self.libraries() + self.leftovers(min_age_s=0.0)
+        for e in gone:
+            if not all([_remove(p) for p in e.files or (e.path,)]):
+                raise CacheError(f"could not remove {e.path}", where="cache_dir", fix="check its permissions")
         return gone
 
     def prune(self, max_bytes: int) -> list[Entry]:

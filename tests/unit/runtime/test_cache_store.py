@@ -127,14 +127,17 @@ def test_entry_replaced_by_a_link_is_removed_not_followed(cache, tmp_path):
 def test_prune_and_clear_remove_damaged_entries(cache):
     d = cache.plans / key_digest(KEY)
     (d / "meta.json").write_text("[]")
-    stray = cache.plans / "stray"
+    stray = cache.plans / ("f" * 24)                 # graphmode's name, not a folder: damaged
     stray.write_text("x" * 1000)
+    notes = cache.plans / "notes.md"                 # not graphmode's: prune and clear leave it, and say so
+    notes.write_text("keep")
     assert len(cache.entries()) == 3
     removed = cache.prune(0)
     assert len(removed) == 3 and cache.entries() == []
     cache.put(KEY, PLAN)
     stray.write_text("x")
-    assert len(cache.clear()) == 2 and not cache.plans.exists()
+    assert len(cache.clear()) == 2 and [p.name for p in cache.plans.iterdir()] == ["notes.md"]
+    assert cache.foreign() == [notes]
 
 
 def test_unusable_cache_root_is_one_event(tmp_path):
@@ -200,8 +203,8 @@ def test_prune_and_clear_weigh_kernel_libraries_and_extracted_artifacts(cache):
             p.write_bytes(b"x" * n)
             os.utime(p, (now - 100 + i * 50, now - 100 + i * 50))
     (cache.kernels / ".seal-key").write_bytes(b"k" * 32)
-    (cache.artifacts / "d1").mkdir(parents=True)
-    (cache.artifacts / "d1" / "complete").write_text("ok")
+    (cache.artifacts / ("d1" * 12)).mkdir(parents=True)
+    (cache.artifacts / ("d1" * 12) / "complete").write_text("ok")
     (cache.root / "tactics").mkdir()
     (cache.root / "tactics" / "gemm-x.json").write_text("{}")
     assert sorted(e.kind for e in cache.libraries()) == ["artifact", "kernel", "kernel"]
@@ -212,7 +215,7 @@ def test_prune_and_clear_weigh_kernel_libraries_and_extracted_artifacts(cache):
     assert not list(cache.kernels.glob("a*")) and len(list(cache.kernels.glob("b*"))) == 3
     res = runner.invoke(app, ["cache", "clear", "--cache-dir", str(cache.root)])
     assert res.exit_code == 0 and "1 kernel library" in res.output and "2 plans" in res.output, res.output
-    assert not cache.kernels.exists() and not cache.artifacts.exists() and not cache.plans.exists()
+    assert cache.entries() == cache.libraries() == [] and not list(cache.artifacts.iterdir())
     assert (cache.root / "tactics" / "gemm-x.json").exists()
 
 
@@ -271,3 +274,16 @@ def test_prune_removes_the_folders_of_writes_killed_mid_way_and_ls_names_them(ca
     res = runner.invoke(app, ["cache", "prune", "--max-size", "100GB", "--cache-dir", str(cache.root)])
     assert res.exit_code == 0 and "3 folders interrupted writes left" in res.output, res.output
     assert not any(d.exists() for d in folders) and live.exists() and cache.get(KEY) is not None
+
+
+def test_clear_on_a_folder_graphmode_did_not_fill_keeps_what_is_there_and_says_so(tmp_path):
+    """`cache clear --cache-dir .` in a project with its own plans/ and kernels/ removed them
+    whole (trial AA)."""
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / "roadmap.md").write_text("Q3")
+    (tmp_path / "kernels" / "linux").mkdir(parents=True)
+    (tmp_path / "kernels" / "linux" / "Makefile").write_text("all:")
+    res = runner.invoke(app, ["cache", "clear", "--cache-dir", str(tmp_path)])
+    assert res.exit_code == 0 and "removed nothing" in res.output
+    assert "left 2 item(s) graphmode did not write" in res.output and "plans/roadmap.md" in res.output
+    assert (tmp_path / "plans" / "roadmap.md").read_text() == "Q3" and (tmp_path / "kernels" / "linux").is_dir()
