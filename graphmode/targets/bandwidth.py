@@ -322,8 +322,11 @@ def _compile(compilers: Sequence[str], folder: Path) -> tuple[ctypes.CDLL | None
 def _kernels(compilers: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
     """The probe's C kernels, compiled once per process for both the bandwidth and the FMA
     measurement (the loaded library outlives its temporary folder)."""
-    with tempfile.TemporaryDirectory(prefix="graphmode-probe-", ignore_cleanup_errors=True) as tmp:
-        return _compile(compilers, Path(tmp))
+    try:
+        with tempfile.TemporaryDirectory(prefix="graphmode-probe-", ignore_cleanup_errors=True) as tmp:
+            return _compile(compilers, Path(tmp))
+    except OSError as e:        # a full or unwritable TMPDIR: the probe measures without its C kernels
+        return None, f"the temporary folder {tempfile.gettempdir()} cannot be written ({e.strerror or e}): set TMPDIR"
 
 
 def _reps(pass_s: float, slot_s: float) -> int:

@@ -150,7 +150,12 @@ class Toolchain:
                     continue
                 self._cxx, self._version, self._flags = path, version, flags
                 break
-            if self._cxx is None:
+            tmp_problem = getattr(self, "_tmp_problem", None)
+            if self._cxx is None and tmp_problem is not None:      # a compiler is there: nowhere to compile
+                self._why = (f"cannot compile kernels: {tmp_problem}; fused groups run with the ATen/reference ops "
+                             "instead of generated kernels")
+                warn_once(f"notmp:{tmp_problem}", self._why)
+            elif self._cxx is None:
                 cap = f" for codegen.isa {self.isa} ({' '.join(self.march)})" if self.isa else ""
                 self._why = (f"no working C++ compiler{cap} (tried {', '.join(tried)}); fused groups run with "
                              f"the ATen/reference ops instead of generated kernels")
@@ -204,9 +209,14 @@ class Toolchain:
                     if out.returncode == 0:
                         result = cand
                         break
+                    said = next((ln.strip() for ln in out.stderr.splitlines()
+                                 if "No space left" in ln or "cannot create temporary file" in ln), None)
+                    if said is not None:
+                        self._tmp_problem = (f"the compiler cannot write its temporary files in "
+                                             f"{tempfile.gettempdir()} ({said[:300]}): free it or set TMPDIR")
         except OSError as e:      # no room for a temporary file: not remembered, the next process probes again
-            warn_once(f"probe-tmp:{e.errno}", f"cannot probe the C++ compiler: cannot write a temporary file "
-                      f"({e.strerror or e}); fused groups run with the ATen/reference ops")
+            self._tmp_problem = (f"the temporary folder {tempfile.gettempdir()} cannot be written ({e.strerror or e}): "
+                                 "free it or set TMPDIR")
             return None
         if result is not None and result != tuple(self.base_flags):
             dropped = [x for x in self.base_flags if x not in result]

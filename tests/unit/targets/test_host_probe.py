@@ -164,3 +164,21 @@ def test_fma_chains_measure_a_peak_and_say_how():
     assert out["fma_f32_gflops"] > 0 and "2 thread(s), 12 chains of" in out["fma_method"]
     none = measure_fma_peak(1, compilers=("graphmode-no-such-cc",))
     assert "fma_f32_gflops" not in none and "not measured (no C kernel" in none["fma_method"]
+
+
+def test_a_temporary_folder_it_cannot_write_measures_without_the_c_kernels(monkeypatch):
+    """A full TMPDIR ended `graphmode run` in a raw OSError traceback from the probe (trial AA)."""
+    import tempfile
+
+    import graphmode.targets.bandwidth as bw
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", full)
+    bw._kernels.cache_clear()
+    try:
+        out = measure_bandwidth(1, 8 * MIB, budget_s=0.05, compilers=("graphmode-full-tmp-cc",))
+    finally:
+        bw._kernels.cache_clear()
+    assert out["read_gbps"] > 0 and "No space left on device" in out["bandwidth_method"]
+    assert "set TMPDIR" in out["bandwidth_method"]

@@ -768,3 +768,23 @@ def test_compiler_without_openmp_degrades(tmp_path, caplog):
     assert k.library.threads == 1
     x, bias = torch.randn(128, 1536), torch.randn(1536)
     assert rel_l2(run_with_tensors(k, {"x": x, "b": bias})["y"], F.gelu(x + bias)) < 1e-5
+
+
+def test_a_compiler_that_cannot_write_its_temporary_files_is_named_as_such(tmp_path, monkeypatch):
+    """A full TMPDIR was reported as 'no working C++ compiler ... install g++' with g++ there
+    (trial AA): the compiler's own 'No space left on device' is what the warning names now."""
+    from types import SimpleNamespace
+
+    import graphmode.backends.cpu.toolchain as toolchain
+    real = toolchain.run
+
+    def full(cmd, timeout=None):
+        if "--version" in cmd:
+            return real(cmd, timeout=timeout)
+        return SimpleNamespace(returncode=1, stdout="", stderr="x.cpp:1: fatal error: error closing /tmp/ccX.s: "
+                               "No space left on device\ncompilation terminated.\n")
+    monkeypatch.setattr(toolchain, "run", full)
+    monkeypatch.setattr(toolchain, "_PROBES", {})
+    tc = toolchain.Toolchain("c++", ["-O2"], tmp_path)
+    assert tc.cxx is None and "cannot compile kernels" in tc.why and "No space left on device" in tc.why
+    assert "set TMPDIR" in tc.why and "install g++" not in tc.why
