@@ -464,6 +464,9 @@ def _open(path: Path, digest: bool = True) -> tuple[zipfile.ZipFile, str, int]:
     except UntrustedFileError as e:
         if not Path(path).exists() and not Path(path).is_symlink():
             raise ArtifactError("no such artifact", where=str(path), fix="check the path", exit_code=2) from None
+        if e.message.startswith("cannot open it"):          # there, but this process may not read it
+            raise ArtifactError(f"cannot read the artifact: {e.message}", where=str(path), exit_code=2,
+                                fix="check the file's permissions (this process must be able to read it)") from None
         raise ArtifactError(f"not an artifact: {e.message}", where=str(path), exit_code=2,
                             fix="pass a file written by graphmode compile --save / CompiledModel.save") from None
     with f:
@@ -522,7 +525,7 @@ def load(path: str | Path, *, cache_dir: str | Path | None = None, threads: int 
         _check_rank(manifest, recipe, rank, path)
         root = cache_layout(cache_dir).artifacts / digest
         if not (root / "complete").is_file() or _extraction_problem(root, manifest, size) is not None:
-            _extract(z, path, root, manifest, size)
+            root = _extract_somewhere(z, path, root, manifest, size)
         try:
             text = _member(z, "graph.ir", path, manifest, size).decode()
         except UnicodeDecodeError:
@@ -691,18 +694,54 @@ def _extraction_problem(root: Path, manifest: dict[str, Any], archive_bytes: int
     return None
 
 
+class _CannotExtract(ArtifactError):
+    """The folder could not take the extracted copy (read-only, full, a path too long)."""
+
+
+def _extract_somewhere(z: zipfile.ZipFile, where: Path, root: Path, manifest: dict[str, Any],
+                       archive_bytes: int) -> Path:
+    """The extracted copy's folder: `root` in the cache, or where the cache cannot take it (a
+    read-only image layer, a full disk, a path past the file system's limit) a private temporary
+    folder removed at exit, as a compile runs uncached then: a cache that cannot be used is no
+    reason to fail (load refused what compile ran)."""
+    try:
+        _extract(z, where, root, manifest, archive_bytes)
+        return root
+    except _CannotExtract as e:
+        import atexit
+        import logging
+        try:
+            private = Path(tempfile.mkdtemp(prefix="graphmode-gm-"))
+        except OSError:
+            raise e from None
+        atexit.register(shutil.rmtree, private, True)
+        logging.getLogger("graphmode.runtime").warning(
+            "%s: the cache cannot hold its extracted copy (%s); extracted to %s for this process instead",
+            where, e.message, private)
+        _extract(z, where, private / root.name, manifest, archive_bytes)
+        return private / root.name
+
+
+def _cannot_extract(where: Path, folder: Path, e: OSError) -> _CannotExtract:
+    fix = ("free disk space, or pass another cache_dir" if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+           "pass a cache_dir with a shorter path" if e.errno == errno.ENAMETOOLONG else
+           "use a cache folder you can write to (--cache-dir, $GRAPHMODE_CACHE_DIR, or cache_dir= in Python)")
+    return _CannotExtract(f"cannot extract the artifact under {folder}: {e.strerror or e}", where=str(where), fix=fix,
+                          exit_code=2)
+
+
 def _extract(z: zipfile.ZipFile, where: Path, root: Path, manifest: dict[str, Any], archive_bytes: int) -> None:
     """Unpack the members that are mapped or loaded by path into `root` atomically (a folder
     renamed into place, then marked complete), each checked against the manifest as it is
-    written; kernel libraries are sealed for this folder's builder."""
+    written; kernel libraries are sealed for this folder's builder. Two processes repairing
+    one copy at once: the one whose rename finds the other's copy in place takes it when whole
+    (its rename failed 'Directory not empty')."""
     from graphmode.backends.cpu.build import seal_library
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=root.parent))
     except OSError as e:
-        raise ArtifactError(f"cannot extract the artifact under {root.parent}: {e.strerror or e}", where=str(where),
-                            fix="use a cache folder you can write to (--cache-dir, $GRAPHMODE_CACHE_DIR, or "
-                                "cache_dir= in Python)", exit_code=2) from None
+        raise _cannot_extract(where, root.parent, e) from None
     try:
         for name in _extracted(manifest):
             out = tmp / name
@@ -713,11 +752,19 @@ def _extract(z: zipfile.ZipFile, where: Path, root: Path, manifest: dict[str, An
             if name.startswith("kernels/"):
                 seal_library(out)
         (tmp / "complete").write_text("ok")
-        shutil.rmtree(root, ignore_errors=True)
-        tmp.replace(root)
+        for _ in range(3):
+            shutil.rmtree(root, ignore_errors=True)
+            try:
+                tmp.replace(root)
+                return
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                if (root / "complete").is_file() and _extraction_problem(root, manifest, archive_bytes) is None:
+                    return                        # another process's copy, whole: it serves
+        raise OSError(errno.ENOTEMPTY, "another process kept replacing the extracted copy")
     except OSError as e:
-        raise ArtifactError(f"cannot extract the artifact under {root.parent}: {e.strerror or e}", where=str(where),
-                            fix="free disk space or pass another cache_dir") from None
+        raise _cannot_extract(where, root.parent, e) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -549,3 +549,46 @@ def test_an_encoder_artifact_keeps_its_tokenizer(bundle, tmp_path):
     graphmode.compile(b, rec, cache_dir=tmp_path / "c").save(tmp_path / "bert.gm")
     loaded = graphmode.load(tmp_path / "bert.gm", cache_dir=tmp_path / "c2")
     assert loaded.tokenizer("A man is eating food.")["input_ids"] == tok("A man is eating food.")["input_ids"]
+
+
+def test_a_cache_that_cannot_hold_the_extracted_copy_extracts_it_privately(saved, caplog):
+    """load refused ('cannot extract ... fix: free disk space') where the cache was read-only, full
+    or under a path too long, as compile runs uncached there (trial AA). A file where the cache's
+    artifacts/ folder goes stands in for them here."""
+    cm, path, _, tmp = saved
+    blocked = tmp / "blocked-cache"
+    blocked.mkdir()
+    (blocked / "artifacts").write_text("not a folder")
+    with caplog.at_level("WARNING", logger="graphmode.runtime"):
+        loaded = graphmode.load(path, cache_dir=blocked)
+    x = torch.randn(2, 16)
+    assert torch.equal(loaded(x)[0], cm(x)[0])
+    assert any("extracted to" in r.getMessage() and "for this process instead" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_rename_that_finds_another_process_copy_in_place_takes_it(saved, monkeypatch):
+    """Two processes repairing one extracted copy: one's rename landed between the other's
+    removal and rename, which failed 'Directory not empty' (trial AA: 2 loads in 24)."""
+    import errno
+    import shutil
+    from pathlib import Path
+
+    import graphmode.runtime.artifact as art
+    cm, path, _, tmp = saved
+    first = graphmode.load(path, cache_dir=tmp / "race")
+    root = tmp / "race" / "artifacts" / first.artifact["digest"]
+    good = tmp / "race-good"
+    shutil.copytree(root, good)
+    (root / "complete").unlink()                 # damaged: the next load repairs it
+    real = Path.replace
+
+    def raced(self, target):
+        if Path(target) == root and not root.exists():
+            shutil.copytree(good, root)          # the other process renames its copy in first
+            raise OSError(errno.ENOTEMPTY, "Directory not empty")
+        return real(self, target)
+    monkeypatch.setattr(Path, "replace", raced)
+    again = graphmode.load(path, cache_dir=tmp / "race")
+    x = torch.randn(2, 16)
+    assert torch.equal(again(x)[0], cm(x)[0]) and (root / "complete").is_file()
