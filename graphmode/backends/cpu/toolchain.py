@@ -82,12 +82,20 @@ def shared_flags(flags: Sequence[str]) -> list[str]:
 class Toolchain:
     """The compiler for one KernelBuilder, detected on first use (thread-safe).
 
-    `requested`: a compiler name or path (then the only one tried); `base_flags`: the flags
-    asked for; `isa` / `march`: the ISA cap and its -march flags (named in the reason when no
-    compiler works); `cache_dir`: where the probe record is kept."""
+    `requested`: a compiler name or path (then the only one tried; without one, $CXX where it
+    names an executable, as build tools read it); `base_flags`: the flags asked for; `isa` /
+    `march`: the ISA cap and its -march flags (named in the reason when no compiler works);
+    `cache_dir`: where the probe record is kept."""
 
     def __init__(self, requested: str | None, base_flags: Sequence[str], cache_dir: Path, *,
                  isa: str | None = None, march: Sequence[str] = ()):
+        env = os.environ.get("CXX", "").strip()
+        if requested is None and env:
+            if shutil.which(env) or (os.sep in env and os.access(env, os.X_OK)):
+                requested = env
+            else:                  # ("ccache g++" and the like: a command line, not a compiler)
+                warn_once(f"cxx-env:{env}", f"CXX={env!r} names no executable: graphmode tries "
+                                            f"{', '.join(CANDIDATES)} instead (set CXX to a compiler's name or path)")
         self.requested, self.base_flags, self.cache_dir = requested, tuple(base_flags), cache_dir
         self.isa, self.march = isa, tuple(march)
         self._detected = False

@@ -788,3 +788,19 @@ def test_a_compiler_that_cannot_write_its_temporary_files_is_named_as_such(tmp_p
     tc = toolchain.Toolchain("c++", ["-O2"], tmp_path)
     assert tc.cxx is None and "cannot compile kernels" in tc.why and "No space left on device" in tc.why
     assert "set TMPDIR" in tc.why and "install g++" not in tc.why
+
+
+def test_cxx_from_the_environment_is_the_compiler_or_is_said_to_be_ignored(tmp_path, monkeypatch, caplog):
+    """CXX=/nonexistent was silently ignored (trial AA); a CXX that names a compiler is used."""
+    import shutil
+
+    import graphmode.backends.cpu.toolchain as toolchain
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with caplog.at_level(logging.WARNING, logger="graphmode.backends.cpu"):
+        tc = toolchain.Toolchain(None, ["-O2"], tmp_path)
+    assert tc.requested is None and any("CXX='/nonexistent/c++' names no executable" in r.message
+                                         for r in caplog.records)
+    found = shutil.which("g++") or shutil.which("c++")
+    if found:
+        monkeypatch.setenv("CXX", found)
+        assert toolchain.Toolchain(None, ["-O2"], tmp_path).requested == found
