@@ -443,7 +443,8 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
                   "is taken as a batch" if len(set(leads.values())) > 1 else "")
         notes["inputs"] = ("names, dtypes and shapes as declared: every axis fixed (input_dims)"
                            if bundle.meta.get("static") else
-                           f"names, dtypes and shapes from the model's signature: every shape is fixed (no dims){differ}")
+                           "names, dtypes and shapes from the model's signature: every shape is fixed (no dims)"
+                           + differ)
     data.update(exe_mode="graph", on_violation="error", optimize={"preset": "default", "fusion": {"enabled": True}},
                 codegen={"kernel_selection": f"{objective}_first"}, precision={"compute": "f32"},
                 targets=[getattr(target, "name", None) or str(target)])

@@ -129,7 +129,8 @@ class _Background:
     def put(self, env: dict[str, int]) -> None:
         key = self.model.bucket_key(env)
         with self.cond:
-            if self.closed or key == self.current or key in self.failed or any(self.model.bucket_key(e) == key for e in self.queue):
+            if self.closed or key == self.current or key in self.failed or \
+                    any(self.model.bucket_key(e) == key for e in self.queue):
                 return
             self.queue.append(env)
             if self.thread is None:

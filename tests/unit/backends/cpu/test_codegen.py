@@ -781,7 +781,7 @@ def test_a_compiler_that_cannot_write_its_temporary_files_is_named_as_such(tmp_p
     def full(cmd, timeout=None):
         if "--version" in cmd:
             return real(cmd, timeout=timeout)
-        return SimpleNamespace(returncode=1, stdout="", stderr="x.cpp:1: fatal error: error closing /tmp/ccX.s: "
+        return SimpleNamespace(returncode=1, stdout="", stderr="x.cpp:1: fatal error: error closing ccX.s: "
                                "No space left on device\ncompilation terminated.\n")
     monkeypatch.setattr(toolchain, "run", full)
     monkeypatch.setattr(toolchain, "_PROBES", {})
