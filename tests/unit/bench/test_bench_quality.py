@@ -301,18 +301,23 @@ class _BigTable(torch.nn.Module):
         return self.lin(self.emb(ids))
 
 
-def test_a_lookup_table_counts_the_rows_a_request_reads_not_the_whole_table(tmp_path):
-    """The floor counted every weight as read: a 51 MB table behind 16 looked-up rows made every
-    engine 'faster than its floor' and a 3x loss 'met' as 0.12x the floor (trial Z)."""
+@pytest.fixture(scope="module")
+def big_table(tmp_path_factory):
     import graphmode
-    from graphmode.bench.profile import facts_at, lookup_table_bytes
-    from graphmode.targets import get_target
     rec = {"version": 1, "name": "t", "inputs": [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"]}],
            "dims": {"batch": {"buckets": [1]}, "seq": {"buckets": [16]}}, "exe_mode": "graph",
            "codegen": {"kernel_selection": "heuristic"}}
     m = _BigTable().eval()
-    cm = graphmode.compile((m, {"ids": torch.randint(0, 20_000, (1, 16))}, {"ids": ["batch", "seq"]}), rec,
-                           cache_dir=tmp_path)
+    return graphmode.compile((m, {"ids": torch.randint(0, 20_000, (1, 16))}, {"ids": ["batch", "seq"]}), rec,
+                             cache_dir=tmp_path_factory.mktemp("big-table"))
+
+
+def test_a_lookup_table_counts_the_rows_a_request_reads_not_the_whole_table(big_table):
+    """The floor counted every weight as read: a 51 MB table behind 16 looked-up rows made every
+    engine 'faster than its floor' and a 3x loss 'met' as 0.12x the floor (trial Z)."""
+    from graphmode.bench.profile import facts_at, lookup_table_bytes
+    from graphmode.targets import get_target
+    cm = big_table
     table, picked = lookup_table_bytes(cm.graph, {"batch": 1, "seq": 16})
     assert table == 20_000 * 64 * 4 and picked == 16 * 64 * 4
     facts = facts_at(cm, cm.recipe, get_target("cpu_avx2"), {"batch": 1, "seq": 16})
@@ -338,20 +343,14 @@ def test_the_probe_reads_frame_the_untimed_calls_not_the_timed_one():
     assert 0 <= dt <= cond.wall_s and cond.loads == [1.0]
 
 
-def test_the_memory_proof_prepares_no_copy_of_a_lookup_table(tmp_path):
+def test_the_memory_proof_prepares_no_copy_of_a_lookup_table(big_table):
     """memory.weight_growth counted the 5.1 MB table 2.5x over as prepared copies no kernel makes
     (only GEMM and conv weights are packed): a draft for an embedding-heavy model asked for 3.5x
     its weights (trial Z: 214 MB for a 51 MB table, where compile reported 0 MB prepared)."""
-    import graphmode
     from graphmode.compile_report import model_facts
     from graphmode.recipe.constraints import PREPARED, build_constraint_model
     from graphmode.targets import get_target
-    rec = {"version": 1, "name": "t", "inputs": [{"name": "ids", "dtype": "i64", "shape": ["batch", "seq"]}],
-           "dims": {"batch": {"buckets": [1]}, "seq": {"buckets": [16]}}, "exe_mode": "graph",
-           "codegen": {"kernel_selection": "heuristic"}}
-    m = _BigTable().eval()
-    cm = graphmode.compile((m, {"ids": torch.randint(0, 20_000, (1, 16))}, {"ids": ["batch", "seq"]}), rec,
-                           cache_dir=tmp_path)
+    cm = big_table
     facts = model_facts(cm.graph, 0)
     linear = (64 * 64 + 64) * 4
     assert facts.weights_bytes == 20_000 * 64 * 4 + linear and facts.prepared_from_bytes == linear

@@ -149,6 +149,7 @@ def test_at_exit_the_queued_builds_are_dropped_and_the_one_in_flight_finishes():
     assert b.queue == [] and b.pending() == []
 
 
+@pytest.mark.slow       # a fresh interpreter compiles: ~8 s; the close itself is the unit test above
 def test_a_script_that_ends_while_a_plan_builds_exits_cleanly(tmp_path):
     import subprocess
     import sys
