@@ -186,8 +186,8 @@ def _fits_recipe(spec: str, bundle: Any, envs: Sequence[dict[str, int]], recipe:
                              fix=f"name the model's inputs in the recipe's inputs[]: {bundle.input_names}")
     for env in envs if recipe.on_violation == "error" else ():     # (eager: such a row runs eagerly, flagged)
         for d, v in env.items():
-            if d in recipe.dims and not recipe.dim_range(d)[0] <= v <= recipe.dim_range(d)[1]:
-                lo, hi = recipe.dim_range(d)
+            lo, hi = recipe.dim_range(d) if d in recipe.dims else (v, v)
+            if not lo <= v <= hi:
                 raise GraphmodeError(f"shape {dict(env)} is outside the recipe's dims.{d} [{lo}, {hi}]",
                                      where="--shape", value=dict(env),
                                      fix=f"bench {d} within [{lo}, {hi}], or widen dims.{d} in the recipe")

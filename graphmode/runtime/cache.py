@@ -44,6 +44,7 @@ _TEMP_PREFIXES = (".tmp-", ".build-", ".check-", ".extract-")
 _PLAN_NAME = re.compile(r"[0-9a-f]{24}")
 _LIBRARY_STEM = re.compile(r"[0-9a-f]{32}")
 _ARTIFACT_NAME = re.compile(r"[0-9a-f]{16,64}")
+_PROBE_RECORD = re.compile(r"probe-[0-9a-f]+\.json")     # a compiler probe's record (toolchain.py), not a library
 KEY_FIELDS = ("graph_hash", "recipe_hash", "target", "bucket", "graphmode", "torch", "isa")
 FIELDS_SINCE_V1 = {"isa": "auto"}    # key field added later -> the value entries written before it had
 PLAN_FILE = "plan.json"
@@ -272,7 +273,7 @@ class ArtifactCache:
         out = []
         for folder, named in ((self.plans, lambda n: _PLAN_NAME.fullmatch(n)),
                               (self.kernels, lambda n: _LIBRARY_STEM.fullmatch(n.split(".")[0])
-                               or re.fullmatch(r"probe-[0-9a-f]+\.json", n)),
+                               or _PROBE_RECORD.fullmatch(n)),
                               (self.artifacts, lambda n: _ARTIFACT_NAME.fullmatch(n))):
             if os.path.lexists(folder) and (folder.is_symlink() or not folder.is_dir()):
                 out.append(folder)

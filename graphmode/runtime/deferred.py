@@ -46,10 +46,9 @@ class DeferredModel(CompiledModel):
         lowering to answer 422. (The other checks read the lowering: aliased in-place inputs, the
         model's tables and positions.)"""
         if self.pending and self.recipe.on_violation == "error" and self.mode != "eager":
-            for d, v in self.shape_of(inputs).items():
-                lo, hi = self.recipe.dim_range(d)
-                if not lo <= v <= hi:        # (counted by whoever called: a server validates with bind_inputs)
-                    raise self._violation({d: v})
+            dims = self.shape_of(inputs)
+            if any(not self.recipe.dim_range(d)[0] <= v <= self.recipe.dim_range(d)[1] for d, v in dims.items()):
+                raise self._violation(dims)    # (counted by whoever called: a server validates with bind_inputs)
 
     def _adopt(self, captured: Any, graph: Any, reports: Any, verdict: Any, lowered: Any) -> None:
         if lowered is not None:          # CompiledModel.__init__ adopts nothing: the fields stay unset
