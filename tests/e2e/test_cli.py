@@ -69,6 +69,7 @@ def test_plan_show_and_run(tmp_path):
     assert out["bucket"] == {"batch": 2} and out["outputs"][0]["rel_l2_vs_eager"] < 1e-5
 
 
+@pytest.mark.slow     # ~5 s; verify passing is in test_front_door and test_kb
 def test_verify_passes_on_a_correct_pipeline(tmp_path):
     res = invoke("verify", "--model", "resnet18", "--recipe", small_recipe(tmp_path), "--json")
     assert res.exit_code == 0, res.output
@@ -164,11 +165,12 @@ def test_cache_explain_after_run(tmp_path):
     assert timings and not list((cache / "tactics").glob("gemm-*.json"))
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["compile", "--model", "nosuchmodel", "--recipe", RESNET], "nosuchmodel"),
+@pytest.mark.parametrize("args,needle", [      # ~5 s each (a process); test_cli_errors has the rest
+    pytest.param(["compile", "--model", "nosuchmodel", "--recipe", RESNET], "nosuchmodel", marks=pytest.mark.slow),
     (["compile", "--model", "resnet18", "--recipe", "/nonexistent.yaml"], "nonexistent"),
     (["run", "--model", "resnet18", "--recipe", RESNET, "--shape", "9"], "outside"),
-    (["run", "--model", "resnet18", "--recipe", RESNET, "--shape", "1x2x3"], "--shape"),
+    pytest.param(["run", "--model", "resnet18", "--recipe", RESNET, "--shape", "1x2x3"], "--shape",
+                 marks=pytest.mark.slow),
 ])
 def test_bad_input_exits_2_without_traceback(args, needle):
     out = subprocess.run([sys.executable, "-m", "graphmode", *args], cwd=ROOT, capture_output=True, text=True,

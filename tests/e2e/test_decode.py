@@ -88,6 +88,7 @@ def test_sampling_with_a_seed_repeats_and_streaming_matches(model):
     assert steps >= 5 and all(got[i] == greedy[i, 6:6 + len(got[i])].tolist() for i in range(3))
 
 
+@pytest.mark.slow     # ~6 s; preemption itself is test_pool_that_runs_out_makes_requests_wait_not_fail
 def test_a_preempted_sequence_longer_than_every_seq_bucket_is_recomputed_in_chunks(cache):
     """Two sequences growing to 30 tokens in a pool of 8 pages (32 tokens), seq buckets up to 16:
     the one preempted comes back with 17 tokens, more than any prefill plan holds. Its recompute

@@ -121,6 +121,7 @@ def test_seeded_sampling_streams_as_json_lines(sampled, greedy):
     assert a != greedy["choices"][0]["tokens"]            # it did sample
 
 
+@pytest.mark.slow     # ~5 s; seeded sampling's repeatability is also test_seeded_sampling_streams_as_json_lines'
 def test_seeded_sampling_repeats(files, sampled):
     res = gen(files, *SAMPLE)
     assert res.exit_code == 0, res.output
@@ -170,6 +171,7 @@ def test_bad_requests_are_refused_before_compiling(files, tmp_path, rec, args, w
     assert not cache.exists()                             # refused before the compile wrote anything
 
 
+@pytest.mark.slow     # ~4 s; a spec's forms are read in tests/unit/capture
 def test_a_spec_returning_the_model_alone_generates(files):
     """`pkg.mod:fn` returning a bare causal LM: compile, run and verify took it with --recipe,
     generate refused it (BareModuleError) though --recipe was given."""

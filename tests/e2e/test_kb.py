@@ -126,6 +126,7 @@ def test_a_damaged_kb_costs_no_result_and_is_left_alone(tmp_path, cache):
     assert kb.read_bytes() == before
 
 
+@pytest.mark.slow     # ~7 s: a server with a reload
 def test_serve_records_a_summary_per_recipe_version(tmp_path, cache):
     from graphmode.capture.spec import resolve_model_spec
     from graphmode.serve import ModelServer, ServeConfig, ServerThread

@@ -305,6 +305,7 @@ def test_a_dims_size_used_as_a_number_compiles_and_is_never_padded(tmp_path):
         assert cm.last_path["path"] == path, (shape, cm.last_path)
 
 
+@pytest.mark.slow     # ~5 s; a relative-position model pads in the T5 test
 def test_deberta_with_relative_attention_pads_its_batch(tmp_path):
     """DeBERTa-v2's relative position index is expanded to batch x heads rows; that axis read as
     one padded extent 4*batch with no known layout, its batch was called unsafe to pad ('a layout

@@ -49,6 +49,12 @@ def resnet_model(small_resnet, tmp_path_factory):
     return graphmode.compile(small_resnet, load_recipe(resnet_recipe()), cache_dir=cache), cache
 
 
+@pytest.fixture(scope="module")
+def eager_fallback_cache(tmp_path_factory):
+    """One cache for the tests of the on_violation: eager recipe: each builds the same plans."""
+    return tmp_path_factory.mktemp("eager-fallback-cache")
+
+
 def _eager(bundle, inputs):
     with torch.inference_mode():
         out = bundle.module(**inputs)
@@ -100,8 +106,9 @@ def test_shape_outside_contract_is_a_clear_violation(resnet_model, small_resnet)
     assert cm.metrics()["events"]["violation"] >= 1
 
 
-def test_on_violation_eager_falls_back_and_counts(small_resnet, tmp_path):
-    cm = graphmode.compile(small_resnet, load_recipe(resnet_recipe(on_violation="eager")), cache_dir=tmp_path)
+def test_on_violation_eager_falls_back_and_counts(small_resnet, eager_fallback_cache):
+    cm = graphmode.compile(small_resnet, load_recipe(resnet_recipe(on_violation="eager")),
+                           cache_dir=eager_fallback_cache)
     x = torch.randn(6, 3, 64, 64)
     got = _first(cm(pixel_values=x))
     assert rel_l2(got, _eager(small_resnet, {"pixel_values": x})) < 1e-6
@@ -109,10 +116,11 @@ def test_on_violation_eager_falls_back_and_counts(small_resnet, tmp_path):
     assert cm.metrics()["health_score"] == 0.0
 
 
-def test_outputs_are_ordinary_tensors_the_caller_may_update(small_resnet, tmp_path):
+def test_outputs_are_ordinary_tensors_the_caller_may_update(small_resnet, eager_fallback_cache):
     """Graph-mode outputs and an eager fallback's are plain tensors, as eager under no_grad gives:
     they were inference tensors, which refuse an in-place update outside inference mode."""
-    cm = graphmode.compile(small_resnet, load_recipe(resnet_recipe(on_violation="eager")), cache_dir=tmp_path)
+    cm = graphmode.compile(small_resnet, load_recipe(resnet_recipe(on_violation="eager")),
+                           cache_dir=eager_fallback_cache)
     for batch in (2, 6):                         # 2: a bucket (graph); 6: outside it (eager)
         x = torch.randn(batch, 3, 64, 64)
         y = _first(cm(pixel_values=x))

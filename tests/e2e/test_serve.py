@@ -744,6 +744,7 @@ def test_graphmode_serve_command(tmp_path, tmp_path_factory):
     assert "r" in put and "Traceback" not in "".join(lines), "".join(lines)
 
 
+@pytest.mark.slow     # ~6 s: a server process of its own
 def test_a_second_signal_during_shutdown_still_stops_the_server_and_prints_no_traceback(tmp_path, tmp_path_factory):
     """SIGTERM then Ctrl-C is uvicorn's forced exit: it skipped the app's lifespan shutdown (the
     ModelServer's stop: its rank processes, the last knowledge-base window), asyncio cancelled

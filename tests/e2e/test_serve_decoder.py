@@ -199,6 +199,7 @@ class Frozen:
 
 # ---- one lowering at start -----------------------------------------------------------------------------------
 
+@pytest.mark.slow     # ~10 s: two server starts
 def test_a_knowledge_base_summary_leaves_the_whole_sequence_graph_unlowered(dec, tmp_path):
     """serve's periodic (and shutdown) knowledge-base summary read the model's graph, which
     lowered the whole-sequence graph no request had asked for: minutes of CPU on a real model."""

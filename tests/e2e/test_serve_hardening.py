@@ -392,6 +392,7 @@ def run_fuzz(guarded, seed: int, n: int) -> None:
     no_tracebacks(guarded)
 
 
+@pytest.mark.slow     # ~6 s; malformed requests are tests/unit/fuzz's http sample
 def test_fuzzed_malformed_requests_get_4xx_and_strict_json(guarded):
     run_fuzz(guarded, seed=20261201, n=120)
 

@@ -106,6 +106,7 @@ def build_encoder():
     return Encoder().eval()
 
 
+@pytest.mark.slow     # ~7 s; the mask model's padding is checked against eager in this file's other tests
 def test_graphmode_verify_on_a_key_padding_mask_model(tmp_path):
     """verify's samples give a key padding mask nothing padded (all true masked every key, and
     eager's fast path failed on them before graphmode was compared at all)."""

@@ -268,7 +268,8 @@ def test_verify_says_when_no_output_was_judged_on_top1(tmp_path):
     assert "- (no logits)" in res.output and "0.0%" not in res.output     # a share over features was printed
 
 
-@pytest.mark.parametrize("weights", ["f32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["f32", pytest.param("bf16", marks=pytest.mark.slow), "int8",    # ~4 s each
+                                     pytest.param("int4", marks=pytest.mark.slow)])
 def test_the_proof_before_loading_counts_weights_as_stored(weights, tmp_path):
     """Before the model is loaded the memory proof counted every weight at the compute dtype,
     whatever precision.weights said, so an int4 recipe that fits was refused and the fix 'lower

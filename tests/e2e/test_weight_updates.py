@@ -246,6 +246,7 @@ class _Outer(torch.nn.Module):
         return self.inner(x)
 
 
+@pytest.mark.slow     # ~5 s: two compiles
 def test_a_capture_of_another_wrapper_of_the_model_is_not_a_change_of_it():
     """torch.export swaps the parameters of every submodule it traces: the served wrapper read the
     swap as 'the model changed after graphmode.compile', and every concurrent completion got a 500."""

@@ -652,6 +652,7 @@ def _ast():
         patch_size=16, frequency_stride=8, time_stride=8, num_labels=3)).eval()
 
 
+@pytest.mark.slow     # ~6 s; drafting examples from a config is tested on text models
 def test_a_spectrogram_models_examples_come_from_its_config(tmp_path):
     """AST's input_values is a [batch, frames, mel bins] spectrogram: drafted as raw audio [2, 4000],
     its example run failed with 'check that module(**example_inputs) runs', examples the user never gave."""

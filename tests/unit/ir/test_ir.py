@@ -236,6 +236,7 @@ def test_a_min_or_max_the_ranges_decide_settles_to_its_winner():
     assert settle_on(sympy.Max(seq * seq, 2 * seq), {"seq": (2, 8)}) == seq ** 2
 
 
+@pytest.mark.slow     # ~5 s; a position-biased decoder is refused in test_decoder_recipes
 def test_mpt_with_alibi_compiles_its_forward_pass(tmp_path):
     import warnings
 
