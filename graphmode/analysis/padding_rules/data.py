@@ -104,10 +104,10 @@ def gather(an, n: Node, ins: list[State], out_shape: Sequence[Dim], taint: dict[
             continue              # the index only names real positions (e.g. an argmax over them)
         if reads is None and _below_smallest(an, data_ax, s):
             continue              # constant indices every admissible size holds
-        if reads is None:
-            first = data_ax.padded[0].dim
-            taint.setdefault(first, an.finding(first, n, f"gather over padded dim {first} at indices that can "
-                                                         "name padded positions"))
+        if reads is None:         # every padded factor: on a flattened axis an inner one moves the rows
+            for f in data_ax.padded:
+                taint.setdefault(f.dim, an.finding(f.dim, n, f"gather over padded dim {f.dim} at indices that can "
+                                                             "name padded positions"))
             continue
         for ax, c in reads.items():
             content_of[ax + (bshape_rank - len(s.axes))] = c

@@ -349,6 +349,37 @@ def test_an_island_whose_dim_is_the_one_kept_apart_is_unsafe_on_every_other():
     assert _padded_error(b, g) > 1e-3
 
 
+class FlatPick(nn.Module):
+    """Rows picked from the flattened [batch*seq, d] activations by a flat position, as a
+    recommender picks each sequence's last item."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 8)
+
+    def forward(self, ids, pick):
+        b, t = ids.shape
+        return self.emb(ids).reshape(b * t, -1).index_select(0, pick)
+
+
+def test_an_index_into_flattened_batch_and_seq_rows_is_unsafe_for_both():
+    """Trial AB: only the flattened axis' outer factor (batch) was called unsafe, so seq padded
+    from 10 to 16 moved every row a flat index names (rel L2 0.99, no fallback)."""
+    import graphmode
+    from graphmode.capture.spec import bundle_from_module
+    ex = {"ids": torch.randint(0, 50, (4, 10)), "pick": torch.tensor([0, 12, 39])}
+    b = bundle_from_module(FlatPick().eval(), ex, {"ids": ["batch", "seq"], "pick": [3]})
+    rec = {**RECIPE, "inputs": [RECIPE["inputs"][0], {"name": "pick", "dtype": "i64", "shape": [3]}]}
+    g, rep, _ = graphmode.capture(b, rec)
+    pr = analyze_padding(g, {"ids": 0}, ["batch", "seq"], locs=rep.locs)
+    assert pr.unsafe_dims == ["batch", "seq"], pr.lines()
+    assert "gather over padded dim seq" in pr.dims["seq"].findings[0].reason
+    (want,) = b.module(**ex)
+    got = interpret(g, {"ids": F.pad(ex["ids"], (0, 6)), "pick": ex["pick"]})[g.outputs[0]]
+    assert rel_l2(got, want) > 1e-3          # the refusal is not a false alarm
+
+
 class BufferCausal(nn.Module):
     """nanoGPT's attention: the causal mask a buffer, sliced to the sequence."""
 
