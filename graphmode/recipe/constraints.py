@@ -107,6 +107,7 @@ class ConstraintModel:
     comm: list[CommTerm] = field(default_factory=list)  # the step's collectives under `parallel`
     ranks: int = 1                                      # memory terms are per rank when > 1
     weights_unknown: bool = False                       # no model loaded or declared: weights counted as 0
+    lookup_bytes: int = 0              # weights only indexed (embedding tables): precision.weights keeps them
 
     def comm_s(self) -> Any:
         return sympy.Add(*[t.seconds for t in self.comm])
@@ -165,7 +166,8 @@ def build_constraint_model(recipe: Recipe, target: Any, facts: ModelFacts | None
                          budget_source=src, flops=facts.flops, bytes_moved=facts.bytes_moved,
                          n_ops=facts.n_ops or 0, compute_dtype=recipe.precision.compute,
                          facts_source=facts.source,
-                         weights_unknown=not facts.weights_bytes and any("counted as 0" in n for n in facts.notes))
+                         weights_unknown=not facts.weights_bytes and any("counted as 0" in n for n in facts.notes),
+                         lookup_bytes=max(0, int(facts.weights_bytes) - int(prepared_from)))
     if par is not None:
         cm.comm, cm.ranks = comm, par.tensor
         cm.budget_source += f" per device ({par.tensor} ranks)"
@@ -345,7 +347,7 @@ def prove_memory(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> P
         shown = f"{budget / MB:g}" if budget >= 10 * MB else f"{budget / MB:.3g}"     # no float noise below 10
         msg = f"{_fmt_shape(ce)}: needs {_mb(need)} > {shown} MB budget{per} ({breakdown})"
         return Proof("memory", "refuted", msg, ce, dt,
-                     {"needed_bytes": int(need), "budget_bytes": budget,
+                     {"needed_bytes": int(need), "budget_bytes": budget, "lookup_bytes": cm.lookup_bytes,
                       "terms": {k: float(x) for k, x in parts.items()}})
     table = _table(total, cm.domains)
     if status == "unknown":
@@ -357,7 +359,7 @@ def prove_memory(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> P
             parts = {k: smt.evaluate(e, at) for k, e in cm.memory_terms.items()}
             return Proof("memory", "refuted", f"{_fmt_shape(at)}: needs {_mb(need)} > {budget / MB:.3g} MB budget "
                          f"(Z3: {res}; decided at each of the {len(table)} buckets)", at, time.perf_counter() - t0,
-                         {"needed_bytes": int(need), "budget_bytes": budget,
+                         {"needed_bytes": int(need), "budget_bytes": budget, "lookup_bytes": cm.lookup_bytes,
                           "terms": {k: float(x) for k, x in parts.items()}})
     worst = _worst(table)
     detail = {"budget_bytes": budget}

@@ -28,21 +28,28 @@ class LayerResult:
                 "summary": self.summary}
 
 
-def memory_fix(recipe: Recipe, terms: dict[str, float]) -> str:
-    """The fix for a refused memory proof: the levers of the terms that hold a tenth or more of
-    the need, largest first."""
+def memory_fix(recipe: Recipe, terms: dict[str, float], lookup_bytes: float = 0) -> str:
+    """The fix for a refused memory proof: the levers that hold a tenth or more of the need,
+    largest term first. `lookup_bytes`: the weights only indexed (embedding tables), which
+    precision.weights does not narrow (a narrower precision is named only where it would help)."""
     weights = terms.get("weights", 0) + terms.get("prepared_weights", 0)
     groups = {"weights": weights, "kv_cache": terms.get("kv_cache", 0),
               "activations": terms.get("activations", 0) + terms.get("workspace", 0)}
     need = sum(groups.values())
+
+    def share(x: float) -> bool:
+        return bool(need) and x >= need / 10
+
     narrow = {"f32": "int8 or int4", "bf16": "int8 or int4", "int8": "int4"}.get(recipe.precision.weights)
-    levers = {"weights": [f"store linear weights narrow (precision.weights: {narrow})" if narrow else None,
+    levers = {"weights": [f"store linear weights narrow (precision.weights: {narrow})"
+                          if narrow and share(weights - lookup_bytes) else None,     # (and their copies)
+                          f"shrink the embedding tables ({lookup_bytes / 2**20:.1f} MB: precision.weights does not "
+                          "narrow a lookup table)" if share(lookup_bytes) else None,
                           f"lower memory.weight_growth ({recipe.memory.weight_growth:g}x the weights: the "
-                          "kernels' prepared copies)" if terms.get("prepared_weights") else None],
+                          "kernels' prepared copies)" if share(terms.get("prepared_weights", 0)) else None],
               "kv_cache": ["shrink the KV pool (memory.kv_cache.pages, max_pages_per_seq or dtype)"],
               "activations": ["shrink the largest buckets"]}
-    out = [x for g in sorted(groups, key=groups.get, reverse=True) if need and groups[g] >= need / 10
-           for x in levers[g] if x]
+    out = [x for g in sorted(groups, key=groups.get, reverse=True) if share(groups[g]) for x in levers[g] if x]
     return ", ".join(out + ["or raise memory.budget_mb"])
 
 
@@ -103,7 +110,7 @@ class ValidationReport:
             elif first.status == "unproved":
                 fix = "raise the proof timeout (--timeout-ms) or give fewer buckets; an unproved recipe is not loaded"
             elif first.name == "memory":
-                fix = memory_fix(self.recipe, first.detail.get("terms", {}))
+                fix = memory_fix(self.recipe, first.detail.get("terms", {}), first.detail.get("lookup_bytes", 0))
             elif first.name.startswith("sla") and first.detail.get("link"):
                 fix = (f"relax the SLA, shrink the largest buckets, give the group a faster link than "
                        f"{first.detail['link']!r} (parallel.links) or a narrower parallel.comm.dtype")

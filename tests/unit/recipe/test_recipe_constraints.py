@@ -113,6 +113,20 @@ def test_a_refused_memory_proof_leads_with_the_lever_of_its_largest_term():
     assert kv.startswith("shrink the KV pool") and "int4)" not in kv and kv.endswith("or raise memory.budget_mb")
 
 
+def test_weights_that_are_mostly_an_embedding_table_are_not_told_to_narrow():
+    """Trial AB: a 2,000,000 x 16 table over a 64 MB budget was told to narrow its linear weights
+    (int8, then int4 once int8 was set) and lower weight_growth: neither touches a lookup table."""
+    from graphmode.recipe.validate import memory_fix
+    rec = load_recipe(yaml.safe_load((ROOT / "examples/recipes/gpt2_decoder.yaml").read_text()))
+    mb = 2**20
+    table = memory_fix(rec, {"weights": 122 * mb, "prepared_weights": 0.01 * mb, "activations": 0.1 * mb},
+                       lookup_bytes=121.9 * mb)
+    assert table == ("shrink the embedding tables (121.9 MB: precision.weights does not narrow a lookup table), "
+                     "or raise memory.budget_mb")
+    dense = memory_fix(rec, {"weights": 122 * mb, "prepared_weights": 300 * mb, "activations": 0.1 * mb})
+    assert dense.startswith("store linear weights narrow") and "weight_growth" in dense and "embedding" not in dense
+
+
 def test_quantized_weights_shrink_the_estimate_before_loading():
     """precision.weights stores the linear weights narrow; the estimate counted them at f32."""
     base = yaml.safe_load((ROOT / "examples/recipes/gpt2_decoder.yaml").read_text())
