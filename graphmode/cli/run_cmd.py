@@ -14,7 +14,7 @@ from rich.table import Table
 from graphmode.cli.app import app, console, err_console
 from graphmode.cli.options import MODEL_SPEC_HELP, THREADS_HELP, CacheDir, recipe_or_draft
 from graphmode.cli.progress import progress
-from graphmode.errors import GraphmodeError
+from graphmode.errors import ContractViolation, GraphmodeError
 from graphmode.verify.bisect import top1_cell
 from graphmode.verify.eager import run_reference
 
@@ -177,6 +177,14 @@ def _reference(cm):
     return interpreted, "reference interpreter"
 
 
+def _reference_outputs(cm, inputs: dict, env: dict | None) -> Any:
+    """The reference's outputs on `inputs`, or run_reference's error when the model itself fails on
+    them (the samples graphmode drew, at a shape the recipe admits)."""
+    reference, ref_name = _reference(cm)
+    return run_reference(reference, inputs, env or {}, {"eager": "eager PyTorch", "onnxruntime": "ONNX Runtime"}
+                         .get(ref_name, f"the {ref_name}"))
+
+
 @app.command("run")
 def run_cmd(
     model: str = typer.Option(..., "--model", help=MODEL_SPEC_HELP
@@ -222,17 +230,20 @@ def run_cmd(
         if warmup and cm.mode != "eager":
             cm.warmup()
         inputs = cm.sample_inputs(env, seed=0)
-        with torch.inference_mode():
-            out = cm(**inputs)           # builds the request's bucket unless warm-up did
+        try:
+            with torch.inference_mode():
+                out = cm(**inputs)           # builds the request's bucket unless warm-up did
+        except ContractViolation as e:
+            if e.kind == "input":            # an op refused the samples: when eager does too, say it is the model's
+                _reference_outputs(cm, inputs, env)
+            raise
         if metrics:   # the contract monitor times and counts the timed calls (as the server's, once warm)
             from graphmode.monitor import monitored
             cm = monitored(cm)
         if metrics and cm.graph is not None and getattr(cm, "last_bucket", None):
             cm.monitor.check_memory(cm.cm, [dict(cm.last_bucket)])   # its plan's arena vs memory.budget_mb
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
-    reference, ref_name = _reference(cm)
-    refs = run_reference(reference, inputs, env or {}, {"eager": "eager PyTorch", "onnxruntime": "ONNX Runtime"}
-                         .get(ref_name, f"the {ref_name}"))
+    refs = _reference_outputs(cm, inputs, env)
     took: list[dict] = []          # how each call ran: a hybrid model may choose eager after its first calls
     ran: dict[Any, Any] = {_way(path): out}          # each way's last output: the one checked
 

@@ -161,6 +161,33 @@ def test_eager_failing_on_the_sample_inputs_is_an_error_not_a_traceback(cmd, tmp
     assert res.exit_code == 2 and "eager PyTorch fails at" in out and "sample inputs" in out, out
 
 
+def _two_tables():
+    """Two categorical columns of one input, each with its own table (10 and 3 levels): samples
+    drawn inside the larger one name rows past the smaller."""
+    import torch
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = torch.nn.Embedding(10, 4), torch.nn.Embedding(3, 4)
+
+        def forward(self, cat):
+            return self.a(cat[:, 0]) + self.b(cat[:, 1])
+    return M().eval(), {"cat": torch.tensor([[9, 2], [1, 0]])}, {"cat": ["batch", 2]}
+
+
+def test_run_says_when_an_op_refuses_samples_eager_refuses_too(tmp_path):
+    """Trial AB: `run` on a model whose samples an embedding refused blamed the request ('send
+    values the op accepts'); the user sent none. It says what verify says: eager fails on them."""
+    (tmp_path / "tt.py").write_text("import sys\nsys.path.insert(0, %r)\nfrom test_cli_errors import _two_tables\n"
+                                    % str(Path(__file__).parent))
+    res, out = run(["run", "--model", f"{tmp_path / 'tt.py'}:_two_tables", "--shape", "batch=16",
+                    "--cache-dir", str(tmp_path / "cache")])
+    assert res.exit_code == 2 and "eager PyTorch fails at" in out and "inputs[].range" in out, out
+    assert "send values the op accepts" not in out, out
+
+
 @pytest.mark.parametrize("where,needle", [("dir", "is a folder"), ("good", "is a file, not a folder")])
 def test_an_unwritable_save_path_is_refused_before_compiling(files, where, needle):
     """`compile --save` built every bucket (minutes) and then failed on the path with a raw OSError."""
