@@ -194,8 +194,10 @@ def _bundle_from_recipe(module: torch.nn.Module, ex: dict, recipe: Recipe, param
         declared = "; ".join(f"{s.name} {s.dtype} {list(s.shape)}" for s in recipe.inputs)
         raise RecipeError(f"{type(module).__name__} does not run on inputs as the recipe declares them ({declared}): "
                           f"{e.message.split(': ', 1)[1]}", where="inputs", value=[s.name for s in recipe.inputs],
-                          fix="declare each input as the model takes it (inputs[].dtype, and inputs[].shape: "
-                              "channels and fixed sizes)") from None
+                          fix="declare each input as the model takes it (inputs[].dtype; inputs[].shape: channels "
+                              "and fixed sizes; inputs[].range: the values it accepts), or pass inputs it runs on "
+                              "(graphmode.compile(model, recipe, example_inputs={...}): offsets, masks and ids "
+                              "random values may not satisfy)") from None
 
 
 def resolve_model(model: Any, recipe: Recipe) -> ModelSource:
