@@ -48,6 +48,14 @@ def _rename_reads(graph, mapping: dict[str, str]) -> None:
 
 def _known_scalar(imp: _Importer, name: str, what: str):
     k = imp.need_known(name, what)
+    if k.arr.size == 1 and not k.concrete:       # e.g. a loop over the batch: graphmode unrolls it at import
+        dims = sorted({str(s) for v in k.arr.flat if hasattr(v, "free_symbols") for s in v.free_symbols})
+        expr = str(k.arr.flat[0])
+        raise imp.fail(f"{what} follows the dims {', '.join(dims)}{'' if expr in dims else f' ({expr})'}: graphmode "
+                       "unrolls control flow when it imports the model, so the count must be one number",
+                       fix=f"make {' and '.join(dims)} static: write the size as a number in the recipe's "
+                           "inputs[].shape in its place (a recipe per size you serve), or export the model with a "
+                           "static size")
     if not k.concrete or k.arr.size != 1:
         raise imp.fail(f"{what} must be a constant scalar", fix="declare it constant in the recipe (inputs[].value)")
     return k.tensor().reshape(-1)[0].item()

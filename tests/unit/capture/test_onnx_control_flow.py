@@ -129,3 +129,30 @@ def test_an_if_on_a_dim_is_decided_over_the_recipes_range_or_refused_naming_it()
     with pytest.raises(CaptureError, match=r"If condition .* the recipe's ranges leave it open: Greater\(batch, 2\): "
                                            r"cannot decide .*batch.* \(batch in \[1, 8\]\)"):
         import_onnx(m, dims={"batch": (1, 8)})
+
+
+def test_a_loop_over_a_dynamic_dim_is_refused_saying_to_make_it_static():
+    """Trial AB: a Loop once per batch row (the classic exporter's nn.EmbeddingBag) was told to
+    declare its trip count constant with inputs[].value, which cannot name a dim."""
+    body = helper.make_graph([helper.make_node("Identity", ["cin"], ["cout"]),
+                              helper.make_node("Add", ["acc", "one"], ["acc2"])],
+                             "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                                      helper.make_tensor_value_info("cin", TensorProto.BOOL, []),
+                                      helper.make_tensor_value_info("acc", F, [4])],
+                             [helper.make_tensor_value_info("cout", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("acc2", F, [4])])
+    nodes = [helper.make_node("Shape", ["x"], ["sh"]), helper.make_node("Gather", ["sh", "i0"], ["b"], axis=0),
+             helper.make_node("Loop", ["b", "go", "z"], ["y"], body=body)]
+
+    def model(batch):
+        return helper.make_model(helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", F, [batch, 4])],
+            [helper.make_tensor_value_info("y", F, [4])],
+            [numpy_helper.from_array(np.array(0, np.int64), "i0"), numpy_helper.from_array(np.array(True), "go"),
+             numpy_helper.from_array(np.zeros(4, np.float32), "z"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one")]), opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(CaptureError, match="Loop trip count follows the dims batch: graphmode unrolls") as e:
+        import_onnx(model("batch"), dims={"batch": (1, 8)})
+    assert "inputs[].shape" in e.value.fix and "inputs[].value" not in e.value.fix
+    _run(nodes, [helper.make_tensor_value_info("x", F, [3, 4])], [helper.make_tensor_value_info("y", F, [4])],
+         {"x": np.zeros((3, 4), np.float32)}, model(3).graph.initializer)          # static: unrolled 3 times
