@@ -79,9 +79,11 @@ def engine_of(cm: Any):
 
 def causal_lm(model: Any, where: str = "model") -> torch.nn.Module:
     """The transformers *ForCausalLM inside a ModelBundle or ModelSource (its `raw_module` for
-    the built-ins, whose `module` is a wrapper), or GraphmodeError naming `where`."""
+    the built-ins, whose `module` is a wrapper), or the model itself (a spec returning it alone,
+    as `serve` keeps it), or GraphmodeError naming `where`."""
     bundle = getattr(model, "bundle", None) or model
-    for m in (getattr(bundle, "raw_module", None), getattr(model, "module", None), getattr(bundle, "module", None)):
+    for m in (getattr(bundle, "raw_module", None), getattr(model, "module", None), getattr(bundle, "module", None),
+              model if isinstance(model, torch.nn.Module) else None):
         if m is not None and hasattr(m, "config") and hasattr(m, "get_output_embeddings"):
             return m
     raise GraphmodeError("decoding needs a causal language model (a transformers *ForCausalLM)", where=where,

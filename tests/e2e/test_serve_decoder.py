@@ -984,3 +984,14 @@ def test_shutdown_ends_an_open_stream_with_an_error_event(dec):
     stopper.join(EVENT_S)
     assert not stopper.is_alive() and not dec.running.thread.is_alive()
     assert decoder.live == 0 and decoder.engine.cache.used_pages == 0
+
+
+def test_a_spec_returning_the_causal_lm_alone_serves_its_greedy_tokens(tmp_path_factory):
+    """Trial AD: `serve` kept such a spec's module as it is, and the check for a causal LM looked
+    only inside bundles ('decoding needs a *ForCausalLM' for a GPT2LMHeadModel); generate took it."""
+    server = ModelServer(f"{HERE / 'tiny_decoders.py'}:gpt2_alone", tiny_decoders.recipe(),
+                         config=ServeConfig(cache_dir=serve_cache(tmp_path_factory)))
+    with serving(server) as (_running, client, tracebacks):
+        own = SimpleNamespace(client=client, lm=tiny_decoders.gpt2_alone(), refs={})
+        got = complete(own, prompt=P1, max_tokens=6, **GREEDY)["choices"][0]["token_ids"]
+        assert got == greedy(own, P1, 6) and not tracebacks
