@@ -142,8 +142,6 @@ def serve_cmd(
                          header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                          recipe_check_cpu_s=recipe_check_s, max_plans=max_plans, shutdown_grace_s=shutdown_grace_s)
     check_exposure(host, config)           # before the model is built: a refused address fails fast
-    from prometheus_client import disable_created_metrics
-    disable_created_metrics()      # no `_created` series beside every counter and histogram (this process's own)
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads:
         torch.set_num_threads(threads)

@@ -163,8 +163,23 @@ class PromMetrics:
                 fam.remove(*values)
 
     def text(self) -> bytes:
-        """The Prometheus text exposition of this registry."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of this registry, without the `_created` samples
+        prometheus_client adds to every counter and histogram (a creation time, typed as a gauge
+        under the counter's help text). Dropped here, per registry, rather than by its
+        process-wide switch: a replica's or a library user's process exports the same text."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A registry's families as collected, less their `_created` samples."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self) -> Any:
+        for fam in self.registry.collect():       # each collect() builds new families: safe to trim
+            fam.samples = [s for s in fam.samples if not s.name.endswith("_created")]
+            yield fam
 
 
 @dataclass(frozen=True)

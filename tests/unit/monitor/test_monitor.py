@@ -355,3 +355,18 @@ def test_memory_check_counts_what_an_executable_holds_beyond_its_arena():
     mon = ContractMonitor(r, version="v", metrics=PromMetrics())
     assert mon.check_memory(cm, [{"batch": 1}, {"batch": 2}]) == ["batch=2"]      # 1.1 MB > 1 MiB
     assert mon.snapshot()["held_bytes"] == {"batch=1": 300_000, "batch=2": 700_000}
+
+
+def test_the_exposition_has_no_created_series_and_leaves_the_process_switch_alone():
+    """Trial AD: a replica's /metrics carried 20 `_created` gauges under their counters' help
+    text: only the CLI's process had turned them off, with prometheus_client's global switch."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+    m = PromMetrics()
+    m.requests.labels("v1", "host", "batch=1", "ok").inc()
+    m.latency.labels("v1", "host", "batch=1").observe(0.01)
+    text = m.text().decode()
+    names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert "graphmode_requests_total" in names and not any(n.endswith("_created") for n in names), names
+    own = CollectorRegistry()                 # a library user's own registry keeps prometheus_client's default
+    Counter("app_events", "events", registry=own).inc()
+    assert b"app_events_created" in generate_latest(own)
