@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import ipaddress
 import logging
@@ -595,9 +596,12 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except (OSError, OverflowError) as e:
         sock.close()
+        host_problem = isinstance(e, socket.gaierror) or getattr(e, "errno", None) == errno.EADDRNOTAVAIL
         raise GraphmodeError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}",
-                             where="--host/--port",
-                             value=f"{host}:{port}", fix="pick a free port (or 0 for any)") from None
+                             where="--host" if host_problem else "--host/--port", value=f"{host}:{port}",
+                             fix="give an address of this machine: 127.0.0.1 (this machine only), 0.0.0.0 (every "
+                                 "interface) or one of its own" if host_problem else
+                             "pick a free port (or 0 for any)") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
