@@ -39,8 +39,9 @@ class PromMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.requests = Counter("graphmode_requests", "Inference requests by outcome "
-                                "(ok, contract = refused by the recipe's contract, error = server fault)",
+        self.requests = Counter("graphmode_requests", "Inference requests by outcome (ok, contract = refused "
+                                "by the recipe's contract, timeout = no answer within the request timeout, "
+                                "cancelled = the client went away mid-generation, error = server fault)",
                                 L + ("bucket", "status"), registry=r)
         self.latency = Histogram("graphmode_request_latency_seconds", "Server-side latency of a successful "
                                  "request, arrival to result (queueing and batching included)",

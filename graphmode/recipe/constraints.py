@@ -481,8 +481,9 @@ def prove_kv_pages(cm: ConstraintModel, timeout_ms: int = DEFAULT_TIMEOUT_MS) ->
         assert need > max_pages
         return Proof("memory.kv_cache.max_pages_per_seq", "refuted",
                      f"{seq}={res[seq]}: a prompt of {res[seq]} tokens and one new token need {need} pages of {page} "
-                     f"tokens > max_pages_per_seq {max_pages} (fix: max_pages_per_seq >= {need}, or {seq} at most "
-                     f"{max_pages * page - 1})", res, dt, {"pages": need})
+                     f"tokens > max_pages_per_seq {max_pages}", res, dt,
+                     {"pages": need, "fix": f"memory.kv_cache.max_pages_per_seq >= {need}, or dims.{seq} at most "
+                                            f"{max_pages * page - 1}"})
     if status == "unknown":
         return Proof("memory.kv_cache.max_pages_per_seq", "unproved", f"unproved ({res})", seconds=dt)
     top = max(cm.domains[seq])

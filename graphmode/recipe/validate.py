@@ -109,6 +109,8 @@ class ValidationReport:
                        "model.gflops_per_item")
             elif first.status == "unproved":
                 fix = "raise the proof timeout (--timeout-ms) or give fewer buckets; an unproved recipe is not loaded"
+            elif first.detail.get("fix"):            # a proof that knows its own fix (the KV pages')
+                fix = first.detail["fix"]
             elif first.name == "memory":
                 fix = memory_fix(self.recipe, first.detail.get("terms", {}), first.detail.get("lookup_bytes", 0))
             elif first.name.startswith("sla") and first.detail.get("link"):

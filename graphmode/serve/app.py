@@ -121,7 +121,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     cl = request.headers.get("content-length")
     if cl is not None:
         if not cl.strip().isdigit():
-            raise BadRequest("Content-Length is not a number", where="Content-Length", value=clip(cl), headers=CLOSE)
+            raise BadRequest("Content-Length is not a number", where="Content-Length", value=clip(cl), headers=CLOSE,
+                             fix="send the body's length in bytes, or Transfer-Encoding: chunked")
         n = int(cl)
         if n > limit:
             raise too_big(n <= max(DRAIN_MAX_BYTES, limit) and await _drain(stream, n, deadline))
@@ -211,10 +212,12 @@ def reload_options(request: Request) -> tuple[bool, float]:
                          fix="PUT /v1/recipe takes ?wait=1 and &timeout=SECONDS")
     for k in ("wait", "timeout"):
         if len(q.getlist(k)) > 1:
-            raise BadRequest(f"query parameter {k!r} given more than once", where=f"query.{k}")
+            raise BadRequest(f"query parameter {k!r} given more than once", where=f"query.{k}",
+                             fix=f"give {k!r} once")
     wait = q.get("wait", "").strip().lower()
     if wait not in WAIT_VALUES:
-        raise BadRequest("'wait' must be 1/0, true/false or yes/no", where="query.wait", value=clip(wait, 40))
+        raise BadRequest("'wait' must be 1/0, true/false or yes/no", where="query.wait", value=clip(wait, 40),
+                         fix="?wait=1 answers once the new version serves (or is refused), ?wait=0 at once")
     timeout = 600.0
     if "timeout" in q:
         raw = q["timeout"]

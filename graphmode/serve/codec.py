@@ -332,7 +332,8 @@ def decode_json(body: bytes, dtypes: Mapping[str, str]) -> dict[str, torch.Tenso
     inputs = doc["inputs"]
     if not isinstance(inputs, dict):
         raise BadRequest("'inputs' must be an object mapping input names to tensors",
-                         reason="malformed_body", where="inputs", value=type(inputs).__name__)
+                         reason="malformed_body", where="inputs", value=type(inputs).__name__,
+                         fix='send {"inputs": {"<input name>": [[...]], ...}}')
     out = {}
     for name, value in inputs.items():
         name = _declared(name, dtypes)

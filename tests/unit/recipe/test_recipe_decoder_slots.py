@@ -36,7 +36,8 @@ def test_max_pages_per_seq_is_proved_for_the_longest_prompt_and_one_token():
     rep = validate(load_recipe(_decoder(max_pages_per_seq=1)), CPU)
     p = next(p for p in rep.proofs if p.name == "memory.kv_cache.max_pages_per_seq")
     assert rep.verdict == "refused" and p.status == "refuted"
-    assert p.counterexample["seq"] == 1023 and "max_pages_per_seq >= 64" in p.message
+    assert p.counterexample["seq"] == 1023 and "> max_pages_per_seq" in p.message
+    assert p.detail["fix"] == "memory.kv_cache.max_pages_per_seq >= 64, or dims.seq at most 15"
     # a prompt that exactly fills its pages leaves no room for a token: refused too
     r = _decoder()
     r["dims"]["seq"]["max"] = 1024
