@@ -177,12 +177,12 @@ def _reference(cm):
     return interpreted, "reference interpreter"
 
 
-def _reference_outputs(cm, inputs: dict, env: dict | None) -> Any:
-    """The reference's outputs on `inputs`, or run_reference's error when the model itself fails on
-    them (the samples graphmode drew, at a shape the recipe admits)."""
+def _reference_outputs(cm, inputs: dict, env: dict | None) -> tuple[Any, str, Any]:
+    """(the reference, its name, its outputs on `inputs`), or run_reference's error when the model
+    itself fails on them (the samples graphmode drew, at a shape the recipe admits)."""
     reference, ref_name = _reference(cm)
-    return run_reference(reference, inputs, env or {}, {"eager": "eager PyTorch", "onnxruntime": "ONNX Runtime"}
-                         .get(ref_name, f"the {ref_name}"))
+    return reference, ref_name, run_reference(reference, inputs, env or {}, {
+        "eager": "eager PyTorch", "onnxruntime": "ONNX Runtime"}.get(ref_name, f"the {ref_name}"))
 
 
 @app.command("run")
@@ -243,7 +243,7 @@ def run_cmd(
         if metrics and cm.graph is not None and getattr(cm, "last_bucket", None):
             cm.monitor.check_memory(cm.cm, [dict(cm.last_bucket)])   # its plan's arena vs memory.budget_mb
     path = dict(getattr(cm, "last_path", {}) or {"path": cm.mode})
-    refs = _reference_outputs(cm, inputs, env)
+    reference, ref_name, refs = _reference_outputs(cm, inputs, env)
     took: list[dict] = []          # how each call ran: a hybrid model may choose eager after its first calls
     ran: dict[Any, Any] = {_way(path): out}          # each way's last output: the one checked
 
