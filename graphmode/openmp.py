@@ -23,6 +23,8 @@ environment). A value the user set is never overridden.
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from typing import MutableMapping
 
 SPIN_COUNT = 1000          # ~25 us of `pause` on the EPYC hosts: a step's dispatch, not a time slice
@@ -61,24 +63,86 @@ def in_effect(environ: MutableMapping[str, str]) -> dict[str, str | None]:
 
 
 # ---- a process forked after OpenMP ran ------------------------------------------------------
-# libgomp's thread team does not survive fork(): in the child the first parallel region waits
-# for threads that do not exist. A plan build runs ATen's parallel ops (tactic selection), so a
-# build in a child forked from a process that had built one hung for ever (`multiprocessing`'s
-# default start method on Linux). Plans built before the fork run in the child.
+# libgomp's thread team does not survive fork(): in the child the first parallel region of more
+# than one thread waits for threads that do not exist. A plan build runs ATen's parallel ops
+# (tactic selection), so a build in a child forked from a process that had built one hung for
+# ever (`multiprocessing`'s default start method on Linux); so did a plan the parent had built
+# and run, unless the parent's idle threads had gone to sleep before the fork (GOMP_SPINCOUNT
+# bounded: trial AC). In such a child, plans built before the fork run on one thread (a region
+# of one thread starts no team: the kernels' libraries and torch are set to one), as PyTorch's
+# DataLoader runs its forked workers, and new builds are refused.
 _STATE = {"ran": False, "forked_after_run": False}
+_ON_FORKED: list = []          # what to set to one thread in such a child (kernels.py's libraries)
 
 
 def ran_parallel() -> None:
-    """Note that this process has run OpenMP's parallel regions (a plan build)."""
+    """Note that this process has run, or may run, OpenMP's parallel regions (a plan build, a
+    kernel library loaded)."""
     _STATE["ran"] = True
+
+
+def on_forked_after_run(callback) -> None:
+    """Call `callback()` in a child forked after this process ran OpenMP (at the fork)."""
+    _ON_FORKED.append(callback)
+
+
+def forked_after_run() -> bool:
+    """Whether this process was forked from one that had run OpenMP: it runs on one thread."""
+    return _STATE["forked_after_run"]
 
 
 def _after_fork_in_child() -> None:
     _STATE["forked_after_run"] = _STATE["ran"]
+    if not _STATE["ran"]:
+        return
+    for callback in _ON_FORKED:
+        callback()
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)       # ATen's parallel loops: inline on the calling thread
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class ForkSafeLock:
+    """A threading.Lock that a forked child gets fresh: a lock another thread held at the fork
+    stays held for ever in the child, where that thread does not exist (trial AC: a child forked
+    while threads were calling a model blocked on its plan's lock). What it guards is rewritten
+    by the child's next call (a plan's arena) or checked again (which buckets are built)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        _LOCKS.add(self)
+
+    def __enter__(self) -> bool:
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._lock.__exit__(*exc)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+
+_LOCKS: "weakref.WeakSet[ForkSafeLock]" = weakref.WeakSet()
+
+
+def _fresh_locks() -> None:
+    for lock in list(_LOCKS):
+        lock._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks)
 
 
 def check_fork_safe(what: str) -> None:
@@ -93,4 +157,5 @@ def check_fork_safe(what: str) -> None:
 
 
 __all__ = ["SPIN_COUNT", "SPIN_BOUND", "WAIT_VARS", "defaults", "apply_defaults", "bounded_wait", "in_effect",
-           "ran_parallel", "check_fork_safe"]
+           "ran_parallel", "check_fork_safe", "on_forked_after_run", "forked_after_run",
+           "ForkSafeLock"]

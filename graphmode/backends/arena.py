@@ -7,7 +7,6 @@ views, so a run is one Python loop of calls. `steps` / `step_names` / `views` / 
 """
 from __future__ import annotations
 
-import threading
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from graphmode.errors import BackendError, ContractViolation, GraphmodeError
 from graphmode.hostmem import empty_huge
 from graphmode.ir.types import DTYPES
+from graphmode.openmp import ForkSafeLock
 from graphmode.plan.execution import ExecutionPlan
 
 
@@ -24,7 +24,7 @@ class ArenaExecutable:
 
     def __init__(self, plan: ExecutionPlan, constants: Mapping[str, torch.Tensor]):
         self.plan = plan
-        self.lock = threading.Lock()   # one arena: runs on one executable are serialised
+        self.lock = ForkSafeLock()     # one arena: runs on one executable are serialised
         self.arena = torch.empty(max(plan.arena_bytes, 1), dtype=torch.uint8)
         self.consts = {k: constants[k].contiguous() for k in plan.constants if k in constants}
         self.views: dict[str, torch.Tensor] = {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 import time
 import warnings
 from collections import Counter
@@ -28,6 +27,7 @@ from graphmode.backends.registry import DEFAULT_DEVICE
 from graphmode.capture.source import constant_inputs
 from graphmode.errors import ContractViolation, GraphmodeError, RecipeError
 from graphmode.ir.graph import Graph
+from graphmode.openmp import ForkSafeLock
 from graphmode.progress import OnStage
 from graphmode.runtime.contract import InputContract
 from graphmode.runtime.shaping import SPLIT_DIM, Shaping, fallback_engine
@@ -123,7 +123,7 @@ class CompiledModel(Plans, InputContract, Shaping, TorchHabits):
         self.monitor = None   # graphmode.monitor.ContractMonitor (monitor.attach): sees every event
         self._executables: dict[str, Any] = {}
         self.constant_spill = None    # graphmode.hostmem.ConstantSpill once spill_constants ran
-        self._compile_lock = threading.Lock()
+        self._compile_lock = ForkSafeLock()
         self.input_names = [i.name for i in recipe.inputs]
         self.pad_values = {i.name: i.pad_value for i in recipe.inputs}
         self._constants = constant_inputs(recipe)        # inputs the recipe declares constant (inputs[].value)

@@ -12,9 +12,10 @@ how many there are: at most N x (buckets of the other dims) plans more.
 """
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from typing import Any, Mapping, Sequence
+
+from graphmode.openmp import ForkSafeLock
 
 RECUR = 3              # a value gets its plans on its third request: once is no pattern
 MAX_COUNTED = 4096     # values counted while not yet recurring (bounded memory)
@@ -29,7 +30,7 @@ class ExactValues:
         self.values: dict[str, list[int]] = {d: [] for d in self.caps}
         self._seen: Counter[tuple[str, int]] = Counter()
         self._failed: set[tuple[str, int]] = set()     # values whose plan did not build: never promoted again
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def refine(self, dims: Mapping[str, int], bucket: Mapping[str, int], exact: Sequence[str] = ()) -> dict[str, int]:
         """`bucket` with each refinable dim lowered to the smallest value with its own plans

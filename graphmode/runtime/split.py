@@ -20,11 +20,11 @@ the monitor with the fallbacks, not as a violation). Graph mode never runs it.
 """
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
 from graphmode.ir.graph import Graph
+from graphmode.openmp import ForkSafeLock
 
 
 def chunks(n: int, buckets: Sequence[int]) -> list[int]:
@@ -66,7 +66,7 @@ class Chooser:
         self.best: dict[tuple, dict[str, float]] = {}
         self.tries: dict[tuple, Counter[str]] = {}
         self.max_shapes, self.min_tries = max_shapes, tries
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def choose(self, key: tuple, ways: Sequence[str] = ("padded", "split")) -> str:
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -17,6 +18,17 @@ import torch
 from graphmode.backends.cpu.abi import KernelSource
 from graphmode.errors import BackendError
 from graphmode.ir.types import DTYPES
+from graphmode.openmp import forked_after_run, on_forked_after_run, ran_parallel
+
+_LIBRARIES: "weakref.WeakSet[CompiledLibrary]" = weakref.WeakSet()    # every loaded library, for a fork child
+
+
+def _one_thread_each() -> None:
+    for lib in list(_LIBRARIES):
+        lib.set_threads(1)
+
+
+on_forked_after_run(_one_thread_each)
 
 
 class CompiledLibrary:
@@ -31,8 +43,10 @@ class CompiledLibrary:
         self._get = self.cdll.gm_get_threads
         self._get.argtypes = []
         self._get.restype = ctypes.c_int
-        if threads is not None:
-            self.set_threads(threads)
+        ran_parallel()                       # its loops may start OpenMP's team: a fork child runs them on one
+        _LIBRARIES.add(self)
+        if threads is not None or forked_after_run():
+            self.set_threads(threads or 0)
         self._flush = getattr(self.cdll, "gm_flush_lines", None)     # absent from libraries built before it
         if self._flush is not None:
             self._flush.argtypes = [ctypes.c_void_p, ctypes.c_long]
@@ -46,8 +60,9 @@ class CompiledLibrary:
 
     def set_threads(self, n: int) -> None:
         """OpenMP threads for this library's parallel loops (0 = the OpenMP default). Applies to
-        calls from any Python thread (it is a `num_threads` clause, not a per-thread ICV)."""
-        self._set(int(n))
+        calls from any Python thread (it is a `num_threads` clause, not a per-thread ICV). One in
+        a process forked after OpenMP ran (graphmode/openmp.py: more would wait for ever)."""
+        self._set(1 if forked_after_run() else int(n))
 
     @property
     def threads(self) -> int:
