@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import warnings
 from typing import Any, Iterator
 
@@ -36,11 +37,25 @@ _VALUE_FIX = re.compile(r"^\s*(\w+) = (\d+)\s*$", re.M)
 _DERIVED_FIX = re.compile(r"^\s*(\w+) = (\d+)\*(\w+)(?: \+ (\d+))?\s*$", re.M)
 
 
+# One trace at a time in the process: torch.export and make_fx keep their modes (the proxy and
+# fake-tensor dispatch modes, the symbolic-shape environment) process-wide, so two threads
+# tracing at once failed ('ProxyTorchDispatchMode slot already occupied', 'pop empty mode stack')
+# and a draft's probe that failed that way fixed its dims silently (trial AC: three threads each
+# compiling a BERT). The stderr redirect and the warning filters below are process-wide too.
+EXPORT_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def quiet_export_logs() -> Iterator[None]:
-    """torch's fake-tensor and symbolic-shape loggers at CRITICAL while export runs, and what it
-    prints to stderr held back: written out after a successful export, dropped after a failed
-    one (torch prints the failed trace's partial graph there, hundreds of lines)."""
+    """The process's one trace (EXPORT_LOCK held), with torch's fake-tensor and symbolic-shape
+    loggers at CRITICAL while it runs and what it prints to stderr held back: written out after a
+    successful export, dropped after a failed one (torch prints the failed trace's partial graph
+    there, hundreds of lines)."""
+    with EXPORT_LOCK:
+        yield from _quiet()
+
+
+def _quiet() -> Iterator[None]:
     loggers = [logging.getLogger(n) for n in _QUIET]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -276,4 +291,4 @@ def _model_frame(e: BaseException) -> tuple[str, int, str] | None:
     return found
 
 
-__all__ = ["export_failure", "quiet_export_logs", "shown_path", "ROPE_WHY", "ROPE_FIX"]
+__all__ = ["export_failure", "quiet_export_logs", "EXPORT_LOCK", "shown_path", "ROPE_WHY", "ROPE_FIX"]

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import torch
 
+from graphmode.capture.export_errors import EXPORT_LOCK
 from graphmode.capture.zoo import DEFAULT_DIM_RANGES, ModelBundle
 from graphmode.errors import CaptureError
 from graphmode.paths import cache_layout
@@ -86,7 +87,8 @@ def onnx_cache_key(bundle: ModelBundle, *, dynamic: bool = True, opset: int | No
 
 @contextlib.contextmanager
 def _quiet_export() -> Iterator[None]:
-    """Hide tracer/deprecation warnings and the exporter's INFO/WARNING log lines."""
+    """Hide tracer/deprecation warnings and the exporter's INFO/WARNING log lines; one trace at
+    a time in the process (EXPORT_LOCK: the exporters trace with torch.export)."""
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo",
                                                 "torch.fx.experimental.symbolic_shapes",
                                                 "onnxscript")]
@@ -94,7 +96,7 @@ def _quiet_export() -> Iterator[None]:
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        with EXPORT_LOCK, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from graphmode.capture.export_errors import export_failure, quiet_export_logs
+from graphmode.capture.export_errors import EXPORT_LOCK, export_failure, quiet_export_logs
 from graphmode.capture.fast_paths import eager_fast_paths
 from graphmode.capture.outputs import describe, is_cache
 from graphmode.errors import CaptureError, GraphmodeError
@@ -597,14 +597,15 @@ def export_program(bundle: ModelBundle, ranges: dict[str, tuple[int, int]] | Non
     if decompose is None:
         return ep
     try:
-        if decompose == "high_level":
-            return ep.run_decompositions(decomp_table={})
-        if decompose == "core":
-            table = torch.export.default_decompositions()
-            table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
-            return ep.run_decompositions(decomp_table=table)
-        if decompose == "core_full":
-            return ep.run_decompositions()
+        with EXPORT_LOCK:                    # a decomposition traces the program again
+            if decompose == "high_level":
+                return ep.run_decompositions(decomp_table={})
+            if decompose == "core":
+                table = torch.export.default_decompositions()
+                table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
+                return ep.run_decompositions(decomp_table=table)
+            if decompose == "core_full":
+                return ep.run_decompositions()
     except Exception as e:  # noqa: BLE001
         raise CaptureError(f"run_decompositions({decompose!r}) failed: {type(e).__name__}: "
                            f"{str(e).splitlines()[0]}", where=f"model {bundle.name}",

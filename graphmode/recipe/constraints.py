@@ -565,7 +565,14 @@ def prove_all(recipe: Recipe, target: Any, facts: ModelFacts | None = None,
               ) -> tuple[ConstraintModel, list[Proof]]:
     """Every layer-3 proof for a resolved, semantically valid recipe (`calibration`: see
     `build_constraint_model`). All of them share BUDGET_PROOFS x `timeout_ms`: a proof that
-    finds the budget spent is "unproved", so validation ends in bounded time."""
+    finds the budget spent is "unproved", so validation ends in bounded time. One recipe's
+    proofs at a time in the process (smt.Z3_LOCK: Z3's default context is not thread-safe)."""
+    with smt.Z3_LOCK:
+        return _prove_all(recipe, target, facts, timeout_ms, calibration)
+
+
+def _prove_all(recipe: Recipe, target: Any, facts: ModelFacts | None, timeout_ms: int, calibration: Any
+               ) -> tuple[ConstraintModel, list[Proof]]:
     budget = Budget(BUDGET_PROOFS * timeout_ms)
     proofs: list[Proof] = []
 

@@ -8,11 +8,17 @@ positive constant, Abs, and rational division by constants. Anything else is a S
 """
 from __future__ import annotations
 
+import threading
 from fractions import Fraction
 from math import lcm
 
 import sympy
 import z3
+
+# Z3's default context is one per process and not thread-safe: two threads proving at once
+# crashed inside it (`Z3Exception: unreachable`, trial AC's concurrent compiles). Held around a
+# whole recipe's proofs (constraints.prove_all).
+Z3_LOCK = threading.RLock()
 
 
 class SmtError(ValueError):
