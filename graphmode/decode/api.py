@@ -98,9 +98,15 @@ def _prompts(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, list[li
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise ContractViolation("input_ids must be integer token ids of shape [batch, length]", where="input_ids",
                                 value=(tuple(ids.shape), str(ids.dtype)))
-    if attention_mask is None:
+    mask = None if attention_mask is None else \
+        attention_mask if isinstance(attention_mask, torch.Tensor) else torch.tensor(attention_mask)
+    for name, t in (("input_ids", ids), ("attention_mask", mask)):
+        if t is not None and t.device.type != "cpu":       # a meta tensor has no values to read
+            raise ContractViolation(f"{name} is a {t.device.type} tensor: generation reads its values on the CPU",
+                                    kind="input", where=name, value=str(t.device),
+                                    fix=f"pass a CPU tensor with data ({name}.cpu(); a meta tensor has none)")
+    if mask is None:
         return ids, [row.tolist() for row in ids]
-    mask = attention_mask if isinstance(attention_mask, torch.Tensor) else torch.tensor(attention_mask)
     if mask.shape != ids.shape:
         raise ContractViolation("attention_mask must have input_ids' shape", where="attention_mask",
                                 value=tuple(mask.shape))
