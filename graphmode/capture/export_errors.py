@@ -131,9 +131,7 @@ def _constraint_fixes(text: str) -> list[str]:
         if d in derived:            # samples = 10*_samples: what it asks of samples itself
             dim, k, c = derived[d]
             span = " in [" + ", ".join(str(k * int(v) + c) if v else "?" for v in (lo, hi)) + "]"
-            out.append(f"{dim} a multiple of {k}" + (f" plus {c}" if c else "") + span + " (a graphmode dim takes "
-                       f"every size in [min, max]; its `step` spaces the buckets, it does not limit the sizes "
-                       f"requests bring: fix {dim} in the recipe, one size per compile)")
+            out.append(f"{dim} a multiple of {k}" + (f" plus {c}" if c else "") + span)
             continue
         out.append(f"{d} " + ", ".join(f"{k} {v}" for k, v in (("min", lo), ("max", hi)) if v))
     # a value alone only when no range is suggested: beside one, it is the capture's own narrow
@@ -146,6 +144,12 @@ def _constraint_fixes(text: str) -> list[str]:
 def _narrow_fix(suggested: str, narrowed: list[str]) -> str:
     """What to write: the ranges torch.export holds one graph over, or for a dim it keeps static
     one value per recipe (the value is the capture's, not one the model needs)."""
+    multiples = [n.split()[0] for n in narrowed if " a multiple of " in n]
+    if multiples:                 # no recipe term says "multiples only": a dim takes every size in its range
+        return (f"give {' and '.join(multiples)} one size per compile, a multiple as said (e.g. "
+                f"{multiples[0]}: {{buckets: [64]}}, a recipe per size you serve): a recipe's dim takes every size "
+                "in [min, max] (its `step` spaces the buckets, not the sizes requests bring); or run the model "
+                "with exe_mode: eager")
     if _RANGE_FIX.findall(suggested):
         return "narrow the recipe's dims to " + "; ".join(narrowed) + " (or run the model with exe_mode: eager)"
     return ("give " + " and ".join(f"{d} one value (e.g. {d}: {{buckets: [{v}]}})" for d, v in _VALUE_FIX.findall(

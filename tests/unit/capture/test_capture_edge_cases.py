@@ -895,6 +895,8 @@ def test_a_derived_dim_torch_export_suggests_is_said_in_the_recipes_own_dim():
     e = export_failure(RuntimeError(text), fix="generic")
     assert "samples a multiple of 10 in [1600, 160000]" in e.message and "_samples" not in e.message
     assert e.where == "dims.samples" and e.suggested_ranges == {}
+    # trial AE: the fix repeated the message's explanation and asked to "narrow" to a multiple
+    assert e.fix.startswith("give samples one size per compile") and "step" not in e.message
     # a draft tries a shorter range (its solver proves the floor guard there): Wav2Vec2's samples
     # were fixed at the example's 4000 where 1600..40000 exports
     from types import SimpleNamespace
