@@ -147,7 +147,10 @@ _NOT_RUN = {"num_beams": "beam search is not implemented: greedy (do_sample=Fals
             "no_repeat_ngram_size": "repetition_penalty, or the server's presence/frequency penalties",
             "max_length": "max_new_tokens (tokens after the prompt)",
             "output_scores": "the server's logprobs (/v1/completions)",
-            "return_dict_in_generate": "the token ids tensor is what generate returns"}
+            "return_dict_in_generate": "the token ids tensor is what generate returns",
+            **dict.fromkeys(("stop", "stop_strings", "stop_token_ids"),
+                            "stop sequences are the engine's: engine_of(cm).add(prompt, SamplingParams(stop=((id, "
+                            "...),))), the server's `stop`, or `graphmode generate --stop/--stop-ids`")}
 
 
 def _transformers_kwargs(fn: str, kw: dict[str, Any]) -> dict[str, Any]:

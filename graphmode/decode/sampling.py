@@ -23,7 +23,8 @@ class SamplingParams:
     min_p: float | None = None                   # vLLM's / transformers': drop tokens under min_p x the top probability
     eos_token_id: int | tuple[int, ...] | None = None
     seed: int | None = None
-    stop: tuple[tuple[int, ...], ...] = ()       # token-id sequences that end generation (not emitted)
+    stop: tuple[tuple[int, ...], ...] = ()       # token-id sequences that end generation: on_token and
+    #   `generated` see each token as it is chosen; ChoiceOutput (the server, the CLI) cuts the stop sequence
     presence_penalty: float = 0.0                # OpenAI's: minus this from the logit of each token generated so far
     frequency_penalty: float = 0.0               # ... minus this times how often it was generated
     repetition_penalty: float = 1.0              # transformers' / vLLM's: prompt and generated tokens' logits / this

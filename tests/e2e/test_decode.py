@@ -182,6 +182,9 @@ def test_transformers_repetition_penalty_and_min_new_tokens_decode_as_transforme
     with pytest.raises(GraphmodeError, match=r"generate\(\) does not take num_beams") as e:
         cm.generate(PROMPTS, MASK, num_beams=2)
     assert "beam search is not implemented" in e.value.fix
+    with pytest.raises(GraphmodeError, match=r"generate\(\) does not take stop_strings") as e:   # trial AC
+        cm.generate(PROMPTS, MASK, stop_strings=["x"])
+    assert "SamplingParams(stop=" in e.value.fix and "--stop-ids" in e.value.fix
     steps = list(cm.stream(PROMPTS[:1], MASK[:1], max_new_tokens=3, pad_token_id=0))   # documented: taken
     assert sum(len(v) for s in steps for v in s.values()) == 3
 
