@@ -97,7 +97,11 @@ def _where_export_holds(e: CaptureError, src: Any, recipe: Recipe, dims: dict, i
     if not _SMALL_SIZES.search(str(e)):
         return None
     if any(lo is not None for lo, _ in suggested.values()):   # torch.export's own answer: the part
-        return _two_parts(e, src, recipe, dims, imported)    # around the example, maybe with one above it
+        parts = _two_parts(e, src, recipe, dims, imported)   # around the example, maybe with one above it
+        if parts is not None:
+            return parts
+    # no part above holds one graph either (three stride-2 convs: H 5..8 ends at an extent of 1,
+    # and torch's "H min 3, max 4" ruled out every bucket; trial AE): where do the sizes hold?
     g = _captured_near_top(src, recipe, dims, imported, near=True)
     if g is None:
         return None

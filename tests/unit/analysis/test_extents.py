@@ -119,6 +119,35 @@ def test_a_range_torch_export_refuses_for_small_sizes_is_refused_naming_where_it
     torch.testing.assert_close(cm(x), _Strided()(x), rtol=1e-5, atol=1e-6)
 
 
+class _Pyramid(torch.nn.Module):
+    """A feature pyramid: three stride-2 convs, each level resized to the one above and added."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c = torch.nn.ModuleList(torch.nn.Conv2d(3 if i == 0 else 4, 4, 3, stride=2, padding=1) for i in range(3))
+
+    def forward(self, x):
+        f1 = self.c[0](x)
+        f2 = self.c[1](f1)
+        f3 = self.c[2](f2)
+        p2 = f2 + torch.nn.functional.interpolate(f3, size=f2.shape[-2:], mode="nearest")
+        return f1 + torch.nn.functional.interpolate(p2, size=f1.shape[-2:], mode="nearest")
+
+
+def test_a_pyramid_whose_small_sizes_torch_export_refuses_is_told_the_min_it_holds_from(tmp_path):
+    """Trial AE: torch.export's own answer ("H min 3, max 4; W min 5, max 8") was the fix, which
+    rules out both buckets; the sizes above it do not hold one graph either (H 5..8 ends at an
+    extent of 1). The refusal names where they do: H and W from 9."""
+    from graphmode.errors import CaptureError
+    hw = {"buckets": [32, 64]}
+    rec = {"version": 1, "name": "p", "inputs": [{"name": "x", "dtype": "f32", "shape": ["batch", 3, "H", "W"]}],
+           "dims": {"batch": {"buckets": [1, 2]}, "H": hw, "W": hw}, "on_violation": "eager"}
+    with pytest.raises(CaptureError) as e:
+        graphmode.compile(_Pyramid(), rec, cache_dir=tmp_path)
+    assert e.value.where == "dims.H.min" and "dims.H.min: 9; dims.W.min: 9" in e.value.fix, e.value
+
+
 def test_an_onnx_resize_whose_indices_follow_the_dims_imports_them_as_a_tree_of_concats(tmp_path):
     """nearest-exact to a fixed 5x7 from a dynamic H, W (dynamo's ONNX export): 70 index values
     computed from the dims made one concat of 71 inputs, past the op's 64, reported as a
