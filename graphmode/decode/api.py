@@ -98,8 +98,9 @@ def _prompts(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, list[li
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise ContractViolation("input_ids must be integer token ids of shape [batch, length]", where="input_ids",
                                 value=(tuple(ids.shape), str(ids.dtype)))
-    mask = None if attention_mask is None else \
-        attention_mask if isinstance(attention_mask, torch.Tensor) else torch.tensor(attention_mask)
+    mask = attention_mask
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        mask = torch.tensor(mask)
     for name, t in (("input_ids", ids), ("attention_mask", mask)):
         if t is not None and t.device.type != "cpu":       # a meta tensor has no values to read
             raise ContractViolation(f"{name} is a {t.device.type} tensor: generation reads its values on the CPU",

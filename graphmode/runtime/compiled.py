@@ -80,11 +80,13 @@ def _fallback(cm: Any, inputs: Mapping[str, torch.Tensor], err: ContractViolatio
     artifact has no eager model: the request's refusal names what the plans do not take."""
     if not _runs_eagerly(cm):
         source = "serve the model from its source (the torch module or the ONNX file)"
-        # the request's own fix may offer on_violation: eager, which this artifact already has
-        fix = f"{err.fix}; or {source}" if err.fix and "on_violation" not in err.fix else (
-            f"send a request {err.where} admits, or compile the model again from its source with {err.where} "
-            f"widened and save it again, or {source}" if err.where else f"send shapes at the recipe's bucket "
-                                                                        f"values, or {source}")
+        if err.fix and "on_violation" not in err.fix:
+            fix = f"{err.fix}; or {source}"
+        elif err.where:          # (the request's own fix offers on_violation: eager, which this artifact has)
+            fix = (f"send a request {err.where} admits, or compile the model again from its source with "
+                   f"{err.where} widened and save it again, or {source}")
+        else:
+            fix = f"send shapes at the recipe's bucket values, or {source}"
         raise ContractViolation(f"{err.message}; on_violation: eager would run it on the eager model, and a model "
                                 "loaded from an artifact has none", kind=err.kind, where=err.where, value=err.value,
                                 fix=fix)
