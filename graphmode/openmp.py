@@ -23,9 +23,10 @@ environment). A value the user set is never overridden.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
-from typing import MutableMapping
+from typing import Callable, MutableMapping
 
 SPIN_COUNT = 1000          # ~25 us of `pause` on the EPYC hosts: a step's dispatch, not a time slice
 SPIN_BOUND = 10_000        # spins (~0.25 ms) up to which torch's idle team leaves the cores to graphmode's pool
@@ -72,7 +73,7 @@ def in_effect(environ: MutableMapping[str, str]) -> dict[str, str | None]:
 # of one thread starts no team: the kernels' libraries and torch are set to one), as PyTorch's
 # DataLoader runs its forked workers, and new builds are refused.
 _STATE = {"ran": False, "forked_after_run": False}
-_ON_FORKED: list = []          # what to set to one thread in such a child (kernels.py's libraries)
+_ON_FORKED: list[Callable[[], None]] = []   # what to set to one thread in such a child (kernels.py's libraries)
 
 
 def ran_parallel() -> None:
@@ -81,7 +82,7 @@ def ran_parallel() -> None:
     _STATE["ran"] = True
 
 
-def on_forked_after_run(callback) -> None:
+def on_forked_after_run(callback: Callable[[], None]) -> None:
     """Call `callback()` in a child forked after this process ran OpenMP (at the fork)."""
     _ON_FORKED.append(callback)
 
@@ -97,8 +98,7 @@ def _after_fork_in_child() -> None:
         return
     for callback in _ON_FORKED:
         callback()
-    import sys
-    torch = sys.modules.get("torch")
+    torch = sys.modules.get("torch")      # (not imported here: graphmode's CLI reads this module first)
     if torch is not None:
         torch.set_num_threads(1)       # ATen's parallel loops: inline on the calling thread
 
