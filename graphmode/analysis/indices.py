@@ -14,8 +14,11 @@ permute, expand, identity), integer casts, and the addition or subtraction of an
 scalar constant (which shifts the valid range), the addition of a fixed run of integers that
 every value meets (`w[:, None] + arange(S)` over broadcast axes: each write index starts S
 steps, so the valid range ends S - 1 earlier), and the ONNX importer's wrap of negative
-indices, `where(x < 0, x + n, x)` (then -n..n-1 is valid for a table of n rows). Anything
-else ends the trail: an input
+indices, `where(x < 0, x + n, x)` (then -n..n-1 is valid for a table of n rows). On the
+input's own axes (before any reshape or permute), a static slice of a fixed axis (`x[:, i]`:
+one table per column, as a recommender's sparse features) and the addition of a constant
+vector along it (`x + offsets`: one shared table, each column its own range of rows) bound each
+column on its own. Anything else ends the trail: an input
 whose index use cannot be proved this way gets no check (never a check that could refuse a
 valid request).
 
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import sympy
+import torch
 
 from graphmode.ir.graph import Graph, Node
 from graphmode.ir.ops import norm_axis
@@ -77,16 +81,21 @@ class IndexUse:
 
 @dataclass
 class InputBound:
-    """The values an index input may hold: [lo, hi] (inclusive), the tightest of its uses."""
+    """The values an index input may hold: [lo, hi] (inclusive), the tightest of its uses; with
+    `column` (axis, index), only that column's values."""
 
     name: str
     lo: int
     hi: int
     uses: list[IndexUse] = field(default_factory=list)
+    column: tuple[int, int] | None = None
 
     def describe(self) -> str:
         u = min(self.uses, key=lambda u: u.hi - u.lo)
         return f"{u.describe()}" + (f", shifted by {u.lo}" if u.lo and not u.negative_ok else "")
+
+    def label(self) -> str:
+        return self.name if self.column is None else f"{self.name} column {self.column[1]} of axis {self.column[0]}"
 
 
 @dataclass(frozen=True)
@@ -110,12 +119,15 @@ class DimLimit:
 @dataclass
 class IndexReport:
     inputs: dict[str, InputBound] = field(default_factory=dict)
+    columns: dict[tuple[str, int, int], InputBound] = field(default_factory=dict)    # (input, axis, index)
     dims: dict[str, DimLimit] = field(default_factory=dict)
     empty_tables: list[IndexUse] = field(default_factory=list)    # 0 rows: every index is out of range
 
     def to_json(self) -> dict[str, Any]:
         return {"inputs": {n: {"range": [b.lo, b.hi], "uses": [u.describe() for u in b.uses]}
                            for n, b in self.inputs.items()},
+                "columns": [{"input": b.name, "axis": b.column[0], "index": b.column[1], "range": [b.lo, b.hi],
+                             "uses": [u.describe() for u in b.uses]} for b in self.columns.values()],
                 "dims": {d: {"max": v.max, "why": v.describe()} for d, v in self.dims.items()},
                 "empty_tables": [u.describe() for u in self.empty_tables]}
 
@@ -130,6 +142,10 @@ class _Trail:
     start: int = 0     # positions: arange's start
     wrap: int | None = None   # where(x < 0, x + wrap, x): negative values count from the end of `wrap` rows
     spread: int = 0    # input: each value also reaches value + offset + 1 .. value + offset + spread
+    aligned: bool = True    # input: its axes are still the input's (no reshape, permute or expand yet)
+    # input: only some columns of one axis, each also shifted: (axis, ((input's column, shift), ...)), one
+    # entry per position along that axis now
+    columns: tuple[int, tuple[tuple[int, int], ...]] | None = None
 
 
 def analyze_indices(graph: Graph) -> IndexReport:
@@ -157,6 +173,10 @@ def _walk(graph: Graph, trails: dict[str, _Trail], report: IndexReport) -> None:
         if node.op == "slice":
             _slice_limit(graph, node, report)
         t = _follow(graph, node, trails)
+        if t is not None and t.aligned and t.kind == "input" \
+                and any(graph.values[i].type.rank != graph.values[node.outputs[0]].type.rank
+                        for i in node.inputs if i in trails):      # broadcast to more axes: not the input's
+            t = replace(t, aligned=False)
         if t is not None:
             trails[node.outputs[0]] = t
 
@@ -173,8 +193,13 @@ def _follow(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | 
     out_dt = graph.values[node.outputs[0]].type.dtype
     if out_dt not in INT_LIMITS or out_dt == "bool":
         return None
-    if node.op in _VIEWS or node.op == "cast":
+    if node.op == "cast" or node.op == "identity":
         return trails.get(node.inputs[0])
+    if node.op in _VIEWS:
+        t = trails.get(node.inputs[0])
+        return replace(t, aligned=False) if t is not None and t.kind == "input" else t
+    if node.op == "slice":
+        return _column_slice(graph, node, trails.get(node.inputs[0]))
     if node.op == "where":
         return _wrapped(graph, node, trails)
     if node.op == "cumsum":
@@ -191,9 +216,73 @@ def _follow(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | 
         if node.op == "add" and b in trails and (c := _int_scalar(graph, a)) is not None:
             t = trails[b]
             return replace(t, offset=t.offset + c)
+        if a in trails and (v := _folded(graph, b)) is not None:
+            return _column_shift(graph, a, trails[a], v, -1 if node.op == "sub" else 1)
+        if node.op == "add" and b in trails and (v := _folded(graph, a)) is not None:
+            return _column_shift(graph, b, trails[b], v, 1)
         if node.op == "add":
             return _spread(graph, node, trails)
     return None
+
+
+def _column_slice(graph: Graph, node: Node, t: _Trail | None) -> _Trail | None:
+    """`x[:, s:e]` on an input's own fixed axis: the columns s..e-1 of that axis (a slice of any
+    other axis leaves some values out of a use, which then bounds only them: the trail ends)."""
+    if t is None or t.kind != "input" or not t.aligned:
+        return None
+    shape = graph.values[node.inputs[0]].type.shape
+    axis, start, end = node.attr("dim", 0), node.attr("start", 0), node.attr("end")
+    if not isinstance(axis, int) or not -len(shape) <= axis < len(shape) or node.attr("step", 1) != 1:
+        return None
+    axis = norm_axis(axis, len(shape))
+    extent = shape[axis]
+    if not isinstance(extent, int) or not isinstance(start, int) or not isinstance(end, int):
+        return None
+    picked = range(extent)[start:end]
+    if t.columns is None:
+        return replace(t, columns=(axis, tuple((c, 0) for c in picked)))
+    if t.columns[0] != axis:
+        return None
+    return replace(t, columns=(axis, tuple(t.columns[1][c] for c in picked)))
+
+
+def _column_shift(graph: Graph, x: str, t: _Trail, const: torch.Tensor, sign: int) -> _Trail | None:
+    """An input plus a constant that varies along one of its fixed axes (`ids + offsets`): each
+    column shifted by its own amount."""
+    shape = graph.values[x].type.shape
+    vector = _int_vector(const)
+    if vector is None or t.kind != "input" or not t.aligned or t.wrap is not None or const.dim() > len(shape):
+        return None
+    axis_from_end, values = vector
+    axis = len(shape) - axis_from_end
+    if shape[axis] != len(values):
+        return None
+    cols = t.columns[1] if t.columns is not None and t.columns[0] == axis else None
+    if t.columns is not None and cols is None:
+        return None
+    cols = cols or tuple((c, 0) for c in range(len(values)))
+    return replace(t, columns=(axis, tuple((c, s + sign * v) for (c, s), v in zip(cols, values))))
+
+
+def _folded(graph: Graph, name: str) -> torch.Tensor | None:
+    """The value of a constant, or of a constant reshaped to a static shape (`offsets[None]`)."""
+    made = graph.producers().get(name)
+    if made is not None and made.op == "reshape" and all(isinstance(d, int) for d in made.attr("shape", [None])):
+        t = _folded(graph, made.inputs[0])
+        return t.reshape(made.attr("shape")) if t is not None and t.numel() == graph.values[name].type.numel() \
+            else None
+    return graph.constants.get(name)
+
+
+def _int_vector(t: torch.Tensor) -> tuple[int, tuple[int, ...]] | None:
+    """An integer tensor of more than one element that varies along one axis only (1 on the
+    others): (that axis counted from the end, 1-based; its values)."""
+    if t.numel() < 2 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        return None
+    long = [i for i, n in enumerate(t.shape) if n != 1]
+    if len(long) != 1:
+        return None
+    return t.dim() - long[0], tuple(int(v) for v in t.reshape(-1).tolist())
 
 
 def _spread(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | None:
@@ -219,7 +308,7 @@ def _spread(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail | 
     src, other = (1,) * (width - len(src)) + tuple(src), (1,) * (width - len(other)) + tuple(other)
     if any(x != 1 and y != 1 for x, y in zip(src, other)):
         return None
-    return replace(t, offset=t.offset + lo, spread=t.spread + hi - 1 - lo)
+    return replace(t, offset=t.offset + lo, spread=t.spread + hi - 1 - lo, aligned=False)
 
 
 _INDICATOR = _Trail("", 0, "indicator")      # a bool cast to an integer: 0 or 1
@@ -268,7 +357,7 @@ def _wrapped(graph: Graph, node: Node, trails: Mapping[str, _Trail]) -> _Trail |
         return None
     if add.op != "add" or list(add.inputs[:1]) != [x] or (n := _int_scalar(graph, add.inputs[1])) is None or n <= 0:
         return None
-    return _Trail(t.source, 0, "input", wrap=n)
+    return replace(t, wrap=n)
 
 
 def _arange(node: Node) -> _Trail | None:
@@ -343,19 +432,28 @@ def _index_use(graph: Graph, node: Node, trails: Mapping[str, _Trail], report: I
             lo, negative_ok = -rows, True
         use = IndexUse(node.op, node.outputs[0], table, axis, rows, lo - trail.offset,
                        hi - trail.offset - trail.spread, negative_ok)
-        if trail.kind == "input":
-            b = report.inputs.get(trail.source)
-            if b is None:
-                report.inputs[trail.source] = InputBound(trail.source, use.lo, use.hi, [use])
-            else:
-                b.lo, b.hi = max(b.lo, use.lo), min(b.hi, use.hi)
-                b.uses.append(use)
+        if trail.kind == "input" and trail.columns is not None:
+            col_axis, cols = trail.columns
+            for c, shift in cols:
+                shifted = replace(use, lo=use.lo - shift, hi=use.hi - shift)
+                _bound(report.columns, (trail.source, col_axis, c), shifted, trail.source, (col_axis, c))
+        elif trail.kind == "input":
+            _bound(report.inputs, trail.source, use, trail.source, None)
         elif trail.start + trail.offset >= lo:
             # positions start+offset .. dim-1+offset must stay <= rows-1
             limit = DimLimit(trail.source, hi - trail.offset + 1, table, rows, node.op, node.outputs[0])
             old = report.dims.get(limit.dim)
             if old is None or limit.max < old.max:
                 report.dims[limit.dim] = limit
+
+
+def _bound(table: dict, key: Any, use: IndexUse, name: str, column: tuple[int, int] | None) -> None:
+    b = table.get(key)
+    if b is None:
+        table[key] = InputBound(name, use.lo, use.hi, [use], column)
+    else:
+        b.lo, b.hi = max(b.lo, use.lo), min(b.hi, use.hi)
+        b.uses.append(use)
 
 
 def _slice_limit(graph: Graph, node: Node, report: IndexReport) -> None:

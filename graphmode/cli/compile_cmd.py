@@ -71,8 +71,8 @@ def print_contract(contract) -> None:
                 console.print(f"  {f.describe()}", markup=False, highlight=False)
     index = getattr(contract, "index", None)
     if index is not None:       # what every request is checked against before it runs (runtime/bounds.py)
-        for name, b in index.inputs.items():
-            console.print(f"index {name}: values checked in [{b.lo}, {b.hi}] ({b.describe()})", markup=False,
+        for b in [*index.inputs.values(), *index.columns.values()]:
+            console.print(f"index {b.label()}: values checked in [{b.lo}, {b.hi}] ({b.describe()})", markup=False,
                           highlight=False, soft_wrap=True)
         for d, lim in index.dims.items():
             console.print(f"positions {d}: at most {lim.max} ({lim.describe()})", markup=False, highlight=False,

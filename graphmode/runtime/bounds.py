@@ -3,7 +3,8 @@
 Two sources: the model's index tables (graphmode/analysis/indices.py: token ids against the
 vocabulary, token types against the type vocabulary, positions against the position table)
 and the recipe's `inputs[].range`. Each input gets at most one check, the intersection of
-both: one vectorised min/max pass over the tensor, and only when that fails a second pass to
+both (and one per column whose values index a table of their own: a recommender's sparse
+features `[batch, tables]`): one vectorised min/max pass over the tensor, and only when that fails a second pass to
 find the first bad position. A dim that counts positions of a table (`seq` of a position
 embedding) gets a limit, checked on the request's dims.
 """
@@ -30,15 +31,30 @@ class ValueCheck:
     model: tuple[int, int] | None       # what the model's tables take, and why
     model_why: str
     declared: tuple[int, int] | None    # the recipe's inputs[].range
+    column: tuple[int, int] | None = None     # (axis, index): only the values of that column
 
     def violation(self, value: int, position: list[int]) -> ContractViolation:
         declared = self.declared is not None and not self.declared[0] <= value <= self.declared[1]
         lo, hi = self.declared if declared else self.model
         why = f"the recipe's inputs.{self.input}.range" if declared else f"the model's {self.model_why}"
+        what = self.input if self.column is None else f"{self.input}[{_column_index(self.column)}]"
         return ContractViolation(
-            f"input {self.input!r} holds {value} at position {position}, outside its valid range [{lo}, {hi}]: "
-            f"{why}", kind="input", where=f"inputs.{self.input}" + (".range" if declared else ""), value=value,
-            fix=f"send {self.input} values in [{self.lo}, {self.hi}]")
+            f"input {self.input!r} holds {value} at position {position}, outside its valid range [{lo}, {hi}]"
+            + ("" if self.column is None else f" for column {self.column[1]} of axis {self.column[0]}")
+            + f": {why}", kind="input", where=f"inputs.{self.input}" + (".range" if declared else ""), value=value,
+            fix=f"send {what} values in [{self.lo}, {self.hi}]")
+
+    def values_of(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The part of `t` this check covers (None: a column `t` does not have)."""
+        if self.column is None:
+            return t
+        axis, index = self.column
+        return t.select(axis, index) if axis < t.dim() and index < t.shape[axis] else None
+
+
+def _column_index(column: tuple[int, int]) -> str:
+    axis, index = column
+    return ", ".join([":"] * axis + [str(index)])
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,11 @@ def value_checks(recipe: Any, index: Any) -> list[ValueCheck]:
             if r is not None:
                 lo, hi = max(lo, r[0]), min(hi, r[1])
         out.append(ValueCheck(spec.name, lo, hi, model, b.describe() if b is not None else "", declared))
+    dtypes = {spec.name: spec.dtype for spec in recipe.inputs}
+    for b in (index.columns.values() if index is not None else ()):
+        lo, hi = INT_LIMITS.get(dtypes.get(b.name, "bool"), (None, None))
+        if lo is not None and dtypes[b.name] != "bool":
+            out.append(ValueCheck(b.name, max(lo, b.lo), min(hi, b.hi), (b.lo, b.hi), b.describe(), None, b.column))
     return out
 
 
@@ -78,7 +99,7 @@ def bounds_doc(values: list[ValueCheck], dims: list[DimCheck]) -> dict[str, Any]
     embedding holds only part of the table (runtime/artifact.py)."""
     return {"values": [{"input": c.input, "lo": c.lo, "hi": c.hi, "model": list(c.model) if c.model else None,
                         "model_why": c.model_why, "declared": list(c.declared) if c.declared else None}
-                       for c in values],
+                       | ({"column": list(c.column)} if c.column else {}) for c in values],
             "dims": [{"dim": c.dim, "max": c.max, "why": c.why} for c in dims]}
 
 
@@ -86,8 +107,8 @@ def bounds_from_doc(doc: Mapping[str, Any]) -> tuple[list[ValueCheck], list[DimC
     """`bounds_doc` read back (the manifest's schema has checked its fields)."""
     def pair(v: Any) -> tuple[int, int] | None:
         return (int(v[0]), int(v[1])) if v else None
-    values = [ValueCheck(c["input"], int(c["lo"]), int(c["hi"]), pair(c["model"]), c["model_why"], pair(c["declared"]))
-              for c in doc["values"]]
+    values = [ValueCheck(c["input"], int(c["lo"]), int(c["hi"]), pair(c["model"]), c["model_why"], pair(c["declared"]),
+                         pair(c.get("column"))) for c in doc["values"]]
     return values, [DimCheck(c["dim"], int(c["max"]), c["why"]) for c in doc["dims"]]
 
 
@@ -96,17 +117,22 @@ def check_values(inputs: Mapping[str, torch.Tensor], checks: list[ValueCheck]) -
     input holding a value outside its check."""
     for c in checks:
         t = inputs.get(c.input)
-        if t is None or t.numel() == 0 or t.dtype not in _TORCH_INT:
+        if t is None or t.numel() == 0 or t.dtype not in _TORCH_INT or (v := c.values_of(t)) is None:
             continue
         dlo, dhi = INT_LIMITS[_TORCH_INT[t.dtype]]
         lo, hi = max(c.lo, dlo), min(c.hi, dhi)
+        pos = None
         if lo > hi:                                          # no value of this dtype is admissible
-            raise c.violation(int(t.reshape(-1)[0]), [0] * t.dim())
-        mn, mx = torch.aminmax(t)
-        if int(mn) >= lo and int(mx) <= hi:
-            continue
-        pos = ((t < lo) | (t > hi)).nonzero()[0].tolist()
-        raise c.violation(int(t[tuple(pos)]), pos)
+            pos = [0] * v.dim()
+        else:
+            mn, mx = torch.aminmax(v)
+            if int(mn) < lo or int(mx) > hi:
+                pos = ((v < lo) | (v > hi)).nonzero()[0].tolist()
+        if pos is not None:
+            value = int(v[tuple(pos)])
+            if c.column is not None:                          # the position in the whole input
+                pos.insert(c.column[0], c.column[1])
+            raise c.violation(value, pos)
 
 
 def draw_within(inputs: Mapping[str, torch.Tensor], checks: list[ValueCheck], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -123,7 +149,13 @@ def draw_within(inputs: Mapping[str, torch.Tensor], checks: list[ValueCheck], se
             check_values({c.input: t}, [c])
         except ContractViolation:
             hi = min(c.hi, c.lo + 2**31 - 1)
-            out[c.input] = torch.randint(c.lo, hi + 1, tuple(t.shape), generator=g, dtype=t.dtype)
+            part = c.values_of(t)
+            drawn = torch.randint(c.lo, hi + 1, tuple(part.shape), generator=g, dtype=t.dtype)
+            if c.column is None:
+                out[c.input] = drawn
+            else:
+                out[c.input] = t = t.clone()
+                c.values_of(t).copy_(drawn)
     return out
 
 

@@ -54,6 +54,7 @@ class ValueBound(_Strict):
     model: Optional[list[int]] = Field(min_length=2, max_length=2)
     model_why: str = _text(1024)
     declared: Optional[list[int]] = Field(min_length=2, max_length=2)
+    column: Optional[list[int]] = Field(default=None, min_length=2, max_length=2)     # (axis, index)
 
 
 class DimBound(_Strict):

@@ -81,6 +81,49 @@ def test_analysis_follows_views_casts_and_constant_shifts_only():
     assert rep.inputs["d"].uses[0].negative_ok and not rep.inputs["a"].uses[0].negative_ok
 
 
+class _Columns(nn.Module):
+    """One input of sparse features, a table per column (a recommender's `x[:, i]`), and one of
+    categorical features sharing a table through per-column offsets (FT-Transformer's
+    `x + offsets[None]`); a column read after a reshape is not the input's column: no check."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = nn.ModuleList([nn.Embedding(n, 4) for n in (100, 50, 10)])
+        self.shared = nn.Embedding(22, 4)
+        self.register_buffer("offsets", torch.tensor([0, 7, 10]))
+
+    def forward(self, sparse, cat, flat):
+        a = sum(self.tables[i](sparse[:, i]).sum() for i in range(3))
+        b = self.shared(cat + self.offsets[None]).sum()
+        c = self.tables[2](flat.reshape(-1, 3)[:, 1]).sum()
+        return a + b + c
+
+
+def test_analysis_bounds_each_column_that_indexes_a_table_of_its_own():
+    ex = {k: torch.zeros(4, 3, dtype=torch.long) for k in ("sparse", "cat", "flat")}
+    from graphmode.capture.spec import bundle_from_module
+    dims = {k: ["n", 3] for k in ex}
+    bundle = bundle_from_module(_Columns(), ex, dims)
+    inputs = [{"name": k, "dtype": "i64", "shape": d} for k, d in dims.items()]
+    g, _, _ = capture(bundle, recipe("columns", inputs, {"n": {"buckets": [2, 4]}}))
+    rep = analyze_indices(g)
+    assert not rep.inputs, rep.to_json()
+    got = {(name, axis, col): (b.lo, b.hi) for (name, axis, col), b in rep.columns.items()}
+    assert got == {("sparse", 1, 0): (0, 99), ("sparse", 1, 1): (0, 49), ("sparse", 1, 2): (0, 9),
+                   ("cat", 1, 0): (0, 21), ("cat", 1, 1): (-7, 14), ("cat", 1, 2): (-10, 11)}, rep.to_json()
+
+    from graphmode.runtime.bounds import check_values, draw_within, value_checks
+    checks = value_checks(load_recipe(recipe("columns", inputs, {"n": {"buckets": [2, 4]}})), rep)
+    ok = {"sparse": torch.tensor([[99, 49, 9], [0, 0, 0]]), "cat": torch.tensor([[21, 14, 11]])}
+    check_values(ok, checks)                          # each column up to its own table's last row
+    with pytest.raises(ContractViolation, match=r"holds 50 at position \[1, 1\].*column 1 of axis 1") as e:
+        check_values({"sparse": torch.tensor([[0, 0, 0], [0, 50, 0]])}, checks)
+    assert "sparse[:, 1] values in [0, 49]" in e.value.fix
+    drawn = draw_within({"sparse": torch.full((64, 3), 99)}, checks)["sparse"]
+    assert drawn[:, 0].eq(99).all() and drawn[:, 1].max() <= 49 and drawn[:, 2].max() <= 9
+    check_values({"sparse": drawn}, checks)
+
+
 class _Writes(nn.Module):
     """KV-cache style writes: rows copied in at given positions, steps written from a start
     index (w + arange over its own axis: each start writes 3 rows), and a sum the analysis
