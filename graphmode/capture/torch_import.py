@@ -25,6 +25,7 @@ from graphmode.capture.fast_paths import eager_fast_paths
 from graphmode.capture.module_moves import unchanged_moves_kept
 from graphmode.capture.self_changes import refuse_self_changes
 from graphmode.capture.tail import DataNumber, Tail, as_tail_dim, unbacked
+from graphmode.capture.trace_copy import traced_copy
 from graphmode.errors import CaptureError, GraphmodeError
 from graphmode.ir.graph import Graph, clean_name
 from graphmode.ir.types import TORCH_TO_DTYPE, TensorType, dim_str, normalize_dim, settle_on, sym
@@ -566,10 +567,11 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
     for inp in example_inputs:
         names = input_dims.get(inp, [])
         dynamic[inp] = {i: tdims[d] for i, d in enumerate(names) if isinstance(d, str) and d in tdims} or None
+    traced = traced_copy(module)
     try:
-        with torch.no_grad(), quiet_export_logs(), eager_fast_paths(module), unchanged_moves_kept(), \
-                refuse_self_changes(module, "model", "torch.export traced it"):
-            ep = torch.export.export(module, (), dict(example_inputs), dynamic_shapes=dynamic, strict=False)
+        with torch.no_grad(), quiet_export_logs(), eager_fast_paths(traced), unchanged_moves_kept(), \
+                refuse_self_changes(traced, "model", "torch.export traced it"):
+            ep = torch.export.export(traced, (), dict(example_inputs), dynamic_shapes=dynamic, strict=False)
             _refuse_grad_regions(ep)
             _refuse_sparse_constants(ep)
             ep = ep.run_decompositions(decomp_table={})

@@ -36,6 +36,7 @@ from torch import nn
 from graphmode.capture.export_errors import EXPORT_LOCK, export_failure, quiet_export_logs
 from graphmode.capture.fast_paths import eager_fast_paths
 from graphmode.capture.outputs import describe, is_cache
+from graphmode.capture.trace_copy import traced_copy
 from graphmode.errors import CaptureError, GraphmodeError
 
 __all__ = [
@@ -585,8 +586,9 @@ def export_program(bundle: ModelBundle, ranges: dict[str, tuple[int, int]] | Non
     NOTES_capture.md) or ``"core_full"`` (the stock default table).
     """
     try:
-        with quiet_export_logs(), eager_fast_paths(bundle.module):
-            ep = torch.export.export(bundle.module, (), dict(bundle.example_inputs),
+        traced = traced_copy(bundle.module)
+        with quiet_export_logs(), eager_fast_paths(traced):
+            ep = torch.export.export(traced, (), dict(bundle.example_inputs),
                                      dynamic_shapes=bundle.dynamic_shapes(ranges, static),
                                      strict=False)
     except GraphmodeError:
