@@ -103,8 +103,12 @@ def _where_export_holds(e: CaptureError, src: Any, recipe: Recipe, dims: dict, i
     # no part above holds one graph either (three stride-2 convs: H 5..8 ends at an extent of 1,
     # and torch's "H min 3, max 4" ruled out every bucket; trial AE): where do the sizes hold?
     g = _captured_near_top(src, recipe, dims, imported, near=True)
-    if g is None:
-        return None
+    if isinstance(g, CaptureError):     # no dynamic dim near the top either: that is the answer, if it names a dim
+        if not (g.where and g.where.startswith("dims.") and "cannot prove" in g.message):
+            return None
+        return CaptureError(f"{e.message.removesuffix('.')}, at the small sizes of the recipe's range; and near its "
+                            f"top: {g.message.removeprefix('torch.export failed: ')}", where=g.where, value=g.value,
+                            fix=g.fix)
     from graphmode.analysis.extents import short_extents
     short = [s for s in short_extents(g, dims, export=True) if s.fits is not None]
     if not short:
@@ -124,15 +128,15 @@ def _where_export_holds(e: CaptureError, src: Any, recipe: Recipe, dims: dict, i
 def _captured_near_top(src: Any, recipe: Recipe, ranges: dict, imported: Any, near: bool = False) -> Any:
     """The graph torch.export captures from examples at the top of `ranges` (distinct values, not
     merged, and 2 or more: torch.export specialises a size of 1), over `ranges` or, `near`, over
-    each range from just below its example; None when it refuses that too."""
+    each range from just below its example; its CaptureError when it refuses that too."""
     top = {d: max(lo, min(2, hi), hi - i) for i, (d, (lo, hi)) in enumerate(sorted(ranges.items()))}
     over = {d: (max(ranges[d][0], v - 1), ranges[d][1]) for d, v in top.items()} if near else ranges
     examples = (src.bundle.make_inputs(top, seed=0) if src.bundle is not None
                 else example_inputs_from_recipe(recipe, src.module, sizes=top))
     try:
         g, _ = imported(examples, over)
-    except CaptureError:
-        return None
+    except CaptureError as e:
+        return e
     return g
 
 
@@ -149,7 +153,7 @@ def _two_parts(e: CaptureError, src: Any, recipe: Recipe, dims: dict, imported: 
     upper = {d: (hi + 1, dims[d][1]) for d, (_, hi) in lower.items() if hi is not None and hi < dims[d][1]}
     if not upper:
         return None
-    if _captured_near_top(src, recipe, {**dims, **upper}, imported) is None:
+    if isinstance(_captured_near_top(src, recipe, {**dims, **upper}, imported), CaptureError):
         return None
 
     def part(r: dict) -> str:

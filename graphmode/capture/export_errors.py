@@ -12,10 +12,12 @@ what matters.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import linecache
 import logging
+import operator
 import os
 import re
 import sys
@@ -186,6 +188,96 @@ def _unmet_guards(text: str) -> list[tuple[str, str]]:
     return [(d, guard.replace(expr, d)) for d, expr, guard in _UNMET.findall(text)]
 
 
+def _guards_hold(unmet: list[tuple[str, str]], ranges: Any) -> CaptureError | None:
+    """The refusal for guards that hold at every value of their dim's range, which torch.export
+    states but its solver cannot prove (`1 % (samples // 10 - 1) != 0`: it does not reason about
+    % over a range), or that fail at values named: checked one value at a time (ranges up to
+    100,000 values). None: a guard this cannot evaluate."""
+    failing: dict[str, list[int]] = {}
+    for d, guard in unmet:
+        if d not in ranges or (ranges[d][1] - ranges[d][0]) > 100_000:
+            return None
+        lo, hi = ranges[d]
+        bad = []
+        for v in range(lo, hi + 1):
+            ok = _evaluate(guard, {d: v})
+            if ok is None:
+                return None
+            if not ok:
+                bad.append(v)
+        failing.setdefault(d, []).extend(bad)
+    guards = "; ".join(g for _, g in unmet)
+    dims = sorted(failing)
+    if any(failing.values()):
+        d = next(d for d in dims if failing[d])
+        lo, hi = ranges[d]
+        bad = failing[d]
+        good = [v for v in range(lo, hi + 1) if v not in set(bad)]
+        return CaptureError(f"torch.export failed: the model's graph holds only where {guards}, which fails at "
+                            f"{d} = {_values(bad)} in the recipe's range {lo}..{hi}", where=f"dims.{d}", value=bad[0],
+                            fix=(f"narrow dims.{d} to where it holds ({_values(good)})" if good else
+                                 f"make {d} static in the recipe") + ", or run the model with exe_mode: eager")
+    return CaptureError(f"torch.export failed: the model's graph holds only where {guards}, which is true at every "
+                        f"value of the range it was exported over ({', '.join(f'{d} {ranges[d][0]}..{ranges[d][1]}' for d in dims)}"
+                        f"), but torch.export's solver cannot prove it over a range (it does not reason about % and "
+                        f"// of a dim), so it keeps no dynamic {', '.join(dims)}", where=f"dims.{dims[0]}", value=dims,
+                        fix=f"make {', '.join(dims)} static in the recipe (min = max: one compiled model per size; pad "
+                            "requests to it, with a mask the model reads), or run the model with exe_mode: eager")
+
+
+def _values(vs: list[int]) -> str:
+    """`3, 5..9, 12` for sorted integers, the first runs only."""
+    runs: list[list[int]] = []
+    for v in vs:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    text = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs[:4])
+    return text + (", ..." if len(runs) > 4 else "")
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+        ast.Mod: operator.mod, ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt,
+        ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge}
+
+
+def _evaluate(expr: str, env: dict[str, int]) -> bool | None:
+    """A guard torch.export prints (integer arithmetic, comparisons, and/or) at one value of its
+    dims: True/False, False where it divides by zero, None for anything else it holds."""
+    try:
+        tree = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def ev(n: ast.AST) -> Any:
+        if isinstance(n, ast.Constant) and isinstance(n.value, int):
+            return n.value
+        if isinstance(n, ast.Name) and n.id in env:
+            return env[n.id]
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.Not)):
+            v = ev(n.operand)
+            return -v if isinstance(n.op, ast.USub) else not v
+        if isinstance(n, ast.BinOp) and type(n.op) in _OPS:
+            return _OPS[type(n.op)](ev(n.left), ev(n.right))
+        if isinstance(n, ast.Compare) and all(type(o) in _OPS for o in n.ops):
+            left, ok = ev(n.left), True
+            for o, c in zip(n.ops, n.comparators):
+                right = ev(c)
+                ok, left = ok and _OPS[type(o)](left, right), right
+            return ok
+        if isinstance(n, ast.BoolOp):
+            vals = [ev(v) for v in n.values]
+            return all(vals) if isinstance(n.op, ast.And) else any(vals)
+        raise ValueError(ast.dump(n))
+    try:
+        return bool(ev(tree))
+    except ZeroDivisionError:
+        return False
+    except (ValueError, TypeError, RecursionError):
+        return None
+
+
 def _recurrent(module: Any) -> str | None:
     """Why a sequence dim stays static when the model runs nn.LSTM/GRU/RNN: torch.export
     specializes their one fused ATen op (the recurrence) on the sequence length."""
@@ -195,10 +287,12 @@ def _recurrent(module: Any) -> str | None:
                                      "torch.export specializes on the sequence length")
 
 
-def export_failure(e: BaseException, fix: str, where: str | None = None, module: Any = None) -> CaptureError:
+def export_failure(e: BaseException, fix: str, where: str | None = None, module: Any = None,
+                   ranges: Any = None) -> CaptureError:
     """The CaptureError for torch.export's exception `e`: its first line, or for a branch on a
     tensor's value the model line that branches (with `fix` replaced by what to change there).
-    `module`: the model exported, where known (its recurrent layers say why a dim stayed static)."""
+    `module`: the model exported, where known (its recurrent layers say why a dim stayed static);
+    `ranges`: the dims' (min, max) it was exported over (a guard is checked on them)."""
     text = str(e).strip()
     first = text.splitlines()[0] if text else ""
     name = type(e).__name__
@@ -227,6 +321,9 @@ def export_failure(e: BaseException, fix: str, where: str | None = None, module:
     unmet = _unmet_guards(text) if "Constraints violated" in first else []
     if unmet:
         dims = sorted({d for d, _ in unmet})
+        held = _guards_hold(unmet, ranges or {})
+        if held is not None:
+            return held
         return CaptureError(f"torch.export failed: the model's graph holds only where "
                             f"{'; '.join(g for _, g in unmet)}, which torch.export cannot prove "
                             f"for every value of the recipe's range ({first})", where=where or f"dims.{dims[0]}",

@@ -186,11 +186,17 @@ def _bundle_from_recipe(module: torch.nn.Module, ex: dict, recipe: Recipe, param
             raise RecipeError(f"inputs[{i}].name {spec.name!r} is not a parameter of "
                               f"{type(module).__name__}.forward", where=f"inputs[{i}].name", value=spec.name,
                               fix=f"name the recipe's inputs as forward's parameters: {params}")
+    dims = {i.name: list(i.shape) for i in recipe.inputs}
     try:
-        return bundle_from_module(module, ex, {i.name: list(i.shape) for i in recipe.inputs})
+        return bundle_from_module(module, ex, dims)
     except CaptureError as e:
         if not e.message.startswith("running the model on its example inputs failed"):
             raise
+        if (at_buckets := _bucket_examples(recipe, module, ex)) is not None:
+            try:        # the small sizes were too small for it (a conv's kernel): torch.export names the min
+                return bundle_from_module(module, at_buckets, dims)
+            except CaptureError:
+                pass
         declared = "; ".join(f"{s.name} {s.dtype} {list(s.shape)}" for s in recipe.inputs)
         raise RecipeError(f"{type(module).__name__} does not run on inputs as the recipe declares them ({declared}): "
                           f"{e.message.split(': ', 1)[1]}", where="inputs", value=[s.name for s in recipe.inputs],
@@ -198,6 +204,20 @@ def _bundle_from_recipe(module: torch.nn.Module, ex: dict, recipe: Recipe, param
                               "and fixed sizes; inputs[].range: the values it accepts), or pass inputs it runs on "
                               "(graphmode.compile(model, recipe, example_inputs={...}): offsets, masks and ids "
                               "random values may not satisfy)") from None
+
+
+def _bucket_examples(recipe: Recipe, module: Any, ex: dict) -> dict | None:
+    """The examples again with each dim at its smallest bucket where that is larger than the size
+    the examples took (None: no dim has one)."""
+    from graphmode.capture.torch_import import example_sizes
+    ranges = {d: recipe.dim_range(d) for d in recipe.dims}
+    small = example_sizes(ranges)
+    raised = {d: (max(lo, min(spec.buckets)), hi) for d, spec in recipe.dims.items()
+              if spec.buckets and min(spec.buckets) > small[d] for lo, hi in [ranges[d]]}
+    if not raised:
+        return None
+    out = example_inputs_from_recipe(recipe, module, sizes=example_sizes({**ranges, **raised}))
+    return dict(sorted(out.items(), key=lambda kv: list(ex).index(kv[0]) if kv[0] in ex else len(ex)))
 
 
 def resolve_model(model: Any, recipe: Recipe) -> ModelSource:

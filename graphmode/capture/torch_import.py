@@ -223,8 +223,8 @@ class _Importer:
             self._sym_op(node)
             return
         self.aten_ops[tname] = self.aten_ops.get(tname, 0) + 1
-        self._check_dtypes(node, tname)
         short = tname.split(".")[1] if tname.startswith("aten.") else tname
+        _check_dtypes(node, tname, self.excluded(tname, short))
         if self.excluded(tname, short):
             self._fallback(node, "excluded by recipe capture settings", excluded=True)
             return
@@ -239,20 +239,6 @@ class _Importer:
             return dim_str(normalize_dim(self.dim(arg)))
         except Exception:  # noqa: BLE001 - naming it is a courtesy
             return str(arg)
-
-    def _check_dtypes(self, node: torch.fx.Node, tname: str) -> None:
-        """Every tensor the op makes or takes has an IR dtype (no complex, no float8, ...): refuse
-        here, naming the op, rather than fail later on a dtype nothing downstream knows."""
-        vals = pytree.tree_leaves(node.meta.get("val"))
-        vals += [a.meta.get("val") for a in node.all_input_nodes]
-        vals += [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.dtype)]
-        for v in vals:
-            dt = v.dtype if isinstance(v, torch.Tensor) else v
-            if isinstance(dt, torch.dtype) and dt not in TORCH_TO_DTYPE:
-                raise CaptureError(f"op {tname} at {_source_loc(node)} uses a {dt} tensor: graphmode has no "
-                                   f"{str(dt).replace('torch.', '')} dtype", where=f"node {node.name}",
-                                   fix=f"keep the model's tensors in {', '.join(sorted(TORCH_TO_DTYPE.values()))} "
-                                       "(complex math as separate real and imaginary parts), or run it in eager mode")
 
     def _sym_op(self, node: torch.fx.Node) -> None:
         """Python arithmetic on SymInts (operator.mul, sym_size...) evaluated symbolically."""
@@ -544,6 +530,28 @@ def _refuse_grad_regions(ep) -> None:
                                    "enable_grad block); gradients are not part of a compiled inference call")
 
 
+def _check_dtypes(node: torch.fx.Node, tname: str, excluded: bool = False) -> None:
+    """Every tensor the op makes or takes has an IR dtype (no complex, no float8, ...): refuse
+    here, naming the op, rather than fail later on a dtype nothing downstream knows. An op
+    capture.exclude_ops names is no way round it: an eager island takes and gives graphmode
+    tensors, and the value would leave the island."""
+    vals = pytree.tree_leaves(node.meta.get("val"))
+    vals += [a.meta.get("val") for a in node.all_input_nodes]
+    vals += [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.dtype)]
+    for v in vals:
+        dt = v.dtype if isinstance(v, torch.Tensor) else v
+        if isinstance(dt, torch.dtype) and dt not in TORCH_TO_DTYPE:
+            name = str(dt).replace("torch.", "")
+            island = (f"; capture.exclude_ops cannot make it an eager island: an island's inputs and outputs "
+                      f"are graphmode tensors, and this {name} value would cross into the graph"
+                      if excluded else "")
+            raise CaptureError(f"op {tname} at {_source_loc(node)} uses a {dt} tensor: graphmode has no "
+                               f"{name} dtype{island}", where=f"node {node.name}",
+                               fix=f"keep the model's tensors in {', '.join(sorted(TORCH_TO_DTYPE.values()))} "
+                                   "(complex math as separate real and imaginary parts; a spectrogram computed "
+                                   "before the model, as its input), or run the model with exe_mode: eager")
+
+
 def _refuse_sparse_constants(ep) -> None:
     """A sparse (or other non-strided) parameter or buffer the forward reads: graphmode's graph
     holds dense tensors (the padding analysis and the planner crashed on one)."""
@@ -579,7 +587,8 @@ def export_program(module: torch.nn.Module, example_inputs: Mapping[str, torch.T
         raise                   # a refusal of ours, raised while the model was traced: already says what to do
     except Exception as e:  # noqa: BLE001 - torch raises many types; report them uniformly
         raise export_failure(e, "check the recipe's dims against the model (a dim the model specialises must "
-                                "be static in the recipe), or exclude the offending op", module=module) from e
+                                "be static in the recipe), or exclude the offending op", module=module,
+                             ranges=dims) from e
     return ep
 
 

@@ -162,6 +162,18 @@ def test_complex_tensors_are_refused_at_capture_naming_the_op(mode, tmp_path):
         _compiled(lambda x, y: torch.fft.fft(x).real + y, x, y, tmp_path, mode=mode)
 
 
+def test_an_excluded_op_with_a_complex_result_is_refused_saying_an_island_cannot_hold_it(tmp_path):
+    """Trial AF: `capture.exclude_ops: [stft]` under hybrid, which the docs call an eager island,
+    gave the bare dtype refusal; an island's values cross into the graph, so none can be complex."""
+    x, y = torch.randn(2, 256), torch.randn(1)
+    fn = lambda x, y: torch.stft(x, 64, 16, window=torch.hann_window(64), return_complex=True).abs() + y  # noqa: E731
+    r = _recipe(x, y, "hybrid")
+    r["capture"] = {"exclude_ops": ["stft"]}
+    with pytest.raises(CaptureError, match="(?s)stft.*complex64.*exclude_ops cannot make it an eager island") as e:
+        graphmode.compile(Fn(fn), r, cache_dir=tmp_path)
+    assert "exe_mode: eager" in e.value.fix
+
+
 class _Counting(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -921,6 +933,25 @@ def test_a_guard_torch_export_cannot_prove_is_named_in_the_dims_own_name():
     e = export_failure(RuntimeError(text), fix="generic")
     assert "holds only where (((-1) + 2*seq) % seq) != 0, which torch.export cannot prove" in e.message
     assert e.where == "dims.seq" and "make seq static" in e.fix
+    # with the range it was exported over, the guard is checked at each value: XLNet's fails at seq 1 only
+    e = export_failure(RuntimeError(text), fix="generic", ranges={"seq": (1, 64)})
+    assert "which fails at seq = 1 in the recipe's range 1..64" in e.message, e.message
+    assert e.fix.startswith("narrow dims.seq to where it holds (2..64)"), e.fix
+
+
+def test_a_guard_that_holds_on_the_whole_range_is_said_to_be_torch_exports_limit():
+    """Trial AF: a wav2vec2-style conv front end with a transformer over 1600..8000 samples was told
+    to use 'a range on which the condition always holds', which the range already was."""
+    from graphmode.capture.export_errors import export_failure
+    text = ("Constraints violated (samples)! For more information, run with TORCH_LOGS=\"+dynamic\".\n"
+            "  - Not all values of samples = L['wav'].size()[1] in the specified range 1600 <= samples <= 8000 "
+            "satisfy the generated guard (1 % ((-1) + (L['wav'].size()[1] // 10))) != 0.\n")
+    e = export_failure(RuntimeError(text), fix="generic", ranges={"samples": (1600, 8000)})
+    assert "true at every value of the range it was exported over (samples 1600..8000)" in e.message, e.message
+    assert "cannot prove it" in e.message and "a range on which" not in e.fix
+    assert e.fix.startswith("make samples static in the recipe") and "exe_mode: eager" in e.fix
+    e = export_failure(RuntimeError(text), fix="generic", ranges={"samples": (1, 8000)})
+    assert "fails at samples = 1..29 in the recipe's range" in e.message and "(30..8000)" in e.fix, e.message
 
 
 def test_a_torch_export_failure_names_the_models_line_where_it_happened():
@@ -1074,3 +1105,25 @@ class _PooledWhole(torch.nn.Module):
 def test_a_size_constant_over_the_dims_range_is_that_constant(tmp_path):
     """The view was refused as holding "at the example's shape only"."""
     _in_graph_over_images(_PooledWhole(), 2, tmp_path)
+
+
+def test_a_module_without_examples_too_small_at_graphmodes_sizes_is_told_the_dims_min(tmp_path):
+    """Trial AF: with `buckets:` alone a dim's min is 1, graphmode's example sizes (3, 5, ...) were
+    below a conv's kernel, and the refusal blamed the recipe's inputs ('declare each input as the
+    model takes it'). The examples are tried again at the smallest buckets, so torch.export's
+    answer is the one given: the min the sizes hold from."""
+    conv = torch.nn.Conv1d(1, 4, 10, stride=5).eval()
+
+    class Frames(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, wav):
+            return self.conv(wav.unsqueeze(1))
+    r = {"version": 1, "name": "frames", "inputs": [{"name": "wav", "dtype": "f32", "shape": ["batch", "samples"]}],
+         "dims": {"batch": {"buckets": [1, 2]}, "samples": {"buckets": [160, 320, 640]}}, "exe_mode": "graph",
+         "memory": {"budget_mb": 64}, "targets": ["host"]}
+    with pytest.raises(CaptureError, match=r"(?s)at samples = 1,.*conv") as e:
+        graphmode.compile(Frames().eval(), r, cache_dir=tmp_path)
+    assert e.value.where == "dims.samples.min" and e.value.fix.startswith("dims.samples.min: 15"), e.value
