@@ -217,9 +217,9 @@ def _guards_hold(unmet: list[tuple[str, str]], ranges: Any) -> CaptureError | No
                             f"{d} = {_values(bad)} in the recipe's range {lo}..{hi}", where=f"dims.{d}", value=bad[0],
                             fix=(f"narrow dims.{d} to where it holds ({_values(good)})" if good else
                                  f"make {d} static in the recipe") + ", or run the model with exe_mode: eager")
+    spans = ", ".join(f"{d} {ranges[d][0]}..{ranges[d][1]}" for d in dims)
     return CaptureError(f"torch.export failed: the model's graph holds only where {guards}, which is true at every "
-                        f"value of the range it was exported over ({', '.join(f'{d} {ranges[d][0]}..{ranges[d][1]}' for d in dims)}"
-                        f"), but torch.export's solver cannot prove it over a range (it does not reason about % and "
+                        f"value of the range it was exported over ({spans}), but torch.export's solver cannot prove it over a range (it does not reason about % and "
                         f"// of a dim), so it keeps no dynamic {', '.join(dims)}", where=f"dims.{dims[0]}", value=dims,
                         fix=f"make {', '.join(dims)} static in the recipe (min = max: one compiled model per size; pad "
                             "requests to it, with a mask the model reads), or run the model with exe_mode: eager")
