@@ -235,12 +235,16 @@ def draft_recipe(model: Any, *, target: Any = "host", p99_ms: float | None = Non
                 ranges={d: tuple(r[:2]) for d, r in (ranges or {}).items()}, bounded=bounded)
     if not hasattr(bundle, "module"):          # ONNX: the file's axes are what they are
         from graphmode.kb.onnx_axes import named, tied
-        raw = bundle
+        raw, narrowed = bundle, None
         for _ in range(_MAX_TIES):
             bundle = named(raw)                   # made-up names left: by the axis's role (seq, height, ...)
             try:
-                return _draft(bundle, **opts)
+                return _draft(bundle, **opts, narrowed=narrowed)
             except CaptureError as e:
+                hint = _onnx_ranges(e, bundle, opts["ranges"])     # an op's least size (TopK's K): start there
+                if hint and hint != narrowed:
+                    narrowed = _tighter(narrowed or {}, hint)
+                    continue
                 joined = tied(raw, e, shown=bundle)       # two made-up axes the graph ties: one dim
                 if joined is None:
                     raise _static_axis_advice(e, bundle) from None
@@ -339,6 +343,14 @@ def _export_ranges(e: CaptureError, bundle: Any, given: dict) -> dict[str, tuple
         if d in bundle.dim_names and d not in given and lo <= example.get(d, lo) and shorter < hi:
             out[d] = (lo, shorter, "the range torch.export keeps this dim dynamic over (over a longer one it asks "
                                    "for a multiple of a stride, which graphmode's dims do not take)")
+    return out or None
+
+
+def _onnx_ranges(e: CaptureError, bundle: Any, given: dict) -> dict[str, tuple] | None:
+    """The least size an ONNX op needs of a dim this draft chose itself (TopK's K along seq)."""
+    names = {d for shape in bundle.input_dims.values() for d in shape if isinstance(d, str)}
+    out = {d: (lo, hi, f"the least size the model's ops take ({e.message.split(':')[0].split(', which')[0].strip()})")
+           for d, (lo, hi) in (getattr(e, "suggested_ranges", None) or {}).items() if d in names and d not in given}
     return out or None
 
 

@@ -5,6 +5,8 @@ select_last_index, and Einsum (one core op). Each handler refuses, naming the at
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from graphmode.capture.onnx.convert_core import _bind, coerced_2d
@@ -242,9 +244,16 @@ def _one_hot(imp: _Importer, n) -> None:
     imp.emit("where", [hit, on, off], {}, out=n.output[0])
 
 
-def _reverse(imp: _Importer, x: str, axis: int, size: int, hint: str) -> str:
-    return imp.emit("index_select", [x, _const(imp, torch.arange(size - 1, -1, -1), f"{hint}_rev")], {"dim": axis},
-                    hint=hint)
+def _reverse(imp: _Importer, x: str, axis: int, size: Any, hint: str) -> str:
+    """`x` flipped along `axis`; over a symbolic extent by the indices -1, -2, ... -size, which
+    `index` counts from the end as torch does."""
+    if isinstance(size, int):
+        return imp.emit("index_select", [x, _const(imp, torch.arange(size - 1, -1, -1), f"{hint}_rev")],
+                        {"dim": axis}, hint=hint)
+    steps = imp.emit("arange", [], {"start": 0, "end": _shape_attr([size])[0], "step": 1, "dtype": "i64"},
+                     hint=f"{hint}_rev")
+    back = imp.emit("sub", [imp.scalar(-1, "i64", f"{hint}_minus_one"), steps], {}, hint=f"{hint}_rev")
+    return imp.emit("index", [x, back], {"dims": [axis]}, hint=hint)
 
 
 def _check_cumsum(nd: CheckedNode) -> None:
@@ -262,7 +271,9 @@ def _cumsum(imp: _Importer, n) -> None:
     ax = norm_axis(imp.ints_of(n.input[1], "CumSum axis")[0], xt.rank)
     reverse, exclusive = bool(imp.attr(n, "reverse", 0)), bool(imp.attr(n, "exclusive", 0))
     h = n.output[0]
-    size = _static(imp, xt.shape[ax], "CumSum reverse") if reverse else None
+    size = xt.shape[ax]
+    if reverse and not isinstance(size, int) and _data_sized(size):
+        raise data_length_error(imp, "CumSum reverse", size)
     src = _reverse(imp, x, ax, size, h) if reverse else x
     y = imp.emit("cumsum", [src], {"dim": ax}, hint=h)
     if imp.g.type_of(y).dtype != xt.dtype:    # ONNX keeps the input's integer type; torch accumulates in i64

@@ -53,11 +53,15 @@ def _topk(imp: _Importer, n) -> None:
         raise imp.fail(f"TopK K={k} is outside 0..{size} (the axis' extent)", value=k)
     if not isinstance(size, int) and not _at_least(k, size):
         lo = imp.g.dims.get(dim_str(size), (None,))[0]
-        raise imp.fail(f"TopK K={k} along {dim_str(size)}, which the recipe lets be shorter than K"
+        named = dim_str(size).isidentifier()
+        err = imp.fail(f"TopK K={k} along {dim_str(size)}, which the recipe lets be shorter than K"
                        + (f" (down to {lo})" if lo is not None else "") + ": ONNX Runtime fails there", value=k,
-                       fix=f"dims.{dim_str(size)}.min: {k} or more (--dim {dim_str(size)}={k}:MAX)"
-                       if dim_str(size).isidentifier() else
+                       fix=f"dims.{dim_str(size)}.min: {k} or more in the recipe (`graphmode recipe init --dim "
+                           f"{dim_str(size)}={k}:MAX` drafts one)" if named else
                        f"give the dims of {dim_str(size)} ranges that keep it at least {k} (raise their min)")
+        if named:       # a draft starts the dim there (kb/draft.py)
+            err.suggested_ranges = {dim_str(size): (k, None)}
+        raise err
     vals, idx = imp.emit_aten("sort", [x], [_IN[0]], {"stable": True, "dim": axis, "descending": largest},
                           overload="stable", hint=h)
     for out, v in zip(n.output, (vals, idx)):

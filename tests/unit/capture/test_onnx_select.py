@@ -5,6 +5,7 @@ refused by name."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -48,7 +49,7 @@ def test_topk_keeps_the_lower_index_first_among_ties(largest):
     _check("TopK", {"x": X}, {"k": np.array([3], dtype=np.int64)}, n_out=2, axis=-1, largest=largest)
 
 
-def test_topk_along_a_dynamic_axis_is_taken_where_the_recipe_keeps_it_at_least_k():
+def test_topk_along_a_dynamic_axis_is_taken_where_the_recipe_keeps_it_at_least_k(tmp_path):
     """TopK over a symbolic extent was refused; it is the same stable sort and first K where the
     recipe's range keeps the extent >= K, and refused naming the range where it does not (ONNX
     Runtime fails on a shorter row)."""
@@ -66,8 +67,35 @@ def test_topk_along_a_dynamic_axis_is_taken_where_the_recipe_keeps_it_at_least_k
         got = interpret(graph, {graph.inputs[0]: torch.from_numpy(feed)})
         for out, want in zip(graph.outputs, sess.run(None, {"x": feed})):
             assert np.array_equal(got[out].numpy(), want), n
-    with pytest.raises(CaptureError, match=r"TopK K=3 along n, which the recipe lets be shorter than K \(down to 2\)"):
+    with pytest.raises(CaptureError, match=r"TopK K=3 along n, which the recipe lets be shorter than K \(down to 2\)") \
+            as e:
         import_onnx(m, dims={"batch": (1, 4), "n": (2, 16)})
+    assert e.value.suggested_ranges == {"n": (3, None)} and "recipe init --dim n=3:MAX" in e.value.fix
+    # trial AG: a draft started n at 1 and refused itself; it starts n at K
+    from graphmode.kb.draft import draft_recipe
+    path = tmp_path / "topk.onnx"
+    onnx.save(m, str(path))
+    assert draft_recipe(str(path)).data["dims"]["n"]["min"] == 3
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.INT32])
+def test_reverse_cumsum_along_a_dynamic_axis_matches_onnx_runtime(exclusive, dtype):
+    """Trial AG: `CumSum reverse=1` over a dynamic seq was refused ('over a symbolic extent'); the
+    axis is flipped by indices counted from its end (exact, no total-minus-prefix cancellation)."""
+    x = helper.make_tensor_value_info("x", dtype, ["batch", "seq", 3])
+    node = helper.make_node("CumSum", ["x", "ax"], ["y"], reverse=1, exclusive=exclusive)
+    out = helper.make_tensor_value_info("y", dtype, ["batch", "seq", 3])
+    g = helper.make_graph([node], "g", [x], [out], [numpy_helper.from_array(np.array(1, dtype=np.int64), "ax")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    graph, _ = import_onnx(m, dims={"batch": (1, 4), "seq": (1, 32)})
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seq in (1, 6, 31):
+        feed = np.random.default_rng(seq).standard_normal((2, seq, 3)) * 1e3
+        feed = feed.astype(np.float32 if dtype == TensorProto.FLOAT else np.int32)
+        got = interpret(graph, {graph.inputs[0]: torch.from_numpy(feed)})[graph.outputs[0]].numpy()
+        want = sess.run(None, {"x": feed})[0]
+        assert got.dtype == want.dtype and np.allclose(got, want, rtol=1e-6, atol=1e-3), seq
 
 
 @pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
