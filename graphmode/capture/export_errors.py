@@ -139,7 +139,7 @@ def _constraint_fixes(text: str) -> list[str]:
     # a value alone only when no range is suggested: beside one, it is the capture's own narrow
     # example range for another dim (graphmode exports batch 1..2 as 2..2), not the model's need
     # the value is the size of graphmode's example, not one the model needs: the dim is static
-    return out or [f"{d} static (torch.export keeps it at {v}, the size graphmode captured it with, inside the "
+    return out or [f"{d} static (torch.export keeps it at {v}, the size of graphmode's capture example, inside the "
                    "recipe's range)" for d, v in _VALUE_FIX.findall(text)]
 
 
@@ -149,13 +149,14 @@ def _narrow_fix(suggested: str, narrowed: list[str]) -> str:
     multiples = [n.split()[0] for n in narrowed if " a multiple of " in n]
     if multiples:                 # no recipe term says "multiples only": a dim takes every size in its range
         return (f"give {' and '.join(multiples)} one size per compile, a multiple as said (e.g. "
-                f"{multiples[0]}: {{buckets: [64]}}, a recipe per size you serve): a recipe's dim takes every size "
+                f"{multiples[0]}: 64, a number: one size; a recipe per size you serve): a recipe's dim takes every size "
                 "in [min, max] (its `step` spaces the buckets, not the sizes requests bring); or run the model "
                 "with exe_mode: eager")
     if _RANGE_FIX.findall(suggested):
         return "narrow the recipe's dims to " + "; ".join(narrowed) + " (or run the model with exe_mode: eager)"
-    return ("give " + " and ".join(f"{d} one value (e.g. {d}: {{buckets: [{v}]}})" for d, v in _VALUE_FIX.findall(
-        suggested)) + ", a recipe per size you serve, or run the model with exe_mode: eager")
+    return ("give " + " and ".join(f"{d} one value ({d}: N, a number: N a size you serve)"
+                                   for d in [n.split()[0] for n in narrowed])
+            + ": a recipe per size you serve, or run the model with exe_mode: eager")
 
 
 ROPE_WHY = ("This rotary embedding (Hugging Face rope_type 'dynamic' or 'longrope') recomputes its frequencies "
@@ -178,6 +179,8 @@ _KNOWN_CAUSES = (
 )
 
 
+# "shape '[s77, (s27//2), 16]' is invalid for input of size 8*s27*s77": a reshape into pieces of 2
+_SPLIT_RESHAPE = re.compile(r"shape '\[[^\]]*\(\w+//(\d+)\)[^\]]*\]' is invalid for input of size")
 _UNMET = re.compile(r"Not all values of (\w+) = (\S+) in the specified range .*? satisfy the generated guard (.+?)\.?$",
                     re.MULTILINE)
 
@@ -300,10 +303,18 @@ def export_failure(e: BaseException, fix: str, where: str | None = None, module:
     if "Constraints violated" in first and ("Suggested fixes:" in text or _excluded_ends(text)):
         suggested = text.partition("Suggested fixes:")[2] + "\n" + _excluded_ends(text)
         narrowed = _constraint_fixes(suggested)
+        violated = re.search(r"Constraints violated \(([^)]*)\)", first)
+        named = [d.strip() for d in violated.group(1).split(",")] if violated else []
+        if any(n.split()[0] in named for n in narrowed) and any(" static (" in n for n in narrowed):
+            # a dim kept static only beside the one torch.export names (graphmode's capture range of batch,
+            # 1..2, exported as 2): the model's need is the named one
+            narrowed = [n for n in narrowed if n.split()[0] in named or " static (" not in n]
         if narrowed:
             static = any("static (torch.export keeps it" in n for n in narrowed)
-            why = (static and _recurrent(module)) or ("elsewhere the model takes another path, e.g. a slice "
-                                                      "shorter than it asks for")
+            why = (static and _recurrent(module)) or (
+                "torch.export specialises the model's code on that size, e.g. torch.linspace(..., steps=T) or a "
+                "Python number computed from it" if static else
+                "elsewhere the model takes another path, e.g. a slice shorter than it asks for")
             err = CaptureError(f"torch.export failed: one graph of this model holds for part of the recipe's "
                                f"dims only, {'; '.join(narrowed)} ({why}; torch.export: {first})",
                                where=f"dims.{narrowed[0].split()[0]}",
@@ -339,6 +350,17 @@ def export_failure(e: BaseException, fix: str, where: str | None = None, module:
                             f"which torch.export cannot trace ({name}: {first})", where=where,
                             fix="run the recurrent layer on the padded batch and take each sequence's outputs at "
                                 "its length (a mask or a gather), or run the model with exe_mode: eager")
+    split = _SPLIT_RESHAPE.search(first)
+    if split is not None:
+        k = split.group(1)
+        at = f" at {shown_path(frame[0])}:{frame[1]} in {frame[2]}" if frame is not None else ""
+        return CaptureError(f"torch.export failed: the model reshapes a dynamic dim into pieces of {k}{at} ({name}: "
+                            f"{first}): one graph holds only where that dim is a multiple of {k}, which torch.export "
+                            f"cannot prove over a range, and a recipe's dim takes every size in [min, max] (its step "
+                            f"spaces the buckets, not the sizes requests bring)", where=where,
+                            fix=f"give that dim one size per compile (a multiple of {k}: dims.<dim>: N, a number, "
+                                f"a recipe per size you serve), pad it to a multiple of {k} before the model, or run "
+                                "the model with exe_mode: eager")
     for needle, why, cause_fix in _KNOWN_CAUSES:
         if needle in text:
             at = f" at {shown_path(frame[0])}:{frame[1]} in {frame[2]}" if frame is not None else ""

@@ -82,6 +82,10 @@ def _fallback(cm: Any, inputs: Mapping[str, torch.Tensor], err: ContractViolatio
         source = "serve the model from its source (the torch module or the ONNX file)"
         if err.fix and "on_violation" not in err.fix:
             fix = f"{err.fix}; or {source}"
+        elif err.kind == "padding" and err.where:      # inside the range: only the padding is the matter
+            d = err.where.removeprefix("dims.")
+            fix = (f"send {d} equal to a bucket value {cm.recipe.dim_buckets().get(d)} (nothing is padded there), "
+                   f"or {source}")
         elif err.where:          # (the request's own fix offers on_violation: eager, which this artifact has)
             fix = (f"send a request {err.where} admits, or compile the model again from its source with "
                    f"{err.where} widened and save it again, or {source}")
@@ -269,11 +273,13 @@ class CompiledModel(Plans, InputContract, Shaping, TorchHabits):
             if not steered:
                 self.events["violated_calls"] += 1
                 self._event("violation", kind=kind, dims=dict(dims))
-            if self.recipe.on_violation == "eager":
+            if self.recipe.on_violation == "eager" and _runs_eagerly(self):
                 self._event("fallback", reason=reason, dims=dict(dims), steered=steered)
                 self.last_path = {"path": "eager", "reason": reason}
                 _say_outside_draft(self, err, bucket)
                 return _fallback(self, inputs, err, reason)
+            if self.recipe.on_violation == "eager":
+                _fallback(self, inputs, err, reason)     # raises: a loaded artifact has no eager model (no fallback)
             raise err
         ways, parts = self._ways(dims, bucket)
         if len(ways) > 1:

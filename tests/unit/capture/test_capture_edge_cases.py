@@ -939,6 +939,30 @@ def test_a_guard_torch_export_cannot_prove_is_named_in_the_dims_own_name():
     assert e.fix.startswith("narrow dims.seq to where it holds (2..64)"), e.fix
 
 
+def test_a_dim_torch_export_keeps_static_is_the_one_it_names_and_no_capture_size_is_suggested():
+    """Trial AF: `torch.linspace(0, 1, T)` fixes T. The refusal led with dims.batch (static only
+    in graphmode's capture range 1..2) and suggested t: {buckets: [5]}, the size of graphmode's
+    capture example, not one the user serves."""
+    from graphmode.capture.export_errors import export_failure
+    text = ("Constraints violated (t)! For more information, run with TORCH_LOGS=\"+dynamic\".\n"
+            "  - Not all values of t = L['x'].size()[1] in the specified range 4 <= t <= 40 are valid because t was "
+            "inferred to be a constant (5).\nSuggested fixes:\n  batch = 2\n  t = 5\n")
+    e = export_failure(RuntimeError(text), fix="generic")
+    assert e.where == "dims.t" and "batch" not in e.message and "t static" in e.message, e.message
+    assert "specialises the model's code on that size" in e.message
+    assert "t one value (t: N, a number: N a size you serve)" in e.fix and "5" not in e.fix, e.fix
+
+
+def test_a_reshape_into_pieces_of_a_dynamic_dim_says_it_needs_a_multiple():
+    """Trial AF: frame stacking (`reshape(B, T // 2, 2 * D)`) under `step: 2` gave torch's bare
+    'shape [s77, (s27//2), 16] is invalid' with the generic fix."""
+    from graphmode.capture.export_errors import export_failure
+    e = export_failure(RuntimeError("shape '[s77, (s27//2), 16]' is invalid for input of size 8*s27*s77"),
+                       fix="generic")
+    assert "reshapes a dynamic dim into pieces of 2" in e.message and "multiple of 2" in e.message
+    assert "its step spaces the buckets" in e.message and e.fix.startswith("give that dim one size per compile")
+
+
 def test_a_guard_that_holds_on_the_whole_range_is_said_to_be_torch_exports_limit():
     """Trial AF: a wav2vec2-style conv front end with a transformer over 1600..8000 samples was told
     to use 'a range on which the condition always holds', which the range already was."""

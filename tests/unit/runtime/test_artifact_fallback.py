@@ -21,3 +21,18 @@ def test_the_fix_for_a_loaded_artifact_does_not_offer_the_setting_it_has():
         _fallback(cm, {}, err, "outside")
     assert "on_violation" not in e.value.fix and "dims.H" in e.value.fix and "a model loaded from an artifact" \
         in e.value.message
+
+
+def test_a_padding_refusal_of_a_loaded_artifact_names_the_buckets_not_the_range():
+    """Trial AF: a request inside the range whose mask hides a whole row (padding would change
+    it) was told to 'send a request dims.frames admits' or to widen dims.frames, neither of which
+    helps: at a bucket value nothing is padded."""
+    recipe = SimpleNamespace(dim_buckets=lambda: {"frames": [32, 100], "batch": [1, 4]})
+    cm = SimpleNamespace(source=SimpleNamespace(module=None), artifact={"path": "m.gm"}, recipe=recipe)
+    err = ContractViolation("input 'attention_mask' masks a whole row along frames", kind="padding",
+                            where="dims.frames", value=50,
+                            fix="send frames equal to a bucket value [32, 100], or set on_violation: eager")
+    with pytest.raises(ContractViolation) as e:
+        _fallback(cm, {}, err, "unsafe padding on frames")
+    assert e.value.fix.startswith("send frames equal to a bucket value [32, 100] (nothing is padded there)")
+    assert "widened" not in e.value.fix and "on_violation" not in e.value.fix
