@@ -149,8 +149,8 @@ def _narrow_fix(suggested: str, narrowed: list[str]) -> str:
     multiples = [n.split()[0] for n in narrowed if " a multiple of " in n]
     if multiples:                 # no recipe term says "multiples only": a dim takes every size in its range
         return (f"give {' and '.join(multiples)} one size per compile, a multiple as said (e.g. "
-                f"{multiples[0]}: 64, a number: one size; a recipe per size you serve): a recipe's dim takes every size "
-                "in [min, max] (its `step` spaces the buckets, not the sizes requests bring); or run the model "
+                f"{multiples[0]}: 64, a number: one size; a recipe per size you serve): a recipe's dim takes every "
+                "size in [min, max] (its `step` spaces the buckets, not the sizes requests bring); or run the model "
                 "with exe_mode: eager")
     if _RANGE_FIX.findall(suggested):
         return "narrow the recipe's dims to " + "; ".join(narrowed) + " (or run the model with exe_mode: eager)"
