@@ -207,7 +207,7 @@ def compile_cmd(
                                                    dump_before=dump_ir_before, dump_after=dump_ir_after,
                                                    cache_dir=cache_dir, on_stage=on_stage)
         if rep.contract.ok and rep.validation.ok and not dry_run:      # a refused recipe builds no plan
-            built, exe = first_plan(graph, recipe_obj, cache_dir, on_stage)
+            built, exe = first_plan(graph, recipe_obj, cache_dir, on_stage, target=str(rep.target))
             rep.seconds["first_plan"] = built["seconds"]
         else:
             built = exe = None
@@ -262,9 +262,12 @@ def compile_cmd(
     raise typer.Exit(0 if rep.validation.ok else (1 if verdict in ("refused", "unproved") else 2))
 
 
-def first_plan(graph, recipe, cache_dir: Optional[Path], on_stage: Optional[OnStage]) -> tuple[dict, object]:
+def first_plan(graph, recipe, cache_dir: Optional[Path], on_stage: Optional[OnStage],
+               target: str = "host") -> tuple[dict, object]:
     """Build the first bucket's plan and kernels (what the report shows of a built plan):
-    (its summary, its executable)."""
+    (its summary, its executable). The plan goes into the cache as the runtime keys it, so a
+    `run`, `serve` or `graphmode.compile` of the same model and recipe after `compile` reads it
+    instead of planning again."""
     from graphmode.backends import DEFAULT_DEVICE, get_backend
     from graphmode.paths import cache_layout
     from graphmode.runtime.build import backend_options, build_plan
@@ -273,6 +276,7 @@ def first_plan(graph, recipe, cache_dir: Optional[Path], on_stage: Optional[OnSt
     env = recipe.buckets()[0]
     with stage(on_stage, "first plan", detail=CompiledModel.bucket_key(env)):
         plan = build_plan(graph, recipe, env)
+        _keep_plan(graph, recipe, target, env, plan, cache_dir)
         backend = get_backend(DEFAULT_DEVICE)
         exe = backend.executable(plan, graph.constants, kernel_dir=cache_layout(cache_dir).kernels,
                                  kernel_selection=recipe.codegen.kernel_selection, **backend_options(backend, recipe))
@@ -281,6 +285,22 @@ def first_plan(graph, recipe, cache_dir: Optional[Path], on_stage: Optional[OnSt
              "kernel_fallbacks": exe.kernel_report.get("fallbacks", {}), "tactics": exe.tactics_report,
              "memory": {"constants_bytes": weights, **exe.memory_report()},
              "seconds": round(time.perf_counter() - t0, 3)}, exe)
+
+
+def _keep_plan(graph, recipe, target: str, env: dict, plan, cache_dir: Optional[Path]) -> None:
+    """`plan` into the plan cache under the runtime's key (runtime/build.py cache_key); a cache
+    that cannot be written is the runtime's to report, when it builds the plan itself."""
+    from graphmode.runtime.cache import ArtifactCache, make_key
+    from graphmode.errors import CacheError
+    cache = ArtifactCache(cache_dir)
+    if cache.unusable() is not None:
+        return
+    key = make_key(graph.structural_hash(), recipe.hash(), target, env, isa=recipe.codegen.isa)
+    plan.built_for = key
+    try:
+        cache.put(key, plan.to_json())
+    except CacheError:
+        pass
 
 
 def save_artifact(src, recipe, target: Optional[str], graph, rep, cache_dir: Optional[Path], path: Path,

@@ -69,6 +69,25 @@ def test_plan_show_and_run(tmp_path):
     assert out["bucket"] == {"batch": 2} and out["outputs"][0]["rel_l2_vs_eager"] < 1e-5
 
 
+def test_a_plan_compile_built_is_read_from_the_cache_by_the_next_process(tmp_path):
+    """`graphmode compile` built the first bucket's plan for its report and kept only its kernels:
+    the `run` or `graphmode.compile` after it planned again. The plan is cached as the runtime
+    keys it."""
+    import graphmode
+    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+    from tiny_models import INDEXED_INPUTS, recipe
+    spec = f"{ROOT / 'tests' / 'e2e' / 'tiny_models.py'}:indexed"
+    r = recipe("indexed", [dict(i) for i in INDEXED_INPUTS], {"batch": {"buckets": [2]}, "seq": {"buckets": [8]}})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(r))
+    res = invoke("compile", "--model", spec, "--recipe", str(path), "--cache-dir", str(tmp_path / "c"))
+    assert res.exit_code == 0, res.output
+    cm = graphmode.compile(spec, str(path), cache_dir=tmp_path / "c")
+    module, ex, _ = __import__("tiny_models").indexed()
+    cm(**ex)
+    assert [e["event"] for e in cm.cache_events if e["event"] in ("hit", "miss")] == ["hit"], cm.cache_events
+
+
 @pytest.mark.slow     # ~5 s; verify passing is in test_front_door and test_kb
 def test_verify_passes_on_a_correct_pipeline(tmp_path):
     res = invoke("verify", "--model", "resnet18", "--recipe", small_recipe(tmp_path), "--json")
