@@ -108,7 +108,7 @@ def build_executable(cm, env: dict[str, int]) -> tuple[Executable, bool]:
     if plan is None:
         plan = build_plan(cm.graph, recipe, env, graph_hash=cm._graph_hash)
         plan.built_for = key
-        if cache is not None:
+        if cache is not None and not cache.read_only:
             try:
                 cache.put(key, plan.to_json())
             except CacheError as e:       # a full disk: said once, then this model runs uncached

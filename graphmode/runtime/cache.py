@@ -15,6 +15,7 @@ only catches accidents: whoever loads a plan checks it against its key and graph
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -48,7 +49,8 @@ _PROBE_RECORD = re.compile(r"probe-[0-9a-f]+\.json")     # a compiler probe's re
 KEY_FIELDS = ("graph_hash", "recipe_hash", "target", "bucket", "graphmode", "torch", "isa")
 FIELDS_SINCE_V1 = {"isa": "auto"}    # key field added later -> the value entries written before it had
 PLAN_FILE = "plan.json"
-_WARN = ("corrupt", "unusable", "unwritable")
+_WARN = ("corrupt", "unusable", "unwritable")     # read_only: a setting (a pre-warmed image), said at info
+_SAID_READ_ONLY: set[str] = set()
 META_MAX_BYTES = 64 * KiB        # what meta.json may hold (ours are < 1 KiB)
 PLAN_MAX_BYTES = 256 * MiB       # what plan.json may hold (a large model's plan is a few MiB)
 
@@ -123,6 +125,7 @@ class ArtifactCache:
         self.kernels = self.root / "kernels"
         self.artifacts = self.root / "artifacts"
         self.events: list[dict[str, Any]] = []
+        self.read_only: str | None = None     # why entries are read and none written (a pre-warmed image)
 
     def report(self, kind: str, **info: Any) -> None:
         """Record a cache event (a warning for corrupt entries and an unusable cache)."""
@@ -131,15 +134,33 @@ class ArtifactCache:
         (log.warning if kind in _WARN else log.info)("cache %s: %s", kind, said)
 
     def unusable(self) -> str | None:
-        """Why this cache cannot be read and written (reported once), or None when it can."""
+        """Why this cache cannot be read (reported once), or None when it can. A cache whose
+        folders can be read but not written (a read-only file system, a pre-warmed cache baked into
+        an image) is read as it is: `read_only` says why nothing is written."""
         try:
             for d in (self.plans, self.kernels):
-                d.mkdir(parents=True, exist_ok=True)
+                if not d.is_dir():
+                    d.mkdir(parents=True, exist_ok=True)
                 os.listdir(d)
+        except OSError as e:
+            why = f"cannot use the cache folder {self.root}: {e}"
+            self.report("unusable", path=str(self.root), reason=why,
+                        fix="make it a folder you can write, or pass another cache_dir; running uncached meanwhile")
+            return why
+        try:
+            for d in (self.plans, self.kernels):
                 fd, probe = tempfile.mkstemp(prefix=".probe-", dir=d)
                 os.close(fd)
                 os.unlink(probe)
         except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                self.read_only = f"cannot write the cache folder {self.root}: {e.strerror or e}"
+                if str(self.root) not in _SAID_READ_ONLY:       # once per process, not per bucket
+                    _SAID_READ_ONLY.add(str(self.root))
+                    self.report("read_only", path=str(self.root), reason=self.read_only,
+                                fix="its plans and kernels are read; new ones are built in a temporary folder for "
+                                    "this process only (make it writable to keep them)")
+                return None
             why = f"cannot use the cache folder {self.root}: {e}"
             self.report("unusable", path=str(self.root), reason=why,
                         fix="make it a folder you can write, or pass another cache_dir; running uncached meanwhile")

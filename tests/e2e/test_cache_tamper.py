@@ -175,7 +175,9 @@ def test_truncated_kernel_library_is_rebuilt_not_loaded(cache):
     cm = run_and_check(cache)
     bad = events(cm, "corrupt")
     assert bad and all("truncated" in e["reason"] for e in bad)
-    assert all(library_problem(lib, lib.stem) is None for lib in libs if lib.exists())
+    # each one the run needed is whole again (a GEMM candidate timed into the cache by the first
+    # build is needed again only when its timing is: a busy host's noisy entry is timed again)
+    assert all(library_problem(Path(e["path"]), Path(e["path"]).stem) is None for e in bad)
 
 
 def test_kernel_library_with_a_recomputed_checksum_is_rebuilt(cache):

@@ -168,7 +168,8 @@ def test_read_only_and_unreadable_cache(tmp_path):
     c.kernels.mkdir()
     try:
         c.plans.chmod(0o555)
-        assert c.unusable() is not None
+        assert c.unusable() is None and "cannot write" in c.read_only      # read as it is
+        assert c.get(KEY) == PLAN
         with pytest.raises(CacheError):
             c.put(OTHER, PLAN)
         c.plans.chmod(0o000)
@@ -176,6 +177,44 @@ def test_read_only_and_unreadable_cache(tmp_path):
             c.entries()
     finally:
         c.plans.chmod(0o755)
+
+
+def test_a_read_only_pre_warmed_cache_is_read(tmp_path):
+    """A cache baked into an image and mounted read-only was called unusable: every start planned
+    and compiled again in a temporary folder. It is read as it is and nothing is written (a real
+    read-only bind mount, where this host lets an unprivileged user namespace make one)."""
+    import shutil
+    import subprocess
+    import sys
+    import textwrap
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--mount", "mount", "--bind", "-o", "ro", str(tmp_path),
+             str(tmp_path)], capture_output=True).returncode != 0:
+        pytest.skip("no unprivileged read-only bind mount on this host")
+    script = tmp_path / "warm.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys, torch, graphmode
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+        r = {"version": 1, "name": "ro", "inputs": [{"name": "input", "dtype": "f32", "shape": ["batch", 8]}],
+             "dims": {"batch": {"buckets": [4]}}, "codegen": {"kernel_selection": "heuristic"}}
+        cm = graphmode.compile(m, r, example_inputs=(torch.randn(2, 8),), cache_dir=sys.argv[1])
+        x = torch.randn(3, 8)
+        assert torch.allclose(cm(x), m(x), atol=1e-6)
+        print(json.dumps([e["event"] for e in cm.cache_events]))
+    """))
+    cache = tmp_path / "cache"
+    run = [sys.executable, str(script), str(cache)]
+    first = subprocess.run(run, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    libraries = sorted(p.name for p in (cache / "kernels").iterdir())
+    ro = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                         f'mount --bind -o ro "{cache}" "{cache}" && exec "$@"', "sh", *run],
+                        capture_output=True, text=True, timeout=600)
+    assert ro.returncode == 0, ro.stderr
+    events = json.loads(ro.stdout.strip().splitlines()[-1])
+    assert events[:2] == ["read_only", "hit"] and "unusable" not in events, events
+    assert sorted(p.name for p in (cache / "kernels").iterdir()) == libraries
 
 
 def test_cli_cache_ls_shows_damage_and_prune_clears_it(cache):

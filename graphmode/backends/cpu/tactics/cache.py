@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from graphmode.backends.cpu.toolchain import warn_once
 from graphmode.untrusted import UntrustedFileError, read_json
 
 log = logging.getLogger("graphmode.cpu.tactics")
@@ -109,8 +110,9 @@ class TimingCache:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(tmp, path)
             self.used.add(path.name)
-        except OSError as e:
-            log.warning("cannot write the GEMM timing cache %s: %s", path, e)
+        except OSError as e:        # said once per folder: a read-only cache would say it for every GEMM
+            warn_once(f"tactics-unwritable:{path.parent}", f"cannot write the GEMM timing cache {path.parent} "
+                      f"({e.strerror or e}): timings measured in this process are not kept")
 
 
 def retime_reason(entry: Mapping[str, Any], retune_noisy: int, load: float | None, cores: int) -> str | None:
