@@ -346,7 +346,16 @@ def _gelu(imp: _Importer, n) -> None:
     approx = imp.attr_text(n, "approximate", "none")
     if approx not in ("none", "tanh"):
         raise imp.fail(f"Gelu approximate={approx!r}", fix="use 'none' or 'tanh'")
-    imp.emit("gelu", [imp.operand(n.input[0])], {"approximate": approx}, out=n.output[0])
+    x = imp.operand(n.input[0])
+    if approx == "tanh":
+        imp.emit("gelu", [x], {"approximate": approx}, out=n.output[0])
+        return
+    # ONNX's x * Phi(x) is +inf at +inf (ONNX Runtime); torch's exact GELU kernel gives NaN there
+    h = n.output[0]
+    dt = imp.g.type_of(x).dtype
+    y = imp.emit("gelu", [x], {"approximate": approx}, hint=h)
+    top = imp.emit("eq", [x, imp.scalar(float("inf"), dt, f"{h}_inf")], {}, hint=h)
+    imp.emit("where", [top, x, y], {}, out=h)
 
 
 @_handles("LeakyRelu", "HardSigmoid", "HardSwish", "Softplus")

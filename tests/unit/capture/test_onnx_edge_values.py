@@ -389,3 +389,19 @@ def test_a_model_without_inputs_is_refused_saying_so(tmp_path):
     with pytest.raises(RecipeError, match="takes no inputs: its outputs are constants") as e:
         graphmode.compile(str(path), cache_dir=tmp_path / "c")
     assert e.value.where == "inputs" and "ONNX Runtime" in e.value.fix
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_at_the_infinities_and_nan_is_onnxruntimes(approximate, tmp_path):
+    """ONNX's Gelu is x * Phi(x): +inf at +inf in ONNX Runtime, where torch's exact kernel gives
+    NaN (a torch model keeps torch's answer; an ONNX file is compared with ONNX Runtime)."""
+    x = np.array([np.inf, -np.inf, np.nan, 1.0, -3.0, 40.0, -40.0, 0.0], np.float32)
+    m = _model([helper.make_node("Gelu", ["x"], ["y"], approximate=approximate)], [_vi("x", TP.FLOAT, [8])],
+               [_vi("y", TP.FLOAT, [8])], opset=20)
+    want = _ort(m, {"x": x})[0]
+    assert want[0] == np.inf
+    for got in (_interpret(m, {"x": x})[0], _call(_compiled(m, tmp_path), {"x": x})[0]):
+        finite = np.isfinite(want)
+        assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(got[~finite & ~np.isnan(want)],
+                                                                              want[~finite & ~np.isnan(want)])
+        assert np.linalg.norm(got[finite] - want[finite]) / np.linalg.norm(want[finite]) < 1e-5
