@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphmode.capture.aten import convert
+from graphmode.capture.aten.spectral import Complex, spectral, takes_complex
 from graphmode.capture.export_errors import ROPE_FIX, ROPE_WHY, export_failure, quiet_export_logs, shown_path
 from graphmode.capture.fast_paths import eager_fast_paths
 from graphmode.capture.module_moves import unchanged_moves_kept
@@ -190,6 +191,11 @@ class _Importer:
                 return dim_value(self.g, v)
             if isinstance(v, DataNumber):
                 raise v.refusal()
+            if isinstance(v, Complex):
+                raise CaptureError("the model returns the complex result of torch.stft, and graphmode has no "
+                                   "complex dtype", where=f"node {a.name}",
+                                   fix="return torch.view_as_real(...) of it (real and imaginary parts on a last "
+                                       "axis of 2), or its abs()")
             raise CaptureError(f"symbolic value {v} used as a tensor", where=f"node {a.name}",
                                fix="compute it from tensors (a float size, such as x.shape[1] / 2, is not captured)")
         if isinstance(a, (int, float, bool)):
@@ -224,6 +230,9 @@ class _Importer:
             return
         self.aten_ops[tname] = self.aten_ops.get(tname, 0) + 1
         short = tname.split(".")[1] if tname.startswith("aten.") else tname
+        if takes_complex(self, node, tname) and not self.excluded(tname, short):
+            spectral(self, node, tname)              # stft's complex result as real math (capture/aten/spectral.py)
+            return
         _check_dtypes(node, tname, self.excluded(tname, short))
         if self.excluded(tname, short):
             self._fallback(node, "excluded by recipe capture settings", excluded=True)
