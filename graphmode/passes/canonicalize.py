@@ -52,10 +52,14 @@ def _perm(m: Match) -> list[int]:
     return [inner.attrs["perm"][i] for i in perm] if inner is not None else perm
 
 
-def _constant_all(value: float):
+def _constant_all(value: float, zero_sign: bool | None = None):
+    """The constant holds only `value`; a float zero also of sign `zero_sign` (True: -0.0): x + 0.0
+    is not x where x is -0.0 (IEEE gives +0.0: 1/(x + 0.0) is +inf), x + (-0.0) and x - 0.0 are."""
     def check(m: Match) -> bool:
         t = m.const("c")
-        return m.role("c") == "const" and t.numel() > 0 and bool((t == value).all().item())
+        if m.role("c") != "const" or t.numel() == 0 or not bool((t == value).all().item()):
+            return False
+        return zero_sign is None or not t.is_floating_point() or bool((t.signbit() == zero_sign).all().item())
     return check
 
 
@@ -73,8 +77,8 @@ def _chain(rw: Rewriter, m: Match) -> str:
     return rw.add(m.root.op, [m["x"]], attrs)
 
 
-def _algebra(op: str, value: float, commute: bool) -> Rule:
-    pat = Pat(op, Pat.var("x"), Pat.const("c", where=_constant_all(value)), commute=commute, name="root",
+def _algebra(op: str, value: float, commute: bool, zero_sign: bool | None = None) -> Rule:
+    pat = Pat(op, Pat.var("x"), Pat.const("c", where=_constant_all(value, zero_sign)), commute=commute, name="root",
               where=_same_type_as_root)
     return Rule(f"{op}_{value}", pat, _source)
 
@@ -120,8 +124,8 @@ RULES = RuleSet([
     Rule("expand_noop", _noop("expand"), _source),
     Rule("slice_noop", _noop("slice", where=lambda m: m.root.attrs.get("step", 1) == 1), _source),
     _algebra("mul", 1, commute=True),
-    _algebra("add", 0, commute=True),
-    _algebra("sub", 0, commute=False),
+    _algebra("add", 0, commute=True, zero_sign=True),
+    _algebra("sub", 0, commute=False, zero_sign=False),
     _algebra("div", 1, commute=False),
 ])
 

@@ -124,6 +124,10 @@ def op_refusal(n: Node, in_types: Sequence[TensorType], out_dt: str) -> str | No
         if op == "gelu" and a.get("approximate", "none") not in ("none", "tanh"):
             return f"gelu approximate={a.get('approximate')!r}"
         return None
+    if op == "cast" and in_types and in_types[0].dtype in FLOATS and out_dt in INTS:
+        # C's float -> int is undefined out of range, where torch wraps (300.0 -> uint8 44): in a fused
+        # chain the value stayed a float (x.to(uint8).float() gave 300)
+        return f"cast {in_types[0].dtype} -> {out_dt}: C's conversion is not torch's out of range"
     if op in ("identity", "cast", "logical_not", "abs", "sign") or op in LOGIC or op == "where":
         return None
     if op in BITWISE or op in SHIFTS or op == "bitwise_not":

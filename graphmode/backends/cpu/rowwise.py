@@ -238,16 +238,21 @@ class RowGen(Gen):
             else:
                 row.lines.append(f"const {ct} lse = {fn('log', self.acc_dt)}(ssum);")
         elif op == "layer_norm":
-            row.lines.append(f"const {ct} mean = acc / (({ct}){N});")
+            row.lines.append(f"const {ct} mean0 = acc / (({ct}){N});")
             sb = Scope(row, self.PASS_B, True)
             xb = "buf[j]" if buffered else xval(sb)
-            row.lines.append(f"{ct} sq = (({ct})0);")
-            row.lines.append("#pragma omp simd reduction(+:sq)")
+            row.lines.append(f"{ct} sq = (({ct})0), sd = (({ct})0);")
+            row.lines.append("#pragma omp simd reduction(+:sq, sd)")
             row.lines.append(f"for (int64_t j = 0; j < {N}; ++j) {{")
-            row.lines += indent(list(sb.lines) + [f"const {ct} d = {xb} - mean;", "sq += d * d;"], 2) + ["}"]
+            row.lines += indent(list(sb.lines) + [f"const {ct} d = {xb} - mean0;", "sq += d * d;", "sd += d;"],
+                                2) + ["}"]
             eps = float(self.red.attrs.get("eps", 1e-5))
+            # the corrected two-pass moments: the first mean's rounding error (a row far from zero,
+            # |mean| >> its spread: 1e4 + randn) is taken out of the mean and the variance
+            row.lines.append(f"const {ct} mean = mean0 + sd / (({ct}){N});")
             # a variance past f32's range: eager (ATen's moments in f32) gives the row NaN, not b
-            row.lines.append(f"const {ct} var = sq / (({ct}){N});")
+            row.lines.append(f"const {ct} var0 = (sq - sd * (sd / (({ct}){N}))) / (({ct}){N});")
+            row.lines.append(f"const {ct} var = var0 < (({ct})0) ? (({ct})0) : var0;")     # rounding; NaN stays
             row.lines.append(f"const {ct} rstd = var <= (({ct})3.4028234663852886e+38) ? (({ct})1) / "
                              f"{fn('sqrt', self.acc_dt)}(var + {lit(eps, self.acc_dt)}) : "
                              f"(({ct})__builtin_nan(\"\"));")

@@ -81,7 +81,11 @@ def _clamp(imp, node, a):
     hi = {"clamp": a.get("max"), "clamp_max": a.get("max"), "hardtanh": a.get("max_val"), "relu6": 6.0}.get(name)
     if isinstance(lo, torch.fx.Node) or isinstance(hi, torch.fx.Node):
         return False
-    imp.emit(node, "clamp", [imp.operand(a["self"])], {"min": lo, "max": hi})
+    x = imp.operand(a["self"])
+    want = imp.ttype(node.meta["val"])
+    if want.dtype != imp.g.type_of(x).dtype:     # an integer tensor to float bounds: torch promotes it first
+        x, = imp.g.add_node("cast", [x], [imp.g.type_of(x).with_dtype(want.dtype)], {"dtype": want.dtype})
+    imp.emit(node, "clamp", [x], {"min": lo, "max": hi})
     return True
 
 

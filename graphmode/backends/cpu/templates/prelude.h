@@ -119,8 +119,10 @@ GM_INLINE float gm_tanhf(float x) {
   ps = GM_FMA(ps, z, -5.37397155531e-2f);
   ps = GM_FMA(ps, z, 1.33314422036e-1f);
   ps = GM_FMA(ps, z, -3.33332819422e-1f);
-  ps = GM_FMA(ps * z, x, x);
-  float e = gm_expf_nc(2.0f * (ax > 9.0f ? 9.0f : ax));  // tanh(9) rounds to 1
+  ps = __builtin_copysignf(GM_FMA(ps * z, x, x), x);     // odd: -0.0 stays -0.0 (the FMA gives +0.0)
+  // from |x| 10 on, 2 / (e^{2|x|} + 1) < 2^-25 and tanh rounds to +-1 exactly (at 9 it is 1 - 2^-24:
+  // 1 + tanh(-9) was 6e-8, not 0, and a tanh GELU of -1e6 gave -0.03)
+  float e = gm_expf_nc(2.0f * (ax > 10.0f ? 10.0f : ax));
   float pl = __builtin_copysignf(1.0f - 2.0f / (e + 1.0f), x);
   return ax < 0.625f ? ps : pl;
 }
