@@ -24,11 +24,18 @@ def encode_text(tokenizer: Any, text: str, where: str, **options: Any) -> list[i
     """`text`'s token ids; a tokenizer that cannot encode it (a WordLevel vocabulary without its
     unknown token, a malformed special token) is the request's error, naming the tokenizer's words."""
     try:
-        return list(tokenizer.encode(text, **options))
+        ids = list(tokenizer.encode(text, **options))
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
         raise GraphmodeError(f"the model's tokenizer cannot encode this text: {str(e)[:200]}", where=where,
                              value=text[:80], fix="send token ids instead, or text the tokenizer's vocabulary "
                                                   "covers") from None
+    if not ids and text.strip():      # a tokenizer class that does not match the folder's vocabulary (trial AI)
+        raise GraphmodeError(f"the model's tokenizer ({type(tokenizer).__name__}) gives no token ids for this "
+                             "non-empty text", where=where, value=text[:80],
+                             fix="send token ids instead, or check that the tokenizer transformers "
+                                 "loads for the model (tokenizer_class in tokenizer_config.json) is the one its "
+                                 "vocabulary was made for")
+    return ids
 
 
 def stop_reason(s: "Sequence_") -> str | None:

@@ -40,6 +40,7 @@ from graphmode.capture.zoo import marks_padding
 from graphmode.errors import CaptureError, RecipeError
 from graphmode.kb.draft_knobs import MAX_KNOB_DISTANCE, knobs_from_kb  # noqa: F401 - kb ls reads it here
 from graphmode.kb.draft_padding import EXACT_PLANS, settle_padding
+from graphmode.passes.attention import scores_written
 
 COARSE_PADDING = 0.5    # a dim whose few buckets pad more than this gets exact_plans for the values that recur
 
@@ -511,7 +512,7 @@ def _draft(bundle: Any, *, target: Any, p99_ms: float | None, memory_mb: float |
     why_not = None if "kv_cache" not in data["memory"] and not windowed else (
         f"it {ALIBI_WHY}" if alibi(getattr(lm, "config", None)) else
         None if _attends_as_sdpa(low.graph) else "its attention does not capture as one sdpa (soft-capped or "
-                                                  f"otherwise rewritten logits{_scores_written(low.captured)})"
+                                                  f"otherwise rewritten logits{scores_written(low.captured)})"
     ) or not_causal(low.captured)
     if why_not is not None:
         data["memory"].pop("kv_cache", None)        # the decode engine would refuse it
@@ -722,22 +723,6 @@ def _memory_need(data: dict, notes: dict, graph: Any, target: Any) -> None:
 
 def _attends_as_sdpa(graph: Any) -> bool:
     return any(n.op == "sdpa" or (n.body is not None and _attends_as_sdpa(n.body)) for n in graph.nodes)
-
-
-def _scores_written(graph: Any) -> str:
-    """`: written as matmul -> add -> maximum -> softmax`: the ops between the first softmax and
-    the product that makes its scores (data movement left out), what the attention is instead."""
-    made = graph.producers()
-    soft = next((n for n in graph.nodes if n.op == "softmax"), None)
-    chain, v = ["softmax"], soft.inputs[0] if soft is not None else None
-    while v in made and len(chain) < 8:
-        n = made[v]
-        if n.op not in ("reshape", "permute", "expand", "cast", "contiguous"):
-            chain.append(n.op)
-        if n.op in ("matmul", "bmm", "einsum", "linear"):
-            return ": written as " + " -> ".join(reversed(chain))
-        v = n.inputs[0] if n.inputs else None
-    return ""
 
 
 def _kv_cache(data: dict, notes: dict, lm: Any, ranges: dict[str, tuple[int, int]]) -> bool:

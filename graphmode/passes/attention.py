@@ -233,3 +233,19 @@ def rules(heads_layout: bool = True) -> RuleSet:
                            where=_logits_keep_scores)),
              lambda rw, m: fill_mask(rw, m, keep=False)),
     ] + layout)
+
+
+def scores_written(graph) -> str:
+    """`: written as matmul -> add -> maximum -> softmax`: the ops between the first softmax and
+    the product that makes its scores (data movement left out), what the attention is instead."""
+    made = graph.producers()
+    soft = next((n for n in graph.nodes if n.op == "softmax"), None)
+    chain, v = ["softmax"], soft.inputs[0] if soft is not None else None
+    while v in made and len(chain) < 8:
+        n = made[v]
+        if n.op not in ("reshape", "permute", "expand", "cast", "contiguous"):
+            chain.append(n.op)
+        if n.op in ("matmul", "bmm", "einsum", "linear"):
+            return ": written as " + " -> ".join(reversed(chain))
+        v = n.inputs[0] if n.inputs else None
+    return ""

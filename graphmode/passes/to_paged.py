@@ -23,6 +23,7 @@ from graphmode.ir.graph import Graph, Node
 from graphmode.ir.interpreter import interpret
 from graphmode.ir.ops import get_op
 from graphmode.ir.types import DTYPES, TensorType, dim_str
+from graphmode.passes.attention import scores_written
 from graphmode.passes.base import PassContext, PassResult, register_pass
 
 
@@ -240,6 +241,14 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
         graph = _attention_as_sdpa(graph)
         sdpa = [n for n in graph.nodes if n.op == "sdpa"]
     if not sdpa:
+        written = scores_written(graph)
+        if written:           # attention there, its scores rewritten (Gemma 2's soft-capping: tanh)
+            capped = " (attention soft-capping: a tanh of the scores)" if "tanh" in written else ""
+            raise CaptureError(f"the model's attention does not capture as one sdpa, which the KV cache is put on: "
+                               f"its scores are rewritten before the softmax{written}{capped}", where="model",
+                               fix="decode a model whose attention is sdpa (Gemma 2: attn_logit_softcapping=None in "
+                                   "its config), or leave memory.kv_cache out of the recipe to compile the forward "
+                                   "pass alone")
         raise CaptureError("the model has no attention (sdpa) to put on a KV cache", where="model",
                            fix="decoding needs a causal LM whose attention captures as sdpa")
     prod = _producers(graph)

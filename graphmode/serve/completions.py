@@ -381,6 +381,14 @@ def completion_routes(server: Any) -> list[Route]:
     async def _prompt_scores(dep: Any, req: CompletionRequest, score: Any) -> list[list[Any]]:
         """Per choice, `score(logits, prompt)` of its prompt: the whole-sequence graph's logits at
         every position (the paged decode graph has the head at the last one only), once per prompt."""
+        asked = "echo with logprobs" if req.echo else "prompt_logprobs"
+        if (getattr(dep.cm, "artifact", None) or {}).get("decoder") is not None:
+            raise BadRequest(f"{asked} scores the prompt with the logits at every position, from the model's "
+                             "whole-sequence graph, and a decoder's .gm holds only the paged decode graph (its head "
+                             "at the last position)", status=501, reason="not_implemented",
+                             where="echo" if req.echo else "prompt_logprobs",
+                             fix=f"leave out {asked} (completions are served from this .gm), or serve the model "
+                                 "itself (its source) for prompt scores")
         names = {i.name for i in dep.recipe.inputs}
         by_prompt: dict[tuple[int, ...], list[Any]] = {}
         for i, p in enumerate(req.prompts):

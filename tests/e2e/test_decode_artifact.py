@@ -148,6 +148,12 @@ def test_serving_the_artifact_answers_completions_and_refuses_infer(words, tmp_p
         r = httpx.post(running.url + "/v1/infer", timeout=60,
                        json={"inputs": {"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]]}})
         assert r.status_code == 422 and "paged decode graph" in r.json()["message"], r.text
+        # trial AI: prompt scores need the whole-sequence graph; the fix named /v1/completions, the endpoint used
+        r = httpx.post(running.url + "/v1/completions", timeout=60,
+                       json={"prompt": [5, 9, 17], "max_tokens": 0, "echo": True, "logprobs": 1})
+        err = r.json()["error"]                 # OpenAI's error shape on /v1/completions
+        assert r.status_code == 501 and "echo with logprobs" in err["message"], r.text
+        assert "POST /v1/completions" not in err["message"] and "serve the model itself" in err["message"], r.text
         assert not tracebacks
 
 

@@ -179,6 +179,21 @@ def test_text_the_tokenizer_cannot_encode_is_a_400_naming_the_tokenizers_words()
     assert e.value.where == "messages"
 
 
+def test_a_tokenizer_giving_no_ids_for_text_is_named():
+    """Trial AI: a folder whose tokenizer transformers loads as another class encoded "w5 w9" to
+    [], and `graphmode generate` said 'no token ids: give at least one token'."""
+    from graphmode.decode.output import encode_text
+    from graphmode.errors import GraphmodeError
+
+    class Empty:
+        def encode(self, text, **_):
+            return []
+    with pytest.raises(GraphmodeError, match=r"tokenizer \(Empty\) gives no token ids") as e:
+        encode_text(Empty(), "w5 w9", "--prompt")
+    assert e.value.where == "--prompt" and "tokenizer_class" in e.value.fix
+    assert encode_text(Empty(), "  ", "prompt") == []           # blank text: the caller's own refusal
+
+
 def feed(out: ChoiceOutput, tokens: list[int], reason: str | None = None) -> tuple[list[int], str]:
     out.tokens += tokens
     return out.release(reason)
