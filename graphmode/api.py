@@ -19,7 +19,8 @@ from graphmode.runtime.habits import AUTOCAST_NOTE, AutocastIgnored
 
 
 def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any = "host", *,
-            example_inputs: Any = None, dynamic_shapes: Any = None, mode: str | None = None,
+            example_inputs: Any = None, input_dims: dict | None = None, dynamic_shapes: Any = None,
+            mode: str | None = None,
             cache_dir: str | Path | None = None, threads: int | None = None, warmup: bool = False,
             on_stage: OnStage | None = None, rank: int | None = None):
     """Capture, optimise and wrap a model; plans are built per bucket on first use (or warm-up).
@@ -27,7 +28,8 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     `example_inputs` (a tensor, tuple or dict of forward's keyword arguments) is the same as
     passing `(model, example_inputs)`: what TensorRT's `inputs=` and OpenVINO's `example_input=` are.
     `dynamic_shapes` (torch.export's form: `{"ids": {0: Dim("batch"), 1: Dim("seq", max=512)}}`)
-    names the example's dynamic axes for the drafted recipe (graphmode/capture/dynamic_shapes.py).
+    names the example's dynamic axes for the drafted recipe (graphmode/capture/dynamic_shapes.py);
+    `input_dims` (`{"x": ["batch", 3, "H", "W"]}`) names them as `(model, example_inputs, input_dims)` does.
     `on_stage` hears the capture, passes, proof and plans stages (graphmode/progress.py).
     Under `parallel.tensor` N > 1: without `rank`, the N rank processes are started and the
     result is a `graphmode.parallel.launch.TensorParallelModel` (rank 0 answers), or for a recipe
@@ -38,15 +40,16 @@ def compile(model: Any, recipe: Recipe | str | Path | None = None, target: Any =
     if torch.is_autocast_enabled("cpu"):
         warnings.warn(AutocastIgnored(f"graphmode.compile under torch.autocast: {AUTOCAST_NOTE}"), stacklevel=2)
     with torch.autocast("cpu", enabled=False):     # the capture sees the model as its weights are
-        return _compile(model, recipe, target, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes,
-                        mode=mode, cache_dir=cache_dir, threads=threads, warmup=warmup, on_stage=on_stage,
-                        rank=rank)
+        return _compile(model, recipe, target, example_inputs=example_inputs, input_dims=input_dims,
+                        dynamic_shapes=dynamic_shapes, mode=mode, cache_dir=cache_dir, threads=threads, warmup=warmup,
+                        on_stage=on_stage, rank=rank)
 
 
-def _compile(model: Any, recipe: Any, target: Any, *, example_inputs: Any, dynamic_shapes: Any, mode: str | None,
-             cache_dir: Any, threads: int | None, warmup: bool, on_stage: OnStage | None, rank: int | None):
+def _compile(model: Any, recipe: Any, target: Any, *, example_inputs: Any, input_dims: dict | None,
+             dynamic_shapes: Any, mode: str | None, cache_dir: Any, threads: int | None, warmup: bool,
+             on_stage: OnStage | None, rank: int | None):
     tgt = compiler.resolve_target(target)
-    model = _with_examples(model, recipe, example_inputs)
+    model = _with_examples(model, recipe, example_inputs, input_dims, dynamic_shapes)
     model, ranges = _with_dynamic_shapes(model, recipe, dynamic_shapes)
     notes: dict[str, str] = {}
     if recipe is None:
@@ -68,7 +71,8 @@ def _compile(model: Any, recipe: Any, target: Any, *, example_inputs: Any, dynam
     return cm
 
 
-def _with_examples(model: Any, recipe: Any, example_inputs: Any) -> Any:
+def _with_examples(model: Any, recipe: Any, example_inputs: Any, input_dims: dict | None = None,
+                   dynamic_shapes: Any = None) -> Any:
     """`(model, example_inputs)` when they were given apart; example inputs passed where the
     recipe goes (`graphmode.compile(model, x)`, as torch habits write it) are refused saying where
     they go: the recipe slot would otherwise read a tensor as YAML."""
@@ -85,10 +89,14 @@ def _with_examples(model: Any, recipe: Any, example_inputs: Any) -> Any:
                           where="graphmode.compile(recipe=...)", value=type(recipe).__name__,
                           fix="graphmode.compile(model, example_inputs=(x,)) (or graphmode.compile((model, (x,)))); "
                               "the second positional argument is the recipe: a path, YAML text, a dict or a Recipe")
+    if input_dims is not None and (example_inputs is None or dynamic_shapes is not None):
+        raise RecipeError("input_dims= names the axes of example_inputs=, and goes without dynamic_shapes=",
+                          where="graphmode.compile(input_dims=...)", value=sorted(input_dims),
+                          fix="graphmode.compile(module, example_inputs={'x': x}, input_dims={'x': ['batch', 16]})")
     if example_inputs is None:
         return model
     if isinstance(model, torch.nn.Module):
-        return (model, example_inputs)
+        return (model, example_inputs) if input_dims is None else (model, example_inputs, input_dims)
     if isinstance(model, (tuple, list, str, Path)) or hasattr(model, "example_inputs"):
         raise RecipeError("example_inputs go with an nn.Module; this model already names its inputs",
                           where="graphmode.compile(example_inputs=...)", value=type(model).__name__,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import io
 import linecache
 import logging
@@ -208,18 +209,26 @@ def _guards_hold(unmet: list[tuple[str, str]], ranges: Any) -> CaptureError | No
                 return None
             if not ok:
                 bad.append(v)
-        failing.setdefault(d, []).extend(bad)
+        failing[d] = sorted(set(failing.get(d, [])) | set(bad))
     guards = "; ".join(g for _, g in unmet)
     dims = sorted(failing)
     if any(failing.values()):
         d = next(d for d in dims if failing[d])
         lo, hi = ranges[d]
         bad = failing[d]
-        good = [v for v in range(lo, hi + 1) if v not in set(bad)]
-        return CaptureError(f"torch.export failed: the model's graph holds only where {guards}, which fails at "
-                            f"{d} = {_values(bad)} in the recipe's range {lo}..{hi}", where=f"dims.{d}", value=bad[0],
-                            fix=(f"narrow dims.{d} to where it holds ({_values(good)})" if good else
-                                 f"make {d} static in the recipe") + ", or run the model with exe_mode: eager")
+        good = [v for v in range(lo, hi + 1) if v not in set_bad] if (set_bad := set(bad)) else []
+        err = CaptureError(f"torch.export failed: the model's graph holds only where {guards}, which fails at "
+                           f"{d} = {_values(bad)} in the recipe's range {lo}..{hi}", where=f"dims.{d}", value=bad[0],
+                           fix=(f"narrow dims.{d} to where it holds ({_values(good)})" if good else
+                                f"make {d} static in the recipe") + ", or run the model with exe_mode: eager")
+        # where it holds from some size to the top (a strided conv's extent of 1 below H 3): the range a
+        # drafter takes ({dim: (min, max)}, as torch.export's own suggestions)
+        err.suggested_ranges = {}
+        for x in (x for x in dims if failing[x]):
+            top = max(failing[x]) + 1          # holds from just above its last failing size to the top
+            if top <= ranges[x][1] and len(failing[x]) == top - ranges[x][0]:
+                err.suggested_ranges[x] = (top, None)
+        return err
     spans = ", ".join(f"{d} {ranges[d][0]}..{ranges[d][1]}" for d in dims)
     return CaptureError(f"torch.export failed: the model's graph holds only where {guards}, which is true at every "
                         f"value of the range it was exported over ({spans}), but torch.export's solver cannot prove it over a range (it does not reason about % and "
@@ -245,12 +254,19 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
         ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge}
 
 
+@functools.lru_cache(maxsize=64)
+def _parsed(expr: str) -> ast.AST | None:
+    try:
+        return ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return None
+
+
 def _evaluate(expr: str, env: dict[str, int]) -> bool | None:
     """A guard torch.export prints (integer arithmetic, comparisons, and/or) at one value of its
     dims: True/False, False where it divides by zero, None for anything else it holds."""
-    try:
-        tree = ast.parse(expr, mode="eval").body
-    except SyntaxError:
+    tree = _parsed(expr)
+    if tree is None:
         return None
 
     def ev(n: ast.AST) -> Any:

@@ -976,6 +976,35 @@ def test_a_guard_that_holds_on_the_whole_range_is_said_to_be_torch_exports_limit
     assert e.fix.startswith("make samples static in the recipe") and "exe_mode: eager" in e.fix
     e = export_failure(RuntimeError(text), fix="generic", ranges={"samples": (1, 8000)})
     assert "fails at samples = 1..29 in the recipe's range" in e.message and "(30..8000)" in e.fix, e.message
+    assert e.suggested_ranges == {"samples": (30, None)}        # where a draft starts the dim
+
+
+class _StridedCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.c2(torch.relu(self.c1(x)))).mean((2, 3)))
+
+
+def test_input_dims_keyword_drafts_a_cnns_height_and_width_dynamic(tmp_path):
+    """`graphmode.compile(m, example_inputs=..., input_dims=...)` was not a keyword; and a strided
+    conv's guard (H // 2 + 1 != 1) refused the draft's H 1..64, so H and W were fixed at the
+    example's 64 with a note that torch.export cannot keep them dynamic: they start at 3."""
+    torch.manual_seed(0)
+    m = _StridedCNN().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = graphmode.compile(m, example_inputs={"x": torch.randn(2, 3, 64, 64)},
+                               input_dims={"x": ["batch", 3, "H", "W"]}, cache_dir=tmp_path)
+    assert cm.recipe.dim_range("H") == (3, 64) and cm.recipe.dim_range("W") == (3, 64), cm.recipe.dims
+    x = torch.randn(1, 3, 40, 56)
+    with torch.no_grad():
+        assert rel_l2(cm(x=x), m(x)) < 1e-5
+    with pytest.raises(Exception, match="input_dims= names the axes of example_inputs="):
+        graphmode.compile(m, input_dims={"x": ["batch", 3, "H", "W"]}, cache_dir=tmp_path)
 
 
 def test_a_torch_export_failure_names_the_models_line_where_it_happened():
