@@ -231,8 +231,9 @@ def _guards_hold(unmet: list[tuple[str, str]], ranges: Any) -> CaptureError | No
         return err
     spans = ", ".join(f"{d} {ranges[d][0]}..{ranges[d][1]}" for d in dims)
     return CaptureError(f"torch.export failed: the model's graph holds only where {guards}, which is true at every "
-                        f"value of the range it was exported over ({spans}), but torch.export's solver cannot prove it over a range (it does not reason about % and "
-                        f"// of a dim), so it keeps no dynamic {', '.join(dims)}", where=f"dims.{dims[0]}", value=dims,
+                        f"value of the range it was exported over ({spans}), but torch.export's solver cannot "
+                        f"prove it over a range (it does not reason about % and // of a dim), so it keeps no "
+                        f"dynamic {', '.join(dims)}", where=f"dims.{dims[0]}", value=dims,
                         fix=f"make {', '.join(dims)} static in the recipe (min = max: one compiled model per size; pad "
                             "requests to it, with a mask the model reads), or run the model with exe_mode: eager")
 

@@ -212,8 +212,8 @@ def _bucket_examples(recipe: Recipe, module: Any, ex: dict) -> dict | None:
     from graphmode.capture.torch_import import example_sizes
     ranges = {d: recipe.dim_range(d) for d in recipe.dims}
     small = example_sizes(ranges)
-    raised = {d: (max(lo, min(spec.buckets)), hi) for d, spec in recipe.dims.items()
-              if spec.buckets and min(spec.buckets) > small[d] for lo, hi in [ranges[d]]}
+    raised = {d: (max(ranges[d][0], min(spec.buckets)), ranges[d][1]) for d, spec in recipe.dims.items()
+              if spec.buckets and min(spec.buckets) > small[d]}
     if not raised:
         return None
     out = example_inputs_from_recipe(recipe, module, sizes=example_sizes({**ranges, **raised}))

@@ -290,8 +290,8 @@ def first_plan(graph, recipe, cache_dir: Optional[Path], on_stage: Optional[OnSt
 def _keep_plan(graph, recipe, target: str, env: dict, plan, cache_dir: Optional[Path]) -> None:
     """`plan` into the plan cache under the runtime's key (runtime/build.py cache_key); a cache
     that cannot be written is the runtime's to report, when it builds the plan itself."""
-    from graphmode.runtime.cache import ArtifactCache, make_key
     from graphmode.errors import CacheError
+    from graphmode.runtime.cache import ArtifactCache, make_key
     cache = ArtifactCache(cache_dir)
     if cache.unusable() is not None:
         return

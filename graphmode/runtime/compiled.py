@@ -278,8 +278,8 @@ class CompiledModel(Plans, InputContract, Shaping, TorchHabits):
                 self.last_path = {"path": "eager", "reason": reason}
                 _say_outside_draft(self, err, bucket)
                 return _fallback(self, inputs, err, reason)
-            if self.recipe.on_violation == "eager":
-                _fallback(self, inputs, err, reason)     # raises: a loaded artifact has no eager model (no fallback)
+            if self.recipe.on_violation == "eager":     # a loaded artifact: no eager model, and no fallback counted
+                _fallback(self, inputs, err, reason)     # raises, naming what the plans do not take
             raise err
         ways, parts = self._ways(dims, bucket)
         if len(ways) > 1:

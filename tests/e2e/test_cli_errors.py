@@ -162,8 +162,10 @@ def test_eager_failing_on_the_sample_inputs_is_an_error_not_a_traceback(cmd, tmp
 
 
 def _two_tables():
-    """Two categorical columns of one input, each with its own table (10 and 3 levels): samples
-    drawn inside the larger one name rows past the smaller."""
+    """Two categorical columns of one input, each with its own table (10 and 3 levels), the second
+    read through a product: the index analysis follows a column (`cat[:, 1]`, checked against its
+    own table) but not a product, so samples drawn inside the larger table name rows past the
+    smaller."""
     import torch
 
     class M(torch.nn.Module):
@@ -173,7 +175,7 @@ def _two_tables():
             self.a, self.b = torch.nn.Embedding(10, 4), torch.nn.Embedding(3, 4)
 
         def forward(self, cat):
-            return self.a(cat[:, 0]) + self.b(cat[:, 1])
+            return self.a(cat[:, 0]) + self.b(cat[:, 1] * 1)
     return M().eval(), {"cat": torch.tensor([[9, 2], [1, 0]])}, {"cat": ["batch", 2]}
 
 

@@ -83,7 +83,7 @@ def test_algebraic(golden):
     res = run_case(golden, "algebraic", """
 graph @t(%x: f32[b,s,4], %i: i64[b,s]) -> (%o1, %o2, %o3, %o4, %o5) {
   const %one: f32[] = 1.0
-  const %zeros4: f32[4] = [0.0, 0.0, 0.0, 0.0]
+  const %zeros4: f32[4] = [-0.0, -0.0, -0.0, -0.0]
   const %zeros24: f32[2,1,1,4] = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
   const %fzero: f32[] = 0.0
   const %two: f32[] = 2.0
@@ -98,10 +98,30 @@ graph @t(%x: f32[b,s,4], %i: i64[b,s]) -> (%o1, %o2, %o3, %o4, %o5) {
   return %o1, %o2, %o3, %o4, %o5
 }""")
     # broadcasting (o2), promotion (o3), non-identity constants (o4, o5) keep their nodes;
-    # the x*1+0/1 chain collapses to x, and o1 = x-0 stays: an output cannot take an input's name
+    # the x*1+(-0)/1 chain collapses to x (x + (-0.0) is x; x + 0.0 is not at x = -0.0), and
+    # o1 = x-0 stays: an output cannot take an input's name
     assert res.stats["mul_1"] == 1 and res.stats["add_0"] == 1 and res.stats["div_1"] == 1
     ops = [n.op for n in res.graph.nodes]
     assert ops.count("add") == 2 and ops.count("mul") == 1
+
+
+def test_adding_a_positive_zero_is_kept():
+    """-0.0 + 0.0 is +0.0: dropping x + 0.0 made 1/(x + 0.0) -inf at x = -0.0 (trial AH); an
+    integer + 0 and a float - 0.0 are still dropped."""
+    g = parse_graph("""
+graph @t(%x: f32[4], %i: i64[4]) -> (%o, %p, %q) {
+  const %zero: f32[] = 0.0
+  const %izero: i64[] = 0
+  %a: f32[4] = add(%x, %zero)
+  %o: f32[4] = reciprocal(%a)
+  %b: f32[4] = sub(%x, %zero)
+  %p: f32[4] = reciprocal(%b)
+  %c: i64[4] = add(%i, %izero)
+  %q: i64[4] = neg(%c)
+  return %o, %p, %q
+}""")
+    res = PASSES["canonicalize"](g, PassContext())
+    assert [n.op for n in res.graph.nodes] == ["add", "reciprocal", "reciprocal", "neg"], res.graph.text()
 
 
 def test_products_by_a_constant_matrix_become_linears(golden):
