@@ -6,6 +6,7 @@ pass computes (e.g. the memory plan) go into `ctx.analyses`, keyed by name.
 from __future__ import annotations
 
 import importlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
@@ -87,17 +88,25 @@ class _Implementations(dict):
     registry and options (the recipe layer does), stays light."""
 
     _loaded = False
+    _loading = False
+    # one thread imports the pass modules; another looking a pass up meanwhile waits for all of them
+    # (it saw `_loaded` set before the registrations and reported a pass missing: two threads
+    # compiling at once in a fresh process). Reentrant: a pass module may look up PASSES as it loads.
+    _lock = threading.RLock()
 
     def _load(self) -> None:
         if _Implementations._loaded:
             return
-        _Implementations._loaded = True      # before importing: a pass module may look up PASSES
-        try:
-            for mod in PASS_MODULES:
-                importlib.import_module(f"graphmode.passes.{mod}")
-        except BaseException:
-            _Implementations._loaded = False
-            raise
+        with _Implementations._lock:
+            if _Implementations._loaded or _Implementations._loading:
+                return
+            _Implementations._loading = True
+            try:
+                for mod in PASS_MODULES:
+                    importlib.import_module(f"graphmode.passes.{mod}")
+                _Implementations._loaded = True
+            finally:
+                _Implementations._loading = False
 
     def __getitem__(self, key):
         self._load()
