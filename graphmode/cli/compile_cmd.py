@@ -291,11 +291,12 @@ def _keep_plan(graph, recipe, target: str, env: dict, plan, cache_dir: Optional[
     """`plan` into the plan cache under the runtime's key (runtime/build.py cache_key); a cache
     that cannot be written is the runtime's to report, when it builds the plan itself."""
     from graphmode.errors import CacheError
-    from graphmode.runtime.cache import ArtifactCache, make_key
+    from graphmode.runtime.build import plan_key
+    from graphmode.runtime.cache import ArtifactCache
     cache = ArtifactCache(cache_dir)
-    if cache.unusable() is not None:
+    if cache.unusable() is not None or cache.read_only:
         return
-    key = make_key(graph.structural_hash(), recipe.hash(), target, env, isa=recipe.codegen.isa)
+    key = plan_key(graph.structural_hash(), recipe, target, env)
     plan.built_for = key
     try:
         cache.put(key, plan.to_json())

@@ -37,8 +37,12 @@ def attach_bodies(plan: ExecutionPlan, graph) -> ExecutionPlan:
 def cache_key(cm, env: dict[str, int]) -> dict[str, str]:
     if getattr(cm, "_graph_hash", None) is None:
         cm._graph_hash = cm.graph.structural_hash()
-    return make_key(cm._graph_hash, cm.recipe.hash(), getattr(cm.target, "name", "host"), env,
-                    isa=cm.recipe.codegen.isa)
+    return plan_key(cm._graph_hash, cm.recipe, getattr(cm.target, "name", "host"), env)
+
+
+def plan_key(graph_hash: str, recipe, target: str, env: dict[str, int]) -> dict[str, str]:
+    """The plan cache's key of bucket `env` (also `graphmode compile`'s first plan, read by the runtime)."""
+    return make_key(graph_hash, recipe.hash(), target, env, isa=recipe.codegen.isa)
 
 
 def _open_cache(cm) -> ArtifactCache | None:

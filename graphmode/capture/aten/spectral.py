@@ -58,7 +58,7 @@ def spectral(imp: Any, node: torch.fx.Node, tname: str) -> None:
         imp.env[node] = z.re if tname == "aten.real.default" else z.im
     elif tname == "aten.view_as_real.default":
         rank = imp.g.type_of(z.re).rank
-        parts = [_op(imp, "reshape", [p], {"shape": [_size(imp, d) for d in imp.g.type_of(p).shape] + [1]})
+        parts = [_op(imp, "reshape", [p], {"shape": [_size(d) for d in imp.g.type_of(p).shape] + [1]})
                  for p in (z.re, z.im)]
         imp.env[node] = _op(imp, "concat", parts, {"dim": rank}, name=node.name)
     else:                             # slice / select of the complex tensor: the same of each part
@@ -72,7 +72,7 @@ def spectral(imp: Any, node: torch.fx.Node, tname: str) -> None:
                                    where=f"node {node.name}", fix="select after view_as_real, or on a fixed axis")
             index %= n
             attrs = {"dim": dim, "start": index, "end": index + 1, "step": 1}
-            shape = [_size(imp, d) for i, d in enumerate(imp.g.type_of(z.re).shape) if i != dim]
+            shape = [_size(d) for i, d in enumerate(imp.g.type_of(z.re).shape) if i != dim]
             re, im = (_op(imp, "reshape", [_op(imp, "slice", [p], attrs)], {"shape": shape}) for p in (z.re, z.im))
         else:
             args = list(node.args) + [None] * (5 - len(node.args))
@@ -101,8 +101,8 @@ def _stft(imp: Any, node: torch.fx.Node) -> Complex:
     frames = imp.dim(out.shape[-1])
     bins = n_fft // 2 + 1 if onesided is None or onesided else n_fft
     # frame f, sample n: signal[f * hop + n]
-    steps = _op(imp, "arange", [], {"start": 0, "end": _size(imp, frames), "step": 1, "dtype": "i64"})
-    starts = _op(imp, "mul", [_op(imp, "reshape", [steps], {"shape": [_size(imp, frames), 1]}), _int(imp, hop)])
+    steps = _op(imp, "arange", [], {"start": 0, "end": _size(frames), "step": 1, "dtype": "i64"})
+    starts = _op(imp, "mul", [_op(imp, "reshape", [steps], {"shape": [_size(frames), 1]}), _int(imp, hop)])
     offsets = imp.g.add_constant(imp.g.fresh_name(f"{node.name}_offsets"), torch.arange(n_fft).reshape(1, n_fft),
                                  role="const")
     index = _op(imp, "add", [starts, offsets])
@@ -148,7 +148,7 @@ def _dft(n_fft: int, bins: int, window: torch.Tensor, normalized: bool) -> tuple
     return (torch.cos(angle) * scale).float(), (-torch.sin(angle) * scale).float()
 
 
-def _size(imp: Any, d: Any) -> Any:
+def _size(d: Any) -> Any:
     d = normalize_dim(d)
     return d if isinstance(d, int) else dim_str(d)
 
